@@ -1,0 +1,27 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/appserver serve
+
+test: $(STAMP)
+	$(PY) -m pytest -x -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check appserver cron tests bench examples
+	$(VENV)/bin/mypy appserver
+
+bench: $(STAMP)
+	$(PY) bench/kernel.py
+
+clean:
+	rm -rf $(VENV)

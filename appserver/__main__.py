@@ -1,0 +1,3 @@
+from appserver.cli.main import main
+
+main()

@@ -1,0 +1,368 @@
+"""The agent loop: provider stream → turn events; tool calls → policy → results → next step.
+
+The loop never touches the store or the snapshot: it reads a `TurnWork` (history + this turn's new
+messages), appends to it, reports `TurnEvent`s through `emit`, and returns a `LoopOutcome`. The
+runtime owns persistence and the turn's lifecycle; on cancel it settles from the same `TurnWork`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from appserver.agent.events import (
+    PhaseChanged,
+    ReasoningDelta,
+    Retrying,
+    StepStarted,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallStarted,
+    ToolCallStatus,
+    TurnEvent,
+    UsageUpdated,
+)
+from appserver.agent.tools import Tool, ToolContext, ToolOutput, ToolRegistry, parse_arguments
+from appserver.config import Config
+from appserver.providers.base import (
+    ChatMessage,
+    Done,
+    ProviderError,
+    ProviderRequest,
+    ProviderState,
+    Reasoning,
+    Text,
+    ToolCall,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolSpec,
+    Usage,
+)
+from appserver.providers.registry import ProviderRegistry
+from appserver.providers.retry import RetryPolicy, retry_delay_ms
+from appserver.store.records import AgentRecord, MessageRecord, PendingCall
+
+Emit = Callable[[TurnEvent], None]
+
+PROVIDER_OPTION_KEYS = ("temperature", "top_p", "max_tokens", "stop", "response_format", "tool_choice", "parallel_tool_calls", "reasoning_effort")
+
+
+@dataclass(slots=True)
+class StreamingCall:
+    id: str
+    name: str
+    executor: str
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StreamingAssistant:
+    """The assistant message being streamed right now (lost on retry, settled on cancel)."""
+
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, StreamingCall] = field(default_factory=dict)
+    provider_state: dict[str, Any] | None = None
+    shown: bool = False  # anything reached a client: a retry would contradict it
+
+
+@dataclass(slots=True)
+class TurnWork:
+    """Mutable working state of one running turn segment. Owned by the runtime's turn task."""
+
+    agent: AgentRecord
+    conversation_id: str
+    turn_id: str
+    history: list[MessageRecord]
+    new_messages: list[MessageRecord] = field(default_factory=list)
+    client_tools: list[ToolSpec] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    iteration: int = 0
+    usage: dict[str, int] = field(default_factory=dict)
+    partial: StreamingAssistant | None = None
+    pending: list[PendingCall] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LoopOutcome:
+    status: str  # completed | awaiting | failed
+    stop_reason: str
+    error: dict[str, Any] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Resolution:
+    """The answer to one pending call, turned into a tool result when the turn resumes."""
+
+    call: PendingCall
+
+
+class KeyedLocks:
+    """Writers that touch the same resource (e.g. an agent's workspace) run one at a time."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def get(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+
+class AgentLoop:
+    def __init__(self, config: Config, providers: ProviderRegistry, tools: ToolRegistry, services: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.providers = providers
+        self.tools = tools
+        self.services = services if services is not None else {}
+        self._locks = KeyedLocks()
+
+    # ------------------------------------------------------------ entry points
+
+    async def run(self, work: TurnWork, emit: Emit, resolutions: list[PendingCall] | None = None) -> LoopOutcome:
+        """Run (or resume) a turn until a final stop reason."""
+        if resolutions:
+            emit(PhaseChanged("acting"))
+            await self._apply_resolutions(work, resolutions, emit)
+        max_steps = int(work.agent.params.get("max_steps") or self.config.limits.max_steps)
+        while True:
+            if work.iteration >= max_steps:
+                return LoopOutcome("completed", "max_steps")
+            work.iteration += 1
+            emit(StepStarted(work.iteration))
+            try:
+                finish = await self._stream_step(work, emit)
+            except ProviderError as exc:
+                return LoopOutcome("failed", "error", exc.to_dict())
+            partial = work.partial
+            assert partial is not None
+            work.partial = None
+            calls = [partial.calls[i] for i in sorted(partial.calls)]
+            assistant = MessageRecord(
+                role="assistant",
+                content="".join(partial.text),
+                turn_id=work.turn_id,
+                iteration=work.iteration,
+                reasoning="".join(partial.reasoning) or None,
+                provider_state=partial.provider_state,
+                tool_calls=[{"id": c.id, "name": c.name, "arguments": "".join(c.args), "executor": c.executor} for c in calls],
+            )
+            work.new_messages.append(assistant)
+            if not calls:
+                if finish == "length":
+                    return LoopOutcome("completed", "max_tokens")
+                return LoopOutcome("completed", "end_turn")
+            if finish == "length":
+                # The arguments may be cut off: fail the calls to the model, never execute them.
+                for c in calls:
+                    msg = f"The call to {c.name} was not executed: the reply hit the output token limit before its arguments were complete."
+                    emit(ToolCallStatus(c.id, "failed", msg, True))
+                    work.new_messages.append(_tool_message(work, c.id, c.name, msg, True))
+                return LoopOutcome("completed", "max_tokens")
+            emit(PhaseChanged("acting"))
+            await self._dispatch_calls(work, assistant.tool_calls, emit)
+            if work.pending:
+                kinds = {p.kind for p in work.pending}
+                emit(PhaseChanged("awaiting"))
+                return LoopOutcome("awaiting", "requires_approval" if "approval" in kinds else "requires_client_tool")
+
+    # ------------------------------------------------------------ one provider call
+
+    def build_request(self, work: TurnWork, model: str) -> ProviderRequest:
+        messages: list[ChatMessage] = []
+        if work.agent.system:
+            messages.append(ChatMessage("system", work.agent.system))
+        instructions = work.options.get("instructions") or []
+        if isinstance(instructions, str):
+            instructions = [instructions]
+        for text in instructions:
+            messages.append(ChatMessage("system", text))
+        for m in (*work.history, *work.new_messages):
+            messages.append(to_chat_message(m))
+        params: dict[str, Any] = {k: work.agent.params.get(k) for k in PROVIDER_OPTION_KEYS if work.agent.params.get(k) is not None}
+        params.update({k: work.options[k] for k in PROVIDER_OPTION_KEYS if work.options.get(k) is not None})
+        if isinstance(params.get("stop"), str):
+            params["stop"] = [params["stop"]]
+        tools = [t.spec() for t in self.tools.offered(work.agent)] + list(work.client_tools)
+        return ProviderRequest(model=model, messages=messages, tools=tools, **params)
+
+    async def _stream_step(self, work: TurnWork, emit: Emit) -> str:
+        provider, model = self.providers.resolve(work.agent.model)
+        request = self.build_request(work, model)
+        client_names = {t.name for t in work.client_tools}
+        attempts = getattr(getattr(provider, "cfg", None), "max_attempts", None) or 4
+        policy = RetryPolicy(max_attempts=attempts, base_ms=self.config.limits.retry_base_ms)
+        attempt = 0
+        while True:
+            attempt += 1
+            partial = work.partial = StreamingAssistant()
+            finish = "unknown"
+            step_usage: Usage | None = None
+            try:
+                async for chunk in provider.stream(request):
+                    if isinstance(chunk, Text):
+                        if chunk.text:
+                            partial.shown = True
+                            partial.text.append(chunk.text)
+                            emit(TextDelta(chunk.text))
+                    elif isinstance(chunk, Reasoning):
+                        if chunk.text:
+                            partial.shown = True
+                            partial.reasoning.append(chunk.text)
+                            emit(ReasoningDelta(chunk.text))
+                    elif isinstance(chunk, ToolCallStart):
+                        partial.shown = True
+                        call_id = chunk.id or f"call_{uuid.uuid4().hex[:20]}"
+                        executor = "client" if chunk.name in client_names else "server"
+                        partial.calls[chunk.index] = StreamingCall(call_id, chunk.name, executor)
+                        emit(ToolCallStarted(call_id, chunk.name, executor))  # type: ignore[arg-type]
+                    elif isinstance(chunk, ToolCallArgs):
+                        call = partial.calls.get(chunk.index)
+                        if call is None:
+                            raise ProviderError("protocol", f"tool call arguments for unknown index {chunk.index}")
+                        call.args.append(chunk.delta)
+                        emit(ToolCallArgsDelta(call.id, chunk.delta))
+                    elif isinstance(chunk, ProviderState):
+                        partial.provider_state = {**(partial.provider_state or {}), **chunk.data}
+                    elif isinstance(chunk, Usage):
+                        step_usage = chunk
+                    elif isinstance(chunk, Done):
+                        finish = chunk.finish_reason
+            except ProviderError as exc:
+                delay = retry_delay_ms(exc, attempt, policy, output_shown=partial.shown)
+                if delay is None:
+                    raise
+                emit(Retrying(attempt, delay, exc.to_dict()))
+                await asyncio.sleep(delay / 1000)
+                continue
+            if step_usage is not None:
+                for key in ("input_tokens", "output_tokens", "reasoning_tokens", "cached_tokens"):
+                    work.usage[key] = work.usage.get(key, 0) + getattr(step_usage, key)
+                work.usage["last_input_tokens"] = step_usage.input_tokens
+                emit(UsageUpdated(dict(work.usage)))
+            if partial.calls and finish in ("stop", "unknown", "content_filter"):
+                finish = "tool_calls"  # a turn that streamed a tool call never ends with end_turn
+            return finish
+
+    # ------------------------------------------------------------ tools
+
+    async def _dispatch_calls(self, work: TurnWork, calls: list[dict[str, Any]], emit: Emit) -> None:
+        runnable: list[tuple[dict[str, Any], Tool, dict[str, Any]]] = []
+        now = time.time()
+        for call in calls:
+            call_id, name, arguments = call["id"], call["name"], call["arguments"]
+            if call.get("executor") == "client":
+                timeout = float(work.options.get("client_tool_timeout_s") or self.config.limits.client_tool_timeout_s)
+                work.pending.append(PendingCall(call_id, work.conversation_id, work.turn_id, name, arguments, "client", created_at=now, expires_at=now + timeout))
+                emit(ToolCallStatus(call_id, "awaiting_client"))
+                continue
+            policy = self.tools.policy(work.agent, name)
+            tool = self.tools.get(name)
+            if tool is None or policy is None:
+                msg = f"Tool {name!r} is not available to this agent."
+                self._result(work, call_id, name, ToolOutput(msg, True), emit)
+                continue
+            if policy == "deny":
+                msg = f"The call to {name} was refused: the agent's policy denies this tool."
+                self._result(work, call_id, name, ToolOutput(msg, True), emit, status="denied")
+                continue
+            try:
+                args = parse_arguments(arguments)
+            except ValueError as exc:
+                self._result(work, call_id, name, ToolOutput(f"Invalid arguments for {name}: {exc}", True), emit)
+                continue
+            if policy == "ask":
+                timeout = self.config.limits.approval_timeout_s
+                work.pending.append(PendingCall(call_id, work.conversation_id, work.turn_id, name, arguments, "approval", created_at=now, expires_at=now + timeout))
+                emit(ToolCallStatus(call_id, "pending_approval"))
+                continue
+            runnable.append((call, tool, args))
+        await self._execute(work, runnable, emit)
+
+    async def _execute(self, work: TurnWork, runnable: list[tuple[dict[str, Any], Tool, dict[str, Any]]], emit: Emit) -> None:
+        if not runnable:
+            return
+        ctx = ToolContext(work.agent, work.conversation_id, work.turn_id, self.config, self.services)
+
+        async def one(call: dict[str, Any], tool: Tool, args: dict[str, Any]) -> ToolOutput:
+            emit(ToolCallStatus(call["id"], "running"))
+            try:
+                if tool.read_only or tool.resource_key is None:
+                    return await tool.run(args, ctx)
+                async with self._locks.get(tool.resource_key(args, ctx)):
+                    return await tool.run(args, ctx)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a tool bug is the model's information, not a crashed turn
+                return ToolOutput(f"{tool.name} failed: {type(exc).__name__}: {exc}", True)
+
+        outputs = await asyncio.gather(*(one(c, t, a) for c, t, a in runnable))
+        for (call, tool, _), out in zip(runnable, outputs, strict=True):
+            self._result(work, call["id"], tool.name, out, emit)
+
+    def _result(self, work: TurnWork, call_id: str, name: str, out: ToolOutput, emit: Emit, status: str | None = None) -> None:
+        emit(ToolCallStatus(call_id, status or ("failed" if out.is_error else "completed"), out.text, out.is_error))  # type: ignore[arg-type]
+        work.new_messages.append(_tool_message(work, call_id, name, out.text, out.is_error))
+
+    async def _apply_resolutions(self, work: TurnWork, resolved: list[PendingCall], emit: Emit) -> None:
+        runnable: list[tuple[dict[str, Any], Tool, dict[str, Any]]] = []
+        for p in resolved:
+            if p.status == "approved":
+                tool = self.tools.get(p.name)
+                try:
+                    args = parse_arguments(p.arguments)
+                except ValueError as exc:
+                    self._result(work, p.call_id, p.name, ToolOutput(f"Invalid arguments for {p.name}: {exc}", True), emit)
+                    continue
+                if tool is None:
+                    self._result(work, p.call_id, p.name, ToolOutput(f"Tool {p.name!r} is no longer available.", True), emit)
+                    continue
+                runnable.append(({"id": p.call_id, "name": p.name}, tool, args))
+            else:
+                self._result(work, p.call_id, p.name, ToolOutput(resolution_text(p, self.config), p.status != "result" or p.is_error), emit, status="denied" if p.status == "denied" else None)
+        await self._execute(work, runnable, emit)
+
+
+def resolution_text(p: PendingCall, config: Config) -> str:
+    """The model-visible tool result for an answered (not executed) pending call."""
+    if p.status == "result":
+        return p.output or ""
+    if p.status == "denied":
+        who = f" by {p.decided_by}" if p.decided_by else ""
+        reason = f" Reason: {p.reason}" if p.reason else ""
+        return f"The user denied this call to {p.name}{who}; it was not executed.{reason}"
+    if p.status == "expired":
+        if p.kind == "approval":
+            return (
+                f"The approval request for {p.name} timed out after {config.limits.approval_timeout_s:g} s with no answer; "
+                "it was not denied by a person. The call was not executed."
+            )
+        return p.reason or f"The client did not return a result for {p.name} in time; the call has no result."
+    if p.status == "cancelled":
+        return p.reason or f"The call to {p.name} was cancelled before it ran."
+    return p.reason or f"The call to {p.name} has no result."
+
+
+def _tool_message(work: TurnWork, call_id: str, name: str, text: str, is_error: bool) -> MessageRecord:
+    return MessageRecord(role="tool", content=text, turn_id=work.turn_id, iteration=work.iteration, tool_call_id=call_id, name=name, is_error=is_error)
+
+
+def to_chat_message(m: MessageRecord) -> ChatMessage:
+    if m.role == "compaction":
+        return ChatMessage("user", f"[Summary of the earlier conversation]\n{m.text()}")
+    if m.role == "tool":
+        return ChatMessage("tool", m.text(), tool_call_id=m.tool_call_id, name=m.name)
+    if m.role == "assistant":
+        return ChatMessage(
+            "assistant",
+            m.text(),
+            tool_calls=[ToolCall(c["id"], c["name"], c.get("arguments", "")) for c in m.tool_calls],
+            reasoning=m.reasoning,
+            provider_state=m.provider_state,
+        )
+    return ChatMessage(m.role, m.content)  # type: ignore[arg-type]

@@ -1,0 +1,75 @@
+"""`appserver conversations list|show|history`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import click
+
+from appserver.cli.common import print_json, with_server
+from appserver.errors import NotFound
+from appserver.server import Server
+
+
+@click.group("conversations")
+def conversations_group() -> None:
+    """Inspect conversations."""
+
+
+@conversations_group.command("list")
+@click.option("--agent", default="assistant", show_default=True)
+@click.option("--limit", default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def list_conversations(agent: str, limit: int, as_json: bool) -> None:
+    async def go(s: Server) -> list:
+        rec = await s.kernel.resolve_agent(agent)
+        return await s.store.list_conversations(rec.id, limit=limit)
+
+    convs = with_server(go)
+    if as_json:
+        print_json([c.to_dict() for c in convs])
+        return
+    for c in convs:
+        when = datetime.fromtimestamp(c.updated_at).strftime("%Y-%m-%d %H:%M")
+        click.echo(f"{c.id}  {when}  {'default' if c.is_default else c.title}")
+
+
+async def _conversation(s: Server, conversation_id: str):  # type: ignore[no-untyped-def]
+    conv = await s.store.get_conversation(conversation_id)
+    if conv is None:
+        raise NotFound(f"unknown conversation {conversation_id!r}")
+    return conv
+
+
+@conversations_group.command("show")
+@click.argument("conversation_id")
+@click.option("--json", "as_json", is_flag=True)
+def show_conversation(conversation_id: str, as_json: bool) -> None:
+    conv = with_server(lambda s: _conversation(s, conversation_id))
+    if as_json:
+        print_json(conv.to_dict())
+        return
+    for k, v in conv.to_dict().items():
+        click.echo(f"{k}: {v}")
+
+
+@conversations_group.command("history")
+@click.argument("conversation_id")
+@click.option("--limit", type=int, default=None)
+@click.option("--json", "as_json", is_flag=True)
+def history(conversation_id: str, limit: int | None, as_json: bool) -> None:
+    async def go(s: Server) -> list:
+        await _conversation(s, conversation_id)
+        return await s.store.list_messages(conversation_id, limit=limit)
+
+    messages = with_server(go)
+    if as_json:
+        print_json([m.to_dict() for m in messages])
+        return
+    for m in messages:
+        marker = "" if m.completion_status == "completed" else f" [{m.completion_status}]"
+        if m.role == "tool":
+            click.echo(f"tool {m.name} ({m.tool_call_id}){marker}: {m.text()}")
+            continue
+        calls = "".join(f"\n  -> {c['name']}({c['arguments']}) [{c['id']}]" for c in m.tool_calls)
+        click.echo(f"{m.role}{marker}: {m.text()}{calls}")

@@ -1,0 +1,29 @@
+"""The `appserver` command."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from appserver.cli.agents import agents_group
+from appserver.cli.conversations import conversations_group
+from appserver.cli.run import run_command
+from appserver.cli.serve import serve_command
+
+
+@click.group()
+@click.option("--home", type=click.Path(file_okay=False), default=None, help="Home directory (default $APPSERVER_HOME or ~/.appserver).")
+def main(home: str | None) -> None:
+    """A self-hosted agent app server."""
+    if home:
+        os.environ["APPSERVER_HOME"] = home
+
+
+main.add_command(serve_command)
+main.add_command(agents_group)
+main.add_command(conversations_group)
+main.add_command(run_command)
+
+if __name__ == "__main__":
+    main()

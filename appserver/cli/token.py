@@ -1,0 +1,126 @@
+"""`appserver token create|list|revoke`: capability tokens for auth mode `token`.
+
+The plaintext is shown once, at creation; the home only ever holds its sha256.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore
+from appserver.config import ConfigError, load_config
+from appserver.fsutil import CorruptStateFile
+
+
+def _store() -> TokenStore:
+    try:
+        cfg = load_config()
+    except (ConfigError, CorruptStateFile) as exc:
+        raise click.ClickException(str(exc)) from None
+    return TokenStore(cfg.home)
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return "never"
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+def _describe(rec: TokenRecord) -> str:
+    agents = ",".join(rec.agents) if rec.agents is not None else "*"
+    return f"id={rec.id} name={rec.name} agents={agents} scopes={','.join(rec.scopes)} expires={_when(rec.expires_at)}"
+
+
+@click.group("token")
+def token_group() -> None:
+    """Create, list and revoke capability tokens (auth mode "token")."""
+
+
+@token_group.command("create")
+@click.option("--name", default=None, help="A unique name (default: the token id).")
+@click.option(
+    "--agents", default=None, help="Comma-separated agent ids or names (default: all agents)."
+)
+@click.option(
+    "--scopes",
+    default=",".join(DEFAULT_TOKEN_SCOPES),
+    show_default=True,
+    help=f"Comma-separated scopes among {', '.join(SCOPES)}.",
+)
+@click.option(
+    "--expires", default="never", show_default=True, help="Lifetime: 30d, 12h, 45m, 2w or never."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object (includes the token).")
+def create_cmd(
+    name: str | None, agents: str | None, scopes: str, expires: str, as_json: bool
+) -> None:
+    """Mint a token and print it once; only its hash is stored."""
+    store = _store()
+    try:
+        rec, plaintext = store.create(name=name, agents=agents, scopes=scopes, expires=expires)
+    except (ValueError, RuntimeError, CorruptStateFile) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        out: dict[str, Any] = rec.public()
+        out["token"] = plaintext
+        click.echo(json.dumps(out))
+        return
+    click.echo(plaintext)
+    click.echo(f"created {_describe(rec)}", err=True)
+    click.echo("This token is shown only once. Send it as: Authorization: Bearer <token>", err=True)
+
+
+@token_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+def list_cmd(as_json: bool) -> None:
+    """List tokens (never the tokens themselves: only ids, names, scopes and fingerprints)."""
+    try:
+        records = _store().list()
+    except (RuntimeError, CorruptStateFile) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps([r.public() for r in records]))
+        return
+    if not records:
+        click.echo("no tokens (create one with `appserver token create`)")
+        return
+    rows = [("ID", "NAME", "AGENTS", "SCOPES", "EXPIRES", "FINGERPRINT")]
+    now = time.time()
+    for r in records:
+        expires = _when(r.expires_at)
+        if r.expires_at is not None and r.expires_at <= now:
+            expires += " (expired)"
+        rows.append(
+            (
+                r.id,
+                r.name,
+                ",".join(r.agents) if r.agents is not None else "*",
+                ",".join(r.scopes),
+                expires,
+                "sha256:" + r.hash[:12],
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+@token_group.command("revoke")
+@click.argument("id_or_name")
+@click.option("--json", "as_json", is_flag=True, help="Print the revoked token's record as JSON.")
+def revoke_cmd(id_or_name: str, as_json: bool) -> None:
+    """Revoke a token by id or name; a running server refuses it from the next request."""
+    try:
+        rec = _store().revoke(id_or_name)
+    except KeyError:
+        raise click.ClickException(f"no token with id or name {id_or_name!r}") from None
+    except (RuntimeError, CorruptStateFile) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(rec.public()))
+    else:
+        click.echo(f"revoked {_describe(rec)}")

@@ -1,0 +1,49 @@
+"""The Starlette application: health probes here; front-end routes mount onto it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Route
+
+from appserver.server import Server
+
+
+async def healthz(request: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+async def readyz(request: Request) -> JSONResponse:
+    server: Server = request.app.state.server
+    checks: dict[str, Any] = {"store": "ok", "kernel": "ok"}
+    try:
+        await server.store.list_agents()
+    except Exception as exc:  # the probe reports, it never raises
+        checks["store"] = f"error: {exc}"
+    if server.kernel._stopping:
+        checks["kernel"] = "stopping"
+    ready = all(v == "ok" for v in checks.values())
+    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, status_code=200 if ready else 503)
+
+
+def build_app(server: Server, *, extra_routes: list[BaseRoute] | None = None, on_started: Callable[[], Any] | None = None) -> Starlette:
+    """Build the ASGI app. The lifespan opens the Server (store, crash settle) and closes it."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await server.open(serve=True)
+        try:
+            yield
+        finally:
+            await server.close()
+
+    routes: list[BaseRoute] = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
+    routes.extend(extra_routes or [])
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = server
+    return app

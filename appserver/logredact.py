@@ -1,0 +1,183 @@
+"""A logging filter that replaces secrets with their fingerprint before any handler writes them.
+
+Catches known secrets (registered values, API keys read from the environment variables named in
+config, the JWT HMAC secret) and secret-shaped text whatever its source: `Bearer …` values,
+JWT-looking strings (`eyJ…`), capability tokens (`aps_…`) and credentials in URL queries
+(`?token=…`, e.g. in uvicorn's access log).
+
+Install it on *handlers*, not on a logger: a logger's filters do not see records propagated from
+child loggers (`appserver.*`, `uvicorn.*`), while a handler's filters see every record it emits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from appserver.auth import TOKEN_PREFIX, fingerprint
+from appserver.config import Config
+
+MIN_SECRET_LEN = 8
+MAX_REMEMBERED = 1024
+
+# Each pattern matches a secret; when it has a group named `s`, only that group is replaced.
+_PATTERNS: tuple[re.Pattern[str], ...] = (
+    # Authorization: Bearer <token> / Basic <creds>
+    re.compile(r"(?i)\b(?:bearer|basic)\s+(?P<s>[A-Za-z0-9\-._~+/]{8,}=*)"),
+    # JWT / JWS compact serialisation: base64url JSON header starting with {"
+    re.compile(r"\beyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]*\.?[A-Za-z0-9_-]*"),
+    # capability tokens minted by TokenStore
+    re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]{16,}"),
+    # common provider key shapes (OpenAI, Anthropic, Slack, GitHub, Telegram)
+    re.compile(r"\b(?:sk|rk)-[A-Za-z0-9_-]{16,}"),
+    re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}"),
+    re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"),
+    re.compile(r"\b\d{6,12}:[A-Za-z0-9_-]{30,}"),
+    # credentials in a URL query (the guard refuses them, but the access log already saw them)
+    re.compile(r"(?i)[?&](?:token|access_token|api_key|apikey|api-key|key|jwt)=(?P<s>[^&\s\"']+)"),
+    # JSON / repr fields named like secrets
+    re.compile(
+        r"(?i)[\"'](?:token|access_token|api_key|apikey|secret|password|authorization)[\"']\s*:\s*"
+        r"[\"'](?P<s>[^\"']{8,})[\"']"
+    ),
+)
+
+ENV_SECRET_NAMES: tuple[str, ...] = (
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "OPENROUTER_API_KEY",
+    "TELEGRAM_BOT_TOKEN",
+    "SLACK_BOT_TOKEN",
+    "SLACK_APP_TOKEN",
+    "DISCORD_BOT_TOKEN",
+    "APPSERVER_TOKEN",
+)
+
+
+def _mask(secret: str) -> str:
+    return f"[redacted {fingerprint(secret)}]"
+
+
+def _replace(m: re.Match[str]) -> str:
+    if "s" not in m.re.groupindex:
+        return _mask(m.group(0))
+    if m.group("s").startswith("[redacted"):
+        return m.group(0)  # already masked by an earlier pattern
+    start, end = m.span("s")
+    base = m.start(0)
+    whole = m.group(0)
+    return whole[: start - base] + _mask(m.group("s")) + whole[end - base :]
+
+
+class SecretRedactor(logging.Filter):
+    """Rewrites each record's message (and traceback text) with secrets replaced by fingerprints.
+
+    Known secrets are remembered in a bounded LRU (so registering every verified token cannot
+    grow memory without limit). Thread-safe: uvicorn and the app may log from several threads.
+    """
+
+    def __init__(
+        self,
+        secrets: Iterable[str] = (),
+        env_names: Iterable[str] = (),
+        environ: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._known: OrderedDict[str, str] = OrderedDict()
+        self._regex: re.Pattern[str] | None = None
+        env = os.environ if environ is None else environ
+        for s in secrets:
+            self.add_secret(s)
+        for name in env_names:
+            value = env.get(name)
+            if value:
+                self.add_secret(value)
+
+    def add_secret(self, secret: str | None) -> None:
+        """Remember a secret value (ignored when too short to redact without mangling text)."""
+        if not secret:
+            return
+        secret = secret.strip()
+        if len(secret) < MIN_SECRET_LEN:
+            return
+        with self._lock:
+            if secret in self._known:
+                self._known.move_to_end(secret)
+                return
+            self._known[secret] = _mask(secret)
+            while len(self._known) > MAX_REMEMBERED:
+                self._known.popitem(last=False)
+            self._regex = None
+
+    def redact(self, text: str) -> str:
+        """Return `text` with every known or secret-looking value replaced by its fingerprint."""
+        with self._lock:
+            regex = self._regex
+            known = dict(self._known)
+            if regex is None and known:
+                ordered = sorted(known, key=len, reverse=True)
+                regex = self._regex = re.compile("|".join(re.escape(s) for s in ordered))
+        if regex is not None:
+            text = regex.sub(lambda m: known.get(m.group(0), "[redacted]"), text)
+        for pat in _PATTERNS:
+            text = pat.sub(_replace, text)
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string must not hide the record
+            message = str(record.msg)
+        redacted = self.redact(message)
+        if redacted != message:
+            record.msg = redacted
+            record.args = None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
+        return True
+
+
+def from_config(config: Config, extra_secrets: Iterable[str] = ()) -> SecretRedactor:
+    """A redactor knowing the API keys of every configured provider and well-known env names."""
+    names = {p.api_key_env for p in config.providers.values() if p.api_key_env}
+    names.update(ENV_SECRET_NAMES)
+    return SecretRedactor(secrets=extra_secrets, env_names=sorted(names))
+
+
+def install(
+    redactor: SecretRedactor,
+    logger_names: Iterable[str] = ("", "uvicorn", "uvicorn.error", "uvicorn.access"),
+) -> list[logging.Handler]:
+    """Attach `redactor` to every handler of the named loggers (root = ""); returns them.
+
+    Call after logging is configured (for uvicorn: after `uvicorn.Config(...)` is built, which
+    applies its log config), and again if handlers are added later.
+    """
+    done: list[logging.Handler] = []
+    for name in logger_names:
+        for handler in logging.getLogger(name or None).handlers:
+            if redactor not in handler.filters:
+                handler.addFilter(redactor)
+            done.append(handler)
+    return done
+
+
+def redact_value(value: Any, redactor: SecretRedactor) -> Any:
+    """Redact strings inside a JSON-like value (for structured logs or error reports)."""
+    if isinstance(value, str):
+        return redactor.redact(value)
+    if isinstance(value, dict):
+        return {k: redact_value(v, redactor) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_value(v, redactor) for v in value]
+    return value

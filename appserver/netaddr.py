@@ -1,0 +1,209 @@
+"""Listen addresses and Host values: parsing, loopback detection, the bind safety rule.
+
+One parser for `--listen`, `server.listen` and `Host` headers, so the guard and `serve` agree on
+what "loopback" and "the listen host" mean.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8770
+
+# RFC 1123 host names (letters, digits, hyphens; dot-separated labels); underscores are tolerated
+# because some internal DNS uses them.
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME_RE = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*\.?$")
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """A parsed `HOST:PORT`; `host` is unbracketed (`::1`), lower-case."""
+
+    host: str
+    port: int
+
+    @property
+    def is_ipv6(self) -> bool:
+        return ":" in self.host
+
+    @property
+    def url_host(self) -> str:
+        """The host as it appears in a URL or a Host header (IPv6 bracketed)."""
+        return f"[{self.host}]" if self.is_ipv6 else self.host
+
+    @property
+    def is_wildcard(self) -> bool:
+        return self.host in WILDCARD_HOSTS
+
+    @property
+    def is_loopback(self) -> bool:
+        return is_loopback(self.host)
+
+    def url(self, scheme: str = "http") -> str:
+        return f"{scheme}://{self.url_host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"{self.url_host}:{self.port}"
+
+
+def _parse_port(text: str, original: str) -> int:
+    if not text.isdigit() or not text.isascii():
+        raise ValueError(f"invalid port in listen address {original!r}: expected 0-65535")
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"invalid port in listen address {original!r}: expected 0-65535")
+    return port
+
+
+def _check_host(host: str, original: str) -> str:
+    """Validate a bare host (IP literal or DNS name) and return it normalised."""
+    host = host.lower()
+    if ":" in host:
+        try:
+            return str(ipaddress.IPv6Address(host.split("%", 1)[0])) + (
+                "%" + host.split("%", 1)[1] if "%" in host else ""
+            )
+        except ValueError:
+            raise ValueError(f"invalid IPv6 address in {original!r}") from None
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    if not host.isascii() or not _HOSTNAME_RE.match(host) or host.replace(".", "").isdigit():
+        raise ValueError(f"invalid host name in {original!r}")
+    return host.rstrip(".")
+
+
+def parse_listen(value: str, default_port: int = DEFAULT_PORT) -> ListenAddress:
+    """Parse `127.0.0.1:8770`, `[::1]:8770`, `localhost:8770`, `8770`, `:8770` or a bare host.
+
+    Raises ValueError with the offending text so `serve` can print a one-line reason.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"listen address must be a string, got {type(value).__name__}")
+    text = value.strip()
+    if not text:
+        raise ValueError("empty listen address; expected HOST:PORT, e.g. 127.0.0.1:8770")
+    if text.isdigit():
+        return ListenAddress(DEFAULT_HOST, _parse_port(text, value))
+    if text.startswith(":") and text[1:].isdigit():
+        return ListenAddress(DEFAULT_HOST, _parse_port(text[1:], value))
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError(f"unterminated '[' in listen address {value!r}; expected [::1]:8770")
+        host, rest = text[1:end], text[end + 1 :]
+        if ":" not in host:
+            raise ValueError(f"brackets are only for IPv6 addresses in {value!r}")
+        if rest == "":
+            port = default_port
+        elif rest.startswith(":"):
+            port = _parse_port(rest[1:], value)
+        else:
+            raise ValueError(f"unexpected text after ']' in listen address {value!r}")
+        return ListenAddress(_check_host(host, value), port)
+    if text.count(":") > 1:
+        # A bare IPv6 literal without port: accept it, a port would be ambiguous.
+        try:
+            return ListenAddress(str(ipaddress.IPv6Address(text)), default_port)
+        except ValueError:
+            raise ValueError(
+                f"invalid listen address {value!r}; write IPv6 addresses as [::1]:8770"
+            ) from None
+    host, sep, port_text = text.partition(":")
+    port = _parse_port(port_text, value) if sep else default_port
+    if not host:
+        raise ValueError(f"missing host in listen address {value!r}")
+    return ListenAddress(_check_host(host, value), port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` (and `*.localhost`, RFC 6761), 127.0.0.0/8, ::1 and ::ffff:127.x."""
+    h = host.strip().lower().rstrip(".")
+    if h.startswith("[") and h.endswith("]"):
+        h = h[1:-1]
+    if h == "localhost" or h.endswith(".localhost"):
+        return True
+    try:
+        addr = ipaddress.ip_address(h.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
+def is_ip_literal(host: str) -> bool:
+    h = host.strip("[]").split("%", 1)[0]
+    try:
+        ipaddress.ip_address(h)
+    except ValueError:
+        return False
+    return True
+
+
+def split_host_header(value: str) -> tuple[str, int | None]:
+    """Split a Host header (`name`, `name:port`, `[v6]`, `[v6]:port`) → (lower-case host, port).
+
+    Raises ValueError on anything a well-formed client would not send.
+    """
+    text = value.strip()
+    if not text or not text.isascii() or any(c in text for c in " \t/\\@?#"):
+        raise ValueError("malformed Host header")
+    port: int | None = None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError("malformed Host header")
+        host, rest = text[1:end], text[end + 1 :]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError("malformed Host header") from None
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit() or len(rest) > 6:
+                raise ValueError("malformed Host header")
+            port = int(rest[1:])
+    else:
+        if text.count(":") > 1:
+            raise ValueError("malformed Host header")
+        host, sep, port_text = text.partition(":")
+        if sep:
+            if not port_text.isdigit() or len(port_text) > 5:
+                raise ValueError("malformed Host header")
+            port = int(port_text)
+        if not host or not _HOSTNAME_RE.match(host):
+            raise ValueError("malformed Host header")
+    if port is not None and port > 65535:
+        raise ValueError("malformed Host header")
+    return host.lower().rstrip("."), port
+
+
+class BindRefused(ValueError):
+    """`serve` must not start: a non-loopback address without authentication."""
+
+
+def check_bind_allowed(listen: str | ListenAddress, auth_mode: str) -> None:
+    """Refuse a non-loopback bind (including 0.0.0.0 / ::) unless auth is token or jwt.
+
+    Pure so `serve` can call it before opening any socket; the message names the flags to use.
+    """
+    addr = listen if isinstance(listen, ListenAddress) else parse_listen(listen)
+    if auth_mode not in ("none", "token", "jwt"):
+        raise BindRefused(f"unknown auth mode {auth_mode!r}; expected none, token or jwt")
+    if auth_mode != "none":
+        return
+    if addr.is_wildcard or not addr.is_loopback:
+        raise BindRefused(
+            f"refusing to listen on {addr} without authentication: anyone who can reach it could "
+            "drive your agents. Either bind a loopback address (--listen 127.0.0.1:"
+            f"{addr.port} or --listen [::1]:{addr.port}), or enable auth with --auth token "
+            "(then create a token with `appserver token create`) or --auth jwt "
+            "(with [auth] jwt_secret_file or jwt_public_key_file in config.toml)."
+        )

@@ -1,0 +1,534 @@
+"""The `anthropic` kind: the Messages API with streaming.
+
+Thinking blocks carry a signature that Anthropic checks when they come back in a later request
+(required around tool use). They are collected into one ProviderState tagged with this provider's
+config name, stored with the assistant message, and replayed verbatim only to the same provider;
+state written by any other provider is ignored, so switching an agent's model drops it safely.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from appserver.config import ProviderConfig
+from appserver.providers.base import (
+    ChatMessage,
+    Done,
+    FinishReason,
+    ProviderChunk,
+    ProviderError,
+    ProviderRequest,
+    ProviderState,
+    Reasoning,
+    Text,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolSpec,
+    Usage,
+    error_from_status,
+)
+from appserver.providers.openai_compat import (
+    as_dict,
+    as_str,
+    default_client,
+    read_error_response,
+    request_timeout,
+    transport_error,
+)
+from appserver.providers.sse import SSEDecoder
+
+ANTHROPIC_VERSION = "2023-06-01"
+DEFAULT_MAX_TOKENS = 8192
+THINKING_MIN_BUDGET = 1024
+# reasoning_effort → thinking budget. "none"/"minimal"-style values that are absent disable it.
+THINKING_BUDGETS: dict[str, int] = {"low": 2048, "medium": 8192, "high": 24576}
+REPLAYED_BLOCK_TYPES = frozenset({"thinking", "redacted_thinking"})
+
+_STOP: dict[str, FinishReason] = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_use": "tool_calls",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "refusal": "content_filter",
+}
+
+# Error event types → the HTTP status Anthropic uses for them, so one classifier serves both.
+_ERROR_STATUS: dict[str, int] = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "billing_error": 402,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "timeout_error": 504,
+    "overloaded_error": 529,
+}
+
+
+def map_stop_reason(raw: Any) -> FinishReason:
+    return _STOP.get(raw, "unknown") if isinstance(raw, str) else "unknown"
+
+
+# ---------------------------------------------------------------- response parsing
+
+
+@dataclass(slots=True)
+class _Block:
+    type: str
+    text: list[str] = field(default_factory=list)
+    signature: list[str] = field(default_factory=list)
+    data: str = ""
+    tool_index: int = -1
+    tool_input: Any = None
+    any_args: bool = False
+
+
+class AnthropicStreamParser:
+    """Messages API stream events → provider chunks. Pure, so split tests can be exhaustive."""
+
+    def __init__(self, provider_name: str) -> None:
+        self._provider = provider_name
+        self._blocks: dict[int, _Block] = {}
+        self._state: list[dict[str, Any]] = []
+        self._tools = 0
+        self._stop: str | None = None
+        self._usage: dict[str, int] = {}
+        self.events = 0
+        self.saw_stop = False
+
+    def feed_data(self, data: str) -> list[ProviderChunk]:
+        if self.saw_stop:
+            return []
+        self.events += 1
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            raise ProviderError(
+                "protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]
+            ) from None
+        if not isinstance(obj, dict):
+            raise ProviderError("protocol", "upstream event is not an object", body=obj)
+        return self.feed_event(obj)
+
+    def feed_event(self, obj: dict[str, Any]) -> list[ProviderChunk]:
+        out: list[ProviderChunk] = []
+        kind = obj.get("type")
+        if kind == "message_start":
+            msg = obj.get("message")
+            if isinstance(msg, dict):
+                self._take_usage(msg.get("usage"))
+        elif kind == "content_block_start":
+            self._block_start(obj, out)
+        elif kind == "content_block_delta":
+            self._block_delta(obj, out)
+        elif kind == "content_block_stop":
+            self._block_stop(obj, out)
+        elif kind == "message_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("stop_reason"), str):
+                self._stop = delta["stop_reason"]
+            self._take_usage(obj.get("usage"))
+        elif kind == "message_stop":
+            self.saw_stop = True
+        elif kind == "error":
+            err = as_dict(obj.get("error"))
+            etype = as_str(err.get("type"))
+            message = as_str(err.get("message")) or etype
+            raise error_from_status(
+                _ERROR_STATUS.get(etype, 500), message or "upstream stream error", body=obj
+            )
+        # "ping" and event types added later are ignored on purpose.
+        return out
+
+    def _take_usage(self, raw: Any) -> None:
+        if not isinstance(raw, dict):
+            return
+        for key in (
+            "input_tokens",
+            "output_tokens",
+            "cache_read_input_tokens",
+            "cache_creation_input_tokens",
+        ):
+            val = raw.get(key)
+            if isinstance(val, int) and not isinstance(val, bool):
+                self._usage[key] = val  # message_delta counts are cumulative
+
+    def _block_start(self, obj: dict[str, Any], out: list[ProviderChunk]) -> None:
+        idx = obj.get("index")
+        cb = obj.get("content_block")
+        if not isinstance(idx, int) or not isinstance(cb, dict):
+            raise ProviderError("protocol", "content_block_start without index or block", body=obj)
+        btype = str(cb.get("type", ""))
+        block = _Block(type=btype)
+        self._blocks[idx] = block
+        if btype == "text":
+            self._text(block, cb.get("text"), out)
+        elif btype == "thinking":
+            self._thinking(block, cb.get("thinking"), out)
+            if isinstance(cb.get("signature"), str):
+                block.signature.append(cb["signature"])
+        elif btype == "redacted_thinking":
+            block.data = as_str(cb.get("data"))
+        elif btype == "tool_use":
+            block.tool_index = self._tools
+            self._tools += 1
+            block.tool_input = cb.get("input")
+            out.append(
+                ToolCallStart(block.tool_index, str(cb.get("id", "")), str(cb.get("name", "")))
+            )
+
+    @staticmethod
+    def _text(block: _Block, text: Any, out: list[ProviderChunk]) -> None:
+        if isinstance(text, str) and text:
+            block.text.append(text)
+            out.append(Text(text))
+
+    @staticmethod
+    def _thinking(block: _Block, text: Any, out: list[ProviderChunk]) -> None:
+        if isinstance(text, str) and text:
+            block.text.append(text)
+            out.append(Reasoning(text))
+
+    def _block_delta(self, obj: dict[str, Any], out: list[ProviderChunk]) -> None:
+        delta = obj.get("delta")
+        if not isinstance(delta, dict):
+            return
+        block = self._blocks.get(obj.get("index"))  # type: ignore[arg-type]
+        dtype = delta.get("type")
+        if block is None:
+            if dtype == "text_delta":  # lenient: text needs no block bookkeeping
+                block = _Block(type="text")
+            else:
+                raise ProviderError("protocol", f"{dtype} for a block never started", body=obj)
+        if dtype == "text_delta":
+            self._text(block, delta.get("text"), out)
+        elif dtype == "thinking_delta":
+            self._thinking(block, delta.get("thinking"), out)
+        elif dtype == "signature_delta":
+            if isinstance(delta.get("signature"), str):
+                block.signature.append(delta["signature"])
+        elif dtype == "input_json_delta":
+            part = delta.get("partial_json")
+            if block.tool_index < 0:
+                raise ProviderError(
+                    "protocol", "input_json_delta outside a tool_use block", body=obj
+                )
+            if isinstance(part, str) and part:
+                block.any_args = True
+                out.append(ToolCallArgs(block.tool_index, part))
+        # citations_delta and unknown deltas carry nothing the loop uses.
+
+    def _block_stop(self, obj: dict[str, Any], out: list[ProviderChunk]) -> None:
+        block = self._blocks.pop(obj.get("index"), None)  # type: ignore[arg-type]
+        if block is not None:
+            self._close_block(block, out)
+
+    def _close_block(self, block: _Block, out: list[ProviderChunk]) -> None:
+        if block.type == "thinking":
+            self._state.append(
+                {
+                    "type": "thinking",
+                    "thinking": "".join(block.text),
+                    "signature": "".join(block.signature),
+                }
+            )
+        elif block.type == "redacted_thinking":
+            self._state.append({"type": "redacted_thinking", "data": block.data})
+        elif block.type == "tool_use" and not block.any_args:
+            # No input_json_delta at all: the input (usually {}) came whole in the start event.
+            given = block.tool_input if isinstance(block.tool_input, dict) else {}
+            out.append(ToolCallArgs(block.tool_index, json.dumps(given, ensure_ascii=False)))
+
+    def finish(self) -> list[ProviderChunk]:
+        """End of stream: close blocks left open, then state, usage and exactly one Done."""
+        out: list[ProviderChunk] = []
+        for idx in sorted(self._blocks):
+            self._close_block(self._blocks[idx], out)
+        self._blocks.clear()
+        if self._state:
+            out.append(ProviderState({"provider": self._provider, "blocks": list(self._state)}))
+        if self._usage:
+            u = self._usage
+            cache_read = u.get("cache_read_input_tokens", 0)
+            out.append(
+                Usage(
+                    # Anthropic's input_tokens excludes cached tokens; the window counts them all.
+                    input_tokens=u.get("input_tokens", 0)
+                    + cache_read
+                    + u.get("cache_creation_input_tokens", 0),
+                    output_tokens=u.get("output_tokens", 0),
+                    cached_tokens=cache_read,
+                )
+            )
+        out.append(Done(map_stop_reason(self._stop)))
+        return out
+
+
+def parse_sse_bytes(
+    parts: Iterable[bytes], provider_name: str = "anthropic"
+) -> list[ProviderChunk]:
+    """Decode a whole scripted Messages SSE body given as byte pieces (tests, offline replay)."""
+    dec = SSEDecoder()
+    parser = AnthropicStreamParser(provider_name)
+    out: list[ProviderChunk] = []
+    for part in parts:
+        for ev in dec.feed(part):
+            out.extend(parser.feed_data(ev.data))
+    for ev in dec.close():
+        out.extend(parser.feed_data(ev.data))
+    out.extend(parser.finish())
+    return out
+
+
+# ---------------------------------------------------------------- request building
+
+
+def _image_block(part: dict[str, Any]) -> dict[str, Any] | None:
+    img = part.get("image_url")
+    url = (
+        img.get("url")
+        if isinstance(img, dict)
+        else img
+        if isinstance(img, str)
+        else part.get("url")
+    )
+    if not isinstance(url, str) or not url:
+        return None
+    if url.startswith("data:"):
+        header, _, data = url.partition(",")
+        media_type = header[5:].split(";", 1)[0] or "image/png"
+        return {
+            "type": "image",
+            "source": {"type": "base64", "media_type": media_type, "data": data},
+        }
+    return {"type": "image", "source": {"type": "url", "url": url}}
+
+
+def _content_blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Neutral content → Anthropic blocks; empty text blocks are rejected upstream, so dropped."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    blocks: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            if part.get("text"):
+                blocks.append({"type": "text", "text": part["text"]})
+        elif kind in ("image_url", "image"):
+            if kind == "image" and isinstance(part.get("source"), dict):
+                blocks.append(part)  # already Anthropic-shaped
+            else:
+                img = _image_block(part)
+                if img is not None:
+                    blocks.append(img)
+    return blocks
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}  # e.g. cut by max_tokens; the API only accepts an object
+    return value if isinstance(value, dict) else {}
+
+
+class AnthropicProvider:
+    """Streams from `{base_url}/v1/messages`; one instance per configured provider."""
+
+    kind = "anthropic"
+
+    def __init__(self, cfg: ProviderConfig, *, http: httpx.AsyncClient | None = None) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self._http = http
+        self._owns_http = http is None
+
+    @property
+    def url(self) -> str:
+        base = self.cfg.base_url.rstrip("/")
+        return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+
+    def replay_blocks(self, msg: ChatMessage) -> list[dict[str, Any]]:
+        """Thinking blocks stored by *this* provider for `msg`, in their original order."""
+        state = msg.provider_state
+        if not isinstance(state, dict) or state.get("provider") != self.name:
+            return []
+        blocks = state.get("blocks")
+        if not isinstance(blocks, list):
+            return []
+        return [b for b in blocks if isinstance(b, dict) and b.get("type") in REPLAYED_BLOCK_TYPES]
+
+    def build_messages(self, messages: list[ChatMessage]) -> tuple[str, list[dict[str, Any]]]:
+        """(system text, Messages API messages). Consecutive same-role messages are merged, which
+        also puts consecutive tool results into one user message as the API requires."""
+        system: list[str] = []
+        out: list[dict[str, Any]] = []
+        for msg in messages:
+            blocks: list[dict[str, Any]]
+            if msg.role == "system":
+                if msg.text():
+                    system.append(msg.text())
+                continue
+            if msg.role == "tool":
+                role = "user"
+                result: dict[str, Any] = {
+                    "type": "tool_result",
+                    "tool_use_id": msg.tool_call_id or "",
+                }
+                if msg.text():
+                    result["content"] = msg.text()
+                blocks = [result]
+            elif msg.role == "assistant":
+                role = "assistant"
+                # A thinking-only message would be empty once the API strips old thinking: skip it.
+                replay = msg.text() or msg.tool_calls
+                blocks = [dict(b) for b in self.replay_blocks(msg)] if replay else []
+                if msg.text():
+                    blocks.append({"type": "text", "text": msg.text()})
+                for tc in msg.tool_calls:
+                    blocks.append(
+                        {
+                            "type": "tool_use",
+                            "id": tc.id,
+                            "name": tc.name,
+                            "input": _tool_input(tc.arguments),
+                        }
+                    )
+            else:
+                role = "user"
+                blocks = _content_blocks(msg.content)
+            if not blocks:
+                continue
+            if out and out[-1]["role"] == role:
+                out[-1]["content"].extend(blocks)
+            else:
+                out.append({"role": role, "content": blocks})
+        return "\n\n".join(system), out
+
+    def build_body(self, request: ProviderRequest) -> dict[str, Any]:
+        """The exact JSON body sent upstream (public so tests and logs can inspect it)."""
+        system, messages = self.build_messages(request.messages)
+        max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
+        body: dict[str, Any] = {
+            "model": request.model,
+            "max_tokens": max_tokens,
+            "messages": messages,
+            "stream": True,
+        }
+        if system:
+            body["system"] = system
+        budget = THINKING_BUDGETS.get(request.reasoning_effort or "", 0)
+        if budget and request.max_tokens is None:
+            body["max_tokens"] = max_tokens = max(max_tokens, budget + DEFAULT_MAX_TOKENS)
+        budget = min(budget, max_tokens // 2)  # the API requires budget < max_tokens
+        thinking = budget >= THINKING_MIN_BUDGET
+        if thinking:
+            body["thinking"] = {"type": "enabled", "budget_tokens": budget}
+        # With thinking the API rejects temperature and top_p below 0.95; drop rather than fail.
+        if request.temperature is not None and not thinking:
+            body["temperature"] = request.temperature
+        if request.top_p is not None and (not thinking or request.top_p >= 0.95):
+            body["top_p"] = request.top_p
+        if request.stop:
+            body["stop_sequences"] = list(request.stop)
+        if request.tools:
+            body["tools"] = [self._tool(t) for t in request.tools]
+            choice = self._tool_choice(request.tool_choice, thinking)
+            if request.parallel_tool_calls is False:
+                choice = dict(choice or {"type": "auto"})
+                if choice.get("type") != "none":
+                    choice["disable_parallel_tool_use"] = True
+            if choice is not None:
+                body["tool_choice"] = choice
+        # response_format has no Messages API equivalent; it is not sent.
+        body.update(request.extra)
+        return body
+
+    @staticmethod
+    def _tool(tool: ToolSpec) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": tool.name, "input_schema": tool.parameters}
+        if tool.description:
+            out["description"] = tool.description
+        return out
+
+    @staticmethod
+    def _tool_choice(choice: Any, thinking: bool) -> dict[str, Any] | None:
+        """OpenAI-style tool_choice → Anthropic's; forced tool use is not allowed with thinking."""
+        out: dict[str, Any] | None
+        if choice is None or choice == "auto":
+            return None
+        if choice == "none":
+            return {"type": "none"}
+        if choice == "required":
+            out = {"type": "any"}
+        elif isinstance(choice, dict):
+            fn = choice.get("function")
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                out = {"type": "tool", "name": fn["name"]}
+            elif choice.get("type") in ("auto", "any", "tool", "none"):
+                out = dict(choice)
+            else:
+                return None
+        else:
+            return None
+        return {"type": "auto"} if thinking and out.get("type") in ("any", "tool") else out
+
+    def build_headers(self) -> dict[str, str]:
+        headers = {
+            "Accept": "text/event-stream",
+            "Content-Type": "application/json",
+            "anthropic-version": ANTHROPIC_VERSION,
+        }
+        key = self.cfg.api_key()
+        if key:
+            headers["x-api-key"] = key
+        headers.update(self.cfg.headers)
+        return headers
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = default_client(self.cfg)
+        return self._http
+
+    async def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
+        """Yield chunks ending with exactly one Done; raise ProviderError on any failure."""
+        body = self.build_body(request)
+        client = self._client()
+        try:
+            async with client.stream(
+                "POST",
+                self.url,
+                json=body,
+                headers=self.build_headers(),
+                timeout=request_timeout(self.cfg),
+            ) as resp:
+                if resp.status_code >= 400:
+                    raise await read_error_response(resp)
+                parser = AnthropicStreamParser(self.name)
+                dec = SSEDecoder()
+                async for part in resp.aiter_bytes():
+                    for ev in dec.feed(part):
+                        for chunk in parser.feed_data(ev.data):
+                            yield chunk
+                for ev in dec.close():
+                    for chunk in parser.feed_data(ev.data):
+                        yield chunk
+                if parser.events == 0:
+                    raise ProviderError("protocol", "upstream answered 200 without any event")
+                for chunk in parser.finish():
+                    yield chunk
+        except httpx.RequestError as exc:
+            raise transport_error(exc) from exc
+
+    async def aclose(self) -> None:
+        if self._owns_http and self._http is not None:
+            await self._http.aclose()
+            self._http = None

@@ -1,0 +1,200 @@
+"""The provider boundary: typed requests in, typed chunks out.
+
+Provider chunks are private to the provider/agent boundary; nothing past the agent loop sees them.
+Every provider (echo, OpenAI-compatible, Anthropic) yields exactly these chunk kinds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+# ---------------------------------------------------------------- chunks
+
+
+@dataclass(slots=True, frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallArgs:
+    index: int
+    delta: str
+
+
+@dataclass(slots=True, frozen=True)
+class ProviderState:
+    """Opaque replay state (thinking signatures, encrypted reasoning). Stored, never shown."""
+
+    data: dict[str, Any]
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+
+
+FinishReason = Literal["stop", "tool_calls", "length", "content_filter", "unknown"]
+
+
+@dataclass(slots=True, frozen=True)
+class Done:
+    finish_reason: FinishReason
+
+
+ProviderChunk = Text | Reasoning | ToolCallStart | ToolCallArgs | ProviderState | Usage | Done
+
+# ---------------------------------------------------------------- requests
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text exactly as the model produced it
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    """One message of the context sent to a provider (provider-neutral)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] = ""  # str, or parts: {"type": "text"|"image_url", ...}
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None  # tool name on role "tool"
+    reasoning: str | None = None
+    # Replay state as stored: {"provider": <config name>, ...}. A provider replays it only when
+    # the name matches its own; others must ignore it.
+    provider_state: dict[str, Any] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+
+
+@dataclass(slots=True, frozen=True)
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+@dataclass(slots=True)
+class ProviderRequest:
+    model: str
+    messages: list[ChatMessage]
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- errors
+
+ErrorKind = Literal[
+    "network",  # connection refused/reset, DNS, read error before any byte
+    "timeout",
+    "rate_limit",  # 429 without a quota reason
+    "quota",  # 429/403 insufficient_quota, billing
+    "server",  # 5xx, 408, 409
+    "auth",  # 401, 403
+    "not_found",  # 404 (unknown model)
+    "invalid_request",  # other 4xx
+    "context_overflow",  # prompt too long for the model's window
+    "protocol",  # upstream spoke something we cannot parse
+]
+
+
+class ProviderError(Exception):
+    """A structured upstream failure; the retry policy decides on (kind, status, attempt)."""
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        *,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+        body: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+        self.message = message
+        self.status = status
+        self.retry_after_s = retry_after_s
+        self.body = body
+
+    def to_dict(self) -> dict[str, Any]:
+        from appserver.providers.retry import is_retryable_kind
+
+        return {
+            "kind": self.kind,
+            "status": self.status,
+            "retryable": is_retryable_kind(self.kind),
+            "message": self.message,
+        }
+
+    def __repr__(self) -> str:
+        return f"ProviderError({self.kind!r}, {self.message!r}, status={self.status})"
+
+
+def error_from_status(status: int, message: str, *, body: Any = None, retry_after_s: float | None = None) -> ProviderError:
+    """Classify an upstream HTTP status (+ body) into a ProviderError kind."""
+    text = (message or "").lower()
+    body_text = str(body).lower() if body is not None else ""
+    blob = text + " " + body_text
+    kind: ErrorKind
+    if any(k in blob for k in ("context_length", "context length", "too many tokens", "prompt is too long", "maximum context")):
+        kind = "context_overflow"
+    elif status == 429:
+        kind = "quota" if any(k in blob for k in ("insufficient_quota", "quota", "billing")) else "rate_limit"
+    elif status in (401, 403):
+        kind = "quota" if "insufficient_quota" in blob else "auth"
+    elif status == 404:
+        kind = "not_found"
+    elif status in (408, 409) or status >= 500:
+        kind = "server"
+    else:
+        kind = "invalid_request"
+    return ProviderError(kind, message or f"upstream answered HTTP {status}", status=status, body=body, retry_after_s=retry_after_s)
+
+
+# ---------------------------------------------------------------- the interface
+
+
+class Provider(Protocol):
+    """A model backend. `name` is the config name (e.g. "ollama"); `kind` its wire format."""
+
+    name: str
+    kind: str
+
+    def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
+        """Yield chunks; end with exactly one Done. Raise ProviderError on failure."""
+        ...
+
+    async def aclose(self) -> None: ...

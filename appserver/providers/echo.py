@@ -1,0 +1,127 @@
+"""The built-in offline model: deterministic, no key, no network. Its behaviour is documented in README."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+
+from appserver.providers.base import (
+    ChatMessage,
+    Done,
+    ProviderChunk,
+    ProviderRequest,
+    Reasoning,
+    Text,
+    ToolCallArgs,
+    ToolCallStart,
+    Usage,
+    error_from_status,
+)
+
+SLOW_WORD_INTERVAL_S = 0.05
+SLOW_MAX_WORDS = 100_000
+_CALL = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(.*)$", re.DOTALL)
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+class EchoProvider:
+    name = "echo"
+    kind = "echo"
+
+    async def aclose(self) -> None:
+        return None
+
+    async def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
+        messages = request.messages
+        input_tokens = sum(_words(m.text()) for m in messages)
+        trailing_results = _trailing_tool_results(messages)
+        if trailing_results:
+            async for c in self._words_out("\n".join(f"{m.name} -> {m.text()}" for m in trailing_results), request, input_tokens):
+                yield c
+            return
+
+        users = [m for m in messages if m.role == "user"]
+        text = users[-1].text().strip() if users else ""
+
+        calls = [_CALL.match(line.strip()) for line in text.splitlines() if line.strip().startswith("/call")]
+        if text.startswith("/call") and all(calls):
+            for index, match in enumerate(calls):
+                assert match is not None
+                name, args = match.group(1), (match.group(2).strip() or "{}")
+                yield ToolCallStart(index=index, id=f"call_{uuid.uuid4().hex[:20]}", name=name)
+                half = max(1, len(args) // 2)
+                yield ToolCallArgs(index=index, delta=args[:half])
+                yield ToolCallArgs(index=index, delta=args[half:])
+            yield Usage(input_tokens=input_tokens, output_tokens=len(calls))
+            yield Done("tool_calls")
+            return
+        if text == "/recall" or text.startswith("/recall "):
+            earlier = [m.text() for m in users[:-1]]
+            async for c in self._words_out(" | ".join(earlier) if earlier else "(nothing)", request, input_tokens):
+                yield c
+            return
+        if text.startswith("/think"):
+            thought = text[len("/think") :].strip()
+            if thought:
+                yield Reasoning(thought)
+            async for c in self._words_out("done thinking", request, input_tokens, extra_tokens=_words(thought)):
+                yield c
+            return
+        if text.startswith("/slow"):
+            arg = text[len("/slow") :].strip() or "10"
+            n = min(int(arg), SLOW_MAX_WORDS) if arg.isdigit() else 10
+            produced = 0
+            for i in range(1, n + 1):
+                if request.max_tokens is not None and produced >= request.max_tokens:
+                    yield Usage(input_tokens=input_tokens, output_tokens=produced)
+                    yield Done("length")
+                    return
+                if i > 1:
+                    await asyncio.sleep(SLOW_WORD_INTERVAL_S)
+                yield Text(("" if i == 1 else " ") + f"w{i}")
+                produced += 1
+            yield Usage(input_tokens=input_tokens, output_tokens=produced)
+            yield Done("stop")
+            return
+        if text.startswith("/error"):
+            arg = text[len("/error") :].strip()
+            code = int(arg) if arg.isdigit() else 500
+            raise error_from_status(code, f"echo: simulated upstream error {code}", body={"error": {"message": f"simulated {code}"}})
+        async for c in self._words_out(f"echo: {text}", request, input_tokens):
+            yield c
+
+    async def _words_out(self, reply: str, request: ProviderRequest, input_tokens: int, extra_tokens: int = 0) -> AsyncIterator[ProviderChunk]:
+        """Stream `reply` word by word (whitespace preserved), honouring max_tokens as words."""
+        pieces = re.findall(r"\s*\S+", reply) or [reply]
+        limit = request.max_tokens
+        produced = 0
+        for piece in pieces:
+            if limit is not None and produced >= limit:
+                yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
+                yield Done("length")
+                return
+            yield Text(piece)
+            produced += 1
+        yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
+        yield Done("stop")
+
+
+def _trailing_tool_results(messages: list[ChatMessage]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    for m in reversed(messages):
+        if m.role != "tool":
+            break
+        out.append(m)
+    out.reverse()
+    return out
+
+
+def parse_call_arguments(arguments: str) -> dict:
+    """Helper for tests and tools: echo passes arguments through verbatim."""
+    return json.loads(arguments or "{}")

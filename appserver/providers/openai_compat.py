@@ -1,0 +1,515 @@
+"""The `openai` kind: any Chat Completions upstream (OpenAI, Ollama, vLLM, llama.cpp, LM Studio,
+OpenRouter).
+
+Every wire quirk of those servers is absorbed here so that the agent loop only sees typed chunks:
+SSE split anywhere, `reasoning_content` vs `reasoning`, inline `<think>` tags, tool calls whose id
+arrives late or whose index is missing, usage in a trailing chunk (or in every chunk), streams that
+end without a finish reason, servers that ignore `stream: true`, and error bodies in several shapes.
+The provider never retries: the agent loop owns that decision (retry.py).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from appserver.config import ProviderConfig
+from appserver.providers.base import (
+    ChatMessage,
+    Done,
+    FinishReason,
+    ProviderChunk,
+    ProviderError,
+    ProviderRequest,
+    Reasoning,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolSpec,
+    Usage,
+    error_from_status,
+)
+from appserver.providers.retry import parse_retry_after
+from appserver.providers.sse import SSEDecoder
+from appserver.providers.think import ThinkSplitter
+
+_ERROR_BODY_MAX = 64 * 1024
+
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop",
+    "eos": "stop",
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "tool_calls": "tool_calls",
+    "function_call": "tool_calls",
+    "tool_use": "tool_calls",
+    "length": "length",
+    "max_tokens": "length",
+    "content_filter": "content_filter",
+}
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """Upstream JSON is untrusted: a field that should be an object but isn't counts as empty."""
+    return value if isinstance(value, dict) else {}
+
+
+def as_str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def map_finish_reason(raw: Any) -> FinishReason:
+    """Upstream finish reason → base.FinishReason (unknown values stay visible as "unknown")."""
+    return _FINISH.get(raw, "unknown") if isinstance(raw, str) else "unknown"
+
+
+# ---------------------------------------------------------------- shared HTTP helpers
+
+
+def error_message_from_body(body: Any, fallback: str) -> str:
+    """Pull a human message out of the error shapes upstreams use (OpenAI, Ollama, FastAPI...)."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            msg = err.get("message")
+            if isinstance(msg, str) and msg:
+                return msg
+        if isinstance(err, str) and err:
+            return err
+        for key in ("message", "detail"):
+            val = body.get(key)
+            if isinstance(val, str) and val:
+                return val
+    if isinstance(body, str) and body.strip():
+        return body.strip()[:500]
+    return fallback
+
+
+async def read_error_response(resp: httpx.Response) -> ProviderError:
+    """Turn a non-2xx upstream answer into a classified ProviderError (Retry-After honoured)."""
+    raw = bytearray()
+    try:
+        async for part in resp.aiter_bytes():
+            raw += part
+            if len(raw) >= _ERROR_BODY_MAX:
+                break
+    except httpx.HTTPError:
+        pass  # the status alone still classifies the failure
+    text = raw.decode("utf-8", errors="replace")
+    body: Any
+    try:
+        body = json.loads(text) if text.strip() else None
+    except ValueError:
+        body = text
+    message = error_message_from_body(body, f"upstream answered HTTP {resp.status_code}")
+    return error_from_status(
+        resp.status_code, message, body=body, retry_after_s=parse_retry_after(resp.headers)
+    )
+
+
+def transport_error(exc: Exception) -> ProviderError:
+    """httpx failures → ProviderError kinds (timeouts and network faults are retryable)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return ProviderError("timeout", f"upstream timed out: {type(exc).__name__}")
+    if isinstance(exc, httpx.DecodingError):
+        return ProviderError("protocol", f"cannot decode upstream body: {exc}")
+    detail = str(exc) or type(exc).__name__
+    return ProviderError("network", f"upstream connection failed: {detail}")
+
+
+def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=request_timeout(cfg))
+
+
+def request_timeout(cfg: ProviderConfig) -> httpx.Timeout:
+    """Read timeout is between bytes, so long generations are fine; connect fails fast."""
+    return httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+
+
+# ---------------------------------------------------------------- response parsing
+
+
+@dataclass(slots=True)
+class _Call:
+    index: int
+    id: str = ""
+    name: str = ""
+    args: list[str] = field(default_factory=list)
+    started: bool = False
+    any_args: bool = False
+
+
+def parse_usage(raw: Any) -> Usage | None:
+    if not isinstance(raw, dict):
+        return None
+
+    def num(d: Any, key: str) -> int:
+        v = d.get(key) if isinstance(d, dict) else None
+        return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+
+    return Usage(
+        input_tokens=num(raw, "prompt_tokens"),
+        output_tokens=num(raw, "completion_tokens"),
+        reasoning_tokens=num(raw.get("completion_tokens_details"), "reasoning_tokens"),
+        cached_tokens=num(raw.get("prompt_tokens_details"), "cached_tokens"),
+    )
+
+
+class OpenAIStreamParser:
+    """Chat Completions stream chunks (already JSON-decoded or raw SSE data) → provider chunks.
+
+    Pure and synchronous so that the split-anywhere guarantees can be tested exhaustively.
+    """
+
+    def __init__(self) -> None:
+        self._think = ThinkSplitter()
+        self._calls: list[_Call] = []
+        self._by_key: dict[int, _Call] = {}
+        self._finish: str | None = None
+        self._usage: Usage | None = None
+        self.events = 0
+        self.saw_done = False
+
+    def feed_data(self, data: str) -> list[ProviderChunk]:
+        """One SSE `data:` payload."""
+        if self.saw_done:
+            return []  # anything after [DONE] is noise
+        self.events += 1
+        if data.strip() == "[DONE]":
+            self.saw_done = True
+            return []
+        try:
+            obj = json.loads(data)
+        except ValueError as exc:
+            raise ProviderError(
+                "protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]
+            ) from None
+        if not isinstance(obj, dict):
+            raise ProviderError("protocol", "upstream stream chunk is not an object", body=obj)
+        return self.feed_chunk(obj)
+
+    def feed_chunk(self, obj: dict[str, Any]) -> list[ProviderChunk]:
+        err = obj.get("error")
+        if err:  # OpenRouter, vLLM: an error in the middle of a 200 stream
+            status = err.get("code") if isinstance(err, dict) else None
+            status = status if isinstance(status, int) and 400 <= status <= 599 else 500
+            raise error_from_status(
+                status, error_message_from_body(obj, "upstream error"), body=obj
+            )
+        out: list[ProviderChunk] = []
+        usage = parse_usage(obj.get("usage"))
+        if usage is not None:
+            self._usage = usage  # cumulative when repeated: the last one wins
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return out
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) not in (0, None):
+                continue  # n > 1 is not supported; choice 0 is the answer
+            delta = choice.get("delta")
+            self._delta(delta if isinstance(delta, dict) else as_dict(choice.get("message")), out)
+            fr = choice.get("finish_reason")
+            if isinstance(fr, str) and fr:
+                self._finish = fr
+        return out
+
+    def _delta(self, delta: dict[str, Any], out: list[ProviderChunk]) -> None:
+        # vLLM sends `reasoning_content`, OpenRouter/Ollama `reasoning`; some send both, identical.
+        reasoning = delta.get("reasoning_content")
+        if not (isinstance(reasoning, str) and reasoning):
+            reasoning = delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            out.append(Reasoning(reasoning))
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            out.extend(self._think.feed(content))
+        elif isinstance(content, list):  # a few servers stream content parts
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    out.extend(self._think.feed(part["text"]))
+        tool_calls = delta.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for tc in tool_calls:
+                if isinstance(tc, dict):
+                    self._tool_delta(tc, out)
+
+    def _slot(self, tc: dict[str, Any], call_id: str, name: str) -> _Call:
+        wire = tc.get("index")
+        if isinstance(wire, int) and not isinstance(wire, bool):
+            slot = self._by_key.get(wire)
+            # Same index but a different id: a server that numbers every call 0.
+            if slot is not None and not (call_id and slot.id and call_id != slot.id):
+                return slot
+            key = wire
+        else:
+            for existing in self._calls:
+                if call_id and existing.id == call_id:
+                    return existing
+            if not (call_id or name) and self._calls:
+                return self._calls[-1]  # a bare argument fragment continues the last call
+            key = -1 - len(self._calls)  # never collides with a wire index
+        slot = _Call(index=len(self._calls))
+        self._calls.append(slot)
+        self._by_key[key] = slot
+        return slot
+
+    def _tool_delta(self, tc: dict[str, Any], out: list[ProviderChunk]) -> None:
+        fn = as_dict(tc.get("function"))
+        call_id = as_str(tc.get("id"))
+        name = as_str(fn.get("name"))
+        args = fn.get("arguments")
+        if isinstance(args, dict | list):
+            args = json.dumps(args, ensure_ascii=False)
+        elif not isinstance(args, str):
+            args = ""
+        slot = self._slot(tc, call_id, name)
+        if call_id and not slot.id:
+            slot.id = call_id
+        if name and not slot.name:
+            slot.name = name  # servers that repeat the name on every delta: first one wins
+        if slot.started:
+            if args:
+                slot.any_args = True
+                out.append(ToolCallArgs(slot.index, args))
+            return
+        if args:
+            slot.args.append(args)
+        if slot.id and slot.name:
+            self._start(slot, out)
+
+    def _start(self, slot: _Call, out: list[ProviderChunk]) -> None:
+        slot.started = True
+        out.append(ToolCallStart(slot.index, slot.id, slot.name))
+        buffered = "".join(slot.args)
+        slot.args.clear()
+        if buffered:
+            slot.any_args = True
+            out.append(ToolCallArgs(slot.index, buffered))
+
+    def finish(self) -> list[ProviderChunk]:
+        """End of stream: flush held text, start calls still missing an id, usage, one Done."""
+        out: list[ProviderChunk] = list(self._think.flush())
+        for slot in self._calls:
+            if not slot.started:
+                if not slot.name:
+                    raise ProviderError("protocol", "upstream sent a tool call without a name")
+                slot.id = slot.id or f"call_{uuid.uuid4().hex[:24]}"
+                self._start(slot, out)
+            if not slot.any_args:
+                out.append(ToolCallArgs(slot.index, "{}"))  # "" is not valid JSON arguments
+        if self._usage is not None:
+            out.append(self._usage)
+        finish = map_finish_reason(self._finish)
+        if finish == "stop" and self._calls:
+            finish = "tool_calls"  # Ollama reports "stop" for tool-call answers
+        out.append(Done(finish))
+        return out
+
+
+def parse_sse_bytes(parts: Iterable[bytes]) -> list[ProviderChunk]:
+    """Decode a whole scripted SSE body given as byte pieces (tests, offline replay)."""
+    dec = SSEDecoder()
+    parser = OpenAIStreamParser()
+    out: list[ProviderChunk] = []
+    for part in parts:
+        for ev in dec.feed(part):
+            out.extend(parser.feed_data(ev.data))
+    for ev in dec.close():
+        out.extend(parser.feed_data(ev.data))
+    out.extend(parser.finish())
+    return out
+
+
+# ---------------------------------------------------------------- request building
+
+
+def _image_part(part: dict[str, Any]) -> dict[str, Any]:
+    img = part.get("image_url")
+    if isinstance(img, str):
+        img = {"url": img}
+    elif not isinstance(img, dict):
+        img = {"url": part.get("url", "")}
+    return {"type": "image_url", "image_url": img}
+
+
+def _user_content(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind in ("image_url", "image"):
+            parts.append(_image_part(part))
+        else:
+            parts.append(part)  # input_audio, file...: the upstream decides
+    return parts
+
+
+def message_to_wire(msg: ChatMessage) -> dict[str, Any]:
+    """Provider-neutral message → Chat Completions message.
+
+    Reasoning and provider_state are never sent: several servers reject unknown fields, and the
+    reasoning of earlier turns is not meant to be fed back to these models.
+    """
+    if msg.role == "user":
+        return {"role": "user", "content": _user_content(msg.content)}
+    if msg.role == "tool":
+        return {"role": "tool", "tool_call_id": msg.tool_call_id or "", "content": msg.text()}
+    if msg.role == "assistant":
+        out: dict[str, Any] = {"role": "assistant", "content": msg.text()}
+        if msg.tool_calls:
+            out["content"] = msg.text() or None
+            out["tool_calls"] = [
+                {
+                    "id": tc.id,
+                    "type": "function",
+                    "function": {"name": tc.name, "arguments": tc.arguments or "{}"},
+                }
+                for tc in msg.tool_calls
+            ]
+        return out
+    return {"role": "system", "content": msg.text()}
+
+
+def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters}
+    if tool.description:
+        fn["description"] = tool.description
+    return {"type": "function", "function": fn}
+
+
+# ---------------------------------------------------------------- the provider
+
+
+class OpenAICompatProvider:
+    """Streams from `{base_url}/chat/completions`; one instance per configured provider."""
+
+    kind = "openai"
+
+    def __init__(self, cfg: ProviderConfig, *, http: httpx.AsyncClient | None = None) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self._http = http
+        self._owns_http = http is None
+
+    @property
+    def url(self) -> str:
+        return self.cfg.base_url.rstrip("/") + "/chat/completions"
+
+    def _uses_max_completion_tokens(self) -> bool:
+        # api.openai.com rejects `max_tokens` for reasoning models; compatible servers only know it.
+        return (urlsplit(self.cfg.base_url).hostname or "").endswith("api.openai.com")
+
+    def build_body(self, request: ProviderRequest) -> dict[str, Any]:
+        """The exact JSON body sent upstream (public so tests and logs can inspect it)."""
+        body: dict[str, Any] = {
+            "model": request.model,
+            "messages": [message_to_wire(m) for m in request.messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.tools:
+            body["tools"] = [tool_to_wire(t) for t in request.tools]
+            # Both are rejected by OpenAI when no tools are sent.
+            if request.tool_choice is not None:
+                body["tool_choice"] = request.tool_choice
+            if request.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = request.parallel_tool_calls
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        if request.top_p is not None:
+            body["top_p"] = request.top_p
+        if request.max_tokens is not None:
+            key = "max_completion_tokens" if self._uses_max_completion_tokens() else "max_tokens"
+            body[key] = request.max_tokens
+        if request.stop:
+            body["stop"] = list(request.stop)
+        if request.response_format is not None:
+            body["response_format"] = request.response_format
+        if request.reasoning_effort is not None:
+            body["reasoning_effort"] = request.reasoning_effort
+        body.update(request.extra)
+        return body
+
+    def build_headers(self) -> dict[str, str]:
+        headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+        key = self.cfg.api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        headers.update(self.cfg.headers)
+        return headers
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = default_client(self.cfg)
+        return self._http
+
+    async def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
+        """Yield chunks ending with exactly one Done; raise ProviderError on any failure."""
+        body = self.build_body(request)
+        client = self._client()
+        try:
+            async with client.stream(
+                "POST",
+                self.url,
+                json=body,
+                headers=self.build_headers(),
+                timeout=request_timeout(self.cfg),
+            ) as resp:
+                if resp.status_code >= 400:
+                    raise await read_error_response(resp)
+                ctype = resp.headers.get("content-type", "").lower()
+                if "json" in ctype and "event-stream" not in ctype:
+                    # The server ignored `stream: true` and answered one completion object.
+                    raw = await resp.aread()
+                    for chunk in self._whole_completion(raw):
+                        yield chunk
+                    return
+                parser = OpenAIStreamParser()
+                dec = SSEDecoder()
+                async for part in resp.aiter_bytes():
+                    for ev in dec.feed(part):
+                        for chunk in parser.feed_data(ev.data):
+                            yield chunk
+                for ev in dec.close():
+                    for chunk in parser.feed_data(ev.data):
+                        yield chunk
+                if parser.events == 0:
+                    raise ProviderError("protocol", "upstream answered 200 without any event")
+                for chunk in parser.finish():
+                    yield chunk
+        except httpx.RequestError as exc:
+            raise transport_error(exc) from exc
+
+    @staticmethod
+    def _whole_completion(raw: bytes) -> list[ProviderChunk]:
+        try:
+            obj = json.loads(raw)
+        except ValueError as exc:
+            raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ProviderError("protocol", "upstream answer is not a JSON object")
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                msg = choice.get("message") if isinstance(choice, dict) else None
+                if isinstance(msg, dict) and isinstance(msg.get("tool_calls"), list):
+                    for i, tc in enumerate(msg["tool_calls"]):
+                        if isinstance(tc, dict):
+                            tc.setdefault("index", i)
+        parser = OpenAIStreamParser()
+        out = parser.feed_chunk(obj)
+        out.extend(parser.finish())
+        return out
+
+    async def aclose(self) -> None:
+        if self._owns_http and self._http is not None:
+            await self._http.aclose()
+            self._http = None

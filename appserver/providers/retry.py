@@ -1,0 +1,80 @@
+"""Retry policy: one pure function of (error, attempt) -> wait in ms, or None to give up."""
+
+from __future__ import annotations
+
+import datetime
+import email.utils
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from appserver.providers.base import ErrorKind, ProviderError
+
+RETRYABLE_KINDS: frozenset[str] = frozenset({"network", "timeout", "rate_limit", "server"})
+
+
+def is_retryable_kind(kind: ErrorKind | str) -> bool:
+    return kind in RETRYABLE_KINDS
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 4  # total attempts including the first
+    base_ms: int = 500
+    cap_ms: int = 20_000
+    max_retry_after_ms: int = 60_000
+
+
+def retry_delay_ms(
+    error: ProviderError,
+    attempt: int,
+    policy: RetryPolicy = RetryPolicy(),
+    *,
+    output_shown: bool = False,
+) -> int | None:
+    """Milliseconds to wait before attempt `attempt + 1`, or None to give up.
+
+    `attempt` counts from 1 (the attempt that just failed). Nothing retries after output reached a
+    client: the client has already seen part of an answer that a retry would contradict.
+    """
+    if output_shown or not is_retryable_kind(error.kind) or attempt >= policy.max_attempts:
+        return None
+    if error.retry_after_s is not None and error.retry_after_s >= 0:
+        return min(int(error.retry_after_s * 1000), policy.max_retry_after_ms)
+    return min(policy.base_ms * (2 ** (attempt - 1)), policy.cap_ms)
+
+
+def parse_retry_after(headers: Mapping[str, str], *, now: float | None = None) -> float | None:
+    """Seconds to wait as the upstream asked, from `retry-after-ms` or `Retry-After`.
+
+    `Retry-After` may be delta-seconds or an HTTP date; `retry-after-ms` (OpenAI, Azure) is more
+    precise and wins. Unparseable or negative values are ignored rather than trusted. `headers`
+    must be case-insensitive (httpx.Headers) or use lower-case keys.
+    """
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            value = float(ms) / 1000.0
+        except ValueError:
+            value = -1.0
+        if value >= 0 and math.isfinite(value):
+            return value
+    raw = headers.get("retry-after")
+    if raw is None:
+        return None
+    raw = raw.strip()
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(raw)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)  # HTTP dates are GMT
+        current = time.time() if now is None else now
+        return max(0.0, when.timestamp() - current)
+    return value if value >= 0 and math.isfinite(value) else None

@@ -1,0 +1,145 @@
+"""Incremental Server-Sent Events decoder.
+
+Upstreams and proxies split a stream wherever TCP and their buffers please: inside a `data:` line,
+between CR and LF, inside a multi-byte UTF-8 character. The decoder therefore works on bytes, cuts
+lines on the ASCII terminators (which never occur inside a UTF-8 sequence) and only decodes whole
+lines, so no split position can change the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(slots=True, frozen=True)
+class SSEEvent:
+    """One dispatched event (WHATWG semantics: data lines joined with LF)."""
+
+    data: str
+    event: str = "message"
+    id: str | None = None
+    retry: int | None = None
+
+
+class SSEDecoder:
+    """Feed raw bytes with `feed()`, collect events; call `close()` at end of stream."""
+
+    __slots__ = ("_buf", "_skip_lf", "_started", "_data", "_event", "_id", "_retry", "_has_data")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._skip_lf = (
+            False  # last line ended with CR: an LF starting the next chunk belongs to it
+        )
+        self._started = False  # BOM check done
+        self._data: list[str] = []
+        self._has_data = False
+        self._event = ""
+        self._id: str | None = None
+        self._retry: int | None = None
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Consume `chunk` (any size, split anywhere) and return the events it completed."""
+        if not chunk:
+            return []
+        self._buf += chunk
+        if not self._started:
+            if len(self._buf) < len(_BOM) and _BOM.startswith(bytes(self._buf)):
+                return []  # could still be a BOM: wait for more bytes
+            if self._buf.startswith(_BOM):
+                del self._buf[: len(_BOM)]
+            self._started = True
+        return self._drain(final=False)
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream: flush a last line and event even without the trailing blank line.
+
+        The spec discards an unterminated event, but several upstreams end with `data: [DONE]` and
+        no blank line; dropping it would lose information, so it is dispatched.
+        """
+        self._started = True
+        events = self._drain(final=True)
+        if self._buf:
+            line = bytes(self._buf)
+            self._buf.clear()
+            ev = self._line(line)
+            if ev is not None:
+                events.append(ev)
+        ev = self._dispatch()
+        if ev is not None:
+            events.append(ev)
+        return events
+
+    def _drain(self, *, final: bool) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        buf = self._buf
+        pos = 0
+        n = len(buf)
+        if self._skip_lf and n:
+            if buf[0] == 0x0A:
+                pos = 1
+            self._skip_lf = False
+        lf = buf.find(b"\n", pos)
+        cr = buf.find(b"\r", pos)
+        while pos < n:
+            # Re-scan only for a terminator already consumed (keeps long buffers linear).
+            if 0 <= lf < pos:
+                lf = buf.find(b"\n", pos)
+            if 0 <= cr < pos:
+                cr = buf.find(b"\r", pos)
+            if lf < 0 and cr < 0:
+                break
+            if cr < 0 or (0 <= lf < cr):
+                end, nxt = lf, lf + 1
+            else:
+                end = cr
+                if cr + 1 < n:
+                    nxt = cr + 2 if buf[cr + 1] == 0x0A else cr + 1
+                else:
+                    nxt = cr + 1
+                    self._skip_lf = not final  # a CRLF may be split between two chunks
+            ev = self._line(bytes(buf[pos:end]))
+            if ev is not None:
+                events.append(ev)
+            pos = nxt
+        del buf[:pos]
+        return events
+
+    def _line(self, raw: bytes) -> SSEEvent | None:
+        if not raw:
+            return self._dispatch()
+        line = raw.decode("utf-8", errors="replace")
+        if line.startswith(":"):
+            return None  # comment / keep-alive
+        name, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+            self._has_data = True
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            if "\0" not in value:
+                self._id = value
+        elif name == "retry":
+            if value.isdigit():
+                self._retry = int(value)
+        return None
+
+    def _dispatch(self) -> SSEEvent | None:
+        if not self._has_data:
+            self._event = ""
+            return None
+        ev = SSEEvent(
+            data="\n".join(self._data),
+            event=self._event or "message",
+            id=self._id,
+            retry=self._retry,
+        )
+        self._data = []
+        self._has_data = False
+        self._event = ""
+        return ev

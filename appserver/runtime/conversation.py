@@ -1,0 +1,474 @@
+"""ConversationRuntime: one FIFO queue and one TurnLifecycle per conversation.
+
+One turn at a time, in arrival order. A turn finishes exactly once, through `_finish`. Pending
+calls live in the store; answers resume the same turn with tool results as the next messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from appserver.agent.loop import LoopOutcome, TurnWork, resolution_text
+from appserver.errors import InvalidInput, NotAwaiting, NotFound, QueueFull
+from appserver.providers.base import ToolSpec
+from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
+from appserver.runtime.snapshot import TurnController
+from appserver.store.base import DuplicateTurn
+from appserver.store.records import MessageRecord, PendingCall, TurnCommit, TurnRecord
+
+if TYPE_CHECKING:
+    from appserver.runtime.kernel import Kernel
+
+log = logging.getLogger("appserver.runtime")
+
+SNAPSHOT_STATUS = {"completed": "completed", "cancelled": "cancelled", "failed": "failed", "interrupted": "cancelled"}
+RECENT_HANDLES = 16
+
+
+@dataclass(slots=True)
+class TurnHandle:
+    turn_id: str
+    conversation_id: str
+    controller: TurnController
+
+    async def wait_settled(self, timeout: float | None = None, *, after_revision: int = -1) -> Any:
+        return await self.controller.wait_settled(timeout, after_revision=after_revision)
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """An answer to a pending call: approve/deny (approvals) or a result (client tools)."""
+
+    call_id: str
+    action: str  # approve | deny | result
+    output: str | None = None
+    is_error: bool = False
+    reason: str | None = None
+    decided_by: str | None = None
+
+
+@dataclass(slots=True)
+class _Queued:
+    record: TurnRecord
+    handle: TurnHandle
+
+
+class ConversationRuntime:
+    def __init__(self, kernel: Kernel, conversation_id: str, agent_id: str) -> None:
+        self.kernel = kernel
+        self.conversation_id = conversation_id
+        self.agent_id = agent_id
+        self.lifecycle = TurnLifecycle()
+        self.queue: deque[_Queued] = deque()
+        self.handles: dict[str, TurnHandle] = {}
+        self.watchers: list[Callable[[TurnHandle], None]] = []
+        self.pins = 0
+        self.last_active = time.monotonic()
+        self._history: list[MessageRecord] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._turn_task: asyncio.Task[LoopOutcome] | None = None
+        self._awaiting: TurnRecord | None = None
+        self._resume_ready: list[PendingCall] | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self._shutdown = False
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def idle(self) -> bool:
+        return not self.lifecycle.busy and not self.queue and self._worker is None and self.pins == 0
+
+    @property
+    def active_handle(self) -> TurnHandle | None:
+        turn_id = self.lifecycle.turn_id
+        return self.handles.get(turn_id) if turn_id else None
+
+    @property
+    def awaiting_turn(self) -> TurnRecord | None:
+        return self._awaiting if self.lifecycle.state == "awaiting" else None
+
+    async def load(self) -> None:
+        """Adopt a paused turn from the store (survives restarts and other processes)."""
+        awaiting = await self.kernel.store.list_turns(self.conversation_id, statuses=["awaiting"])
+        if not awaiting:
+            return
+        turn = awaiting[-1]
+        pending = await self.kernel.store.list_pending(turn.id)
+        controller = await self.kernel.controller_from_store(turn, pending)
+        self.handles[turn.id] = TurnHandle(turn.id, self.conversation_id, controller)
+        self.lifecycle.restore_awaiting(turn.id)
+        self._awaiting = turn
+        await self._expire_overdue()
+        if self.lifecycle.state == "awaiting" and self._resume_ready is None:
+            await self._maybe_resume()
+            self._arm_expiry(pending)
+
+    async def history(self) -> list[MessageRecord]:
+        if self._history is None:
+            self._history = await self.kernel.store.list_messages(self.conversation_id)
+        return self._history
+
+    def _notify(self, handle: TurnHandle) -> None:
+        for watcher in list(self.watchers):
+            try:
+                watcher(handle)
+            except Exception:  # a broken watcher must not break the turn
+                log.exception("turn watcher failed")
+
+    def _remember(self, handle: TurnHandle) -> None:
+        self.handles[handle.turn_id] = handle
+        if len(self.handles) > RECENT_HANDLES:
+            live = {q.handle.turn_id for q in self.queue} | {self.lifecycle.turn_id}
+            for turn_id in list(self.handles):
+                if len(self.handles) <= RECENT_HANDLES:
+                    break
+                if turn_id not in live:
+                    del self.handles[turn_id]
+
+    # ------------------------------------------------------------ submit
+
+    async def enqueue(self, record: TurnRecord, idempotency_scope: str | None) -> tuple[TurnHandle, int]:
+        if len(self.queue) >= self.kernel.config.limits.queue_max:
+            raise QueueFull(f"conversation {self.conversation_id} has {len(self.queue)} inputs queued (limit {self.kernel.config.limits.queue_max}); try again later")
+        position = len(self.queue) + (1 if self.lifecycle.busy else 0)
+        record.status = "queued" if position else "running"
+        record.owner = self.kernel.owner
+        if position == 0:
+            record.started_at = time.time()
+        await self.kernel.store.accept_turn(record, idempotency_scope)  # raises DuplicateTurn
+        controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=position)
+        handle = TurnHandle(record.id, self.conversation_id, controller)
+        self._remember(handle)
+        self.queue.append(_Queued(record, handle))
+        self._notify(handle)
+        self._ensure_worker()
+        return handle, position
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None and not self._shutdown:
+            self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"conversation:{self.conversation_id}")
+
+    async def _work(self) -> None:
+        try:
+            while not self._shutdown:
+                if self.lifecycle.state == "awaiting":
+                    if self._resume_ready is None or self._awaiting is None:
+                        break
+                    resolved, self._resume_ready = self._resume_ready, None
+                    record = self._awaiting
+                    handle = self.handles.get(record.id)
+                    if handle is None:
+                        controller = await self.kernel.controller_from_store(record, await self.kernel.store.list_pending(record.id))
+                        handle = TurnHandle(record.id, self.conversation_id, controller)
+                        self._remember(handle)
+                    await self._run(record, handle, resolved)
+                    continue
+                if not self.queue:
+                    break
+                item = self.queue.popleft()
+                for i, q in enumerate(self.queue):
+                    q.handle.controller.set_queue_position(i + 1)
+                await self._run(item.record, item.handle, None)
+        finally:
+            self._worker = None
+            self.last_active = time.monotonic()
+
+    # ------------------------------------------------------------ run one turn (segment)
+
+    async def _run(self, record: TurnRecord, handle: TurnHandle, resolutions: list[PendingCall] | None) -> None:
+        kernel = self.kernel
+        controller = handle.controller
+        lease = self.lifecycle.begin(record.id)
+        if resolutions is not None:
+            self._cancel_expiry()
+            self._awaiting = None
+            controller.resume()
+            self._notify(handle)
+        else:
+            controller.set_queue_position(0)
+        work: TurnWork | None = None
+        try:
+            if record.status != "running" or resolutions is not None:
+                record.status = "running"
+                await kernel.store.mark_turn_running(record.id, kernel.owner, controller.revision)
+                self.lifecycle.check(lease)
+            history = await self.history()
+            self.lifecycle.check(lease)
+            agent = await kernel.store.get_agent(record.agent_id)
+            self.lifecycle.check(lease)
+            if agent is None:
+                raise NotFound(f"agent {record.agent_id} was deleted")
+            work = TurnWork(
+                agent=agent,
+                conversation_id=self.conversation_id,
+                turn_id=record.id,
+                history=list(history),
+                client_tools=[ToolSpec(t["name"], t.get("description", ""), t.get("parameters") or {"type": "object", "properties": {}}) for t in record.client_tools],
+                options=record.options,
+                iteration=record.iteration,
+                usage=dict(record.usage),
+            )
+            if not record.input_committed:
+                work.new_messages.append(
+                    MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source)
+                )
+
+            def emit(event: Any) -> None:
+                self.lifecycle.check(lease)
+                controller.apply(event)
+
+            self._turn_task = asyncio.get_running_loop().create_task(kernel.agent_loop.run(work, emit, resolutions))
+            drafts = asyncio.get_running_loop().create_task(self._checkpoint_drafts(lease, controller, record.id))
+            try:
+                outcome = await self._turn_task
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    raise  # the worker itself is being torn down
+                outcome = LoopOutcome("interrupted" if self._shutdown else "cancelled", "cancelled")
+            finally:
+                drafts.cancel()
+                self._turn_task = None
+        except StaleLease:
+            return
+        except Exception as exc:
+            log.exception("turn %s failed inside the server", record.id)
+            outcome = LoopOutcome("failed", "error", {"kind": "internal", "message": f"{type(exc).__name__}: {exc}", "retryable": False, "status": None})
+        if work is None:
+            work = TurnWork(agent=None, conversation_id=self.conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]
+            if not record.input_committed:
+                work.new_messages.append(MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source))
+        await self._finish(lease, record, work, controller, outcome)
+
+    async def _checkpoint_drafts(self, lease: Lease, controller: TurnController, turn_id: str) -> None:
+        """Persist the visible text now and then, so a killed server keeps what was shown."""
+        interval = self.kernel.config.limits.draft_interval_s
+        saved = -1
+        while self.lifecycle.is_current(lease):
+            await asyncio.sleep(interval)
+            if controller.revision != saved and self.lifecycle.is_current(lease):
+                saved = controller.revision
+                await self.kernel.store.save_draft(turn_id, controller.draft())
+
+    async def _finish(self, lease: Lease, record: TurnRecord, work: TurnWork, controller: TurnController, outcome: LoopOutcome) -> None:
+        """The one place a turn (segment) ends: commit, then publish, then release the lifecycle."""
+        status, stop_reason, error = outcome.status, outcome.stop_reason, outcome.error
+        messages = work.new_messages
+        if status in ("cancelled", "interrupted", "failed"):
+            messages = settle_messages(work, "interrupted" if status == "interrupted" else "cancelled" if status == "cancelled" else "incomplete")
+        if stop_reason == "end_turn" and messages:
+            last = [m for m in messages if m.role == "assistant"]
+            if last and last[-1].tool_calls:
+                status, stop_reason = "failed", "error"
+                error = {"kind": "internal", "message": "the turn streamed a tool call but tried to end with end_turn", "retryable": False, "status": None}
+        pending = work.pending if status == "awaiting" else []
+        commit = TurnCommit(
+            turn_id=record.id,
+            status=status,  # type: ignore[arg-type]
+            stop_reason=stop_reason,
+            messages=messages,
+            pending=pending,
+            error=error,
+            usage=dict(work.usage),
+            revision=controller.revision + 1,
+            iteration=work.iteration,
+        )
+        try:
+            await self.kernel.store.commit_turn(self.conversation_id, commit)
+        except Exception as exc:
+            log.exception("could not commit turn %s", record.id)
+            controller.finish("failed", "error", {"kind": "store", "message": f"the turn could not be saved: {exc}", "retryable": False, "status": None})
+            self.lifecycle.finish(lease)
+            self._history = None
+            return
+        record.input_committed = True
+        record.iteration = work.iteration
+        record.usage = dict(work.usage)
+        record.status = status  # type: ignore[assignment]
+        if self._history is not None:
+            self._history.extend(messages)
+        if status == "awaiting":
+            self._awaiting = record
+            controller.mark_pending_blocks(pending)
+            controller.pause(stop_reason, pending)
+            self.lifecycle.pause(lease)
+            self._arm_expiry(pending)
+        else:
+            controller.finish(SNAPSHOT_STATUS[status], stop_reason, error)
+            self.lifecycle.finish(lease)
+        self.kernel.turn_settled(record, controller.snapshot())
+
+    # ------------------------------------------------------------ answers to pending calls
+
+    async def respond(self, decisions: list[Decision]) -> list[dict[str, Any]]:
+        if self.lifecycle.state != "awaiting" or self._awaiting is None:
+            raise NotAwaiting(f"conversation {self.conversation_id} has no turn waiting for an answer")
+        turn = self._awaiting
+        results: list[dict[str, Any]] = []
+        store = self.kernel.store
+        for d in decisions:
+            p = await store.get_pending(self.conversation_id, d.call_id)
+            if p is None or p.turn_id != turn.id:
+                results.append({"call_id": d.call_id, "accepted": False, "error": "unknown_call", "message": f"no pending call {d.call_id} in this conversation"})
+                continue
+            if d.action in ("approve", "deny") and p.kind != "approval":
+                raise InvalidInput(f"call {d.call_id} is a client tool call: answer it with a tool result, not an approval")
+            if d.action == "result" and p.kind != "client":
+                raise InvalidInput(f"call {d.call_id} needs an approval decision, not a tool result")
+            if d.action not in ("approve", "deny", "result"):
+                raise InvalidInput(f"unknown decision {d.action!r}: use approve, deny or a tool result")
+            status = {"approve": "approved", "deny": "denied", "result": "result"}[d.action]
+            won = await store.resolve_pending(self.conversation_id, d.call_id, status, output=d.output, is_error=d.is_error, reason=d.reason, decided_by=d.decided_by)
+            if won:
+                results.append({"call_id": d.call_id, "accepted": True, "status": status})
+            else:
+                current = await store.get_pending(self.conversation_id, d.call_id)
+                results.append({"call_id": d.call_id, "accepted": False, "error": "already_resolved", "status": current.status if current else None, "message": f"call {d.call_id} was already answered ({current.status if current else 'gone'})"})
+        await self._maybe_resume()
+        return results
+
+    async def _maybe_resume(self) -> None:
+        turn = self._awaiting
+        if turn is None or self._resume_ready is not None or self.lifecycle.state != "awaiting":
+            return
+        pending = await self.kernel.store.list_pending(turn.id)
+        handle = self.handles.get(turn.id)
+        if any(p.status == "pending" for p in pending):
+            if handle is not None:
+                handle.controller.set_pending(pending)
+            return
+        done = {m.tool_call_id for m in await self.history() if m.role == "tool"}
+        self._resume_ready = [p for p in pending if p.call_id not in done]
+        self._cancel_expiry()
+        self._ensure_worker()
+
+    def _arm_expiry(self, pending: list[PendingCall]) -> None:
+        self._cancel_expiry()
+        deadlines = [p.expires_at for p in pending if p.status == "pending" and p.expires_at is not None]
+        if not deadlines:
+            return
+        delay = max(0.0, min(deadlines) - time.time()) + 0.01
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_later(delay, lambda: loop.create_task(self._on_expiry()))
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    async def _on_expiry(self) -> None:
+        self._expiry = None
+        await self._expire_overdue()
+        if self._awaiting is not None and self._resume_ready is None:
+            self._arm_expiry(await self.kernel.store.list_pending(self._awaiting.id))
+
+    async def _expire_overdue(self) -> None:
+        turn = self._awaiting
+        if turn is None:
+            return
+        now = time.time()
+        changed = False
+        for p in await self.kernel.store.list_pending(turn.id):
+            if p.status == "pending" and p.expires_at is not None and p.expires_at <= now:
+                reason = None
+                if p.kind == "client":
+                    reason = f"The client did not return a result for {p.name} within the tool timeout; the call has no result."
+                changed |= await self.kernel.store.resolve_pending(self.conversation_id, p.call_id, "expired", reason=reason, is_error=True)
+        if changed:
+            await self._maybe_resume()
+
+    # ------------------------------------------------------------ cancel
+
+    async def cancel(self, *, shutdown: bool = False) -> bool:
+        if shutdown:
+            self._shutdown = True
+        if self.lifecycle.state in ("active", "cancelling"):
+            self.lifecycle.request_cancel()
+            if self._turn_task is not None:
+                self._turn_task.cancel()
+            return True
+        if self.lifecycle.state == "awaiting" and self._awaiting is not None and not shutdown:
+            await self._cancel_awaiting(self._awaiting)
+            return True
+        return False
+
+    async def _cancel_awaiting(self, turn: TurnRecord) -> None:
+        store = self.kernel.store
+        for p in await store.list_pending(turn.id):
+            if p.status == "pending":
+                await store.resolve_pending(self.conversation_id, p.call_id, "cancelled", reason="The turn was cancelled before this call was answered; it was not executed.", is_error=True)
+        pending = await store.list_pending(turn.id)
+        done = {m.tool_call_id for m in await self.history() if m.role == "tool"}
+        messages = [
+            MessageRecord(role="tool", content=resolution_text(p, self.kernel.config), turn_id=turn.id, iteration=turn.iteration, tool_call_id=p.call_id, name=p.name, is_error=True)
+            for p in pending
+            if p.call_id not in done
+        ]
+        handle = self.handles.get(turn.id)
+        controller = handle.controller if handle else await self.kernel.controller_from_store(turn, pending)
+        await store.commit_turn(self.conversation_id, TurnCommit(turn.id, "cancelled", "cancelled", messages, revision=controller.revision + 1, iteration=turn.iteration, usage=dict(turn.usage)))
+        if self._history is not None:
+            self._history.extend(messages)
+        self._cancel_expiry()
+        self._awaiting = None
+        self._resume_ready = None
+        self.lifecycle.drop_awaiting(turn.id)
+        controller.finish("cancelled", "cancelled")
+        turn.status = "cancelled"
+        self.kernel.turn_settled(turn, controller.snapshot())
+        self._ensure_worker()
+
+    async def shutdown(self) -> None:
+        self._shutdown = True
+        self._cancel_expiry()
+        await self.cancel(shutdown=True)
+        worker = self._worker
+        if worker is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(worker), 10)
+            except (TimeoutError, asyncio.CancelledError):
+                worker.cancel()
+
+
+def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecord]:
+    """Messages to keep from a turn that stopped early, valid for every provider.
+
+    Visible assistant text is kept (marked with `completion_status`); reasoning-only output is not;
+    every tool call without a result gets a synthetic error result.
+    """
+    messages = list(work.new_messages)
+    partial = work.partial
+    if partial is not None and "".join(partial.text):
+        messages.append(
+            MessageRecord(role="assistant", content="".join(partial.text), turn_id=work.turn_id, iteration=work.iteration, completion_status=completion_status)
+        )
+    answered = {m.tool_call_id for m in messages if m.role == "tool"}
+    answered |= {m.tool_call_id for m in work.history if m.role == "tool"}
+    out: list[MessageRecord] = []
+    for m in work.history:  # a resumed turn: calls committed at the pause, answered but never run
+        if m.role == "assistant" and m.turn_id == work.turn_id:
+            for c in m.tool_calls:
+                if c["id"] not in answered:
+                    answered.add(c["id"])
+                    out.append(
+                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
+                    )
+    for m in messages:
+        out.append(m)
+        if m.role == "assistant" and m.tool_calls:
+            for c in m.tool_calls:
+                if c["id"] not in answered:
+                    answered.add(c["id"])
+                    out.append(
+                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
+                    )
+    # Results that were produced for calls of this turn stay after their call, in order.
+    return out
+
+
+__all__ = ["ConversationRuntime", "Decision", "DuplicateTurn", "TurnHandle", "settle_messages"]

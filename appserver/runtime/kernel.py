@@ -1,0 +1,305 @@
+"""The kernel call every front end ends in: submit input to a conversation of an agent.
+
+`Kernel` owns the per-conversation runtimes (created on demand, evicted when idle), settles turns
+left running by a dead process, and answers pending calls, cancels and snapshot lookups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from appserver.agent.loop import AgentLoop
+from appserver.config import Config
+from appserver.errors import InvalidInput, NotFound
+from appserver.procid import identity, identity_alive
+from appserver.providers.base import ToolSpec
+from appserver.runtime.conversation import SNAPSHOT_STATUS, ConversationRuntime, Decision, TurnHandle
+from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.store.base import DuplicateTurn, Store
+from appserver.store.records import AgentRecord, ConversationRecord, MessageRecord, PendingCall, TurnCommit, TurnRecord
+
+log = logging.getLogger("appserver.kernel")
+
+IDEMPOTENCY_TTL_S = 48 * 3600
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+@dataclass(slots=True)
+class SubmitRequest:
+    agent: str  # agent id or name
+    input: str | list[dict[str, Any]]
+    conversation: str = "default"  # default | new | <id>
+    source: dict[str, Any] | None = None
+    idempotency_key: str | None = None
+    client_tools: list[ToolSpec] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # instructions, sampling overrides, timeouts
+    conversation_fields: dict[str, Any] = field(default_factory=dict)  # user, namespace, metadata for new ones
+
+
+@dataclass(slots=True)
+class Submission:
+    turn_id: str
+    conversation_id: str
+    agent_id: str
+    queue_position: int
+    duplicate: bool
+    handle: TurnHandle
+
+    async def wait(self, timeout: float | None = None) -> TurnSnapshot:
+        """The snapshot once the turn is terminal or paused for an answer."""
+        return await self.handle.wait_settled(timeout)
+
+
+class Kernel:
+    def __init__(self, config: Config, store: Store, agent_loop: AgentLoop) -> None:
+        self.config = config
+        self.store = store
+        self.agent_loop = agent_loop
+        self.owner = identity()
+        self.runtimes: dict[str, ConversationRuntime] = {}
+        self.settled_listeners: list[Callable[[TurnRecord, TurnSnapshot], None]] = []
+        self._loading: dict[str, asyncio.Future[ConversationRuntime]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------ start / stop
+
+    async def start(self, *, serve: bool = False) -> None:
+        """Settle turns of dead processes; in a server, resume queued turns and watch deadlines."""
+        await self.settle_crashed(requeue=serve)
+        await self.store.purge_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+        if serve:
+            for turn in await self.store.open_turns(["awaiting"]):
+                await self.runtime(turn.conversation_id)
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await asyncio.gather(*(rt.shutdown() for rt in list(self.runtimes.values())), return_exceptions=True)
+
+    async def _sweep(self) -> None:
+        """Evict idle runtimes; expire approvals of conversations not in memory."""
+        interval = max(0.5, min(self.config.limits.idle_evict_s / 2, 30.0))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.evict_idle()
+                for p in await self.store.overdue_pending(time.time()):
+                    rt = await self.runtime(p.conversation_id)
+                    await rt._expire_overdue()
+            except Exception:
+                log.exception("runtime sweep failed")
+
+    def evict_idle(self, older_than_s: float | None = None) -> int:
+        limit = self.config.limits.idle_evict_s if older_than_s is None else older_than_s
+        now = time.monotonic()
+        gone = [cid for cid, rt in self.runtimes.items() if rt.idle and now - rt.last_active >= limit]
+        for cid in gone:
+            del self.runtimes[cid]
+        return len(gone)
+
+    async def settle_crashed(self, *, requeue: bool) -> int:
+        """Close turns left `running` by a process that died (kill -9, power loss) as interrupted."""
+        settled = 0
+        for turn in await self.store.open_turns(["running", "queued"]):
+            if turn.owner and turn.owner != self.owner and identity_alive(turn.owner):
+                continue  # another live process runs it
+            if turn.status == "queued":
+                if requeue:
+                    rt = await self.runtime(turn.conversation_id)
+                    turn.status = "queued"
+                    await self._requeue(rt, turn)
+                continue
+            await self._settle_interrupted(turn)
+            settled += 1
+        return settled
+
+    async def _requeue(self, rt: ConversationRuntime, turn: TurnRecord) -> None:
+        from appserver.runtime.conversation import _Queued
+
+        turn.owner = self.owner
+        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, phase="queued", queue_position=len(rt.queue) + 1)
+        handle = TurnHandle(turn.id, turn.conversation_id, controller)
+        rt.handles[turn.id] = handle
+        rt.queue.append(_Queued(turn, handle))
+        rt._ensure_worker()
+
+    async def _settle_interrupted(self, turn: TurnRecord) -> None:
+        history = await self.store.list_messages(turn.conversation_id)
+        messages: list[MessageRecord] = []
+        if not turn.input_committed:
+            messages.append(MessageRecord(role="user", content=turn.input.get("content", ""), turn_id=turn.id, source=turn.source))
+        text = (turn.draft or {}).get("text") or ""
+        answered = {m.tool_call_id for m in history if m.role == "tool"}
+        for m in history:
+            if m.role == "assistant" and m.turn_id == turn.id:
+                for c in m.tool_calls:
+                    if c["id"] not in answered:
+                        answered.add(c["id"])
+                        messages.append(MessageRecord(role="tool", content=f"The server stopped before the call to {c['name']} returned a result.", turn_id=turn.id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True))
+        if text:
+            messages.append(MessageRecord(role="assistant", content=text, turn_id=turn.id, iteration=turn.iteration, completion_status="interrupted"))
+        error = {"kind": "interrupted", "message": "the server stopped while this turn was running", "retryable": False, "status": None}
+        await self.store.commit_turn(turn.conversation_id, TurnCommit(turn.id, "interrupted", "cancelled", messages, error=error, usage=turn.usage, revision=turn.revision + 1, iteration=turn.iteration))
+        log.warning("turn %s of conversation %s was interrupted by a stop; kept %d characters of its text", turn.id, turn.conversation_id, len(text))
+
+    # ------------------------------------------------------------ lookups
+
+    async def resolve_agent(self, ref: str) -> AgentRecord:
+        if not ref:
+            raise InvalidInput("an agent is required", param="agent")
+        found = await self.store.find_agents(ref)
+        by_id = [a for a in found if a.id == ref]
+        if by_id:
+            return by_id[0]
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise NotFound(f"unknown agent {ref!r}", code="agent_not_found", param="agent")
+        raise InvalidInput(f"agent name {ref!r} is ambiguous; use one of the ids {', '.join(a.id for a in found)}", code="agent_ambiguous", param="agent")
+
+    async def resolve_conversation(self, agent: AgentRecord, spec: str, *, create: bool = True, fields: dict[str, Any] | None = None) -> ConversationRecord:
+        spec = (spec or "default").strip()
+        if spec == "default":
+            conv = await self.store.get_default_conversation(agent.id)
+            if conv is None:
+                if not create:
+                    raise NotFound(f"agent {agent.name} has no default conversation yet", code="conversation_not_found")
+                conv = await self.store.create_conversation(ConversationRecord(id=new_id("conv"), agent_id=agent.id, is_default=True, title="default"))
+            return conv
+        if spec == "new":
+            if not create:
+                raise InvalidInput("'new' is not an existing conversation")
+            return await self.store.create_conversation(ConversationRecord(id=new_id("conv"), agent_id=agent.id, **(fields or {})))
+        conv = await self.store.get_conversation(spec)
+        if conv is None or conv.agent_id != agent.id:
+            raise NotFound(f"unknown conversation {spec!r} for agent {agent.name}", code="conversation_not_found", param="conversation")
+        return conv
+
+    async def runtime(self, conversation_id: str) -> ConversationRuntime:
+        rt = self.runtimes.get(conversation_id)
+        if rt is not None:
+            return rt
+        loading = self._loading.get(conversation_id)
+        if loading is not None:
+            return await asyncio.shield(loading)
+        fut: asyncio.Future[ConversationRuntime] = asyncio.get_running_loop().create_future()
+        self._loading[conversation_id] = fut
+        try:
+            conv = await self.store.get_conversation(conversation_id)
+            if conv is None:
+                raise NotFound(f"unknown conversation {conversation_id!r}", code="conversation_not_found")
+            rt = ConversationRuntime(self, conv.id, conv.agent_id)
+            await rt.load()
+            self.runtimes[conversation_id] = rt
+            fut.set_result(rt)
+            return rt
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved
+            raise
+        finally:
+            del self._loading[conversation_id]
+
+    # ------------------------------------------------------------ the kernel call
+
+    async def submit(self, req: SubmitRequest) -> Submission:
+        agent = await self.resolve_agent(req.agent)
+        content = req.input
+        if isinstance(content, str):
+            if not content.strip():
+                raise InvalidInput("input is empty", param="input")
+        elif not isinstance(content, list) or not content:
+            raise InvalidInput("input must be text or a non-empty list of parts", param="input")
+        key = req.idempotency_key or None
+        spec = (req.conversation or "default").strip()
+        if key and spec == "new":
+            earlier = await self.store.lookup_idempotency(f"new:{agent.id}", key)
+            if earlier is not None:
+                return await self._duplicate(earlier)
+        conv = await self.resolve_conversation(agent, spec, fields=req.conversation_fields)
+        scope = (f"new:{agent.id}" if spec == "new" else conv.id) if key else None
+        if key and spec != "new":
+            earlier = await self.store.lookup_idempotency(scope, key)  # type: ignore[arg-type]
+            if earlier is not None:
+                return await self._duplicate(earlier)
+        rt = await self.runtime(conv.id)
+        record = TurnRecord(
+            id=new_id("turn"),
+            conversation_id=conv.id,
+            agent_id=agent.id,
+            idempotency_key=key,
+            source=req.source,
+            input={"content": content},
+            client_tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in req.client_tools],
+            options=dict(req.options),
+        )
+        try:
+            handle, position = await rt.enqueue(record, scope)
+        except DuplicateTurn as dup:
+            return await self._duplicate(dup.turn)
+        return Submission(record.id, conv.id, agent.id, position, False, handle)
+
+    async def _duplicate(self, turn: TurnRecord) -> Submission:
+        handle = await self.handle_for(turn)
+        return Submission(turn.id, turn.conversation_id, turn.agent_id, handle.controller.queue_position, True, handle)
+
+    async def respond(self, conversation_id: str, decisions: list[Decision]) -> list[dict[str, Any]]:
+        rt = await self.runtime(conversation_id)
+        return await rt.respond(decisions)
+
+    async def cancel(self, conversation_id: str) -> bool:
+        rt = await self.runtime(conversation_id)
+        return await rt.cancel()
+
+    # ------------------------------------------------------------ snapshots
+
+    async def handle_for(self, turn: TurnRecord) -> TurnHandle:
+        """The live handle of a turn, or a settled one rebuilt from the store."""
+        rt = self.runtimes.get(turn.conversation_id)
+        if rt is not None and turn.id in rt.handles:
+            return rt.handles[turn.id]
+        if turn.status in ("queued", "running", "awaiting"):
+            rt = await self.runtime(turn.conversation_id)
+            if turn.id in rt.handles:
+                return rt.handles[turn.id]
+        fresh = await self.store.get_turn(turn.id) or turn
+        controller = await self.controller_from_store(fresh, await self.store.list_pending(fresh.id))
+        return TurnHandle(fresh.id, fresh.conversation_id, controller)
+
+    async def controller_from_store(self, turn: TurnRecord, pending: list[PendingCall]) -> TurnController:
+        messages = [m for m in await self.store.list_messages(turn.conversation_id) if m.turn_id == turn.id]
+        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=max(turn.revision - 1, 0))
+        controller.load_messages(messages)
+        controller.usage = dict(turn.usage)
+        if turn.status == "awaiting":
+            controller.mark_pending_blocks(pending)
+            has_approval = any(p.kind == "approval" and p.status == "pending" for p in pending)
+            controller.pause(turn.stop_reason or ("requires_approval" if has_approval else "requires_client_tool"), pending)
+        elif turn.status in SNAPSHOT_STATUS:
+            controller.finish(SNAPSHOT_STATUS[turn.status], turn.stop_reason or "end_turn", turn.error)
+        return controller
+
+    async def turn_snapshot(self, turn_id: str) -> TurnSnapshot:
+        turn = await self.store.get_turn(turn_id)
+        if turn is None:
+            raise NotFound(f"unknown turn {turn_id!r}", code="turn_not_found")
+        return (await self.handle_for(turn)).controller.snapshot()
+
+    def turn_settled(self, record: TurnRecord, snapshot: TurnSnapshot) -> None:
+        for listener in list(self.settled_listeners):
+            try:
+                listener(record, snapshot)
+            except Exception:
+                log.exception("settled listener failed")

@@ -1,0 +1,308 @@
+"""TurnSnapshot (the presentation state of one turn) and TurnController (the reducer that owns it).
+
+The controller reduces TurnEvents into ordered blocks; every change bumps `revision` and wakes
+consumers through a latest-value cell. Consumers read `snapshot()` when they wake, so a slow one
+skips revisions. Text blocks only grow while a turn runs: a delta is the new suffix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from appserver.agent.events import (
+    Compacted,
+    PhaseChanged,
+    ReasoningDelta,
+    Retrying,
+    StepStarted,
+    StreamDiscarded,
+    TextDelta,
+    ToolCallArgsDelta,
+    ToolCallStarted,
+    ToolCallStatus,
+    TurnEvent,
+    UsageUpdated,
+)
+from appserver.runtime.latest import Latest
+from appserver.store.records import MessageRecord, PendingCall
+
+SNAPSHOT_STATUSES = ("running", "awaiting", "completed", "cancelled", "failed")
+TERMINAL_STATUSES = frozenset({"completed", "cancelled", "failed"})
+
+
+@dataclass(slots=True, frozen=True)
+class TurnSnapshot:
+    turn_id: str
+    conversation_id: str
+    agent_id: str
+    revision: int
+    status: str
+    phase: str
+    stop_reason: str | None
+    blocks: tuple[dict[str, Any], ...]
+    pending: tuple[dict[str, Any], ...]
+    usage: dict[str, int]
+    error: dict[str, Any] | None
+    queue_position: int
+    attempt: int
+    updated_at: float
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will happen without new input (terminal, or paused awaiting an answer)."""
+        return self.status != "running"
+
+    def text(self) -> str:
+        return "".join(b["text"] for b in self.blocks if b["type"] == "text")
+
+    def reasoning(self) -> str:
+        return "".join(b["text"] for b in self.blocks if b["type"] == "reasoning")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "turn_id": self.turn_id,
+            "conversation_id": self.conversation_id,
+            "agent_id": self.agent_id,
+            "revision": self.revision,
+            "status": self.status,
+            "phase": self.phase,
+            "stop_reason": self.stop_reason,
+            "blocks": [dict(b) for b in self.blocks],
+            "pending": [dict(p) for p in self.pending],
+            "usage": dict(self.usage),
+            "error": self.error,
+            "queue_position": self.queue_position,
+            "attempt": self.attempt,
+            "updated_at": self.updated_at,
+        }
+
+
+@dataclass(slots=True)
+class _Block:
+    type: str  # reasoning | text | tool_call | compaction
+    parts: list[str] = field(default_factory=list)
+    call_id: str | None = None
+    name: str | None = None
+    executor: str | None = None
+    status: str | None = None
+    output: str | None = None
+    is_error: bool = False
+
+    def render(self) -> dict[str, Any]:
+        if self.type == "tool_call":
+            return {
+                "type": "tool_call",
+                "call_id": self.call_id,
+                "name": self.name,
+                "arguments": "".join(self.parts),
+                "executor": self.executor,
+                "status": self.status,
+                "output": self.output,
+                "is_error": self.is_error,
+            }
+        return {"type": self.type, "text": "".join(self.parts)}
+
+
+class TurnController:
+    """The only writer of a turn's presentation state. Not thread-safe; lives on the event loop."""
+
+    def __init__(self, turn_id: str, conversation_id: str, agent_id: str, *, revision: int = 0, phase: str = "queued", queue_position: int = 0) -> None:
+        self.turn_id = turn_id
+        self.conversation_id = conversation_id
+        self.agent_id = agent_id
+        self.revision = revision
+        self.status = "running"
+        self.phase = phase
+        self.stop_reason: str | None = None
+        self.error: dict[str, Any] | None = None
+        self.usage: dict[str, int] = {}
+        self.queue_position = queue_position
+        self.attempt = 1
+        self.pending: list[dict[str, Any]] = []
+        self._blocks: list[_Block] = []
+        self._calls: dict[str, _Block] = {}
+        self._cached: TurnSnapshot | None = None
+        self._signal: Latest[int] = Latest(revision, revision)
+
+    # ------------------------------------------------------------ reduce
+
+    def apply(self, event: TurnEvent) -> None:
+        if self.status in TERMINAL_STATUSES:
+            return
+        if isinstance(event, TextDelta):
+            self._append("text", event.text)
+            self.phase = "responding"
+        elif isinstance(event, ReasoningDelta):
+            self._append("reasoning", event.text)
+            self.phase = "reasoning"
+        elif isinstance(event, ToolCallArgsDelta):
+            block = self._calls.get(event.call_id)
+            if block is None:
+                return
+            block.parts.append(event.delta)
+        elif isinstance(event, ToolCallStarted):
+            block = _Block("tool_call", call_id=event.call_id, name=event.name, executor=event.executor, status="streaming")
+            self._blocks.append(block)
+            self._calls[event.call_id] = block
+            self.phase = "acting"
+        elif isinstance(event, ToolCallStatus):
+            block = self._calls.get(event.call_id)
+            if block is None:
+                return
+            block.status = event.status
+            if event.output is not None:
+                block.output = event.output
+                block.is_error = event.is_error
+        elif isinstance(event, PhaseChanged):
+            if self.phase == event.phase:
+                return
+            self.phase = event.phase
+        elif isinstance(event, UsageUpdated):
+            self.usage = dict(event.usage)
+        elif isinstance(event, Retrying):
+            self.phase = "retrying"
+            self.attempt = event.attempt + 1
+            self.error = event.error
+        elif isinstance(event, StepStarted):
+            if self.phase in ("queued", "retrying"):
+                self.phase = "reasoning" if self.phase == "queued" else self.phase
+            if self.error is not None and self.phase != "retrying":
+                self.error = None
+        elif isinstance(event, StreamDiscarded):
+            return
+        elif isinstance(event, Compacted):
+            self._blocks.append(_Block("compaction", [event.summary]))
+            self.phase = "compacting"
+        else:  # pragma: no cover - exhaustive over TurnEvent
+            return
+        self._bump()
+
+    def _append(self, kind: str, text: str) -> None:
+        last = self._blocks[-1] if self._blocks else None
+        if last is not None and last.type == kind:
+            last.parts.append(text)
+        else:
+            self._blocks.append(_Block(kind, [text]))
+
+    def _bump(self) -> None:
+        self.revision += 1
+        self._cached = None
+        self._signal.publish(self.revision, version=self.revision)
+
+    # ------------------------------------------------------------ lifecycle-driven changes
+
+    def set_queue_position(self, position: int) -> None:
+        if self.queue_position != position:
+            self.queue_position = position
+            self._bump()
+
+    def set_pending(self, pending: list[PendingCall]) -> None:
+        self.pending = [p.to_dict() for p in pending if p.status == "pending"]
+        self._bump()
+
+    def pause(self, stop_reason: str, pending: list[PendingCall]) -> None:
+        self.status = "awaiting"
+        self.phase = "awaiting"
+        self.stop_reason = stop_reason
+        self.set_pending(pending)
+
+    def resume(self) -> None:
+        self.status = "running"
+        self.phase = "acting"
+        self.stop_reason = None
+        self.pending = []
+        self._bump()
+
+    def finish(self, status: str, stop_reason: str, error: dict[str, Any] | None = None) -> None:
+        """Publish the terminal state. Called once, after the store commit."""
+        self.status = status
+        self.phase = "finalizing"
+        self.stop_reason = stop_reason
+        self.error = error
+        self.pending = []
+        self.revision += 1
+        self._cached = None
+        self._signal.publish(self.revision, version=self.revision, final=True)
+
+    # ------------------------------------------------------------ read
+
+    def visible_text(self) -> str:
+        return "".join("".join(b.parts) for b in self._blocks if b.type == "text")
+
+    def draft(self) -> dict[str, Any]:
+        return {"text": self.visible_text(), "revision": self.revision}
+
+    def snapshot(self) -> TurnSnapshot:
+        snap = self._cached
+        if snap is None or snap.revision != self.revision:
+            snap = self._cached = TurnSnapshot(
+                turn_id=self.turn_id,
+                conversation_id=self.conversation_id,
+                agent_id=self.agent_id,
+                revision=self.revision,
+                status=self.status,
+                phase=self.phase,
+                stop_reason=self.stop_reason,
+                blocks=tuple(b.render() for b in self._blocks),
+                pending=tuple(self.pending),
+                usage=dict(self.usage),
+                error=self.error,
+                queue_position=self.queue_position,
+                attempt=self.attempt,
+                updated_at=time.time(),
+            )
+        return snap
+
+    async def next_snapshot(self, seen_revision: int, timeout: float | None = None) -> TurnSnapshot:
+        """Wait for a revision newer than `seen_revision` and return the newest snapshot."""
+        await self._signal.wait_newer(seen_revision, timeout)
+        return self.snapshot()
+
+    async def wait_settled(self, timeout: float | None = None, *, after_revision: int = -1) -> TurnSnapshot:
+        """Wait until the turn is terminal or awaiting an answer (at a revision > after_revision)."""
+
+        async def _wait() -> TurnSnapshot:
+            while self.status == "running" or self.revision <= after_revision:
+                if self.status in TERMINAL_STATUSES:
+                    break
+                await self._signal.wait_newer(self.revision)
+            return self.snapshot()
+
+        return await asyncio.wait_for(_wait(), timeout) if timeout is not None else await _wait()
+
+    # ------------------------------------------------------------ rebuild from the store
+
+    def load_messages(self, messages: list[MessageRecord]) -> None:
+        """Rebuild blocks from a turn's committed messages (after a restart, or for a finished turn)."""
+        for m in messages:
+            if m.role == "assistant":
+                if m.reasoning:
+                    self._append("reasoning", m.reasoning)
+                if m.text():
+                    self._append("text", m.text())
+                for c in m.tool_calls:
+                    block = _Block("tool_call", [c.get("arguments", "")], call_id=c["id"], name=c["name"], executor=c.get("executor", "server"), status="streaming")
+                    self._blocks.append(block)
+                    self._calls[c["id"]] = block
+            elif m.role == "tool" and m.tool_call_id in self._calls:
+                block = self._calls[m.tool_call_id]
+                block.status = "failed" if m.is_error else "completed"
+                block.output = m.text()
+                block.is_error = m.is_error
+            elif m.role == "compaction":
+                self._blocks.append(_Block("compaction", [m.text()]))
+        self._cached = None
+
+    def mark_pending_blocks(self, pending: list[PendingCall]) -> None:
+        for p in pending:
+            block = self._calls.get(p.call_id)
+            if block is not None and p.status == "pending":
+                block.status = "pending_approval" if p.kind == "approval" else "awaiting_client"
+        self._cached = None

@@ -1,0 +1,110 @@
+"""The Store interface. SQLite implements it today; a PostgreSQL store can satisfy it later.
+
+No SQLite-only semantics leak through: callers see records, not rows or connections.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import Any
+
+from appserver.store.records import (
+    AgentRecord,
+    ConversationRecord,
+    MessageRecord,
+    PendingCall,
+    TurnCommit,
+    TurnRecord,
+)
+
+
+class StoreError(Exception):
+    pass
+
+
+class DuplicateTurn(Exception):
+    """An idempotency key was already accepted; `turn` is the earlier turn."""
+
+    def __init__(self, turn: TurnRecord) -> None:
+        super().__init__(f"idempotency key already accepted as turn {turn.id}")
+        self.turn = turn
+
+
+class Store(ABC):
+    @abstractmethod
+    async def open(self) -> None: ...
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    # agents
+    @abstractmethod
+    async def create_agent(self, agent: AgentRecord) -> AgentRecord: ...
+    @abstractmethod
+    async def update_agent(self, agent: AgentRecord) -> AgentRecord: ...
+    @abstractmethod
+    async def delete_agent(self, agent_id: str) -> bool: ...
+    @abstractmethod
+    async def get_agent(self, agent_id: str) -> AgentRecord | None: ...
+    @abstractmethod
+    async def find_agents(self, ref: str) -> list[AgentRecord]: ...
+    @abstractmethod
+    async def list_agents(self) -> list[AgentRecord]: ...
+
+    # conversations
+    @abstractmethod
+    async def create_conversation(self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None) -> ConversationRecord: ...
+    @abstractmethod
+    async def get_conversation(self, conversation_id: str) -> ConversationRecord | None: ...
+    @abstractmethod
+    async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None: ...
+    @abstractmethod
+    async def list_conversations(self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0) -> list[ConversationRecord]: ...
+    @abstractmethod
+    async def update_conversation(self, conv: ConversationRecord) -> None: ...
+
+    # messages
+    @abstractmethod
+    async def list_messages(self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None) -> list[MessageRecord]: ...
+    @abstractmethod
+    async def append_messages(self, conversation_id: str, messages: list[MessageRecord]) -> None: ...
+
+    # turns
+    @abstractmethod
+    async def accept_turn(self, turn: TurnRecord, idempotency_scope: str | None = None) -> TurnRecord: ...
+    @abstractmethod
+    async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None: ...
+    @abstractmethod
+    async def purge_idempotency(self, older_than: float) -> int: ...
+    @abstractmethod
+    async def mark_turn_running(self, turn_id: str, owner: str, revision: int) -> None: ...
+    @abstractmethod
+    async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None: ...
+    @abstractmethod
+    async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None: ...
+    @abstractmethod
+    async def get_turn(self, turn_id: str) -> TurnRecord | None: ...
+    @abstractmethod
+    async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]: ...
+    @abstractmethod
+    async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]: ...
+
+    # pending tool calls
+    @abstractmethod
+    async def list_pending(self, turn_id: str) -> list[PendingCall]: ...
+    @abstractmethod
+    async def get_pending(self, conversation_id: str, call_id: str) -> PendingCall | None: ...
+    @abstractmethod
+    async def resolve_pending(
+        self,
+        conversation_id: str,
+        call_id: str,
+        status: str,
+        *,
+        output: str | None = None,
+        is_error: bool = False,
+        reason: str | None = None,
+        decided_by: str | None = None,
+    ) -> bool: ...
+    @abstractmethod
+    async def overdue_pending(self, now: float) -> list[PendingCall]: ...

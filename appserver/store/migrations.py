@@ -1,0 +1,111 @@
+"""Versioned schema migrations. Append a new entry; never edit a released one."""
+
+from __future__ import annotations
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (
+        1,
+        """
+        CREATE TABLE agents (
+            id TEXT PRIMARY KEY,
+            name TEXT NOT NULL,
+            model TEXT NOT NULL,
+            system TEXT NOT NULL DEFAULT '',
+            tools TEXT NOT NULL DEFAULT '{}',
+            params TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE INDEX agents_name ON agents(name);
+
+        CREATE TABLE conversations (
+            id TEXT PRIMARY KEY,
+            agent_id TEXT NOT NULL REFERENCES agents(id) ON DELETE CASCADE,
+            is_default INTEGER NOT NULL DEFAULT 0,
+            title TEXT NOT NULL DEFAULT '',
+            user TEXT,
+            namespace TEXT,
+            forked_from TEXT,
+            metadata TEXT NOT NULL DEFAULT '{}',
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL
+        );
+        CREATE INDEX conversations_agent ON conversations(agent_id, updated_at);
+        CREATE UNIQUE INDEX conversations_default ON conversations(agent_id) WHERE is_default = 1;
+
+        CREATE TABLE turns (
+            id TEXT PRIMARY KEY,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            agent_id TEXT NOT NULL,
+            status TEXT NOT NULL,
+            stop_reason TEXT,
+            error TEXT,
+            idempotency_key TEXT,
+            source TEXT,
+            input TEXT NOT NULL DEFAULT '{}',
+            input_committed INTEGER NOT NULL DEFAULT 0,
+            client_tools TEXT NOT NULL DEFAULT '[]',
+            options TEXT NOT NULL DEFAULT '{}',
+            owner TEXT,
+            draft TEXT,
+            usage TEXT NOT NULL DEFAULT '{}',
+            revision INTEGER NOT NULL DEFAULT 0,
+            iteration INTEGER NOT NULL DEFAULT 0,
+            seq INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL,
+            started_at REAL,
+            ended_at REAL
+        );
+        CREATE INDEX turns_conversation ON turns(conversation_id, seq);
+        CREATE INDEX turns_open ON turns(status) WHERE status IN ('queued', 'running', 'awaiting');
+
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            turn_id TEXT,
+            iteration INTEGER NOT NULL DEFAULT 0,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            tool_calls TEXT,
+            tool_call_id TEXT,
+            name TEXT,
+            is_error INTEGER NOT NULL DEFAULT 0,
+            reasoning TEXT,
+            provider_state TEXT,
+            completion_status TEXT NOT NULL DEFAULT 'completed',
+            source TEXT,
+            created_at REAL NOT NULL
+        );
+        CREATE INDEX messages_conversation ON messages(conversation_id, id);
+
+        CREATE TABLE pending_calls (
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            call_id TEXT NOT NULL,
+            turn_id TEXT NOT NULL,
+            name TEXT NOT NULL,
+            arguments TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            status TEXT NOT NULL DEFAULT 'pending',
+            output TEXT,
+            is_error INTEGER NOT NULL DEFAULT 0,
+            reason TEXT,
+            decided_by TEXT,
+            created_at REAL NOT NULL,
+            expires_at REAL,
+            PRIMARY KEY (conversation_id, call_id)
+        );
+        CREATE INDEX pending_turn ON pending_calls(turn_id);
+        CREATE INDEX pending_open ON pending_calls(status, expires_at) WHERE status = 'pending';
+
+        CREATE TABLE idempotency_keys (
+            scope TEXT NOT NULL,
+            key TEXT NOT NULL,
+            turn_id TEXT NOT NULL,
+            conversation_id TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (scope, key)
+        );
+        CREATE INDEX idempotency_age ON idempotency_keys(created_at);
+        """,
+    ),
+]

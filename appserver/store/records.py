@@ -1,0 +1,182 @@
+"""Typed rows of the store. Plain dataclasses: the store hands these to the runtime and front ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TurnStatus = Literal["queued", "running", "awaiting", "completed", "cancelled", "failed", "interrupted"]
+TERMINAL_TURN_STATUSES: frozenset[str] = frozenset({"completed", "cancelled", "failed", "interrupted"})
+Policy = Literal["allow", "ask", "deny"]
+POLICIES: tuple[str, ...] = ("allow", "ask", "deny")
+
+
+@dataclass(slots=True)
+class AgentRecord:
+    id: str
+    name: str
+    model: str = "echo"
+    system: str = ""
+    tools: dict[str, str] = field(default_factory=dict)  # tool name → allow | ask | deny
+    params: dict[str, Any] = field(default_factory=dict)  # temperature, max_tokens, reasoning_effort, max_steps
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "model": self.model,
+            "system": self.system,
+            "tools": dict(self.tools),
+            "params": dict(self.params),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
+
+@dataclass(slots=True)
+class ConversationRecord:
+    id: str
+    agent_id: str
+    is_default: bool = False
+    title: str = ""
+    user: str | None = None
+    namespace: str | None = None  # the caller namespace that created it (HTTP X-Conversation-Id)
+    forked_from: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "agent_id": self.agent_id,
+            "default": self.is_default,
+            "title": self.title,
+            "user": self.user,
+            "forked_from": self.forked_from,
+            "metadata": dict(self.metadata),
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+        }
+
+
+@dataclass(slots=True)
+class MessageRecord:
+    """One persisted message. `content` is text or a list of parts (text/image)."""
+
+    role: Literal["system", "user", "assistant", "tool", "compaction"]
+    content: str | list[dict[str, Any]] = ""
+    id: int | None = None
+    conversation_id: str = ""
+    turn_id: str | None = None
+    iteration: int = 0
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # [{id, name, arguments, kind}]
+    tool_call_id: str | None = None
+    name: str | None = None
+    is_error: bool = False
+    reasoning: str | None = None
+    provider_state: dict[str, Any] | None = None
+    completion_status: str = "completed"  # completed | cancelled | interrupted | incomplete
+    source: dict[str, Any] | None = None
+    created_at: float = 0.0
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.get("text", "") for p in self.content if p.get("type") in ("text", "input_text"))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "turn_id": self.turn_id,
+            "role": self.role,
+            "content": self.content,
+            "completion_status": self.completion_status,
+            "created_at": self.created_at,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c["id"], "name": c["name"], "arguments": c["arguments"]} for c in self.tool_calls
+            ]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+            out["name"] = self.name
+            out["is_error"] = self.is_error
+        if self.reasoning:
+            out["reasoning"] = self.reasoning
+        if self.source:
+            out["source"] = self.source
+        return out  # provider_state is never part of a client view
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    id: str
+    conversation_id: str
+    agent_id: str
+    status: TurnStatus = "queued"
+    stop_reason: str | None = None
+    error: dict[str, Any] | None = None
+    idempotency_key: str | None = None
+    source: dict[str, Any] | None = None
+    input: dict[str, Any] = field(default_factory=dict)  # {"content": ..., "instructions": ...}
+    input_committed: bool = False
+    client_tools: list[dict[str, Any]] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    owner: str | None = None  # process identity running it
+    draft: dict[str, Any] | None = None  # checkpoint of visible text while running
+    usage: dict[str, int] = field(default_factory=dict)
+    revision: int = 0
+    iteration: int = 0
+    created_at: float = 0.0
+    started_at: float | None = None
+    ended_at: float | None = None
+
+
+PendingKind = Literal["approval", "client"]
+PendingStatus = Literal["pending", "approved", "denied", "result", "expired", "cancelled"]
+
+
+@dataclass(slots=True)
+class PendingCall:
+    call_id: str
+    conversation_id: str
+    turn_id: str
+    name: str
+    arguments: str
+    kind: PendingKind
+    status: PendingStatus = "pending"
+    output: str | None = None
+    is_error: bool = False
+    reason: str | None = None
+    decided_by: str | None = None
+    created_at: float = 0.0
+    expires_at: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "call_id": self.call_id,
+            "name": self.name,
+            "arguments": self.arguments,
+            "kind": self.kind,
+            "status": self.status,
+            "expires_at": self.expires_at,
+        }
+
+
+@dataclass(slots=True)
+class TurnCommit:
+    """Everything one turn (or one segment of it, up to a pause) writes, in one transaction."""
+
+    turn_id: str
+    status: TurnStatus
+    stop_reason: str | None
+    messages: list[MessageRecord] = field(default_factory=list)
+    pending: list[PendingCall] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+    revision: int = 0
+    iteration: int = 0
+    input_committed: bool = True

@@ -1,0 +1,474 @@
+"""SQLite implementation of the Store (WAL, synchronous=NORMAL, one writer connection).
+
+Calls run inline on the event loop thread: each is a few small statements on a local file in WAL
+mode, cheaper than a hop to a worker thread. A PostgreSQL store would await a pool instead; the
+interface is async for that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from appserver.store.base import DuplicateTurn, Store, StoreError
+from appserver.store.migrations import MIGRATIONS
+from appserver.store.records import (
+    AgentRecord,
+    ConversationRecord,
+    MessageRecord,
+    PendingCall,
+    TurnCommit,
+    TurnRecord,
+)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _loads(text: str | None, default: Any = None) -> Any:
+    if text is None:
+        return default
+    return json.loads(text)
+
+
+class SQLiteStore(Store):
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path) if path != ":memory:" else path
+        self._db: sqlite3.Connection | None = None
+        self.fresh = False  # True when open() created the schema (first use of this home)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def open(self) -> None:
+        self.open_sync()
+
+    def open_sync(self) -> None:
+        if self._db is not None:
+            return
+        db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA busy_timeout=10000")
+        self._db = db
+        self._migrate()
+        if isinstance(self.path, Path):
+            try:
+                self.path.chmod(0o600)
+            except OSError:
+                pass
+
+    async def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError("store is not open")
+        return self._db
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        db = self.db
+        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+        current = row[0] or 0
+        self.fresh = current == 0
+        known = max(v for v, _ in MIGRATIONS)
+        if current > known:
+            raise StoreError(f"database schema version {current} is newer than this appserver ({known})")
+        for version, script in MIGRATIONS:
+            if version <= current:
+                continue
+            with self._tx() as tx:
+                for statement in script.split(";"):
+                    if statement.strip():
+                        tx.execute(statement)
+                tx.execute("INSERT INTO schema_version(version) VALUES (?)", (version,))
+
+    # ------------------------------------------------------------ agents
+
+    @staticmethod
+    def _agent(row: sqlite3.Row) -> AgentRecord:
+        return AgentRecord(
+            id=row["id"],
+            name=row["name"],
+            model=row["model"],
+            system=row["system"],
+            tools=_loads(row["tools"], {}),
+            params=_loads(row["params"], {}),
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+        )
+
+    async def create_agent(self, agent: AgentRecord) -> AgentRecord:
+        now = time.time()
+        agent.created_at = agent.created_at or now
+        agent.updated_at = now
+        with self._tx() as tx:
+            tx.execute(
+                "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?)",
+                (agent.id, agent.name, agent.model, agent.system, _dumps(agent.tools), _dumps(agent.params), agent.created_at, agent.updated_at),
+            )
+        return agent
+
+    async def update_agent(self, agent: AgentRecord) -> AgentRecord:
+        agent.updated_at = time.time()
+        with self._tx() as tx:
+            cur = tx.execute(
+                "UPDATE agents SET name=?, model=?, system=?, tools=?, params=?, updated_at=? WHERE id=?",
+                (agent.name, agent.model, agent.system, _dumps(agent.tools), _dumps(agent.params), agent.updated_at, agent.id),
+            )
+            if cur.rowcount == 0:
+                raise StoreError(f"agent {agent.id} does not exist")
+        return agent
+
+    async def delete_agent(self, agent_id: str) -> bool:
+        with self._tx() as tx:
+            tx.execute("DELETE FROM turns WHERE agent_id=?", (agent_id,))
+            cur = tx.execute("DELETE FROM agents WHERE id=?", (agent_id,))
+            return cur.rowcount > 0
+
+    async def get_agent(self, agent_id: str) -> AgentRecord | None:
+        row = self.db.execute("SELECT * FROM agents WHERE id=?", (agent_id,)).fetchone()
+        return self._agent(row) if row else None
+
+    async def find_agents(self, ref: str) -> list[AgentRecord]:
+        rows = self.db.execute("SELECT * FROM agents WHERE id=? OR name=? ORDER BY created_at", (ref, ref)).fetchall()
+        return [self._agent(r) for r in rows]
+
+    async def list_agents(self) -> list[AgentRecord]:
+        return [self._agent(r) for r in self.db.execute("SELECT * FROM agents ORDER BY created_at, id")]
+
+    # ------------------------------------------------------------ conversations
+
+    @staticmethod
+    def _conversation(row: sqlite3.Row) -> ConversationRecord:
+        return ConversationRecord(
+            id=row["id"],
+            agent_id=row["agent_id"],
+            is_default=bool(row["is_default"]),
+            title=row["title"],
+            user=row["user"],
+            namespace=row["namespace"],
+            forked_from=row["forked_from"],
+            metadata=_loads(row["metadata"], {}),
+            created_at=row["created_at"],
+            updated_at=row["updated_at"],
+        )
+
+    async def create_conversation(self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None) -> ConversationRecord:
+        now = time.time()
+        conv.created_at = conv.created_at or now
+        conv.updated_at = now
+        with self._tx() as tx:
+            tx.execute(
+                "INSERT INTO conversations(id, agent_id, is_default, title, user, namespace, forked_from, metadata, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (conv.id, conv.agent_id, int(conv.is_default), conv.title, conv.user, conv.namespace, conv.forked_from, _dumps(conv.metadata), conv.created_at, conv.updated_at),
+            )
+            if copy_messages is not None:
+                ids = list(copy_messages)
+                for mid in ids:
+                    tx.execute(
+                        "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at) "
+                        "SELECT ?, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at FROM messages WHERE id=?",
+                        (conv.id, mid),
+                    )
+        return conv
+
+    async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
+        row = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+        return self._conversation(row) if row else None
+
+    async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
+        row = self.db.execute("SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,)).fetchone()
+        return self._conversation(row) if row else None
+
+    async def list_conversations(self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0) -> list[ConversationRecord]:
+        if agent_id is None:
+            rows = self.db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id LIMIT ? OFFSET ?", (limit, offset))
+        else:
+            rows = self.db.execute(
+                "SELECT * FROM conversations WHERE agent_id=? ORDER BY updated_at DESC, id LIMIT ? OFFSET ?", (agent_id, limit, offset)
+            )
+        return [self._conversation(r) for r in rows]
+
+    async def update_conversation(self, conv: ConversationRecord) -> None:
+        with self._tx() as tx:
+            tx.execute(
+                "UPDATE conversations SET title=?, user=?, metadata=?, updated_at=? WHERE id=?",
+                (conv.title, conv.user, _dumps(conv.metadata), time.time(), conv.id),
+            )
+
+    # ------------------------------------------------------------ messages
+
+    @staticmethod
+    def _message(row: sqlite3.Row) -> MessageRecord:
+        return MessageRecord(
+            id=row["id"],
+            conversation_id=row["conversation_id"],
+            turn_id=row["turn_id"],
+            iteration=row["iteration"],
+            role=row["role"],
+            content=_loads(row["content"], ""),
+            tool_calls=_loads(row["tool_calls"], []) or [],
+            tool_call_id=row["tool_call_id"],
+            name=row["name"],
+            is_error=bool(row["is_error"]),
+            reasoning=row["reasoning"],
+            provider_state=_loads(row["provider_state"]),
+            completion_status=row["completion_status"],
+            source=_loads(row["source"]),
+            created_at=row["created_at"],
+        )
+
+    async def list_messages(self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None) -> list[MessageRecord]:
+        if before_id is None and limit is None:
+            rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)).fetchall()
+        else:
+            rows = self.db.execute(
+                "SELECT * FROM messages WHERE conversation_id=? AND id < ? ORDER BY id DESC LIMIT ?",
+                (conversation_id, before_id if before_id is not None else 2**62, limit if limit is not None else -1),
+            ).fetchall()
+            rows.reverse()
+        return [self._message(r) for r in rows]
+
+    @staticmethod
+    def _insert_message(tx: sqlite3.Connection, conversation_id: str, m: MessageRecord, now: float) -> None:
+        m.conversation_id = conversation_id
+        m.created_at = m.created_at or now
+        cur = tx.execute(
+            "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                conversation_id,
+                m.turn_id,
+                m.iteration,
+                m.role,
+                _dumps(m.content),
+                _dumps(m.tool_calls) if m.tool_calls else None,
+                m.tool_call_id,
+                m.name,
+                int(m.is_error),
+                m.reasoning,
+                _dumps(m.provider_state) if m.provider_state is not None else None,
+                m.completion_status,
+                _dumps(m.source) if m.source is not None else None,
+                m.created_at,
+            ),
+        )
+        m.id = cur.lastrowid
+
+    async def append_messages(self, conversation_id: str, messages: list[MessageRecord]) -> None:
+        now = time.time()
+        with self._tx() as tx:
+            for m in messages:
+                self._insert_message(tx, conversation_id, m, now)
+            tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
+
+    # ------------------------------------------------------------ turns
+
+    @staticmethod
+    def _turn(row: sqlite3.Row) -> TurnRecord:
+        return TurnRecord(
+            id=row["id"],
+            conversation_id=row["conversation_id"],
+            agent_id=row["agent_id"],
+            status=row["status"],
+            stop_reason=row["stop_reason"],
+            error=_loads(row["error"]),
+            idempotency_key=row["idempotency_key"],
+            source=_loads(row["source"]),
+            input=_loads(row["input"], {}),
+            input_committed=bool(row["input_committed"]),
+            client_tools=_loads(row["client_tools"], []),
+            options=_loads(row["options"], {}),
+            owner=row["owner"],
+            draft=_loads(row["draft"]),
+            usage=_loads(row["usage"], {}),
+            revision=row["revision"],
+            iteration=row["iteration"],
+            created_at=row["created_at"],
+            started_at=row["started_at"],
+            ended_at=row["ended_at"],
+        )
+
+    async def accept_turn(self, turn: TurnRecord, idempotency_scope: str | None = None) -> TurnRecord:
+        """Record an accepted input. With an idempotency key already used in `scope`, raise DuplicateTurn."""
+        now = time.time()
+        turn.created_at = turn.created_at or now
+        with self._tx() as tx:
+            if turn.idempotency_key and idempotency_scope:
+                row = tx.execute(
+                    "SELECT turn_id FROM idempotency_keys WHERE scope=? AND key=?", (idempotency_scope, turn.idempotency_key)
+                ).fetchone()
+                if row is not None:
+                    existing = tx.execute("SELECT * FROM turns WHERE id=?", (row["turn_id"],)).fetchone()
+                    if existing is not None:
+                        raise DuplicateTurn(self._turn(existing))
+                    tx.execute("DELETE FROM idempotency_keys WHERE scope=? AND key=?", (idempotency_scope, turn.idempotency_key))
+                tx.execute(
+                    "INSERT INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) VALUES (?,?,?,?,?)",
+                    (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now),
+                )
+            tx.execute(
+                "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, client_tools, options, owner, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    turn.id,
+                    turn.conversation_id,
+                    turn.agent_id,
+                    turn.status,
+                    turn.idempotency_key,
+                    _dumps(turn.source) if turn.source is not None else None,
+                    _dumps(turn.input),
+                    _dumps(turn.client_tools),
+                    _dumps(turn.options),
+                    turn.owner,
+                    turn.created_at,
+                ),
+            )
+        return turn
+
+    async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
+        row = self.db.execute(
+            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=? AND k.key=?", (scope, key)
+        ).fetchone()
+        return self._turn(row) if row else None
+
+    async def purge_idempotency(self, older_than: float) -> int:
+        with self._tx() as tx:
+            return tx.execute("DELETE FROM idempotency_keys WHERE created_at < ?", (older_than,)).rowcount
+
+    async def mark_turn_running(self, turn_id: str, owner: str, revision: int) -> None:
+        with self._tx() as tx:
+            tx.execute(
+                "UPDATE turns SET status='running', owner=?, revision=?, started_at=COALESCE(started_at, ?) WHERE id=?",
+                (owner, revision, time.time(), turn_id),
+            )
+
+    async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
+        self.db.execute("UPDATE turns SET draft=? WHERE id=?", (_dumps(draft), turn_id))
+
+    async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
+        now = time.time()
+        terminal = commit.status in ("completed", "cancelled", "failed", "interrupted")
+        with self._tx() as tx:
+            for m in commit.messages:
+                m.turn_id = m.turn_id or commit.turn_id
+                self._insert_message(tx, conversation_id, m, now)
+            for p in commit.pending:
+                tx.execute(
+                    "INSERT INTO pending_calls(conversation_id, call_id, turn_id, name, arguments, kind, status, output, is_error, reason, decided_by, created_at, expires_at) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (conversation_id, p.call_id, p.turn_id, p.name, p.arguments, p.kind, p.status, p.output, int(p.is_error), p.reason, p.decided_by, p.created_at or now, p.expires_at),
+                )
+            tx.execute(
+                "UPDATE turns SET status=?, stop_reason=?, error=?, usage=?, revision=?, iteration=?, input_committed=?, draft=NULL, ended_at=? WHERE id=?",
+                (
+                    commit.status,
+                    commit.stop_reason,
+                    _dumps(commit.error) if commit.error is not None else None,
+                    _dumps(commit.usage),
+                    commit.revision,
+                    commit.iteration,
+                    int(commit.input_committed),
+                    now if terminal else None,
+                    commit.turn_id,
+                ),
+            )
+            if terminal:
+                # Pending calls that never got an answer are closed with the turn.
+                tx.execute("UPDATE pending_calls SET status='cancelled' WHERE turn_id=? AND status='pending'", (commit.turn_id,))
+            tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
+
+    async def get_turn(self, turn_id: str) -> TurnRecord | None:
+        row = self.db.execute("SELECT * FROM turns WHERE id=?", (turn_id,)).fetchone()
+        return self._turn(row) if row else None
+
+    async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]:
+        if statuses is None:
+            rows = self.db.execute("SELECT * FROM turns WHERE conversation_id=? ORDER BY rowid", (conversation_id,))
+        else:
+            st = list(statuses)
+            rows = self.db.execute(
+                f"SELECT * FROM turns WHERE conversation_id=? AND status IN ({','.join('?' * len(st))}) ORDER BY rowid",
+                (conversation_id, *st),
+            )
+        return [self._turn(r) for r in rows]
+
+    async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]:
+        st = list(statuses)
+        rows = self.db.execute(f"SELECT * FROM turns WHERE status IN ({','.join('?' * len(st))}) ORDER BY rowid", st)
+        return [self._turn(r) for r in rows]
+
+    # ------------------------------------------------------------ pending calls
+
+    @staticmethod
+    def _pending(row: sqlite3.Row) -> PendingCall:
+        return PendingCall(
+            call_id=row["call_id"],
+            conversation_id=row["conversation_id"],
+            turn_id=row["turn_id"],
+            name=row["name"],
+            arguments=row["arguments"],
+            kind=row["kind"],
+            status=row["status"],
+            output=row["output"],
+            is_error=bool(row["is_error"]),
+            reason=row["reason"],
+            decided_by=row["decided_by"],
+            created_at=row["created_at"],
+            expires_at=row["expires_at"],
+        )
+
+    async def list_pending(self, turn_id: str) -> list[PendingCall]:
+        rows = self.db.execute("SELECT * FROM pending_calls WHERE turn_id=? ORDER BY created_at, rowid", (turn_id,))
+        return [self._pending(r) for r in rows]
+
+    async def get_pending(self, conversation_id: str, call_id: str) -> PendingCall | None:
+        row = self.db.execute("SELECT * FROM pending_calls WHERE conversation_id=? AND call_id=?", (conversation_id, call_id)).fetchone()
+        return self._pending(row) if row else None
+
+    async def resolve_pending(
+        self,
+        conversation_id: str,
+        call_id: str,
+        status: str,
+        *,
+        output: str | None = None,
+        is_error: bool = False,
+        reason: str | None = None,
+        decided_by: str | None = None,
+    ) -> bool:
+        """Answer one pending call. First answer wins: returns False when it was already answered."""
+        with self._tx() as tx:
+            cur = tx.execute(
+                "UPDATE pending_calls SET status=?, output=?, is_error=?, reason=?, decided_by=? WHERE conversation_id=? AND call_id=? AND status='pending'",
+                (status, output, int(is_error), reason, decided_by, conversation_id, call_id),
+            )
+            return cur.rowcount == 1
+
+    async def overdue_pending(self, now: float) -> list[PendingCall]:
+        rows = self.db.execute(
+            "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= ? ORDER BY expires_at", (now,)
+        )
+        return [self._pending(r) for r in rows]

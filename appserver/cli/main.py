@@ -10,6 +10,7 @@ from appserver.cli.agents import agents_group
 from appserver.cli.conversations import conversations_group
 from appserver.cli.run import run_command
 from appserver.cli.serve import serve_command
+from appserver.cli.token import token_group
 
 
 @click.group()
@@ -24,6 +25,7 @@ main.add_command(serve_command)
 main.add_command(agents_group)
 main.add_command(conversations_group)
 main.add_command(run_command)
+main.add_command(token_group)
 
 if __name__ == "__main__":
     main()

@@ -11,28 +11,18 @@ from collections.abc import Iterator
 import click
 import uvicorn
 
+from appserver.auth import Authenticator
 from appserver.cli.common import fail, get_config
-from appserver.config import Config
+from appserver.config import Config, ConfigError
+from appserver.http.guard import SecurityGuard
+from appserver.logredact import from_config as redactor_from_config
+from appserver.logredact import install as install_redactor
+from appserver.netaddr import check_bind_allowed, parse_listen
 from appserver.http.app import build_app
 from appserver.server import Server
 from appserver.serverinfo import read_live_server, remove_server_json, write_server_json
 
 log = logging.getLogger("appserver.serve")
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[::1]:PORT` or `PORT` → (host, port)."""
-    text = listen.strip()
-    if text.isdigit():
-        return "127.0.0.1", int(text)
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest.lstrip(":")
-    else:
-        host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"invalid listen address {listen!r}: use HOST:PORT, [::1]:PORT or PORT")
-    return host, int(port)
 
 
 def url_for(host: str, port: int, tls: bool = False) -> str:
@@ -61,10 +51,30 @@ class _UvicornServer(uvicorn.Server):
         self.should_exit = True
 
 
+def build_asgi(config: Config, server: Server) -> tuple[SecurityGuard, Authenticator]:
+    """The whole app behind the security guard: every route, present and future, is covered."""
+    authenticator = Authenticator(config)
+    return SecurityGuard(build_app(server), config, authenticator), authenticator
+
+
 async def serve_async(config: Config, host: str, port: int) -> None:
     server = Server(config)
-    app = build_app(server)
-    uv = _UvicornServer(uvicorn.Config(app, host=host, port=port, lifespan="on", log_level="warning", server_header=False, timeout_graceful_shutdown=5))
+    app, authenticator = build_asgi(config, server)
+    tls = bool(config.server.tls_cert and config.server.tls_key)
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level="warning",
+        server_header=False,
+        timeout_graceful_shutdown=5,
+        ws_max_size=config.limits.ws_frame_max_bytes,
+        ssl_certfile=config.server.tls_cert if tls else None,
+        ssl_keyfile=config.server.tls_key if tls else None,
+    )
+    install_redactor(redactor_from_config(config, authenticator.secrets()))
+    uv = _UvicornServer(uv_config)
     task = asyncio.create_task(uv.serve())
     while not uv.started:
         if task.done():
@@ -72,7 +82,7 @@ async def serve_async(config: Config, host: str, port: int) -> None:
             fail(f"could not start on {host}:{port}", 1)
         await asyncio.sleep(0.02)
     bound_port = uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
-    url = url_for(host, bound_port)
+    url = url_for(host, bound_port, tls)
     write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
     click.echo(f"appserver listening on {url}  (home {config.home})", err=False)
     try:
@@ -83,16 +93,28 @@ async def serve_async(config: Config, host: str, port: int) -> None:
 
 @click.command("serve")
 @click.option("--listen", default=None, help="HOST:PORT to bind (default 127.0.0.1:8770).")
-def serve_command(listen: str | None) -> None:
+@click.option("--auth", "auth_mode", type=click.Choice(["none", "token", "jwt"]), default=None, help="Authentication mode (overrides [auth] mode).")
+@click.option("--tls-cert", default=None, type=click.Path(dir_okay=False), help="PEM certificate: serve https.")
+@click.option("--tls-key", default=None, type=click.Path(dir_okay=False), help="PEM private key for --tls-cert.")
+def serve_command(listen: str | None, auth_mode: str | None, tls_cert: str | None, tls_key: str | None) -> None:
     """Run the server."""
     config = get_config()
+    if auth_mode:
+        config.auth.mode = auth_mode
+    if tls_cert or tls_key:
+        if not (tls_cert and tls_key):
+            fail("--tls-cert and --tls-key go together", 2)
+        config.server.tls_cert, config.server.tls_key = tls_cert, tls_key
     try:
-        host, port = split_listen(listen or config.server.listen)
-    except ValueError as exc:
+        addr = parse_listen(listen or config.server.listen)
+        check_bind_allowed(addr, config.auth.mode)
+        Authenticator(config)  # a bad JWT/token configuration fails here, before any socket opens
+    except (ValueError, ConfigError) as exc:
         fail(str(exc), 2)
+    host, port = addr.host, addr.port
     live = read_live_server(config.server_json)
     if live is not None:
         fail(f"a server already runs on this home: {live.get('url')} (pid {live.get('pid')})", 3)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config.server.listen = f"{host}:{port}"
+    config.server.listen = str(addr)
     asyncio.run(serve_async(config, host, port))

@@ -11,7 +11,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 
+from appserver.http.openai_routes import openai_routes
 from appserver.server import Server
+from appserver.ws.routes import ws_routes
 
 
 async def healthz(request: Request) -> JSONResponse:
@@ -43,6 +45,8 @@ def build_app(server: Server, *, extra_routes: list[BaseRoute] | None = None, on
             await server.close()
 
     routes: list[BaseRoute] = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
+    routes.extend(openai_routes(server))
+    routes.extend(ws_routes(server))
     routes.extend(extra_routes or [])
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.server = server

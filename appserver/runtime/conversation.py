@@ -76,6 +76,7 @@ class ConversationRuntime:
         self._awaiting: TurnRecord | None = None
         self._resume_ready: list[PendingCall] | None = None
         self._expiry: asyncio.TimerHandle | None = None
+        self._draft_timer: asyncio.TimerHandle | None = None
         self._shutdown = False
 
     # ------------------------------------------------------------ state
@@ -224,7 +225,7 @@ class ConversationRuntime:
                 controller.apply(event)
 
             self._turn_task = asyncio.get_running_loop().create_task(kernel.agent_loop.run(work, emit, resolutions))
-            drafts = asyncio.get_running_loop().create_task(self._checkpoint_drafts(lease, controller, record.id))
+            drafts = self._schedule_draft(lease, controller, record.id, -1)
             try:
                 outcome = await self._turn_task
             except asyncio.CancelledError:
@@ -233,6 +234,9 @@ class ConversationRuntime:
                 outcome = LoopOutcome("interrupted" if self._shutdown else "cancelled", "cancelled")
             finally:
                 drafts.cancel()
+                if self._draft_timer is not None:
+                    self._draft_timer.cancel()
+                    self._draft_timer = None
                 self._turn_task = None
         except StaleLease:
             return
@@ -245,15 +249,24 @@ class ConversationRuntime:
                 work.new_messages.append(MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source))
         await self._finish(lease, record, work, controller, outcome)
 
-    async def _checkpoint_drafts(self, lease: Lease, controller: TurnController, turn_id: str) -> None:
-        """Persist the visible text now and then, so a killed server keeps what was shown."""
+    def _schedule_draft(self, lease: Lease, controller: TurnController, turn_id: str, saved: int) -> asyncio.TimerHandle:
+        """Persist the visible text now and then, so a killed server keeps what was shown.
+
+        A timer, not a task: most turns end before the first tick and then cost nothing.
+        """
         interval = self.kernel.config.limits.draft_interval_s
-        saved = -1
-        while self.lifecycle.is_current(lease):
-            await asyncio.sleep(interval)
-            if controller.revision != saved and self.lifecycle.is_current(lease):
-                saved = controller.revision
-                await self.kernel.store.save_draft(turn_id, controller.draft())
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            if not self.lifecycle.is_current(lease):
+                return
+            nonlocal_saved = saved
+            if controller.revision != saved and controller.visible_text():
+                nonlocal_saved = controller.revision
+                loop.create_task(self.kernel.store.save_draft(turn_id, controller.draft()))
+            self._draft_timer = self._schedule_draft(lease, controller, turn_id, nonlocal_saved)
+
+        return loop.call_later(interval, tick)
 
     async def _finish(self, lease: Lease, record: TurnRecord, work: TurnWork, controller: TurnController, outcome: LoopOutcome) -> None:
         """The one place a turn (segment) ends: commit, then publish, then release the lifecycle."""

@@ -395,7 +395,7 @@ class SQLiteStore(Store):
                     commit.turn_id,
                 ),
             )
-            if terminal:
+            if terminal and (commit.iteration > 1 or commit.pending or commit.stop_reason != "end_turn"):
                 # Pending calls that never got an answer are closed with the turn.
                 tx.execute("UPDATE pending_calls SET status='cancelled' WHERE turn_id=? AND status='pending'", (commit.turn_id,))
             tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))

@@ -1,0 +1,407 @@
+"""`appserver cron add|list|show|remove|enable|disable|logs|preview`.
+
+`run` needs the kernel and is added by the main CLI (see `cron.runner.run_task_now`). Agent
+existence is checked by the injected `validate_agent(config, agent) -> agent id`, which the main CLI
+supplies through `build_cron_group`; by default any agent name is accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import click
+
+from appserver.config import Config, ConfigError, load_config
+from appserver.fsutil import CorruptStateFile
+from cron.runlog import read_runs
+from cron.schedule import (
+    ScheduleError,
+    ScheduleSpec,
+    due_time,
+    get_zone,
+    local_zone_name,
+    normalize_cron,
+    parse_duration,
+    upcoming,
+)
+from cron.store import (
+    DEFAULT_MAX_LATENESS_S,
+    CronStore,
+    CronStoreError,
+    CronTask,
+    make_task,
+    utcnow,
+)
+
+ValidateAgent = Callable[[Config, str], str]
+F = TypeVar("F", bound=Callable[..., Any])
+
+_USER_ERRORS = (
+    CronStoreError,
+    ScheduleError,
+    CorruptStateFile,
+    ConfigError,
+    LookupError,
+    ValueError,
+)
+
+
+def _accept_any_agent(cfg: Config, agent: str) -> str:
+    return agent
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _user_errors(fn: F) -> F:
+    """Every known failure becomes `Error: <one line>` and exit code 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except _USER_ERRORS as exc:
+            raise click.ClickException(_one_line(exc)) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _config() -> Config:
+    return load_config()
+
+
+def _store(cfg: Config) -> CronStore:
+    store = CronStore(cfg.home)
+    for path in store.corrupt_files():
+        click.echo(
+            f"warning: {path} was set aside as unreadable; its tasks are not active "
+            "(fix and move it back to crons.json, or delete it)",
+            err=True,
+        )
+    return store
+
+
+def _local(dt: datetime | None, tz: str) -> str:
+    if dt is None:
+        return "-"
+    try:
+        return dt.astimezone(get_zone(tz)).strftime("%Y-%m-%d %H:%M:%S %Z")
+    except ScheduleError:
+        return dt.isoformat()
+
+
+def _schedule_text(t: CronTask) -> str:
+    s = t.schedule
+    return {
+        "cron": f"cron {s.expr}",
+        "every": f"every {s.expr}",
+        "at": f"at {s.expr}",
+        "in": f"in {s.expr}",
+    }[s.kind] + ("" if s.kind == "every" else f" [{s.tz}]")
+
+
+def _task_json(t: CronTask) -> dict[str, Any]:
+    return {**t.to_dict(), "state": t.state}
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def _spec_from_options(
+    cron_expr: str | None, every: str | None, at: str | None, in_: str | None, tz: str | None
+) -> ScheduleSpec:
+    given = [
+        (k, v)
+        for k, v in (("cron", cron_expr), ("every", every), ("at", at), ("in", in_))
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one of --cron, --every, --at, --in")
+    kind, expr = given[0]
+    zone = tz or local_zone_name()
+    get_zone(zone)
+    if kind == "cron":
+        expr = normalize_cron(expr)
+    return ScheduleSpec(kind, expr.strip(), zone)
+
+
+def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Group:
+    """The `cron` command group. `validate_agent(config, agent)` returns the agent id to store or
+    raises LookupError/ValueError with a user-facing message; the default accepts any name."""
+    check_agent = validate_agent or _accept_any_agent
+
+    @click.group("cron")
+    def group() -> None:
+        """Schedule agent prompts: cron expressions, intervals and one-shot reminders."""
+
+    @group.command("add")
+    @click.option("--name", required=True, help="Task name, unique per agent.")
+    @click.option("--agent", required=True, help="Agent that runs the prompt.")
+    @click.option(
+        "--cron", "cron_expr", default=None, help="5-field cron expression, e.g. '0 8 * * 1-5'."
+    )
+    @click.option(
+        "--tz", default=None, help="IANA timezone for --cron/--at (default: this machine's)."
+    )
+    @click.option("--every", default=None, help="Fixed interval, e.g. 30m, 2h, 1d.")
+    @click.option("--at", default=None, help="One-shot wall time 'YYYY-MM-DD HH:MM' in --tz.")
+    @click.option("--in", "in_", default=None, help="One-shot after a delay, e.g. 2h.")
+    @click.option("--prompt", required=True, help="What the agent is asked to do.")
+    @click.option(
+        "--conversation",
+        default="new",
+        show_default=True,
+        help="new, default, or a conversation id.",
+    )
+    @click.option(
+        "--misfire",
+        type=click.Choice(["skip", "run_once", "run_all"]),
+        default="skip",
+        show_default=True,
+        help="What to do with occurrences missed while the server was down.",
+    )
+    @click.option(
+        "--max-lateness",
+        default=None,
+        help=f"How late a run may start before it counts as missed (default {DEFAULT_MAX_LATENESS_S:g}s).",
+    )
+    @click.option("--exact", is_flag=True, help="No jitter: fire exactly at the scheduled second.")
+    @click.option("--deliver", default=None, help="Deliver the reply to channel:account:chat.")
+    @click.option("--json", "as_json", is_flag=True, help="Print the new task as JSON.")
+    @_user_errors
+    def add_cmd(
+        name: str,
+        agent: str,
+        cron_expr: str | None,
+        tz: str | None,
+        every: str | None,
+        at: str | None,
+        in_: str | None,
+        prompt: str,
+        conversation: str,
+        misfire: str,
+        max_lateness: str | None,
+        exact: bool,
+        deliver: str | None,
+        as_json: bool,
+    ) -> None:
+        """Add a task. Everything is validated first; a refused task writes nothing."""
+        spec = _spec_from_options(cron_expr, every, at, in_, tz)
+        lateness = (
+            DEFAULT_MAX_LATENESS_S
+            if max_lateness is None
+            else parse_duration(max_lateness, allow_zero=True).total_seconds()
+        )
+        cfg = _config()
+        agent_id = check_agent(cfg, agent)
+        task = make_task(
+            name=name,
+            agent=agent_id,
+            schedule=spec,
+            prompt=prompt,
+            now=utcnow(),
+            conversation=conversation,
+            misfire=misfire,
+            max_lateness_s=lateness,
+            exact=exact,
+            deliver=deliver,
+        )
+        _store(cfg).add(task)
+        if not cfg.cron.enabled:
+            click.echo(
+                "note: the scheduler is off here (APPSERVER_DISABLE_CRON=1 or [cron] enabled = false)",
+                err=True,
+            )
+        if as_json:
+            click.echo(json.dumps(_task_json(task)))
+        else:
+            click.echo(
+                f"added cron task {task.name} ({task.id}) for agent {task.agent}; "
+                f"next run {_local(task.next_due_at, task.schedule.tz)}"
+            )
+
+    @group.command("list")
+    @click.option("--agent", default=None, help="Only this agent's tasks.")
+    @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+    @_user_errors
+    def list_cmd(agent: str | None, as_json: bool) -> None:
+        """List tasks with their next run and state."""
+        tasks = _store(_config()).list(agent)
+        if as_json:
+            click.echo(json.dumps([_task_json(t) for t in tasks]))
+            return
+        if not tasks:
+            click.echo("no cron tasks")
+            return
+        rows = [["ID", "NAME", "AGENT", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
+        for t in tasks:
+            rows.append(
+                [
+                    t.id,
+                    t.name,
+                    t.agent,
+                    _schedule_text(t),
+                    _local(t.next_due_at if t.enabled else None, t.schedule.tz),
+                    t.state,
+                    str(t.occurrence),
+                    (t.last_error or "")[:60],
+                ]
+            )
+        click.echo(_table(rows))
+
+    @group.command("show")
+    @click.argument("ref")
+    @click.option("--agent", default=None, help="Disambiguate a name used by several agents.")
+    @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+    @_user_errors
+    def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
+        """Show one task (by id or name)."""
+        task = _store(_config()).read().find(ref, agent)
+        if as_json:
+            click.echo(json.dumps(_task_json(task)))
+            return
+        tz = task.schedule.tz
+        fields = [
+            ("id", task.id),
+            ("name", task.name),
+            ("agent", task.agent),
+            ("schedule", _schedule_text(task)),
+            ("state", task.state),
+            ("next scheduled", _local(task.next_fire_at, tz)),
+            ("next run (with jitter)", _local(task.next_due_at, tz)),
+            ("conversation", task.conversation),
+            ("misfire", f"{task.misfire} (max lateness {task.max_lateness_s:g}s)"),
+            ("exact", "yes" if task.exact else "no"),
+            ("deliver", task.deliver or "-"),
+            ("runs", str(task.occurrence)),
+            ("last error", task.last_error or "-"),
+            ("created", _local(task.created_at, tz)),
+            ("prompt", task.prompt),
+        ]
+        width = max(len(k) for k, _ in fields)
+        for k, v in fields:
+            click.echo(f"{k.ljust(width)}  {v}")
+
+    def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
+        return _store(_config()).set_enabled(ref, enabled, agent=agent)
+
+    @group.command("enable")
+    @click.argument("ref")
+    @click.option("--agent", default=None)
+    @_user_errors
+    def enable_cmd(ref: str, agent: str | None) -> None:
+        """Enable a task; a recurring one resumes from now (no catch-up for the disabled period)."""
+        t = _toggle(ref, agent, True)
+        click.echo(f"enabled {t.name} ({t.id}); next run {_local(t.next_due_at, t.schedule.tz)}")
+
+    @group.command("disable")
+    @click.argument("ref")
+    @click.option("--agent", default=None)
+    @_user_errors
+    def disable_cmd(ref: str, agent: str | None) -> None:
+        """Disable a task without removing it."""
+        t = _toggle(ref, agent, False)
+        click.echo(f"disabled {t.name} ({t.id})")
+
+    @group.command("remove")
+    @click.argument("ref")
+    @click.option("--agent", default=None)
+    @_user_errors
+    def remove_cmd(ref: str, agent: str | None) -> None:
+        """Remove a task (its run log stays in cron-runs/)."""
+        t = _store(_config()).remove(ref, agent)
+        click.echo(f"removed {t.name} ({t.id})")
+
+    @group.command("logs")
+    @click.argument("ref")
+    @click.option("--agent", default=None)
+    @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+    @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of run-log records.")
+    @_user_errors
+    def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
+        """Show the run log: fires, submissions, outcomes, misses and errors."""
+        store = _store(_config())
+        task = store.read().find(ref, agent)
+        records = read_runs(store.runs_dir, task.id, limit=limit)
+        if as_json:
+            click.echo(json.dumps(records))
+            return
+        if not records:
+            click.echo(f"no runs yet for {task.name}")
+            return
+        for r in records:
+            click.echo(_log_line(r, task.schedule.tz))
+
+    @group.command("preview")
+    @click.argument("ref")
+    @click.option("--agent", default=None)
+    @click.option("--count", type=click.IntRange(min=1, max=1000), default=5, show_default=True)
+    @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+    @_user_errors
+    def preview_cmd(ref: str, agent: str | None, count: int, as_json: bool) -> None:
+        """The next fire times in the task's timezone (nominal, and with jitter)."""
+        task = _store(_config()).read().find(ref, agent)
+        now = utcnow()
+        start = min(now, task.next_fire_at) if task.next_fire_at else now
+        times = upcoming(task.schedule, start - _EPS, task.created_at, count)
+        out = []
+        for nominal in times:
+            due = due_time(
+                task.schedule,
+                nominal,
+                task_id=task.id,
+                created_at=task.created_at,
+                exact=task.exact,
+            )
+            out.append({"scheduled_for": nominal.isoformat(), "fires_at": due.isoformat()})
+        if as_json:
+            click.echo(json.dumps(out))
+            return
+        if not out:
+            click.echo(f"{task.name} has no upcoming runs")
+        for nominal, o in zip(times, out, strict=True):
+            due = datetime.fromisoformat(o["fires_at"])
+            jitter = (due - nominal).total_seconds()
+            extra = f"  (fires {jitter:+.0f}s)" if abs(jitter) >= 0.5 else ""
+            click.echo(_local(nominal, task.schedule.tz) + extra)
+
+    return group
+
+
+_EPS = timedelta(microseconds=1)
+
+
+def _log_line(r: dict[str, Any], tz: str) -> str:
+    def when(key: str) -> str:
+        v = r.get(key)
+        return _local(datetime.fromisoformat(v), tz) if isinstance(v, str) else "-"
+
+    ev = r.get("event", "?")
+    n = r.get("occurrence")
+    head = f"{when('at')}  {ev:<11}"
+    if ev == "fired":
+        kind = " (run now)" if r.get("manual") else " (catch-up)" if r.get("catch_up") else ""
+        lost = "  LOST: the process died before submitting it" if r.get("lost") else ""
+        return f"{head} #{n} scheduled for {when('scheduled_for')}{kind}{lost}"
+    if ev == "submitted":
+        return f"{head} #{n} turn {r.get('turn_id')}"
+    if ev == "outcome":
+        err = f": {r['error']}" if r.get("error") else ""
+        return f"{head} #{n} turn {r.get('turn_id')} {r.get('status')}{err}"
+    if ev == "missed":
+        return f"{head} scheduled for {when('scheduled_for')}: {r.get('reason')}"
+    if ev == "fire_failed":
+        return f"{head} #{n} {r.get('error')}"
+    return f"{head} {r.get('error', '')}"
+
+
+cron_group = build_cron_group()

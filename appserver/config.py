@@ -77,6 +77,7 @@ class LimitsConfig:
     ws_outbound_max: int = 256
     ws_ping_interval_s: float = 30.0
     ws_ping_timeout_s: float = 90.0
+    ws_send_timeout_s: float = 30.0  # a WebSocket frame not accepted by the client within this is a slow consumer
     connections_per_client: int = 256
     approval_timeout_s: float = 600.0
     client_tool_timeout_s: float = 300.0
@@ -86,6 +87,7 @@ class LimitsConfig:
     shell_output_max_bytes: int = 64 * 1024
     draft_interval_s: float = 0.5  # how often a running turn's visible text is checkpointed
     retry_base_ms: int = 500  # first provider retry backoff; doubles per attempt, capped at 20 s
+    sse_keepalive_s: float = 15.0  # SSE keepalive comment interval on the OpenAI routes
 
 
 @dataclass(slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from appserver.agent.loop import AgentLoop
+from appserver.agent.schedule_tool import SCHEDULE
 from appserver.agent.tools import ToolRegistry, builtin_tools
 from appserver.agents import Agents
 from appserver.config import Config
@@ -22,7 +23,7 @@ class Server:
         self.config = config
         self.store = SQLiteStore(config.db_path)
         self.providers = ProviderRegistry(config)
-        self.tools = ToolRegistry(builtin_tools())
+        self.tools = ToolRegistry([*builtin_tools(), SCHEDULE])
         self.services: dict[str, object] = {}
         self.agent_loop = AgentLoop(config, self.providers, self.tools, self.services)
         self.kernel = Kernel(config, self.store, self.agent_loop)

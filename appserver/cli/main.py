@@ -8,6 +8,8 @@ import click
 
 from appserver.cli.agents import agents_group
 from appserver.cli.conversations import conversations_group
+from appserver.cli.cron import build_cron_group
+from appserver.cli.cron_run import cron_run_command, validate_agent
 from appserver.cli.run import run_command
 from appserver.cli.serve import serve_command
 from appserver.cli.token import token_group
@@ -26,6 +28,9 @@ main.add_command(agents_group)
 main.add_command(conversations_group)
 main.add_command(run_command)
 main.add_command(token_group)
+_cron = build_cron_group(validate_agent=validate_agent)
+_cron.add_command(cron_run_command)
+main.add_command(_cron)
 
 if __name__ == "__main__":
     main()

@@ -20,6 +20,7 @@ from appserver.logredact import install as install_redactor
 from appserver.netaddr import check_bind_allowed, parse_listen
 from appserver.http.app import build_app
 from appserver.server import Server
+from cron.service import cron_background
 from appserver.serverinfo import read_live_server, remove_server_json, write_server_json
 
 log = logging.getLogger("appserver.serve")
@@ -54,7 +55,7 @@ class _UvicornServer(uvicorn.Server):
 def build_asgi(config: Config, server: Server) -> tuple[SecurityGuard, Authenticator]:
     """The whole app behind the security guard: every route, present and future, is covered."""
     authenticator = Authenticator(config)
-    return SecurityGuard(build_app(server), config, authenticator), authenticator
+    return SecurityGuard(build_app(server, background=[cron_background]), config, authenticator), authenticator
 
 
 async def serve_async(config: Config, host: str, port: int) -> None:
@@ -70,6 +71,8 @@ async def serve_async(config: Config, host: str, port: int) -> None:
         server_header=False,
         timeout_graceful_shutdown=5,
         ws_max_size=config.limits.ws_frame_max_bytes,
+        ws_ping_interval=config.limits.ws_ping_interval_s or None,
+        ws_ping_timeout=config.limits.ws_ping_timeout_s or None,
         ssl_certfile=config.server.tls_cert if tls else None,
         ssl_keyfile=config.server.tls_key if tls else None,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -33,14 +33,21 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, status_code=200 if ready else 503)
 
 
-def build_app(server: Server, *, extra_routes: list[BaseRoute] | None = None, on_started: Callable[[], Any] | None = None) -> Starlette:
-    """Build the ASGI app. The lifespan opens the Server (store, crash settle) and closes it."""
+BackgroundService = Callable[[Server], AbstractAsyncContextManager[Any]]
+
+
+def build_app(server: Server, *, extra_routes: list[BaseRoute] | None = None, background: list[BackgroundService] | None = None) -> Starlette:
+    """Build the ASGI app. The lifespan opens the Server (store, crash settle), runs the background
+    services (e.g. the cron scheduler) while it serves, and closes everything in reverse order."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await server.open(serve=True)
         try:
-            yield
+            async with AsyncExitStack() as stack:
+                for service in background or []:
+                    await stack.enter_async_context(service(server))
+                yield
         finally:
             await server.close()
 

@@ -1,0 +1,79 @@
+"""`appserver cron run N` and the agent check for `cron add`: the parts of the cron CLI that need the kernel."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+
+from appserver.cli.common import fail, get_config, print_json
+from appserver.config import Config
+from appserver.errors import KernelError
+from appserver.server import Server
+from appserver.serverinfo import read_live_server
+from cron.runner import run_task_now
+from cron.service import kernel_await_outcome, kernel_submit
+from cron.store import CronNotFound
+
+
+def validate_agent(config: Config, agent: str) -> str:
+    """The id of an existing agent (by id or unique name); LookupError otherwise."""
+
+    async def go() -> str:
+        server = Server(config)
+        await server.open()  # the first use of a home creates `assistant`
+        try:
+            return (await server.kernel.resolve_agent(agent)).id
+        except KernelError as exc:
+            raise LookupError(exc.message) from None
+        finally:
+            await server.close()
+
+    return asyncio.run(go())
+
+
+@click.command("run")
+@click.argument("task")
+@click.option("--agent", default=None, help="Agent of the task, when names repeat across agents.")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
+@click.option("--json", "as_json", is_flag=True)
+def cron_run_command(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
+    """Run TASK now (works without the scheduler lease)."""
+    config = get_config()
+    live = read_live_server(config.server_json)
+    if live is not None:
+        fail(f"a server is running on this home ({live.get('url')}); `cron run` beside it is not supported yet — stop it first", 3)
+    agent_id = validate_agent(config, agent) if agent else None
+
+    async def go() -> dict:
+        server = Server(config)
+        await server.open()
+        try:
+            result = await run_task_now(config.home, task, agent=agent_id, submit=kernel_submit(server), await_outcome=kernel_await_outcome(server), outcome_timeout_s=timeout)
+            snapshot = (await server.kernel.turn_snapshot(result.turn_id)).to_dict() if result.turn_id else None
+        finally:
+            await server.close()
+        return {
+            "task": result.task.to_dict(),
+            "occurrence": result.occurrence.to_dict(),
+            "turn_id": result.turn_id,
+            "outcome": result.outcome.status if result.outcome else None,
+            "error": result.outcome.error if result.outcome else None,
+            "snapshot": snapshot,
+        }
+
+    try:
+        out = asyncio.run(go())
+    except CronNotFound as exc:
+        fail(str(exc), 2)
+    except KernelError as exc:
+        fail(exc.message, 2)
+    if as_json:
+        print_json(out)
+    else:
+        text = "".join(b.get("text", "") for b in (out["snapshot"] or {}).get("blocks", []) if b["type"] == "text")
+        click.echo(f"run #{out['occurrence']['occurrence']} of {out['task']['name']}: {out['outcome']} (turn {out['turn_id']})")
+        if text:
+            click.echo(text)
+    sys.exit(0 if out["outcome"] in ("completed", "awaiting") else 1)

@@ -1,0 +1,2 @@
+"""Cron: crons.json store and lease (store, lease), schedules (schedule), the scheduler
+(scheduler), firing glue for the kernel (runner, envelope) and the run log (runlog)."""

@@ -1,0 +1,132 @@
+"""The scheduler lease: `scheduler_owner` in crons.json says which process may fire tasks.
+
+An owner is judged by its process identity (pid plus the process start time from
+`/proc/<pid>/stat` field 22), not by a heartbeat: a dead pid, a zombie, or a live pid whose start
+time differs (the pid was reused by another program) is dead, and its lease may be taken. A live
+owner is never displaced, so two `serve` processes on one home never both fire. Every function
+here must be called with the store lock held; `LeaseHolder` does that for the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from cron.store import CronFile, CronStore, OwnerRecord
+
+log = logging.getLogger("appserver.cron")
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks) of a process from /proc, or None when it is gone or
+    /proc is unavailable. `comm` may contain spaces and parentheses, so split at the last ')'."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    rest = data[data.rfind(")") + 2 :].split()
+    try:
+        return rest[0], int(rest[19])  # field 3 is state, field 22 is starttime
+    except (IndexError, ValueError):
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    st = proc_stat(pid)
+    return None if st is None else st[1]
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, belongs to someone else
+    st = proc_stat(pid)
+    return not (st is not None and st[0] in ("Z", "X"))  # a zombie holds no lease
+
+
+def owner_alive(owner: OwnerRecord) -> bool:
+    """Could this owner still be running? Another host's pid cannot be checked: assume alive."""
+    if owner.host and owner.host != socket.gethostname():
+        return True
+    if not pid_alive(owner.pid):
+        return False
+    if owner.proc_start is None:
+        return True
+    current = process_start(owner.pid)
+    return current is None or current == owner.proc_start  # differs → the pid was reused
+
+
+@dataclass(slots=True)
+class LeaseHolder:
+    """This process's identity as a lease candidate; claim/verify/release under the store lock."""
+
+    store: CronStore
+    started_at: datetime
+    pid: int = field(default_factory=os.getpid)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def record(self) -> OwnerRecord:
+        return OwnerRecord(
+            pid=self.pid,
+            token=self.token,
+            started_at=self.started_at,
+            proc_start=process_start(self.pid),
+            host=socket.gethostname(),
+        )
+
+    def holds(self, state: CronFile) -> bool:
+        owner = state.scheduler_owner
+        return owner is not None and owner.token == self.token and owner.pid == self.pid
+
+    def claim_in(self, state: CronFile) -> bool:
+        """Verify or take the lease inside an open transaction; True when we hold it afterwards.
+        On a take-over `state.scheduler_owner` is replaced and the caller must save."""
+        if self.holds(state):
+            return True
+        owner = state.scheduler_owner
+        if owner is not None and owner_alive(owner):
+            return False
+        if owner is not None:
+            log.warning(
+                "cron: taking over the scheduler lease from dead owner pid %s (token %s…)",
+                owner.pid,
+                owner.token[:6],
+            )
+        state.scheduler_owner = self.record()
+        return True
+
+    def claim(self) -> bool:
+        """Claim or verify the lease in its own transaction."""
+        with self.store.lock():
+            state = self.store.load()
+            held_before = self.holds(state)
+            ok = self.claim_in(state)
+            if ok and not held_before:
+                self.store.save(state)
+            else:
+                self.store.keep(state)
+            return ok
+
+    def verify(self) -> bool:
+        """Do we still hold it? (Someone may have deleted or rewritten crons.json.)"""
+        return self.holds(self.store.read())
+
+    def release(self) -> None:
+        """Give the lease up on a clean stop so a waiting process need not wait for our death."""
+        with self.store.lock():
+            state = self.store.load()
+            if self.holds(state):
+                state.scheduler_owner = None
+                self.store.save(state)
+            else:
+                self.store.keep(state)

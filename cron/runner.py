@@ -1,0 +1,246 @@
+"""Firing glue shared by the scheduler and `appserver cron run`: claim, envelope, run log, outcome.
+
+The kernel is injected, never imported: the lead wires one `submit(CronSubmission) -> turn id`
+callable (a kernel `submit` of a `cron_prompt` turn) and, optionally, an `await_outcome(turn id)`
+that waits for the turn to end. Everything else — the occurrence claim in crons.json, the
+envelope text, the run-log records — is done here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from cron.envelope import build_envelope
+from cron.runlog import append_run
+from cron.store import CronStore, CronTask, Occurrence, utcnow
+
+log = logging.getLogger("appserver.cron")
+
+DEFAULT_FIRE_TIMEOUT_S = 30.0
+DEFAULT_OUTCOME_TIMEOUT_S = 3600.0
+FAILED_STATUSES = ("failed", "error", "cancelled", "interrupted", "timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class CronSubmission:
+    """Everything the kernel needs to submit the `cron_prompt` turn of one occurrence."""
+
+    agent: str
+    conversation: str  # new | default | <conversation id>
+    input_text: str  # the envelope followed by the task's prompt
+    task_id: str
+    task_name: str
+    occurrence: Occurrence
+    deliver: str | None
+    kind: str = "cron_prompt"
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "cron_task_id": self.task_id,
+            "cron_task_name": self.task_name,
+            **self.occurrence.to_dict(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOutcome:
+    """How a fired turn ended, as reported by the kernel."""
+
+    status: str  # e.g. completed | failed | cancelled
+    error: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+FireFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
+SubmitFn = Callable[[CronSubmission], Awaitable[str | None]]
+AwaitOutcomeFn = Callable[[str], Awaitable[TurnOutcome]]
+Clock = Callable[[], datetime]
+
+
+def make_submission(task: CronTask, occurrence: Occurrence) -> CronSubmission:
+    return CronSubmission(
+        agent=task.agent,
+        conversation=task.conversation,
+        input_text=build_envelope(task, occurrence),
+        task_id=task.id,
+        task_name=task.name,
+        occurrence=occurrence,
+        deliver=task.deliver,
+    )
+
+
+def make_fire(submit: SubmitFn) -> FireFn:
+    """Adapt a kernel submit into the scheduler's `fire(task, occurrence) -> turn id`."""
+
+    async def fire(task: CronTask, occurrence: Occurrence) -> str | None:
+        return await submit(make_submission(task, occurrence))
+
+    return fire
+
+
+def record_outcome(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    turn_id: str | None,
+    outcome: TurnOutcome,
+    *,
+    now: datetime | None = None,
+) -> None:
+    """Append the turn's end to the run log; a failed run also becomes the task's visible error."""
+    append_run(
+        store.runs_dir,
+        task_id,
+        "outcome",
+        occurrence=occurrence,
+        turn_id=turn_id,
+        status=outcome.status,
+        error=outcome.error,
+        **({"detail": outcome.detail} if outcome.detail else {}),
+    )
+    now = now or utcnow()
+    failed = outcome.status in FAILED_STATUSES
+    with store.lock():
+        state = store.load()
+        task = state.get(task_id)
+        if task is None:
+            return
+        if failed:
+            task.set_error(
+                f"run #{occurrence} {outcome.status}: {outcome.error or 'no detail'}", now
+            )
+        elif task.last_error and task.last_error.startswith("run #"):
+            task.last_error, task.last_error_at = None, None
+        else:
+            return
+        store.save(state)
+
+
+def _record_fire_failure(
+    store: CronStore, task_id: str, occurrence: int, message: str, now: datetime
+) -> None:
+    with store.lock():
+        state = store.load()
+        task = state.get(task_id)
+        if task is not None:
+            task.set_error(f"run #{occurrence} could not be submitted: {message}", now)
+            store.save(state)
+
+
+async def submit_claimed(
+    store: CronStore,
+    task: CronTask,
+    occurrence: Occurrence,
+    fire: FireFn,
+    *,
+    fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
+    clock: Clock = utcnow,
+) -> str | None:
+    """Call `fire` for an occurrence that is already claimed, and log what happened. A failure is
+    recorded (run log + task error) and not retried: the occurrence was claimed, so at most once."""
+    try:
+        turn_id = await asyncio.wait_for(fire(task, occurrence), timeout=fire_timeout_s)
+    except Exception as exc:  # noqa: BLE001 — any kernel failure must be logged, not kill the loop
+        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.warning(
+            "cron: task %s run #%d could not be submitted: %s", task.id, occurrence.number, message
+        )
+        append_run(
+            store.runs_dir, task.id, "fire_failed", occurrence=occurrence.number, error=message
+        )
+        await asyncio.to_thread(
+            _record_fire_failure, store, task.id, occurrence.number, message, clock()
+        )
+        return None
+    append_run(store.runs_dir, task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id)
+    return turn_id
+
+
+async def watch_outcome(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    turn_id: str,
+    await_outcome: AwaitOutcomeFn,
+    *,
+    timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
+) -> TurnOutcome:
+    """Wait (bounded) for the turn to end and record its outcome."""
+    try:
+        outcome = await asyncio.wait_for(await_outcome(turn_id), timeout=timeout_s)
+    except TimeoutError:
+        outcome = TurnOutcome(status="unknown", error=f"no outcome within {timeout_s:g} s")
+    except Exception as exc:  # noqa: BLE001
+        outcome = TurnOutcome(status="unknown", error=f"{type(exc).__name__}: {exc}")
+    await asyncio.to_thread(record_outcome, store, task_id, occurrence, turn_id, outcome)
+    return outcome
+
+
+def claim_manual(
+    store: CronStore, ref: str, *, agent: str | None, now: datetime
+) -> tuple[CronTask, Occurrence]:
+    """Claim a "run now" occurrence: bump the run counter and log `fired`, leaving the schedule
+    (next_fire_at) alone. Needs no lease: it is an extra run, not a scheduled one."""
+    with store.lock():
+        state = store.load()
+        task = state.find(ref, agent)
+        task.occurrence += 1
+        occ = Occurrence(
+            task_id=task.id,
+            number=task.occurrence,
+            scheduled_for=now,
+            due_at=now,
+            fired_at=now,
+            manual=True,
+        )
+        task.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
+        task.updated_at = now
+        store.save(state)
+        append_run(store.runs_dir, task.id, "fired", **occ.to_dict())
+    return task, occ
+
+
+@dataclass(frozen=True, slots=True)
+class RunNowResult:
+    task: CronTask
+    occurrence: Occurrence
+    turn_id: str | None
+    outcome: TurnOutcome | None
+
+
+async def run_task_now(
+    home: Path | CronStore,
+    ref: str,
+    *,
+    fire: FireFn | None = None,
+    submit: SubmitFn | None = None,
+    agent: str | None = None,
+    clock: Clock = utcnow,
+    await_outcome: AwaitOutcomeFn | None = None,
+    fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
+    outcome_timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
+) -> RunNowResult:
+    """`appserver cron run N` in-process: claim, build the envelope, submit, and (when
+    `await_outcome` is given) wait for the turn and log its outcome. Pass `submit` (kernel) or a
+    ready `fire`."""
+    if (fire is None) == (submit is None):
+        raise TypeError("pass exactly one of fire= or submit=")
+    fire_fn = fire if fire is not None else make_fire(submit)  # type: ignore[arg-type]
+    store = home if isinstance(home, CronStore) else CronStore(home)
+    task, occ = await asyncio.to_thread(claim_manual, store, ref, agent=agent, now=clock())
+    turn_id = await submit_claimed(
+        store, task, occ, fire_fn, fire_timeout_s=fire_timeout_s, clock=clock
+    )
+    outcome = None
+    if turn_id is not None and await_outcome is not None:
+        outcome = await watch_outcome(
+            store, task.id, occ.number, turn_id, await_outcome, timeout_s=outcome_timeout_s
+        )
+    return RunNowResult(task, occ, turn_id, outcome)

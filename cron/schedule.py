@@ -1,0 +1,328 @@
+"""Schedule parsing and next-fire computation, with DST rules we own rather than croniter's.
+
+croniter is used only to match the five cron fields against *naive local wall times*. Mapping a wall
+time to an instant is done here, because croniter 7 gets the fall-back day wrong (a fixed-time
+`30 1 * * *` in America/New_York fires twice on 2026-11-01). Our rules (Vixie cron semantics):
+
+* a wall time skipped by spring-forward fires at the jump (the first instant after the gap), once;
+* a repeated wall time (fall-back) fires once, at its first pass, for a *fixed-time* job; a
+  *wildcard* job (minute or hour field starting with `*`) follows real time and fires in both passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import os
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import CroniterBadCronError, CroniterBadDateError, CroniterError, croniter
+
+KINDS = ("cron", "every", "at", "in")
+MAX_LOOKAHEAD = 20_000  # wall-time candidates examined before a cron expression is called dead
+RECURRING_JITTER_MAX_S = 59.0
+ONESHOT_JITTER_EARLY_S = 90.0
+
+_MACROS = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"(\d+)\s*([smhd])")
+
+
+class ScheduleError(ValueError):
+    """A schedule cannot be used; the message says why in words a user can act on."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleSpec:
+    """What the user asked for: `kind` cron|every|at|in, the expression text, an IANA timezone."""
+
+    kind: str
+    expr: str
+    tz: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "expr": self.expr, "tz": self.tz}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ScheduleSpec:
+        kind, expr, tz = data.get("kind"), data.get("expr"), data.get("tz")
+        if not isinstance(kind, str) or not isinstance(expr, str) or not isinstance(tz, str):
+            raise ValueError("schedule needs string kind, expr and tz")
+        return cls(kind, expr, tz)
+
+    @property
+    def recurring(self) -> bool:
+        return self.kind in ("cron", "every")
+
+    def describe(self) -> str:
+        if self.kind == "cron":
+            return f"cron '{self.expr}' ({self.tz})"
+        return f"{self.kind} {self.expr}" + ("" if self.kind == "every" else f" ({self.tz})")
+
+
+# ---------------------------------------------------------------- parsing helpers
+
+
+def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
+    """`30m`, `2h`, `1h30m`, `45s`, `1d` → timedelta. Zero is refused unless `allow_zero`."""
+    s = text.strip().lower().replace(" ", "")
+    if not s or _DURATION_RE.sub("", s):
+        raise ScheduleError(
+            f"invalid duration {text!r}: use a number with s, m, h or d, e.g. 30m or 1h30m"
+        )
+    total = sum(int(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(s))
+    if total == 0 and not allow_zero:
+        raise ScheduleError(f"invalid duration {text!r}: must be greater than zero")
+    return timedelta(seconds=total)
+
+
+def get_zone(name: str) -> ZoneInfo:
+    """An IANA zone, or a ScheduleError naming the bad zone (not a bare KeyError)."""
+    if not name or name.startswith(("/", ".")) or ".." in name:
+        raise ScheduleError(f"unknown timezone {name!r}: use an IANA name such as Europe/Paris")
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ScheduleError(
+            f"unknown timezone {name!r}: use an IANA name such as Europe/Paris"
+        ) from None
+
+
+def local_zone_name() -> str:
+    """The machine's IANA zone name (TZ, /etc/localtime, /etc/timezone), else UTC."""
+    candidates: list[str] = []
+    tz_env = os.environ.get("TZ", "").lstrip(":")
+    if tz_env:
+        candidates.append(tz_env)
+    try:
+        target = os.path.realpath("/etc/localtime")
+        if "zoneinfo/" in target:
+            candidates.append(target.split("zoneinfo/", 1)[1])
+    except OSError:
+        pass
+    try:
+        candidates.append(Path("/etc/timezone").read_text("utf-8").strip())
+    except OSError:
+        pass
+    for name in candidates:
+        try:
+            get_zone(name)
+            return name
+        except ScheduleError:
+            continue
+    return "UTC"
+
+
+def normalize_cron(expr: str) -> str:
+    """Collapse whitespace, expand @macros, and insist on exactly five fields."""
+    e = " ".join(expr.split())
+    e = _MACROS.get(e.lower(), e)
+    if len(e.split(" ")) != 5:
+        raise ScheduleError(
+            f"invalid cron expression {expr!r}: need 5 fields (minute hour day-of-month month day-of-week)"
+        )
+    if not croniter.is_valid(e):
+        raise ScheduleError(f"invalid cron expression {expr!r}")
+    return e
+
+
+def is_wildcard_cron(expr: str) -> bool:
+    """Vixie's rule: a job whose minute or hour field starts with `*` follows real time across DST."""
+    minute, hour = normalize_cron(expr).split(" ")[:2]
+    return minute.startswith("*") or hour.startswith("*")
+
+
+def parse_at(text: str, tz: str) -> datetime:
+    """`2026-12-01 08:00` (wall time in `tz`; an explicit offset wins) → aware instant."""
+    try:
+        naive = datetime.fromisoformat(text.strip().replace("/", "-"))
+    except ValueError:
+        raise ScheduleError(
+            f"invalid time {text!r}: use YYYY-MM-DD HH:MM (in the task's timezone)"
+        ) from None
+    if naive.tzinfo is not None:
+        return naive.astimezone(UTC)
+    return wall_to_instants(naive, get_zone(tz), both_passes=False)[0]
+
+
+# ---------------------------------------------------------------- wall time → instants
+
+
+def _transition_instant(lo: datetime, hi: datetime, tz: ZoneInfo) -> datetime:
+    """First instant in (lo, hi] whose UTC offset equals hi's; transitions are on whole seconds."""
+    target = hi.astimezone(tz).utcoffset()
+    a, b = int(lo.timestamp()), int(hi.timestamp())
+    while b - a > 1:
+        mid = (a + b) // 2
+        if datetime.fromtimestamp(mid, tz).utcoffset() == target:
+            b = mid
+        else:
+            a = mid
+    return datetime.fromtimestamp(b, UTC)
+
+
+def wall_to_instants(wall: datetime, tz: ZoneInfo, *, both_passes: bool) -> list[datetime]:
+    """UTC instants at which naive local `wall` happens: one normally; in a gap the jump instant;
+    in a repeated hour the first pass, plus the second when `both_passes` (wildcard jobs)."""
+    first = wall.replace(tzinfo=tz, fold=0).astimezone(UTC)
+    second = wall.replace(tzinfo=tz, fold=1).astimezone(UTC)
+    if first == second:
+        return [first]
+    if first < second:  # repeated wall time (fall-back)
+        return [first, second] if both_passes else [first]
+    # skipped wall time (spring-forward): fold=1 used the new offset, so it lies before the gap
+    return [_transition_instant(second, first, tz)]
+
+
+# ---------------------------------------------------------------- next fire
+
+
+def _validate_expr(spec: ScheduleSpec) -> None:
+    if spec.kind not in KINDS:
+        raise ScheduleError(f"unknown schedule kind {spec.kind!r}")
+    get_zone(spec.tz)
+    if spec.kind == "cron":
+        normalize_cron(spec.expr)
+    elif spec.kind in ("every", "in"):
+        parse_duration(spec.expr)
+    else:
+        parse_at(spec.expr, spec.tz)
+
+
+def _next_cron(expr: str, tz: ZoneInfo, after: datetime) -> datetime:
+    norm = normalize_cron(expr)
+    both = is_wildcard_cron(norm)
+    local = after.astimezone(tz)
+    wall = local.replace(tzinfo=None, fold=0)
+    if local.fold == 0:
+        # `after` is in a first pass; walls since the start of the repeated hour may still have
+        # their second pass ahead, so look back by the size of the fold.
+        other = wall.replace(tzinfo=tz, fold=1).astimezone(UTC)
+        if other > after:
+            wall -= other - after
+    try:
+        it = croniter(norm, wall - timedelta(seconds=1), day_or=True)
+    except (CroniterBadCronError, CroniterError) as exc:
+        raise ScheduleError(f"invalid cron expression {expr!r}: {exc}") from None
+    pending: list[datetime] = []  # second-pass instants seen so far (wildcard jobs only)
+    for _ in range(MAX_LOOKAHEAD):
+        try:
+            cand = it.get_next(datetime)
+        except CroniterBadDateError:
+            break
+        instants = wall_to_instants(cand, tz, both_passes=both)
+        for extra in instants[1:]:
+            if extra > after:
+                heapq.heappush(pending, extra)
+        primary = instants[0]
+        if primary > after:
+            # primaries are non-decreasing in wall time and every later second pass follows its
+            # primary, so nothing later can beat this candidate or an earlier pending second pass
+            return min(primary, pending[0]) if pending else primary
+    if pending:
+        return pending[0]
+    raise ScheduleError(f"cron expression {expr!r} never fires")
+
+
+def next_occurrence(spec: ScheduleSpec, after: datetime, created_at: datetime) -> datetime | None:
+    """The first nominal occurrence strictly after `after` (aware), or None when a one-shot is over."""
+    _validate_expr(spec)
+    if spec.kind == "cron":
+        return _next_cron(spec.expr, get_zone(spec.tz), after)
+    if spec.kind == "every":
+        step = parse_duration(spec.expr)
+        if after < created_at:
+            return created_at + step
+        k = (after - created_at) // step + 1
+        return created_at + k * step
+    when = (
+        created_at + parse_duration(spec.expr)
+        if spec.kind == "in"
+        else parse_at(spec.expr, spec.tz)
+    )
+    return when if when > after else None
+
+
+def first_occurrence(spec: ScheduleSpec, created_at: datetime) -> datetime | None:
+    """The first nominal occurrence of a task created at `created_at` (a one-shot may be exactly now)."""
+    if spec.kind in ("at", "in"):
+        return next_occurrence(spec, created_at - timedelta(microseconds=1), created_at)
+    return next_occurrence(spec, created_at, created_at)
+
+
+def validate_new(spec: ScheduleSpec, now: datetime) -> datetime:
+    """Everything `add` must refuse: bad syntax, unknown zone, zero interval, a time already past,
+    an expression that never fires. Returns the first occurrence."""
+    _validate_expr(spec)
+    if spec.kind == "at":
+        when = parse_at(spec.expr, spec.tz)
+        if when <= now:
+            local = when.astimezone(get_zone(spec.tz))
+            raise ScheduleError(f"time {spec.expr!r} ({local.isoformat()}) is in the past")
+    first = first_occurrence(spec, now)
+    if first is None:
+        raise ScheduleError(f"schedule {spec.describe()} has no future occurrence")
+    return first
+
+
+def upcoming(
+    spec: ScheduleSpec, after: datetime, created_at: datetime, count: int
+) -> list[datetime]:
+    """The next `count` nominal occurrences strictly after `after` (for `cron preview`)."""
+    out: list[datetime] = []
+    cur = after
+    for _ in range(count):
+        nxt = next_occurrence(spec, cur, created_at)
+        if nxt is None:
+            break
+        out.append(nxt)
+        cur = nxt
+    return out
+
+
+# ---------------------------------------------------------------- jitter
+
+
+def jitter_fraction(task_id: str) -> float:
+    """A stable number in [0, 1) per task id, so a task's jitter is the same on every host and run."""
+    digest = hashlib.sha256(task_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def due_time(
+    spec: ScheduleSpec,
+    nominal: datetime,
+    *,
+    task_id: str,
+    created_at: datetime,
+    exact: bool,
+    period: timedelta | None = None,
+) -> datetime:
+    """When the scheduler actually fires `nominal`: recurring up to min(10 % of period, 59 s) late;
+    a one-shot on the hour or half hour up to 90 s early but never before creation."""
+    if exact:
+        return nominal
+    frac = jitter_fraction(task_id)
+    if spec.recurring:
+        if period is None:
+            nxt = next_occurrence(spec, nominal, created_at)
+            period = (nxt - nominal) if nxt is not None else timedelta(0)
+        max_late = min(period.total_seconds() * 0.1, RECURRING_JITTER_MAX_S)
+        return nominal + timedelta(seconds=round(frac * max_late, 3))
+    local = nominal.astimezone(get_zone(spec.tz))
+    if local.minute in (0, 30) and local.second == 0 and local.microsecond == 0:
+        early = nominal - timedelta(seconds=round(frac * ONESHOT_JITTER_EARLY_S, 3))
+        return max(early, created_at)
+    return nominal

@@ -1,0 +1,421 @@
+"""The scheduler: one per home dir (whoever holds the lease), ticking on minute boundaries.
+
+A tick, under the crons.json lock: verify or claim the lease (without it, do nothing; the next tick
+tries again, so a survivor takes over when the holder dies); for each enabled task that is due,
+list the occurrences that came due, apply the task's misfire policy, and CLAIM what will run —
+advance `next_fire_at`, bump the run counter, record `last_claimed`, and save — before any turn is
+submitted. A crash after the claim therefore loses that occurrence instead of running it twice.
+Then, outside the lock, `fire(task, occurrence)` submits each claimed occurrence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from cron.lease import LeaseHolder
+from cron.runlog import append_run
+from cron.runner import (
+    DEFAULT_FIRE_TIMEOUT_S,
+    DEFAULT_OUTCOME_TIMEOUT_S,
+    AwaitOutcomeFn,
+    Clock,
+    FireFn,
+    RunNowResult,
+    TurnOutcome,
+    record_outcome,
+    run_task_now,
+    submit_claimed,
+    watch_outcome,
+)
+from cron.schedule import ScheduleError, due_time, next_occurrence
+from cron.store import (
+    CorruptStateFile,
+    CronStore,
+    CronStoreError,
+    CronTask,
+    Occurrence,
+    utcnow,
+)
+
+log = logging.getLogger("appserver.cron")
+
+RUN_ALL_CAP = 10  # run_all fires at most this many catch-up runs per task per tick
+MAX_ENUMERATE = 1000  # missed occurrences listed one by one before the rest are summarised
+
+
+_Missed = tuple[datetime, str]  # nominal time, reason
+
+
+def apply_misfire(
+    policy: str,
+    due: list[tuple[datetime, datetime]],
+    now: datetime,
+    max_lateness: timedelta,
+    run_all_cap: int = RUN_ALL_CAP,
+) -> tuple[list[tuple[datetime, datetime, bool]], list[_Missed]]:
+    """Split the (nominal, due) occurrences that came due into runs (nominal, due, catch_up) and
+    misses. Occurrences at most `max_lateness` late run normally under every policy; later ones are
+    misfires: `skip` records each as missed, `run_once` runs only the latest (or none when an
+    on-time run happens anyway), `run_all` runs them all, keeping the most recent `run_all_cap`."""
+    late = [o for o in due if now - o[1] > max_lateness]
+    on_time = [o for o in due if now - o[1] <= max_lateness]
+    runs: list[tuple[datetime, datetime, bool]] = [(n, d, False) for n, d in on_time]
+    missed: list[_Missed] = []
+    if policy == "run_once":
+        if late and not on_time:
+            n, d = late[-1]
+            runs = [(n, d, True)]
+            missed = [
+                (n, "coalesced into one catch-up run (misfire=run_once)") for n, _ in late[:-1]
+            ]
+        else:
+            missed = [(n, "coalesced into the on-time run (misfire=run_once)") for n, _ in late]
+    elif policy == "run_all":
+        everything = [(n, d, True) for n, d in late] + runs
+        runs = everything[-run_all_cap:]
+        missed = [
+            (n, f"beyond the run_all cap of {run_all_cap} catch-up runs")
+            for n, _, _ in everything[:-run_all_cap]
+        ]
+    else:  # skip, and anything unknown: never run late work by accident
+        limit = max_lateness.total_seconds()
+        missed = [
+            (
+                n,
+                f"late by {(now - d).total_seconds():.0f} s (> max lateness {limit:g} s; "
+                "misfire=skip): the scheduler was not running or could not keep up",
+            )
+            for n, d in late
+        ]
+    return runs, missed
+
+
+@dataclass(slots=True)
+class _Planned:
+    task: CronTask
+    occurrence: Occurrence
+
+
+@dataclass(slots=True)
+class TickReport:
+    """What one tick did (for tests, logs and the benchmark)."""
+
+    has_lease: bool = False
+    fired: list[tuple[str, int, str | None]] = field(
+        default_factory=list
+    )  # task id, number, turn id
+    missed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """Fires due cron tasks through an injected `fire(task, occurrence) -> turn id | None`.
+
+    `clock` returns an aware datetime (faked in tests). `await_outcome(turn_id)`, when given, waits
+    for a fired turn to end; its result goes to the run log. The kernel may instead push outcomes
+    with `record_outcome`.
+    """
+
+    def __init__(
+        self,
+        home: Path | CronStore,
+        *,
+        fire: FireFn,
+        clock: Clock = utcnow,
+        tick_s: float = 60.0,
+        await_outcome: AwaitOutcomeFn | None = None,
+        fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
+        outcome_timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
+        run_all_cap: int = RUN_ALL_CAP,
+        lock_timeout_s: float | None = None,
+    ) -> None:
+        if isinstance(home, CronStore):
+            self.store = home
+        elif lock_timeout_s is not None:
+            self.store = CronStore(home, lock_timeout_s=lock_timeout_s)
+        else:
+            self.store = CronStore(home)
+        self.fire = fire
+        self.clock = clock
+        self.tick_s = tick_s
+        self.await_outcome = await_outcome
+        self.fire_timeout_s = fire_timeout_s
+        self.outcome_timeout_s = outcome_timeout_s
+        self.run_all_cap = max(1, run_all_cap)
+        self.lease = LeaseHolder(self.store, started_at=clock())
+        self.has_lease = False
+        self._watchers: set[asyncio.Task[TurnOutcome]] = set()
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, fire: FireFn, **kwargs: Any) -> Scheduler:
+        """Build from `appserver.config.Config` (home, cron.tick_s). The caller checks
+        `cfg.cron.enabled` (APPSERVER_DISABLE_CRON=1) and does not start one when it is off."""
+        return cls(cfg.home, fire=fire, tick_s=cfg.cron.tick_s, **kwargs)
+
+    # ------------------------------------------------------------ the tick
+
+    async def tick(self) -> TickReport:
+        """One pass: lease, claim what is due (saved before firing), then fire it."""
+        report = TickReport()
+        now = self.clock()
+        planned = await asyncio.to_thread(self._claim_due, now, report)
+        for item in planned:
+            turn_id = await submit_claimed(
+                self.store,
+                item.task,
+                item.occurrence,
+                self.fire,
+                fire_timeout_s=self.fire_timeout_s,
+                clock=self.clock,
+            )
+            report.fired.append((item.task.id, item.occurrence.number, turn_id))
+            if turn_id is not None and self.await_outcome is not None:
+                self._watch(item.task.id, item.occurrence.number, turn_id)
+        return report
+
+    def _claim_due(self, now: datetime, report: TickReport) -> list[_Planned]:
+        with self.store.lock():
+            state = self.store.load()
+            had = self.lease.holds(state)
+            if not self.lease.claim_in(state):
+                if self.has_lease:
+                    log.warning("cron: lost the scheduler lease; another process owns it now")
+                self.has_lease = report.has_lease = False
+                self.store.keep(state)
+                return []
+            if not self.has_lease:
+                log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
+            self.has_lease = report.has_lease = True
+            changed = not had
+            planned: list[_Planned] = []
+            logs: list[tuple[str, str, dict[str, Any]]] = []
+            for task in state.tasks:
+                if task.enabled and self._plan_task(task, now, planned, logs, report):
+                    changed = True
+            if changed:
+                self.store.save(state, cache=True)  # the claim, persisted before anything fires
+            else:
+                self.store.keep(state)
+            for task_id, event, fields_ in logs:
+                append_run(self.store.runs_dir, task_id, event, **fields_)
+            return planned
+
+    def _plan_task(
+        self,
+        task: CronTask,
+        now: datetime,
+        planned: list[_Planned],
+        logs: list[tuple[str, str, dict[str, Any]]],
+        report: TickReport,
+    ) -> bool:
+        """Apply the schedule and misfire policy to one task; True when the task changed."""
+        if task.next_fire_at is None:
+            if task.schedule.recurring and task.last_error is None:  # hand-edited or pre-existing
+                task.reschedule(now, now)
+                self._note_error(task, logs, report)
+                return True
+            return False
+        if task.next_due_at is None:
+            try:
+                task.next_due_at = self._due(task, task.next_fire_at)
+            except ScheduleError as exc:
+                return self._fail(task, exc, now, logs, report)
+        if task.next_due_at > now:
+            return False
+
+        try:
+            due, following, skipped = self._due_occurrences(task, now)
+        except ScheduleError as exc:
+            return self._fail(task, exc, now, logs, report)
+        fire, missed = apply_misfire(
+            task.misfire, due, now, timedelta(seconds=task.max_lateness_s), self.run_all_cap
+        )
+        if skipped is not None:
+            missed.insert(0, skipped)
+
+        for nominal, reason in missed:
+            logs.append((task.id, "missed", {"scheduled_for": nominal, "reason": reason}))
+        report.missed += len(missed)
+        occurrences: list[Occurrence] = []
+        for nominal, due_at, catch_up in fire:
+            task.occurrence += 1
+            occ = Occurrence(
+                task_id=task.id,
+                number=task.occurrence,
+                scheduled_for=nominal,
+                due_at=due_at,
+                fired_at=now,
+                catch_up=catch_up,
+            )
+            occurrences.append(occ)
+            logs.append((task.id, "fired", occ.to_dict()))
+            task.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
+        task.next_fire_at, task.next_due_at = following if following is not None else (None, None)
+        task.updated_at = now
+        snapshot = dataclasses.replace(task)  # `fire` gets a copy, not the store's cached object
+        planned.extend(_Planned(snapshot, occ) for occ in occurrences)
+        return True
+
+    def _due_occurrences(
+        self, task: CronTask, now: datetime
+    ) -> tuple[list[tuple[datetime, datetime]], tuple[datetime, datetime] | None, _Missed | None]:
+        """(nominal, due) pairs that came due, oldest first; the occurrence after them; and, after
+        an outage too long to list, one summary `missed` entry for the occurrences jumped over."""
+        assert task.next_fire_at is not None and task.next_due_at is not None
+        due = [(task.next_fire_at, task.next_due_at)]
+        following = self._walk(task, due, now)
+        if following is None or following[1] > now:
+            return due, following, None
+        # more than MAX_ENUMERATE came due: summarise the bulk, handle only the most recent ones
+        period = (due[-1][0] - due[0][0]) / max(1, len(due) - 1)
+        restart = max(
+            due[-1][0],
+            now - period * (self.run_all_cap + 2) - timedelta(seconds=task.max_lateness_s),
+        )
+        first_skipped = due[0][0]
+        nominal = next_occurrence(task.schedule, restart, task.created_at)
+        tail: list[tuple[datetime, datetime]] = []
+        if nominal is not None and self._due(task, nominal) <= now:
+            tail = [(nominal, self._due(task, nominal))]
+            following = self._walk(task, tail, now)
+            if following is not None and following[1] <= now:  # still too many: jump to now
+                nominal = next_occurrence(task.schedule, now, task.created_at)
+                following = None if nominal is None else (nominal, self._due(task, nominal))
+        else:
+            following = None if nominal is None else (nominal, self._due(task, nominal))
+        summary = (
+            first_skipped,
+            f"more than {MAX_ENUMERATE} occurrences came due between {first_skipped.isoformat()} and "
+            f"{restart.isoformat()} while the scheduler was not running; not listed one by one",
+        )
+        return tail, following, summary
+
+    def _walk(
+        self, task: CronTask, due: list[tuple[datetime, datetime]], now: datetime
+    ) -> tuple[datetime, datetime] | None:
+        """Extend `due` with occurrences due by `now` (at most MAX_ENUMERATE in all); return the
+        first one not appended (None when a one-shot has no more)."""
+        while True:
+            nominal = next_occurrence(task.schedule, due[-1][0], task.created_at)
+            if nominal is None:
+                return None
+            nxt = (nominal, self._due(task, nominal))
+            if nxt[1] > now or len(due) >= MAX_ENUMERATE:
+                return nxt
+            due.append(nxt)
+
+    def _due(self, task: CronTask, nominal: datetime) -> datetime:
+        return due_time(
+            task.schedule, nominal, task_id=task.id, created_at=task.created_at, exact=task.exact
+        )
+
+    def _fail(
+        self,
+        task: CronTask,
+        exc: ScheduleError,
+        now: datetime,
+        logs: list[tuple[str, str, dict[str, Any]]],
+        report: TickReport,
+    ) -> bool:
+        """An expression that no longer works keeps the task and becomes a visible failure."""
+        task.next_fire_at = task.next_due_at = None
+        task.set_error(f"invalid schedule: {exc}", now)
+        self._note_error(task, logs, report)
+        return True
+
+    @staticmethod
+    def _note_error(
+        task: CronTask, logs: list[tuple[str, str, dict[str, Any]]], report: TickReport
+    ) -> None:
+        if task.next_fire_at is None and task.last_error:
+            logs.append((task.id, "error", {"error": task.last_error}))
+            report.errors.append(f"{task.id}: {task.last_error}")
+            log.error("cron: task %s (%s): %s", task.name, task.id, task.last_error)
+
+    # ------------------------------------------------------------ outcomes
+
+    def _watch(self, task_id: str, occurrence: int, turn_id: str) -> None:
+        assert self.await_outcome is not None
+        t = asyncio.create_task(
+            watch_outcome(
+                self.store,
+                task_id,
+                occurrence,
+                turn_id,
+                self.await_outcome,
+                timeout_s=self.outcome_timeout_s,
+            )
+        )
+        self._watchers.add(t)
+        t.add_done_callback(self._watchers.discard)
+
+    def record_outcome(
+        self, task_id: str, occurrence: int, turn_id: str | None, outcome: TurnOutcome
+    ) -> None:
+        """Push-style outcome hook for a kernel that reports turn ends itself."""
+        record_outcome(self.store, task_id, occurrence, turn_id, outcome, now=self.clock())
+
+    async def wait_outcomes(self, timeout_s: float) -> None:
+        """Wait (bounded) for outcome watchers; used by tests and a graceful stop."""
+        if self._watchers:
+            await asyncio.wait(set(self._watchers), timeout=timeout_s)
+
+    # ------------------------------------------------------------ run now
+
+    async def run_now(self, ref: str, *, agent: str | None = None) -> RunNowResult:
+        """Fire a task immediately, outside its schedule; needs no lease."""
+        result = await run_task_now(
+            self.store,
+            ref,
+            fire=self.fire,
+            agent=agent,
+            clock=self.clock,
+            fire_timeout_s=self.fire_timeout_s,
+        )
+        if result.turn_id is not None and self.await_outcome is not None:
+            self._watch(result.task.id, result.occurrence.number, result.turn_id)
+        return result
+
+    # ------------------------------------------------------------ the loop
+
+    def seconds_to_next_tick(self) -> float:
+        """Ticks land on multiples of tick_s since the epoch (minute boundaries for 60 s), plus a
+        few ms so a timer that fires a hair early still sees the boundary passed."""
+        now = self.clock().timestamp()
+        return self.tick_s - (now % self.tick_s) + 0.005
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick until `stop` is set; then release the lease and stop outcome watchers."""
+        try:
+            while not stop.is_set():
+                try:
+                    await self.tick()
+                except (CorruptStateFile, CronStoreError) as exc:
+                    log.error("cron: tick skipped: %s", exc)
+                except Exception:
+                    log.exception("cron: tick failed")
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=self.seconds_to_next_tick())
+                except TimeoutError:
+                    pass
+        finally:
+            await self.close()
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Release the lease (so another process need not wait for our death) and cancel watchers."""
+        for t in list(self._watchers):
+            t.cancel()
+        if self._watchers:
+            await asyncio.wait(set(self._watchers), timeout=timeout_s)
+        if self.has_lease:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.lease.release), timeout=timeout_s)
+            except (TimeoutError, CronStoreError, CorruptStateFile) as exc:
+                log.warning("cron: could not release the scheduler lease: %s", exc)
+            self.has_lease = False

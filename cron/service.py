@@ -1,0 +1,84 @@
+"""Cron ↔ kernel: firing is a kernel `submit` of a `cron_prompt` turn; outcomes come from its snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from appserver.runtime.kernel import SubmitRequest
+from appserver.server import Server
+from cron.runner import AwaitOutcomeFn, CronSubmission, SubmitFn, TurnOutcome, make_fire
+from cron.scheduler import Scheduler
+
+log = logging.getLogger("appserver.cron")
+
+
+def kernel_submit(server: Server) -> SubmitFn:
+    async def submit(sub: CronSubmission) -> str | None:
+        source: dict[str, Any] = {"kind": sub.kind, "deliver": sub.deliver, **sub.metadata}
+        submission = await server.kernel.submit(
+            SubmitRequest(
+                agent=sub.agent,
+                input=sub.input_text,
+                conversation=sub.conversation,
+                source=source,
+                # one occurrence is one turn, even if the submit is retried
+                idempotency_key=f"cron:{sub.task_id}:{sub.occurrence.number}",
+            )
+        )
+        return submission.turn_id
+
+    return submit
+
+
+def kernel_await_outcome(server: Server) -> AwaitOutcomeFn:
+    async def wait(turn_id: str) -> TurnOutcome:
+        turn = await server.store.get_turn(turn_id)
+        if turn is None:
+            return TurnOutcome("unknown", f"turn {turn_id} not found")
+        snap = await (await server.kernel.handle_for(turn)).wait_settled()
+        error = (snap.error or {}).get("message") if snap.status != "completed" else None
+        return TurnOutcome(snap.status, error, {"stop_reason": snap.stop_reason, "conversation_id": snap.conversation_id})
+
+    return wait
+
+
+class CronService:
+    """The scheduler inside `serve`: one per home, guarded by the crons.json lease."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.scheduler = Scheduler.from_config(server.config, fire=make_fire(kernel_submit(server)), await_outcome=kernel_await_outcome(server))
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.scheduler.run(self._stop), name="cron-scheduler")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except (TimeoutError, asyncio.CancelledError):
+                self._task.cancel()
+            except Exception:
+                log.exception("cron scheduler stopped with an error")
+        await self.scheduler.close()
+
+
+@asynccontextmanager
+async def cron_background(server: Server) -> AsyncIterator[None]:
+    """The scheduler as a background service of `serve` (off with APPSERVER_DISABLE_CRON=1)."""
+    if not server.config.cron.enabled:
+        yield
+        return
+    service = CronService(server)
+    service.start()
+    try:
+        yield
+    finally:
+        await service.stop()

@@ -1,0 +1,570 @@
+"""`$APPSERVER_HOME/crons.json`: the cron tasks and the scheduler lease, one file, one lock.
+
+Every read-modify-write happens under `crons.json.lock` (a `filelock` with a timeout, so a stuck
+process produces an error instead of a hang) and every write is atomic (temp file, fsync, rename),
+so ten concurrent `appserver cron add` processes produce ten tasks and a valid file.
+
+A file that cannot be understood is moved aside to `crons.json.corrupt-<timestamp>` and
+`CorruptStateFile` is raised: the command that found it fails loudly and writes nothing. The *next*
+command starts from an empty file — a user who was just told "your file was moved aside to X"
+expects `cron add` to work again — while the moved file is never touched, and `corrupt_files()`
+lets every CLI command keep warning about it until the user restores or deletes it. Refusing all
+writes until the user acts was rejected: a forgotten corrupt file would silently stop every
+scheduled job, which is the failure this package exists to prevent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import filelock
+
+from appserver.fsutil import (
+    CorruptStateFile,
+    atomic_write_text,
+    ensure_private_dir,
+    move_aside,
+    read_json_or_move_aside,
+)
+from cron.schedule import ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
+
+FORMAT_VERSION = 1
+CRONS_FILE = "crons.json"
+RUNS_DIR = "cron-runs"
+DEFAULT_LOCK_TIMEOUT_S = 10.0
+DEFAULT_MAX_LATENESS_S = 300.0  # 5 ticks: a restart or a slow tick is not a misfire
+MISFIRE_POLICIES = ("skip", "run_once", "run_all")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_TARGET_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+__all__ = [
+    "CorruptStateFile",
+    "CronFile",
+    "CronLockTimeout",
+    "CronNotFound",
+    "CronStore",
+    "CronStoreError",
+    "CronTask",
+    "Occurrence",
+    "OwnerRecord",
+    "make_task",
+]
+
+
+class CronStoreError(Exception):
+    """crons.json cannot be used as asked; the message is one line a user can act on."""
+
+
+class CronLockTimeout(CronStoreError):
+    """Another process held crons.json.lock for longer than the timeout."""
+
+
+class CronNotFound(CronStoreError):
+    """No task matches the given id or name."""
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _iso(dt: datetime | None) -> str | None:
+    return None if dt is None else dt.astimezone(UTC).isoformat()
+
+
+def _dt(value: Any, key: str) -> datetime | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be an ISO time string")
+    dt = datetime.fromisoformat(value)
+    if dt.tzinfo is None:
+        raise ValueError(f"{key} must carry a UTC offset")
+    return dt
+
+
+# ---------------------------------------------------------------- model
+
+
+@dataclass(slots=True)
+class OwnerRecord:
+    """Who holds the scheduler lease: see cron/lease.py for how it is judged alive."""
+
+    pid: int
+    token: str
+    started_at: datetime
+    proc_start: int | None  # /proc/<pid>/stat field 22 (clock ticks since boot), None off Linux
+    host: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "token": self.token,
+            "started_at": _iso(self.started_at),
+            "proc_start": self.proc_start,
+            "host": self.host,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OwnerRecord:
+        started = _dt(d.get("started_at"), "scheduler_owner.started_at")
+        pid, token = d.get("pid"), d.get("token")
+        if not isinstance(pid, int) or not isinstance(token, str) or started is None:
+            raise ValueError("scheduler_owner needs pid, token and started_at")
+        ps = d.get("proc_start")
+        return cls(pid, token, started, ps if isinstance(ps, int) else None, str(d.get("host", "")))
+
+
+@dataclass(slots=True)
+class CronTask:
+    """One scheduled task. `next_fire_at` is the nominal time of the next occurrence (what the
+    envelope calls "Scheduled for"); `next_due_at` is when the scheduler fires it (with jitter)."""
+
+    id: str
+    name: str
+    agent: str
+    schedule: ScheduleSpec
+    prompt: str
+    created_at: datetime
+    conversation: str = "new"  # new | default | <conversation id>
+    misfire: str = "skip"  # skip | run_once | run_all
+    max_lateness_s: float = DEFAULT_MAX_LATENESS_S
+    exact: bool = False
+    deliver: str | None = None  # channel:account:chat
+    enabled: bool = True
+    next_fire_at: datetime | None = None
+    next_due_at: datetime | None = None
+    last_claimed: dict[str, Any] | None = None  # {occurrence, scheduled_for, claimed_at, manual}
+    occurrence: int = 0  # runs claimed so far (scheduled and manual); the envelope's number
+    last_error: str | None = None
+    last_error_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    @property
+    def state(self) -> str:
+        """A one-word status for `cron list`."""
+        if self.last_error and self.next_fire_at is None:
+            return "error"
+        if not self.enabled:
+            return "disabled"
+        if self.next_fire_at is None:
+            return "done" if not self.schedule.recurring else "error"
+        return "scheduled"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "agent": self.agent,
+            "schedule": self.schedule.to_dict(),
+            "prompt": self.prompt,
+            "conversation": self.conversation,
+            "misfire": self.misfire,
+            "max_lateness_s": self.max_lateness_s,
+            "exact": self.exact,
+            "deliver": self.deliver,
+            "enabled": self.enabled,
+            "next_fire_at": _iso(self.next_fire_at),
+            "next_due_at": _iso(self.next_due_at),
+            "last_claimed": self.last_claimed,
+            "occurrence": self.occurrence,
+            "last_error": self.last_error,
+            "last_error_at": _iso(self.last_error_at),
+            "created_at": _iso(self.created_at),
+            "updated_at": _iso(self.updated_at),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CronTask:
+        if not isinstance(d, dict):
+            raise ValueError("task must be an object")
+        for key in ("id", "name", "agent", "prompt"):
+            if not isinstance(d.get(key), str):
+                raise ValueError(f"task.{key} must be a string")
+        sched = d.get("schedule")
+        if not isinstance(sched, dict):
+            raise ValueError(f"task {d['id']}: schedule must be an object")
+        created = _dt(d.get("created_at"), "created_at")
+        if created is None:
+            raise ValueError(f"task {d['id']}: created_at is required")
+        misfire = d.get("misfire", "skip")
+        if misfire not in MISFIRE_POLICIES:
+            raise ValueError(f"task {d['id']}: misfire must be one of {MISFIRE_POLICIES}")
+        claimed = d.get("last_claimed")
+        return cls(
+            id=d["id"],
+            name=d["name"],
+            agent=d["agent"],
+            schedule=ScheduleSpec.from_dict(sched),
+            prompt=d["prompt"],
+            created_at=created,
+            conversation=str(d.get("conversation", "new")),
+            misfire=misfire,
+            max_lateness_s=float(d.get("max_lateness_s", DEFAULT_MAX_LATENESS_S)),
+            exact=bool(d.get("exact", False)),
+            deliver=d.get("deliver") if isinstance(d.get("deliver"), str) else None,
+            enabled=bool(d.get("enabled", True)),
+            next_fire_at=_dt(d.get("next_fire_at"), "next_fire_at"),
+            next_due_at=_dt(d.get("next_due_at"), "next_due_at"),
+            last_claimed=claimed if isinstance(claimed, dict) else None,
+            occurrence=int(d.get("occurrence", 0)),
+            last_error=d.get("last_error") if isinstance(d.get("last_error"), str) else None,
+            last_error_at=_dt(d.get("last_error_at"), "last_error_at"),
+            updated_at=_dt(d.get("updated_at"), "updated_at"),
+        )
+
+    def set_error(self, message: str, now: datetime) -> None:
+        self.last_error, self.last_error_at, self.updated_at = message, now, now
+
+    def reschedule(self, after: datetime, now: datetime) -> None:
+        """Set next_fire_at/next_due_at to the first occurrence after `after`; a schedule that can
+        no longer be computed keeps the task and records the failure instead."""
+        try:
+            nominal = next_occurrence(self.schedule, after, self.created_at)
+            self.next_fire_at = nominal
+            self.next_due_at = (
+                None
+                if nominal is None
+                else due_time(
+                    self.schedule,
+                    nominal,
+                    task_id=self.id,
+                    created_at=self.created_at,
+                    exact=self.exact,
+                )
+            )
+        except ScheduleError as exc:
+            self.next_fire_at = self.next_due_at = None
+            self.set_error(f"invalid schedule: {exc}", now)
+        self.updated_at = now
+
+
+@dataclass(frozen=True, slots=True)
+class Occurrence:
+    """One run of a task as handed to `fire`: its number (the task's run counter), the nominal
+    time it stands for, when it was due (with jitter) and when it was actually claimed."""
+
+    task_id: str
+    number: int
+    scheduled_for: datetime
+    due_at: datetime
+    fired_at: datetime
+    manual: bool = False  # "run now", outside the schedule
+    catch_up: bool = False  # fired late by the misfire policy (run_once / run_all)
+
+    @property
+    def late_s(self) -> float:
+        return max(0.0, (self.fired_at - self.scheduled_for).total_seconds())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "occurrence": self.number,
+            "scheduled_for": _iso(self.scheduled_for),
+            "due_at": _iso(self.due_at),
+            "fired_at": _iso(self.fired_at),
+            "manual": self.manual,
+            "catch_up": self.catch_up,
+        }
+
+
+@dataclass(slots=True)
+class CronFile:
+    """The whole of crons.json, parsed."""
+
+    version: int = FORMAT_VERSION
+    scheduler_owner: OwnerRecord | None = None
+    tasks: list[CronTask] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "scheduler_owner": None
+            if self.scheduler_owner is None
+            else self.scheduler_owner.to_dict(),
+            "tasks": [t.to_dict() for t in self.tasks],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CronFile:
+        if not isinstance(d, dict):
+            raise ValueError("top level must be an object")
+        version = d.get("version")
+        if not isinstance(version, int):
+            raise ValueError("version must be an integer")
+        tasks = d.get("tasks", [])
+        if not isinstance(tasks, list):
+            raise ValueError("tasks must be a list")
+        owner = d.get("scheduler_owner")
+        parsed = [CronTask.from_dict(t) for t in tasks]
+        ids = [t.id for t in parsed]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate task ids")
+        return cls(
+            version=version,
+            scheduler_owner=OwnerRecord.from_dict(owner) if isinstance(owner, dict) else None,
+            tasks=parsed,
+        )
+
+    def find(self, ref: str, agent: str | None = None) -> CronTask:
+        """By id, else by name (narrowed by agent); an ambiguous name is an error, not a guess."""
+        for t in self.tasks:
+            if t.id == ref and (agent is None or t.agent == agent):
+                return t
+        named = [t for t in self.tasks if t.name == ref and (agent is None or t.agent == agent)]
+        if len(named) == 1:
+            return named[0]
+        if not named:
+            who = f" for agent {agent!r}" if agent else ""
+            raise CronNotFound(f"no cron task {ref!r}{who}")
+        agents = ", ".join(sorted(t.agent for t in named))
+        raise CronStoreError(
+            f"task name {ref!r} exists for several agents ({agents}); pass --agent"
+        )
+
+    def get(self, task_id: str) -> CronTask | None:
+        return next((t for t in self.tasks if t.id == task_id), None)
+
+
+# ---------------------------------------------------------------- the store
+
+
+class CronStore:
+    """crons.json under its lock. Use `transaction()` for read-modify-write, `read()` to look."""
+
+    def __init__(self, home: Path, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
+        self.home = Path(home)
+        self.path = self.home / CRONS_FILE
+        self.lock_path = self.home / f"{CRONS_FILE}.lock"
+        self.runs_dir = self.home / RUNS_DIR
+        self.lock_timeout_s = lock_timeout_s
+        # the last state this object loaded or saved, with the file's (inode, mtime, size) at
+        # that moment; every atomic write makes a new inode, so a match means nobody else wrote
+        self._cache: tuple[tuple[int, int, int], CronFile] | None = None
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold crons.json.lock; CronLockTimeout after `lock_timeout_s` rather than hanging."""
+        ensure_private_dir(self.home)
+        lk = filelock.FileLock(str(self.lock_path), timeout=self.lock_timeout_s, mode=0o600)
+        try:
+            lk.acquire()
+        except filelock.Timeout:
+            raise CronLockTimeout(
+                f"timed out after {self.lock_timeout_s:g} s waiting for {self.lock_path}; "
+                "another appserver process is holding it"
+            ) from None
+        try:
+            yield
+        finally:
+            lk.release()
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def load(self) -> CronFile:
+        """Parse crons.json (call with the lock held). Missing → empty; unusable → moved aside.
+        The caller owns the returned object: it leaves the cache until `save` or `keep`."""
+        cached, self._cache = self._cache, None
+        if cached is not None and cached[0] == self._signature():
+            return cached[1]
+        raw = read_json_or_move_aside(self.path)
+        if raw is None:
+            return CronFile()
+        if (
+            isinstance(raw, dict)
+            and isinstance(raw.get("version"), int)
+            and raw["version"] > FORMAT_VERSION
+        ):
+            raise CronStoreError(
+                f"{self.path} has format version {raw['version']}, newer than this appserver "
+                f"understands ({FORMAT_VERSION}); upgrade appserver"
+            )
+        try:
+            return CronFile.from_dict(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise move_aside(self.path, f"not a valid crons.json: {exc}") from None
+
+    def save(self, state: CronFile, *, cache: bool = False) -> None:
+        """Write atomically (call with the lock held), one task per line: readable, and several
+        times faster than indenting every key of ten thousand tasks. `cache=True` (the scheduler
+        only) keeps `state` for the next `load`; the caller must then hold no references into it
+        that it hands out, since the next loader will mutate those objects."""
+        state.version = FORMAT_VERSION
+        d = state.to_dict()
+        compact = {"separators": (", ", ": "), "ensure_ascii": False}
+        tasks = ",\n    ".join(json.dumps(t, **compact) for t in d["tasks"])  # type: ignore[arg-type]
+        text = (
+            "{\n"
+            f'  "version": {d["version"]},\n'
+            f'  "scheduler_owner": {json.dumps(d["scheduler_owner"], **compact)},\n'  # type: ignore[arg-type]
+            f'  "tasks": [' + (f"\n    {tasks}\n  " if tasks else "") + "]\n}\n"
+        )
+        atomic_write_text(self.path, text)
+        self._cache = None
+        if cache:
+            self.keep(state)
+
+    def keep(self, state: CronFile) -> None:
+        """Hand an unmodified loaded state back to the cache (call with the lock held), so the
+        scheduler's next tick need not parse ten thousand tasks again. Same ownership rule as
+        `save(cache=True)`."""
+        sig = self._signature()
+        self._cache = None if sig is None else (sig, state)
+
+    @contextmanager
+    def transaction(self) -> Iterator[CronFile]:
+        """Lock, load, yield, and save unless the block raised."""
+        with self.lock():
+            state = self.load()
+            yield state
+            self.save(state)
+
+    def read(self) -> CronFile:
+        """A consistent snapshot (taken under the lock, so never a half-written file). The caller
+        may do what it likes with it; it is not cached."""
+        with self.lock():
+            return self.load()
+
+    def corrupt_files(self) -> list[Path]:
+        """Files set aside as corrupt; the CLI warns about them until the user deals with them."""
+        if not self.home.is_dir():
+            return []
+        return sorted(self.home.glob(f"{CRONS_FILE}.corrupt-*"))
+
+    # ------------------------------------------------------------ task operations
+
+    def add(self, task: CronTask) -> CronTask:
+        """Insert a task; a duplicate name for the same agent is refused and nothing is written."""
+        with self.lock():
+            state = self.load()
+            if any(t.agent == task.agent and t.name == task.name for t in state.tasks):
+                raise CronStoreError(
+                    f"agent {task.agent!r} already has a cron task named {task.name!r}"
+                )
+            state.tasks.append(task)
+            self.save(state)
+        return task
+
+    def remove(self, ref: str, agent: str | None = None) -> CronTask:
+        with self.transaction() as state:
+            task = state.find(ref, agent)
+            state.tasks.remove(task)
+        return task
+
+    def set_enabled(
+        self, ref: str, enabled: bool, *, agent: str | None = None, now: datetime | None = None
+    ) -> CronTask:
+        """Disable keeps the task; enable recomputes a recurring task's next time from now, so the
+        occurrences that passed while it was disabled are not treated as misfires."""
+        now = now or utcnow()
+        with self.transaction() as state:
+            task = state.find(ref, agent)
+            was = task.enabled
+            task.enabled = enabled
+            task.updated_at = now
+            if enabled and not was:
+                if task.schedule.recurring or task.last_error:
+                    task.last_error = None
+                    task.reschedule(
+                        now
+                        if task.schedule.recurring
+                        else task.created_at - timedelta(microseconds=1),
+                        now,
+                    )
+        return task
+
+    def list(self, agent: str | None = None) -> list[CronTask]:
+        return [t for t in self.read().tasks if agent is None or t.agent == agent]
+
+
+# ---------------------------------------------------------------- building a task
+
+
+def validate_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ScheduleError(
+            f"invalid task name {name!r}: 1-64 characters, letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def validate_deliver(target: str | None) -> str | None:
+    """`channel:account:chat`; the chat part may itself contain ':' (it is the remainder)."""
+    if target is None or target == "":
+        return None
+    parts = target.split(":", 2)
+    if len(parts) != 3 or not all(parts) or not all(_TARGET_PART_RE.match(p) for p in parts[:2]):
+        raise ScheduleError(f"invalid deliver target {target!r}: use channel:account:chat")
+    return target
+
+
+def validate_conversation(conv: str) -> str:
+    if conv in ("new", "default"):
+        return conv
+    if not conv or len(conv) > 200 or any(c.isspace() for c in conv):
+        raise ScheduleError(f"invalid conversation {conv!r}: use new, default or a conversation id")
+    return conv
+
+
+def new_task_id() -> str:
+    return "cron_" + secrets.token_hex(6)
+
+
+def make_task(
+    *,
+    name: str,
+    agent: str,
+    schedule: ScheduleSpec,
+    prompt: str,
+    now: datetime,
+    conversation: str = "new",
+    misfire: str = "skip",
+    max_lateness_s: float = DEFAULT_MAX_LATENESS_S,
+    exact: bool = False,
+    deliver: str | None = None,
+    enabled: bool = True,
+    task_id: str | None = None,
+) -> CronTask:
+    """Validate everything `add` must refuse (ScheduleError, nothing written) and compute the first
+    fire time."""
+    validate_name(name)
+    if not agent or not agent.strip():
+        raise ScheduleError("agent must not be empty")
+    if not prompt.strip():
+        raise ScheduleError("prompt must not be empty")
+    if misfire not in MISFIRE_POLICIES:
+        raise ScheduleError(f"invalid misfire policy {misfire!r}: use skip, run_once or run_all")
+    if max_lateness_s < 0:
+        raise ScheduleError("max lateness must not be negative")
+    first = validate_new(schedule, now)
+    tid = task_id or new_task_id()
+    return CronTask(
+        id=tid,
+        name=name,
+        agent=agent,
+        schedule=schedule,
+        prompt=prompt,
+        created_at=now,
+        conversation=validate_conversation(conversation),
+        misfire=misfire,
+        max_lateness_s=float(max_lateness_s),
+        exact=exact,
+        deliver=validate_deliver(deliver),
+        enabled=enabled,
+        next_fire_at=first,
+        next_due_at=due_time(schedule, first, task_id=tid, created_at=now, exact=exact),
+        updated_at=now,
+    )

@@ -1,11 +1,53 @@
-"""OpenAI-compatible routes (/v1/models, /v1/chat/completions, /v1/responses). Filled by issue 3."""
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/responses, and GET /metrics."""
 
 from __future__ import annotations
 
-from starlette.routing import BaseRoute
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
 
+from appserver.http.chat import ChatCompletions
+from appserver.http.common import (
+    advertised_ids,
+    api_route,
+    json_response,
+    model_object,
+    principal_of,
+    resolve_model,
+    visible_agents,
+)
+from appserver.http.metrics import Metrics
+from appserver.http.responses import Responses
 from appserver.server import Server
+
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
 
 
 def openai_routes(server: Server) -> list[BaseRoute]:
-    return []
+    metrics = Metrics(server)
+    server.services["metrics"] = metrics
+    chat = ChatCompletions(server, metrics)
+    responses = Responses(server, metrics)
+
+    async def list_models(request: Request) -> Response:
+        agents = await server.store.list_agents()
+        adv = advertised_ids(agents)
+        visible = {a.id for a in await visible_agents(server, principal_of(request))}
+        return json_response({"object": "list", "data": [model_object(a, adv[a.id]) for a in agents if a.id in visible]})
+
+    async def get_model(request: Request) -> Response:
+        agent, model_id = await resolve_model(server, principal_of(request), request.path_params["model"])
+        return json_response(model_object(agent, model_id))
+
+    def route(path: str, name: str, methods: dict) -> Route:  # type: ignore[type-arg]
+        return Route(path, api_route(metrics, name, methods), methods=ALL_METHODS)
+
+    return [
+        route("/v1/models", "/v1/models", {"GET": list_models}),
+        route("/v1/models/{model:path}", "/v1/models/{id}", {"GET": get_model}),
+        route("/v1/chat/completions", "/v1/chat/completions", {"POST": chat.post}),
+        route("/v1/responses", "/v1/responses", {"POST": responses.post}),
+        route("/v1/responses/{response_id}", "/v1/responses/{id}", {"GET": responses.get, "DELETE": responses.delete}),
+        route("/v1/responses/{response_id}/input_items", "/v1/responses/{id}/input_items", {"GET": responses.input_items}),
+        Route("/metrics", metrics.endpoint, methods=["GET"]),
+    ]

@@ -12,8 +12,11 @@ from typing import Any
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
+    HistoryPoint,
+    HttpIdempotency,
     MessageRecord,
     PendingCall,
+    ResponseRecord,
     TurnCommit,
     TurnRecord,
 )
@@ -108,3 +111,29 @@ class Store(ABC):
     ) -> bool: ...
     @abstractmethod
     async def overdue_pending(self, now: float) -> list[PendingCall]: ...
+
+    # OpenAI HTTP surface: stored responses, HTTP idempotency keys, history-prefix points
+    @abstractmethod
+    async def last_message_id(self, conversation_id: str) -> int: ...
+    @abstractmethod
+    async def save_response(self, response: ResponseRecord) -> None: ...
+    @abstractmethod
+    async def get_response(self, response_id: str) -> ResponseRecord | None: ...
+    @abstractmethod
+    async def delete_response(self, response_id: str) -> bool: ...
+    @abstractmethod
+    async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
+        """Insert a pending key; if the key exists already return the existing entry instead."""
+    @abstractmethod
+    async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None: ...
+    @abstractmethod
+    async def finish_http_idempotency(self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None) -> None: ...
+    @abstractmethod
+    async def drop_http_idempotency(self, scope: str, key: str) -> None: ...
+    @abstractmethod
+    async def purge_http_idempotency(self, older_than: float) -> int: ...
+    @abstractmethod
+    async def add_history_point(self, point: HistoryPoint) -> None: ...
+    @abstractmethod
+    async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
+        """Points with that hash, most recently active conversation first."""

@@ -108,4 +108,47 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX idempotency_age ON idempotency_keys(created_at);
         """,
     ),
+    (
+        2,
+        """
+        CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            agent_id TEXT NOT NULL,
+            conversation_id TEXT NOT NULL,
+            turn_id TEXT,
+            previous_response_id TEXT,
+            namespace TEXT,
+            last_message_id INTEGER NOT NULL DEFAULT 0,
+            body TEXT NOT NULL,
+            input_items TEXT NOT NULL DEFAULT '[]',
+            stored INTEGER NOT NULL DEFAULT 1,
+            created_at REAL NOT NULL
+        );
+        CREATE INDEX responses_conversation ON responses(conversation_id, created_at);
+
+        CREATE TABLE http_idempotency (
+            scope TEXT NOT NULL,
+            key TEXT NOT NULL,
+            body_hash TEXT NOT NULL,
+            state TEXT NOT NULL DEFAULT 'pending',
+            status_code INTEGER,
+            content_type TEXT,
+            body TEXT,
+            conversation_id TEXT,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (scope, key)
+        );
+        CREATE INDEX http_idempotency_age ON http_idempotency(created_at);
+
+        CREATE TABLE history_points (
+            agent_id TEXT NOT NULL,
+            prefix_hash TEXT NOT NULL,
+            conversation_id TEXT NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            last_message_id INTEGER NOT NULL,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (agent_id, prefix_hash, conversation_id)
+        );
+        CREATE INDEX history_points_conversation ON history_points(conversation_id);
+        """,
+    ),
 ]

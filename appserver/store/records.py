@@ -180,3 +180,46 @@ class TurnCommit:
     revision: int = 0
     iteration: int = 0
     input_committed: bool = True
+
+
+@dataclass(slots=True)
+class ResponseRecord:
+    """A stored `/v1/responses` object: its body as sent, its input items, where it left its conversation."""
+
+    id: str
+    agent_id: str
+    conversation_id: str
+    body: dict[str, Any]
+    turn_id: str | None = None
+    previous_response_id: str | None = None
+    namespace: str | None = None
+    last_message_id: int = 0  # the conversation's last message when this response ended (fork point)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    stored: bool = True
+    created_at: float = 0.0
+
+
+@dataclass(slots=True)
+class HttpIdempotency:
+    """An `Idempotency-Key` seen on an HTTP POST: the body hash and, once done, the stored reply."""
+
+    scope: str
+    key: str
+    body_hash: str
+    state: str = "pending"  # pending | done
+    status_code: int | None = None
+    content_type: str | None = None
+    body: str | None = None
+    conversation_id: str | None = None
+    created_at: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class HistoryPoint:
+    """A client-visible history prefix (its hash) that a conversation reached, and its last message id."""
+
+    agent_id: str
+    prefix_hash: str
+    conversation_id: str
+    last_message_id: int
+    created_at: float = 0.0

@@ -20,8 +20,11 @@ from appserver.store.migrations import MIGRATIONS
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
+    HistoryPoint,
+    HttpIdempotency,
     MessageRecord,
     PendingCall,
+    ResponseRecord,
     TurnCommit,
     TurnRecord,
 )
@@ -472,3 +475,116 @@ class SQLiteStore(Store):
             "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= ? ORDER BY expires_at", (now,)
         )
         return [self._pending(r) for r in rows]
+
+    # ------------------------------------------------------------ OpenAI HTTP surface
+
+    async def last_message_id(self, conversation_id: str) -> int:
+        row = self.db.execute("SELECT MAX(id) FROM messages WHERE conversation_id=?", (conversation_id,)).fetchone()
+        return int(row[0] or 0)
+
+    @staticmethod
+    def _response(row: sqlite3.Row) -> ResponseRecord:
+        return ResponseRecord(
+            id=row["id"],
+            agent_id=row["agent_id"],
+            conversation_id=row["conversation_id"],
+            body=_loads(row["body"], {}),
+            turn_id=row["turn_id"],
+            previous_response_id=row["previous_response_id"],
+            namespace=row["namespace"],
+            last_message_id=row["last_message_id"],
+            input_items=_loads(row["input_items"], []),
+            stored=bool(row["stored"]),
+            created_at=row["created_at"],
+        )
+
+    async def save_response(self, response: ResponseRecord) -> None:
+        response.created_at = response.created_at or time.time()
+        with self._tx() as tx:
+            tx.execute(
+                "INSERT OR REPLACE INTO responses(id, agent_id, conversation_id, turn_id, previous_response_id, namespace, last_message_id, body, input_items, stored, created_at) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    response.id,
+                    response.agent_id,
+                    response.conversation_id,
+                    response.turn_id,
+                    response.previous_response_id,
+                    response.namespace,
+                    response.last_message_id,
+                    _dumps(response.body),
+                    _dumps(response.input_items),
+                    int(response.stored),
+                    response.created_at,
+                ),
+            )
+
+    async def get_response(self, response_id: str) -> ResponseRecord | None:
+        row = self.db.execute("SELECT * FROM responses WHERE id=?", (response_id,)).fetchone()
+        return self._response(row) if row else None
+
+    async def delete_response(self, response_id: str) -> bool:
+        with self._tx() as tx:
+            return tx.execute("DELETE FROM responses WHERE id=?", (response_id,)).rowcount > 0
+
+    @staticmethod
+    def _idem(row: sqlite3.Row) -> HttpIdempotency:
+        return HttpIdempotency(
+            scope=row["scope"],
+            key=row["key"],
+            body_hash=row["body_hash"],
+            state=row["state"],
+            status_code=row["status_code"],
+            content_type=row["content_type"],
+            body=row["body"],
+            conversation_id=row["conversation_id"],
+            created_at=row["created_at"],
+        )
+
+    async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
+        entry.created_at = entry.created_at or time.time()
+        with self._tx() as tx:
+            row = tx.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)).fetchone()
+            if row is not None:
+                return self._idem(row)
+            tx.execute(
+                "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at) VALUES (?,?,?,?,?)",
+                (entry.scope, entry.key, entry.body_hash, "pending", entry.created_at),
+            )
+        return None
+
+    async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
+        row = self.db.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (scope, key)).fetchone()
+        return self._idem(row) if row else None
+
+    async def finish_http_idempotency(self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None) -> None:
+        with self._tx() as tx:
+            tx.execute(
+                "UPDATE http_idempotency SET state='done', status_code=?, content_type=?, body=?, conversation_id=? WHERE scope=? AND key=?",
+                (status_code, content_type, body, conversation_id, scope, key),
+            )
+
+    async def drop_http_idempotency(self, scope: str, key: str) -> None:
+        with self._tx() as tx:
+            tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (scope, key))
+
+    async def purge_http_idempotency(self, older_than: float) -> int:
+        with self._tx() as tx:
+            return tx.execute("DELETE FROM http_idempotency WHERE created_at < ?", (older_than,)).rowcount
+
+    async def add_history_point(self, point: HistoryPoint) -> None:
+        with self._tx() as tx:
+            tx.execute(
+                "INSERT OR REPLACE INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at) VALUES (?,?,?,?,?)",
+                (point.agent_id, point.prefix_hash, point.conversation_id, point.last_message_id, point.created_at or time.time()),
+            )
+
+    async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
+        rows = self.db.execute(
+            "SELECT p.* FROM history_points p JOIN conversations c ON c.id = p.conversation_id "
+            "WHERE p.agent_id=? AND p.prefix_hash=? ORDER BY c.updated_at DESC, p.created_at DESC",
+            (agent_id, prefix_hash),
+        ).fetchall()
+        return [
+            HistoryPoint(r["agent_id"], r["prefix_hash"], r["conversation_id"], r["last_message_id"], r["created_at"]) for r in rows
+        ]

@@ -1,0 +1,292 @@
+"""Shared pieces of the OpenAI routes: request parsing, model ids, idempotency keys, driving a turn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from appserver.auth import Principal
+from appserver.errors import KernelError
+from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id
+from appserver.runtime.conversation import Decision, TurnHandle
+from appserver.runtime.kernel import SubmitRequest
+from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
+from appserver.store.records import AgentRecord, HttpIdempotency
+
+if TYPE_CHECKING:
+    from appserver.http.metrics import Metrics
+    from appserver.server import Server
+
+log = logging.getLogger("appserver.http")
+
+IDEMPOTENCY_TTL_S = 48 * 3600
+IDEMPOTENCY_WAIT_S = 120.0
+
+
+def principal_of(request: Request) -> Principal:
+    p = getattr(request.state, "principal", None)
+    return p if isinstance(p, Principal) else Principal.local()
+
+
+def namespace_of(principal: Principal) -> str:
+    return f"{principal.kind}:{principal.subject}"
+
+
+async def read_json(request: Request) -> tuple[dict[str, Any], bytes]:
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away while sending the body", code="client_disconnected") from None
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return data, raw
+
+
+# ---------------------------------------------------------------- models
+
+
+def advertised_ids(agents: list[AgentRecord]) -> dict[str, str]:
+    """agent id → advertised model id: the name when unique and no agent's id, else the agent id."""
+    ids = {a.id for a in agents}
+    counts: dict[str, int] = {}
+    for a in agents:
+        counts[a.name] = counts.get(a.name, 0) + 1
+    return {a.id: (a.name if counts[a.name] == 1 and a.name not in ids else a.id) for a in agents}
+
+
+async def visible_agents(server: Server, principal: Principal) -> list[AgentRecord]:
+    return [a for a in await server.store.list_agents() if principal.allows_agent(a.id, a.name)]
+
+
+async def resolve_model(server: Server, principal: Principal, model: Any) -> tuple[AgentRecord, str]:
+    """The agent a `model` value names, and its advertised id; 404 model_not_found otherwise."""
+    if not isinstance(model, str) or not model.strip():
+        raise ApiError(400, "'model' is required: use one of the ids from GET /v1/models", code="missing_model", param="model")
+    agents = await server.store.list_agents()
+    adv = advertised_ids(agents)
+    found = [a for a in agents if a.id == model] or [a for a in agents if adv[a.id] == model]
+    if len(found) != 1 or not principal.allows_agent(found[0].id, found[0].name):
+        raise ApiError(404, f"The model '{model}' does not exist or you do not have access to it.", code="model_not_found", param="model")
+    return found[0], adv[found[0].id]
+
+
+def model_object(agent: AgentRecord, model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": int(agent.created_at), "owned_by": "appserver"}
+
+
+# ---------------------------------------------------------------- idempotency
+
+
+@dataclass(slots=True)
+class Idempotency:
+    server: Server
+    scope: str
+    key: str
+    body_hash: str
+
+    @classmethod
+    async def begin(cls, server: Server, request: Request, principal: Principal, route: str, raw: bytes) -> tuple[Idempotency | None, Response | None]:
+        """(a claim to finish later, or a stored reply to send now)."""
+        key = request.headers.get("idempotency-key")
+        if not key:
+            return None, None
+        key = key.strip()
+        if not key or len(key) > 255:
+            raise ApiError(400, "Idempotency-Key must be 1 to 255 characters", code="invalid_idempotency_key", param="Idempotency-Key")
+        body_hash = hashlib.sha256(raw).hexdigest()
+        scope = f"{namespace_of(principal)}:{route}"
+        store = server.store
+        await store.purge_http_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+        deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
+        while True:
+            existing = await store.claim_http_idempotency(HttpIdempotency(scope, key, body_hash))
+            if existing is None:
+                return cls(server, scope, key, body_hash), None
+            if existing.body_hash != body_hash:
+                raise ApiError(409, "this Idempotency-Key was already used with a different request body", code="idempotency_key_reused", param="Idempotency-Key")
+            if existing.state == "done":
+                headers = {"Idempotent-Replayed": "true"}
+                if existing.conversation_id:
+                    headers["X-Conversation-Id"] = existing.conversation_id
+                return None, Response(existing.body or "", status_code=existing.status_code or 200, media_type=existing.content_type, headers=headers)
+            if time.monotonic() > deadline:
+                raise ApiError(409, "a request with this Idempotency-Key is still in progress", code="idempotency_key_in_progress", param="Idempotency-Key")
+            await asyncio.sleep(0.05)
+
+    async def finish(self, status: int, content_type: str, body: str, conversation_id: str | None) -> None:
+        await self.server.store.finish_http_idempotency(self.scope, self.key, status, content_type, body, conversation_id)
+
+    async def abandon(self) -> None:
+        await self.server.store.drop_http_idempotency(self.scope, self.key)
+
+
+# ---------------------------------------------------------------- driving a turn
+
+
+@dataclass(slots=True)
+class TurnRun:
+    """One turn this request drives: a new submission, or an awaiting turn resumed with answers."""
+
+    server: Server
+    conversation_id: str
+    handle: TurnHandle
+    base_blocks: int = 0  # blocks before this request (a resumed turn shows only what follows)
+    after_revision: int = -1
+    resolved_calls: list[str] = field(default_factory=list)  # server calls answered by this request
+    started: bool = True
+
+    @property
+    def turn_id(self) -> str:
+        return self.handle.turn_id
+
+    async def snapshots(self, keepalive_s: float | None) -> AsyncIterator[TurnSnapshot | None]:
+        """Newer snapshots (latest-wins), None when nothing changed for `keepalive_s`."""
+        controller = self.handle.controller
+        seen = self.after_revision
+        while True:
+            try:
+                snap = await controller.next_snapshot(seen, keepalive_s)
+            except TimeoutError:
+                yield None
+                continue
+            seen = snap.revision
+            yield snap
+            if snap.status in TERMINAL_STATUSES:
+                return
+
+    async def cancel(self) -> None:
+        """The client went away: cancel this turn if it is the conversation's current one."""
+        try:
+            rt = await self.server.kernel.runtime(self.conversation_id)
+            if rt.lifecycle.turn_id == self.turn_id:
+                await self.server.kernel.cancel(self.conversation_id)
+        except Exception:
+            log.exception("could not cancel turn %s after a disconnect", self.turn_id)
+
+
+def client_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:
+    return [p for p in snap.pending if p.get("kind") == "client"]
+
+
+def approval_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:
+    return [p for p in snap.pending if p.get("kind") == "approval"]
+
+
+async def start_turn(
+    server: Server,
+    agent: AgentRecord,
+    conversation_id: str,
+    *,
+    content: str | list[dict[str, Any]] | None,
+    decisions: list[Decision],
+    client_tools: list[Any],
+    options: dict[str, Any],
+    source: dict[str, Any],
+) -> TurnRun:
+    kernel = server.kernel
+    try:
+        if decisions:
+            if content:
+                raise ApiError(400, "send tool results (or approval answers) and new user input in separate requests", code="mixed_input")
+            rt = await kernel.runtime(conversation_id)
+            awaiting = rt.awaiting_turn
+            if awaiting is None:
+                raise ApiError(409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting")
+            handle = rt.handles.get(awaiting.id) or await kernel.handle_for(awaiting)
+            before = handle.controller.snapshot()
+            results = await kernel.respond(conversation_id, decisions)
+            refused = [r for r in results if not r.get("accepted")]
+            if refused:
+                raise ApiError(400, "; ".join(str(r.get("message")) for r in refused), code=str(refused[0].get("error") or "invalid_call"), param="tool_call_id")
+            resolved = [d.call_id for d in decisions if d.action in ("approve", "deny")]
+            return TurnRun(server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision, resolved_calls=resolved)
+        if not content:
+            raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
+        sub = await kernel.submit(
+            SubmitRequest(agent=agent.id, input=content, conversation=conversation_id, source=source, client_tools=client_tools, options=options)
+        )
+        return TurnRun(server, sub.conversation_id, sub.handle)
+    except KernelError as exc:
+        raise from_kernel(exc) from None
+
+
+async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bool, Any]:
+    """Await `coro` unless the client disconnects first: (disconnected, result)."""
+    task = asyncio.ensure_future(coro)
+
+    async def listen() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        with contextlib.suppress(BaseException):
+            await listener
+    if task in done:
+        return False, task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    return True, None
+
+
+# ---------------------------------------------------------------- route wrapper
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Handler:
+    """One endpoint: dispatch by method (405 otherwise), errors as OpenAI objects, metrics."""
+
+    allow = ", ".join(sorted(methods))
+
+    async def endpoint(request: Request) -> Response:
+        handler = methods.get(request.method)
+        response: Response
+        if handler is None:
+            response = error_response(405, f"method {request.method} is not allowed on {route}; use {allow}", code="method_not_allowed", headers={"Allow": allow})
+        else:
+            try:
+                response = await handler(request)
+            except ApiError as exc:
+                response = error_response(exc.status, exc.message, code=exc.code, param=exc.param, headers=exc.headers)
+            except KernelError as exc:
+                e = from_kernel(exc)
+                response = error_response(e.status, e.message, code=e.code, param=e.param)
+            except Exception:
+                rid = new_request_id()
+                log.exception("request %s on %s failed", rid, route)
+                response = error_response(500, f"The server had an error while processing your request (request id {rid}).", code="internal_error", headers={"X-Request-Id": rid})
+        metrics.observe_request(route, request.method, response.status_code if hasattr(response, "status_code") else 200)
+        return response
+
+    return endpoint
+
+
+def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def dumps(body: Any) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))

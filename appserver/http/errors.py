@@ -1,0 +1,60 @@
+"""OpenAI error objects (`ErrorResponse`) for the OpenAI-compatible routes."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from appserver.errors import KernelError
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class ApiError(Exception):
+    """Raised inside a route; rendered as an OpenAI error object with `status`."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code=code, param=param), status_code=status, headers=headers)
+
+
+def from_kernel(exc: KernelError) -> ApiError:
+    return ApiError(exc.http_status, exc.message, code=exc.code, param=exc.param)
+
+
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
+    return ApiError(400, message, code=code, param=param)

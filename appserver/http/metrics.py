@@ -1,0 +1,61 @@
+"""Prometheus metrics of one Server (a per-Server CollectorRegistry; nothing at module level)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.requests import Request
+from starlette.responses import Response
+
+if TYPE_CHECKING:
+    from appserver.runtime.snapshot import TurnSnapshot
+    from appserver.server import Server
+    from appserver.store.records import TurnRecord
+
+
+class Metrics:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("appserver_http_requests_total", "HTTP requests on the OpenAI routes by route, method and status", ["route", "method", "status"], registry=r)
+        self.turns = Counter("appserver_turns_total", "Turns (or turn segments) settled, by outcome", ["outcome"], registry=r)
+        self.turn_latency = Histogram(
+            "appserver_turn_latency_seconds",
+            "Time from a turn's start to its settlement",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.active_streams = Gauge("appserver_active_streams", "SSE streams open on the OpenAI routes", registry=r)
+        self.queue_depth = Gauge("appserver_queue_depth", "Inputs queued across all conversations in memory", registry=r)
+        self.queue_depth.set_function(self._queue_depth)
+        self.runtimes = Gauge("appserver_conversation_runtimes", "Conversation runtimes in memory", registry=r)
+        self.runtimes.set_function(lambda: len(self.server.kernel.runtimes))
+        server.kernel.settled_listeners.append(self.on_turn_settled)
+
+    def _queue_depth(self) -> float:
+        return float(sum(len(rt.queue) for rt in list(self.server.kernel.runtimes.values())))
+
+    def on_turn_settled(self, record: TurnRecord, snapshot: TurnSnapshot) -> None:
+        self.turns.labels(record.status).inc()
+        if record.started_at:
+            self.turn_latency.observe(max(0.0, time.time() - record.started_at))
+
+    def observe_request(self, route: str, method: str, status: int) -> None:
+        self.requests.labels(route, method, str(status)).inc()
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]

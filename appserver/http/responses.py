@@ -1,0 +1,699 @@
+"""POST /v1/responses (non-stream and SSE), GET/DELETE /v1/responses/{id}, GET …/input_items.
+
+Responses are stored with opaque random ids. `previous_response_id` continues its conversation,
+or forks it when the response is no longer the conversation's head. Client function calls end the
+response with `function_call` items; server tools needing approval end it with
+`mcp_approval_request` items; server-executed tools show as `mcp_call` items.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from appserver.http.chat import content_of, show_reasoning, user_and_metadata
+from appserver.http.common import (
+    Idempotency,
+    TurnRun,
+    dumps,
+    json_response,
+    namespace_of,
+    principal_of,
+    read_json,
+    resolve_model,
+    start_turn,
+    wait_or_disconnect,
+)
+from appserver.http.conversation_match import (
+    HEADER,
+    ConversationMatcher,
+    Placement,
+    ViewItem,
+    chain,
+    merge_assistants,
+    split_new_input,
+)
+from appserver.http.errors import ApiError, bad_request
+from appserver.http.sse import SSEResponse
+from appserver.providers.base import ToolSpec
+from appserver.runtime.conversation import Decision
+from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
+from appserver.store.records import AgentRecord, ResponseRecord
+
+if TYPE_CHECKING:
+    from appserver.http.metrics import Metrics
+    from appserver.server import Server
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+# ---------------------------------------------------------------- request parsing
+
+
+@dataclass(slots=True)
+class ParsedInput:
+    items: list[ViewItem] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    stored: list[dict[str, Any]] = field(default_factory=list)  # input items as listed by input_items
+
+
+def parse_input(value: Any) -> ParsedInput:
+    out = ParsedInput()
+    if isinstance(value, str):
+        out.items.append(ViewItem("user", value))
+        out.stored.append({"id": _id("msg"), "type": "message", "role": "user", "status": "completed", "content": [{"type": "input_text", "text": value}]})
+        return out
+    if not isinstance(value, list) or not value:
+        raise bad_request("'input' must be a string or a non-empty array of items", "input")
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", "input")
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
+            text, images = content_of(item.get("content"), where)
+            if role == "assistant":
+                out.items.append(ViewItem("assistant", text))
+            elif role == "user":
+                out.items.append(ViewItem("user", text, images))
+                parts: list[dict[str, Any]] = [{"type": "input_text", "text": text}] if text else []
+                parts += [{"type": "input_image", "image_url": u, "detail": "auto"} for u in images]
+                out.stored.append({"id": _id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts})
+            else:
+                out.items.append(ViewItem("system", text))
+                out.stored.append({"id": _id("msg"), "type": "message", "role": role, "status": "completed", "content": [{"type": "input_text", "text": text}]})
+        elif kind == "function_call":
+            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not isinstance(name, str) or not isinstance(call_id, str):
+                raise bad_request(f"{where}: a function_call needs call_id and name", "input")
+            out.items.append(ViewItem("assistant", "", calls=[{"id": call_id, "name": name, "arguments": args if isinstance(args, str) else ""}]))
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad_request(f"{where}.call_id is required", "input")
+            if isinstance(output, list):
+                output, _ = content_of(output, where)
+            if not isinstance(output, str):
+                raise bad_request(f"{where}.output must be a string", "input")
+            out.items.append(ViewItem("tool", output, call_id=call_id))
+            out.stored.append({"id": _id("fco"), "type": "function_call_output", "call_id": call_id, "output": output, "status": "completed"})
+        elif kind == "mcp_approval_response":
+            rid, approve = item.get("approval_request_id"), item.get("approve")
+            if not isinstance(rid, str) or not isinstance(approve, bool):
+                raise bad_request(f"{where}: an mcp_approval_response needs approval_request_id and approve", "input")
+            reason = item.get("reason") if isinstance(item.get("reason"), str) else None
+            call_id = rid[len("mcpr_") :] if rid.startswith("mcpr_") else rid
+            out.decisions.append(Decision(call_id, "approve" if approve else "deny", reason=reason, decided_by="http"))
+            rid_item = _id("mcpa")
+            out.stored.append({"id": rid_item, "type": "mcp_approval_response", "request_id": rid, "approval_request_id": rid, "approve": approve, "reason": reason})
+        # reasoning, item_reference, mcp_* output items resent by stateless clients carry nothing new
+    return out
+
+
+def instructions_of(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for i, item in enumerate(value):
+            if isinstance(item, dict):
+                text, _ = content_of(item.get("content"), f"instructions[{i}]")
+                texts.append(text)
+        return "\n\n".join(t for t in texts if t)
+    raise bad_request("'instructions' must be a string", "instructions")
+
+
+def function_tools(value: Any) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
+    if value is None:
+        return [], []
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be an array", "tools")
+    specs: list[ToolSpec] = []
+    shown: list[dict[str, Any]] = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise bad_request(f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)", "tools")
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"tools[{i}].name is required", "tools")
+        raw_params = t.get("parameters")
+        params: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {"type": "object", "properties": {}}
+        desc = t.get("description") if isinstance(t.get("description"), str) else None
+        specs.append(ToolSpec(name, desc or "", params))
+        shown.append({"type": "function", "name": name, "description": desc, "parameters": params, "strict": bool(t.get("strict")) if t.get("strict") is not None else None})
+    return specs, shown
+
+
+def response_options(body: dict[str, Any]) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for key in ("temperature", "top_p"):
+        v = body.get(key)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise bad_request(f"'{key}' must be a number", key)
+            opts[key] = float(v)
+    mot = body.get("max_output_tokens")
+    if mot is not None:
+        if isinstance(mot, bool) or not isinstance(mot, int) or mot < 1:
+            raise bad_request("'max_output_tokens' must be a positive integer", "max_output_tokens")
+        opts["max_tokens"] = mot
+    if body.get("tool_choice") is not None:
+        opts["tool_choice"] = body["tool_choice"]
+    if isinstance(body.get("parallel_tool_calls"), bool):
+        opts["parallel_tool_calls"] = body["parallel_tool_calls"]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
+        opts["reasoning_effort"] = reasoning["effort"]
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        opts["response_format"] = {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        opts["response_format"] = {"type": "json_object"}
+    return opts
+
+
+# ---------------------------------------------------------------- rendering
+
+
+@dataclass(slots=True)
+class Shape:
+    """Everything of a Response object that does not come from the turn."""
+
+    id: str
+    model: str
+    agent: AgentRecord
+    created_at: int
+    instructions: str | None
+    tools: list[dict[str, Any]]
+    previous_response_id: str | None
+    store: bool
+    metadata: dict[str, Any]
+    temperature: float
+    top_p: float
+    max_output_tokens: int | None
+    parallel_tool_calls: bool
+    tool_choice: Any
+    conversation: str | None
+    reasoning: bool
+
+
+def output_blocks(snap: TurnSnapshot, run: TurnRun) -> list[tuple[int, dict[str, Any]]]:
+    """(absolute block index, block): calls answered by this request first, then new blocks."""
+    out: list[tuple[int, dict[str, Any]]] = []
+    for cid in run.resolved_calls:
+        for i, b in enumerate(snap.blocks):
+            if b["type"] == "tool_call" and b["call_id"] == cid:
+                out.append((i, b))
+    out.extend((i, snap.blocks[i]) for i in range(run.base_blocks, len(snap.blocks)))
+    return out
+
+
+def item_for(shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final: bool) -> dict[str, Any] | None:
+    tag = f"{turn_id.split('_')[-1]}{index:04d}"
+    if b["type"] == "text":
+        return {
+            "id": f"msg_{tag}",
+            "type": "message",
+            "role": "assistant",
+            "status": "completed" if final else "in_progress",
+            "content": [{"type": "output_text", "text": b["text"], "annotations": [], "logprobs": []}] if final else [],
+        }
+    if b["type"] == "reasoning":
+        if not shape.reasoning:
+            return None
+        return {"id": f"rs_{tag}", "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": b["text"]}] if final else [], "status": "completed" if final else "in_progress"}
+    if b["type"] == "tool_call":
+        if b.get("executor") == "client":
+            return {"id": f"fc_{tag}", "type": "function_call", "call_id": b["call_id"], "name": b["name"], "arguments": b["arguments"] if final else "", "status": "completed" if final else "in_progress"}
+        if b.get("status") == "pending_approval":
+            return {"id": f"mcpr_{b['call_id']}", "type": "mcp_approval_request", "server_label": shape.agent.id, "name": b["name"], "arguments": b["arguments"]}
+        status = {"completed": "completed", "failed": "failed", "denied": "failed"}.get(str(b.get("status")), "in_progress") if final else "in_progress"
+        return {
+            "id": f"mcp_{b['call_id']}",
+            "type": "mcp_call",
+            "server_label": shape.agent.id,
+            "name": b["name"],
+            "arguments": b["arguments"] if final else "",
+            "output": b.get("output") if final else None,
+            "error": None,
+            "status": status,
+            "approval_request_id": None,
+        }
+    return None  # compaction blocks are not output
+
+
+def usage_of(snap: TurnSnapshot | None) -> dict[str, Any]:
+    u = (snap.usage if snap is not None else None) or {}
+    i, o = int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0))
+    return {
+        "input_tokens": i,
+        "input_tokens_details": {"cached_tokens": int(u.get("cached_tokens", 0)), "cache_write_tokens": 0},
+        "output_tokens": o,
+        "output_tokens_details": {"reasoning_tokens": int(u.get("reasoning_tokens", 0))},
+        "total_tokens": i + o,
+    }
+
+
+def response_body(shape: Shape, *, status: str, output: list[dict[str, Any]], snap: TurnSnapshot | None) -> dict[str, Any]:
+    error = None
+    incomplete = None
+    if snap is not None and snap.status == "failed":
+        error = {"code": "server_error", "message": str((snap.error or {}).get("message") or "the turn failed")}
+    if status == "incomplete":
+        incomplete = {"reason": "max_output_tokens"}
+    body: dict[str, Any] = {
+        "id": shape.id,
+        "object": "response",
+        "created_at": shape.created_at,
+        "completed_at": int(time.time()) if status == "completed" else None,
+        "status": status,
+        "incomplete_details": incomplete,
+        "model": shape.model,
+        "previous_response_id": shape.previous_response_id,
+        "instructions": shape.instructions,
+        "output": output,
+        "error": error,
+        "tools": shape.tools,
+        "tool_choice": shape.tool_choice,
+        "truncation": "disabled",
+        "parallel_tool_calls": shape.parallel_tool_calls,
+        "text": {"format": {"type": "text"}},
+        "top_p": shape.top_p,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_logprobs": 0,
+        "temperature": shape.temperature,
+        "reasoning": {"effort": None, "summary": None},
+        "usage": usage_of(snap),
+        "max_output_tokens": shape.max_output_tokens,
+        "max_tool_calls": None,
+        "store": shape.store,
+        "background": False,
+        "service_tier": "default",
+        "metadata": shape.metadata,
+        "safety_identifier": None,
+        "prompt_cache_key": None,
+    }
+    if shape.conversation:
+        body["conversation"] = {"id": shape.conversation}
+    return body
+
+
+def final_status(snap: TurnSnapshot) -> str:
+    if snap.status == "failed":
+        return "failed"
+    if snap.status == "cancelled":
+        return "cancelled"
+    if snap.stop_reason == "max_tokens":
+        return "incomplete"
+    return "completed"
+
+
+# ---------------------------------------------------------------- the routes
+
+
+class Responses:
+    def __init__(self, server: Server, metrics: Metrics) -> None:
+        self.server = server
+        self.metrics = metrics
+        self.matcher = ConversationMatcher(server)
+
+    async def _stored(self, request: Request) -> ResponseRecord:
+        rid = request.path_params["response_id"]
+        rec = await self.server.store.get_response(rid)
+        principal = principal_of(request)
+        if rec is None or not rec.stored or (rec.namespace and rec.namespace != namespace_of(principal) and principal.kind != "none"):
+            raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
+        agent = await self.server.store.get_agent(rec.agent_id)
+        if agent is None or not principal.allows_agent(agent.id, agent.name):
+            raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
+        return rec
+
+    async def get(self, request: Request) -> Response:
+        rec = await self._stored(request)
+        return json_response(rec.body, headers={HEADER: rec.conversation_id})
+
+    async def delete(self, request: Request) -> Response:
+        rec = await self._stored(request)
+        await self.server.store.delete_response(rec.id)
+        return json_response({"id": rec.id, "object": "response.deleted", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        rec = await self._stored(request)
+        items = list(rec.input_items)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("'order' must be asc or desc", "order")
+        if order == "desc":
+            items.reverse()
+        after = request.query_params.get("after")
+        if after:
+            ids = [i.get("id") for i in items]
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        try:
+            limit = int(request.query_params.get("limit", "20"))
+        except ValueError:
+            raise bad_request("'limit' must be an integer", "limit") from None
+        limit = max(1, min(limit, 100))
+        page = items[:limit]
+        return json_response(
+            {"object": "list", "data": page, "first_id": page[0]["id"] if page else "", "last_id": page[-1]["id"] if page else "", "has_more": len(items) > limit}
+        )
+
+    async def post(self, request: Request) -> Response:
+        principal = principal_of(request)
+        ns = namespace_of(principal)
+        body, raw = await read_json(request)
+        agent, model_id = await resolve_model(self.server, principal, body.get("model"))
+        stream = body.get("stream") or False
+        if not isinstance(stream, bool):
+            raise bad_request("'stream' must be a boolean", "stream")
+        if body.get("background"):
+            raise bad_request("background responses are not supported", "background")
+        store_flag = body.get("store")
+        store_flag = True if store_flag is None else store_flag
+        if not isinstance(store_flag, bool):
+            raise bad_request("'store' must be a boolean", "store")
+        if body.get("input") is None:
+            raise bad_request("'input' is required", "input")
+        parsed = parse_input(body.get("input"))
+        instructions = instructions_of(body.get("instructions"))
+        specs, shown_tools = function_tools(body.get("tools"))
+        options = response_options(body)
+        if instructions:
+            options["instructions"] = [instructions]
+        user, metadata = user_and_metadata(body)
+        prev_id = body.get("previous_response_id")
+        conv_param = body.get("conversation")
+        if isinstance(conv_param, dict):
+            conv_param = conv_param.get("id")
+        if prev_id is not None and not isinstance(prev_id, str):
+            raise bad_request("'previous_response_id' must be a string", "previous_response_id")
+        if conv_param is not None and not isinstance(conv_param, str):
+            raise bad_request("'conversation' must be a conversation id", "conversation")
+        if prev_id and conv_param:
+            raise bad_request("use either previous_response_id or conversation, not both", "conversation")
+
+        items = merge_assistants(parsed.items)
+        prefix, new = split_new_input(items)
+        users = [i for i in new if i.kind == "user"]
+        results = [i for i in new if i.kind == "tool"]
+        decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results] + parsed.decisions
+        if not users and not decisions:
+            raise bad_request("the input has no new user message, function_call_output or mcp_approval_response", "input")
+
+        idem, replay = await Idempotency.begin(self.server, request, principal, "responses", raw)
+        if replay is not None:
+            return replay
+        try:
+            place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata)
+            content: Any = None
+            if users:
+                text = "\n\n".join(u.text for u in users if u.text)
+                images = [url for u in users for url in u.images]
+                content = (([{"type": "text", "text": text}] if text else []) + [{"type": "image_url", "image_url": {"url": u}} for u in images]) if images else text
+            run = await start_turn(self.server, agent, place.conversation_id, content=content, decisions=decisions, client_tools=specs, options=options, source={"kind": "openai_responses"})
+        except BaseException:
+            if idem is not None:
+                await idem.abandon()
+            raise
+        shape = Shape(
+            id=_id("resp"),
+            model=model_id,
+            agent=agent,
+            created_at=int(time.time()),
+            instructions=instructions,
+            tools=shown_tools,
+            previous_response_id=prev_id,
+            store=store_flag,
+            metadata={str(k): str(v) for k, v in metadata.items()},
+            temperature=float(options.get("temperature", 1.0)),
+            top_p=float(options.get("top_p", 1.0)),
+            max_output_tokens=options.get("max_tokens"),
+            parallel_tool_calls=bool(options.get("parallel_tool_calls", True)),
+            tool_choice=body.get("tool_choice") if isinstance(body.get("tool_choice"), str) else "auto",
+            conversation=place.conversation_id if conv_param else None,
+            reasoning=show_reasoning(agent),
+        )
+        ctx = _Run(self, shape, run, idem, parsed, chain(new, chain(prefix)))
+        if stream:
+            return ctx.stream_response()
+        return await ctx.complete(request)
+
+    async def _place(self, agent: AgentRecord, ns: str, request: Request, prev_id: str | None, conv_param: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any]) -> Placement:
+        store = self.server.store
+        if prev_id:
+            rec = await store.get_response(prev_id)
+            if rec is None or rec.agent_id != agent.id or (rec.namespace and rec.namespace != ns):
+                raise ApiError(404, f"Previous response with id '{prev_id}' not found.", code="previous_response_not_found", param="previous_response_id")
+            if await store.last_message_id(rec.conversation_id) == rec.last_message_id:
+                return Placement(rec.conversation_id, "previous_response")
+            return Placement(await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id), "fork")
+        if conv_param:
+            conv = await store.get_conversation(conv_param)
+            if conv is None or not self.matcher.visible(conv, agent, ns):
+                raise ApiError(404, f"Conversation with id '{conv_param}' not found.", code="conversation_not_found", param="conversation")
+            return Placement(conv.id, "conversation")
+        header = request.headers.get(HEADER)
+        if header:
+            return await self.matcher.by_header(agent, ns, header, prefix, user, metadata)
+        return await self.matcher.by_prefix(agent, ns, prefix, user, metadata)
+
+
+class _Run:
+    def __init__(self, route: Responses, shape: Shape, run: TurnRun, idem: Idempotency | None, parsed: ParsedInput, point_base: str) -> None:
+        self.route = route
+        self.server = route.server
+        self.shape = shape
+        self.run = run
+        self.idem = idem
+        self.parsed = parsed
+        self.point_base = point_base  # hash of the transcript up to and including the new input
+        self.headers = {HEADER: run.conversation_id}
+        self.keepalive = float(self.server.config.limits.sse_keepalive_s)
+
+    def settled(self, snap: TurnSnapshot) -> bool:
+        return snap.status in TERMINAL_STATUSES or (snap.status == "awaiting" and snap.revision > self.run.after_revision)
+
+    def output(self, snap: TurnSnapshot) -> list[dict[str, Any]]:
+        items = [item_for(self.shape, self.run.turn_id, i, b, final=True) for i, b in output_blocks(snap, self.run)]
+        return [i for i in items if i is not None]
+
+    async def finalize(self, snap: TurnSnapshot) -> dict[str, Any]:
+        output = self.output(snap)
+        body = response_body(self.shape, status=final_status(snap), output=output, snap=snap)
+        store = self.server.store
+        if snap.status != "failed":
+            view = merge_assistants(_reply_view(output))
+            await self.route.matcher.record(self.shape.agent.id, self.run.conversation_id, chain(view, self.point_base))
+        if self.shape.store:
+            await store.save_response(
+                ResponseRecord(
+                    id=self.shape.id,
+                    agent_id=self.shape.agent.id,
+                    conversation_id=self.run.conversation_id,
+                    body=body,
+                    turn_id=self.run.turn_id,
+                    previous_response_id=self.shape.previous_response_id,
+                    namespace=None,
+                    last_message_id=await store.last_message_id(self.run.conversation_id),
+                    input_items=self.parsed.stored,
+                    stored=True,
+                )
+            )
+        return body
+
+    async def complete(self, request: Request) -> Response:
+        async def wait() -> TurnSnapshot:
+            last: TurnSnapshot | None = None
+            async for snap in self.run.snapshots(None):
+                if snap is not None:
+                    last = snap
+                    if self.settled(snap):
+                        return snap
+            assert last is not None
+            return last
+
+        try:
+            gone, snap = await wait_or_disconnect(request, wait())
+            if gone:
+                await self.run.cancel()
+                raise ApiError(499, "the client closed the request", code="client_closed")
+            body = await self.finalize(snap)
+        except BaseException:
+            if self.idem is not None:
+                await self.idem.abandon()
+            raise
+        data = dumps(body)
+        if self.idem is not None:
+            await self.idem.finish(200, "application/json", data, self.run.conversation_id)
+        return Response(data, media_type="application/json", headers=self.headers)
+
+    def stream_response(self) -> Response:
+        metrics = self.route.metrics
+        finished = False
+        seq = 0
+
+        def ev(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            payload = {"type": kind, **fields, "sequence_number": seq}
+            seq += 1
+            return dumps(payload)
+
+        async def produce() -> AsyncIterator[str | None]:
+            nonlocal finished
+            metrics.active_streams.inc()
+            try:
+                shape = self.shape
+                yield ev("response.created", response=response_body(shape, status="in_progress", output=[], snap=None))
+                yield ev("response.in_progress", response=response_body(shape, status="in_progress", output=[], snap=None))
+                states: dict[int, dict[str, Any]] = {}  # absolute block index → progress
+                out_index = 0
+                last: TurnSnapshot | None = None
+                async for snap in self.run.snapshots(self.keepalive):
+                    if snap is None:
+                        yield None
+                        continue
+                    last = snap
+                    settled = self.settled(snap)
+                    blocks = output_blocks(snap, self.run)
+                    for pos, (bi, b) in enumerate(blocks):
+                        st = states.get(bi)
+                        if st is None:
+                            st = states[bi] = {"added": False, "sent": 0, "done": False, "index": None, "kind": None}
+                        if st["done"]:
+                            continue
+                        closed = settled or pos + 1 < len(blocks)
+                        events, progressed = self._advance(snap, bi, b, st, closed, out_index, ev)
+                        for e in events:
+                            yield e
+                        if st.get("counted") is None and st["added"]:
+                            st["counted"] = True
+                            out_index += 1
+                        if st.get("skip"):
+                            st["done"] = True
+                            continue
+                        if not st["done"]:
+                            break
+                    if settled:
+                        break
+                assert last is not None
+                body = await self.finalize(last)
+                terminal = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed", "cancelled": "response.failed"}[body["status"]]
+                if body["status"] == "cancelled":
+                    body = dict(body, status="failed", error={"code": "server_error", "message": "the turn was cancelled"})
+                yield ev(terminal, response=body)
+                finished = True
+            finally:
+                metrics.active_streams.dec()
+
+        async def on_close(completed: bool, payloads: list[str]) -> None:
+            if self.idem is None:
+                return
+            if completed and finished:
+                await self.idem.finish(200, "text/event-stream; charset=utf-8", "".join(f"data: {p}\n\n" for p in payloads), self.run.conversation_id)
+            else:
+                await self.idem.abandon()
+
+        return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]
+
+    def _advance(self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any) -> tuple[list[str], bool]:
+        """Events that bring one output item up to date; marks st['done'] when its item is finished."""
+        shape = self.shape
+        events: list[str] = []
+        kind = b["type"]
+        if kind == "compaction" or (kind == "reasoning" and not shape.reasoning):
+            st["skip"] = True
+            return events, True
+        if st["index"] is None and not st["added"]:
+            st["index"] = out_index
+        idx = st["index"]
+        if kind in ("text", "reasoning"):
+            item = item_for(shape, self.run.turn_id, bi, b, final=False)
+            assert item is not None
+            if not st["added"]:
+                events.append(ev("response.output_item.added", output_index=idx, item=item))
+                if kind == "text":
+                    events.append(ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+                st["added"] = True
+            text = b["text"]
+            if len(text) > st["sent"]:
+                piece = text[st["sent"] :]
+                st["sent"] = len(text)
+                if kind == "text":
+                    events.append(ev("response.output_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=piece, logprobs=[]))
+                else:
+                    events.append(ev("response.reasoning_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=piece))
+            if closed:
+                final = item_for(shape, self.run.turn_id, bi, b, final=True)
+                if kind == "text":
+                    events.append(ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text, logprobs=[]))
+                    events.append(ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part={"type": "output_text", "text": text, "annotations": [], "logprobs": []}))
+                else:
+                    events.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
+                events.append(ev("response.output_item.done", output_index=idx, item=final))
+                st["done"] = True
+            return events, True
+        # tool calls
+        status = b.get("status")
+        if b.get("executor") == "client":
+            item = item_for(shape, self.run.turn_id, bi, b, final=False)
+            assert item is not None
+            if not st["added"]:
+                events.append(ev("response.output_item.added", output_index=idx, item=item))
+                st["added"] = True
+            args = b.get("arguments") or ""
+            if len(args) > st["sent"]:
+                events.append(ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args[st["sent"] :]))
+                st["sent"] = len(args)
+            if status != "streaming" or closed:
+                events.append(ev("response.function_call_arguments.done", item_id=item["id"], name=b["name"], output_index=idx, arguments=args))
+                events.append(ev("response.output_item.done", output_index=idx, item=item_for(shape, self.run.turn_id, bi, b, final=True)))
+                st["done"] = True
+            return events, True
+        if status == "streaming" and not closed:
+            return events, False  # a server call is shown once its policy is known
+        if status == "pending_approval":
+            item = item_for(shape, self.run.turn_id, bi, b, final=True)
+            events.append(ev("response.output_item.added", output_index=idx, item=item))
+            events.append(ev("response.output_item.done", output_index=idx, item=item))
+            st["added"] = st["done"] = True
+            return events, True
+        item = item_for(shape, self.run.turn_id, bi, b, final=False)
+        assert item is not None
+        if not st["added"]:
+            args = b.get("arguments") or ""
+            events.append(ev("response.output_item.added", output_index=idx, item=item))
+            events.append(ev("response.mcp_call_arguments.delta", output_index=idx, item_id=item["id"], delta=args))
+            events.append(ev("response.mcp_call_arguments.done", output_index=idx, item_id=item["id"], arguments=args))
+            events.append(ev("response.mcp_call.in_progress", output_index=idx, item_id=item["id"]))
+            st["added"] = True
+        if status in ("completed", "failed", "denied") or (closed and snap.status in TERMINAL_STATUSES):
+            events.append(ev("response.mcp_call.completed" if status == "completed" else "response.mcp_call.failed", item_id=item["id"], output_index=idx))
+            events.append(ev("response.output_item.done", output_index=idx, item=item_for(shape, self.run.turn_id, bi, b, final=True)))
+            st["done"] = True
+        return events, True
+
+
+def _reply_view(output: list[dict[str, Any]]) -> list[ViewItem]:
+    view: list[ViewItem] = []
+    for item in output:
+        if item["type"] == "message":
+            view.append(ViewItem("assistant", "".join(c.get("text", "") for c in item["content"])))
+        elif item["type"] == "function_call":
+            view.append(ViewItem("assistant", "", calls=[{"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}]))
+    return view

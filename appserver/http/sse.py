@@ -1,0 +1,97 @@
+"""A Server-Sent Events response: a producer of `data:` payloads, keepalive comments, disconnect → callback.
+
+The producer is an async iterator of strings (each one `data:` payload) or None (nothing new:
+the response sends a keepalive comment). A client disconnect stops the producer and calls
+`on_disconnect` (the OpenAI routes cancel the turn the request started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.types import Receive, Scope, Send
+
+log = logging.getLogger("appserver.http.sse")
+
+KEEPALIVE = b": keepalive\n\n"
+
+
+def sse_data(payload: Any) -> str:
+    return payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+
+
+class SSEResponse:
+    def __init__(
+        self,
+        producer: AsyncIterator[str | None],
+        *,
+        headers: dict[str, str] | None = None,
+        on_disconnect: Callable[[], Awaitable[None]] | None = None,
+        on_close: Callable[[bool, list[str]], Awaitable[None]] | None = None,
+    ) -> None:
+        self.producer = producer
+        self.headers = headers or {}
+        self.on_disconnect = on_disconnect
+        self.on_close = on_close  # (completed, data payloads sent) — for idempotent replay
+        self.sent: list[str] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            *[(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()],
+        ]
+        async def listen() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        completed = False
+
+        async def pump() -> None:
+            nonlocal completed
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for item in self.producer:
+                if item is None:
+                    chunk = KEEPALIVE
+                else:
+                    self.sent.append(item)
+                    chunk = f"data: {item}\n\n".encode()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            completed = True
+
+        listener = asyncio.create_task(listen())
+        pumper = asyncio.create_task(pump())
+        try:
+            done, _ = await asyncio.wait({listener, pumper}, return_when=asyncio.FIRST_COMPLETED)
+            if pumper in done and not pumper.cancelled():
+                exc = pumper.exception()
+                if exc is not None and not isinstance(exc, OSError):
+                    log.error("SSE producer failed", exc_info=exc)
+        finally:
+            disconnected = not completed
+            for task in (listener, pumper):
+                task.cancel()
+            for task in (listener, pumper):
+                with contextlib.suppress(BaseException):
+                    await task
+            with contextlib.suppress(BaseException):
+                await self.producer.aclose()  # type: ignore[attr-defined]
+            if disconnected and self.on_disconnect is not None:
+                try:
+                    await self.on_disconnect()
+                except Exception:
+                    log.exception("disconnect handler failed")
+            if self.on_close is not None:
+                try:
+                    await self.on_close(completed, list(self.sent))
+                except Exception:
+                    log.exception("stream close handler failed")

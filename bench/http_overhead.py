@@ -1,0 +1,141 @@
+"""HTTP overhead of the OpenAI surface: an agent on the `openai` provider kind pointed at a loopback
+fake upstream; the same chat completion through `appserver serve` vs straight to the upstream.
+
+Prints median / p99 latency at concurrency 1 and 64 and their ratios, plus the streamed
+time-to-first-token added. Target: <= 1.5 ms added median at concurrency 1. Prints, never asserts.
+
+    .venv/bin/python bench/http_overhead.py [--requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.conftest import cli_env, run_cli, start_serve  # noqa: E402
+
+WORDS = ["Hello", " from", " the", " fake", " upstream", "."]
+
+
+async def completions(request: Request):  # type: ignore[no-untyped-def]
+    body = await request.json()
+    base = {"id": "chatcmpl-fake", "created": int(time.time()), "model": body.get("model", "m")}
+    if not body.get("stream"):
+        return JSONResponse({**base, "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(WORDS)}, "finish_reason": "stop", "logprobs": None}], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}})
+
+    async def gen():  # type: ignore[no-untyped-def]
+        for w in WORDS:
+            yield f"data: {json.dumps({**base, 'object': 'chat.completion.chunk', 'choices': [{'index': 0, 'delta': {'content': w}, 'finish_reason': None}]})}\n\n"
+        yield f"data: {json.dumps({**base, 'object': 'chat.completion.chunk', 'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}], 'usage': {'prompt_tokens': 5, 'completion_tokens': 6, 'total_tokens': 11}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
+
+
+def start_upstream() -> tuple[str, uvicorn.Server]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    return f"http://127.0.0.1:{port}/v1", server
+
+
+async def measure(url: str, body: dict, total: int, concurrency: int) -> list[float]:
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        for _ in range(min(20, total)):  # warm-up
+            await client.post(url, json=body)
+        queue = list(range(total))
+
+        async def worker() -> None:
+            while queue:
+                queue.pop()
+                t0 = time.perf_counter()
+                r = await client.post(url, json=body)
+                latencies.append(time.perf_counter() - t0)
+                r.raise_for_status()
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies
+
+
+async def ttft(url: str, body: dict, n: int) -> list[float]:
+    out: list[float] = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            first = None
+            async with client.stream("POST", url, json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    compact = line.replace(" ", "")
+                    if first is None and line.startswith("data: ") and '"content":"' in compact and '"content":""' not in compact:
+                        first = time.perf_counter() - t0
+            if first is not None:
+                out.append(first)
+    return out
+
+
+def stats(values: list[float]) -> tuple[float, float]:
+    values = sorted(values)
+    return statistics.median(values) * 1000, values[min(len(values) - 1, int(len(values) * 0.99))] * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=300)
+    args = ap.parse_args()
+    upstream, up_server = start_upstream()
+    home = Path(tempfile.mkdtemp(prefix="appserver-bench-")) / "home"
+    env = cli_env(home, APPSERVER_PROVIDERS__FAKE__KIND="openai", APPSERVER_PROVIDERS__FAKE__BASE_URL=upstream, APPSERVER_DISABLE_CRON="1", APPSERVER_LIMITS__QUEUE_MAX="10000")
+    os.environ.update({k: v for k, v in env.items() if k.startswith("APPSERVER_")})
+    r = run_cli(home, "agents", "create", "--name", "bench", "--model", "fake:m", env=env)
+    if r.code != 0:
+        sys.exit(f"could not create the agent: {r.err}")
+    sp = start_serve(home, env=env)
+    try:
+        direct_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        served_body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
+        print(f"{'':24}{'median ms':>12}{'p99 ms':>10}")
+        for conc in (1, 64):
+            total = args.requests if conc == 1 else max(args.requests, 64 * 5)
+            d = stats(asyncio.run(measure(f"{upstream}/chat/completions", direct_body, total, conc)))
+            s = stats(asyncio.run(measure(f"{sp.url}/v1/chat/completions", served_body, total, conc)))
+            print(f"upstream  c={conc:<3}         {d[0]:>12.2f}{d[1]:>10.2f}")
+            print(f"server    c={conc:<3}         {s[0]:>12.2f}{s[1]:>10.2f}")
+            print(f"  ratio (server/upstream): median {s[0] / d[0]:.2f}x, p99 {s[1] / d[1]:.2f}x; added median {s[0] - d[0]:.2f} ms")
+        n = min(100, args.requests)
+        td = stats(asyncio.run(ttft(f"{upstream}/chat/completions", direct_body, n)))
+        ts = stats(asyncio.run(ttft(f"{sp.url}/v1/chat/completions", served_body, n)))
+        print(f"streamed time to first token: upstream {td[0]:.2f} ms, server {ts[0]:.2f} ms, added {ts[0] - td[0]:.2f} ms (median)")
+    finally:
+        sp.stop()
+        up_server.should_exit = True
+
+
+if __name__ == "__main__":
+    main()

@@ -135,9 +135,12 @@ def test_serve_health_server_json_and_sigterm(home: Path) -> None:
         assert ready.status_code == 200 and ready.json()["status"] == "ready"
         info = json.loads((home / "server.json").read_text())
         assert info["pid"] == sp.proc.pid and info["url"] == sp.url
-        # `run` must not race a live server on the same home
-        r = run_cli(home, "run", "hello")
-        assert r.code != 0 and "server is running" in r.err
+        # `run` never races a live server on the same home: it runs the turn through the server
+        r = run_cli(home, "run", "--json", "hello")
+        assert r.code == 0, r.err
+        data = r.json()
+        assert data["status"] == "completed" and data["text"] == "echo: hello"
+        assert data["conversation_id"].startswith("conv_")
     finally:
         code = sp.stop(signal.SIGTERM)
     assert code == 0

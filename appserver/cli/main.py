@@ -7,6 +7,7 @@ import os
 import click
 
 from appserver.cli.agents import agents_group
+from appserver.cli.chat import chat_command
 from appserver.cli.conversations import conversations_group
 from appserver.cli.cron import build_cron_group
 from appserver.cli.cron_run import cron_run_command, validate_agent
@@ -27,6 +28,7 @@ main.add_command(serve_command)
 main.add_command(agents_group)
 main.add_command(conversations_group)
 main.add_command(run_command)
+main.add_command(chat_command)
 main.add_command(token_group)
 _cron = build_cron_group(validate_agent=validate_agent)
 _cron.add_command(cron_run_command)

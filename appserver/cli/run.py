@@ -1,7 +1,8 @@
-"""`appserver run`: one turn, in-process (or refused while a server owns this home)."""
+"""`appserver run`: one turn, in-process, or through the live server's /ws protocol when one owns this home."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import Any
 
@@ -51,17 +52,16 @@ def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: t
     """Run one turn of AGENT with TEXT and print the reply."""
     config = get_config()
     live = read_live_server(config.server_json)
-    if live is not None:
-        fail(
-            f"a server is running on this home ({live.get('url')}, pid {live.get('pid')}); "
-            "`appserver run` cannot run turns beside it yet. Use its HTTP API, or stop it first.",
-            3,
-        )
     answering = bool(approve or deny)
     if answering and text:
         fail("give either TEXT or --approve/--deny, not both", 2)
     if not answering and not text:
         fail("nothing to send: give TEXT (or --approve/--deny CALL_ID)", 2)
+
+    if live is not None:
+        # a server owns this home: run the turn through its WebSocket protocol (never beside it)
+        snap, conversation_id = run_remote(str(live.get("url")), agent, conversation, text, approve, deny, reason, idempotency_key, timeout)
+        sys.exit(render(snap, conversation_id, as_json))
 
     async def go(s: Server) -> tuple[TurnSnapshot, str]:
         if answering:
@@ -91,6 +91,69 @@ def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: t
     except TimeoutError:
         fail(f"the turn did not settle within {timeout:g} s", 1)
     sys.exit(render(snap, conversation_id, as_json))
+
+
+def snapshot_from_dict(d: dict[str, Any]) -> TurnSnapshot:
+    return TurnSnapshot(
+        turn_id=d["turn_id"],
+        conversation_id=d["conversation_id"],
+        agent_id=d["agent_id"],
+        revision=d["revision"],
+        status=d["status"],
+        phase=d["phase"],
+        stop_reason=d.get("stop_reason"),
+        blocks=tuple(d.get("blocks") or ()),
+        pending=tuple(d.get("pending") or ()),
+        usage=dict(d.get("usage") or {}),
+        error=d.get("error"),
+        queue_position=d.get("queue_position", 0),
+        attempt=d.get("attempt", 1),
+        updated_at=d.get("updated_at", 0.0),
+    )
+
+
+USAGE_ERRORS = frozenset({"bad_frame", "invalid_request", "not_found", "agent_not_found", "conversation_not_found", "agent_ambiguous", "not_awaiting", "conflict", "forbidden", "unknown_call", "already_resolved"})
+
+
+def run_remote(url: str, agent: str, conversation: str, text: str | None, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float) -> tuple[TurnSnapshot, str]:
+    """One turn (or the answers to a paused one) through a live server's /ws protocol."""
+    from appserver.ws.client import ProtocolClient, ProtocolError
+
+    async def go() -> tuple[TurnSnapshot, str]:
+        client = await ProtocolClient.connect(url, client="appserver-run")
+        try:
+            if approve or deny:
+                state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
+                conv_id = state["conversation"]["id"]
+                active = state.get("active_turn")
+                if state["state"] != "awaiting" or not active:
+                    raise ProtocolError("not_awaiting", f"conversation {conv_id} has no turn waiting for an answer")
+                decisions = [{"call_id": c, "decision": "approve"} for c in approve]
+                decisions += [{"call_id": c, "decision": "deny", "reason": reason} for c in deny]
+                ack = await client.request({"type": "approval_response", "conversation": conv_id, "decisions": decisions})
+                refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
+                if refused:
+                    raise ProtocolError(refused[0].get("error") or "invalid_request", "; ".join(r.get("message", "") for r in refused))
+                snap = await client.wait_turn(active["turn_id"], after_revision=active["revision"], timeout=timeout)
+                return snapshot_from_dict(snap), conv_id
+            assert text is not None
+            extra: dict[str, Any] = {"source": {"client": "cli"}}
+            if idempotency_key:
+                extra["idempotency_key"] = idempotency_key
+            ack = await client.submit(agent, text, conversation, **extra)
+            snap = await client.wait_turn(ack["turn_id"], timeout=timeout)
+            return snapshot_from_dict(snap), ack["conversation_id"]
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(go())
+    except TimeoutError:
+        fail(f"the turn did not settle within {timeout:g} s", 1)
+    except ProtocolError as exc:
+        fail(exc.message, 2 if exc.code in USAGE_ERRORS else 1)
+    except OSError as exc:
+        fail(f"cannot reach the server at {url}: {exc}", 1)
 
 
 def snapshot_summary(snapshot: TurnSnapshot) -> dict[str, Any]:

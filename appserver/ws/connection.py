@@ -1,0 +1,172 @@
+"""Per-connection state of the WebSocket protocol and its bounded outbound buffer.
+
+The buffer holds already-encoded text frames in the order the server produced them. Turn snapshots
+coalesce latest-wins per turn (a newer snapshot of a turn replaces the queued older one and moves to
+the back), every other frame is kept. A buffer that grows past its bound, or a single send that does
+not complete in time, marks the client as unable to keep up: it is closed with a reason, and nobody
+else waits for it (fan-out only ever appends to buffers, it never awaits a socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from appserver.ws.frames import CLOSE_SLOW_CONSUMER
+
+if TYPE_CHECKING:
+    from appserver.auth import Principal
+
+log = logging.getLogger("appserver.ws")
+
+
+def encode(frame: dict[str, Any]) -> str:
+    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+class _Entry:
+    __slots__ = ("text", "turn_id", "dead")
+
+    def __init__(self, text: str, turn_id: str | None) -> None:
+        self.text = text
+        self.turn_id = turn_id
+        self.dead = False
+
+
+class Overflow(Exception):
+    pass
+
+
+class Outbound:
+    """An ordered buffer of encoded frames with per-turn snapshot coalescing and a hard bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._entries: deque[_Entry] = deque()
+        self._by_turn: dict[str, _Entry] = {}
+        self._live = 0
+        self._ready = asyncio.Event()
+        self.closed = False
+
+    def __len__(self) -> int:
+        return self._live
+
+    def put(self, text: str) -> None:
+        """Queue a frame that must never be dropped; raises Overflow when the buffer is full."""
+        if self.closed:
+            return
+        if self._live >= self.limit:
+            raise Overflow(f"outbound buffer full ({self.limit} frames): the client is not reading")
+        self._entries.append(_Entry(text, None))
+        self._live += 1
+        self._ready.set()
+
+    def put_snapshot(self, turn_id: str, text: str) -> None:
+        """Queue a turn snapshot; a queued older snapshot of the same turn is dropped (latest wins)."""
+        if self.closed:
+            return
+        old = self._by_turn.get(turn_id)
+        if old is not None and not old.dead:
+            old.dead = True
+            self._live -= 1
+        elif self._live >= self.limit:
+            raise Overflow(f"outbound buffer full ({self.limit} frames): the client is not reading")
+        entry = _Entry(text, turn_id)
+        self._by_turn[turn_id] = entry
+        self._entries.append(entry)
+        self._live += 1
+        self._ready.set()
+
+    async def get(self) -> str:
+        while True:
+            while self._entries:
+                entry = self._entries.popleft()
+                if entry.dead:
+                    continue
+                self._live -= 1
+                if entry.turn_id is not None and self._by_turn.get(entry.turn_id) is entry:
+                    del self._by_turn[entry.turn_id]
+                return entry.text
+            if self.closed:
+                raise asyncio.CancelledError
+            self._ready.clear()
+            await self._ready.wait()
+
+    def close(self, *, drop: bool = True) -> None:
+        """Refuse new frames; `drop` also discards the queued ones (else they still drain)."""
+        self.closed = True
+        if drop:
+            self._entries.clear()
+            self._by_turn.clear()
+            self._live = 0
+        self._ready.set()
+
+
+class Connection:
+    """One client connection: identity, principal, outbound buffer, declared client tools."""
+
+    def __init__(self, send_text: Callable[[str], Awaitable[None]], *, outbound_max: int, send_timeout_s: float) -> None:
+        self.id = f"wsc_{secrets.token_hex(6)}"
+        self.principal: Principal | None = None
+        self.client_name: str | None = None
+        self.greeted = False
+        self.outbound = Outbound(outbound_max)
+        self.send_timeout_s = send_timeout_s
+        self._send_text = send_text
+        self.subscriptions: set[str] = set()
+        self.close_request: tuple[int, str] | None = None
+        self.closing = asyncio.Event()
+        self.sent = 0
+
+    @property
+    def alive(self) -> bool:
+        return self.close_request is None
+
+    # ------------------------------------------------------------ enqueue (never awaits)
+
+    def send(self, frame: dict[str, Any]) -> None:
+        if "request_id" in frame and frame["request_id"] is None:
+            frame = {k: v for k, v in frame.items() if k != "request_id"}
+        self.send_encoded(encode(frame))
+
+    def send_encoded(self, text: str) -> None:
+        try:
+            self.outbound.put(text)
+        except Overflow as exc:
+            self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+
+    def send_snapshot(self, turn_id: str, text: str) -> None:
+        try:
+            self.outbound.put_snapshot(turn_id, text)
+        except Overflow as exc:
+            self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+
+    def kill(self, code: int, reason: str, *, flush: bool = False) -> None:
+        """Ask the endpoint to close this connection (idempotent); `flush` lets queued frames go first."""
+        if self.close_request is None:
+            log.info("closing websocket %s: %s %s", self.id, code, reason)
+            self.close_request = (code, reason[:120])
+        self.outbound.close(drop=not flush)
+        self.closing.set()
+
+    # ------------------------------------------------------------ the writer task
+
+    async def run_sender(self) -> None:
+        while True:
+            try:
+                text = await self.outbound.get()
+            except asyncio.CancelledError:
+                if self.outbound.closed:
+                    return
+                raise
+            try:
+                await asyncio.wait_for(self._send_text(text), self.send_timeout_s)
+            except TimeoutError:
+                self.kill(CLOSE_SLOW_CONSUMER, f"slow consumer: a frame could not be delivered within {self.send_timeout_s:g} s")
+                return
+            self.sent += 1

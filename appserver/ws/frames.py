@@ -1,0 +1,366 @@
+"""Every frame of the WebSocket protocol (`/ws`), both directions, as pydantic v2 models.
+
+`docs/protocol.md` shows one JSON example per frame; a test validates each example against these
+models, so the document and the code cannot drift. Client frames forbid unknown fields only where a
+typo would silently change meaning; server frames are what the server sends, nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+PROTOCOL_VERSION = 1
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: str | None = None
+
+
+# ───────────────────────────────────────────────────────────── shared shapes
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    """An image by URL (`https://…` or a `data:image/…;base64,…` URL)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image"]
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+InputPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ClientTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ApprovalDecision(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    call_id: str = Field(min_length=1)
+    decision: Literal["approve", "deny"]
+    reason: str | None = None
+
+
+class Block(BaseModel):
+    """One block of a turn snapshot: reasoning, text, tool_call or compaction."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["reasoning", "text", "tool_call", "compaction"]
+    text: str | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    executor: str | None = None
+    status: str | None = None
+    output: str | None = None
+    is_error: bool | None = None
+
+
+class PendingCallView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    call_id: str
+    name: str
+    arguments: str
+    kind: Literal["approval", "client"]
+    status: str
+    expires_at: float | None = None
+
+
+class Snapshot(BaseModel):
+    """The whole presentation state of one turn (DESIGN §4.1). Idempotent: newest revision wins."""
+
+    model_config = ConfigDict(extra="forbid")
+    turn_id: str
+    conversation_id: str
+    agent_id: str
+    revision: int
+    status: Literal["running", "awaiting", "completed", "cancelled", "failed"]
+    phase: str
+    stop_reason: str | None = None
+    blocks: list[Block]
+    pending: list[PendingCallView]
+    usage: dict[str, int]
+    error: dict[str, Any] | None = None
+    queue_position: int
+    attempt: int
+    updated_at: float
+
+
+class AgentView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    name: str
+    model: str
+    system: str
+    tools: dict[str, str]
+    params: dict[str, Any]
+    created_at: float
+    updated_at: float
+
+
+class ConversationView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    agent_id: str
+    default: bool
+    title: str
+    user: str | None = None
+    forked_from: str | None = None
+    metadata: dict[str, Any]
+    created_at: float
+    updated_at: float
+
+
+class MessageView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: int | None
+    turn_id: str | None = None
+    role: str
+    content: str | list[dict[str, Any]]
+    completion_status: str
+    created_at: float
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    is_error: bool | None = None
+    reasoning: str | None = None
+    source: dict[str, Any] | None = None
+
+
+# ───────────────────────────────────────────────────────────── client → server
+
+
+class Hello(_Frame):
+    type: Literal["hello"]
+    protocol: int
+    client: str | None = None
+    token: str | None = None
+
+
+class ListAgents(_Frame):
+    type: Literal["list_agents"]
+
+
+class ListConversations(_Frame):
+    type: Literal["list_conversations"]
+    agent: str | None = None
+    limit: int = Field(default=100, ge=1, le=1000)
+    offset: int = Field(default=0, ge=0)
+
+
+class CreateConversation(_Frame):
+    type: Literal["create_conversation"]
+    agent: str = Field(min_length=1)
+    title: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class GetHistory(_Frame):
+    type: Literal["get_history"]
+    conversation: str = Field(min_length=1)
+    agent: str | None = None  # needed only with conversation "default"
+    before: int | None = None
+    limit: int = Field(default=100, ge=1, le=1000)
+
+
+class Subscribe(_Frame):
+    type: Literal["subscribe"]
+    conversation: str = Field(min_length=1)
+    agent: str | None = None  # needed only with conversation "default"
+
+
+class Unsubscribe(_Frame):
+    type: Literal["unsubscribe"]
+    conversation: str = Field(min_length=1)
+
+
+class SubmitInput(_Frame):
+    type: Literal["submit_input"]
+    agent: str = Field(min_length=1)
+    conversation: str = "default"
+    input: str | list[InputPart]
+    idempotency_key: str | None = Field(default=None, max_length=256)
+    source: dict[str, Any] | None = None
+    client_tools: list[ClientTool] = Field(default_factory=list)
+
+
+class ApprovalResponse(_Frame):
+    type: Literal["approval_response"]
+    conversation: str = Field(min_length=1)
+    decisions: list[ApprovalDecision] = Field(min_length=1)
+
+
+class Cancel(_Frame):
+    type: Literal["cancel"]
+    conversation: str = Field(min_length=1)
+
+
+class ToolResult(_Frame):
+    type: Literal["tool_result"]
+    call_id: str = Field(min_length=1)
+    output: str
+    is_error: bool = False
+
+
+class Ping(_Frame):
+    type: Literal["ping"]
+
+
+ClientFrame = Annotated[
+    Hello
+    | ListAgents
+    | ListConversations
+    | CreateConversation
+    | GetHistory
+    | Subscribe
+    | Unsubscribe
+    | SubmitInput
+    | ApprovalResponse
+    | Cancel
+    | ToolResult
+    | Ping,
+    Field(discriminator="type"),
+]
+
+# ───────────────────────────────────────────────────────────── server → client
+
+
+class Welcome(_Frame):
+    type: Literal["welcome"]
+    protocol: int
+    server: str
+    connection_id: str
+    subject: str | None = None
+
+
+class Ack(_Frame):
+    """The reply to submit_input (turn_id, queue_position), and to frames that need no richer
+    answer: unsubscribe, approval_response and tool_result (`results`), cancel (`cancelled`)."""
+
+    type: Literal["ack"]
+    turn_id: str | None = None
+    conversation_id: str | None = None
+    queue_position: int | None = None
+    duplicate: bool | None = None
+    cancelled: bool | None = None
+    results: list[dict[str, Any]] | None = None
+
+
+class TurnUpdated(_Frame):
+    type: Literal["turn_updated"]
+    snapshot: Snapshot
+
+
+class ApprovalRequest(_Frame):
+    type: Literal["approval_request"]
+    conversation_id: str
+    turn_id: str
+    call_id: str
+    name: str
+    arguments: str
+    expires_at: float | None = None
+
+
+class ApprovalResolved(_Frame):
+    type: Literal["approval_resolved"]
+    conversation_id: str
+    turn_id: str
+    call_id: str
+    status: str  # approved | denied | expired | cancelled
+    decided_by: str | None = None
+
+
+class ToolCallRequest(_Frame):
+    type: Literal["tool_call_request"]
+    conversation_id: str
+    turn_id: str
+    call_id: str
+    name: str
+    arguments: str
+    timeout_s: float
+
+
+class ConversationState(_Frame):
+    type: Literal["conversation_state"]
+    conversation: ConversationView
+    state: Literal["idle", "active", "awaiting", "cancelling"]
+    subscribed: bool
+    active_turn: Snapshot | None = None
+    pending_approvals: list[PendingCallView] = Field(default_factory=list)
+    queued: int = 0
+
+
+class Agents(_Frame):
+    type: Literal["agents"]
+    agents: list[AgentView]
+
+
+class Conversations(_Frame):
+    type: Literal["conversations"]
+    conversations: list[ConversationView]
+
+
+class History(_Frame):
+    type: Literal["history"]
+    conversation_id: str
+    messages: list[MessageView]
+
+
+class Event(_Frame):
+    type: Literal["event"]
+    name: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class Error(_Frame):
+    type: Literal["error"]
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Pong(_Frame):
+    type: Literal["pong"]
+
+
+ServerFrame = Annotated[
+    Welcome
+    | Ack
+    | TurnUpdated
+    | ApprovalRequest
+    | ApprovalResolved
+    | ToolCallRequest
+    | ConversationState
+    | Agents
+    | Conversations
+    | History
+    | Event
+    | Error
+    | Pong,
+    Field(discriminator="type"),
+]
+
+client_frame: TypeAdapter[Any] = TypeAdapter(ClientFrame)
+server_frame: TypeAdapter[Any] = TypeAdapter(ServerFrame)
+
+CLIENT_TYPES = frozenset(m.model_fields["type"].annotation.__args__[0] for m in ClientFrame.__origin__.__args__)  # type: ignore[attr-defined]
+SERVER_TYPES = frozenset(m.model_fields["type"].annotation.__args__[0] for m in ServerFrame.__origin__.__args__)  # type: ignore[attr-defined]
+
+# Close codes (4000-4999 are application codes)
+CLOSE_AUTH = 4401
+CLOSE_PROTOCOL = 4406
+CLOSE_SLOW_CONSUMER = 4408
+CLOSE_TOO_BIG = 1009

@@ -1,0 +1,301 @@
+"""Subscriptions, snapshot fan-out, approval fan-out and client-tool routing for `/ws`.
+
+One `ConversationWatch` per conversation that someone cares about (subscribers, or a live turn
+whose client tools a connection executes). It pins the runtime (so it is not evicted), registers
+a watcher for new/resumed turns, and runs one follower task per live turn: the follower waits on
+the turn's latest-value snapshot cell, encodes each newest snapshot once and appends it to every
+subscriber's outbound buffer (never awaiting a socket). The terminal snapshot is published by the
+kernel only after the store commit, so `completed` always means "already in history".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from appserver.errors import NotAwaiting
+from appserver.runtime.conversation import ConversationRuntime, Decision, TurnHandle
+from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.ws.connection import Connection, encode
+
+if TYPE_CHECKING:
+    from appserver.server import Server
+
+log = logging.getLogger("appserver.ws")
+
+
+class ConversationWatch:
+    def __init__(self, hub: Hub, rt: ConversationRuntime) -> None:
+        self.hub = hub
+        self.rt = rt
+        self.conversation_id = rt.conversation_id
+        self.subscribers: dict[str, Connection] = {}
+        # turn_id -> connection executing its client tools (None once it disconnected)
+        self.tool_owners: dict[str, Connection | None] = {}
+        self.tool_names: dict[str, set[str]] = {}
+        self.followers: dict[str, tuple[TurnController, asyncio.Task[None]]] = {}
+        self.announced: dict[str, set[str]] = {}  # approval call_id -> connection ids told about it
+        self.resolving: set[str] = set()
+        self.requested: set[str] = set()  # client call ids routed (or answered) already
+        self.last: dict[str, TurnSnapshot] = {}
+        rt.pins += 1
+        rt.watchers.append(self.on_handle)
+        for handle in list(rt.handles.values()):
+            self.follow(handle)
+
+    @property
+    def refs(self) -> int:
+        return len(self.subscribers) + len(self.tool_owners)
+
+    def close(self) -> None:
+        self.rt.pins = max(0, self.rt.pins - 1)
+        try:
+            self.rt.watchers.remove(self.on_handle)
+        except ValueError:
+            pass
+        for _, task in self.followers.values():
+            task.cancel()
+        self.followers.clear()
+
+    # ------------------------------------------------------------ following turns
+
+    def on_handle(self, handle: TurnHandle) -> None:
+        self.follow(handle)
+
+    def follow(self, handle: TurnHandle) -> None:
+        current = self.followers.get(handle.turn_id)
+        if current is not None:
+            if current[0] is handle.controller and not current[1].done():
+                return
+            current[1].cancel()
+        if handle.controller.status in ("completed", "cancelled", "failed") and handle.turn_id not in self.followers:
+            return  # an old settled turn: nothing to follow
+        task = asyncio.get_running_loop().create_task(self._follow(handle.controller), name=f"ws-follow:{handle.turn_id}")
+        self.followers[handle.turn_id] = (handle.controller, task)
+
+    async def _follow(self, controller: TurnController) -> None:
+        seen = -1
+        try:
+            while True:
+                snap = await controller.next_snapshot(seen)
+                seen = snap.revision
+                await self.publish(snap)
+                if snap.terminal:
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("following turn %s failed", controller.turn_id)
+        finally:
+            entry = self.followers.get(controller.turn_id)
+            if entry is not None and entry[0] is controller:
+                del self.followers[controller.turn_id]
+            if controller.status in ("completed", "cancelled", "failed"):
+                self.last.pop(controller.turn_id, None)
+                if controller.turn_id in self.tool_owners:
+                    del self.tool_owners[controller.turn_id]
+                    self.tool_names.pop(controller.turn_id, None)
+                    self.hub.maybe_release(self)
+
+    async def publish(self, snap: TurnSnapshot) -> None:
+        self.last[snap.turn_id] = snap
+        text = encode({"type": "turn_updated", "snapshot": snap.to_dict()})
+        for conn in list(self.subscribers.values()):
+            conn.send_snapshot(snap.turn_id, text)
+        if snap.status == "awaiting":
+            for p in snap.pending:
+                if p["kind"] == "approval" and p["call_id"] not in self.announced:
+                    frame = encode(approval_request(snap, p))
+                    self.announced[p["call_id"]] = set(self.subscribers)
+                    for conn in list(self.subscribers.values()):
+                        conn.send_encoded(frame)
+                elif p["kind"] == "client" and p["call_id"] not in self.requested:
+                    self.requested.add(p["call_id"])
+                    await self.route_client_call(snap, p)
+        await self.reconcile(snap)
+
+    async def reconcile(self, snap: TurnSnapshot) -> None:
+        """Tell connections that saw an approval request that it was answered elsewhere (or timed out)."""
+        open_calls = {p["call_id"] for p in snap.pending} if snap.status == "awaiting" else set()
+        for call_id in list(self.announced):
+            if call_id in open_calls or call_id in self.resolving:
+                continue
+            told = self.announced.pop(call_id)
+            p = await self.hub.server.store.get_pending(self.conversation_id, call_id)
+            if p is None or p.turn_id != snap.turn_id:
+                if p is None:
+                    continue
+                self.announced.setdefault(call_id, told)  # another turn's call: keep
+                continue
+            frame = encode({"type": "approval_resolved", "conversation_id": self.conversation_id, "turn_id": p.turn_id, "call_id": call_id, "status": p.status, "decided_by": p.decided_by})
+            for cid in told:
+                conn = self.subscribers.get(cid)
+                if conn is not None:
+                    conn.send_encoded(frame)
+
+    async def route_client_call(self, snap: TurnSnapshot, p: dict[str, Any]) -> None:
+        owner = self.tool_owners.get(snap.turn_id)
+        if owner is not None and owner.alive and p["name"] in self.tool_names.get(snap.turn_id, set()):
+            self.hub.client_calls[p["call_id"]] = (owner.id, self.conversation_id, p["name"])
+            timeout = max(0.0, (p.get("expires_at") or 0) - time.time()) if p.get("expires_at") else self.hub.server.config.limits.client_tool_timeout_s
+            owner.send({"type": "tool_call_request", "conversation_id": self.conversation_id, "turn_id": snap.turn_id, "call_id": p["call_id"], "name": p["name"], "arguments": p["arguments"], "timeout_s": round(timeout, 3)})
+            return
+        # Nobody connected executes this tool (its client disconnected, or the server restarted).
+        await self.hub.answer_gone(self.conversation_id, p["call_id"], p["name"])
+
+    # ------------------------------------------------------------ subscribers
+
+    def state_frame(self, conn: Connection, conversation: dict[str, Any], request_id: str | None) -> dict[str, Any]:
+        rt = self.rt
+        handle = rt.active_handle
+        active = handle.controller.snapshot() if handle is not None else None
+        pending = [p for p in (active.pending if active is not None and active.status == "awaiting" else ()) if p["kind"] == "approval"]
+        return {
+            "type": "conversation_state",
+            "request_id": request_id,
+            "conversation": conversation,
+            "state": rt.lifecycle.state,
+            "subscribed": conn.id in self.subscribers,
+            "active_turn": active.to_dict() if active is not None else None,
+            "pending_approvals": [dict(p) for p in pending],
+            "queued": len(rt.queue),
+        }
+
+
+def approval_request(snap: TurnSnapshot, p: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "approval_request", "conversation_id": snap.conversation_id, "turn_id": snap.turn_id, "call_id": p["call_id"], "name": p["name"], "arguments": p["arguments"], "expires_at": p.get("expires_at")}
+
+
+class Hub:
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.watches: dict[str, ConversationWatch] = {}
+        self.connections: dict[str, Connection] = {}
+        self.client_calls: dict[str, tuple[str, str, str]] = {}  # call_id -> (connection id, conversation id, tool name)
+        self._lock = asyncio.Lock()
+
+    async def watch(self, conversation_id: str) -> ConversationWatch:
+        w = self.watches.get(conversation_id)
+        if w is not None:
+            return w
+        rt = await self.server.kernel.runtime(conversation_id)
+        w = self.watches.get(conversation_id)
+        if w is None:
+            w = self.watches[conversation_id] = ConversationWatch(self, rt)
+        return w
+
+    def maybe_release(self, w: ConversationWatch) -> None:
+        if w.refs == 0 and self.watches.get(w.conversation_id) is w:
+            del self.watches[w.conversation_id]
+            w.close()
+
+    # ------------------------------------------------------------ connections
+
+    def register(self, conn: Connection) -> None:
+        self.connections[conn.id] = conn
+
+    async def subscribe(self, conn: Connection, conversation_id: str, conversation: dict[str, Any], request_id: str | None) -> None:
+        w = await self.watch(conversation_id)
+        fresh = conn.id not in w.subscribers
+        w.subscribers[conn.id] = conn
+        conn.subscriptions.add(conversation_id)
+        # All synchronous from here: the state frame is queued before any later turn_updated.
+        frame = w.state_frame(conn, conversation, request_id)
+        conn.send(frame)
+        if fresh:
+            for p in frame["pending_approvals"]:
+                w.announced.setdefault(p["call_id"], set()).add(conn.id)
+                snap = w.rt.active_handle.controller.snapshot() if w.rt.active_handle else None
+                if snap is not None:
+                    conn.send(approval_request(snap, p))
+
+    def subscribe_now(self, conn: Connection, w: ConversationWatch) -> None:
+        if conn.id not in w.subscribers:
+            w.subscribers[conn.id] = conn
+            conn.subscriptions.add(w.conversation_id)
+
+    def unsubscribe(self, conn: Connection, conversation_id: str) -> bool:
+        conn.subscriptions.discard(conversation_id)
+        w = self.watches.get(conversation_id)
+        if w is None or conn.id not in w.subscribers:
+            return False
+        del w.subscribers[conn.id]
+        for told in w.announced.values():
+            told.discard(conn.id)
+        self.maybe_release(w)
+        return True
+
+    async def disconnect(self, conn: Connection) -> None:
+        """A disconnect never cancels a turn; its client tool calls get a readable error."""
+        self.connections.pop(conn.id, None)
+        for cid in list(conn.subscriptions):
+            self.unsubscribe(conn, cid)
+        for w in list(self.watches.values()):
+            for turn_id, owner in list(w.tool_owners.items()):
+                if owner is conn:
+                    w.tool_owners[turn_id] = None
+        for call_id, (owner_id, conv_id, name) in list(self.client_calls.items()):
+            if owner_id == conn.id:
+                del self.client_calls[call_id]
+                await self.answer_gone(conv_id, call_id, name)
+
+    async def answer_gone(self, conversation_id: str, call_id: str, name: str) -> None:
+        text = f"The client that runs the tool {name} disconnected before returning a result; the call has no result."
+        try:
+            await self.server.kernel.respond(conversation_id, [Decision(call_id, "result", output=text, is_error=True, decided_by="server")])
+        except Exception as exc:  # already answered, timed out or the turn was cancelled
+            log.debug("could not close client call %s: %r", call_id, exc)
+
+    # ------------------------------------------------------------ turns started here
+
+    async def adopt_submission(self, conn: Connection, conversation_id: str, handle: TurnHandle, tool_names: set[str], duplicate: bool) -> None:
+        w = await self.watch(conversation_id)
+        self.subscribe_now(conn, w)
+        if tool_names and not duplicate:
+            w.tool_owners[handle.turn_id] = conn
+            w.tool_names[handle.turn_id] = set(tool_names)
+        w.follow(handle)
+
+    # ------------------------------------------------------------ answers
+
+    async def approve(self, conn: Connection, conversation_id: str, decisions: list[Decision]) -> list[dict[str, Any]]:
+        w = await self.watch(conversation_id)
+        ids = {d.call_id for d in decisions}
+        w.resolving |= ids
+        try:
+            results = await self.server.kernel.respond(conversation_id, decisions)
+        except NotAwaiting:
+            # the turn already moved on: answers to calls that were answered are "already resolved"
+            results = []
+            for d in decisions:
+                p = await self.server.store.get_pending(conversation_id, d.call_id)
+                if p is None or p.status == "pending":
+                    raise
+                results.append({"call_id": d.call_id, "accepted": False, "error": "already_resolved", "status": p.status, "message": f"call {d.call_id} was already answered ({p.status})"})
+        finally:
+            w.resolving -= ids
+        for r in results:
+            if not r.get("accepted"):
+                continue
+            told = w.announced.pop(r["call_id"], set())
+            p = await self.server.store.get_pending(conversation_id, r["call_id"])
+            frame = encode({"type": "approval_resolved", "conversation_id": conversation_id, "turn_id": p.turn_id if p else "", "call_id": r["call_id"], "status": r.get("status"), "decided_by": p.decided_by if p else None})
+            for cid in told | set(w.subscribers):
+                if cid == conn.id:
+                    continue
+                other = w.subscribers.get(cid)
+                if other is not None:
+                    other.send_encoded(frame)
+        for snap in list(w.last.values()):
+            await w.reconcile(snap)
+        self.maybe_release(w)
+        return results
+
+    async def tool_result(self, conn: Connection, call_id: str, output: str, is_error: bool) -> list[dict[str, Any]]:
+        routed = self.client_calls.get(call_id)
+        if routed is None or routed[0] != conn.id:
+            return [{"call_id": call_id, "accepted": False, "error": "unknown_call", "message": f"no tool call {call_id} is waiting for this connection"}]
+        del self.client_calls[call_id]
+        return await self.server.kernel.respond(routed[1], [Decision(call_id, "result", output=output, is_error=is_error, decided_by=conn.id)])

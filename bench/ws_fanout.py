@@ -1,0 +1,90 @@
+"""Fan-out benchmark: N subscribed connections on one conversation; time from a turn's commit to
+the last terminal snapshot delivered, and the server's RSS per idle connection. Prints, no asserts.
+
+    .venv/bin/python bench/ws_fanout.py [--connections 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import websockets  # noqa: E402
+
+from tests.conftest import cli_env, start_serve  # noqa: E402
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def run(n: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * n + 256)), hard))
+    home = Path(tempfile.mkdtemp()) / "home"
+    sp = start_serve(home, env=cli_env(home, APPSERVER_LIMITS__CONNECTIONS_PER_CLIENT=str(n + 64)))
+    url = sp.url.replace("http://", "ws://") + "/ws"
+    try:
+        boss = await websockets.connect(url, max_size=None)
+        await boss.send(json.dumps({"type": "hello", "protocol": 1}))
+        await boss.recv()
+        await boss.send(json.dumps({"type": "create_conversation", "agent": "assistant", "request_id": "c"}))
+        conv = json.loads(await boss.recv())["conversation"]["id"]
+        base = rss_kib(sp.proc.pid)
+        conns = []
+        for i in range(0, n, 100):
+            batch = await asyncio.gather(*(websockets.connect(url, max_size=None) for _ in range(min(100, n - i))))
+            conns.extend(batch)
+        for c in conns:
+            await c.send(json.dumps({"type": "hello", "protocol": 1}))
+            await c.send(json.dumps({"type": "subscribe", "conversation": conv}))
+        for c in conns:
+            await c.recv()
+            await c.recv()
+        await asyncio.sleep(0.5)
+        idle = rss_kib(sp.proc.pid)
+        print(f"connections: {n}")
+        print(f"server RSS: {base} KiB before, {idle} KiB with {n} idle subscribed connections -> {(idle - base) / n:.1f} KiB per connection")
+
+        done_at: list[float] = []
+
+        async def wait_terminal(c: websockets.ClientConnection) -> None:
+            while True:
+                f = json.loads(await c.recv())
+                if f["type"] == "turn_updated" and f["snapshot"]["status"] in ("completed", "failed", "cancelled"):
+                    done_at.append(time.time())
+                    return
+
+        waiters = [asyncio.create_task(wait_terminal(c)) for c in conns]
+        t0 = time.time()
+        await boss.send(json.dumps({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "benchmark " * 20}))
+        await asyncio.gather(*waiters)
+        with sqlite3.connect(home / "appserver.db") as db:
+            ended = db.execute("SELECT ended_at FROM turns WHERE conversation_id=? ORDER BY rowid DESC LIMIT 1", (conv,)).fetchone()[0]
+        print(f"submit -> last terminal snapshot: {(max(done_at) - t0) * 1000:.1f} ms")
+        if ended:
+            print(f"commit -> first terminal snapshot: {(min(done_at) - ended) * 1000:.1f} ms")
+            print(f"commit -> last terminal snapshot:  {(max(done_at) - ended) * 1000:.1f} ms  (same clock, client and server on one host)")
+        await asyncio.gather(*(c.close() for c in conns))
+        await boss.close()
+    finally:
+        sp.stop()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--connections", type=int, default=1000)
+    asyncio.run(run(p.parse_args().connections))

@@ -1,0 +1,78 @@
+"""A minimal desktop-style client of the appserver WebSocket protocol (docs/protocol.md).
+
+It says hello, subscribes to a conversation, submits one input, renders every snapshot it
+receives (whole snapshots: it just redraws), and answers approval requests.
+
+    python examples/ws_client.py --url http://127.0.0.1:8770 --agent assistant "hello"
+    python examples/ws_client.py --agent careful --approve "/call clock {}"
+
+Only needs the `websockets` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+
+import websockets
+
+
+async def main(url: str, agent: str, text: str, approve: bool, token: str | None) -> int:
+    ws_url = url.replace("https://", "wss://").replace("http://", "ws://").rstrip("/") + "/ws"
+    async with websockets.connect(ws_url) as ws:
+
+        async def send(frame: dict) -> None:
+            await ws.send(json.dumps(frame))
+
+        async def reply(request_id: str) -> dict:
+            while True:  # frames before the reply are not expected here (nothing subscribed yet)
+                frame = json.loads(await ws.recv())
+                if frame.get("request_id") == request_id:
+                    if frame["type"] == "error":
+                        raise SystemExit(f"error {frame['code']}: {frame['message']}")
+                    return frame
+
+        await send({"type": "hello", "protocol": 1, "client": "example", "token": token, "request_id": "h"})
+        welcome = await reply("h")
+        print("welcome", welcome["connection_id"])
+
+        await send({"type": "subscribe", "conversation": "default", "agent": agent, "request_id": "s"})
+        state = await reply("s")
+        conversation = state["conversation"]["id"]
+        print("subscribed", conversation, "state", state["state"])
+
+        await send({"type": "submit_input", "agent": agent, "conversation": conversation, "input": text, "request_id": "i"})
+        turn_id = None
+        async for raw in ws:
+            frame = json.loads(raw)
+            kind = frame["type"]
+            if kind == "ack" and frame.get("request_id") == "i":
+                turn_id = frame["turn_id"]
+                print("turn", turn_id, "queue position", frame["queue_position"])
+            elif kind == "turn_updated":
+                snap = frame["snapshot"]
+                text_now = "".join(b["text"] for b in snap["blocks"] if b["type"] == "text")
+                print(f"  rev {snap['revision']:>3} {snap['status']:<9} {snap['phase']:<10} {text_now[-60:]!r}")
+                if snap["turn_id"] == turn_id and snap["status"] in ("completed", "cancelled", "failed"):
+                    print(f"{snap['status']}: {text_now}")
+                    return 0 if snap["status"] == "completed" else 1
+            elif kind == "approval_request":
+                print("approval_request", frame["name"], frame["arguments"])
+                decision = "approve" if approve else "deny"
+                await send({"type": "approval_response", "conversation": frame["conversation_id"], "decisions": [{"call_id": frame["call_id"], "decision": decision, "reason": "example client"}]})
+            elif kind == "error":
+                print("error", frame["code"], frame["message"])
+    return 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8770")
+    p.add_argument("--agent", default="assistant")
+    p.add_argument("--approve", action="store_true", help="approve approval requests (default: deny)")
+    p.add_argument("--token", default=os.environ.get("APPSERVER_TOKEN"))
+    p.add_argument("text", nargs="?", default="hello from the example client")
+    a = p.parse_args()
+    raise SystemExit(asyncio.run(main(a.url, a.agent, a.text, a.approve, a.token)))

@@ -59,7 +59,16 @@ class WS:
         return await self.expect(lambda f: f.get("request_id") == rid, timeout)
 
     async def terminal(self, turn_id: str, timeout: float = 20) -> dict[str, Any]:
-        frame = await self.expect(lambda f: f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == turn_id and f["snapshot"]["status"] in TERMINAL, timeout)
+        """The turn's terminal snapshot, whether it already arrived (while another `expect` was
+        waiting for a different frame) or is still to come."""
+
+        def is_terminal(f: dict[str, Any]) -> bool:
+            return f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == turn_id and f["snapshot"]["status"] in TERMINAL
+
+        for f in self.seen:
+            if is_terminal(f):
+                return f["snapshot"]
+        frame = await self.expect(is_terminal, timeout)
         return frame["snapshot"]
 
     async def drain(self, quiet: float = 0.3) -> list[dict[str, Any]]:

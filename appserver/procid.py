@@ -3,24 +3,31 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat), or None."""
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of `pid` from /proc/<pid>/stat (fields 3 and
+    22), or None when the process is gone or /proc is unavailable."""
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("utf-8", "replace")
+    except OSError:
         return None
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
     rest = raw[raw.rfind(")") + 2 :].split()
     try:
-        return int(rest[19])
+        return rest[0], int(rest[19])
     except (IndexError, ValueError):
         return None
 
 
+def process_start_ticks(pid: int) -> int | None:
+    st = proc_stat(pid)
+    return None if st is None else st[1]
+
+
 def pid_alive(pid: int) -> bool:
+    """True when `pid` runs (a zombie does not: it holds no lease and runs no turn)."""
     if pid <= 0:
         return False
     try:
@@ -28,8 +35,9 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        return True  # exists, belongs to someone else
+    st = proc_stat(pid)
+    return not (st is not None and st[0] in ("Z", "X"))
 
 
 def identity(pid: int | None = None) -> str:

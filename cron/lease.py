@@ -16,42 +16,13 @@ import socket
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from appserver.procid import pid_alive, process_start_ticks
 from cron.store import CronFile, CronStore, OwnerRecord
 
 log = logging.getLogger("appserver.cron")
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks) of a process from /proc, or None when it is gone or
-    /proc is unavailable. `comm` may contain spaces and parentheses, so split at the last ')'."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode("utf-8", "replace")
-    except OSError:
-        return None
-    rest = data[data.rfind(")") + 2 :].split()
-    try:
-        return rest[0], int(rest[19])  # field 3 is state, field 22 is starttime
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start(pid: int) -> int | None:
-    st = proc_stat(pid)
-    return None if st is None else st[1]
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, belongs to someone else
-    st = proc_stat(pid)
-    return not (st is not None and st[0] in ("Z", "X"))  # a zombie holds no lease
+process_start = process_start_ticks  # the name the scheduler and its tests use
 
 
 def owner_alive(owner: OwnerRecord) -> bool:

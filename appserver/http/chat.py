@@ -24,8 +24,8 @@ from appserver.http.common import (
     principal_of,
     read_json,
     resolve_model,
+    settle_or_cancel,
     start_turn,
-    wait_or_disconnect,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -333,21 +333,8 @@ class _Ctx:
     # -------------------------------------------------------- non-stream
 
     async def complete(self, request: Request) -> Response:
-        async def wait() -> TurnSnapshot:
-            last: TurnSnapshot | None = None
-            async for snap in self.run.snapshots(None):
-                if snap is not None:
-                    last = snap
-                    if self.settled(snap):
-                        return snap
-            assert last is not None
-            return last
-
         try:
-            gone, snap = await wait_or_disconnect(request, wait())
-            if gone:
-                await self.run.cancel()
-                raise ApiError(499, "the client closed the request", code="client_closed")
+            snap = await settle_or_cancel(request, self.run, self.settled)
             blocks = blocks_after(snap, self.run)
             text = render_text(blocks)
             if snap.status == "failed" and not text:

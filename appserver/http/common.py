@@ -290,3 +290,24 @@ def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | Non
 
 def dumps(body: Any) -> str:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[TurnSnapshot], bool]) -> TurnSnapshot:
+    """A non-stream request: the first snapshot that `settled` accepts (or the last one). A client
+    that disconnects first cancels the turn it started and gets 499."""
+
+    async def wait() -> TurnSnapshot:
+        last: TurnSnapshot | None = None
+        async for snap in run.snapshots(None):
+            if snap is not None:
+                last = snap
+                if settled(snap):
+                    return snap
+        assert last is not None
+        return last
+
+    gone, snap = await wait_or_disconnect(request, wait())
+    if gone:
+        await run.cancel()
+        raise ApiError(499, "the client closed the request", code="client_closed")
+    return snap

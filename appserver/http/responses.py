@@ -27,8 +27,8 @@ from appserver.http.common import (
     principal_of,
     read_json,
     resolve_model,
+    settle_or_cancel,
     start_turn,
-    wait_or_disconnect,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -518,21 +518,8 @@ class _Run:
         return body
 
     async def complete(self, request: Request) -> Response:
-        async def wait() -> TurnSnapshot:
-            last: TurnSnapshot | None = None
-            async for snap in self.run.snapshots(None):
-                if snap is not None:
-                    last = snap
-                    if self.settled(snap):
-                        return snap
-            assert last is not None
-            return last
-
         try:
-            gone, snap = await wait_or_disconnect(request, wait())
-            if gone:
-                await self.run.cancel()
-                raise ApiError(499, "the client closed the request", code="client_closed")
+            snap = await settle_or_cancel(request, self.run, self.settled)
             body = await self.finalize(snap)
         except BaseException:
             if self.idem is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from typing import Any
 
 from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
@@ -42,6 +44,65 @@ def parse_tool_policies(specs: list[str] | tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _number(kind: type, low: float, high: float) -> Callable[[str, str], Any]:
+    def parse(key: str, raw: str) -> Any:
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise InvalidInput(f"invalid --param {key}={raw!r}: expected {'an integer' if kind is int else 'a number'}", param="param") from None
+        if not low <= value <= high:
+            raise InvalidInput(f"invalid --param {key}={raw!r}: must be between {low:g} and {high:g}", param="param")
+        return value
+
+    return parse
+
+
+def _choice(*choices: str) -> Callable[[str, str], Any]:
+    def parse(key: str, raw: str) -> Any:
+        if raw not in choices:
+            raise InvalidInput(f"invalid --param {key}={raw!r}: use {', '.join(choices)}", param="param")
+        return raw
+
+    return parse
+
+
+def _text(key: str, raw: str) -> Any:
+    return raw
+
+
+def _flag(key: str, raw: str) -> Any:
+    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(raw.lower())
+    if value is None:
+        raise InvalidInput(f"invalid --param {key}={raw!r}: use true or false", param="param")
+    return value
+
+
+# Per-agent parameters: provider sampling/length settings, context and loop limits, presentation.
+AGENT_PARAMS: dict[str, Callable[[str, str], Any]] = {
+    "temperature": _number(float, 0, 2),
+    "top_p": _number(float, 0, 1),
+    "max_tokens": _number(int, 1, 10_000_000),
+    "reasoning_effort": _choice("minimal", "low", "medium", "high"),
+    "stop": _text,
+    "context_window": _number(int, 512, 100_000_000),
+    "max_steps": _number(int, 1, 1_000),
+    "reasoning": _choice("shown", "hidden"),
+    "allow_overrides": _flag,
+}
+
+
+def parse_params(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Parse `KEY=VALUE` items; an empty value (`KEY=`) removes the parameter (stored as None)."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        key, sep, raw = spec.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or key not in AGENT_PARAMS:
+            raise InvalidInput(f"invalid --param {spec!r}: use KEY=VALUE with KEY one of {', '.join(AGENT_PARAMS)}", param="param")
+        out[key] = None if raw == "" else AGENT_PARAMS[key](key, raw)
+    return out
+
+
 class Agents:
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
@@ -49,7 +110,7 @@ class Agents:
         self.config = kernel.config
 
     async def create(self, name: str, model: str = "echo", system: str = "", tools: dict[str, str] | None = None, params: dict | None = None) -> AgentRecord:
-        agent = AgentRecord(id=new_id("agt"), name=validate_name(name), model=validate_model(model, self.config), system=system or "", tools=dict(tools or {}), params=dict(params or {}))
+        agent = AgentRecord(id=new_id("agt"), name=validate_name(name), model=validate_model(model, self.config), system=system or "", tools=dict(tools or {}), params={k: v for k, v in (params or {}).items() if v is not None})
         return await self.store.create_agent(agent)
 
     async def get(self, ref: str) -> AgentRecord:
@@ -65,8 +126,11 @@ class Agents:
             agent.system = system
         if tools:
             agent.tools.update(tools)
-        if params:
-            agent.params.update(params)
+        for key, value in (params or {}).items():
+            if value is None:
+                agent.params.pop(key, None)
+            else:
+                agent.params[key] = value
         return await self.store.update_agent(agent)
 
     async def delete(self, ref: str) -> AgentRecord:

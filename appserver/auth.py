@@ -68,7 +68,8 @@ class Principal:
     """An authenticated caller and what it may touch.
 
     `agents` None means every agent; otherwise a set of agent ids and/or names. `expires_at` is a
-    Unix time (None: never); a live WebSocket is closed when it passes.
+    Unix time (None: never); a live WebSocket is closed when it passes (for a JWT: when it plus
+    the leeway passes, see `Authenticator.valid_until`).
     """
 
     subject: str
@@ -579,6 +580,19 @@ class Authenticator:
     def secrets(self) -> list[str]:
         """Configured secrets the log redactor should know about."""
         return self.jwt.secrets() if self.jwt else []
+
+    def valid_until(self, principal: Principal) -> float | None:
+        """When a live connection authenticated as `principal` must end (Unix time; None: never).
+
+        A JWT stays valid for `jwt_leeway_s` past its `exp`: that is the instant a new request
+        with the same JWT starts failing, so a socket closed any earlier could simply reconnect.
+        A capability token's expiry is our own clock: no leeway.
+        """
+        if principal.expires_at is None:
+            return None
+        if principal.kind == "jwt" and self.jwt is not None:
+            return principal.expires_at + self.jwt.leeway
+        return principal.expires_at
 
     def authenticate(self, authorization: str | None) -> Principal:
         """From an `Authorization` header value (None if absent) → Principal, or AuthError."""

@@ -88,6 +88,7 @@ class LimitsConfig:
     draft_interval_s: float = 0.5  # how often a running turn's visible text is checkpointed
     retry_base_ms: int = 500  # first provider retry backoff; doubles per attempt, capped at 20 s
     sse_keepalive_s: float = 15.0  # SSE keepalive comment interval on the OpenAI routes
+    context_reserve_tokens: int = 0  # room kept for the reply; 0 = a quarter of the window, at most 8,192
 
 
 @dataclass(slots=True)

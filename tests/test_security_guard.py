@@ -632,16 +632,17 @@ def test_jwt_over_http(rsa_env: tuple[Config, rsa.RSAPrivateKey]) -> None:
 
 async def test_ws_closed_when_jwt_expires(rsa_env: tuple[Config, rsa.RSAPrivateKey]) -> None:
     cfg, key = rsa_env
-    now = time.time()
-    claims = {
-        "sub": "bob",
-        "iss": "https://issuer.example",
-        "aud": "appserver",
-        "exp": int(now) + 2,
-    }
-    tok = jwt.encode(claims, key, algorithm="RS256")
+    cfg.auth.jwt_leeway_s = 0  # a live socket lasts until exp + leeway (tests/test_security_e2e.py)
     with live_server(guarded(cfg)) as port:
-        for headers, hello in (({"Authorization": f"Bearer {tok}"}, False), ({}, True)):
+        for hello in (False, True):
+            claims = {
+                "sub": "bob",
+                "iss": "https://issuer.example",
+                "aud": "appserver",
+                "exp": int(time.time()) + 2,
+            }
+            tok = jwt.encode(claims, key, algorithm="RS256")
+            headers = {} if hello else {"Authorization": f"Bearer {tok}"}
             async with ws_connect(
                 f"ws://127.0.0.1:{port}/ws", additional_headers=headers, open_timeout=T
             ) as ws:

@@ -8,12 +8,22 @@ runtime owns persistence and the turn's lifecycle; on cancel it settles from the
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from appserver.agent.context import (
+    Budget,
+    compact,
+    context_view,
+    estimate_request,
+    overflow_budget,
+    to_chat_message,
+    window_for,
+)
 from appserver.agent.events import (
     PhaseChanged,
     ReasoningDelta,
@@ -36,7 +46,6 @@ from appserver.providers.base import (
     ProviderState,
     Reasoning,
     Text,
-    ToolCall,
     ToolCallArgs,
     ToolCallStart,
     ToolSpec,
@@ -46,9 +55,14 @@ from appserver.providers.registry import ProviderRegistry
 from appserver.providers.retry import RetryPolicy, retry_delay_ms
 from appserver.store.records import AgentRecord, MessageRecord, PendingCall
 
+log = logging.getLogger("appserver.agent")
+
 Emit = Callable[[TurnEvent], None]
 
 PROVIDER_OPTION_KEYS = ("temperature", "top_p", "max_tokens", "stop", "response_format", "tool_choice", "parallel_tool_calls", "reasoning_effort")
+# What a request may still set on an agent with `allow_overrides=false`: the shape of the answer the
+# client needs, not the sampling the agent's owner chose.
+REQUEST_SHAPE_KEYS = ("response_format", "tool_choice", "parallel_tool_calls")
 
 
 @dataclass(slots=True)
@@ -68,6 +82,7 @@ class StreamingAssistant:
     calls: dict[int, StreamingCall] = field(default_factory=dict)
     provider_state: dict[str, Any] | None = None
     shown: bool = False  # anything reached a client: a retry would contradict it
+    usage: Usage | None = None
 
 
 @dataclass(slots=True)
@@ -152,6 +167,9 @@ class AgentLoop:
                 provider_state=partial.provider_state,
                 tool_calls=[{"id": c.id, "name": c.name, "arguments": "".join(c.args), "executor": c.executor} for c in calls],
             )
+            if partial.usage is not None and partial.usage.input_tokens:
+                # The provider's own count of the context up to this reply anchors later estimates.
+                assistant.meta["context_tokens"] = partial.usage.input_tokens + partial.usage.output_tokens
             work.new_messages.append(assistant)
             if not calls:
                 if finish == "length":
@@ -173,7 +191,9 @@ class AgentLoop:
 
     # ------------------------------------------------------------ one provider call
 
-    def build_request(self, work: TurnWork, model: str) -> ProviderRequest:
+    def build_request(self, work: TurnWork, model: str, view: list[MessageRecord] | None = None) -> ProviderRequest:
+        if view is None:
+            view = context_view([*work.history, *work.new_messages])
         messages: list[ChatMessage] = []
         if work.agent.system:
             messages.append(ChatMessage("system", work.agent.system))
@@ -182,18 +202,48 @@ class AgentLoop:
             instructions = [instructions]
         for text in instructions:
             messages.append(ChatMessage("system", text))
-        for m in (*work.history, *work.new_messages):
+        for m in view:
             messages.append(to_chat_message(m))
         params: dict[str, Any] = {k: work.agent.params.get(k) for k in PROVIDER_OPTION_KEYS if work.agent.params.get(k) is not None}
-        params.update({k: work.options[k] for k in PROVIDER_OPTION_KEYS if work.options.get(k) is not None})
+        overridable = PROVIDER_OPTION_KEYS if work.agent.params.get("allow_overrides", True) else REQUEST_SHAPE_KEYS
+        params.update({k: work.options[k] for k in overridable if work.options.get(k) is not None})
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         tools = [t.spec() for t in self.tools.offered(work.agent)] + list(work.client_tools)
         return ProviderRequest(model=model, messages=messages, tools=tools, **params)
 
+    def budget(self, work: TurnWork, provider: Any, model: str) -> Budget | None:
+        """The context budget of this agent's model, or None when it has no window (echo)."""
+        cfg = getattr(provider, "cfg", None)
+        window = window_for(work.agent.params, getattr(cfg, "context_windows", None) or {}, provider.kind, model)
+        if window is None:
+            return None
+        max_output = work.options.get("max_tokens") or work.agent.params.get("max_tokens")
+        return Budget.for_window(window, self.config.limits.context_reserve_tokens, max_output)
+
+    async def _prepare(self, work: TurnWork, provider: Any, model: str, emit: Emit, forced: Budget | None = None) -> tuple[ProviderRequest, int]:
+        """Build the next request, compacting first when it would not fit (or when `forced`)."""
+        view = context_view([*work.history, *work.new_messages])
+        request = self.build_request(work, model, view)
+        estimate = estimate_request(request, view)
+        budget = forced or self.budget(work, provider, model)
+        if budget is None or estimate <= budget.limit:
+            return request, estimate
+        done = await compact(provider, model, view, budget, estimate, work.turn_id, work.iteration, emit)
+        if done is None:
+            return request, estimate
+        work.new_messages.append(done.message)
+        log.info("turn %s: compacted %d messages (estimate %d tokens, window %d)", work.turn_id, done.folded, estimate, budget.window)
+        view = context_view([*work.history, *work.new_messages])
+        request = self.build_request(work, model, view)
+        estimate = estimate_request(request, view)
+        done.message.meta["tokens_after"] = estimate
+        return request, estimate
+
     async def _stream_step(self, work: TurnWork, emit: Emit) -> str:
         provider, model = self.providers.resolve(work.agent.model)
-        request = self.build_request(work, model)
+        forced: Budget | None = None
+        overflowed = False
         client_names = {t.name for t in work.client_tools}
         attempts = getattr(getattr(provider, "cfg", None), "max_attempts", None) or 4
         policy = RetryPolicy(max_attempts=attempts, base_ms=self.config.limits.retry_base_ms)
@@ -203,7 +253,9 @@ class AgentLoop:
             partial = work.partial = StreamingAssistant()
             finish = "unknown"
             step_usage: Usage | None = None
+            estimate = 0
             try:
+                request, estimate = await self._prepare(work, provider, model, emit, forced)
                 async for chunk in provider.stream(request):
                     if isinstance(chunk, Text):
                         if chunk.text:
@@ -234,12 +286,22 @@ class AgentLoop:
                     elif isinstance(chunk, Done):
                         finish = chunk.finish_reason
             except ProviderError as exc:
+                if exc.kind == "context_overflow" and not partial.shown and not overflowed:
+                    # Our estimate said it fits; the provider disagrees. Compact once, harder, and retry.
+                    overflowed = True
+                    log.warning("turn %s: %s says the context is too long (estimate %d tokens); compacting and retrying", work.turn_id, work.agent.model, estimate)
+                    forced = overflow_budget(self.budget(work, provider, model) or Budget.for_window(estimate, None, None), estimate)
+                    emit(Retrying(attempt, 0, exc.to_dict()))
+                    attempt -= 1
+                    continue
                 delay = retry_delay_ms(exc, attempt, policy, output_shown=partial.shown)
                 if delay is None:
                     raise
+                log.warning("turn %s: %s failed (%s, status %s, attempt %d); retrying in %d ms", work.turn_id, work.agent.model, exc.kind, exc.status, attempt, delay)
                 emit(Retrying(attempt, delay, exc.to_dict()))
                 await asyncio.sleep(delay / 1000)
                 continue
+            partial.usage = step_usage
             if step_usage is not None:
                 for key in ("input_tokens", "output_tokens", "reasoning_tokens", "cached_tokens"):
                     work.usage[key] = work.usage.get(key, 0) + getattr(step_usage, key)
@@ -350,19 +412,3 @@ def resolution_text(p: PendingCall, config: Config) -> str:
 
 def _tool_message(work: TurnWork, call_id: str, name: str, text: str, is_error: bool) -> MessageRecord:
     return MessageRecord(role="tool", content=text, turn_id=work.turn_id, iteration=work.iteration, tool_call_id=call_id, name=name, is_error=is_error)
-
-
-def to_chat_message(m: MessageRecord) -> ChatMessage:
-    if m.role == "compaction":
-        return ChatMessage("user", f"[Summary of the earlier conversation]\n{m.text()}")
-    if m.role == "tool":
-        return ChatMessage("tool", m.text(), tool_call_id=m.tool_call_id, name=m.name)
-    if m.role == "assistant":
-        return ChatMessage(
-            "assistant",
-            m.text(),
-            tool_calls=[ToolCall(c["id"], c["name"], c.get("arguments", "")) for c in m.tool_calls],
-            reasoning=m.reasoning,
-            provider_state=m.provider_state,
-        )
-    return ChatMessage(m.role, m.content)  # type: ignore[arg-type]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from appserver.agents import parse_tool_policies
+from appserver.agents import parse_params, parse_tool_policies
 from appserver.cli.common import print_json, with_server
 from appserver.server import Server
 from appserver.store.records import AgentRecord
@@ -17,6 +17,8 @@ def _show(agent: AgentRecord) -> None:
         click.echo(f"  system: {agent.system}")
     if agent.tools:
         click.echo("  tools:  " + ", ".join(f"{k}={v}" for k, v in sorted(agent.tools.items())))
+    if agent.params:
+        click.echo("  params: " + ", ".join(f"{k}={v}" for k, v in sorted(agent.params.items())))
 
 
 @click.group("agents")
@@ -40,10 +42,11 @@ def list_agents(as_json: bool) -> None:
 @click.option("--model", default="echo", show_default=True, help="PROVIDER:MODEL or echo")
 @click.option("--system", default="", help="System prompt.")
 @click.option("--tool", "tools", multiple=True, help="NAME=allow|ask|deny (repeatable)")
+@click.option("--param", "params", multiple=True, help="KEY=VALUE provider/loop parameter, e.g. temperature=0.2, context_window=8192 (repeatable)")
 @click.option("--json", "as_json", is_flag=True)
-def create_agent(name: str, model: str, system: str, tools: tuple[str, ...], as_json: bool) -> None:
+def create_agent(name: str, model: str, system: str, tools: tuple[str, ...], params: tuple[str, ...], as_json: bool) -> None:
     async def go(s: Server) -> AgentRecord:
-        return await s.agents.create(name, model, system, parse_tool_policies(tools))
+        return await s.agents.create(name, model, system, parse_tool_policies(tools), parse_params(params))
 
     agent = with_server(go)
     print_json(agent.to_dict()) if as_json else _show(agent)
@@ -63,10 +66,11 @@ def show_agent(agent: str, as_json: bool) -> None:
 @click.option("--model")
 @click.option("--system")
 @click.option("--tool", "tools", multiple=True, help="NAME=allow|ask|deny (repeatable)")
+@click.option("--param", "params", multiple=True, help="KEY=VALUE (repeatable); KEY= removes it")
 @click.option("--json", "as_json", is_flag=True)
-def update_agent(agent: str, name: str | None, model: str | None, system: str | None, tools: tuple[str, ...], as_json: bool) -> None:
+def update_agent(agent: str, name: str | None, model: str | None, system: str | None, tools: tuple[str, ...], params: tuple[str, ...], as_json: bool) -> None:
     async def go(s: Server) -> AgentRecord:
-        return await s.agents.update(agent, name=name, model=model, system=system, tools=parse_tool_policies(tools))
+        return await s.agents.update(agent, name=name, model=model, system=system, tools=parse_tool_policies(tools), params=parse_params(params))
 
     rec = with_server(go)
     print_json(rec.to_dict()) if as_json else _show(rec)

@@ -35,7 +35,7 @@ from appserver.http.conversation_match import (
     merge_assistants,
     split_new_input,
 )
-from appserver.http.errors import ApiError, bad_request, error_body
+from appserver.http.errors import ApiError, bad_request, error_body, turn_failure
 from appserver.http.sse import SSEResponse
 from appserver.providers.base import ToolSpec
 from appserver.runtime.conversation import Decision
@@ -221,10 +221,7 @@ def tool_calls_of(snap: TurnSnapshot) -> list[dict[str, Any]]:
 
 
 def failure(snap: TurnSnapshot) -> ApiError:
-    err = snap.error or {}
-    kind = str(err.get("kind") or "internal")
-    status = 500 if kind in ("internal", "store") else 502
-    return ApiError(status, f"the agent's turn failed: {err.get('message') or 'unknown error'}", code=f"upstream_{kind}" if status == 502 else "internal_error")
+    return turn_failure(snap.error)
 
 
 # ---------------------------------------------------------------- the route

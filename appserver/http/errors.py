@@ -52,6 +52,32 @@ def from_kernel(exc: KernelError) -> ApiError:
     return ApiError(exc.http_status, exc.message, code=exc.code, param=exc.param)
 
 
+# A failed turn's provider error → (HTTP status, OpenAI error code). The turn already ran (and the
+# server already retried what was worth retrying), so a client retry would submit the input again:
+# every such answer carries `x-should-retry: false`, which the OpenAI SDKs honour.
+PROVIDER_FAILURES: dict[str, tuple[int, str]] = {
+    "context_overflow": (400, "context_length_exceeded"),
+    "rate_limit": (429, "upstream_rate_limited"),
+    "quota": (429, "insufficient_quota"),
+    "auth": (502, "upstream_auth_failed"),
+    "not_found": (502, "upstream_model_not_found"),
+    "invalid_request": (502, "upstream_invalid_request"),
+    "timeout": (504, "upstream_timeout"),
+    "network": (502, "upstream_unreachable"),
+    "server": (502, "upstream_server_error"),
+    "protocol": (502, "upstream_protocol_error"),
+}
+
+
+def turn_failure(error: dict[str, Any] | None) -> ApiError:
+    """The OpenAI error for a turn that failed: upstream trouble is named, our own is a 500."""
+    err = error or {}
+    kind = str(err.get("kind") or "internal")
+    status, code = PROVIDER_FAILURES.get(kind, (500, "internal_error"))
+    detail = f" (upstream HTTP {err['status']})" if err.get("status") else ""
+    return ApiError(status, f"the agent's turn failed: {err.get('message') or 'unknown error'}{detail}", code=code, headers={"x-should-retry": "false"})
+
+
 def new_request_id() -> str:
     return f"req_{secrets.token_hex(12)}"
 

@@ -210,8 +210,10 @@ class _WsSession:
                 return None
             return self.hello_deadline, "authentication timeout: no valid token in hello"
         p = self.state.get("principal")
-        if isinstance(p, Principal) and p.expires_at is not None:
-            return p.expires_at, "credential expired"
+        if isinstance(p, Principal):
+            until = self.authenticator.valid_until(p)
+            if until is not None:
+                return until, "credential expired"
         return None
 
     async def watch(self) -> None:

@@ -39,7 +39,7 @@ from appserver.http.conversation_match import (
     merge_assistants,
     split_new_input,
 )
-from appserver.http.errors import ApiError, bad_request
+from appserver.http.errors import ApiError, bad_request, turn_failure
 from appserver.http.sse import SSEResponse
 from appserver.providers.base import ToolSpec
 from appserver.runtime.conversation import Decision
@@ -272,7 +272,10 @@ def response_body(shape: Shape, *, status: str, output: list[dict[str, Any]], sn
     error = None
     incomplete = None
     if snap is not None and snap.status == "failed":
-        error = {"code": "server_error", "message": str((snap.error or {}).get("message") or "the turn failed")}
+        # Response.error.code is a closed enum: the specific reason travels in the message.
+        failed = turn_failure(snap.error)
+        code = "rate_limit_exceeded" if failed.status == 429 else "invalid_prompt" if failed.code == "context_length_exceeded" else "server_error"
+        error = {"code": code, "message": f"{failed.message} [{failed.code}]"}
     if status == "incomplete":
         incomplete = {"reason": "max_output_tokens"}
     body: dict[str, Any] = {

@@ -40,6 +40,10 @@ class EchoProvider:
     async def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
         messages = request.messages
         input_tokens = sum(_words(m.text()) for m in messages)
+        if request.extra.get("purpose") == "compaction":
+            async for c in self._words_out(_summary(messages[-1].text()), request, input_tokens):
+                yield c
+            return
         trailing_results = _trailing_tool_results(messages)
         if trailing_results:
             async for c in self._words_out("\n".join(f"{m.name} -> {m.text()}" for m in trailing_results), request, input_tokens):
@@ -110,6 +114,18 @@ class EchoProvider:
             produced += 1
         yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
         yield Done("stop")
+
+
+def _summary(transcript: str) -> str:
+    """Echo's compaction summary: the earlier summary's user lines and the folded user messages."""
+    said: list[str] = []
+    for block in transcript.split("\n\n"):
+        head, _, body = block.partition("\n")
+        if head in ("[Summary so far]", "[Earlier summary]"):
+            said.extend(line.strip() for line in body.removeprefix("summary: users said ").split(" | ") if line.strip())
+        elif head == "[User]":
+            said.append(" ".join(body.split()))
+    return "summary: users said " + " | ".join(said) if said else "summary: (nothing)"
 
 
 def _trailing_tool_results(messages: list[ChatMessage]) -> list[ChatMessage]:

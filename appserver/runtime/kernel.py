@@ -19,10 +19,22 @@ from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
-from appserver.runtime.conversation import SNAPSHOT_STATUS, ConversationRuntime, Decision, TurnHandle
+from appserver.runtime.conversation import (
+    SNAPSHOT_STATUS,
+    ConversationRuntime,
+    Decision,
+    TurnHandle,
+)
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.store.base import DuplicateTurn, Store
-from appserver.store.records import AgentRecord, ConversationRecord, MessageRecord, PendingCall, TurnCommit, TurnRecord
+from appserver.store.records import (
+    AgentRecord,
+    ConversationRecord,
+    MessageRecord,
+    PendingCall,
+    TurnCommit,
+    TurnRecord,
+)
 
 log = logging.getLogger("appserver.kernel")
 

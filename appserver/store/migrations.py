@@ -151,4 +151,11 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX history_points_conversation ON history_points(conversation_id);
         """,
     ),
+    (
+        3,
+        """
+        -- Context management: an assistant message's measured context size, a compaction's extent.
+        ALTER TABLE messages ADD COLUMN meta TEXT;
+        """,
+    ),
 ]

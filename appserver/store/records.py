@@ -81,6 +81,9 @@ class MessageRecord:
     completion_status: str = "completed"  # completed | cancelled | interrupted | incomplete
     source: dict[str, Any] | None = None
     created_at: float = 0.0
+    # Context bookkeeping: assistant {"context_tokens": N} (the provider-measured size of the
+    # context up to and including this reply); compaction {"kept": K, ...} (see agent/context.py).
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def text(self) -> str:
         if isinstance(self.content, str):

@@ -192,8 +192,8 @@ class SQLiteStore(Store):
                 ids = list(copy_messages)
                 for mid in ids:
                     tx.execute(
-                        "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at) "
-                        "SELECT ?, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at FROM messages WHERE id=?",
+                        "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
+                        "SELECT ?, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at, meta FROM messages WHERE id=?",
                         (conv.id, mid),
                     )
         return conv
@@ -242,6 +242,7 @@ class SQLiteStore(Store):
             completion_status=row["completion_status"],
             source=_loads(row["source"]),
             created_at=row["created_at"],
+            meta=_loads(row["meta"]) or {},
         )
 
     async def list_messages(self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None) -> list[MessageRecord]:
@@ -260,8 +261,8 @@ class SQLiteStore(Store):
         m.conversation_id = conversation_id
         m.created_at = m.created_at or now
         cur = tx.execute(
-            "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 conversation_id,
                 m.turn_id,
@@ -277,6 +278,7 @@ class SQLiteStore(Store):
                 m.completion_status,
                 _dumps(m.source) if m.source is not None else None,
                 m.created_at,
+                _dumps(m.meta) if m.meta else None,
             ),
         )
         m.id = cur.lastrowid

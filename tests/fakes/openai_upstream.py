@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -73,6 +73,8 @@ class FakeUpstream:
         self._lock = threading.Lock()
         self._replies: deque[Reply] = deque()
         self.requests: list[RecordedRequest] = []
+        # Answers requests when nothing is scripted: a model that computes its reply from the request.
+        self.responder: Callable[[RecordedRequest], Reply] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -166,10 +168,12 @@ class FakeUpstream:
             self._replies.append(reply)
         return reply
 
-    def _next(self) -> Reply:
+    def _next(self, request: RecordedRequest | None = None) -> Reply:
         with self._lock:
             if self._replies:
                 return self._replies.popleft()
+        if self.responder is not None and request is not None:
+            return self.responder(request)
         body = json.dumps({"error": {"message": "fake upstream: no scripted reply"}}).encode()
         return Reply(status=500, pieces=[body], content_type="application/json", chunked=False)
 
@@ -202,15 +206,14 @@ def _make_handler(fake: FakeUpstream) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
-            fake._record(
-                RecordedRequest(
-                    method=self.command,
-                    path=self.path,
-                    headers={k.lower(): v for k, v in self.headers.items()},
-                    body=body,
-                )
+            request = RecordedRequest(
+                method=self.command,
+                path=self.path,
+                headers={k.lower(): v for k, v in self.headers.items()},
+                body=body,
             )
-            reply = fake._next()
+            fake._record(request)
+            reply = fake._next(request)
             try:
                 self._send(reply)
             except OSError:

@@ -1,0 +1,338 @@
+"""Context management: keep every request inside the model's context window.
+
+The stored history is append-only and complete. What a provider sees is a *view* of it: the last
+`compaction` message (a summary of everything before its cut) followed by the messages it kept and
+everything after it. Before each provider call the loop estimates the request — anchored on the
+size the provider itself reported for the newest reply in the view, plus a character estimate of
+what came after — and, when it would pass the window minus a reserve, folds the oldest part of the
+view into a new summary written by the same provider. Cuts never fall between a tool call and its
+result: a kept part never starts with a `tool` message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from appserver.agent.events import Compacted, PhaseChanged, TurnEvent
+from appserver.providers.base import (
+    ChatMessage,
+    Done,
+    Provider,
+    ProviderError,
+    ProviderRequest,
+    Text,
+    ToolCall,
+    ToolSpec,
+)
+from appserver.store.records import MessageRecord
+
+CHARS_PER_TOKEN = 3.5  # deliberately pessimistic: real tokenizers average ~4 characters on English
+MESSAGE_OVERHEAD_TOKENS = 6  # role, separators and the like, per message
+IMAGE_TOKENS = 1_000
+MIN_WINDOW = 512
+SUMMARY_MAX_TOKENS = 1_024
+SUMMARY_INSTRUCTIONS = (
+    "You are compacting a long conversation so that it can continue within a limited context window. "
+    "Write a concise summary of the transcript below for the assistant who will continue it: the user's "
+    "goals and preferences, decisions made, facts and names learned, tool results that still matter, and "
+    "open questions or unfinished work. Write plain prose, no preamble. Do not address the user."
+)
+
+# Context windows of common models, matched by the longest prefix of the model name (after any
+# "vendor/" part). Configuration (`context_windows` of a provider, or the agent's `context_window`
+# parameter) always wins; an unknown model gets DEFAULT_WINDOW.
+DEFAULT_WINDOW = 32_768
+KNOWN_WINDOWS: dict[str, int] = {
+    "gpt-3.5-turbo": 16_385,
+    "gpt-4": 8_192,
+    "gpt-4-turbo": 128_000,
+    "gpt-4o": 128_000,
+    "gpt-4.1": 1_047_576,
+    "gpt-5": 400_000,
+    "o1": 200_000,
+    "o3": 200_000,
+    "o4-mini": 200_000,
+    "claude": 200_000,
+    "gemini": 1_048_576,
+    "llama3": 8_192,
+    "llama-3": 8_192,
+    "llama3.1": 131_072,
+    "llama-3.1": 131_072,
+    "llama3.2": 131_072,
+    "llama3.3": 131_072,
+    "qwen2.5": 32_768,
+    "qwen3": 40_960,
+    "mistral": 32_768,
+    "mixtral": 32_768,
+    "deepseek": 65_536,
+    "gemma": 8_192,
+    "gemma3": 131_072,
+    "phi3": 4_096,
+    "phi4": 16_384,
+}
+
+
+def default_window(model: str) -> int:
+    name = model.rsplit("/", 1)[-1].lower()
+    best = ""
+    for prefix in KNOWN_WINDOWS:
+        if name.startswith(prefix) and len(prefix) > len(best):
+            best = prefix
+    return KNOWN_WINDOWS[best] if best else DEFAULT_WINDOW
+
+
+@dataclass(slots=True, frozen=True)
+class Budget:
+    """How much of the window a request may use: the window minus room for the reply."""
+
+    window: int
+    reserve: int
+
+    @property
+    def limit(self) -> int:
+        return self.window - self.reserve
+
+    @classmethod
+    def for_window(cls, window: int, reserve: int | None, max_output: int | None) -> Budget:
+        window = max(MIN_WINDOW, int(window))
+        if not reserve:
+            reserve = min(8_192, window // 4)
+        if max_output:
+            reserve = max(reserve, min(int(max_output), window // 2))
+        return cls(window, min(int(reserve), window // 2))
+
+
+# ---------------------------------------------------------------- estimates
+
+
+def estimate_text(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def estimate_message(m: ChatMessage) -> int:
+    tokens = MESSAGE_OVERHEAD_TOKENS
+    if isinstance(m.content, str):
+        tokens += estimate_text(m.content)
+    else:
+        for part in m.content:
+            if part.get("type") in ("image_url", "input_image", "image"):
+                tokens += IMAGE_TOKENS
+            else:
+                tokens += estimate_text(str(part.get("text", "")))
+    for call in m.tool_calls:
+        tokens += MESSAGE_OVERHEAD_TOKENS + estimate_text(call.name) + estimate_text(call.arguments)
+    if m.reasoning:
+        tokens += estimate_text(m.reasoning)
+    return tokens
+
+
+def estimate_tools(tools: Sequence[ToolSpec]) -> int:
+    return sum(estimate_text(t.name + t.description + json.dumps(t.parameters, separators=(",", ":"))) + MESSAGE_OVERHEAD_TOKENS for t in tools)
+
+
+def estimate_request(request: ProviderRequest, view: Sequence[MessageRecord]) -> int:
+    """Estimate a request's input tokens: the provider's own count for the newest reply that has one,
+    plus estimates of everything after it; a pure estimate when no reply in the view was measured."""
+    lead = len(request.messages) - len(view)  # system prompt and instructions come first
+    # A reply kept by the last compaction was measured with the old, longer context: not an anchor.
+    first = 1 + int(view[0].meta.get("kept", 0)) if view and view[0].role == "compaction" else 0
+    for i in range(len(view) - 1, first - 1, -1):
+        measured = view[i].meta.get("context_tokens") if view[i].role == "assistant" else None
+        if measured:
+            return int(measured) + sum(estimate_message(m) for m in request.messages[lead + i + 1 :])
+    return sum(estimate_message(m) for m in request.messages) + estimate_tools(request.tools)
+
+
+# ---------------------------------------------------------------- the view
+
+
+def to_chat_message(m: MessageRecord) -> ChatMessage:
+    if m.role == "compaction":
+        return ChatMessage("user", f"[Summary of the earlier conversation]\n{m.text()}")
+    if m.role == "tool":
+        return ChatMessage("tool", m.text(), tool_call_id=m.tool_call_id, name=m.name)
+    if m.role == "assistant":
+        return ChatMessage(
+            "assistant",
+            m.text(),
+            tool_calls=[ToolCall(c["id"], c["name"], c.get("arguments", "")) for c in m.tool_calls],
+            reasoning=m.reasoning,
+            provider_state=m.provider_state,
+        )
+    return ChatMessage(m.role, m.content)  # type: ignore[arg-type]
+
+
+
+def context_view(messages: Sequence[MessageRecord]) -> list[MessageRecord]:
+    """What the provider sees of a history: the last compaction, the messages it kept, the rest."""
+    for c in range(len(messages) - 1, -1, -1):
+        if messages[c].role != "compaction":
+            continue
+        kept = int(messages[c].meta.get("kept", 0))
+        before: list[MessageRecord] = []
+        i = c - 1
+        while len(before) < kept and i >= 0:
+            if messages[i].role != "compaction":
+                before.append(messages[i])
+            i -= 1
+        before.reverse()
+        return [messages[c], *before, *messages[c + 1 :]]
+    return list(messages)
+
+
+def choose_cut(view: Sequence[MessageRecord], sizes: Sequence[int], keep_tokens: int) -> int | None:
+    """Index of the first kept message: as much recent context as fits `keep_tokens`, at least the
+    newest message, never starting on a tool result (its call would be folded away). None when
+    nothing can be folded (the view is one compaction and its tail)."""
+    cut = len(view)
+    used = 0
+    for i in range(len(view) - 1, -1, -1):
+        if used + sizes[i] > keep_tokens and cut < len(view):
+            break
+        used += sizes[i]
+        cut = i
+    while cut < len(view) and view[cut].role == "tool":
+        cut += 1  # drop the orphan results into the folded part, with their call
+    if cut >= len(view):
+        # Even the newest message alone is too big to keep beside a summary: keep from the newest
+        # place a cut is allowed, which may mean keeping more than asked.
+        cut = len(view) - 1
+        while cut > 0 and view[cut].role == "tool":
+            cut -= 1
+    if cut <= 0 or (cut == 1 and view[0].role == "compaction"):
+        return None
+    return cut
+
+
+def transcript(messages: Sequence[MessageRecord], max_chars: int) -> str:
+    """Render folded messages as plain text for the summariser; huge items are clipped in the middle."""
+    lines: list[str] = []
+    for m in messages:
+        if m.role == "compaction":
+            body = f"[Earlier summary]\n{m.text()}"
+        elif m.role == "tool":
+            body = f"[Tool result from {m.name}]{' (error)' if m.is_error else ''}\n{m.text()}"
+        elif m.role == "assistant":
+            calls = "".join(f"\n[Called {c['name']} with {c.get('arguments', '')}]" for c in m.tool_calls)
+            body = f"[Assistant]\n{m.text()}{calls}"
+        else:
+            images = sum(1 for p in m.content if isinstance(p, dict) and p.get("type") in ("image_url", "input_image")) if isinstance(m.content, list) else 0
+            body = f"[{m.role.capitalize()}]\n{m.text()}" + (f"\n[{images} image(s)]" if images else "")
+        lines.append(clip(body, max_chars))
+    return "\n\n".join(lines)
+
+
+def clip(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    half = max(1, (max_chars - 60) // 2)
+    return f"{text[:half]}\n[… {len(text) - 2 * half} characters omitted …]\n{text[-half:]}"
+
+
+# ---------------------------------------------------------------- compaction
+
+
+def split_for_summary(messages: Sequence[MessageRecord], chunk_tokens: int) -> list[list[MessageRecord]]:
+    """Cut the folded part into pieces that each fit one summarisation request."""
+    chunks: list[list[MessageRecord]] = [[]]
+    used = 0
+    for m in messages:
+        size = estimate_text(m.text()) + sum(estimate_text(c.get("arguments", "")) for c in m.tool_calls) + MESSAGE_OVERHEAD_TOKENS
+        size = min(size, chunk_tokens)  # a huge message is clipped by transcript()
+        if chunks[-1] and used + size > chunk_tokens:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(m)
+        used += size
+    return chunks
+
+
+async def summarize(provider: Provider, model: str, folded: Sequence[MessageRecord], budget: Budget) -> str:
+    """Summarise `folded` with the conversation's own provider, in pieces when it is large."""
+    summary_tokens = max(64, min(SUMMARY_MAX_TOKENS, budget.limit // 5))
+    overhead = estimate_text(SUMMARY_INSTRUCTIONS) + 3 * MESSAGE_OVERHEAD_TOKENS
+    chunk_tokens = max(64, budget.limit - summary_tokens - overhead - 32)
+    chunk_chars = int(chunk_tokens * CHARS_PER_TOKEN)
+    summary = ""
+    for chunk in split_for_summary(folded, chunk_tokens - summary_tokens):
+        text = transcript(chunk, max(200, chunk_chars - int(summary_tokens * CHARS_PER_TOKEN)))
+        if summary:
+            text = f"[Summary so far]\n{summary}\n\n{text}"
+        request = ProviderRequest(
+            model=model,
+            messages=[ChatMessage("system", SUMMARY_INSTRUCTIONS), ChatMessage("user", clip(text, chunk_chars))],
+            max_tokens=summary_tokens,
+            extra={"purpose": "compaction"},
+        )
+        parts: list[str] = []
+        async for piece in provider.stream(request):
+            if isinstance(piece, Text):
+                parts.append(piece.text)
+            elif isinstance(piece, Done):
+                break
+        summary = "".join(parts).strip() or summary
+    if not summary:
+        raise ProviderError("protocol", "the model returned an empty summary while compacting the conversation")
+    return summary
+
+
+@dataclass(slots=True)
+class Compaction:
+    """Result of one compaction: the message to append and what it replaced."""
+
+    message: MessageRecord
+    folded: int
+    tokens_before: int
+
+
+async def compact(
+    provider: Provider,
+    model: str,
+    view: Sequence[MessageRecord],
+    budget: Budget,
+    tokens_before: int,
+    turn_id: str,
+    iteration: int,
+    emit: Callable[[TurnEvent], None],
+) -> Compaction | None:
+    """Fold the oldest part of `view` into a summary; None when nothing can be folded."""
+    sizes = [estimate_message(to_chat_message(m)) for m in view]
+    keep_tokens = budget.limit * 2 // 5
+    cut = choose_cut(view, sizes, keep_tokens)
+    if cut is None:
+        return None
+    emit(PhaseChanged("compacting"))
+    folded = list(view[:cut])
+    summary = await summarize(provider, model, folded, budget)
+    kept = sum(1 for m in view[cut:] if m.role != "compaction")
+    message = MessageRecord(
+        role="compaction",
+        content=summary,
+        turn_id=turn_id,
+        iteration=iteration,
+        meta={"kept": kept, "folded": len(folded), "tokens_before": tokens_before, "window": budget.window},
+    )
+    emit(Compacted(summary, len(folded)))
+    return Compaction(message, len(folded), tokens_before)
+
+
+def overflow_budget(budget: Budget, estimate: int) -> Budget:
+    """After the provider said "too long" to a request we thought fit, trust our estimate less."""
+    shrunk = max(MIN_WINDOW // 2, min(budget.limit, estimate) * 3 // 4)
+    return Budget(shrunk + budget.reserve, budget.reserve)
+
+
+def window_for(agent_params: dict[str, Any], configured: dict[str, int], provider_kind: str, model: str) -> int | None:
+    """The context window that applies, or None for a model without one (the offline echo)."""
+    override = agent_params.get("context_window")
+    if override:
+        return int(override)
+    if model in configured:
+        return int(configured[model])
+    if provider_kind == "echo":
+        return None
+    return default_window(model)

@@ -1,8 +1,16 @@
-"""server.json: written while `serve` runs, so CLI processes on the same home find (and never race) it."""
+"""server.json: written while `serve` runs, so CLI processes on the same home find (and never race) it.
+
+`serve.lock` beside it is held (flock) by the one `serve` that owns the home, for its whole life.
+The operating system drops the lock when that process dies, even on `kill -9`, so checking the lock
+and server.json's process identity (pid + start time; a reused pid is dead) together means two
+processes never run turns on one home, and a standby (`serve --standby`) knows when to take over.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +20,14 @@ from appserver.procid import identity, identity_alive
 
 
 def write_server_json(path: Path, url: str, auth_mode: str, **extra: Any) -> dict[str, Any]:
-    info = {"url": url, "pid": __import__("os").getpid(), "identity": identity(), "auth": auth_mode, "started_at": time.time(), **extra}
+    info = {
+        "url": url,
+        "pid": os.getpid(),
+        "identity": identity(),
+        "auth": auth_mode,
+        "started_at": time.time(),
+        **extra,
+    }
     atomic_write_json(path, info)
     return info
 
@@ -36,3 +51,56 @@ def remove_server_json(path: Path) -> None:
         return
     if info.get("identity") == identity():
         path.unlink(missing_ok=True)
+
+
+class HomeLock:
+    """The exclusive, process-lifetime lock of one home (`serve.lock`, flock; never a soft lock,
+    which would outlive a killed holder)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def try_acquire(self) -> bool:
+        """Take the lock without waiting; False when another process holds it."""
+        if self._fd is not None:
+            return True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+def home_lock_path(server_json: Path) -> Path:
+    return server_json.with_name("serve.lock")
+
+
+def claim_home(server_json: Path) -> tuple[HomeLock | None, dict[str, Any] | None]:
+    """(lock, None) when this process may serve the home, else (None, the live server's info or
+    None while another `serve` is still starting). The caller holds the lock until it exits."""
+    lock = HomeLock(home_lock_path(server_json))
+    if not lock.try_acquire():
+        return None, read_live_server(server_json)
+    live = read_live_server(server_json)  # a live server that predates serve.lock still owns it
+    if live is not None:
+        lock.release()
+        return None, live
+    return lock, None

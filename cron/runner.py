@@ -111,6 +111,7 @@ def record_outcome(
         state = store.load()
         task = state.get(task_id)
         if task is None:
+            store.keep(state)
             return
         if failed:
             task.set_error(
@@ -119,6 +120,7 @@ def record_outcome(
         elif task.last_error and task.last_error.startswith("run #"):
             task.last_error, task.last_error_at = None, None
         else:
+            store.keep(state)  # unchanged: the scheduler's next tick need not parse the file again
             return
         store.save(state)
 

@@ -10,7 +10,14 @@ from typing import Any
 
 from appserver.runtime.kernel import SubmitRequest
 from appserver.server import Server
-from cron.runner import AwaitOutcomeFn, CronSubmission, SubmitFn, TurnOutcome, make_fire
+from cron.runner import (
+    AwaitOutcomeFn,
+    CronSubmission,
+    RunNowResult,
+    SubmitFn,
+    TurnOutcome,
+    make_fire,
+)
 from cron.scheduler import Scheduler
 
 log = logging.getLogger("appserver.cron")
@@ -41,22 +48,41 @@ def kernel_await_outcome(server: Server) -> AwaitOutcomeFn:
             return TurnOutcome("unknown", f"turn {turn_id} not found")
         snap = await (await server.kernel.handle_for(turn)).wait_settled()
         error = (snap.error or {}).get("message") if snap.status != "completed" else None
-        return TurnOutcome(snap.status, error, {"stop_reason": snap.stop_reason, "conversation_id": snap.conversation_id})
+        return TurnOutcome(
+            snap.status,
+            error,
+            {"stop_reason": snap.stop_reason, "conversation_id": snap.conversation_id},
+        )
 
     return wait
 
 
+SERVICE_KEY = "cron"  # server.services[SERVICE_KEY] while `serve` runs
+
+
 class CronService:
-    """The scheduler inside `serve`: one per home, guarded by the crons.json lease."""
+    """The scheduler inside `serve`: one per home, guarded by the crons.json lease. Also "run now"
+    for clients of the server (the `cron_run` frame), with or without the lease or the loop."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.scheduler = Scheduler.from_config(server.config, fire=make_fire(kernel_submit(server)), await_outcome=kernel_await_outcome(server))
+        self.scheduler = Scheduler.from_config(
+            server.config,
+            fire=make_fire(kernel_submit(server)),
+            await_outcome=kernel_await_outcome(server),
+        )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.scheduler.run(self._stop), name="cron-scheduler")
+        self._task = asyncio.get_running_loop().create_task(
+            self.scheduler.run(self._stop), name="cron-scheduler"
+        )
+
+    async def run_now(self, ref: str, *, agent: str | None = None) -> RunNowResult:
+        """Fire task `ref` now in this server: the same claim, envelope, run log and outcome watch
+        as `appserver cron run` in-process (the outcome is logged when the turn ends)."""
+        return await self.scheduler.run_now(ref, agent=agent)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -72,13 +98,14 @@ class CronService:
 
 @asynccontextmanager
 async def cron_background(server: Server) -> AsyncIterator[None]:
-    """The scheduler as a background service of `serve` (off with APPSERVER_DISABLE_CRON=1)."""
-    if not server.config.cron.enabled:
-        yield
-        return
+    """The scheduler as a background service of `serve` (its loop is off with
+    APPSERVER_DISABLE_CRON=1; "run now" through the server works either way)."""
     service = CronService(server)
-    service.start()
+    server.services[SERVICE_KEY] = service
+    if server.config.cron.enabled:
+        service.start()
     try:
         yield
     finally:
+        server.services.pop(SERVICE_KEY, None)
         await service.stop()

@@ -15,7 +15,9 @@ scheduled job, which is the failure this package exists to prevent.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import operator
 import os
 import re
 import secrets
@@ -246,6 +248,16 @@ class CronTask:
             self.set_error(f"invalid schedule: {exc}", now)
         self.updated_at = now
 
+    def fingerprint(self) -> tuple[Any, ...]:
+        """Every field `to_dict` writes, by value: equal fingerprints give an equal JSON line, so
+        `CronStore.save` re-encodes only the tasks that changed (`last_claimed`, the one mutable
+        field, is compared by a copy)."""
+        claimed = self.last_claimed
+        return (_task_values(self), None if claimed is None else dict(claimed))
+
+
+_task_values = operator.attrgetter(*(f.name for f in dataclasses.fields(CronTask)))
+
 
 @dataclass(frozen=True, slots=True)
 class Occurrence:
@@ -348,6 +360,8 @@ class CronStore:
         # the last state this object loaded or saved, with the file's (inode, mtime, size) at
         # that moment; every atomic write makes a new inode, so a match means nobody else wrote
         self._cache: tuple[tuple[int, int, int], CronFile] | None = None
+        # task id -> (fingerprint, JSON line) of the last save: unchanged tasks are not re-encoded
+        self._lines: dict[str, tuple[tuple[Any, ...], str]] = {}
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -402,19 +416,34 @@ class CronStore:
         only) keeps `state` for the next `load`; the caller must then hold no references into it
         that it hands out, since the next loader will mutate those objects."""
         state.version = FORMAT_VERSION
-        d = state.to_dict()
-        compact = {"separators": (", ", ": "), "ensure_ascii": False}
-        tasks = ",\n    ".join(json.dumps(t, **compact) for t in d["tasks"])  # type: ignore[arg-type]
+        owner = None if state.scheduler_owner is None else state.scheduler_owner.to_dict()
+        tasks = ",\n    ".join(self._encode_tasks(state.tasks))
         text = (
             "{\n"
-            f'  "version": {d["version"]},\n'
-            f'  "scheduler_owner": {json.dumps(d["scheduler_owner"], **compact)},\n'  # type: ignore[arg-type]
+            f'  "version": {state.version},\n'
+            f'  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n'  # type: ignore[arg-type]
             f'  "tasks": [' + (f"\n    {tasks}\n  " if tasks else "") + "]\n}\n"
         )
         atomic_write_text(self.path, text)
         self._cache = None
         if cache:
             self.keep(state)
+
+    def _encode_tasks(self, tasks: list[CronTask]) -> list[str]:
+        """One JSON line per task, reusing the last save's line of every task whose fingerprint
+        is unchanged (a tick that fires a few of ten thousand tasks encodes only those)."""
+        previous, lines = self._lines, {}
+        out = []
+        for t in tasks:
+            key = t.fingerprint()
+            hit = previous.get(t.id)
+            line = (
+                hit[1] if hit is not None and hit[0] == key else json.dumps(t.to_dict(), **_COMPACT)
+            )  # type: ignore[arg-type]
+            lines[t.id] = (key, line)
+            out.append(line)
+        self._lines = lines
+        return out
 
     def keep(self, state: CronFile) -> None:
         """Hand an unmodified loaded state back to the cache (call with the lock held), so the
@@ -517,6 +546,9 @@ def validate_conversation(conv: str) -> str:
     if not conv or len(conv) > 200 or any(c.isspace() for c in conv):
         raise ScheduleError(f"invalid conversation {conv!r}: use new, default or a conversation id")
     return conv
+
+
+_COMPACT: dict[str, Any] = {"separators": (", ", ": "), "ensure_ascii": False}
 
 
 def new_task_id() -> str:

@@ -135,6 +135,30 @@ def test_round_trip(home: Path) -> None:
     assert back.to_dict() == t.to_dict()
 
 
+def test_save_reencodes_every_changed_task(home: Path) -> None:
+    """save() reuses the last JSON line of unchanged tasks; any change, even an in-place edit of
+    `last_claimed`, must still reach the file."""
+    store = CronStore(home)
+    for name in ("a", "b", "c"):
+        store.add(task(name))
+    later = datetime(2026, 3, 1, tzinfo=UTC)
+    with store.lock():
+        state = store.load()
+        a, b, _ = state.tasks
+        a.next_fire_at, a.occurrence = later, 7
+        b.last_claimed = {"occurrence": 1}
+        store.save(state, cache=True)
+    with store.lock():
+        state = store.load()  # the cached object: edit it in place
+        assert state.tasks[1].last_claimed is not None
+        state.tasks[1].last_claimed["occurrence"] = 2
+        store.save(state, cache=True)
+    fresh = CronStore(home).read()  # another process's view: parsed from the file
+    assert [t.to_dict() for t in fresh.tasks] == [t.to_dict() for t in state.tasks]
+    assert fresh.find("a").next_fire_at == later and fresh.find("a").occurrence == 7
+    assert fresh.find("b").last_claimed == {"occurrence": 2}
+
+
 # ------------------------------------------------------------------ check 8 (CLI refusals)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from appserver.config import load_config
-from appserver.errors import NotFound, QueueFull
+from appserver.errors import InvalidInput, NotFound, QueueFull
 from appserver.runtime.conversation import Decision
 from appserver.runtime.kernel import SubmitRequest
 from appserver.server import Server
@@ -147,7 +147,7 @@ async def test_client_tool_pauses_and_result_resumes(server: Server) -> None:
     assert snap.status == "awaiting" and snap.stop_reason == "requires_client_tool"
     call = snap.pending[0]
     assert call["kind"] == "client" and call["arguments"] == '{"q":"x"}'
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidInput, match="client tool call"):
         await server.kernel.respond(sub.conversation_id, [Decision(call["call_id"], "approve")])
     res = await server.kernel.respond(sub.conversation_id, [Decision(call["call_id"], "result", output="found it")])
     assert res[0]["accepted"]

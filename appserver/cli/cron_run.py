@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from typing import Any
 
 import click
 
@@ -14,7 +15,7 @@ from appserver.server import Server
 from appserver.serverinfo import read_live_server
 from cron.runner import run_task_now
 from cron.service import kernel_await_outcome, kernel_submit
-from cron.store import CronNotFound
+from cron.store import CronNotFound, CronStore
 
 
 def validate_agent(config: Config, agent: str) -> str:
@@ -39,19 +40,31 @@ def validate_agent(config: Config, agent: str) -> str:
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
 @click.option("--json", "as_json", is_flag=True)
 def cron_run_command(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
-    """Run TASK now (works without the scheduler lease)."""
+    """Run TASK now (works without the scheduler lease; through the server when one runs)."""
     config = get_config()
     live = read_live_server(config.server_json)
     if live is not None:
-        fail(f"a server is running on this home ({live.get('url')}); `cron run` beside it is not supported yet — stop it first", 3)
+        # a server owns this home: it runs the turn (the `cron_run` frame), never this process
+        report(run_remote(config, str(live.get("url")), task, agent, timeout), as_json)
     agent_id = validate_agent(config, agent) if agent else None
 
     async def go() -> dict:
         server = Server(config)
         await server.open()
         try:
-            result = await run_task_now(config.home, task, agent=agent_id, submit=kernel_submit(server), await_outcome=kernel_await_outcome(server), outcome_timeout_s=timeout)
-            snapshot = (await server.kernel.turn_snapshot(result.turn_id)).to_dict() if result.turn_id else None
+            result = await run_task_now(
+                config.home,
+                task,
+                agent=agent_id,
+                submit=kernel_submit(server),
+                await_outcome=kernel_await_outcome(server),
+                outcome_timeout_s=timeout,
+            )
+            snapshot = (
+                (await server.kernel.turn_snapshot(result.turn_id)).to_dict()
+                if result.turn_id
+                else None
+            )
         finally:
             await server.close()
         return {
@@ -69,11 +82,68 @@ def cron_run_command(task: str, agent: str | None, timeout: float, as_json: bool
         fail(str(exc), 2)
     except KernelError as exc:
         fail(exc.message, 2)
+    report(out, as_json)
+
+
+def report(out: dict[str, Any], as_json: bool) -> None:
+    """Print the run (the same shape in-process and through a server) and exit with its status."""
     if as_json:
         print_json(out)
     else:
-        text = "".join(b.get("text", "") for b in (out["snapshot"] or {}).get("blocks", []) if b["type"] == "text")
-        click.echo(f"run #{out['occurrence']['occurrence']} of {out['task']['name']}: {out['outcome']} (turn {out['turn_id']})")
+        text = "".join(
+            b.get("text", "")
+            for b in (out["snapshot"] or {}).get("blocks", [])
+            if b["type"] == "text"
+        )
+        click.echo(
+            f"run #{out['occurrence']['occurrence']} of {out['task']['name']}: {out['outcome']} (turn {out['turn_id']})"
+        )
         if text:
             click.echo(text)
     sys.exit(0 if out["outcome"] in ("completed", "awaiting") else 1)
+
+
+def run_remote(
+    config: Config, url: str, task: str, agent: str | None, timeout: float
+) -> dict[str, Any]:
+    """Ask the live server to fire TASK (`cron_run` frame, admin scope) and follow the turn."""
+    from appserver.cli.run import USAGE_ERRORS
+    from appserver.ws.client import ProtocolClient, ProtocolError
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
+        client = await ProtocolClient.connect(url, client="appserver-cron-run")
+        try:
+            frame: dict[str, Any] = {"type": "cron_run", "task": task}
+            if agent:
+                frame["agent"] = agent
+            ack = await client.request(frame)
+            return ack, await client.wait_turn(ack["turn_id"], timeout=timeout)
+        finally:
+            await client.close()
+
+    try:
+        ack, snap = asyncio.run(go())
+    except TimeoutError:
+        fail(f"the turn did not settle within {timeout:g} s", 1)
+    except ProtocolError as exc:
+        fail(exc.message, 2 if exc.code in USAGE_ERRORS else 1)
+    except OSError as exc:
+        fail(f"cannot reach the server at {url}: {exc}", 1)
+    occurrence = dict((ack.get("results") or [{}])[0])
+    task_id = str(occurrence.get("task_id"))
+    stored = CronStore(config.home).read().get(task_id)
+    return {
+        "task": stored.to_dict()
+        if stored
+        else {"id": task_id, "name": occurrence.get("task_name")},
+        "occurrence": {
+            k: v for k, v in occurrence.items() if k not in ("task_id", "task_name", "agent_id")
+        },
+        "turn_id": ack["turn_id"],
+        "outcome": snap["status"],
+        "error": (snap.get("error") or {}).get("message")
+        if snap["status"] != "completed"
+        else None,
+        "snapshot": snap,
+        "server": url,
+    }

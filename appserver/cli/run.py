@@ -128,7 +128,7 @@ def run_remote(url: str, agent: str, conversation: str, text: str | None, approv
                 active = state.get("active_turn")
                 if state["state"] != "awaiting" or not active:
                     raise ProtocolError("not_awaiting", f"conversation {conv_id} has no turn waiting for an answer")
-                decisions = [{"call_id": c, "decision": "approve"} for c in approve]
+                decisions: list[dict[str, str | None]] = [{"call_id": c, "decision": "approve"} for c in approve]
                 decisions += [{"call_id": c, "decision": "deny", "reason": reason} for c in deny]
                 ack = await client.request({"type": "approval_response", "conversation": conv_id, "decisions": decisions})
                 refused = [r for r in ack.get("results") or [] if not r.get("accepted")]

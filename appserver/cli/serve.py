@@ -1,4 +1,9 @@
-"""`appserver serve`: Starlette + uvicorn, server.json while running, clean stop on SIGTERM."""
+"""`appserver serve`: Starlette + uvicorn, server.json while running, clean stop on SIGTERM.
+
+One server per home (one SQLite store, one in-process runtime per conversation): a second `serve`
+is refused, unless it is a `--standby`, which waits without a kernel and takes over (crash settle,
+server.json, its listen address, the cron lease) when the holder stops or dies.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import click
 import uvicorn
@@ -14,16 +20,24 @@ import uvicorn
 from appserver.auth import Authenticator
 from appserver.cli.common import fail, get_config
 from appserver.config import Config, ConfigError
+from appserver.http.app import build_app
 from appserver.http.guard import SecurityGuard
 from appserver.logredact import from_config as redactor_from_config
 from appserver.logredact import install as install_redactor
 from appserver.netaddr import check_bind_allowed, parse_listen
-from appserver.http.app import build_app
 from appserver.server import Server
+from appserver.serverinfo import HomeLock, claim_home, remove_server_json, write_server_json
 from cron.service import cron_background
-from appserver.serverinfo import read_live_server, remove_server_json, write_server_json
 
 log = logging.getLogger("appserver.serve")
+
+
+def pong_wait(interval_s: float, silence_s: float) -> float | None:
+    """uvicorn waits `ws_ping_timeout` for the pong of each ping, and pings `interval` after the last
+    answer; so a peer silent for `silence_s` since its last pong is closed when that wait is the rest."""
+    if not silence_s:
+        return None
+    return max(1.0, silence_s - interval_s) if interval_s else silence_s
 
 
 def url_for(host: str, port: int, tls: bool = False) -> str:
@@ -55,10 +69,75 @@ class _UvicornServer(uvicorn.Server):
 def build_asgi(config: Config, server: Server) -> tuple[SecurityGuard, Authenticator]:
     """The whole app behind the security guard: every route, present and future, is covered."""
     authenticator = Authenticator(config)
-    return SecurityGuard(build_app(server, background=[cron_background]), config, authenticator), authenticator
+    return SecurityGuard(
+        build_app(server, background=[cron_background]), config, authenticator
+    ), authenticator
 
 
-async def serve_async(config: Config, host: str, port: int) -> None:
+def refusal(config: Config, live: dict[str, Any] | None) -> str:
+    """Why this `serve` may not run now, and what to do instead."""
+    hint = "stop it first, or run `appserver serve --standby` to wait and take over when it stops"
+    if live is None:
+        return f"another `appserver serve` is starting on this home ({config.home}); {hint}"
+    return f"a server already runs on this home: {live.get('url')} (pid {live.get('pid')}); {hint}"
+
+
+def standby_poll_s(config: Config) -> float:
+    """A standby checks the holder every cron tick, and at least once a second."""
+    return max(0.05, min(config.cron.tick_s, 1.0))
+
+
+async def wait_for_home(config: Config) -> HomeLock | None:
+    """Standby: no kernel, no socket, no turns; poll until the home is free and hold it (None when
+    stopped by a signal while waiting). The holder is judged by serve.lock, which the OS releases
+    when it dies, and server.json's process identity (a reused pid counts as dead)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    interval = standby_poll_s(config)
+    shown: object = ()
+    try:
+        while True:
+            lock, live = claim_home(config.server_json)
+            if lock is not None:
+                if shown != ():
+                    click.echo("appserver standby: the holder is gone; taking over")
+                return lock
+            holder = (live or {}).get("identity")
+            if holder != shown:
+                shown = holder
+                who = (
+                    f"{live.get('url')} (pid {live.get('pid')})"
+                    if live
+                    else "another `serve` (starting)"
+                )
+                click.echo(
+                    f"appserver standby: {who} holds {config.home}; checking every {interval:g} s"
+                )
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+                return None
+            except TimeoutError:
+                pass
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_async(config: Config, host: str, port: int, lock: HomeLock | None = None) -> None:
+    """Serve while holding the home lock; without one (standby), wait for it first."""
+    if lock is None:
+        lock = await wait_for_home(config)
+        if lock is None:
+            return
+    try:
+        await _serve_locked(config, host, port)
+    finally:
+        lock.release()
+
+
+async def _serve_locked(config: Config, host: str, port: int) -> None:
     server = Server(config)
     app, authenticator = build_asgi(config, server)
     tls = bool(config.server.tls_cert and config.server.tls_key)
@@ -72,7 +151,7 @@ async def serve_async(config: Config, host: str, port: int) -> None:
         timeout_graceful_shutdown=5,
         ws_max_size=config.limits.ws_frame_max_bytes,
         ws_ping_interval=config.limits.ws_ping_interval_s or None,
-        ws_ping_timeout=config.limits.ws_ping_timeout_s or None,
+        ws_ping_timeout=pong_wait(config.limits.ws_ping_interval_s, config.limits.ws_ping_timeout_s),
         ssl_certfile=config.server.tls_cert if tls else None,
         ssl_keyfile=config.server.tls_key if tls else None,
     )
@@ -84,7 +163,9 @@ async def serve_async(config: Config, host: str, port: int) -> None:
             await task
             fail(f"could not start on {host}:{port}", 1)
         await asyncio.sleep(0.02)
-    bound_port = uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
+    bound_port = (
+        uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
+    )
     url = url_for(host, bound_port, tls)
     write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
     click.echo(f"appserver listening on {url}  (home {config.home})", err=False)
@@ -96,11 +177,38 @@ async def serve_async(config: Config, host: str, port: int) -> None:
 
 @click.command("serve")
 @click.option("--listen", default=None, help="HOST:PORT to bind (default 127.0.0.1:8770).")
-@click.option("--auth", "auth_mode", type=click.Choice(["none", "token", "jwt"]), default=None, help="Authentication mode (overrides [auth] mode).")
-@click.option("--tls-cert", default=None, type=click.Path(dir_okay=False), help="PEM certificate: serve https.")
-@click.option("--tls-key", default=None, type=click.Path(dir_okay=False), help="PEM private key for --tls-cert.")
-def serve_command(listen: str | None, auth_mode: str | None, tls_cert: str | None, tls_key: str | None) -> None:
-    """Run the server."""
+@click.option(
+    "--auth",
+    "auth_mode",
+    type=click.Choice(["none", "token", "jwt"]),
+    default=None,
+    help="Authentication mode (overrides [auth] mode).",
+)
+@click.option(
+    "--tls-cert",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="PEM certificate: serve https.",
+)
+@click.option(
+    "--tls-key",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="PEM private key for --tls-cert.",
+)
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="When a server already runs on this home, wait (no kernel, no socket) and take over when it stops or dies.",
+)
+def serve_command(
+    listen: str | None,
+    auth_mode: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    standby: bool,
+) -> None:
+    """Run the server (one per home; see --standby)."""
     config = get_config()
     if auth_mode:
         config.auth.mode = auth_mode
@@ -115,9 +223,11 @@ def serve_command(listen: str | None, auth_mode: str | None, tls_cert: str | Non
     except (ValueError, ConfigError) as exc:
         fail(str(exc), 2)
     host, port = addr.host, addr.port
-    live = read_live_server(config.server_json)
-    if live is not None:
-        fail(f"a server already runs on this home: {live.get('url')} (pid {live.get('pid')})", 3)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    lock, live = claim_home(config.server_json)
+    if lock is None and not standby:
+        fail(refusal(config, live), 3)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     config.server.listen = str(addr)
-    asyncio.run(serve_async(config, host, port))
+    asyncio.run(serve_async(config, host, port, lock))

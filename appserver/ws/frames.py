@@ -219,6 +219,15 @@ class Ping(_Frame):
     type: Literal["ping"]
 
 
+class CronRun(_Frame):
+    """Fire a cron task now, in the server (what `appserver cron run` sends beside a live server).
+    Needs the `admin` scope; answered like submit_input, and subscribes the connection."""
+
+    type: Literal["cron_run"]
+    task: str = Field(min_length=1)  # task id or name
+    agent: str | None = None  # narrows a task name that several agents use
+
+
 ClientFrame = Annotated[
     Hello
     | ListAgents
@@ -231,7 +240,8 @@ ClientFrame = Annotated[
     | ApprovalResponse
     | Cancel
     | ToolResult
-    | Ping,
+    | Ping
+    | CronRun,
     Field(discriminator="type"),
 ]
 
@@ -248,7 +258,8 @@ class Welcome(_Frame):
 
 class Ack(_Frame):
     """The reply to submit_input (turn_id, queue_position), and to frames that need no richer
-    answer: unsubscribe, approval_response and tool_result (`results`), cancel (`cancelled`)."""
+    answer: unsubscribe, approval_response and tool_result (`results`), cancel (`cancelled`),
+    cron_run (turn_id, conversation_id and `results` with the task and its occurrence)."""
 
     type: Literal["ack"]
     turn_id: str | None = None

@@ -27,6 +27,10 @@ from appserver.store.records import AgentRecord, ConversationRecord
 from appserver.ws import frames as F
 from appserver.ws.connection import Connection
 from appserver.ws.hub import Hub
+from cron.runlog import read_runs
+from cron.service import SERVICE_KEY as CRON_SERVICE
+from cron.service import CronService
+from cron.store import CronNotFound, CronStoreError
 
 log = logging.getLogger("appserver.ws")
 
@@ -201,6 +205,8 @@ class Endpoint:
                 r = results[0] if results else {}
                 raise FrameError(r.get("error") or "unknown_call", r.get("message") or f"call {frame.call_id} is not waiting for a result", "call_id")
             conn.send({"type": "ack", "request_id": rid, "results": results})
+        elif isinstance(frame, F.CronRun):
+            await self.on_cron_run(conn, frame)
         else:  # pragma: no cover - parse_client_frame only yields known frames
             raise FrameError("unknown_type", f"unhandled frame {frame.type}")
 
@@ -258,6 +264,41 @@ class Endpoint:
         if snap.terminal:  # a duplicate of a finished turn: show its result
             conn.send({"type": "turn_updated", "snapshot": snap.to_dict()})
 
+    async def on_cron_run(self, conn: Connection, frame: F.CronRun) -> None:
+        """`appserver cron run` beside a live server: this server fires the task through its cron
+        service (the same claim, envelope, run log and outcome as the in-process run), so two
+        processes never run turns on one home. Answered and subscribed like submit_input."""
+        if conn.principal is None or not conn.principal.has_scope("admin"):
+            raise FrameError("forbidden", "cron_run needs a credential with the 'admin' scope")
+        service = self.server.services.get(CRON_SERVICE)
+        if not isinstance(service, CronService):
+            raise FrameError("cron_unavailable", "this server runs no cron service")
+        agent_id = (await self._agent(conn, frame.agent)).id if frame.agent else None
+        store = service.scheduler.store
+        try:
+            task = (await asyncio.to_thread(store.read)).find(frame.task, agent_id)
+            owner = await self.server.store.get_agent(task.agent)
+            if conn.principal.agents is not None and (owner is None or not self._allows(conn, owner)):
+                raise FrameError("forbidden", f"this credential may not use the agent of task {task.name!r}", "task")
+            result = await service.run_now(task.id, agent=task.agent)
+        except CronNotFound as exc:
+            raise NotFound(str(exc), param="task") from None
+        except CronStoreError as exc:
+            raise FrameError("invalid_request", str(exc), "task") from None
+        number = result.occurrence.number
+        turn = await self.server.store.get_turn(result.turn_id) if result.turn_id else None
+        if turn is None:
+            last = await asyncio.to_thread(read_runs, store.runs_dir, task.id, limit=1)
+            detail = (last[-1].get("error") if last else None) or "no detail"
+            raise FrameError("fire_failed", f"run #{number} of {task.name} could not be submitted: {detail}", "task")
+        occurrence = {"task_id": task.id, "task_name": task.name, "agent_id": task.agent, **result.occurrence.to_dict()}
+        conn.send({"type": "ack", "request_id": frame.request_id, "turn_id": turn.id, "conversation_id": turn.conversation_id, "results": [occurrence]})
+        handle = await self.server.kernel.handle_for(turn)
+        await self.hub.adopt_submission(conn, turn.conversation_id, handle, set(), False)
+        snap = handle.controller.snapshot()
+        if snap.terminal:  # the turn ended before the subscription: show its result
+            conn.send({"type": "turn_updated", "snapshot": snap.to_dict()})
+
     # ------------------------------------------------------------ access
 
     @staticmethod
@@ -279,8 +320,8 @@ class Endpoint:
         conv = await self.server.store.get_conversation(ref)
         if conv is None:
             raise NotFound(f"unknown conversation {ref!r}", code="conversation_not_found", param="conversation")
-        agent = await self.server.store.get_agent(conv.agent_id)
-        if agent is None or not self._allows(conn, agent):
+        owner = await self.server.store.get_agent(conv.agent_id)
+        if owner is None or not self._allows(conn, owner):
             raise FrameError("forbidden", f"this credential may not use conversation {ref!r}", "conversation")
         return conv
 

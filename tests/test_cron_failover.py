@@ -1,0 +1,204 @@
+"""Issue 6 check 3 end to end: two `serve` processes on one home (the second `--standby`); exactly one
+holds the home and the cron lease; `kill -9` of the holder → the standby takes over and fires the
+next due task within two ticks, exactly once. Plus the identity rules the standby relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from appserver.procid import identity, process_start_ticks
+from appserver.serverinfo import HomeLock, claim_home, read_live_server, write_server_json
+from tests.conftest import ROOT, cli_env, run_cli
+from tests.wsutil import WS
+
+TICK_S = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Serve:
+    """`appserver serve` as a subprocess whose stdout lines are collected by a reader thread."""
+
+    def __init__(self, home: Path, port: int, *extra: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "appserver", "serve", "--listen", f"127.0.0.1:{port}", *extra],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def said(self, needle: str) -> bool:
+        return any(needle in line for line in self.lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def crons(home: Path) -> dict[str, Any]:
+    return json.loads((home / "crons.json").read_text())
+
+
+def owner_pid(home: Path) -> int | None:
+    try:
+        owner = crons(home).get("scheduler_owner")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return None if owner is None else int(owner["pid"])
+
+
+def live_server_of(home: Path, pid: int) -> dict[str, Any] | None:
+    info = read_live_server(home / "server.json")
+    return info if info is not None and info["pid"] == pid else None
+
+
+def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:
+    path = home / "cron-runs" / f"{task_id}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_standby_takes_over_after_kill9_and_fires_within_two_ticks(home: Path) -> None:
+    env = cli_env(home, APPSERVER_CRON_TICK_S=str(TICK_S))
+    home.mkdir(parents=True)
+    p1, p2 = free_port(), free_port()
+    holder = Serve(home, p1, env=env)
+    standby: Serve | None = None
+    try:
+        wait_for(lambda: holder.said("listening on"), 20, "the holder to listen")
+        wait_for(
+            lambda: owner_pid(home) == holder.proc.pid, 10, "the holder to take the cron lease"
+        )
+
+        # a plain second `serve` is refused and points at --standby
+        r = run_cli(home, "serve", "--listen", f"127.0.0.1:{free_port()}", env=env)
+        assert r.code == 3 and "--standby" in r.err, (r.code, r.err)
+
+        standby = Serve(home, p2, "--standby", env=env)
+        wait_for(lambda: standby.said("appserver standby:"), 20, "the standby to start waiting")  # type: ignore[union-attr]
+        add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant", "--in", "3s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
+        assert add.code == 0, add.err
+        task = json.loads(add.out)
+        due = datetime.fromisoformat(task["next_due_at"]).timestamp()
+
+        # while the holder lives the standby waits: no socket, no lease, no server.json of its own
+        while time.time() < due - 0.3:
+            assert owner_pid(home) == holder.proc.pid
+            assert json.loads((home / "server.json").read_text())["pid"] == holder.proc.pid
+            assert standby.proc.poll() is None and not listening(p2)
+            time.sleep(0.1)
+        assert run_log(home, task["id"]) == []  # not due yet: nobody fired it
+
+        holder.proc.send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        holder.proc.wait(10)
+
+        fired = wait_for(
+            lambda: [x for x in run_log(home, task["id"]) if x["event"] == "fired"],
+            15,
+            "the standby to fire the task",
+        )
+        fired_at = datetime.fromisoformat(fired[0]["fired_at"]).timestamp()
+        assert fired_at - max(due, killed_at) <= 2 * TICK_S, (fired_at, due, killed_at)
+        assert owner_pid(home) == standby.proc.pid
+        # server.json follows once the socket is bound (the lifespan, and so the first tick, runs first)
+        info = wait_for(
+            lambda: live_server_of(home, standby.proc.pid), 10, "the standby's server.json"
+        )  # type: ignore[union-attr]
+        assert info["url"] == f"http://127.0.0.1:{p2}" and listening(p2)
+
+        # exactly once: one fire, one turn, one cron_prompt message, and nothing more a tick later
+        wait_for(lambda: any(x["event"] == "outcome" for x in run_log(home, task["id"])), 10, "the outcome")  # fmt: skip
+        time.sleep(TICK_S + 0.2)
+        events = [x["event"] for x in run_log(home, task["id"])]
+        assert events == ["fired", "submitted", "outcome"], events
+        outcome = run_log(home, task["id"])[-1]
+        assert outcome["status"] == "completed", outcome
+
+        async def history() -> list[dict[str, Any]]:
+            ws = await WS.open(info["url"])
+            try:
+                conv = outcome["detail"]["conversation_id"]
+                return (await ws.request({"type": "get_history", "conversation": conv}))["messages"]
+            finally:
+                await ws.close()
+
+        user = [m for m in asyncio.run(history()) if m["role"] == "user"]
+        assert len(user) == 1 and user[0]["source"]["kind"] == "cron_prompt"
+        assert user[0]["turn_id"] == outcome["turn_id"]
+
+        standby.proc.send_signal(signal.SIGTERM)
+        assert standby.proc.wait(15) == 0
+        assert crons(home)["scheduler_owner"] is None  # released on a clean stop
+        assert not (home / "server.json").exists()
+    finally:
+        holder.kill()
+        if standby is not None:
+            standby.kill()
+
+
+def test_server_json_of_a_reused_pid_is_dead_and_the_home_lock_is_exclusive(tmp_path: Path) -> None:
+    """A live pid whose start time differs (the pid was reused) does not hold the home; serve.lock
+    admits one holder at a time."""
+    server_json = tmp_path / "server.json"
+    write_server_json(server_json, "http://127.0.0.1:1", "none")
+    me = read_live_server(server_json)
+    assert me is not None and me["identity"] == identity()
+    lock, live = claim_home(server_json)  # lock free, but a live server.json still owns the home
+    assert lock is None and live is not None and live["pid"] == os.getpid()
+
+    start = process_start_ticks(os.getpid())
+    assert start is not None
+    server_json.write_text(json.dumps({**me, "identity": f"{os.getpid()}:{start + 1}"}))
+    assert read_live_server(server_json) is None  # pid alive, start time differs → dead
+    lock, live = claim_home(server_json)
+    assert lock is not None and live is None
+    try:
+        other = HomeLock(lock.path)
+        assert not other.try_acquire()  # a second open file description is refused
+        lock.release()
+        assert other.try_acquire()
+        other.release()
+    finally:
+        lock.release()

@@ -107,8 +107,8 @@ def run_remote(
     config: Config, url: str, task: str, agent: str | None, timeout: float
 ) -> dict[str, Any]:
     """Ask the live server to fire TASK (`cron_run` frame, admin scope) and follow the turn."""
-    from appserver.cli.run import USAGE_ERRORS
-    from appserver.ws.client import ProtocolClient, ProtocolError
+    from appserver.cli.run import call_server
+    from appserver.ws.client import ProtocolClient
 
     async def go() -> tuple[dict[str, Any], dict[str, Any]]:
         client = await ProtocolClient.connect(url, client="appserver-cron-run")
@@ -121,14 +121,7 @@ def run_remote(
         finally:
             await client.close()
 
-    try:
-        ack, snap = asyncio.run(go())
-    except TimeoutError:
-        fail(f"the turn did not settle within {timeout:g} s", 1)
-    except ProtocolError as exc:
-        fail(exc.message, 2 if exc.code in USAGE_ERRORS else 1)
-    except OSError as exc:
-        fail(f"cannot reach the server at {url}: {exc}", 1)
+    ack, snap = call_server(go, url, timeout)
     occurrence = dict((ack.get("results") or [{}])[0])
     task_id = str(occurrence.get("task_id"))
     stored = CronStore(config.home).read().get(task_id)

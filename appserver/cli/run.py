@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import click
 
@@ -16,6 +17,7 @@ from appserver.runtime.snapshot import TurnSnapshot
 from appserver.server import Server
 from appserver.serverinfo import read_live_server
 
+T = TypeVar("T")
 
 def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool) -> int:
     if as_json:
@@ -145,6 +147,13 @@ def run_remote(url: str, agent: str, conversation: str, text: str | None, approv
             return snapshot_from_dict(snap), ack["conversation_id"]
         finally:
             await client.close()
+
+    return call_server(go, url, timeout)
+
+
+def call_server(go: Callable[[], Coroutine[Any, Any, T]], url: str, timeout: float) -> T:
+    """Run one protocol exchange with the live server; every failure is a one-line CLI error."""
+    from appserver.ws.client import ProtocolError
 
     try:
         return asyncio.run(go())

@@ -27,6 +27,7 @@ from appserver.logredact import install as install_redactor
 from appserver.netaddr import check_bind_allowed, parse_listen
 from appserver.server import Server
 from appserver.serverinfo import HomeLock, claim_home, remove_server_json, write_server_json
+from appserver.ws.hub import Hub
 from cron.service import cron_background
 
 log = logging.getLogger("appserver.serve")
@@ -45,6 +46,9 @@ def url_for(host: str, port: int, tls: bool = False) -> str:
     return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
+STOP_NOTICE_S = 0.2
+
+
 class _UvicornServer(uvicorn.Server):
     """uvicorn re-raises a captured SIGTERM after shutdown (exit status -15); we own the signals so
     a clean stop exits 0 and the `finally` that removes server.json always runs."""
@@ -60,9 +64,25 @@ class _UvicornServer(uvicorn.Server):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
+    def __init__(self, config: uvicorn.Config, server: Server) -> None:
+        super().__init__(config)
+        self.app_server = server
+        self._stopping = False
+
     def _on_signal(self) -> None:
-        if self.should_exit:
-            self.force_exit = True
+        if self._stopping:  # a second signal: stop now
+            self.force_exit = self.should_exit = True
+            return
+        self._stopping = True
+        hub = self.app_server.services.get("ws_hub")
+        told = hub.broadcast_event("server_stopping", {"reason": "shutdown"}) if isinstance(hub, Hub) else 0
+        if not told:
+            self.should_exit = True
+            return
+        # Let the notice reach connected clients before uvicorn closes their sockets (1012).
+        asyncio.get_running_loop().call_later(STOP_NOTICE_S, self._stop)
+
+    def _stop(self) -> None:
         self.should_exit = True
 
 
@@ -156,7 +176,7 @@ async def _serve_locked(config: Config, host: str, port: int) -> None:
         ssl_keyfile=config.server.tls_key if tls else None,
     )
     install_redactor(redactor_from_config(config, authenticator.secrets()))
-    uv = _UvicornServer(uv_config)
+    uv = _UvicornServer(uv_config, server)
     task = asyncio.create_task(uv.serve())
     while not uv.started:
         if task.done():
@@ -229,5 +249,8 @@ def serve_command(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # httpx logs every upstream request at INFO: a log line per model call costs latency and
+    # floods the log; its warnings and errors still show.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     config.server.listen = str(addr)
     asyncio.run(serve_async(config, host, port, lock))

@@ -196,6 +196,15 @@ class Hub:
     def register(self, conn: Connection) -> None:
         self.connections[conn.id] = conn
 
+    def broadcast_event(self, name: str, data: dict[str, Any]) -> int:
+        """An `event` frame to every authenticated connection; returns how many were told."""
+        told = 0
+        for conn in list(self.connections.values()):
+            if conn.principal is not None and conn.alive:
+                conn.send({"type": "event", "name": name, "data": data})
+                told += 1
+        return told
+
     async def subscribe(self, conn: Connection, conversation_id: str, conversation: dict[str, Any], request_id: str | None) -> None:
         w = await self.watch(conversation_id)
         fresh = conn.id not in w.subscribers

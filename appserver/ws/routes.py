@@ -86,6 +86,7 @@ class Endpoint:
     def __init__(self, server: Server) -> None:
         self.server = server
         self.hub = Hub(server)
+        server.services["ws_hub"] = self.hub  # serve's signal handler tells clients it is stopping
 
     async def __call__(self, websocket: WebSocket) -> None:
         limits = self.server.config.limits

@@ -1,9 +1,10 @@
-"""Keepalive (issue 5): pings go out every interval; a peer silent for the timeout is closed."""
+"""A connection's life (issue 5): keepalive closes a silent peer; a stopping server says so first."""
 
 from __future__ import annotations
 
 import base64
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -53,3 +54,20 @@ def test_a_peer_that_never_answers_pings_is_closed_after_the_timeout(home: Path)
     assert opcodes[-1] == 8, f"the server did not end with a close frame: {opcodes}"
     # One ping after 1 s, then 2 s waiting for its pong: closed 3 s after the last sign of life.
     assert 2.5 <= elapsed <= 3.8, f"closed after {elapsed:.1f} s, expected 3 s of silence"
+
+
+async def test_clients_are_told_before_the_server_stops(home: Path) -> None:
+    from appserver.ws.client import ProtocolClient
+
+    sp = start_serve(home)
+    try:
+        client = await ProtocolClient.connect(sp.url)
+        await client.request({"type": "ping"})
+        sp.proc.send_signal(signal.SIGTERM)
+        frame = await client.next_frame(timeout=10)
+        assert frame == {"type": "event", "name": "server_stopping", "data": {"reason": "shutdown"}}
+        await client.close()
+        assert sp.proc.wait(15) == 0
+    finally:
+        if sp.proc.poll() is None:
+            sp.proc.kill()

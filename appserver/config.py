@@ -55,6 +55,7 @@ class ProviderConfig:
     max_attempts: int = 4
     headers: dict[str, str] = field(default_factory=dict)
     context_windows: dict[str, int] = field(default_factory=dict)  # model → tokens
+    transport: str = "lean"  # lean (providers/fasttransport.py) | httpx (httpx's own transport)
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -240,6 +241,8 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
             elif "base_url" in raw:
                 prov.api_key_env = None  # a local OpenAI-compatible server needs no key unless named
         _apply_section(prov, raw, f"providers.{name}")
+        if prov.transport not in ("lean", "httpx"):
+            raise ConfigError(f"[providers.{name}] transport must be 'lean' or 'httpx', got {prov.transport!r}")
         if name == "echo":
             raise ConfigError("[providers.echo] is built in and cannot be configured")
         cfg.providers[name] = prov

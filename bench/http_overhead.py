@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,36 +52,52 @@ async def completions(request: Request):  # type: ignore[no-untyped-def]
     return StreamingResponse(gen(), media_type="text/event-stream")
 
 
-def start_upstream() -> tuple[str, uvicorn.Server]:
+def upstream_app() -> Starlette:
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+
+
+def start_upstream() -> tuple[str, subprocess.Popen]:
+    """The fake upstream in its own process: sharing the client's process (and GIL) would make the
+    bench measure the client's CPU at concurrency 64 more than the server's."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.01)
-    return f"http://127.0.0.1:{port}/v1", server
+    proc = subprocess.Popen([sys.executable, __file__, "--upstream-port", str(port)])
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                sys.exit("the fake upstream did not start")
+            time.sleep(0.05)
+    return f"http://127.0.0.1:{port}/v1", proc
 
 
 async def measure(url: str, body: dict, total: int, concurrency: int) -> list[float]:
+    """Latencies of `total` requests from `concurrency` clients, each with its own connection: one
+    shared httpx pool of 64 connections spends more CPU on its own bookkeeping than the server does."""
     latencies: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+    queue = list(range(total))
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            queue.pop()
+            t0 = time.perf_counter()
+            r = await client.post(url, json=body)
+            latencies.append(time.perf_counter() - t0)
+            r.raise_for_status()
+
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    clients = [httpx.AsyncClient(timeout=60, limits=limits) for _ in range(concurrency)]
+    try:
         for _ in range(min(20, total)):  # warm-up
-            await client.post(url, json=body)
-        queue = list(range(total))
-
-        async def worker() -> None:
-            while queue:
-                queue.pop()
-                t0 = time.perf_counter()
-                r = await client.post(url, json=body)
-                latencies.append(time.perf_counter() - t0)
-                r.raise_for_status()
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+            await clients[0].post(url, json=body)
+        await asyncio.gather(*(worker(c) for c in clients))
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
     return latencies
 
 
@@ -108,8 +125,12 @@ def stats(values: list[float]) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--upstream-port", type=int, help=argparse.SUPPRESS)  # internal: be the fake upstream
     args = ap.parse_args()
-    upstream, up_server = start_upstream()
+    if args.upstream_port:
+        uvicorn.run(upstream_app(), host="127.0.0.1", port=args.upstream_port, log_level="error", lifespan="off")
+        return
+    upstream, up_proc = start_upstream()
     home = Path(tempfile.mkdtemp(prefix="appserver-bench-")) / "home"
     env = cli_env(home, APPSERVER_PROVIDERS__FAKE__KIND="openai", APPSERVER_PROVIDERS__FAKE__BASE_URL=upstream, APPSERVER_DISABLE_CRON="1", APPSERVER_LIMITS__QUEUE_MAX="10000")
     os.environ.update({k: v for k, v in env.items() if k.startswith("APPSERVER_")})
@@ -117,6 +138,8 @@ def main() -> None:
     if r.code != 0:
         sys.exit(f"could not create the agent: {r.err}")
     sp = start_serve(home, env=env)
+    for pipe in (sp.proc.stdout, sp.proc.stderr):  # drain them: a full pipe would stall the server
+        threading.Thread(target=pipe.read, daemon=True).start()
     try:
         direct_body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         served_body = {"model": "bench", "messages": [{"role": "user", "content": "hi"}]}
@@ -134,7 +157,8 @@ def main() -> None:
         print(f"streamed time to first token: upstream {td[0]:.2f} ms, server {ts[0]:.2f} ms, added {ts[0] - td[0]:.2f} ms (median)")
     finally:
         sp.stop()
-        up_server.should_exit = True
+        up_proc.terminate()
+        up_proc.wait(10)
 
 
 if __name__ == "__main__":

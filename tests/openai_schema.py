@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,10 @@ def validate(schema_name: str, body: Any, doc: str = "openai-openapi.json") -> N
 
 def sse_payloads(lines: list[str]) -> list[str]:
     return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+
+
+def sse_lines(body: bytes) -> list[str]:
+    """The lines of an SSE body as the SSE spec splits them: at CRLF, LF or CR only. (httpx's
+    `iter_lines` follows str.splitlines and also breaks at U+0085, U+2028 and U+2029, which JSON
+    data may carry unescaped.)"""
+    return re.split(r"\r\n|\r|\n", body.decode("utf-8"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -714,3 +715,35 @@ async def test_no_provider_state_is_emitted_or_sent(fake: FakeOpenAI) -> None:
     fake.script(openai_sse([chunk(content="x", finish_reason="stop")]))
     got = await run(fake)
     assert not any(isinstance(c, ProviderState) for c in got)
+
+
+async def test_both_transports_read_the_same_stream(fake: FakeOpenAI) -> None:
+    from appserver.providers.fasttransport import LeanClient
+    from appserver.providers.openai_compat import default_client
+
+    body = openai_sse(
+        [
+            chunk(role="assistant", content="héllo "),
+            chunk(reasoning_content="thinking"),
+            chunk(tool_calls=[tool_delta(0, id="call_1", name="clock", arguments='{"tz": "UTC"}')]),
+            chunk(finish_reason="tool_calls"),
+            usage_chunk(9, 4),
+        ]
+    )
+    results = []
+    for transport in ("lean", "httpx"):
+        client = default_client(cfg(fake, transport=transport))
+        assert isinstance(client, LeanClient) == (transport == "lean")
+        await client.aclose()
+        fake.script(body, chunk_size=7)
+        results.append(coalesce(await run(fake, req(tools=[CLOCK]), transport=transport)))
+    assert results[0] == results[1]
+    assert tool_args(results[0]) == {"clock": {"tz": "UTC"}}
+
+
+def test_unknown_transport_is_a_config_error(tmp_path: Path) -> None:
+    from appserver.config import ConfigError, load_config
+
+    (tmp_path / "config.toml").write_text('[providers.x]\nbase_url = "http://127.0.0.1:1/v1"\ntransport = "curl"\n')
+    with pytest.raises(ConfigError, match="transport must be 'lean' or 'httpx'"):
+        load_config(tmp_path, environ={})

@@ -100,6 +100,8 @@ class TurnWork:
     usage: dict[str, int] = field(default_factory=dict)
     partial: StreamingAssistant | None = None
     pending: list[PendingCall] = field(default_factory=list)
+    # MessageRecord → ChatMessage; the runtime passes a per-conversation cache (runtime/chatcache.py).
+    to_chat: Callable[[MessageRecord], ChatMessage] = to_chat_message
 
 
 @dataclass(slots=True)
@@ -203,7 +205,7 @@ class AgentLoop:
         for text in instructions:
             messages.append(ChatMessage("system", text))
         for m in view:
-            messages.append(to_chat_message(m))
+            messages.append(work.to_chat(m))
         params: dict[str, Any] = {k: work.agent.params.get(k) for k in PROVIDER_OPTION_KEYS if work.agent.params.get(k) is not None}
         overridable = PROVIDER_OPTION_KEYS if work.agent.params.get("allow_overrides", True) else REQUEST_SHAPE_KEYS
         params.update({k: work.options[k] for k in overridable if work.options.get(k) is not None})

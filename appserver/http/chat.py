@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -20,6 +21,8 @@ from appserver.http.common import (
     approval_pending,
     client_pending,
     dumps,
+    json_int,
+    log,
     namespace_of,
     principal_of,
     read_json,
@@ -116,7 +119,7 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             items.append(ViewItem("assistant", text, calls=calls))
         else:  # tool, function
             call_id = m.get("tool_call_id") if role == "tool" else m.get("name")
-            if not isinstance(call_id, str) or not call_id:
+            if not isinstance(call_id, str):  # "" is schema-valid; as new input it matches no call
                 raise bad_request(f"{where}.tool_call_id is required for a tool message", "messages")
             items.append(ViewItem("tool", text, call_id=call_id))
     return merge_assistants(items), instructions
@@ -131,10 +134,10 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") not in ("function", None) or not isinstance(fn, dict):
-            raise bad_request(f"tools[{i}]: only function tools are supported", "tools")
+            raise bad_request(f"tools[{i}]: only function tools are supported", "tools", code="unsupported_tool")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].function.name is required", "tools")
+            raise bad_request(f"tools[{i}].function.name is required", "tools", code="invalid_function_name")
         params = fn.get("parameters")
         out.append(ToolSpec(name, str(fn.get("description") or ""), params if isinstance(params, dict) else {"type": "object", "properties": {}}))
     return out
@@ -151,8 +154,11 @@ def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[
     for key in max_key:
         v = body.get(key)
         if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            v = json_int(v)
+            if v is None:
                 raise bad_request(f"'{key}' must be a positive integer", key)
+            if v < 1:
+                raise bad_request(f"'{key}' must be a positive integer", key, code="integer_below_min_value")
             opts["max_tokens"] = v
     stop = body.get("stop")
     if stop is not None:
@@ -239,7 +245,7 @@ class ChatCompletions:
         agent, model_id = await resolve_model(self.server, principal, body.get("model"))
         n = body.get("n")
         if n is not None and n != 1:
-            raise bad_request("only n=1 is supported: an agent gives one reply per turn", "n")
+            raise bad_request("only n=1 is supported: an agent gives one reply per turn", "n", code="unsupported_value")
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean", "stream")
@@ -257,9 +263,9 @@ class ChatCompletions:
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
         if not users and not results:
-            raise bad_request("the last message must be a user message or tool results", "messages")
+            raise bad_request("the last message must be a user message or tool results", "messages", code="missing_input")
         if users and results:
-            raise bad_request("send tool results and a new user message in separate requests", "messages")
+            raise bad_request("send tool results and a new user message in separate requests", "messages", code="mixed_input")
 
         idem, replay = await Idempotency.begin(self.server, request, principal, "chat.completions", raw)
         if replay is not None:
@@ -352,7 +358,6 @@ class _Ctx:
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_of(snap)}],
                 "usage": usage_of(snap),
             }
-            await self.record_point(snap, text, calls)
         except BaseException:
             if self.idem is not None:
                 await self.idem.abandon()
@@ -360,7 +365,16 @@ class _Ctx:
         data = dumps(body)
         if self.idem is not None:
             await self.idem.finish(200, "application/json", data, self.run.conversation_id)
-        return Response(data, media_type="application/json", headers=self.headers)
+        return Response(data, media_type="application/json", headers=self.headers, background=BackgroundTask(self.record_point_after, snap, text, calls))
+
+    async def record_point_after(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
+        """The history point, written once the reply is on the wire (off the latency path). It only
+        serves the client's next request; the SQLite store writes it without yielding, so it lands
+        before the server starts on that request."""
+        try:
+            await self.record_point(snap, text, calls)
+        except Exception:
+            log.exception("could not record the history point of conversation %s", self.run.conversation_id)
 
     # -------------------------------------------------------- stream
 

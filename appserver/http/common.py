@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -31,6 +30,7 @@ log = logging.getLogger("appserver.http")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
 IDEMPOTENCY_WAIT_S = 120.0
+DISCONNECT_WATCH_DELAY_S = 0.05  # a client gone sooner is noticed this much later
 
 
 def principal_of(request: Request) -> Principal:
@@ -56,6 +56,17 @@ async def read_json(request: Request) -> tuple[dict[str, Any], bytes]:
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return data, raw
+
+
+def json_int(value: Any) -> int | None:
+    """An integer as JSON Schema counts one (2025.0 is an integer there), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 # ---------------------------------------------------------------- models
@@ -227,28 +238,42 @@ async def start_turn(
 
 
 async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bool, Any]:
-    """Await `coro` unless the client disconnects first: (disconnected, result)."""
-    task = asyncio.ensure_future(coro)
+    """Await `coro` unless the client disconnects first: (disconnected, result).
+
+    `coro` runs in this task; a listener task cancels it when the client goes away. The listener
+    starts only after DISCONNECT_WATCH_DELAY_S: most turns are done by then, and never pay for it.
+    """
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+    listener: asyncio.Task[None] | None = None
 
     async def listen() -> None:
+        nonlocal gone
         while True:
             msg = await request.receive()
             if msg["type"] == "http.disconnect":
+                gone = True
+                me.cancel()
                 return
 
-    listener = asyncio.ensure_future(listen())
+    def start() -> None:
+        nonlocal listener
+        listener = loop.create_task(listen())
+
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(DISCONNECT_WATCH_DELAY_S, start)
     try:
-        done, _ = await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+        return False, await coro
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (shutdown), not by the listener
+        me.uncancel()
+        return True, None
     finally:
-        listener.cancel()
-        with contextlib.suppress(BaseException):
-            await listener
-    if task in done:
-        return False, task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
-    return True, None
+        timer.cancel()
+        if listener is not None and not listener.done():
+            listener.cancel()
 
 
 # ---------------------------------------------------------------- route wrapper
@@ -288,8 +313,11 @@ def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | Non
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # one, not one per call
+
+
 def dumps(body: Any) -> str:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODE(body)
 
 
 async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[TurnSnapshot], bool]) -> TurnSnapshot:
@@ -297,14 +325,14 @@ async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[Tu
     that disconnects first cancels the turn it started and gets 499."""
 
     async def wait() -> TurnSnapshot:
-        last: TurnSnapshot | None = None
-        async for snap in run.snapshots(None):
-            if snap is not None:
-                last = snap
-                if settled(snap):
-                    return snap
-        assert last is not None
-        return last
+        # Wake on pauses and the end only, not on every delta: a non-stream reply needs the outcome.
+        controller = run.handle.controller
+        seen = run.after_revision
+        while True:
+            snap = await controller.wait_settled(after_revision=seen)
+            if snap.terminal or settled(snap):
+                return snap
+            seen = snap.revision  # paused for something this request does not end on: wait on
 
     gone, snap = await wait_or_disconnect(request, wait())
     if gone:

@@ -147,10 +147,12 @@ class ConversationMatcher:
             metadata=dict(metadata or {}),
         )
         await self.store.create_conversation(conv, copy_messages=copy)
-        if seed:
-            records = seed_records(seed)
-            if records:
-                await self.store.append_messages(conv.id, records)
+        records: list[MessageRecord] = seed_records(seed) if seed else []
+        if records:
+            await self.store.append_messages(conv.id, records)
+        # No turns yet and (unless copied) exactly these messages: the submit that follows finds its
+        # runtime loaded, with no lookups.
+        await self.server.kernel.runtime(conv.id, conv=conv, fresh=True, history=None if copy else records)
         return conv
 
     def visible(self, conv: ConversationRecord, agent: AgentRecord, namespace: str | None) -> bool:

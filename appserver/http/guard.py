@@ -290,6 +290,17 @@ class SecurityGuard:
         if "*" in self.allowed_origins:
             raise ConfigError("[server] allowed_origins: '*' is not supported; list each origin")
         self._active: dict[str, int] = {}
+        # Results of the pure address checks (Host allowed, client on loopback), bounded.
+        self._memo: dict[tuple[Any, ...], bool] = {}
+
+    def _memoized(self, key: tuple[Any, ...], check: Callable[[], bool]) -> bool:
+        """Speed only: the same Host header or client address gives the same answer."""
+        hit = self._memo.get(key)
+        if hit is None:
+            if len(self._memo) >= 1024:
+                self._memo.clear()
+            hit = self._memo[key] = check()
+        return hit
 
     # ── entry point ───────────────────────────────────────────────────────────────────────────
 
@@ -407,7 +418,7 @@ class SecurityGuard:
             raise _Refusal(
                 400, "invalid_host", "malformed Host header", [(b"connection", b"close")]
             ) from None
-        if not self.host_allowed(host, port):
+        if not self._memoized(("host", host, port), lambda: self.host_allowed(host, port)):
             raise _Refusal(
                 421,
                 "host_not_allowed",
@@ -464,7 +475,7 @@ class SecurityGuard:
             client = scope.get("client")
             if (
                 client
-                and not is_loopback(str(client[0]))
+                and not self._memoized(("loopback", client[0]), lambda: is_loopback(str(client[0])))
                 and scope.get("path") not in self.public_paths
             ):
                 raise _Refusal(403, "loopback_only", "auth mode none serves loopback clients only")

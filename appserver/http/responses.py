@@ -22,6 +22,7 @@ from appserver.http.common import (
     Idempotency,
     TurnRun,
     dumps,
+    json_int,
     json_response,
     namespace_of,
     principal_of,
@@ -71,8 +72,10 @@ def parse_input(value: Any) -> ParsedInput:
         out.items.append(ViewItem("user", value))
         out.stored.append({"id": _id("msg"), "type": "message", "role": "user", "status": "completed", "content": [{"type": "input_text", "text": value}]})
         return out
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list):
         raise bad_request("'input' must be a string or a non-empty array of items", "input")
+    if not value:
+        raise bad_request("'input' is empty: there is nothing to answer", "input", code="missing_input")
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -85,6 +88,7 @@ def parse_input(value: Any) -> ParsedInput:
             text, images = content_of(item.get("content"), where)
             if role == "assistant":
                 out.items.append(ViewItem("assistant", text))
+                out.decisions.clear()  # approvals before a later reply are history, not new answers
             elif role == "user":
                 out.items.append(ViewItem("user", text, images))
                 parts: list[dict[str, Any]] = [{"type": "input_text", "text": text}] if text else []
@@ -98,10 +102,11 @@ def parse_input(value: Any) -> ParsedInput:
             if not isinstance(name, str) or not isinstance(call_id, str):
                 raise bad_request(f"{where}: a function_call needs call_id and name", "input")
             out.items.append(ViewItem("assistant", "", calls=[{"id": call_id, "name": name, "arguments": args if isinstance(args, str) else ""}]))
+            out.decisions.clear()
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not call_id:
-                raise bad_request(f"{where}.call_id is required", "input")
+                raise bad_request(f"{where}.call_id is required", "input", code="missing_call_id")
             if isinstance(output, list):
                 output, _ = content_of(output, where)
             if not isinstance(output, str):
@@ -145,10 +150,10 @@ def function_tools(value: Any) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
     shown: list[dict[str, Any]] = []
     for i, t in enumerate(value):
         if not isinstance(t, dict) or t.get("type") != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)", "tools")
+            raise bad_request(f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)", "tools", code="unsupported_tool")
         name = t.get("name")
         if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].name is required", "tools")
+            raise bad_request(f"tools[{i}].name is required", "tools", code="invalid_function_name")
         raw_params = t.get("parameters")
         params: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {"type": "object", "properties": {}}
         desc = t.get("description") if isinstance(t.get("description"), str) else None
@@ -167,8 +172,11 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
             opts[key] = float(v)
     mot = body.get("max_output_tokens")
     if mot is not None:
-        if isinstance(mot, bool) or not isinstance(mot, int) or mot < 1:
+        mot = json_int(mot)
+        if mot is None:
             raise bad_request("'max_output_tokens' must be a positive integer", "max_output_tokens")
+        if mot < 1:
+            raise bad_request("'max_output_tokens' must be a positive integer", "max_output_tokens", code="integer_below_min_value")
         opts["max_tokens"] = mot
     if body.get("tool_choice") is not None:
         opts["tool_choice"] = body["tool_choice"]
@@ -386,13 +394,13 @@ class Responses:
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean", "stream")
         if body.get("background"):
-            raise bad_request("background responses are not supported", "background")
+            raise bad_request("background responses are not supported", "background", code="unsupported_parameter")
         store_flag = body.get("store")
         store_flag = True if store_flag is None else store_flag
         if not isinstance(store_flag, bool):
             raise bad_request("'store' must be a boolean", "store")
         if body.get("input") is None:
-            raise bad_request("'input' is required", "input")
+            raise bad_request("'input' is required", "input", code="missing_input")
         parsed = parse_input(body.get("input"))
         instructions = instructions_of(body.get("instructions"))
         specs, shown_tools = function_tools(body.get("tools"))
@@ -409,7 +417,7 @@ class Responses:
         if conv_param is not None and not isinstance(conv_param, str):
             raise bad_request("'conversation' must be a conversation id", "conversation")
         if prev_id and conv_param:
-            raise bad_request("use either previous_response_id or conversation, not both", "conversation")
+            raise bad_request("use either previous_response_id or conversation, not both", "conversation", code="conflicting_parameters")
 
         items = merge_assistants(parsed.items)
         prefix, new = split_new_input(items)
@@ -417,7 +425,7 @@ class Responses:
         results = [i for i in new if i.kind == "tool"]
         decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results] + parsed.decisions
         if not users and not decisions:
-            raise bad_request("the input has no new user message, function_call_output or mcp_approval_response", "input")
+            raise bad_request("the input has no new user message, function_call_output or mcp_approval_response", "input", code="missing_input")
 
         idem, replay = await Idempotency.begin(self.server, request, principal, "responses", raw)
         if replay is not None:

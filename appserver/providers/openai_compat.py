@@ -34,6 +34,7 @@ from appserver.providers.base import (
     Usage,
     error_from_status,
 )
+from appserver.providers.fasttransport import LeanClient, lean_transport
 from appserver.providers.retry import parse_retry_after
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
@@ -123,7 +124,11 @@ def transport_error(exc: Exception) -> ProviderError:
 
 
 def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=request_timeout(cfg))
+    """One pooled keep-alive client per provider, on the lean transport (providers/fasttransport.py)
+    unless the provider's config asks for httpx's own (`transport = "httpx"`)."""
+    if cfg.transport == "httpx":
+        return httpx.AsyncClient(timeout=request_timeout(cfg))
+    return LeanClient(timeout=request_timeout(cfg), transport=lean_transport())
 
 
 def request_timeout(cfg: ProviderConfig) -> httpx.Timeout:

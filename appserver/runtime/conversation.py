@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from appserver.agent.loop import LoopOutcome, TurnWork, resolution_text
 from appserver.errors import InvalidInput, NotAwaiting, NotFound, QueueFull
 from appserver.providers.base import ToolSpec
+from appserver.runtime.chatcache import ChatCache
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import DuplicateTurn
@@ -71,19 +72,24 @@ class ConversationRuntime:
         self.pins = 0
         self.last_active = time.monotonic()
         self._history: list[MessageRecord] | None = None
+        self._chat = ChatCache()  # provider messages of _history, converted once (cleared with it)
         self._worker: asyncio.Task[None] | None = None
-        self._turn_task: asyncio.Task[LoopOutcome] | None = None
+        # The agent loop runs inside the worker task (no task per turn); cancel() cancels the worker
+        # while the loop runs, and _run tells that apart from the worker being torn down.
+        self._loop_running = False
+        self._loop_cancelled = False
         self._awaiting: TurnRecord | None = None
         self._resume_ready: list[PendingCall] | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._draft_timer: asyncio.TimerHandle | None = None
         self._shutdown = False
+        self._accepting = 0  # inputs waiting for their accept to commit (they hold a queue place)
 
     # ------------------------------------------------------------ state
 
     @property
     def idle(self) -> bool:
-        return not self.lifecycle.busy and not self.queue and self._worker is None and self.pins == 0
+        return not self.lifecycle.busy and not self.queue and self._worker is None and self.pins == 0 and self._accepting == 0
 
     @property
     def active_handle(self) -> TurnHandle | None:
@@ -110,6 +116,11 @@ class ConversationRuntime:
             await self._maybe_resume()
             self._arm_expiry(pending)
 
+    def adopt_history(self, messages: list[MessageRecord]) -> None:
+        """The whole history, from a caller that just wrote it (a new conversation): no store read."""
+        if self._history is None:
+            self._history = list(messages)
+
     async def history(self) -> list[MessageRecord]:
         if self._history is None:
             self._history = await self.kernel.store.list_messages(self.conversation_id)
@@ -135,21 +146,39 @@ class ConversationRuntime:
     # ------------------------------------------------------------ submit
 
     async def enqueue(self, record: TurnRecord, idempotency_scope: str | None) -> tuple[TurnHandle, int]:
-        if len(self.queue) >= self.kernel.config.limits.queue_max:
-            raise QueueFull(f"conversation {self.conversation_id} has {len(self.queue)} inputs queued (limit {self.kernel.config.limits.queue_max}); try again later")
-        position = len(self.queue) + (1 if self.lifecycle.busy else 0)
+        waiting = len(self.queue) + self._accepting
+        if waiting >= self.kernel.config.limits.queue_max:
+            raise QueueFull(f"conversation {self.conversation_id} has {waiting} inputs queued (limit {self.kernel.config.limits.queue_max}); try again later")
+        position = waiting + (1 if self.lifecycle.busy else 0)
         record.status = "queued" if position else "running"
         record.owner = self.kernel.owner
         if position == 0:
             record.started_at = time.time()
-        await self.kernel.store.accept_turn(record, idempotency_scope)  # raises DuplicateTurn
+        # The accept commits with the next group commit: until then this input holds its place.
+        self._accepting += 1
+        try:
+            await self.kernel.store.accept_turn(record, idempotency_scope)  # raises DuplicateTurn
+        except asyncio.CancelledError:
+            # The commit may have landed just before the cancel reached us: queue the turn all the
+            # same, or it would sit in the store as accepted with nobody to run it.
+            self._accepting -= 1
+            if await self.kernel.store.get_turn(record.id) is not None:
+                self._queue_accepted(record, position)
+            raise
+        except BaseException:
+            self._accepting -= 1
+            raise
+        self._accepting -= 1
+        return self._queue_accepted(record, position), position
+
+    def _queue_accepted(self, record: TurnRecord, position: int) -> TurnHandle:
         controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=position)
         handle = TurnHandle(record.id, self.conversation_id, controller)
         self._remember(handle)
         self.queue.append(_Queued(record, handle))
         self._notify(handle)
         self._ensure_worker()
-        return handle, position
+        return handle
 
     def _ensure_worker(self) -> None:
         if self._worker is None and not self._shutdown:
@@ -210,6 +239,7 @@ class ConversationRuntime:
                 conversation_id=self.conversation_id,
                 turn_id=record.id,
                 history=list(history),
+                to_chat=self._chat,
                 client_tools=[ToolSpec(t["name"], t.get("description", ""), t.get("parameters") or {"type": "object", "properties": {}}) for t in record.client_tools],
                 options=record.options,
                 iteration=record.iteration,
@@ -224,20 +254,23 @@ class ConversationRuntime:
                 self.lifecycle.check(lease)
                 controller.apply(event)
 
-            self._turn_task = asyncio.get_running_loop().create_task(kernel.agent_loop.run(work, emit, resolutions))
             drafts = self._schedule_draft(lease, controller, record.id, -1)
+            self._loop_running = True
             try:
-                outcome = await self._turn_task
+                outcome = await kernel.agent_loop.run(work, emit, resolutions)
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                if not self._loop_cancelled:
                     raise  # the worker itself is being torn down
                 outcome = LoopOutcome("interrupted" if self._shutdown else "cancelled", "cancelled")
             finally:
+                self._loop_running = False
+                if self._loop_cancelled:
+                    self._loop_cancelled = False
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]  # ours, handled
                 drafts.cancel()
                 if self._draft_timer is not None:
                     self._draft_timer.cancel()
                     self._draft_timer = None
-                self._turn_task = None
         except StaleLease:
             return
         except Exception as exc:
@@ -298,6 +331,7 @@ class ConversationRuntime:
             controller.finish("failed", "error", {"kind": "store", "message": f"the turn could not be saved: {exc}", "retryable": False, "status": None})
             self.lifecycle.finish(lease)
             self._history = None
+            self._chat.clear()
             return
         record.input_committed = True
         record.iteration = work.iteration
@@ -402,8 +436,9 @@ class ConversationRuntime:
             self._shutdown = True
         if self.lifecycle.state in ("active", "cancelling"):
             self.lifecycle.request_cancel()
-            if self._turn_task is not None:
-                self._turn_task.cancel()
+            if self._loop_running and not self._loop_cancelled and self._worker is not None:
+                self._loop_cancelled = True
+                self._worker.cancel()  # lands inside the agent loop: _run turns it into the outcome
             return True
         if self.lifecycle.state == "awaiting" and self._awaiting is not None and not shutdown:
             await self._cancel_awaiting(self._awaiting)

@@ -199,7 +199,10 @@ class Kernel:
             raise NotFound(f"unknown conversation {spec!r} for agent {agent.name}", code="conversation_not_found", param="conversation")
         return conv
 
-    async def runtime(self, conversation_id: str) -> ConversationRuntime:
+    async def runtime(self, conversation_id: str, *, conv: ConversationRecord | None = None, fresh: bool = False, history: list[MessageRecord] | None = None) -> ConversationRuntime:
+        """The conversation's runtime, loaded on first use. `conv` spares a lookup the caller already
+        made; `fresh` (a conversation created just now) spares looking for a paused turn, and
+        `history` (all its messages, when the caller knows them) spares reading them."""
         rt = self.runtimes.get(conversation_id)
         if rt is not None:
             return rt
@@ -209,11 +212,15 @@ class Kernel:
         fut: asyncio.Future[ConversationRuntime] = asyncio.get_running_loop().create_future()
         self._loading[conversation_id] = fut
         try:
-            conv = await self.store.get_conversation(conversation_id)
+            if conv is None or conv.id != conversation_id:
+                conv = await self.store.get_conversation(conversation_id)
             if conv is None:
                 raise NotFound(f"unknown conversation {conversation_id!r}", code="conversation_not_found")
             rt = ConversationRuntime(self, conv.id, conv.agent_id)
-            await rt.load()
+            if not fresh:
+                await rt.load()
+            if history is not None:
+                rt.adopt_history(history)
             self.runtimes[conversation_id] = rt
             fut.set_result(rt)
             return rt
@@ -240,16 +247,25 @@ class Kernel:
             earlier = await self.store.lookup_idempotency(f"new:{agent.id}", key)
             if earlier is not None:
                 return await self._duplicate(earlier)
-        conv = await self.resolve_conversation(agent, spec, fields=req.conversation_fields)
-        scope = (f"new:{agent.id}" if spec == "new" else conv.id) if key else None
+        conv: ConversationRecord | None = None
+        rt = self.runtimes.get(spec) if spec not in ("default", "new") else None
+        if rt is not None and rt.agent_id == agent.id:
+            conv_id = spec  # loaded, so it exists: no lookup on the hot path
+        else:
+            conv = await self.resolve_conversation(agent, spec, fields=req.conversation_fields)
+            conv_id = conv.id
+            rt = None
+        scope = (f"new:{agent.id}" if spec == "new" else conv_id) if key else None
         if key and spec != "new":
             earlier = await self.store.lookup_idempotency(scope, key)  # type: ignore[arg-type]
             if earlier is not None:
                 return await self._duplicate(earlier)
-        rt = await self.runtime(conv.id)
+        if rt is None:
+            new = spec == "new"
+            rt = await self.runtime(conv_id, conv=conv, fresh=new, history=[] if new else None)
         record = TurnRecord(
             id=new_id("turn"),
-            conversation_id=conv.id,
+            conversation_id=conv_id,
             agent_id=agent.id,
             idempotency_key=key,
             source=req.source,
@@ -261,7 +277,7 @@ class Kernel:
             handle, position = await rt.enqueue(record, scope)
         except DuplicateTurn as dup:
             return await self._duplicate(dup.turn)
-        return Submission(record.id, conv.id, agent.id, position, False, handle)
+        return Submission(record.id, conv_id, agent.id, position, False, handle)
 
     async def _duplicate(self, turn: TurnRecord) -> Submission:
         handle = await self.handle_for(turn)

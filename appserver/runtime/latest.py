@@ -48,12 +48,11 @@ class Latest(Generic[T]):
 
         Raises TimeoutError after `timeout` seconds without a newer value.
         """
-        while self._version <= seen_version:
-            if self._waiter is None:
-                self._waiter = asyncio.Event()
-            waiter = self._waiter
-            if timeout is None:
-                await waiter.wait()
-            else:
-                await asyncio.wait_for(waiter.wait(), timeout)
+        if self._version <= seen_version:
+            # asyncio.timeout, not wait_for: no extra task per wait.
+            async with asyncio.timeout(timeout):
+                while self._version <= seen_version:
+                    if self._waiter is None:
+                        self._waiter = asyncio.Event()
+                    await self._waiter.wait()
         return self._version, self._value

@@ -130,6 +130,9 @@ class TurnController:
         self._calls: dict[str, _Block] = {}
         self._cached: TurnSnapshot | None = None
         self._signal: Latest[int] = Latest(revision, revision)
+        # Only the changes wait_settled cares about (paused with pending calls, finished): a
+        # waiter for the outcome sleeps through every text delta.
+        self._settle: Latest[int] = Latest(revision, revision)
 
     # ------------------------------------------------------------ reduce
 
@@ -206,6 +209,7 @@ class TurnController:
     def set_pending(self, pending: list[PendingCall]) -> None:
         self.pending = [p.to_dict() for p in pending if p.status == "pending"]
         self._bump()
+        self._settle.publish(self.revision, version=self.revision)
 
     def pause(self, stop_reason: str, pending: list[PendingCall]) -> None:
         self.status = "awaiting"
@@ -230,6 +234,7 @@ class TurnController:
         self.revision += 1
         self._cached = None
         self._signal.publish(self.revision, version=self.revision, final=True)
+        self._settle.publish(self.revision, version=self.revision, final=True)
 
     # ------------------------------------------------------------ read
 
@@ -268,14 +273,14 @@ class TurnController:
     async def wait_settled(self, timeout: float | None = None, *, after_revision: int = -1) -> TurnSnapshot:
         """Wait until the turn is terminal or awaiting an answer (at a revision > after_revision)."""
 
-        async def _wait() -> TurnSnapshot:
-            while self.status == "running" or self.revision <= after_revision:
-                if self.status in TERMINAL_STATUSES:
-                    break
-                await self._signal.wait_newer(self.revision)
-            return self.snapshot()
+        def waiting() -> bool:
+            return (self.status == "running" or self.revision <= after_revision) and self.status not in TERMINAL_STATUSES
 
-        return await asyncio.wait_for(_wait(), timeout) if timeout is not None else await _wait()
+        if waiting():
+            async with asyncio.timeout(timeout):  # no extra task per wait, unlike wait_for
+                while waiting():
+                    await self._settle.wait_newer(self._settle.version)
+        return self.snapshot()
 
     # ------------------------------------------------------------ rebuild from the store
 

@@ -1,0 +1,330 @@
+"""A lean HTTP/1.1 transport for the providers' httpx clients: an asyncio protocol, the httptools C
+parser, and a keep-alive pool.
+
+httpx's default transport (httpcore + h11 + anyio) costs about 0.85 ms of CPU per streamed model
+call — more than the rest of a request's path through the server. This transport keeps httpx's
+client layer (headers, cookies, content decoding, exceptions, proxies) and replaces only the wire:
+one write per request, C parsing, idle connections reused. URLs that env proxies cover still go
+through httpx's own proxy transports (they are mounted ahead of this one). Without httptools,
+`lean_transport()` returns None and httpx's default transport is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+try:
+    import httptools
+except ImportError:  # pragma: no cover - uvicorn[standard] brings it on every supported platform
+    httptools = None  # type: ignore[assignment]
+
+READ_BUFFER_MAX = 256 * 1024  # pause reading from the socket while this much is unconsumed
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+_Key = tuple[str, str, int]
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection: parser callbacks fill the state a request awaits."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser: Any = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[None] | None = None
+        self.lost = False
+        self.error: Exception | None = None
+        self.idle_since = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.headers_done = False
+        self.complete = False
+        self.until_close = False
+        self.keep_alive = False
+        self.paused = False
+
+    # -------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # pragma: no cover - we never ask for an upgrade
+            self.error = httpx.RemoteProtocolError("unexpected protocol upgrade")
+        except httptools.HttpParserError as exc:
+            self.error = httpx.RemoteProtocolError(f"malformed HTTP response: {exc}")
+        if self.error is not None and self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._end()
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        self.lost = True
+        if self.until_close and self.headers_done:
+            self.complete = True  # a body without length or chunking ends with the connection
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -------------------------------------------------------- httptools callbacks
+
+    def on_status(self, status: bytes) -> None:
+        self.reason = status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200:  # an interim response: wait for the real one
+            self.headers = []
+            return
+        names = {n.lower() for n, _ in self.headers}
+        self.until_close = (
+            b"content-length" not in names
+            and b"transfer-encoding" not in names
+            and self.status not in (204, 304)
+        )
+        self.keep_alive = self.parser.should_keep_alive()  # only valid while the message is parsed
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > READ_BUFFER_MAX and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        if self.headers_done:
+            self.complete = True
+
+    # -------------------------------------------------------- for the request
+
+    async def wait(self, timeout: float | None) -> None:
+        """Until the parser made progress (or the connection ended); ReadTimeout after `timeout`."""
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(timeout):
+                await self.waiter
+        except TimeoutError:
+            raise httpx.ReadTimeout("timed out waiting for the upstream to send data") from None
+        finally:
+            self.waiter = None
+
+    def take(self) -> bytes:
+        data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    @property
+    def reusable(self) -> bool:
+        return (
+            self.complete
+            and self.keep_alive
+            and not self.lost
+            and self.error is None
+            and not self.until_close
+        )
+
+    def close(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _ResponseBody(httpx.AsyncByteStream):
+    def __init__(
+        self, pool: LeanTransport, key: _Key, conn: _Connection, read_timeout: float | None
+    ) -> None:
+        self.pool = pool
+        self.key = key
+        self.conn = conn
+        self.read_timeout = read_timeout
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        conn = self.conn
+        while True:
+            if conn.chunks:
+                yield conn.take()
+                continue
+            if conn.error is not None:
+                raise conn.error
+            if conn.complete:
+                return
+            if conn.lost:
+                raise httpx.RemoteProtocolError(
+                    "peer closed connection without sending complete message body"
+                )
+            await conn.wait(self.read_timeout)
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pool._release(self.key, self.conn)
+
+
+class LeanTransport(httpx.AsyncBaseTransport):
+    """Keep-alive pool of `_Connection`s per (scheme, host, port); at most `max_connections` busy."""
+
+    def __init__(
+        self,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = 100,
+        max_keepalive: int = 100,
+        keepalive_expiry: float = 5.0,
+    ) -> None:
+        self._ssl = ssl_context
+        self._idle: dict[_Key, list[_Connection]] = {}
+        self._slots = asyncio.Semaphore(max_connections)
+        self._max_keepalive = max_keepalive
+        self._expiry = keepalive_expiry
+        self._fallback: httpx.AsyncHTTPTransport | None = None
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()
+        return self._ssl
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method in ("HEAD", "CONNECT"):  # bodies we do not frame: let httpx do it
+            if self._fallback is None:
+                self._fallback = httpx.AsyncHTTPTransport()
+            return await self._fallback.handle_async_request(request)
+        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        url = request.url
+        key = (url.scheme, url.host, url.port or DEFAULT_PORTS.get(url.scheme, 80))
+        head = [b"%s %s HTTP/1.1\r\n" % (request.method.encode("ascii"), url.raw_path)]
+        chunked = False
+        for name, value in request.headers.raw:
+            head.append(b"%s: %s\r\n" % (name, value))
+            if name.lower() == b"transfer-encoding" and value.lower() == b"chunked":
+                chunked = True
+        head.append(b"\r\n")
+        body = [part async for part in request.stream]  # type: ignore[union-attr]
+        if chunked:
+            body = [b"%x\r\n%s\r\n" % (len(p), p) for p in body if p] + [b"0\r\n\r\n"]
+        payload = b"".join(head + body)
+        if self._slots.locked():
+            try:
+                async with asyncio.timeout(timeouts.get("pool")):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise httpx.PoolTimeout("no connection slot became free in time") from None
+        else:
+            await self._slots.acquire()  # free: returns at once
+        conn: _Connection | None = None
+        try:
+            conn = self._checkout(key) or await self._connect(key, timeouts.get("connect"))
+            assert conn.transport is not None
+            conn.transport.write(payload)
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                if conn.lost:
+                    raise httpx.RemoteProtocolError(
+                        "Server disconnected without sending a response."
+                    )
+                await conn.wait(timeouts.get("read"))
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            self._slots.release()
+            raise
+        return httpx.Response(
+            conn.status,
+            headers=conn.headers,
+            stream=_ResponseBody(self, key, conn, timeouts.get("read")),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": conn.reason},
+        )
+
+    def _checkout(self, key: _Key) -> _Connection | None:
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.lost and conn.error is None and now - conn.idle_since < self._expiry:
+                conn.reset()
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self, key: _Key, timeout: float | None) -> _Connection:
+        scheme, host, port = key
+        loop = asyncio.get_running_loop()
+        tls = self._ssl_context() if scheme == "https" else None
+        try:
+            async with asyncio.timeout(timeout):
+                _, conn = await loop.create_connection(
+                    _Connection, host, port, ssl=tls, server_hostname=host if tls else None
+                )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
+        except OSError as exc:
+            raise httpx.ConnectError(str(exc) or f"cannot connect to {host}:{port}") from exc
+        return conn
+
+    def _release(self, key: _Key, conn: _Connection) -> None:
+        self._slots.release()
+        idle = self._idle.setdefault(key, [])
+        if conn.reusable and len(idle) < self._max_keepalive:
+            conn.idle_since = time.monotonic()
+            idle.append(conn)
+        else:
+            conn.close()
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+        if self._fallback is not None:
+            await self._fallback.aclose()
+
+
+class _NoCookies(httpx.Cookies):
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None
+
+
+class LeanClient(httpx.AsyncClient):
+    """An httpx client that keeps no cookies: model APIs authenticate with headers, and the
+    cookie jar's bookkeeping on every response costs more than the rest of the client layer."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._cookies = _NoCookies()
+
+
+def lean_transport() -> LeanTransport | None:
+    """The lean transport, or None (use httpx's default) when httptools is not installed."""
+    return LeanTransport() if httptools is not None else None

@@ -1,0 +1,223 @@
+"""The providers' lean HTTP transport against a raw loopback server: framing, keep-alive, stale
+connections, flow control, cancellation. (The provider suites run it against the fake upstream.)"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import ssl
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from appserver.providers.fasttransport import LeanTransport
+
+Reply = Callable[[bytes], list[bytes]]  # request body → what to write back, piece by piece
+
+
+class RawServer:
+    """Answers each request on a connection with the next scripted reply; counts connections."""
+
+    def __init__(self, replies: list[Reply], *, close_after: bool = False) -> None:
+        self.replies = replies
+        self.close_after = close_after  # close the connection after each reply
+        self.connections = 0
+        self.bodies: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.replies:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                self.bodies.append(body)
+                for piece in self.replies.pop(0)(body):
+                    writer.write(piece)
+                    await writer.drain()
+                if self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def serving(server: RawServer) -> AsyncIterator[str]:
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.close()
+
+
+def framed(text: bytes, *extra: bytes) -> Reply:
+    return lambda _body: [
+        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n"
+        % (len(text), b"".join(e + b"\r\n" for e in extra)),
+        text,
+    ]
+
+
+def chunked(pieces: list[bytes]) -> Reply:
+    return lambda _body: [
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n",
+        *(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces),
+        b"0\r\n\r\n",
+    ]
+
+
+async def test_keep_alive_reuses_one_connection_and_frames_bodies() -> None:
+    raw = RawServer(
+        [framed(b"one"), chunked([b"t", b"wo"]), lambda body: framed(b"echo " + body)(body)]
+    )
+    async with (
+        serving(raw) as url,
+        httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
+    ):
+        assert (await client.post(url + "/a", content=b"x")).text == "one"
+        async with client.stream("POST", url + "/b", json={"k": 1}) as r:
+            assert [p async for p in r.aiter_bytes()] and r.headers[
+                "content-type"
+            ] == "text/event-stream"
+        r3 = await client.post(url + "/c", content=b"payload")
+        assert r3.text == "echo payload"
+    assert raw.connections == 1
+    assert raw.bodies == [b"x", b'{"k":1}', b"payload"]
+
+
+async def test_closed_connections_are_never_reused() -> None:
+    # "Connection: close" in the reply, then a server that hangs up after each reply anyway.
+    raw = RawServer(
+        [framed(b"a", b"connection: close"), framed(b"b"), framed(b"c")], close_after=True
+    )
+    async with (
+        serving(raw) as url,
+        httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
+    ):
+        assert (await client.post(url, content=b"1")).text == "a"
+        assert (await client.post(url, content=b"2")).text == "b"
+        await asyncio.sleep(0.05)  # the server's FIN arrives while the connection is idle
+        assert (await client.post(url, content=b"3")).text == "c"
+    assert raw.connections == 3
+
+
+async def test_body_until_close_and_large_chunked_body_with_flow_control() -> None:
+    big = [bytes([65 + i % 26]) * 65536 for i in range(20)]  # 1.3 MB: reading pauses and resumes
+
+    def until_close(_body: bytes) -> list[bytes]:
+        return [b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n", b"no length ", b"given"]
+
+    raw = RawServer([chunked(big)])
+    async with (
+        serving(raw) as url,
+        httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
+    ):
+        got = await client.post(url, content=b"")
+        assert got.content == b"".join(big)
+    raw2 = RawServer([until_close], close_after=True)
+    async with (
+        serving(raw2) as url,
+        httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
+    ):
+        assert (await client.post(url, content=b"")).text == "no length given"
+
+
+async def test_cancel_mid_body_drops_the_connection_and_timeouts_are_httpx_errors() -> None:
+    gate = asyncio.Event()
+
+    def slow(_body: bytes) -> list[bytes]:
+        return [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", b"5\r\nfirst\r\n"]
+
+    raw = RawServer([slow, framed(b"fresh")])
+    async with (
+        serving(raw) as url,
+        httpx.AsyncClient(transport=LeanTransport(), timeout=httpx.Timeout(5, read=0.2)) as client,
+    ):
+        with pytest.raises(httpx.ReadTimeout):
+            async with client.stream("POST", url, content=b"") as r:
+                async for part in r.aiter_bytes():
+                    assert part == b"first"
+                    gate.set()
+        assert gate.is_set()
+        assert (await client.post(url, content=b"")).text == "fresh"
+    assert raw.connections == 2, "a half-read connection must not be reused"
+
+
+async def test_connect_errors_are_httpx_errors() -> None:
+    srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    srv.close()
+    await srv.wait_closed()
+    async with httpx.AsyncClient(transport=LeanTransport(), timeout=2) as client:
+        with pytest.raises(httpx.ConnectError):
+            await client.post(f"http://127.0.0.1:{port}/", content=b"")
+
+
+def _self_signed(tmp_path: Path) -> Path:
+    """A throwaway certificate for 127.0.0.1 (cert and key in one PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem = tmp_path / "cert.pem"
+    pem.write_bytes(
+        cert.public_bytes(serialization.Encoding.PEM)
+        + key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return pem
+
+
+async def test_https_verifies_the_upstream_certificate(tmp_path: Path) -> None:
+    pem = _self_signed(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(pem)
+    raw = RawServer([framed(b"secret"), framed(b"again")])
+    srv = await asyncio.start_server(raw.handle, "127.0.0.1", 0, ssl=server_ctx)
+    url = f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}/"
+    try:
+        trusting = ssl.create_default_context(cafile=str(pem))
+        async with httpx.AsyncClient(
+            transport=LeanTransport(ssl_context=trusting), timeout=5
+        ) as client:
+            assert (await client.post(url, content=b"")).text == "secret"
+            assert (await client.post(url, content=b"")).text == "again"
+        assert raw.connections == 1
+        async with httpx.AsyncClient(
+            transport=LeanTransport(), timeout=5
+        ) as client:  # system trust store
+            with pytest.raises(httpx.ConnectError):
+                await client.post(url, content=b"")
+    finally:
+        srv.close()

@@ -350,3 +350,20 @@ def test_chat_waits_for_approval_with_keepalives(tmp_path: Path) -> None:
         assert payloads[-1] == "[DONE]"
     finally:
         sp.stop()
+
+
+def test_sse_survives_line_readers_that_split_at_unicode_line_breaks(http: httpx.Client) -> None:
+    """U+0085/U+2028/U+2029 are legal raw in JSON but httpx `iter_lines` splits at them."""
+    text = "one\u2028two\u2029three\x85four"
+    for path, body in (
+        ("/v1/chat/completions", {"model": "assistant", "messages": [{"role": "user", "content": text}], "stream": True}),
+        ("/v1/responses", {"model": "assistant", "input": text, "stream": True}),
+    ):
+        resp, lines = sse(http, path, body)
+        payloads = [p for p in sse_payloads(lines) if p != "[DONE]"]
+        events = [json.loads(p) for p in payloads]  # a cut line would not parse
+        if path == "/v1/chat/completions":
+            got = "".join((e["choices"] or [{"delta": {}}])[0]["delta"].get("content") or "" for e in events)
+        else:
+            got = "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta")
+        assert got == f"echo: {text}", path

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from appserver.auth import Principal
 from appserver.errors import KernelError
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id
+from appserver.http.sse import line_safe
 from appserver.runtime.conversation import Decision, TurnHandle
 from appserver.runtime.kernel import SubmitRequest
 from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
@@ -317,7 +318,7 @@ _ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # 
 
 
 def dumps(body: Any) -> str:
-    return _ENCODE(body)
+    return line_safe(_ENCODE(body))
 
 
 async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[TurnSnapshot], bool]) -> TurnSnapshot:

@@ -21,8 +21,21 @@ log = logging.getLogger("appserver.http.sse")
 KEEPALIVE = b": keepalive\n\n"
 
 
+# JSON allows these raw inside strings, but line readers (httpx `iter_lines`, Python's
+# `str.splitlines`) break lines at them and would cut a `data:` payload in two: escape them.
+_LINE_BREAKS = ("\x85", "\u2028", "\u2029")
+_ESCAPE_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in _LINE_BREAKS})
+
+
+def line_safe(text: str) -> str:
+    """JSON text with no character a line reader would split at (the common case costs three scans)."""
+    if any(c in text for c in _LINE_BREAKS):
+        return text.translate(_ESCAPE_LINE_BREAKS)
+    return text
+
+
 def sse_data(payload: Any) -> str:
-    return payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return payload if isinstance(payload, str) else line_safe(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
 
 
 class SSEResponse:

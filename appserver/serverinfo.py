@@ -53,6 +53,9 @@ def remove_server_json(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+PROBE_PATIENCE_S = 0.5
+
+
 class HomeLock:
     """The exclusive, process-lifetime lock of one home (`serve.lock`, flock; never a soft lock,
     which would outlive a killed holder)."""
@@ -65,28 +68,67 @@ class HomeLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def try_acquire(self) -> bool:
-        """Take the lock without waiting; False when another process holds it."""
+    def try_acquire(self, patience_s: float = PROBE_PATIENCE_S) -> bool:
+        """Take the lock; False when another process holds it. Retries for `patience_s`, so a CLI
+        process probing the lock for a moment (`held_elsewhere`) never turns a server away."""
         if self._fd is not None:
             return True
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + patience_s
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        os.close(fd)
+                        return False
+                    time.sleep(0.02)
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
         return True
 
+    def held_elsewhere(self) -> bool:
+        """Whether another process holds the lock (probed with a shared lock kept for microseconds)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops the probe's shared lock
+        return False
+
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+class HomeStarting(Exception):
+    """A server holds this home but has not published server.json yet."""
+
+
+def find_live_server(server_json: Path, wait_s: float = 20.0) -> dict[str, Any] | None:
+    """The live server of this home, waiting while one is still starting (it holds `serve.lock`
+    but has not written server.json), so a CLI command never runs turns beside it. None: no server."""
+    lock = HomeLock(home_lock_path(server_json))
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = read_live_server(server_json)
+        if live is not None or not lock.held_elsewhere():
+            return live
+        if time.monotonic() >= deadline:
+            raise HomeStarting(f"a server holds this home ({lock.path}) but has not published server.json after {wait_s:g} s")
+        time.sleep(0.05)
 
 
 def home_lock_path(server_json: Path) -> Path:

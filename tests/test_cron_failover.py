@@ -202,3 +202,44 @@ def test_server_json_of_a_reused_pid_is_dead_and_the_home_lock_is_exclusive(tmp_
         other.release()
     finally:
         lock.release()
+
+
+def test_cli_waits_for_a_server_that_is_still_starting(home: Path, tmp_path: Path) -> None:
+    """`serve.lock` held but no server.json yet: a CLI command waits instead of running beside it."""
+    from appserver.serverinfo import HomeStarting, find_live_server, home_lock_path
+
+    home.mkdir(parents=True, exist_ok=True)
+    server_json = home / "server.json"
+    lock = HomeLock(home_lock_path(server_json))
+    assert lock.try_acquire()
+    try:
+        started = time.monotonic()
+        try:
+            find_live_server(server_json, wait_s=0.3)
+            raise AssertionError("a held lock without server.json must not read as 'no server'")
+        except HomeStarting:
+            assert time.monotonic() - started >= 0.3
+        proc = subprocess.Popen([sys.executable, "-m", "appserver", "run", "--agent", "assistant", "--json", "hello"], env=cli_env(home), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        assert proc.poll() is None, "the CLI ran while a server was starting on its home"
+    finally:
+        lock.release()  # the starting server went away: the CLI may now run in-process
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["text"] == "echo: hello"
+    assert find_live_server(server_json, wait_s=0.1) is None
+
+
+def test_a_momentary_probe_never_turns_a_server_away(tmp_path: Path) -> None:
+    path = tmp_path / "serve.lock"
+    path.touch()
+    probe = os.open(path, os.O_RDONLY)
+    import fcntl
+
+    fcntl.flock(probe, fcntl.LOCK_SH)  # a CLI's probe, released 0.1 s later
+    threading.Timer(0.1, lambda: os.close(probe)).start()
+    lock = HomeLock(path)
+    assert lock.try_acquire()  # waits out the probe instead of refusing
+    assert HomeLock(path).held_elsewhere()
+    lock.release()
+    assert not HomeLock(path).held_elsewhere()

@@ -15,8 +15,7 @@ from typing import Any
 
 import click
 
-from appserver.cli.common import fail, get_config
-from appserver.serverinfo import read_live_server
+from appserver.cli.common import fail, get_config, live_server_or_fail
 from appserver.ws.client import TERMINAL, Closed, ProtocolClient, ProtocolError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -190,7 +189,7 @@ async def run_turn(client: ProtocolClient, turn_id: str, conv_id: str, lines: _L
 def chat_command(agent: str, conversation: str, url: str | None, token: str | None) -> None:
     """Chat with an agent through the running server (WebSocket protocol)."""
     if url is None:
-        live = read_live_server(get_config().server_json)
+        live = live_server_or_fail(get_config().server_json)
         if live is None:
             fail("no server is running on this home: start `appserver serve` (or give --url)", 3)
         url = str(live["url"])

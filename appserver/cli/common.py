@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -14,6 +15,7 @@ from appserver.config import Config, ConfigError, load_config
 from appserver.errors import KernelError
 from appserver.fsutil import CorruptStateFile
 from appserver.server import Server
+from appserver.serverinfo import HomeStarting, find_live_server
 
 T = TypeVar("T")
 
@@ -28,6 +30,14 @@ def get_config() -> Config:
         return load_config()
     except (ConfigError, CorruptStateFile) as exc:
         fail(str(exc), 2)
+
+
+def live_server_or_fail(server_json: Path) -> dict[str, Any] | None:
+    """server.json of the server that owns this home (waiting while one starts), or None."""
+    try:
+        return find_live_server(server_json)
+    except HomeStarting as exc:
+        fail(f"{exc}; try again in a moment", 3)
 
 
 def print_json(value: Any) -> None:

@@ -8,11 +8,10 @@ from typing import Any
 
 import click
 
-from appserver.cli.common import fail, get_config, print_json
+from appserver.cli.common import fail, get_config, live_server_or_fail, print_json
 from appserver.config import Config
 from appserver.errors import KernelError
 from appserver.server import Server
-from appserver.serverinfo import read_live_server
 from cron.runner import run_task_now
 from cron.service import kernel_await_outcome, kernel_submit
 from cron.store import CronNotFound, CronStore
@@ -42,7 +41,7 @@ def validate_agent(config: Config, agent: str) -> str:
 def cron_run_command(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
     """Run TASK now (works without the scheduler lease; through the server when one runs)."""
     config = get_config()
-    live = read_live_server(config.server_json)
+    live = live_server_or_fail(config.server_json)
     if live is not None:
         # a server owns this home: it runs the turn (the `cron_run` frame), never this process
         report(run_remote(config, str(live.get("url")), task, agent, timeout), as_json)

@@ -9,13 +9,12 @@ from typing import Any, TypeVar
 
 import click
 
-from appserver.cli.common import fail, get_config, print_json, with_server
+from appserver.cli.common import fail, get_config, live_server_or_fail, print_json, with_server
 from appserver.errors import InvalidInput, NotAwaiting
 from appserver.runtime.conversation import Decision
 from appserver.runtime.kernel import SubmitRequest
 from appserver.runtime.snapshot import TurnSnapshot
 from appserver.server import Server
-from appserver.serverinfo import read_live_server
 
 T = TypeVar("T")
 
@@ -53,7 +52,7 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool) -> int:
 def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float, as_json: bool, text: str | None) -> None:
     """Run one turn of AGENT with TEXT and print the reply."""
     config = get_config()
-    live = read_live_server(config.server_json)
+    live = live_server_or_fail(config.server_json)
     answering = bool(approve or deny)
     if answering and text:
         fail("give either TEXT or --approve/--deny, not both", 2)

@@ -188,6 +188,8 @@ async def test_context_too_long_from_the_provider_compacts_once_and_retries(tmp_
     assert snap.status == "completed" and snap.text().startswith("Acknowledged turn 9"), snap.error
     assert [m.role for m in history].count("compaction") == 1
     after = [r.json for r in fake.requests[before:]]
+    # Only OpenAI's own fields reach the upstream (a real one refuses unknown parameters).
+    assert not any("purpose" in body for body in after)
     # refused, then the summary (in pieces when the smaller budget needs it), then the retried turn
     assert len(after) >= 3 and all(not r.get("tools") and "summary" in r["messages"][0]["content"].lower() for r in after[1:-1])
     assert len(after[-1]["messages"]) < len(after[0]["messages"])

@@ -266,7 +266,7 @@ async def summarize(provider: Provider, model: str, folded: Sequence[MessageReco
             model=model,
             messages=[ChatMessage("system", SUMMARY_INSTRUCTIONS), ChatMessage("user", clip(text, chunk_chars))],
             max_tokens=summary_tokens,
-            extra={"purpose": "compaction"},
+            purpose="compaction",
         )
         parts: list[str] = []
         async for piece in provider.stream(request):

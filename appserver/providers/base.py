@@ -111,7 +111,8 @@ class ProviderRequest:
     stop: list[str] | None = None
     response_format: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # sent to the upstream as extra body fields
+    purpose: Literal["turn", "compaction"] = "turn"  # never sent: what the call is for (echo reads it)
 
 
 # ---------------------------------------------------------------- errors

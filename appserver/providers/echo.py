@@ -40,7 +40,7 @@ class EchoProvider:
     async def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
         messages = request.messages
         input_tokens = sum(_words(m.text()) for m in messages)
-        if request.extra.get("purpose") == "compaction":
+        if request.purpose == "compaction":
             async for c in self._words_out(_summary(messages[-1].text()), request, input_tokens):
                 yield c
             return

@@ -26,6 +26,37 @@ from tests.fakes.openai_upstream import (
 )
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
+# Top-level fields of OpenAI's CreateChatCompletionRequest this fake accepts; like the real API it
+# refuses anything else ("Unrecognized request argument supplied").
+KNOWN_FIELDS = {
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "response_format",
+    "reasoning_effort",
+    "n",
+    "seed",
+    "user",
+    "metadata",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "store",
+    "service_tier",
+    "modalities",
+    "prediction",
+}
 PER_MESSAGE = 4
 
 
@@ -42,7 +73,11 @@ def prompt_tokens(body: dict[str, Any]) -> int:
             content = " ".join(str(p.get("text", "")) for p in content)
         total += count_tokens(content or "")
         for call in m.get("tool_calls") or []:
-            total += PER_MESSAGE + count_tokens(call["function"]["name"]) + count_tokens(call["function"]["arguments"])
+            total += (
+                PER_MESSAGE
+                + count_tokens(call["function"]["name"])
+                + count_tokens(call["function"]["arguments"])
+            )
     if body.get("tools"):
         total += count_tokens(json.dumps(body["tools"]))
     return total
@@ -51,18 +86,30 @@ def prompt_tokens(body: dict[str, Any]) -> int:
 @dataclass
 class WindowedModel:
     window: int
-    seen: list[dict[str, Any]] = field(default_factory=list)  # {"tokens", "summary", "rejected", "body"}
+    seen: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # {"tokens", "summary", "rejected", "body"}
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _calls: int = 0
 
     def __call__(self, request: RecordedRequest) -> Reply:
         body = request.json
+        unknown = sorted(set(body) - KNOWN_FIELDS)
+        if unknown:
+            return _json_reply(
+                400, openai_error(f"Unrecognized request argument supplied: {unknown[0]}")
+            )
         tokens = prompt_tokens(body)
         messages = body["messages"]
-        summary = any(m["role"] == "system" and "summary" in str(m.get("content", "")).lower() for m in messages) and not body.get("tools")
+        summary = any(
+            m["role"] == "system" and "summary" in str(m.get("content", "")).lower()
+            for m in messages
+        ) and not body.get("tools")
         rejected = tokens > self.window
         with self._lock:
-            self.seen.append({"tokens": tokens, "summary": summary, "rejected": rejected, "body": body})
+            self.seen.append(
+                {"tokens": tokens, "summary": summary, "rejected": rejected, "body": body}
+            )
             self._calls += 1
             call_no = self._calls
         if rejected:
@@ -74,7 +121,15 @@ class WindowedModel:
         last = messages[-1]
         if summary:
             text = last["content"] if isinstance(last["content"], str) else ""
-            turns = sorted({n for group in re.findall(r"turns? ((?:\d+(?:, )?)+)", text) for n in group.split(", ") if n}, key=int)
+            turns = sorted(
+                {
+                    n
+                    for group in re.findall(r"turns? ((?:\d+(?:, )?)+)", text)
+                    for n in group.split(", ")
+                    if n
+                },
+                key=int,
+            )
             reply = f"Summary: the user sent turns {', '.join(turns) or 'none'}; the assistant acknowledged each."
             return _stream(reply, tokens, body)
         if last["role"] == "tool":
@@ -83,7 +138,9 @@ class WindowedModel:
         if text.startswith("use clock"):
             args = json.dumps({"timezone": "UTC"})
             chunks = [
-                chunk(role="assistant", tool_calls=[tool_delta(0, id=f"call_{call_no}", name="clock")]),
+                chunk(
+                    role="assistant", tool_calls=[tool_delta(0, id=f"call_{call_no}", name="clock")]
+                ),
                 chunk(tool_calls=[tool_delta(0, arguments=args[:5])]),
                 chunk(tool_calls=[tool_delta(0, arguments=args[5:])]),
                 chunk(finish_reason="tool_calls"),
@@ -91,7 +148,11 @@ class WindowedModel:
             ]
             return Reply(pieces=[openai_sse(chunks)])
         number = re.search(r"turn (\d+)", text)
-        return _stream(f"Acknowledged turn {number.group(1) if number else '?'}: noted, and I will keep it in mind for later.", tokens, body)
+        return _stream(
+            f"Acknowledged turn {number.group(1) if number else '?'}: noted, and I will keep it in mind for later.",
+            tokens,
+            body,
+        )
 
     def answered(self) -> list[dict[str, Any]]:
         return [s for s in self.seen if not s["rejected"]]
@@ -103,10 +164,17 @@ def _stream(text: str, prompt: int, body: dict[str, Any]) -> Reply:
     finish = "stop"
     if limit is not None and len(words) > limit:
         words, finish = words[:limit], "length"
-    chunks = [chunk(role="assistant", content=w) for w in words[:1]] + [chunk(content=w) for w in words[1:]]
+    chunks = [chunk(role="assistant", content=w) for w in words[:1]] + [
+        chunk(content=w) for w in words[1:]
+    ]
     chunks += [chunk(finish_reason=finish), usage_chunk(prompt, count_tokens("".join(words)))]
     return Reply(pieces=[openai_sse(chunks)])
 
 
 def _json_reply(status: int, body: dict[str, Any]) -> Reply:
-    return Reply(status=status, pieces=[json.dumps(body).encode()], content_type="application/json", chunked=False)
+    return Reply(
+        status=status,
+        pieces=[json.dumps(body).encode()],
+        content_type="application/json",
+        chunked=False,
+    )

@@ -219,11 +219,13 @@ async def test_a_new_conversation_commits_with_its_first_turn_and_is_never_invis
         "BEGIN IMMEDIATE",
         "COMMIT",
     ]
-    # A conversation nobody writes to right away: our reads see it at once, others by the next pass.
+    # A conversation nobody writes to right away: our reads see it at once, others by the second
+    # loop pass (a turn started in the first may reach its model call before the write commits).
     await store.create_conversation(ConversationRecord(id="conv_2", agent_id="agt_1"))
     found = await store.get_conversation("conv_2")
     assert found is not None and found.agent_id == "agt_1"
     await store.create_conversation(ConversationRecord(id="conv_3", agent_id="agt_1"))
+    await asyncio.sleep(0)
     await asyncio.sleep(0)
     other = sqlite3.connect(str(store.path))
     assert other.execute("SELECT COUNT(*) FROM conversations").fetchone()[0] == 3

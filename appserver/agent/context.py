@@ -130,13 +130,51 @@ def estimate_message(m: ChatMessage) -> int:
     return tokens
 
 
+def estimate_tool(t: ToolSpec) -> int:
+    return estimate_text(t.name + t.description + json.dumps(t.parameters, separators=(",", ":"))) + MESSAGE_OVERHEAD_TOKENS
+
+
 def estimate_tools(tools: Sequence[ToolSpec]) -> int:
-    return sum(estimate_text(t.name + t.description + json.dumps(t.parameters, separators=(",", ":"))) + MESSAGE_OVERHEAD_TOKENS for t in tools)
+    return sum(estimate_tool(t) for t in tools)
 
 
-def estimate_request(request: ProviderRequest, view: Sequence[MessageRecord]) -> int:
+class ToolEstimates:
+    """`estimate_tools` that serialises each tool schema once, not before every provider call.
+
+    Schemas are static definitions (a server tool's, or a turn's client tools): an entry is keyed
+    by the schema object and holds it, so its id cannot be reused while the entry lives.
+    """
+
+    __slots__ = ("_items", "limit")
+
+    def __init__(self, limit: int = 1_024) -> None:
+        self._items: dict[int, tuple[dict[str, Any], str, str, int]] = {}
+        self.limit = limit
+
+    def __call__(self, tools: Sequence[ToolSpec]) -> int:
+        total = 0
+        items = self._items
+        for t in tools:
+            hit = items.get(id(t.parameters))
+            if hit is not None and hit[0] is t.parameters and hit[1] == t.name and hit[2] == t.description:
+                total += hit[3]
+                continue
+            tokens = estimate_tool(t)
+            if len(items) >= self.limit:
+                items.clear()
+            items[id(t.parameters)] = (t.parameters, t.name, t.description, tokens)
+            total += tokens
+        return total
+
+
+def estimate_request(
+    request: ProviderRequest,
+    view: Sequence[MessageRecord],
+    tools_estimate: Callable[[Sequence[ToolSpec]], int] = estimate_tools,
+) -> int:
     """Estimate a request's input tokens: the provider's own count for the newest reply that has one,
-    plus estimates of everything after it; a pure estimate when no reply in the view was measured."""
+    plus estimates of everything after it; a pure estimate when no reply in the view was measured.
+    `tools_estimate` may be a `ToolEstimates` cache."""
     lead = len(request.messages) - len(view)  # system prompt and instructions come first
     # A reply kept by the last compaction was measured with the old, longer context: not an anchor.
     first = 1 + int(view[0].meta.get("kept", 0)) if view and view[0].role == "compaction" else 0
@@ -144,7 +182,7 @@ def estimate_request(request: ProviderRequest, view: Sequence[MessageRecord]) ->
         measured = view[i].meta.get("context_tokens") if view[i].role == "assistant" else None
         if measured:
             return int(measured) + sum(estimate_message(m) for m in request.messages[lead + i + 1 :])
-    return sum(estimate_message(m) for m in request.messages) + estimate_tools(request.tools)
+    return sum(estimate_message(m) for m in request.messages) + tools_estimate(request.tools)
 
 
 # ---------------------------------------------------------------- the view

@@ -17,6 +17,7 @@ from typing import Any
 
 from appserver.agent.context import (
     Budget,
+    ToolEstimates,
     compact,
     context_view,
     estimate_request,
@@ -138,6 +139,8 @@ class AgentLoop:
         self.tools = tools
         self.services = services if services is not None else {}
         self._locks = KeyedLocks()
+        self._tool_estimates = ToolEstimates()
+        self._windows: dict[tuple[str, str], int | None] = {}
 
     # ------------------------------------------------------------ entry points
 
@@ -217,19 +220,35 @@ class AgentLoop:
     def budget(self, work: TurnWork, provider: Any, model: str) -> Budget | None:
         """The context budget of this agent's model, or None when it has no window (echo)."""
         cfg = getattr(provider, "cfg", None)
-        window = window_for(work.agent.params, getattr(cfg, "context_windows", None) or {}, provider.kind, model)
+        configured = getattr(cfg, "context_windows", None) or {}
+        if work.agent.params.get("context_window") or model in configured:
+            window = window_for(work.agent.params, configured, provider.kind, model)
+        else:  # then a pure function of the kind and the model (it scans the known models): memoized
+            key = (provider.kind, model)
+            window = self._windows.get(key, -1)
+            if window == -1:
+                window = window_for(work.agent.params, configured, provider.kind, model)
+                if len(self._windows) >= 1024:
+                    self._windows.clear()
+                self._windows[key] = window
         if window is None:
             return None
         max_output = work.options.get("max_tokens") or work.agent.params.get("max_tokens")
         return Budget.for_window(window, self.config.limits.context_reserve_tokens, max_output)
 
-    async def _prepare(self, work: TurnWork, provider: Any, model: str, emit: Emit, forced: Budget | None = None) -> tuple[ProviderRequest, int]:
-        """Build the next request, compacting first when it would not fit (or when `forced`)."""
+    def estimate(self, request: ProviderRequest, view: list[MessageRecord]) -> int:
+        return estimate_request(request, view, self._tool_estimates)
+
+    async def _prepare(self, work: TurnWork, provider: Any, model: str, emit: Emit, forced: Budget | None = None) -> tuple[ProviderRequest, int | None]:
+        """Build the next request, compacting first when it would not fit (or when `forced`).
+        The estimate is None when no window applies (it is only needed against one)."""
         view = context_view([*work.history, *work.new_messages])
         request = self.build_request(work, model, view)
-        estimate = estimate_request(request, view)
         budget = forced or self.budget(work, provider, model)
-        if budget is None or estimate <= budget.limit:
+        if budget is None:
+            return request, None
+        estimate = self.estimate(request, view)
+        if estimate <= budget.limit:
             return request, estimate
         done = await compact(provider, model, view, budget, estimate, work.turn_id, work.iteration, emit)
         if done is None:
@@ -238,7 +257,7 @@ class AgentLoop:
         log.info("turn %s: compacted %d messages (estimate %d tokens, window %d)", work.turn_id, done.folded, estimate, budget.window)
         view = context_view([*work.history, *work.new_messages])
         request = self.build_request(work, model, view)
-        estimate = estimate_request(request, view)
+        estimate = self.estimate(request, view)
         done.message.meta["tokens_after"] = estimate
         return request, estimate
 
@@ -255,7 +274,7 @@ class AgentLoop:
             partial = work.partial = StreamingAssistant()
             finish = "unknown"
             step_usage: Usage | None = None
-            estimate = 0
+            estimate: int | None = 0
             try:
                 request, estimate = await self._prepare(work, provider, model, emit, forced)
                 async for chunk in provider.stream(request):
@@ -291,6 +310,8 @@ class AgentLoop:
                 if exc.kind == "context_overflow" and not partial.shown and not overflowed:
                     # Our estimate said it fits; the provider disagrees. Compact once, harder, and retry.
                     overflowed = True
+                    if estimate is None:  # no window applied, so it was not needed until now
+                        estimate = self.estimate(request, context_view([*work.history, *work.new_messages]))
                     log.warning("turn %s: %s says the context is too long (estimate %d tokens); compacting and retrying", work.turn_id, work.agent.model, estimate)
                     forced = overflow_budget(self.budget(work, provider, model) or Budget.for_window(estimate, None, None), estimate)
                     emit(Retrying(attempt, 0, exc.to_dict()))

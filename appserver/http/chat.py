@@ -6,6 +6,7 @@ Deltas come from snapshots: the new suffix of each text block since the last sna
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -293,11 +294,16 @@ class ChatCompletions:
                 client_tools=tools,
                 options=options,
                 source={"kind": "openai_chat", "user": user} if user else {"kind": "openai_chat"},
+                overlap_accept=not stream,  # a non-stream reply acknowledges only once the turn settled
             )
         except BaseException:
             if idem is not None:
                 await idem.abandon()
             raise
+        if not stream:
+            # Let the turn's worker run up to its model call before this request sets up its wait:
+            # that setup then overlaps the wait for the model instead of delaying the call.
+            await asyncio.sleep(0)
         prefix_hash = chain(prefix)
         ctx = _Ctx(self, agent, model_id, run, idem, new, prefix_hash, show_reasoning(agent))
         if stream:
@@ -340,8 +346,8 @@ class _Ctx:
             snap = await settle_or_cancel(request, self.run, self.settled)
             blocks = blocks_after(snap, self.run)
             text = render_text(blocks)
-            if snap.status == "failed" and not text:
-                raise failure(snap)
+            if snap.status == "failed" and (not text or (snap.error or {}).get("kind") == "store"):
+                raise failure(snap)  # a reply the store could not keep is no reply
             calls = tool_calls_of(snap) if snap.status == "awaiting" else []
             message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None, "refusal": None, "annotations": []}
             if calls:

@@ -43,9 +43,32 @@ def namespace_of(principal: Principal) -> str:
     return f"{principal.kind}:{principal.subject}"
 
 
+async def read_body(request: Request) -> bytes:
+    """`request.body()` without its async generator, which costs more than the rest of reading a
+    body that arrives in one message (the usual case). Leaves the request as `body()` would."""
+    if hasattr(request, "_body") or getattr(request, "_stream_consumed", True):
+        return await request.body()
+    chunks: list[bytes] = []
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        elif message["type"] == "http.disconnect":
+            request._is_disconnected = True
+            raise ClientDisconnect()
+    request._stream_consumed = True
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    request._body = body
+    return body
+
+
 async def read_json(request: Request) -> tuple[dict[str, Any], bytes]:
     try:
-        raw = await request.body()
+        raw = await read_body(request)
     except ClientDisconnect:
         raise ApiError(400, "the client went away while sending the body", code="client_disconnected") from None
     if not raw.strip():
@@ -210,7 +233,9 @@ async def start_turn(
     client_tools: list[Any],
     options: dict[str, Any],
     source: dict[str, Any],
+    overlap_accept: bool = False,
 ) -> TurnRun:
+    """`overlap_accept`: the caller answers only once the turn settled (see SubmitRequest)."""
     kernel = server.kernel
     try:
         if decisions:
@@ -231,7 +256,7 @@ async def start_turn(
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
         sub = await kernel.submit(
-            SubmitRequest(agent=agent.id, input=content, conversation=conversation_id, source=source, client_tools=client_tools, options=options)
+            SubmitRequest(agent=agent.id, input=content, conversation=conversation_id, source=source, client_tools=client_tools, options=options, resolved=agent, overlap_accept=overlap_accept)
         )
         return TurnRun(server, sub.conversation_id, sub.handle)
     except KernelError as exc:

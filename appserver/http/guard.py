@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
@@ -57,6 +58,18 @@ WS_CLOSE_TOO_BIG = 1009
 WS_CLOSE_POLICY = 1008
 CONNECT_TIMEOUT_S = 5.0
 CLOSE_SEND_TIMEOUT_S = 5.0
+
+_GUARDED_HEADERS = frozenset(
+    {
+        b"host",
+        b"origin",
+        b"authorization",
+        b"content-length",
+        b"access-control-request-method",
+        b"access-control-request-headers",
+    }
+)
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -362,25 +375,21 @@ class SecurityGuard:
 
     @staticmethod
     def _headers(scope: Scope) -> dict[bytes, list[bytes]]:
-        wanted = {
-            b"host",
-            b"origin",
-            b"authorization",
-            b"content-length",
-            b"access-control-request-method",
-            b"access-control-request-headers",
-        }
         out: dict[bytes, list[bytes]] = {}
         for item in scope.get("headers") or ():
             try:
                 name, value = item
             except (TypeError, ValueError):
                 raise _Refusal(400, "invalid_header", "malformed header") from None
-            if not isinstance(name, bytes | bytearray) or not isinstance(value, bytes | bytearray):
-                raise _Refusal(400, "invalid_header", "malformed header")
-            lname = bytes(name).lower()
-            if lname in wanted:
-                out.setdefault(lname, []).append(bytes(value))
+            if type(name) is not bytes or type(value) is not bytes:  # bytes: the usual case
+                if not isinstance(name, bytes | bytearray) or not isinstance(
+                    value, bytes | bytearray
+                ):
+                    raise _Refusal(400, "invalid_header", "malformed header")
+                name, value = bytes(name), bytes(value)
+            lname = name.lower()
+            if lname in _GUARDED_HEADERS:
+                out.setdefault(lname, []).append(value)
         return out
 
     @staticmethod
@@ -395,7 +404,7 @@ class SecurityGuard:
             text = values[0].decode("ascii")
         except UnicodeDecodeError:
             raise _Refusal(400, code, f"{name.decode()} header is not ASCII", close) from None
-        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+        if _CONTROL.search(text):
             raise _Refusal(400, code, f"{name.decode()} header contains control characters", close)
         return text
 
@@ -409,6 +418,9 @@ class SecurityGuard:
         return self.listen.is_wildcard and is_ip_literal(host)
 
     def _check_host(self, hdrs: dict[bytes, list[bytes]]) -> None:
+        values = hdrs.get(b"host")
+        if values and len(values) == 1 and self._memo.get(("host-ok", values[0])):
+            return  # this exact Host value passed every check below before
         value = self._single(hdrs, b"host", "invalid_host")
         if value is None:
             raise _Refusal(400, "invalid_host", "missing Host header", [(b"connection", b"close")])
@@ -425,6 +437,7 @@ class SecurityGuard:
                 "this server does not serve that Host; add it to [server] allowed_hosts if intended",
                 [(b"connection", b"close")],
             )
+        self._memoized(("host-ok", hdrs[b"host"][0]), lambda: True)
 
     def _check_origin(self, hdrs: dict[bytes, list[bytes]]) -> str | None:
         value = self._single(hdrs, b"origin", "invalid_origin")

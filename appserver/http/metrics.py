@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -42,17 +42,27 @@ class Metrics:
         self.runtimes = Gauge("appserver_conversation_runtimes", "Conversation runtimes in memory", registry=r)
         self.runtimes.set_function(lambda: len(self.server.kernel.runtimes))
         server.kernel.settled_listeners.append(self.on_turn_settled)
+        # Labelled children, looked up once: `labels()` validates and locks on every call.
+        self._request_counts: dict[tuple[str, str, int], Any] = {}
+        self._turn_counts: dict[str, Any] = {}
 
     def _queue_depth(self) -> float:
         return float(sum(len(rt.queue) for rt in list(self.server.kernel.runtimes.values())))
 
     def on_turn_settled(self, record: TurnRecord, snapshot: TurnSnapshot) -> None:
-        self.turns.labels(record.status).inc()
+        child = self._turn_counts.get(record.status)
+        if child is None:
+            child = self._turn_counts[record.status] = self.turns.labels(record.status)
+        child.inc()
         if record.started_at:
             self.turn_latency.observe(max(0.0, time.time() - record.started_at))
 
     def observe_request(self, route: str, method: str, status: int) -> None:
-        self.requests.labels(route, method, str(status)).inc()
+        key = (route, method, status)
+        child = self._request_counts.get(key)
+        if child is None:
+            child = self._request_counts[key] = self.requests.labels(route, method, str(status))
+        child.inc()
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)

@@ -16,6 +16,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -31,13 +32,21 @@ DEFAULT_PORTS = {"http": 80, "https": 443}
 _Key = tuple[str, str, int]
 
 
+_EXPIRED = object()  # a waiter's result when its timer fired first
+
+
+def _expire(waiter: asyncio.Future[object]) -> None:
+    if not waiter.done():
+        waiter.set_result(_EXPIRED)
+
+
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: parser callbacks fill the state a request awaits."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser: Any = httptools.HttpResponseParser(self)
-        self.waiter: asyncio.Future[None] | None = None
+        self.waiter: asyncio.Future[object] | None = None
         self.lost = False
         self.error: Exception | None = None
         self.idle_since = 0.0
@@ -125,15 +134,21 @@ class _Connection(asyncio.Protocol):
     # -------------------------------------------------------- for the request
 
     async def wait(self, timeout: float | None) -> None:
-        """Until the parser made progress (or the connection ended); ReadTimeout after `timeout`."""
-        self.waiter = asyncio.get_running_loop().create_future()
+        """Until the parser made progress (or the connection ended); ReadTimeout after `timeout`.
+
+        A plain timer on the waiter rather than `asyncio.timeout`: this runs a few times per
+        model call, and the timer almost never fires."""
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
         try:
-            async with asyncio.timeout(timeout):
-                await self.waiter
-        except TimeoutError:
-            raise httpx.ReadTimeout("timed out waiting for the upstream to send data") from None
+            await waiter
         finally:
             self.waiter = None
+            if timer is not None:
+                timer.cancel()
+        if waiter.result() is _EXPIRED:
+            raise httpx.ReadTimeout("timed out waiting for the upstream to send data")
 
     def take(self) -> bytes:
         data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
@@ -233,7 +248,13 @@ class LeanTransport(httpx.AsyncBaseTransport):
         body = [part async for part in request.stream]  # type: ignore[union-attr]
         if chunked:
             body = [b"%x\r\n%s\r\n" % (len(p), p) for p in body if p] + [b"0\r\n\r\n"]
-        payload = b"".join(head + body)
+        return await self.exchange(key, b"".join(head + body), timeouts)
+
+    async def exchange(
+        self, key: _Key, payload: bytes, timeouts: dict[str, float | None]
+    ) -> httpx.Response:
+        """Write one whole request (head and framed body) to a pooled connection to `key` and
+        return the response once its head arrived; the body streams from `response.stream`."""
         if self._slots.locked():
             try:
                 async with asyncio.timeout(timeouts.get("pool")):
@@ -316,6 +337,22 @@ class _NoCookies(httpx.Cookies):
         return None
 
 
+class _Route:
+    """A prepared POST target: the transport, the pool key and the request head around its
+    Content-Length, exactly as httpx's client layer would have written them."""
+
+    __slots__ = ("transport", "key", "before", "after")
+
+    def __init__(self, transport: LeanTransport, key: _Key, before: bytes, after: bytes) -> None:
+        self.transport = transport
+        self.key = key
+        self.before = before
+        self.after = after
+
+
+ROUTES_MAX = 64  # prepared (url, headers) pairs per client; a provider uses one or two
+
+
 class LeanClient(httpx.AsyncClient):
     """An httpx client that keeps no cookies: model APIs authenticate with headers, and the
     cookie jar's bookkeeping on every response costs more than the rest of the client layer."""
@@ -323,6 +360,67 @@ class LeanClient(httpx.AsyncClient):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._cookies = _NoCookies()
+        self._routes: dict[tuple[str, tuple[tuple[str, str], ...]], _Route | None] = {}
+
+    def _route(self, url: str, headers: dict[str, str]) -> _Route | None:
+        """The prepared route for `url` with `headers`, or None when the lean transport does not
+        serve it (an env proxy is mounted for it, or the client was given another transport)."""
+        cache_key = (url, tuple(headers.items()))
+        try:
+            return self._routes[cache_key]
+        except KeyError:
+            pass
+        template = self.build_request("POST", url, content=b"{}", headers=headers)
+        transport = self._transport_for_url(template.url)
+        route: _Route | None = None
+        if (
+            isinstance(transport, LeanTransport)
+            and not self.auth
+            and not any(self.event_hooks.values())
+        ):
+            u = template.url
+            key = (u.scheme, u.host, u.port or DEFAULT_PORTS.get(u.scheme, 80))
+            before = [b"POST %s HTTP/1.1\r\n" % u.raw_path]
+            after: list[bytes] = []
+            current = before
+            for name, value in template.headers.raw:
+                if name.lower() == b"content-length":
+                    current = after  # written per request, in this place
+                    continue
+                current.append(b"%s: %s\r\n" % (name, value))
+            route = _Route(transport, key, b"".join(before), b"".join(after) + b"\r\n")
+        if len(self._routes) >= ROUTES_MAX:
+            self._routes.clear()
+        self._routes[cache_key] = route
+        return route
+
+    @asynccontextmanager
+    async def post_stream(
+        self, url: str, content: bytes, headers: dict[str, str], timeout: httpx.Timeout
+    ) -> AsyncIterator[httpx.Response]:
+        """POST `content` and stream the answer, like `stream("POST", url, content=..., ...)` and
+        with the same bytes on the wire, without httpx's per-request client work (URL parsing,
+        header merging, request and response wrapping: about 0.1 ms of CPU per model call).
+        Proxied URLs take the ordinary path."""
+        route = self._route(url, headers)
+        if route is None:
+            async with self.stream(
+                "POST", url, content=content, headers=headers, timeout=timeout
+            ) as response:
+                yield response
+            return
+        payload = b"%sContent-Length: %d\r\n%s%s" % (
+            route.before,
+            len(content),
+            route.after,
+            content,
+        )
+        timeouts = {"connect": timeout.connect, "read": timeout.read, "pool": timeout.pool}
+        response = await route.transport.exchange(route.key, payload, timeouts)
+        try:
+            yield response
+        finally:
+            await response.aclose()
 
 
 def lean_transport() -> LeanTransport | None:

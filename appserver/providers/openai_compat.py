@@ -40,6 +40,10 @@ from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
 
 _ERROR_BODY_MAX = 64 * 1024
+_decode = json.JSONDecoder().decode  # json.loads without its per-call checks (payloads are str)
+# The request body exactly as httpx's `json=` writes it (NaN and infinities refused), encoded here
+# so that the lean transport gets bytes.
+_encode_body = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
@@ -185,11 +189,11 @@ class OpenAIStreamParser:
         if self.saw_done:
             return []  # anything after [DONE] is noise
         self.events += 1
-        if data.strip() == "[DONE]":
+        if "[DONE]" in data and data.strip() == "[DONE]":
             self.saw_done = True
             return []
         try:
-            obj = json.loads(data)
+            obj = _decode(data)
         except ValueError as exc:
             raise ProviderError(
                 "protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]
@@ -207,9 +211,11 @@ class OpenAIStreamParser:
                 status, error_message_from_body(obj, "upstream error"), body=obj
             )
         out: list[ProviderChunk] = []
-        usage = parse_usage(obj.get("usage"))
-        if usage is not None:
-            self._usage = usage  # cumulative when repeated: the last one wins
+        raw_usage = obj.get("usage")
+        if raw_usage is not None:
+            usage = parse_usage(raw_usage)
+            if usage is not None:
+                self._usage = usage  # cumulative when repeated: the last one wins
         choices = obj.get("choices")
         if not isinstance(choices, list):
             return out
@@ -224,6 +230,15 @@ class OpenAIStreamParser:
         return out
 
     def _delta(self, delta: dict[str, Any], out: list[ProviderChunk]) -> None:
+        if (
+            "reasoning_content" not in delta
+            and "reasoning" not in delta
+            and "tool_calls" not in delta
+        ):
+            content = delta.get("content")  # the usual delta: text only, in fewer steps
+            if content and type(content) is str:
+                out.extend(self._think.feed(content))
+                return
         # vLLM sends `reasoning_content`, OpenRouter/Ollama `reasoning`; some send both, identical.
         reasoning = delta.get("reasoning_content")
         if not (isinstance(reasoning, str) and reasoning):
@@ -390,6 +405,43 @@ def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
+class _ToolsJSON:
+    """The encoded `tools` array per tool set. A set is keyed by its specs' names, descriptions
+    and schema objects (held, so their ids stay theirs): schemas are static definitions."""
+
+    __slots__ = ("_items", "marker")
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[tuple[str, str, int], ...], tuple[list[dict[str, Any]], str]] = {}
+        # A placeholder value no request carries by chance; checked anyway (see encode_body).
+        self.marker = f"tools-{uuid.uuid4().hex}"
+
+    def get(self, tools: list[ToolSpec], wire: list[dict[str, Any]]) -> str:
+        key = tuple((t.name, t.description, id(t.parameters)) for t in tools)
+        hit = self._items.get(key)
+        if hit is not None and all(a is b.parameters for a, b in zip(hit[0], tools, strict=True)):
+            return hit[1]
+        if len(self._items) >= 64:
+            self._items.clear()
+        text = _encode_body(wire)
+        self._items[key] = ([t.parameters for t in tools], text)
+        return text
+
+
+def _content_headers(resp: httpx.Response) -> tuple[bytes, bytes]:
+    """(content-type, content-encoding) of a response, lower-cased, in one pass over its headers
+    (repeated fields joined as httpx joins them)."""
+    ctype: list[bytes] = []
+    encoding: list[bytes] = []
+    for name, value in resp.headers.raw:
+        lname = name.lower()
+        if lname == b"content-type":
+            ctype.append(value.lower())
+        elif lname == b"content-encoding":
+            encoding.append(value.lower())
+    return b", ".join(ctype), b", ".join(encoding)
+
+
 # ---------------------------------------------------------------- the provider
 
 
@@ -403,6 +455,7 @@ class OpenAICompatProvider:
         self.name = cfg.name
         self._http = http
         self._owns_http = http is None
+        self._tools_json = _ToolsJSON()
 
     @property
     def url(self) -> str:
@@ -443,6 +496,21 @@ class OpenAICompatProvider:
         body.update(request.extra)
         return body
 
+    def encode_body(self, request: ProviderRequest) -> bytes:
+        """`build_body` as the bytes sent: the tools' JSON, the bulk of a small request, is encoded
+        once per tool set and spliced in (byte for byte what encoding it each time gives)."""
+        body = self.build_body(request)
+        if not request.tools or "tools" in request.extra:
+            return _encode_body(body).encode("utf-8")
+        tools_json = self._tools_json.get(request.tools, body["tools"])
+        body["tools"] = self._tools_json.marker
+        text = _encode_body(body)
+        marker = f'"{self._tools_json.marker}"'
+        if text.count(marker) != 1:  # the marker also appears in the input: no splicing
+            body["tools"] = [tool_to_wire(t) for t in request.tools]
+            return _encode_body(body).encode("utf-8")
+        return text.replace(marker, tools_json).encode("utf-8")
+
     def build_headers(self) -> dict[str, str]:
         headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
         key = self.cfg.api_key()
@@ -458,20 +526,22 @@ class OpenAICompatProvider:
 
     async def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
         """Yield chunks ending with exactly one Done; raise ProviderError on any failure."""
-        body = self.build_body(request)
+        content = self.encode_body(request)
         client = self._client()
+        headers = self.build_headers()
+        timeout = request_timeout(self.cfg)
         try:
-            async with client.stream(
-                "POST",
-                self.url,
-                json=body,
-                headers=self.build_headers(),
-                timeout=request_timeout(self.cfg),
-            ) as resp:
+            if isinstance(client, LeanClient):
+                opened = client.post_stream(self.url, content, headers, timeout)
+            else:
+                opened = client.stream(
+                    "POST", self.url, content=content, headers=headers, timeout=timeout
+                )
+            async with opened as resp:
                 if resp.status_code >= 400:
                     raise await read_error_response(resp)
-                ctype = resp.headers.get("content-type", "").lower()
-                if "json" in ctype and "event-stream" not in ctype:
+                ctype, encoding = _content_headers(resp)
+                if b"json" in ctype and b"event-stream" not in ctype:
                     # The server ignored `stream: true` and answered one completion object.
                     raw = await resp.aread()
                     for chunk in self._whole_completion(raw):
@@ -479,7 +549,9 @@ class OpenAICompatProvider:
                     return
                 parser = OpenAIStreamParser()
                 dec = SSEDecoder()
-                async for part in resp.aiter_bytes():
+                # Undecoded bytes need no decoder layers (the body arrives as the transport read it).
+                parts = resp.aiter_bytes() if encoding not in (b"", b"identity") else resp.stream
+                async for part in parts:  # type: ignore[union-attr]
                     for ev in dec.feed(part):
                         for chunk in parser.feed_data(ev.data):
                             yield chunk

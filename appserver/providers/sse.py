@@ -75,6 +75,15 @@ class SSEDecoder:
     def _drain(self, *, final: bool) -> list[SSEEvent]:
         events: list[SSEEvent] = []
         buf = self._buf
+        if not self._skip_lf and b"\r" not in buf:  # LF-only lines (the usual stream): one split
+            end = buf.rfind(b"\n")
+            if end >= 0:
+                for raw in bytes(buf[:end]).split(b"\n"):
+                    ev = self._line(raw)
+                    if ev is not None:
+                        events.append(ev)
+                del buf[: end + 1]
+            return events
         pos = 0
         n = len(buf)
         if self._skip_lf and n:
@@ -110,6 +119,10 @@ class SSEDecoder:
     def _line(self, raw: bytes) -> SSEEvent | None:
         if not raw:
             return self._dispatch()
+        if raw.startswith(b"data: "):  # the usual line: what the general parse below would do
+            self._data.append(raw[6:].decode("utf-8", errors="replace"))
+            self._has_data = True
+            return None
         line = raw.decode("utf-8", errors="replace")
         if line.startswith(":"):
             return None  # comment / keep-alive

@@ -41,6 +41,9 @@ class ThinkSplitter:
 
     def feed(self, delta: str) -> list[Text | Reasoning]:
         out: list[Text | Reasoning] = []
+        if not self._pending and (self._close if self._inside else self._open)[0] not in delta:
+            self._emit(out, delta)  # no tag and no start of one (the common delta): in one step
+            return out
         buf = self._pending + delta
         self._pending = ""
         while buf:

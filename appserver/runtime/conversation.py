@@ -20,8 +20,8 @@ from appserver.providers.base import ToolSpec
 from appserver.runtime.chatcache import ChatCache
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.snapshot import TurnController
-from appserver.store.base import DuplicateTurn
-from appserver.store.records import MessageRecord, PendingCall, TurnCommit, TurnRecord
+from appserver.store.base import DuplicateTurn, StoreError
+from appserver.store.records import AgentRecord, MessageRecord, PendingCall, TurnCommit, TurnRecord
 
 if TYPE_CHECKING:
     from appserver.runtime.kernel import Kernel
@@ -58,6 +58,9 @@ class Decision:
 class _Queued:
     record: TurnRecord
     handle: TurnHandle
+    # An overlapped accept still committing (see enqueue `overlap`); None once it committed first.
+    accepting: asyncio.Task[None] | None = None
+    agent: AgentRecord | None = None  # the agent as the submitter just read it (overlapped only)
 
 
 class ConversationRuntime:
@@ -145,7 +148,16 @@ class ConversationRuntime:
 
     # ------------------------------------------------------------ submit
 
-    async def enqueue(self, record: TurnRecord, idempotency_scope: str | None) -> tuple[TurnHandle, int]:
+    async def enqueue(self, record: TurnRecord, idempotency_scope: str | None, *, overlap: bool = False, agent: AgentRecord | None = None) -> tuple[TurnHandle, int]:
+        """Queue an input once its accept committed.
+
+        `overlap`: the caller acknowledges nothing before the turn settles (a non-stream HTTP
+        reply), so a turn that runs at once may start before its accept commits: the accept then
+        commits while the model call is in flight, the turn becomes visible (handles, watchers)
+        only after it, and the turn's own commit waits for it. Without an idempotency scope only
+        (a duplicate must be found before anything runs). `agent`: the record the submitter read
+        just now, which such a turn then runs with instead of reading it again.
+        """
         waiting = len(self.queue) + self._accepting
         if waiting >= self.kernel.config.limits.queue_max:
             raise QueueFull(f"conversation {self.conversation_id} has {waiting} inputs queued (limit {self.kernel.config.limits.queue_max}); try again later")
@@ -154,6 +166,8 @@ class ConversationRuntime:
         record.owner = self.kernel.owner
         if position == 0:
             record.started_at = time.time()
+        if overlap and position == 0 and idempotency_scope is None and self._worker is None and not self._shutdown:
+            return self._queue_overlapped(record, agent), 0
         # The accept commits with the next group commit: until then this input holds its place.
         self._accepting += 1
         try:
@@ -170,6 +184,37 @@ class ConversationRuntime:
             raise
         self._accepting -= 1
         return self._queue_accepted(record, position), position
+
+    def _queue_overlapped(self, record: TurnRecord, agent: AgentRecord | None) -> TurnHandle:
+        controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=0)
+        handle = TurnHandle(record.id, self.conversation_id, controller)
+        item = _Queued(record, handle, agent=agent if agent is not None and agent.id == record.agent_id else None)
+        self.queue.append(item)
+        # The worker's first step is scheduled first: it runs up to the model call, then the
+        # accept commits while the model works.
+        self._ensure_worker()
+        item.accepting = asyncio.get_running_loop().create_task(self._accept_overlapped(record, handle))
+        item.accepting.add_done_callback(_retrieved)  # the worker reports a failure (see _run)
+        return handle
+
+    async def _accept_overlapped(self, record: TurnRecord, handle: TurnHandle) -> None:
+        await self.kernel.store.accept_turn(record, None)
+        self._remember(handle)
+        self._notify(handle)
+
+    async def _accepted(self, item_accepting: asyncio.Task[None] | None) -> BaseException | None:
+        """Wait for an overlapped accept: None once committed, else why it was not."""
+        if item_accepting is None:
+            return None
+        try:
+            await asyncio.shield(item_accepting)
+        except asyncio.CancelledError:
+            if not item_accepting.cancelled():
+                raise  # this worker is being torn down
+            return StoreError("the accept was cancelled")
+        except Exception as exc:
+            return exc
+        return None
 
     def _queue_accepted(self, record: TurnRecord, position: int) -> TurnHandle:
         controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=position)
@@ -204,14 +249,14 @@ class ConversationRuntime:
                 item = self.queue.popleft()
                 for i, q in enumerate(self.queue):
                     q.handle.controller.set_queue_position(i + 1)
-                await self._run(item.record, item.handle, None)
+                await self._run(item.record, item.handle, None, item.accepting, item.agent)
         finally:
             self._worker = None
             self.last_active = time.monotonic()
 
     # ------------------------------------------------------------ run one turn (segment)
 
-    async def _run(self, record: TurnRecord, handle: TurnHandle, resolutions: list[PendingCall] | None) -> None:
+    async def _run(self, record: TurnRecord, handle: TurnHandle, resolutions: list[PendingCall] | None, accepting: asyncio.Task[None] | None = None, agent: AgentRecord | None = None) -> None:
         kernel = self.kernel
         controller = handle.controller
         lease = self.lifecycle.begin(record.id)
@@ -230,8 +275,9 @@ class ConversationRuntime:
                 self.lifecycle.check(lease)
             history = await self.history()
             self.lifecycle.check(lease)
-            agent = await kernel.store.get_agent(record.agent_id)
-            self.lifecycle.check(lease)
+            if agent is None:
+                agent = await kernel.store.get_agent(record.agent_id)
+                self.lifecycle.check(lease)
             if agent is None:
                 raise NotFound(f"agent {record.agent_id} was deleted")
             work = TurnWork(
@@ -280,6 +326,13 @@ class ConversationRuntime:
             work = TurnWork(agent=None, conversation_id=self.conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]
             if not record.input_committed:
                 work.new_messages.append(MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source))
+        not_accepted = await self._accepted(accepting)
+        if not_accepted is not None:
+            # Never accepted, so never acknowledged nor visible: nothing of it may be written.
+            log.error("turn %s could not be accepted: %s", record.id, not_accepted)
+            controller.finish("failed", "error", {"kind": "store", "message": f"the turn could not be saved: {not_accepted}", "retryable": False, "status": None})
+            self.lifecycle.finish(lease)
+            return
         await self._finish(lease, record, work, controller, outcome)
 
     def _schedule_draft(self, lease: Lease, controller: TurnController, turn_id: str, saved: int) -> asyncio.TimerHandle:
@@ -481,6 +534,11 @@ class ConversationRuntime:
                 await asyncio.wait_for(asyncio.shield(worker), 10)
             except (TimeoutError, asyncio.CancelledError):
                 worker.cancel()
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecord]:

@@ -55,6 +55,11 @@ class SubmitRequest:
     client_tools: list[ToolSpec] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)  # instructions, sampling overrides, timeouts
     conversation_fields: dict[str, Any] = field(default_factory=dict)  # user, namespace, metadata for new ones
+    # The agent `agent` names, when the caller has just read it (spares a second lookup).
+    resolved: AgentRecord | None = None
+    # The caller acknowledges nothing before the turn settles: its accept may commit while the
+    # model call is in flight (ConversationRuntime.enqueue `overlap`).
+    overlap_accept: bool = False
 
 
 @dataclass(slots=True)
@@ -234,7 +239,8 @@ class Kernel:
     # ------------------------------------------------------------ the kernel call
 
     async def submit(self, req: SubmitRequest) -> Submission:
-        agent = await self.resolve_agent(req.agent)
+        known = req.resolved
+        agent = known if known is not None and known.id == req.agent else await self.resolve_agent(req.agent)
         content = req.input
         if isinstance(content, str):
             if not content.strip():
@@ -274,7 +280,7 @@ class Kernel:
             options=dict(req.options),
         )
         try:
-            handle, position = await rt.enqueue(record, scope)
+            handle, position = await rt.enqueue(record, scope, overlap=req.overlap_accept, agent=agent)
         except DuplicateTurn as dup:
             return await self._duplicate(dup.turn)
         return Submission(record.id, conv_id, agent.id, position, False, handle)

@@ -49,10 +49,16 @@ class Latest(Generic[T]):
         Raises TimeoutError after `timeout` seconds without a newer value.
         """
         if self._version <= seen_version:
-            # asyncio.timeout, not wait_for: no extra task per wait.
-            async with asyncio.timeout(timeout):
-                while self._version <= seen_version:
-                    if self._waiter is None:
-                        self._waiter = asyncio.Event()
-                    await self._waiter.wait()
+            if timeout is None:
+                await self._wait(seen_version)
+            else:
+                # asyncio.timeout, not wait_for: no extra task per wait.
+                async with asyncio.timeout(timeout):
+                    await self._wait(seen_version)
         return self._version, self._value
+
+    async def _wait(self, seen_version: int) -> None:
+        while self._version <= seen_version:
+            if self._waiter is None:
+                self._waiter = asyncio.Event()
+            await self._waiter.wait()

@@ -277,9 +277,13 @@ class TurnController:
             return (self.status == "running" or self.revision <= after_revision) and self.status not in TERMINAL_STATUSES
 
         if waiting():
-            async with asyncio.timeout(timeout):  # no extra task per wait, unlike wait_for
+            if timeout is None:
                 while waiting():
                     await self._settle.wait_newer(self._settle.version)
+            else:
+                async with asyncio.timeout(timeout):  # no extra task per wait, unlike wait_for
+                    while waiting():
+                        await self._settle.wait_newer(self._settle.version)
         return self.snapshot()
 
     # ------------------------------------------------------------ rebuild from the store

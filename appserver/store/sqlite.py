@@ -189,7 +189,9 @@ class SQLiteStore(Store):
         """Queue `job` for the next group transaction; the future settles once it is committed.
 
         `defer`: nobody waits for it, so let the next write join it rather than commit it alone
-        (it still commits by the next loop pass; a failure is logged).
+        (it still commits by the second loop pass; a failure is logged). Two passes, not one: a
+        turn that starts in this pass may run up to its model call and overlap the accept that
+        joins this write with that call (ConversationRuntime.enqueue `overlap`).
         """
         loop = asyncio.get_running_loop()
         if self._flush_handle is not None and self._flush_loop is not loop:
@@ -200,7 +202,7 @@ class SQLiteStore(Store):
         if defer:
             fut.add_done_callback(_log_deferred_failure)
             if self._flush_handle is None:
-                self._flush_handle = loop.call_soon(self._flush)
+                self._flush_handle = loop.call_soon(self._flush_next_pass)
             return fut
         ready = getattr(loop, "_ready", None)  # asyncio's run queue (absent on other loops)
         if ready is not None and (not ready or (len(ready) == 1 and ready[0] is self._flush_handle)):
@@ -210,6 +212,10 @@ class SQLiteStore(Store):
         elif self._flush_handle is None:
             self._flush_handle = loop.call_soon(self._flush)
         return fut
+
+    def _flush_next_pass(self) -> None:
+        assert self._flush_loop is not None
+        self._flush_handle = self._flush_loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         """Group commit: the turn commits queued during one event-loop pass share one transaction.

@@ -289,3 +289,34 @@ def test_cached_tool_estimates_equal_fresh_ones() -> None:
     for _ in range(2):
         for tools in sets:
             assert cache(tools) == estimate_tools(tools)
+
+
+async def test_no_tool_runs_before_an_overlapped_accept_has_committed(tmp_path: Path) -> None:
+    """echo answers a `/call` at once, faster than the accept commits: the shell must wait, and
+    must never run for a turn the store refused."""
+    server = Server(load_config(tmp_path / "home", environ={}))
+    await server.open()
+    marker = tmp_path / "side-effect"
+    try:
+        await server.agents.create("actor", "echo", tools={"shell": "allow"})
+        server.store.db.execute(REFUSE_TURNS)
+        call = "/call shell " + json.dumps({"command": f"touch {marker}"})
+        sub = await server.kernel.submit(
+            SubmitRequest(agent="actor", input=call, conversation="new", overlap_accept=True)
+        )
+        snap = await sub.wait(10)
+        assert (
+            snap.status == "failed"
+            and snap.error is not None
+            and "disk is full" in snap.error["message"]
+        )
+        await asyncio.sleep(0.2)
+        assert not marker.exists(), "a tool ran for a turn that was never accepted"
+        server.store.db.execute("DROP TRIGGER refuse_turns")
+        sub = await server.kernel.submit(
+            SubmitRequest(agent="actor", input=call, conversation="new", overlap_accept=True)
+        )
+        snap = await sub.wait(10)
+        assert snap.status == "completed" and marker.exists()
+    finally:
+        await server.close()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +103,9 @@ class TurnWork:
     pending: list[PendingCall] = field(default_factory=list)
     # MessageRecord → ChatMessage; the runtime passes a per-conversation cache (runtime/chatcache.py).
     to_chat: Callable[[MessageRecord], ChatMessage] = to_chat_message
+    # Awaited before the first tool runs: a turn whose accept is still committing (the runtime's
+    # overlapped accept) must not act on the world until it durably exists. Raises if it never will.
+    before_effects: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -188,6 +191,9 @@ class AgentLoop:
                     work.new_messages.append(_tool_message(work, c.id, c.name, msg, True))
                 return LoopOutcome("completed", "max_tokens")
             emit(PhaseChanged("acting"))
+            if work.before_effects is not None:
+                await work.before_effects()
+                work.before_effects = None
             await self._dispatch_calls(work, assistant.tool_calls, emit)
             if work.pending:
                 kinds = {p.kind for p in work.pending}

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from appserver.agent.loop import LoopOutcome, TurnWork, resolution_text
@@ -216,6 +217,11 @@ class ConversationRuntime:
             return exc
         return None
 
+    async def _require_accepted(self, accepting: asyncio.Task[None]) -> None:
+        not_accepted = await self._accepted(accepting)
+        if not_accepted is not None:
+            raise StoreError(f"the turn could not be saved before its tools ran: {not_accepted}")
+
     def _queue_accepted(self, record: TurnRecord, position: int) -> TurnHandle:
         controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=position)
         handle = TurnHandle(record.id, self.conversation_id, controller)
@@ -295,6 +301,8 @@ class ConversationRuntime:
                 work.new_messages.append(
                     MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source)
                 )
+            if accepting is not None:
+                work.before_effects = partial(self._require_accepted, accepting)
 
             def emit(event: Any) -> None:
                 self.lifecycle.check(lease)

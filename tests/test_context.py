@@ -240,3 +240,27 @@ async def test_echo_agent_with_a_small_window_compacts_and_recalls_through_the_s
     assert "summary: users said note 1:" in text  # the oldest notes live on in the summary
     assert text.endswith(f"note 40: {LOREM}")  # the newest ones verbatim
     assert len([m for m in history if m.role == "user"]) == 41  # the stored history keeps everything
+
+
+async def test_a_tool_output_bigger_than_the_window_is_clipped_in_the_request_not_in_history(tmp_path: Path) -> None:
+    model = WindowedModel(window=2_000)
+    async with FakeOpenAI() as fake:
+        fake.responder = model
+        server = await _server(tmp_path / "h", fake.base_url)
+        try:
+            await server.agents.create("small", "fake:small", tools={"shell": "allow"})
+            sub = await server.kernel.submit(SubmitRequest(agent="small", input="turn 1: hello", conversation="new"))
+            await sub.wait(20)
+            big = "python3 -c \"print(' '.join('word%d' % i for i in range(4000)))\""
+            sub = await server.kernel.submit(SubmitRequest(agent="small", input=f"use shell: {big}", conversation=sub.conversation_id))
+            snap = await sub.wait(20)
+            history = await server.store.list_messages(sub.conversation_id)
+        finally:
+            await server.close()
+    assert snap.status == "completed" and snap.text().startswith("The clock said word0"), snap.error
+    assert not [s for s in model.seen if s["rejected"]] and max(s["tokens"] for s in model.seen) <= 2_000
+    tool_in_request = [m for m in model.seen[-1]["body"]["messages"] if m["role"] == "tool"][0]["content"]
+    assert "characters omitted" in tool_in_request and tool_in_request.startswith("word0 word1")
+    assert tool_in_request.rstrip().endswith("word3999")
+    stored = [m for m in history if m.role == "tool"][0].text()
+    assert len(stored) > 30_000 and "omitted" not in stored  # the history keeps it whole

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from appserver.agent.events import Compacted, PhaseChanged, TurnEvent
@@ -269,6 +269,18 @@ def clip(text: str, max_chars: int) -> str:
         return text
     half = max(1, (max_chars - 60) // 2)
     return f"{text[:half]}\n[… {len(text) - 2 * half} characters omitted …]\n{text[-half:]}"
+
+
+def clip_oversized(request: ProviderRequest, budget: Budget) -> int:
+    """Clip, in this request only, every user or tool text bigger than a quarter of the budget
+    (keeping its head and tail); returns how many were clipped. Cached messages are never edited."""
+    cap = max(64, budget.limit // 4)
+    clipped = 0
+    for i, m in enumerate(request.messages):
+        if m.role in ("user", "tool") and isinstance(m.content, str) and estimate_message(m) > cap:
+            request.messages[i] = replace(m, content=clip(m.content, int(cap * CHARS_PER_TOKEN)))
+            clipped += 1
+    return clipped
 
 
 # ---------------------------------------------------------------- compaction

@@ -18,6 +18,7 @@ from typing import Any
 from appserver.agent.context import (
     Budget,
     ToolEstimates,
+    clip_oversized,
     compact,
     context_view,
     estimate_request,
@@ -257,14 +258,20 @@ class AgentLoop:
         if estimate <= budget.limit:
             return request, estimate
         done = await compact(provider, model, view, budget, estimate, work.turn_id, work.iteration, emit)
-        if done is None:
-            return request, estimate
-        work.new_messages.append(done.message)
-        log.info("turn %s: compacted %d messages (estimate %d tokens, window %d)", work.turn_id, done.folded, estimate, budget.window)
-        view = context_view([*work.history, *work.new_messages])
-        request = self.build_request(work, model, view)
-        estimate = self.estimate(request, view)
-        done.message.meta["tokens_after"] = estimate
+        if done is not None:
+            work.new_messages.append(done.message)
+            log.info("turn %s: compacted %d messages (estimate %d tokens, window %d)", work.turn_id, done.folded, estimate, budget.window)
+            view = context_view([*work.history, *work.new_messages])
+            request = self.build_request(work, model, view)
+            estimate = self.estimate(request, view)
+            done.message.meta["tokens_after"] = estimate
+        if estimate > budget.limit:
+            # What is left does not fit even folded: a few huge items (a long tool output, a pasted
+            # file). Clip them in this request only; the history keeps them whole.
+            clipped = clip_oversized(request, budget)
+            if clipped:
+                log.info("turn %s: clipped %d oversized message(s) to fit the window of %d", work.turn_id, clipped, budget.window)
+                estimate = estimate_request(request, [])
         return request, estimate
 
     async def _stream_step(self, work: TurnWork, emit: Emit) -> str:

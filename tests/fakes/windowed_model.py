@@ -3,7 +3,7 @@
 Plugged into `FakeOpenAI.responder`: it counts each request's prompt tokens with its own tokenizer
 (words and punctuation, as a real BPE roughly does — not the server's estimate), refuses a prompt
 over the window with OpenAI's real `context_length_exceeded` error, and otherwise answers like a
-small model: a summary when asked to summarise, a `clock` call when told to use the clock, a short
+small model: a summary when asked to summarise, a `clock` or `shell` call when told to use one, a short
 reply that mentions the turn it answers, with honest `usage`.
 """
 
@@ -135,11 +135,14 @@ class WindowedModel:
         if last["role"] == "tool":
             return _stream(f"The clock said {last['content'][:40]}.", tokens, body)
         text = str(last.get("content", ""))
-        if text.startswith("use clock"):
-            args = json.dumps({"timezone": "UTC"})
+        if text.startswith(("use clock", "use shell: ")):
+            if text.startswith("use shell: "):
+                name, args = "shell", json.dumps({"command": text.removeprefix("use shell: ")})
+            else:
+                name, args = "clock", json.dumps({"timezone": "UTC"})
             chunks = [
                 chunk(
-                    role="assistant", tool_calls=[tool_delta(0, id=f"call_{call_no}", name="clock")]
+                    role="assistant", tool_calls=[tool_delta(0, id=f"call_{call_no}", name=name)]
                 ),
                 chunk(tool_calls=[tool_delta(0, arguments=args[:5])]),
                 chunk(tool_calls=[tool_delta(0, arguments=args[5:])]),

@@ -4,8 +4,6 @@ connections, flow control, cancellation. (The provider suites run it against the
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-import ipaddress
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -13,12 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from appserver.providers.fasttransport import LeanTransport
+from tests.certs import self_signed
 
 Reply = Callable[[bytes], list[bytes]]  # request body → what to write back, piece by piece
 
@@ -167,42 +162,10 @@ async def test_connect_errors_are_httpx_errors() -> None:
             await client.post(f"http://127.0.0.1:{port}/", content=b"")
 
 
-def _self_signed(tmp_path: Path) -> Path:
-    """A throwaway certificate for 127.0.0.1 (cert and key in one PEM)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    pem = tmp_path / "cert.pem"
-    pem.write_bytes(
-        cert.public_bytes(serialization.Encoding.PEM)
-        + key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return pem
-
-
 async def test_https_verifies_the_upstream_certificate(tmp_path: Path) -> None:
-    pem = _self_signed(tmp_path)
+    pem, key = self_signed(tmp_path)
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(pem)
+    server_ctx.load_cert_chain(pem, key)
     raw = RawServer([framed(b"secret"), framed(b"again")])
     srv = await asyncio.start_server(raw.handle, "127.0.0.1", 0, ssl=server_ctx)
     url = f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}/"

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import datetime as dt
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -23,10 +21,8 @@ import httpx
 import jwt
 import pytest
 import uvicorn
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
@@ -39,6 +35,7 @@ from appserver.auth import Authenticator, AuthError, TokenStore, fingerprint
 from appserver.config import Config
 from appserver.http.guard import SecurityGuard
 from appserver.logredact import SecretRedactor
+from tests.certs import self_signed
 
 T = 5.0  # every wait in these tests is bounded
 
@@ -508,42 +505,8 @@ def test_ipv6_loopback_listen(tmp_path: Path) -> None:
         assert r.status_code == 421
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    key_path.chmod(0o600)
-    return cert_path, key_path
-
-
 def test_tls_listen(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     cfg = make_config(tmp_path, tls_cert=str(cert), tls_key=str(key))
     _, tok = TokenStore(tmp_path).create(name="t")
     with live_server(guarded(cfg), ssl_certfile=str(cert), ssl_keyfile=str(key)) as port:

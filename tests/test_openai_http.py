@@ -367,3 +367,15 @@ def test_sse_survives_line_readers_that_split_at_unicode_line_breaks(http: httpx
         else:
             got = "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta")
         assert got == f"echo: {text}", path
+
+
+def test_a_streamed_reply_is_replayed_whole_for_the_same_idempotency_key(http: httpx.Client) -> None:
+    for path, body in (
+        ("/v1/chat/completions", {"model": "assistant", "messages": [{"role": "user", "content": "stream once"}], "stream": True}),
+        ("/v1/responses", {"model": "assistant", "input": "stream once", "stream": True}),
+    ):
+        h = {"Idempotency-Key": f"s-{path}-{time.time()}"}
+        first, lines = sse(http, path, body, h)
+        again, replayed = sse(http, path, body, h)
+        assert again.headers.get("idempotent-replayed") == "true", path
+        assert [x for x in replayed if x] == [x for x in lines if x], path

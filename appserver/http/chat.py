@@ -30,6 +30,7 @@ from appserver.http.common import (
     resolve_model,
     settle_or_cancel,
     start_turn,
+    stream_replay,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -464,12 +465,5 @@ class _Ctx:
             finally:
                 metrics.active_streams.dec()
 
-        async def on_close(completed: bool, payloads: list[str]) -> None:
-            if self.idem is None:
-                return
-            if completed and finished:
-                await self.idem.finish(200, "text/event-stream; charset=utf-8", "".join(f"data: {p}\n\n" for p in payloads), self.run.conversation_id)
-            else:
-                await self.idem.abandon()
-
+        on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
         return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]

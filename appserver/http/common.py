@@ -171,6 +171,21 @@ class Idempotency:
         await self.server.store.drop_http_idempotency(self.scope, self.key)
 
 
+def stream_replay(idem: Idempotency | None, conversation_id: str, finished: Callable[[], bool]) -> Callable[[bool, list[str]], Awaitable[None]]:
+    """The SSE `on_close` of an idempotent stream: store the whole stream for replay when it ran to
+    its end, else release the key so a retry runs again."""
+
+    async def on_close(completed: bool, payloads: list[str]) -> None:
+        if idem is None:
+            return
+        if completed and finished():
+            await idem.finish(200, "text/event-stream; charset=utf-8", "".join(f"data: {p}\n\n" for p in payloads), conversation_id)
+        else:
+            await idem.abandon()
+
+    return on_close
+
+
 # ---------------------------------------------------------------- driving a turn
 
 

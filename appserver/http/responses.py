@@ -30,6 +30,7 @@ from appserver.http.common import (
     resolve_model,
     settle_or_cancel,
     start_turn,
+    stream_replay,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -599,14 +600,7 @@ class _Run:
             finally:
                 metrics.active_streams.dec()
 
-        async def on_close(completed: bool, payloads: list[str]) -> None:
-            if self.idem is None:
-                return
-            if completed and finished:
-                await self.idem.finish(200, "text/event-stream; charset=utf-8", "".join(f"data: {p}\n\n" for p in payloads), self.run.conversation_id)
-            else:
-                await self.idem.abandon()
-
+        on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
         return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]
 
     def _advance(self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any) -> tuple[list[str], bool]:

@@ -193,16 +193,7 @@ def claim_manual(
     with store.lock():
         state = store.load()
         task = state.find(ref, agent)
-        task.occurrence += 1
-        occ = Occurrence(
-            task_id=task.id,
-            number=task.occurrence,
-            scheduled_for=now,
-            due_at=now,
-            fired_at=now,
-            manual=True,
-        )
-        task.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
+        occ = task.claim(now, now, now, manual=True)
         task.updated_at = now
         store.save(state)
         append_run(store.runs_dir, task.id, "fired", **occ.to_dict())

@@ -244,18 +244,9 @@ class Scheduler:
         report.missed += len(missed)
         occurrences: list[Occurrence] = []
         for nominal, due_at, catch_up in fire:
-            task.occurrence += 1
-            occ = Occurrence(
-                task_id=task.id,
-                number=task.occurrence,
-                scheduled_for=nominal,
-                due_at=due_at,
-                fired_at=now,
-                catch_up=catch_up,
-            )
+            occ = task.claim(nominal, due_at, now, catch_up=catch_up)
             occurrences.append(occ)
             logs.append((task.id, "fired", occ.to_dict()))
-            task.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
         task.next_fire_at, task.next_due_at = following if following is not None else (None, None)
         task.updated_at = now
         snapshot = dataclasses.replace(task)  # `fire` gets a copy, not the store's cached object

@@ -248,6 +248,13 @@ class CronTask:
             self.set_error(f"invalid schedule: {exc}", now)
         self.updated_at = now
 
+    def claim(self, scheduled_for: datetime, due_at: datetime, now: datetime, *, manual: bool = False, catch_up: bool = False) -> Occurrence:
+        """Count one more run and record it as the last claimed occurrence (before anything fires)."""
+        self.occurrence += 1
+        occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
+        self.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
+        return occ
+
     def fingerprint(self) -> tuple[Any, ...]:
         """Every field `to_dict` writes, by value: equal fingerprints give an equal JSON line, so
         `CronStore.save` re-encodes only the tasks that changed (`last_claimed`, the one mutable

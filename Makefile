@@ -10,8 +10,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# `make serve LISTEN=127.0.0.1:9000` serves on another address (default: config.toml, else 127.0.0.1:8770)
+LISTEN ?=
+
 serve: $(STAMP)
-	$(VENV)/bin/appserver serve
+	$(VENV)/bin/appserver serve $(if $(LISTEN),--listen $(LISTEN))
 
 test: $(STAMP)
 	$(PY) -m pytest -x -q

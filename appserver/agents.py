@@ -88,6 +88,8 @@ AGENT_PARAMS: dict[str, Callable[[str, str], Any]] = {
     "max_steps": _number(int, 1, 1_000),
     "reasoning": _choice("shown", "hidden"),
     "allow_overrides": _flag,
+    # OpenAI routes: leave system text out of the history hash (docs/openai.md, issue 13.15)
+    "match_ignores_system": _flag,
 }
 
 

@@ -39,6 +39,7 @@ TOKEN_PREFIX = "aps_"
 HELLO_TIMEOUT_S = 5.0
 LOCK_TIMEOUT_S = 10.0
 HS_MIN_SECRET_BYTES = 32
+REVOCATION_POLL_S = 0.5  # how often a live WebSocket's capability token is re-checked
 
 _HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
 _RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
@@ -98,6 +99,34 @@ class Principal:
             self.expires_at is not None
             and (now if now is not None else time.time()) >= self.expires_at
         )
+
+
+# ── namespaces: the one conversation-ownership rule of every front end ─────────────────────────
+
+
+def namespace_of(principal: Principal) -> str:
+    """The caller's identity as stored with what it creates (conversations, idempotency scopes)."""
+    return f"{principal.kind}:{principal.subject}"
+
+
+def sees_all(principal: Principal) -> bool:
+    """The local owner (auth mode none) and `admin` credentials see every conversation."""
+    return principal.kind == "none" or principal.has_scope("admin")
+
+
+def conversation_namespace(principal: Principal) -> str | None:
+    """The namespace a caller's conversations are created in and looked up by; None means "sees
+    every conversation", and what such a caller creates is unowned (namespace NULL), like the
+    conversations of the CLI, of cron and an agent's shared default conversation."""
+    return None if sees_all(principal) else namespace_of(principal)
+
+
+def namespace_allows(caller: str | None, owner: str | None) -> bool:
+    """THE rule, for HTTP, WebSocket and cron targets alike: a caller sees and uses a conversation
+    only when it is in the caller's own namespace; `caller` None (admin, local) sees all, and an
+    unowned conversation (`owner` None) is seen by nobody else. Refusals must look like "not
+    found", so a credential learns nothing about conversations it may not use."""
+    return caller is None or owner == caller
 
 
 class AuthError(Exception):
@@ -226,6 +255,7 @@ class TokenStore:
         self._lock = FileLock(str(self.dir / "tokens.json.lock"))
         self._cache_key: tuple[int, int, int] | None = None
         self._cache: list[TokenRecord] = []
+        self._checked_at = 0.0  # monotonic time of the last stat by `live`
 
     # reading
     def _parse(self, data: Any) -> list[TokenRecord]:
@@ -339,6 +369,21 @@ class TokenStore:
             ) from None
         log.info("revoked token %s (%s)", hit[0].id, hit[0].name)
         return hit[0]
+
+    def live(self, token_id: str, *, max_age_s: float = 0.0) -> bool:
+        """Is the token with this id still in the file (not revoked)? Re-checks the file when the
+        last check is older than `max_age_s`, so many sockets polling cost one `stat` per period.
+        A token file set aside as corrupt revokes everything, as `verify` denies everything."""
+        now = time.monotonic()
+        if self._cache_key is None or now - self._checked_at >= max_age_s:
+            try:
+                records = self._records()
+            except CorruptStateFile:
+                return False
+            self._checked_at = now
+        else:
+            records = self._cache
+        return any(r.id == token_id for r in records)
 
     def verify(self, token: str) -> Principal | None:
         """The principal for a valid, unexpired token, else None.
@@ -593,6 +638,16 @@ class Authenticator:
         if principal.kind == "jwt" and self.jwt is not None:
             return principal.expires_at + self.jwt.leeway
         return principal.expires_at
+
+    def revoked(self, principal: Principal, *, max_age_s: float = 0.0) -> bool:
+        """Has the credential behind a live connection been revoked since it authenticated?
+
+        Capability tokens only (`appserver token revoke`, from any process: the token file is
+        re-read when it changes); a JWT cannot be revoked, it ends at its expiry.
+        """
+        if self.tokens is None or principal.kind != "token" or principal.token_id is None:
+            return False
+        return not self.tokens.live(principal.token_id, max_age_s=max_age_s)
 
     def authenticate(self, authorization: str | None) -> Principal:
         """From an `Authorization` header value (None if absent) → Principal, or AuthError."""

@@ -6,29 +6,46 @@ Every key is documented in docs/configuration.md. Environment variables override
 
 from __future__ import annotations
 
+import calendar
 import os
+import re
+import time
 import tomllib
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from appserver.configcheck import Invalid, Rule, convert
 from appserver.fsutil import atomic_write_text, ensure_private_dir, move_aside
+from appserver.netaddr import parse_listen, parse_trusted_proxies
 
 DEFAULT_LISTEN = "127.0.0.1:8770"
 
 DEFAULT_CONFIG_TOML = """\
 # appserver configuration. Every key is documented in docs/configuration.md.
+# Values are checked at every start (type and range; unknown keys are refused). A file that
+# cannot be parsed is moved aside and the server refuses to start until you repair it.
 
 [server]
 # listen = "127.0.0.1:8770"
 # allowed_origins = []            # browser origins allowed to call the server
 # allowed_hosts = []              # extra Host names besides loopback and the listen address
+# trusted_proxies = []            # proxies (IPs/CIDRs) whose X-Forwarded-For/-Proto is believed
 
 [limits]
 # queue_max = 32                  # queued inputs per conversation (429 / error beyond)
 # approval_timeout_s = 600
 # client_tool_timeout_s = 300
 # max_steps = 24
+# max_messages = 2048             # entries in `messages` / `input` per request (400 beyond)
+# max_connections = 0             # open connections at once (503 beyond); 0 = from the fd limit
+# head_max_bytes = 65536          # request line + headers (431 beyond)
+# head_timeout_s = 10             # a request head must arrive within this (408)
+# body_timeout_s = 30             # a request body may pause this long (408)
+# keepalive_timeout_s = 5         # an idle connection is closed after this
+# min_free_disk_bytes = 16777216  # /readyz reports not ready below this free space (0 = off)
 
 # [providers.openai]              # built in: base_url https://api.openai.com/v1, OPENAI_API_KEY
 # [providers.ollama]
@@ -41,7 +58,7 @@ DEFAULT_CONFIG_TOML = """\
 
 
 class ConfigError(Exception):
-    """The configuration cannot be used; the message names the key."""
+    """The configuration cannot be used; the message names the file or variable and the key."""
 
 
 @dataclass(slots=True)
@@ -68,6 +85,7 @@ class ServerConfig:
     allowed_hosts: list[str] = field(default_factory=list)
     tls_cert: str | None = None
     tls_key: str | None = None
+    trusted_proxies: list[str] = field(default_factory=list)  # IPs/CIDRs whose X-Forwarded-For/-Proto is believed
 
 
 @dataclass(slots=True)
@@ -80,6 +98,12 @@ class LimitsConfig:
     ws_ping_timeout_s: float = 90.0
     ws_send_timeout_s: float = 30.0  # a WebSocket frame not accepted by the client within this is a slow consumer
     connections_per_client: int = 256
+    max_connections: int = 0  # open connections (HTTP + WebSocket) at once; 0 = from the fd limit (503 beyond)
+    head_max_bytes: int = 64 * 1024  # request line + headers (431 beyond)
+    head_timeout_s: float = 10.0  # a request head must arrive within this of its first byte (408)
+    body_timeout_s: float = 30.0  # a request body that sends nothing for this long ends (408)
+    keepalive_timeout_s: float = 5.0  # an idle connection (no request in progress) is closed after this
+    max_messages: int = 2048  # entries in `messages` / `input` per request (400 beyond)
     approval_timeout_s: float = 600.0
     client_tool_timeout_s: float = 300.0
     max_steps: int = 24
@@ -90,6 +114,7 @@ class LimitsConfig:
     retry_base_ms: int = 500  # first provider retry backoff; doubles per attempt, capped at 20 s
     sse_keepalive_s: float = 15.0  # SSE keepalive comment interval on the OpenAI routes
     context_reserve_tokens: int = 0  # room kept for the reply; 0 = a quarter of the window, at most 8,192
+    min_free_disk_bytes: int = 16 * 1024 * 1024  # /readyz fails below this much free space by the store; 0 = off
 
 
 @dataclass(slots=True)
@@ -117,6 +142,7 @@ class Config:
     auth: AuthConfig = field(default_factory=AuthConfig)
     cron: CronConfig = field(default_factory=CronConfig)
     providers: dict[str, ProviderConfig] = field(default_factory=dict)
+    source: str = ""  # what load_config read: the file (or that defaults are used) and env overrides
 
     @property
     def db_path(self) -> Path:
@@ -139,39 +165,99 @@ def default_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".appserver"
 
 
-def _coerce(value: Any, current: Any, key: str) -> Any:
-    """Coerce an environment string (or TOML value) to the type of the default."""
-    if isinstance(value, str) and not isinstance(current, str) and current is not None:
-        if isinstance(current, bool):
-            low = value.strip().lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ConfigError(f"{key}: expected a boolean, got {value!r}")
-        if isinstance(current, int):
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if isinstance(current, float):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-        if isinstance(current, list):
-            return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
+# ── validation: types from the dataclasses, ranges and choices from RULES ─────────────────────
+
+_SECTIONS: dict[type, str] = {
+    ServerConfig: "server",
+    LimitsConfig: "limits",
+    AuthConfig: "auth",
+    CronConfig: "cron",
+    ProviderConfig: "providers",
+}
+
+_POSITIVE = Rule(gt=0)
+_NON_NEGATIVE = Rule(ge=0)
+_AT_LEAST_ONE = Rule(ge=1)
+
+# Bounds and choices per `section.key` (providers: `providers.key`). A key not listed here is still
+# type-checked; list it when some values of its type are wrong (negative sizes, zero timeouts).
+RULES: dict[str, Rule] = {
+    "limits.queue_max": _AT_LEAST_ONE,
+    "limits.body_max_bytes": Rule(ge=1024),
+    "limits.ws_frame_max_bytes": Rule(ge=1024),
+    "limits.ws_outbound_max": _AT_LEAST_ONE,
+    "limits.ws_ping_interval_s": _NON_NEGATIVE,  # 0 = no pings
+    "limits.ws_ping_timeout_s": _NON_NEGATIVE,  # 0 = never close a silent peer
+    "limits.ws_send_timeout_s": _POSITIVE,
+    "limits.connections_per_client": _NON_NEGATIVE,  # 0 = no cap
+    "limits.max_connections": _NON_NEGATIVE,  # 0 = from the fd limit
+    "limits.head_max_bytes": Rule(ge=1024, le=1 << 24),
+    "limits.head_timeout_s": _POSITIVE,
+    "limits.body_timeout_s": _POSITIVE,
+    "limits.keepalive_timeout_s": _POSITIVE,
+    "limits.max_messages": _AT_LEAST_ONE,
+    "limits.approval_timeout_s": _POSITIVE,
+    "limits.client_tool_timeout_s": _POSITIVE,
+    "limits.max_steps": Rule(ge=1, le=1000),
+    "limits.idle_evict_s": _NON_NEGATIVE,
+    "limits.shell_timeout_s": _POSITIVE,
+    "limits.shell_output_max_bytes": _AT_LEAST_ONE,
+    "limits.draft_interval_s": _POSITIVE,
+    "limits.retry_base_ms": _NON_NEGATIVE,
+    "limits.sse_keepalive_s": _POSITIVE,
+    "limits.context_reserve_tokens": _NON_NEGATIVE,
+    "limits.min_free_disk_bytes": _NON_NEGATIVE,  # 0 = no free-space check
+    "auth.mode": Rule(choices=("none", "token", "jwt")),
+    "auth.jwt_leeway_s": _NON_NEGATIVE,
+    "cron.tick_s": _POSITIVE,
+    "providers.kind": Rule(choices=("openai", "anthropic")),
+    "providers.transport": Rule(choices=("lean", "httpx")),
+    "providers.timeout_s": _POSITIVE,
+    "providers.connect_timeout_s": _POSITIVE,
+    "providers.max_attempts": Rule(ge=1, le=20),
+    "providers.context_windows": _AT_LEAST_ONE,
+}
 
 
-def _apply_section(obj: Any, data: dict[str, Any], section: str) -> None:
-    known = {f.name for f in fields(obj)}
+def _check_value(section: str, key: str, value: Any) -> str | None:
+    """Checks a type and a range cannot express; the reason, or None."""
+    if (section, key) == ("server", "listen"):
+        try:
+            parse_listen(value)
+        except ValueError as exc:
+            return str(exc)
+    if (section, key) == ("server", "allowed_origins") and any(o.strip() == "*" for o in value):
+        return "'*' is not supported; list each origin (e.g. https://app.example)"
+    if (section, key) == ("server", "trusted_proxies"):
+        try:
+            parse_trusted_proxies(value)
+        except ValueError as exc:
+            return str(exc).removeprefix("[server] trusted_proxies: ")
+    if section == "providers" and key == "base_url" and not value.startswith(("http://", "https://")):
+        return f"must be an http:// or https:// URL, got {value!r}"
+    return None
+
+
+def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[[str], str], *, from_env: bool) -> None:
+    """Set `data` onto the section dataclass `obj`, each value checked; errors name the key and
+    where it came from (the file, or the environment variable)."""
+    cls = type(obj)
+    prefix = _SECTIONS[cls]
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(obj) if f.name != "name"]
     for key, value in data.items():
-        if key not in known or key == "name":
-            raise ConfigError(f"unknown key [{section}] {key} in config.toml")
-        setattr(obj, key, _coerce(value, getattr(obj, key), f"[{section}] {key}"))
+        if key not in known:
+            raise ConfigError(
+                f"{origin(key)}: unknown key {key!r} in [{where}]; known keys: {', '.join(known)}"
+            )
+        try:
+            converted = convert(value, hints[key], RULES.get(f"{prefix}.{key}"), from_env=from_env)
+        except Invalid as exc:
+            raise ConfigError(f"{origin(key)}: [{where}] {key} must be {exc.expected}, got {value!r}") from None
+        problem = _check_value(prefix, key, converted)
+        if problem is not None:
+            raise ConfigError(f"{origin(key)}: [{where}] {key}: {problem}")
+        setattr(obj, key, converted)
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
@@ -182,70 +268,162 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
         path = [p.lower() for p in name[len("APPSERVER_") :].split("__")]
         cur = out
         for part in path[:-1]:
-            cur = cur.setdefault(part, {})
+            nxt = cur.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{name}: conflicts with another APPSERVER_ variable for [{'.'.join(path[:-1])}]")
+            cur = nxt
         cur[path[-1]] = value
     return out
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
-        else:
-            base[k] = v
-    return base
+def _env_name(*parts: str) -> str:
+    return "APPSERVER_" + "__".join(p.upper() for p in parts)
+
+
+def _env_origin(*prefix: str) -> Callable[[str], str]:
+    """Names the variable a key came from: `APPSERVER_LIMITS__QUEUE_MAX`."""
+    return lambda key: _env_name(*prefix, key)
+
+
+def _env_names(tree: dict[str, Any], *prefix: str) -> list[str]:
+    out: list[str] = []
+    for k, v in tree.items():
+        out.extend(_env_names(v, *prefix, k) if isinstance(v, dict) else [_env_name(*prefix, k)])
+    return out
 
 
 def builtin_providers() -> dict[str, ProviderConfig]:
     return {"openai": ProviderConfig(name="openai")}
 
 
+# ── the file: never silently replaced by defaults ──────────────────────────────────────────────
+
+_STAMP_RE = re.compile(r"\.corrupt-(\d{8}T\d{6})")
+
+
+def set_aside_time(path: Path) -> float:
+    """When `path` (a `<name>.corrupt-<stamp>` file) was set aside: its stamp (UTC), else its mtime."""
+    m = _STAMP_RE.search(path.name)
+    if m:
+        try:
+            return calendar.timegm(time.strptime(m.group(1), "%Y%m%dT%H%M%S"))
+        except ValueError:
+            pass
+    return path.stat().st_mtime
+
+
+def corrupt_copies(path: Path) -> list[Path]:
+    """`<name>.corrupt-*` files set aside from `path`, oldest first."""
+    if not path.parent.is_dir():
+        return []
+    return sorted(path.parent.glob(f"{path.name}.corrupt-*"), key=set_aside_time)
+
+
+def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
+    """The parsed file and a line saying what was loaded. Refuses (never falls back to defaults)
+    when the file is empty or unparseable, or when a set-aside copy is newer than it: a server
+    configured with auth must not come back without it because its config was damaged."""
+    asides = corrupt_copies(path)
+    newest = asides[-1] if asides else None
+    if not path.exists():
+        if newest is not None:
+            raise ConfigError(
+                f"{path} is missing and {newest.name} holds the config that was set aside as unreadable; "
+                f"repair it and move it back (mv {newest} {path}), or delete it to start from defaults"
+            )
+        if create:
+            atomic_write_text(path, DEFAULT_CONFIG_TOML)
+            return {}, f"wrote a default {path} (every setting at its default)"
+        return {}, f"no config file at {path}: every setting at its default"
+    if newest is not None and set_aside_time(newest) > path.stat().st_mtime:
+        raise ConfigError(
+            f"{newest} was set aside as unreadable after {path} was last written, so {path.name} is "
+            f"probably not the config you meant: repair the set-aside file and move it over {path.name}, "
+            f"or delete it to use {path.name} as it is"
+        )
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ConfigError(
+            f"{path} is empty ({len(raw)} bytes), which is not a valid config: restore it from a backup, "
+            "or delete it to have a default one written (a file of comments only means all defaults)"
+        )
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        err = move_aside(path, f"invalid TOML: {exc}", quiet=True)
+        raise ConfigError(
+            f"{path} is not valid TOML ({exc}); moved aside to {err.moved_to.name}: repair it and move "
+            f"it back (mv {err.moved_to} {path}), or delete it to start from defaults"
+        ) from None
+    return data, f"loaded {path}"
+
+
 def load_config(home: Path | None = None, environ: dict[str, str] | None = None, *, create: bool = True) -> Config:
-    """Read `home/config.toml` (created with commented defaults on first use) plus env overrides."""
+    """Read `home/config.toml` (written with commented defaults when the home has none) plus
+    environment overrides, every value checked. `Config.source` says what was loaded."""
     home = (home or default_home()).expanduser().resolve()
     environ = dict(os.environ) if environ is None else environ
     if create:
         ensure_private_dir(home)
     path = home / "config.toml"
-    data: dict[str, Any] = {}
-    if path.exists():
-        try:
-            data = tomllib.loads(path.read_text("utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(str(move_aside(path, f"invalid TOML: {exc}"))) from None
-    elif create:
-        atomic_write_text(path, DEFAULT_CONFIG_TOML)
-    data = _merge(data, _env_overrides(environ))
+    data, source = _read_config_file(path, create)
+    env = _env_overrides(environ)
+    overridden = _env_names(env)
+    if overridden:
+        source += f"; environment overrides: {', '.join(sorted(overridden))}"
 
-    cfg = Config(home=home, providers=builtin_providers())
+    def in_file(key: str) -> str:
+        return str(path)
+
+    tick_origin: Callable[[str], str] = lambda key: "APPSERVER_CRON_TICK_S"  # noqa: E731
+    cfg = Config(home=home, providers=builtin_providers(), source=source)
     for section, target in (("server", cfg.server), ("limits", cfg.limits), ("auth", cfg.auth), ("cron", cfg.cron)):
-        raw = data.pop(section, {})
-        if not isinstance(raw, dict):
-            raise ConfigError(f"[{section}] must be a table")
-        _apply_section(target, raw, section)
+        for raw, origin, from_env in (
+            (data.pop(section, {}), in_file, False),
+            (env.pop(section, {}), _env_origin(section), True),
+        ):
+            if not isinstance(raw, dict):
+                where = str(path) if not from_env else f"APPSERVER_{section.upper()}"
+                raise ConfigError(f"{where}: [{section}] must be a table")
+            _apply_section(target, raw, section, origin, from_env=from_env)
     if environ.get("APPSERVER_DISABLE_CRON") == "1":
         cfg.cron.enabled = False
     if "APPSERVER_CRON_TICK_S" in environ:
-        cfg.cron.tick_s = _coerce(environ["APPSERVER_CRON_TICK_S"], 1.0, "APPSERVER_CRON_TICK_S")
+        _apply_section(cfg.cron, {"tick_s": environ["APPSERVER_CRON_TICK_S"]}, "cron", tick_origin, from_env=True)
 
-    for name, raw in (data.pop("providers", {}) or {}).items():
-        if not isinstance(raw, dict):
-            raise ConfigError(f"[providers.{name}] must be a table")
+    file_provs = data.pop("providers", {}) or {}
+    env_provs = env.pop("providers", {}) or {}
+    if not isinstance(file_provs, dict) or not isinstance(env_provs, dict):
+        raise ConfigError(f"{path}: [providers] must be a table of [providers.NAME] tables")
+    for name in [*file_provs, *(n for n in env_provs if n not in file_provs)]:
+        raw_file, raw_env = file_provs.get(name, {}), env_provs.get(name, {})
+        for raw, where in ((raw_file, str(path)), (raw_env, _env_name("providers", name))):
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{where}: [providers.{name}] must be a table")
+        if name == "echo":
+            raise ConfigError(f"{path if raw_file else _env_name('providers', name)}: [providers.echo] is built in and cannot be configured")
         prov = cfg.providers.get(name) or ProviderConfig(name=name)
-        kind = raw.get("kind", prov.kind)
-        if kind not in ("openai", "anthropic"):
-            raise ConfigError(f"[providers.{name}] kind must be 'openai' or 'anthropic', got {kind!r}")
         if name not in cfg.providers:
+            kind_origin, kind = (
+                (_env_name("providers", name, "kind"), raw_env["kind"]) if "kind" in raw_env
+                else (str(path), raw_file.get("kind", prov.kind))
+            )
+            if kind not in ("openai", "anthropic"):
+                raise ConfigError(f"{kind_origin}: [providers.{name}] kind must be one of 'openai', 'anthropic', got {kind!r}")
             if kind == "anthropic":
                 prov.base_url, prov.api_key_env = "https://api.anthropic.com", "ANTHROPIC_API_KEY"
-            elif "base_url" in raw:
+            elif "base_url" in raw_file or "base_url" in raw_env:
                 prov.api_key_env = None  # a local OpenAI-compatible server needs no key unless named
-        _apply_section(prov, raw, f"providers.{name}")
-        if prov.transport not in ("lean", "httpx"):
-            raise ConfigError(f"[providers.{name}] transport must be 'lean' or 'httpx', got {prov.transport!r}")
-        if name == "echo":
-            raise ConfigError("[providers.echo] is built in and cannot be configured")
+        _apply_section(prov, raw_file, f"providers.{name}", in_file, from_env=False)
+        _apply_section(prov, raw_env, f"providers.{name}", _env_origin("providers", name), from_env=True)
         cfg.providers[name] = prov
     if data:
-        raise ConfigError(f"unknown section(s) in config.toml: {', '.join(sorted(data))}")
+        raise ConfigError(
+            f"{path}: unknown section(s) {', '.join(sorted(data))}; known: server, limits, auth, cron, providers.NAME"
+        )
+    if env:
+        names = ", ".join(sorted(_env_names(env)))
+        raise ConfigError(f"{names}: no such config section; known: server, limits, auth, cron, providers")
+    if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
+        raise ConfigError(f"{path}: [server] tls_cert and tls_key go together (set both or neither)")
     return cfg

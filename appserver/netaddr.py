@@ -207,3 +207,26 @@ def check_bind_allowed(listen: str | ListenAddress, auth_mode: str) -> None:
             "(then create a token with `appserver token create`) or --auth jwt "
             "(with [auth] jwt_secret_file or jwt_public_key_file in config.toml)."
         )
+
+
+def parse_trusted_proxies(entries: list[str]) -> list[str]:
+    """`[server] trusted_proxies` → normalised IP addresses and CIDR networks (`10.0.0.0/8`).
+
+    Only a peer in this list may set the client address (`X-Forwarded-For`) and scheme
+    (`X-Forwarded-Proto`); from anyone else those headers are ignored, so a client cannot pose as
+    another address to escape the per-client limit. `*` is refused: name the proxies (or, if every
+    peer really is a proxy, say `0.0.0.0/0` and `::/0`). Raises ValueError naming the bad entry.
+    """
+    out: list[str] = []
+    for entry in entries:
+        text = str(entry).strip()
+        if text == "*":
+            raise ValueError("[server] trusted_proxies: '*' is not supported; list the proxies' addresses or networks")
+        try:
+            if "/" in text:
+                out.append(str(ipaddress.ip_network(text, strict=False)))
+            else:
+                out.append(str(ipaddress.ip_address(text.strip("[]"))))
+        except ValueError:
+            raise ValueError(f"[server] trusted_proxies: {entry!r} is not an IP address or network (CIDR)") from None
+    return out

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from appserver.agent.loop import AgentLoop
 from appserver.agent.schedule_tool import SCHEDULE
 from appserver.agent.tools import ToolRegistry, builtin_tools
 from appserver.agents import Agents
 from appserver.config import Config
+from appserver.fsutil import set_aside_files, tighten_home
 from appserver.providers.registry import ProviderRegistry
+from appserver.readiness import CheckResult, Readiness
 from appserver.runtime.kernel import Kernel
 from appserver.store.sqlite import SQLiteStore
 
@@ -24,18 +27,64 @@ class Server:
         self.store = SQLiteStore(config.db_path)
         self.providers = ProviderRegistry(config)
         self.tools = ToolRegistry([*builtin_tools(), SCHEDULE])
-        self.services: dict[str, object] = {}
+        self.services: dict[str, object] = {"store": self.store}  # tools read it (schedule: namespaces)
         self.agent_loop = AgentLoop(config, self.providers, self.tools, self.services)
         self.kernel = Kernel(config, self.store, self.agent_loop)
         self.agents = Agents(self.kernel)
+        self.readiness = Readiness()
+        self.readiness.register("store", self._check_store)
+        self.readiness.register("kernel", self._check_kernel, ttl_s=0)
+        self.readiness.register("state_files", self._check_state_files)
+        self._opened = False
 
     async def open(self, *, serve: bool = False) -> None:
+        """Tighten the home, open the store (refusing a damaged one), settle crashed turns.
+        Idempotent: `serve` opens before it binds the app, so a refusal is one line, not a
+        traceback from inside the ASGI lifespan."""
+        if self._opened:
+            return
+        home = self.config.home
+        changed = tighten_home(home)
+        if changed:
+            shown = ", ".join(str(p.relative_to(home)) if p != home else str(p) for p in changed[:5])
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            log.info("permissions tightened to owner-only (0700/0600) under %s: %s%s", home, shown, more)
         await self.store.open()
         if self.store.fresh and not await self.store.list_agents():
             await self.agents.create(DEFAULT_AGENT, "echo", "")
         await self.kernel.start(serve=serve)
+        self._opened = True
+        for path in set_aside_files(home):
+            log.warning("%s", set_aside_notice(home, path))
 
     async def close(self) -> None:
+        if not self._opened:
+            await self.store.close()  # an open that failed half way
+            return
+        self._opened = False
         await self.kernel.stop()
         await self.providers.aclose()
         await self.store.close()
+
+    async def _check_store(self) -> CheckResult:
+        """A real write and enough free disk (see SQLiteStore.check_writable)."""
+        return CheckResult("ok", await self.store.check_writable(self.config.limits.min_free_disk_bytes))
+
+    async def _check_kernel(self) -> CheckResult:
+        return CheckResult("fail", "stopping") if self.kernel._stopping else CheckResult("ok")
+
+    async def _check_state_files(self) -> CheckResult:
+        found = set_aside_files(self.config.home)
+        if not found:
+            return CheckResult("ok")
+        return CheckResult("warn", "; ".join(set_aside_notice(self.config.home, p) for p in found))
+
+
+def set_aside_notice(home: Path, path: Path) -> str:
+    """What to tell the operator about a state file that was moved aside as unreadable."""
+    original = path.name.split(".corrupt-", 1)[0]
+    rel = path.relative_to(home)
+    return (
+        f"{rel} was set aside as unreadable ({original} lost what it held): repair it and move it back "
+        f"over {original}, or delete it once nothing in it is needed"
+    )

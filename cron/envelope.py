@@ -16,6 +16,10 @@ NO_USER_LINE = (
     "No user is watching this run: it was started by the scheduler, not by a person. "
     "Do the task on your own; do not ask questions or wait for confirmation."
 )
+MANUAL_LINE = (
+    "Started by hand (run now), outside the schedule. Nobody will answer during this run: "
+    "do the task on your own; do not ask questions or wait for confirmation."
+)
 
 
 def _fmt(dt: datetime, tz_name: str) -> str:
@@ -26,23 +30,26 @@ def _fmt(dt: datetime, tz_name: str) -> str:
     return local.strftime("%Y-%m-%d %H:%M:%S %Z (UTC%z)").replace("(UTC+0000)", "(UTC)")
 
 
-def build_envelope(task: CronTask, occurrence: Occurrence) -> str:
-    """The full input text of the `cron_prompt` turn."""
+def _late(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def build_envelope(task: CronTask, occurrence: Occurrence, agent_name: str | None = None) -> str:
+    """The full input text of the `cron_prompt` turn (the agent by name when it is known)."""
     tz = task.schedule.tz
     lines = [
-        f'Scheduled task "{task.name}" (id {task.id}, agent {task.agent})',
+        f'Scheduled task "{task.name}" (id {task.id}, agent {agent_name or task.agent})',
         f"Schedule: {task.schedule.describe()}",
         f"Scheduled for: {_fmt(occurrence.scheduled_for, tz)}",
         f"Current time: {_fmt(occurrence.fired_at, tz)}",
         f"Timezone: {tz}",
         f"Occurrence: #{occurrence.number}",
     ]
-    if occurrence.manual:
-        lines.append("Started by hand (run now), outside the schedule.")
-    elif occurrence.catch_up:
-        minutes = occurrence.late_s / 60
-        lines.append(f"This is a late catch-up run ({minutes:.0f} min after its scheduled time).")
+    if occurrence.catch_up and not occurrence.manual:
+        lines.append(
+            f"This is a late catch-up run ({_late(occurrence.late_s)} after its scheduled time)."
+        )
     if task.deliver:
         lines.append(f"Your final reply will be delivered to {task.deliver}.")
-    lines.append(NO_USER_LINE)
+    lines.append(MANUAL_LINE if occurrence.manual else NO_USER_LINE)
     return "\n".join(lines) + "\n\n" + task.prompt

@@ -2,7 +2,8 @@
 
 Events: `fired` (written when the occurrence is claimed, before the turn is submitted), `submitted`
 (the turn id), `fire_failed`, `missed` (with its reason), `outcome` (the turn's end), `error`
-(a visible task failure such as an invalid expression). A `fired` line without a later `submitted`
+(a visible task failure such as an invalid expression), `removed` (the task was removed; the record
+keeps the task, so its log can still be found by name). A `fired` line without a later `submitted`
 or `fire_failed` line is an occurrence claimed by a process that died before submitting it: it is
 never fired again (at most once), and the reader marks it `lost` so it is not silently missing.
 """
@@ -20,7 +21,8 @@ from appserver.fsutil import ensure_private_dir
 
 log = logging.getLogger("appserver.cron")
 
-EVENTS = ("fired", "submitted", "fire_failed", "missed", "outcome", "error")
+EVENTS = ("fired", "submitted", "fire_failed", "missed", "outcome", "error", "removed")
+TAIL_BYTES = 64 * 1024  # how much of a log's end the start-up and removed-task scans read
 
 
 def run_log_path(runs_dir: Path, task_id: str) -> Path:
@@ -55,6 +57,12 @@ def read_runs(runs_dir: Path, task_id: str, *, limit: int | None = None) -> list
         raw = path.read_bytes()
     except FileNotFoundError:
         return []
+    out = _parse(raw, path)
+    _mark_lost(out)
+    return out[-limit:] if limit else out
+
+
+def _parse(raw: bytes, path: Path, *, quiet: bool = False) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
@@ -62,12 +70,82 @@ def read_runs(runs_dir: Path, task_id: str, *, limit: int | None = None) -> list
         try:
             rec = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
-            log.warning("%s:%d: skipping unreadable run-log line", path, n)
+            if not quiet:
+                log.warning("%s:%d: skipping unreadable run-log line", path, n)
             continue
         if isinstance(rec, dict):
             out.append(rec)
-    _mark_lost(out)
-    return out[-limit:] if limit else out
+    return out
+
+
+def _tail(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
+    """The whole records in the last `max_bytes` of a log (a cut first line is dropped)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - max_bytes))
+            raw = f.read()
+    except OSError:
+        return []
+    if size > max_bytes:
+        raw = raw.partition(b"\n")[2]
+    return _parse(raw, path, quiet=True)
+
+
+def unrecorded_turns(runs_dir: Path, before: datetime) -> list[tuple[str, int, str]]:
+    """(task id, occurrence, turn id) of every turn submitted before `before` whose outcome was
+    never logged: the process that fired it died (or stopped) before the turn ended. Only the tail
+    of each log is read: an outcome still missing is recent."""
+    if not runs_dir.is_dir():
+        return []
+    found: list[tuple[str, int, str]] = []
+    for path in sorted(runs_dir.glob("*.jsonl")):
+        records = _tail(path)
+        ended = {r.get("occurrence") for r in records if r.get("event") == "outcome"}
+        for r in records:
+            n, turn_id = r.get("occurrence"), r.get("turn_id")
+            if (
+                r.get("event") == "submitted"
+                and isinstance(n, int)
+                and isinstance(turn_id, str)
+                and n not in ended
+                and _at(r) < before
+            ):
+                found.append((path.stem, n, turn_id))
+    return found
+
+
+def _at(record: dict[str, Any]) -> datetime:
+    try:
+        return datetime.fromisoformat(str(record.get("at")))
+    except ValueError:
+        return datetime.max.replace(tzinfo=UTC)  # undated: not known to be from before
+
+
+def find_removed(runs_dir: Path, ref: str) -> list[dict[str, Any]]:
+    """The tasks (as kept by their `removed` record) whose id or name is `ref`, newest removal
+    last. A removed task's log stays in cron-runs/<task id>.jsonl."""
+    if not runs_dir.is_dir():
+        return []
+    try:
+        by_id = [run_log_path(runs_dir, ref)]
+    except ValueError:
+        by_id = []
+    paths = [p for p in by_id if p.exists()] or sorted(runs_dir.glob("*.jsonl"))
+    found: list[tuple[str, dict[str, Any]]] = []
+    for path in paths:
+        removed = [r for r in _tail(path) if r.get("event") == "removed"]
+        task = removed[-1].get("task") if removed else None
+        if path.stem == ref:
+            found.append(
+                (
+                    str(removed[-1].get("at", "")) if removed else "",
+                    task if isinstance(task, dict) else {"id": ref},
+                )
+            )
+        elif isinstance(task, dict) and task.get("name") == ref:
+            found.append((str(removed[-1].get("at", "")), task))
+    return [task for _, task in sorted(found, key=lambda x: x[0])]
 
 
 def _mark_lost(records: list[dict[str, Any]]) -> None:

@@ -9,6 +9,7 @@ envelope text, the run-log records — is done here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -61,14 +62,17 @@ class TurnOutcome:
 FireFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
 SubmitFn = Callable[[CronSubmission], Awaitable[str | None]]
 AwaitOutcomeFn = Callable[[str], Awaitable[TurnOutcome]]
+AgentNameFn = Callable[[str], Awaitable[str | None]]
 Clock = Callable[[], datetime]
 
 
-def make_submission(task: CronTask, occurrence: Occurrence) -> CronSubmission:
+def make_submission(
+    task: CronTask, occurrence: Occurrence, agent_name: str | None = None
+) -> CronSubmission:
     return CronSubmission(
         agent=task.agent,
         conversation=task.conversation,
-        input_text=build_envelope(task, occurrence),
+        input_text=build_envelope(task, occurrence, agent_name),
         task_id=task.id,
         task_name=task.name,
         occurrence=occurrence,
@@ -76,11 +80,13 @@ def make_submission(task: CronTask, occurrence: Occurrence) -> CronSubmission:
     )
 
 
-def make_fire(submit: SubmitFn) -> FireFn:
-    """Adapt a kernel submit into the scheduler's `fire(task, occurrence) -> turn id`."""
+def make_fire(submit: SubmitFn, agent_name: AgentNameFn | None = None) -> FireFn:
+    """Adapt a kernel submit into the scheduler's `fire(task, occurrence) -> turn id`;
+    `agent_name(agent id)` lets the envelope name the agent the way its users do."""
 
     async def fire(task: CronTask, occurrence: Occurrence) -> str | None:
-        return await submit(make_submission(task, occurrence))
+        name = await agent_name(task.agent) if agent_name is not None else None
+        return await submit(make_submission(task, occurrence, name))
 
     return fire
 
@@ -122,7 +128,7 @@ def record_outcome(
         else:
             store.keep(state)  # unchanged: the scheduler's next tick need not parse the file again
             return
-        store.save(state)
+        store.save(state, cache=True)  # nothing of `state` is handed out
 
 
 def _record_fire_failure(
@@ -133,7 +139,9 @@ def _record_fire_failure(
         task = state.get(task_id)
         if task is not None:
             task.set_error(f"run #{occurrence} could not be submitted: {message}", now)
-            store.save(state)
+            store.save(state, cache=True)
+        else:
+            store.keep(state)
 
 
 async def submit_claimed(
@@ -195,9 +203,10 @@ def claim_manual(
         task = state.find(ref, agent)
         occ = task.claim(now, now, now, manual=True)
         task.updated_at = now
-        store.save(state)
+        copy = dataclasses.replace(task)  # handed out; the cached state stays the store's
+        store.save(state, cache=True)
         append_run(store.runs_dir, task.id, "fired", **occ.to_dict())
-    return task, occ
+    return copy, occ
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +223,7 @@ async def run_task_now(
     *,
     fire: FireFn | None = None,
     submit: SubmitFn | None = None,
+    agent_name: AgentNameFn | None = None,
     agent: str | None = None,
     clock: Clock = utcnow,
     await_outcome: AwaitOutcomeFn | None = None,
@@ -225,7 +235,7 @@ async def run_task_now(
     ready `fire`."""
     if (fire is None) == (submit is None):
         raise TypeError("pass exactly one of fire= or submit=")
-    fire_fn = fire if fire is not None else make_fire(submit)  # type: ignore[arg-type]
+    fire_fn = fire if fire is not None else make_fire(submit, agent_name)  # type: ignore[arg-type]
     store = home if isinstance(home, CronStore) else CronStore(home)
     task, occ = await asyncio.to_thread(claim_manual, store, ref, agent=agent, now=clock())
     turn_id = await submit_claimed(

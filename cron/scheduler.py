@@ -1,4 +1,8 @@
-"""The scheduler: one per home dir (whoever holds the lease), ticking on minute boundaries.
+"""The scheduler: one per home dir (whoever holds the lease). It sleeps until the earliest due time
+of its tasks, so a task fires within a second of when it is due; a tick on every `tick_s` boundary
+(minute boundaries by default) stays as the backstop, and a change of crons.json by another
+process (`appserver cron add`, …) wakes it at once (the file's signature is watched every
+`watch_s`).
 
 A tick, under the crons.json lock: verify or claim the lease (without it, do nothing; the next tick
 tries again, so a survivor takes over when the holder dies); for each enabled task that is due,
@@ -19,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cron.lease import LeaseHolder
-from cron.runlog import append_run
+from cron.runlog import append_run, unrecorded_turns
 from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
     DEFAULT_OUTCOME_TIMEOUT_S,
@@ -47,6 +51,10 @@ log = logging.getLogger("appserver.cron")
 
 RUN_ALL_CAP = 10  # run_all fires at most this many catch-up runs per task per tick
 MAX_ENUMERATE = 1000  # missed occurrences listed one by one before the rest are summarised
+CATCH_UP_AFTER_S = 2.0  # a run this late past its due time fires after downtime: "catch-up"
+WATCH_S = 0.25  # how often the sleeping scheduler looks whether crons.json changed
+MIN_TICK_GAP_S = 0.5  # due-time ticks are at least this far apart (each that fires saves crons.json)
+PROBLEM_LOG_EVERY_S = 60.0  # a lasting problem (corrupt crons.json, …) is logged this often
 
 
 _Missed = tuple[datetime, str]  # nominal time, reason
@@ -58,42 +66,54 @@ def apply_misfire(
     now: datetime,
     max_lateness: timedelta,
     run_all_cap: int = RUN_ALL_CAP,
+    catch_up_after: timedelta = timedelta(seconds=CATCH_UP_AFTER_S),
 ) -> tuple[list[tuple[datetime, datetime, bool]], list[_Missed]]:
-    """Split the (nominal, due) occurrences that came due into runs (nominal, due, catch_up) and
-    misses. Occurrences at most `max_lateness` late run normally under every policy; later ones are
-    misfires: `skip` records each as missed, `run_once` runs only the latest (or none when an
-    on-time run happens anyway), `run_all` runs them all, keeping the most recent `run_all_cap`."""
-    late = [o for o in due if now - o[1] > max_lateness]
-    on_time = [o for o in due if now - o[1] <= max_lateness]
-    runs: list[tuple[datetime, datetime, bool]] = [(n, d, False) for n, d in on_time]
-    missed: list[_Missed] = []
+    """Split the (nominal, due) occurrences that came due, oldest first, into runs
+    (nominal, due, catch_up) and misses. One tick sees several only after downtime (the scheduler
+    wakes at every due time), so:
+    `skip` runs at most the most recent occurrence that is at most `max_lateness` late, and records
+    the others as missed; `run_once` runs only the most recent one, however late; `run_all` runs
+    them all, keeping the most recent `run_all_cap`. Every run later than `catch_up_after` past its
+    due time fired after downtime and is labelled catch-up."""
+
+    def run(o: tuple[datetime, datetime]) -> tuple[datetime, datetime, bool]:
+        return (o[0], o[1], now - o[1] > catch_up_after)
+
+    if not due:
+        return [], []
+    if policy == "run_all":
+        cap = max(1, run_all_cap)
+        runs = [run(o) for o in due[-cap:]]
+        missed = [(n, f"beyond the run_all cap of {cap} catch-up runs") for n, _ in due[:-cap]]
+        return runs, missed
     if policy == "run_once":
-        if late and not on_time:
-            n, d = late[-1]
-            runs = [(n, d, True)]
-            missed = [
-                (n, "coalesced into one catch-up run (misfire=run_once)") for n, _ in late[:-1]
-            ]
-        else:
-            missed = [(n, "coalesced into the on-time run (misfire=run_once)") for n, _ in late]
-    elif policy == "run_all":
-        everything = [(n, d, True) for n, d in late] + runs
-        runs = everything[-run_all_cap:]
         missed = [
-            (n, f"beyond the run_all cap of {run_all_cap} catch-up runs")
-            for n, _, _ in everything[:-run_all_cap]
+            (n, "coalesced into one run of the most recent occurrence (misfire=run_once)")
+            for n, _ in due[:-1]
         ]
-    else:  # skip, and anything unknown: never run late work by accident
-        limit = max_lateness.total_seconds()
-        missed = [
-            (
-                n,
-                f"late by {(now - d).total_seconds():.0f} s (> max lateness {limit:g} s; "
-                "misfire=skip): the scheduler was not running or could not keep up",
+        return [run(due[-1])], missed
+    # skip, and anything unknown: never run late work by accident
+    limit = max_lateness.total_seconds()
+    on_time = [o for o in due if now - o[1] <= max_lateness]
+    missed = []
+    for n, d in due:
+        if now - d > max_lateness:
+            missed.append(
+                (
+                    n,
+                    f"late by {(now - d).total_seconds():.0f} s (> max lateness {limit:g} s; "
+                    "misfire=skip): the scheduler was not running or could not keep up",
+                )
             )
-            for n, d in late
-        ]
-    return runs, missed
+        elif (n, d) != on_time[-1]:
+            missed.append(
+                (
+                    n,
+                    "skipped: after downtime only the most recent occurrence within the max "
+                    f"lateness of {limit:g} s runs (misfire=skip)",
+                )
+            )
+    return ([run(on_time[-1])] if on_time else []), missed
 
 
 @dataclass(slots=True)
@@ -134,6 +154,8 @@ class Scheduler:
         outcome_timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
         run_all_cap: int = RUN_ALL_CAP,
         lock_timeout_s: float | None = None,
+        watch_s: float = WATCH_S,
+        problem_log_every_s: float = PROBLEM_LOG_EVERY_S,
     ) -> None:
         if isinstance(home, CronStore):
             self.store = home
@@ -148,9 +170,17 @@ class Scheduler:
         self.fire_timeout_s = fire_timeout_s
         self.outcome_timeout_s = outcome_timeout_s
         self.run_all_cap = max(1, run_all_cap)
+        self.watch_s = watch_s
+        self.problem_log_every_s = problem_log_every_s
         self.lease = LeaseHolder(self.store, started_at=clock())
         self.has_lease = False
+        self.started_at = utcnow()  # real time, as run-log records are stamped
         self._watchers: set[asyncio.Task[TurnOutcome]] = set()
+        self._next_due: datetime | None = None  # earliest due time of an enabled task (lease held)
+        self._last_tick: datetime | None = None
+        self._seen: tuple[int, int, int] | None = None  # crons.json signature after our last look
+        self._tick_error: str | None = None
+        self._problem_logged: tuple[str, float] | None = None  # (text, monotonic time)
 
     @classmethod
     def from_config(cls, cfg: Any, *, fire: FireFn, **kwargs: Any) -> Scheduler:
@@ -163,7 +193,7 @@ class Scheduler:
     async def tick(self) -> TickReport:
         """One pass: lease, claim what is due (saved before firing), then fire it."""
         report = TickReport()
-        now = self.clock()
+        now = self._last_tick = self.clock()
         planned = await asyncio.to_thread(self._claim_due, now, report)
         for item in planned:
             turn_id = await submit_claimed(
@@ -187,7 +217,9 @@ class Scheduler:
                 if self.has_lease:
                     log.warning("cron: lost the scheduler lease; another process owns it now")
                 self.has_lease = report.has_lease = False
+                self._next_due = None
                 self.store.keep(state)
+                self._seen = self.store.signature()
                 return []
             if not self.has_lease:
                 log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
@@ -195,13 +227,22 @@ class Scheduler:
             changed = not had
             planned: list[_Planned] = []
             logs: list[tuple[str, str, dict[str, Any]]] = []
+            next_due: datetime | None = None
             for task in state.tasks:
-                if task.enabled and self._plan_task(task, now, planned, logs, report):
+                if not task.enabled:
+                    continue
+                if self._plan_task(task, now, planned, logs, report):
                     changed = True
+                if task.next_due_at is not None and (
+                    next_due is None or task.next_due_at < next_due
+                ):
+                    next_due = task.next_due_at
+            self._next_due = next_due
             if changed:
                 self.store.save(state, cache=True)  # the claim, persisted before anything fires
             else:
                 self.store.keep(state)
+            self._seen = self.store.signature()
             for task_id, event, fields_ in logs:
                 append_run(self.store.runs_dir, task_id, event, **fields_)
             return planned
@@ -331,6 +372,15 @@ class Scheduler:
 
     # ------------------------------------------------------------ outcomes
 
+    def watch(self, task_id: str, occurrence: int, turn_id: str) -> None:
+        """Record the outcome of a submitted turn when it ends (needs `await_outcome`)."""
+        self._watch(task_id, occurrence, turn_id)
+
+    def unrecorded_turns(self) -> list[tuple[str, int, str]]:
+        """Turns submitted before this scheduler started whose outcome was never logged (their
+        process died or stopped first): (task id, occurrence, turn id). Blocking file I/O."""
+        return unrecorded_turns(self.store.runs_dir, self.started_at)
+
     def _watch(self, task_id: str, occurrence: int, turn_id: str) -> None:
         assert self.await_outcome is not None
         t = asyncio.create_task(
@@ -381,20 +431,81 @@ class Scheduler:
         now = self.clock().timestamp()
         return self.tick_s - (now % self.tick_s) + 0.005
 
+    def next_wake(self) -> datetime:
+        """When the loop ticks next: the earliest due time of a task (while holding the lease),
+        the next tick boundary at the latest, and not sooner than MIN_TICK_GAP_S after the last
+        tick (so ten thousand tasks with spread-out due times do not save crons.json nonstop)."""
+        now = self.clock()
+        wake = now + timedelta(seconds=self.seconds_to_next_tick())
+        if self.has_lease and self._next_due is not None and self._next_due < wake:
+            wake = self._next_due
+        if self._last_tick is not None:  # (a configured tick shorter than the gap is honoured)
+            gap = min(MIN_TICK_GAP_S, self.tick_s)
+            wake = max(wake, self._last_tick + timedelta(seconds=gap))
+        return wake
+
+    def changed_elsewhere(self) -> bool:
+        """Did another process write crons.json since our last tick? (Our own writes, such as an
+        outcome recorded by a watcher, are recognised by the store's cached signature.)"""
+        sig = self.store.signature()
+        if sig == self._seen:
+            return False
+        if sig is not None and sig == self.store.cached_signature():
+            self._seen = sig
+            return False
+        return True
+
+    def problem(self) -> str | None:
+        """Why cron is not doing its job right now, in one line (None when all is well): a
+        crons.json that was set aside as corrupt, or a tick that fails. For /readyz and the log."""
+        found = [p for p in (self.store.problem(), self._tick_error) if p]
+        return "; ".join(found) or None
+
+    def _log_problem(self) -> None:
+        """Log a lasting problem at every tick, at most once per `problem_log_every_s` (and at
+        once when it changes), so a broken crons.json cannot go quiet after one line."""
+        text = self.problem()
+        if text is None:
+            self._problem_logged = None
+            return
+        now = asyncio.get_running_loop().time()
+        last = self._problem_logged
+        if last is None or last[0] != text or now - last[1] >= self.problem_log_every_s:
+            log.error("cron: %s", text)
+            self._problem_logged = (text, now)
+
+    async def _sleep(self, stop: asyncio.Event) -> None:
+        """Sleep until `next_wake()`, waking early when stopped or when crons.json is changed by
+        another process while we hold the lease (a new task may be due before then). Measured
+        on the wall clock, so a suspended machine ticks as soon as it resumes."""
+        wake = self.next_wake()
+        while not stop.is_set():
+            left = (wake - self.clock()).total_seconds()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=min(left, self.watch_s))
+            except TimeoutError:
+                pass
+            if self.has_lease and self.changed_elsewhere():
+                return
+
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until `stop` is set; then release the lease and stop outcome watchers."""
         try:
             while not stop.is_set():
                 try:
                     await self.tick()
+                    self._tick_error = None
                 except (CorruptStateFile, CronStoreError) as exc:
-                    log.error("cron: tick skipped: %s", exc)
-                except Exception:
+                    self._tick_error = f"tick skipped: {exc}"
+                    self._seen = self.store.signature()
+                except Exception as exc:
                     log.exception("cron: tick failed")
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=self.seconds_to_next_tick())
-                except TimeoutError:
-                    pass
+                    self._tick_error = f"tick failed: {type(exc).__name__}: {exc}"
+                    self._seen = self.store.signature()
+                self._log_problem()
+                await self._sleep(stop)
         finally:
             await self.close()
 

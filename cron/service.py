@@ -8,15 +8,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from appserver.procid import identity_alive
 from appserver.runtime.kernel import SubmitRequest
 from appserver.server import Server
 from cron.runner import (
+    AgentNameFn,
     AwaitOutcomeFn,
     CronSubmission,
     RunNowResult,
     SubmitFn,
     TurnOutcome,
     make_fire,
+    record_outcome,
 )
 from cron.scheduler import Scheduler
 
@@ -57,6 +60,16 @@ def kernel_await_outcome(server: Server) -> AwaitOutcomeFn:
     return wait
 
 
+def kernel_agent_name(server: Server) -> AgentNameFn:
+    """The agent's name for the envelope (None when the agent is gone: the id is shown)."""
+
+    async def name(agent_id: str) -> str | None:
+        agent = await server.store.get_agent(agent_id)
+        return None if agent is None else agent.name
+
+    return name
+
+
 SERVICE_KEY = "cron"  # server.services[SERVICE_KEY] while `serve` runs
 
 
@@ -68,16 +81,55 @@ class CronService:
         self.server = server
         self.scheduler = Scheduler.from_config(
             server.config,
-            fire=make_fire(kernel_submit(server)),
+            fire=make_fire(kernel_submit(server), kernel_agent_name(server)),
             await_outcome=kernel_await_outcome(server),
         )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._recovery: asyncio.Task[int] | None = None
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(
             self.scheduler.run(self._stop), name="cron-scheduler"
         )
+
+    def problem(self) -> str | None:
+        """One line saying why cron cannot do its job (a crons.json set aside as corrupt and not
+        yet dealt with, a tick that keeps failing), or None. Cheap and synchronous: for /readyz."""
+        return self.scheduler.problem()
+
+    def start_recovery(self) -> None:
+        self._recovery = asyncio.get_running_loop().create_task(
+            self.recover_outcomes(), name="cron-recover-outcomes"
+        )
+
+    async def recover_outcomes(self) -> int:
+        """Record the outcomes of cron turns that a previous server submitted but did not see end
+        (killed, or stopped while they were queued or running): this process settles or runs
+        them now. Each is watched until it ends, then logged like any other; returns how many."""
+        pending = await asyncio.to_thread(self.scheduler.unrecorded_turns)
+        watched = 0
+        for task_id, occurrence, turn_id in pending:
+            turn = await self.server.store.get_turn(turn_id)
+            if turn is None:  # accepted by a process that died before its store commit
+                await asyncio.to_thread(
+                    record_outcome,
+                    self.scheduler.store,
+                    task_id,
+                    occurrence,
+                    turn_id,
+                    TurnOutcome("lost", "the turn never reached the store (its server died)"),
+                )
+                continue
+            if turn.owner and turn.owner != self.server.kernel.owner and identity_alive(turn.owner):
+                continue  # another live process runs it and will record it
+            self.scheduler.watch(task_id, occurrence, turn_id)
+            watched += 1
+        if pending:
+            log.info(
+                "cron: recovering the outcome of %d turn(s) of a previous server", len(pending)
+            )
+        return watched
 
     async def run_now(self, ref: str, *, agent: str | None = None) -> RunNowResult:
         """Fire task `ref` now in this server: the same claim, envelope, run log and outcome watch
@@ -86,6 +138,8 @@ class CronService:
 
     async def stop(self) -> None:
         self._stop.set()
+        if self._recovery is not None and not self._recovery.done():
+            self._recovery.cancel()
         if self._task is not None:
             try:
                 await asyncio.wait_for(self._task, 10)
@@ -102,6 +156,7 @@ async def cron_background(server: Server) -> AsyncIterator[None]:
     APPSERVER_DISABLE_CRON=1; "run now" through the server works either way)."""
     service = CronService(server)
     server.services[SERVICE_KEY] = service
+    service.start_recovery()  # this process owns the home's turns, scheduler or not
     if server.config.cron.enabled:
         service.start()
     try:

@@ -4,9 +4,11 @@ Every read-modify-write happens under `crons.json.lock` (a `filelock` with a tim
 process produces an error instead of a hang) and every write is atomic (temp file, fsync, rename),
 so ten concurrent `appserver cron add` processes produce ten tasks and a valid file.
 
-A file that cannot be understood is moved aside to `crons.json.corrupt-<timestamp>` and
-`CorruptStateFile` is raised: the command that found it fails loudly and writes nothing. The *next*
-command starts from an empty file — a user who was just told "your file was moved aside to X"
+A file that cannot be understood is moved aside to `crons.json.corrupt-<timestamp>` by the first
+*writer* that finds it (a command that changes tasks, or the scheduler), and `CorruptStateFile` is
+raised: the command that found it fails loudly and writes nothing. Readers (`cron list`, `show`,
+`logs`, `preview`) never move files: they raise `CronFileUnreadable` and leave the file for the user
+to fix. After a writer moved it, the *next* command starts from an empty file — a user who was just told "your file was moved aside to X"
 expects `cron add` to work again — while the moved file is never touched, and `corrupt_files()`
 lets every CLI command keep warning about it until the user restores or deletes it. Refusing all
 writes until the user acts was rejected: a forgotten corrupt file would silently stop every
@@ -37,6 +39,7 @@ from appserver.fsutil import (
     move_aside,
     read_json_or_move_aside,
 )
+from cron.runlog import append_run
 from cron.schedule import ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
 
 FORMAT_VERSION = 1
@@ -51,6 +54,7 @@ _TARGET_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 __all__ = [
     "CorruptStateFile",
     "CronFile",
+    "CronFileUnreadable",
     "CronLockTimeout",
     "CronNotFound",
     "CronStore",
@@ -72,6 +76,10 @@ class CronLockTimeout(CronStoreError):
 
 class CronNotFound(CronStoreError):
     """No task matches the given id or name."""
+
+
+class CronFileUnreadable(CronStoreError):
+    """A reader found crons.json unparseable; unlike a writer it leaves the file where it is."""
 
 
 def utcnow() -> datetime:
@@ -248,10 +256,20 @@ class CronTask:
             self.set_error(f"invalid schedule: {exc}", now)
         self.updated_at = now
 
-    def claim(self, scheduled_for: datetime, due_at: datetime, now: datetime, *, manual: bool = False, catch_up: bool = False) -> Occurrence:
+    def claim(
+        self,
+        scheduled_for: datetime,
+        due_at: datetime,
+        now: datetime,
+        *,
+        manual: bool = False,
+        catch_up: bool = False,
+    ) -> Occurrence:
         """Count one more run and record it as the last claimed occurrence (before anything fires)."""
         self.occurrence += 1
-        occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
+        occ = Occurrence(
+            self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up
+        )
         self.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
         return occ
 
@@ -387,20 +405,29 @@ class CronStore:
         finally:
             lk.release()
 
-    def _signature(self) -> tuple[int, int, int] | None:
+    def signature(self) -> tuple[int, int, int] | None:
+        """(inode, mtime, size) of crons.json now, None when there is none. Every atomic write
+        makes a new inode, so a different signature means someone wrote the file."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def load(self) -> CronFile:
-        """Parse crons.json (call with the lock held). Missing → empty; unusable → moved aside.
+    def cached_signature(self) -> tuple[int, int, int] | None:
+        """The signature of the state this object last saved or kept (None when it holds none):
+        a file with this signature was written by this process, not by someone else."""
+        cached = self._cache
+        return None if cached is None else cached[0]
+
+    def load(self, *, readonly: bool = False) -> CronFile:
+        """Parse crons.json (call with the lock held). Missing → empty; unusable → moved aside
+        (CorruptStateFile), or with `readonly` left in place (CronFileUnreadable).
         The caller owns the returned object: it leaves the cache until `save` or `keep`."""
         cached, self._cache = self._cache, None
-        if cached is not None and cached[0] == self._signature():
+        if cached is not None and cached[0] == self.signature():
             return cached[1]
-        raw = read_json_or_move_aside(self.path)
+        raw = self._read_json(readonly)
         if raw is None:
             return CronFile()
         if (
@@ -415,7 +442,29 @@ class CronStore:
         try:
             return CronFile.from_dict(raw)
         except (ValueError, TypeError, KeyError) as exc:
-            raise move_aside(self.path, f"not a valid crons.json: {exc}") from None
+            reason = f"not a valid crons.json: {exc}"
+            if readonly:
+                raise self._unreadable(reason) from None
+            raise move_aside(self.path, reason) from None
+
+    def _read_json(self, readonly: bool) -> Any:
+        if not readonly:
+            return read_json_or_move_aside(self.path)
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._unreadable(f"invalid JSON: {exc}") from None
+
+    def _unreadable(self, reason: str) -> CronFileUnreadable:
+        return CronFileUnreadable(
+            f"{self.path} cannot be read ({reason}); it was left in place: fix it, or let a "
+            "command that changes tasks (cron add, remove, enable, disable) or the running "
+            f"server's scheduler set it aside as {CRONS_FILE}.corrupt-<time>"
+        )
 
     def save(self, state: CronFile, *, cache: bool = False) -> None:
         """Write atomically (call with the lock held), one task per line: readable, and several
@@ -456,7 +505,7 @@ class CronStore:
         """Hand an unmodified loaded state back to the cache (call with the lock held), so the
         scheduler's next tick need not parse ten thousand tasks again. Same ownership rule as
         `save(cache=True)`."""
-        sig = self._signature()
+        sig = self.signature()
         self._cache = None if sig is None else (sig, state)
 
     @contextmanager
@@ -469,15 +518,28 @@ class CronStore:
 
     def read(self) -> CronFile:
         """A consistent snapshot (taken under the lock, so never a half-written file). The caller
-        may do what it likes with it; it is not cached."""
+        may do what it likes with it; it is not cached. A reader: an unparseable file raises
+        CronFileUnreadable and stays where it is."""
         with self.lock():
-            return self.load()
+            return self.load(readonly=True)
 
     def corrupt_files(self) -> list[Path]:
         """Files set aside as corrupt; the CLI warns about them until the user deals with them."""
         if not self.home.is_dir():
             return []
         return sorted(self.home.glob(f"{CRONS_FILE}.corrupt-*"))
+
+    def problem(self) -> str | None:
+        """One line when a crons.json was set aside as corrupt and not yet dealt with (its tasks
+        are not running), else None. Cheap: one directory listing."""
+        aside = self.corrupt_files()
+        if not aside:
+            return None
+        more = f" (and {len(aside) - 1} older)" if len(aside) > 1 else ""
+        return (
+            f"{self.path} was unreadable and was set aside as {aside[-1].name}{more}; the tasks "
+            f"in it are not scheduled: fix it and move it back to {CRONS_FILE}, or delete it"
+        )
 
     # ------------------------------------------------------------ task operations
 
@@ -494,9 +556,12 @@ class CronStore:
         return task
 
     def remove(self, ref: str, agent: str | None = None) -> CronTask:
+        """Remove a task; its run log stays, ending with a `removed` record that keeps the task
+        (so `cron logs NAME` still finds it by name)."""
         with self.transaction() as state:
             task = state.find(ref, agent)
             state.tasks.remove(task)
+        append_run(self.runs_dir, task.id, "removed", task=task.to_dict())
         return task
 
     def set_enabled(

@@ -6,6 +6,12 @@ receives (whole snapshots: it just redraws), and answers approval requests.
     python examples/ws_client.py --url http://127.0.0.1:8770 --agent assistant "hello"
     python examples/ws_client.py --agent careful --approve "/call clock {}"
 
+`--url` is the server's base URL (`make serve LISTEN=127.0.0.1:9000` → `--url http://127.0.0.1:9000`).
+The second line needs an agent whose clock asks for approval; agents are made with the CLI, not over
+the protocol, so create it first:
+
+    appserver agents create --name careful --tool clock=ask
+
 Only needs the `websockets` package.
 """
 
@@ -30,6 +36,8 @@ async def main(url: str, agent: str, text: str, approve: bool, token: str | None
             while True:  # frames before the reply are not expected here (nothing subscribed yet)
                 frame = json.loads(await ws.recv())
                 if frame.get("request_id") == request_id:
+                    if frame["type"] == "error" and frame["code"] == "agent_not_found":
+                        raise SystemExit(f"error {frame['code']}: {frame['message']}\ncreate it first, e.g.: appserver agents create --name {agent} --tool clock=ask")
                     if frame["type"] == "error":
                         raise SystemExit(f"error {frame['code']}: {frame['message']}")
                     return frame

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -243,3 +244,55 @@ def test_a_momentary_probe_never_turns_a_server_away(tmp_path: Path) -> None:
     assert HomeLock(path).held_elsewhere()
     lock.release()
     assert not HomeLock(path).held_elsewhere()
+
+
+def test_outcome_of_a_cron_turn_queued_at_kill9_is_recorded_by_the_next_server(home: Path) -> None:
+    """Issue 14.4: the primary fires a cron turn that queues behind a long turn, then dies by
+    kill -9; the next server runs the queued turn, and the run log gets its outcome."""
+    from tests.conftest import start_serve
+
+    env = cli_env(home)
+    first = start_serve(home, env=env)
+    second = None
+    try:
+
+        async def block() -> None:
+            ws = await WS.open(first.url)
+            try:
+                ack = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "default", "input": "/slow 600"})  # fmt: skip
+                assert ack["type"] == "ack", ack
+            finally:
+                await ws.close()  # a disconnect never cancels a turn
+
+        asyncio.run(block())
+        add = run_cli(home, "cron", "add", "--name", "q", "--agent", "assistant", "--in", "1s", "--exact", "--conversation", "default", "--prompt", "after the long one", "--json", env=env)  # fmt: skip
+        assert add.code == 0, add.err
+        task_id = json.loads(add.out)["id"]
+        submitted = wait_for(
+            lambda: [x for x in run_log(home, task_id) if x["event"] == "submitted"],
+            15,
+            "the cron turn to be submitted",
+        )[0]
+        with sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True) as db:
+            (status,) = db.execute("SELECT status FROM turns WHERE id=?", (submitted["turn_id"],)).fetchone()  # fmt: skip
+        assert status == "queued"
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(10)
+        assert [x["event"] for x in run_log(home, task_id)] == ["fired", "submitted"]
+
+        second = start_serve(home, env=env)
+        outcome = wait_for(
+            lambda: [x for x in run_log(home, task_id) if x["event"] == "outcome"],
+            15,
+            "the next server to record the outcome",
+        )
+        assert len(outcome) == 1 and outcome[0]["turn_id"] == submitted["turn_id"]
+        assert outcome[0]["occurrence"] == 1 and outcome[0]["status"] == "completed", outcome
+        logs = run_cli(home, "cron", "logs", "q", env=env)
+        assert logs.code == 0 and f"turn {submitted['turn_id']} completed" in logs.out, logs.out
+        assert [x["event"] for x in run_log(home, task_id)] == ["fired", "submitted", "outcome"]
+    finally:
+        for sp in (first, second):
+            if sp is not None and sp.proc.poll() is None:
+                sp.proc.kill()
+                sp.proc.wait(10)

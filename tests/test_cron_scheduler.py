@@ -189,13 +189,43 @@ async def test_misfire_policy_after_downtime(
     assert rep2.fired == [] and rep2.missed == 0
 
 
+@pytest.mark.parametrize(
+    ("policy", "fired_minutes"), [("skip", [4]), ("run_once", [4]), ("run_all", [1, 2, 3, 4])]
+)
+async def test_short_downtime_inside_the_lateness(
+    store: CronStore, policy: str, fired_minutes: list[int]
+) -> None:
+    """Issue 14.15: every minute, default 5 min lateness, down for 4 min. `skip` (and `run_once`)
+    run only the most recent occurrence, not a burst of four; every run after the downtime is
+    labelled catch-up in the run log."""
+    t = add(store, "m", ScheduleSpec("every", "1m", "UTC"), T0, misfire=policy)
+    assert t.max_lateness_s == 300
+    rec = Recorder(store)
+    clock = FakeClock(T0 + timedelta(minutes=4, seconds=10))
+    rep = await Scheduler(store, fire=rec, clock=clock).tick()
+    assert [(f[2], f[3]) for f in rec.fired] == [
+        (T0 + timedelta(minutes=m), True) for m in fired_minutes
+    ]
+    fired = events(store, t, "fired")
+    assert [f["catch_up"] for f in fired] == [True] * len(fired_minutes)
+    missed = events(store, t, "missed")
+    assert rep.missed == len(missed) == 4 - len(fired_minutes)
+    assert all("most recent" in m["reason"] for m in missed)
+    after = store.read().get(t.id)
+    assert after is not None and after.next_fire_at == T0 + timedelta(minutes=5)
+
+
 async def test_within_max_lateness_is_not_a_misfire(store: CronStore) -> None:
+    """Within the lateness it runs (not missed), labelled catch-up: it fired after downtime."""
     add(store, "h", ScheduleSpec("every", "1h", "UTC"), T0, misfire="skip", max_lateness_s=600)
     rec = Recorder()
-    rep = await Scheduler(
-        store, fire=rec, clock=FakeClock(T0 + timedelta(hours=1, minutes=9))
-    ).tick()
-    assert len(rec.fired) == 1 and rep.missed == 0 and rec.fired[0][3] is False
+    clock = FakeClock(T0 + timedelta(hours=1, minutes=9))
+    s = Scheduler(store, fire=rec, clock=clock)
+    rep = await s.tick()
+    assert len(rec.fired) == 1 and rep.missed == 0 and rec.fired[0][3] is True
+    clock.now = T0 + timedelta(hours=2)
+    await s.tick()
+    assert rec.fired[1][3] is False  # fired at its due time: not a catch-up
 
 
 async def test_run_all_is_capped(store: CronStore) -> None:

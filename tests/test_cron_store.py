@@ -17,7 +17,7 @@ from appserver.cli.cron import build_cron_group
 from appserver.fsutil import CorruptStateFile
 from cron.runlog import append_run, read_runs
 from cron.schedule import ScheduleSpec
-from cron.store import CronLockTimeout, CronStore, CronStoreError, make_task
+from cron.store import CronFileUnreadable, CronLockTimeout, CronStore, CronStoreError, make_task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,8 +90,11 @@ def test_corrupt_file_is_moved_aside_and_next_add_keeps_it(home: Path) -> None:
 def test_valid_json_with_wrong_shape_is_corrupt_too(home: Path) -> None:
     home.mkdir(parents=True)
     (home / "crons.json").write_text(json.dumps({"version": 1, "tasks": [{"id": 3}]}))
-    with pytest.raises(CorruptStateFile):
+    with pytest.raises(CronFileUnreadable):  # a reader reports it and moves nothing
         CronStore(home).read()
+    assert CronStore(home).corrupt_files() == [] and (home / "crons.json").exists()
+    with pytest.raises(CorruptStateFile), CronStore(home).transaction():  # a writer sets it aside
+        pass
     assert len(CronStore(home).corrupt_files()) == 1
     assert CronStore(home).read().tasks == []
 
@@ -186,7 +189,7 @@ def test_invalid_add_is_refused_and_writes_nothing(home: Path, args: list[str]) 
     code, out, err = cli("add", "--name", "new", "--agent", "echo", "--prompt", "x", *args)
     assert code == 1
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ")
+    assert len(lines) == 1 and lines[0].startswith("error: ")  # spelled like every command
     assert (home / "crons.json").read_bytes() == before
 
 
@@ -293,3 +296,84 @@ def test_run_log_reader_skips_torn_lines_and_marks_lost(tmp_path: Path) -> None:
     assert recs[0].get("lost") is True  # claimed, never submitted
     assert "lost" not in recs[1] and "lost" not in recs[3]  # the newest may still be in flight
     assert len(read_runs(runs, "cron_x", limit=2)) == 2
+
+
+# ------------------------------------------------------------------ issue 14.16: a corrupt crons.json
+
+
+@pytest.mark.parametrize(
+    "args", [["list"], ["list", "--json"], ["show", "t"], ["logs", "t"], ["preview", "t"]]
+)
+def test_readers_report_a_corrupt_file_and_move_nothing(home: Path, args: list[str]) -> None:
+    home.mkdir(parents=True)
+    garbage = b'{"version": 1, "tasks": [ {"name": "precious"'
+    (home / "crons.json").write_bytes(garbage)
+    code, out, err = cli(*args)
+    assert code == 1 and out == ""
+    assert err.startswith("error: ") and "cannot be read" in err and "left in place" in err
+    assert len(err.strip().splitlines()) == 1
+    assert (home / "crons.json").read_bytes() == garbage  # not moved, not rewritten
+    assert CronStore(home).corrupt_files() == []
+
+
+async def test_a_running_scheduler_keeps_reporting_a_corrupt_file(
+    home: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The scheduler (a writer) sets the file aside, then says so at every tick, rate-limited, and
+    `CronService.problem()` (for /readyz) tells until the user deals with the set-aside file."""
+    import asyncio
+    import logging
+
+    from appserver.config import load_config
+    from appserver.server import Server
+    from cron.scheduler import Scheduler
+    from cron.service import CronService
+
+    async def fire(task: object, occ: object) -> str:
+        return "turn"
+
+    store = CronStore(home)
+    store.add(task("precious"))
+    s = Scheduler(store, fire=fire, tick_s=0.1, problem_log_every_s=0.3)
+    stop = asyncio.Event()
+    caplog.set_level(logging.ERROR, logger="appserver.cron")
+    loop = asyncio.create_task(s.run(stop))
+    try:
+        await asyncio.sleep(0.3)
+        assert s.problem() is None
+        (home / "crons.json").write_text("{ not json")  # corrupted under the running server
+        await asyncio.sleep(1.3)
+        problem = s.problem()
+        assert problem is not None and "set aside" in problem and "not scheduled" in problem
+        said = [r.getMessage() for r in caplog.records if "set aside" in r.getMessage()]
+        assert 3 <= len(said) <= 6, said  # every tick, at most once per 0.3 s: not just once
+        for aside in store.corrupt_files():
+            aside.unlink()  # the user dealt with it
+        await asyncio.sleep(0.3)
+        assert s.problem() is None
+    finally:
+        stop.set()
+        await asyncio.wait_for(loop, 5)
+
+    service = CronService(Server(load_config(home)))
+    assert service.problem() is None
+    (home / "crons.json").write_text("[]")
+    with pytest.raises(CorruptStateFile), service.scheduler.store.transaction():
+        pass
+    assert "set aside" in (service.problem() or "")
+
+
+def test_unrecorded_turns_are_submitted_before_the_cutoff_without_an_outcome(tmp_path: Path) -> None:
+    """What a new server recovers (issue 14.4): turns an earlier process submitted and never saw
+    end; never those this process submitted itself (after its start) and watches already."""
+    from cron.runlog import unrecorded_turns
+
+    runs = tmp_path / "cron-runs"
+    append_run(runs, "cron_a", "submitted", occurrence=1, turn_id="t1")
+    append_run(runs, "cron_a", "outcome", occurrence=1, turn_id="t1", status="completed")
+    append_run(runs, "cron_a", "submitted", occurrence=2, turn_id="t2")
+    append_run(runs, "cron_c", "fired", occurrence=1)  # claimed, never submitted: nothing to wait for
+    cutoff = datetime.now(UTC)
+    append_run(runs, "cron_b", "submitted", occurrence=1, turn_id="t3")
+    assert unrecorded_turns(runs, cutoff) == [("cron_a", 2, "t2")]
+    assert unrecorded_turns(tmp_path / "nowhere", cutoff) == []

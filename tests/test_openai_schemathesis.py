@@ -5,7 +5,9 @@ Bodies are generated from OpenAI's own schema, so each is valid; `model` always 
 agent. A body is sent as generated, where a 4xx must carry one of the ALLOWED_REFUSALS, and, when
 it holds such a trigger, once more "aimed": the same body (still schema-valid, checked) without the
 triggers (a trailing user message when the transcript has no new user input, only client function
-tools, `n` = 1, token limits >= 1, no `background`; `previous_response_id` and `conversation`
+tools, `n` = 1, token limits 1..10^7, no file/audio parts (echo takes none), no hosted-tool
+input items or item references, no forced/named `tool_choice`, no `stream_options` without
+`stream`, integers clamped to 64 bits, no `background`; `previous_response_id` and `conversation`
 pointed at objects this run created), so that the rest of it (sampling, formats, tools, images,
 metadata, …) runs a real turn, and nearly all aimed requests must succeed. A second, smaller run
 does the same with `stream: true`, validating every SSE chunk / Responses event and how each
@@ -73,6 +75,35 @@ ALLOWED_REFUSALS: dict[tuple[int, str], str] = {
     (400, "conflicting_parameters"): "previous_response_id and conversation",
     # background responses need a job queue this server does not have
     (400, "unsupported_parameter"): "background: true",
+    # issue 13.2: tool results that answer no call of the assistant message before them
+    (400, "unknown_tool_call"): "tool results for calls the history does not make",
+    # issue 13.8: out of OpenAI's ranges (no maximum in the schema for token limits), a
+    # tool_choice naming a tool that is not offered, stream_options without stream
+    (400, "integer_above_max_value"): "token limit above 10,000,000",
+    (400, "decimal_above_max_value"): "temperature / top_p above range",
+    (400, "decimal_below_min_value"): "temperature / top_p below range",
+    (400, "invalid_tool_choice"): "tool_choice naming no offered tool",
+    (400, "invalid_stream_options"): "stream_options without stream",
+    # issue 13.9: echo takes no files or audio, and they are never dropped silently
+    (400, "unsupported_content_part"): "file / audio part for the echo model",
+    (400, "invalid_content_part"): "file part without file_data or file_id",
+    # issue 13.10 / 13.13: generated ids name no stored item; hosted-tool items have no tool here
+    (400, "item_not_found"): "item_reference to nothing stored",
+    (400, "unsupported_item_type"): "input item of a hosted tool this server does not run",
+    # integers beyond 64 bits cannot be parsed faithfully (appserver/strictjson.py)
+    (400, "invalid_json"): "integer outside the 64-bit range",
+}
+MAX_TOKENS = 10_000_000
+INT64 = (-(2**63), 2**63 - 1)
+SUPPORTED_ITEMS = {
+    "message",
+    "function_call",
+    "function_call_output",
+    "mcp_approval_response",
+    "mcp_approval_request",
+    "mcp_call",
+    "mcp_list_tools",
+    "reasoning",
 }
 
 
@@ -158,11 +189,44 @@ def new_user_turn(
         items.append({"role": "user", "content": NUDGE})
 
 
+def clamp_ints(node: Any) -> Any:
+    """Integers beyond 64 bits (the schema allows them in free-form objects) clamped into range."""
+    if isinstance(node, dict):
+        return {k: clamp_ints(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [clamp_ints(v) for v in node]
+    if isinstance(node, int) and not isinstance(node, bool):
+        return min(max(node, INT64[0]), INT64[1])
+    return node
+
+
+def text_and_images(content: Any, kinds: tuple[str, ...], text_type: str) -> Any:
+    """A content part list without the parts echo cannot take (files, audio); never empty."""
+    if isinstance(content, list):
+        kept = [p for p in content if not (isinstance(p, dict) and p.get("type") in kinds)]
+        return kept or [{"type": text_type, "text": "a file was here"}]
+    return content
+
+
+def common_aim(out: dict[str, Any], max_keys: tuple[str, ...], stream: bool) -> None:
+    for key in max_keys:
+        if isinstance(out.get(key), int) and out[key] > MAX_TOKENS:
+            del out[key]
+    if out.get("stream_options") is not None and not stream:
+        del out["stream_options"]
+    if out.get("tool_choice") not in (None, "none", "auto"):
+        del out["tool_choice"]  # a named/forced choice needs tools this body may not offer
+
+
 def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     """The generated body, still schema-valid, without the parts listed in ALLOWED_REFUSALS, so
     that everything else in it (sampling, formats, client tools, metadata, images…) runs a turn."""
-    out = copy.deepcopy(body)
+    out = clamp_ints(copy.deepcopy(body))
+    common_aim(out, ("max_tokens", "max_completion_tokens", "max_output_tokens"), bool(out.get("stream")))
     if op_id == "createChatCompletion":
+        for m in out["messages"]:
+            if isinstance(m, dict) and m.get("role") == "user":
+                m["content"] = text_and_images(m.get("content"), ("file", "input_audio"), "text")
         new_user_turn(
             out["messages"],
             lambda m: m.get("role") == "assistant",
@@ -176,18 +240,20 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
                 del out[key]
         return out
     inp = out.get("input")
-    if not inp:
-        out["input"] = NUDGE
-    elif isinstance(inp, list):
+    if isinstance(inp, list):
         inp[:] = [
             it
             for it in inp
-            if not (
-                isinstance(it, dict)
-                and it.get("type") == "function_call_output"
-                and not it.get("call_id")
-            )
+            if isinstance(it, dict)
+            and it.get("type", "message") in SUPPORTED_ITEMS
+            and not (it.get("type") == "function_call_output" and not it.get("call_id"))
         ]
+        for it in inp:
+            if it.get("type", "message") == "message" and it.get("role") == "user":
+                it["content"] = text_and_images(it.get("content"), ("input_file", "input_audio"), "input_text")
+    if not inp:
+        out["input"] = NUDGE
+    elif isinstance(inp, list):
         kinds = ("function_call_output", "mcp_approval_response")
         new_user_turn(
             inp,

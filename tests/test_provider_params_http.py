@@ -82,14 +82,13 @@ def test_provider_errors_reach_the_client_as_openai_errors_and_are_not_retried_b
     assert err.body["code"] == code, err.body  # type: ignore[index]
     assert err.response.headers["x-should-retry"] == "false"
     assert len(fake.requests) == upstream_requests  # our own retry policy ran; the SDK did not add more
-    # The Responses route reports the same failure inside a `failed` response object.
+    # The non-stream Responses route answers with the same HTTP error (issue 13.5).
     fake._replies.clear()
     fake.fail(upstream_status, upstream_body, headers={"Retry-After": "0"})
     fake.fail(upstream_status, upstream_body, headers={"Retry-After": "0"})
-    response = client.responses.create(model="remote", input="hi")
-    assert response.status == "failed" and response.error is not None
-    assert f"[{code}]" in response.error.message
-    assert response.error.code == ("rate_limit_exceeded" if status == 429 else "invalid_prompt" if status == 400 else "server_error")
+    with pytest.raises(openai.APIStatusError) as info:
+        client.responses.create(model="remote", input="hi")
+    assert info.value.status_code == status and info.value.body["code"] == code  # type: ignore[index]
 
 
 def test_bad_params_are_refused_and_nothing_is_written(cli) -> None:  # type: ignore[no-untyped-def]

@@ -745,5 +745,5 @@ def test_unknown_transport_is_a_config_error(tmp_path: Path) -> None:
     from appserver.config import ConfigError, load_config
 
     (tmp_path / "config.toml").write_text('[providers.x]\nbase_url = "http://127.0.0.1:1/v1"\ntransport = "curl"\n')
-    with pytest.raises(ConfigError, match="transport must be 'lean' or 'httpx'"):
+    with pytest.raises(ConfigError, match="transport must be one of 'lean', 'httpx'"):
         load_config(tmp_path, environ={})

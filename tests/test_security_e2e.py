@@ -245,21 +245,25 @@ async def test_scoped_token_websocket(srv: TokenServer) -> None:
     try:
         agents = await ws.request({"type": "list_agents"}, T)
         assert [a["name"] for a in agents["agents"]] == ["a"]
+        mine = await ws.request({"type": "create_conversation", "agent": "a"}, T)
+        mine_id = mine["conversation"]["id"]
         convs = await ws.request({"type": "list_conversations"}, T)
         assert srv.conv_b not in {c["id"] for c in convs["conversations"]}
-        assert srv.conv_a in {c["id"] for c in convs["conversations"]}
+        # its own conversation, not the admin's conversation of agent a (credential namespaces)
+        assert mine_id in {c["id"] for c in convs["conversations"]}
+        assert srv.conv_a not in {c["id"] for c in convs["conversations"]}
         refused = [
-            {"type": "subscribe", "conversation": srv.conv_b},
-            {"type": "subscribe", "conversation": "default", "agent": "b"},
-            {"type": "submit_input", "agent": "b", "input": "hi"},
-            {"type": "get_history", "conversation": srv.conv_b},
-            {"type": "create_conversation", "agent": "b"},
-            {"type": "cancel", "conversation": srv.conv_b},
-            {"type": "list_conversations", "agent": "b"},
+            ({"type": "subscribe", "conversation": srv.conv_b}, "conversation_not_found"),
+            ({"type": "subscribe", "conversation": "default", "agent": "b"}, "forbidden"),
+            ({"type": "submit_input", "agent": "b", "input": "hi"}, "forbidden"),
+            ({"type": "get_history", "conversation": srv.conv_b}, "conversation_not_found"),
+            ({"type": "create_conversation", "agent": "b"}, "forbidden"),
+            ({"type": "cancel", "conversation": srv.conv_b}, "conversation_not_found"),
+            ({"type": "list_conversations", "agent": "b"}, "forbidden"),
         ]
-        for frame in refused:
+        for frame, code in refused:
             reply = await ws.request(frame, T)
-            assert reply["type"] == "error" and reply["code"] == "forbidden", (frame, reply)
+            assert reply["type"] == "error" and reply["code"] == code, (frame, reply)
         # agent management needs `admin` (cron_run: the cron engineer's frame, issue 6)
         reply = await ws.request({"type": "cron_run", "task": "any"}, T)
         assert reply["type"] == "error" and reply["code"] == "forbidden"
@@ -270,9 +274,9 @@ async def test_scoped_token_websocket(srv: TokenServer) -> None:
         )
         assert reply["type"] == "error" and reply["code"] == "conversation_not_found"
         # the connection survived every refusal and still works for agent a
-        state = await ws.request({"type": "subscribe", "conversation": srv.conv_a}, T)
+        state = await ws.request({"type": "subscribe", "conversation": mine_id}, T)
         assert state["type"] == "conversation_state"
-        assert state["conversation"]["id"] == srv.conv_a
+        assert state["conversation"]["id"] == mine_id
         assert (await ws.request({"type": "ping"}, T))["type"] == "pong"
     finally:
         await ws.close()

@@ -107,6 +107,9 @@ class TurnWork:
     # Awaited before the first tool runs: a turn whose accept is still committing (the runtime's
     # overlapped accept) must not act on the world until it durably exists. Raises if it never will.
     before_effects: Callable[[], Awaitable[None]] | None = None
+    # Awaited before server tools run: the runtime stores the calls first, so a crash while they
+    # run leaves them in history (crash settle then closes them as interrupted).
+    before_tools: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -151,6 +154,7 @@ class AgentLoop:
     async def run(self, work: TurnWork, emit: Emit, resolutions: list[PendingCall] | None = None) -> LoopOutcome:
         """Run (or resume) a turn until a final stop reason."""
         if resolutions:
+            _drop_tool_choice(work)  # it was the first call of the request that started the turn
             emit(PhaseChanged("acting"))
             await self._apply_resolutions(work, resolutions, emit)
         max_steps = int(work.agent.params.get("max_steps") or self.config.limits.max_steps)
@@ -163,6 +167,7 @@ class AgentLoop:
                 finish = await self._stream_step(work, emit)
             except ProviderError as exc:
                 return LoopOutcome("failed", "error", exc.to_dict())
+            _drop_tool_choice(work)  # a request's tool_choice governs its first model call only
             partial = work.partial
             assert partial is not None
             work.partial = None
@@ -385,6 +390,8 @@ class AgentLoop:
     async def _execute(self, work: TurnWork, runnable: list[tuple[dict[str, Any], Tool, dict[str, Any]]], emit: Emit) -> None:
         if not runnable:
             return
+        if work.before_tools is not None:
+            await work.before_tools()
         ctx = ToolContext(work.agent, work.conversation_id, work.turn_id, self.config, self.services)
 
         async def one(call: dict[str, Any], tool: Tool, args: dict[str, Any]) -> ToolOutput:
@@ -444,6 +451,13 @@ def resolution_text(p: PendingCall, config: Config) -> str:
     if p.status == "cancelled":
         return p.reason or f"The call to {p.name} was cancelled before it ran."
     return p.reason or f"The call to {p.name} has no result."
+
+
+def _drop_tool_choice(work: TurnWork) -> None:
+    """Later steps of the loop use `auto` (DESIGN §13): a forced call repeated on every step would
+    only ever call tools until max_steps. A new dict: the turn's record keeps what was asked."""
+    if work.options.get("tool_choice") is not None:
+        work.options = {k: v for k, v in work.options.items() if k != "tool_choice"}
 
 
 def _tool_message(work: TurnWork, call_id: str, name: str, text: str, is_error: bool) -> MessageRecord:

@@ -1,4 +1,12 @@
-"""The `schedule` tool: an agent creates, lists and cancels its own cron tasks (crons.json)."""
+"""The `schedule` tool: an agent creates, lists and cancels its own cron tasks (crons.json).
+
+Cron targets obey the credential namespace rule (`appserver.auth.namespace_allows`, docs/security.md):
+the caller is whoever owns the conversation the tool runs in. A turn in a credential's namespaced
+conversation may only schedule into conversations of that namespace (by default: this very
+conversation), and lists and cancels only such tasks; "new" and "default" (unowned conversations,
+seen by admin and local callers only) are refused there. Turns of unowned conversations (local,
+admin, CLI, cron) may target any conversation of the agent, as before.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +14,39 @@ import asyncio
 from typing import Any
 
 from appserver.agent.tools import Tool, ToolContext, ToolOutput
+from appserver.auth import namespace_allows
+from appserver.store.base import Store
 from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron
-from cron.store import CronNotFound, CronStore, CronStoreError, make_task, utcnow
+from cron.store import CronNotFound, CronStore, CronStoreError, CronTask, make_task, utcnow
 
 KINDS = ("cron", "every", "at", "in")
+_UNKNOWN = "\x00unknown"  # the caller's namespace when it cannot be read: only this conversation
 
 
-def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext) -> str:
+async def _caller_namespace(ctx: ToolContext) -> str | None:
+    """The namespace of the conversation this tool runs in (None: unowned, sees all)."""
+    store = ctx.services.get("store")
+    if not isinstance(store, Store):
+        return _UNKNOWN
+    conv = await store.get_conversation(ctx.conversation_id)
+    return conv.namespace if conv is not None else _UNKNOWN
+
+
+async def _target_allowed(ctx: ToolContext, ns: str | None, target: str) -> bool:
+    if ns is None or target == ctx.conversation_id:
+        return True
+    if target in ("new", "default"):
+        return False  # unowned conversations: outside every credential's namespace
+    store = ctx.services.get("store")
+    conv = await store.get_conversation(target) if isinstance(store, Store) else None
+    return conv is not None and conv.agent_id == ctx.agent.id and namespace_allows(ns, conv.namespace)
+
+
+async def _visible_tasks(ctx: ToolContext, ns: str | None, tasks: list[CronTask]) -> list[CronTask]:
+    return [t for t in tasks if await _target_allowed(ctx, ns, t.conversation)]
+
+
+def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str) -> str:
     given = [(k, args[k]) for k in KINDS if args.get(k)]
     if len(given) != 1:
         raise ScheduleError("give exactly one of cron, every, at, in")
@@ -26,7 +60,7 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext) -> str:
         schedule=ScheduleSpec(kind, expr, tz),
         prompt=str(args.get("prompt") or ""),
         now=utcnow(),
-        conversation=str(args.get("conversation") or "new"),
+        conversation=conversation,
         misfire=str(args.get("misfire") or "skip"),
     )
     store.add(task)
@@ -34,8 +68,7 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext) -> str:
     return f"created task {task.name} ({task.id}); next run {when}"
 
 
-def _list(store: CronStore, ctx: ToolContext) -> str:
-    tasks = store.list(ctx.agent.id)
+def _list(tasks: list[CronTask]) -> str:
     if not tasks:
         return "no scheduled tasks"
     return "\n".join(
@@ -48,13 +81,25 @@ async def _schedule(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     store = CronStore(ctx.config.home)
     action = args.get("action")
     try:
+        ns = await _caller_namespace(ctx)
         if action == "create":
-            text = await asyncio.to_thread(_create, store, args, ctx)
+            given = str(args.get("conversation") or "").strip()
+            conversation = given or ("new" if ns is None else ctx.conversation_id)
+            if not await _target_allowed(ctx, ns, conversation):
+                return ToolOutput(
+                    f"schedule create failed: conversation {given!r} is not one this conversation's owner may use; "
+                    "omit `conversation` to schedule into this conversation",
+                    is_error=True,
+                )
+            text = await asyncio.to_thread(_create, store, args, ctx, conversation)
         elif action == "list":
-            text = await asyncio.to_thread(_list, store, ctx)
+            text = _list(await _visible_tasks(ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id)))
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
-            task = await asyncio.to_thread(store.remove, ref, ctx.agent.id)
+            found = (await asyncio.to_thread(store.read)).find(ref, ctx.agent.id)
+            if not await _target_allowed(ctx, ns, found.conversation):
+                raise CronNotFound(f"no cron task {ref!r}")  # not yours: as if it did not exist
+            task = await asyncio.to_thread(store.remove, found.id, ctx.agent.id)
             text = f"cancelled task {task.name} ({task.id})"
         else:
             return ToolOutput("action must be create, list or cancel", is_error=True)
@@ -81,7 +126,10 @@ SCHEDULE = Tool(
             "at": {"type": "string"},
             "in": {"type": "string"},
             "tz": {"type": "string"},
-            "conversation": {"type": "string"},
+            "conversation": {
+                "type": "string",
+                "description": "Where the prompt runs: omit for this conversation (or 'new' for a fresh one each time, where allowed).",
+            },
             "misfire": {"type": "string", "enum": ["skip", "run_once", "run_all"]},
         },
         "required": ["action"],

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -14,8 +16,16 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from appserver.config import Config
+from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
 from appserver.store.records import AgentRecord
+
+# Every tool process carries these in its environment (its children inherit them): which server
+# started it and for which home, so the next server of that home can find and kill what a dead
+# one left running (`reap_orphaned_tools`).
+TOOL_OWNER_ENV = "APPSERVER_TOOL_OWNER"
+TOOL_HOME_ENV = "APPSERVER_TOOL_HOME"
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,7 +122,9 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         stdin=asyncio.subprocess.DEVNULL,
-        start_new_session=True,
+        start_new_session=True,  # its own process group: killed whole on timeout, cancel or reap
+        preexec_fn=_die_with_server(),
+        env={**os.environ, TOOL_OWNER_ENV: identity(), TOOL_HOME_ENV: str(ctx.config.home)},
     )
     cap = limits.shell_output_max_bytes
     try:
@@ -132,6 +144,64 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     if proc.returncode:
         return ToolOutput(f"exit code {proc.returncode}\n{text}", is_error=True)
     return ToolOutput(text)
+
+
+def _die_with_server() -> Callable[[], None] | None:
+    """On Linux, a preexec_fn that has the kernel SIGKILL the tool's shell when the server dies
+    (PR_SET_PDEATHSIG), so a server killed with kill -9 leaves no shell to finish the command's
+    side effects. What that shell had started is killed by the next server (`reap_orphaned_tools`)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    server = os.getpid()
+
+    def preexec() -> None:  # in the child, between fork and exec: no locks, no allocation to speak of
+        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        if os.getppid() != server:  # the server died before the signal was armed
+            os._exit(137)
+
+    return preexec
+
+
+def reap_orphaned_tools(home: Path, me: str) -> int:
+    """Kill what tool commands of a dead server of this home left running (a kill -9 gives the
+    server no chance to): every process whose environment names this home and a tool owner that
+    is neither `me` nor alive, with its process group. Returns how many processes were found."""
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return 0  # no /proc: nothing to find this way
+    want_home = str(home).encode()
+    owner_key = TOOL_OWNER_ENV.encode() + b"="
+    mine = os.getpgrp()
+    found: list[tuple[int, int]] = []
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue  # gone, or not ours to read
+        if owner_key not in raw:
+            continue
+        env = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+        owner = env.get(TOOL_OWNER_ENV.encode(), b"").decode("utf-8", "replace")
+        if env.get(TOOL_HOME_ENV.encode()) != want_home or owner == me or identity_alive(owner):
+            continue
+        try:
+            found.append((int(name), os.getpgid(int(name))))
+        except ProcessLookupError:
+            continue
+    for pid, pgid in found:
+        try:
+            if pgid != mine:
+                os.killpg(pgid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return len(found)
 
 
 CLOCK = Tool(

@@ -1,184 +1,562 @@
 """`appserver chat`: a terminal client of the /ws protocol of the server running on this home.
 
-Prints the reply as it grows, reasoning dimmed, tool calls compactly; asks `approve? [y/N]` for
-approvals; Ctrl-C cancels the running turn (a second Ctrl-C exits); `/new` starts a conversation,
-`/quit` (or Ctrl-D) leaves.
+What a person sees, and why it is built this way:
+* The reply grows in place. Reasoning is hidden unless `--show-reasoning`, and then labelled and
+  dimmed, never like reply text. Tool calls are one compact line each.
+* The terminal is in cbreak mode (no kernel echo) so this client alone decides what is on screen:
+  keys typed while a reply streams are kept, not echoed into it, and shown at the next prompt; a
+  whole line typed meanwhile is sent after the turn (as the server would queue it).
+* `approve? [y/N]` waits for the answer *and* for the conversation: it disappears as soon as another
+  client answers (`approval_resolved`). Ctrl-C cancels the running turn at once, at that prompt
+  too, without answering the approval; a second Ctrl-C exits.
+* `/help`, `/new`, `/cancel`, `/quit` are commands of this client, never sent to the model
+  (`//text` sends `/text`).
+* A server stop or failover to a standby is ridden out: the protocol client reconnects, resubscribes
+  and resumes the turn on screen (see appserver/ws/client.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import os
+import re
 import signal
 import sys
+import termios
 import threading
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from appserver.cli.common import fail, get_config, live_server_or_fail
-from appserver.ws.client import TERMINAL, Closed, ProtocolClient, ProtocolError
+from appserver.cli.run import server_url_source
+from appserver.ws.client import TERMINAL, ProtocolClient, ProtocolError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
+ERASE_LINE = "\r\x1b[K"
+PROMPT = "you> "
+COMMANDS = (
+    ("/help", "show this help"),
+    ("/new", "start a new conversation"),
+    ("/cancel", "cancel the running turn (or Ctrl-C)"),
+    ("/quit", "leave (or Ctrl-D)"),
+)
+TRAILING_SGR = re.compile(r"(\x1b\[[0-9;]*m)+$")
+
+Events = asyncio.Queue[tuple[str, Any]]
 
 
-class _Lines:
-    """stdin lines on a daemon thread (so a blocked read never keeps the process alive)."""
+class Keys:
+    """Key bytes from stdin on a daemon thread (a blocked read never keeps the process alive).
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
-        self.loop = loop
+    On a terminal, cbreak mode: no kernel echo and no line buffering, so nothing typed lands in the
+    middle of a reply; ISIG stays on, so Ctrl-C still arrives at once as SIGINT."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: Events, cbreak: bool) -> None:
+        self.fd = sys.stdin.fileno()
+        self.tty = cbreak and os.isatty(self.fd)  # we echo to stdout, so only when it is the terminal too
+        self.saved: list[Any] | None = None
+        if self.tty:
+            self.saved = termios.tcgetattr(self.fd)
+            mode = termios.tcgetattr(self.fd)
+            mode[3] &= ~(termios.ECHO | termios.ICANON)
+            mode[6][termios.VMIN] = 1
+            mode[6][termios.VTIME] = 0
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, mode)
+        self.loop, self.events = loop, events
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
         while True:
-            line = sys.stdin.readline()
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, line if line else None)
-            if not line:
+            try:
+                data = os.read(self.fd, 1024)
+            except OSError:
+                data = b""
+            try:
+                self.loop.call_soon_threadsafe(self.events.put_nowait, ("keys", data))
+            except RuntimeError:  # the loop is gone: we are exiting
+                return
+            if not data:
                 return
 
-    async def get(self) -> str | None:
-        return await self.queue.get()
+    def restore(self) -> None:
+        if self.saved is not None:
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+            self.saved = None
+
+
+class Screen:
+    """stdout, knowing whether the cursor is at the start of a line."""
+
+    def __init__(self, color: bool, ansi: bool) -> None:
+        self.color, self.ansi = color, ansi
+        self.col0 = True
+
+    def write(self, text: str) -> None:
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            self.col0 = TRAILING_SGR.sub("", text).endswith("\n")
+
+    def fresh_line(self) -> None:
+        if not self.col0:
+            self.write("\n")
+
+    def line(self, text: str) -> None:
+        self.fresh_line()
+        self.write(text + "\n")
+
+    def dim(self, text: str) -> str:
+        return f"{DIM}{text}{RESET}" if self.color and text else text
+
+    def erase_line(self) -> None:
+        """Remove the line being typed (a prompt) so a notice or the next prompt replaces it."""
+        if self.ansi:
+            self.write(ERASE_LINE)
+            self.col0 = True
+        else:
+            self.fresh_line()
+
+
+class LineEditor:
+    """The line being typed. Printable keys, Backspace, Ctrl-U, Ctrl-W, Enter, Ctrl-D; escape
+    sequences (arrows, function keys) are swallowed. Keys are echoed only while `visible` (a prompt
+    is on screen) and stdin is a terminal; otherwise they are kept silently for the next prompt."""
+
+    def __init__(self, screen: Screen, echo: bool) -> None:
+        self.screen, self.echo = screen, echo
+        self.buf: list[str] = []
+        self.visible = False
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = ""
+        self._esc = ""
+        self._last = ""
+
+    def add(self, data: bytes) -> None:
+        self._pending += self._decoder.decode(data)
+
+    def end(self) -> None:
+        """The input ended: an unfinished last line still counts, then end-of-file."""
+        unfinished = self._pending.rsplit("\n", 1)[-1] if "\n" in self._pending else self.text + self._pending
+        self._pending += ("\n" if unfinished.strip("\r") else "") + "\x04"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.buf)
+
+    def take(self) -> tuple[str, str] | None:
+        """Apply pending keys up to the next finished line (`("line", text)`) or `("eof", "")`."""
+        while self._pending:
+            ch, self._pending = self._pending[0], self._pending[1:]
+            last, self._last = self._last, ch
+            if self._esc:
+                self._esc += ch
+                if (len(self._esc) == 2 and ch not in "[O") or (len(self._esc) == 3 and self._esc[1] == "O") or (len(self._esc) > 2 and "@" <= ch <= "~"):
+                    self._esc = ""
+                continue
+            if ch == "\x1b":
+                self._esc = ch
+            elif ch in "\r\n":
+                if ch == "\n" and last == "\r":
+                    continue
+                line, self.buf = self.text, []
+                self._show("\n")
+                return ("line", line)
+            elif ch == "\x04":
+                if not self.buf:
+                    return ("eof", "")
+            elif ch in "\x7f\x08":
+                if self.buf:
+                    self.buf.pop()
+                    self._show("\b \b")
+            elif ch == "\x15":
+                self._show("\b \b" * len(self.buf))
+                self.buf = []
+            elif ch == "\x17":
+                while self.buf and self.buf[-1] == " ":
+                    self.buf.pop()
+                    self._show("\b \b")
+                while self.buf and self.buf[-1] != " ":
+                    self.buf.pop()
+                    self._show("\b \b")
+            elif ch == "\t" or ch.isprintable():
+                self.buf.append(" " if ch == "\t" else ch)
+                self._show(self.buf[-1])
+        return None
+
+    def _show(self, text: str) -> None:
+        if self.visible and self.echo:
+            self.screen.write(text)
 
 
 class Renderer:
-    """Turns successive whole snapshots into terminal output (only the new part of each block)."""
+    """Turns successive whole snapshots of one turn into terminal output (only what is new)."""
 
-    def __init__(self, color: bool) -> None:
-        self.color = color
+    def __init__(self, screen: Screen, show_reasoning: bool) -> None:
+        self.screen, self.show_reasoning = screen, show_reasoning
         self.printed: dict[int, int] = {}
         self.tool_status: dict[int, str] = {}
         self.kind: str | None = None
 
-    def out(self, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
     def snapshot(self, snap: dict[str, Any]) -> None:
+        s = self.screen
         for i, block in enumerate(snap.get("blocks") or []):
-            kind = block["type"]
+            kind = block.get("type")
+            if kind == "reasoning" and not self.show_reasoning:
+                continue
             if kind in ("text", "reasoning"):
                 text = block.get("text") or ""
                 done = self.printed.get(i, 0)
-                if len(text) > done:
-                    if self.kind != kind and self.kind is not None:
-                        self.out("\n")
-                    new = text[done:]
-                    self.out(f"{DIM}{new}{RESET}" if kind == "reasoning" and self.color else new)
-                    self.printed[i] = len(text)
-                    self.kind = kind
+                if len(text) <= done:
+                    continue
+                new = text[done:]
+                if self.kind != kind or i not in self.printed:
+                    s.fresh_line()
+                    if kind == "reasoning":
+                        s.write(s.dim("thinking: "))
+                if kind == "reasoning":  # labelled, indented and dimmed: never like reply text
+                    s.write(s.dim(new.replace("\n", "\n  ")))
+                else:
+                    s.write(new)
+                self.printed[i] = len(text)
+                self.kind = kind
             elif kind == "tool_call":
                 status = block.get("status") or ""
-                if status != "streaming" and self.tool_status.get(i) != status:
-                    self.tool_status[i] = status
-                    if self.kind is not None:
-                        self.out("\n")
-                    line = f"[{block.get('name')}({block.get('arguments') or ''}) {status}]"
-                    if block.get("output") is not None:
-                        out = str(block["output"]).replace("\n", " ")
-                        line = f"[{block.get('name')} {status}: {out[:120]}]"
-                    self.out(f"{DIM}{line}{RESET}\n" if self.color else line + "\n")
-                    self.kind = None
+                if status == "streaming" or self.tool_status.get(i) == status:
+                    continue
+                self.tool_status[i] = status
+                line = f"[{block.get('name')}({block.get('arguments') or ''}) {status}]"
+                if block.get("output") is not None:
+                    line = f"[{block.get('name')} {status}: {str(block['output']).replace(chr(10), ' ')[:120]}]"
+                s.line(s.dim(line))
+                self.kind = None
 
     def end(self, snap: dict[str, Any]) -> None:
-        if self.kind is not None:
-            self.out("\n")
+        error = snap.get("error") or {}
         if snap["status"] == "cancelled":
-            self.out("[cancelled]\n")
+            self.screen.line(f"[interrupted: {error.get('message')}]" if error.get("kind") == "interrupted" else "[cancelled]")
         elif snap["status"] == "failed":
-            self.out(f"[failed: {(snap.get('error') or {}).get('message') or snap.get('stop_reason')}]\n")
+            self.screen.line(f"[failed: {error.get('message') or snap.get('stop_reason')}]")
+        else:
+            self.screen.fresh_line()
 
 
-async def chat(url: str, agent: str, conversation: str, token: str | None) -> int:
+class Chat:
+    """One chat session: a single event loop over keys, frames and Ctrl-C, so output never interleaves."""
+
+    def __init__(self, client: ProtocolClient, agent: str, agent_id: str, conv_id: str, screen: Screen, editor: LineEditor, show_reasoning: bool, events: Events) -> None:
+        self.client, self.agent, self.agent_id, self.conv_id = client, agent, agent_id, conv_id
+        self.screen, self.editor, self.show_reasoning, self.events = screen, editor, show_reasoning, events
+        self.turn: str | None = None
+        self.renderer = Renderer(screen, show_reasoning)
+        self.cancelling = False
+        self.asking: dict[str, Any] | None = None
+        self.approvals: list[dict[str, Any]] = []
+        self.stash = ""
+        self.held: list[str] = []
+        self.eof = False
+        self.exit_code: int | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ screen
+
+    def banner(self) -> None:
+        self.screen.line(f"chatting with {self.agent} in conversation {self.conv_id}")
+        reasoning = "" if self.show_reasoning else "; reasoning hidden (--show-reasoning shows it)"
+        self.screen.line(self.screen.dim(f"commands: {' '.join(c for c, _ in COMMANDS)}; Ctrl-C cancels a running turn{reasoning}"))
+
+    def prompt(self) -> None:
+        self.screen.fresh_line()
+        self.screen.write(PROMPT + (self.editor.text if self.editor.echo else ""))
+        self.editor.visible = True
+
+    def approval_prompt(self, frame: dict[str, Any]) -> str:
+        return f"{self.screen.dim('[' + frame['call_id'] + ']')} {frame['name']}({frame['arguments']}) wants to run. approve? [y/N] "
+
+    def notice(self, text: str) -> None:
+        """A line of information that must not tear the line being typed."""
+        if self.editor.visible:
+            self.screen.erase_line()
+            self.screen.line(text)
+            typed = self.editor.text if self.editor.echo else ""
+            self.screen.write((self.approval_prompt(self.asking) if self.asking else PROMPT) + typed)
+        else:
+            self.screen.line(text)
+
+    # ------------------------------------------------------------ loop
+
+    async def run(self, active: dict[str, Any] | None) -> int:
+        self.banner()
+        if active is not None and active.get("status") not in TERMINAL:
+            self.follow(active["turn_id"])
+            self.renderer.snapshot(active)
+        else:
+            self.prompt()
+        while self.exit_code is None:
+            kind, value = await self.events.get()
+            if kind == "keys":
+                await self.on_keys(value)
+            elif kind == "frame":
+                await self.on_frame(value)
+            elif kind == "interrupt":
+                self.on_interrupt()
+            elif kind == "notice":
+                self.notice(value)
+            elif kind == "closed":
+                self.screen.fresh_line()
+                click.echo(f"error: {value}", err=True)
+                return 1
+        self.screen.fresh_line()
+        return self.exit_code
+
+    def follow(self, turn_id: str) -> None:
+        self.turn, self.cancelling = turn_id, False
+        self.renderer = Renderer(self.screen, self.show_reasoning)
+        self.editor.visible = False
+
+    def background(self, frame: dict[str, Any], report: Callable[[dict[str, Any]], str | None]) -> None:
+        """Send a request without stalling the screen; its outcome comes back as a notice."""
+
+        async def go() -> None:
+            try:
+                text = report(await self.client.request(frame))
+            except ProtocolError as exc:
+                text = f"error: {exc.message}"
+            if text:
+                self.events.put_nowait(("notice", text))
+
+        task = asyncio.get_running_loop().create_task(go())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # ------------------------------------------------------------ input
+
+    async def on_keys(self, data: bytes) -> None:
+        if data:
+            self.editor.add(data)
+        else:  # stdin closed: finish what was typed, then leave
+            self.editor.end()
+        while self.exit_code is None and (event := self.editor.take()) is not None:
+            kind, text = event
+            if kind == "eof":  # Ctrl-D on an empty line: leave once nothing runs (at an approval: deny)
+                self.eof = True
+                if self.asking is not None:
+                    self.answer("")
+            elif self.asking is not None:
+                if text.strip() == "/cancel":  # cancels the turn, like Ctrl-C; the call is not answered
+                    self.on_interrupt()
+                elif text.strip() in ("/quit", "/exit"):
+                    self.exit_code = 0
+                else:
+                    self.answer(text)
+            elif self.turn is not None:  # a reply is streaming: commands act now, other lines wait
+                if text.strip() == "/cancel":
+                    self.cancel()
+                elif text.strip() in ("/quit", "/exit"):
+                    self.exit_code = 0
+                else:
+                    self.held.append(text)
+            else:
+                if not self.editor.echo:
+                    self.screen.write("\n")
+                await self.line(text)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Between turns: run the lines typed meanwhile, then leave (stdin ended) or prompt."""
+        while self.turn is None and self.asking is None and self.exit_code is None:
+            if self.held:
+                text = self.held.pop(0)
+                self.screen.fresh_line()
+                self.screen.write(PROMPT + text + "\n")
+                await self.line(text)
+            elif self.eof:
+                self.exit_code = 0
+            else:
+                if not self.editor.visible:
+                    self.prompt()
+                return
+
+    async def line(self, text: str) -> None:
+        """A line entered at the prompt: a client command, or input for the model."""
+        self.editor.visible = False
+        cmd = text.strip()
+        if not cmd:
+            return
+        if cmd in ("/quit", "/exit"):
+            self.exit_code = 0
+            return
+        if cmd == "/help":
+            for name, what in (*COMMANDS, ("//text", "send /text to the model (other /words, e.g. the echo model's /slow, go as typed)")):
+                self.screen.line(f"  {name:<8} {what}")
+            return
+        if cmd == "/cancel":
+            self.background({"type": "cancel", "conversation": self.conv_id}, lambda ack: None if ack.get("cancelled") else "[nothing to cancel]")
+            return
+        if cmd == "/new":
+            try:
+                await self.client.request({"type": "unsubscribe", "conversation": self.conv_id})
+                created = await self.client.request({"type": "create_conversation", "agent": self.agent_id})
+                self.conv_id = created["conversation"]["id"]
+                await self.client.request({"type": "subscribe", "conversation": self.conv_id})
+                self.screen.line(f"new conversation {self.conv_id}")
+            except ProtocolError as exc:
+                self.screen.line(f"error: {exc.message}")
+            return
+        send = text[1:] if text.startswith("//") else text
+        try:
+            ack = await self.client.submit(self.agent_id, send, self.conv_id, source={"client": "chat"}, idempotency_key=f"chat-{uuid.uuid4().hex}")
+        except ProtocolError as exc:
+            self.screen.line(f"error: {exc.message}")
+            return
+        self.follow(ack["turn_id"])
+        if ack.get("queue_position"):
+            self.screen.line(self.screen.dim(f"[queued behind {ack['queue_position']} input(s)]"))
+
+    def answer(self, text: str) -> None:
+        frame, self.asking = self.asking, None
+        assert frame is not None
+        self.editor.visible = False
+        self.editor.buf = list(self.stash)
+        if not self.editor.echo:
+            self.screen.write("\n")
+        decision = "approve" if text.strip().lower() in ("y", "yes") else "deny"
+
+        def report(ack: dict[str, Any]) -> str | None:
+            refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
+            return "; ".join(f"[{r.get('call_id')}: not {decision}d: {r.get('message') or r.get('error')}]" for r in refused) or None
+
+        self.background({"type": "approval_response", "conversation": frame["conversation_id"], "decisions": [{"call_id": frame["call_id"], "decision": decision}]}, report)
+        self.next_approval()
+
+    def ask(self, frame: dict[str, Any]) -> None:
+        self.asking = frame
+        self.stash, self.editor.buf = self.editor.text, []
+        self.screen.fresh_line()
+        self.screen.write(self.approval_prompt(frame))
+        self.editor.visible = True
+        if not self.editor.echo and self.held:  # a script on stdin answers in order; a person at a
+            self.screen.write(self.held[0])  # terminal never approves with keys typed before the prompt
+            self.answer(self.held.pop(0))
+        elif self.eof:  # stdin ended: nobody here can answer
+            self.screen.write("(no input left: deny)")
+            self.answer("")
+
+    def withdraw(self, why: str) -> None:
+        """Take the approval prompt off the screen: somebody else answered (or it expired)."""
+        self.screen.erase_line()
+        self.asking = None
+        self.editor.visible, self.editor.buf = False, list(self.stash)
+        self.screen.line(self.screen.dim(why))
+        self.next_approval()
+
+    def next_approval(self) -> None:
+        if self.approvals and self.asking is None:
+            self.ask(self.approvals.pop(0))
+
+    def cancel(self) -> None:
+        self.cancelling = True
+        self.background({"type": "cancel", "conversation": self.conv_id}, lambda ack: None)
+
+    def on_interrupt(self) -> None:
+        if self.asking is not None:  # cancel at once; the approval is not answered
+            self.screen.erase_line()
+            self.asking, self.approvals = None, []
+            self.editor.visible, self.editor.buf = False, list(self.stash)
+            self.screen.line("^C cancelling (Ctrl-C again to exit)")
+            self.cancel()
+        elif self.turn is not None:
+            if self.cancelling:
+                self.exit_code = 130
+                return
+            self.screen.line("^C cancelling (Ctrl-C again to exit)")
+            self.renderer.kind = None
+            self.cancel()
+        elif self.editor.buf:
+            self.editor.buf = []
+            self.screen.write("^C\n")
+            self.prompt()
+        else:
+            self.exit_code = 0
+
+    # ------------------------------------------------------------ frames
+
+    async def on_frame(self, frame: dict[str, Any]) -> None:
+        kind = frame.get("type")
+        if kind == "turn_updated":
+            snap = frame["snapshot"]
+            if snap.get("turn_id") != self.turn:
+                return
+            if self.asking is not None and self.asking["turn_id"] == snap["turn_id"]:
+                open_calls = {p.get("call_id") for p in snap.get("pending") or []} if snap["status"] == "awaiting" else set()
+                if self.asking["call_id"] not in open_calls:  # answered while we could not hear it
+                    self.withdraw(f"[{self.asking['call_id']} answered elsewhere]")
+            self.renderer.snapshot(snap)
+            if snap["status"] in TERMINAL:
+                self.renderer.end(snap)
+                await self.turn_ended()
+        elif kind == "approval_request" and frame.get("conversation_id") == self.conv_id:
+            if self.turn is None:  # a turn of this conversation needs an answer: show it
+                if self.editor.visible:
+                    self.screen.erase_line()
+                self.follow(frame["turn_id"])
+            if self.asking is not None and self.asking["call_id"] == frame["call_id"]:
+                return  # asked again after a reconnect: already on screen
+            if self.asking is None:
+                self.ask(frame)
+            elif all(a["call_id"] != frame["call_id"] for a in self.approvals):
+                self.approvals.append(frame)
+        elif kind == "approval_resolved" and frame.get("conversation_id") == self.conv_id:
+            self.approvals = [a for a in self.approvals if a["call_id"] != frame["call_id"]]
+            if self.asking is not None and self.asking["call_id"] == frame["call_id"]:
+                by = f" by {frame['decided_by']}" if frame.get("decided_by") else ""
+                self.withdraw(f"[{frame['call_id']} {frame.get('status')}{by}]")
+        elif kind == "event":
+            data = frame.get("data") or {}
+            if frame.get("name") == "connection_lost":
+                self.notice(self.screen.dim(f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip() + f"); reconnecting for up to {data.get('reconnect_s'):g} s]"))
+            elif frame.get("name") == "reconnected":
+                self.notice(self.screen.dim(f"[reconnected to {data.get('url')}]"))
+            elif frame.get("name") == "server_stopping":
+                self.notice(self.screen.dim("[the server is stopping; a standby may take over]"))
+        elif kind == "error":
+            self.notice(f"error: {frame.get('message')}")
+
+    async def turn_ended(self) -> None:
+        self.turn, self.cancelling = None, False
+        self.asking, self.approvals = None, []
+        await self.drain()
+
+
+async def chat(url: str, agent: str, conversation: str, token: str | None, show_reasoning: bool, reconnect_wait: float, url_source: Callable[[], str | None] | None) -> int:
     loop = asyncio.get_running_loop()
-    client = await ProtocolClient.connect(url, token=token, client="appserver-chat")
-    lines = _Lines(loop)
-    color = sys.stdout.isatty()
-    interrupts: asyncio.Queue[None] = asyncio.Queue()
-    loop.add_signal_handler(signal.SIGINT, interrupts.put_nowait, None)
+    client = await ProtocolClient.connect(url, token=token, client="appserver-chat", reconnect=reconnect_wait > 0, reconnect_s=reconnect_wait, url_source=url_source)
+    events: Events = asyncio.Queue()
+
+    async def pump() -> None:
+        async for frame in client.frames():
+            events.put_nowait(("frame", frame))
+        events.put_nowait(("closed", client.closed_message()))
+
+    frames = loop.create_task(pump())
+    keys: Keys | None = None
     try:
         state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
-        conv_id = state["conversation"]["id"]
-        agent_id = state["conversation"]["agent_id"]
-        click.echo(f"chatting with {agent} in conversation {conv_id}  (/new, /quit; Ctrl-C cancels a turn)")
-        while True:
-            sys.stdout.write("you> ")
-            sys.stdout.flush()
-            line_task = loop.create_task(lines.get())
-            int_task = loop.create_task(interrupts.get())
-            done, _ = await asyncio.wait({line_task, int_task}, return_when=asyncio.FIRST_COMPLETED)
-            if int_task in done:
-                line_task.cancel()
-                sys.stdout.write("\n")
-                return 0
-            int_task.cancel()
-            line = line_task.result()
-            if line is None or line.strip() in ("/quit", "/exit"):
-                sys.stdout.write("\n")
-                return 0
-            text = line.rstrip("\n")
-            if not text.strip():
-                continue
-            if text.strip() == "/new":
-                await client.request({"type": "unsubscribe", "conversation": conv_id})
-                created = await client.request({"type": "create_conversation", "agent": agent_id})
-                conv_id = created["conversation"]["id"]
-                await client.request({"type": "subscribe", "conversation": conv_id})
-                click.echo(f"new conversation {conv_id}")
-                continue
-            try:
-                ack = await client.submit(agent_id, text, conv_id, source={"client": "chat"})
-            except ProtocolError as exc:
-                click.echo(f"error: {exc.message}")
-                continue
-            if not await run_turn(client, ack["turn_id"], conv_id, lines, interrupts, Renderer(color)):
-                return 130
-    except Closed as exc:
-        click.echo(f"\nerror: {exc.message}", err=True)
-        return 1
+        tty_out = sys.stdout.isatty()
+        screen = Screen(color=tty_out and not os.environ.get("NO_COLOR"), ansi=tty_out)
+        keys = Keys(loop, events, cbreak=tty_out)
+        loop.add_signal_handler(signal.SIGINT, events.put_nowait, ("interrupt", None))
+        session = Chat(client, agent, state["conversation"]["agent_id"], state["conversation"]["id"], screen, LineEditor(screen, echo=keys.tty), show_reasoning, events)
+        return await session.run(state.get("active_turn"))
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+        if keys is not None:
+            keys.restore()
+        frames.cancel()
         await client.close()
-
-
-async def run_turn(client: ProtocolClient, turn_id: str, conv_id: str, lines: _Lines, interrupts: asyncio.Queue[None], r: Renderer) -> bool:
-    """Render one turn to its end. Returns False when the user asked to exit (second Ctrl-C)."""
-    loop = asyncio.get_running_loop()
-    cancelling = False
-    while True:
-        frame_task = loop.create_task(client.next_frame())
-        int_task = loop.create_task(interrupts.get())
-        done, _ = await asyncio.wait({frame_task, int_task}, return_when=asyncio.FIRST_COMPLETED)
-        if int_task in done:
-            frame_task.cancel()
-            if cancelling:
-                r.out("\n")
-                return False
-            cancelling = True
-            r.out("\n^C cancelling (Ctrl-C again to exit)\n")
-            r.kind = None
-            await client.send({"type": "cancel", "conversation": conv_id})
-            continue
-        int_task.cancel()
-        frame = frame_task.result()
-        kind = frame.get("type")
-        if kind == "turn_updated" and frame["snapshot"]["turn_id"] == turn_id:
-            snap = frame["snapshot"]
-            r.snapshot(snap)
-            if snap["status"] in TERMINAL:
-                r.end(snap)
-                return True
-        elif kind == "approval_request" and frame["conversation_id"] == conv_id:
-            if r.kind is not None:
-                r.out("\n")
-                r.kind = None
-            r.out(f"{frame['name']}({frame['arguments']}) wants to run. approve? [y/N] ")
-            answer = await lines.get()
-            decision = "approve" if (answer or "").strip().lower() in ("y", "yes") else "deny"
-            await client.send({"type": "approval_response", "conversation": conv_id, "decisions": [{"call_id": frame["call_id"], "decision": decision}]})
-        elif kind == "approval_resolved" and frame["conversation_id"] == conv_id:
-            r.out(f"[{frame['call_id']} {frame['status']} elsewhere]\n")
-        elif kind == "error":
-            r.out(f"error: {frame.get('message')}\n")
 
 
 @click.command("chat")
@@ -186,15 +564,20 @@ async def run_turn(client: ProtocolClient, turn_id: str, conv_id: str, lines: _L
 @click.option("--conversation", default="default", show_default=True, help="default or a conversation id.")
 @click.option("--url", default=None, help="Server URL (default: the server running on this home).")
 @click.option("--token", default=None, envvar="APPSERVER_TOKEN", help="Bearer token when the server requires one.")
-def chat_command(agent: str, conversation: str, url: str | None, token: str | None) -> None:
+@click.option("--show-reasoning", is_flag=True, help="Show the model's reasoning (dimmed); hidden by default.")
+@click.option("--reconnect-wait", default=30.0, show_default=True, help="Seconds to wait for the server (or a standby taking over) after the connection drops.")
+def chat_command(agent: str, conversation: str, url: str | None, token: str | None, show_reasoning: bool, reconnect_wait: float) -> None:
     """Chat with an agent through the running server (WebSocket protocol)."""
+    url_source = None
     if url is None:
-        live = live_server_or_fail(get_config().server_json)
+        server_json = get_config().server_json
+        live = live_server_or_fail(server_json)
         if live is None:
             fail("no server is running on this home: start `appserver serve` (or give --url)", 3)
         url = str(live["url"])
+        url_source = server_url_source(server_json)
     try:
-        code = asyncio.run(chat(url, agent, conversation, token))
+        code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source))
     except ProtocolError as exc:
         fail(exc.message, 2)
     except OSError as exc:

@@ -1,9 +1,18 @@
-"""Shared CLI plumbing: the home/config, JSON output, one-line errors with exit codes."""
+"""Shared CLI plumbing: the home/config, JSON output, one-line errors with exit codes.
+
+An operator's problem (bad config, damaged store, full disk, busy port, missing TLS file) ends a
+command with one line saying what, where and what to do, and exit code 2; the traceback only
+with `appserver --debug`. A bug (an error `explain` does not know) keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
+import sqlite3
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -16,8 +25,15 @@ from appserver.errors import KernelError
 from appserver.fsutil import CorruptStateFile
 from appserver.server import Server
 from appserver.serverinfo import HomeStarting, find_live_server
+from appserver.store.base import StoreError
 
 T = TypeVar("T")
+
+DEBUG_ENV = "APPSERVER_DEBUG"  # set by `appserver --debug`: tracebacks instead of one-line errors
+
+
+class StartupError(Exception):
+    """A start that cannot go on (busy port, missing TLS file); the message is the one line to show."""
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -25,11 +41,53 @@ def fail(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
-def get_config() -> Config:
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV) == "1"
+
+
+def _os_error(exc: OSError) -> str:
+    where = exc.filename or "(no file named)"
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the device holding {where}: free some space there and start again"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied: {where}: it must be readable and writable by the user running appserver"
+    if exc.errno == errno.EROFS:
+        return f"read-only file system: {where}: the home directory must be writable"
+    if exc.errno == errno.ENOENT:
+        return f"no such file or directory: {where}"
+    return f"{where}: {exc.strerror or exc}"
+
+
+def explain(exc: BaseException) -> str | None:
+    """One line for an error the operator can fix, or None for one they cannot (a bug)."""
+    if isinstance(exc, (ConfigError, CorruptStateFile, StoreError, HomeStarting, StartupError)):
+        return " ".join(str(exc).split())
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS certificate or key unusable: {exc.reason or exc}; check --tls-cert/--tls-key ([server] tls_cert/tls_key)"
+    if isinstance(exc, OSError):
+        return _os_error(exc)
+    if isinstance(exc, sqlite3.Error):
+        if "disk is full" in str(exc):
+            return "no space left for the store (SQLite: database or disk is full): free some space on the device holding the home directory and start again"
+        return f"store error: {exc}"
+    return None
+
+
+def run_or_fail(fn: Callable[[], T]) -> T:
+    """Run `fn`; an operator's error becomes one line and exit code 2 (traceback with --debug)."""
     try:
-        return load_config()
-    except (ConfigError, CorruptStateFile) as exc:
-        fail(str(exc), 2)
+        return fn()
+    except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        message = explain(exc)
+        if message is None or debug_enabled():
+            raise
+        fail(message, 2)
+
+
+def get_config() -> Config:
+    return run_or_fail(load_config)
 
 
 def live_server_or_fail(server_json: Path) -> dict[str, Any] | None:
@@ -56,8 +114,6 @@ def with_server(fn: Callable[[Server], Awaitable[T]], *, config: Config | None =
             await server.close()
 
     try:
-        return asyncio.run(runner())
+        return run_or_fail(lambda: asyncio.run(runner()))
     except KernelError as exc:
         fail(exc.message, 2 if exc.http_status in (400, 404, 409) else 1)
-    except (ConfigError, CorruptStateFile) as exc:
-        fail(str(exc), 2)

@@ -1,8 +1,12 @@
 """`appserver cron add|list|show|remove|enable|disable|logs|preview`.
 
 `run` needs the kernel and is added by the main CLI (see `cron.runner.run_task_now`). Agent
-existence is checked by the injected `validate_agent(config, agent) -> agent id`, which the main CLI
-supplies through `build_cron_group`; by default any agent name is accepted.
+existence is checked by the injected `validate_agent(config, agent) -> agent id`, and agents are
+shown by name through the injected `agent_names(config) -> {id: name}`; the main CLI supplies both
+through `build_cron_group`. By default any agent name is accepted and ids are shown as stored.
+
+Readers (`list`, `show`, `logs`, `preview`) never move a corrupt crons.json aside: they say so and
+exit 1; only commands that change tasks (and the scheduler) set it aside.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from typing import Any, TypeVar
 
 import click
 
-from appserver.config import Config, ConfigError, load_config
+from appserver.cli.common import get_config
+from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile
-from cron.runlog import read_runs
+from cron.runlog import find_removed, read_runs
 from cron.schedule import (
     ScheduleError,
     ScheduleSpec,
@@ -30,6 +35,7 @@ from cron.schedule import (
 )
 from cron.store import (
     DEFAULT_MAX_LATENESS_S,
+    CronNotFound,
     CronStore,
     CronStoreError,
     CronTask,
@@ -38,6 +44,7 @@ from cron.store import (
 )
 
 ValidateAgent = Callable[[Config, str], str]
+AgentNames = Callable[[Config], dict[str, str]]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _USER_ERRORS = (
@@ -54,6 +61,17 @@ def _accept_any_agent(cfg: Config, agent: str) -> str:
     return agent
 
 
+def _no_names(cfg: Config) -> dict[str, str]:
+    return {}
+
+
+class _OneLineError(click.ClickException):
+    """`error: <one line>` and exit code 1, spelled like every other appserver command."""
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -66,13 +84,13 @@ def _user_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except _USER_ERRORS as exc:
-            raise click.ClickException(_one_line(exc)) from None
+            raise _OneLineError(_one_line(exc)) from None
 
     return wrapper  # type: ignore[return-value]
 
 
 def _config() -> Config:
-    return load_config()
+    return get_config()  # a config error: one line, exit 2, like every command
 
 
 def _store(cfg: Config) -> CronStore:
@@ -105,8 +123,21 @@ def _schedule_text(t: CronTask) -> str:
     }[s.kind] + ("" if s.kind == "every" else f" [{s.tz}]")
 
 
-def _task_json(t: CronTask) -> dict[str, Any]:
-    return {**t.to_dict(), "state": t.state}
+def _task_json(t: CronTask, names: dict[str, str] | None = None) -> dict[str, Any]:
+    out = {**t.to_dict(), "state": t.state}
+    if names and t.agent in names:
+        out["agent_name"] = names[t.agent]
+    return out
+
+
+def _fire_line(due: datetime, nominal: datetime, tz: str) -> str:
+    """A fire time as `add`, `list` and `preview` all show it: when it fires (jitter applied),
+    with the nominal time it stands for when they differ."""
+    text = _local(due, tz)
+    jitter = (due - nominal).total_seconds()
+    if jitter:
+        text += f"  (scheduled for {_local(nominal, tz)}, jitter {jitter:+.1f} s)"
+    return text
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -134,10 +165,23 @@ def _spec_from_options(
     return ScheduleSpec(kind, expr.strip(), zone)
 
 
-def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Group:
+def build_cron_group(
+    *, validate_agent: ValidateAgent | None = None, agent_names: AgentNames | None = None
+) -> click.Group:
     """The `cron` command group. `validate_agent(config, agent)` returns the agent id to store or
-    raises LookupError/ValueError with a user-facing message; the default accepts any name."""
+    raises LookupError/ValueError with a user-facing message; the default accepts any name.
+    `agent_names(config)` maps agent ids to names for output; the default knows none."""
     check_agent = validate_agent or _accept_any_agent
+    names_of = agent_names or _no_names
+
+    def agent_filter(cfg: Config, agent: str | None) -> str | None:
+        """`--agent` by name or id → the stored id (an agent since deleted: as given)."""
+        if agent is None:
+            return None
+        try:
+            return check_agent(cfg, agent)
+        except (LookupError, ValueError):
+            return agent
 
     @click.group("cron")
     def group() -> None:
@@ -216,17 +260,23 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
             deliver=deliver,
         )
         _store(cfg).add(task)
+        names = names_of(cfg)
         if not cfg.cron.enabled:
             click.echo(
                 "note: the scheduler is off here (APPSERVER_DISABLE_CRON=1 or [cron] enabled = false)",
                 err=True,
             )
         if as_json:
-            click.echo(json.dumps(_task_json(task)))
+            click.echo(json.dumps(_task_json(task, names)))
         else:
+            nxt = (
+                "-"
+                if task.next_due_at is None or task.next_fire_at is None
+                else _fire_line(task.next_due_at, task.next_fire_at, task.schedule.tz)
+            )
             click.echo(
-                f"added cron task {task.name} ({task.id}) for agent {task.agent}; "
-                f"next run {_local(task.next_due_at, task.schedule.tz)}"
+                f"added cron task {task.name} ({task.id}) for agent "
+                f"{names.get(task.agent, task.agent)}; next run {nxt}"
             )
 
     @group.command("list")
@@ -234,10 +284,12 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
     @_user_errors
     def list_cmd(agent: str | None, as_json: bool) -> None:
-        """List tasks with their next run and state."""
-        tasks = _store(_config()).list(agent)
+        """List tasks with their next run (jitter applied) and state."""
+        cfg = _config()
+        tasks = _store(cfg).list(agent_filter(cfg, agent))
+        names = names_of(cfg) if tasks else {}
         if as_json:
-            click.echo(json.dumps([_task_json(t) for t in tasks]))
+            click.echo(json.dumps([_task_json(t, names) for t in tasks]))
             return
         if not tasks:
             click.echo("no cron tasks")
@@ -248,7 +300,7 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
                 [
                     t.id,
                     t.name,
-                    t.agent,
+                    names.get(t.agent, t.agent),
                     _schedule_text(t),
                     _local(t.next_due_at if t.enabled else None, t.schedule.tz),
                     t.state,
@@ -265,15 +317,18 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
     @_user_errors
     def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         """Show one task (by id or name)."""
-        task = _store(_config()).read().find(ref, agent)
+        cfg = _config()
+        task = _store(cfg).read().find(ref, agent_filter(cfg, agent))
+        names = names_of(cfg)
         if as_json:
-            click.echo(json.dumps(_task_json(task)))
+            click.echo(json.dumps(_task_json(task, names)))
             return
         tz = task.schedule.tz
+        agent_text = f"{names[task.agent]} ({task.agent})" if task.agent in names else task.agent
         fields = [
             ("id", task.id),
             ("name", task.name),
-            ("agent", task.agent),
+            ("agent", agent_text),
             ("schedule", _schedule_text(task)),
             ("state", task.state),
             ("next scheduled", _local(task.next_fire_at, tz)),
@@ -292,7 +347,8 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
             click.echo(f"{k.ljust(width)}  {v}")
 
     def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
-        return _store(_config()).set_enabled(ref, enabled, agent=agent)
+        cfg = _config()
+        return _store(cfg).set_enabled(ref, enabled, agent=agent_filter(cfg, agent))
 
     @group.command("enable")
     @click.argument("ref")
@@ -318,8 +374,9 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
     @_user_errors
     def remove_cmd(ref: str, agent: str | None) -> None:
         """Remove a task (its run log stays in cron-runs/)."""
-        t = _store(_config()).remove(ref, agent)
-        click.echo(f"removed {t.name} ({t.id})")
+        cfg = _config()
+        t = _store(cfg).remove(ref, agent_filter(cfg, agent))
+        click.echo(f"removed {t.name} ({t.id}); its run log stays: appserver cron logs {t.id}")
 
     @group.command("logs")
     @click.argument("ref")
@@ -328,18 +385,26 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of run-log records.")
     @_user_errors
     def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
-        """Show the run log: fires, submissions, outcomes, misses and errors."""
-        store = _store(_config())
-        task = store.read().find(ref, agent)
-        records = read_runs(store.runs_dir, task.id, limit=limit)
+        """Show the run log: fires, submissions, outcomes, misses and errors. A removed task's
+        log is kept (cron-runs/<task id>.jsonl) and found by its id or name."""
+        cfg = _config()
+        store = _store(cfg)
+        agent_id = agent_filter(cfg, agent)
+        try:
+            task = store.read().find(ref, agent_id)
+            task_id, name, tz = task.id, task.name, task.schedule.tz
+        except CronNotFound:
+            task_id, name, tz = _removed_task(store, ref, agent_id)
+            click.echo(f"note: task {name} ({task_id}) was removed; its run log was kept", err=True)
+        records = read_runs(store.runs_dir, task_id, limit=limit)
         if as_json:
             click.echo(json.dumps(records))
             return
         if not records:
-            click.echo(f"no runs yet for {task.name}")
+            click.echo(f"no runs yet for {name}")
             return
         for r in records:
-            click.echo(_log_line(r, task.schedule.tz))
+            click.echo(_log_line(r, tz))
 
     @group.command("preview")
     @click.argument("ref")
@@ -348,8 +413,10 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
     @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
     @_user_errors
     def preview_cmd(ref: str, agent: str | None, count: int, as_json: bool) -> None:
-        """The next fire times in the task's timezone (nominal, and with jitter)."""
-        task = _store(_config()).read().find(ref, agent)
+        """The next fire times in the task's timezone: when each fires (jitter applied, as `add`
+        and `list` show it) and, when different, the scheduled time it stands for."""
+        cfg = _config()
+        task = _store(cfg).read().find(ref, agent_filter(cfg, agent))
         now = utcnow()
         start = min(now, task.next_fire_at) if task.next_fire_at else now
         times = upcoming(task.schedule, start - _EPS, task.created_at, count)
@@ -369,15 +436,32 @@ def build_cron_group(*, validate_agent: ValidateAgent | None = None) -> click.Gr
         if not out:
             click.echo(f"{task.name} has no upcoming runs")
         for nominal, o in zip(times, out, strict=True):
-            due = datetime.fromisoformat(o["fires_at"])
-            jitter = (due - nominal).total_seconds()
-            extra = f"  (fires {jitter:+.0f}s)" if abs(jitter) >= 0.5 else ""
-            click.echo(_local(nominal, task.schedule.tz) + extra)
+            click.echo(_fire_line(datetime.fromisoformat(o["fires_at"]), nominal, task.schedule.tz))
 
     return group
 
 
 _EPS = timedelta(microseconds=1)
+
+
+def _removed_task(store: CronStore, ref: str, agent: str | None) -> tuple[str, str, str]:
+    """(id, name, timezone) of a removed task whose run log was kept, by id or name."""
+    found = [
+        t
+        for t in find_removed(store.runs_dir, ref)
+        if agent is None or t.get("agent") in (None, agent)
+    ]
+    ids = sorted({str(t.get("id")) for t in found})
+    if not found:
+        raise CronNotFound(f"no cron task {ref!r}, and no run log of a removed task by that name")
+    if len(ids) > 1:
+        raise CronStoreError(
+            f"several removed tasks were named {ref!r} ({', '.join(ids)}); give the task id"
+        )
+    task = found[-1]
+    schedule = task.get("schedule")
+    tz = schedule.get("tz") if isinstance(schedule, dict) else None
+    return ids[0], str(task.get("name", ref)), tz if isinstance(tz, str) else "UTC"
 
 
 def _log_line(r: dict[str, Any], tz: str) -> str:
@@ -401,6 +485,8 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
         return f"{head} scheduled for {when('scheduled_for')}: {r.get('reason')}"
     if ev == "fire_failed":
         return f"{head} #{n} {r.get('error')}"
+    if ev == "removed":
+        return f"{head} the task was removed"
     return f"{head} {r.get('error', '')}"
 
 

@@ -13,7 +13,7 @@ from appserver.config import Config
 from appserver.errors import KernelError
 from appserver.server import Server
 from cron.runner import run_task_now
-from cron.service import kernel_await_outcome, kernel_submit
+from cron.service import kernel_agent_name, kernel_await_outcome, kernel_submit
 from cron.store import CronNotFound, CronStore
 
 
@@ -29,6 +29,22 @@ def validate_agent(config: Config, agent: str) -> str:
             raise LookupError(exc.message) from None
         finally:
             await server.close()
+
+    return asyncio.run(go())
+
+
+def agent_names(config: Config) -> dict[str, str]:
+    """Agent id → name, for cron output (read from the store only; no store yet: none)."""
+    if not config.db_path.exists():
+        return {}
+
+    async def go() -> dict[str, str]:
+        store = Server(config).store
+        await store.open()
+        try:
+            return {a.id: a.name for a in await store.list_agents()}
+        finally:
+            await store.close()
 
     return asyncio.run(go())
 
@@ -56,6 +72,7 @@ def cron_run_command(task: str, agent: str | None, timeout: float, as_json: bool
                 task,
                 agent=agent_id,
                 submit=kernel_submit(server),
+                agent_name=kernel_agent_name(server),
                 await_outcome=kernel_await_outcome(server),
                 outcome_timeout_s=timeout,
             )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import shlex
 import sys
+import uuid
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -15,10 +18,12 @@ from appserver.runtime.conversation import Decision
 from appserver.runtime.kernel import SubmitRequest
 from appserver.runtime.snapshot import TurnSnapshot
 from appserver.server import Server
+from appserver.serverinfo import read_live_server
 
 T = TypeVar("T")
 
-def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool) -> int:
+def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: str) -> int:
+    """Print the turn; `agent` is how the user named the agent (the answer hint names it too)."""
     if as_json:
         print_json({**snapshot.to_dict(), "text": snapshot.text(), "conversation_id": conversation_id})
     else:
@@ -32,10 +37,14 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool) -> int:
             for p in snapshot.pending:
                 verb = "approval" if p["kind"] == "approval" else "a client result"
                 click.echo(f"awaiting {verb}: {p['call_id']} {p['name']}({p['arguments']})")
-            click.echo(f"conversation: {conversation_id}  (answer with: appserver run --conversation {conversation_id} --approve CALL_ID | --deny CALL_ID --reason TEXT)")
+            # The hint must work as printed, with or without a server: a conversation id alone
+            # resolves only under its own agent.
+            again = f"appserver run --agent {shlex.quote(agent)} --conversation {conversation_id}"
+            click.echo(f"conversation: {conversation_id}  (answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)")
         elif snapshot.status != "completed":
-            detail = (snapshot.error or {}).get("message") or snapshot.stop_reason
-            click.echo(f"turn {snapshot.status}: {detail}", err=True)
+            error = snapshot.error or {}
+            label = {"interrupted": "interrupted", "unknown": "ended"}.get(str(error.get("kind")), snapshot.status)
+            click.echo(f"turn {label}: {error.get('message') or snapshot.stop_reason}", err=True)
     return 0 if snapshot.status in ("completed", "awaiting") else 1
 
 
@@ -47,9 +56,10 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool) -> int:
 @click.option("--reason", default=None, help="Reason given with --deny.")
 @click.option("--idempotency-key", default=None)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
+@click.option("--reconnect-wait", default=30.0, show_default=True, help="Seconds to wait for the server (or a standby taking over) after the connection drops.")
 @click.option("--json", "as_json", is_flag=True)
 @click.argument("text", required=False)
-def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float, as_json: bool, text: str | None) -> None:
+def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float, reconnect_wait: float, as_json: bool, text: str | None) -> None:
     """Run one turn of AGENT with TEXT and print the reply."""
     config = get_config()
     live = live_server_or_fail(config.server_json)
@@ -61,8 +71,8 @@ def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: t
 
     if live is not None:
         # a server owns this home: run the turn through its WebSocket protocol (never beside it)
-        snap, conversation_id = run_remote(str(live.get("url")), agent, conversation, text, approve, deny, reason, idempotency_key, timeout)
-        sys.exit(render(snap, conversation_id, as_json))
+        snap, conversation_id = run_remote(str(live.get("url")), agent, conversation, text, approve, deny, reason, idempotency_key, timeout, reconnect_wait=reconnect_wait, url_source=server_url_source(config.server_json))
+        sys.exit(render(snap, conversation_id, as_json, agent))
 
     async def go(s: Server) -> tuple[TurnSnapshot, str]:
         if answering:
@@ -91,7 +101,7 @@ def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: t
         snap, conversation_id = with_server(go, config=config)
     except TimeoutError:
         fail(f"the turn did not settle within {timeout:g} s", 1)
-    sys.exit(render(snap, conversation_id, as_json))
+    sys.exit(render(snap, conversation_id, as_json, agent))
 
 
 def snapshot_from_dict(d: dict[str, Any]) -> TurnSnapshot:
@@ -116,12 +126,37 @@ def snapshot_from_dict(d: dict[str, Any]) -> TurnSnapshot:
 USAGE_ERRORS = frozenset({"bad_frame", "invalid_request", "not_found", "agent_not_found", "conversation_not_found", "agent_ambiguous", "not_awaiting", "conflict", "forbidden", "unknown_call", "already_resolved"})
 
 
-def run_remote(url: str, agent: str, conversation: str, text: str | None, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float) -> tuple[TurnSnapshot, str]:
-    """One turn (or the answers to a paused one) through a live server's /ws protocol."""
+def server_url_source(server_json: Path) -> Callable[[], str | None]:
+    """Where this home's server is now (a standby that took over may listen on another port)."""
+
+    def url() -> str | None:
+        live = read_live_server(server_json)
+        return str(live["url"]) if live and live.get("url") else None
+
+    return url
+
+
+def tell_connection(frame: dict[str, Any]) -> None:
+    """One stderr line per local connection event of a reconnecting client."""
+    if frame.get("type") != "event" or not frame.get("local"):
+        return
+    data = frame.get("data") or {}
+    if frame.get("name") == "connection_lost":
+        click.echo(f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip() + f"); waiting up to {data.get('reconnect_s'):g} s for the server or a standby]", err=True)
+    elif frame.get("name") == "reconnected":
+        click.echo(f"[reconnected to {data.get('url')} after {data.get('after_s')} s]", err=True)
+
+
+def run_remote(url: str, agent: str, conversation: str, text: str | None, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float, *, reconnect_wait: float = 30.0, url_source: Callable[[], str | None] | None = None) -> tuple[TurnSnapshot, str]:
+    """One turn (or the answers to a paused one) through a live server's /ws protocol; the outcome
+    is awaited across a failover (the client reconnects, possibly to a standby elsewhere)."""
     from appserver.ws.client import ProtocolClient, ProtocolError
 
+    async def on_frame(frame: dict[str, Any]) -> None:
+        tell_connection(frame)
+
     async def go() -> tuple[TurnSnapshot, str]:
-        client = await ProtocolClient.connect(url, client="appserver-run")
+        client = await ProtocolClient.connect(url, client="appserver-run", reconnect=reconnect_wait > 0, reconnect_s=reconnect_wait, url_source=url_source)
         try:
             if approve or deny:
                 state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
@@ -135,14 +170,13 @@ def run_remote(url: str, agent: str, conversation: str, text: str | None, approv
                 refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
                 if refused:
                     raise ProtocolError(refused[0].get("error") or "invalid_request", "; ".join(r.get("message", "") for r in refused))
-                snap = await client.wait_turn(active["turn_id"], after_revision=active["revision"], timeout=timeout)
+                snap = await client.wait_turn(active["turn_id"], after_revision=active["revision"], timeout=timeout, on_frame=on_frame)
                 return snapshot_from_dict(snap), conv_id
             assert text is not None
-            extra: dict[str, Any] = {"source": {"client": "cli"}}
-            if idempotency_key:
-                extra["idempotency_key"] = idempotency_key
+            # a key of our own makes re-sending the input after a reconnect safe (it never runs twice)
+            extra: dict[str, Any] = {"source": {"client": "cli"}, "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}"}
             ack = await client.submit(agent, text, conversation, **extra)
-            snap = await client.wait_turn(ack["turn_id"], timeout=timeout)
+            snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
             return snapshot_from_dict(snap), ack["conversation_id"]
         finally:
             await client.close()

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import math
+import os
 import signal
+import socket
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,13 +23,15 @@ import click
 import uvicorn
 
 from appserver.auth import Authenticator
-from appserver.cli.common import fail, get_config
+from appserver.cli.common import StartupError, fail, get_config
 from appserver.config import Config, ConfigError
 from appserver.http.app import build_app
+from appserver.http.edge import AcceptErrorThrottle, EdgeLimits, fd_limit, protocol_class
 from appserver.http.guard import SecurityGuard
+from appserver.http.requestid import install as install_request_ids
 from appserver.logredact import from_config as redactor_from_config
 from appserver.logredact import install as install_redactor
-from appserver.netaddr import check_bind_allowed, parse_listen
+from appserver.netaddr import check_bind_allowed, parse_listen, parse_trusted_proxies
 from appserver.server import Server
 from appserver.serverinfo import HomeLock, claim_home, remove_server_json, write_server_json
 from appserver.ws.hub import Hub
@@ -145,26 +152,79 @@ async def wait_for_home(config: Config) -> HomeLock | None:
             loop.remove_signal_handler(sig)
 
 
-async def serve_async(config: Config, host: str, port: int, lock: HomeLock | None = None) -> None:
+async def serve_async(config: Config, host: str, port: int, lock: HomeLock | None = None, *, accept_data_loss: bool = False) -> None:
     """Serve while holding the home lock; without one (standby), wait for it first."""
     if lock is None:
         lock = await wait_for_home(config)
         if lock is None:
             return
     try:
-        await _serve_locked(config, host, port)
+        await _serve_locked(config, host, port, accept_data_loss=accept_data_loss)
     finally:
         lock.release()
 
 
-async def _serve_locked(config: Config, host: str, port: int) -> None:
+def check_port_free(host: str, port: int) -> None:
+    """Fail with one line when HOST:PORT cannot be bound (uvicorn would print a traceback). Binds
+    and releases each address the host resolves to, as uvicorn is about to."""
+    if port == 0:
+        return
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot listen on {shown}: {exc.strerror}; check --listen ([server] listen)") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
+            if family == socket.AF_INET6:  # as asyncio's create_server: v6 only
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                hint = {
+                    errno.EADDRINUSE: "the address is already in use (another server?); stop it, or pick another port with --listen HOST:PORT",
+                    errno.EACCES: "permission denied (ports below 1024 need privileges); pick a port >= 1024 with --listen",
+                    errno.EADDRNOTAVAIL: "the address does not belong to this machine; check --listen ([server] listen)",
+                }.get(exc.errno or 0, f"{exc.strerror}; check --listen ([server] listen)")
+                raise StartupError(f"cannot listen on {shown}: {hint}") from None
+
+
+def check_tls_files(cert: str, key: str) -> None:
+    """A missing or unusable TLS file fails with one line before anything starts."""
+    for label, path in (("certificate", cert), ("key", key)):
+        if not os.path.isfile(path):
+            raise StartupError(f"TLS {label} file not found: {path}; check --tls-cert/--tls-key ([server] tls_cert/tls_key)")
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)  # ssl.SSLError: explained
+
+
+async def _serve_locked(config: Config, host: str, port: int, *, accept_data_loss: bool = False) -> None:
     server = Server(config)
+    server.store.accept_data_loss = accept_data_loss
     app, authenticator = build_asgi(config, server)
+    check_port_free(host, port)
+    # Open the store (refusing a damaged one) and settle crashed turns before uvicorn runs the
+    # lifespan, which then finds the server open: a refusal is one line, not a lifespan traceback.
+    try:
+        await server.open(serve=True)
+    except BaseException:
+        await server.close()
+        raise
     tls = bool(config.server.tls_cert and config.server.tls_key)
+    edge = EdgeLimits.from_config(config.limits)
+    proxies = parse_trusted_proxies(config.server.trusted_proxies)
     uv_config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        # httptools, explicitly, with the edge limits (head cap, head/body/idle timeouts,
+        # connection cap at accept): appserver/http/edge.py. Never "auto".
+        http=protocol_class(edge),
+        timeout_keep_alive=max(1, math.ceil(edge.keepalive_timeout_s)),  # the protocol uses the exact value
+        # Forwarding headers only from the configured proxies (none by default), so a client cannot
+        # pick the address the per-client limit counts.
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies,
         lifespan="on",
         log_level="warning",
         server_header=False,
@@ -176,10 +236,18 @@ async def _serve_locked(config: Config, host: str, port: int) -> None:
         ssl_keyfile=config.server.tls_key if tls else None,
     )
     install_redactor(redactor_from_config(config, authenticator.secrets()))
+    install_request_ids()
+    logging.getLogger("asyncio").addFilter(AcceptErrorThrottle())
+    log.info(
+        "edge limits: %d connections (fd limit %d), head %d bytes in %g s, body stall %g s, idle %g s; trusted proxies: %s",
+        edge.max_connections, fd_limit(), edge.head_max_bytes, edge.head_timeout_s, edge.body_timeout_s,
+        edge.keepalive_timeout_s, ", ".join(proxies) or "none",
+    )
     uv = _UvicornServer(uv_config, server)
     task = asyncio.create_task(uv.serve())
     while not uv.started:
         if task.done():
+            await server.close()
             await task
             fail(f"could not start on {host}:{port}", 1)
         await asyncio.sleep(0.02)
@@ -187,7 +255,12 @@ async def _serve_locked(config: Config, host: str, port: int) -> None:
         uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
     )
     url = url_for(host, bound_port, tls)
-    write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
+    try:
+        write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
+    except OSError:  # e.g. a full disk: stop cleanly, then report it in one line
+        uv.should_exit = True
+        await task
+        raise
     click.echo(f"appserver listening on {url}  (home {config.home})", err=False)
     try:
         await task
@@ -221,12 +294,19 @@ async def _serve_locked(config: Config, host: str, port: int) -> None:
     is_flag=True,
     help="When a server already runs on this home, wait (no kernel, no socket) and take over when it stops or dies.",
 )
+@click.option(
+    "--accept-data-loss",
+    is_flag=True,
+    help="Start even though the store lost committed data (a damaged write-ahead log, or a store behind "
+    "its recorded position); a copy of the files is kept. Only after reading the refusal message.",
+)
 def serve_command(
     listen: str | None,
     auth_mode: str | None,
     tls_cert: str | None,
     tls_key: str | None,
     standby: bool,
+    accept_data_loss: bool,
 ) -> None:
     """Run the server (one per home; see --standby)."""
     config = get_config()
@@ -240,6 +320,8 @@ def serve_command(
         addr = parse_listen(listen or config.server.listen)
         check_bind_allowed(addr, config.auth.mode)
         Authenticator(config)  # a bad JWT/token configuration fails here, before any socket opens
+        if config.server.tls_cert and config.server.tls_key:
+            check_tls_files(config.server.tls_cert, config.server.tls_key)
     except (ValueError, ConfigError) as exc:
         fail(str(exc), 2)
     host, port = addr.host, addr.port
@@ -252,5 +334,6 @@ def serve_command(
     # httpx logs every upstream request at INFO: a log line per model call costs latency and
     # floods the log; its warnings and errors still show.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    log.info("config: %s", config.source)
     config.server.listen = str(addr)
-    asyncio.run(serve_async(config, host, port, lock))
+    asyncio.run(serve_async(config, host, port, lock, accept_data_loss=accept_data_loss))

@@ -12,16 +12,12 @@ from typing import Any
 import click
 
 from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore
-from appserver.config import ConfigError, load_config
+from appserver.cli.common import get_config
 from appserver.fsutil import CorruptStateFile
 
 
 def _store() -> TokenStore:
-    try:
-        cfg = load_config()
-    except (ConfigError, CorruptStateFile) as exc:
-        raise click.ClickException(str(exc)) from None
-    return TokenStore(cfg.home)
+    return TokenStore(get_config().home)  # a config error: one line, exit 2
 
 
 def _when(ts: float | None) -> str:

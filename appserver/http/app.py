@@ -7,11 +7,14 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from appserver.http.errors import error_response, new_request_id
 from appserver.http.openai_routes import openai_routes
+from appserver.http.requestid import current_request_id
 from appserver.server import Server
 from appserver.ws.routes import ws_routes
 
@@ -21,16 +24,33 @@ async def healthz(request: Request) -> JSONResponse:
 
 
 async def readyz(request: Request) -> JSONResponse:
+    """The server's named checks (appserver/readiness.py): 503 when one fails; warnings listed."""
     server: Server = request.app.state.server
-    checks: dict[str, Any] = {"store": "ok", "kernel": "ok"}
-    try:
-        await server.store.list_agents()
-    except Exception as exc:  # the probe reports, it never raises
-        checks["store"] = f"error: {exc}"
-    if server.kernel._stopping:
-        checks["kernel"] = "stopping"
-    ready = all(v == "ok" for v in checks.values())
-    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks}, status_code=200 if ready else 503)
+    ready, body = await server.readiness.report()
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no route) and 405 (route, not this method) as OpenAI error objects, not
+    text/plain; OPTIONS on a route without its own OPTIONS handler answers 204 with `Allow`."""
+    assert isinstance(exc, HTTPException)
+    headers = dict(exc.headers or {})
+    shown = f"{request.method} {request.url.path}"[:200]
+    if exc.status_code == 405:
+        allow = headers.get("Allow", "")
+        if request.method == "OPTIONS":
+            return Response(status_code=204, headers={"Allow": ", ".join(filter(None, (allow, "OPTIONS")))})
+        return error_response(405, f"Method not allowed ({shown}); use {allow}", code="method_not_allowed", headers=headers)
+    if exc.status_code == 404:
+        return error_response(404, f"Invalid URL ({shown}): no such route", code="unknown_url", headers=headers)
+    return error_response(exc.status_code, str(exc.detail), code="http_error", headers=headers)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """A route that raised: the OpenAI error object with the request id (the traceback is logged
+    by Starlette with the same id)."""
+    rid = current_request_id() or new_request_id()
+    return error_response(500, f"The server had an error while processing your request (request id {rid}).", code="internal_error")
 
 
 BackgroundService = Callable[[Server], AbstractAsyncContextManager[Any]]
@@ -55,6 +75,6 @@ def build_app(server: Server, *, extra_routes: list[BaseRoute] | None = None, ba
     routes.extend(openai_routes(server))
     routes.extend(ws_routes(server))
     routes.extend(extra_routes or [])
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server
     return app

@@ -16,6 +16,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
+from appserver.auth import conversation_namespace
 from appserver.http.common import (
     Idempotency,
     TurnRun,
@@ -24,7 +25,7 @@ from appserver.http.common import (
     dumps,
     json_int,
     log,
-    namespace_of,
+    max_steps_note,
     principal_of,
     read_json,
     resolve_model,
@@ -34,11 +35,14 @@ from appserver.http.common import (
 )
 from appserver.http.conversation_match import (
     HEADER,
+    Answers,
     ConversationMatcher,
     ViewItem,
     chain,
+    for_agent,
     merge_assistants,
     split_new_input,
+    user_content,
 )
 from appserver.http.errors import ApiError, bad_request, error_body, turn_failure
 from appserver.http.sse import SSEResponse
@@ -52,22 +56,53 @@ if TYPE_CHECKING:
     from appserver.server import Server
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-FINISH = {"end_turn": "stop", "max_tokens": "length", "max_steps": "stop", "cancelled": "stop", "requires_client_tool": "tool_calls"}
+# max_steps: the server's loop was stopped before the reply was done, like a token limit (DESIGN §13)
+FINISH = {"end_turn": "stop", "max_tokens": "length", "max_steps": "length", "cancelled": "stop", "requires_client_tool": "tool_calls"}
 
 
 # ---------------------------------------------------------------- request parsing
 
 
+MEDIA_PARTS = ("file", "input_file", "input_audio")
+
+
 def content_of(content: Any, where: str) -> tuple[str, list[str]]:
-    """(text, image urls) of a chat message's content."""
+    """(text, image urls) of a message's content; file and audio parts only come from users."""
+    text, images, _ = parts_of(content, where, media=False)
+    return text, images
+
+
+def media_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """A file or audio part as Chat Completions upstreams take it (Responses `input_file` → `file`)."""
+    kind = part.get("type")
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+            raise bad_request(f"{where}: an input_audio part needs input_audio.data (base64) and input_audio.format", where, code="invalid_content_part")
+        return {"type": "input_audio", "input_audio": {k: audio[k] for k in ("data", "format") if k in audio}}
+    fields = part.get("file") if kind == "file" else part
+    if not isinstance(fields, dict):
+        raise bad_request(f"{where}: a file part needs file.file_data or file.file_id", where, code="invalid_content_part")
+    if kind == "input_file" and fields.get("file_url"):
+        raise bad_request(f"{where}: unsupported content part 'input_file' with file_url: send the file's content as file_data", where, code="unsupported_content_part")
+    out = {k: fields[k] for k in ("file_data", "file_id", "filename") if isinstance(fields.get(k), str)}
+    if not out.get("file_data") and not out.get("file_id"):
+        raise bad_request(f"{where}: a file part needs file_data or file_id", where, code="invalid_content_part")
+    return {"type": "file", "file": out}
+
+
+def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list[str], list[dict[str, Any]]]:
+    """(text, image urls, file/audio parts) of a message's content. A part this server cannot
+    pass on is refused by name, never dropped."""
     if content is None:
-        return "", []
+        return "", [], []
     if isinstance(content, str):
-        return content, []
+        return content, [], []
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or an array of parts", f"{where}.content")
     texts: list[str] = []
     images: list[str] = []
+    media_parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise bad_request(f"{where}.content[{j}] must be an object", f"{where}.content")
@@ -83,8 +118,33 @@ def content_of(content: Any, where: str) -> tuple[str, list[str]]:
             if not isinstance(url, str):
                 raise bad_request(f"{where}.content[{j}].image_url.url must be a string", f"{where}.content")
             images.append(url)
-        # audio and file parts are accepted and ignored: the agent's models take text and images
-    return "".join(texts), images
+        elif kind in MEDIA_PARTS and media:
+            media_parts.append(media_part(part, f"{where}.content[{j}]"))
+        elif kind in MEDIA_PARTS:
+            raise bad_request(f"{where}.content[{j}]: unsupported content part '{kind}': only user messages may carry files and audio", f"{where}.content", code="unsupported_content_part")
+        else:
+            raise bad_request(f"{where}.content[{j}]: unsupported content part '{kind}' (supported: text, image_url, file, input_audio)", f"{where}.content", code="unsupported_content_part")
+    return "".join(texts), images, media_parts
+
+
+def check_media(server: Server, agent: AgentRecord, parts: list[dict[str, Any]], param: str) -> None:
+    """Refuse (400, by type) the file/audio parts the agent's provider cannot take: OpenAI-compatible
+    upstreams take `file` and `input_audio` parts, Anthropic takes PDFs (as a `document`), echo
+    neither. Nothing is dropped silently."""
+    if not parts:
+        return
+    try:
+        kind = server.providers.resolve(agent.model)[0].kind
+    except Exception:  # a misconfigured provider fails the turn with its own error
+        return
+    for part in parts:
+        if kind == "openai":
+            continue
+        data = part.get("file", {}).get("file_data") if part["type"] == "file" else None
+        if kind == "anthropic" and isinstance(data, str) and data.startswith("data:application/pdf;base64,"):
+            continue
+        takes = "PDF files sent as file_data (data:application/pdf;base64,…)" if kind == "anthropic" else "text and images only"
+        raise bad_request(f"unsupported content part '{part['type']}': agent {agent.name} runs on {agent.model}, which takes {takes}", param, code="unsupported_content_part")
 
 
 def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
@@ -100,13 +160,13 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "messages")
-        text, images = content_of(m.get("content"), where)
+        text, images, media = parts_of(m.get("content"), where, media=role == "user")
         if role in ("system", "developer"):
             items.append(ViewItem("system", text))
             if text.strip():
                 instructions.append(text)
         elif role == "user":
-            items.append(ViewItem("user", text, images))
+            items.append(ViewItem("user", text, images, parts=media))
         elif role == "assistant":
             calls = []
             raw_calls = m.get("tool_calls") or []
@@ -145,13 +205,22 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
     return out
 
 
-def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[str, Any]:
+# OpenAI's ranges; a value outside is the client's error (400 with `param`), not an upstream one.
+RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+MAX_OUTPUT_TOKENS = 10_000_000  # the most any agent may set (agents.py); more is surely a mistake
+
+
+def number_options(body: dict[str, Any], max_key: tuple[str, ...]) -> dict[str, Any]:
+    """temperature, top_p and the output token limit, type- and range-checked."""
     opts: dict[str, Any] = {}
-    for key in ("temperature", "top_p"):
+    for key, (low, high) in RANGES.items():
         v = body.get(key)
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise bad_request(f"'{key}' must be a number", key)
+            if not low <= v <= high:
+                code = "decimal_below_min_value" if v < low else "decimal_above_max_value"
+                raise bad_request(f"Invalid '{key}': {v} is outside the range [{low:g}, {high:g}]", key, code=code)
             opts[key] = float(v)
     for key in max_key:
         v = body.get(key)
@@ -161,7 +230,61 @@ def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[
                 raise bad_request(f"'{key}' must be a positive integer", key)
             if v < 1:
                 raise bad_request(f"'{key}' must be a positive integer", key, code="integer_below_min_value")
+            if v > MAX_OUTPUT_TOKENS:
+                raise bad_request(f"Invalid '{key}': {v} is too large; at most {MAX_OUTPUT_TOKENS}", key, code="integer_above_max_value")
             opts["max_tokens"] = v
+    return opts
+
+
+def tool_names(server: Server, agent: AgentRecord, client: list[ToolSpec]) -> set[str]:
+    """Every function a model call of this agent may be offered: its own tools and the client's."""
+    return {t.name for t in server.tools.offered(agent)} | {t.name for t in client}
+
+
+def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
+    """A request's tool_choice, checked against the tools a call offers, in the Chat Completions
+    shape the providers take (Responses shapes are converted). None: not given."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise bad_request(f"Invalid 'tool_choice': {value!r}; use none, auto, required or a function", "tool_choice", code="invalid_tool_choice")
+        if value == "required" and not names:
+            raise bad_request("'tool_choice' is required but no tools are offered", "tool_choice", code="invalid_tool_choice")
+        return value
+    if not isinstance(value, dict):
+        raise bad_request("'tool_choice' must be a string or an object", "tool_choice", code="invalid_tool_choice")
+    kind = value.get("type")
+    if kind == "function" or (kind == "mcp" and isinstance(value.get("name"), str)):
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else value.get("name")
+        if kind == "mcp" and value.get("server_label") not in (agent.id, agent.name):
+            raise bad_request(f"'tool_choice' names MCP server {value.get('server_label')!r}; this agent's label is {agent.id}", "tool_choice", code="unsupported_tool")
+        if not isinstance(name, str) or name not in names:
+            offered = ", ".join(sorted(names)) or "none"
+            raise bad_request(f"Invalid 'tool_choice': function {name!r} is not among the tools offered ({offered})", "tool_choice", code="invalid_tool_choice")
+        return {"type": "function", "function": {"name": name}}
+    if kind == "mcp" and value.get("server_label") in (agent.id, agent.name):
+        return "required" if names else None
+    if kind == "allowed_tools":
+        inner = value.get("allowed_tools")
+        spec: dict[str, Any] = inner if isinstance(inner, dict) else value
+        raw_listed = spec.get("tools")
+        listed: list[Any] = raw_listed if isinstance(raw_listed, list) else []
+        picked = []
+        for t in listed:
+            fn = t.get("function") if isinstance(t, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
+            if not isinstance(name, str) or name not in names:
+                raise bad_request(f"Invalid 'tool_choice': allowed tool {name!r} is not among the tools offered", "tool_choice", code="invalid_tool_choice")
+            picked.append({"type": "function", "function": {"name": name}})
+        mode = spec.get("mode") if spec.get("mode") in ("auto", "required") else "auto"
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": picked}}
+    raise bad_request(f"unsupported 'tool_choice' type {kind!r}: only function tools (and this agent's own, as mcp) can be chosen", "tool_choice", code="unsupported_tool")
+
+
+def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[str, Any]:
+    opts = number_options(body, max_key)
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -170,7 +293,7 @@ def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[
             raise bad_request("'stop' must be a string or an array of strings", "stop")
         if stop:
             opts["stop"] = stop
-    for key in ("response_format", "tool_choice", "reasoning_effort"):
+    for key in ("response_format", "reasoning_effort"):
         if body.get(key) is not None:
             opts[key] = body[key]
     if body.get("parallel_tool_calls") is not None:
@@ -190,9 +313,32 @@ def user_and_metadata(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]
     return user, dict(metadata or {})
 
 
+def turn_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
+    """Client tools as a turn record keeps them."""
+    return [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools]
+
+
+def new_content(users: list[ViewItem]) -> str | list[dict[str, Any]] | None:
+    """The kernel input of the trailing user messages: their texts joined, then images, files, audio."""
+    if not users:
+        return None
+    text = "\n\n".join(u.text for u in users if u.text)
+    return user_content(text, [url for u in users for url in u.images], [p for u in users for p in u.parts])
+
+
 def show_reasoning(agent: AgentRecord) -> bool:
     """The agent's presentation policy for reasoning on HTTP (params.reasoning = hidden turns it off)."""
     return str(agent.params.get("reasoning", "shown")) != "hidden"
+
+
+def calls_unanswered(call_ids: list[str]) -> ApiError:
+    """New user input while the turn waits for tool results or an approval: OpenAI's own 400."""
+    return bad_request(
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. "
+        f"The following tool_call_ids did not have response messages: {', '.join(call_ids)}",
+        "messages",
+        code="tool_calls_unanswered",
+    )
 
 
 # ---------------------------------------------------------------- rendering
@@ -243,7 +389,7 @@ class ChatCompletions:
 
     async def post(self, request: Request) -> Response:
         principal = principal_of(request)
-        body, raw = await read_json(request)
+        body, _ = await read_json(request)
         agent, model_id = await resolve_model(self.server, principal, body.get("model"))
         n = body.get("n")
         if n is not None and n != 1:
@@ -251,13 +397,20 @@ class ChatCompletions:
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean", "stream")
-        stream_options = body.get("stream_options") or {}
+        stream_options = body.get("stream_options")
+        if stream_options is not None and not stream:
+            raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options", code="invalid_stream_options")
+        stream_options = stream_options or {}
         if not isinstance(stream_options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = bool(stream_options.get("include_usage"))
         items, instructions = view_of_messages(body.get("messages"))
+        items = for_agent(items, agent)
         tools = client_tools_of(body.get("tools"))
         options = sampling_options(body, max_key=("max_tokens", "max_completion_tokens"))
+        choice = tool_choice_of(body.get("tool_choice"), tool_names(self.server, agent, tools), agent)
+        if choice is not None:
+            options["tool_choice"] = choice
         if instructions:
             options["instructions"] = instructions
         user, metadata = user_and_metadata(body)
@@ -268,23 +421,20 @@ class ChatCompletions:
             raise bad_request("the last message must be a user message or tool results", "messages", code="missing_input")
         if users and results:
             raise bad_request("send tool results and a new user message in separate requests", "messages", code="mixed_input")
+        check_media(self.server, agent, [p for u in users for p in u.parts], "messages")
+        answers = Answers([r.call_id or "" for r in results], turn_tools(tools), options, "messages") if results else None
 
-        idem, replay = await Idempotency.begin(self.server, request, principal, "chat.completions", raw)
+        idem, replay = await Idempotency.begin(self.server, request, principal, "chat.completions", body)
         if replay is not None:
             return replay
         try:
-            ns = namespace_of(principal)
+            ns = conversation_namespace(principal)
             header = request.headers.get(HEADER)
             if header:
-                place = await self.matcher.by_header(agent, ns, header, prefix, user, metadata)
+                place = await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
             else:
-                place = await self.matcher.by_prefix(agent, ns, prefix, user, metadata)
-            content: Any = None
-            if users:
-                texts = [u.text for u in users]
-                images = [url for u in users for url in u.images]
-                text = "\n\n".join(t for t in texts if t)
-                content = ([{"type": "text", "text": text}] if text else []) + [{"type": "image_url", "image_url": {"url": u}} for u in images] if images else text
+                place = await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
+            content = new_content(users)
             decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results]
             run = await start_turn(
                 self.server,
@@ -296,6 +446,7 @@ class ChatCompletions:
                 options=options,
                 source={"kind": "openai_chat", "user": user} if user else {"kind": "openai_chat"},
                 overlap_accept=not stream,  # a non-stream reply acknowledges only once the turn settled
+                while_pending=calls_unanswered,
             )
         except BaseException:
             if idem is not None:
@@ -327,6 +478,7 @@ class _Ctx:
         self.created = int(time.time())
         self.headers = {HEADER: run.conversation_id}
         self.keepalive = float(self.server.config.limits.sse_keepalive_s)
+        self.steps_note = max_steps_note(self.server, agent)
 
     def settled(self, snap: TurnSnapshot) -> bool:
         if snap.status in TERMINAL_STATUSES:
@@ -349,6 +501,8 @@ class _Ctx:
             text = render_text(blocks)
             if snap.status == "failed" and (not text or (snap.error or {}).get("kind") == "store"):
                 raise failure(snap)  # a reply the store could not keep is no reply
+            if snap.stop_reason == "max_steps":
+                text = f"{text}\n\n{self.steps_note}" if text else self.steps_note
             calls = tool_calls_of(snap) if snap.status == "awaiting" else []
             message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None, "refusal": None, "annotations": []}
             if calls:
@@ -451,6 +605,8 @@ class _Ctx:
                     yield "[DONE]"
                     finished = True
                     return
+                if last.stop_reason == "max_steps":
+                    yield self.chunk({"content": f"\n\n{self.steps_note}" if any_text else self.steps_note})
                 calls = tool_calls_of(last) if last.status == "awaiting" else []
                 for c in calls:  # calls made before this request (not streamed above)
                     if c["id"] not in call_index:
@@ -461,7 +617,10 @@ class _Ctx:
                     yield dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id, "choices": [], "usage": usage_of(last)})
                 yield "[DONE]"
                 finished = True
-                await self.record_point(last, render_text(blocks_after(last, self.run)), calls)
+                shown = render_text(blocks_after(last, self.run))
+                if last.stop_reason == "max_steps":
+                    shown = f"{shown}\n\n{self.steps_note}" if shown else self.steps_note
+                await self.record_point(last, shown, calls)
             finally:
                 metrics.active_streams.dec()
 

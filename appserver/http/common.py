@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from appserver.auth import Principal
+from appserver.auth import Principal, namespace_of
 from appserver.errors import KernelError
+from appserver.http.bodies import json_bodies
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id
+from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.runtime.conversation import Decision, TurnHandle
 from appserver.runtime.kernel import SubmitRequest
@@ -37,10 +39,6 @@ DISCONNECT_WATCH_DELAY_S = 0.05  # a client gone sooner is noticed this much lat
 def principal_of(request: Request) -> Principal:
     p = getattr(request.state, "principal", None)
     return p if isinstance(p, Principal) else Principal.local()
-
-
-def namespace_of(principal: Principal) -> str:
-    return f"{principal.kind}:{principal.subject}"
 
 
 async def read_body(request: Request) -> bytes:
@@ -73,10 +71,7 @@ async def read_json(request: Request) -> tuple[dict[str, Any], bytes]:
         raise ApiError(400, "the client went away while sending the body", code="client_disconnected") from None
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    data = await json_bodies(request).parse(raw)  # limits and checks: appserver/http/bodies.py
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return data, raw
@@ -91,6 +86,21 @@ def json_int(value: Any) -> int | None:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     return None
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages ("a number", not "int")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
 
 
 # ---------------------------------------------------------------- models
@@ -111,8 +121,12 @@ async def visible_agents(server: Server, principal: Principal) -> list[AgentReco
 
 async def resolve_model(server: Server, principal: Principal, model: Any) -> tuple[AgentRecord, str]:
     """The agent a `model` value names, and its advertised id; 404 model_not_found otherwise."""
-    if not isinstance(model, str) or not model.strip():
+    if model is None:
         raise ApiError(400, "'model' is required: use one of the ids from GET /v1/models", code="missing_model", param="model")
+    if not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string (got {json_type(model)}): use one of the ids from GET /v1/models", code="invalid_type", param="model")
+    if not model.strip():
+        raise ApiError(400, "'model' is empty: use one of the ids from GET /v1/models", code="missing_model", param="model")
     agents = await server.store.list_agents()
     adv = advertised_ids(agents)
     found = [a for a in agents if a.id == model] or [a for a in agents if adv[a.id] == model]
@@ -128,6 +142,12 @@ def model_object(agent: AgentRecord, model_id: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- idempotency
 
 
+def canonical_hash(route: str, body: dict[str, Any]) -> str:
+    """Hash of (route, body) that ignores key order and whitespace: equal JSON, equal hash."""
+    canon = json.dumps([route, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 @dataclass(slots=True)
 class Idempotency:
     server: Server
@@ -136,16 +156,20 @@ class Idempotency:
     body_hash: str
 
     @classmethod
-    async def begin(cls, server: Server, request: Request, principal: Principal, route: str, raw: bytes) -> tuple[Idempotency | None, Response | None]:
-        """(a claim to finish later, or a stored reply to send now)."""
+    async def begin(cls, server: Server, request: Request, principal: Principal, route: str, body: dict[str, Any]) -> tuple[Idempotency | None, Response | None]:
+        """(a claim to finish later, or a stored reply to send now).
+
+        One key scope per credential across both POST routes: the route is part of the hashed
+        request, so a key reused on the other route is a different request (409). The hash covers
+        the canonical JSON (sorted keys, no spacing), so the same JSON re-serialised replays."""
         key = request.headers.get("idempotency-key")
         if not key:
             return None, None
         key = key.strip()
         if not key or len(key) > 255:
             raise ApiError(400, "Idempotency-Key must be 1 to 255 characters", code="invalid_idempotency_key", param="Idempotency-Key")
-        body_hash = hashlib.sha256(raw).hexdigest()
-        scope = f"{namespace_of(principal)}:{route}"
+        body_hash = canonical_hash(route, body)
+        scope = namespace_of(principal)
         store = server.store
         await store.purge_http_idempotency(time.time() - IDEMPOTENCY_TTL_S)
         deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
@@ -172,14 +196,14 @@ class Idempotency:
 
 
 def stream_replay(idem: Idempotency | None, conversation_id: str, finished: Callable[[], bool]) -> Callable[[bool, list[str]], Awaitable[None]]:
-    """The SSE `on_close` of an idempotent stream: store the whole stream for replay when it ran to
-    its end, else release the key so a retry runs again."""
+    """The SSE `on_close` of an idempotent stream: store the whole stream (its frames, as sent) for
+    replay when it ran to its end, else release the key so a retry runs again."""
 
     async def on_close(completed: bool, payloads: list[str]) -> None:
         if idem is None:
             return
         if completed and finished():
-            await idem.finish(200, "text/event-stream; charset=utf-8", "".join(f"data: {p}\n\n" for p in payloads), conversation_id)
+            await idem.finish(200, "text/event-stream; charset=utf-8", "".join(payloads), conversation_id)
         else:
             await idem.abandon()
 
@@ -221,13 +245,22 @@ class TurnRun:
                 return
 
     async def cancel(self) -> None:
-        """The client went away: cancel this turn if it is the conversation's current one."""
+        """The client went away: cancel this turn if it is the conversation's current one, or drop
+        it from the queue if it has not started (nobody is left to read its answer)."""
         try:
             rt = await self.server.kernel.runtime(self.conversation_id)
             if rt.lifecycle.turn_id == self.turn_id:
                 await self.server.kernel.cancel(self.conversation_id)
+            elif await rt.withdraw(self.turn_id):
+                log.info("dropped queued turn %s of conversation %s: its client went away before it started", self.turn_id, self.conversation_id)
         except Exception:
             log.exception("could not cancel turn %s after a disconnect", self.turn_id)
+
+
+def max_steps_note(server: Server, agent: AgentRecord) -> str:
+    """The text a client sees when the server's loop stopped a turn at its step limit."""
+    steps = int(agent.params.get("max_steps") or server.config.limits.max_steps)
+    return f"[stopped: the agent reached its limit of {steps} steps (max_steps) before finishing this reply; send another message to let it go on]"
 
 
 def client_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:
@@ -236,6 +269,16 @@ def client_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:
 
 def approval_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:
     return [p for p in snap.pending if p.get("kind") == "approval"]
+
+
+async def pending_call_ids(server: Server, conversation_id: str) -> list[str]:
+    """Ids (as clients see them: `mcpr_…` for approvals) of the calls a paused turn waits for."""
+    rt = await server.kernel.runtime(conversation_id)
+    awaiting = rt.awaiting_turn
+    if awaiting is None:
+        return []
+    pending = [p for p in await server.store.list_pending(awaiting.id) if p.status == "pending"]
+    return [p.call_id if p.kind == "client" else f"mcpr_{p.call_id}" for p in pending]
 
 
 async def start_turn(
@@ -249,8 +292,11 @@ async def start_turn(
     options: dict[str, Any],
     source: dict[str, Any],
     overlap_accept: bool = False,
+    while_pending: Callable[[list[str]], ApiError] | None = None,
 ) -> TurnRun:
-    """`overlap_accept`: the caller answers only once the turn settled (see SubmitRequest)."""
+    """`overlap_accept`: the caller answers only once the turn settled (see SubmitRequest).
+    `while_pending`: the error for new input while the conversation waits for answers to calls
+    (their client-visible ids); HTTP answers at once instead of queueing (DESIGN §13)."""
     kernel = server.kernel
     try:
         if decisions:
@@ -270,6 +316,10 @@ async def start_turn(
             return TurnRun(server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision, resolved_calls=resolved)
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
+        if while_pending is not None:
+            waiting = await pending_call_ids(server, conversation_id)
+            if waiting:
+                raise while_pending(waiting)
         sub = await kernel.submit(
             SubmitRequest(agent=agent.id, input=content, conversation=conversation_id, source=source, client_tools=client_tools, options=options, resolved=agent, overlap_accept=overlap_accept)
         )
@@ -330,7 +380,9 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Hand
     async def endpoint(request: Request) -> Response:
         handler = methods.get(request.method)
         response: Response
-        if handler is None:
+        if handler is None and request.method == "OPTIONS":  # what may I send here? (not an error)
+            response = Response(status_code=204, headers={"Allow": f"{allow}, OPTIONS"})
+        elif handler is None:
             response = error_response(405, f"method {request.method} is not allowed on {route}; use {allow}", code="method_not_allowed", headers={"Allow": allow})
         else:
             try:
@@ -341,7 +393,7 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Hand
                 e = from_kernel(exc)
                 response = error_response(e.status, e.message, code=e.code, param=e.param)
             except Exception:
-                rid = new_request_id()
+                rid = current_request_id() or new_request_id()  # the x-request-id of this response
                 log.exception("request %s on %s failed", rid, route)
                 response = error_response(500, f"The server had an error while processing your request (request id {rid}).", code="internal_error", headers={"X-Request-Id": rid})
         metrics.observe_request(route, request.method, response.status_code if hasattr(response, "status_code") else 200)

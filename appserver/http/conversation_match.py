@@ -1,7 +1,10 @@
 """Which conversation an OpenAI request belongs to (DESIGN §5), and the history-prefix index.
 
-A request's transcript is reduced to the *client-visible view*: system text, user text (and image
-references), assistant final text with the client tool calls it made, and tool results. Each
+A request's transcript is reduced to the *client-visible view*: system text (unless the agent sets
+`match_ignores_system`), user text (and image, file and audio references), assistant final text with
+the client tool calls it made, tool results and approval answers. Server tool items
+(`mcp_call`, `mcp_approval_request`) count as an empty assistant item, so they merge into the
+reply around them. Each
 view item extends a hash chain; the hash of a prefix names a point in a conversation. After every
 turn the point the client now sees is recorded (`history_points`), so a client that resends the
 whole transcript with no header lands in the same conversation, or forks one when it resends an
@@ -14,11 +17,21 @@ import hashlib
 import json
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from appserver.auth import namespace_allows
 from appserver.http.errors import ApiError
-from appserver.store.records import AgentRecord, ConversationRecord, HistoryPoint, MessageRecord
+from appserver.store.records import (
+    AgentRecord,
+    ConversationRecord,
+    HistoryPoint,
+    MessageRecord,
+    PendingCall,
+    TurnCommit,
+    TurnRecord,
+)
 
 if TYPE_CHECKING:
     from appserver.server import Server
@@ -30,18 +43,22 @@ EMPTY_HASH = hashlib.sha256(b"appserver-history-v1").hexdigest()
 
 @dataclass(slots=True)
 class ViewItem:
-    """One client-visible item. kind: system | user | assistant | tool."""
+    """One client-visible item. kind: system | user | assistant | tool | approval (text: approve|deny)."""
 
     kind: str
     text: str = ""
     images: list[str] = field(default_factory=list)
     calls: list[dict[str, str]] = field(default_factory=list)  # assistant: [{id, name, arguments}]
     call_id: str | None = None  # tool
+    parts: list[dict[str, Any]] = field(default_factory=list)  # user: file / audio parts, as sent upstream
 
     def key(self) -> list[Any]:
         if self.kind == "assistant":
             return ["assistant", self.text.strip(), [[c["name"], _canon_args(c["arguments"])] for c in self.calls]]
         if self.kind == "user":
+            if self.parts:
+                digest = hashlib.sha256(json.dumps(self.parts, sort_keys=True, separators=(",", ":")).encode("utf-8", "surrogatepass")).hexdigest()
+                return ["user", self.text.strip(), list(self.images), digest]
             return ["user", self.text.strip(), list(self.images)]
         return [self.kind, self.text.strip()]
 
@@ -60,6 +77,21 @@ def chain(items: list[ViewItem], start: str = EMPTY_HASH) -> str:
     return h
 
 
+def for_agent(items: list[ViewItem], agent: AgentRecord) -> list[ViewItem]:
+    """The view an agent matches on: without system text when it opts out (`match_ignores_system`:
+    clients whose system prompt changes every request, e.g. with a timestamp in it)."""
+    if agent.params.get("match_ignores_system"):
+        return [i for i in items if i.kind != "system"]
+    return items
+
+
+def user_content(text: str, images: list[str], parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Stored/provider content of a user input: plain text unless it carries images, files or audio."""
+    if not images and not parts:
+        return text
+    return ([{"type": "text", "text": text}] if text else []) + [{"type": "image_url", "image_url": {"url": u}} for u in images] + [dict(p) for p in parts]
+
+
 def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
     """Adjacent assistant items are one turn's reply (Responses splits text and calls into items)."""
     out: list[ViewItem] = []
@@ -70,7 +102,7 @@ def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
                 prev.text = f"{prev.text}\n\n{item.text}" if prev.text else item.text
             prev.calls.extend(item.calls)
         else:
-            out.append(ViewItem(item.kind, item.text, list(item.images), list(item.calls), item.call_id))
+            out.append(ViewItem(item.kind, item.text, list(item.images), list(item.calls), item.call_id, list(item.parts)))
     return out
 
 
@@ -89,10 +121,7 @@ def seed_records(items: list[ViewItem]) -> list[MessageRecord]:
     out: list[MessageRecord] = []
     for item in items:
         if item.kind == "user":
-            content: Any = item.text
-            if item.images:
-                content = [{"type": "text", "text": item.text}] + [{"type": "image_url", "image_url": {"url": u}} for u in item.images]
-            out.append(MessageRecord(role="user", content=content, source={"kind": "http_seed"}))
+            out.append(MessageRecord(role="user", content=user_content(item.text, item.images, item.parts), source={"kind": "http_seed"}))
         elif item.kind == "assistant":
             calls = []
             for c in item.calls:
@@ -131,12 +160,74 @@ class Placement:
     how: str  # header | header_new | prefix | fork | new | previous_response | conversation
 
 
+@dataclass(slots=True)
+class Answers:
+    """A request whose new input answers tool calls (results, approval decisions). A new
+    conversation for it (a fork of a point already passed, or a history whose calls this server
+    never issued) is written paused at those calls, so the answers resume it like any other."""
+
+    call_ids: list[str]
+    client_tools: list[dict[str, Any]]  # of the paused turn written (as TurnRecord.client_tools)
+    options: dict[str, Any]
+    param: str  # where a refusal points: messages | input
+
+
+@dataclass(slots=True)
+class Paused:
+    """The tail of a history that waits for answers: the assistant message with the calls (and the
+    results some of them already have), and the calls still open."""
+
+    messages: list[MessageRecord]
+    open_calls: list[dict[str, Any]]
+
+
+def split_paused(messages: list[MessageRecord], answers: Answers) -> tuple[list[MessageRecord], Paused]:
+    """(messages before the paused tail, the tail) for a history whose last assistant message has
+    calls without results; 400 (before anything is written) when the answers fit no open call."""
+    i = len(messages) - 1
+    while i >= 0 and messages[i].role == "tool":
+        i -= 1
+    open_calls: list[dict[str, Any]] = []
+    if i >= 0 and messages[i].role == "assistant" and messages[i].tool_calls:
+        answered = {m.tool_call_id for m in messages[i + 1 :]}
+        open_calls = [c for c in messages[i].tool_calls if c["id"] not in answered]
+    known = {c["id"] for c in open_calls}
+    stray = [c for c in answers.call_ids if c not in known]
+    if stray:
+        waiting = f"the calls waiting there are {', '.join(sorted(known))}" if known else "no call is waiting there"
+        raise ApiError(
+            400,
+            f"the tool results / approval answers for {', '.join(stray)} answer no tool call of the assistant message before them ({waiting})",
+            code="unknown_tool_call",
+            param=answers.param,
+        )
+    return messages[:i], Paused(messages[i:], open_calls)
+
+
 class ConversationMatcher:
     def __init__(self, server: Server) -> None:
         self.server = server
         self.store = server.store
 
-    async def _new(self, agent: AgentRecord, namespace: str | None, *, conv_id: str | None = None, seed: list[ViewItem] | None = None, user: str | None = None, metadata: dict[str, Any] | None = None, forked_from: str | None = None, copy: list[int] | None = None) -> ConversationRecord:
+    async def _new(
+        self,
+        agent: AgentRecord,
+        namespace: str | None,
+        *,
+        conv_id: str | None = None,
+        seed: list[ViewItem] | None = None,
+        user: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        forked_from: str | None = None,
+        copy: list[int] | None = None,
+        answers: Answers | None = None,
+        paused: Paused | None = None,
+    ) -> ConversationRecord:
+        """`answers`: write the conversation paused at the calls they answer: `paused` (a fork's
+        tail, not among `copy`), else the tail of the seeded messages."""
+        records: list[MessageRecord] = seed_records(seed) if seed else []
+        if answers is not None and paused is None:
+            records, paused = split_paused(records, answers)  # refuses before anything is written
         conv = ConversationRecord(
             id=conv_id or f"conv_{secrets.token_hex(8)}",
             agent_id=agent.id,
@@ -147,18 +238,62 @@ class ConversationMatcher:
             metadata=dict(metadata or {}),
         )
         await self.store.create_conversation(conv, copy_messages=copy)
-        records: list[MessageRecord] = seed_records(seed) if seed else []
         if records:
             await self.store.append_messages(conv.id, records)
+        if answers is not None and paused is not None:
+            await self._write_paused(conv, paused, answers)
+            await self.server.kernel.runtime(conv.id, conv=conv)  # adopts the paused turn
+            return conv
         # No turns yet and (unless copied) exactly these messages: the submit that follows finds its
         # runtime loaded, with no lookups.
         await self.server.kernel.runtime(conv.id, conv=conv, fresh=True, history=None if copy else records)
         return conv
 
-    def visible(self, conv: ConversationRecord, agent: AgentRecord, namespace: str | None) -> bool:
-        return conv.agent_id == agent.id and (conv.namespace is None or namespace is None or conv.namespace == namespace)
+    async def _write_paused(self, conv: ConversationRecord, paused: Paused, answers: Answers) -> None:
+        """A turn of `conv` paused at the open calls, as the runtime leaves one (DESIGN §4.4)."""
+        now = time.time()
+        limits = self.server.config.limits
+        turn = TurnRecord(
+            id=f"turn_{secrets.token_hex(8)}",
+            conversation_id=conv.id,
+            agent_id=conv.agent_id,
+            status="running",
+            source={"kind": "http_seed"},
+            input={"content": ""},
+            client_tools=answers.client_tools,
+            options=dict(answers.options),
+            owner=self.server.kernel.owner,
+            started_at=now,
+        )
+        await self.store.accept_turn(turn)
+        messages = [
+            MessageRecord(
+                role=m.role,
+                content=m.content,
+                iteration=1,
+                tool_calls=[dict(c) for c in m.tool_calls],
+                tool_call_id=m.tool_call_id,
+                name=m.name,
+                is_error=m.is_error,
+                reasoning=m.reasoning,
+                provider_state=m.provider_state,
+                source=m.source,
+            )
+            for m in paused.messages
+        ]
+        pending = []
+        for c in paused.open_calls:
+            client = c.get("executor") == "client"
+            timeout = limits.client_tool_timeout_s if client else limits.approval_timeout_s
+            pending.append(PendingCall(c["id"], conv.id, turn.id, c["name"], c.get("arguments") or "", "client" if client else "approval", created_at=now, expires_at=now + timeout))
+        stop = "requires_approval" if any(p.kind == "approval" for p in pending) else "requires_client_tool"
+        await self.store.commit_turn(conv.id, TurnCommit(turn.id, "awaiting", stop, messages, pending, revision=1, iteration=1))
 
-    async def by_header(self, agent: AgentRecord, namespace: str | None, value: str, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any] | None) -> Placement:
+    def visible(self, conv: ConversationRecord, agent: AgentRecord, namespace: str | None) -> bool:
+        """`namespace`: the caller's `conversation_namespace` (None: admin or local, sees all)."""
+        return conv.agent_id == agent.id and namespace_allows(namespace, conv.namespace)
+
+    async def by_header(self, agent: AgentRecord, namespace: str | None, value: str, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any] | None, answers: Answers | None = None) -> Placement:
         value = value.strip()
         if not CONVERSATION_ID_RE.match(value):
             raise ApiError(400, f"invalid {HEADER}: letters, digits, '_', '.', ':', '-', at most 128 characters", code="invalid_conversation_id", param=HEADER)
@@ -167,11 +302,16 @@ class ConversationMatcher:
             if not self.visible(conv, agent, namespace):
                 raise ApiError(404, f"conversation {value!r} does not belong to this model", code="conversation_not_found", param=HEADER)
             return Placement(conv.id, "header")
-        await self._new(agent, namespace, conv_id=value, seed=prefix, user=user, metadata=metadata)
+        await self._new(agent, namespace, conv_id=value, seed=prefix, user=user, metadata=metadata, answers=answers)
         return Placement(value, "header_new")
 
-    async def by_prefix(self, agent: AgentRecord, namespace: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any] | None) -> Placement:
+    async def by_prefix(self, agent: AgentRecord, namespace: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any] | None, answers: Answers | None = None) -> Placement:
+        """`answers`: the new input answers tool calls; a fork or a new conversation is then made
+        paused at them (a resent finished tool round forks and is answered; a history whose calls
+        this server never issued is seeded and answered)."""
         if not prefix:
+            if answers is not None:  # results with no call before them: refused, nothing written
+                split_paused([], answers)
             conv = await self._new(agent, namespace, user=user, metadata=metadata)
             return Placement(conv.id, "new")
         h = chain(prefix)
@@ -185,17 +325,22 @@ class ConversationMatcher:
                 return Placement(point.conversation_id, "prefix")
         if candidates:
             src = candidates[0]
-            ids = [m.id for m in await self.store.list_messages(src.conversation_id) if m.id is not None and m.id <= src.last_message_id]
-            conv = await self._new(agent, namespace, user=user, metadata=metadata, forked_from=src.conversation_id, copy=ids)  # type: ignore[arg-type]
-            await self.record(agent.id, conv.id, h)
-            return Placement(conv.id, "fork")
-        conv = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata)
+            conv_id = await self.fork_at(agent, namespace, src.conversation_id, src.last_message_id, answers, user=user, metadata=metadata)
+            await self.record(agent.id, conv_id, h)
+            return Placement(conv_id, "fork")
+        conv = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
         await self.record(agent.id, conv.id, h)
         return Placement(conv.id, "new")
 
-    async def fork_at(self, agent: AgentRecord, namespace: str | None, source_conversation: str, last_message_id: int) -> str:
-        ids = [m.id for m in await self.store.list_messages(source_conversation) if m.id is not None and m.id <= last_message_id]
-        conv = await self._new(agent, namespace, forked_from=source_conversation, copy=ids)  # type: ignore[arg-type]
+    async def fork_at(self, agent: AgentRecord, namespace: str | None, source_conversation: str, last_message_id: int, answers: Answers | None = None, *, user: str | None = None, metadata: dict[str, Any] | None = None) -> str:
+        """A new conversation with the source's messages up to `last_message_id`; with `answers`,
+        paused at the calls open there (checked before anything is written)."""
+        messages = [m for m in await self.store.list_messages(source_conversation) if m.id is not None and m.id <= last_message_id]
+        paused: Paused | None = None
+        if answers is not None:
+            messages, paused = split_paused(messages, answers)  # the tail is written again, paused
+        ids = [m.id for m in messages if m.id is not None]
+        conv = await self._new(agent, namespace, user=user, metadata=metadata, forked_from=source_conversation, copy=ids, answers=answers, paused=paused)
         return conv.id
 
     async def record(self, agent_id: str, conversation_id: str, prefix_hash: str) -> None:

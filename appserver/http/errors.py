@@ -15,9 +15,12 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
 }
 
 
@@ -61,7 +64,7 @@ PROVIDER_FAILURES: dict[str, tuple[int, str]] = {
     "quota": (429, "insufficient_quota"),
     "auth": (502, "upstream_auth_failed"),
     "not_found": (502, "upstream_model_not_found"),
-    "invalid_request": (502, "upstream_invalid_request"),
+    "invalid_request": (400, "upstream_invalid_request"),  # the request's own fault: relayed as a 400
     "timeout": (504, "upstream_timeout"),
     "network": (502, "upstream_unreachable"),
     "server": (502, "upstream_server_error"),

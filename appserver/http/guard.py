@@ -3,7 +3,10 @@
 Mounted outermost, it applies to every route that exists now or is added later, so no route can
 forget a check: Host (DNS rebinding), Origin (browser pages), credentials in URLs, authentication,
 coarse scopes, body size, per-client concurrency, WebSocket frame size, the 5 s `hello` window and
-the expiry of a live WebSocket's credential.
+the expiry of a live WebSocket's credential. It also gives each request its id: the `x-request-id`
+of every answer (refusals included) and the `[req_…]` prefix of the log lines written meanwhile.
+(Limits that must hold before a request even exists, on the head and the connection, are in
+`appserver.http.edge`.)
 
 What the app sees in `scope["state"]` (Starlette: `request.state` / `websocket.state`):
   * `principal`: the `Principal`, or None on a public path (or a WebSocket awaiting `hello`);
@@ -25,8 +28,10 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMappi
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from appserver.auth import Authenticator, AuthError, Principal
+from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principal
 from appserver.config import Config, ConfigError
+from appserver.http.requestid import HEADER as REQUEST_ID_HEADER
+from appserver.http.requestid import begin_request, end_request
 from appserver.netaddr import (
     BindRefused,
     check_bind_allowed,
@@ -96,6 +101,23 @@ def openai_error(status: int, code: str, message: str) -> dict[str, Any]:
     }
 
 
+_STAMPED = frozenset({"http.response.start", "websocket.accept", "websocket.http.response.start"})
+
+
+def _stamp_request_id(send: Send, rid: bytes) -> Send:
+    """`send` that adds `x-request-id` to the response head (unless the app set it already)."""
+
+    async def stamped(message: Message) -> None:
+        if message["type"] in _STAMPED:
+            headers = list(message.get("headers") or ())
+            if not any(bytes(k).lower() == REQUEST_ID_HEADER for k, _ in headers):
+                headers.append((REQUEST_ID_HEADER, rid))
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return stamped
+
+
 class _Refusal(Exception):
     def __init__(
         self, status: int, code: str, message: str, headers: Iterable[tuple[bytes, bytes]] = ()
@@ -151,8 +173,9 @@ class _WsSession:
         self._watcher: asyncio.Task[None] | None = None
 
     def ensure_watch(self) -> None:
-        """Run the deadline watcher if there is a deadline and it is not running yet."""
-        if self.closed or self.next_deadline() is None:
+        """Run the deadline watcher if there is a deadline (or a revocable credential) and it is
+        not running yet."""
+        if self.closed or (self.next_deadline() is None and not self.revocable()):
             return
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self.watch())
@@ -217,6 +240,15 @@ class _WsSession:
             except (OSError, RuntimeError, TimeoutError) as exc:
                 log.debug("websocket close failed: %r", exc)
 
+    def revocable(self) -> bool:
+        p = self.state.get("principal")
+        return isinstance(p, Principal) and p.kind == "token" and self.authenticator.tokens is not None
+
+    def revoked(self, max_age_s: float = 0.0) -> bool:
+        """The socket's capability token was revoked (`appserver token revoke`, any process)."""
+        p = self.state.get("principal")
+        return isinstance(p, Principal) and self.authenticator.revoked(p, max_age_s=max_age_s)
+
     def next_deadline(self) -> tuple[float, str] | None:
         if self.state.get("auth_pending"):
             if self.hello_deadline is None:
@@ -230,19 +262,26 @@ class _WsSession:
         return None
 
     async def watch(self) -> None:
-        """Close the socket when the hello window or the credential's lifetime runs out."""
+        """Close the socket when the hello window or the credential's lifetime runs out, or when
+        its token is revoked (polled every REVOCATION_POLL_S: one `stat` shared by all sockets)."""
         while not self.closed:
+            if self.revoked(max_age_s=REVOCATION_POLL_S / 2):
+                await self.close(WS_CLOSE_AUTH, "credential revoked")
+                return
             nxt = self.next_deadline()
-            if nxt is None:
+            poll = REVOCATION_POLL_S if self.revocable() else None
+            if nxt is None and poll is None:
                 return
-            deadline, reason = nxt
-            delay = deadline - time.time()
-            if delay <= 0:
-                await self.close(WS_CLOSE_AUTH, reason)
-                return
+            delay = 3600.0
+            if nxt is not None:
+                deadline, reason = nxt
+                delay = deadline - time.time()
+                if delay <= 0:
+                    await self.close(WS_CLOSE_AUTH, reason)
+                    return
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), timeout=min(delay, 3600.0))
+                await asyncio.wait_for(self.changed.wait(), timeout=min(delay, poll or 3600.0, 3600.0))
             except TimeoutError:
                 pass
 
@@ -322,6 +361,15 @@ class SecurityGuard:
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
+        # Every answer, the guard's own refusals included, carries the request id that the log
+        # lines written while handling it carry (appserver/http/requestid.py).
+        rid, token = begin_request()
+        try:
+            await self._handle(scope, receive, _stamp_request_id(send, rid.encode("ascii")), kind)
+        finally:
+            end_request(token)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
         origin: str | None = None
         try:
             hdrs = self._headers(scope)
@@ -682,6 +730,11 @@ class SecurityGuard:
                 return {"type": "websocket.disconnect", "code": code, "reason": reason}
             message = await receive()
             t = message["type"]
+            if t == "websocket.receive" and (session.closed_by_guard is not None or session.revoked()):
+                # No frame is acted on once the credential is revoked, even before the poll sees it.
+                await session.close(WS_CLOSE_AUTH, "credential revoked")
+                code, reason = session.closed_by_guard or (WS_CLOSE_AUTH, "credential revoked")
+                return {"type": "websocket.disconnect", "code": code, "reason": reason}
             if t == "websocket.receive" and frame_max > 0:
                 data = message.get("bytes")
                 size = len(data) if data is not None else len(message.get("text") or "")

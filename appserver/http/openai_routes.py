@@ -16,11 +16,12 @@ from appserver.http.common import (
     resolve_model,
     visible_agents,
 )
+from appserver.http.errors import ApiError
 from appserver.http.metrics import Metrics
 from appserver.http.responses import Responses
 from appserver.server import Server
 
-ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]  # api_route answers each
 
 
 def openai_routes(server: Server) -> list[BaseRoute]:
@@ -36,6 +37,8 @@ def openai_routes(server: Server) -> list[BaseRoute]:
         return json_response({"object": "list", "data": [model_object(a, adv[a.id]) for a in agents if a.id in visible]})
 
     async def get_model(request: Request) -> Response:
+        if not request.path_params["model"]:
+            raise ApiError(404, "GET /v1/models/ names no model: use GET /v1/models to list them, or GET /v1/models/{id}", code="model_not_found", param="model")
         agent, model_id = await resolve_model(server, principal_of(request), request.path_params["model"])
         return json_response(model_object(agent, model_id))
 

@@ -8,6 +8,7 @@ response with `function_call` items; server tools needing approval end it with
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -17,14 +18,25 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from appserver.http.chat import content_of, show_reasoning, user_and_metadata
+from appserver.auth import conversation_namespace, namespace_allows
+from appserver.http.chat import (
+    check_media,
+    content_of,
+    new_content,
+    number_options,
+    parts_of,
+    show_reasoning,
+    tool_choice_of,
+    tool_names,
+    turn_tools,
+    user_and_metadata,
+)
 from appserver.http.common import (
     Idempotency,
     TurnRun,
     dumps,
-    json_int,
     json_response,
-    namespace_of,
+    max_steps_note,
     principal_of,
     read_json,
     resolve_model,
@@ -34,15 +46,17 @@ from appserver.http.common import (
 )
 from appserver.http.conversation_match import (
     HEADER,
+    Answers,
     ConversationMatcher,
     Placement,
     ViewItem,
     chain,
+    for_agent,
     merge_assistants,
     split_new_input,
 )
 from appserver.http.errors import ApiError, bad_request, turn_failure
-from appserver.http.sse import SSEResponse
+from appserver.http.sse import SSEItem, SSEResponse
 from appserver.providers.base import ToolSpec
 from appserver.runtime.conversation import Decision
 from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
@@ -57,6 +71,21 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
+# Ids of items this server stores carry their response's id: msg_/fc_/rs_ + 32 hex (+ suffix).
+REFERENCE_ID = re.compile(r"^(?:msg|fc|rs|fco|mcpa)_([0-9a-f]{32})")
+
+
+def shown_choice(value: Any) -> Any:
+    """tool_choice as the Response object echoes it (the request's, when it is a valid shape)."""
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "name": value["name"]}
+    if isinstance(value, dict) and value.get("type") == "mcp" and isinstance(value.get("server_label"), str):
+        return {k: v for k, v in value.items() if k in ("type", "server_label", "name")}
+    return "auto"
+
+
 # ---------------------------------------------------------------- request parsing
 
 
@@ -67,11 +96,26 @@ class ParsedInput:
     stored: list[dict[str, Any]] = field(default_factory=list)  # input items as listed by input_items
 
 
-def parse_input(value: Any) -> ParsedInput:
+# Input items accepted but carrying nothing for the model: this server's own output items resent
+# by stateless clients (reasoning is not replayed; mcp_list_tools is never produced here).
+ECHOED_ITEMS = ("reasoning", "mcp_list_tools")
+# Server tool items count as an empty assistant item: they merge into the reply around them.
+SERVER_TOOL_ITEMS = ("mcp_call", "mcp_approval_request")
+SUPPORTED_ITEMS = ("message", "function_call", "function_call_output", "mcp_approval_response", "item_reference", *SERVER_TOOL_ITEMS, *ECHOED_ITEMS)
+
+
+def parse_input(value: Any, response_id: str = "") -> ParsedInput:
+    """`response_id`: the response these inputs belong to; their stored ids point back to it (so an
+    `item_reference` to one can be resolved)."""
     out = ParsedInput()
+    tag = response_id.removeprefix("resp_") or secrets.token_hex(16)
+
+    def item_id(prefix: str) -> str:
+        return f"{prefix}_{tag}i{len(out.stored):03d}"
+
     if isinstance(value, str):
         out.items.append(ViewItem("user", value))
-        out.stored.append({"id": _id("msg"), "type": "message", "role": "user", "status": "completed", "content": [{"type": "input_text", "text": value}]})
+        out.stored.append({"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": [{"type": "input_text", "text": value}]})
         return out
     if not isinstance(value, list):
         raise bad_request("'input' must be a string or a non-empty array of items", "input")
@@ -86,18 +130,19 @@ def parse_input(value: Any) -> ParsedInput:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
-            text, images = content_of(item.get("content"), where)
+            text, images, media = parts_of(item.get("content"), where, media=role == "user")
             if role == "assistant":
                 out.items.append(ViewItem("assistant", text))
                 out.decisions.clear()  # approvals before a later reply are history, not new answers
             elif role == "user":
-                out.items.append(ViewItem("user", text, images))
+                out.items.append(ViewItem("user", text, images, parts=media))
                 parts: list[dict[str, Any]] = [{"type": "input_text", "text": text}] if text else []
                 parts += [{"type": "input_image", "image_url": u, "detail": "auto"} for u in images]
-                out.stored.append({"id": _id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts})
+                parts += [_input_part(p) for p in media]
+                out.stored.append({"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts})
             else:
                 out.items.append(ViewItem("system", text))
-                out.stored.append({"id": _id("msg"), "type": "message", "role": role, "status": "completed", "content": [{"type": "input_text", "text": text}]})
+                out.stored.append({"id": item_id("msg"), "type": "message", "role": role, "status": "completed", "content": [{"type": "input_text", "text": text}]})
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(call_id, str):
@@ -113,17 +158,54 @@ def parse_input(value: Any) -> ParsedInput:
             if not isinstance(output, str):
                 raise bad_request(f"{where}.output must be a string", "input")
             out.items.append(ViewItem("tool", output, call_id=call_id))
-            out.stored.append({"id": _id("fco"), "type": "function_call_output", "call_id": call_id, "output": output, "status": "completed"})
+            out.stored.append({"id": item_id("fco"), "type": "function_call_output", "call_id": call_id, "output": output, "status": "completed"})
         elif kind == "mcp_approval_response":
             rid, approve = item.get("approval_request_id"), item.get("approve")
             if not isinstance(rid, str) or not isinstance(approve, bool):
                 raise bad_request(f"{where}: an mcp_approval_response needs approval_request_id and approve", "input")
             reason = item.get("reason") if isinstance(item.get("reason"), str) else None
             call_id = rid[len("mcpr_") :] if rid.startswith("mcpr_") else rid
+            out.items.append(ViewItem("approval", "approve" if approve else "deny"))
             out.decisions.append(Decision(call_id, "approve" if approve else "deny", reason=reason, decided_by="http"))
-            rid_item = _id("mcpa")
-            out.stored.append({"id": rid_item, "type": "mcp_approval_response", "request_id": rid, "approval_request_id": rid, "approve": approve, "reason": reason})
-        # reasoning, item_reference, mcp_* output items resent by stateless clients carry nothing new
+            out.stored.append({"id": item_id("mcpa"), "type": "mcp_approval_response", "request_id": rid, "approval_request_id": rid, "approve": approve, "reason": reason})
+        elif kind in SERVER_TOOL_ITEMS:
+            out.items.append(ViewItem("assistant", ""))
+            out.decisions.clear()
+        elif kind in ECHOED_ITEMS:
+            continue
+        elif kind == "item_reference":
+            raise bad_request(f"{where}: item_reference {item.get('id')!r} names no item stored on this server", "input", code="item_not_found")
+        else:
+            raise bad_request(
+                f"{where}: unsupported input item type {kind!r}; this server takes {', '.join(SUPPORTED_ITEMS)}",
+                "input",
+                code="unsupported_item_type",
+            )
+    return out
+
+
+def _input_part(part: dict[str, Any]) -> dict[str, Any]:
+    """A file/audio part (chat shape) as input_items lists it."""
+    if part["type"] == "file":
+        return {"type": "input_file", **part["file"]}
+    return dict(part)
+
+
+async def resolve_references(value: Any, lookup: Any) -> Any:
+    """`input` with every `item_reference` replaced by the stored item it names (400 when none is):
+    `lookup(id)` returns the item or None."""
+    if not isinstance(value, list) or not any(isinstance(i, dict) and i.get("type") == "item_reference" for i in value):
+        return value
+    out: list[Any] = []
+    for i, item in enumerate(value):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            ref = item.get("id")
+            found = await lookup(ref) if isinstance(ref, str) and ref else None
+            if found is None:
+                raise bad_request(f"input[{i}]: item_reference {ref!r} names no item stored on this server (for this model)", "input", code="item_not_found")
+            out.append(found)
+        else:
+            out.append(item)
     return out
 
 
@@ -142,7 +224,9 @@ def instructions_of(value: Any) -> str | None:
     raise bad_request("'instructions' must be a string", "instructions")
 
 
-def function_tools(value: Any) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
+def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
+    """Client function tools, and the `mcp` tool that names this agent: it declares nothing new
+    (the agent's own tools run here) but lets clients such as the Agents SDK answer its approvals."""
     if value is None:
         return [], []
     if not isinstance(value, list):
@@ -150,6 +234,16 @@ def function_tools(value: Any) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
     specs: list[ToolSpec] = []
     shown: list[dict[str, Any]] = []
     for i, t in enumerate(value):
+        if isinstance(t, dict) and t.get("type") == "mcp":
+            label = t.get("server_label")
+            if label not in (agent.id, agent.name):
+                raise bad_request(
+                    f"tools[{i}]: MCP server {label!r} is not this agent; its own tools run here under server_label {agent.id!r}",
+                    "tools",
+                    code="unsupported_tool",
+                )
+            shown.append({k: v for k, v in t.items() if k in ("type", "server_label", "server_url", "server_description", "require_approval", "allowed_tools", "headers")} | {"server_label": agent.id})
+            continue
         if not isinstance(t, dict) or t.get("type") != "function":
             raise bad_request(f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)", "tools", code="unsupported_tool")
         name = t.get("name")
@@ -164,23 +258,8 @@ def function_tools(value: Any) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
 
 
 def response_options(body: dict[str, Any]) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    for key in ("temperature", "top_p"):
-        v = body.get(key)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise bad_request(f"'{key}' must be a number", key)
-            opts[key] = float(v)
-    mot = body.get("max_output_tokens")
-    if mot is not None:
-        mot = json_int(mot)
-        if mot is None:
-            raise bad_request("'max_output_tokens' must be a positive integer", "max_output_tokens")
-        if mot < 1:
-            raise bad_request("'max_output_tokens' must be a positive integer", "max_output_tokens", code="integer_below_min_value")
-        opts["max_tokens"] = mot
-    if body.get("tool_choice") is not None:
-        opts["tool_choice"] = body["tool_choice"]
+    """Sampling and limits (range-checked); tool_choice is checked by the caller, which knows the tools."""
+    opts: dict[str, Any] = number_options(body, ("max_output_tokens",))
     if isinstance(body.get("parallel_tool_calls"), bool):
         opts["parallel_tool_calls"] = body["parallel_tool_calls"]
     reasoning = body.get("reasoning")
@@ -193,6 +272,17 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         opts["response_format"] = {"type": "json_object"}
     return opts
+
+
+def calls_pending(call_ids: list[str]) -> ApiError:
+    """New input while the conversation waits for answers: 409 naming what it waits for."""
+    return ApiError(
+        409,
+        f"this conversation is waiting for answers to {', '.join(call_ids)}: send function_call_output "
+        "(client tools) or mcp_approval_response (approvals) items for them before new input",
+        code="calls_pending",
+        param="input",
+    )
 
 
 # ---------------------------------------------------------------- rendering
@@ -220,19 +310,22 @@ class Shape:
     reasoning: bool
 
 
-def output_blocks(snap: TurnSnapshot, run: TurnRun) -> list[tuple[int, dict[str, Any]]]:
-    """(absolute block index, block): calls answered by this request first, then new blocks."""
+def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """(absolute block index, block): calls answered by this request first, then new blocks, then
+    (a turn stopped at max_steps) a text block saying so."""
     out: list[tuple[int, dict[str, Any]]] = []
     for cid in run.resolved_calls:
         for i, b in enumerate(snap.blocks):
             if b["type"] == "tool_call" and b["call_id"] == cid:
                 out.append((i, b))
     out.extend((i, snap.blocks[i]) for i in range(run.base_blocks, len(snap.blocks)))
+    if steps_note and snap.stop_reason == "max_steps" and snap.status in TERMINAL_STATUSES:
+        out.append((len(snap.blocks), {"type": "text", "text": steps_note}))
     return out
 
 
 def item_for(shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final: bool) -> dict[str, Any] | None:
-    tag = f"{turn_id.split('_')[-1]}{index:04d}"
+    tag = f"{shape.id.removeprefix('resp_')}{index:04d}"  # points back to the response (item_reference)
     if b["type"] == "text":
         return {
             "id": f"msg_{tag}",
@@ -283,9 +376,11 @@ def response_body(shape: Shape, *, status: str, output: list[dict[str, Any]], sn
     if snap is not None and snap.status == "failed":
         # Response.error.code is a closed enum: the specific reason travels in the message.
         failed = turn_failure(snap.error)
-        code = "rate_limit_exceeded" if failed.status == 429 else "invalid_prompt" if failed.code == "context_length_exceeded" else "server_error"
+        code = "rate_limit_exceeded" if failed.status == 429 else "invalid_prompt" if failed.status == 400 else "server_error"
         error = {"code": code, "message": f"{failed.message} [{failed.code}]"}
     if status == "incomplete":
+        # OpenAI's schema allows only max_output_tokens and content_filter here; a max_steps stop
+        # says what happened in the text block output_blocks adds (docs/openai.md).
         incomplete = {"reason": "max_output_tokens"}
     body: dict[str, Any] = {
         "id": shape.id,
@@ -330,7 +425,7 @@ def final_status(snap: TurnSnapshot) -> str:
         return "failed"
     if snap.status == "cancelled":
         return "cancelled"
-    if snap.stop_reason == "max_tokens":
+    if snap.stop_reason in ("max_tokens", "max_steps"):
         return "incomplete"
     return "completed"
 
@@ -348,7 +443,9 @@ class Responses:
         rid = request.path_params["response_id"]
         rec = await self.server.store.get_response(rid)
         principal = principal_of(request)
-        if rec is None or not rec.stored or (rec.namespace and rec.namespace != namespace_of(principal) and principal.kind != "none"):
+        conv = await self.server.store.get_conversation(rec.conversation_id) if rec is not None else None
+        # a stored response belongs to its conversation's namespace (the one rule: namespace_allows)
+        if rec is None or not rec.stored or conv is None or not namespace_allows(conversation_namespace(principal), conv.namespace):
             raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
         agent = await self.server.store.get_agent(rec.agent_id)
         if agent is None or not principal.allows_agent(agent.id, agent.name):
@@ -380,7 +477,8 @@ class Responses:
             limit = int(request.query_params.get("limit", "20"))
         except ValueError:
             raise bad_request("'limit' must be an integer", "limit") from None
-        limit = max(1, min(limit, 100))
+        if not 1 <= limit <= 100:
+            raise bad_request(f"Invalid 'limit': {limit}; use 1 to 100", "limit", code="integer_below_min_value" if limit < 1 else "integer_above_max_value")
         page = items[:limit]
         return json_response(
             {"object": "list", "data": page, "first_id": page[0]["id"] if page else "", "last_id": page[-1]["id"] if page else "", "has_more": len(items) > limit}
@@ -388,8 +486,8 @@ class Responses:
 
     async def post(self, request: Request) -> Response:
         principal = principal_of(request)
-        ns = namespace_of(principal)
-        body, raw = await read_json(request)
+        ns = conversation_namespace(principal)
+        body, _ = await read_json(request)
         agent, model_id = await resolve_model(self.server, principal, body.get("model"))
         stream = body.get("stream") or False
         if not isinstance(stream, bool):
@@ -402,14 +500,21 @@ class Responses:
             raise bad_request("'store' must be a boolean", "store")
         if body.get("input") is None:
             raise bad_request("'input' is required", "input", code="missing_input")
-        parsed = parse_input(body.get("input"))
+        if body.get("stream_options") is not None and not stream:
+            raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options", code="invalid_stream_options")
+        prev_id = body.get("previous_response_id")
+        response_id = _id("resp")
+        raw_input = await resolve_references(body.get("input"), lambda ref: self._stored_item(agent, ns, ref, prev_id))
+        parsed = parse_input(raw_input, response_id)
         instructions = instructions_of(body.get("instructions"))
-        specs, shown_tools = function_tools(body.get("tools"))
+        specs, shown_tools = function_tools(body.get("tools"), agent)
         options = response_options(body)
+        choice = tool_choice_of(body.get("tool_choice"), tool_names(self.server, agent, specs), agent)
+        if choice is not None:
+            options["tool_choice"] = choice
         if instructions:
             options["instructions"] = [instructions]
         user, metadata = user_and_metadata(body)
-        prev_id = body.get("previous_response_id")
         conv_param = body.get("conversation")
         if isinstance(conv_param, dict):
             conv_param = conv_param.get("id")
@@ -420,31 +525,31 @@ class Responses:
         if prev_id and conv_param:
             raise bad_request("use either previous_response_id or conversation, not both", "conversation", code="conflicting_parameters")
 
-        items = merge_assistants(parsed.items)
+        items = merge_assistants(for_agent(parsed.items, agent))
         prefix, new = split_new_input(items)
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
         decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results] + parsed.decisions
         if not users and not decisions:
             raise bad_request("the input has no new user message, function_call_output or mcp_approval_response", "input", code="missing_input")
+        if users and decisions:
+            raise bad_request("send tool results (or approval answers) and new user input in separate requests", "input", code="mixed_input")
+        check_media(self.server, agent, [p for u in users for p in u.parts], "input")
+        answers = Answers([d.call_id for d in decisions], turn_tools(specs), options, "input") if decisions and not users else None
 
-        idem, replay = await Idempotency.begin(self.server, request, principal, "responses", raw)
+        idem, replay = await Idempotency.begin(self.server, request, principal, "responses", body)
         if replay is not None:
             return replay
         try:
-            place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata)
-            content: Any = None
-            if users:
-                text = "\n\n".join(u.text for u in users if u.text)
-                images = [url for u in users for url in u.images]
-                content = (([{"type": "text", "text": text}] if text else []) + [{"type": "image_url", "image_url": {"url": u}} for u in images]) if images else text
-            run = await start_turn(self.server, agent, place.conversation_id, content=content, decisions=decisions, client_tools=specs, options=options, source={"kind": "openai_responses"})
+            place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers)
+            content = new_content(users)
+            run = await start_turn(self.server, agent, place.conversation_id, content=content, decisions=decisions, client_tools=specs, options=options, source={"kind": "openai_responses"}, while_pending=calls_pending)
         except BaseException:
             if idem is not None:
                 await idem.abandon()
             raise
         shape = Shape(
-            id=_id("resp"),
+            id=response_id,
             model=model_id,
             agent=agent,
             created_at=int(time.time()),
@@ -457,7 +562,7 @@ class Responses:
             top_p=float(options.get("top_p", 1.0)),
             max_output_tokens=options.get("max_tokens"),
             parallel_tool_calls=bool(options.get("parallel_tool_calls", True)),
-            tool_choice=body.get("tool_choice") if isinstance(body.get("tool_choice"), str) else "auto",
+            tool_choice=shown_choice(body.get("tool_choice")),
             conversation=place.conversation_id if conv_param else None,
             reasoning=show_reasoning(agent),
         )
@@ -466,15 +571,43 @@ class Responses:
             return ctx.stream_response()
         return await ctx.complete(request)
 
-    async def _place(self, agent: AgentRecord, ns: str, request: Request, prev_id: str | None, conv_param: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any]) -> Placement:
+    async def _stored_item(self, agent: AgentRecord, ns: str | None, ref: str, prev_id: Any) -> dict[str, Any] | None:
+        """The stored item an `item_reference` names: found in the response its id points back to
+        (`msg_<response hex>…`), else along the previous_response_id chain; of this agent only."""
+        store = self.server.store
+        candidates: list[str] = []
+        m = REFERENCE_ID.match(ref)
+        if m:
+            candidates.append(f"resp_{m.group(1)}")
+        seen = 0
+        rid = prev_id if isinstance(prev_id, str) else None
+        while rid and seen < 50:
+            candidates.append(rid)
+            rec = await store.get_response(rid)
+            rid = rec.previous_response_id if rec is not None else None
+            seen += 1
+        for rid in candidates:
+            rec = await store.get_response(rid)
+            if rec is None or rec.agent_id != agent.id:
+                continue
+            conv = await store.get_conversation(rec.conversation_id)
+            if conv is None or not self.matcher.visible(conv, agent, ns):
+                continue
+            for item in [*rec.input_items, *(rec.body.get("output") or [])]:
+                if isinstance(item, dict) and item.get("id") == ref:
+                    return dict(item)
+        return None
+
+    async def _place(self, agent: AgentRecord, ns: str | None, request: Request, prev_id: str | None, conv_param: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any], answers: Answers | None = None) -> Placement:
         store = self.server.store
         if prev_id:
             rec = await store.get_response(prev_id)
-            if rec is None or rec.agent_id != agent.id or (rec.namespace and rec.namespace != ns):
+            prev_conv = await store.get_conversation(rec.conversation_id) if rec is not None else None
+            if rec is None or prev_conv is None or not self.matcher.visible(prev_conv, agent, ns):
                 raise ApiError(404, f"Previous response with id '{prev_id}' not found.", code="previous_response_not_found", param="previous_response_id")
             if await store.last_message_id(rec.conversation_id) == rec.last_message_id:
                 return Placement(rec.conversation_id, "previous_response")
-            return Placement(await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id), "fork")
+            return Placement(await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, answers), "fork")
         if conv_param:
             conv = await store.get_conversation(conv_param)
             if conv is None or not self.matcher.visible(conv, agent, ns):
@@ -482,8 +615,8 @@ class Responses:
             return Placement(conv.id, "conversation")
         header = request.headers.get(HEADER)
         if header:
-            return await self.matcher.by_header(agent, ns, header, prefix, user, metadata)
-        return await self.matcher.by_prefix(agent, ns, prefix, user, metadata)
+            return await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
+        return await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
 
 
 class _Run:
@@ -497,12 +630,13 @@ class _Run:
         self.point_base = point_base  # hash of the transcript up to and including the new input
         self.headers = {HEADER: run.conversation_id}
         self.keepalive = float(self.server.config.limits.sse_keepalive_s)
+        self.steps_note = max_steps_note(self.server, shape.agent)
 
     def settled(self, snap: TurnSnapshot) -> bool:
         return snap.status in TERMINAL_STATUSES or (snap.status == "awaiting" and snap.revision > self.run.after_revision)
 
     def output(self, snap: TurnSnapshot) -> list[dict[str, Any]]:
-        items = [item_for(self.shape, self.run.turn_id, i, b, final=True) for i, b in output_blocks(snap, self.run)]
+        items = [item_for(self.shape, self.run.turn_id, i, b, final=True) for i, b in output_blocks(snap, self.run, self.steps_note)]
         return [i for i in items if i is not None]
 
     async def finalize(self, snap: TurnSnapshot) -> dict[str, Any]:
@@ -532,6 +666,10 @@ class _Run:
     async def complete(self, request: Request) -> Response:
         try:
             snap = await settle_or_cancel(request, self.run, self.settled)
+            if snap.status == "failed" and (not any(b["type"] == "text" and b["text"] for _, b in output_blocks(snap, self.run)) or (snap.error or {}).get("kind") == "store"):
+                # As on chat: an HTTP error the SDK raises (and retries when it may), not a 200 with
+                # status "failed". Streams keep ending with `response.failed`.
+                raise turn_failure(snap.error)
             body = await self.finalize(snap)
         except BaseException:
             if self.idem is not None:
@@ -547,13 +685,13 @@ class _Run:
         finished = False
         seq = 0
 
-        def ev(kind: str, **fields: Any) -> str:
+        def ev(kind: str, **fields: Any) -> tuple[str, str]:
             nonlocal seq
             payload = {"type": kind, **fields, "sequence_number": seq}
             seq += 1
-            return dumps(payload)
+            return kind, dumps(payload)  # sent with an `event: <type>` line, as OpenAI does
 
-        async def produce() -> AsyncIterator[str | None]:
+        async def produce() -> AsyncIterator[SSEItem]:
             nonlocal finished
             metrics.active_streams.inc()
             try:
@@ -569,7 +707,7 @@ class _Run:
                         continue
                     last = snap
                     settled = self.settled(snap)
-                    blocks = output_blocks(snap, self.run)
+                    blocks = output_blocks(snap, self.run, self.steps_note)
                     for pos, (bi, b) in enumerate(blocks):
                         st = states.get(bi)
                         if st is None:
@@ -603,10 +741,10 @@ class _Run:
         on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
         return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]
 
-    def _advance(self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any) -> tuple[list[str], bool]:
+    def _advance(self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any) -> tuple[list[tuple[str, str]], bool]:
         """Events that bring one output item up to date; marks st['done'] when its item is finished."""
         shape = self.shape
-        events: list[str] = []
+        events: list[tuple[str, str]] = []
         kind = b["type"]
         if kind == "compaction" or (kind == "reasoning" and not shape.reasoning):
             st["skip"] = True
@@ -688,4 +826,6 @@ def _reply_view(output: list[dict[str, Any]]) -> list[ViewItem]:
             view.append(ViewItem("assistant", "".join(c.get("text", "") for c in item["content"])))
         elif item["type"] == "function_call":
             view.append(ViewItem("assistant", "", calls=[{"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}]))
+        elif item["type"] in SERVER_TOOL_ITEMS:
+            view.append(ViewItem("assistant", ""))  # as parse_input reads it when a client resends it
     return view

@@ -1,8 +1,10 @@
 """A Server-Sent Events response: a producer of `data:` payloads, keepalive comments, disconnect → callback.
 
-The producer is an async iterator of strings (each one `data:` payload) or None (nothing new:
-the response sends a keepalive comment). A client disconnect stops the producer and calls
-`on_disconnect` (the OpenAI routes cancel the turn the request started).
+The producer is an async iterator of strings (each one `data:` payload), `(event, data)` pairs
+(the event is sent as an `event:` line first, as OpenAI's Responses streams do: EventSource-style
+clients dispatch on it) or None (nothing new: the response sends a keepalive comment). A client
+disconnect stops the producer and calls `on_disconnect` (the OpenAI routes cancel the turn the
+request started).
 """
 
 from __future__ import annotations
@@ -38,10 +40,20 @@ def sse_data(payload: Any) -> str:
     return payload if isinstance(payload, str) else line_safe(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
 
 
+SSEItem = str | tuple[str, str] | None
+
+
+def sse_frame(item: str | tuple[str, str]) -> str:
+    """One SSE frame: `data: …` alone, or `event: NAME` then `data: …` for an (event, data) pair."""
+    if isinstance(item, tuple):
+        return f"event: {item[0]}\ndata: {item[1]}\n\n"
+    return f"data: {item}\n\n"
+
+
 class SSEResponse:
     def __init__(
         self,
-        producer: AsyncIterator[str | None],
+        producer: AsyncIterator[SSEItem],
         *,
         headers: dict[str, str] | None = None,
         on_disconnect: Callable[[], Awaitable[None]] | None = None,
@@ -50,7 +62,7 @@ class SSEResponse:
         self.producer = producer
         self.headers = headers or {}
         self.on_disconnect = on_disconnect
-        self.on_close = on_close  # (completed, data payloads sent) — for idempotent replay
+        self.on_close = on_close  # (completed, frames sent) — for idempotent replay
         self.sent: list[str] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,8 +87,9 @@ class SSEResponse:
                 if item is None:
                     chunk = KEEPALIVE
                 else:
-                    self.sent.append(item)
-                    chunk = f"data: {item}\n\n".encode()
+                    frame = sse_frame(item)
+                    self.sent.append(frame)
+                    chunk = frame.encode()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             completed = True

@@ -329,6 +329,11 @@ def _content_blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]
                 img = _image_block(part)
                 if img is not None:
                     blocks.append(img)
+        elif kind == "file":  # a PDF as a document block (the HTTP routes refuse other files)
+            data = (part.get("file") or {}).get("file_data") or ""
+            header, _, payload = data.partition(",")
+            if header == "data:application/pdf;base64" and payload:
+                blocks.append({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": payload}})
     return blocks
 
 

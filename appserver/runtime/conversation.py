@@ -1,7 +1,9 @@
 """ConversationRuntime: one FIFO queue and one TurnLifecycle per conversation.
 
-One turn at a time, in arrival order. A turn finishes exactly once, through `_finish`. Pending
-calls live in the store; answers resume the same turn with tool results as the next messages.
+One turn at a time, in arrival order. A turn finishes exactly once, through `_finish`, and only
+the worker task writes a turn's messages: answers and cancels of a paused turn take its lease
+synchronously and hand it to the worker, so no two paths can both settle one call. Pending calls
+live in the store; answers resume the same turn with tool results as the next messages.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from appserver.agent.events import ToolCallStatus
 from appserver.agent.loop import LoopOutcome, TurnWork, resolution_text
 from appserver.errors import InvalidInput, NotAwaiting, NotFound, QueueFull
 from appserver.providers.base import ToolSpec
@@ -31,6 +34,7 @@ log = logging.getLogger("appserver.runtime")
 
 SNAPSHOT_STATUS = {"completed": "completed", "cancelled": "cancelled", "failed": "failed", "interrupted": "cancelled"}
 RECENT_HANDLES = 16
+CANCELLED_UNANSWERED = "The turn was cancelled before this call was answered; it was not executed."
 
 
 @dataclass(slots=True)
@@ -62,6 +66,17 @@ class _Queued:
     # An overlapped accept still committing (see enqueue `overlap`); None once it committed first.
     accepting: asyncio.Task[None] | None = None
     agent: AgentRecord | None = None  # the agent as the submitter just read it (overlapped only)
+    cancelled: bool = False  # cancelled as the next turn to run, before the worker began it
+
+
+@dataclass(slots=True)
+class _Resume:
+    """A paused turn taken over (lease held) for the worker: resumed with `resolved`, or, when
+    its lease was cancelled, closed with one result per call."""
+
+    record: TurnRecord
+    lease: Lease
+    resolved: list[PendingCall] | None
 
 
 class ConversationRuntime:
@@ -83,7 +98,8 @@ class ConversationRuntime:
         self._loop_running = False
         self._loop_cancelled = False
         self._awaiting: TurnRecord | None = None
-        self._resume_ready: list[PendingCall] | None = None
+        self._resume: _Resume | None = None
+        self._draft_base = 0  # visible characters of the running turn already in history
         self._expiry: asyncio.TimerHandle | None = None
         self._draft_timer: asyncio.TimerHandle | None = None
         self._shutdown = False
@@ -116,9 +132,10 @@ class ConversationRuntime:
         self.lifecycle.restore_awaiting(turn.id)
         self._awaiting = turn
         await self._expire_overdue()
-        if self.lifecycle.state == "awaiting" and self._resume_ready is None:
+        if self.lifecycle.state == "awaiting" and self._resume is None:
             await self._maybe_resume()
-            self._arm_expiry(pending)
+            if self.lifecycle.state == "awaiting":
+                self._arm_expiry(pending)
 
     def adopt_history(self, messages: list[MessageRecord]) -> None:
         """The whole history, from a caller that just wrote it (a new conversation): no store read."""
@@ -238,44 +255,49 @@ class ConversationRuntime:
     async def _work(self) -> None:
         try:
             while not self._shutdown:
-                if self.lifecycle.state == "awaiting":
-                    if self._resume_ready is None or self._awaiting is None:
-                        break
-                    resolved, self._resume_ready = self._resume_ready, None
-                    record = self._awaiting
+                resume = self._resume
+                if resume is not None:
+                    self._resume = None
+                    record = resume.record
                     handle = self.handles.get(record.id)
                     if handle is None:
                         controller = await self.kernel.controller_from_store(record, await self.kernel.store.list_pending(record.id))
                         handle = TurnHandle(record.id, self.conversation_id, controller)
                         self._remember(handle)
-                    await self._run(record, handle, resolved)
+                    await self._run(record, handle, resume)
                     continue
-                if not self.queue:
+                if self.lifecycle.state == "awaiting" or not self.queue:
                     break
                 item = self.queue.popleft()
                 for i, q in enumerate(self.queue):
                     q.handle.controller.set_queue_position(i + 1)
-                await self._run(item.record, item.handle, None, item.accepting, item.agent)
+                await self._run(item.record, item.handle, None, item.accepting, item.agent, cancelled=item.cancelled)
         finally:
             self._worker = None
             self.last_active = time.monotonic()
 
     # ------------------------------------------------------------ run one turn (segment)
 
-    async def _run(self, record: TurnRecord, handle: TurnHandle, resolutions: list[PendingCall] | None, accepting: asyncio.Task[None] | None = None, agent: AgentRecord | None = None) -> None:
+    async def _run(self, record: TurnRecord, handle: TurnHandle, resume: _Resume | None = None, accepting: asyncio.Task[None] | None = None, agent: AgentRecord | None = None, *, cancelled: bool = False) -> None:
+        """Run one turn segment: a queued turn (`cancelled`: cancelled before it began), or a
+        paused one under the lease `_take_paused` took for it (resumed, or closed when that lease
+        was cancelled). Ends in `_finish`."""
         kernel = self.kernel
         controller = handle.controller
-        lease = self.lifecycle.begin(record.id)
-        if resolutions is not None:
-            self._cancel_expiry()
-            self._awaiting = None
-            controller.resume()
-            self._notify(handle)
-        else:
+        if resume is None:
+            lease = self.lifecycle.begin(record.id)
+            if cancelled:
+                self.lifecycle.request_cancel()
             controller.set_queue_position(0)
+        else:
+            lease = resume.lease
+            if not lease.cancel_event.is_set():
+                controller.resume()
+                self._notify(handle)
+        self._draft_base = len(controller.visible_text())  # a resumed turn's earlier text is stored
         work: TurnWork | None = None
         try:
-            if record.status != "running" or resolutions is not None:
+            if (record.status != "running" or resume is not None) and not lease.cancel_event.is_set():
                 record.status = "running"
                 await kernel.store.mark_turn_running(record.id, kernel.owner, controller.revision)
                 self.lifecycle.check(lease)
@@ -303,28 +325,34 @@ class ConversationRuntime:
                 )
             if accepting is not None:
                 work.before_effects = partial(self._require_accepted, accepting)
+            work.before_tools = partial(self._save_calls, record, work, controller)
 
             def emit(event: Any) -> None:
                 self.lifecycle.check(lease)
                 controller.apply(event)
 
-            drafts = self._schedule_draft(lease, controller, record.id, -1)
-            self._loop_running = True
-            try:
-                outcome = await kernel.agent_loop.run(work, emit, resolutions)
-            except asyncio.CancelledError:
-                if not self._loop_cancelled:
-                    raise  # the worker itself is being torn down
+            if lease.cancel_event.is_set():  # cancelled before it ran: nothing may run now
+                if resume is not None:
+                    await self._close_calls(record, work, emit)
                 outcome = LoopOutcome("interrupted" if self._shutdown else "cancelled", "cancelled")
-            finally:
-                self._loop_running = False
-                if self._loop_cancelled:
-                    self._loop_cancelled = False
-                    asyncio.current_task().uncancel()  # type: ignore[union-attr]  # ours, handled
-                drafts.cancel()
-                if self._draft_timer is not None:
-                    self._draft_timer.cancel()
-                    self._draft_timer = None
+            else:
+                drafts = self._schedule_draft(lease, controller, record.id, -1)
+                self._loop_running = True  # from here a cancel cancels the worker (see cancel)
+                try:
+                    outcome = await kernel.agent_loop.run(work, emit, resume.resolved if resume is not None else None)
+                except asyncio.CancelledError:
+                    if not self._loop_cancelled:
+                        raise  # the worker itself is being torn down
+                    outcome = LoopOutcome("interrupted" if self._shutdown else "cancelled", "cancelled")
+                finally:
+                    self._loop_running = False
+                    if self._loop_cancelled:
+                        self._loop_cancelled = False
+                        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # ours, handled
+                    drafts.cancel()
+                    if self._draft_timer is not None:
+                        self._draft_timer.cancel()
+                        self._draft_timer = None
         except StaleLease:
             return
         except Exception as exc:
@@ -334,6 +362,13 @@ class ConversationRuntime:
             work = TurnWork(agent=None, conversation_id=self.conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]
             if not record.input_committed:
                 work.new_messages.append(MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source))
+        # The outcome is decided here, with no await since the loop returned: a cancel accepted
+        # until now wins (the ack said so), any later one is refused.
+        try:
+            if self.lifecycle.settle(lease, pausing=outcome.status == "awaiting") and outcome.status not in ("cancelled", "interrupted"):
+                outcome = _cancel_wins(work)
+        except StaleLease:
+            return
         not_accepted = await self._accepted(accepting)
         if not_accepted is not None:
             # Never accepted, so never acknowledged nor visible: nothing of it may be written.
@@ -342,6 +377,54 @@ class ConversationRuntime:
             self.lifecycle.finish(lease)
             return
         await self._finish(lease, record, work, controller, outcome)
+
+    async def _save_calls(self, record: TurnRecord, work: TurnWork, controller: TurnController) -> None:
+        """Before a server tool acts on the world, make the turn's messages so far (the assistant
+        message with the calls about to run) durable: a server killed while the tool runs then
+        leaves the call in history, and crash settle closes it ("interrupted, outcome unknown").
+        Only turns that run a server tool pay this commit; the moved messages are not written
+        again by `_finish`."""
+        messages = list(work.new_messages)
+        if not any(m.role == "assistant" and m.tool_calls for m in messages):
+            return
+        write = asyncio.ensure_future(self.kernel.store.checkpoint_turn(self.conversation_id, record.id, messages, iteration=work.iteration, usage=dict(work.usage)))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await asyncio.wait([write])  # a cancel must not leave it unknown whether they are stored
+            if not write.cancelled() and write.exception() is None:
+                self._saved(record, work, controller, messages)
+            raise
+        self._saved(record, work, controller, messages)
+
+    def _saved(self, record: TurnRecord, work: TurnWork, controller: TurnController, messages: list[MessageRecord]) -> None:
+        record.input_committed = True
+        work.history.extend(messages)
+        work.new_messages = work.new_messages[len(messages):]  # (nothing was added meanwhile)
+        if self._history is not None:
+            self._history.extend(messages)
+        self._draft_base = len(controller.visible_text())
+
+    async def _close_calls(self, record: TurnRecord, work: TurnWork, emit: Callable[[Any], None]) -> None:
+        """A paused turn cancelled before it resumed: each of its calls gets its one result, from
+        the answer it got, or saying it was cancelled."""
+        await self._cancel_open_calls(record.id)
+        answered = {m.tool_call_id for m in work.history if m.role == "tool"}
+        for p in await self.kernel.store.list_pending(record.id):
+            if p.call_id in answered:
+                continue
+            if p.status == "approved":
+                text, is_error = f"The call to {p.name} was approved, but the turn was cancelled before it ran; it was not executed.", True
+            else:
+                text, is_error = resolution_text(p, self.kernel.config), p.status != "result" or p.is_error
+            emit(ToolCallStatus(p.call_id, "denied" if p.status == "denied" else "failed" if is_error else "completed", text, is_error))
+            work.new_messages.append(MessageRecord(role="tool", content=text, turn_id=record.id, iteration=work.iteration, tool_call_id=p.call_id, name=p.name, is_error=is_error))
+
+    async def _cancel_open_calls(self, turn_id: str) -> None:
+        store = self.kernel.store
+        for p in await store.list_pending(turn_id):
+            if p.status == "pending":
+                await store.resolve_pending(self.conversation_id, p.call_id, "cancelled", reason=CANCELLED_UNANSWERED, is_error=True)
 
     def _schedule_draft(self, lease: Lease, controller: TurnController, turn_id: str, saved: int) -> asyncio.TimerHandle:
         """Persist the visible text now and then, so a killed server keeps what was shown.
@@ -357,7 +440,7 @@ class ConversationRuntime:
             nonlocal_saved = saved
             if controller.revision != saved and controller.visible_text():
                 nonlocal_saved = controller.revision
-                loop.create_task(self.kernel.store.save_draft(turn_id, controller.draft()))
+                loop.create_task(self.kernel.store.save_draft(turn_id, controller.draft(self._draft_base)))
             self._draft_timer = self._schedule_draft(lease, controller, turn_id, nonlocal_saved)
 
         return loop.call_later(interval, tick)
@@ -410,6 +493,8 @@ class ConversationRuntime:
             controller.finish(SNAPSHOT_STATUS[status], stop_reason, error)
             self.lifecycle.finish(lease)
         self.kernel.turn_settled(record, controller.snapshot())
+        if status == "awaiting" and lease.cancel_event.is_set():
+            self._take_paused(record, None)  # a cancel accepted while the pause was being saved
 
     # ------------------------------------------------------------ answers to pending calls
 
@@ -441,18 +526,30 @@ class ConversationRuntime:
         return results
 
     async def _maybe_resume(self) -> None:
+        """Resume the paused turn once every pending call is answered. The lease is taken with no
+        await after the last read, so a cancel from then on cancels the resumed turn."""
         turn = self._awaiting
-        if turn is None or self._resume_ready is not None or self.lifecycle.state != "awaiting":
+        if turn is None or self._resume is not None or self.lifecycle.state != "awaiting":
             return
         pending = await self.kernel.store.list_pending(turn.id)
-        handle = self.handles.get(turn.id)
         if any(p.status == "pending" for p in pending):
+            handle = self.handles.get(turn.id)
             if handle is not None:
                 handle.controller.set_pending(pending)
             return
         done = {m.tool_call_id for m in await self.history() if m.role == "tool"}
-        self._resume_ready = [p for p in pending if p.call_id not in done]
+        if self._awaiting is turn and self._resume is None and self.lifecycle.state == "awaiting":
+            self._take_paused(turn, [p for p in pending if p.call_id not in done])
+
+    def _take_paused(self, turn: TurnRecord, resolved: list[PendingCall] | None) -> None:
+        """awaiting → active, synchronously: the paused turn now belongs to the worker, resumed
+        with `resolved`, or (None) cancelled. Nothing else writes its results."""
+        lease = self.lifecycle.begin(turn.id)
+        if resolved is None:
+            self.lifecycle.request_cancel()
+        self._awaiting = None
         self._cancel_expiry()
+        self._resume = _Resume(turn, lease, resolved)
         self._ensure_worker()
 
     def _arm_expiry(self, pending: list[PendingCall]) -> None:
@@ -472,7 +569,7 @@ class ConversationRuntime:
     async def _on_expiry(self) -> None:
         self._expiry = None
         await self._expire_overdue()
-        if self._awaiting is not None and self._resume_ready is None:
+        if self._awaiting is not None and self._resume is None and self.lifecycle.state == "awaiting":
             self._arm_expiry(await self.kernel.store.list_pending(self._awaiting.id))
 
     async def _expire_overdue(self) -> None:
@@ -493,44 +590,43 @@ class ConversationRuntime:
     # ------------------------------------------------------------ cancel
 
     async def cancel(self, *, shutdown: bool = False) -> bool:
+        """Stop the running turn, or close the paused one. True only when the turn will end
+        cancelled; False when nothing ran or its outcome was already decided (being saved)."""
         if shutdown:
             self._shutdown = True
         if self.lifecycle.state in ("active", "cancelling"):
-            self.lifecycle.request_cancel()
+            if self.lifecycle.request_cancel() is None:
+                return False
             if self._loop_running and not self._loop_cancelled and self._worker is not None:
                 self._loop_cancelled = True
                 self._worker.cancel()  # lands inside the agent loop: _run turns it into the outcome
-            return True
+            return True  # not in the loop yet: _run sees the lease cancelled before it starts
         if self.lifecycle.state == "awaiting" and self._awaiting is not None and not shutdown:
-            await self._cancel_awaiting(self._awaiting)
+            turn = self._awaiting
+            self._take_paused(turn, None)
+            # The open calls are answered now, so an answer that comes after this hears so.
+            await self._cancel_open_calls(turn.id)
+            return True
+        if self.lifecycle.state == "idle" and self.queue and not shutdown:
+            self.queue[0].cancelled = True  # the turn about to start (acknowledged as running)
             return True
         return False
 
-    async def _cancel_awaiting(self, turn: TurnRecord) -> None:
-        store = self.kernel.store
-        for p in await store.list_pending(turn.id):
-            if p.status == "pending":
-                await store.resolve_pending(self.conversation_id, p.call_id, "cancelled", reason="The turn was cancelled before this call was answered; it was not executed.", is_error=True)
-        pending = await store.list_pending(turn.id)
-        done = {m.tool_call_id for m in await self.history() if m.role == "tool"}
-        messages = [
-            MessageRecord(role="tool", content=resolution_text(p, self.kernel.config), turn_id=turn.id, iteration=turn.iteration, tool_call_id=p.call_id, name=p.name, is_error=True)
-            for p in pending
-            if p.call_id not in done
-        ]
-        handle = self.handles.get(turn.id)
-        controller = handle.controller if handle else await self.kernel.controller_from_store(turn, pending)
-        await store.commit_turn(self.conversation_id, TurnCommit(turn.id, "cancelled", "cancelled", messages, revision=controller.revision + 1, iteration=turn.iteration, usage=dict(turn.usage)))
-        if self._history is not None:
-            self._history.extend(messages)
-        self._cancel_expiry()
-        self._awaiting = None
-        self._resume_ready = None
-        self.lifecycle.drop_awaiting(turn.id)
-        controller.finish("cancelled", "cancelled")
-        turn.status = "cancelled"
-        self.kernel.turn_settled(turn, controller.snapshot())
-        self._ensure_worker()
+    async def withdraw(self, turn_id: str) -> bool:
+        """Drop a queued input that has not started (its HTTP client went away, DESIGN §13): closed
+        as cancelled, nothing of it written to the history. False when it started or is unknown."""
+        item = next((q for q in self.queue if q.record.id == turn_id and q.accepting is None), None)
+        if item is None:
+            return False
+        self.queue.remove(item)  # before any await: the worker can no longer pick it
+        for i, q in enumerate(self.queue):
+            q.handle.controller.set_queue_position(i + 1)
+        controller = item.handle.controller
+        await self.kernel.store.commit_turn(self.conversation_id, TurnCommit(turn_id, "cancelled", "cancelled", [], revision=controller.revision + 1, input_committed=False))
+        controller.finish("cancelled", "cancelled", {"kind": "withdrawn", "message": "the client went away before this input started; it was dropped", "retryable": False, "status": None})
+        item.record.status = "cancelled"
+        self.kernel.turn_settled(item.record, controller.snapshot())
+        return True
 
     async def shutdown(self) -> None:
         self._shutdown = True
@@ -547,6 +643,18 @@ class ConversationRuntime:
 def _retrieved(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+def _cancel_wins(work: TurnWork) -> LoopOutcome:
+    """The loop ended after a cancel was accepted (say a tool swallowed it): the turn ends
+    cancelled as promised, and its last reply says so too."""
+    work.pending = []
+    for m in reversed(work.new_messages):
+        if m.role == "assistant":
+            if not m.tool_calls:
+                m.completion_status = "cancelled"
+            break
+    return LoopOutcome("cancelled", "cancelled")
 
 
 def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecord]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appserver.agent.loop import AgentLoop
+from appserver.agent.tools import reap_orphaned_tools
 from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
 from appserver.procid import identity, identity_alive
@@ -39,6 +40,11 @@ from appserver.store.records import (
 log = logging.getLogger("appserver.kernel")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
+
+
+def interrupted_text(name: str) -> str:
+    """The result of a call whose server died before it returned: it may have run, or not."""
+    return f"The server stopped while the call to {name} was in progress: it was interrupted and its outcome is unknown (it may or may not have taken effect)."
 
 
 def new_id(prefix: str) -> str:
@@ -92,8 +98,14 @@ class Kernel:
 
     async def start(self, *, serve: bool = False) -> None:
         """Settle turns of dead processes; in a server, resume queued turns and watch deadlines."""
+        reaped = reap_orphaned_tools(self.config.home, self.owner)
+        if reaped:
+            log.warning("killed %d tool process(es) left running by a server of this home that died", reaped)
         await self.settle_crashed(requeue=serve)
         await self.store.purge_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+        released = await self.store.release_orphaned_http_idempotency()
+        if released:
+            log.warning("released %d Idempotency-Key(s) of requests a stopped server never finished; a retry runs them", released)
         if serve:
             for turn in await self.store.open_turns(["awaiting"]):
                 await self.runtime(turn.conversation_id)
@@ -164,7 +176,7 @@ class Kernel:
                 for c in m.tool_calls:
                     if c["id"] not in answered:
                         answered.add(c["id"])
-                        messages.append(MessageRecord(role="tool", content=f"The server stopped before the call to {c['name']} returned a result.", turn_id=turn.id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True))
+                        messages.append(MessageRecord(role="tool", content=interrupted_text(c["name"]), turn_id=turn.id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True))
         if text:
             messages.append(MessageRecord(role="assistant", content=text, turn_id=turn.id, iteration=turn.iteration, completion_status="interrupted"))
         error = {"kind": "interrupted", "message": "the server stopped while this turn was running", "retryable": False, "status": None}

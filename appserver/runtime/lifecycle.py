@@ -19,6 +19,8 @@ class Lease:
     id: int
     turn_id: str
     cancel_event: asyncio.Event = field(default_factory=asyncio.Event)
+    # The turn's outcome is decided and being saved (see TurnLifecycle.settle): a cancel is too late.
+    final: bool = False
 
 
 class TurnLifecycle:
@@ -43,6 +45,9 @@ class TurnLifecycle:
         return self._state != "idle"
 
     def begin(self, turn_id: str) -> Lease:
+        """idle → active for a new turn, or awaiting → active for the awaiting turn (its resume, or
+        its cancel). Synchronous, so whoever takes the lease owns the turn from that instant: an
+        answer and a cancel racing for a paused turn cannot both act on it."""
         if self._state == "awaiting":
             if self._awaiting_turn != turn_id:
                 raise RuntimeError(f"conversation awaits turn {self._awaiting_turn}, cannot begin {turn_id}")
@@ -68,12 +73,30 @@ class TurnLifecycle:
             raise StaleLease(lease.turn_id)
 
     def request_cancel(self) -> Lease | None:
-        """Mark the active turn as cancelling; returns its lease (None when nothing runs)."""
-        if self._state != "active" or self._lease is None:
+        """Mark the active turn as cancelling; returns its lease, or None when nothing runs or the
+        turn's outcome is already decided (then the cancel changes nothing and must not say so).
+        A turn whose cancel was accepted here always ends cancelled (see `settle`)."""
+        lease = self._lease
+        if lease is None:
+            return None
+        if self._state == "cancelling":
+            return lease  # accepted before: the turn ends cancelled
+        if self._state != "active" or lease.final:
             return None
         self._state = "cancelling"
-        self._lease.cancel_event.set()
-        return self._lease
+        lease.cancel_event.set()
+        return lease
+
+    def settle(self, lease: Lease, *, pausing: bool) -> bool:
+        """The turn's loop is over and its outcome is about to be saved: True when a cancel was
+        accepted, so the outcome must be `cancelled` whatever the loop returned. From here on a
+        cancel is refused, except while a pause is being saved: that cancel closes the paused
+        turn right after (the lease's cancel_event tells `ConversationRuntime._finish`)."""
+        self.check(lease)
+        cancelled = self._state == "cancelling"
+        if cancelled or not pausing:
+            lease.final = True
+        return cancelled
 
     @property
     def cancelling(self) -> bool:
@@ -89,9 +112,3 @@ class TurnLifecycle:
         self.check(lease)
         self._state = "idle"
         self._lease = None
-
-    def drop_awaiting(self, turn_id: str) -> None:
-        """An awaiting turn was closed without running (cancelled while paused)."""
-        if self._state == "awaiting" and self._awaiting_turn == turn_id:
-            self._state = "idle"
-            self._awaiting_turn = None

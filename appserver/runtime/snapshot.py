@@ -241,8 +241,9 @@ class TurnController:
     def visible_text(self) -> str:
         return "".join("".join(b.parts) for b in self._blocks if b.type == "text")
 
-    def draft(self) -> dict[str, Any]:
-        return {"text": self.visible_text(), "revision": self.revision}
+    def draft(self, skip: int = 0) -> dict[str, Any]:
+        """The crash checkpoint: visible text past the first `skip` characters (those are stored)."""
+        return {"text": self.visible_text()[skip:], "revision": self.revision}
 
     def snapshot(self) -> TurnSnapshot:
         snap = self._cached

@@ -86,6 +86,10 @@ class Store(ABC):
     @abstractmethod
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None: ...
     @abstractmethod
+    async def checkpoint_turn(self, conversation_id: str, turn_id: str, messages: list[MessageRecord], *, iteration: int, usage: dict[str, int]) -> None:
+        """Store a running turn's messages so far (its input is then committed), in one transaction,
+        before its server tools run; the turn stays running."""
+    @abstractmethod
     async def get_turn(self, turn_id: str) -> TurnRecord | None: ...
     @abstractmethod
     async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]: ...
@@ -132,6 +136,10 @@ class Store(ABC):
     async def drop_http_idempotency(self, scope: str, key: str) -> None: ...
     @abstractmethod
     async def purge_http_idempotency(self, older_than: float) -> int: ...
+    @abstractmethod
+    async def release_orphaned_http_idempotency(self) -> int:
+        """Drop pending keys whose claiming process is gone (a server killed mid-request), so a
+        retry runs the request instead of waiting for a reply that will never be stored."""
     @abstractmethod
     async def add_history_point(self, point: HistoryPoint) -> None: ...
     @abstractmethod

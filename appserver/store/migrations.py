@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 MIGRATIONS: list[tuple[int, str]] = [
     (
         1,
@@ -158,4 +160,40 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE messages ADD COLUMN meta TEXT;
         """,
     ),
+    (
+        4,
+        """
+        -- The process (pid:starttime) that claimed an HTTP Idempotency-Key: a pending key of a dead
+        -- process is released at the next start instead of blocking retries until it expires.
+        ALTER TABLE http_idempotency ADD COLUMN owner TEXT;
+        """,
+    ),
 ]
+
+
+class SchemaTooNew(Exception):
+    """The store was written by a newer appserver."""
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Bring `db` (autocommit connection) to the newest schema, one transaction per migration;
+    returns the version it had (0: it had none)."""
+    db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    current = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
+    known = max(v for v, _ in MIGRATIONS)
+    if current > known:
+        raise SchemaTooNew(f"database schema version {current} is newer than this appserver ({known}); upgrade appserver")
+    for version, script in MIGRATIONS:
+        if version <= current:
+            continue
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in script.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute("INSERT INTO schema_version(version) VALUES (?)", (version,))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+    return int(current)

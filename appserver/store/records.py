@@ -217,6 +217,7 @@ class HttpIdempotency:
     body: str | None = None
     conversation_id: str | None = None
     created_at: float = 0.0
+    owner: str | None = None  # process identity (pid:starttime) of the request that claimed it
 
 
 @dataclass(slots=True, frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import sqlite3
 import threading
 import time
@@ -18,8 +19,18 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from appserver.procid import identity, identity_alive
 from appserver.store.base import DuplicateTurn, Store, StoreError
-from appserver.store.migrations import MIGRATIONS
+from appserver.store.integrity import (
+    StoreOpenError,
+    create_store,
+    messages_seq,
+    open_error,
+    preflight,
+    read_position,
+    write_position,
+)
+from appserver.store.migrations import SchemaTooNew, migrate
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -56,6 +67,7 @@ class _Checkpointer(threading.Thread):
         self.wake = threading.Event()
         self.stopping = False
         self.commits = 0  # bumped by the writer; a stale read here only delays a checkpoint
+        self.recorded = read_position(path)  # the position sidecar's value (integrity.py)
 
     def committed(self) -> None:
         self.commits += 1
@@ -73,11 +85,24 @@ class _Checkpointer(threading.Thread):
                     continue
                 done = self.commits
                 try:
+                    seq = messages_seq(db)  # read first: the checkpoint then makes it durable
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # all: ends the statement
                 except sqlite3.Error:
                     log.exception("WAL checkpoint failed (the next one retries)")
+                    continue
+                self.record(seq)
         finally:
             db.close()
+
+    def record(self, seq: int) -> None:
+        """Write the position sidecar when it moved (off the hot path: this thread, or close)."""
+        if seq == self.recorded:
+            return
+        try:
+            write_position(self.path, seq)
+            self.recorded = seq
+        except OSError as exc:
+            log.warning("could not record the store position in %s: %s", self.path, exc)
 
     def stop(self) -> None:
         self.stopping = True
@@ -124,6 +149,11 @@ class SQLiteStore(Store):
         self._checkpointer: _Checkpointer | None = None
         self._flush_handle: asyncio.Handle | None = None
         self._flush_loop: asyncio.AbstractEventLoop | None = None
+        self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
+        # Set by `serve --accept-data-loss`: open a store whose WAL was damaged or that is behind
+        # its recorded position (integrity.py), after keeping a copy, instead of refusing.
+        self.accept_data_loss = False
+        self._write_probe = 0
 
     # ------------------------------------------------------------ lifecycle
 
@@ -131,16 +161,37 @@ class SQLiteStore(Store):
         self.open_sync()
 
     def open_sync(self) -> None:
+        """Open the file (only a missing one is a new store: see integrity.py); an unusable one
+        raises StoreOpenError naming the file and what to do, and is left as it was."""
         if self._db is not None:
             return
-        db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0)
-        db.row_factory = sqlite3.Row
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("PRAGMA foreign_keys=ON")
-        db.execute("PRAGMA busy_timeout=10000")
-        self._db = db
-        self._migrate()
+        created = False
+        if isinstance(self.path, Path):
+            try:
+                if preflight(self.path, accept_loss=self.accept_data_loss):
+                    created = create_store(self.path, migrate)
+            except sqlite3.OperationalError as exc:
+                raise self._open_error(exc) from None
+        try:
+            db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0)
+            try:
+                db.row_factory = sqlite3.Row
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+                db.execute("PRAGMA foreign_keys=ON")
+                db.execute("PRAGMA busy_timeout=10000")
+                self._db = db
+                self._migrate()
+            except BaseException:
+                self._db = None
+                db.close()
+                raise
+        except SchemaTooNew as exc:
+            raise StoreOpenError(f"{self.path}: {exc}") from None
+        except sqlite3.Error as exc:
+            raise self._open_error(exc) from None
+        if created:
+            self.fresh = True
         if isinstance(self.path, Path):
             try:
                 self.path.chmod(0o600)
@@ -151,15 +202,43 @@ class SQLiteStore(Store):
             self._checkpointer = _Checkpointer(self.path)
             self._checkpointer.start()
 
+    def _open_error(self, exc: sqlite3.Error) -> StoreOpenError:
+        return open_error(Path(str(self.path)), exc)
+
     async def close(self) -> None:
         self._flush()
-        if self._checkpointer is not None:
-            self._checkpointer.stop()
-            self._checkpointer = None
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            checkpointer.stop()
         if self._db is not None:
+            seq = None
+            if checkpointer is not None:
+                with suppress(sqlite3.Error):
+                    seq = messages_seq(self._db)
+                    # Syncs the WAL even when another process keeps the store open (then the
+                    # close below checkpoints nothing): what `seq` counts is durable.
+                    self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             self._db.close()  # the last connection to close checkpoints what is left
             self._db = None
+            if checkpointer is not None and seq is not None:
+                checkpointer.record(seq)
         self._agent_cache = None
+
+    async def check_writable(self, min_free_bytes: int = 0) -> str:
+        """Readiness: a real write transaction, and room on the disk. In WAL mode a small write
+        reuses WAL space already allocated, so it succeeds on a full disk; growing the database
+        at the next checkpoint would not. The free-space check is what sees a full disk."""
+        if isinstance(self.path, Path) and min_free_bytes:
+            free = shutil.disk_usage(self.path.parent).free
+            if free < min_free_bytes:
+                raise StoreError(
+                    f"disk nearly full: {free:,} bytes free for {self.path.parent} (needs {min_free_bytes:,}; "
+                    "[limits] min_free_disk_bytes)"
+                )
+        self._write_probe = (self._write_probe + 1) % 1_000_000
+        with self._tx() as tx:
+            tx.execute(f"PRAGMA user_version = {self._write_probe + 1}")  # header page only; no table
+        return "writable" + (f", {shutil.disk_usage(self.path.parent).free:,} bytes free" if isinstance(self.path, Path) else "")
 
     def _committed(self) -> None:
         if self._checkpointer is not None:
@@ -271,22 +350,7 @@ class SQLiteStore(Store):
                 fut.set_exception(err)
 
     def _migrate(self) -> None:
-        db = self.db
-        db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        row = db.execute("SELECT MAX(version) FROM schema_version").fetchone()
-        current = row[0] or 0
-        self.fresh = current == 0
-        known = max(v for v, _ in MIGRATIONS)
-        if current > known:
-            raise StoreError(f"database schema version {current} is newer than this appserver ({known})")
-        for version, script in MIGRATIONS:
-            if version <= current:
-                continue
-            with self._tx() as tx:
-                for statement in script.split(";"):
-                    if statement.strip():
-                        tx.execute(statement)
-                tx.execute("INSERT INTO schema_version(version) VALUES (?)", (version,))
+        self.fresh = migrate(self.db) == 0
 
     # ------------------------------------------------------------ agents
 
@@ -593,6 +657,16 @@ class SQLiteStore(Store):
         """One turn's rows, atomically, in the next group transaction (see _flush)."""
         await self._grouped(lambda tx: self._commit_turn(tx, conversation_id, commit))
 
+    async def checkpoint_turn(self, conversation_id: str, turn_id: str, messages: list[MessageRecord], *, iteration: int, usage: dict[str, int]) -> None:
+        """Committed before this returns (queued writes first): a tool may act right after."""
+        now = time.time()
+        with self._tx() as tx:
+            for m in messages:
+                m.turn_id = m.turn_id or turn_id
+                self._insert_message(tx, conversation_id, m, now)
+            tx.execute("UPDATE turns SET input_committed=1, iteration=?, usage=?, draft=NULL WHERE id=?", (iteration, _dumps(usage), turn_id))
+            tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
+
     def _commit_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit) -> None:
         now = time.time()
         terminal = commit.status in ("completed", "cancelled", "failed", "interrupted")
@@ -760,19 +834,36 @@ class SQLiteStore(Store):
             body=row["body"],
             conversation_id=row["conversation_id"],
             created_at=row["created_at"],
+            owner=row["owner"],
         )
 
+    def _orphaned(self, owner: str | None) -> bool:
+        """A pending key's claimant is gone (killed mid-request): nobody will ever finish it."""
+        return owner != self.owner and not identity_alive(owner)
+
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
+        """A pending key whose claimant died is taken over (the retry runs the request)."""
         entry.created_at = entry.created_at or time.time()
+        entry.owner = entry.owner or self.owner
         with self._tx() as tx:
             row = tx.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)).fetchone()
             if row is not None:
-                return self._idem(row)
+                if row["state"] != "pending" or not self._orphaned(row["owner"]):
+                    return self._idem(row)
+                log.warning("Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over", entry.key, row["owner"])
+                tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
             tx.execute(
-                "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at) VALUES (?,?,?,?,?)",
-                (entry.scope, entry.key, entry.body_hash, "pending", entry.created_at),
+                "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) VALUES (?,?,?,?,?,?)",
+                (entry.scope, entry.key, entry.body_hash, "pending", entry.created_at, entry.owner),
             )
         return None
+
+    async def release_orphaned_http_idempotency(self) -> int:
+        with self._tx() as tx:
+            rows = tx.execute("SELECT scope, key, owner FROM http_idempotency WHERE state='pending'").fetchall()
+            gone = [(r["scope"], r["key"]) for r in rows if self._orphaned(r["owner"])]
+            tx.executemany("DELETE FROM http_idempotency WHERE scope=? AND key=?", gone)
+        return len(gone)
 
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
         row = self.db.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (scope, key)).fetchone()

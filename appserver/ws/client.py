@@ -1,13 +1,25 @@
-"""A small async client of the `/ws` protocol (used by `appserver chat`, `appserver run` beside a
-live server, and `examples/ws_client.py`).
+"""A small async client of the `/ws` protocol (used by `appserver chat`, `appserver run` and
+`appserver cron run` beside a live server). It imports nothing of the server.
 
-    async with await ProtocolClient.connect("http://127.0.0.1:8770", token=None) as c:
+    async with await ProtocolClient.connect("http://127.0.0.1:8770", reconnect=True) as c:
         ack = await c.request({"type": "submit_input", "agent": "assistant", "input": "hi"})
         async for frame in c.frames():   # turn_updated, approval_request, tool_call_request, …
             ...
 
 Replies (frames carrying the `request_id` of a request) resolve `request()`; an `error` reply raises
 `ProtocolError`. Every other frame goes to `frames()` in arrival order.
+
+Reconnect (`reconnect=True`): when the server stops (1012) or dies (1006), a standby may take over
+(docs/protocol.md), so the client retries with capped backoff for at most `reconnect_s` seconds,
+asking `url_source()` each time where the server now is (the CLI re-reads server.json: a standby may
+listen elsewhere). Then it says hello, re-subscribes to its conversations and resumes the turns it
+was following: the active turn's snapshot is replayed as `turn_updated`; a followed turn that ended
+meanwhile (e.g. settled as interrupted by the standby) gets a terminal snapshot rebuilt from the
+committed history, so a caller waiting for an outcome always gets a truthful one. Callers see two
+local frames, `{"type": "event", "name": "connection_lost" | "reconnected", "local": true, …}`
+(clients ignore event names they do not know). Requests in flight are re-sent when that is safe and
+fail with `Closed` otherwise. Without a server after `reconnect_s`, `frames()` ends and requests
+raise `Closed` with the reason.
 """
 
 from __future__ import annotations
@@ -16,15 +28,21 @@ import asyncio
 import itertools
 import json
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import websockets
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from appserver.ws.frames import PROTOCOL_VERSION
-
+PROTOCOL_VERSION = 1
 TERMINAL = ("completed", "cancelled", "failed")
+RECONNECT_CODES = frozenset({1001, 1006, 1011, 1012, 1013, 1014})  # stop, death, restart, overload
+FATAL_CODES = frozenset({"invalid_api_key", "missing_api_key", "invalid_token", "token_expired", "insufficient_scope", "unsupported_protocol", "forbidden"})
+RESENDABLE = frozenset({"subscribe", "unsubscribe", "get_history", "list_agents", "list_conversations", "ping", "cancel", "approval_response"})
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 2.0
+HISTORY_LIMIT = 500
 
 
 class ProtocolError(Exception):
@@ -48,24 +66,75 @@ def ws_url(base: str) -> str:
     return base if base.endswith("/ws") else base + "/ws"
 
 
+def resendable(frame: dict[str, Any]) -> bool:
+    """Whether sending `frame` twice does no harm (an input only with a key on a known conversation)."""
+    if frame.get("type") == "submit_input":
+        return bool(frame.get("idempotency_key")) and frame.get("conversation") not in (None, "new")
+    return frame.get("type") in RESENDABLE
+
+
+@dataclass
+class _Pending:
+    frame: dict[str, Any]
+    future: asyncio.Future[dict[str, Any]]
+    sent: bool = False
+
+
+@dataclass
+class _Followed:
+    conversation_id: str
+    revision: int = -1
+
+
 class ProtocolClient:
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
+    def __init__(self, url: str, *, token: str | None, client: str, open_timeout: float, reconnect: bool, reconnect_s: float, url_source: Callable[[], str | None] | None) -> None:
+        self.url = url
+        self.ws: Any = None
         self.welcome: dict[str, Any] = {}
+        self.close_reason: str | None = None
+        self.reconnects = 0
+        self._token = token
+        self._client = client
+        self._open_timeout = open_timeout
+        self._reconnect = reconnect
+        self._reconnect_s = reconnect_s
+        self._url_source = url_source
         self._ids = itertools.count(1)
-        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._pending: dict[str, _Pending] = {}
         self._frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
-        self.close_reason: str | None = None
+        self._connected = asyncio.Event()
+        self._closing = False
+        self._gone = False
+        self._subscribed: dict[str, str | None] = {}  # conversation id -> agent id
+        self._turns: dict[str, _Followed] = {}  # turns this client follows until their terminal snapshot
 
     @classmethod
-    async def connect(cls, url: str, *, token: str | None = None, client: str = "appserver-client", open_timeout: float = 10.0) -> ProtocolClient:
+    async def connect(
+        cls,
+        url: str,
+        *,
+        token: str | None = None,
+        client: str = "appserver-client",
+        open_timeout: float = 10.0,
+        reconnect: bool = False,
+        reconnect_s: float = 30.0,
+        url_source: Callable[[], str | None] | None = None,
+    ) -> ProtocolClient:
         token = token if token is not None else os.environ.get("APPSERVER_TOKEN") or None
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        ws = await websockets.connect(ws_url(url), additional_headers=headers, open_timeout=open_timeout, max_size=None, ping_interval=20, ping_timeout=60)
-        self = cls(ws)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-        self.welcome = await self.request({"type": "hello", "protocol": PROTOCOL_VERSION, "client": client}, timeout=open_timeout)
+        self = cls(url, token=token, client=client, open_timeout=open_timeout, reconnect=reconnect, reconnect_s=reconnect_s, url_source=url_source)
+        ws = await self._open(url)
+        early: list[dict[str, Any]] = []
+        try:
+            self.welcome = await asyncio.wait_for(self._call(ws, self._hello(), early), open_timeout)
+        except BaseException:
+            await ws.close()
+            raise
+        self.ws = ws
+        self._connected.set()
+        for frame in early:
+            self._deliver(frame)
+        self._reader = asyncio.get_running_loop().create_task(self._run())
         return self
 
     async def __aenter__(self) -> ProtocolClient:
@@ -75,59 +144,267 @@ class ProtocolClient:
         await self.close()
 
     async def close(self) -> None:
+        self._closing = True
         try:
-            await self.ws.close()
+            if self.ws is not None:
+                await self.ws.close()
         finally:
             if self._reader is not None:
                 self._reader.cancel()
                 await asyncio.gather(self._reader, return_exceptions=True)
 
-    async def _read(self) -> None:
+    # ------------------------------------------------------------ connection
+
+    def _hello(self) -> dict[str, Any]:
+        return {"type": "hello", "protocol": PROTOCOL_VERSION, "client": self._client}
+
+    async def _open(self, url: str) -> Any:
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
+        return await websockets.connect(ws_url(url), additional_headers=headers, open_timeout=self._open_timeout, max_size=None, ping_interval=20, ping_timeout=60)
+
+    async def _call(self, ws: Any, frame: dict[str, Any], out: list[dict[str, Any]]) -> dict[str, Any]:
+        """One request on a connection nobody else reads yet (handshakes); other frames go to `out`."""
+        rid = f"h{next(self._ids)}"
+        await ws.send(json.dumps({**frame, "request_id": rid}))
+        while True:
+            reply = json.loads(await ws.recv())
+            if reply.get("request_id") != rid:
+                out.append(reply)
+                continue
+            if reply.get("type") == "error":
+                raise ProtocolError(reply.get("code", "error"), reply.get("message", ""), reply.get("param"))
+            self._note_reply(frame, reply)
+            return reply
+
+    async def _run(self) -> None:
+        """Read frames; when the connection ends, reconnect if asked and allowed, else finish."""
+        try:
+            while True:
+                code, reason = await self._pump()
+                self.close_reason = f"{code} {reason}".strip()
+                if self._closing or not self._reconnect or code not in RECONNECT_CODES:
+                    return
+                if not await self._reconnect_loop(code, reason):
+                    return
+        finally:
+            self._gone = True
+            err = Closed("connection_closed", self.closed_message())
+            for p in self._pending.values():
+                if not p.future.done():
+                    p.future.set_exception(err)
+            self._pending.clear()
+            self._frames.put_nowait(None)
+            self._connected.set()  # wakes senders waiting for a reconnect; they see _gone
+
+    async def _pump(self) -> tuple[int, str]:
         try:
             async for raw in self.ws:
-                frame = json.loads(raw)
-                rid = frame.get("request_id")
-                fut = self._waiting.pop(rid, None) if rid else None
-                if fut is not None and not fut.done():
-                    fut.set_result(frame)
-                else:
-                    self._frames.put_nowait(frame)
+                try:
+                    frame = json.loads(raw)
+                except ValueError:
+                    continue
+                self._dispatch(frame)
         except ConnectionClosed as exc:
-            self.close_reason = f"{exc.rcvd.code if exc.rcvd else 1006} {exc.rcvd.reason if exc.rcvd else ''}".strip()
-        finally:
-            if self.close_reason is None:
-                rcvd = getattr(self.ws, "close_code", None)
-                self.close_reason = f"{rcvd} {getattr(self.ws, 'close_reason', '') or ''}".strip()
-            err = Closed("connection_closed", f"the server closed the connection ({self.close_reason})")
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            self._waiting.clear()
-            self._frames.put_nowait(None)
+            if exc.rcvd is None:
+                return 1006, "the connection dropped"
+            return exc.rcvd.code, exc.rcvd.reason
+        return int(self.ws.close_code or 1006), str(self.ws.close_reason or "")
+
+    async def _reconnect_loop(self, code: int, reason: str) -> bool:
+        self._connected.clear()
+        start = time.monotonic()
+        deadline = start + self._reconnect_s
+        for rid, p in list(self._pending.items()):
+            if p.sent and not resendable(p.frame):
+                self._pending.pop(rid)
+                if not p.future.done():
+                    p.future.set_exception(Closed("connection_lost", f"the connection to the server was lost before it answered {p.frame.get('type')}; it may or may not have been applied"))
+        self._frames.put_nowait({"type": "event", "name": "connection_lost", "local": True, "data": {"code": code, "reason": reason, "url": self.url, "reconnect_s": self._reconnect_s}})
+        delay, last = BACKOFF_FIRST_S, f"{code} {reason}".strip()
+        while not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            url = self._where()
+            ws = None
+            try:
+                ws = await asyncio.wait_for(self._open(url), left)
+                out: list[dict[str, Any]] = []
+                welcome = await asyncio.wait_for(self._rehandshake(ws, out), max(0.5, deadline - time.monotonic()))
+            except ProtocolError as exc:
+                last = f"{exc.code}: {exc.message}"
+                if exc.code in FATAL_CODES:
+                    break
+            except (OSError, TimeoutError, ConnectionClosed, InvalidHandshake, InvalidURI, ValueError) as exc:
+                last = str(exc) or type(exc).__name__
+            else:
+                self.ws, self.url, self.welcome = ws, url, welcome
+                self.reconnects += 1
+                self._frames.put_nowait({"type": "event", "name": "reconnected", "local": True, "data": {"url": url, "after_s": round(time.monotonic() - start, 3)}})
+                for frame in out:
+                    self._deliver(frame)
+                try:
+                    for p in list(self._pending.values()):
+                        if p.sent:
+                            await ws.send(json.dumps(p.frame))
+                except ConnectionClosed:
+                    pass  # dropped again at once: the reader sees it and starts over
+                self._connected.set()
+                return True
+            if ws is not None:
+                await ws.close()
+            await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+        self.close_reason = f"lost the server at {self.url} ({code} {reason}".strip() + f") and could not reconnect within {self._reconnect_s:g} s (last error: {last})"
+        return False
+
+    def _where(self) -> str:
+        if self._url_source is not None:
+            try:
+                url = self._url_source()
+            except Exception:
+                url = None
+            if url:
+                return url
+        return self.url
+
+    async def _rehandshake(self, ws: Any, out: list[dict[str, Any]]) -> dict[str, Any]:
+        """hello, then re-subscribe and resume every followed turn; frames to deliver go to `out`."""
+        welcome = await self._call(ws, self._hello(), out)
+        for conv_id in list(self._subscribed):
+            try:
+                state = await self._call(ws, {"type": "subscribe", "conversation": conv_id}, out)
+            except ProtocolError as exc:
+                if exc.code in FATAL_CODES:
+                    raise
+                self._forget(conv_id)
+                out.append({"type": "error", "code": exc.code, "message": f"could not resubscribe to {conv_id} after reconnecting: {exc.message}", "local": True})
+                continue
+            active = state.get("active_turn")
+            if active:
+                out.append({"type": "turn_updated", "snapshot": active})
+            missing = [t for t, f in self._turns.items() if f.conversation_id == conv_id and (not active or active.get("turn_id") != t)]
+            if not missing:
+                continue
+            history = await self._call(ws, {"type": "get_history", "conversation": conv_id, "limit": HISTORY_LIMIT}, out)
+            agent_id = (state.get("conversation") or {}).get("agent_id") or self._subscribed.get(conv_id) or ""
+            for turn_id in missing:
+                followed = self._turns[turn_id]
+                snap = settled_from_history(turn_id, conv_id, agent_id, history.get("messages") or [], followed.revision + 1)
+                if snap is None and (state.get("queued") or 0) > 0:
+                    continue  # still queued: its snapshots follow on this subscription
+                if snap is None:
+                    snap = lost_snapshot(turn_id, conv_id, agent_id, followed.revision + 1)
+                out.append({"type": "turn_updated", "snapshot": snap})
+        return welcome
+
+    def _forget(self, conv_id: str) -> None:
+        self._subscribed.pop(conv_id, None)
+        for t in [t for t, f in self._turns.items() if f.conversation_id == conv_id]:
+            del self._turns[t]
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _dispatch(self, frame: dict[str, Any]) -> None:
+        rid = frame.get("request_id")
+        p = self._pending.pop(rid, None) if rid else None
+        if p is None:
+            self._deliver(frame)
+            return
+        if frame.get("type") != "error":
+            self._note_reply(p.frame, frame)
+        if not p.future.done():
+            p.future.set_result(frame)
+
+    def _note_reply(self, sent: dict[str, Any], reply: dict[str, Any]) -> None:
+        """Remember what to restore after a reconnect: subscriptions and turns being followed."""
+        kind = sent.get("type")
+        if kind == "subscribe" and reply.get("type") == "conversation_state":
+            conv = reply.get("conversation") or {}
+            if conv.get("id"):
+                self._subscribed[conv["id"]] = conv.get("agent_id")
+            active = reply.get("active_turn")
+            if active and conv.get("id") and active.get("status") not in TERMINAL:
+                self._turns.setdefault(active["turn_id"], _Followed(conv["id"])).revision = int(active.get("revision", -1))
+        elif kind == "unsubscribe" and sent.get("conversation"):
+            self._forget(str(sent["conversation"]))
+        elif kind in ("submit_input", "cron_run") and reply.get("turn_id") and reply.get("conversation_id"):
+            self._subscribed.setdefault(reply["conversation_id"], None)
+            if not reply.get("duplicate"):
+                self._turns.setdefault(reply["turn_id"], _Followed(reply["conversation_id"]))
+
+    def _deliver(self, frame: dict[str, Any]) -> None:
+        if frame.get("type") == "turn_updated":
+            snap = frame.get("snapshot") or {}
+            turn_id, conv_id = str(snap.get("turn_id") or ""), str(snap.get("conversation_id") or "")
+            if snap.get("status") in TERMINAL:
+                self._turns.pop(turn_id, None)
+            elif turn_id and conv_id in self._subscribed:
+                self._turns.setdefault(turn_id, _Followed(conv_id)).revision = int(snap.get("revision", -1))
+        self._frames.put_nowait(frame)
+
+    def closed_message(self) -> str:
+        """Why the connection is gone for good, as one line."""
+        reason = self.close_reason or "closed"
+        return reason if reason.startswith("lost the server") else f"the server closed the connection ({reason})"
+
+    # ------------------------------------------------------------ sending
+
+    async def _usable(self) -> None:
+        while not self._connected.is_set():
+            await self._connected.wait()
+        if self._gone:
+            raise Closed("connection_closed", self.closed_message())
+
+    async def _send_raw(self, frame: dict[str, Any], pending: _Pending | None = None) -> None:
+        """Send once a connection is up; a send that hits a dropped connection waits for the next."""
+        while True:
+            await self._usable()
+            ws = self.ws
+            try:
+                await ws.send(json.dumps(frame))
+            except ConnectionClosed:
+                if not self._reconnect:
+                    raise Closed("connection_closed", self.closed_message()) from None
+                if self.ws is ws and not self._gone:
+                    self._connected.clear()  # the reader sees the close too and reconnects (or gives up)
+                continue
+            if pending is not None:
+                pending.sent = True
+            return
 
     async def send(self, frame: dict[str, Any]) -> None:
-        await self.ws.send(json.dumps(frame))
+        await self._send_raw(frame)
 
     async def request(self, frame: dict[str, Any], *, timeout: float | None = 30.0) -> dict[str, Any]:
         """Send a frame and wait for its reply (matched by request_id); `error` raises ProtocolError."""
         rid = frame.get("request_id") or f"r{next(self._ids)}"
         frame = {**frame, "request_id": rid}
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        if self._reader is not None and self._reader.done():
-            raise Closed("connection_closed", f"the server closed the connection ({self.close_reason})")
-        self._waiting[rid] = fut
-        await self.send(frame)
-        reply = await asyncio.wait_for(fut, timeout) if timeout else await fut
+        if self._gone:
+            raise Closed("connection_closed", self.closed_message())
+        pending = _Pending(frame, asyncio.get_running_loop().create_future())
+        self._pending[rid] = pending
+
+        async def go() -> dict[str, Any]:
+            await self._send_raw(frame, pending)
+            return await pending.future
+
+        try:
+            reply = await asyncio.wait_for(go(), timeout) if timeout else await go()
+        finally:
+            self._pending.pop(rid, None)
         if reply.get("type") == "error":
             raise ProtocolError(reply.get("code", "error"), reply.get("message", ""), reply.get("param"))
         return reply
 
+    # ------------------------------------------------------------ receiving
+
     async def next_frame(self, timeout: float | None = None) -> dict[str, Any]:
-        """The next unsolicited frame; raises Closed when the connection is gone."""
+        """The next unsolicited frame; raises Closed when the connection is gone for good."""
         frame = await asyncio.wait_for(self._frames.get(), timeout) if timeout else await self._frames.get()
         if frame is None:
             self._frames.put_nowait(None)
-            raise Closed("connection_closed", f"the server closed the connection ({self.close_reason})")
+            raise Closed("connection_closed", self.closed_message())
         return frame
 
     async def frames(self) -> AsyncIterator[dict[str, Any]]:
@@ -159,3 +436,79 @@ class ProtocolClient:
                     return snap
 
         return await asyncio.wait_for(go(), timeout) if timeout else await go()
+
+
+# ───────────────────────────────────────── outcomes of turns that ended while disconnected
+
+INTERRUPTED = {"kind": "interrupted", "message": "the server stopped while this turn was running", "retryable": False, "status": None}
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def settled_from_history(turn_id: str, conversation_id: str, agent_id: str, messages: list[dict[str, Any]], revision: int) -> dict[str, Any] | None:
+    """The terminal snapshot of a turn that is no longer active, rebuilt from its committed messages
+    (a turn's messages are committed when it ends), or None when none are committed yet. It claims
+    only what the store shows: `completed` needs a final reply marked completed; text kept from a stop
+    is `interrupted`/`cancelled`; anything else is an honest "ended, outcome unknown"."""
+    mine = [m for m in messages if m.get("turn_id") == turn_id]
+    if not mine:
+        return None
+    results = {m.get("tool_call_id"): m for m in mine if m.get("role") == "tool"}
+    blocks: list[dict[str, Any]] = []
+    for m in mine:
+        if m.get("role") != "assistant":
+            continue
+        if m.get("reasoning"):
+            blocks.append({"type": "reasoning", "text": m["reasoning"]})
+        if _text(m.get("content")):
+            blocks.append({"type": "text", "text": _text(m.get("content"))})
+        for c in m.get("tool_calls") or []:
+            r = results.get(c.get("id"))
+            failed = r is None or bool(r.get("is_error"))
+            blocks.append({"type": "tool_call", "call_id": c.get("id"), "name": c.get("name"), "arguments": c.get("arguments", ""), "executor": "server", "status": "failed" if failed else "completed", "output": _text(r.get("content")) if r else None, "is_error": failed})
+    last = mine[-1]
+    done = last.get("completion_status")
+    status, stop_reason, error = "failed", "error", None
+    if last.get("role") == "assistant" and not last.get("tool_calls") and done == "completed":
+        status, stop_reason = "completed", "end_turn"
+    elif done == "interrupted":
+        status, stop_reason, error = "cancelled", "cancelled", dict(INTERRUPTED)
+    elif done == "cancelled":
+        status, stop_reason = "cancelled", "cancelled"
+    else:
+        error = {"kind": "unknown", "message": "the turn ended while the client was reconnecting; the server kept no final reply (it was interrupted, cancelled or failed)", "retryable": False, "status": None}
+    snap = _snapshot(turn_id, conversation_id, agent_id, revision, status, stop_reason, blocks, error)
+    snap["resumed_from"] = "history"
+    return snap
+
+
+def lost_snapshot(turn_id: str, conversation_id: str, agent_id: str, revision: int) -> dict[str, Any]:
+    error = {"kind": "lost", "message": "the server that answered after the reconnect has no record of this turn", "retryable": False, "status": None}
+    snap = _snapshot(turn_id, conversation_id, agent_id, revision, "failed", "error", [], error)
+    snap["resumed_from"] = "history"
+    return snap
+
+
+def _snapshot(turn_id: str, conversation_id: str, agent_id: str, revision: int, status: str, stop_reason: str, blocks: list[dict[str, Any]], error: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "turn_id": turn_id,
+        "conversation_id": conversation_id,
+        "agent_id": agent_id,
+        "revision": max(revision, 0),
+        "status": status,
+        "phase": "finalizing",
+        "stop_reason": stop_reason,
+        "blocks": blocks,
+        "pending": [],
+        "usage": {},
+        "error": error,
+        "queue_position": 0,
+        "attempt": 1,
+        "updated_at": time.time(),
+    }

@@ -1,54 +1,75 @@
 """Every frame of the WebSocket protocol (`/ws`), both directions, as pydantic v2 models.
 
 `docs/protocol.md` shows one JSON example per frame; a test validates each example against these
-models, so the document and the code cannot drift. Client frames forbid unknown fields only where a
-typo would silently change meaning; server frames are what the server sends, nothing more.
+models, so the document and the code cannot drift. Client frames ignore fields they do not know (a
+newer client must not break an older server; DESIGN §13), while unknown frame *types* are refused.
+Server frames are what the server sends, nothing more (extra fields forbidden, so the examples of
+the document cannot carry fields the server never sends). Numbers and booleans are strict: `"1"`
+is not the protocol number 1.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 PROTOCOL_VERSION = 1
+IMAGE_URL_SCHEMES = ("https:", "http:", "data:image/")
 
 
 class _Frame(BaseModel):
+    """A server → client frame: exactly these fields."""
+
     model_config = ConfigDict(extra="forbid")
     request_id: str | None = None
+
+
+class _ClientFrame(BaseModel):
+    """A client → server frame: unknown fields are ignored (forward compatibility)."""
+
+    model_config = ConfigDict(extra="ignore")
+    request_id: str | None = None
+
+
+class _ClientShape(BaseModel):
+    model_config = ConfigDict(extra="ignore")
 
 
 # ───────────────────────────────────────────────────────────── shared shapes
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(_ClientShape):
     type: Literal["text"]
     text: str
 
 
-class ImagePart(BaseModel):
-    """An image by URL (`https://…` or a `data:image/…;base64,…` URL)."""
+class ImagePart(_ClientShape):
+    """An image by URL: `https://…`, `http://…` (the provider fetches it, as OpenAI's API does) or
+    a `data:image/…;base64,…` URL. Other schemes (`file:`, relative paths) are refused."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["image"]
     url: str = Field(min_length=1)
     detail: Literal["auto", "low", "high"] | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, url: str) -> str:
+        if not url.strip().lower().startswith(IMAGE_URL_SCHEMES):
+            raise ValueError("an image URL must start with https:, http: or data:image/")
+        return url
 
 
 InputPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
-class ClientTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ClientTool(_ClientShape):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
-class ApprovalDecision(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ApprovalDecision(_ClientShape):
     call_id: str = Field(min_length=1)
     decision: Literal["approve", "deny"]
     reason: str | None = None
@@ -143,51 +164,51 @@ class MessageView(BaseModel):
 # ───────────────────────────────────────────────────────────── client → server
 
 
-class Hello(_Frame):
+class Hello(_ClientFrame):
     type: Literal["hello"]
-    protocol: int
+    protocol: int = Field(strict=True)
     client: str | None = None
     token: str | None = None
 
 
-class ListAgents(_Frame):
+class ListAgents(_ClientFrame):
     type: Literal["list_agents"]
 
 
-class ListConversations(_Frame):
+class ListConversations(_ClientFrame):
     type: Literal["list_conversations"]
     agent: str | None = None
-    limit: int = Field(default=100, ge=1, le=1000)
-    offset: int = Field(default=0, ge=0)
+    limit: int = Field(default=100, ge=1, le=1000, strict=True)
+    offset: int = Field(default=0, ge=0, strict=True)
 
 
-class CreateConversation(_Frame):
+class CreateConversation(_ClientFrame):
     type: Literal["create_conversation"]
     agent: str = Field(min_length=1)
     title: str | None = None
     metadata: dict[str, Any] | None = None
 
 
-class GetHistory(_Frame):
+class GetHistory(_ClientFrame):
     type: Literal["get_history"]
     conversation: str = Field(min_length=1)
     agent: str | None = None  # needed only with conversation "default"
-    before: int | None = None
-    limit: int = Field(default=100, ge=1, le=1000)
+    before: int | None = Field(default=None, strict=True)
+    limit: int = Field(default=100, ge=1, le=1000, strict=True)
 
 
-class Subscribe(_Frame):
+class Subscribe(_ClientFrame):
     type: Literal["subscribe"]
     conversation: str = Field(min_length=1)
     agent: str | None = None  # needed only with conversation "default"
 
 
-class Unsubscribe(_Frame):
+class Unsubscribe(_ClientFrame):
     type: Literal["unsubscribe"]
     conversation: str = Field(min_length=1)
 
 
-class SubmitInput(_Frame):
+class SubmitInput(_ClientFrame):
     type: Literal["submit_input"]
     agent: str = Field(min_length=1)
     conversation: str = "default"
@@ -197,29 +218,29 @@ class SubmitInput(_Frame):
     client_tools: list[ClientTool] = Field(default_factory=list)
 
 
-class ApprovalResponse(_Frame):
+class ApprovalResponse(_ClientFrame):
     type: Literal["approval_response"]
     conversation: str = Field(min_length=1)
     decisions: list[ApprovalDecision] = Field(min_length=1)
 
 
-class Cancel(_Frame):
+class Cancel(_ClientFrame):
     type: Literal["cancel"]
     conversation: str = Field(min_length=1)
 
 
-class ToolResult(_Frame):
+class ToolResult(_ClientFrame):
     type: Literal["tool_result"]
     call_id: str = Field(min_length=1)
     output: str
-    is_error: bool = False
+    is_error: bool = Field(default=False, strict=True)
 
 
-class Ping(_Frame):
+class Ping(_ClientFrame):
     type: Literal["ping"]
 
 
-class CronRun(_Frame):
+class CronRun(_ClientFrame):
     """Fire a cron task now, in the server (what `appserver cron run` sends beside a live server).
     Needs the `admin` scope; answered like submit_input, and subscribes the connection."""
 

@@ -307,4 +307,11 @@ class Hub:
         if routed is None or routed[0] != conn.id:
             return [{"call_id": call_id, "accepted": False, "error": "unknown_call", "message": f"no tool call {call_id} is waiting for this connection"}]
         del self.client_calls[call_id]
-        return await self.server.kernel.respond(routed[1], [Decision(call_id, "result", output=output, is_error=is_error, decided_by=conn.id)])
+        gone = [{"call_id": call_id, "accepted": False, "error": "unknown_call", "message": f"tool call {call_id} is no longer waiting for a result: it timed out or its turn ended or was cancelled"}]
+        try:
+            results = await self.server.kernel.respond(routed[1], [Decision(call_id, "result", output=output, is_error=is_error, decided_by=conn.id)])
+        except NotAwaiting:  # the turn moved on (the call timed out, the turn was cancelled)
+            return gone
+        if results and results[0].get("error") == "already_resolved":  # timed out, another call still open
+            return gone
+        return results

@@ -8,6 +8,7 @@ client's socket.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from typing import Any
@@ -17,10 +18,11 @@ from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from appserver import __name__ as _pkg
-from appserver.auth import AuthError, Principal
+from appserver import strictjson
+from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows
 from appserver.errors import KernelError, NotFound
 from appserver.providers.base import ToolSpec
-from appserver.runtime.conversation import Decision
+from appserver.runtime.conversation import Decision, TurnHandle
 from appserver.runtime.kernel import SubmitRequest
 from appserver.server import Server
 from appserver.store.records import AgentRecord, ConversationRecord
@@ -36,6 +38,11 @@ log = logging.getLogger("appserver.ws")
 
 SERVER_NAME = f"{_pkg}/0.1"
 CLOSE_WAIT_S = 5.0
+# A namespaced credential's own "default" conversation has a derived id with a '~', which the HTTP
+# X-Conversation-Id header refuses: nobody can create it ahead of its owner (squatting).
+NAMESPACE_DEFAULT_PREFIX = "conv_default~"
+OWNER_CACHE_MAX = 10_000  # conversation id -> (agent id, namespace); both never change
+LIST_BATCH = 500
 
 
 class FrameError(Exception):
@@ -46,33 +53,63 @@ class FrameError(Exception):
         self.param = param
 
 
+_BRANCH_MISMATCH = frozenset({"string_type", "list_type", "dict_type", "int_type", "bool_type", "model_type", "model_attributes_type"})
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    """A pydantic location as a client reads it: `input[0].detail`, without the union branch
+    labels (`str`, `list[tagged-union[…]]`) and discriminator tags pydantic inserts."""
+    out = ""
+    skip_tag = False
+    for part in loc[1:]:  # loc[0] is the frame's own tag
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        if skip_tag:
+            skip_tag = False
+            continue  # the tag of a tagged-union member, right after its index
+        if "[" in part or part in ("str", "int", "bool", "float", "list", "dict", "none"):
+            skip_tag = "tagged-union" in part
+            continue
+        out += f".{part}" if out else part
+    return out
+
+
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
-    # drop the discriminator tag pydantic puts first
-    if len(loc) > 1:
-        loc = loc[1:]
-    param = ".".join(loc) or None
+    """One clear sentence for the client. A union (`input` is text or a list of parts) reports one
+    error per branch: the deepest one is the branch the client meant."""
+    errors = exc.errors()
+    err = max(errors, key=lambda e: (e.get("type") not in _BRANCH_MISMATCH, len(e.get("loc", ()))))
+    param = _path(tuple(err.get("loc", ()))) or None
     kind = err.get("type")
+    ctx = err.get("ctx") or {}
     if kind == "missing":
         return f"missing field {param!r}", param
-    if kind == "extra_forbidden":
-        return f"unknown field {param!r}", param
-    return f"{param or 'frame'}: {err.get('msg')}", param
+    if kind == "union_tag_invalid":
+        where = f"{param}.{ctx.get('discriminator', 'type').strip(chr(39))}" if param else "type"
+        return f"{where}: unknown type {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}", where
+    if len(errors) > 1 and all(e.get("type") in _BRANCH_MISMATCH and _path(tuple(e.get("loc", ()))) == param for e in errors):
+        return f"{param or 'frame'}: expected a string or a list of parts", param  # no branch fits
+    message = str(err.get("msg") or "invalid value")
+    if kind == "value_error":
+        message = message.removeprefix("Value error, ")
+    return f"{param or 'frame'}: {message}", param
 
 
 def parse_client_frame(text: str | None) -> Any:
     if text is None:
         raise FrameError("bad_frame", "binary frames are not part of this protocol; send JSON text")
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        raise FrameError("bad_json", "the frame is not valid JSON") from None
+        data = strictjson.loads(text)  # also refuses what the store could not encode (lone surrogates)
+    except strictjson.JsonRejected as exc:
+        raise FrameError("bad_json", exc.about("the frame")) from None
     if not isinstance(data, dict):
         raise FrameError("bad_frame", "a frame is a JSON object with a 'type'")
-    kind = data.get("type")
-    if not isinstance(kind, str) or not kind:
+    if "type" not in data:
         raise FrameError("bad_frame", "missing field 'type'", "type")
+    kind = data["type"]
+    if not isinstance(kind, str) or not kind:
+        raise FrameError("bad_frame", f"field 'type' must be a non-empty string naming the frame (e.g. \"hello\"), not {json.dumps(kind)[:64]}", "type")
     if kind not in F.CLIENT_TYPES:
         raise FrameError("unknown_type", f"unknown frame type {kind[:64]!r}", "type")
     try:
@@ -87,6 +124,8 @@ class Endpoint:
         self.server = server
         self.hub = Hub(server)
         server.services["ws_hub"] = self.hub  # serve's signal handler tells clients it is stopping
+        self._owners: dict[str, tuple[str, str | None]] = {}  # conversation id -> (agent id, namespace)
+        self._default_lock = asyncio.Lock()  # creating a namespace's default conversation
 
     async def __call__(self, websocket: WebSocket) -> None:
         limits = self.server.config.limits
@@ -163,20 +202,17 @@ class Endpoint:
             agents = [a.to_dict() for a in await self.server.store.list_agents() if self._allows(conn, a)]
             conn.send({"type": "agents", "request_id": rid, "agents": agents})
         elif isinstance(frame, F.ListConversations):
-            agent_id = None
-            if frame.agent:
-                agent_id = (await self._agent(conn, frame.agent)).id
-            allowed = {a.id for a in await self.server.store.list_agents() if self._allows(conn, a)}
-            convs = await self.server.store.list_conversations(agent_id, limit=frame.limit, offset=frame.offset)
-            conn.send({"type": "conversations", "request_id": rid, "conversations": [c.to_dict() for c in convs if c.agent_id in allowed]})
+            convs = await self._list_conversations(conn, frame)
+            conn.send({"type": "conversations", "request_id": rid, "conversations": [_view(c) for c in convs]})
         elif isinstance(frame, F.CreateConversation):
             agent = await self._agent(conn, frame.agent)
-            fields: dict[str, Any] = {"metadata": frame.metadata or {}}
+            fields: dict[str, Any] = {"metadata": frame.metadata or {}, "namespace": _namespace(conn)}
             if frame.title:
                 fields["title"] = frame.title
             conv = await self.server.kernel.resolve_conversation(agent, "new", fields=fields)
+            self._remember(conv)
             w = await self.hub.watch(conv.id)
-            conn.send(w.state_frame(conn, conv.to_dict(), rid))
+            conn.send(w.state_frame(conn, _view(conv), rid))
             self.hub.maybe_release(w)
         elif isinstance(frame, F.GetHistory):
             conv = await self._conversation(conn, frame.conversation, frame.agent)
@@ -184,7 +220,7 @@ class Endpoint:
             conn.send({"type": "history", "request_id": rid, "conversation_id": conv.id, "messages": [m.to_dict() for m in messages]})
         elif isinstance(frame, F.Subscribe):
             conv = await self._conversation(conn, frame.conversation, frame.agent)
-            await self.hub.subscribe(conn, conv.id, conv.to_dict(), rid)
+            await self.hub.subscribe(conn, conv.id, _view(conv), rid)
         elif isinstance(frame, F.Unsubscribe):
             was = self.hub.unsubscribe(conn, frame.conversation)
             conn.send({"type": "ack", "request_id": rid, "conversation_id": frame.conversation, "results": [{"subscribed": False, "was_subscribed": was}]})
@@ -245,23 +281,53 @@ class Endpoint:
         names = [t.name for t in frame.client_tools]
         if len(set(names)) != len(names):
             raise FrameError("bad_frame", "client_tools names must be unique", "client_tools")
+        ns = _namespace(conn)
+        # Idempotency keys live in the credential's namespace: another credential's key never
+        # matches (it would hand over that credential's turn and subscribe to its conversation).
+        key = frame.idempotency_key or None
+        if key is not None and ns is not None:
+            key = f"{ns}\x1f{key}"
+        spec = (frame.conversation or "default").strip() or "default"
+        fields: dict[str, Any] = {}
+        if spec == "new":
+            fields["namespace"] = ns
+        elif spec == "default":
+            if ns is not None:
+                spec = await self._namespace_default(agent, ns)
+            elif key is not None:
+                spec = (await self.server.kernel.resolve_conversation(agent, "default")).id
+        elif ns is not None:
+            await self._owned(conn, spec, agent)
+        if key is not None and spec != "new":
+            # The same input first sent to "new" and re-sent (after a reconnect) to the id its ack
+            # named is one turn: the "new" submit keyed it by agent, not by conversation.
+            earlier = await self.server.store.lookup_idempotency(_new_scope(agent.id), key)
+            if earlier is not None and earlier.conversation_id == spec:
+                handle = await self.server.kernel.handle_for(earlier)
+                await self._acked(conn, frame.request_id, earlier.id, spec, handle, set(), handle.controller.queue_position, True)
+                return
         source = dict(frame.source or {})
         source.setdefault("connection", conn.id)
         sub = await self.server.kernel.submit(
             SubmitRequest(
                 agent=agent.id,
                 input=content,
-                conversation=frame.conversation,
+                conversation=spec,
                 source=source,
-                idempotency_key=frame.idempotency_key,
+                idempotency_key=key,
                 client_tools=[ToolSpec(t.name, t.description, t.parameters) for t in frame.client_tools],
+                conversation_fields=fields,
+                resolved=agent,
             )
         )
+        await self._acked(conn, frame.request_id, sub.turn_id, sub.conversation_id, sub.handle, set(names), sub.queue_position, sub.duplicate)
+
+    async def _acked(self, conn: Connection, rid: str | None, turn_id: str, conversation_id: str, handle: TurnHandle, tools: set[str], position: int, duplicate: bool) -> None:
         # the ack first, then (synchronously after it) the subscription: the client sees the ack
         # before any turn_updated of this turn.
-        conn.send({"type": "ack", "request_id": frame.request_id, "turn_id": sub.turn_id, "conversation_id": sub.conversation_id, "queue_position": sub.queue_position, "duplicate": sub.duplicate})
-        await self.hub.adopt_submission(conn, sub.conversation_id, sub.handle, set(names), sub.duplicate)
-        snap = sub.handle.controller.snapshot()
+        conn.send({"type": "ack", "request_id": rid, "turn_id": turn_id, "conversation_id": conversation_id, "queue_position": position, "duplicate": duplicate})
+        await self.hub.adopt_submission(conn, conversation_id, handle, tools, duplicate)
+        snap = handle.controller.snapshot()
         if snap.terminal:  # a duplicate of a finished turn: show its result
             conn.send({"type": "turn_updated", "snapshot": snap.to_dict()})
 
@@ -313,18 +379,106 @@ class Endpoint:
         return agent
 
     async def _conversation(self, conn: Connection, ref: str, agent_ref: str | None) -> ConversationRecord:
+        """The conversation a frame names, if this credential may see it (namespace_allows);
+        unknown and not-yours get the same `conversation_not_found`."""
         if ref in ("default", "new"):
             if ref == "new" or not agent_ref:
                 raise FrameError("bad_frame", "give a conversation id (or 'default' with an agent)", "conversation")
             agent = await self._agent(conn, agent_ref)
-            return await self.server.kernel.resolve_conversation(agent, "default", create=True)
+            ns = _namespace(conn)
+            if ns is None:
+                return await self.server.kernel.resolve_conversation(agent, "default", create=True)
+            ref = await self._namespace_default(agent, ns)
         conv = await self.server.store.get_conversation(ref)
-        if conv is None:
-            raise NotFound(f"unknown conversation {ref!r}", code="conversation_not_found", param="conversation")
-        owner = await self.server.store.get_agent(conv.agent_id)
-        if owner is None or not self._allows(conn, owner):
-            raise FrameError("forbidden", f"this credential may not use conversation {ref!r}", "conversation")
+        if conv is not None:
+            self._remember(conv)
+        owner = await self.server.store.get_agent(conv.agent_id) if conv is not None else None
+        if conv is None or owner is None or not self._allows(conn, owner) or not namespace_allows(_namespace(conn), conv.namespace):
+            raise _not_found(ref)
         return conv
+
+    async def _owned(self, conn: Connection, ref: str, agent: AgentRecord) -> None:
+        """Refuse (as not found) a submit to a conversation outside the caller's namespace or of
+        another agent. Cached: a conversation's agent and namespace never change."""
+        known = self._owners.get(ref)
+        if known is None:
+            conv = await self.server.store.get_conversation(ref)
+            if conv is None:
+                raise _not_found(ref)
+            known = self._remember(conv)
+        if known[0] != agent.id or not namespace_allows(_namespace(conn), known[1]):
+            raise _not_found(ref)
+
+    def _remember(self, conv: ConversationRecord) -> tuple[str, str | None]:
+        if len(self._owners) >= OWNER_CACHE_MAX:
+            self._owners.pop(next(iter(self._owners)))
+        entry = self._owners[conv.id] = (conv.agent_id, conv.namespace)
+        return entry
+
+    async def _namespace_default(self, agent: AgentRecord, ns: str) -> str:
+        """The id of this namespace's own default conversation of `agent`, created on first use:
+        two credentials never share a default (the agent's shared one is for admin and local)."""
+        cid = NAMESPACE_DEFAULT_PREFIX + hashlib.sha256(f"{agent.id}\n{ns}".encode()).hexdigest()[:24]
+        if cid in self._owners:
+            return cid
+        async with self._default_lock:
+            conv = await self.server.store.get_conversation(cid)
+            if conv is None:
+                conv = await self.server.store.create_conversation(ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=ns))
+        if conv.agent_id != agent.id or conv.namespace != ns:  # pragma: no cover - ids are derived
+            raise _not_found(cid)
+        self._remember(conv)
+        return cid
+
+    async def _list_conversations(self, conn: Connection, frame: F.ListConversations) -> list[ConversationRecord]:
+        """The page of conversations this credential may see (its agents, its namespace), newest
+        first; `offset` counts visible conversations only."""
+        agent_id = (await self._agent(conn, frame.agent)).id if frame.agent else None
+        ns = _namespace(conn)
+        store = self.server.store
+        assert conn.principal is not None
+        if ns is None and conn.principal.agents is None:
+            return await store.list_conversations(agent_id, limit=frame.limit, offset=frame.offset)
+        allowed = {a.id for a in await store.list_agents() if self._allows(conn, a)}
+        out: list[ConversationRecord] = []
+        skip = frame.offset
+        at = 0
+        while len(out) < frame.limit:
+            page = await store.list_conversations(agent_id, limit=LIST_BATCH, offset=at)
+            for c in page:
+                if c.agent_id not in allowed or not namespace_allows(ns, c.namespace):
+                    continue
+                if skip:
+                    skip -= 1
+                else:
+                    out.append(c)
+            if len(page) < LIST_BATCH:
+                break
+            at += LIST_BATCH
+        return out[: frame.limit]
+
+
+def _namespace(conn: Connection) -> str | None:
+    """The connection's conversation namespace (None: admin or local, sees every conversation).
+    Fails closed: a connection without a principal (unreachable after `hello`) sees nothing."""
+    return conversation_namespace(conn.principal) if conn.principal is not None else "\x00unauthenticated"
+
+
+def _new_scope(agent_id: str) -> str:
+    """The idempotency scope `Kernel.submit` files a keyed submit to "new" under."""
+    return f"new:{agent_id}"
+
+
+def _not_found(ref: str) -> NotFound:
+    return NotFound(f"unknown conversation {ref!r}", code="conversation_not_found", param="conversation")
+
+
+def _view(conv: ConversationRecord) -> dict[str, Any]:
+    """A conversation as clients see it; a namespace's own default says `default: true` too."""
+    d = conv.to_dict()
+    if conv.id.startswith(NAMESPACE_DEFAULT_PREFIX):
+        d["default"] = True
+    return d
 
 
 def _peek_request_id(text: str) -> str | None:

@@ -1,0 +1,184 @@
+"""Type and range checks for config values, generic over the config dataclasses.
+
+Every key is checked against its dataclass type hint (int, float, bool, str, `str | None`,
+`list[str]`, `dict[str, X]`) plus an optional `Rule` (bounds or choices), so a new key is
+type-checked the moment it is declared, and a typo'd or out-of-range value fails at load with the
+key named, instead of surfacing later as odd behaviour (`queue_max = -5`, `body_max_bytes = 0`).
+Environment values arrive as text and are parsed to the declared type first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Bounds (`ge`/`gt` below, `le` above) or a fixed set of `choices` for one key."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    choices: tuple[str, ...] = ()
+
+
+class Invalid(Exception):
+    """A value does not fit its key; `expected` reads after "must be"."""
+
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def describe(hint: Any, rule: Rule | None = None) -> str:
+    """What a key must be, in words: `an integer >= 1`, `one of 'none', 'token', 'jwt'`."""
+    if rule is not None and rule.choices:
+        return "one of " + ", ".join(repr(c) for c in rule.choices)
+    base = _base(hint)
+    words = {
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        str: "a string",
+    }.get(base) if isinstance(base, type) else None
+    if words is None:
+        origin = typing.get_origin(base)
+        args = typing.get_args(base)
+        if origin is list:
+            words = f"a list of {_plural(args[0] if args else str)}"
+        elif origin is dict:
+            words = f"a table of {_plural(args[1] if len(args) > 1 else str)}"
+        else:
+            words = f"a {base}"
+    if rule is not None:
+        bounds = []
+        if rule.gt is not None:
+            bounds.append(f"> {_num(rule.gt)}")
+        if rule.ge is not None:
+            bounds.append(f">= {_num(rule.ge)}")
+        if rule.le is not None:
+            bounds.append(f"<= {_num(rule.le)}")
+        if bounds:
+            words += " " + " and ".join(bounds)
+    return words
+
+
+def _plural(hint: Any) -> str:
+    return {int: "integers", float: "numbers", bool: "booleans", str: "strings"}.get(hint, "values")
+
+
+def _base(hint: Any) -> Any:
+    """`str | None` → str (None is only ever a default: TOML has no null)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if len(args) == 1 else hint
+    return hint
+
+
+def _optional(hint: Any) -> bool:
+    return type(None) in typing.get_args(hint)
+
+
+def convert(value: Any, hint: Any, rule: Rule | None, *, from_env: bool) -> Any:
+    """`value` as the declared type, or Invalid. Environment text is parsed; TOML values must
+    already have the right type (an integer key given "5" in TOML is a mistake worth naming)."""
+    expected = describe(hint, rule)
+    base = _base(hint)
+    if from_env and isinstance(value, str):
+        if value == "" and _optional(hint):
+            return None
+        value = _parse_env(value, base, expected)
+    out = _typed(value, base, expected)
+    if rule is not None:
+        _check_rule(out, rule, expected)
+    return out
+
+
+def _parse_env(text: str, base: Any, expected: str) -> Any:
+    t = text.strip()
+    if base is bool:
+        low = t.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise Invalid(expected)
+    if base is int:
+        try:
+            return int(t)
+        except ValueError:
+            raise Invalid(expected) from None
+    if base is float:
+        try:
+            return float(t)
+        except ValueError:
+            raise Invalid(expected) from None
+    origin = typing.get_origin(base)
+    if origin is list:
+        return [v.strip() for v in text.split(",") if v.strip()]
+    if origin is dict:
+        try:
+            return json.loads(text)  # a table from the environment is a JSON object
+        except json.JSONDecodeError:
+            raise Invalid(expected + " (from the environment: a JSON object)") from None
+    return text
+
+
+def _typed(value: Any, base: Any, expected: str) -> Any:
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise Invalid(expected)
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise Invalid(expected)
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise Invalid(expected)
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise Invalid(expected)
+    origin = typing.get_origin(base)
+    args = typing.get_args(base)
+    if origin is list:
+        item = args[0] if args else str
+        if not isinstance(value, list):
+            raise Invalid(expected)
+        return [_typed(v, item, expected) for v in value]
+    if origin is dict:
+        item = args[1] if len(args) > 1 else str
+        if not isinstance(value, dict):
+            raise Invalid(expected)
+        return {str(k): _typed(v, item, expected) for k, v in value.items()}
+    return value
+
+
+def _check_rule(value: Any, rule: Rule, expected: str) -> None:
+    if rule.choices:
+        if value not in rule.choices:
+            raise Invalid(expected)
+        return
+    if value is None:
+        return
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+    for v in items:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if (
+            (rule.ge is not None and v < rule.ge)
+            or (rule.gt is not None and v <= rule.gt)
+            or (rule.le is not None and v > rule.le)
+        ):
+            raise Invalid(expected)

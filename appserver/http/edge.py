@@ -1,0 +1,365 @@
+"""The HTTP/1.1 connection edge: limits and timeouts that must hold before any request reaches the app.
+
+uvicorn's httptools protocol (chosen explicitly by `serve`, never "auto") accepts a request head of
+any size and times out nothing but an idle keep-alive gap after a response. This subclass adds, per
+connection and before any auth work:
+
+* a cap on the request line + headers (`head_max_bytes`, 431 beyond);
+* a head timeout: the head must be complete within `head_timeout_s` of its first byte (408);
+* a body-progress timeout: a body that stops arriving for `body_timeout_s` ends the request (408
+  if nothing was answered yet; the app sees a disconnect);
+* an idle timeout (`keepalive_timeout_s`) on a fresh connection before its first byte, as uvicorn
+  already does between requests;
+* a global connection cap counted at accept (`max_connections`, default derived from the fd
+  limit): beyond it a connection gets an immediate 503 and is closed, so descriptors never run out.
+
+Plus `AcceptErrorThrottle`, which keeps asyncio's "accept out of system resource" error (logged in a
+hot loop once descriptors do run out) to one line per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from appserver.config import LimitsConfig
+from appserver.http.errors import error_body, new_request_id
+
+log = logging.getLogger("appserver.edge")
+
+ACCEPT_ERROR_PREFIX = "socket.accept() out of system resource"
+# asyncio schedules a retry per failed accept (up to `backlog` per wakeup); once the listening
+# socket is closed, each retry fails again with its own traceback.
+ACCEPT_RETRY_PREFIX = "Exception in callback BaseSelectorEventLoop._start_serving"
+
+
+class LogThrottle:
+    """At most one notice per `interval_s`; counts what it held back so the next notice says so."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s = interval_s
+        self._last = -float("inf")
+        self.suppressed = 0
+
+    def allow(self) -> tuple[bool, int]:
+        """(emit now?, how many were held back since the last emitted one)."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self.suppressed += 1
+            return False, 0
+        self._last, held = now, self.suppressed
+        self.suppressed = 0
+        return True, held
+
+
+class AcceptErrorThrottle(logging.Filter):
+    """On the `asyncio` logger: asyncio logs EMFILE on accept once per pending connection, every
+    retry (92 MB of log in 30 s was measured), and each retry scheduled then fails with a traceback
+    after the listener closes; one line per interval (per kind) says the same."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        super().__init__()
+        self.throttles = {ACCEPT_ERROR_PREFIX: LogThrottle(interval_s), ACCEPT_RETRY_PREFIX: LogThrottle(interval_s)}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if not msg.startswith(("socket.", "Exception in callback")):
+            return True
+        for prefix, throttle in self.throttles.items():
+            if msg.startswith(prefix):
+                emit, held = throttle.allow()
+                if emit and held:
+                    record.msg = f"{msg}\n({held} more like this in the last {throttle.interval_s:g} s were not logged)"
+                    record.args = None
+                return emit
+        return True
+
+
+def fd_limit() -> int:
+    """The soft limit on open file descriptors of this process."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_cap(configured: int, nofile: int | None = None) -> int:
+    """`max_connections`, or (0) three quarters of the fd limit less 32: the rest stays free for the
+    store, logs, upstream model calls and the gateway, so accept never fails with EMFILE."""
+    if configured > 0:
+        return configured
+    n = fd_limit() if nofile is None else nofile
+    return max(8, n * 3 // 4 - 32)
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    head_max_bytes: int
+    head_timeout_s: float
+    body_timeout_s: float
+    keepalive_timeout_s: float
+    max_connections: int
+    refusals: LogThrottle = field(default_factory=LogThrottle, compare=False)
+
+    @classmethod
+    def from_config(cls, limits: LimitsConfig) -> EdgeLimits:
+        return cls(
+            head_max_bytes=int(limits.head_max_bytes),
+            head_timeout_s=float(limits.head_timeout_s),
+            body_timeout_s=float(limits.body_timeout_s),
+            keepalive_timeout_s=float(limits.keepalive_timeout_s),
+            max_connections=connection_cap(int(limits.max_connections)),
+        )
+
+
+def raw_error(status: int, code: str, message: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> tuple[bytes, str]:
+    """A complete `Connection: close` response with an OpenAI error body, written by the protocol
+    itself (no request reached the app); → (bytes, its request id)."""
+    rid = new_request_id()
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    lines = [
+        STATUS_LINE[status],
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n",
+        b"x-request-id: " + rid.encode() + b"\r\n",
+        *(name + b": " + value + b"\r\n" for name, value in extra),
+        b"\r\n",
+        body,
+    ]
+    return b"".join(lines), rid
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+LINGER_S = 2.0
+LINGER_MAX_BYTES = 1 << 20
+
+# Where the parser is in the current message.
+IDLE, HEAD, BODY = 0, 1, 2
+
+
+class EdgeHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above; `protocol_class` binds the limits."""
+
+    limits: ClassVar[EdgeLimits]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeout_keep_alive = self.limits.keepalive_timeout_s  # type: ignore[assignment]
+        self._phase = IDLE
+        self._head_raw = 0  # bytes of chunks that ended inside the current head
+        self._head_parsed = 0  # bytes of its request line and complete header lines
+        self._last_data = 0.0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._refused = False
+        self._linger_left: int | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+
+    # ── connection ────────────────────────────────────────────────────────────────────────────
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self._refused = True
+            self.transport = transport
+            data, _ = raw_error(
+                503,
+                "server_busy",
+                f"the server has {self.limits.max_connections} connections open, its limit ([limits] max_connections); retry shortly",
+                ((b"retry-after", b"1"),),
+            )
+            transport.write(data)
+            transport.close()
+            emit, held = self.limits.refusals.allow()
+            if emit:
+                more = f" ({held} more since the last notice)" if held else ""
+                log.warning("connection limit %d reached: refusing new connections with 503%s", self.limits.max_connections, more)
+            return
+        super().connection_made(transport)
+        # uvicorn arms its keep-alive timer only after a response; a fresh connection gets it too.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
+        self._cancel_timers()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        super().connection_lost(exc)
+
+    def _cancel_timers(self) -> None:
+        for timer in (self._head_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._linger_left is not None:  # answered and half-closed: drop the rest
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self.transport.close()
+            return
+        self._unset_keepalive_if_required()
+        started_in_head = self._phase != BODY
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._cancel_timers()
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _HeadTooLarge):
+                self._refuse_head()
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        phase = self._phase
+        if phase == HEAD:
+            if started_in_head:
+                # Inside a header line httptools buffers without calling back: count raw bytes.
+                self._head_raw += len(data)
+                if self._head_raw > self.limits.head_max_bytes:
+                    self._refuse_head()
+                    return
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._on_head_timeout)
+        elif phase == BODY:
+            self._last_data = self.loop.time()
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._on_body_timeout)
+
+    def handle_websocket_upgrade(self) -> None:
+        self._cancel_timers()
+        super().handle_websocket_upgrade()
+
+    def send_400_response(self, msg: str) -> None:
+        if self.transport.is_closing():
+            return
+        data, _ = raw_error(400, "invalid_http", msg)
+        self.transport.write(data)
+        self._linger_close()
+
+    # ── parser callbacks ──────────────────────────────────────────────────────────────────────
+
+    def on_message_begin(self) -> None:
+        self._phase = HEAD
+        self._head_raw = self._head_parsed = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count_head(self, n: int) -> None:
+        self._head_parsed += n
+        if self._head_parsed > self.limits.head_max_bytes:
+            raise _HeadTooLarge()
+
+    def on_headers_complete(self) -> None:
+        self._phase = BODY
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._phase = IDLE
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+    # ── refusals ──────────────────────────────────────────────────────────────────────────────
+
+    def _close_with(self, status: int, code: str, message: str) -> None:
+        """Answer (when the wire is free for an answer) and close the connection."""
+        self._cancel_timers()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self._phase == BODY:  # the current request's cycle: answer unless its response began
+            free = cycle is not None and not cycle.response_started
+        else:  # a new head: `cycle` is the previous request's, whose response must be complete
+            free = cycle is None or cycle.response_complete
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # what the app still sends goes nowhere; its receive says disconnect
+            cycle.message_event.set()
+        if free:
+            data, rid = raw_error(status, code, message)
+            self.transport.write(data)
+            log.info("[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
+            self._linger_close()
+        else:
+            log.info("%s from %s: closing a connection whose response had started", message, self._peer())
+            self.transport.close()
+
+    def _linger_close(self) -> None:
+        """Close after an error answer without losing it. Closing with unread input makes the
+        kernel reset the connection, and a reset can discard the answer before the client reads
+        it; so stop writing (FIN), drop what still arrives (at most LINGER_MAX_BYTES, for at most
+        LINGER_S), then close. The client's own close ends it sooner."""
+        self._cancel_timers()
+        self._linger_left = LINGER_MAX_BYTES
+        self.flow.resume_reading()
+        if not self.transport.can_write_eof():  # TLS: no half-close; close at once
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+
+    def _refuse_head(self) -> None:
+        self._close_with(
+            431,
+            "request_header_fields_too_large",
+            f"the request line and headers exceed {self.limits.head_max_bytes} bytes ([limits] head_max_bytes)",
+        )
+
+    def _on_head_timeout(self) -> None:
+        self._head_timer = None
+        if self._phase != HEAD or self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # a pipelined head waits for the response before it: not its fault
+            self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._on_head_timeout)
+            return
+        self._close_with(408, "request_timeout", f"the request head did not arrive within {self.limits.head_timeout_s:g} s ([limits] head_timeout_s)")
+
+    def _on_body_timeout(self) -> None:
+        self._body_timer = None
+        if self._phase != BODY or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        timeout = self.limits.body_timeout_s
+        waiting = self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue and not cycle.response_complete)
+        quiet = self.loop.time() - self._last_data
+        if waiting or quiet < timeout:  # the app is not reading, or bytes came since: not stalled
+            self._body_timer = self.loop.call_later(timeout if waiting else timeout - quiet, self._on_body_timeout)
+            return
+        self._close_with(408, "request_timeout", f"the request body stalled: no bytes for {timeout:g} s ([limits] body_timeout_s)")
+
+
+def protocol_class(limits: EdgeLimits) -> type[EdgeHttpProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to these limits."""
+    return type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits})

@@ -1,0 +1,350 @@
+"""Opening an SQLite store file without losing data quietly.
+
+Only a missing file is a new store (created under a temporary name and renamed, so a half-made
+store never looks like a real one). An empty, truncated, foreign or damaged file is refused.
+
+A write-ahead log damaged after a crash (a bad byte, a torn sector) makes SQLite drop every frame
+from the first bad one on, committed transactions included, without an error. Before the writer
+connection opens (its first write or its close would overwrite or delete the WAL), `inspect_wal`
+lets SQLite recover read-only, reads how many frames it kept (`mxFrame`, in the wal-index header
+of the `-shm` file) and looks for commit frames of the current WAL generation after that point:
+each is a committed transaction SQLite is about to discard. A normal crash leaves none (at most an
+uncommitted tail), so this never refuses a store that a kill -9 left behind.
+
+A second, independent record: `<db>.position` holds the highest message rowid ever issued
+(`sqlite_sequence`, which only grows), written by the checkpointer after a checkpoint has made it
+durable. A store that opens behind it lost data some other way (a WAL deleted after a crash, an
+old copy put back); that is refused too. Either refusal keeps a copy of the files and says how to
+accept the loss deliberately (`appserver serve --accept-data-loss`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+from appserver.fsutil import atomic_write_json, fsync_dir
+from appserver.store.base import StoreError
+
+log = logging.getLogger("appserver.store")
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+WAL_MAGICS = (0x377F0682, 0x377F0683)  # little-endian / big-endian checksums
+WAL_HEADER = 32
+FRAME_HEADER = 24
+SHM_VERSION = 3007000
+ACCEPT_HINT = "appserver serve --accept-data-loss"
+
+
+class StoreOpenError(StoreError):
+    """The store file cannot be used as it is; the message says what happened and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class WalReport:
+    frames: int  # whole frames in the file
+    recovered: int  # frames SQLite uses (the rest it discards)
+    lost_commits: int  # committed transactions among the discarded frames
+
+
+def wal_path(db: Path) -> Path:
+    return db.with_name(db.name + "-wal")
+
+
+def position_path(db: Path) -> Path:
+    return db.with_name(db.name + ".position")
+
+
+def _ro_connect(db: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{quote(str(db))}?mode=ro", uri=True, isolation_level=None, timeout=10.0)
+
+
+def _header_checksum_ok(header: bytes, magic: int) -> bool:
+    """SQLite's WAL checksum over the first 24 header bytes, compared with bytes 24..32."""
+    words = struct.unpack(("<" if magic == WAL_MAGICS[0] else ">") + "6I", header[:24])
+    s0 = s1 = 0
+    for i in range(0, 6, 2):
+        s0 = (s0 + words[i] + s1) & 0xFFFFFFFF
+        s1 = (s1 + words[i + 1] + s0) & 0xFFFFFFFF
+    return (s0, s1) == struct.unpack(">2I", header[24:32])
+
+
+def _recovered_frames(db: Path, conn: sqlite3.Connection, salt: bytes) -> int | None:
+    """mxFrame from the wal-index header (two identical 48-byte copies at the start of -shm),
+    read after `conn` made SQLite recover the WAL. None when it cannot be read reliably."""
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # a read: SQLite recovers the WAL
+    try:
+        with open(db.with_name(db.name + "-shm"), "rb") as f:
+            head = f.read(96)
+    except OSError:
+        return None
+    if len(head) < 96 or head[:48] != head[48:96]:
+        return None
+    version, _unused, _change, is_init = struct.unpack_from("=IIIB", head, 0)
+    if version != SHM_VERSION or not is_init:
+        return None
+    if head[32:40] != salt:  # the index describes another WAL generation: SQLite ignored this one
+        return 0
+    return int(struct.unpack_from("=I", head, 16)[0])
+
+
+def attached_elsewhere(db: Path) -> bool:
+    """Whether some connection (another process, or another one of ours) has `db` open: each
+    holds a lock on its `-shm` file. Then no recovery happens at our open (the WAL index in use
+    is authoritative and nothing is discarded), and we must not open and close the `-shm` file
+    ourselves: closing any descriptor of a file drops this process's POSIX locks on it."""
+    try:
+        st = os.stat(db.with_name(db.name + "-shm"))
+        text = Path("/proc/locks").read_text()
+    except FileNotFoundError:
+        return False  # no -shm: nobody attached (or no /proc: checked as if first)
+    except OSError:
+        return False
+    for line in text.splitlines():
+        for token in line.split():
+            parts = token.split(":")
+            if len(parts) == 3 and parts[2].isdigit() and int(parts[2]) == st.st_ino:
+                try:
+                    if (int(parts[0], 16), int(parts[1], 16)) == (os.major(st.st_dev), os.minor(st.st_dev)):
+                        return True
+                except ValueError:
+                    pass
+    return False
+
+
+def inspect_wal(db: Path, conn: sqlite3.Connection) -> WalReport | None:
+    """What SQLite will keep of `db`'s WAL (None: no WAL, or nothing to judge). Call with `conn`
+    (read-only, just opened) being the only connection: its first read runs the recovery."""
+    wal = wal_path(db)
+    try:
+        size = wal.stat().st_size
+        with open(wal, "rb") as f:
+            header = f.read(WAL_HEADER)
+            if len(header) < WAL_HEADER:
+                return None
+            magic, _version, page_size = struct.unpack(">3I", header[:12])
+            if magic not in WAL_MAGICS or page_size < 512 or page_size > 65536 or page_size & (page_size - 1):
+                return None
+            frame_size = FRAME_HEADER + page_size
+            frames = (size - WAL_HEADER) // frame_size
+            if frames <= 0:
+                return None
+            salt = header[16:24]
+            recovered = _recovered_frames(db, conn, salt) if _header_checksum_ok(header, magic) else 0
+            if recovered is None:
+                log.warning("could not read the WAL index of %s; the WAL was not checked", db)
+                return None
+            lost = 0
+            for i in range(recovered, frames):
+                f.seek(WAL_HEADER + i * frame_size)
+                frame = f.read(FRAME_HEADER)
+                if len(frame) < FRAME_HEADER:
+                    break
+                _page, commit = struct.unpack(">2I", frame[:8])
+                if commit and frame[8:16] == salt:  # a commit frame of this WAL generation
+                    lost += 1
+    except FileNotFoundError:
+        return None
+    return WalReport(frames, recovered, lost)
+
+
+def read_position(db: Path) -> int | None:
+    try:
+        data = json.loads(position_path(db).read_text("utf-8"))
+        return int(data["messages_seq"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        log.warning("ignoring unreadable %s: %s", position_path(db), exc)
+        return None
+
+
+def write_position(db: Path, seq: int) -> None:
+    """Record that the store holds every message up to rowid `seq` (call only once that is durable)."""
+    atomic_write_json(position_path(db), {"messages_seq": seq, "written_at": time.time()})
+
+
+def messages_seq(conn: sqlite3.Connection) -> int:
+    """The highest message rowid ever issued (AUTOINCREMENT: never decreases, even on deletes)."""
+    try:
+        row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'messages'").fetchone()
+    except sqlite3.OperationalError:  # no AUTOINCREMENT table yet
+        return 0
+    return int(row[0]) if row else 0
+
+
+def keep_copy(db: Path, label: str) -> Path:
+    """Copy the store and its WAL into `<db>.damaged-<label>/` (once per label) before anything
+    may change them, so the operator (or a recovery tool) still has every byte."""
+    target = db.with_name(f"{db.name}.damaged-{label}")
+    if target.is_dir():
+        return target
+    tmp = db.with_name(f".{db.name}.damaged-{label}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=0o700)
+    try:
+        for src in (db, wal_path(db)):
+            if src.exists():
+                shutil.copyfile(src, tmp / src.name)
+                os.chmod(tmp / src.name, 0o600)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _wal_label(db: Path) -> str:
+    """Names a WAL's copy after its last write, so every refused start reuses the first copy."""
+    st = wal_path(db).stat()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(st.st_mtime)) + f"-{st.st_size}"
+
+
+def preflight(db: Path, *, accept_loss: bool) -> bool:
+    """Check an existing store file before the writer opens it; True when it does not exist yet
+    (a new store). Raises StoreOpenError with the operator's next step when it must not be used."""
+    wal = wal_path(db)
+    if not db.exists():
+        if wal.exists() and wal.stat().st_size > WAL_HEADER:
+            raise StoreOpenError(
+                f"{db} is missing but its write-ahead log {wal.name} ({wal.stat().st_size} bytes) is still there: "
+                f"the store was removed with unsaved changes; put {db.name} back, or move {wal.name} away to start a new store"
+            )
+        if position_path(db).exists():
+            log.warning("no store at %s: starting a new one (removing the old %s)", db, position_path(db).name)
+            position_path(db).unlink(missing_ok=True)
+        return True
+    if db.is_dir():
+        raise StoreOpenError(f"{db} is a directory, not a store: move it away")
+    size = db.stat().st_size
+    if size == 0:
+        raise StoreOpenError(
+            f"{db} is empty (0 bytes), not a store: restore it from a backup, or delete it to start a new, empty store"
+        )
+    # Our own reads of the files only while nobody has the store open: closing a descriptor we
+    # opened would drop the POSIX locks of any SQLite connection of this process on that file.
+    first = not attached_elsewhere(db)
+    if first:
+        with open(db, "rb") as f:
+            magic = f.read(len(SQLITE_MAGIC))
+        if magic != SQLITE_MAGIC:
+            raise StoreOpenError(
+                f"{db} is not an SQLite database ({size} bytes, unknown header): restore it from a backup, "
+                "or move it away to start a new, empty store"
+            )
+    try:
+        conn = _ro_connect(db)
+    except sqlite3.Error as exc:
+        raise open_error(db, exc) from None
+    try:
+        try:
+            report = inspect_wal(db, conn) if first else None
+            if report is not None and report.lost_commits:
+                _refuse_or_accept_wal(db, report, accept_loss)
+            row = conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
+            ).fetchone()
+            version = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] if row else None
+            seq = messages_seq(conn)
+        except sqlite3.Error as exc:
+            raise open_error(db, exc) from None
+    finally:
+        conn.close()  # read-only: closing it checkpoints nothing and keeps the WAL
+    if not version:
+        raise StoreOpenError(
+            f"{db} holds no appserver data (no schema version: another program's database, or an interrupted "
+            "first start): move it away or delete it to start a new, empty store"
+        )
+    recorded = read_position(db)
+    if recorded is not None and seq < recorded:
+        if not accept_loss:
+            kept = keep_copy(db, f"behind-{seq}-of-{recorded}")
+            raise StoreOpenError(
+                f"{db} is behind its last recorded position (messages up to #{seq}, but #{recorded} were stored "
+                f"before): committed conversations are missing (a write-ahead log lost after a crash, or an older "
+                f"copy put back). Nothing was changed; a copy is kept in {kept}. Restore the newer store, or "
+                f"accept the loss and start with `{ACCEPT_HINT}`"
+            )
+        log.warning("accepted: %s is behind its last recorded position (#%d < #%d)", db, seq, recorded)
+        write_position(db, seq)
+    return False
+
+
+def _refuse_or_accept_wal(db: Path, report: WalReport, accept_loss: bool) -> None:
+    kept = keep_copy(db, _wal_label(db))
+    what = (
+        f"the write-ahead log of {db} is damaged: SQLite would keep {report.recovered} of its "
+        f"{report.frames} frames and silently discard {report.lost_commits} committed transaction(s) after them"
+    )
+    if accept_loss:
+        log.warning("accepted data loss: %s; the store and WAL as they were are kept in %s", what, kept)
+        return
+    raise StoreOpenError(
+        f"{what}. Nothing was changed; a copy of the store and its WAL is kept in {kept}. Recover what you can "
+        f"from that copy, or accept the loss and start with `{ACCEPT_HINT}`"
+    )
+
+
+def open_error(db: Path, exc: sqlite3.Error) -> StoreOpenError:
+    """An SQLite error at open, in the operator's terms: full disk, permissions, or damage."""
+    text = str(exc)
+    try:
+        free = shutil.disk_usage(db.parent).free
+    except OSError:
+        free = None
+    if "disk is full" in text or (free is not None and free < 1024 * 1024 and ("I/O" in text or "SHMSIZE" in text)):
+        return StoreOpenError(
+            f"no space left to open {db} ({free if free is not None else '?'} bytes free; SQLite: {text}): "
+            "free some space on that device and start again"
+        )
+    if "unable to open" in text or "readonly" in text or "read-only" in text:
+        return StoreOpenError(
+            f"cannot open {db} ({text}): check the owner and permissions of the file and its directory"
+        )
+    if "malformed" in text or "not a database" in text or "encrypted" in text:
+        return StoreOpenError(f"{db} is damaged ({text}): restore it from a backup (the file is left as it is)")
+    return StoreOpenError(f"cannot open {db}: {text}")
+
+
+def create_store(db: Path, migrate: Callable[[sqlite3.Connection], object]) -> bool:
+    """Make a new store under a temporary name and link it into place: a start that fails half
+    way (a full disk) leaves no file that the next start would take for a damaged store. False
+    when another process created it meanwhile (theirs is kept, ours dropped)."""
+    tmp = db.with_name(f".{db.name}.new-{os.getpid()}")
+    for leftover in (tmp, wal_path(tmp), tmp.with_name(tmp.name + "-shm")):
+        leftover.unlink(missing_ok=True)
+    try:
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))  # SQLite's -wal/-shm copy its mode
+        conn = sqlite3.connect(str(tmp), isolation_level=None)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            migrate(conn)
+        finally:
+            conn.close()  # the only connection: checkpoints everything and removes the WAL
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, db)  # never replaces: a store another process just made stays
+            created = True
+        except FileExistsError:
+            created = False
+        except OSError:  # a file system without hard links
+            os.replace(tmp, db)
+            created = True
+    finally:
+        for leftover in (tmp, wal_path(tmp), tmp.with_name(tmp.name + "-shm")):
+            leftover.unlink(missing_ok=True)
+    fsync_dir(db.parent)
+    return created

@@ -1,0 +1,101 @@
+"""The cron CLI as a user reads it (issue 14.14, 14.17): the run log of a removed task, agents by
+name, one spelling, `add` and `preview` agreeing on the next fire time, and a run-now envelope
+that does not contradict itself."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from appserver.cli.cron import build_cron_group
+from cron.envelope import build_envelope
+from cron.schedule import ScheduleSpec
+from cron.store import CronStore, make_task
+from tests.conftest import run_cli
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "home"
+    monkeypatch.setenv("APPSERVER_HOME", str(h))
+    return h
+
+
+def cron(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(build_cron_group(), list(args), catch_exceptions=False)
+    return res.exit_code, res.stdout, res.stderr
+
+
+def test_logs_of_a_removed_task_by_name_and_id(home: Path) -> None:
+    code, out, _ = cron("add", "--name", "gone", "--agent", "echo", "--every", "1h", "--tz", "Europe/Paris", "--prompt", "p", "--json")  # fmt: skip
+    assert code == 0
+    task_id = json.loads(out)["id"]
+    store = CronStore(home)
+    from cron.runlog import append_run
+
+    append_run(store.runs_dir, task_id, "missed", scheduled_for="2026-01-01T07:00:00+00:00", reason="down")  # fmt: skip
+    code, out, _ = cron("remove", "gone")
+    assert code == 0 and task_id in out
+    assert (store.runs_dir / f"{task_id}.jsonl").exists()  # named by id, kept
+
+    for ref in ("gone", task_id):
+        code, out, err = cron("logs", ref)
+        assert code == 0, err
+        assert "missed" in out and "down" in out and "removed" in out
+        assert "08:00:00 CET" in out  # shown in the removed task's own timezone
+        assert "was removed" in err
+        code, out, _ = cron("logs", ref, "--json")
+        assert [r["event"] for r in json.loads(out)] == ["missed", "removed"]
+
+    code, _, err = cron("logs", "never-existed")
+    assert code == 1 and err.startswith("error: no cron task 'never-existed'")
+
+    # a name reused after removal: the live task wins; two removed ones by one name: ask for an id
+    assert cron("add", "--name", "gone", "--agent", "echo", "--every", "2h", "--prompt", "p")[0] == 0
+    code, out, _ = cron("logs", "gone")
+    assert code == 0 and out.strip().startswith("no runs yet")
+    assert cron("remove", "gone")[0] == 0
+    code, _, err = cron("logs", "gone")
+    assert code == 1 and "several removed tasks" in err and task_id in err
+
+
+def test_agent_names_one_spelling_and_add_agrees_with_preview(home: Path) -> None:
+    """Through the real `appserver` CLI (agents resolved in the store)."""
+    # hourly: up to 59 s of jitter, so the fire time differs from the nominal one
+    add = run_cli(home, "cron", "add", "--name", "hourly", "--agent", "assistant", "--cron", "0 * * * *", "--tz", "UTC", "--prompt", "p")  # fmt: skip
+    assert add.code == 0, add.err
+    assert add.out.startswith("added cron task hourly (cron_") and "for agent assistant;" in add.out
+    assert "agt_" not in add.out
+    next_run = re.search(r"next run (\S+ \S+ \S+)", add.out)
+    assert next_run is not None
+
+    listed = run_cli(home, "cron", "list")
+    assert listed.code == 0 and "agt_" not in listed.out
+    row = listed.out.splitlines()[1].split()
+    assert row[1:3] == ["hourly", "assistant"]
+    task = CronStore(home).read().tasks[0]
+    assert task.agent.startswith("agt_") and task.next_due_at is not None
+    assert next_run.group(1) == task.next_due_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    assert next_run.group(1) in listed.out.splitlines()[1]  # list shows the same fire time
+
+    preview = run_cli(home, "cron", "preview", "hourly", "--count", "2")
+    assert preview.code == 0
+    assert preview.out.splitlines()[0].startswith(next_run.group(1))
+
+
+def test_run_now_envelope_does_not_claim_the_scheduler_started_it() -> None:
+    now = datetime(2026, 1, 1, 8, 0, tzinfo=UTC)
+    task = make_task(name="brief", agent="agt_1", schedule=ScheduleSpec("cron", "0 8 * * *", "UTC"), prompt="p", now=now)  # fmt: skip
+    manual = task.claim(now, now, now, manual=True)
+    text = build_envelope(task, manual, "assistant")
+    assert "Started by hand" in text and "by the scheduler" not in text
+    assert "agent assistant" in text and "agt_1" not in text
+    assert "do not ask questions" in text  # still: nobody answers during the run
+    scheduled = task.claim(now, now, now)
+    text = build_envelope(task, scheduled)
+    assert "started by the scheduler" in text and "by hand" not in text

@@ -1,0 +1,150 @@
+"""Issue 11.7 and 11.8: what a `kill -9` of a real `appserver serve` leaves behind, and what the
+next start does with it. Real server subprocess, real SQLite file, real shell processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
+from tests.wsutil import WS
+
+
+def _live_group(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that still run (zombies do not)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2 :].split()
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            out.append(int(name))
+    return out
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _kill9(sp: ServeProcess) -> None:
+    sp.proc.send_signal(signal.SIGKILL)
+    sp.proc.wait(10)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    env = cli_env(home)
+    assert run_cli(home, "agents", "create", "--name", "actor", "--tool", "shell=allow", env=env).code == 0
+    pidfile, marker = tmp_path / "shell.pid", tmp_path / "marker"
+    # the shell writes its pid (= its process group), leaves a long child behind, and would make
+    # its side effect a second later
+    command = f"echo $$ > {pidfile}; sleep 30 & sleep 1; touch {marker}; wait"
+    sp = start_serve(home, env=env)
+    try:
+
+        async def submit() -> tuple[str, str]:
+            ws = await WS.open(sp.url)
+            ack = await ws.request({"type": "submit_input", "agent": "actor", "conversation": "new", "input": "/call shell " + json.dumps({"command": command})})
+            await ws.close()
+            return ack["conversation_id"], ack["turn_id"]
+
+        conv, turn_id = asyncio.run(submit())
+        _wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 15, "the shell to start")
+        _kill9(sp)
+        started = time.monotonic()
+        shell = int(pidfile.read_text())
+        # the shell dies with the server (PR_SET_PDEATHSIG): its side effect never happens ...
+        _wait_for(lambda: shell not in _live_group(shell), 3, "the tool's shell to die with the server")
+        # ... but what it started runs on until a server of this home starts again
+        assert _live_group(shell), "expected the backgrounded sleep to outlive the shell"
+    finally:
+        if sp.proc.poll() is None:
+            sp.proc.kill()
+    sp = start_serve(home, env=env)
+    try:
+        _wait_for(lambda: not _live_group(shell), 5, "the next start to kill the orphaned process group")
+        time.sleep(max(0.0, 1.5 - (time.monotonic() - started)))
+        assert not marker.exists(), "the command went on after the server died"
+
+        async def after() -> tuple[list[dict], dict]:  # type: ignore[type-arg]
+            ws = await WS.open(sp.url)
+            messages = (await ws.request({"type": "get_history", "conversation": conv}))["messages"]
+            # the conversation goes on from a valid history
+            ack = await ws.request({"type": "submit_input", "agent": "actor", "conversation": conv, "input": "/recall"})
+            snap = await ws.terminal(ack["turn_id"])
+            await ws.close()
+            return messages, snap
+
+        messages, snap = asyncio.run(after())
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool"], messages
+        call = messages[1]["tool_calls"][0]
+        assert call["name"] == "shell" and json.loads(call["arguments"]) == {"command": command}
+        result = messages[2]
+        assert result["tool_call_id"] == call["id"] and result["is_error"] is True
+        assert "interrupted" in result["content"] and "outcome is unknown" in result["content"]
+        with sqlite3.connect(home / "appserver.db") as c:
+            assert c.execute("SELECT status FROM turns WHERE id=?", (turn_id,)).fetchone()[0] == "interrupted"
+        assert snap["status"] == "completed" and snap["blocks"][-1]["text"].startswith("/call shell"), snap
+    finally:
+        sp.stop()
+
+
+def test_idempotency_key_of_a_request_killed_mid_turn_is_released_at_start(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    env = cli_env(home)
+    body = {"model": "assistant", "messages": [{"role": "user", "content": "/slow 30"}]}
+    headers = {"Idempotency-Key": "retry-me-after-a-crash"}
+    sp = start_serve(home, env=env)
+    try:
+
+        async def first() -> None:
+            async with httpx.AsyncClient(base_url=sp.url, timeout=10) as client:
+                request = asyncio.ensure_future(client.post("/v1/chat/completions", json=body, headers=headers))
+                db = home / "appserver.db"
+
+                def running() -> bool:
+                    with sqlite3.connect(db) as c:
+                        return c.execute("SELECT COUNT(*) FROM turns WHERE status='running'").fetchone()[0] == 1
+
+                deadline = time.monotonic() + 10
+                while not running():
+                    assert time.monotonic() < deadline, "the turn never started"
+                    await asyncio.sleep(0.02)
+                _kill9(sp)  # mid-request: the key is claimed, no reply was sent
+                with pytest.raises(httpx.HTTPError):
+                    await request
+
+        asyncio.run(first())
+    finally:
+        if sp.proc.poll() is None:
+            sp.proc.kill()
+    sp = start_serve(home, env=env)
+    try:
+        # the retry runs the turn (no 120 s wait, no 409 idempotency_key_in_progress) ...
+        retry = httpx.post(f"{sp.url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+        assert retry.status_code == 200, retry.text
+        assert retry.json()["choices"][0]["message"]["content"] == " ".join(f"w{i}" for i in range(1, 31))
+        assert "Idempotent-Replayed" not in retry.headers
+        # ... and a second retry replays it
+        again = httpx.post(f"{sp.url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+        assert again.status_code == 200 and again.headers.get("Idempotent-Replayed") == "true"
+        assert again.json() == retry.json()
+    finally:
+        sp.stop()

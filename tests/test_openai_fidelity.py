@@ -1,0 +1,479 @@
+"""OpenAI surface fidelity (issue 13): what real clients hit, through a real `appserver serve`
+with the real `openai` SDK (and the OpenAI Agents SDK for server approvals).
+
+Agents: `assistant` and `asker` (clock=ask) run on echo; `remote` and `looper` on a loopback fake
+OpenAI upstream whose model `m` honours `tool_choice` (a forced call calls `clock`, else it answers
+in text) and whose model `loop` calls `clock` whenever tools are offered; `nosys` opts into
+`match_ignores_system`. Every body and event is validated against OpenAI's OpenAPI document.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
+from tests.fakes.openai_upstream import (
+    FakeOpenAI,
+    RecordedRequest,
+    Reply,
+    chunk,
+    openai_error,
+    openai_sse,
+    tool_delta,
+    usage_chunk,
+)
+from tests.openai_schema import require_conformance, sse_payloads, validate
+
+pytestmark = pytest.mark.timeout(60)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER_R = {"type": "function", "name": "get_weather", "description": "weather", "parameters": WEATHER["function"]["parameters"]}
+PDF = "data:application/pdf;base64,JVBERi0xLjQK"
+
+
+def upstream_model(req: RecordedRequest) -> Reply:
+    """`m`: a forced tool_choice calls clock; a trailing tool result is summarised; else text.
+    `loop`: calls clock on every step while tools are offered."""
+    body = req.json
+    last = body["messages"][-1]
+    forced = body.get("tool_choice") not in (None, "auto", "none")
+    calls = body["model"] == "loop" and body.get("tools")
+    if (forced or calls) and not (body["model"] == "m" and last["role"] == "tool"):
+        sse = openai_sse([chunk(role="assistant", tool_calls=[tool_delta(0, id=f"call_{time.monotonic_ns()}", name="clock", arguments="{}")]), chunk(finish_reason="tool_calls"), usage_chunk(5, 1)])
+    else:
+        text = f"after tool: {last['content'][:20]}" if last["role"] == "tool" else "fine"
+        sse = openai_sse([chunk(role="assistant", content=text), chunk(finish_reason="stop"), usage_chunk(5, 1)])
+    return Reply(pieces=[sse])
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, FakeOpenAI]]:
+    require_conformance()
+    with FakeOpenAI() as fake:
+        fake.responder = upstream_model
+        home = tmp_path_factory.mktemp("fidelity") / "home"
+        home.mkdir()
+        (home / "config.toml").write_text(f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n')
+        env = cli_env(home, APPSERVER_LIMITS__SSE_KEEPALIVE_S="0.2")
+        assert run_cli(home, "agents", "list", env=env).code == 0  # creates `assistant`
+        for args in (
+            ("--name", "asker", "--tool", "clock=ask"),
+            ("--name", "remote", "--model", "fake:m"),
+            ("--name", "looper", "--model", "fake:loop", "--param", "max_steps=3"),
+            ("--name", "nosys", "--param", "match_ignores_system=true"),
+        ):
+            r = run_cli(home, "agents", "create", *args, "--json", env=env)
+            assert r.code == 0, r.err
+        sp = start_serve(home, env=env)
+        try:
+            yield sp, fake
+        finally:
+            sp.stop()
+
+
+@pytest.fixture
+def client(srv: tuple[ServeProcess, FakeOpenAI]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv[0].url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def http(srv: tuple[ServeProcess, FakeOpenAI]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=srv[0].url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture
+def fake(srv: tuple[ServeProcess, FakeOpenAI]) -> FakeOpenAI:
+    srv[1].requests.clear()
+    srv[1]._replies.clear()
+    return srv[1]
+
+
+def db(srv: tuple[ServeProcess, FakeOpenAI]) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{Path(srv[0].home) / 'appserver.db'}?mode=ro", uri=True)
+
+
+def count_conversations(srv: tuple[ServeProcess, FakeOpenAI]) -> int:
+    with db(srv) as c:
+        return int(c.execute("SELECT COUNT(*) FROM conversations").fetchone()[0])
+
+
+def agent_id(srv: tuple[ServeProcess, FakeOpenAI], name: str) -> str:
+    r = run_cli(srv[0].home, "agents", "show", name, "--json", env=cli_env(srv[0].home))
+    return str(r.json()["id"])
+
+
+def text_of(response: Any) -> str:
+    return "".join(c["text"] for o in response["output"] if o["type"] == "message" for c in o["content"])
+
+
+# ---------------------------------------------------------------- 13.1 resending a finished tool round
+
+
+def test_resending_a_finished_tool_round_forks_and_answers(client: openai.OpenAI, http: httpx.Client) -> None:
+    msgs: list[dict] = [{"role": "user", "content": f'/call get_weather {{"city":"Oslo {time.time()}"}}'}]
+    first = client.chat.completions.with_raw_response.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
+    call = first.parse().choices[0].message.tool_calls[0]  # type: ignore[index]
+    msgs += [first.parse().choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    done = client.chat.completions.with_raw_response.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
+    assert done.parse().choices[0].message.content == "get_weather -> sunny"
+    # the same body again (an SDK retry, a "regenerate"): that point was passed, so it forks
+    again = client.chat.completions.with_raw_response.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
+    assert again.parse().choices[0].message.content == "get_weather -> sunny"
+    assert again.headers["x-conversation-id"] not in (done.headers["x-conversation-id"],)
+    assert done.headers["x-conversation-id"] == first.headers["x-conversation-id"]
+    validate("CreateChatCompletionResponse", again.http_response.json())
+
+    # Responses, stateless: an approval round resent whole after it was answered
+    prompt = f'/call clock {{"timezone":"UTC","nonce":"{time.time()}"}}'
+    ask = http.post("/v1/responses", json={"model": "asker", "input": prompt})
+    req = next(o for o in ask.json()["output"] if o["type"] == "mcp_approval_request")
+    body = {"model": "asker", "input": [{"role": "user", "content": prompt}, req, {"type": "mcp_approval_response", "approval_request_id": req["id"], "approve": True}]}
+    ok = http.post("/v1/responses", json=body)
+    assert ok.status_code == 200 and text_of(ok.json()).startswith("clock -> "), ok.text
+    assert ok.headers["x-conversation-id"] == ask.headers["x-conversation-id"]  # the stateless resend continued it
+    twice = http.post("/v1/responses", json=body)
+    assert twice.status_code == 200, twice.text
+    validate("Response", twice.json())
+    assert text_of(twice.json()).startswith("clock -> ")
+    assert twice.headers["x-conversation-id"] != ok.headers["x-conversation-id"]
+
+
+# ---------------------------------------------------------------- 13.2 tool calls this server never issued
+
+
+def test_a_history_with_foreign_tool_calls_is_seeded_and_answered(client: openai.OpenAI, http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+    stamp = time.time()
+    msgs = [
+        {"role": "user", "content": f"weather in Rome? {stamp}"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_imported1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_imported1", "content": "hot"},
+    ]
+    c = client.chat.completions.with_raw_response.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[arg-type]
+    assert c.parse().choices[0].message.content == "get_weather -> hot"
+    assert c.parse().choices[0].finish_reason == "stop"
+    conv = c.headers["x-conversation-id"]
+    with db(srv) as d:
+        roles = [r[0] for r in d.execute("SELECT role FROM messages WHERE conversation_id=? ORDER BY id", (conv,))]
+    assert roles == ["user", "assistant", "tool", "assistant"]
+    # the identical request again is answered too (a fork of that point), not refused
+    again = client.chat.completions.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[arg-type]
+    assert again.choices[0].message.content == "get_weather -> hot"
+
+    # a refused request writes nothing: results for a call the history does not make
+    before = count_conversations(srv)
+    bad = [*msgs[:2], {"role": "tool", "tool_call_id": "call_other", "content": "x"}]
+    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": bad})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_tool_call" and "call_other" in r.json()["error"]["message"]
+    validate("ErrorResponse", r.json())
+    r = http.post("/v1/responses", json={"model": "assistant", "input": [{"type": "function_call_output", "call_id": "call_nowhere", "output": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert count_conversations(srv) == before
+
+    # Responses with a function_call item from elsewhere
+    resp = client.responses.create(
+        model="assistant",
+        tools=[WEATHER_R],  # type: ignore[list-item]
+        input=[
+            {"role": "user", "content": f"imported {stamp}"},
+            {"type": "function_call", "call_id": "fc_imported", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "fc_imported", "output": "cold"},
+        ],
+    )
+    assert resp.output_text == "get_weather -> cold"
+
+
+# ---------------------------------------------------------------- 13.3 tool_choice, max_steps
+
+
+def test_tool_choice_applies_to_the_first_model_call_only(client: openai.OpenAI, fake: FakeOpenAI) -> None:
+    c = client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "what time is it?"}], tool_choice="required")
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].message.content.startswith("after tool:")  # type: ignore[union-attr]
+    sent = [r.json for r in fake.requests]
+    assert len(sent) == 2, sent
+    assert sent[0]["tool_choice"] == "required" and "tool_choice" not in sent[1]
+    fake.requests.clear()
+    r = client.responses.create(model="remote", input="what time is it?", tool_choice={"type": "function", "name": "clock"})
+    assert r.status == "completed" and r.output_text.startswith("after tool:")
+    sent = [r.json for r in fake.requests]
+    assert sent[0]["tool_choice"] == {"type": "function", "function": {"name": "clock"}} and "tool_choice" not in sent[1]
+
+
+def test_a_turn_stopped_by_max_steps_says_so(client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI) -> None:
+    c = client.chat.completions.create(model="looper", messages=[{"role": "user", "content": "loop"}])
+    assert c.choices[0].finish_reason == "length"
+    assert "max_steps" in (c.choices[0].message.content or "") and "3 steps" in (c.choices[0].message.content or "")
+    assert len(fake.requests) == 3
+    chunks = list(client.chat.completions.create(model="looper", messages=[{"role": "user", "content": "loop again"}], stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "max_steps" in "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    raw = http.post("/v1/responses", json={"model": "looper", "input": "loop"})
+    body = raw.json()
+    validate("Response", body)
+    assert body["status"] == "incomplete" and body["incomplete_details"]["reason"] == "max_output_tokens"
+    assert "max_steps" in text_of(body) and [o["type"] for o in body["output"]].count("mcp_call") == 3
+    with client.responses.stream(model="looper", input="loop") as s:
+        kinds = [e.type for e in s]
+    assert kinds[-1] == "response.incomplete"
+
+
+# ---------------------------------------------------------------- 13.4 new input while calls are pending
+
+
+def test_new_input_while_a_call_is_pending_is_answered_at_once(client: openai.OpenAI, http: httpx.Client) -> None:
+    msgs: list[dict] = [{"role": "user", "content": f'/call get_weather {{"city":"Lima {time.time()}"}}'}]
+    first = client.chat.completions.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    msgs += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "never mind"}]
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
+    assert time.monotonic() - t0 < 5 and call.id in info.value.message and "tool_call_id" in info.value.message
+
+    r = client.responses.create(model="asker", input="/call clock {}")
+    rid = next(o.id for o in r.output if o.type == "mcp_approval_request")
+    t0 = time.monotonic()
+    with pytest.raises(openai.ConflictError) as conflict:
+        client.responses.create(model="asker", previous_response_id=r.id, input="something else")
+    assert time.monotonic() - t0 < 5 and rid in conflict.value.message
+    validate("ErrorResponse", conflict.value.response.json())
+    # the pending call is still answerable
+    ok = client.responses.create(model="asker", previous_response_id=r.id, input=[{"type": "mcp_approval_response", "approval_request_id": rid, "approve": False}])
+    assert "denied" in ok.output_text
+
+
+def test_a_queued_http_input_whose_client_left_is_dropped(srv: tuple[ServeProcess, FakeOpenAI], http: httpx.Client) -> None:
+    conv = f"queue-{time.time_ns()}"
+    h = {"X-Conversation-Id": conv}
+    with http.stream("POST", "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "/slow 30"}], "stream": True}, headers=h) as running:
+        lines = running.iter_lines()
+        next(lines)  # the turn runs
+        with httpx.Client(base_url=srv[0].url, timeout=0.4) as impatient, pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "queued and abandoned"}]}, headers=h)
+        rest = list(lines)
+    assert "data: [DONE]" in rest
+    deadline = time.monotonic() + 5
+    statuses: list[str] = []
+    while time.monotonic() < deadline:
+        with db(srv) as d:
+            statuses = [r[0] for r in d.execute("SELECT status FROM turns WHERE conversation_id=? ORDER BY rowid", (conv,))]
+        if statuses == ["completed", "cancelled"]:
+            break
+        time.sleep(0.05)
+    assert statuses == ["completed", "cancelled"]
+    time.sleep(0.3)  # had it been queued still, it would run right after the first turn
+    with db(srv) as d:
+        texts = [r[0] for r in d.execute("SELECT content FROM messages WHERE conversation_id=? AND role='user'", (conv,))]
+    assert texts == [json.dumps("/slow 30")]
+
+
+# ---------------------------------------------------------------- 13.5 upstream failure, 13.8 upstream 400
+
+
+def test_upstream_failure_on_non_stream_responses_is_an_http_error(client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI) -> None:
+    fake.fail(503, openai_error("overloaded", type="server_error"))
+    with pytest.raises(openai.APIStatusError) as info:
+        client.responses.create(model="remote", input="hi")
+    assert info.value.status_code == 502 and info.value.body["code"] == "upstream_server_error"  # type: ignore[index]
+    validate("ErrorResponse", info.value.response.json())
+    fake.fail(503, openai_error("overloaded", type="server_error"))
+    with http.stream("POST", "/v1/responses", json={"model": "remote", "input": "hi", "stream": True}) as r:
+        events = [json.loads(p) for p in sse_payloads(list(r.iter_lines()))]
+    assert r.status_code == 200 and events[-1]["type"] == "response.failed"
+    # an upstream 400 is the request's fault: relayed as a 400 on both routes
+    fake.fail(400, openai_error("Invalid value for 'logit_bias'", code="invalid_value"))
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "hi"}])
+    assert bad.value.body["code"] == "upstream_invalid_request"  # type: ignore[index]
+    fake.fail(400, openai_error("Invalid value", code="invalid_value"))
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="remote", input="hi")
+
+
+# ---------------------------------------------------------------- 13.6 the Agents SDK answers a server approval
+
+
+def test_the_agents_sdk_completes_a_server_approval(srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    label = agent_id(srv, "asker")
+    seen: list[str] = []
+
+    def on_approval(request: Any) -> dict[str, Any]:
+        seen.append(request.data.name)
+        return {"approve": True}
+
+    model = agents.OpenAIResponsesModel(model="asker", openai_client=openai.AsyncOpenAI(base_url=srv[0].url + "/v1", api_key="unused", max_retries=0))
+    tool = agents.HostedMCPTool(tool_config={"type": "mcp", "server_label": label, "server_url": "http://unused.invalid", "require_approval": "always"}, on_approval_request=on_approval)
+    agent = agents.Agent(name="tester", model=model, tools=[tool])
+    result = agents.Runner.run_sync(agent, "/call clock {}", max_turns=4)
+    assert seen == ["clock"]
+    assert str(result.final_output).startswith("clock -> ")
+    kinds = [item.type for item in result.new_items]
+    assert "mcp_approval_request_item" in kinds and "mcp_approval_response_item" in kinds
+    # a tool naming another MCP server is still refused, by name
+    other = agents.HostedMCPTool(tool_config={"type": "mcp", "server_label": "elsewhere", "server_url": "http://unused.invalid", "require_approval": "always"})
+    with pytest.raises(openai.BadRequestError) as info:
+        agents.Runner.run_sync(agents.Agent(name="t2", model=model, tools=[other]), "hi", max_turns=2)
+    assert "elsewhere" in info.value.message
+
+
+# ---------------------------------------------------------------- 13.7 event lines
+
+
+def test_responses_streams_carry_event_lines_and_chat_streams_do_not(http: httpx.Client) -> None:
+    with http.stream("POST", "/v1/responses", json={"model": "assistant", "input": "two words", "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    pairs = list(zip(lines[::2], lines[1::2], strict=True))
+    assert pairs and all(e.startswith("event: ") and d.startswith("data: ") for e, d in pairs), lines[:6]
+    for e, d in pairs:
+        event = json.loads(d[len("data: ") :])
+        assert e == f"event: {event['type']}"
+        validate("ResponseStreamEvent", event)
+    with http.stream("POST", "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+        assert not [line for line in r.iter_lines() if line.startswith("event:")]
+
+
+# ---------------------------------------------------------------- 13.8 parameters are range-checked
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/chat/completions", {"temperature": 5}, "temperature"),
+        ("/v1/chat/completions", {"top_p": 1.5}, "top_p"),
+        ("/v1/chat/completions", {"max_tokens": 10**12}, "max_tokens"),
+        ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/responses", {"temperature": -1}, "temperature"),
+        ("/v1/responses", {"max_output_tokens": 10**12}, "max_output_tokens"),
+        ("/v1/responses", {"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ],
+)
+def test_parameters_are_range_checked(http: httpx.Client, fake: FakeOpenAI, path: str, extra: dict, param: str) -> None:
+    body = {"model": "remote", **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"input": "hi"}), **extra}
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    validate("ErrorResponse", r.json())
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+    assert fake.requests == []  # refused before any upstream call
+
+
+def test_input_items_limit_is_range_checked(client: openai.OpenAI, http: httpx.Client) -> None:
+    rid = client.responses.create(model="assistant", input="list me").id
+    for limit in (0, 1000):
+        r = http.get(f"/v1/responses/{rid}/input_items", params={"limit": limit})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+    assert len(client.responses.input_items.list(rid, limit=1).data) == 1
+
+
+# ---------------------------------------------------------------- 13.9 file and audio parts
+
+
+def test_file_and_audio_parts_are_forwarded_or_refused_by_name(client: openai.OpenAI, fake: FakeOpenAI, http: httpx.Client) -> None:
+    file_part = {"type": "file", "file": {"filename": "a.pdf", "file_data": PDF}}
+    audio_part = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    c = client.chat.completions.create(model="remote", messages=[{"role": "user", "content": [{"type": "text", "text": "read"}, file_part, audio_part]}])  # type: ignore[list-item]
+    assert c.choices[0].message.content == "fine"
+    content = fake.requests[-1].json["messages"][-1]["content"]
+    assert file_part in content and audio_part in content
+    r = client.responses.create(model="remote", input=[{"role": "user", "content": [{"type": "input_text", "text": "read"}, {"type": "input_file", "filename": "b.pdf", "file_data": PDF}]}])
+    assert r.output_text == "fine"
+    assert {"type": "file", "file": {"filename": "b.pdf", "file_data": PDF}} in fake.requests[-1].json["messages"][-1]["content"]
+    # echo takes text and images only: refused, naming the part, never dropped
+    for part in (file_part, audio_part):
+        resp = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_content_part"
+        assert f"'{part['type']}'" in resp.json()["error"]["message"]
+    resp = http.post("/v1/responses", json={"model": "assistant", "input": [{"role": "user", "content": [{"type": "input_file", "file_data": PDF}]}]})
+    assert resp.status_code == 400 and "'file'" in resp.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- 13.10 item_reference
+
+
+def test_item_references_resolve_to_stored_items_or_are_refused(client: openai.OpenAI, http: httpx.Client) -> None:
+    first = client.responses.create(model="assistant", input=f"alpha {time.time()}")
+    items = client.responses.input_items.list(first.id).data
+    refs = [{"type": "item_reference", "id": items[0].id}, {"type": "item_reference", "id": first.output[0].id}]
+    again = client.responses.with_raw_response.create(model="assistant", input=[*refs, {"role": "user", "content": "/recall"}])  # type: ignore[list-item]
+    assert again.parse().output_text.startswith("alpha ")  # the referenced history was read: same conversation
+    r = http.post("/v1/responses", json={"model": "assistant", "input": [{"type": "item_reference", "id": "msg_nothing"}, {"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "msg_nothing" in r.json()["error"]["message"]
+    validate("ErrorResponse", r.json())
+    r = http.post("/v1/responses", json={"model": "asker", "input": [refs[1], {"role": "user", "content": "x"}]})
+    assert r.status_code == 400  # another agent's items are not found
+
+
+# ---------------------------------------------------------------- 13.12 idempotency keys
+
+
+def test_idempotency_keys_hash_canonical_json_and_span_both_routes(http: httpx.Client) -> None:
+    key = {"Idempotency-Key": f"canon-{time.time_ns()}", "content-type": "application/json"}
+    a = http.post("/v1/chat/completions", content=b'{"model": "assistant", "messages": [{"role": "user", "content": "canon"}]}', headers=key)
+    b = http.post("/v1/chat/completions", content=b'{"messages":[{"content":"canon","role":"user"}],"model":"assistant"}', headers=key)
+    assert a.status_code == b.status_code == 200 and b.headers.get("idempotent-replayed") == "true"
+    assert a.json()["id"] == b.json()["id"]
+    c = http.post("/v1/responses", json={"model": "assistant", "input": "canon"}, headers=key)
+    assert c.status_code == 409 and c.json()["error"]["code"] == "idempotency_key_reused"
+
+
+# ---------------------------------------------------------------- 13.13 messages
+
+
+def test_error_messages_say_what_is_wrong(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={"model": 5, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "must be a string" in r.json()["error"]["message"] and "required" not in r.json()["error"]["message"]
+    r = http.post("/v1/responses", json={"model": "assistant", "input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}, {"role": "user", "content": "x"}]})
+    assert r.status_code == 400 and "'web_search_call'" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "unsupported_item_type"
+    r = http.get("/v1/models/")
+    assert r.status_code == 404 and "required" not in r.json()["error"]["message"]
+    for resp in (r,):
+        validate("ErrorResponse", resp.json())
+
+
+# ---------------------------------------------------------------- 13.15 match_ignores_system
+
+
+def test_match_ignores_system_keeps_one_conversation_when_the_system_prompt_changes(http: httpx.Client) -> None:
+    def chat(model: str, stamp: int, history: list[dict]) -> httpx.Response:
+        return http.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "system", "content": f"now is {stamp}"}, *history]})
+
+    for model, same in (("nosys", True), ("assistant", False)):
+        u1 = {"role": "user", "content": f"hello {model} {time.time()}"}
+        r1 = chat(model, 1, [u1])
+        a1 = {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]}
+        r2 = chat(model, 2, [u1, a1, {"role": "user", "content": "/recall"}])
+        assert (r1.headers["x-conversation-id"] == r2.headers["x-conversation-id"]) is same, model
+        assert r2.json()["choices"][0]["message"]["content"] == u1["content"]
+
+
+# ---------------------------------------------------------------- 13.14 docs/openai.md
+
+
+def test_openai_doc_lists_routes_items_parts_and_store_false(client: openai.OpenAI, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+    from appserver.http.chat import MEDIA_PARTS
+    from appserver.http.responses import SUPPORTED_ITEMS
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "openai.md").read_text()
+    for route in ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/responses/{id}", "DELETE /v1/responses/{id}", "GET /v1/responses/{id}/input_items"):
+        assert f"`{route}`" in doc, route
+    for name in (*SUPPORTED_ITEMS, *MEDIA_PARTS, "match_ignores_system", "Idempotency-Key", "X-Conversation-Id", "tool_choice", "max_steps"):
+        assert name in doc, name
+    assert "## `store: false`" in doc and "## Conversation identity" in doc
+    # what the doc says store:false means: no stored response, the conversation still kept
+    raw = client.responses.with_raw_response.create(model="assistant", input=f"unstored {time.time()}", store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(raw.parse().id)
+    with db(srv) as d:
+        assert d.execute("SELECT COUNT(*) FROM messages WHERE conversation_id=?", (raw.headers["x-conversation-id"],)).fetchone()[0] == 2

@@ -45,6 +45,7 @@ _HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
 _RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 _EC_ALGS = frozenset({"ES256", "ES384", "ES512"})
 _TOKEN68 = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f]")
 
 
 def fingerprint(secret: str | bytes) -> str:
@@ -546,7 +547,9 @@ class JwtVerifier:
                 "invalid_token",
                 f"JWT algorithm {alg!r} is not allowed (pinned: {', '.join(self.algorithms)})",
             )
-        required = ["exp"] + (["iss"] if self.issuer else []) + (["aud"] if self.audience else [])
+        # `sub` is the caller's identity: its conversation namespace (`jwt:jwt:SUB`). Without it
+        # every such JWT would share one namespace, and so each other's conversations.
+        required = ["exp", "sub"] + (["iss"] if self.issuer else []) + (["aud"] if self.audience else [])
         try:
             claims = jwt.decode(
                 token,
@@ -586,8 +589,10 @@ class JwtVerifier:
                 scopes = _claim_set(claims[key], key) & frozenset(SCOPES)
                 break
         sub = claims.get("sub")
+        if not isinstance(sub, str) or not sub.strip() or len(sub) > 256 or _CONTROL_CHARS.search(sub):
+            raise _unauthorized("invalid_token", "JWT claim 'sub' must be a non-empty string of printable characters (at most 256)")
         return Principal(
-            subject=f"jwt:{sub}" if isinstance(sub, str) and sub else "jwt",
+            subject=f"jwt:{sub}",
             kind="jwt",
             agents=agents,
             scopes=scopes,

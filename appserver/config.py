@@ -44,6 +44,7 @@ DEFAULT_CONFIG_TOML = """\
 # head_max_bytes = 65536          # request line + headers (431 beyond)
 # head_timeout_s = 10             # a request head must arrive within this (408)
 # body_timeout_s = 30             # a request body may pause this long (408)
+# body_min_rate_bytes_s = 1024    # after body_timeout_s, a body must average at least this (408)
 # keepalive_timeout_s = 5         # an idle connection is closed after this
 # min_free_disk_bytes = 16777216  # /readyz reports not ready below this free space (0 = off)
 
@@ -102,6 +103,7 @@ class LimitsConfig:
     head_max_bytes: int = 64 * 1024  # request line + headers (431 beyond)
     head_timeout_s: float = 10.0  # a request head must arrive within this of its first byte (408)
     body_timeout_s: float = 30.0  # a request body that sends nothing for this long ends (408)
+    body_min_rate_bytes_s: int = 1024  # past body_timeout_s, a body slower than this on average ends (408); 0 = off
     keepalive_timeout_s: float = 5.0  # an idle connection (no request in progress) is closed after this
     max_messages: int = 2048  # entries in `messages` / `input` per request (400 beyond)
     approval_timeout_s: float = 600.0
@@ -194,6 +196,7 @@ RULES: dict[str, Rule] = {
     "limits.head_max_bytes": Rule(ge=1024, le=1 << 24),
     "limits.head_timeout_s": _POSITIVE,
     "limits.body_timeout_s": _POSITIVE,
+    "limits.body_min_rate_bytes_s": _NON_NEGATIVE,  # 0 = no minimum rate
     "limits.keepalive_timeout_s": _POSITIVE,
     "limits.max_messages": _AT_LEAST_ONE,
     "limits.approval_timeout_s": _POSITIVE,
@@ -326,6 +329,11 @@ def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
     asides = corrupt_copies(path)
     newest = asides[-1] if asides else None
     if not path.exists():
+        if path.is_symlink():  # a link to a config that is not there (an unmounted volume): never defaults
+            raise ConfigError(
+                f"{path} is a symbolic link to {os.readlink(path)}, which does not exist: make the file it "
+                f"points to available, or remove the link to start from defaults"
+            )
         if newest is not None:
             raise ConfigError(
                 f"{path} is missing and {newest.name} holds the config that was set aside as unreadable; "

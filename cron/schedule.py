@@ -26,6 +26,7 @@ KINDS = ("cron", "every", "at", "in")
 MAX_LOOKAHEAD = 20_000  # wall-time candidates examined before a cron expression is called dead
 RECURRING_JITTER_MAX_S = 59.0
 ONESHOT_JITTER_EARLY_S = 90.0
+MAX_DURATION_S = 36500 * 86400  # 100 years: `in`, `every` and max lateness stay datetime-safe
 
 _MACROS = {
     "@yearly": "0 0 1 1 *",
@@ -85,6 +86,8 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
     total = sum(int(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(s))
     if total == 0 and not allow_zero:
         raise ScheduleError(f"invalid duration {text!r}: must be greater than zero")
+    if total > MAX_DURATION_S:  # beyond this, date arithmetic overflows (or nobody means it)
+        raise ScheduleError(f"invalid duration {text!r}: at most {MAX_DURATION_S // 86400}d")
     return timedelta(seconds=total)
 
 
@@ -152,9 +155,12 @@ def parse_at(text: str, tz: str) -> datetime:
         raise ScheduleError(
             f"invalid time {text!r}: use YYYY-MM-DD HH:MM (in the task's timezone)"
         ) from None
-    if naive.tzinfo is not None:
-        return naive.astimezone(UTC)
-    return wall_to_instants(naive, get_zone(tz), both_passes=False)[0]
+    try:
+        if naive.tzinfo is not None:
+            return naive.astimezone(UTC)
+        return wall_to_instants(naive, get_zone(tz), both_passes=False)[0]
+    except OverflowError:
+        raise ScheduleError(f"invalid time {text!r}: outside the dates a schedule can use") from None
 
 
 # ---------------------------------------------------------------- wall time → instants
@@ -241,17 +247,20 @@ def next_occurrence(spec: ScheduleSpec, after: datetime, created_at: datetime) -
     _validate_expr(spec)
     if spec.kind == "cron":
         return _next_cron(spec.expr, get_zone(spec.tz), after)
-    if spec.kind == "every":
-        step = parse_duration(spec.expr)
-        if after < created_at:
-            return created_at + step
-        k = (after - created_at) // step + 1
-        return created_at + k * step
-    when = (
-        created_at + parse_duration(spec.expr)
-        if spec.kind == "in"
-        else parse_at(spec.expr, spec.tz)
-    )
+    try:
+        if spec.kind == "every":
+            step = parse_duration(spec.expr)
+            if after < created_at:
+                return created_at + step
+            k = (after - created_at) // step + 1
+            return created_at + k * step
+        when = (
+            created_at + parse_duration(spec.expr)
+            if spec.kind == "in"
+            else parse_at(spec.expr, spec.tz)
+        )
+    except OverflowError:  # past the year 9999: there is no next occurrence
+        return None
     return when if when > after else None
 
 

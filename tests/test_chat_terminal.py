@@ -245,3 +245,51 @@ def test_chat_approval_prompt_clears_when_answered_elsewhere_and_ctrl_c_cancels_
     results = [json.loads(c) for (c,) in rows(home, f"SELECT content FROM messages WHERE role='tool' AND tool_call_id='{second}'")]
     assert len(results) == 1 and "denied" not in results[0].lower(), results
     assert rows(home, f"SELECT status FROM turns WHERE conversation_id='{conv}' ORDER BY created_at DESC LIMIT 1") == [("cancelled",)]
+
+
+def test_approval_prompt_of_a_watching_chat_goes_away_when_another_chat_cancels(server: tuple[Path, dict[str, str], ServeProcess]) -> None:
+    """Two terminals on one conversation; the one that submitted presses Ctrl-C at the approval
+    prompt. The other one's prompt is taken off the screen before the call's outcome is drawn (a
+    cancelled turn shows its call as failed one snapshot before it leaves `awaiting`)."""
+    home, env, sp = server
+    made = run_cli(home, "run", "--agent", "careful", "--conversation", "new", "--json", "hi", env=env)
+    assert made.code == 0, made.err
+    conv = json.loads(made.out)["conversation_id"]
+    a = Pty([sys.executable, "-m", "appserver", "chat", "--agent", "careful", "--conversation", conv], env)
+    b = Pty([sys.executable, "-m", "appserver", "chat", "--agent", "careful", "--conversation", conv], env)
+    try:
+        a.expect("you> ")
+        b.expect("you> ")
+        a.write("/call clock {}\n")
+        a.expect("approve? [y/N] ")
+        b.expect("approve? [y/N] ")
+        a.write("\x03")
+        a.expect("[cancelled]", timeout=5)
+        b.expect("[cancelled]", timeout=5)
+        b.expect("you> ")
+        b.settle()
+        screen = b.screen()
+        assert not any("approve? [y/N]" in line for line in screen), screen
+        assert screen[-1] == "you>", screen
+        a.write("/quit\n")
+        b.write("/quit\n")
+        assert a.wait() == 0 and b.wait() == 0
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_chat_conversation_new_starts_one_like_run_does(server: tuple[Path, dict[str, str], ServeProcess]) -> None:
+    home, env, sp = server
+    chat = Pty([sys.executable, "-m", "appserver", "chat", "--conversation", "new"], env)
+    try:
+        banner = chat.expect("you> ")
+        conv = re.search(r"conversation (conv_\w+)", banner).group(1)  # type: ignore[union-attr]
+        chat.write("/recall\n")
+        chat.expect("(nothing)")  # a fresh conversation
+        chat.expect("you> ")
+        chat.write("/quit\n")
+        assert chat.wait() == 0
+    finally:
+        chat.kill()
+    assert rows(home, f"SELECT count(*) FROM conversations WHERE id='{conv}'") == [(1,)]

@@ -182,3 +182,32 @@ def test_a_turn_that_ended_while_disconnected_is_reported_as_stored(messages: li
     assert (snap["error"] or {}).get("kind") == kind
     assert "".join(b["text"] for b in snap["blocks"] if b["type"] == "text") == text
     assert settled_from_history("turn_2", "conv_1", "agt_1", others, 5) is None  # nothing committed yet: still queued
+
+
+def test_ctrl_c_while_chat_waits_for_a_dead_server_exits_cleanly(tmp_path: Path) -> None:
+    """kill -9, no standby: chat waits to reconnect; Ctrl-C there queues a cancel that can never be
+    sent, and a second Ctrl-C leaves. The request given up with the connection leaves no
+    'Future exception was never retrieved' traceback on the screen."""
+    home = tmp_path / "home"
+    env = cli_env(home)
+    primary = start_serve(home, env=env)
+    chat = Pty([sys.executable, "-m", "appserver", "chat", "--reconnect-wait", "20"], env)
+    try:
+        chat.expect("you> ")
+        chat.write("/slow 200\n")
+        chat.expect("w3 ")
+        primary.proc.kill()
+        primary.proc.wait(10)
+        chat.expect("reconnecting for up to 20 s")
+        chat.write("\x03")
+        chat.expect("cancelling")
+        time.sleep(0.3)
+        chat.write("\x03")
+        assert chat.wait() == 130
+        chat.settle()
+        assert "never retrieved" not in chat.text() and "Traceback" not in chat.text(), chat.text()
+    finally:
+        chat.kill()
+        if primary.proc.poll() is None:
+            primary.proc.kill()
+            primary.proc.wait(10)

@@ -99,3 +99,26 @@ def test_run_now_envelope_does_not_claim_the_scheduler_started_it() -> None:
     scheduled = task.claim(now, now, now)
     text = build_envelope(task, scheduled)
     assert "started by the scheduler" in text and "by hand" not in text
+
+
+def test_out_of_range_schedules_are_one_line_errors_never_tracebacks(home: Path) -> None:
+    """Durations and dates past what a datetime holds are refused in words (exit 1, one line);
+    a schedule that runs off the end of the calendar just has no more occurrences; a duplicate
+    name is reported with the agent as the user typed it (not its id)."""
+    for args in (
+        ["--in", "99999999d"],
+        ["--every", "99999999999999999999999d"],
+        ["--in", "1h", "--max-lateness", "999999999d"],
+        ["--at", "9999-12-31 23:59", "--tz", "America/Los_Angeles"],
+        ["--at", "9999-12-31T23:59-05:00"],
+    ):
+        code, _, err = cron("add", "--name", "far", "--agent", "assistant", "--prompt", "x", *args)
+        assert code == 1 and err.strip().startswith("error: invalid "), (args, err)
+        assert len(err.strip().splitlines()) == 1, (args, err)
+    code, _, err = cron("add", "--name", "century", "--agent", "assistant", "--every", "36500d", "--prompt", "x")
+    assert code == 0, err
+    code, out, err = cron("preview", "century", "--count", "200")
+    assert code == 0, err
+    assert out.strip().splitlines()[-1].startswith("99"), out  # it stops before the year 10000
+    code, _, err = cron("add", "--name", "century", "--agent", "assistant", "--in", "1h", "--prompt", "x")
+    assert code == 1 and err.strip() == "error: agent 'assistant' already has a cron task named 'century'", err

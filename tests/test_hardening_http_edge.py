@@ -262,6 +262,37 @@ def test_stalled_bodies_time_out_and_free_the_client_slots(token_srv: tuple[Srv,
     assert wait_until(lambda: models(srv, **auth).status_code == 200)
 
 
+def test_a_trickled_body_is_cut_off_by_the_minimum_rate(token_srv: tuple[Srv, str]) -> None:
+    """One byte just before every body timeout never stalls, so only a minimum rate ends it."""
+    srv, token = token_srv
+    s = connect(srv)
+    s.sendall(
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{{"
+        ).encode()
+    )
+    started = time.monotonic()
+    s.settimeout(0.6)
+    got = b""
+    while time.monotonic() - started < 8 and not got:
+        try:
+            got = s.recv(65536)
+        except TimeoutError:
+            s.sendall(b" ")  # a byte every 0.6 s: never quiet for the 1 s body timeout
+    s.settimeout(T)
+    assert got, "the trickle was never cut off"
+    while b"\r\n\r\n" not in got or not got.rstrip().endswith(b"}"):
+        more = s.recv(65536)
+        if not more:
+            break
+        got += more
+    s.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.split()[1] == b"408"
+    assert "body_min_rate_bytes_s" in json.loads(body)["error"]["message"]
+
+
 # ── 11.9: a global connection cap at accept ──────────────────────────────────────────────────
 
 

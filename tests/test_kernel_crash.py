@@ -18,6 +18,13 @@ from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
 from tests.wsutil import WS
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _live_group(pgid: int) -> list[int]:
     """Processes of process group `pgid` that still run (zombies do not)."""
     out = []
@@ -53,9 +60,13 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
     env = cli_env(home)
     assert run_cli(home, "agents", "create", "--name", "actor", "--tool", "shell=allow", env=env).code == 0
     pidfile, marker = tmp_path / "shell.pid", tmp_path / "marker"
-    # the shell writes its pid (= its process group), leaves a long child behind, and would make
-    # its side effect a second later
-    command = f"echo $$ > {pidfile}; sleep 30 & sleep 1; touch {marker}; wait"
+    escaped = tmp_path / "escaped.pid"
+    # the shell writes its pid, leaves a long child behind in its process group and one that
+    # leaves the group (setsid), and would make its side effect a second later
+    command = (
+        f"echo $$ > {pidfile}; sleep 30 & setsid sh -c 'echo $$ > {escaped}; exec sleep 30' & "
+        f"sleep 1; touch {marker}; wait"
+    )
     sp = start_serve(home, env=env)
     try:
 
@@ -66,20 +77,24 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
             return ack["conversation_id"], ack["turn_id"]
 
         conv, turn_id = asyncio.run(submit())
-        _wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 15, "the shell to start")
+        _wait_for(lambda: pidfile.exists() and pidfile.read_text().strip() and escaped.exists() and escaped.read_text().strip(), 15, "the shell to start")
+        shell = int(pidfile.read_text())
+        group = os.getpgid(shell)
+        loner = int(escaped.read_text())
+        assert len(_live_group(group)) >= 3  # the group leader, the shell, its sleep
         _kill9(sp)
         started = time.monotonic()
-        shell = int(pidfile.read_text())
-        # the shell dies with the server (PR_SET_PDEATHSIG): its side effect never happens ...
-        _wait_for(lambda: shell not in _live_group(shell), 3, "the tool's shell to die with the server")
-        # ... but what it started runs on until a server of this home starts again
-        assert _live_group(shell), "expected the backgrounded sleep to outlive the shell"
+        # the tool's whole process group dies with the server (PR_SET_PDEATHSIG + the group
+        # guard): before, what the shell had started in the background ran on until a restart
+        _wait_for(lambda: not _live_group(group), 3, "the tool's process group to die with the server")
+        # ... what left the group runs on until a server of this home starts again
+        assert _live_group(os.getpgid(loner)), "expected the setsid sleep to outlive the server"
     finally:
         if sp.proc.poll() is None:
             sp.proc.kill()
     sp = start_serve(home, env=env)
     try:
-        _wait_for(lambda: not _live_group(shell), 5, "the next start to kill the orphaned process group")
+        _wait_for(lambda: not _alive(loner), 5, "the next start to kill the orphan that left the group")
         time.sleep(max(0.0, 1.5 - (time.monotonic() - started)))
         assert not marker.exists(), "the command went on after the server died"
 

@@ -210,7 +210,8 @@ def text_and_images(content: Any, kinds: tuple[str, ...], text_type: str) -> Any
 
 def common_aim(out: dict[str, Any], max_keys: tuple[str, ...], stream: bool) -> None:
     for key in max_keys:
-        if isinstance(out.get(key), int) and out[key] > MAX_TOKENS:
+        v = out.get(key)  # an integer as JSON Schema counts one: 2e7 too
+        if isinstance(v, int | float) and not isinstance(v, bool) and v > MAX_TOKENS:
             del out[key]
     if out.get("stream_options") is not None and not stream:
         del out["stream_options"]

@@ -199,3 +199,16 @@ def test_config_errors(tmp_path: Path, rsa_key: rsa.RSAPrivateKey) -> None:
     cfg.auth.mode = "oauth"
     with pytest.raises(ConfigError):
         Authenticator(cfg)
+
+
+def test_sub_is_required_it_is_the_namespace(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey) -> None:
+    """Adversarial finding: JWTs without `sub` all had the subject `jwt`, so one conversation
+    namespace (`jwt:jwt`): two such callers saw and steered each other's conversations. A JWT
+    without a usable `sub` is refused; one with control characters (which could splice another
+    namespace into an idempotency scope) too."""
+    no_sub = _claims()
+    del no_sub["sub"]
+    assert "'sub'" in _reject(rs256, jwt.encode(no_sub, rsa_key, algorithm="RS256")).message
+    for bad in ("", "   ", "a\x1fb", "x" * 257, 7):
+        assert _reject(rs256, jwt.encode(_claims(sub=bad), rsa_key, algorithm="RS256")).code == "invalid_token"
+    assert rs256.authenticate("Bearer " + jwt.encode(_claims(sub="carol"), rsa_key, algorithm="RS256")).subject == "jwt:carol"

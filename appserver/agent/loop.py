@@ -226,7 +226,9 @@ class AgentLoop:
         params.update({k: work.options[k] for k in overridable if work.options.get(k) is not None})
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
-        tools = [t.spec() for t in self.tools.offered(work.agent)] + list(work.client_tools)
+        # a client tool shadows the agent's own tool of that name (it is the one executed: _stream_step)
+        client_names = {t.name for t in work.client_tools}
+        tools = [t.spec() for t in self.tools.offered(work.agent) if t.name not in client_names] + list(work.client_tools)
         return ProviderRequest(model=model, messages=messages, tools=tools, **params)
 
     def budget(self, work: TurnWork, provider: Any, model: str) -> Budget | None:
@@ -309,6 +311,10 @@ class AgentLoop:
                     elif isinstance(chunk, ToolCallStart):
                         partial.shown = True
                         call_id = chunk.id or f"call_{uuid.uuid4().hex[:20]}"
+                        if chunk.id and _call_id_taken(work, partial, chunk.id):
+                            # upstreams that number calls per reply (call_0 every time) would clash
+                            # with an earlier call of this conversation (one pending call per id)
+                            call_id = f"call_{uuid.uuid4().hex[:20]}"
                         executor = "client" if chunk.name in client_names else "server"
                         partial.calls[chunk.index] = StreamingCall(call_id, chunk.name, executor)
                         emit(ToolCallStarted(call_id, chunk.name, executor))  # type: ignore[arg-type]
@@ -462,3 +468,10 @@ def _drop_tool_choice(work: TurnWork) -> None:
 
 def _tool_message(work: TurnWork, call_id: str, name: str, text: str, is_error: bool) -> MessageRecord:
     return MessageRecord(role="tool", content=text, turn_id=work.turn_id, iteration=work.iteration, tool_call_id=call_id, name=name, is_error=is_error)
+
+
+def _call_id_taken(work: TurnWork, partial: StreamingAssistant, call_id: str) -> bool:
+    """`call_id` already names a call of this conversation or of the reply being streamed."""
+    if any(c.id == call_id for c in partial.calls.values()):
+        return True
+    return any(c.get("id") == call_id for m in (*work.history, *work.new_messages) for c in m.tool_calls)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import math
 import os
 import signal
 import sys
@@ -113,10 +114,19 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     if not isinstance(command, str) or not command.strip():
         return ToolOutput("shell needs a non-empty string argument 'command'", is_error=True)
     limits = ctx.config.limits
-    timeout = min(float(args.get("timeout_s") or limits.shell_timeout_s), limits.shell_timeout_s)
+    asked = args.get("timeout_s")
+    if asked is not None and (
+        isinstance(asked, bool) or not isinstance(asked, (int, float)) or not math.isfinite(asked) or asked <= 0
+    ):  # checked before anything runs: a NaN or negative timeout killed the command at once
+        return ToolOutput(f"'timeout_s' must be a positive number of seconds, got {asked!r}", is_error=True)
+    timeout = min(float(asked or limits.shell_timeout_s), limits.shell_timeout_s)
     workspace = ctx.workspace
     workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
-    proc = await asyncio.create_subprocess_shell(
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        _GROUP_GUARD,
+        "appserver-tool",
         command,
         cwd=workspace,
         stdout=asyncio.subprocess.PIPE,
@@ -146,10 +156,18 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     return ToolOutput(text)
 
 
+# The tool's process-group leader: runs the command in a child shell and, when told the server
+# died (SIGTERM from PR_SET_PDEATHSIG), kills the whole group at once, so nothing the command
+# started in the background goes on making side effects until the next start. `wait` returns the
+# command's status. What leaves the group (setsid) is killed by the next server's reap.
+_GROUP_GUARD = 'trap "trap - TERM; kill -KILL 0" TERM; /bin/sh -c "$1" & wait $!'
+
+
 def _die_with_server() -> Callable[[], None] | None:
-    """On Linux, a preexec_fn that has the kernel SIGKILL the tool's shell when the server dies
-    (PR_SET_PDEATHSIG), so a server killed with kill -9 leaves no shell to finish the command's
-    side effects. What that shell had started is killed by the next server (`reap_orphaned_tools`)."""
+    """On Linux, a preexec_fn that has the kernel signal the tool's group leader when the server
+    dies (PR_SET_PDEATHSIG: SIGTERM, which `_GROUP_GUARD` turns into SIGKILL for its whole process
+    group), so a server killed with kill -9 leaves nothing of the command running. What escaped the
+    group is killed by the next server (`reap_orphaned_tools`)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -159,7 +177,7 @@ def _die_with_server() -> Callable[[], None] | None:
     server = os.getpid()
 
     def preexec() -> None:  # in the child, between fork and exec: no locks, no allocation to speak of
-        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
         if os.getppid() != server:  # the server died before the signal was armed
             os._exit(137)
 

@@ -492,7 +492,10 @@ class Chat:
                 return
             if self.asking is not None and self.asking["turn_id"] == snap["turn_id"]:
                 open_calls = {p.get("call_id") for p in snap.get("pending") or []} if snap["status"] == "awaiting" else set()
-                if self.asking["call_id"] not in open_calls:  # answered while we could not hear it
+                # the call's own block says it was settled (a cancel shows `failed` one snapshot
+                # before the turn leaves `awaiting`): the prompt goes before that line is drawn
+                settled = {b.get("call_id") for b in snap.get("blocks") or [] if b.get("type") == "tool_call" and b.get("status") not in (None, "streaming", "pending_approval")}
+                if self.asking["call_id"] not in open_calls or self.asking["call_id"] in settled:  # answered while we could not hear it
                     self.withdraw(f"[{self.asking['call_id']} answered elsewhere]")
             self.renderer.snapshot(snap)
             if snap["status"] in TERMINAL:
@@ -544,6 +547,9 @@ async def chat(url: str, agent: str, conversation: str, token: str | None, show_
     frames = loop.create_task(pump())
     keys: Keys | None = None
     try:
+        if conversation == "new":  # as `appserver run --conversation new`
+            created = await client.request({"type": "create_conversation", "agent": agent})
+            conversation = created["conversation"]["id"]
         state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
         tty_out = sys.stdout.isatty()
         screen = Screen(color=tty_out and not os.environ.get("NO_COLOR"), ansi=tty_out)
@@ -561,7 +567,7 @@ async def chat(url: str, agent: str, conversation: str, token: str | None, show_
 
 @click.command("chat")
 @click.option("--agent", default="assistant", show_default=True, help="Agent id or name.")
-@click.option("--conversation", default="default", show_default=True, help="default or a conversation id.")
+@click.option("--conversation", default="default", show_default=True, help="default, new, or a conversation id.")
 @click.option("--url", default=None, help="Server URL (default: the server running on this home).")
 @click.option("--token", default=None, envvar="APPSERVER_TOKEN", help="Bearer token when the server requires one.")
 @click.option("--show-reasoning", is_flag=True, help="Show the model's reasoning (dimmed); hidden by default.")

@@ -259,7 +259,13 @@ def build_cron_group(
             exact=exact,
             deliver=deliver,
         )
-        _store(cfg).add(task)
+        store = _store(cfg)
+        try:
+            store.add(task)
+        except CronStoreError:
+            if any(t.name == task.name for t in store.list(agent_id)):  # say it by name, not id
+                raise _OneLineError(f"agent {agent!r} already has a cron task named {name!r}") from None
+            raise
         names = names_of(cfg)
         if not cfg.cron.enabled:
             click.echo(

@@ -26,7 +26,13 @@ from appserver.auth import Authenticator
 from appserver.cli.common import StartupError, fail, get_config
 from appserver.config import Config, ConfigError
 from appserver.http.app import build_app
-from appserver.http.edge import AcceptErrorThrottle, EdgeLimits, fd_limit, protocol_class
+from appserver.http.edge import (
+    AcceptErrorThrottle,
+    EdgeLimits,
+    EdgeWebSocketProtocol,
+    fd_limit,
+    protocol_class,
+)
 from appserver.http.guard import SecurityGuard
 from appserver.http.requestid import install as install_request_ids
 from appserver.logredact import from_config as redactor_from_config
@@ -220,6 +226,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         # httptools, explicitly, with the edge limits (head cap, head/body/idle timeouts,
         # connection cap at accept): appserver/http/edge.py. Never "auto".
         http=protocol_class(edge),
+        ws=EdgeWebSocketProtocol,  # its handshake refusals carry x-request-id too
         timeout_keep_alive=max(1, math.ceil(edge.keepalive_timeout_s)),  # the protocol uses the exact value
         # Forwarding headers only from the configured proxies (none by default), so a client cannot
         # pick the address the per-client limit counts.

@@ -37,8 +37,10 @@ from appserver.http.conversation_match import (
     HEADER,
     Answers,
     ConversationMatcher,
+    Placement,
     ViewItem,
     chain,
+    check_call_ids,
     for_agent,
     merge_assistants,
     split_new_input,
@@ -127,6 +129,11 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
     return "".join(texts), images, media_parts
 
 
+def no_images(where: str, role: str, param: str) -> ApiError:
+    """An image where only users may send one: refused by name, never dropped."""
+    return bad_request(f"{where}: unsupported content part 'image_url' in a {role} message: only user messages may carry images", param, code="unsupported_content_part")
+
+
 def check_media(server: Server, agent: AgentRecord, parts: list[dict[str, Any]], param: str) -> None:
     """Refuse (400, by type) the file/audio parts the agent's provider cannot take: OpenAI-compatible
     upstreams take `file` and `input_audio` parts, Anthropic takes PDFs (as a `document`), echo
@@ -161,6 +168,8 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "messages")
         text, images, media = parts_of(m.get("content"), where, media=role == "user")
+        if images and role != "user":
+            raise no_images(where, role, "messages")
         if role in ("system", "developer"):
             items.append(ViewItem("system", text))
             if text.strip():
@@ -200,6 +209,8 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].function.name is required", "tools", code="invalid_function_name")
+        if any(t.name == name for t in out):
+            raise bad_request(f"tools[{i}]: a second function named {name!r}; function names must be unique", "tools", code="duplicate_function_name")
         params = fn.get("parameters")
         out.append(ToolSpec(name, str(fn.get("description") or ""), params if isinstance(params, dict) else {"type": "object", "properties": {}}))
     return out
@@ -405,6 +416,7 @@ class ChatCompletions:
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = bool(stream_options.get("include_usage"))
         items, instructions = view_of_messages(body.get("messages"))
+        check_call_ids(items, "messages")
         items = for_agent(items, agent)
         tools = client_tools_of(body.get("tools"))
         options = sampling_options(body, max_key=("max_tokens", "max_completion_tokens"))
@@ -427,6 +439,7 @@ class ChatCompletions:
         idem, replay = await Idempotency.begin(self.server, request, principal, "chat.completions", body)
         if replay is not None:
             return replay
+        place: Placement | None = None
         try:
             ns = conversation_namespace(principal)
             header = request.headers.get(HEADER)
@@ -452,6 +465,8 @@ class ChatCompletions:
             if idem is not None:
                 await idem.abandon()
             raise
+        finally:
+            self.matcher.release(place)  # the turn is queued: the runtime now shows it
         if not stream:
             # Let the turn's worker run up to its model call before this request sets up its wait:
             # that setup then overlaps the wait for the model instead of delaying the call.

@@ -23,7 +23,7 @@ from appserver.http.sse import line_safe
 from appserver.runtime.conversation import Decision, TurnHandle
 from appserver.runtime.kernel import SubmitRequest
 from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
-from appserver.store.records import AgentRecord, HttpIdempotency
+from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
@@ -142,9 +142,22 @@ def model_object(agent: AgentRecord, model_id: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- idempotency
 
 
+def _canon_numbers(value: Any) -> Any:
+    """Integral floats as integers (1.0 → 1, -0.0 → 0), as canonical JSON (RFC 8785) writes them:
+    a serialiser that writes 1 and one that writes 1.0 sent the same JSON."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        return {k: _canon_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canon_numbers(v) for v in value]
+    return value
+
+
 def canonical_hash(route: str, body: dict[str, Any]) -> str:
-    """Hash of (route, body) that ignores key order and whitespace: equal JSON, equal hash."""
-    canon = json.dumps([route, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Hash of (route, body) that ignores key order, whitespace, escapes and number spelling
+    (1, 1.0, 1e0): equal JSON, equal hash."""
+    canon = json.dumps([route, _canon_numbers(body)], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -281,6 +294,15 @@ async def pending_call_ids(server: Server, conversation_id: str) -> list[str]:
     return [p.call_id if p.kind == "client" else f"mcpr_{p.call_id}" for p in pending]
 
 
+def already_given(p: PendingCall | None, d: Decision) -> bool:
+    """`d` repeats the answer call `p` already has (a stateless client resending its history)."""
+    if p is None:
+        return False
+    if d.action == "result":
+        return p.status == "result" and (p.output or "") == (d.output or "")
+    return p.status == {"approve": "approved", "deny": "denied"}.get(d.action)
+
+
 async def start_turn(
     server: Server,
     agent: AgentRecord,
@@ -307,7 +329,13 @@ async def start_turn(
             if awaiting is None:
                 raise ApiError(409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting")
             handle = rt.handles.get(awaiting.id) or await kernel.handle_for(awaiting)
+            # A stateless client resends every answer it gave: one this turn already has (the same
+            # answer) is history, not new input. Only the others are answers now.
+            given = {p.call_id: p for p in await server.store.list_pending(awaiting.id) if p.status != "pending"}
+            decisions = [d for d in decisions if not already_given(given.get(d.call_id), d)]
             before = handle.controller.snapshot()
+            if not decisions:  # nothing new: the turn still waits for the rest, as it shows now
+                return TurnRun(server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision - 1)
             results = await kernel.respond(conversation_id, decisions)
             refused = [r for r in results if not r.get("accepted")]
             if refused:

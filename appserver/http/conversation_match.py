@@ -106,6 +106,16 @@ def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
     return out
 
 
+def check_call_ids(items: list[ViewItem], param: str) -> None:
+    """400 (before anything is written) for a reply that makes two calls with one id: a result
+    could not say which it answers (and the server keeps one pending call per id)."""
+    for n, item in enumerate(items):
+        ids = [c["id"] for c in item.calls if c["id"]]
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ApiError(400, f"{param}: the assistant reply at item {n} makes several tool calls with the id {', '.join(dup)}; tool call ids must be unique", code="duplicate_tool_call_id", param=param)
+
+
 def split_new_input(items: list[ViewItem]) -> tuple[list[ViewItem], list[ViewItem]]:
     """(prefix up to and including the last assistant item, the trailing new input)."""
     last = -1
@@ -158,6 +168,7 @@ def _valid_tool_pairs(messages: list[MessageRecord]) -> list[MessageRecord]:
 class Placement:
     conversation_id: str
     how: str  # header | header_new | prefix | fork | new | previous_response | conversation
+    claimed: bool = False  # this request holds the conversation's head claim (release it)
 
 
 @dataclass(slots=True)
@@ -205,9 +216,39 @@ def split_paused(messages: list[MessageRecord], answers: Answers) -> tuple[list[
 
 
 class ConversationMatcher:
+    """Places requests. A conversation found by its history (prefix, previous response) is continued
+    only when nothing else is on its way into it: requests racing with the same history (an SDK
+    retry, two tabs, a double click) would otherwise all queue into one conversation, each answered
+    after the others' input. So the request that continues a head *claims* it, synchronously after
+    its last look at the store, until its turn is queued (`release`); a conversation that is claimed
+    or has a turn running or queued has moved past that point, and the others fork from it. New
+    conversations (seeded, forked) are claimed from birth: their point is recorded before their
+    turn is queued."""
+
     def __init__(self, server: Server) -> None:
         self.server = server
         self.store = server.store
+        # shared by the chat and responses routes (both match on the same history points)
+        claims = server.services.setdefault("openai.head_claims", set())
+        assert isinstance(claims, set)
+        self.claims: set[str] = claims
+
+    def free(self, conversation_id: str) -> bool:
+        """Nothing is on its way into this conversation: unclaimed, no turn running or queued (a
+        turn paused for answers is at its head: the answers continue it)."""
+        if conversation_id in self.claims:
+            return False
+        rt = self.server.kernel.runtimes.get(conversation_id)
+        return rt is None or not rt.in_flight
+
+    def claim(self, conversation_id: str) -> None:
+        self.claims.add(conversation_id)
+
+    def release(self, place: Placement | None) -> None:
+        """The request's turn is queued (or it gave up): the runtime shows what the claim held."""
+        if place is not None and place.claimed:
+            self.claims.discard(place.conversation_id)
+            place.claimed = False
 
     async def _new(
         self,
@@ -237,17 +278,25 @@ class ConversationMatcher:
             forked_from=forked_from,
             metadata=dict(metadata or {}),
         )
+        self.claim(conv.id)  # the caller releases it once its turn is queued (or on failure)
+        try:
+            await self._write_new(conv, records, copy, answers, paused)
+        except BaseException:
+            self.claims.discard(conv.id)
+            raise
+        return conv
+
+    async def _write_new(self, conv: ConversationRecord, records: list[MessageRecord], copy: list[int] | None, answers: Answers | None, paused: Paused | None) -> None:
         await self.store.create_conversation(conv, copy_messages=copy)
         if records:
             await self.store.append_messages(conv.id, records)
         if answers is not None and paused is not None:
             await self._write_paused(conv, paused, answers)
             await self.server.kernel.runtime(conv.id, conv=conv)  # adopts the paused turn
-            return conv
+            return
         # No turns yet and (unless copied) exactly these messages: the submit that follows finds its
         # runtime loaded, with no lookups.
         await self.server.kernel.runtime(conv.id, conv=conv, fresh=True, history=None if copy else records)
-        return conv
 
     async def _write_paused(self, conv: ConversationRecord, paused: Paused, answers: Answers) -> None:
         """A turn of `conv` paused at the open calls, as the runtime leaves one (DESIGN §4.4)."""
@@ -303,7 +352,7 @@ class ConversationMatcher:
                 raise ApiError(404, f"conversation {value!r} does not belong to this model", code="conversation_not_found", param=HEADER)
             return Placement(conv.id, "header")
         await self._new(agent, namespace, conv_id=value, seed=prefix, user=user, metadata=metadata, answers=answers)
-        return Placement(value, "header_new")
+        return Placement(value, "header_new", claimed=True)
 
     async def by_prefix(self, agent: AgentRecord, namespace: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any] | None, answers: Answers | None = None) -> Placement:
         """`answers`: the new input answers tool calls; a fork or a new conversation is then made
@@ -313,7 +362,7 @@ class ConversationMatcher:
             if answers is not None:  # results with no call before them: refused, nothing written
                 split_paused([], answers)
             conv = await self._new(agent, namespace, user=user, metadata=metadata)
-            return Placement(conv.id, "new")
+            return Placement(conv.id, "new", claimed=True)
         h = chain(prefix)
         candidates = []
         for point in await self.store.find_history_points(agent.id, h):
@@ -321,16 +370,23 @@ class ConversationMatcher:
             if found is None or not self.visible(found, agent, namespace):
                 continue
             candidates.append(point)
-            if await self.store.last_message_id(point.conversation_id) == point.last_message_id:
-                return Placement(point.conversation_id, "prefix")
+            head = await self.store.last_message_id(point.conversation_id)
+            if head == point.last_message_id and self.free(point.conversation_id):  # no await between check and claim
+                self.claim(point.conversation_id)
+                return Placement(point.conversation_id, "prefix", claimed=True)
         if candidates:
             src = candidates[0]
             conv_id = await self.fork_at(agent, namespace, src.conversation_id, src.last_message_id, answers, user=user, metadata=metadata)
-            await self.record(agent.id, conv_id, h)
-            return Placement(conv_id, "fork")
-        conv = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
-        await self.record(agent.id, conv.id, h)
-        return Placement(conv.id, "new")
+            place = Placement(conv_id, "fork", claimed=True)
+        else:
+            conv = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
+            place = Placement(conv.id, "new", claimed=True)
+        try:
+            await self.record(agent.id, place.conversation_id, h)
+        except BaseException:
+            self.release(place)
+            raise
+        return place
 
     async def fork_at(self, agent: AgentRecord, namespace: str | None, source_conversation: str, last_message_id: int, answers: Answers | None = None, *, user: str | None = None, metadata: dict[str, Any] | None = None) -> str:
         """A new conversation with the source's messages up to `last_message_id`; with `answers`,

@@ -29,6 +29,8 @@ from typing import Any, ClassVar
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Response as WsResponse
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
@@ -103,6 +105,7 @@ class EdgeLimits:
     head_max_bytes: int
     head_timeout_s: float
     body_timeout_s: float
+    body_min_rate: int
     keepalive_timeout_s: float
     max_connections: int
     refusals: LogThrottle = field(default_factory=LogThrottle, compare=False)
@@ -113,6 +116,7 @@ class EdgeLimits:
             head_max_bytes=int(limits.head_max_bytes),
             head_timeout_s=float(limits.head_timeout_s),
             body_timeout_s=float(limits.body_timeout_s),
+            body_min_rate=int(limits.body_min_rate_bytes_s),
             keepalive_timeout_s=float(limits.keepalive_timeout_s),
             max_connections=connection_cap(int(limits.max_connections)),
         )
@@ -159,6 +163,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._head_raw = 0  # bytes of chunks that ended inside the current head
         self._head_parsed = 0  # bytes of its request line and complete header lines
         self._last_data = 0.0
+        self._body_clock = self._body_checked = 0.0  # when the body began (less time not read)
+        self._body_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._refused = False
@@ -241,6 +247,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                 self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._on_head_timeout)
         elif phase == BODY:
             self._last_data = self.loop.time()
+            self._body_bytes += len(data)
             if self._body_timer is None:
                 self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._on_body_timeout)
 
@@ -263,7 +270,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
-        self._count_head(len(url))
+        # The whole request line: METHOD SP url SP HTTP/1.1 CRLF (the method is parsed by now);
+        # a URL that arrives in pieces calls this once per piece.
+        line = 0 if self._head_parsed else len(self.parser.get_method()) + len(b"  HTTP/1.1\r\n")
+        self._count_head(line + len(url))
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -276,7 +286,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             raise _HeadTooLarge()
 
     def on_headers_complete(self) -> None:
+        self._count_head(2)  # the empty line that ends the head
         self._phase = BODY
+        self._body_clock = self._body_checked = self.loop.time()
+        self._body_bytes = 0
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -353,13 +366,58 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         timeout = self.limits.body_timeout_s
         waiting = self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue and not cycle.response_complete)
-        quiet = self.loop.time() - self._last_data
+        now = self.loop.time()
+        if waiting:  # time the app is not reading counts neither as a stall nor against the rate
+            self._body_clock += now - self._body_checked
+        self._body_checked = now
+        if self._too_slow(now) and not waiting:
+            rate = self.limits.body_min_rate
+            self._close_with(408, "request_timeout", f"the request body arrives slower than {rate} bytes/s ([limits] body_min_rate_bytes_s)")
+            return
+        quiet = now - self._last_data
         if waiting or quiet < timeout:  # the app is not reading, or bytes came since: not stalled
             self._body_timer = self.loop.call_later(timeout if waiting else timeout - quiet, self._on_body_timeout)
             return
         self._close_with(408, "request_timeout", f"the request body stalled: no bytes for {timeout:g} s ([limits] body_timeout_s)")
 
+    def _too_slow(self, now: float) -> bool:
+        """A trickle (a byte just before every body timeout) would hold a slot forever: past the
+        first `body_timeout_s`, the body must average `body_min_rate` bytes a second."""
+        rate = self.limits.body_min_rate
+        over = now - self._body_clock - self.limits.body_timeout_s
+        return rate > 0 and over > 0 and self._body_bytes < rate * over
+
 
 def protocol_class(limits: EdgeLimits) -> type[EdgeHttpProtocol]:
     """The protocol class uvicorn instantiates per connection, bound to these limits."""
     return type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits})
+
+
+class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol (the one "auto" picks) whose own handshake refusals (a bad
+    `Sec-WebSocket-Version`, a missing `Sec-WebSocket-Key`, a 500 before accept) carry an
+    `x-request-id` and the OpenAI error JSON like every other answer. Responses the app made
+    (accepts, the guard's refusals) already carry their id and are left alone."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        send_response = self.conn.send_response
+
+        def stamped(response: WsResponse) -> None:
+            if "x-request-id" not in response.headers:
+                rid = new_request_id()
+                response.headers["x-request-id"] = rid
+                if response.status_code != 101 and response.headers.get("content-type", "").startswith("text/plain"):
+                    text = bytes(response.body).decode("utf-8", "replace").strip() or response.reason_phrase
+                    body = json.dumps(error_body(response.status_code, text, code="websocket_handshake_failed")).encode()
+                    for name in ("content-type", "content-length"):
+                        if name in response.headers:
+                            del response.headers[name]
+                    response.headers["content-type"] = "application/json"
+                    response.headers["content-length"] = str(len(body))
+                    response.body = body
+                    peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+                    log.info("[%s] websocket handshake from %s refused: %d %s", rid, peer, response.status_code, text)
+            send_response(response)
+
+        self.conn.send_response = stamped  # type: ignore[method-assign]

@@ -160,8 +160,13 @@ class _WsSession:
         send: Send,
         authenticator: Authenticator,
         hello_deadline: float | None,
+        path: str = "/ws",
+        http_refusals: bool = False,
     ) -> None:
         self.state = state
+        self.path = path
+        # The server can answer a refused upgrade with an HTTP response (`websocket.http.response`).
+        self.http_refusals = http_refusals
         self._send = send
         self.authenticator = authenticator
         self.hello_deadline = hello_deadline
@@ -217,12 +222,29 @@ class _WsSession:
                     return
                 raise ClientGone(f"websocket closed by the server: {self.closed_by_guard[1]}")
             t = message["type"]
+            if t == "websocket.close" and not self.accepted and not self.closed and self.http_refusals:
+                await self._refuse_upgrade()
+                return
             if t == "websocket.accept":
                 self.accepted = True
             elif t in ("websocket.close", "websocket.http.response.start"):
                 self.closed = True
                 self.changed.set()
             await self._send(message)
+
+    async def _refuse_upgrade(self) -> None:
+        """The app closed before accepting (no WebSocket endpoint at this path): answer with an
+        HTTP error like every other refusal (OpenAI error JSON, `x-request-id` added by the
+        stamping `send`), not the server's bare `403 text/plain`."""
+        self.closed = True
+        self.changed.set()
+        shown = self.path[:200]
+        body = json.dumps(
+            openai_error(403, "websocket_refused", f"no WebSocket endpoint at {shown}; the protocol is at /ws")
+        ).encode("utf-8")
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await self._send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
+        await self._send({"type": "websocket.http.response.body", "body": body})
 
     async def close(self, code: int, reason: str) -> None:
         """Close on the app's behalf (expiry, timeout, oversized frame); the app then sees a
@@ -720,6 +742,8 @@ class SecurityGuard:
             send,
             self.authenticator,
             time.time() + self.hello_timeout_s if pending else None,
+            path=str(scope.get("path") or "/"),
+            http_refusals="websocket.http.response" in (scope.get("extensions") or {}),
         )
         state["authenticate_hello"] = session.authenticate_hello
         frame_max = self.frame_max

@@ -23,6 +23,7 @@ from appserver.http.chat import (
     check_media,
     content_of,
     new_content,
+    no_images,
     number_options,
     parts_of,
     show_reasoning,
@@ -51,6 +52,7 @@ from appserver.http.conversation_match import (
     Placement,
     ViewItem,
     chain,
+    check_call_ids,
     for_agent,
     merge_assistants,
     split_new_input,
@@ -131,6 +133,8 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
             text, images, media = parts_of(item.get("content"), where, media=role == "user")
+            if images and role != "user":
+                raise no_images(where, role, "input")
             if role == "assistant":
                 out.items.append(ViewItem("assistant", text))
                 out.decisions.clear()  # approvals before a later reply are history, not new answers
@@ -154,7 +158,9 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             if not isinstance(call_id, str) or not call_id:
                 raise bad_request(f"{where}.call_id is required", "input", code="missing_call_id")
             if isinstance(output, list):
-                output, _ = content_of(output, where)
+                output, images = content_of(output, where)
+                if images:
+                    raise no_images(where, "function_call_output", "input")
             if not isinstance(output, str):
                 raise bad_request(f"{where}.output must be a string", "input")
             out.items.append(ViewItem("tool", output, call_id=call_id))
@@ -218,7 +224,9 @@ def instructions_of(value: Any) -> str | None:
         texts = []
         for i, item in enumerate(value):
             if isinstance(item, dict):
-                text, _ = content_of(item.get("content"), f"instructions[{i}]")
+                text, images = content_of(item.get("content"), f"instructions[{i}]")
+                if images:
+                    raise no_images(f"instructions[{i}]", "instructions", "instructions")
                 texts.append(text)
         return "\n\n".join(t for t in texts if t)
     raise bad_request("'instructions' must be a string", "instructions")
@@ -249,6 +257,8 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
         name = t.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].name is required", "tools", code="invalid_function_name")
+        if any(sp.name == name for sp in specs):
+            raise bad_request(f"tools[{i}]: a second function named {name!r}; function names must be unique", "tools", code="duplicate_function_name")
         raw_params = t.get("parameters")
         params: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {"type": "object", "properties": {}}
         desc = t.get("description") if isinstance(t.get("description"), str) else None
@@ -311,13 +321,18 @@ class Shape:
 
 
 def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = None) -> list[tuple[int, dict[str, Any]]]:
-    """(absolute block index, block): calls answered by this request first, then new blocks, then
-    (a turn stopped at max_steps) a text block saying so."""
+    """(absolute block index, block): calls answered by this request first, then calls of earlier
+    requests still waiting, then new blocks, then (a turn stopped at max_steps) a text block saying so."""
     out: list[tuple[int, dict[str, Any]]] = []
     for cid in run.resolved_calls:
         for i, b in enumerate(snap.blocks):
             if b["type"] == "tool_call" and b["call_id"] == cid:
                 out.append((i, b))
+    if snap.status == "awaiting":
+        # calls of earlier requests still waiting (some of a round were answered): the client must
+        # see what is left to answer, or it would take the response as finished
+        waiting = {p["call_id"] for p in snap.pending}
+        out.extend((i, b) for i, b in enumerate(snap.blocks[: run.base_blocks]) if b["type"] == "tool_call" and b["call_id"] in waiting and b["call_id"] not in run.resolved_calls)
     out.extend((i, snap.blocks[i]) for i in range(run.base_blocks, len(snap.blocks)))
     if steps_note and snap.stop_reason == "max_steps" and snap.status in TERMINAL_STATUSES:
         out.append((len(snap.blocks), {"type": "text", "text": steps_note}))
@@ -518,6 +533,8 @@ class Responses:
         conv_param = body.get("conversation")
         if isinstance(conv_param, dict):
             conv_param = conv_param.get("id")
+            if not isinstance(conv_param, str) or not conv_param:
+                raise bad_request("'conversation' as an object needs its 'id'", "conversation")
         if prev_id is not None and not isinstance(prev_id, str):
             raise bad_request("'previous_response_id' must be a string", "previous_response_id")
         if conv_param is not None and not isinstance(conv_param, str):
@@ -526,6 +543,7 @@ class Responses:
             raise bad_request("use either previous_response_id or conversation, not both", "conversation", code="conflicting_parameters")
 
         items = merge_assistants(for_agent(parsed.items, agent))
+        check_call_ids(items, "input")
         prefix, new = split_new_input(items)
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
@@ -540,6 +558,7 @@ class Responses:
         idem, replay = await Idempotency.begin(self.server, request, principal, "responses", body)
         if replay is not None:
             return replay
+        place: Placement | None = None
         try:
             place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers)
             content = new_content(users)
@@ -548,6 +567,8 @@ class Responses:
             if idem is not None:
                 await idem.abandon()
             raise
+        finally:
+            self.matcher.release(place)  # the turn is queued: the runtime now shows it
         shape = Shape(
             id=response_id,
             model=model_id,
@@ -605,9 +626,12 @@ class Responses:
             prev_conv = await store.get_conversation(rec.conversation_id) if rec is not None else None
             if rec is None or prev_conv is None or not self.matcher.visible(prev_conv, agent, ns):
                 raise ApiError(404, f"Previous response with id '{prev_id}' not found.", code="previous_response_not_found", param="previous_response_id")
-            if await store.last_message_id(rec.conversation_id) == rec.last_message_id:
-                return Placement(rec.conversation_id, "previous_response")
-            return Placement(await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, answers), "fork")
+            head = await store.last_message_id(rec.conversation_id)
+            if head == rec.last_message_id and self.matcher.free(rec.conversation_id):  # no await between check and claim
+                self.matcher.claim(rec.conversation_id)
+                return Placement(rec.conversation_id, "previous_response", claimed=True)
+            # an older response, or one whose conversation another request is already continuing
+            return Placement(await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, answers), "fork", claimed=True)
         if conv_param:
             conv = await store.get_conversation(conv_param)
             if conv is None or not self.matcher.visible(conv, agent, ns):

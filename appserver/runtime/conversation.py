@@ -112,6 +112,12 @@ class ConversationRuntime:
         return not self.lifecycle.busy and not self.queue and self._worker is None and self.pins == 0 and self._accepting == 0
 
     @property
+    def in_flight(self) -> bool:
+        """A turn runs, is being cancelled, or waits in the queue (or for its accept): the
+        conversation is moving past its stored head. A turn paused for answers is not in flight."""
+        return self.lifecycle.state in ("active", "cancelling") or bool(self.queue) or self._accepting > 0
+
+    @property
     def active_handle(self) -> TurnHandle | None:
         turn_id = self.lifecycle.turn_id
         return self.handles.get(turn_id) if turn_id else None
@@ -291,9 +297,8 @@ class ConversationRuntime:
             controller.set_queue_position(0)
         else:
             lease = resume.lease
-            if not lease.cancel_event.is_set():
-                controller.resume()
-                self._notify(handle)
+            controller.resume("finalizing" if lease.cancel_event.is_set() else "acting")
+            self._notify(handle)
         self._draft_base = len(controller.visible_text())  # a resumed turn's earlier text is stored
         work: TurnWork | None = None
         try:

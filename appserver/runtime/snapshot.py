@@ -217,9 +217,11 @@ class TurnController:
         self.stop_reason = stop_reason
         self.set_pending(pending)
 
-    def resume(self) -> None:
+    def resume(self, phase: str = "acting") -> None:
+        """Leave the pause: `acting` to run the answered calls, `finalizing` to close them (the
+        paused turn was cancelled); either way no call is pending any more."""
         self.status = "running"
-        self.phase = "acting"
+        self.phase = phase
         self.stop_reason = None
         self.pending = []
         self._bump()

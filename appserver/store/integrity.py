@@ -157,6 +157,60 @@ def inspect_wal(db: Path, conn: sqlite3.Connection) -> WalReport | None:
     return WalReport(frames, recovered, lost)
 
 
+def shm_path(db: Path) -> Path:
+    return db.with_name(db.name + "-shm")
+
+
+def wal_index_claim(db: Path) -> tuple[int, int] | None:
+    """(frames the `-shm` wal-index says the WAL holds that are not yet copied into the database,
+    bytes the WAL must have for them), from a wal-index a crash left behind; None when there is no
+    usable index or nothing un-copied. A kill -9 writes WAL frames before it indexes them, so the
+    WAL is never shorter than this: a shorter or missing WAL lost committed transactions (deleted
+    or truncated after the crash) that the position sidecar may not have recorded yet."""
+    try:
+        with open(shm_path(db), "rb") as f:
+            head = f.read(100)
+    except OSError:
+        return None
+    if len(head) < 100 or head[:48] != head[48:96]:
+        return None
+    version, _unused, _change, is_init, _big_end, page = struct.unpack_from("=IIIBBH", head, 0)
+    if version != SHM_VERSION or not is_init:
+        return None
+    mx_frame = int(struct.unpack_from("=I", head, 16)[0])
+    backfilled = int(struct.unpack_from("=I", head, 96)[0])
+    page_size = 65536 if page == 1 else page
+    if mx_frame <= backfilled or page_size < 512 or page_size & (page_size - 1):
+        return None
+    return mx_frame - backfilled, WAL_HEADER + mx_frame * (FRAME_HEADER + page_size)
+
+
+def check_wal_index(db: Path, accept_loss: bool) -> None:
+    """Refuse a store whose WAL is missing or shorter than its crash-time wal-index says."""
+    claim = wal_index_claim(db)
+    if claim is None:
+        return
+    pending, needed = claim
+    wal = wal_path(db)
+    size = wal.stat().st_size if wal.exists() else None
+    if size is not None and size >= needed:
+        return
+    what = (
+        f"the write-ahead log of {db} is {'missing' if size is None else f'shorter than it was ({size} of {needed} bytes)'}, "
+        f"but its index ({shm_path(db).name}) says it held {pending} frame(s) not yet in the database: "
+        "committed conversations would be lost (the WAL was deleted, truncated or replaced after a crash)"
+    )
+    kept = keep_copy(db, f"wal-{'missing' if size is None else size}-of-{needed}")
+    if accept_loss:
+        log.warning("accepted data loss: %s; the files as they were are kept in %s", what, kept)
+        shm_path(db).unlink(missing_ok=True)  # a stale index must not describe the next WAL
+        return
+    raise StoreOpenError(
+        f"{what}. Nothing was changed; a copy of the store is kept in {kept}. Put the WAL back if you have it, "
+        f"or accept the loss and start with `{ACCEPT_HINT}`"
+    )
+
+
 def read_position(db: Path) -> int | None:
     try:
         data = json.loads(position_path(db).read_text("utf-8"))
@@ -192,7 +246,7 @@ def keep_copy(db: Path, label: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     try:
-        for src in (db, wal_path(db)):
+        for src in (db, wal_path(db), shm_path(db)):
             if src.exists():
                 shutil.copyfile(src, tmp / src.name)
                 os.chmod(tmp / src.name, 0o600)
@@ -241,6 +295,7 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
                 f"{db} is not an SQLite database ({size} bytes, unknown header): restore it from a backup, "
                 "or move it away to start a new, empty store"
             )
+        check_wal_index(db, accept_loss)
     try:
         conn = _ro_connect(db)
     except sqlite3.Error as exc:
@@ -292,6 +347,31 @@ def _refuse_or_accept_wal(db: Path, report: WalReport, accept_loss: bool) -> Non
         f"{what}. Nothing was changed; a copy of the store and its WAL is kept in {kept}. Recover what you can "
         f"from that copy, or accept the loss and start with `{ACCEPT_HINT}`"
     )
+
+
+def check_store_writable(db: Path) -> None:
+    """SQLite opens a file it may not write read-only, without a word, and the first write fails
+    with "attempt to write a readonly database": refuse here instead, naming the file. Call before
+    anything opens the store: SQLite gives a new `-wal`/`-shm` the database file's mode."""
+    for path in (db, db.parent):
+        if path.exists() and not os.access(path, os.W_OK):
+            what = "directory" if path == db.parent else "file"
+            raise StoreOpenError(
+                f"cannot write the store's {what} {path} (permission denied or read-only): it must be writable "
+                "by the user running appserver; check its owner and mode"
+            )
+    for path in (wal_path(db), shm_path(db)):
+        if path.exists() and not os.access(path, os.W_OK):
+            try:  # ours, made read-only by a start on a read-only database file: SQLite's to use
+                if path.stat().st_uid != os.geteuid():
+                    raise PermissionError
+                path.chmod(0o600)
+                log.warning("made %s writable again (0600): SQLite needs to write it", path)
+            except OSError:
+                raise StoreOpenError(
+                    f"cannot write the store's file {path} (permission denied or read-only): it must be writable "
+                    "by the user running appserver; check its owner and mode"
+                ) from None
 
 
 def open_error(db: Path, exc: sqlite3.Error) -> StoreOpenError:

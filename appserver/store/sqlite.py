@@ -23,6 +23,7 @@ from appserver.procid import identity, identity_alive
 from appserver.store.base import DuplicateTurn, Store, StoreError
 from appserver.store.integrity import (
     StoreOpenError,
+    check_store_writable,
     create_store,
     messages_seq,
     open_error,
@@ -154,6 +155,7 @@ class SQLiteStore(Store):
         # its recorded position (integrity.py), after keeping a copy, instead of refusing.
         self.accept_data_loss = False
         self._write_probe = 0
+        self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file opened
 
     # ------------------------------------------------------------ lifecycle
 
@@ -167,6 +169,7 @@ class SQLiteStore(Store):
             return
         created = False
         if isinstance(self.path, Path):
+            check_store_writable(self.path)
             try:
                 if preflight(self.path, accept_loss=self.accept_data_loss):
                     created = create_store(self.path, migrate)
@@ -193,8 +196,12 @@ class SQLiteStore(Store):
         if created:
             self.fresh = True
         if isinstance(self.path, Path):
-            try:
-                self.path.chmod(0o600)
+            st = self.path.stat()
+            self._file_id = (st.st_dev, st.st_ino)
+            try:  # owner-only, never more than the owner had (a deliberate 0400 stays read-only)
+                mode = st.st_mode & 0o777
+                if mode & 0o077:
+                    self.path.chmod(mode & 0o700)
             except OSError:
                 pass
             # The thread copies the WAL back; our own automatic checkpoint stays as a far backstop.
@@ -228,6 +235,19 @@ class SQLiteStore(Store):
         """Readiness: a real write transaction, and room on the disk. In WAL mode a small write
         reuses WAL space already allocated, so it succeeds on a full disk; growing the database
         at the next checkpoint would not. The free-space check is what sees a full disk."""
+        if isinstance(self.path, Path) and self._file_id is not None:
+            # A store file deleted or replaced under a running server still takes writes, into a
+            # file nobody will open again: everything from then on is lost at the next start.
+            try:
+                st = self.path.stat()
+                same = (st.st_dev, st.st_ino) == self._file_id
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise StoreError(
+                    f"{self.path} was deleted or replaced while the server runs: what it writes now goes to a file "
+                    "no later start will open; stop the server, put the store back (or accept the loss), and start again"
+                )
         if isinstance(self.path, Path) and min_free_bytes:
             free = shutil.disk_usage(self.path.parent).free
             if free < min_free_bytes:

@@ -383,6 +383,9 @@ class ProtocolClient:
         if self._gone:
             raise Closed("connection_closed", self.closed_message())
         pending = _Pending(frame, asyncio.get_running_loop().create_future())
+        # the connection may fail this request while nobody awaits its future any more (a caller
+        # that gave up, or one still waiting to send when the client closes): mark it seen
+        pending.future.add_done_callback(_consume)
         self._pending[rid] = pending
 
         async def go() -> dict[str, Any]:
@@ -436,6 +439,11 @@ class ProtocolClient:
                     return snap
 
         return await asyncio.wait_for(go(), timeout) if timeout else await go()
+
+
+def _consume(future: asyncio.Future[dict[str, Any]]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 # ───────────────────────────────────────── outcomes of turns that ended while disconnected

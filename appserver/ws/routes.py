@@ -11,6 +11,8 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -96,15 +98,47 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{param or 'frame'}: {message}", param
 
 
-def parse_client_frame(text: str | None) -> Any:
+# How much one frame may hold (issue 11.10 on this front end): a 4 MiB frame of 150,000 tiny client
+# tools or input parts cost seconds of event-loop time to validate, so the counts are checked on
+# the parsed JSON, before the frame models see it, and big frames are parsed with an object budget.
+MAX_CLIENT_TOOLS = 128  # OpenAI's limit on `tools` per request
+BUDGET_FROM_CHARS = 64 * 1024  # smaller frames cannot hold enough objects to matter
+
+
+@dataclass(frozen=True, slots=True)
+class FrameLimits:
+    """`max_items`: entries in `input` / `decisions` (`[limits] max_messages`, as on HTTP);
+    `max_objects`: JSON objects in one frame (as for HTTP bodies: 16 per item, at least 4,096)."""
+
+    max_items: int = 2048
+    max_objects: int = 16 * 2048
+
+    @classmethod
+    def from_max_messages(cls, max_messages: int) -> FrameLimits:
+        return cls(max_items=max_messages, max_objects=max(4096, 16 * max_messages))
+
+
+_LIST_CAPS = (("input", None), ("decisions", None), ("client_tools", MAX_CLIENT_TOOLS))
+
+
+def parse_client_frame(text: str | None, limits: FrameLimits = FrameLimits()) -> Any:
     if text is None:
         raise FrameError("bad_frame", "binary frames are not part of this protocol; send JSON text")
+    budget = None
+    if len(text) > BUDGET_FROM_CHARS and strictjson.count(text, "{") > limits.max_objects:
+        budget = strictjson.ObjectBudget(limits.max_objects, "; send fewer items per frame")
     try:
-        data = strictjson.loads(text)  # also refuses what the store could not encode (lone surrogates)
+        data = strictjson.loads(text, object_budget=budget)  # also refuses what the store could not encode (lone surrogates)
     except strictjson.JsonRejected as exc:
-        raise FrameError("bad_json", exc.about("the frame")) from None
+        code = "bad_frame" if exc.code == "request_too_complex" else "bad_json"
+        raise FrameError(code, exc.about("the frame")) from None
     if not isinstance(data, dict):
         raise FrameError("bad_frame", "a frame is a JSON object with a 'type'")
+    for key, cap in _LIST_CAPS:
+        items = data.get(key)
+        most = cap or limits.max_items
+        if isinstance(items, list) and len(items) > most:
+            raise FrameError("bad_frame", f"{key}: at most {most} entries per frame, got {len(items)}", key)
     if "type" not in data:
         raise FrameError("bad_frame", "missing field 'type'", "type")
     kind = data["type"]
@@ -126,6 +160,7 @@ class Endpoint:
         server.services["ws_hub"] = self.hub  # serve's signal handler tells clients it is stopping
         self._owners: dict[str, tuple[str, str | None]] = {}  # conversation id -> (agent id, namespace)
         self._default_lock = asyncio.Lock()  # creating a namespace's default conversation
+        self.frame_limits = FrameLimits.from_max_messages(int(server.config.limits.max_messages))
 
     async def __call__(self, websocket: WebSocket) -> None:
         limits = self.server.config.limits
@@ -166,7 +201,7 @@ class Endpoint:
             text = message.get("text")
             request_id = None
             try:
-                frame = parse_client_frame(text)
+                frame = parse_client_frame(text, self.frame_limits)
                 request_id = frame.request_id
                 await self.dispatch(websocket, conn, frame)
             except FrameError as exc:
@@ -481,7 +516,15 @@ def _view(conv: ConversationRecord) -> dict[str, Any]:
     return d
 
 
+_REQUEST_ID = re.compile(r'"request_id"\s*:\s*"([^"\\]{0,256})"')
+
+
 def _peek_request_id(text: str) -> str | None:
+    """The `request_id` of a refused frame, for the error frame. A big frame (refused for its
+    size or shape) is not parsed again: a look for the field is enough."""
+    if len(text) > BUDGET_FROM_CHARS:
+        m = _REQUEST_ID.search(text)
+        return m.group(1) if m else None
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError):

@@ -1,0 +1,241 @@
+"""Breaks an outside tester found on /v1, through a real `appserver serve` with the real `openai`
+SDK (and httpx for bodies the SDK would not send). Every body is validated against OpenAI's
+OpenAPI document.
+
+Agents: `assistant` on echo; `remote` on a loopback fake OpenAI upstream that answers `fine`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
+from tests.fakes.openai_upstream import (
+    FakeOpenAI,
+    RecordedRequest,
+    Reply,
+    chunk,
+    openai_sse,
+    tool_delta,
+    usage_chunk,
+)
+from tests.openai_schema import require_conformance, validate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def fine(req: RecordedRequest) -> Reply:
+    return Reply(pieces=[openai_sse([chunk(role="assistant", content="fine"), chunk(finish_reason="stop"), usage_chunk(5, 1)])])
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, FakeOpenAI]]:
+    require_conformance()
+    with FakeOpenAI() as fake:
+        fake.responder = fine
+        home = tmp_path_factory.mktemp("adversarial") / "home"
+        home.mkdir()
+        (home / "config.toml").write_text(f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n')
+        env = cli_env(home)
+        assert run_cli(home, "agents", "list", env=env).code == 0  # creates `assistant`
+        assert run_cli(home, "agents", "create", "--name", "remote", "--model", "fake:m", "--json", env=env).code == 0
+        sp = start_serve(home, env=env)
+        try:
+            yield sp, fake
+        finally:
+            sp.stop()
+
+
+@pytest.fixture
+def client(srv: tuple[ServeProcess, FakeOpenAI]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv[0].url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def http(srv: tuple[ServeProcess, FakeOpenAI]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=srv[0].url, timeout=30) as c:
+        yield c
+
+
+def conversations(srv: tuple[ServeProcess, FakeOpenAI]) -> int:
+    with sqlite3.connect(f"file:{Path(srv[0].home) / 'appserver.db'}?mode=ro", uri=True) as c:
+        return int(c.execute("SELECT COUNT(*) FROM conversations").fetchone()[0])
+
+
+def call(cid: str, name: str = "f") -> dict[str, Any]:
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+
+# ---------------------------------------------------------------- a round of calls answered in parts
+
+
+def test_a_stateless_client_answering_a_round_in_parts_resends_the_earlier_answers(http: httpx.Client) -> None:
+    """The client answers one of two calls, is told the other is still open, then resends the whole
+    history with both results (as stateless clients do): the repeated answer is history, not a
+    second answer (was: 400 already_resolved)."""
+    u = uuid.uuid4().hex
+    msgs: list[Any] = [{"role": "user", "content": f"two calls {u}"}, {"role": "assistant", "content": None, "tool_calls": [call("c1"), call("c2")]}, {"role": "tool", "tool_call_id": "c1", "content": "r1"}]
+    part = http.post("/v1/chat/completions", json={"model": "assistant", "messages": msgs})
+    assert part.status_code == 200, part.text
+    validate("CreateChatCompletionResponse", part.json())
+    choice = part.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and [c["id"] for c in choice["message"]["tool_calls"]] == ["c2"]
+    full = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [*msgs, {"role": "tool", "tool_call_id": "c2", "content": "r2"}]})
+    assert full.status_code == 200, full.text
+    assert full.json()["choices"][0]["message"]["content"] == "f -> r1\nf -> r2"
+    assert full.headers["x-conversation-id"] == part.headers["x-conversation-id"]
+    # the first request again (a retry): nothing new, still waiting for c2 — now answered, so it forks
+    again = http.post("/v1/chat/completions", json={"model": "assistant", "messages": msgs})
+    assert again.status_code == 200 and again.json()["choices"][0]["message"]["tool_calls"][0]["id"] == "c2"
+
+    # Responses: the partial answer must show what is still open (was: `completed` with no output)
+    items: list[Any] = [
+        {"role": "user", "content": f"two calls {u} r"},
+        {"type": "function_call", "call_id": "k1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "k2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "k1", "output": "r1"},
+    ]
+    part = http.post("/v1/responses", json={"model": "assistant", "input": items})
+    assert part.status_code == 200, part.text
+    validate("Response", part.json())
+    assert [(o["type"], o.get("call_id")) for o in part.json()["output"]] == [("function_call", "k2")]
+    full = http.post("/v1/responses", json={"model": "assistant", "input": [*items, {"type": "function_call_output", "call_id": "k2", "output": "r2"}]})
+    assert full.status_code == 200, full.text
+    validate("Response", full.json())
+    assert full.json()["output"][-1]["content"][0]["text"] == "f -> r1\nf -> r2"
+
+
+def test_a_repeated_answer_through_previous_response_id_is_not_an_error(client: openai.OpenAI) -> None:
+    items: list[Any] = [
+        {"role": "user", "content": f"prev {uuid.uuid4().hex}"},
+        {"type": "function_call", "call_id": "p1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "p2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "p1", "output": "r1"},
+    ]
+    first = client.responses.create(model="assistant", input=items)
+    assert [o.type for o in first.output] == ["function_call"]
+    done = client.responses.create(model="assistant", previous_response_id=first.id, input=[{"type": "function_call_output", "call_id": "p1", "output": "r1"}, {"type": "function_call_output", "call_id": "p2", "output": "r2"}])
+    assert done.output_text == "f -> r1\nf -> r2"
+
+
+# ---------------------------------------------------------------- histories the server cannot keep
+
+
+def test_duplicate_tool_call_ids_are_a_400_and_write_nothing(http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+    before = conversations(srv)
+    msgs = [{"role": "user", "content": f"dup {uuid.uuid4().hex}"}, {"role": "assistant", "content": None, "tool_calls": [call("d1", "f"), call("d1", "g")]}, {"role": "tool", "tool_call_id": "d1", "content": "r"}]
+    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": msgs})
+    assert r.status_code == 400, r.text  # was: 500 and a conversation left behind
+    validate("ErrorResponse", r.json())
+    assert r.json()["error"]["code"] == "duplicate_tool_call_id" and r.json()["error"]["param"] == "messages"
+    items = [
+        {"role": "user", "content": "dup"},
+        {"type": "function_call", "call_id": "d1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "d1", "name": "g", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "d1", "output": "r"},
+    ]
+    r = http.post("/v1/responses", json={"model": "assistant", "input": items})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert conversations(srv) == before
+
+
+def test_images_where_only_users_may_send_them_are_refused_not_dropped(http: httpx.Client) -> None:
+    img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for msgs in (
+        [{"role": "system", "content": [{"type": "text", "text": "s"}, img]}, {"role": "user", "content": "x"}],
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call("i1")]}, {"role": "tool", "tool_call_id": "i1", "content": [img]}],
+    ):
+        r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": msgs})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_part", r.text
+        validate("ErrorResponse", r.json())
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    for body in (
+        {"input": [{"role": "developer", "content": [image]}, {"role": "user", "content": "x"}]},
+        {"input": "x", "instructions": [{"role": "system", "content": [image]}]},
+    ):
+        r = http.post("/v1/responses", json={"model": "assistant", **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_part", r.text
+
+
+def test_a_conversation_object_without_an_id_is_refused_not_ignored(http: httpx.Client) -> None:
+    r = http.post("/v1/responses", json={"model": "assistant", "input": "x", "conversation": {"idd": "conv_x"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "conversation", r.text  # was: a new conversation
+    validate("ErrorResponse", r.json())
+
+
+# ---------------------------------------------------------------- idempotency: the same JSON
+
+
+def test_an_idempotency_key_replays_the_same_json_whatever_its_number_spelling(http: httpx.Client) -> None:
+    key = uuid.uuid4().hex
+    h = {"Idempotency-Key": key, "content-type": "application/json"}
+    first = http.post("/v1/chat/completions", content='{"model":"assistant","temperature":1.0,"max_tokens":100,"messages":[{"role":"user","content":"n"}]}', headers=h)
+    assert first.status_code == 200
+    # the same JSON from a serialiser that writes integers without ".0" (JavaScript, a proxy)
+    again = http.post("/v1/chat/completions", content='{"messages":[{"content":"n","role":"user"}],"max_tokens":1e2,"temperature":1,"model":"assistant"}', headers=h)
+    assert again.status_code == 200, again.text  # was: 409 idempotency_key_reused
+    assert again.headers.get("idempotent-replayed") == "true" and again.text == first.text
+    other = http.post("/v1/chat/completions", content='{"model":"assistant","temperature":1.5,"max_tokens":100,"messages":[{"role":"user","content":"n"}]}', headers=h)
+    assert other.status_code == 409
+
+
+# ---------------------------------------------------------------- client tools and the agent's own
+
+
+def test_client_tool_names_are_unique_and_shadow_the_agents_own(http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+    fake = srv[1]
+    fake.requests.clear()
+    mine = {"type": "function", "function": {"name": "clock", "description": "the client's clock", "parameters": {"type": "object", "properties": {}}}}
+    r = http.post("/v1/chat/completions", json={"model": "remote", "messages": [{"role": "user", "content": "time?"}], "tools": [mine]})
+    assert r.status_code == 200, r.text
+    sent = [t["function"] for t in fake.requests[-1].json["tools"]]
+    assert [t["name"] for t in sent].count("clock") == 1, sent  # was: two tools named clock upstream
+    assert next(t for t in sent if t["name"] == "clock")["description"] == "the client's clock"
+    for path, tools in (("/v1/chat/completions", [mine, mine]), ("/v1/responses", [{"type": "function", "name": "a"}, {"type": "function", "name": "a"}])):
+        body: dict[str, Any] = {"model": "remote", "tools": tools}
+        body["messages" if "chat" in path else "input"] = [{"role": "user", "content": "x"}]
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_function_name", r.text
+        validate("ErrorResponse", json.loads(r.text))
+
+
+# ---------------------------------------------------------------- upstream call ids
+
+
+def test_an_upstream_that_numbers_its_calls_per_reply_keeps_working(http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+    """llama.cpp-style upstreams name every first call `call_0`: the second client-tool turn of a
+    conversation was a 500 (UNIQUE constraint failed: pending_calls…) and left the turn stuck."""
+    fake = srv[1]
+
+    def numbered(req: RecordedRequest) -> Reply:
+        if req.json["messages"][-1]["role"] == "tool":
+            return fine(req)
+        return Reply(pieces=[openai_sse([chunk(role="assistant", tool_calls=[tool_delta(0, id="call_0", name="get_weather", arguments="{}")]), chunk(finish_reason="tool_calls"), usage_chunk(1, 1)])])
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    h = {"X-Conversation-Id": f"numbered-{uuid.uuid4().hex}"}
+    fake.responder = numbered
+    try:
+        ids = []
+        for i in range(2):
+            msgs: list[Any] = [{"role": "user", "content": f"q{i}"}]
+            r = http.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, "tools": [tool]}, headers=h)
+            assert r.status_code == 200, r.text
+            validate("CreateChatCompletionResponse", r.json())
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+            ids.append(calls[0]["id"])
+            msgs += [r.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sun"}]
+            r = http.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, "tools": [tool]}, headers=h)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "fine", r.text
+        assert ids[0] == "call_0" and ids[1] != "call_0"
+    finally:
+        fake.responder = fine

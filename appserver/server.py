@@ -1,4 +1,6 @@
-"""The `Server` object: owns the config, the store, providers, tools and the kernel. Passed down, never global."""
+"""The `Server` object: owns the config, the store, providers, tools, the kernel and the readiness
+checks. Passed down, never global. The services `serve` runs around it (hub, metrics, cron) are
+typed fields of `appserver.services.Services`, not entries in a bag on the Server."""
 
 from __future__ import annotations
 
@@ -6,14 +8,14 @@ import logging
 from pathlib import Path
 
 from appserver.agent.loop import AgentLoop
-from appserver.agent.schedule_tool import SCHEDULE
+from appserver.agent.schedule_tool import schedule_tool
 from appserver.agent.tools import ToolRegistry, builtin_tools
-from appserver.agents import Agents
+from appserver.agent_admin import Agents
 from appserver.config import Config
 from appserver.fsutil import set_aside_files, tighten_home
 from appserver.providers.registry import ProviderRegistry
 from appserver.readiness import CheckResult, Readiness
-from appserver.runtime.kernel import Kernel
+from appserver.runtime import Kernel
 from appserver.store.sqlite import SQLiteStore
 
 log = logging.getLogger("appserver")
@@ -26,9 +28,8 @@ class Server:
         self.config = config
         self.store = SQLiteStore(config.db_path)
         self.providers = ProviderRegistry(config)
-        self.tools = ToolRegistry([*builtin_tools(), SCHEDULE])
-        self.services: dict[str, object] = {"store": self.store}  # tools read it (schedule: namespaces)
-        self.agent_loop = AgentLoop(config, self.providers, self.tools, self.services)
+        self.tools = ToolRegistry([*builtin_tools(), schedule_tool(self.store)])
+        self.agent_loop = AgentLoop(config, self.providers, self.tools)
         self.kernel = Kernel(config, self.store, self.agent_loop)
         self.agents = Agents(self.kernel)
         self.readiness = Readiness()
@@ -71,7 +72,7 @@ class Server:
         return CheckResult("ok", await self.store.check_writable(self.config.limits.min_free_disk_bytes))
 
     async def _check_kernel(self) -> CheckResult:
-        return CheckResult("fail", "stopping") if self.kernel._stopping else CheckResult("ok")
+        return CheckResult("fail", "stopping") if self.kernel.stopping else CheckResult("ok")
 
     async def _check_state_files(self) -> CheckResult:
         found = set_aside_files(self.config.home)

@@ -32,7 +32,8 @@ from starlette.routing import Route
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import cli_env, run_cli, start_serve  # noqa: E402
+from tests.support.cli import cli_env, run_cli  # noqa: E402
+from tests.support.serve import start_serve  # noqa: E402
 
 WORDS = ["Hello", " from", " the", " fake", " upstream", "."]
 

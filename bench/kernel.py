@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from appserver.config import load_config  # noqa: E402
 from appserver.providers.base import ChatMessage, ProviderRequest  # noqa: E402
 from appserver.providers.echo import EchoProvider  # noqa: E402
-from appserver.runtime.kernel import SubmitRequest  # noqa: E402
+from appserver.runtime import SubmitRequest  # noqa: E402
 from appserver.server import Server  # noqa: E402
 
 

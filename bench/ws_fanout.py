@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 import websockets  # noqa: E402
 
-from tests.conftest import cli_env, start_serve  # noqa: E402
+from tests.support.cli import cli_env  # noqa: E402
+from tests.support.serve import start_serve  # noqa: E402
 
 
 def rss_kib(pid: int) -> int:

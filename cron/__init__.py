@@ -1,2 +1,3 @@
-"""Cron: crons.json store and lease (store, lease), schedules (schedule), the scheduler
-(scheduler), firing glue for the kernel (runner, envelope) and the run log (runlog)."""
+"""Cron, the clock front end: crons.json store and lease (store, lease), schedules (schedule), the
+scheduler (scheduler), firing glue (runner, envelope), the run log (runlog), the one adapter to the
+kernel (adapter) and the service inside `serve` (service). Cron never imports another front end."""

@@ -1,9 +1,9 @@
 """Firing glue shared by the scheduler and `appserver cron run`: claim, envelope, run log, outcome.
 
-The kernel is injected, never imported: the lead wires one `submit(CronSubmission) -> turn id`
-callable (a kernel `submit` of a `cron_prompt` turn) and, optionally, an `await_outcome(turn id)`
-that waits for the turn to end. Everything else — the occurrence claim in crons.json, the
-envelope text, the run-log records — is done here.
+The kernel is injected, never imported: callers pass `fire(task, occurrence) -> turn id` and,
+optionally, `await_outcome(turn id)` (in the server both are `cron.adapter.KernelAdapter`'s). What
+a fire submits is one typed `CronSubmission`. Everything else — the occurrence claim in crons.json,
+the envelope text, the run-log records — is done here.
 """
 
 from __future__ import annotations
@@ -38,8 +38,26 @@ class CronSubmission:
     task_id: str
     task_name: str
     occurrence: Occurrence
+    # Reserved: the channel target (channel:account:chat) the reply is meant for. Carried in the
+    # turn's source for the gateway, which will deliver it; nothing delivers it yet.
     deliver: str | None
     kind: str = "cron_prompt"
+
+    @classmethod
+    def of(
+        cls, task: CronTask, occurrence: Occurrence, agent_name: str | None = None
+    ) -> CronSubmission:
+        """The submission of `occurrence` of `task`; `agent_name` lets the envelope name the agent
+        the way its users do (None: the id is shown)."""
+        return cls(
+            agent=task.agent,
+            conversation=task.conversation,
+            input_text=build_envelope(task, occurrence, agent_name),
+            task_id=task.id,
+            task_name=task.name,
+            occurrence=occurrence,
+            deliver=task.deliver,
+        )
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -48,6 +66,16 @@ class CronSubmission:
             "cron_task_name": self.task_name,
             **self.occurrence.to_dict(),
         }
+
+    @property
+    def source(self) -> dict[str, Any]:
+        """The turn's `source`: kind, the reserved delivery target and the occurrence."""
+        return {"kind": self.kind, "deliver": self.deliver, **self.metadata}
+
+    @property
+    def idempotency_key(self) -> str:
+        """One occurrence is one turn, even if the submit is retried."""
+        return f"cron:{self.task_id}:{self.occurrence.number}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,35 +88,8 @@ class TurnOutcome:
 
 
 FireFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
-SubmitFn = Callable[[CronSubmission], Awaitable[str | None]]
 AwaitOutcomeFn = Callable[[str], Awaitable[TurnOutcome]]
-AgentNameFn = Callable[[str], Awaitable[str | None]]
 Clock = Callable[[], datetime]
-
-
-def make_submission(
-    task: CronTask, occurrence: Occurrence, agent_name: str | None = None
-) -> CronSubmission:
-    return CronSubmission(
-        agent=task.agent,
-        conversation=task.conversation,
-        input_text=build_envelope(task, occurrence, agent_name),
-        task_id=task.id,
-        task_name=task.name,
-        occurrence=occurrence,
-        deliver=task.deliver,
-    )
-
-
-def make_fire(submit: SubmitFn, agent_name: AgentNameFn | None = None) -> FireFn:
-    """Adapt a kernel submit into the scheduler's `fire(task, occurrence) -> turn id`;
-    `agent_name(agent id)` lets the envelope name the agent the way its users do."""
-
-    async def fire(task: CronTask, occurrence: Occurrence) -> str | None:
-        name = await agent_name(task.agent) if agent_name is not None else None
-        return await submit(make_submission(task, occurrence, name))
-
-    return fire
 
 
 def record_outcome(
@@ -221,25 +222,19 @@ async def run_task_now(
     home: Path | CronStore,
     ref: str,
     *,
-    fire: FireFn | None = None,
-    submit: SubmitFn | None = None,
-    agent_name: AgentNameFn | None = None,
+    fire: FireFn,
     agent: str | None = None,
     clock: Clock = utcnow,
     await_outcome: AwaitOutcomeFn | None = None,
     fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
     outcome_timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
 ) -> RunNowResult:
-    """`appserver cron run N` in-process: claim, build the envelope, submit, and (when
-    `await_outcome` is given) wait for the turn and log its outcome. Pass `submit` (kernel) or a
-    ready `fire`."""
-    if (fire is None) == (submit is None):
-        raise TypeError("pass exactly one of fire= or submit=")
-    fire_fn = fire if fire is not None else make_fire(submit, agent_name)  # type: ignore[arg-type]
+    """`appserver cron run N` in-process: claim, fire (envelope and submit), and (when
+    `await_outcome` is given) wait for the turn and log its outcome."""
     store = home if isinstance(home, CronStore) else CronStore(home)
     task, occ = await asyncio.to_thread(claim_manual, store, ref, agent=agent, now=clock())
     turn_id = await submit_claimed(
-        store, task, occ, fire_fn, fire_timeout_s=fire_timeout_s, clock=clock
+        store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock
     )
     outcome = None
     if turn_id is not None and await_outcome is not None:

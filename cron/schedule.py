@@ -160,7 +160,9 @@ def parse_at(text: str, tz: str) -> datetime:
             return naive.astimezone(UTC)
         return wall_to_instants(naive, get_zone(tz), both_passes=False)[0]
     except OverflowError:
-        raise ScheduleError(f"invalid time {text!r}: outside the dates a schedule can use") from None
+        raise ScheduleError(
+            f"invalid time {text!r}: outside the dates a schedule can use"
+        ) from None
 
 
 # ---------------------------------------------------------------- wall time → instants

@@ -32,7 +32,6 @@ from cron.runner import (
     FireFn,
     RunNowResult,
     TurnOutcome,
-    record_outcome,
     run_task_now,
     submit_claimed,
     watch_outcome,
@@ -53,7 +52,9 @@ RUN_ALL_CAP = 10  # run_all fires at most this many catch-up runs per task per t
 MAX_ENUMERATE = 1000  # missed occurrences listed one by one before the rest are summarised
 CATCH_UP_AFTER_S = 2.0  # a run this late past its due time fires after downtime: "catch-up"
 WATCH_S = 0.25  # how often the sleeping scheduler looks whether crons.json changed
-MIN_TICK_GAP_S = 0.5  # due-time ticks are at least this far apart (each that fires saves crons.json)
+MIN_TICK_GAP_S = (
+    0.5  # due-time ticks are at least this far apart (each that fires saves crons.json)
+)
 PROBLEM_LOG_EVERY_S = 60.0  # a lasting problem (corrupt crons.json, …) is logged this often
 
 
@@ -138,8 +139,7 @@ class Scheduler:
     """Fires due cron tasks through an injected `fire(task, occurrence) -> turn id | None`.
 
     `clock` returns an aware datetime (faked in tests). `await_outcome(turn_id)`, when given, waits
-    for a fired turn to end; its result goes to the run log. The kernel may instead push outcomes
-    with `record_outcome`.
+    for a fired turn to end; its result goes to the run log.
     """
 
     def __init__(
@@ -396,12 +396,6 @@ class Scheduler:
         self._watchers.add(t)
         t.add_done_callback(self._watchers.discard)
 
-    def record_outcome(
-        self, task_id: str, occurrence: int, turn_id: str | None, outcome: TurnOutcome
-    ) -> None:
-        """Push-style outcome hook for a kernel that reports turn ends itself."""
-        record_outcome(self.store, task_id, occurrence, turn_id, outcome, now=self.clock())
-
     async def wait_outcomes(self, timeout_s: float) -> None:
         """Wait (bounded) for outcome watchers; used by tests and a graceful stop."""
         if self._watchers:
@@ -491,7 +485,8 @@ class Scheduler:
                 return
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Tick until `stop` is set; then release the lease and stop outcome watchers."""
+        """Tick until `stop` is set; then close (release the lease, stop outcome watchers): the
+        loop's owner does not close it again."""
         try:
             while not stop.is_set():
                 try:

@@ -1,4 +1,5 @@
-"""Cron ↔ kernel: firing is a kernel `submit` of a `cron_prompt` turn; outcomes come from its snapshot."""
+"""The cron service inside `serve`: the scheduler loop, "run now" for the server's clients, and the
+outcomes a previous server left unrecorded. It reaches the kernel only through `cron.adapter`."""
 
 from __future__ import annotations
 
@@ -6,71 +7,18 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from appserver.procid import identity_alive
-from appserver.runtime.kernel import SubmitRequest
+from appserver.readiness import CheckResult
 from appserver.server import Server
-from cron.runner import (
-    AgentNameFn,
-    AwaitOutcomeFn,
-    CronSubmission,
-    RunNowResult,
-    SubmitFn,
-    TurnOutcome,
-    make_fire,
-    record_outcome,
-)
+from cron.adapter import KernelAdapter
+from cron.runner import RunNowResult, TurnOutcome, record_outcome
 from cron.scheduler import Scheduler
 
 log = logging.getLogger("appserver.cron")
 
 
-def kernel_submit(server: Server) -> SubmitFn:
-    async def submit(sub: CronSubmission) -> str | None:
-        source: dict[str, Any] = {"kind": sub.kind, "deliver": sub.deliver, **sub.metadata}
-        submission = await server.kernel.submit(
-            SubmitRequest(
-                agent=sub.agent,
-                input=sub.input_text,
-                conversation=sub.conversation,
-                source=source,
-                # one occurrence is one turn, even if the submit is retried
-                idempotency_key=f"cron:{sub.task_id}:{sub.occurrence.number}",
-            )
-        )
-        return submission.turn_id
-
-    return submit
-
-
-def kernel_await_outcome(server: Server) -> AwaitOutcomeFn:
-    async def wait(turn_id: str) -> TurnOutcome:
-        turn = await server.store.get_turn(turn_id)
-        if turn is None:
-            return TurnOutcome("unknown", f"turn {turn_id} not found")
-        snap = await (await server.kernel.handle_for(turn)).wait_settled()
-        error = (snap.error or {}).get("message") if snap.status != "completed" else None
-        return TurnOutcome(
-            snap.status,
-            error,
-            {"stop_reason": snap.stop_reason, "conversation_id": snap.conversation_id},
-        )
-
-    return wait
-
-
-def kernel_agent_name(server: Server) -> AgentNameFn:
-    """The agent's name for the envelope (None when the agent is gone: the id is shown)."""
-
-    async def name(agent_id: str) -> str | None:
-        agent = await server.store.get_agent(agent_id)
-        return None if agent is None else agent.name
-
-    return name
-
-
-SERVICE_KEY = "cron"  # server.services[SERVICE_KEY] while `serve` runs
+READINESS_CHECK = "cron"  # its name in /readyz while `serve` runs the service
 
 
 class CronService:
@@ -79,11 +27,8 @@ class CronService:
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.scheduler = Scheduler.from_config(
-            server.config,
-            fire=make_fire(kernel_submit(server), kernel_agent_name(server)),
-            await_outcome=kernel_await_outcome(server),
-        )
+        adapter = KernelAdapter(server.kernel, server.store)
+        self.scheduler = Scheduler.from_config(server.config, fire=adapter.fire, await_outcome=adapter.outcome)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[int] | None = None
@@ -97,6 +42,12 @@ class CronService:
         """One line saying why cron cannot do its job (a crons.json set aside as corrupt and not
         yet dealt with, a tick that keeps failing), or None. Cheap and synchronous: for /readyz."""
         return self.scheduler.problem()
+
+    async def readiness(self) -> CheckResult:
+        """The `cron` check of /readyz: a problem warns (the server still serves; the operator
+        has something to look at), it never makes the server unready."""
+        problem = self.problem()
+        return CheckResult("warn", problem) if problem else CheckResult("ok")
 
     def start_recovery(self) -> None:
         self._recovery = asyncio.get_running_loop().create_task(
@@ -137,30 +88,34 @@ class CronService:
         return await self.scheduler.run_now(ref, agent=agent)
 
     async def stop(self) -> None:
+        """Stop the loop, which closes the scheduler as it ends (lease released, outcome watchers
+        cancelled); when the loop never ran, close the scheduler here: either way, once."""
         self._stop.set()
         if self._recovery is not None and not self._recovery.done():
             self._recovery.cancel()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(self._task, 10)
-            except (TimeoutError, asyncio.CancelledError):
-                self._task.cancel()
-            except Exception:
-                log.exception("cron scheduler stopped with an error")
-        await self.scheduler.close()
+        if self._task is None:
+            await self.scheduler.close()
+            return
+        try:
+            await asyncio.wait_for(self._task, 10)  # on timeout the loop is cancelled and closes
+        except (TimeoutError, asyncio.CancelledError):
+            self._task.cancel()
+        except Exception:
+            log.exception("cron scheduler stopped with an error")
 
 
 @asynccontextmanager
-async def cron_background(server: Server) -> AsyncIterator[None]:
+async def cron_background(service: CronService) -> AsyncIterator[None]:
     """The scheduler as a background service of `serve` (its loop is off with
-    APPSERVER_DISABLE_CRON=1; "run now" through the server works either way)."""
-    service = CronService(server)
-    server.services[SERVICE_KEY] = service
+    APPSERVER_DISABLE_CRON=1; "run now" through the server works either way). While it runs,
+    `/readyz` lists its `cron` check."""
+    server = service.server
+    server.readiness.register(READINESS_CHECK, service.readiness)
     service.start_recovery()  # this process owns the home's turns, scheduler or not
     if server.config.cron.enabled:
         service.start()
     try:
         yield
     finally:
-        server.services.pop(SERVICE_KEY, None)
+        server.readiness.unregister(READINESS_CHECK)
         await service.stop()

@@ -148,7 +148,10 @@ class CronTask:
     misfire: str = "skip"  # skip | run_once | run_all
     max_lateness_s: float = DEFAULT_MAX_LATENESS_S
     exact: bool = False
-    deliver: str | None = None  # channel:account:chat
+    # Reserved for the gateway: the channel target (channel:account:chat) a run's reply is meant
+    # for. Stored, shown, named in the envelope and passed in the turn's source; nothing delivers
+    # it yet.
+    deliver: str | None = None
     enabled: bool = True
     next_fire_at: datetime | None = None
     next_due_at: datetime | None = None

@@ -12,64 +12,56 @@ the protocol, so create it first:
 
     appserver agents create --name careful --tool clock=ask
 
-Only needs the `websockets` package.
+It uses `appserver.client`, the protocol client package: it imports nothing of the server (only the
+`websockets` package), matches replies to requests and sends the token in a header.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 
-import websockets
+from appserver.client import TERMINAL, ProtocolClient, ProtocolError
 
 
 async def main(url: str, agent: str, text: str, approve: bool, token: str | None) -> int:
-    ws_url = url.replace("https://", "wss://").replace("http://", "ws://").rstrip("/") + "/ws"
-    async with websockets.connect(ws_url) as ws:
-
-        async def send(frame: dict) -> None:
-            await ws.send(json.dumps(frame))
-
-        async def reply(request_id: str) -> dict:
-            while True:  # frames before the reply are not expected here (nothing subscribed yet)
-                frame = json.loads(await ws.recv())
-                if frame.get("request_id") == request_id:
-                    if frame["type"] == "error" and frame["code"] == "agent_not_found":
-                        raise SystemExit(f"error {frame['code']}: {frame['message']}\ncreate it first, e.g.: appserver agents create --name {agent} --tool clock=ask")
-                    if frame["type"] == "error":
-                        raise SystemExit(f"error {frame['code']}: {frame['message']}")
-                    return frame
-
-        await send({"type": "hello", "protocol": 1, "client": "example", "token": token, "request_id": "h"})
-        welcome = await reply("h")
-        print("welcome", welcome["connection_id"])
-
-        await send({"type": "subscribe", "conversation": "default", "agent": agent, "request_id": "s"})
-        state = await reply("s")
+    async with await ProtocolClient.connect(url, token=token, client="example") as client:
+        print("welcome", client.welcome["connection_id"])
+        try:
+            state = await client.request({"type": "subscribe", "conversation": "default", "agent": agent})
+        except ProtocolError as exc:
+            hint = (
+                f"\ncreate it first, e.g.: appserver agents create --name {agent} --tool clock=ask"
+                if exc.code == "agent_not_found"
+                else ""
+            )
+            raise SystemExit(f"error {exc.code}: {exc.message}{hint}") from None
         conversation = state["conversation"]["id"]
         print("subscribed", conversation, "state", state["state"])
 
-        await send({"type": "submit_input", "agent": agent, "conversation": conversation, "input": text, "request_id": "i"})
-        turn_id = None
-        async for raw in ws:
-            frame = json.loads(raw)
+        ack = await client.submit(agent, text, conversation)
+        turn_id = ack["turn_id"]
+        print("turn", turn_id, "queue position", ack["queue_position"])
+        async for frame in client.frames():
             kind = frame["type"]
-            if kind == "ack" and frame.get("request_id") == "i":
-                turn_id = frame["turn_id"]
-                print("turn", turn_id, "queue position", frame["queue_position"])
-            elif kind == "turn_updated":
+            if kind == "turn_updated":
                 snap = frame["snapshot"]
                 text_now = "".join(b["text"] for b in snap["blocks"] if b["type"] == "text")
                 print(f"  rev {snap['revision']:>3} {snap['status']:<9} {snap['phase']:<10} {text_now[-60:]!r}")
-                if snap["turn_id"] == turn_id and snap["status"] in ("completed", "cancelled", "failed"):
+                if snap["turn_id"] == turn_id and snap["status"] in TERMINAL:
                     print(f"{snap['status']}: {text_now}")
                     return 0 if snap["status"] == "completed" else 1
             elif kind == "approval_request":
                 print("approval_request", frame["name"], frame["arguments"])
                 decision = "approve" if approve else "deny"
-                await send({"type": "approval_response", "conversation": frame["conversation_id"], "decisions": [{"call_id": frame["call_id"], "decision": decision, "reason": "example client"}]})
+                await client.send(
+                    {
+                        "type": "approval_response",
+                        "conversation": frame["conversation_id"],
+                        "decisions": [{"call_id": frame["call_id"], "decision": decision, "reason": "example client"}],
+                    }
+                )
             elif kind == "error":
                 print("error", frame["code"], frame["message"])
     return 1

@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 
-from appserver.ws.client import ProtocolClient
-from tests.conftest import ROOT, ServeProcess, cli_env, run_cli, start_serve
+from appserver.client import ProtocolClient
+from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.serve import ServeProcess, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,11 +154,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
     home = tmp_path_factory.mktemp("chat") / "home"
     env = cli_env(home)
     assert run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=env).code == 0
-    sp = start_serve(home, env=env)
-    try:
+    with serving(home, env=env) as sp:
         yield home, env, sp
-    finally:
-        sp.stop()
 
 
 async def answer_elsewhere(url: str, conv: str) -> tuple[str, dict[str, Any]]:

@@ -12,27 +12,19 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
 
 from appserver.serverinfo import read_live_server
-from tests.conftest import ROOT, ServeProcess, cli_env, start_serve
+from tests.support.cli import ROOT, cli_env
+from tests.support.serve import ServeProcess, start_serve
+from tests.support.wait import wait_for
 from tests.test_chat_terminal import Pty
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def running_turn_with_draft(home: Path, draft: bool = True) -> bool:
@@ -174,7 +166,7 @@ def test_chat_reconnects_to_the_standby_after_a_clean_stop(pair: tuple[Path, dic
     ],
 )
 def test_a_turn_that_ended_while_disconnected_is_reported_as_stored(messages: list[dict[str, Any]], status: str, kind: str | None, text: str) -> None:
-    from appserver.ws.client import settled_from_history
+    from appserver.client import settled_from_history
 
     others = [{"role": "user", "content": "earlier", "turn_id": "turn_0"}]
     snap = settled_from_history("turn_1", "conv_1", "agt_1", others + [{**m, "turn_id": "turn_1"} for m in messages], 5)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, cli_env, start_serve
+from tests.support.cli import ROOT, cli_env
+from tests.support.net import free_port
+from tests.support.serve import start_serve
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_make_serve_takes_listen(tmp_path: Path) -> None:

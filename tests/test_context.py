@@ -14,7 +14,7 @@ from appserver.agent.context import (
     to_chat_message,
 )
 from appserver.config import load_config
-from appserver.runtime.kernel import SubmitRequest
+from appserver.runtime import SubmitRequest
 from appserver.server import Server
 from appserver.store.records import MessageRecord
 from tests.fakes.openai_upstream import FakeOpenAI, openai_error

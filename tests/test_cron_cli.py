@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from appserver.cli.cron import build_cron_group
+from appserver.cli.cron import ANY_AGENT, cron_group
 from cron.envelope import build_envelope
 from cron.schedule import ScheduleSpec
 from cron.store import CronStore, make_task
-from tests.conftest import run_cli
+from tests.support.cli import run_cli
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def cron(*args: str) -> tuple[int, str, str]:
-    res = CliRunner().invoke(build_cron_group(), list(args), catch_exceptions=False)
+    res = CliRunner().invoke(cron_group, list(args), obj=ANY_AGENT, catch_exceptions=False)
     return res.exit_code, res.stdout, res.stderr
 
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from tests.conftest import ROOT
+from tests.support.cli import ROOT
 
 README = ROOT / "examples" / "cron" / "README.md"
 

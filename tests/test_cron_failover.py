@@ -8,45 +8,23 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from appserver.procid import identity, process_start_ticks
 from appserver.serverinfo import HomeLock, claim_home, read_live_server, write_server_json
-from tests.conftest import ROOT, cli_env, run_cli
-from tests.wsutil import WS
+from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.net import free_port, listening
+from tests.support.wait import wait_for
+from tests.support.ws import WS
 
 TICK_S = 1.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class Serve:
@@ -249,7 +227,7 @@ def test_a_momentary_probe_never_turns_a_server_away(tmp_path: Path) -> None:
 def test_outcome_of_a_cron_turn_queued_at_kill9_is_recorded_by_the_next_server(home: Path) -> None:
     """Issue 14.4: the primary fires a cron turn that queues behind a long turn, then dies by
     kill -9; the next server runs the queued turn, and the run log gets its outcome."""
-    from tests.conftest import start_serve
+    from tests.support.serve import start_serve
 
     env = cli_env(home)
     first = start_serve(home, env=env)

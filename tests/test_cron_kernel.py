@@ -7,7 +7,8 @@ import signal
 import time
 from pathlib import Path
 
-from tests.conftest import cli_env, start_serve
+from tests.support.cli import cli_env
+from tests.support.serve import start_serve
 
 
 def test_cron_run_submits_a_cron_prompt_turn_and_logs_the_outcome(home: Path, cli) -> None:

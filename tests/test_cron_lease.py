@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from cron.lease import LeaseHolder, owner_alive, process_start
 from cron.store import CronStore, OwnerRecord
+from tests.support.wait import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -31,15 +31,6 @@ def owner(pid: int, proc_start: int | None, host: str | None = None) -> OwnerRec
 def put_owner(store: CronStore, rec: OwnerRecord | None) -> None:
     with store.transaction() as state:
         state.scheduler_owner = rec
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import cli_env, run_cli, start_serve
-from tests.wsutil import WS
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import start_serve
+from tests.support.ws import WS
 
 
 def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cron.runlog import read_runs
-from cron.runner import CronSubmission, TurnOutcome, make_fire, run_task_now
+from cron.runner import CronSubmission, TurnOutcome, run_task_now
 from cron.schedule import ScheduleSpec
 from cron.scheduler import Scheduler
 from cron.store import CronStore, CronTask, Occurrence, OwnerRecord, make_task
@@ -398,8 +398,8 @@ async def test_kill9_between_claim_and_submit_never_fires_again(store: CronStore
 async def test_outcome_is_recorded_after_the_fire(store: CronStore) -> None:
     submitted: list[CronSubmission] = []
 
-    async def submit(sub: CronSubmission) -> str:
-        submitted.append(sub)
+    async def fire(task: CronTask, occ: Occurrence) -> str:  # what KernelAdapter.fire submits
+        submitted.append(CronSubmission.of(task, occ))
         return "turn_1"
 
     async def await_outcome(turn_id: str) -> TurnOutcome:
@@ -409,7 +409,7 @@ async def test_outcome_is_recorded_after_the_fire(store: CronStore) -> None:
     t = add(store, "h", ScheduleSpec("every", "1h", "UTC"), T0, conversation="default")
     s = Scheduler(
         store,
-        fire=make_fire(submit),
+        fire=fire,
         clock=FakeClock(T0 + timedelta(hours=1)),
         await_outcome=await_outcome,
     )
@@ -425,12 +425,15 @@ async def test_outcome_is_recorded_after_the_fire(store: CronStore) -> None:
     assert "Scheduled for:" in sub.input_text and "Current time:" in sub.input_text
     assert "Timezone: UTC" in sub.input_text and sub.input_text.endswith("do h")
     assert sub.metadata["cron_task_id"] == t.id and sub.metadata["occurrence"] == 1
+    assert sub.idempotency_key == f"cron:{t.id}:1"  # one occurrence is one turn
+    assert sub.source == {"kind": "cron_prompt", "deliver": None, **sub.metadata}
 
 
 async def test_run_task_now_in_process_waits_for_outcome(store: CronStore) -> None:
     add(store, "r", ScheduleSpec("cron", "0 8 * * *", "Europe/Paris"), T0)
 
-    async def submit(sub: CronSubmission) -> str:
+    async def fire(task: CronTask, occ: Occurrence) -> str:
+        sub = CronSubmission.of(task, occ)
         assert "r" in sub.input_text and "Timezone: Europe/Paris" in sub.input_text
         return "turn_x"
 
@@ -438,7 +441,7 @@ async def test_run_task_now_in_process_waits_for_outcome(store: CronStore) -> No
         return TurnOutcome(status="failed", error="model down")
 
     res = await run_task_now(
-        store.home, "r", submit=submit, await_outcome=await_outcome, clock=lambda: T0
+        store.home, "r", fire=fire, await_outcome=await_outcome, clock=lambda: T0
     )
     assert res.turn_id == "turn_x" and res.outcome is not None and res.outcome.status == "failed"
     recs = read_runs(store.runs_dir, res.task.id)
@@ -469,3 +472,31 @@ async def test_minute_alignment() -> None:
         clock=lambda: datetime(2026, 1, 1, 8, 0, 45, tzinfo=UTC),
     )
     assert abs(s.seconds_to_next_tick() - 15) < 0.01
+
+
+async def test_service_stop_closes_the_scheduler_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12: the loop closes the scheduler as it ends; the service does not close it again,
+    and closes it itself only when the loop never ran."""
+    from appserver.config import load_config
+    from appserver.server import Server
+    from cron.service import CronService
+
+    closes: list[int] = []
+    real_close = Scheduler.close
+
+    async def counting_close(self: Scheduler, timeout_s: float = 5.0) -> None:
+        closes.append(1)
+        await real_close(self, timeout_s)
+
+    monkeypatch.setattr(Scheduler, "close", counting_close)
+    config = load_config(tmp_path / "home", environ={})
+    running = CronService(Server(config))
+    running.start()
+    await asyncio.sleep(0.05)
+    await running.stop()
+    assert len(closes) == 1
+    assert not running.scheduler.has_lease  # released on stop
+
+    idle = CronService(Server(config))  # the loop never started (APPSERVER_DISABLE_CRON=1)
+    await idle.stop()
+    assert len(closes) == 2

@@ -13,13 +13,15 @@ import filelock
 import pytest
 from click.testing import CliRunner
 
-from appserver.cli.cron import build_cron_group
+from appserver.cli.cron import ANY_AGENT, AgentDirectory, cron_group
 from appserver.fsutil import CorruptStateFile
 from cron.runlog import append_run, read_runs
 from cron.schedule import ScheduleSpec
 from cron.store import CronFileUnreadable, CronLockTimeout, CronStore, CronStoreError, make_task
 
 REPO = Path(__file__).resolve().parents[1]
+# the `cron` commands alone, any agent name accepted (no store needed)
+CRON_ALONE = "from appserver.cli.cron import ANY_AGENT, cron_group; cron_group(obj=ANY_AGENT)"
 
 
 @pytest.fixture
@@ -30,7 +32,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def cli(*args: str) -> tuple[int, str, str]:
-    res = CliRunner().invoke(build_cron_group(), list(args), catch_exceptions=False)
+    res = CliRunner().invoke(cron_group, list(args), obj=ANY_AGENT, catch_exceptions=False)
     return res.exit_code, res.stdout, res.stderr
 
 
@@ -47,7 +49,7 @@ def test_ten_concurrent_add_processes(home: Path) -> None:
     env = {**os.environ, "APPSERVER_HOME": str(home), "PYTHONPATH": str(REPO)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "cron.cli_entry", "add", "--name", f"job{i}", "--agent", "echo",
+            [sys.executable, "-c", CRON_ALONE, "add", "--name", f"job{i}", "--agent", "echo",
              "--every", f"{i + 1}m", "--prompt", f"prompt {i}"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
@@ -216,13 +218,13 @@ def test_validate_agent_hook(home: Path) -> None:
             raise LookupError(f"no agent named {agent!r}")
         return "agent_echo_id"
 
-    group = build_cron_group(validate_agent=validate)
+    agents = AgentDirectory(resolve=validate, names=ANY_AGENT.names)
     res = CliRunner().invoke(
-        group, ["add", "--name", "a", "--agent", "nope", "--every", "1h", "--prompt", "x"]
+        cron_group, ["add", "--name", "a", "--agent", "nope", "--every", "1h", "--prompt", "x"], obj=agents
     )
     assert res.exit_code == 1 and "no agent named 'nope'" in res.stderr
     res = CliRunner().invoke(
-        group, ["add", "--name", "a", "--agent", "echo", "--every", "1h", "--prompt", "x"]
+        cron_group, ["add", "--name", "a", "--agent", "echo", "--every", "1h", "--prompt", "x"], obj=agents
     )
     assert res.exit_code == 0
     assert CronStore(home).read().tasks[0].agent == "agent_echo_id"

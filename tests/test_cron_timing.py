@@ -10,7 +10,6 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,7 +17,9 @@ from cron.runlog import read_runs
 from cron.schedule import ScheduleSpec, jitter_fraction
 from cron.scheduler import Scheduler
 from cron.store import CronStore, CronTask, Occurrence, make_task
-from tests.conftest import run_cli, start_serve
+from tests.support.cli import run_cli
+from tests.support.serve import start_serve
+from tests.support.wait import wait_until
 
 MINUTE_TICK_S = 60.0
 
@@ -32,14 +33,6 @@ class Fired:
     async def __call__(self, task: CronTask, occ: Occurrence) -> str:
         self.calls.append((occ, datetime.now(UTC)))
         return f"turn_{occ.number}"
-
-
-async def wait_until(pred: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -142,7 +135,8 @@ def test_in_2s_fires_on_time_through_a_real_serve(home: Path) -> None:
         fired = [r for r in recs if r["event"] == "fired"]
         assert len(fired) == 1, recs
         fired_at = datetime.fromisoformat(fired[0]["fired_at"])
-        assert timedelta(0) <= fired_at - due < timedelta(seconds=1), (fired_at, due)
+        # Not a timing benchmark: a 60 s tick would fire at the next minute; a loaded CI still fires in seconds.
+        assert timedelta(0) <= fired_at - due < timedelta(seconds=5), (fired_at, due)
         assert [r["status"] for r in recs if r["event"] == "outcome"] == ["completed"]
         done = CronStore(home).read().get(task["id"])
         assert done is not None and done.state == "done" and done.occurrence == 1

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from appserver.providers.fasttransport import LeanTransport
-from tests.certs import self_signed
+from tests.support.certs import self_signed
 
 Reply = Callable[[bytes], list[bytes]]  # request body → what to write back, piece by piece
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, cli_env, run_cli
+from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.wait import eventually
 
 T = 10.0  # the longest any single wait in this file may take
 
@@ -134,15 +135,6 @@ def models(srv: Srv, **headers: str) -> httpx.Response:
     return httpx.get(srv.url + "/v1/models", headers=headers, timeout=T)
 
 
-def wait_until(check, timeout: float = T) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture(scope="module")
 def token_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Srv, str]]:
     """Token auth, short edge timeouts, 4 slots per client address."""
@@ -253,13 +245,13 @@ def test_stalled_bodies_time_out_and_free_the_client_slots(token_srv: tuple[Srv,
         )
         stalled.append(s)
     # All four slots of this address are taken by bodies that will never arrive.
-    assert wait_until(lambda: models(srv, **auth).status_code == 429, 3.0)
+    assert eventually(lambda: models(srv, **auth).status_code == 429, 3.0)
     for s in stalled:
         status, _, body = read_response(s)
         assert status == 408
         assert "body_timeout_s" in json.loads(body)["error"]["message"]
         s.close()
-    assert wait_until(lambda: models(srv, **auth).status_code == 200)
+    assert eventually(lambda: models(srv, **auth).status_code == 200, T)
 
 
 def test_a_trickled_body_is_cut_off_by_the_minimum_rate(token_srv: tuple[Srv, str]) -> None:
@@ -309,7 +301,7 @@ def test_connection_cap_answers_503_at_accept(tmp_path: Path) -> None:
         extra.close()
         for s in held:
             s.close()
-        assert wait_until(lambda: models(srv).status_code == 200)
+        assert eventually(lambda: models(srv).status_code == 200, T)
     finally:
         srv.stop()
     assert "connection limit 6 reached" in srv.log.read_text()
@@ -337,7 +329,7 @@ def test_accept_out_of_descriptors_logs_one_line_not_a_flood(tmp_path: Path) -> 
         for s in socks:
             s.close()
         socks.clear()
-        assert wait_until(lambda: models(srv).status_code == 200)  # and the server recovers
+        assert eventually(lambda: models(srv).status_code == 200, T)  # and the server recovers
     finally:
         for s in socks:
             s.close()
@@ -352,7 +344,7 @@ def test_x_forwarded_for_from_a_plain_client_does_not_escape_the_per_client_cap(
     try:
         held = [stalled_post(srv, "127.0.0.2"), stalled_post(srv, "127.0.0.3")]
         # A third address claimed in the header is still this one loopback client.
-        assert wait_until(lambda: models(srv, **{"X-Forwarded-For": "127.0.0.4"}).status_code == 429, 3.0)
+        assert eventually(lambda: models(srv, **{"X-Forwarded-For": "127.0.0.4"}).status_code == 429, 3.0)
         for s in held:
             s.close()
     finally:
@@ -386,7 +378,7 @@ def test_trusted_proxies_wildcard_is_refused_at_start(tmp_path: Path) -> None:
 
 
 def test_fd_accounting_helpers() -> None:
-    from appserver.http.edge import connection_cap
+    from appserver.security.edge import connection_cap
 
     assert connection_cap(100) == 100
     assert connection_cap(0, nofile=1024) == 736

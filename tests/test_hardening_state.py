@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from appserver.config import ConfigError, LimitsConfig, load_config
-from tests.certs import self_signed
-from tests.conftest import CLIResult, cli_env, run_cli, start_serve
+from tests.support.certs import self_signed
+from tests.support.cli import CLIResult, cli_env, run_cli
+from tests.support.serve import start_serve
 
 STATE_FILES = ("config.toml", "appserver.db", "appserver.db-wal", "appserver.db-shm")
 

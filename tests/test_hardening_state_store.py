@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, start_serve
 from tests.test_hardening_state import one_error_line, serve_refused
 
 

@@ -7,18 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from appserver.config import load_config
 from appserver.errors import InvalidInput, NotFound, QueueFull
-from appserver.runtime.conversation import Decision
-from appserver.runtime.kernel import SubmitRequest
+from appserver.runtime import Decision, SubmitRequest
 from appserver.server import Server
 from tests.fakes.openai_upstream import FakeOpenAI, chunk, openai_sse, tool_delta, usage_chunk
-
-
-async def open_server(home: Path, **env: str) -> Server:
-    server = Server(load_config(home, environ={"APPSERVER_LIMITS__RETRY_BASE_MS": "5", **env}))
-    await server.open()
-    return server
+from tests.support.kernel import open_server
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import ROOT, cli_env, run_cli, start_serve
+from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.serve import start_serve
 
 
 def test_run_hello_json(cli) -> None:

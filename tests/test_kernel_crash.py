@@ -14,8 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
-from tests.wsutil import WS
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, start_serve
+from tests.support.wait import wait_for
+from tests.support.ws import WS
 
 
 def _alive(pid: int) -> bool:
@@ -39,14 +41,6 @@ def _live_group(pgid: int) -> list[int]:
         if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
             out.append(int(name))
     return out
-
-
-def _wait_for(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _kill9(sp: ServeProcess) -> None:
@@ -77,7 +71,7 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
             return ack["conversation_id"], ack["turn_id"]
 
         conv, turn_id = asyncio.run(submit())
-        _wait_for(lambda: pidfile.exists() and pidfile.read_text().strip() and escaped.exists() and escaped.read_text().strip(), 15, "the shell to start")
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip() and escaped.exists() and escaped.read_text().strip(), 15, "the shell to start")
         shell = int(pidfile.read_text())
         group = os.getpgid(shell)
         loner = int(escaped.read_text())
@@ -86,7 +80,7 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
         started = time.monotonic()
         # the tool's whole process group dies with the server (PR_SET_PDEATHSIG + the group
         # guard): before, what the shell had started in the background ran on until a restart
-        _wait_for(lambda: not _live_group(group), 3, "the tool's process group to die with the server")
+        wait_for(lambda: not _live_group(group), 3, "the tool's process group to die with the server")
         # ... what left the group runs on until a server of this home starts again
         assert _live_group(os.getpgid(loner)), "expected the setsid sleep to outlive the server"
     finally:
@@ -94,7 +88,7 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
             sp.proc.kill()
     sp = start_serve(home, env=env)
     try:
-        _wait_for(lambda: not _alive(loner), 5, "the next start to kill the orphan that left the group")
+        wait_for(lambda: not _alive(loner), 5, "the next start to kill the orphan that left the group")
         time.sleep(max(0.0, 1.5 - (time.monotonic() - started)))
         assert not marker.exists(), "the command went on after the server died"
 

@@ -10,9 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from appserver.config import load_config
-from appserver.runtime.conversation import Decision
-from appserver.runtime.kernel import SubmitRequest
-from appserver.runtime.snapshot import TurnSnapshot
+from appserver.runtime import Decision, SubmitRequest, TurnSnapshot
 from appserver.server import Server
 
 LOOP_PASSES = range(0, 30)  # where the cancel lands: after this many event-loop passes

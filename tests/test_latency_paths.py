@@ -17,21 +17,19 @@ from appserver.config import ProviderConfig, load_config
 from appserver.providers.base import ChatMessage, ProviderRequest, ToolSpec
 from appserver.providers.fasttransport import LeanClient, LeanTransport
 from appserver.providers.openai_compat import OpenAICompatProvider, _encode_body
-from appserver.runtime.kernel import SubmitRequest
+from appserver.runtime import SubmitRequest
 from appserver.server import Server
-from tests.conftest import cli_env, run_cli, start_serve
 from tests.fakes.openai_upstream import FakeOpenAI, Reply, chunk, cut, openai_sse
+from tests.support.cli import cli_env, run_cli
+from tests.support.kernel import open_server
+from tests.support.serve import start_serve
 
 REFUSE_TURNS = "CREATE TRIGGER refuse_turns BEFORE INSERT ON turns BEGIN SELECT RAISE(ABORT, 'disk is full'); END"
 
 
-async def open_server(home: Path, base_url: str) -> Server:
-    home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(
-        f'[providers.fake]\nkind = "openai"\nbase_url = "{base_url}"\n'
-    )
-    server = Server(load_config(home, environ={"APPSERVER_LIMITS__RETRY_BASE_MS": "5"}))
-    await server.open()
+async def open_remote(home: Path, base_url: str) -> Server:
+    """A server whose agent `remote` talks to the fake upstream at `base_url`."""
+    server = await open_server(home, f'[providers.fake]\nkind = "openai"\nbase_url = "{base_url}"\n')
     await server.agents.create("remote", "fake:m")
     return server
 
@@ -56,7 +54,7 @@ async def test_the_accept_commits_while_the_model_call_is_in_flight_and_only_the
             )
 
         fake.responder = held
-        server = await open_server(tmp_path / "home", fake.base_url)
+        server = await open_remote(tmp_path / "home", fake.base_url)
         try:
             seen: list[str] = []
             at_insert: list[tuple[str, str, bool]] = []
@@ -119,7 +117,7 @@ async def test_a_turn_whose_overlapped_accept_fails_is_never_shown_nor_written(
         fake.responder = lambda _r: Reply(
             pieces=[openai_sse([chunk(content="lost"), chunk(finish_reason="stop")])]
         )
-        server = await open_server(tmp_path / "home", fake.base_url)
+        server = await open_remote(tmp_path / "home", fake.base_url)
         try:
             server.store.db.execute(REFUSE_TURNS)
             seen: list[str] = []

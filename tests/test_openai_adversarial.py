@@ -18,7 +18,6 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
 from tests.fakes.openai_upstream import (
     FakeOpenAI,
     RecordedRequest,
@@ -29,6 +28,8 @@ from tests.fakes.openai_upstream import (
     usage_chunk,
 )
 from tests.openai_schema import require_conformance, validate
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,11 +49,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess
         env = cli_env(home)
         assert run_cli(home, "agents", "list", env=env).code == 0  # creates `assistant`
         assert run_cli(home, "agents", "create", "--name", "remote", "--model", "fake:m", "--json", env=env).code == 0
-        sp = start_serve(home, env=env)
-        try:
+        with serving(home, env=env) as sp:
             yield sp, fake
-        finally:
-            sp.stop()
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
 from tests.fakes.openai_upstream import (
     FakeOpenAI,
     RecordedRequest,
@@ -32,6 +31,8 @@ from tests.fakes.openai_upstream import (
     usage_chunk,
 )
 from tests.openai_schema import require_conformance, sse_payloads, validate
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,11 +74,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess
         ):
             r = run_cli(home, "agents", "create", *args, "--json", env=env)
             assert r.code == 0, r.err
-        sp = start_serve(home, env=env)
-        try:
+        with serving(home, env=env) as sp:
             yield sp, fake
-        finally:
-            sp.stop()
 
 
 @pytest.fixture

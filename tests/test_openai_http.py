@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
 from tests.openai_schema import require_conformance, sse_payloads, validate
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving, start_serve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,11 +31,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     for args in (("--name", "twin"), ("--name", "twin"), ("--name", "asker", "--tool", "clock=ask")):
         r = run_cli(home, "agents", "create", *args, "--json", env=env)
         assert r.code == 0, r.err
-    sp = start_serve(home, env=env)
-    try:
+    with serving(home, env=env) as sp:
         yield sp
-    finally:
-        sp.stop()
 
 
 @pytest.fixture(scope="module")

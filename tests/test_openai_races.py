@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import ServeProcess, start_serve
 from tests.openai_schema import require_conformance, sse_lines, sse_payloads, validate
+from tests.support.serve import ServeProcess, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,11 +31,8 @@ N = 6
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     require_conformance()
     home = tmp_path_factory.mktemp("races") / "home"
-    sp = start_serve(home)
-    try:
+    with serving(home) as sp:
         yield sp
-    finally:
-        sp.stop()
 
 
 @pytest.fixture

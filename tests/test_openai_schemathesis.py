@@ -26,8 +26,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
 from tests.openai_schema import document, require_conformance, sse_lines, sse_payloads, validate
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -132,11 +133,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     home = tmp_path_factory.mktemp("schemathesis") / "home"
     env = cli_env(home, APPSERVER_LIMITS__QUEUE_MAX="1000")
     assert run_cli(home, "agents", "list", env=env).code == 0
-    sp = start_serve(home, env=env)
-    try:
+    with serving(home, env=env) as sp:
         yield sp
-    finally:
-        sp.stop()
 
 
 @pytest.fixture(scope="module")

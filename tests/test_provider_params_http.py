@@ -7,8 +7,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
 from tests.fakes.openai_upstream import FakeOpenAI, chunk, openai_error, openai_sse, usage_chunk
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, start_serve
 
 pytestmark = pytest.mark.timeout(60)
 

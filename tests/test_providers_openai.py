@@ -719,7 +719,7 @@ async def test_no_provider_state_is_emitted_or_sent(fake: FakeOpenAI) -> None:
 
 async def test_both_transports_read_the_same_stream(fake: FakeOpenAI) -> None:
     from appserver.providers.fasttransport import LeanClient
-    from appserver.providers.openai_compat import default_client
+    from appserver.providers.upstream import default_client
 
     body = openai_sse(
         [

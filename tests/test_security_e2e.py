@@ -24,8 +24,9 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from appserver.auth import TokenStore, fingerprint
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
-from tests.wsutil import WS
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, start_serve
+from tests.support.ws import WS
 
 pytestmark = pytest.mark.timeout(60)
 

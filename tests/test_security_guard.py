@@ -33,9 +33,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from appserver.auth import Authenticator, AuthError, TokenStore, fingerprint
 from appserver.config import Config
-from appserver.http.guard import SecurityGuard
 from appserver.logredact import SecretRedactor
-from tests.certs import self_signed
+from appserver.security import SecurityGuard
+from tests.support.certs import self_signed
 
 T = 5.0  # every wait in these tests is bounded
 

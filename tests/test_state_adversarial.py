@@ -20,7 +20,8 @@ from appserver.agent.tools import SHELL, ToolContext
 from appserver.config import Config
 from appserver.store.integrity import wal_index_claim
 from appserver.store.records import AgentRecord
-from tests.conftest import ROOT, CLIResult, cli_env, run_cli, start_serve
+from tests.support.cli import ROOT, CLIResult, cli_env, run_cli
+from tests.support.serve import start_serve
 from tests.test_hardening_state import one_error_line, serve_refused, token_home
 from tests.test_hardening_state_store import chat, check, wait_ready
 
@@ -86,9 +87,11 @@ def test_shell_refuses_a_bad_timeout_before_running_anything(tmp_path: Path, bad
     assert ok.is_error and ok.text == "exit code 3\nhi\n"
 
 
-def _as_other_user(argv: list[str]) -> list[str]:
-    """argv run as an unprivileged user when we are root (root may write any file)."""
-    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv] if os.geteuid() == 0 else argv
+def _without_root_file_rights(argv: list[str]) -> list[str]:
+    """argv run without root's right to ignore file modes (root may write any file). Dropping the
+    capabilities keeps the user, so the checkout and the venv stay readable wherever they are."""
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--inh-caps", "-all"]
+    return [*drop, *argv] if os.geteuid() == 0 else argv
 
 
 @pytest.mark.skipif(os.geteuid() == 0 and not shutil.which("setpriv"), reason="root without setpriv")
@@ -98,12 +101,9 @@ def test_read_only_database_is_one_line_naming_it(tmp_path: Path) -> None:
     home = Path(tempfile.mkdtemp(prefix="appserver-ro-"))
     try:
         assert run_cli(home, "agents", "list").code == 0
-        if os.geteuid() == 0:
-            for p in (home, *home.iterdir()):
-                os.chown(p, 65534, 65534)
         db = home / "appserver.db"
         db.chmod(0o400)
-        argv = _as_other_user([sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0"])
+        argv = _without_root_file_rights([sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0"])
         r = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=cli_env(home), cwd=ROOT)
         line = one_error_line(CLIResult(r.returncode, r.stdout, r.stderr))
         assert "cannot write" in line and str(db) in line

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appserver.config import load_config
-from appserver.runtime.kernel import SubmitRequest
+from appserver.runtime import SubmitRequest
 from appserver.server import Server
 from appserver.store import (
     AgentRecord,
@@ -181,7 +181,7 @@ async def test_submit_cancelled_around_its_commit_leaves_no_orphan_turn(tmp_path
 
 
 async def test_checkpoints_run_on_their_own_thread_and_stop_with_the_store(tmp_path: Path) -> None:
-    from appserver.store.sqlite import CHECKPOINT_EVERY_COMMITS
+    from appserver.store.checkpointer import CHECKPOINT_EVERY_COMMITS
 
     store = SQLiteStore(tmp_path / "store.db")
     await store.open()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tests.conftest import cli_env, run_cli, start_serve
-from tests.wsutil import WS
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import start_serve
+from tests.support.ws import WS
 
 
 def test_cancel_of_a_paused_turn_resolves_the_approval_for_every_subscriber(tmp_path: Path) -> None:

@@ -12,18 +12,13 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import cli_env, run_cli, start_serve
-from tests.wsutil import WS
+from tests.support.cli import careful_home, cli_env, run_cli
+from tests.support.serve import start_serve
+from tests.support.ws import WS
 
 ROUNDS_PER_CONNECTION = 12
 CONNECTIONS = 4
 COMBOS = list(itertools.product(("approve", "deny"), ("answer_first", "cancel_first")))
-
-
-def _careful_home(tmp_path: Path) -> Path:
-    home = tmp_path / "home"
-    assert run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=cli_env(home)).code == 0
-    return home
 
 
 def _turn_status(home: Path, turn_id: str) -> str:
@@ -82,7 +77,7 @@ def _check(home: Path, r: dict[str, Any]) -> str:
 
 
 def test_approval_and_cancel_back_to_back_settle_each_call_once(tmp_path: Path) -> None:
-    home = _careful_home(tmp_path)
+    home = careful_home(tmp_path)
     sp = start_serve(home, env=cli_env(home))
 
     async def client(n: int) -> list[dict[str, Any]]:
@@ -114,7 +109,7 @@ def test_approval_and_cancel_back_to_back_settle_each_call_once(tmp_path: Path) 
 
 
 def test_run_approval_hint_works_as_printed_for_a_non_default_agent(tmp_path: Path) -> None:
-    home = _careful_home(tmp_path)
+    home = careful_home(tmp_path)
     paused = run_cli(home, "run", "--agent", "careful", "--conversation", "new", "/call clock {}")
     assert paused.code == 0, paused.err
     call_id = re.search(r"awaiting approval: (\S+) clock", paused.out).group(1)  # type: ignore[union-attr]

@@ -4,21 +4,26 @@ disconnect and a restart)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import cli_env, run_cli, start_serve
-from tests.wsutil import WS
+import pytest
+
+from tests.support.cli import careful_home, cli_env, run_cli
+from tests.support.serve import ServeProcess, serving, start_serve
+from tests.support.ws import WS
 
 
-def _careful_home(tmp_path: Path) -> Path:
-    home = tmp_path / "home"
-    assert run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=cli_env(home)).code == 0
-    return home
+@pytest.fixture(scope="module")
+def careful_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One server for the tests that only open their own conversations on it."""
+    home = careful_home(tmp_path_factory.mktemp("approvals"))
+    with serving(home, env=cli_env(home)) as sp:
+        yield sp
 
 
-def test_approval_reaches_exactly_the_subscribers_first_answer_wins(tmp_path: Path) -> None:
-    home = _careful_home(tmp_path)
-    sp = start_serve(home, env=cli_env(home))
+def test_approval_reaches_exactly_the_subscribers_first_answer_wins(careful_server: ServeProcess) -> None:
+    sp = careful_server
 
     async def go() -> None:
         a, b, c = await WS.open(sp.url), await WS.open(sp.url), await WS.open(sp.url)
@@ -53,14 +58,11 @@ def test_approval_reaches_exactly_the_subscribers_first_answer_wins(tmp_path: Pa
         for w in (a, b, c):
             await w.close()
 
-    try:
-        asyncio.run(go())
-    finally:
-        sp.stop()
+    asyncio.run(go())
 
 
 def test_pending_approval_survives_disconnect_and_restart(tmp_path: Path) -> None:
-    home = _careful_home(tmp_path)
+    home = careful_home(tmp_path)
     env = cli_env(home)
     sp = start_serve(home, env=env)
 
@@ -98,20 +100,16 @@ def test_pending_approval_survives_disconnect_and_restart(tmp_path: Path) -> Non
         sp.stop()
 
 
-def test_run_cli_answers_through_the_server(tmp_path: Path) -> None:
+def test_run_cli_answers_through_the_server(careful_server: ServeProcess) -> None:
     """`appserver run` beside a live server: the turn and its --approve go through /ws."""
-    home = _careful_home(tmp_path)
-    sp = start_serve(home, env=cli_env(home))
-    try:
-        paused = run_cli(home, "run", "--agent", "careful", "--conversation", "new", "--json", "/call clock {}")
-        assert paused.code == 0, paused.err
-        data = paused.json()
-        assert data["status"] == "awaiting" and data["stop_reason"] == "requires_approval"
-        call_id = data["pending"][0]["call_id"]
-        done = run_cli(home, "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id, "--json")
-        assert done.code == 0, done.err
-        assert done.json()["status"] == "completed" and done.json()["text"].startswith("clock -> 20")
-        again = run_cli(home, "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id)
-        assert again.code != 0 and again.err.startswith("error: ")
-    finally:
-        sp.stop()
+    home = careful_server.home
+    paused = run_cli(home, "run", "--agent", "careful", "--conversation", "new", "--json", "/call clock {}")
+    assert paused.code == 0, paused.err
+    data = paused.json()
+    assert data["status"] == "awaiting" and data["stop_reason"] == "requires_approval"
+    call_id = data["pending"][0]["call_id"]
+    done = run_cli(home, "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id, "--json")
+    assert done.code == 0, done.err
+    assert done.json()["status"] == "completed" and done.json()["text"].startswith("clock -> 20")
+    again = run_cli(home, "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id)
+    assert again.code != 0 and again.err.startswith("error: ")

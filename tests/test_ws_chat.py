@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import ROOT, cli_env, run_cli, start_serve
+from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.serve import start_serve
 
 
 class Pty:

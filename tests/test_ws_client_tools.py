@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import ServeProcess, cli_env, start_serve
-from tests.wsutil import WS
+from tests.support.cli import cli_env
+from tests.support.serve import ServeProcess, serving
+from tests.support.ws import WS
 
 LOOKUP = {"name": "lookup", "description": "Look something up on the client.", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}
 
@@ -15,11 +16,8 @@ LOOKUP = {"name": "lookup", "description": "Look something up on the client.", "
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     home = tmp_path_factory.mktemp("wstools") / "home"
-    sp = start_serve(home, env=cli_env(home, APPSERVER_LIMITS__CLIENT_TOOL_TIMEOUT_S="2"))
-    try:
+    with serving(home, env=cli_env(home, APPSERVER_LIMITS__CLIENT_TOOL_TIMEOUT_S="2")) as sp:
         yield sp
-    finally:
-        sp.stop()
 
 
 async def test_client_tool_result_resumes_the_turn(server: ServeProcess) -> None:

@@ -12,7 +12,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.conftest import cli_env, start_serve
+from tests.support.cli import cli_env
+from tests.support.serve import start_serve
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,7 +58,7 @@ def test_a_peer_that_never_answers_pings_is_closed_after_the_timeout(home: Path)
 
 
 async def test_clients_are_told_before_the_server_stops(home: Path) -> None:
-    from appserver.ws.client import ProtocolClient
+    from appserver.client import ProtocolClient
 
     sp = start_serve(home)
     try:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import websockets
 
-from tests.conftest import cli_env, start_serve
-from tests.wsutil import WS, ws_url
+from tests.support.cli import cli_env
+from tests.support.serve import start_serve
+from tests.support.ws import WS, ws_url
 
 
 async def _stalled_client(http_url: str) -> websockets.ClientConnection:

@@ -10,18 +10,16 @@ from pathlib import Path
 import pytest
 import websockets
 
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
-from tests.wsutil import WS, db_messages
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving, start_serve
+from tests.support.ws import WS, db_messages
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     home = tmp_path_factory.mktemp("wsproto") / "home"
-    sp = start_serve(home, env=cli_env(home, APPSERVER_LIMITS__WS_FRAME_MAX_BYTES=str(256 * 1024)))
-    try:
+    with serving(home, env=cli_env(home, APPSERVER_LIMITS__WS_FRAME_MAX_BYTES=str(256 * 1024))) as sp:
         yield sp
-    finally:
-        sp.stop()
 
 
 async def test_hello_submit_revisions_and_terminal_after_commit(server: ServeProcess) -> None:

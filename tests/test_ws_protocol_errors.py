@@ -27,8 +27,9 @@ from appserver.auth import TokenStore
 from appserver.ws import frames as F
 from cron.schedule import ScheduleSpec
 from cron.store import CronStore, make_task
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
-from tests.wsutil import WS
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving, start_serve
+from tests.support.ws import WS
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -78,11 +79,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
     http_only = tokens.create(name="http", scopes="openai")[1]
     now = datetime.now(UTC)  # a task whose conversation does not exist: its run cannot be submitted
     CronStore(home).add(make_task(name="broken", agent=ids[0], schedule=ScheduleSpec("in", "2h", "UTC"), prompt="p", now=now, conversation="conv_missing"))
-    sp = start_serve(home, "--auth", "token", env=env)
-    try:
+    with serving(home, "--auth", "token", env=env) as sp:
         yield Srv(sp, full, scoped, http_only, ids[0])
-    finally:
-        sp.stop()
 
 
 async def _auth_refusal(srv: Srv, token: str | None) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from appserver.auth import TokenStore
-from tests.conftest import ServeProcess, start_serve
-from tests.wsutil import WS, db_messages
+from tests.support.serve import ServeProcess, serving
+from tests.support.ws import WS, db_messages
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,11 +26,8 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProc
     home = tmp_path_factory.mktemp("idem") / "home"
     store = TokenStore(home)
     toks = {"plain": store.create(name="plain")[1], "admin": store.create(name="boss", scopes="openai,ws,admin")[1]}
-    sp = start_serve(home, "--auth", "token")
-    try:
+    with serving(home, "--auth", "token") as sp:
         yield sp, toks
-    finally:
-        sp.stop()
 
 
 def frame(conversation: str, key: str, text: str = "run me once") -> dict[str, Any]:

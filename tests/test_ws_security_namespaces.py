@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from appserver.auth import TokenStore
-from tests.conftest import ServeProcess, cli_env, run_cli, start_serve
-from tests.wsutil import WS, db_messages
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving
+from tests.support.ws import WS, db_messages
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,11 +51,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
     a = store.create(name="tok-a")[1]  # default scopes openai,ws; every agent
     b = store.create(name="tok-b")[1]
     admin = store.create(name="tok-admin", scopes="openai,ws,admin")[1]
-    sp = start_serve(home, "--auth", "token", env=env)
-    try:
+    with serving(home, "--auth", "token", env=env) as sp:
         yield Srv(sp, a, b, admin)
-    finally:
-        sp.stop()
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -18,8 +18,9 @@ import pytest
 import websockets
 
 from appserver.auth import TokenStore
-from tests.conftest import ROOT, ServeProcess, cli_env, start_serve
-from tests.wsutil import WS, ws_url
+from tests.support.cli import ROOT, cli_env
+from tests.support.serve import ServeProcess, start_serve
+from tests.support.ws import WS, ws_url
 
 pytestmark = pytest.mark.timeout(60)
 

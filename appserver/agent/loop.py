@@ -140,11 +140,10 @@ class KeyedLocks:
 
 
 class AgentLoop:
-    def __init__(self, config: Config, providers: ProviderRegistry, tools: ToolRegistry, services: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: Config, providers: ProviderRegistry, tools: ToolRegistry) -> None:
         self.config = config
         self.providers = providers
         self.tools = tools
-        self.services = services if services is not None else {}
         self._locks = KeyedLocks()
         self._tool_estimates = ToolEstimates()
         self._windows: dict[tuple[str, str], int | None] = {}
@@ -398,7 +397,7 @@ class AgentLoop:
             return
         if work.before_tools is not None:
             await work.before_tools()
-        ctx = ToolContext(work.agent, work.conversation_id, work.turn_id, self.config, self.services)
+        ctx = ToolContext(work.agent, work.conversation_id, work.turn_id, self.config)
 
         async def one(call: dict[str, Any], tool: Tool, args: dict[str, Any]) -> ToolOutput:
             emit(ToolCallStatus(call["id"], "running"))

@@ -23,27 +23,23 @@ KINDS = ("cron", "every", "at", "in")
 _UNKNOWN = "\x00unknown"  # the caller's namespace when it cannot be read: only this conversation
 
 
-async def _caller_namespace(ctx: ToolContext) -> str | None:
+async def _caller_namespace(store: Store, ctx: ToolContext) -> str | None:
     """The namespace of the conversation this tool runs in (None: unowned, sees all)."""
-    store = ctx.services.get("store")
-    if not isinstance(store, Store):
-        return _UNKNOWN
     conv = await store.get_conversation(ctx.conversation_id)
     return conv.namespace if conv is not None else _UNKNOWN
 
 
-async def _target_allowed(ctx: ToolContext, ns: str | None, target: str) -> bool:
+async def _target_allowed(store: Store, ctx: ToolContext, ns: str | None, target: str) -> bool:
     if ns is None or target == ctx.conversation_id:
         return True
     if target in ("new", "default"):
         return False  # unowned conversations: outside every credential's namespace
-    store = ctx.services.get("store")
-    conv = await store.get_conversation(target) if isinstance(store, Store) else None
+    conv = await store.get_conversation(target)
     return conv is not None and conv.agent_id == ctx.agent.id and namespace_allows(ns, conv.namespace)
 
 
-async def _visible_tasks(ctx: ToolContext, ns: str | None, tasks: list[CronTask]) -> list[CronTask]:
-    return [t for t in tasks if await _target_allowed(ctx, ns, t.conversation)]
+async def _visible_tasks(store: Store, ctx: ToolContext, ns: str | None, tasks: list[CronTask]) -> list[CronTask]:
+    return [t for t in tasks if await _target_allowed(store, ctx, ns, t.conversation)]
 
 
 def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str) -> str:
@@ -77,15 +73,15 @@ def _list(tasks: list[CronTask]) -> str:
     )
 
 
-async def _schedule(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
+async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     store = CronStore(ctx.config.home)
     action = args.get("action")
     try:
-        ns = await _caller_namespace(ctx)
+        ns = await _caller_namespace(conversations, ctx)
         if action == "create":
             given = str(args.get("conversation") or "").strip()
             conversation = given or ("new" if ns is None else ctx.conversation_id)
-            if not await _target_allowed(ctx, ns, conversation):
+            if not await _target_allowed(conversations, ctx, ns, conversation):
                 return ToolOutput(
                     f"schedule create failed: conversation {given!r} is not one this conversation's owner may use; "
                     "omit `conversation` to schedule into this conversation",
@@ -93,11 +89,11 @@ async def _schedule(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
                 )
             text = await asyncio.to_thread(_create, store, args, ctx, conversation)
         elif action == "list":
-            text = _list(await _visible_tasks(ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id)))
+            text = _list(await _visible_tasks(conversations, ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id)))
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
             found = (await asyncio.to_thread(store.read)).find(ref, ctx.agent.id)
-            if not await _target_allowed(ctx, ns, found.conversation):
+            if not await _target_allowed(conversations, ctx, ns, found.conversation):
                 raise CronNotFound(f"no cron task {ref!r}")  # not yours: as if it did not exist
             task = await asyncio.to_thread(store.remove, found.id, ctx.agent.id)
             text = f"cancelled task {task.name} ({task.id})"
@@ -108,33 +104,39 @@ async def _schedule(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     return ToolOutput(text)
 
 
-SCHEDULE = Tool(
-    name="schedule",
-    description=(
-        "Manage your own scheduled prompts. action=create with name, prompt and exactly one of "
-        "cron (5-field, with tz), every (e.g. 30m), at ('YYYY-MM-DD HH:MM' in tz) or in (e.g. 2h); "
-        "action=list; action=cancel with name."
-    ),
-    parameters={
-        "type": "object",
-        "properties": {
-            "action": {"type": "string", "enum": ["create", "list", "cancel"]},
-            "name": {"type": "string"},
-            "prompt": {"type": "string"},
-            "cron": {"type": "string"},
-            "every": {"type": "string"},
-            "at": {"type": "string"},
-            "in": {"type": "string"},
-            "tz": {"type": "string"},
-            "conversation": {
-                "type": "string",
-                "description": "Where the prompt runs: omit for this conversation (or 'new' for a fresh one each time, where allowed).",
+def schedule_tool(conversations: Store) -> Tool:
+    """The tool bound to the server's store, which it reads to apply the namespace rule."""
+
+    async def run(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
+        return await _schedule(conversations, args, ctx)
+
+    return Tool(
+        name="schedule",
+        description=(
+            "Manage your own scheduled prompts. action=create with name, prompt and exactly one of "
+            "cron (5-field, with tz), every (e.g. 30m), at ('YYYY-MM-DD HH:MM' in tz) or in (e.g. 2h); "
+            "action=list; action=cancel with name."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {
+                "action": {"type": "string", "enum": ["create", "list", "cancel"]},
+                "name": {"type": "string"},
+                "prompt": {"type": "string"},
+                "cron": {"type": "string"},
+                "every": {"type": "string"},
+                "at": {"type": "string"},
+                "in": {"type": "string"},
+                "tz": {"type": "string"},
+                "conversation": {
+                    "type": "string",
+                    "description": "Where the prompt runs: omit for this conversation (or 'new' for a fresh one each time, where allowed).",
+                },
+                "misfire": {"type": "string", "enum": ["skip", "run_once", "run_all"]},
             },
-            "misfire": {"type": "string", "enum": ["skip", "run_once", "run_all"]},
+            "required": ["action"],
         },
-        "required": ["action"],
-    },
-    run=_schedule,
-    read_only=False,
-    resource_key=lambda args, ctx: "crons.json",
-)
+        run=run,
+        read_only=False,
+        resource_key=lambda args, ctx: "crons.json",
+    )

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,7 @@ class ToolContext:
     agent: AgentRecord
     conversation_id: str
     turn_id: str
-    config: Config
-    services: dict[str, Any] = field(default_factory=dict)  # e.g. the cron store for `schedule`
+    config: Config  # what a tool needs beyond this is bound when the tool is built (e.g. `schedule_tool(store)`)
 
     @property
     def workspace(self) -> Path:

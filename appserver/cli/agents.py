@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from appserver.agents import parse_params, parse_tool_policies
+from appserver.agent_admin import parse_params, parse_tool_policies
 from appserver.cli.common import print_json, with_server
 from appserver.server import Server
 from appserver.store.records import AgentRecord

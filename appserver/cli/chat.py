@@ -12,7 +12,7 @@ What a person sees, and why it is built this way:
 * `/help`, `/new`, `/cancel`, `/quit` are commands of this client, never sent to the model
   (`//text` sends `/text`).
 * A server stop or failover to a standby is ridden out: the protocol client reconnects, resubscribes
-  and resumes the turn on screen (see appserver/ws/client.py).
+  and resumes the turn on screen (see appserver/client/connection.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import click
 
 from appserver.cli.common import fail, get_config, live_server_or_fail
 from appserver.cli.run import server_url_source
-from appserver.ws.client import TERMINAL, ProtocolClient, ProtocolError
+from appserver.client import TERMINAL, ProtocolClient, ProtocolError
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 ERASE_LINE = "\r\x1b[K"

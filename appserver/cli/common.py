@@ -16,16 +16,18 @@ import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
 from appserver.config import Config, ConfigError, load_config
 from appserver.errors import KernelError
 from appserver.fsutil import CorruptStateFile
-from appserver.server import Server
 from appserver.serverinfo import HomeStarting, find_live_server
 from appserver.store.base import StoreError
+
+if TYPE_CHECKING:  # the kernel is imported by the commands that run it, not by `appserver --help`
+    from appserver.server import Server
 
 T = TypeVar("T")
 
@@ -104,6 +106,8 @@ def print_json(value: Any) -> None:
 
 def with_server(fn: Callable[[Server], Awaitable[T]], *, config: Config | None = None) -> T:
     """Run `fn` against an in-process Server on this home; kernel errors become one-line exits."""
+
+    from appserver.server import Server
 
     async def runner() -> T:
         server = Server(config or get_config())

@@ -1,9 +1,9 @@
-"""`appserver cron add|list|show|remove|enable|disable|logs|preview`.
+"""`appserver cron add|list|show|remove|enable|disable|run|logs|preview`: module-level commands.
 
-`run` needs the kernel and is added by the main CLI (see `cron.runner.run_task_now`). Agent
-existence is checked by the injected `validate_agent(config, agent) -> agent id`, and agents are
-shown by name through the injected `agent_names(config) -> {id: name}`; the main CLI supplies both
-through `build_cron_group`. By default any agent name is accepted and ids are shown as stored.
+Agents are resolved and named through an `AgentDirectory` found in the click context's `obj`; with
+none (the real CLI) it is the store (`STORE_AGENTS`, imported lazily so these commands stay light).
+`ANY_AGENT` accepts any name and shows ids as stored (tests, a home with no store). `run` needs the
+kernel: its body lives in `cli/cron_run.py`, imported when it runs.
 
 Readers (`list`, `show`, `logs`, `preview`) never move a corrupt crons.json aside: they say so and
 exit 1; only commands that change tasks (and the scheduler) set it aside.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -43,8 +44,6 @@ from cron.store import (
     utcnow,
 )
 
-ValidateAgent = Callable[[Config, str], str]
-AgentNames = Callable[[Config], dict[str, str]]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _USER_ERRORS = (
@@ -57,12 +56,60 @@ _USER_ERRORS = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class AgentDirectory:
+    """How cron commands resolve `--agent` and name agents in their output. `resolve(config,
+    agent)` returns the agent id to store or raises LookupError/ValueError with a user-facing
+    message; `names(config)` maps agent ids to names."""
+
+    resolve: Callable[[Config, str], str]
+    names: Callable[[Config], dict[str, str]]
+
+
 def _accept_any_agent(cfg: Config, agent: str) -> str:
     return agent
 
 
 def _no_names(cfg: Config) -> dict[str, str]:
     return {}
+
+
+def _store_resolve(cfg: Config, agent: str) -> str:
+    from appserver.cli.cron_run import validate_agent
+
+    return validate_agent(cfg, agent)
+
+
+def _store_names(cfg: Config) -> dict[str, str]:
+    from appserver.cli.cron_run import agent_names
+
+    return agent_names(cfg)
+
+
+ANY_AGENT = AgentDirectory(_accept_any_agent, _no_names)
+STORE_AGENTS = AgentDirectory(_store_resolve, _store_names)
+
+
+def _agents() -> AgentDirectory:
+    return click.get_current_context().find_object(AgentDirectory) or STORE_AGENTS
+
+
+def _check_agent(cfg: Config, agent: str) -> str:
+    return _agents().resolve(cfg, agent)
+
+
+def _names_of(cfg: Config) -> dict[str, str]:
+    return _agents().names(cfg)
+
+
+def _agent_filter(cfg: Config, agent: str | None) -> str | None:
+    """`--agent` by name or id → the stored id (an agent since deleted: as given)."""
+    if agent is None:
+        return None
+    try:
+        return _check_agent(cfg, agent)
+    except (LookupError, ValueError):
+        return agent
 
 
 class _OneLineError(click.ClickException):
@@ -165,286 +212,289 @@ def _spec_from_options(
     return ScheduleSpec(kind, expr.strip(), zone)
 
 
-def build_cron_group(
-    *, validate_agent: ValidateAgent | None = None, agent_names: AgentNames | None = None
-) -> click.Group:
-    """The `cron` command group. `validate_agent(config, agent)` returns the agent id to store or
-    raises LookupError/ValueError with a user-facing message; the default accepts any name.
-    `agent_names(config)` maps agent ids to names for output; the default knows none."""
-    check_agent = validate_agent or _accept_any_agent
-    names_of = agent_names or _no_names
+@click.group("cron")
+def cron_group() -> None:
+    """Schedule agent prompts: cron expressions, intervals and one-shot reminders."""
 
-    def agent_filter(cfg: Config, agent: str | None) -> str | None:
-        """`--agent` by name or id → the stored id (an agent since deleted: as given)."""
-        if agent is None:
-            return None
-        try:
-            return check_agent(cfg, agent)
-        except (LookupError, ValueError):
-            return agent
 
-    @click.group("cron")
-    def group() -> None:
-        """Schedule agent prompts: cron expressions, intervals and one-shot reminders."""
-
-    @group.command("add")
-    @click.option("--name", required=True, help="Task name, unique per agent.")
-    @click.option("--agent", required=True, help="Agent that runs the prompt.")
-    @click.option(
-        "--cron", "cron_expr", default=None, help="5-field cron expression, e.g. '0 8 * * 1-5'."
+@cron_group.command("add")
+@click.option("--name", required=True, help="Task name, unique per agent.")
+@click.option("--agent", required=True, help="Agent that runs the prompt.")
+@click.option(
+    "--cron", "cron_expr", default=None, help="5-field cron expression, e.g. '0 8 * * 1-5'."
+)
+@click.option("--tz", default=None, help="IANA timezone for --cron/--at (default: this machine's).")
+@click.option("--every", default=None, help="Fixed interval, e.g. 30m, 2h, 1d.")
+@click.option("--at", default=None, help="One-shot wall time 'YYYY-MM-DD HH:MM' in --tz.")
+@click.option("--in", "in_", default=None, help="One-shot after a delay, e.g. 2h.")
+@click.option("--prompt", required=True, help="What the agent is asked to do.")
+@click.option(
+    "--conversation",
+    default="new",
+    show_default=True,
+    help="new, default, or a conversation id.",
+)
+@click.option(
+    "--misfire",
+    type=click.Choice(["skip", "run_once", "run_all"]),
+    default="skip",
+    show_default=True,
+    help="What to do with occurrences missed while the server was down.",
+)
+@click.option(
+    "--max-lateness",
+    default=None,
+    help=f"How late a run may start before it counts as missed (default {DEFAULT_MAX_LATENESS_S:g}s).",
+)
+@click.option("--exact", is_flag=True, help="No jitter: fire exactly at the scheduled second.")
+@click.option(
+    "--deliver",
+    default=None,
+    help="Channel target channel:account:chat for the reply (reserved: the gateway will deliver it).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the new task as JSON.")
+@_user_errors
+def add_cmd(
+    name: str,
+    agent: str,
+    cron_expr: str | None,
+    tz: str | None,
+    every: str | None,
+    at: str | None,
+    in_: str | None,
+    prompt: str,
+    conversation: str,
+    misfire: str,
+    max_lateness: str | None,
+    exact: bool,
+    deliver: str | None,
+    as_json: bool,
+) -> None:
+    """Add a task. Everything is validated first; a refused task writes nothing."""
+    spec = _spec_from_options(cron_expr, every, at, in_, tz)
+    lateness = (
+        DEFAULT_MAX_LATENESS_S
+        if max_lateness is None
+        else parse_duration(max_lateness, allow_zero=True).total_seconds()
     )
-    @click.option(
-        "--tz", default=None, help="IANA timezone for --cron/--at (default: this machine's)."
+    cfg = _config()
+    agent_id = _check_agent(cfg, agent)
+    task = make_task(
+        name=name,
+        agent=agent_id,
+        schedule=spec,
+        prompt=prompt,
+        now=utcnow(),
+        conversation=conversation,
+        misfire=misfire,
+        max_lateness_s=lateness,
+        exact=exact,
+        deliver=deliver,
     )
-    @click.option("--every", default=None, help="Fixed interval, e.g. 30m, 2h, 1d.")
-    @click.option("--at", default=None, help="One-shot wall time 'YYYY-MM-DD HH:MM' in --tz.")
-    @click.option("--in", "in_", default=None, help="One-shot after a delay, e.g. 2h.")
-    @click.option("--prompt", required=True, help="What the agent is asked to do.")
-    @click.option(
-        "--conversation",
-        default="new",
-        show_default=True,
-        help="new, default, or a conversation id.",
-    )
-    @click.option(
-        "--misfire",
-        type=click.Choice(["skip", "run_once", "run_all"]),
-        default="skip",
-        show_default=True,
-        help="What to do with occurrences missed while the server was down.",
-    )
-    @click.option(
-        "--max-lateness",
-        default=None,
-        help=f"How late a run may start before it counts as missed (default {DEFAULT_MAX_LATENESS_S:g}s).",
-    )
-    @click.option("--exact", is_flag=True, help="No jitter: fire exactly at the scheduled second.")
-    @click.option("--deliver", default=None, help="Deliver the reply to channel:account:chat.")
-    @click.option("--json", "as_json", is_flag=True, help="Print the new task as JSON.")
-    @_user_errors
-    def add_cmd(
-        name: str,
-        agent: str,
-        cron_expr: str | None,
-        tz: str | None,
-        every: str | None,
-        at: str | None,
-        in_: str | None,
-        prompt: str,
-        conversation: str,
-        misfire: str,
-        max_lateness: str | None,
-        exact: bool,
-        deliver: str | None,
-        as_json: bool,
-    ) -> None:
-        """Add a task. Everything is validated first; a refused task writes nothing."""
-        spec = _spec_from_options(cron_expr, every, at, in_, tz)
-        lateness = (
-            DEFAULT_MAX_LATENESS_S
-            if max_lateness is None
-            else parse_duration(max_lateness, allow_zero=True).total_seconds()
+    store = _store(cfg)
+    try:
+        store.add(task)
+    except CronStoreError:
+        if any(t.name == task.name for t in store.list(agent_id)):  # say it by name, not id
+            raise _OneLineError(f"agent {agent!r} already has a cron task named {name!r}") from None
+        raise
+    names = _names_of(cfg)
+    if not cfg.cron.enabled:
+        click.echo(
+            "note: the scheduler is off here (APPSERVER_DISABLE_CRON=1 or [cron] enabled = false)",
+            err=True,
         )
-        cfg = _config()
-        agent_id = check_agent(cfg, agent)
-        task = make_task(
-            name=name,
-            agent=agent_id,
-            schedule=spec,
-            prompt=prompt,
-            now=utcnow(),
-            conversation=conversation,
-            misfire=misfire,
-            max_lateness_s=lateness,
-            exact=exact,
-            deliver=deliver,
+    if as_json:
+        click.echo(json.dumps(_task_json(task, names)))
+    else:
+        nxt = (
+            "-"
+            if task.next_due_at is None or task.next_fire_at is None
+            else _fire_line(task.next_due_at, task.next_fire_at, task.schedule.tz)
         )
-        store = _store(cfg)
-        try:
-            store.add(task)
-        except CronStoreError:
-            if any(t.name == task.name for t in store.list(agent_id)):  # say it by name, not id
-                raise _OneLineError(f"agent {agent!r} already has a cron task named {name!r}") from None
-            raise
-        names = names_of(cfg)
-        if not cfg.cron.enabled:
-            click.echo(
-                "note: the scheduler is off here (APPSERVER_DISABLE_CRON=1 or [cron] enabled = false)",
-                err=True,
-            )
-        if as_json:
-            click.echo(json.dumps(_task_json(task, names)))
-        else:
-            nxt = (
-                "-"
-                if task.next_due_at is None or task.next_fire_at is None
-                else _fire_line(task.next_due_at, task.next_fire_at, task.schedule.tz)
-            )
-            click.echo(
-                f"added cron task {task.name} ({task.id}) for agent "
-                f"{names.get(task.agent, task.agent)}; next run {nxt}"
-            )
+        click.echo(
+            f"added cron task {task.name} ({task.id}) for agent "
+            f"{names.get(task.agent, task.agent)}; next run {nxt}"
+        )
 
-    @group.command("list")
-    @click.option("--agent", default=None, help="Only this agent's tasks.")
-    @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
-    @_user_errors
-    def list_cmd(agent: str | None, as_json: bool) -> None:
-        """List tasks with their next run (jitter applied) and state."""
-        cfg = _config()
-        tasks = _store(cfg).list(agent_filter(cfg, agent))
-        names = names_of(cfg) if tasks else {}
-        if as_json:
-            click.echo(json.dumps([_task_json(t, names) for t in tasks]))
-            return
-        if not tasks:
-            click.echo("no cron tasks")
-            return
-        rows = [["ID", "NAME", "AGENT", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
-        for t in tasks:
-            rows.append(
-                [
-                    t.id,
-                    t.name,
-                    names.get(t.agent, t.agent),
-                    _schedule_text(t),
-                    _local(t.next_due_at if t.enabled else None, t.schedule.tz),
-                    t.state,
-                    str(t.occurrence),
-                    (t.last_error or "")[:60],
-                ]
-            )
-        click.echo(_table(rows))
 
-    @group.command("show")
-    @click.argument("ref")
-    @click.option("--agent", default=None, help="Disambiguate a name used by several agents.")
-    @click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
-    @_user_errors
-    def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
-        """Show one task (by id or name)."""
-        cfg = _config()
-        task = _store(cfg).read().find(ref, agent_filter(cfg, agent))
-        names = names_of(cfg)
-        if as_json:
-            click.echo(json.dumps(_task_json(task, names)))
-            return
-        tz = task.schedule.tz
-        agent_text = f"{names[task.agent]} ({task.agent})" if task.agent in names else task.agent
-        fields = [
-            ("id", task.id),
-            ("name", task.name),
-            ("agent", agent_text),
-            ("schedule", _schedule_text(task)),
-            ("state", task.state),
-            ("next scheduled", _local(task.next_fire_at, tz)),
-            ("next run (with jitter)", _local(task.next_due_at, tz)),
-            ("conversation", task.conversation),
-            ("misfire", f"{task.misfire} (max lateness {task.max_lateness_s:g}s)"),
-            ("exact", "yes" if task.exact else "no"),
-            ("deliver", task.deliver or "-"),
-            ("runs", str(task.occurrence)),
-            ("last error", task.last_error or "-"),
-            ("created", _local(task.created_at, tz)),
-            ("prompt", task.prompt),
-        ]
-        width = max(len(k) for k, _ in fields)
-        for k, v in fields:
-            click.echo(f"{k.ljust(width)}  {v}")
+@cron_group.command("list")
+@click.option("--agent", default=None, help="Only this agent's tasks.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+@_user_errors
+def list_cmd(agent: str | None, as_json: bool) -> None:
+    """List tasks with their next run (jitter applied) and state."""
+    cfg = _config()
+    tasks = _store(cfg).list(_agent_filter(cfg, agent))
+    names = _names_of(cfg) if tasks else {}
+    if as_json:
+        click.echo(json.dumps([_task_json(t, names) for t in tasks]))
+        return
+    if not tasks:
+        click.echo("no cron tasks")
+        return
+    rows = [["ID", "NAME", "AGENT", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
+    for t in tasks:
+        rows.append(
+            [
+                t.id,
+                t.name,
+                names.get(t.agent, t.agent),
+                _schedule_text(t),
+                _local(t.next_due_at if t.enabled else None, t.schedule.tz),
+                t.state,
+                str(t.occurrence),
+                (t.last_error or "")[:60],
+            ]
+        )
+    click.echo(_table(rows))
 
-    def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
-        cfg = _config()
-        return _store(cfg).set_enabled(ref, enabled, agent=agent_filter(cfg, agent))
 
-    @group.command("enable")
-    @click.argument("ref")
-    @click.option("--agent", default=None)
-    @_user_errors
-    def enable_cmd(ref: str, agent: str | None) -> None:
-        """Enable a task; a recurring one resumes from now (no catch-up for the disabled period)."""
-        t = _toggle(ref, agent, True)
-        click.echo(f"enabled {t.name} ({t.id}); next run {_local(t.next_due_at, t.schedule.tz)}")
+@cron_group.command("show")
+@click.argument("ref")
+@click.option("--agent", default=None, help="Disambiguate a name used by several agents.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object.")
+@_user_errors
+def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
+    """Show one task (by id or name)."""
+    cfg = _config()
+    task = _store(cfg).read().find(ref, _agent_filter(cfg, agent))
+    names = _names_of(cfg)
+    if as_json:
+        click.echo(json.dumps(_task_json(task, names)))
+        return
+    tz = task.schedule.tz
+    agent_text = f"{names[task.agent]} ({task.agent})" if task.agent in names else task.agent
+    fields = [
+        ("id", task.id),
+        ("name", task.name),
+        ("agent", agent_text),
+        ("schedule", _schedule_text(task)),
+        ("state", task.state),
+        ("next scheduled", _local(task.next_fire_at, tz)),
+        ("next run (with jitter)", _local(task.next_due_at, tz)),
+        ("conversation", task.conversation),
+        ("misfire", f"{task.misfire} (max lateness {task.max_lateness_s:g}s)"),
+        ("exact", "yes" if task.exact else "no"),
+        ("deliver", task.deliver or "-"),
+        ("runs", str(task.occurrence)),
+        ("last error", task.last_error or "-"),
+        ("created", _local(task.created_at, tz)),
+        ("prompt", task.prompt),
+    ]
+    width = max(len(k) for k, _ in fields)
+    for k, v in fields:
+        click.echo(f"{k.ljust(width)}  {v}")
 
-    @group.command("disable")
-    @click.argument("ref")
-    @click.option("--agent", default=None)
-    @_user_errors
-    def disable_cmd(ref: str, agent: str | None) -> None:
-        """Disable a task without removing it."""
-        t = _toggle(ref, agent, False)
-        click.echo(f"disabled {t.name} ({t.id})")
 
-    @group.command("remove")
-    @click.argument("ref")
-    @click.option("--agent", default=None)
-    @_user_errors
-    def remove_cmd(ref: str, agent: str | None) -> None:
-        """Remove a task (its run log stays in cron-runs/)."""
-        cfg = _config()
-        t = _store(cfg).remove(ref, agent_filter(cfg, agent))
-        click.echo(f"removed {t.name} ({t.id}); its run log stays: appserver cron logs {t.id}")
+def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
+    cfg = _config()
+    return _store(cfg).set_enabled(ref, enabled, agent=_agent_filter(cfg, agent))
 
-    @group.command("logs")
-    @click.argument("ref")
-    @click.option("--agent", default=None)
-    @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-    @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of run-log records.")
-    @_user_errors
-    def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
-        """Show the run log: fires, submissions, outcomes, misses and errors. A removed task's
-        log is kept (cron-runs/<task id>.jsonl) and found by its id or name."""
-        cfg = _config()
-        store = _store(cfg)
-        agent_id = agent_filter(cfg, agent)
-        try:
-            task = store.read().find(ref, agent_id)
-            task_id, name, tz = task.id, task.name, task.schedule.tz
-        except CronNotFound:
-            task_id, name, tz = _removed_task(store, ref, agent_id)
-            click.echo(f"note: task {name} ({task_id}) was removed; its run log was kept", err=True)
-        records = read_runs(store.runs_dir, task_id, limit=limit)
-        if as_json:
-            click.echo(json.dumps(records))
-            return
-        if not records:
-            click.echo(f"no runs yet for {name}")
-            return
-        for r in records:
-            click.echo(_log_line(r, tz))
 
-    @group.command("preview")
-    @click.argument("ref")
-    @click.option("--agent", default=None)
-    @click.option("--count", type=click.IntRange(min=1, max=1000), default=5, show_default=True)
-    @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
-    @_user_errors
-    def preview_cmd(ref: str, agent: str | None, count: int, as_json: bool) -> None:
-        """The next fire times in the task's timezone: when each fires (jitter applied, as `add`
-        and `list` show it) and, when different, the scheduled time it stands for."""
-        cfg = _config()
-        task = _store(cfg).read().find(ref, agent_filter(cfg, agent))
-        now = utcnow()
-        start = min(now, task.next_fire_at) if task.next_fire_at else now
-        times = upcoming(task.schedule, start - _EPS, task.created_at, count)
-        out = []
-        for nominal in times:
-            due = due_time(
-                task.schedule,
-                nominal,
-                task_id=task.id,
-                created_at=task.created_at,
-                exact=task.exact,
-            )
-            out.append({"scheduled_for": nominal.isoformat(), "fires_at": due.isoformat()})
-        if as_json:
-            click.echo(json.dumps(out))
-            return
-        if not out:
-            click.echo(f"{task.name} has no upcoming runs")
-        for nominal, o in zip(times, out, strict=True):
-            click.echo(_fire_line(datetime.fromisoformat(o["fires_at"]), nominal, task.schedule.tz))
+@cron_group.command("enable")
+@click.argument("ref")
+@click.option("--agent", default=None)
+@_user_errors
+def enable_cmd(ref: str, agent: str | None) -> None:
+    """Enable a task; a recurring one resumes from now (no catch-up for the disabled period)."""
+    t = _toggle(ref, agent, True)
+    click.echo(f"enabled {t.name} ({t.id}); next run {_local(t.next_due_at, t.schedule.tz)}")
 
-    return group
+
+@cron_group.command("disable")
+@click.argument("ref")
+@click.option("--agent", default=None)
+@_user_errors
+def disable_cmd(ref: str, agent: str | None) -> None:
+    """Disable a task without removing it."""
+    t = _toggle(ref, agent, False)
+    click.echo(f"disabled {t.name} ({t.id})")
+
+
+@cron_group.command("remove")
+@click.argument("ref")
+@click.option("--agent", default=None)
+@_user_errors
+def remove_cmd(ref: str, agent: str | None) -> None:
+    """Remove a task (its run log stays in cron-runs/)."""
+    cfg = _config()
+    t = _store(cfg).remove(ref, _agent_filter(cfg, agent))
+    click.echo(f"removed {t.name} ({t.id}); its run log stays: appserver cron logs {t.id}")
+
+
+@cron_group.command("run")
+@click.argument("task")
+@click.option("--agent", default=None, help="Agent of the task, when names repeat across agents.")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
+@click.option("--json", "as_json", is_flag=True)
+def run_cmd(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
+    """Run TASK now (works without the scheduler lease; through the server when one runs)."""
+    from appserver.cli.cron_run import run_now
+
+    run_now(task, agent, timeout, as_json)
+
+
+@cron_group.command("logs")
+@click.argument("ref")
+@click.option("--agent", default=None)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array of run-log records.")
+@_user_errors
+def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
+    """Show the run log: fires, submissions, outcomes, misses and errors. A removed task's
+    log is kept (cron-runs/<task id>.jsonl) and found by its id or name."""
+    cfg = _config()
+    store = _store(cfg)
+    agent_id = _agent_filter(cfg, agent)
+    try:
+        task = store.read().find(ref, agent_id)
+        task_id, name, tz = task.id, task.name, task.schedule.tz
+    except CronNotFound:
+        task_id, name, tz = _removed_task(store, ref, agent_id)
+        click.echo(f"note: task {name} ({task_id}) was removed; its run log was kept", err=True)
+    records = read_runs(store.runs_dir, task_id, limit=limit)
+    if as_json:
+        click.echo(json.dumps(records))
+        return
+    if not records:
+        click.echo(f"no runs yet for {name}")
+        return
+    for r in records:
+        click.echo(_log_line(r, tz))
+
+
+@cron_group.command("preview")
+@click.argument("ref")
+@click.option("--agent", default=None)
+@click.option("--count", type=click.IntRange(min=1, max=1000), default=5, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
+@_user_errors
+def preview_cmd(ref: str, agent: str | None, count: int, as_json: bool) -> None:
+    """The next fire times in the task's timezone: when each fires (jitter applied, as `add`
+    and `list` show it) and, when different, the scheduled time it stands for."""
+    cfg = _config()
+    task = _store(cfg).read().find(ref, _agent_filter(cfg, agent))
+    now = utcnow()
+    start = min(now, task.next_fire_at) if task.next_fire_at else now
+    times = upcoming(task.schedule, start - _EPS, task.created_at, count)
+    out = []
+    for nominal in times:
+        due = due_time(
+            task.schedule,
+            nominal,
+            task_id=task.id,
+            created_at=task.created_at,
+            exact=task.exact,
+        )
+        out.append({"scheduled_for": nominal.isoformat(), "fires_at": due.isoformat()})
+    if as_json:
+        click.echo(json.dumps(out))
+        return
+    if not out:
+        click.echo(f"{task.name} has no upcoming runs")
+    for nominal, o in zip(times, out, strict=True):
+        click.echo(_fire_line(datetime.fromisoformat(o["fires_at"]), nominal, task.schedule.tz))
 
 
 _EPS = timedelta(microseconds=1)
@@ -494,6 +544,3 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
     if ev == "removed":
         return f"{head} the task was removed"
     return f"{head} {r.get('error', '')}"
-
-
-cron_group = build_cron_group()

@@ -1,4 +1,5 @@
-"""`appserver cron run N` and the agent check for `cron add`: the parts of the cron CLI that need the kernel."""
+"""The parts of the cron CLI that need the kernel: `appserver cron run N` (its command is declared in
+`cli/cron.py`, which imports this module only when it runs) and the agent lookups of `cron add`."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from appserver.cli.common import fail, get_config, live_server_or_fail, print_js
 from appserver.config import Config
 from appserver.errors import KernelError
 from appserver.server import Server
+from cron.adapter import KernelAdapter
 from cron.runner import run_task_now
-from cron.service import kernel_agent_name, kernel_await_outcome, kernel_submit
 from cron.store import CronNotFound, CronStore
 
 
@@ -49,13 +50,8 @@ def agent_names(config: Config) -> dict[str, str]:
     return asyncio.run(go())
 
 
-@click.command("run")
-@click.argument("task")
-@click.option("--agent", default=None, help="Agent of the task, when names repeat across agents.")
-@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
-@click.option("--json", "as_json", is_flag=True)
-def cron_run_command(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
-    """Run TASK now (works without the scheduler lease; through the server when one runs)."""
+def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
+    """Run TASK now: through the live server when one owns the home, else in this process."""
     config = get_config()
     live = live_server_or_fail(config.server_json)
     if live is not None:
@@ -67,13 +63,13 @@ def cron_run_command(task: str, agent: str | None, timeout: float, as_json: bool
         server = Server(config)
         await server.open()
         try:
+            adapter = KernelAdapter(server.kernel, server.store)
             result = await run_task_now(
                 config.home,
                 task,
                 agent=agent_id,
-                submit=kernel_submit(server),
-                agent_name=kernel_agent_name(server),
-                await_outcome=kernel_await_outcome(server),
+                fire=adapter.fire,
+                await_outcome=adapter.outcome,
                 outcome_timeout_s=timeout,
             )
             snapshot = (
@@ -124,7 +120,7 @@ def run_remote(
 ) -> dict[str, Any]:
     """Ask the live server to fire TASK (`cron_run` frame, admin scope) and follow the turn."""
     from appserver.cli.run import call_server
-    from appserver.ws.client import ProtocolClient
+    from appserver.client import ProtocolClient
 
     async def go() -> tuple[dict[str, Any], dict[str, Any]]:
         client = await ProtocolClient.connect(url, client="appserver-cron-run")

@@ -6,25 +6,29 @@ import os
 
 import click
 
-from appserver.cli.agents import agents_group
-from appserver.cli.chat import chat_command
 from appserver.cli.common import DEBUG_ENV, run_or_fail
-from appserver.cli.conversations import conversations_group
-from appserver.cli.cron import build_cron_group
-from appserver.cli.cron_run import agent_names, cron_run_command, validate_agent
-from appserver.cli.run import run_command
-from appserver.cli.serve import serve_command
-from appserver.cli.token import token_group
+from appserver.cli.lazy import LazyCommand, LazyGroup
+
+# Each command imports its own dependencies (uvicorn, the kernel) only when it runs (see cli/lazy.py).
+COMMANDS = {
+    "agents": LazyCommand("appserver.cli.agents:agents_group", "Manage agents."),
+    "chat": LazyCommand("appserver.cli.chat:chat_command", "Chat with an agent through the running server (WebSocket protocol)."),
+    "conversations": LazyCommand("appserver.cli.conversations:conversations_group", "Inspect conversations."),
+    "cron": LazyCommand("appserver.cli.cron:cron_group", "Schedule agent prompts: cron expressions, intervals and one-shot reminders."),
+    "run": LazyCommand("appserver.cli.run:run_command", "Run one turn of AGENT with TEXT and print the reply."),
+    "serve": LazyCommand("appserver.cli.serve:serve_command", "Run the server (one per home; see --standby)."),
+    "token": LazyCommand("appserver.cli.token:token_group", 'Create, list and revoke capability tokens (auth mode "token").'),
+}
 
 
-class _Main(click.Group):
+class _Main(LazyGroup):
     """Every command: an operator's error is one line and exit code 2 (see cli/common.py)."""
 
     def invoke(self, ctx: click.Context) -> object:
         return run_or_fail(lambda: super(_Main, self).invoke(ctx))
 
 
-@click.group(cls=_Main)
+@click.group(cls=_Main, lazy=COMMANDS)
 @click.option("--home", type=click.Path(file_okay=False), default=None, help="Home directory (default $APPSERVER_HOME or ~/.appserver).")
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(home: str | None, debug: bool) -> None:
@@ -36,16 +40,6 @@ def main(home: str | None, debug: bool) -> None:
     if debug:
         os.environ[DEBUG_ENV] = "1"
 
-
-main.add_command(serve_command)
-main.add_command(agents_group)
-main.add_command(conversations_group)
-main.add_command(run_command)
-main.add_command(chat_command)
-main.add_command(token_group)
-_cron = build_cron_group(validate_agent=validate_agent, agent_names=agent_names)
-_cron.add_command(cron_run_command)
-main.add_command(_cron)
 
 if __name__ == "__main__":
     main()

@@ -14,9 +14,7 @@ import click
 
 from appserver.cli.common import fail, get_config, live_server_or_fail, print_json, with_server
 from appserver.errors import InvalidInput, NotAwaiting
-from appserver.runtime.conversation import Decision
-from appserver.runtime.kernel import SubmitRequest
-from appserver.runtime.snapshot import TurnSnapshot
+from appserver.runtime import Decision, SubmitRequest, TurnSnapshot
 from appserver.server import Server
 from appserver.serverinfo import read_live_server
 
@@ -78,11 +76,10 @@ def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: t
         if answering:
             rec = await s.kernel.resolve_agent(agent)
             conv = await s.kernel.resolve_conversation(rec, conversation, create=False)
-            rt = await s.kernel.runtime(conv.id)
-            turn = rt.awaiting_turn
+            turn = await s.kernel.awaiting(conv.id)
             if turn is None:
                 raise NotAwaiting(f"conversation {conv.id} has no turn waiting for an answer")
-            handle = rt.handles[turn.id]
+            handle = await s.kernel.handle_for(turn)
             before = handle.controller.revision
             decisions = [Decision(c, "approve", decided_by="cli") for c in approve]
             decisions += [Decision(c, "deny", reason=reason, decided_by="cli") for c in deny]
@@ -150,7 +147,7 @@ def tell_connection(frame: dict[str, Any]) -> None:
 def run_remote(url: str, agent: str, conversation: str, text: str | None, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float, *, reconnect_wait: float = 30.0, url_source: Callable[[], str | None] | None = None) -> tuple[TurnSnapshot, str]:
     """One turn (or the answers to a paused one) through a live server's /ws protocol; the outcome
     is awaited across a failover (the client reconnects, possibly to a standby elsewhere)."""
-    from appserver.ws.client import ProtocolClient, ProtocolError
+    from appserver.client import ProtocolClient, ProtocolError
 
     async def on_frame(frame: dict[str, Any]) -> None:
         tell_connection(frame)
@@ -186,7 +183,7 @@ def run_remote(url: str, agent: str, conversation: str, text: str | None, approv
 
 def call_server(go: Callable[[], Coroutine[Any, Any, T]], url: str, timeout: float) -> T:
     """Run one protocol exchange with the live server; every failure is a one-line CLI error."""
-    from appserver.ws.client import ProtocolError
+    from appserver.client import ProtocolError
 
     try:
         return asyncio.run(go())

@@ -26,22 +26,22 @@ from appserver.auth import Authenticator
 from appserver.cli.common import StartupError, fail, get_config
 from appserver.config import Config, ConfigError
 from appserver.http.app import build_app
-from appserver.http.edge import (
+from appserver.http.requestid import install as install_request_ids
+from appserver.logredact import from_config as redactor_from_config
+from appserver.logredact import install as install_redactor
+from appserver.netaddr import check_bind_allowed, parse_listen, parse_trusted_proxies
+from appserver.security import SecurityGuard
+from appserver.security.edge import (
     AcceptErrorThrottle,
     EdgeLimits,
     EdgeWebSocketProtocol,
     fd_limit,
     protocol_class,
 )
-from appserver.http.guard import SecurityGuard
-from appserver.http.requestid import install as install_request_ids
-from appserver.logredact import from_config as redactor_from_config
-from appserver.logredact import install as install_redactor
-from appserver.netaddr import check_bind_allowed, parse_listen, parse_trusted_proxies
 from appserver.server import Server
 from appserver.serverinfo import HomeLock, claim_home, remove_server_json, write_server_json
+from appserver.services import Services, build_services
 from appserver.ws.hub import Hub
-from cron.service import cron_background
 
 log = logging.getLogger("appserver.serve")
 
@@ -77,9 +77,9 @@ class _UvicornServer(uvicorn.Server):
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
-    def __init__(self, config: uvicorn.Config, server: Server) -> None:
+    def __init__(self, config: uvicorn.Config, hub: Hub) -> None:
         super().__init__(config)
-        self.app_server = server
+        self.hub = hub
         self._stopping = False
 
     def _on_signal(self) -> None:
@@ -87,8 +87,7 @@ class _UvicornServer(uvicorn.Server):
             self.force_exit = self.should_exit = True
             return
         self._stopping = True
-        hub = self.app_server.services.get("ws_hub")
-        told = hub.broadcast_event("server_stopping", {"reason": "shutdown"}) if isinstance(hub, Hub) else 0
+        told = self.hub.broadcast_event("server_stopping", {"reason": "shutdown"})
         if not told:
             self.should_exit = True
             return
@@ -99,12 +98,10 @@ class _UvicornServer(uvicorn.Server):
         self.should_exit = True
 
 
-def build_asgi(config: Config, server: Server) -> tuple[SecurityGuard, Authenticator]:
+def build_asgi(config: Config, server: Server, services: Services) -> tuple[SecurityGuard, Authenticator]:
     """The whole app behind the security guard: every route, present and future, is covered."""
     authenticator = Authenticator(config)
-    return SecurityGuard(
-        build_app(server, background=[cron_background]), config, authenticator
-    ), authenticator
+    return SecurityGuard(build_app(server, services), config, authenticator), authenticator
 
 
 def refusal(config: Config, live: dict[str, Any] | None) -> str:
@@ -205,9 +202,12 @@ def check_tls_files(cert: str, key: str) -> None:
 
 
 async def _serve_locked(config: Config, host: str, port: int, *, accept_data_loss: bool = False) -> None:
+    # The composition root: the Server (store, providers, tools, kernel), then the services around
+    # it (hub, metrics, cron), each handed to the front ends that use it.
     server = Server(config)
     server.store.accept_data_loss = accept_data_loss
-    app, authenticator = build_asgi(config, server)
+    services = build_services(server)
+    app, authenticator = build_asgi(config, server, services)
     check_port_free(host, port)
     # Open the store (refusing a damaged one) and settle crashed turns before uvicorn runs the
     # lifespan, which then finds the server open: a refusal is one line, not a lifespan traceback.
@@ -224,7 +224,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         host=host,
         port=port,
         # httptools, explicitly, with the edge limits (head cap, head/body/idle timeouts,
-        # connection cap at accept): appserver/http/edge.py. Never "auto".
+        # connection cap at accept): appserver/security/edge.py. Never "auto".
         http=protocol_class(edge),
         ws=EdgeWebSocketProtocol,  # its handshake refusals carry x-request-id too
         timeout_keep_alive=max(1, math.ceil(edge.keepalive_timeout_s)),  # the protocol uses the exact value
@@ -250,7 +250,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         edge.max_connections, fd_limit(), edge.head_max_bytes, edge.head_timeout_s, edge.body_timeout_s,
         edge.keepalive_timeout_s, ", ".join(proxies) or "none",
     )
-    uv = _UvicornServer(uv_config, server)
+    uv = _UvicornServer(uv_config, services.hub)
     task = asyncio.create_task(uv.serve())
     while not uv.started:
         if task.done():

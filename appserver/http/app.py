@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -12,10 +11,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from appserver.http.bodies import JsonBodies
 from appserver.http.errors import error_response, new_request_id
 from appserver.http.openai_routes import openai_routes
 from appserver.http.requestid import current_request_id
 from appserver.server import Server
+from appserver.services import Services
 from appserver.ws.routes import ws_routes
 
 
@@ -53,28 +54,24 @@ async def server_error(request: Request, exc: Exception) -> Response:
     return error_response(500, f"The server had an error while processing your request (request id {rid}).", code="internal_error")
 
 
-BackgroundService = Callable[[Server], AbstractAsyncContextManager[Any]]
-
-
-def build_app(server: Server, *, extra_routes: list[BaseRoute] | None = None, background: list[BackgroundService] | None = None) -> Starlette:
+def build_app(server: Server, services: Services, *, extra_routes: list[BaseRoute] | None = None) -> Starlette:
     """Build the ASGI app. The lifespan opens the Server (store, crash settle), runs the background
-    services (e.g. the cron scheduler) while it serves, and closes everything in reverse order."""
+    services (`Services.running`) while it serves, and closes everything in reverse order."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await server.open(serve=True)
         try:
-            async with AsyncExitStack() as stack:
-                for service in background or []:
-                    await stack.enter_async_context(service(server))
+            async with services.running():
                 yield
         finally:
             await server.close()
 
     routes: list[BaseRoute] = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
-    routes.extend(openai_routes(server))
-    routes.extend(ws_routes(server))
+    routes.extend(openai_routes(server, services.metrics))
+    routes.extend(ws_routes(server, services.hub, services.cron))
     routes.extend(extra_routes or [])
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.server = server
+    app.state.json_bodies = JsonBodies(int(server.config.limits.max_messages))  # both OpenAI POST routes
     return app

@@ -71,9 +71,6 @@ class JsonBodies:
 
 
 def json_bodies(request: Request) -> JsonBodies:
-    """The server's `JsonBodies` (made on first use; both OpenAI POST routes share it)."""
-    server = request.app.state.server
-    bodies = server.services.get("json_bodies")
-    if not isinstance(bodies, JsonBodies):
-        bodies = server.services["json_bodies"] = JsonBodies(int(server.config.limits.max_messages))
+    """The app's `JsonBodies` (made by `build_app`; both OpenAI POST routes share it)."""
+    bodies: JsonBodies = request.app.state.json_bodies
     return bodies

@@ -49,8 +49,7 @@ from appserver.http.conversation_match import (
 from appserver.http.errors import ApiError, bad_request, error_body, turn_failure
 from appserver.http.sse import SSEResponse
 from appserver.providers.base import ToolSpec
-from appserver.runtime.conversation import Decision
-from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
+from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
 from appserver.store.records import AgentRecord
 
 if TYPE_CHECKING:
@@ -218,7 +217,7 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
 
 # OpenAI's ranges; a value outside is the client's error (400 with `param`), not an upstream one.
 RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
-MAX_OUTPUT_TOKENS = 10_000_000  # the most any agent may set (agents.py); more is surely a mistake
+MAX_OUTPUT_TOKENS = 10_000_000  # the most any agent may set (agent_admin.py); more is surely a mistake
 
 
 def number_options(body: dict[str, Any], max_key: tuple[str, ...]) -> dict[str, Any]:
@@ -393,10 +392,10 @@ def failure(snap: TurnSnapshot) -> ApiError:
 
 
 class ChatCompletions:
-    def __init__(self, server: Server, metrics: Metrics) -> None:
+    def __init__(self, server: Server, metrics: Metrics, matcher: ConversationMatcher) -> None:
         self.server = server
         self.metrics = metrics
-        self.matcher = ConversationMatcher(server)
+        self.matcher = matcher
 
     async def post(self, request: Request) -> Response:
         principal = principal_of(request)

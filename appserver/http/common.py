@@ -20,9 +20,7 @@ from appserver.http.bodies import json_bodies
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
-from appserver.runtime.conversation import Decision, TurnHandle
-from appserver.runtime.kernel import SubmitRequest
-from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
+from appserver.runtime import TERMINAL_STATUSES, Decision, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
 if TYPE_CHECKING:
@@ -261,11 +259,7 @@ class TurnRun:
         """The client went away: cancel this turn if it is the conversation's current one, or drop
         it from the queue if it has not started (nobody is left to read its answer)."""
         try:
-            rt = await self.server.kernel.runtime(self.conversation_id)
-            if rt.lifecycle.turn_id == self.turn_id:
-                await self.server.kernel.cancel(self.conversation_id)
-            elif await rt.withdraw(self.turn_id):
-                log.info("dropped queued turn %s of conversation %s: its client went away before it started", self.turn_id, self.conversation_id)
+            await self.server.kernel.cancel(self.conversation_id, self.turn_id)
         except Exception:
             log.exception("could not cancel turn %s after a disconnect", self.turn_id)
 
@@ -286,8 +280,7 @@ def approval_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:
 
 async def pending_call_ids(server: Server, conversation_id: str) -> list[str]:
     """Ids (as clients see them: `mcpr_…` for approvals) of the calls a paused turn waits for."""
-    rt = await server.kernel.runtime(conversation_id)
-    awaiting = rt.awaiting_turn
+    awaiting = await server.kernel.awaiting(conversation_id)
     if awaiting is None:
         return []
     pending = [p for p in await server.store.list_pending(awaiting.id) if p.status == "pending"]
@@ -324,11 +317,10 @@ async def start_turn(
         if decisions:
             if content:
                 raise ApiError(400, "send tool results (or approval answers) and new user input in separate requests", code="mixed_input")
-            rt = await kernel.runtime(conversation_id)
-            awaiting = rt.awaiting_turn
+            awaiting = await kernel.awaiting(conversation_id)
             if awaiting is None:
                 raise ApiError(409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting")
-            handle = rt.handles.get(awaiting.id) or await kernel.handle_for(awaiting)
+            handle = await kernel.handle_for(awaiting)
             # A stateless client resends every answer it gave: one this turn already has (the same
             # answer) is history, not new input. Only the others are answers now.
             given = {p.call_id: p for p in await server.store.list_pending(awaiting.id) if p.status != "pending"}

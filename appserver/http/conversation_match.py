@@ -228,18 +228,15 @@ class ConversationMatcher:
     def __init__(self, server: Server) -> None:
         self.server = server
         self.store = server.store
-        # shared by the chat and responses routes (both match on the same history points)
-        claims = server.services.setdefault("openai.head_claims", set())
-        assert isinstance(claims, set)
-        self.claims: set[str] = claims
+        # one matcher serves the chat and responses routes (both match on the same history points)
+        self.claims: set[str] = set()
 
     def free(self, conversation_id: str) -> bool:
         """Nothing is on its way into this conversation: unclaimed, no turn running or queued (a
         turn paused for answers is at its head: the answers continue it)."""
         if conversation_id in self.claims:
             return False
-        rt = self.server.kernel.runtimes.get(conversation_id)
-        return rt is None or not rt.in_flight
+        return not self.server.kernel.in_flight(conversation_id)
 
     def claim(self, conversation_id: str) -> None:
         self.claims.add(conversation_id)
@@ -292,11 +289,11 @@ class ConversationMatcher:
             await self.store.append_messages(conv.id, records)
         if answers is not None and paused is not None:
             await self._write_paused(conv, paused, answers)
-            await self.server.kernel.runtime(conv.id, conv=conv)  # adopts the paused turn
+            await self.server.kernel.adopt(conv, paused=True)
             return
         # No turns yet and (unless copied) exactly these messages: the submit that follows finds its
         # runtime loaded, with no lookups.
-        await self.server.kernel.runtime(conv.id, conv=conv, fresh=True, history=None if copy else records)
+        await self.server.kernel.adopt(conv, history=None if copy else records)
 
     async def _write_paused(self, conv: ConversationRecord, paused: Paused, answers: Answers) -> None:
         """A turn of `conv` paused at the open calls, as the runtime leaves one (DESIGN §4.4)."""

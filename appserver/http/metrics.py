@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 if TYPE_CHECKING:
-    from appserver.runtime.snapshot import TurnSnapshot
+    from appserver.runtime import TurnSnapshot
     from appserver.server import Server
     from appserver.store.records import TurnRecord
 
@@ -40,14 +40,14 @@ class Metrics:
         self.queue_depth = Gauge("appserver_queue_depth", "Inputs queued across all conversations in memory", registry=r)
         self.queue_depth.set_function(self._queue_depth)
         self.runtimes = Gauge("appserver_conversation_runtimes", "Conversation runtimes in memory", registry=r)
-        self.runtimes.set_function(lambda: len(self.server.kernel.runtimes))
-        server.kernel.settled_listeners.append(self.on_turn_settled)
+        self.runtimes.set_function(lambda: self.server.kernel.runtime_count)
+        server.kernel.on_settled(self.on_turn_settled)
         # Labelled children, looked up once: `labels()` validates and locks on every call.
         self._request_counts: dict[tuple[str, str, int], Any] = {}
         self._turn_counts: dict[str, Any] = {}
 
     def _queue_depth(self) -> float:
-        return float(sum(len(rt.queue) for rt in list(self.server.kernel.runtimes.values())))
+        return float(self.server.kernel.queue_depth())
 
     def on_turn_settled(self, record: TurnRecord, snapshot: TurnSnapshot) -> None:
         child = self._turn_counts.get(record.status)

@@ -16,6 +16,7 @@ from appserver.http.common import (
     resolve_model,
     visible_agents,
 )
+from appserver.http.conversation_match import ConversationMatcher
 from appserver.http.errors import ApiError
 from appserver.http.metrics import Metrics
 from appserver.http.responses import Responses
@@ -24,11 +25,10 @@ from appserver.server import Server
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]  # api_route answers each
 
 
-def openai_routes(server: Server) -> list[BaseRoute]:
-    metrics = Metrics(server)
-    server.services["metrics"] = metrics
-    chat = ChatCompletions(server, metrics)
-    responses = Responses(server, metrics)
+def openai_routes(server: Server, metrics: Metrics) -> list[BaseRoute]:
+    matcher = ConversationMatcher(server)  # one for both routes: they match on the same history points
+    chat = ChatCompletions(server, metrics, matcher)
+    responses = Responses(server, metrics, matcher)
 
     async def list_models(request: Request) -> Response:
         agents = await server.store.list_agents()

@@ -60,8 +60,7 @@ from appserver.http.conversation_match import (
 from appserver.http.errors import ApiError, bad_request, turn_failure
 from appserver.http.sse import SSEItem, SSEResponse
 from appserver.providers.base import ToolSpec
-from appserver.runtime.conversation import Decision
-from appserver.runtime.snapshot import TERMINAL_STATUSES, TurnSnapshot
+from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
 from appserver.store.records import AgentRecord, ResponseRecord
 
 if TYPE_CHECKING:
@@ -449,10 +448,10 @@ def final_status(snap: TurnSnapshot) -> str:
 
 
 class Responses:
-    def __init__(self, server: Server, metrics: Metrics) -> None:
+    def __init__(self, server: Server, metrics: Metrics, matcher: ConversationMatcher) -> None:
         self.server = server
         self.metrics = metrics
-        self.matcher = ConversationMatcher(server)
+        self.matcher = matcher
 
     async def _stored(self, request: Request) -> ResponseRecord:
         rid = request.path_params["response_id"]

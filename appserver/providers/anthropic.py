@@ -32,7 +32,8 @@ from appserver.providers.base import (
     Usage,
     error_from_status,
 )
-from appserver.providers.openai_compat import (
+from appserver.providers.sse import SSEDecoder
+from appserver.providers.upstream import (
     as_dict,
     as_str,
     default_client,
@@ -40,7 +41,6 @@ from appserver.providers.openai_compat import (
     request_timeout,
     transport_error,
 )
-from appserver.providers.sse import SSEDecoder
 
 ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 8192

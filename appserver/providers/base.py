@@ -130,6 +130,14 @@ ErrorKind = Literal[
     "protocol",  # upstream spoke something we cannot parse
 ]
 
+# Transient kinds: the same request may succeed later. Whether to retry also depends on the
+# attempt and on output already shown (see retry.py).
+RETRYABLE_KINDS: frozenset[str] = frozenset({"network", "timeout", "rate_limit", "server"})
+
+
+def is_retryable_kind(kind: ErrorKind | str) -> bool:
+    return kind in RETRYABLE_KINDS
+
 
 class ProviderError(Exception):
     """A structured upstream failure; the retry policy decides on (kind, status, attempt)."""
@@ -151,8 +159,6 @@ class ProviderError(Exception):
         self.body = body
 
     def to_dict(self) -> dict[str, Any]:
-        from appserver.providers.retry import is_retryable_kind
-
         return {
             "kind": self.kind,
             "status": self.status,

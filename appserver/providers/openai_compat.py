@@ -34,12 +34,19 @@ from appserver.providers.base import (
     Usage,
     error_from_status,
 )
-from appserver.providers.fasttransport import LeanClient, lean_transport
-from appserver.providers.retry import parse_retry_after
+from appserver.providers.fasttransport import LeanClient
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
+from appserver.providers.upstream import (
+    as_dict,
+    as_str,
+    default_client,
+    error_message_from_body,
+    read_error_response,
+    request_timeout,
+    transport_error,
+)
 
-_ERROR_BODY_MAX = 64 * 1024
 _decode = json.JSONDecoder().decode  # json.loads without its per-call checks (payloads are str)
 # The request body exactly as httpx's `json=` writes it (NaN and infinities refused), encoded here
 # so that the lean transport gets bytes.
@@ -59,85 +66,9 @@ _FINISH: dict[str, FinishReason] = {
 }
 
 
-def as_dict(value: Any) -> dict[str, Any]:
-    """Upstream JSON is untrusted: a field that should be an object but isn't counts as empty."""
-    return value if isinstance(value, dict) else {}
-
-
-def as_str(value: Any) -> str:
-    return value if isinstance(value, str) else ""
-
-
 def map_finish_reason(raw: Any) -> FinishReason:
     """Upstream finish reason → base.FinishReason (unknown values stay visible as "unknown")."""
     return _FINISH.get(raw, "unknown") if isinstance(raw, str) else "unknown"
-
-
-# ---------------------------------------------------------------- shared HTTP helpers
-
-
-def error_message_from_body(body: Any, fallback: str) -> str:
-    """Pull a human message out of the error shapes upstreams use (OpenAI, Ollama, FastAPI...)."""
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict):
-            msg = err.get("message")
-            if isinstance(msg, str) and msg:
-                return msg
-        if isinstance(err, str) and err:
-            return err
-        for key in ("message", "detail"):
-            val = body.get(key)
-            if isinstance(val, str) and val:
-                return val
-    if isinstance(body, str) and body.strip():
-        return body.strip()[:500]
-    return fallback
-
-
-async def read_error_response(resp: httpx.Response) -> ProviderError:
-    """Turn a non-2xx upstream answer into a classified ProviderError (Retry-After honoured)."""
-    raw = bytearray()
-    try:
-        async for part in resp.aiter_bytes():
-            raw += part
-            if len(raw) >= _ERROR_BODY_MAX:
-                break
-    except httpx.HTTPError:
-        pass  # the status alone still classifies the failure
-    text = raw.decode("utf-8", errors="replace")
-    body: Any
-    try:
-        body = json.loads(text) if text.strip() else None
-    except ValueError:
-        body = text
-    message = error_message_from_body(body, f"upstream answered HTTP {resp.status_code}")
-    return error_from_status(
-        resp.status_code, message, body=body, retry_after_s=parse_retry_after(resp.headers)
-    )
-
-
-def transport_error(exc: Exception) -> ProviderError:
-    """httpx failures → ProviderError kinds (timeouts and network faults are retryable)."""
-    if isinstance(exc, httpx.TimeoutException):
-        return ProviderError("timeout", f"upstream timed out: {type(exc).__name__}")
-    if isinstance(exc, httpx.DecodingError):
-        return ProviderError("protocol", f"cannot decode upstream body: {exc}")
-    detail = str(exc) or type(exc).__name__
-    return ProviderError("network", f"upstream connection failed: {detail}")
-
-
-def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
-    """One pooled keep-alive client per provider, on the lean transport (providers/fasttransport.py)
-    unless the provider's config asks for httpx's own (`transport = "httpx"`)."""
-    if cfg.transport == "httpx":
-        return httpx.AsyncClient(timeout=request_timeout(cfg))
-    return LeanClient(timeout=request_timeout(cfg), transport=lean_transport())
-
-
-def request_timeout(cfg: ProviderConfig) -> httpx.Timeout:
-    """Read timeout is between bytes, so long generations are fine; connect fails fast."""
-    return httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
 
 
 # ---------------------------------------------------------------- response parsing

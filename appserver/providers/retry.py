@@ -9,13 +9,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from appserver.providers.base import ErrorKind, ProviderError
-
-RETRYABLE_KINDS: frozenset[str] = frozenset({"network", "timeout", "rate_limit", "server"})
-
-
-def is_retryable_kind(kind: ErrorKind | str) -> bool:
-    return kind in RETRYABLE_KINDS
+from appserver.providers.base import ProviderError, is_retryable_kind
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,38 @@
+"""The kernel's public face: every front end (HTTP, WebSocket, CLI, cron) imports from here only.
+
+Everything else in this package is the kernel's inside and may change shape freely.
+"""
+
+from appserver.runtime.handle import Decision, TurnHandle
+from appserver.runtime.kernel import Kernel, SettledListener, Submission, SubmitRequest, new_id
+from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.runtime.types import (
+    SETTLED_SNAPSHOT_STATUS,
+    TERMINAL_STATUSES,
+    LifecycleState,
+    Phase,
+    SnapshotStatus,
+    StopReason,
+    TerminalStatus,
+)
+from appserver.runtime.watch import Watch
+
+__all__ = [
+    "SETTLED_SNAPSHOT_STATUS",
+    "TERMINAL_STATUSES",
+    "Decision",
+    "Kernel",
+    "LifecycleState",
+    "Phase",
+    "SettledListener",
+    "SnapshotStatus",
+    "StopReason",
+    "Submission",
+    "SubmitRequest",
+    "TerminalStatus",
+    "TurnController",
+    "TurnHandle",
+    "TurnSnapshot",
+    "Watch",
+    "new_id",
+]

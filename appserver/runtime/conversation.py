@@ -15,48 +15,27 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from appserver.agent.events import ToolCallStatus
 from appserver.agent.loop import LoopOutcome, TurnWork, resolution_text
 from appserver.errors import InvalidInput, NotAwaiting, NotFound, QueueFull
 from appserver.providers.base import ToolSpec
 from appserver.runtime.chatcache import ChatCache
+from appserver.runtime.deps import RuntimeDeps
+from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
+from appserver.runtime.restore import controller_from_store
+from appserver.runtime.settle import TurnEnd, cancel_wins, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
-from appserver.store.base import DuplicateTurn, StoreError
+from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
+from appserver.store.base import StoreError
 from appserver.store.records import AgentRecord, MessageRecord, PendingCall, TurnCommit, TurnRecord
-
-if TYPE_CHECKING:
-    from appserver.runtime.kernel import Kernel
 
 log = logging.getLogger("appserver.runtime")
 
-SNAPSHOT_STATUS = {"completed": "completed", "cancelled": "cancelled", "failed": "failed", "interrupted": "cancelled"}
 RECENT_HANDLES = 16
 CANCELLED_UNANSWERED = "The turn was cancelled before this call was answered; it was not executed."
-
-
-@dataclass(slots=True)
-class TurnHandle:
-    turn_id: str
-    conversation_id: str
-    controller: TurnController
-
-    async def wait_settled(self, timeout: float | None = None, *, after_revision: int = -1) -> Any:
-        return await self.controller.wait_settled(timeout, after_revision=after_revision)
-
-
-@dataclass(slots=True, frozen=True)
-class Decision:
-    """An answer to a pending call: approve/deny (approvals) or a result (client tools)."""
-
-    call_id: str
-    action: str  # approve | deny | result
-    output: str | None = None
-    is_error: bool = False
-    reason: str | None = None
-    decided_by: str | None = None
 
 
 @dataclass(slots=True)
@@ -80,8 +59,8 @@ class _Resume:
 
 
 class ConversationRuntime:
-    def __init__(self, kernel: Kernel, conversation_id: str, agent_id: str) -> None:
-        self.kernel = kernel
+    def __init__(self, deps: RuntimeDeps, conversation_id: str, agent_id: str) -> None:
+        self.deps = deps
         self.conversation_id = conversation_id
         self.agent_id = agent_id
         self.lifecycle = TurnLifecycle()
@@ -128,16 +107,16 @@ class ConversationRuntime:
 
     async def load(self) -> None:
         """Adopt a paused turn from the store (survives restarts and other processes)."""
-        awaiting = await self.kernel.store.list_turns(self.conversation_id, statuses=["awaiting"])
+        awaiting = await self.deps.store.list_turns(self.conversation_id, statuses=["awaiting"])
         if not awaiting:
             return
         turn = awaiting[-1]
-        pending = await self.kernel.store.list_pending(turn.id)
-        controller = await self.kernel.controller_from_store(turn, pending)
+        pending = await self.deps.store.list_pending(turn.id)
+        controller = await controller_from_store(self.deps.store, turn, pending)
         self.handles[turn.id] = TurnHandle(turn.id, self.conversation_id, controller)
         self.lifecycle.restore_awaiting(turn.id)
         self._awaiting = turn
-        await self._expire_overdue()
+        await self.expire_overdue()
         if self.lifecycle.state == "awaiting" and self._resume is None:
             await self._maybe_resume()
             if self.lifecycle.state == "awaiting":
@@ -150,7 +129,7 @@ class ConversationRuntime:
 
     async def history(self) -> list[MessageRecord]:
         if self._history is None:
-            self._history = await self.kernel.store.list_messages(self.conversation_id)
+            self._history = await self.deps.store.list_messages(self.conversation_id)
         return self._history
 
     def _notify(self, handle: TurnHandle) -> None:
@@ -183,11 +162,11 @@ class ConversationRuntime:
         just now, which such a turn then runs with instead of reading it again.
         """
         waiting = len(self.queue) + self._accepting
-        if waiting >= self.kernel.config.limits.queue_max:
-            raise QueueFull(f"conversation {self.conversation_id} has {waiting} inputs queued (limit {self.kernel.config.limits.queue_max}); try again later")
+        if waiting >= self.deps.config.limits.queue_max:
+            raise QueueFull(f"conversation {self.conversation_id} has {waiting} inputs queued (limit {self.deps.config.limits.queue_max}); try again later")
         position = waiting + (1 if self.lifecycle.busy else 0)
         record.status = "queued" if position else "running"
-        record.owner = self.kernel.owner
+        record.owner = self.deps.owner
         if position == 0:
             record.started_at = time.time()
         if overlap and position == 0 and idempotency_scope is None and self._worker is None and not self._shutdown:
@@ -195,12 +174,12 @@ class ConversationRuntime:
         # The accept commits with the next group commit: until then this input holds its place.
         self._accepting += 1
         try:
-            await self.kernel.store.accept_turn(record, idempotency_scope)  # raises DuplicateTurn
+            await self.deps.store.accept_turn(record, idempotency_scope)  # raises DuplicateTurn
         except asyncio.CancelledError:
             # The commit may have landed just before the cancel reached us: queue the turn all the
             # same, or it would sit in the store as accepted with nobody to run it.
             self._accepting -= 1
-            if await self.kernel.store.get_turn(record.id) is not None:
+            if await self.deps.store.get_turn(record.id) is not None:
                 self._queue_accepted(record, position)
             raise
         except BaseException:
@@ -222,7 +201,7 @@ class ConversationRuntime:
         return handle
 
     async def _accept_overlapped(self, record: TurnRecord, handle: TurnHandle) -> None:
-        await self.kernel.store.accept_turn(record, None)
+        await self.deps.store.accept_turn(record, None)
         self._remember(handle)
         self._notify(handle)
 
@@ -254,6 +233,15 @@ class ConversationRuntime:
         self._ensure_worker()
         return handle
 
+    def requeue(self, record: TurnRecord) -> None:
+        """Queue a turn a dead process accepted but never began (server start)."""
+        record.owner = self.deps.owner
+        controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=len(self.queue) + 1)
+        handle = TurnHandle(record.id, self.conversation_id, controller)
+        self.handles[record.id] = handle
+        self.queue.append(_Queued(record, handle))
+        self._ensure_worker()
+
     def _ensure_worker(self) -> None:
         if self._worker is None and not self._shutdown:
             self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"conversation:{self.conversation_id}")
@@ -267,7 +255,7 @@ class ConversationRuntime:
                     record = resume.record
                     handle = self.handles.get(record.id)
                     if handle is None:
-                        controller = await self.kernel.controller_from_store(record, await self.kernel.store.list_pending(record.id))
+                        controller = await controller_from_store(self.deps.store, record, await self.deps.store.list_pending(record.id))
                         handle = TurnHandle(record.id, self.conversation_id, controller)
                         self._remember(handle)
                     await self._run(record, handle, resume)
@@ -288,7 +276,7 @@ class ConversationRuntime:
         """Run one turn segment: a queued turn (`cancelled`: cancelled before it began), or a
         paused one under the lease `_take_paused` took for it (resumed, or closed when that lease
         was cancelled). Ends in `_finish`."""
-        kernel = self.kernel
+        deps = self.deps
         controller = handle.controller
         if resume is None:
             lease = self.lifecycle.begin(record.id)
@@ -304,12 +292,12 @@ class ConversationRuntime:
         try:
             if (record.status != "running" or resume is not None) and not lease.cancel_event.is_set():
                 record.status = "running"
-                await kernel.store.mark_turn_running(record.id, kernel.owner, controller.revision)
+                await deps.store.mark_turn_running(record.id, deps.owner, controller.revision)
                 self.lifecycle.check(lease)
             history = await self.history()
             self.lifecycle.check(lease)
             if agent is None:
-                agent = await kernel.store.get_agent(record.agent_id)
+                agent = await deps.store.get_agent(record.agent_id)
                 self.lifecycle.check(lease)
             if agent is None:
                 raise NotFound(f"agent {record.agent_id} was deleted")
@@ -344,7 +332,7 @@ class ConversationRuntime:
                 drafts = self._schedule_draft(lease, controller, record.id, -1)
                 self._loop_running = True  # from here a cancel cancels the worker (see cancel)
                 try:
-                    outcome = await kernel.agent_loop.run(work, emit, resume.resolved if resume is not None else None)
+                    outcome = await deps.agent_loop.run(work, emit, resume.resolved if resume is not None else None)
                 except asyncio.CancelledError:
                     if not self._loop_cancelled:
                         raise  # the worker itself is being torn down
@@ -371,17 +359,16 @@ class ConversationRuntime:
         # until now wins (the ack said so), any later one is refused.
         try:
             if self.lifecycle.settle(lease, pausing=outcome.status == "awaiting") and outcome.status not in ("cancelled", "interrupted"):
-                outcome = _cancel_wins(work)
+                outcome = cancel_wins(work)
         except StaleLease:
             return
         not_accepted = await self._accepted(accepting)
         if not_accepted is not None:
             # Never accepted, so never acknowledged nor visible: nothing of it may be written.
             log.error("turn %s could not be accepted: %s", record.id, not_accepted)
-            controller.finish("failed", "error", {"kind": "store", "message": f"the turn could not be saved: {not_accepted}", "retryable": False, "status": None})
-            self.lifecycle.finish(lease)
+            await self._finish(record, controller, lease, store_failure(not_accepted))
             return
-        await self._finish(lease, record, work, controller, outcome)
+        await self._finish(record, controller, lease, loop_end(record.id, work, outcome, controller.revision + 1))
 
     async def _save_calls(self, record: TurnRecord, work: TurnWork, controller: TurnController) -> None:
         """Before a server tool acts on the world, make the turn's messages so far (the assistant
@@ -392,7 +379,7 @@ class ConversationRuntime:
         messages = list(work.new_messages)
         if not any(m.role == "assistant" and m.tool_calls for m in messages):
             return
-        write = asyncio.ensure_future(self.kernel.store.checkpoint_turn(self.conversation_id, record.id, messages, iteration=work.iteration, usage=dict(work.usage)))
+        write = asyncio.ensure_future(self.deps.store.checkpoint_turn(self.conversation_id, record.id, messages, iteration=work.iteration, usage=dict(work.usage)))
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
@@ -415,18 +402,18 @@ class ConversationRuntime:
         the answer it got, or saying it was cancelled."""
         await self._cancel_open_calls(record.id)
         answered = {m.tool_call_id for m in work.history if m.role == "tool"}
-        for p in await self.kernel.store.list_pending(record.id):
+        for p in await self.deps.store.list_pending(record.id):
             if p.call_id in answered:
                 continue
             if p.status == "approved":
                 text, is_error = f"The call to {p.name} was approved, but the turn was cancelled before it ran; it was not executed.", True
             else:
-                text, is_error = resolution_text(p, self.kernel.config), p.status != "result" or p.is_error
+                text, is_error = resolution_text(p, self.deps.config), p.status != "result" or p.is_error
             emit(ToolCallStatus(p.call_id, "denied" if p.status == "denied" else "failed" if is_error else "completed", text, is_error))
             work.new_messages.append(MessageRecord(role="tool", content=text, turn_id=record.id, iteration=work.iteration, tool_call_id=p.call_id, name=p.name, is_error=is_error))
 
     async def _cancel_open_calls(self, turn_id: str) -> None:
-        store = self.kernel.store
+        store = self.deps.store
         for p in await store.list_pending(turn_id):
             if p.status == "pending":
                 await store.resolve_pending(self.conversation_id, p.call_id, "cancelled", reason=CANCELLED_UNANSWERED, is_error=True)
@@ -436,7 +423,7 @@ class ConversationRuntime:
 
         A timer, not a task: most turns end before the first tick and then cost nothing.
         """
-        interval = self.kernel.config.limits.draft_interval_s
+        interval = self.deps.config.limits.draft_interval_s
         loop = asyncio.get_running_loop()
 
         def tick() -> None:
@@ -445,60 +432,42 @@ class ConversationRuntime:
             nonlocal_saved = saved
             if controller.revision != saved and controller.visible_text():
                 nonlocal_saved = controller.revision
-                loop.create_task(self.kernel.store.save_draft(turn_id, controller.draft(self._draft_base)))
+                loop.create_task(self.deps.store.save_draft(turn_id, controller.draft(self._draft_base)))
             self._draft_timer = self._schedule_draft(lease, controller, turn_id, nonlocal_saved)
 
         return loop.call_later(interval, tick)
 
-    async def _finish(self, lease: Lease, record: TurnRecord, work: TurnWork, controller: TurnController, outcome: LoopOutcome) -> None:
-        """The one place a turn (segment) ends: commit, then publish, then release the lifecycle."""
-        status, stop_reason, error = outcome.status, outcome.stop_reason, outcome.error
-        messages = work.new_messages
-        if status in ("cancelled", "interrupted", "failed"):
-            messages = settle_messages(work, "interrupted" if status == "interrupted" else "cancelled" if status == "cancelled" else "incomplete")
-        if stop_reason == "end_turn" and messages:
-            last = [m for m in messages if m.role == "assistant"]
-            if last and last[-1].tool_calls:
-                status, stop_reason = "failed", "error"
-                error = {"kind": "internal", "message": "the turn streamed a tool call but tried to end with end_turn", "retryable": False, "status": None}
-        pending = work.pending if status == "awaiting" else []
-        commit = TurnCommit(
-            turn_id=record.id,
-            status=status,  # type: ignore[arg-type]
-            stop_reason=stop_reason,
-            messages=messages,
-            pending=pending,
-            error=error,
-            usage=dict(work.usage),
-            revision=controller.revision + 1,
-            iteration=work.iteration,
-        )
-        try:
-            await self.kernel.store.commit_turn(self.conversation_id, commit)
-        except Exception as exc:
-            log.exception("could not commit turn %s", record.id)
-            controller.finish("failed", "error", {"kind": "store", "message": f"the turn could not be saved: {exc}", "retryable": False, "status": None})
-            self.lifecycle.finish(lease)
-            self._history = None
-            self._chat.clear()
-            return
-        record.input_committed = True
-        record.iteration = work.iteration
-        record.usage = dict(work.usage)
-        record.status = status  # type: ignore[assignment]
-        if self._history is not None:
-            self._history.extend(messages)
-        if status == "awaiting":
+    async def _finish(self, record: TurnRecord, controller: TurnController, lease: Lease | None, end: TurnEnd) -> None:
+        """The one place a turn (segment) ends: commit, then settle, then publish. `lease` is None
+        only for a queued turn that never began (withdrawn): it holds no lifecycle."""
+        commit = end.commit
+        if commit is not None:
+            try:
+                await self.deps.store.commit_turn(self.conversation_id, commit)
+            except Exception as exc:
+                log.exception("could not commit turn %s", record.id)
+                end = store_failure(exc)
+                self._history = None
+                self._chat.clear()
+            else:
+                record.input_committed = record.input_committed or commit.input_committed
+                record.iteration = commit.iteration
+                record.usage = dict(commit.usage)
+                if self._history is not None:
+                    self._history.extend(commit.messages)
+        record.status = end.status
+        if end.status == "awaiting" and commit is not None and lease is not None:
             self._awaiting = record
-            controller.mark_pending_blocks(pending)
-            controller.pause(stop_reason, pending)
+            controller.mark_pending_blocks(commit.pending)
+            controller.pause(end.stop_reason, commit.pending)
             self.lifecycle.pause(lease)
-            self._arm_expiry(pending)
+            self._arm_expiry(commit.pending)
         else:
-            controller.finish(SNAPSHOT_STATUS[status], stop_reason, error)
-            self.lifecycle.finish(lease)
-        self.kernel.turn_settled(record, controller.snapshot())
-        if status == "awaiting" and lease.cancel_event.is_set():
+            controller.finish(SETTLED_SNAPSHOT_STATUS[end.status], end.stop_reason, end.error)
+            if lease is not None:
+                self.lifecycle.finish(lease)
+        self.deps.settled(record, controller.snapshot())
+        if end.status == "awaiting" and lease is not None and lease.cancel_event.is_set():
             self._take_paused(record, None)  # a cancel accepted while the pause was being saved
 
     # ------------------------------------------------------------ answers to pending calls
@@ -508,7 +477,7 @@ class ConversationRuntime:
             raise NotAwaiting(f"conversation {self.conversation_id} has no turn waiting for an answer")
         turn = self._awaiting
         results: list[dict[str, Any]] = []
-        store = self.kernel.store
+        store = self.deps.store
         for d in decisions:
             p = await store.get_pending(self.conversation_id, d.call_id)
             if p is None or p.turn_id != turn.id:
@@ -536,7 +505,7 @@ class ConversationRuntime:
         turn = self._awaiting
         if turn is None or self._resume is not None or self.lifecycle.state != "awaiting":
             return
-        pending = await self.kernel.store.list_pending(turn.id)
+        pending = await self.deps.store.list_pending(turn.id)
         if any(p.status == "pending" for p in pending):
             handle = self.handles.get(turn.id)
             if handle is not None:
@@ -573,22 +542,22 @@ class ConversationRuntime:
 
     async def _on_expiry(self) -> None:
         self._expiry = None
-        await self._expire_overdue()
+        await self.expire_overdue()
         if self._awaiting is not None and self._resume is None and self.lifecycle.state == "awaiting":
-            self._arm_expiry(await self.kernel.store.list_pending(self._awaiting.id))
+            self._arm_expiry(await self.deps.store.list_pending(self._awaiting.id))
 
-    async def _expire_overdue(self) -> None:
+    async def expire_overdue(self) -> None:
         turn = self._awaiting
         if turn is None:
             return
         now = time.time()
         changed = False
-        for p in await self.kernel.store.list_pending(turn.id):
+        for p in await self.deps.store.list_pending(turn.id):
             if p.status == "pending" and p.expires_at is not None and p.expires_at <= now:
                 reason = None
                 if p.kind == "client":
                     reason = f"The client did not return a result for {p.name} within the tool timeout; the call has no result."
-                changed |= await self.kernel.store.resolve_pending(self.conversation_id, p.call_id, "expired", reason=reason, is_error=True)
+                changed |= await self.deps.store.resolve_pending(self.conversation_id, p.call_id, "expired", reason=reason, is_error=True)
         if changed:
             await self._maybe_resume()
 
@@ -627,10 +596,9 @@ class ConversationRuntime:
         for i, q in enumerate(self.queue):
             q.handle.controller.set_queue_position(i + 1)
         controller = item.handle.controller
-        await self.kernel.store.commit_turn(self.conversation_id, TurnCommit(turn_id, "cancelled", "cancelled", [], revision=controller.revision + 1, input_committed=False))
-        controller.finish("cancelled", "cancelled", {"kind": "withdrawn", "message": "the client went away before this input started; it was dropped", "retryable": False, "status": None})
-        item.record.status = "cancelled"
-        self.kernel.turn_settled(item.record, controller.snapshot())
+        commit = TurnCommit(turn_id, "cancelled", "cancelled", [], revision=controller.revision + 1, input_committed=False)
+        error = {"kind": "withdrawn", "message": "the client went away before this input started; it was dropped", "retryable": False, "status": None}
+        await self._finish(item.record, controller, None, TurnEnd("cancelled", "cancelled", error, commit))
         return True
 
     async def shutdown(self) -> None:
@@ -650,52 +618,4 @@ def _retrieved(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
-def _cancel_wins(work: TurnWork) -> LoopOutcome:
-    """The loop ended after a cancel was accepted (say a tool swallowed it): the turn ends
-    cancelled as promised, and its last reply says so too."""
-    work.pending = []
-    for m in reversed(work.new_messages):
-        if m.role == "assistant":
-            if not m.tool_calls:
-                m.completion_status = "cancelled"
-            break
-    return LoopOutcome("cancelled", "cancelled")
-
-
-def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecord]:
-    """Messages to keep from a turn that stopped early, valid for every provider.
-
-    Visible assistant text is kept (marked with `completion_status`); reasoning-only output is not;
-    every tool call without a result gets a synthetic error result.
-    """
-    messages = list(work.new_messages)
-    partial = work.partial
-    if partial is not None and "".join(partial.text):
-        messages.append(
-            MessageRecord(role="assistant", content="".join(partial.text), turn_id=work.turn_id, iteration=work.iteration, completion_status=completion_status)
-        )
-    answered = {m.tool_call_id for m in messages if m.role == "tool"}
-    answered |= {m.tool_call_id for m in work.history if m.role == "tool"}
-    out: list[MessageRecord] = []
-    for m in work.history:  # a resumed turn: calls committed at the pause, answered but never run
-        if m.role == "assistant" and m.turn_id == work.turn_id:
-            for c in m.tool_calls:
-                if c["id"] not in answered:
-                    answered.add(c["id"])
-                    out.append(
-                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
-                    )
-    for m in messages:
-        out.append(m)
-        if m.role == "assistant" and m.tool_calls:
-            for c in m.tool_calls:
-                if c["id"] not in answered:
-                    answered.add(c["id"])
-                    out.append(
-                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
-                    )
-    # Results that were produced for calls of this turn stay after their call, in order.
-    return out
-
-
-__all__ = ["ConversationRuntime", "Decision", "DuplicateTurn", "TurnHandle", "settle_messages"]
+__all__ = ["ConversationRuntime"]

@@ -10,7 +10,8 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,19 +21,17 @@ from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
-from appserver.runtime.conversation import (
-    SNAPSHOT_STATUS,
-    ConversationRuntime,
-    Decision,
-    TurnHandle,
-)
-from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.runtime.conversation import ConversationRuntime
+from appserver.runtime.deps import RuntimeDeps
+from appserver.runtime.handle import Decision, TurnHandle
+from appserver.runtime.restore import controller_from_store
+from appserver.runtime.snapshot import TurnSnapshot
+from appserver.runtime.watch import Watch
 from appserver.store.base import DuplicateTurn, Store
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
     MessageRecord,
-    PendingCall,
     TurnCommit,
     TurnRecord,
 )
@@ -40,6 +39,8 @@ from appserver.store.records import (
 log = logging.getLogger("appserver.kernel")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
+
+SettledListener = Callable[[TurnRecord, TurnSnapshot], None]
 
 
 def interrupted_text(name: str) -> str:
@@ -88,8 +89,9 @@ class Kernel:
         self.store = store
         self.agent_loop = agent_loop
         self.owner = identity()
+        self._deps = RuntimeDeps(store, config, agent_loop, self.owner, self._turn_settled)
         self.runtimes: dict[str, ConversationRuntime] = {}
-        self.settled_listeners: list[Callable[[TurnRecord, TurnSnapshot], None]] = []
+        self._settled_listeners: list[SettledListener] = []
         self._loading: dict[str, asyncio.Future[ConversationRuntime]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._stopping = False
@@ -111,6 +113,11 @@ class Kernel:
                 await self.runtime(turn.conversation_id)
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
+    @property
+    def stopping(self) -> bool:
+        """True once `stop` began: readiness fails so a balancer sends no new work."""
+        return self._stopping
+
     async def stop(self) -> None:
         self._stopping = True
         if self._sweeper is not None:
@@ -126,7 +133,7 @@ class Kernel:
                 self.evict_idle()
                 for p in await self.store.overdue_pending(time.time()):
                     rt = await self.runtime(p.conversation_id)
-                    await rt._expire_overdue()
+                    await rt.expire_overdue()
             except Exception:
                 log.exception("runtime sweep failed")
 
@@ -147,22 +154,11 @@ class Kernel:
             if turn.status == "queued":
                 if requeue:
                     rt = await self.runtime(turn.conversation_id)
-                    turn.status = "queued"
-                    await self._requeue(rt, turn)
+                    rt.requeue(turn)
                 continue
             await self._settle_interrupted(turn)
             settled += 1
         return settled
-
-    async def _requeue(self, rt: ConversationRuntime, turn: TurnRecord) -> None:
-        from appserver.runtime.conversation import _Queued
-
-        turn.owner = self.owner
-        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, phase="queued", queue_position=len(rt.queue) + 1)
-        handle = TurnHandle(turn.id, turn.conversation_id, controller)
-        rt.handles[turn.id] = handle
-        rt.queue.append(_Queued(turn, handle))
-        rt._ensure_worker()
 
     async def _settle_interrupted(self, turn: TurnRecord) -> None:
         history = await self.store.list_messages(turn.conversation_id)
@@ -233,7 +229,7 @@ class Kernel:
                 conv = await self.store.get_conversation(conversation_id)
             if conv is None:
                 raise NotFound(f"unknown conversation {conversation_id!r}", code="conversation_not_found")
-            rt = ConversationRuntime(self, conv.id, conv.agent_id)
+            rt = ConversationRuntime(self._deps, conv.id, conv.agent_id)
             if not fresh:
                 await rt.load()
             if history is not None:
@@ -305,9 +301,60 @@ class Kernel:
         rt = await self.runtime(conversation_id)
         return await rt.respond(decisions)
 
-    async def cancel(self, conversation_id: str) -> bool:
+    async def cancel(self, conversation_id: str, turn_id: str | None = None) -> bool:
+        """Cancel the conversation's current turn. With `turn_id`, only that turn: cancelled if it
+        is the current one, or dropped from the queue if it has not started (DESIGN §13)."""
         rt = await self.runtime(conversation_id)
-        return await rt.cancel()
+        if turn_id is None or rt.lifecycle.turn_id == turn_id:
+            return await rt.cancel()
+        if await rt.withdraw(turn_id):
+            log.info("dropped queued turn %s of conversation %s: its client went away before it started", turn_id, conversation_id)
+            return True
+        return False
+
+    async def awaiting(self, conversation_id: str) -> TurnRecord | None:
+        """The conversation's turn paused for answers to its pending calls, if any."""
+        return (await self.runtime(conversation_id)).awaiting_turn
+
+    def in_flight(self, conversation_id: str) -> bool:
+        """A turn of this conversation runs or waits in the queue (it is moving past its stored
+        head); a conversation not in memory has none."""
+        rt = self.runtimes.get(conversation_id)
+        return rt is not None and rt.in_flight
+
+    async def adopt(self, conv: ConversationRecord, *, paused: bool = False, history: list[MessageRecord] | None = None) -> None:
+        """Load a conversation the caller just wrote, so the submit that follows finds it ready.
+        `paused`: it holds a paused turn to adopt; else it has no turns yet, and `history` (all its
+        messages, when the caller knows them) spares reading them."""
+        if paused:
+            await self.runtime(conv.id, conv=conv)
+        else:
+            await self.runtime(conv.id, conv=conv, fresh=True, history=history)
+
+    # ------------------------------------------------------------ watching
+
+    async def open_watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> Watch:
+        """Pin the conversation and hear of its turns until the watch is closed."""
+        return Watch(await self.runtime(conversation_id), on_turn)
+
+    @asynccontextmanager
+    async def watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> AsyncIterator[Watch]:
+        """`open_watch` for a scope: closed when the block ends."""
+        w = await self.open_watch(conversation_id, on_turn)
+        try:
+            yield w
+        finally:
+            w.close()
+
+    # ------------------------------------------------------------ in-memory gauges
+
+    @property
+    def runtime_count(self) -> int:
+        return len(self.runtimes)
+
+    def queue_depth(self) -> int:
+        """Inputs queued across the conversations in memory."""
+        return sum(len(rt.queue) for rt in list(self.runtimes.values()))
 
     # ------------------------------------------------------------ snapshots
 
@@ -321,21 +368,8 @@ class Kernel:
             if turn.id in rt.handles:
                 return rt.handles[turn.id]
         fresh = await self.store.get_turn(turn.id) or turn
-        controller = await self.controller_from_store(fresh, await self.store.list_pending(fresh.id))
+        controller = await controller_from_store(self.store, fresh, await self.store.list_pending(fresh.id))
         return TurnHandle(fresh.id, fresh.conversation_id, controller)
-
-    async def controller_from_store(self, turn: TurnRecord, pending: list[PendingCall]) -> TurnController:
-        messages = [m for m in await self.store.list_messages(turn.conversation_id) if m.turn_id == turn.id]
-        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=max(turn.revision - 1, 0))
-        controller.load_messages(messages)
-        controller.usage = dict(turn.usage)
-        if turn.status == "awaiting":
-            controller.mark_pending_blocks(pending)
-            has_approval = any(p.kind == "approval" and p.status == "pending" for p in pending)
-            controller.pause(turn.stop_reason or ("requires_approval" if has_approval else "requires_client_tool"), pending)
-        elif turn.status in SNAPSHOT_STATUS:
-            controller.finish(SNAPSHOT_STATUS[turn.status], turn.stop_reason or "end_turn", turn.error)
-        return controller
 
     async def turn_snapshot(self, turn_id: str) -> TurnSnapshot:
         turn = await self.store.get_turn(turn_id)
@@ -343,8 +377,18 @@ class Kernel:
             raise NotFound(f"unknown turn {turn_id!r}", code="turn_not_found")
         return (await self.handle_for(turn)).controller.snapshot()
 
-    def turn_settled(self, record: TurnRecord, snapshot: TurnSnapshot) -> None:
-        for listener in list(self.settled_listeners):
+    def on_settled(self, listener: SettledListener) -> Callable[[], None]:
+        """Call `listener` each time a turn (segment) settles; returns the unregister call."""
+        self._settled_listeners.append(listener)
+
+        def remove() -> None:
+            if listener in self._settled_listeners:
+                self._settled_listeners.remove(listener)
+
+        return remove
+
+    def _turn_settled(self, record: TurnRecord, snapshot: TurnSnapshot) -> None:
+        for listener in list(self._settled_listeners):
             try:
                 listener(record, snapshot)
             except Exception:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 from dataclasses import dataclass, field
-from typing import Literal
 
-LifecycleState = Literal["idle", "active", "awaiting", "cancelling"]
+from appserver.runtime.types import LifecycleState
 
 
 class StaleLease(Exception):

@@ -27,10 +27,8 @@ from appserver.agent.events import (
     UsageUpdated,
 )
 from appserver.runtime.latest import Latest
+from appserver.runtime.types import TERMINAL_STATUSES, SnapshotStatus, TerminalStatus
 from appserver.store.records import MessageRecord, PendingCall
-
-SNAPSHOT_STATUSES = ("running", "awaiting", "completed", "cancelled", "failed")
-TERMINAL_STATUSES = frozenset({"completed", "cancelled", "failed"})
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,7 +37,7 @@ class TurnSnapshot:
     conversation_id: str
     agent_id: str
     revision: int
-    status: str
+    status: SnapshotStatus
     phase: str
     stop_reason: str | None
     blocks: tuple[dict[str, Any], ...]
@@ -118,7 +116,7 @@ class TurnController:
         self.conversation_id = conversation_id
         self.agent_id = agent_id
         self.revision = revision
-        self.status = "running"
+        self.status: SnapshotStatus = "running"
         self.phase = phase
         self.stop_reason: str | None = None
         self.error: dict[str, Any] | None = None
@@ -226,7 +224,7 @@ class TurnController:
         self.pending = []
         self._bump()
 
-    def finish(self, status: str, stop_reason: str, error: dict[str, Any] | None = None) -> None:
+    def finish(self, status: TerminalStatus, stop_reason: str, error: dict[str, Any] | None = None) -> None:
         """Publish the terminal state. Called once, after the store commit."""
         self.status = status
         self.phase = "finalizing"

@@ -7,20 +7,21 @@ interface is async for that reason.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import shutil
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
 
 from appserver.procid import identity, identity_alive
+from appserver.store.agentcache import AgentCache, copy_agent
 from appserver.store.base import DuplicateTurn, Store, StoreError
+from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
+from appserver.store.groupcommit import GroupCommit
 from appserver.store.integrity import (
     StoreOpenError,
     check_store_writable,
@@ -28,8 +29,6 @@ from appserver.store.integrity import (
     messages_seq,
     open_error,
     preflight,
-    read_position,
-    write_position,
 )
 from appserver.store.migrations import SchemaTooNew, migrate
 from appserver.store.records import (
@@ -46,76 +45,6 @@ from appserver.store.records import (
 
 log = logging.getLogger("appserver.store")
 
-CHECKPOINT_EVERY_COMMITS = 256  # wake the checkpointer after this many commits
-CHECKPOINT_IDLE_S = 5.0  # and at least this often while commits keep coming
-WAL_BACKSTOP_PAGES = 10_000  # the writer's own automatic checkpoint (SQLite's default is 1,000)
-
-
-class _Checkpointer(threading.Thread):
-    """Copies the WAL back into the database on its own connection and thread.
-
-    SQLite's automatic checkpoint runs inside whichever COMMIT crosses its threshold, on the event
-    loop: page copies and fsyncs that made about every 30th HTTP request several milliseconds
-    slower (the p99). PASSIVE checkpoints here never block the writer. The WAL only restarts from
-    its beginning when a checkpoint caught up with the writer, which a concurrent one rarely does:
-    the writer's own automatic checkpoint, moved out to WAL_BACKSTOP_PAGES, does that, with little
-    left to copy.
-    """
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(name="sqlite-checkpoint", daemon=True)
-        self.path = path
-        self.wake = threading.Event()
-        self.stopping = False
-        self.commits = 0  # bumped by the writer; a stale read here only delays a checkpoint
-        self.recorded = read_position(path)  # the position sidecar's value (integrity.py)
-
-    def committed(self) -> None:
-        self.commits += 1
-        if self.commits % CHECKPOINT_EVERY_COMMITS == 0:
-            self.wake.set()
-
-    def run(self) -> None:
-        db = sqlite3.connect(str(self.path), isolation_level=None, timeout=10.0)
-        try:
-            done = 0
-            while not self.stopping:
-                self.wake.wait(CHECKPOINT_IDLE_S)
-                self.wake.clear()
-                if self.stopping or self.commits == done:
-                    continue
-                done = self.commits
-                try:
-                    seq = messages_seq(db)  # read first: the checkpoint then makes it durable
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # all: ends the statement
-                except sqlite3.Error:
-                    log.exception("WAL checkpoint failed (the next one retries)")
-                    continue
-                self.record(seq)
-        finally:
-            db.close()
-
-    def record(self, seq: int) -> None:
-        """Write the position sidecar when it moved (off the hot path: this thread, or close)."""
-        if seq == self.recorded:
-            return
-        try:
-            write_position(self.path, seq)
-            self.recorded = seq
-        except OSError as exc:
-            log.warning("could not record the store position in %s: %s", self.path, exc)
-
-    def stop(self) -> None:
-        self.stopping = True
-        self.wake.set()
-        self.join(10)
-
-
-def _log_deferred_failure(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("a queued write failed: %s", fut.exception())
-
-
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one, not one per call
 
 
@@ -131,25 +60,15 @@ def _loads(text: str | None, default: Any = None) -> Any:
     return json.loads(text)
 
 
-def _copy_agent(a: AgentRecord) -> AgentRecord:
-    """Callers may edit the record they get (`agents update` does): hand out copies of cached ones."""
-    params = {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in a.params.items()}
-    return AgentRecord(a.id, a.name, a.model, a.system, dict(a.tools), params, a.created_at, a.updated_at)
-
-
 class SQLiteStore(Store):
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path) if path != ":memory:" else path
         self._db: sqlite3.Connection | None = None
         self.fresh = False  # True when open() created the schema (first use of this home)
-        # Every agent by id, sorted by (created_at, id): read on every turn, changed rarely.
-        self._agent_cache: dict[str, AgentRecord] | None = None
-        self._data_version = -1
-        # Turn commits waiting for the next group transaction (see _flush).
-        self._group: list[tuple[Callable[[sqlite3.Connection], None], asyncio.Future[None]]] = []
-        self._checkpointer: _Checkpointer | None = None
-        self._flush_handle: asyncio.Handle | None = None
-        self._flush_loop: asyncio.AbstractEventLoop | None = None
+        self._agent_cache = AgentCache(self._load_agents)
+        # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
+        self._writes = GroupCommit(lambda: self.db, self._committed)
+        self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
         # Set by `serve --accept-data-loss`: open a store whose WAL was damaged or that is behind
         # its recorded position (integrity.py), after keeping a copy, instead of refusing.
@@ -206,14 +125,14 @@ class SQLiteStore(Store):
                 pass
             # The thread copies the WAL back; our own automatic checkpoint stays as a far backstop.
             db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
-            self._checkpointer = _Checkpointer(self.path)
+            self._checkpointer = Checkpointer(self.path)
             self._checkpointer.start()
 
     def _open_error(self, exc: sqlite3.Error) -> StoreOpenError:
         return open_error(Path(str(self.path)), exc)
 
     async def close(self) -> None:
-        self._flush()
+        self._writes.flush()
         checkpointer, self._checkpointer = self._checkpointer, None
         if checkpointer is not None:
             checkpointer.stop()
@@ -229,7 +148,7 @@ class SQLiteStore(Store):
             self._db = None
             if checkpointer is not None and seq is not None:
                 checkpointer.record(seq)
-        self._agent_cache = None
+        self._agent_cache.drop()
 
     async def check_writable(self, min_free_bytes: int = 0) -> str:
         """Readiness: a real write transaction, and room on the disk. In WAL mode a small write
@@ -270,104 +189,8 @@ class SQLiteStore(Store):
             raise StoreError("store is not open")
         return self._db
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        if self._group:
-            self._flush()  # queued writes first: writes land in the order they were made
-        db = self.db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
-        self._committed()
-
-    def _grouped(self, job: Callable[[sqlite3.Connection], None], *, defer: bool = False) -> asyncio.Future[None]:
-        """Queue `job` for the next group transaction; the future settles once it is committed.
-
-        `defer`: nobody waits for it, so let the next write join it rather than commit it alone
-        (it still commits by the second loop pass; a failure is logged). Two passes, not one: a
-        turn that starts in this pass may run up to its model call and overlap the accept that
-        joins this write with that call (ConversationRuntime.enqueue `overlap`).
-        """
-        loop = asyncio.get_running_loop()
-        if self._flush_handle is not None and self._flush_loop is not loop:
-            self._flush()  # left over from an event loop that ended before it ran: commit it now
-        fut: asyncio.Future[None] = loop.create_future()
-        self._group.append((job, fut))
-        self._flush_loop = loop
-        if defer:
-            fut.add_done_callback(_log_deferred_failure)
-            if self._flush_handle is None:
-                self._flush_handle = loop.call_soon(self._flush_next_pass)
-            return fut
-        ready = getattr(loop, "_ready", None)  # asyncio's run queue (absent on other loops)
-        if ready is not None and (not ready or (len(ready) == 1 and ready[0] is self._flush_handle)):
-            # Nothing else is runnable, so nothing could join this group: commit now rather
-            # than pay two loop passes (the common case for a lone turn).
-            self._flush()
-        elif self._flush_handle is None:
-            self._flush_handle = loop.call_soon(self._flush)
-        return fut
-
-    def _flush_next_pass(self) -> None:
-        assert self._flush_loop is not None
-        self._flush_handle = self._flush_loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        """Group commit: the turn commits queued during one event-loop pass share one transaction.
-
-        Each job runs inside its own savepoint, so a turn's rows stay all-or-nothing: a job that
-        fails is rolled back alone and its caller gets the error. Futures settle only after COMMIT
-        returns, so no turn is reported done before its rows are durable; if COMMIT fails, every
-        job of the group fails. Under load this turns N commits (and their WAL writes) into one.
-        """
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        jobs = [(job, fut) for job, fut in self._group if not fut.cancelled()]
-        self._group = []
-        if not jobs:
-            return
-        errors: list[BaseException | None] = []
-        lone = len(jobs) == 1  # a lone job is the whole transaction: no savepoint needed
-        try:
-            db = self.db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                for job, _ in jobs:
-                    if not lone:
-                        db.execute("SAVEPOINT turn_commit")
-                    try:
-                        job(db)
-                    except Exception as exc:
-                        if not lone:
-                            db.execute("ROLLBACK TO turn_commit")
-                        errors.append(exc)
-                    else:
-                        errors.append(None)
-                    if not lone:
-                        db.execute("RELEASE turn_commit")
-                if lone and errors[0] is not None:
-                    db.execute("ROLLBACK")
-                else:
-                    db.execute("COMMIT")
-                    self._committed()
-            except BaseException:
-                with suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
-        except Exception as exc:
-            errors = [exc] * len(jobs)
-        for (_, fut), err in zip(jobs, errors, strict=True):
-            if fut.cancelled() or fut.get_loop().is_closed():
-                continue
-            if err is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(err)
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]:
+        return self._writes.transaction()
 
     def _migrate(self) -> None:
         self.fresh = migrate(self.db) == 0
@@ -391,7 +214,7 @@ class SQLiteStore(Store):
         now = time.time()
         agent.created_at = agent.created_at or now
         agent.updated_at = now
-        self._agent_cache = None
+        self._agent_cache.drop()
         with self._tx() as tx:
             tx.execute(
                 "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?)",
@@ -401,7 +224,7 @@ class SQLiteStore(Store):
 
     async def update_agent(self, agent: AgentRecord) -> AgentRecord:
         agent.updated_at = time.time()
-        self._agent_cache = None
+        self._agent_cache.drop()
         with self._tx() as tx:
             cur = tx.execute(
                 "UPDATE agents SET name=?, model=?, system=?, tools=?, params=?, updated_at=? WHERE id=?",
@@ -412,32 +235,29 @@ class SQLiteStore(Store):
         return agent
 
     async def delete_agent(self, agent_id: str) -> bool:
-        self._agent_cache = None
+        self._agent_cache.drop()
         with self._tx() as tx:
             tx.execute("DELETE FROM turns WHERE agent_id=?", (agent_id,))
             cur = tx.execute("DELETE FROM agents WHERE id=?", (agent_id,))
             return cur.rowcount > 0
 
+    @classmethod
+    def _load_agents(cls, db: sqlite3.Connection) -> Iterable[AgentRecord]:
+        return map(cls._agent, db.execute("SELECT * FROM agents ORDER BY created_at, id"))
+
     def _agents(self) -> dict[str, AgentRecord]:
-        """The cached agents. Our own writes drop the cache; another connection's commit (e.g.
-        `appserver agents update` in another process) changes `PRAGMA data_version`."""
-        db = self.db
-        version = db.execute("PRAGMA data_version").fetchone()[0]
-        cache = self._agent_cache
-        if cache is None or version != self._data_version:
-            self._data_version = version
-            cache = self._agent_cache = {a.id: a for a in map(self._agent, db.execute("SELECT * FROM agents ORDER BY created_at, id"))}
-        return cache
+        """The cached agents (agentcache.py)."""
+        return self._agent_cache.agents(self.db)
 
     async def get_agent(self, agent_id: str) -> AgentRecord | None:
         agent = self._agents().get(agent_id)
-        return _copy_agent(agent) if agent is not None else None
+        return copy_agent(agent) if agent is not None else None
 
     async def find_agents(self, ref: str) -> list[AgentRecord]:
-        return [_copy_agent(a) for a in self._agents().values() if a.id == ref or a.name == ref]
+        return [copy_agent(a) for a in self._agents().values() if a.id == ref or a.name == ref]
 
     async def list_agents(self) -> list[AgentRecord]:
-        return [_copy_agent(a) for a in self._agents().values()]
+        return [copy_agent(a) for a in self._agents().values()]
 
     # ------------------------------------------------------------ conversations
 
@@ -457,14 +277,14 @@ class SQLiteStore(Store):
         )
 
     async def create_conversation(self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None) -> ConversationRecord:
-        """Without messages to copy, the row is queued (see _grouped `defer`): it commits together
+        """Without messages to copy, the row is queued (see GroupCommit.submit `defer`): it commits together
         with the first turn's accept instead of in a transaction of its own. Reads of conversations
         and every other write commit queued writes first, so nobody sees the difference."""
         now = time.time()
         conv.created_at = conv.created_at or now
         conv.updated_at = now
         if copy_messages is None:
-            self._grouped(lambda tx: self._insert_conversation(tx, conv), defer=True)
+            self._writes.submit(lambda tx: self._insert_conversation(tx, conv), defer=True)
             return conv
         with self._tx() as tx:
             self._insert_conversation(tx, conv)
@@ -485,23 +305,18 @@ class SQLiteStore(Store):
             (conv.id, conv.agent_id, int(conv.is_default), conv.title, conv.user, conv.namespace, conv.forked_from, _dumps(conv.metadata), conv.created_at, conv.updated_at),
         )
 
-    def _settle_queued(self) -> None:
-        """Commit queued writes before a read that could miss them (a conversation created just now)."""
-        if self._group:
-            self._flush()
-
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
-        self._settle_queued()
+        self._writes.settle()
         row = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
         return self._conversation(row) if row else None
 
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
-        self._settle_queued()
+        self._writes.settle()
         row = self.db.execute("SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,)).fetchone()
         return self._conversation(row) if row else None
 
     async def list_conversations(self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0) -> list[ConversationRecord]:
-        self._settle_queued()
+        self._writes.settle()
         if agent_id is None:
             rows = self.db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id LIMIT ? OFFSET ?", (limit, offset))
         else:
@@ -613,11 +428,11 @@ class SQLiteStore(Store):
         )
 
     async def accept_turn(self, turn: TurnRecord, idempotency_scope: str | None = None) -> TurnRecord:
-        """Record an accepted input (in the next group transaction, see _flush). With an idempotency
+        """Record an accepted input (in the next group transaction, groupcommit.py). With an idempotency
         key already used in `scope`, raise DuplicateTurn."""
         now = time.time()
         turn.created_at = turn.created_at or now
-        await self._grouped(lambda tx: self._accept_turn(tx, turn, idempotency_scope, now))
+        await self._writes.submit(lambda tx: self._accept_turn(tx, turn, idempotency_scope, now))
         return turn
 
     def _accept_turn(self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
@@ -669,13 +484,13 @@ class SQLiteStore(Store):
             )
 
     async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
-        self._settle_queued()
+        self._writes.settle()
         self.db.execute("UPDATE turns SET draft=? WHERE id=?", (_dumps(draft), turn_id))
         self._committed()
 
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
-        """One turn's rows, atomically, in the next group transaction (see _flush)."""
-        await self._grouped(lambda tx: self._commit_turn(tx, conversation_id, commit))
+        """One turn's rows, atomically, in the next group transaction (groupcommit.py)."""
+        await self._writes.submit(lambda tx: self._commit_turn(tx, conversation_id, commit))
 
     async def checkpoint_turn(self, conversation_id: str, turn_id: str, messages: list[MessageRecord], *, iteration: int, usage: dict[str, int]) -> None:
         """Committed before this returns (queued writes first): a tool may act right after."""

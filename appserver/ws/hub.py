@@ -16,8 +16,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from appserver.errors import NotAwaiting
-from appserver.runtime.conversation import ConversationRuntime, Decision, TurnHandle
-from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.runtime import (
+    TERMINAL_STATUSES,
+    Decision,
+    TurnController,
+    TurnHandle,
+    TurnSnapshot,
+    Watch,
+)
 from appserver.ws.connection import Connection, encode
 
 if TYPE_CHECKING:
@@ -27,10 +33,10 @@ log = logging.getLogger("appserver.ws")
 
 
 class ConversationWatch:
-    def __init__(self, hub: Hub, rt: ConversationRuntime) -> None:
+    def __init__(self, hub: Hub, conversation_id: str) -> None:
         self.hub = hub
-        self.rt = rt
-        self.conversation_id = rt.conversation_id
+        self.conversation_id = conversation_id
+        self.view: Watch | None = None  # the kernel's watch, once attached
         self.subscribers: dict[str, Connection] = {}
         # turn_id -> connection executing its client tools (None once it disconnected)
         self.tool_owners: dict[str, Connection | None] = {}
@@ -40,21 +46,24 @@ class ConversationWatch:
         self.resolving: set[str] = set()
         self.requested: set[str] = set()  # client call ids routed (or answered) already
         self.last: dict[str, TurnSnapshot] = {}
-        rt.pins += 1
-        rt.watchers.append(self.on_handle)
-        for handle in list(rt.handles.values()):
+
+    def attach(self, view: Watch) -> None:
+        """Start following the conversation's turns through the kernel's watch."""
+        self.view = view
+        for handle in view.handles():
             self.follow(handle)
+
+    @property
+    def active_handle(self) -> TurnHandle | None:
+        return self.view.active_handle if self.view is not None else None
 
     @property
     def refs(self) -> int:
         return len(self.subscribers) + len(self.tool_owners)
 
     def close(self) -> None:
-        self.rt.pins = max(0, self.rt.pins - 1)
-        try:
-            self.rt.watchers.remove(self.on_handle)
-        except ValueError:
-            pass
+        if self.view is not None:
+            self.view.close()
         for _, task in self.followers.values():
             task.cancel()
         self.followers.clear()
@@ -70,7 +79,7 @@ class ConversationWatch:
             if current[0] is handle.controller and not current[1].done():
                 return
             current[1].cancel()
-        if handle.controller.status in ("completed", "cancelled", "failed") and handle.turn_id not in self.followers:
+        if handle.controller.status in TERMINAL_STATUSES and handle.turn_id not in self.followers:
             return  # an old settled turn: nothing to follow
         task = asyncio.get_running_loop().create_task(self._follow(handle.controller), name=f"ws-follow:{handle.turn_id}")
         self.followers[handle.turn_id] = (handle.controller, task)
@@ -92,7 +101,7 @@ class ConversationWatch:
             entry = self.followers.get(controller.turn_id)
             if entry is not None and entry[0] is controller:
                 del self.followers[controller.turn_id]
-            if controller.status in ("completed", "cancelled", "failed"):
+            if controller.status in TERMINAL_STATUSES:
                 self.last.pop(controller.turn_id, None)
                 if controller.turn_id in self.tool_owners:
                     del self.tool_owners[controller.turn_id]
@@ -148,19 +157,20 @@ class ConversationWatch:
     # ------------------------------------------------------------ subscribers
 
     def state_frame(self, conn: Connection, conversation: dict[str, Any], request_id: str | None) -> dict[str, Any]:
-        rt = self.rt
-        handle = rt.active_handle
+        view = self.view
+        assert view is not None, "a watch is attached before anyone reads it"
+        handle = view.active_handle
         active = handle.controller.snapshot() if handle is not None else None
         pending = [p for p in (active.pending if active is not None and active.status == "awaiting" else ()) if p["kind"] == "approval"]
         return {
             "type": "conversation_state",
             "request_id": request_id,
             "conversation": conversation,
-            "state": rt.lifecycle.state,
+            "state": view.state,
             "subscribed": conn.id in self.subscribers,
             "active_turn": active.to_dict() if active is not None else None,
             "pending_approvals": [dict(p) for p in pending],
-            "queued": len(rt.queue),
+            "queued": view.queued,
         }
 
 
@@ -180,11 +190,15 @@ class Hub:
         w = self.watches.get(conversation_id)
         if w is not None:
             return w
-        rt = await self.server.kernel.runtime(conversation_id)
+        fresh = ConversationWatch(self, conversation_id)
+        view = await self.server.kernel.open_watch(conversation_id, fresh.on_handle)
         w = self.watches.get(conversation_id)
-        if w is None:
-            w = self.watches[conversation_id] = ConversationWatch(self, rt)
-        return w
+        if w is not None:  # another caller attached one while the runtime loaded
+            view.close()
+            return w
+        self.watches[conversation_id] = fresh
+        fresh.attach(view)
+        return fresh
 
     def maybe_release(self, w: ConversationWatch) -> None:
         if w.refs == 0 and self.watches.get(w.conversation_id) is w:
@@ -216,7 +230,7 @@ class Hub:
         if fresh:
             for p in frame["pending_approvals"]:
                 w.announced.setdefault(p["call_id"], set()).add(conn.id)
-                snap = w.rt.active_handle.controller.snapshot() if w.rt.active_handle else None
+                snap = w.active_handle.controller.snapshot() if w.active_handle else None
                 if snap is not None:
                     conn.send(approval_request(snap, p))
 

@@ -24,15 +24,13 @@ from appserver import strictjson
 from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows
 from appserver.errors import KernelError, NotFound
 from appserver.providers.base import ToolSpec
-from appserver.runtime.conversation import Decision, TurnHandle
-from appserver.runtime.kernel import SubmitRequest
+from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.server import Server
 from appserver.store.records import AgentRecord, ConversationRecord
 from appserver.ws import frames as F
 from appserver.ws.connection import Connection
 from appserver.ws.hub import Hub
 from cron.runlog import read_runs
-from cron.service import SERVICE_KEY as CRON_SERVICE
 from cron.service import CronService
 from cron.store import CronNotFound, CronStoreError
 
@@ -154,10 +152,10 @@ def parse_client_frame(text: str | None, limits: FrameLimits = FrameLimits()) ->
 
 
 class Endpoint:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, hub: Hub, cron: CronService | None = None) -> None:
         self.server = server
-        self.hub = Hub(server)
-        server.services["ws_hub"] = self.hub  # serve's signal handler tells clients it is stopping
+        self.hub = hub  # serve's signal handler holds it too: it tells clients the server is stopping
+        self.cron = cron  # the `cron_run` frame fires tasks through it
         self._owners: dict[str, tuple[str, str | None]] = {}  # conversation id -> (agent id, namespace)
         self._default_lock = asyncio.Lock()  # creating a namespace's default conversation
         self.frame_limits = FrameLimits.from_max_messages(int(server.config.limits.max_messages))
@@ -372,8 +370,8 @@ class Endpoint:
         processes never run turns on one home. Answered and subscribed like submit_input."""
         if conn.principal is None or not conn.principal.has_scope("admin"):
             raise FrameError("forbidden", "cron_run needs a credential with the 'admin' scope")
-        service = self.server.services.get(CRON_SERVICE)
-        if not isinstance(service, CronService):
+        service = self.cron
+        if service is None:
             raise FrameError("cron_unavailable", "this server runs no cron service")
         agent_id = (await self._agent(conn, frame.agent)).id if frame.agent else None
         store = service.scheduler.store
@@ -533,9 +531,8 @@ def _peek_request_id(text: str) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def ws_routes(server: Server) -> list[BaseRoute]:
-    endpoint = Endpoint(server)
-    server.services["ws_hub"] = endpoint.hub
+def ws_routes(server: Server, hub: Hub, cron: CronService | None = None) -> list[BaseRoute]:
+    endpoint = Endpoint(server, hub, cron)
 
     async def ws_endpoint(websocket: WebSocket) -> None:
         await endpoint(websocket)

@@ -9,7 +9,7 @@ from typing import Any
 from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
 from appserver.providers.registry import ModelStringError, parse_model
-from appserver.runtime.kernel import Kernel, new_id
+from appserver.runtime import Kernel, new_id
 from appserver.store.records import POLICIES, AgentRecord
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")

@@ -1,5 +1,4 @@
-"""A small async client of the `/ws` protocol (used by `appserver chat`, `appserver run` and
-`appserver cron run` beside a live server). It imports nothing of the server.
+"""`ProtocolClient`: one connection to `/ws` that survives a server restart or a failover.
 
     async with await ProtocolClient.connect("http://127.0.0.1:8770", reconnect=True) as c:
         ack = await c.request({"type": "submit_input", "agent": "assistant", "input": "hi"})
@@ -7,7 +6,8 @@
             ...
 
 Replies (frames carrying the `request_id` of a request) resolve `request()`; an `error` reply raises
-`ProtocolError`. Every other frame goes to `frames()` in arrival order.
+`ProtocolError`. Every other frame goes to `frames()` in arrival order, through a bounded buffer
+(`buffer.py`): a consumer that falls too far behind ends the connection instead of the memory.
 
 Reconnect (`reconnect=True`): when the server stops (1012) or dies (1006), a standby may take over
 (docs/protocol.md), so the client retries with capped backoff for at most `reconnect_s` seconds,
@@ -15,11 +15,11 @@ asking `url_source()` each time where the server now is (the CLI re-reads server
 listen elsewhere). Then it says hello, re-subscribes to its conversations and resumes the turns it
 was following: the active turn's snapshot is replayed as `turn_updated`; a followed turn that ended
 meanwhile (e.g. settled as interrupted by the standby) gets a terminal snapshot rebuilt from the
-committed history, so a caller waiting for an outcome always gets a truthful one. Callers see two
-local frames, `{"type": "event", "name": "connection_lost" | "reconnected", "local": true, …}`
-(clients ignore event names they do not know). Requests in flight are re-sent when that is safe and
-fail with `Closed` otherwise. Without a server after `reconnect_s`, `frames()` ends and requests
-raise `Closed` with the reason.
+committed history (`resume.py`), so a caller waiting for an outcome always gets a truthful one.
+Callers see two local frames, `{"type": "event", "name": "connection_lost" | "reconnected",
+"local": true, …}` (clients ignore event names they do not know). Requests in flight are re-sent
+when that is safe and fail with `Closed` otherwise. Without a server after `reconnect_s`, `frames()`
+ends and requests raise `Closed` with the reason.
 """
 
 from __future__ import annotations
@@ -27,43 +27,46 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-PROTOCOL_VERSION = 1
-TERMINAL = ("completed", "cancelled", "failed")
+from appserver.client.auth import TokenSource, auth_headers, default_token, ws_url
+from appserver.client.buffer import DEFAULT_LIMIT, FrameBuffer
+from appserver.client.errors import Closed, ProtocolError
+from appserver.client.frames import PROTOCOL_VERSION, TERMINAL, ClientFrame
+from appserver.client.resume import lost_snapshot, settled_from_history
+
 RECONNECT_CODES = frozenset({1001, 1006, 1011, 1012, 1013, 1014})  # stop, death, restart, overload
-FATAL_CODES = frozenset({"invalid_api_key", "missing_api_key", "invalid_token", "token_expired", "insufficient_scope", "unsupported_protocol", "forbidden"})
-RESENDABLE = frozenset({"subscribe", "unsubscribe", "get_history", "list_agents", "list_conversations", "ping", "cancel", "approval_response"})
+FATAL_CODES = frozenset(
+    {
+        "invalid_api_key",
+        "missing_api_key",
+        "invalid_token",
+        "token_expired",
+        "insufficient_scope",
+        "unsupported_protocol",
+        "forbidden",
+    }
+)
+RESENDABLE = frozenset(
+    {
+        "subscribe",
+        "unsubscribe",
+        "get_history",
+        "list_agents",
+        "list_conversations",
+        "ping",
+        "cancel",
+        "approval_response",
+    }
+)
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 2.0
 HISTORY_LIMIT = 500
-
-
-class ProtocolError(Exception):
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
-
-
-class Closed(ProtocolError):
-    pass
-
-
-def ws_url(base: str) -> str:
-    base = base.rstrip("/")
-    if base.startswith("https://"):
-        base = "wss://" + base[len("https://") :]
-    elif base.startswith("http://"):
-        base = "ws://" + base[len("http://") :]
-    return base if base.endswith("/ws") else base + "/ws"
 
 
 def resendable(frame: dict[str, Any]) -> bool:
@@ -87,7 +90,18 @@ class _Followed:
 
 
 class ProtocolClient:
-    def __init__(self, url: str, *, token: str | None, client: str, open_timeout: float, reconnect: bool, reconnect_s: float, url_source: Callable[[], str | None] | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: TokenSource,
+        client: str,
+        open_timeout: float,
+        reconnect: bool,
+        reconnect_s: float,
+        url_source: Callable[[], str | None] | None,
+        max_buffered: int = DEFAULT_LIMIT,
+    ) -> None:
         self.url = url
         self.ws: Any = None
         self.welcome: dict[str, Any] = {}
@@ -101,7 +115,8 @@ class ProtocolClient:
         self._url_source = url_source
         self._ids = itertools.count(1)
         self._pending: dict[str, _Pending] = {}
-        self._frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._frames = FrameBuffer(max_buffered)
+        self._overflow: str | None = None  # why the client gave up on a consumer that fell behind
         self._reader: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
         self._closing = False
@@ -114,15 +129,26 @@ class ProtocolClient:
         cls,
         url: str,
         *,
-        token: str | None = None,
+        token: TokenSource = None,
         client: str = "appserver-client",
         open_timeout: float = 10.0,
         reconnect: bool = False,
         reconnect_s: float = 30.0,
         url_source: Callable[[], str | None] | None = None,
+        max_buffered: int = DEFAULT_LIMIT,
     ) -> ProtocolClient:
-        token = token if token is not None else os.environ.get("APPSERVER_TOKEN") or None
-        self = cls(url, token=token, client=client, open_timeout=open_timeout, reconnect=reconnect, reconnect_s=reconnect_s, url_source=url_source)
+        """Open, say hello and start reading. `token` is a string or a callable asked at every
+        (re)connect; None falls back to `APPSERVER_TOKEN`."""
+        self = cls(
+            url,
+            token=default_token(token),
+            client=client,
+            open_timeout=open_timeout,
+            reconnect=reconnect,
+            reconnect_s=reconnect_s,
+            url_source=url_source,
+            max_buffered=max_buffered,
+        )
         ws = await self._open(url)
         early: list[dict[str, Any]] = []
         try:
@@ -159,15 +185,21 @@ class ProtocolClient:
         return {"type": "hello", "protocol": PROTOCOL_VERSION, "client": self._client}
 
     async def _open(self, url: str) -> Any:
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else None
-        return await websockets.connect(ws_url(url), additional_headers=headers, open_timeout=self._open_timeout, max_size=None, ping_interval=20, ping_timeout=60)
+        return await websockets.connect(
+            ws_url(url),
+            additional_headers=auth_headers(self._token),
+            open_timeout=self._open_timeout,
+            max_size=None,
+            ping_interval=20,
+            ping_timeout=60,
+        )
 
     async def _call(self, ws: Any, frame: dict[str, Any], out: list[dict[str, Any]]) -> dict[str, Any]:
         """One request on a connection nobody else reads yet (handshakes); other frames go to `out`."""
         rid = f"h{next(self._ids)}"
         await ws.send(json.dumps({**frame, "request_id": rid}))
         while True:
-            reply = json.loads(await ws.recv())
+            reply: dict[str, Any] = json.loads(await ws.recv())
             if reply.get("request_id") != rid:
                 out.append(reply)
                 continue
@@ -181,8 +213,8 @@ class ProtocolClient:
         try:
             while True:
                 code, reason = await self._pump()
-                self.close_reason = f"{code} {reason}".strip()
-                if self._closing or not self._reconnect or code not in RECONNECT_CODES:
+                self.close_reason = self._overflow or f"{code} {reason}".strip()
+                if self._closing or self._overflow or not self._reconnect or code not in RECONNECT_CODES:
                     return
                 if not await self._reconnect_loop(code, reason):
                     return
@@ -193,22 +225,40 @@ class ProtocolClient:
                 if not p.future.done():
                     p.future.set_exception(err)
             self._pending.clear()
-            self._frames.put_nowait(None)
+            self._frames.end()
             self._connected.set()  # wakes senders waiting for a reconnect; they see _gone
 
     async def _pump(self) -> tuple[int, str]:
         try:
-            async for raw in self.ws:
-                try:
-                    frame = json.loads(raw)
-                except ValueError:
-                    continue
-                self._dispatch(frame)
+            if self._overflow is None:
+                async for raw in self.ws:
+                    try:
+                        frame = json.loads(raw)
+                    except ValueError:
+                        continue
+                    self._dispatch(frame)
+                    if self._overflow is not None:
+                        break
+            if self._overflow is not None:
+                await self._drop(self.ws)
+                return 1000, "client fell behind"
         except ConnectionClosed as exc:
             if exc.rcvd is None:
                 return 1006, "the connection dropped"
             return exc.rcvd.code, exc.rcvd.reason
         return int(self.ws.close_code or 1006), str(self.ws.close_reason or "")
+
+    @staticmethod
+    async def _drop(ws: Any) -> None:
+        """Close a connection whose frames nobody reads any more: reading on (and discarding) lets
+        the server's close reply through the library's own bounded receive queue."""
+        closing = asyncio.ensure_future(ws.close(1000, "client fell behind"))
+        try:
+            async for _ in ws:
+                pass
+        except ConnectionClosed:
+            pass
+        await closing
 
     async def _reconnect_loop(self, code: int, reason: str) -> bool:
         self._connected.clear()
@@ -218,8 +268,20 @@ class ProtocolClient:
             if p.sent and not resendable(p.frame):
                 self._pending.pop(rid)
                 if not p.future.done():
-                    p.future.set_exception(Closed("connection_lost", f"the connection to the server was lost before it answered {p.frame.get('type')}; it may or may not have been applied"))
-        self._frames.put_nowait({"type": "event", "name": "connection_lost", "local": True, "data": {"code": code, "reason": reason, "url": self.url, "reconnect_s": self._reconnect_s}})
+                    p.future.set_exception(
+                        Closed(
+                            "connection_lost",
+                            f"the connection to the server was lost before it answered {p.frame.get('type')}; it may or may not have been applied",
+                        )
+                    )
+        self._deliver(
+            {
+                "type": "event",
+                "name": "connection_lost",
+                "local": True,
+                "data": {"code": code, "reason": reason, "url": self.url, "reconnect_s": self._reconnect_s},
+            }
+        )
         delay, last = BACKOFF_FIRST_S, f"{code} {reason}".strip()
         while not self._closing:
             left = deadline - time.monotonic()
@@ -240,7 +302,14 @@ class ProtocolClient:
             else:
                 self.ws, self.url, self.welcome = ws, url, welcome
                 self.reconnects += 1
-                self._frames.put_nowait({"type": "event", "name": "reconnected", "local": True, "data": {"url": url, "after_s": round(time.monotonic() - start, 3)}})
+                self._deliver(
+                    {
+                        "type": "event",
+                        "name": "reconnected",
+                        "local": True,
+                        "data": {"url": url, "after_s": round(time.monotonic() - start, 3)},
+                    }
+                )
                 for frame in out:
                     self._deliver(frame)
                 try:
@@ -255,7 +324,10 @@ class ProtocolClient:
                 await ws.close()
             await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, BACKOFF_MAX_S)
-        self.close_reason = f"lost the server at {self.url} ({code} {reason}".strip() + f") and could not reconnect within {self._reconnect_s:g} s (last error: {last})"
+        self.close_reason = (
+            f"lost the server at {self.url} ({code} {reason}".strip()
+            + f") and could not reconnect within {self._reconnect_s:g} s (last error: {last})"
+        )
         return False
 
     def _where(self) -> str:
@@ -278,19 +350,34 @@ class ProtocolClient:
                 if exc.code in FATAL_CODES:
                     raise
                 self._forget(conv_id)
-                out.append({"type": "error", "code": exc.code, "message": f"could not resubscribe to {conv_id} after reconnecting: {exc.message}", "local": True})
+                out.append(
+                    {
+                        "type": "error",
+                        "code": exc.code,
+                        "message": f"could not resubscribe to {conv_id} after reconnecting: {exc.message}",
+                        "local": True,
+                    }
+                )
                 continue
             active = state.get("active_turn")
             if active:
                 out.append({"type": "turn_updated", "snapshot": active})
-            missing = [t for t, f in self._turns.items() if f.conversation_id == conv_id and (not active or active.get("turn_id") != t)]
+            missing = [
+                t
+                for t, f in self._turns.items()
+                if f.conversation_id == conv_id and (not active or active.get("turn_id") != t)
+            ]
             if not missing:
                 continue
-            history = await self._call(ws, {"type": "get_history", "conversation": conv_id, "limit": HISTORY_LIMIT}, out)
+            history = await self._call(
+                ws, {"type": "get_history", "conversation": conv_id, "limit": HISTORY_LIMIT}, out
+            )
             agent_id = (state.get("conversation") or {}).get("agent_id") or self._subscribed.get(conv_id) or ""
             for turn_id in missing:
                 followed = self._turns[turn_id]
-                snap = settled_from_history(turn_id, conv_id, agent_id, history.get("messages") or [], followed.revision + 1)
+                snap = settled_from_history(
+                    turn_id, conv_id, agent_id, history.get("messages") or [], followed.revision + 1
+                )
                 if snap is None and (state.get("queued") or 0) > 0:
                     continue  # still queued: its snapshots follow on this subscription
                 if snap is None:
@@ -325,7 +412,9 @@ class ProtocolClient:
                 self._subscribed[conv["id"]] = conv.get("agent_id")
             active = reply.get("active_turn")
             if active and conv.get("id") and active.get("status") not in TERMINAL:
-                self._turns.setdefault(active["turn_id"], _Followed(conv["id"])).revision = int(active.get("revision", -1))
+                self._turns.setdefault(active["turn_id"], _Followed(conv["id"])).revision = int(
+                    active.get("revision", -1)
+                )
         elif kind == "unsubscribe" and sent.get("conversation"):
             self._forget(str(sent["conversation"]))
         elif kind in ("submit_input", "cron_run") and reply.get("turn_id") and reply.get("conversation_id"):
@@ -341,12 +430,15 @@ class ProtocolClient:
                 self._turns.pop(turn_id, None)
             elif turn_id and conv_id in self._subscribed:
                 self._turns.setdefault(turn_id, _Followed(conv_id)).revision = int(snap.get("revision", -1))
-        self._frames.put_nowait(frame)
+        if not self._frames.put(frame) and self._overflow is None:
+            self._overflow = f"the client fell behind: {self._frames.limit} frames were left unread"
 
     def closed_message(self) -> str:
         """Why the connection is gone for good, as one line."""
         reason = self.close_reason or "closed"
-        return reason if reason.startswith("lost the server") else f"the server closed the connection ({reason})"
+        if reason.startswith("lost the server") or reason == self._overflow:
+            return reason
+        return f"the server closed the connection ({reason})"
 
     # ------------------------------------------------------------ sending
 
@@ -373,23 +465,24 @@ class ProtocolClient:
                 pending.sent = True
             return
 
-    async def send(self, frame: dict[str, Any]) -> None:
-        await self._send_raw(frame)
+    async def send(self, frame: ClientFrame | dict[str, Any]) -> None:
+        """Send a frame without waiting for a reply (e.g. `tool_result`)."""
+        await self._send_raw(dict(frame))
 
-    async def request(self, frame: dict[str, Any], *, timeout: float | None = 30.0) -> dict[str, Any]:
+    async def request(self, frame: ClientFrame | dict[str, Any], *, timeout: float | None = 30.0) -> dict[str, Any]:
         """Send a frame and wait for its reply (matched by request_id); `error` raises ProtocolError."""
-        rid = frame.get("request_id") or f"r{next(self._ids)}"
-        frame = {**frame, "request_id": rid}
+        rid = str(frame.get("request_id") or f"r{next(self._ids)}")
+        sent: dict[str, Any] = {**frame, "request_id": rid}
         if self._gone:
             raise Closed("connection_closed", self.closed_message())
-        pending = _Pending(frame, asyncio.get_running_loop().create_future())
+        pending = _Pending(sent, asyncio.get_running_loop().create_future())
         # the connection may fail this request while nobody awaits its future any more (a caller
         # that gave up, or one still waiting to send when the client closes): mark it seen
         pending.future.add_done_callback(_consume)
         self._pending[rid] = pending
 
         async def go() -> dict[str, Any]:
-            await self._send_raw(frame, pending)
+            await self._send_raw(sent, pending)
             return await pending.future
 
         try:
@@ -406,7 +499,6 @@ class ProtocolClient:
         """The next unsolicited frame; raises Closed when the connection is gone for good."""
         frame = await asyncio.wait_for(self._frames.get(), timeout) if timeout else await self._frames.get()
         if frame is None:
-            self._frames.put_nowait(None)
             raise Closed("connection_closed", self.closed_message())
         return frame
 
@@ -419,10 +511,22 @@ class ProtocolClient:
 
     # ------------------------------------------------------------ conveniences
 
-    async def submit(self, agent: str, text: str | list[dict[str, Any]], conversation: str = "default", **extra: Any) -> dict[str, Any]:
-        return await self.request({"type": "submit_input", "agent": agent, "conversation": conversation, "input": text, **extra})
+    async def submit(
+        self, agent: str, text: str | list[dict[str, Any]], conversation: str = "default", **extra: Any
+    ) -> dict[str, Any]:
+        return await self.request(
+            {"type": "submit_input", "agent": agent, "conversation": conversation, "input": text, **extra}
+        )
 
-    async def wait_turn(self, turn_id: str, *, after_revision: int = -1, settled: bool = True, timeout: float | None = None, on_frame: Any = None) -> dict[str, Any]:
+    async def wait_turn(
+        self,
+        turn_id: str,
+        *,
+        after_revision: int = -1,
+        settled: bool = True,
+        timeout: float | None = None,
+        on_frame: Callable[[dict[str, Any]], Awaitable[object]] | None = None,
+    ) -> dict[str, Any]:
         """Read frames until the turn's snapshot is terminal (or awaiting, with `settled`); returns it."""
 
         async def go() -> dict[str, Any]:
@@ -432,7 +536,7 @@ class ProtocolClient:
                     await on_frame(frame)
                 if frame.get("type") != "turn_updated":
                     continue
-                snap = frame["snapshot"]
+                snap: dict[str, Any] = frame["snapshot"]
                 if snap["turn_id"] != turn_id or snap["revision"] <= after_revision:
                     continue
                 if snap["status"] in TERMINAL or (settled and snap["status"] == "awaiting"):
@@ -444,79 +548,3 @@ class ProtocolClient:
 def _consume(future: asyncio.Future[dict[str, Any]]) -> None:
     if not future.cancelled():
         future.exception()
-
-
-# ───────────────────────────────────────── outcomes of turns that ended while disconnected
-
-INTERRUPTED = {"kind": "interrupted", "message": "the server stopped while this turn was running", "retryable": False, "status": None}
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return ""
-
-
-def settled_from_history(turn_id: str, conversation_id: str, agent_id: str, messages: list[dict[str, Any]], revision: int) -> dict[str, Any] | None:
-    """The terminal snapshot of a turn that is no longer active, rebuilt from its committed messages
-    (a turn's messages are committed when it ends), or None when none are committed yet. It claims
-    only what the store shows: `completed` needs a final reply marked completed; text kept from a stop
-    is `interrupted`/`cancelled`; anything else is an honest "ended, outcome unknown"."""
-    mine = [m for m in messages if m.get("turn_id") == turn_id]
-    if not mine:
-        return None
-    results = {m.get("tool_call_id"): m for m in mine if m.get("role") == "tool"}
-    blocks: list[dict[str, Any]] = []
-    for m in mine:
-        if m.get("role") != "assistant":
-            continue
-        if m.get("reasoning"):
-            blocks.append({"type": "reasoning", "text": m["reasoning"]})
-        if _text(m.get("content")):
-            blocks.append({"type": "text", "text": _text(m.get("content"))})
-        for c in m.get("tool_calls") or []:
-            r = results.get(c.get("id"))
-            failed = r is None or bool(r.get("is_error"))
-            blocks.append({"type": "tool_call", "call_id": c.get("id"), "name": c.get("name"), "arguments": c.get("arguments", ""), "executor": "server", "status": "failed" if failed else "completed", "output": _text(r.get("content")) if r else None, "is_error": failed})
-    last = mine[-1]
-    done = last.get("completion_status")
-    status, stop_reason, error = "failed", "error", None
-    if last.get("role") == "assistant" and not last.get("tool_calls") and done == "completed":
-        status, stop_reason = "completed", "end_turn"
-    elif done == "interrupted":
-        status, stop_reason, error = "cancelled", "cancelled", dict(INTERRUPTED)
-    elif done == "cancelled":
-        status, stop_reason = "cancelled", "cancelled"
-    else:
-        error = {"kind": "unknown", "message": "the turn ended while the client was reconnecting; the server kept no final reply (it was interrupted, cancelled or failed)", "retryable": False, "status": None}
-    snap = _snapshot(turn_id, conversation_id, agent_id, revision, status, stop_reason, blocks, error)
-    snap["resumed_from"] = "history"
-    return snap
-
-
-def lost_snapshot(turn_id: str, conversation_id: str, agent_id: str, revision: int) -> dict[str, Any]:
-    error = {"kind": "lost", "message": "the server that answered after the reconnect has no record of this turn", "retryable": False, "status": None}
-    snap = _snapshot(turn_id, conversation_id, agent_id, revision, "failed", "error", [], error)
-    snap["resumed_from"] = "history"
-    return snap
-
-
-def _snapshot(turn_id: str, conversation_id: str, agent_id: str, revision: int, status: str, stop_reason: str, blocks: list[dict[str, Any]], error: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "turn_id": turn_id,
-        "conversation_id": conversation_id,
-        "agent_id": agent_id,
-        "revision": max(revision, 0),
-        "status": status,
-        "phase": "finalizing",
-        "stop_reason": stop_reason,
-        "blocks": blocks,
-        "pending": [],
-        "usage": {},
-        "error": error,
-        "queue_position": 0,
-        "attempt": 1,
-        "updated_at": time.time(),
-    }

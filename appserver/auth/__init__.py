@@ -1,0 +1,47 @@
+"""Who is calling: principals, capability tokens, JWT bearer verification, the Authenticator, and the
+namespace rule that decides which conversations a caller may see.
+
+One public face: front ends and the CLI import from `appserver.auth`, never from its modules.
+"""
+
+from appserver.auth.authenticator import HELLO_TIMEOUT_S, REVOCATION_POLL_S, Authenticator
+from appserver.auth.errors import AuthError
+from appserver.auth.jwt import JwtVerifier
+from appserver.auth.namespaces import (
+    conversation_namespace,
+    namespace_allows,
+    namespace_of,
+    sees_all,
+)
+from appserver.auth.principal import DEFAULT_TOKEN_SCOPES, SCOPES, Principal
+from appserver.auth.tokens import (
+    TOKEN_PREFIX,
+    TokenRecord,
+    TokenStore,
+    fingerprint,
+    parse_agents,
+    parse_duration,
+    parse_scopes,
+)
+
+__all__ = [
+    "DEFAULT_TOKEN_SCOPES",
+    "HELLO_TIMEOUT_S",
+    "REVOCATION_POLL_S",
+    "SCOPES",
+    "TOKEN_PREFIX",
+    "AuthError",
+    "Authenticator",
+    "JwtVerifier",
+    "Principal",
+    "TokenRecord",
+    "TokenStore",
+    "conversation_namespace",
+    "fingerprint",
+    "namespace_allows",
+    "namespace_of",
+    "parse_agents",
+    "parse_duration",
+    "parse_scopes",
+    "sees_all",
+]

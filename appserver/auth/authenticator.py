@@ -1,0 +1,117 @@
+"""The Authenticator: credentials → Principal for the configured mode (none | token | jwt).
+
+Nothing here knows about HTTP or WebSocket framing: the security middleware (`appserver.security`)
+and the protocol layer call `authenticate(header)` / `authenticate_hello(token)` and get a
+`Principal` or a typed `AuthError` carrying the status and the OpenAI error code to answer with.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from appserver.auth.errors import AuthError, unauthorized
+from appserver.auth.jwt import JwtVerifier
+from appserver.auth.principal import Principal
+from appserver.auth.tokens import TokenStore, fingerprint
+from appserver.config import Config, ConfigError
+
+log = logging.getLogger("appserver.auth")
+
+HELLO_TIMEOUT_S = 5.0
+REVOCATION_POLL_S = 0.5  # how often a live WebSocket's capability token is re-checked
+_TOKEN68 = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+
+
+class Authenticator:
+    """Turns credentials into a Principal for the configured mode (none | token | jwt).
+
+    Built once at startup; key material is loaded here so a bad config fails `serve` early.
+    """
+
+    hello_timeout_s: float = HELLO_TIMEOUT_S
+
+    def __init__(self, config: Config, token_store: TokenStore | None = None) -> None:
+        self.mode = config.auth.mode
+        if self.mode not in ("none", "token", "jwt"):
+            raise ConfigError(f"[auth] mode must be none, token or jwt; got {self.mode!r}")
+        self.tokens: TokenStore | None = None
+        self.jwt: JwtVerifier | None = None
+        if self.mode == "token":
+            self.tokens = token_store or TokenStore(config.home)
+        elif self.mode == "jwt":
+            self.jwt = JwtVerifier(config.auth, base_dir=config.home)
+
+    @property
+    def required(self) -> bool:
+        return self.mode != "none"
+
+    def secrets(self) -> list[str]:
+        """Configured secrets the log redactor should know about."""
+        return self.jwt.secrets() if self.jwt else []
+
+    def valid_until(self, principal: Principal) -> float | None:
+        """When a live connection authenticated as `principal` must end (Unix time; None: never).
+
+        A JWT stays valid for `jwt_leeway_s` past its `exp`: that is the instant a new request
+        with the same JWT starts failing, so a socket closed any earlier could simply reconnect.
+        A capability token's expiry is our own clock: no leeway.
+        """
+        if principal.expires_at is None:
+            return None
+        if principal.kind == "jwt" and self.jwt is not None:
+            return principal.expires_at + self.jwt.leeway
+        return principal.expires_at
+
+    def revoked(self, principal: Principal, *, max_age_s: float = 0.0) -> bool:
+        """Has the credential behind a live connection been revoked since it authenticated?
+
+        Capability tokens only (`appserver token revoke`, from any process: the token file is
+        re-read when it changes); a JWT cannot be revoked, it ends at its expiry.
+        """
+        if self.tokens is None or principal.kind != "token" or principal.token_id is None:
+            return False
+        return not self.tokens.live(principal.token_id, max_age_s=max_age_s)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """From an `Authorization` header value (None if absent) → Principal, or AuthError."""
+        if self.mode == "none":
+            return Principal.local()
+        if authorization is None or not authorization.strip():
+            raise unauthorized(
+                "missing_api_key", "authentication required: send Authorization: Bearer <token>"
+            )
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            raise unauthorized("invalid_api_key", "unsupported authorization scheme; use Bearer")
+        return self.verify_token(token.strip())
+
+    def authenticate_hello(self, token: str | None) -> Principal:
+        """For the WebSocket `hello {token}` frame: the same check as a Bearer header."""
+        if self.mode == "none":
+            return Principal.local()
+        if not isinstance(token, str) or not token.strip():
+            raise unauthorized("missing_api_key", "authentication required: send a token in hello")
+        tok = token.strip()
+        if tok[:7].lower() == "bearer ":
+            tok = tok[7:].strip()
+        return self.verify_token(tok)
+
+    def verify_token(self, token: str) -> Principal:
+        if not token or len(token) > 8192 or not _TOKEN68.match(token):
+            raise unauthorized("invalid_api_key", "malformed bearer token")
+        if self.mode == "token":
+            assert self.tokens is not None
+            p = self.tokens.verify(token)
+            if p is None:
+                log.info("rejected capability token %s", fingerprint(token))
+                raise unauthorized("invalid_api_key", "invalid, expired or revoked token")
+            return p
+        if self.mode == "jwt":
+            assert self.jwt is not None
+            try:
+                return self.jwt.verify(token)
+            except AuthError as exc:
+                log.info("rejected JWT %s: %s", fingerprint(token), exc.message)
+                raise
+        return Principal.local()

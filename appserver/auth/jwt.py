@@ -1,0 +1,219 @@
+"""Bearer JWT verification with the algorithms and keys pinned by config.
+
+`import jwt` below is PyJWT (absolute imports), not this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jwt
+
+from appserver.auth.errors import unauthorized
+from appserver.auth.principal import SCOPES, Principal
+from appserver.config import AuthConfig, ConfigError
+
+log = logging.getLogger("appserver.auth")
+
+HS_MIN_SECRET_BYTES = 32
+_HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
+_RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
+_EC_ALGS = frozenset({"ES256", "ES384", "ES512"})
+_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f]")
+
+
+def _claim_set(value: Any, claim: str) -> frozenset[str]:
+    if isinstance(value, str):
+        items = re.split(r"[,\s]+", value)
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items = value
+    else:
+        raise unauthorized(
+            "invalid_token", f"JWT claim {claim!r} must be a string or a list of strings"
+        )
+    return frozenset(i.strip() for i in items if i.strip())
+
+
+class JwtVerifier:
+    """Verifies bearer JWTs with the algorithms pinned by config; keys are loaded once, eagerly.
+
+    Pinning one key family (HMAC or RSA or EC) rules out algorithm confusion: a public RSA key can
+    never be used as an HMAC secret, and `alg: none` is never in the list.
+    """
+
+    def __init__(self, cfg: AuthConfig, base_dir: Path | None = None) -> None:
+        self.issuer = cfg.jwt_issuer
+        self.audience = cfg.jwt_audience
+        self.leeway = float(cfg.jwt_leeway_s)
+        if self.leeway < 0:
+            raise ConfigError("[auth] jwt_leeway_s must be ≥ 0")
+        if cfg.jwt_secret_file and cfg.jwt_public_key_file:
+            raise ConfigError(
+                "[auth] set either jwt_secret_file (HS256) or jwt_public_key_file (RS256/ES256), not both"
+            )
+        algs = [a.strip().upper() for a in cfg.jwt_algorithms if a.strip()]
+        if "NONE" in algs:
+            raise ConfigError("[auth] jwt_algorithms must not contain 'none'")
+        self.key: Any
+        if cfg.jwt_secret_file:
+            algs = algs or ["HS256"]
+            bad = [a for a in algs if a not in _HS_ALGS]
+            if bad:
+                raise ConfigError(
+                    f"[auth] jwt_secret_file needs HMAC algorithms (HS256); got {', '.join(bad)}"
+                )
+            secret = self._read_file(cfg.jwt_secret_file, base_dir, "jwt_secret_file").rstrip(
+                b"\r\n"
+            )
+            if len(secret) < HS_MIN_SECRET_BYTES:
+                raise ConfigError(
+                    f"[auth] jwt_secret_file holds {len(secret)} bytes; HS256 needs a secret of at least "
+                    f"{HS_MIN_SECRET_BYTES} bytes (e.g. `openssl rand -base64 48 > secret`)"
+                )
+            self.key = secret
+        elif cfg.jwt_public_key_file:
+            from cryptography.hazmat.primitives.asymmetric import ec, rsa
+            from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+            pem = self._read_file(cfg.jwt_public_key_file, base_dir, "jwt_public_key_file")
+            if b"PRIVATE KEY" in pem:
+                raise ConfigError(
+                    "[auth] jwt_public_key_file holds a private key; give the server only the public key"
+                )
+            try:
+                key = load_pem_public_key(pem)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"[auth] jwt_public_key_file is not a PEM public key: {exc}"
+                ) from None
+            if isinstance(key, rsa.RSAPublicKey):
+                family, default = _RSA_ALGS, "RS256"
+                if key.key_size < 2048:
+                    raise ConfigError(
+                        "[auth] jwt_public_key_file: RSA keys must be at least 2048 bits"
+                    )
+            elif isinstance(key, ec.EllipticCurvePublicKey):
+                family, default = (
+                    _EC_ALGS,
+                    {"secp256r1": "ES256", "secp384r1": "ES384", "secp521r1": "ES512"}.get(
+                        key.curve.name, "ES256"
+                    ),
+                )
+            else:
+                raise ConfigError("[auth] jwt_public_key_file must be an RSA or EC public key")
+            algs = algs or [default]
+            bad = [a for a in algs if a not in family]
+            if bad:
+                raise ConfigError(
+                    f"[auth] jwt_algorithms {', '.join(bad)} do not match the {type(key).__name__} "
+                    f"in jwt_public_key_file"
+                )
+            self.key = key
+        else:
+            raise ConfigError(
+                '[auth] mode = "jwt" needs jwt_secret_file (HS256) or jwt_public_key_file (RS256/ES256)'
+            )
+        self.algorithms = algs
+
+    @staticmethod
+    def _read_file(name: str, base_dir: Path | None, key: str) -> bytes:
+        path = Path(name).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"[auth] {key}: cannot read {path}: {exc.strerror}") from None
+        try:
+            if key == "jwt_secret_file" and os.stat(path).st_mode & 0o077:
+                log.warning("%s is readable by group/others; chmod 600 it", path)
+        except OSError:
+            pass
+        return data
+
+    def secrets(self) -> list[str]:
+        """Secret material the log filter should redact (the HMAC secret, if any)."""
+        if isinstance(self.key, bytes):
+            try:
+                return [self.key.decode("utf-8")]
+            except UnicodeDecodeError:
+                return []
+        return []
+
+    def verify(self, token: str) -> Principal:
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.DecodeError:
+            raise unauthorized("invalid_token", "malformed JWT") from None
+        alg = header.get("alg")
+        if not isinstance(alg, str) or alg not in self.algorithms:
+            raise unauthorized(
+                "invalid_token",
+                f"JWT algorithm {alg!r} is not allowed (pinned: {', '.join(self.algorithms)})",
+            )
+        # `sub` is the caller's identity: its conversation namespace (`jwt:jwt:SUB`). Without it
+        # every such JWT would share one namespace, and so each other's conversations.
+        required = (
+            ["exp", "sub"] + (["iss"] if self.issuer else []) + (["aud"] if self.audience else [])
+        )
+        try:
+            claims = jwt.decode(
+                token,
+                self.key,
+                algorithms=self.algorithms,
+                audience=self.audience,
+                issuer=self.issuer,
+                leeway=self.leeway,
+                options={"require": required, "verify_signature": True},
+            )
+        except jwt.ExpiredSignatureError:
+            raise unauthorized("token_expired", "JWT has expired") from None
+        except jwt.ImmatureSignatureError:
+            raise unauthorized(
+                "invalid_token", "JWT is not valid yet (nbf/iat in the future)"
+            ) from None
+        except jwt.InvalidAudienceError:
+            raise unauthorized("invalid_token", "JWT audience does not match") from None
+        except jwt.InvalidIssuerError:
+            raise unauthorized("invalid_token", "JWT issuer does not match") from None
+        except jwt.MissingRequiredClaimError as exc:
+            raise unauthorized(
+                "invalid_token", f"JWT lacks the required claim {exc.claim!r}"
+            ) from None
+        except jwt.InvalidSignatureError:
+            raise unauthorized("invalid_token", "JWT signature is invalid") from None
+        except jwt.InvalidTokenError as exc:
+            raise unauthorized("invalid_token", f"invalid JWT: {type(exc).__name__}") from None
+        agents: frozenset[str] | None = None
+        if "agents" in claims:
+            agents = _claim_set(claims["agents"], "agents")
+            if "*" in agents:
+                agents = None
+        scopes = frozenset(SCOPES)
+        for key in ("scope", "scopes"):
+            if key in claims:
+                scopes = _claim_set(claims[key], key) & frozenset(SCOPES)
+                break
+        sub = claims.get("sub")
+        if (
+            not isinstance(sub, str)
+            or not sub.strip()
+            or len(sub) > 256
+            or _CONTROL_CHARS.search(sub)
+        ):
+            raise unauthorized(
+                "invalid_token",
+                "JWT claim 'sub' must be a non-empty string of printable characters (at most 256)",
+            )
+        return Principal(
+            subject=f"jwt:{sub}",
+            kind="jwt",
+            agents=agents,
+            scopes=scopes,
+            expires_at=float(claims["exp"]),
+            claims=claims,
+        )

@@ -1,0 +1,47 @@
+"""An authenticated caller (`Principal`) and the scopes a credential can carry."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+SCOPES: tuple[str, ...] = ("openai", "ws", "admin")
+DEFAULT_TOKEN_SCOPES: tuple[str, ...] = ("openai", "ws")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """An authenticated caller and what it may touch.
+
+    `agents` None means every agent; otherwise a set of agent ids and/or names. `expires_at` is a
+    Unix time (None: never); a live WebSocket is closed when it passes (for a JWT: when it plus
+    the leeway passes, see `Authenticator.valid_until`).
+    """
+
+    subject: str
+    kind: str  # none | token | jwt
+    agents: frozenset[str] | None = None
+    scopes: frozenset[str] = frozenset(SCOPES)
+    expires_at: float | None = None
+    token_id: str | None = None
+    claims: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @classmethod
+    def local(cls) -> Principal:
+        """The principal of auth mode `none` (loopback only): every agent, every scope."""
+        return cls(subject="local", kind="none")
+
+    def allows_agent(self, agent_id: str, agent_name: str | None = None) -> bool:
+        if self.agents is None:
+            return True
+        return agent_id in self.agents or (agent_name is not None and agent_name in self.agents)
+
+    def has_scope(self, scope: str) -> bool:
+        return scope in self.scopes
+
+    def is_expired(self, now: float | None = None) -> bool:
+        return (
+            self.expires_at is not None
+            and (now if now is not None else time.time()) >= self.expires_at
+        )

@@ -1,0 +1,318 @@
+"""Capability tokens: `tokens.json` (hashes only), their creation, revocation and verification.
+
+Also the parsers of what a token grants (`--scopes`, `--agents`, `--expires`), shared by the CLI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from appserver.auth.principal import DEFAULT_TOKEN_SCOPES, SCOPES, Principal
+from appserver.fsutil import (
+    CorruptStateFile,
+    atomic_write_json,
+    ensure_private_dir,
+    move_aside,
+    read_json_or_move_aside,
+)
+
+log = logging.getLogger("appserver.auth")
+
+TOKEN_PREFIX = "aps_"
+LOCK_TIMEOUT_S = 10.0
+
+
+def fingerprint(secret: str | bytes) -> str:
+    """A short, stable, non-reversible tag for a secret, for logs and `token list`.
+
+    For capability tokens it is a prefix of the stored sha256, so a log line can be matched to a
+    token record without ever showing the token.
+    """
+    data = secret.encode("utf-8") if isinstance(secret, str) else secret
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:12]
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+# ── durations ──────────────────────────────────────────────────────────────────────────────────
+
+_DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$", re.IGNORECASE)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float | None:
+    """`30d`, `12h`, `45m`, `2w`, `90s` → seconds; `never`/`none`/`0` → None (no expiry)."""
+    t = text.strip().lower()
+    if t in ("never", "none", "0", ""):
+        return None
+    m = _DURATION_RE.match(t)
+    if not m or int(m.group(1)) <= 0:
+        raise ValueError(f"invalid duration {text!r}: expected e.g. 30d, 12h, 45m, 2w or never")
+    return float(int(m.group(1)) * _UNIT_S[m.group(2).lower()])
+
+
+def parse_scopes(value: str | Iterable[str] | None) -> frozenset[str]:
+    """Comma/space-separated or a list → a validated set of scopes (ValueError on unknown)."""
+    if value is None:
+        return frozenset(DEFAULT_TOKEN_SCOPES)
+    items = re.split(r"[,\s]+", value) if isinstance(value, str) else list(value)
+    out = {s.strip().lower() for s in items if s and s.strip()}
+    unknown = out - set(SCOPES)
+    if unknown:
+        raise ValueError(
+            f"unknown scope(s) {', '.join(sorted(unknown))}; expected {', '.join(SCOPES)}"
+        )
+    if not out:
+        raise ValueError(f"at least one scope is needed: {', '.join(SCOPES)}")
+    return frozenset(out)
+
+
+def parse_agents(value: str | Iterable[str] | None) -> frozenset[str] | None:
+    """Comma-separated or a list → set of agent ids/names; None/empty/`*` → all agents."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out = {a.strip() for a in items if isinstance(a, str) and a.strip()}
+    if not out or "*" in out:
+        return None
+    return frozenset(out)
+
+
+# ── capability tokens ──────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    """What `tokens.json` holds for one token: never the token, only its sha256."""
+
+    id: str
+    name: str
+    hash: str
+    agents: tuple[str, ...] | None
+    scopes: tuple[str, ...]
+    created_at: float
+    expires_at: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "hash": self.hash,
+            "agents": list(self.agents) if self.agents is not None else None,
+            "scopes": list(self.scopes),
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+        }
+
+    def public(self) -> dict[str, Any]:
+        """For `token list --json`: everything but the hash, plus a fingerprint."""
+        d = self.to_json()
+        d.pop("hash")
+        d["fingerprint"] = "sha256:" + self.hash[:12]
+        d["expired"] = self.expires_at is not None and time.time() >= self.expires_at
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> TokenRecord:
+        if not isinstance(d, dict):
+            raise ValueError("token entry is not an object")
+        h = d["hash"]
+        if not isinstance(h, str) or not re.fullmatch(r"[0-9a-f]{64}", h):
+            raise ValueError("token hash is not a sha256 hex digest")
+        agents = d.get("agents")
+        exp = d.get("expires_at")
+        return cls(
+            id=str(d["id"]),
+            name=str(d["name"]),
+            hash=h,
+            agents=tuple(str(a) for a in agents) if agents is not None else None,
+            scopes=tuple(sorted(parse_scopes(d.get("scopes") or []))),
+            created_at=float(d.get("created_at") or 0.0),
+            expires_at=float(exp) if exp is not None else None,
+        )
+
+
+class TokenStore:
+    """Capability tokens in `$APPSERVER_HOME/auth/tokens.json` (0600, atomic, under a file lock).
+
+    Only sha256 hashes are stored: a leaked file does not leak working tokens (they are 256-bit
+    random, so an unsalted hash cannot be brute-forced). The file is re-read when it changes, so a
+    `token revoke` in another process takes effect in a running server at the next request.
+    """
+
+    def __init__(self, home: Path) -> None:
+        self.dir = Path(home) / "auth"
+        self.path = self.dir / "tokens.json"
+        self._lock = FileLock(str(self.dir / "tokens.json.lock"))
+        self._cache_key: tuple[int, int, int] | None = None
+        self._cache: list[TokenRecord] = []
+        self._checked_at = 0.0  # monotonic time of the last stat by `live`
+
+    # reading
+    def _parse(self, data: Any) -> list[TokenRecord]:
+        if not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
+            raise ValueError("expected an object with a 'tokens' list")
+        return [TokenRecord.from_json(t) for t in data["tokens"]]
+
+    def _read(self) -> list[TokenRecord]:
+        """Parse the file; unreadable → moved aside and CorruptStateFile raised (never emptied)."""
+        data = read_json_or_move_aside(self.path)
+        if data is None:
+            return []
+        try:
+            return self._parse(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise move_aside(self.path, f"invalid token file: {exc}") from None
+
+    def _records(self) -> list[TokenRecord]:
+        """Cached read keyed by (inode, size, mtime): cheap enough to call on every request."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            self._cache_key, self._cache = None, []
+            return []
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if key != self._cache_key:
+            self._cache = self._read()
+            self._cache_key = key
+        return self._cache
+
+    def _write(self, records: list[TokenRecord]) -> None:
+        ensure_private_dir(self.dir)
+        atomic_write_json(
+            self.path, {"version": 1, "tokens": [r.to_json() for r in records]}, 0o600
+        )
+        self._cache_key = None
+
+    def _locked(self) -> FileLock:
+        ensure_private_dir(self.dir)
+        return self._lock
+
+    # public API
+    def create(
+        self,
+        name: str | None = None,
+        agents: Iterable[str] | str | None = None,
+        scopes: Iterable[str] | str | None = None,
+        expires: float | str | None = None,
+    ) -> tuple[TokenRecord, str]:
+        """Mint a token; returns (record, plaintext). The plaintext is never stored or logged.
+
+        `expires` is seconds from now, a duration string (`30d`) or None (never).
+        """
+        scope_set = parse_scopes(scopes)
+        agent_set = parse_agents(agents)
+        ttl = parse_duration(expires) if isinstance(expires, str) else expires
+        if ttl is not None and ttl <= 0:
+            raise ValueError("expiry must be in the future")
+        plaintext = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        now = time.time()
+        tid = "tok_" + secrets.token_hex(6)
+        if name is not None:
+            name = name.strip()
+            if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}", name):
+                raise ValueError(
+                    "token name must be 1-64 characters: letters, digits, '.', '_', '@', '-'"
+                )
+        try:
+            with self._locked().acquire(timeout=LOCK_TIMEOUT_S):
+                records = self._read()
+                if name is None:
+                    name = tid
+                if any(r.name == name or r.id == name for r in records):
+                    raise ValueError(
+                        f"a token named {name!r} already exists; revoke it or pick another name"
+                    )
+                rec = TokenRecord(
+                    id=tid,
+                    name=name,
+                    hash=_token_hash(plaintext),
+                    agents=tuple(sorted(agent_set)) if agent_set is not None else None,
+                    scopes=tuple(sorted(scope_set)),
+                    created_at=now,
+                    expires_at=now + ttl if ttl is not None else None,
+                )
+                self._write([*records, rec])
+        except Timeout:
+            raise RuntimeError(
+                f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s"
+            ) from None
+        log.info("created token %s (%s) %s", rec.id, rec.name, fingerprint(plaintext))
+        return rec, plaintext
+
+    def list(self) -> list[TokenRecord]:
+        return list(self._read())
+
+    def revoke(self, id_or_name: str) -> TokenRecord:
+        """Delete a token by id or name; KeyError if there is none. Effective immediately."""
+        try:
+            with self._locked().acquire(timeout=LOCK_TIMEOUT_S):
+                records = self._read()
+                hit = [r for r in records if r.id == id_or_name] or [
+                    r for r in records if r.name == id_or_name
+                ]
+                if not hit:
+                    raise KeyError(id_or_name)
+                self._write([r for r in records if r is not hit[0]])
+        except Timeout:
+            raise RuntimeError(
+                f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s"
+            ) from None
+        log.info("revoked token %s (%s)", hit[0].id, hit[0].name)
+        return hit[0]
+
+    def live(self, token_id: str, *, max_age_s: float = 0.0) -> bool:
+        """Is the token with this id still in the file (not revoked)? Re-checks the file when the
+        last check is older than `max_age_s`, so many sockets polling cost one `stat` per period.
+        A token file set aside as corrupt revokes everything, as `verify` denies everything."""
+        now = time.monotonic()
+        if self._cache_key is None or now - self._checked_at >= max_age_s:
+            try:
+                records = self._records()
+            except CorruptStateFile:
+                return False
+            self._checked_at = now
+        else:
+            records = self._cache
+        return any(r.id == token_id for r in records)
+
+    def verify(self, token: str) -> Principal | None:
+        """The principal for a valid, unexpired token, else None.
+
+        Compares the presented token's hash with every stored hash via hmac.compare_digest and
+        never stops early, so timing says nothing about which (or whether a) record matched.
+        """
+        try:
+            records = self._records()
+        except CorruptStateFile:
+            return None  # already logged loudly and moved aside; deny rather than guess
+        presented = _token_hash(token)
+        found: TokenRecord | None = None
+        for rec in records:
+            if hmac.compare_digest(rec.hash, presented):
+                found = rec
+        if found is None:
+            return None
+        if found.expires_at is not None and time.time() >= found.expires_at:
+            return None
+        return Principal(
+            subject=f"token:{found.name}",
+            kind="token",
+            agents=frozenset(found.agents) if found.agents is not None else None,
+            scopes=frozenset(found.scopes),
+            expires_at=found.expires_at,
+            token_id=found.id,
+        )

@@ -1,0 +1,22 @@
+"""What a conversation runtime needs from the world, handed in by the kernel (not the kernel
+itself): the runtime never calls up, so runtime and kernel do not import each other."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from appserver.agent.loop import AgentLoop
+from appserver.config import Config
+from appserver.runtime.snapshot import TurnSnapshot
+from appserver.store.base import Store
+from appserver.store.records import TurnRecord
+
+
+@dataclass(slots=True, frozen=True)
+class RuntimeDeps:
+    store: Store
+    config: Config
+    agent_loop: AgentLoop
+    owner: str  # this process's identity, recorded on the turns it runs
+    settled: Callable[[TurnRecord, TurnSnapshot], None]  # told once per turn (segment) settled

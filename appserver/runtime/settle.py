@@ -1,0 +1,103 @@
+"""How a turn (segment) ends, decided before anything is written: the typed outcome `TurnEnd`
+and the messages a turn that stopped early keeps. Pure functions; the runtime's `_finish` is the
+one place that then commits, settles and publishes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from appserver.agent.loop import LoopOutcome, TurnWork
+from appserver.store.records import MessageRecord, TurnCommit, TurnStatus
+
+
+@dataclass(slots=True, frozen=True)
+class TurnEnd:
+    """A turn's tagged result. `commit` is what the store must write first; None when nothing may
+    be written (the turn was never accepted, or its commit failed)."""
+
+    status: TurnStatus
+    stop_reason: str
+    error: dict[str, Any] | None = None
+    commit: TurnCommit | None = None
+
+
+def store_failure(reason: object) -> TurnEnd:
+    """The turn could not be saved: it ends failed with nothing written."""
+    return TurnEnd("failed", "error", {"kind": "store", "message": f"the turn could not be saved: {reason}", "retryable": False, "status": None})
+
+
+def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) -> TurnEnd:
+    """The end of a segment the agent loop ran: its messages made valid for every provider, and
+    a turn that streamed a tool call never ending with `end_turn`."""
+    status, stop_reason, error = outcome.status, outcome.stop_reason, outcome.error
+    messages = work.new_messages
+    if status in ("cancelled", "interrupted", "failed"):
+        messages = settle_messages(work, "interrupted" if status == "interrupted" else "cancelled" if status == "cancelled" else "incomplete")
+    if stop_reason == "end_turn" and messages:
+        last = [m for m in messages if m.role == "assistant"]
+        if last and last[-1].tool_calls:
+            status, stop_reason = "failed", "error"
+            error = {"kind": "internal", "message": "the turn streamed a tool call but tried to end with end_turn", "retryable": False, "status": None}
+    commit = TurnCommit(
+        turn_id=turn_id,
+        status=status,  # type: ignore[arg-type]
+        stop_reason=stop_reason,
+        messages=messages,
+        pending=work.pending if status == "awaiting" else [],
+        error=error,
+        usage=dict(work.usage),
+        revision=revision,
+        iteration=work.iteration,
+    )
+    return TurnEnd(commit.status, stop_reason, error, commit)
+
+
+def cancel_wins(work: TurnWork) -> LoopOutcome:
+    """The loop ended after a cancel was accepted (say a tool swallowed it): the turn ends
+    cancelled as promised, and its last reply says so too."""
+    work.pending = []
+    for m in reversed(work.new_messages):
+        if m.role == "assistant":
+            if not m.tool_calls:
+                m.completion_status = "cancelled"
+            break
+    return LoopOutcome("cancelled", "cancelled")
+
+
+def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecord]:
+    """Messages to keep from a turn that stopped early, valid for every provider.
+
+    Visible assistant text is kept (marked with `completion_status`); reasoning-only output is not;
+    every tool call without a result gets a synthetic error result.
+    """
+    messages = list(work.new_messages)
+    partial = work.partial
+    if partial is not None and "".join(partial.text):
+        messages.append(
+            MessageRecord(role="assistant", content="".join(partial.text), turn_id=work.turn_id, iteration=work.iteration, completion_status=completion_status)
+        )
+    answered = {m.tool_call_id for m in messages if m.role == "tool"}
+    answered |= {m.tool_call_id for m in work.history if m.role == "tool"}
+    out: list[MessageRecord] = []
+    for m in work.history:  # a resumed turn: calls committed at the pause, answered but never run
+        if m.role == "assistant" and m.turn_id == work.turn_id:
+            for c in m.tool_calls:
+                if c["id"] not in answered:
+                    answered.add(c["id"])
+                    out.append(
+                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
+                    )
+    for m in messages:
+        out.append(m)
+        if m.role == "assistant" and m.tool_calls:
+            for c in m.tool_calls:
+                if c["id"] not in answered:
+                    answered.add(c["id"])
+                    out.append(
+                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
+                    )
+    # Results that were produced for calls of this turn stay after their call, in order.
+    return out
+
+

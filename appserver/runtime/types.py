@@ -1,0 +1,30 @@
+"""The words of a turn's state, defined once: snapshot status, stop reason, terminal statuses.
+
+`Literal`s rather than enums so they compare equal to the strings the store and the wire carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Literal
+
+TerminalStatus = Literal["completed", "cancelled", "failed"]
+SnapshotStatus = Literal["running", "awaiting", "completed", "cancelled", "failed"]
+StopReason = Literal["end_turn", "max_tokens", "requires_approval", "requires_client_tool", "cancelled", "error", "max_steps"]
+Phase = Literal["queued", "reasoning", "responding", "acting", "compacting", "finalizing"]
+LifecycleState = Literal["idle", "active", "awaiting", "cancelling"]
+
+# A snapshot in one of these never changes again.
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "cancelled", "failed"})
+# The snapshot status of a turn the store records as settled (an interrupted turn shows cancelled).
+SETTLED_SNAPSHOT_STATUS: Mapping[str, TerminalStatus] = MappingProxyType(
+    {"completed": "completed", "cancelled": "cancelled", "failed": "failed", "interrupted": "cancelled"}
+)
+
+__all__ = [
+    "SETTLED_SNAPSHOT_STATUS",
+    "TERMINAL_STATUSES",
+    "TerminalStatus",
+    "LifecycleState", "Phase", "SnapshotStatus", "StopReason",
+]

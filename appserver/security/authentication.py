@@ -1,0 +1,94 @@
+"""Authentication at the door: no credentials in URLs, a credential for every non-public path (or
+a loopback client in auth mode `none`), and the coarse scope its path prefix needs.
+
+A WebSocket upgraded without credentials is let through as *pending*: it must authenticate its
+`hello` frame (ws_session.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from urllib.parse import parse_qsl
+
+from appserver.auth import Authenticator, AuthError, Principal
+from appserver.netaddr import is_loopback
+from appserver.security.asgi import BEARER_CHALLENGE, Refusal, Scope
+from appserver.security.headers import Headers, single
+from appserver.security.memo import Memo
+
+PUBLIC_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz"})
+DEFAULT_PATH_SCOPES: Mapping[str, str] = {"/v1": "openai", "/admin": "admin"}
+WS_SCOPE = "ws"
+URL_CREDENTIAL_PARAMS = frozenset(
+    {"token", "access_token", "api_key", "apikey", "api-key", "key", "jwt"}
+)
+
+
+def check_query(scope: Scope) -> None:
+    """Refuse credentials in the query string (401): they end up in logs and history."""
+    raw = scope.get("query_string") or b""
+    if not raw:
+        return
+    try:
+        pairs = parse_qsl(bytes(raw).decode("latin-1"), keep_blank_values=True)
+    except ValueError:
+        raise Refusal(400, "invalid_query", "malformed query string") from None
+    for key, _ in pairs:
+        if key.strip().lower() in URL_CREDENTIAL_PARAMS:
+            raise Refusal(
+                401,
+                "credentials_in_url",
+                "credentials in the URL are refused (they end up in logs and history); "
+                "send Authorization: Bearer <token>",
+                [BEARER_CHALLENGE],
+            )
+
+
+class Authentication:
+    def __init__(
+        self,
+        authenticator: Authenticator,
+        public_paths: Iterable[str],
+        path_scopes: Mapping[str, str],
+    ) -> None:
+        self.authenticator = authenticator
+        self.public_paths = frozenset(public_paths)
+        self.path_scopes = dict(path_scopes)
+        self._loopback = Memo()
+
+    def required_scope(self, scope: Scope) -> str | None:
+        if scope["type"] == "websocket":
+            return WS_SCOPE
+        path = scope.get("path") or "/"
+        for prefix, needed in self.path_scopes.items():
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return needed
+        return None
+
+    def authenticate(self, scope: Scope, hdrs: Headers) -> tuple[Principal | None, bool]:
+        """→ (principal, auth_pending), or a Refusal (401/403)."""
+        if self.authenticator.mode == "none":
+            client = scope.get("client")
+            if (
+                client
+                and not self._loopback.check(
+                    ("loopback", client[0]), lambda: is_loopback(str(client[0]))
+                )
+                and scope.get("path") not in self.public_paths
+            ):
+                raise Refusal(403, "loopback_only", "auth mode none serves loopback clients only")
+            return Principal.local(), False
+        if scope.get("path") in self.public_paths:
+            return None, False
+        authorization = single(hdrs, b"authorization", "invalid_authorization")
+        if authorization is None and scope["type"] == "websocket":
+            return None, True
+        try:
+            principal = self.authenticator.authenticate(authorization)
+        except AuthError as exc:
+            headers = [BEARER_CHALLENGE] if exc.status == 401 else []
+            raise Refusal(exc.status, exc.code, exc.message, headers) from None
+        needed = self.required_scope(scope)
+        if needed is not None and not principal.has_scope(needed):
+            raise Refusal(403, "insufficient_scope", f"this credential lacks the '{needed}' scope")
+        return principal, False

@@ -1,0 +1,247 @@
+"""A live WebSocket under the guard: serialised sends, the close the guard may impose (oversized
+frame, revoked or expired credential, the `hello` window running out) and the authentication of
+the `hello` frame for a socket upgraded without credentials.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principal
+from appserver.security.asgi import ASGIApp, Message, Receive, Scope, Send
+from appserver.security.authentication import WS_SCOPE
+from appserver.security.refusals import error_json
+
+log = logging.getLogger("appserver.guard")
+
+WS_CLOSE_AUTH = 4401  # credential missing/expired on a live socket (4000-4999: application codes)
+WS_CLOSE_TOO_BIG = 1009
+CLOSE_SEND_TIMEOUT_S = 5.0
+
+
+class ClientGone(OSError):
+    """Raised to the app when it sends on a WebSocket the guard already closed (Starlette turns an
+    OSError from send into WebSocketDisconnect, as it does for a vanished client)."""
+
+
+class WsSession:
+    """Per-WebSocket state: serialised sends, the close the guard may impose, the auth timers."""
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        send: Send,
+        authenticator: Authenticator,
+        hello_deadline: float | None,
+        path: str = "/ws",
+        http_refusals: bool = False,
+    ) -> None:
+        self.state = state
+        self.path = path
+        # The server can answer a refused upgrade with an HTTP response (`websocket.http.response`).
+        self.http_refusals = http_refusals
+        self._send = send
+        self.authenticator = authenticator
+        self.hello_deadline = hello_deadline
+        self.lock = asyncio.Lock()
+        self.changed = asyncio.Event()
+        self.accepted = False
+        self.closed = False
+        self.closed_by_guard: tuple[int, str] | None = None
+        self._watcher: asyncio.Task[None] | None = None
+
+    def ensure_watch(self) -> None:
+        """Run the deadline watcher if there is a deadline (or a revocable credential) and it is
+        not running yet."""
+        if self.closed or (self.next_deadline() is None and not self.revocable()):
+            return
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.get_running_loop().create_task(self.watch())
+
+    async def stop_watch(self) -> None:
+        task, self._watcher = self._watcher, None
+        if task is None or task.done():
+            return
+        task.cancel()
+        try:
+            await asyncio.wait_for(task, 1.0)
+        except (asyncio.CancelledError, TimeoutError):
+            pass
+
+    def authenticate_hello(self, token: str | None) -> Principal:
+        if self.closed:
+            raise AuthError(401, "connection_closed", "the connection is closed")
+        if (
+            self.state.get("auth_pending")
+            and self.hello_deadline is not None
+            and time.time() > self.hello_deadline
+        ):
+            raise AuthError(401, "auth_timeout", "authentication window elapsed")
+        principal = self.authenticator.authenticate_hello(token)
+        if not principal.has_scope(WS_SCOPE):
+            raise AuthError(
+                403, "insufficient_scope", f"this credential lacks the '{WS_SCOPE}' scope"
+            )
+        self.state["principal"] = principal
+        self.state["auth_pending"] = False
+        self.changed.set()
+        self.ensure_watch()
+        return principal
+
+    async def send(self, message: Message) -> None:
+        async with self.lock:
+            if self.closed_by_guard is not None:
+                if message["type"] == "websocket.close":
+                    return
+                raise ClientGone(f"websocket closed by the server: {self.closed_by_guard[1]}")
+            t = message["type"]
+            if (
+                t == "websocket.close"
+                and not self.accepted
+                and not self.closed
+                and self.http_refusals
+            ):
+                await self._refuse_upgrade()
+                return
+            if t == "websocket.accept":
+                self.accepted = True
+            elif t in ("websocket.close", "websocket.http.response.start"):
+                self.closed = True
+                self.changed.set()
+            await self._send(message)
+
+    async def _refuse_upgrade(self) -> None:
+        """The app closed before accepting (no WebSocket endpoint at this path): answer with an
+        HTTP error like every other refusal (OpenAI error JSON, `x-request-id` added by the
+        stamping `send`), not the server's bare `403 text/plain`."""
+        self.closed = True
+        self.changed.set()
+        shown = self.path[:200]
+        body, headers = error_json(
+            403, "websocket_refused", f"no WebSocket endpoint at {shown}; the protocol is at /ws"
+        )
+        await self._send(
+            {"type": "websocket.http.response.start", "status": 403, "headers": headers}
+        )
+        await self._send({"type": "websocket.http.response.body", "body": body})
+
+    async def close(self, code: int, reason: str) -> None:
+        """Close on the app's behalf (expiry, timeout, oversized frame); the app then sees a
+        disconnect on receive and `ClientGone` on send."""
+        async with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.closed_by_guard = (code, reason)
+            self.changed.set()
+            msg: Message = {"type": "websocket.close", "code": code, "reason": reason}
+            log.info("closing websocket %s: %s", code, reason)
+            try:
+                await asyncio.wait_for(self._send(msg), CLOSE_SEND_TIMEOUT_S)
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                log.debug("websocket close failed: %r", exc)
+
+    def revocable(self) -> bool:
+        p = self.state.get("principal")
+        return (
+            isinstance(p, Principal) and p.kind == "token" and self.authenticator.tokens is not None
+        )
+
+    def revoked(self, max_age_s: float = 0.0) -> bool:
+        """The socket's capability token was revoked (`appserver token revoke`, any process)."""
+        p = self.state.get("principal")
+        return isinstance(p, Principal) and self.authenticator.revoked(p, max_age_s=max_age_s)
+
+    def next_deadline(self) -> tuple[float, str] | None:
+        if self.state.get("auth_pending"):
+            if self.hello_deadline is None:
+                return None
+            return self.hello_deadline, "authentication timeout: no valid token in hello"
+        p = self.state.get("principal")
+        if isinstance(p, Principal):
+            until = self.authenticator.valid_until(p)
+            if until is not None:
+                return until, "credential expired"
+        return None
+
+    async def watch(self) -> None:
+        """Close the socket when the hello window or the credential's lifetime runs out, or when
+        its token is revoked (polled every REVOCATION_POLL_S: one `stat` shared by all sockets)."""
+        while not self.closed:
+            if self.revoked(max_age_s=REVOCATION_POLL_S / 2):
+                await self.close(WS_CLOSE_AUTH, "credential revoked")
+                return
+            nxt = self.next_deadline()
+            poll = REVOCATION_POLL_S if self.revocable() else None
+            if nxt is None and poll is None:
+                return
+            delay = 3600.0
+            if nxt is not None:
+                deadline, reason = nxt
+                delay = deadline - time.time()
+                if delay <= 0:
+                    await self.close(WS_CLOSE_AUTH, reason)
+                    return
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(
+                    self.changed.wait(), timeout=min(delay, poll or 3600.0, 3600.0)
+                )
+            except TimeoutError:
+                pass
+
+
+async def run_ws(
+    app: ASGIApp,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    state: dict[str, Any],
+    authenticator: Authenticator,
+    hello_timeout_s: float,
+    frame_max: int,
+) -> None:
+    """Run the app on a WebSocket under its session: frame size, revocation, hello and expiry."""
+    pending = bool(state.get("auth_pending"))
+    session = WsSession(
+        state,
+        send,
+        authenticator,
+        time.time() + hello_timeout_s if pending else None,
+        path=str(scope.get("path") or "/"),
+        http_refusals="websocket.http.response" in (scope.get("extensions") or {}),
+    )
+    state["authenticate_hello"] = session.authenticate_hello
+
+    async def guarded_receive() -> Message:
+        if session.closed_by_guard is not None:
+            code, reason = session.closed_by_guard
+            return {"type": "websocket.disconnect", "code": code, "reason": reason}
+        message = await receive()
+        t = message["type"]
+        if t == "websocket.receive" and (session.closed_by_guard is not None or session.revoked()):
+            # No frame is acted on once the credential is revoked, even before the poll sees it.
+            await session.close(WS_CLOSE_AUTH, "credential revoked")
+            code, reason = session.closed_by_guard or (WS_CLOSE_AUTH, "credential revoked")
+            return {"type": "websocket.disconnect", "code": code, "reason": reason}
+        if t == "websocket.receive" and frame_max > 0:
+            data = message.get("bytes")
+            size = len(data) if data is not None else len(message.get("text") or "")
+            if size > frame_max // 4 and data is None:
+                size = len((message.get("text") or "").encode("utf-8"))
+            if size > frame_max:
+                await session.close(WS_CLOSE_TOO_BIG, f"frame larger than {frame_max} bytes")
+                return {"type": "websocket.disconnect", "code": WS_CLOSE_TOO_BIG}
+        elif t == "websocket.disconnect":
+            session.closed = True
+            session.changed.set()
+        return message
+
+    session.ensure_watch()
+    try:
+        await app(scope, guarded_receive, session.send)
+    finally:
+        await session.stop_watch()

@@ -1,0 +1,36 @@
+"""The composition root's product: the long-lived services `serve` builds around one `Server`.
+
+Typed fields, not a string-keyed bag: `serve` builds them once (`build_services`) and hands each
+front end only what it uses — the OpenAI routes get `metrics`, the WebSocket routes the `hub` and
+`cron` (the `cron_run` frame), serve's signal handler the `hub` (it tells clients it is stopping).
+`running()` runs the background services for the app's lifespan; a service that has a readiness
+check registers it with `Server.readiness` while it runs. The gateway supervisor joins here next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from appserver.http.metrics import Metrics
+from appserver.server import Server
+from appserver.ws.hub import Hub
+from cron.service import CronService, cron_background
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    hub: Hub
+    metrics: Metrics
+    cron: CronService
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The background services while the app serves (the scheduler), stopped in reverse order."""
+        async with cron_background(self.cron):
+            yield
+
+
+def build_services(server: Server) -> Services:
+    return Services(hub=Hub(server), metrics=Metrics(server), cron=CronService(server))

@@ -1,0 +1,151 @@
+"""Group commit for the single SQLite writer: writes made during one event-loop pass share one
+transaction.
+
+Under load this turns N turn commits (and their WAL writes) into one. The engine knows nothing of
+the tables: a job is any `Callable[[sqlite3.Connection], None]`; the queries live in sqlite.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+
+log = logging.getLogger("appserver.store")
+
+Job = Callable[[sqlite3.Connection], None]
+
+
+def _log_deferred_failure(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("a queued write failed: %s", fut.exception())
+
+
+class GroupCommit:
+    """The writer's queue: grouped jobs, and plain transactions that commit queued jobs first so
+    that writes land in the order they were made.
+
+    `connection` returns the open writer connection (raising when the store is closed);
+    `committed` is called after every COMMIT (the checkpointer counts them).
+    """
+
+    def __init__(
+        self, connection: Callable[[], sqlite3.Connection], committed: Callable[[], None]
+    ) -> None:
+        self._connection = connection
+        self._committed = committed
+        self._group: list[tuple[Job, asyncio.Future[None]]] = []
+        self._handle: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Jobs are queued and not yet committed."""
+        return bool(self._group)
+
+    def settle(self) -> None:
+        """Commit queued writes before a read that could miss them (a conversation created just now)."""
+        if self._group:
+            self.flush()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One immediate write transaction of its own, after whatever is queued."""
+        if self._group:
+            self.flush()  # queued writes first: writes land in the order they were made
+        db = self._connection()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        self._committed()
+
+    def submit(self, job: Job, *, defer: bool = False) -> asyncio.Future[None]:
+        """Queue `job` for the next group transaction; the future settles once it is committed.
+
+        `defer`: nobody waits for it, so let the next write join it rather than commit it alone
+        (it still commits by the second loop pass; a failure is logged). Two passes, not one: a
+        turn that starts in this pass may run up to its model call and overlap the accept that
+        joins this write with that call (ConversationRuntime.enqueue `overlap`).
+        """
+        loop = asyncio.get_running_loop()
+        if self._handle is not None and self._loop is not loop:
+            self.flush()  # left over from an event loop that ended before it ran: commit it now
+        fut: asyncio.Future[None] = loop.create_future()
+        self._group.append((job, fut))
+        self._loop = loop
+        if defer:
+            fut.add_done_callback(_log_deferred_failure)
+            if self._handle is None:
+                self._handle = loop.call_soon(self._flush_next_pass)
+            return fut
+        ready = getattr(loop, "_ready", None)  # asyncio's run queue (absent on other loops)
+        if ready is not None and (not ready or (len(ready) == 1 and ready[0] is self._handle)):
+            # Nothing else is runnable, so nothing could join this group: commit now rather
+            # than pay two loop passes (the common case for a lone turn).
+            self.flush()
+        elif self._handle is None:
+            self._handle = loop.call_soon(self.flush)
+        return fut
+
+    def _flush_next_pass(self) -> None:
+        assert self._loop is not None
+        self._handle = self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Commit every queued job in one transaction.
+
+        Each job runs inside its own savepoint, so a turn's rows stay all-or-nothing: a job that
+        fails is rolled back alone and its caller gets the error. Futures settle only after COMMIT
+        returns, so no turn is reported done before its rows are durable; if COMMIT fails, every
+        job of the group fails.
+        """
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        jobs = [(job, fut) for job, fut in self._group if not fut.cancelled()]
+        self._group = []
+        if not jobs:
+            return
+        errors: list[BaseException | None] = []
+        lone = len(jobs) == 1  # a lone job is the whole transaction: no savepoint needed
+        try:
+            db = self._connection()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for job, _ in jobs:
+                    if not lone:
+                        db.execute("SAVEPOINT turn_commit")
+                    try:
+                        job(db)
+                    except Exception as exc:
+                        if not lone:
+                            db.execute("ROLLBACK TO turn_commit")
+                        errors.append(exc)
+                    else:
+                        errors.append(None)
+                    if not lone:
+                        db.execute("RELEASE turn_commit")
+                if lone and errors[0] is not None:
+                    db.execute("ROLLBACK")
+                else:
+                    db.execute("COMMIT")
+                    self._committed()
+            except BaseException:
+                with suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+        except Exception as exc:
+            errors = [exc] * len(jobs)
+        for (_, fut), err in zip(jobs, errors, strict=True):
+            if fut.cancelled() or fut.get_loop().is_closed():
+                continue
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)

@@ -1,0 +1,53 @@
+"""The one door from cron into the kernel: a fire becomes one typed `CronSubmission`, handed to one
+function (`KernelAdapter.submit`) that turns it into a kernel `SubmitRequest`. Outcomes come back
+from the turn's settled snapshot. Cron imports the kernel's public face and the store, never a
+front end."""
+
+from __future__ import annotations
+
+from appserver.runtime import Kernel, SubmitRequest
+from appserver.store.base import Store
+from cron.runner import CronSubmission, TurnOutcome
+from cron.store import CronTask, Occurrence
+
+
+class KernelAdapter:
+    """`fire` and `outcome` for the scheduler and "run now", backed by one kernel and its store."""
+
+    def __init__(self, kernel: Kernel, store: Store) -> None:
+        self.kernel = kernel
+        self.store = store
+
+    async def fire(self, task: CronTask, occurrence: Occurrence) -> str | None:
+        """The scheduler's `fire`: name the agent the way its users do (the id when it is gone),
+        build the submission, submit it."""
+        agent = await self.store.get_agent(task.agent)
+        return await self.submit(
+            CronSubmission.of(task, occurrence, None if agent is None else agent.name)
+        )
+
+    async def submit(self, sub: CronSubmission) -> str | None:
+        """Submit the `cron_prompt` turn of one occurrence; its turn id."""
+        submission = await self.kernel.submit(
+            SubmitRequest(
+                agent=sub.agent,
+                input=sub.input_text,
+                conversation=sub.conversation,
+                source=sub.source,
+                idempotency_key=sub.idempotency_key,
+            )
+        )
+        return submission.turn_id
+
+    async def outcome(self, turn_id: str) -> TurnOutcome:
+        """Wait for the turn to settle and say how it ended."""
+        turn = await self.store.get_turn(turn_id)
+        if turn is None:
+            return TurnOutcome("unknown", f"turn {turn_id} not found")
+        snap = await (await self.kernel.handle_for(turn)).wait_settled()
+        error = (snap.error or {}).get("message") if snap.status != "completed" else None
+        return TurnOutcome(
+            snap.status,
+            error,
+            {"stop_reason": snap.stop_reason, "conversation_id": snap.conversation_id},
+        )

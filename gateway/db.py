@@ -1,0 +1,155 @@
+"""The gateway's one SQLite database: open it in WAL, migrate it, and move a corrupt file aside.
+
+Ledger, routes and (next) pairing live in `$APPSERVER_HOME/channels/gateway.db` (DESIGN §13). A file
+that is not a readable database is renamed to `gateway.db.corrupt-<timestamp>` with a loud error and
+never emptied: the records in it may be the only trace of messages a person sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger("gateway.db")
+
+# Append a new entry to add a version; never edit a released one.
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (
+        1,
+        """
+        CREATE TABLE ledger (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            channel TEXT NOT NULL,
+            account TEXT NOT NULL,
+            message_id TEXT NOT NULL,
+            chat TEXT NOT NULL,
+            thread TEXT,
+            sender TEXT NOT NULL,
+            payload TEXT NOT NULL DEFAULT '{}',
+            state TEXT NOT NULL,
+            decision TEXT,
+            reason TEXT,
+            turn_id TEXT,
+            reply TEXT,
+            remote_ids TEXT NOT NULL DEFAULT '[]',
+            received_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            UNIQUE (channel, account, message_id)
+        );
+        CREATE INDEX ledger_state ON ledger(state, id);
+
+        CREATE TABLE routes (
+            key TEXT PRIMARY KEY,
+            agent TEXT NOT NULL,
+            conversation TEXT,
+            created_at REAL NOT NULL
+        );
+
+        CREATE TABLE route_conversations (
+            key TEXT PRIMARY KEY,
+            conversation TEXT NOT NULL,
+            bound_at REAL NOT NULL
+        );
+        """,
+    ),
+)
+
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+class CorruptGatewayDB(Exception):
+    """gateway.db could not be read as a database; it was moved aside to `moved_to`."""
+
+    def __init__(self, path: Path, moved_to: Path, reason: str) -> None:
+        super().__init__(f"{path} is not a readable database ({reason}); moved aside to {moved_to}")
+        self.path = path
+        self.moved_to = moved_to
+        self.reason = reason
+
+
+class SchemaTooNew(Exception):
+    """The file was written by a newer gateway; refuse rather than guess."""
+
+
+def default_path(home: Path | None = None) -> Path:
+    """`$APPSERVER_HOME/channels/gateway.db` (home defaults to the environment, then ~/.appserver)."""
+    if home is None:
+        home = Path(os.environ.get("APPSERVER_HOME") or Path.home() / ".appserver")
+    return home / "channels" / "gateway.db"
+
+
+def open_db(path: Path) -> sqlite3.Connection:
+    """Open (creating if needed) and migrate the database; raise `CorruptGatewayDB` after moving a
+    corrupt file aside."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute("PRAGMA busy_timeout = 5000")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+        row = conn.execute("PRAGMA quick_check").fetchone()
+        if row is None or row[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {row[0] if row else 'no answer'}")
+        _migrate(conn)
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise _move_aside(path, str(exc)) from exc
+    except BaseException:
+        conn.close()
+        raise
+    os.chmod(path, 0o600)
+    return conn
+
+
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """One write transaction, taken up front (IMMEDIATE) so readers never upgrade mid-way."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    current = conn.execute("PRAGMA user_version").fetchone()[0]
+    if current > SCHEMA_VERSION:
+        raise SchemaTooNew(
+            f"gateway.db has schema {current}; this gateway knows up to {SCHEMA_VERSION}"
+        )
+    for version, script in MIGRATIONS:
+        if version <= current:
+            continue
+        try:
+            conn.executescript(
+                f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;"
+            )
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+
+def _move_aside(path: Path, reason: str) -> CorruptGatewayDB:
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    moved_to = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while moved_to.exists():
+        moved_to = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    os.replace(path, moved_to)
+    for suffix in ("-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            os.replace(side, moved_to.with_name(moved_to.name + suffix))
+    log.error(
+        "gateway.db is corrupt (%s): moved aside to %s; a new ledger starts empty", reason, moved_to
+    )
+    return CorruptGatewayDB(path, moved_to, reason)

@@ -1,0 +1,240 @@
+"""The ledger: every inbound platform update, from receipt to a delivered or failed reply.
+
+Ledger-first ingress (issue 15): an adapter acknowledges an update to its platform only after
+`record` has committed, and submission and delivery are driven from here, so after a crash anywhere
+the gateway resumes from these rows instead of from memory. One update is one row, keyed by
+`channel:account:message_id`, which is also the turn's idempotency key on the server.
+
+States, each move one committed transaction::
+
+    received ──decide──► allowed ──submitted──► submitted ──finished──► finished ──delivered──► delivered
+        │                   │                      │                       │
+        ├──► denied         └──────────────────────┴───────failed──────────┴──► failed
+        └──► held (pairing; `release` moves it to allowed)
+
+`to_decide`, `to_submit`, `in_flight` and `to_deliver` are the resume queries, oldest first, so
+per-chat order survives a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from gateway.db import open_db, transaction
+
+State = Literal[
+    "received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed"
+]
+Decision = Literal["allow", "deny", "pair"]
+
+_DECIDED: dict[Decision, State] = {"allow": "allowed", "deny": "denied", "pair": "held"}
+
+
+class LedgerStateError(Exception):
+    """A move the state machine does not allow (e.g. delivering a reply that never finished)."""
+
+
+@dataclass(frozen=True)
+class UpdateKey:
+    """Identity of one platform update; `str()` is the server-side idempotency key."""
+
+    channel: str
+    account: str
+    message_id: str
+
+    def __str__(self) -> str:
+        return f"{self.channel}:{self.account}:{self.message_id}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One ledger row as read back (a projection: the database owns the state)."""
+
+    seq: int
+    key: UpdateKey
+    chat: str
+    thread: str | None
+    sender: str
+    payload: dict[str, Any]
+    state: State
+    decision: Decision | None
+    reason: str | None
+    turn_id: str | None
+    reply: str | None
+    remote_ids: tuple[str, ...]
+    received_at: float
+    updated_at: float
+
+    @property
+    def idempotency_key(self) -> str:
+        return str(self.key)
+
+
+class Ledger:
+    """Owner of the `ledger` table. Every method is one atomic transaction."""
+
+    def __init__(self, conn: sqlite3.Connection, clock: Callable[[], float] = time.time) -> None:
+        self._conn = conn
+        self._clock = clock
+
+    @classmethod
+    def open(cls, path: Path, clock: Callable[[], float] = time.time) -> Ledger:
+        return cls(open_db(path), clock)
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The shared database connection (routes live in the same file)."""
+        return self._conn
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def record(
+        self,
+        key: UpdateKey,
+        *,
+        chat: str,
+        sender: str,
+        thread: str | None = None,
+        payload: Mapping[str, Any] | None = None,
+    ) -> tuple[Entry, bool]:
+        """Record an update as `received`; a redelivery of the same key changes nothing.
+
+        Returns the row and whether it was new. The caller acks the platform after this returns.
+        """
+        now = self._clock()
+        body = json.dumps(dict(payload or {}), ensure_ascii=False, separators=(",", ":"))
+        with transaction(self._conn) as c:
+            cur = c.execute(
+                "INSERT OR IGNORE INTO ledger (channel, account, message_id, chat, thread, sender,"
+                " payload, state, received_at, updated_at) VALUES (?,?,?,?,?,?,?,'received',?,?)",
+                (key.channel, key.account, key.message_id, chat, thread, sender, body, now, now),
+            )
+            created = cur.rowcount == 1
+        entry = self.get(key)
+        assert entry is not None
+        return entry, created
+
+    def decide(self, key: UpdateKey, decision: Decision, reason: str) -> Entry:
+        """Record the access decision (allow, deny, or pair: held until the sender is approved)."""
+        return self._move(key, ("received",), _DECIDED[decision], decision=decision, reason=reason)
+
+    def release(self, key: UpdateKey, reason: str) -> Entry:
+        """A held message's sender was approved: it becomes submittable."""
+        return self._move(key, ("held",), "allowed", decision="allow", reason=reason)
+
+    def mark_submitted(self, key: UpdateKey, turn_id: str) -> Entry:
+        """The server accepted the turn. Repeating with the same turn id is a no-op."""
+        entry = self._require(key)
+        if entry.state == "submitted" and entry.turn_id == turn_id:
+            return entry
+        return self._move(key, ("allowed",), "submitted", turn_id=turn_id)
+
+    def mark_finished(self, key: UpdateKey, reply: str) -> Entry:
+        """The turn settled with `reply` to deliver (kept so a restart can deliver it)."""
+        return self._move(key, ("submitted",), "finished", reply=reply)
+
+    def mark_delivered(self, key: UpdateKey, remote_ids: Sequence[str | int]) -> Entry:
+        """The platform accepted the reply; `remote_ids` are its message ids."""
+        ids = json.dumps([str(i) for i in remote_ids])
+        return self._move(key, ("finished",), "delivered", remote_ids=ids)
+
+    def mark_failed(self, key: UpdateKey, reason: str) -> Entry:
+        """Give up on this update with a reason shown by `channels status`; never silent."""
+        return self._move(key, ("allowed", "submitted", "finished"), "failed", reason=reason)
+
+    def get(self, key: UpdateKey) -> Entry | None:
+        row = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE channel=? AND account=? AND message_id=?",
+            (key.channel, key.account, key.message_id),
+        ).fetchone()
+        return _entry(row) if row else None
+
+    def to_decide(self) -> list[Entry]:
+        """Recorded (and acked) but no access decision yet: a crash came in between."""
+        return self._in_state("received")
+
+    def to_submit(self) -> list[Entry]:
+        """Allowed and not yet accepted by the server: submit with the entry's idempotency key."""
+        return self._in_state("allowed")
+
+    def in_flight(self) -> list[Entry]:
+        """Accepted turns whose outcome is not recorded yet: watch them, never submit again."""
+        return self._in_state("submitted")
+
+    def to_deliver(self) -> list[Entry]:
+        """Turns that finished but whose reply was not recorded as delivered."""
+        return self._in_state("finished")
+
+    def counts(self) -> dict[str, int]:
+        """Rows per state, for `channels status`."""
+        rows = self._conn.execute("SELECT state, COUNT(*) FROM ledger GROUP BY state").fetchall()
+        return {state: n for state, n in rows}
+
+    def _in_state(self, state: State) -> list[Entry]:
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE state=? ORDER BY id", (state,)
+        ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def _require(self, key: UpdateKey) -> Entry:
+        entry = self.get(key)
+        if entry is None:
+            raise LedgerStateError(f"{key} is not in the ledger")
+        return entry
+
+    def _move(
+        self, key: UpdateKey, sources: tuple[State, ...], target: State, **fields: str
+    ) -> Entry:
+        sets = "".join(f", {name}=?" for name in fields)
+        marks = ",".join("?" * len(sources))
+        with transaction(self._conn) as c:
+            cur = c.execute(
+                f"UPDATE ledger SET state=?, updated_at=?{sets} WHERE channel=? AND account=?"
+                f" AND message_id=? AND state IN ({marks})",
+                (
+                    target,
+                    self._clock(),
+                    *fields.values(),
+                    key.channel,
+                    key.account,
+                    key.message_id,
+                    *sources,
+                ),
+            )
+            moved = cur.rowcount == 1
+        entry = self._require(key)
+        if not moved:
+            raise LedgerStateError(f"{key}: cannot move from {entry.state} to {target}")
+        return entry
+
+
+_COLUMNS = (
+    "id, channel, account, message_id, chat, thread, sender, payload, state, decision, reason,"
+    " turn_id, reply, remote_ids, received_at, updated_at"
+)
+
+
+def _entry(row: tuple[Any, ...]) -> Entry:
+    return Entry(
+        seq=row[0],
+        key=UpdateKey(row[1], row[2], row[3]),
+        chat=row[4],
+        thread=row[5],
+        sender=row[6],
+        payload=json.loads(row[7]),
+        state=cast(State, row[8]),
+        decision=cast("Decision | None", row[9]),
+        reason=row[10],
+        turn_id=row[11],
+        reply=row[12],
+        remote_ids=tuple(json.loads(row[13])),
+        received_at=row[14],
+        updated_at=row[15],
+    )

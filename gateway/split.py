@@ -1,0 +1,159 @@
+"""Split a long reply into parts a platform accepts, without breaking Markdown code fences.
+
+Rules, in order of preference for where a part ends:
+
+1. at a paragraph boundary (a blank line outside a code fence), if the part is at least half the
+   limit;
+2. at a line boundary outside a fence, with the same minimum;
+3. at the last line boundary that fits, even inside a fence: the fence is then closed at the end of
+   the part and reopened (with its info string, e.g. ```` ```python ````) at the start of the next;
+4. a line longer than the room left (or one that would leave a part under half the limit) is
+   cut at its last space that fits, else hard.
+
+Blank lines at a cut are dropped; nothing else is. Every part is at most `limit` characters
+(measured in `str` length, as the platforms document theirs) and has balanced fences.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# A fence opener or closer: up to three spaces, then ``` or ~~~ (3 or more).
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+MIN_LIMIT = 32
+
+
+@dataclass(frozen=True)
+class _Line:
+    text: str
+    fence_before: str | None  # reopening line of the fence open before this line
+    fence_after: str | None  # reopening line of the fence open after this line
+
+
+def split_message(text: str, limit: int) -> list[str]:
+    """Parts of `text`, each at most `limit` characters; `[]` for empty text."""
+    if limit < MIN_LIMIT:
+        raise ValueError(f"limit must be at least {MIN_LIMIT}")
+    if len(text) <= limit:
+        return [text] if text.strip() else []
+    lines = _annotate(text.split("\n"), limit)
+    parts: list[str] = []
+    i = 0
+    while i < len(lines):
+        if not lines[i].text.strip() and lines[i].fence_before is None:
+            i += 1  # blank lines at a cut
+            continue
+        j = _cut(lines, i, limit)
+        if j == i:  # one line too long for any part: cut it, keep the rest for the next part
+            head, rest = _wrap(lines[i], limit - _overhead(lines, i, i + 1))
+            lines[i : i + 1] = [head, rest]
+            j = i + 1
+        elif j < len(lines) and len(lines[j].text) > limit // 2:
+            j = _fill(lines, i, j, limit)
+        parts.append(_render(lines, i, j))
+        i = j
+    return parts
+
+
+def fence_closer(opener: str) -> str:
+    """The line that closes the fence `opener` opened."""
+    m = _FENCE.match(opener)
+    assert m is not None
+    return m.group(1)
+
+
+def _annotate(raw: list[str], limit: int) -> list[_Line]:
+    """Mark each line with the fence open around it, as the line that would reopen it (the opener
+    itself, or only its marker when the opener is too long to repeat in every part)."""
+    out = []
+    fence: str | None = None
+    for line in raw:
+        before = fence
+        m = _FENCE.match(line)
+        if m:
+            if fence is None:
+                fence = line if len(line) <= limit // 4 else m.group(1)
+            elif _closes(fence, m):
+                fence = None
+        out.append(_Line(line, before, fence))
+    return out
+
+
+def _closes(opener: str, m: re.Match[str]) -> bool:
+    marker = fence_closer(opener)
+    return m.group(1)[0] == marker[0] and len(m.group(1)) >= len(marker) and not m.group(2).strip()
+
+
+def _prefix(lines: list[_Line], i: int) -> str | None:
+    """The reopening line a part starting at `i` needs (None outside a fence)."""
+    return lines[i].fence_before
+
+
+def _suffix(lines: list[_Line], j: int) -> str | None:
+    """The closing line a part ending before `j` needs (None when no fence is open there)."""
+    opener = lines[j - 1].fence_after
+    return fence_closer(opener) if opener is not None else None
+
+
+def _overhead(lines: list[_Line], i: int, j: int) -> int:
+    pre, suf = _prefix(lines, i), _suffix(lines, j)
+    return (len(pre) + 1 if pre is not None else 0) + (len(suf) + 1 if suf is not None else 0)
+
+
+def _render(lines: list[_Line], i: int, j: int) -> str:
+    body = [line.text for line in lines[i:j]]
+    while body and not body[-1].strip() and lines[i + len(body) - 1].fence_after is None:
+        body.pop()
+    pre, suf = _prefix(lines, i), _suffix(lines, j)
+    return "\n".join(([pre] if pre is not None else []) + body + ([suf] if suf is not None else []))
+
+
+def _cut(lines: list[_Line], i: int, limit: int) -> int:
+    """The end (exclusive) of the best part starting at `i`; `i` when not even one line fits."""
+    size = 0
+    best_any = best_line = best_para = i
+    for j in range(i + 1, len(lines) + 1):
+        size += len(lines[j - 1].text) + (1 if j > i + 1 else 0)
+        if size + _overhead(lines, i, j) > limit:
+            break
+        best_any = j
+        outside = lines[j - 1].fence_after is None
+        if outside and size >= limit // 2:
+            best_line = j
+            at_para = j == len(lines) or (
+                not lines[j].text.strip() and lines[j].fence_before is None
+            )
+            if at_para:
+                best_para = j
+    if best_any == len(lines):
+        return best_any
+    return best_para if best_para > i else best_line if best_line > i else best_any
+
+
+def _fill(lines: list[_Line], i: int, j: int, limit: int) -> int:
+    """A part cut short by a long next line takes that line's head, so parts stay well filled."""
+    used = len(_render(lines, i, j))
+    if used >= limit // 2:
+        return j
+    room = limit - used - 1
+    while room > 0:
+        head, rest = _wrap(lines[j], room)
+        trial = lines[:j] + [head]
+        if len(_render(trial, i, j + 1)) <= limit:
+            lines[j : j + 1] = [head, rest]
+            return j + 1
+        room -= len(_render(trial, i, j + 1)) - limit
+    return j
+
+
+def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
+    """Cut an over-long content line at its last space within `room`, else exactly at `room`."""
+    room = max(room, 1)
+    cut = line.text.rfind(" ", 1, room + 1)
+    if cut <= 0:
+        head, rest = line.text[:room], line.text[room:]
+    else:
+        head, rest = line.text[:cut], line.text[cut + 1 :]
+    fence = line.fence_before if line.fence_before == line.fence_after else None
+    return _Line(head, line.fence_before, fence), _Line(rest, fence, line.fence_after)

@@ -1,0 +1,56 @@
+"""The CLI as a real subprocess, with its home and environment pinned to one test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def cli_env(home: Path, **extra: str) -> dict[str, str]:
+    """The caller's environment with the home pinned and retries fast, so tests never wait on backoff."""
+    env = dict(os.environ)
+    env["APPSERVER_HOME"] = str(home)
+    env.setdefault("APPSERVER_LIMITS__RETRY_BASE_MS", "10")
+    env.update(extra)
+    return env
+
+
+@dataclass
+class CLIResult:
+    code: int
+    out: str
+    err: str
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+def run_cli(
+    home: Path, *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> CLIResult:
+    proc = subprocess.run(
+        [sys.executable, "-m", "appserver", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or cli_env(home),
+        cwd=ROOT,
+    )
+    return CLIResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def careful_home(parent: Path) -> Path:
+    """`parent/home` with an agent `careful` that asks before each `clock` call (the approval tests' agent)."""
+    home = parent / "home"
+    r = run_cli(
+        home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=cli_env(home)
+    )
+    assert r.code == 0, r.err
+    return home

@@ -20,7 +20,8 @@ test: $(STAMP)
 	$(PY) -m pytest -x -q -n 4 --dist loadfile
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check appserver cron tests bench examples
+	$(VENV)/bin/ruff check appserver cron gateway tests bench examples
+	$(VENV)/bin/ruff format --check appserver cron gateway tests bench examples
 	$(VENV)/bin/mypy appserver
 
 bench: $(STAMP)

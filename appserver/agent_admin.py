@@ -26,7 +26,9 @@ def validate_model(model: str, config: Config) -> str:
 
 def validate_name(name: str) -> str:
     if not NAME_RE.match(name or ""):
-        raise InvalidInput(f"invalid agent name {name!r}: letters, digits, '_', '-', '.', at most 64 characters", param="name")
+        raise InvalidInput(
+            f"invalid agent name {name!r}: letters, digits, '_', '-', '.', at most 64 characters", param="name"
+        )
     return name
 
 
@@ -49,7 +51,9 @@ def _number(kind: type, low: float, high: float) -> Callable[[str, str], Any]:
         try:
             value = kind(raw)
         except ValueError:
-            raise InvalidInput(f"invalid --param {key}={raw!r}: expected {'an integer' if kind is int else 'a number'}", param="param") from None
+            raise InvalidInput(
+                f"invalid --param {key}={raw!r}: expected {'an integer' if kind is int else 'a number'}", param="param"
+            ) from None
         if not low <= value <= high:
             raise InvalidInput(f"invalid --param {key}={raw!r}: must be between {low:g} and {high:g}", param="param")
         return value
@@ -100,7 +104,9 @@ def parse_params(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
         key, sep, raw = spec.partition("=")
         key, raw = key.strip(), raw.strip()
         if not sep or key not in AGENT_PARAMS:
-            raise InvalidInput(f"invalid --param {spec!r}: use KEY=VALUE with KEY one of {', '.join(AGENT_PARAMS)}", param="param")
+            raise InvalidInput(
+                f"invalid --param {spec!r}: use KEY=VALUE with KEY one of {', '.join(AGENT_PARAMS)}", param="param"
+            )
         out[key] = None if raw == "" else AGENT_PARAMS[key](key, raw)
     return out
 
@@ -111,14 +117,37 @@ class Agents:
         self.store = kernel.store
         self.config = kernel.config
 
-    async def create(self, name: str, model: str = "echo", system: str = "", tools: dict[str, str] | None = None, params: dict | None = None) -> AgentRecord:
-        agent = AgentRecord(id=new_id("agt"), name=validate_name(name), model=validate_model(model, self.config), system=system or "", tools=dict(tools or {}), params={k: v for k, v in (params or {}).items() if v is not None})
+    async def create(
+        self,
+        name: str,
+        model: str = "echo",
+        system: str = "",
+        tools: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> AgentRecord:
+        agent = AgentRecord(
+            id=new_id("agt"),
+            name=validate_name(name),
+            model=validate_model(model, self.config),
+            system=system or "",
+            tools=dict(tools or {}),
+            params={k: v for k, v in (params or {}).items() if v is not None},
+        )
         return await self.store.create_agent(agent)
 
     async def get(self, ref: str) -> AgentRecord:
         return await self.kernel.resolve_agent(ref)
 
-    async def update(self, ref: str, *, name: str | None = None, model: str | None = None, system: str | None = None, tools: dict[str, str] | None = None, params: dict | None = None) -> AgentRecord:
+    async def update(
+        self,
+        ref: str,
+        *,
+        name: str | None = None,
+        model: str | None = None,
+        system: str | None = None,
+        tools: dict[str, str] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> AgentRecord:
         agent = await self.get(ref)
         if name is not None:
             agent.name = validate_name(name)

@@ -250,9 +250,7 @@ def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[
     known = [f.name for f in fields(obj) if f.name != "name"]
     for key, value in data.items():
         if key not in known:
-            raise ConfigError(
-                f"{origin(key)}: unknown key {key!r} in [{where}]; known keys: {', '.join(known)}"
-            )
+            raise ConfigError(f"{origin(key)}: unknown key {key!r} in [{where}]; known keys: {', '.join(known)}")
         try:
             converted = convert(value, hints[key], RULES.get(f"{prefix}.{key}"), from_env=from_env)
         except Invalid as exc:
@@ -409,15 +407,20 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
             if not isinstance(raw, dict):
                 raise ConfigError(f"{where}: [providers.{name}] must be a table")
         if name == "echo":
-            raise ConfigError(f"{path if raw_file else _env_name('providers', name)}: [providers.echo] is built in and cannot be configured")
+            raise ConfigError(
+                f"{path if raw_file else _env_name('providers', name)}: [providers.echo] is built in and cannot be configured"
+            )
         prov = cfg.providers.get(name) or ProviderConfig(name=name)
         if name not in cfg.providers:
             kind_origin, kind = (
-                (_env_name("providers", name, "kind"), raw_env["kind"]) if "kind" in raw_env
+                (_env_name("providers", name, "kind"), raw_env["kind"])
+                if "kind" in raw_env
                 else (str(path), raw_file.get("kind", prov.kind))
             )
             if kind not in ("openai", "anthropic"):
-                raise ConfigError(f"{kind_origin}: [providers.{name}] kind must be one of 'openai', 'anthropic', got {kind!r}")
+                raise ConfigError(
+                    f"{kind_origin}: [providers.{name}] kind must be one of 'openai', 'anthropic', got {kind!r}"
+                )
             if kind == "anthropic":
                 prov.base_url, prov.api_key_env = "https://api.anthropic.com", "ANTHROPIC_API_KEY"
             elif "base_url" in raw_file or "base_url" in raw_env:

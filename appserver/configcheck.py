@@ -44,12 +44,16 @@ def describe(hint: Any, rule: Rule | None = None) -> str:
     if rule is not None and rule.choices:
         return "one of " + ", ".join(repr(c) for c in rule.choices)
     base = _base(hint)
-    words = {
-        int: "an integer",
-        float: "a number",
-        bool: "true or false",
-        str: "a string",
-    }.get(base) if isinstance(base, type) else None
+    words = (
+        {
+            int: "an integer",
+            float: "a number",
+            bool: "true or false",
+            str: "a string",
+        }.get(base)
+        if isinstance(base, type)
+        else None
+    )
     if words is None:
         origin = typing.get_origin(base)
         args = typing.get_args(base)

@@ -113,9 +113,7 @@ def parse_listen(value: str, default_port: int = DEFAULT_PORT) -> ListenAddress:
         try:
             return ListenAddress(str(ipaddress.IPv6Address(text)), default_port)
         except ValueError:
-            raise ValueError(
-                f"invalid listen address {value!r}; write IPv6 addresses as [::1]:8770"
-            ) from None
+            raise ValueError(f"invalid listen address {value!r}; write IPv6 addresses as [::1]:8770") from None
     host, sep, port_text = text.partition(":")
     port = _parse_port(port_text, value) if sep else default_port
     if not host:

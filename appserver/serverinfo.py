@@ -127,7 +127,9 @@ def find_live_server(server_json: Path, wait_s: float = 20.0) -> dict[str, Any] 
         if live is not None or not lock.held_elsewhere():
             return live
         if time.monotonic() >= deadline:
-            raise HomeStarting(f"a server holds this home ({lock.path}) but has not published server.json after {wait_s:g} s")
+            raise HomeStarting(
+                f"a server holds this home ({lock.path}) but has not published server.json after {wait_s:g} s"
+            )
         time.sleep(0.05)
 
 

@@ -48,7 +48,9 @@ def _finite_float(text: str) -> float:
 def _int64(text: str) -> int:
     value = int(text)
     if not -INT64 <= value < INT64:
-        raise JsonRejected(f"contains the integer {text[:40]}{'…' if len(text) > 40 else ''}, which is outside the 64-bit range")
+        raise JsonRejected(
+            f"contains the integer {text[:40]}{'…' if len(text) > 40 else ''}, which is outside the 64-bit range"
+        )
     return value
 
 

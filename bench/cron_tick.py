@@ -67,14 +67,10 @@ def cli_add_s(home: Path, n: int) -> float:
         "--every",
         "1h",
     ]
-    subprocess.run(
-        [*cmd, "--name", "warm-up", "--prompt", "p"], env=env, check=True, capture_output=True
-    )
+    subprocess.run([*cmd, "--name", "warm-up", "--prompt", "p"], env=env, check=True, capture_output=True)
     t0 = time.perf_counter()
     for i in range(n):
-        subprocess.run(
-            [*cmd, "--name", f"cli-{i}", "--prompt", "p"], env=env, check=True, capture_output=True
-        )
+        subprocess.run([*cmd, "--name", f"cli-{i}", "--prompt", "p"], env=env, check=True, capture_output=True)
     return (time.perf_counter() - t0) / n
 
 
@@ -123,9 +119,7 @@ async def main() -> None:
             before = len(fired)
             busy.append(await timed_tick())
             assert len(fired) - before == EVERY_MINUTE  # sanity of the bench itself, not a target
-        print(
-            f"tick over {total:,} tasks: first {first * 1e3:.1f} ms (parses the file, takes the lease)"
-        )
+        print(f"tick over {total:,} tasks: first {first * 1e3:.1f} ms (parses the file, takes the lease)")
         print(
             f"tick over {total:,} tasks, nothing due: median {statistics.median(quiet) * 1e3:.1f} ms (target <= 50 ms)"
         )
@@ -136,9 +130,7 @@ async def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         per = cli_add_s(Path(tmp), 5)
-        print(
-            f"`appserver cron add` through the CLI: {per * 1e3:.0f} ms per add (interpreter start, agent check, add)"
-        )
+        print(f"`appserver cron add` through the CLI: {per * 1e3:.0f} ms per add (interpreter start, agent check, add)")
 
 
 if __name__ == "__main__":

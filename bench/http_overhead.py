@@ -42,7 +42,21 @@ async def completions(request: Request):  # type: ignore[no-untyped-def]
     body = await request.json()
     base = {"id": "chatcmpl-fake", "created": int(time.time()), "model": body.get("model", "m")}
     if not body.get("stream"):
-        return JSONResponse({**base, "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(WORDS)}, "finish_reason": "stop", "logprobs": None}], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}})
+        return JSONResponse(
+            {
+                **base,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(WORDS)},
+                        "finish_reason": "stop",
+                        "logprobs": None,
+                    }
+                ],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11},
+            }
+        )
 
     async def gen():  # type: ignore[no-untyped-def]
         for w in WORDS:
@@ -111,7 +125,12 @@ async def ttft(url: str, body: dict, n: int) -> list[float]:
             async with client.stream("POST", url, json={**body, "stream": True}) as r:
                 async for line in r.aiter_lines():
                     compact = line.replace(" ", "")
-                    if first is None and line.startswith("data: ") and '"content":"' in compact and '"content":""' not in compact:
+                    if (
+                        first is None
+                        and line.startswith("data: ")
+                        and '"content":"' in compact
+                        and '"content":""' not in compact
+                    ):
                         first = time.perf_counter() - t0
             if first is not None:
                 out.append(first)
@@ -133,7 +152,13 @@ def main() -> None:
         return
     upstream, up_proc = start_upstream()
     home = Path(tempfile.mkdtemp(prefix="appserver-bench-")) / "home"
-    env = cli_env(home, APPSERVER_PROVIDERS__FAKE__KIND="openai", APPSERVER_PROVIDERS__FAKE__BASE_URL=upstream, APPSERVER_DISABLE_CRON="1", APPSERVER_LIMITS__QUEUE_MAX="10000")
+    env = cli_env(
+        home,
+        APPSERVER_PROVIDERS__FAKE__KIND="openai",
+        APPSERVER_PROVIDERS__FAKE__BASE_URL=upstream,
+        APPSERVER_DISABLE_CRON="1",
+        APPSERVER_LIMITS__QUEUE_MAX="10000",
+    )
     os.environ.update({k: v for k, v in env.items() if k.startswith("APPSERVER_")})
     r = run_cli(home, "agents", "create", "--name", "bench", "--model", "fake:m", env=env)
     if r.code != 0:
@@ -151,11 +176,15 @@ def main() -> None:
             s = stats(asyncio.run(measure(f"{sp.url}/v1/chat/completions", served_body, total, conc)))
             print(f"upstream  c={conc:<3}         {d[0]:>12.2f}{d[1]:>10.2f}")
             print(f"server    c={conc:<3}         {s[0]:>12.2f}{s[1]:>10.2f}")
-            print(f"  ratio (server/upstream): median {s[0] / d[0]:.2f}x, p99 {s[1] / d[1]:.2f}x; added median {s[0] - d[0]:.2f} ms")
+            print(
+                f"  ratio (server/upstream): median {s[0] / d[0]:.2f}x, p99 {s[1] / d[1]:.2f}x; added median {s[0] - d[0]:.2f} ms"
+            )
         n = min(100, args.requests)
         td = stats(asyncio.run(ttft(f"{upstream}/chat/completions", direct_body, n)))
         ts = stats(asyncio.run(ttft(f"{sp.url}/v1/chat/completions", served_body, n)))
-        print(f"streamed time to first token: upstream {td[0]:.2f} ms, server {ts[0]:.2f} ms, added {ts[0] - td[0]:.2f} ms (median)")
+        print(
+            f"streamed time to first token: upstream {td[0]:.2f} ms, server {ts[0]:.2f} ms, added {ts[0] - td[0]:.2f} ms (median)"
+        )
     finally:
         sp.stop()
         up_proc.terminate()

@@ -1,8 +1,8 @@
 """Kernel throughput on the offline echo model, in-process (prints; asserts nothing).
 
-  turns/s at concurrency 64 over 64 conversations (target >= 3,000)
-  median per-turn time at concurrency 1
-  and, side by side, the cost of the provider alone (echo streamed with no kernel) as a ratio.
+turns/s at concurrency 64 over 64 conversations (target >= 3,000)
+median per-turn time at concurrency 1
+and, side by side, the cost of the provider alone (echo streamed with no kernel) as a ratio.
 """
 
 from __future__ import annotations
@@ -54,18 +54,24 @@ async def main() -> None:
             await asyncio.gather(*(worker(c) for c in convs))
             elapsed = time.perf_counter() - t0
             total = 64 * turns_per_conv
-            print(f"concurrency 64 x 64 conversations: {total} turns in {elapsed:.2f} s = {total / elapsed:,.0f} turns/s (target >= 3,000)")
+            print(
+                f"concurrency 64 x 64 conversations: {total} turns in {elapsed:.2f} s = {total / elapsed:,.0f} turns/s (target >= 3,000)"
+            )
 
             samples = []
             conv = convs[0]
             for i in range(300):
                 t = time.perf_counter()
-                sub = await kernel.submit(SubmitRequest(agent="assistant", input=f"one at a time {i}", conversation="new" if i % 2 else conv))
+                sub = await kernel.submit(
+                    SubmitRequest(agent="assistant", input=f"one at a time {i}", conversation="new" if i % 2 else conv)
+                )
                 await sub.wait(10)
                 samples.append(time.perf_counter() - t)
             median = statistics.median(samples)
             base = await provider_only(300)
-            print(f"concurrency 1: median {median * 1e6:,.0f} us per turn; echo provider alone {base * 1e6:,.0f} us; kernel/provider ratio {median / base:.1f}x")
+            print(
+                f"concurrency 1: median {median * 1e6:,.0f} us per turn; echo provider alone {base * 1e6:,.0f} us; kernel/provider ratio {median / base:.1f}x"
+            )
         finally:
             await server.close()
 

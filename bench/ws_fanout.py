@@ -58,7 +58,9 @@ async def run(n: int) -> None:
         await asyncio.sleep(0.5)
         idle = rss_kib(sp.proc.pid)
         print(f"connections: {n}")
-        print(f"server RSS: {base} KiB before, {idle} KiB with {n} idle subscribed connections -> {(idle - base) / n:.1f} KiB per connection")
+        print(
+            f"server RSS: {base} KiB before, {idle} KiB with {n} idle subscribed connections -> {(idle - base) / n:.1f} KiB per connection"
+        )
 
         done_at: list[float] = []
 
@@ -71,14 +73,20 @@ async def run(n: int) -> None:
 
         waiters = [asyncio.create_task(wait_terminal(c)) for c in conns]
         t0 = time.time()
-        await boss.send(json.dumps({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "benchmark " * 20}))
+        await boss.send(
+            json.dumps({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "benchmark " * 20})
+        )
         await asyncio.gather(*waiters)
         with sqlite3.connect(home / "appserver.db") as db:
-            ended = db.execute("SELECT ended_at FROM turns WHERE conversation_id=? ORDER BY rowid DESC LIMIT 1", (conv,)).fetchone()[0]
+            ended = db.execute(
+                "SELECT ended_at FROM turns WHERE conversation_id=? ORDER BY rowid DESC LIMIT 1", (conv,)
+            ).fetchone()[0]
         print(f"submit -> last terminal snapshot: {(max(done_at) - t0) * 1000:.1f} ms")
         if ended:
             print(f"commit -> first terminal snapshot: {(min(done_at) - ended) * 1000:.1f} ms")
-            print(f"commit -> last terminal snapshot:  {(max(done_at) - ended) * 1000:.1f} ms  (same clock, client and server on one host)")
+            print(
+                f"commit -> last terminal snapshot:  {(max(done_at) - ended) * 1000:.1f} ms  (same clock, client and server on one host)"
+            )
         await asyncio.gather(*(c.close() for c in conns))
         await boss.close()
     finally:

@@ -22,9 +22,7 @@ class KernelAdapter:
         """The scheduler's `fire`: name the agent the way its users do (the id when it is gone),
         build the submission, submit it."""
         agent = await self.store.get_agent(task.agent)
-        return await self.submit(
-            CronSubmission.of(task, occurrence, None if agent is None else agent.name)
-        )
+        return await self.submit(CronSubmission.of(task, occurrence, None if agent is None else agent.name))
 
     async def submit(self, sub: CronSubmission) -> str | None:
         """Submit the `cron_prompt` turn of one occurrence; its turn id."""

@@ -46,9 +46,7 @@ def build_envelope(task: CronTask, occurrence: Occurrence, agent_name: str | Non
         f"Occurrence: #{occurrence.number}",
     ]
     if occurrence.catch_up and not occurrence.manual:
-        lines.append(
-            f"This is a late catch-up run ({_late(occurrence.late_s)} after its scheduled time)."
-        )
+        lines.append(f"This is a late catch-up run ({_late(occurrence.late_s)} after its scheduled time).")
     if task.deliver:
         lines.append(f"Your final reply will be delivered to {task.deliver}.")
     lines.append(MANUAL_LINE if occurrence.manual else NO_USER_LINE)

@@ -44,9 +44,7 @@ class CronSubmission:
     kind: str = "cron_prompt"
 
     @classmethod
-    def of(
-        cls, task: CronTask, occurrence: Occurrence, agent_name: str | None = None
-    ) -> CronSubmission:
+    def of(cls, task: CronTask, occurrence: Occurrence, agent_name: str | None = None) -> CronSubmission:
         """The submission of `occurrence` of `task`; `agent_name` lets the envelope name the agent
         the way its users do (None: the id is shown)."""
         return cls(
@@ -121,9 +119,7 @@ def record_outcome(
             store.keep(state)
             return
         if failed:
-            task.set_error(
-                f"run #{occurrence} {outcome.status}: {outcome.error or 'no detail'}", now
-            )
+            task.set_error(f"run #{occurrence} {outcome.status}: {outcome.error or 'no detail'}", now)
         elif task.last_error and task.last_error.startswith("run #"):
             task.last_error, task.last_error_at = None, None
         else:
@@ -132,9 +128,7 @@ def record_outcome(
         store.save(state, cache=True)  # nothing of `state` is handed out
 
 
-def _record_fire_failure(
-    store: CronStore, task_id: str, occurrence: int, message: str, now: datetime
-) -> None:
+def _record_fire_failure(store: CronStore, task_id: str, occurrence: int, message: str, now: datetime) -> None:
     with store.lock():
         state = store.load()
         task = state.get(task_id)
@@ -160,15 +154,9 @@ async def submit_claimed(
         turn_id = await asyncio.wait_for(fire(task, occurrence), timeout=fire_timeout_s)
     except Exception as exc:  # noqa: BLE001 — any kernel failure must be logged, not kill the loop
         message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        log.warning(
-            "cron: task %s run #%d could not be submitted: %s", task.id, occurrence.number, message
-        )
-        append_run(
-            store.runs_dir, task.id, "fire_failed", occurrence=occurrence.number, error=message
-        )
-        await asyncio.to_thread(
-            _record_fire_failure, store, task.id, occurrence.number, message, clock()
-        )
+        log.warning("cron: task %s run #%d could not be submitted: %s", task.id, occurrence.number, message)
+        append_run(store.runs_dir, task.id, "fire_failed", occurrence=occurrence.number, error=message)
+        await asyncio.to_thread(_record_fire_failure, store, task.id, occurrence.number, message, clock())
         return None
     append_run(store.runs_dir, task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id)
     return turn_id
@@ -194,9 +182,7 @@ async def watch_outcome(
     return outcome
 
 
-def claim_manual(
-    store: CronStore, ref: str, *, agent: str | None, now: datetime
-) -> tuple[CronTask, Occurrence]:
+def claim_manual(store: CronStore, ref: str, *, agent: str | None, now: datetime) -> tuple[CronTask, Occurrence]:
     """Claim a "run now" occurrence: bump the run counter and log `fired`, leaving the schedule
     (next_fire_at) alone. Needs no lease: it is an extra run, not a scheduled one."""
     with store.lock():
@@ -233,12 +219,8 @@ async def run_task_now(
     `await_outcome` is given) wait for the turn and log its outcome."""
     store = home if isinstance(home, CronStore) else CronStore(home)
     task, occ = await asyncio.to_thread(claim_manual, store, ref, agent=agent, now=clock())
-    turn_id = await submit_claimed(
-        store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock
-    )
+    turn_id = await submit_claimed(store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock)
     outcome = None
     if turn_id is not None and await_outcome is not None:
-        outcome = await watch_outcome(
-            store, task.id, occ.number, turn_id, await_outcome, timeout_s=outcome_timeout_s
-        )
+        outcome = await watch_outcome(store, task.id, occ.number, turn_id, await_outcome, timeout_s=outcome_timeout_s)
     return RunNowResult(task, occ, turn_id, outcome)

@@ -80,9 +80,7 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
     """`30m`, `2h`, `1h30m`, `45s`, `1d` → timedelta. Zero is refused unless `allow_zero`."""
     s = text.strip().lower().replace(" ", "")
     if not s or _DURATION_RE.sub("", s):
-        raise ScheduleError(
-            f"invalid duration {text!r}: use a number with s, m, h or d, e.g. 30m or 1h30m"
-        )
+        raise ScheduleError(f"invalid duration {text!r}: use a number with s, m, h or d, e.g. 30m or 1h30m")
     total = sum(int(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(s))
     if total == 0 and not allow_zero:
         raise ScheduleError(f"invalid duration {text!r}: must be greater than zero")
@@ -98,9 +96,7 @@ def get_zone(name: str) -> ZoneInfo:
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
-        raise ScheduleError(
-            f"unknown timezone {name!r}: use an IANA name such as Europe/Paris"
-        ) from None
+        raise ScheduleError(f"unknown timezone {name!r}: use an IANA name such as Europe/Paris") from None
 
 
 def local_zone_name() -> str:
@@ -152,17 +148,13 @@ def parse_at(text: str, tz: str) -> datetime:
     try:
         naive = datetime.fromisoformat(text.strip().replace("/", "-"))
     except ValueError:
-        raise ScheduleError(
-            f"invalid time {text!r}: use YYYY-MM-DD HH:MM (in the task's timezone)"
-        ) from None
+        raise ScheduleError(f"invalid time {text!r}: use YYYY-MM-DD HH:MM (in the task's timezone)") from None
     try:
         if naive.tzinfo is not None:
             return naive.astimezone(UTC)
         return wall_to_instants(naive, get_zone(tz), both_passes=False)[0]
     except OverflowError:
-        raise ScheduleError(
-            f"invalid time {text!r}: outside the dates a schedule can use"
-        ) from None
+        raise ScheduleError(f"invalid time {text!r}: outside the dates a schedule can use") from None
 
 
 # ---------------------------------------------------------------- wall time → instants
@@ -256,11 +248,7 @@ def next_occurrence(spec: ScheduleSpec, after: datetime, created_at: datetime) -
                 return created_at + step
             k = (after - created_at) // step + 1
             return created_at + k * step
-        when = (
-            created_at + parse_duration(spec.expr)
-            if spec.kind == "in"
-            else parse_at(spec.expr, spec.tz)
-        )
+        when = created_at + parse_duration(spec.expr) if spec.kind == "in" else parse_at(spec.expr, spec.tz)
     except OverflowError:  # past the year 9999: there is no next occurrence
         return None
     return when if when > after else None
@@ -288,9 +276,7 @@ def validate_new(spec: ScheduleSpec, now: datetime) -> datetime:
     return first
 
 
-def upcoming(
-    spec: ScheduleSpec, after: datetime, created_at: datetime, count: int
-) -> list[datetime]:
+def upcoming(spec: ScheduleSpec, after: datetime, created_at: datetime, count: int) -> list[datetime]:
     """The next `count` nominal occurrences strictly after `after` (for `cron preview`)."""
     out: list[datetime] = []
     cur = after

@@ -52,9 +52,7 @@ RUN_ALL_CAP = 10  # run_all fires at most this many catch-up runs per task per t
 MAX_ENUMERATE = 1000  # missed occurrences listed one by one before the rest are summarised
 CATCH_UP_AFTER_S = 2.0  # a run this late past its due time fires after downtime: "catch-up"
 WATCH_S = 0.25  # how often the sleeping scheduler looks whether crons.json changed
-MIN_TICK_GAP_S = (
-    0.5  # due-time ticks are at least this far apart (each that fires saves crons.json)
-)
+MIN_TICK_GAP_S = 0.5  # due-time ticks are at least this far apart (each that fires saves crons.json)
 PROBLEM_LOG_EVERY_S = 60.0  # a lasting problem (corrupt crons.json, …) is logged this often
 
 
@@ -88,10 +86,7 @@ def apply_misfire(
         missed = [(n, f"beyond the run_all cap of {cap} catch-up runs") for n, _ in due[:-cap]]
         return runs, missed
     if policy == "run_once":
-        missed = [
-            (n, "coalesced into one run of the most recent occurrence (misfire=run_once)")
-            for n, _ in due[:-1]
-        ]
+        missed = [(n, "coalesced into one run of the most recent occurrence (misfire=run_once)") for n, _ in due[:-1]]
         return [run(due[-1])], missed
     # skip, and anything unknown: never run late work by accident
     limit = max_lateness.total_seconds()
@@ -128,9 +123,7 @@ class TickReport:
     """What one tick did (for tests, logs and the benchmark)."""
 
     has_lease: bool = False
-    fired: list[tuple[str, int, str | None]] = field(
-        default_factory=list
-    )  # task id, number, turn id
+    fired: list[tuple[str, int, str | None]] = field(default_factory=list)  # task id, number, turn id
     missed: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -233,9 +226,7 @@ class Scheduler:
                     continue
                 if self._plan_task(task, now, planned, logs, report):
                     changed = True
-                if task.next_due_at is not None and (
-                    next_due is None or task.next_due_at < next_due
-                ):
+                if task.next_due_at is not None and (next_due is None or task.next_due_at < next_due):
                     next_due = task.next_due_at
             self._next_due = next_due
             if changed:
@@ -274,9 +265,7 @@ class Scheduler:
             due, following, skipped = self._due_occurrences(task, now)
         except ScheduleError as exc:
             return self._fail(task, exc, now, logs, report)
-        fire, missed = apply_misfire(
-            task.misfire, due, now, timedelta(seconds=task.max_lateness_s), self.run_all_cap
-        )
+        fire, missed = apply_misfire(task.misfire, due, now, timedelta(seconds=task.max_lateness_s), self.run_all_cap)
         if skipped is not None:
             missed.insert(0, skipped)
 
@@ -343,9 +332,7 @@ class Scheduler:
             due.append(nxt)
 
     def _due(self, task: CronTask, nominal: datetime) -> datetime:
-        return due_time(
-            task.schedule, nominal, task_id=task.id, created_at=task.created_at, exact=task.exact
-        )
+        return due_time(task.schedule, nominal, task_id=task.id, created_at=task.created_at, exact=task.exact)
 
     def _fail(
         self,
@@ -362,9 +349,7 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _note_error(
-        task: CronTask, logs: list[tuple[str, str, dict[str, Any]]], report: TickReport
-    ) -> None:
+    def _note_error(task: CronTask, logs: list[tuple[str, str, dict[str, Any]]], report: TickReport) -> None:
         if task.next_fire_at is None and task.last_error:
             logs.append((task.id, "error", {"error": task.last_error}))
             report.errors.append(f"{task.id}: {task.last_error}")

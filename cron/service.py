@@ -34,9 +34,7 @@ class CronService:
         self._recovery: asyncio.Task[int] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(
-            self.scheduler.run(self._stop), name="cron-scheduler"
-        )
+        self._task = asyncio.get_running_loop().create_task(self.scheduler.run(self._stop), name="cron-scheduler")
 
     def problem(self) -> str | None:
         """One line saying why cron cannot do its job (a crons.json set aside as corrupt and not
@@ -50,9 +48,7 @@ class CronService:
         return CheckResult("warn", problem) if problem else CheckResult("ok")
 
     def start_recovery(self) -> None:
-        self._recovery = asyncio.get_running_loop().create_task(
-            self.recover_outcomes(), name="cron-recover-outcomes"
-        )
+        self._recovery = asyncio.get_running_loop().create_task(self.recover_outcomes(), name="cron-recover-outcomes")
 
     async def recover_outcomes(self) -> int:
         """Record the outcomes of cron turns that a previous server submitted but did not see end
@@ -77,9 +73,7 @@ class CronService:
             self.scheduler.watch(task_id, occurrence, turn_id)
             watched += 1
         if pending:
-            log.info(
-                "cron: recovering the outcome of %d turn(s) of a previous server", len(pending)
-            )
+            log.info("cron: recovering the outcome of %d turn(s) of a previous server", len(pending))
         return watched
 
     async def run_now(self, ref: str, *, agent: str | None = None) -> RunNowResult:

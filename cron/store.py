@@ -270,9 +270,7 @@ class CronTask:
     ) -> Occurrence:
         """Count one more run and record it as the last claimed occurrence (before anything fires)."""
         self.occurrence += 1
-        occ = Occurrence(
-            self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up
-        )
+        occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
         self.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
         return occ
 
@@ -326,9 +324,7 @@ class CronFile:
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
-            "scheduler_owner": None
-            if self.scheduler_owner is None
-            else self.scheduler_owner.to_dict(),
+            "scheduler_owner": None if self.scheduler_owner is None else self.scheduler_owner.to_dict(),
             "tasks": [t.to_dict() for t in self.tasks],
         }
 
@@ -365,9 +361,7 @@ class CronFile:
             who = f" for agent {agent!r}" if agent else ""
             raise CronNotFound(f"no cron task {ref!r}{who}")
         agents = ", ".join(sorted(t.agent for t in named))
-        raise CronStoreError(
-            f"task name {ref!r} exists for several agents ({agents}); pass --agent"
-        )
+        raise CronStoreError(f"task name {ref!r} exists for several agents ({agents}); pass --agent")
 
     def get(self, task_id: str) -> CronTask | None:
         return next((t for t in self.tasks if t.id == task_id), None)
@@ -433,11 +427,7 @@ class CronStore:
         raw = self._read_json(readonly)
         if raw is None:
             return CronFile()
-        if (
-            isinstance(raw, dict)
-            and isinstance(raw.get("version"), int)
-            and raw["version"] > FORMAT_VERSION
-        ):
+        if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] > FORMAT_VERSION:
             raise CronStoreError(
                 f"{self.path} has format version {raw['version']}, newer than this appserver "
                 f"understands ({FORMAT_VERSION}); upgrade appserver"
@@ -480,7 +470,7 @@ class CronStore:
         text = (
             "{\n"
             f'  "version": {state.version},\n'
-            f'  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n'  # type: ignore[arg-type]
+            f'  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n'
             f'  "tasks": [' + (f"\n    {tasks}\n  " if tasks else "") + "]\n}\n"
         )
         atomic_write_text(self.path, text)
@@ -496,9 +486,7 @@ class CronStore:
         for t in tasks:
             key = t.fingerprint()
             hit = previous.get(t.id)
-            line = (
-                hit[1] if hit is not None and hit[0] == key else json.dumps(t.to_dict(), **_COMPACT)
-            )  # type: ignore[arg-type]
+            line = hit[1] if hit is not None and hit[0] == key else json.dumps(t.to_dict(), **_COMPACT)
             lines[t.id] = (key, line)
             out.append(line)
         self._lines = lines
@@ -551,9 +539,7 @@ class CronStore:
         with self.lock():
             state = self.load()
             if any(t.agent == task.agent and t.name == task.name for t in state.tasks):
-                raise CronStoreError(
-                    f"agent {task.agent!r} already has a cron task named {task.name!r}"
-                )
+                raise CronStoreError(f"agent {task.agent!r} already has a cron task named {task.name!r}")
             state.tasks.append(task)
             self.save(state)
         return task
@@ -582,9 +568,7 @@ class CronStore:
                 if task.schedule.recurring or task.last_error:
                     task.last_error = None
                     task.reschedule(
-                        now
-                        if task.schedule.recurring
-                        else task.created_at - timedelta(microseconds=1),
+                        now if task.schedule.recurring else task.created_at - timedelta(microseconds=1),
                         now,
                     )
         return task

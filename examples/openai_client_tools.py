@@ -13,7 +13,16 @@ from openai import OpenAI
 base = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8770/v1"
 client = OpenAI(base_url=base, api_key="unused-with-auth-none")
 
-tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+tools = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def get_weather(city: str) -> str:
@@ -35,6 +44,10 @@ print("assistant:", done.choices[0].message.content)
 # the same flow on /v1/responses
 rtools = [{"type": "function", **tools[0]["function"]}]
 r = client.responses.create(model="assistant", input='/call get_weather {"city":"Oslo"}', tools=rtools)
-outputs = [{"type": "function_call_output", "call_id": o.call_id, "output": get_weather(**json.loads(o.arguments))} for o in r.output if o.type == "function_call"]
+outputs = [
+    {"type": "function_call_output", "call_id": o.call_id, "output": get_weather(**json.loads(o.arguments))}
+    for o in r.output
+    if o.type == "function_call"
+]
 r2 = client.responses.create(model="assistant", previous_response_id=r.id, input=outputs, tools=rtools)
 print("responses:", r2.output_text)

@@ -1,6 +1,6 @@
 """Stream a Responses API call with the SDK's `responses.stream()` helper, then continue it.
 
-    python examples/openai_responses_stream.py [BASE_URL]
+python examples/openai_responses_stream.py [BASE_URL]
 """
 
 import sys

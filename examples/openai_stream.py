@@ -1,6 +1,6 @@
 """Stream a chat completion (SSE) with usage (run `make serve` first).
 
-    python examples/openai_stream.py [BASE_URL]
+python examples/openai_stream.py [BASE_URL]
 """
 
 import sys

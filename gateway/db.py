@@ -121,16 +121,12 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 def _migrate(conn: sqlite3.Connection) -> None:
     current = conn.execute("PRAGMA user_version").fetchone()[0]
     if current > SCHEMA_VERSION:
-        raise SchemaTooNew(
-            f"gateway.db has schema {current}; this gateway knows up to {SCHEMA_VERSION}"
-        )
+        raise SchemaTooNew(f"gateway.db has schema {current}; this gateway knows up to {SCHEMA_VERSION}")
     for version, script in MIGRATIONS:
         if version <= current:
             continue
         try:
-            conn.executescript(
-                f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;"
-            )
+            conn.executescript(f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -149,7 +145,5 @@ def _move_aside(path: Path, reason: str) -> CorruptGatewayDB:
         side = path.with_name(path.name + suffix)
         if side.exists():
             os.replace(side, moved_to.with_name(moved_to.name + suffix))
-    log.error(
-        "gateway.db is corrupt (%s): moved aside to %s; a new ledger starts empty", reason, moved_to
-    )
+    log.error("gateway.db is corrupt (%s): moved aside to %s; a new ledger starts empty", reason, moved_to)
     return CorruptGatewayDB(path, moved_to, reason)

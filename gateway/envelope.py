@@ -102,9 +102,7 @@ def render_batch(envelopes: Sequence[Envelope]) -> str:
     if len(envelopes) == 1:
         return render(replace(envelopes[0], batch=None, batch_index=None))
     n = len(envelopes)
-    return "\n".join(
-        render(replace(e, batch=n, batch_index=i)) for i, e in enumerate(envelopes, start=1)
-    )
+    return "\n".join(render(replace(e, batch=n, batch_index=i)) for i, e in enumerate(envelopes, start=1))
 
 
 def escape_body(text: str) -> str:

@@ -28,9 +28,7 @@ from typing import Any, Literal, cast
 
 from gateway.db import open_db, transaction
 
-State = Literal[
-    "received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed"
-]
+State = Literal["received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed"]
 Decision = Literal["allow", "deny", "pair"]
 
 _DECIDED: dict[Decision, State] = {"allow": "allowed", "deny": "denied", "pair": "held"}
@@ -178,9 +176,7 @@ class Ledger:
         return {state: n for state, n in rows}
 
     def _in_state(self, state: State) -> list[Entry]:
-        rows = self._conn.execute(
-            f"SELECT {_COLUMNS} FROM ledger WHERE state=? ORDER BY id", (state,)
-        ).fetchall()
+        rows = self._conn.execute(f"SELECT {_COLUMNS} FROM ledger WHERE state=? ORDER BY id", (state,)).fetchall()
         return [_entry(r) for r in rows]
 
     def _require(self, key: UpdateKey) -> Entry:
@@ -189,9 +185,7 @@ class Ledger:
             raise LedgerStateError(f"{key} is not in the ledger")
         return entry
 
-    def _move(
-        self, key: UpdateKey, sources: tuple[State, ...], target: State, **fields: str
-    ) -> Entry:
+    def _move(self, key: UpdateKey, sources: tuple[State, ...], target: State, **fields: str) -> Entry:
         sets = "".join(f", {name}=?" for name in fields)
         marks = ",".join("?" * len(sources))
         with transaction(self._conn) as c:

@@ -99,11 +99,7 @@ class ChatRateLimiter:
         idle = []
         for chat, bucket in self._buckets.items():
             self._refill(bucket, now)
-            if (
-                bucket.tokens >= self.burst
-                and not bucket.lock.locked()
-                and bucket.blocked_until <= now
-            ):
+            if bucket.tokens >= self.burst and not bucket.lock.locked() and bucket.blocked_until <= now:
                 idle.append(chat)
         for chat in idle:
             del self._buckets[chat]

@@ -98,16 +98,12 @@ class Router:
         return n == 1
 
     def get(self, key: RouteKey) -> Route | None:
-        row = self._conn.execute(
-            "SELECT agent, conversation FROM routes WHERE key=?", (str(key),)
-        ).fetchone()
+        row = self._conn.execute("SELECT agent, conversation FROM routes WHERE key=?", (str(key),)).fetchone()
         return Route(key, row[0], row[1]) if row else None
 
     def routes(self, channel: str | None = None, account: str | None = None) -> list[Route]:
         """Routes, optionally of one channel (and account), ordered by key."""
-        prefix = (
-            "" if channel is None else f"{channel}:" + ("" if account is None else f"{account}:")
-        )
+        prefix = "" if channel is None else f"{channel}:" + ("" if account is None else f"{account}:")
         rows = self._conn.execute(
             "SELECT key, agent, conversation FROM routes WHERE substr(key, 1, ?) = ? ORDER BY key",
             (len(prefix), prefix),
@@ -145,7 +141,5 @@ class Router:
         return n == 1
 
     def _bound(self, key: RouteKey) -> str | None:
-        row = self._conn.execute(
-            "SELECT conversation FROM route_conversations WHERE key=?", (str(key),)
-        ).fetchone()
+        row = self._conn.execute("SELECT conversation FROM route_conversations WHERE key=?", (str(key),)).fetchone()
         return row[0] if row else None

@@ -121,9 +121,7 @@ def _cut(lines: list[_Line], i: int, limit: int) -> int:
         outside = lines[j - 1].fence_after is None
         if outside and size >= limit // 2:
             best_line = j
-            at_para = j == len(lines) or (
-                not lines[j].text.strip() and lines[j].fence_before is None
-            )
+            at_para = j == len(lines) or (not lines[j].text.strip() and lines[j].fence_before is None)
             if at_para:
                 best_para = j
     if best_any == len(lines):

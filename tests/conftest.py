@@ -42,9 +42,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Skips for missing conformance data are loud (issue 14.11): those tests validate every HTTP
     shape against OpenAI's published schema, and a clone without ../shared/conformance skips them."""
     skipped = [
-        r
-        for r in terminalreporter.stats.get("skipped", [])
-        if CONFORMANCE_SKIP in str(getattr(r, "longrepr", ""))
+        r for r in terminalreporter.stats.get("skipped", []) if CONFORMANCE_SKIP in str(getattr(r, "longrepr", ""))
     ]
     if skipped:
         terminalreporter.write_sep(

@@ -72,10 +72,14 @@ def validate(schema_name: str, body: Any, doc: str = "openai-openapi.json") -> N
         specific = _event_schema(str(body.get("type")))
         assert specific is not None, f"unknown Responses event type {body.get('type')!r}"
         validate(specific, body)
-    errors = sorted(_validator(doc, schema_name).iter_errors(copy.deepcopy(body)), key=lambda e: len(list(e.absolute_path)))
+    errors = sorted(
+        _validator(doc, schema_name).iter_errors(copy.deepcopy(body)), key=lambda e: len(list(e.absolute_path))
+    )
     if errors:
         best = errors[0]
-        raise AssertionError(f"{schema_name} violation at {list(best.absolute_path)}: {best.message[:500]}\nbody: {json.dumps(body)[:1500]}")
+        raise AssertionError(
+            f"{schema_name} violation at {list(best.absolute_path)}: {best.message[:500]}\nbody: {json.dumps(body)[:1500]}"
+        )
 
 
 def sse_payloads(lines: list[str]) -> list[str]:

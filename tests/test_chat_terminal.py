@@ -163,7 +163,13 @@ async def answer_elsewhere(url: str, conv: str) -> tuple[str, dict[str, Any]]:
     async with await ProtocolClient.connect(url, client="other-client") as other:
         state = await other.request({"type": "subscribe", "conversation": conv})
         call_id = state["pending_approvals"][0]["call_id"]
-        return call_id, await other.request({"type": "approval_response", "conversation": conv, "decisions": [{"call_id": call_id, "decision": "approve"}]})
+        return call_id, await other.request(
+            {
+                "type": "approval_response",
+                "conversation": conv,
+                "decisions": [{"call_id": call_id, "decision": "approve"}],
+            }
+        )
 
 
 def test_chat_commands_typeahead_and_reasoning(server: tuple[Path, dict[str, str], ServeProcess]) -> None:
@@ -186,14 +192,23 @@ def test_chat_commands_typeahead_and_reasoning(server: tuple[Path, dict[str, str
         chat.expect("you> ")
         chat.settle()
         screen = chat.screen()
-        assert "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22 w23 w24 w25 w26 w27 w28 w29 w30" in screen, screen
+        assert (
+            "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22 w23 w24 w25 w26 w27 w28 w29 w30"
+            in screen
+        ), screen
         assert "you> typed ahead" in screen and screen[-1] == "you> part", screen  # kept, shown at the prompt
         assert chat.text().count("a secret plan") == 1 and "thinking:" not in chat.text()  # only as typed
         chat.write("\x15/quit\n")  # Ctrl-U clears the partial line
         assert chat.wait() == 0
     finally:
         chat.kill()
-    users = [json.loads(c) for (c,) in rows(home, "SELECT m.content FROM messages m JOIN conversations c ON c.id = m.conversation_id JOIN agents a ON a.id = c.agent_id WHERE a.name='assistant' AND m.role='user' ORDER BY m.id")]
+    users = [
+        json.loads(c)
+        for (c,) in rows(
+            home,
+            "SELECT m.content FROM messages m JOIN conversations c ON c.id = m.conversation_id JOIN agents a ON a.id = c.agent_id WHERE a.name='assistant' AND m.role='user' ORDER BY m.id",
+        )
+    ]
     assert users == ["/think a secret plan", "/slow 30", "typed ahead"], users  # no /help, no "part"
 
     shown = Pty([sys.executable, "-m", "appserver", "chat", "--show-reasoning"], env)
@@ -210,7 +225,9 @@ def test_chat_commands_typeahead_and_reasoning(server: tuple[Path, dict[str, str
         shown.kill()
 
 
-def test_chat_approval_prompt_clears_when_answered_elsewhere_and_ctrl_c_cancels_alone(server: tuple[Path, dict[str, str], ServeProcess]) -> None:
+def test_chat_approval_prompt_clears_when_answered_elsewhere_and_ctrl_c_cancels_alone(
+    server: tuple[Path, dict[str, str], ServeProcess],
+) -> None:
     home, env, sp = server
     chat = Pty([sys.executable, "-m", "appserver", "chat", "--agent", "careful"], env)
     try:
@@ -237,15 +254,24 @@ def test_chat_approval_prompt_clears_when_answered_elsewhere_and_ctrl_c_cancels_
     finally:
         chat.kill()
     # alone: the call was not denied on the way (no deny + cancel pair); its result says it was stopped
-    ((second,),) = rows(home, f"SELECT call_id FROM pending_calls WHERE conversation_id='{conv}' AND call_id != '{call_id}'")
+    ((second,),) = rows(
+        home, f"SELECT call_id FROM pending_calls WHERE conversation_id='{conv}' AND call_id != '{call_id}'"
+    )
     status, decided_by = rows(home, f"SELECT status, decided_by FROM pending_calls WHERE call_id='{second}'")[0]
     assert status != "denied" and decided_by in (None, ""), (status, decided_by)
-    results = [json.loads(c) for (c,) in rows(home, f"SELECT content FROM messages WHERE role='tool' AND tool_call_id='{second}'")]
+    results = [
+        json.loads(c)
+        for (c,) in rows(home, f"SELECT content FROM messages WHERE role='tool' AND tool_call_id='{second}'")
+    ]
     assert len(results) == 1 and "denied" not in results[0].lower(), results
-    assert rows(home, f"SELECT status FROM turns WHERE conversation_id='{conv}' ORDER BY created_at DESC LIMIT 1") == [("cancelled",)]
+    assert rows(home, f"SELECT status FROM turns WHERE conversation_id='{conv}' ORDER BY created_at DESC LIMIT 1") == [
+        ("cancelled",)
+    ]
 
 
-def test_approval_prompt_of_a_watching_chat_goes_away_when_another_chat_cancels(server: tuple[Path, dict[str, str], ServeProcess]) -> None:
+def test_approval_prompt_of_a_watching_chat_goes_away_when_another_chat_cancels(
+    server: tuple[Path, dict[str, str], ServeProcess],
+) -> None:
     """Two terminals on one conversation; the one that submitted presses Ctrl-C at the approval
     prompt. The other one's prompt is taken off the screen before the call's outcome is drawn (a
     cancelled turn shows its call as failed one snapshot before it leaves `awaiting`)."""

@@ -34,7 +34,9 @@ def running_turn_with_draft(home: Path, draft: bool = True) -> bool:
     except sqlite3.Error:
         return False
     try:
-        row = db.execute("SELECT 1 FROM turns WHERE status='running'" + (" AND draft IS NOT NULL" if draft else "")).fetchone()
+        row = db.execute(
+            "SELECT 1 FROM turns WHERE status='running'" + (" AND draft IS NOT NULL" if draft else "")
+        ).fetchone()
     except sqlite3.Error:
         return False
     finally:
@@ -45,7 +47,9 @@ def running_turn_with_draft(home: Path, draft: bool = True) -> bool:
 def assistant_messages(home: Path) -> list[dict[str, Any]]:
     db = sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True, timeout=5)
     try:
-        rows = db.execute("SELECT content, completion_status FROM messages WHERE role='assistant' ORDER BY id").fetchall()
+        rows = db.execute(
+            "SELECT content, completion_status FROM messages WHERE role='assistant' ORDER BY id"
+        ).fetchall()
     finally:
         db.close()
     return [{"content": json.loads(c), "completion_status": s} for c, s in rows]
@@ -57,7 +61,14 @@ class Standby:
     def __init__(self, home: Path, env: dict[str, str], log: Path) -> None:
         self.log_path = log
         self._log: IO[str] = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "appserver", "serve", "--standby", "--listen", "127.0.0.1:0"], env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "appserver", "serve", "--standby", "--listen", "127.0.0.1:0"],
+            env=env,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         wait_for(lambda: "appserver standby:" in log.read_text(), 20, "the standby to start waiting")
 
     def serving(self, home: Path) -> dict[str, Any] | None:
@@ -90,9 +101,18 @@ def pair(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], ServeProcess, S
         standby.stop()
 
 
-def test_run_prints_the_truthful_outcome_after_kill9_failover(pair: tuple[Path, dict[str, str], ServeProcess, Standby]) -> None:
+def test_run_prints_the_truthful_outcome_after_kill9_failover(
+    pair: tuple[Path, dict[str, str], ServeProcess, Standby],
+) -> None:
     home, env, primary, standby = pair
-    run = subprocess.Popen([sys.executable, "-m", "appserver", "run", "/slow 40"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "appserver", "run", "/slow 40"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: running_turn_with_draft(home), 15, "the turn to run and checkpoint text")
         primary.proc.kill()  # kill -9 mid-turn: the connection dies (1006), nothing is settled
@@ -116,7 +136,14 @@ def test_run_gives_up_with_a_clear_error_when_no_server_returns(tmp_path: Path) 
     home = tmp_path / "home"
     env = cli_env(home)
     primary = start_serve(home, env=env)
-    run = subprocess.Popen([sys.executable, "-m", "appserver", "run", "--reconnect-wait", "1", "/slow 200"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "appserver", "run", "--reconnect-wait", "1", "/slow 200"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: running_turn_with_draft(home, draft=False), 15, "the turn to run")
         primary.proc.kill()
@@ -129,11 +156,15 @@ def test_run_gives_up_with_a_clear_error_when_no_server_returns(tmp_path: Path) 
                 proc.kill()
         primary.proc.wait(10)
     assert run.returncode == 1, (out, err)
-    assert "could not reconnect within 1 s" in err and err.strip().splitlines()[-1].startswith("error: lost the server at"), err
+    assert "could not reconnect within 1 s" in err and err.strip().splitlines()[-1].startswith(
+        "error: lost the server at"
+    ), err
     assert 0.9 <= waited < 6, waited
 
 
-def test_chat_reconnects_to_the_standby_after_a_clean_stop(pair: tuple[Path, dict[str, str], ServeProcess, Standby]) -> None:
+def test_chat_reconnects_to_the_standby_after_a_clean_stop(
+    pair: tuple[Path, dict[str, str], ServeProcess, Standby],
+) -> None:
     home, env, primary, standby = pair
     chat = Pty([sys.executable, "-m", "appserver", "chat"], env)
     try:
@@ -157,15 +188,60 @@ def test_chat_reconnects_to_the_standby_after_a_clean_stop(pair: tuple[Path, dic
 @pytest.mark.parametrize(
     ("messages", "status", "kind", "text"),
     [
-        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "echo: hi", "completion_status": "completed"}], "completed", None, "echo: hi"),
-        ([{"role": "user", "content": "/slow 9"}, {"role": "assistant", "content": "w1 w2", "completion_status": "interrupted"}], "cancelled", "interrupted", "w1 w2"),
-        ([{"role": "user", "content": "/slow 9"}, {"role": "assistant", "content": "w1", "completion_status": "cancelled"}], "cancelled", None, "w1"),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "echo: hi", "completion_status": "completed"},
+            ],
+            "completed",
+            None,
+            "echo: hi",
+        ),
+        (
+            [
+                {"role": "user", "content": "/slow 9"},
+                {"role": "assistant", "content": "w1 w2", "completion_status": "interrupted"},
+            ],
+            "cancelled",
+            "interrupted",
+            "w1 w2",
+        ),
+        (
+            [
+                {"role": "user", "content": "/slow 9"},
+                {"role": "assistant", "content": "w1", "completion_status": "cancelled"},
+            ],
+            "cancelled",
+            None,
+            "w1",
+        ),
         # a call answered, then nothing: the store cannot tell how it ended, and the client says so
-        ([{"role": "user", "content": "/call clock {}"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "clock", "arguments": "{}"}], "completion_status": "completed"}, {"role": "tool", "tool_call_id": "c1", "content": "The server stopped before the call to clock returned a result.", "is_error": True}], "failed", "unknown", ""),
+        (
+            [
+                {"role": "user", "content": "/call clock {}"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"id": "c1", "name": "clock", "arguments": "{}"}],
+                    "completion_status": "completed",
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": "c1",
+                    "content": "The server stopped before the call to clock returned a result.",
+                    "is_error": True,
+                },
+            ],
+            "failed",
+            "unknown",
+            "",
+        ),
         ([{"role": "user", "content": "hi"}], "failed", "unknown", ""),
     ],
 )
-def test_a_turn_that_ended_while_disconnected_is_reported_as_stored(messages: list[dict[str, Any]], status: str, kind: str | None, text: str) -> None:
+def test_a_turn_that_ended_while_disconnected_is_reported_as_stored(
+    messages: list[dict[str, Any]], status: str, kind: str | None, text: str
+) -> None:
     from appserver.client import settled_from_history
 
     others = [{"role": "user", "content": "earlier", "turn_id": "turn_0"}]

@@ -26,7 +26,24 @@ def test_make_serve_takes_listen(tmp_path: Path) -> None:
     port = free_port()
     env = cli_env(tmp_path / "home")
     # -o: treat the install stamp as up to date (this venv is the one running the tests)
-    make = subprocess.Popen(["make", "-s", "-C", str(ROOT), f"VENV={venv}", "-o", f"{venv}/.installed-stamp", "serve", f"LISTEN=127.0.0.1:{port}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    make = subprocess.Popen(
+        [
+            "make",
+            "-s",
+            "-C",
+            str(ROOT),
+            f"VENV={venv}",
+            "-o",
+            f"{venv}/.installed-stamp",
+            "serve",
+            f"LISTEN=127.0.0.1:{port}",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -35,7 +52,9 @@ def test_make_serve_takes_listen(tmp_path: Path) -> None:
                 break
             except httpx.HTTPError:
                 if make.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"make serve LISTEN=127.0.0.1:{port} did not serve there: {make.stdout.read() if make.stdout else ''}") from None
+                    raise AssertionError(
+                        f"make serve LISTEN=127.0.0.1:{port} did not serve there: {make.stdout.read() if make.stdout else ''}"
+                    ) from None
                 time.sleep(0.05)
         assert r.status_code == 200
     finally:
@@ -56,10 +75,21 @@ def test_missing_conformance_data_is_loud_in_the_summary(tmp_path: Path) -> None
     )
     # the project's conftest (its summary hook) as a plugin, on a probe that skips like the real ones
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # no third-party plugins: a fast start
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider", str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider", str(probe)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     warning = [line for line in out.stdout.splitlines() if "WARNING" in line]
-    assert len(warning) == 1 and "1 tests skipped: conformance data not found" in warning[0] and "NOT validated" in warning[0], out.stdout
+    assert (
+        len(warning) == 1
+        and "1 tests skipped: conformance data not found" in warning[0]
+        and "NOT validated" in warning[0]
+    ), out.stdout
 
 
 def test_ws_client_example_says_how_to_create_the_agent(tmp_path: Path) -> None:
@@ -67,10 +97,28 @@ def test_ws_client_example_says_how_to_create_the_agent(tmp_path: Path) -> None:
     env = cli_env(home)
     sp = start_serve(home, env=env)
     try:
-        out = subprocess.run([sys.executable, "examples/ws_client.py", "--url", sp.url, "--agent", "careful", "--approve", "/call clock {}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "examples/ws_client.py",
+                "--url",
+                sp.url,
+                "--agent",
+                "careful",
+                "--approve",
+                "/call clock {}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     finally:
         sp.stop()
     assert out.returncode != 0
-    assert "agent_not_found" in out.stderr and "appserver agents create --name careful --tool clock=ask" in out.stderr, out.stderr
+    assert (
+        "agent_not_found" in out.stderr and "appserver agents create --name careful --tool clock=ask" in out.stderr
+    ), out.stderr
     doc = (ROOT / "examples" / "ws_client.py").read_text()
     assert "appserver agents create --name careful --tool clock=ask" in doc

@@ -54,7 +54,14 @@ def test_view_applies_the_last_compaction_and_skips_older_ones() -> None:
 
 def test_cut_never_separates_a_tool_call_from_its_result() -> None:
     call = msg("assistant", "", tool_calls=[{"id": "c1", "name": "clock", "arguments": "{}"}])
-    view = [msg("user", "u1"), msg("assistant", "a1"), msg("user", "u2"), call, msg("tool", "r1", tool_call_id="c1", name="clock"), msg("assistant", "a2")]
+    view = [
+        msg("user", "u1"),
+        msg("assistant", "a1"),
+        msg("user", "u2"),
+        call,
+        msg("tool", "r1", tool_call_id="c1", name="clock"),
+        msg("assistant", "a2"),
+    ]
     sizes = [10] * len(view)
     # Budget for 2 messages would start the kept part on the tool result: the cut moves past it.
     cut = choose_cut(view, sizes, keep_tokens=20)
@@ -72,7 +79,11 @@ def test_cut_never_separates_a_tool_call_from_its_result() -> None:
 
 def test_estimate_counts_images_and_tool_calls() -> None:
     plain = estimate_message(to_chat_message(msg("user", "hello there")))
-    with_image = estimate_message(to_chat_message(msg("user", [{"type": "text", "text": "hello there"}, {"type": "image_url", "image_url": {"url": "data:"}}])))
+    with_image = estimate_message(
+        to_chat_message(
+            msg("user", [{"type": "text", "text": "hello there"}, {"type": "image_url", "image_url": {"url": "data:"}}])
+        )
+    )
     assert with_image >= plain + 1_000
     call = msg("assistant", "", tool_calls=[{"id": "c", "name": "shell", "arguments": '{"cmd": "' + "x" * 350 + '"}'}])
     assert estimate_message(to_chat_message(call)) > 100
@@ -83,8 +94,10 @@ def test_estimate_counts_images_and_tool_calls() -> None:
 
 async def _server(home: Path, base_url: str, window: int | None = 2_000) -> Server:
     home.mkdir(parents=True, exist_ok=True)
-    windows = f'\ncontext_windows = {{ small = {window} }}\n' if window else "\n"
-    (home / "config.toml").write_text(f'[providers.fake]\nkind = "openai"\nbase_url = "{base_url}"\napi_key_env = ""{windows}')
+    windows = f"\ncontext_windows = {{ small = {window} }}\n" if window else "\n"
+    (home / "config.toml").write_text(
+        f'[providers.fake]\nkind = "openai"\nbase_url = "{base_url}"\napi_key_env = ""{windows}'
+    )
     server = Server(load_config(home, environ={"APPSERVER_LIMITS__RETRY_BASE_MS": "5"}))
     await server.open()
     return server
@@ -109,7 +122,9 @@ async def test_sixty_turns_in_a_2000_token_window(tmp_path: Path) -> None:
         fake.responder = model
         server = await _server(tmp_path / "h", fake.base_url)
         try:
-            await server.agents.create("small", "fake:small", system="You are a careful note taker.", tools={"clock": "allow"})
+            await server.agents.create(
+                "small", "fake:small", system="You are a careful note taker.", tools={"clock": "allow"}
+            )
             conv = None
             for i in range(1, 61):
                 text = f"use clock for turn {i}" if i % 6 == 0 else f"turn {i}: please remember that {LOREM} (item {i})"
@@ -125,7 +140,9 @@ async def test_sixty_turns_in_a_2000_token_window(tmp_path: Path) -> None:
             await server.close()
     compactions = [m for m in history if m.role == "compaction"]
     assert len(compactions) >= 2, "60 turns of ~60 tokens cannot fit 2,000 tokens without compaction"
-    assert all(m.meta.get("kept", 0) >= 1 and m.meta.get("tokens_after", 10**9) < m.meta["tokens_before"] for m in compactions)
+    assert all(
+        m.meta.get("kept", 0) >= 1 and m.meta.get("tokens_after", 10**9) < m.meta["tokens_before"] for m in compactions
+    )
     assert not [s for s in model.seen if s["rejected"]], "a request exceeded the window"
     assert max(s["tokens"] for s in model.seen) <= 2_000
     turn_requests = [s for s in model.answered() if not s["summary"]]
@@ -152,7 +169,9 @@ async def test_compaction_shows_in_the_snapshot_of_the_turn_that_compacted(tmp_p
             conv = "new"
             compacted_snapshot = None
             for i in range(1, 40):
-                sub = await server.kernel.submit(SubmitRequest(agent="small", input=f"turn {i}: {LOREM}", conversation=conv))
+                sub = await server.kernel.submit(
+                    SubmitRequest(agent="small", input=f"turn {i}: {LOREM}", conversation=conv)
+                )
                 conv = sub.conversation_id
                 snap = await sub.wait(20)
                 if any(b["type"] == "compaction" for b in snap.blocks):
@@ -175,11 +194,19 @@ async def test_context_too_long_from_the_provider_compacts_once_and_retries(tmp_
             await server.agents.create("big", "fake:small")
             conv = "new"
             for i in range(1, 9):
-                sub = await server.kernel.submit(SubmitRequest(agent="big", input=f"turn {i}: {LOREM}", conversation=conv))
+                sub = await server.kernel.submit(
+                    SubmitRequest(agent="big", input=f"turn {i}: {LOREM}", conversation=conv)
+                )
                 conv = sub.conversation_id
                 assert (await sub.wait(20)).status == "completed"
             before = len(fake.requests)
-            fake.fail(400, openai_error("This model's maximum context length is 300 tokens. However, your messages resulted in 900 tokens.", code="context_length_exceeded"))
+            fake.fail(
+                400,
+                openai_error(
+                    "This model's maximum context length is 300 tokens. However, your messages resulted in 900 tokens.",
+                    code="context_length_exceeded",
+                ),
+            )
             sub = await server.kernel.submit(SubmitRequest(agent="big", input="turn 9: final words", conversation=conv))
             snap = await sub.wait(20)
             history = await server.store.list_messages(conv)
@@ -191,7 +218,9 @@ async def test_context_too_long_from_the_provider_compacts_once_and_retries(tmp_
     # Only OpenAI's own fields reach the upstream (a real one refuses unknown parameters).
     assert not any("purpose" in body for body in after)
     # refused, then the summary (in pieces when the smaller budget needs it), then the retried turn
-    assert len(after) >= 3 and all(not r.get("tools") and "summary" in r["messages"][0]["content"].lower() for r in after[1:-1])
+    assert len(after) >= 3 and all(
+        not r.get("tools") and "summary" in r["messages"][0]["content"].lower() for r in after[1:-1]
+    )
     assert len(after[-1]["messages"]) < len(after[0]["messages"])
     assert "[Summary of the earlier conversation]" in after[-1]["messages"][0]["content"]
 
@@ -205,7 +234,9 @@ async def test_a_second_overflow_fails_the_turn_with_a_readable_error(tmp_path: 
             await server.agents.create("big", "fake:small")
             conv = "new"
             for i in range(1, 6):
-                sub = await server.kernel.submit(SubmitRequest(agent="big", input=f"turn {i}: {LOREM}", conversation=conv))
+                sub = await server.kernel.submit(
+                    SubmitRequest(agent="big", input=f"turn {i}: {LOREM}", conversation=conv)
+                )
                 conv = sub.conversation_id
                 await sub.wait(20)
             too_long = openai_error("maximum context length is 10 tokens", code="context_length_exceeded")
@@ -231,7 +262,9 @@ async def test_echo_agent_with_a_small_window_compacts_and_recalls_through_the_s
             conv = sub.conversation_id
             snap = await sub.wait(10)
             assert snap.text() == f"echo: note {i}: {LOREM}"
-        recall = await (await server.kernel.submit(SubmitRequest(agent="tiny", input="/recall", conversation=conv))).wait(10)
+        recall = await (
+            await server.kernel.submit(SubmitRequest(agent="tiny", input="/recall", conversation=conv))
+        ).wait(10)
         history = await server.store.list_messages(conv)
     finally:
         await server.close()
@@ -252,7 +285,9 @@ async def test_a_tool_output_bigger_than_the_window_is_clipped_in_the_request_no
             sub = await server.kernel.submit(SubmitRequest(agent="small", input="turn 1: hello", conversation="new"))
             await sub.wait(20)
             big = "python3 -c \"print(' '.join('word%d' % i for i in range(4000)))\""
-            sub = await server.kernel.submit(SubmitRequest(agent="small", input=f"use shell: {big}", conversation=sub.conversation_id))
+            sub = await server.kernel.submit(
+                SubmitRequest(agent="small", input=f"use shell: {big}", conversation=sub.conversation_id)
+            )
             snap = await sub.wait(20)
             history = await server.store.list_messages(sub.conversation_id)
         finally:

@@ -86,9 +86,7 @@ def test_standby_takes_over_after_kill9_and_fires_within_two_ticks(home: Path) -
     standby: Serve | None = None
     try:
         wait_for(lambda: holder.said("listening on"), 20, "the holder to listen")
-        wait_for(
-            lambda: owner_pid(home) == holder.proc.pid, 10, "the holder to take the cron lease"
-        )
+        wait_for(lambda: owner_pid(home) == holder.proc.pid, 10, "the holder to take the cron lease")
 
         # a plain second `serve` is refused and points at --standby
         r = run_cli(home, "serve", "--listen", f"127.0.0.1:{free_port()}", env=env)
@@ -122,9 +120,7 @@ def test_standby_takes_over_after_kill9_and_fires_within_two_ticks(home: Path) -
         assert fired_at - max(due, killed_at) <= 2 * TICK_S, (fired_at, due, killed_at)
         assert owner_pid(home) == standby.proc.pid
         # server.json follows once the socket is bound (the lifespan, and so the first tick, runs first)
-        info = wait_for(
-            lambda: live_server_of(home, standby.proc.pid), 10, "the standby's server.json"
-        )  # type: ignore[union-attr]
+        info = wait_for(lambda: live_server_of(home, standby.proc.pid), 10, "the standby's server.json")  # type: ignore[union-attr]
         assert info["url"] == f"http://127.0.0.1:{p2}" and listening(p2)
 
         # exactly once: one fire, one turn, one cron_prompt message, and nothing more a tick later
@@ -198,7 +194,14 @@ def test_cli_waits_for_a_server_that_is_still_starting(home: Path, tmp_path: Pat
             raise AssertionError("a held lock without server.json must not read as 'no server'")
         except HomeStarting:
             assert time.monotonic() - started >= 0.3
-        proc = subprocess.Popen([sys.executable, "-m", "appserver", "run", "--agent", "assistant", "--json", "hello"], env=cli_env(home), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "appserver", "run", "--agent", "assistant", "--json", "hello"],
+            env=cli_env(home),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(1.5)
         assert proc.poll() is None, "the CLI ran while a server was starting on its home"
     finally:

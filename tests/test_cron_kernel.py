@@ -12,7 +12,25 @@ from tests.support.serve import start_serve
 
 
 def test_cron_run_submits_a_cron_prompt_turn_and_logs_the_outcome(home: Path, cli) -> None:
-    assert cli("cron", "add", "--name", "brief", "--agent", "assistant", "--cron", "0 8 * * *", "--tz", "Europe/Paris", "--prompt", "morning brief", "--conversation", "default").code == 0
+    assert (
+        cli(
+            "cron",
+            "add",
+            "--name",
+            "brief",
+            "--agent",
+            "assistant",
+            "--cron",
+            "0 8 * * *",
+            "--tz",
+            "Europe/Paris",
+            "--prompt",
+            "morning brief",
+            "--conversation",
+            "default",
+        ).code
+        == 0
+    )
     r = cli("cron", "run", "brief", "--json")
     assert r.code == 0, r.err
     out = r.json()
@@ -53,7 +71,24 @@ def test_a_new_serve_takes_the_lease_from_a_killed_holder_and_fires(home: Path, 
         assert owner and owner["pid"] == first.proc.pid, owner
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
-        assert cli("cron", "add", "--name", "soon", "--agent", "assistant", "--in", "2s", "--exact", "--prompt", "wake up", "--misfire", "run_once").code == 0
+        assert (
+            cli(
+                "cron",
+                "add",
+                "--name",
+                "soon",
+                "--agent",
+                "assistant",
+                "--in",
+                "2s",
+                "--exact",
+                "--prompt",
+                "wake up",
+                "--misfire",
+                "run_once",
+            ).code
+            == 0
+        )
         second = start_serve(home, env=env)
         task = json.loads((home / "crons.json").read_text())["tasks"]
         task_id = (task[0] if isinstance(task, list) else next(iter(task.values())))["id"]

@@ -23,9 +23,7 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def owner(pid: int, proc_start: int | None, host: str | None = None) -> OwnerRecord:
-    return OwnerRecord(
-        pid, "f" * 32, NOW, proc_start, socket.gethostname() if host is None else host
-    )
+    return OwnerRecord(pid, "f" * 32, NOW, proc_start, socket.gethostname() if host is None else host)
 
 
 def put_owner(store: CronStore, rec: OwnerRecord | None) -> None:
@@ -50,9 +48,7 @@ def test_claim_from_nobody_verify_release(tmp_path: Path) -> None:
     assert rec is not None and rec.pid == os.getpid() and rec.token == me.token
     assert rec.proc_start == process_start(os.getpid()) and rec.proc_start is not None
     assert me.verify() and me.claim()
-    other = LeaseHolder(
-        store, started_at=NOW
-    )  # same pid, other token: a second scheduler in-process
+    other = LeaseHolder(store, started_at=NOW)  # same pid, other token: a second scheduler in-process
     assert not other.claim()
     me.release()
     assert store.read().scheduler_owner is None
@@ -77,9 +73,7 @@ def test_live_owner_is_respected(tmp_path: Path, sleeper: subprocess.Popen[bytes
     assert store.read().scheduler_owner.pid == sleeper.pid  # type: ignore[union-attr]
 
 
-def test_reused_pid_with_other_start_time_is_dead(
-    tmp_path: Path, sleeper: subprocess.Popen[bytes]
-) -> None:
+def test_reused_pid_with_other_start_time_is_dead(tmp_path: Path, sleeper: subprocess.Popen[bytes]) -> None:
     store = CronStore(tmp_path)
     real = process_start(sleeper.pid)
     assert real is not None
@@ -136,9 +130,7 @@ def test_two_processes_one_lease_and_takeover_after_kill9(tmp_path: Path) -> Non
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            [sys.executable, "-c", SCHEDULER_SCRIPT, str(home), str(out)], cwd=REPO, env=env
-        )
+        return subprocess.Popen([sys.executable, "-c", SCHEDULER_SCRIPT, str(home), str(out)], cwd=REPO, env=env)
 
     def holder() -> int | None:
         o = store.read().scheduler_owner
@@ -157,9 +149,7 @@ def test_two_processes_one_lease_and_takeover_after_kill9(tmp_path: Path) -> Non
 
         store.add(make_task(name="tick", agent="echo", schedule=ScheduleSpec("every", "1s", "UTC"),
                             prompt="p", now=datetime.now(UTC), exact=True))  # fmt: skip
-        wait_for(
-            lambda: out.exists() and out.read_text().count("\n") >= 2, 20, "fires from the holder"
-        )
+        wait_for(lambda: out.exists() and out.read_text().count("\n") >= 2, 20, "fires from the holder")
         fires = [json.loads(line) for line in out.read_text().splitlines()]
         assert {f["pid"] for f in fires} == {a.pid}  # only the lease holder fires
 
@@ -176,9 +166,7 @@ def test_two_processes_one_lease_and_takeover_after_kill9(tmp_path: Path) -> Non
         assert holder() == b.pid
         fires = [json.loads(line) for line in out.read_text().splitlines()]
         numbers = [f["n"] for f in fires]
-        assert len(numbers) == len(set(numbers)), (
-            "an occurrence was fired twice across the handover"
-        )
+        assert len(numbers) == len(set(numbers)), "an occurrence was fired twice across the handover"
     finally:
         for p in (a, b):
             if p is not None and p.poll() is None:
@@ -205,8 +193,6 @@ async def main():
 asyncio.run(main())
 """
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run(
-        [sys.executable, "-c", script, str(home)], cwd=REPO, env=env, check=True, timeout=60
-    )
+    subprocess.run([sys.executable, "-c", script, str(home)], cwd=REPO, env=env, check=True, timeout=60)
     data = json.loads((home / "crons.json").read_text())
     assert data["scheduler_owner"] is None

@@ -45,16 +45,12 @@ def test_cron_run_goes_through_the_live_server(home: Path) -> None:
         r = run_cli(home, "cron", "run", "nope", env=cli_env(home, APPSERVER_TOKEN=admin))
         assert r.code == 2 and "no cron task 'nope'" in r.err, (r.code, r.err)
 
-        r = run_cli(
-            home, "cron", "run", "brief", "--json", env=cli_env(home, APPSERVER_TOKEN=admin)
-        )
+        r = run_cli(home, "cron", "run", "brief", "--json", env=cli_env(home, APPSERVER_TOKEN=admin))
         assert r.code == 0, r.err
         out = r.json()
         assert out["server"] == sp.url and out["outcome"] == "completed"
         assert out["task"]["id"] == task_id and out["occurrence"]["manual"] is True
-        text = "".join(
-            b.get("text") or "" for b in out["snapshot"]["blocks"] if b["type"] == "text"
-        )
+        text = "".join(b.get("text") or "" for b in out["snapshot"]["blocks"] if b["type"] == "text")
         for needle in ("brief", "Scheduled for", "Current time", "Europe/Paris", "morning brief"):
             assert needle in text, needle
         # the serve process ran the turn (the CLI process opened no kernel)

@@ -48,9 +48,7 @@ def fires_on_day(expr: str, tz: str, day: str) -> list[datetime]:
 def test_fall_back_fixed_time_fires_once_new_york() -> None:
     fires = fires_on_day("30 1 * * *", "America/New_York", "2026-11-01")
     assert len(fires) == 1
-    assert fires[0].astimezone(UTC) == datetime(
-        2026, 11, 1, 5, 30, tzinfo=UTC
-    )  # 01:30 EDT, first pass
+    assert fires[0].astimezone(UTC) == datetime(2026, 11, 1, 5, 30, tzinfo=UTC)  # 01:30 EDT, first pass
     assert fires[0].utcoffset() == timedelta(hours=-4)
 
 
@@ -116,9 +114,7 @@ def test_next_occurrence_from_inside_the_repeated_hour() -> None:
     assert next_occurrence(wild, datetime(2026, 11, 1, 5, 50, tzinfo=UTC), first_pass) == datetime(
         2026, 11, 1, 6, 0, tzinfo=UTC
     )  # 01:00 EST, the second pass, right after 01:40 EDT
-    assert next_occurrence(wild, second_pass, second_pass) == datetime(
-        2026, 11, 1, 6, 20, tzinfo=UTC
-    )
+    assert next_occurrence(wild, second_pass, second_pass) == datetime(2026, 11, 1, 6, 20, tzinfo=UTC)
 
 
 def test_unaffected_days_are_plain() -> None:
@@ -162,9 +158,7 @@ def test_at_is_in_the_task_timezone_and_one_shot() -> None:
 
 
 def test_at_in_a_gap_fires_at_the_jump() -> None:
-    assert parse_at("2026-03-08 02:30", "America/New_York") == datetime(
-        2026, 3, 8, 7, 0, tzinfo=UTC
-    )
+    assert parse_at("2026-03-08 02:30", "America/New_York") == datetime(2026, 3, 8, 7, 0, tzinfo=UTC)
 
 
 def test_in_is_relative_to_creation() -> None:
@@ -207,14 +201,10 @@ def test_jitter_is_stable_per_task_and_bounded() -> None:
     for i in range(300):
         tid = f"cron_{i}"
         lates_h.append(
-            (
-                due_time(hourly, nominal, task_id=tid, created_at=created, exact=False) - nominal
-            ).total_seconds()
+            (due_time(hourly, nominal, task_id=tid, created_at=created, exact=False) - nominal).total_seconds()
         )
         lates_m.append(
-            (
-                due_time(minutely, nominal, task_id=tid, created_at=created, exact=False) - nominal
-            ).total_seconds()
+            (due_time(minutely, nominal, task_id=tid, created_at=created, exact=False) - nominal).total_seconds()
         )
     assert 0 <= min(lates_h) and max(lates_h) <= 59 and max(lates_h) > 40  # min(10% of 1 h, 59 s)
     assert 0 <= min(lates_m) and max(lates_m) <= 6 and max(lates_m) > 4  # 10% of 60 s
@@ -226,9 +216,7 @@ def test_one_shot_jitter_is_early_on_round_times_never_before_creation() -> None
     on_hour = ScheduleSpec("at", "2026-01-01 08:00", "UTC")
     nominal = datetime(2026, 1, 1, 8, 0, tzinfo=UTC)
     earl = [
-        (
-            nominal - due_time(on_hour, nominal, task_id=f"t{i}", created_at=created, exact=False)
-        ).total_seconds()
+        (nominal - due_time(on_hour, nominal, task_id=f"t{i}", created_at=created, exact=False)).total_seconds()
         for i in range(300)
     ]
     assert 0 <= min(earl) and max(earl) <= 90 and max(earl) > 60

@@ -58,9 +58,7 @@ class Recorder:
 
 def add(store: CronStore, name: str, spec: ScheduleSpec, now: datetime, **kw: Any) -> CronTask:
     kw.setdefault("exact", True)
-    return store.add(
-        make_task(name=name, agent="echo", schedule=spec, prompt=f"do {name}", now=now, **kw)
-    )
+    return store.add(make_task(name=name, agent="echo", schedule=spec, prompt=f"do {name}", now=now, **kw))
 
 
 def events(store: CronStore, task: CronTask, kind: str) -> list[dict[str, Any]]:
@@ -123,9 +121,7 @@ async def test_jittered_task_fires_at_its_due_time_not_before(store: CronStore) 
     assert rec.fired == []
     clock.now = t.next_due_at
     await s.tick()
-    assert [(n, when) for _, n, when, _ in rec.fired] == [
-        (1, t.next_fire_at)
-    ]  # "Scheduled for" is nominal
+    assert [(n, when) for _, n, when, _ in rec.fired] == [(1, t.next_fire_at)]  # "Scheduled for" is nominal
 
 
 async def test_changes_by_other_processes_are_seen_between_ticks(store: CronStore) -> None:
@@ -158,9 +154,7 @@ async def test_changes_by_other_processes_are_seen_between_ticks(store: CronStor
     ("policy", "n_fired", "n_missed"),
     [("skip", 0, 3), ("run_once", 1, 2), ("run_all", 3, 0)],
 )
-async def test_misfire_policy_after_downtime(
-    store: CronStore, policy: str, n_fired: int, n_missed: int
-) -> None:
+async def test_misfire_policy_after_downtime(store: CronStore, policy: str, n_fired: int, n_missed: int) -> None:
     t = add(store, "h", ScheduleSpec("every", "1h", "UTC"), T0, misfire=policy, max_lateness_s=300)
     # the server was down from T0 until T0+3h30m: occurrences at +1h, +2h, +3h were missed
     clock = FakeClock(T0 + timedelta(hours=3, minutes=30))
@@ -172,14 +166,10 @@ async def test_misfire_policy_after_downtime(
     assert len(missed) == n_missed
     assert all(m["reason"] for m in missed)
     if policy == "skip":
-        assert [m["scheduled_for"] for m in missed] == [
-            (T0 + timedelta(hours=h)).isoformat() for h in (1, 2, 3)
-        ]
+        assert [m["scheduled_for"] for m in missed] == [(T0 + timedelta(hours=h)).isoformat() for h in (1, 2, 3)]
         assert "misfire=skip" in missed[0]["reason"] and "late by" in missed[0]["reason"]
     if policy == "run_once":
-        assert (
-            rec.fired[0][2] == T0 + timedelta(hours=3) and rec.fired[0][3] is True
-        )  # the latest, catch-up
+        assert rec.fired[0][2] == T0 + timedelta(hours=3) and rec.fired[0][3] is True  # the latest, catch-up
     if policy == "run_all":
         assert [f[2] for f in rec.fired] == [T0 + timedelta(hours=h) for h in (1, 2, 3)]
         assert [f[1] for f in rec.fired] == [1, 2, 3]
@@ -189,12 +179,8 @@ async def test_misfire_policy_after_downtime(
     assert rep2.fired == [] and rep2.missed == 0
 
 
-@pytest.mark.parametrize(
-    ("policy", "fired_minutes"), [("skip", [4]), ("run_once", [4]), ("run_all", [1, 2, 3, 4])]
-)
-async def test_short_downtime_inside_the_lateness(
-    store: CronStore, policy: str, fired_minutes: list[int]
-) -> None:
+@pytest.mark.parametrize(("policy", "fired_minutes"), [("skip", [4]), ("run_once", [4]), ("run_all", [1, 2, 3, 4])])
+async def test_short_downtime_inside_the_lateness(store: CronStore, policy: str, fired_minutes: list[int]) -> None:
     """Issue 14.15: every minute, default 5 min lateness, down for 4 min. `skip` (and `run_once`)
     run only the most recent occurrence, not a burst of four; every run after the downtime is
     labelled catch-up in the run log."""
@@ -203,9 +189,7 @@ async def test_short_downtime_inside_the_lateness(
     rec = Recorder(store)
     clock = FakeClock(T0 + timedelta(minutes=4, seconds=10))
     rep = await Scheduler(store, fire=rec, clock=clock).tick()
-    assert [(f[2], f[3]) for f in rec.fired] == [
-        (T0 + timedelta(minutes=m), True) for m in fired_minutes
-    ]
+    assert [(f[2], f[3]) for f in rec.fired] == [(T0 + timedelta(minutes=m), True) for m in fired_minutes]
     fired = events(store, t, "fired")
     assert [f["catch_up"] for f in fired] == [True] * len(fired_minutes)
     missed = events(store, t, "missed")
@@ -231,9 +215,7 @@ async def test_within_max_lateness_is_not_a_misfire(store: CronStore) -> None:
 async def test_run_all_is_capped(store: CronStore) -> None:
     t = add(store, "m", ScheduleSpec("every", "1m", "UTC"), T0, misfire="run_all", max_lateness_s=0)
     rec = Recorder()
-    rep = await Scheduler(
-        store, fire=rec, clock=FakeClock(T0 + timedelta(minutes=30, seconds=30))
-    ).tick()
+    rep = await Scheduler(store, fire=rec, clock=FakeClock(T0 + timedelta(minutes=30, seconds=30))).tick()
     assert len(rec.fired) == 10 and rep.missed == 20
     assert rec.fired[-1][2] == T0 + timedelta(minutes=30)  # the most recent ones are kept
     assert "cap" in events(store, t, "missed")[0]["reason"]
@@ -317,9 +299,7 @@ async def test_without_the_lease_nothing_fires_but_run_now_works(store: CronStor
 
     add(store, "h", ScheduleSpec("every", "1h", "UTC"), T0)
     with store.transaction() as state:
-        state.scheduler_owner = OwnerRecord(
-            parent, "x" * 32, T0, process_start(parent), os.uname().nodename
-        )
+        state.scheduler_owner = OwnerRecord(parent, "x" * 32, T0, process_start(parent), os.uname().nodename)
     rec = Recorder()
     clock = FakeClock(T0 + timedelta(hours=1))
     s = Scheduler(store, fire=rec, clock=clock)
@@ -328,9 +308,7 @@ async def test_without_the_lease_nothing_fires_but_run_now_works(store: CronStor
     res = await s.run_now("h")
     assert res.turn_id == "turn_h_1" and res.occurrence.manual
     t = store.read().find("h")
-    assert t.occurrence == 1 and t.next_fire_at == T0 + timedelta(
-        hours=1
-    )  # the schedule is untouched
+    assert t.occurrence == 1 and t.next_fire_at == T0 + timedelta(hours=1)  # the schedule is untouched
     assert [r["event"] for r in read_runs(store.runs_dir, t.id)] == ["fired", "submitted"]
 
 
@@ -440,9 +418,7 @@ async def test_run_task_now_in_process_waits_for_outcome(store: CronStore) -> No
     async def await_outcome(turn_id: str) -> TurnOutcome:
         return TurnOutcome(status="failed", error="model down")
 
-    res = await run_task_now(
-        store.home, "r", fire=fire, await_outcome=await_outcome, clock=lambda: T0
-    )
+    res = await run_task_now(store.home, "r", fire=fire, await_outcome=await_outcome, clock=lambda: T0)
     assert res.turn_id == "turn_x" and res.outcome is not None and res.outcome.status == "failed"
     recs = read_runs(store.runs_dir, res.task.id)
     assert [r["event"] for r in recs] == ["fired", "submitted", "outcome"]

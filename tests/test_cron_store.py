@@ -114,9 +114,7 @@ def test_lock_timeout_is_a_clear_error(home: Path) -> None:
     home.mkdir(parents=True)
     holder = filelock.FileLock(str(store.lock_path))
     with holder:
-        with pytest.raises(
-            CronLockTimeout, match="timed out after 0.2 s waiting for .*crons.json.lock"
-        ):
+        with pytest.raises(CronLockTimeout, match="timed out after 0.2 s waiting for .*crons.json.lock"):
             store.add(task())
     store.add(task())
 
@@ -198,9 +196,7 @@ def test_invalid_add_is_refused_and_writes_nothing(home: Path, args: list[str]) 
 def test_add_needs_exactly_one_schedule(home: Path) -> None:
     code, _, err = cli("add", "--name", "n", "--agent", "echo", "--prompt", "x")
     assert code == 2 and "exactly one" in err
-    code, _, err = cli(
-        "add", "--name", "n", "--agent", "echo", "--prompt", "x", "--every", "1h", "--in", "1h"
-    )
+    code, _, err = cli("add", "--name", "n", "--agent", "echo", "--prompt", "x", "--every", "1h", "--in", "1h")
     assert code == 2
     assert not (home / "crons.json").exists()
 
@@ -255,9 +251,7 @@ def test_list_show_enable_disable_remove_preview_logs(home: Path) -> None:
     code, out, _ = cli("preview", "brief", "--count", "3", "--json")
     times = [datetime.fromisoformat(p["scheduled_for"]) for p in json.loads(out)]
     assert len(times) == 3
-    assert all(
-        t.astimezone(__import__("zoneinfo").ZoneInfo("Europe/Paris")).hour == 8 for t in times
-    )
+    assert all(t.astimezone(__import__("zoneinfo").ZoneInfo("Europe/Paris")).hour == 8 for t in times)
     assert times[1] - times[0] == timedelta(days=1)
     code, out, _ = cli("preview", "brief", "--count", "2")
     assert code == 0 and out.count("08:00:00") == 2
@@ -303,9 +297,7 @@ def test_run_log_reader_skips_torn_lines_and_marks_lost(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ issue 14.16: a corrupt crons.json
 
 
-@pytest.mark.parametrize(
-    "args", [["list"], ["list", "--json"], ["show", "t"], ["logs", "t"], ["preview", "t"]]
-)
+@pytest.mark.parametrize("args", [["list"], ["list", "--json"], ["show", "t"], ["logs", "t"], ["preview", "t"]])
 def test_readers_report_a_corrupt_file_and_move_nothing(home: Path, args: list[str]) -> None:
     home.mkdir(parents=True)
     garbage = b'{"version": 1, "tasks": [ {"name": "precious"'
@@ -318,9 +310,7 @@ def test_readers_report_a_corrupt_file_and_move_nothing(home: Path, args: list[s
     assert CronStore(home).corrupt_files() == []
 
 
-async def test_a_running_scheduler_keeps_reporting_a_corrupt_file(
-    home: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_a_running_scheduler_keeps_reporting_a_corrupt_file(home: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The scheduler (a writer) sets the file aside, then says so at every tick, rate-limited, and
     `CronService.problem()` (for /readyz) tells until the user deals with the set-aside file."""
     import asyncio

@@ -61,8 +61,7 @@ async def serving(server: RawServer) -> AsyncIterator[str]:
 
 def framed(text: bytes, *extra: bytes) -> Reply:
     return lambda _body: [
-        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n"
-        % (len(text), b"".join(e + b"\r\n" for e in extra)),
+        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n" % (len(text), b"".join(e + b"\r\n" for e in extra)),
         text,
     ]
 
@@ -76,18 +75,14 @@ def chunked(pieces: list[bytes]) -> Reply:
 
 
 async def test_keep_alive_reuses_one_connection_and_frames_bodies() -> None:
-    raw = RawServer(
-        [framed(b"one"), chunked([b"t", b"wo"]), lambda body: framed(b"echo " + body)(body)]
-    )
+    raw = RawServer([framed(b"one"), chunked([b"t", b"wo"]), lambda body: framed(b"echo " + body)(body)])
     async with (
         serving(raw) as url,
         httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
     ):
         assert (await client.post(url + "/a", content=b"x")).text == "one"
         async with client.stream("POST", url + "/b", json={"k": 1}) as r:
-            assert [p async for p in r.aiter_bytes()] and r.headers[
-                "content-type"
-            ] == "text/event-stream"
+            assert [p async for p in r.aiter_bytes()] and r.headers["content-type"] == "text/event-stream"
         r3 = await client.post(url + "/c", content=b"payload")
         assert r3.text == "echo payload"
     assert raw.connections == 1
@@ -96,9 +91,7 @@ async def test_keep_alive_reuses_one_connection_and_frames_bodies() -> None:
 
 async def test_closed_connections_are_never_reused() -> None:
     # "Connection: close" in the reply, then a server that hangs up after each reply anyway.
-    raw = RawServer(
-        [framed(b"a", b"connection: close"), framed(b"b"), framed(b"c")], close_after=True
-    )
+    raw = RawServer([framed(b"a", b"connection: close"), framed(b"b"), framed(b"c")], close_after=True)
     async with (
         serving(raw) as url,
         httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
@@ -171,15 +164,11 @@ async def test_https_verifies_the_upstream_certificate(tmp_path: Path) -> None:
     url = f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}/"
     try:
         trusting = ssl.create_default_context(cafile=str(pem))
-        async with httpx.AsyncClient(
-            transport=LeanTransport(ssl_context=trusting), timeout=5
-        ) as client:
+        async with httpx.AsyncClient(transport=LeanTransport(ssl_context=trusting), timeout=5) as client:
             assert (await client.post(url, content=b"")).text == "secret"
             assert (await client.post(url, content=b"")).text == "again"
         assert raw.connections == 1
-        async with httpx.AsyncClient(
-            transport=LeanTransport(), timeout=5
-        ) as client:  # system trust store
+        async with httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client:  # system trust store
             with pytest.raises(httpx.ConnectError):
                 await client.post(url, content=b"")
     finally:

@@ -25,9 +25,7 @@ def key(n: int | str) -> UpdateKey:
     return UpdateKey("telegram", "main", str(n))
 
 
-def test_default_path_follows_appserver_home(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_default_path_follows_appserver_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("APPSERVER_HOME", str(tmp_path / "h"))
     assert default_path() == tmp_path / "h" / "channels" / "gateway.db"
 

@@ -23,9 +23,7 @@ def open_fence_after(lines: list[str]) -> str | None:
             continue
         if marker is None:
             marker = m.group(1)
-        elif (
-            m.group(1)[0] == marker[0] and len(m.group(1)) >= len(marker) and not m.group(2).strip()
-        ):
+        elif m.group(1)[0] == marker[0] and len(m.group(1)) >= len(marker) and not m.group(2).strip():
             marker = None
     return marker
 
@@ -53,9 +51,7 @@ def check(text: str, limit: int) -> list[str]:
 
 def long_reply(seed: int = 7) -> str:
     rnd = random.Random(seed)
-    words = (
-        "the gateway splits replies at paragraph and line boundaries never inside fences".split()
-    )
+    words = "the gateway splits replies at paragraph and line boundaries never inside fences".split()
     blocks: list[str] = []
     while sum(len(b) + 2 for b in blocks) < 10_000:
         kind = rnd.random()
@@ -64,8 +60,7 @@ def long_reply(seed: int = 7) -> str:
         elif kind < 0.8:
             lang = rnd.choice(["python", "", "sh"])
             body = "\n".join(
-                f"    value_{i} = compute({i}, '{'x' * rnd.randint(0, 60)}')"
-                for i in range(rnd.randint(3, 70))
+                f"    value_{i} = compute({i}, '{'x' * rnd.randint(0, 60)}')" for i in range(rnd.randint(3, 70))
             )
             blocks.append(f"```{lang}\n{body}\n```")
         else:

@@ -34,9 +34,7 @@ CHILD = textwrap.dedent(
 
 
 def test_plugin_prints_cannot_spoof_control_lines() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD], cwd=REPO, capture_output=True, timeout=60, check=True
-    )
+    proc = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, capture_output=True, timeout=60, check=True)
     out_lines = proc.stdout.decode("ascii").splitlines()
     assert out_lines == [
         "GATEWAY_READY",
@@ -44,9 +42,7 @@ def test_plugin_prints_cannot_spoof_control_lines() -> None:
         'GATEWAY_EVENT {"channel":"webhook","state":"running","type":"account"}',
     ]
     parsed = [parse_line(line) for line in out_lines]
-    assert parsed[1] == ControlLine(
-        "response", {"ok": True, "text": "line\nbreak \u2028 é", "id": "r1"}
-    )
+    assert parsed[1] == ControlLine("response", {"ok": True, "text": "line\nbreak \u2028 é", "id": "r1"})
     assert all(p is not None and "spoofed" not in p.payload for p in parsed)
     # Everything the plugin wrote went to stderr, where the supervisor logs it.
     err = proc.stderr.decode()
@@ -55,9 +51,7 @@ def test_plugin_prints_cannot_spoof_control_lines() -> None:
 
 def test_parse_line_accepts_only_exact_shapes() -> None:
     assert parse_line("GATEWAY_READY\n") == ControlLine("ready", {})
-    assert parse_line(b'GATEWAY_EVENT {"type":"x","n":1}\r\n') == ControlLine(
-        "event", {"type": "x", "n": 1}
-    )
+    assert parse_line(b'GATEWAY_EVENT {"type":"x","n":1}\r\n') == ControlLine("event", {"type": "x", "n": 1})
     for noise in (
         "",
         "GATEWAY_READY now",
@@ -81,9 +75,7 @@ async def test_reader_yields_control_lines_and_noise_and_stops_at_eof() -> None:
     stream = asyncio.StreamReader(limit=64)
     stream.feed_data(b"GATEWAY_READY\nhello from a plugin\n")
     stream.feed_data(b"x" * 100 + b'GATEWAY_RESPONSE {"id":"forged"}\n')  # over the limit
-    stream.feed_data(
-        b'GATEWAY_RESPONSE {"id":"r1"}\nGATEWAY_EVENT {"type":"t"}'
-    )  # no final newline
+    stream.feed_data(b'GATEWAY_RESPONSE {"id":"r1"}\nGATEWAY_EVENT {"type":"t"}')  # no final newline
     stream.feed_eof()
     got = [item async for item in read_lines(stream)]
     assert got[0] == ControlLine("ready", {})

@@ -45,7 +45,9 @@ def stored(srv: Srv) -> tuple[int, int]:
 
 def post(srv: Srv, path: str, body: bytes | dict, **headers: str) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(srv.url + path, content=content, headers={"content-type": "application/json", **headers}, timeout=30)
+    return httpx.post(
+        srv.url + path, content=content, headers={"content-type": "application/json", **headers}, timeout=30
+    )
 
 
 def chat_body(content: str) -> bytes:
@@ -86,7 +88,11 @@ def test_deep_nesting_and_non_numbers_are_400(srv: Srv, route: str) -> None:
     moderate = b'{"model": "assistant", "metadata": ' + b"[" * 200 + b"]" * 200 + b"}"
     assert post(srv, route, moderate).json()["error"]["code"] == "json_too_deep"
     for number in (b"NaN", b"Infinity", b"1e400", b"123456789012345678901234567890"):
-        body = b'{"model": "assistant", "temperature": ' + number + b', "messages": [{"role": "user", "content": "x"}], "input": "x"}'
+        body = (
+            b'{"model": "assistant", "temperature": '
+            + number
+            + b', "messages": [{"role": "user", "content": "x"}], "input": "x"}'
+        )
         r = post(srv, route, body)
         assert r.status_code == 400, (number, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
@@ -106,7 +112,9 @@ def test_websocket_frame_with_lone_surrogate_is_an_error_frame_and_writes_nothin
         async with websockets.connect(srv.url.replace("http", "ws", 1) + "/ws", open_timeout=T) as ws:
             await ws.send(json.dumps({"type": "hello", "protocol": 1, "client": "test"}))
             assert json.loads(await asyncio.wait_for(ws.recv(), T))["type"] == "welcome"
-            await ws.send('{"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "\\ud800", "request_id": "r1"}')
+            await ws.send(
+                '{"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "\\ud800", "request_id": "r1"}'
+            )
             return json.loads(await asyncio.wait_for(ws.recv(), T))
 
     frame = asyncio.run(go())
@@ -122,7 +130,11 @@ def test_message_count_is_capped_on_both_routes(srv: Srv) -> None:
     msgs = [{"role": "user", "content": f"m{i}"} for i in range(MAX_MESSAGES)]
     assert post(srv, "/v1/chat/completions", {"model": "assistant", "messages": msgs}).status_code == 200
     before = stored(srv)
-    r = post(srv, "/v1/chat/completions", {"model": "assistant", "messages": [*msgs, {"role": "user", "content": "one more"}]})
+    r = post(
+        srv,
+        "/v1/chat/completions",
+        {"model": "assistant", "messages": [*msgs, {"role": "user", "content": "one more"}]},
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "array_above_max_length" and err["param"] == "messages"
@@ -146,7 +158,9 @@ def test_huge_request_of_tiny_messages_is_refused_while_the_server_stays_respons
                 health.append(c.get(srv.url + "/healthz").status_code)
 
     results: list[httpx.Response] = []
-    senders = [threading.Thread(target=lambda: results.append(post(srv, "/v1/chat/completions", body))) for _ in range(2)]
+    senders = [
+        threading.Thread(target=lambda: results.append(post(srv, "/v1/chat/completions", body))) for _ in range(2)
+    ]
     for t in senders:
         t.start()
     probe()
@@ -209,7 +223,12 @@ def test_every_response_has_a_request_id_and_its_log_lines_carry_it(srv: Srv) ->
         httpx.get(srv.url + "/v1/models", headers={"Host": "evil.example"}, timeout=T),  # the guard: 421
         httpx.get(srv.url + "/v1/models", headers={"Origin": "https://evil.example"}, timeout=T),  # 403
     ]
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", json={"model": "assistant", "stream": True, "messages": [{"role": "user", "content": "hi"}]}, timeout=T) as sse:
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/chat/completions",
+        json={"model": "assistant", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=T,
+    ) as sse:
         sse.read()
         answers.append(sse)
     ids = [a.headers.get("x-request-id") for a in answers]

@@ -179,7 +179,9 @@ def test_many_header_lines_and_unfinished_heads_are_cut_off(token_srv: tuple[Srv
     srv, token = token_srv
     # Many small header lines add up like one big one.
     s = connect(srv)
-    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: bbbbbbbbbbbbbbbbbbbbbbbbbbbbbb\r\n" * 3000 + b"\r\n")
+    s.sendall(
+        b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: bbbbbbbbbbbbbbbbbbbbbbbbbbbbbb\r\n" * 3000 + b"\r\n"
+    )
     assert read_response(s)[0] == 431
     s.close()
     # Eight unfinished 2 MiB heads at once: each is cut off at the cap instead of being buffered.
@@ -372,7 +374,9 @@ def test_trusted_proxy_may_name_the_client(tmp_path: Path) -> None:
 
 def test_trusted_proxies_wildcard_is_refused_at_start(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    r = run_cli(home, "serve", "--listen", "127.0.0.1:0", env=cli_env(home, APPSERVER_SERVER__TRUSTED_PROXIES="*"), timeout=30)
+    r = run_cli(
+        home, "serve", "--listen", "127.0.0.1:0", env=cli_env(home, APPSERVER_SERVER__TRUSTED_PROXIES="*"), timeout=30
+    )
     assert r.code == 2
     assert "trusted_proxies" in r.err and "Traceback" not in r.err
 

@@ -132,7 +132,10 @@ def test_every_start_logs_which_config_it_loaded(home: Path) -> None:
         ('[server]\nlisten = "127.0.0.1:99999"\n', "[server] listen: invalid port"),
         ('[providers.x]\nbase_url = "ftp://x"\n', "[providers.x] base_url: must be an http:// or https:// URL"),
         ("[providers.x]\nmax_attempts = 0\n", "[providers.x] max_attempts must be an integer >= 1 and <= 20, got 0"),
-        ("[providers.x]\ncontext_windows = { m = -1 }\n", "[providers.x] context_windows must be a table of integers >= 1"),
+        (
+            "[providers.x]\ncontext_windows = { m = -1 }\n",
+            "[providers.x] context_windows must be a table of integers >= 1",
+        ),
         ('[server]\ntls_cert = "c.pem"\n', "tls_cert and tls_key go together"),
     ],
 )
@@ -154,15 +157,25 @@ def test_a_bad_value_stops_every_command_with_one_line(home: Path) -> None:
 @pytest.mark.parametrize(
     ("var", "value", "expected"),
     [
-        ("APPSERVER_LIMITS__QUEUE_MAX", "-5", "APPSERVER_LIMITS__QUEUE_MAX: [limits] queue_max must be an integer >= 1, got '-5'"),
-        ("APPSERVER_LIMITS__BODY_MAX_BYTES", "lots", "APPSERVER_LIMITS__BODY_MAX_BYTES: [limits] body_max_bytes must be an integer >= 1024"),
+        (
+            "APPSERVER_LIMITS__QUEUE_MAX",
+            "-5",
+            "APPSERVER_LIMITS__QUEUE_MAX: [limits] queue_max must be an integer >= 1, got '-5'",
+        ),
+        (
+            "APPSERVER_LIMITS__BODY_MAX_BYTES",
+            "lots",
+            "APPSERVER_LIMITS__BODY_MAX_BYTES: [limits] body_max_bytes must be an integer >= 1024",
+        ),
         ("APPSERVER_AUTH__MODE", "off", "APPSERVER_AUTH__MODE: [auth] mode must be one of 'none', 'token', 'jwt'"),
         ("APPSERVER_AUTH__MDOE", "token", "APPSERVER_AUTH__MDOE: unknown key 'mdoe' in [auth]"),
         ("APPSERVER_CRON_TICK_S", "0", "APPSERVER_CRON_TICK_S: [cron] tick_s must be a number > 0"),
         ("APPSERVER_SERVER__ALLOWED_ORIGINS", "*", "[server] allowed_origins: '*' is not supported"),
     ],
 )
-def test_bad_environment_overrides_are_refused_naming_the_variable(tmp_path: Path, var: str, value: str, expected: str) -> None:
+def test_bad_environment_overrides_are_refused_naming_the_variable(
+    tmp_path: Path, var: str, value: str, expected: str
+) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path, environ={var: value})
     assert expected in str(err.value)
@@ -178,7 +191,9 @@ def test_every_numeric_limit_is_type_checked_generically(tmp_path: Path) -> None
     for f in LimitsConfig.__dataclass_fields__:
         with pytest.raises(ConfigError, match=rf"\[limits\] {f} must be"):
             load_config(tmp_path / f, environ={f"APPSERVER_LIMITS__{f.upper()}": "not-a-number"})
-    cfg = load_config(tmp_path / "ok", environ={"APPSERVER_LIMITS__QUEUE_MAX": "5", "APPSERVER_LIMITS__SSE_KEEPALIVE_S": "0.2"})
+    cfg = load_config(
+        tmp_path / "ok", environ={"APPSERVER_LIMITS__QUEUE_MAX": "5", "APPSERVER_LIMITS__SSE_KEEPALIVE_S": "0.2"}
+    )
     assert cfg.limits.queue_max == 5 and cfg.limits.sse_keepalive_s == 0.2
 
 
@@ -197,7 +212,9 @@ def test_busy_port_is_one_line(home: Path) -> None:
 
 
 def test_missing_or_bad_tls_file_is_one_line(home: Path, tmp_path: Path) -> None:
-    line = one_error_line(serve_refused(home, "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tmp_path / "nope.key")))
+    line = one_error_line(
+        serve_refused(home, "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tmp_path / "nope.key"))
+    )
     assert f"TLS certificate file not found: {tmp_path / 'nope.pem'}" in line
     cert, key = self_signed(tmp_path)
     line = one_error_line(serve_refused(home, "--tls-cert", str(cert), "--tls-key", str(tmp_path / "nope.key")))
@@ -240,7 +257,11 @@ def test_home_and_state_files_are_owner_only(home: Path) -> None:
     os.chmod(home / "notes.txt", 0o644)
     sp = start_serve(home)
     try:
-        r = httpx.post(sp.url + "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        r = httpx.post(
+            sp.url + "/v1/chat/completions",
+            json={"model": "assistant", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=10,
+        )
         assert r.status_code == 200
         assert _mode(home) == 0o700
         for name in STATE_FILES + ("server.json", "crons.json"):

@@ -93,7 +93,11 @@ def _live_frames(wal: Path) -> list[int]:
     page_size = struct.unpack(">I", data[8:12])[0]
     salt = data[16:24]
     frame = 24 + page_size
-    return [32 + i * frame for i in range((len(data) - 32) // frame) if data[32 + i * frame + 8 : 32 + i * frame + 16] == salt]
+    return [
+        32 + i * frame
+        for i in range((len(data) - 32) // frame)
+        if data[32 + i * frame + 8 : 32 + i * frame + 16] == salt
+    ]
 
 
 def test_damaged_wal_after_kill9_is_refused_and_kept(home: Path) -> None:
@@ -172,7 +176,9 @@ def test_store_behind_its_recorded_position_is_refused(home: Path, tmp_path: Pat
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "fs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], capture_output=True, timeout=10)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], capture_output=True, timeout=10
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:

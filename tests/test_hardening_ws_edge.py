@@ -69,8 +69,7 @@ def _split(response: bytes) -> tuple[int, dict[str, str], bytes]:
 
 
 UPGRADE = (
-    b"Host: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Host: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
 )
 
 
@@ -88,7 +87,9 @@ UPGRADE = (
         ("unknown path", b"GET /nope HTTP/1.1\r\n" + UPGRADE + b"Sec-WebSocket-Version: 13\r\n\r\n", 403),
     ],
 )
-def test_every_websocket_upgrade_refusal_has_a_request_id_and_json(serve: ServeProcess, name: str, request_bytes: bytes, status: int) -> None:
+def test_every_websocket_upgrade_refusal_has_a_request_id_and_json(
+    serve: ServeProcess, name: str, request_bytes: bytes, status: int
+) -> None:
     got, headers, body = _split(_exchange(serve, request_bytes))
     assert got == status, (name, got, body)
     assert headers.get("x-request-id", "").startswith("req_"), (name, headers)
@@ -118,19 +119,54 @@ async def _frame_caps(url: str) -> None:
     ws = await WS.open(url)
     try:
         too_many_tools = [{"name": f"t{i}"} for i in range(129)]
-        r = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "hi", "client_tools": too_many_tools})
+        r = await ws.request(
+            {
+                "type": "submit_input",
+                "agent": "assistant",
+                "conversation": "new",
+                "input": "hi",
+                "client_tools": too_many_tools,
+            }
+        )
         assert (r["type"], r["code"], r.get("param")) == ("error", "bad_frame", "client_tools"), r
-        r = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": [{"type": "text", "text": "x"}] * 2049})
+        r = await ws.request(
+            {
+                "type": "submit_input",
+                "agent": "assistant",
+                "conversation": "new",
+                "input": [{"type": "text", "text": "x"}] * 2049,
+            }
+        )
         assert (r["type"], r["code"], r.get("param")) == ("error", "bad_frame", "input"), r
-        r = await ws.request({"type": "approval_response", "conversation": "c", "decisions": [{"call_id": "c", "decision": "approve"}] * 2049})
+        r = await ws.request(
+            {
+                "type": "approval_response",
+                "conversation": "c",
+                "decisions": [{"call_id": "c", "decision": "approve"}] * 2049,
+            }
+        )
         assert (r["type"], r["code"], r.get("param")) == ("error", "bad_frame", "decisions"), r
         # 150,000 tiny objects in 3 MiB: refused after a bounded parse, not validated one by one.
-        flood = {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "hi", "client_tools": [{"name": f"t{i}"} for i in range(150_000)]}
+        flood = {
+            "type": "submit_input",
+            "agent": "assistant",
+            "conversation": "new",
+            "input": "hi",
+            "client_tools": [{"name": f"t{i}"} for i in range(150_000)],
+        }
         r = await ws.request(flood, 30)
         assert (r["type"], r["code"]) == ("error", "bad_frame"), r
         assert "JSON objects" in r["message"], r  # the parser's object count stopped it, not validation
         # Within the caps, frames still work, and the connection survived the refusals.
-        ok = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": [{"type": "text", "text": "x"}] * 2048, "client_tools": too_many_tools[:128]})
+        ok = await ws.request(
+            {
+                "type": "submit_input",
+                "agent": "assistant",
+                "conversation": "new",
+                "input": [{"type": "text", "text": "x"}] * 2048,
+                "client_tools": too_many_tools[:128],
+            }
+        )
         assert ok["type"] == "ack", ok
         assert (await ws.request({"type": "ping"}))["type"] == "pong"
     finally:

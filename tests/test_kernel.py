@@ -46,7 +46,9 @@ async def test_turns_of_one_conversation_never_overlap_but_conversations_run_con
     subs = []
     for i in range(3):
         for name in ("A", "B"):
-            sub = await server.kernel.submit(SubmitRequest(agent="assistant", input=f"/slow {3 + i}", conversation=convs[name]))
+            sub = await server.kernel.submit(
+                SubmitRequest(agent="assistant", input=f"/slow {3 + i}", conversation=convs[name])
+            )
             assert sub.queue_position == i
             subs.append((name, sub))
     await asyncio.gather(*(track(n, s) for n, s in subs))
@@ -62,13 +64,21 @@ async def test_turns_of_one_conversation_never_overlap_but_conversations_run_con
 
 
 async def test_idempotency_key_gives_one_turn(server: Server) -> None:
-    first = await server.kernel.submit(SubmitRequest(agent="assistant", input="hi", conversation="new", idempotency_key="msg-1"))
-    again = await server.kernel.submit(SubmitRequest(agent="assistant", input="hi", conversation="new", idempotency_key="msg-1"))
+    first = await server.kernel.submit(
+        SubmitRequest(agent="assistant", input="hi", conversation="new", idempotency_key="msg-1")
+    )
+    again = await server.kernel.submit(
+        SubmitRequest(agent="assistant", input="hi", conversation="new", idempotency_key="msg-1")
+    )
     assert again.duplicate and again.turn_id == first.turn_id and again.conversation_id == first.conversation_id
     await first.wait(5)
-    later = await server.kernel.submit(SubmitRequest(agent="assistant", input="hi", conversation=first.conversation_id, idempotency_key="msg-2"))
+    later = await server.kernel.submit(
+        SubmitRequest(agent="assistant", input="hi", conversation=first.conversation_id, idempotency_key="msg-2")
+    )
     await later.wait(5)
-    replay = await server.kernel.submit(SubmitRequest(agent="assistant", input="hi", conversation=first.conversation_id, idempotency_key="msg-2"))
+    replay = await server.kernel.submit(
+        SubmitRequest(agent="assistant", input="hi", conversation=first.conversation_id, idempotency_key="msg-2")
+    )
     assert replay.duplicate and replay.turn_id == later.turn_id
     assert (await replay.wait(5)).text() == "echo: hi"
     turns = await server.store.list_turns(first.conversation_id)
@@ -88,7 +98,9 @@ async def test_cancel_keeps_partial_text(server: Server) -> None:
     msgs = await server.store.list_messages(sub.conversation_id)
     assert msgs[-1].role == "assistant" and msgs[-1].completion_status == "cancelled"
     assert msgs[-1].text().startswith("w1 w2 w3")
-    nxt = await server.kernel.submit(SubmitRequest(agent="assistant", input="/recall", conversation=sub.conversation_id))
+    nxt = await server.kernel.submit(
+        SubmitRequest(agent="assistant", input="/recall", conversation=sub.conversation_id)
+    )
     assert (await nxt.wait(5)).text() == "/slow 300"
 
 
@@ -111,10 +123,14 @@ async def test_input_while_awaiting_waits_in_queue_and_approval_times_out(tmp_pa
     server = await open_server(tmp_path / "h", APPSERVER_LIMITS__APPROVAL_TIMEOUT_S="0.5")
     try:
         await server.agents.update("assistant", tools={"clock": "ask"})
-        paused = await server.kernel.submit(SubmitRequest(agent="assistant", input="/call clock {}", conversation="new"))
+        paused = await server.kernel.submit(
+            SubmitRequest(agent="assistant", input="/call clock {}", conversation="new")
+        )
         snap = await paused.wait(5)
         assert snap.status == "awaiting" and snap.pending[0]["kind"] == "approval"
-        queued = await server.kernel.submit(SubmitRequest(agent="assistant", input="after", conversation=paused.conversation_id))
+        queued = await server.kernel.submit(
+            SubmitRequest(agent="assistant", input="after", conversation=paused.conversation_id)
+        )
         assert queued.queue_position == 1
         final = await paused.handle.wait_settled(5, after_revision=snap.revision)
         assert final.status == "completed"
@@ -126,16 +142,24 @@ async def test_input_while_awaiting_waits_in_queue_and_approval_times_out(tmp_pa
 
 async def test_deny_policy_and_unknown_tool_give_readable_results(server: Server) -> None:
     await server.agents.update("assistant", tools={"clock": "deny"})
-    snap = await (await server.kernel.submit(SubmitRequest(agent="assistant", input="/call clock {}", conversation="new"))).wait(5)
+    snap = await (
+        await server.kernel.submit(SubmitRequest(agent="assistant", input="/call clock {}", conversation="new"))
+    ).wait(5)
     assert snap.status == "completed" and "policy denies" in snap.text()
-    snap = await (await server.kernel.submit(SubmitRequest(agent="assistant", input="/call nosuch {}", conversation="new"))).wait(5)
+    snap = await (
+        await server.kernel.submit(SubmitRequest(agent="assistant", input="/call nosuch {}", conversation="new"))
+    ).wait(5)
     assert "not available" in snap.text()
 
 
 async def test_client_tool_pauses_and_result_resumes(server: Server) -> None:
     from appserver.providers.base import ToolSpec
 
-    sub = await server.kernel.submit(SubmitRequest(agent="assistant", input='/call lookup {"q":"x"}', conversation="new", client_tools=[ToolSpec("lookup")]))
+    sub = await server.kernel.submit(
+        SubmitRequest(
+            agent="assistant", input='/call lookup {"q":"x"}', conversation="new", client_tools=[ToolSpec("lookup")]
+        )
+    )
     snap = await sub.wait(5)
     assert snap.status == "awaiting" and snap.stop_reason == "requires_client_tool"
     call = snap.pending[0]
@@ -152,12 +176,18 @@ async def test_max_steps_and_error_stop_reasons(tmp_path: Path) -> None:
     server = await open_server(tmp_path / "h")
     try:
         await server.agents.update("assistant", params={"max_steps": 1})
-        snap = await (await server.kernel.submit(SubmitRequest(agent="assistant", input="/call clock {}", conversation="new"))).wait(5)
+        snap = await (
+            await server.kernel.submit(SubmitRequest(agent="assistant", input="/call clock {}", conversation="new"))
+        ).wait(5)
         assert snap.stop_reason == "max_steps" and snap.status == "completed"
-        snap = await (await server.kernel.submit(SubmitRequest(agent="assistant", input="/error 401", conversation="new"))).wait(5)
+        snap = await (
+            await server.kernel.submit(SubmitRequest(agent="assistant", input="/error 401", conversation="new"))
+        ).wait(5)
         assert snap.status == "failed" and snap.stop_reason == "error"
         assert snap.error["kind"] == "auth" and snap.error["retryable"] is False
-        snap = await (await server.kernel.submit(SubmitRequest(agent="assistant", input="/error 503", conversation="new"))).wait(10)
+        snap = await (
+            await server.kernel.submit(SubmitRequest(agent="assistant", input="/error 503", conversation="new"))
+        ).wait(10)
         assert snap.status == "failed" and snap.error["kind"] == "server" and snap.attempt == 4
     finally:
         await server.close()
@@ -178,8 +208,19 @@ async def test_openai_kind_through_the_kernel(tmp_path: Path) -> None:
         server = await open_server(home)
         try:
             await server.agents.create("remote", "fake:test-model", system="be brief", tools={"clock": "allow"})
-            fake.script(openai_sse([chunk(role="assistant", content="Hel"), chunk(content="lo"), chunk(finish_reason="stop"), usage_chunk(7, 2)]))
-            snap = await (await server.kernel.submit(SubmitRequest(agent="remote", input="hi", conversation="new"))).wait(10)
+            fake.script(
+                openai_sse(
+                    [
+                        chunk(role="assistant", content="Hel"),
+                        chunk(content="lo"),
+                        chunk(finish_reason="stop"),
+                        usage_chunk(7, 2),
+                    ]
+                )
+            )
+            snap = await (
+                await server.kernel.submit(SubmitRequest(agent="remote", input="hi", conversation="new"))
+            ).wait(10)
             assert snap.text() == "Hello" and snap.stop_reason == "end_turn"
             assert snap.usage["input_tokens"] == 7 and snap.usage["output_tokens"] == 2
             body = fake.requests[-1].json
@@ -197,7 +238,9 @@ async def test_openai_kind_through_the_kernel(tmp_path: Path) -> None:
                 )
             )
             fake.script(openai_sse([chunk(content="It is late."), chunk(finish_reason="stop")]))
-            snap = await (await server.kernel.submit(SubmitRequest(agent="remote", input="time?", conversation="new"))).wait(10)
+            snap = await (
+                await server.kernel.submit(SubmitRequest(agent="remote", input="time?", conversation="new"))
+            ).wait(10)
             assert snap.text() == "It is late."
             call = [b for b in snap.blocks if b["type"] == "tool_call"][0]
             assert call["arguments"] == '{"timezone": "Europe/Paris"}' and call["status"] == "completed"

@@ -44,7 +44,9 @@ def test_approval_answered_by_another_process(cli) -> None:
     assert data["status"] == "awaiting" and data["stop_reason"] == "requires_approval"
     assert len(data["pending"]) == 1
     call_id = data["pending"][0]["call_id"]
-    resumed = cli("run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id, "--json")
+    resumed = cli(
+        "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id, "--json"
+    )
     assert resumed.code == 0, resumed.err
     out = resumed.json()
     assert out["status"] == "completed" and out["stop_reason"] == "end_turn"
@@ -58,14 +60,31 @@ def test_denial_is_readable_by_the_model(cli) -> None:
     cli("agents", "create", "--name", "careful", "--tool", "clock=ask")
     data = cli("run", "--agent", "careful", "--conversation", "new", "--json", "/call clock {}").json()
     call_id = data["pending"][0]["call_id"]
-    out = cli("run", "--agent", "careful", "--conversation", data["conversation_id"], "--deny", call_id, "--reason", "not now", "--json").json()
+    out = cli(
+        "run",
+        "--agent",
+        "careful",
+        "--conversation",
+        data["conversation_id"],
+        "--deny",
+        call_id,
+        "--reason",
+        "not now",
+        "--json",
+    ).json()
     assert out["status"] == "completed"
     assert "denied" in out["text"] and "not now" in out["text"]
 
 
 def test_kill9_mid_turn_is_settled_as_interrupted(home: Path, cli) -> None:
     conv = cli("run", "--conversation", "new", "--json", "first").json()["conversation_id"]
-    proc = subprocess.Popen([sys.executable, "-m", "appserver", "run", "--conversation", conv, "/slow 300"], env=cli_env(home, APPSERVER_LIMITS__DRAFT_INTERVAL_S="0.1"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "appserver", "run", "--conversation", conv, "/slow 300"],
+        env=cli_env(home, APPSERVER_LIMITS__DRAFT_INTERVAL_S="0.1"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     db = home / "appserver.db"
     deadline = time.monotonic() + 20
     draft = None
@@ -92,7 +111,10 @@ def test_kill9_mid_turn_is_settled_as_interrupted(home: Path, cli) -> None:
 
 def _db_dump(home: Path) -> list:
     with sqlite3.connect(home / "appserver.db") as c:
-        return [list(c.execute(f"SELECT * FROM {t}")) for t in ("agents", "conversations", "turns", "messages", "pending_calls")]
+        return [
+            list(c.execute(f"SELECT * FROM {t}"))
+            for t in ("agents", "conversations", "turns", "messages", "pending_calls")
+        ]
 
 
 def test_bad_input_is_one_line_error_and_writes_nothing(home: Path, cli) -> None:
@@ -116,7 +138,19 @@ def test_bad_input_is_one_line_error_and_writes_nothing(home: Path, cli) -> None
 
 
 def test_agents_crud_json(cli) -> None:
-    created = cli("agents", "create", "--name", "helper", "--model", "openai:gpt-4o-mini", "--system", "be brief", "--tool", "shell=ask", "--json").json()
+    created = cli(
+        "agents",
+        "create",
+        "--name",
+        "helper",
+        "--model",
+        "openai:gpt-4o-mini",
+        "--system",
+        "be brief",
+        "--tool",
+        "shell=ask",
+        "--json",
+    ).json()
     assert created["tools"] == {"shell": "ask"} and created["model"] == "openai:gpt-4o-mini"
     shown = cli("agents", "show", "helper", "--json").json()
     assert shown["id"] == created["id"]

@@ -66,12 +66,25 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
 
         async def submit() -> tuple[str, str]:
             ws = await WS.open(sp.url)
-            ack = await ws.request({"type": "submit_input", "agent": "actor", "conversation": "new", "input": "/call shell " + json.dumps({"command": command})})
+            ack = await ws.request(
+                {
+                    "type": "submit_input",
+                    "agent": "actor",
+                    "conversation": "new",
+                    "input": "/call shell " + json.dumps({"command": command}),
+                }
+            )
             await ws.close()
             return ack["conversation_id"], ack["turn_id"]
 
         conv, turn_id = asyncio.run(submit())
-        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip() and escaped.exists() and escaped.read_text().strip(), 15, "the shell to start")
+        wait_for(
+            lambda: (
+                pidfile.exists() and pidfile.read_text().strip() and escaped.exists() and escaped.read_text().strip()
+            ),
+            15,
+            "the shell to start",
+        )
         shell = int(pidfile.read_text())
         group = os.getpgid(shell)
         loner = int(escaped.read_text())

@@ -66,7 +66,9 @@ async def test_cancel_anywhere_in_a_turn_settles_each_call_once_and_says_the_tru
         for decision in ("approve", "deny"):
             for answer_first in (True, False):
                 for n in (0, 1, 3):
-                    sub = await kernel.submit(SubmitRequest(agent="careful", input="/call clock {}", conversation="new"))
+                    sub = await kernel.submit(
+                        SubmitRequest(agent="careful", input="/call clock {}", conversation="new")
+                    )
                     paused = await sub.handle.wait_settled(5)
                     call_id = paused.pending[0]["call_id"]
                     answer = kernel.respond(sub.conversation_id, [Decision(call_id, decision)])

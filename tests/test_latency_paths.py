@@ -49,9 +49,7 @@ async def test_the_accept_commits_while_the_model_call_is_in_flight_and_only_the
 
         def held(_request: object) -> Reply:  # the model "thinks" until the test lets it answer
             release.wait(10)
-            return Reply(
-                pieces=cut(openai_sse([chunk(content="Hello"), chunk(finish_reason="stop")]))
-            )
+            return Reply(pieces=cut(openai_sse([chunk(content="Hello"), chunk(finish_reason="stop")])))
 
         fake.responder = held
         server = await open_remote(tmp_path / "home", fake.base_url)
@@ -64,9 +62,7 @@ async def test_the_accept_commits_while_the_model_call_is_in_flight_and_only_the
             def trace(sql: str) -> None:  # where the submitted turn stands when its row is written
                 if sql.startswith("INSERT INTO turns"):
                     handle, rt = mine["handle"], mine["rt"]
-                    at_insert.append(
-                        (handle.controller.phase, rt.lifecycle.state, handle.turn_id in rt.handles)
-                    )  # type: ignore[attr-defined]
+                    at_insert.append((handle.controller.phase, rt.lifecycle.state, handle.turn_id in rt.handles))  # type: ignore[attr-defined]
 
             store.db.set_trace_callback(trace)
             sub = await server.kernel.submit(
@@ -75,19 +71,14 @@ async def test_the_accept_commits_while_the_model_call_is_in_flight_and_only_the
             rt = server.kernel.runtimes[sub.conversation_id]
             mine.update(handle=sub.handle, rt=rt)
             rt.watchers.append(lambda handle: seen.append(handle.turn_id))
-            assert (
-                sub.turn_id not in rt.handles and not seen
-            )  # not visible before its accept commits
+            assert sub.turn_id not in rt.handles and not seen  # not visible before its accept commits
             await until(lambda: len(fake.requests) == 1, "the model call")
             other = sqlite3.connect(str(store.path))
             try:
                 # The model has not answered, yet the turn is durably accepted and visible.
                 await until(
                     lambda: (
-                        other.execute(
-                            "SELECT status FROM turns WHERE id=?", (sub.turn_id,)
-                        ).fetchone()
-                        == ("running",)
+                        other.execute("SELECT status FROM turns WHERE id=?", (sub.turn_id,)).fetchone() == ("running",)
                     ),
                     "the accept",
                 )
@@ -114,9 +105,7 @@ async def test_a_turn_whose_overlapped_accept_fails_is_never_shown_nor_written(
     tmp_path: Path,
 ) -> None:
     async with FakeOpenAI() as fake:
-        fake.responder = lambda _r: Reply(
-            pieces=[openai_sse([chunk(content="lost"), chunk(finish_reason="stop")])]
-        )
+        fake.responder = lambda _r: Reply(pieces=[openai_sse([chunk(content="lost"), chunk(finish_reason="stop")])])
         server = await open_remote(tmp_path / "home", fake.base_url)
         try:
             server.store.db.execute(REFUSE_TURNS)
@@ -127,9 +116,7 @@ async def test_a_turn_whose_overlapped_accept_fails_is_never_shown_nor_written(
             rt = server.kernel.runtimes[sub.conversation_id]
             rt.watchers.append(lambda handle: seen.append(handle.turn_id))
             snap = await sub.wait(10)
-            assert (
-                snap.status == "failed" and snap.error is not None and snap.error["kind"] == "store"
-            )
+            assert snap.status == "failed" and snap.error is not None and snap.error["kind"] == "store"
             assert "disk is full" in snap.error["message"]
             assert not seen and sub.turn_id not in rt.handles and rt.lifecycle.state == "idle"
             db = server.store.db
@@ -147,9 +134,9 @@ async def test_a_turn_whose_overlapped_accept_fails_is_never_shown_nor_written(
             )
             assert (await again.wait(10)).text() == "lost"
             assert (
-                db.execute(
-                    "SELECT COUNT(*) FROM messages WHERE conversation_id=?", (sub.conversation_id,)
-                ).fetchone()[0]
+                db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id=?", (sub.conversation_id,)).fetchone()[
+                    0
+                ]
                 == 2
             )
         finally:
@@ -172,8 +159,7 @@ def test_a_non_stream_reply_the_store_could_not_accept_is_an_error_not_its_text(
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 500, r.text
             assert (
-                r.json()["error"]["code"] == "internal_error"
-                and "could not be saved" in r.json()["error"]["message"]
+                r.json()["error"]["code"] == "internal_error" and "could not be saved" in r.json()["error"]["message"]
             )
             assert db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0
             db.execute("DROP TRIGGER refuse_turns")
@@ -205,9 +191,7 @@ async def test_post_stream_writes_what_httpx_writes_and_reuses_the_connection() 
                     if line.lower().startswith(b"content-length:")
                 )
                 heads.append(head + await reader.readexactly(length))
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 5\r\n\r\nhello"
-                )
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 5\r\n\r\nhello")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -225,9 +209,7 @@ async def test_post_stream_writes_what_httpx_writes_and_reuses_the_connection() 
     timeout = httpx.Timeout(5)
     try:
         async with LeanClient(timeout=timeout, transport=LeanTransport()) as client:
-            async with client.stream(
-                "POST", url, content=b'{"a":1}', headers=headers, timeout=timeout
-            ) as r:
+            async with client.stream("POST", url, content=b'{"a":1}', headers=headers, timeout=timeout) as r:
                 assert await r.aread() == b"hello"
             for _ in range(2):
                 async with client.post_stream(url, b'{"a":1}', headers, timeout) as r:
@@ -278,11 +260,7 @@ def test_cached_tool_estimates_equal_fresh_ones() -> None:
         [ToolSpec("a", "first", schema)],
         [ToolSpec("a", "first", schema), ToolSpec("b", "", {"type": "object", "properties": {}})],
         [ToolSpec("a", "a much longer description than before", schema)],
-        [
-            ToolSpec(
-                "c", "x" * 400, {"type": "object", "properties": {"z": {"enum": list(range(50))}}}
-            )
-        ],
+        [ToolSpec("c", "x" * 400, {"type": "object", "properties": {"z": {"enum": list(range(50))}}})],
     ]
     for _ in range(2):
         for tools in sets:
@@ -303,11 +281,7 @@ async def test_no_tool_runs_before_an_overlapped_accept_has_committed(tmp_path: 
             SubmitRequest(agent="actor", input=call, conversation="new", overlap_accept=True)
         )
         snap = await sub.wait(10)
-        assert (
-            snap.status == "failed"
-            and snap.error is not None
-            and "disk is full" in snap.error["message"]
-        )
+        assert snap.status == "failed" and snap.error is not None and "disk is full" in snap.error["message"]
         await asyncio.sleep(0.2)
         assert not marker.exists(), "a tool ran for a turn that was never accepted"
         server.store.db.execute("DROP TRIGGER refuse_turns")

@@ -35,7 +35,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def fine(req: RecordedRequest) -> Reply:
-    return Reply(pieces=[openai_sse([chunk(role="assistant", content="fine"), chunk(finish_reason="stop"), usage_chunk(5, 1)])])
+    return Reply(
+        pieces=[openai_sse([chunk(role="assistant", content="fine"), chunk(finish_reason="stop"), usage_chunk(5, 1)])]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess
         fake.responder = fine
         home = tmp_path_factory.mktemp("adversarial") / "home"
         home.mkdir()
-        (home / "config.toml").write_text(f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n')
+        (home / "config.toml").write_text(
+            f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n'
+        )
         env = cli_env(home)
         assert run_cli(home, "agents", "list", env=env).code == 0  # creates `assistant`
         assert run_cli(home, "agents", "create", "--name", "remote", "--model", "fake:m", "--json", env=env).code == 0
@@ -81,13 +85,20 @@ def test_a_stateless_client_answering_a_round_in_parts_resends_the_earlier_answe
     history with both results (as stateless clients do): the repeated answer is history, not a
     second answer (was: 400 already_resolved)."""
     u = uuid.uuid4().hex
-    msgs: list[Any] = [{"role": "user", "content": f"two calls {u}"}, {"role": "assistant", "content": None, "tool_calls": [call("c1"), call("c2")]}, {"role": "tool", "tool_call_id": "c1", "content": "r1"}]
+    msgs: list[Any] = [
+        {"role": "user", "content": f"two calls {u}"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c1"), call("c2")]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+    ]
     part = http.post("/v1/chat/completions", json={"model": "assistant", "messages": msgs})
     assert part.status_code == 200, part.text
     validate("CreateChatCompletionResponse", part.json())
     choice = part.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and [c["id"] for c in choice["message"]["tool_calls"]] == ["c2"]
-    full = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [*msgs, {"role": "tool", "tool_call_id": "c2", "content": "r2"}]})
+    full = http.post(
+        "/v1/chat/completions",
+        json={"model": "assistant", "messages": [*msgs, {"role": "tool", "tool_call_id": "c2", "content": "r2"}]},
+    )
     assert full.status_code == 200, full.text
     assert full.json()["choices"][0]["message"]["content"] == "f -> r1\nf -> r2"
     assert full.headers["x-conversation-id"] == part.headers["x-conversation-id"]
@@ -106,7 +117,13 @@ def test_a_stateless_client_answering_a_round_in_parts_resends_the_earlier_answe
     assert part.status_code == 200, part.text
     validate("Response", part.json())
     assert [(o["type"], o.get("call_id")) for o in part.json()["output"]] == [("function_call", "k2")]
-    full = http.post("/v1/responses", json={"model": "assistant", "input": [*items, {"type": "function_call_output", "call_id": "k2", "output": "r2"}]})
+    full = http.post(
+        "/v1/responses",
+        json={
+            "model": "assistant",
+            "input": [*items, {"type": "function_call_output", "call_id": "k2", "output": "r2"}],
+        },
+    )
     assert full.status_code == 200, full.text
     validate("Response", full.json())
     assert full.json()["output"][-1]["content"][0]["text"] == "f -> r1\nf -> r2"
@@ -121,16 +138,29 @@ def test_a_repeated_answer_through_previous_response_id_is_not_an_error(client: 
     ]
     first = client.responses.create(model="assistant", input=items)
     assert [o.type for o in first.output] == ["function_call"]
-    done = client.responses.create(model="assistant", previous_response_id=first.id, input=[{"type": "function_call_output", "call_id": "p1", "output": "r1"}, {"type": "function_call_output", "call_id": "p2", "output": "r2"}])
+    done = client.responses.create(
+        model="assistant",
+        previous_response_id=first.id,
+        input=[
+            {"type": "function_call_output", "call_id": "p1", "output": "r1"},
+            {"type": "function_call_output", "call_id": "p2", "output": "r2"},
+        ],
+    )
     assert done.output_text == "f -> r1\nf -> r2"
 
 
 # ---------------------------------------------------------------- histories the server cannot keep
 
 
-def test_duplicate_tool_call_ids_are_a_400_and_write_nothing(http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+def test_duplicate_tool_call_ids_are_a_400_and_write_nothing(
+    http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
     before = conversations(srv)
-    msgs = [{"role": "user", "content": f"dup {uuid.uuid4().hex}"}, {"role": "assistant", "content": None, "tool_calls": [call("d1", "f"), call("d1", "g")]}, {"role": "tool", "tool_call_id": "d1", "content": "r"}]
+    msgs = [
+        {"role": "user", "content": f"dup {uuid.uuid4().hex}"},
+        {"role": "assistant", "content": None, "tool_calls": [call("d1", "f"), call("d1", "g")]},
+        {"role": "tool", "tool_call_id": "d1", "content": "r"},
+    ]
     r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": msgs})
     assert r.status_code == 400, r.text  # was: 500 and a conversation left behind
     validate("ErrorResponse", r.json())
@@ -150,7 +180,11 @@ def test_images_where_only_users_may_send_them_are_refused_not_dropped(http: htt
     img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     for msgs in (
         [{"role": "system", "content": [{"type": "text", "text": "s"}, img]}, {"role": "user", "content": "x"}],
-        [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call("i1")]}, {"role": "tool", "tool_call_id": "i1", "content": [img]}],
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": None, "tool_calls": [call("i1")]},
+            {"role": "tool", "tool_call_id": "i1", "content": [img]},
+        ],
     ):
         r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": msgs})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_part", r.text
@@ -176,29 +210,56 @@ def test_a_conversation_object_without_an_id_is_refused_not_ignored(http: httpx.
 def test_an_idempotency_key_replays_the_same_json_whatever_its_number_spelling(http: httpx.Client) -> None:
     key = uuid.uuid4().hex
     h = {"Idempotency-Key": key, "content-type": "application/json"}
-    first = http.post("/v1/chat/completions", content='{"model":"assistant","temperature":1.0,"max_tokens":100,"messages":[{"role":"user","content":"n"}]}', headers=h)
+    first = http.post(
+        "/v1/chat/completions",
+        content='{"model":"assistant","temperature":1.0,"max_tokens":100,"messages":[{"role":"user","content":"n"}]}',
+        headers=h,
+    )
     assert first.status_code == 200
     # the same JSON from a serialiser that writes integers without ".0" (JavaScript, a proxy)
-    again = http.post("/v1/chat/completions", content='{"messages":[{"content":"n","role":"user"}],"max_tokens":1e2,"temperature":1,"model":"assistant"}', headers=h)
+    again = http.post(
+        "/v1/chat/completions",
+        content='{"messages":[{"content":"n","role":"user"}],"max_tokens":1e2,"temperature":1,"model":"assistant"}',
+        headers=h,
+    )
     assert again.status_code == 200, again.text  # was: 409 idempotency_key_reused
     assert again.headers.get("idempotent-replayed") == "true" and again.text == first.text
-    other = http.post("/v1/chat/completions", content='{"model":"assistant","temperature":1.5,"max_tokens":100,"messages":[{"role":"user","content":"n"}]}', headers=h)
+    other = http.post(
+        "/v1/chat/completions",
+        content='{"model":"assistant","temperature":1.5,"max_tokens":100,"messages":[{"role":"user","content":"n"}]}',
+        headers=h,
+    )
     assert other.status_code == 409
 
 
 # ---------------------------------------------------------------- client tools and the agent's own
 
 
-def test_client_tool_names_are_unique_and_shadow_the_agents_own(http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+def test_client_tool_names_are_unique_and_shadow_the_agents_own(
+    http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
     fake = srv[1]
     fake.requests.clear()
-    mine = {"type": "function", "function": {"name": "clock", "description": "the client's clock", "parameters": {"type": "object", "properties": {}}}}
-    r = http.post("/v1/chat/completions", json={"model": "remote", "messages": [{"role": "user", "content": "time?"}], "tools": [mine]})
+    mine = {
+        "type": "function",
+        "function": {
+            "name": "clock",
+            "description": "the client's clock",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "remote", "messages": [{"role": "user", "content": "time?"}], "tools": [mine]},
+    )
     assert r.status_code == 200, r.text
     sent = [t["function"] for t in fake.requests[-1].json["tools"]]
     assert [t["name"] for t in sent].count("clock") == 1, sent  # was: two tools named clock upstream
     assert next(t for t in sent if t["name"] == "clock")["description"] == "the client's clock"
-    for path, tools in (("/v1/chat/completions", [mine, mine]), ("/v1/responses", [{"type": "function", "name": "a"}, {"type": "function", "name": "a"}])):
+    for path, tools in (
+        ("/v1/chat/completions", [mine, mine]),
+        ("/v1/responses", [{"type": "function", "name": "a"}, {"type": "function", "name": "a"}]),
+    ):
         body: dict[str, Any] = {"model": "remote", "tools": tools}
         body["messages" if "chat" in path else "input"] = [{"role": "user", "content": "x"}]
         r = http.post(path, json=body)
@@ -209,7 +270,9 @@ def test_client_tool_names_are_unique_and_shadow_the_agents_own(http: httpx.Clie
 # ---------------------------------------------------------------- upstream call ids
 
 
-def test_an_upstream_that_numbers_its_calls_per_reply_keeps_working(http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+def test_an_upstream_that_numbers_its_calls_per_reply_keeps_working(
+    http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
     """llama.cpp-style upstreams name every first call `call_0`: the second client-tool turn of a
     conversation was a 500 (UNIQUE constraint failed: pending_calls…) and left the turn stuck."""
     fake = srv[1]
@@ -217,7 +280,20 @@ def test_an_upstream_that_numbers_its_calls_per_reply_keeps_working(http: httpx.
     def numbered(req: RecordedRequest) -> Reply:
         if req.json["messages"][-1]["role"] == "tool":
             return fine(req)
-        return Reply(pieces=[openai_sse([chunk(role="assistant", tool_calls=[tool_delta(0, id="call_0", name="get_weather", arguments="{}")]), chunk(finish_reason="tool_calls"), usage_chunk(1, 1)])])
+        return Reply(
+            pieces=[
+                openai_sse(
+                    [
+                        chunk(
+                            role="assistant",
+                            tool_calls=[tool_delta(0, id="call_0", name="get_weather", arguments="{}")],
+                        ),
+                        chunk(finish_reason="tool_calls"),
+                        usage_chunk(1, 1),
+                    ]
+                )
+            ]
+        )
 
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
     h = {"X-Conversation-Id": f"numbered-{uuid.uuid4().hex}"}
@@ -226,13 +302,20 @@ def test_an_upstream_that_numbers_its_calls_per_reply_keeps_working(http: httpx.
         ids = []
         for i in range(2):
             msgs: list[Any] = [{"role": "user", "content": f"q{i}"}]
-            r = http.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, "tools": [tool]}, headers=h)
+            r = http.post(
+                "/v1/chat/completions", json={"model": "remote", "messages": msgs, "tools": [tool]}, headers=h
+            )
             assert r.status_code == 200, r.text
             validate("CreateChatCompletionResponse", r.json())
             calls = r.json()["choices"][0]["message"]["tool_calls"]
             ids.append(calls[0]["id"])
-            msgs += [r.json()["choices"][0]["message"], {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sun"}]
-            r = http.post("/v1/chat/completions", json={"model": "remote", "messages": msgs, "tools": [tool]}, headers=h)
+            msgs += [
+                r.json()["choices"][0]["message"],
+                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sun"},
+            ]
+            r = http.post(
+                "/v1/chat/completions", json={"model": "remote", "messages": msgs, "tools": [tool]}, headers=h
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "fine", r.text
         assert ids[0] == "call_0" and ids[1] != "call_0"
     finally:

@@ -36,8 +36,20 @@ from tests.support.serve import ServeProcess, serving
 
 pytestmark = pytest.mark.timeout(60)
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-WEATHER_R = {"type": "function", "name": "get_weather", "description": "weather", "parameters": WEATHER["function"]["parameters"]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+WEATHER_R = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "weather",
+    "parameters": WEATHER["function"]["parameters"],
+}
 PDF = "data:application/pdf;base64,JVBERi0xLjQK"
 
 
@@ -49,7 +61,16 @@ def upstream_model(req: RecordedRequest) -> Reply:
     forced = body.get("tool_choice") not in (None, "auto", "none")
     calls = body["model"] == "loop" and body.get("tools")
     if (forced or calls) and not (body["model"] == "m" and last["role"] == "tool"):
-        sse = openai_sse([chunk(role="assistant", tool_calls=[tool_delta(0, id=f"call_{time.monotonic_ns()}", name="clock", arguments="{}")]), chunk(finish_reason="tool_calls"), usage_chunk(5, 1)])
+        sse = openai_sse(
+            [
+                chunk(
+                    role="assistant",
+                    tool_calls=[tool_delta(0, id=f"call_{time.monotonic_ns()}", name="clock", arguments="{}")],
+                ),
+                chunk(finish_reason="tool_calls"),
+                usage_chunk(5, 1),
+            ]
+        )
     else:
         text = f"after tool: {last['content'][:20]}" if last["role"] == "tool" else "fine"
         sse = openai_sse([chunk(role="assistant", content=text), chunk(finish_reason="stop"), usage_chunk(5, 1)])
@@ -63,7 +84,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess
         fake.responder = upstream_model
         home = tmp_path_factory.mktemp("fidelity") / "home"
         home.mkdir()
-        (home / "config.toml").write_text(f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n')
+        (home / "config.toml").write_text(
+            f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n'
+        )
         env = cli_env(home, APPSERVER_LIMITS__SSE_KEEPALIVE_S="0.2")
         assert run_cli(home, "agents", "list", env=env).code == 0  # creates `assistant`
         for args in (
@@ -121,7 +144,10 @@ def test_resending_a_finished_tool_round_forks_and_answers(client: openai.OpenAI
     msgs: list[dict] = [{"role": "user", "content": f'/call get_weather {{"city":"Oslo {time.time()}"}}'}]
     first = client.chat.completions.with_raw_response.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
     call = first.parse().choices[0].message.tool_calls[0]  # type: ignore[index]
-    msgs += [first.parse().choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    msgs += [
+        first.parse().choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
     done = client.chat.completions.with_raw_response.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
     assert done.parse().choices[0].message.content == "get_weather -> sunny"
     # the same body again (an SDK retry, a "regenerate"): that point was passed, so it forks
@@ -135,7 +161,14 @@ def test_resending_a_finished_tool_round_forks_and_answers(client: openai.OpenAI
     prompt = f'/call clock {{"timezone":"UTC","nonce":"{time.time()}"}}'
     ask = http.post("/v1/responses", json={"model": "asker", "input": prompt})
     req = next(o for o in ask.json()["output"] if o["type"] == "mcp_approval_request")
-    body = {"model": "asker", "input": [{"role": "user", "content": prompt}, req, {"type": "mcp_approval_response", "approval_request_id": req["id"], "approve": True}]}
+    body = {
+        "model": "asker",
+        "input": [
+            {"role": "user", "content": prompt},
+            req,
+            {"type": "mcp_approval_response", "approval_request_id": req["id"], "approve": True},
+        ],
+    }
     ok = http.post("/v1/responses", json=body)
     assert ok.status_code == 200 and text_of(ok.json()).startswith("clock -> "), ok.text
     assert ok.headers["x-conversation-id"] == ask.headers["x-conversation-id"]  # the stateless resend continued it
@@ -149,11 +182,23 @@ def test_resending_a_finished_tool_round_forks_and_answers(client: openai.OpenAI
 # ---------------------------------------------------------------- 13.2 tool calls this server never issued
 
 
-def test_a_history_with_foreign_tool_calls_is_seeded_and_answered(client: openai.OpenAI, http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+def test_a_history_with_foreign_tool_calls_is_seeded_and_answered(
+    client: openai.OpenAI, http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
     stamp = time.time()
     msgs = [
         {"role": "user", "content": f"weather in Rome? {stamp}"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_imported1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_imported1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_imported1", "content": "hot"},
     ]
     c = client.chat.completions.with_raw_response.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[arg-type]
@@ -171,9 +216,19 @@ def test_a_history_with_foreign_tool_calls_is_seeded_and_answered(client: openai
     before = count_conversations(srv)
     bad = [*msgs[:2], {"role": "tool", "tool_call_id": "call_other", "content": "x"}]
     r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": bad})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_tool_call" and "call_other" in r.json()["error"]["message"]
+    assert (
+        r.status_code == 400
+        and r.json()["error"]["code"] == "unknown_tool_call"
+        and "call_other" in r.json()["error"]["message"]
+    )
     validate("ErrorResponse", r.json())
-    r = http.post("/v1/responses", json={"model": "assistant", "input": [{"type": "function_call_output", "call_id": "call_nowhere", "output": "x"}]})
+    r = http.post(
+        "/v1/responses",
+        json={
+            "model": "assistant",
+            "input": [{"type": "function_call_output", "call_id": "call_nowhere", "output": "x"}],
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     assert count_conversations(srv) == before
 
@@ -194,16 +249,22 @@ def test_a_history_with_foreign_tool_calls_is_seeded_and_answered(client: openai
 
 
 def test_tool_choice_applies_to_the_first_model_call_only(client: openai.OpenAI, fake: FakeOpenAI) -> None:
-    c = client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "what time is it?"}], tool_choice="required")
+    c = client.chat.completions.create(
+        model="remote", messages=[{"role": "user", "content": "what time is it?"}], tool_choice="required"
+    )
     assert c.choices[0].finish_reason == "stop" and c.choices[0].message.content.startswith("after tool:")  # type: ignore[union-attr]
     sent = [r.json for r in fake.requests]
     assert len(sent) == 2, sent
     assert sent[0]["tool_choice"] == "required" and "tool_choice" not in sent[1]
     fake.requests.clear()
-    r = client.responses.create(model="remote", input="what time is it?", tool_choice={"type": "function", "name": "clock"})
+    r = client.responses.create(
+        model="remote", input="what time is it?", tool_choice={"type": "function", "name": "clock"}
+    )
     assert r.status == "completed" and r.output_text.startswith("after tool:")
     sent = [r.json for r in fake.requests]
-    assert sent[0]["tool_choice"] == {"type": "function", "function": {"name": "clock"}} and "tool_choice" not in sent[1]
+    assert (
+        sent[0]["tool_choice"] == {"type": "function", "function": {"name": "clock"}} and "tool_choice" not in sent[1]
+    )
 
 
 def test_a_turn_stopped_by_max_steps_says_so(client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI) -> None:
@@ -211,7 +272,11 @@ def test_a_turn_stopped_by_max_steps_says_so(client: openai.OpenAI, http: httpx.
     assert c.choices[0].finish_reason == "length"
     assert "max_steps" in (c.choices[0].message.content or "") and "3 steps" in (c.choices[0].message.content or "")
     assert len(fake.requests) == 3
-    chunks = list(client.chat.completions.create(model="looper", messages=[{"role": "user", "content": "loop again"}], stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="looper", messages=[{"role": "user", "content": "loop again"}], stream=True
+        )
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
     assert "max_steps" in "".join(ch.choices[0].delta.content or "" for ch in chunks)
     raw = http.post("/v1/responses", json={"model": "looper", "input": "loop"})
@@ -245,39 +310,60 @@ def test_new_input_while_a_call_is_pending_is_answered_at_once(client: openai.Op
     assert time.monotonic() - t0 < 5 and rid in conflict.value.message
     validate("ErrorResponse", conflict.value.response.json())
     # the pending call is still answerable
-    ok = client.responses.create(model="asker", previous_response_id=r.id, input=[{"type": "mcp_approval_response", "approval_request_id": rid, "approve": False}])
+    ok = client.responses.create(
+        model="asker",
+        previous_response_id=r.id,
+        input=[{"type": "mcp_approval_response", "approval_request_id": rid, "approve": False}],
+    )
     assert "denied" in ok.output_text
 
 
-def test_a_queued_http_input_whose_client_left_is_dropped(srv: tuple[ServeProcess, FakeOpenAI], http: httpx.Client) -> None:
+def test_a_queued_http_input_whose_client_left_is_dropped(
+    srv: tuple[ServeProcess, FakeOpenAI], http: httpx.Client
+) -> None:
     conv = f"queue-{time.time_ns()}"
     h = {"X-Conversation-Id": conv}
-    with http.stream("POST", "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "/slow 30"}], "stream": True}, headers=h) as running:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "assistant", "messages": [{"role": "user", "content": "/slow 30"}], "stream": True},
+        headers=h,
+    ) as running:
         lines = running.iter_lines()
         next(lines)  # the turn runs
         with httpx.Client(base_url=srv[0].url, timeout=0.4) as impatient, pytest.raises(httpx.ReadTimeout):
-            impatient.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "queued and abandoned"}]}, headers=h)
+            impatient.post(
+                "/v1/chat/completions",
+                json={"model": "assistant", "messages": [{"role": "user", "content": "queued and abandoned"}]},
+                headers=h,
+            )
         rest = list(lines)
     assert "data: [DONE]" in rest
     deadline = time.monotonic() + 5
     statuses: list[str] = []
     while time.monotonic() < deadline:
         with db(srv) as d:
-            statuses = [r[0] for r in d.execute("SELECT status FROM turns WHERE conversation_id=? ORDER BY rowid", (conv,))]
+            statuses = [
+                r[0] for r in d.execute("SELECT status FROM turns WHERE conversation_id=? ORDER BY rowid", (conv,))
+            ]
         if statuses == ["completed", "cancelled"]:
             break
         time.sleep(0.05)
     assert statuses == ["completed", "cancelled"]
     time.sleep(0.3)  # had it been queued still, it would run right after the first turn
     with db(srv) as d:
-        texts = [r[0] for r in d.execute("SELECT content FROM messages WHERE conversation_id=? AND role='user'", (conv,))]
+        texts = [
+            r[0] for r in d.execute("SELECT content FROM messages WHERE conversation_id=? AND role='user'", (conv,))
+        ]
     assert texts == [json.dumps("/slow 30")]
 
 
 # ---------------------------------------------------------------- 13.5 upstream failure, 13.8 upstream 400
 
 
-def test_upstream_failure_on_non_stream_responses_is_an_http_error(client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI) -> None:
+def test_upstream_failure_on_non_stream_responses_is_an_http_error(
+    client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI
+) -> None:
     fake.fail(503, openai_error("overloaded", type="server_error"))
     with pytest.raises(openai.APIStatusError) as info:
         client.responses.create(model="remote", input="hi")
@@ -310,8 +396,18 @@ def test_the_agents_sdk_completes_a_server_approval(srv: tuple[ServeProcess, Fak
         seen.append(request.data.name)
         return {"approve": True}
 
-    model = agents.OpenAIResponsesModel(model="asker", openai_client=openai.AsyncOpenAI(base_url=srv[0].url + "/v1", api_key="unused", max_retries=0))
-    tool = agents.HostedMCPTool(tool_config={"type": "mcp", "server_label": label, "server_url": "http://unused.invalid", "require_approval": "always"}, on_approval_request=on_approval)
+    model = agents.OpenAIResponsesModel(
+        model="asker", openai_client=openai.AsyncOpenAI(base_url=srv[0].url + "/v1", api_key="unused", max_retries=0)
+    )
+    tool = agents.HostedMCPTool(
+        tool_config={
+            "type": "mcp",
+            "server_label": label,
+            "server_url": "http://unused.invalid",
+            "require_approval": "always",
+        },
+        on_approval_request=on_approval,
+    )
     agent = agents.Agent(name="tester", model=model, tools=[tool])
     result = agents.Runner.run_sync(agent, "/call clock {}", max_turns=4)
     assert seen == ["clock"]
@@ -319,7 +415,14 @@ def test_the_agents_sdk_completes_a_server_approval(srv: tuple[ServeProcess, Fak
     kinds = [item.type for item in result.new_items]
     assert "mcp_approval_request_item" in kinds and "mcp_approval_response_item" in kinds
     # a tool naming another MCP server is still refused, by name
-    other = agents.HostedMCPTool(tool_config={"type": "mcp", "server_label": "elsewhere", "server_url": "http://unused.invalid", "require_approval": "always"})
+    other = agents.HostedMCPTool(
+        tool_config={
+            "type": "mcp",
+            "server_label": "elsewhere",
+            "server_url": "http://unused.invalid",
+            "require_approval": "always",
+        }
+    )
     with pytest.raises(openai.BadRequestError) as info:
         agents.Runner.run_sync(agents.Agent(name="t2", model=model, tools=[other]), "hi", max_turns=2)
     assert "elsewhere" in info.value.message
@@ -337,7 +440,11 @@ def test_responses_streams_carry_event_lines_and_chat_streams_do_not(http: httpx
         event = json.loads(d[len("data: ") :])
         assert e == f"event: {event['type']}"
         validate("ResponseStreamEvent", event)
-    with http.stream("POST", "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "assistant", "messages": [{"role": "user", "content": "x"}], "stream": True},
+    ) as r:
         assert not [line for line in r.iter_lines() if line.startswith("event:")]
 
 
@@ -350,7 +457,11 @@ def test_responses_streams_carry_event_lines_and_chat_streams_do_not(http: httpx
         ("/v1/chat/completions", {"temperature": 5}, "temperature"),
         ("/v1/chat/completions", {"top_p": 1.5}, "top_p"),
         ("/v1/chat/completions", {"max_tokens": 10**12}, "max_tokens"),
-        ("/v1/chat/completions", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (
+            "/v1/chat/completions",
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
         ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/responses", {"temperature": -1}, "temperature"),
         ("/v1/responses", {"max_output_tokens": 10**12}, "max_output_tokens"),
@@ -358,7 +469,11 @@ def test_responses_streams_carry_event_lines_and_chat_streams_do_not(http: httpx
     ],
 )
 def test_parameters_are_range_checked(http: httpx.Client, fake: FakeOpenAI, path: str, extra: dict, param: str) -> None:
-    body = {"model": "remote", **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"input": "hi"}), **extra}
+    body = {
+        "model": "remote",
+        **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"input": "hi"}),
+        **extra,
+    }
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
     validate("ErrorResponse", r.json())
@@ -377,22 +492,49 @@ def test_input_items_limit_is_range_checked(client: openai.OpenAI, http: httpx.C
 # ---------------------------------------------------------------- 13.9 file and audio parts
 
 
-def test_file_and_audio_parts_are_forwarded_or_refused_by_name(client: openai.OpenAI, fake: FakeOpenAI, http: httpx.Client) -> None:
+def test_file_and_audio_parts_are_forwarded_or_refused_by_name(
+    client: openai.OpenAI, fake: FakeOpenAI, http: httpx.Client
+) -> None:
     file_part = {"type": "file", "file": {"filename": "a.pdf", "file_data": PDF}}
     audio_part = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
-    c = client.chat.completions.create(model="remote", messages=[{"role": "user", "content": [{"type": "text", "text": "read"}, file_part, audio_part]}])  # type: ignore[list-item]
+    c = client.chat.completions.create(
+        model="remote",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "read"}, file_part, audio_part]}],
+    )  # type: ignore[list-item]
     assert c.choices[0].message.content == "fine"
     content = fake.requests[-1].json["messages"][-1]["content"]
     assert file_part in content and audio_part in content
-    r = client.responses.create(model="remote", input=[{"role": "user", "content": [{"type": "input_text", "text": "read"}, {"type": "input_file", "filename": "b.pdf", "file_data": PDF}]}])
+    r = client.responses.create(
+        model="remote",
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "read"},
+                    {"type": "input_file", "filename": "b.pdf", "file_data": PDF},
+                ],
+            }
+        ],
+    )
     assert r.output_text == "fine"
-    assert {"type": "file", "file": {"filename": "b.pdf", "file_data": PDF}} in fake.requests[-1].json["messages"][-1]["content"]
+    assert {"type": "file", "file": {"filename": "b.pdf", "file_data": PDF}} in fake.requests[-1].json["messages"][-1][
+        "content"
+    ]
     # echo takes text and images only: refused, naming the part, never dropped
     for part in (file_part, audio_part):
-        resp = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]})
+        resp = http.post(
+            "/v1/chat/completions",
+            json={
+                "model": "assistant",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}],
+            },
+        )
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "unsupported_content_part"
         assert f"'{part['type']}'" in resp.json()["error"]["message"]
-    resp = http.post("/v1/responses", json={"model": "assistant", "input": [{"role": "user", "content": [{"type": "input_file", "file_data": PDF}]}]})
+    resp = http.post(
+        "/v1/responses",
+        json={"model": "assistant", "input": [{"role": "user", "content": [{"type": "input_file", "file_data": PDF}]}]},
+    )
     assert resp.status_code == 400 and "'file'" in resp.json()["error"]["message"]
 
 
@@ -403,9 +545,17 @@ def test_item_references_resolve_to_stored_items_or_are_refused(client: openai.O
     first = client.responses.create(model="assistant", input=f"alpha {time.time()}")
     items = client.responses.input_items.list(first.id).data
     refs = [{"type": "item_reference", "id": items[0].id}, {"type": "item_reference", "id": first.output[0].id}]
-    again = client.responses.with_raw_response.create(model="assistant", input=[*refs, {"role": "user", "content": "/recall"}])  # type: ignore[list-item]
+    again = client.responses.with_raw_response.create(
+        model="assistant", input=[*refs, {"role": "user", "content": "/recall"}]
+    )  # type: ignore[list-item]
     assert again.parse().output_text.startswith("alpha ")  # the referenced history was read: same conversation
-    r = http.post("/v1/responses", json={"model": "assistant", "input": [{"type": "item_reference", "id": "msg_nothing"}, {"role": "user", "content": "x"}]})
+    r = http.post(
+        "/v1/responses",
+        json={
+            "model": "assistant",
+            "input": [{"type": "item_reference", "id": "msg_nothing"}, {"role": "user", "content": "x"}],
+        },
+    )
     assert r.status_code == 400 and "msg_nothing" in r.json()["error"]["message"]
     validate("ErrorResponse", r.json())
     r = http.post("/v1/responses", json={"model": "asker", "input": [refs[1], {"role": "user", "content": "x"}]})
@@ -417,8 +567,16 @@ def test_item_references_resolve_to_stored_items_or_are_refused(client: openai.O
 
 def test_idempotency_keys_hash_canonical_json_and_span_both_routes(http: httpx.Client) -> None:
     key = {"Idempotency-Key": f"canon-{time.time_ns()}", "content-type": "application/json"}
-    a = http.post("/v1/chat/completions", content=b'{"model": "assistant", "messages": [{"role": "user", "content": "canon"}]}', headers=key)
-    b = http.post("/v1/chat/completions", content=b'{"messages":[{"content":"canon","role":"user"}],"model":"assistant"}', headers=key)
+    a = http.post(
+        "/v1/chat/completions",
+        content=b'{"model": "assistant", "messages": [{"role": "user", "content": "canon"}]}',
+        headers=key,
+    )
+    b = http.post(
+        "/v1/chat/completions",
+        content=b'{"messages":[{"content":"canon","role":"user"}],"model":"assistant"}',
+        headers=key,
+    )
     assert a.status_code == b.status_code == 200 and b.headers.get("idempotent-replayed") == "true"
     assert a.json()["id"] == b.json()["id"]
     c = http.post("/v1/responses", json={"model": "assistant", "input": "canon"}, headers=key)
@@ -430,8 +588,21 @@ def test_idempotency_keys_hash_canonical_json_and_span_both_routes(http: httpx.C
 
 def test_error_messages_say_what_is_wrong(http: httpx.Client) -> None:
     r = http.post("/v1/chat/completions", json={"model": 5, "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 400 and "must be a string" in r.json()["error"]["message"] and "required" not in r.json()["error"]["message"]
-    r = http.post("/v1/responses", json={"model": "assistant", "input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}, {"role": "user", "content": "x"}]})
+    assert (
+        r.status_code == 400
+        and "must be a string" in r.json()["error"]["message"]
+        and "required" not in r.json()["error"]["message"]
+    )
+    r = http.post(
+        "/v1/responses",
+        json={
+            "model": "assistant",
+            "input": [
+                {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+                {"role": "user", "content": "x"},
+            ],
+        },
+    )
     assert r.status_code == 400 and "'web_search_call'" in r.json()["error"]["message"]
     assert r.json()["error"]["code"] == "unsupported_item_type"
     r = http.get("/v1/models/")
@@ -445,7 +616,10 @@ def test_error_messages_say_what_is_wrong(http: httpx.Client) -> None:
 
 def test_match_ignores_system_keeps_one_conversation_when_the_system_prompt_changes(http: httpx.Client) -> None:
     def chat(model: str, stamp: int, history: list[dict]) -> httpx.Response:
-        return http.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "system", "content": f"now is {stamp}"}, *history]})
+        return http.post(
+            "/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "system", "content": f"now is {stamp}"}, *history]},
+        )
 
     for model, same in (("nosys", True), ("assistant", False)):
         u1 = {"role": "user", "content": f"hello {model} {time.time()}"}
@@ -459,14 +633,32 @@ def test_match_ignores_system_keeps_one_conversation_when_the_system_prompt_chan
 # ---------------------------------------------------------------- 13.14 docs/openai.md
 
 
-def test_openai_doc_lists_routes_items_parts_and_store_false(client: openai.OpenAI, srv: tuple[ServeProcess, FakeOpenAI]) -> None:
+def test_openai_doc_lists_routes_items_parts_and_store_false(
+    client: openai.OpenAI, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
     from appserver.http.chat import MEDIA_PARTS
     from appserver.http.responses import SUPPORTED_ITEMS
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "openai.md").read_text()
-    for route in ("GET /v1/models", "GET /v1/models/{id}", "POST /v1/chat/completions", "POST /v1/responses", "GET /v1/responses/{id}", "DELETE /v1/responses/{id}", "GET /v1/responses/{id}/input_items"):
+    for route in (
+        "GET /v1/models",
+        "GET /v1/models/{id}",
+        "POST /v1/chat/completions",
+        "POST /v1/responses",
+        "GET /v1/responses/{id}",
+        "DELETE /v1/responses/{id}",
+        "GET /v1/responses/{id}/input_items",
+    ):
         assert f"`{route}`" in doc, route
-    for name in (*SUPPORTED_ITEMS, *MEDIA_PARTS, "match_ignores_system", "Idempotency-Key", "X-Conversation-Id", "tool_choice", "max_steps"):
+    for name in (
+        *SUPPORTED_ITEMS,
+        *MEDIA_PARTS,
+        "match_ignores_system",
+        "Idempotency-Key",
+        "X-Conversation-Id",
+        "tool_choice",
+        "max_steps",
+    ):
         assert name in doc, name
     assert "## `store: false`" in doc and "## Conversation identity" in doc
     # what the doc says store:false means: no stored response, the conversation still kept
@@ -474,4 +666,9 @@ def test_openai_doc_lists_routes_items_parts_and_store_false(client: openai.Open
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(raw.parse().id)
     with db(srv) as d:
-        assert d.execute("SELECT COUNT(*) FROM messages WHERE conversation_id=?", (raw.headers["x-conversation-id"],)).fetchone()[0] == 2
+        assert (
+            d.execute(
+                "SELECT COUNT(*) FROM messages WHERE conversation_id=?", (raw.headers["x-conversation-id"],)
+            ).fetchone()[0]
+            == 2
+        )

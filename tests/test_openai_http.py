@@ -81,39 +81,88 @@ def test_models_list_and_retrieve(client: openai.OpenAI, http: httpx.Client, srv
 
 
 def test_chat_non_stream_and_stream(client: openai.OpenAI, http: httpx.Client) -> None:
-    c = client.chat.completions.create(model="assistant", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}])
+    c = client.chat.completions.create(
+        model="assistant",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}],
+    )
     assert c.choices[0].message.content == "echo: hello world"
     assert c.choices[0].finish_reason == "stop" and c.usage and c.usage.completion_tokens == 3
-    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "raw body"}]})
+    r = http.post(
+        "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "raw body"}]}
+    )
     assert r.status_code == 200 and r.headers["x-conversation-id"]
     validate("CreateChatCompletionResponse", r.json())
 
-    chunks = list(client.chat.completions.create(model="assistant", messages=[{"role": "user", "content": "streamed words here"}], stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="assistant",
+            messages=[{"role": "user", "content": "streamed words here"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == "echo: streamed words here"
     finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage and chunks[-1].usage.total_tokens > 0
 
-    resp, lines = sse(http, "/v1/chat/completions", {"model": "assistant", "messages": [{"role": "user", "content": "/slow 5"}], "stream": True, "stream_options": {"include_usage": True}})
+    resp, lines = sse(
+        http,
+        "/v1/chat/completions",
+        {
+            "model": "assistant",
+            "messages": [{"role": "user", "content": "/slow 5"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     payloads = sse_payloads(lines)
     assert payloads[-1] == "[DONE]"
     for p in payloads[:-1]:
         validate("CreateChatCompletionStreamResponse", json.loads(p))
-    assert "".join((json.loads(p)["choices"] or [{"delta": {}}])[0]["delta"].get("content") or "" for p in payloads[:-1]) == "w1 w2 w3 w4 w5"
+    assert (
+        "".join((json.loads(p)["choices"] or [{"delta": {}}])[0]["delta"].get("content") or "" for p in payloads[:-1])
+        == "w1 w2 w3 w4 w5"
+    )
 
 
 def test_chat_reasoning_content_and_params(http: httpx.Client) -> None:
-    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "/think deeply"}], "max_completion_tokens": 50, "temperature": 0.2, "top_p": 0.9, "stop": ["zzz"]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "assistant",
+            "messages": [{"role": "user", "content": "/think deeply"}],
+            "max_completion_tokens": 50,
+            "temperature": 0.2,
+            "top_p": 0.9,
+            "stop": ["zzz"],
+        },
+    )
     msg = r.json()["choices"][0]["message"]
     assert msg["content"] == "done thinking" and msg["reasoning_content"] == "deeply"
     validate("CreateChatCompletionResponse", r.json())
-    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "one two three four five"}], "max_tokens": 2})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "assistant",
+            "messages": [{"role": "user", "content": "one two three four five"}],
+            "max_tokens": 2,
+        },
+    )
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "x"}], "n": 2})
+    r = http.post(
+        "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "x"}], "n": 2}
+    )
     assert r.status_code == 400
     validate("ErrorResponse", r.json())
-    img = {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    img = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ],
+    }
     r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [img]})
     assert r.json()["choices"][0]["message"]["content"] == "echo: look"
 
@@ -160,23 +209,57 @@ def test_history_prefix_match(http: httpx.Client) -> None:
     u1 = {"role": "user", "content": f"first {time.time()}"}
     r1 = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [u1]})
     a1 = r1.json()["choices"][0]["message"]
-    r2 = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [u1, {"role": "assistant", "content": a1["content"]}, {"role": "user", "content": "/recall"}]})
+    r2 = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "assistant",
+            "messages": [u1, {"role": "assistant", "content": a1["content"]}, {"role": "user", "content": "/recall"}],
+        },
+    )
     assert r2.json()["choices"][0]["message"]["content"] == u1["content"]
     assert r1.headers["x-conversation-id"] == r2.headers["x-conversation-id"]
     changed = {"role": "user", "content": u1["content"] + " (edited)"}
-    r3 = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [changed, {"role": "assistant", "content": a1["content"]}, {"role": "user", "content": "/recall"}]})
+    r3 = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "assistant",
+            "messages": [
+                changed,
+                {"role": "assistant", "content": a1["content"]},
+                {"role": "user", "content": "/recall"},
+            ],
+        },
+    )
     assert r3.headers["x-conversation-id"] != r1.headers["x-conversation-id"]
     assert r3.json()["choices"][0]["message"]["content"] == changed["content"]
     # a regenerate (resending the older point) forks, leaving the original untouched
-    r4 = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [u1, {"role": "assistant", "content": a1["content"]}, {"role": "user", "content": "/recall again"}]})
+    r4 = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "assistant",
+            "messages": [
+                u1,
+                {"role": "assistant", "content": a1["content"]},
+                {"role": "user", "content": "/recall again"},
+            ],
+        },
+    )
     assert r4.headers["x-conversation-id"] not in (r1.headers["x-conversation-id"], r3.headers["x-conversation-id"])
 
 
 def test_header_and_previous_response(client: openai.OpenAI, http: httpx.Client) -> None:
     cid = f"pinned-{int(time.time() * 1000)}"
     h = {"X-Conversation-Id": cid}
-    http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "remember me"}]}, headers=h)
-    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "/recall"}]}, headers=h)
+    http.post(
+        "/v1/chat/completions",
+        json={"model": "assistant", "messages": [{"role": "user", "content": "remember me"}]},
+        headers=h,
+    )
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "assistant", "messages": [{"role": "user", "content": "/recall"}]},
+        headers=h,
+    )
     assert r.headers["x-conversation-id"] == cid and r.json()["choices"][0]["message"]["content"] == "remember me"
 
     r1 = client.responses.with_raw_response.create(model="assistant", input="alpha")
@@ -196,7 +279,14 @@ def test_header_and_previous_response(client: openai.OpenAI, http: httpx.Client)
 
 # ---------------------------------------------------------------- 6. client tools
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def test_client_tool_chat(client: openai.OpenAI, http: httpx.Client) -> None:
@@ -208,26 +298,50 @@ def test_client_tool_chat(client: openai.OpenAI, http: httpx.Client) -> None:
     assert choice.finish_reason == "tool_calls"
     call = choice.message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    msgs += [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"}]
+    msgs += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"},
+    ]
     done = client.chat.completions.create(model="assistant", messages=msgs, tools=[WEATHER])  # type: ignore[list-item]
     assert done.choices[0].message.content == "get_weather -> sunny, 21C"
     assert done.choices[0].finish_reason == "stop"
 
     # streamed: the call arrives as tool_calls deltas and ends the stream
-    resp, lines = sse(http, "/v1/chat/completions", {"model": "assistant", "messages": [{"role": "user", "content": '/call get_weather {"city":"Rome"}'}], "tools": [WEATHER], "stream": True})
+    resp, lines = sse(
+        http,
+        "/v1/chat/completions",
+        {
+            "model": "assistant",
+            "messages": [{"role": "user", "content": '/call get_weather {"city":"Rome"}'}],
+            "tools": [WEATHER],
+            "stream": True,
+        },
+    )
     chunks = [json.loads(p) for p in sse_payloads(lines)[:-1]]
     for ch in chunks:
         validate("CreateChatCompletionStreamResponse", ch)
-    args = "".join(tc["function"].get("arguments", "") for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls") or [])
+    args = "".join(
+        tc["function"].get("arguments", "") for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls") or []
+    )
     assert json.loads(args) == {"city": "Rome"} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_client_tool_responses(client: openai.OpenAI) -> None:
-    tool = {"type": "function", "name": "get_weather", "description": "weather", "parameters": WEATHER["function"]["parameters"]}
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "weather",
+        "parameters": WEATHER["function"]["parameters"],
+    }
     r = client.responses.create(model="assistant", input='/call get_weather {"city":"Paris"}', tools=[tool])  # type: ignore[list-item]
     calls = [o for o in r.output if o.type == "function_call"]
     assert len(calls) == 1 and json.loads(calls[0].arguments) == {"city": "Paris"}
-    r2 = client.responses.create(model="assistant", previous_response_id=r.id, input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "rainy"}], tools=[tool])  # type: ignore[list-item]
+    r2 = client.responses.create(
+        model="assistant",
+        previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "rainy"}],
+        tools=[tool],
+    )  # type: ignore[list-item]
     assert r2.output_text == "get_weather -> rainy"
 
 
@@ -239,7 +353,14 @@ def test_mcp_approval(client: openai.OpenAI, http: httpx.Client) -> None:
     validate("Response", raw.json())
     req = [o for o in raw.json()["output"] if o["type"] == "mcp_approval_request"]
     assert req and req[0]["name"] == "clock" and not [o for o in raw.json()["output"] if o["type"] == "function_call"]
-    ok = http.post("/v1/responses", json={"model": "asker", "previous_response_id": raw.json()["id"], "input": [{"type": "mcp_approval_response", "approval_request_id": req[0]["id"], "approve": True}]})
+    ok = http.post(
+        "/v1/responses",
+        json={
+            "model": "asker",
+            "previous_response_id": raw.json()["id"],
+            "input": [{"type": "mcp_approval_response", "approval_request_id": req[0]["id"], "approve": True}],
+        },
+    )
     validate("Response", ok.json())
     kinds = [o["type"] for o in ok.json()["output"]]
     assert "mcp_call" in kinds and "function_call" not in kinds
@@ -248,7 +369,11 @@ def test_mcp_approval(client: openai.OpenAI, http: httpx.Client) -> None:
 
     r = client.responses.create(model="asker", input="/call clock {}")
     rid = next(o.id for o in r.output if o.type == "mcp_approval_request")
-    denied = client.responses.create(model="asker", previous_response_id=r.id, input=[{"type": "mcp_approval_response", "approval_request_id": rid, "approve": False, "reason": "not now"}])
+    denied = client.responses.create(
+        model="asker",
+        previous_response_id=r.id,
+        input=[{"type": "mcp_approval_response", "approval_request_id": rid, "approve": False, "reason": "not now"}],
+    )
     assert "denied" in denied.output_text and "not now" in denied.output_text
 
     # streamed: events validate and the SDK accepts their order
@@ -278,12 +403,26 @@ def test_idempotency_and_errors(http: httpx.Client) -> None:
     assert http.post("/v1/responses", json={"model": "assistant", "input": "other"}, headers=rh).status_code == 409
 
     cases = [
-        (http.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404, "model_not_found"),
-        (http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400, None),
+        (
+            http.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+            404,
+            "model_not_found",
+        ),
+        (
+            http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+            400,
+            None,
+        ),
         (http.get("/v1/chat/completions"), 405, None),
         (http.put("/v1/responses", json={}), 405, None),
         (http.post("/v1/responses", json={"input": "no model"}), 400, None),
-        (http.post("/v1/chat/completions", content=b"x" * (21 * 1024 * 1024), headers={"content-type": "application/json"}), 413, None),
+        (
+            http.post(
+                "/v1/chat/completions", content=b"x" * (21 * 1024 * 1024), headers={"content-type": "application/json"}
+            ),
+            413,
+            None,
+        ),
     ]
     for resp, status, code in cases:
         assert resp.status_code == status, (resp.status_code, resp.text[:200])
@@ -293,7 +432,9 @@ def test_idempotency_and_errors(http: httpx.Client) -> None:
 
 
 def test_metrics(http: httpx.Client) -> None:
-    http.post("/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "count me"}]})
+    http.post(
+        "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "count me"}]}
+    )
     text = http.get("/metrics").text
     assert 'appserver_http_requests_total{method="POST",route="/v1/chat/completions",status="200"}' in text
     assert 'appserver_turns_total{outcome="completed"}' in text
@@ -306,7 +447,11 @@ def test_metrics(http: httpx.Client) -> None:
 
 def test_disconnect_cancels_turn(srv: ServeProcess) -> None:
     with httpx.Client(base_url=srv.url, timeout=30) as c:
-        with c.stream("POST", "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "/slow 300"}], "stream": True}) as r:
+        with c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"model": "assistant", "messages": [{"role": "user", "content": "/slow 300"}], "stream": True},
+        ) as r:
             conv = r.headers["x-conversation-id"]
             seen = ""
             for line in r.iter_lines():
@@ -324,7 +469,9 @@ def test_disconnect_cancels_turn(srv: ServeProcess) -> None:
             break
         time.sleep(0.05)
     assert status == "cancelled"
-    text, completion = db.execute("SELECT content, completion_status FROM messages WHERE conversation_id=? AND role='assistant'", (conv,)).fetchone()
+    text, completion = db.execute(
+        "SELECT content, completion_status FROM messages WHERE conversation_id=? AND role='assistant'", (conv,)
+    ).fetchone()
     assert json.loads(text).startswith("w1 w2 w3 w4") and completion == "cancelled"
     assert "w300" not in json.loads(text)
 
@@ -340,10 +487,16 @@ def test_chat_waits_for_approval_with_keepalives(tmp_path: Path) -> None:
     sp = start_serve(home, env=env)
     try:
         with httpx.Client(base_url=sp.url, timeout=30) as c:
-            resp, lines = sse(c, "/v1/chat/completions", {"model": "asker", "messages": [{"role": "user", "content": "/call clock {}"}], "stream": True})
+            resp, lines = sse(
+                c,
+                "/v1/chat/completions",
+                {"model": "asker", "messages": [{"role": "user", "content": "/call clock {}"}], "stream": True},
+            )
         assert any(line.startswith(": keepalive") for line in lines)
         payloads = sse_payloads(lines)
-        text = "".join((json.loads(p)["choices"] or [{"delta": {}}])[0]["delta"].get("content") or "" for p in payloads[:-1])
+        text = "".join(
+            (json.loads(p)["choices"] or [{"delta": {}}])[0]["delta"].get("content") or "" for p in payloads[:-1]
+        )
         assert "timed out" in text and "not denied by a person" in text
         assert payloads[-1] == "[DONE]"
     finally:
@@ -354,7 +507,10 @@ def test_sse_survives_line_readers_that_split_at_unicode_line_breaks(http: httpx
     """U+0085/U+2028/U+2029 are legal raw in JSON but httpx `iter_lines` splits at them."""
     text = "one\u2028two\u2029three\x85four"
     for path, body in (
-        ("/v1/chat/completions", {"model": "assistant", "messages": [{"role": "user", "content": text}], "stream": True}),
+        (
+            "/v1/chat/completions",
+            {"model": "assistant", "messages": [{"role": "user", "content": text}], "stream": True},
+        ),
         ("/v1/responses", {"model": "assistant", "input": text, "stream": True}),
     ):
         resp, lines = sse(http, path, body)
@@ -369,7 +525,10 @@ def test_sse_survives_line_readers_that_split_at_unicode_line_breaks(http: httpx
 
 def test_a_streamed_reply_is_replayed_whole_for_the_same_idempotency_key(http: httpx.Client) -> None:
     for path, body in (
-        ("/v1/chat/completions", {"model": "assistant", "messages": [{"role": "user", "content": "stream once"}], "stream": True}),
+        (
+            "/v1/chat/completions",
+            {"model": "assistant", "messages": [{"role": "user", "content": "stream once"}], "stream": True},
+        ),
         ("/v1/responses", {"model": "assistant", "input": "stream once", "stream": True}),
     ):
         h = {"Idempotency-Key": f"s-{path}-{time.time()}"}

@@ -60,11 +60,19 @@ def check(results: list[tuple[str, str]], base: str, original: str) -> None:
     assert convs.count(original) == 1  # one continued it, the others forked
 
 
-def test_racing_chat_requests_with_one_history_each_get_their_own_turn(client: openai.OpenAI, srv: ServeProcess) -> None:
+def test_racing_chat_requests_with_one_history_each_get_their_own_turn(
+    client: openai.OpenAI, srv: ServeProcess
+) -> None:
     base = f"chat {time.time()}"
-    first = client.chat.completions.with_raw_response.create(model="assistant", messages=[{"role": "user", "content": base}])
+    first = client.chat.completions.with_raw_response.create(
+        model="assistant", messages=[{"role": "user", "content": base}]
+    )
     conv = first.headers["x-conversation-id"]
-    history: list[Any] = [{"role": "user", "content": base}, {"role": "assistant", "content": first.parse().choices[0].message.content}, {"role": "user", "content": "/recall"}]
+    history: list[Any] = [
+        {"role": "user", "content": base},
+        {"role": "assistant", "content": first.parse().choices[0].message.content},
+        {"role": "user", "content": "/recall"},
+    ]
 
     def call() -> tuple[str, str]:
         r = client.chat.completions.with_raw_response.create(model="assistant", messages=history)
@@ -75,12 +83,22 @@ def test_racing_chat_requests_with_one_history_each_get_their_own_turn(client: o
 
     # streams race the same way
     base = f"stream {time.time()}"
-    first = client.chat.completions.with_raw_response.create(model="assistant", messages=[{"role": "user", "content": base}])
+    first = client.chat.completions.with_raw_response.create(
+        model="assistant", messages=[{"role": "user", "content": base}]
+    )
     conv = first.headers["x-conversation-id"]
-    history = [{"role": "user", "content": base}, {"role": "assistant", "content": first.parse().choices[0].message.content}, {"role": "user", "content": "/recall"}]
+    history = [
+        {"role": "user", "content": base},
+        {"role": "assistant", "content": first.parse().choices[0].message.content},
+        {"role": "user", "content": "/recall"},
+    ]
 
     def stream() -> tuple[str, str]:
-        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "assistant", "stream": True, "messages": history}, timeout=30)
+        r = httpx.post(
+            srv.url + "/v1/chat/completions",
+            json={"model": "assistant", "stream": True, "messages": history},
+            timeout=30,
+        )
         text = ""
         for p in sse_payloads(sse_lines(r.content)):
             if p != "[DONE]":
@@ -97,7 +115,11 @@ def test_racing_responses_requests_fork_instead_of_queueing(client: openai.OpenA
     base = f"responses {time.time()}"
     first = client.responses.with_raw_response.create(model="assistant", input=base)
     conv = first.headers["x-conversation-id"]
-    items: list[Any] = [{"role": "user", "content": base}, {"role": "assistant", "content": first.parse().output_text}, {"role": "user", "content": "/recall"}]
+    items: list[Any] = [
+        {"role": "user", "content": base},
+        {"role": "assistant", "content": first.parse().output_text},
+        {"role": "user", "content": "/recall"},
+    ]
 
     def stateless() -> tuple[str, str]:
         r = client.responses.with_raw_response.create(model="assistant", input=items)

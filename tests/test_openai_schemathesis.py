@@ -115,9 +115,7 @@ class Tally:
     statuses: Counter[str] = field(default_factory=Counter)
     refusals: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
-    continued: int = (
-        0  # aimed requests sent with a previous_response_id or conversation of this run
-    )
+    continued: int = 0  # aimed requests sent with a previous_response_id or conversation of this run
     response_ids: list[str] = field(default_factory=list)
     conversation_ids: list[str] = field(default_factory=list)
 
@@ -140,23 +138,14 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
 @pytest.fixture(scope="module")
 def schema(srv: ServeProcess) -> Any:
     raw = document("openai-openapi.json")
-    paths = {
-        p: {m: op for m, op in item.items() if (m.upper(), p) in OPERATIONS}
-        for p, item in raw["paths"].items()
-    }
-    spec = dict(
-        raw, paths={p: ops for p, ops in paths.items() if ops}, servers=[{"url": srv.url + "/v1"}]
-    )
+    paths = {p: {m: op for m, op in item.items() if (m.upper(), p) in OPERATIONS} for p, item in raw["paths"].items()}
+    spec = dict(raw, paths={p: ops for p, ops in paths.items() if ops}, servers=[{"url": srv.url + "/v1"}])
     return schemathesis.openapi.from_dict(spec)
 
 
 def has_user_text(item: Any) -> bool:
     """A user message with text or an image in it: new input a turn can answer."""
-    if (
-        not isinstance(item, dict)
-        or item.get("role") != "user"
-        or item.get("type", "message") != "message"
-    ):
+    if not isinstance(item, dict) or item.get("role") != "user" or item.get("type", "message") != "message":
         return False
     content = item.get("content")
     if isinstance(content, str):
@@ -168,16 +157,10 @@ def has_user_text(item: Any) -> bool:
 
 def keep_function_tools(body: dict[str, Any], named: Callable[[dict[str, Any]], Any]) -> None:
     if isinstance(body.get("tools"), list):
-        body["tools"] = [
-            t
-            for t in body["tools"]
-            if isinstance(t, dict) and t.get("type") == "function" and named(t)
-        ]
+        body["tools"] = [t for t in body["tools"] if isinstance(t, dict) and t.get("type") == "function" and named(t)]
 
 
-def new_user_turn(
-    items: list[Any], answered: Callable[[Any], bool], results: Callable[[Any], bool]
-) -> None:
+def new_user_turn(items: list[Any], answered: Callable[[Any], bool], results: Callable[[Any], bool]) -> None:
     """Make `items` end with a user message that starts a turn: tool results after the last
     assistant item are closed by an assistant reply (they become history), then a user message."""
     last = max((i for i, it in enumerate(items) if answered(it)), default=-1)
@@ -272,9 +255,7 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     conv = out.get("conversation")
     if conv and tally.conversation_ids:
         out["conversation"] = (
-            {"id": tally.conversation_ids[-1]}
-            if isinstance(conv, dict)
-            else tally.conversation_ids[-1]
+            {"id": tally.conversation_ids[-1]} if isinstance(conv, dict) else tally.conversation_ids[-1]
         )
         tally.continued += 1
     return out
@@ -283,9 +264,7 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
 def check_chat_stream(body: dict[str, Any], payloads: list[str]) -> tuple[dict[str, Any], str]:
     """Every chunk valid, one id, one finish_reason on the last choice chunk, the usage chunk when
     asked for, then [DONE]: (last chunk, streamed text)."""
-    assert payloads and payloads[-1] == "[DONE]", (
-        f"chat stream does not end with [DONE]: {payloads[-2:]}"
-    )
+    assert payloads and payloads[-1] == "[DONE]", f"chat stream does not end with [DONE]: {payloads[-2:]}"
     chunks = [json.loads(p) for p in payloads[:-1]]
     for ch in chunks:
         validate("CreateChatCompletionStreamResponse", ch)
@@ -363,29 +342,21 @@ def send(
             validate("CreateChatCompletionResponse", final)
             text = final["choices"][0]["message"]["content"] or ""
         else:
-            final = (
-                check_responses_stream(sse_payloads(sse_lines(raw))) if stream else json.loads(raw)
-            )
+            final = check_responses_stream(sse_payloads(sse_lines(raw))) if stream else json.loads(raw)
             validate("Response", final)
             text = output_text(final)
             if final["store"]:
                 tally.response_ids.append(final["id"])
             tally.conversation_ids.append(r.headers["x-conversation-id"])
         if stream:
-            assert r.headers["content-type"].startswith("text/event-stream"), r.headers[
-                "content-type"
-            ]
+            assert r.headers["content-type"].startswith("text/event-stream"), r.headers["content-type"]
         assert final["model"] == "assistant", final["model"]
-        assert text.startswith("echo:"), (
-            f"the echo agent did not answer the user message: {text[:200]!r}"
-        )
+        assert text.startswith("echo:"), f"the echo agent did not answer the user message: {text[:200]!r}"
     except (AssertionError, ValueError, KeyError) as exc:
         tally.failures.append(f"{where}: {type(exc).__name__}: {str(exc)[:1500]}")
 
 
-def run_operations(
-    schema: Any, client: httpx.Client, *, stream: bool, examples: int, op_ids: list[str]
-) -> Tally:
+def run_operations(schema: Any, client: httpx.Client, *, stream: bool, examples: int, op_ids: list[str]) -> Tally:
     """Both runs use a fixed seed; the stream run another one, so that it sees other bodies."""
     from hypothesis import HealthCheck, Phase, given, seed, settings
 
@@ -431,15 +402,11 @@ def report(name: str, tally: Tally) -> None:
 @pytest.mark.timeout(120)
 def test_schemathesis_positive(srv: ServeProcess, schema: Any) -> None:
     with httpx.Client(base_url=srv.url + "/v1", timeout=30) as client:
-        tally = run_operations(
-            schema, client, stream=False, examples=EXAMPLES, op_ids=list(OPERATIONS.values())
-        )
+        tally = run_operations(schema, client, stream=False, examples=EXAMPLES, op_ids=list(OPERATIONS.values()))
     report("non-stream", tally)
     assert not tally.failures, "\n".join(tally.failures[:5])
     for op_id in OPERATIONS.values():
-        assert sum(n for k, n in tally.statuses.items() if k.startswith(f"aimed:{op_id}:")) >= 10, (
-            tally.statuses
-        )
+        assert sum(n for k, n in tally.statuses.items() if k.startswith(f"aimed:{op_id}:")) >= 10, tally.statuses
     for op_id in ("createChatCompletion", "createResponse"):
         assert tally.share_2xx(op_id) >= MIN_SUCCESS_SHARE, (
             op_id,

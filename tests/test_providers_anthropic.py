@@ -46,21 +46,15 @@ from tests.fakes.openai_upstream import FakeOpenAI, chunk, openai_sse
 from tests.test_providers_openai import coalesce, tool_args
 
 SIGNATURE = "EqoBCkgIARABGAIiQL2+/sig==" * 4
-CLOCK = ToolSpec(
-    "clock", "Current time", {"type": "object", "properties": {"tz": {"type": "string"}}}
-)
+CLOCK = ToolSpec("clock", "Current time", {"type": "object", "properties": {"tz": {"type": "string"}}})
 
 
 def claude_cfg(fake: FakeAnthropic, name: str = "claude", **kw: Any) -> ProviderConfig:
-    return ProviderConfig(
-        name=name, kind="anthropic", base_url=fake.base_url, api_key_env=None, **kw
-    )
+    return ProviderConfig(name=name, kind="anthropic", base_url=fake.base_url, api_key_env=None, **kw)
 
 
 def req(*messages: ChatMessage, **kw: Any) -> ProviderRequest:
-    return ProviderRequest(
-        model="claude-fake", messages=list(messages) or [ChatMessage("user", "hi")], **kw
-    )
+    return ProviderRequest(model="claude-fake", messages=list(messages) or [ChatMessage("user", "hi")], **kw)
 
 
 async def collect(provider: Any, request: ProviderRequest) -> list[ProviderChunk]:
@@ -69,9 +63,7 @@ async def collect(provider: Any, request: ProviderRequest) -> list[ProviderChunk
     return out
 
 
-async def run(
-    fake: FakeAnthropic, request: ProviderRequest | None = None, **kw: Any
-) -> list[ProviderChunk]:
+async def run(fake: FakeAnthropic, request: ProviderRequest | None = None, **kw: Any) -> list[ProviderChunk]:
     provider = AnthropicProvider(claude_cfg(fake, **kw))
     try:
         return await collect(provider, request or req())
@@ -112,9 +104,7 @@ def fake() -> Any:
 # ---------------------------------------------------------------- basics
 
 
-async def test_text_answer_usage_and_request_shape(
-    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_text_answer_usage_and_request_shape(fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_ANTHROPIC_KEY", "sk-ant-test")
     fake.script(
         anthropic_sse(
@@ -165,9 +155,7 @@ async def test_text_answer_usage_and_request_shape(
 
 
 def test_request_mapping_tools_images_results_and_params() -> None:
-    provider = AnthropicProvider(
-        ProviderConfig(name="claude", kind="anthropic", base_url="http://x/v1")
-    )
+    provider = AnthropicProvider(ProviderConfig(name="claude", kind="anthropic", base_url="http://x/v1"))
     assert provider.url == "http://x/v1/messages"
     body = provider.build_body(
         req(
@@ -228,9 +216,7 @@ def test_request_mapping_tools_images_results_and_params() -> None:
             ],
         },
     ]
-    assert body["tools"] == [
-        {"name": "clock", "input_schema": CLOCK.parameters, "description": "Current time"}
-    ]
+    assert body["tools"] == [{"name": "clock", "input_schema": CLOCK.parameters, "description": "Current time"}]
     assert body["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
     assert (body["temperature"], body["top_p"], body["stop_sequences"], body["max_tokens"]) == (
         0.3,
@@ -242,9 +228,7 @@ def test_request_mapping_tools_images_results_and_params() -> None:
 
 
 def test_reasoning_effort_enables_thinking_and_drops_incompatible_params() -> None:
-    provider = AnthropicProvider(
-        ProviderConfig(name="claude", kind="anthropic", base_url="http://x")
-    )
+    provider = AnthropicProvider(ProviderConfig(name="claude", kind="anthropic", base_url="http://x"))
     body = provider.build_body(
         req(
             tools=[CLOCK],
@@ -334,13 +318,9 @@ async def test_thinking_and_tool_use_replayed_unchanged_then_switch_to_openai(
     # The agent switches to an `openai` kind model: the next turn works and sends no state.
     with FakeOpenAI() as oai:
         oai.script(openai_sse([chunk(content="Still 13:05."), chunk(finish_reason="stop")]))
-        switched = OpenAICompatProvider(
-            ProviderConfig(name="ollama", base_url=oai.base_url, api_key_env=None)
-        )
+        switched = OpenAICompatProvider(ProviderConfig(name="ollama", base_url=oai.base_url, api_key_env=None))
         later = ChatMessage("user", "and now?")
-        got = await collect(
-            switched, ProviderRequest("llama", [user, assistant, result, later], tools=[CLOCK])
-        )
+        got = await collect(switched, ProviderRequest("llama", [user, assistant, result, later], tools=[CLOCK]))
         await switched.aclose()
         assert coalesce(got) == [Text("Still 13:05."), Done("stop")]
         raw = oai.requests[0].body.decode()
@@ -360,9 +340,7 @@ async def test_thinking_and_tool_use_replayed_unchanged_then_switch_to_openai(
 
 
 def test_foreign_or_malformed_state_is_ignored() -> None:
-    provider = AnthropicProvider(
-        ProviderConfig(name="claude", kind="anthropic", base_url="http://x")
-    )
+    provider = AnthropicProvider(ProviderConfig(name="claude", kind="anthropic", base_url="http://x"))
     for state in (
         {"provider": "openai", "blocks": [THINKING]},
         {"blocks": [THINKING]},
@@ -377,16 +355,10 @@ def test_foreign_or_malformed_state_is_ignored() -> None:
 
 
 def test_thinking_only_message_is_not_replayed_alone() -> None:
-    provider = AnthropicProvider(
-        ProviderConfig(name="claude", kind="anthropic", base_url="http://x")
-    )
-    msg = ChatMessage(
-        "assistant", "", reasoning="r", provider_state={"provider": "claude", "blocks": [THINKING]}
-    )
+    provider = AnthropicProvider(ProviderConfig(name="claude", kind="anthropic", base_url="http://x"))
+    msg = ChatMessage("assistant", "", reasoning="r", provider_state={"provider": "claude", "blocks": [THINKING]})
     _, messages = provider.build_messages([ChatMessage("user", "a"), msg, ChatMessage("user", "b")])
-    assert messages == [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
-    ]
+    assert messages == [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
 
 
 # ---------------------------------------------------------------- check 1: split anywhere
@@ -424,9 +396,7 @@ RICH_EXPECTED: list[ProviderChunk] = [
     ProviderState(
         {
             "provider": "anthropic",
-            "blocks": [
-                {"type": "thinking", "thinking": "Hmm 🤔 let me see", "signature": SIGNATURE}
-            ],
+            "blocks": [{"type": "thinking", "thinking": "Hmm 🤔 let me see", "signature": SIGNATURE}],
         }
     ),
     Usage(input_tokens=12, output_tokens=77),
@@ -603,11 +573,7 @@ async def test_malformed_json_is_protocol_error(fake: FakeAnthropic) -> None:
 
 
 async def test_args_for_unknown_block_is_protocol_error(fake: FakeAnthropic) -> None:
-    fake.script(
-        anthropic_sse(
-            [message_start(), block_delta(5, {"type": "input_json_delta", "partial_json": "{}"})]
-        )
-    )
+    fake.script(anthropic_sse([message_start(), block_delta(5, {"type": "input_json_delta", "partial_json": "{}"})]))
     with pytest.raises(ProviderError) as info:
         await run(fake)
     assert info.value.kind == "protocol"

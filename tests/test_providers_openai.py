@@ -54,9 +54,7 @@ def coalesce(chunks: list[ProviderChunk]) -> list[ProviderChunk]:
             out[-1] = Text(prev.text + c.text)
         elif isinstance(c, Reasoning) and isinstance(prev, Reasoning):
             out[-1] = Reasoning(prev.text + c.text)
-        elif (
-            isinstance(c, ToolCallArgs) and isinstance(prev, ToolCallArgs) and prev.index == c.index
-        ):
+        elif isinstance(c, ToolCallArgs) and isinstance(prev, ToolCallArgs) and prev.index == c.index:
             out[-1] = ToolCallArgs(c.index, prev.delta + c.delta)
         else:
             out.append(c)
@@ -79,9 +77,7 @@ def tool_args(chunks: list[ProviderChunk]) -> dict[str, Any]:
 
 
 def cfg(fake: FakeOpenAI, **kw: Any) -> ProviderConfig:
-    return ProviderConfig(
-        name="fake", kind="openai", base_url=fake.base_url, api_key_env=None, **kw
-    )
+    return ProviderConfig(name="fake", kind="openai", base_url=fake.base_url, api_key_env=None, **kw)
 
 
 def req(text: str = "hi", **kw: Any) -> ProviderRequest:
@@ -94,9 +90,7 @@ async def collect(provider: OpenAICompatProvider, request: ProviderRequest) -> l
     return out
 
 
-async def run(
-    fake: FakeOpenAI, request: ProviderRequest | None = None, **kw: Any
-) -> list[ProviderChunk]:
+async def run(fake: FakeOpenAI, request: ProviderRequest | None = None, **kw: Any) -> list[ProviderChunk]:
     provider = OpenAICompatProvider(cfg(fake, **kw))
     try:
         return await collect(provider, request or req())
@@ -389,9 +383,7 @@ async def test_tool_call_that_never_gets_an_id_is_given_one(fake: FakeOpenAI) ->
     )
     got = await run(fake)
     start = got[0]
-    assert (
-        isinstance(start, ToolCallStart) and start.name == "clock" and start.id.startswith("call_")
-    )
+    assert isinstance(start, ToolCallStart) and start.name == "clock" and start.id.startswith("call_")
     assert got[1:] == [ToolCallArgs(0, "{}"), Done("tool_calls")]
 
 
@@ -476,9 +468,7 @@ async def test_length_with_tool_call_is_reported_as_length(fake: FakeOpenAI) -> 
     fake.script(
         openai_sse(
             [
-                chunk(
-                    tool_calls=[tool_delta(0, id="call_1", name="clock", arguments='{"tz": "Eur')]
-                ),
+                chunk(tool_calls=[tool_delta(0, id="call_1", name="clock", arguments='{"tz": "Eur')]),
                 chunk(finish_reason="length"),
                 usage_chunk(10, 4),
             ]
@@ -493,9 +483,7 @@ async def test_length_with_tool_call_is_reported_as_length(fake: FakeOpenAI) -> 
 
 
 async def test_usage_only_final_chunk(fake: FakeOpenAI) -> None:
-    fake.script(
-        openai_sse([chunk(content="hi"), chunk(finish_reason="stop"), usage_chunk(3, 1, cached=2)])
-    )
+    fake.script(openai_sse([chunk(content="hi"), chunk(finish_reason="stop"), usage_chunk(3, 1, cached=2)]))
     assert await run(fake) == [
         Text("hi"),
         Usage(input_tokens=3, output_tokens=1, cached_tokens=2),
@@ -509,11 +497,7 @@ async def test_stream_ending_without_finish_reason_or_done(fake: FakeOpenAI) -> 
 
 
 async def test_finish_reason_without_done_marker_and_crlf(fake: FakeOpenAI) -> None:
-    fake.script(
-        openai_sse(
-            [chunk(content="ok"), chunk(finish_reason="content_filter")], done=False, crlf=True
-        )
-    )
+    fake.script(openai_sse([chunk(content="ok"), chunk(finish_reason="content_filter")], done=False, crlf=True))
     assert await run(fake) == [Text("ok"), Done("content_filter")]
 
 
@@ -574,9 +558,7 @@ async def test_server_that_ignores_stream_true(fake: FakeOpenAI) -> None:
         (400, openai_error("bad 'temperature'"), {}, "invalid_request", None),
         (
             400,
-            openai_error(
-                "This model's maximum context length is 8192 tokens", code="context_length_exceeded"
-            ),
+            openai_error("This model's maximum context length is 8192 tokens", code="context_length_exceeded"),
             {},
             "context_overflow",
             None,
@@ -620,9 +602,7 @@ async def test_http_errors(
     await provider.aclose()
     err = info.value
     assert (err.kind, err.status, err.retry_after_s) == (kind, status, retry_after)
-    expected_msg = (
-        body["error"] if isinstance(body, dict) and isinstance(body["error"], str) else None
-    )
+    expected_msg = body["error"] if isinstance(body, dict) and isinstance(body["error"], str) else None
     if isinstance(body, dict) and isinstance(body["error"], dict):
         expected_msg = body["error"]["message"]
     elif isinstance(body, str):
@@ -646,9 +626,7 @@ async def test_connection_refused_is_network_error() -> None:
 
 
 async def test_connection_dropped_mid_stream_is_network_error(fake: FakeOpenAI) -> None:
-    body = openai_sse(
-        [chunk(content="hello "), chunk(content="world"), chunk(finish_reason="stop")]
-    )
+    body = openai_sse([chunk(content="hello "), chunk(content="world"), chunk(finish_reason="stop")])
     fake.script(body, chunk_size=10, drop_after=40)
     provider = OpenAICompatProvider(cfg(fake))
     got: list[ProviderChunk] = []
@@ -675,9 +653,7 @@ async def test_stall_between_chunks_is_timeout(fake: FakeOpenAI) -> None:
 
 
 async def test_malformed_json_is_protocol_error(fake: FakeOpenAI) -> None:
-    fake.script(
-        openai_sse([chunk(content="ok"), '{"choices": [{"delta": {"content": "x"'], done=True)
-    )
+    fake.script(openai_sse([chunk(content="ok"), '{"choices": [{"delta": {"content": "x"'], done=True))
     with pytest.raises(ProviderError) as info:
         await run(fake)
     assert info.value.kind == "protocol"
@@ -691,11 +667,7 @@ async def test_empty_200_is_protocol_error(fake: FakeOpenAI) -> None:
 
 
 async def test_error_inside_a_200_stream(fake: FakeOpenAI) -> None:
-    fake.script(
-        openai_sse(
-            [chunk(content="par"), {"error": {"code": 502, "message": "provider went away"}}]
-        )
-    )
+    fake.script(openai_sse([chunk(content="par"), {"error": {"code": 502, "message": "provider went away"}}]))
     with pytest.raises(ProviderError) as info:
         await run(fake)
     assert (info.value.kind, info.value.message) == ("server", "provider went away")

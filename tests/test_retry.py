@@ -114,16 +114,11 @@ def test_capped_exponential_backoff_and_attempt_limit() -> None:
 
 
 def test_retry_after_is_honoured_and_capped() -> None:
-    assert (
-        retry_delay_ms(ProviderError("rate_limit", "x", status=429, retry_after_s=1), 1, POLICY)
-        == 1000
-    )
+    assert retry_delay_ms(ProviderError("rate_limit", "x", status=429, retry_after_s=1), 1, POLICY) == 1000
     assert retry_delay_ms(ProviderError("rate_limit", "x", retry_after_s=0.25), 3, POLICY) == 250
     assert retry_delay_ms(ProviderError("rate_limit", "x", retry_after_s=3600), 1, POLICY) == 60_000
     # Retry-After never makes a non-retryable error retryable.
-    assert (
-        retry_delay_ms(ProviderError("auth", "x", status=401, retry_after_s=1), 1, POLICY) is None
-    )
+    assert retry_delay_ms(ProviderError("auth", "x", status=401, retry_after_s=1), 1, POLICY) is None
 
 
 def test_nothing_retries_after_output_reached_a_client() -> None:
@@ -193,13 +188,9 @@ def _req() -> ProviderRequest:
 
 async def test_429_with_retry_after_one_second_waits_about_a_second() -> None:
     with FakeOpenAI() as fake:
-        fake.fail(
-            429, openai_error("Rate limit reached", type="requests"), headers={"Retry-After": "1"}
-        )
+        fake.fail(429, openai_error("Rate limit reached", type="requests"), headers={"Retry-After": "1"})
         fake.script(openai_sse([chunk(content="ok"), chunk(finish_reason="stop")]))
-        provider = OpenAICompatProvider(
-            ProviderConfig(name="f", base_url=fake.base_url, api_key_env=None)
-        )
+        provider = OpenAICompatProvider(ProviderConfig(name="f", base_url=fake.base_url, api_key_env=None))
         start = time.monotonic()
         got = [x async for x in stream_with_retries(provider, _req(), POLICY)]
         elapsed = time.monotonic() - start
@@ -214,9 +205,7 @@ async def test_401_fails_at_once_with_a_readable_auth_error() -> None:
     with FakeOpenAI() as fake:
         fake.fail(401, openai_error("Incorrect API key provided: sk-xx", code="invalid_api_key"))
         fake.script(openai_sse([chunk(content="never")]))
-        provider = OpenAICompatProvider(
-            ProviderConfig(name="f", base_url=fake.base_url, api_key_env=None)
-        )
+        provider = OpenAICompatProvider(ProviderConfig(name="f", base_url=fake.base_url, api_key_env=None))
         start = time.monotonic()
         with pytest.raises(ProviderError) as info:
             [x async for x in stream_with_retries(provider, _req(), POLICY)]
@@ -235,9 +224,7 @@ async def test_no_retry_after_text_was_shown() -> None:
     with FakeOpenAI() as fake:
         body = openai_sse([chunk(content="partial answer "), chunk(content="more")])
         fake.script(body, chunk_size=len(body) // 2 + 1, drop_after=len(body) // 2 + 1)
-        provider = OpenAICompatProvider(
-            ProviderConfig(name="f", base_url=fake.base_url, api_key_env=None)
-        )
+        provider = OpenAICompatProvider(ProviderConfig(name="f", base_url=fake.base_url, api_key_env=None))
         with pytest.raises(ProviderError) as info:
             [x async for x in stream_with_retries(provider, _req(), POLICY)]
         await provider.aclose()

@@ -270,9 +270,7 @@ async def test_scoped_token_websocket(srv: TokenServer) -> None:
         assert reply["type"] == "error" and reply["code"] == "forbidden"
         assert "admin" in reply["message"]
         # agent a with b's conversation: the kernel refuses the mismatch
-        reply = await ws.request(
-            {"type": "submit_input", "agent": "a", "conversation": srv.conv_b, "input": "x"}, T
-        )
+        reply = await ws.request({"type": "submit_input", "agent": "a", "conversation": srv.conv_b, "input": "x"}, T)
         assert reply["type"] == "error" and reply["code"] == "conversation_not_found"
         # the connection survived every refusal and still works for agent a
         state = await ws.request({"type": "subscribe", "conversation": mine_id}, T)
@@ -333,9 +331,7 @@ async def test_ws_closed_when_jwt_expires(jwt_server: tuple[ServeProcess, bytes]
     sp, secret = jwt_server
     key = secret.decode()
     now = time.time()
-    lasting = jwt.encode(
-        {"sub": "alice", "aud": "appserver", "exp": int(now) + 300}, key, algorithm="HS256"
-    )
+    lasting = jwt.encode({"sub": "alice", "aud": "appserver", "exp": int(now) + 300}, key, algorithm="HS256")
     exp = math.ceil(now + 2)  # expires in 2-3 s
     short = jwt.encode({"sub": "bob", "aud": "appserver", "exp": exp}, key, algorithm="HS256")
     async with httpx.AsyncClient(base_url=sp.url, timeout=T) as c:

@@ -139,9 +139,7 @@ def live_server(app: Any, host: str = "127.0.0.1", **kwargs: Any) -> Iterator[in
         sock.close()
 
 
-def assert_openai_error(
-    resp: httpx.Response, status: int, code: str | None = None
-) -> dict[str, Any]:
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     assert resp.status_code == status, resp.text
     body = resp.json()
     err = body["error"]
@@ -174,9 +172,7 @@ def test_token_auth_http(token_env: tuple[int, str, Config]) -> None:
         r = c.get(url(port))
         assert_openai_error(r, 401, "missing_api_key")
         assert r.headers["www-authenticate"].startswith("Bearer")
-        assert_openai_error(
-            c.get(url(port), headers={"Authorization": "Bearer aps_wrongwrongwrong"}), 401
-        )
+        assert_openai_error(c.get(url(port), headers={"Authorization": "Bearer aps_wrongwrongwrong"}), 401)
         assert_openai_error(c.get(url(port), headers={"Authorization": f"Basic {tok}"}), 401)
         ok = c.get(url(port), headers={"Authorization": f"Bearer {tok}"})
         assert ok.status_code == 200 and ok.json()["subject"] == "token:full"
@@ -214,17 +210,13 @@ async def test_token_auth_websocket(token_env: tuple[int, str, Config]) -> None:
     port, tok, _ = token_env
     ws_url = f"ws://127.0.0.1:{port}/ws"
     # header at upgrade
-    async with ws_connect(
-        ws_url, additional_headers={"Authorization": f"Bearer {tok}"}, open_timeout=T
-    ) as ws:
+    async with ws_connect(ws_url, additional_headers={"Authorization": f"Bearer {tok}"}, open_timeout=T) as ws:
         assert json.loads(await asyncio.wait_for(ws.recv(), T))["type"] == "welcome"
         await ws.send("ping")
         assert await asyncio.wait_for(ws.recv(), T) == "ping"
     # wrong header: refused at the handshake with a real HTTP status
     with pytest.raises(InvalidStatus) as info:
-        async with ws_connect(
-            ws_url, additional_headers={"Authorization": "Bearer nope-nope-nope"}, open_timeout=T
-        ):
+        async with ws_connect(ws_url, additional_headers={"Authorization": "Bearer nope-nope-nope"}, open_timeout=T):
             pass
     assert info.value.response.status_code == 401
     assert json.loads(info.value.response.body)["error"]["code"] == "invalid_api_key"
@@ -260,9 +252,7 @@ async def test_ws_hello_timeout_and_frame_limit(tmp_path: Path) -> None:
             assert "authentication timeout" in closed.value.rcvd.reason
             assert time.monotonic() - started < 3
         headers = {"Authorization": f"Bearer {tok}"}
-        async with ws_connect(
-            f"ws://127.0.0.1:{port}/ws", additional_headers=headers, open_timeout=T
-        ) as ws:
+        async with ws_connect(f"ws://127.0.0.1:{port}/ws", additional_headers=headers, open_timeout=T) as ws:
             await asyncio.wait_for(ws.recv(), T)  # welcome
             await ws.send("x" * 2000)  # > ws_frame_max_bytes (1024)
             with pytest.raises(ConnectionClosed) as closed:
@@ -367,9 +357,7 @@ async def test_origin_refused_and_allowed(tmp_path: Path) -> None:
 # ── check 6: Host ─────────────────────────────────────────────────────────────────────────────
 
 
-def raw_request(
-    port: int, data: bytes, host: str = "127.0.0.1", family: int = socket.AF_INET
-) -> bytes:
+def raw_request(port: int, data: bytes, host: str = "127.0.0.1", family: int = socket.AF_INET) -> bytes:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.settimeout(T)
         s.connect((host, port))
@@ -397,9 +385,7 @@ def test_host_header(tmp_path: Path) -> None:
     with live_server(guarded(cfg)) as port, httpx.Client(timeout=T) as c:
         r = c.get(url(port), headers={**h, "Host": "attacker.example"})
         assert_openai_error(r, 421, "host_not_allowed")
-        assert_openai_error(
-            c.get(url(port, "/healthz"), headers={"Host": f"attacker.example:{port}"}), 421
-        )
+        assert_openai_error(c.get(url(port, "/healthz"), headers={"Host": f"attacker.example:{port}"}), 421)
         for good in (
             f"127.0.0.1:{port}",
             f"localhost:{port}",
@@ -409,9 +395,7 @@ def test_host_header(tmp_path: Path) -> None:
         ):
             assert c.get(url(port), headers={**h, "Host": good}).status_code == 200, good
         assert_openai_error(c.get(url(port), headers={**h, "Host": "proxy.example:9999"}), 421)
-        assert_openai_error(
-            c.get(url(port), headers={**h, "Host": "bad host!"}), 400, "invalid_host"
-        )
+        assert_openai_error(c.get(url(port), headers={**h, "Host": "bad host!"}), 400, "invalid_host")
         # the WebSocket upgrade is checked the same way
         handshake = (
             "GET /ws HTTP/1.1\r\nHost: attacker.example\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -446,9 +430,7 @@ def test_malformed_requests_and_half_open(tmp_path: Path, http_impl: str) -> Non
             raw = raw_request(port, data)
             assert status_of(raw) == 400, (data, raw[:200])
             assert c.get(healthz).status_code == 200
-        tls_hello = (
-            b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64
-        )  # TLS on plain HTTP
+        tls_hello = b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64  # TLS on plain HTTP
         assert status_of(raw_request(port, tls_hello)) in (0, 400)
         assert c.get(healthz).status_code == 200
         # an authenticated request with a malformed token value
@@ -456,8 +438,7 @@ def test_malformed_requests_and_half_open(tmp_path: Path, http_impl: str) -> Non
             status_of(
                 raw_request(
                     port,
-                    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                    b"Authorization: Bearer a b c\r\n\r\n",
+                    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer a b c\r\n\r\n",
                 )
             )
             == 401
@@ -514,14 +495,10 @@ def test_tls_listen(tmp_path: Path) -> None:
         with httpx.Client(timeout=T, verify=ctx) as c:
             assert c.get(f"https://127.0.0.1:{port}/healthz").text == "ok"
             assert c.get(f"https://localhost:{port}/healthz").text == "ok"
-            r = c.get(
-                f"https://localhost:{port}/v1/models", headers={"Authorization": f"Bearer {tok}"}
-            )
+            r = c.get(f"https://localhost:{port}/v1/models", headers={"Authorization": f"Bearer {tok}"})
             assert r.status_code == 200
         with httpx.Client(timeout=T) as c, pytest.raises(httpx.ConnectError):
-            c.get(
-                f"https://127.0.0.1:{port}/healthz"
-            )  # untrusted self-signed cert: refused by default
+            c.get(f"https://127.0.0.1:{port}/healthz")  # untrusted self-signed cert: refused by default
 
 
 # ── check 3 (over HTTP) and check 8: JWT ──────────────────────────────────────────────────────
@@ -536,9 +513,7 @@ def rsa_env(tmp_path: Path) -> tuple[Config, rsa.RSAPrivateKey]:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pub = tmp_path / "jwt.pub.pem"
     pub.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     cfg = make_config(tmp_path, mode="jwt")
     cfg.auth.jwt_algorithms = ["RS256"]
@@ -561,11 +536,7 @@ def test_jwt_over_http(rsa_env: tuple[Config, rsa.RSAPrivateKey]) -> None:
     other = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pub_pem = Path(cfg.auth.jwt_public_key_file or "").read_bytes()
     signing_input = _b64(b'{"alg":"HS256","typ":"JWT"}') + "." + _b64(json.dumps(base).encode())
-    confused = (
-        signing_input
-        + "."
-        + _b64(hmac.new(pub_pem, signing_input.encode(), hashlib.sha256).digest())
-    )
+    confused = signing_input + "." + _b64(hmac.new(pub_pem, signing_input.encode(), hashlib.sha256).digest())
     none_token = _b64(b'{"alg":"none","typ":"JWT"}') + "." + _b64(json.dumps(base).encode()) + "."
     bad = {
         "expired": jwt.encode({**base, "exp": now - 120}, key, algorithm="RS256"),
@@ -606,9 +577,7 @@ async def test_ws_closed_when_jwt_expires(rsa_env: tuple[Config, rsa.RSAPrivateK
             }
             tok = jwt.encode(claims, key, algorithm="RS256")
             headers = {} if hello else {"Authorization": f"Bearer {tok}"}
-            async with ws_connect(
-                f"ws://127.0.0.1:{port}/ws", additional_headers=headers, open_timeout=T
-            ) as ws:
+            async with ws_connect(f"ws://127.0.0.1:{port}/ws", additional_headers=headers, open_timeout=T) as ws:
                 if hello:
                     await ws.send(json.dumps({"type": "hello", "token": tok}))
                 assert json.loads(await asyncio.wait_for(ws.recv(), T))["subject"] == "jwt:bob"
@@ -691,9 +660,7 @@ async def test_asgi_host_rules_for_non_loopback_binds(tmp_path: Path) -> None:
     wildcard = guarded(make_config(tmp_path, listen="0.0.0.0:8770"))
     assert (await call_asgi(wildcard, headers=[(b"host", b"10.9.9.9:8770"), auth]))[0] == 200
     assert (await call_asgi(wildcard, headers=[(b"host", b"[fe80::1]:8770"), auth]))[0] == 200
-    assert (await call_asgi(wildcard, headers=[(b"host", b"rebind.attacker.example"), auth]))[
-        0
-    ] == 421
+    assert (await call_asgi(wildcard, headers=[(b"host", b"rebind.attacker.example"), auth]))[0] == 421
     assert (await call_asgi(wildcard, headers=[(b"host", b"127.0.0.1"), (b"bad",), auth]))[0] == 400  # type: ignore[list-item]
     anyhost = guarded(make_config(tmp_path, allowed_hosts=["*"]))
     assert (await call_asgi(anyhost, headers=[(b"host", b"whatever.example"), auth]))[0] == 200

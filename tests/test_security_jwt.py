@@ -26,9 +26,7 @@ def _b64(data: bytes) -> str:
 
 
 def _pub_pem(key: Any) -> bytes:
-    return key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _cfg(tmp_path: Path, **auth: Any) -> Config:
@@ -70,10 +68,7 @@ def test_valid_rs256(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey) -> None:
     assert p.kind == "jwt" and p.subject == "jwt:alice" and p.agents is None
     assert p.has_scope("openai") and p.has_scope("ws") and p.has_scope("admin")
     assert p.expires_at == claims["exp"]  # the token's own expiry, not a comparison with the real clock
-    assert (
-        rs256.authenticate_hello(jwt.encode(_claims(), rsa_key, algorithm="RS256")).subject
-        == "jwt:alice"
-    )
+    assert rs256.authenticate_hello(jwt.encode(_claims(), rsa_key, algorithm="RS256")).subject == "jwt:alice"
 
 
 def test_leeway_accepts_small_skew(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey) -> None:
@@ -84,10 +79,7 @@ def test_leeway_accepts_small_skew(rs256: Authenticator, rsa_key: rsa.RSAPrivate
 
 def test_rejections(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey, tmp_path: Path) -> None:
     now = int(time.time())
-    assert (
-        _reject(rs256, jwt.encode(_claims(exp=now - 120), rsa_key, algorithm="RS256")).code
-        == "token_expired"
-    )
+    assert _reject(rs256, jwt.encode(_claims(exp=now - 120), rsa_key, algorithm="RS256")).code == "token_expired"
     _reject(rs256, jwt.encode(_claims(nbf=now + 120), rsa_key, algorithm="RS256"))
     _reject(rs256, jwt.encode(_claims(aud="other"), rsa_key, algorithm="RS256"))
     _reject(rs256, jwt.encode(_claims(iss="https://evil.example"), rsa_key, algorithm="RS256"))
@@ -98,14 +90,10 @@ def test_rejections(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey, tmp_path: 
     del no_aud["aud"]
     _reject(rs256, jwt.encode(no_aud, rsa_key, algorithm="RS256"))
     # alg: none
-    unsigned = (
-        _b64(b'{"alg":"none","typ":"JWT"}') + "." + _b64(json.dumps(_claims()).encode()) + "."
-    )
+    unsigned = _b64(b'{"alg":"none","typ":"JWT"}') + "." + _b64(json.dumps(_claims()).encode()) + "."
     _reject(rs256, unsigned)
     # algorithm confusion: HS256 "signed" with the RSA public key as the HMAC secret
-    signing_input = (
-        _b64(b'{"alg":"HS256","typ":"JWT"}') + "." + _b64(json.dumps(_claims()).encode())
-    )
+    signing_input = _b64(b'{"alg":"HS256","typ":"JWT"}') + "." + _b64(json.dumps(_claims()).encode())
     mac = hmac.new(_pub_pem(rsa_key), signing_input.encode(), hashlib.sha256).digest()
     assert "not allowed" in _reject(rs256, signing_input + "." + _b64(mac)).message
     # signature by another key
@@ -122,13 +110,9 @@ def test_rejections(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey, tmp_path: 
 
 
 def test_scope_and_agent_claims(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey) -> None:
-    p = rs256.authenticate(
-        "Bearer " + jwt.encode(_claims(scope="openai profile", agents=["a"]), rsa_key, "RS256")
-    )
+    p = rs256.authenticate("Bearer " + jwt.encode(_claims(scope="openai profile", agents=["a"]), rsa_key, "RS256"))
     assert p.scopes == frozenset({"openai"}) and p.allows_agent("a") and not p.allows_agent("b")
-    p = rs256.authenticate(
-        "Bearer " + jwt.encode(_claims(scopes=["ws", "admin"], agents="a,b"), rsa_key, "RS256")
-    )
+    p = rs256.authenticate("Bearer " + jwt.encode(_claims(scopes=["ws", "admin"], agents="a,b"), rsa_key, "RS256"))
     assert p.scopes == frozenset({"ws", "admin"}) and p.agents == frozenset({"a", "b"})
     p = rs256.authenticate("Bearer " + jwt.encode(_claims(agents=["*"]), rsa_key, "RS256"))
     assert p.agents is None
@@ -138,14 +122,9 @@ def test_scope_and_agent_claims(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey
 def test_es256(tmp_path: Path, rsa_key: rsa.RSAPrivateKey) -> None:
     key = ec.generate_private_key(ec.SECP256R1())
     (tmp_path / "ec.pem").write_bytes(_pub_pem(key))
-    auth = Authenticator(
-        _cfg(tmp_path, jwt_public_key_file=str(tmp_path / "ec.pem"))
-    )  # ES256 inferred
+    auth = Authenticator(_cfg(tmp_path, jwt_public_key_file=str(tmp_path / "ec.pem")))  # ES256 inferred
     assert auth.jwt is not None and auth.jwt.algorithms == ["ES256"]
-    assert (
-        auth.authenticate("Bearer " + jwt.encode(_claims(), key, algorithm="ES256")).subject
-        == "jwt:alice"
-    )
+    assert auth.authenticate("Bearer " + jwt.encode(_claims(), key, algorithm="ES256")).subject == "jwt:alice"
     _reject(auth, jwt.encode(_claims(), rsa_key, algorithm="RS256"))
     _reject(auth, jwt.encode(_claims(), ec.generate_private_key(ec.SECP256R1()), algorithm="ES256"))
 
@@ -160,10 +139,7 @@ def test_hs256_secret_file(tmp_path: Path) -> None:
     good.write_bytes(secret + b"\n")
     good.chmod(0o600)
     auth = Authenticator(_cfg(tmp_path, jwt_algorithms=["HS256"], jwt_secret_file=str(good)))
-    assert (
-        auth.authenticate("Bearer " + jwt.encode(_claims(), secret, algorithm="HS256")).kind
-        == "jwt"
-    )
+    assert auth.authenticate("Bearer " + jwt.encode(_claims(), secret, algorithm="HS256")).kind == "jwt"
     _reject(auth, jwt.encode(_claims(), b"t" * 64, algorithm="HS256"))
     _reject(auth, jwt.encode(_claims(), secret, algorithm="HS512"))  # not pinned
     assert auth.secrets() == ["s" * 64]
@@ -212,4 +188,7 @@ def test_sub_is_required_it_is_the_namespace(rs256: Authenticator, rsa_key: rsa.
     assert "'sub'" in _reject(rs256, jwt.encode(no_sub, rsa_key, algorithm="RS256")).message
     for bad in ("", "   ", "a\x1fb", "x" * 257, 7):
         assert _reject(rs256, jwt.encode(_claims(sub=bad), rsa_key, algorithm="RS256")).code == "invalid_token"
-    assert rs256.authenticate("Bearer " + jwt.encode(_claims(sub="carol"), rsa_key, algorithm="RS256")).subject == "jwt:carol"
+    assert (
+        rs256.authenticate("Bearer " + jwt.encode(_claims(sub="carol"), rsa_key, algorithm="RS256")).subject
+        == "jwt:carol"
+    )

@@ -34,10 +34,7 @@ async def store(tmp_path: Path):  # type: ignore[no-untyped-def]
 async def _conversation_with_turns(store: SQLiteStore, n: int) -> list[TurnRecord]:
     await store.create_agent(AgentRecord(id="agt_1", name="a"))
     await store.create_conversation(ConversationRecord(id="conv_1", agent_id="agt_1"))
-    turns = [
-        TurnRecord(id=f"turn_{i}", conversation_id="conv_1", agent_id="agt_1", status="running")
-        for i in range(n)
-    ]
+    turns = [TurnRecord(id=f"turn_{i}", conversation_id="conv_1", agent_id="agt_1", status="running") for i in range(n)]
     for t in turns:
         await store.accept_turn(t)
     return turns
@@ -81,9 +78,7 @@ async def test_group_commit_is_one_transaction_yet_all_or_nothing_per_turn(
         "COMMIT",
     ], "three concurrent commits should share one transaction"
     texts = [m.text() for m in await store.list_messages("conv_1")]
-    assert texts == ["one", "echo: one", "three", "echo: three"], (
-        "the failed turn must leave no rows behind"
-    )
+    assert texts == ["one", "echo: one", "three", "echo: three"], "the failed turn must leave no rows behind"
     assert (await store.get_turn(ok.id)).status == "completed"  # type: ignore[union-attr]
     assert (await store.get_turn(bad.id)).status == "running"  # type: ignore[union-attr]
     assert await store.list_pending(bad.id) == []
@@ -122,9 +117,7 @@ async def test_agent_cache_sees_other_writers_and_hands_out_copies(store: SQLite
     # another process (its own connection) renames the agent and adds one
     other = sqlite3.connect(str(store.path))
     other.execute("UPDATE agents SET name='renamed' WHERE id='agt_1'")
-    other.execute(
-        "INSERT INTO agents(id, name, model, created_at, updated_at) VALUES ('agt_2', 'b', 'echo', 1, 1)"
-    )
+    other.execute("INSERT INTO agents(id, name, model, created_at, updated_at) VALUES ('agt_2', 'b', 'echo', 1, 1)")
     other.commit()
     other.close()
     assert [a.name for a in await store.find_agents("renamed")] == ["renamed"]
@@ -145,31 +138,23 @@ async def test_submit_cancelled_around_its_commit_leaves_no_orphan_turn(tmp_path
     try:
         kernel = server.kernel
         loop = asyncio.get_running_loop()
-        warm = await kernel.submit(
-            SubmitRequest(agent="assistant", input="warm", conversation="new")
-        )
+        warm = await kernel.submit(SubmitRequest(agent="assistant", input="warm", conversation="new"))
         await warm.wait(5)
         conv = warm.conversation_id
 
         # Cancelled before the group commit ran: nothing is written, the conversation stays usable.
-        early = asyncio.create_task(
-            kernel.submit(SubmitRequest(agent="assistant", input="never", conversation=conv))
-        )
+        early = asyncio.create_task(kernel.submit(SubmitRequest(agent="assistant", input="never", conversation=conv)))
         await asyncio.sleep(0)  # the submit queues its accept and waits for the group commit
         early.cancel()
         with pytest.raises(asyncio.CancelledError):
             await early
         # Cancelled after the commit landed but before the submit resumed: the turn still runs.
-        late = asyncio.create_task(
-            kernel.submit(SubmitRequest(agent="assistant", input="landed", conversation=conv))
-        )
+        late = asyncio.create_task(kernel.submit(SubmitRequest(agent="assistant", input="landed", conversation=conv)))
         await asyncio.sleep(0)
         loop.call_soon(late.cancel)  # runs after the queued group commit, before `late` resumes
         with pytest.raises(asyncio.CancelledError):
             await late
-        after = await kernel.submit(
-            SubmitRequest(agent="assistant", input="/recall", conversation=conv)
-        )
+        after = await kernel.submit(SubmitRequest(agent="assistant", input="/recall", conversation=conv))
         snap = await after.wait(5)
         assert snap.text() == "warm | landed"
         turns = await server.store.list_turns(conv)
@@ -200,9 +185,7 @@ async def test_checkpoints_run_on_their_own_thread_and_stop_with_the_store(tmp_p
     await store.close()
     assert not thread.is_alive()
     check = sqlite3.connect(str(db_file))
-    assert (
-        check.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == CHECKPOINT_EVERY_COMMITS + 1
-    )
+    assert check.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == CHECKPOINT_EVERY_COMMITS + 1
     check.close()
 
 
@@ -239,12 +222,8 @@ async def test_cancel_lands_in_the_loop_and_the_same_worker_runs_the_next_turn(
     await server.open()
     try:
         kernel = server.kernel
-        slow = await kernel.submit(
-            SubmitRequest(agent="assistant", input="/slow 300", conversation="new")
-        )
-        queued = await kernel.submit(
-            SubmitRequest(agent="assistant", input="after", conversation=slow.conversation_id)
-        )
+        slow = await kernel.submit(SubmitRequest(agent="assistant", input="/slow 300", conversation="new"))
+        queued = await kernel.submit(SubmitRequest(agent="assistant", input="after", conversation=slow.conversation_id))
         assert queued.queue_position == 1
         ctl = slow.handle.controller
         seen = -1

@@ -21,7 +21,9 @@ def test_cancel_of_a_paused_turn_resolves_the_approval_for_every_subscriber(tmp_
         conv = (await a.request({"type": "create_conversation", "agent": "careful"}))["conversation"]["id"]
         await a.request({"type": "subscribe", "conversation": conv})
         await b.request({"type": "subscribe", "conversation": conv})
-        ack = await a.request({"type": "submit_input", "agent": "careful", "conversation": conv, "input": "/call clock {}"})
+        ack = await a.request(
+            {"type": "submit_input", "agent": "careful", "conversation": conv, "input": "/call clock {}"}
+        )
         call_id = (await b.expect(lambda f: f["type"] == "approval_request"))["call_id"]
         await a.expect(lambda f: f["type"] == "approval_request")
         cancelled = await a.request({"type": "cancel", "conversation": conv})
@@ -32,8 +34,22 @@ def test_cancel_of_a_paused_turn_resolves_the_approval_for_every_subscriber(tmp_
         assert snap["status"] == "cancelled"
         for s in b.snapshots(ack["turn_id"]):
             open_calls = {p["call_id"] for p in s["pending"]} if s["status"] == "awaiting" else set()
-            settled = {blk.get("call_id") for blk in s["blocks"] if blk.get("type") == "tool_call" and blk.get("status") not in ("pending_approval", "awaiting_client", "running", None)}
-            assert not open_calls & settled, [(x["revision"], x["status"], x["phase"], [p["call_id"][-4:] for p in x["pending"]], [(blk.get("type"), blk.get("status")) for blk in x["blocks"]]) for x in b.snapshots(ack["turn_id"])]
+            settled = {
+                blk.get("call_id")
+                for blk in s["blocks"]
+                if blk.get("type") == "tool_call"
+                and blk.get("status") not in ("pending_approval", "awaiting_client", "running", None)
+            }
+            assert not open_calls & settled, [
+                (
+                    x["revision"],
+                    x["status"],
+                    x["phase"],
+                    [p["call_id"][-4:] for p in x["pending"]],
+                    [(blk.get("type"), blk.get("status")) for blk in x["blocks"]],
+                )
+                for x in b.snapshots(ack["turn_id"])
+            ]
         await a.close()
         await b.close()
 

@@ -27,10 +27,17 @@ def _turn_status(home: Path, turn_id: str) -> str:
 
 
 async def _one_round(ws: WS, decision: str, order: str) -> dict[str, Any]:
-    ack = await ws.request({"type": "submit_input", "agent": "careful", "conversation": "new", "input": "/call clock {}"})
+    ack = await ws.request(
+        {"type": "submit_input", "agent": "careful", "conversation": "new", "input": "/call clock {}"}
+    )
     conv, turn_id = ack["conversation_id"], ack["turn_id"]
     req = await ws.expect(lambda f: f["type"] == "approval_request" and f["turn_id"] == turn_id)
-    answer = {"type": "approval_response", "conversation": conv, "decisions": [{"call_id": req["call_id"], "decision": decision}], "request_id": f"a-{turn_id}"}
+    answer = {
+        "type": "approval_response",
+        "conversation": conv,
+        "decisions": [{"call_id": req["call_id"], "decision": decision}],
+        "request_id": f"a-{turn_id}",
+    }
     cancel = {"type": "cancel", "conversation": conv, "request_id": f"c-{turn_id}"}
     first, second = (answer, cancel) if order == "answer_first" else (cancel, answer)
     await ws.send(first)
@@ -42,7 +49,15 @@ async def _one_round(ws: WS, decision: str, order: str) -> dict[str, Any]:
             replies[f["request_id"]] = f
     snap = await ws.terminal(turn_id)
     history = (await ws.request({"type": "get_history", "conversation": conv}))["messages"]
-    return {"turn_id": turn_id, "call_id": req["call_id"], "answer": replies[answer["request_id"]], "cancel": replies[cancel["request_id"]], "snap": snap, "history": history, "decision": decision}
+    return {
+        "turn_id": turn_id,
+        "call_id": req["call_id"],
+        "answer": replies[answer["request_id"]],
+        "cancel": replies[cancel["request_id"]],
+        "snap": snap,
+        "history": history,
+        "decision": decision,
+    }
 
 
 def _check(home: Path, r: dict[str, Any]) -> str:

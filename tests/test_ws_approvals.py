@@ -32,7 +32,9 @@ def test_approval_reaches_exactly_the_subscribers_first_answer_wins(careful_serv
         assert (await c.request({"type": "subscribe", "conversation": other}))["subscribed"] is True
         await a.request({"type": "subscribe", "conversation": conv})
         await b.request({"type": "subscribe", "conversation": conv})
-        ack = await a.request({"type": "submit_input", "agent": "careful", "conversation": conv, "input": "/call clock {}"})
+        ack = await a.request(
+            {"type": "submit_input", "agent": "careful", "conversation": conv, "input": "/call clock {}"}
+        )
         req_a = await a.expect(lambda f: f["type"] == "approval_request")
         req_b = await b.expect(lambda f: f["type"] == "approval_request")
         assert req_a["call_id"] == req_b["call_id"] and req_a["name"] == "clock" and req_a["turn_id"] == ack["turn_id"]
@@ -41,11 +43,19 @@ def test_approval_reaches_exactly_the_subscribers_first_answer_wins(careful_serv
         awaiting = [f for f in b.seen if f["type"] == "turn_updated" and f["snapshot"]["status"] == "awaiting"]
         assert awaiting and awaiting[-1]["snapshot"]["pending"][0]["kind"] == "approval"
         # b answers first and wins; a is told it was resolved; a's late answer is refused
-        won = await b.request({"type": "approval_response", "conversation": conv, "decisions": [{"call_id": call_id, "decision": "approve"}]})
+        won = await b.request(
+            {
+                "type": "approval_response",
+                "conversation": conv,
+                "decisions": [{"call_id": call_id, "decision": "approve"}],
+            }
+        )
         assert won["type"] == "ack" and won["results"][0]["accepted"] is True
         resolved = await a.expect(lambda f: f["type"] == "approval_resolved")
         assert resolved["call_id"] == call_id and resolved["status"] == "approved"
-        late = await a.request({"type": "approval_response", "conversation": conv, "decisions": [{"call_id": call_id, "decision": "deny"}]})
+        late = await a.request(
+            {"type": "approval_response", "conversation": conv, "decisions": [{"call_id": call_id, "decision": "deny"}]}
+        )
         assert late["results"][0]["accepted"] is False and late["results"][0]["error"] == "already_resolved"
         snap_a = await a.terminal(ack["turn_id"])
         snap_b = await b.terminal(ack["turn_id"])
@@ -68,7 +78,9 @@ def test_pending_approval_survives_disconnect_and_restart(tmp_path: Path) -> Non
 
     async def first() -> tuple[str, str, str]:
         a = await WS.open(sp.url)
-        ack = await a.request({"type": "submit_input", "agent": "careful", "conversation": "new", "input": "/call clock {}"})
+        ack = await a.request(
+            {"type": "submit_input", "agent": "careful", "conversation": "new", "input": "/call clock {}"}
+        )
         req = await a.expect(lambda f: f["type"] == "approval_request")
         await a.close()  # the approver leaves without answering
         return ack["conversation_id"], ack["turn_id"], req["call_id"]
@@ -86,7 +98,13 @@ def test_pending_approval_survives_disconnect_and_restart(tmp_path: Path) -> Non
         assert [p["call_id"] for p in state["pending_approvals"]] == [call_id]
         req = await b.expect(lambda f: f["type"] == "approval_request")
         assert req["call_id"] == call_id and req["turn_id"] == turn_id
-        ok = await b.request({"type": "approval_response", "conversation": conv, "decisions": [{"call_id": call_id, "decision": "approve"}]})
+        ok = await b.request(
+            {
+                "type": "approval_response",
+                "conversation": conv,
+                "decisions": [{"call_id": call_id, "decision": "approve"}],
+            }
+        )
         assert ok["results"][0]["accepted"] is True
         snap = await b.terminal(turn_id)
         assert snap["status"] == "completed" and snap["stop_reason"] == "end_turn"
@@ -108,7 +126,9 @@ def test_run_cli_answers_through_the_server(careful_server: ServeProcess) -> Non
     data = paused.json()
     assert data["status"] == "awaiting" and data["stop_reason"] == "requires_approval"
     call_id = data["pending"][0]["call_id"]
-    done = run_cli(home, "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id, "--json")
+    done = run_cli(
+        home, "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id, "--json"
+    )
     assert done.code == 0, done.err
     assert done.json()["status"] == "completed" and done.json()["text"].startswith("clock -> 20")
     again = run_cli(home, "run", "--agent", "careful", "--conversation", data["conversation_id"], "--approve", call_id)

@@ -99,7 +99,23 @@ def test_example_client_runs(tmp_path: Path) -> None:
     assert run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=env).code == 0
     sp = start_serve(home, env=env)
     try:
-        out = subprocess.run([sys.executable, "examples/ws_client.py", "--url", sp.url, "--agent", "careful", "--approve", "/call clock {}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "examples/ws_client.py",
+                "--url",
+                sp.url,
+                "--agent",
+                "careful",
+                "--approve",
+                "/call clock {}",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 0, out.stderr
         assert "approval_request clock" in out.stdout and "completed: clock -> 20" in out.stdout
     finally:

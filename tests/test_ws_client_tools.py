@@ -10,7 +10,11 @@ from tests.support.cli import cli_env
 from tests.support.serve import ServeProcess, serving
 from tests.support.ws import WS
 
-LOOKUP = {"name": "lookup", "description": "Look something up on the client.", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}
+LOOKUP = {
+    "name": "lookup",
+    "description": "Look something up on the client.",
+    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,15 @@ async def test_client_tool_result_resumes_the_turn(server: ServeProcess) -> None
     owner, watcher = await WS.open(server.url), await WS.open(server.url)
     conv = (await owner.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
     await watcher.request({"type": "subscribe", "conversation": conv})
-    ack = await owner.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": '/call lookup {"q":"x"}', "client_tools": [LOOKUP]})
+    ack = await owner.request(
+        {
+            "type": "submit_input",
+            "agent": "assistant",
+            "conversation": conv,
+            "input": '/call lookup {"q":"x"}',
+            "client_tools": [LOOKUP],
+        }
+    )
     req = await owner.expect(lambda f: f["type"] == "tool_call_request")
     assert req["name"] == "lookup" and req["arguments"] == '{"q":"x"}' and req["turn_id"] == ack["turn_id"]
     assert 0 < req["timeout_s"] <= 2
@@ -44,7 +56,15 @@ async def test_client_tool_result_resumes_the_turn(server: ServeProcess) -> None
 
 async def test_client_tool_timeout_gives_the_model_an_error(server: ServeProcess) -> None:
     owner = await WS.open(server.url)
-    ack = await owner.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": '/call lookup {"q":"y"}', "client_tools": [LOOKUP]})
+    ack = await owner.request(
+        {
+            "type": "submit_input",
+            "agent": "assistant",
+            "conversation": "new",
+            "input": '/call lookup {"q":"y"}',
+            "client_tools": [LOOKUP],
+        }
+    )
     await owner.expect(lambda f: f["type"] == "tool_call_request")
     snap = await owner.terminal(ack["turn_id"], timeout=15)  # nobody answers within 2 s
     assert snap["status"] == "completed"
@@ -56,7 +76,15 @@ async def test_declaring_client_disconnect_gives_the_model_an_error(server: Serv
     owner, watcher = await WS.open(server.url), await WS.open(server.url)
     conv = (await watcher.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
     await watcher.request({"type": "subscribe", "conversation": conv})
-    ack = await owner.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": '/call lookup {"q":"z"}', "client_tools": [LOOKUP]})
+    ack = await owner.request(
+        {
+            "type": "submit_input",
+            "agent": "assistant",
+            "conversation": conv,
+            "input": '/call lookup {"q":"z"}',
+            "client_tools": [LOOKUP],
+        }
+    )
     await owner.expect(lambda f: f["type"] == "tool_call_request")
     await owner.close()  # the client that runs the tool is gone; the turn is not cancelled
     snap = await watcher.terminal(ack["turn_id"], timeout=5)

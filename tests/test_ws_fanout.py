@@ -34,7 +34,9 @@ def test_two_hundred_subscribers_and_one_that_never_reads(tmp_path: Path) -> Non
         boss = await WS.open(sp.url)
         conv = (await boss.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
         # a conversation with a large history: replies to get_history are big, non-droppable frames
-        big = (await boss.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": " ".join(["x" * 99] * 2000)}))
+        big = await boss.request(
+            {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": " ".join(["x" * 99] * 2000)}
+        )
         await boss.terminal(big["turn_id"])
         await boss.request({"type": "subscribe", "conversation": conv})
 
@@ -52,7 +54,9 @@ def test_two_hundred_subscribers_and_one_that_never_reads(tmp_path: Path) -> Non
         await asyncio.sleep(0.3)
 
         t0 = time.monotonic()
-        ack = await boss.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "to everyone"})
+        ack = await boss.request(
+            {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "to everyone"}
+        )
         snaps = await asyncio.gather(*(ws.terminal(ack["turn_id"], timeout=20) for ws in subs))
         elapsed = time.monotonic() - t0
         assert all(s["status"] == "completed" and s["blocks"][-1]["text"] == "echo: to everyone" for s in snaps)
@@ -84,15 +88,19 @@ def _raw_upgrade(http_url: str) -> socket.socket:
     sock = socket.create_connection((host, int(port)), timeout=5)
     key = base64.b64encode(os.urandom(16)).decode()
     sock.sendall(
-        (f"GET /ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-         f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+        (
+            f"GET /ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode()
     )
     return sock
 
 
 def test_keepalive_closes_a_silent_peer(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    sp = start_serve(home, env=cli_env(home, APPSERVER_LIMITS__WS_PING_INTERVAL_S="0.3", APPSERVER_LIMITS__WS_PING_TIMEOUT_S="1"))
+    sp = start_serve(
+        home, env=cli_env(home, APPSERVER_LIMITS__WS_PING_INTERVAL_S="0.3", APPSERVER_LIMITS__WS_PING_TIMEOUT_S="1")
+    )
 
     async def polite() -> None:
         ws = await WS.open(sp.url)  # the websockets client answers pings by itself

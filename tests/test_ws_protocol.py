@@ -26,7 +26,9 @@ async def test_hello_submit_revisions_and_terminal_after_commit(server: ServePro
     ws = await WS.open(server.url, hello=False)
     welcome = await ws.request({"type": "hello", "protocol": 1, "client": "test"})
     assert welcome["type"] == "welcome" and welcome["protocol"] == 1 and welcome["connection_id"]
-    ack = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "hello world"})
+    ack = await ws.request(
+        {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "hello world"}
+    )
     assert ack["type"] == "ack" and ack["turn_id"].startswith("turn_") and ack["queue_position"] == 0
     turn_id, conv = ack["turn_id"], ack["conversation_id"]
     # the terminal snapshot: checked against the store the moment it arrives
@@ -47,7 +49,13 @@ async def test_hello_submit_revisions_and_terminal_after_commit(server: ServePro
 async def test_cancel_keeps_partial_text(server: ServeProcess) -> None:
     ws = await WS.open(server.url)
     ack = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "/slow 300"})
-    await ws.expect(lambda f: f["type"] == "turn_updated" and len(f["snapshot"]["blocks"]) > 0 and len(f["snapshot"]["blocks"][0]["text"].split()) >= 5)
+    await ws.expect(
+        lambda f: (
+            f["type"] == "turn_updated"
+            and len(f["snapshot"]["blocks"]) > 0
+            and len(f["snapshot"]["blocks"][0]["text"].split()) >= 5
+        )
+    )
     reply = await ws.request({"type": "cancel", "conversation": ack["conversation_id"]})
     assert reply["type"] == "ack" and reply["cancelled"] is True
     snap = await ws.terminal(ack["turn_id"])
@@ -60,8 +68,17 @@ async def test_cancel_keeps_partial_text(server: ServeProcess) -> None:
 
 async def test_idempotent_submit_is_one_turn(server: ServeProcess) -> None:
     ws = await WS.open(server.url)
-    conv = (await ws.request({"type": "create_conversation", "agent": "assistant", "title": "idem"}))["conversation"]["id"]
-    frame = {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "once", "idempotency_key": "k-1", "source": {"channel": "telegram", "chat": "42", "sender": "ann"}}
+    conv = (await ws.request({"type": "create_conversation", "agent": "assistant", "title": "idem"}))["conversation"][
+        "id"
+    ]
+    frame = {
+        "type": "submit_input",
+        "agent": "assistant",
+        "conversation": conv,
+        "input": "once",
+        "idempotency_key": "k-1",
+        "source": {"channel": "telegram", "chat": "42", "sender": "ann"},
+    }
     first = await ws.request(frame)
     second = await ws.request(frame)
     assert first["turn_id"] == second["turn_id"]
@@ -80,10 +97,18 @@ async def test_bad_frames_get_error_frames_and_connection_survives(server: Serve
     assert err["type"] == "error" and err["code"] == "bad_json"
     await ws.send({"type": "teleport", "request_id": "x1"})
     err = await ws.recv()
-    assert err == {"type": "error", "request_id": "x1", "code": "unknown_type", "message": "unknown frame type 'teleport'", "param": "type"}
+    assert err == {
+        "type": "error",
+        "request_id": "x1",
+        "code": "unknown_type",
+        "message": "unknown frame type 'teleport'",
+        "param": "type",
+    }
     await ws.send({"type": "submit_input", "input": "hi", "request_id": "x2"})
     err = await ws.recv()
-    assert err["type"] == "error" and err["code"] == "bad_frame" and err["param"] == "agent" and err["request_id"] == "x2"
+    assert (
+        err["type"] == "error" and err["code"] == "bad_frame" and err["param"] == "agent" and err["request_id"] == "x2"
+    )
     await ws.send({"type": "subscribe", "conversation": "conv_nope", "request_id": "x3"})
     err = await ws.recv()
     assert err["code"] == "conversation_not_found"
@@ -124,14 +149,20 @@ async def test_lists_unsubscribe_and_default_conversation(server: ServeProcess) 
     agents = await ws.request({"type": "list_agents"})
     assert "assistant" in {a["name"] for a in agents["agents"]}
     state = await ws.request({"type": "subscribe", "conversation": "default", "agent": "assistant"})
-    assert state["type"] == "conversation_state" and state["subscribed"] is True and state["conversation"]["default"] is True
+    assert (
+        state["type"] == "conversation_state"
+        and state["subscribed"] is True
+        and state["conversation"]["default"] is True
+    )
     convs = await ws.request({"type": "list_conversations", "agent": "assistant"})
     assert state["conversation"]["id"] in {c["id"] for c in convs["conversations"]}
     ack = await ws.request({"type": "unsubscribe", "conversation": state["conversation"]["id"]})
     assert ack["type"] == "ack"
     # a turn started elsewhere on that conversation no longer reaches this connection
     other = await WS.open(server.url)
-    sub = await other.request({"type": "submit_input", "agent": "assistant", "conversation": state["conversation"]["id"], "input": "quiet"})
+    sub = await other.request(
+        {"type": "submit_input", "agent": "assistant", "conversation": state["conversation"]["id"], "input": "quiet"}
+    )
     await other.terminal(sub["turn_id"])
     assert not [f for f in await ws.drain(0.3) if f["type"] == "turn_updated"]
     await ws.close()

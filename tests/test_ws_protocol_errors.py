@@ -78,7 +78,16 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
     scoped = tokens.create(name="scoped", scopes="ws", agents="assistant")[1]
     http_only = tokens.create(name="http", scopes="openai")[1]
     now = datetime.now(UTC)  # a task whose conversation does not exist: its run cannot be submitted
-    CronStore(home).add(make_task(name="broken", agent=ids[0], schedule=ScheduleSpec("in", "2h", "UTC"), prompt="p", now=now, conversation="conv_missing"))
+    CronStore(home).add(
+        make_task(
+            name="broken",
+            agent=ids[0],
+            schedule=ScheduleSpec("in", "2h", "UTC"),
+            prompt="p",
+            now=now,
+            conversation="conv_missing",
+        )
+    )
     with serving(home, "--auth", "token", env=env) as sp:
         yield Srv(sp, full, scoped, http_only, ids[0])
 
@@ -123,18 +132,41 @@ async def _provoke_token_server(srv: Srv) -> set[str]:
     assert await error(ws, {"type": "submit_input", "agent": "assistant", "input": "   "}) == "invalid_request"
     assert await error(ws, {"type": "tool_result", "call_id": "call_nope", "output": "x"}) == "unknown_call"
     # queue_full: one running, one queued (limits.queue_max = 1), the third is refused
-    busy = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "/slow 100"}, T)
+    busy = await ws.request(
+        {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "/slow 100"}, T
+    )
     conv = busy["conversation_id"]
-    assert (await ws.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "queued"}, T))["queue_position"] == 1
-    assert await error(ws, {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "one too many"}) == "queue_full"
+    assert (
+        await ws.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "queued"}, T)
+    )["queue_position"] == 1
+    assert (
+        await error(ws, {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "one too many"})
+        == "queue_full"
+    )
     await ws.request({"type": "cancel", "conversation": conv}, T)
     # not_awaiting: an answer for a conversation with nothing paused
     idle = (await ws.request({"type": "create_conversation", "agent": "assistant"}, T))["conversation"]["id"]
-    assert await error(ws, {"type": "approval_response", "conversation": idle, "decisions": [{"call_id": "call_x", "decision": "approve"}]}) == "not_awaiting"
+    assert (
+        await error(
+            ws,
+            {
+                "type": "approval_response",
+                "conversation": idle,
+                "decisions": [{"call_id": "call_x", "decision": "approve"}],
+            },
+        )
+        == "not_awaiting"
+    )
     # already_resolved: in the ack of a late approval answer, never an error frame
-    ack = await ws.request({"type": "submit_input", "agent": srv.careful_id, "conversation": "new", "input": "/call clock {}"}, T)
+    ack = await ws.request(
+        {"type": "submit_input", "agent": srv.careful_id, "conversation": "new", "input": "/call clock {}"}, T
+    )
     req = await ws.expect(lambda f: f["type"] == "approval_request", T)
-    answer = {"type": "approval_response", "conversation": ack["conversation_id"], "decisions": [{"call_id": req["call_id"], "decision": "approve"}]}
+    answer = {
+        "type": "approval_response",
+        "conversation": ack["conversation_id"],
+        "decisions": [{"call_id": req["call_id"], "decision": "approve"}],
+    }
     assert (await ws.request(answer, T))["results"][0]["accepted"] is True
     late = await ws.request(answer, T)
     assert late["type"] == "ack" and late["results"][0]["error"] == "already_resolved"
@@ -153,7 +185,11 @@ async def _provoke_token_server(srv: Srv) -> set[str]:
         await old.recv(T)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 4406
 
-    for token, code in ((None, "missing_api_key"), ("aps_not_a_token", "invalid_api_key"), (srv.http_only, "insufficient_scope")):
+    for token, code in (
+        (None, "missing_api_key"),
+        ("aps_not_a_token", "invalid_api_key"),
+        (srv.http_only, "insufficient_scope"),
+    ):
         assert await _auth_refusal(srv, token) == code
         seen.add(code)
     return seen
@@ -163,12 +199,16 @@ async def _provoke_jwt_server(home: Path) -> set[str]:
     home.mkdir(parents=True, exist_ok=True)
     secret = base64.b64encode(secrets.token_bytes(36)).decode()
     (home / "jwt.secret").write_text(secret + "\n")
-    (home / "config.toml").write_text('[auth]\nmode = "jwt"\njwt_secret_file = "jwt.secret"\njwt_algorithms = ["HS256"]\n')
+    (home / "config.toml").write_text(
+        '[auth]\nmode = "jwt"\njwt_secret_file = "jwt.secret"\njwt_algorithms = ["HS256"]\n'
+    )
     sp = start_serve(home)
     try:
         srv = Srv(sp, "", "", "", "")
         expired = jwt.encode({"sub": "old", "exp": int(time.time()) - 3600}, secret, algorithm="HS256")
-        forged = jwt.encode({"sub": "eve", "exp": int(time.time()) + 3600}, "another secret of 32 bytes or more!", algorithm="HS256")
+        forged = jwt.encode(
+            {"sub": "eve", "exp": int(time.time()) + 3600}, "another secret of 32 bytes or more!", algorithm="HS256"
+        )
         return {await _auth_refusal(srv, expired), await _auth_refusal(srv, forged)}
     finally:
         sp.stop()
@@ -188,7 +228,16 @@ async def test_every_documented_error_code_is_what_the_server_sends(srv: Srv, tm
 
 async def test_tool_result_after_the_client_tool_timed_out_is_unknown_call(srv: Srv) -> None:
     ws = await srv.ws()
-    ack = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "/call lookup {}", "client_tools": [LOOKUP]}, T)
+    ack = await ws.request(
+        {
+            "type": "submit_input",
+            "agent": "assistant",
+            "conversation": "new",
+            "input": "/call lookup {}",
+            "client_tools": [LOOKUP],
+        },
+        T,
+    )
     call = await ws.expect(lambda f: f["type"] == "tool_call_request", T)
     snap = await ws.terminal(ack["turn_id"], T)  # nobody answered within limits.client_tool_timeout_s
     assert "did not return a result" in snap["blocks"][-1]["text"]
@@ -200,7 +249,9 @@ async def test_tool_result_after_the_client_tool_timed_out_is_unknown_call(srv: 
 
 async def test_unknown_fields_are_ignored_unknown_types_refused(srv: Srv) -> None:
     ws = await srv.ws(hello=False)
-    welcome = await ws.request({"type": "hello", "protocol": 1, "client": "future/9", "capabilities": {"compression": True}}, T)
+    welcome = await ws.request(
+        {"type": "hello", "protocol": 1, "client": "future/9", "capabilities": {"compression": True}}, T
+    )
     assert welcome["type"] == "welcome"
     frame = {
         "type": "submit_input",
@@ -226,14 +277,29 @@ async def test_documented_details_hold(srv: Srv) -> None:
     assert state["conversation"]["id"] == ack["conversation_id"] and state["conversation"]["default"] is True
     await ws.terminal(ack["turn_id"], T)
     reply = await ws.request({"type": "unsubscribe", "conversation": ack["conversation_id"]}, T)
-    assert reply == {"type": "ack", "request_id": reply["request_id"], "conversation_id": ack["conversation_id"], "results": [{"subscribed": False, "was_subscribed": True}]}
+    assert reply == {
+        "type": "ack",
+        "request_id": reply["request_id"],
+        "conversation_id": ack["conversation_id"],
+        "results": [{"subscribed": False, "was_subscribed": True}],
+    }
     again = await ws.request({"type": "unsubscribe", "conversation": ack["conversation_id"]}, T)
     assert again["results"] == [{"subscribed": False, "was_subscribed": False}]
     for url in ("https://example.com/a.png", "http://example.com/a.png", "data:image/png;base64,iVBORw0KGgo="):
-        ok = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": [{"type": "text", "text": "see"}, {"type": "image", "url": url}]}, T)
+        ok = await ws.request(
+            {
+                "type": "submit_input",
+                "agent": "assistant",
+                "conversation": "new",
+                "input": [{"type": "text", "text": "see"}, {"type": "image", "url": url}],
+            },
+            T,
+        )
         assert ok["type"] == "ack", (url, ok)
     for url in ("file:///etc/passwd", "/tmp/a.png", "ftp://example.com/a.png"):
-        err = await ws.request({"type": "submit_input", "agent": "assistant", "input": [{"type": "image", "url": url}]}, T)
+        err = await ws.request(
+            {"type": "submit_input", "agent": "assistant", "input": [{"type": "image", "url": url}]}, T
+        )
         assert err["code"] == "bad_frame" and err["param"] == "input[0].url", (url, err)
     await ws.close()
 
@@ -256,7 +322,10 @@ async def test_error_texts_say_what_is_wrong(srv: Srv) -> None:
     assert err["message"] == "missing field 'input[0].text'"
     err = await ws.request({"type": "submit_input", "agent": "assistant", "input": 5}, T)
     assert err["param"] == "input" and "a string or a list of parts" in err["message"]
-    for frame, param in (({"type": "list_conversations", "limit": "5"}, "limit"), ({"type": "tool_result", "call_id": "c", "output": "o", "is_error": "false"}, "is_error")):
+    for frame, param in (
+        ({"type": "list_conversations", "limit": "5"}, "limit"),
+        ({"type": "tool_result", "call_id": "c", "output": "o", "is_error": "false"}, "is_error"),
+    ):
         err = await ws.request(frame, T)
         assert err["code"] == "bad_frame" and err["param"] == param, err
     await ws.close()

@@ -31,11 +31,19 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProc
 
 
 def frame(conversation: str, key: str, text: str = "run me once") -> dict[str, Any]:
-    return {"type": "submit_input", "agent": "assistant", "conversation": conversation, "input": text, "idempotency_key": key}
+    return {
+        "type": "submit_input",
+        "agent": "assistant",
+        "conversation": conversation,
+        "input": text,
+        "idempotency_key": key,
+    }
 
 
 @pytest.mark.parametrize("who", ["plain", "admin"])
-async def test_new_then_real_id_with_the_same_key_is_one_turn(tokens: tuple[ServeProcess, dict[str, str]], who: str) -> None:
+async def test_new_then_real_id_with_the_same_key_is_one_turn(
+    tokens: tuple[ServeProcess, dict[str, str]], who: str
+) -> None:
     sp, toks = tokens
     headers = {"Authorization": f"Bearer {toks[who]}"}
     key = f"k-{who}"

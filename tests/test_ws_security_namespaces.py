@@ -101,7 +101,11 @@ async def test_websocket_isolates_conversations_of_two_tokens(srv: Srv) -> None:
         {"type": "subscribe", "conversation": "CONV"},
         submit("CONV", "beta was here"),
         {"type": "cancel", "conversation": "CONV"},
-        {"type": "approval_response", "conversation": "CONV", "decisions": [{"call_id": "call_x", "decision": "approve"}]},
+        {
+            "type": "approval_response",
+            "conversation": "CONV",
+            "decisions": [{"call_id": "call_x", "decision": "approve"}],
+        },
     ]
     for frame in frames:
         mine = await b.request({**frame, "conversation": conv_a}, T)
@@ -120,10 +124,24 @@ async def test_approvals_and_client_tools_of_another_token_are_out_of_reach(srv:
     ack = await a.request(submit("new", "/call clock {}", agent="careful"), T)
     req = await a.expect(lambda f: f["type"] == "approval_request", T)
     conv = ack["conversation_id"]
-    refused = await b.request({"type": "approval_response", "conversation": conv, "decisions": [{"call_id": req["call_id"], "decision": "deny"}]}, T)
+    refused = await b.request(
+        {
+            "type": "approval_response",
+            "conversation": conv,
+            "decisions": [{"call_id": req["call_id"], "decision": "deny"}],
+        },
+        T,
+    )
     assert refused["code"] == "conversation_not_found"
     assert (await b.request({"type": "subscribe", "conversation": conv}, T))["code"] == "conversation_not_found"
-    won = await a.request({"type": "approval_response", "conversation": conv, "decisions": [{"call_id": req["call_id"], "decision": "approve"}]}, T)
+    won = await a.request(
+        {
+            "type": "approval_response",
+            "conversation": conv,
+            "decisions": [{"call_id": req["call_id"], "decision": "approve"}],
+        },
+        T,
+    )
     assert won["results"][0]["accepted"] is True  # still A's to answer
     assert (await a.terminal(ack["turn_id"], T))["blocks"][-1]["text"].startswith("clock -> 20")
     # A's client tool call: B's tool_result is refused, A's is taken
@@ -131,7 +149,9 @@ async def test_approvals_and_client_tools_of_another_token_are_out_of_reach(srv:
     call = await a.expect(lambda f: f["type"] == "tool_call_request", T)
     stolen = await b.request({"type": "tool_result", "call_id": call["call_id"], "output": "from B"}, T)
     assert stolen["type"] == "error" and stolen["code"] == "unknown_call"
-    assert (await a.request({"type": "tool_result", "call_id": call["call_id"], "output": "from A"}, T))["type"] == "ack"
+    assert (await a.request({"type": "tool_result", "call_id": call["call_id"], "output": "from A"}, T))[
+        "type"
+    ] == "ack"
     assert (await a.terminal(ack["turn_id"], T))["blocks"][-1]["text"] == "lookup -> from A"
     assert not [f for f in b.seen if f["type"] in ("approval_request", "tool_call_request", "turn_updated")]
     await a.close()
@@ -153,7 +173,11 @@ async def test_each_credential_has_its_own_default_conversation(srv: Srv) -> Non
     _, again = await run_turn(a, submit(None, "/recall"))
     assert "said to my default" in again
     # the agent's shared default belongs to admin and local callers only
-    same_refusal(await b.request({"type": "get_history", "conversation": ack_admin["conversation_id"]}, T), await b.request({"type": "get_history", "conversation": "conv_doesnotexist"}, T), ack_admin["conversation_id"])
+    same_refusal(
+        await b.request({"type": "get_history", "conversation": ack_admin["conversation_id"]}, T),
+        await b.request({"type": "get_history", "conversation": "conv_doesnotexist"}, T),
+        ack_admin["conversation_id"],
+    )
     # admin sees everyone's
     for cid in ids:
         assert (await admin.request({"type": "get_history", "conversation": cid}, T))["type"] == "history"
@@ -168,7 +192,11 @@ async def test_http_and_websocket_apply_one_rule(srv: Srv) -> None:
     with httpx.Client(base_url=srv.url + "/v1", timeout=T) as c:
 
         def chat(token: str, conversation: str, text: str) -> httpx.Response:
-            return c.post("/chat/completions", headers={**bearer(token), "X-Conversation-Id": conversation}, json={"model": "assistant", "messages": [{"role": "user", "content": text}]})
+            return c.post(
+                "/chat/completions",
+                headers={**bearer(token), "X-Conversation-Id": conversation},
+                json={"model": "assistant", "messages": [{"role": "user", "content": text}]},
+            )
 
         # a conversation A made over WS: B gets 404 over HTTP, A continues it over HTTP
         r = chat(srv.b, conv_ws, "/recall")
@@ -178,7 +206,11 @@ async def test_http_and_websocket_apply_one_rule(srv: Srv) -> None:
         # a conversation A made over HTTP: B cannot reach it over WS, A can
         assert chat(srv.a, "hdr-conv-of-a", "alpha over http").status_code == 200
         b = await ws_for(srv, srv.b)
-        same_refusal(await b.request({"type": "get_history", "conversation": "hdr-conv-of-a"}, T), await b.request({"type": "get_history", "conversation": "conv_doesnotexist"}, T), "hdr-conv-of-a")
+        same_refusal(
+            await b.request({"type": "get_history", "conversation": "hdr-conv-of-a"}, T),
+            await b.request({"type": "get_history", "conversation": "conv_doesnotexist"}, T),
+            "hdr-conv-of-a",
+        )
         hist = await a.request({"type": "get_history", "conversation": "hdr-conv-of-a"}, T)
         assert [m["content"] for m in hist["messages"]][0] == "alpha over http"
         # stored responses belong to their conversation's namespace
@@ -190,7 +222,11 @@ async def test_http_and_websocket_apply_one_rule(srv: Srv) -> None:
         r = c.get(f"/responses/{resp_id}", headers=bearer(srv.b))
         assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
         assert c.get(f"/responses/{resp_id}/input_items", headers=bearer(srv.b)).status_code == 404
-        r = c.post("/responses", headers=bearer(srv.b), json={"model": "assistant", "input": "x", "previous_response_id": resp_id})
+        r = c.post(
+            "/responses",
+            headers=bearer(srv.b),
+            json={"model": "assistant", "input": "x", "previous_response_id": resp_id},
+        )
         assert r.status_code == 404 and r.json()["error"]["code"] == "previous_response_not_found"
         assert c.delete(f"/responses/{resp_id}", headers=bearer(srv.b)).status_code == 404
         assert c.get(f"/responses/{resp_id}", headers=bearer(srv.a)).status_code == 200  # not deleted
@@ -224,7 +260,9 @@ async def test_schedule_tool_targets_stay_in_the_namespace(srv: Srv) -> None:
     a, b, admin = await ws_for(srv, srv.a), await ws_for(srv, srv.b), await ws_for(srv, srv.admin)
     ack_b, _ = await run_turn(b, submit("new", "beta's conversation"))
     conv_b = ack_b["conversation_id"]
-    ack, text = await run_turn(a, submit("new", '/call schedule {"action": "create", "name": "a-task", "prompt": "hello", "in": "2h"}'))
+    ack, text = await run_turn(
+        a, submit("new", '/call schedule {"action": "create", "name": "a-task", "prompt": "hello", "in": "2h"}')
+    )
     conv_a = ack["conversation_id"]
     assert text.startswith("schedule -> created task a-task"), text
     task = next(t for t in _tasks(srv.sp.home) if t["name"] == "a-task")

@@ -131,7 +131,10 @@ def estimate_message(m: ChatMessage) -> int:
 
 
 def estimate_tool(t: ToolSpec) -> int:
-    return estimate_text(t.name + t.description + json.dumps(t.parameters, separators=(",", ":"))) + MESSAGE_OVERHEAD_TOKENS
+    return (
+        estimate_text(t.name + t.description + json.dumps(t.parameters, separators=(",", ":")))
+        + MESSAGE_OVERHEAD_TOKENS
+    )
 
 
 def estimate_tools(tools: Sequence[ToolSpec]) -> int:
@@ -201,8 +204,7 @@ def to_chat_message(m: MessageRecord) -> ChatMessage:
             reasoning=m.reasoning,
             provider_state=m.provider_state,
         )
-    return ChatMessage(m.role, m.content)  # type: ignore[arg-type]
-
+    return ChatMessage(m.role, m.content)
 
 
 def context_view(messages: Sequence[MessageRecord]) -> list[MessageRecord]:
@@ -258,7 +260,11 @@ def transcript(messages: Sequence[MessageRecord], max_chars: int) -> str:
             calls = "".join(f"\n[Called {c['name']} with {c.get('arguments', '')}]" for c in m.tool_calls)
             body = f"[Assistant]\n{m.text()}{calls}"
         else:
-            images = sum(1 for p in m.content if isinstance(p, dict) and p.get("type") in ("image_url", "input_image")) if isinstance(m.content, list) else 0
+            images = (
+                sum(1 for p in m.content if isinstance(p, dict) and p.get("type") in ("image_url", "input_image"))
+                if isinstance(m.content, list)
+                else 0
+            )
             body = f"[{m.role.capitalize()}]\n{m.text()}" + (f"\n[{images} image(s)]" if images else "")
         lines.append(clip(body, max_chars))
     return "\n\n".join(lines)
@@ -291,7 +297,11 @@ def split_for_summary(messages: Sequence[MessageRecord], chunk_tokens: int) -> l
     chunks: list[list[MessageRecord]] = [[]]
     used = 0
     for m in messages:
-        size = estimate_text(m.text()) + sum(estimate_text(c.get("arguments", "")) for c in m.tool_calls) + MESSAGE_OVERHEAD_TOKENS
+        size = (
+            estimate_text(m.text())
+            + sum(estimate_text(c.get("arguments", "")) for c in m.tool_calls)
+            + MESSAGE_OVERHEAD_TOKENS
+        )
         size = min(size, chunk_tokens)  # a huge message is clipped by transcript()
         if chunks[-1] and used + size > chunk_tokens:
             chunks.append([])

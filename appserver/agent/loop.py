@@ -61,7 +61,16 @@ log = logging.getLogger("appserver.agent")
 
 Emit = Callable[[TurnEvent], None]
 
-PROVIDER_OPTION_KEYS = ("temperature", "top_p", "max_tokens", "stop", "response_format", "tool_choice", "parallel_tool_calls", "reasoning_effort")
+PROVIDER_OPTION_KEYS = (
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "stop",
+    "response_format",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning_effort",
+)
 # What a request may still set on an agent with `allow_overrides=false`: the shape of the answer the
 # client needs, not the sampling the agent's owner chose.
 REQUEST_SHAPE_KEYS = ("response_format", "tool_choice", "parallel_tool_calls")
@@ -178,7 +187,9 @@ class AgentLoop:
                 iteration=work.iteration,
                 reasoning="".join(partial.reasoning) or None,
                 provider_state=partial.provider_state,
-                tool_calls=[{"id": c.id, "name": c.name, "arguments": "".join(c.args), "executor": c.executor} for c in calls],
+                tool_calls=[
+                    {"id": c.id, "name": c.name, "arguments": "".join(c.args), "executor": c.executor} for c in calls
+                ],
             )
             if partial.usage is not None and partial.usage.input_tokens:
                 # The provider's own count of the context up to this reply anchors later estimates.
@@ -220,14 +231,18 @@ class AgentLoop:
             messages.append(ChatMessage("system", text))
         for m in view:
             messages.append(work.to_chat(m))
-        params: dict[str, Any] = {k: work.agent.params.get(k) for k in PROVIDER_OPTION_KEYS if work.agent.params.get(k) is not None}
+        params: dict[str, Any] = {
+            k: work.agent.params.get(k) for k in PROVIDER_OPTION_KEYS if work.agent.params.get(k) is not None
+        }
         overridable = PROVIDER_OPTION_KEYS if work.agent.params.get("allow_overrides", True) else REQUEST_SHAPE_KEYS
         params.update({k: work.options[k] for k in overridable if work.options.get(k) is not None})
         if isinstance(params.get("stop"), str):
             params["stop"] = [params["stop"]]
         # a client tool shadows the agent's own tool of that name (it is the one executed: _stream_step)
         client_names = {t.name for t in work.client_tools}
-        tools = [t.spec() for t in self.tools.offered(work.agent) if t.name not in client_names] + list(work.client_tools)
+        tools = [t.spec() for t in self.tools.offered(work.agent) if t.name not in client_names] + list(
+            work.client_tools
+        )
         return ProviderRequest(model=model, messages=messages, tools=tools, **params)
 
     def budget(self, work: TurnWork, provider: Any, model: str) -> Budget | None:
@@ -252,7 +267,9 @@ class AgentLoop:
     def estimate(self, request: ProviderRequest, view: list[MessageRecord]) -> int:
         return estimate_request(request, view, self._tool_estimates)
 
-    async def _prepare(self, work: TurnWork, provider: Any, model: str, emit: Emit, forced: Budget | None = None) -> tuple[ProviderRequest, int | None]:
+    async def _prepare(
+        self, work: TurnWork, provider: Any, model: str, emit: Emit, forced: Budget | None = None
+    ) -> tuple[ProviderRequest, int | None]:
         """Build the next request, compacting first when it would not fit (or when `forced`).
         The estimate is None when no window applies (it is only needed against one)."""
         view = context_view([*work.history, *work.new_messages])
@@ -266,7 +283,13 @@ class AgentLoop:
         done = await compact(provider, model, view, budget, estimate, work.turn_id, work.iteration, emit)
         if done is not None:
             work.new_messages.append(done.message)
-            log.info("turn %s: compacted %d messages (estimate %d tokens, window %d)", work.turn_id, done.folded, estimate, budget.window)
+            log.info(
+                "turn %s: compacted %d messages (estimate %d tokens, window %d)",
+                work.turn_id,
+                done.folded,
+                estimate,
+                budget.window,
+            )
             view = context_view([*work.history, *work.new_messages])
             request = self.build_request(work, model, view)
             estimate = self.estimate(request, view)
@@ -276,7 +299,12 @@ class AgentLoop:
             # file). Clip them in this request only; the history keeps them whole.
             clipped = clip_oversized(request, budget)
             if clipped:
-                log.info("turn %s: clipped %d oversized message(s) to fit the window of %d", work.turn_id, clipped, budget.window)
+                log.info(
+                    "turn %s: clipped %d oversized message(s) to fit the window of %d",
+                    work.turn_id,
+                    clipped,
+                    budget.window,
+                )
                 estimate = estimate_request(request, [])
         return request, estimate
 
@@ -335,15 +363,30 @@ class AgentLoop:
                     overflowed = True
                     if estimate is None:  # no window applied, so it was not needed until now
                         estimate = self.estimate(request, context_view([*work.history, *work.new_messages]))
-                    log.warning("turn %s: %s says the context is too long (estimate %d tokens); compacting and retrying", work.turn_id, work.agent.model, estimate)
-                    forced = overflow_budget(self.budget(work, provider, model) or Budget.for_window(estimate, None, None), estimate)
+                    log.warning(
+                        "turn %s: %s says the context is too long (estimate %d tokens); compacting and retrying",
+                        work.turn_id,
+                        work.agent.model,
+                        estimate,
+                    )
+                    forced = overflow_budget(
+                        self.budget(work, provider, model) or Budget.for_window(estimate, None, None), estimate
+                    )
                     emit(Retrying(attempt, 0, exc.to_dict()))
                     attempt -= 1
                     continue
                 delay = retry_delay_ms(exc, attempt, policy, output_shown=partial.shown)
                 if delay is None:
                     raise
-                log.warning("turn %s: %s failed (%s, status %s, attempt %d); retrying in %d ms", work.turn_id, work.agent.model, exc.kind, exc.status, attempt, delay)
+                log.warning(
+                    "turn %s: %s failed (%s, status %s, attempt %d); retrying in %d ms",
+                    work.turn_id,
+                    work.agent.model,
+                    exc.kind,
+                    exc.status,
+                    attempt,
+                    delay,
+                )
                 emit(Retrying(attempt, delay, exc.to_dict()))
                 await asyncio.sleep(delay / 1000)
                 continue
@@ -366,7 +409,18 @@ class AgentLoop:
             call_id, name, arguments = call["id"], call["name"], call["arguments"]
             if call.get("executor") == "client":
                 timeout = float(work.options.get("client_tool_timeout_s") or self.config.limits.client_tool_timeout_s)
-                work.pending.append(PendingCall(call_id, work.conversation_id, work.turn_id, name, arguments, "client", created_at=now, expires_at=now + timeout))
+                work.pending.append(
+                    PendingCall(
+                        call_id,
+                        work.conversation_id,
+                        work.turn_id,
+                        name,
+                        arguments,
+                        "client",
+                        created_at=now,
+                        expires_at=now + timeout,
+                    )
+                )
                 emit(ToolCallStatus(call_id, "awaiting_client"))
                 continue
             policy = self.tools.policy(work.agent, name)
@@ -386,13 +440,26 @@ class AgentLoop:
                 continue
             if policy == "ask":
                 timeout = self.config.limits.approval_timeout_s
-                work.pending.append(PendingCall(call_id, work.conversation_id, work.turn_id, name, arguments, "approval", created_at=now, expires_at=now + timeout))
+                work.pending.append(
+                    PendingCall(
+                        call_id,
+                        work.conversation_id,
+                        work.turn_id,
+                        name,
+                        arguments,
+                        "approval",
+                        created_at=now,
+                        expires_at=now + timeout,
+                    )
+                )
                 emit(ToolCallStatus(call_id, "pending_approval"))
                 continue
             runnable.append((call, tool, args))
         await self._execute(work, runnable, emit)
 
-    async def _execute(self, work: TurnWork, runnable: list[tuple[dict[str, Any], Tool, dict[str, Any]]], emit: Emit) -> None:
+    async def _execute(
+        self, work: TurnWork, runnable: list[tuple[dict[str, Any], Tool, dict[str, Any]]], emit: Emit
+    ) -> None:
         if not runnable:
             return
         if work.before_tools is not None:
@@ -415,7 +482,9 @@ class AgentLoop:
         for (call, tool, _), out in zip(runnable, outputs, strict=True):
             self._result(work, call["id"], tool.name, out, emit)
 
-    def _result(self, work: TurnWork, call_id: str, name: str, out: ToolOutput, emit: Emit, status: str | None = None) -> None:
+    def _result(
+        self, work: TurnWork, call_id: str, name: str, out: ToolOutput, emit: Emit, status: str | None = None
+    ) -> None:
         emit(ToolCallStatus(call_id, status or ("failed" if out.is_error else "completed"), out.text, out.is_error))  # type: ignore[arg-type]
         work.new_messages.append(_tool_message(work, call_id, name, out.text, out.is_error))
 
@@ -427,14 +496,25 @@ class AgentLoop:
                 try:
                     args = parse_arguments(p.arguments)
                 except ValueError as exc:
-                    self._result(work, p.call_id, p.name, ToolOutput(f"Invalid arguments for {p.name}: {exc}", True), emit)
+                    self._result(
+                        work, p.call_id, p.name, ToolOutput(f"Invalid arguments for {p.name}: {exc}", True), emit
+                    )
                     continue
                 if tool is None:
-                    self._result(work, p.call_id, p.name, ToolOutput(f"Tool {p.name!r} is no longer available.", True), emit)
+                    self._result(
+                        work, p.call_id, p.name, ToolOutput(f"Tool {p.name!r} is no longer available.", True), emit
+                    )
                     continue
                 runnable.append(({"id": p.call_id, "name": p.name}, tool, args))
             else:
-                self._result(work, p.call_id, p.name, ToolOutput(resolution_text(p, self.config), p.status != "result" or p.is_error), emit, status="denied" if p.status == "denied" else None)
+                self._result(
+                    work,
+                    p.call_id,
+                    p.name,
+                    ToolOutput(resolution_text(p, self.config), p.status != "result" or p.is_error),
+                    emit,
+                    status="denied" if p.status == "denied" else None,
+                )
         await self._execute(work, runnable, emit)
 
 
@@ -466,7 +546,15 @@ def _drop_tool_choice(work: TurnWork) -> None:
 
 
 def _tool_message(work: TurnWork, call_id: str, name: str, text: str, is_error: bool) -> MessageRecord:
-    return MessageRecord(role="tool", content=text, turn_id=work.turn_id, iteration=work.iteration, tool_call_id=call_id, name=name, is_error=is_error)
+    return MessageRecord(
+        role="tool",
+        content=text,
+        turn_id=work.turn_id,
+        iteration=work.iteration,
+        tool_call_id=call_id,
+        name=name,
+        is_error=is_error,
+    )
 
 
 def _call_id_taken(work: TurnWork, partial: StreamingAssistant, call_id: str) -> bool:

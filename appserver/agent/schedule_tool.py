@@ -89,7 +89,9 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
                 )
             text = await asyncio.to_thread(_create, store, args, ctx, conversation)
         elif action == "list":
-            text = _list(await _visible_tasks(conversations, ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id)))
+            text = _list(
+                await _visible_tasks(conversations, ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id))
+            )
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
             found = (await asyncio.to_thread(store.read)).find(ref, ctx.agent.id)

@@ -176,7 +176,13 @@ def _die_with_server() -> Callable[[], None] | None:
     server = os.getpid()
 
     def preexec() -> None:  # in the child, between fork and exec: no locks, no allocation to speak of
-        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+        prctl(
+            ctypes.c_int(PR_SET_PDEATHSIG),
+            ctypes.c_ulong(signal.SIGTERM),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        )
         if os.getppid() != server:  # the server died before the signal was armed
             os._exit(137)
 

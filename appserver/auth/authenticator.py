@@ -78,9 +78,7 @@ class Authenticator:
         if self.mode == "none":
             return Principal.local()
         if authorization is None or not authorization.strip():
-            raise unauthorized(
-                "missing_api_key", "authentication required: send Authorization: Bearer <token>"
-            )
+            raise unauthorized("missing_api_key", "authentication required: send Authorization: Bearer <token>")
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer":
             raise unauthorized("invalid_api_key", "unsupported authorization scheme; use Bearer")

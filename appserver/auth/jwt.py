@@ -32,9 +32,7 @@ def _claim_set(value: Any, claim: str) -> frozenset[str]:
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
         items = value
     else:
-        raise unauthorized(
-            "invalid_token", f"JWT claim {claim!r} must be a string or a list of strings"
-        )
+        raise unauthorized("invalid_token", f"JWT claim {claim!r} must be a string or a list of strings")
     return frozenset(i.strip() for i in items if i.strip())
 
 
@@ -63,12 +61,8 @@ class JwtVerifier:
             algs = algs or ["HS256"]
             bad = [a for a in algs if a not in _HS_ALGS]
             if bad:
-                raise ConfigError(
-                    f"[auth] jwt_secret_file needs HMAC algorithms (HS256); got {', '.join(bad)}"
-                )
-            secret = self._read_file(cfg.jwt_secret_file, base_dir, "jwt_secret_file").rstrip(
-                b"\r\n"
-            )
+                raise ConfigError(f"[auth] jwt_secret_file needs HMAC algorithms (HS256); got {', '.join(bad)}")
+            secret = self._read_file(cfg.jwt_secret_file, base_dir, "jwt_secret_file").rstrip(b"\r\n")
             if len(secret) < HS_MIN_SECRET_BYTES:
                 raise ConfigError(
                     f"[auth] jwt_secret_file holds {len(secret)} bytes; HS256 needs a secret of at least "
@@ -81,27 +75,19 @@ class JwtVerifier:
 
             pem = self._read_file(cfg.jwt_public_key_file, base_dir, "jwt_public_key_file")
             if b"PRIVATE KEY" in pem:
-                raise ConfigError(
-                    "[auth] jwt_public_key_file holds a private key; give the server only the public key"
-                )
+                raise ConfigError("[auth] jwt_public_key_file holds a private key; give the server only the public key")
             try:
                 key = load_pem_public_key(pem)
             except ValueError as exc:
-                raise ConfigError(
-                    f"[auth] jwt_public_key_file is not a PEM public key: {exc}"
-                ) from None
+                raise ConfigError(f"[auth] jwt_public_key_file is not a PEM public key: {exc}") from None
             if isinstance(key, rsa.RSAPublicKey):
                 family, default = _RSA_ALGS, "RS256"
                 if key.key_size < 2048:
-                    raise ConfigError(
-                        "[auth] jwt_public_key_file: RSA keys must be at least 2048 bits"
-                    )
+                    raise ConfigError("[auth] jwt_public_key_file: RSA keys must be at least 2048 bits")
             elif isinstance(key, ec.EllipticCurvePublicKey):
                 family, default = (
                     _EC_ALGS,
-                    {"secp256r1": "ES256", "secp384r1": "ES384", "secp521r1": "ES512"}.get(
-                        key.curve.name, "ES256"
-                    ),
+                    {"secp256r1": "ES256", "secp384r1": "ES384", "secp521r1": "ES512"}.get(key.curve.name, "ES256"),
                 )
             else:
                 raise ConfigError("[auth] jwt_public_key_file must be an RSA or EC public key")
@@ -114,9 +100,7 @@ class JwtVerifier:
                 )
             self.key = key
         else:
-            raise ConfigError(
-                '[auth] mode = "jwt" needs jwt_secret_file (HS256) or jwt_public_key_file (RS256/ES256)'
-            )
+            raise ConfigError('[auth] mode = "jwt" needs jwt_secret_file (HS256) or jwt_public_key_file (RS256/ES256)')
         self.algorithms = algs
 
     @staticmethod
@@ -157,9 +141,7 @@ class JwtVerifier:
             )
         # `sub` is the caller's identity: its conversation namespace (`jwt:jwt:SUB`). Without it
         # every such JWT would share one namespace, and so each other's conversations.
-        required = (
-            ["exp", "sub"] + (["iss"] if self.issuer else []) + (["aud"] if self.audience else [])
-        )
+        required = ["exp", "sub"] + (["iss"] if self.issuer else []) + (["aud"] if self.audience else [])
         try:
             claims = jwt.decode(
                 token,
@@ -173,17 +155,13 @@ class JwtVerifier:
         except jwt.ExpiredSignatureError:
             raise unauthorized("token_expired", "JWT has expired") from None
         except jwt.ImmatureSignatureError:
-            raise unauthorized(
-                "invalid_token", "JWT is not valid yet (nbf/iat in the future)"
-            ) from None
+            raise unauthorized("invalid_token", "JWT is not valid yet (nbf/iat in the future)") from None
         except jwt.InvalidAudienceError:
             raise unauthorized("invalid_token", "JWT audience does not match") from None
         except jwt.InvalidIssuerError:
             raise unauthorized("invalid_token", "JWT issuer does not match") from None
         except jwt.MissingRequiredClaimError as exc:
-            raise unauthorized(
-                "invalid_token", f"JWT lacks the required claim {exc.claim!r}"
-            ) from None
+            raise unauthorized("invalid_token", f"JWT lacks the required claim {exc.claim!r}") from None
         except jwt.InvalidSignatureError:
             raise unauthorized("invalid_token", "JWT signature is invalid") from None
         except jwt.InvalidTokenError as exc:
@@ -199,12 +177,7 @@ class JwtVerifier:
                 scopes = _claim_set(claims[key], key) & frozenset(SCOPES)
                 break
         sub = claims.get("sub")
-        if (
-            not isinstance(sub, str)
-            or not sub.strip()
-            or len(sub) > 256
-            or _CONTROL_CHARS.search(sub)
-        ):
+        if not isinstance(sub, str) or not sub.strip() or len(sub) > 256 or _CONTROL_CHARS.search(sub):
             raise unauthorized(
                 "invalid_token",
                 "JWT claim 'sub' must be a non-empty string of printable characters (at most 256)",

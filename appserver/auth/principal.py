@@ -41,7 +41,4 @@ class Principal:
         return scope in self.scopes
 
     def is_expired(self, now: float | None = None) -> bool:
-        return (
-            self.expires_at is not None
-            and (now if now is not None else time.time()) >= self.expires_at
-        )
+        return self.expires_at is not None and (now if now is not None else time.time()) >= self.expires_at

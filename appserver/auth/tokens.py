@@ -72,9 +72,7 @@ def parse_scopes(value: str | Iterable[str] | None) -> frozenset[str]:
     out = {s.strip().lower() for s in items if s and s.strip()}
     unknown = out - set(SCOPES)
     if unknown:
-        raise ValueError(
-            f"unknown scope(s) {', '.join(sorted(unknown))}; expected {', '.join(SCOPES)}"
-        )
+        raise ValueError(f"unknown scope(s) {', '.join(sorted(unknown))}; expected {', '.join(SCOPES)}")
     if not out:
         raise ValueError(f"at least one scope is needed: {', '.join(SCOPES)}")
     return frozenset(out)
@@ -192,9 +190,7 @@ class TokenStore:
 
     def _write(self, records: list[TokenRecord]) -> None:
         ensure_private_dir(self.dir)
-        atomic_write_json(
-            self.path, {"version": 1, "tokens": [r.to_json() for r in records]}, 0o600
-        )
+        atomic_write_json(self.path, {"version": 1, "tokens": [r.to_json() for r in records]}, 0o600)
         self._cache_key = None
 
     def _locked(self) -> FileLock:
@@ -224,18 +220,14 @@ class TokenStore:
         if name is not None:
             name = name.strip()
             if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}", name):
-                raise ValueError(
-                    "token name must be 1-64 characters: letters, digits, '.', '_', '@', '-'"
-                )
+                raise ValueError("token name must be 1-64 characters: letters, digits, '.', '_', '@', '-'")
         try:
             with self._locked().acquire(timeout=LOCK_TIMEOUT_S):
                 records = self._read()
                 if name is None:
                     name = tid
                 if any(r.name == name or r.id == name for r in records):
-                    raise ValueError(
-                        f"a token named {name!r} already exists; revoke it or pick another name"
-                    )
+                    raise ValueError(f"a token named {name!r} already exists; revoke it or pick another name")
                 rec = TokenRecord(
                     id=tid,
                     name=name,
@@ -247,9 +239,7 @@ class TokenStore:
                 )
                 self._write([*records, rec])
         except Timeout:
-            raise RuntimeError(
-                f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s"
-            ) from None
+            raise RuntimeError(f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s") from None
         log.info("created token %s (%s) %s", rec.id, rec.name, fingerprint(plaintext))
         return rec, plaintext
 
@@ -261,16 +251,12 @@ class TokenStore:
         try:
             with self._locked().acquire(timeout=LOCK_TIMEOUT_S):
                 records = self._read()
-                hit = [r for r in records if r.id == id_or_name] or [
-                    r for r in records if r.name == id_or_name
-                ]
+                hit = [r for r in records if r.id == id_or_name] or [r for r in records if r.name == id_or_name]
                 if not hit:
                     raise KeyError(id_or_name)
                 self._write([r for r in records if r is not hit[0]])
         except Timeout:
-            raise RuntimeError(
-                f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s"
-            ) from None
+            raise RuntimeError(f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s") from None
         log.info("revoked token %s (%s)", hit[0].id, hit[0].name)
         return hit[0]
 

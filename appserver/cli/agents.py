@@ -42,9 +42,16 @@ def list_agents(as_json: bool) -> None:
 @click.option("--model", default="echo", show_default=True, help="PROVIDER:MODEL or echo")
 @click.option("--system", default="", help="System prompt.")
 @click.option("--tool", "tools", multiple=True, help="NAME=allow|ask|deny (repeatable)")
-@click.option("--param", "params", multiple=True, help="KEY=VALUE provider/loop parameter, e.g. temperature=0.2, context_window=8192 (repeatable)")
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    help="KEY=VALUE provider/loop parameter, e.g. temperature=0.2, context_window=8192 (repeatable)",
+)
 @click.option("--json", "as_json", is_flag=True)
-def create_agent(name: str, model: str, system: str, tools: tuple[str, ...], params: tuple[str, ...], as_json: bool) -> None:
+def create_agent(
+    name: str, model: str, system: str, tools: tuple[str, ...], params: tuple[str, ...], as_json: bool
+) -> None:
     async def go(s: Server) -> AgentRecord:
         return await s.agents.create(name, model, system, parse_tool_policies(tools), parse_params(params))
 
@@ -68,9 +75,19 @@ def show_agent(agent: str, as_json: bool) -> None:
 @click.option("--tool", "tools", multiple=True, help="NAME=allow|ask|deny (repeatable)")
 @click.option("--param", "params", multiple=True, help="KEY=VALUE (repeatable); KEY= removes it")
 @click.option("--json", "as_json", is_flag=True)
-def update_agent(agent: str, name: str | None, model: str | None, system: str | None, tools: tuple[str, ...], params: tuple[str, ...], as_json: bool) -> None:
+def update_agent(
+    agent: str,
+    name: str | None,
+    model: str | None,
+    system: str | None,
+    tools: tuple[str, ...],
+    params: tuple[str, ...],
+    as_json: bool,
+) -> None:
     async def go(s: Server) -> AgentRecord:
-        return await s.agents.update(agent, name=name, model=model, system=system, tools=parse_tool_policies(tools), params=parse_params(params))
+        return await s.agents.update(
+            agent, name=name, model=model, system=system, tools=parse_tool_policies(tools), params=parse_params(params)
+        )
 
     rec = with_server(go)
     print_json(rec.to_dict()) if as_json else _show(rec)

@@ -154,7 +154,11 @@ class LineEditor:
             last, self._last = self._last, ch
             if self._esc:
                 self._esc += ch
-                if (len(self._esc) == 2 and ch not in "[O") or (len(self._esc) == 3 and self._esc[1] == "O") or (len(self._esc) > 2 and "@" <= ch <= "~"):
+                if (
+                    (len(self._esc) == 2 and ch not in "[O")
+                    or (len(self._esc) == 3 and self._esc[1] == "O")
+                    or (len(self._esc) > 2 and "@" <= ch <= "~")
+                ):
                     self._esc = ""
                 continue
             if ch == "\x1b":
@@ -237,7 +241,9 @@ class Renderer:
     def end(self, snap: dict[str, Any]) -> None:
         error = snap.get("error") or {}
         if snap["status"] == "cancelled":
-            self.screen.line(f"[interrupted: {error.get('message')}]" if error.get("kind") == "interrupted" else "[cancelled]")
+            self.screen.line(
+                f"[interrupted: {error.get('message')}]" if error.get("kind") == "interrupted" else "[cancelled]"
+            )
         elif snap["status"] == "failed":
             self.screen.line(f"[failed: {error.get('message') or snap.get('stop_reason')}]")
         else:
@@ -247,7 +253,17 @@ class Renderer:
 class Chat:
     """One chat session: a single event loop over keys, frames and Ctrl-C, so output never interleaves."""
 
-    def __init__(self, client: ProtocolClient, agent: str, agent_id: str, conv_id: str, screen: Screen, editor: LineEditor, show_reasoning: bool, events: Events) -> None:
+    def __init__(
+        self,
+        client: ProtocolClient,
+        agent: str,
+        agent_id: str,
+        conv_id: str,
+        screen: Screen,
+        editor: LineEditor,
+        show_reasoning: bool,
+        events: Events,
+    ) -> None:
         self.client, self.agent, self.agent_id, self.conv_id = client, agent, agent_id, conv_id
         self.screen, self.editor, self.show_reasoning, self.events = screen, editor, show_reasoning, events
         self.turn: str | None = None
@@ -266,7 +282,9 @@ class Chat:
     def banner(self) -> None:
         self.screen.line(f"chatting with {self.agent} in conversation {self.conv_id}")
         reasoning = "" if self.show_reasoning else "; reasoning hidden (--show-reasoning shows it)"
-        self.screen.line(self.screen.dim(f"commands: {' '.join(c for c, _ in COMMANDS)}; Ctrl-C cancels a running turn{reasoning}"))
+        self.screen.line(
+            self.screen.dim(f"commands: {' '.join(c for c, _ in COMMANDS)}; Ctrl-C cancels a running turn{reasoning}")
+        )
 
     def prompt(self) -> None:
         self.screen.fresh_line()
@@ -390,11 +408,17 @@ class Chat:
             self.exit_code = 0
             return
         if cmd == "/help":
-            for name, what in (*COMMANDS, ("//text", "send /text to the model (other /words, e.g. the echo model's /slow, go as typed)")):
+            for name, what in (
+                *COMMANDS,
+                ("//text", "send /text to the model (other /words, e.g. the echo model's /slow, go as typed)"),
+            ):
                 self.screen.line(f"  {name:<8} {what}")
             return
         if cmd == "/cancel":
-            self.background({"type": "cancel", "conversation": self.conv_id}, lambda ack: None if ack.get("cancelled") else "[nothing to cancel]")
+            self.background(
+                {"type": "cancel", "conversation": self.conv_id},
+                lambda ack: None if ack.get("cancelled") else "[nothing to cancel]",
+            )
             return
         if cmd == "/new":
             try:
@@ -408,7 +432,9 @@ class Chat:
             return
         send = text[1:] if text.startswith("//") else text
         try:
-            ack = await self.client.submit(self.agent_id, send, self.conv_id, source={"client": "chat"}, idempotency_key=f"chat-{uuid.uuid4().hex}")
+            ack = await self.client.submit(
+                self.agent_id, send, self.conv_id, source={"client": "chat"}, idempotency_key=f"chat-{uuid.uuid4().hex}"
+            )
         except ProtocolError as exc:
             self.screen.line(f"error: {exc.message}")
             return
@@ -427,9 +453,21 @@ class Chat:
 
         def report(ack: dict[str, Any]) -> str | None:
             refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
-            return "; ".join(f"[{r.get('call_id')}: not {decision}d: {r.get('message') or r.get('error')}]" for r in refused) or None
+            return (
+                "; ".join(
+                    f"[{r.get('call_id')}: not {decision}d: {r.get('message') or r.get('error')}]" for r in refused
+                )
+                or None
+            )
 
-        self.background({"type": "approval_response", "conversation": frame["conversation_id"], "decisions": [{"call_id": frame["call_id"], "decision": decision}]}, report)
+        self.background(
+            {
+                "type": "approval_response",
+                "conversation": frame["conversation_id"],
+                "decisions": [{"call_id": frame["call_id"], "decision": decision}],
+            },
+            report,
+        )
         self.next_approval()
 
     def ask(self, frame: dict[str, Any]) -> None:
@@ -491,11 +529,19 @@ class Chat:
             if snap.get("turn_id") != self.turn:
                 return
             if self.asking is not None and self.asking["turn_id"] == snap["turn_id"]:
-                open_calls = {p.get("call_id") for p in snap.get("pending") or []} if snap["status"] == "awaiting" else set()
+                open_calls = (
+                    {p.get("call_id") for p in snap.get("pending") or []} if snap["status"] == "awaiting" else set()
+                )
                 # the call's own block says it was settled (a cancel shows `failed` one snapshot
                 # before the turn leaves `awaiting`): the prompt goes before that line is drawn
-                settled = {b.get("call_id") for b in snap.get("blocks") or [] if b.get("type") == "tool_call" and b.get("status") not in (None, "streaming", "pending_approval")}
-                if self.asking["call_id"] not in open_calls or self.asking["call_id"] in settled:  # answered while we could not hear it
+                settled = {
+                    b.get("call_id")
+                    for b in snap.get("blocks") or []
+                    if b.get("type") == "tool_call" and b.get("status") not in (None, "streaming", "pending_approval")
+                }
+                if (
+                    self.asking["call_id"] not in open_calls or self.asking["call_id"] in settled
+                ):  # answered while we could not hear it
                     self.withdraw(f"[{self.asking['call_id']} answered elsewhere]")
             self.renderer.snapshot(snap)
             if snap["status"] in TERMINAL:
@@ -520,7 +566,12 @@ class Chat:
         elif kind == "event":
             data = frame.get("data") or {}
             if frame.get("name") == "connection_lost":
-                self.notice(self.screen.dim(f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip() + f"); reconnecting for up to {data.get('reconnect_s'):g} s]"))
+                self.notice(
+                    self.screen.dim(
+                        f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip()
+                        + f"); reconnecting for up to {data.get('reconnect_s'):g} s]"
+                    )
+                )
             elif frame.get("name") == "reconnected":
                 self.notice(self.screen.dim(f"[reconnected to {data.get('url')}]"))
             elif frame.get("name") == "server_stopping":
@@ -534,9 +585,24 @@ class Chat:
         await self.drain()
 
 
-async def chat(url: str, agent: str, conversation: str, token: str | None, show_reasoning: bool, reconnect_wait: float, url_source: Callable[[], str | None] | None) -> int:
+async def chat(
+    url: str,
+    agent: str,
+    conversation: str,
+    token: str | None,
+    show_reasoning: bool,
+    reconnect_wait: float,
+    url_source: Callable[[], str | None] | None,
+) -> int:
     loop = asyncio.get_running_loop()
-    client = await ProtocolClient.connect(url, token=token, client="appserver-chat", reconnect=reconnect_wait > 0, reconnect_s=reconnect_wait, url_source=url_source)
+    client = await ProtocolClient.connect(
+        url,
+        token=token,
+        client="appserver-chat",
+        reconnect=reconnect_wait > 0,
+        reconnect_s=reconnect_wait,
+        url_source=url_source,
+    )
     events: Events = asyncio.Queue()
 
     async def pump() -> None:
@@ -555,7 +621,16 @@ async def chat(url: str, agent: str, conversation: str, token: str | None, show_
         screen = Screen(color=tty_out and not os.environ.get("NO_COLOR"), ansi=tty_out)
         keys = Keys(loop, events, cbreak=tty_out)
         loop.add_signal_handler(signal.SIGINT, events.put_nowait, ("interrupt", None))
-        session = Chat(client, agent, state["conversation"]["agent_id"], state["conversation"]["id"], screen, LineEditor(screen, echo=keys.tty), show_reasoning, events)
+        session = Chat(
+            client,
+            agent,
+            state["conversation"]["agent_id"],
+            state["conversation"]["id"],
+            screen,
+            LineEditor(screen, echo=keys.tty),
+            show_reasoning,
+            events,
+        )
         return await session.run(state.get("active_turn"))
     finally:
         loop.remove_signal_handler(signal.SIGINT)
@@ -571,8 +646,15 @@ async def chat(url: str, agent: str, conversation: str, token: str | None, show_
 @click.option("--url", default=None, help="Server URL (default: the server running on this home).")
 @click.option("--token", default=None, envvar="APPSERVER_TOKEN", help="Bearer token when the server requires one.")
 @click.option("--show-reasoning", is_flag=True, help="Show the model's reasoning (dimmed); hidden by default.")
-@click.option("--reconnect-wait", default=30.0, show_default=True, help="Seconds to wait for the server (or a standby taking over) after the connection drops.")
-def chat_command(agent: str, conversation: str, url: str | None, token: str | None, show_reasoning: bool, reconnect_wait: float) -> None:
+@click.option(
+    "--reconnect-wait",
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for the server (or a standby taking over) after the connection drops.",
+)
+def chat_command(
+    agent: str, conversation: str, url: str | None, token: str | None, show_reasoning: bool, reconnect_wait: float
+) -> None:
     """Chat with an agent through the running server (WebSocket protocol)."""
     url_source = None
     if url is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import click
 
@@ -21,7 +22,7 @@ def conversations_group() -> None:
 @click.option("--limit", default=100, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def list_conversations(agent: str, limit: int, as_json: bool) -> None:
-    async def go(s: Server) -> list:
+    async def go(s: Server) -> list[Any]:
         rec = await s.kernel.resolve_agent(agent)
         return await s.store.list_conversations(rec.id, limit=limit)
 
@@ -58,7 +59,7 @@ def show_conversation(conversation_id: str, as_json: bool) -> None:
 @click.option("--limit", type=int, default=None)
 @click.option("--json", "as_json", is_flag=True)
 def history(conversation_id: str, limit: int | None, as_json: bool) -> None:
-    async def go(s: Server) -> list:
+    async def go(s: Server) -> list[Any]:
         await _conversation(s, conversation_id)
         return await s.store.list_messages(conversation_id, limit=limit)
 

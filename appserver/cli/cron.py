@@ -189,19 +189,13 @@ def _fire_line(due: datetime, nominal: datetime, tz: str) -> str:
 
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def _spec_from_options(
     cron_expr: str | None, every: str | None, at: str | None, in_: str | None, tz: str | None
 ) -> ScheduleSpec:
-    given = [
-        (k, v)
-        for k, v in (("cron", cron_expr), ("every", every), ("at", at), ("in", in_))
-        if v is not None
-    ]
+    given = [(k, v) for k, v in (("cron", cron_expr), ("every", every), ("at", at), ("in", in_)) if v is not None]
     if len(given) != 1:
         raise click.UsageError("give exactly one of --cron, --every, --at, --in")
     kind, expr = given[0]
@@ -220,9 +214,7 @@ def cron_group() -> None:
 @cron_group.command("add")
 @click.option("--name", required=True, help="Task name, unique per agent.")
 @click.option("--agent", required=True, help="Agent that runs the prompt.")
-@click.option(
-    "--cron", "cron_expr", default=None, help="5-field cron expression, e.g. '0 8 * * 1-5'."
-)
+@click.option("--cron", "cron_expr", default=None, help="5-field cron expression, e.g. '0 8 * * 1-5'.")
 @click.option("--tz", default=None, help="IANA timezone for --cron/--at (default: this machine's).")
 @click.option("--every", default=None, help="Fixed interval, e.g. 30m, 2h, 1d.")
 @click.option("--at", default=None, help="One-shot wall time 'YYYY-MM-DD HH:MM' in --tz.")
@@ -313,8 +305,7 @@ def add_cmd(
             else _fire_line(task.next_due_at, task.next_fire_at, task.schedule.tz)
         )
         click.echo(
-            f"added cron task {task.name} ({task.id}) for agent "
-            f"{names.get(task.agent, task.agent)}; next run {nxt}"
+            f"added cron task {task.name} ({task.id}) for agent {names.get(task.agent, task.agent)}; next run {nxt}"
         )
 
 
@@ -502,18 +493,12 @@ _EPS = timedelta(microseconds=1)
 
 def _removed_task(store: CronStore, ref: str, agent: str | None) -> tuple[str, str, str]:
     """(id, name, timezone) of a removed task whose run log was kept, by id or name."""
-    found = [
-        t
-        for t in find_removed(store.runs_dir, ref)
-        if agent is None or t.get("agent") in (None, agent)
-    ]
+    found = [t for t in find_removed(store.runs_dir, ref) if agent is None or t.get("agent") in (None, agent)]
     ids = sorted({str(t.get("id")) for t in found})
     if not found:
         raise CronNotFound(f"no cron task {ref!r}, and no run log of a removed task by that name")
     if len(ids) > 1:
-        raise CronStoreError(
-            f"several removed tasks were named {ref!r} ({', '.join(ids)}); give the task id"
-        )
+        raise CronStoreError(f"several removed tasks were named {ref!r} ({', '.join(ids)}); give the task id")
     task = found[-1]
     schedule = task.get("schedule")
     tz = schedule.get("tz") if isinstance(schedule, dict) else None

@@ -59,7 +59,7 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
         report(run_remote(config, str(live.get("url")), task, agent, timeout), as_json)
     agent_id = validate_agent(config, agent) if agent else None
 
-    async def go() -> dict:
+    async def go() -> dict[str, Any]:
         server = Server(config)
         await server.open()
         try:
@@ -72,11 +72,7 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
                 await_outcome=adapter.outcome,
                 outcome_timeout_s=timeout,
             )
-            snapshot = (
-                (await server.kernel.turn_snapshot(result.turn_id)).to_dict()
-                if result.turn_id
-                else None
-            )
+            snapshot = (await server.kernel.turn_snapshot(result.turn_id)).to_dict() if result.turn_id else None
         finally:
             await server.close()
         return {
@@ -102,11 +98,7 @@ def report(out: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(out)
     else:
-        text = "".join(
-            b.get("text", "")
-            for b in (out["snapshot"] or {}).get("blocks", [])
-            if b["type"] == "text"
-        )
+        text = "".join(b.get("text", "") for b in (out["snapshot"] or {}).get("blocks", []) if b["type"] == "text")
         click.echo(
             f"run #{out['occurrence']['occurrence']} of {out['task']['name']}: {out['outcome']} (turn {out['turn_id']})"
         )
@@ -115,9 +107,7 @@ def report(out: dict[str, Any], as_json: bool) -> None:
     sys.exit(0 if out["outcome"] in ("completed", "awaiting") else 1)
 
 
-def run_remote(
-    config: Config, url: str, task: str, agent: str | None, timeout: float
-) -> dict[str, Any]:
+def run_remote(config: Config, url: str, task: str, agent: str | None, timeout: float) -> dict[str, Any]:
     """Ask the live server to fire TASK (`cron_run` frame, admin scope) and follow the turn."""
     from appserver.cli.run import call_server
     from appserver.client import ProtocolClient
@@ -138,17 +128,11 @@ def run_remote(
     task_id = str(occurrence.get("task_id"))
     stored = CronStore(config.home).read().get(task_id)
     return {
-        "task": stored.to_dict()
-        if stored
-        else {"id": task_id, "name": occurrence.get("task_name")},
-        "occurrence": {
-            k: v for k, v in occurrence.items() if k not in ("task_id", "task_name", "agent_id")
-        },
+        "task": stored.to_dict() if stored else {"id": task_id, "name": occurrence.get("task_name")},
+        "occurrence": {k: v for k, v in occurrence.items() if k not in ("task_id", "task_name", "agent_id")},
         "turn_id": ack["turn_id"],
         "outcome": snap["status"],
-        "error": (snap.get("error") or {}).get("message")
-        if snap["status"] != "completed"
-        else None,
+        "error": (snap.get("error") or {}).get("message") if snap["status"] != "completed" else None,
         "snapshot": snap,
         "server": url,
     }

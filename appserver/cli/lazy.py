@@ -32,9 +32,7 @@ class LazyCommand:
 class LazyGroup(click.Group):
     """`click.Group` plus `lazy`: commands loaded on first use by name."""
 
-    def __init__(
-        self, *args: Any, lazy: Mapping[str, LazyCommand] | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, lazy: Mapping[str, LazyCommand] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lazy = dict(lazy or {})
 

@@ -12,12 +12,18 @@ from appserver.cli.lazy import LazyCommand, LazyGroup
 # Each command imports its own dependencies (uvicorn, the kernel) only when it runs (see cli/lazy.py).
 COMMANDS = {
     "agents": LazyCommand("appserver.cli.agents:agents_group", "Manage agents."),
-    "chat": LazyCommand("appserver.cli.chat:chat_command", "Chat with an agent through the running server (WebSocket protocol)."),
+    "chat": LazyCommand(
+        "appserver.cli.chat:chat_command", "Chat with an agent through the running server (WebSocket protocol)."
+    ),
     "conversations": LazyCommand("appserver.cli.conversations:conversations_group", "Inspect conversations."),
-    "cron": LazyCommand("appserver.cli.cron:cron_group", "Schedule agent prompts: cron expressions, intervals and one-shot reminders."),
+    "cron": LazyCommand(
+        "appserver.cli.cron:cron_group", "Schedule agent prompts: cron expressions, intervals and one-shot reminders."
+    ),
     "run": LazyCommand("appserver.cli.run:run_command", "Run one turn of AGENT with TEXT and print the reply."),
     "serve": LazyCommand("appserver.cli.serve:serve_command", "Run the server (one per home; see --standby)."),
-    "token": LazyCommand("appserver.cli.token:token_group", 'Create, list and revoke capability tokens (auth mode "token").'),
+    "token": LazyCommand(
+        "appserver.cli.token:token_group", 'Create, list and revoke capability tokens (auth mode "token").'
+    ),
 }
 
 
@@ -29,7 +35,12 @@ class _Main(LazyGroup):
 
 
 @click.group(cls=_Main, lazy=COMMANDS)
-@click.option("--home", type=click.Path(file_okay=False), default=None, help="Home directory (default $APPSERVER_HOME or ~/.appserver).")
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Home directory (default $APPSERVER_HOME or ~/.appserver).",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
 def main(home: str | None, debug: bool) -> None:
     """A self-hosted agent app server."""

@@ -20,6 +20,7 @@ from appserver.serverinfo import read_live_server
 
 T = TypeVar("T")
 
+
 def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: str) -> int:
     """Print the turn; `agent` is how the user named the agent (the answer hint names it too)."""
     if as_json:
@@ -38,7 +39,9 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
             # The hint must work as printed, with or without a server: a conversation id alone
             # resolves only under its own agent.
             again = f"appserver run --agent {shlex.quote(agent)} --conversation {conversation_id}"
-            click.echo(f"conversation: {conversation_id}  (answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)")
+            click.echo(
+                f"conversation: {conversation_id}  (answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)"
+            )
         elif snapshot.status != "completed":
             error = snapshot.error or {}
             label = {"interrupted": "interrupted", "unknown": "ended"}.get(str(error.get("kind")), snapshot.status)
@@ -54,10 +57,26 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
 @click.option("--reason", default=None, help="Reason given with --deny.")
 @click.option("--idempotency-key", default=None)
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
-@click.option("--reconnect-wait", default=30.0, show_default=True, help="Seconds to wait for the server (or a standby taking over) after the connection drops.")
+@click.option(
+    "--reconnect-wait",
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for the server (or a standby taking over) after the connection drops.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.argument("text", required=False)
-def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float, reconnect_wait: float, as_json: bool, text: str | None) -> None:
+def run_command(
+    agent: str,
+    conversation: str,
+    approve: tuple[str, ...],
+    deny: tuple[str, ...],
+    reason: str | None,
+    idempotency_key: str | None,
+    timeout: float,
+    reconnect_wait: float,
+    as_json: bool,
+    text: str | None,
+) -> None:
     """Run one turn of AGENT with TEXT and print the reply."""
     config = get_config()
     live = live_server_or_fail(config.server_json)
@@ -69,7 +88,19 @@ def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: t
 
     if live is not None:
         # a server owns this home: run the turn through its WebSocket protocol (never beside it)
-        snap, conversation_id = run_remote(str(live.get("url")), agent, conversation, text, approve, deny, reason, idempotency_key, timeout, reconnect_wait=reconnect_wait, url_source=server_url_source(config.server_json))
+        snap, conversation_id = run_remote(
+            str(live.get("url")),
+            agent,
+            conversation,
+            text,
+            approve,
+            deny,
+            reason,
+            idempotency_key,
+            timeout,
+            reconnect_wait=reconnect_wait,
+            url_source=server_url_source(config.server_json),
+        )
         sys.exit(render(snap, conversation_id, as_json, agent))
 
     async def go(s: Server) -> tuple[TurnSnapshot, str]:
@@ -90,7 +121,15 @@ def run_command(agent: str, conversation: str, approve: tuple[str, ...], deny: t
             snap = await handle.wait_settled(timeout, after_revision=before)
             return snap, conv.id
         assert text is not None
-        sub = await s.kernel.submit(SubmitRequest(agent=agent, input=text, conversation=conversation, idempotency_key=idempotency_key, source={"client": "cli"}))
+        sub = await s.kernel.submit(
+            SubmitRequest(
+                agent=agent,
+                input=text,
+                conversation=conversation,
+                idempotency_key=idempotency_key,
+                source={"client": "cli"},
+            )
+        )
         snap = await sub.wait(timeout)
         return snap, sub.conversation_id
 
@@ -120,7 +159,21 @@ def snapshot_from_dict(d: dict[str, Any]) -> TurnSnapshot:
     )
 
 
-USAGE_ERRORS = frozenset({"bad_frame", "invalid_request", "not_found", "agent_not_found", "conversation_not_found", "agent_ambiguous", "not_awaiting", "conflict", "forbidden", "unknown_call", "already_resolved"})
+USAGE_ERRORS = frozenset(
+    {
+        "bad_frame",
+        "invalid_request",
+        "not_found",
+        "agent_not_found",
+        "conversation_not_found",
+        "agent_ambiguous",
+        "not_awaiting",
+        "conflict",
+        "forbidden",
+        "unknown_call",
+        "already_resolved",
+    }
+)
 
 
 def server_url_source(server_json: Path) -> Callable[[], str | None]:
@@ -139,12 +192,29 @@ def tell_connection(frame: dict[str, Any]) -> None:
         return
     data = frame.get("data") or {}
     if frame.get("name") == "connection_lost":
-        click.echo(f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip() + f"); waiting up to {data.get('reconnect_s'):g} s for the server or a standby]", err=True)
+        click.echo(
+            f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip()
+            + f"); waiting up to {data.get('reconnect_s'):g} s for the server or a standby]",
+            err=True,
+        )
     elif frame.get("name") == "reconnected":
         click.echo(f"[reconnected to {data.get('url')} after {data.get('after_s')} s]", err=True)
 
 
-def run_remote(url: str, agent: str, conversation: str, text: str | None, approve: tuple[str, ...], deny: tuple[str, ...], reason: str | None, idempotency_key: str | None, timeout: float, *, reconnect_wait: float = 30.0, url_source: Callable[[], str | None] | None = None) -> tuple[TurnSnapshot, str]:
+def run_remote(
+    url: str,
+    agent: str,
+    conversation: str,
+    text: str | None,
+    approve: tuple[str, ...],
+    deny: tuple[str, ...],
+    reason: str | None,
+    idempotency_key: str | None,
+    timeout: float,
+    *,
+    reconnect_wait: float = 30.0,
+    url_source: Callable[[], str | None] | None = None,
+) -> tuple[TurnSnapshot, str]:
     """One turn (or the answers to a paused one) through a live server's /ws protocol; the outcome
     is awaited across a failover (the client reconnects, possibly to a standby elsewhere)."""
     from appserver.client import ProtocolClient, ProtocolError
@@ -153,7 +223,9 @@ def run_remote(url: str, agent: str, conversation: str, text: str | None, approv
         tell_connection(frame)
 
     async def go() -> tuple[TurnSnapshot, str]:
-        client = await ProtocolClient.connect(url, client="appserver-run", reconnect=reconnect_wait > 0, reconnect_s=reconnect_wait, url_source=url_source)
+        client = await ProtocolClient.connect(
+            url, client="appserver-run", reconnect=reconnect_wait > 0, reconnect_s=reconnect_wait, url_source=url_source
+        )
         try:
             if approve or deny:
                 state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
@@ -163,15 +235,24 @@ def run_remote(url: str, agent: str, conversation: str, text: str | None, approv
                     raise ProtocolError("not_awaiting", f"conversation {conv_id} has no turn waiting for an answer")
                 decisions: list[dict[str, str | None]] = [{"call_id": c, "decision": "approve"} for c in approve]
                 decisions += [{"call_id": c, "decision": "deny", "reason": reason} for c in deny]
-                ack = await client.request({"type": "approval_response", "conversation": conv_id, "decisions": decisions})
+                ack = await client.request(
+                    {"type": "approval_response", "conversation": conv_id, "decisions": decisions}
+                )
                 refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
                 if refused:
-                    raise ProtocolError(refused[0].get("error") or "invalid_request", "; ".join(r.get("message", "") for r in refused))
-                snap = await client.wait_turn(active["turn_id"], after_revision=active["revision"], timeout=timeout, on_frame=on_frame)
+                    raise ProtocolError(
+                        refused[0].get("error") or "invalid_request", "; ".join(r.get("message", "") for r in refused)
+                    )
+                snap = await client.wait_turn(
+                    active["turn_id"], after_revision=active["revision"], timeout=timeout, on_frame=on_frame
+                )
                 return snapshot_from_dict(snap), conv_id
             assert text is not None
             # a key of our own makes re-sending the input after a reconnect safe (it never runs twice)
-            extra: dict[str, Any] = {"source": {"client": "cli"}, "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}"}
+            extra: dict[str, Any] = {
+                "source": {"client": "cli"},
+                "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}",
+            }
             ack = await client.submit(agent, text, conversation, **extra)
             snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
             return snapshot_from_dict(snap), ack["conversation_id"]

@@ -137,14 +137,8 @@ async def wait_for_home(config: Config) -> HomeLock | None:
             holder = (live or {}).get("identity")
             if holder != shown:
                 shown = holder
-                who = (
-                    f"{live.get('url')} (pid {live.get('pid')})"
-                    if live
-                    else "another `serve` (starting)"
-                )
-                click.echo(
-                    f"appserver standby: {who} holds {config.home}; checking every {interval:g} s"
-                )
+                who = f"{live.get('url')} (pid {live.get('pid')})" if live else "another `serve` (starting)"
+                click.echo(f"appserver standby: {who} holds {config.home}; checking every {interval:g} s")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
                 return None
@@ -155,7 +149,9 @@ async def wait_for_home(config: Config) -> HomeLock | None:
             loop.remove_signal_handler(sig)
 
 
-async def serve_async(config: Config, host: str, port: int, lock: HomeLock | None = None, *, accept_data_loss: bool = False) -> None:
+async def serve_async(
+    config: Config, host: str, port: int, lock: HomeLock | None = None, *, accept_data_loss: bool = False
+) -> None:
     """Serve while holding the home lock; without one (standby), wait for it first."""
     if lock is None:
         lock = await wait_for_home(config)
@@ -197,7 +193,9 @@ def check_tls_files(cert: str, key: str) -> None:
     """A missing or unusable TLS file fails with one line before anything starts."""
     for label, path in (("certificate", cert), ("key", key)):
         if not os.path.isfile(path):
-            raise StartupError(f"TLS {label} file not found: {path}; check --tls-cert/--tls-key ([server] tls_cert/tls_key)")
+            raise StartupError(
+                f"TLS {label} file not found: {path}; check --tls-cert/--tls-key ([server] tls_cert/tls_key)"
+            )
     ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)  # ssl.SSLError: explained
 
 
@@ -247,8 +245,13 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     logging.getLogger("asyncio").addFilter(AcceptErrorThrottle())
     log.info(
         "edge limits: %d connections (fd limit %d), head %d bytes in %g s, body stall %g s, idle %g s; trusted proxies: %s",
-        edge.max_connections, fd_limit(), edge.head_max_bytes, edge.head_timeout_s, edge.body_timeout_s,
-        edge.keepalive_timeout_s, ", ".join(proxies) or "none",
+        edge.max_connections,
+        fd_limit(),
+        edge.head_max_bytes,
+        edge.head_timeout_s,
+        edge.body_timeout_s,
+        edge.keepalive_timeout_s,
+        ", ".join(proxies) or "none",
     )
     uv = _UvicornServer(uv_config, services.hub)
     task = asyncio.create_task(uv.serve())
@@ -258,9 +261,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
             await task
             fail(f"could not start on {host}:{port}", 1)
         await asyncio.sleep(0.02)
-    bound_port = (
-        uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
-    )
+    bound_port = uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
     url = url_for(host, bound_port, tls)
     try:
         write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
@@ -335,9 +336,7 @@ def serve_command(
     lock, live = claim_home(config.server_json)
     if lock is None and not standby:
         fail(refusal(config, live), 3)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every upstream request at INFO: a log line per model call costs latency and
     # floods the log; its warnings and errors still show.
     logging.getLogger("httpx").setLevel(logging.WARNING)

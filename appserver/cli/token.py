@@ -38,22 +38,16 @@ def token_group() -> None:
 
 @token_group.command("create")
 @click.option("--name", default=None, help="A unique name (default: the token id).")
-@click.option(
-    "--agents", default=None, help="Comma-separated agent ids or names (default: all agents)."
-)
+@click.option("--agents", default=None, help="Comma-separated agent ids or names (default: all agents).")
 @click.option(
     "--scopes",
     default=",".join(DEFAULT_TOKEN_SCOPES),
     show_default=True,
     help=f"Comma-separated scopes among {', '.join(SCOPES)}.",
 )
-@click.option(
-    "--expires", default="never", show_default=True, help="Lifetime: 30d, 12h, 45m, 2w or never."
-)
+@click.option("--expires", default="never", show_default=True, help="Lifetime: 30d, 12h, 45m, 2w or never.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object (includes the token).")
-def create_cmd(
-    name: str | None, agents: str | None, scopes: str, expires: str, as_json: bool
-) -> None:
+def create_cmd(name: str | None, agents: str | None, scopes: str, expires: str, as_json: bool) -> None:
     """Mint a token and print it once; only its hash is stored."""
     store = _store()
     try:

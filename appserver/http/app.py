@@ -41,7 +41,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
         allow = headers.get("Allow", "")
         if request.method == "OPTIONS":
             return Response(status_code=204, headers={"Allow": ", ".join(filter(None, (allow, "OPTIONS")))})
-        return error_response(405, f"Method not allowed ({shown}); use {allow}", code="method_not_allowed", headers=headers)
+        return error_response(
+            405, f"Method not allowed ({shown}); use {allow}", code="method_not_allowed", headers=headers
+        )
     if exc.status_code == 404:
         return error_response(404, f"Invalid URL ({shown}): no such route", code="unknown_url", headers=headers)
     return error_response(exc.status_code, str(exc.detail), code="http_error", headers=headers)
@@ -51,7 +53,9 @@ async def server_error(request: Request, exc: Exception) -> Response:
     """A route that raised: the OpenAI error object with the request id (the traceback is logged
     by Starlette with the same id)."""
     rid = current_request_id() or new_request_id()
-    return error_response(500, f"The server had an error while processing your request (request id {rid}).", code="internal_error")
+    return error_response(
+        500, f"The server had an error while processing your request (request id {rid}).", code="internal_error"
+    )
 
 
 def build_app(server: Server, services: Services, *, extra_routes: list[BaseRoute] | None = None) -> Starlette:
@@ -71,7 +75,9 @@ def build_app(server: Server, services: Services, *, extra_routes: list[BaseRout
     routes.extend(openai_routes(server, services.metrics))
     routes.extend(ws_routes(server, services.hub, services.cron))
     routes.extend(extra_routes or [])
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error}
+    )
     app.state.server = server
     app.state.json_bodies = JsonBodies(int(server.config.limits.max_messages))  # both OpenAI POST routes
     return app

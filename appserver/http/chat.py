@@ -58,7 +58,13 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # max_steps: the server's loop was stopped before the reply was done, like a token limit (DESIGN §13)
-FINISH = {"end_turn": "stop", "max_tokens": "length", "max_steps": "length", "cancelled": "stop", "requires_client_tool": "tool_calls"}
+FINISH = {
+    "end_turn": "stop",
+    "max_tokens": "length",
+    "max_steps": "length",
+    "cancelled": "stop",
+    "requires_client_tool": "tool_calls",
+}
 
 
 # ---------------------------------------------------------------- request parsing
@@ -79,13 +85,23 @@ def media_part(part: dict[str, Any], where: str) -> dict[str, Any]:
     if kind == "input_audio":
         audio = part.get("input_audio")
         if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
-            raise bad_request(f"{where}: an input_audio part needs input_audio.data (base64) and input_audio.format", where, code="invalid_content_part")
+            raise bad_request(
+                f"{where}: an input_audio part needs input_audio.data (base64) and input_audio.format",
+                where,
+                code="invalid_content_part",
+            )
         return {"type": "input_audio", "input_audio": {k: audio[k] for k in ("data", "format") if k in audio}}
     fields = part.get("file") if kind == "file" else part
     if not isinstance(fields, dict):
-        raise bad_request(f"{where}: a file part needs file.file_data or file.file_id", where, code="invalid_content_part")
+        raise bad_request(
+            f"{where}: a file part needs file.file_data or file.file_id", where, code="invalid_content_part"
+        )
     if kind == "input_file" and fields.get("file_url"):
-        raise bad_request(f"{where}: unsupported content part 'input_file' with file_url: send the file's content as file_data", where, code="unsupported_content_part")
+        raise bad_request(
+            f"{where}: unsupported content part 'input_file' with file_url: send the file's content as file_data",
+            where,
+            code="unsupported_content_part",
+        )
     out = {k: fields[k] for k in ("file_data", "file_id", "filename") if isinstance(fields.get(k), str)}
     if not out.get("file_data") and not out.get("file_id"):
         raise bad_request(f"{where}: a file part needs file_data or file_id", where, code="invalid_content_part")
@@ -122,15 +138,27 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
         elif kind in MEDIA_PARTS and media:
             media_parts.append(media_part(part, f"{where}.content[{j}]"))
         elif kind in MEDIA_PARTS:
-            raise bad_request(f"{where}.content[{j}]: unsupported content part '{kind}': only user messages may carry files and audio", f"{where}.content", code="unsupported_content_part")
+            raise bad_request(
+                f"{where}.content[{j}]: unsupported content part '{kind}': only user messages may carry files and audio",
+                f"{where}.content",
+                code="unsupported_content_part",
+            )
         else:
-            raise bad_request(f"{where}.content[{j}]: unsupported content part '{kind}' (supported: text, image_url, file, input_audio)", f"{where}.content", code="unsupported_content_part")
+            raise bad_request(
+                f"{where}.content[{j}]: unsupported content part '{kind}' (supported: text, image_url, file, input_audio)",
+                f"{where}.content",
+                code="unsupported_content_part",
+            )
     return "".join(texts), images, media_parts
 
 
 def no_images(where: str, role: str, param: str) -> ApiError:
     """An image where only users may send one: refused by name, never dropped."""
-    return bad_request(f"{where}: unsupported content part 'image_url' in a {role} message: only user messages may carry images", param, code="unsupported_content_part")
+    return bad_request(
+        f"{where}: unsupported content part 'image_url' in a {role} message: only user messages may carry images",
+        param,
+        code="unsupported_content_part",
+    )
 
 
 def check_media(server: Server, agent: AgentRecord, parts: list[dict[str, Any]], param: str) -> None:
@@ -149,8 +177,16 @@ def check_media(server: Server, agent: AgentRecord, parts: list[dict[str, Any]],
         data = part.get("file", {}).get("file_data") if part["type"] == "file" else None
         if kind == "anthropic" and isinstance(data, str) and data.startswith("data:application/pdf;base64,"):
             continue
-        takes = "PDF files sent as file_data (data:application/pdf;base64,…)" if kind == "anthropic" else "text and images only"
-        raise bad_request(f"unsupported content part '{part['type']}': agent {agent.name} runs on {agent.model}, which takes {takes}", param, code="unsupported_content_part")
+        takes = (
+            "PDF files sent as file_data (data:application/pdf;base64,…)"
+            if kind == "anthropic"
+            else "text and images only"
+        )
+        raise bad_request(
+            f"unsupported content part '{part['type']}': agent {agent.name} runs on {agent.model}, which takes {takes}",
+            param,
+            code="unsupported_content_part",
+        )
 
 
 def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
@@ -185,7 +221,13 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     continue  # custom tool calls are not client function calls
                 args = fn.get("arguments")
-                calls.append({"id": str(c.get("id") or ""), "name": fn["name"], "arguments": args if isinstance(args, str) else ""})
+                calls.append(
+                    {
+                        "id": str(c.get("id") or ""),
+                        "name": fn["name"],
+                        "arguments": args if isinstance(args, str) else "",
+                    }
+                )
             items.append(ViewItem("assistant", text, calls=calls))
         else:  # tool, function
             call_id = m.get("tool_call_id") if role == "tool" else m.get("name")
@@ -209,9 +251,19 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].function.name is required", "tools", code="invalid_function_name")
         if any(t.name == name for t in out):
-            raise bad_request(f"tools[{i}]: a second function named {name!r}; function names must be unique", "tools", code="duplicate_function_name")
+            raise bad_request(
+                f"tools[{i}]: a second function named {name!r}; function names must be unique",
+                "tools",
+                code="duplicate_function_name",
+            )
         params = fn.get("parameters")
-        out.append(ToolSpec(name, str(fn.get("description") or ""), params if isinstance(params, dict) else {"type": "object", "properties": {}}))
+        out.append(
+            ToolSpec(
+                name,
+                str(fn.get("description") or ""),
+                params if isinstance(params, dict) else {"type": "object", "properties": {}},
+            )
+        )
     return out
 
 
@@ -241,7 +293,11 @@ def number_options(body: dict[str, Any], max_key: tuple[str, ...]) -> dict[str, 
             if v < 1:
                 raise bad_request(f"'{key}' must be a positive integer", key, code="integer_below_min_value")
             if v > MAX_OUTPUT_TOKENS:
-                raise bad_request(f"Invalid '{key}': {v} is too large; at most {MAX_OUTPUT_TOKENS}", key, code="integer_above_max_value")
+                raise bad_request(
+                    f"Invalid '{key}': {v} is too large; at most {MAX_OUTPUT_TOKENS}",
+                    key,
+                    code="integer_above_max_value",
+                )
             opts["max_tokens"] = v
     return opts
 
@@ -258,9 +314,15 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
         return None
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
-            raise bad_request(f"Invalid 'tool_choice': {value!r}; use none, auto, required or a function", "tool_choice", code="invalid_tool_choice")
+            raise bad_request(
+                f"Invalid 'tool_choice': {value!r}; use none, auto, required or a function",
+                "tool_choice",
+                code="invalid_tool_choice",
+            )
         if value == "required" and not names:
-            raise bad_request("'tool_choice' is required but no tools are offered", "tool_choice", code="invalid_tool_choice")
+            raise bad_request(
+                "'tool_choice' is required but no tools are offered", "tool_choice", code="invalid_tool_choice"
+            )
         return value
     if not isinstance(value, dict):
         raise bad_request("'tool_choice' must be a string or an object", "tool_choice", code="invalid_tool_choice")
@@ -269,10 +331,18 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
         fn = value.get("function")
         name = fn.get("name") if isinstance(fn, dict) else value.get("name")
         if kind == "mcp" and value.get("server_label") not in (agent.id, agent.name):
-            raise bad_request(f"'tool_choice' names MCP server {value.get('server_label')!r}; this agent's label is {agent.id}", "tool_choice", code="unsupported_tool")
+            raise bad_request(
+                f"'tool_choice' names MCP server {value.get('server_label')!r}; this agent's label is {agent.id}",
+                "tool_choice",
+                code="unsupported_tool",
+            )
         if not isinstance(name, str) or name not in names:
             offered = ", ".join(sorted(names)) or "none"
-            raise bad_request(f"Invalid 'tool_choice': function {name!r} is not among the tools offered ({offered})", "tool_choice", code="invalid_tool_choice")
+            raise bad_request(
+                f"Invalid 'tool_choice': function {name!r} is not among the tools offered ({offered})",
+                "tool_choice",
+                code="invalid_tool_choice",
+            )
         return {"type": "function", "function": {"name": name}}
     if kind == "mcp" and value.get("server_label") in (agent.id, agent.name):
         return "required" if names else None
@@ -286,11 +356,19 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
             fn = t.get("function") if isinstance(t, dict) else None
             name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
             if not isinstance(name, str) or name not in names:
-                raise bad_request(f"Invalid 'tool_choice': allowed tool {name!r} is not among the tools offered", "tool_choice", code="invalid_tool_choice")
+                raise bad_request(
+                    f"Invalid 'tool_choice': allowed tool {name!r} is not among the tools offered",
+                    "tool_choice",
+                    code="invalid_tool_choice",
+                )
             picked.append({"type": "function", "function": {"name": name}})
         mode = spec.get("mode") if spec.get("mode") in ("auto", "required") else "auto"
         return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": picked}}
-    raise bad_request(f"unsupported 'tool_choice' type {kind!r}: only function tools (and this agent's own, as mcp) can be chosen", "tool_choice", code="unsupported_tool")
+    raise bad_request(
+        f"unsupported 'tool_choice' type {kind!r}: only function tools (and this agent's own, as mcp) can be chosen",
+        "tool_choice",
+        code="unsupported_tool",
+    )
 
 
 def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[str, Any]:
@@ -381,7 +459,10 @@ def finish_of(snap: TurnSnapshot) -> str:
 
 
 def tool_calls_of(snap: TurnSnapshot) -> list[dict[str, Any]]:
-    return [{"id": p["call_id"], "type": "function", "function": {"name": p["name"], "arguments": p["arguments"] or ""}} for p in client_pending(snap)]
+    return [
+        {"id": p["call_id"], "type": "function", "function": {"name": p["name"], "arguments": p["arguments"] or ""}}
+        for p in client_pending(snap)
+    ]
 
 
 def failure(snap: TurnSnapshot) -> ApiError:
@@ -409,7 +490,11 @@ class ChatCompletions:
             raise bad_request("'stream' must be a boolean", "stream")
         stream_options = body.get("stream_options")
         if stream_options is not None and not stream:
-            raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options", code="invalid_stream_options")
+            raise bad_request(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                "stream_options",
+                code="invalid_stream_options",
+            )
         stream_options = stream_options or {}
         if not isinstance(stream_options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
@@ -429,11 +514,17 @@ class ChatCompletions:
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
         if not users and not results:
-            raise bad_request("the last message must be a user message or tool results", "messages", code="missing_input")
+            raise bad_request(
+                "the last message must be a user message or tool results", "messages", code="missing_input"
+            )
         if users and results:
-            raise bad_request("send tool results and a new user message in separate requests", "messages", code="mixed_input")
+            raise bad_request(
+                "send tool results and a new user message in separate requests", "messages", code="mixed_input"
+            )
         check_media(self.server, agent, [p for u in users for p in u.parts], "messages")
-        answers = Answers([r.call_id or "" for r in results], turn_tools(tools), options, "messages") if results else None
+        answers = (
+            Answers([r.call_id or "" for r in results], turn_tools(tools), options, "messages") if results else None
+        )
 
         idem, replay = await Idempotency.begin(self.server, request, principal, "chat.completions", body)
         if replay is not None:
@@ -478,7 +569,17 @@ class ChatCompletions:
 
 
 class _Ctx:
-    def __init__(self, route: ChatCompletions, agent: AgentRecord, model_id: str, run: TurnRun, idem: Idempotency | None, new: list[ViewItem], prefix_hash: str, reasoning: bool) -> None:
+    def __init__(
+        self,
+        route: ChatCompletions,
+        agent: AgentRecord,
+        model_id: str,
+        run: TurnRun,
+        idem: Idempotency | None,
+        new: list[ViewItem],
+        prefix_hash: str,
+        reasoning: bool,
+    ) -> None:
         self.route = route
         self.server = route.server
         self.agent = agent
@@ -503,8 +604,16 @@ class _Ctx:
     async def record_point(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
         if snap.status == "failed":
             return
-        reply = ViewItem("assistant", text, calls=[{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls])
-        await self.route.matcher.record(self.agent.id, self.run.conversation_id, chain([*self.new, reply], self.prefix_hash))
+        reply = ViewItem(
+            "assistant",
+            text,
+            calls=[
+                {"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls
+            ],
+        )
+        await self.route.matcher.record(
+            self.agent.id, self.run.conversation_id, chain([*self.new, reply], self.prefix_hash)
+        )
 
     # -------------------------------------------------------- non-stream
 
@@ -518,7 +627,12 @@ class _Ctx:
             if snap.stop_reason == "max_steps":
                 text = f"{text}\n\n{self.steps_note}" if text else self.steps_note
             calls = tool_calls_of(snap) if snap.status == "awaiting" else []
-            message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None, "refusal": None, "annotations": []}
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": text if (text or not calls) else None,
+                "refusal": None,
+                "annotations": [],
+            }
             if calls:
                 message["tool_calls"] = calls
             if self.reasoning:
@@ -540,7 +654,12 @@ class _Ctx:
         data = dumps(body)
         if self.idem is not None:
             await self.idem.finish(200, "application/json", data, self.run.conversation_id)
-        return Response(data, media_type="application/json", headers=self.headers, background=BackgroundTask(self.record_point_after, snap, text, calls))
+        return Response(
+            data,
+            media_type="application/json",
+            headers=self.headers,
+            background=BackgroundTask(self.record_point_after, snap, text, calls),
+        )
 
     async def record_point_after(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
         """The history point, written once the reply is on the wire (off the latency path). It only
@@ -603,10 +722,23 @@ class _Ctx:
                             if cid not in call_index:
                                 call_index[cid] = len(call_index)
                                 sent[i] = 0
-                                yield self.chunk({"tool_calls": [{"index": call_index[cid], "id": cid, "type": "function", "function": {"name": b["name"], "arguments": ""}}]})
+                                yield self.chunk(
+                                    {
+                                        "tool_calls": [
+                                            {
+                                                "index": call_index[cid],
+                                                "id": cid,
+                                                "type": "function",
+                                                "function": {"name": b["name"], "arguments": ""},
+                                            }
+                                        ]
+                                    }
+                                )
                             done = sent.get(i, 0)
                             if len(args) > done:
-                                yield self.chunk({"tool_calls": [{"index": call_index[cid], "function": {"arguments": args[done:]}}]})
+                                yield self.chunk(
+                                    {"tool_calls": [{"index": call_index[cid], "function": {"arguments": args[done:]}}]}
+                                )
                                 sent[i] = len(args)
                     if self.settled(snap):
                         break
@@ -628,7 +760,16 @@ class _Ctx:
                         yield self.chunk({"tool_calls": [{"index": call_index[c["id"]], **c}]})
                 yield self.chunk({}, finish_of(last))
                 if include_usage:
-                    yield dumps({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model_id, "choices": [], "usage": usage_of(last)})
+                    yield dumps(
+                        {
+                            "id": self.id,
+                            "object": "chat.completion.chunk",
+                            "created": self.created,
+                            "model": self.model_id,
+                            "choices": [],
+                            "usage": usage_of(last),
+                        }
+                    )
                 yield "[DONE]"
                 finished = True
                 shown = render_text(blocks_after(last, self.run))

@@ -120,16 +120,30 @@ async def visible_agents(server: Server, principal: Principal) -> list[AgentReco
 async def resolve_model(server: Server, principal: Principal, model: Any) -> tuple[AgentRecord, str]:
     """The agent a `model` value names, and its advertised id; 404 model_not_found otherwise."""
     if model is None:
-        raise ApiError(400, "'model' is required: use one of the ids from GET /v1/models", code="missing_model", param="model")
+        raise ApiError(
+            400, "'model' is required: use one of the ids from GET /v1/models", code="missing_model", param="model"
+        )
     if not isinstance(model, str):
-        raise ApiError(400, f"'model' must be a string (got {json_type(model)}): use one of the ids from GET /v1/models", code="invalid_type", param="model")
+        raise ApiError(
+            400,
+            f"'model' must be a string (got {json_type(model)}): use one of the ids from GET /v1/models",
+            code="invalid_type",
+            param="model",
+        )
     if not model.strip():
-        raise ApiError(400, "'model' is empty: use one of the ids from GET /v1/models", code="missing_model", param="model")
+        raise ApiError(
+            400, "'model' is empty: use one of the ids from GET /v1/models", code="missing_model", param="model"
+        )
     agents = await server.store.list_agents()
     adv = advertised_ids(agents)
     found = [a for a in agents if a.id == model] or [a for a in agents if adv[a.id] == model]
     if len(found) != 1 or not principal.allows_agent(found[0].id, found[0].name):
-        raise ApiError(404, f"The model '{model}' does not exist or you do not have access to it.", code="model_not_found", param="model")
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist or you do not have access to it.",
+            code="model_not_found",
+            param="model",
+        )
     return found[0], adv[found[0].id]
 
 
@@ -167,7 +181,9 @@ class Idempotency:
     body_hash: str
 
     @classmethod
-    async def begin(cls, server: Server, request: Request, principal: Principal, route: str, body: dict[str, Any]) -> tuple[Idempotency | None, Response | None]:
+    async def begin(
+        cls, server: Server, request: Request, principal: Principal, route: str, body: dict[str, Any]
+    ) -> tuple[Idempotency | None, Response | None]:
         """(a claim to finish later, or a stored reply to send now).
 
         One key scope per credential across both POST routes: the route is part of the hashed
@@ -178,7 +194,12 @@ class Idempotency:
             return None, None
         key = key.strip()
         if not key or len(key) > 255:
-            raise ApiError(400, "Idempotency-Key must be 1 to 255 characters", code="invalid_idempotency_key", param="Idempotency-Key")
+            raise ApiError(
+                400,
+                "Idempotency-Key must be 1 to 255 characters",
+                code="invalid_idempotency_key",
+                param="Idempotency-Key",
+            )
         body_hash = canonical_hash(route, body)
         scope = namespace_of(principal)
         store = server.store
@@ -189,24 +210,43 @@ class Idempotency:
             if existing is None:
                 return cls(server, scope, key, body_hash), None
             if existing.body_hash != body_hash:
-                raise ApiError(409, "this Idempotency-Key was already used with a different request body", code="idempotency_key_reused", param="Idempotency-Key")
+                raise ApiError(
+                    409,
+                    "this Idempotency-Key was already used with a different request body",
+                    code="idempotency_key_reused",
+                    param="Idempotency-Key",
+                )
             if existing.state == "done":
                 headers = {"Idempotent-Replayed": "true"}
                 if existing.conversation_id:
                     headers["X-Conversation-Id"] = existing.conversation_id
-                return None, Response(existing.body or "", status_code=existing.status_code or 200, media_type=existing.content_type, headers=headers)
+                return None, Response(
+                    existing.body or "",
+                    status_code=existing.status_code or 200,
+                    media_type=existing.content_type,
+                    headers=headers,
+                )
             if time.monotonic() > deadline:
-                raise ApiError(409, "a request with this Idempotency-Key is still in progress", code="idempotency_key_in_progress", param="Idempotency-Key")
+                raise ApiError(
+                    409,
+                    "a request with this Idempotency-Key is still in progress",
+                    code="idempotency_key_in_progress",
+                    param="Idempotency-Key",
+                )
             await asyncio.sleep(0.05)
 
     async def finish(self, status: int, content_type: str, body: str, conversation_id: str | None) -> None:
-        await self.server.store.finish_http_idempotency(self.scope, self.key, status, content_type, body, conversation_id)
+        await self.server.store.finish_http_idempotency(
+            self.scope, self.key, status, content_type, body, conversation_id
+        )
 
     async def abandon(self) -> None:
         await self.server.store.drop_http_idempotency(self.scope, self.key)
 
 
-def stream_replay(idem: Idempotency | None, conversation_id: str, finished: Callable[[], bool]) -> Callable[[bool, list[str]], Awaitable[None]]:
+def stream_replay(
+    idem: Idempotency | None, conversation_id: str, finished: Callable[[], bool]
+) -> Callable[[bool, list[str]], Awaitable[None]]:
     """The SSE `on_close` of an idempotent stream: store the whole stream (its frames, as sent) for
     replay when it ran to its end, else release the key so a retry runs again."""
 
@@ -316,10 +356,16 @@ async def start_turn(
     try:
         if decisions:
             if content:
-                raise ApiError(400, "send tool results (or approval answers) and new user input in separate requests", code="mixed_input")
+                raise ApiError(
+                    400,
+                    "send tool results (or approval answers) and new user input in separate requests",
+                    code="mixed_input",
+                )
             awaiting = await kernel.awaiting(conversation_id)
             if awaiting is None:
-                raise ApiError(409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting")
+                raise ApiError(
+                    409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting"
+                )
             handle = await kernel.handle_for(awaiting)
             # A stateless client resends every answer it gave: one this turn already has (the same
             # answer) is history, not new input. Only the others are answers now.
@@ -327,13 +373,27 @@ async def start_turn(
             decisions = [d for d in decisions if not already_given(given.get(d.call_id), d)]
             before = handle.controller.snapshot()
             if not decisions:  # nothing new: the turn still waits for the rest, as it shows now
-                return TurnRun(server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision - 1)
+                return TurnRun(
+                    server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision - 1
+                )
             results = await kernel.respond(conversation_id, decisions)
             refused = [r for r in results if not r.get("accepted")]
             if refused:
-                raise ApiError(400, "; ".join(str(r.get("message")) for r in refused), code=str(refused[0].get("error") or "invalid_call"), param="tool_call_id")
+                raise ApiError(
+                    400,
+                    "; ".join(str(r.get("message")) for r in refused),
+                    code=str(refused[0].get("error") or "invalid_call"),
+                    param="tool_call_id",
+                )
             resolved = [d.call_id for d in decisions if d.action in ("approve", "deny")]
-            return TurnRun(server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision, resolved_calls=resolved)
+            return TurnRun(
+                server,
+                conversation_id,
+                handle,
+                base_blocks=len(before.blocks),
+                after_revision=before.revision,
+                resolved_calls=resolved,
+            )
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
         if while_pending is not None:
@@ -341,7 +401,16 @@ async def start_turn(
             if waiting:
                 raise while_pending(waiting)
         sub = await kernel.submit(
-            SubmitRequest(agent=agent.id, input=content, conversation=conversation_id, source=source, client_tools=client_tools, options=options, resolved=agent, overlap_accept=overlap_accept)
+            SubmitRequest(
+                agent=agent.id,
+                input=content,
+                conversation=conversation_id,
+                source=source,
+                client_tools=client_tools,
+                options=options,
+                resolved=agent,
+                overlap_accept=overlap_accept,
+            )
         )
         return TurnRun(server, sub.conversation_id, sub.handle)
     except KernelError as exc:
@@ -403,7 +472,12 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Hand
         if handler is None and request.method == "OPTIONS":  # what may I send here? (not an error)
             response = Response(status_code=204, headers={"Allow": f"{allow}, OPTIONS"})
         elif handler is None:
-            response = error_response(405, f"method {request.method} is not allowed on {route}; use {allow}", code="method_not_allowed", headers={"Allow": allow})
+            response = error_response(
+                405,
+                f"method {request.method} is not allowed on {route}; use {allow}",
+                code="method_not_allowed",
+                headers={"Allow": allow},
+            )
         else:
             try:
                 response = await handler(request)
@@ -415,8 +489,15 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Hand
             except Exception:
                 rid = current_request_id() or new_request_id()  # the x-request-id of this response
                 log.exception("request %s on %s failed", rid, route)
-                response = error_response(500, f"The server had an error while processing your request (request id {rid}).", code="internal_error", headers={"X-Request-Id": rid})
-        metrics.observe_request(route, request.method, response.status_code if hasattr(response, "status_code") else 200)
+                response = error_response(
+                    500,
+                    f"The server had an error while processing your request (request id {rid}).",
+                    code="internal_error",
+                    headers={"X-Request-Id": rid},
+                )
+        metrics.observe_request(
+            route, request.method, response.status_code if hasattr(response, "status_code") else 200
+        )
         return response
 
     return endpoint
@@ -447,8 +528,9 @@ async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[Tu
                 return snap
             seen = snap.revision  # paused for something this request does not end on: wait on
 
-    gone, snap = await wait_or_disconnect(request, wait())
+    gone, outcome = await wait_or_disconnect(request, wait())
     if gone:
         await run.cancel()
         raise ApiError(499, "the client closed the request", code="client_closed")
+    snap: TurnSnapshot = outcome
     return snap

@@ -57,7 +57,9 @@ class ViewItem:
             return ["assistant", self.text.strip(), [[c["name"], _canon_args(c["arguments"])] for c in self.calls]]
         if self.kind == "user":
             if self.parts:
-                digest = hashlib.sha256(json.dumps(self.parts, sort_keys=True, separators=(",", ":")).encode("utf-8", "surrogatepass")).hexdigest()
+                digest = hashlib.sha256(
+                    json.dumps(self.parts, sort_keys=True, separators=(",", ":")).encode("utf-8", "surrogatepass")
+                ).hexdigest()
                 return ["user", self.text.strip(), list(self.images), digest]
             return ["user", self.text.strip(), list(self.images)]
         return [self.kind, self.text.strip()]
@@ -73,7 +75,9 @@ def _canon_args(arguments: str) -> str:
 def chain(items: list[ViewItem], start: str = EMPTY_HASH) -> str:
     h = start
     for item in items:
-        h = hashlib.sha256((h + json.dumps(item.key(), ensure_ascii=False, separators=(",", ":"))).encode("utf-8")).hexdigest()
+        h = hashlib.sha256(
+            (h + json.dumps(item.key(), ensure_ascii=False, separators=(",", ":"))).encode("utf-8")
+        ).hexdigest()
     return h
 
 
@@ -89,7 +93,11 @@ def user_content(text: str, images: list[str], parts: list[dict[str, Any]]) -> s
     """Stored/provider content of a user input: plain text unless it carries images, files or audio."""
     if not images and not parts:
         return text
-    return ([{"type": "text", "text": text}] if text else []) + [{"type": "image_url", "image_url": {"url": u}} for u in images] + [dict(p) for p in parts]
+    return (
+        ([{"type": "text", "text": text}] if text else [])
+        + [{"type": "image_url", "image_url": {"url": u}} for u in images]
+        + [dict(p) for p in parts]
+    )
 
 
 def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
@@ -102,7 +110,9 @@ def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
                 prev.text = f"{prev.text}\n\n{item.text}" if prev.text else item.text
             prev.calls.extend(item.calls)
         else:
-            out.append(ViewItem(item.kind, item.text, list(item.images), list(item.calls), item.call_id, list(item.parts)))
+            out.append(
+                ViewItem(item.kind, item.text, list(item.images), list(item.calls), item.call_id, list(item.parts))
+            )
     return out
 
 
@@ -113,7 +123,12 @@ def check_call_ids(items: list[ViewItem], param: str) -> None:
         ids = [c["id"] for c in item.calls if c["id"]]
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
-            raise ApiError(400, f"{param}: the assistant reply at item {n} makes several tool calls with the id {', '.join(dup)}; tool call ids must be unique", code="duplicate_tool_call_id", param=param)
+            raise ApiError(
+                400,
+                f"{param}: the assistant reply at item {n} makes several tool calls with the id {', '.join(dup)}; tool call ids must be unique",
+                code="duplicate_tool_call_id",
+                param=param,
+            )
 
 
 def split_new_input(items: list[ViewItem]) -> tuple[list[ViewItem], list[ViewItem]]:
@@ -131,7 +146,11 @@ def seed_records(items: list[ViewItem]) -> list[MessageRecord]:
     out: list[MessageRecord] = []
     for item in items:
         if item.kind == "user":
-            out.append(MessageRecord(role="user", content=user_content(item.text, item.images, item.parts), source={"kind": "http_seed"}))
+            out.append(
+                MessageRecord(
+                    role="user", content=user_content(item.text, item.images, item.parts), source={"kind": "http_seed"}
+                )
+            )
         elif item.kind == "assistant":
             calls = []
             for c in item.calls:
@@ -156,7 +175,11 @@ def _valid_tool_pairs(messages: list[MessageRecord]) -> list[MessageRecord]:
                 out.append(m)
             continue
         for cid, name in open_calls.items():
-            out.append(MessageRecord(role="tool", content="(no result was provided)", tool_call_id=cid, name=name, is_error=True))
+            out.append(
+                MessageRecord(
+                    role="tool", content="(no result was provided)", tool_call_id=cid, name=name, is_error=True
+                )
+            )
         open_calls = {}
         out.append(m)
         if m.role == "assistant":
@@ -283,7 +306,14 @@ class ConversationMatcher:
             raise
         return conv
 
-    async def _write_new(self, conv: ConversationRecord, records: list[MessageRecord], copy: list[int] | None, answers: Answers | None, paused: Paused | None) -> None:
+    async def _write_new(
+        self,
+        conv: ConversationRecord,
+        records: list[MessageRecord],
+        copy: list[int] | None,
+        answers: Answers | None,
+        paused: Paused | None,
+    ) -> None:
         await self.store.create_conversation(conv, copy_messages=copy)
         if records:
             await self.store.append_messages(conv.id, records)
@@ -331,27 +361,67 @@ class ConversationMatcher:
         for c in paused.open_calls:
             client = c.get("executor") == "client"
             timeout = limits.client_tool_timeout_s if client else limits.approval_timeout_s
-            pending.append(PendingCall(c["id"], conv.id, turn.id, c["name"], c.get("arguments") or "", "client" if client else "approval", created_at=now, expires_at=now + timeout))
+            pending.append(
+                PendingCall(
+                    c["id"],
+                    conv.id,
+                    turn.id,
+                    c["name"],
+                    c.get("arguments") or "",
+                    "client" if client else "approval",
+                    created_at=now,
+                    expires_at=now + timeout,
+                )
+            )
         stop = "requires_approval" if any(p.kind == "approval" for p in pending) else "requires_client_tool"
-        await self.store.commit_turn(conv.id, TurnCommit(turn.id, "awaiting", stop, messages, pending, revision=1, iteration=1))
+        await self.store.commit_turn(
+            conv.id, TurnCommit(turn.id, "awaiting", stop, messages, pending, revision=1, iteration=1)
+        )
 
     def visible(self, conv: ConversationRecord, agent: AgentRecord, namespace: str | None) -> bool:
         """`namespace`: the caller's `conversation_namespace` (None: admin or local, sees all)."""
         return conv.agent_id == agent.id and namespace_allows(namespace, conv.namespace)
 
-    async def by_header(self, agent: AgentRecord, namespace: str | None, value: str, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any] | None, answers: Answers | None = None) -> Placement:
+    async def by_header(
+        self,
+        agent: AgentRecord,
+        namespace: str | None,
+        value: str,
+        prefix: list[ViewItem],
+        user: str | None,
+        metadata: dict[str, Any] | None,
+        answers: Answers | None = None,
+    ) -> Placement:
         value = value.strip()
         if not CONVERSATION_ID_RE.match(value):
-            raise ApiError(400, f"invalid {HEADER}: letters, digits, '_', '.', ':', '-', at most 128 characters", code="invalid_conversation_id", param=HEADER)
+            raise ApiError(
+                400,
+                f"invalid {HEADER}: letters, digits, '_', '.', ':', '-', at most 128 characters",
+                code="invalid_conversation_id",
+                param=HEADER,
+            )
         conv = await self.store.get_conversation(value)
         if conv is not None:
             if not self.visible(conv, agent, namespace):
-                raise ApiError(404, f"conversation {value!r} does not belong to this model", code="conversation_not_found", param=HEADER)
+                raise ApiError(
+                    404,
+                    f"conversation {value!r} does not belong to this model",
+                    code="conversation_not_found",
+                    param=HEADER,
+                )
             return Placement(conv.id, "header")
         await self._new(agent, namespace, conv_id=value, seed=prefix, user=user, metadata=metadata, answers=answers)
         return Placement(value, "header_new", claimed=True)
 
-    async def by_prefix(self, agent: AgentRecord, namespace: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any] | None, answers: Answers | None = None) -> Placement:
+    async def by_prefix(
+        self,
+        agent: AgentRecord,
+        namespace: str | None,
+        prefix: list[ViewItem],
+        user: str | None,
+        metadata: dict[str, Any] | None,
+        answers: Answers | None = None,
+    ) -> Placement:
         """`answers`: the new input answers tool calls; a fork or a new conversation is then made
         paused at them (a resent finished tool round forks and is answered; a history whose calls
         this server never issued is seeded and answered)."""
@@ -373,7 +443,9 @@ class ConversationMatcher:
                 return Placement(point.conversation_id, "prefix", claimed=True)
         if candidates:
             src = candidates[0]
-            conv_id = await self.fork_at(agent, namespace, src.conversation_id, src.last_message_id, answers, user=user, metadata=metadata)
+            conv_id = await self.fork_at(
+                agent, namespace, src.conversation_id, src.last_message_id, answers, user=user, metadata=metadata
+            )
             place = Placement(conv_id, "fork", claimed=True)
         else:
             conv = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
@@ -385,15 +457,38 @@ class ConversationMatcher:
             raise
         return place
 
-    async def fork_at(self, agent: AgentRecord, namespace: str | None, source_conversation: str, last_message_id: int, answers: Answers | None = None, *, user: str | None = None, metadata: dict[str, Any] | None = None) -> str:
+    async def fork_at(
+        self,
+        agent: AgentRecord,
+        namespace: str | None,
+        source_conversation: str,
+        last_message_id: int,
+        answers: Answers | None = None,
+        *,
+        user: str | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> str:
         """A new conversation with the source's messages up to `last_message_id`; with `answers`,
         paused at the calls open there (checked before anything is written)."""
-        messages = [m for m in await self.store.list_messages(source_conversation) if m.id is not None and m.id <= last_message_id]
+        messages = [
+            m
+            for m in await self.store.list_messages(source_conversation)
+            if m.id is not None and m.id <= last_message_id
+        ]
         paused: Paused | None = None
         if answers is not None:
             messages, paused = split_paused(messages, answers)  # the tail is written again, paused
         ids = [m.id for m in messages if m.id is not None]
-        conv = await self._new(agent, namespace, user=user, metadata=metadata, forked_from=source_conversation, copy=ids, answers=answers, paused=paused)
+        conv = await self._new(
+            agent,
+            namespace,
+            user=user,
+            metadata=metadata,
+            forked_from=source_conversation,
+            copy=ids,
+            answers=answers,
+            paused=paused,
+        )
         return conv.id
 
     async def record(self, agent_id: str, conversation_id: str, prefix_hash: str) -> None:

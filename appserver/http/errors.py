@@ -27,7 +27,15 @@ ERROR_TYPES = {
 class ApiError(Exception):
     """Raised inside a route; rendered as an OpenAI error object with `status`."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -47,7 +55,14 @@ def error_body(status: int, message: str, *, code: str | None = None, param: str
     }
 
 
-def error_response(status: int, message: str, *, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     return JSONResponse(error_body(status, message, code=code, param=param), status_code=status, headers=headers)
 
 
@@ -78,7 +93,12 @@ def turn_failure(error: dict[str, Any] | None) -> ApiError:
     kind = str(err.get("kind") or "internal")
     status, code = PROVIDER_FAILURES.get(kind, (500, "internal_error"))
     detail = f" (upstream HTTP {err['status']})" if err.get("status") else ""
-    return ApiError(status, f"the agent's turn failed: {err.get('message') or 'unknown error'}{detail}", code=code, headers={"x-should-retry": "false"})
+    return ApiError(
+        status,
+        f"the agent's turn failed: {err.get('message') or 'unknown error'}{detail}",
+        code=code,
+        headers={"x-should-retry": "false"},
+    )
 
 
 def new_request_id() -> str:

@@ -28,8 +28,15 @@ class Metrics:
         self.server = server
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("appserver_http_requests_total", "HTTP requests on the OpenAI routes by route, method and status", ["route", "method", "status"], registry=r)
-        self.turns = Counter("appserver_turns_total", "Turns (or turn segments) settled, by outcome", ["outcome"], registry=r)
+        self.requests = Counter(
+            "appserver_http_requests_total",
+            "HTTP requests on the OpenAI routes by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.turns = Counter(
+            "appserver_turns_total", "Turns (or turn segments) settled, by outcome", ["outcome"], registry=r
+        )
         self.turn_latency = Histogram(
             "appserver_turn_latency_seconds",
             "Time from a turn's start to its settlement",
@@ -37,7 +44,9 @@ class Metrics:
             registry=r,
         )
         self.active_streams = Gauge("appserver_active_streams", "SSE streams open on the OpenAI routes", registry=r)
-        self.queue_depth = Gauge("appserver_queue_depth", "Inputs queued across all conversations in memory", registry=r)
+        self.queue_depth = Gauge(
+            "appserver_queue_depth", "Inputs queued across all conversations in memory", registry=r
+        )
         self.queue_depth.set_function(self._queue_depth)
         self.runtimes = Gauge("appserver_conversation_runtimes", "Conversation runtimes in memory", registry=r)
         self.runtimes.set_function(lambda: self.server.kernel.runtime_count)

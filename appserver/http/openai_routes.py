@@ -34,11 +34,18 @@ def openai_routes(server: Server, metrics: Metrics) -> list[BaseRoute]:
         agents = await server.store.list_agents()
         adv = advertised_ids(agents)
         visible = {a.id for a in await visible_agents(server, principal_of(request))}
-        return json_response({"object": "list", "data": [model_object(a, adv[a.id]) for a in agents if a.id in visible]})
+        return json_response(
+            {"object": "list", "data": [model_object(a, adv[a.id]) for a in agents if a.id in visible]}
+        )
 
     async def get_model(request: Request) -> Response:
         if not request.path_params["model"]:
-            raise ApiError(404, "GET /v1/models/ names no model: use GET /v1/models to list them, or GET /v1/models/{id}", code="model_not_found", param="model")
+            raise ApiError(
+                404,
+                "GET /v1/models/ names no model: use GET /v1/models to list them, or GET /v1/models/{id}",
+                code="model_not_found",
+                param="model",
+            )
         agent, model_id = await resolve_model(server, principal_of(request), request.path_params["model"])
         return json_response(model_object(agent, model_id))
 
@@ -51,6 +58,8 @@ def openai_routes(server: Server, metrics: Metrics) -> list[BaseRoute]:
         route("/v1/chat/completions", "/v1/chat/completions", {"POST": chat.post}),
         route("/v1/responses", "/v1/responses", {"POST": responses.post}),
         route("/v1/responses/{response_id}", "/v1/responses/{id}", {"GET": responses.get, "DELETE": responses.delete}),
-        route("/v1/responses/{response_id}/input_items", "/v1/responses/{id}/input_items", {"GET": responses.input_items}),
+        route(
+            "/v1/responses/{response_id}/input_items", "/v1/responses/{id}/input_items", {"GET": responses.input_items}
+        ),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
     ]

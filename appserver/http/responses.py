@@ -102,7 +102,15 @@ class ParsedInput:
 ECHOED_ITEMS = ("reasoning", "mcp_list_tools")
 # Server tool items count as an empty assistant item: they merge into the reply around them.
 SERVER_TOOL_ITEMS = ("mcp_call", "mcp_approval_request")
-SUPPORTED_ITEMS = ("message", "function_call", "function_call_output", "mcp_approval_response", "item_reference", *SERVER_TOOL_ITEMS, *ECHOED_ITEMS)
+SUPPORTED_ITEMS = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "mcp_approval_response",
+    "item_reference",
+    *SERVER_TOOL_ITEMS,
+    *ECHOED_ITEMS,
+)
 
 
 def parse_input(value: Any, response_id: str = "") -> ParsedInput:
@@ -116,7 +124,15 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
 
     if isinstance(value, str):
         out.items.append(ViewItem("user", value))
-        out.stored.append({"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": [{"type": "input_text", "text": value}]})
+        out.stored.append(
+            {
+                "id": item_id("msg"),
+                "type": "message",
+                "role": "user",
+                "status": "completed",
+                "content": [{"type": "input_text", "text": value}],
+            }
+        )
         return out
     if not isinstance(value, list):
         raise bad_request("'input' must be a string or a non-empty array of items", "input")
@@ -142,15 +158,31 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                 parts: list[dict[str, Any]] = [{"type": "input_text", "text": text}] if text else []
                 parts += [{"type": "input_image", "image_url": u, "detail": "auto"} for u in images]
                 parts += [_input_part(p) for p in media]
-                out.stored.append({"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts})
+                out.stored.append(
+                    {"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts}
+                )
             else:
                 out.items.append(ViewItem("system", text))
-                out.stored.append({"id": item_id("msg"), "type": "message", "role": role, "status": "completed", "content": [{"type": "input_text", "text": text}]})
+                out.stored.append(
+                    {
+                        "id": item_id("msg"),
+                        "type": "message",
+                        "role": role,
+                        "status": "completed",
+                        "content": [{"type": "input_text", "text": text}],
+                    }
+                )
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(call_id, str):
                 raise bad_request(f"{where}: a function_call needs call_id and name", "input")
-            out.items.append(ViewItem("assistant", "", calls=[{"id": call_id, "name": name, "arguments": args if isinstance(args, str) else ""}]))
+            out.items.append(
+                ViewItem(
+                    "assistant",
+                    "",
+                    calls=[{"id": call_id, "name": name, "arguments": args if isinstance(args, str) else ""}],
+                )
+            )
             out.decisions.clear()
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
@@ -163,7 +195,15 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             if not isinstance(output, str):
                 raise bad_request(f"{where}.output must be a string", "input")
             out.items.append(ViewItem("tool", output, call_id=call_id))
-            out.stored.append({"id": item_id("fco"), "type": "function_call_output", "call_id": call_id, "output": output, "status": "completed"})
+            out.stored.append(
+                {
+                    "id": item_id("fco"),
+                    "type": "function_call_output",
+                    "call_id": call_id,
+                    "output": output,
+                    "status": "completed",
+                }
+            )
         elif kind == "mcp_approval_response":
             rid, approve = item.get("approval_request_id"), item.get("approve")
             if not isinstance(rid, str) or not isinstance(approve, bool):
@@ -172,14 +212,27 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             call_id = rid[len("mcpr_") :] if rid.startswith("mcpr_") else rid
             out.items.append(ViewItem("approval", "approve" if approve else "deny"))
             out.decisions.append(Decision(call_id, "approve" if approve else "deny", reason=reason, decided_by="http"))
-            out.stored.append({"id": item_id("mcpa"), "type": "mcp_approval_response", "request_id": rid, "approval_request_id": rid, "approve": approve, "reason": reason})
+            out.stored.append(
+                {
+                    "id": item_id("mcpa"),
+                    "type": "mcp_approval_response",
+                    "request_id": rid,
+                    "approval_request_id": rid,
+                    "approve": approve,
+                    "reason": reason,
+                }
+            )
         elif kind in SERVER_TOOL_ITEMS:
             out.items.append(ViewItem("assistant", ""))
             out.decisions.clear()
         elif kind in ECHOED_ITEMS:
             continue
         elif kind == "item_reference":
-            raise bad_request(f"{where}: item_reference {item.get('id')!r} names no item stored on this server", "input", code="item_not_found")
+            raise bad_request(
+                f"{where}: item_reference {item.get('id')!r} names no item stored on this server",
+                "input",
+                code="item_not_found",
+            )
         else:
             raise bad_request(
                 f"{where}: unsupported input item type {kind!r}; this server takes {', '.join(SUPPORTED_ITEMS)}",
@@ -207,7 +260,11 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
             ref = item.get("id")
             found = await lookup(ref) if isinstance(ref, str) and ref else None
             if found is None:
-                raise bad_request(f"input[{i}]: item_reference {ref!r} names no item stored on this server (for this model)", "input", code="item_not_found")
+                raise bad_request(
+                    f"input[{i}]: item_reference {ref!r} names no item stored on this server (for this model)",
+                    "input",
+                    code="item_not_found",
+                )
             out.append(found)
         else:
             out.append(item)
@@ -249,20 +306,52 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
                     "tools",
                     code="unsupported_tool",
                 )
-            shown.append({k: v for k, v in t.items() if k in ("type", "server_label", "server_url", "server_description", "require_approval", "allowed_tools", "headers")} | {"server_label": agent.id})
+            shown.append(
+                {
+                    k: v
+                    for k, v in t.items()
+                    if k
+                    in (
+                        "type",
+                        "server_label",
+                        "server_url",
+                        "server_description",
+                        "require_approval",
+                        "allowed_tools",
+                        "headers",
+                    )
+                }
+                | {"server_label": agent.id}
+            )
             continue
         if not isinstance(t, dict) or t.get("type") != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)", "tools", code="unsupported_tool")
+            raise bad_request(
+                f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)",
+                "tools",
+                code="unsupported_tool",
+            )
         name = t.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].name is required", "tools", code="invalid_function_name")
         if any(sp.name == name for sp in specs):
-            raise bad_request(f"tools[{i}]: a second function named {name!r}; function names must be unique", "tools", code="duplicate_function_name")
+            raise bad_request(
+                f"tools[{i}]: a second function named {name!r}; function names must be unique",
+                "tools",
+                code="duplicate_function_name",
+            )
         raw_params = t.get("parameters")
         params: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {"type": "object", "properties": {}}
         desc = t.get("description") if isinstance(t.get("description"), str) else None
         specs.append(ToolSpec(name, desc or "", params))
-        shown.append({"type": "function", "name": name, "description": desc, "parameters": params, "strict": bool(t.get("strict")) if t.get("strict") is not None else None})
+        shown.append(
+            {
+                "type": "function",
+                "name": name,
+                "description": desc,
+                "parameters": params,
+                "strict": bool(t.get("strict")) if t.get("strict") is not None else None,
+            }
+        )
     return specs, shown
 
 
@@ -277,7 +366,10 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        opts["response_format"] = {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+        opts["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt},
+        }
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         opts["response_format"] = {"type": "json_object"}
     return opts
@@ -331,7 +423,11 @@ def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = Non
         # calls of earlier requests still waiting (some of a round were answered): the client must
         # see what is left to answer, or it would take the response as finished
         waiting = {p["call_id"] for p in snap.pending}
-        out.extend((i, b) for i, b in enumerate(snap.blocks[: run.base_blocks]) if b["type"] == "tool_call" and b["call_id"] in waiting and b["call_id"] not in run.resolved_calls)
+        out.extend(
+            (i, b)
+            for i, b in enumerate(snap.blocks[: run.base_blocks])
+            if b["type"] == "tool_call" and b["call_id"] in waiting and b["call_id"] not in run.resolved_calls
+        )
     out.extend((i, snap.blocks[i]) for i in range(run.base_blocks, len(snap.blocks)))
     if steps_note and snap.stop_reason == "max_steps" and snap.status in TERMINAL_STATUSES:
         out.append((len(snap.blocks), {"type": "text", "text": steps_note}))
@@ -351,13 +447,36 @@ def item_for(shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final
     if b["type"] == "reasoning":
         if not shape.reasoning:
             return None
-        return {"id": f"rs_{tag}", "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": b["text"]}] if final else [], "status": "completed" if final else "in_progress"}
+        return {
+            "id": f"rs_{tag}",
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": b["text"]}] if final else [],
+            "status": "completed" if final else "in_progress",
+        }
     if b["type"] == "tool_call":
         if b.get("executor") == "client":
-            return {"id": f"fc_{tag}", "type": "function_call", "call_id": b["call_id"], "name": b["name"], "arguments": b["arguments"] if final else "", "status": "completed" if final else "in_progress"}
+            return {
+                "id": f"fc_{tag}",
+                "type": "function_call",
+                "call_id": b["call_id"],
+                "name": b["name"],
+                "arguments": b["arguments"] if final else "",
+                "status": "completed" if final else "in_progress",
+            }
         if b.get("status") == "pending_approval":
-            return {"id": f"mcpr_{b['call_id']}", "type": "mcp_approval_request", "server_label": shape.agent.id, "name": b["name"], "arguments": b["arguments"]}
-        status = {"completed": "completed", "failed": "failed", "denied": "failed"}.get(str(b.get("status")), "in_progress") if final else "in_progress"
+            return {
+                "id": f"mcpr_{b['call_id']}",
+                "type": "mcp_approval_request",
+                "server_label": shape.agent.id,
+                "name": b["name"],
+                "arguments": b["arguments"],
+            }
+        status = (
+            {"completed": "completed", "failed": "failed", "denied": "failed"}.get(str(b.get("status")), "in_progress")
+            if final
+            else "in_progress"
+        )
         return {
             "id": f"mcp_{b['call_id']}",
             "type": "mcp_call",
@@ -384,13 +503,21 @@ def usage_of(snap: TurnSnapshot | None) -> dict[str, Any]:
     }
 
 
-def response_body(shape: Shape, *, status: str, output: list[dict[str, Any]], snap: TurnSnapshot | None) -> dict[str, Any]:
+def response_body(
+    shape: Shape, *, status: str, output: list[dict[str, Any]], snap: TurnSnapshot | None
+) -> dict[str, Any]:
     error = None
     incomplete = None
     if snap is not None and snap.status == "failed":
         # Response.error.code is a closed enum: the specific reason travels in the message.
         failed = turn_failure(snap.error)
-        code = "rate_limit_exceeded" if failed.status == 429 else "invalid_prompt" if failed.status == 400 else "server_error"
+        code = (
+            "rate_limit_exceeded"
+            if failed.status == 429
+            else "invalid_prompt"
+            if failed.status == 400
+            else "server_error"
+        )
         error = {"code": code, "message": f"{failed.message} [{failed.code}]"}
     if status == "incomplete":
         # OpenAI's schema allows only max_output_tokens and content_filter here; a max_steps stop
@@ -459,7 +586,12 @@ class Responses:
         principal = principal_of(request)
         conv = await self.server.store.get_conversation(rec.conversation_id) if rec is not None else None
         # a stored response belongs to its conversation's namespace (the one rule: namespace_allows)
-        if rec is None or not rec.stored or conv is None or not namespace_allows(conversation_namespace(principal), conv.namespace):
+        if (
+            rec is None
+            or not rec.stored
+            or conv is None
+            or not namespace_allows(conversation_namespace(principal), conv.namespace)
+        ):
             raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
         agent = await self.server.store.get_agent(rec.agent_id)
         if agent is None or not principal.allows_agent(agent.id, agent.name):
@@ -492,10 +624,20 @@ class Responses:
         except ValueError:
             raise bad_request("'limit' must be an integer", "limit") from None
         if not 1 <= limit <= 100:
-            raise bad_request(f"Invalid 'limit': {limit}; use 1 to 100", "limit", code="integer_below_min_value" if limit < 1 else "integer_above_max_value")
+            raise bad_request(
+                f"Invalid 'limit': {limit}; use 1 to 100",
+                "limit",
+                code="integer_below_min_value" if limit < 1 else "integer_above_max_value",
+            )
         page = items[:limit]
         return json_response(
-            {"object": "list", "data": page, "first_id": page[0]["id"] if page else "", "last_id": page[-1]["id"] if page else "", "has_more": len(items) > limit}
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else "",
+                "last_id": page[-1]["id"] if page else "",
+                "has_more": len(items) > limit,
+            }
         )
 
     async def post(self, request: Request) -> Response:
@@ -515,7 +657,11 @@ class Responses:
         if body.get("input") is None:
             raise bad_request("'input' is required", "input", code="missing_input")
         if body.get("stream_options") is not None and not stream:
-            raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options", code="invalid_stream_options")
+            raise bad_request(
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                "stream_options",
+                code="invalid_stream_options",
+            )
         prev_id = body.get("previous_response_id")
         response_id = _id("resp")
         raw_input = await resolve_references(body.get("input"), lambda ref: self._stored_item(agent, ns, ref, prev_id))
@@ -539,7 +685,11 @@ class Responses:
         if conv_param is not None and not isinstance(conv_param, str):
             raise bad_request("'conversation' must be a conversation id", "conversation")
         if prev_id and conv_param:
-            raise bad_request("use either previous_response_id or conversation, not both", "conversation", code="conflicting_parameters")
+            raise bad_request(
+                "use either previous_response_id or conversation, not both",
+                "conversation",
+                code="conflicting_parameters",
+            )
 
         items = merge_assistants(for_agent(parsed.items, agent))
         check_call_ids(items, "input")
@@ -548,11 +698,23 @@ class Responses:
         results = [i for i in new if i.kind == "tool"]
         decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results] + parsed.decisions
         if not users and not decisions:
-            raise bad_request("the input has no new user message, function_call_output or mcp_approval_response", "input", code="missing_input")
+            raise bad_request(
+                "the input has no new user message, function_call_output or mcp_approval_response",
+                "input",
+                code="missing_input",
+            )
         if users and decisions:
-            raise bad_request("send tool results (or approval answers) and new user input in separate requests", "input", code="mixed_input")
+            raise bad_request(
+                "send tool results (or approval answers) and new user input in separate requests",
+                "input",
+                code="mixed_input",
+            )
         check_media(self.server, agent, [p for u in users for p in u.parts], "input")
-        answers = Answers([d.call_id for d in decisions], turn_tools(specs), options, "input") if decisions and not users else None
+        answers = (
+            Answers([d.call_id for d in decisions], turn_tools(specs), options, "input")
+            if decisions and not users
+            else None
+        )
 
         idem, replay = await Idempotency.begin(self.server, request, principal, "responses", body)
         if replay is not None:
@@ -561,7 +723,17 @@ class Responses:
         try:
             place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers)
             content = new_content(users)
-            run = await start_turn(self.server, agent, place.conversation_id, content=content, decisions=decisions, client_tools=specs, options=options, source={"kind": "openai_responses"}, while_pending=calls_pending)
+            run = await start_turn(
+                self.server,
+                agent,
+                place.conversation_id,
+                content=content,
+                decisions=decisions,
+                client_tools=specs,
+                options=options,
+                source={"kind": "openai_responses"},
+                while_pending=calls_pending,
+            )
         except BaseException:
             if idem is not None:
                 await idem.abandon()
@@ -618,23 +790,50 @@ class Responses:
                     return dict(item)
         return None
 
-    async def _place(self, agent: AgentRecord, ns: str | None, request: Request, prev_id: str | None, conv_param: str | None, prefix: list[ViewItem], user: str | None, metadata: dict[str, Any], answers: Answers | None = None) -> Placement:
+    async def _place(
+        self,
+        agent: AgentRecord,
+        ns: str | None,
+        request: Request,
+        prev_id: str | None,
+        conv_param: str | None,
+        prefix: list[ViewItem],
+        user: str | None,
+        metadata: dict[str, Any],
+        answers: Answers | None = None,
+    ) -> Placement:
         store = self.server.store
         if prev_id:
             rec = await store.get_response(prev_id)
             prev_conv = await store.get_conversation(rec.conversation_id) if rec is not None else None
             if rec is None or prev_conv is None or not self.matcher.visible(prev_conv, agent, ns):
-                raise ApiError(404, f"Previous response with id '{prev_id}' not found.", code="previous_response_not_found", param="previous_response_id")
+                raise ApiError(
+                    404,
+                    f"Previous response with id '{prev_id}' not found.",
+                    code="previous_response_not_found",
+                    param="previous_response_id",
+                )
             head = await store.last_message_id(rec.conversation_id)
-            if head == rec.last_message_id and self.matcher.free(rec.conversation_id):  # no await between check and claim
+            if head == rec.last_message_id and self.matcher.free(
+                rec.conversation_id
+            ):  # no await between check and claim
                 self.matcher.claim(rec.conversation_id)
                 return Placement(rec.conversation_id, "previous_response", claimed=True)
             # an older response, or one whose conversation another request is already continuing
-            return Placement(await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, answers), "fork", claimed=True)
+            return Placement(
+                await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, answers),
+                "fork",
+                claimed=True,
+            )
         if conv_param:
             conv = await store.get_conversation(conv_param)
             if conv is None or not self.matcher.visible(conv, agent, ns):
-                raise ApiError(404, f"Conversation with id '{conv_param}' not found.", code="conversation_not_found", param="conversation")
+                raise ApiError(
+                    404,
+                    f"Conversation with id '{conv_param}' not found.",
+                    code="conversation_not_found",
+                    param="conversation",
+                )
             return Placement(conv.id, "conversation")
         header = request.headers.get(HEADER)
         if header:
@@ -643,7 +842,15 @@ class Responses:
 
 
 class _Run:
-    def __init__(self, route: Responses, shape: Shape, run: TurnRun, idem: Idempotency | None, parsed: ParsedInput, point_base: str) -> None:
+    def __init__(
+        self,
+        route: Responses,
+        shape: Shape,
+        run: TurnRun,
+        idem: Idempotency | None,
+        parsed: ParsedInput,
+        point_base: str,
+    ) -> None:
         self.route = route
         self.server = route.server
         self.shape = shape
@@ -656,10 +863,15 @@ class _Run:
         self.steps_note = max_steps_note(self.server, shape.agent)
 
     def settled(self, snap: TurnSnapshot) -> bool:
-        return snap.status in TERMINAL_STATUSES or (snap.status == "awaiting" and snap.revision > self.run.after_revision)
+        return snap.status in TERMINAL_STATUSES or (
+            snap.status == "awaiting" and snap.revision > self.run.after_revision
+        )
 
     def output(self, snap: TurnSnapshot) -> list[dict[str, Any]]:
-        items = [item_for(self.shape, self.run.turn_id, i, b, final=True) for i, b in output_blocks(snap, self.run, self.steps_note)]
+        items = [
+            item_for(self.shape, self.run.turn_id, i, b, final=True)
+            for i, b in output_blocks(snap, self.run, self.steps_note)
+        ]
         return [i for i in items if i is not None]
 
     async def finalize(self, snap: TurnSnapshot) -> dict[str, Any]:
@@ -689,7 +901,10 @@ class _Run:
     async def complete(self, request: Request) -> Response:
         try:
             snap = await settle_or_cancel(request, self.run, self.settled)
-            if snap.status == "failed" and (not any(b["type"] == "text" and b["text"] for _, b in output_blocks(snap, self.run)) or (snap.error or {}).get("kind") == "store"):
+            if snap.status == "failed" and (
+                not any(b["type"] == "text" and b["text"] for _, b in output_blocks(snap, self.run))
+                or (snap.error or {}).get("kind") == "store"
+            ):
                 # As on chat: an HTTP error the SDK raises (and retries when it may), not a 200 with
                 # status "failed". Streams keep ending with `response.failed`.
                 raise turn_failure(snap.error)
@@ -720,7 +935,9 @@ class _Run:
             try:
                 shape = self.shape
                 yield ev("response.created", response=response_body(shape, status="in_progress", output=[], snap=None))
-                yield ev("response.in_progress", response=response_body(shape, status="in_progress", output=[], snap=None))
+                yield ev(
+                    "response.in_progress", response=response_body(shape, status="in_progress", output=[], snap=None)
+                )
                 states: dict[int, dict[str, Any]] = {}  # absolute block index → progress
                 out_index = 0
                 last: TurnSnapshot | None = None
@@ -753,9 +970,16 @@ class _Run:
                         break
                 assert last is not None
                 body = await self.finalize(last)
-                terminal = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed", "cancelled": "response.failed"}[body["status"]]
+                terminal = {
+                    "completed": "response.completed",
+                    "incomplete": "response.incomplete",
+                    "failed": "response.failed",
+                    "cancelled": "response.failed",
+                }[body["status"]]
                 if body["status"] == "cancelled":
-                    body = dict(body, status="failed", error={"code": "server_error", "message": "the turn was cancelled"})
+                    body = dict(
+                        body, status="failed", error={"code": "server_error", "message": "the turn was cancelled"}
+                    )
                 yield ev(terminal, response=body)
                 finished = True
             finally:
@@ -764,7 +988,9 @@ class _Run:
         on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
         return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]
 
-    def _advance(self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any) -> tuple[list[tuple[str, str]], bool]:
+    def _advance(
+        self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any
+    ) -> tuple[list[tuple[str, str]], bool]:
         """Events that bring one output item up to date; marks st['done'] when its item is finished."""
         shape = self.shape
         events: list[tuple[str, str]] = []
@@ -781,23 +1007,73 @@ class _Run:
             if not st["added"]:
                 events.append(ev("response.output_item.added", output_index=idx, item=item))
                 if kind == "text":
-                    events.append(ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+                    events.append(
+                        ev(
+                            "response.content_part.added",
+                            item_id=item["id"],
+                            output_index=idx,
+                            content_index=0,
+                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                        )
+                    )
                 st["added"] = True
             text = b["text"]
             if len(text) > st["sent"]:
                 piece = text[st["sent"] :]
                 st["sent"] = len(text)
                 if kind == "text":
-                    events.append(ev("response.output_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=piece, logprobs=[]))
+                    events.append(
+                        ev(
+                            "response.output_text.delta",
+                            item_id=item["id"],
+                            output_index=idx,
+                            content_index=0,
+                            delta=piece,
+                            logprobs=[],
+                        )
+                    )
                 else:
-                    events.append(ev("response.reasoning_text.delta", item_id=item["id"], output_index=idx, content_index=0, delta=piece))
+                    events.append(
+                        ev(
+                            "response.reasoning_text.delta",
+                            item_id=item["id"],
+                            output_index=idx,
+                            content_index=0,
+                            delta=piece,
+                        )
+                    )
             if closed:
                 final = item_for(shape, self.run.turn_id, bi, b, final=True)
                 if kind == "text":
-                    events.append(ev("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text, logprobs=[]))
-                    events.append(ev("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part={"type": "output_text", "text": text, "annotations": [], "logprobs": []}))
+                    events.append(
+                        ev(
+                            "response.output_text.done",
+                            item_id=item["id"],
+                            output_index=idx,
+                            content_index=0,
+                            text=text,
+                            logprobs=[],
+                        )
+                    )
+                    events.append(
+                        ev(
+                            "response.content_part.done",
+                            item_id=item["id"],
+                            output_index=idx,
+                            content_index=0,
+                            part={"type": "output_text", "text": text, "annotations": [], "logprobs": []},
+                        )
+                    )
                 else:
-                    events.append(ev("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0, text=text))
+                    events.append(
+                        ev(
+                            "response.reasoning_text.done",
+                            item_id=item["id"],
+                            output_index=idx,
+                            content_index=0,
+                            text=text,
+                        )
+                    )
                 events.append(ev("response.output_item.done", output_index=idx, item=final))
                 st["done"] = True
             return events, True
@@ -811,11 +1087,32 @@ class _Run:
                 st["added"] = True
             args = b.get("arguments") or ""
             if len(args) > st["sent"]:
-                events.append(ev("response.function_call_arguments.delta", item_id=item["id"], output_index=idx, delta=args[st["sent"] :]))
+                events.append(
+                    ev(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=idx,
+                        delta=args[st["sent"] :],
+                    )
+                )
                 st["sent"] = len(args)
             if status != "streaming" or closed:
-                events.append(ev("response.function_call_arguments.done", item_id=item["id"], name=b["name"], output_index=idx, arguments=args))
-                events.append(ev("response.output_item.done", output_index=idx, item=item_for(shape, self.run.turn_id, bi, b, final=True)))
+                events.append(
+                    ev(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        name=b["name"],
+                        output_index=idx,
+                        arguments=args,
+                    )
+                )
+                events.append(
+                    ev(
+                        "response.output_item.done",
+                        output_index=idx,
+                        item=item_for(shape, self.run.turn_id, bi, b, final=True),
+                    )
+                )
                 st["done"] = True
             return events, True
         if status == "streaming" and not closed:
@@ -836,8 +1133,20 @@ class _Run:
             events.append(ev("response.mcp_call.in_progress", output_index=idx, item_id=item["id"]))
             st["added"] = True
         if status in ("completed", "failed", "denied") or (closed and snap.status in TERMINAL_STATUSES):
-            events.append(ev("response.mcp_call.completed" if status == "completed" else "response.mcp_call.failed", item_id=item["id"], output_index=idx))
-            events.append(ev("response.output_item.done", output_index=idx, item=item_for(shape, self.run.turn_id, bi, b, final=True)))
+            events.append(
+                ev(
+                    "response.mcp_call.completed" if status == "completed" else "response.mcp_call.failed",
+                    item_id=item["id"],
+                    output_index=idx,
+                )
+            )
+            events.append(
+                ev(
+                    "response.output_item.done",
+                    output_index=idx,
+                    item=item_for(shape, self.run.turn_id, bi, b, final=True),
+                )
+            )
             st["done"] = True
         return events, True
 
@@ -848,7 +1157,13 @@ def _reply_view(output: list[dict[str, Any]]) -> list[ViewItem]:
         if item["type"] == "message":
             view.append(ViewItem("assistant", "".join(c.get("text", "") for c in item["content"])))
         elif item["type"] == "function_call":
-            view.append(ViewItem("assistant", "", calls=[{"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}]))
+            view.append(
+                ViewItem(
+                    "assistant",
+                    "",
+                    calls=[{"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}],
+                )
+            )
         elif item["type"] in SERVER_TOOL_ITEMS:
             view.append(ViewItem("assistant", ""))  # as parse_input reads it when a client resends it
     return view

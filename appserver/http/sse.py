@@ -37,7 +37,11 @@ def line_safe(text: str) -> str:
 
 
 def sse_data(payload: Any) -> str:
-    return payload if isinstance(payload, str) else line_safe(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+    return (
+        payload
+        if isinstance(payload, str)
+        else line_safe(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+    )
 
 
 SSEItem = str | tuple[str, str] | None
@@ -72,6 +76,7 @@ class SSEResponse:
             (b"x-accel-buffering", b"no"),
             *[(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()],
         ]
+
         async def listen() -> None:
             while True:
                 message = await receive()

@@ -111,9 +111,7 @@ class AnthropicStreamParser:
         try:
             obj = json.loads(data)
         except ValueError as exc:
-            raise ProviderError(
-                "protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]
-            ) from None
+            raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]) from None
         if not isinstance(obj, dict):
             raise ProviderError("protocol", "upstream event is not an object", body=obj)
         return self.feed_event(obj)
@@ -142,9 +140,7 @@ class AnthropicStreamParser:
             err = as_dict(obj.get("error"))
             etype = as_str(err.get("type"))
             message = as_str(err.get("message")) or etype
-            raise error_from_status(
-                _ERROR_STATUS.get(etype, 500), message or "upstream stream error", body=obj
-            )
+            raise error_from_status(_ERROR_STATUS.get(etype, 500), message or "upstream stream error", body=obj)
         # "ping" and event types added later are ignored on purpose.
         return out
 
@@ -181,9 +177,7 @@ class AnthropicStreamParser:
             block.tool_index = self._tools
             self._tools += 1
             block.tool_input = cb.get("input")
-            out.append(
-                ToolCallStart(block.tool_index, str(cb.get("id", "")), str(cb.get("name", "")))
-            )
+            out.append(ToolCallStart(block.tool_index, str(cb.get("id", "")), str(cb.get("name", ""))))
 
     @staticmethod
     def _text(block: _Block, text: Any, out: list[ProviderChunk]) -> None:
@@ -218,9 +212,7 @@ class AnthropicStreamParser:
         elif dtype == "input_json_delta":
             part = delta.get("partial_json")
             if block.tool_index < 0:
-                raise ProviderError(
-                    "protocol", "input_json_delta outside a tool_use block", body=obj
-                )
+                raise ProviderError("protocol", "input_json_delta outside a tool_use block", body=obj)
             if isinstance(part, str) and part:
                 block.any_args = True
                 out.append(ToolCallArgs(block.tool_index, part))
@@ -261,9 +253,7 @@ class AnthropicStreamParser:
             out.append(
                 Usage(
                     # Anthropic's input_tokens excludes cached tokens; the window counts them all.
-                    input_tokens=u.get("input_tokens", 0)
-                    + cache_read
-                    + u.get("cache_creation_input_tokens", 0),
+                    input_tokens=u.get("input_tokens", 0) + cache_read + u.get("cache_creation_input_tokens", 0),
                     output_tokens=u.get("output_tokens", 0),
                     cached_tokens=cache_read,
                 )
@@ -272,9 +262,7 @@ class AnthropicStreamParser:
         return out
 
 
-def parse_sse_bytes(
-    parts: Iterable[bytes], provider_name: str = "anthropic"
-) -> list[ProviderChunk]:
+def parse_sse_bytes(parts: Iterable[bytes], provider_name: str = "anthropic") -> list[ProviderChunk]:
     """Decode a whole scripted Messages SSE body given as byte pieces (tests, offline replay)."""
     dec = SSEDecoder()
     parser = AnthropicStreamParser(provider_name)
@@ -293,13 +281,7 @@ def parse_sse_bytes(
 
 def _image_block(part: dict[str, Any]) -> dict[str, Any] | None:
     img = part.get("image_url")
-    url = (
-        img.get("url")
-        if isinstance(img, dict)
-        else img
-        if isinstance(img, str)
-        else part.get("url")
-    )
+    url = img.get("url") if isinstance(img, dict) else img if isinstance(img, str) else part.get("url")
     if not isinstance(url, str) or not url:
         return None
     if url.startswith("data:"):
@@ -333,7 +315,9 @@ def _content_blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]
             data = (part.get("file") or {}).get("file_data") or ""
             header, _, payload = data.partition(",")
             if header == "data:application/pdf;base64" and payload:
-                blocks.append({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": payload}})
+                blocks.append(
+                    {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": payload}}
+                )
     return blocks
 
 

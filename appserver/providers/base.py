@@ -170,13 +170,18 @@ class ProviderError(Exception):
         return f"ProviderError({self.kind!r}, {self.message!r}, status={self.status})"
 
 
-def error_from_status(status: int, message: str, *, body: Any = None, retry_after_s: float | None = None) -> ProviderError:
+def error_from_status(
+    status: int, message: str, *, body: Any = None, retry_after_s: float | None = None
+) -> ProviderError:
     """Classify an upstream HTTP status (+ body) into a ProviderError kind."""
     text = (message or "").lower()
     body_text = str(body).lower() if body is not None else ""
     blob = text + " " + body_text
     kind: ErrorKind
-    if any(k in blob for k in ("context_length", "context length", "too many tokens", "prompt is too long", "maximum context")):
+    if any(
+        k in blob
+        for k in ("context_length", "context length", "too many tokens", "prompt is too long", "maximum context")
+    ):
         kind = "context_overflow"
     elif status == 429:
         kind = "quota" if any(k in blob for k in ("insufficient_quota", "quota", "billing")) else "rate_limit"
@@ -188,7 +193,9 @@ def error_from_status(status: int, message: str, *, body: Any = None, retry_afte
         kind = "server"
     else:
         kind = "invalid_request"
-    return ProviderError(kind, message or f"upstream answered HTTP {status}", status=status, body=body, retry_after_s=retry_after_s)
+    return ProviderError(
+        kind, message or f"upstream answered HTTP {status}", status=status, body=body, retry_after_s=retry_after_s
+    )
 
 
 # ---------------------------------------------------------------- the interface

@@ -7,6 +7,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from appserver.providers.base import (
     ChatMessage,
@@ -46,7 +47,9 @@ class EchoProvider:
             return
         trailing_results = _trailing_tool_results(messages)
         if trailing_results:
-            async for c in self._words_out("\n".join(f"{m.name} -> {m.text()}" for m in trailing_results), request, input_tokens):
+            async for c in self._words_out(
+                "\n".join(f"{m.name} -> {m.text()}" for m in trailing_results), request, input_tokens
+            ):
                 yield c
             return
 
@@ -96,11 +99,15 @@ class EchoProvider:
         if text.startswith("/error"):
             arg = text[len("/error") :].strip()
             code = int(arg) if arg.isdigit() else 500
-            raise error_from_status(code, f"echo: simulated upstream error {code}", body={"error": {"message": f"simulated {code}"}})
+            raise error_from_status(
+                code, f"echo: simulated upstream error {code}", body={"error": {"message": f"simulated {code}"}}
+            )
         async for c in self._words_out(f"echo: {text}", request, input_tokens):
             yield c
 
-    async def _words_out(self, reply: str, request: ProviderRequest, input_tokens: int, extra_tokens: int = 0) -> AsyncIterator[ProviderChunk]:
+    async def _words_out(
+        self, reply: str, request: ProviderRequest, input_tokens: int, extra_tokens: int = 0
+    ) -> AsyncIterator[ProviderChunk]:
         """Stream `reply` word by word (whitespace preserved), honouring max_tokens as words."""
         pieces = re.findall(r"\s*\S+", reply) or [reply]
         limit = request.max_tokens
@@ -138,6 +145,7 @@ def _trailing_tool_results(messages: list[ChatMessage]) -> list[ChatMessage]:
     return out
 
 
-def parse_call_arguments(arguments: str) -> dict:
+def parse_call_arguments(arguments: str) -> dict[str, Any]:
     """Helper for tests and tools: echo passes arguments through verbatim."""
-    return json.loads(arguments or "{}")
+    parsed: dict[str, Any] = json.loads(arguments or "{}")
+    return parsed

@@ -113,9 +113,7 @@ class _Connection(asyncio.Protocol):
             return
         names = {n.lower() for n, _ in self.headers}
         self.until_close = (
-            b"content-length" not in names
-            and b"transfer-encoding" not in names
-            and self.status not in (204, 304)
+            b"content-length" not in names and b"transfer-encoding" not in names and self.status not in (204, 304)
         )
         self.keep_alive = self.parser.should_keep_alive()  # only valid while the message is parsed
         self.headers_done = True
@@ -161,13 +159,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return (
-            self.complete
-            and self.keep_alive
-            and not self.lost
-            and self.error is None
-            and not self.until_close
-        )
+        return self.complete and self.keep_alive and not self.lost and self.error is None and not self.until_close
 
     def close(self) -> None:
         self.lost = True
@@ -176,9 +168,7 @@ class _Connection(asyncio.Protocol):
 
 
 class _ResponseBody(httpx.AsyncByteStream):
-    def __init__(
-        self, pool: LeanTransport, key: _Key, conn: _Connection, read_timeout: float | None
-    ) -> None:
+    def __init__(self, pool: LeanTransport, key: _Key, conn: _Connection, read_timeout: float | None) -> None:
         self.pool = pool
         self.key = key
         self.conn = conn
@@ -196,9 +186,7 @@ class _ResponseBody(httpx.AsyncByteStream):
             if conn.complete:
                 return
             if conn.lost:
-                raise httpx.RemoteProtocolError(
-                    "peer closed connection without sending complete message body"
-                )
+                raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
             await conn.wait(self.read_timeout)
 
     async def aclose(self) -> None:
@@ -250,9 +238,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             body = [b"%x\r\n%s\r\n" % (len(p), p) for p in body if p] + [b"0\r\n\r\n"]
         return await self.exchange(key, b"".join(head + body), timeouts)
 
-    async def exchange(
-        self, key: _Key, payload: bytes, timeouts: dict[str, float | None]
-    ) -> httpx.Response:
+    async def exchange(self, key: _Key, payload: bytes, timeouts: dict[str, float | None]) -> httpx.Response:
         """Write one whole request (head and framed body) to a pooled connection to `key` and
         return the response once its head arrived; the body streams from `response.stream`."""
         if self._slots.locked():
@@ -272,9 +258,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 if conn.error is not None:
                     raise conn.error
                 if conn.lost:
-                    raise httpx.RemoteProtocolError(
-                        "Server disconnected without sending a response."
-                    )
+                    raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
                 await conn.wait(timeouts.get("read"))
         except BaseException:
             if conn is not None:
@@ -373,11 +357,7 @@ class LeanClient(httpx.AsyncClient):
         template = self.build_request("POST", url, content=b"{}", headers=headers)
         transport = self._transport_for_url(template.url)
         route: _Route | None = None
-        if (
-            isinstance(transport, LeanTransport)
-            and not self.auth
-            and not any(self.event_hooks.values())
-        ):
+        if isinstance(transport, LeanTransport) and not self.auth and not any(self.event_hooks.values()):
             u = template.url
             key = (u.scheme, u.host, u.port or DEFAULT_PORTS.get(u.scheme, 80))
             before = [b"POST %s HTTP/1.1\r\n" % u.raw_path]
@@ -404,9 +384,7 @@ class LeanClient(httpx.AsyncClient):
         Proxied URLs take the ordinary path."""
         route = self._route(url, headers)
         if route is None:
-            async with self.stream(
-                "POST", url, content=content, headers=headers, timeout=timeout
-            ) as response:
+            async with self.stream("POST", url, content=content, headers=headers, timeout=timeout) as response:
                 yield response
             return
         payload = b"%sContent-Length: %d\r\n%s%s" % (

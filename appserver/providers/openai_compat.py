@@ -126,9 +126,7 @@ class OpenAIStreamParser:
         try:
             obj = _decode(data)
         except ValueError as exc:
-            raise ProviderError(
-                "protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]
-            ) from None
+            raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]) from None
         if not isinstance(obj, dict):
             raise ProviderError("protocol", "upstream stream chunk is not an object", body=obj)
         return self.feed_chunk(obj)
@@ -138,9 +136,7 @@ class OpenAIStreamParser:
         if err:  # OpenRouter, vLLM: an error in the middle of a 200 stream
             status = err.get("code") if isinstance(err, dict) else None
             status = status if isinstance(status, int) and 400 <= status <= 599 else 500
-            raise error_from_status(
-                status, error_message_from_body(obj, "upstream error"), body=obj
-            )
+            raise error_from_status(status, error_message_from_body(obj, "upstream error"), body=obj)
         out: list[ProviderChunk] = []
         raw_usage = obj.get("usage")
         if raw_usage is not None:
@@ -161,11 +157,7 @@ class OpenAIStreamParser:
         return out
 
     def _delta(self, delta: dict[str, Any], out: list[ProviderChunk]) -> None:
-        if (
-            "reasoning_content" not in delta
-            and "reasoning" not in delta
-            and "tool_calls" not in delta
-        ):
+        if "reasoning_content" not in delta and "reasoning" not in delta and "tool_calls" not in delta:
             content = delta.get("content")  # the usual delta: text only, in fewer steps
             if content and type(content) is str:
                 out.extend(self._think.feed(content))
@@ -465,9 +457,7 @@ class OpenAICompatProvider:
             if isinstance(client, LeanClient):
                 opened = client.post_stream(self.url, content, headers, timeout)
             else:
-                opened = client.stream(
-                    "POST", self.url, content=content, headers=headers, timeout=timeout
-                )
+                opened = client.stream("POST", self.url, content=content, headers=headers, timeout=timeout)
             async with opened as resp:
                 if resp.status_code >= 400:
                     raise await read_error_response(resp)

@@ -17,14 +17,18 @@ def parse_model(model: str, config: Config) -> tuple[str, str]:
     if model == "echo":
         return "echo", "echo"
     if ":" not in model:
-        raise ModelStringError(f"invalid model {model!r}: use 'echo' or PROVIDER:MODEL (providers: {', '.join(sorted(config.providers))})")
+        raise ModelStringError(
+            f"invalid model {model!r}: use 'echo' or PROVIDER:MODEL (providers: {', '.join(sorted(config.providers))})"
+        )
     provider, name = model.split(":", 1)
     if provider == "echo":
         return "echo", name or "echo"
     if not provider or not name or any(c.isspace() for c in model):
         raise ModelStringError(f"invalid model {model!r}: use PROVIDER:MODEL, e.g. openai:gpt-4o-mini")
     if provider not in config.providers:
-        raise ModelStringError(f"unknown provider {provider!r} in model {model!r} (configured: echo, {', '.join(sorted(config.providers))})")
+        raise ModelStringError(
+            f"unknown provider {provider!r} in model {model!r} (configured: echo, {', '.join(sorted(config.providers))})"
+        )
     return provider, name
 
 

@@ -36,7 +36,7 @@ def retry_delay_ms(
         return None
     if error.retry_after_s is not None and error.retry_after_s >= 0:
         return min(int(error.retry_after_s * 1000), policy.max_retry_after_ms)
-    return min(policy.base_ms * (2 ** (attempt - 1)), policy.cap_ms)
+    return int(min(policy.base_ms * (2 ** (attempt - 1)), policy.cap_ms))
 
 
 def parse_retry_after(headers: Mapping[str, str], *, now: float | None = None) -> float | None:

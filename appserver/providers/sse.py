@@ -30,9 +30,7 @@ class SSEDecoder:
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._skip_lf = (
-            False  # last line ended with CR: an LF starting the next chunk belongs to it
-        )
+        self._skip_lf = False  # last line ended with CR: an LF starting the next chunk belongs to it
         self._started = False  # BOM check done
         self._data: list[str] = []
         self._has_data = False

@@ -64,9 +64,7 @@ async def read_error_response(resp: httpx.Response) -> ProviderError:
     except ValueError:
         body = text
     message = error_message_from_body(body, f"upstream answered HTTP {resp.status_code}")
-    return error_from_status(
-        resp.status_code, message, body=body, retry_after_s=parse_retry_after(resp.headers)
-    )
+    return error_from_status(resp.status_code, message, body=body, retry_after_s=parse_retry_after(resp.headers))
 
 
 def transport_error(exc: Exception) -> ProviderError:

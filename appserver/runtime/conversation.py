@@ -88,7 +88,13 @@ class ConversationRuntime:
 
     @property
     def idle(self) -> bool:
-        return not self.lifecycle.busy and not self.queue and self._worker is None and self.pins == 0 and self._accepting == 0
+        return (
+            not self.lifecycle.busy
+            and not self.queue
+            and self._worker is None
+            and self.pins == 0
+            and self._accepting == 0
+        )
 
     @property
     def in_flight(self) -> bool:
@@ -151,7 +157,14 @@ class ConversationRuntime:
 
     # ------------------------------------------------------------ submit
 
-    async def enqueue(self, record: TurnRecord, idempotency_scope: str | None, *, overlap: bool = False, agent: AgentRecord | None = None) -> tuple[TurnHandle, int]:
+    async def enqueue(
+        self,
+        record: TurnRecord,
+        idempotency_scope: str | None,
+        *,
+        overlap: bool = False,
+        agent: AgentRecord | None = None,
+    ) -> tuple[TurnHandle, int]:
         """Queue an input once its accept committed.
 
         `overlap`: the caller acknowledges nothing before the turn settles (a non-stream HTTP
@@ -163,7 +176,9 @@ class ConversationRuntime:
         """
         waiting = len(self.queue) + self._accepting
         if waiting >= self.deps.config.limits.queue_max:
-            raise QueueFull(f"conversation {self.conversation_id} has {waiting} inputs queued (limit {self.deps.config.limits.queue_max}); try again later")
+            raise QueueFull(
+                f"conversation {self.conversation_id} has {waiting} inputs queued (limit {self.deps.config.limits.queue_max}); try again later"
+            )
         position = waiting + (1 if self.lifecycle.busy else 0)
         record.status = "queued" if position else "running"
         record.owner = self.deps.owner
@@ -225,7 +240,9 @@ class ConversationRuntime:
             raise StoreError(f"the turn could not be saved before its tools ran: {not_accepted}")
 
     def _queue_accepted(self, record: TurnRecord, position: int) -> TurnHandle:
-        controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=position)
+        controller = TurnController(
+            record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=position
+        )
         handle = TurnHandle(record.id, self.conversation_id, controller)
         self._remember(handle)
         self.queue.append(_Queued(record, handle))
@@ -236,7 +253,9 @@ class ConversationRuntime:
     def requeue(self, record: TurnRecord) -> None:
         """Queue a turn a dead process accepted but never began (server start)."""
         record.owner = self.deps.owner
-        controller = TurnController(record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=len(self.queue) + 1)
+        controller = TurnController(
+            record.id, self.conversation_id, record.agent_id, phase="queued", queue_position=len(self.queue) + 1
+        )
         handle = TurnHandle(record.id, self.conversation_id, controller)
         self.handles[record.id] = handle
         self.queue.append(_Queued(record, handle))
@@ -244,7 +263,9 @@ class ConversationRuntime:
 
     def _ensure_worker(self) -> None:
         if self._worker is None and not self._shutdown:
-            self._worker = asyncio.get_running_loop().create_task(self._work(), name=f"conversation:{self.conversation_id}")
+            self._worker = asyncio.get_running_loop().create_task(
+                self._work(), name=f"conversation:{self.conversation_id}"
+            )
 
     async def _work(self) -> None:
         try:
@@ -255,7 +276,9 @@ class ConversationRuntime:
                     record = resume.record
                     handle = self.handles.get(record.id)
                     if handle is None:
-                        controller = await controller_from_store(self.deps.store, record, await self.deps.store.list_pending(record.id))
+                        controller = await controller_from_store(
+                            self.deps.store, record, await self.deps.store.list_pending(record.id)
+                        )
                         handle = TurnHandle(record.id, self.conversation_id, controller)
                         self._remember(handle)
                     await self._run(record, handle, resume)
@@ -272,7 +295,16 @@ class ConversationRuntime:
 
     # ------------------------------------------------------------ run one turn (segment)
 
-    async def _run(self, record: TurnRecord, handle: TurnHandle, resume: _Resume | None = None, accepting: asyncio.Task[None] | None = None, agent: AgentRecord | None = None, *, cancelled: bool = False) -> None:
+    async def _run(
+        self,
+        record: TurnRecord,
+        handle: TurnHandle,
+        resume: _Resume | None = None,
+        accepting: asyncio.Task[None] | None = None,
+        agent: AgentRecord | None = None,
+        *,
+        cancelled: bool = False,
+    ) -> None:
         """Run one turn segment: a queued turn (`cancelled`: cancelled before it began), or a
         paused one under the lease `_take_paused` took for it (resumed, or closed when that lease
         was cancelled). Ends in `_finish`."""
@@ -307,14 +339,21 @@ class ConversationRuntime:
                 turn_id=record.id,
                 history=list(history),
                 to_chat=self._chat,
-                client_tools=[ToolSpec(t["name"], t.get("description", ""), t.get("parameters") or {"type": "object", "properties": {}}) for t in record.client_tools],
+                client_tools=[
+                    ToolSpec(
+                        t["name"], t.get("description", ""), t.get("parameters") or {"type": "object", "properties": {}}
+                    )
+                    for t in record.client_tools
+                ],
                 options=record.options,
                 iteration=record.iteration,
                 usage=dict(record.usage),
             )
             if not record.input_committed:
                 work.new_messages.append(
-                    MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source)
+                    MessageRecord(
+                        role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source
+                    )
                 )
             if accepting is not None:
                 work.before_effects = partial(self._require_accepted, accepting)
@@ -350,15 +389,26 @@ class ConversationRuntime:
             return
         except Exception as exc:
             log.exception("turn %s failed inside the server", record.id)
-            outcome = LoopOutcome("failed", "error", {"kind": "internal", "message": f"{type(exc).__name__}: {exc}", "retryable": False, "status": None})
+            outcome = LoopOutcome(
+                "failed",
+                "error",
+                {"kind": "internal", "message": f"{type(exc).__name__}: {exc}", "retryable": False, "status": None},
+            )
         if work is None:
             work = TurnWork(agent=None, conversation_id=self.conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]
             if not record.input_committed:
-                work.new_messages.append(MessageRecord(role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source))
+                work.new_messages.append(
+                    MessageRecord(
+                        role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source
+                    )
+                )
         # The outcome is decided here, with no await since the loop returned: a cancel accepted
         # until now wins (the ack said so), any later one is refused.
         try:
-            if self.lifecycle.settle(lease, pausing=outcome.status == "awaiting") and outcome.status not in ("cancelled", "interrupted"):
+            if self.lifecycle.settle(lease, pausing=outcome.status == "awaiting") and outcome.status not in (
+                "cancelled",
+                "interrupted",
+            ):
                 outcome = cancel_wins(work)
         except StaleLease:
             return
@@ -379,7 +429,11 @@ class ConversationRuntime:
         messages = list(work.new_messages)
         if not any(m.role == "assistant" and m.tool_calls for m in messages):
             return
-        write = asyncio.ensure_future(self.deps.store.checkpoint_turn(self.conversation_id, record.id, messages, iteration=work.iteration, usage=dict(work.usage)))
+        write = asyncio.ensure_future(
+            self.deps.store.checkpoint_turn(
+                self.conversation_id, record.id, messages, iteration=work.iteration, usage=dict(work.usage)
+            )
+        )
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
@@ -389,10 +443,12 @@ class ConversationRuntime:
             raise
         self._saved(record, work, controller, messages)
 
-    def _saved(self, record: TurnRecord, work: TurnWork, controller: TurnController, messages: list[MessageRecord]) -> None:
+    def _saved(
+        self, record: TurnRecord, work: TurnWork, controller: TurnController, messages: list[MessageRecord]
+    ) -> None:
         record.input_committed = True
         work.history.extend(messages)
-        work.new_messages = work.new_messages[len(messages):]  # (nothing was added meanwhile)
+        work.new_messages = work.new_messages[len(messages) :]  # (nothing was added meanwhile)
         if self._history is not None:
             self._history.extend(messages)
         self._draft_base = len(controller.visible_text())
@@ -406,19 +462,43 @@ class ConversationRuntime:
             if p.call_id in answered:
                 continue
             if p.status == "approved":
-                text, is_error = f"The call to {p.name} was approved, but the turn was cancelled before it ran; it was not executed.", True
+                text, is_error = (
+                    f"The call to {p.name} was approved, but the turn was cancelled before it ran; it was not executed.",
+                    True,
+                )
             else:
                 text, is_error = resolution_text(p, self.deps.config), p.status != "result" or p.is_error
-            emit(ToolCallStatus(p.call_id, "denied" if p.status == "denied" else "failed" if is_error else "completed", text, is_error))
-            work.new_messages.append(MessageRecord(role="tool", content=text, turn_id=record.id, iteration=work.iteration, tool_call_id=p.call_id, name=p.name, is_error=is_error))
+            emit(
+                ToolCallStatus(
+                    p.call_id,
+                    "denied" if p.status == "denied" else "failed" if is_error else "completed",
+                    text,
+                    is_error,
+                )
+            )
+            work.new_messages.append(
+                MessageRecord(
+                    role="tool",
+                    content=text,
+                    turn_id=record.id,
+                    iteration=work.iteration,
+                    tool_call_id=p.call_id,
+                    name=p.name,
+                    is_error=is_error,
+                )
+            )
 
     async def _cancel_open_calls(self, turn_id: str) -> None:
         store = self.deps.store
         for p in await store.list_pending(turn_id):
             if p.status == "pending":
-                await store.resolve_pending(self.conversation_id, p.call_id, "cancelled", reason=CANCELLED_UNANSWERED, is_error=True)
+                await store.resolve_pending(
+                    self.conversation_id, p.call_id, "cancelled", reason=CANCELLED_UNANSWERED, is_error=True
+                )
 
-    def _schedule_draft(self, lease: Lease, controller: TurnController, turn_id: str, saved: int) -> asyncio.TimerHandle:
+    def _schedule_draft(
+        self, lease: Lease, controller: TurnController, turn_id: str, saved: int
+    ) -> asyncio.TimerHandle:
         """Persist the visible text now and then, so a killed server keeps what was shown.
 
         A timer, not a task: most turns end before the first tick and then cost nothing.
@@ -481,21 +561,46 @@ class ConversationRuntime:
         for d in decisions:
             p = await store.get_pending(self.conversation_id, d.call_id)
             if p is None or p.turn_id != turn.id:
-                results.append({"call_id": d.call_id, "accepted": False, "error": "unknown_call", "message": f"no pending call {d.call_id} in this conversation"})
+                results.append(
+                    {
+                        "call_id": d.call_id,
+                        "accepted": False,
+                        "error": "unknown_call",
+                        "message": f"no pending call {d.call_id} in this conversation",
+                    }
+                )
                 continue
             if d.action in ("approve", "deny") and p.kind != "approval":
-                raise InvalidInput(f"call {d.call_id} is a client tool call: answer it with a tool result, not an approval")
+                raise InvalidInput(
+                    f"call {d.call_id} is a client tool call: answer it with a tool result, not an approval"
+                )
             if d.action == "result" and p.kind != "client":
                 raise InvalidInput(f"call {d.call_id} needs an approval decision, not a tool result")
             if d.action not in ("approve", "deny", "result"):
                 raise InvalidInput(f"unknown decision {d.action!r}: use approve, deny or a tool result")
             status = {"approve": "approved", "deny": "denied", "result": "result"}[d.action]
-            won = await store.resolve_pending(self.conversation_id, d.call_id, status, output=d.output, is_error=d.is_error, reason=d.reason, decided_by=d.decided_by)
+            won = await store.resolve_pending(
+                self.conversation_id,
+                d.call_id,
+                status,
+                output=d.output,
+                is_error=d.is_error,
+                reason=d.reason,
+                decided_by=d.decided_by,
+            )
             if won:
                 results.append({"call_id": d.call_id, "accepted": True, "status": status})
             else:
                 current = await store.get_pending(self.conversation_id, d.call_id)
-                results.append({"call_id": d.call_id, "accepted": False, "error": "already_resolved", "status": current.status if current else None, "message": f"call {d.call_id} was already answered ({current.status if current else 'gone'})"})
+                results.append(
+                    {
+                        "call_id": d.call_id,
+                        "accepted": False,
+                        "error": "already_resolved",
+                        "status": current.status if current else None,
+                        "message": f"call {d.call_id} was already answered ({current.status if current else 'gone'})",
+                    }
+                )
         await self._maybe_resume()
         return results
 
@@ -557,7 +662,9 @@ class ConversationRuntime:
                 reason = None
                 if p.kind == "client":
                     reason = f"The client did not return a result for {p.name} within the tool timeout; the call has no result."
-                changed |= await self.deps.store.resolve_pending(self.conversation_id, p.call_id, "expired", reason=reason, is_error=True)
+                changed |= await self.deps.store.resolve_pending(
+                    self.conversation_id, p.call_id, "expired", reason=reason, is_error=True
+                )
         if changed:
             await self._maybe_resume()
 
@@ -596,8 +703,15 @@ class ConversationRuntime:
         for i, q in enumerate(self.queue):
             q.handle.controller.set_queue_position(i + 1)
         controller = item.handle.controller
-        commit = TurnCommit(turn_id, "cancelled", "cancelled", [], revision=controller.revision + 1, input_committed=False)
-        error = {"kind": "withdrawn", "message": "the client went away before this input started; it was dropped", "retryable": False, "status": None}
+        commit = TurnCommit(
+            turn_id, "cancelled", "cancelled", [], revision=controller.revision + 1, input_committed=False
+        )
+        error = {
+            "kind": "withdrawn",
+            "message": "the client went away before this input started; it was dropped",
+            "retryable": False,
+            "status": None,
+        }
         await self._finish(item.record, controller, None, TurnEnd("cancelled", "cancelled", error, commit))
         return True
 

@@ -107,7 +107,10 @@ class Kernel:
         await self.store.purge_idempotency(time.time() - IDEMPOTENCY_TTL_S)
         released = await self.store.release_orphaned_http_idempotency()
         if released:
-            log.warning("released %d Idempotency-Key(s) of requests a stopped server never finished; a retry runs them", released)
+            log.warning(
+                "released %d Idempotency-Key(s) of requests a stopped server never finished; a retry runs them",
+                released,
+            )
         if serve:
             for turn in await self.store.open_turns(["awaiting"]):
                 await self.runtime(turn.conversation_id)
@@ -164,7 +167,9 @@ class Kernel:
         history = await self.store.list_messages(turn.conversation_id)
         messages: list[MessageRecord] = []
         if not turn.input_committed:
-            messages.append(MessageRecord(role="user", content=turn.input.get("content", ""), turn_id=turn.id, source=turn.source))
+            messages.append(
+                MessageRecord(role="user", content=turn.input.get("content", ""), turn_id=turn.id, source=turn.source)
+            )
         text = (turn.draft or {}).get("text") or ""
         answered = {m.tool_call_id for m in history if m.role == "tool"}
         for m in history:
@@ -172,12 +177,52 @@ class Kernel:
                 for c in m.tool_calls:
                     if c["id"] not in answered:
                         answered.add(c["id"])
-                        messages.append(MessageRecord(role="tool", content=interrupted_text(c["name"]), turn_id=turn.id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True))
+                        messages.append(
+                            MessageRecord(
+                                role="tool",
+                                content=interrupted_text(c["name"]),
+                                turn_id=turn.id,
+                                iteration=m.iteration,
+                                tool_call_id=c["id"],
+                                name=c["name"],
+                                is_error=True,
+                            )
+                        )
         if text:
-            messages.append(MessageRecord(role="assistant", content=text, turn_id=turn.id, iteration=turn.iteration, completion_status="interrupted"))
-        error = {"kind": "interrupted", "message": "the server stopped while this turn was running", "retryable": False, "status": None}
-        await self.store.commit_turn(turn.conversation_id, TurnCommit(turn.id, "interrupted", "cancelled", messages, error=error, usage=turn.usage, revision=turn.revision + 1, iteration=turn.iteration))
-        log.warning("turn %s of conversation %s was interrupted by a stop; kept %d characters of its text", turn.id, turn.conversation_id, len(text))
+            messages.append(
+                MessageRecord(
+                    role="assistant",
+                    content=text,
+                    turn_id=turn.id,
+                    iteration=turn.iteration,
+                    completion_status="interrupted",
+                )
+            )
+        error = {
+            "kind": "interrupted",
+            "message": "the server stopped while this turn was running",
+            "retryable": False,
+            "status": None,
+        }
+        await self.store.commit_turn(
+            turn.conversation_id,
+            TurnCommit(
+                turn.id,
+                "interrupted",
+                "cancelled",
+                messages,
+                error=error,
+                usage=turn.usage,
+                revision=turn.revision + 1,
+                iteration=turn.iteration,
+            ),
+        )
+        log.warning(
+            "turn %s of conversation %s was interrupted by a stop; kept %d characters of its text",
+            turn.id,
+            turn.conversation_id,
+            len(text),
+        )
 
     # ------------------------------------------------------------ lookups
 
@@ -192,27 +237,48 @@ class Kernel:
             return found[0]
         if not found:
             raise NotFound(f"unknown agent {ref!r}", code="agent_not_found", param="agent")
-        raise InvalidInput(f"agent name {ref!r} is ambiguous; use one of the ids {', '.join(a.id for a in found)}", code="agent_ambiguous", param="agent")
+        raise InvalidInput(
+            f"agent name {ref!r} is ambiguous; use one of the ids {', '.join(a.id for a in found)}",
+            code="agent_ambiguous",
+            param="agent",
+        )
 
-    async def resolve_conversation(self, agent: AgentRecord, spec: str, *, create: bool = True, fields: dict[str, Any] | None = None) -> ConversationRecord:
+    async def resolve_conversation(
+        self, agent: AgentRecord, spec: str, *, create: bool = True, fields: dict[str, Any] | None = None
+    ) -> ConversationRecord:
         spec = (spec or "default").strip()
         if spec == "default":
             conv = await self.store.get_default_conversation(agent.id)
             if conv is None:
                 if not create:
                     raise NotFound(f"agent {agent.name} has no default conversation yet", code="conversation_not_found")
-                conv = await self.store.create_conversation(ConversationRecord(id=new_id("conv"), agent_id=agent.id, is_default=True, title="default"))
+                conv = await self.store.create_conversation(
+                    ConversationRecord(id=new_id("conv"), agent_id=agent.id, is_default=True, title="default")
+                )
             return conv
         if spec == "new":
             if not create:
                 raise InvalidInput("'new' is not an existing conversation")
-            return await self.store.create_conversation(ConversationRecord(id=new_id("conv"), agent_id=agent.id, **(fields or {})))
+            return await self.store.create_conversation(
+                ConversationRecord(id=new_id("conv"), agent_id=agent.id, **(fields or {}))
+            )
         conv = await self.store.get_conversation(spec)
         if conv is None or conv.agent_id != agent.id:
-            raise NotFound(f"unknown conversation {spec!r} for agent {agent.name}", code="conversation_not_found", param="conversation")
+            raise NotFound(
+                f"unknown conversation {spec!r} for agent {agent.name}",
+                code="conversation_not_found",
+                param="conversation",
+            )
         return conv
 
-    async def runtime(self, conversation_id: str, *, conv: ConversationRecord | None = None, fresh: bool = False, history: list[MessageRecord] | None = None) -> ConversationRuntime:
+    async def runtime(
+        self,
+        conversation_id: str,
+        *,
+        conv: ConversationRecord | None = None,
+        fresh: bool = False,
+        history: list[MessageRecord] | None = None,
+    ) -> ConversationRuntime:
         """The conversation's runtime, loaded on first use. `conv` spares a lookup the caller already
         made; `fresh` (a conversation created just now) spares looking for a paused turn, and
         `history` (all its messages, when the caller knows them) spares reading them."""
@@ -284,7 +350,9 @@ class Kernel:
             idempotency_key=key,
             source=req.source,
             input={"content": content},
-            client_tools=[{"name": t.name, "description": t.description, "parameters": t.parameters} for t in req.client_tools],
+            client_tools=[
+                {"name": t.name, "description": t.description, "parameters": t.parameters} for t in req.client_tools
+            ],
             options=dict(req.options),
         )
         try:
@@ -308,7 +376,11 @@ class Kernel:
         if turn_id is None or rt.lifecycle.turn_id == turn_id:
             return await rt.cancel()
         if await rt.withdraw(turn_id):
-            log.info("dropped queued turn %s of conversation %s: its client went away before it started", turn_id, conversation_id)
+            log.info(
+                "dropped queued turn %s of conversation %s: its client went away before it started",
+                turn_id,
+                conversation_id,
+            )
             return True
         return False
 
@@ -322,7 +394,9 @@ class Kernel:
         rt = self.runtimes.get(conversation_id)
         return rt is not None and rt.in_flight
 
-    async def adopt(self, conv: ConversationRecord, *, paused: bool = False, history: list[MessageRecord] | None = None) -> None:
+    async def adopt(
+        self, conv: ConversationRecord, *, paused: bool = False, history: list[MessageRecord] | None = None
+    ) -> None:
         """Load a conversation the caller just wrote, so the submit that follows finds it ready.
         `paused`: it holds a paused turn to adopt; else it has no turns yet, and `history` (all its
         messages, when the caller knows them) spares reading them."""

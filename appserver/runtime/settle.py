@@ -24,7 +24,11 @@ class TurnEnd:
 
 def store_failure(reason: object) -> TurnEnd:
     """The turn could not be saved: it ends failed with nothing written."""
-    return TurnEnd("failed", "error", {"kind": "store", "message": f"the turn could not be saved: {reason}", "retryable": False, "status": None})
+    return TurnEnd(
+        "failed",
+        "error",
+        {"kind": "store", "message": f"the turn could not be saved: {reason}", "retryable": False, "status": None},
+    )
 
 
 def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) -> TurnEnd:
@@ -33,12 +37,19 @@ def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) 
     status, stop_reason, error = outcome.status, outcome.stop_reason, outcome.error
     messages = work.new_messages
     if status in ("cancelled", "interrupted", "failed"):
-        messages = settle_messages(work, "interrupted" if status == "interrupted" else "cancelled" if status == "cancelled" else "incomplete")
+        messages = settle_messages(
+            work, "interrupted" if status == "interrupted" else "cancelled" if status == "cancelled" else "incomplete"
+        )
     if stop_reason == "end_turn" and messages:
         last = [m for m in messages if m.role == "assistant"]
         if last and last[-1].tool_calls:
             status, stop_reason = "failed", "error"
-            error = {"kind": "internal", "message": "the turn streamed a tool call but tried to end with end_turn", "retryable": False, "status": None}
+            error = {
+                "kind": "internal",
+                "message": "the turn streamed a tool call but tried to end with end_turn",
+                "retryable": False,
+                "status": None,
+            }
     commit = TurnCommit(
         turn_id=turn_id,
         status=status,  # type: ignore[arg-type]
@@ -75,7 +86,13 @@ def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecor
     partial = work.partial
     if partial is not None and "".join(partial.text):
         messages.append(
-            MessageRecord(role="assistant", content="".join(partial.text), turn_id=work.turn_id, iteration=work.iteration, completion_status=completion_status)
+            MessageRecord(
+                role="assistant",
+                content="".join(partial.text),
+                turn_id=work.turn_id,
+                iteration=work.iteration,
+                completion_status=completion_status,
+            )
         )
     answered = {m.tool_call_id for m in messages if m.role == "tool"}
     answered |= {m.tool_call_id for m in work.history if m.role == "tool"}
@@ -86,7 +103,15 @@ def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecor
                 if c["id"] not in answered:
                     answered.add(c["id"])
                     out.append(
-                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
+                        MessageRecord(
+                            role="tool",
+                            content=f"The call to {c['name']} was stopped before it returned a result.",
+                            turn_id=work.turn_id,
+                            iteration=m.iteration,
+                            tool_call_id=c["id"],
+                            name=c["name"],
+                            is_error=True,
+                        )
                     )
     for m in messages:
         out.append(m)
@@ -95,9 +120,15 @@ def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecor
                 if c["id"] not in answered:
                     answered.add(c["id"])
                     out.append(
-                        MessageRecord(role="tool", content=f"The call to {c['name']} was stopped before it returned a result.", turn_id=work.turn_id, iteration=m.iteration, tool_call_id=c["id"], name=c["name"], is_error=True)
+                        MessageRecord(
+                            role="tool",
+                            content=f"The call to {c['name']} was stopped before it returned a result.",
+                            turn_id=work.turn_id,
+                            iteration=m.iteration,
+                            tool_call_id=c["id"],
+                            name=c["name"],
+                            is_error=True,
+                        )
                     )
     # Results that were produced for calls of this turn stay after their call, in order.
     return out
-
-

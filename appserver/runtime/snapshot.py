@@ -111,7 +111,16 @@ class _Block:
 class TurnController:
     """The only writer of a turn's presentation state. Not thread-safe; lives on the event loop."""
 
-    def __init__(self, turn_id: str, conversation_id: str, agent_id: str, *, revision: int = 0, phase: str = "queued", queue_position: int = 0) -> None:
+    def __init__(
+        self,
+        turn_id: str,
+        conversation_id: str,
+        agent_id: str,
+        *,
+        revision: int = 0,
+        phase: str = "queued",
+        queue_position: int = 0,
+    ) -> None:
         self.turn_id = turn_id
         self.conversation_id = conversation_id
         self.agent_id = agent_id
@@ -149,7 +158,9 @@ class TurnController:
                 return
             block.parts.append(event.delta)
         elif isinstance(event, ToolCallStarted):
-            block = _Block("tool_call", call_id=event.call_id, name=event.name, executor=event.executor, status="streaming")
+            block = _Block(
+                "tool_call", call_id=event.call_id, name=event.name, executor=event.executor, status="streaming"
+            )
             self._blocks.append(block)
             self._calls[event.call_id] = block
             self.phase = "acting"
@@ -275,7 +286,9 @@ class TurnController:
         """Wait until the turn is terminal or awaiting an answer (at a revision > after_revision)."""
 
         def waiting() -> bool:
-            return (self.status == "running" or self.revision <= after_revision) and self.status not in TERMINAL_STATUSES
+            return (
+                self.status == "running" or self.revision <= after_revision
+            ) and self.status not in TERMINAL_STATUSES
 
         if waiting():
             if timeout is None:
@@ -298,7 +311,14 @@ class TurnController:
                 if m.text():
                     self._append("text", m.text())
                 for c in m.tool_calls:
-                    block = _Block("tool_call", [c.get("arguments", "")], call_id=c["id"], name=c["name"], executor=c.get("executor", "server"), status="streaming")
+                    block = _Block(
+                        "tool_call",
+                        [c.get("arguments", "")],
+                        call_id=c["id"],
+                        name=c["name"],
+                        executor=c.get("executor", "server"),
+                        status="streaming",
+                    )
                     self._blocks.append(block)
                     self._calls[c["id"]] = block
             elif m.role == "tool" and m.tool_call_id in self._calls:

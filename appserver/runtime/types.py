@@ -11,7 +11,9 @@ from typing import Literal
 
 TerminalStatus = Literal["completed", "cancelled", "failed"]
 SnapshotStatus = Literal["running", "awaiting", "completed", "cancelled", "failed"]
-StopReason = Literal["end_turn", "max_tokens", "requires_approval", "requires_client_tool", "cancelled", "error", "max_steps"]
+StopReason = Literal[
+    "end_turn", "max_tokens", "requires_approval", "requires_client_tool", "cancelled", "error", "max_steps"
+]
 Phase = Literal["queued", "reasoning", "responding", "acting", "compacting", "finalizing"]
 LifecycleState = Literal["idle", "active", "awaiting", "cancelling"]
 
@@ -26,5 +28,8 @@ __all__ = [
     "SETTLED_SNAPSHOT_STATUS",
     "TERMINAL_STATUSES",
     "TerminalStatus",
-    "LifecycleState", "Phase", "SnapshotStatus", "StopReason",
+    "LifecycleState",
+    "Phase",
+    "SnapshotStatus",
+    "StopReason",
 ]

@@ -18,9 +18,7 @@ BEARER_CHALLENGE = (b"www-authenticate", b'Bearer realm="appserver"')
 class Refusal(Exception):
     """A check refused the request: answered as an OpenAI error (refusals.py), never reaching the app."""
 
-    def __init__(
-        self, status: int, code: str, message: str, headers: Iterable[tuple[bytes, bytes]] = ()
-    ) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
         self.headers = list(headers)

@@ -19,9 +19,7 @@ from appserver.security.memo import Memo
 PUBLIC_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz"})
 DEFAULT_PATH_SCOPES: Mapping[str, str] = {"/v1": "openai", "/admin": "admin"}
 WS_SCOPE = "ws"
-URL_CREDENTIAL_PARAMS = frozenset(
-    {"token", "access_token", "api_key", "apikey", "api-key", "key", "jwt"}
-)
+URL_CREDENTIAL_PARAMS = frozenset({"token", "access_token", "api_key", "apikey", "api-key", "key", "jwt"})
 
 
 def check_query(scope: Scope) -> None:
@@ -71,9 +69,7 @@ class Authentication:
             client = scope.get("client")
             if (
                 client
-                and not self._loopback.check(
-                    ("loopback", client[0]), lambda: is_loopback(str(client[0]))
-                )
+                and not self._loopback.check(("loopback", client[0]), lambda: is_loopback(str(client[0])))
                 and scope.get("path") not in self.public_paths
             ):
                 raise Refusal(403, "loopback_only", "auth mode none serves loopback clients only")

@@ -188,7 +188,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             emit, held = self.limits.refusals.allow()
             if emit:
                 more = f" ({held} more since the last notice)" if held else ""
-                log.warning("connection limit %d reached: refusing new connections with 503%s", self.limits.max_connections, more)
+                log.warning(
+                    "connection limit %d reached: refusing new connections with 503%s",
+                    self.limits.max_connections,
+                    more,
+                )
             return
         super().connection_made(transport)
         # uvicorn arms its keep-alive timer only after a response; a fresh connection gets it too.
@@ -357,7 +361,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if self.flow.read_paused:  # a pipelined head waits for the response before it: not its fault
             self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._on_head_timeout)
             return
-        self._close_with(408, "request_timeout", f"the request head did not arrive within {self.limits.head_timeout_s:g} s ([limits] head_timeout_s)")
+        self._close_with(
+            408,
+            "request_timeout",
+            f"the request head did not arrive within {self.limits.head_timeout_s:g} s ([limits] head_timeout_s)",
+        )
 
     def _on_body_timeout(self) -> None:
         self._body_timer = None
@@ -365,20 +373,28 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         timeout = self.limits.body_timeout_s
-        waiting = self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue and not cycle.response_complete)
+        waiting = self.flow.read_paused or (
+            cycle is not None and cycle.waiting_for_100_continue and not cycle.response_complete
+        )
         now = self.loop.time()
         if waiting:  # time the app is not reading counts neither as a stall nor against the rate
             self._body_clock += now - self._body_checked
         self._body_checked = now
         if self._too_slow(now) and not waiting:
             rate = self.limits.body_min_rate
-            self._close_with(408, "request_timeout", f"the request body arrives slower than {rate} bytes/s ([limits] body_min_rate_bytes_s)")
+            self._close_with(
+                408,
+                "request_timeout",
+                f"the request body arrives slower than {rate} bytes/s ([limits] body_min_rate_bytes_s)",
+            )
             return
         quiet = now - self._last_data
         if waiting or quiet < timeout:  # the app is not reading, or bytes came since: not stalled
             self._body_timer = self.loop.call_later(timeout if waiting else timeout - quiet, self._on_body_timeout)
             return
-        self._close_with(408, "request_timeout", f"the request body stalled: no bytes for {timeout:g} s ([limits] body_timeout_s)")
+        self._close_with(
+            408, "request_timeout", f"the request body stalled: no bytes for {timeout:g} s ([limits] body_timeout_s)"
+        )
 
     def _too_slow(self, now: float) -> bool:
         """A trickle (a byte just before every body timeout) would hold a slot forever: past the
@@ -409,7 +425,9 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                 response.headers["x-request-id"] = rid
                 if response.status_code != 101 and response.headers.get("content-type", "").startswith("text/plain"):
                     text = bytes(response.body).decode("utf-8", "replace").strip() or response.reason_phrase
-                    body = json.dumps(error_body(response.status_code, text, code="websocket_handshake_failed")).encode()
+                    body = json.dumps(
+                        error_body(response.status_code, text, code="websocket_handshake_failed")
+                    ).encode()
                     for name in ("content-type", "content-length"):
                         if name in response.headers:
                             del response.headers[name]

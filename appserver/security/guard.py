@@ -154,9 +154,7 @@ class SecurityGuard:
         finally:
             self.slots.release(client)
 
-    async def _run_http(
-        self, scope: Scope, receive: Receive, send: Send, origin: str | None
-    ) -> None:
+    async def _run_http(self, scope: Scope, receive: Receive, send: Send, origin: str | None) -> None:
         """Run the app with CORS headers on its answer and its streamed body held to the limit."""
         limit = self.body.body_max
         received = 0

@@ -22,14 +22,10 @@ class BodyLimit:
             for part in v.split(b","):
                 p = part.strip()
                 if not p.isdigit() or len(p) > 18:
-                    raise Refusal(
-                        400, "invalid_content_length", "malformed Content-Length", [CLOSE]
-                    )
+                    raise Refusal(400, "invalid_content_length", "malformed Content-Length", [CLOSE])
                 parsed.add(int(p))
         if len(parsed) != 1:
-            raise Refusal(
-                400, "invalid_content_length", "conflicting Content-Length headers", [CLOSE]
-            )
+            raise Refusal(400, "invalid_content_length", "conflicting Content-Length headers", [CLOSE])
         if parsed.pop() > self.body_max:
             raise self.too_large()
 
@@ -57,14 +53,8 @@ class ClientSlots:
         self._active: dict[str, int] = {}
 
     def check(self, client: str | None) -> None:
-        if (
-            client is not None
-            and self.per_client > 0
-            and self._active.get(client, 0) >= self.per_client
-        ):
-            raise Refusal(
-                429, "too_many_connections", "too many concurrent requests from this client"
-            )
+        if client is not None and self.per_client > 0 and self._active.get(client, 0) >= self.per_client:
+            raise Refusal(429, "too_many_connections", "too many concurrent requests from this client")
 
     def acquire(self, client: str | None) -> None:
         if client is not None:

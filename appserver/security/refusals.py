@@ -44,9 +44,7 @@ async def refuse_ws(scope: Scope, receive: Receive, send: Send, r: Refusal) -> N
     if "websocket.http.response" in (scope.get("extensions") or {}):
         body, headers = error_json(r.status, r.code, r.message)
         headers += [(k, v) for k, v in r.headers if k != b"connection"]
-        await send(
-            {"type": "websocket.http.response.start", "status": r.status, "headers": headers}
-        )
+        await send({"type": "websocket.http.response.start", "status": r.status, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": body})
     else:
         await send({"type": "websocket.close", "code": WS_CLOSE_POLICY, "reason": r.code})

@@ -74,17 +74,11 @@ class WsSession:
     def authenticate_hello(self, token: str | None) -> Principal:
         if self.closed:
             raise AuthError(401, "connection_closed", "the connection is closed")
-        if (
-            self.state.get("auth_pending")
-            and self.hello_deadline is not None
-            and time.time() > self.hello_deadline
-        ):
+        if self.state.get("auth_pending") and self.hello_deadline is not None and time.time() > self.hello_deadline:
             raise AuthError(401, "auth_timeout", "authentication window elapsed")
         principal = self.authenticator.authenticate_hello(token)
         if not principal.has_scope(WS_SCOPE):
-            raise AuthError(
-                403, "insufficient_scope", f"this credential lacks the '{WS_SCOPE}' scope"
-            )
+            raise AuthError(403, "insufficient_scope", f"this credential lacks the '{WS_SCOPE}' scope")
         self.state["principal"] = principal
         self.state["auth_pending"] = False
         self.changed.set()
@@ -98,12 +92,7 @@ class WsSession:
                     return
                 raise ClientGone(f"websocket closed by the server: {self.closed_by_guard[1]}")
             t = message["type"]
-            if (
-                t == "websocket.close"
-                and not self.accepted
-                and not self.closed
-                and self.http_refusals
-            ):
+            if t == "websocket.close" and not self.accepted and not self.closed and self.http_refusals:
                 await self._refuse_upgrade()
                 return
             if t == "websocket.accept":
@@ -123,9 +112,7 @@ class WsSession:
         body, headers = error_json(
             403, "websocket_refused", f"no WebSocket endpoint at {shown}; the protocol is at /ws"
         )
-        await self._send(
-            {"type": "websocket.http.response.start", "status": 403, "headers": headers}
-        )
+        await self._send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
         await self._send({"type": "websocket.http.response.body", "body": body})
 
     async def close(self, code: int, reason: str) -> None:
@@ -146,9 +133,7 @@ class WsSession:
 
     def revocable(self) -> bool:
         p = self.state.get("principal")
-        return (
-            isinstance(p, Principal) and p.kind == "token" and self.authenticator.tokens is not None
-        )
+        return isinstance(p, Principal) and p.kind == "token" and self.authenticator.tokens is not None
 
     def revoked(self, max_age_s: float = 0.0) -> bool:
         """The socket's capability token was revoked (`appserver token revoke`, any process)."""
@@ -187,9 +172,7 @@ class WsSession:
                     return
             self.changed.clear()
             try:
-                await asyncio.wait_for(
-                    self.changed.wait(), timeout=min(delay, poll or 3600.0, 3600.0)
-                )
+                await asyncio.wait_for(self.changed.wait(), timeout=min(delay, poll or 3600.0, 3600.0))
             except TimeoutError:
                 pass
 

@@ -15,12 +15,9 @@ from appserver.store.records import AgentRecord
 def copy_agent(a: AgentRecord) -> AgentRecord:
     """Callers may edit the record they get (`agents update` does): hand out copies of cached ones."""
     params = {
-        k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
-        for k, v in a.params.items()
+        k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in a.params.items()
     }
-    return AgentRecord(
-        a.id, a.name, a.model, a.system, dict(a.tools), params, a.created_at, a.updated_at
-    )
+    return AgentRecord(a.id, a.name, a.model, a.system, dict(a.tools), params, a.created_at, a.updated_at)
 
 
 class AgentCache:

@@ -56,19 +56,25 @@ class Store(ABC):
 
     # conversations
     @abstractmethod
-    async def create_conversation(self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None) -> ConversationRecord: ...
+    async def create_conversation(
+        self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None
+    ) -> ConversationRecord: ...
     @abstractmethod
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None: ...
     @abstractmethod
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None: ...
     @abstractmethod
-    async def list_conversations(self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0) -> list[ConversationRecord]: ...
+    async def list_conversations(
+        self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
+    ) -> list[ConversationRecord]: ...
     @abstractmethod
     async def update_conversation(self, conv: ConversationRecord) -> None: ...
 
     # messages
     @abstractmethod
-    async def list_messages(self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None) -> list[MessageRecord]: ...
+    async def list_messages(
+        self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None
+    ) -> list[MessageRecord]: ...
     @abstractmethod
     async def append_messages(self, conversation_id: str, messages: list[MessageRecord]) -> None: ...
 
@@ -86,9 +92,18 @@ class Store(ABC):
     @abstractmethod
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None: ...
     @abstractmethod
-    async def checkpoint_turn(self, conversation_id: str, turn_id: str, messages: list[MessageRecord], *, iteration: int, usage: dict[str, int]) -> None:
+    async def checkpoint_turn(
+        self,
+        conversation_id: str,
+        turn_id: str,
+        messages: list[MessageRecord],
+        *,
+        iteration: int,
+        usage: dict[str, int],
+    ) -> None:
         """Store a running turn's messages so far (its input is then committed), in one transaction,
         before its server tools run; the turn stays running."""
+
     @abstractmethod
     async def get_turn(self, turn_id: str) -> TurnRecord | None: ...
     @abstractmethod
@@ -128,10 +143,13 @@ class Store(ABC):
     @abstractmethod
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
         """Insert a pending key; if the key exists already return the existing entry instead."""
+
     @abstractmethod
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None: ...
     @abstractmethod
-    async def finish_http_idempotency(self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None) -> None: ...
+    async def finish_http_idempotency(
+        self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None
+    ) -> None: ...
     @abstractmethod
     async def drop_http_idempotency(self, scope: str, key: str) -> None: ...
     @abstractmethod
@@ -140,6 +158,7 @@ class Store(ABC):
     async def release_orphaned_http_idempotency(self) -> int:
         """Drop pending keys whose claiming process is gone (a server killed mid-request), so a
         retry runs the request instead of waiting for a reply that will never be stored."""
+
     @abstractmethod
     async def add_history_point(self, point: HistoryPoint) -> None: ...
     @abstractmethod

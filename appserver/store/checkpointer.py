@@ -54,9 +54,7 @@ class Checkpointer(threading.Thread):
                 done = self.commits
                 try:
                     seq = messages_seq(db)  # read first: the checkpoint then makes it durable
-                    db.execute(
-                        "PRAGMA wal_checkpoint(PASSIVE)"
-                    ).fetchall()  # all: ends the statement
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()  # all: ends the statement
                 except sqlite3.Error:
                     log.exception("WAL checkpoint failed (the next one retries)")
                     continue

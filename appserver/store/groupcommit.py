@@ -31,9 +31,7 @@ class GroupCommit:
     `committed` is called after every COMMIT (the checkpointer counts them).
     """
 
-    def __init__(
-        self, connection: Callable[[], sqlite3.Connection], committed: Callable[[], None]
-    ) -> None:
+    def __init__(self, connection: Callable[[], sqlite3.Connection], committed: Callable[[], None]) -> None:
         self._connection = connection
         self._committed = committed
         self._group: list[tuple[Job, asyncio.Future[None]]] = []

@@ -182,7 +182,9 @@ def migrate(db: sqlite3.Connection) -> int:
     current = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
     known = max(v for v, _ in MIGRATIONS)
     if current > known:
-        raise SchemaTooNew(f"database schema version {current} is newer than this appserver ({known}); upgrade appserver")
+        raise SchemaTooNew(
+            f"database schema version {current} is newer than this appserver ({known}); upgrade appserver"
+        )
     for version, script in MIGRATIONS:
         if version <= current:
             continue

@@ -112,7 +112,9 @@ class MessageRecord:
         if self.source:
             out["source"] = self.source
         if self.role == "compaction":
-            out["meta"] = {k: self.meta[k] for k in ("kept", "folded", "tokens_before", "tokens_after", "window") if k in self.meta}
+            out["meta"] = {
+                k: self.meta[k] for k in ("kept", "folded", "tokens_before", "tokens_after", "window") if k in self.meta
+            }
         return out  # provider_state is never part of a client view
 
 

@@ -177,7 +177,9 @@ class SQLiteStore(Store):
         self._write_probe = (self._write_probe + 1) % 1_000_000
         with self._tx() as tx:
             tx.execute(f"PRAGMA user_version = {self._write_probe + 1}")  # header page only; no table
-        return "writable" + (f", {shutil.disk_usage(self.path.parent).free:,} bytes free" if isinstance(self.path, Path) else "")
+        return "writable" + (
+            f", {shutil.disk_usage(self.path.parent).free:,} bytes free" if isinstance(self.path, Path) else ""
+        )
 
     def _committed(self) -> None:
         if self._checkpointer is not None:
@@ -218,7 +220,16 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             tx.execute(
                 "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?)",
-                (agent.id, agent.name, agent.model, agent.system, _dumps(agent.tools), _dumps(agent.params), agent.created_at, agent.updated_at),
+                (
+                    agent.id,
+                    agent.name,
+                    agent.model,
+                    agent.system,
+                    _dumps(agent.tools),
+                    _dumps(agent.params),
+                    agent.created_at,
+                    agent.updated_at,
+                ),
             )
         return agent
 
@@ -228,7 +239,15 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             cur = tx.execute(
                 "UPDATE agents SET name=?, model=?, system=?, tools=?, params=?, updated_at=? WHERE id=?",
-                (agent.name, agent.model, agent.system, _dumps(agent.tools), _dumps(agent.params), agent.updated_at, agent.id),
+                (
+                    agent.name,
+                    agent.model,
+                    agent.system,
+                    _dumps(agent.tools),
+                    _dumps(agent.params),
+                    agent.updated_at,
+                    agent.id,
+                ),
             )
             if cur.rowcount == 0:
                 raise StoreError(f"agent {agent.id} does not exist")
@@ -276,7 +295,9 @@ class SQLiteStore(Store):
             updated_at=row["updated_at"],
         )
 
-    async def create_conversation(self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None) -> ConversationRecord:
+    async def create_conversation(
+        self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None
+    ) -> ConversationRecord:
         """Without messages to copy, the row is queued (see GroupCommit.submit `defer`): it commits together
         with the first turn's accept instead of in a transaction of its own. Reads of conversations
         and every other write commit queued writes first, so nobody sees the difference."""
@@ -302,7 +323,18 @@ class SQLiteStore(Store):
     def _insert_conversation(tx: sqlite3.Connection, conv: ConversationRecord) -> None:
         tx.execute(
             "INSERT INTO conversations(id, agent_id, is_default, title, user, namespace, forked_from, metadata, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (conv.id, conv.agent_id, int(conv.is_default), conv.title, conv.user, conv.namespace, conv.forked_from, _dumps(conv.metadata), conv.created_at, conv.updated_at),
+            (
+                conv.id,
+                conv.agent_id,
+                int(conv.is_default),
+                conv.title,
+                conv.user,
+                conv.namespace,
+                conv.forked_from,
+                _dumps(conv.metadata),
+                conv.created_at,
+                conv.updated_at,
+            ),
         )
 
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
@@ -315,13 +347,18 @@ class SQLiteStore(Store):
         row = self.db.execute("SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,)).fetchone()
         return self._conversation(row) if row else None
 
-    async def list_conversations(self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0) -> list[ConversationRecord]:
+    async def list_conversations(
+        self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
+    ) -> list[ConversationRecord]:
         self._writes.settle()
         if agent_id is None:
-            rows = self.db.execute("SELECT * FROM conversations ORDER BY updated_at DESC, id LIMIT ? OFFSET ?", (limit, offset))
+            rows = self.db.execute(
+                "SELECT * FROM conversations ORDER BY updated_at DESC, id LIMIT ? OFFSET ?", (limit, offset)
+            )
         else:
             rows = self.db.execute(
-                "SELECT * FROM conversations WHERE agent_id=? ORDER BY updated_at DESC, id LIMIT ? OFFSET ?", (agent_id, limit, offset)
+                "SELECT * FROM conversations WHERE agent_id=? ORDER BY updated_at DESC, id LIMIT ? OFFSET ?",
+                (agent_id, limit, offset),
             )
         return [self._conversation(r) for r in rows]
 
@@ -355,9 +392,13 @@ class SQLiteStore(Store):
             meta=_loads(row["meta"]) or {},
         )
 
-    async def list_messages(self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None) -> list[MessageRecord]:
+    async def list_messages(
+        self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None
+    ) -> list[MessageRecord]:
         if before_id is None and limit is None:
-            rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)).fetchall()
+            rows = self.db.execute(
+                "SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)
+            ).fetchall()
         else:
             rows = self.db.execute(
                 "SELECT * FROM messages WHERE conversation_id=? AND id < ? ORDER BY id DESC LIMIT ?",
@@ -438,13 +479,16 @@ class SQLiteStore(Store):
     def _accept_turn(self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
         if turn.idempotency_key and idempotency_scope:
             row = tx.execute(
-                "SELECT turn_id FROM idempotency_keys WHERE scope=? AND key=?", (idempotency_scope, turn.idempotency_key)
+                "SELECT turn_id FROM idempotency_keys WHERE scope=? AND key=?",
+                (idempotency_scope, turn.idempotency_key),
             ).fetchone()
             if row is not None:
                 existing = tx.execute("SELECT * FROM turns WHERE id=?", (row["turn_id"],)).fetchone()
                 if existing is not None:
                     raise DuplicateTurn(self._turn(existing))
-                tx.execute("DELETE FROM idempotency_keys WHERE scope=? AND key=?", (idempotency_scope, turn.idempotency_key))
+                tx.execute(
+                    "DELETE FROM idempotency_keys WHERE scope=? AND key=?", (idempotency_scope, turn.idempotency_key)
+                )
             tx.execute(
                 "INSERT INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) VALUES (?,?,?,?,?)",
                 (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now),
@@ -468,7 +512,8 @@ class SQLiteStore(Store):
 
     async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
         row = self.db.execute(
-            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=? AND k.key=?", (scope, key)
+            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=? AND k.key=?",
+            (scope, key),
         ).fetchone()
         return self._turn(row) if row else None
 
@@ -492,14 +537,25 @@ class SQLiteStore(Store):
         """One turn's rows, atomically, in the next group transaction (groupcommit.py)."""
         await self._writes.submit(lambda tx: self._commit_turn(tx, conversation_id, commit))
 
-    async def checkpoint_turn(self, conversation_id: str, turn_id: str, messages: list[MessageRecord], *, iteration: int, usage: dict[str, int]) -> None:
+    async def checkpoint_turn(
+        self,
+        conversation_id: str,
+        turn_id: str,
+        messages: list[MessageRecord],
+        *,
+        iteration: int,
+        usage: dict[str, int],
+    ) -> None:
         """Committed before this returns (queued writes first): a tool may act right after."""
         now = time.time()
         with self._tx() as tx:
             for m in messages:
                 m.turn_id = m.turn_id or turn_id
                 self._insert_message(tx, conversation_id, m, now)
-            tx.execute("UPDATE turns SET input_committed=1, iteration=?, usage=?, draft=NULL WHERE id=?", (iteration, _dumps(usage), turn_id))
+            tx.execute(
+                "UPDATE turns SET input_committed=1, iteration=?, usage=?, draft=NULL WHERE id=?",
+                (iteration, _dumps(usage), turn_id),
+            )
             tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
     def _commit_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit) -> None:
@@ -512,7 +568,21 @@ class SQLiteStore(Store):
             tx.execute(
                 "INSERT INTO pending_calls(conversation_id, call_id, turn_id, name, arguments, kind, status, output, is_error, reason, decided_by, created_at, expires_at) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (conversation_id, p.call_id, p.turn_id, p.name, p.arguments, p.kind, p.status, p.output, int(p.is_error), p.reason, p.decided_by, p.created_at or now, p.expires_at),
+                (
+                    conversation_id,
+                    p.call_id,
+                    p.turn_id,
+                    p.name,
+                    p.arguments,
+                    p.kind,
+                    p.status,
+                    p.output,
+                    int(p.is_error),
+                    p.reason,
+                    p.decided_by,
+                    p.created_at or now,
+                    p.expires_at,
+                ),
             )
         tx.execute(
             "UPDATE turns SET status=?, stop_reason=?, error=?, usage=?, revision=?, iteration=?, input_committed=?, draft=NULL, ended_at=? WHERE id=?",
@@ -530,7 +600,9 @@ class SQLiteStore(Store):
         )
         if terminal and (commit.iteration > 1 or commit.pending or commit.stop_reason != "end_turn"):
             # Pending calls that never got an answer are closed with the turn.
-            tx.execute("UPDATE pending_calls SET status='cancelled' WHERE turn_id=? AND status='pending'", (commit.turn_id,))
+            tx.execute(
+                "UPDATE pending_calls SET status='cancelled' WHERE turn_id=? AND status='pending'", (commit.turn_id,)
+            )
         tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
     async def get_turn(self, turn_id: str) -> TurnRecord | None:
@@ -578,7 +650,9 @@ class SQLiteStore(Store):
         return [self._pending(r) for r in rows]
 
     async def get_pending(self, conversation_id: str, call_id: str) -> PendingCall | None:
-        row = self.db.execute("SELECT * FROM pending_calls WHERE conversation_id=? AND call_id=?", (conversation_id, call_id)).fetchone()
+        row = self.db.execute(
+            "SELECT * FROM pending_calls WHERE conversation_id=? AND call_id=?", (conversation_id, call_id)
+        ).fetchone()
         return self._pending(row) if row else None
 
     async def resolve_pending(
@@ -602,7 +676,8 @@ class SQLiteStore(Store):
 
     async def overdue_pending(self, now: float) -> list[PendingCall]:
         rows = self.db.execute(
-            "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= ? ORDER BY expires_at", (now,)
+            "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= ? ORDER BY expires_at",
+            (now,),
         )
         return [self._pending(r) for r in rows]
 
@@ -681,11 +756,17 @@ class SQLiteStore(Store):
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
         with self._tx() as tx:
-            row = tx.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)).fetchone()
+            row = tx.execute(
+                "SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)
+            ).fetchone()
             if row is not None:
                 if row["state"] != "pending" or not self._orphaned(row["owner"]):
                     return self._idem(row)
-                log.warning("Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over", entry.key, row["owner"])
+                log.warning(
+                    "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
+                    entry.key,
+                    row["owner"],
+                )
                 tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
             tx.execute(
                 "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) VALUES (?,?,?,?,?,?)",
@@ -704,7 +785,9 @@ class SQLiteStore(Store):
         row = self.db.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (scope, key)).fetchone()
         return self._idem(row) if row else None
 
-    async def finish_http_idempotency(self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None) -> None:
+    async def finish_http_idempotency(
+        self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None
+    ) -> None:
         with self._tx() as tx:
             tx.execute(
                 "UPDATE http_idempotency SET state='done', status_code=?, content_type=?, body=?, conversation_id=? WHERE scope=? AND key=?",
@@ -723,7 +806,13 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             tx.execute(
                 "INSERT OR REPLACE INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at) VALUES (?,?,?,?,?)",
-                (point.agent_id, point.prefix_hash, point.conversation_id, point.last_message_id, point.created_at or time.time()),
+                (
+                    point.agent_id,
+                    point.prefix_hash,
+                    point.conversation_id,
+                    point.last_message_id,
+                    point.created_at or time.time(),
+                ),
             )
 
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
@@ -733,5 +822,6 @@ class SQLiteStore(Store):
             (agent_id, prefix_hash),
         ).fetchall()
         return [
-            HistoryPoint(r["agent_id"], r["prefix_hash"], r["conversation_id"], r["last_message_id"], r["created_at"]) for r in rows
+            HistoryPoint(r["agent_id"], r["prefix_hash"], r["conversation_id"], r["last_message_id"], r["created_at"])
+            for r in rows
         ]

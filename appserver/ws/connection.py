@@ -110,7 +110,9 @@ class Outbound:
 class Connection:
     """One client connection: identity, principal, outbound buffer, declared client tools."""
 
-    def __init__(self, send_text: Callable[[str], Awaitable[None]], *, outbound_max: int, send_timeout_s: float) -> None:
+    def __init__(
+        self, send_text: Callable[[str], Awaitable[None]], *, outbound_max: int, send_timeout_s: float
+    ) -> None:
         self.id = f"wsc_{secrets.token_hex(6)}"
         self.principal: Principal | None = None
         self.client_name: str | None = None
@@ -167,6 +169,9 @@ class Connection:
             try:
                 await asyncio.wait_for(self._send_text(text), self.send_timeout_s)
             except TimeoutError:
-                self.kill(CLOSE_SLOW_CONSUMER, f"slow consumer: a frame could not be delivered within {self.send_timeout_s:g} s")
+                self.kill(
+                    CLOSE_SLOW_CONSUMER,
+                    f"slow consumer: a frame could not be delivered within {self.send_timeout_s:g} s",
+                )
                 return
             self.sent += 1

@@ -81,7 +81,9 @@ class ConversationWatch:
             current[1].cancel()
         if handle.controller.status in TERMINAL_STATUSES and handle.turn_id not in self.followers:
             return  # an old settled turn: nothing to follow
-        task = asyncio.get_running_loop().create_task(self._follow(handle.controller), name=f"ws-follow:{handle.turn_id}")
+        task = asyncio.get_running_loop().create_task(
+            self._follow(handle.controller), name=f"ws-follow:{handle.turn_id}"
+        )
         self.followers[handle.turn_id] = (handle.controller, task)
 
     async def _follow(self, controller: TurnController) -> None:
@@ -138,7 +140,16 @@ class ConversationWatch:
                     continue
                 self.announced.setdefault(call_id, told)  # another turn's call: keep
                 continue
-            frame = encode({"type": "approval_resolved", "conversation_id": self.conversation_id, "turn_id": p.turn_id, "call_id": call_id, "status": p.status, "decided_by": p.decided_by})
+            frame = encode(
+                {
+                    "type": "approval_resolved",
+                    "conversation_id": self.conversation_id,
+                    "turn_id": p.turn_id,
+                    "call_id": call_id,
+                    "status": p.status,
+                    "decided_by": p.decided_by,
+                }
+            )
             for cid in told:
                 conn = self.subscribers.get(cid)
                 if conn is not None:
@@ -148,8 +159,22 @@ class ConversationWatch:
         owner = self.tool_owners.get(snap.turn_id)
         if owner is not None and owner.alive and p["name"] in self.tool_names.get(snap.turn_id, set()):
             self.hub.client_calls[p["call_id"]] = (owner.id, self.conversation_id, p["name"])
-            timeout = max(0.0, (p.get("expires_at") or 0) - time.time()) if p.get("expires_at") else self.hub.server.config.limits.client_tool_timeout_s
-            owner.send({"type": "tool_call_request", "conversation_id": self.conversation_id, "turn_id": snap.turn_id, "call_id": p["call_id"], "name": p["name"], "arguments": p["arguments"], "timeout_s": round(timeout, 3)})
+            timeout = (
+                max(0.0, (p.get("expires_at") or 0) - time.time())
+                if p.get("expires_at")
+                else self.hub.server.config.limits.client_tool_timeout_s
+            )
+            owner.send(
+                {
+                    "type": "tool_call_request",
+                    "conversation_id": self.conversation_id,
+                    "turn_id": snap.turn_id,
+                    "call_id": p["call_id"],
+                    "name": p["name"],
+                    "arguments": p["arguments"],
+                    "timeout_s": round(timeout, 3),
+                }
+            )
             return
         # Nobody connected executes this tool (its client disconnected, or the server restarted).
         await self.hub.answer_gone(self.conversation_id, p["call_id"], p["name"])
@@ -161,7 +186,11 @@ class ConversationWatch:
         assert view is not None, "a watch is attached before anyone reads it"
         handle = view.active_handle
         active = handle.controller.snapshot() if handle is not None else None
-        pending = [p for p in (active.pending if active is not None and active.status == "awaiting" else ()) if p["kind"] == "approval"]
+        pending = [
+            p
+            for p in (active.pending if active is not None and active.status == "awaiting" else ())
+            if p["kind"] == "approval"
+        ]
         return {
             "type": "conversation_state",
             "request_id": request_id,
@@ -175,7 +204,15 @@ class ConversationWatch:
 
 
 def approval_request(snap: TurnSnapshot, p: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "approval_request", "conversation_id": snap.conversation_id, "turn_id": snap.turn_id, "call_id": p["call_id"], "name": p["name"], "arguments": p["arguments"], "expires_at": p.get("expires_at")}
+    return {
+        "type": "approval_request",
+        "conversation_id": snap.conversation_id,
+        "turn_id": snap.turn_id,
+        "call_id": p["call_id"],
+        "name": p["name"],
+        "arguments": p["arguments"],
+        "expires_at": p.get("expires_at"),
+    }
 
 
 class Hub:
@@ -183,7 +220,9 @@ class Hub:
         self.server = server
         self.watches: dict[str, ConversationWatch] = {}
         self.connections: dict[str, Connection] = {}
-        self.client_calls: dict[str, tuple[str, str, str]] = {}  # call_id -> (connection id, conversation id, tool name)
+        self.client_calls: dict[
+            str, tuple[str, str, str]
+        ] = {}  # call_id -> (connection id, conversation id, tool name)
         self._lock = asyncio.Lock()
 
     async def watch(self, conversation_id: str) -> ConversationWatch:
@@ -219,7 +258,9 @@ class Hub:
                 told += 1
         return told
 
-    async def subscribe(self, conn: Connection, conversation_id: str, conversation: dict[str, Any], request_id: str | None) -> None:
+    async def subscribe(
+        self, conn: Connection, conversation_id: str, conversation: dict[str, Any], request_id: str | None
+    ) -> None:
         w = await self.watch(conversation_id)
         fresh = conn.id not in w.subscribers
         w.subscribers[conn.id] = conn
@@ -267,13 +308,17 @@ class Hub:
     async def answer_gone(self, conversation_id: str, call_id: str, name: str) -> None:
         text = f"The client that runs the tool {name} disconnected before returning a result; the call has no result."
         try:
-            await self.server.kernel.respond(conversation_id, [Decision(call_id, "result", output=text, is_error=True, decided_by="server")])
+            await self.server.kernel.respond(
+                conversation_id, [Decision(call_id, "result", output=text, is_error=True, decided_by="server")]
+            )
         except Exception as exc:  # already answered, timed out or the turn was cancelled
             log.debug("could not close client call %s: %r", call_id, exc)
 
     # ------------------------------------------------------------ turns started here
 
-    async def adopt_submission(self, conn: Connection, conversation_id: str, handle: TurnHandle, tool_names: set[str], duplicate: bool) -> None:
+    async def adopt_submission(
+        self, conn: Connection, conversation_id: str, handle: TurnHandle, tool_names: set[str], duplicate: bool
+    ) -> None:
         w = await self.watch(conversation_id)
         self.subscribe_now(conn, w)
         if tool_names and not duplicate:
@@ -296,7 +341,15 @@ class Hub:
                 p = await self.server.store.get_pending(conversation_id, d.call_id)
                 if p is None or p.status == "pending":
                     raise
-                results.append({"call_id": d.call_id, "accepted": False, "error": "already_resolved", "status": p.status, "message": f"call {d.call_id} was already answered ({p.status})"})
+                results.append(
+                    {
+                        "call_id": d.call_id,
+                        "accepted": False,
+                        "error": "already_resolved",
+                        "status": p.status,
+                        "message": f"call {d.call_id} was already answered ({p.status})",
+                    }
+                )
         finally:
             w.resolving -= ids
         for r in results:
@@ -304,7 +357,16 @@ class Hub:
                 continue
             told = w.announced.pop(r["call_id"], set())
             p = await self.server.store.get_pending(conversation_id, r["call_id"])
-            frame = encode({"type": "approval_resolved", "conversation_id": conversation_id, "turn_id": p.turn_id if p else "", "call_id": r["call_id"], "status": r.get("status"), "decided_by": p.decided_by if p else None})
+            frame = encode(
+                {
+                    "type": "approval_resolved",
+                    "conversation_id": conversation_id,
+                    "turn_id": p.turn_id if p else "",
+                    "call_id": r["call_id"],
+                    "status": r.get("status"),
+                    "decided_by": p.decided_by if p else None,
+                }
+            )
             for cid in told | set(w.subscribers):
                 if cid == conn.id:
                     continue
@@ -319,11 +381,27 @@ class Hub:
     async def tool_result(self, conn: Connection, call_id: str, output: str, is_error: bool) -> list[dict[str, Any]]:
         routed = self.client_calls.get(call_id)
         if routed is None or routed[0] != conn.id:
-            return [{"call_id": call_id, "accepted": False, "error": "unknown_call", "message": f"no tool call {call_id} is waiting for this connection"}]
+            return [
+                {
+                    "call_id": call_id,
+                    "accepted": False,
+                    "error": "unknown_call",
+                    "message": f"no tool call {call_id} is waiting for this connection",
+                }
+            ]
         del self.client_calls[call_id]
-        gone = [{"call_id": call_id, "accepted": False, "error": "unknown_call", "message": f"tool call {call_id} is no longer waiting for a result: it timed out or its turn ended or was cancelled"}]
+        gone = [
+            {
+                "call_id": call_id,
+                "accepted": False,
+                "error": "unknown_call",
+                "message": f"tool call {call_id} is no longer waiting for a result: it timed out or its turn ended or was cancelled",
+            }
+        ]
         try:
-            results = await self.server.kernel.respond(routed[1], [Decision(call_id, "result", output=output, is_error=is_error, decided_by=conn.id)])
+            results = await self.server.kernel.respond(
+                routed[1], [Decision(call_id, "result", output=output, is_error=is_error, decided_by=conn.id)]
+            )
         except NotAwaiting:  # the turn moved on (the call timed out, the turn was cancelled)
             return gone
         if results and results[0].get("error") == "already_resolved":  # timed out, another call still open

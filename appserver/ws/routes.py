@@ -53,7 +53,9 @@ class FrameError(Exception):
         self.param = param
 
 
-_BRANCH_MISMATCH = frozenset({"string_type", "list_type", "dict_type", "int_type", "bool_type", "model_type", "model_attributes_type"})
+_BRANCH_MISMATCH = frozenset(
+    {"string_type", "list_type", "dict_type", "int_type", "bool_type", "model_type", "model_attributes_type"}
+)
 
 
 def _path(loc: tuple[Any, ...]) -> str:
@@ -88,7 +90,9 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     if kind == "union_tag_invalid":
         where = f"{param}.{ctx.get('discriminator', 'type').strip(chr(39))}" if param else "type"
         return f"{where}: unknown type {ctx.get('tag')!r}; expected one of {ctx.get('expected_tags')}", where
-    if len(errors) > 1 and all(e.get("type") in _BRANCH_MISMATCH and _path(tuple(e.get("loc", ()))) == param for e in errors):
+    if len(errors) > 1 and all(
+        e.get("type") in _BRANCH_MISMATCH and _path(tuple(e.get("loc", ()))) == param for e in errors
+    ):
         return f"{param or 'frame'}: expected a string or a list of parts", param  # no branch fits
     message = str(err.get("msg") or "invalid value")
     if kind == "value_error":
@@ -126,7 +130,9 @@ def parse_client_frame(text: str | None, limits: FrameLimits = FrameLimits()) ->
     if len(text) > BUDGET_FROM_CHARS and strictjson.count(text, "{") > limits.max_objects:
         budget = strictjson.ObjectBudget(limits.max_objects, "; send fewer items per frame")
     try:
-        data = strictjson.loads(text, object_budget=budget)  # also refuses what the store could not encode (lone surrogates)
+        data = strictjson.loads(
+            text, object_budget=budget
+        )  # also refuses what the store could not encode (lone surrogates)
     except strictjson.JsonRejected as exc:
         code = "bad_frame" if exc.code == "request_too_complex" else "bad_json"
         raise FrameError(code, exc.about("the frame")) from None
@@ -141,7 +147,11 @@ def parse_client_frame(text: str | None, limits: FrameLimits = FrameLimits()) ->
         raise FrameError("bad_frame", "missing field 'type'", "type")
     kind = data["type"]
     if not isinstance(kind, str) or not kind:
-        raise FrameError("bad_frame", f"field 'type' must be a non-empty string naming the frame (e.g. \"hello\"), not {json.dumps(kind)[:64]}", "type")
+        raise FrameError(
+            "bad_frame",
+            f"field 'type' must be a non-empty string naming the frame (e.g. \"hello\"), not {json.dumps(kind)[:64]}",
+            "type",
+        )
     if kind not in F.CLIENT_TYPES:
         raise FrameError("unknown_type", f"unknown frame type {kind[:64]!r}", "type")
     try:
@@ -163,7 +173,9 @@ class Endpoint:
     async def __call__(self, websocket: WebSocket) -> None:
         limits = self.server.config.limits
         await websocket.accept()
-        conn = Connection(websocket.send_text, outbound_max=limits.ws_outbound_max, send_timeout_s=limits.ws_send_timeout_s)
+        conn = Connection(
+            websocket.send_text, outbound_max=limits.ws_outbound_max, send_timeout_s=limits.ws_send_timeout_s
+        )
         state = websocket.scope.get("state") or {}
         if not state.get("auth_pending"):
             conn.principal = state.get("principal") or Principal.local()
@@ -205,9 +217,25 @@ class Endpoint:
             except FrameError as exc:
                 if request_id is None and text:
                     request_id = _peek_request_id(text)
-                conn.send({"type": "error", "request_id": request_id, "code": exc.code, "message": exc.message, "param": exc.param})
+                conn.send(
+                    {
+                        "type": "error",
+                        "request_id": request_id,
+                        "code": exc.code,
+                        "message": exc.message,
+                        "param": exc.param,
+                    }
+                )
             except KernelError as exc:
-                conn.send({"type": "error", "request_id": request_id, "code": exc.code, "message": exc.message, "param": exc.param})
+                conn.send(
+                    {
+                        "type": "error",
+                        "request_id": request_id,
+                        "code": exc.code,
+                        "message": exc.message,
+                        "param": exc.param,
+                    }
+                )
             except AuthError as exc:
                 conn.send({"type": "error", "request_id": request_id, "code": exc.code, "message": exc.message})
                 conn.kill(F.CLOSE_AUTH, exc.message, flush=True)
@@ -216,7 +244,14 @@ class Endpoint:
                 raise
             except Exception as exc:
                 log.exception("ws frame failed")
-                conn.send({"type": "error", "request_id": request_id, "code": "internal_error", "message": f"{type(exc).__name__}: the server could not handle this frame"})
+                conn.send(
+                    {
+                        "type": "error",
+                        "request_id": request_id,
+                        "code": "internal_error",
+                        "message": f"{type(exc).__name__}: the server could not handle this frame",
+                    }
+                )
             if not conn.alive:
                 return
 
@@ -250,13 +285,27 @@ class Endpoint:
         elif isinstance(frame, F.GetHistory):
             conv = await self._conversation(conn, frame.conversation, frame.agent)
             messages = await self.server.store.list_messages(conv.id, before_id=frame.before, limit=frame.limit)
-            conn.send({"type": "history", "request_id": rid, "conversation_id": conv.id, "messages": [m.to_dict() for m in messages]})
+            conn.send(
+                {
+                    "type": "history",
+                    "request_id": rid,
+                    "conversation_id": conv.id,
+                    "messages": [m.to_dict() for m in messages],
+                }
+            )
         elif isinstance(frame, F.Subscribe):
             conv = await self._conversation(conn, frame.conversation, frame.agent)
             await self.hub.subscribe(conn, conv.id, _view(conv), rid)
         elif isinstance(frame, F.Unsubscribe):
             was = self.hub.unsubscribe(conn, frame.conversation)
-            conn.send({"type": "ack", "request_id": rid, "conversation_id": frame.conversation, "results": [{"subscribed": False, "was_subscribed": was}]})
+            conn.send(
+                {
+                    "type": "ack",
+                    "request_id": rid,
+                    "conversation_id": frame.conversation,
+                    "results": [{"subscribed": False, "was_subscribed": was}],
+                }
+            )
         elif isinstance(frame, F.SubmitInput):
             await self.on_submit(conn, frame)
         elif isinstance(frame, F.ApprovalResponse):
@@ -273,7 +322,11 @@ class Endpoint:
             results = await self.hub.tool_result(conn, frame.call_id, frame.output, frame.is_error)
             if not results or not results[0].get("accepted"):
                 r = results[0] if results else {}
-                raise FrameError(r.get("error") or "unknown_call", r.get("message") or f"call {frame.call_id} is not waiting for a result", "call_id")
+                raise FrameError(
+                    r.get("error") or "unknown_call",
+                    r.get("message") or f"call {frame.call_id} is not waiting for a result",
+                    "call_id",
+                )
             conn.send({"type": "ack", "request_id": rid, "results": results})
         elif isinstance(frame, F.CronRun):
             await self.on_cron_run(conn, frame)
@@ -284,7 +337,14 @@ class Endpoint:
         if conn.greeted:
             raise FrameError("already_greeted", "hello was already accepted on this connection")
         if frame.protocol != F.PROTOCOL_VERSION:
-            conn.send({"type": "error", "request_id": frame.request_id, "code": "unsupported_protocol", "message": f"this server speaks protocol {F.PROTOCOL_VERSION}, not {frame.protocol}"})
+            conn.send(
+                {
+                    "type": "error",
+                    "request_id": frame.request_id,
+                    "code": "unsupported_protocol",
+                    "message": f"this server speaks protocol {F.PROTOCOL_VERSION}, not {frame.protocol}",
+                }
+            )
             conn.kill(F.CLOSE_PROTOCOL, "unsupported protocol version", flush=True)
             return
         if conn.principal is None:
@@ -294,7 +354,16 @@ class Endpoint:
             conn.principal = authenticate(frame.token)
         conn.greeted = True
         conn.client_name = (frame.client or "")[:64] or None
-        conn.send({"type": "welcome", "request_id": frame.request_id, "protocol": F.PROTOCOL_VERSION, "server": SERVER_NAME, "connection_id": conn.id, "subject": conn.principal.subject})
+        conn.send(
+            {
+                "type": "welcome",
+                "request_id": frame.request_id,
+                "protocol": F.PROTOCOL_VERSION,
+                "server": SERVER_NAME,
+                "connection_id": conn.id,
+                "subject": conn.principal.subject,
+            }
+        )
 
     async def on_submit(self, conn: Connection, frame: F.SubmitInput) -> None:
         agent = await self._agent(conn, frame.agent)
@@ -337,7 +406,9 @@ class Endpoint:
             earlier = await self.server.store.lookup_idempotency(_new_scope(agent.id), key)
             if earlier is not None and earlier.conversation_id == spec:
                 handle = await self.server.kernel.handle_for(earlier)
-                await self._acked(conn, frame.request_id, earlier.id, spec, handle, set(), handle.controller.queue_position, True)
+                await self._acked(
+                    conn, frame.request_id, earlier.id, spec, handle, set(), handle.controller.queue_position, True
+                )
                 return
         source = dict(frame.source or {})
         source.setdefault("connection", conn.id)
@@ -353,12 +424,40 @@ class Endpoint:
                 resolved=agent,
             )
         )
-        await self._acked(conn, frame.request_id, sub.turn_id, sub.conversation_id, sub.handle, set(names), sub.queue_position, sub.duplicate)
+        await self._acked(
+            conn,
+            frame.request_id,
+            sub.turn_id,
+            sub.conversation_id,
+            sub.handle,
+            set(names),
+            sub.queue_position,
+            sub.duplicate,
+        )
 
-    async def _acked(self, conn: Connection, rid: str | None, turn_id: str, conversation_id: str, handle: TurnHandle, tools: set[str], position: int, duplicate: bool) -> None:
+    async def _acked(
+        self,
+        conn: Connection,
+        rid: str | None,
+        turn_id: str,
+        conversation_id: str,
+        handle: TurnHandle,
+        tools: set[str],
+        position: int,
+        duplicate: bool,
+    ) -> None:
         # the ack first, then (synchronously after it) the subscription: the client sees the ack
         # before any turn_updated of this turn.
-        conn.send({"type": "ack", "request_id": rid, "turn_id": turn_id, "conversation_id": conversation_id, "queue_position": position, "duplicate": duplicate})
+        conn.send(
+            {
+                "type": "ack",
+                "request_id": rid,
+                "turn_id": turn_id,
+                "conversation_id": conversation_id,
+                "queue_position": position,
+                "duplicate": duplicate,
+            }
+        )
         await self.hub.adopt_submission(conn, conversation_id, handle, tools, duplicate)
         snap = handle.controller.snapshot()
         if snap.terminal:  # a duplicate of a finished turn: show its result
@@ -392,7 +491,15 @@ class Endpoint:
             detail = (last[-1].get("error") if last else None) or "no detail"
             raise FrameError("fire_failed", f"run #{number} of {task.name} could not be submitted: {detail}", "task")
         occurrence = {"task_id": task.id, "task_name": task.name, "agent_id": task.agent, **result.occurrence.to_dict()}
-        conn.send({"type": "ack", "request_id": frame.request_id, "turn_id": turn.id, "conversation_id": turn.conversation_id, "results": [occurrence]})
+        conn.send(
+            {
+                "type": "ack",
+                "request_id": frame.request_id,
+                "turn_id": turn.id,
+                "conversation_id": turn.conversation_id,
+                "results": [occurrence],
+            }
+        )
         handle = await self.server.kernel.handle_for(turn)
         await self.hub.adopt_submission(conn, turn.conversation_id, handle, set(), False)
         snap = handle.controller.snapshot()
@@ -426,7 +533,12 @@ class Endpoint:
         if conv is not None:
             self._remember(conv)
         owner = await self.server.store.get_agent(conv.agent_id) if conv is not None else None
-        if conv is None or owner is None or not self._allows(conn, owner) or not namespace_allows(_namespace(conn), conv.namespace):
+        if (
+            conv is None
+            or owner is None
+            or not self._allows(conn, owner)
+            or not namespace_allows(_namespace(conn), conv.namespace)
+        ):
             raise _not_found(ref)
         return conv
 
@@ -457,7 +569,9 @@ class Endpoint:
         async with self._default_lock:
             conv = await self.server.store.get_conversation(cid)
             if conv is None:
-                conv = await self.server.store.create_conversation(ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=ns))
+                conv = await self.server.store.create_conversation(
+                    ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=ns)
+                )
         if conv.agent_id != agent.id or conv.namespace != ns:  # pragma: no cover - ids are derived
             raise _not_found(cid)
         self._remember(conv)

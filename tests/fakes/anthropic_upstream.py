@@ -92,13 +92,9 @@ def redacted_block(index: int, data: str) -> list[dict[str, Any]]:
     return [block_start(index, {"type": "redacted_thinking", "data": data}), block_stop(index)]
 
 
-def tool_use_block(
-    index: int, id: str, name: str, json_pieces: Iterable[str]
-) -> list[dict[str, Any]]:
+def tool_use_block(index: int, id: str, name: str, json_pieces: Iterable[str]) -> list[dict[str, Any]]:
     evs = [block_start(index, {"type": "tool_use", "id": id, "name": name, "input": {}})]
-    evs += [
-        block_delta(index, {"type": "input_json_delta", "partial_json": p}) for p in json_pieces
-    ]
+    evs += [block_delta(index, {"type": "input_json_delta", "partial_json": p}) for p in json_pieces]
     evs.append(block_stop(index))
     return evs
 

@@ -84,9 +84,7 @@ class FakeUpstream:
         handler = _make_handler(self)
         self._server = _QuietServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         return self
 
@@ -149,9 +147,7 @@ class FakeUpstream:
             self._replies.append(reply)
         return reply
 
-    def fail(
-        self, status: int, body: Any = None, *, headers: dict[str, str] | None = None
-    ) -> Reply:
+    def fail(self, status: int, body: Any = None, *, headers: dict[str, str] | None = None) -> Reply:
         """Queue an HTTP error; dict/list bodies are sent as JSON."""
         if isinstance(body, dict | list):
             raw, ctype = json.dumps(body).encode(), "application/json"
@@ -272,9 +268,7 @@ class FakeOpenAI(FakeUpstream):
     path_prefix = "/v1"
 
 
-def openai_sse(
-    chunks: Iterable[dict[str, Any] | str], *, done: bool = True, crlf: bool = False
-) -> bytes:
+def openai_sse(chunks: Iterable[dict[str, Any] | str], *, done: bool = True, crlf: bool = False) -> bytes:
     """SSE body from completion chunks (dicts are JSON-encoded, strings sent raw as data)."""
     nl = "\r\n" if crlf else "\n"
     out = []
@@ -341,9 +335,7 @@ def tool_delta(
     return tc
 
 
-def usage_chunk(
-    prompt: int, completion: int, *, reasoning: int = 0, cached: int = 0
-) -> dict[str, Any]:
+def usage_chunk(prompt: int, completion: int, *, reasoning: int = 0, cached: int = 0) -> dict[str, Any]:
     """The usage-only final chunk (`choices: []`) sent with stream_options.include_usage."""
     usage: dict[str, Any] = {
         "prompt_tokens": prompt,
@@ -364,8 +356,6 @@ def usage_chunk(
     }
 
 
-def openai_error(
-    message: str, *, type: str = "invalid_request_error", code: str | None = None
-) -> dict[str, Any]:
+def openai_error(message: str, *, type: str = "invalid_request_error", code: str | None = None) -> dict[str, Any]:
     """An OpenAI error body."""
     return {"error": {"message": message, "type": type, "param": None, "code": code}}

@@ -73,11 +73,7 @@ def prompt_tokens(body: dict[str, Any]) -> int:
             content = " ".join(str(p.get("text", "")) for p in content)
         total += count_tokens(content or "")
         for call in m.get("tool_calls") or []:
-            total += (
-                PER_MESSAGE
-                + count_tokens(call["function"]["name"])
-                + count_tokens(call["function"]["arguments"])
-            )
+            total += PER_MESSAGE + count_tokens(call["function"]["name"]) + count_tokens(call["function"]["arguments"])
     if body.get("tools"):
         total += count_tokens(json.dumps(body["tools"]))
     return total
@@ -86,9 +82,7 @@ def prompt_tokens(body: dict[str, Any]) -> int:
 @dataclass
 class WindowedModel:
     window: int
-    seen: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # {"tokens", "summary", "rejected", "body"}
+    seen: list[dict[str, Any]] = field(default_factory=list)  # {"tokens", "summary", "rejected", "body"}
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _calls: int = 0
 
@@ -96,20 +90,15 @@ class WindowedModel:
         body = request.json
         unknown = sorted(set(body) - KNOWN_FIELDS)
         if unknown:
-            return _json_reply(
-                400, openai_error(f"Unrecognized request argument supplied: {unknown[0]}")
-            )
+            return _json_reply(400, openai_error(f"Unrecognized request argument supplied: {unknown[0]}"))
         tokens = prompt_tokens(body)
         messages = body["messages"]
         summary = any(
-            m["role"] == "system" and "summary" in str(m.get("content", "")).lower()
-            for m in messages
+            m["role"] == "system" and "summary" in str(m.get("content", "")).lower() for m in messages
         ) and not body.get("tools")
         rejected = tokens > self.window
         with self._lock:
-            self.seen.append(
-                {"tokens": tokens, "summary": summary, "rejected": rejected, "body": body}
-            )
+            self.seen.append({"tokens": tokens, "summary": summary, "rejected": rejected, "body": body})
             self._calls += 1
             call_no = self._calls
         if rejected:
@@ -122,12 +111,7 @@ class WindowedModel:
         if summary:
             text = last["content"] if isinstance(last["content"], str) else ""
             turns = sorted(
-                {
-                    n
-                    for group in re.findall(r"turns? ((?:\d+(?:, )?)+)", text)
-                    for n in group.split(", ")
-                    if n
-                },
+                {n for group in re.findall(r"turns? ((?:\d+(?:, )?)+)", text) for n in group.split(", ") if n},
                 key=int,
             )
             reply = f"Summary: the user sent turns {', '.join(turns) or 'none'}; the assistant acknowledged each."
@@ -141,9 +125,7 @@ class WindowedModel:
             else:
                 name, args = "clock", json.dumps({"timezone": "UTC"})
             chunks = [
-                chunk(
-                    role="assistant", tool_calls=[tool_delta(0, id=f"call_{call_no}", name=name)]
-                ),
+                chunk(role="assistant", tool_calls=[tool_delta(0, id=f"call_{call_no}", name=name)]),
                 chunk(tool_calls=[tool_delta(0, arguments=args[:5])]),
                 chunk(tool_calls=[tool_delta(0, arguments=args[5:])]),
                 chunk(finish_reason="tool_calls"),
@@ -167,9 +149,7 @@ def _stream(text: str, prompt: int, body: dict[str, Any]) -> Reply:
     finish = "stop"
     if limit is not None and len(words) > limit:
         words, finish = words[:limit], "length"
-    chunks = [chunk(role="assistant", content=w) for w in words[:1]] + [
-        chunk(content=w) for w in words[1:]
-    ]
+    chunks = [chunk(role="assistant", content=w) for w in words[:1]] + [chunk(content=w) for w in words[1:]]
     chunks += [chunk(finish_reason=finish), usage_chunk(prompt, count_tokens("".join(words)))]
     return Reply(pieces=[openai_sse(chunks)])
 

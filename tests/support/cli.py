@@ -32,9 +32,7 @@ class CLIResult:
         return json.loads(self.out)
 
 
-def run_cli(
-    home: Path, *args: str, timeout: float = 60, env: dict[str, str] | None = None
-) -> CLIResult:
+def run_cli(home: Path, *args: str, timeout: float = 60, env: dict[str, str] | None = None) -> CLIResult:
     proc = subprocess.run(
         [sys.executable, "-m", "appserver", *args],
         capture_output=True,
@@ -49,8 +47,6 @@ def run_cli(
 def careful_home(parent: Path) -> Path:
     """`parent/home` with an agent `careful` that asks before each `clock` call (the approval tests' agent)."""
     home = parent / "home"
-    r = run_cli(
-        home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=cli_env(home)
-    )
+    r = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=cli_env(home))
     assert r.code == 0, r.err
     return home

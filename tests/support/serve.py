@@ -35,9 +35,7 @@ class ServeProcess:
             self.proc.wait(10)
 
 
-def start_serve(
-    home: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 20
-) -> ServeProcess:
+def start_serve(home: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 20) -> ServeProcess:
     home.mkdir(parents=True, exist_ok=True)
     server_json = home / "server.json"
     server_json.unlink(missing_ok=True)
@@ -52,9 +50,7 @@ def start_serve(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"serve exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
-            )
+            raise RuntimeError(f"serve exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
         if server_json.exists():
             try:
                 info = json.loads(server_json.read_text())

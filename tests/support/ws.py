@@ -25,12 +25,8 @@ class WS:
         self._n = 0
 
     @classmethod
-    async def open(
-        cls, http_url: str, *, hello: bool = True, headers: dict[str, str] | None = None, **kw: Any
-    ) -> WS:
-        conn = await websockets.connect(
-            ws_url(http_url), additional_headers=headers, max_size=None, **kw
-        )
+    async def open(cls, http_url: str, *, hello: bool = True, headers: dict[str, str] | None = None, **kw: Any) -> WS:
+        conn = await websockets.connect(ws_url(http_url), additional_headers=headers, max_size=None, **kw)
         self = cls(conn)
         if hello:
             welcome = await self.request({"type": "hello", "protocol": 1, "client": "test"})
@@ -48,9 +44,7 @@ class WS:
         self.seen.append(frame)
         return frame
 
-    async def expect(
-        self, pred: Callable[[dict[str, Any]], bool], timeout: float = 10
-    ) -> dict[str, Any]:
+    async def expect(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 10) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
@@ -90,11 +84,7 @@ class WS:
                 return out
 
     def snapshots(self, turn_id: str) -> list[dict[str, Any]]:
-        return [
-            f["snapshot"]
-            for f in self.seen
-            if f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == turn_id
-        ]
+        return [f["snapshot"] for f in self.seen if f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == turn_id]
 
 
 def db_messages(home: Path, conversation_id: str) -> list[tuple[str, str, str]]:

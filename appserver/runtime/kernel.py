@@ -25,6 +25,7 @@ from appserver.runtime.conversation import ConversationRuntime
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store
+from appserver.runtime.settle import close_unanswered
 from appserver.runtime.snapshot import TurnSnapshot
 from appserver.runtime.watch import Watch
 from appserver.store.base import DuplicateTurn, Store
@@ -174,20 +175,7 @@ class Kernel:
         answered = {m.tool_call_id for m in history if m.role == "tool"}
         for m in history:
             if m.role == "assistant" and m.turn_id == turn.id:
-                for c in m.tool_calls:
-                    if c["id"] not in answered:
-                        answered.add(c["id"])
-                        messages.append(
-                            MessageRecord(
-                                role="tool",
-                                content=interrupted_text(c["name"]),
-                                turn_id=turn.id,
-                                iteration=m.iteration,
-                                tool_call_id=c["id"],
-                                name=c["name"],
-                                is_error=True,
-                            )
-                        )
+                messages.extend(close_unanswered(m, turn.id, answered, interrupted_text))
         if text:
             messages.append(
                 MessageRecord(

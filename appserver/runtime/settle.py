@@ -4,6 +4,7 @@ one place that then commits, settles and publishes it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,34 @@ def cancel_wins(work: TurnWork) -> LoopOutcome:
     return LoopOutcome("cancelled", "cancelled")
 
 
+def stopped_text(name: str) -> str:
+    return f"The call to {name} was stopped before it returned a result."
+
+
+def close_unanswered(
+    assistant: MessageRecord, turn_id: str, answered: set[str | None], text: Callable[[str], str]
+) -> list[MessageRecord]:
+    """A synthetic error result for each call of `assistant` not in `answered` (which it extends),
+    so the history stays valid for every provider."""
+    out: list[MessageRecord] = []
+    for c in assistant.tool_calls if assistant.role == "assistant" else ():
+        if c["id"] in answered:
+            continue
+        answered.add(c["id"])
+        out.append(
+            MessageRecord(
+                role="tool",
+                content=text(c["name"]),
+                turn_id=turn_id,
+                iteration=assistant.iteration,
+                tool_call_id=c["id"],
+                name=c["name"],
+                is_error=True,
+            )
+        )
+    return out
+
+
 def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecord]:
     """Messages to keep from a turn that stopped early, valid for every provider.
 
@@ -99,36 +128,9 @@ def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecor
     out: list[MessageRecord] = []
     for m in work.history:  # a resumed turn: calls committed at the pause, answered but never run
         if m.role == "assistant" and m.turn_id == work.turn_id:
-            for c in m.tool_calls:
-                if c["id"] not in answered:
-                    answered.add(c["id"])
-                    out.append(
-                        MessageRecord(
-                            role="tool",
-                            content=f"The call to {c['name']} was stopped before it returned a result.",
-                            turn_id=work.turn_id,
-                            iteration=m.iteration,
-                            tool_call_id=c["id"],
-                            name=c["name"],
-                            is_error=True,
-                        )
-                    )
+            out.extend(close_unanswered(m, work.turn_id, answered, stopped_text))
     for m in messages:
         out.append(m)
-        if m.role == "assistant" and m.tool_calls:
-            for c in m.tool_calls:
-                if c["id"] not in answered:
-                    answered.add(c["id"])
-                    out.append(
-                        MessageRecord(
-                            role="tool",
-                            content=f"The call to {c['name']} was stopped before it returned a result.",
-                            turn_id=work.turn_id,
-                            iteration=m.iteration,
-                            tool_call_id=c["id"],
-                            name=c["name"],
-                            is_error=True,
-                        )
-                    )
+        out.extend(close_unanswered(m, work.turn_id, answered, stopped_text))
     # Results that were produced for calls of this turn stay after their call, in order.
     return out

@@ -20,9 +20,9 @@ test: $(STAMP)
 	$(PY) -m pytest -x -q -n 4 --dist loadfile
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check appserver cron gateway tests bench examples
-	$(VENV)/bin/ruff format --check appserver cron gateway tests bench examples
-	$(VENV)/bin/mypy appserver
+	$(VENV)/bin/ruff check appserver cron gateway plugins tests bench examples
+	$(VENV)/bin/ruff format --check appserver cron gateway plugins tests bench examples
+	$(VENV)/bin/mypy appserver gateway plugins
 
 bench: $(STAMP)
 	$(PY) bench/kernel.py

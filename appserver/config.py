@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from appserver.channelconfig import ChannelConfigError, ChannelsConfig, load_channels
 from appserver.configcheck import Invalid, Rule, convert
 from appserver.fsutil import atomic_write_text, ensure_private_dir, move_aside
 from appserver.netaddr import parse_listen, parse_trusted_proxies
@@ -143,6 +144,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     cron: CronConfig = field(default_factory=CronConfig)
+    channels: ChannelsConfig = field(default_factory=ChannelsConfig)
     providers: dict[str, ProviderConfig] = field(default_factory=dict)
     source: str = ""  # what load_config read: the file (or that defaults are used) and env overrides
 
@@ -428,13 +430,17 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         _apply_section(prov, raw_file, f"providers.{name}", in_file, from_env=False)
         _apply_section(prov, raw_env, f"providers.{name}", _env_origin("providers", name), from_env=True)
         cfg.providers[name] = prov
+    try:
+        cfg.channels = load_channels(data.pop("channels", {}), env.pop("channels", {}), str(path), _env_name)
+    except ChannelConfigError as exc:
+        raise ConfigError(str(exc)) from None
     if data:
         raise ConfigError(
-            f"{path}: unknown section(s) {', '.join(sorted(data))}; known: server, limits, auth, cron, providers.NAME"
+            f"{path}: unknown section(s) {', '.join(sorted(data))}; known: server, limits, auth, cron, channels, providers.NAME"
         )
     if env:
         names = ", ".join(sorted(_env_names(env)))
-        raise ConfigError(f"{names}: no such config section; known: server, limits, auth, cron, providers")
+        raise ConfigError(f"{names}: no such config section; known: server, limits, auth, cron, channels, providers")
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: [server] tls_cert and tls_key go together (set both or neither)")
     return cfg

@@ -4,7 +4,7 @@ Typed fields, not a string-keyed bag: `serve` builds them once (`build_services`
 front end only what it uses — the OpenAI routes get `metrics`, the WebSocket routes the `hub` and
 `cron` (the `cron_run` frame), serve's signal handler the `hub` (it tells clients it is stopping).
 `running()` runs the background services for the app's lifespan; a service that has a readiness
-check registers it with `Server.readiness` while it runs. The gateway supervisor joins here next.
+check registers it with `Server.readiness` while it runs. `channels` runs the gateway supervisor when channels are enabled.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from appserver.channels import ChannelService
 from appserver.http.metrics import Metrics
 from appserver.server import Server
 from appserver.ws.hub import Hub
@@ -24,13 +25,20 @@ class Services:
     hub: Hub
     metrics: Metrics
     cron: CronService
+    channels: ChannelService
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """The background services while the app serves (the scheduler), stopped in reverse order."""
-        async with cron_background(self.cron):
+        """The background services while the app serves (the scheduler, the channel gateway),
+        stopped in reverse order."""
+        async with cron_background(self.cron), self.channels.running():
             yield
 
 
 def build_services(server: Server) -> Services:
-    return Services(hub=Hub(server), metrics=Metrics(server), cron=CronService(server))
+    return Services(
+        hub=Hub(server),
+        metrics=Metrics(server),
+        cron=CronService(server),
+        channels=ChannelService(server.config, server.readiness),
+    )

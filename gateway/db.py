@@ -57,6 +57,27 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         );
         """,
     ),
+    (
+        2,
+        """
+        ALTER TABLE ledger ADD COLUMN conversation TEXT;
+
+        CREATE TABLE account_status (
+            channel TEXT NOT NULL,
+            account TEXT NOT NULL,
+            state TEXT NOT NULL,
+            reason TEXT,
+            last_inbound REAL,
+            last_outbound REAL,
+            messages_in INTEGER NOT NULL DEFAULT 0,
+            turns INTEGER NOT NULL DEFAULT 0,
+            replies INTEGER NOT NULL DEFAULT 0,
+            failures INTEGER NOT NULL DEFAULT 0,
+            updated_at REAL NOT NULL,
+            PRIMARY KEY (channel, account)
+        );
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

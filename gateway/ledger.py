@@ -64,6 +64,7 @@ class Entry:
     decision: Decision | None
     reason: str | None
     turn_id: str | None
+    conversation: str | None
     reply: str | None
     remote_ids: tuple[str, ...]
     received_at: float
@@ -127,12 +128,26 @@ class Ledger:
         """A held message's sender was approved: it becomes submittable."""
         return self._move(key, ("held",), "allowed", decision="allow", reason=reason)
 
-    def mark_submitted(self, key: UpdateKey, turn_id: str) -> Entry:
-        """The server accepted the turn. Repeating with the same turn id is a no-op."""
+    def mark_submitted(self, key: UpdateKey, turn_id: str, conversation: str | None = None) -> Entry:
+        """The server accepted the turn (in `conversation`). Repeating with the same turn id is a no-op."""
         entry = self._require(key)
         if entry.state == "submitted" and entry.turn_id == turn_id:
             return entry
-        return self._move(key, ("allowed",), "submitted", turn_id=turn_id)
+        if conversation is None:
+            return self._move(key, ("allowed",), "submitted", turn_id=turn_id)
+        return self._move(key, ("allowed",), "submitted", turn_id=turn_id, conversation=conversation)
+
+    def note_sent(self, key: UpdateKey, remote_ids: Sequence[str | int], shown: str) -> None:
+        """A streamed reply occupies these platform messages and shows `shown` so far (no state
+        change): after a restart the reply continues in them, from that text, instead of starting
+        over."""
+        ids = json.dumps([str(i) for i in remote_ids])
+        with transaction(self._conn) as c:
+            c.execute(
+                "UPDATE ledger SET remote_ids=?, reply=?, updated_at=? WHERE channel=? AND account=?"
+                " AND message_id=? AND state = 'submitted'",
+                (ids, shown, self._clock(), key.channel, key.account, key.message_id),
+            )
 
     def mark_finished(self, key: UpdateKey, reply: str) -> Entry:
         """The turn settled with `reply` to deliver (kept so a restart can deliver it)."""
@@ -211,7 +226,7 @@ class Ledger:
 
 _COLUMNS = (
     "id, channel, account, message_id, chat, thread, sender, payload, state, decision, reason,"
-    " turn_id, reply, remote_ids, received_at, updated_at"
+    " turn_id, conversation, reply, remote_ids, received_at, updated_at"
 )
 
 
@@ -227,8 +242,9 @@ def _entry(row: tuple[Any, ...]) -> Entry:
         decision=cast("Decision | None", row[9]),
         reason=row[10],
         turn_id=row[11],
-        reply=row[12],
-        remote_ids=tuple(json.loads(row[13])),
-        received_at=row[14],
-        updated_at=row[15],
+        conversation=row[12],
+        reply=row[13],
+        remote_ids=tuple(json.loads(row[14])),
+        received_at=row[15],
+        updated_at=row[16],
     )

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 GATEWAY = Path(__file__).resolve().parents[1] / "gateway"
-ALLOWED = ("appserver.client",)
+ALLOWED = ("appserver.client",)  # plugins.contract / plugins.loader are outside appserver and cron
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -1,5 +1,5 @@
 """The layering rules, read from the code: every import (lazy and TYPE_CHECKING ones included) of
-appserver/, cron/ and gateway/ is checked, so a wrong arrow fails the build instead of a review.
+appserver/, cron/, gateway/ and plugins/ is checked, so a wrong arrow fails the build instead of a review.
 
 Flow: front ends (http, ws, security, cli, cron's scheduler) → runtime → agent → providers/tools →
 store. docs/architecture.md points here.
@@ -11,7 +11,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("appserver", "cron", "gateway")
+PACKAGES = ("appserver", "cron", "gateway", "plugins")
+# What the gateway child and the plugins may use of the rest: the protocol client (gateway) and the
+# plugin contract and loader (gateway), the contract alone (plugins).
+GATEWAY_MAY_IMPORT = ("gateway", "appserver.client", "plugins.contract", "plugins.loader")
+PLUGINS_MAY_IMPORT = ("plugins",)
 # cron's data (crons.json, schedules, the run log, the lease) is below the runtime: the `schedule`
 # tool uses it; cron's scheduler and its kernel adapter are a front end.
 CRON_DATA = {"cron.store", "cron.schedule", "cron.runlog", "cron.lease", "cron.envelope", "cron"}
@@ -121,14 +125,36 @@ def test_no_forbidden_direction() -> None:
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_gateway_imports_only_the_protocol_client() -> None:
+def _within(module: str, allowed: tuple[str, ...]) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+def test_gateway_imports_only_the_protocol_client_and_the_plugin_contract() -> None:
     graph = all_modules()
     wrong = [
         f"{m} imports {t}"
         for m, ts in graph.items()
-        if m.startswith("gateway")
+        if m.startswith("gateway.") and m != "gateway.supervisor"
         for t in ts
-        if not (t.startswith("gateway") or t == "appserver.client" or t.startswith("appserver.client."))
+        if not _within(t, GATEWAY_MAY_IMPORT)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_supervisor_imports_only_the_stdio_protocol() -> None:
+    """The supervisor runs inside serve: it knows the child by its control lines, nothing else."""
+    graph = all_modules()
+    assert graph["gateway.supervisor"] <= {"gateway", "gateway.stdio"}, graph["gateway.supervisor"]
+
+
+def test_plugins_import_only_the_contract() -> None:
+    graph = all_modules()
+    wrong = [
+        f"{m} imports {t}"
+        for m, ts in graph.items()
+        if m.startswith("plugins")
+        for t in ts
+        if not _within(t, PLUGINS_MAY_IMPORT) or t.startswith("plugins.loader") and m != "plugins.loader"
     ]
     assert not wrong, "\n".join(wrong)
 

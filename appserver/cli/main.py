@@ -12,6 +12,9 @@ from appserver.cli.lazy import LazyCommand, LazyGroup
 # Each command imports its own dependencies (uvicorn, the kernel) only when it runs (see cli/lazy.py).
 COMMANDS = {
     "agents": LazyCommand("appserver.cli.agents:agents_group", "Manage agents."),
+    "channels": LazyCommand(
+        "appserver.cli.channels:channels_group", "Configure chat channels and their accounts, routes and status."
+    ),
     "chat": LazyCommand(
         "appserver.cli.chat:chat_command", "Chat with an agent through the running server (WebSocket protocol)."
     ),

@@ -23,6 +23,7 @@ import click
 import uvicorn
 
 from appserver.auth import Authenticator
+from appserver.channelconfig import parse_enabled
 from appserver.cli.common import StartupError, fail, get_config
 from appserver.config import Config, ConfigError
 from appserver.http.app import build_app
@@ -270,6 +271,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         await task
         raise
     click.echo(f"appserver listening on {url}  (home {config.home})", err=False)
+    services.channels.server_bound(url)
     try:
         await task
     finally:
@@ -308,7 +310,15 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     help="Start even though the store lost committed data (a damaged write-ahead log, or a store behind "
     "its recorded position); a copy of the files is kept. Only after reading the refusal message.",
 )
+@click.option(
+    "--channels",
+    "channels",
+    default=None,
+    metavar="IDS",
+    help="Comma-separated channels to run (e.g. webhook,telegram); overrides [channels] enabled. '' runs none.",
+)
 def serve_command(
+    channels: str | None,
     listen: str | None,
     auth_mode: str | None,
     tls_cert: str | None,
@@ -320,6 +330,11 @@ def serve_command(
     config = get_config()
     if auth_mode:
         config.auth.mode = auth_mode
+    if channels is not None:
+        try:
+            config.channels.enabled = parse_enabled(channels, "--channels")
+        except ValueError as exc:
+            fail(str(exc), 2)
     if tls_cert or tls_key:
         if not (tls_cert and tls_key):
             fail("--tls-cert and --tls-key go together", 2)

@@ -25,6 +25,10 @@ from appserver.providers.base import (
 SLOW_WORD_INTERVAL_S = 0.05
 SLOW_MAX_WORDS = 100_000
 _CALL = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(.*)$", re.DOTALL)
+# A message from a chat channel arrives wrapped in the gateway's envelope; echo answers its body,
+# so `/slow 30` typed in a chat works as it does everywhere else.
+_CHANNEL_MESSAGE = re.compile(r"^<channel-message [^<>]*>([^<>]*)</channel-message>$")
+_ENTITIES = {"&lt;": "<", "&gt;": ">", "&quot;": '"', "&#39;": "'", "&amp;": "&"}
 
 
 def _words(text: str) -> int:
@@ -54,7 +58,7 @@ class EchoProvider:
             return
 
         users = [m for m in messages if m.role == "user"]
-        text = users[-1].text().strip() if users else ""
+        text = _unwrap_channel_message(users[-1].text().strip()) if users else ""
 
         calls = [_CALL.match(line.strip()) for line in text.splitlines() if line.strip().startswith("/call")]
         if text.startswith("/call") and all(calls):
@@ -121,6 +125,13 @@ class EchoProvider:
             produced += 1
         yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
         yield Done("stop")
+
+
+def _unwrap_channel_message(text: str) -> str:
+    match = _CHANNEL_MESSAGE.match(text)
+    if match is None:
+        return text
+    return re.sub(r"&(lt|gt|quot|#39|amp);", lambda m: _ENTITIES[m.group(0)], match.group(1)).strip()
 
 
 def _summary(transcript: str) -> str:

@@ -1,0 +1,148 @@
+"""`[channels]` in config.toml: which channels run, and each account's settings (DESIGN §8).
+
+```toml
+[channels]
+enabled = ["webhook"]
+
+[channels.webhook.accounts.main]
+listen = "127.0.0.1:8788"
+secret_env = "WEBHOOK_SECRET"          # secrets only by reference: NAME_env or NAME_file
+reply_url = "http://127.0.0.1:9000/replies"
+default_agent = "assistant"
+```
+
+An account's table is handed to its plugin as written, except that secret references are kept
+apart: `token_env = "X"` / `token_file = "path"` are resolved in the gateway child, so a secret never
+passes through the server's config or logs. A secret written inline is refused here, naming the key.
+Environment overrides work as for every key: `APPSERVER_CHANNELS__ENABLED=webhook,telegram`,
+`APPSERVER_CHANNELS__WEBHOOK__ACCOUNTS__MAIN__REPLY_URL=…`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+CHANNEL_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
+ACCOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Keys whose value is a credential: they must be given by reference (`<key>_env` / `<key>_file`).
+SECRET_KEYS = frozenset({"token", "secret", "password", "api_key", "app_token", "bot_token", "signing_secret"})
+SECRET_SUFFIXES = ("_token", "_secret", "_password", "_key")
+# Settings the gateway itself reads (the plugin sees them too); checked here so a typo fails at load.
+GATEWAY_KEYS: dict[str, type | tuple[type, ...]] = {
+    "default_agent": str,
+    "chat_rate": (int, float),  # sends and edits per second per chat (default: the plugin's)
+    "tool_status": bool,  # one compact status line while tools run (default true)
+    "stream": bool,  # grow replies by edits where the platform can (default true)
+}
+
+
+class ChannelConfigError(ValueError):
+    """A `[channels]` problem, naming the key and where it came from."""
+
+
+@dataclass(frozen=True, slots=True)
+class AccountConfig:
+    channel: str
+    name: str
+    settings: dict[str, Any]  # the table minus secret references
+    secret_refs: dict[str, dict[str, str]]  # secret name -> {"env": VAR} or {"file": path}
+
+    @property
+    def ref(self) -> str:
+        return f"{self.channel}:{self.name}"
+
+    def to_json(self) -> dict[str, Any]:
+        """What the supervisor hands the gateway child (references, never secret values)."""
+        return {"channel": self.channel, "name": self.name, "settings": self.settings, "secrets": self.secret_refs}
+
+
+@dataclass(slots=True)
+class ChannelsConfig:
+    enabled: list[str] = field(default_factory=list)
+    accounts: dict[str, dict[str, AccountConfig]] = field(default_factory=dict)  # channel -> name -> account
+
+    def enabled_accounts(self) -> list[AccountConfig]:
+        return [a for ch in self.enabled for a in self.accounts.get(ch, {}).values()]
+
+
+def parse_enabled(value: Any, where: str) -> list[str]:
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise ChannelConfigError(f"{where}: [channels] enabled must be a list of channel ids, got {value!r}")
+    out: list[str] = []
+    for v in items:
+        if not v:
+            continue
+        if not CHANNEL_ID.fullmatch(v):
+            raise ChannelConfigError(f"{where}: [channels] enabled: {v!r} is not a channel id ([a-z0-9][a-z0-9_-]*)")
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def load_channels(file_table: Any, env_table: Any, path: str, env_origin: Callable[..., str]) -> ChannelsConfig:
+    """Build `ChannelsConfig` from the file's `[channels]` table and the environment's overrides."""
+    for raw, where in ((file_table, path), (env_table, env_origin("channels"))):
+        if not isinstance(raw, dict):
+            raise ChannelConfigError(f"{where}: [channels] must be a table")
+    cfg = ChannelsConfig()
+    file_table, env_table = dict(file_table), dict(env_table)
+    if "enabled" in env_table:
+        cfg.enabled = parse_enabled(env_table.pop("enabled"), env_origin("channels", "enabled"))
+        file_table.pop("enabled", None)
+    elif "enabled" in file_table:
+        cfg.enabled = parse_enabled(file_table.pop("enabled"), path)
+    for channel in [*file_table, *(c for c in env_table if c not in file_table)]:
+        where = path if channel in file_table else env_origin("channels", channel)
+        if not CHANNEL_ID.fullmatch(channel):
+            raise ChannelConfigError(f"{where}: [channels.{channel}]: not a channel id ([a-z0-9][a-z0-9_-]*)")
+        tables = [(file_table.get(channel, {}), path), (env_table.get(channel, {}), env_origin("channels", channel))]
+        merged: dict[str, dict[str, Any]] = {}
+        for table, origin in tables:
+            if not isinstance(table, dict) or set(table) - {"accounts"}:
+                raise ChannelConfigError(
+                    f"{origin}: [channels.{channel}] holds only accounts: [channels.{channel}.accounts.NAME]"
+                )
+            accounts = table.get("accounts", {})
+            if not isinstance(accounts, dict) or not all(isinstance(v, dict) for v in accounts.values()):
+                raise ChannelConfigError(f"{origin}: [channels.{channel}.accounts.NAME] must be tables")
+            for name, settings in accounts.items():
+                merged.setdefault(name, {}).update(settings)
+        cfg.accounts[channel] = {
+            name: check_account(channel, name, settings, where) for name, settings in merged.items()
+        }
+    return cfg
+
+
+def check_account(channel: str, name: str, table: dict[str, Any], where: str) -> AccountConfig:
+    head = f"{where}: [channels.{channel}.accounts.{name}]"
+    if not ACCOUNT_NAME.fullmatch(name):
+        raise ChannelConfigError(f"{head}: account name must be letters, digits, '_' or '-' (at most 64)")
+    settings: dict[str, Any] = {}
+    refs: dict[str, dict[str, str]] = {}
+    for key, value in table.items():
+        if key.endswith(("_env", "_file")):
+            secret, kind = key.rsplit("_", 1)
+            if not isinstance(value, str) or not value:
+                raise ChannelConfigError(f"{head} {key} must be a non-empty string")
+            if kind == "env" and not ENV_NAME.fullmatch(value):
+                raise ChannelConfigError(f"{head} {key} must name an environment variable, got {value!r}")
+            if secret in refs:
+                raise ChannelConfigError(f"{head}: give {secret}_env or {secret}_file, not both")
+            refs[secret] = {kind: value}
+            continue
+        if key in SECRET_KEYS or key.endswith(SECRET_SUFFIXES):
+            raise ChannelConfigError(
+                f'{head} {key}: secrets are never written inline; use {key}_env = "VARIABLE" or {key}_file = "path"'
+            )
+        expected = GATEWAY_KEYS.get(key)
+        if expected is not None and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
+            raise ChannelConfigError(f"{head} {key} has the wrong type: {value!r}")
+        if key == "chat_rate" and not value > 0:
+            raise ChannelConfigError(f"{head} chat_rate must be positive, got {value!r}")
+        settings[key] = value
+    return AccountConfig(channel=channel, name=name, settings=settings, secret_refs=refs)

@@ -1,0 +1,151 @@
+"""Channels as a service of `serve`: the gateway supervisor, its credential and its readiness.
+
+With channels enabled (`--channels` or `[channels] enabled`), serve runs the gateway child under
+`gateway.supervisor.GatewaySupervisor` once its own socket is bound (the child connects to it like
+any client). The child's credential is minted here per start: in auth mode `token` a capability
+token named `gateway` with the `ws` scope only (its conversations form their own namespace),
+revoked when that child ends; in mode `none` the loopback needs none. `/readyz` gets a `channels`
+check: ready only when the child runs and every enabled account runs, with per-account detail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from appserver.auth import TokenStore
+from appserver.config import Config
+from appserver.readiness import CheckResult, Readiness
+from gateway.supervisor import Credential, GatewaySupervisor
+
+log = logging.getLogger("appserver.channels")
+
+READINESS_CHECK = "channels"
+GATEWAY_TOKEN_NAME = "gateway"
+
+
+class ChannelsUnavailable(Exception):
+    """Channels cannot run with this configuration (said once at start, and by /readyz)."""
+
+
+def mint_credential(config: Config) -> Credential:
+    mode = config.auth.mode
+    if mode == "none":
+        return Credential(None, lambda: None)
+    if mode != "token":
+        raise ChannelsUnavailable(
+            f"channels need auth mode 'none' or 'token' (the gateway gets a capability token); this server uses {mode!r}"
+        )
+    store = TokenStore(config.home)
+    with contextlib.suppress(KeyError):
+        store.revoke(GATEWAY_TOKEN_NAME)  # left behind by a server that was killed
+    record, plaintext = store.create(name=GATEWAY_TOKEN_NAME, scopes="ws")
+
+    def revoke() -> None:
+        with contextlib.suppress(KeyError):
+            store.revoke(record.id)
+
+    return Credential(plaintext, revoke)
+
+
+class ChannelService:
+    def __init__(self, config: Config, readiness: Readiness) -> None:
+        self.config = config
+        self.readiness = readiness
+        self.accounts = config.channels.enabled_accounts()
+        self.supervisor: GatewaySupervisor | None = None
+        self._url: asyncio.Future[str] | None = None
+        self._problem: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.config.channels.enabled)
+
+    def server_bound(self, url: str) -> None:
+        """serve calls this once its socket is bound: the child can connect now."""
+        if self._url is not None and not self._url.done():
+            self._url.set_result(url)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self._url = asyncio.get_running_loop().create_future()
+        self.readiness.register(READINESS_CHECK, self.check, ttl_s=0.5)
+        self._task = asyncio.get_running_loop().create_task(self._start(), name="channels-start")
+        try:
+            yield
+        finally:
+            self.readiness.unregister(READINESS_CHECK)
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+            if self.supervisor is not None:
+                await self.supervisor.stop()
+
+    async def _start(self) -> None:
+        assert self._url is not None
+        url = await self._url
+        enabled = self.config.channels.enabled
+        for channel in enabled:
+            if not self.config.channels.accounts.get(channel):
+                log.warning(
+                    "channel %s is enabled but has no account: add [channels.%s.accounts.NAME] to %s",
+                    channel,
+                    channel,
+                    self.config.config_path,
+                )
+        try:
+            mint_credential(self.config).revoke()  # fail early and clearly on a mode that cannot work
+        except ChannelsUnavailable as exc:
+            self._problem = str(exc)
+            log.error("channels: %s", exc)
+            return
+        self.supervisor = GatewaySupervisor(
+            home=self.config.home,
+            url=lambda: url,
+            accounts=[a.to_json() for a in self.accounts],
+            credential=lambda: mint_credential(self.config),
+        )
+        log.info("channels: starting the gateway for %s", ", ".join(a.ref for a in self.accounts) or "no accounts")
+        await self.supervisor.start()
+        ok, detail = self.supervisor.readiness()
+        if not ok:
+            log.error("channels: not every account is running: %s", _describe(detail))
+
+    async def check(self) -> CheckResult:
+        if self._problem:
+            return CheckResult("fail", self._problem)
+        if self.supervisor is None:
+            return CheckResult("fail", "the gateway is starting")
+        ok, detail = self.supervisor.readiness()
+        return CheckResult("ok" if ok else "fail", _describe(detail))
+
+    async def deliver(self, target: str, text: str) -> list[str]:
+        """Send `text` to `channel:account:chat[:thread]` through the gateway (cron `--deliver`)."""
+        if self.supervisor is None:
+            raise RuntimeError(self._problem or "channels are not running")
+        reply = await self.supervisor.command("deliver", target=target, text=text)
+        if not reply.get("ok"):
+            raise RuntimeError(str(reply.get("error") or "delivery failed"))
+        return [str(i) for i in reply.get("remote_ids") or []]
+
+    async def status(self) -> dict[str, Any]:
+        if self.supervisor is None:
+            return {"gateway": "stopped", "reason": self._problem, "accounts": {}}
+        return self.supervisor.readiness()[1]
+
+
+def _describe(detail: dict[str, Any]) -> str:
+    accounts = detail.get("accounts") or {}
+    parts = [
+        f"{ref} {a.get('state')}" + (f" ({a.get('reason')})" if a.get("reason") and a.get("state") != "running" else "")
+        for ref, a in accounts.items()
+    ]
+    head = f"gateway {detail.get('gateway')}" + (f" ({detail['reason']})" if detail.get("reason") else "")
+    return "; ".join([head, *parts])

@@ -1,0 +1,205 @@
+"""One configured account in the child: its plugin, secrets, adapter, state and counters.
+
+`AccountRunner.run` keeps the adapter alive: a configuration problem (missing secret, a plugin that
+will not load, a token the platform refuses) is state `error` with the reason and no retry loop; any
+other failure, or an adapter that stops running on its own, is `backoff` and a restart after 1 s,
+doubling to 60 s, reset after 5 minutes of health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.status import AccountStatus
+from plugins.contract import Account, AccountError, AccountState, Adapter, AdapterContext, OnMessage
+from plugins.loader import PluginError, load_plugin
+
+log = logging.getLogger("gateway.accounts")
+
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 60.0
+HEALTHY_RESET_S = 300.0
+WATCH_INTERVAL_S = 1.0
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class AccountSpec:
+    """An account as the supervisor hands it over: settings plus secret references, no values."""
+
+    channel: str
+    name: str
+    settings: dict[str, Any]
+    secrets: dict[str, dict[str, str]]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> AccountSpec:
+        return cls(str(d["channel"]), str(d["name"]), dict(d.get("settings") or {}), dict(d.get("secrets") or {}))
+
+    @property
+    def ref(self) -> str:
+        return f"{self.channel}:{self.name}"
+
+
+def resolve_secrets(spec: AccountSpec, home: Path, environ: dict[str, str]) -> dict[str, str]:
+    """Each `<name>_env` / `<name>_file` reference as its value; a missing one is an AccountError
+    naming the variable or file, so `channels status` says exactly what to fix."""
+    out: dict[str, str] = {}
+    for name, ref in spec.secrets.items():
+        if "env" in ref:
+            value = environ.get(ref["env"], "")
+            if not value.strip():
+                raise AccountError(f"{name}_env: environment variable {ref['env']} is not set")
+            out[name] = value.strip()
+        elif "file" in ref:
+            path = Path(ref["file"]).expanduser()
+            path = path if path.is_absolute() else home / path
+            try:
+                value = path.read_text().strip()
+            except OSError as exc:
+                raise AccountError(f"{name}_file: cannot read {path}: {exc.strerror or exc}") from None
+            if not value:
+                raise AccountError(f"{name}_file: {path} is empty")
+            out[name] = value
+    return out
+
+
+@dataclass
+class LiveStatus:
+    """The account's state and counters in memory; saved to gateway.db by the gateway."""
+
+    channel: str
+    account: str
+    state: AccountState = "starting"
+    reason: str | None = None
+    last_inbound: float | None = None
+    last_outbound: float | None = None
+    messages_in: int = 0
+    turns: int = 0
+    replies: int = 0
+    failures: int = 0
+    updated_at: float = field(default_factory=time.time)
+
+    def snapshot(self) -> AccountStatus:
+        return AccountStatus(
+            self.channel,
+            self.account,
+            self.state,
+            self.reason,
+            self.last_inbound,
+            self.last_outbound,
+            self.messages_in,
+            self.turns,
+            self.replies,
+            self.failures,
+            self.updated_at,
+        )
+
+
+StateListener = Callable[["AccountRunner"], None]
+
+
+class AccountRunner:
+    def __init__(
+        self,
+        spec: AccountSpec,
+        home: Path,
+        on_message: OnMessage,
+        on_state: StateListener,
+        environ: dict[str, str] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.spec = spec
+        self.home = home
+        self.adapter: Adapter | None = None
+        self.live = LiveStatus(spec.channel, spec.name)
+        self._on_message = on_message
+        self._on_state = on_state
+        self._environ = dict(os.environ) if environ is None else environ
+        self._sleep = sleep
+        self._stopping = False
+        self.ready = asyncio.Event()  # set once the adapter first runs (or the account is in error)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.spec.settings
+
+    def report(self, state: AccountState, reason: str | None = None) -> None:
+        if (state, reason) == (self.live.state, self.live.reason):
+            return
+        self.live.state, self.live.reason, self.live.updated_at = state, reason, time.time()
+        level = logging.ERROR if state == "error" else logging.INFO
+        log.log(level, "%s: %s%s", self.spec.ref, state, f" ({reason})" if reason else "")
+        self._on_state(self)
+
+    async def run(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while not self._stopping:
+            self.report("starting")
+            started = time.monotonic()
+            try:
+                adapter = self._create()
+                self.adapter = adapter
+                await adapter.start()
+            except (AccountError, PluginError) as exc:
+                self.report("error", str(exc))
+                self.ready.set()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a plugin may fail any way; it must not kill the gateway
+                log.exception("%s: the adapter failed to start", self.spec.ref)
+                await self._backoff(f"start failed: {type(exc).__name__}: {exc}", backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                continue
+            if self.live.state == "starting":
+                self.report("running")
+            self.ready.set()
+            while not self._stopping and adapter.is_running:
+                await self._sleep(WATCH_INTERVAL_S)
+            if self._stopping:
+                return
+            if time.monotonic() - started >= HEALTHY_RESET_S:
+                backoff = BACKOFF_MIN_S
+            await self._stop_adapter()
+            await self._backoff("the adapter stopped running", backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _backoff(self, reason: str, seconds: float) -> None:
+        self.report("backoff", f"{reason}; retrying in {seconds:g} s")
+        await self._sleep(seconds)
+
+    def _create(self) -> Adapter:
+        create = load_plugin(self.spec.channel, self.home)
+        secrets = resolve_secrets(self.spec, self.home, self._environ)
+        account = Account(self.spec.channel, self.spec.name, dict(self.spec.settings), secrets)
+        data_dir = self.home / "channels" / self.spec.channel / "data" / self.spec.name
+        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        context = AdapterContext(
+            on_message=self._on_message,
+            report=self.report,
+            data_dir=data_dir,
+            log=logging.getLogger(f"gateway.{self.spec.channel}.{self.spec.name}"),
+        )
+        return create(account, context)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await self._stop_adapter()
+        self.report("stopped")
+
+    async def _stop_adapter(self) -> None:
+        adapter = self.adapter
+        if adapter is None:
+            return
+        try:
+            await asyncio.wait_for(adapter.stop(), STOP_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - stopping must go on
+            log.exception("%s: the adapter did not stop cleanly", self.spec.ref)

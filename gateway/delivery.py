@@ -1,0 +1,209 @@
+"""Replies back to chats: what a snapshot shows, the per-chat outbox, and the per-turn sink.
+
+A turn's snapshots become the text a person sees (`visible_text`: reasoning never, tool use as one
+compact status line while it runs, a failure or cancellation as one short line). The `Outbox` is
+the one way out to a chat: every send and edit passes the per-chat rate limiter, honours the
+platform's `retry_after`, retries transient errors with backoff and raises `DeliveryFailed` with
+the reason in the end. A `ReplySink` grows one turn's reply in place where the platform can edit
+(first send at the first visible text, then about one edit per `interval`, no-op edits skipped,
+the last edit exact), splitting at the platform's limit without breaking code fences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from gateway.ratelimit import ChatRateLimiter, RetryAfter
+from gateway.split import split_message
+from plugins.contract import Adapter, DeliveryError, Target
+
+log = logging.getLogger("gateway.delivery")
+T = TypeVar("T")
+
+TRANSIENT_ATTEMPTS = 5
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+NO_REPLY = "(no reply)"
+
+
+class DeliveryFailed(Exception):
+    """A reply or send that could not be delivered, with the platform's reason."""
+
+
+def reply_body(snapshot: dict[str, Any]) -> str:
+    """The text blocks of a snapshot (never reasoning), as one text."""
+    blocks = snapshot.get("blocks") or []
+    return "\n\n".join(str(b.get("text") or "").strip() for b in blocks if b.get("type") == "text" and b.get("text"))
+
+
+def visible_text(snapshot: dict[str, Any], *, tool_status: bool = True) -> str:
+    """The reply as a chat shows it: text blocks (never reasoning), plus a status line while a
+    tool runs (when `tool_status`) and one short line when the turn failed or was cancelled."""
+    blocks = snapshot.get("blocks") or []
+    text = reply_body(snapshot)
+    status = snapshot.get("status")
+    lines = [text] if text else []
+    if status in ("running", "awaiting") and tool_status:
+        running = [b for b in blocks if b.get("type") == "tool_call" and b.get("status") not in ("completed", "failed")]
+        if running:
+            lines.append(f"⚙ {running[-1].get('name') or 'tool'}…")
+    if status == "awaiting":
+        waiting = [str(p.get("name")) for p in snapshot.get("pending") or [] if p.get("kind") == "approval"]
+        if waiting:
+            lines.append(f"⏸ waiting for approval of {', '.join(waiting)}")
+    elif status == "failed":
+        error = snapshot.get("error") or {}
+        if error.get("kind") in ("interrupted", "unknown"):
+            lines.append("⚠ The reply was interrupted (the server stopped while it was being written).")
+        else:
+            lines.append(f"⚠ The turn failed: {_short(str(error.get('message') or error.get('kind') or 'error'))}")
+    elif status == "cancelled":
+        lines.append("⏹ Cancelled.")
+    return "\n\n".join(lines)
+
+
+def _short(text: str, limit: int = 200) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+class Outbox:
+    """All traffic to one account's chats: rate limited per chat, retried, never silently dropped."""
+
+    def __init__(self, adapter: Adapter, limiter: ChatRateLimiter, sleep: Callable[[float], Awaitable[None]]) -> None:
+        self.adapter = adapter
+        self.limiter = limiter
+        self._sleep = sleep
+
+    def format(self, text: str) -> str:
+        fmt = getattr(self.adapter, "format", None)
+        return str(fmt(text)) if callable(fmt) else text
+
+    @property
+    def can_edit(self) -> bool:
+        return bool(self.adapter.limits.can_edit and callable(getattr(self.adapter, "edit", None)))
+
+    async def send(self, target: Target, text: str) -> list[str]:
+        formatted = self.format(text)
+        return await self._call(target.chat, lambda: self.adapter.send(target, formatted))
+
+    async def edit(self, target: Target, message_id: str, text: str) -> None:
+        formatted = self.format(text)
+        edit = getattr(self.adapter, "edit")  # noqa: B009 - optional method of the contract
+        await self._call(target.chat, lambda: edit(target, message_id, formatted))
+
+    async def react(self, target: Target, message_id: str, emoji: str) -> None:
+        react = getattr(self.adapter, "react", None)
+        if not callable(react):
+            raise DeliveryFailed("this channel cannot react to messages")
+        await self._call(target.chat, lambda: react(target, message_id, emoji))
+
+    async def _call(self, chat: str, op: Callable[[], Awaitable[T]]) -> T:
+        async def attempt() -> T:
+            try:
+                return await op()
+            except DeliveryError as exc:
+                if exc.retry_after is not None and not exc.permanent:
+                    raise RetryAfter(exc.retry_after) from exc
+                raise
+
+        for n in range(TRANSIENT_ATTEMPTS):
+            try:
+                return await self.limiter.call(chat, attempt)
+            except RetryAfter as exc:
+                raise DeliveryFailed(f"rate limited: the platform kept asking to wait ({exc.seconds:g} s)") from exc
+            except DeliveryError as exc:
+                if exc.permanent or n == TRANSIENT_ATTEMPTS - 1:
+                    raise DeliveryFailed(exc.reason) from exc
+                log.warning("send to %s failed (%s); retrying in %g s", chat, exc.reason, BACKOFF_S[n])
+                await self._sleep(BACKOFF_S[n])
+        raise AssertionError("unreachable")
+
+
+@dataclass
+class _Part:
+    message_id: str
+    text: str | None  # None: sent before a restart, content unknown (always re-edited)
+
+
+@dataclass
+class ReplySink:
+    """One turn's reply in one chat. `show(text)` while it runs, `finish(text)` once at the end;
+    both return the platform ids of the messages the reply occupies so far."""
+
+    outbox: Outbox
+    target: Target
+    stream: bool = True
+    interval: float = 1.0
+    parts: list[_Part] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+    _last: float = -1e9
+
+    @classmethod
+    def resumed(cls, outbox: Outbox, target: Target, remote_ids: tuple[str, ...], **kw: Any) -> ReplySink:
+        return cls(outbox, target, parts=[_Part(i, None) for i in remote_ids], **kw)
+
+    @property
+    def ids(self) -> list[str]:
+        return [p.message_id for p in self.parts]
+
+    def due(self) -> float:
+        """Seconds until the next in-place update may go (the sink's own ~1/s pace)."""
+        return max(self._last + self.interval - self.clock(), 0.0)
+
+    async def show(self, text: str) -> list[str]:
+        if not (self.stream and self.outbox.can_edit) or not text.strip():
+            return self.ids
+        await self._apply(text)
+        return self.ids
+
+    async def finish(self, text: str) -> list[str]:
+        if not text.strip():
+            text = NO_REPLY if self.parts else ""
+        if text:
+            await self._apply(text, final=True)
+        return self.ids
+
+    async def _apply(self, text: str, *, final: bool = False) -> None:
+        self._last = self.clock()
+        chunks = split_message(text, self.outbox.adapter.limits.max_length)
+        if not self.outbox.can_edit:
+            chunks = chunks[len(self.parts) :] if final else []
+        for i, chunk in enumerate(chunks):
+            if self.outbox.can_edit and i < len(self.parts):
+                part = self.parts[i]
+                if part.text != chunk:
+                    await self.outbox.edit(self.target, part.message_id, chunk)
+                    part.text = chunk
+                continue
+            for message_id in await self.outbox.send(self.target, chunk):
+                self.parts.append(_Part(message_id, chunk))
+        if self.outbox.can_edit and len(self.parts) > len(chunks) and final:
+            # The reply shrank (a status line went away): blank the surplus rather than leave stale text.
+            for part in self.parts[len(chunks) :]:
+                if part.text != "…":
+                    await self.outbox.edit(self.target, part.message_id, "…")
+                    part.text = "…"
+
+
+class ChatOrder:
+    """Replies to one chat go out in the order their messages arrived: each sink waits for the
+    previous sink of its chat to finish before its first send."""
+
+    def __init__(self) -> None:
+        self._tail: dict[str, asyncio.Event] = {}
+
+    def ticket(self, chat_key: str) -> tuple[asyncio.Event | None, asyncio.Event]:
+        before = self._tail.get(chat_key)
+        mine = asyncio.Event()
+        self._tail[chat_key] = mine
+        return before, mine
+
+    def release(self, chat_key: str, mine: asyncio.Event) -> None:
+        mine.set()
+        if self._tail.get(chat_key) is mine:
+            del self._tail[chat_key]

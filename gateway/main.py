@@ -1,0 +1,153 @@
+"""`python -m gateway`: the child process the supervisor in `appserver serve` runs.
+
+First thing, stdout is taken for control lines (nothing else can write to it). The first stdin line
+is the start envelope (server URL, the gateway's credential, the home, the accounts with secret
+references); every later line is a command envelope `{"id", "op", ...}` answered by one
+`GATEWAY_RESPONSE`. End of stdin means the server is gone: stop and exit, so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.accounts import AccountSpec
+from gateway.app import Gateway
+from gateway.db import CorruptGatewayDB, SchemaTooNew, default_path
+from gateway.ledger import Ledger
+from gateway.link import ServerLink
+from gateway.stdio import ControlWriter
+
+log = logging.getLogger("gateway")
+
+START_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 25.0
+
+EXIT_OK = 0
+EXIT_BAD_START = 2
+EXIT_SERVER_GONE = 3
+
+
+def main() -> int:
+    control = ControlWriter.take_stdout()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per platform request floods the log
+    try:
+        return asyncio.run(_main(control))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+async def _stdin() -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 22)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(0, "rb", buffering=0))
+    return reader
+
+
+async def _main(control: ControlWriter) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: None)  # the supervisor stops us through stdin
+    stdin = await _stdin()
+    try:
+        line = await asyncio.wait_for(stdin.readline(), START_TIMEOUT_S)
+        start = json.loads(line)
+        if not isinstance(start, dict) or start.get("op") != "start":
+            raise ValueError("the first line must be the start envelope")
+        home = Path(str(start["home"]))
+        specs = [AccountSpec.from_json(a) for a in start.get("accounts") or []]
+    except (TimeoutError, ValueError, KeyError, TypeError) as exc:
+        log.error("no valid start envelope on stdin: %s", exc)
+        return EXIT_BAD_START
+
+    ledger = _open_ledger(home, control)
+    if ledger is None:
+        return EXIT_BAD_START
+    try:
+        link = await asyncio.wait_for(ServerLink.open(str(start["url"]), start.get("token")), CONNECT_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - any failure to reach the server ends this start
+        log.error("cannot reach the server at %s: %s", start.get("url"), exc)
+        return EXIT_SERVER_GONE
+    gateway = Gateway(home, ledger, link, specs, control.event)
+    try:
+        await gateway.start()
+        control.ready()
+        log.info("ready: %s", ", ".join(f"{r['channel']}:{r['account']}={r['state']}" for r in gateway.statuses()))
+        return await _serve_commands(gateway, stdin, control, link)
+    finally:
+        await gateway.stop()
+        await link.close()
+        ledger.close()
+
+
+def _open_ledger(home: Path, control: ControlWriter) -> Ledger | None:
+    path = default_path(home)
+    try:
+        return Ledger.open(path)
+    except CorruptGatewayDB as exc:
+        log.error("%s; starting with an empty ledger", exc)
+        control.event("gateway_error", {"message": str(exc)})
+        return Ledger.open(path)
+    except SchemaTooNew as exc:
+        log.error("%s", exc)
+        control.event("gateway_error", {"message": str(exc)})
+        return None
+
+
+async def _serve_commands(
+    gateway: Gateway, stdin: asyncio.StreamReader, control: ControlWriter, link: ServerLink
+) -> int:
+    server_gone = asyncio.ensure_future(link.closed.wait())
+    tasks: set[asyncio.Task[None]] = set()
+    try:
+        while True:
+            read = asyncio.ensure_future(stdin.readline())
+            await asyncio.wait({read, server_gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                read.cancel()
+                log.error("the server connection is gone for good; exiting")
+                return EXIT_SERVER_GONE
+            line = read.result()
+            if not line:
+                log.info("stdin closed: the server is gone or stopping us; exiting")
+                return EXIT_OK
+            try:
+                command = json.loads(line)
+                if not isinstance(command, dict) or not isinstance(command.get("id"), str):
+                    raise ValueError("a command is a JSON object with a string id")
+            except ValueError as exc:
+                log.error("ignored a malformed command line: %s", exc)
+                continue
+            if command.get("op") == "stop":
+                control.response(command["id"], {"ok": True})
+                return EXIT_OK
+            task = asyncio.ensure_future(_run_command(gateway, command, control))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    finally:
+        server_gone.cancel()
+        for task in tasks:
+            task.cancel()
+
+
+async def _run_command(gateway: Gateway, command: dict[str, Any], control: ControlWriter) -> None:
+    op, rid = command.get("op"), command["id"]
+    try:
+        if op == "status":
+            control.response(rid, {"ok": True, "accounts": gateway.statuses()})
+        elif op == "ping":
+            control.response(rid, {"ok": True})
+        elif op == "deliver":
+            ids = await gateway.deliver_text(str(command.get("target")), str(command.get("text") or ""))
+            control.response(rid, {"ok": True, "remote_ids": ids})
+        else:
+            control.response(rid, {"ok": False, "error": f"unknown op {op!r}"})
+    except Exception as exc:  # noqa: BLE001 - every command is answered, failures included
+        control.response(rid, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})

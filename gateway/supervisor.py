@@ -1,0 +1,255 @@
+"""The supervisor of the gateway child, run inside `appserver serve` as a service (DESIGN §8).
+
+It starts `python -m gateway`, gives it a credential of its own (minted per start by the server,
+sent on stdin with the start envelope — never argv — and revoked when that child ends), relays the
+child's stderr into the server log with a `gateway` prefix, reads only control lines from its
+stdout, answers commands within a timeout, and restarts the child after an unexpected exit with
+capped exponential backoff (1 s → 60 s, reset after 5 minutes of health). It never takes the
+server down. It knows the child only by its control lines (`gateway.stdio`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.stdio import MAX_LINE, ControlLine, read_lines
+
+log = logging.getLogger("appserver.gateway")
+child_log = logging.getLogger("gateway")
+
+READY_TIMEOUT_S = 30.0
+COMMAND_TIMEOUT_S = 30.0
+STOP_GRACE_S = 5.0
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 60.0
+HEALTHY_RESET_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    token: str | None  # None: the server needs none (auth mode `none`, loopback)
+    revoke: Callable[[], None]
+
+
+@dataclass
+class ChildView:
+    """What the server knows of the child and its accounts (kept current by GATEWAY_EVENTs)."""
+
+    state: str = "stopped"  # starting | running | backoff | stopped
+    reason: str | None = None
+    pid: int | None = None
+    restarts: int = 0
+    accounts: dict[str, dict[str, Any]] = field(default_factory=dict)  # "channel:account" -> state
+
+
+class GatewaySupervisor:
+    def __init__(
+        self,
+        *,
+        home: Path,
+        url: Callable[[], str],
+        accounts: list[dict[str, Any]],
+        credential: Callable[[], Credential],
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.home = home
+        self.view = ChildView()
+        self.view.accounts = {
+            f"{a['channel']}:{a['name']}": {"channel": a["channel"], "account": a["name"], "state": "starting"}
+            for a in accounts
+        }
+        self._url = url
+        self._accounts = accounts
+        self._credential = credential
+        self._python = python
+        self._env = dict(os.environ if env is None else env)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self._runner: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._first_outcome = asyncio.Event()
+        self._stderr_tail: deque[str] = deque(maxlen=20)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start the child; returns once it is READY or its first start failed (logged clearly)."""
+        self._runner = asyncio.get_running_loop().create_task(self._run())
+        await self._first_outcome.wait()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.command("stop", timeout=STOP_GRACE_S), STOP_GRACE_S)
+            await self._end(proc)
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+        self.view.state = "stopped"
+
+    async def command(self, op: str, *, timeout: float = COMMAND_TIMEOUT_S, **args: Any) -> dict[str, Any]:
+        """Send a command envelope and wait for its GATEWAY_RESPONSE (or TimeoutError)."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None or proc.stdin is None or not self._ready.is_set():
+            raise RuntimeError(f"the gateway is not running ({self.view.state}: {self.view.reason or 'no reason'})")
+        request_id = f"r{next(self._ids)}"
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        try:
+            proc.stdin.write((json.dumps({"id": request_id, "op": op, **args}) + "\n").encode())
+            await proc.stdin.drain()
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._pending.pop(request_id, None)
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready when the child runs and every enabled account runs; detail per account."""
+        accounts = {ref: dict(a) for ref, a in self.view.accounts.items()}
+        ok = self.view.state == "running" and all(a.get("state") == "running" for a in accounts.values())
+        return ok, {"gateway": self.view.state, "reason": self.view.reason, "accounts": accounts}
+
+    # ---------------------------------------------------------------- the child
+
+    async def _run(self) -> None:
+        backoff = BACKOFF_MIN_S
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                code = await self._one_child()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the server must outlive any supervisor fault
+                log.exception("gateway: supervising the child failed")
+                code, self.view.reason = None, f"{type(exc).__name__}: {exc}"
+            self._ready.clear()
+            self._fail_pending("the gateway exited")
+            if self._stopping:
+                return
+            if time.monotonic() - started >= HEALTHY_RESET_S:
+                backoff = BACKOFF_MIN_S
+            self.view.state = "backoff"
+            self.view.reason = f"exited with code {code}; restarting in {backoff:g} s"
+            for a in self.view.accounts.values():
+                a["state"], a["reason"] = "stopped", "the gateway process is restarting"
+            log.error("gateway: the child %s", self.view.reason)
+            self._first_outcome.set()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            self.view.restarts += 1
+
+    async def _one_child(self) -> int | None:
+        self.view.state, self.view.reason = "starting", None
+        credential = self._credential()
+        try:
+            env = {**self._env, "APPSERVER_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+            env.pop("APPSERVER_TOKEN", None)  # the child gets its own credential, on stdin
+            proc = await asyncio.create_subprocess_exec(
+                self._python,
+                "-m",
+                "gateway",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                limit=MAX_LINE + 1024,
+            )
+            self._proc = proc
+            self.view.pid = proc.pid
+            assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+            start = {
+                "op": "start",
+                "url": self._url(),
+                "token": credential.token,
+                "home": str(self.home),
+                "accounts": self._accounts,
+            }
+            proc.stdin.write((json.dumps(start) + "\n").encode())
+            await proc.stdin.drain()
+            relay = asyncio.ensure_future(self._relay_stderr(proc.stderr))
+            control = asyncio.ensure_future(self._read_control(proc.stdout))
+            try:
+                await asyncio.wait_for(self._ready.wait(), READY_TIMEOUT_S)
+            except TimeoutError:
+                if proc.returncode is None and not control.done():
+                    tail = " | ".join(self._stderr_tail) or "no output"
+                    log.error("gateway: not ready within %g s; stopping it (last log lines: %s)", READY_TIMEOUT_S, tail)
+                    await self._end(proc)
+            code = await proc.wait()
+            await asyncio.gather(relay, control, return_exceptions=True)
+            return code
+        finally:
+            credential.revoke()
+
+    async def _end(self, proc: asyncio.subprocess.Process) -> None:
+        """Close stdin (the child's signal to stop), wait the grace period, then kill."""
+        if proc.stdin is not None and not proc.stdin.is_closing():
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+        except TimeoutError:
+            log.warning("gateway: did not stop within %g s; killing it", STOP_GRACE_S)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def _read_control(self, stdout: asyncio.StreamReader) -> None:
+        async for item in read_lines(stdout):
+            if not isinstance(item, ControlLine):
+                log.warning("gateway: ignored a line on the control channel: %r", item[:200])
+                continue
+            if item.kind == "ready":
+                self.view.state, self.view.reason = "running", None
+                self._ready.set()
+                self._first_outcome.set()
+                log.info("gateway: ready (pid %s)", self.view.pid)
+            elif item.kind == "response":
+                future = self._pending.get(str(item.payload["id"]))
+                if future is not None and not future.done():
+                    future.set_result(item.payload)
+            elif item.kind == "event":
+                self._event(item.payload)
+
+    def _event(self, payload: dict[str, Any]) -> None:
+        if payload.get("type") == "account_state":
+            ref = f"{payload.get('channel')}:{payload.get('account')}"
+            if ref in self.view.accounts:
+                self.view.accounts[ref].update(state=payload.get("state"), reason=payload.get("reason"))
+        elif payload.get("type") == "gateway_error":
+            log.error("gateway: %s", payload.get("message"))
+
+    async def _relay_stderr(self, stderr: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await stderr.readline()
+            except (ValueError, asyncio.LimitOverrunError):
+                continue
+            if not line:
+                return
+            text = line.decode("utf-8", "replace").rstrip()
+            self._stderr_tail.append(text[:300])
+            level = logging.ERROR if text.startswith(("ERROR", "CRITICAL", "Traceback")) else logging.INFO
+            level = logging.WARNING if text.startswith("WARNING") else level
+            child_log.log(level, "gateway| %s", text)
+
+    def _fail_pending(self, reason: str) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(RuntimeError(reason))
+        self._pending.clear()

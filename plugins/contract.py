@@ -1,0 +1,151 @@
+"""The channel plugin contract: what the gateway hands a plugin and what a plugin gives back.
+
+A plugin module exposes `create_adapter(account: Account, context: AdapterContext) -> Adapter`.
+The gateway owns everything that does not depend on the platform (ledger, access, routing,
+envelopes, splitting, rate limiting, retries); an adapter only turns platform traffic into
+`InboundMessage`s and performs sends, edits and reactions. This module imports nothing but the
+standard library, so a plugin depends on it and on its platform library only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+ChatType = Literal["dm", "group"]
+AccountState = Literal["starting", "running", "backoff", "conflict", "stopped", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """A file that came with a message. Images with `data` go to the model as images; every other
+    attachment is named in the envelope with its type and size."""
+
+    kind: Literal["image", "file"]
+    name: str
+    mime: str
+    size: int | None = None
+    data: bytes | None = None  # fetched content (images), None when not fetched
+
+
+@dataclass(frozen=True, slots=True)
+class InboundMessage:
+    """One platform message, as facts: the gateway decides what to do with it.
+
+    `message_id` must be stable across redeliveries of the same platform update: it is the ledger
+    key and the turn's idempotency key (`channel:account:message_id`). `ack`, when set, is called by
+    the gateway after the ledger has committed the message, and only then (Telegram's offset,
+    Slack's envelope ack); adapters without a platform ack may instead rely on `on_message`
+    returning, which happens after the same commit."""
+
+    channel: str
+    account: str
+    chat: str
+    chat_type: ChatType
+    sender: str
+    message_id: str
+    text: str
+    thread: str | None = None
+    sender_name: str | None = None
+    mentions_bot: bool = False
+    reply_to: str | None = None
+    sender_is_bot: bool = False
+    ts: float | None = None  # platform time, seconds since the epoch
+    attachments: tuple[Attachment, ...] = ()
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    ack: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a send goes: a chat, optionally a thread in it, optionally as a reply to a message."""
+
+    chat: str
+    thread: str | None = None
+    reply_to: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_length: int  # characters per message after `format`; the gateway splits longer replies
+    can_edit: bool = False  # replies grow in place by edits when True, else the final text is sent
+    can_react: bool = False
+    edits_per_second: float = 1.0  # the per-chat budget for sends and edits
+
+
+class DeliveryError(Exception):
+    """A send, edit or reaction the platform refused.
+
+    `retry_after` (seconds) means the platform asked to wait (HTTP 429 and the like): the gateway
+    waits at least that long before the next call to that chat and retries. `permanent` means a retry
+    cannot help (chat not found, no permission): the delivery is recorded as failed with `reason`."""
+
+    def __init__(self, reason: str, *, retry_after: float | None = None, permanent: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+        self.permanent = permanent
+
+
+class AccountError(Exception):
+    """The account cannot run as configured (bad or missing token, bad setting): state `error` with
+    this message, and no restart until the configuration changes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Account:
+    """One configured account of a channel (`[channels.<channel>.accounts.<name>]`).
+
+    `settings` holds the account's table as written, minus secret references; `secrets` holds each
+    reference resolved (`token_env = "X"` or `token_file = "…"` becomes `secrets["token"]`)."""
+
+    channel: str
+    name: str
+    settings: Mapping[str, Any]
+    secrets: Mapping[str, str]
+
+
+OnMessage = Callable[[InboundMessage], Awaitable[None]]
+ReportState = Callable[[AccountState, str | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterContext:
+    """What the gateway gives an adapter besides its account."""
+
+    on_message: OnMessage  # returns after the ledger committed the message (then `ack` was called)
+    report: ReportState  # e.g. report("backoff", "socket closed; retrying in 4 s")
+    data_dir: Path  # a private directory for the adapter's own files
+    log: logging.Logger
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """Required part of an adapter. Optional methods, looked up with `getattr`:
+    `edit(target, message_id, text) -> None` (when `limits.can_edit`),
+    `react(target, message_id, emoji) -> None` (when `limits.can_react`),
+    `typing(target) -> None`, and `format(text) -> str` (Markdown to the platform's markup; the
+    identity when absent)."""
+
+    limits: Limits
+
+    async def start(self) -> None:
+        """Connect and begin receiving; returns once running. Raise `AccountError` for a
+        configuration the platform refuses (the gateway does not hot-loop on it)."""
+        ...
+
+    async def stop(self) -> None: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    async def send(self, target: Target, text: str) -> list[str]:
+        """Post `text` (already formatted and within `limits.max_length`); return the platform's
+        message ids. Raise `DeliveryError` when refused."""
+        ...
+
+
+CreateAdapter = Callable[[Account, AdapterContext], Adapter]

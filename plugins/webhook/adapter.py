@@ -1,0 +1,370 @@
+"""The webhook adapter: a small uvicorn/Starlette server for inbound deliveries, httpx for replies.
+
+Inbound: `POST <path>` with a JSON message, signed (see `signing`). The signature and its timestamp
+are checked on the raw bytes before anything is parsed; a bad or stale one is 401 and reaches
+nothing. A good message goes to the gateway (`on_message` returns once the ledger committed it, and
+the ledger drops a repeated `id`), then the sender gets 202; if the gateway cannot take it, 503 so
+the sender retries. Outbound: `send` POSTs the reply as JSON to `reply_url`, signed the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import json
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from plugins.contract import (
+    Account,
+    AccountError,
+    AdapterContext,
+    DeliveryError,
+    InboundMessage,
+    Limits,
+    Target,
+)
+from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
+
+MAX_LENGTH = 100_000
+DEFAULT_LISTEN = "127.0.0.1:8788"
+DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_TOLERANCE_S = 300.0
+STOP_TIMEOUT_S = 5.0
+SEND_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
+MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_name
+_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookSettings:
+    """An account's settings, validated."""
+
+    host: str
+    port: int
+    path: str
+    secret: str
+    reply_url: str | None
+    max_body_bytes: int
+    tolerance_s: float
+
+    @classmethod
+    def from_account(cls, account: Account) -> WebhookSettings:
+        """Read and check `account.settings` / `account.secrets`; raise `AccountError` on a bad one."""
+        s = account.settings
+        where = f"webhook account '{account.name}'"
+        secret = account.secrets.get("secret")
+        if not secret:
+            raise AccountError(f"{where}: no secret; set secret_env (an environment variable) or secret_file")
+        listen = s.get("listen", DEFAULT_LISTEN)
+        if not isinstance(listen, str):
+            raise AccountError(f"{where}: listen must be a string host:port")
+        host, port = _parse_listen(listen, where)
+        path = s.get("path", "/")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise AccountError(f"{where}: path must be a string starting with '/'")
+        reply_url = s.get("reply_url")
+        if reply_url is not None and (
+            not isinstance(reply_url, str) or not reply_url.startswith(("http://", "https://"))
+        ):
+            raise AccountError(f"{where}: reply_url must be an http:// or https:// URL")
+        max_body = s.get("max_body_bytes", DEFAULT_MAX_BODY)
+        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body <= 0:
+            raise AccountError(f"{where}: max_body_bytes must be a positive integer")
+        tolerance = s.get("tolerance_s", DEFAULT_TOLERANCE_S)
+        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance <= 0:
+            raise AccountError(f"{where}: tolerance_s must be a positive number of seconds")
+        return cls(host, port, path, secret, reply_url or None, max_body, float(tolerance))
+
+
+def _parse_listen(listen: str, where: str) -> tuple[str, int]:
+    host, sep, port_text = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+        raise AccountError(f"{where}: listen must be host:port (e.g. 127.0.0.1:8788), not {listen!r}")
+    return host, int(port_text)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the gateway owns the process's signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class WebhookAdapter:
+    """One webhook account: its own listener for inbound messages and a client for replies."""
+
+    limits = Limits(max_length=MAX_LENGTH, can_edit=False)
+
+    def __init__(self, account: Account, context: AdapterContext) -> None:
+        self.account = account
+        self.context = context
+        self.settings = WebhookSettings.from_account(account)
+        self.bound_port: int | None = None
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._stopping = False
+
+    # lifecycle
+
+    @property
+    def is_running(self) -> bool:
+        return self._server is not None and self._server.started and self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Bind the listener (AccountError when the address cannot be bound) and serve."""
+        if self.is_running:
+            return
+        st = self.settings
+        family = socket.AF_INET6 if ":" in st.host else socket.AF_INET
+        try:
+            sock = socket.create_server((st.host, st.port), family=family)
+        except OSError as exc:
+            raise AccountError(
+                f"webhook account '{self.account.name}': cannot listen on {st.host}:{st.port}: {exc}"
+            ) from exc
+        self.bound_port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self._asgi,
+            interface="asgi3",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=3,
+        )
+        self._server = server = _Server(config)
+        self._stopping = False
+        self._task = task = asyncio.create_task(server.serve(sockets=[sock]), name=f"webhook:{self.account.name}")
+        while not server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if not server.started:
+            sock.close()
+            failure = task.exception() if not task.cancelled() else None
+            raise AccountError(f"webhook account '{self.account.name}': server did not start: {failure!r}")
+        task.add_done_callback(self._on_server_exit)
+        shown = f"[{st.host}]" if ":" in st.host else st.host
+        self.context.log.info(
+            "webhook account '%s' listening on http://%s:%d%s", self.account.name, shown, self.bound_port, st.path
+        )
+        self.context.report("running", None)
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests in flight finish (3 s), and close; done within 5 s."""
+        self._stopping = True
+        server, task = self._server, self._task
+        if server is not None and task is not None and not task.done():
+            server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(task), STOP_TIMEOUT_S - 0.5)
+            except TimeoutError:
+                server.force_exit = True
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            except Exception as exc:  # the server failed while stopping: it is stopped all the same
+                self.context.log.warning("webhook account '%s' stopped with %r", self.account.name, exc)
+        self._server = self._task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self.context.report("stopped", None)
+
+    def _on_server_exit(self, task: asyncio.Task[None]) -> None:
+        if self._stopping:
+            return
+        reason = "listener stopped"
+        if not task.cancelled() and task.exception() is not None:
+            reason = f"listener failed: {task.exception()!r}"
+        self.context.log.error("webhook account '%s': %s", self.account.name, reason)
+        self.context.report("error", reason)
+
+    # inbound
+
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        response = await self._handle(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def _handle(self, request: Request) -> Response:
+        if request.url.path != self.settings.path:
+            return _error(404, "not found")
+        if request.method != "POST":
+            return _error(405, "use POST", headers={"Allow": "POST"})
+        try:
+            body = await self._read_body(request)
+            self._check_signature(request, body)
+            message = self._parse(body, request.headers[TIMESTAMP_HEADER])
+        except _BadRequest as exc:
+            if exc.status == 401:
+                self.context.log.warning("webhook account '%s': refused a delivery: %s", self.account.name, exc.message)
+            return _error(exc.status, exc.message)
+        try:
+            await self.context.on_message(message)
+        except Exception as exc:
+            self.context.log.error(
+                "webhook account '%s': delivery %r not recorded: %r", self.account.name, message.message_id, exc
+            )
+            return _error(503, "not recorded; retry later", headers={"Retry-After": "5"})
+        return JSONResponse({"accepted": True, "id": message.message_id}, status_code=202)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _BadRequest(413, f"body larger than {limit} bytes")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise _BadRequest(413, f"body larger than {limit} bytes")
+        except ClientDisconnect as exc:
+            raise _BadRequest(400, "client disconnected") from exc
+        return bytes(body)
+
+    def _check_signature(self, request: Request, body: bytes) -> None:
+        timestamp = request.headers.get(TIMESTAMP_HEADER)
+        signature = request.headers.get(SIGNATURE_HEADER)
+        if not timestamp or not signature:
+            raise _BadRequest(401, f"missing {TIMESTAMP_HEADER} or {SIGNATURE_HEADER}")
+        if not _TIMESTAMP_RE.fullmatch(timestamp):
+            raise _BadRequest(401, f"{TIMESTAMP_HEADER} must be unix seconds")
+        if not verify(self.settings.secret, timestamp, body, signature):
+            raise _BadRequest(401, "bad signature")
+        if abs(time.time() - int(timestamp)) > self.settings.tolerance_s:
+            raise _BadRequest(401, f"timestamp outside ±{self.settings.tolerance_s:g} s of the server's clock")
+
+    def _parse(self, body: bytes, timestamp: str) -> InboundMessage:
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _BadRequest(400, f"body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise _BadRequest(400, "body must be a JSON object")
+        chat_type = data.get("chat_type", "dm")
+        if chat_type not in ("dm", "group"):
+            raise _BadRequest(400, 'chat_type must be "dm" or "group"')
+        mentions_bot = data.get("mentions_bot", True)
+        if not isinstance(mentions_bot, bool):
+            raise _BadRequest(400, "mentions_bot must be true or false")
+        text = data.get("text")
+        if not isinstance(text, str) or not text:
+            raise _BadRequest(400, "text must be a non-empty string")
+        return InboundMessage(
+            channel=self.account.channel,
+            account=self.account.name,
+            chat=_field(data, "chat", key_part=True),
+            chat_type=chat_type,
+            sender=_field(data, "sender"),
+            message_id=_field(data, "id"),
+            text=text,
+            thread=_field(data, "thread", optional=True, key_part=True),
+            sender_name=_field(data, "sender_name", optional=True),
+            mentions_bot=mentions_bot,
+            reply_to=_field(data, "reply_to", optional=True),
+            ts=float(timestamp),
+            raw=data,
+        )
+
+    # outbound
+
+    async def send(self, target: Target, text: str) -> list[str]:
+        """POST the reply to `reply_url`, signed; return its id. Raises `DeliveryError`."""
+        url = self.settings.reply_url
+        if url is None:
+            raise DeliveryError("no reply_url configured", permanent=True)
+        message_id = str(uuid.uuid4())
+        payload = {
+            "id": message_id,
+            "chat": target.chat,
+            "thread": target.thread,
+            "reply_to": target.reply_to,
+            "text": text,
+            "account": self.account.name,
+        }
+        body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        timestamp = str(int(time.time()))
+        headers = {
+            "Content-Type": "application/json",
+            TIMESTAMP_HEADER: timestamp,
+            SIGNATURE_HEADER: sign(self.settings.secret, timestamp, body),
+        }
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=SEND_TIMEOUT, follow_redirects=False)
+        try:
+            response = await self._client.post(url, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise DeliveryError(f"reply_url unreachable: {type(exc).__name__}: {exc}") from exc
+        status = response.status_code
+        if 200 <= status < 300:
+            return [message_id]
+        excerpt = response.text[:200].strip()
+        reason = f"reply_url answered {status}" + (f": {excerpt}" if excerpt else "")
+        if status in (429, 503):
+            raise DeliveryError(reason, retry_after=_retry_after(response.headers))
+        if status >= 500 or status == 408:
+            raise DeliveryError(reason)
+        raise DeliveryError(reason, permanent=True)
+
+
+def _field(data: Mapping[str, Any], name: str, *, optional: bool = False, key_part: bool = False) -> Any:
+    """A string field: non-empty, at most MAX_FIELD characters, without ':' when it is part of a
+    route key (chat, thread). None when optional and absent or null."""
+    value = data.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _BadRequest(400, f"{name} must be a non-empty string" + (" or null" if optional else ""))
+    if len(value) > MAX_FIELD:
+        raise _BadRequest(400, f"{name} is longer than {MAX_FIELD} characters")
+    if key_part and ":" in value:
+        raise _BadRequest(400, f"{name} must not contain ':'")
+    return value
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    """`Retry-After` in seconds (a number or an HTTP date), None when absent or unreadable."""
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"accepted": False, "error": message}, status_code=status, headers=headers)
+
+
+def create_adapter(account: Account, context: AdapterContext) -> WebhookAdapter:
+    """The plugin entry point (see `plugins.contract`)."""
+    return WebhookAdapter(account, context)

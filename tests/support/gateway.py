@@ -1,0 +1,203 @@
+"""A real `appserver serve --channels fakechat` against the loopback fake chat platform.
+
+The server's stderr (with the gateway child's relayed log) goes to a file the test can read, so a
+chatty gateway never blocks on a full pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.fakes.fakechat import FakeChat
+from tests.support.cli import ROOT, cli_env
+
+PLUGIN = ROOT / "tests" / "fakes" / "fakechat_plugin"
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+def write_config(home: Path, accounts: dict[str, dict[str, dict[str, Any]]], enabled: list[str]) -> None:
+    lines = ["[channels]", f"enabled = {json.dumps(enabled)}", ""]
+    for channel, by_name in accounts.items():
+        for name, settings in by_name.items():
+            lines.append(f"[channels.{channel}.accounts.{name}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in settings.items()]
+            lines.append("")
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text("\n".join(lines))
+
+
+def install_fakechat(home: Path) -> None:
+    target = home / "channels" / "fakechat"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(PLUGIN, target, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def fakechat_settings(chat: FakeChat, **extra: Any) -> dict[str, Any]:
+    return {"base_url": chat.url, "poll_timeout": 0.5, "default_agent": "assistant", **extra}
+
+
+@dataclass
+class ChannelServer:
+    proc: subprocess.Popen[bytes]
+    home: Path
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def readyz(self) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(self.url + "/readyz", timeout=5).json()
+        return body
+
+    def channels_check(self) -> dict[str, Any]:
+        for check in self.readyz().get("checks", []):
+            if check["name"] == "channels":
+                return dict(check)
+        raise AssertionError(f"no channels check in /readyz: {self.readyz()}")
+
+    def wait_channels_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.channels_check()
+                if last["status"] == "ok":
+                    return
+            except (httpx.HTTPError, AssertionError) as exc:
+                last = exc
+            time.sleep(0.1)
+        raise AssertionError(f"channels not ready in {timeout} s: {last}\n{self.log()[-3000:]}")
+
+    def gateway_pid(self, timeout: float = 30) -> int:
+        """The pid of the gateway child (`python -m gateway` whose parent is this server)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pid in gateway_children(self.proc.pid):
+                return pid
+            time.sleep(0.05)
+        raise AssertionError("no gateway child process")
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def gateway_children(ppid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent == ppid and b"gateway" in cmdline and b"-m" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def start_channel_server(
+    home: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> ChannelServer:
+    server_json = home / "server.json"
+    server_json.unlink(missing_ok=True)
+    log_path = home.parent / f"{home.name}-serve-{time.monotonic_ns()}.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0", *extra],
+            env=env or cli_env(home),
+            cwd=ROOT,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
+        if server_json.exists():
+            try:
+                info = json.loads(server_json.read_text())
+            except json.JSONDecodeError:
+                info = None
+            if info and info.get("pid") == proc.pid:
+                return ChannelServer(proc, home, info["url"], log_path)
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("serve did not write server.json in time")
+
+
+@contextmanager
+def channel_server(
+    home: Path, *extra: str, env: dict[str, str] | None = None, ready: bool = True
+) -> Iterator[ChannelServer]:
+    srv = start_channel_server(home, *extra, env=env)
+    try:
+        if ready:
+            srv.wait_channels_ready()
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            try:
+                srv.stop()
+            except subprocess.TimeoutExpired:
+                pass
+        srv.kill()
+        for pid in gateway_children(srv.proc.pid):  # never leave a child behind a failed test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def store_turns(home: Path, text_fragment: str) -> int:
+    """How many user messages in the store contain `text_fragment` (one per turn)."""
+    import sqlite3
+
+    conn = sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT content FROM messages WHERE role='user'").fetchall()
+    finally:
+        conn.close()
+    return sum(1 for (content,) in rows if text_fragment in _text(content))
+
+
+def _text(content: str) -> str:
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return content
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(str(p.get("text") or "") for p in value if isinstance(p, dict))
+    return content

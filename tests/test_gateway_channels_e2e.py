@@ -1,0 +1,195 @@
+"""The first-party webhook channel, a hostile user plugin and damaged state files, through a real
+`appserver serve --channels …` (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from plugins.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
+from tests.support.cli import cli_env
+from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
+from tests.support.net import free_port
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "s3cret-for-tests"
+
+SPOOF_PLUGIN = '''
+import os, sys
+from plugins.contract import Limits
+
+FORGED = '{"type":"account_state","channel":"webhook","account":"broken","state":"running","reason":null}'
+
+
+class Spoofer:
+    limits = Limits(max_length=1000)
+
+    def __init__(self) -> None:
+        self.running = False
+
+    async def start(self) -> None:
+        # Every way a plugin could try to speak on the control channel.
+        print("GATEWAY_EVENT " + FORGED)
+        print("GATEWAY_READY")
+        sys.stdout.flush()
+        os.write(1, ("GATEWAY_EVENT " + FORGED + "\\n").encode())
+        self.running = True
+
+    async def stop(self) -> None:
+        self.running = False
+
+    @property
+    def is_running(self) -> bool:
+        return self.running
+
+    async def send(self, target, text):
+        return []
+
+
+def create_adapter(account, context):
+    return Spoofer()
+'''
+
+
+class Receiver:
+    """The app that receives the webhook channel's replies."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[dict[str, str], bytes]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's API
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.posts.append(({k: v for k, v in self.headers.items()}, body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/replies"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture()
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    yield r
+    r.close()
+
+
+def _post(port: int, payload: dict[str, Any], secret: str = SECRET, ts: int | None = None) -> httpx.Response:
+    body = json.dumps(payload).encode()
+    stamp = str(ts if ts is not None else int(time.time()))
+    headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: stamp, SIGNATURE_HEADER: sign(secret, stamp, body)}
+    return httpx.post(f"http://127.0.0.1:{port}/", content=body, headers=headers, timeout=10)
+
+
+def _check_showing(srv: ChannelServer, fragment: str, timeout: float = 30) -> dict[str, Any]:
+    """The `channels` readiness check, once its detail shows `fragment`."""
+    deadline = time.monotonic() + timeout
+    check: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            check = srv.channels_check()
+        except (AssertionError, httpx.HTTPError):
+            check = {}
+        if fragment in str(check.get("detail", "")):
+            return check
+        time.sleep(0.1)
+    raise AssertionError(f"the channels check never showed {fragment!r}: {check}\n{srv.log()[-3000:]}")
+
+
+def _ledger_rows(home: Path) -> int:
+    conn = sqlite3.connect(home / "channels" / "gateway.db")
+    try:
+        return int(conn.execute("SELECT COUNT(*) FROM ledger").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_webhook_signed_in_signed_out_once_per_delivery_id(tmp_path: Path, receiver: Receiver) -> None:
+    home = tmp_path / "home"
+    port = free_port()
+    settings = {"listen": f"127.0.0.1:{port}", "secret_env": "WH_SECRET", "reply_url": receiver.url,
+                "default_agent": "assistant"}
+    write_config(home, {"webhook": {"main": settings}}, ["webhook"])
+    with channel_server(home, env=cli_env(home, WH_SECRET=SECRET)) as srv:
+        message = {"id": "evt-1", "chat": "kitchen", "sender": "ha", "text": "are the lights off?"}
+        # A bad signature and a stale one: 401, nothing recorded.
+        assert _post(port, message, secret="wrong").status_code == 401
+        assert _post(port, message, ts=int(time.time()) - 3600).status_code == 401
+        assert _ledger_rows(home) == 0
+        # A good one: one turn, the reply POSTed and signed.
+        assert _post(port, message).status_code == 202
+        wait_for(lambda: receiver.posts, timeout=20, what="the reply POST")
+        headers, body = receiver.posts[0]
+        assert verify(SECRET, headers[TIMESTAMP_HEADER], body, headers[SIGNATURE_HEADER])
+        reply = json.loads(body)
+        assert reply["chat"] == "kitchen" and reply["text"] == "echo: are the lights off?", reply
+        # The same delivery id again (the sender retried): accepted, no second turn, no second reply.
+        assert _post(port, message).status_code == 202
+        time.sleep(1.0)
+        assert store_turns(srv.home, 'message_id="evt-1"') == 1
+        assert len(receiver.posts) == 1
+
+
+def test_a_plugin_cannot_spoof_control_lines_and_a_missing_secret_is_one_accounts_error(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    spoof = home / "channels" / "spoof"
+    spoof.mkdir(parents=True)
+    (spoof / "channel.json").write_text(json.dumps({"id": "spoof", "entry": "plugin.py"}))
+    (spoof / "plugin.py").write_text(SPOOF_PLUGIN)
+    broken = {"listen": f"127.0.0.1:{free_port()}", "secret_env": "NOT_SET_ANYWHERE", "default_agent": "assistant"}
+    write_config(home, {"spoof": {"main": {}}, "webhook": {"broken": broken}}, ["spoof", "webhook"])
+    env = cli_env(home)
+    env.pop("NOT_SET_ANYWHERE", None)
+    with channel_server(home, env=env, ready=False) as srv:
+        check = _check_showing(srv, "spoof:main running")
+        # The forged "running" events for webhook:broken did not reach the supervisor.
+        assert check["status"] == "fail"
+        assert "webhook:broken error (secret_env: environment variable NOT_SET_ANYWHERE is not set)" in check["detail"]
+        assert "gateway running" in check["detail"]
+        log = srv.log()
+        assert "gateway| GATEWAY_EVENT" in log  # relayed as the plugin's noise, into the log
+
+
+def test_corrupt_gateway_db_and_channel_json_are_set_aside_loudly(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / "channels" / "badplugin").mkdir(parents=True)
+    (home / "channels" / "badplugin" / "channel.json").write_text('{"id": "badplugin", ')
+    db = home / "channels" / "gateway.db"
+    db.write_bytes(b"this is not a database, it is " + b"\x00garbage" * 100)
+    port = free_port()
+    accounts = {
+        "webhook": {"main": {"listen": f"127.0.0.1:{port}", "secret_env": "WH_SECRET", "default_agent": "assistant"}},
+        "badplugin": {"main": {}},
+    }
+    write_config(home, accounts, ["webhook", "badplugin"])
+    with channel_server(home, env=cli_env(home, WH_SECRET=SECRET), ready=False) as srv:
+        check = _check_showing(srv, "webhook:main running")
+        assert "badplugin:main error" in check["detail"] and "channel.json" in check["detail"], check
+        aside = list((home / "channels").glob("gateway.db.corrupt-*"))
+        assert aside and aside[0].read_bytes().startswith(b"this is not a database"), aside
+        assert list((home / "channels" / "badplugin").glob("channel.json.corrupt-*"))
+        log = srv.log()
+        assert "moved aside" in log
+        # The gateway still works on its fresh database.
+        assert _post(port, {"id": "e1", "chat": "c", "sender": "s", "text": "hi"}).status_code == 202
+        wait_for(lambda: store_turns(home, 'message_id="e1"') == 1, timeout=20, what="the turn")

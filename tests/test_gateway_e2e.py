@@ -1,0 +1,120 @@
+"""The channel gateway end to end (issue 15): a real `appserver serve --channels fakechat`, its
+supervised gateway child, the fakechat user plugin and the loopback fake platform.
+
+One server serves the tests that do not break anything (each uses chats of its own); the crash
+tests (tests/test_gateway_crash.py) start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.fakechat import FakeChat
+from tests.support.gateway import (
+    ChannelServer,
+    channel_server,
+    fakechat_settings,
+    install_fakechat,
+    store_turns,
+    write_config,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def chat() -> Iterator[FakeChat]:
+    with FakeChat() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[ChannelServer]:
+    home = tmp_path_factory.mktemp("gw") / "home"
+    write_config(home, {"fakechat": {"main": fakechat_settings(chat)}}, ["fakechat"])
+    install_fakechat(home)
+    with channel_server(home) as server:
+        yield server
+
+
+def test_a_message_is_answered_once_and_readyz_lists_the_account(srv: ChannelServer, chat: FakeChat) -> None:
+    mid = chat.inject("basic", "hello there", sender="ann", sender_name="Ann")
+    reply = chat.wait_for_text("basic", lambda t: t == "echo: hello there", timeout=15)
+    assert reply.text == "echo: hello there"
+    assert chat.is_acked(mid)
+    check = srv.channels_check()
+    assert check["status"] == "ok" and "fakechat:main running" in check["detail"], check
+    assert store_turns(srv.home, 'message_id="' + mid + '"') == 1
+    # The agent saw the envelope, escaped, with who wrote it.
+    assert store_turns(srv.home, 'sender="ann" sender_name="Ann"') >= 1
+
+
+def test_a_streamed_reply_grows_by_edits_about_once_a_second(srv: ChannelServer, chat: FakeChat) -> None:
+    chat.inject("stream", "/slow 40")
+    words = " ".join(f"w{i}" for i in range(1, 41))
+    message = chat.wait_for_text("stream", lambda t: t == words, timeout=30)
+    assert len(chat.messages("stream")) == 1, chat.messages("stream")
+    assert message.edits >= 1, "a 2 s reply should have grown in place"
+    times = [c.t for c in chat.calls(chat="stream") if c.method in ("sendMessage", "editMessageText")]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert all(g >= 0.8 for g in gaps), gaps  # about one edit per second, never a burst
+    assert message.history[-1] == words  # the last edit is exact
+
+
+def test_a_long_reply_with_code_fences_splits_at_the_limit(srv: ChannelServer, chat: FakeChat) -> None:
+    block = "```python\n" + "\n".join(f"print({i})  # line {i}" for i in range(250)) + "\n```"
+    text = "\n\n".join(f"Paragraph {i}. " + "words " * 60 + "\n\n" + block for i in range(3))
+    assert len(text) > 10_000
+    chat.inject("long", text)
+    expected_tail = "```"
+    chat.wait_for(
+        lambda: len(chat.messages("long")) >= 3 and chat.messages("long")[-1].text.endswith(expected_tail) or None,
+        timeout=30,
+        what="a split reply",
+    )
+    parts = [m.text for m in chat.messages("long")]
+    assert all(len(p) <= 4096 for p in parts), [len(p) for p in parts]
+    for p in parts:  # every part has balanced fences: a fence is closed and reopened across parts
+        assert len(re.findall(r"^```", p, flags=re.M)) % 2 == 0, p[:200]
+    joined = "".join(parts)
+    for i in range(250):
+        assert f"print({i})  # line {i}" in joined
+
+
+def test_429_retry_after_is_honoured_and_nothing_is_lost(srv: ChannelServer, chat: FakeChat) -> None:
+    chat.fail_next("sendMessage", status=429, retry_after=2.0)
+    chat.inject("limited", "first")
+    chat.wait_for_text("limited", lambda t: t == "echo: first", timeout=20)
+    sends = chat.calls("sendMessage", chat="limited")
+    assert [c.status for c in sends][:2] == [429, 200], [c.status for c in sends]
+    assert sends[1].t - sends[0].t >= 2.0, sends[1].t - sends[0].t
+    assert len(chat.messages("limited")) == 1
+
+
+def test_message_channel_sends_to_another_chat_and_refuses_an_exact_repeat(srv: ChannelServer, chat: FakeChat) -> None:
+    args = json.dumps({"action": "send", "target": "fakechat:main:elsewhere", "text": "hello from the agent"})
+    chat.inject("tooling", f"/call message_channel {args}\n/call message_channel {args}")
+    chat.wait_for(lambda: chat.messages("tooling") or None, timeout=20, what="the turn's reply")
+    final = chat.wait_for_text("tooling", lambda t: "message_channel ->" in t and "…" not in t, timeout=20)
+    assert [m.text for m in chat.messages("elsewhere")] == ["hello from the agent"]
+    assert "sent to fakechat:main:elsewhere" in final.text
+    assert "not sent: this is an exact repeat" in final.text
+
+
+def test_a_chat_with_a_route_of_its_own_goes_to_that_agent(srv: ChannelServer, chat: FakeChat, tmp_path: Path) -> None:
+    from gateway.db import default_path, open_db
+    from gateway.routing import RouteKey, Router
+
+    conn = open_db(default_path(srv.home))
+    try:
+        Router(conn).add(RouteKey.parse("fakechat:main:routed:__root__"), "nobody-by-this-name")
+    finally:
+        conn.close()
+    chat.inject("routed", "hi")
+    notice = chat.wait_for_text("routed", lambda t: "Could not start" in t, timeout=20)
+    assert "agent" in notice.text

@@ -36,9 +36,10 @@ class Services:
 
 
 def build_services(server: Server) -> Services:
+    channels = ChannelService(server.config, server.readiness)
     return Services(
         hub=Hub(server),
         metrics=Metrics(server),
-        cron=CronService(server),
-        channels=ChannelService(server.config, server.readiness),
+        cron=CronService(server, deliver=channels.deliver if channels.enabled else None),
+        channels=channels,
     )

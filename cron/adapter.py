@@ -44,8 +44,10 @@ class KernelAdapter:
             return TurnOutcome("unknown", f"turn {turn_id} not found")
         snap = await (await self.kernel.handle_for(turn)).wait_settled()
         error = (snap.error or {}).get("message") if snap.status != "completed" else None
+        reply = snap.text().strip()
         return TurnOutcome(
             snap.status,
             error,
             {"stop_reason": snap.stop_reason, "conversation_id": snap.conversation_id},
+            reply=reply or None,
         )

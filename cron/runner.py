@@ -38,8 +38,7 @@ class CronSubmission:
     task_id: str
     task_name: str
     occurrence: Occurrence
-    # Reserved: the channel target (channel:account:chat) the reply is meant for. Carried in the
-    # turn's source for the gateway, which will deliver it; nothing delivers it yet.
+    # The channel target (channel:account:chat[:thread]) the final reply is delivered to.
     deliver: str | None
     kind: str = "cron_prompt"
 
@@ -67,7 +66,7 @@ class CronSubmission:
 
     @property
     def source(self) -> dict[str, Any]:
-        """The turn's `source`: kind, the reserved delivery target and the occurrence."""
+        """The turn's `source`: kind, the delivery target and the occurrence."""
         return {"kind": self.kind, "deliver": self.deliver, **self.metadata}
 
     @property
@@ -83,10 +82,15 @@ class TurnOutcome:
     status: str  # e.g. completed | failed | cancelled
     error: str | None = None
     detail: dict[str, Any] = field(default_factory=dict)
+    reply: str | None = None  # the turn's final text (what `--deliver` sends to a channel)
 
 
 FireFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
 AwaitOutcomeFn = Callable[[str], Awaitable[TurnOutcome]]
+# Sends a reply to a channel target (`channel:account:chat[:thread]`) through the gateway; returns
+# the platform's message ids. Injected by serve when channels run.
+DeliverFn = Callable[[str, str], Awaitable[list[str]]]
+DELIVER_TIMEOUT_S = 60.0
 Clock = Callable[[], datetime]
 
 
@@ -170,8 +174,11 @@ async def watch_outcome(
     await_outcome: AwaitOutcomeFn,
     *,
     timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
+    deliver_to: str | None = None,
+    deliver: DeliverFn | None = None,
 ) -> TurnOutcome:
-    """Wait (bounded) for the turn to end and record its outcome."""
+    """Wait (bounded) for the turn to end and record its outcome; with `deliver_to`, send the
+    final reply there and record how that went (`delivered` or `delivery_failed`)."""
     try:
         outcome = await asyncio.wait_for(await_outcome(turn_id), timeout=timeout_s)
     except TimeoutError:
@@ -179,7 +186,48 @@ async def watch_outcome(
     except Exception as exc:  # noqa: BLE001
         outcome = TurnOutcome(status="unknown", error=f"{type(exc).__name__}: {exc}")
     await asyncio.to_thread(record_outcome, store, task_id, occurrence, turn_id, outcome)
+    if deliver_to:
+        await deliver_reply(store, task_id, occurrence, turn_id, outcome, deliver_to, deliver)
     return outcome
+
+
+async def deliver_reply(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    turn_id: str,
+    outcome: TurnOutcome,
+    target: str,
+    deliver: DeliverFn | None,
+) -> None:
+    """Send a finished run's reply to its channel target; the run log says what happened."""
+    error: str | None = None
+    if deliver is None:
+        error = "channels are not running in this server (enable the channel and restart serve)"
+    elif outcome.status != "completed":
+        error = f"not delivered: the run {outcome.status}"
+    elif not (outcome.reply or "").strip():
+        error = "not delivered: the run produced no reply text"
+    else:
+        try:
+            ids = await asyncio.wait_for(deliver(target, str(outcome.reply)), DELIVER_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a failed delivery is recorded, never raised into the loop
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        else:
+            append_run(
+                store.runs_dir,
+                task_id,
+                "delivered",
+                occurrence=occurrence,
+                turn_id=turn_id,
+                target=target,
+                remote_ids=ids,
+            )
+            return
+    log.warning("cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, error)
+    append_run(
+        store.runs_dir, task_id, "delivery_failed", occurrence=occurrence, turn_id=turn_id, target=target, error=error
+    )
 
 
 def claim_manual(store: CronStore, ref: str, *, agent: str | None, now: datetime) -> tuple[CronTask, Occurrence]:
@@ -214,6 +262,7 @@ async def run_task_now(
     await_outcome: AwaitOutcomeFn | None = None,
     fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
     outcome_timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
+    deliver: DeliverFn | None = None,
 ) -> RunNowResult:
     """`appserver cron run N` in-process: claim, fire (envelope and submit), and (when
     `await_outcome` is given) wait for the turn and log its outcome."""
@@ -222,5 +271,14 @@ async def run_task_now(
     turn_id = await submit_claimed(store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock)
     outcome = None
     if turn_id is not None and await_outcome is not None:
-        outcome = await watch_outcome(store, task.id, occ.number, turn_id, await_outcome, timeout_s=outcome_timeout_s)
+        outcome = await watch_outcome(
+            store,
+            task.id,
+            occ.number,
+            turn_id,
+            await_outcome,
+            timeout_s=outcome_timeout_s,
+            deliver_to=task.deliver,
+            deliver=deliver,
+        )
     return RunNowResult(task, occ, turn_id, outcome)

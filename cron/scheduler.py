@@ -29,6 +29,7 @@ from cron.runner import (
     DEFAULT_OUTCOME_TIMEOUT_S,
     AwaitOutcomeFn,
     Clock,
+    DeliverFn,
     FireFn,
     RunNowResult,
     TurnOutcome,
@@ -143,6 +144,7 @@ class Scheduler:
         clock: Clock = utcnow,
         tick_s: float = 60.0,
         await_outcome: AwaitOutcomeFn | None = None,
+        deliver: DeliverFn | None = None,
         fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
         outcome_timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
         run_all_cap: int = RUN_ALL_CAP,
@@ -160,6 +162,7 @@ class Scheduler:
         self.clock = clock
         self.tick_s = tick_s
         self.await_outcome = await_outcome
+        self.deliver = deliver
         self.fire_timeout_s = fire_timeout_s
         self.outcome_timeout_s = outcome_timeout_s
         self.run_all_cap = max(1, run_all_cap)
@@ -199,7 +202,7 @@ class Scheduler:
             )
             report.fired.append((item.task.id, item.occurrence.number, turn_id))
             if turn_id is not None and self.await_outcome is not None:
-                self._watch(item.task.id, item.occurrence.number, turn_id)
+                self._watch(item.task.id, item.occurrence.number, turn_id, item.task.deliver)
         return report
 
     def _claim_due(self, now: datetime, report: TickReport) -> list[_Planned]:
@@ -357,16 +360,16 @@ class Scheduler:
 
     # ------------------------------------------------------------ outcomes
 
-    def watch(self, task_id: str, occurrence: int, turn_id: str) -> None:
+    def watch(self, task_id: str, occurrence: int, turn_id: str, deliver_to: str | None = None) -> None:
         """Record the outcome of a submitted turn when it ends (needs `await_outcome`)."""
-        self._watch(task_id, occurrence, turn_id)
+        self._watch(task_id, occurrence, turn_id, deliver_to)
 
     def unrecorded_turns(self) -> list[tuple[str, int, str]]:
         """Turns submitted before this scheduler started whose outcome was never logged (their
         process died or stopped first): (task id, occurrence, turn id). Blocking file I/O."""
         return unrecorded_turns(self.store.runs_dir, self.started_at)
 
-    def _watch(self, task_id: str, occurrence: int, turn_id: str) -> None:
+    def _watch(self, task_id: str, occurrence: int, turn_id: str, deliver_to: str | None) -> None:
         assert self.await_outcome is not None
         t = asyncio.create_task(
             watch_outcome(
@@ -376,6 +379,8 @@ class Scheduler:
                 turn_id,
                 self.await_outcome,
                 timeout_s=self.outcome_timeout_s,
+                deliver_to=deliver_to,
+                deliver=self.deliver,
             )
         )
         self._watchers.add(t)
@@ -399,7 +404,7 @@ class Scheduler:
             fire_timeout_s=self.fire_timeout_s,
         )
         if result.turn_id is not None and self.await_outcome is not None:
-            self._watch(result.task.id, result.occurrence.number, result.turn_id)
+            self._watch(result.task.id, result.occurrence.number, result.turn_id, result.task.deliver)
         return result
 
     # ------------------------------------------------------------ the loop

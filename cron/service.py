@@ -12,7 +12,7 @@ from appserver.procid import identity_alive
 from appserver.readiness import CheckResult
 from appserver.server import Server
 from cron.adapter import KernelAdapter
-from cron.runner import RunNowResult, TurnOutcome, record_outcome
+from cron.runner import DeliverFn, RunNowResult, TurnOutcome, record_outcome
 from cron.scheduler import Scheduler
 
 log = logging.getLogger("appserver.cron")
@@ -25,10 +25,12 @@ class CronService:
     """The scheduler inside `serve`: one per home, guarded by the crons.json lease. Also "run now"
     for clients of the server (the `cron_run` frame), with or without the lease or the loop."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, deliver: DeliverFn | None = None) -> None:
         self.server = server
         adapter = KernelAdapter(server.kernel, server.store)
-        self.scheduler = Scheduler.from_config(server.config, fire=adapter.fire, await_outcome=adapter.outcome)
+        self.scheduler = Scheduler.from_config(
+            server.config, fire=adapter.fire, await_outcome=adapter.outcome, deliver=deliver
+        )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._recovery: asyncio.Task[int] | None = None

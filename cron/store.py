@@ -148,9 +148,8 @@ class CronTask:
     misfire: str = "skip"  # skip | run_once | run_all
     max_lateness_s: float = DEFAULT_MAX_LATENESS_S
     exact: bool = False
-    # Reserved for the gateway: the channel target (channel:account:chat) a run's reply is meant
-    # for. Stored, shown, named in the envelope and passed in the turn's source; nothing delivers
-    # it yet.
+    # The channel target (channel:account:chat[:thread]) a run's final reply is sent to through
+    # the gateway (cron.runner.deliver_reply); the run log records `delivered` or `delivery_failed`.
     deliver: str | None = None
     enabled: bool = True
     next_fire_at: datetime | None = None
@@ -590,7 +589,7 @@ def validate_name(name: str) -> str:
 
 
 def validate_deliver(target: str | None) -> str | None:
-    """`channel:account:chat`; the chat part may itself contain ':' (it is the remainder)."""
+    """`channel:account:chat[:thread]` (the remainder after the account is the chat and thread)."""
     if target is None or target == "":
         return None
     parts = target.split(":", 2)

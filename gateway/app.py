@@ -27,7 +27,8 @@ from appserver.client import TERMINAL, Closed, ProtocolError
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.delivery import ChatOrder, DeliveryFailed, Outbox, ReplySink, reply_body, visible_text
 from gateway.envelope import AGENT_NOTE, Envelope, render, timestamp
-from gateway.ledger import Entry, Ledger, UpdateKey
+from gateway.intake import Intake
+from gateway.ledger import Entry, Ledger, Receipt, UpdateKey
 from gateway.link import ServerLink
 from gateway.ratelimit import ChatRateLimiter
 from gateway.routing import RouteKey, Router
@@ -45,6 +46,7 @@ PERMANENT_CODES = frozenset(
 SUBMIT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 NOTICE_EVERY_S = 600.0
 STATUS_FLUSH_S = 1.0
+FIRST_SEND_GRACE_S = 0.3
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -72,6 +74,7 @@ class Gateway:
         self.ledger = ledger
         self.router = Router(ledger.connection)
         self.board = StatusBoard(ledger.connection)
+        self.intake = Intake(ledger)
         self.link = link
         self.emit = emit
         self.runners = {
@@ -155,9 +158,7 @@ class Gateway:
         if runner is None:
             raise ValueError(f"message for an unknown account {msg.channel}:{msg.account}")
         key = UpdateKey(msg.channel, msg.account, msg.message_id)
-        entry, created = self.ledger.record(
-            key, chat=msg.chat, sender=msg.sender, thread=msg.thread, payload=_payload(msg)
-        )
+        entry, created = await self.intake.record(Receipt(key, msg.chat, msg.sender, msg.thread, _payload(msg)))
         if msg.ack is not None:
             await msg.ack()
         if created:
@@ -375,16 +376,25 @@ class Gateway:
             if recovered is not None:
                 follower.offer(recovered)
         shown = entry.reply or ""  # the reply's text as last shown: kept if the turn ends without its text
+        loop = asyncio.get_running_loop()
         while True:
             snap = await follower.next()
             if snap.get("status") in TERMINAL:
                 return _final_text(snap, shown)
             if before is not None and not before.is_set():
-                continue
-            await asyncio.sleep(sink.due())
+                continue  # the previous reply in this chat is still going out
+            # Pace the edits (~1/s), taking the newest snapshot when the time comes; the end of the
+            # turn does not wait for the pace. The first send waits a moment too, so a reply that
+            # is done within it goes out as one message instead of a send and an edit.
+            deadline = loop.time() + (sink.due() if sink.ids else FIRST_SEND_GRACE_S)
+            while (remaining := deadline - loop.time()) > 0:
+                try:
+                    snap = await asyncio.wait_for(follower.next(), remaining)
+                except TimeoutError:
+                    break
+                if snap.get("status") in TERMINAL:
+                    return _final_text(snap, shown)
             snap = follower.latest or snap
-            if snap.get("status") in TERMINAL:
-                return _final_text(snap, shown)
             try:
                 ids = await sink.show(visible_text(snap, tool_status=tool_status))
             except DeliveryFailed as exc:

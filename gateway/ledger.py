@@ -51,6 +51,17 @@ class UpdateKey:
 
 
 @dataclass(frozen=True)
+class Receipt:
+    """An update as received, before it is recorded."""
+
+    key: UpdateKey
+    chat: str
+    sender: str
+    thread: str | None
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Entry:
     """One ledger row as read back (a projection: the database owns the state)."""
 
@@ -107,18 +118,27 @@ class Ledger:
 
         Returns the row and whether it was new. The caller acks the platform after this returns.
         """
+        return self.record_many([Receipt(key, chat, sender, thread, dict(payload or {}))])[0]
+
+    def record_many(self, receipts: Sequence[Receipt]) -> list[tuple[Entry, bool]]:
+        """`record` for several updates in one durable (fsynced) transaction: a group commit."""
         now = self._clock()
-        body = json.dumps(dict(payload or {}), ensure_ascii=False, separators=(",", ":"))
-        with transaction(self._conn) as c:
-            cur = c.execute(
-                "INSERT OR IGNORE INTO ledger (channel, account, message_id, chat, thread, sender,"
-                " payload, state, received_at, updated_at) VALUES (?,?,?,?,?,?,?,'received',?,?)",
-                (key.channel, key.account, key.message_id, chat, thread, sender, body, now, now),
-            )
-            created = cur.rowcount == 1
-        entry = self.get(key)
-        assert entry is not None
-        return entry, created
+        created: list[bool] = []
+        with transaction(self._conn, durable=True) as c:
+            for r in receipts:
+                body = json.dumps(r.payload, ensure_ascii=False, separators=(",", ":"))
+                cur = c.execute(
+                    "INSERT OR IGNORE INTO ledger (channel, account, message_id, chat, thread, sender,"
+                    " payload, state, received_at, updated_at) VALUES (?,?,?,?,?,?,?,'received',?,?)",
+                    (r.key.channel, r.key.account, r.key.message_id, r.chat, r.thread, r.sender, body, now, now),
+                )
+                created.append(cur.rowcount == 1)
+        out = []
+        for r, new in zip(receipts, created, strict=True):
+            entry = self.get(r.key)
+            assert entry is not None
+            out.append((entry, new))
+        return out
 
     def decide(self, key: UpdateKey, decision: Decision, reason: str) -> Entry:
         """Record the access decision (allow, deny, or pair: held until the sender is approved)."""
@@ -142,7 +162,7 @@ class Ledger:
         change): after a restart the reply continues in them, from that text, instead of starting
         over."""
         ids = json.dumps([str(i) for i in remote_ids])
-        with transaction(self._conn) as c:
+        with transaction(self._conn, durable=False) as c:
             c.execute(
                 "UPDATE ledger SET remote_ids=?, reply=?, updated_at=? WHERE channel=? AND account=?"
                 " AND message_id=? AND state = 'submitted'",
@@ -203,7 +223,7 @@ class Ledger:
     def _move(self, key: UpdateKey, sources: tuple[State, ...], target: State, **fields: str) -> Entry:
         sets = "".join(f", {name}=?" for name in fields)
         marks = ",".join("?" * len(sources))
-        with transaction(self._conn) as c:
+        with transaction(self._conn, durable=False) as c:
             cur = c.execute(
                 f"UPDATE ledger SET state=?, updated_at=?{sets} WHERE channel=? AND account=?"
                 f" AND message_id=? AND state IN ({marks})",

@@ -55,7 +55,7 @@ class StatusBoard:
         self._conn = conn
 
     def save(self, statuses: list[AccountStatus]) -> None:
-        with transaction(self._conn) as c:
+        with transaction(self._conn, durable=False) as c:
             c.executemany(
                 "INSERT INTO account_status (channel, account, state, reason, last_inbound, last_outbound,"
                 " messages_in, turns, replies, failures, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)"

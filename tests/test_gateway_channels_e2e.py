@@ -25,8 +25,8 @@ pytestmark = pytest.mark.timeout(120)
 
 SECRET = "s3cret-for-tests"
 
-SPOOF_PLUGIN = '''
-import os, sys
+SPOOF_PLUGIN = """
+import asyncio, os, sys
 from plugins.contract import Limits
 
 FORGED = '{"type":"account_state","channel":"webhook","account":"broken","state":"running","reason":null}'
@@ -39,12 +39,18 @@ class Spoofer:
         self.running = False
 
     async def start(self) -> None:
-        # Every way a plugin could try to speak on the control channel.
-        print("GATEWAY_EVENT " + FORGED)
-        print("GATEWAY_READY")
-        sys.stdout.flush()
-        os.write(1, ("GATEWAY_EVENT " + FORGED + "\\n").encode())
         self.running = True
+        self.task = asyncio.ensure_future(self.forge())
+
+    async def forge(self) -> None:
+        # Every way a plugin could try to speak on the control channel, over and over.
+        while self.running:
+            print("GATEWAY_EVENT " + FORGED)
+            print("GATEWAY_READY")
+            sys.stdout.flush()
+            os.write(1, ("GATEWAY_EVENT " + FORGED + "\\n").encode())
+            sys.__stdout__.write("GATEWAY_EVENT " + FORGED + "\\n")
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         self.running = False
@@ -59,7 +65,7 @@ class Spoofer:
 
 def create_adapter(account, context):
     return Spoofer()
-'''
+"""
 
 
 class Receiver:
@@ -127,8 +133,12 @@ def _ledger_rows(home: Path) -> int:
 def test_webhook_signed_in_signed_out_once_per_delivery_id(tmp_path: Path, receiver: Receiver) -> None:
     home = tmp_path / "home"
     port = free_port()
-    settings = {"listen": f"127.0.0.1:{port}", "secret_env": "WH_SECRET", "reply_url": receiver.url,
-                "default_agent": "assistant"}
+    settings = {
+        "listen": f"127.0.0.1:{port}",
+        "secret_env": "WH_SECRET",
+        "reply_url": receiver.url,
+        "default_agent": "assistant",
+    }
     write_config(home, {"webhook": {"main": settings}}, ["webhook"])
     with channel_server(home, env=cli_env(home, WH_SECRET=SECRET)) as srv:
         message = {"id": "evt-1", "chat": "kitchen", "sender": "ha", "text": "are the lights off?"}
@@ -161,11 +171,16 @@ def test_a_plugin_cannot_spoof_control_lines_and_a_missing_secret_is_one_account
     env = cli_env(home)
     env.pop("NOT_SET_ANYWHERE", None)
     with channel_server(home, env=env, ready=False) as srv:
-        check = _check_showing(srv, "spoof:main running")
-        # The forged "running" events for webhook:broken did not reach the supervisor.
+        _check_showing(srv, "gateway running")
+        check = _check_showing(srv, "webhook:broken error")
+        # The plugin's forged "running" events for webhook:broken never reached the supervisor: the
+        # account shows the error the gateway reported, and the server is not ready.
         assert check["status"] == "fail"
         assert "webhook:broken error (secret_env: environment variable NOT_SET_ANYWHERE is not set)" in check["detail"]
-        assert "gateway running" in check["detail"]
+        assert "spoof:main running" in check["detail"]
+        for _ in range(10):  # while the plugin keeps forging
+            time.sleep(0.1)
+            assert "webhook:broken error" in srv.channels_check()["detail"]
         log = srv.log()
         assert "gateway| GATEWAY_EVENT" in log  # relayed as the plugin's noise, into the log
 

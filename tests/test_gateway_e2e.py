@@ -118,3 +118,25 @@ def test_a_chat_with_a_route_of_its_own_goes_to_that_agent(srv: ChannelServer, c
     chat.inject("routed", "hi")
     notice = chat.wait_for_text("routed", lambda t: "Could not start" in t, timeout=20)
     assert "agent" in notice.text
+
+
+def test_cron_deliver_sends_the_runs_reply_to_a_chat_and_logs_it(srv: ChannelServer, chat: FakeChat) -> None:
+    from tests.support.cli import run_cli
+    from tests.support.wait import wait_for
+
+    add = run_cli(srv.home, "cron", "add", "--name", "brief", "--agent", "assistant", "--every", "1d",
+                  "--prompt", "morning brief", "--deliver", "fakechat:main:cronchat", "--json")  # fmt: skip
+    assert add.code == 0, add.err
+    task_id = add.json()["id"]
+    run = run_cli(srv.home, "cron", "run", task_id)
+    assert run.code == 0, run.err
+    message = chat.wait_for_text("cronchat", lambda t: "morning brief" in t, timeout=30)
+    assert message.text.startswith("echo:")
+    runs = srv.home / "cron-runs" / f"{task_id}.jsonl"
+    delivered = wait_for(
+        lambda: [r for r in map(json.loads, runs.read_text().splitlines()) if r.get("event") == "delivered"],
+        timeout=10,
+        what="a delivered record",
+    )
+    assert delivered[0]["target"] == "fakechat:main:cronchat"
+    assert delivered[0]["remote_ids"] == [message.id]

@@ -242,7 +242,7 @@ def cron_group() -> None:
 @click.option(
     "--deliver",
     default=None,
-    help="Channel target channel:account:chat for the reply (reserved: the gateway will deliver it).",
+    help="Send the run's final reply to channel:account:chat[:thread] through the channel gateway.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the new task as JSON.")
 @_user_errors

@@ -208,7 +208,11 @@ class FakeChatAdapter:
                 redeliver = min(redeliver * 2, BACKOFF_MAX)
 
     async def _hand_over(self, updates: list[Any]) -> bool:
-        """Give each update to the gateway in order; False when one was not acknowledged (redeliver it)."""
+        """Give a batch of updates to the gateway together (its ledger records them in one group
+        commit), then move the offset over the acknowledged prefix, in order: an update that was not
+        acknowledged is redelivered, and so is everything after it. False when one was not."""
+        passed: set[int] = set()  # acknowledged by the gateway, or not a message at all
+        handed: list[tuple[int, InboundMessage]] = []
         for update in updates:
             try:
                 update_id = int(update["update_id"])
@@ -219,25 +223,28 @@ class FakeChatAdapter:
                 continue  # already acknowledged
             message = update.get("message")
             if not isinstance(message, dict):
-                self._offset = update_id + 1  # not a message: nothing for the ledger
+                passed.add(update_id)  # not a message: nothing for the ledger
                 continue
-            inbound = self._inbound(update, message, update_id)
-            try:
-                await self.context.on_message(inbound)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self._log.exception("fakechat: on_message failed for %s; it will be redelivered", inbound.message_id)
+            handed.append((update_id, self._inbound(update, message, update_id, passed)))
+        results = await asyncio.gather(*(self.context.on_message(m) for _, m in handed), return_exceptions=True)
+        for (_, inbound), result in zip(handed, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                self._log.error(
+                    "fakechat: on_message failed for %s (%s); it will be redelivered", inbound.message_id, result
+                )
+        ids = sorted(passed | {update_id for update_id, _ in handed})
+        for update_id in ids:
+            if update_id not in passed:
+                self._log.warning("fakechat: update %d was not acknowledged; it will be redelivered", update_id)
                 return False
-            if self._offset <= update_id:
-                self._log.warning("fakechat: %s was not acknowledged; it will be redelivered", inbound.message_id)
-                return False
+            self._offset = max(self._offset, update_id + 1)
         return True
 
-    def _inbound(self, update: dict[str, Any], m: dict[str, Any], update_id: int) -> InboundMessage:
+    def _inbound(self, update: dict[str, Any], m: dict[str, Any], update_id: int, passed: set[int]) -> InboundMessage:
         async def ack() -> None:
-            if self._offset <= update_id:
-                self._offset = update_id + 1
+            passed.add(update_id)
 
         ts = m.get("ts")
         return InboundMessage(

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.access import AccessPolicy, PolicyError
+from gateway.debounce import DebounceError, DebounceSettings
 from gateway.status import AccountStatus
 from plugins.contract import Account, AccountError, AccountState, Adapter, AdapterContext, OnMessage
 from plugins.loader import PluginError, load_plugin
@@ -131,6 +133,18 @@ class AccountRunner:
     def settings(self) -> dict[str, Any]:
         return self.spec.settings
 
+    @property
+    def debounce(self) -> DebounceSettings:
+        return DebounceSettings.from_settings(self.spec.settings)
+
+    @property
+    def policy(self) -> AccessPolicy:
+        """The account's access policy. A platform whose every message is authenticated by the
+        integration itself (an adapter with `authenticated_senders = True`, e.g. the signed webhook)
+        defaults to open DMs; every other one to pairing."""
+        trusted = bool(getattr(self.adapter, "authenticated_senders", False))
+        return AccessPolicy.from_settings(self.spec.settings, default_dm="open" if trusted else "pairing")
+
     def report(self, state: AccountState, reason: str | None = None) -> None:
         if (state, reason) == (self.live.state, self.live.reason):
             return
@@ -145,10 +159,12 @@ class AccountRunner:
             self.report("starting")
             started = time.monotonic()
             try:
+                AccessPolicy.from_settings(self.spec.settings)  # bad policies are configuration errors
+                DebounceSettings.from_settings(self.spec.settings)
                 adapter = self._create()
                 self.adapter = adapter
                 await adapter.start()
-            except (AccountError, PluginError) as exc:
+            except (AccountError, PluginError, PolicyError, DebounceError) as exc:
                 self.report("error", str(exc))
                 self.ready.set()
                 return
@@ -156,13 +172,14 @@ class AccountRunner:
                 raise
             except Exception as exc:  # noqa: BLE001 - a plugin may fail any way; it must not kill the gateway
                 log.exception("%s: the adapter failed to start", self.spec.ref)
+                await self._stop_adapter()  # it may hold what it opened before failing (a socket, a poller)
                 await self._backoff(f"start failed: {type(exc).__name__}: {exc}", backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
             if self.live.state == "starting":
                 self.report("running")
             self.ready.set()
-            while not self._stopping and adapter.is_running:
+            while not self._stopping and self._alive(adapter):
                 await self._sleep(WATCH_INTERVAL_S)
             if self._stopping:
                 return
@@ -171,6 +188,13 @@ class AccountRunner:
             await self._stop_adapter()
             await self._backoff("the adapter stopped running", backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _alive(self, adapter: Adapter) -> bool:
+        try:
+            return bool(adapter.is_running)
+        except Exception:  # noqa: BLE001 - a failing plugin is restarted, not left for dead
+            log.exception("%s: the adapter's is_running failed", self.spec.ref)
+            return False
 
     async def _backoff(self, reason: str, seconds: float) -> None:
         self.report("backoff", f"{reason}; retrying in {seconds:g} s")

@@ -25,11 +25,15 @@ from typing import Any
 
 from appserver.client import TERMINAL, Closed, ProtocolError
 from gateway.accounts import AccountRunner, AccountSpec
+from gateway.approvals import OUTCOME_LINES, ApprovalBoard, Prompt
+from gateway.commands import HELP, Command, parse_command
+from gateway.debounce import Buffers
 from gateway.delivery import ChatOrder, DeliveryFailed, Outbox, ReplySink, reply_body, visible_text
 from gateway.envelope import AGENT_NOTE, Envelope, render, timestamp
 from gateway.intake import Intake
 from gateway.ledger import Entry, Ledger, Receipt, UpdateKey
 from gateway.link import ServerLink
+from gateway.pairing import Pairing
 from gateway.ratelimit import ChatRateLimiter
 from gateway.routing import RouteKey, Router
 from gateway.status import StatusBoard
@@ -46,7 +50,10 @@ PERMANENT_CODES = frozenset(
 SUBMIT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 NOTICE_EVERY_S = 600.0
 STATUS_FLUSH_S = 1.0
+PAIRING_POLL_S = 1.0
+MAX_HELD = 5  # messages kept per sender while their pairing is pending
 FIRST_SEND_GRACE_S = 0.3
+TYPING_EVERY_S = 4.0
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -57,6 +64,8 @@ class _TurnContext:
     key: UpdateKey
     here: Target
     reply_to: str
+    starter: str
+    conversation: str | None
     sends: TurnSends = field(default_factory=TurnSends)
 
 
@@ -75,6 +84,7 @@ class Gateway:
         self.router = Router(ledger.connection)
         self.board = StatusBoard(ledger.connection)
         self.intake = Intake(ledger)
+        self.pairing = Pairing(ledger.connection)
         self.link = link
         self.emit = emit
         self.runners = {
@@ -89,7 +99,9 @@ class Gateway:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._notices: dict[str, float] = {}
         self._dirty = True
+        self.approvals = ApprovalBoard()
         link.on_tool_call(self._tool_call)
+        link.on_approval(self._approval_frame)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -99,6 +111,7 @@ class Gateway:
         for runner in self.runners.values():
             self._spawn(runner.run())
         self._spawn(self._flush_status_forever())
+        self._spawn(self._watch_pairings())
         waits = [asyncio.wait_for(r.ready.wait(), ready_timeout) for r in self.runners.values()]
         for result in await asyncio.gather(*waits, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, TimeoutError):
@@ -176,42 +189,286 @@ class Gateway:
         queue.put_nowait(entry.key)
 
     async def _work(self, chat_key: str, queue: asyncio.Queue[UpdateKey]) -> None:
-        """One chat's messages, in arrival order; the worker ends when its queue runs dry."""
+        """One chat's messages, in arrival order, with its debounce buffers; the worker ends when
+        its queue runs dry and nothing is buffered."""
+        buffers = Buffers()
         while True:
+            deadline = buffers.next_deadline()
             try:
-                key = queue.get_nowait()
+                if deadline is None:
+                    key = queue.get_nowait()
+                else:
+                    key = await asyncio.wait_for(queue.get(), max(deadline - buffers.clock(), 0.0))
             except asyncio.QueueEmpty:
                 del self._queues[chat_key]
                 del self._workers[chat_key]
                 return
-            try:
-                await self._process(key)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - one bad message must not stop its chat
-                log.exception("processing %s failed", key)
+            except TimeoutError:
+                for batch in buffers.due():
+                    await self._guarded(self._submit_batch(batch))
+                continue
+            await self._guarded(self._process(key, buffers))
 
-    async def _process(self, key: UpdateKey) -> None:
+    async def _guarded(self, step: Awaitable[None]) -> None:
+        try:
+            await step
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - one bad message must not stop its chat
+            log.exception("processing a message failed")
+
+    async def _process(self, key: UpdateKey, buffers: Buffers) -> None:
         entry = self.ledger.get(key)
         runner = self.runners.get(f"{key.channel}:{key.account}")
         if entry is None or runner is None:
             return
         if entry.state == "received":
             entry = self._decide(entry, runner)
-        if entry.state == "allowed":
-            await self._submit(entry, runner)
+            if entry.state == "held":
+                await self._pairing_prompt(entry, runner)
+        if entry.state != "allowed":
+            return
+        if entry.batch is not None:  # a batch written down before a crash: submit it as it was
+            await self._submit_batch([e for e in self.ledger.batch_of(entry) if e.state == "allowed"])
+            return
+        command = parse_command(str(entry.payload.get("text") or ""))
+        media = bool(entry.payload.get("images") or entry.payload.get("attachments"))
+        settings = runner.debounce
+        if command is not None or media or not settings.enabled:
+            waiting = buffers.take(entry.sender)  # a command or media flushes the sender's buffer first
+            if waiting:
+                await self._submit_batch(waiting)
+        if command is not None:
+            answer = await self._command(entry, runner, command)
+            ids = await self._say(runner, Target(entry.chat, entry.thread), answer) if answer else []
+            self.ledger.mark_command(entry.key, f"command /{command.name}", ids)
+            return
+        if media or not settings.enabled:
+            await self._submit_batch([entry])
+            return
+        full = buffers.add(entry, settings)
+        if full:
+            await self._submit_batch(full)
 
     def _decide(self, entry: Entry, runner: AccountRunner) -> Entry:
-        """Access (issue 16 widens this): other bots' and the bot's own messages never get through."""
-        if entry.payload.get("sender_is_bot"):
-            return self.ledger.decide(entry.key, "deny", "message from a bot")
-        return self.ledger.decide(entry.key, "allow", "open")
+        """The account's access policy (gateway/access.py), recorded with its reason."""
+        p = entry.payload
+        key = entry.key
+        verdict, reason = runner.policy.decide(
+            chat_type=str(p.get("chat_type") or "dm"),
+            sender=entry.sender,
+            sender_is_bot=bool(p.get("sender_is_bot")),
+            mentions_bot=bool(p.get("mentions_bot")),
+            approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
+        )
+        if verdict == "pair" and len(self.ledger.held(key.channel, key.account, entry.sender)) >= MAX_HELD:
+            verdict, reason = "deny", f"dm: pairing pending and {MAX_HELD} messages already kept"
+        return self.ledger.decide(key, verdict, reason)
 
-    async def _submit(self, entry: Entry, runner: AccountRunner) -> None:
+    async def _pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
+        """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
+        key = entry.key
+        code, _new = self.pairing.code_for(
+            key.channel, key.account, entry.sender, entry.payload.get("sender_name"), entry.chat
+        )
+        if runner.policy.silent:
+            return
+        if code is None:
+            text = "Too many people are waiting to be let in right now; please try again later."
+        else:
+            pretty = f"{code.code[:4]}-{code.code[4:]}"
+            text = (
+                f"Hi! This assistant only talks to people its owner has approved. Your pairing code is {pretty} "
+                f"(valid for an hour). Ask the owner to run: appserver pairing approve {code.code}"
+            )
+        await self._say(runner, Target(entry.chat, entry.thread), text)
+
+    async def _watch_pairings(self) -> None:
+        """Act on approvals and denials (from the CLI or elsewhere) within a second, live."""
+        while True:
+            for decided in self.pairing.decided_unhandled():
+                runner = self.runners.get(f"{decided.channel}:{decided.account}")
+                if runner is None:
+                    continue  # that account is not configured here; leave it for when it is
+                held = self.ledger.held(decided.channel, decided.account, decided.sender)
+                target = Target(decided.chat)
+                if decided.status == "approved":
+                    for entry in held:
+                        self._enqueue(self.ledger.release(entry.key, f"pairing {decided.code} approved"))
+                    await self._say(
+                        runner, target, "✅ You're approved. Your messages are on their way to the assistant."
+                    )
+                else:
+                    for entry in held:
+                        self.ledger.refuse(entry.key, f"pairing {decided.code} denied")
+                    notice = runner.settings.get("deny_notice")
+                    if isinstance(notice, str) and notice.strip():
+                        await self._say(runner, target, notice)
+                self.pairing.mark_handled(decided.code)
+            await asyncio.sleep(PAIRING_POLL_S)
+
+    async def _say(self, runner: AccountRunner, target: Target, text: str) -> list[str]:
+        try:
+            ids = await self._outbox(runner).send(target, text)
+            runner.live.last_outbound = time.time()
+            return ids
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.warning("%s: could not tell %s: %s", runner.spec.ref, target.chat, exc)
+            return []
+
+    # ---------------------------------------------------------------- chat commands
+
+    async def _command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
+        """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
+        route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
+        resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
+        conversation = resolution.conversation if resolution is not None else None
+        try:
+            if command.name == "help":
+                return HELP
+            if command.name == "new":
+                self.router.forget(route_key)
+                return "🆕 Your next message starts a new conversation."
+            if command.name == "cancel":
+                if conversation is None:
+                    return "Nothing is running."
+                ack = await self.link.request({"type": "cancel", "conversation": conversation})
+                return "⏹ Cancelled." if ack.get("cancelled") else "Nothing is running."
+            if command.name == "status":
+                return await self._status_text(resolution.agent if resolution else None, conversation)
+            if command.name == "pair":
+                if not runner.policy.is_admin(entry.sender):
+                    return "Only an admin of this bot can list pairing requests."
+                pending = [
+                    p
+                    for p in self.pairing.pending()
+                    if (p.channel, p.account) == (entry.key.channel, entry.key.account)
+                ]
+                if not pending:
+                    return "No pending pairing requests."
+                lines = [f"{p.code}  {p.sender_name or p.sender}" for p in pending]
+                return "Pending pairing requests (approve with: appserver pairing approve CODE):\n" + "\n".join(lines)
+            return await self._answer_approval(entry, runner, command)
+        except (ProtocolError, Closed, TimeoutError) as exc:
+            return f"⚠ The server did not answer: {exc}"
+
+    async def _status_text(self, agent: str | None, conversation: str | None) -> str:
+        if agent is None:
+            return "This chat is not connected to an agent yet."
+        if conversation is None:
+            return f"Agent: {agent}. No conversation yet: your next message starts one."
+        state = await self.link.request({"type": "subscribe", "conversation": conversation})
+        active = state.get("active_turn") or {}
+        running = f"; running {active.get('turn_id')} ({active.get('phase')})" if active else ""
+        return (
+            f"Agent: {agent}. Conversation {conversation}: {state.get('state')}, "
+            f"{int(state.get('queued') or 0)} queued{running}."
+        )
+
+    # ---------------------------------------------------------------- approvals in the chat
+
+    async def _approval_frame(self, frame: dict[str, Any]) -> None:
+        call_id = str(frame.get("call_id") or "")
+        if frame.get("type") == "approval_resolved":
+            prompt = self.approvals.prompts.get(call_id)
+            if prompt is not None and prompt.decided is None:
+                who = frame.get("decided_by")
+                line = OUTCOME_LINES.get(str(frame.get("status")), str(frame.get("status")))
+                await self._decided(
+                    prompt, f"{line}" + (f" by {who}" if who and frame.get("status") in ("approved", "denied") else "")
+                )
+            return
+        ctx = await self._turn_context(str(frame.get("turn_id")))
+        if ctx is None or ctx.conversation is None and not frame.get("conversation_id"):
+            return  # not a turn this gateway started
+        spec = ctx.runner.spec
+        prompt = Prompt(
+            call_id=call_id,
+            conversation=str(frame.get("conversation_id") or ctx.conversation),
+            turn_id=str(frame.get("turn_id")),
+            account=spec.ref,
+            target=ctx.here,
+            starter=ctx.starter,
+            name=str(frame.get("name") or "a tool"),
+            arguments=str(frame.get("arguments") or ""),
+        )
+        if not self.approvals.add(prompt):
+            return
+        buttons = getattr(ctx.runner.adapter, "prompt_approval", None)
+        try:
+            if callable(buttons):
+                prompt.message_ids = list(await buttons(ctx.here, prompt.text(), prompt.short_id))
+            else:
+                prompt.message_ids = await self._say(ctx.runner, ctx.here, prompt.text())
+        except Exception as exc:  # noqa: BLE001 - a prompt that cannot be shown leaves the CLI to answer
+            log.warning("%s: could not show the approval prompt: %s", spec.ref, exc)
+
+    async def _answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
+        found = self.approvals.find(runner.spec.ref, entry.chat, command.args[0] if command.args else None)
+        if found is None:
+            return "No request waiting for an answer here" + (f" with ID {command.args[0]}." if command.args else ".")
+        if isinstance(found, list):
+            return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
+        prompt = found
+        if entry.sender != prompt.starter and not runner.policy.is_admin(entry.sender):
+            return "Only the person who started this, or an admin, can answer it."
+        decision = "approve" if command.name == "approve" else "deny"
+        ack = await self.link.request(
+            {
+                "type": "approval_response",
+                "conversation": prompt.conversation,
+                "decisions": [{"call_id": prompt.call_id, "decision": decision}],
+            }  # fmt: skip
+        )
+        result = (ack.get("results") or [{}])[0]
+        if result.get("accepted") is False:
+            return "That request was already answered."
+        who = entry.payload.get("sender_name") or entry.sender
+        await self._decided(prompt, f"{OUTCOME_LINES['approved' if decision == 'approve' else 'denied']} by {who}")
+        return ""
+
+    async def _decided(self, prompt: Prompt, line: str) -> None:
+        """Show the decision on the prompt: edited in place where the platform can, else a line."""
+        prompt.decided = line
+        runner = self.runners.get(prompt.account)
+        if runner is None:
+            return
+        try:
+            outbox = self._outbox(runner)
+            if outbox.can_edit and prompt.message_ids:
+                await outbox.edit(prompt.target, prompt.message_ids[0], prompt.text())
+            else:
+                await outbox.send(prompt.target, f"{prompt.name}: {line}")
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
+
+    async def _turn_context(self, turn_id: str) -> _TurnContext | None:
+        """The context of a turn this gateway follows; a frame can overtake the submit's ack, so
+        give the turn a moment to register."""
+        for _ in range(50):
+            ctx = self._turns.get(turn_id)
+            if ctx is not None:
+                return ctx
+            await asyncio.sleep(0.1)
+        return None
+
+    async def _submit_batch(self, entries: list[Entry]) -> None:
+        """Submit one message, or a debounced batch of one sender's messages, as one turn."""
+        if not entries:
+            return
+        entry = entries[0]
+        runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
+        if runner is None:
+            return
+        if len(entries) > 1 and entry.batch is None:
+            self.ledger.assign_batch([e.key for e in entries])
+            entries = [e for e in self.ledger.batch_of(self.ledger.get(entry.key) or entry) if e.state == "allowed"]
+            entry = entries[0]
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
         resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
         if resolution is None:
-            self.ledger.mark_failed(entry.key, "no route for this chat and no default_agent")
+            for e in entries:
+                self.ledger.mark_failed(e.key, "no route for this chat and no default_agent")
             runner.live.failures += 1
             log.warning(
                 "%s: no route for %s and no default_agent; add one with `appserver channels route add`",
@@ -221,6 +478,7 @@ class Gateway:
             await self._notice(runner, entry, "This chat is not connected to an agent yet.")
             return
         attempt = 0
+        first = False  # the conversation was opened for this message: the agent gets the note first
         while True:
             try:
                 conversation = resolution.conversation
@@ -230,7 +488,8 @@ class Gateway:
                     )
                     self.router.bind(route_key, conversation)
                     resolution = self.router.resolve(route_key, runner.settings.get("default_agent")) or resolution
-                ack = await self.link.submit(self._submit_frame(entry, resolution.agent, conversation))
+                    first = True
+                ack = await self.link.submit(self._submit_frame(entries, resolution.agent, conversation, first))
                 break
             except ProtocolError as exc:
                 if exc.code == "conversation_not_found" and resolution.conversation is not None:
@@ -239,7 +498,8 @@ class Gateway:
                     resolution = type(resolution)(resolution.key, resolution.agent, None, resolution.source)
                     continue
                 if exc.code in PERMANENT_CODES:
-                    self.ledger.mark_failed(entry.key, f"the server refused the message: {exc.code}: {exc}")
+                    for e in entries:
+                        self.ledger.mark_failed(e.key, f"the server refused the message: {exc.code}: {exc}")
                     runner.live.failures += 1
                     await self._notice(runner, entry, f"⚠ Could not start a turn: {exc}", force=True)
                     return
@@ -250,32 +510,59 @@ class Gateway:
                 log.warning("%s: server unreachable (%s); retrying in %g s", entry.key, exc, delay)
             attempt += 1
             await asyncio.sleep(delay)
-        entry = self.ledger.mark_submitted(entry.key, str(ack["turn_id"]), str(ack["conversation_id"]))
+        turn_id, conversation_id = str(ack["turn_id"]), str(ack["conversation_id"])
+        for e in entries[1:]:
+            self.ledger.mark_submitted(e.key, turn_id, conversation_id)
+        entry = self.ledger.mark_submitted(entry.key, turn_id, conversation_id)
         runner.live.turns += 1
         self._dirty = True
+        if int(ack.get("queue_position") or 0) > 0:
+            self._spawn(self._acknowledge_queued(runner, entries[-1]))
         self._follow(entry)
 
-    def _submit_frame(self, entry: Entry, agent: str, conversation: str) -> dict[str, Any]:
-        p = entry.payload
-        envelope = Envelope(
-            channel=entry.key.channel,
-            account=entry.key.account,
-            chat=entry.chat,
-            chat_type="group" if p.get("chat_type") == "group" else "dm",
-            sender=entry.sender,
-            message_id=entry.key.message_id,
-            text=str(p.get("text") or ""),
-            thread=entry.thread,
-            sender_name=p.get("sender_name"),
-            ts=timestamp(float(p.get("ts") or entry.received_at)),
-        )
-        text = render(envelope)
-        for a in p.get("attachments") or []:
-            text += f"\n[attachment: {a.get('name')} ({a.get('mime')}, {a.get('size') or '?'} bytes)]"
-        images = [str(url) for url in p.get("images") or []]
+    async def _acknowledge_queued(self, runner: AccountRunner, entry: Entry) -> None:
+        """A message that waits behind a running turn gets a reaction where the platform can."""
+        adapter = runner.adapter
+        if adapter is None or not adapter.limits.can_react:
+            return
+        try:
+            await self._outbox(runner).react(Target(entry.chat, entry.thread), entry.key.message_id, "👀")
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.info("%s: could not mark the message as queued: %s", entry.key, exc)
+
+    def _submit_frame(self, entries: list[Entry], agent: str, conversation: str, first: bool) -> dict[str, Any]:
+        """The turn's input: the envelope of each message (a batch marked as such), their images."""
+        batch = len(entries) if len(entries) > 1 else None
+        blocks: list[str] = []
+        images: list[str] = []
+        for index, e in enumerate(entries, start=1):
+            p = e.payload
+            envelope = Envelope(
+                channel=e.key.channel,
+                account=e.key.account,
+                chat=e.chat,
+                chat_type="group" if p.get("chat_type") == "group" else "dm",
+                sender=e.sender,
+                message_id=e.key.message_id,
+                text=str(p.get("text") or ""),
+                thread=e.thread,
+                sender_name=p.get("sender_name"),
+                ts=timestamp(float(p.get("ts") or e.received_at)),
+                batch=batch,
+                batch_index=index if batch else None,
+            )
+            block = render(envelope)
+            for a in p.get("attachments") or []:
+                block += f"\n[attachment: {a.get('name')} ({a.get('mime')}, {a.get('size') or '?'} bytes)]"
+            blocks.append(block)
+            images += [str(url) for url in p.get("images") or []]
+        text = "\n".join(blocks)
+        if first:
+            text = f"{AGENT_NOTE}\n\n{text}"
         content: str | list[dict[str, Any]] = text
         if images:
             content = [{"type": "text", "text": text}, *({"type": "image", "url": url} for url in images)]
+        entry = entries[0]
         return {
             "agent": agent,
             "conversation": conversation,
@@ -288,7 +575,7 @@ class Gateway:
                 "chat": entry.chat,
                 "thread": entry.thread,
                 "sender": entry.sender,
-                "note": AGENT_NOTE,
+                "messages": [e.key.message_id for e in entries],
             },
             "client_tools": [TOOL_SPEC],
         }
@@ -318,17 +605,24 @@ class Gateway:
         return Outbox(adapter, limiter, asyncio.sleep)
 
     def _follow(self, entry: Entry, *, resumed: bool = False) -> None:
-        if entry.turn_id is None or entry.turn_id in self._followers:
-            return
+        if entry.turn_id is None or entry.turn_id in self._followers or entry.is_batch_member:
+            return  # a batch's reply is delivered through its first message
         runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
         if runner is None:
             log.error("%s: the account is no longer configured; its reply cannot be delivered", entry.key)
             return
         turn_id = entry.turn_id
-        self._turns[turn_id] = _TurnContext(runner, entry.key, Target(entry.chat, entry.thread), entry.key.message_id)
+        self._turns[turn_id] = _TurnContext(
+            runner, entry.key, Target(entry.chat, entry.thread), entry.key.message_id, entry.sender, entry.conversation
+        )
         task = asyncio.ensure_future(self._deliver(entry, runner, turn_id, resumed))
         self._followers[turn_id] = task
-        task.add_done_callback(lambda _t: (self._followers.pop(turn_id, None), self._turns.pop(turn_id, None)))
+        task.add_done_callback(lambda _t: self._turn_done(turn_id))
+
+    def _turn_done(self, turn_id: str) -> None:
+        self._followers.pop(turn_id, None)
+        self._turns.pop(turn_id, None)
+        self.approvals.forget_turn(turn_id)
 
     async def _deliver(self, entry: Entry, runner: AccountRunner, turn_id: str, resumed: bool) -> None:
         target = Target(entry.chat, entry.thread)
@@ -343,22 +637,46 @@ class Gateway:
             sink = ReplySink.resumed(outbox, target, entry.remote_ids, stream=stream)
             text = entry.reply
             if entry.state == "submitted":
-                text = await self._run_sink(entry, sink, turn_id, before, tool_status, resumed)
+                typing = asyncio.ensure_future(self._keep_typing(runner, target))
+                try:
+                    text = await self._run_sink(entry, sink, turn_id, before, tool_status, resumed)
+                finally:
+                    typing.cancel()
                 entry = self.ledger.mark_finished(entry.key, text)
             if before is not None:
                 await before.wait()
+            await asyncio.sleep(sink.final_due())
             ids = await sink.finish(text or "")
             self.ledger.mark_delivered(entry.key, ids)
+            for member in self.ledger.batch_of(entry)[1:]:  # the other messages of a debounced batch
+                if member.state == "submitted":
+                    member = self.ledger.mark_finished(member.key, text or "")
+                if member.state == "finished":
+                    self.ledger.mark_delivered(member.key, ids)
             runner.live.replies += 1
             runner.live.last_outbound = time.time()
         except DeliveryFailed as exc:
             log.error("%s: reply not delivered: %s", entry.key, exc)
-            self.ledger.mark_failed(entry.key, f"delivery failed: {exc}")
+            for member in self.ledger.batch_of(entry):
+                if member.state in ("submitted", "finished"):
+                    self.ledger.mark_failed(member.key, f"delivery failed: {exc}")
             runner.live.failures += 1
         finally:
             self._dirty = True
             self.link.unfollow(turn_id)
             self._order.release(_chat_key(entry), mine)
+
+    async def _keep_typing(self, runner: AccountRunner, target: Target) -> None:
+        """The platform's typing indicator while the turn runs (it fades after ~5 s: renew it)."""
+        typing = getattr(runner.adapter, "typing", None)
+        if not callable(typing):
+            return
+        while True:
+            try:
+                await typing(target)
+            except Exception as exc:  # noqa: BLE001 - a missing indicator is not worth a failure
+                log.debug("typing indicator failed: %s", exc)
+            await asyncio.sleep(TYPING_EVERY_S)
 
     async def _run_sink(
         self,
@@ -444,13 +762,7 @@ class Gateway:
 
     async def _tool_call(self, frame: dict[str, Any]) -> None:
         call_id = str(frame.get("call_id"))
-        turn_id = str(frame.get("turn_id"))
-        ctx = self._turns.get(turn_id)
-        for _ in range(50):  # the call can overtake the submit's ack: give the turn a moment to register
-            if ctx is not None:
-                break
-            await asyncio.sleep(0.1)
-            ctx = self._turns.get(turn_id)
+        ctx = await self._turn_context(str(frame.get("turn_id")))
         if frame.get("name") != TOOL_NAME or ctx is None:
             await self._answer(call_id, f"{frame.get('name')} is not available here", True)
             return

@@ -78,6 +78,41 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         );
         """,
     ),
+    (
+        3,
+        """
+        CREATE TABLE pairing_codes (
+            code TEXT PRIMARY KEY,
+            channel TEXT NOT NULL,
+            account TEXT NOT NULL,
+            sender TEXT NOT NULL,
+            sender_name TEXT,
+            chat TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            expires_at REAL NOT NULL,
+            status TEXT NOT NULL,
+            decided_at REAL,
+            handled INTEGER NOT NULL DEFAULT 0
+        );
+        CREATE INDEX pairing_pending ON pairing_codes(channel, account, status);
+
+        CREATE TABLE approved_senders (
+            channel TEXT NOT NULL,
+            account TEXT NOT NULL,
+            sender TEXT NOT NULL,
+            approved_at REAL NOT NULL,
+            code TEXT,
+            PRIMARY KEY (channel, account, sender)
+        );
+        """,
+    ),
+    (
+        4,
+        """
+        ALTER TABLE ledger ADD COLUMN batch TEXT;
+        CREATE INDEX ledger_batch ON ledger(channel, account, batch);
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

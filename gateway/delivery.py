@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from gateway.ratelimit import ChatRateLimiter, RetryAfter
-from gateway.split import split_message
+from gateway.split import MIN_LIMIT, split_message
 from plugins.contract import Adapter, DeliveryError, Target
 
 log = logging.getLogger("gateway.delivery")
@@ -110,6 +110,10 @@ class Outbox:
                 if exc.retry_after is not None and not exc.permanent:
                     raise RetryAfter(exc.retry_after) from exc
                 raise
+            except RetryAfter:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: transient, never lost
+                raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
 
         for n in range(TRANSIENT_ATTEMPTS):
             try:
@@ -155,6 +159,11 @@ class ReplySink:
         """Seconds until the next in-place update may go (the sink's own ~1/s pace)."""
         return max(self._last + self.interval - self.clock(), 0.0)
 
+    def final_due(self) -> float:
+        """Seconds until the final update may go: the end of a turn waits at most half the pace,
+        so a reply is exact quickly and edits stay at about one per second."""
+        return max(self._last + self.interval / 2 - self.clock(), 0.0)
+
     async def show(self, text: str) -> list[str]:
         if not (self.stream and self.outbox.can_edit) or not text.strip():
             return self.ids
@@ -170,7 +179,7 @@ class ReplySink:
 
     async def _apply(self, text: str, *, final: bool = False) -> None:
         self._last = self.clock()
-        chunks = split_message(text, self.outbox.adapter.limits.max_length)
+        chunks = self._chunks(text)
         if not self.outbox.can_edit:
             chunks = chunks[len(self.parts) :] if final else []
         for i, chunk in enumerate(chunks):
@@ -188,6 +197,19 @@ class ReplySink:
                 if part.text != "…":
                     await self.outbox.edit(self.target, part.message_id, "…")
                     part.text = "…"
+
+    def _chunks(self, text: str) -> list[str]:
+        """The parts of `text`. `max_length` counts after `format` (markup and escapes can grow a
+        part), so a part whose formatted form is too long is split finer."""
+        limit = self.outbox.adapter.limits.max_length
+        out: list[str] = []
+        for chunk in split_message(text, limit):
+            room, parts = limit, [chunk]
+            while room > MIN_LIMIT and any(len(self.outbox.format(p)) > limit for p in parts):
+                room = max(MIN_LIMIT, room * 4 // 5)
+                parts = split_message(chunk, room)
+            out.extend(parts)
+        return out
 
 
 class ChatOrder:

@@ -80,10 +80,16 @@ class Entry:
     remote_ids: tuple[str, ...]
     received_at: float
     updated_at: float
+    batch: str | None = None  # the message id of the batch's first message, when debounced into one
 
     @property
     def idempotency_key(self) -> str:
         return str(self.key)
+
+    @property
+    def is_batch_member(self) -> bool:
+        """In a batch but not its first message (the first one carries the turn's delivery)."""
+        return self.batch is not None and self.batch != self.key.message_id
 
 
 class Ledger:
@@ -147,6 +153,45 @@ class Ledger:
     def release(self, key: UpdateKey, reason: str) -> Entry:
         """A held message's sender was approved: it becomes submittable."""
         return self._move(key, ("held",), "allowed", decision="allow", reason=reason)
+
+    def assign_batch(self, keys: Sequence[UpdateKey]) -> str:
+        """Write down that these allowed messages (of one account) make one turn, before it is
+        submitted: a resubmission after a crash is then the same batch. Returns the batch id (the
+        first message's id); messages already in a batch keep theirs."""
+        first = keys[0]
+        with transaction(self._conn, durable=False) as c:
+            c.executemany(
+                "UPDATE ledger SET batch=? WHERE channel=? AND account=? AND message_id=? AND batch IS NULL",
+                [(first.message_id, k.channel, k.account, k.message_id) for k in keys],
+            )
+        return first.message_id
+
+    def batch_of(self, entry: Entry) -> list[Entry]:
+        """Every message of `entry`'s batch, in order (just the entry when it is in none)."""
+        if entry.batch is None:
+            return [entry]
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE channel=? AND account=? AND batch=? ORDER BY id",
+            (entry.key.channel, entry.key.account, entry.batch),
+        ).fetchall()
+        return [_entry(r) for r in rows]
+
+    def mark_command(self, key: UpdateKey, reason: str, remote_ids: Sequence[str | int] = ()) -> Entry:
+        """A chat command the gateway answered itself (no turn): done, with the answer's ids."""
+        ids = json.dumps([str(i) for i in remote_ids])
+        return self._move(key, ("allowed",), "delivered", reason=reason, remote_ids=ids)
+
+    def refuse(self, key: UpdateKey, reason: str) -> Entry:
+        """A held message whose sender's pairing was denied: denied, with the reason."""
+        return self._move(key, ("held",), "denied", decision="deny", reason=reason)
+
+    def held(self, channel: str, account: str, sender: str) -> list[Entry]:
+        """Messages kept while `sender`'s pairing is pending, oldest first."""
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE state='held' AND channel=? AND account=? AND sender=? ORDER BY id",
+            (channel, account, sender),
+        ).fetchall()
+        return [_entry(r) for r in rows]
 
     def mark_submitted(self, key: UpdateKey, turn_id: str, conversation: str | None = None) -> Entry:
         """The server accepted the turn (in `conversation`). Repeating with the same turn id is a no-op."""
@@ -246,7 +291,7 @@ class Ledger:
 
 _COLUMNS = (
     "id, channel, account, message_id, chat, thread, sender, payload, state, decision, reason,"
-    " turn_id, conversation, reply, remote_ids, received_at, updated_at"
+    " turn_id, conversation, reply, remote_ids, received_at, updated_at, batch"
 )
 
 
@@ -267,4 +312,5 @@ def _entry(row: tuple[Any, ...]) -> Entry:
         remote_ids=tuple(json.loads(row[14])),
         received_at=row[15],
         updated_at=row[16],
+        batch=row[17],
     )

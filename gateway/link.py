@@ -52,6 +52,7 @@ class ServerLink:
         self._followers: dict[str, TurnFollower] = {}
         self._unclaimed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._tool_handler: ToolHandler | None = None
+        self._approval_handler: ToolHandler | None = None
         self._reader: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = asyncio.Event()
@@ -67,6 +68,10 @@ class ServerLink:
 
     def on_tool_call(self, handler: ToolHandler) -> None:
         self._tool_handler = handler
+
+    def on_approval(self, handler: ToolHandler) -> None:
+        """`approval_request` and `approval_resolved` frames of the conversations followed."""
+        self._approval_handler = handler
 
     async def close(self) -> None:
         await self.client.close()
@@ -141,9 +146,9 @@ class ServerLink:
                 if kind == "turn_updated":
                     self._snapshot(frame.get("snapshot") or {})
                 elif kind == "tool_call_request" and self._tool_handler is not None:
-                    task = asyncio.get_running_loop().create_task(self._tool_handler(frame))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._spawn(self._tool_handler(frame))
+                elif kind in ("approval_request", "approval_resolved") and self._approval_handler is not None:
+                    self._spawn(self._approval_handler(frame))
                 elif kind == "event":
                     log.info("server event %s %s", frame.get("name"), frame.get("data") or "")
         except Closed:
@@ -151,6 +156,11 @@ class ServerLink:
         finally:
             log.warning("the connection to the server is gone: %s", self.client.closed_message())
             self.closed.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _snapshot(self, snap: dict[str, Any]) -> None:
         turn_id = str(snap.get("turn_id") or "")

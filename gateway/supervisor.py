@@ -64,6 +64,10 @@ class GatewaySupervisor:
         credential: Callable[[], Credential],
         python: str = sys.executable,
         env: dict[str, str] | None = None,
+        ready_timeout: float = READY_TIMEOUT_S,
+        stop_grace: float = STOP_GRACE_S,
+        backoff_min: float = BACKOFF_MIN_S,
+        backoff_max: float = BACKOFF_MAX_S,
     ) -> None:
         self.home = home
         self.view = ChildView()
@@ -76,6 +80,10 @@ class GatewaySupervisor:
         self._credential = credential
         self._python = python
         self._env = dict(os.environ if env is None else env)
+        self._ready_timeout = ready_timeout
+        self._stop_grace = stop_grace
+        self._backoff_min = backoff_min
+        self._backoff_max = backoff_max
         self._proc: asyncio.subprocess.Process | None = None
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
@@ -97,7 +105,7 @@ class GatewaySupervisor:
         proc = self._proc
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.command("stop", timeout=STOP_GRACE_S), STOP_GRACE_S)
+                await asyncio.wait_for(self.command("stop", timeout=self._stop_grace), self._stop_grace)
             await self._end(proc)
         if self._runner is not None:
             self._runner.cancel()
@@ -128,34 +136,37 @@ class GatewaySupervisor:
     # ---------------------------------------------------------------- the child
 
     async def _run(self) -> None:
-        backoff = BACKOFF_MIN_S
+        backoff = self._backoff_min
         while not self._stopping:
             started = time.monotonic()
+            failure: str | None = None
             try:
                 code = await self._one_child()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the server must outlive any supervisor fault
                 log.exception("gateway: supervising the child failed")
-                code, self.view.reason = None, f"{type(exc).__name__}: {exc}"
+                code, failure = None, f"{type(exc).__name__}: {exc}"
             self._ready.clear()
             self._fail_pending("the gateway exited")
             if self._stopping:
                 return
             if time.monotonic() - started >= HEALTHY_RESET_S:
-                backoff = BACKOFF_MIN_S
+                backoff = self._backoff_min
             self.view.state = "backoff"
-            self.view.reason = f"exited with code {code}; restarting in {backoff:g} s"
+            ended = f"exited with code {code}" if failure is None else f"could not be run ({failure})"
+            self.view.reason = f"{ended}; restarting in {backoff:g} s"
             for a in self.view.accounts.values():
                 a["state"], a["reason"] = "stopped", "the gateway process is restarting"
             log.error("gateway: the child %s", self.view.reason)
             self._first_outcome.set()
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            backoff = min(backoff * 2, self._backoff_max)
             self.view.restarts += 1
 
     async def _one_child(self) -> int | None:
         self.view.state, self.view.reason = "starting", None
+        self._stderr_tail.clear()  # the last lines of this child, not of the one before
         credential = self._credential()
         try:
             env = {**self._env, "APPSERVER_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
@@ -184,13 +195,18 @@ class GatewaySupervisor:
             await proc.stdin.drain()
             relay = asyncio.ensure_future(self._relay_stderr(proc.stderr))
             control = asyncio.ensure_future(self._read_control(proc.stdout))
+            # READY, or the child's exit (a failed start is known at once), or the timeout.
+            ready = asyncio.ensure_future(self._ready.wait())
+            exited = asyncio.ensure_future(proc.wait())
             try:
-                await asyncio.wait_for(self._ready.wait(), READY_TIMEOUT_S)
-            except TimeoutError:
-                if proc.returncode is None and not control.done():
-                    tail = " | ".join(self._stderr_tail) or "no output"
-                    log.error("gateway: not ready within %g s; stopping it (last log lines: %s)", READY_TIMEOUT_S, tail)
-                    await self._end(proc)
+                await asyncio.wait({ready, exited}, timeout=self._ready_timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                ready.cancel()
+                exited.cancel()
+            if not self._ready.is_set() and proc.returncode is None:
+                tail = " | ".join(self._stderr_tail) or "no output"
+                log.error("gateway: not ready within %g s; stopping it (last log lines: %s)", self._ready_timeout, tail)
+                await self._end(proc)
             code = await proc.wait()
             await asyncio.gather(relay, control, return_exceptions=True)
             return code
@@ -202,9 +218,9 @@ class GatewaySupervisor:
         if proc.stdin is not None and not proc.stdin.is_closing():
             proc.stdin.close()
         try:
-            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            await asyncio.wait_for(proc.wait(), self._stop_grace)
         except TimeoutError:
-            log.warning("gateway: did not stop within %g s; killing it", STOP_GRACE_S)
+            log.warning("gateway: did not stop within %g s; killing it", self._stop_grace)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()

@@ -124,7 +124,10 @@ class AdapterContext:
 
 @runtime_checkable
 class Adapter(Protocol):
-    """Required part of an adapter. Optional methods, looked up with `getattr`:
+    """Required part of an adapter. Optional attribute `authenticated_senders` (default False): True
+    when every inbound message is authenticated by the integration itself (a signed webhook), so
+    direct messages default to `dm_policy = "open"` instead of pairing. Optional methods, looked up
+    with `getattr`:
     `edit(target, message_id, text) -> None` (when `limits.can_edit`),
     `react(target, message_id, emoji) -> None` (when `limits.can_react`),
     `typing(target) -> None`, and `format(text) -> str` (Markdown to the platform's markup; the

@@ -14,6 +14,7 @@ The loader imports only `plugins.contract` and the standard library; the gateway
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import logging
@@ -23,6 +24,7 @@ import sys
 import time
 import traceback
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
@@ -200,6 +202,7 @@ def import_manifest(manifest: Manifest) -> CreateAdapter:
         spec = importlib.util.spec_from_file_location(
             name,
             manifest.entry_path,
+            loader=_SourceOnlyLoader(name, str(manifest.entry_path)),
             submodule_search_locations=[str(manifest.entry_path.parent)] if is_package else None,
         )
         if spec is None or spec.loader is None:
@@ -218,6 +221,15 @@ def import_manifest(manifest: Manifest) -> CreateAdapter:
             except ValueError:
                 pass
     return _create_adapter_of(manifest.id, module, manifest.entry_path)
+
+
+class _SourceOnlyLoader(importlib.machinery.SourceFileLoader):
+    """Compiles the entry from its source every time: a cached .pyc is trusted by mtime and size at
+    one-second resolution, so an edited plugin could otherwise load stale; nothing is written into
+    the user's plugin folder either."""
+
+    def path_stats(self, path: str) -> Mapping[str, Any]:
+        raise OSError("channel plugins are compiled from source")
 
 
 def _load_first_party(channel_id: str) -> CreateAdapter:

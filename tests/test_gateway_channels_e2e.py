@@ -208,3 +208,29 @@ def test_corrupt_gateway_db_and_channel_json_are_set_aside_loudly(tmp_path: Path
         # The gateway still works on its fresh database.
         assert _post(port, {"id": "e1", "chat": "c", "sender": "s", "text": "hi"}).status_code == 202
         wait_for(lambda: store_turns(home, 'message_id="e1"') == 1, timeout=20, what="the turn")
+
+
+def test_the_gateway_gets_its_own_token_revoked_at_stop_and_no_child_without_channels(tmp_path: Path) -> None:
+    from tests.support.gateway import gateway_children
+
+    home = tmp_path / "home"
+    port = free_port()
+    settings = {"listen": f"127.0.0.1:{port}", "secret_env": "WH_SECRET", "default_agent": "assistant"}
+    write_config(home, {"webhook": {"main": settings}}, ["webhook"])
+    env = cli_env(home, WH_SECRET=SECRET)
+    with channel_server(home, "--channels", "", env=env, ready=False) as plain:
+        time.sleep(1.0)
+        assert gateway_children(plain.proc.pid) == []
+        assert all(c["name"] != "channels" for c in plain.readyz()["checks"])
+    with channel_server(home, "--auth", "token", env=env) as srv:
+        tokens = json.loads((home / "auth" / "tokens.json").read_text())
+        records = tokens["tokens"] if isinstance(tokens, dict) else tokens
+        mine = [t for t in records if t["name"] == "gateway"]
+        assert len(mine) == 1 and mine[0]["scopes"] == ["ws"], mine
+        # The gateway reaches the server with it: a message becomes a turn.
+        assert _post(port, {"id": "t1", "chat": "c", "sender": "s", "text": "hi"}).status_code == 202
+        wait_for(lambda: store_turns(home, 'message_id="t1"') == 1, timeout=20, what="the turn")
+        srv.stop()
+    tokens = json.loads((home / "auth" / "tokens.json").read_text())
+    records = tokens["tokens"] if isinstance(tokens, dict) else tokens
+    assert [t for t in records if t["name"] == "gateway"] == []

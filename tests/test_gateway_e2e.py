@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.envelope import AGENT_NOTE
 from tests.fakes.fakechat import FakeChat
 from tests.support.gateway import (
     ChannelServer,
@@ -50,8 +51,16 @@ def test_a_message_is_answered_once_and_readyz_lists_the_account(srv: ChannelSer
     check = srv.channels_check()
     assert check["status"] == "ok" and "fakechat:main running" in check["detail"], check
     assert store_turns(srv.home, 'message_id="' + mid + '"') == 1
-    # The agent saw the envelope, escaped, with who wrote it.
+    # The agent saw the envelope, escaped, with who wrote it, and, once per conversation, the note
+    # saying what these tags are.
     assert store_turns(srv.home, 'sender="ann" sender_name="Ann"') >= 1
+    second = chat.inject("basic", "again <b>&", sender="ann")
+    chat.wait_for_text("basic", lambda t: t == "echo: again <b>&", timeout=15)
+    assert (
+        store_turns(srv.home, f'{AGENT_NOTE}\n\n<channel-message channel="fakechat" account="main" chat="basic"') == 1
+    )
+    assert store_turns(srv.home, f'message_id="{second}"') == 1
+    assert store_turns(srv.home, "again &lt;b&gt;&amp;</channel-message>") == 1
 
 
 def test_a_streamed_reply_grows_by_edits_about_once_a_second(srv: ChannelServer, chat: FakeChat) -> None:
@@ -62,7 +71,8 @@ def test_a_streamed_reply_grows_by_edits_about_once_a_second(srv: ChannelServer,
     assert message.edits >= 1, "a 2 s reply should have grown in place"
     times = [c.t for c in chat.calls(chat="stream") if c.method in ("sendMessage", "editMessageText")]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    assert all(g >= 0.8 for g in gaps), gaps  # about one edit per second, never a burst
+    # About one edit per second, never a burst; the last (exact) one waits at most half the pace.
+    assert all(g >= 0.9 for g in gaps[:-1]) and gaps[-1] >= 0.45, gaps
     assert message.history[-1] == words  # the last edit is exact
 
 

@@ -22,6 +22,10 @@ COMMANDS = {
     "cron": LazyCommand(
         "appserver.cli.cron:cron_group", "Schedule agent prompts: cron expressions, intervals and one-shot reminders."
     ),
+    "pairing": LazyCommand(
+        "appserver.cli.pairing:pairing_group",
+        "Approve or deny people who asked to talk to an agent through a chat channel.",
+    ),
     "run": LazyCommand("appserver.cli.run:run_command", "Run one turn of AGENT with TEXT and print the reply."),
     "serve": LazyCommand("appserver.cli.serve:serve_command", "Run the server (one per home; see --standby)."),
     "token": LazyCommand(

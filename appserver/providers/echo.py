@@ -27,7 +27,7 @@ SLOW_MAX_WORDS = 100_000
 _CALL = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(.*)$", re.DOTALL)
 # A message from a chat channel arrives wrapped in the gateway's envelope; echo answers its body,
 # so `/slow 30` typed in a chat works as it does everywhere else.
-_CHANNEL_MESSAGE = re.compile(r"^<channel-message [^<>]*>([^<>]*)</channel-message>$")
+_CHANNEL_MESSAGE = re.compile(r"<channel-message [^<>]*>([^<>]*)</channel-message>$")
 _ENTITIES = {"&lt;": "<", "&gt;": ">", "&quot;": '"', "&#39;": "'", "&amp;": "&"}
 
 
@@ -128,7 +128,7 @@ class EchoProvider:
 
 
 def _unwrap_channel_message(text: str) -> str:
-    match = _CHANNEL_MESSAGE.match(text)
+    match = _CHANNEL_MESSAGE.search(text)
     if match is None:
         return text
     return re.sub(r"&(lt|gt|quot|#39|amp);", lambda m: _ENTITIES[m.group(0)], match.group(1)).strip()

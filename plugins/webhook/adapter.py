@@ -116,6 +116,9 @@ class WebhookAdapter:
     """One webhook account: its own listener for inbound messages and a client for replies."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=False)
+    # Every inbound message is signed with the account's secret: the sender is the integration the
+    # owner configured, so direct messages default to open (no pairing).
+    authenticated_senders = True
 
     def __init__(self, account: Account, context: AdapterContext) -> None:
         self.account = account

@@ -54,7 +54,7 @@ def install_fakechat(home: Path) -> None:
 
 
 def fakechat_settings(chat: FakeChat, **extra: Any) -> dict[str, Any]:
-    return {"base_url": chat.url, "poll_timeout": 0.5, "default_agent": "assistant", **extra}
+    return {"base_url": chat.url, "poll_timeout": 0.5, "default_agent": "assistant", "dm_policy": "open", **extra}
 
 
 @dataclass

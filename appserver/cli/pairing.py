@@ -1,0 +1,116 @@
+"""`appserver pairing list|approve|deny|revoke|approved`: the owner's side of channel pairing.
+
+It works on `$APPSERVER_HOME/channels/gateway.db` directly, whether or not a server runs; a running
+gateway acts on a decision within about a second (tells the sender, releases the messages it kept).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from contextlib import AbstractContextManager
+
+import click
+
+from appserver.cli.channels import Refused, _errors, _gateway_db
+from appserver.cli.common import get_config
+from gateway.pairing import Pairing, PairingCode, PairingError
+
+
+def _ago(t: float) -> str:
+    seconds = max(0, int(time.time() - t))
+    return f"{seconds}s ago" if seconds < 120 else f"{seconds // 60}m ago"
+
+
+def _pairing(create: bool = True) -> AbstractContextManager[sqlite3.Connection | None]:
+    return _gateway_db(get_config().home, create=create)
+
+
+@click.group("pairing")
+def pairing_group() -> None:
+    """Approve or deny people who asked to talk to an agent through a chat channel."""
+
+
+@pairing_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_errors
+def list_cmd(as_json: bool) -> None:
+    """Pending pairing codes (valid for an hour each)."""
+    with _pairing(create=False) as conn:
+        pending = Pairing(conn).pending() if conn is not None else []
+    if as_json:
+        click.echo(json.dumps([p.to_json() for p in pending], indent=2))
+        return
+    if not pending:
+        click.echo("No pending pairing codes.")
+        return
+    rows = [("CODE", "CHANNEL", "ACCOUNT", "SENDER", "NAME", "ASKED", "EXPIRES IN")]
+    for p in pending:
+        left = max(0, int(p.expires_at - time.time()))
+        rows.append(
+            (p.code, p.channel, p.account, p.sender, p.sender_name or "-", _ago(p.created_at), f"{left // 60}m")
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def _decide(code: str, approve: bool) -> PairingCode:
+    with _pairing() as conn:
+        assert conn is not None
+        try:
+            return Pairing(conn).approve(code) if approve else Pairing(conn).deny(code)
+        except PairingError as exc:
+            raise Refused(str(exc)) from None
+
+
+@pairing_group.command("approve")
+@click.argument("code")
+@_errors
+def approve_cmd(code: str) -> None:
+    """Let the sender of CODE talk to the agent; the messages they sent meanwhile are answered."""
+    p = _decide(code, True)
+    click.echo(
+        f"Approved {p.sender}" + (f" ({p.sender_name})" if p.sender_name else "") + f" on {p.channel}:{p.account}."
+    )
+
+
+@pairing_group.command("deny")
+@click.argument("code")
+@_errors
+def deny_cmd(code: str) -> None:
+    """Refuse the sender of CODE; they hear nothing more (unless the account has a deny_notice)."""
+    p = _decide(code, False)
+    click.echo(f"Denied {p.sender} on {p.channel}:{p.account}.")
+
+
+@pairing_group.command("approved")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_errors
+def approved_cmd(as_json: bool) -> None:
+    """Senders approved by pairing."""
+    with _pairing(create=False) as conn:
+        rows = Pairing(conn).approved_senders() if conn is not None else []
+    if as_json:
+        click.echo(json.dumps([{"channel": c, "account": a, "sender": s, "approved_at": t} for c, a, s, t in rows]))
+        return
+    for c, a, s, t in rows:
+        click.echo(f"{c}:{a}  {s}  approved {_ago(t)}")
+    if not rows:
+        click.echo("No approved senders.")
+
+
+@pairing_group.command("revoke")
+@click.argument("sender")
+@click.option("--channel", default=None, help="Only this channel.")
+@click.option("--account", default=None, help="Only this account.")
+@_errors
+def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
+    """Remove SENDER from the approved senders (their next message needs a new pairing)."""
+    with _pairing() as conn:
+        assert conn is not None
+        removed = Pairing(conn).revoke(sender, channel, account)
+    if not removed:
+        raise Refused(f"{sender} is not an approved sender", 1)
+    click.echo(f"Revoked {sender} ({removed} account{'s' if removed != 1 else ''}).")

@@ -1,0 +1,97 @@
+"""Who gets through to the agent: the access policy of one account, as a pure decision (DESIGN §8).
+
+A bot token in a public workspace is an open door to an agent that may run tools. Per account:
+
+- `dm_policy`: `open` (anyone), `allowlist` (only `allow` ∪ `admins` ∪ approved pairings),
+  `pairing` (the default: unknown senders get a pairing code the owner approves), `disabled`.
+- `group_policy`: `open` (every message), `allowlist` (only listed senders), `mention` (the
+  default: only messages that mention the bot or reply to it).
+- `allow` / `admins`: sender ids; `"*"` in `allow` lets everyone through. Both also accept a
+  comma-separated string, which is how an environment override arrives
+  (`APPSERVER_CHANNELS__TELEGRAM__ACCOUNTS__MAIN__ALLOW=123,456`).
+
+Messages from bots (the bot's own included) never get through. Every decision carries its reason,
+which the ledger records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DmPolicy = Literal["open", "allowlist", "pairing", "disabled"]
+GroupPolicy = Literal["open", "allowlist", "mention"]
+Verdict = Literal["allow", "deny", "pair"]
+
+DM_POLICIES: tuple[DmPolicy, ...] = ("open", "allowlist", "pairing", "disabled")
+GROUP_POLICIES: tuple[GroupPolicy, ...] = ("open", "allowlist", "mention")
+
+
+class PolicyError(ValueError):
+    """An account's access settings are wrong (the account does not start)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AccessPolicy:
+    dm: DmPolicy = "pairing"
+    group: GroupPolicy = "mention"
+    allow: frozenset[str] = frozenset()
+    admins: frozenset[str] = frozenset()
+    silent: bool = False  # `unpaired = "silent"`: an unknown sender gets no code, no answer at all
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any], *, default_dm: DmPolicy = "pairing") -> AccessPolicy:
+        dm = settings.get("dm_policy", default_dm)
+        group = settings.get("group_policy", "mention")
+        if dm not in DM_POLICIES:
+            raise PolicyError(f"dm_policy must be one of {', '.join(DM_POLICIES)}, got {dm!r}")
+        if group not in GROUP_POLICIES:
+            raise PolicyError(f"group_policy must be one of {', '.join(GROUP_POLICIES)}, got {group!r}")
+        unpaired = settings.get("unpaired", "code")
+        if unpaired not in ("code", "silent"):
+            raise PolicyError(f"unpaired must be 'code' or 'silent', got {unpaired!r}")
+        return cls(dm, group, _ids(settings.get("allow"), "allow"), _ids(settings.get("admins"), "admins"),
+                   unpaired == "silent")  # fmt: skip
+
+    def is_admin(self, sender: str) -> bool:
+        return sender in self.admins
+
+    def listed(self, sender: str, approved: bool) -> bool:
+        return "*" in self.allow or sender in self.allow or sender in self.admins or approved
+
+    def decide(
+        self, *, chat_type: str, sender: str, sender_is_bot: bool, mentions_bot: bool, approved: bool
+    ) -> tuple[Verdict, str]:
+        """The verdict for one message and why (recorded in the ledger)."""
+        if sender_is_bot:
+            return "deny", "message from a bot"
+        if chat_type == "group":
+            if self.group == "open":
+                return "allow", "group: open"
+            if self.group == "allowlist":
+                if self.listed(sender, approved):
+                    return "allow", "group: sender on the allowlist"
+                return "deny", "group: sender not on the allowlist"
+            if mentions_bot:
+                return "allow", "group: the bot was mentioned"
+            return "deny", "group: the bot was not mentioned"
+        if self.dm == "disabled":
+            return "deny", "dm: direct messages are disabled"
+        if self.dm == "open":
+            return "allow", "dm: open"
+        if self.listed(sender, approved):
+            return "allow", "dm: approved sender" if approved else "dm: sender on the allowlist"
+        if self.dm == "allowlist":
+            return "deny", "dm: sender not on the allowlist"
+        return "pair", "dm: unknown sender, pairing required"
+
+
+def _ids(value: Any, key: str) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        return frozenset(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, list | tuple) and all(isinstance(v, str | int) and not isinstance(v, bool) for v in value):
+        return frozenset(str(v) for v in value)
+    raise PolicyError(f"{key} must be a list of sender ids (or a comma-separated string), got {value!r}")

@@ -1,0 +1,202 @@
+"""Pairing: an unknown sender gets a code; the owner approves or denies it (DESIGN §8, issue 16).
+
+A code is 8 characters from an alphabet without 0/O/1/I, valid one hour, and the same code is
+given again to the same sender while it is valid; an account has at most three pending codes (a
+fourth sender is told to try later). The owner answers with `appserver pairing approve CODE` (or
+deny), which works on gateway.db whether or not a server runs; a running gateway notices the
+decision within a second (`decided_unhandled`), tells the sender, and releases the messages it
+held. Approved senders persist until `appserver pairing revoke`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.db import transaction
+
+ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+CODE_LENGTH = 8
+CODE_TTL_S = 3600.0
+MAX_PENDING = 3
+
+Status = Literal["pending", "approved", "denied", "expired"]
+
+
+class PairingError(Exception):
+    """A code that cannot be decided (unknown, expired, already decided), said in one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class PairingCode:
+    code: str
+    channel: str
+    account: str
+    sender: str
+    sender_name: str | None
+    chat: str
+    created_at: float
+    expires_at: float
+    status: Status
+    decided_at: float | None
+    handled: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "code": self.code,
+            "channel": self.channel,
+            "account": self.account,
+            "sender": self.sender,
+            "sender_name": self.sender_name,
+            "chat": self.chat,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "status": self.status,
+            "decided_at": self.decided_at,
+        }
+
+
+_COLUMNS = "code, channel, account, sender, sender_name, chat, created_at, expires_at, status, decided_at, handled"
+
+
+def _row(row: tuple[object, ...]) -> PairingCode:
+    values = list(row)
+    values[-1] = bool(values[-1])
+    return PairingCode(*values)  # type: ignore[arg-type]
+
+
+def new_code() -> str:
+    return "".join(secrets.choice(ALPHABET) for _ in range(CODE_LENGTH))
+
+
+def normalize(code: str) -> str:
+    """What a person types: case and spaces or dashes do not matter."""
+    return "".join(ch for ch in code.upper() if ch.isalnum())
+
+
+class Pairing:
+    """Owner of the `pairing_codes` and `approved_senders` tables."""
+
+    def __init__(self, conn: sqlite3.Connection, clock: Callable[[], float] = time.time) -> None:
+        self._conn = conn
+        self._clock = clock
+
+    # ---------------------------------------------------------------- the gateway's side
+
+    def code_for(
+        self, channel: str, account: str, sender: str, sender_name: str | None, chat: str
+    ) -> tuple[PairingCode | None, bool]:
+        """The sender's valid pending code (new=False) or a new one (new=True); None when the
+        account already has `MAX_PENDING` other pending codes."""
+        now = self._clock()
+        with transaction(self._conn) as c:
+            self._expire(c, now)
+            row = c.execute(
+                f"SELECT {_COLUMNS} FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND status='pending'",
+                (channel, account, sender),
+            ).fetchone()
+            if row is not None:
+                return _row(row), False
+            pending = c.execute(
+                "SELECT COUNT(*) FROM pairing_codes WHERE channel=? AND account=? AND status='pending'",
+                (channel, account),
+            ).fetchone()[0]
+            if pending >= MAX_PENDING:
+                return None, False
+            code = new_code()
+            while c.execute("SELECT 1 FROM pairing_codes WHERE code=?", (code,)).fetchone():
+                code = new_code()
+            c.execute(
+                f"INSERT INTO pairing_codes ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,'pending',NULL,0)",
+                (code, channel, account, sender, sender_name, chat, now, now + CODE_TTL_S),
+            )
+        found = self.get(code)
+        assert found is not None
+        return found, True
+
+    def is_approved(self, channel: str, account: str, sender: str) -> bool:
+        row = self._conn.execute(
+            "SELECT 1 FROM approved_senders WHERE channel=? AND account=? AND sender=?", (channel, account, sender)
+        ).fetchone()
+        return row is not None
+
+    def decided_unhandled(self) -> list[PairingCode]:
+        """Approvals and denials the gateway has not acted on yet (oldest first)."""
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM pairing_codes WHERE status IN ('approved','denied') AND handled=0"
+            " ORDER BY decided_at"
+        ).fetchall()
+        return [_row(r) for r in rows]
+
+    def mark_handled(self, code: str) -> None:
+        with transaction(self._conn) as c:
+            c.execute("UPDATE pairing_codes SET handled=1 WHERE code=?", (code,))
+
+    # ---------------------------------------------------------------- the owner's side
+
+    def get(self, code: str) -> PairingCode | None:
+        row = self._conn.execute(f"SELECT {_COLUMNS} FROM pairing_codes WHERE code=?", (normalize(code),)).fetchone()
+        return _row(row) if row else None
+
+    def pending(self) -> list[PairingCode]:
+        now = self._clock()
+        with transaction(self._conn) as c:
+            self._expire(c, now)
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM pairing_codes WHERE status='pending' ORDER BY created_at"
+        ).fetchall()
+        return [_row(r) for r in rows]
+
+    def approve(self, code: str) -> PairingCode:
+        return self._decide(code, "approved")
+
+    def deny(self, code: str) -> PairingCode:
+        return self._decide(code, "denied")
+
+    def approved_senders(self) -> list[tuple[str, str, str, float]]:
+        rows = self._conn.execute(
+            "SELECT channel, account, sender, approved_at FROM approved_senders ORDER BY channel, account, sender"
+        ).fetchall()
+        return [(str(a), str(b), str(c), float(d)) for a, b, c, d in rows]
+
+    def revoke(self, sender: str, channel: str | None = None, account: str | None = None) -> int:
+        """Remove an approved sender (of every account, or of one); returns how many were removed."""
+        where, args = "sender=?", [sender]
+        if channel is not None:
+            where, args = where + " AND channel=?", [*args, channel]
+        if account is not None:
+            where, args = where + " AND account=?", [*args, account]
+        with transaction(self._conn) as c:
+            return int(c.execute(f"DELETE FROM approved_senders WHERE {where}", args).rowcount)
+
+    def _decide(self, code: str, status: Status) -> PairingCode:
+        now = self._clock()
+        key = normalize(code)
+        with transaction(self._conn) as c:
+            self._expire(c, now)
+            row = c.execute(f"SELECT {_COLUMNS} FROM pairing_codes WHERE code=?", (key,)).fetchone()
+            if row is None:
+                raise PairingError(f"no pairing code {key}")
+            found = _row(row)
+            if found.status == "expired":
+                raise PairingError(f"code {key} expired; the sender gets a new one by writing again")
+            if found.status != "pending":
+                raise PairingError(f"code {key} was already {found.status}")
+            c.execute("UPDATE pairing_codes SET status=?, decided_at=? WHERE code=?", (status, now, key))
+            if status == "approved":
+                c.execute(
+                    "INSERT OR REPLACE INTO approved_senders (channel, account, sender, approved_at, code)"
+                    " VALUES (?,?,?,?,?)",
+                    (found.channel, found.account, found.sender, now, key),
+                )
+        decided = self.get(key)
+        assert decided is not None
+        return decided
+
+    @staticmethod
+    def _expire(c: sqlite3.Connection, now: float) -> None:
+        c.execute("UPDATE pairing_codes SET status='expired' WHERE status='pending' AND expires_at <= ?", (now,))

@@ -1,0 +1,145 @@
+"""Channel access through the real gateway (issue 16): pairing with the CLI while the server runs,
+deny, the pending cap, expiry, silent mode, and group mentions."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.db import default_path
+from gateway.ledger import Ledger, UpdateKey
+from tests.fakes.fakechat import FakeChat
+from tests.support.cli import run_cli
+from tests.support.gateway import ChannelServer, channel_server, fakechat_settings, install_fakechat, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+CODE = r"[A-HJ-NP-Z2-9]{4}-[A-HJ-NP-Z2-9]{4}"
+
+
+@pytest.fixture(scope="module")
+def chat() -> Iterator[FakeChat]:
+    with FakeChat() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[ChannelServer]:
+    home = tmp_path_factory.mktemp("access") / "home"
+    settings = fakechat_settings(chat, dm_policy="pairing", group_policy="mention", admins=["boss"])
+    write_config(home, {"fakechat": {"main": settings}}, ["fakechat"])
+    install_fakechat(home)
+    with channel_server(home) as server:
+        yield server
+
+
+def _code(text: str) -> str:
+    import re
+
+    found = re.search(CODE, text)
+    assert found, text
+    return found.group(0).replace("-", "")
+
+
+def _state(home: Path, message_id: str) -> str:
+    ledger = Ledger.open(default_path(home))
+    try:
+        entry = ledger.get(UpdateKey("fakechat", "main", message_id))
+        assert entry is not None
+        return f"{entry.state}: {entry.reason}"
+    finally:
+        ledger.close()
+
+
+def _wait_state(home: Path, message_id: str, prefix: str, timeout: float = 10) -> str:
+    deadline = time.monotonic() + timeout
+    state = _state(home, message_id)
+    while time.monotonic() < deadline and not state.startswith(prefix):
+        time.sleep(0.05)
+        state = _state(home, message_id)
+    assert state.startswith(prefix), state
+    return state
+
+
+def test_pairing_approve_from_the_cli_answers_the_kept_messages(srv: ChannelServer, chat: FakeChat) -> None:
+    first = chat.inject("dm-ann", "hello, are you there?", sender="ann")
+    prompt = chat.wait_for_text("dm-ann", lambda t: "pairing code" in t, timeout=15)
+    second = chat.inject("dm-ann", "second message", sender="ann")
+    again = chat.wait_for(lambda: [m for m in chat.messages("dm-ann") if "pairing code" in m.text][1:] or None,
+                          timeout=15, what="the code repeated")  # fmt: skip
+    assert _code(again[0].text) == _code(prompt.text)  # the same code while it is valid
+    assert _state(srv.home, first).startswith("held")
+    listed = run_cli(srv.home, "pairing", "list", "--json")
+    assert _code(prompt.text) in listed.out
+    ok = run_cli(srv.home, "pairing", "approve", _code(prompt.text))
+    assert ok.code == 0, ok.err
+    chat.wait_for_text("dm-ann", lambda t: "approved" in t, timeout=15)
+    chat.wait_for_text("dm-ann", lambda t: t == "echo: hello, are you there?", timeout=15)
+    chat.wait_for_text("dm-ann", lambda t: t == "echo: second message", timeout=15)
+    texts = [m.text for m in chat.messages("dm-ann")]
+    assert texts.index("echo: hello, are you there?") < texts.index("echo: second message")
+    # Approved senders persist: the next message goes straight through.
+    chat.inject("dm-ann", "third", sender="ann")
+    chat.wait_for_text("dm-ann", lambda t: t == "echo: third", timeout=15)
+    _wait_state(srv.home, second, "delivered")
+    # A second approval of the same code is refused.
+    assert run_cli(srv.home, "pairing", "approve", _code(prompt.text)).code != 0
+
+
+def test_pairing_deny_is_silent_and_the_kept_message_is_denied(srv: ChannelServer, chat: FakeChat) -> None:
+    mid = chat.inject("dm-bob", "let me in", sender="bob")
+    prompt = chat.wait_for_text("dm-bob", lambda t: "pairing code" in t, timeout=15)
+    assert run_cli(srv.home, "pairing", "deny", _code(prompt.text)).code == 0
+    _wait_state(srv.home, mid, "denied: pairing")
+    time.sleep(1.0)
+    assert [m.text for m in chat.messages("dm-bob")] == [prompt.text]  # nothing more was said
+
+
+def test_at_most_three_pending_codes_and_an_expired_code(srv: ChannelServer, chat: FakeChat) -> None:
+    codes = []
+    for who in ("p1", "p2", "p3"):
+        chat.inject(f"dm-{who}", "hi", sender=who)
+        codes.append(_code(chat.wait_for_text(f"dm-{who}", lambda t: "pairing code" in t, timeout=15).text))
+    chat.inject("dm-p4", "hi", sender="p4")
+    chat.wait_for_text("dm-p4", lambda t: "try again later" in t, timeout=15)
+    # Expire p1's code (as an hour would) and decide the others: p4 then gets a code.
+    conn = sqlite3.connect(default_path(srv.home))
+    conn.execute("UPDATE pairing_codes SET expires_at = 1 WHERE code = ?", (codes[0],))
+    conn.commit()
+    conn.close()
+    expired = run_cli(srv.home, "pairing", "approve", codes[0])
+    assert expired.code != 0 and "expired" in expired.err
+    for code in codes[1:]:
+        assert run_cli(srv.home, "pairing", "deny", code).code == 0
+    chat.inject("dm-p4", "now?", sender="p4")
+    chat.wait_for_text("dm-p4", lambda t: "pairing code" in t, timeout=15)
+
+
+def test_group_messages_need_a_mention(srv: ChannelServer, chat: FakeChat) -> None:
+    quiet = chat.inject("group-1", "talking among ourselves", sender="carol", chat_type="group")
+    loud = chat.inject("group-1", "@bot what time is it", sender="carol", chat_type="group", mentions_bot=True)
+    chat.wait_for_text("group-1", lambda t: t == "echo: @bot what time is it", timeout=15)
+    assert _state(srv.home, quiet) == "denied: group: the bot was not mentioned"
+    _wait_state(srv.home, loud, "delivered")
+    assert len(chat.messages("group-1")) == 1
+
+
+def test_silent_mode_sends_nothing_to_an_unknown_sender(tmp_path: Path) -> None:
+    with FakeChat() as chat:
+        home = tmp_path / "home"
+        settings = fakechat_settings(chat, dm_policy="pairing", unpaired="silent")
+        write_config(home, {"fakechat": {"main": settings}}, ["fakechat"])
+        install_fakechat(home)
+        with channel_server(home) as srv:
+            mid = chat.inject("dm-x", "hello?", sender="stranger")
+            chat.wait_acked(mid, timeout=15)
+            _wait_state(srv.home, mid, "held")
+            time.sleep(1.0)
+            assert chat.messages("dm-x") == []
+            assert _state(srv.home, mid).startswith("held")
+            listed = run_cli(srv.home, "pairing", "list", "--json")
+            assert "stranger" in listed.out  # the owner still sees the request

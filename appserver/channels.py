@@ -14,11 +14,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from appserver.auth import TokenStore
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
+from gateway.db import default_path, open_db
+from gateway.pairing import Pairing, PairingError
 from gateway.supervisor import Credential, GatewaySupervisor
 
 log = logging.getLogger("appserver.channels")
@@ -139,6 +142,36 @@ class ChannelService:
         if self.supervisor is None:
             return {"gateway": "stopped", "reason": self._problem, "accounts": {}}
         return self.supervisor.readiness()[1]
+
+
+class PairingRefused(Exception):
+    """A pairing code that cannot be decided (unknown, expired, already decided)."""
+
+
+def pairing_pending(home: Path) -> list[dict[str, Any]]:
+    """Pending channel pairing codes (the `pairing_list` frame); gateway.db is read directly."""
+    path = default_path(home)
+    if not path.exists():
+        return []
+    conn = open_db(path)
+    try:
+        return [p.to_json() for p in Pairing(conn).pending()]
+    finally:
+        conn.close()
+
+
+def pairing_decide(home: Path, code: str, decision: str) -> dict[str, Any]:
+    """Approve or deny a code (the `pairing_decide` frame); a running gateway acts within a second."""
+    conn = open_db(default_path(home))
+    try:
+        pairing = Pairing(conn)
+        try:
+            decided = pairing.approve(code) if decision == "approve" else pairing.deny(code)
+        except PairingError as exc:
+            raise PairingRefused(str(exc)) from None
+        return decided.to_json()
+    finally:
+        conn.close()
 
 
 def _describe(detail: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
 """Readiness: named checks that `/readyz` runs, each cached briefly so probes stay cheap.
 
-The server registers `store`, `kernel` and `state_files`; a service (the cron scheduler, the
-channel gateway) registers its own with `Server.readiness.register(name, check)`. A check returns a
-`CheckResult`: `ok`, `warn` (reported, still ready: something for the operator to look at) or
-`fail` (not ready, 503). A check that raises fails with its message.
+The store registers `store` (a real write and free disk: `Store.register_readiness`), the server
+`kernel` and `state_files`; a service (the cron scheduler, the channel gateway) registers its own
+with `Server.readiness.register(name, check)`. A check returns a `CheckResult`: `ok`, `warn`
+(reported, still ready: something for the operator to look at) or `fail` (not ready, 503). A
+check that raises fails with its message.
 """
 
 from __future__ import annotations

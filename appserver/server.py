@@ -33,7 +33,7 @@ class Server:
         self.kernel = Kernel(config, self.store, self.agent_loop)
         self.agents = Agents(self.kernel)
         self.readiness = Readiness()
-        self.readiness.register("store", self._check_store)
+        self.store.register_readiness(self.readiness, min_free_bytes=config.limits.min_free_disk_bytes)
         self.readiness.register("kernel", self._check_kernel, ttl_s=0)
         self.readiness.register("state_files", self._check_state_files)
         self._opened = False
@@ -66,10 +66,6 @@ class Server:
         await self.kernel.stop()
         await self.providers.aclose()
         await self.store.close()
-
-    async def _check_store(self) -> CheckResult:
-        """A real write and enough free disk (see SQLiteStore.check_writable)."""
-        return CheckResult("ok", await self.store.check_writable(self.config.limits.min_free_disk_bytes))
 
     async def _check_kernel(self) -> CheckResult:
         return CheckResult("fail", "stopping") if self.kernel.stopping else CheckResult("ok")

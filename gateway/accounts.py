@@ -79,8 +79,8 @@ class LiveStatus:
 
     channel: str
     account: str
-    state: AccountState = "starting"
-    reason: str | None = None
+    state: AccountState = "stopped"  # until the runner reports `starting` (which then reaches the server)
+    reason: str | None = "not started yet"
     last_inbound: float | None = None
     last_outbound: float | None = None
     messages_in: int = 0

@@ -293,8 +293,11 @@ class Gateway:
                 held = self.ledger.held(decided.channel, decided.account, decided.sender)
                 target = Target(decided.chat)
                 if decided.status == "approved":
-                    for entry in held:
-                        self._enqueue(self.ledger.release(entry.key, f"pairing {decided.code} approved"))
+                    released = [self.ledger.release(e.key, f"pairing {decided.code} approved") for e in held]
+                    if len(released) > 1:  # the kept messages are the first turn, together
+                        self.ledger.assign_batch([e.key for e in released])
+                    if released:
+                        self._enqueue(released[0])
                     await self._say(
                         runner, target, "✅ You're approved. Your messages are on their way to the assistant."
                     )
@@ -786,14 +789,15 @@ class Gateway:
                     raise ToolRefusal("not sent: this is an exact repeat of your previous message in this turn")
                 ids = await outbox.send(call.target, call.text)
                 ctx.sends.last = (where, call.text)
-                ctx.sends.sent_ids.update(ids)
+                ctx.sends.sent.update((i, call.target) for i in ids)
                 result = f"sent to {where}; message id {', '.join(ids)}"
             elif call.action == "edit":
-                if call.message_id not in ctx.sends.sent_ids:
+                where_sent = ctx.sends.sent.get(str(call.message_id))
+                if where_sent is None:
                     raise ToolRefusal("edit only messages you sent with this tool in this turn")
                 if not outbox.can_edit:
                     raise ToolRefusal("this channel cannot edit messages")
-                await outbox.edit(call.target, str(call.message_id), call.text)
+                await outbox.edit(where_sent, str(call.message_id), call.text)
                 result = f"edited message {call.message_id}"
             else:
                 await outbox.react(call.target, str(call.message_id), str(call.emoji))

@@ -104,9 +104,10 @@ class GatewaySupervisor:
         self._stopping = True
         proc = self._proc
         if proc is not None and proc.returncode is None:
+            # Ask, then close stdin: the grace period counts once, from here, before the kill.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.command("stop", timeout=self._stop_grace), self._stop_grace)
-            await self._end(proc)
+                await asyncio.wait_for(self.command("stop", timeout=self._stop_grace / 2), self._stop_grace / 2)
+            await self._end(proc, grace=self._stop_grace / 2)
         if self._runner is not None:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
@@ -208,19 +209,25 @@ class GatewaySupervisor:
                 log.error("gateway: not ready within %g s; stopping it (last log lines: %s)", self._ready_timeout, tail)
                 await self._end(proc)
             code = await proc.wait()
+            # A grandchild a plugin started may hold the pipes open after the child is gone: do not
+            # wait for it to let go before restarting.
+            _done, pending = await asyncio.wait({relay, control}, timeout=1.0)
+            for task in pending:
+                task.cancel()
             await asyncio.gather(relay, control, return_exceptions=True)
             return code
         finally:
             credential.revoke()
 
-    async def _end(self, proc: asyncio.subprocess.Process) -> None:
+    async def _end(self, proc: asyncio.subprocess.Process, grace: float | None = None) -> None:
         """Close stdin (the child's signal to stop), wait the grace period, then kill."""
+        grace = self._stop_grace if grace is None else grace
         if proc.stdin is not None and not proc.stdin.is_closing():
             proc.stdin.close()
         try:
-            await asyncio.wait_for(proc.wait(), self._stop_grace)
+            await asyncio.wait_for(proc.wait(), grace)
         except TimeoutError:
-            log.warning("gateway: did not stop within %g s; killing it", self._stop_grace)
+            log.warning("gateway: did not stop in time; killing it")
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()

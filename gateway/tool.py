@@ -58,7 +58,7 @@ class TurnSends:
     """What one turn sent with the tool: the previous send (for the repeat rule) and its ids."""
 
     last: tuple[str, str] | None = None  # (target, text)
-    sent_ids: set[str] = field(default_factory=set)
+    sent: dict[str, Target] = field(default_factory=dict)  # message id -> where it went (for edits)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time, in the model's order
 
 

@@ -14,7 +14,14 @@ from gateway.db import default_path
 from gateway.ledger import Ledger, UpdateKey
 from tests.fakes.fakechat import FakeChat
 from tests.support.cli import run_cli
-from tests.support.gateway import ChannelServer, channel_server, fakechat_settings, install_fakechat, write_config
+from tests.support.gateway import (
+    ChannelServer,
+    channel_server,
+    fakechat_settings,
+    install_fakechat,
+    store_turns,
+    write_config,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,10 +85,10 @@ def test_pairing_approve_from_the_cli_answers_the_kept_messages(srv: ChannelServ
     ok = run_cli(srv.home, "pairing", "approve", _code(prompt.text))
     assert ok.code == 0, ok.err
     chat.wait_for_text("dm-ann", lambda t: "approved" in t, timeout=15)
-    chat.wait_for_text("dm-ann", lambda t: t == "echo: hello, are you there?", timeout=15)
+    # The kept messages are answered as the first turn, together, in order.
     chat.wait_for_text("dm-ann", lambda t: t == "echo: second message", timeout=15)
-    texts = [m.text for m in chat.messages("dm-ann")]
-    assert texts.index("echo: hello, are you there?") < texts.index("echo: second message")
+    assert store_turns(srv.home, 'batch="2" batch_index="1">hello, are you there?') == 1
+    assert store_turns(srv.home, 'batch="2" batch_index="2">second message') == 1
     # Approved senders persist: the next message goes straight through.
     chat.inject("dm-ann", "third", sender="ann")
     chat.wait_for_text("dm-ann", lambda t: t == "echo: third", timeout=15)
@@ -143,3 +150,30 @@ def test_silent_mode_sends_nothing_to_an_unknown_sender(tmp_path: Path) -> None:
             assert _state(srv.home, mid).startswith("held")
             listed = run_cli(srv.home, "pairing", "list", "--json")
             assert "stranger" in listed.out  # the owner still sees the request
+
+
+def test_pairing_over_the_protocol(srv: ChannelServer, chat: FakeChat) -> None:
+    import asyncio
+
+    from appserver.client import ProtocolClient, ProtocolError
+
+    chat.inject("dm-proto", "via the desktop app please", sender="pat")
+    code = _code(chat.wait_for_text("dm-proto", lambda t: "pairing code" in t, timeout=15).text)
+
+    async def decide() -> list[dict[str, object]]:
+        client = await ProtocolClient.connect(srv.url, token="", client="desktop")
+        try:
+            listed = await client.request({"type": "pairing_list"})
+            with pytest.raises(ProtocolError) as refused:
+                reply = await client.request({"type": "pairing_decide", "code": "NOPE2345", "decision": "approve"})
+                if reply.get("type") == "error":
+                    raise ProtocolError(reply["code"], reply["message"])
+            assert refused.value.code == "invalid_request"
+            await client.request({"type": "pairing_decide", "code": code, "decision": "approve"})
+            return list(listed["results"])
+        finally:
+            await client.close()
+
+    listed = asyncio.run(decide())
+    assert any(p["code"] == code and p["sender"] == "pat" for p in listed)
+    chat.wait_for_text("dm-proto", "echo: via the desktop app please", timeout=15)

@@ -39,6 +39,7 @@ def test_kill_9_of_the_gateway_mid_turn_answers_once(tmp_path: Path) -> None:
         first = srv.gateway_pid()
         mid = chat.inject("c", "/slow 60")
         chat.wait_for(lambda: chat.messages("c") or None, timeout=20, what="the first streamed text")
+        wait_for(lambda: _noted(srv.home, mid), timeout=10, what="the reply's id in the ledger")
         os.kill(first, signal.SIGKILL)
         message = chat.wait_for_text("c", lambda t: t == WORDS_60, timeout=40)
         second = srv.gateway_pid()
@@ -69,6 +70,7 @@ def test_kill_9_of_the_server_ends_the_child_and_a_restart_delivers_once(tmp_pat
             child = srv.gateway_pid()
             mid = chat.inject("c", "/slow 60")
             chat.wait_for(lambda: chat.messages("c") or None, timeout=20, what="the first streamed text")
+            wait_for(lambda: _noted(home, mid), timeout=10, what="the reply's id in the ledger")
             srv.proc.kill()
             srv.proc.wait(10)
             # The child notices stdin EOF and exits: nothing is orphaned.
@@ -90,6 +92,20 @@ def test_kill_9_of_the_server_ends_the_child_and_a_restart_delivers_once(tmp_pat
             finally:
                 ledger.close()
             assert entry is not None and entry.state == "delivered", entry
+
+
+def _noted(home: Path, message_id: str) -> bool:
+    """The ledger recorded the platform id of the streamed reply (past the one-write crash window
+    that docs/channels.md documents, where a kill would legitimately repeat the send)."""
+    from gateway.db import default_path
+    from gateway.ledger import Ledger, UpdateKey
+
+    ledger = Ledger.open(default_path(home))
+    try:
+        entry = ledger.get(UpdateKey("fakechat", "main", message_id))
+        return entry is not None and bool(entry.remote_ids)
+    finally:
+        ledger.close()
 
 
 def _zombie(pid: int) -> bool:

@@ -97,7 +97,10 @@ def test_kill_9_inside_the_window_answers_the_messages_once(tmp_path: Path) -> N
             for mid in ids:
                 chat.wait_acked(mid, timeout=15)
             os.kill(child, signal.SIGKILL)  # inside the 3 s window: nothing was submitted yet
-            chat.wait_for_text("window", "echo: kept 2", timeout=40)
+            try:
+                chat.wait_for_text("window", "echo: kept 2", timeout=60)
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}\n--- serve log ---\n{srv.log()[-6000:]}") from None
             time.sleep(1.0)
             assert [m.text for m in chat.messages("window")] == ["echo: kept 2"]
             inputs = _turn_inputs(home, "window")

@@ -179,6 +179,18 @@ class CronRun(TypedDict):
     request_id: NotRequired[str]
 
 
+class PairingList(TypedDict):
+    type: Literal["pairing_list"]
+    request_id: NotRequired[str]
+
+
+class PairingDecide(TypedDict):
+    type: Literal["pairing_decide"]
+    code: str
+    decision: Literal["approve", "deny"]
+    request_id: NotRequired[str]
+
+
 ClientFrame = (
     Hello
     | ListAgents
@@ -193,6 +205,8 @@ ClientFrame = (
     | ToolResult
     | Ping
     | CronRun
+    | PairingList
+    | PairingDecide
 )
 
 # ───────────────────────────────────────────────────────────── server → client

@@ -23,10 +23,11 @@ from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
 from appserver.runtime.conversation import ConversationRuntime
 from appserver.runtime.deps import RuntimeDeps
+from appserver.runtime.finish import finish_turn
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store
-from appserver.runtime.settle import close_unanswered
-from appserver.runtime.snapshot import TurnSnapshot
+from appserver.runtime.settle import TurnEnd, close_unanswered
+from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
 from appserver.store.base import DuplicateTurn, Store
 from appserver.store.records import (
@@ -66,7 +67,7 @@ class SubmitRequest:
     # The agent `agent` names, when the caller has just read it (spares a second lookup).
     resolved: AgentRecord | None = None
     # The caller acknowledges nothing before the turn settles: its accept may commit while the
-    # model call is in flight (ConversationRuntime.enqueue `overlap`).
+    # model call is in flight (TurnQueue.enqueue `overlap`).
     overlap_accept: bool = False
 
 
@@ -158,13 +159,16 @@ class Kernel:
             if turn.status == "queued":
                 if requeue:
                     rt = await self.runtime(turn.conversation_id)
-                    rt.requeue(turn)
+                    rt.queue.requeue(turn)
                 continue
             await self._settle_interrupted(turn)
             settled += 1
         return settled
 
     async def _settle_interrupted(self, turn: TurnRecord) -> None:
+        """Close a turn a dead process left running: interrupted, keeping its input and the text
+        it checkpointed, each dangling call given a result ("outcome unknown"). Ends in
+        `finish_turn` like every turn; a commit that fails here fails the start."""
         history = await self.store.list_messages(turn.conversation_id)
         messages: list[MessageRecord] = []
         if not turn.input_committed:
@@ -192,19 +196,23 @@ class Kernel:
             "retryable": False,
             "status": None,
         }
-        await self.store.commit_turn(
-            turn.conversation_id,
-            TurnCommit(
-                turn.id,
-                "interrupted",
-                "cancelled",
-                messages,
-                error=error,
-                usage=turn.usage,
-                revision=turn.revision + 1,
-                iteration=turn.iteration,
-            ),
+        commit = TurnCommit(
+            turn.id,
+            "interrupted",
+            "cancelled",
+            messages,
+            error=error,
+            usage=turn.usage,
+            revision=turn.revision + 1,
+            iteration=turn.iteration,
         )
+        # No runtime holds the turn: a controller of its own publishes the settled snapshot.
+        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=turn.revision)
+        finished = await finish_turn(
+            self.store, self._turn_settled, turn, controller, TurnEnd("interrupted", "cancelled", error, commit)
+        )
+        if finished.commit_error is not None:
+            raise finished.commit_error
         log.warning(
             "turn %s of conversation %s was interrupted by a stop; kept %d characters of its text",
             turn.id,
@@ -340,11 +348,13 @@ class Kernel:
             input={"content": content},
             client_tools=[
                 {"name": t.name, "description": t.description, "parameters": t.parameters} for t in req.client_tools
-            ],
+            ]
+            if req.client_tools
+            else [],
             options=dict(req.options),
         )
         try:
-            handle, position = await rt.enqueue(record, scope, overlap=req.overlap_accept, agent=agent)
+            handle, position = await rt.queue.enqueue(record, scope, overlap=req.overlap_accept, agent=agent)
         except DuplicateTurn as dup:
             return await self._duplicate(dup.turn)
         return Submission(record.id, conv_id, agent.id, position, False, handle)

@@ -90,7 +90,7 @@ class TurnLifecycle:
         """The turn's loop is over and its outcome is about to be saved: True when a cancel was
         accepted, so the outcome must be `cancelled` whatever the loop returned. From here on a
         cancel is refused, except while a pause is being saved: that cancel closes the paused
-        turn right after (the lease's cancel_event tells `ConversationRuntime._finish`)."""
+        turn right after (the lease's cancel_event tells `finish_turn`, runtime/finish.py)."""
         self.check(lease)
         cancelled = self._state == "cancelling"
         if cancelled or not pausing:

@@ -1,14 +1,15 @@
 """How a turn (segment) ends, decided before anything is written: the typed outcome `TurnEnd`
-and the messages a turn that stopped early keeps. Pure functions; the runtime's `_finish` is the
-one place that then commits, settles and publishes it."""
+and the messages a turn that stopped early keeps. Pure functions; `finish_turn`
+(runtime/finish.py) is the one place that then commits, settles and publishes it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from appserver.agent.loop import LoopOutcome, TurnWork
+from appserver.runtime.types import StopReason
 from appserver.store.records import MessageRecord, TurnCommit, TurnStatus
 
 
@@ -18,7 +19,7 @@ class TurnEnd:
     be written (the turn was never accepted, or its commit failed)."""
 
     status: TurnStatus
-    stop_reason: str
+    stop_reason: StopReason
     error: dict[str, Any] | None = None
     commit: TurnCommit | None = None
 
@@ -35,15 +36,17 @@ def store_failure(reason: object) -> TurnEnd:
 def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) -> TurnEnd:
     """The end of a segment the agent loop ran: its messages made valid for every provider, and
     a turn that streamed a tool call never ending with `end_turn`."""
-    status, stop_reason, error = outcome.status, outcome.stop_reason, outcome.error
+    # The loop carries its stop reason as a plain `str` (it sits below the runtime's words); it
+    # only ever returns one of `StopReason`.
+    status, stop_reason, error = outcome.status, cast(StopReason, outcome.stop_reason), outcome.error
     messages = work.new_messages
     if status in ("cancelled", "interrupted", "failed"):
         messages = settle_messages(
             work, "interrupted" if status == "interrupted" else "cancelled" if status == "cancelled" else "incomplete"
         )
     if stop_reason == "end_turn" and messages:
-        last = [m for m in messages if m.role == "assistant"]
-        if last and last[-1].tool_calls:
+        last = next((m for m in reversed(messages) if m.role == "assistant"), None)
+        if last is not None and last.tool_calls:
             status, stop_reason = "failed", "error"
             error = {
                 "kind": "internal",

@@ -27,7 +27,7 @@ from appserver.agent.events import (
     UsageUpdated,
 )
 from appserver.runtime.latest import Latest
-from appserver.runtime.types import TERMINAL_STATUSES, SnapshotStatus, TerminalStatus
+from appserver.runtime.types import TERMINAL_STATUSES, Phase, SnapshotStatus, StopReason, TerminalStatus
 from appserver.store.records import MessageRecord, PendingCall
 
 
@@ -38,8 +38,8 @@ class TurnSnapshot:
     agent_id: str
     revision: int
     status: SnapshotStatus
-    phase: str
-    stop_reason: str | None
+    phase: Phase
+    stop_reason: StopReason | None
     blocks: tuple[dict[str, Any], ...]
     pending: tuple[dict[str, Any], ...]
     usage: dict[str, int]
@@ -118,7 +118,7 @@ class TurnController:
         agent_id: str,
         *,
         revision: int = 0,
-        phase: str = "queued",
+        phase: Phase = "queued",
         queue_position: int = 0,
     ) -> None:
         self.turn_id = turn_id
@@ -126,8 +126,8 @@ class TurnController:
         self.agent_id = agent_id
         self.revision = revision
         self.status: SnapshotStatus = "running"
-        self.phase = phase
-        self.stop_reason: str | None = None
+        self.phase: Phase = phase
+        self.stop_reason: StopReason | None = None
         self.error: dict[str, Any] | None = None
         self.usage: dict[str, int] = {}
         self.queue_position = queue_position
@@ -220,13 +220,13 @@ class TurnController:
         self._bump()
         self._settle.publish(self.revision, version=self.revision)
 
-    def pause(self, stop_reason: str, pending: list[PendingCall]) -> None:
+    def pause(self, stop_reason: StopReason, pending: list[PendingCall]) -> None:
         self.status = "awaiting"
         self.phase = "awaiting"
         self.stop_reason = stop_reason
         self.set_pending(pending)
 
-    def resume(self, phase: str = "acting") -> None:
+    def resume(self, phase: Phase = "acting") -> None:
         """Leave the pause: `acting` to run the answered calls, `finalizing` to close them (the
         paused turn was cancelled); either way no call is pending any more."""
         self.status = "running"
@@ -235,7 +235,7 @@ class TurnController:
         self.pending = []
         self._bump()
 
-    def finish(self, status: TerminalStatus, stop_reason: str, error: dict[str, Any] | None = None) -> None:
+    def finish(self, status: TerminalStatus, stop_reason: StopReason, error: dict[str, Any] | None = None) -> None:
         """Publish the terminal state. Called once, after the store commit."""
         self.status = status
         self.phase = "finalizing"
@@ -267,7 +267,7 @@ class TurnController:
                 status=self.status,
                 phase=self.phase,
                 stop_reason=self.stop_reason,
-                blocks=tuple(b.render() for b in self._blocks),
+                blocks=tuple([b.render() for b in self._blocks]),
                 pending=tuple(self.pending),
                 usage=dict(self.usage),
                 error=self.error,

@@ -1,4 +1,4 @@
-"""The words of a turn's state, defined once: snapshot status, stop reason, terminal statuses.
+"""The words of a turn's state, defined once: snapshot status, stop reason, phase, terminal statuses.
 
 `Literal`s rather than enums so they compare equal to the strings the store and the wire carry.
 """
@@ -9,12 +9,13 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Literal
 
+from appserver.agent.events import Phase  # the agent loop reports phases too: defined there, once
+
 TerminalStatus = Literal["completed", "cancelled", "failed"]
 SnapshotStatus = Literal["running", "awaiting", "completed", "cancelled", "failed"]
 StopReason = Literal[
     "end_turn", "max_tokens", "requires_approval", "requires_client_tool", "cancelled", "error", "max_steps"
 ]
-Phase = Literal["queued", "reasoning", "responding", "acting", "compacting", "finalizing"]
 LifecycleState = Literal["idle", "active", "awaiting", "cancelling"]
 
 # A snapshot in one of these never changes again.

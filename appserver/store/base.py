@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
+from appserver.readiness import CheckResult, Readiness
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -39,6 +40,20 @@ class Store(ABC):
     async def open(self) -> None: ...
     @abstractmethod
     async def close(self) -> None: ...
+
+    # readiness
+    @abstractmethod
+    async def check_writable(self, min_free_bytes: int = 0) -> str:
+        """A real write, and room on the disk (`min_free_bytes`, 0 = unchecked): what was checked,
+        or an exception saying why the store cannot take writes."""
+
+    def register_readiness(self, readiness: Readiness, *, min_free_bytes: int = 0) -> None:
+        """Add the store's own `/readyz` check, named `store`: `check_writable`."""
+
+        async def check() -> CheckResult:
+            return CheckResult("ok", await self.check_writable(min_free_bytes))
+
+        readiness.register("store", check)
 
     # agents
     @abstractmethod

@@ -249,6 +249,20 @@ class CronRun(_ClientFrame):
     agent: str | None = None  # narrows a task name that several agents use
 
 
+class PairingList(_ClientFrame):
+    """Pending channel pairing codes (admin scope). Answered by `ack` with `results`."""
+
+    type: Literal["pairing_list"]
+
+
+class PairingDecide(_ClientFrame):
+    """Approve or deny a channel pairing code (admin scope); the gateway acts on it within a second."""
+
+    type: Literal["pairing_decide"]
+    code: str = Field(min_length=1, max_length=64)
+    decision: Literal["approve", "deny"]
+
+
 ClientFrame = Annotated[
     Hello
     | ListAgents
@@ -262,7 +276,9 @@ ClientFrame = Annotated[
     | Cancel
     | ToolResult
     | Ping
-    | CronRun,
+    | CronRun
+    | PairingList
+    | PairingDecide,
     Field(discriminator="type"),
 ]
 

@@ -22,6 +22,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from appserver import __name__ as _pkg
 from appserver import strictjson
 from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows
+from appserver.channels import PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
 from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
@@ -330,6 +331,18 @@ class Endpoint:
             conn.send({"type": "ack", "request_id": rid, "results": results})
         elif isinstance(frame, F.CronRun):
             await self.on_cron_run(conn, frame)
+        elif isinstance(frame, F.PairingList | F.PairingDecide):
+            if conn.principal is None or not conn.principal.has_scope("admin"):
+                raise FrameError("forbidden", f"{frame.type} needs a credential with the 'admin' scope")
+            home = self.server.config.home
+            try:
+                if isinstance(frame, F.PairingList):
+                    results = await asyncio.to_thread(pairing_pending, home)
+                else:
+                    results = [await asyncio.to_thread(pairing_decide, home, frame.code, frame.decision)]
+            except PairingRefused as exc:
+                raise FrameError("invalid_request", str(exc), "code") from None
+            conn.send({"type": "ack", "request_id": rid, "results": results})
         else:  # pragma: no cover - parse_client_frame only yields known frames
             raise FrameError("unknown_type", f"unhandled frame {frame.type}")
 

@@ -1,0 +1,270 @@
+"""Pending answers and their deadlines: the turn paused for approvals or client-tool results.
+
+The paused turn, the resume handed to the worker and the expiry timer belong here, and nothing
+else changes them. Pending calls live in the store (first answer wins); once every call is
+answered, or the paused turn is cancelled, `take` moves it awaiting → active synchronously and
+hands it to the worker, so an answer and a cancel racing for one turn cannot both act on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from appserver.agent.events import ToolCallStatus
+from appserver.agent.loop import TurnWork, resolution_text
+from appserver.errors import InvalidInput, NotAwaiting
+from appserver.runtime.board import TurnBoard
+from appserver.runtime.deps import RuntimeDeps
+from appserver.runtime.handle import Decision, TurnHandle
+from appserver.runtime.history import History
+from appserver.runtime.lifecycle import Lease, TurnLifecycle
+from appserver.runtime.restore import controller_from_store
+from appserver.store.records import MessageRecord, PendingCall, TurnRecord
+
+CANCELLED_UNANSWERED = "The turn was cancelled before this call was answered; it was not executed."
+
+
+@dataclass(slots=True)
+class Resume:
+    """A paused turn taken over (lease held) for the worker: resumed with `resolved`, or, when
+    its lease was cancelled, closed with one result per call."""
+
+    record: TurnRecord
+    lease: Lease
+    resolved: list[PendingCall] | None
+
+
+class PendingAnswers:
+    def __init__(
+        self,
+        deps: RuntimeDeps,
+        conversation_id: str,
+        lifecycle: TurnLifecycle,
+        board: TurnBoard,
+        history: History,
+        wake: Callable[[], None],
+    ) -> None:
+        self._deps = deps
+        self._conversation_id = conversation_id
+        self._lifecycle = lifecycle
+        self._board = board
+        self._history = history
+        self._wake = wake  # start the worker for a taken turn
+        self._awaiting: TurnRecord | None = None
+        self._resume: Resume | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+
+    @property
+    def turn(self) -> TurnRecord | None:
+        """The turn paused for answers, if any."""
+        return self._awaiting if self._lifecycle.state == "awaiting" else None
+
+    def take_resume(self) -> Resume | None:
+        """For the worker: the paused turn handed to it, once."""
+        resume, self._resume = self._resume, None
+        return resume
+
+    async def load(self) -> None:
+        """Adopt a paused turn from the store (survives restarts and other processes)."""
+        store = self._deps.store
+        awaiting = await store.list_turns(self._conversation_id, statuses=["awaiting"])
+        if not awaiting:
+            return
+        turn = awaiting[-1]
+        pending = await store.list_pending(turn.id)
+        controller = await controller_from_store(store, turn, pending)
+        self._board.handles[turn.id] = TurnHandle(turn.id, self._conversation_id, controller)
+        self._lifecycle.restore_awaiting(turn.id)
+        self._awaiting = turn
+        await self.expire_overdue()
+        if self._lifecycle.state == "awaiting" and self._resume is None:
+            await self._maybe_resume()
+            if self._lifecycle.state == "awaiting":
+                self._arm_expiry(pending)
+
+    def paused(self, record: TurnRecord, pending: list[PendingCall]) -> None:
+        """A turn just paused (its lease released to awaiting): wait for answers until the deadlines."""
+        self._awaiting = record
+        self._arm_expiry(pending)
+
+    # ------------------------------------------------------------ answers
+
+    async def respond(self, decisions: list[Decision]) -> list[dict[str, Any]]:
+        if self._lifecycle.state != "awaiting" or self._awaiting is None:
+            raise NotAwaiting(f"conversation {self._conversation_id} has no turn waiting for an answer")
+        turn = self._awaiting
+        results: list[dict[str, Any]] = []
+        store = self._deps.store
+        for d in decisions:
+            p = await store.get_pending(self._conversation_id, d.call_id)
+            if p is None or p.turn_id != turn.id:
+                results.append(
+                    {
+                        "call_id": d.call_id,
+                        "accepted": False,
+                        "error": "unknown_call",
+                        "message": f"no pending call {d.call_id} in this conversation",
+                    }
+                )
+                continue
+            if d.action in ("approve", "deny") and p.kind != "approval":
+                raise InvalidInput(
+                    f"call {d.call_id} is a client tool call: answer it with a tool result, not an approval"
+                )
+            if d.action == "result" and p.kind != "client":
+                raise InvalidInput(f"call {d.call_id} needs an approval decision, not a tool result")
+            if d.action not in ("approve", "deny", "result"):
+                raise InvalidInput(f"unknown decision {d.action!r}: use approve, deny or a tool result")
+            status = {"approve": "approved", "deny": "denied", "result": "result"}[d.action]
+            won = await store.resolve_pending(
+                self._conversation_id,
+                d.call_id,
+                status,
+                output=d.output,
+                is_error=d.is_error,
+                reason=d.reason,
+                decided_by=d.decided_by,
+            )
+            if won:
+                results.append({"call_id": d.call_id, "accepted": True, "status": status})
+            else:
+                current = await store.get_pending(self._conversation_id, d.call_id)
+                results.append(
+                    {
+                        "call_id": d.call_id,
+                        "accepted": False,
+                        "error": "already_resolved",
+                        "status": current.status if current else None,
+                        "message": f"call {d.call_id} was already answered ({current.status if current else 'gone'})",
+                    }
+                )
+        await self._maybe_resume()
+        return results
+
+    async def _maybe_resume(self) -> None:
+        """Resume the paused turn once every pending call is answered. The lease is taken with no
+        await after the last read, so a cancel from then on cancels the resumed turn."""
+        turn = self._awaiting
+        if turn is None or self._resume is not None or self._lifecycle.state != "awaiting":
+            return
+        pending = await self._deps.store.list_pending(turn.id)
+        if any(p.status == "pending" for p in pending):
+            handle = self._board.handles.get(turn.id)
+            if handle is not None:
+                handle.controller.set_pending(pending)
+            return
+        done = {m.tool_call_id for m in await self._history.read() if m.role == "tool"}
+        if self._awaiting is turn and self._resume is None and self._lifecycle.state == "awaiting":
+            self.take(turn, [p for p in pending if p.call_id not in done])
+
+    def take(self, turn: TurnRecord, resolved: list[PendingCall] | None) -> None:
+        """awaiting → active, synchronously: the paused turn now belongs to the worker, resumed
+        with `resolved`, or (None) cancelled. Nothing else writes its results."""
+        lease = self._lifecycle.begin(turn.id)
+        if resolved is None:
+            self._lifecycle.request_cancel()
+        self._awaiting = None
+        self.cancel_expiry()
+        self._resume = Resume(turn, lease, resolved)
+        self._wake()
+
+    # ------------------------------------------------------------ cancel
+
+    async def cancel(self) -> bool:
+        """Close the paused turn (the worker gives each call its one result). False when none."""
+        if self._lifecycle.state != "awaiting" or self._awaiting is None:
+            return False
+        turn = self._awaiting
+        self.take(turn, None)
+        # The open calls are answered now, so an answer that comes after this hears so.
+        await self._cancel_open_calls(turn.id)
+        return True
+
+    async def _cancel_open_calls(self, turn_id: str) -> None:
+        store = self._deps.store
+        for p in await store.list_pending(turn_id):
+            if p.status == "pending":
+                await store.resolve_pending(
+                    self._conversation_id, p.call_id, "cancelled", reason=CANCELLED_UNANSWERED, is_error=True
+                )
+
+    async def close_calls(self, record: TurnRecord, work: TurnWork, emit: Callable[[Any], None]) -> None:
+        """A paused turn cancelled before it resumed: each of its calls gets its one result, from
+        the answer it got, or saying it was cancelled."""
+        await self._cancel_open_calls(record.id)
+        answered = {m.tool_call_id for m in work.history if m.role == "tool"}
+        for p in await self._deps.store.list_pending(record.id):
+            if p.call_id in answered:
+                continue
+            if p.status == "approved":
+                text, is_error = (
+                    f"The call to {p.name} was approved, but the turn was cancelled before it ran; it was not executed.",
+                    True,
+                )
+            else:
+                text, is_error = resolution_text(p, self._deps.config), p.status != "result" or p.is_error
+            emit(
+                ToolCallStatus(
+                    p.call_id,
+                    "denied" if p.status == "denied" else "failed" if is_error else "completed",
+                    text,
+                    is_error,
+                )
+            )
+            work.new_messages.append(
+                MessageRecord(
+                    role="tool",
+                    content=text,
+                    turn_id=record.id,
+                    iteration=work.iteration,
+                    tool_call_id=p.call_id,
+                    name=p.name,
+                    is_error=is_error,
+                )
+            )
+
+    # ------------------------------------------------------------ deadlines
+
+    def _arm_expiry(self, pending: list[PendingCall]) -> None:
+        self.cancel_expiry()
+        deadlines = [p.expires_at for p in pending if p.status == "pending" and p.expires_at is not None]
+        if not deadlines:
+            return
+        delay = max(0.0, min(deadlines) - time.time()) + 0.01
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_later(delay, lambda: loop.create_task(self._on_expiry()))
+
+    def cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    async def _on_expiry(self) -> None:
+        self._expiry = None
+        await self.expire_overdue()
+        if self._awaiting is not None and self._resume is None and self._lifecycle.state == "awaiting":
+            self._arm_expiry(await self._deps.store.list_pending(self._awaiting.id))
+
+    async def expire_overdue(self) -> None:
+        turn = self._awaiting
+        if turn is None:
+            return
+        now = time.time()
+        changed = False
+        for p in await self._deps.store.list_pending(turn.id):
+            if p.status == "pending" and p.expires_at is not None and p.expires_at <= now:
+                reason = None
+                if p.kind == "client":
+                    reason = f"The client did not return a result for {p.name} within the tool timeout; the call has no result."
+                changed |= await self._deps.store.resolve_pending(
+                    self._conversation_id, p.call_id, "expired", reason=reason, is_error=True
+                )
+        if changed:
+            await self._maybe_resume()
+
+
+__all__ = ["CANCELLED_UNANSWERED", "PendingAnswers", "Resume"]

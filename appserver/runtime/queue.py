@@ -1,0 +1,232 @@
+"""Admission, the FIFO queue and the worker task of one conversation.
+
+An input is admitted against `limits.queue_max`, recorded in the store (`Store.accept_turn`) and
+queued; one worker task per conversation, started on demand, runs the turns one at a time in
+arrival order (and a paused turn handed to it by `PendingAnswers.take` before any queued one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from appserver.errors import QueueFull
+from appserver.runtime.board import TurnBoard
+from appserver.runtime.deps import RuntimeDeps
+from appserver.runtime.handle import TurnHandle
+from appserver.runtime.lifecycle import TurnLifecycle
+from appserver.runtime.pending import PendingAnswers
+from appserver.runtime.restore import controller_from_store
+from appserver.runtime.run import TurnRunner
+from appserver.runtime.settle import TurnEnd
+from appserver.runtime.snapshot import TurnController
+from appserver.store.records import AgentRecord, TurnCommit, TurnRecord
+
+
+@dataclass(slots=True)
+class Queued:
+    record: TurnRecord
+    handle: TurnHandle
+    # An overlapped accept still committing (see enqueue `overlap`); None once it committed first.
+    accepting: asyncio.Task[None] | None = None
+    agent: AgentRecord | None = None  # the agent as the submitter just read it (overlapped only)
+    cancelled: bool = False  # cancelled as the next turn to run, before the worker began it
+
+
+class TurnQueue:
+    def __init__(
+        self,
+        deps: RuntimeDeps,
+        conversation_id: str,
+        lifecycle: TurnLifecycle,
+        board: TurnBoard,
+        answers: PendingAnswers,
+        runner: TurnRunner,
+    ) -> None:
+        self._deps = deps
+        self._conversation_id = conversation_id
+        self._lifecycle = lifecycle
+        self._board = board
+        self._answers = answers
+        self._runner = runner
+        self._items: deque[Queued] = deque()
+        self.accepting = 0  # inputs waiting for their accept to commit (they hold a queue place)
+        self.worker: asyncio.Task[None] | None = None
+        self.closed = False  # see close()
+        self.last_active = time.monotonic()
+
+    def close(self) -> None:
+        """Shutting down: no worker starts any more; the running one stops after its turn."""
+        self.closed = True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def turn_ids(self) -> set[str]:
+        return {q.record.id for q in self._items}
+
+    # ------------------------------------------------------------ admission
+
+    async def enqueue(
+        self,
+        record: TurnRecord,
+        idempotency_scope: str | None,
+        *,
+        overlap: bool = False,
+        agent: AgentRecord | None = None,
+    ) -> tuple[TurnHandle, int]:
+        """Queue an input once its accept committed.
+
+        `overlap`: the caller acknowledges nothing before the turn settles (a non-stream HTTP
+        reply), so a turn that runs at once may start before its accept commits: the accept then
+        commits while the model call is in flight, the turn becomes visible (handles, watchers)
+        only after it, and the turn's own commit waits for it. Without an idempotency scope only
+        (a duplicate must be found before anything runs). `agent`: the record the submitter read
+        just now, which such a turn then runs with instead of reading it again.
+        """
+        waiting = len(self._items) + self.accepting
+        limit = self._deps.config.limits.queue_max
+        if waiting >= limit:
+            raise QueueFull(
+                f"conversation {self._conversation_id} has {waiting} inputs queued (limit {limit}); try again later"
+            )
+        position = waiting + (1 if self._lifecycle.busy else 0)
+        record.status = "queued" if position else "running"
+        record.owner = self._deps.owner
+        if position == 0:
+            record.started_at = time.time()
+        if overlap and position == 0 and idempotency_scope is None and self.worker is None and not self.closed:
+            return self._queue_overlapped(record, agent), 0
+        # The accept commits with the next group commit: until then this input holds its place.
+        self.accepting += 1
+        try:
+            await self._deps.store.accept_turn(record, idempotency_scope)  # raises DuplicateTurn
+        except asyncio.CancelledError:
+            # The commit may have landed just before the cancel reached us: queue the turn all the
+            # same, or it would sit in the store as accepted with nobody to run it.
+            self.accepting -= 1
+            if await self._deps.store.get_turn(record.id) is not None:
+                self._queue_accepted(record, position)
+            raise
+        except BaseException:
+            self.accepting -= 1
+            raise
+        self.accepting -= 1
+        return self._queue_accepted(record, position), position
+
+    def _queue_overlapped(self, record: TurnRecord, agent: AgentRecord | None) -> TurnHandle:
+        controller = TurnController(record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=0)
+        handle = TurnHandle(record.id, self._conversation_id, controller)
+        item = Queued(record, handle, agent=agent if agent is not None and agent.id == record.agent_id else None)
+        self._items.append(item)
+        # The worker's first step is scheduled first: it runs up to the model call, then the
+        # accept commits while the model works.
+        self.ensure_worker()
+        item.accepting = asyncio.get_running_loop().create_task(self._accept_overlapped(record, handle))
+        item.accepting.add_done_callback(_retrieved)  # the worker reports a failure (see TurnRunner.run)
+        return handle
+
+    async def _accept_overlapped(self, record: TurnRecord, handle: TurnHandle) -> None:
+        await self._deps.store.accept_turn(record, None)
+        self._board.remember(handle)
+        self._board.notify(handle)
+
+    def _queue_accepted(self, record: TurnRecord, position: int) -> TurnHandle:
+        controller = TurnController(
+            record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=position
+        )
+        handle = TurnHandle(record.id, self._conversation_id, controller)
+        self._board.remember(handle)
+        self._items.append(Queued(record, handle))
+        self._board.notify(handle)
+        self.ensure_worker()
+        return handle
+
+    def requeue(self, record: TurnRecord) -> None:
+        """Queue a turn a dead process accepted but never began (server start)."""
+        record.owner = self._deps.owner
+        controller = TurnController(
+            record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=len(self._items) + 1
+        )
+        handle = TurnHandle(record.id, self._conversation_id, controller)
+        self._board.handles[record.id] = handle
+        self._items.append(Queued(record, handle))
+        self.ensure_worker()
+
+    # ------------------------------------------------------------ leaving the queue early
+
+    def cancel_next(self) -> bool:
+        """Cancel the turn about to start (acknowledged as running): it ends cancelled when the
+        worker begins it. False when nothing is queued."""
+        if not self._items:
+            return False
+        self._items[0].cancelled = True
+        return True
+
+    async def withdraw(self, turn_id: str) -> bool:
+        """Drop a queued input that has not started (its HTTP client went away, DESIGN §13): closed
+        as cancelled, nothing of it written to the history. False when it started or is unknown."""
+        item = next((q for q in self._items if q.record.id == turn_id and q.accepting is None), None)
+        if item is None:
+            return False
+        self._items.remove(item)  # before any await: the worker can no longer pick it
+        self._renumber()
+        controller = item.handle.controller
+        commit = TurnCommit(
+            turn_id, "cancelled", "cancelled", [], revision=controller.revision + 1, input_committed=False
+        )
+        error = {
+            "kind": "withdrawn",
+            "message": "the client went away before this input started; it was dropped",
+            "retryable": False,
+            "status": None,
+        }
+        await self._runner.finish(item.record, controller, None, TurnEnd("cancelled", "cancelled", error, commit))
+        return True
+
+    def _renumber(self) -> None:
+        for i, q in enumerate(self._items):
+            q.handle.controller.set_queue_position(i + 1)
+
+    # ------------------------------------------------------------ the worker
+
+    def ensure_worker(self) -> None:
+        if self.worker is None and not self.closed:
+            self.worker = asyncio.get_running_loop().create_task(
+                self._work(), name=f"conversation:{self._conversation_id}"
+            )
+
+    async def _work(self) -> None:
+        runner = self._runner
+        try:
+            while not self.closed:
+                resume = self._answers.take_resume()
+                if resume is not None:
+                    record = resume.record
+                    handle = self._board.handles.get(record.id)
+                    if handle is None:
+                        store = self._deps.store
+                        controller = await controller_from_store(store, record, await store.list_pending(record.id))
+                        handle = TurnHandle(record.id, self._conversation_id, controller)
+                        self._board.remember(handle)
+                    await runner.run(record, handle, resume)
+                    continue
+                if self._lifecycle.state == "awaiting" or not self._items:
+                    break
+                item = self._items.popleft()
+                if self._items:
+                    self._renumber()
+                await runner.run(item.record, item.handle, None, item.accepting, item.agent, cancelled=item.cancelled)
+        finally:
+            self.worker = None
+            self.last_active = time.monotonic()
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+__all__ = ["Queued", "TurnQueue"]

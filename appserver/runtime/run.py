@@ -1,0 +1,281 @@
+"""Running one turn (segment) through the agent loop, inside the conversation's worker task.
+
+`TurnRunner.run` takes the turn's lease, builds its `TurnWork`, runs `AgentLoop.run` (a cancel
+cancels the worker while the loop runs; `run` turns that into the outcome), decides the outcome
+with no await after the loop returned, and ends in `finish_turn` (runtime/finish.py). Only the
+worker runs it, so only the worker writes a turn's messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from appserver.agent.loop import LoopOutcome, TurnWork
+from appserver.errors import NotFound
+from appserver.providers.base import ToolSpec
+from appserver.runtime.board import TurnBoard
+from appserver.runtime.deps import RuntimeDeps
+from appserver.runtime.finish import Finished, Seat, finish_turn
+from appserver.runtime.handle import TurnHandle
+from appserver.runtime.history import History
+from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
+from appserver.runtime.pending import PendingAnswers, Resume
+from appserver.runtime.settle import TurnEnd, cancel_wins, loop_end, store_failure
+from appserver.runtime.snapshot import TurnController
+from appserver.store.base import StoreError
+from appserver.store.records import AgentRecord, MessageRecord, TurnRecord
+
+log = logging.getLogger("appserver.runtime")
+
+
+async def accept_failure(accepting: asyncio.Task[None] | None) -> BaseException | None:
+    """Wait for an overlapped accept (see TurnQueue.enqueue `overlap`): None once committed (or
+    when there is none), else why it was not."""
+    if accepting is None:
+        return None
+    try:
+        await asyncio.shield(accepting)
+    except asyncio.CancelledError:
+        if not accepting.cancelled():
+            raise  # this worker is being torn down
+        return StoreError("the accept was cancelled")
+    except Exception as exc:
+        return exc
+    return None
+
+
+async def require_accepted(accepting: asyncio.Task[None]) -> None:
+    not_accepted = await accept_failure(accepting)
+    if not_accepted is not None:
+        raise StoreError(f"the turn could not be saved before its tools ran: {not_accepted}")
+
+
+class TurnRunner:
+    def __init__(
+        self,
+        deps: RuntimeDeps,
+        conversation_id: str,
+        lifecycle: TurnLifecycle,
+        board: TurnBoard,
+        history: History,
+        answers: PendingAnswers,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self._deps = deps
+        self._conversation_id = conversation_id
+        self._lifecycle = lifecycle
+        self._board = board
+        self._history = history
+        self._answers = answers
+        self._stopping = stopping  # the runtime shuts down: a cancelled turn ends interrupted
+        self._seat = Seat(history, lifecycle, answers)
+        # The agent loop runs inside the worker task (no task per turn); cancel_loop() cancels the
+        # worker while the loop runs, and run() tells that apart from the worker being torn down.
+        self._loop_running = False
+        self._loop_cancelled = False
+        self._draft_base = 0  # visible characters of the running turn already in history
+        self._draft_timer: asyncio.TimerHandle | None = None
+
+    def cancel_loop(self, worker: asyncio.Task[None] | None) -> None:
+        """A cancel was accepted: if the agent loop runs, cancel the worker it runs in (the cancel
+        lands inside the loop and becomes the outcome); if not yet, `run` sees the lease cancelled."""
+        if self._loop_running and not self._loop_cancelled and worker is not None:
+            self._loop_cancelled = True
+            worker.cancel()
+
+    async def finish(
+        self, record: TurnRecord, controller: TurnController, lease: Lease | None, end: TurnEnd
+    ) -> Finished:
+        """`finish_turn` in this conversation."""
+        return await finish_turn(
+            self._deps.store, self._deps.settled, record, controller, end, seat=self._seat, lease=lease
+        )
+
+    async def run(
+        self,
+        record: TurnRecord,
+        handle: TurnHandle,
+        resume: Resume | None = None,
+        accepting: asyncio.Task[None] | None = None,
+        agent: AgentRecord | None = None,
+        *,
+        cancelled: bool = False,
+    ) -> None:
+        """Run one turn segment: a queued turn (`cancelled`: cancelled before it began), or a
+        paused one under the lease `PendingAnswers.take` took for it (resumed, or closed when that
+        lease was cancelled). Ends in `finish_turn`."""
+        deps = self._deps
+        lifecycle = self._lifecycle
+        controller = handle.controller
+        if resume is None:
+            lease = lifecycle.begin(record.id)
+            if cancelled:
+                lifecycle.request_cancel()
+            controller.set_queue_position(0)
+        else:
+            lease = resume.lease
+            controller.resume("finalizing" if lease.cancel_event.is_set() else "acting")
+            self._board.notify(handle)
+        self._draft_base = len(controller.visible_text())  # a resumed turn's earlier text is stored
+        work: TurnWork | None = None
+        try:
+            if (record.status != "running" or resume is not None) and not lease.cancel_event.is_set():
+                record.status = "running"
+                await deps.store.mark_turn_running(record.id, deps.owner, controller.revision)
+                lifecycle.check(lease)
+            history = await self._history.read()
+            lifecycle.check(lease)
+            if agent is None:
+                agent = await deps.store.get_agent(record.agent_id)
+                lifecycle.check(lease)
+            if agent is None:
+                raise NotFound(f"agent {record.agent_id} was deleted")
+            work = TurnWork(
+                agent=agent,
+                conversation_id=self._conversation_id,
+                turn_id=record.id,
+                history=list(history),
+                to_chat=self._history.chat,
+                client_tools=[
+                    ToolSpec(
+                        t["name"], t.get("description", ""), t.get("parameters") or {"type": "object", "properties": {}}
+                    )
+                    for t in record.client_tools
+                ]
+                if record.client_tools
+                else [],
+                options=record.options,
+                iteration=record.iteration,
+                usage=dict(record.usage),
+            )
+            if not record.input_committed:
+                work.new_messages.append(
+                    MessageRecord(
+                        role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source
+                    )
+                )
+            if accepting is not None:
+                work.before_effects = partial(require_accepted, accepting)
+            work.before_tools = partial(self._save_calls, record, work, controller)
+
+            def emit(event: Any) -> None:
+                lifecycle.check(lease)
+                controller.apply(event)
+
+            if lease.cancel_event.is_set():  # cancelled before it ran: nothing may run now
+                if resume is not None:
+                    await self._answers.close_calls(record, work, emit)
+                outcome = LoopOutcome("interrupted" if self._stopping() else "cancelled", "cancelled")
+            else:
+                drafts = self._schedule_draft(lease, controller, record.id, -1)
+                self._loop_running = True  # from here a cancel cancels the worker (see cancel_loop)
+                try:
+                    outcome = await deps.agent_loop.run(work, emit, resume.resolved if resume is not None else None)
+                except asyncio.CancelledError:
+                    if not self._loop_cancelled:
+                        raise  # the worker itself is being torn down
+                    outcome = LoopOutcome("interrupted" if self._stopping() else "cancelled", "cancelled")
+                finally:
+                    self._loop_running = False
+                    if self._loop_cancelled:
+                        self._loop_cancelled = False
+                        asyncio.current_task().uncancel()  # type: ignore[union-attr]  # ours, handled
+                    drafts.cancel()
+                    if self._draft_timer is not None:
+                        self._draft_timer.cancel()
+                        self._draft_timer = None
+        except StaleLease:
+            return
+        except Exception as exc:
+            log.exception("turn %s failed inside the server", record.id)
+            outcome = LoopOutcome(
+                "failed",
+                "error",
+                {"kind": "internal", "message": f"{type(exc).__name__}: {exc}", "retryable": False, "status": None},
+            )
+        if work is None:
+            work = TurnWork(agent=None, conversation_id=self._conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]
+            if not record.input_committed:
+                work.new_messages.append(
+                    MessageRecord(
+                        role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source
+                    )
+                )
+        # The outcome is decided here, with no await since the loop returned: a cancel accepted
+        # until now wins (the ack said so), any later one is refused.
+        try:
+            if lifecycle.settle(lease, pausing=outcome.status == "awaiting") and outcome.status not in (
+                "cancelled",
+                "interrupted",
+            ):
+                outcome = cancel_wins(work)
+        except StaleLease:
+            return
+        not_accepted = await accept_failure(accepting)
+        if not_accepted is not None:
+            # Never accepted, so never acknowledged nor visible: nothing of it may be written.
+            log.error("turn %s could not be accepted: %s", record.id, not_accepted)
+            end = store_failure(not_accepted)
+        else:
+            end = loop_end(record.id, work, outcome, controller.revision + 1)
+        await finish_turn(deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease)
+
+    async def _save_calls(self, record: TurnRecord, work: TurnWork, controller: TurnController) -> None:
+        """Before a server tool acts on the world, make the turn's messages so far (the assistant
+        message with the calls about to run) durable: a server killed while the tool runs then
+        leaves the call in history, and crash settle closes it ("interrupted, outcome unknown").
+        Only turns that run a server tool pay this commit; the moved messages are not written
+        again by `finish_turn`."""
+        messages = list(work.new_messages)
+        if not any(m.role == "assistant" and m.tool_calls for m in messages):
+            return
+        write = asyncio.ensure_future(
+            self._deps.store.checkpoint_turn(
+                self._conversation_id, record.id, messages, iteration=work.iteration, usage=dict(work.usage)
+            )
+        )
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            await asyncio.wait([write])  # a cancel must not leave it unknown whether they are stored
+            if not write.cancelled() and write.exception() is None:
+                self._saved(record, work, controller, messages)
+            raise
+        self._saved(record, work, controller, messages)
+
+    def _saved(
+        self, record: TurnRecord, work: TurnWork, controller: TurnController, messages: list[MessageRecord]
+    ) -> None:
+        record.input_committed = True
+        work.history.extend(messages)
+        work.new_messages = work.new_messages[len(messages) :]  # (nothing was added meanwhile)
+        self._history.extend(messages)
+        self._draft_base = len(controller.visible_text())
+
+    def _schedule_draft(
+        self, lease: Lease, controller: TurnController, turn_id: str, saved: int
+    ) -> asyncio.TimerHandle:
+        """Persist the visible text now and then, so a killed server keeps what was shown.
+
+        A timer, not a task: most turns end before the first tick and then cost nothing.
+        """
+        interval = self._deps.config.limits.draft_interval_s
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            if not self._lifecycle.is_current(lease):
+                return
+            nonlocal_saved = saved
+            if controller.revision != saved and controller.visible_text():
+                nonlocal_saved = controller.revision
+                loop.create_task(self._deps.store.save_draft(turn_id, controller.draft(self._draft_base)))
+            self._draft_timer = self._schedule_draft(lease, controller, turn_id, nonlocal_saved)
+
+        return loop.call_later(interval, tick)
+
+
+__all__ = ["TurnRunner", "accept_failure", "require_accepted"]

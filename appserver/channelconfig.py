@@ -125,6 +125,12 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
     settings: dict[str, Any] = {}
     refs: dict[str, dict[str, str]] = {}
     for key, value in table.items():
+        folded = key.lower().replace("-", "_")  # `Token`, `BOT-TOKEN` are secrets too
+        if folded != key and (folded in SECRET_KEYS or folded.endswith(SECRET_SUFFIXES)):
+            raise ChannelConfigError(
+                f"{head} {key}: secrets are never written inline; "
+                f'use {folded}_env = "VARIABLE" or {folded}_file = "path"'
+            )
         if key.endswith(("_env", "_file")):
             secret, kind = key.rsplit("_", 1)
             if not isinstance(value, str) or not value:

@@ -40,7 +40,8 @@ def mint_credential(config: Config) -> Credential:
         return Credential(None, lambda: None)
     if mode != "token":
         raise ChannelsUnavailable(
-            f"channels need auth mode 'none' or 'token' (the gateway gets a capability token); this server uses {mode!r}"
+            "channels need auth mode 'none' or 'token' (the gateway gets a capability token); "
+            f"this server uses {mode!r}"
         )
     store = TokenStore(config.home)
     with contextlib.suppress(KeyError):

@@ -410,7 +410,8 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
                 raise ConfigError(f"{where}: [providers.{name}] must be a table")
         if name == "echo":
             raise ConfigError(
-                f"{path if raw_file else _env_name('providers', name)}: [providers.echo] is built in and cannot be configured"
+                f"{path if raw_file else _env_name('providers', name)}: "
+                "[providers.echo] is built in and cannot be configured"
             )
         prov = cfg.providers.get(name) or ProviderConfig(name=name)
         if name not in cfg.providers:
@@ -436,7 +437,8 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         raise ConfigError(str(exc)) from None
     if data:
         raise ConfigError(
-            f"{path}: unknown section(s) {', '.join(sorted(data))}; known: server, limits, auth, cron, channels, providers.NAME"
+            f"{path}: unknown section(s) {', '.join(sorted(data))}; "
+            "known: server, limits, auth, cron, channels, providers.NAME"
         )
     if env:
         names = ", ".join(sorted(_env_names(env)))

@@ -4,7 +4,8 @@ Typed fields, not a string-keyed bag: `serve` builds them once (`build_services`
 front end only what it uses — the OpenAI routes get `metrics`, the WebSocket routes the `hub` and
 `cron` (the `cron_run` frame), serve's signal handler the `hub` (it tells clients it is stopping).
 `running()` runs the background services for the app's lifespan; a service that has a readiness
-check registers it with `Server.readiness` while it runs. `channels` runs the gateway supervisor when channels are enabled.
+check registers it with `Server.readiness` while it runs. `channels` runs the gateway supervisor
+when channels are enabled.
 """
 
 from __future__ import annotations

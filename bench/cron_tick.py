@@ -86,7 +86,8 @@ async def main() -> None:
             store.add(task(i, now))
         add_s = time.perf_counter() - t0
         print(
-            f"add 1,000 tasks via CronStore.add: {add_s:.2f} s ({add_s / 1000 * 1e3:.2f} ms per add: lock, parse, atomic save; grows with the file)"
+            f"add 1,000 tasks via CronStore.add: {add_s:.2f} s "
+            f"({add_s / 1000 * 1e3:.2f} ms per add: lock, parse, atomic save; grows with the file)"
         )
 
         with store.transaction() as state:
@@ -124,7 +125,8 @@ async def main() -> None:
             f"tick over {total:,} tasks, nothing due: median {statistics.median(quiet) * 1e3:.1f} ms (target <= 50 ms)"
         )
         print(
-            f"tick over {total:,} tasks, {EVERY_MINUTE} due: median {statistics.median(busy) * 1e3:.1f} ms (claim saved, then {EVERY_MINUTE} fires + run-log lines)"
+            f"tick over {total:,} tasks, {EVERY_MINUTE} due: median {statistics.median(busy) * 1e3:.1f} ms "
+            f"(claim saved, then {EVERY_MINUTE} fires + run-log lines)"
         )
         await scheduler.close()
 

@@ -60,8 +60,19 @@ async def completions(request: Request):  # type: ignore[no-untyped-def]
 
     async def gen():  # type: ignore[no-untyped-def]
         for w in WORDS:
-            yield f"data: {json.dumps({**base, 'object': 'chat.completion.chunk', 'choices': [{'index': 0, 'delta': {'content': w}, 'finish_reason': None}]})}\n\n"
-        yield f"data: {json.dumps({**base, 'object': 'chat.completion.chunk', 'choices': [{'index': 0, 'delta': {}, 'finish_reason': 'stop'}], 'usage': {'prompt_tokens': 5, 'completion_tokens': 6, 'total_tokens': 11}})}\n\n"
+            chunk = {
+                **base,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}],
+            }
+            yield f"data: {json.dumps(chunk)}\n\n"
+        last = {
+            **base,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11},
+        }
+        yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(gen(), media_type="text/event-stream")
@@ -177,13 +188,15 @@ def main() -> None:
             print(f"upstream  c={conc:<3}         {d[0]:>12.2f}{d[1]:>10.2f}")
             print(f"server    c={conc:<3}         {s[0]:>12.2f}{s[1]:>10.2f}")
             print(
-                f"  ratio (server/upstream): median {s[0] / d[0]:.2f}x, p99 {s[1] / d[1]:.2f}x; added median {s[0] - d[0]:.2f} ms"
+                f"  ratio (server/upstream): median {s[0] / d[0]:.2f}x, p99 {s[1] / d[1]:.2f}x; "
+                f"added median {s[0] - d[0]:.2f} ms"
             )
         n = min(100, args.requests)
         td = stats(asyncio.run(ttft(f"{upstream}/chat/completions", direct_body, n)))
         ts = stats(asyncio.run(ttft(f"{sp.url}/v1/chat/completions", served_body, n)))
         print(
-            f"streamed time to first token: upstream {td[0]:.2f} ms, server {ts[0]:.2f} ms, added {ts[0] - td[0]:.2f} ms (median)"
+            f"streamed time to first token: upstream {td[0]:.2f} ms, server {ts[0]:.2f} ms, "
+            f"added {ts[0] - td[0]:.2f} ms (median)"
         )
     finally:
         sp.stop()

@@ -55,7 +55,8 @@ async def main() -> None:
             elapsed = time.perf_counter() - t0
             total = 64 * turns_per_conv
             print(
-                f"concurrency 64 x 64 conversations: {total} turns in {elapsed:.2f} s = {total / elapsed:,.0f} turns/s (target >= 3,000)"
+                f"concurrency 64 x 64 conversations: {total} turns in {elapsed:.2f} s = "
+                f"{total / elapsed:,.0f} turns/s (target >= 3,000)"
             )
 
             samples = []
@@ -70,7 +71,8 @@ async def main() -> None:
             median = statistics.median(samples)
             base = await provider_only(300)
             print(
-                f"concurrency 1: median {median * 1e6:,.0f} us per turn; echo provider alone {base * 1e6:,.0f} us; kernel/provider ratio {median / base:.1f}x"
+                f"concurrency 1: median {median * 1e6:,.0f} us per turn; echo provider alone {base * 1e6:,.0f} us; "
+                f"kernel/provider ratio {median / base:.1f}x"
             )
         finally:
             await server.close()

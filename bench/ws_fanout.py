@@ -59,7 +59,8 @@ async def run(n: int) -> None:
         idle = rss_kib(sp.proc.pid)
         print(f"connections: {n}")
         print(
-            f"server RSS: {base} KiB before, {idle} KiB with {n} idle subscribed connections -> {(idle - base) / n:.1f} KiB per connection"
+            f"server RSS: {base} KiB before, {idle} KiB with {n} idle subscribed connections -> "
+            f"{(idle - base) / n:.1f} KiB per connection"
         )
 
         done_at: list[float] = []
@@ -85,7 +86,8 @@ async def run(n: int) -> None:
         if ended:
             print(f"commit -> first terminal snapshot: {(min(done_at) - ended) * 1000:.1f} ms")
             print(
-                f"commit -> last terminal snapshot:  {(max(done_at) - ended) * 1000:.1f} ms  (same clock, client and server on one host)"
+                f"commit -> last terminal snapshot:  {(max(done_at) - ended) * 1000:.1f} ms  "
+                "(same clock, client and server on one host)"
             )
         await asyncio.gather(*(c.close() for c in conns))
         await boss.close()

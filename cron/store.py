@@ -8,11 +8,11 @@ A file that cannot be understood is moved aside to `crons.json.corrupt-<timestam
 *writer* that finds it (a command that changes tasks, or the scheduler), and `CorruptStateFile` is
 raised: the command that found it fails loudly and writes nothing. Readers (`cron list`, `show`,
 `logs`, `preview`) never move files: they raise `CronFileUnreadable` and leave the file for the user
-to fix. After a writer moved it, the *next* command starts from an empty file — a user who was just told "your file was moved aside to X"
-expects `cron add` to work again — while the moved file is never touched, and `corrupt_files()`
-lets every CLI command keep warning about it until the user restores or deletes it. Refusing all
-writes until the user acts was rejected: a forgotten corrupt file would silently stop every
-scheduled job, which is the failure this package exists to prevent.
+to fix. After a writer moved it, the *next* command starts from an empty file — a user who was just
+told "your file was moved aside to X" expects `cron add` to work again — while the moved file is
+never touched, and `corrupt_files()` lets every CLI command keep warning about it until the user
+restores or deletes it. Refusing all writes until the user acts was rejected: a forgotten corrupt
+file would silently stop every scheduled job, which is the failure this package exists to prevent.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ SUBMIT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 NOTICE_EVERY_S = 600.0
 STATUS_FLUSH_S = 1.0
 PAIRING_POLL_S = 1.0
+PROMPT_EVERY_S = 60.0
 MAX_HELD = 5  # messages kept per sender while their pairing is pending
 FIRST_SEND_GRACE_S = 0.3
 TYPING_EVERY_S = 4.0
@@ -98,6 +99,7 @@ class Gateway:
         self._turns: dict[str, _TurnContext] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._notices: dict[str, float] = {}
+        self._prompted: dict[str, tuple[str, float]] = {}  # sender -> (what they were told, when)
         self._dirty = True
         self.approvals = ApprovalBoard()
         link.on_tool_call(self._tool_call)
@@ -170,8 +172,10 @@ class Gateway:
         runner = self.runners.get(f"{msg.channel}:{msg.account}")
         if runner is None:
             raise ValueError(f"message for an unknown account {msg.channel}:{msg.account}")
-        key = UpdateKey(msg.channel, msg.account, msg.message_id)
-        entry, created = await self.intake.record(Receipt(key, msg.chat, msg.sender, msg.thread, _payload(msg)))
+        key = UpdateKey(msg.channel, msg.account, clean(msg.message_id))
+        thread = clean(msg.thread) if msg.thread is not None else None
+        receipt = Receipt(key, clean(msg.chat), clean(msg.sender), thread, _payload(msg))
+        entry, created = await self.intake.record(receipt)
         if msg.ack is not None:
             await msg.ack()
         if created:
@@ -273,6 +277,13 @@ class Gateway:
         )
         if runner.policy.silent:
             return
+        asked = f"{key.channel}:{key.account}:{entry.sender}"
+        said = code.code if code is not None else "later"
+        now = time.monotonic()
+        last = self._prompted.get(asked)
+        if last is not None and last[0] == said and now - last[1] < PROMPT_EVERY_S:
+            return  # a burst of messages from one stranger gets one answer, not one each
+        self._prompted[asked] = (said, now)
         if code is None:
             text = "Too many people are waiting to be let in right now; please try again later."
         else:
@@ -288,8 +299,8 @@ class Gateway:
         while True:
             for decided in self.pairing.decided_unhandled():
                 runner = self.runners.get(f"{decided.channel}:{decided.account}")
-                if runner is None:
-                    continue  # that account is not configured here; leave it for when it is
+                if runner is None or runner.adapter is None or not runner.adapter.is_running:
+                    continue  # not configured or not running here: act on it once it runs
                 held = self.ledger.held(decided.channel, decided.account, decided.sender)
                 target = Target(decided.chat)
                 if decided.status == "approved":
@@ -335,6 +346,13 @@ class Gateway:
             if command.name == "cancel":
                 if conversation is None:
                     return "Nothing is running."
+                running = [c for c in self._turns.values() if c.conversation == conversation]
+                if (
+                    running
+                    and all(c.starter != entry.sender for c in running)
+                    and not runner.policy.is_admin(entry.sender)
+                ):
+                    return "Only the person who started the running reply, or an admin, can cancel it."
                 ack = await self.link.request({"type": "cancel", "conversation": conversation})
                 return "⏹ Cancelled." if ack.get("cancelled") else "Nothing is running."
             if command.name == "status":
@@ -492,7 +510,7 @@ class Gateway:
                     self.router.bind(route_key, conversation)
                     resolution = self.router.resolve(route_key, runner.settings.get("default_agent")) or resolution
                     first = True
-                ack = await self.link.submit(self._submit_frame(entries, resolution.agent, conversation, first))
+                ack = await self.link.submit(submit_frame(entries, resolution.agent, conversation, first))
                 break
             except ProtocolError as exc:
                 if exc.code == "conversation_not_found" and resolution.conversation is not None:
@@ -532,56 +550,6 @@ class Gateway:
             await self._outbox(runner).react(Target(entry.chat, entry.thread), entry.key.message_id, "👀")
         except (DeliveryFailed, RuntimeError) as exc:
             log.info("%s: could not mark the message as queued: %s", entry.key, exc)
-
-    def _submit_frame(self, entries: list[Entry], agent: str, conversation: str, first: bool) -> dict[str, Any]:
-        """The turn's input: the envelope of each message (a batch marked as such), their images."""
-        batch = len(entries) if len(entries) > 1 else None
-        blocks: list[str] = []
-        images: list[str] = []
-        for index, e in enumerate(entries, start=1):
-            p = e.payload
-            envelope = Envelope(
-                channel=e.key.channel,
-                account=e.key.account,
-                chat=e.chat,
-                chat_type="group" if p.get("chat_type") == "group" else "dm",
-                sender=e.sender,
-                message_id=e.key.message_id,
-                text=str(p.get("text") or ""),
-                thread=e.thread,
-                sender_name=p.get("sender_name"),
-                ts=timestamp(float(p.get("ts") or e.received_at)),
-                batch=batch,
-                batch_index=index if batch else None,
-            )
-            block = render(envelope)
-            for a in p.get("attachments") or []:
-                block += f"\n[attachment: {a.get('name')} ({a.get('mime')}, {a.get('size') or '?'} bytes)]"
-            blocks.append(block)
-            images += [str(url) for url in p.get("images") or []]
-        text = "\n".join(blocks)
-        if first:
-            text = f"{AGENT_NOTE}\n\n{text}"
-        content: str | list[dict[str, Any]] = text
-        if images:
-            content = [{"type": "text", "text": text}, *({"type": "image", "url": url} for url in images)]
-        entry = entries[0]
-        return {
-            "agent": agent,
-            "conversation": conversation,
-            "input": content,
-            "idempotency_key": entry.idempotency_key,
-            "source": {
-                "kind": "channel",
-                "channel": entry.key.channel,
-                "account": entry.key.account,
-                "chat": entry.chat,
-                "thread": entry.thread,
-                "sender": entry.sender,
-                "messages": [e.key.message_id for e in entries],
-            },
-            "client_tools": [TOOL_SPEC],
-        }
 
     async def _notice(self, runner: AccountRunner, entry: Entry, text: str, *, force: bool = False) -> None:
         """A short line to the chat, at most one per chat per 10 minutes unless `force`."""
@@ -628,7 +596,8 @@ class Gateway:
         self.approvals.forget_turn(turn_id)
 
     async def _deliver(self, entry: Entry, runner: AccountRunner, turn_id: str, resumed: bool) -> None:
-        target = Target(entry.chat, entry.thread)
+        # The reply answers the message (a platform may thread it, a webhook receiver correlates it).
+        target = Target(entry.chat, entry.thread, entry.key.message_id)
         before, mine = self._order.ticket(_chat_key(entry))
         try:
             await runner.ready.wait()
@@ -638,6 +607,8 @@ class Gateway:
             stream = bool(runner.settings.get("stream", True))
             tool_status = bool(runner.settings.get("tool_status", True))
             sink = ReplySink.resumed(outbox, target, entry.remote_ids, stream=stream)
+            key = entry.key
+            sink.on_sent = lambda ids: self.ledger.note_sent(key, ids, None)
             text = entry.reply
             if entry.state == "submitted":
                 typing = asyncio.ensure_future(self._keep_typing(runner, target))
@@ -724,7 +695,7 @@ class Gateway:
             body = reply_body(snap)
             if body and body != shown:
                 shown = body
-                self.ledger.note_sent(entry.key, ids, shown)
+                self.ledger.note_sent(entry.key, ids, shown)  # after on_sent: the text too
 
     async def _recover(self, conversation: str, turn_id: str) -> dict[str, Any] | None:
         while True:
@@ -787,7 +758,9 @@ class Gateway:
             if call.action in ("send", "reply"):
                 if ctx.sends.last == (where, call.text):
                     raise ToolRefusal("not sent: this is an exact repeat of your previous message in this turn")
-                ids = await outbox.send(call.target, call.text)
+                if call.target.chat != ctx.here.chat and not self._reachable(spec.channel, spec.name, call.target.chat):
+                    raise ToolRefusal(f"not sent: {where} is not a chat this account has talked to or routes")
+                ids = await ReplySink(outbox, call.target, stream=False).finish(call.text)
                 ctx.sends.last = (where, call.text)
                 ctx.sends.sent.update((i, call.target) for i in ids)
                 result = f"sent to {where}; message id {', '.join(ids)}"
@@ -806,6 +779,14 @@ class Gateway:
             await self._answer(call_id, str(exc), True)
             return
         await self._answer(call_id, result, False)
+
+    def _reachable(self, channel: str, account: str, chat: str) -> bool:
+        """A chat the account can send to on the model's behalf: one it has heard from, or one an
+        operator routed (so the agent cannot message arbitrary chats it was never part of)."""
+        heard = self.ledger.connection.execute(
+            "SELECT 1 FROM ledger WHERE channel=? AND account=? AND chat=? LIMIT 1", (channel, account, chat)
+        ).fetchone()
+        return heard is not None or bool([r for r in self.router.routes(channel, account) if r.key.chat == chat])
 
     async def _answer(self, call_id: str, output: str, is_error: bool) -> None:
         try:
@@ -830,6 +811,62 @@ def _chat_key(entry: Entry) -> str:
 IMAGE_MAX_BYTES = 5 << 20
 
 
+def submit_frame(entries: list[Entry], agent: str, conversation: str, first: bool) -> dict[str, Any]:
+    """The turn's input: the envelope of each message (a batch marked as such), their images."""
+    batch = len(entries) if len(entries) > 1 else None
+    blocks: list[str] = []
+    images: list[str] = []
+    for index, e in enumerate(entries, start=1):
+        p = e.payload
+        text = str(p.get("text") or "")
+        for a in p.get("attachments") or []:  # named inside the body, escaped like the text
+            text += f"\n[attachment: {a.get('name')} ({a.get('mime')}, {a.get('size') or '?'} bytes)]"
+        envelope = Envelope(
+            channel=e.key.channel,
+            account=e.key.account,
+            chat=e.chat,
+            chat_type="group" if p.get("chat_type") == "group" else "dm",
+            sender=e.sender,
+            message_id=e.key.message_id,
+            text=text,
+            thread=e.thread,
+            sender_name=p.get("sender_name"),
+            ts=timestamp(float(p.get("ts") or e.received_at)),
+            batch=batch,
+            batch_index=index if batch else None,
+        )
+        blocks.append(render(envelope))
+        images += [str(url) for url in p.get("images") or []]
+    text = "\n".join(blocks)
+    if first:
+        text = f"{AGENT_NOTE}\n\n{text}"
+    content: str | list[dict[str, Any]] = text
+    if images:
+        content = [{"type": "text", "text": text}, *({"type": "image", "url": url} for url in images)]
+    entry = entries[0]
+    return {
+        "agent": agent,
+        "conversation": conversation,
+        "input": content,
+        "idempotency_key": entry.idempotency_key,
+        "source": {
+            "kind": "channel",
+            "channel": entry.key.channel,
+            "account": entry.key.account,
+            "chat": entry.chat,
+            "thread": entry.thread,
+            "sender": entry.sender,
+            "messages": [e.key.message_id for e in entries],
+        },
+        "client_tools": [TOOL_SPEC],
+    }
+
+
+def clean(text: str) -> str:
+    """`text` without lone surrogates (valid JSON can carry them; SQLite and UTF-8 cannot)."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def _payload(msg: InboundMessage) -> dict[str, Any]:
     """What the ledger keeps of a message: enough to submit it again after a crash, images included
     (as data URLs, each at most 5 MiB; a larger one is named like any other file)."""
@@ -840,15 +877,15 @@ def _payload(msg: InboundMessage) -> dict[str, Any]:
     ]
     return {
         "images": images,
-        "text": msg.text,
+        "text": clean(msg.text),
         "chat_type": msg.chat_type,
-        "sender_name": msg.sender_name,
+        "sender_name": clean(msg.sender_name) if msg.sender_name is not None else None,
         "mentions_bot": msg.mentions_bot,
         "reply_to": msg.reply_to,
         "sender_is_bot": msg.sender_is_bot,
         "ts": msg.ts,
         "attachments": [
-            {"kind": a.kind, "name": a.name, "mime": a.mime, "size": a.size}
+            {"kind": a.kind, "name": clean(a.name), "mime": clean(a.mime), "size": a.size}
             for a in msg.attachments
             if not (a.kind == "image" and a.data is not None and len(a.data) <= IMAGE_MAX_BYTES)
         ],

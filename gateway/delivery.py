@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ T = TypeVar("T")
 TRANSIENT_ATTEMPTS = 5
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 NO_REPLY = "(no reply)"
+MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) is read as this
 
 
 class DeliveryFailed(Exception):
@@ -108,7 +110,8 @@ class Outbox:
                 return await op()
             except DeliveryError as exc:
                 if exc.retry_after is not None and not exc.permanent:
-                    raise RetryAfter(exc.retry_after) from exc
+                    wait = exc.retry_after if math.isfinite(exc.retry_after) else MAX_RETRY_AFTER_S
+                    raise RetryAfter(min(max(wait, 0.0), MAX_RETRY_AFTER_S)) from exc
                 raise
             except RetryAfter:
                 raise
@@ -145,6 +148,9 @@ class ReplySink:
     interval: float = 1.0
     parts: list[_Part] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
+    # Called with every id the reply occupies as soon as a new part was sent, so a crash after the
+    # platform accepted a part does not send that part again (the ledger notes them).
+    on_sent: Callable[[list[str]], None] | None = None
     _last: float = -1e9
 
     @classmethod
@@ -186,17 +192,31 @@ class ReplySink:
             if self.outbox.can_edit and i < len(self.parts):
                 part = self.parts[i]
                 if part.text != chunk:
-                    await self.outbox.edit(self.target, part.message_id, chunk)
+                    try:
+                        await self.outbox.edit(self.target, part.message_id, chunk)
+                    except DeliveryFailed:
+                        if not final:
+                            raise
+                        # The platform will not edit this message (too old, deleted): the final text
+                        # goes out as a new message rather than leave the chat with a partial reply.
+                        ids = await self.outbox.send(self.target, chunk)
+                        part.message_id = ids[0] if ids else part.message_id
+                        self._sent()
                     part.text = chunk
                 continue
             for message_id in await self.outbox.send(self.target, chunk):
                 self.parts.append(_Part(message_id, chunk))
+            self._sent()
         if self.outbox.can_edit and len(self.parts) > len(chunks) and final:
             # The reply shrank (a status line went away): blank the surplus rather than leave stale text.
             for part in self.parts[len(chunks) :]:
                 if part.text != "…":
                     await self.outbox.edit(self.target, part.message_id, "…")
                     part.text = "…"
+
+    def _sent(self) -> None:
+        if self.on_sent is not None:
+            self.on_sent(self.ids)
 
     def _chunks(self, text: str) -> list[str]:
         """The parts of `text`. `max_length` counts after `format` (markup and escapes can grow a

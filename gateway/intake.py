@@ -30,10 +30,21 @@ class Intake:
         batch, self._pending = self._pending, []
         try:
             results = self._ledger.record_many([receipt for receipt, _ in batch])
-        except Exception as exc:  # noqa: BLE001 - every waiter learns of the failure; none is acked
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - the waiters learn of the failure; none is acked
+            if len(batch) == 1:
+                if not batch[0][1].done():
+                    batch[0][1].set_exception(exc)
+                return
+            # One bad receipt must not refuse the others it shared the commit with: one by one.
+            for receipt, future in batch:
+                try:
+                    result = self._ledger.record_many([receipt])[0]
+                except Exception as one:  # noqa: BLE001
+                    if not future.done():
+                        future.set_exception(one)
+                else:
+                    if not future.done():
+                        future.set_result(result)
             return
         for (_, future), result in zip(batch, results, strict=True):
             if not future.done():

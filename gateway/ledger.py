@@ -202,17 +202,24 @@ class Ledger:
             return self._move(key, ("allowed",), "submitted", turn_id=turn_id)
         return self._move(key, ("allowed",), "submitted", turn_id=turn_id, conversation=conversation)
 
-    def note_sent(self, key: UpdateKey, remote_ids: Sequence[str | int], shown: str) -> None:
-        """A streamed reply occupies these platform messages and shows `shown` so far (no state
-        change): after a restart the reply continues in them, from that text, instead of starting
-        over."""
+    def note_sent(self, key: UpdateKey, remote_ids: Sequence[str | int], shown: str | None) -> None:
+        """A reply occupies these platform messages so far (no state change), and while the turn
+        runs shows `shown`: after a restart the reply continues in them, from that text, instead of
+        sending again what the platform already has."""
         ids = json.dumps([str(i) for i in remote_ids])
         with transaction(self._conn, durable=False) as c:
-            c.execute(
-                "UPDATE ledger SET remote_ids=?, reply=?, updated_at=? WHERE channel=? AND account=?"
-                " AND message_id=? AND state = 'submitted'",
-                (ids, shown, self._clock(), key.channel, key.account, key.message_id),
-            )
+            if shown is None:
+                c.execute(
+                    "UPDATE ledger SET remote_ids=?, updated_at=? WHERE channel=? AND account=?"
+                    " AND message_id=? AND state IN ('submitted', 'finished')",
+                    (ids, self._clock(), key.channel, key.account, key.message_id),
+                )
+            else:
+                c.execute(
+                    "UPDATE ledger SET remote_ids=?, reply=?, updated_at=? WHERE channel=? AND account=?"
+                    " AND message_id=? AND state = 'submitted'",
+                    (ids, shown, self._clock(), key.channel, key.account, key.message_id),
+                )
 
     def mark_finished(self, key: UpdateKey, reply: str) -> Entry:
         """The turn settled with `reply` to deliver (kept so a restart can deliver it)."""

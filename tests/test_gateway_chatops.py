@@ -85,6 +85,15 @@ def test_cancel_stops_the_running_turn(srv: ChannelServer, chat: FakeChat) -> No
     assert "w400" not in reply.text
 
 
+def test_only_the_starter_or_an_admin_may_cancel_in_a_group(srv: ChannelServer, chat: FakeChat) -> None:
+    chat.inject("team", "/slow 400", sender="alice", chat_type="group")
+    chat.wait_for(lambda: chat.messages("team") or None, timeout=15, what="the reply to start")
+    chat.inject("team", "/cancel", sender="mallory", chat_type="group")
+    chat.wait_for_text("team", lambda t: "Only the person who started" in t, timeout=15)
+    chat.inject("team", "/cancel", sender="boss", chat_type="group")  # an admin
+    chat.wait_for_text("team", "⏹ Cancelled.", timeout=15)
+
+
 def test_approval_by_the_starter_runs_the_tool_and_a_stranger_is_refused(srv: ChannelServer, chat: FakeChat) -> None:
     chat.inject("approvals", "/call clock {}", sender="ann", chat_type="group")
     prompt = chat.wait_for_text("approvals", lambda t: t.startswith("🔐") and "clock" in t, timeout=15)

@@ -107,13 +107,20 @@ def test_429_retry_after_is_honoured_and_nothing_is_lost(srv: ChannelServer, cha
 
 
 def test_message_channel_sends_to_another_chat_and_refuses_an_exact_repeat(srv: ChannelServer, chat: FakeChat) -> None:
+    chat.inject("elsewhere", "hi bot")  # a chat the account has heard from can be reached
+    chat.wait_for_text("elsewhere", "echo: hi bot", timeout=15)
     args = json.dumps({"action": "send", "target": "fakechat:main:elsewhere", "text": "hello from the agent"})
-    chat.inject("tooling", f"/call message_channel {args}\n/call message_channel {args}")
+    stranger = json.dumps({"action": "send", "target": "fakechat:main:nowhere", "text": "spam"})
+    chat.inject(
+        "tooling", f"/call message_channel {args}\n/call message_channel {args}\n/call message_channel {stranger}"
+    )
     chat.wait_for(lambda: chat.messages("tooling") or None, timeout=20, what="the turn's reply")
     final = chat.wait_for_text("tooling", lambda t: "message_channel ->" in t and "…" not in t, timeout=20)
-    assert [m.text for m in chat.messages("elsewhere")] == ["hello from the agent"]
+    assert [m.text for m in chat.messages("elsewhere")] == ["echo: hi bot", "hello from the agent"]
     assert "sent to fakechat:main:elsewhere" in final.text
     assert "not sent: this is an exact repeat" in final.text
+    assert "not sent: fakechat:main:nowhere is not a chat this account has talked to" in final.text
+    assert chat.messages("nowhere") == []
 
 
 def test_a_chat_with_a_route_of_its_own_goes_to_that_agent(srv: ChannelServer, chat: FakeChat, tmp_path: Path) -> None:

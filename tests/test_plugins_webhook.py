@@ -172,7 +172,7 @@ async def test_a_body_changed_after_signing_is_401(start: Start, gateway: Gatewa
     assert response.status_code == 401 and gateway.messages == []
 
 
-@pytest.mark.parametrize("skew", [-301, 301, -10_000])
+@pytest.mark.parametrize("skew", [-305, 305, -10_000])  # a few seconds past ±300: a loaded machine is slow
 async def test_a_stale_or_future_timestamp_is_401(start: Start, gateway: Gateway, skew: int) -> None:
     adapter = await start()
     response = await post(adapter, message(), timestamp=str(int(time.time()) + skew))  # correctly signed

@@ -202,7 +202,10 @@ class AgentLoop:
             if finish == "length":
                 # The arguments may be cut off: fail the calls to the model, never execute them.
                 for c in calls:
-                    msg = f"The call to {c.name} was not executed: the reply hit the output token limit before its arguments were complete."
+                    msg = (
+                        f"The call to {c.name} was not executed: the reply hit the output token limit "
+                        "before its arguments were complete."
+                    )
                     emit(ToolCallStatus(c.id, "failed", msg, True))
                     work.new_messages.append(_tool_message(work, c.id, c.name, msg, True))
                 return LoopOutcome("completed", "max_tokens")
@@ -529,8 +532,8 @@ def resolution_text(p: PendingCall, config: Config) -> str:
     if p.status == "expired":
         if p.kind == "approval":
             return (
-                f"The approval request for {p.name} timed out after {config.limits.approval_timeout_s:g} s with no answer; "
-                "it was not denied by a person. The call was not executed."
+                f"The approval request for {p.name} timed out after {config.limits.approval_timeout_s:g} s "
+                "with no answer; it was not denied by a person. The call was not executed."
             )
         return p.reason or f"The client did not return a result for {p.name} in time; the call has no result."
     if p.status == "cancelled":

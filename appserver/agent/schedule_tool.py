@@ -68,7 +68,8 @@ def _list(tasks: list[CronTask]) -> str:
     if not tasks:
         return "no scheduled tasks"
     return "\n".join(
-        f"{t.name} ({t.id}): {t.schedule.kind} {t.schedule.expr} [{t.schedule.tz}] {t.state}; next {t.next_fire_at.isoformat(timespec='minutes') if t.next_fire_at else '-'}; prompt: {t.prompt}"
+        f"{t.name} ({t.id}): {t.schedule.kind} {t.schedule.expr} [{t.schedule.tz}] {t.state}; "
+        f"next {t.next_fire_at.isoformat(timespec='minutes') if t.next_fire_at else '-'}; prompt: {t.prompt}"
         for t in tasks
     )
 
@@ -132,7 +133,10 @@ def schedule_tool(conversations: Store) -> Tool:
                 "tz": {"type": "string"},
                 "conversation": {
                     "type": "string",
-                    "description": "Where the prompt runs: omit for this conversation (or 'new' for a fresh one each time, where allowed).",
+                    "description": (
+                        "Where the prompt runs: omit for this conversation "
+                        "(or 'new' for a fresh one each time, where allowed)."
+                    ),
                 },
                 "misfire": {"type": "string", "enum": ["skip", "run_once", "run_all"]},
             },

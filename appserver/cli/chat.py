@@ -292,7 +292,10 @@ class Chat:
         self.editor.visible = True
 
     def approval_prompt(self, frame: dict[str, Any]) -> str:
-        return f"{self.screen.dim('[' + frame['call_id'] + ']')} {frame['name']}({frame['arguments']}) wants to run. approve? [y/N] "
+        return (
+            f"{self.screen.dim('[' + frame['call_id'] + ']')} {frame['name']}({frame['arguments']}) "
+            "wants to run. approve? [y/N] "
+        )
 
     def notice(self, text: str) -> None:
         """A line of information that must not tear the line being typed."""

@@ -65,12 +65,18 @@ def explain(exc: BaseException) -> str | None:
     if isinstance(exc, (ConfigError, CorruptStateFile, StoreError, HomeStarting, StartupError)):
         return " ".join(str(exc).split())
     if isinstance(exc, ssl.SSLError):
-        return f"TLS certificate or key unusable: {exc.reason or exc}; check --tls-cert/--tls-key ([server] tls_cert/tls_key)"
+        return (
+            f"TLS certificate or key unusable: {exc.reason or exc}; "
+            "check --tls-cert/--tls-key ([server] tls_cert/tls_key)"
+        )
     if isinstance(exc, OSError):
         return _os_error(exc)
     if isinstance(exc, sqlite3.Error):
         if "disk is full" in str(exc):
-            return "no space left for the store (SQLite: database or disk is full): free some space on the device holding the home directory and start again"
+            return (
+                "no space left for the store (SQLite: database or disk is full): "
+                "free some space on the device holding the home directory and start again"
+            )
         return f"store error: {exc}"
     return None
 

@@ -40,7 +40,8 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
             # resolves only under its own agent.
             again = f"appserver run --agent {shlex.quote(agent)} --conversation {conversation_id}"
             click.echo(
-                f"conversation: {conversation_id}  (answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)"
+                f"conversation: {conversation_id}  "
+                f"(answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)"
             )
         elif snapshot.status != "completed":
             error = snapshot.error or {}

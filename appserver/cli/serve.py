@@ -183,9 +183,16 @@ def check_port_free(host: str, port: int) -> None:
                 probe.bind(sockaddr)
             except OSError as exc:
                 hint = {
-                    errno.EADDRINUSE: "the address is already in use (another server?); stop it, or pick another port with --listen HOST:PORT",
-                    errno.EACCES: "permission denied (ports below 1024 need privileges); pick a port >= 1024 with --listen",
-                    errno.EADDRNOTAVAIL: "the address does not belong to this machine; check --listen ([server] listen)",
+                    errno.EADDRINUSE: (
+                        "the address is already in use (another server?); "
+                        "stop it, or pick another port with --listen HOST:PORT"
+                    ),
+                    errno.EACCES: (
+                        "permission denied (ports below 1024 need privileges); pick a port >= 1024 with --listen"
+                    ),
+                    errno.EADDRNOTAVAIL: (
+                        "the address does not belong to this machine; check --listen ([server] listen)"
+                    ),
                 }.get(exc.errno or 0, f"{exc.strerror}; check --listen ([server] listen)")
                 raise StartupError(f"cannot listen on {shown}: {hint}") from None
 
@@ -245,7 +252,8 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     install_request_ids()
     logging.getLogger("asyncio").addFilter(AcceptErrorThrottle())
     log.info(
-        "edge limits: %d connections (fd limit %d), head %d bytes in %g s, body stall %g s, idle %g s; trusted proxies: %s",
+        "edge limits: %d connections (fd limit %d), head %d bytes in %g s, body stall %g s, idle %g s; "
+        "trusted proxies: %s",
         edge.max_connections,
         fd_limit(),
         edge.head_max_bytes,

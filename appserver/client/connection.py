@@ -271,7 +271,8 @@ class ProtocolClient:
                     p.future.set_exception(
                         Closed(
                             "connection_lost",
-                            f"the connection to the server was lost before it answered {p.frame.get('type')}; it may or may not have been applied",
+                            f"the connection to the server was lost before it answered {p.frame.get('type')}; "
+                            "it may or may not have been applied",
                         )
                     )
         self._deliver(

@@ -75,7 +75,10 @@ def settled_from_history(
     else:
         error = {
             "kind": "unknown",
-            "message": "the turn ended while the client was reconnecting; the server kept no final reply (it was interrupted, cancelled or failed)",
+            "message": (
+                "the turn ended while the client was reconnecting; "
+                "the server kept no final reply (it was interrupted, cancelled or failed)"
+            ),
             "retryable": False,
             "status": None,
         }

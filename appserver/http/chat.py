@@ -139,13 +139,15 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
             media_parts.append(media_part(part, f"{where}.content[{j}]"))
         elif kind in MEDIA_PARTS:
             raise bad_request(
-                f"{where}.content[{j}]: unsupported content part '{kind}': only user messages may carry files and audio",
+                f"{where}.content[{j}]: unsupported content part '{kind}': "
+                "only user messages may carry files and audio",
                 f"{where}.content",
                 code="unsupported_content_part",
             )
         else:
             raise bad_request(
-                f"{where}.content[{j}]: unsupported content part '{kind}' (supported: text, image_url, file, input_audio)",
+                f"{where}.content[{j}]: unsupported content part '{kind}' "
+                "(supported: text, image_url, file, input_audio)",
                 f"{where}.content",
                 code="unsupported_content_part",
             )

@@ -307,7 +307,10 @@ class TurnRun:
 def max_steps_note(server: Server, agent: AgentRecord) -> str:
     """The text a client sees when the server's loop stopped a turn at its step limit."""
     steps = int(agent.params.get("max_steps") or server.config.limits.max_steps)
-    return f"[stopped: the agent reached its limit of {steps} steps (max_steps) before finishing this reply; send another message to let it go on]"
+    return (
+        f"[stopped: the agent reached its limit of {steps} steps (max_steps) before finishing this reply; "
+        "send another message to let it go on]"
+    )
 
 
 def client_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:

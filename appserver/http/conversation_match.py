@@ -125,7 +125,8 @@ def check_call_ids(items: list[ViewItem], param: str) -> None:
         if dup:
             raise ApiError(
                 400,
-                f"{param}: the assistant reply at item {n} makes several tool calls with the id {', '.join(dup)}; tool call ids must be unique",
+                f"{param}: the assistant reply at item {n} makes several tool calls with the id {', '.join(dup)}; "
+                "tool call ids must be unique",
                 code="duplicate_tool_call_id",
                 param=param,
             )
@@ -231,7 +232,8 @@ def split_paused(messages: list[MessageRecord], answers: Answers) -> tuple[list[
         waiting = f"the calls waiting there are {', '.join(sorted(known))}" if known else "no call is waiting there"
         raise ApiError(
             400,
-            f"the tool results / approval answers for {', '.join(stray)} answer no tool call of the assistant message before them ({waiting})",
+            f"the tool results / approval answers for {', '.join(stray)} "
+            f"answer no tool call of the assistant message before them ({waiting})",
             code="unknown_tool_call",
             param=answers.param,
         )

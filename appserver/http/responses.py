@@ -302,7 +302,8 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
             label = t.get("server_label")
             if label not in (agent.id, agent.name):
                 raise bad_request(
-                    f"tools[{i}]: MCP server {label!r} is not this agent; its own tools run here under server_label {agent.id!r}",
+                    f"tools[{i}]: MCP server {label!r} is not this agent; "
+                    f"its own tools run here under server_label {agent.id!r}",
                     "tools",
                     code="unsupported_tool",
                 )

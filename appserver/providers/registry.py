@@ -27,7 +27,8 @@ def parse_model(model: str, config: Config) -> tuple[str, str]:
         raise ModelStringError(f"invalid model {model!r}: use PROVIDER:MODEL, e.g. openai:gpt-4o-mini")
     if provider not in config.providers:
         raise ModelStringError(
-            f"unknown provider {provider!r} in model {model!r} (configured: echo, {', '.join(sorted(config.providers))})"
+            f"unknown provider {provider!r} in model {model!r} "
+            f"(configured: echo, {', '.join(sorted(config.providers))})"
         )
     return provider, name
 

@@ -47,7 +47,10 @@ SettledListener = Callable[[TurnRecord, TurnSnapshot], None]
 
 def interrupted_text(name: str) -> str:
     """The result of a call whose server died before it returned: it may have run, or not."""
-    return f"The server stopped while the call to {name} was in progress: it was interrupted and its outcome is unknown (it may or may not have taken effect)."
+    return (
+        f"The server stopped while the call to {name} was in progress: "
+        "it was interrupted and its outcome is unknown (it may or may not have taken effect)."
+    )
 
 
 def new_id(prefix: str) -> str:

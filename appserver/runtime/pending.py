@@ -202,7 +202,8 @@ class PendingAnswers:
                 continue
             if p.status == "approved":
                 text, is_error = (
-                    f"The call to {p.name} was approved, but the turn was cancelled before it ran; it was not executed.",
+                    f"The call to {p.name} was approved, but the turn was cancelled before it ran; "
+                    "it was not executed.",
                     True,
                 )
             else:
@@ -259,7 +260,10 @@ class PendingAnswers:
             if p.status == "pending" and p.expires_at is not None and p.expires_at <= now:
                 reason = None
                 if p.kind == "client":
-                    reason = f"The client did not return a result for {p.name} within the tool timeout; the call has no result."
+                    reason = (
+                        f"The client did not return a result for {p.name} within the tool timeout; "
+                        "the call has no result."
+                    )
                 changed |= await self._deps.store.resolve_pending(
                     self._conversation_id, p.call_id, "expired", reason=reason, is_error=True
                 )

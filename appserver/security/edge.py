@@ -180,7 +180,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             data, _ = raw_error(
                 503,
                 "server_busy",
-                f"the server has {self.limits.max_connections} connections open, its limit ([limits] max_connections); retry shortly",
+                f"the server has {self.limits.max_connections} connections open, "
+                "its limit ([limits] max_connections); retry shortly",
                 ((b"retry-after", b"1"),),
             )
             transport.write(data)

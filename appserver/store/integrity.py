@@ -196,7 +196,8 @@ def check_wal_index(db: Path, accept_loss: bool) -> None:
     if size is not None and size >= needed:
         return
     what = (
-        f"the write-ahead log of {db} is {'missing' if size is None else f'shorter than it was ({size} of {needed} bytes)'}, "
+        f"the write-ahead log of {db} is "
+        f"{'missing' if size is None else f'shorter than it was ({size} of {needed} bytes)'}, "
         f"but its index ({shm_path(db).name}) says it held {pending} frame(s) not yet in the database: "
         "committed conversations would be lost (the WAL was deleted, truncated or replaced after a crash)"
     )
@@ -271,7 +272,8 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
         if wal.exists() and wal.stat().st_size > WAL_HEADER:
             raise StoreOpenError(
                 f"{db} is missing but its write-ahead log {wal.name} ({wal.stat().st_size} bytes) is still there: "
-                f"the store was removed with unsaved changes; put {db.name} back, or move {wal.name} away to start a new store"
+                f"the store was removed with unsaved changes; put {db.name} back, "
+                f"or move {wal.name} away to start a new store"
             )
         if position_path(db).exists():
             log.warning("no store at %s: starting a new one (removing the old %s)", db, position_path(db).name)

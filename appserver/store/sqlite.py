@@ -165,7 +165,8 @@ class SQLiteStore(Store):
             if not same:
                 raise StoreError(
                     f"{self.path} was deleted or replaced while the server runs: what it writes now goes to a file "
-                    "no later start will open; stop the server, put the store back (or accept the loss), and start again"
+                    "no later start will open; stop the server, put the store back (or accept the loss), "
+                    "and start again"
                 )
         if isinstance(self.path, Path) and min_free_bytes:
             free = shutil.disk_usage(self.path.parent).free
@@ -219,7 +220,8 @@ class SQLiteStore(Store):
         self._agent_cache.drop()
         with self._tx() as tx:
             tx.execute(
-                "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?)",
+                "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) "
+                "VALUES (?,?,?,?,?,?,?,?)",
                 (
                     agent.id,
                     agent.name,
@@ -313,8 +315,12 @@ class SQLiteStore(Store):
                 ids = list(copy_messages)
                 for mid in ids:
                     tx.execute(
-                        "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
-                        "SELECT ?, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at, meta FROM messages WHERE id=?",
+                        "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, "
+                        "tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, "
+                        "created_at, meta) "
+                        "SELECT ?, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, "
+                        "reasoning, provider_state, completion_status, source, created_at, meta "
+                        "FROM messages WHERE id=?",
                         (conv.id, mid),
                     )
         return conv
@@ -322,7 +328,8 @@ class SQLiteStore(Store):
     @staticmethod
     def _insert_conversation(tx: sqlite3.Connection, conv: ConversationRecord) -> None:
         tx.execute(
-            "INSERT INTO conversations(id, agent_id, is_default, title, user, namespace, forked_from, metadata, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO conversations(id, agent_id, is_default, title, user, namespace, forked_from, metadata, "
+            "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (
                 conv.id,
                 conv.agent_id,
@@ -412,7 +419,8 @@ class SQLiteStore(Store):
         m.conversation_id = conversation_id
         m.created_at = m.created_at or now
         cur = tx.execute(
-            "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
+            "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, "
+            "name, is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
             "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 conversation_id,
@@ -494,7 +502,8 @@ class SQLiteStore(Store):
                 (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now),
             )
         tx.execute(
-            "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, client_tools, options, owner, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, client_tools, "
+            "options, owner, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (
                 turn.id,
                 turn.conversation_id,
@@ -566,7 +575,8 @@ class SQLiteStore(Store):
             self._insert_message(tx, conversation_id, m, now)
         for p in commit.pending:
             tx.execute(
-                "INSERT INTO pending_calls(conversation_id, call_id, turn_id, name, arguments, kind, status, output, is_error, reason, decided_by, created_at, expires_at) "
+                "INSERT INTO pending_calls(conversation_id, call_id, turn_id, name, arguments, kind, status, output, "
+                "is_error, reason, decided_by, created_at, expires_at) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     conversation_id,
@@ -585,7 +595,8 @@ class SQLiteStore(Store):
                 ),
             )
         tx.execute(
-            "UPDATE turns SET status=?, stop_reason=?, error=?, usage=?, revision=?, iteration=?, input_committed=?, draft=NULL, ended_at=? WHERE id=?",
+            "UPDATE turns SET status=?, stop_reason=?, error=?, usage=?, revision=?, iteration=?, input_committed=?, "
+            "draft=NULL, ended_at=? WHERE id=?",
             (
                 commit.status,
                 commit.stop_reason,
@@ -669,14 +680,16 @@ class SQLiteStore(Store):
         """Answer one pending call. First answer wins: returns False when it was already answered."""
         with self._tx() as tx:
             cur = tx.execute(
-                "UPDATE pending_calls SET status=?, output=?, is_error=?, reason=?, decided_by=? WHERE conversation_id=? AND call_id=? AND status='pending'",
+                "UPDATE pending_calls SET status=?, output=?, is_error=?, reason=?, decided_by=? "
+                "WHERE conversation_id=? AND call_id=? AND status='pending'",
                 (status, output, int(is_error), reason, decided_by, conversation_id, call_id),
             )
             return cur.rowcount == 1
 
     async def overdue_pending(self, now: float) -> list[PendingCall]:
         rows = self.db.execute(
-            "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= ? ORDER BY expires_at",
+            "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= ? "
+            "ORDER BY expires_at",
             (now,),
         )
         return [self._pending(r) for r in rows]
@@ -707,7 +720,8 @@ class SQLiteStore(Store):
         response.created_at = response.created_at or time.time()
         with self._tx() as tx:
             tx.execute(
-                "INSERT OR REPLACE INTO responses(id, agent_id, conversation_id, turn_id, previous_response_id, namespace, last_message_id, body, input_items, stored, created_at) "
+                "INSERT OR REPLACE INTO responses(id, agent_id, conversation_id, turn_id, previous_response_id, "
+                "namespace, last_message_id, body, input_items, stored, created_at) "
                 "VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     response.id,
@@ -790,7 +804,8 @@ class SQLiteStore(Store):
     ) -> None:
         with self._tx() as tx:
             tx.execute(
-                "UPDATE http_idempotency SET state='done', status_code=?, content_type=?, body=?, conversation_id=? WHERE scope=? AND key=?",
+                "UPDATE http_idempotency SET state='done', status_code=?, content_type=?, body=?, conversation_id=? "
+                "WHERE scope=? AND key=?",
                 (status_code, content_type, body, conversation_id, scope, key),
             )
 
@@ -805,7 +820,8 @@ class SQLiteStore(Store):
     async def add_history_point(self, point: HistoryPoint) -> None:
         with self._tx() as tx:
             tx.execute(
-                "INSERT OR REPLACE INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at) VALUES (?,?,?,?,?)",
+                "INSERT OR REPLACE INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, "
+                "created_at) VALUES (?,?,?,?,?)",
                 (
                     point.agent_id,
                     point.prefix_hash,

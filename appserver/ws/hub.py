@@ -395,7 +395,10 @@ class Hub:
                 "call_id": call_id,
                 "accepted": False,
                 "error": "unknown_call",
-                "message": f"tool call {call_id} is no longer waiting for a result: it timed out or its turn ended or was cancelled",
+                "message": (
+                    f"tool call {call_id} is no longer waiting for a result: "
+                    "it timed out or its turn ended or was cancelled"
+                ),
             }
         ]
         try:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import email.utils
 import json
+import math
 import re
 import socket
 import time
@@ -45,6 +46,9 @@ DEFAULT_TOLERANCE_S = 300.0
 STOP_TIMEOUT_S = 5.0
 SEND_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
 MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_name
+MAX_CONNECTIONS = 64  # concurrent connections to one account's listener
+BODY_TIMEOUT_S = 10.0  # a body must arrive within this (a slow sender holds a buffer and a slot)
+MAX_RETRY_AFTER_S = 300.0  # a receiver's Retry-After beyond this (or "inf") is read as this
 _TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
 
 
@@ -156,6 +160,10 @@ class WebhookAdapter:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=3,
+            # Unauthenticated bodies are buffered until the signature can be checked: cap how many
+            # connections may do that at once (each at most max_body_bytes, for at most BODY_TIMEOUT_S).
+            limit_concurrency=MAX_CONNECTIONS,
+            timeout_keep_alive=5,
         )
         self._server = server = _Server(config)
         self._stopping = False
@@ -239,11 +247,17 @@ class WebhookAdapter:
         if declared.isdigit() and int(declared) > limit:
             raise _BadRequest(413, f"body larger than {limit} bytes")
         body = bytearray()
-        try:
+
+        async def read() -> None:
             async for chunk in request.stream():
-                body += chunk
+                body.extend(chunk)
                 if len(body) > limit:
                     raise _BadRequest(413, f"body larger than {limit} bytes")
+
+        try:
+            await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise _BadRequest(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s") from exc
         except ClientDisconnect as exc:
             raise _BadRequest(400, "client disconnected") from exc
         return bytes(body)
@@ -345,6 +359,8 @@ def _field(data: Mapping[str, Any], name: str, *, optional: bool = False, key_pa
         raise _BadRequest(400, f"{name} is longer than {MAX_FIELD} characters")
     if key_part and ":" in value:
         raise _BadRequest(400, f"{name} must not contain ':'")
+    if key_part and value == "__root__":
+        raise _BadRequest(400, f"{name} '__root__' is reserved (it names a chat's main line)")
     return value
 
 
@@ -354,14 +370,16 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return min(max(0.0, seconds), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else MAX_RETRY_AFTER_S
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    return max(0.0, when.timestamp() - time.time())
+    return min(max(0.0, when.timestamp() - time.time()), MAX_RETRY_AFTER_S)
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:

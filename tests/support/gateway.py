@@ -28,6 +28,8 @@ PLUGIN = ROOT / "tests" / "fakes" / "fakechat_plugin"
 
 
 def toml_value(value: Any) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

@@ -37,8 +37,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[Ch
     install_fakechat(home)
     created = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask")
     assert created.code == 0, created.err
-    routed = run_cli(home, "channels", "route", "add", "fakechat:main:approvals", "careful")
-    assert routed.code == 0, routed.err
+    for chat_name in ("approvals", "approvals-cli"):
+        routed = run_cli(home, "channels", "route", "add", f"fakechat:main:{chat_name}", "careful")
+        assert routed.code == 0, routed.err
     with channel_server(home) as server:
         yield server
 
@@ -137,3 +138,26 @@ def test_an_approval_answered_elsewhere_updates_the_chat_prompt(srv: ChannelServ
 
     asyncio.run(answer_from_a_desktop())
     chat.wait_for_text("approvals", lambda t: t.startswith("🔐") and "❌ Denied" in t, timeout=15)
+
+
+def test_an_approval_answered_from_the_cli_updates_the_chat_prompt(srv: ChannelServer, chat: FakeChat) -> None:
+    chat.inject("approvals-cli", "/call clock {}", sender="ann", chat_type="group")
+    chat.wait_for_text("approvals-cli", lambda t: t.startswith("🔐") and "Reply /approve" in t, timeout=15)
+
+    async def pending_call() -> tuple[str, str]:
+        client = await ProtocolClient.connect(srv.url, token="", client="probe")
+        try:
+            convs = await client.request({"type": "list_conversations", "agent": "careful"})
+            for conv in convs["conversations"]:
+                state = await client.request({"type": "subscribe", "conversation": conv["id"]})
+                for pending in state.get("pending_approvals") or []:
+                    return conv["id"], pending["call_id"]
+            raise AssertionError("no pending approval found")
+        finally:
+            await client.close()
+
+    conv, call_id = asyncio.run(pending_call())
+    answered = run_cli(srv.home, "run", "--agent", "careful", "--conversation", conv, "--approve", call_id)
+    assert answered.code == 0, answered.err
+    chat.wait_for_text("approvals-cli", lambda t: t.startswith("🔐") and "✅ Approved" in t, timeout=15)
+    chat.wait_for_text("approvals-cli", lambda t: t.startswith("clock -> "), timeout=15)

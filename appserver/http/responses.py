@@ -679,8 +679,12 @@ class Responses:
         conv_param = body.get("conversation")
         if isinstance(conv_param, dict):
             conv_param = conv_param.get("id")
-            if not isinstance(conv_param, str) or not conv_param:
+            if not isinstance(conv_param, str):
                 raise bad_request("'conversation' as an object needs its 'id'", "conversation")
+        if conv_param == "":  # names no conversation, as an unknown id does (not "start a new one")
+            raise ApiError(
+                404, "Conversation with id '' not found.", code="conversation_not_found", param="conversation"
+            )
         if prev_id is not None and not isinstance(prev_id, str):
             raise bad_request("'previous_response_id' must be a string", "previous_response_id")
         if conv_param is not None and not isinstance(conv_param, str):

@@ -609,6 +609,7 @@ class Gateway:
             sink = ReplySink.resumed(outbox, target, entry.remote_ids, stream=stream)
             key = entry.key
             sink.on_sent = lambda ids: self.ledger.note_sent(key, ids, None)
+            sink.key = str(key)
             text = entry.reply
             if entry.state == "submitted":
                 typing = asyncio.ensure_future(self._keep_typing(runner, target))

@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from gateway.ratelimit import ChatRateLimiter, RetryAfter
@@ -151,6 +151,7 @@ class ReplySink:
     # Called with every id the reply occupies as soon as a new part was sent, so a crash after the
     # platform accepted a part does not send that part again (the ledger notes them).
     on_sent: Callable[[list[str]], None] | None = None
+    key: str | None = None  # the reply's identity; each part is sent with `key:index` (Target.key)
     _last: float = -1e9
 
     @classmethod
@@ -204,7 +205,8 @@ class ReplySink:
                         self._sent()
                     part.text = chunk
                 continue
-            for message_id in await self.outbox.send(self.target, chunk):
+            where = self.target if self.key is None else replace(self.target, key=f"{self.key}:{len(self.parts)}")
+            for message_id in await self.outbox.send(where, chunk):
                 self.parts.append(_Part(message_id, chunk))
             self._sent()
         if self.outbox.can_edit and len(self.parts) > len(chunks) and final:

@@ -66,6 +66,10 @@ class Target:
     chat: str
     thread: str | None = None
     reply_to: str | None = None
+    # Stable across resends of the same message part (`channel:account:message_id:part`): a platform
+    # with its own idempotency (Discord's nonce, a webhook receiver's dedupe) uses it so a resend
+    # after a crash does not post twice. None for sends that are not part of a reply.
+    key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,6 +153,8 @@ def test_webhook_signed_in_signed_out_once_per_delivery_id(tmp_path: Path, recei
         assert verify(SECRET, headers[TIMESTAMP_HEADER], body, headers[SIGNATURE_HEADER])
         reply = json.loads(body)
         assert reply["chat"] == "kitchen" and reply["text"] == "echo: are the lights off?", reply
+        assert reply["reply_to"] == "evt-1"
+        assert reply["id"] == "webhook:main:evt-1:0"  # stable across resends: the receiver can dedupe
         # The same delivery id again (the sender retried): accepted, no second turn, no second reply.
         assert _post(port, message).status_code == 202
         time.sleep(1.0)

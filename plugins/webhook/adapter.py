@@ -313,7 +313,7 @@ class WebhookAdapter:
         url = self.settings.reply_url
         if url is None:
             raise DeliveryError("no reply_url configured", permanent=True)
-        message_id = str(uuid.uuid4())
+        message_id = target.key or str(uuid.uuid4())  # stable for a resend: the receiver can dedupe
         payload = {
             "id": message_id,
             "chat": target.chat,

@@ -1,0 +1,629 @@
+"""The Telegram adapter: python-telegram-bot's `Bot` for the wire, long polling driven here.
+
+Inbound is ledger-first: `getUpdates` is called by this adapter (never `Application.run_polling`, which
+acknowledges on its own schedule), a batch of updates is handed to the gateway together (its ledger
+records them in one group commit), and the offset moves only over the prefix of updates the gateway
+acknowledged (`InboundMessage.ack`, called after the commit). An update that was not acknowledged is
+redelivered by Telegram on the next poll, and so is everything after it; Telegram learns of an
+acknowledgement through the next poll's offset (and at stop, through a last zero-timeout poll).
+
+Outbound: text goes as Telegram HTML (`format` turns the reply's Markdown into it); when Telegram
+refuses the entities anyway, the unformatted original is sent as plain text instead of losing it.
+Replies grow by `editMessageText`; "message is not modified" is success. Errors become
+`DeliveryError`s: 429 with its `retry_after`, refusals that a retry cannot fix (blocked, removed
+from the group, chat not found) as permanent, network trouble as retryable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import warnings
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from telegram import (
+    Bot,
+    CallbackQuery,
+    InlineKeyboardButton,
+    InlineKeyboardMarkup,
+    Message,
+    MessageEntity,
+    ReplyParameters,
+    Update,
+    User,
+)
+from telegram.error import (
+    BadRequest,
+    ChatMigrated,
+    Conflict,
+    Forbidden,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+    TimedOut,
+)
+from telegram.request import HTTPXRequest
+
+from plugins.contract import (
+    Account,
+    AccountError,
+    AccountState,
+    AdapterContext,
+    Attachment,
+    DeliveryError,
+    InboundMessage,
+    Limits,
+    Target,
+)
+from plugins.telegram.format import plain, to_html
+
+T = TypeVar("T")
+
+CHANNEL = "telegram"
+DEFAULT_API_URL = "https://api.telegram.org"
+DEFAULT_POLL_TIMEOUT = 30
+MAX_LENGTH = 4096 - 96  # Telegram counts UTF-16 units after entity parsing; the margin covers most astral text
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+IMAGE_MAX_BYTES = 5 * 1024 * 1024  # what the gateway passes on to the model
+ALLOWED_UPDATES = ["message", "edited_message", "callback_query", "my_chat_member"]
+APPROVE_PREFIX = "approve:"
+DENY_PREFIX = "deny:"
+_REMEMBERED_FORMATS = 512
+
+
+class TelegramAdapter:
+    """One bot token: a long-polling loop for updates, a `Bot` for sends."""
+
+    limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+
+    def __init__(self, account: Account, context: AdapterContext) -> None:
+        self.account = account
+        self.context = context
+        self._log = context.log
+        self._where = f"telegram account '{account.name}'"
+        self._config_error: str | None = None
+        s = account.settings
+        api_url = s.get("api_url", DEFAULT_API_URL)
+        if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+            self._config_error = f"{self._where}: api_url must be an http:// or https:// URL"
+            api_url = DEFAULT_API_URL
+        self.api_url = api_url.rstrip("/")
+        poll_timeout = s.get("poll_timeout", DEFAULT_POLL_TIMEOUT)
+        if isinstance(poll_timeout, bool) or not isinstance(poll_timeout, int | float) or not 0 <= poll_timeout <= 50:
+            self._config_error = f"{self._where}: poll_timeout must be a number of seconds from 0 to 50"
+            poll_timeout = DEFAULT_POLL_TIMEOUT
+        self.poll_timeout = int(poll_timeout)
+        edited = s.get("edited", "ignore")
+        if edited not in ("ignore", "new"):
+            self._config_error = f'{self._where}: edited must be "ignore" or "new"'
+            edited = "ignore"
+        self.edited: str = edited
+        mode = s.get("mode", "polling")
+        if mode != "polling":
+            self._config_error = f'{self._where}: mode must be "polling" (webhook mode is not supported yet)'
+        self._bot: Bot | None = None
+        self._me: User | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._offset = 0  # the first update id not yet acknowledged by the gateway
+        self._sent_offset = 0  # the offset Telegram is known to have received
+        self._state: AccountState = "stopped"
+        self._formatted: OrderedDict[str, str] = OrderedDict()  # HTML we produced -> its Markdown
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def username(self) -> str | None:
+        return self._me.username if self._me is not None else None
+
+    async def start(self) -> None:
+        """Check the token with getMe (AccountError when Telegram refuses it) and start polling."""
+        if self._config_error is not None:
+            raise AccountError(self._config_error)
+        if self.is_running:
+            return
+        token = self.account.secrets.get("token")
+        if not token:
+            raise AccountError(f"{self._where}: no bot token; set token_env (an environment variable) or token_file")
+        self._bot = Bot(
+            token,
+            base_url=f"{self.api_url}/bot",
+            base_file_url=f"{self.api_url}/file/bot",
+            request=HTTPXRequest(connection_pool_size=16, read_timeout=15.0, write_timeout=15.0, connect_timeout=10.0),
+            get_updates_request=HTTPXRequest(connection_pool_size=2, read_timeout=10.0, connect_timeout=10.0),
+        )
+        self._report("starting", None)
+        try:
+            await self._hello()
+        except InvalidToken as exc:
+            await self._close_bot()
+            raise AccountError(self._token_refused(exc)) from None
+        except TelegramError as exc:  # network trouble: the poll loop retries with backoff
+            self._report("backoff", f"getMe failed: {_describe(exc)}; retrying")
+        else:
+            self._report("running", None)
+        self._task = asyncio.create_task(self._poll_loop(), name=f"telegram-poll-{self.account.name}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for pending in list(self._background):
+            pending.cancel()
+        bot = self._bot
+        if bot is not None and self._offset > self._sent_offset:
+            # Confirm what the gateway acknowledged, so a restart does not see it again.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(bot.get_updates(offset=self._offset, timeout=0, limit=1), 3.0)
+        await self._close_bot()
+        self._report("stopped", None)
+
+    async def _close_bot(self) -> None:
+        bot, self._bot = self._bot, None
+        if bot is not None:
+            with contextlib.suppress(Exception):
+                await bot.shutdown()
+
+    async def _hello(self) -> None:
+        """getMe (who we are: the @username mentions are matched against), then deleteWebhook so
+        that getUpdates is allowed."""
+        bot = self._require_bot()
+        self._me = await bot.get_me()
+        await bot.delete_webhook(drop_pending_updates=False)
+        self._log.info("%s: polling as @%s", self._where, self._me.username)
+
+    def _token_refused(self, exc: TelegramError) -> str:
+        return (
+            f"{self._where}: Telegram refused the bot token (the secret token, from token_env or token_file): "
+            f"{exc.message}; check the token BotFather gave you"
+        )
+
+    def _report(self, state: AccountState, reason: str | None) -> None:
+        self._state = state
+        try:
+            self.context.report(state, reason)
+        except Exception:
+            self._log.exception("%s: report(%s) failed", self._where, state)
+
+    def _require_bot(self) -> Bot:
+        if self._bot is None:
+            raise DeliveryError(f"{self._where} is not running")
+        return self._bot
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _poll_loop(self) -> None:
+        delay = BACKOFF_MIN_S
+        redeliver = BACKOFF_MIN_S
+        bot = self._require_bot()
+        while True:
+            offset = self._offset
+            try:
+                if self._me is None:
+                    await self._hello()
+                updates = await bot.get_updates(
+                    offset=offset or None, timeout=self.poll_timeout, allowed_updates=ALLOWED_UPDATES
+                )
+            except InvalidToken as exc:
+                self._report("error", self._token_refused(exc))
+                return  # not running: the gateway restarts us once, and start() then stops on AccountError
+            except Conflict as exc:
+                if "webhook" in exc.message.lower():
+                    with contextlib.suppress(TelegramError):
+                        await bot.delete_webhook(drop_pending_updates=False)
+                self._report(
+                    "conflict",
+                    f"409 Conflict: another poller (or a webhook) uses this bot token; retrying in {delay:g} s",
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+                continue
+            except RetryAfter as exc:
+                wait = max(delay, retry_seconds(exc))
+                self._report("backoff", f"getUpdates: flood control; retrying in {wait:g} s")
+                await asyncio.sleep(wait)
+                continue
+            except TelegramError as exc:  # NetworkError, TimedOut, BadRequest, 5xx
+                self._report("backoff", f"getUpdates: {_describe(exc)}; retrying in {delay:g} s")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+                continue
+            self._sent_offset = max(self._sent_offset, offset)
+            delay = BACKOFF_MIN_S
+            if self._state != "running":
+                self._report("running", None)
+            if not updates:
+                continue
+            if await self._hand_over(updates):
+                redeliver = BACKOFF_MIN_S
+            else:
+                await asyncio.sleep(redeliver)
+                redeliver = min(redeliver * 2, BACKOFF_MAX_S)
+
+    async def _hand_over(self, updates: tuple[Update, ...] | list[Update]) -> bool:
+        """Give a batch to the gateway together, then move the offset over the acknowledged prefix.
+        False when an update was not acknowledged (it and everything after it are redelivered)."""
+        passed: set[int] = set()  # acknowledged by the gateway, or nothing for the ledger
+        handed: list[tuple[int, InboundMessage]] = []
+        for update in updates:
+            update_id = update.update_id
+            if update_id < self._offset:
+                continue
+            try:
+                inbound = await self._inbound(update, passed)
+            except Exception:
+                self._log.exception("%s: could not read update %d; skipping it", self._where, update_id)
+                inbound = None
+            if inbound is None:
+                passed.add(update_id)
+            else:
+                handed.append((update_id, inbound))
+        results = await asyncio.gather(*(self.context.on_message(m) for _, m in handed), return_exceptions=True)
+        for (_, inbound), result in zip(handed, results, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                self._log.error(
+                    "%s: %s not recorded (%s); it will be redelivered", self._where, inbound.message_id, result
+                )
+        for update_id in sorted(passed | {update_id for update_id, _ in handed}):
+            if update_id not in passed:
+                self._log.warning("%s: update %d was not acknowledged; it will be redelivered", self._where, update_id)
+                return False
+            self._offset = max(self._offset, update_id + 1)
+        return True
+
+    async def _inbound(self, update: Update, passed: set[int]) -> InboundMessage | None:
+        """The update as an InboundMessage, or None when it carries nothing for the gateway."""
+        update_id = update.update_id
+
+        async def ack() -> None:
+            passed.add(update_id)
+
+        if update.callback_query is not None:
+            return self._callback(update, update.callback_query, ack)
+        if update.my_chat_member is not None:
+            change = update.my_chat_member
+            status = change.new_chat_member.status
+            if status in ("left", "kicked"):
+                self._log.info("%s: removed from chat %s (%s)", self._where, change.chat.id, status)
+            return None
+        message = update.message
+        suffix = ""
+        if message is None and update.edited_message is not None and self.edited == "new":
+            message = update.edited_message
+            edit_date = message.edit_date or message.date
+            suffix = f":e{int(edit_date.timestamp())}"
+        if message is None:
+            return None
+        attachments = await self._attachments(message)
+        text = message.text or message.caption or ""
+        if not text and not attachments:
+            return None  # a service message (joined, pinned, topic created, …)
+        sender = message.from_user
+        chat = message.chat
+        thread = str(message.message_thread_id) if message.is_topic_message and message.message_thread_id else None
+        reply = message.reply_to_message
+        if reply is not None and thread is not None and reply.message_id == message.message_thread_id:
+            reply = None  # in a forum topic every message "replies" to the topic's first message
+        me = self._me
+        replies_to_bot = (
+            reply is not None and reply.from_user is not None and me is not None and reply.from_user.id == me.id
+        )
+        return InboundMessage(
+            channel=CHANNEL,
+            account=self.account.name,
+            chat=str(chat.id),
+            chat_type="dm" if chat.type == "private" else "group",
+            sender=str(sender.id) if sender is not None else str(chat.id),
+            message_id=f"{chat.id}:{message.message_id}{suffix}",
+            text=text,
+            thread=thread,
+            sender_name=_name(sender) if sender is not None else chat.title,
+            mentions_bot=replies_to_bot or self._mentions_me(message),
+            reply_to=f"{chat.id}:{reply.message_id}" if reply is not None else None,
+            sender_is_bot=bool(sender is not None and sender.is_bot),
+            ts=message.date.timestamp() if message.date else None,
+            attachments=tuple(attachments),
+            raw=update.to_dict(),
+            ack=ack,
+        )
+
+    def _mentions_me(self, message: Message) -> bool:
+        me = self._me
+        if me is None:
+            return False
+        handle = f"@{me.username}".lower() if me.username else None
+        entities = message.parse_entities() if message.text else message.parse_caption_entities()
+        for entity, fragment in entities.items():
+            if entity.type == MessageEntity.MENTION and handle and fragment.lower() == handle:
+                return True
+            if entity.type == MessageEntity.TEXT_MENTION and entity.user is not None and entity.user.id == me.id:
+                return True
+            if entity.type == MessageEntity.BOT_COMMAND and handle and fragment.lower().endswith(handle):
+                return True
+        text = (message.text or message.caption or "").lower()
+        return bool(handle and not entities and handle in text)
+
+    def _callback(
+        self, update: Update, query: CallbackQuery, ack: Callable[[], Awaitable[None]]
+    ) -> InboundMessage | None:
+        data = query.data or ""
+        message = query.message
+        command = None
+        if data.startswith(APPROVE_PREFIX):
+            command = f"/approve {data[len(APPROVE_PREFIX) :]}"
+        elif data.startswith(DENY_PREFIX):
+            command = f"/deny {data[len(DENY_PREFIX) :]}"
+        if command is None or message is None:
+            self._spawn(self._answer_callback(query.id, None))
+            return None
+        chat = message.chat
+        thread = None
+        if isinstance(message, Message) and message.is_topic_message and message.message_thread_id:
+            thread = str(message.message_thread_id)
+
+        notice = "Approving…" if command.startswith("/approve") else "Denying…"
+
+        async def ack_and_answer() -> None:
+            await ack()
+            self._spawn(self._answer_callback(query.id, notice))
+
+        sender = query.from_user
+        return InboundMessage(
+            channel=CHANNEL,
+            account=self.account.name,
+            chat=str(chat.id),
+            chat_type="dm" if chat.type == "private" else "group",
+            sender=str(sender.id),
+            message_id=f"cb:{query.id}",
+            text=command,
+            thread=thread,
+            sender_name=_name(sender),
+            mentions_bot=True,
+            reply_to=f"{chat.id}:{message.message_id}",
+            sender_is_bot=sender.is_bot,
+            raw=update.to_dict(),
+            ack=ack_and_answer,
+        )
+
+    async def _answer_callback(self, query_id: str, text: str | None) -> None:
+        """Stop the button's spinner. A query answered before a crash, or too old, is refused: fine."""
+        bot = self._bot
+        if bot is None:
+            return
+        try:
+            await bot.answer_callback_query(query_id, text=text)
+        except TelegramError as exc:
+            self._log.info("%s: answerCallbackQuery %s: %s", self._where, query_id, _describe(exc))
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _attachments(self, message: Message) -> list[Attachment]:
+        out: list[Attachment] = []
+        if message.photo:
+            fitting = [p for p in message.photo if (p.file_size or 0) <= IMAGE_MAX_BYTES] or list(message.photo)
+            largest = max(fitting, key=lambda p: (p.file_size or 0, p.width * p.height))
+            name = f"photo_{largest.file_unique_id}.jpg"
+            try:
+                file = await self._require_bot().get_file(largest.file_id)
+                data = bytes(await file.download_as_bytearray())
+            except (TelegramError, DeliveryError, OSError) as exc:
+                self._log.warning("%s: could not fetch photo %s: %s", self._where, largest.file_id, exc)
+                out.append(Attachment(kind="file", name=name, mime="image/jpeg", size=largest.file_size))
+            else:
+                out.append(Attachment(kind="image", name=name, mime="image/jpeg", size=len(data), data=data))
+        if message.document is not None:
+            doc = message.document
+            out.append(
+                Attachment(
+                    kind="file",
+                    name=doc.file_name or "document",
+                    mime=doc.mime_type or "application/octet-stream",
+                    size=doc.file_size,
+                )
+            )
+        for kind, media, default_mime in (
+            ("voice message", message.voice, "audio/ogg"),
+            ("audio", message.audio, "audio/mpeg"),
+            ("video", message.video, "video/mp4"),
+            ("video message", message.video_note, "video/mp4"),
+            ("animation", message.animation, "video/mp4"),
+            ("sticker", message.sticker, "image/webp"),
+        ):
+            if media is not None:
+                mime = getattr(media, "mime_type", None) or default_mime
+                name = getattr(media, "file_name", None) or kind
+                out.append(Attachment(kind="file", name=name, mime=mime, size=media.file_size))
+        return out
+
+    # ------------------------------------------------------------------ outbound
+
+    def format(self, text: str) -> str:
+        """The reply's Markdown as Telegram HTML (remembered, so a refused one can go out as plain text)."""
+        html = to_html(text)
+        self._formatted[html] = text
+        self._formatted.move_to_end(html)
+        while len(self._formatted) > _REMEMBERED_FORMATS:
+            self._formatted.popitem(last=False)
+        return html
+
+    def _plain(self, html: str) -> str:
+        original = self._formatted.get(html)
+        return original if original is not None else plain(html)
+
+    async def send(self, target: Target, text: str) -> list[str]:
+        message = await self._send(target, text)
+        return [str(message.message_id)]
+
+    async def prompt_approval(self, target: Target, text: str, short_id: str) -> list[str]:
+        """The approval prompt with Approve / Deny buttons; a press comes back as /approve or /deny."""
+        keyboard = InlineKeyboardMarkup(
+            [
+                [
+                    InlineKeyboardButton("✅ Approve", callback_data=f"{APPROVE_PREFIX}{short_id}"),
+                    InlineKeyboardButton("❌ Deny", callback_data=f"{DENY_PREFIX}{short_id}"),
+                ]
+            ]
+        )
+        message = await self._send(target, self.format(text), keyboard)
+        return [str(message.message_id)]
+
+    async def _send(self, target: Target, html: str, markup: InlineKeyboardMarkup | None = None) -> Message:
+        bot = self._require_bot()
+        chat_id = _chat_id(target.chat)
+        thread = _int_or_none(target.thread)
+        reply = None
+        if target.reply_to and chat_id < 0:  # groups: thread the reply under its message; DMs need not
+            reply_id = _message_id(target.reply_to)
+            if reply_id is not None:
+                reply = ReplyParameters(message_id=reply_id, allow_sending_without_reply=True)
+
+        async def go(text: str, parse_mode: str | None) -> Message:
+            return await bot.send_message(
+                chat_id,
+                text,
+                parse_mode=parse_mode,
+                message_thread_id=thread,
+                reply_parameters=reply,
+                reply_markup=markup,
+            )
+
+        return await self._formatted_call(html, go)
+
+    async def edit(self, target: Target, message_id: str, text: str) -> None:
+        bot = self._require_bot()
+        chat_id = _chat_id(target.chat)
+        mid = _message_id(message_id)
+        if mid is None:
+            raise DeliveryError(f"not a Telegram message id: {message_id!r}", permanent=True)
+
+        async def go(body: str, parse_mode: str | None) -> Any:
+            return await bot.edit_message_text(body, chat_id=chat_id, message_id=mid, parse_mode=parse_mode)
+
+        try:
+            await self._formatted_call(text, go)
+        except _NotModified:
+            return
+
+    async def _formatted_call(self, html: str, go: Callable[[str, str | None], Awaitable[T]]) -> T:
+        """`go(html, "HTML")`; when Telegram cannot parse the entities, `go(original, None)` instead."""
+        try:
+            return await _delivery(go(html, "HTML"))
+        except _EntitiesRefused as exc:
+            self._log.warning("%s: Telegram refused the formatting (%s); sending plain text", self._where, exc)
+            return await _delivery(go(self._plain(html), None))
+
+    async def typing(self, target: Target) -> None:
+        bot = self._require_bot()
+        await _delivery(
+            bot.send_chat_action(_chat_id(target.chat), "typing", message_thread_id=_int_or_none(target.thread))
+        )
+
+    async def react(self, target: Target, message_id: str, emoji: str) -> None:
+        bot = self._require_bot()
+        mid = _message_id(message_id)
+        if mid is None:
+            raise DeliveryError(f"not a Telegram message id: {message_id!r}", permanent=True)
+        await _delivery(bot.set_message_reaction(_chat_id(target.chat), mid, reaction=emoji))
+
+
+class _NotModified(DeliveryError):
+    """An edit to the text the message already shows: success for the caller."""
+
+
+class _EntitiesRefused(DeliveryError):
+    """Telegram could not parse the HTML we sent."""
+
+
+async def _delivery(call: Awaitable[T]) -> T:
+    """Await a Bot call, its failures as DeliveryError."""
+    try:
+        return await call
+    except RetryAfter as exc:
+        raise DeliveryError(f"Telegram: {exc.message}", retry_after=retry_seconds(exc)) from exc
+    except ChatMigrated as exc:
+        raise DeliveryError(f"Telegram: the group became a supergroup ({exc.new_chat_id})", permanent=True) from exc
+    except BadRequest as exc:
+        text = exc.message.lower()
+        if "message is not modified" in text:
+            raise _NotModified(exc.message, permanent=True) from exc
+        if "can't parse entities" in text or "can't find end" in text or "unsupported start tag" in text:
+            raise _EntitiesRefused(exc.message, permanent=True) from exc
+        raise DeliveryError(f"Telegram: {exc.message}", permanent=True) from exc
+    except Forbidden as exc:  # blocked by the user, removed from the group: no retry storm
+        raise DeliveryError(f"Telegram: {exc.message}", permanent=True) from exc
+    except InvalidToken as exc:
+        raise DeliveryError(f"Telegram refused the bot token: {exc.message}", permanent=True) from exc
+    except (TimedOut, NetworkError) as exc:
+        raise DeliveryError(f"Telegram unreachable: {_describe(exc)}") from exc
+    except TelegramError as exc:
+        raise DeliveryError(f"Telegram: {_describe(exc)}") from exc
+
+
+def retry_seconds(exc: RetryAfter) -> float:
+    """`RetryAfter.retry_after` in seconds, whichever representation the library is set to use."""
+    value: Any = getattr(exc, "_retry_after", None)
+    if value is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            value = exc.retry_after
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+def _describe(exc: BaseException) -> str:
+    message = getattr(exc, "message", None) or str(exc)
+    return f"{type(exc).__name__}: {message}"
+
+
+def _name(user: User) -> str:
+    return user.full_name or (f"@{user.username}" if user.username else str(user.id))
+
+
+def _chat_id(chat: str) -> int:
+    try:
+        return int(chat)
+    except ValueError:
+        raise DeliveryError(f"not a Telegram chat id: {chat!r}", permanent=True) from None
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DeliveryError(f"not a Telegram thread id: {value!r}", permanent=True) from None
+
+
+def _message_id(value: str) -> int | None:
+    """A message id as the gateway holds it: ours (`"42"`) or an inbound one (`"<chat>:42"`, `"<chat>:42:e…"`);
+    None for a callback query's (`"cb:…"`)."""
+    parts = value.split(":")
+    if parts[0] == "cb":
+        return None
+    try:
+        return int(parts[1] if len(parts) > 1 else parts[0])
+    except ValueError:
+        return None
+
+
+def create_adapter(account: Account, context: AdapterContext) -> TelegramAdapter:
+    """The plugin entry point (see `plugins.contract`)."""
+    return TelegramAdapter(account, context)

@@ -17,11 +17,14 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway.ratelimit import ChatRateLimiter, RetryAfter
 from gateway.split import MIN_LIMIT, split_message
 from plugins.contract import Adapter, DeliveryError, Target
+
+if TYPE_CHECKING:
+    from gateway.accounts import AccountRunner
 
 log = logging.getLogger("gateway.delivery")
 T = TypeVar("T")
@@ -251,3 +254,30 @@ class ChatOrder:
         mine.set()
         if self._tail.get(chat_key) is mine:
             del self._tail[chat_key]
+
+
+class Outboxes:
+    """One `Outbox` per account, each with its per-chat limiter for the gateway's lifetime."""
+
+    def __init__(self) -> None:
+        self._limiters: dict[str, ChatRateLimiter] = {}
+
+    def of(self, runner: AccountRunner) -> Outbox:
+        adapter = runner.adapter
+        if adapter is None or not adapter.is_running:
+            raise RuntimeError(f"{runner.spec.ref} is not running")
+        limiter = self._limiters.get(runner.spec.ref)
+        if limiter is None:
+            rate = float(runner.settings.get("chat_rate") or adapter.limits.edits_per_second)
+            limiter = self._limiters[runner.spec.ref] = ChatRateLimiter(rate=rate, burst=max(3, int(rate)))
+        return Outbox(adapter, limiter, asyncio.sleep)
+
+    async def say(self, runner: AccountRunner, target: Target, text: str) -> list[str]:
+        """A short line from the gateway itself (a notice, a command's answer); never raises."""
+        try:
+            ids = await self.of(runner).send(target, text)
+            runner.live.last_outbound = time.time()
+            return ids
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.warning("%s: could not tell %s: %s", runner.spec.ref, target.chat, exc)
+            return []

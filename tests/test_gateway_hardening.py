@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appserver.channelconfig import ChannelConfigError, check_account
-from gateway.app import clean, submit_frame
+from gateway.turninput import clean, submit_frame
 from gateway.db import open_db
 from gateway.delivery import MAX_RETRY_AFTER_S, Outbox, ReplySink
 from gateway.envelope import parse

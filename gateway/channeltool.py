@@ -1,0 +1,87 @@
+"""Runs the `message_channel` client tool for the turns this gateway submitted (see gateway/tool.py
+for the tool's description and its argument rules)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from appserver.client import ProtocolError
+from gateway.delivery import DeliveryFailed, Outboxes, ReplySink
+from gateway.ledger import Ledger
+from gateway.link import ServerLink
+from gateway.replies import Replies, TurnContext
+from gateway.routing import Router
+from gateway.tool import NAME as TOOL_NAME
+from gateway.tool import ToolRefusal, parse_call, target_name
+
+log = logging.getLogger("gateway.tool")
+
+
+class MessageChannel:
+    def __init__(self, ledger: Ledger, router: Router, link: ServerLink, outboxes: Outboxes, replies: Replies) -> None:
+        self.ledger = ledger
+        self.router = router
+        self.link = link
+        self.outboxes = outboxes
+        self.replies = replies
+
+    async def on_call(self, frame: dict[str, Any]) -> None:
+        call_id = str(frame.get("call_id"))
+        ctx = await self.replies.context(str(frame.get("turn_id")))
+        if frame.get("name") != TOOL_NAME or ctx is None:
+            await self.answer(call_id, f"{frame.get('name')} is not available here", True)
+            return
+        async with ctx.sends.lock:
+            await self.run(ctx, call_id, frame)
+
+    async def run(self, ctx: TurnContext, call_id: str, frame: dict[str, Any]) -> None:
+        spec = ctx.runner.spec
+        try:
+            call = parse_call(
+                str(frame.get("arguments") or "{}"),
+                channel=spec.channel,
+                account=spec.name,
+                here=ctx.here,
+                reply_to=ctx.reply_to,
+            )
+            outbox = self.outboxes.of(ctx.runner)
+            where = target_name(spec.channel, spec.name, call.target)
+            if call.action in ("send", "reply"):
+                if ctx.sends.last == (where, call.text):
+                    raise ToolRefusal("not sent: this is an exact repeat of your previous message in this turn")
+                if call.target.chat != ctx.here.chat and not self.reachable(spec.channel, spec.name, call.target.chat):
+                    raise ToolRefusal(f"not sent: {where} is not a chat this account has talked to or routes")
+                ids = await ReplySink(outbox, call.target, stream=False).finish(call.text)
+                ctx.sends.last = (where, call.text)
+                ctx.sends.sent.update((i, call.target) for i in ids)
+                result = f"sent to {where}; message id {', '.join(ids)}"
+            elif call.action == "edit":
+                where_sent = ctx.sends.sent.get(str(call.message_id))
+                if where_sent is None:
+                    raise ToolRefusal("edit only messages you sent with this tool in this turn")
+                if not outbox.can_edit:
+                    raise ToolRefusal("this channel cannot edit messages")
+                await outbox.edit(where_sent, str(call.message_id), call.text)
+                result = f"edited message {call.message_id}"
+            else:
+                await outbox.react(call.target, str(call.message_id), str(call.emoji))
+                result = f"reacted {call.emoji} to message {call.message_id}"
+        except (ToolRefusal, DeliveryFailed, RuntimeError) as exc:
+            await self.answer(call_id, str(exc), True)
+            return
+        await self.answer(call_id, result, False)
+
+    def reachable(self, channel: str, account: str, chat: str) -> bool:
+        """A chat the account can send to on the model's behalf: one it has heard from, or one an
+        operator routed (so the agent cannot message arbitrary chats it was never part of)."""
+        heard = self.ledger.connection.execute(
+            "SELECT 1 FROM ledger WHERE channel=? AND account=? AND chat=? LIMIT 1", (channel, account, chat)
+        ).fetchone()
+        return heard is not None or bool([r for r in self.router.routes(channel, account) if r.key.chat == chat])
+
+    async def answer(self, call_id: str, output: str, is_error: bool) -> None:
+        try:
+            await self.link.tool_result(call_id, output, is_error)
+        except (ProtocolError, TimeoutError) as exc:
+            log.warning("tool result for %s not taken: %s", call_id, exc)

@@ -1,0 +1,234 @@
+"""The chat as a place to steer: pairing prompts and decisions, commands, approvals (issue 16).
+
+`pairing_prompt` answers an unknown sender (their code, or "try later"; once per burst);
+`watch_pairings` acts on the owner's decisions within a second (tell the sender, release the kept
+messages as one turn); `command` answers `/new`, `/cancel`, `/status`, `/help`, `/pair`,
+`/approve`, `/deny` without a turn; `on_approval` shows an approval prompt for a paused turn and
+keeps it up to date, whoever answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from appserver.client import Closed, ProtocolError
+from gateway.accounts import AccountRunner
+from gateway.approvals import OUTCOME_LINES, ApprovalBoard, Prompt
+from gateway.commands import HELP, Command
+from gateway.delivery import DeliveryFailed, Outboxes
+from gateway.ledger import Entry, Ledger
+from gateway.link import ServerLink
+from gateway.pairing import Pairing
+from gateway.replies import Replies
+from gateway.routing import RouteKey, Router
+from plugins.contract import Target
+
+log = logging.getLogger("gateway.chatops")
+
+PAIRING_POLL_S = 1.0
+PROMPT_EVERY_S = 60.0
+
+
+class ChatOps:
+    def __init__(
+        self,
+        ledger: Ledger,
+        router: Router,
+        pairing: Pairing,
+        link: ServerLink,
+        outboxes: Outboxes,
+        replies: Replies,
+        runners: Mapping[str, AccountRunner],
+        enqueue: Callable[[Entry], None],
+    ) -> None:
+        self.ledger = ledger
+        self.router = router
+        self.pairing = pairing
+        self.link = link
+        self.outboxes = outboxes
+        self.replies = replies
+        self.runners = runners
+        self.enqueue = enqueue
+        self.approvals = ApprovalBoard()
+        self._prompted: dict[str, tuple[str, float]] = {}  # sender -> (what they were told, when)
+
+    async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
+        """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
+        key = entry.key
+        code, _new = self.pairing.code_for(
+            key.channel, key.account, entry.sender, entry.payload.get("sender_name"), entry.chat
+        )
+        if runner.policy.silent:
+            return
+        asked = f"{key.channel}:{key.account}:{entry.sender}"
+        said = code.code if code is not None else "later"
+        now = time.monotonic()
+        last = self._prompted.get(asked)
+        if last is not None and last[0] == said and now - last[1] < PROMPT_EVERY_S:
+            return  # a burst of messages from one stranger gets one answer, not one each
+        self._prompted[asked] = (said, now)
+        if code is None:
+            text = "Too many people are waiting to be let in right now; please try again later."
+        else:
+            pretty = f"{code.code[:4]}-{code.code[4:]}"
+            text = (
+                f"Hi! This assistant only talks to people its owner has approved. Your pairing code is {pretty} "
+                f"(valid for an hour). Ask the owner to run: appserver pairing approve {code.code}"
+            )
+        await self.outboxes.say(runner, Target(entry.chat, entry.thread), text)
+
+    async def watch_pairings(self) -> None:
+        """Act on approvals and denials (from the CLI or elsewhere) within a second, live."""
+        while True:
+            for decided in self.pairing.decided_unhandled():
+                runner = self.runners.get(f"{decided.channel}:{decided.account}")
+                if runner is None or runner.adapter is None or not runner.adapter.is_running:
+                    continue  # not configured or not running here: act on it once it runs
+                held = self.ledger.held(decided.channel, decided.account, decided.sender)
+                target = Target(decided.chat)
+                if decided.status == "approved":
+                    released = [self.ledger.release(e.key, f"pairing {decided.code} approved") for e in held]
+                    if len(released) > 1:  # the kept messages are the first turn, together
+                        self.ledger.assign_batch([e.key for e in released])
+                    if released:
+                        self.enqueue(released[0])
+                    await self.outboxes.say(
+                        runner, target, "✅ You're approved. Your messages are on their way to the assistant."
+                    )
+                else:
+                    for entry in held:
+                        self.ledger.refuse(entry.key, f"pairing {decided.code} denied")
+                    notice = runner.settings.get("deny_notice")
+                    if isinstance(notice, str) and notice.strip():
+                        await self.outboxes.say(runner, target, notice)
+                self.pairing.mark_handled(decided.code)
+            await asyncio.sleep(PAIRING_POLL_S)
+
+    async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
+        """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
+        route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
+        resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
+        conversation = resolution.conversation if resolution is not None else None
+        try:
+            if command.name == "help":
+                return HELP
+            if command.name == "new":
+                self.router.forget(route_key)
+                return "🆕 Your next message starts a new conversation."
+            if command.name == "cancel":
+                if conversation is None:
+                    return "Nothing is running."
+                starters = self.replies.starters(conversation)
+                if starters and entry.sender not in starters and not runner.policy.is_admin(entry.sender):
+                    return "Only the person who started the running reply, or an admin, can cancel it."
+                ack = await self.link.request({"type": "cancel", "conversation": conversation})
+                return "⏹ Cancelled." if ack.get("cancelled") else "Nothing is running."
+            if command.name == "status":
+                return await self.status_text(resolution.agent if resolution else None, conversation)
+            if command.name == "pair":
+                if not runner.policy.is_admin(entry.sender):
+                    return "Only an admin of this bot can list pairing requests."
+                pending = [
+                    p
+                    for p in self.pairing.pending()
+                    if (p.channel, p.account) == (entry.key.channel, entry.key.account)
+                ]
+                if not pending:
+                    return "No pending pairing requests."
+                lines = [f"{p.code}  {p.sender_name or p.sender}" for p in pending]
+                return "Pending pairing requests (approve with: appserver pairing approve CODE):\n" + "\n".join(lines)
+            return await self.answer_approval(entry, runner, command)
+        except (ProtocolError, Closed, TimeoutError) as exc:
+            return f"⚠ The server did not answer: {exc}"
+
+    async def status_text(self, agent: str | None, conversation: str | None) -> str:
+        if agent is None:
+            return "This chat is not connected to an agent yet."
+        if conversation is None:
+            return f"Agent: {agent}. No conversation yet: your next message starts one."
+        state = await self.link.request({"type": "subscribe", "conversation": conversation})
+        active = state.get("active_turn") or {}
+        running = f"; running {active.get('turn_id')} ({active.get('phase')})" if active else ""
+        return (
+            f"Agent: {agent}. Conversation {conversation}: {state.get('state')}, "
+            f"{int(state.get('queued') or 0)} queued{running}."
+        )
+
+    async def on_approval(self, frame: dict[str, Any]) -> None:
+        call_id = str(frame.get("call_id") or "")
+        if frame.get("type") == "approval_resolved":
+            prompt = self.approvals.prompts.get(call_id)
+            if prompt is not None and prompt.decided is None:
+                who = frame.get("decided_by")
+                line = OUTCOME_LINES.get(str(frame.get("status")), str(frame.get("status")))
+                await self.decided(
+                    prompt, f"{line}" + (f" by {who}" if who and frame.get("status") in ("approved", "denied") else "")
+                )
+            return
+        ctx = await self.replies.context(str(frame.get("turn_id")))
+        if ctx is None or ctx.conversation is None and not frame.get("conversation_id"):
+            return  # not a turn this gateway started
+        spec = ctx.runner.spec
+        prompt = Prompt(
+            call_id=call_id,
+            conversation=str(frame.get("conversation_id") or ctx.conversation),
+            turn_id=str(frame.get("turn_id")),
+            account=spec.ref,
+            target=ctx.here,
+            starter=ctx.starter,
+            name=str(frame.get("name") or "a tool"),
+            arguments=str(frame.get("arguments") or ""),
+        )
+        if not self.approvals.add(prompt):
+            return
+        buttons = getattr(ctx.runner.adapter, "prompt_approval", None)
+        try:
+            if callable(buttons):
+                prompt.message_ids = list(await buttons(ctx.here, prompt.text(), prompt.short_id))
+            else:
+                prompt.message_ids = await self.outboxes.say(ctx.runner, ctx.here, prompt.text())
+        except Exception as exc:  # noqa: BLE001 - a prompt that cannot be shown leaves the CLI to answer
+            log.warning("%s: could not show the approval prompt: %s", spec.ref, exc)
+
+    async def answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
+        found = self.approvals.find(runner.spec.ref, entry.chat, command.args[0] if command.args else None)
+        if found is None:
+            return "No request waiting for an answer here" + (f" with ID {command.args[0]}." if command.args else ".")
+        if isinstance(found, list):
+            return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
+        prompt = found
+        if entry.sender != prompt.starter and not runner.policy.is_admin(entry.sender):
+            return "Only the person who started this, or an admin, can answer it."
+        decision = "approve" if command.name == "approve" else "deny"
+        ack = await self.link.request(
+            {
+                "type": "approval_response",
+                "conversation": prompt.conversation,
+                "decisions": [{"call_id": prompt.call_id, "decision": decision}],
+            }  # fmt: skip
+        )
+        result = (ack.get("results") or [{}])[0]
+        if result.get("accepted") is False:
+            return "That request was already answered."
+        who = entry.payload.get("sender_name") or entry.sender
+        await self.decided(prompt, f"{OUTCOME_LINES['approved' if decision == 'approve' else 'denied']} by {who}")
+        return ""
+
+    async def decided(self, prompt: Prompt, line: str) -> None:
+        """Show the decision on the prompt: edited in place where the platform can, else a line."""
+        prompt.decided = line
+        runner = self.runners.get(prompt.account)
+        if runner is None:
+            return
+        try:
+            outbox = self.outboxes.of(runner)
+            if outbox.can_edit and prompt.message_ids:
+                await outbox.edit(prompt.target, prompt.message_ids[0], prompt.text())
+            else:
+                await outbox.send(prompt.target, f"{prompt.name}: {line}")
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)

@@ -1,0 +1,244 @@
+"""Replies: following each submitted turn and delivering what it says back to its chat.
+
+One follower per turn (`follow`): the turn's snapshots grow a `ReplySink` in place (paced about one
+edit per second, the end never held back long), the final text is written to the ledger before it
+is delivered, and the platform ids are noted as each part goes out, so a restart continues the same
+reply instead of sending it again. Replies to one chat go out in their messages' order
+(`ChatOrder`); the typing indicator runs while a turn does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from appserver.client import TERMINAL, Closed, ProtocolError
+from gateway.accounts import AccountRunner
+from gateway.delivery import ChatOrder, DeliveryFailed, Outboxes, ReplySink, reply_body, visible_text
+from gateway.ledger import Entry, Ledger, UpdateKey
+from gateway.link import ServerLink
+from gateway.tool import TurnSends
+from plugins.contract import Target
+
+log = logging.getLogger("gateway.replies")
+
+FIRST_SEND_GRACE_S = 0.3
+TYPING_EVERY_S = 4.0
+
+
+@dataclass
+class TurnContext:
+    """A turn this gateway submitted and follows: where it came from and who started it."""
+
+    runner: AccountRunner
+    key: UpdateKey
+    here: Target
+    reply_to: str
+    starter: str
+    conversation: str | None
+    sends: TurnSends = field(default_factory=TurnSends)
+
+
+def chat_key(entry: Entry) -> str:
+    return f"{entry.key.channel}:{entry.key.account}:{entry.chat}:{entry.thread or ''}"
+
+
+def final_text(snapshot: dict[str, Any], shown: str) -> str:
+    """The reply's last text: a turn that ended without its text (interrupted by a crash, failed
+    mid-stream) keeps what the chat already showed, followed by the one-line reason."""
+    final = visible_text(snapshot, tool_status=False)
+    if shown and not reply_body(snapshot) and snapshot.get("status") in ("failed", "cancelled"):
+        return f"{shown}\n\n{final}"
+    return final
+
+
+class Replies:
+    def __init__(
+        self,
+        ledger: Ledger,
+        link: ServerLink,
+        outboxes: Outboxes,
+        changed: Callable[[], None],
+        on_turn_done: Callable[[str], None],
+    ) -> None:
+        self.ledger = ledger
+        self.link = link
+        self.outboxes = outboxes
+        self.changed = changed  # the account counters moved: save them soon
+        self.on_turn_done = on_turn_done
+        self.order = ChatOrder()
+        self.followers: dict[str, asyncio.Task[None]] = {}
+        self.turns: dict[str, TurnContext] = {}
+
+    async def stop(self) -> None:
+        tasks = list(self.followers.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def starters(self, conversation: str) -> list[str]:
+        """Who started the turns of `conversation` this gateway follows now."""
+        return [c.starter for c in self.turns.values() if c.conversation == conversation]
+
+    def follow(self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False) -> None:
+        if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:
+            return  # a batch's reply is delivered through its first message
+        if runner is None:
+            log.error("%s: the account is no longer configured; its reply cannot be delivered", entry.key)
+            return
+        turn_id = entry.turn_id
+        self.turns[turn_id] = TurnContext(
+            runner, entry.key, Target(entry.chat, entry.thread), entry.key.message_id, entry.sender, entry.conversation
+        )
+        task = asyncio.ensure_future(self._deliver(entry, runner, turn_id, resumed))
+        self.followers[turn_id] = task
+        task.add_done_callback(lambda _t: self._turn_done(turn_id))
+
+    def _turn_done(self, turn_id: str) -> None:
+        self.followers.pop(turn_id, None)
+        self.turns.pop(turn_id, None)
+        self.on_turn_done(turn_id)
+
+    async def _deliver(self, entry: Entry, runner: AccountRunner, turn_id: str, resumed: bool) -> None:
+        # The reply answers the message (a platform may thread it, a webhook receiver correlates it).
+        target = Target(entry.chat, entry.thread, entry.key.message_id)
+        before, mine = self.order.ticket(chat_key(entry))
+        try:
+            await runner.ready.wait()
+            while runner.adapter is None or not runner.adapter.is_running:
+                await asyncio.sleep(0.5)  # the account restarts; the reply waits for it
+            outbox = self.outboxes.of(runner)
+            stream = bool(runner.settings.get("stream", True))
+            tool_status = bool(runner.settings.get("tool_status", True))
+            sink = ReplySink.resumed(outbox, target, entry.remote_ids, stream=stream)
+            key = entry.key
+            sink.on_sent = lambda ids: self.ledger.note_sent(key, ids, None)
+            sink.key = str(key)
+            text = entry.reply
+            if entry.state == "submitted":
+                typing = asyncio.ensure_future(self._keep_typing(runner, target))
+                try:
+                    text = await self._run_sink(entry, sink, turn_id, before, tool_status, resumed)
+                finally:
+                    typing.cancel()
+                entry = self.ledger.mark_finished(entry.key, text)
+            if before is not None:
+                await before.wait()
+            await asyncio.sleep(sink.final_due())
+            ids = await sink.finish(text or "")
+            self.ledger.mark_delivered(entry.key, ids)
+            for member in self.ledger.batch_of(entry)[1:]:  # the other messages of a debounced batch
+                if member.state == "submitted":
+                    member = self.ledger.mark_finished(member.key, text or "")
+                if member.state == "finished":
+                    self.ledger.mark_delivered(member.key, ids)
+            runner.live.replies += 1
+            runner.live.last_outbound = time.time()
+        except DeliveryFailed as exc:
+            log.error("%s: reply not delivered: %s", entry.key, exc)
+            for member in self.ledger.batch_of(entry):
+                if member.state in ("submitted", "finished"):
+                    self.ledger.mark_failed(member.key, f"delivery failed: {exc}")
+            runner.live.failures += 1
+        finally:
+            self.changed()
+            self.link.unfollow(turn_id)
+            self.order.release(chat_key(entry), mine)
+
+    async def _keep_typing(self, runner: AccountRunner, target: Target) -> None:
+        """The platform's typing indicator while the turn runs (it fades after ~5 s: renew it)."""
+        typing = getattr(runner.adapter, "typing", None)
+        if not callable(typing):
+            return
+        while True:
+            try:
+                await typing(target)
+            except Exception as exc:  # noqa: BLE001 - a missing indicator is not worth a failure
+                log.debug("typing indicator failed: %s", exc)
+            await asyncio.sleep(TYPING_EVERY_S)
+
+    async def _run_sink(
+        self,
+        entry: Entry,
+        sink: ReplySink,
+        turn_id: str,
+        before: asyncio.Event | None,
+        tool_status: bool,
+        resumed: bool,
+    ) -> str:
+        """Follow the turn to its end, growing the reply in place; returns the final text."""
+        follower = self.link.follow(turn_id)
+        if resumed and entry.conversation:
+            recovered = await self._recover(entry.conversation, turn_id)
+            if recovered is not None:
+                follower.offer(recovered)
+        shown = entry.reply or ""  # the reply's text as last shown: kept if the turn ends without its text
+        loop = asyncio.get_running_loop()
+        while True:
+            snap = await follower.next()
+            if snap.get("status") in TERMINAL:
+                return final_text(snap, shown)
+            if before is not None and not before.is_set():
+                continue  # the previous reply in this chat is still going out
+            # Pace the edits (~1/s), taking the newest snapshot when the time comes; the end of the
+            # turn does not wait for the pace. The first send waits a moment too, so a reply that
+            # is done within it goes out as one message instead of a send and an edit.
+            deadline = loop.time() + (sink.due() if sink.ids else FIRST_SEND_GRACE_S)
+            while (remaining := deadline - loop.time()) > 0:
+                try:
+                    snap = await asyncio.wait_for(follower.next(), remaining)
+                except TimeoutError:
+                    break
+                if snap.get("status") in TERMINAL:
+                    return final_text(snap, shown)
+            snap = follower.latest or snap
+            try:
+                ids = await sink.show(visible_text(snap, tool_status=tool_status))
+            except DeliveryFailed as exc:
+                log.warning("%s: a streaming edit failed (%s); the final text will still be sent", entry.key, exc)
+                continue
+            body = reply_body(snap)
+            if body and body != shown:
+                shown = body
+                self.ledger.note_sent(entry.key, ids, shown)  # after on_sent: the text too
+
+    async def _recover(self, conversation: str, turn_id: str) -> dict[str, Any] | None:
+        while True:
+            try:
+                return await self.link.recover(conversation, turn_id)
+            except ProtocolError as exc:
+                if exc.code in ("conversation_not_found", "forbidden"):
+                    return {
+                        "turn_id": turn_id,
+                        "status": "failed",
+                        "revision": 1 << 30,
+                        "blocks": [],
+                        "error": {"message": f"the conversation is gone ({exc.code})"},
+                    }
+                log.warning("recovering %s failed (%s); retrying", turn_id, exc)
+            except (Closed, TimeoutError) as exc:
+                log.warning("recovering %s failed (%s); retrying", turn_id, exc)
+            await asyncio.sleep(1.0)
+
+    async def deliver_text(self, runner: AccountRunner, target: Target, text: str) -> list[str]:
+        """Send `text` as a whole reply to `target` (cron `--deliver`); returns the ids."""
+        sink = ReplySink(self.outboxes.of(runner), target, stream=False)
+        ids = await sink.finish(text)
+        runner.live.replies += 1
+        runner.live.last_outbound = time.time()
+        self.changed()
+        return ids
+
+    async def context(self, turn_id: str) -> TurnContext | None:
+        """The context of a turn this gateway follows; a frame can overtake the submit's ack, so
+        give the turn a moment to register."""
+        for _ in range(50):
+            ctx = self.turns.get(turn_id)
+            if ctx is not None:
+                return ctx
+            await asyncio.sleep(0.1)
+        return None

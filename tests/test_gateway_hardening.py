@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from appserver.channelconfig import ChannelConfigError, check_account
-from gateway.turninput import clean, submit_frame
 from gateway.db import open_db
 from gateway.delivery import MAX_RETRY_AFTER_S, Outbox, ReplySink
 from gateway.envelope import parse
 from gateway.intake import Intake
 from gateway.ledger import Entry, Ledger, Receipt, UpdateKey
 from gateway.ratelimit import ChatRateLimiter
+from gateway.turninput import clean, submit_frame
 from plugins.contract import DeliveryError, Limits, Target
 
 

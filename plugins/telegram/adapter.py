@@ -47,6 +47,7 @@ from telegram.error import (
     TimedOut,
 )
 from telegram.request import HTTPXRequest
+from telegram.warnings import PTBDeprecationWarning
 
 from plugins.contract import (
     Account,
@@ -74,6 +75,10 @@ ALLOWED_UPDATES = ["message", "edited_message", "callback_query", "my_chat_membe
 APPROVE_PREFIX = "approve:"
 DENY_PREFIX = "deny:"
 _REMEMBERED_FORMATS = 512
+
+# python-telegram-bot 22 warns, when it builds a RetryAfter, that `retry_after` will become a timedelta;
+# `retry_seconds` reads either form, so the warning would only flood the log at each 429.
+warnings.filterwarnings("ignore", message=r".*retry_after.*", category=PTBDeprecationWarning)
 
 
 class TelegramAdapter:
@@ -107,6 +112,8 @@ class TelegramAdapter:
         if mode != "polling":
             self._config_error = f'{self._where}: mode must be "polling" (webhook mode is not supported yet)'
         self._bot: Bot | None = None
+        self._requests: tuple[HTTPXRequest, ...] = ()
+        self._token = ""
         self._me: User | None = None
         self._task: asyncio.Task[None] | None = None
         self._offset = 0  # the first update id not yet acknowledged by the gateway
@@ -134,12 +141,16 @@ class TelegramAdapter:
         token = self.account.secrets.get("token")
         if not token:
             raise AccountError(f"{self._where}: no bot token; set token_env (an environment variable) or token_file")
+        self._token = token
+        request = HTTPXRequest(connection_pool_size=16, read_timeout=15.0, write_timeout=15.0, connect_timeout=10.0)
+        polling = HTTPXRequest(connection_pool_size=2, read_timeout=10.0, connect_timeout=10.0)
+        self._requests = (request, polling)
         self._bot = Bot(
             token,
             base_url=f"{self.api_url}/bot",
             base_file_url=f"{self.api_url}/file/bot",
-            request=HTTPXRequest(connection_pool_size=16, read_timeout=15.0, write_timeout=15.0, connect_timeout=10.0),
-            get_updates_request=HTTPXRequest(connection_pool_size=2, read_timeout=10.0, connect_timeout=10.0),
+            request=request,
+            get_updates_request=polling,
         )
         self._report("starting", None)
         try:
@@ -170,10 +181,13 @@ class TelegramAdapter:
         self._report("stopped", None)
 
     async def _close_bot(self) -> None:
-        bot, self._bot = self._bot, None
-        if bot is not None:
+        # The Bot was never `initialize()`d (its getMe would put the token into the error), so its
+        # `shutdown()` would skip the HTTP clients: close them here.
+        self._bot = None
+        requests, self._requests = self._requests, ()
+        for request in requests:
             with contextlib.suppress(Exception):
-                await bot.shutdown()
+                await request.shutdown()
 
     async def _hello(self) -> None:
         """getMe (who we are: the @username mentions are matched against), then deleteWebhook so
@@ -186,11 +200,16 @@ class TelegramAdapter:
     def _token_refused(self, exc: TelegramError) -> str:
         return (
             f"{self._where}: Telegram refused the bot token (the secret token, from token_env or token_file): "
-            f"{exc.message}; check the token BotFather gave you"
+            f"{self._scrub(exc.message)}; check the token BotFather gave you"
         )
+
+    def _scrub(self, text: str) -> str:
+        """`text` without the bot token (it is part of every API URL, so an error may quote it)."""
+        return text.replace(self._token, "<token>") if self._token else text
 
     def _report(self, state: AccountState, reason: str | None) -> None:
         self._state = state
+        reason = self._scrub(reason) if reason else reason
         try:
             self.context.report(state, reason)
         except Exception:

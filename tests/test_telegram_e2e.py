@@ -1,0 +1,212 @@
+"""The `telegram` channel end to end: a real `appserver serve --channels telegram`, its gateway child
+running the plugin with the real python-telegram-bot, and the loopback fake Bot API
+(tests/fakes/telegram_api.py). One server serves the tests that break nothing (each in chats of its
+own); the kill -9 test starts its own."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakes.telegram_api import FakeTelegram
+from tests.support.cli import cli_env, run_cli
+from tests.support.gateway import ChannelServer, channel_server, gateway_children, store_turns, write_config
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(120)
+
+JPEG = bytes.fromhex("ffd8ffe000104a46494600010100000100010000ffdb004300") + bytes(range(64)) * 8 + b"\xff\xd9"
+
+
+def _settings(tg: FakeTelegram, **extra: Any) -> dict[str, Any]:
+    return {
+        "api_url": tg.url,
+        "poll_timeout": 1,
+        "token_env": "TG_TOKEN",
+        "dm_policy": "open",
+        "default_agent": "assistant",
+        **extra,
+    }
+
+
+def _home(tmp: Path, tg: FakeTelegram) -> Path:
+    home = tmp / "home"
+    write_config(home, {"telegram": {"main": _settings(tg)}}, ["telegram"])
+    return home
+
+
+@pytest.fixture(scope="module")
+def tg() -> Iterator[FakeTelegram]:
+    with FakeTelegram() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, tg: FakeTelegram) -> Iterator[ChannelServer]:
+    home = _home(tmp_path_factory.mktemp("telegram"), tg)
+    created = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask")
+    assert created.code == 0, created.err
+    routed = run_cli(home, "channels", "route", "add", "telegram:main:4500:__root__", "careful")
+    assert routed.code == 0, routed.err
+    with channel_server(home, "--channels", "telegram", env=cli_env(home, TG_TOKEN=tg.token)) as server:
+        yield server
+
+
+def test_a_dm_is_answered_by_edits_and_the_final_text_is_exact(srv: ChannelServer, tg: FakeTelegram) -> None:
+    sent = tg.dm("/slow 40", user_id=4100)
+    words = " ".join(f"w{i}" for i in range(1, 41))
+    message = tg.wait_for_text(4100, words, timeout=30)
+    assert len(tg.messages(4100)) == 1 and message.edits >= 1, tg.messages(4100)
+    assert message.history[-1] == words and message.parse_mode == "HTML"
+    assert tg.acked(sent) and tg.deliveries(sent) == 1
+    assert "telegram:main running" in srv.channels_check()["detail"]
+    # typing while the turn ran
+    assert tg.calls("sendChatAction", chat_id=4100)
+
+
+def test_markdown_with_angle_brackets_and_ampersands_renders_as_html(srv: ChannelServer, tg: FakeTelegram) -> None:
+    tg.dm("**bold** if a < b && c > d: `x<y>`", user_id=4101)
+    reply = tg.wait_for_text(4101, lambda t: t.startswith("echo:") and t.endswith("x<y>"), timeout=15)
+    assert reply.text == "echo: bold if a < b && c > d: x<y>"
+    assert "<b>bold</b>" in reply.source and "&lt; b &amp;&amp; c &gt; d" in reply.source
+    assert "<code>x&lt;y&gt;</code>" in reply.source
+    refused = [c for c in tg.calls(chat_id=4101) if c.status == 400 and "parse entities" in json.dumps(c.response)]
+    assert refused == []
+
+
+def test_a_long_reply_is_split_within_telegrams_limit(srv: ChannelServer, tg: FakeTelegram) -> None:
+    text = "\n\n".join(f"Paragraph {i}: " + "lorem & ipsum < dolor " * 60 for i in range(6))
+    assert len(text) > 8000
+    tg.dm(text, user_id=4102)
+    tg.wait_for(
+        lambda: len(tg.messages(4102)) >= 2 and tg.messages(4102)[-1].text.endswith("dolor") or None,
+        timeout=30,
+        what="a split reply",
+    )
+    parts = [m.text for m in tg.messages(4102)]
+    assert all(len(p) <= 4096 for p in parts), [len(p) for p in parts]
+    assert "".join(parts).count("Paragraph") == 6
+
+
+def test_a_group_message_needs_a_mention_and_is_answered_in_its_topic(srv: ChannelServer, tg: FakeTelegram) -> None:
+    group = -1009001
+    bob = tg.user(4200, "Bob", "bob")
+    quiet = tg.inject(group, "just chatting here", kind="supergroup", thread=77, sender=bob)
+    asked = tg.inject(group, f"@{tg.username} are you there?", kind="supergroup", thread=77, sender=bob)
+    reply = tg.wait_for_text(group, lambda t: "are you there?" in t, timeout=15)
+    assert reply.thread == 77 and reply.reply_to == asked.message_id
+    time.sleep(0.5)
+    assert [m.text for m in tg.messages(group)] == [f"echo: @{tg.username} are you there?"]
+    assert tg.acked(quiet) and tg.acked(asked)
+    # a reply to the bot counts as a mention too
+    tg.inject(group, "and now?", kind="supergroup", thread=77, sender=bob, reply_to=reply.message_id)
+    tg.wait_for_text(group, "echo: and now?", timeout=15, thread=77)
+
+
+def test_a_photo_reaches_the_model_as_an_image(srv: ChannelServer, tg: FakeTelegram) -> None:
+    tg.dm(None, photo=JPEG, caption="what is in this picture?", user_id=4300)  # type: ignore[arg-type]
+    tg.wait_for_text(4300, lambda t: "what is in this picture?" in t, timeout=15)
+    assert tg.calls("getFile")
+    conn = sqlite3.connect(f"file:{srv.home / 'appserver.db'}?mode=ro", uri=True)
+    try:
+        rows = [json.loads(c) for (c,) in conn.execute("SELECT content FROM messages WHERE role='user'")]
+    finally:
+        conn.close()
+    mine = [r for r in rows if isinstance(r, list) and any("what is in this picture?" in str(p) for p in r)]
+    assert mine, rows
+    images = [p for p in mine[-1] if isinstance(p, dict) and p.get("type") in ("image", "image_url")]
+    assert len(images) == 1, mine[-1]
+    url = str(images[0].get("url") or images[0]["image_url"]["url"])
+    assert url == "data:image/jpeg;base64," + base64.b64encode(JPEG).decode()  # the largest size, whole
+
+
+def test_an_approval_is_answered_by_the_inline_button(srv: ChannelServer, tg: FakeTelegram) -> None:
+    tg.dm("/call clock {}", user_id=4500, first_name="Ann")
+    prompt = tg.wait_for_text(4500, lambda t: t.startswith("🔐") and "clock" in t, timeout=20)
+    short = re.search(r"/approve (\w+)", prompt.text)
+    assert short, prompt.text
+    buttons = [b["callback_data"] for row in (prompt.reply_markup or {})["inline_keyboard"] for b in row]
+    assert buttons == [f"approve:{short.group(1)}", f"deny:{short.group(1)}"]
+    pressed = tg.press(4500, prompt.message_id, f"approve:{short.group(1)}", sender=tg.user(4500, "Ann"))
+    tg.wait_for_text(4500, lambda t: t.startswith("clock -> "), timeout=20)
+    decided = tg.message(4500, prompt.message_id)
+    assert "✅ Approved by Ann" in decided.text and decided.reply_markup is None  # buttons gone with the edit
+    assert tg.callback_answer(pressed.callback_id or "") is not None
+
+
+def test_429_retry_after_is_honoured(srv: ChannelServer, tg: FakeTelegram) -> None:
+    tg.chat(4600)
+    tg.fail_next("sendMessage", 429, retry_after=3)
+    tg.dm("patience", user_id=4600)
+    tg.wait_for_text(4600, "echo: patience", timeout=20)
+    sends = [c for c in tg.calls(chat_id=4600) if c.method in ("sendMessage", "editMessageText")]
+    assert [c.status for c in sends][:2] == [429, 200], [c.status for c in sends]
+    assert sends[1].t - sends[0].t >= 3.0, sends[1].t - sends[0].t
+    assert len(tg.messages(4600)) == 1
+
+
+def test_a_conflict_is_shown_then_recovers(srv: ChannelServer, tg: FakeTelegram) -> None:
+    tg.other_poller(True)
+    try:
+        wait_for(lambda: "telegram:main conflict" in srv.channels_check()["detail"], 10, "state conflict")
+        wait_for(lambda: _status(srv)["state"] == "conflict", 10, "conflict in `channels status`")
+        assert "409" in str(_status(srv)["reason"])
+    finally:
+        tg.other_poller(False)
+    wait_for(lambda: srv.channels_check()["status"] == "ok", 15, "recovery")
+    tg.dm("after the conflict", user_id=4700)
+    tg.wait_for_text(4700, "echo: after the conflict", timeout=15)
+
+
+def test_a_chat_that_removed_the_bot_gets_no_retry_storm(srv: ChannelServer, tg: FakeTelegram) -> None:
+    tg.dm("are you still there?", user_id=4900)
+    tg.block(4900, "Forbidden: bot was blocked by the user")
+    wait_for(lambda: [c for c in tg.calls("sendMessage", chat_id=4900) if c.status == 403], 15, "the refused send")
+    time.sleep(2.0)  # transient retries would come at 0.5, 1 and 2 s
+    assert [c.status for c in tg.calls("sendMessage", chat_id=4900)] == [403]
+    assert tg.messages(4900) == []
+
+
+def _status(srv: ChannelServer) -> dict[str, Any]:
+    out = run_cli(srv.home, "channels", "status", "--json")
+    assert out.code == 0, out.err
+    [account] = [a for a in out.json()["accounts"] if a.get("channel") == "telegram"]
+    return dict(account)
+
+
+def test_kill_9_after_the_update_was_delivered_answers_once(tmp_path: Path) -> None:
+    with FakeTelegram() as tg:
+        home = _home(tmp_path, tg)
+        with channel_server(home, "--channels", "telegram", env=cli_env(home, TG_TOKEN=tg.token)) as srv:
+            first = srv.gateway_pid()
+            killed: list[int] = []
+
+            def kill(update_ids: list[int]) -> None:  # runs once the fake's answer is on the wire
+                if not killed:
+                    killed.append(first)
+                    os.kill(first, signal.SIGKILL)
+
+            tg.on_delivery = kill
+            sent = tg.dm("once please", user_id=4800)
+            wait_for(lambda: first not in gateway_children(srv.proc.pid), timeout=20, what="the child to die")
+            tg.on_delivery = None
+            tg.wait_for_text(4800, "echo: once please", timeout=40)
+            time.sleep(1.0)  # a duplicate would show up by now
+            assert [m.text for m in tg.messages(4800)] == ["echo: once please"]
+            assert store_turns(srv.home, 'message_id="4800:') == 1
+            assert tg.acked(sent)
+            # acknowledged once: no poll after the one that passed it was given it again
+            polls = tg.polls()
+            passed = next(i for i, (offset, _, _) in enumerate(polls) if offset > sent.update_id)
+            assert all(sent.update_id not in ids for _, _, ids in polls[passed:])
+            assert 1 <= tg.deliveries(sent) <= 2

@@ -203,7 +203,11 @@ class AccountRunner:
     def _create(self) -> Adapter:
         create = load_plugin(self.spec.channel, self.home)
         secrets = resolve_secrets(self.spec, self.home, self._environ)
-        account = Account(self.spec.channel, self.spec.name, dict(self.spec.settings), secrets)
+        sources = {
+            name: f"environment variable {ref['env']}" if "env" in ref else f"file {ref.get('file')}"
+            for name, ref in self.spec.secrets.items()
+        }
+        account = Account(self.spec.channel, self.spec.name, dict(self.spec.settings), secrets, sources)
         data_dir = self.home / "channels" / self.spec.channel / "data" / self.spec.name
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         context = AdapterContext(

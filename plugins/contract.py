@@ -110,6 +110,8 @@ class Account:
     name: str
     settings: Mapping[str, Any]
     secrets: Mapping[str, str]
+    # Where each secret came from, for error messages: {"token": "environment variable TG_TOKEN"}.
+    secret_sources: Mapping[str, str] = field(default_factory=dict)
 
 
 OnMessage = Callable[[InboundMessage], Awaitable[None]]

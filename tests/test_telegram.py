@@ -438,3 +438,11 @@ async def test_privacy_mode_shows_the_bot_only_what_is_addressed_to_it(gw: Gatew
             ]
         finally:
             await adapter.stop()
+
+
+async def test_a_refused_token_names_the_variable_it_came_from(tg: FakeTelegram, gw: Gateway) -> None:
+    account = Account(
+        "telegram", "main", tg.settings(), {"token": "999:wrong"}, {"token": "environment variable TG_TOKEN"}
+    )
+    with pytest.raises(AccountError, match=r"refused the bot token \(from environment variable TG_TOKEN\)"):
+        await create_adapter(account, gw.context()).start()

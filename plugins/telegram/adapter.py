@@ -198,8 +198,9 @@ class TelegramAdapter:
         self._log.info("%s: polling as @%s", self._where, self._me.username)
 
     def _token_refused(self, exc: TelegramError) -> str:
+        source = self.account.secret_sources.get("token") or "token_env or token_file"
         return (
-            f"{self._where}: Telegram refused the bot token (the secret token, from token_env or token_file): "
+            f"{self._where}: Telegram refused the bot token (from {source}): "
             f"{self._scrub(exc.message)}; check the token BotFather gave you"
         )
 

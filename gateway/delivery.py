@@ -227,10 +227,11 @@ class ReplySink:
         """The parts of `text`. `max_length` counts after `format` (markup and escapes can grow a
         part), so a part whose formatted form is too long is split finer."""
         limit = self.outbox.adapter.limits.max_length
+        measure = getattr(self.outbox.adapter, "measure", None) or len  # e.g. Telegram counts UTF-16 units
         out: list[str] = []
         for chunk in split_message(text, limit):
             room, parts = limit, [chunk]
-            while room > MIN_LIMIT and any(len(self.outbox.format(p)) > limit for p in parts):
+            while room > MIN_LIMIT and any(measure(self.outbox.format(p)) > limit for p in parts):
                 room = max(MIN_LIMIT, room * 4 // 5)
                 parts = split_message(chunk, room)
             out.extend(parts)

@@ -136,6 +136,7 @@ class Adapter(Protocol):
     with `getattr`:
     `edit(target, message_id, text) -> None` (when `limits.can_edit`),
     `react(target, message_id, emoji) -> None` (when `limits.can_react`),
+    `measure(text) -> int` (how the platform counts `max_length`, when not in characters),
     `typing(target) -> None`, and `format(text) -> str` (Markdown to the platform's markup; the
     identity when absent)."""
 

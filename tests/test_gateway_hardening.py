@@ -158,3 +158,17 @@ def test_the_fold_keeps_references_working() -> None:
     account = check_account("telegram", "main", {"token_env": "TG", "default_agent": "a"}, "config.toml")
     assert account.secret_refs == {"token": {"env": "TG"}}
     assert json.dumps(account.to_json())
+
+
+def test_parts_respect_the_platforms_own_measure_of_length() -> None:
+    class Utf16(Refusing):
+        @staticmethod
+        def measure(text: str) -> int:
+            return len(text.encode("utf-16-le")) // 2
+
+    adapter = Utf16(can_edit=False)
+    adapter.limits = Limits(max_length=100)
+    text = "😀" * 70  # 70 characters, 140 UTF-16 units: over the 100 limit
+    asyncio.run(ReplySink(_outbox(adapter), Target("c"), stream=False).finish(text))
+    assert len(adapter.sent) >= 2 and all(adapter.measure(t) <= 100 for _, t in adapter.sent)
+    assert "".join(t for _, t in adapter.sent) == text

@@ -473,6 +473,11 @@ class TelegramAdapter:
 
     # ------------------------------------------------------------------ outbound
 
+    @staticmethod
+    def measure(text: str) -> int:
+        """Telegram counts a message's length in UTF-16 code units (an emoji is two)."""
+        return len(text.encode("utf-16-le")) // 2
+
     def format(self, text: str) -> str:
         """The reply's Markdown as Telegram HTML (remembered, so a refused one can go out as plain text)."""
         html = to_html(text)

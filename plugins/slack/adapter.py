@@ -1,0 +1,579 @@
+"""The Slack adapter: Socket Mode in (slack_sdk's aiohttp `SocketModeClient`), the Web API out
+(`AsyncWebClient`). No public URL is needed.
+
+Inbound, ledger-first: each `events_api` envelope becomes an `InboundMessage` whose `ack` sends the
+envelope's acknowledgement; the gateway calls it once its ledger committed the message, so an
+envelope is acknowledged only after the commit (well within Slack's 3 s). An envelope the gateway
+could not take stays unacknowledged and Slack redelivers it (`retry_attempt` + 1, same event): the
+message id is `<channel>:<ts>`, independent of the envelope and the event id, so a redelivery (or
+the `message.channels` twin of an `app_mention`) is the same ledger key and never a second turn.
+Events that are not messages for the agent (edits, joins, deletions, …) are acknowledged at once.
+
+Threads: a DM's main line is its conversation; in a channel every top-level mention starts a
+thread (the reply is posted in the thread of the mention: `thread` is the mention's ts), and
+messages in a thread carry its `thread_ts`. So a Slack thread is one conversation. (A channel
+message without a mention, which only `group_policy = "open"` lets through, belongs to the
+channel's main line and is answered there.)
+
+The socket: the library reconnects by itself when Slack asks (`disconnect` frames); a watchdog
+notices a dropped socket, reports `backoff`, reconnects with a growing pause (0.5 s → 30 s) and
+reports `running` again. A token Slack refuses (`invalid_auth`, …) is an `AccountError` at start,
+and a refusal while reconnecting puts the account in `error` (no hot loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import httpx
+from slack_sdk.errors import SlackApiError
+from slack_sdk.socket_mode.aiohttp import SocketModeClient
+from slack_sdk.socket_mode.async_client import AsyncBaseSocketModeClient
+from slack_sdk.socket_mode.request import SocketModeRequest
+from slack_sdk.socket_mode.response import SocketModeResponse
+from slack_sdk.web.async_client import AsyncWebClient
+
+from plugins.contract import (
+    Account,
+    AccountError,
+    AccountState,
+    AdapterContext,
+    Attachment,
+    DeliveryError,
+    InboundMessage,
+    Limits,
+    Target,
+)
+from plugins.slack.format import escape, to_mrkdwn
+
+CHANNEL = "slack"
+DEFAULT_API_URL = "https://slack.com"
+# Slack truncates a message's text at 40,000 characters but recommends at most 4,000 (longer texts
+# render badly and are cut in notifications). 3,900 after formatting leaves room for the escapes
+# and the status line the gateway may add, and one screenful stays one message.
+MAX_LENGTH = 3900
+SECTION_MAX = 3000  # Block Kit: a section's text
+IMAGE_MAX_BYTES = 5 << 20  # the gateway keeps images up to 5 MiB
+FETCH_TIMEOUT_S = 2.0  # files are fetched before the ack, which Slack wants within 3 s
+CONNECT_TIMEOUT_S = 15.0
+WATCH_S = 0.2
+REFRESH_GRACE_S = 5.0  # a refresh asked for by Slack that takes longer than this shows as backoff
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 30.0
+MAX_RETRY_AFTER_S = 300.0
+AUTH_ERRORS = {"invalid_auth", "not_authed", "account_inactive", "token_revoked", "token_expired",
+               "not_allowed_token_type", "no_permission", "missing_scope"}  # fmt: skip
+PERMANENT_ERRORS = AUTH_ERRORS | {
+    "channel_not_found", "not_in_channel", "is_archived", "msg_too_long", "no_text", "invalid_blocks",
+    "restricted_action", "message_not_found", "cant_update_message", "edit_window_closed", "invalid_name",
+    "too_many_reactions", "invalid_arguments", "team_access_not_granted", "ekm_access_denied",
+}  # fmt: skip
+ACCEPTED_SUBTYPES = (None, "file_share", "thread_broadcast", "bot_message", "me_message")
+EMOJI_NAMES = {
+    "👀": "eyes", "👍": "+1", "👎": "-1", "✅": "white_check_mark", "❌": "x", "⏳": "hourglass_flowing_sand",
+    "🔥": "fire", "🎉": "tada", "❤️": "heart", "❤": "heart", "😂": "joy", "🙏": "pray", "👌": "ok_hand",
+    "🤔": "thinking_face", "⚠️": "warning", "⚠": "warning", "🚀": "rocket", "💯": "100", "😊": "blush",
+}  # fmt: skip
+_SLACK_LINK_RE = re.compile(r"<((?:https?://|mailto:)[^|>]+)(?:\|([^>]*))?>")
+
+
+class SlackAdapter:
+    """One Slack app (bot token + app-level token) in Socket Mode."""
+
+    limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+
+    def __init__(self, account: Account, context: AdapterContext) -> None:
+        self.account = account
+        self.context = context
+        self._log = context.log
+        self._where = f"slack account '{account.name}'"
+        api_url = account.settings.get("api_url", DEFAULT_API_URL)
+        self._config_error: str | None = None
+        if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+            self._config_error = f"{self._where}: api_url must be an http:// or https:// URL"
+            api_url = DEFAULT_API_URL
+        self._api_url = api_url.rstrip("/")
+        self._web: AsyncWebClient | None = None
+        self._socket: SocketModeClient | None = None
+        self._files: httpx.AsyncClient | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._bot_token = ""
+        self.bot_user: str | None = None
+        self.bot_id: str | None = None
+        self._state: AccountState = "stopped"
+        self._fatal: str | None = None
+        self._prompts: dict[tuple[str, str], str] = {}  # (channel, ts) of a prompt with buttons -> short id
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_running(self) -> bool:
+        return self._socket is not None and self._watch is not None and not self._watch.done()
+
+    async def start(self) -> None:
+        """Check both tokens (AccountError naming the one Slack refuses), open the socket."""
+        if self._config_error is not None:
+            raise AccountError(self._config_error)
+        if self.is_running:
+            return
+        bot = self.account.secrets.get("bot_token")
+        app = self.account.secrets.get("app_token")
+        missing = [name for name, value in (("bot_token", bot), ("app_token", app)) if not value]
+        if missing or bot is None or app is None:
+            names = " and ".join(f"{n} (set {n}_env or {n}_file)" for n in missing)
+            raise AccountError(f"{self._where}: no {names}")
+        if not bot.startswith("xoxb-"):
+            raise AccountError(f"{self._where}: bot_token (bot_token_env / bot_token_file) must be a bot token, xoxb-…")
+        if not app.startswith("xapp-"):
+            raise AccountError(
+                f"{self._where}: app_token (app_token_env / app_token_file) must be an app-level token, xapp-…"
+            )
+        self._bot_token = bot
+        self._fatal = None
+        self._report("starting", None)
+        self._web = web = AsyncWebClient(token=bot, base_url=f"{self._api_url}/api/", timeout=15)
+        try:
+            auth = await web.auth_test()
+        except SlackApiError as exc:
+            error = _error_code(exc)
+            if error in AUTH_ERRORS:
+                raise AccountError(
+                    f"{self._where}: Slack refused the bot token (bot_token_env / bot_token_file): {error}"
+                ) from None
+            raise RuntimeError(f"auth.test failed: {error}") from None
+        self.bot_user = str(auth.get("user_id") or "") or None
+        self.bot_id = str(auth.get("bot_id") or "") or None
+        sdk_log = self._log.getChild("sdk")
+        client = SocketModeClient(app_token=app, web_client=web, auto_reconnect_enabled=False, logger=sdk_log)
+        client.socket_mode_request_listeners.append(self._on_request)
+        try:
+            client.wss_uri = await client.issue_new_wss_url()
+            await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)  # type: ignore[no-untyped-call]
+        except SlackApiError as exc:
+            await _close_quietly(client)
+            error = _error_code(exc)
+            if error in AUTH_ERRORS:
+                raise AccountError(
+                    f"{self._where}: Slack refused the app-level token (app_token_env / app_token_file): {error}"
+                ) from None
+            raise RuntimeError(f"apps.connections.open failed: {error}") from None
+        except BaseException:
+            await _close_quietly(client)
+            raise
+        self._socket = client
+        self._watch = asyncio.create_task(self._watchdog(client), name=f"slack-watch-{self.account.name}")
+        self._log.info("%s: connected in Socket Mode as %s", self._where, self.bot_user)
+        self._report("running", None)
+
+    async def stop(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watch
+        client, self._socket = self._socket, None
+        if client is not None:
+            await _close_quietly(client)
+        files, self._files = self._files, None
+        if files is not None:
+            await files.aclose()
+        self._report("stopped", None)
+
+    def _report(self, state: AccountState, reason: str | None) -> None:
+        self._state = state
+        try:
+            self.context.report(state, reason)
+        except Exception:  # noqa: BLE001 - reporting must never break the socket
+            self._log.exception("slack: report(%s) failed", state)
+
+    async def _watchdog(self, client: SocketModeClient) -> None:
+        """Reconnect a dropped socket with a growing pause; the state says what is going on. A
+        `disconnect` frame is the library's to handle (it holds the connect lock meanwhile)."""
+        delay = BACKOFF_MIN_S
+        down_since: float | None = None
+        while True:
+            await asyncio.sleep(WATCH_S)
+            if await client.is_connected():
+                if self._state != "running":
+                    self._report("running", None)
+                delay = BACKOFF_MIN_S
+                down_since = None
+                continue
+            now = time.monotonic()
+            down_since = now if down_since is None else down_since
+            if client.connect_operation_lock.locked():
+                # The library is reconnecting (a `disconnect` frame); say so if it takes a while.
+                if now - down_since > REFRESH_GRACE_S and self._state == "running":
+                    self._report("backoff", "reconnecting to Slack (the socket was refreshed)")
+                continue
+            self._report("backoff", f"socket closed; reconnecting in {delay:g} s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+            async with client.connect_operation_lock:
+                if await client.is_connected():
+                    continue
+                try:
+                    client.wss_uri = await client.issue_new_wss_url()
+                    await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)  # type: ignore[no-untyped-call]
+                    if await client.is_connected():
+                        self._log.info("%s: reconnected", self._where)
+                        self._report("running", None)
+                except SlackApiError as exc:
+                    error = _error_code(exc)
+                    if error in AUTH_ERRORS:
+                        reason = f"Slack refused the app-level token (app_token_env / app_token_file): {error}"
+                        self._fatal = reason
+                        self._report("error", reason)
+                        return  # not running: the gateway restarts the adapter once; start() then fails
+                    self._log.warning("%s: reconnect failed: %s", self._where, error)
+                except (asyncio.CancelledError, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - a network failure: try again later
+                    self._log.warning("%s: reconnect failed: %s: %s", self._where, type(exc).__name__, exc)
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _on_request(self, client: AsyncBaseSocketModeClient, req: SocketModeRequest) -> None:
+        try:
+            if req.type == "events_api":
+                msg = await self._event_message(req.payload)
+            elif req.type == "interactive":
+                msg = self._action_message(req.payload)
+            else:
+                msg = None  # slash commands, options: not used by this app
+        except Exception:  # noqa: BLE001 - a malformed event must not stall the socket
+            self._log.exception("%s: could not read a %s envelope; acknowledged and skipped", self._where, req.type)
+            msg = None
+        if msg is None:
+            await self._ack(client, req.envelope_id)
+            return
+        envelope_id = req.envelope_id
+
+        async def ack() -> None:
+            await self._ack(client, envelope_id)
+
+        try:
+            await self.context.on_message(replace(msg, ack=ack))
+        except Exception as exc:  # noqa: BLE001 - not acknowledged: Slack redelivers it
+            self._log.error(
+                "%s: message %s not recorded (%s); Slack will redeliver it", self._where, msg.message_id, exc
+            )
+
+    async def _ack(self, client: AsyncBaseSocketModeClient, envelope_id: str) -> None:
+        try:
+            await client.send_socket_mode_response(SocketModeResponse(envelope_id=envelope_id))
+        except Exception as exc:  # noqa: BLE001 - the socket went away: Slack redelivers, the ledger dedupes
+            self._log.warning("%s: could not acknowledge envelope %s: %s", self._where, envelope_id, exc)
+
+    async def _event_message(self, payload: Mapping[str, Any]) -> InboundMessage | None:
+        event = payload.get("event")
+        if not isinstance(event, dict):
+            return None
+        kind = event.get("type")
+        subtype = event.get("subtype")
+        if kind not in ("message", "app_mention") or subtype not in ACCEPTED_SUBTYPES:
+            return None  # edits, deletions, joins, topic changes, …
+        channel, ts = event.get("channel"), event.get("ts")
+        if not isinstance(channel, str) or not channel or not isinstance(ts, str) or not ts:
+            return None
+        user = event.get("user")
+        bot_id = event.get("bot_id")
+        if (user is not None and user == self.bot_user) or (bot_id is not None and bot_id == self.bot_id):
+            return None  # the bot's own posts (Slack echoes them as message.im): acknowledged, not recorded
+        sender = str(user or bot_id or "unknown")
+        channel_type = event.get("channel_type")
+        is_dm = channel_type == "im" or (channel_type is None and channel.startswith("D"))
+        raw_text = str(event.get("text") or "")
+        mention = f"<@{self.bot_user}>" if self.bot_user else None
+        mentions_bot = kind == "app_mention" or (mention is not None and mention in raw_text)
+        thread_ts = event.get("thread_ts") if isinstance(event.get("thread_ts"), str) else None
+        # A channel's top-level mention starts a thread: the reply goes there, and the thread is the
+        # conversation. A DM's main line is one conversation, and so is a channel's (for messages
+        # without a mention, under group_policy open); a thread anywhere is its own.
+        thread = thread_ts or (ts if mentions_bot and not is_dm else None)
+        sender_is_bot = bool(bot_id) or subtype == "bot_message"  # another app: recorded, never let through
+        profile = _dict(event.get("user_profile"))
+        sender_name = profile.get("display_name") or profile.get("real_name") or None
+        attachments = await self._attachments(event.get("files"))
+        return InboundMessage(
+            channel=CHANNEL,
+            account=self.account.name,
+            chat=channel,
+            chat_type="dm" if is_dm else "group",
+            sender=sender,
+            message_id=f"{channel}:{ts}",
+            text=self._plain(raw_text),
+            thread=thread,
+            sender_name=str(sender_name) if sender_name else None,
+            mentions_bot=mentions_bot,
+            reply_to=f"{channel}:{thread_ts}" if thread_ts and thread_ts != ts else None,
+            sender_is_bot=sender_is_bot,
+            ts=_float(ts),
+            attachments=attachments,
+            raw=dict(payload),
+        )
+
+    def _plain(self, text: str) -> str:
+        """Slack's markup as plain text: the bot's own mention dropped, links as their URL (with the
+        label), `&amp;` `&lt;` `&gt;` decoded."""
+        if self.bot_user:
+            text = text.replace(f"<@{self.bot_user}>", "")
+        text = _SLACK_LINK_RE.sub(lambda m: m.group(1) if not m.group(2) else f"{m.group(2)} ({m.group(1)})", text)
+        text = text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+        return text.strip()
+
+    async def _attachments(self, files: Any) -> tuple[Attachment, ...]:
+        if not isinstance(files, list):
+            return ()
+        items = [f for f in files if isinstance(f, dict)]
+        return tuple(await asyncio.gather(*(self._attachment(f) for f in items)))
+
+    async def _attachment(self, f: Mapping[str, Any]) -> Attachment:
+        name = str(f.get("name") or f.get("title") or f.get("id") or "file")
+        mime = str(f.get("mimetype") or "application/octet-stream")
+        size = f.get("size") if isinstance(f.get("size"), int) else None
+        url = f.get("url_private_download") or f.get("url_private")
+        if not mime.startswith("image/") or not isinstance(url, str) or (size or 0) > IMAGE_MAX_BYTES:
+            return Attachment(kind="file", name=name, mime=mime, size=size)
+        try:
+            data = await asyncio.wait_for(self._download(url), FETCH_TIMEOUT_S)
+        except TimeoutError:
+            self._log.warning("%s: file %s not fetched within %g s", self._where, name, FETCH_TIMEOUT_S)
+            data = None
+        if data is None:
+            return Attachment(kind="file", name=name, mime=mime, size=size)
+        return Attachment(kind="image", name=name, mime=mime, size=len(data), data=data)
+
+    async def _download(self, url: str) -> bytes | None:
+        """A private file, fetched with the bot token (`files:read`); None when it cannot be had in time."""
+        if self._files is None:
+            self._files = httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True)
+        try:
+            async with self._files.stream("GET", url, headers={"Authorization": f"Bearer {self._bot_token}"}) as r:
+                if r.status_code != 200 or "text/html" in r.headers.get("content-type", ""):
+                    self._log.warning(
+                        "%s: file fetch answered %s (missing files:read scope?)", self._where, r.status_code
+                    )
+                    return None
+                data = bytearray()
+                async for chunk in r.aiter_bytes():
+                    data.extend(chunk)
+                    if len(data) > IMAGE_MAX_BYTES:
+                        return None
+                return bytes(data)
+        except httpx.HTTPError as exc:
+            self._log.warning("%s: file fetch failed: %s", self._where, exc)
+            return None
+
+    def _action_message(self, payload: Mapping[str, Any]) -> InboundMessage | None:
+        """A click on an approval button, as the `/approve ID` or `/deny ID` its clicker would type."""
+        if payload.get("type") != "block_actions":
+            return None
+        actions = payload.get("actions")
+        action = actions[0] if isinstance(actions, list) and actions and isinstance(actions[0], dict) else None
+        value = str(action.get("value") or "") if action else ""
+        verb, _, short_id = value.partition(":")
+        if verb not in ("approve", "deny") or not short_id or not short_id.isalnum():
+            return None
+        container = _dict(payload.get("container"))
+        message = _dict(payload.get("message"))
+        channel_obj = _dict(payload.get("channel"))
+        channel = str(container.get("channel_id") or channel_obj.get("id") or "")
+        user = _dict(payload.get("user"))
+        if not channel or not user.get("id"):
+            return None
+        action_ts = str(action.get("action_ts") or "") if action else ""
+        thread = container.get("thread_ts") or message.get("thread_ts")
+        name = user.get("name") or user.get("username")
+        return InboundMessage(
+            channel=CHANNEL,
+            account=self.account.name,
+            chat=channel,
+            chat_type="dm" if channel.startswith("D") else "group",
+            sender=str(user["id"]),
+            message_id=f"{channel}:action:{action_ts or payload.get('trigger_id')}",
+            text=f"/{verb} {short_id}",
+            thread=str(thread) if thread else None,
+            sender_name=str(name) if name else None,
+            mentions_bot=True,  # a click on the bot's own button is addressed to it
+            reply_to=f"{channel}:{container.get('message_ts')}" if container.get("message_ts") else None,
+            ts=_float(action_ts),
+            raw=dict(payload),
+        )
+
+    # ------------------------------------------------------------------ outbound
+
+    async def _call(self, method: str, call: Callable[..., Awaitable[Any]], **kwargs: Any) -> Any:
+        if self._web is None:
+            raise DeliveryError("slack: not started")
+        try:
+            return await call(**kwargs)
+        except SlackApiError as exc:
+            raise _delivery_error(method, exc) from None
+        except (TimeoutError, OSError, httpx.HTTPError) as exc:
+            raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - aiohttp's client errors and the like: transient
+            raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}") from None
+
+    async def send(self, target: Target, text: str) -> list[str]:
+        """`chat.postMessage` (in `target.thread` when set); returns the message's ts."""
+        web = self._web
+        if web is None:
+            raise DeliveryError("slack: not started")
+        kwargs: dict[str, Any] = {"channel": target.chat, "text": text, "unfurl_links": False, "unfurl_media": False}
+        if target.thread:
+            kwargs["thread_ts"] = target.thread
+        response = await self._call("chat.postMessage", web.chat_postMessage, **kwargs)
+        ts = response.get("ts")
+        if not ts:
+            raise DeliveryError("slack chat.postMessage answered without a ts")
+        return [str(ts)]
+
+    async def edit(self, target: Target, message_id: str, text: str) -> None:
+        """`chat.update`. An approval prompt keeps its buttons while undecided and loses them once
+        the gateway shows the decision."""
+        web = self._web
+        if web is None:
+            raise DeliveryError("slack: not started")
+        kwargs: dict[str, Any] = {"channel": target.chat, "ts": message_id, "text": text}
+        short_id = self._prompts.get((target.chat, message_id))
+        if short_id is not None:
+            pending = f"/approve {short_id}" in text
+            kwargs["blocks"] = _prompt_blocks(text, short_id if pending else None)
+            if not pending:
+                self._prompts.pop((target.chat, message_id), None)
+        await self._call("chat.update", web.chat_update, **kwargs)
+
+    async def react(self, target: Target, message_id: str, emoji: str) -> None:
+        """`reactions.add` on a message (an inbound `channel:ts` id or a sent ts)."""
+        web = self._web
+        if web is None:
+            raise DeliveryError("slack: not started")
+        name = EMOJI_NAMES.get(emoji) or emoji.strip(":")
+        if not re.fullmatch(r"[a-z0-9_+\-']{1,100}", name):
+            raise DeliveryError(f"slack: no Slack name known for the emoji {emoji!r}", permanent=True)
+        try:
+            await self._call(
+                "reactions.add",
+                web.reactions_add,
+                channel=target.chat,
+                timestamp=message_id.rsplit(":", 1)[-1],
+                name=name,
+            )
+        except DeliveryError as exc:
+            if "already_reacted" not in exc.reason:
+                raise
+
+    def format(self, text: str) -> str:
+        return to_mrkdwn(text)
+
+    async def prompt_approval(self, target: Target, text: str, short_id: str) -> list[str]:
+        """The approval prompt as Block Kit: its text and Approve / Deny buttons whose clicks come
+        back as `/approve <short_id>` / `/deny <short_id>` from the person who clicked."""
+        web = self._web
+        if web is None:
+            raise DeliveryError("slack: not started")
+        body = to_mrkdwn(text)
+        kwargs: dict[str, Any] = {"channel": target.chat, "text": body, "blocks": _prompt_blocks(body, short_id)}
+        if target.thread:
+            kwargs["thread_ts"] = target.thread
+        response = await self._call("chat.postMessage", web.chat_postMessage, **kwargs)
+        ts = str(response.get("ts") or "")
+        if not ts:
+            raise DeliveryError("slack chat.postMessage answered without a ts")
+        self._prompts[(target.chat, ts)] = short_id
+        return [ts]
+
+
+def _prompt_blocks(text: str, short_id: str | None) -> list[dict[str, Any]]:
+    """A section with the (already formatted) text; with buttons while `short_id` is pending."""
+    shown = text if len(text) <= SECTION_MAX else text[: SECTION_MAX - 1] + "…"
+    blocks: list[dict[str, Any]] = [{"type": "section", "text": {"type": "mrkdwn", "text": shown or escape(" ")}}]
+    if short_id is not None:
+        blocks.append(
+            {
+                "type": "actions",
+                "block_id": f"approval-{short_id}",
+                "elements": [
+                    {
+                        "type": "button",
+                        "action_id": "approve",
+                        "style": "primary",
+                        "value": f"approve:{short_id}",
+                        "text": {"type": "plain_text", "text": "Approve"},
+                    },
+                    {
+                        "type": "button",
+                        "action_id": "deny",
+                        "style": "danger",
+                        "value": f"deny:{short_id}",
+                        "text": {"type": "plain_text", "text": "Deny"},
+                    },
+                ],
+            }  # fmt: skip
+        )
+    return blocks
+
+
+def _error_code(exc: SlackApiError) -> str:
+    response = exc.response
+    try:
+        error = response.get("error")
+    except Exception:  # noqa: BLE001 - a response that is not JSON
+        error = None
+    status = getattr(response, "status_code", None)
+    return str(error or (f"HTTP {status}" if status else "unknown error"))
+
+
+def _delivery_error(method: str, exc: SlackApiError) -> DeliveryError:
+    error = _error_code(exc)
+    status = getattr(exc.response, "status_code", None)
+    reason = f"slack {method}: {error}"
+    if status == 429 or error == "ratelimited":
+        return DeliveryError(reason, retry_after=_retry_after(getattr(exc.response, "headers", None)))
+    if error in PERMANENT_ERRORS:
+        return DeliveryError(reason, permanent=True)
+    return DeliveryError(reason)  # internal_error, service_unavailable, 5xx: retried
+
+
+def _retry_after(headers: Any) -> float:
+    """`Retry-After` in seconds (Slack sends whole seconds); 1 s when absent or unreadable."""
+    value = None
+    if isinstance(headers, Mapping):
+        for key, v in headers.items():
+            if str(key).lower() == "retry-after":
+                value = v[0] if isinstance(v, list | tuple) and v else v
+                break
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except (TypeError, ValueError):
+        return 1.0
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else MAX_RETRY_AFTER_S
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _float(ts: str) -> float | None:
+    try:
+        return float(ts)
+    except (TypeError, ValueError):
+        return None
+
+
+async def _close_quietly(client: SocketModeClient) -> None:
+    with contextlib.suppress(Exception):
+        await client.close()  # type: ignore[no-untyped-call]
+
+
+def create_adapter(account: Account, context: AdapterContext) -> SlackAdapter:
+    """The plugin entry point (see `plugins.contract`)."""
+    return SlackAdapter(account, context)

@@ -4,13 +4,78 @@ The helpers behind them live in tests/support/ so that bench/ and examples can u
 
 from __future__ import annotations
 
+import compileall
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.cli import CLIResult, run_cli
+from tests.support.cli import ROOT, CLIResult, run_cli
 from tests.support.serve import ServeProcess, serving
+
+# Most of the suite's time is `appserver` subprocesses, and most of a subprocess's start is imports.
+# With PYTHONDONTWRITEBYTECODE set (as some shells and CI images do) no subprocess may cache its
+# bytecode, so every one of them compiled the package again (~35 % of a CLI call's CPU). The suite's
+# processes (xdist workers and everything they start) write and read the cache like any install.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+# `make test` runs files on 4 xdist workers (--dist loadfile), so one long file bounds the wall time
+# when it starts last. These files (real `serve` processes, kill -9, restarts) take longest; they are
+# handed out first, longest first, and the quick files fill in around them. Only the order changes.
+SLOW_FILES_FIRST = (
+    "test_gateway_load.py",
+    "test_gateway_crash.py",
+    "test_hardening_state_store.py",
+    "test_gateway_access.py",
+    "test_gateway_debounce.py",
+    "test_gateway_channels_e2e.py",
+    "test_telegram_e2e.py",
+    "test_slack_e2e.py",
+    "test_gateway_chatops.py",
+    "test_gateway_e2e.py",
+    "test_kernel_cli.py",
+    "test_hardening_state_disk.py",
+    "test_hardening_state.py",
+    "test_state_adversarial.py",
+    "test_hardening_state_operator.py",
+    "test_openai_fidelity.py",
+    "test_provider_params_http.py",
+    "test_cron_failover.py",
+    "test_client_failover.py",
+    "test_hardening_http_edge.py",
+    "test_security_e2e.py",
+    "test_openai_http.py",
+    "test_openai_schemathesis.py",
+    "test_import_rules.py",
+    "test_ws_protocol_errors.py",
+    "test_ws_approvals.py",
+    "test_kernel_crash.py",
+    "test_cron_kernel.py",
+    "test_ws_protocol.py",
+    "test_hardening_http_api.py",
+    "test_chat_terminal.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the packages once, in the controller, before workers and subprocesses race to do it;
+    and let the collection order below decide which file a worker gets next (xdist otherwise
+    reorders files by their number of tests, which says nothing of how long they take)."""
+    if hasattr(config, "workerinput"):
+        return
+    for package in ("appserver", "cron", "gateway", "plugins"):
+        if (ROOT / package).is_dir():
+            compileall.compile_dir(ROOT / package, quiet=2, workers=1)
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow files first (see SLOW_FILES_FIRST), every file's tests in their own order."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.support.cli import ROOT, cli_env
-from tests.support.net import free_port
+from tests.support.net import SSL, free_port
 from tests.support.serve import start_serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,7 +48,7 @@ def test_make_serve_takes_listen(tmp_path: Path) -> None:
         deadline = time.monotonic() + 20
         while True:
             try:
-                r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1)
+                r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1, verify=SSL)
                 break
             except httpx.HTTPError:
                 if make.poll() is not None or time.monotonic() > deadline:

@@ -16,6 +16,7 @@ import openai
 import pytest
 import websockets
 
+from tests.support.net import SSL
 from tests.test_hardening_http_edge import Srv, T, connect, read_response, start
 
 MAX_MESSAGES = 100
@@ -46,7 +47,11 @@ def stored(srv: Srv) -> tuple[int, int]:
 def post(srv: Srv, path: str, body: bytes | dict, **headers: str) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(
-        srv.url + path, content=content, headers={"content-type": "application/json", **headers}, timeout=30
+        srv.url + path,
+        content=content,
+        headers={"content-type": "application/json", **headers},
+        timeout=30,
+        verify=SSL,
     )
 
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.net import SSL
 from tests.support.wait import eventually
 
 T = 10.0  # the longest any single wait in this file may take
@@ -132,7 +133,7 @@ def stalled_post(srv: Srv, xff: str | None = None) -> socket.socket:
 
 
 def models(srv: Srv, **headers: str) -> httpx.Response:
-    return httpx.get(srv.url + "/v1/models", headers=headers, timeout=T)
+    return httpx.get(srv.url + "/v1/models", headers=headers, timeout=T, verify=SSL)
 
 
 @pytest.fixture(scope="module")

@@ -93,6 +93,8 @@ ALLOWED_REFUSALS: dict[tuple[int, str], str] = {
     (400, "unsupported_item_type"): "input item of a hosted tool this server does not run",
     # integers beyond 64 bits cannot be parsed faithfully (appserver/strictjson.py)
     (400, "invalid_json"): "integer outside the 64-bit range",
+    # an assistant reply that makes two tool calls with one id: a result could not say which it answers
+    (400, "duplicate_tool_call_id"): "repeated tool call ids in one reply",
 }
 MAX_TOKENS = 10_000_000
 INT64 = (-(2**63), 2**63 - 1)
@@ -200,6 +202,16 @@ def common_aim(out: dict[str, Any], max_keys: tuple[str, ...], stream: bool) -> 
         del out["tool_choice"]  # a named/forced choice needs tools this body may not offer
 
 
+def unique_ids(calls: list[Any], key: str) -> None:
+    """Give repeated tool call ids a suffix (a reply may not make two calls with one id)."""
+    seen: set[str] = set()
+    for n, call in enumerate(calls):
+        if isinstance(call, dict) and isinstance(call.get(key), str) and call[key]:
+            while call[key] in seen:
+                call[key] = f"{call[key]}_{n}"
+            seen.add(call[key])
+
+
 def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     """The generated body, still schema-valid, without the parts listed in ALLOWED_REFUSALS, so
     that everything else in it (sampling, formats, client tools, metadata, images…) runs a turn."""
@@ -214,6 +226,9 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
             lambda m: m.get("role") == "assistant",
             lambda m: m.get("role") in ("tool", "function"),
         )
+        for m in out["messages"]:
+            if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
+                unique_ids(m["tool_calls"], "id")
         if out.get("n") not in (None, 1):
             out["n"] = 1
         keep_function_tools(out, lambda t: t["function"].get("name"))
@@ -233,6 +248,8 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
         for it in inp:
             if it.get("type", "message") == "message" and it.get("role") == "user":
                 it["content"] = text_and_images(it.get("content"), ("input_file", "input_audio"), "input_text")
+    if isinstance(inp, list):
+        unique_ids([it for it in inp if it.get("type") == "function_call"], "call_id")
     if not inp:
         out["input"] = NUDGE
     elif isinstance(inp, list):

@@ -22,8 +22,7 @@ from appserver.store.integrity import wal_index_claim
 from appserver.store.records import AgentRecord
 from tests.support.cli import ROOT, CLIResult, cli_env, run_cli
 from tests.support.serve import start_serve
-from tests.test_hardening_state import one_error_line, serve_refused, token_home
-from tests.test_hardening_state_store import chat, check, wait_ready
+from tests.support.state import chat, check, one_error_line, serve_refused, token_home, wait_ready
 
 
 def test_dangling_config_symlink_is_refused_not_replaced_by_defaults(home: Path, tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
-    """The caller's environment with the home pinned and retries fast, so tests never wait on backoff."""
+    """The caller's environment with the home pinned and retries fast, so tests never wait on backoff,
+    and bytecode cached, so that no subprocess compiles the package again."""
     env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # each subprocess would compile the package anew
     env["APPSERVER_HOME"] = str(home)
     env.setdefault("APPSERVER_LIMITS__RETRY_BASE_MS", "10")
     env.update(extra)

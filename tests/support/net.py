@@ -1,8 +1,16 @@
-"""Loopback ports for tests that must name a port before the server binds it."""
+"""Loopback ports for tests that must name a port before the server binds it, and the SSL context
+the tests' HTTP calls share."""
 
 from __future__ import annotations
 
 import socket
+
+import httpx
+
+# httpx builds a new SSL context for every client, and so for every top-level httpx.get/post; that
+# reads the CA bundle (~50 ms of CPU each time). Helpers and polling loops pass this one, made the
+# same way once: what they verify is unchanged (and on plain http:// it is never used).
+SSL = httpx.create_ssl_context()
 
 
 def free_port() -> int:

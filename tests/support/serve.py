@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.cli import ROOT, cli_env
+from tests.support.net import SSL
 
 
 @dataclass
@@ -91,7 +92,7 @@ def wait_http(url: str, timeout: float = 10) -> httpx.Response:
     last: Exception | None = None
     while time.monotonic() < deadline:
         try:
-            return httpx.get(url, timeout=2)
+            return httpx.get(url, timeout=2, verify=SSL)
         except httpx.HTTPError as exc:
             last = exc
             time.sleep(0.05)

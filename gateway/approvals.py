@@ -8,6 +8,7 @@ the call is decided here, elsewhere (CLI, desktop) or times out.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from plugins.contract import Target
@@ -37,6 +38,7 @@ class Prompt:
     arguments: str
     message_ids: list[str] = field(default_factory=list)
     decided: str | None = None
+    shown: asyncio.Event = field(default_factory=asyncio.Event)  # set once the prompt's send returned
 
     @property
     def short_id(self) -> str:

@@ -31,6 +31,7 @@ log = logging.getLogger("gateway.chatops")
 
 PAIRING_POLL_S = 1.0
 PROMPT_EVERY_S = 60.0
+PROMPT_SHOWN_WAIT_S = 10.0
 
 
 class ChatOps:
@@ -193,6 +194,8 @@ class ChatOps:
                 prompt.message_ids = await self.outboxes.say(ctx.runner, ctx.here, prompt.text())
         except Exception as exc:  # noqa: BLE001 - a prompt that cannot be shown leaves the CLI to answer
             log.warning("%s: could not show the approval prompt: %s", spec.ref, exc)
+        finally:
+            prompt.shown.set()
 
     async def answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         found = self.approvals.find(runner.spec.ref, entry.chat, command.args[0] if command.args else None)
@@ -224,6 +227,10 @@ class ChatOps:
         runner = self.runners.get(prompt.account)
         if runner is None:
             return
+        try:  # a press can beat the platform's answer to the prompt's own send: wait for its id
+            await asyncio.wait_for(prompt.shown.wait(), PROMPT_SHOWN_WAIT_S)
+        except TimeoutError:
+            pass
         try:
             outbox = self.outboxes.of(runner)
             if outbox.can_edit and prompt.message_ids:

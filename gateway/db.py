@@ -187,12 +187,28 @@ def _migrate(conn: sqlite3.Connection) -> None:
     for version, script in MIGRATIONS:
         if version <= current:
             continue
+        # Another process (the CLI beside a starting gateway) may be migrating the same file: take
+        # the write lock first, then look again, so a version is never applied twice.
+        conn.execute("BEGIN IMMEDIATE")
         try:
-            conn.executescript(f"BEGIN IMMEDIATE;\n{script}\nPRAGMA user_version = {version};\nCOMMIT;")
+            current = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version <= current:
+                conn.execute("COMMIT")
+                continue
+            for statement in _statements(script):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version}")
+            conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        current = version
+
+
+def _statements(script: str) -> list[str]:
+    """The statements of a migration script (no statement of ours contains a ';' in a literal)."""
+    return [s.strip() for s in script.split(";") if s.strip()]
 
 
 def _move_aside(path: Path, reason: str) -> CorruptGatewayDB:

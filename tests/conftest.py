@@ -112,7 +112,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if skipped:
         terminalreporter.write_sep(
             "!",
-            f"WARNING: {len(skipped)} tests skipped: {CONFORMANCE_SKIP} (../shared/conformance beside the repo); HTTP shapes were NOT validated",
+            f"WARNING: {len(skipped)} tests skipped: {CONFORMANCE_SKIP} (../shared/conformance beside the repo); "
+            "HTTP shapes were NOT validated",
             red=True,
             bold=True,
         )

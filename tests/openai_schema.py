@@ -78,7 +78,8 @@ def validate(schema_name: str, body: Any, doc: str = "openai-openapi.json") -> N
     if errors:
         best = errors[0]
         raise AssertionError(
-            f"{schema_name} violation at {list(best.absolute_path)}: {best.message[:500]}\nbody: {json.dumps(body)[:1500]}"
+            f"{schema_name} violation at {list(best.absolute_path)}: {best.message[:500]}\n"
+            f"body: {json.dumps(body)[:1500]}"
         )
 
 

@@ -193,8 +193,8 @@ def test_chat_commands_typeahead_and_reasoning(server: tuple[Path, dict[str, str
         chat.settle()
         screen = chat.screen()
         assert (
-            "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22 w23 w24 w25 w26 w27 w28 w29 w30"
-            in screen
+            "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 "
+            "w16 w17 w18 w19 w20 w21 w22 w23 w24 w25 w26 w27 w28 w29 w30" in screen
         ), screen
         assert "you> typed ahead" in screen and screen[-1] == "you> part", screen  # kept, shown at the prompt
         assert chat.text().count("a secret plan") == 1 and "thinking:" not in chat.text()  # only as typed
@@ -206,7 +206,8 @@ def test_chat_commands_typeahead_and_reasoning(server: tuple[Path, dict[str, str
         json.loads(c)
         for (c,) in rows(
             home,
-            "SELECT m.content FROM messages m JOIN conversations c ON c.id = m.conversation_id JOIN agents a ON a.id = c.agent_id WHERE a.name='assistant' AND m.role='user' ORDER BY m.id",
+            "SELECT m.content FROM messages m JOIN conversations c ON c.id = m.conversation_id "
+            "JOIN agents a ON a.id = c.agent_id WHERE a.name='assistant' AND m.role='user' ORDER BY m.id",
         )
     ]
     assert users == ["/think a secret plan", "/slow 30", "typed ahead"], users  # no /help, no "part"

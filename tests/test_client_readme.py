@@ -53,7 +53,8 @@ def test_make_serve_takes_listen(tmp_path: Path) -> None:
             except httpx.HTTPError:
                 if make.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(
-                        f"make serve LISTEN=127.0.0.1:{port} did not serve there: {make.stdout.read() if make.stdout else ''}"
+                        f"make serve LISTEN=127.0.0.1:{port} did not serve there: "
+                        f"{make.stdout.read() if make.stdout else ''}"
                     ) from None
                 time.sleep(0.05)
         assert r.status_code == 200

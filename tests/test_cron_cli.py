@@ -32,7 +32,8 @@ def cron(*args: str) -> tuple[int, str, str]:
 
 
 def test_logs_of_a_removed_task_by_name_and_id(home: Path) -> None:
-    code, out, _ = cron("add", "--name", "gone", "--agent", "echo", "--every", "1h", "--tz", "Europe/Paris", "--prompt", "p", "--json")  # fmt: skip
+    code, out, _ = cron("add", "--name", "gone", "--agent", "echo", "--every", "1h",
+                        "--tz", "Europe/Paris", "--prompt", "p", "--json")  # fmt: skip
     assert code == 0
     task_id = json.loads(out)["id"]
     store = CronStore(home)
@@ -67,7 +68,8 @@ def test_logs_of_a_removed_task_by_name_and_id(home: Path) -> None:
 def test_agent_names_one_spelling_and_add_agrees_with_preview(home: Path) -> None:
     """Through the real `appserver` CLI (agents resolved in the store)."""
     # hourly: up to 59 s of jitter, so the fire time differs from the nominal one
-    add = run_cli(home, "cron", "add", "--name", "hourly", "--agent", "assistant", "--cron", "0 * * * *", "--tz", "UTC", "--prompt", "p")  # fmt: skip
+    add = run_cli(home, "cron", "add", "--name", "hourly", "--agent", "assistant",
+                  "--cron", "0 * * * *", "--tz", "UTC", "--prompt", "p")  # fmt: skip
     assert add.code == 0, add.err
     assert add.out.startswith("added cron task hourly (cron_") and "for agent assistant;" in add.out
     assert "agt_" not in add.out
@@ -90,7 +92,9 @@ def test_agent_names_one_spelling_and_add_agrees_with_preview(home: Path) -> Non
 
 def test_run_now_envelope_does_not_claim_the_scheduler_started_it() -> None:
     now = datetime(2026, 1, 1, 8, 0, tzinfo=UTC)
-    task = make_task(name="brief", agent="agt_1", schedule=ScheduleSpec("cron", "0 8 * * *", "UTC"), prompt="p", now=now)  # fmt: skip
+    task = make_task(
+        name="brief", agent="agt_1", schedule=ScheduleSpec("cron", "0 8 * * *", "UTC"), prompt="p", now=now
+    )
     manual = task.claim(now, now, now, manual=True)
     text = build_envelope(task, manual, "assistant")
     assert "Started by hand" in text and "by the scheduler" not in text

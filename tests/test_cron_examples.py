@@ -40,7 +40,8 @@ def test_every_example_command_runs_and_the_tasks_match_the_text(home: Path, cli
     assert brief["occurrence"] == 1  # the `cron run` above
 
     paris = ZoneInfo("Europe/Paris")
-    times = [datetime.fromisoformat(x["scheduled_for"]).astimezone(paris) for x in cli("cron", "preview", "morning-brief", "--count", "5", "--json").json()]  # fmt: skip
+    preview = cli("cron", "preview", "morning-brief", "--count", "5", "--json").json()
+    times = [datetime.fromisoformat(x["scheduled_for"]).astimezone(paris) for x in preview]
     assert len(times) == 5
     assert all((t.hour, t.minute, t.weekday() < 5) == (7, 30, True) for t in times), times
 

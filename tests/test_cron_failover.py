@@ -94,7 +94,8 @@ def test_standby_takes_over_after_kill9_and_fires_within_two_ticks(home: Path) -
 
         standby = Serve(home, p2, "--standby", env=env)
         wait_for(lambda: standby.said("appserver standby:"), 20, "the standby to start waiting")  # type: ignore[union-attr]
-        add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant", "--in", "3s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
+        add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
+                      "--in", "3s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
         assert add.code == 0, add.err
         task = json.loads(add.out)
         due = datetime.fromisoformat(task["next_due_at"]).timestamp()
@@ -124,7 +125,7 @@ def test_standby_takes_over_after_kill9_and_fires_within_two_ticks(home: Path) -
         assert info["url"] == f"http://127.0.0.1:{p2}" and listening(p2)
 
         # exactly once: one fire, one turn, one cron_prompt message, and nothing more a tick later
-        wait_for(lambda: any(x["event"] == "outcome" for x in run_log(home, task["id"])), 10, "the outcome")  # fmt: skip
+        wait_for(lambda: any(x["event"] == "outcome" for x in run_log(home, task["id"])), 10, "the outcome")
         time.sleep(TICK_S + 0.2)
         events = [x["event"] for x in run_log(home, task["id"])]
         assert events == ["fired", "submitted", "outcome"], events
@@ -240,13 +241,16 @@ def test_outcome_of_a_cron_turn_queued_at_kill9_is_recorded_by_the_next_server(h
         async def block() -> None:
             ws = await WS.open(first.url)
             try:
-                ack = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "default", "input": "/slow 600"})  # fmt: skip
+                ack = await ws.request(
+                    {"type": "submit_input", "agent": "assistant", "conversation": "default", "input": "/slow 600"}
+                )
                 assert ack["type"] == "ack", ack
             finally:
                 await ws.close()  # a disconnect never cancels a turn
 
         asyncio.run(block())
-        add = run_cli(home, "cron", "add", "--name", "q", "--agent", "assistant", "--in", "1s", "--exact", "--conversation", "default", "--prompt", "after the long one", "--json", env=env)  # fmt: skip
+        add = run_cli(home, "cron", "add", "--name", "q", "--agent", "assistant", "--in", "1s", "--exact",
+                      "--conversation", "default", "--prompt", "after the long one", "--json", env=env)  # fmt: skip
         assert add.code == 0, add.err
         task_id = json.loads(add.out)["id"]
         submitted = wait_for(
@@ -255,7 +259,7 @@ def test_outcome_of_a_cron_turn_queued_at_kill9_is_recorded_by_the_next_server(h
             "the cron turn to be submitted",
         )[0]
         with sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True) as db:
-            (status,) = db.execute("SELECT status FROM turns WHERE id=?", (submitted["turn_id"],)).fetchone()  # fmt: skip
+            (status,) = db.execute("SELECT status FROM turns WHERE id=?", (submitted["turn_id"],)).fetchone()
         assert status == "queued"
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)

@@ -28,11 +28,13 @@ def turn_owner(home: Path, turn_id: str) -> str:
 
 def test_cron_run_goes_through_the_live_server(home: Path) -> None:
     env = cli_env(home)
-    add = run_cli(home, "cron", "add", "--name", "brief", "--agent", "assistant", "--cron", "0 8 * * *", "--tz", "Europe/Paris", "--prompt", "morning brief", "--json", env=env)  # fmt: skip
+    add = run_cli(home, "cron", "add", "--name", "brief", "--agent", "assistant", "--cron", "0 8 * * *",
+                  "--tz", "Europe/Paris", "--prompt", "morning brief", "--json", env=env)  # fmt: skip
     assert add.code == 0, add.err
     task_id = json.loads(add.out)["id"]
-    admin = run_cli(home, "token", "create", "--name", "ops", "--scopes", "ws,admin", "--json", env=env).json()["token"]  # fmt: skip
-    plain = run_cli(home, "token", "create", "--name", "app", "--scopes", "ws", "--json", env=env).json()["token"]  # fmt: skip
+    made_admin = run_cli(home, "token", "create", "--name", "ops", "--scopes", "ws,admin", "--json", env=env)
+    made_plain = run_cli(home, "token", "create", "--name", "app", "--scopes", "ws", "--json", env=env)
+    admin, plain = made_admin.json()["token"], made_plain.json()["token"]
     sp = start_serve(home, "--auth", "token", env=env)
     try:
         server = json.loads((home / "server.json").read_text())
@@ -58,7 +60,7 @@ def test_cron_run_goes_through_the_live_server(home: Path) -> None:
 
         # the run log: fired, submitted, then (written by the server when the turn ended) outcome
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and "outcome" not in [x["event"] for x in run_log(home, task_id)]:  # fmt: skip
+        while time.monotonic() < deadline and "outcome" not in [x["event"] for x in run_log(home, task_id)]:
             time.sleep(0.05)
         events = [(x["event"], x.get("occurrence")) for x in run_log(home, task_id)]
         assert events == [("fired", 1), ("submitted", 1), ("outcome", 1)], events

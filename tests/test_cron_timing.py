@@ -48,7 +48,11 @@ def not_on_a_boundary() -> datetime:
 
 async def test_every_fires_at_its_second_not_at_the_minute(store: CronStore) -> None:
     created = not_on_a_boundary()
-    store.add(make_task(name="fast", agent="a", schedule=ScheduleSpec("every", "1s", "UTC"), prompt="p", now=created, exact=True))  # fmt: skip
+    store.add(
+        make_task(
+            name="fast", agent="a", schedule=ScheduleSpec("every", "1s", "UTC"), prompt="p", now=created, exact=True
+        )
+    )
     fired = Fired()
     s = Scheduler(store, fire=fired, tick_s=MINUTE_TICK_S)
     stop = asyncio.Event()
@@ -74,7 +78,16 @@ async def test_a_task_added_by_another_process_wakes_the_scheduler(store: CronSt
         await wait_until(lambda: s.has_lease, 5)  # the first tick ran; the next is a minute away
         await asyncio.sleep(0.3)
         other = CronStore(store.home)  # e.g. `appserver cron add` in another process
-        task = other.add(make_task(name="soon", agent="a", schedule=ScheduleSpec("in", "1s", "UTC"), prompt="p", now=not_on_a_boundary(), exact=True))  # fmt: skip
+        task = other.add(
+            make_task(
+                name="soon",
+                agent="a",
+                schedule=ScheduleSpec("in", "1s", "UTC"),
+                prompt="p",
+                now=not_on_a_boundary(),
+                exact=True,
+            )
+        )
         await wait_until(lambda: fired.calls, 4)
     finally:
         stop.set()
@@ -89,7 +102,11 @@ async def test_next_wake_is_the_jittered_due_time(store: CronStore) -> None:
     wakes at 12:08:02, not at 12:09:00."""
     task_id = next(f"cron_t{i}" for i in range(1000) if jitter_fraction(f"cron_t{i}") * 6 >= 2)
     t0 = datetime(2026, 1, 1, 12, 7, 30, tzinfo=UTC)
-    task = store.add(make_task(name="j", agent="a", schedule=ScheduleSpec("cron", "* * * * *", "UTC"), prompt="p", now=t0, task_id=task_id))  # fmt: skip
+    task = store.add(
+        make_task(
+            name="j", agent="a", schedule=ScheduleSpec("cron", "* * * * *", "UTC"), prompt="p", now=t0, task_id=task_id
+        )
+    )
     minute = datetime(2026, 1, 1, 12, 8, tzinfo=UTC)
     assert task.next_fire_at == minute and task.next_due_at is not None
     assert task.next_due_at - minute >= timedelta(seconds=2)
@@ -119,7 +136,8 @@ def test_in_2s_fires_on_time_through_a_real_serve(home: Path) -> None:
             time.sleep(0.05)
         else:
             raise AssertionError("the server did not take the cron lease")
-        add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant", "--in", "2s", "--prompt", "wake up", "--json")  # fmt: skip
+        add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
+                      "--in", "2s", "--prompt", "wake up", "--json")  # fmt: skip
         assert add.code == 0, add.err
         task = add.json()
         due = datetime.fromisoformat(task["next_due_at"])

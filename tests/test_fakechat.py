@@ -398,7 +398,8 @@ async def main() -> None:
         done.set()
 
     ctx = AdapterContext(on_message, lambda s, r: None, Path(tempfile.gettempdir()), logging.getLogger("runner"))
-    adapter = plugin.create_adapter(Account("fakechat", "main", {"base_url": sys.argv[2], "poll_timeout": 0.5}, {}), ctx)
+    account = Account("fakechat", "main", {"base_url": sys.argv[2], "poll_timeout": 0.5}, {})
+    adapter = plugin.create_adapter(account, ctx)
     await adapter.start()
     await asyncio.wait_for(done.wait(), 10)
     await adapter.stop()

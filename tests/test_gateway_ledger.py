@@ -209,3 +209,19 @@ def test_newer_schema_is_refused_not_touched(db_path: Path) -> None:
     conn = sqlite3.connect(db_path)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 999
     conn.close()
+
+
+def test_two_processes_opening_a_new_gateway_db_at_once_both_succeed(tmp_path: Path) -> None:
+    """The CLI may open gateway.db while the gateway creates it: neither may see the other's half
+    applied migration as corruption (it would move a healthy file aside)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "channels" / "gateway.db"
+    code = "import sys; from gateway.db import open_db; open_db(__import__('pathlib').Path(sys.argv[1])).close()"
+    for _ in range(5):
+        for f in tmp_path.glob("channels/gateway.db*"):
+            f.unlink()
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(path)]) for _ in range(4)]
+        assert [p.wait(30) for p in procs] == [0, 0, 0, 0]
+        assert not list(tmp_path.glob("channels/gateway.db.corrupt-*"))

@@ -20,7 +20,8 @@ from gateway.supervisor import Credential, GatewaySupervisor
 # The fake child. `FAKE_MODES` (comma separated) gives the behaviour of the 1st, 2nd, ... start (the
 # last one repeats): `ok` speaks the protocol; `exit3` exits with code 3 before READY; `never_ready`
 # never says READY and ignores the end of stdin; `stubborn` is ready but ignores `stop` and the end
-# of stdin; `eof_only` ignores `stop` but exits at the end of stdin. Every start appends what it got to $APPSERVER_HOME/starts.jsonl.
+# of stdin; `eof_only` ignores `stop` but exits at the end of stdin. Every start appends what it got to
+# $APPSERVER_HOME/starts.jsonl.
 CHILD = r"""
 import json, os, sys, time
 

@@ -118,7 +118,8 @@ def test_websocket_frame_with_lone_surrogate_is_an_error_frame_and_writes_nothin
             await ws.send(json.dumps({"type": "hello", "protocol": 1, "client": "test"}))
             assert json.loads(await asyncio.wait_for(ws.recv(), T))["type"] == "welcome"
             await ws.send(
-                '{"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "\\ud800", "request_id": "r1"}'
+                '{"type": "submit_input", "agent": "assistant", "conversation": "new", '
+                '"input": "\\ud800", "request_id": "r1"}'
             )
             return json.loads(await asyncio.wait_for(ws.recv(), T))
 

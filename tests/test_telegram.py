@@ -52,7 +52,8 @@ def test_crossing_markers_never_make_crossing_tags() -> None:
 def test_code_blocks_with_and_without_language() -> None:
     md = "Run:\n```python\nif a < b and c & d:\n    print('<x>')\n```\ndone"
     assert to_html(md) == (
-        "Run:\n<pre><code class=\"language-python\">if a &lt; b and c &amp; d:\n    print('&lt;x&gt;')</code></pre>\ndone"
+        'Run:\n<pre><code class="language-python">if a &lt; b and c &amp; d:\n'
+        "    print('&lt;x&gt;')</code></pre>\ndone"
     )
     assert to_html("```\n**not bold**\n```") == "<pre>**not bold**</pre>"
     assert shown("```\nnever closed <") == "never closed <"  # an open fence runs to the end

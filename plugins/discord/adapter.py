@@ -1,0 +1,555 @@
+"""The Discord adapter: the real discord.py (2.x) `Client` — its gateway WebSocket in, its REST
+client out.
+
+Inbound: every MESSAGE_CREATE the bot can see (DMs, guild channels, threads) becomes an
+`InboundMessage` keyed by the message's snowflake, which is stable however often it arrives
+(a RESUME replay, a catch-up fetch): the ledger dedupes. Discord has no acknowledgement; `on_message`
+returning means the ledger committed it. After that the message's id is noted per channel in
+`<data_dir>/last_seen.json` (written atomically), and on every new session (READY: the first connect,
+or a re-IDENTIFY after the session was invalidated or lost in a long outage) the adapter fetches, for
+each channel it has seen, the messages after that id and hands each to `on_message`: what the gateway
+missed while it was away is answered once. The bot's own messages are skipped; other bots' are handed
+over marked `sender_is_bot` (the gateway never lets them through).
+
+Outbound: `POST channels/{id}/messages` with `allowed_mentions` none (an agent cannot ping @everyone,
+a role or a person), a reply reference in guild channels, and `nonce` + `enforce_nonce` derived from
+`Target.key`, so a resend of the same reply part after a crash returns the message Discord already
+has instead of posting a second one. Rate limits are discord.py's (it sleeps out a 429 and retries,
+the global flag included); only when it gives up (`max_ratelimit_timeout` exceeded) does a 429 become
+`DeliveryError(retry_after=…)`. 403/404 are permanent failures with Discord's reason.
+
+Approvals are a message with two buttons (`approve:<id>` / `deny:<id>`); a press is acknowledged at
+once (interaction callback type 6, deferred update) and handed over as `/approve <id>` or `/deny <id>`
+from the presser; the gateway then edits the prompt, which drops the buttons.
+
+The connection is discord.py's: it heartbeats, RESUMEs after a drop and re-IDENTIFYs after an
+invalid session. Its events drive the reported state (`running` on READY/RESUMED, `backoff` on a
+disconnect). A token Discord refuses is an `AccountError` naming the secret's source; the message
+content intent not enabled in the developer portal (close code 4014) is an `AccountError` saying so.
+
+`discord.http.Route.BASE` and `DiscordWebSocket.DEFAULT_GATEWAY` are class attributes: the account's
+`api_url` / `gateway_url` settings (for a local fake or a proxy) apply process-wide.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import discord
+import discord.gateway
+import discord.http
+
+from plugins.contract import (
+    Account,
+    AccountError,
+    AccountState,
+    AdapterContext,
+    Attachment,
+    DeliveryError,
+    InboundMessage,
+    Limits,
+    Target,
+)
+from plugins.discord.format import to_discord
+
+CHANNEL = "discord"
+DEFAULT_API_URL = "https://discord.com/api/v10"
+DEFAULT_GATEWAY_URL = "wss://gateway.discord.gg/"
+MAX_LENGTH = 1990  # Discord refuses content over 2,000 characters; a margin for the status line
+IMAGE_MAX_BYTES = 5 << 20
+FETCH_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 30.0
+MAX_RATELIMIT_WAIT_S = 30.0  # discord.py sleeps out shorter 429s itself; longer ones come back to the gateway
+MAX_RETRY_AFTER_S = 300.0
+CATCH_UP_LIMIT = 500  # per channel and reconnect
+NONCE_LENGTH = 25  # Discord's limit for a string nonce
+STATE_FILE = "last_seen.json"
+
+
+class _Client(discord.Client):
+    """discord.Client whose events go to the adapter."""
+
+    def __init__(self, adapter: DiscordAdapter, **options: Any) -> None:
+        super().__init__(**options)
+        self._adapter = adapter
+
+    async def on_ready(self) -> None:
+        await self._adapter._on_ready()
+
+    async def on_resumed(self) -> None:
+        self._adapter._report("running", None)
+
+    async def on_disconnect(self) -> None:
+        self._adapter._on_disconnect()
+
+    async def on_message(self, message: discord.Message) -> None:
+        await self._adapter._on_discord_message(message)
+
+    async def on_interaction(self, interaction: discord.Interaction) -> None:
+        await self._adapter._on_interaction(interaction)
+
+
+class DiscordAdapter:
+    """One Discord bot (one token)."""
+
+    limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+
+    def __init__(self, account: Account, context: AdapterContext) -> None:
+        self.account = account
+        self.context = context
+        self._log = context.log
+        self._where = f"discord account '{account.name}'"
+        self._config_error: str | None = None
+        api_url = account.settings.get("api_url", DEFAULT_API_URL)
+        gateway_url = account.settings.get("gateway_url", DEFAULT_GATEWAY_URL)
+        if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+            self._config_error = f"{self._where}: api_url must be an http:// or https:// URL"
+            api_url = DEFAULT_API_URL
+        if not isinstance(gateway_url, str) or not gateway_url.startswith(("ws://", "wss://")):
+            self._config_error = f"{self._where}: gateway_url must be a ws:// or wss:// URL"
+            gateway_url = DEFAULT_GATEWAY_URL
+        self._api_url = api_url.rstrip("/")
+        self._gateway_url = gateway_url if gateway_url.endswith("/") else gateway_url + "/"
+        self._client: _Client | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._ready: asyncio.Event = asyncio.Event()
+        self._state: AccountState = "stopped"
+        self._fatal: str | None = None
+        self._prompts: dict[tuple[str, str], str] = {}  # (channel, message id) of a prompt -> short id
+        self._state_path = Path(context.data_dir) / STATE_FILE
+        self._seen: dict[str, dict[str, Any]] = self._load_seen()
+        self._catch_up: asyncio.Task[None] | None = None
+        self.bot_user_id: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_running(self) -> bool:
+        return (
+            self._client is not None
+            and self._runner is not None
+            and not self._runner.done()
+            and not self._client.is_closed()
+        )
+
+    async def start(self) -> None:
+        if self._config_error is not None:
+            raise AccountError(self._config_error)
+        if self.is_running:
+            return
+        token = self.account.secrets.get("token")
+        source = self.account.secret_sources.get("token") or "token_env / token_file"
+        if not token:
+            raise AccountError(f"{self._where}: no token (set token_env or token_file)")
+        discord.http.Route.BASE = self._api_url
+        gw = discord.gateway.DiscordWebSocket
+        gw.DEFAULT_GATEWAY = type(gw.DEFAULT_GATEWAY)(self._gateway_url)
+        self._fatal = None
+        self._ready = asyncio.Event()
+        self._report("starting", None)
+        # Voice is not used: no "PyNaCl / davey is not installed" warnings in the log at every start.
+        discord.VoiceClient.warn_nacl = False
+        if hasattr(discord.VoiceClient, "warn_dave"):
+            discord.VoiceClient.warn_dave = False
+        intents = discord.Intents.none()
+        intents.guilds = True
+        intents.guild_messages = True
+        intents.dm_messages = True
+        intents.message_content = True
+        client = _Client(
+            self,
+            intents=intents,
+            max_ratelimit_timeout=MAX_RATELIMIT_WAIT_S,
+            chunk_guilds_at_startup=False,
+            guild_ready_timeout=0.5,
+            allowed_mentions=discord.AllowedMentions.none(),
+        )
+        self._client = client
+        try:
+            await client.login(token)
+        except discord.LoginFailure:
+            await _close_quietly(client)
+            self._client = None
+            raise AccountError(f"{self._where}: Discord refused the token ({source}): 401 Unauthorized") from None
+        except BaseException:
+            await _close_quietly(client)
+            self._client = None
+            raise
+        self.bot_user_id = client.user.id if client.user else None
+        self._runner = asyncio.create_task(self._run(client), name=f"discord-{self.account.name}")
+        ready = asyncio.create_task(self._ready.wait())
+        try:
+            await asyncio.wait({ready, self._runner}, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if not self._ready.is_set():
+            reason = self._fatal
+            await self._shutdown()  # no "stopped" report: the gateway records the failure raised here
+            if reason is not None:
+                raise AccountError(f"{self._where}: {reason}")
+            raise RuntimeError(f"{self._where}: the gateway did not become ready within {READY_TIMEOUT_S:g} s")
+        self._log.info("%s: connected as %s", self._where, client.user)
+
+    async def _run(self, client: _Client) -> None:
+        try:
+            await client.connect(reconnect=True)
+        except discord.PrivilegedIntentsRequired:
+            self._fatal = (
+                "the Message Content intent is not enabled for this bot: turn on 'Message Content Intent' "
+                "under Bot → Privileged Gateway Intents in the Discord developer portal"
+            )
+            self._report("error", self._fatal)
+        except discord.ConnectionClosed as exc:
+            if exc.code == 4004:
+                source = self.account.secret_sources.get("token") or "token_env / token_file"
+                self._fatal = f"Discord refused the token ({source}): gateway close 4004"
+            else:
+                self._fatal = f"the gateway closed the connection ({exc.code}): {exc.reason or 'no reason'}"
+            self._report("error", self._fatal)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - not running: the gateway restarts the adapter with backoff
+            self._report("backoff", f"gateway connection failed: {type(exc).__name__}: {exc}")
+        finally:
+            await _close_quietly(client)
+
+    async def stop(self) -> None:
+        await self._shutdown()
+        self._report("stopped", None)
+
+    async def _shutdown(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await _close_quietly(client)
+        for task in (self._runner, self._catch_up):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._runner = None
+        self._catch_up = None
+
+    def _report(self, state: AccountState, reason: str | None) -> None:
+        if state == self._state and state == "running":
+            return
+        self._state = state
+        try:
+            self.context.report(state, reason)
+        except Exception:  # noqa: BLE001 - reporting must never break the connection
+            self._log.exception("discord: report(%s) failed", state)
+
+    def _on_disconnect(self) -> None:
+        if self._client is not None and not self._client.is_closed() and self._state == "running":
+            self._report("backoff", "gateway connection lost; reconnecting")
+
+    async def _on_ready(self) -> None:
+        """A new session (first connect, or a re-IDENTIFY): running, then catch up on what was missed."""
+        self._ready.set()
+        self._report("running", None)
+        if self._catch_up is None or self._catch_up.done():
+            self._catch_up = asyncio.create_task(self._catch_up_all(), name=f"discord-catchup-{self.account.name}")
+
+    # ------------------------------------------------------------------ inbound
+
+    async def _on_discord_message(self, message: discord.Message, meta: dict[str, Any] | None = None) -> None:
+        if self.bot_user_id is not None and message.author.id == self.bot_user_id:
+            return  # our own posts come back as MESSAGE_CREATE
+        try:
+            msg = await self._inbound(message, meta)
+        except Exception:  # noqa: BLE001 - a malformed message must not stall the others
+            self._log.exception("%s: could not read message %s; skipped", self._where, message.id)
+            return
+        try:
+            await self.context.on_message(msg)
+        except Exception as exc:  # noqa: BLE001 - not recorded: the catch-up after a reconnect brings it again
+            self._log.error("%s: message %s not recorded (%s)", self._where, msg.message_id, exc)
+            return
+        self._note_seen(message.channel.id, message.id, msg)
+
+    def _where_is(self, message: discord.Message) -> tuple[str, str | None, str]:
+        """(chat, thread, chat_type) of a live message."""
+        channel = message.channel
+        if isinstance(channel, discord.DMChannel | discord.GroupChannel):
+            return str(channel.id), None, "dm"
+        if isinstance(channel, discord.Thread):
+            return str(channel.parent_id), str(channel.id), "group"
+        guild_id = message.guild.id if message.guild else getattr(channel, "guild_id", None)
+        if guild_id is None:
+            return str(channel.id), None, "dm"
+        return str(channel.id), None, "group"
+
+    async def _inbound(self, message: discord.Message, meta: dict[str, Any] | None) -> InboundMessage:
+        if meta is not None:
+            chat, thread, chat_type = str(meta["chat"]), meta.get("thread"), str(meta["chat_type"])
+        else:
+            chat, thread, chat_type = self._where_is(message)
+        me = self.bot_user_id
+        mentions_bot = me is not None and (any(u.id == me for u in message.mentions) or me in message.raw_mentions)
+        reply_to: str | None = None
+        ref = message.reference
+        if ref is not None and ref.message_id is not None:
+            reply_to = str(ref.message_id)
+            resolved = ref.resolved
+            if isinstance(resolved, discord.Message) and me is not None and resolved.author.id == me:
+                mentions_bot = True
+        text = message.content
+        if me is not None:
+            text = text.replace(f"<@{me}>", "").replace(f"<@!{me}>", "")
+        attachments = tuple([await self._attachment(a) for a in message.attachments])
+        author = message.author
+        return InboundMessage(
+            channel=CHANNEL,
+            account=self.account.name,
+            chat=chat,
+            chat_type="dm" if chat_type == "dm" else "group",
+            sender=str(author.id),
+            message_id=str(message.id),
+            text=text.strip(),
+            thread=str(thread) if thread else None,
+            sender_name=author.display_name or author.name or None,
+            mentions_bot=mentions_bot,
+            reply_to=reply_to,
+            sender_is_bot=bool(author.bot),
+            ts=message.created_at.timestamp(),
+            attachments=attachments,
+            raw={
+                "id": str(message.id),
+                "channel_id": str(message.channel.id),
+                "guild_id": str(message.guild.id) if message.guild else None,
+            },  # fmt: skip
+        )
+
+    async def _attachment(self, a: discord.Attachment) -> Attachment:
+        mime = a.content_type or "application/octet-stream"
+        if not mime.startswith("image/") or a.size > IMAGE_MAX_BYTES:
+            return Attachment(kind="file", name=a.filename, mime=mime, size=a.size)
+        try:
+            data = await asyncio.wait_for(a.read(), FETCH_TIMEOUT_S)
+        except (TimeoutError, discord.HTTPException, OSError) as exc:
+            self._log.warning("%s: attachment %s not fetched: %s", self._where, a.filename, exc)
+            return Attachment(kind="file", name=a.filename, mime=mime, size=a.size)
+        if len(data) > IMAGE_MAX_BYTES:
+            return Attachment(kind="file", name=a.filename, mime=mime, size=len(data))
+        return Attachment(kind="image", name=a.filename, mime=mime, size=len(data), data=data)
+
+    async def _on_interaction(self, interaction: discord.Interaction) -> None:
+        """A press on an approval button: acknowledged at once, handed over as `/approve ID` or `/deny ID`."""
+        if interaction.type != discord.InteractionType.component:
+            return
+        data: dict[str, Any] = dict(interaction.data or {})
+        custom_id = str(data.get("custom_id") or "")
+        verb, _, short_id = custom_id.partition(":")
+        if verb not in ("approve", "deny") or not short_id or not short_id.isalnum():
+            return
+        try:
+            await interaction.response.defer()  # type 6: deferred update, the gateway edits the prompt next
+        except discord.HTTPException as exc:
+            self._log.warning("%s: could not acknowledge interaction %s: %s", self._where, interaction.id, exc)
+        channel = interaction.channel
+        channel_id = interaction.channel_id
+        if channel_id is None:
+            return
+        thread: str | None = None
+        chat = str(channel_id)
+        if isinstance(channel, discord.Thread):
+            chat, thread = str(channel.parent_id), str(channel.id)
+        user = interaction.user
+        msg = InboundMessage(
+            channel=CHANNEL,
+            account=self.account.name,
+            chat=chat,
+            chat_type="group" if interaction.guild_id else "dm",
+            sender=str(user.id),
+            message_id=f"interaction:{interaction.id}",
+            text=f"/{verb} {short_id}",
+            thread=thread,
+            sender_name=user.display_name or user.name or None,
+            mentions_bot=True,  # a press on the bot's own button is addressed to it
+            reply_to=str(interaction.message.id) if interaction.message else None,
+            ts=interaction.created_at.timestamp(),
+            raw={"interaction_id": str(interaction.id), "custom_id": custom_id},
+        )
+        try:
+            await self.context.on_message(msg)
+        except Exception as exc:  # noqa: BLE001 - the person can press again
+            self._log.error("%s: button press %s not recorded (%s)", self._where, interaction.id, exc)
+
+    # ------------------------------------------------------------------ catch-up
+
+    def _load_seen(self) -> dict[str, dict[str, Any]]:
+        try:
+            value = json.loads(self._state_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(value, dict):
+            return {}
+        return {str(k): v for k, v in value.items() if isinstance(v, dict) and str(v.get("last", "")).isdigit()}
+
+    def _note_seen(self, channel_id: int, message_id: int, msg: InboundMessage) -> None:
+        key = str(channel_id)
+        entry = self._seen.get(key)
+        if entry is not None and int(entry["last"]) >= message_id:
+            return
+        self._seen[key] = {"last": str(message_id), "chat": msg.chat, "thread": msg.thread, "chat_type": msg.chat_type}
+        try:
+            self._state_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self._state_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._seen, sort_keys=True))
+            os.replace(tmp, self._state_path)
+        except OSError as exc:
+            self._log.warning("%s: could not save %s: %s", self._where, self._state_path, exc)
+
+    async def _catch_up_all(self) -> None:
+        for channel_id, entry in list(self._seen.items()):
+            try:
+                await self._catch_up_channel(int(channel_id), entry)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one channel that cannot be read does not stop the rest
+                self._log.warning("%s: catch-up of channel %s failed: %s", self._where, channel_id, exc)
+
+    async def _catch_up_channel(self, channel_id: int, entry: dict[str, Any]) -> None:
+        client = self._client
+        if client is None:
+            return
+        channel = client.get_partial_messageable(channel_id)
+        count = 0
+        after = discord.Object(id=int(entry["last"]))
+        async for message in channel.history(limit=CATCH_UP_LIMIT, after=after, oldest_first=True):
+            if self.bot_user_id is not None and message.author.id == self.bot_user_id:
+                continue
+            count += 1
+            await self._on_discord_message(message, entry)
+        if count:
+            self._log.info("%s: caught up on %d message(s) in channel %s", self._where, count, channel_id)
+
+    # ------------------------------------------------------------------ outbound
+
+    def _channel(self, target: Target) -> discord.PartialMessageable:
+        client = self._client
+        if client is None:
+            raise DeliveryError("discord: not started")
+        try:
+            return client.get_partial_messageable(int(target.thread or target.chat))
+        except ValueError:
+            raise DeliveryError(
+                f"discord: not a channel id: {target.thread or target.chat!r}", permanent=True
+            ) from None
+
+    async def send(self, target: Target, text: str) -> list[str]:
+        return [await self._post(target, text, None)]
+
+    async def _post(self, target: Target, text: str, components: list[dict[str, Any]] | None) -> str:
+        """`POST channels/{id}/messages` through discord.py's HTTP client (its rate limiting included),
+        with the payload written out here so that `enforce_nonce` is sent whatever the discord.py 2.x."""
+        channel = self._channel(target)
+        payload: dict[str, Any] = {"content": text, "allowed_mentions": {"parse": []}}
+        if target.key:
+            payload["nonce"] = nonce_for(target.key)
+            payload["enforce_nonce"] = True
+        if target.reply_to and target.reply_to.isdigit() and not _is_dm(self, target):
+            payload["message_reference"] = {
+                "message_id": target.reply_to,
+                "channel_id": str(channel.id),
+                "fail_if_not_exists": False,
+            }
+        if components is not None:
+            payload["components"] = components
+        route = discord.http.Route("POST", "/channels/{channel_id}/messages", channel_id=channel.id)
+        data = await _call("send", channel._state.http.request(route, json=payload))
+        message_id = data.get("id") if isinstance(data, dict) else None
+        if not message_id:
+            raise DeliveryError("discord send: answered without a message id")
+        return str(message_id)
+
+    async def edit(self, target: Target, message_id: str, text: str) -> None:
+        channel = self._channel(target)
+        kwargs: dict[str, Any] = {"content": text, "allowed_mentions": discord.AllowedMentions.none()}
+        short_id = self._prompts.get((str(channel.id), message_id))
+        if short_id is not None and f"/approve {short_id}" not in text:
+            kwargs["view"] = None  # decided: the buttons go away
+            self._prompts.pop((str(channel.id), message_id), None)
+        await _call("edit", channel.get_partial_message(int(message_id)).edit(**kwargs))
+
+    async def react(self, target: Target, message_id: str, emoji: str) -> None:
+        channel = self._channel(target)
+        await _call("react", channel.get_partial_message(int(message_id)).add_reaction(emoji))
+
+    async def typing(self, target: Target) -> None:
+        channel = self._channel(target)
+        await _call("typing", channel._state.http.send_typing(channel.id))
+
+    def format(self, text: str) -> str:
+        return to_discord(text)
+
+    async def prompt_approval(self, target: Target, text: str, short_id: str) -> list[str]:
+        """The prompt with Approve / Deny buttons; a press comes back as `/approve ID` / `/deny ID`."""
+        buttons = [
+            {"type": 2, "style": 3, "label": "Approve", "custom_id": f"approve:{short_id}"},
+            {"type": 2, "style": 4, "label": "Deny", "custom_id": f"deny:{short_id}"},
+        ]
+        mid = await self._post(target, to_discord(text), [{"type": 1, "components": buttons}])
+        self._prompts[(str(target.thread or target.chat), mid)] = short_id
+        return [mid]
+
+
+def nonce_for(key: str) -> str:
+    """A Discord nonce (at most 25 characters) that is the same for the same reply part."""
+    return hashlib.sha256(key.encode()).hexdigest()[:NONCE_LENGTH]
+
+
+def _is_dm(adapter: DiscordAdapter, target: Target) -> bool:
+    """Whether `target` is a DM (no reply reference there): from discord.py's cache, else from the
+    channels this adapter has seen."""
+    client = adapter._client
+    if client is not None and target.chat.isdigit():
+        cached = client.get_channel(int(target.chat))
+        if cached is not None:
+            return isinstance(cached, discord.DMChannel | discord.GroupChannel)
+    entry = adapter._seen.get(str(target.thread or target.chat))
+    return entry is not None and entry.get("chat_type") == "dm"
+
+
+async def _call(op: str, awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except discord.RateLimited as exc:
+        raise DeliveryError(f"discord {op}: rate limited", retry_after=_bounded(exc.retry_after)) from None
+    except discord.Forbidden as exc:
+        raise DeliveryError(f"discord {op}: 403 {exc.text or 'Forbidden'}", permanent=True) from None
+    except discord.NotFound as exc:
+        raise DeliveryError(f"discord {op}: 404 {exc.text or 'Not Found'}", permanent=True) from None
+    except discord.HTTPException as exc:
+        if exc.status == 429:
+            retry = exc.response.headers.get("Retry-After") if exc.response is not None else None
+            raise DeliveryError(f"discord {op}: 429 {exc.text}", retry_after=_bounded(retry)) from None
+        if 400 <= exc.status < 500:
+            raise DeliveryError(f"discord {op}: {exc.status} {exc.text}", permanent=True) from None
+        raise DeliveryError(f"discord {op}: {exc.status} {exc.text}") from None
+    except (TimeoutError, OSError) as exc:
+        raise DeliveryError(f"discord {op}: {type(exc).__name__}: {exc}") from None
+
+
+def _bounded(value: Any) -> float:
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except (TypeError, ValueError):
+        return 1.0
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else MAX_RETRY_AFTER_S
+
+
+async def _close_quietly(client: discord.Client) -> None:
+    with contextlib.suppress(Exception):
+        await client.close()
+
+
+def create_adapter(account: Account, context: AdapterContext) -> DiscordAdapter:
+    """The plugin entry point (see `plugins.contract`)."""
+    return DiscordAdapter(account, context)

@@ -1,0 +1,278 @@
+"""The Discord plugin (issue 19) in-process: the real discord.py client against the loopback fake of
+Discord's REST API and gateway WebSocket (tests/fakes/discord_api.py), with a stand-in for the gateway's
+`on_message` that commits like the real one. The end-to-end tests through `appserver serve --channels
+discord` are in tests/test_discord_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import operator
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plugins.contract import Account, AccountError, AdapterContext, DeliveryError, InboundMessage, Target
+from plugins.discord import MAX_LENGTH, DiscordAdapter, create_adapter, nonce_for, to_discord
+from tests.fakes.discord_api import FakeDiscord
+
+pytestmark = pytest.mark.timeout(60)
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64
+GENERAL = "300000000000000001"
+
+
+class StandIn:
+    """The gateway's side of the contract: `on_message` commits (a dict of ids)."""
+
+    def __init__(self) -> None:
+        self.calls: list[InboundMessage] = []
+        self.ledger: dict[str, InboundMessage] = {}
+        self.states: list[tuple[str, str | None]] = []
+        self.fail = 0
+
+    async def on_message(self, msg: InboundMessage) -> None:
+        self.calls.append(msg)
+        if self.fail > 0:
+            self.fail -= 1
+            raise RuntimeError("ledger unavailable")
+        self.ledger.setdefault(msg.message_id, msg)
+
+    def report(self, state: Any, reason: str | None) -> None:
+        self.states.append((state, reason))
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeDiscord]:
+    with FakeDiscord() as f:
+        yield f
+
+
+def _adapter(fake: FakeDiscord, gw: StandIn, data_dir: Path, token: str | None = None) -> DiscordAdapter:
+    ctx = AdapterContext(gw.on_message, gw.report, data_dir, logging.getLogger("test.discord"))
+    settings = {"api_url": fake.api_url, "gateway_url": fake.gateway_url}
+    secrets = {"token": token if token is not None else fake.token}
+    account = Account("discord", "main", settings, secrets, {"token": "environment variable DISCORD_TOKEN"})
+    adapter = create_adapter(account, ctx)
+    assert isinstance(adapter, DiscordAdapter)
+    return adapter
+
+
+@pytest.fixture
+async def running(fake: FakeDiscord, tmp_path: Path) -> AsyncIterator[tuple[DiscordAdapter, StandIn]]:
+    gw = StandIn()
+    adapter = _adapter(fake, gw, tmp_path)
+    await adapter.start()
+    try:
+        yield adapter, gw
+    finally:
+        await adapter.stop()
+
+
+def test_format_passes_markdown_and_drops_control_characters() -> None:
+    assert to_discord("**bold** `code` @everyone\r\nnext\x00\x07") == "**bold** `code` @everyone\nnext"
+    assert len(nonce_for("discord:main:123:0")) == 25 and nonce_for("a") == nonce_for("a") != nonce_for("b")
+
+
+async def test_a_dm_maps_to_a_dm_and_own_messages_are_skipped(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    adapter, gw = running
+    assert gw.states[-1] == ("running", None) and adapter.is_running
+    mid = fake.inject_dm("501", "hello there", name="Ann")
+    await fake.wait_for_async(lambda: mid in gw.ledger, 5, "the DM")
+    msg = gw.ledger[mid]
+    dm = fake.dm_channel("501")
+    assert (msg.chat, msg.chat_type, msg.sender, msg.sender_name, msg.text) == (dm, "dm", "501", "Ann", "hello there")
+    assert msg.thread is None and not msg.mentions_bot and not msg.sender_is_bot
+    [sent] = await adapter.send(Target(dm, key="discord:main:1:0"), "hi back")
+    await asyncio.sleep(0.3)  # the bot's own MESSAGE_CREATE comes back: it is not handed over
+    assert sent not in gw.ledger and [m.message_id for m in gw.calls] == [mid]
+
+
+async def test_guild_mentions_replies_threads_and_bots(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    adapter, gw = running
+    mention = fake.inject_guild_message("502", "what now?", mention=True)
+    plain = fake.inject_guild_message("502", "chatter")
+    [bot_msg] = await adapter.send(Target(GENERAL, key="k-guild"), "an answer")
+    reply = fake.inject_guild_message("503", "and this?", reply_to=bot_msg)
+    thread = fake.add_thread(GENERAL)
+    in_thread = fake.inject_guild_message("502", "in a thread", channel=thread, mention=True)
+    other_bot = fake.inject_guild_message("504", "beep", bot=True)
+    for mid in (mention, plain, reply, in_thread, other_bot):
+        await fake.wait_for_async(functools.partial(operator.contains, gw.ledger, mid), 5, f"message {mid}")
+    m = gw.ledger[mention]
+    assert (m.chat, m.chat_type, m.mentions_bot, m.text, m.thread) == (GENERAL, "group", True, "what now?", None)
+    assert gw.ledger[plain].mentions_bot is False
+    r = gw.ledger[reply]
+    assert r.mentions_bot and r.reply_to == bot_msg
+    t = gw.ledger[in_thread]
+    assert (t.chat, t.thread, t.mentions_bot) == (GENERAL, thread, True)
+    assert gw.ledger[other_bot].sender_is_bot
+
+
+async def test_an_image_is_fetched_and_a_file_named(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    _, gw = running
+    image = fake.add_attachment("cat.png", PNG)
+    doc = fake.add_attachment("notes.pdf", b"%PDF-1.4", "application/pdf")
+    mid = fake.inject_dm("505", "look", attachments=[image, doc])
+    await fake.wait_for_async(lambda: mid in gw.ledger, 5, "the message")
+    first, second = gw.ledger[mid].attachments
+    assert (first.kind, first.name, first.mime, first.data) == ("image", "cat.png", "image/png", PNG)
+    assert (second.kind, second.name, second.data, second.size) == ("file", "notes.pdf", None, 8)
+
+
+async def test_send_edit_react_typing_without_pings(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    adapter, _ = running
+    assert adapter.limits.max_length == MAX_LENGTH <= 2000 and adapter.limits.can_edit and adapter.limits.can_react
+    asker = fake.inject_guild_message("506", "ping them", mention=True)
+    [mid] = await adapter.send(Target(GENERAL, reply_to=asker, key="discord:main:x:0"), "@everyone look <@506>")
+    await adapter.edit(Target(GENERAL), mid, "@here edited")
+    await adapter.react(Target(GENERAL), asker, "👀")
+    await adapter.typing(Target(GENERAL))
+    [msg] = [m for m in fake.messages(GENERAL) if m.id == mid]
+    assert msg.history == ["@everyone look <@506>", "@here edited"] and msg.reference == asker
+    assert msg.allowed_mentions == {"parse": []}
+    patch = fake.calls("PATCH messages", channel=GENERAL)[-1]
+    assert patch.body["allowed_mentions"] == {"parse": []}
+    assert fake.reactions(GENERAL, asker) == ["👀"] and GENERAL in fake.typing()
+
+
+async def test_the_same_key_is_the_same_message(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    adapter, _ = running
+    target = Target(GENERAL, key="discord:main:777:0")
+    first = await adapter.send(target, "once")
+    again = await adapter.send(target, "once")
+    assert first == again
+    assert [m.id for m in fake.messages(GENERAL)].count(first[0]) == 1
+    posts = [
+        c for c in fake.calls("POST messages", channel=GENERAL) if c.body.get("nonce") == nonce_for(target.key or "")
+    ]
+    assert len(posts) == 2 and all(c.body.get("enforce_nonce") is True for c in posts)
+
+
+async def test_a_429_is_slept_out_by_discord_py(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    adapter, _ = running
+    fake.fail_next("POST messages", status=429, retry_after=1.0)
+    t0 = time.monotonic()
+    [mid] = await adapter.send(Target(GENERAL), "after the wait")
+    assert time.monotonic() - t0 >= 1.0
+    statuses = [c.status for c in fake.calls("POST messages", channel=GENERAL)][-2:]
+    assert statuses == [429, 200] and [m.content for m in fake.messages(GENERAL) if m.id == mid] == ["after the wait"]
+    fake.fail_next("POST messages", status=429, retry_after=0.5, is_global=True)
+    await adapter.send(Target(GENERAL), "after a global limit")
+
+
+async def test_a_long_429_comes_back_as_retry_after(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    adapter, _ = running
+    fake.fail_next("POST messages", status=429, retry_after=120.0)
+    with pytest.raises(DeliveryError) as err:
+        await adapter.send(Target(GENERAL), "not now")
+    assert err.value.retry_after is not None and err.value.retry_after >= 100 and not err.value.permanent
+
+
+async def test_forbidden_and_unknown_are_permanent(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    adapter, _ = running
+    locked = fake.add_text_channel("300000000000000099", "locked")
+    fake.forbid(locked)
+    with pytest.raises(DeliveryError) as err:
+        await adapter.send(Target(locked), "hi")
+    assert err.value.permanent and "Missing Permissions" in err.value.reason
+    with pytest.raises(DeliveryError) as err:
+        await adapter.send(Target("399999999999999999"), "hi")
+    assert err.value.permanent and "Unknown Channel" in err.value.reason
+
+
+async def test_a_bad_token_is_an_account_error_naming_the_variable(fake: FakeDiscord, tmp_path: Path) -> None:
+    gw = StandIn()
+    adapter = _adapter(fake, gw, tmp_path, token="wrong")
+    with pytest.raises(AccountError, match="DISCORD_TOKEN"):
+        await adapter.start()
+    assert not adapter.is_running
+
+
+async def test_without_the_message_content_intent_the_reason_is_clear(tmp_path: Path) -> None:
+    with FakeDiscord(message_content=False) as f:
+        gw = StandIn()
+        adapter = _adapter(f, gw, tmp_path)
+        with pytest.raises(AccountError, match="Message Content"):
+            await adapter.start()
+        assert gw.states[-1][0] == "error"
+        assert any(s == "error" and r and "Message Content" in r for s, r in gw.states)
+
+
+async def test_a_drop_resumes_and_replays(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    _, gw = running
+    resumes = fake.resumes
+    fake.drop()
+    mid = fake.inject_dm("507", "while dropped")
+    await fake.wait_for_async(lambda: mid in gw.ledger, 10, "the replayed message")
+    assert fake.resumes == resumes + 1 and fake.heartbeats >= 1
+    assert [m.message_id for m in gw.calls].count(mid) == 1
+    await fake.wait_for_async(lambda: gw.states[-1][0] == "running", 5, "running again (RESUMED)")
+    assert "backoff" in [s for s, _ in gw.states], gw.states
+
+
+async def test_an_invalid_session_reidentifies_and_catches_up(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn], tmp_path: Path
+) -> None:
+    adapter, gw = running
+    first = fake.inject_guild_message("508", "before", mention=True)
+    await fake.wait_for_async(lambda: first in gw.ledger, 5, "the first message")
+    await fake.wait_for_async(lambda: (tmp_path / "last_seen.json").exists(), 5, "the saved position")
+    assert json.loads((tmp_path / "last_seen.json").read_text())[GENERAL]["last"] == first
+    identifies = fake.identifies
+    fake.hold()
+    fake.invalidate()
+    await fake.wait_for_async(lambda: not fake.connected, 5, "the session to end")
+    missed = [fake.inject_guild_message("508", f"missed {i}", mention=True) for i in range(3)]
+    fake.release()
+    for mid in missed:
+        await fake.wait_for_async(functools.partial(operator.contains, gw.ledger, mid), 10, f"caught-up {mid}")
+    assert fake.identifies == identifies + 1
+    ids = [m.message_id for m in gw.calls]
+    assert all(ids.count(mid) == 1 for mid in missed) and ids.count(first) == 1
+    assert [gw.ledger[m].text for m in missed] == ["missed 0", "missed 1", "missed 2"]
+    assert adapter.is_running
+
+
+async def test_an_approval_button_is_acknowledged_and_handed_over(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    adapter, gw = running
+    [mid] = await adapter.prompt_approval(
+        Target(GENERAL), "🔐 shell?\nReply /approve ab12cd34 or /deny ab12cd34", "ab12cd34"
+    )
+    [prompt] = [m for m in fake.messages(GENERAL) if m.id == mid]
+    buttons = [c["custom_id"] for row in prompt.components for c in row["components"]]
+    assert buttons == ["approve:ab12cd34", "deny:ab12cd34"]
+    iid = fake.click("509", GENERAL, mid, "approve:ab12cd34", name="Bo")
+    key = f"interaction:{iid}"
+    await fake.wait_for_async(lambda: key in gw.ledger, 5, "the press")
+    press = gw.ledger[key]
+    assert (press.text, press.sender, press.chat, press.mentions_bot) == ("/approve ab12cd34", "509", GENERAL, True)
+    assert [b.get("type") for i, b in fake.interaction_callbacks() if i == iid] == [6]
+    await adapter.edit(Target(GENERAL), mid, "🔐 shell?\nApproved by Bo")
+    [decided] = [m for m in fake.messages(GENERAL) if m.id == mid]
+    assert decided.components == [] and decided.content.endswith("Approved by Bo")
+
+
+async def test_a_message_not_taken_is_caught_up_after_a_reconnect(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    _, gw = running
+    seen = fake.inject_dm("510", "seen")
+    await fake.wait_for_async(lambda: seen in gw.ledger, 5, "the first")
+    gw.fail = 1
+    lost = fake.inject_dm("510", "not recorded the first time")
+    await fake.wait_for_async(lambda: any(m.message_id == lost for m in gw.calls), 5, "the failed hand-over")
+    assert lost not in gw.ledger
+    fake.invalidate()  # a new session: the catch-up from the last recorded id brings it again
+    await fake.wait_for_async(lambda: lost in gw.ledger, 10, "the catch-up")

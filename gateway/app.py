@@ -249,6 +249,9 @@ class Gateway:
         """The account's access policy (gateway/access.py), recorded with its reason."""
         p = entry.payload
         key = entry.key
+        if not str(p.get("text") or "").strip() and not p.get("images") and not p.get("attachments"):
+            # A pin notice, a join, a sticker or an embed alone: nothing for an agent to answer.
+            return self.ledger.decide(key, "deny", "empty message (no text and no files)")
         verdict, reason = runner.policy.decide(
             chat_type=str(p.get("chat_type") or "dm"),
             sender=entry.sender,

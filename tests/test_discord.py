@@ -276,3 +276,21 @@ async def test_a_message_not_taken_is_caught_up_after_a_reconnect(
     assert lost not in gw.ledger
     fake.invalidate()  # a new session: the catch-up from the last recorded id brings it again
     await fake.wait_for_async(lambda: lost in gw.ledger, 10, "the catch-up")
+
+
+async def test_a_failed_message_is_caught_up_even_after_a_later_one_and_on_resume(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    """A later recorded message must not move the catch-up past an earlier one that failed, and
+    a RESUME (not only a new session) fetches it again."""
+    _, gw = running
+    seen = fake.inject_dm("511", "seen")
+    await fake.wait_for_async(lambda: seen in gw.ledger, 5, "the first")
+    gw.fail = 1
+    lost = fake.inject_dm("511", "A: not recorded the first time")
+    await fake.wait_for_async(lambda: any(m.message_id == lost for m in gw.calls), 5, "the failed hand-over")
+    later = fake.inject_dm("511", "B: recorded")
+    await fake.wait_for_async(lambda: later in gw.ledger, 5, "the later one")
+    assert lost not in gw.ledger
+    fake.drop()  # RESUME
+    await fake.wait_for_async(lambda: lost in gw.ledger, 10, "the catch-up after the resume")

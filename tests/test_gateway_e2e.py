@@ -157,3 +157,24 @@ def test_cron_deliver_sends_the_runs_reply_to_a_chat_and_logs_it(srv: ChannelSer
     )
     assert delivered[0]["target"] == "fakechat:main:cronchat"
     assert delivered[0]["remote_ids"] == [message.id]
+
+
+def test_an_empty_message_starts_no_turn(srv: ChannelServer, chat: FakeChat) -> None:
+    from gateway.db import default_path
+    from gateway.ledger import Ledger, UpdateKey
+    from tests.support.wait import wait_for
+
+    empty = chat.inject("empty", "   ")  # a pin notice, a join, a sticker alone: nothing to answer
+    chat.inject("empty", "after it")
+    chat.wait_for_text("empty", "echo: after it", timeout=15)
+
+    def reason() -> str | None:
+        ledger = Ledger.open(default_path(srv.home))
+        try:
+            entry = ledger.get(UpdateKey("fakechat", "main", empty))
+            return None if entry is None else f"{entry.state}: {entry.reason}"
+        finally:
+            ledger.close()
+
+    assert wait_for(reason, timeout=5, what="the ledger row") == "denied: empty message (no text and no files)"
+    assert [m.text for m in chat.messages("empty")] == ["echo: after it"]

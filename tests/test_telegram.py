@@ -447,3 +447,42 @@ async def test_a_refused_token_names_the_variable_it_came_from(tg: FakeTelegram,
     )
     with pytest.raises(AccountError, match=r"refused the bot token \(from environment variable TG_TOKEN\)"):
         await create_adapter(account, gw.context()).start()
+
+
+def test_a_code_span_inside_a_link_keeps_its_text_and_url() -> None:
+    from plugins.telegram.format import to_html
+
+    assert to_html("See [`config.toml`](https://example.org/docs)") == (
+        'See <a href="https://example.org/docs">config.toml</a>'
+    )
+    assert to_html("[docs](https://example.org/a`b`c)") == '<a href="https://example.org/a`b`c">docs</a>'
+
+
+async def test_an_update_the_library_cannot_parse_is_skipped_not_fatal(tg: FakeTelegram, gw: Gateway) -> None:
+    """Bot API drift: one update this library version rejects must not stop every later one."""
+    adapter = create_adapter(Account("telegram", "main", tg.settings(), {"token": tg.token}), gw.context())
+    await adapter.start()
+    try:
+        chat = {"id": 42, "type": "private", "first_name": "A"}
+        user = {"id": 42, "is_bot": False, "first_name": "A"}
+        poll = {
+            "id": "p",
+            "question": "q?",
+            "options": [{"text": "a", "voter_count": 0}],
+            "total_voter_count": 0,
+            "is_closed": False,
+            "is_anonymous": True,
+            "type": "regular",
+            "allows_multiple_answers": False,
+        }
+        with tg._lock:
+            for body in ({"poll": poll}, {"text": "a normal message after it"}):
+                n = tg._next_update_id
+                message = {"message_id": n, "chat": chat, "from": user, "date": int(time.time()), **body}
+                tg._updates.append({"update_id": n, "message": message})
+                tg._next_update_id += 1
+        tg._notify()
+        await gw.wait_message(lambda m: m.text == "a normal message after it", timeout=10)
+        assert adapter.is_running
+    finally:
+        await adapter.stop()

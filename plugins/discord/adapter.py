@@ -85,6 +85,7 @@ class _Client(discord.Client):
 
     async def on_resumed(self) -> None:
         self._adapter._report("running", None)
+        self._adapter._start_catch_up(only_held=True)
 
     async def on_disconnect(self) -> None:
         self._adapter._on_disconnect()
@@ -253,8 +254,15 @@ class DiscordAdapter:
         """A new session (first connect, or a re-IDENTIFY): running, then catch up on what was missed."""
         self._ready.set()
         self._report("running", None)
+        self._start_catch_up()
+
+    def _start_catch_up(self, *, only_held: bool = False) -> None:
+        """Fetch what was missed: after a new session every channel seen; after a RESUME only the
+        channels holding a message that could not be recorded."""
         if self._catch_up is None or self._catch_up.done():
-            self._catch_up = asyncio.create_task(self._catch_up_all(), name=f"discord-catchup-{self.account.name}")
+            self._catch_up = asyncio.create_task(
+                self._catch_up_all(only_held), name=f"discord-catchup-{self.account.name}"
+            )
 
     # ------------------------------------------------------------------ inbound
 
@@ -270,6 +278,7 @@ class DiscordAdapter:
             await self.context.on_message(msg)
         except Exception as exc:  # noqa: BLE001 - not recorded: the catch-up after a reconnect brings it again
             self._log.error("%s: message %s not recorded (%s)", self._where, msg.message_id, exc)
+            self._note_seen(message.channel.id, message.id, msg, recorded=False)
             return
         self._note_seen(message.channel.id, message.id, msg)
 
@@ -316,7 +325,7 @@ class DiscordAdapter:
             sender_name=author.display_name or author.name or None,
             mentions_bot=mentions_bot,
             reply_to=reply_to,
-            sender_is_bot=bool(author.bot),
+            sender_is_bot=bool(author.bot) or message.webhook_id is not None,  # integrations are bots too
             ts=message.created_at.timestamp(),
             attachments=attachments,
             raw={
@@ -392,12 +401,24 @@ class DiscordAdapter:
             return {}
         return {str(k): v for k, v in value.items() if isinstance(v, dict) and str(v.get("last", "")).isdigit()}
 
-    def _note_seen(self, channel_id: int, message_id: int, msg: InboundMessage) -> None:
+    def _note_seen(self, channel_id: int, message_id: int, msg: InboundMessage, *, recorded: bool = True) -> None:
+        """Remember where the catch-up of a channel starts: after the newest recorded message, but
+        never past a message that could not be recorded (kept in `failed` until it is)."""
         key = str(channel_id)
-        entry = self._seen.get(key)
-        if entry is not None and int(entry["last"]) >= message_id:
+        old = self._seen.get(key) or {"last": "0"}
+        failed = {int(i) for i in old.get("failed") or []}
+        last = int(old["last"])
+        if recorded:
+            failed.discard(message_id)
+            last = max(last, message_id)
+        else:
+            failed.add(message_id)
+        entry: dict[str, Any] = {"last": str(last), "chat": msg.chat, "thread": msg.thread, "chat_type": msg.chat_type}
+        if failed:
+            entry["failed"] = [str(i) for i in sorted(failed)]
+        if entry == old:
             return
-        self._seen[key] = {"last": str(message_id), "chat": msg.chat, "thread": msg.thread, "chat_type": msg.chat_type}
+        self._seen[key] = entry
         try:
             self._state_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self._state_path.with_suffix(".tmp")
@@ -406,8 +427,10 @@ class DiscordAdapter:
         except OSError as exc:
             self._log.warning("%s: could not save %s: %s", self._where, self._state_path, exc)
 
-    async def _catch_up_all(self) -> None:
+    async def _catch_up_all(self, only_held: bool = False) -> None:
         for channel_id, entry in list(self._seen.items()):
+            if only_held and not entry.get("failed"):
+                continue
             try:
                 await self._catch_up_channel(int(channel_id), entry)
             except asyncio.CancelledError:
@@ -421,7 +444,8 @@ class DiscordAdapter:
             return
         channel = client.get_partial_messageable(channel_id)
         count = 0
-        after = discord.Object(id=int(entry["last"]))
+        failed = [int(i) for i in entry.get("failed") or []]
+        after = discord.Object(id=min(failed) - 1 if failed else int(entry["last"]))
         async for message in channel.history(limit=CATCH_UP_LIMIT, after=after, oldest_first=True):
             if self.bot_user_id is not None and message.author.id == self.bot_user_id:
                 continue

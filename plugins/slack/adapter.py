@@ -495,7 +495,9 @@ class SlackAdapter:
 def _prompt_blocks(text: str, short_id: str | None) -> list[dict[str, Any]]:
     """A section with the (already formatted) text; with buttons while `short_id` is pending."""
     shown = text if len(text) <= SECTION_MAX else text[: SECTION_MAX - 1] + "…"
-    blocks: list[dict[str, Any]] = [{"type": "section", "text": {"type": "mrkdwn", "text": shown or escape(" ")}}]
+    blocks: list[dict[str, Any]] = [
+        {"type": "section", "text": {"type": "mrkdwn", "text": shown or escape(" "), "verbatim": True}}
+    ]
     if short_id is not None:
         blocks.append(
             {

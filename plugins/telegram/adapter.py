@@ -21,7 +21,7 @@ import contextlib
 import datetime as dt
 import warnings
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from telegram import (
@@ -232,7 +232,7 @@ class TelegramAdapter:
             try:
                 if self._me is None:
                     await self._hello()
-                updates = await bot.get_updates(
+                updates: Sequence[Update] = await bot.get_updates(
                     offset=offset or None, timeout=self.poll_timeout, allowed_updates=ALLOWED_UPDATES
                 )
             except InvalidToken as exc:
@@ -259,22 +259,53 @@ class TelegramAdapter:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)
                 continue
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                # An update this library version cannot parse (the Bot API moved on): read the batch
+                # raw and parse each update alone, so one bad update cannot stop every other one.
+                self._log.error("%s: getUpdates returned an update this library cannot read: %r", self._where, exc)
+                updates, unreadable = await self._updates_one_by_one(bot, offset)
+            else:
+                unreadable = set()
             self._sent_offset = max(self._sent_offset, offset)
             delay = BACKOFF_MIN_S
             if self._state != "running":
                 self._report("running", None)
-            if not updates:
+            if not updates and not unreadable:
                 continue
-            if await self._hand_over(updates):
+            if await self._hand_over(updates, unreadable):
                 redeliver = BACKOFF_MIN_S
             else:
                 await asyncio.sleep(redeliver)
                 redeliver = min(redeliver * 2, BACKOFF_MAX_S)
 
-    async def _hand_over(self, updates: tuple[Update, ...] | list[Update]) -> bool:
+    async def _updates_one_by_one(self, bot: Bot, offset: int) -> tuple[list[Update], set[int]]:
+        """The pending updates parsed one at a time, and the ids of those that cannot be parsed:
+        they are logged and acknowledged in order (skipped): nothing in them can be recorded."""
+        unreadable: set[int] = set()
+        try:
+            with warnings.catch_warnings():  # PTB prefers get_updates, which is what cannot parse the batch
+                warnings.simplefilter("ignore")
+                raw = await bot.do_api_request("getUpdates", api_kwargs={"offset": offset or None, "timeout": 0})
+        except TelegramError as exc:
+            self._log.warning("%s: getUpdates (raw): %s", self._where, _describe(exc))
+            return [], unreadable
+        out: list[Update] = []
+        for item in raw if isinstance(raw, list) else []:
+            try:
+                update = Update.de_json(item, bot)
+            except Exception as exc:  # noqa: BLE001 - any parse failure: skip this one update
+                update = None
+                self._log.error("%s: skipping unreadable update %r: %r", self._where, str(item)[:200], exc)
+            if update is not None:
+                out.append(update)
+            elif isinstance(item, dict) and isinstance(item.get("update_id"), int):
+                unreadable.add(item["update_id"])
+        return out, unreadable
+
+    async def _hand_over(self, updates: Sequence[Update], unreadable: set[int] | None = None) -> bool:
         """Give a batch to the gateway together, then move the offset over the acknowledged prefix.
         False when an update was not acknowledged (it and everything after it are redelivered)."""
-        passed: set[int] = set()  # acknowledged by the gateway, or nothing for the ledger
+        passed: set[int] = set(unreadable or ())  # acknowledged by the gateway, or nothing for the ledger
         handed: list[tuple[int, InboundMessage]] = []
         for update in updates:
             update_id = update.update_id

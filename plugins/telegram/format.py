@@ -113,10 +113,14 @@ def _inline_line(line: str) -> str:
 def _inline(text: str) -> str:
     """One line: code spans and links become atomic placeholders, the rest is escaped and given
     bold, italic and strikethrough on the text between tags only (so tags never cross)."""
-    atoms: list[str] = []
+    atoms: list[str] = []  # each placeholder's HTML
+    plain: list[str] = []  # ... its text as shown (a code span's content)
+    source: list[str] = []  # ... and the Markdown it came from
 
-    def keep(fragment: str) -> str:
+    def keep(fragment: str, shown: str, raw: str) -> str:
         atoms.append(fragment)
+        plain.append(shown)
+        source.append(raw)
         return f"\x00{len(atoms) - 1}\x00"
 
     def code(m: re.Match[str]) -> str:
@@ -125,10 +129,13 @@ def _inline(text: str) -> str:
             return m.group(0)
         if inner.startswith(" ") and inner.endswith(" ") and inner.strip():
             inner = inner[1:-1]
-        return keep(f"<code>{escape(inner)}</code>")
+        return keep(f"<code>{escape(inner)}</code>", inner, m.group(0))
 
     def link(m: re.Match[str]) -> str:
-        return keep(f'<a href="{escape(m.group(2))}">{escape(m.group(1))}</a>')
+        # A code span inside a link's label shows as its text; inside the URL it is the URL's own text.
+        label = _PLACEHOLDER_RE.sub(lambda p: plain[int(p.group(1))], m.group(1))
+        url = _PLACEHOLDER_RE.sub(lambda p: source[int(p.group(1))], m.group(2))
+        return keep(f'<a href="{escape(url)}">{escape(label)}</a>', label, m.group(0))
 
     text = _CODE_RE.sub(code, text)
     text = _LINK_RE.sub(link, text)

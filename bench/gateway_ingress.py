@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.fakes.fakechat import FakeChat  # noqa: E402
-from tests.support.gateway import channel_server, fakechat_settings, install_fakechat, write_config  # noqa: E402
+from tests.support.gateway import channel_server, fakechat_home  # noqa: E402
 from tests.support.gateway_load import run_load  # noqa: E402
 
 
@@ -33,9 +33,7 @@ def main() -> int:
     worst_p50 = 0.0
     for rate in rates:
         with tempfile.TemporaryDirectory() as tmp, FakeChat() as chat:
-            home = Path(tmp) / "home"
-            write_config(home, {"fakechat": {"main": fakechat_settings(chat, chat_rate=100)}}, ["fakechat"])
-            install_fakechat(home)
+            home = fakechat_home(Path(tmp) / "home", chat, chat_rate=100)
             with channel_server(home):
                 r = run_load(chat, home, rate=rate, seconds=args.seconds, chats=args.chats)
         ok = not (r.lost or r.duplicated or r.out_of_order) and r.replies == r.sent

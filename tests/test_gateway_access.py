@@ -17,10 +17,8 @@ from tests.support.cli import run_cli
 from tests.support.gateway import (
     ChannelServer,
     channel_server,
-    fakechat_settings,
-    install_fakechat,
+    fakechat_home,
     store_turns,
-    write_config,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,9 +35,7 @@ def chat() -> Iterator[FakeChat]:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[ChannelServer]:
     home = tmp_path_factory.mktemp("access") / "home"
-    settings = fakechat_settings(chat, dm_policy="pairing", group_policy="mention", admins=["boss"])
-    write_config(home, {"fakechat": {"main": settings}}, ["fakechat"])
-    install_fakechat(home)
+    fakechat_home(home, chat, dm_policy="pairing", group_policy="mention", admins=["boss"])
     with channel_server(home) as server:
         yield server
 
@@ -136,10 +132,7 @@ def test_group_messages_need_a_mention(srv: ChannelServer, chat: FakeChat) -> No
 
 def test_silent_mode_sends_nothing_to_an_unknown_sender(tmp_path: Path) -> None:
     with FakeChat() as chat:
-        home = tmp_path / "home"
-        settings = fakechat_settings(chat, dm_policy="pairing", unpaired="silent")
-        write_config(home, {"fakechat": {"main": settings}}, ["fakechat"])
-        install_fakechat(home)
+        home = fakechat_home(tmp_path / "home", chat, dm_policy="pairing", unpaired="silent")
         with channel_server(home) as srv:
             mid = chat.inject("dm-x", "hello?", sender="stranger")
             chat.wait_acked(mid, timeout=15)

@@ -14,10 +14,8 @@ from tests.support.cli import run_cli
 from tests.support.gateway import (
     ChannelServer,
     channel_server,
-    fakechat_settings,
-    install_fakechat,
+    fakechat_home,
     store_turns,
-    write_config,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,10 +29,7 @@ def chat() -> Iterator[FakeChat]:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[ChannelServer]:
-    home = tmp_path_factory.mktemp("chatops") / "home"
-    write_config(home, {"fakechat": {"main": fakechat_settings(chat, group_policy="open", admins=["boss"])}},
-                 ["fakechat"])  # fmt: skip
-    install_fakechat(home)
+    home = fakechat_home(tmp_path_factory.mktemp("chatops") / "home", chat, group_policy="open", admins=["boss"])
     created = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask")
     assert created.code == 0, created.err
     for chat_name in ("approvals", "approvals-cli"):

@@ -14,11 +14,9 @@ import pytest
 from tests.fakes.fakechat import FakeChat
 from tests.support.gateway import (
     channel_server,
-    fakechat_settings,
+    fakechat_home,
     gateway_children,
-    install_fakechat,
     store_turns,
-    write_config,
 )
 from tests.support.wait import wait_for
 
@@ -28,10 +26,7 @@ WORDS_60 = " ".join(f"w{i}" for i in range(1, 61))
 
 
 def _home(tmp_path: Path, chat: FakeChat) -> Path:
-    home = tmp_path / "home"
-    write_config(home, {"fakechat": {"main": fakechat_settings(chat)}}, ["fakechat"])
-    install_fakechat(home)
-    return home
+    return fakechat_home(tmp_path / "home", chat)
 
 
 def test_kill_9_of_the_gateway_mid_turn_answers_once(tmp_path: Path) -> None:

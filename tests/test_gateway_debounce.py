@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakechat import FakeChat
-from tests.support.gateway import ChannelServer, channel_server, fakechat_settings, install_fakechat, write_config
+from tests.support.gateway import (
+    ChannelServer,
+    channel_server,
+    fakechat_home,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,9 +33,7 @@ def chat() -> Iterator[FakeChat]:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[ChannelServer]:
-    home = tmp_path_factory.mktemp("debounce") / "home"
-    write_config(home, {"fakechat": {"main": fakechat_settings(chat, **SETTINGS)}}, ["fakechat"])
-    install_fakechat(home)
+    home = fakechat_home(tmp_path_factory.mktemp("debounce") / "home", chat, **SETTINGS)
     with channel_server(home) as server:
         yield server
 
@@ -87,10 +89,8 @@ def test_max_items_flushes_at_once(srv: ChannelServer, chat: FakeChat) -> None:
 
 def test_kill_9_inside_the_window_answers_the_messages_once(tmp_path: Path) -> None:
     with FakeChat() as chat:
-        home = tmp_path / "home"
         slow = {**SETTINGS, "debounce_ms": 3000, "max_wait_ms": 6000}
-        write_config(home, {"fakechat": {"main": fakechat_settings(chat, **slow)}}, ["fakechat"])
-        install_fakechat(home)
+        home = fakechat_home(tmp_path / "home", chat, **slow)
         with channel_server(home) as srv:
             child = srv.gateway_pid()
             ids = [chat.inject("window", f"kept {i}", sender="dee") for i in range(3)]

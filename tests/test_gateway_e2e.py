@@ -19,10 +19,8 @@ from tests.fakes.fakechat import FakeChat
 from tests.support.gateway import (
     ChannelServer,
     channel_server,
-    fakechat_settings,
-    install_fakechat,
+    fakechat_home,
     store_turns,
-    write_config,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,9 +34,7 @@ def chat() -> Iterator[FakeChat]:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[ChannelServer]:
-    home = tmp_path_factory.mktemp("gw") / "home"
-    write_config(home, {"fakechat": {"main": fakechat_settings(chat)}}, ["fakechat"])
-    install_fakechat(home)
+    home = fakechat_home(tmp_path_factory.mktemp("gw") / "home", chat)
     with channel_server(home) as server:
         yield server
 

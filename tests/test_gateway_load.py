@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakechat import FakeChat
-from tests.support.gateway import channel_server, fakechat_settings, install_fakechat, store_turns, write_config
+from tests.support.gateway import (
+    channel_server,
+    fakechat_home,
+    store_turns,
+)
 from tests.support.gateway_load import run_load
 
 pytestmark = pytest.mark.timeout(240)
@@ -19,11 +23,9 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_200_messages_a_second_across_20_chats_lose_nothing_and_keep_order(tmp_path: Path) -> None:
     with FakeChat() as chat:
-        home = tmp_path / "home"
         # The platform here has no rate limit of its own; the per-chat budget is raised so the test
         # measures the gateway, not the 1/s default meant for real platforms.
-        write_config(home, {"fakechat": {"main": fakechat_settings(chat, chat_rate=100)}}, ["fakechat"])
-        install_fakechat(home)
+        home = fakechat_home(tmp_path / "home", chat, chat_rate=100)
         with channel_server(home) as srv:
             result = run_load(chat, home, rate=200, seconds=10, chats=20)
             print(

@@ -181,6 +181,13 @@ def channel_server(
                 pass
 
 
+def fakechat_home(home: Path, chat: FakeChat, **settings: Any) -> Path:
+    """A home with one `fakechat:main` account on `chat` (open DMs, the `assistant` agent)."""
+    write_config(home, {"fakechat": {"main": fakechat_settings(chat, **settings)}}, ["fakechat"])
+    install_fakechat(home)
+    return home
+
+
 def store_turns(home: Path, text_fragment: str) -> int:
     """How many user messages in the store contain `text_fragment` (one per turn)."""
     import sqlite3

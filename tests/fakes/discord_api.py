@@ -45,23 +45,20 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import unquote
 
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-T = TypeVar("T")
+from tests.fakes.loopback import WEBSOCKET_OPTIONS, LoopbackServer, first_match
 
 DISCORD_EPOCH_MS = 1420070400000
 MESSAGE_CONTENT_INTENT = 1 << 15
@@ -132,8 +129,12 @@ class _Socket:
     closed: bool = False
 
 
-class FakeDiscord:
+class FakeDiscord(LoopbackServer):
     """The fake Discord. Every public method is thread-safe and callable from sync code."""
+
+    _label = "fake discord"
+    _thread_name = "fakediscord"
+    _server_options = WEBSOCKET_OPTIONS
 
     def __init__(
         self,
@@ -146,6 +147,7 @@ class FakeDiscord:
         heartbeat_ms: int = 2000,
         nonce_window: float = 300.0,
     ) -> None:
+        super().__init__()
         self.token = token
         self.bot_id = bot_id
         self.bot_name = bot_name
@@ -177,10 +179,6 @@ class FakeDiscord:
         self.identifies = 0
         self.resumes = 0
         self.heartbeats = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
         self.bot_user = {
             "id": bot_id,
             "username": bot_name,
@@ -196,63 +194,17 @@ class FakeDiscord:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> FakeDiscord:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        app = Starlette(
-            routes=[
-                Route("/api/v10/{path:path}", self._rest, methods=["GET", "POST", "PATCH", "PUT", "DELETE"]),
-                Route("/attachments/{aid}/{name}", self._attachment, methods=["GET"]),
-                WebSocketRoute("/gateway/", self._ws),
-                WebSocketRoute("/resume/", self._ws),
-            ]
-        )
-        config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=1,
-            ws="websockets-sansio", ws_ping_interval=None,
-        )  # fmt: skip
-        self._server = uvicorn.Server(config)
-        started = threading.Event()
+    def _routes(self) -> list[BaseRoute]:
+        return [
+            Route("/api/v10/{path:path}", self._rest, methods=["GET", "POST", "PATCH", "PUT", "DELETE"]),
+            Route("/attachments/{aid}/{name}", self._attachment, methods=["GET"]),
+            WebSocketRoute("/gateway/", self._ws),
+            WebSocketRoute("/resume/", self._ws),
+        ]
 
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            started.set()
-            assert self._server is not None and self._sock is not None
-            await self._server.serve(sockets=[self._sock])
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="fakediscord", daemon=True)
-        self._thread.start()
-        started.wait(5)
-        deadline = time.monotonic() + 5
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fake discord did not start")
-            time.sleep(0.005)
-        return self
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
+    def _before_stop(self) -> None:
         self.release()
         self._run_on_loop(self._close_socket(self._socket, 1000))
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._sock is not None:
-            self._sock.close()
-        self._server = None
-
-    def __enter__(self) -> FakeDiscord:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        assert self._sock is not None, "fake discord not started"
-        return int(self._sock.getsockname()[1])
 
     @property
     def api_url(self) -> str:
@@ -473,33 +425,8 @@ class FakeDiscord:
         sock = self._socket
         return sock is not None and not sock.closed and sock.session is not None
 
-    def wait_for(self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition") -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fake discord: timed out after {timeout} s waiting for {what}")
-            time.sleep(0.01)
-
-    async def wait_for_async(
-        self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition"
-    ) -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fake discord: timed out after {timeout} s waiting for {what}")
-            await asyncio.sleep(0.01)
-
     def wait_for_text(self, channel: str, predicate: str | Callable[[str], bool], timeout: float = 5.0) -> BotMessage:
-        check: Callable[[str], bool] = (lambda t: t == predicate) if isinstance(predicate, str) else predicate
-
-        def find() -> BotMessage | None:
-            return next((m for m in self.messages(channel) if check(m.content)), None)
+        find = first_match(lambda: self.messages(channel), predicate, lambda m: m.content)
 
         try:
             return self.wait_for(find, timeout, f"text in {channel}")
@@ -510,14 +437,6 @@ class FakeDiscord:
             ) from None
 
     # ------------------------------------------------------------------ plumbing
-
-    def _run_on_loop(self, coro: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            coro.close()
-            return
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(coro, loop).result(5)
 
     async def _send(self, sock: _Socket, frame: dict[str, Any]) -> bool:
         if sock.closed:

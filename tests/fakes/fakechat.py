@@ -27,21 +27,18 @@ import asyncio
 import copy
 import json
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-T = TypeVar("T")
+from tests.fakes.loopback import LoopbackServer, first_match
 
 PLUGIN_DIR = Path(__file__).resolve().parent / "fakechat_plugin"
 
@@ -98,10 +95,14 @@ class _Failure:
     count: int
 
 
-class FakeChat:
+class FakeChat(LoopbackServer):
     """The fake platform. Every public method is thread-safe and callable from sync code."""
 
+    _label = "fakechat"
+    _thread_name = "fakechat"
+
     def __init__(self, *, token: str | None = None, max_length: int = 4096, bot_id: str = "bot") -> None:
+        super().__init__()
         self.token = token  # when set, every call must carry `Authorization: Bearer <token>` (else 401)
         self.max_length = max_length
         self.bot_id = bot_id
@@ -121,68 +122,17 @@ class FakeChat:
         self._inbound_chat: dict[str, str] = {}  # inbound message_id -> chat
         self._closing = False
         # event-loop side (only touched on the server's loop)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
         self._held: dict[str, asyncio.Event] = {}  # auth key -> "you were superseded" event of the held poll
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> FakeChat:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        app = Starlette(routes=[Route("/{method}", self._handle, methods=["POST"])])
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        started = threading.Event()
+    def _routes(self) -> list[BaseRoute]:
+        return [Route("/{method}", self._handle, methods=["POST"])]
 
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._wake = asyncio.Event()
-            started.set()
-            assert self._server is not None and self._sock is not None
-            await self._server.serve(sockets=[self._sock])
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="fakechat", daemon=True)
-        self._thread.start()
-        started.wait(5)
-        deadline = time.monotonic() + 5
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fakechat server did not start")
-            time.sleep(0.005)
-        return self
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
+    def _before_stop(self) -> None:
         with self._lock:
             self._closing = True
         self._notify()
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._sock is not None:
-            self._sock.close()
-        self._server = None
-
-    def __enter__(self) -> FakeChat:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        assert self._sock is not None, "fakechat not started"
-        return int(self._sock.getsockname()[1])
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def account_settings(self, poll_timeout: float = 1.0, **extra: Any) -> dict[str, Any]:
         """Settings for a fakechat account pointed at this fake."""
@@ -311,17 +261,6 @@ class FakeChat:
         with self._lock:
             return self._poll_count
 
-    def wait_for(self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition") -> T:
-        """Poll `condition()` until truthy; return its value or raise TimeoutError."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fakechat: timed out after {timeout} s waiting for {what}")
-            time.sleep(0.01)
-
     def wait_for_text(
         self,
         chat: str,
@@ -332,10 +271,7 @@ class FakeChat:
     ) -> BotMessage:
         """Wait until a bot message in `chat` (optionally `thread`) reads as wanted: `predicate` is the exact
         text, or a function of the text. Returns that message (a copy); TimeoutError with what was seen."""
-        check: Callable[[str], bool] = (lambda t: t == predicate) if isinstance(predicate, str) else predicate
-
-        def find() -> BotMessage | None:
-            return next((m for m in self.messages(chat, thread) if check(m.text)), None)
+        find = first_match(lambda: self.messages(chat, thread), predicate, lambda m: m.text)
 
         try:
             return self.wait_for(find, timeout, f"text in chat {chat!r}")
@@ -348,19 +284,7 @@ class FakeChat:
     def wait_acked(self, message_id: str, timeout: float = 5.0) -> None:
         self.wait_for(lambda: self.is_acked(message_id), timeout, f"ack of {message_id}")
 
-    # Async twins, for tests whose event loop also runs the adapter (the sync ones would block it).
-
-    async def wait_for_async(
-        self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition"
-    ) -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fakechat: timed out after {timeout} s waiting for {what}")
-            await asyncio.sleep(0.01)
+    # Async twin, for tests whose event loop also runs the adapter (the sync one would block it).
 
     async def wait_for_text_async(
         self,
@@ -370,27 +294,11 @@ class FakeChat:
         *,
         thread: str | None = None,
     ) -> BotMessage:
-        check: Callable[[str], bool] = (lambda t: t == predicate) if isinstance(predicate, str) else predicate
-
-        def find() -> BotMessage | None:
-            return next((m for m in self.messages(chat, thread) if check(m.text)), None)
+        find = first_match(lambda: self.messages(chat, thread), predicate, lambda m: m.text)
 
         return await self.wait_for_async(find, timeout, f"text in chat {chat!r}")
 
     # ------------------------------------------------------------------ server side
-
-    def _notify(self) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self._wake_all)
-            except RuntimeError:  # loop already closed
-                pass
-
-    def _wake_all(self) -> None:
-        assert self._wake is not None
-        self._wake.set()
-        self._wake = asyncio.Event()
 
     async def _handle(self, request: Request) -> JSONResponse:
         method = request.path_params["method"]

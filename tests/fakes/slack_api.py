@@ -42,23 +42,20 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import parse_qsl
 
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-T = TypeVar("T")
+from tests.fakes.loopback import WEBSOCKET_OPTIONS, LoopbackServer, first_match
 
 BOT_METHODS = ("auth.test", "chat.postMessage", "chat.update", "reactions.add", "conversations.info")
 MAX_TEXT = 40_000  # Slack truncates beyond this; the fake refuses (msg_too_long)
@@ -133,8 +130,12 @@ class _Socket:
     closed: bool = False
 
 
-class FakeSlack:
+class FakeSlack(LoopbackServer):
     """The fake workspace. Every public method is thread-safe and callable from sync code."""
+
+    _label = "fake slack"
+    _thread_name = "fakeslack"
+    _server_options = WEBSOCKET_OPTIONS
 
     def __init__(
         self,
@@ -147,6 +148,7 @@ class FakeSlack:
         bot_id: str = "BBOT",
         team: str = "T0FAKE",
     ) -> None:
+        super().__init__()
         self.bot_token = bot_token
         self.app_token = app_token
         self.ack_timeout = ack_timeout
@@ -173,78 +175,25 @@ class FakeSlack:
         self._socket: _Socket | None = None
         self._open: set[int] = set()
         self._on_delivered: Callable[[str, int], None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> FakeSlack:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        app = Starlette(
-            routes=[
-                Route("/api/{method}", self._api, methods=["POST", "GET"]),
-                Route("/files/{file_id}/{name}", self._file, methods=["GET"]),
-                WebSocketRoute("/link/", self._ws),
-            ]
-        )
-        config = uvicorn.Config(
-            app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=1,
-            ws="websockets-sansio", ws_ping_interval=None,
-        )  # fmt: skip
-        self._server = uvicorn.Server(config)
-        started = threading.Event()
+    def _routes(self) -> list[BaseRoute]:
+        return [
+            Route("/api/{method}", self._api, methods=["POST", "GET"]),
+            Route("/files/{file_id}/{name}", self._file, methods=["GET"]),
+            WebSocketRoute("/link/", self._ws),
+        ]
 
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._wake = asyncio.Event()
-            started.set()
-            assert self._server is not None and self._sock is not None
-            pump = asyncio.ensure_future(self._pump())
-            try:
-                await self._server.serve(sockets=[self._sock])
-            finally:
-                pump.cancel()
+    async def _serve(self) -> None:
+        pump = asyncio.ensure_future(self._pump())
+        try:
+            await super()._serve()
+        finally:
+            pump.cancel()
 
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="fakeslack", daemon=True)
-        self._thread.start()
-        started.wait(5)
-        deadline = time.monotonic() + 5
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fake slack did not start")
-            time.sleep(0.005)
-        return self
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
+    def _before_stop(self) -> None:
         self._run_on_loop(self._close_socket(self._socket))
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._sock is not None:
-            self._sock.close()
-        self._server = None
-
-    def __enter__(self) -> FakeSlack:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        assert self._sock is not None, "fake slack not started"
-        return int(self._sock.getsockname()[1])
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     # ------------------------------------------------------------------ test side: people and events
 
@@ -547,16 +496,6 @@ class FakeSlack:
         with self._lock:
             return list(self._file_gets)
 
-    def wait_for(self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition") -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fake slack: timed out after {timeout} s waiting for {what}")
-            time.sleep(0.01)
-
     def wait_for_text(
         self,
         channel: str,
@@ -565,10 +504,7 @@ class FakeSlack:
         *,
         thread_ts: str | None = None,
     ) -> SlackMessage:
-        check: Callable[[str], bool] = (lambda t: t == predicate) if isinstance(predicate, str) else predicate
-
-        def find() -> SlackMessage | None:
-            return next((m for m in self.messages(channel, thread_ts) if check(m.text)), None)
+        find = first_match(lambda: self.messages(channel, thread_ts), predicate, lambda m: m.text)
 
         try:
             return self.wait_for(find, timeout, f"text in {channel}")
@@ -578,39 +514,12 @@ class FakeSlack:
                 f"fake slack: no bot message in {channel} matched within {timeout} s; saw {seen!r}"
             ) from None
 
-    async def wait_for_async(
-        self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition"
-    ) -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fake slack: timed out after {timeout} s waiting for {what}")
-            await asyncio.sleep(0.01)
-
     # ------------------------------------------------------------------ server side: plumbing
 
-    def _notify(self) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._wake_up)
-
-    def _wake_up(self) -> None:
+    def _wake_all(self) -> None:
+        # The pump clears the event after each wait, so news that comes while it works is not lost.
         if self._wake is not None:
             self._wake.set()
-
-    def _run_on_loop(self, coro: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            coro.close()
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(coro, loop).result(5)
-        except Exception:  # noqa: BLE001 - a socket already gone
-            pass
 
     async def _send(self, sock: _Socket, frame: dict[str, Any]) -> bool:
         if sock.closed:
@@ -654,7 +563,7 @@ class FakeSlack:
             "connection_info": {"app_id": "AFAKEAPP"},
         }
         await self._send(sock, hello)
-        self._wake_up()
+        self._wake_all()
         try:
             while True:
                 raw = await websocket.receive_text()

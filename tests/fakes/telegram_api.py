@@ -38,21 +38,18 @@ import html
 import html.parser
 import json
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-import uvicorn
-from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-T = TypeVar("T")
+from tests.fakes.loopback import LoopbackServer, first_match
 
 MAX_TEXT = 4096
 METHODS = (
@@ -231,8 +228,11 @@ class _Chat:
     blocked: str | None = None  # a 403 description once the bot was removed / blocked
 
 
-class FakeTelegram:
+class FakeTelegram(LoopbackServer):
     """The fake Bot API. Every public method is thread-safe and callable from sync code."""
+
+    _label = "fake Telegram"
+    _thread_name = "fake-telegram"
 
     def __init__(
         self,
@@ -243,8 +243,8 @@ class FakeTelegram:
         privacy_mode: bool = False,
         port: int = 0,
     ) -> None:
+        super().__init__(port=port)
         self.token = token
-        self._port = port
         self.bot_id = bot_id
         self.username = username
         self.privacy_mode = privacy_mode
@@ -265,69 +265,20 @@ class FakeTelegram:
         self._acked_offset = 0
         self._other_poller = False
         self._closing = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
         self._held: asyncio.Event | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> FakeTelegram:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", self._port))
-        app = Starlette(
-            routes=[
-                Route("/bot{token}/{method}", self._handle, methods=["GET", "POST"]),
-                Route("/file/bot{token}/{path:path}", self._file, methods=["GET"]),
-            ]
-        )
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        started = threading.Event()
+    def _routes(self) -> list[BaseRoute]:
+        return [
+            Route("/bot{token}/{method}", self._handle, methods=["GET", "POST"]),
+            Route("/file/bot{token}/{path:path}", self._file, methods=["GET"]),
+        ]
 
-        async def main() -> None:
-            self._loop = asyncio.get_running_loop()
-            self._wake = asyncio.Event()
-            started.set()
-            assert self._server is not None and self._sock is not None
-            await self._server.serve(sockets=[self._sock])
-
-        self._thread = threading.Thread(target=asyncio.run, args=(main(),), name="fake-telegram", daemon=True)
-        self._thread.start()
-        started.wait(5)
-        deadline = time.monotonic() + 5
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("fake Telegram server did not start")
-            time.sleep(0.005)
-        return self
-
-    def stop(self) -> None:
-        if self._server is None:
-            return
+    def _before_stop(self) -> None:
         with self._lock:
             self._closing = True
         self._notify()
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(5)
-        if self._sock is not None:
-            self._sock.close()
-        self._server = None
-
-    def __enter__(self) -> FakeTelegram:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def url(self) -> str:
-        assert self._sock is not None, "fake Telegram not started"
-        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
 
     def settings(self, **extra: Any) -> dict[str, Any]:
         """Plugin settings pointed at this fake (token passed separately)."""
@@ -623,31 +574,8 @@ class FakeTelegram:
 
     # ------------------------------------------------------------------ waiting
 
-    def wait_for(self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition") -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fake Telegram: timed out after {timeout} s waiting for {what}")
-            time.sleep(0.01)
-
-    async def wait_for_async(
-        self, condition: Callable[[], T | None], timeout: float = 5.0, what: str = "condition"
-    ) -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fake Telegram: timed out after {timeout} s waiting for {what}")
-            await asyncio.sleep(0.01)
-
     def _finder(self, chat_id: int, predicate: str | Callable[[str], bool], thread: int | None) -> Callable[[], Any]:
-        check: Callable[[str], bool] = (lambda t: t == predicate) if isinstance(predicate, str) else predicate
-        return lambda: next((m for m in self.messages(chat_id, thread) if check(m.text)), None)
+        return first_match(lambda: self.messages(chat_id, thread), predicate, lambda m: m.text)
 
     def wait_for_text(
         self, chat_id: int, predicate: str | Callable[[str], bool], timeout: float = 10.0, *, thread: int | None = None
@@ -674,19 +602,6 @@ class FakeTelegram:
             ) from None
 
     # ------------------------------------------------------------------ server side
-
-    def _notify(self) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self._wake_all)
-            except RuntimeError:
-                pass
-
-    def _wake_all(self) -> None:
-        assert self._wake is not None
-        self._wake.set()
-        self._wake = asyncio.Event()
 
     def _answer(
         self, method: str, params: dict[str, Any], status: int, body: dict[str, Any], background: Any = None

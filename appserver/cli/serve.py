@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import logging
 import math
 import os
@@ -222,6 +223,10 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     except BaseException:
         await server.close()
         raise
+    # Everything built so far (modules, config, the kernel) lives as long as the process: keep it out
+    # of the collector's generations, so a full collection does not walk it again and again.
+    gc.collect()
+    gc.freeze()
     tls = bool(config.server.tls_cert and config.server.tls_key)
     edge = EdgeLimits.from_config(config.limits)
     proxies = parse_trusted_proxies(config.server.trusted_proxies)

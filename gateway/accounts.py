@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.access import AccessPolicy, PolicyError
+from gateway.access import AccessPolicy, DmPolicy, PolicyError
 from gateway.debounce import DebounceError, DebounceSettings
 from gateway.status import AccountStatus
 from plugins.contract import Account, AccountError, AccountState, Adapter, AdapterContext, OnMessage
@@ -127,7 +127,11 @@ class AccountRunner:
         self._environ = dict(os.environ) if environ is None else environ
         self._sleep = sleep
         self._stopping = False
-        self.ready = asyncio.Event()  # set once the adapter first runs (or the account is in error)
+        self.ready = asyncio.Event()
+        self._debounce: DebounceSettings | None = None
+        self._policy: tuple[bool, AccessPolicy] | None = (
+            None  # set once the adapter first runs (or the account is in error)
+        )
 
     @property
     def settings(self) -> dict[str, Any]:
@@ -135,15 +139,20 @@ class AccountRunner:
 
     @property
     def debounce(self) -> DebounceSettings:
-        return DebounceSettings.from_settings(self.spec.settings)
+        if self._debounce is None:  # read once: every message of the account asks
+            self._debounce = DebounceSettings.from_settings(self.spec.settings)
+        return self._debounce
 
     @property
     def policy(self) -> AccessPolicy:
         """The account's access policy. A platform whose every message is authenticated by the
         integration itself (an adapter with `authenticated_senders = True`, e.g. the signed webhook)
-        defaults to open DMs; every other one to pairing."""
+        defaults to open DMs; every other one to pairing. Read once per kind of adapter."""
         trusted = bool(getattr(self.adapter, "authenticated_senders", False))
-        return AccessPolicy.from_settings(self.spec.settings, default_dm="open" if trusted else "pairing")
+        if self._policy is None or self._policy[0] != trusted:
+            default: DmPolicy = "open" if trusted else "pairing"
+            self._policy = (trusted, AccessPolicy.from_settings(self.spec.settings, default_dm=default))
+        return self._policy[1]
 
     def report(self, state: AccountState, reason: str | None = None) -> None:
         if (state, reason) == (self.live.state, self.live.reason):

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from plugins.loader import move_aside
 
 log = logging.getLogger("gateway.db")
 
@@ -212,13 +213,7 @@ def _statements(script: str) -> list[str]:
 
 
 def _move_aside(path: Path, reason: str) -> CorruptGatewayDB:
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    moved_to = path.with_name(f"{path.name}.corrupt-{stamp}")
-    n = 1
-    while moved_to.exists():
-        moved_to = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-        n += 1
-    os.replace(path, moved_to)
+    moved_to = move_aside(path)
     for suffix in ("-wal", "-shm"):
         side = path.with_name(path.name + suffix)
         if side.exists():

@@ -129,7 +129,7 @@ def read_manifest(folder: Path) -> Manifest:
     try:
         data: Any = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        moved_to = _move_aside(path)
+        moved_to = move_aside(path)
         log.error("channel '%s': %s is not valid JSON (%s); moved aside to %s", name, path, exc, moved_to)
         raise PluginError(
             name, f"not valid JSON ({exc}); moved aside to {moved_to.name}", path=path, moved_to=moved_to
@@ -272,9 +272,10 @@ def _mangle(plugin_id: str) -> str:
     return plugin_id.replace("_", "__").replace("-", "_h")
 
 
-def _move_aside(path: Path) -> Path:
-    """Rename an unparseable manifest to `channel.json.corrupt-<UTC timestamp>` (never over an
-    existing file) and return the new path."""
+def move_aside(path: Path) -> Path:
+    """Rename a file that cannot be read to `<name>.corrupt-<UTC timestamp>` (never over an
+    existing file) and return the new path; its content is kept, never emptied (the gateway's
+    database is set aside the same way)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     moved_to = path.with_name(f"{path.name}.corrupt-{stamp}")
     n = 1

@@ -28,6 +28,7 @@ log = logging.getLogger("gateway.replies")
 
 FIRST_SEND_GRACE_S = 0.3
 TYPING_EVERY_S = 4.0
+CONTEXT_WAIT_S = 5.0  # how long a tool call or approval may wait for its turn's submit to be acked
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Replies:
         self.order = ChatOrder()
         self.followers: dict[str, asyncio.Task[None]] = {}
         self.turns: dict[str, TurnContext] = {}
+        self._registered: dict[str, asyncio.Future[TurnContext]] = {}  # frames that overtook the ack
 
     async def stop(self) -> None:
         tasks = list(self.followers.values())
@@ -91,9 +93,12 @@ class Replies:
             log.error("%s: the account is no longer configured; its reply cannot be delivered", entry.key)
             return
         turn_id = entry.turn_id
-        self.turns[turn_id] = TurnContext(
+        ctx = self.turns[turn_id] = TurnContext(
             runner, entry.key, Target(entry.chat, entry.thread), entry.key.message_id, entry.sender, entry.conversation
         )
+        waiter = self._registered.pop(turn_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(ctx)
         task = asyncio.ensure_future(self._deliver(entry, runner, turn_id, resumed))
         self.followers[turn_id] = task
         task.add_done_callback(lambda _t: self._turn_done(turn_id))
@@ -236,9 +241,14 @@ class Replies:
     async def context(self, turn_id: str) -> TurnContext | None:
         """The context of a turn this gateway follows; a frame can overtake the submit's ack, so
         give the turn a moment to register."""
-        for _ in range(50):
-            ctx = self.turns.get(turn_id)
-            if ctx is not None:
-                return ctx
-            await asyncio.sleep(0.1)
-        return None
+        ctx = self.turns.get(turn_id)
+        if ctx is not None:
+            return ctx
+        waiter = self._registered.setdefault(turn_id, asyncio.get_running_loop().create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), CONTEXT_WAIT_S)
+        except TimeoutError:
+            return None  # not a turn this gateway submitted
+        finally:
+            if self._registered.get(turn_id) is waiter and not waiter.done():
+                del self._registered[turn_id]

@@ -21,6 +21,7 @@ from appserver.channelconfig import ChannelConfigError, ChannelsConfig, load_cha
 from appserver.configcheck import Invalid, Rule, convert
 from appserver.fsutil import atomic_write_text, ensure_private_dir, move_aside
 from appserver.netaddr import parse_listen, parse_trusted_proxies
+from appserver.store.url import store_kind
 
 DEFAULT_LISTEN = "127.0.0.1:8770"
 
@@ -48,6 +49,9 @@ DEFAULT_CONFIG_TOML = """\
 # body_min_rate_bytes_s = 1024    # after body_timeout_s, a body must average at least this (408)
 # keepalive_timeout_s = 5         # an idle connection is closed after this
 # min_free_disk_bytes = 16777216  # /readyz reports not ready below this free space (0 = off)
+
+[store]
+# url = ""                        # empty: the SQLite file in the home; or postgresql://USER:PASSWORD@HOST:PORT/DB
 
 # [providers.openai]              # built in: base_url https://api.openai.com/v1, OPENAI_API_KEY
 # [providers.ollama]
@@ -111,6 +115,7 @@ class LimitsConfig:
     client_tool_timeout_s: float = 300.0
     max_steps: int = 24
     idle_evict_s: float = 60.0
+    idle_runtimes_max: int = 1000  # idle conversation runtimes kept in memory at most (oldest dropped first)
     shell_timeout_s: float = 60.0
     shell_output_max_bytes: int = 64 * 1024
     draft_interval_s: float = 0.5  # how often a running turn's visible text is checkpointed
@@ -138,12 +143,18 @@ class CronConfig:
 
 
 @dataclass(slots=True)
+class StoreConfig:
+    url: str = ""  # empty: the SQLite file in the home; postgresql://…: a PostgreSQL database (docs/scale-out.md)
+
+
+@dataclass(slots=True)
 class Config:
     home: Path
     server: ServerConfig = field(default_factory=ServerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     cron: CronConfig = field(default_factory=CronConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     channels: ChannelsConfig = field(default_factory=ChannelsConfig)
     providers: dict[str, ProviderConfig] = field(default_factory=dict)
     source: str = ""  # what load_config read: the file (or that defaults are used) and env overrides
@@ -176,6 +187,7 @@ _SECTIONS: dict[type, str] = {
     LimitsConfig: "limits",
     AuthConfig: "auth",
     CronConfig: "cron",
+    StoreConfig: "store",
     ProviderConfig: "providers",
 }
 
@@ -205,6 +217,7 @@ RULES: dict[str, Rule] = {
     "limits.client_tool_timeout_s": _POSITIVE,
     "limits.max_steps": Rule(ge=1, le=1000),
     "limits.idle_evict_s": _NON_NEGATIVE,
+    "limits.idle_runtimes_max": _AT_LEAST_ONE,
     "limits.shell_timeout_s": _POSITIVE,
     "limits.shell_output_max_bytes": _AT_LEAST_ONE,
     "limits.draft_interval_s": _POSITIVE,
@@ -238,6 +251,11 @@ def _check_value(section: str, key: str, value: Any) -> str | None:
             parse_trusted_proxies(value)
         except ValueError as exc:
             return str(exc).removeprefix("[server] trusted_proxies: ")
+    if (section, key) == ("store", "url"):
+        try:
+            store_kind(value)
+        except ValueError as exc:
+            return str(exc)
     if section == "providers" and key == "base_url" and not value.startswith(("http://", "https://")):
         return f"must be an http:// or https:// URL, got {value!r}"
     return None
@@ -385,7 +403,14 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
 
     tick_origin: Callable[[str], str] = lambda key: "APPSERVER_CRON_TICK_S"  # noqa: E731
     cfg = Config(home=home, providers=builtin_providers(), source=source)
-    for section, target in (("server", cfg.server), ("limits", cfg.limits), ("auth", cfg.auth), ("cron", cfg.cron)):
+    sections = (
+        ("server", cfg.server),
+        ("limits", cfg.limits),
+        ("auth", cfg.auth),
+        ("cron", cfg.cron),
+        ("store", cfg.store),
+    )
+    for section, target in sections:
         for raw, origin, from_env in (
             (data.pop(section, {}), in_file, False),
             (env.pop(section, {}), _env_origin(section), True),
@@ -438,11 +463,13 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
     if data:
         raise ConfigError(
             f"{path}: unknown section(s) {', '.join(sorted(data))}; "
-            "known: server, limits, auth, cron, channels, providers.NAME"
+            "known: server, limits, auth, cron, store, channels, providers.NAME"
         )
     if env:
         names = ", ".join(sorted(_env_names(env)))
-        raise ConfigError(f"{names}: no such config section; known: server, limits, auth, cron, channels, providers")
+        raise ConfigError(
+            f"{names}: no such config section; known: server, limits, auth, cron, store, channels, providers"
+        )
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: [server] tls_cert and tls_key go together (set both or neither)")
     return cfg

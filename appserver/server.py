@@ -16,7 +16,7 @@ from appserver.fsutil import set_aside_files, tighten_home
 from appserver.providers.registry import ProviderRegistry
 from appserver.readiness import CheckResult, Readiness
 from appserver.runtime import Kernel
-from appserver.store.sqlite import SQLiteStore
+from appserver.store.select import make_store
 
 log = logging.getLogger("appserver")
 
@@ -26,7 +26,7 @@ DEFAULT_AGENT = "assistant"
 class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.store = SQLiteStore(config.db_path)
+        self.store = make_store(config)
         self.providers = ProviderRegistry(config)
         self.tools = ToolRegistry([*builtin_tools(), schedule_tool(self.store)])
         self.agent_loop = AgentLoop(config, self.providers, self.tools)

@@ -116,9 +116,10 @@ class TurnWork:
     # Awaited before the first tool runs: a turn whose accept is still committing (the runtime's
     # overlapped accept) must not act on the world until it durably exists. Raises if it never will.
     before_effects: Callable[[], Awaitable[None]] | None = None
-    # Awaited before server tools run: the runtime stores the calls first, so a crash while they
-    # run leaves them in history (crash settle then closes them as interrupted).
-    before_tools: Callable[[], Awaitable[None]] | None = None
+    # Awaited (with this work) before server tools run: the runtime stores the calls first, so a
+    # crash while they run leaves them in history (crash settle then closes them as interrupted).
+    # Given the work rather than holding it, so a turn's work holds no reference cycle.
+    before_tools: Callable[[TurnWork], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -466,7 +467,7 @@ class AgentLoop:
         if not runnable:
             return
         if work.before_tools is not None:
-            await work.before_tools()
+            await work.before_tools(work)
         ctx = ToolContext(work.agent, work.conversation_id, work.turn_id, self.config)
 
         async def one(call: dict[str, Any], tool: Tool, args: dict[str, Any]) -> ToolOutput:

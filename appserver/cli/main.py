@@ -28,6 +28,7 @@ COMMANDS = {
     ),
     "run": LazyCommand("appserver.cli.run:run_command", "Run one turn of AGENT with TEXT and print the reply."),
     "serve": LazyCommand("appserver.cli.serve:serve_command", "Run the server (one per home; see --standby)."),
+    "store": LazyCommand("appserver.cli.store:store_group", "Copy this home's SQLite store into PostgreSQL."),
     "token": LazyCommand(
         "appserver.cli.token:token_group", 'Create, list and revoke capability tokens (auth mode "token").'
     ),

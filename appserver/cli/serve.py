@@ -43,9 +43,12 @@ from appserver.security.edge import (
 from appserver.server import Server
 from appserver.serverinfo import HomeLock, claim_home, remove_server_json, write_server_json
 from appserver.services import Services, build_services
+from appserver.store.url import store_kind
 from appserver.ws.hub import Hub
 
 log = logging.getLogger("appserver.serve")
+
+FULL_COLLECTION_EVERY = 100  # generation-1 collections per full one (CPython's default: 10)
 
 
 def pong_wait(interval_s: float, silence_s: float) -> float | None:
@@ -227,6 +230,11 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     # of the collector's generations, so a full collection does not walk it again and again.
     gc.collect()
     gc.freeze()
+    # A full collection walks every tracked object not frozen (tens of milliseconds with a thousand
+    # conversations in memory); the kernel leaves no cyclic garbage per turn (tests/test_kernel_memory.py),
+    # so full collections can be ten times rarer than the default without holding more memory.
+    gen0, gen1, _ = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, FULL_COLLECTION_EVERY)
     tls = bool(config.server.tls_cert and config.server.tls_key)
     edge = EdgeLimits.from_config(config.limits)
     proxies = parse_trusted_proxies(config.server.trusted_proxies)
@@ -330,6 +338,14 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     metavar="IDS",
     help="Comma-separated channels to run (e.g. webhook,telegram); overrides [channels] enabled. '' runs none.",
 )
+@click.option(
+    "--store",
+    "store_url",
+    default=None,
+    metavar="URL",
+    help="The store: postgresql://USER[:PASSWORD]@HOST[:PORT]/DB, or '' for the SQLite file in the home "
+    "(overrides [store] url).",
+)
 def serve_command(
     channels: str | None,
     listen: str | None,
@@ -338,9 +354,12 @@ def serve_command(
     tls_key: str | None,
     standby: bool,
     accept_data_loss: bool,
+    store_url: str | None,
 ) -> None:
     """Run the server (one per home; see --standby)."""
     config = get_config()
+    if store_url is not None:
+        config.store.url = store_url
     if auth_mode:
         config.auth.mode = auth_mode
     if channels is not None:
@@ -356,6 +375,7 @@ def serve_command(
         addr = parse_listen(listen or config.server.listen)
         check_bind_allowed(addr, config.auth.mode)
         Authenticator(config)  # a bad JWT/token configuration fails here, before any socket opens
+        store_kind(config.store.url)  # a bad --store URL too (shown without its password)
         if config.server.tls_cert and config.server.tls_key:
             check_tls_files(config.server.tls_cert, config.server.tls_key)
     except (ValueError, ConfigError) as exc:

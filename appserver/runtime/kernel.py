@@ -153,6 +153,27 @@ class Kernel:
             del self.runtimes[cid]
         return len(gone)
 
+    def _trim_idle(self, keep_id: str) -> None:
+        """Drop the least recently used idle runtimes (never `keep_id`, just loaded for a caller),
+        down to 90 % of `idle_runtimes_max`.
+
+        Every runtime kept is a few dozen objects that each full garbage collection walks: at
+        hundreds of new conversations a second, `idle_evict_s` alone kept enough of them to make
+        collections pause the loop for 100 ms and more. Trimming to 90 % makes the scan rare. A
+        caller that holds a runtime across an await re-checks that it is still the loaded one
+        (`submit`), as the style says of leases."""
+        keep = self.config.limits.idle_runtimes_max * 9 // 10
+        excess = len(self.runtimes) - keep
+        gone = []
+        for cid, rt in self.runtimes.items():
+            if excess <= 0:
+                break
+            if rt.idle and cid != keep_id:
+                gone.append(cid)
+                excess -= 1
+        for cid in gone:
+            del self.runtimes[cid]
+
     async def settle_crashed(self, *, requeue: bool) -> int:
         """Close turns left `running` by a process that died (kill -9, power loss) as interrupted."""
         settled = 0
@@ -281,8 +302,10 @@ class Kernel:
         """The conversation's runtime, loaded on first use. `conv` spares a lookup the caller already
         made; `fresh` (a conversation created just now) spares looking for a paused turn, and
         `history` (all its messages, when the caller knows them) spares reading them."""
-        rt = self.runtimes.get(conversation_id)
+        runtimes = self.runtimes
+        rt = runtimes.get(conversation_id)
         if rt is not None:
+            runtimes[conversation_id] = runtimes.pop(conversation_id)  # most recently used last
             return rt
         loading = self._loading.get(conversation_id)
         if loading is not None:
@@ -300,6 +323,8 @@ class Kernel:
             if history is not None:
                 rt.adopt_history(history)
             self.runtimes[conversation_id] = rt
+            if len(self.runtimes) > self.config.limits.idle_runtimes_max:
+                self._trim_idle(conversation_id)
             fut.set_result(rt)
             return rt
         except BaseException as exc:
@@ -330,6 +355,7 @@ class Kernel:
         rt = self.runtimes.get(spec) if spec not in ("default", "new") else None
         if rt is not None and rt.agent_id == agent.id:
             conv_id = spec  # loaded, so it exists: no lookup on the hot path
+            self.runtimes[spec] = self.runtimes.pop(spec)  # most recently used last
         else:
             conv = await self.resolve_conversation(agent, spec, fields=req.conversation_fields)
             conv_id = conv.id
@@ -342,6 +368,8 @@ class Kernel:
         if rt is None:
             new = spec == "new"
             rt = await self.runtime(conv_id, conv=conv, fresh=new, history=[] if new else None)
+        if self.runtimes.get(conv_id) is not rt:  # evicted while we awaited: use the loaded one
+            rt = await self.runtime(conv_id)
         record = TurnRecord(
             id=new_id("turn"),
             conversation_id=conv_id,

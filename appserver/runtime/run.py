@@ -160,7 +160,7 @@ class TurnRunner:
                 )
             if accepting is not None:
                 work.before_effects = partial(require_accepted, accepting)
-            work.before_tools = partial(self._save_calls, record, work, controller)
+            work.before_tools = partial(self._save_calls, record, controller)
 
             def emit(event: Any) -> None:
                 lifecycle.check(lease)
@@ -224,7 +224,7 @@ class TurnRunner:
             end = loop_end(record.id, work, outcome, controller.revision + 1)
         await finish_turn(deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease)
 
-    async def _save_calls(self, record: TurnRecord, work: TurnWork, controller: TurnController) -> None:
+    async def _save_calls(self, record: TurnRecord, controller: TurnController, work: TurnWork) -> None:
         """Before a server tool acts on the world, make the turn's messages so far (the assistant
         message with the calls about to run) durable: a server killed while the tool runs then
         leaves the call in history, and crash settle closes it ("interrupted, outcome unknown").

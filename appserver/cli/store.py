@@ -1,0 +1,75 @@
+"""`appserver store copy --to URL`: this home's SQLite store into an empty PostgreSQL database.
+
+Everything the store holds moves (agents, conversations, messages, turns, pending calls, stored
+responses, idempotency keys, history points), in one PostgreSQL transaction from one SQLite
+snapshot: a copy that fails leaves the target as empty as it was. Then serve with
+`[store] url` (or `serve --store URL`) set to the target. docs/scale-out.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import click
+
+from appserver.cli.common import fail, get_config, live_server_or_fail, print_json, run_or_fail
+from appserver.store.url import redact_url, store_kind
+
+
+@click.group("store")
+def store_group() -> None:
+    """Copy this home's SQLite store into PostgreSQL."""
+
+
+async def _copy(db_path: Path, url: str) -> dict[str, int]:
+    from appserver.store.postgres import PostgresStore  # the driver: only for this command
+    from appserver.store.sqlite import SQLiteStore
+
+    source = SQLiteStore(db_path)
+    target = PostgresStore(url)
+    source.open_sync()  # refuses a damaged store, brings an old one to the current schema
+    try:
+        await target.open()
+        try:
+            return await target.copy_from_sqlite(source.db)
+        finally:
+            await target.close()
+    finally:
+        await source.close()
+
+
+@store_group.command("copy")
+@click.option(
+    "--to",
+    "to_url",
+    required=True,
+    metavar="URL",
+    help="The empty PostgreSQL database: postgresql://USER[:PASSWORD]@HOST[:PORT]/DB.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the rows copied per table as JSON.")
+def copy_command(to_url: str, as_json: bool) -> None:
+    """Copy this home's SQLite store into an empty PostgreSQL database."""
+    config = get_config()
+    try:
+        kind = store_kind(to_url)
+    except ValueError as exc:
+        fail(f"--to: {exc}", 2)
+    if kind != "postgresql":
+        fail("--to: give the PostgreSQL database to copy into (postgresql://USER[:PASSWORD]@HOST[:PORT]/DB)", 2)
+    if not config.db_path.exists():
+        fail(f"no SQLite store at {config.db_path}: nothing to copy", 2)
+    live = live_server_or_fail(config.server_json)
+    if live is not None:
+        fail(
+            f"a server runs on this home ({live.get('url')}, pid {live.get('pid')}): what it writes after the copy "
+            "would not be in PostgreSQL; stop it first",
+            3,
+        )
+    counts = run_or_fail(lambda: asyncio.run(_copy(config.db_path, to_url.strip())))
+    if as_json:
+        print_json({"from": str(config.db_path), "to": redact_url(to_url), "copied": counts})
+        return
+    shown = ", ".join(f"{n} {table.replace('_', ' ')}" for table, n in counts.items())
+    click.echo(f"copied {config.db_path} into {redact_url(to_url)}: {shown}")
+    click.echo(f"serve from it with: appserver serve --store '{redact_url(to_url)}' (or [store] url in config.toml)")

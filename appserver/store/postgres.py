@@ -1,0 +1,1145 @@
+"""PostgreSQL implementation of the Store (psycopg 3, async, a psycopg_pool pool).
+
+Same records, same ordering, same errors as SQLiteStore (sqlite.py); the contract suite
+(tests/test_store_contract.py) runs every method against both. How it keeps SQLite's promises:
+
+- Acknowledged = committed: every write goes through one ordered writer (`_Writer`) and a method
+  returns only after the transaction holding its rows committed.
+- Writes land in the order they were made (a draft saved before a turn's commit never lands after
+  it): the writer runs jobs in submission order. It groups whatever was submitted while the
+  previous transaction was in flight into the next one (group commit), each job in a savepoint of
+  its own so a failing job rolls back alone; a lone job is the whole transaction. The statements
+  of a group are pipelined (psycopg pipeline mode): one round trip per job, not per statement.
+- Reads see every write made before them: a read waits until the writes already submitted have
+  committed (`_Writer.settle`), then runs on any pooled connection.
+
+Not here, because PostgreSQL has no equivalent: the WAL checkpointer, the free-space check, the
+integrity preflight (`accept_data_loss` is accepted and ignored), file permissions. Durability
+and disk space are the database server's.
+
+Cluster notes (one server per database today; nothing below stops a second one, so do not run
+two): a turn's `owner` and an HTTP Idempotency-Key's owner are process identities
+(`appserver/procid.py`), which only say something about processes on this host. Several
+servers on one database will need an owner lease (a row per server renewed on a timer, its
+expiry deciding "gone") before crash settle and `release_orphaned_http_idempotency` may touch
+another host's rows; until then claims stamped by another host are never released here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sqlite3
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from appserver.procid import identity, identity_alive
+from appserver.store.base import DuplicateTurn, Store, StoreError
+from appserver.store.integrity import StoreOpenError
+from appserver.store.migrations import SchemaTooNew
+from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS
+from appserver.store.records import (
+    AgentRecord,
+    ConversationRecord,
+    HistoryPoint,
+    HttpIdempotency,
+    MessageRecord,
+    PendingCall,
+    ResponseRecord,
+    TurnCommit,
+    TurnRecord,
+)
+from appserver.store.sqlite import _dumps, _loads
+from appserver.store.url import redact_url, scrub
+
+log = logging.getLogger("appserver.store")
+
+Conn = psycopg.AsyncConnection[DictRow]
+Row = Mapping[str, Any]
+T = TypeVar("T")
+Job = Callable[[Conn], Awaitable[T]]
+
+CONNECT_TIMEOUT_S = 10.0
+POOL_MAX = 10
+
+# ------------------------------------------------------------------ the writer
+
+
+class _Writer:
+    """Every write, in submission order; what queued while a transaction was in flight commits in
+    the next one, each job in its own savepoint. Futures settle after COMMIT returned."""
+
+    def __init__(self, connection: Callable[[], Any]) -> None:
+        self._connection = connection  # () -> async context manager yielding a Conn
+        self._queue: list[tuple[int, Job[Any], asyncio.Future[Any]]] = []
+        self._submitted = 0  # sequence number of the last job submitted
+        self._done = 0  # every job up to this number has committed or failed
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._deferred: list[Callable[[], Awaitable[None]]] = []
+
+    async def run(self, job: Job[T]) -> T:
+        """Run `job` in the next transaction; its result once committed. Cancelled before the
+        transaction started, the job never runs (as SQLite's group commit)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._submitted += 1
+        self._queue.append((self._submitted, job, fut))
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._drain())
+        return await fut
+
+    async def settle(self) -> None:
+        """Return once every write submitted before this call has committed (or failed)."""
+        target = self._submitted
+        if self._done >= target:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, fut))
+        await fut
+
+    async def flush(self) -> None:
+        await self.settle()
+
+    def _advance(self, done: int) -> None:
+        self._done = done
+        still: list[tuple[int, asyncio.Future[None]]] = []
+        for target, fut in self._waiters:
+            if target <= done:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                still.append((target, fut))
+        self._waiters = still
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                live = [(job, fut) for _, job, fut in batch if not fut.done()]
+                try:
+                    if live:
+                        await self._commit(live)
+                finally:
+                    self._advance(batch[-1][0])
+        except BaseException as exc:  # the loop is going away: nobody may wait forever
+            for _, _, fut in self._queue:
+                if not fut.done():
+                    fut.set_exception(StoreError(f"store writer stopped: {exc!r}"))
+            if self._queue:
+                self._advance(self._queue[-1][0])
+            self._queue = []
+            raise
+
+    def defer(self, fetch: Callable[[], Awaitable[None]]) -> None:
+        """Read a job's results (e.g. new message ids) later in the transaction: the statements of
+        a whole group then travel in one round trip instead of one per job."""
+        self._deferred.append(fetch)
+
+    async def _collect(self) -> None:
+        fetches, self._deferred = self._deferred, []
+        for fetch in fetches:
+            await fetch()
+
+    async def _commit(self, jobs: list[tuple[Job[Any], asyncio.Future[Any]]]) -> None:
+        """Fast path: every job in one transaction without savepoints, their statements pipelined,
+        one sync before COMMIT. When a job fails there (rare: a duplicate key, a DuplicateTurn),
+        nothing was committed; the group runs again with a savepoint per job, so the failing job
+        rolls back alone and its caller gets its own error. A failure of COMMIT itself (a lost
+        connection: the outcome is unknown) is never retried: every job of the group fails."""
+        outcomes: list[tuple[bool, Any]] | None = None
+        try:
+            outcomes = await self._run(jobs, savepoints=False)
+            if outcomes is None:
+                outcomes = await self._run(jobs, savepoints=True)
+        except Exception as exc:
+            outcomes = [(False, exc)] * len(jobs)
+        except BaseException as exc:
+            for _, fut in jobs:
+                if not fut.done():
+                    fut.set_exception(StoreError(f"store write interrupted: {exc!r}"))
+            raise
+        for (_, fut), (ok, value) in zip(jobs, outcomes or [], strict=True):
+            if fut.done() or fut.get_loop().is_closed():
+                continue
+            if ok:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+    async def _run(
+        self, jobs: list[tuple[Job[Any], asyncio.Future[Any]]], *, savepoints: bool
+    ) -> list[tuple[bool, Any]] | None:
+        """One transaction over `jobs`. Without savepoints: None when a job failed before COMMIT
+        (a lone job's error is raised instead: it is the whole transaction)."""
+        self._deferred = []
+        outcomes: list[tuple[bool, Any]] = []
+        async with self._connection() as conn, conn.pipeline() as pipeline:
+            committing = False
+            try:
+                async with conn.transaction():
+                    for job, _ in jobs:
+                        if not savepoints:
+                            outcomes.append((True, await job(conn)))
+                            continue
+                        try:
+                            async with conn.transaction():  # SAVEPOINT: all-or-nothing per job
+                                value = await job(conn)
+                                await self._collect()
+                        except Exception as exc:
+                            self._deferred = []
+                            outcomes.append((False, exc))
+                        else:
+                            outcomes.append((True, value))
+                    await self._collect()
+                    await pipeline.sync()  # every statement's error surfaces here, before COMMIT
+                    committing = True
+            except Exception:
+                self._deferred = []
+                if committing or savepoints or len(jobs) == 1:
+                    raise
+                return None
+        return outcomes
+
+
+# ------------------------------------------------------------------ row → record
+
+
+def _agent(row: Row) -> AgentRecord:
+    return AgentRecord(
+        id=row["id"],
+        name=row["name"],
+        model=row["model"],
+        system=row["system"],
+        tools=_loads(row["tools"], {}),
+        params=_loads(row["params"], {}),
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _conversation(row: Row) -> ConversationRecord:
+    return ConversationRecord(
+        id=row["id"],
+        agent_id=row["agent_id"],
+        is_default=bool(row["is_default"]),
+        title=row["title"],
+        user=row["user"],
+        namespace=row["namespace"],
+        forked_from=row["forked_from"],
+        metadata=_loads(row["metadata"], {}),
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+def _message(row: Row) -> MessageRecord:
+    return MessageRecord(
+        id=row["id"],
+        conversation_id=row["conversation_id"],
+        turn_id=row["turn_id"],
+        iteration=row["iteration"],
+        role=row["role"],
+        content=_loads(row["content"], ""),
+        tool_calls=_loads(row["tool_calls"], []) or [],
+        tool_call_id=row["tool_call_id"],
+        name=row["name"],
+        is_error=bool(row["is_error"]),
+        reasoning=row["reasoning"],
+        provider_state=_loads(row["provider_state"]),
+        completion_status=row["completion_status"],
+        source=_loads(row["source"]),
+        created_at=row["created_at"],
+        meta=_loads(row["meta"]) or {},
+    )
+
+
+def _turn(row: Row) -> TurnRecord:
+    return TurnRecord(
+        id=row["id"],
+        conversation_id=row["conversation_id"],
+        agent_id=row["agent_id"],
+        status=row["status"],
+        stop_reason=row["stop_reason"],
+        error=_loads(row["error"]),
+        idempotency_key=row["idempotency_key"],
+        source=_loads(row["source"]),
+        input=_loads(row["input"], {}),
+        input_committed=bool(row["input_committed"]),
+        client_tools=_loads(row["client_tools"], []),
+        options=_loads(row["options"], {}),
+        owner=row["owner"],
+        draft=_loads(row["draft"]),
+        usage=_loads(row["usage"], {}),
+        revision=row["revision"],
+        iteration=row["iteration"],
+        created_at=row["created_at"],
+        started_at=row["started_at"],
+        ended_at=row["ended_at"],
+    )
+
+
+def _pending(row: Row) -> PendingCall:
+    return PendingCall(
+        call_id=row["call_id"],
+        conversation_id=row["conversation_id"],
+        turn_id=row["turn_id"],
+        name=row["name"],
+        arguments=row["arguments"],
+        kind=row["kind"],
+        status=row["status"],
+        output=row["output"],
+        is_error=bool(row["is_error"]),
+        reason=row["reason"],
+        decided_by=row["decided_by"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+    )
+
+
+def _response(row: Row) -> ResponseRecord:
+    return ResponseRecord(
+        id=row["id"],
+        agent_id=row["agent_id"],
+        conversation_id=row["conversation_id"],
+        body=_loads(row["body"], {}),
+        turn_id=row["turn_id"],
+        previous_response_id=row["previous_response_id"],
+        namespace=row["namespace"],
+        last_message_id=row["last_message_id"],
+        input_items=_loads(row["input_items"], []),
+        stored=bool(row["stored"]),
+        created_at=row["created_at"],
+    )
+
+
+def _idem(row: Row) -> HttpIdempotency:
+    return HttpIdempotency(
+        scope=row["scope"],
+        key=row["key"],
+        body_hash=row["body_hash"],
+        state=row["state"],
+        status_code=row["status_code"],
+        content_type=row["content_type"],
+        body=row["body"],
+        conversation_id=row["conversation_id"],
+        created_at=row["created_at"],
+        owner=row["owner"],
+    )
+
+
+def _limit(limit: int | None) -> int | None:
+    """SQLite reads a negative LIMIT as "no limit"; PostgreSQL refuses it (NULL is no limit)."""
+    return None if limit is None or limit < 0 else limit
+
+
+_INSERT_MESSAGE = (
+    "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, "
+    "is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
+    "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING id"
+)
+_INSERT_PENDING = (
+    "INSERT INTO pending_calls(conversation_id, call_id, turn_id, name, arguments, kind, status, output, is_error, "
+    "reason, decided_by, created_at, expires_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+)
+_INSERT_CONVERSATION = (
+    'INSERT INTO conversations(id, agent_id, is_default, title, "user", namespace, forked_from, metadata, '
+    "created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+)
+
+
+async def _count(conn: Conn, query: str, params: tuple[Any, ...]) -> int:
+    """Rows a DELETE/UPDATE `query` (without RETURNING) touched."""
+    cur = await conn.execute(f"WITH d AS ({query} RETURNING 1) SELECT count(*) AS n FROM d", params)
+    row = await cur.fetchone()
+    return int(row["n"]) if row else 0
+
+
+# ------------------------------------------------------------------ the store
+
+
+class PostgresStore(Store):
+    def __init__(self, url: str, *, pool_max: int = POOL_MAX, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        self.url = url
+        self.shown_url = redact_url(url)  # the only form of the URL that may reach a log or an error
+        self.pool_max = pool_max
+        self.connect_timeout_s = connect_timeout_s
+        self.fresh = False  # True when open() created the schema (first use of this database)
+        self.accept_data_loss = False  # `serve --accept-data-loss`: an SQLite file matter; nothing to accept here
+        self.host = socket.gethostname()
+        # This process, and the host: a claim stamped by another host is never judged here (see the module doc).
+        self.owner = f"{identity()}@{self.host}"
+        self._pool: AsyncConnectionPool[Conn] | None = None
+        self._writes = _Writer(self._writer_connection)
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({self.shown_url!r})"
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _error(self, what: str, exc: BaseException) -> StoreOpenError:
+        reason = " ".join(scrub(str(exc), self.url).split()) or type(exc).__name__
+        return StoreOpenError(f"PostgreSQL store {self.shown_url}: {what}: {reason}")
+
+    async def open(self) -> None:
+        """Connect (a first, direct connection says clearly why it cannot), migrate, start the pool."""
+        if self._pool is not None:
+            return
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self.url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, int(self.connect_timeout_s))
+            )
+        except (psycopg.Error, OSError, ValueError) as exc:
+            raise self._error("cannot connect (check [store] url / --store, and that the server runs)", exc) from None
+        try:
+            self.fresh = await migrate(conn) == 0
+        except SchemaTooNew as exc:
+            raise StoreOpenError(f"PostgreSQL store {self.shown_url}: {exc}") from None
+        except psycopg.Error as exc:
+            raise self._error("cannot prepare the schema", exc) from None
+        finally:
+            await conn.close()
+        pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
+            self.url,
+            connection_class=psycopg.AsyncConnection[DictRow],
+            kwargs={"autocommit": True, "row_factory": dict_row},
+            min_size=1,
+            max_size=self.pool_max,
+            open=False,
+            name="appserver-store",
+            timeout=self.connect_timeout_s,
+        )
+        try:
+            await pool.open(wait=True, timeout=self.connect_timeout_s)
+        except Exception as exc:
+            await pool.close()
+            raise self._error("cannot open the connection pool", exc) from None
+        self._pool = pool
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        try:
+            await self._writes.flush()
+        finally:
+            await pool.close()
+
+    def _writer_connection(self) -> Any:
+        return self.pool.connection()
+
+    @property
+    def pool(self) -> AsyncConnectionPool[Conn]:
+        if self._pool is None:
+            raise StoreError("store is not open")
+        return self._pool
+
+    async def _write(self, job: Job[T]) -> T:
+        self.pool  # noqa: B018 - a closed store refuses before queueing
+        return await self._writes.run(job)
+
+    async def _rows(self, query: str, params: tuple[Any, ...] = ()) -> list[DictRow]:
+        await self._writes.settle()
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query, params)
+            return await cur.fetchall()
+
+    async def _row(self, query: str, params: tuple[Any, ...] = ()) -> DictRow | None:
+        await self._writes.settle()
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query, params)
+            return await cur.fetchone()
+
+    async def check_writable(self, min_free_bytes: int = 0) -> str:
+        """Readiness: a real write (the probe row) committed through the writer. `min_free_bytes`
+        cannot be checked: the disk is the database server's."""
+
+        async def probe(conn: Conn) -> int:
+            cur = await conn.execute(
+                "UPDATE store_probe SET writes = writes + 1, written_at = %s WHERE id = 1 RETURNING writes",
+                (time.time(),),
+            )
+            row = await cur.fetchone()
+            if row is None:
+                raise StoreError("the store_probe row is missing: the schema was changed by hand")
+            return int(row["writes"])
+
+        await self._write(probe)
+        return "writable (PostgreSQL; free disk space is the database server's)"
+
+    # ------------------------------------------------------------ agents
+
+    async def create_agent(self, agent: AgentRecord) -> AgentRecord:
+        now = time.time()
+        agent.created_at = agent.created_at or now
+        agent.updated_at = now
+
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) "
+                "VALUES (%s,%s,%s,%s,%s,%s,%s,%s)",
+                (
+                    agent.id,
+                    agent.name,
+                    agent.model,
+                    agent.system,
+                    _dumps(agent.tools),
+                    _dumps(agent.params),
+                    agent.created_at,
+                    agent.updated_at,
+                ),
+            )
+
+        await self._write(job)
+        return agent
+
+    async def update_agent(self, agent: AgentRecord) -> AgentRecord:
+        agent.updated_at = time.time()
+
+        async def job(conn: Conn) -> None:
+            n = await _count(
+                conn,
+                "UPDATE agents SET name=%s, model=%s, system=%s, tools=%s, params=%s, updated_at=%s WHERE id=%s",
+                (
+                    agent.name,
+                    agent.model,
+                    agent.system,
+                    _dumps(agent.tools),
+                    _dumps(agent.params),
+                    agent.updated_at,
+                    agent.id,
+                ),
+            )
+            if n == 0:
+                raise StoreError(f"agent {agent.id} does not exist")
+
+        await self._write(job)
+        return agent
+
+    async def delete_agent(self, agent_id: str) -> bool:
+        async def job(conn: Conn) -> bool:
+            await conn.execute("DELETE FROM turns WHERE agent_id=%s", (agent_id,))
+            return await _count(conn, "DELETE FROM agents WHERE id=%s", (agent_id,)) > 0
+
+        return await self._write(job)
+
+    # No cache (SQLite keeps one, checked against PRAGMA data_version): a point read by key is cheap
+    # here, and another process's change is seen without an invalidation channel.
+
+    async def get_agent(self, agent_id: str) -> AgentRecord | None:
+        row = await self._row("SELECT * FROM agents WHERE id=%s", (agent_id,))
+        return _agent(row) if row else None
+
+    async def find_agents(self, ref: str) -> list[AgentRecord]:
+        rows = await self._rows("SELECT * FROM agents WHERE id=%s OR name=%s ORDER BY created_at, id", (ref, ref))
+        return [_agent(r) for r in rows]
+
+    async def list_agents(self) -> list[AgentRecord]:
+        return [_agent(r) for r in await self._rows("SELECT * FROM agents ORDER BY created_at, id")]
+
+    # ------------------------------------------------------------ conversations
+
+    async def create_conversation(
+        self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None
+    ) -> ConversationRecord:
+        now = time.time()
+        conv.created_at = conv.created_at or now
+        conv.updated_at = now
+        ids = list(copy_messages) if copy_messages is not None else []
+
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                _INSERT_CONVERSATION,
+                (
+                    conv.id,
+                    conv.agent_id,
+                    conv.is_default,
+                    conv.title,
+                    conv.user,
+                    conv.namespace,
+                    conv.forked_from,
+                    _dumps(conv.metadata),
+                    conv.created_at,
+                    conv.updated_at,
+                ),
+            )
+            for mid in ids:  # one at a time: the copies get ids in the order given
+                await conn.execute(
+                    "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, "
+                    "tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, "
+                    "created_at, meta) "
+                    "SELECT %s, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, "
+                    "reasoning, provider_state, completion_status, source, created_at, meta "
+                    "FROM messages WHERE id=%s",
+                    (conv.id, mid),
+                )
+
+        await self._write(job)
+        return conv
+
+    async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
+        row = await self._row("SELECT * FROM conversations WHERE id=%s", (conversation_id,))
+        return _conversation(row) if row else None
+
+    async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
+        row = await self._row("SELECT * FROM conversations WHERE agent_id=%s AND is_default", (agent_id,))
+        return _conversation(row) if row else None
+
+    async def list_conversations(
+        self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
+    ) -> list[ConversationRecord]:
+        page = (_limit(limit), max(offset, 0))
+        if agent_id is None:
+            rows = await self._rows("SELECT * FROM conversations ORDER BY updated_at DESC, id LIMIT %s OFFSET %s", page)
+        else:
+            rows = await self._rows(
+                "SELECT * FROM conversations WHERE agent_id=%s ORDER BY updated_at DESC, id LIMIT %s OFFSET %s",
+                (agent_id, *page),
+            )
+        return [_conversation(r) for r in rows]
+
+    async def update_conversation(self, conv: ConversationRecord) -> None:
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                'UPDATE conversations SET title=%s, "user"=%s, metadata=%s, updated_at=%s WHERE id=%s',
+                (conv.title, conv.user, _dumps(conv.metadata), time.time(), conv.id),
+            )
+
+        await self._write(job)
+
+    # ------------------------------------------------------------ messages
+
+    async def list_messages(
+        self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None
+    ) -> list[MessageRecord]:
+        if before_id is None and limit is None:
+            rows = await self._rows("SELECT * FROM messages WHERE conversation_id=%s ORDER BY id", (conversation_id,))
+        else:
+            rows = await self._rows(
+                "SELECT * FROM (SELECT * FROM messages WHERE conversation_id=%s AND id < %s ORDER BY id DESC "
+                "LIMIT %s) m ORDER BY id",
+                (conversation_id, before_id if before_id is not None else 2**62, _limit(limit)),
+            )
+        return [_message(r) for r in rows]
+
+    async def _insert_messages(
+        self, conn: Conn, conversation_id: str, messages: list[MessageRecord], now: float
+    ) -> None:
+        """Pipelined: the inserts are sent now, their ids read with the rest of the group's results."""
+        cursors = []
+        for m in messages:
+            m.conversation_id = conversation_id
+            m.created_at = m.created_at or now
+            cursors.append(
+                await conn.execute(
+                    _INSERT_MESSAGE,
+                    (
+                        conversation_id,
+                        m.turn_id,
+                        m.iteration,
+                        m.role,
+                        _dumps(m.content),
+                        _dumps(m.tool_calls) if m.tool_calls else None,
+                        m.tool_call_id,
+                        m.name,
+                        m.is_error,
+                        m.reasoning,
+                        _dumps(m.provider_state) if m.provider_state is not None else None,
+                        m.completion_status,
+                        _dumps(m.source) if m.source is not None else None,
+                        m.created_at,
+                        _dumps(m.meta) if m.meta else None,
+                    ),
+                )
+            )
+
+        async def fetch_ids() -> None:
+            for m, cur in zip(messages, cursors, strict=True):
+                row = await cur.fetchone()
+                m.id = int(row["id"]) if row else None
+
+        self._writes.defer(fetch_ids)
+
+    async def append_messages(self, conversation_id: str, messages: list[MessageRecord]) -> None:
+        now = time.time()
+
+        async def job(conn: Conn) -> None:
+            await conn.execute("UPDATE conversations SET updated_at=%s WHERE id=%s", (now, conversation_id))
+            await self._insert_messages(conn, conversation_id, messages, now)
+
+        await self._write(job)
+
+    # ------------------------------------------------------------ turns
+
+    async def accept_turn(self, turn: TurnRecord, idempotency_scope: str | None = None) -> TurnRecord:
+        """Record an accepted input. With an idempotency key already used in `scope`, raise DuplicateTurn."""
+        now = time.time()
+        turn.created_at = turn.created_at or now
+
+        async def job(conn: Conn) -> None:
+            if turn.idempotency_key and idempotency_scope:
+                # ON CONFLICT: a concurrent claim of the same key (another process) waits for it, then loses.
+                cur = await conn.execute(
+                    "INSERT INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) "
+                    "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (scope, key) DO NOTHING RETURNING turn_id",
+                    (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now),
+                )
+                if await cur.fetchone() is None:
+                    cur = await conn.execute(
+                        "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id "
+                        "WHERE k.scope=%s AND k.key=%s",
+                        (idempotency_scope, turn.idempotency_key),
+                    )
+                    existing = await cur.fetchone()
+                    if existing is not None:
+                        raise DuplicateTurn(_turn(existing))
+                    # the key outlived its turn (deleted with its agent): it is this turn's now
+                    await conn.execute(
+                        "UPDATE idempotency_keys SET turn_id=%s, conversation_id=%s, created_at=%s "
+                        "WHERE scope=%s AND key=%s",
+                        (turn.id, turn.conversation_id, now, idempotency_scope, turn.idempotency_key),
+                    )
+            await conn.execute(
+                "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, "
+                "client_tools, options, owner, created_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                (
+                    turn.id,
+                    turn.conversation_id,
+                    turn.agent_id,
+                    turn.status,
+                    turn.idempotency_key,
+                    _dumps(turn.source) if turn.source is not None else None,
+                    _dumps(turn.input),
+                    _dumps(turn.client_tools),
+                    _dumps(turn.options),
+                    turn.owner,
+                    turn.created_at,
+                ),
+            )
+
+        await self._write(job)
+        return turn
+
+    async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
+        row = await self._row(
+            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=%s AND k.key=%s",
+            (scope, key),
+        )
+        return _turn(row) if row else None
+
+    async def purge_idempotency(self, older_than: float) -> int:
+        async def job(conn: Conn) -> int:
+            return await _count(conn, "DELETE FROM idempotency_keys WHERE created_at < %s", (older_than,))
+
+        return await self._write(job)
+
+    async def mark_turn_running(self, turn_id: str, owner: str, revision: int) -> None:
+        now = time.time()
+
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "UPDATE turns SET status='running', owner=%s, revision=%s, started_at=COALESCE(started_at, %s) "
+                "WHERE id=%s",
+                (owner, revision, now, turn_id),
+            )
+
+        await self._write(job)
+
+    async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
+        text = _dumps(draft)
+
+        async def job(conn: Conn) -> None:
+            await conn.execute("UPDATE turns SET draft=%s WHERE id=%s", (text, turn_id))
+
+        await self._write(job)
+
+    async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
+        """One turn's rows, atomically, in the next group transaction."""
+
+        async def job(conn: Conn) -> None:
+            await self._commit_turn(conn, conversation_id, commit)
+
+        await self._write(job)
+
+    async def checkpoint_turn(
+        self,
+        conversation_id: str,
+        turn_id: str,
+        messages: list[MessageRecord],
+        *,
+        iteration: int,
+        usage: dict[str, int],
+    ) -> None:
+        """Committed before this returns: a tool may act right after."""
+        now = time.time()
+        for m in messages:
+            m.turn_id = m.turn_id or turn_id
+
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "UPDATE turns SET input_committed=TRUE, iteration=%s, usage=%s, draft=NULL WHERE id=%s",
+                (iteration, _dumps(usage), turn_id),
+            )
+            await conn.execute("UPDATE conversations SET updated_at=%s WHERE id=%s", (now, conversation_id))
+            await self._insert_messages(conn, conversation_id, messages, now)
+
+        await self._write(job)
+
+    async def _commit_turn(self, conn: Conn, conversation_id: str, commit: TurnCommit) -> None:
+        now = time.time()
+        terminal = commit.status in ("completed", "cancelled", "failed", "interrupted")
+        for m in commit.messages:
+            m.turn_id = m.turn_id or commit.turn_id
+        for p in commit.pending:
+            await conn.execute(
+                _INSERT_PENDING,
+                (
+                    conversation_id,
+                    p.call_id,
+                    p.turn_id,
+                    p.name,
+                    p.arguments,
+                    p.kind,
+                    p.status,
+                    p.output,
+                    p.is_error,
+                    p.reason,
+                    p.decided_by,
+                    p.created_at or now,
+                    p.expires_at,
+                ),
+            )
+        await conn.execute(
+            "UPDATE turns SET status=%s, stop_reason=%s, error=%s, usage=%s, revision=%s, iteration=%s, "
+            "input_committed=%s, draft=NULL, ended_at=%s WHERE id=%s",
+            (
+                commit.status,
+                commit.stop_reason,
+                _dumps(commit.error) if commit.error is not None else None,
+                _dumps(commit.usage),
+                commit.revision,
+                commit.iteration,
+                commit.input_committed,
+                now if terminal else None,
+                commit.turn_id,
+            ),
+        )
+        if terminal and (commit.iteration > 1 or commit.pending or commit.stop_reason != "end_turn"):
+            # Pending calls that never got an answer are closed with the turn.
+            await conn.execute(
+                "UPDATE pending_calls SET status='cancelled' WHERE turn_id=%s AND status='pending'", (commit.turn_id,)
+            )
+        await conn.execute("UPDATE conversations SET updated_at=%s WHERE id=%s", (now, conversation_id))
+        await self._insert_messages(conn, conversation_id, commit.messages, now)
+
+    async def get_turn(self, turn_id: str) -> TurnRecord | None:
+        row = await self._row("SELECT * FROM turns WHERE id=%s", (turn_id,))
+        return _turn(row) if row else None
+
+    async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]:
+        if statuses is None:
+            rows = await self._rows("SELECT * FROM turns WHERE conversation_id=%s ORDER BY seq", (conversation_id,))
+        else:
+            rows = await self._rows(
+                "SELECT * FROM turns WHERE conversation_id=%s AND status = ANY(%s) ORDER BY seq",
+                (conversation_id, list(statuses)),
+            )
+        return [_turn(r) for r in rows]
+
+    async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]:
+        rows = await self._rows("SELECT * FROM turns WHERE status = ANY(%s) ORDER BY seq", (list(statuses),))
+        return [_turn(r) for r in rows]
+
+    # ------------------------------------------------------------ pending calls
+
+    async def list_pending(self, turn_id: str) -> list[PendingCall]:
+        rows = await self._rows("SELECT * FROM pending_calls WHERE turn_id=%s ORDER BY created_at, seq", (turn_id,))
+        return [_pending(r) for r in rows]
+
+    async def get_pending(self, conversation_id: str, call_id: str) -> PendingCall | None:
+        row = await self._row(
+            "SELECT * FROM pending_calls WHERE conversation_id=%s AND call_id=%s", (conversation_id, call_id)
+        )
+        return _pending(row) if row else None
+
+    async def resolve_pending(
+        self,
+        conversation_id: str,
+        call_id: str,
+        status: str,
+        *,
+        output: str | None = None,
+        is_error: bool = False,
+        reason: str | None = None,
+        decided_by: str | None = None,
+    ) -> bool:
+        """Answer one pending call. First answer wins: returns False when it was already answered."""
+
+        async def job(conn: Conn) -> bool:
+            n = await _count(
+                conn,
+                "UPDATE pending_calls SET status=%s, output=%s, is_error=%s, reason=%s, decided_by=%s "
+                "WHERE conversation_id=%s AND call_id=%s AND status='pending'",
+                (status, output, is_error, reason, decided_by, conversation_id, call_id),
+            )
+            return n == 1
+
+        return await self._write(job)
+
+    async def overdue_pending(self, now: float) -> list[PendingCall]:
+        rows = await self._rows(
+            "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= %s "
+            "ORDER BY expires_at, seq",
+            (now,),
+        )
+        return [_pending(r) for r in rows]
+
+    # ------------------------------------------------------------ OpenAI HTTP surface
+
+    async def last_message_id(self, conversation_id: str) -> int:
+        row = await self._row("SELECT MAX(id) AS id FROM messages WHERE conversation_id=%s", (conversation_id,))
+        return int(row["id"] or 0) if row else 0
+
+    async def save_response(self, response: ResponseRecord) -> None:
+        response.created_at = response.created_at or time.time()
+
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "INSERT INTO responses(id, agent_id, conversation_id, turn_id, previous_response_id, namespace, "
+                "last_message_id, body, input_items, stored, created_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) "
+                "ON CONFLICT (id) DO UPDATE SET agent_id=EXCLUDED.agent_id, conversation_id=EXCLUDED.conversation_id, "
+                "turn_id=EXCLUDED.turn_id, previous_response_id=EXCLUDED.previous_response_id, "
+                "namespace=EXCLUDED.namespace, last_message_id=EXCLUDED.last_message_id, body=EXCLUDED.body, "
+                "input_items=EXCLUDED.input_items, stored=EXCLUDED.stored, created_at=EXCLUDED.created_at",
+                (
+                    response.id,
+                    response.agent_id,
+                    response.conversation_id,
+                    response.turn_id,
+                    response.previous_response_id,
+                    response.namespace,
+                    response.last_message_id,
+                    _dumps(response.body),
+                    _dumps(response.input_items),
+                    response.stored,
+                    response.created_at,
+                ),
+            )
+
+        await self._write(job)
+
+    async def get_response(self, response_id: str) -> ResponseRecord | None:
+        row = await self._row("SELECT * FROM responses WHERE id=%s", (response_id,))
+        return _response(row) if row else None
+
+    async def delete_response(self, response_id: str) -> bool:
+        async def job(conn: Conn) -> bool:
+            return await _count(conn, "DELETE FROM responses WHERE id=%s", (response_id,)) > 0
+
+        return await self._write(job)
+
+    def _orphaned(self, owner: str | None) -> bool:
+        """A pending key's claimant is gone (killed mid-request): nobody will ever finish it. Only
+        a claimant on this host can be judged (by its process identity); one stamped by another
+        host is never called gone here: that needs an owner lease (see the module doc)."""
+        if owner == self.owner:
+            return False
+        ident, at, host = (owner or "").partition("@")
+        if at and host != self.host:
+            return False
+        return not identity_alive(ident or None)
+
+    async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
+        """A pending key whose claimant died is taken over (the retry runs the request)."""
+        entry.created_at = entry.created_at or time.time()
+        entry.owner = entry.owner or self.owner
+
+        async def job(conn: Conn) -> HttpIdempotency | None:
+            cur = await conn.execute(
+                "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) "
+                "VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO NOTHING RETURNING 1",
+                (entry.scope, entry.key, entry.body_hash, entry.created_at, entry.owner),
+            )
+            if await cur.fetchone() is not None:
+                return None
+            cur = await conn.execute(
+                "SELECT * FROM http_idempotency WHERE scope=%s AND key=%s FOR UPDATE", (entry.scope, entry.key)
+            )
+            row = await cur.fetchone()
+            if row is not None:
+                if row["state"] != "pending" or not self._orphaned(row["owner"]):
+                    return _idem(row)
+                log.warning(
+                    "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
+                    entry.key,
+                    row["owner"],
+                )
+            await conn.execute(
+                "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) "
+                "VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO UPDATE SET "
+                "body_hash=EXCLUDED.body_hash, state='pending', status_code=NULL, content_type=NULL, body=NULL, "
+                "conversation_id=NULL, created_at=EXCLUDED.created_at, owner=EXCLUDED.owner",
+                (entry.scope, entry.key, entry.body_hash, entry.created_at, entry.owner),
+            )
+            return None
+
+        return await self._write(job)
+
+    async def release_orphaned_http_idempotency(self) -> int:
+        async def job(conn: Conn) -> int:
+            cur = await conn.execute("SELECT scope, key, owner FROM http_idempotency WHERE state='pending' FOR UPDATE")
+            gone = [(r["scope"], r["key"]) for r in await cur.fetchall() if self._orphaned(r["owner"])]
+            for scope, key in gone:
+                await conn.execute("DELETE FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
+            return len(gone)
+
+        return await self._write(job)
+
+    async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
+        row = await self._row("SELECT * FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
+        return _idem(row) if row else None
+
+    async def finish_http_idempotency(
+        self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None
+    ) -> None:
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "UPDATE http_idempotency SET state='done', status_code=%s, content_type=%s, body=%s, "
+                "conversation_id=%s WHERE scope=%s AND key=%s",
+                (status_code, content_type, body, conversation_id, scope, key),
+            )
+
+        await self._write(job)
+
+    async def drop_http_idempotency(self, scope: str, key: str) -> None:
+        async def job(conn: Conn) -> None:
+            await conn.execute("DELETE FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
+
+        await self._write(job)
+
+    async def purge_http_idempotency(self, older_than: float) -> int:
+        async def job(conn: Conn) -> int:
+            return await _count(conn, "DELETE FROM http_idempotency WHERE created_at < %s", (older_than,))
+
+        return await self._write(job)
+
+    async def add_history_point(self, point: HistoryPoint) -> None:
+        created = point.created_at or time.time()
+
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "INSERT INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at) "
+                "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (agent_id, prefix_hash, conversation_id) DO UPDATE SET "
+                "last_message_id=EXCLUDED.last_message_id, created_at=EXCLUDED.created_at",
+                (point.agent_id, point.prefix_hash, point.conversation_id, point.last_message_id, created),
+            )
+
+        await self._write(job)
+
+    async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
+        rows = await self._rows(
+            "SELECT p.* FROM history_points p JOIN conversations c ON c.id = p.conversation_id "
+            "WHERE p.agent_id=%s AND p.prefix_hash=%s ORDER BY c.updated_at DESC, p.created_at DESC",
+            (agent_id, prefix_hash),
+        )
+        return [
+            HistoryPoint(r["agent_id"], r["prefix_hash"], r["conversation_id"], r["last_message_id"], r["created_at"])
+            for r in rows
+        ]
+
+    # ------------------------------------------------------------ store copy
+
+    async def copy_from_sqlite(self, source: sqlite3.Connection) -> dict[str, int]:
+        """Copy every data table of an SQLite store (an open connection at the newest SQLite schema)
+        into this one, which must be empty: one PostgreSQL transaction (all or nothing) reading one
+        SQLite snapshot. Message ids are kept (responses and history points refer to them); the
+        rows of each table go in their SQLite insertion order. Returns rows copied per table."""
+        await self._writes.settle()
+        counts: dict[str, int] = {}
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute(
+                sql.SQL("LOCK TABLE {} IN EXCLUSIVE MODE").format(sql.SQL(", ").join(map(sql.Identifier, DATA_TABLES)))
+            )
+            present: dict[str, int] = {}
+            for table in DATA_TABLES:
+                cur = await conn.execute(sql.SQL("SELECT count(*) AS n FROM {}").format(sql.Identifier(table)))
+                row = await cur.fetchone()
+                if row and row["n"]:
+                    present[table] = int(row["n"])
+            if present:
+                shown = ", ".join(f"{n} {t}" for t, n in present.items())
+                raise StoreError(
+                    f"{self.shown_url} is not empty ({shown}): `store copy` only fills an empty database; "
+                    "point --to at a new database (createdb NAME), or drop this one's data first"
+                )
+            source.execute("BEGIN")  # one read snapshot of the SQLite store
+            try:
+                for table in DATA_TABLES:
+                    counts[table] = await _copy_table(conn, source, table)
+            finally:
+                source.execute("ROLLBACK")
+            await conn.execute(
+                "SELECT setval(pg_get_serial_sequence('messages', 'id'), COALESCE((SELECT MAX(id) FROM messages), 1), "
+                "(SELECT MAX(id) FROM messages) IS NOT NULL)"
+            )
+        return counts
+
+
+async def _copy_table(conn: Conn, source: sqlite3.Connection, table: str) -> int:
+    cur = await conn.execute(
+        "SELECT column_name, data_type, is_identity, identity_generation FROM information_schema.columns "
+        "WHERE table_schema = current_schema() AND table_name = %s ORDER BY ordinal_position",
+        (table,),
+    )
+    target = {
+        r["column_name"]: r["data_type"]
+        for r in await cur.fetchall()
+        if not (r["is_identity"] == "YES" and r["identity_generation"] == "ALWAYS")
+    }
+    have = [r[1] for r in source.execute(f'PRAGMA table_info("{table}")')]
+    columns = [c for c in have if c in target]
+    booleans = {i for i, c in enumerate(columns) if target[c] == "boolean"}
+    select = "SELECT " + ", ".join(f'"{c}"' for c in columns) + f' FROM "{table}" ORDER BY rowid'
+    copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(
+        sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns))
+    )
+    n = 0
+    async with conn.cursor().copy(copy_sql) as copy:
+        for row in source.execute(select):
+            values = tuple(bool(v) if i in booleans and v is not None else v for i, v in enumerate(row))
+            await copy.write_row(values)
+            n += 1
+    return n
+
+
+async def migrate(conn: Conn) -> int:
+    """Bring the database to the newest schema, one transaction per migration, serialised across
+    processes by an advisory lock; returns the version it had (0: none). A schema newer than this
+    code raises SchemaTooNew."""
+    known = max(v for v, _ in MIGRATIONS)
+    first: int | None = None
+    for version, script in [(0, ""), *MIGRATIONS]:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+            await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            cur = await conn.execute("SELECT MAX(version) AS v FROM schema_version")
+            row = await cur.fetchone()
+            current = int(row["v"] or 0) if row else 0
+            if first is None:
+                first = current
+            if current > known:
+                raise SchemaTooNew(
+                    f"database schema version {current} is newer than this appserver ({known}); upgrade appserver"
+                )
+            if version == 0 or version <= current:
+                continue
+            await conn.execute(script)  # several statements: no parameters, so the simple query protocol
+            await conn.execute("INSERT INTO schema_version(version) VALUES (%s)", (version,))
+    return first or 0

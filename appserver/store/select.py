@@ -1,0 +1,33 @@
+"""Which Store a configuration names: `[store] url` (or `serve --store URL`).
+
+Empty: the SQLite file in the home (`Config.db_path`). `postgresql://…`: a PostgreSQL database,
+whose driver (psycopg) is imported only then, so `appserver --help` and SQLite homes never load it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from appserver.store.sqlite import SQLiteStore
+from appserver.store.url import store_kind
+
+if TYPE_CHECKING:
+    from appserver.config import Config
+    from appserver.store.postgres import PostgresStore
+
+
+def make_store(config: Config, url: str | None = None) -> SQLiteStore | PostgresStore:
+    """The store for `config` (not opened yet); `url` overrides `config.store.url`. A URL of an
+    unknown kind raises ConfigError (the URL shown without its password)."""
+    from appserver.config import ConfigError  # at call time: the config imports this package
+
+    url = config.store.url if url is None else url
+    try:
+        kind = store_kind(url)
+    except ValueError as exc:
+        raise ConfigError(f"[store] url: {exc}") from None
+    if kind == "sqlite":
+        return SQLiteStore(config.db_path)
+    from appserver.store.postgres import PostgresStore  # the driver, only for a PostgreSQL store
+
+    return PostgresStore(url.strip())

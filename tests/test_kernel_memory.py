@@ -1,0 +1,100 @@
+"""What a settled conversation leaves in memory: runtimes free by reference counting (no cycles for
+the garbage collector to walk), and at most `idle_runtimes_max` idle ones stay loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from appserver.runtime import SubmitRequest
+from appserver.server import Server
+from tests.support.kernel import open_server
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    s = await open_server(tmp_path / "home", APPSERVER_LIMITS__IDLE_RUNTIMES_MAX="10")
+    yield s
+    await s.close()
+
+
+async def _turn(server: Server, text: str, conversation: str = "new") -> str:
+    sub = await server.kernel.submit(SubmitRequest(agent="assistant", input=text, conversation=conversation))
+    snap = await sub.wait(5)
+    assert snap.status == "completed", snap
+    return sub.conversation_id
+
+
+@pytest.mark.parametrize("text", ["hello", "/call clock {}"], ids=["text", "server-tool"])
+async def test_an_evicted_runtime_is_freed_without_the_garbage_collector(server: Server, text: str) -> None:
+    conv = await _turn(server, text)
+    await _turn(server, "again", conv)
+    ref = weakref.ref(server.kernel.runtimes[conv])
+    await asyncio.sleep(0)  # let the turn's task finish its last step
+    gc.disable()
+    try:
+        assert server.kernel.evict_idle(0) >= 1
+        assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())] if ref() else None
+    finally:
+        gc.enable()
+
+
+async def test_idle_runtimes_beyond_the_limit_go_least_recently_used_first(server: Server) -> None:
+    kept = await _turn(server, "first")
+    others = [await _turn(server, f"n{i}") for i in range(9)]
+    await _turn(server, "used again", kept)  # now the most recently used
+    more = [await _turn(server, f"m{i}") for i in range(3)]
+    loaded = server.kernel.runtimes
+    assert len(loaded) <= 10
+    assert kept in loaded and all(c in loaded for c in more)
+    assert others[0] not in loaded
+    # An evicted conversation is loaded again from the store, history intact.
+    sub = await server.kernel.submit(SubmitRequest(agent="assistant", input="back", conversation=others[0]))
+    await sub.wait(5)
+    assert others[0] in server.kernel.runtimes
+    history = await server.store.list_messages(others[0])
+    assert [m.role for m in history] == ["user", "assistant", "user", "assistant"]
+
+
+async def test_a_busy_runtime_is_never_trimmed(tmp_path: Path) -> None:
+    server = await open_server(tmp_path / "home", APPSERVER_LIMITS__IDLE_RUNTIMES_MAX="2")
+    try:
+        await server.agents.update("assistant", tools={"clock": "ask"})
+        waiting = await server.kernel.submit(
+            SubmitRequest(agent="assistant", input="/call clock {}", conversation="new")
+        )
+        snap = await waiting.wait(5)
+        assert snap.status == "awaiting"
+        for i in range(5):
+            await _turn(server, f"x{i}")
+        assert waiting.conversation_id in server.kernel.runtimes  # its approval is still answerable
+        assert (await server.kernel.awaiting(waiting.conversation_id)) is not None
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("text", ["hello", "/call clock {}"], ids=["text", "server-tool"])
+async def test_turns_leave_no_cyclic_garbage(server: Server, text: str) -> None:
+    """Cyclic garbage waits for a full collection, whose pause grows with everything in memory:
+    a turn must not leave any (a runtime's callbacks, a turn's work holding itself, ...)."""
+    await _turn(server, "warm up")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(20):
+            await _turn(server, text)
+        await asyncio.sleep(0)
+        server.kernel.evict_idle(0)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        garbage = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert len(garbage) < 20, sorted(garbage)

@@ -1,0 +1,207 @@
+"""Which store a configuration selects (`[store] url`, APPSERVER_STORE__URL, `serve --store`), a
+password that is never shown, the driver loaded only for PostgreSQL, and a real `serve` on PostgreSQL."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import openai
+import pytest
+
+from appserver.config import ConfigError, load_config
+from appserver.store import SQLiteStore
+from appserver.store.integrity import StoreOpenError
+from appserver.store.postgres import PostgresStore
+from appserver.store.select import make_store
+from appserver.store.url import redact_url, scrub
+from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.pg import temp_database
+from tests.support.serve import serving
+
+pytestmark = pytest.mark.timeout(90)
+
+SECRET = "s3cret-never-logged"
+
+
+def _with_password(url: str, password: str = SECRET) -> str:
+    parts = urlsplit(url)
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit((parts.scheme, f"{user}:{password}@{host}", parts.path, parts.query, parts.fragment))
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    with temp_database("select") as url:
+        yield url
+
+
+def _write_config(home: Path, text: str) -> None:
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(text)
+
+
+def test_default_is_the_sqlite_file_in_the_home(tmp_path: Path) -> None:
+    config = load_config(tmp_path / "home", environ={})
+    assert config.store.url == ""
+    store = make_store(config)
+    assert isinstance(store, SQLiteStore) and store.path == config.db_path
+
+
+def test_file_then_environment_select_postgresql(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    _write_config(home, '[store]\nurl = "postgresql://app@db.example:5433/appserver"\n')
+    config = load_config(home, environ={})
+    store = make_store(config)
+    assert isinstance(store, PostgresStore) and store.url == "postgresql://app@db.example:5433/appserver"
+
+    env_url = f"postgres://app:{SECRET}@other.example/appserver"
+    config = load_config(home, environ={"APPSERVER_STORE__URL": env_url})
+    assert config.store.url == env_url
+    assert "APPSERVER_STORE__URL" in config.source and SECRET not in config.source
+    store = make_store(config)
+    assert isinstance(store, PostgresStore)
+    assert SECRET not in repr(store) and SECRET not in store.shown_url and ":***@" in store.shown_url
+
+    config = load_config(home, environ={"APPSERVER_STORE__URL": ""})  # back to SQLite
+    assert isinstance(make_store(config), SQLiteStore)
+    # `make_store(config, url)`: what `serve --store` does
+    assert isinstance(make_store(config, "postgresql://h/db"), PostgresStore)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (f"mysql://root:{SECRET}@db/app", "scheme 'mysql'"),
+        (f"sqlite://root:{SECRET}@db/app", "scheme 'sqlite'"),
+        ("just-a-path.db", "no scheme"),
+        (f"postgresql://root:{SECRET}@db:notaport/app", "not a valid URL"),
+        (f"postgresql://root:{SECRET}@db", "names no database"),
+    ],
+)
+def test_a_bad_url_is_refused_naming_where_it_came_from_without_its_password(
+    tmp_path: Path, url: str, expected: str
+) -> None:
+    with pytest.raises(ConfigError) as from_env:
+        load_config(tmp_path / "home", environ={"APPSERVER_STORE__URL": url})
+    message = str(from_env.value)
+    assert message.startswith("APPSERVER_STORE__URL: [store] url: ") and expected in message, message
+    assert SECRET not in message
+
+    home = tmp_path / "filehome"
+    _write_config(home, f'[store]\nurl = "{url}"\n')
+    with pytest.raises(ConfigError) as from_file:
+        load_config(home, environ={})
+    assert str(home / "config.toml") in str(from_file.value) and expected in str(from_file.value)
+    assert SECRET not in str(from_file.value)
+
+
+def test_unknown_store_keys_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'path' in \[store\]; known keys: url"):
+        load_config(tmp_path / "home", environ={"APPSERVER_STORE__PATH": "/x"})
+
+
+def test_redaction_covers_the_authority_and_query_passwords() -> None:
+    assert (
+        redact_url("postgresql://u:p%40ss@h:5432/db?sslmode=require") == "postgresql://u:***@h:5432/db?sslmode=require"
+    )
+    assert redact_url("postgresql://u@h/db?password=pw&application_name=a") == (
+        "postgresql://u@h/db?password=***&application_name=a"
+    )
+    assert redact_url("postgresql://h/db") == "postgresql://h/db"
+    url = "postgresql://u:p%40ss@h/db"
+    assert (
+        scrub(f"failed for {url}: password p@ss or p%40ss", url)
+        == "failed for postgresql://u:***@h/db: password *** or ***"
+    )
+
+
+async def test_an_unreachable_database_is_one_clear_error_without_the_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    store = PostgresStore(f"postgresql://postgres:{SECRET}@127.0.0.1:1/nowhere", connect_timeout_s=2)
+    with pytest.raises(StoreOpenError) as err:
+        await store.open()
+    message = str(err.value)
+    assert "postgresql://postgres:***@127.0.0.1:1/nowhere" in message and "cannot connect" in message
+    assert SECRET not in message and SECRET not in caplog.text
+    await store.close()
+
+
+async def test_a_missing_database_names_it(pg_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    missing = _with_password(pg_url.rsplit("/", 1)[0] + "/appserver_no_such_db")
+    with pytest.raises(StoreOpenError, match='database "appserver_no_such_db" does not exist') as err:
+        await PostgresStore(missing).open()
+    assert SECRET not in str(err.value) and SECRET not in caplog.text
+
+
+def test_the_driver_is_imported_only_for_a_postgresql_store(tmp_path: Path) -> None:
+    probe = (
+        "import sys, runpy\n"
+        "sys.argv = ['appserver', '--help']\n"
+        "try:\n    runpy.run_module('appserver', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "from pathlib import Path\n"
+        "from appserver.config import load_config\n"
+        "from appserver.server import Server\n"
+        f"Server(load_config(Path({str(tmp_path / 'home')!r}), environ={{}}))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('psycopg', 'psycopg_pool')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_serve_refuses_a_bad_store_url_in_one_line(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    r = run_cli(home, "serve", "--listen", "127.0.0.1:0", "--store", f"mysql://root:{SECRET}@db/app")
+    assert r.code == 2, (r.out, r.err)
+    assert "scheme 'mysql'" in r.err and SECRET not in r.err and "Traceback" not in r.err
+    r = run_cli(home, "serve", "--listen", "127.0.0.1:0", "--store", f"postgresql://postgres:{SECRET}@127.0.0.1:1/x")
+    assert r.code == 2, (r.out, r.err)
+    assert "cannot connect" in r.err and "postgres:***@127.0.0.1:1/x" in r.err
+    assert SECRET not in r.out + r.err and "Traceback" not in r.err
+
+
+def test_serve_on_postgresql_answers_a_chat_completion_through_the_openai_sdk(tmp_path: Path, pg_url: str) -> None:
+    import psycopg
+
+    home = tmp_path / "home"
+    url = _with_password(pg_url)
+    with serving(home, "--store", url, env=cli_env(home)) as sp:
+        client = openai.OpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        reply = client.chat.completions.create(model="assistant", messages=[{"role": "user", "content": "hello pg"}])
+        assert reply.choices[0].message.content == "echo: hello pg"
+        ready = httpx.get(sp.url + "/readyz", timeout=10)
+        assert ready.status_code == 200 and "writable (PostgreSQL" in ready.text, ready.text
+        sp.stop()
+        _, err = sp.proc.communicate(timeout=15)
+    assert SECRET not in err
+    assert not (home / "appserver.db").exists(), "a PostgreSQL server must not create the SQLite file"
+    with psycopg.connect(pg_url) as conn:
+        agents = [r[0] for r in conn.execute("SELECT name FROM agents")]
+        texts = [r[0] for r in conn.execute("SELECT content FROM messages ORDER BY id")]
+    assert agents == ["assistant"]  # the first start on an empty database made the default agent
+    assert texts == ['"hello pg"', '"echo: hello pg"']
+
+
+@pytest.mark.parametrize(("ci", "outcome"), [("true", "Failed"), ("", "Skipped")])
+def test_a_missing_postgresql_fails_in_ci_and_skips_locally(ci: str, outcome: str) -> None:
+    probe = (
+        "import pytest\n"
+        "from tests.support.pg import require_postgres\n"
+        "try:\n    require_postgres()\n"
+        "except (pytest.fail.Exception, pytest.skip.Exception) as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    env = {**cli_env(Path("/nonexistent")), "CI": ci, "APPSERVER_TEST_PG": "postgresql://postgres@127.0.0.1:1/postgres"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith(outcome), (out.stdout, out.stderr)
+    assert "no PostgreSQL at postgresql://postgres@127.0.0.1:1/postgres" in out.stdout

@@ -24,7 +24,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check appserver cron gateway plugins tests bench examples
 	$(VENV)/bin/mypy appserver gateway plugins
 
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+# the comparison table (docs/benchmarks.md); LiteLLM joins it when installed (LITELLM_BIN=… or on PATH)
+bench: $(BENCH_STAMP)
+	$(PY) bench/compare.py $(BENCH_ARGS)
 	$(PY) bench/kernel.py
 
 clean:

@@ -92,6 +92,7 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     trusted_proxies: list[str] = field(default_factory=list)  # IPs/CIDRs whose X-Forwarded-For/-Proto is believed
+    event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
 
 
 @dataclass(slots=True)
@@ -226,6 +227,7 @@ RULES: dict[str, Rule] = {
     "limits.context_reserve_tokens": _NON_NEGATIVE,
     "limits.min_free_disk_bytes": _NON_NEGATIVE,  # 0 = no free-space check
     "auth.mode": Rule(choices=("none", "token", "jwt")),
+    "server.event_loop": Rule(choices=("auto", "uvloop", "asyncio")),
     "auth.jwt_leeway_s": _NON_NEGATIVE,
     "cron.tick_s": _POSITIVE,
     "providers.kind": Rule(choices=("openai", "anthropic")),

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -390,4 +390,20 @@ def serve_command(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     log.info("config: %s", config.source)
     config.server.listen = str(addr)
-    asyncio.run(serve_async(config, host, port, lock, accept_data_loss=accept_data_loss))
+    with asyncio.Runner(loop_factory=event_loop_factory(config.server.event_loop)) as runner:
+        runner.run(serve_async(config, host, port, lock, accept_data_loss=accept_data_loss))
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (uvicorn[standard] brings it): the same server spends about a tenth
+    less CPU per request in the loop and its transports. `asyncio` (or no uvloop) is the standard
+    loop."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            fail('[server] event_loop = "uvloop", but uvloop is not installed (pip install uvloop)', 2)
+        return None
+    return uvloop.new_event_loop

@@ -79,6 +79,7 @@ class ProviderConfig:
     headers: dict[str, str] = field(default_factory=dict)
     context_windows: dict[str, int] = field(default_factory=dict)  # model → tokens
     transport: str = "lean"  # lean (providers/fasttransport.py) | httpx (httpx's own transport)
+    max_connections: int = 1000  # model calls in flight to this provider at once (more wait for a slot)
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -116,7 +117,7 @@ class LimitsConfig:
     client_tool_timeout_s: float = 300.0
     max_steps: int = 24
     idle_evict_s: float = 60.0
-    idle_runtimes_max: int = 1000  # idle conversation runtimes kept in memory at most (oldest dropped first)
+    idle_runtimes_max: int = 256  # idle conversation runtimes kept in memory at most (oldest dropped first)
     shell_timeout_s: float = 60.0
     shell_output_max_bytes: int = 64 * 1024
     draft_interval_s: float = 0.5  # how often a running turn's visible text is checkpointed
@@ -235,6 +236,7 @@ RULES: dict[str, Rule] = {
     "providers.timeout_s": _POSITIVE,
     "providers.connect_timeout_s": _POSITIVE,
     "providers.max_attempts": Rule(ge=1, le=20),
+    "providers.max_connections": _AT_LEAST_ONE,
     "providers.context_windows": _AT_LEAST_ONE,
 }
 

@@ -50,9 +50,8 @@ def start(home: Path, *args: str, nofile: int | None = None, **env: str) -> Srv:
     log = home.parent / f"{home.name}.log"
 
     def limit_fds() -> None:
-        if nofile is not None:
-            _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard))
+        if nofile is not None:  # soft and hard, as `ulimit -n` does: serve raises a soft limit to the hard one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -393,3 +392,31 @@ def test_fd_accounting_helpers() -> None:
     assert connection_cap(100) == 100
     assert connection_cap(0, nofile=1024) == 736
     assert connection_cap(0, nofile=16) == 8
+
+
+def test_serve_raises_a_low_soft_fd_limit_to_the_hard_one(tmp_path: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 512:
+        pytest.skip(f"the hard limit here is {hard}")
+
+    def low_soft() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    home = tmp_path / "home"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0"],
+        env=cli_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=low_soft,
+    )
+    try:
+        assert eventually(lambda: (home / "server.json").exists(), T)
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
+        assert line.split()[3] == (str(hard) if hard != resource.RLIM_INFINITY else str(1 << 20))
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=T)
+    assert "open file limit raised from 256" in err

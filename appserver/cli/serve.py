@@ -39,6 +39,7 @@ from appserver.security.edge import (
     EdgeWebSocketProtocol,
     fd_limit,
     protocol_class,
+    raise_fd_limit,
 )
 from appserver.server import Server
 from appserver.serverinfo import HomeLock, claim_home, remove_server_json, write_server_json
@@ -214,6 +215,9 @@ def check_tls_files(cert: str, key: str) -> None:
 async def _serve_locked(config: Config, host: str, port: int, *, accept_data_loss: bool = False) -> None:
     # The composition root: the Server (store, providers, tools, kernel), then the services around
     # it (hub, metrics, cron), each handed to the front ends that use it.
+    before, after = raise_fd_limit()
+    if after != before:
+        log.info("open file limit raised from %d to %d (the hard limit)", before, after)
     server = Server(config)
     server.store.accept_data_loss = accept_data_loss
     services = build_services(server)

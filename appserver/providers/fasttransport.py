@@ -202,8 +202,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self,
         *,
         ssl_context: ssl.SSLContext | None = None,
-        max_connections: int = 100,
-        max_keepalive: int = 100,
+        max_connections: int = 1000,
+        max_keepalive: int = 1000,
         keepalive_expiry: float = 5.0,
     ) -> None:
         self._ssl = ssl_context
@@ -401,6 +401,8 @@ class LeanClient(httpx.AsyncClient):
             await response.aclose()
 
 
-def lean_transport() -> LeanTransport | None:
+def lean_transport(max_connections: int = 1000) -> LeanTransport | None:
     """The lean transport, or None (use httpx's default) when httptools is not installed."""
-    return LeanTransport() if httptools is not None else None
+    if httptools is None:
+        return None
+    return LeanTransport(max_connections=max_connections, max_keepalive=max_connections)

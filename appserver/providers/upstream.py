@@ -80,9 +80,12 @@ def transport_error(exc: Exception) -> ProviderError:
 def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
     """One pooled keep-alive client per provider, on the lean transport (providers/fasttransport.py)
     unless the provider's config asks for httpx's own (`transport = "httpx"`)."""
+    # At most `max_connections` calls in flight (httpx's default was 100: the 101st concurrent
+    # stream waited for a whole generation); the others wait for a slot up to the read timeout.
+    limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections)
     if cfg.transport == "httpx":
-        return httpx.AsyncClient(timeout=request_timeout(cfg))
-    return LeanClient(timeout=request_timeout(cfg), transport=lean_transport())
+        return httpx.AsyncClient(timeout=request_timeout(cfg), limits=limits)
+    return LeanClient(timeout=request_timeout(cfg), limits=limits, transport=lean_transport(cfg.max_connections))
 
 
 def request_timeout(cfg: ProviderConfig) -> httpx.Timeout:

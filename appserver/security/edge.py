@@ -85,6 +85,21 @@ class AcceptErrorThrottle(logging.Filter):
         return True
 
 
+def raise_fd_limit(ceiling: int = 1 << 20) -> tuple[int, int]:
+    """Raise the soft limit on open files to the hard one (at most `ceiling`), as Go's runtime does
+    at start: every client connection and every model call in flight holds a descriptor, and many
+    systems start processes with a soft limit of 1,024 under a much higher hard one. (before, after)"""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = min(ceiling, hard if hard != resource.RLIM_INFINITY else ceiling)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft, soft
+    return soft, target
+
+
 def fd_limit() -> int:
     """The soft limit on open file descriptors of this process."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)

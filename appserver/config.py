@@ -94,6 +94,7 @@ class ServerConfig:
     tls_key: str | None = None
     trusted_proxies: list[str] = field(default_factory=list)  # IPs/CIDRs whose X-Forwarded-For/-Proto is believed
     event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
+    ws_compression: bool = False  # permessage-deflate on the WebSocket (CPU and ~40 KiB per connection)
 
 
 @dataclass(slots=True)

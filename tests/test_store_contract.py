@@ -410,6 +410,18 @@ async def test_purge_idempotency_counts_what_it_removed(store: AnyStore) -> None
     assert await store.get_turn("turn_0") is not None  # the turns stay
 
 
+async def test_a_draft_after_the_turn_ended_changes_nothing(store: AnyStore) -> None:
+    await _agent_and_conversation(store)
+    await store.accept_turn(
+        TurnRecord(id="turn_1", conversation_id="conv_1", agent_id="agt_1", status="running", input={"content": "q"})
+    )
+    await store.save_draft("turn_1", {"text": "so far"})
+    await store.commit_turn("conv_1", TurnCommit("turn_1", "completed", "end_turn", [], usage={}, revision=2))
+    await store.save_draft("turn_1", {"text": "late"})  # a checkpoint scheduled before the commit
+    t = await store.get_turn("turn_1")
+    assert t is not None and (t.status, t.draft) == ("completed", None)
+
+
 async def test_mark_running_draft_checkpoint_and_commit(store: AnyStore) -> None:
     await _agent_and_conversation(store)
     await store.accept_turn(

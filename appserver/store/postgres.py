@@ -56,7 +56,7 @@ from appserver.store.records import (
     TurnCommit,
     TurnRecord,
 )
-from appserver.store.sqlite import _dumps, _loads
+from appserver.store.sqlite import DRAFT_UPDATE, _dumps, _loads
 from appserver.store.url import redact_url, scrub
 
 log = logging.getLogger("appserver.store")
@@ -756,7 +756,7 @@ class PostgresStore(Store):
         text = _dumps(draft)
 
         async def job(conn: Conn) -> None:
-            await conn.execute("UPDATE turns SET draft=%s WHERE id=%s", (text, turn_id))
+            await conn.execute(DRAFT_UPDATE, (text, turn_id))
 
         await self._write(job)
 

@@ -45,6 +45,10 @@ from appserver.store.records import (
 
 log = logging.getLogger("appserver.store")
 
+# Only a turn still open takes a draft: a checkpoint scheduled before the turn's commit but run
+# after it must not put a draft back on a finished turn.
+DRAFT_UPDATE = "UPDATE turns SET draft=%s WHERE id=%s AND status IN ('queued', 'running', 'awaiting')"
+
 _ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one, not one per call
 
 
@@ -538,9 +542,14 @@ class SQLiteStore(Store):
             )
 
     async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
-        self._writes.settle()
-        self.db.execute("UPDATE turns SET draft=? WHERE id=?", (_dumps(draft), turn_id))
-        self._committed()
+        """In the next group transaction (hundreds of streaming turns each checkpoint twice a
+        second); a draft that arrives after its turn ended changes nothing."""
+        text = _dumps(draft)
+
+        def write(tx: sqlite3.Connection) -> None:
+            tx.execute(DRAFT_UPDATE.replace("%s", "?"), (text, turn_id))
+
+        await self._writes.submit(write)
 
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
         """One turn's rows, atomically, in the next group transaction (groupcommit.py)."""

@@ -167,7 +167,8 @@ class Connection:
                     return
                 raise
             try:
-                await asyncio.wait_for(self._send_text(text), self.send_timeout_s)
+                async with asyncio.timeout(self.send_timeout_s):  # no task per frame, unlike wait_for
+                    await self._send_text(text)
             except TimeoutError:
                 self.kill(
                     CLOSE_SLOW_CONSUMER,

@@ -1,0 +1,45 @@
+"""`[server]` options of `serve`: the event loop, WebSocket compression."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import uvloop
+import websockets
+
+from appserver.cli.serve import event_loop_factory
+from appserver.config import ConfigError, load_config
+from tests.support.cli import cli_env
+from tests.support.serve import start_serve
+from tests.support.ws import ws_url
+
+
+def test_auto_and_uvloop_choose_uvloop_and_asyncio_the_standard_loop() -> None:
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    assert event_loop_factory("asyncio") is None
+
+
+def test_an_unknown_loop_is_refused_naming_the_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "home", environ={"APPSERVER_SERVER__EVENT_LOOP": "tokio"})
+    assert "event_loop" in str(err.value) and "asyncio" in str(err.value)
+
+
+@pytest.mark.parametrize("setting", [None, "true"])
+async def test_websocket_compression_is_off_unless_configured(tmp_path: Path, setting: str | None) -> None:
+    """A client offering permessage-deflate gets it only with `[server] ws_compression = true`."""
+    home = tmp_path / "home"
+    extra = {"APPSERVER_SERVER__WS_COMPRESSION": setting} if setting else {}
+    sp = start_serve(home, env=cli_env(home, **extra))
+    try:
+        conn = await websockets.connect(ws_url(sp.url), compression="deflate")
+        try:
+            assert conn.response is not None
+            negotiated = conn.response.headers.get("sec-websocket-extensions") or ""
+        finally:
+            await conn.close()
+    finally:
+        sp.stop()
+    assert ("permessage-deflate" in negotiated) == (setting == "true"), negotiated

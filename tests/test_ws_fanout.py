@@ -123,3 +123,35 @@ def test_keepalive_closes_a_silent_peer(tmp_path: Path) -> None:
         assert b"keepalive ping timeout" in data  # then a close frame with the reason
     finally:
         sp.stop()
+
+
+def test_a_large_audience_gets_a_short_turn_in_one_round(tmp_path: Path) -> None:
+    """With many subscribers (PACE_SUBSCRIBERS) each round of sends is costly, so the hub lets a
+    turn move on before a round and sends its newest state: a short turn reaches everyone once,
+    finished, instead of snapshot after snapshot. A small audience still sees it run."""
+    home = tmp_path / "home"
+    sp = start_serve(home, env=cli_env(home))
+
+    async def frames_per_subscriber(n: int) -> list[int]:
+        boss = await WS.open(sp.url)
+        conv = (await boss.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
+        subs = await asyncio.gather(*(WS.open(sp.url) for _ in range(n)))
+        for ws in subs:
+            await ws.send({"type": "subscribe", "conversation": conv})
+        for ws in subs:
+            assert (await ws.recv())["type"] == "conversation_state"
+        ack = await boss.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "hi"})
+        snaps = await asyncio.gather(*(ws.terminal(ack["turn_id"]) for ws in subs))
+        assert all(s["status"] == "completed" and s["blocks"][-1]["text"] == "echo: hi" for s in snaps)
+        counts = [sum(1 for f in ws.seen if f["type"] == "turn_updated") for ws in subs]
+        await asyncio.gather(*(ws.close() for ws in subs))
+        await boss.close()
+        return counts
+
+    try:
+        alone = asyncio.run(frames_per_subscriber(1))
+        crowd = asyncio.run(frames_per_subscriber(80))
+    finally:
+        sp.stop()
+    assert alone[0] >= 3  # queued/running snapshots, then the finished one
+    assert max(crowd) < alone[0], (alone, sorted(set(crowd)))

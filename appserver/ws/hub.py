@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("appserver.ws")
 
+PACE_SUBSCRIBERS = 64  # from this many subscribers on, a turn's snapshots go out one round at a time
+PACE_MAX_S = 0.25  # a round never holds the next one back longer than this (a stuck client)
+PACE_DELAY_S = 0.01  # and a turn's state waits this long before a round, to go out as new as it gets
+PACE_POLL_S = 0.002
+
 
 class ConversationWatch:
     def __init__(self, hub: Hub, conversation_id: str) -> None:
@@ -91,10 +96,18 @@ class ConversationWatch:
         try:
             while True:
                 snap = await controller.next_snapshot(seen)
+                paced = len(self.subscribers) >= PACE_SUBSCRIBERS
+                if paced and not snap.terminal:
+                    # A round to many subscribers is expensive: let the turn move on for a moment
+                    # and send its newest state (a short turn then goes out once, finished).
+                    await asyncio.sleep(PACE_DELAY_S)
+                    snap = controller.snapshot()
                 seen = snap.revision
                 await self.publish(snap)
                 if snap.terminal:
                     break
+                if paced:
+                    await self._round_sent()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -109,6 +122,21 @@ class ConversationWatch:
                     del self.tool_owners[controller.turn_id]
                     self.tool_names.pop(controller.turn_id, None)
                     self.hub.maybe_release(self)
+
+    async def _round_sent(self) -> None:
+        """Wait until (nearly) every subscriber took the frames queued so far, at most PACE_MAX_S.
+
+        With a thousand subscribers one round of sends takes tens of milliseconds, and every loop
+        pass spent on it is a pass the turn itself does not advance: publishing each snapshot as it
+        came made every subscriber receive every snapshot, one slow round after another. Waiting for
+        the round lets the turn move on, and the next round carries its newest state (latest wins)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PACE_MAX_S
+        while loop.time() < deadline:
+            behind = sum(1 for c in list(self.subscribers.values()) if len(c.outbound))
+            if behind <= len(self.subscribers) // 100:
+                return
+            await asyncio.sleep(PACE_POLL_S)
 
     async def publish(self, snap: TurnSnapshot) -> None:
         self.last[snap.turn_id] = snap

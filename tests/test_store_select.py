@@ -190,6 +190,13 @@ def test_serve_on_postgresql_answers_a_chat_completion_through_the_openai_sdk(tm
         texts = [r[0] for r in conn.execute("SELECT content FROM messages ORDER BY id")]
     assert agents == ["assistant"]  # the first start on an empty database made the default agent
     assert texts == ['"hello pg"', '"echo: hello pg"']
+    # The CLI reads agents from the same store (no SQLite file in this home)
+    env = cli_env(home, APPSERVER_STORE__URL=url)
+    cron_add = ("cron", "add", "--name", "pg", "--agent", "assistant", "--every", "1h", "--prompt", "p")
+    add = run_cli(home, *cron_add, env=env)
+    assert add.code == 0 and "for agent assistant;" in add.out, add.out + add.err
+    listed = run_cli(home, "cron", "list", env=env)
+    assert listed.code == 0 and listed.out.splitlines()[1].split()[1:3] == ["pg", "assistant"], listed.out
 
 
 @pytest.mark.parametrize(("ci", "outcome"), [("true", "Failed"), ("", "Skipped")])

@@ -35,8 +35,8 @@ def validate_agent(config: Config, agent: str) -> str:
 
 
 def agent_names(config: Config) -> dict[str, str]:
-    """Agent id → name, for cron output (read from the store only; no store yet: none)."""
-    if not config.db_path.exists():
+    """Agent id → name, for cron output (read from the store only; no SQLite store yet: none)."""
+    if not config.store.url and not config.db_path.exists():
         return {}
 
     async def go() -> dict[str, str]:

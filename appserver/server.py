@@ -51,6 +51,8 @@ class Server:
             more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
             log.info("permissions tightened to owner-only (0700/0600) under %s: %s%s", home, shown, more)
         await self.store.open()
+        if serve:
+            await self.store.claim_server()
         if self.store.fresh and not await self.store.list_agents():
             await self.agents.create(DEFAULT_AGENT, "echo", "")
         await self.kernel.start(serve=serve)

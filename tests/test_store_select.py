@@ -212,3 +212,28 @@ def test_a_missing_postgresql_fails_in_ci_and_skips_locally(ci: str, outcome: st
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.stdout.startswith(outcome), (out.stdout, out.stderr)
     assert "no PostgreSQL at postgresql://postgres@127.0.0.1:1/postgres" in out.stdout
+
+
+def test_a_second_server_on_the_same_database_is_refused_until_the_first_is_gone(tmp_path: Path, pg_url: str) -> None:
+    """Several servers on one database are not supported yet: the second one would settle the
+    first one's running turns as crashed. It is refused in one line naming the holder; once the
+    first is gone (even killed with -9: PostgreSQL ends its session) the next one starts."""
+    url = _with_password(pg_url)
+    first_home, second_home = tmp_path / "a", tmp_path / "b"
+    with serving(first_home, "--store", url, env=cli_env(first_home), graceful=False) as first:
+        second = subprocess.run(
+            [sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0", "--store", url],
+            env=cli_env(second_home),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode != 0
+        assert "already used by appserver serve" in second.stderr and "docs/scale-out.md" in second.stderr
+        assert "Traceback" not in second.stderr and SECRET not in second.stderr
+        assert httpx.get(first.url + "/readyz", timeout=10).status_code == 200  # the first is untouched
+        first.proc.kill()
+        first.proc.wait(10)
+    with serving(second_home, "--store", url, env=cli_env(second_home)) as again:
+        assert httpx.get(again.url + "/readyz", timeout=10).status_code == 200

@@ -41,6 +41,11 @@ class Store(ABC):
     @abstractmethod
     async def close(self) -> None: ...
 
+    async def claim_server(self) -> None:
+        """Before a server uses this store: make sure no other server does. A SQLite store is one
+        home's file, which the home's `serve.lock` already gives to one server; a shared database
+        needs its own claim (postgres.py)."""
+
     # readiness
     @abstractmethod
     async def check_writable(self, min_free_bytes: int = 0) -> str:

@@ -365,6 +365,11 @@ async def _count(conn: Conn, query: str, params: tuple[Any, ...]) -> int:
 # ------------------------------------------------------------------ the store
 
 
+# Session advisory lock (two int4 keys, so pg_locks shows them as classid/objid) held by the one
+# server using this database; distinct from MIGRATION_LOCK.
+SERVER_LOCK = (0x61707073, 0x73657276)
+
+
 class PostgresStore(Store):
     def __init__(self, url: str, *, pool_max: int = POOL_MAX, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.url = url
@@ -378,6 +383,7 @@ class PostgresStore(Store):
         self.owner = f"{identity()}@{self.host}"
         self._pool: AsyncConnectionPool[Conn] | None = None
         self._writes = _Writer(self._writer_connection)
+        self._claim: Conn | None = None  # the session holding SERVER_LOCK while this server runs
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.shown_url!r})"
@@ -423,14 +429,60 @@ class PostgresStore(Store):
             raise self._error("cannot open the connection pool", exc) from None
         self._pool = pool
 
-    async def close(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is None:
+    async def claim_server(self) -> None:
+        """One server per database until several can share one (docs/scale-out.md): a session
+        advisory lock, held on a connection of its own for as long as this server runs, released
+        by PostgreSQL when the process dies (the session ends). A second server is refused, naming
+        the holder, instead of settling the first one's running turns as crashed."""
+        if self._claim is not None:
             return
         try:
-            await self._writes.flush()
+            conn = await psycopg.AsyncConnection.connect(
+                self.url,
+                autocommit=True,
+                row_factory=dict_row,
+                connect_timeout=max(1, int(self.connect_timeout_s)),
+                application_name=f"appserver serve {self.owner}"[:63],
+            )
+        except (psycopg.Error, OSError, ValueError) as exc:
+            raise self._error("cannot connect to claim the database", exc) from None
+        try:
+            cur = await conn.execute("SELECT pg_try_advisory_lock(%s, %s) AS got", SERVER_LOCK)
+            row = await cur.fetchone()
+            if row is not None and row["got"]:
+                self._claim = conn
+                return
+            cur = await conn.execute(
+                "SELECT a.application_name, a.client_addr::text AS addr FROM pg_locks l "
+                "JOIN pg_stat_activity a ON a.pid = l.pid "
+                "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s AND l.objid = %s",
+                SERVER_LOCK,
+            )
+            holder = await cur.fetchone()
+        except psycopg.Error as exc:
+            await conn.close()
+            raise self._error("cannot claim the database", exc) from None
+        await conn.close()
+        who = (holder or {}).get("application_name") or "another appserver serve"
+        where = (holder or {}).get("addr") or "this host (a local socket)"
+        raise StoreOpenError(
+            f"PostgreSQL store {self.shown_url}: already used by {who} (connected from {where}); "
+            "several servers on one database are not supported yet (docs/scale-out.md): stop that one, "
+            "or give this server its own database"
+        )
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        claim, self._claim = self._claim, None
+        try:
+            if pool is not None:
+                try:
+                    await self._writes.flush()
+                finally:
+                    await pool.close()
         finally:
-            await pool.close()
+            if claim is not None:
+                await claim.close()  # ends the session: the lock goes with it
 
     def _writer_connection(self) -> Any:
         return self.pool.connection()

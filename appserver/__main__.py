@@ -1,3 +1,3 @@
-from appserver.cli.main import main
+from appserver.cli.main import run
 
-main()
+run()

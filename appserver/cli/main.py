@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 import click
 
@@ -60,5 +62,14 @@ def main(home: str | None, debug: bool) -> None:
         os.environ[DEBUG_ENV] = "1"
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The `appserver` executable. `serve` imports and builds most of the server before it has
+    anything to collect: the cyclic collector stays off until serve freezes what it built
+    (cli/serve.py), which spares the full collections an import-heavy start triggers."""
+    if "serve" in sys.argv[1:4]:
+        gc.disable()
     main()
+
+
+if __name__ == "__main__":
+    run()

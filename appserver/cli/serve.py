@@ -133,6 +133,7 @@ async def wait_for_home(config: Config) -> HomeLock | None:
         loop.add_signal_handler(sig, stop.set)
     interval = standby_poll_s(config)
     shown: object = ()
+    gc.enable()  # a standby may wait for hours: collect as usual meanwhile (cli/main.py `run`)
     try:
         while True:
             lock, live = claim_home(config.server_json)
@@ -234,6 +235,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     # of the collector's generations, so a full collection does not walk it again and again.
     gc.collect()
     gc.freeze()
+    gc.enable()  # off since the start (cli/main.py `run`)
     # A full collection walks every tracked object not frozen (tens of milliseconds with a thousand
     # conversations in memory); the kernel leaves no cyclic garbage per turn (tests/test_kernel_memory.py),
     # so full collections can be ten times rarer than the default without holding more memory.

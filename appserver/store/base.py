@@ -45,6 +45,7 @@ class Store(ABC):
         """Before a server uses this store: make sure no other server does. A SQLite store is one
         home's file, which the home's `serve.lock` already gives to one server; a shared database
         needs its own claim (postgres.py)."""
+        return None
 
     # readiness
     @abstractmethod

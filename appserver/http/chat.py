@@ -570,6 +570,8 @@ class ChatCompletions:
         return await ctx.complete(request)
 
 
+_MARK = "\x00text\x00"  # stands for the text while a text delta's frame is split around it
+
 class _Ctx:
     def __init__(
         self,
@@ -592,6 +594,7 @@ class _Ctx:
         self.prefix_hash = prefix_hash
         self.reasoning = reasoning
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
+        self._content_frame: tuple[str, str] | None = None  # chunk(): a text delta's frame around its text
         self.created = int(time.time())
         self.headers = {HEADER: run.conversation_id}
         self.keepalive = float(self.server.config.limits.sse_keepalive_s)
@@ -675,6 +678,11 @@ class _Ctx:
     # -------------------------------------------------------- stream
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
+        if finish is None and len(delta) == 1:
+            text = delta.get("content")
+            if type(text) is str:  # a text delta, most chunks of a stream: only the text is encoded
+                head, tail = self._content_frame or self._split_content_frame()
+                return head + dumps(text) + tail
         return dumps(
             {
                 "id": self.id,
@@ -684,6 +692,13 @@ class _Ctx:
                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
             }
         )
+
+    def _split_content_frame(self) -> tuple[str, str]:
+        """The chunk of a text delta around its text: the same bytes `dumps` writes for the whole."""
+        whole = self.chunk({"content": _MARK, "_": None})  # two keys: the general path
+        head, _, tail = whole.partition(dumps(_MARK) + ',"_":null')
+        self._content_frame = (head, tail)
+        return head, tail
 
     def stream_response(self, include_usage: bool) -> Response:
         metrics = self.route.metrics

@@ -17,8 +17,7 @@ Not here, because PostgreSQL has no equivalent: the WAL checkpointer, the free-s
 integrity preflight (`accept_data_loss` is accepted and ignored), file permissions. Durability
 and disk space are the database server's.
 
-Cluster notes (one server per database today; nothing below stops a second one, so do not run
-two): a turn's `owner` and an HTTP Idempotency-Key's owner are process identities
+Cluster notes (one server per database today: `claim_server` refuses a second one): a turn's `owner` and an HTTP Idempotency-Key's owner are process identities
 (`appserver/procid.py`), which only say something about processes on this host. Several
 servers on one database will need an owner lease (a row per server renewed on a timer, its
 expiry deciding "gone") before crash settle and `release_orphaned_http_idempotency` may touch

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,16 @@ async def test_websocket_compression_is_off_unless_configured(tmp_path: Path, se
     finally:
         sp.stop()
     assert ("permessage-deflate" in negotiated) == (setting == "true"), negotiated
+
+
+def test_a_second_sigterm_stops_at_once_without_a_traceback(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    sp = start_serve(home, env=cli_env(home))
+    sp.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    sp.proc.send_signal(signal.SIGTERM)
+    code = sp.proc.wait(15)
+    err = sp.proc.stderr.read() if sp.proc.stderr else ""
+    assert code == 0, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+    assert not (home / "server.json").exists()

@@ -68,6 +68,16 @@ def url_for(host: str, port: int, tls: bool = False) -> str:
 STOP_NOTICE_S = 0.2
 
 
+def _drop_cancelled(record: logging.LogRecord) -> bool:
+    """False for a record of the lifespan task's cancellation (an exception, or Starlette's
+    formatted traceback passed on as the message)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, asyncio.CancelledError):
+        return False
+    text = record.getMessage().rstrip()
+    return not (text.startswith("Traceback") and text.endswith("CancelledError"))
+
+
 class _UvicornServer(uvicorn.Server):
     """uvicorn re-raises a captured SIGTERM after shutdown (exit status -15); we own the signals so
     a clean stop exits 0 and the `finally` that removes server.json always runs."""
@@ -91,6 +101,9 @@ class _UvicornServer(uvicorn.Server):
     def _on_signal(self) -> None:
         if self._stopping:  # a second signal: stop now
             self.force_exit = self.should_exit = True
+            # uvicorn then skips the lifespan shutdown, and its task, cancelled at exit, would be
+            # logged as an error with a CancelledError traceback: the stop was asked for twice.
+            logging.getLogger("uvicorn.error").addFilter(_drop_cancelled)
             return
         self._stopping = True
         told = self.hub.broadcast_event("server_stopping", {"reason": "shutdown"})

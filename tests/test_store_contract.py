@@ -732,3 +732,28 @@ async def test_postgres_never_releases_a_claim_stamped_by_another_host(
         assert existing is not None and existing.owner == f"{DEAD_OWNER}@another-host"
     finally:
         await s.close()
+
+
+async def test_postgresql_connections_killed_under_the_store_are_replaced_not_failed(pg_url: str) -> None:
+    """A database restart (or a failover, or an idle-connection reaper) leaves the pool holding dead
+    connections: the next reads and writes must get fresh ones, not fail once per dead connection."""
+    import psycopg
+
+    truncate_all(pg_url)
+    store = PostgresStore(pg_url)
+    await store.open()
+    try:
+        await _agent_and_conversation(store)
+        await asyncio.gather(*(store.list_agents() for _ in range(8)))  # several pooled connections
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            killed = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone()
+        assert killed is not None and killed[0] >= 1
+        for i in range(12):
+            assert [a.id for a in await store.list_agents()] == ["agt_1"]
+            await _turn(store, f"turn_{i}")
+        assert len(await store.list_turns("conv_1")) == 12
+    finally:
+        await store.close()

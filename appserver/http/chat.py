@@ -572,6 +572,7 @@ class ChatCompletions:
 
 _MARK = "\x00text\x00"  # stands for the text while a text delta's frame is split around it
 
+
 class _Ctx:
     def __init__(
         self,

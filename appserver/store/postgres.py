@@ -17,8 +17,9 @@ Not here, because PostgreSQL has no equivalent: the WAL checkpointer, the free-s
 integrity preflight (`accept_data_loss` is accepted and ignored), file permissions. Durability
 and disk space are the database server's.
 
-Cluster notes (one server per database today: `claim_server` refuses a second one): a turn's `owner` and an HTTP Idempotency-Key's owner are process identities
-(`appserver/procid.py`), which only say something about processes on this host. Several
+Cluster notes (one server per database today: `claim_server` refuses a second one): a turn's
+`owner` and an HTTP Idempotency-Key's owner are process identities (`appserver/procid.py`),
+which only say something about processes on this host. Several
 servers on one database will need an owner lease (a row per server renewed on a timer, its
 expiry deciding "gone") before crash settle and `release_orphaned_http_idempotency` may touch
 another host's rows; until then claims stamped by another host are never released here.
@@ -31,7 +32,8 @@ import logging
 import socket
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import psycopg
@@ -369,6 +371,9 @@ async def _count(conn: Conn, query: str, params: tuple[Any, ...]) -> int:
 SERVER_LOCK = (0x61707073, 0x73657276)
 
 
+DEAD_CONNECTION_RETRIES = 3  # connections tried before a read or a group of writes gives up
+
+
 class PostgresStore(Store):
     def __init__(self, url: str, *, pool_max: int = POOL_MAX, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.url = url
@@ -483,8 +488,33 @@ class PostgresStore(Store):
             if claim is not None:
                 await claim.close()  # ends the session: the lock goes with it
 
-    def _writer_connection(self) -> Any:
-        return self.pool.connection()
+    @asynccontextmanager
+    async def _writer_connection(self) -> AsyncIterator[Conn]:
+        """A pooled connection checked alive first (one round trip per group of writes): a
+        connection the database ended (a restart, a failover, an idle reaper) is dropped and
+        another taken, instead of failing a whole group of turn commits."""
+        for _ in range(DEAD_CONNECTION_RETRIES):
+            async with self.pool.connection() as conn:
+                try:
+                    await AsyncConnectionPool.check_connection(conn)
+                except psycopg.Error:
+                    continue  # returned broken: the pool discards it
+                yield conn
+                return
+        raise StoreError(f"PostgreSQL store {self.shown_url}: no live connection to write on")
+
+    async def _read(self, run: Callable[[Conn], Awaitable[T]]) -> T:
+        """`run` on a pooled connection, once more on another when the database had ended that
+        one (reads are safe to repeat; see `_writer_connection` for writes)."""
+        await self._writes.settle()
+        for attempt in range(DEAD_CONNECTION_RETRIES):
+            async with self.pool.connection() as conn:
+                try:
+                    return await run(conn)
+                except psycopg.OperationalError:
+                    if not conn.closed or attempt == DEAD_CONNECTION_RETRIES - 1:
+                        raise
+        raise AssertionError("unreachable")
 
     @property
     def pool(self) -> AsyncConnectionPool[Conn]:
@@ -497,16 +527,18 @@ class PostgresStore(Store):
         return await self._writes.run(job)
 
     async def _rows(self, query: str, params: tuple[Any, ...] = ()) -> list[DictRow]:
-        await self._writes.settle()
-        async with self.pool.connection() as conn:
+        async def run(conn: Conn) -> list[DictRow]:
             cur = await conn.execute(query, params)
             return await cur.fetchall()
 
+        return await self._read(run)
+
     async def _row(self, query: str, params: tuple[Any, ...] = ()) -> DictRow | None:
-        await self._writes.settle()
-        async with self.pool.connection() as conn:
+        async def run(conn: Conn) -> DictRow | None:
             cur = await conn.execute(query, params)
             return await cur.fetchone()
+
+        return await self._read(run)
 
     async def check_writable(self, min_free_bytes: int = 0) -> str:
         """Readiness: a real write (the probe row) committed through the writer. `min_free_bytes`

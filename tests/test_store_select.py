@@ -237,3 +237,32 @@ def test_a_second_server_on_the_same_database_is_refused_until_the_first_is_gone
         first.proc.wait(10)
     with serving(second_home, "--store", url, env=cli_env(second_home)) as again:
         assert httpx.get(again.url + "/readyz", timeout=10).status_code == 200
+
+
+async def test_a_server_claim_the_database_dropped_is_taken_again_or_fails_readiness(pg_url: str) -> None:
+    import psycopg
+
+    def end_claim_sessions() -> None:
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name LIKE 'appserver serve %%'"
+            )
+
+    first, second = PostgresStore(pg_url), PostgresStore(pg_url)
+    await first.open()
+    await second.open()
+    try:
+        await first.claim_server()
+        end_claim_sessions()  # as a database restart would
+        await first.check_writable()  # readiness takes the claim again
+        with pytest.raises(StoreOpenError, match="already used by appserver serve"):
+            await second.claim_server()
+
+        end_claim_sessions()
+        await second.claim_server()  # the other server got there first this time
+        with pytest.raises(StoreOpenError, match="already used by appserver serve"):
+            await first.check_writable()  # so the first one's readiness fails, loudly
+    finally:
+        await first.close()
+        await second.close()

@@ -388,6 +388,7 @@ class PostgresStore(Store):
         self._pool: AsyncConnectionPool[Conn] | None = None
         self._writes = _Writer(self._writer_connection)
         self._claim: Conn | None = None  # the session holding SERVER_LOCK while this server runs
+        self._claimed = False  # claim_server was asked: readiness re-takes a claim the database dropped
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.shown_url!r})"
@@ -440,6 +441,7 @@ class PostgresStore(Store):
         the holder, instead of settling the first one's running turns as crashed."""
         if self._claim is not None:
             return
+        self._claimed = True
         try:
             conn = await psycopg.AsyncConnection.connect(
                 self.url,
@@ -474,6 +476,19 @@ class PostgresStore(Store):
             "several servers on one database are not supported yet (docs/scale-out.md): stop that one, "
             "or give this server its own database"
         )
+
+    async def _claim_alive(self) -> bool:
+        claim = self._claim
+        if claim is not None and not claim.closed:
+            try:
+                await claim.execute("SELECT 1")
+                return True
+            except psycopg.Error:
+                pass
+        self._claim = None
+        if claim is not None:
+            await claim.close()
+        return False
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
@@ -555,6 +570,10 @@ class PostgresStore(Store):
             return int(row["writes"])
 
         await self._write(probe)
+        if self._claimed and not await self._claim_alive():
+            # The session holding the server claim ended (a database restart): take it again, or
+            # say that another server has it now.
+            await self.claim_server()
         return "writable (PostgreSQL; free disk space is the database server's)"
 
     # ------------------------------------------------------------ agents

@@ -757,3 +757,17 @@ async def test_postgresql_connections_killed_under_the_store_are_replaced_not_fa
         assert len(await store.list_turns("conv_1")) == 12
     finally:
         await store.close()
+
+
+async def test_a_turn_accepted_running_keeps_its_start_time(store: AnyStore) -> None:
+    """A turn that runs at once is accepted already `running` (mark_turn_running is not called for
+    it): its start time must be stored with it, or [started_at, ended_at] cannot be checked."""
+    await _agent_and_conversation(store)
+    started = time.time()
+    await _turn(store, "turn_now", started_at=started)
+    await store.accept_turn(
+        TurnRecord(id="turn_later", conversation_id="conv_1", agent_id="agt_1", status="queued", input={})
+    )
+    now, later = await store.get_turn("turn_now"), await store.get_turn("turn_later")
+    assert now is not None and now.started_at == pytest.approx(started)
+    assert later is not None and later.started_at is None

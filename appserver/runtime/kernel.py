@@ -301,15 +301,22 @@ class Kernel:
     ) -> ConversationRuntime:
         """The conversation's runtime, loaded on first use. `conv` spares a lookup the caller already
         made; `fresh` (a conversation created just now) spares looking for a paused turn, and
-        `history` (all its messages, when the caller knows them) spares reading them."""
+        `history` (all its messages, when the caller knows them) spares reading them.
+
+        The runtime returned is the loaded one at the moment this returns (no await follows the
+        check), so a caller that pins it or queues on it before its own next await cannot end up
+        on a runtime `_trim_idle` dropped meanwhile: one that waited on another caller's load
+        looks again after that wait."""
         runtimes = self.runtimes
-        rt = runtimes.get(conversation_id)
-        if rt is not None:
-            runtimes[conversation_id] = runtimes.pop(conversation_id)  # most recently used last
-            return rt
-        loading = self._loading.get(conversation_id)
-        if loading is not None:
-            return await asyncio.shield(loading)
+        while True:
+            rt = runtimes.get(conversation_id)
+            if rt is not None:
+                runtimes[conversation_id] = runtimes.pop(conversation_id)  # most recently used last
+                return rt
+            loading = self._loading.get(conversation_id)
+            if loading is None:
+                break
+            await asyncio.shield(loading)  # then look again: it may have been trimmed since
         fut: asyncio.Future[ConversationRuntime] = asyncio.get_running_loop().create_future()
         self._loading[conversation_id] = fut
         try:

@@ -371,9 +371,6 @@ async def _count(conn: Conn, query: str, params: tuple[Any, ...]) -> int:
 SERVER_LOCK = (0x61707073, 0x73657276)
 
 
-DEAD_CONNECTION_RETRIES = 3  # connections tried before a read or a group of writes gives up
-
-
 class PostgresStore(Store):
     def __init__(self, url: str, *, pool_max: int = POOL_MAX, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.url = url
@@ -508,7 +505,7 @@ class PostgresStore(Store):
         """A pooled connection checked alive first (one round trip per group of writes): a
         connection the database ended (a restart, a failover, an idle reaper) is dropped and
         another taken, instead of failing a whole group of turn commits."""
-        for _ in range(DEAD_CONNECTION_RETRIES):
+        for _ in range(self.pool_max + 1):  # every pooled connection may be dead (a restart)
             async with self.pool.connection() as conn:
                 try:
                     await AsyncConnectionPool.check_connection(conn)
@@ -519,15 +516,16 @@ class PostgresStore(Store):
         raise StoreError(f"PostgreSQL store {self.shown_url}: no live connection to write on")
 
     async def _read(self, run: Callable[[Conn], Awaitable[T]]) -> T:
-        """`run` on a pooled connection, once more on another when the database had ended that
-        one (reads are safe to repeat; see `_writer_connection` for writes)."""
+        """`run` on a pooled connection, and again on another while the database had ended the one
+        taken (reads are safe to repeat; see `_writer_connection` for writes)."""
         await self._writes.settle()
-        for attempt in range(DEAD_CONNECTION_RETRIES):
+        attempts = self.pool_max + 1  # every pooled connection may be dead (a restart)
+        for attempt in range(attempts):
             async with self.pool.connection() as conn:
                 try:
                     return await run(conn)
                 except psycopg.OperationalError:
-                    if not conn.closed or attempt == DEAD_CONNECTION_RETRIES - 1:
+                    if not (conn.closed or conn.broken) or attempt == attempts - 1:
                         raise
         raise AssertionError("unreachable")
 
@@ -810,7 +808,7 @@ class PostgresStore(Store):
                     )
             await conn.execute(
                 "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, "
-                "client_tools, options, owner, created_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                "client_tools, options, owner, created_at, started_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
                 (
                     turn.id,
                     turn.conversation_id,
@@ -823,6 +821,7 @@ class PostgresStore(Store):
                     _dumps(turn.options),
                     turn.owner,
                     turn.created_at,
+                    turn.started_at,  # a turn that runs at once starts as it is accepted
                 ),
             )
 

@@ -507,7 +507,7 @@ class SQLiteStore(Store):
             )
         tx.execute(
             "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, client_tools, "
-            "options, owner, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            "options, owner, created_at, started_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 turn.id,
                 turn.conversation_id,
@@ -520,6 +520,7 @@ class SQLiteStore(Store):
                 _dumps(turn.options),
                 turn.owner,
                 turn.created_at,
+                turn.started_at,  # a turn that runs at once starts as it is accepted
             ),
         )
 

@@ -246,13 +246,14 @@ class Idempotency:
 
 def stream_replay(
     idem: Idempotency | None, conversation_id: str, finished: Callable[[], bool]
-) -> Callable[[bool, list[str]], Awaitable[None]]:
+) -> Callable[[bool, list[str]], Awaitable[None]] | None:
     """The SSE `on_close` of an idempotent stream: store the whole stream (its frames, as sent) for
-    replay when it ran to its end, else release the key so a retry runs again."""
+    replay when it ran to its end, else release the key so a retry runs again. None without a key:
+    then nothing keeps the frames."""
+    if idem is None:
+        return None
 
     async def on_close(completed: bool, payloads: list[str]) -> None:
-        if idem is None:
-            return
         if completed and finished():
             await idem.finish(200, "text/event-stream; charset=utf-8", "".join(payloads), conversation_id)
         else:

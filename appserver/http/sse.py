@@ -88,12 +88,14 @@ class SSEResponse:
         async def pump() -> None:
             nonlocal completed
             await send({"type": "http.response.start", "status": 200, "headers": headers})
+            keep, sent = self.on_close is not None, self.sent  # frames kept only for a replay
             async for item in self.producer:
                 if item is None:
                     chunk = KEEPALIVE
                 else:
                     frame = sse_frame(item)
-                    self.sent.append(frame)
+                    if keep:
+                        sent.append(frame)
                     chunk = frame.encode()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from appserver.auth import namespace_allows
 from appserver.http.errors import ApiError
+from appserver.runtime import new_id
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -292,7 +293,7 @@ class ConversationMatcher:
         if answers is not None and paused is None:
             records, paused = split_paused(records, answers)  # refuses before anything is written
         conv = ConversationRecord(
-            id=conv_id or f"conv_{secrets.token_hex(8)}",
+            id=conv_id or new_id("conv"),
             agent_id=agent.id,
             title="http",
             user=user,
@@ -332,7 +333,7 @@ class ConversationMatcher:
         now = time.time()
         limits = self.server.config.limits
         turn = TurnRecord(
-            id=f"turn_{secrets.token_hex(8)}",
+            id=new_id("turn"),
             conversation_id=conv.id,
             agent_id=conv.agent_id,
             status="running",

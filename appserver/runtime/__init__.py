@@ -3,8 +3,9 @@
 Everything else in this package is the kernel's inside and may change shape freely.
 """
 
+from appserver.ids import new_id
 from appserver.runtime.handle import Decision, TurnHandle
-from appserver.runtime.kernel import Kernel, SettledListener, Submission, SubmitRequest, new_id
+from appserver.runtime.kernel import Kernel, SettledListener, Submission, SubmitRequest
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import (
     SETTLED_SNAPSHOT_STATUS,

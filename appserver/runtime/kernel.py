@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from appserver.agent.loop import AgentLoop
 from appserver.agent.tools import reap_orphaned_tools
 from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
+from appserver.ids import new_id
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
 from appserver.runtime.conversation import ConversationRuntime
@@ -51,10 +51,6 @@ def interrupted_text(name: str) -> str:
         f"The server stopped while the call to {name} was in progress: "
         "it was interrupted and its outcome is unknown (it may or may not have taken effect)."
     )
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(8)}"
 
 
 @dataclass(slots=True)

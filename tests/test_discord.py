@@ -223,19 +223,28 @@ async def test_a_drop_resumes_and_replays(fake: FakeDiscord, running: tuple[Disc
 async def test_an_invalid_session_reidentifies_and_catches_up(
     fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn], tmp_path: Path
 ) -> None:
+    """Also a message not taken (its hand-over failed) before the new session is caught up then: one
+    invalid session for both, as discord.py waits 5 s before every IDENTIFY but the first."""
     adapter, gw = running
     first = fake.inject_guild_message("508", "before", mention=True)
     await fake.wait_for_async(lambda: first in gw.ledger, 5, "the first message")
     await fake.wait_for_async(lambda: (tmp_path / "last_seen.json").exists(), 5, "the saved position")
     assert json.loads((tmp_path / "last_seen.json").read_text())[GENERAL]["last"] == first
+    seen = fake.inject_dm("510", "seen")
+    await fake.wait_for_async(lambda: seen in gw.ledger, 5, "the first DM")
+    gw.fail = 1
+    lost = fake.inject_dm("510", "not recorded the first time")
+    await fake.wait_for_async(lambda: any(m.message_id == lost for m in gw.calls), 5, "the failed hand-over")
+    assert lost not in gw.ledger
     identifies = fake.identifies
     fake.hold()
-    fake.invalidate()
+    fake.invalidate()  # a new session: the catch-up from the last recorded id brings the lost one again
     await fake.wait_for_async(lambda: not fake.connected, 5, "the session to end")
     missed = [fake.inject_guild_message("508", f"missed {i}", mention=True) for i in range(3)]
     fake.release()
     for mid in missed:
         await fake.wait_for_async(functools.partial(operator.contains, gw.ledger, mid), 10, f"caught-up {mid}")
+    await fake.wait_for_async(lambda: lost in gw.ledger, 10, "the catch-up of the lost DM")
     assert fake.identifies == identifies + 1
     ids = [m.message_id for m in gw.calls]
     assert all(ids.count(mid) == 1 for mid in missed) and ids.count(first) == 1
@@ -262,20 +271,6 @@ async def test_an_approval_button_is_acknowledged_and_handed_over(
     await adapter.edit(Target(GENERAL), mid, "🔐 shell?\nApproved by Bo")
     [decided] = [m for m in fake.messages(GENERAL) if m.id == mid]
     assert decided.components == [] and decided.content.endswith("Approved by Bo")
-
-
-async def test_a_message_not_taken_is_caught_up_after_a_reconnect(
-    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
-) -> None:
-    _, gw = running
-    seen = fake.inject_dm("510", "seen")
-    await fake.wait_for_async(lambda: seen in gw.ledger, 5, "the first")
-    gw.fail = 1
-    lost = fake.inject_dm("510", "not recorded the first time")
-    await fake.wait_for_async(lambda: any(m.message_id == lost for m in gw.calls), 5, "the failed hand-over")
-    assert lost not in gw.ledger
-    fake.invalidate()  # a new session: the catch-up from the last recorded id brings it again
-    await fake.wait_for_async(lambda: lost in gw.ledger, 10, "the catch-up")
 
 
 async def test_a_failed_message_is_caught_up_even_after_a_later_one_and_on_resume(

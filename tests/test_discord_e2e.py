@@ -5,6 +5,7 @@ last (it restarts the gateway child)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import pytest
 from plugins.discord import MAX_LENGTH, nonce_for
 from tests.fakes.discord_api import BotMessage, FakeDiscord
 from tests.support.cli import cli_env, run_cli
+from tests.support.concurrent import run_concurrently
 from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,8 +167,15 @@ def _status(srv: ChannelServer) -> dict[str, Any]:
     return dict(account)
 
 
-@pytest.mark.parametrize("case", ["bad token", "no message content intent"])
-def test_a_refused_token_or_intent_is_state_error_without_a_hot_loop(tmp_path: Path, case: str) -> None:
+def test_a_refused_token_or_intent_is_state_error_without_a_hot_loop(tmp_path: Path) -> None:
+    """Both refusals at once, each with its own fake and server: the quiet window is waited once."""
+    run_concurrently(*(functools.partial(_refused, tmp_path / case.replace(" ", "-"), case) for case in REFUSALS))
+
+
+REFUSALS = ("bad token", "no message content intent")
+
+
+def _refused(tmp_path: Path, case: str) -> None:
     with FakeDiscord(message_content=case == "bad token") as f:
         home = tmp_path / "home"
         settings = {"api_url": f.api_url, "gateway_url": f.gateway_url, "token_env": "DISCORD_BOT_TOKEN",

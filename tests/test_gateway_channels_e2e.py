@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import threading
@@ -17,6 +18,7 @@ import pytest
 
 from plugins.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
 from tests.support.cli import cli_env
+from tests.support.concurrent import run_concurrently
 from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
 from tests.support.net import free_port
 from tests.support.wait import wait_for
@@ -130,7 +132,24 @@ def _ledger_rows(home: Path) -> int:
         conn.close()
 
 
-def test_webhook_signed_in_signed_out_once_per_delivery_id(tmp_path: Path, receiver: Receiver) -> None:
+def test_webhook_spoofing_damaged_state_and_the_gateway_token_each_through_a_server(
+    tmp_path: Path, receiver: Receiver
+) -> None:
+    """Four scenarios, each with a server and home of its own, side by side: they spend their time
+    waiting on the gateway, so the file waits once instead of four times. Every check is each one's."""
+    run_concurrently(
+        functools.partial(_webhook_signed_in_signed_out_once_per_delivery_id, tmp_path / "webhook", receiver),
+        functools.partial(
+            _a_plugin_cannot_spoof_control_lines_and_a_missing_secret_is_one_accounts_error, tmp_path / "spoof"
+        ),
+        functools.partial(_corrupt_gateway_db_and_channel_json_are_set_aside_loudly, tmp_path / "corrupt"),
+        functools.partial(
+            _the_gateway_gets_its_own_token_revoked_at_stop_and_no_child_without_channels, tmp_path / "token"
+        ),
+    )
+
+
+def _webhook_signed_in_signed_out_once_per_delivery_id(tmp_path: Path, receiver: Receiver) -> None:
     home = tmp_path / "home"
     port = free_port()
     settings = {
@@ -162,7 +181,7 @@ def test_webhook_signed_in_signed_out_once_per_delivery_id(tmp_path: Path, recei
         assert len(receiver.posts) == 1
 
 
-def test_a_plugin_cannot_spoof_control_lines_and_a_missing_secret_is_one_accounts_error(tmp_path: Path) -> None:
+def _a_plugin_cannot_spoof_control_lines_and_a_missing_secret_is_one_accounts_error(tmp_path: Path) -> None:
     home = tmp_path / "home"
     spoof = home / "channels" / "spoof"
     spoof.mkdir(parents=True)
@@ -187,7 +206,7 @@ def test_a_plugin_cannot_spoof_control_lines_and_a_missing_secret_is_one_account
         assert "gateway| GATEWAY_EVENT" in log  # relayed as the plugin's noise, into the log
 
 
-def test_corrupt_gateway_db_and_channel_json_are_set_aside_loudly(tmp_path: Path) -> None:
+def _corrupt_gateway_db_and_channel_json_are_set_aside_loudly(tmp_path: Path) -> None:
     home = tmp_path / "home"
     (home / "channels" / "badplugin").mkdir(parents=True)
     (home / "channels" / "badplugin" / "channel.json").write_text('{"id": "badplugin", ')
@@ -212,7 +231,7 @@ def test_corrupt_gateway_db_and_channel_json_are_set_aside_loudly(tmp_path: Path
         wait_for(lambda: store_turns(home, 'message_id="e1"') == 1, timeout=20, what="the turn")
 
 
-def test_the_gateway_gets_its_own_token_revoked_at_stop_and_no_child_without_channels(tmp_path: Path) -> None:
+def _the_gateway_gets_its_own_token_revoked_at_stop_and_no_child_without_channels(tmp_path: Path) -> None:
     from tests.support.gateway import gateway_children
 
     home = tmp_path / "home"

@@ -4,6 +4,7 @@ message is answered exactly once: one turn in the store, one reply at the fake p
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.fakechat import FakeChat
+from tests.support.concurrent import run_concurrently
 from tests.support.gateway import (
     channel_server,
     fakechat_home,
@@ -29,7 +31,17 @@ def _home(tmp_path: Path, chat: FakeChat) -> Path:
     return fakechat_home(tmp_path / "home", chat)
 
 
-def test_kill_9_of_the_gateway_mid_turn_answers_once(tmp_path: Path) -> None:
+def test_kill_9_of_the_gateway_and_of_the_server_each_answer_once(tmp_path: Path) -> None:
+    """The three crashes side by side, each with its own fake platform and server: they spend their
+    time waiting on restarts and quiet windows, so the file waits once instead of three times."""
+    run_concurrently(
+        functools.partial(_kill_9_of_the_gateway_mid_turn_answers_once, tmp_path / "mid-turn"),
+        functools.partial(_kill_9_after_the_platform_delivered_but_before_the_ledger_write, tmp_path / "delivered"),
+        functools.partial(_kill_9_of_the_server_ends_the_child_and_a_restart_delivers_once, tmp_path / "server"),
+    )
+
+
+def _kill_9_of_the_gateway_mid_turn_answers_once(tmp_path: Path) -> None:
     with FakeChat() as chat, channel_server(_home(tmp_path, chat)) as srv:
         first = srv.gateway_pid()
         mid = chat.inject("c", "/slow 60")
@@ -45,7 +57,7 @@ def test_kill_9_of_the_gateway_mid_turn_answers_once(tmp_path: Path) -> None:
         assert "the child exited with code -9" in srv.log()
 
 
-def test_kill_9_after_the_platform_delivered_but_before_the_ledger_write(tmp_path: Path) -> None:
+def _kill_9_after_the_platform_delivered_but_before_the_ledger_write(tmp_path: Path) -> None:
     with FakeChat() as chat, channel_server(_home(tmp_path, chat)) as srv:
         first = srv.gateway_pid()
         chat.crash_next_delivery()
@@ -58,7 +70,7 @@ def test_kill_9_after_the_platform_delivered_but_before_the_ledger_write(tmp_pat
         assert chat.is_acked(mid)
 
 
-def test_kill_9_of_the_server_ends_the_child_and_a_restart_delivers_once(tmp_path: Path) -> None:
+def _kill_9_of_the_server_ends_the_child_and_a_restart_delivers_once(tmp_path: Path) -> None:
     with FakeChat() as chat:
         home = _home(tmp_path, chat)
         with channel_server(home) as srv:

@@ -11,8 +11,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-import jwt
-
 from appserver.auth.errors import unauthorized
 from appserver.auth.principal import SCOPES, Principal
 from appserver.config import AuthConfig, ConfigError
@@ -44,6 +42,8 @@ class JwtVerifier:
     """
 
     def __init__(self, cfg: AuthConfig, base_dir: Path | None = None) -> None:
+        import jwt  # noqa: F401  - loaded with a JWT configuration, not on every start (see verify)
+
         self.issuer = cfg.jwt_issuer
         self.audience = cfg.jwt_audience
         self.leeway = float(cfg.jwt_leeway_s)
@@ -129,6 +129,8 @@ class JwtVerifier:
         return []
 
     def verify(self, token: str) -> Principal:
+        import jwt  # PyJWT and cryptography: ~70 ms of imports, paid only where JWTs are used
+
         try:
             header = jwt.get_unverified_header(token)
         except jwt.DecodeError:

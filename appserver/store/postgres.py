@@ -57,7 +57,17 @@ from appserver.store.records import (
     TurnCommit,
     TurnRecord,
 )
-from appserver.store.sqlite import DRAFT_UPDATE, _dumps, _loads
+from appserver.store.rows import (
+    DRAFT_UPDATE,
+    agent_record,
+    conversation_record,
+    dump_json,
+    http_idempotency,
+    message_record,
+    pending_call,
+    response_record,
+    turn_record,
+)
 from appserver.store.url import redact_url, scrub
 
 log = logging.getLogger("appserver.store")
@@ -211,129 +221,6 @@ class _Writer:
 
 
 # ------------------------------------------------------------------ row → record
-
-
-def _agent(row: Row) -> AgentRecord:
-    return AgentRecord(
-        id=row["id"],
-        name=row["name"],
-        model=row["model"],
-        system=row["system"],
-        tools=_loads(row["tools"], {}),
-        params=_loads(row["params"], {}),
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-    )
-
-
-def _conversation(row: Row) -> ConversationRecord:
-    return ConversationRecord(
-        id=row["id"],
-        agent_id=row["agent_id"],
-        is_default=bool(row["is_default"]),
-        title=row["title"],
-        user=row["user"],
-        namespace=row["namespace"],
-        forked_from=row["forked_from"],
-        metadata=_loads(row["metadata"], {}),
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-    )
-
-
-def _message(row: Row) -> MessageRecord:
-    return MessageRecord(
-        id=row["id"],
-        conversation_id=row["conversation_id"],
-        turn_id=row["turn_id"],
-        iteration=row["iteration"],
-        role=row["role"],
-        content=_loads(row["content"], ""),
-        tool_calls=_loads(row["tool_calls"], []) or [],
-        tool_call_id=row["tool_call_id"],
-        name=row["name"],
-        is_error=bool(row["is_error"]),
-        reasoning=row["reasoning"],
-        provider_state=_loads(row["provider_state"]),
-        completion_status=row["completion_status"],
-        source=_loads(row["source"]),
-        created_at=row["created_at"],
-        meta=_loads(row["meta"]) or {},
-    )
-
-
-def _turn(row: Row) -> TurnRecord:
-    return TurnRecord(
-        id=row["id"],
-        conversation_id=row["conversation_id"],
-        agent_id=row["agent_id"],
-        status=row["status"],
-        stop_reason=row["stop_reason"],
-        error=_loads(row["error"]),
-        idempotency_key=row["idempotency_key"],
-        source=_loads(row["source"]),
-        input=_loads(row["input"], {}),
-        input_committed=bool(row["input_committed"]),
-        client_tools=_loads(row["client_tools"], []),
-        options=_loads(row["options"], {}),
-        owner=row["owner"],
-        draft=_loads(row["draft"]),
-        usage=_loads(row["usage"], {}),
-        revision=row["revision"],
-        iteration=row["iteration"],
-        created_at=row["created_at"],
-        started_at=row["started_at"],
-        ended_at=row["ended_at"],
-    )
-
-
-def _pending(row: Row) -> PendingCall:
-    return PendingCall(
-        call_id=row["call_id"],
-        conversation_id=row["conversation_id"],
-        turn_id=row["turn_id"],
-        name=row["name"],
-        arguments=row["arguments"],
-        kind=row["kind"],
-        status=row["status"],
-        output=row["output"],
-        is_error=bool(row["is_error"]),
-        reason=row["reason"],
-        decided_by=row["decided_by"],
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-    )
-
-
-def _response(row: Row) -> ResponseRecord:
-    return ResponseRecord(
-        id=row["id"],
-        agent_id=row["agent_id"],
-        conversation_id=row["conversation_id"],
-        body=_loads(row["body"], {}),
-        turn_id=row["turn_id"],
-        previous_response_id=row["previous_response_id"],
-        namespace=row["namespace"],
-        last_message_id=row["last_message_id"],
-        input_items=_loads(row["input_items"], []),
-        stored=bool(row["stored"]),
-        created_at=row["created_at"],
-    )
-
-
-def _idem(row: Row) -> HttpIdempotency:
-    return HttpIdempotency(
-        scope=row["scope"],
-        key=row["key"],
-        body_hash=row["body_hash"],
-        state=row["state"],
-        status_code=row["status_code"],
-        content_type=row["content_type"],
-        body=row["body"],
-        conversation_id=row["conversation_id"],
-        created_at=row["created_at"],
-        owner=row["owner"],
-    )
 
 
 def _limit(limit: int | None) -> int | None:
@@ -590,8 +477,8 @@ class PostgresStore(Store):
                     agent.name,
                     agent.model,
                     agent.system,
-                    _dumps(agent.tools),
-                    _dumps(agent.params),
+                    dump_json(agent.tools),
+                    dump_json(agent.params),
                     agent.created_at,
                     agent.updated_at,
                 ),
@@ -611,8 +498,8 @@ class PostgresStore(Store):
                     agent.name,
                     agent.model,
                     agent.system,
-                    _dumps(agent.tools),
-                    _dumps(agent.params),
+                    dump_json(agent.tools),
+                    dump_json(agent.params),
                     agent.updated_at,
                     agent.id,
                 ),
@@ -635,14 +522,14 @@ class PostgresStore(Store):
 
     async def get_agent(self, agent_id: str) -> AgentRecord | None:
         row = await self._row("SELECT * FROM agents WHERE id=%s", (agent_id,))
-        return _agent(row) if row else None
+        return agent_record(row) if row else None
 
     async def find_agents(self, ref: str) -> list[AgentRecord]:
         rows = await self._rows("SELECT * FROM agents WHERE id=%s OR name=%s ORDER BY created_at, id", (ref, ref))
-        return [_agent(r) for r in rows]
+        return [agent_record(r) for r in rows]
 
     async def list_agents(self) -> list[AgentRecord]:
-        return [_agent(r) for r in await self._rows("SELECT * FROM agents ORDER BY created_at, id")]
+        return [agent_record(r) for r in await self._rows("SELECT * FROM agents ORDER BY created_at, id")]
 
     # ------------------------------------------------------------ conversations
 
@@ -665,7 +552,7 @@ class PostgresStore(Store):
                     conv.user,
                     conv.namespace,
                     conv.forked_from,
-                    _dumps(conv.metadata),
+                    dump_json(conv.metadata),
                     conv.created_at,
                     conv.updated_at,
                 ),
@@ -686,11 +573,11 @@ class PostgresStore(Store):
 
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         row = await self._row("SELECT * FROM conversations WHERE id=%s", (conversation_id,))
-        return _conversation(row) if row else None
+        return conversation_record(row) if row else None
 
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
         row = await self._row("SELECT * FROM conversations WHERE agent_id=%s AND is_default", (agent_id,))
-        return _conversation(row) if row else None
+        return conversation_record(row) if row else None
 
     async def list_conversations(
         self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
@@ -703,13 +590,13 @@ class PostgresStore(Store):
                 "SELECT * FROM conversations WHERE agent_id=%s ORDER BY updated_at DESC, id LIMIT %s OFFSET %s",
                 (agent_id, *page),
             )
-        return [_conversation(r) for r in rows]
+        return [conversation_record(r) for r in rows]
 
     async def update_conversation(self, conv: ConversationRecord) -> None:
         async def job(conn: Conn) -> None:
             await conn.execute(
                 'UPDATE conversations SET title=%s, "user"=%s, metadata=%s, updated_at=%s WHERE id=%s',
-                (conv.title, conv.user, _dumps(conv.metadata), time.time(), conv.id),
+                (conv.title, conv.user, dump_json(conv.metadata), time.time(), conv.id),
             )
 
         await self._write(job)
@@ -727,7 +614,7 @@ class PostgresStore(Store):
                 "LIMIT %s) m ORDER BY id",
                 (conversation_id, before_id if before_id is not None else 2**62, _limit(limit)),
             )
-        return [_message(r) for r in rows]
+        return [message_record(r) for r in rows]
 
     async def _insert_messages(
         self, conn: Conn, conversation_id: str, messages: list[MessageRecord], now: float
@@ -745,17 +632,17 @@ class PostgresStore(Store):
                         m.turn_id,
                         m.iteration,
                         m.role,
-                        _dumps(m.content),
-                        _dumps(m.tool_calls) if m.tool_calls else None,
+                        dump_json(m.content),
+                        dump_json(m.tool_calls) if m.tool_calls else None,
                         m.tool_call_id,
                         m.name,
                         m.is_error,
                         m.reasoning,
-                        _dumps(m.provider_state) if m.provider_state is not None else None,
+                        dump_json(m.provider_state) if m.provider_state is not None else None,
                         m.completion_status,
-                        _dumps(m.source) if m.source is not None else None,
+                        dump_json(m.source) if m.source is not None else None,
                         m.created_at,
-                        _dumps(m.meta) if m.meta else None,
+                        dump_json(m.meta) if m.meta else None,
                     ),
                 )
             )
@@ -799,7 +686,7 @@ class PostgresStore(Store):
                     )
                     existing = await cur.fetchone()
                     if existing is not None:
-                        raise DuplicateTurn(_turn(existing))
+                        raise DuplicateTurn(turn_record(existing))
                     # the key outlived its turn (deleted with its agent): it is this turn's now
                     await conn.execute(
                         "UPDATE idempotency_keys SET turn_id=%s, conversation_id=%s, created_at=%s "
@@ -815,10 +702,10 @@ class PostgresStore(Store):
                     turn.agent_id,
                     turn.status,
                     turn.idempotency_key,
-                    _dumps(turn.source) if turn.source is not None else None,
-                    _dumps(turn.input),
-                    _dumps(turn.client_tools),
-                    _dumps(turn.options),
+                    dump_json(turn.source) if turn.source is not None else None,
+                    dump_json(turn.input),
+                    dump_json(turn.client_tools),
+                    dump_json(turn.options),
                     turn.owner,
                     turn.created_at,
                     turn.started_at,  # a turn that runs at once starts as it is accepted
@@ -833,7 +720,7 @@ class PostgresStore(Store):
             "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=%s AND k.key=%s",
             (scope, key),
         )
-        return _turn(row) if row else None
+        return turn_record(row) if row else None
 
     async def purge_idempotency(self, older_than: float) -> int:
         async def job(conn: Conn) -> int:
@@ -854,7 +741,7 @@ class PostgresStore(Store):
         await self._write(job)
 
     async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
-        text = _dumps(draft)
+        text = dump_json(draft)
 
         async def job(conn: Conn) -> None:
             await conn.execute(DRAFT_UPDATE, (text, turn_id))
@@ -886,7 +773,7 @@ class PostgresStore(Store):
         async def job(conn: Conn) -> None:
             await conn.execute(
                 "UPDATE turns SET input_committed=TRUE, iteration=%s, usage=%s, draft=NULL WHERE id=%s",
-                (iteration, _dumps(usage), turn_id),
+                (iteration, dump_json(usage), turn_id),
             )
             await conn.execute("UPDATE conversations SET updated_at=%s WHERE id=%s", (now, conversation_id))
             await self._insert_messages(conn, conversation_id, messages, now)
@@ -923,8 +810,8 @@ class PostgresStore(Store):
             (
                 commit.status,
                 commit.stop_reason,
-                _dumps(commit.error) if commit.error is not None else None,
-                _dumps(commit.usage),
+                dump_json(commit.error) if commit.error is not None else None,
+                dump_json(commit.usage),
                 commit.revision,
                 commit.iteration,
                 commit.input_committed,
@@ -942,7 +829,7 @@ class PostgresStore(Store):
 
     async def get_turn(self, turn_id: str) -> TurnRecord | None:
         row = await self._row("SELECT * FROM turns WHERE id=%s", (turn_id,))
-        return _turn(row) if row else None
+        return turn_record(row) if row else None
 
     async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]:
         if statuses is None:
@@ -952,23 +839,23 @@ class PostgresStore(Store):
                 "SELECT * FROM turns WHERE conversation_id=%s AND status = ANY(%s) ORDER BY seq",
                 (conversation_id, list(statuses)),
             )
-        return [_turn(r) for r in rows]
+        return [turn_record(r) for r in rows]
 
     async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]:
         rows = await self._rows("SELECT * FROM turns WHERE status = ANY(%s) ORDER BY seq", (list(statuses),))
-        return [_turn(r) for r in rows]
+        return [turn_record(r) for r in rows]
 
     # ------------------------------------------------------------ pending calls
 
     async def list_pending(self, turn_id: str) -> list[PendingCall]:
         rows = await self._rows("SELECT * FROM pending_calls WHERE turn_id=%s ORDER BY created_at, seq", (turn_id,))
-        return [_pending(r) for r in rows]
+        return [pending_call(r) for r in rows]
 
     async def get_pending(self, conversation_id: str, call_id: str) -> PendingCall | None:
         row = await self._row(
             "SELECT * FROM pending_calls WHERE conversation_id=%s AND call_id=%s", (conversation_id, call_id)
         )
-        return _pending(row) if row else None
+        return pending_call(row) if row else None
 
     async def resolve_pending(
         self,
@@ -1000,7 +887,7 @@ class PostgresStore(Store):
             "ORDER BY expires_at, seq",
             (now,),
         )
-        return [_pending(r) for r in rows]
+        return [pending_call(r) for r in rows]
 
     # ------------------------------------------------------------ OpenAI HTTP surface
 
@@ -1027,8 +914,8 @@ class PostgresStore(Store):
                     response.previous_response_id,
                     response.namespace,
                     response.last_message_id,
-                    _dumps(response.body),
-                    _dumps(response.input_items),
+                    dump_json(response.body),
+                    dump_json(response.input_items),
                     response.stored,
                     response.created_at,
                 ),
@@ -1038,7 +925,7 @@ class PostgresStore(Store):
 
     async def get_response(self, response_id: str) -> ResponseRecord | None:
         row = await self._row("SELECT * FROM responses WHERE id=%s", (response_id,))
-        return _response(row) if row else None
+        return response_record(row) if row else None
 
     async def delete_response(self, response_id: str) -> bool:
         async def job(conn: Conn) -> bool:
@@ -1076,7 +963,7 @@ class PostgresStore(Store):
             row = await cur.fetchone()
             if row is not None:
                 if row["state"] != "pending" or not self._orphaned(row["owner"]):
-                    return _idem(row)
+                    return http_idempotency(row)
                 log.warning(
                     "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
                     entry.key,
@@ -1105,7 +992,7 @@ class PostgresStore(Store):
 
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
         row = await self._row("SELECT * FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
-        return _idem(row) if row else None
+        return http_idempotency(row) if row else None
 
     async def finish_http_idempotency(
         self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None

@@ -7,7 +7,6 @@ interface is async for that reason.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import sqlite3
@@ -42,26 +41,19 @@ from appserver.store.records import (
     TurnCommit,
     TurnRecord,
 )
+from appserver.store.rows import (
+    DRAFT_UPDATE,
+    agent_record,
+    conversation_record,
+    dump_json,
+    http_idempotency,
+    message_record,
+    pending_call,
+    response_record,
+    turn_record,
+)
 
 log = logging.getLogger("appserver.store")
-
-# Only a turn still open takes a draft: a checkpoint scheduled before the turn's commit but run
-# after it must not put a draft back on a finished turn.
-DRAFT_UPDATE = "UPDATE turns SET draft=%s WHERE id=%s AND status IN ('queued', 'running', 'awaiting')"
-
-_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one, not one per call
-
-
-def _dumps(value: Any) -> str:
-    if not value and type(value) in (dict, list):  # options, client tools, ...: mostly empty
-        return "{}" if type(value) is dict else "[]"
-    return _ENCODE(value)
-
-
-def _loads(text: str | None, default: Any = None) -> Any:
-    if text is None:
-        return default
-    return json.loads(text)
 
 
 class SQLiteStore(Store):
@@ -204,19 +196,6 @@ class SQLiteStore(Store):
 
     # ------------------------------------------------------------ agents
 
-    @staticmethod
-    def _agent(row: sqlite3.Row) -> AgentRecord:
-        return AgentRecord(
-            id=row["id"],
-            name=row["name"],
-            model=row["model"],
-            system=row["system"],
-            tools=_loads(row["tools"], {}),
-            params=_loads(row["params"], {}),
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-        )
-
     async def create_agent(self, agent: AgentRecord) -> AgentRecord:
         now = time.time()
         agent.created_at = agent.created_at or now
@@ -231,8 +210,8 @@ class SQLiteStore(Store):
                     agent.name,
                     agent.model,
                     agent.system,
-                    _dumps(agent.tools),
-                    _dumps(agent.params),
+                    dump_json(agent.tools),
+                    dump_json(agent.params),
                     agent.created_at,
                     agent.updated_at,
                 ),
@@ -249,8 +228,8 @@ class SQLiteStore(Store):
                     agent.name,
                     agent.model,
                     agent.system,
-                    _dumps(agent.tools),
-                    _dumps(agent.params),
+                    dump_json(agent.tools),
+                    dump_json(agent.params),
                     agent.updated_at,
                     agent.id,
                 ),
@@ -268,7 +247,7 @@ class SQLiteStore(Store):
 
     @classmethod
     def _load_agents(cls, db: sqlite3.Connection) -> Iterable[AgentRecord]:
-        return map(cls._agent, db.execute("SELECT * FROM agents ORDER BY created_at, id"))
+        return map(agent_record, db.execute("SELECT * FROM agents ORDER BY created_at, id"))
 
     def _agents(self) -> dict[str, AgentRecord]:
         """The cached agents (agentcache.py)."""
@@ -285,21 +264,6 @@ class SQLiteStore(Store):
         return [copy_agent(a) for a in self._agents().values()]
 
     # ------------------------------------------------------------ conversations
-
-    @staticmethod
-    def _conversation(row: sqlite3.Row) -> ConversationRecord:
-        return ConversationRecord(
-            id=row["id"],
-            agent_id=row["agent_id"],
-            is_default=bool(row["is_default"]),
-            title=row["title"],
-            user=row["user"],
-            namespace=row["namespace"],
-            forked_from=row["forked_from"],
-            metadata=_loads(row["metadata"], {}),
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
-        )
 
     async def create_conversation(
         self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None
@@ -342,7 +306,7 @@ class SQLiteStore(Store):
                 conv.user,
                 conv.namespace,
                 conv.forked_from,
-                _dumps(conv.metadata),
+                dump_json(conv.metadata),
                 conv.created_at,
                 conv.updated_at,
             ),
@@ -351,12 +315,12 @@ class SQLiteStore(Store):
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         self._writes.settle()
         row = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
-        return self._conversation(row) if row else None
+        return conversation_record(row) if row else None
 
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
         self._writes.settle()
         row = self.db.execute("SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,)).fetchone()
-        return self._conversation(row) if row else None
+        return conversation_record(row) if row else None
 
     async def list_conversations(
         self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
@@ -371,37 +335,16 @@ class SQLiteStore(Store):
                 "SELECT * FROM conversations WHERE agent_id=? ORDER BY updated_at DESC, id LIMIT ? OFFSET ?",
                 (agent_id, limit, offset),
             )
-        return [self._conversation(r) for r in rows]
+        return [conversation_record(r) for r in rows]
 
     async def update_conversation(self, conv: ConversationRecord) -> None:
         with self._tx() as tx:
             tx.execute(
                 "UPDATE conversations SET title=?, user=?, metadata=?, updated_at=? WHERE id=?",
-                (conv.title, conv.user, _dumps(conv.metadata), time.time(), conv.id),
+                (conv.title, conv.user, dump_json(conv.metadata), time.time(), conv.id),
             )
 
     # ------------------------------------------------------------ messages
-
-    @staticmethod
-    def _message(row: sqlite3.Row) -> MessageRecord:
-        return MessageRecord(
-            id=row["id"],
-            conversation_id=row["conversation_id"],
-            turn_id=row["turn_id"],
-            iteration=row["iteration"],
-            role=row["role"],
-            content=_loads(row["content"], ""),
-            tool_calls=_loads(row["tool_calls"], []) or [],
-            tool_call_id=row["tool_call_id"],
-            name=row["name"],
-            is_error=bool(row["is_error"]),
-            reasoning=row["reasoning"],
-            provider_state=_loads(row["provider_state"]),
-            completion_status=row["completion_status"],
-            source=_loads(row["source"]),
-            created_at=row["created_at"],
-            meta=_loads(row["meta"]) or {},
-        )
 
     async def list_messages(
         self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None
@@ -416,7 +359,7 @@ class SQLiteStore(Store):
                 (conversation_id, before_id if before_id is not None else 2**62, limit if limit is not None else -1),
             ).fetchall()
             rows.reverse()
-        return [self._message(r) for r in rows]
+        return [message_record(r) for r in rows]
 
     @staticmethod
     def _insert_message(tx: sqlite3.Connection, conversation_id: str, m: MessageRecord, now: float) -> None:
@@ -431,17 +374,17 @@ class SQLiteStore(Store):
                 m.turn_id,
                 m.iteration,
                 m.role,
-                _dumps(m.content),
-                _dumps(m.tool_calls) if m.tool_calls else None,
+                dump_json(m.content),
+                dump_json(m.tool_calls) if m.tool_calls else None,
                 m.tool_call_id,
                 m.name,
                 int(m.is_error),
                 m.reasoning,
-                _dumps(m.provider_state) if m.provider_state is not None else None,
+                dump_json(m.provider_state) if m.provider_state is not None else None,
                 m.completion_status,
-                _dumps(m.source) if m.source is not None else None,
+                dump_json(m.source) if m.source is not None else None,
                 m.created_at,
-                _dumps(m.meta) if m.meta else None,
+                dump_json(m.meta) if m.meta else None,
             ),
         )
         m.id = cur.lastrowid
@@ -454,31 +397,6 @@ class SQLiteStore(Store):
             tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
     # ------------------------------------------------------------ turns
-
-    @staticmethod
-    def _turn(row: sqlite3.Row) -> TurnRecord:
-        return TurnRecord(
-            id=row["id"],
-            conversation_id=row["conversation_id"],
-            agent_id=row["agent_id"],
-            status=row["status"],
-            stop_reason=row["stop_reason"],
-            error=_loads(row["error"]),
-            idempotency_key=row["idempotency_key"],
-            source=_loads(row["source"]),
-            input=_loads(row["input"], {}),
-            input_committed=bool(row["input_committed"]),
-            client_tools=_loads(row["client_tools"], []),
-            options=_loads(row["options"], {}),
-            owner=row["owner"],
-            draft=_loads(row["draft"]),
-            usage=_loads(row["usage"], {}),
-            revision=row["revision"],
-            iteration=row["iteration"],
-            created_at=row["created_at"],
-            started_at=row["started_at"],
-            ended_at=row["ended_at"],
-        )
 
     async def accept_turn(self, turn: TurnRecord, idempotency_scope: str | None = None) -> TurnRecord:
         """Record an accepted input (in the next group transaction, groupcommit.py). With an idempotency
@@ -497,7 +415,7 @@ class SQLiteStore(Store):
             if row is not None:
                 existing = tx.execute("SELECT * FROM turns WHERE id=?", (row["turn_id"],)).fetchone()
                 if existing is not None:
-                    raise DuplicateTurn(self._turn(existing))
+                    raise DuplicateTurn(turn_record(existing))
                 tx.execute(
                     "DELETE FROM idempotency_keys WHERE scope=? AND key=?", (idempotency_scope, turn.idempotency_key)
                 )
@@ -514,10 +432,10 @@ class SQLiteStore(Store):
                 turn.agent_id,
                 turn.status,
                 turn.idempotency_key,
-                _dumps(turn.source) if turn.source is not None else None,
-                _dumps(turn.input),
-                _dumps(turn.client_tools),
-                _dumps(turn.options),
+                dump_json(turn.source) if turn.source is not None else None,
+                dump_json(turn.input),
+                dump_json(turn.client_tools),
+                dump_json(turn.options),
                 turn.owner,
                 turn.created_at,
                 turn.started_at,  # a turn that runs at once starts as it is accepted
@@ -529,7 +447,7 @@ class SQLiteStore(Store):
             "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=? AND k.key=?",
             (scope, key),
         ).fetchone()
-        return self._turn(row) if row else None
+        return turn_record(row) if row else None
 
     async def purge_idempotency(self, older_than: float) -> int:
         with self._tx() as tx:
@@ -545,7 +463,7 @@ class SQLiteStore(Store):
     async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
         """In the next group transaction (hundreds of streaming turns each checkpoint twice a
         second); a draft that arrives after its turn ended changes nothing."""
-        text = _dumps(draft)
+        text = dump_json(draft)
 
         def write(tx: sqlite3.Connection) -> None:
             tx.execute(DRAFT_UPDATE.replace("%s", "?"), (text, turn_id))
@@ -573,7 +491,7 @@ class SQLiteStore(Store):
                 self._insert_message(tx, conversation_id, m, now)
             tx.execute(
                 "UPDATE turns SET input_committed=1, iteration=?, usage=?, draft=NULL WHERE id=?",
-                (iteration, _dumps(usage), turn_id),
+                (iteration, dump_json(usage), turn_id),
             )
             tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
@@ -610,8 +528,8 @@ class SQLiteStore(Store):
             (
                 commit.status,
                 commit.stop_reason,
-                _dumps(commit.error) if commit.error is not None else None,
-                _dumps(commit.usage),
+                dump_json(commit.error) if commit.error is not None else None,
+                dump_json(commit.usage),
                 commit.revision,
                 commit.iteration,
                 int(commit.input_committed),
@@ -628,7 +546,7 @@ class SQLiteStore(Store):
 
     async def get_turn(self, turn_id: str) -> TurnRecord | None:
         row = self.db.execute("SELECT * FROM turns WHERE id=?", (turn_id,)).fetchone()
-        return self._turn(row) if row else None
+        return turn_record(row) if row else None
 
     async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]:
         if statuses is None:
@@ -639,42 +557,24 @@ class SQLiteStore(Store):
                 f"SELECT * FROM turns WHERE conversation_id=? AND status IN ({','.join('?' * len(st))}) ORDER BY rowid",
                 (conversation_id, *st),
             )
-        return [self._turn(r) for r in rows]
+        return [turn_record(r) for r in rows]
 
     async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]:
         st = list(statuses)
         rows = self.db.execute(f"SELECT * FROM turns WHERE status IN ({','.join('?' * len(st))}) ORDER BY rowid", st)
-        return [self._turn(r) for r in rows]
+        return [turn_record(r) for r in rows]
 
     # ------------------------------------------------------------ pending calls
 
-    @staticmethod
-    def _pending(row: sqlite3.Row) -> PendingCall:
-        return PendingCall(
-            call_id=row["call_id"],
-            conversation_id=row["conversation_id"],
-            turn_id=row["turn_id"],
-            name=row["name"],
-            arguments=row["arguments"],
-            kind=row["kind"],
-            status=row["status"],
-            output=row["output"],
-            is_error=bool(row["is_error"]),
-            reason=row["reason"],
-            decided_by=row["decided_by"],
-            created_at=row["created_at"],
-            expires_at=row["expires_at"],
-        )
-
     async def list_pending(self, turn_id: str) -> list[PendingCall]:
         rows = self.db.execute("SELECT * FROM pending_calls WHERE turn_id=? ORDER BY created_at, rowid", (turn_id,))
-        return [self._pending(r) for r in rows]
+        return [pending_call(r) for r in rows]
 
     async def get_pending(self, conversation_id: str, call_id: str) -> PendingCall | None:
         row = self.db.execute(
             "SELECT * FROM pending_calls WHERE conversation_id=? AND call_id=?", (conversation_id, call_id)
         ).fetchone()
-        return self._pending(row) if row else None
+        return pending_call(row) if row else None
 
     async def resolve_pending(
         self,
@@ -702,29 +602,13 @@ class SQLiteStore(Store):
             "ORDER BY expires_at",
             (now,),
         )
-        return [self._pending(r) for r in rows]
+        return [pending_call(r) for r in rows]
 
     # ------------------------------------------------------------ OpenAI HTTP surface
 
     async def last_message_id(self, conversation_id: str) -> int:
         row = self.db.execute("SELECT MAX(id) FROM messages WHERE conversation_id=?", (conversation_id,)).fetchone()
         return int(row[0] or 0)
-
-    @staticmethod
-    def _response(row: sqlite3.Row) -> ResponseRecord:
-        return ResponseRecord(
-            id=row["id"],
-            agent_id=row["agent_id"],
-            conversation_id=row["conversation_id"],
-            body=_loads(row["body"], {}),
-            turn_id=row["turn_id"],
-            previous_response_id=row["previous_response_id"],
-            namespace=row["namespace"],
-            last_message_id=row["last_message_id"],
-            input_items=_loads(row["input_items"], []),
-            stored=bool(row["stored"]),
-            created_at=row["created_at"],
-        )
 
     async def save_response(self, response: ResponseRecord) -> None:
         response.created_at = response.created_at or time.time()
@@ -741,8 +625,8 @@ class SQLiteStore(Store):
                     response.previous_response_id,
                     response.namespace,
                     response.last_message_id,
-                    _dumps(response.body),
-                    _dumps(response.input_items),
+                    dump_json(response.body),
+                    dump_json(response.input_items),
                     int(response.stored),
                     response.created_at,
                 ),
@@ -750,26 +634,11 @@ class SQLiteStore(Store):
 
     async def get_response(self, response_id: str) -> ResponseRecord | None:
         row = self.db.execute("SELECT * FROM responses WHERE id=?", (response_id,)).fetchone()
-        return self._response(row) if row else None
+        return response_record(row) if row else None
 
     async def delete_response(self, response_id: str) -> bool:
         with self._tx() as tx:
             return tx.execute("DELETE FROM responses WHERE id=?", (response_id,)).rowcount > 0
-
-    @staticmethod
-    def _idem(row: sqlite3.Row) -> HttpIdempotency:
-        return HttpIdempotency(
-            scope=row["scope"],
-            key=row["key"],
-            body_hash=row["body_hash"],
-            state=row["state"],
-            status_code=row["status_code"],
-            content_type=row["content_type"],
-            body=row["body"],
-            conversation_id=row["conversation_id"],
-            created_at=row["created_at"],
-            owner=row["owner"],
-        )
 
     def _orphaned(self, owner: str | None) -> bool:
         """A pending key's claimant is gone (killed mid-request): nobody will ever finish it."""
@@ -785,7 +654,7 @@ class SQLiteStore(Store):
             ).fetchone()
             if row is not None:
                 if row["state"] != "pending" or not self._orphaned(row["owner"]):
-                    return self._idem(row)
+                    return http_idempotency(row)
                 log.warning(
                     "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
                     entry.key,
@@ -807,7 +676,7 @@ class SQLiteStore(Store):
 
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
         row = self.db.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (scope, key)).fetchone()
-        return self._idem(row) if row else None
+        return http_idempotency(row) if row else None
 
     async def finish_http_idempotency(
         self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None

@@ -83,6 +83,14 @@ POOL_MAX = 10
 # ------------------------------------------------------------------ the writer
 
 
+CLAIM_CHECK_S = 0.5  # how often a server checks that it still holds the database
+LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
+
+
+class _LostBeforeCommit(Exception):
+    """The connection broke while a group's statements ran: nothing was committed."""
+
+
 class _Writer:
     """Every write, in submission order; what queued while a transaction was in flight commits in
     the next one, each job in its own savepoint. Futures settle after COMMIT returned."""
@@ -163,13 +171,22 @@ class _Writer:
         """Fast path: every job in one transaction without savepoints, their statements pipelined,
         one sync before COMMIT. When a job fails there (rare: a duplicate key, a DuplicateTurn),
         nothing was committed; the group runs again with a savepoint per job, so the failing job
-        rolls back alone and its caller gets its own error. A failure of COMMIT itself (a lost
+        rolls back alone and its caller gets its own error. A connection lost before COMMIT was
+        sent committed nothing: the group runs again on another. A failure of COMMIT itself (a lost
         connection: the outcome is unknown) is never retried: every job of the group fails."""
         outcomes: list[tuple[bool, Any]] | None = None
         try:
-            outcomes = await self._run(jobs, savepoints=False)
-            if outcomes is None:
-                outcomes = await self._run(jobs, savepoints=True)
+            for attempt in range(LOST_CONNECTION_RETRIES + 1):
+                try:
+                    outcomes = await self._run(jobs, savepoints=False)
+                    if outcomes is None:
+                        outcomes = await self._run(jobs, savepoints=True)
+                    break
+                except _LostBeforeCommit as lost:
+                    # The database ended the connection before COMMIT was sent (a restart, a
+                    # terminated backend): nothing of the group was committed, so it runs again.
+                    if attempt == LOST_CONNECTION_RETRIES:
+                        raise lost.__cause__ or lost from None
         except Exception as exc:
             outcomes = [(False, exc)] * len(jobs)
         except BaseException as exc:
@@ -212,8 +229,10 @@ class _Writer:
                     await self._collect()
                     await pipeline.sync()  # every statement's error surfaces here, before COMMIT
                     committing = True
-            except Exception:
+            except Exception as exc:
                 self._deferred = []
+                if not committing and (conn.broken or conn.closed):
+                    raise _LostBeforeCommit() from exc  # nothing was committed: safe to run again
                 if committing or savepoints or len(jobs) == 1:
                     raise
                 return None
@@ -273,6 +292,7 @@ class PostgresStore(Store):
         self._writes = _Writer(self._writer_connection)
         self._claim: Conn | None = None  # the session holding SERVER_LOCK while this server runs
         self._claimed = False  # claim_server was asked: readiness re-takes a claim the database dropped
+        self._keeper: asyncio.Task[None] | None = None  # _keep_claim, while the claim is held
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.shown_url!r})"
@@ -341,6 +361,8 @@ class PostgresStore(Store):
             row = await cur.fetchone()
             if row is not None and row["got"]:
                 self._claim = conn
+                if self._keeper is None or self._keeper.done():
+                    self._keeper = asyncio.get_running_loop().create_task(self._keep_claim())
                 return
             cur = await conn.execute(
                 "SELECT a.application_name, a.client_addr::text AS addr FROM pg_locks l "
@@ -374,8 +396,31 @@ class PostgresStore(Store):
             await claim.close()
         return False
 
+    async def _keep_claim(self) -> None:
+        """Check the claim's session every CLAIM_CHECK_S and take the claim again at once when the
+        database ended it (a restart, a terminated backend), before a second server can take it.
+        Losing it to another server is logged; `/readyz` then fails naming that server."""
+        while self._claim is not None or self._claimed:
+            await asyncio.sleep(CLAIM_CHECK_S)
+            if self._pool is None:
+                return
+            if await self._claim_alive():
+                continue
+            try:
+                await self.claim_server()
+                log.warning(
+                    "PostgreSQL store %s: the database ended the server claim's session; taken again", self.shown_url
+                )
+            except StoreOpenError as exc:
+                log.error("%s", exc)
+            except Exception as exc:  # the database is down: try again at the next check
+                log.warning("PostgreSQL store %s: cannot take the server claim again yet: %s", self.shown_url, exc)
+
     async def close(self) -> None:
         pool, self._pool = self._pool, None
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.cancel()
         claim, self._claim = self._claim, None
         try:
             if pool is not None:

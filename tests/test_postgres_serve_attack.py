@@ -1,0 +1,273 @@
+"""Outside attack on `appserver serve --store postgresql://…` (a real server, real clients).
+
+The connection drops are made deterministic with a trigger in the test's own database: it ends
+its own session (`pg_terminate_backend(pg_backend_pid())`) exactly once, at the statement named,
+which is what `SELECT pg_terminate_backend(pid) FROM pg_stat_activity …` does at random under load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.pg import temp_database
+from tests.support.serve import ServeProcess, serving, start_serve
+
+openai = pytest.importorskip("openai")
+psycopg = pytest.importorskip("psycopg")
+
+
+def _client(sp: ServeProcess, timeout: float = 10) -> openai.OpenAI:
+    return openai.OpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def _drop_connection_once(url: str, table: str, when: str) -> None:
+    """The first row of `table` matching `when` (on UPDATE/INSERT) ends the session writing it."""
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute("CREATE SEQUENCE attack_armed")
+        c.execute(
+            "CREATE FUNCTION attack_drop() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"IF ({when}) AND nextval('attack_armed') = 1 THEN "
+            "PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(1); END IF; RETURN NEW; END $$"
+        )
+        c.execute(
+            f"CREATE TRIGGER attack_drop BEFORE INSERT OR UPDATE ON {table} FOR EACH ROW EXECUTE FUNCTION attack_drop()"
+        )
+
+
+def _turns_with_input(url: str, content: str) -> list[tuple[str, str]]:
+    with psycopg.connect(url) as c:
+        return c.execute(
+            "SELECT t.id, t.status FROM turns t JOIN messages m ON m.turn_id = t.id "
+            "WHERE m.role = 'user' AND m.content = %s ORDER BY t.seq",
+            (json.dumps(content),),
+        ).fetchall()
+
+
+def _ready(sp: ServeProcess, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(sp.url + "/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("server not ready")
+
+
+# ---------------------------------------------------------------- bugs
+
+
+def test_a_connection_dropped_while_the_reply_is_recorded_costs_nothing(tmp_path: Path) -> None:
+    """The connection drops while the Idempotency-Key's reply is recorded (finish_http_idempotency):
+    nothing of that write was committed, so it runs again on another connection; the client gets
+    its answer, and a retry replays it (found by an outside test: it was a 500, and every retry then
+    waited 120 s for a key left pending)."""
+    with temp_database("atk_finish") as url, serving(tmp_path / "h", "--store", url) as sp:
+        _drop_connection_once(url, "http_idempotency", "NEW.state = 'done'")
+        cl = _client(sp, timeout=5)
+        key = {"Idempotency-Key": "once-" + uuid.uuid4().hex}
+        msgs = [{"role": "user", "content": "hello once"}]
+        first = cl.chat.completions.create(model="assistant", messages=msgs, extra_headers=key)
+        assert first.choices[0].message.content == "echo: hello once"
+        with psycopg.connect(url) as c:
+            assert c.execute("SELECT nextval('attack_armed')").fetchone()[0] > 1  # the drop did happen
+        reply = cl.chat.completions.with_raw_response.create(model="assistant", messages=msgs, extra_headers=key)
+        assert reply.headers.get("idempotent-replayed") == "true"
+        assert reply.parse().choices[0].message.content == "echo: hello once"
+        assert [s for _, s in _turns_with_input(url, "hello once")] == ["completed"]
+
+
+def test_idempotency_key_after_a_drop_and_kill9_gives_one_turn(tmp_path: Path) -> None:
+    with temp_database("atk_finish9") as url:
+        home = tmp_path / "h"
+        key = {"Idempotency-Key": "once-" + uuid.uuid4().hex}
+        msgs = [{"role": "user", "content": "hello once"}]
+        with serving(home, "--store", url) as sp:
+            _drop_connection_once(url, "http_idempotency", "NEW.state = 'done'")
+            _client(sp).chat.completions.create(model="assistant", messages=msgs, extra_headers=key)
+            with psycopg.connect(url) as c:
+                assert c.execute("SELECT nextval('attack_armed')").fetchone()[0] > 1  # the drop did happen
+            sp.stop(signal.SIGKILL)
+        with serving(home, "--store", url) as sp:
+            again = _client(sp).chat.completions.create(model="assistant", messages=msgs, extra_headers=key)
+            assert again.choices[0].message.content == "echo: hello once"
+        assert len(_turns_with_input(url, "hello once")) == 1, _turns_with_input(url, "hello once")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a request whose turn was queued (accepted, committed) when the server was killed: the restart "
+    "runs the queued turn AND releases its Idempotency-Key as orphaned, so the client's retry runs the "
+    "input again: two completed turns for one key",
+)
+def test_queued_turn_and_its_key_after_kill9_give_one_turn(tmp_path: Path) -> None:
+    with temp_database("atk_queued9") as url:
+        home = tmp_path / "h"
+        key = {"Idempotency-Key": "q-" + uuid.uuid4().hex}
+        content = "queued behind a slow one"
+        with serving(home, "--store", url) as sp:
+            cl = _client(sp)
+            first = cl.chat.completions.with_raw_response.create(
+                model="assistant", messages=[{"role": "user", "content": "hi"}]
+            )
+            conv = first.headers["x-conversation-id"]
+
+            async def load() -> None:
+                acl = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="u", max_retries=0, timeout=10)
+                hdr = {"X-Conversation-Id": conv}
+                slow = asyncio.create_task(
+                    acl.chat.completions.create(
+                        model="assistant", messages=[{"role": "user", "content": "/slow 200"}], extra_headers=hdr
+                    )
+                )
+                await asyncio.sleep(0.5)
+                queued = asyncio.create_task(
+                    acl.chat.completions.create(
+                        model="assistant", messages=[{"role": "user", "content": content}], extra_headers={**hdr, **key}
+                    )
+                )
+                for _ in range(100):  # until the queued turn is committed
+                    await asyncio.sleep(0.05)
+                    if any(s == "queued" for s in _statuses(url)):
+                        break
+                sp.proc.send_signal(signal.SIGKILL)
+                for t in (slow, queued):
+                    with pytest.raises(openai.APIConnectionError):
+                        await t
+
+            asyncio.run(load())
+            sp.proc.wait(10)
+        with serving(home, "--store", url) as sp:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and "completed" not in [s for _, s in _turns_with_input(url, content)]:
+                time.sleep(0.1)  # the queued turn runs after the restart
+            retry = _client(sp).chat.completions.create(
+                model="assistant",
+                messages=[{"role": "user", "content": content}],
+                extra_headers={"X-Conversation-Id": conv, **key},
+            )
+            assert retry.choices[0].message.content == f"echo: {content}"
+        assert len(_turns_with_input(url, content)) == 1, _turns_with_input(url, content)
+
+
+def _statuses(url: str) -> list[str]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("SELECT status FROM turns").fetchall()]
+
+
+def test_a_connection_dropped_mid_request_is_replaced_without_a_traceback(tmp_path: Path) -> None:
+    with temp_database("atk_tb") as url:
+        with serving(tmp_path / "h", "--store", url) as sp:
+            _drop_connection_once(url, "http_idempotency", "TG_OP = 'INSERT'")
+            cl = _client(sp)
+            got = cl.chat.completions.create(  # the key's claim loses its connection: written again
+                model="assistant", messages=[{"role": "user", "content": "x"}], extra_headers={"Idempotency-Key": "k"}
+            )
+            assert got.choices[0].message.content == "echo: x"
+            with psycopg.connect(url) as c:
+                assert c.execute("SELECT nextval('attack_armed')").fetchone()[0] > 1  # the drop did happen
+            ok = cl.chat.completions.create(model="assistant", messages=[{"role": "user", "content": "y"}])
+            assert ok.choices[0].message.content == "echo: y"
+            sp.stop()
+            log = sp.proc.stderr.read() if sp.proc.stderr else ""
+        assert "Traceback" not in log, log[-3000:]
+
+
+def test_second_serve_refused_after_database_dropped_connections(tmp_path: Path) -> None:
+    with temp_database("atk_claim") as url, serving(tmp_path / "a", "--store", url):
+        name = url.rsplit("/", 1)[1]
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+                (name,),
+            )
+        time.sleep(1.0)  # the first server is idle: nobody asks its /readyz
+        try:
+            second = start_serve(tmp_path / "b", "--store", url, timeout=8)
+        except RuntimeError as exc:
+            assert "already used by" in str(exc)
+            return
+        try:
+            pytest.fail(f"a second server started on the same database at {second.url}")
+        finally:
+            second.kill()
+
+
+# ---------------------------------------------------------------- what held
+
+
+def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -> None:
+    """60 concurrent clients (3 shared conversations + new ones, stream and not, Idempotency-Keys);
+    kill -9 mid-load; restart: every 200 has its turn and both messages, crashed running turns are
+    interrupted, queued ones run, acked keys replay the same answer, one turn each."""
+    with temp_database("atk_kill9") as url:
+        home = tmp_path / "h"
+        acked: list[tuple[str, str, str]] = []  # (key, content, answer)
+        sp = start_serve(home, "--store", url)
+        try:
+
+            async def load() -> None:
+                acl = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="u", max_retries=0, timeout=15)
+                convs = []
+                for _ in range(3):
+                    r = await acl.chat.completions.with_raw_response.create(
+                        model="assistant", messages=[{"role": "user", "content": "hi"}]
+                    )
+                    convs.append(r.headers["x-conversation-id"])
+
+                async def one(i: int) -> None:
+                    content = f"/slow 3 m{i}" if i % 10 == 0 else f"m{i}"
+                    hdr = {"Idempotency-Key": f"k{i}-{uuid.uuid4().hex[:6]}"}
+                    if i % 2 == 0:
+                        hdr["X-Conversation-Id"] = convs[i % 3]
+                    try:
+                        r = await acl.chat.completions.create(
+                            model="assistant", messages=[{"role": "user", "content": content}], extra_headers=hdr
+                        )
+                        acked.append((hdr["Idempotency-Key"], content, r.choices[0].message.content or ""))
+                    except openai.APIError:
+                        pass
+
+                tasks = [asyncio.create_task(one(i)) for i in range(60)]
+                while len(acked) < 15:
+                    await asyncio.sleep(0.01)
+                sp.proc.send_signal(signal.SIGKILL)
+                await asyncio.gather(*tasks)
+
+            asyncio.run(load())
+            sp.proc.wait(10)
+        finally:
+            sp.kill()
+        assert len(acked) >= 15
+        for _, content, answer in acked:
+            assert [s for _, s in _turns_with_input(url, content)] == ["completed"], content
+            assert answer.startswith("echo: m") or answer.startswith("w1")
+        with serving(home, "--store", url) as sp2:
+            _ready(sp2)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and {"queued", "running"} & set(_statuses(url)):
+                time.sleep(0.1)
+            assert not {"queued", "running"} & set(_statuses(url))
+            cl = _client(sp2)
+            for key, content, answer in acked[:10]:
+                again = cl.chat.completions.with_raw_response.create(
+                    model="assistant",
+                    messages=[{"role": "user", "content": content}],
+                    extra_headers={"Idempotency-Key": key},
+                )
+                if again.status_code == 200 and again.headers.get("idempotent-replayed") == "true":
+                    assert again.parse().choices[0].message.content == answer
+            for _, content, _ in acked:
+                assert len(_turns_with_input(url, content)) == 1, content
+            sp2.stop()
+            log = sp2.proc.stderr.read() if sp2.proc.stderr else ""
+        assert "Traceback" not in log

@@ -93,7 +93,7 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     trusted_proxies: list[str] = field(default_factory=list)  # IPs/CIDRs whose X-Forwarded-For/-Proto is believed
-    event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
+    event_loop: str = "asyncio"  # asyncio | uvloop | auto (uvloop when installed); see docs/configuration.md
     ws_compression: bool = False  # permessage-deflate on the WebSocket (CPU and ~40 KiB per connection)
 
 

@@ -27,9 +27,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _live_group(pgid: int) -> list[int]:
-    """Processes of process group `pgid` that still run (zombies do not)."""
-    out = []
+def _live_group(pgid: int) -> set[tuple[int, int]]:
+    """Processes of process group `pgid` that still run (zombies do not), as (pid, start time):
+    with pid_max 32,768 and thousands of processes per suite, a pid (and so a pgid) is soon reused
+    by another test's process, which must not count as this group still running."""
+    out = set()
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -39,7 +41,7 @@ def _live_group(pgid: int) -> list[int]:
             continue
         fields = raw[raw.rfind(")") + 2 :].split()
         if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
-            out.append(int(name))
+            out.add((int(name), int(fields[19])))  # field 22 of stat: the start time
     return out
 
 
@@ -88,12 +90,13 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
         shell = int(pidfile.read_text())
         group = os.getpgid(shell)
         loner = int(escaped.read_text())
-        assert len(_live_group(group)) >= 3  # the group leader, the shell, its sleep
+        members = _live_group(group)
+        assert len(members) >= 3  # the group leader, the shell, its sleep
         _kill9(sp)
         started = time.monotonic()
         # the tool's whole process group dies with the server (PR_SET_PDEATHSIG + the group
         # guard): before, what the shell had started in the background ran on until a restart
-        wait_for(lambda: not _live_group(group), 10, "the tool's process group to die with the server")
+        wait_for(lambda: not members & _live_group(group), 10, "the tool's process group to die with the server")
         # ... what left the group runs on until a server of this home starts again
         assert _live_group(os.getpgid(loner)), "expected the setsid sleep to outlive the server"
     finally:

@@ -103,12 +103,6 @@ def test_idempotency_key_after_a_drop_and_kill9_gives_one_turn(tmp_path: Path) -
         assert len(_turns_with_input(url, "hello once")) == 1, _turns_with_input(url, "hello once")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a request whose turn was queued (accepted, committed) when the server was killed: the restart "
-    "runs the queued turn AND releases its Idempotency-Key as orphaned, so the client's retry runs the "
-    "input again: two completed turns for one key",
-)
 def test_queued_turn_and_its_key_after_kill9_give_one_turn(tmp_path: Path) -> None:
     with temp_database("atk_queued9") as url:
         home = tmp_path / "h"

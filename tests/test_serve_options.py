@@ -23,6 +23,10 @@ def test_auto_and_uvloop_choose_uvloop_and_asyncio_the_standard_loop() -> None:
     assert event_loop_factory("asyncio") is None
 
 
+def test_the_default_loop_is_the_standard_one(tmp_path: Path) -> None:
+    assert event_loop_factory(load_config(tmp_path / "home", environ={}).server.event_loop) is None
+
+
 def test_an_unknown_loop_is_refused_naming_the_choices(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path / "home", environ={"APPSERVER_SERVER__EVENT_LOOP": "tokio"})

@@ -417,9 +417,9 @@ def serve_command(
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop when installed (uvicorn[standard] brings it): the same server spends about a tenth
-    less CPU per request in the loop and its transports. `asyncio` (or no uvloop) is the standard
-    loop."""
+    """`asyncio` (the default) is the standard loop; `uvloop` / `auto` (uvloop when installed)
+    spend a few percent less CPU per request, but see docs/configuration.md for why uvloop is not
+    the default."""
     if choice == "asyncio":
         return None
     try:

@@ -533,26 +533,31 @@ class ChatCompletions:
             return replay
         place: Placement | None = None
         try:
-            ns = conversation_namespace(principal)
-            header = request.headers.get(HEADER)
-            if header:
-                place = await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
+            earlier, key = await idem.earlier() if idem is not None and users else (None, None)
+            if earlier is not None:
+                run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
-                place = await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
-            content = new_content(users)
-            decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results]
-            run = await start_turn(
-                self.server,
-                agent,
-                place.conversation_id,
-                content=content,
-                decisions=decisions,
-                client_tools=tools,
-                options=options,
-                source={"kind": "openai_chat", "user": user} if user else {"kind": "openai_chat"},
-                overlap_accept=not stream,  # a non-stream reply acknowledges only once the turn settled
-                while_pending=calls_unanswered,
-            )
+                ns = conversation_namespace(principal)
+                header = request.headers.get(HEADER)
+                if header:
+                    place = await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
+                else:
+                    place = await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
+                content = new_content(users)
+                decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results]
+                run = await start_turn(
+                    self.server,
+                    agent,
+                    place.conversation_id,
+                    content=content,
+                    decisions=decisions,
+                    client_tools=tools,
+                    options=options,
+                    source={"kind": "openai_chat", "user": user} if user else {"kind": "openai_chat"},
+                    overlap_accept=not stream,  # a non-stream reply acknowledges only once the turn settled
+                    while_pending=calls_unanswered,
+                    idempotency=key,
+                )
         except BaseException:
             if idem is not None:
                 await idem.abandon()

@@ -235,6 +235,26 @@ class Idempotency:
                 )
             await asyncio.sleep(0.05)
 
+    @property
+    def turn_scope(self) -> str:
+        """The kernel's idempotency scope for this key: the turn it starts is recorded under it in
+        the same transaction as its accept, so a retry finds it even when this claim was lost."""
+        return f"http:{self.scope}"
+
+    async def earlier(self) -> tuple[TurnRun | None, tuple[str, str] | None]:
+        """What an earlier attempt with this key left: (its turn to follow, None) when that turn is
+        still the answer — queued, running, paused or completed: a server killed before the reply
+        was stored released the claim, but the turn ran or runs on; else (None, the (key, scope)
+        the new turn is to be accepted under). A cancelled, failed or interrupted earlier turn (the
+        client went away, the model failed, the server died while it ran) is not the answer: the
+        request runs again, without the kernel key its first turn still holds."""
+        turn = await self.server.store.lookup_idempotency(self.turn_scope, self.key)
+        if turn is None:
+            return None, (self.key, self.turn_scope)
+        if turn.status not in ("queued", "running", "awaiting", "completed"):
+            return None, None  # cancelled, failed, or interrupted by a crash: the request runs again
+        return TurnRun(self.server, turn.conversation_id, await self.server.kernel.handle_for(turn)), None
+
     async def finish(self, status: int, content_type: str, body: str, conversation_id: str | None) -> None:
         await self.server.store.finish_http_idempotency(
             self.scope, self.key, status, content_type, body, conversation_id
@@ -352,6 +372,7 @@ async def start_turn(
     source: dict[str, Any],
     overlap_accept: bool = False,
     while_pending: Callable[[list[str]], ApiError] | None = None,
+    idempotency: tuple[str, str] | None = None,
 ) -> TurnRun:
     """`overlap_accept`: the caller answers only once the turn settled (see SubmitRequest).
     `while_pending`: the error for new input while the conversation waits for answers to calls
@@ -414,6 +435,8 @@ async def start_turn(
                 options=options,
                 resolved=agent,
                 overlap_accept=overlap_accept,
+                idempotency_key=idempotency[0] if idempotency else None,
+                idempotency_scope=idempotency[1] if idempotency else None,
             )
         )
         return TurnRun(server, sub.conversation_id, sub.handle)

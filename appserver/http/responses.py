@@ -726,19 +726,24 @@ class Responses:
             return replay
         place: Placement | None = None
         try:
-            place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers)
-            content = new_content(users)
-            run = await start_turn(
-                self.server,
-                agent,
-                place.conversation_id,
-                content=content,
-                decisions=decisions,
-                client_tools=specs,
-                options=options,
-                source={"kind": "openai_responses"},
-                while_pending=calls_pending,
-            )
+            earlier, key = await idem.earlier() if idem is not None and users else (None, None)
+            if earlier is not None:
+                run = earlier  # this key's turn, accepted before the server stopped: follow it
+            else:
+                place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers)
+                content = new_content(users)
+                run = await start_turn(
+                    self.server,
+                    agent,
+                    place.conversation_id,
+                    content=content,
+                    decisions=decisions,
+                    client_tools=specs,
+                    options=options,
+                    source={"kind": "openai_responses"},
+                    while_pending=calls_pending,
+                    idempotency=key,
+                )
         except BaseException:
             if idem is not None:
                 await idem.abandon()
@@ -760,7 +765,7 @@ class Responses:
             max_output_tokens=options.get("max_tokens"),
             parallel_tool_calls=bool(options.get("parallel_tool_calls", True)),
             tool_choice=shown_choice(body.get("tool_choice")),
-            conversation=place.conversation_id if conv_param else None,
+            conversation=run.conversation_id if conv_param else None,
             reasoning=show_reasoning(agent),
         )
         ctx = _Run(self, shape, run, idem, parsed, chain(new, chain(prefix)))

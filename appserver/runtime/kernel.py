@@ -60,6 +60,9 @@ class SubmitRequest:
     conversation: str = "default"  # default | new | <id>
     source: dict[str, Any] | None = None
     idempotency_key: str | None = None
+    # Where the key is unique: the conversation (or `new:<agent>`) unless the caller names a scope
+    # of its own (the OpenAI routes: one per credential, whichever conversation the request lands in).
+    idempotency_scope: str | None = None
     client_tools: list[ToolSpec] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)  # instructions, sampling overrides, timeouts
     conversation_fields: dict[str, Any] = field(default_factory=dict)  # user, namespace, metadata for new ones
@@ -350,8 +353,8 @@ class Kernel:
             raise InvalidInput("input must be text or a non-empty list of parts", param="input")
         key = req.idempotency_key or None
         spec = (req.conversation or "default").strip()
-        if key and spec == "new":
-            earlier = await self.store.lookup_idempotency(f"new:{agent.id}", key)
+        if key and (spec == "new" or req.idempotency_scope):
+            earlier = await self.store.lookup_idempotency(req.idempotency_scope or f"new:{agent.id}", key)
             if earlier is not None:
                 return await self._duplicate(earlier)
         conv: ConversationRecord | None = None
@@ -363,8 +366,8 @@ class Kernel:
             conv = await self.resolve_conversation(agent, spec, fields=req.conversation_fields)
             conv_id = conv.id
             rt = None
-        scope = (f"new:{agent.id}" if spec == "new" else conv_id) if key else None
-        if key and spec != "new":
+        scope = (req.idempotency_scope or (f"new:{agent.id}" if spec == "new" else conv_id)) if key else None
+        if key and spec != "new" and not req.idempotency_scope:
             earlier = await self.store.lookup_idempotency(scope, key)  # type: ignore[arg-type]
             if earlier is not None:
                 return await self._duplicate(earlier)

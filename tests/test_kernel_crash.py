@@ -173,3 +173,78 @@ def test_idempotency_key_of_a_request_killed_mid_turn_is_released_at_start(tmp_p
         assert again.json() == retry.json()
     finally:
         sp.stop()
+
+
+def test_an_idempotency_key_whose_turn_was_queued_at_kill9_gives_one_turn(tmp_path: Path) -> None:
+    """The turn of a keyed request was accepted (queued behind a slow one) when the server was
+    killed: the restart runs it, and the client's retry with the same key follows that turn instead
+    of running the input a second time (found on PostgreSQL by an outside test; both stores)."""
+    home = tmp_path / "home"
+    env = cli_env(home)
+    db = home / "appserver.db"
+    content = "queued behind a slow one"
+    key = {"Idempotency-Key": "queued-at-kill"}
+
+    def turns(where: str = "") -> list[tuple[str, str]]:
+        with sqlite3.connect(db) as c:
+            return c.execute(
+                "SELECT t.id, t.status FROM turns t JOIN messages m ON m.turn_id = t.id "
+                "WHERE m.role = 'user' AND m.content = ?" + where,
+                (json.dumps(content),),
+            ).fetchall()
+
+    def queued() -> bool:
+        with sqlite3.connect(db) as c:
+            return c.execute("SELECT COUNT(*) FROM turns WHERE status='queued'").fetchone()[0] == 1
+
+    sp = start_serve(home, env=env)
+    try:
+        first = httpx.post(
+            f"{sp.url}/v1/chat/completions",
+            json={"model": "assistant", "messages": [{"role": "user", "content": "hi"}]},
+            timeout=10,
+        )
+        conv = first.headers["x-conversation-id"]
+
+        async def load() -> None:
+            async with httpx.AsyncClient(base_url=sp.url, timeout=10, headers={"X-Conversation-Id": conv}) as client:
+                slow = asyncio.ensure_future(
+                    client.post(
+                        "/v1/chat/completions",
+                        json={"model": "assistant", "messages": [{"role": "user", "content": "/slow 200"}]},
+                    )
+                )
+                await asyncio.sleep(0.3)
+                keyed = asyncio.ensure_future(
+                    client.post(
+                        "/v1/chat/completions",
+                        json={"model": "assistant", "messages": [{"role": "user", "content": content}]},
+                        headers=key,
+                    )
+                )
+                deadline = time.monotonic() + 10
+                while not queued():
+                    assert time.monotonic() < deadline, "the keyed turn was never queued"
+                    await asyncio.sleep(0.02)
+                _kill9(sp)
+                for request in (slow, keyed):
+                    with pytest.raises(httpx.HTTPError):
+                        await request
+
+        asyncio.run(load())
+    finally:
+        if sp.proc.poll() is None:
+            sp.proc.kill()
+    sp = start_serve(home, env=env)
+    try:
+        retry = httpx.post(
+            f"{sp.url}/v1/chat/completions",
+            json={"model": "assistant", "messages": [{"role": "user", "content": content}]},
+            headers={"X-Conversation-Id": conv, **key},
+            timeout=20,
+        )
+        assert retry.status_code == 200, retry.text
+        assert retry.json()["choices"][0]["message"]["content"] == f"echo: {content}"
+        assert [s for _, s in turns()] == ["completed"], turns()
+    finally:
+        sp.stop()

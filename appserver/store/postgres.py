@@ -84,6 +84,7 @@ POOL_MAX = 10
 
 
 CLAIM_CHECK_S = 0.5  # how often a server checks that it still holds the database
+CLAIM_LOG_S = 30.0  # a claim that stays lost is logged again at most this often
 LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
 
 
@@ -400,6 +401,7 @@ class PostgresStore(Store):
         """Check the claim's session every CLAIM_CHECK_S and take the claim again at once when the
         database ended it (a restart, a terminated backend), before a second server can take it.
         Losing it to another server is logged; `/readyz` then fails naming that server."""
+        said, said_at = "", 0.0  # the last complaint, and when: repeated at most every CLAIM_LOG_S
         while self._claim is not None or self._claimed:
             await asyncio.sleep(CLAIM_CHECK_S)
             if self._pool is None:
@@ -411,10 +413,16 @@ class PostgresStore(Store):
                 log.warning(
                     "PostgreSQL store %s: the database ended the server claim's session; taken again", self.shown_url
                 )
-            except StoreOpenError as exc:
-                log.error("%s", exc)
-            except Exception as exc:  # the database is down: try again at the next check
-                log.warning("PostgreSQL store %s: cannot take the server claim again yet: %s", self.shown_url, exc)
+                said = ""
+                continue
+            except StoreOpenError as exc:  # another server has it, or the database is unreachable
+                complaint = str(exc)
+            except Exception as exc:
+                complaint = f"PostgreSQL store {self.shown_url}: cannot take the server claim again yet: {exc}"
+            now = time.monotonic()
+            if complaint != said or now - said_at >= CLAIM_LOG_S:
+                log.error("%s", complaint)
+                said, said_at = complaint, now
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None

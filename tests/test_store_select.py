@@ -239,35 +239,41 @@ def test_a_second_server_on_the_same_database_is_refused_until_the_first_is_gone
         assert httpx.get(again.url + "/readyz", timeout=10).status_code == 200
 
 
-async def test_a_server_claim_the_database_dropped_is_taken_again_or_fails_readiness(pg_url: str) -> None:
+def _end_claim_sessions(pg_url: str) -> None:
+    """End every server claim's session, as a database restart would."""
     import psycopg
 
-    def end_claim_sessions() -> None:
-        with psycopg.connect(pg_url, autocommit=True) as admin:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND application_name LIKE 'appserver serve %%'"
-            )
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name LIKE 'appserver serve %%'"
+        )
 
+
+async def _claim_after_ending_sessions(pg_url: str, store: PostgresStore) -> None:
+    """End the claim sessions until `store` takes the claim before the holder's keeper retakes it."""
+    for _ in range(10):
+        _end_claim_sessions(pg_url)
+        try:
+            await store.claim_server()
+            return
+        except StoreOpenError:
+            continue
+    pytest.fail("the second server never got the claim")
+
+
+async def test_a_server_claim_the_database_dropped_is_taken_again_or_fails_readiness(pg_url: str) -> None:
     first, second = PostgresStore(pg_url), PostgresStore(pg_url)
     await first.open()
     await second.open()
     try:
         await first.claim_server()
-        end_claim_sessions()  # as a database restart would
+        _end_claim_sessions(pg_url)  # as a database restart would
         await first.check_writable()  # readiness takes the claim again
         with pytest.raises(StoreOpenError, match="already used by appserver serve"):
             await second.claim_server()
 
-        for _ in range(10):  # the other server gets there first this time (before the first one's keeper)
-            end_claim_sessions()
-            try:
-                await second.claim_server()
-                break
-            except StoreOpenError:
-                continue
-        else:
-            pytest.fail("the second server never got the claim")
+        await _claim_after_ending_sessions(pg_url, second)  # the other server gets there first this time
         with pytest.raises(StoreOpenError, match="already used by appserver serve"):
             await first.check_writable()  # so the first one's readiness fails, loudly
     finally:
@@ -280,26 +286,12 @@ async def test_a_claim_lost_to_another_server_is_logged_once_not_every_check(
 ) -> None:
     import asyncio
 
-    import psycopg
-
     first, second = PostgresStore(pg_url), PostgresStore(pg_url)
     await first.open()
     await second.open()
     try:
         await first.claim_server()
-        for _ in range(10):  # the second server gets the claim before the first one's keeper retakes it
-            with psycopg.connect(pg_url, autocommit=True) as admin:
-                admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND application_name LIKE 'appserver serve %%'"
-                )
-            try:
-                await second.claim_server()
-                break
-            except StoreOpenError:
-                continue
-        else:
-            pytest.fail("the second server never got the claim")
+        await _claim_after_ending_sessions(pg_url, second)
         with caplog.at_level(logging.ERROR, logger="appserver.store"):
             await asyncio.sleep(2.2)  # four checks of the first server's keeper
         lost = [r for r in caplog.records if "already used by appserver serve" in r.getMessage()]

@@ -55,6 +55,8 @@ from appserver.store.rows import (
 
 log = logging.getLogger("appserver.store")
 
+_DRAFT_UPDATE = DRAFT_UPDATE.replace("%s", "?")  # the shared statement in SQLite's placeholders
+
 
 class SQLiteStore(Store):
     def __init__(self, path: Path | str) -> None:
@@ -466,7 +468,7 @@ class SQLiteStore(Store):
         text = dump_json(draft)
 
         def write(tx: sqlite3.Connection) -> None:
-            tx.execute(DRAFT_UPDATE.replace("%s", "?"), (text, turn_id))
+            tx.execute(_DRAFT_UPDATE, (text, turn_id))
 
         await self._writes.submit(write)
 

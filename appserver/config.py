@@ -148,6 +148,10 @@ class CronConfig:
 @dataclass(slots=True)
 class StoreConfig:
     url: str = ""  # empty: the SQLite file in the home; postgresql://…: a PostgreSQL database (docs/scale-out.md)
+    # PostgreSQL only (several servers on one database, docs/scale-out.md): how often a server renews
+    # its instance row, and how long one may stay silent before the others take over its work.
+    heartbeat_s: float = 2.0
+    instance_timeout_s: float = 30.0
 
 
 @dataclass(slots=True)
@@ -232,6 +236,8 @@ RULES: dict[str, Rule] = {
     "server.event_loop": Rule(choices=("auto", "uvloop", "asyncio")),
     "auth.jwt_leeway_s": _NON_NEGATIVE,
     "cron.tick_s": _POSITIVE,
+    "store.heartbeat_s": Rule(ge=0.1, le=60),
+    "store.instance_timeout_s": Rule(ge=1, le=3600),
     "providers.kind": Rule(choices=("openai", "anthropic")),
     "providers.transport": Rule(choices=("lean", "httpx")),
     "providers.timeout_s": _POSITIVE,

@@ -8,7 +8,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from appserver.procid import identity_alive
 from appserver.readiness import CheckResult
 from appserver.server import Server
 from cron.adapter import KernelAdapter
@@ -70,7 +69,11 @@ class CronService:
                     TurnOutcome("lost", "the turn never reached the store (its server died)"),
                 )
                 continue
-            if turn.owner and turn.owner != self.server.kernel.owner and identity_alive(turn.owner):
+            if (
+                turn.owner
+                and turn.owner != self.server.kernel.owner
+                and await self.server.kernel.owner_alive(turn.owner)
+            ):
                 continue  # another live process runs it and will record it
             self.scheduler.watch(task_id, occurrence, turn_id)
             watched += 1

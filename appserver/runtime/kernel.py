@@ -21,6 +21,7 @@ from appserver.errors import InvalidInput, NotFound
 from appserver.ids import new_id
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
+from appserver.runtime.cluster import ClusterLink, OwnedElsewhere, decisions_args
 from appserver.runtime.conversation import ConversationRuntime
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import finish_turn
@@ -30,6 +31,7 @@ from appserver.runtime.settle import TurnEnd, close_unanswered
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
 from appserver.store.base import DuplicateTurn, Store
+from appserver.store.cluster import Cluster
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -99,15 +101,28 @@ class Kernel:
         self._loading: dict[str, asyncio.Future[ConversationRuntime]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._stopping = False
+        # Several servers on one database (a PostgreSQL store that joined its cluster at start).
+        self._link: ClusterLink | None = None
+        self._leases: dict[str, str] = {}  # conversation id -> lease token, while its runtime is here
 
     # ------------------------------------------------------------ start / stop
 
     async def start(self, *, serve: bool = False) -> None:
         """Settle turns of dead processes; in a server, resume queued turns and watch deadlines."""
+        cluster: Cluster | None = getattr(self.store, "cluster", None)
+        if cluster is not None:
+            # A server of a cluster: its turns are stamped with its instance id, and what other
+            # servers hold is theirs (docs/scale-out.md).
+            self.owner = cluster.instance_id
+            self._deps = RuntimeDeps(self.store, self.config, self.agent_loop, self.owner, self._turn_settled)
+            self._link = ClusterLink(self, cluster)
         reaped = reap_orphaned_tools(self.config.home, self.owner)
         if reaped:
             log.warning("killed %d tool process(es) left running by a server of this home that died", reaped)
-        await self.settle_crashed(requeue=serve)
+        if self._link is not None:
+            await self._link.sweep_once()  # takes what gone servers left: settled, requeued
+        else:
+            await self.settle_crashed(requeue=serve)
         await self.store.purge_idempotency(time.time() - IDEMPOTENCY_TTL_S)
         released = await self.store.release_orphaned_http_idempotency()
         if released:
@@ -117,8 +132,13 @@ class Kernel:
             )
         if serve:
             for turn in await self.store.open_turns(["awaiting"]):
-                await self.runtime(turn.conversation_id)
+                try:
+                    await self.runtime(turn.conversation_id)
+                except OwnedElsewhere:
+                    pass  # paused in a runtime another server holds
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+            if self._link is not None:
+                self._link.start()
 
     @property
     def stopping(self) -> bool:
@@ -129,6 +149,8 @@ class Kernel:
         self._stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._link is not None:
+            self._link.stop()
         await asyncio.gather(*(rt.shutdown() for rt in list(self.runtimes.values())), return_exceptions=True)
 
     async def _sweep(self) -> None:
@@ -139,7 +161,10 @@ class Kernel:
             try:
                 self.evict_idle()
                 for p in await self.store.overdue_pending(time.time()):
-                    rt = await self.runtime(p.conversation_id)
+                    try:
+                        rt = await self.runtime(p.conversation_id)
+                    except OwnedElsewhere:
+                        continue  # its holder expires it
                     await rt.expire_overdue()
             except Exception:
                 log.exception("runtime sweep failed")
@@ -149,8 +174,26 @@ class Kernel:
         now = time.monotonic()
         gone = [cid for cid, rt in self.runtimes.items() if rt.idle and now - rt.last_active >= limit]
         for cid in gone:
-            del self.runtimes[cid]
+            self._drop(cid)
         return len(gone)
+
+    def _drop(self, conversation_id: str) -> None:
+        """Unload an idle runtime; in a cluster, let go of its lease so any server may take it."""
+        del self.runtimes[conversation_id]
+        token = self._leases.pop(conversation_id, None)
+        if token is not None and self._link is not None:
+            self._link.cluster.release(conversation_id, token)
+
+    async def owner_alive(self, owner: str | None) -> bool:
+        """Does the server stamped `owner` (on a turn) still run: a process of this host, or in a
+        cluster a live instance."""
+        if self._link is not None and owner and owner.startswith("inst_"):
+            return await self._link.cluster.owner_alive(owner)
+        return identity_alive(owner)
+
+    def holds(self, conversation_id: str) -> bool:
+        """This server runs the conversation (its runtime is loaded here)."""
+        return conversation_id in self.runtimes
 
     def _trim_idle(self, keep_id: str) -> None:
         """Drop the least recently used idle runtimes (never `keep_id`, just loaded for a caller),
@@ -171,7 +214,7 @@ class Kernel:
                 gone.append(cid)
                 excess -= 1
         for cid in gone:
-            del self.runtimes[cid]
+            self._drop(cid)
 
     async def settle_crashed(self, *, requeue: bool) -> int:
         """Close turns left `running` by a process that died (kill -9, power loss) as interrupted."""
@@ -187,6 +230,35 @@ class Kernel:
             await self._settle_interrupted(turn)
             settled += 1
         return settled
+
+    async def catch_up(self, conversation_id: str) -> None:
+        """Run what the store holds for a conversation and its runtime here does not: turns
+        another server of the cluster accepted for it, or left when it died. Loads (takes) the
+        conversation; raises OwnedElsewhere when another live server holds it."""
+        rt = self.runtimes.get(conversation_id)
+        if rt is None:
+            await self.runtime(conversation_id)  # loading takes over (`_take_over`)
+            return
+        await self._take_over(rt)
+
+    async def _take_over(self, rt: ConversationRuntime) -> None:
+        """Settle the conversation's turns left running by a server that is gone (as a restart
+        does) and queue the ones accepted but not queued here, in the order they were accepted."""
+        link = self._link
+        assert link is not None
+        mine = {*rt.queue.turn_ids(), rt.lifecycle.turn_id}
+        for turn in await self.store.list_turns(rt.conversation_id, statuses=("running", "queued")):
+            if turn.id in mine or turn.id in rt.handles:
+                continue
+            if turn.status == "running":
+                if turn.owner != self.owner and await link.cluster.owner_alive(turn.owner):
+                    log.warning(
+                        "turn %s runs on live instance %s, which no longer holds its conversation", turn.id, turn.owner
+                    )
+                    continue
+                await self._settle_interrupted(turn)
+            elif rt.queue.closed is False and self.runtimes.get(rt.conversation_id, rt) is rt:
+                rt.queue.requeue(turn)
 
     async def _settle_interrupted(self, turn: TurnRecord) -> None:
         """Close a turn a dead process left running: interrupted, keeping its input and the text
@@ -323,11 +395,28 @@ class Kernel:
                 conv = await self.store.get_conversation(conversation_id)
             if conv is None:
                 raise NotFound(f"unknown conversation {conversation_id!r}", code="conversation_not_found")
+            link = self._link
+            if link is not None:
+                lease = await link.cluster.take(conversation_id)
+                if lease.holder is not None:
+                    raise OwnedElsewhere(conversation_id, lease.holder)
+                assert lease.token is not None
+                self._leases[conversation_id] = lease.token
             rt = ConversationRuntime(self._deps, conv.id, conv.agent_id)
-            if not fresh:
-                await rt.load()
-            if history is not None:
-                rt.adopt_history(history)
+            if link is not None:
+                rt.watchers.append(link.on_local_turn)  # the other servers see its turns
+            try:
+                if not fresh:
+                    await rt.load()
+                if history is not None:
+                    rt.adopt_history(history)
+                if link is not None and not fresh:
+                    await self._take_over(rt)
+            except BaseException:
+                token = self._leases.pop(conversation_id, None)
+                if token is not None and link is not None:
+                    link.cluster.release(conversation_id, token)
+                raise
             self.runtimes[conversation_id] = rt
             if len(self.runtimes) > self.config.limits.idle_runtimes_max:
                 self._trim_idle(conversation_id)
@@ -371,11 +460,15 @@ class Kernel:
             earlier = await self.store.lookup_idempotency(scope, key)  # type: ignore[arg-type]
             if earlier is not None:
                 return await self._duplicate(earlier)
-        if rt is None:
-            new = spec == "new"
-            rt = await self.runtime(conv_id, conv=conv, fresh=new, history=[] if new else None)
-        if self.runtimes.get(conv_id) is not rt:  # evicted while we awaited: use the loaded one
-            rt = await self.runtime(conv_id)
+        holder: str | None = None
+        try:
+            if rt is None:
+                new = spec == "new"
+                rt = await self.runtime(conv_id, conv=conv, fresh=new, history=[] if new else None)
+            if self.runtimes.get(conv_id) is not rt:  # evicted while we awaited: use the loaded one
+                rt = await self.runtime(conv_id)
+        except OwnedElsewhere as elsewhere:
+            rt, holder = None, elsewhere.holder
         record = TurnRecord(
             id=new_id("turn"),
             conversation_id=conv_id,
@@ -391,7 +484,11 @@ class Kernel:
             options=dict(req.options),
         )
         try:
-            handle, position = await rt.queue.enqueue(record, scope, overlap=req.overlap_accept, agent=agent)
+            if rt is None:
+                assert holder is not None and self._link is not None
+                handle, position = await self._link.submit(record, scope, holder)
+            else:
+                handle, position = await rt.queue.enqueue(record, scope, overlap=req.overlap_accept, agent=agent)
         except DuplicateTurn as dup:
             return await self._duplicate(dup.turn)
         return Submission(record.id, conv_id, agent.id, position, False, handle)
@@ -400,14 +497,30 @@ class Kernel:
         handle = await self.handle_for(turn)
         return Submission(turn.id, turn.conversation_id, turn.agent_id, handle.controller.queue_position, True, handle)
 
-    async def respond(self, conversation_id: str, decisions: list[Decision]) -> list[dict[str, Any]]:
-        rt = await self.runtime(conversation_id)
+    async def respond(
+        self, conversation_id: str, decisions: list[Decision], *, here: bool = False
+    ) -> list[dict[str, Any]]:
+        """Answer pending calls of the conversation's paused turn (on the server that holds it;
+        `here`: asked by another server, so never passed on)."""
+        try:
+            rt = await self.runtime(conversation_id)
+        except OwnedElsewhere as elsewhere:
+            if here or self._link is None:
+                raise
+            got = await self._link.call_holder(conversation_id, elsewhere.holder, "respond", decisions_args(decisions))
+            return list(got.get("results") or [])
         return await rt.respond(decisions)
 
-    async def cancel(self, conversation_id: str, turn_id: str | None = None) -> bool:
+    async def cancel(self, conversation_id: str, turn_id: str | None = None, *, here: bool = False) -> bool:
         """Cancel the conversation's current turn. With `turn_id`, only that turn: cancelled if it
         is the current one, or dropped from the queue if it has not started (DESIGN §13)."""
-        rt = await self.runtime(conversation_id)
+        try:
+            rt = await self.runtime(conversation_id)
+        except OwnedElsewhere as elsewhere:
+            if here or self._link is None:
+                raise
+            got = await self._link.call_holder(conversation_id, elsewhere.holder, "cancel", {"turn_id": turn_id})
+            return bool(got.get("cancelled"))
         if turn_id is None or rt.lifecycle.turn_id == turn_id:
             return await rt.cancel()
         if await rt.withdraw(turn_id):
@@ -421,7 +534,11 @@ class Kernel:
 
     async def awaiting(self, conversation_id: str) -> TurnRecord | None:
         """The conversation's turn paused for answers to its pending calls, if any."""
-        return (await self.runtime(conversation_id)).awaiting_turn
+        try:
+            return (await self.runtime(conversation_id)).awaiting_turn
+        except OwnedElsewhere:
+            paused = await self.store.list_turns(conversation_id, statuses=("awaiting",))
+            return paused[-1] if paused else None
 
     def in_flight(self, conversation_id: str) -> bool:
         """A turn of this conversation runs or waits in the queue (it is moving past its stored
@@ -436,7 +553,10 @@ class Kernel:
         `paused`: it holds a paused turn to adopt; else it has no turns yet, and `history` (all its
         messages, when the caller knows them) spares reading them."""
         if paused:
-            await self.runtime(conv.id, conv=conv)
+            try:
+                await self.runtime(conv.id, conv=conv)
+            except OwnedElsewhere:
+                pass  # another server holds it: the submit that follows goes through it
         else:
             await self.runtime(conv.id, conv=conv, fresh=True, history=history)
 
@@ -444,7 +564,11 @@ class Kernel:
 
     async def open_watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> Watch:
         """Pin the conversation and hear of its turns until the watch is closed."""
-        return Watch(await self.runtime(conversation_id), on_turn)
+        try:
+            return Watch(await self.runtime(conversation_id), on_turn)
+        except OwnedElsewhere:
+            assert self._link is not None
+            return await self._link.watch(conversation_id, on_turn)
 
     @asynccontextmanager
     async def watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> AsyncIterator[Watch]:
@@ -473,7 +597,11 @@ class Kernel:
         if rt is not None and turn.id in rt.handles:
             return rt.handles[turn.id]
         if turn.status in ("queued", "running", "awaiting"):
-            rt = await self.runtime(turn.conversation_id)
+            try:
+                rt = await self.runtime(turn.conversation_id)
+            except OwnedElsewhere:
+                assert self._link is not None
+                return await self._link.mirror(turn)
             if turn.id in rt.handles:
                 return rt.handles[turn.id]
         fresh = await self.store.get_turn(turn.id) or turn
@@ -497,6 +625,8 @@ class Kernel:
         return remove
 
     def _turn_settled(self, record: TurnRecord, snapshot: TurnSnapshot) -> None:
+        if self._link is not None:
+            self._link.settled(snapshot)
         for listener in list(self._settled_listeners):
             try:
                 listener(record, snapshot)

@@ -145,14 +145,21 @@ class TurnQueue:
         return handle
 
     def requeue(self, record: TurnRecord) -> None:
-        """Queue a turn a dead process accepted but never began (server start)."""
+        """Queue a turn accepted but never begun here: a dead process's (server start), or one
+        another server of the cluster accepted for this conversation. It takes its place by the
+        time it was accepted, before any queued input accepted later."""
         record.owner = self._deps.owner
+        items = self._items
+        at = next((i for i, q in enumerate(items) if q.record.created_at > record.created_at), len(items))
         controller = TurnController(
-            record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=len(self._items) + 1
+            record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=at + 1
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
         self._board.handles[record.id] = handle
-        self._items.append(Queued(record, handle))
+        items.insert(at, Queued(record, handle))
+        if at < len(items) - 1:
+            self._renumber()
+        self._board.notify(handle)
         self.ensure_worker()
 
     # ------------------------------------------------------------ leaving the queue early

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from appserver.agent.events import (
@@ -62,6 +62,26 @@ class TurnSnapshot:
 
     def reasoning(self) -> str:
         return "".join(b["text"] for b in self.blocks if b["type"] == "reasoning")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TurnSnapshot:
+        """The snapshot `to_dict` described (as another server of the cluster published it)."""
+        return cls(
+            turn_id=str(data["turn_id"]),
+            conversation_id=str(data["conversation_id"]),
+            agent_id=str(data["agent_id"]),
+            revision=int(data["revision"]),
+            status=data["status"],
+            phase=data["phase"],
+            stop_reason=data.get("stop_reason"),
+            blocks=tuple(data.get("blocks") or ()),
+            pending=tuple(data.get("pending") or ()),
+            usage=dict(data.get("usage") or {}),
+            error=data.get("error"),
+            queue_position=int(data.get("queue_position") or 0),
+            attempt=int(data.get("attempt") or 1),
+            updated_at=float(data.get("updated_at") or 0.0),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -136,6 +156,7 @@ class TurnController:
         self._blocks: list[_Block] = []
         self._calls: dict[str, _Block] = {}
         self._cached: TurnSnapshot | None = None
+        self._mirrored: TurnSnapshot | None = None  # see mirror()
         self._signal: Latest[int] = Latest(revision, revision)
         # Only the changes wait_settled cares about (paused with pending calls, finished): a
         # waiter for the outcome sleeps through every text delta.
@@ -247,9 +268,36 @@ class TurnController:
         self._signal.publish(self.revision, version=self.revision, final=True)
         self._settle.publish(self.revision, version=self.revision, final=True)
 
+    def mirror(self, snap: TurnSnapshot) -> bool:
+        """Take a whole snapshot another server published for a turn it runs (the cluster): this
+        controller then only follows, latest wins (an older revision is ignored). True if taken."""
+        if snap.revision <= self.revision and self._mirrored is not None:
+            return False
+        if self.status in TERMINAL_STATUSES:
+            return False
+        if snap.revision <= self.revision:  # the first one: never let the revision go back
+            snap = _with_revision(snap, self.revision + 1)
+        self.revision = snap.revision
+        self.status = snap.status
+        self.phase = snap.phase
+        self.stop_reason = snap.stop_reason
+        self.error = snap.error
+        self.usage = dict(snap.usage)
+        self.queue_position = snap.queue_position
+        self.attempt = snap.attempt
+        self.pending = [dict(p) for p in snap.pending]
+        self._mirrored = self._cached = snap
+        final = snap.terminal
+        self._signal.publish(self.revision, version=self.revision, final=final)
+        if snap.settled:
+            self._settle.publish(self.revision, version=self.revision, final=final)
+        return True
+
     # ------------------------------------------------------------ read
 
     def visible_text(self) -> str:
+        if self._mirrored is not None:
+            return self._mirrored.text()
         return "".join("".join(b.parts) for b in self._blocks if b.type == "text")
 
     def draft(self, skip: int = 0) -> dict[str, Any]:
@@ -257,6 +305,8 @@ class TurnController:
         return {"text": self.visible_text()[skip:], "revision": self.revision}
 
     def snapshot(self) -> TurnSnapshot:
+        if self._mirrored is not None:
+            return self._mirrored
         snap = self._cached
         if snap is None or snap.revision != self.revision:
             snap = self._cached = TurnSnapshot(
@@ -336,3 +386,7 @@ class TurnController:
             if block is not None and p.status == "pending":
                 block.status = "pending_approval" if p.kind == "approval" else "awaiting_client"
         self._cached = None
+
+
+def _with_revision(snap: TurnSnapshot, revision: int) -> TurnSnapshot:
+    return replace(snap, revision=revision)

@@ -13,6 +13,9 @@ same observable behaviour:
 - `messages.id` is an identity BY DEFAULT, so `store copy` keeps message ids (responses and history
   points refer to them) and then moves the sequence past them.
 - `store_probe`: the one row `check_writable` updates.
+- Version 2, the cluster (appserver/store/cluster.py): `instances` (a row per running server, its
+  heartbeat and the key of its session lock), `conversation_owners` (which instance holds a
+  conversation's runtime), `cluster_mail` (notification payloads too large for NOTIFY).
 """
 
 from __future__ import annotations
@@ -174,6 +177,34 @@ MIGRATIONS: list[tuple[int, str]] = [
             written_at DOUBLE PRECISION NOT NULL DEFAULT 0
         );
         INSERT INTO store_probe(id) VALUES (1);
+        """,
+    ),
+    (
+        2,
+        """
+        CREATE TABLE instances (
+            id TEXT COLLATE "C" PRIMARY KEY,
+            host TEXT NOT NULL,
+            pid INTEGER NOT NULL,
+            address TEXT NOT NULL DEFAULT '',
+            lock_key BIGINT NOT NULL,
+            started_at DOUBLE PRECISION NOT NULL,
+            heartbeat_at DOUBLE PRECISION NOT NULL
+        );
+
+        CREATE TABLE conversation_owners (
+            conversation_id TEXT COLLATE "C" PRIMARY KEY,
+            instance_id TEXT COLLATE "C" NOT NULL,
+            token TEXT NOT NULL,
+            since DOUBLE PRECISION NOT NULL
+        );
+        CREATE INDEX conversation_owners_instance ON conversation_owners(instance_id);
+
+        CREATE TABLE cluster_mail (
+            id TEXT COLLATE "C" PRIMARY KEY,
+            body TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
         """,
     ),
 ]

@@ -17,12 +17,9 @@ Not here, because PostgreSQL has no equivalent: the WAL checkpointer, the free-s
 integrity preflight (`accept_data_loss` is accepted and ignored), file permissions. Durability
 and disk space are the database server's.
 
-Cluster notes (one server per database today: `claim_server` refuses a second one): a turn's
-`owner` and an HTTP Idempotency-Key's owner are process identities (`appserver/procid.py`),
-which only say something about processes on this host. Several
-servers on one database will need an owner lease (a row per server renewed on a timer, its
-expiry deciding "gone") before crash settle and `release_orphaned_http_idempotency` may touch
-another host's rows; until then claims stamped by another host are never released here.
+Several servers may share one database (a cluster, appserver/store/cluster.py): `claim_server`
+registers this one as an instance, and from then on its turns and HTTP Idempotency-Key claims are
+stamped with the instance id, which any server can judge alive or gone through the database.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from appserver.procid import identity, identity_alive
 from appserver.store.base import DuplicateTurn, Store, StoreError
+from appserver.store.cluster import LIVE, Cluster
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew
 from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS
@@ -83,8 +81,8 @@ POOL_MAX = 10
 # ------------------------------------------------------------------ the writer
 
 
-CLAIM_CHECK_S = 0.5  # how often a server checks that it still holds the database
-CLAIM_LOG_S = 30.0  # a claim that stays lost is logged again at most this often
+HEARTBEAT_S = 2.0  # [store] heartbeat_s: how often a server renews its instance row
+INSTANCE_TIMEOUT_S = 30.0  # [store] instance_timeout_s: a server silent this long is gone
 LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
 
 
@@ -273,11 +271,6 @@ async def _count(conn: Conn, query: str, params: tuple[Any, ...]) -> int:
 # ------------------------------------------------------------------ the store
 
 
-# Session advisory lock (two int4 keys, so pg_locks shows them as classid/objid) held by the one
-# server using this database; distinct from MIGRATION_LOCK.
-SERVER_LOCK = (0x61707073, 0x73657276)
-
-
 class PostgresStore(Store):
     def __init__(self, url: str, *, pool_max: int = POOL_MAX, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.url = url
@@ -291,9 +284,10 @@ class PostgresStore(Store):
         self.owner = f"{identity()}@{self.host}"
         self._pool: AsyncConnectionPool[Conn] | None = None
         self._writes = _Writer(self._writer_connection)
-        self._claim: Conn | None = None  # the session holding SERVER_LOCK while this server runs
-        self._claimed = False  # claim_server was asked: readiness re-takes a claim the database dropped
-        self._keeper: asyncio.Task[None] | None = None  # _keep_claim, while the claim is held
+        self.heartbeat_s = HEARTBEAT_S
+        self.instance_timeout_s = INSTANCE_TIMEOUT_S
+        self.address = ""  # host:port this server listens on, shown to the others
+        self.cluster: Cluster | None = None  # once claim_server joined the cluster (a serve)
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.shown_url!r})"
@@ -340,105 +334,34 @@ class PostgresStore(Store):
         self._pool = pool
 
     async def claim_server(self) -> None:
-        """One server per database until several can share one (docs/scale-out.md): a session
-        advisory lock, held on a connection of its own for as long as this server runs, released
-        by PostgreSQL when the process dies (the session ends). A second server is refused, naming
-        the holder, instead of settling the first one's running turns as crashed."""
-        if self._claim is not None:
+        """Join the database's cluster of servers (appserver/store/cluster.py): register this
+        server as an instance, hold its session lock, listen for the others. Its turns and claims
+        are stamped with the instance id from then on."""
+        if self.cluster is not None:
             return
-        self._claimed = True
-        try:
-            conn = await psycopg.AsyncConnection.connect(
-                self.url,
-                autocommit=True,
-                row_factory=dict_row,
-                connect_timeout=max(1, int(self.connect_timeout_s)),
-                application_name=f"appserver serve {self.owner}"[:63],
-            )
-        except (psycopg.Error, OSError, ValueError) as exc:
-            raise self._error("cannot connect to claim the database", exc) from None
-        try:
-            cur = await conn.execute("SELECT pg_try_advisory_lock(%s, %s) AS got", SERVER_LOCK)
-            row = await cur.fetchone()
-            if row is not None and row["got"]:
-                self._claim = conn
-                if self._keeper is None or self._keeper.done():
-                    self._keeper = asyncio.get_running_loop().create_task(self._keep_claim())
-                return
-            cur = await conn.execute(
-                "SELECT a.application_name, a.client_addr::text AS addr FROM pg_locks l "
-                "JOIN pg_stat_activity a ON a.pid = l.pid "
-                "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s AND l.objid = %s",
-                SERVER_LOCK,
-            )
-            holder = await cur.fetchone()
-        except psycopg.Error as exc:
-            await conn.close()
-            raise self._error("cannot claim the database", exc) from None
-        await conn.close()
-        who = (holder or {}).get("application_name") or "another appserver serve"
-        where = (holder or {}).get("addr") or "this host (a local socket)"
-        raise StoreOpenError(
-            f"PostgreSQL store {self.shown_url}: already used by {who} (connected from {where}); "
-            "several servers on one database are not supported yet (docs/scale-out.md): stop that one, "
-            "or give this server its own database"
+        cluster = Cluster(
+            self, heartbeat_s=self.heartbeat_s, instance_timeout_s=self.instance_timeout_s, address=self.address
         )
-
-    async def _claim_alive(self) -> bool:
-        claim = self._claim
-        if claim is not None and not claim.closed:
-            try:
-                await claim.execute("SELECT 1")
-                return True
-            except psycopg.Error:
-                pass
-        self._claim = None
-        if claim is not None:
-            await claim.close()
-        return False
-
-    async def _keep_claim(self) -> None:
-        """Check the claim's session every CLAIM_CHECK_S and take the claim again at once when the
-        database ended it (a restart, a terminated backend), before a second server can take it.
-        Losing it to another server is logged; `/readyz` then fails naming that server."""
-        said, said_at = "", 0.0  # the last complaint, and when: repeated at most every CLAIM_LOG_S
-        while self._claim is not None or self._claimed:
-            await asyncio.sleep(CLAIM_CHECK_S)
-            if self._pool is None:
-                return
-            if await self._claim_alive():
-                continue
-            try:
-                await self.claim_server()
-                log.warning(
-                    "PostgreSQL store %s: the database ended the server claim's session; taken again", self.shown_url
-                )
-                said = ""
-                continue
-            except StoreOpenError as exc:  # another server has it, or the database is unreachable
-                complaint = str(exc)
-            except Exception as exc:
-                complaint = f"PostgreSQL store {self.shown_url}: cannot take the server claim again yet: {exc}"
-            now = time.monotonic()
-            if complaint != said or now - said_at >= CLAIM_LOG_S:
-                log.error("%s", complaint)
-                said, said_at = complaint, now
+        try:
+            await cluster.start()
+        except (psycopg.Error, OSError, ValueError) as exc:
+            raise self._error("cannot join the cluster of servers on this database", exc) from None
+        self.cluster = cluster
+        self.owner = cluster.instance_id
 
     async def close(self) -> None:
-        pool, self._pool = self._pool, None
-        keeper, self._keeper = self._keeper, None
-        if keeper is not None:
-            keeper.cancel()
-        claim, self._claim = self._claim, None
+        cluster, self.cluster = self.cluster, None
         try:
+            if cluster is not None and self._pool is not None:
+                await self._writes.flush()
+                await cluster.stop()  # its leases and row go: the others take over at once
+        finally:
+            pool, self._pool = self._pool, None
             if pool is not None:
                 try:
                     await self._writes.flush()
                 finally:
                     await pool.close()
-        finally:
-            if claim is not None:
-                await claim.close()  # ends the session: the lock goes with it
 
     @asynccontextmanager
     async def _writer_connection(self) -> AsyncIterator[Conn]:
@@ -479,14 +402,14 @@ class PostgresStore(Store):
         self.pool  # noqa: B018 - a closed store refuses before queueing
         return await self._writes.run(job)
 
-    async def _rows(self, query: str, params: tuple[Any, ...] = ()) -> list[DictRow]:
+    async def _rows(self, query: str, params: tuple[Any, ...] | Mapping[str, Any] = ()) -> list[DictRow]:
         async def run(conn: Conn) -> list[DictRow]:
             cur = await conn.execute(query, params)
             return await cur.fetchall()
 
         return await self._read(run)
 
-    async def _row(self, query: str, params: tuple[Any, ...] = ()) -> DictRow | None:
+    async def _row(self, query: str, params: tuple[Any, ...] | Mapping[str, Any] = ()) -> DictRow | None:
         async def run(conn: Conn) -> DictRow | None:
             cur = await conn.execute(query, params)
             return await cur.fetchone()
@@ -508,10 +431,12 @@ class PostgresStore(Store):
             return int(row["writes"])
 
         await self._write(probe)
-        if self._claimed and not await self._claim_alive():
-            # The session holding the server claim ended (a database restart): take it again, or
-            # say that another server has it now.
-            await self.claim_server()
+        cluster = self.cluster
+        if cluster is not None and cluster.lost:
+            raise StoreError(
+                f"PostgreSQL store {self.shown_url}: this server ({cluster.instance_id}) was judged gone by the "
+                "others (its heartbeat stopped) and its conversations were taken over: restart it"
+            )
         return "writable (PostgreSQL; free disk space is the database server's)"
 
     # ------------------------------------------------------------ agents
@@ -986,12 +911,16 @@ class PostgresStore(Store):
 
         return await self._write(job)
 
-    def _orphaned(self, owner: str | None) -> bool:
-        """A pending key's claimant is gone (killed mid-request): nobody will ever finish it. Only
-        a claimant on this host can be judged (by its process identity); one stamped by another
-        host is never called gone here: that needs an owner lease (see the module doc)."""
+    async def _orphaned(self, conn: Conn, owner: str | None) -> bool:
+        """A pending key's claimant is gone (killed mid-request): nobody will ever finish it. A
+        server of the cluster (`inst_…`) is judged by its instance row and lock; a claim stamped
+        by a process identity (a CLI, or an older server) only on its own host."""
         if owner == self.owner:
             return False
+        if owner and owner.startswith("inst_"):
+            params = {"timeout": self.instance_timeout_s, "grace": self.heartbeat_s * 2.5, "id": owner}
+            cur = await conn.execute(f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {LIVE}", params)
+            return await cur.fetchone() is None
         ident, at, host = (owner or "").partition("@")
         if at and host != self.host:
             return False
@@ -1015,7 +944,7 @@ class PostgresStore(Store):
             )
             row = await cur.fetchone()
             if row is not None:
-                if row["state"] != "pending" or not self._orphaned(row["owner"]):
+                if row["state"] != "pending" or not await self._orphaned(conn, row["owner"]):
                     return http_idempotency(row)
                 log.warning(
                     "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
@@ -1036,7 +965,7 @@ class PostgresStore(Store):
     async def release_orphaned_http_idempotency(self) -> int:
         async def job(conn: Conn) -> int:
             cur = await conn.execute("SELECT scope, key, owner FROM http_idempotency WHERE state='pending' FOR UPDATE")
-            gone = [(r["scope"], r["key"]) for r in await cur.fetchall() if self._orphaned(r["owner"])]
+            gone = [(r["scope"], r["key"]) for r in await cur.fetchall() if await self._orphaned(conn, r["owner"])]
             for scope, key in gone:
                 await conn.execute("DELETE FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
             return len(gone)

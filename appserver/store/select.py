@@ -30,4 +30,8 @@ def make_store(config: Config, url: str | None = None) -> SQLiteStore | Postgres
         return SQLiteStore(config.db_path)
     from appserver.store.postgres import PostgresStore  # the driver, only for a PostgreSQL store
 
-    return PostgresStore(url.strip())
+    store = PostgresStore(url.strip())
+    store.heartbeat_s = config.store.heartbeat_s
+    store.instance_timeout_s = max(config.store.instance_timeout_s, 3 * config.store.heartbeat_s)
+    store.address = config.server.listen
+    return store

@@ -1,0 +1,420 @@
+"""The kernel's side of a cluster (several servers on one PostgreSQL database, docs/scale-out.md).
+
+A conversation's runtime lives in the one server holding its lease (`Cluster.take`). Here:
+
+- **Elsewhere:** what this server does for a conversation another server holds. An input is
+  accepted into the store as a `queued` turn and the holder is told to pull it (`pull`); answers
+  to pending calls and cancels are calls to the holder (`respond`, `cancel`), which runs them on
+  its runtime. Nothing is forwarded that the store does not already hold.
+- **Live views:** the holder publishes each turn's newest snapshot (`Cluster.publish_turn`,
+  latest wins, at most every `PUBLISH_EVERY_S` while it runs, at once when it settles, always
+  after its commit); here a *mirror* — a `TurnController` that only follows (`mirror`) — stands
+  for each turn someone follows, so a submitter, an SSE stream or a WebSocket subscriber on this
+  server sees the turn as if it ran here. A mirror that heard nothing for a while reads the store.
+- **Failover:** a sweep takes the conversations whose holder is gone and runs what they left
+  (`Kernel.catch_up`), and pulls turns queued here that no notification announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, replace
+from typing import Any, Protocol
+
+from appserver import errors
+from appserver.config import Config
+from appserver.runtime.handle import Decision, TurnHandle
+from appserver.runtime.restore import controller_from_store
+from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.runtime.types import TERMINAL_STATUSES, LifecycleState
+from appserver.runtime.watch import Watch
+from appserver.store.base import Store
+from appserver.store.cluster import Cluster, ClusterError, PeerError
+from appserver.store.records import TurnRecord
+
+log = logging.getLogger("appserver.cluster")
+
+PUBLISH_EVERY_S = 0.05  # a running turn's snapshots go to the others at most this often
+STALE_S = 2.0  # a mirror that heard nothing this long reads the turn from the store
+SWEEP_S = 1.0
+PULL_AFTER_S = 2.0  # a turn queued this long at a conversation held here is pulled from the store
+MOVED_HOPS = 3  # a call follows a conversation that moved at most this many times
+
+
+class KernelSide(Protocol):
+    """What the link uses of the kernel (the kernel hands itself in; no import back)."""
+
+    store: Store
+    config: Config
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def holds(self, conversation_id: str) -> bool: ...
+
+    async def catch_up(self, conversation_id: str) -> None: ...
+
+    async def respond(
+        self, conversation_id: str, decisions: list[Decision], *, here: bool = False
+    ) -> list[dict[str, Any]]: ...
+
+    async def cancel(self, conversation_id: str, turn_id: str | None = None, *, here: bool = False) -> bool: ...
+
+
+class OwnedElsewhere(Exception):
+    """The conversation's runtime lives in another live server of the cluster."""
+
+    def __init__(self, conversation_id: str, holder: str) -> None:
+        super().__init__(f"conversation {conversation_id} is held by instance {holder}")
+        self.conversation_id = conversation_id
+        self.holder = holder
+
+
+class _Mirror:
+    __slots__ = ("handle", "heard_at")
+
+    def __init__(self, handle: TurnHandle) -> None:
+        self.handle = handle
+        self.heard_at = time.monotonic()
+
+
+class RemoteWatch(Watch):
+    """A `Watch` of a conversation another server runs: its turns as mirrors."""
+
+    def __init__(self, link: ClusterLink, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> None:
+        self._link = link
+        self._conversation_id = conversation_id
+        self._on_turn = on_turn
+        self._open = True
+        link.watchers.setdefault(conversation_id, []).append(on_turn)
+
+    @property
+    def conversation_id(self) -> str:
+        return self._conversation_id
+
+    def _mine(self) -> list[TurnHandle]:
+        return [m.handle for m in self._link.mirrors.values() if m.handle.conversation_id == self._conversation_id]
+
+    @property
+    def state(self) -> LifecycleState:
+        statuses = {h.controller.status for h in self._mine()}
+        if "running" in statuses and any(h.controller.phase != "queued" for h in self._mine()):
+            return "active"
+        return "awaiting" if "awaiting" in statuses else "idle"
+
+    @property
+    def active_handle(self) -> TurnHandle | None:
+        for h in self._mine():
+            c = h.controller
+            if c.status == "awaiting" or (c.status == "running" and c.phase != "queued"):
+                return h
+        return None
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for h in self._mine() if h.controller.phase == "queued" and h.controller.status == "running")
+
+    def handles(self) -> list[TurnHandle]:
+        return self._mine()
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        callbacks = self._link.watchers.get(self._conversation_id, [])
+        if self._on_turn in callbacks:
+            callbacks.remove(self._on_turn)
+        if not callbacks:
+            self._link.watchers.pop(self._conversation_id, None)
+
+
+class ClusterLink:
+    def __init__(self, kernel: KernelSide, cluster: Cluster) -> None:
+        self.kernel = kernel
+        self.cluster = cluster
+        self.mirrors: dict[str, _Mirror] = {}
+        self.watchers: dict[str, list[Callable[[TurnHandle], None]]] = {}
+        self._sent: dict[str, int] = {}  # turn id -> the newest revision published
+        self._publishers: dict[str, asyncio.Task[None]] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        cluster.handle(self.on_message, self.on_notice)
+
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="cluster-sweep")
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for task in [*self._publishers.values(), *self._tasks]:
+            task.cancel()
+
+    # ------------------------------------------------------------ publishing (the holder)
+
+    def on_local_turn(self, handle: TurnHandle) -> None:
+        """A turn became visible in a runtime held here: publish its snapshots while it runs."""
+        if handle.turn_id in self._publishers:
+            return
+        turn_id = handle.turn_id
+        task = asyncio.get_running_loop().create_task(self._publish(handle.controller), name="cluster-publish")
+        self._publishers[turn_id] = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            if self._publishers.get(turn_id) is task:
+                del self._publishers[turn_id]
+
+        task.add_done_callback(done)
+
+    async def _publish(self, controller: TurnController) -> None:
+        seen = -1
+        while True:
+            snap = await controller.next_snapshot(seen)
+            seen = snap.revision
+            self.publish(snap)
+            if snap.settled:
+                return  # settled snapshots go out from `settled` (after the commit)
+            await asyncio.sleep(PUBLISH_EVERY_S)
+
+    def settled(self, snapshot: TurnSnapshot) -> None:
+        """Every settled turn (segment) of this server, committed: its snapshot goes out now."""
+        self.publish(snapshot)
+
+    def publish(self, snap: TurnSnapshot) -> None:
+        if not self.cluster.peers or self._sent.get(snap.turn_id, -1) >= snap.revision:
+            return
+        if snap.terminal:
+            self._sent.pop(snap.turn_id, None)
+        else:
+            self._sent[snap.turn_id] = snap.revision
+        body = json.dumps(snap.to_dict(), separators=(",", ":"))
+        self.cluster.publish_turn(snap.conversation_id, snap.turn_id, snap.revision, body)
+
+    # ------------------------------------------------------------ following (everyone else)
+
+    def on_notice(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
+        mirror = self.mirrors.get(turn_id)
+        if mirror is None and conversation_id not in self.watchers:
+            return
+        if mirror is not None and revision <= mirror.handle.controller.revision:
+            mirror.heard_at = time.monotonic()
+            return
+        if body.startswith("@"):
+            self._spawn(self._fetch_and_apply(body))
+            return
+        self._apply(json.loads(body))
+
+    async def _fetch_and_apply(self, ref: str) -> None:
+        self._apply(json.loads(await self.cluster.read_mail(ref)))
+
+    def _apply(self, data: dict[str, Any]) -> None:
+        snap = TurnSnapshot.from_dict(data)
+        mirror = self.mirrors.get(snap.turn_id)
+        if mirror is None:
+            if self.kernel.holds(snap.conversation_id):
+                return  # our own turn, heard back
+            controller = TurnController(snap.turn_id, snap.conversation_id, snap.agent_id)
+            mirror = self._track(TurnHandle(snap.turn_id, snap.conversation_id, controller))
+            mirror.handle.controller.mirror(snap)
+            self._tell(mirror.handle)
+        else:
+            mirror.handle.controller.mirror(snap)
+        mirror.heard_at = time.monotonic()
+        if snap.terminal:
+            self.mirrors.pop(snap.turn_id, None)
+
+    def _track(self, handle: TurnHandle) -> _Mirror:
+        mirror = self.mirrors.get(handle.turn_id)
+        if mirror is None:
+            mirror = self.mirrors[handle.turn_id] = _Mirror(handle)
+        return mirror
+
+    def _tell(self, handle: TurnHandle) -> None:
+        for callback in list(self.watchers.get(handle.conversation_id, ())):
+            try:
+                callback(handle)
+            except Exception:
+                log.exception("turn watcher failed")
+
+    async def mirror(self, turn: TurnRecord) -> TurnHandle:
+        """A following handle for a turn another server runs, seeded from the store."""
+        known = self.mirrors.get(turn.id)
+        if known is not None:
+            return known.handle
+        store = self.kernel.store
+        fresh = await store.get_turn(turn.id) or turn
+        controller = await controller_from_store(store, fresh, await store.list_pending(fresh.id))
+        known = self.mirrors.get(turn.id)  # another caller made it meanwhile
+        if known is not None:
+            return known.handle
+        handle = TurnHandle(fresh.id, fresh.conversation_id, controller)
+        if controller.status not in TERMINAL_STATUSES:
+            self._track(handle)
+        return handle
+
+    async def watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> RemoteWatch:
+        view = RemoteWatch(self, conversation_id, on_turn)
+        for turn in await self.kernel.store.list_turns(conversation_id, statuses=("queued", "running", "awaiting")):
+            await self.mirror(turn)
+        return view
+
+    # ------------------------------------------------------------ work for a conversation held elsewhere
+
+    async def submit(self, record: TurnRecord, scope: str | None, holder: str) -> tuple[TurnHandle, int]:
+        """Accept an input for a conversation `holder` runs: queued in the store, then pulled."""
+        limit = self.kernel.config.limits.queue_max
+        waiting = await self.cluster.open_turn_count(record.conversation_id)
+        if waiting > limit:
+            raise errors.QueueFull(
+                f"conversation {record.conversation_id} has {waiting - 1} inputs queued (limit {limit}); "
+                "try again later"
+            )
+        record.status = "queued"
+        record.owner = None
+        await self.kernel.store.accept_turn(record, scope)  # raises DuplicateTurn
+        controller = TurnController(
+            record.id, record.conversation_id, record.agent_id, phase="queued", queue_position=waiting
+        )
+        handle = TurnHandle(record.id, record.conversation_id, controller)
+        self._track(handle)
+        self._tell(handle)
+        try:
+            await self.cluster.send(holder, "pull", {"conversation": record.conversation_id, "hops": 0})
+        except Exception as exc:  # the sweep of the holder (or of whoever takes over) pulls it
+            log.warning("could not tell instance %s of a queued turn: %s", holder, exc)
+        return handle, waiting
+
+    async def call_holder(self, conversation_id: str, holder: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run `op` on the server holding the conversation, following it when it moved; when the
+        holder is gone, this server takes the conversation and runs it here."""
+        for _ in range(MOVED_HOPS):
+            try:
+                return await self.cluster.call(holder, op, {"conversation": conversation_id, **args})
+            except PeerError as exc:
+                if exc.kind == "OwnedElsewhere" and exc.data.get("holder"):
+                    holder = str(exc.data["holder"])
+                    continue
+                raise _again(exc) from None
+            except ClusterError:
+                if await self.cluster.owner_alive(holder):
+                    raise errors.KernelError(
+                        f"the server running conversation {conversation_id} did not answer; try again"
+                    ) from None
+                break
+        return await self._here(conversation_id, op, args)
+
+    async def _here(self, conversation_id: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        handler = self._ops().get(op)
+        if handler is None:
+            raise errors.InvalidInput(f"unknown cluster operation {op!r}")
+        return await handler(conversation_id, args)
+
+    # ------------------------------------------------------------ requests from the others
+
+    async def on_message(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        conversation_id = str(args.get("conversation") or "")
+        handler = self._ops().get(op)
+        if handler is None or not conversation_id:
+            raise errors.InvalidInput(f"unknown cluster request {op!r}")
+        return await handler(conversation_id, args)
+
+    def _ops(self) -> dict[str, Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]]:
+        return {"pull": self._pull, "respond": self._respond, "cancel": self._cancel}
+
+    async def _pull(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            await self.kernel.catch_up(conversation_id)
+        except OwnedElsewhere as moved:
+            hops = int(args.get("hops") or 0)
+            if hops < MOVED_HOPS:
+                await self.cluster.send(moved.holder, "pull", {"conversation": conversation_id, "hops": hops + 1})
+        return {}
+
+    async def _respond(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        decisions = [Decision(**d) for d in args.get("decisions") or []]
+        results = await self.kernel.respond(conversation_id, decisions, here=True)
+        return {"results": results}
+
+    async def _cancel(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        turn_id = args.get("turn_id")
+        done = await self.kernel.cancel(conversation_id, str(turn_id) if turn_id else None, here=True)
+        return {"cancelled": done}
+
+    # ------------------------------------------------------------ the sweep
+
+    async def _sweep(self) -> None:
+        purged_at = time.monotonic()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                await self.sweep_once()
+                if time.monotonic() - purged_at > 60:
+                    purged_at = time.monotonic()
+                    await self.cluster.purge_mail()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("cluster sweep failed")
+
+    async def sweep_once(self) -> None:
+        """Take over what gone servers left, pull what no notification announced, refresh mirrors
+        that heard nothing."""
+        if self.kernel.stopping:
+            return
+        gone = await self.cluster.forget_gone()
+        for instance in gone:
+            log.warning("cluster: instance %s is gone; its conversations are taken over", instance)
+        for conversation_id in await self.cluster.orphaned_conversations():
+            try:
+                await self.kernel.catch_up(conversation_id)
+            except OwnedElsewhere:
+                pass
+        for conversation_id in await self.cluster.waiting_here(PULL_AFTER_S):
+            try:
+                await self.kernel.catch_up(conversation_id)
+            except OwnedElsewhere:
+                pass
+        now = time.monotonic()
+        for turn_id, mirror in list(self.mirrors.items()):
+            if now - mirror.heard_at < STALE_S:
+                continue
+            mirror.heard_at = now
+            await self._refresh(turn_id, mirror)
+
+    async def _refresh(self, turn_id: str, mirror: _Mirror) -> None:
+        store = self.kernel.store
+        turn = await store.get_turn(turn_id)
+        if turn is None:
+            self.mirrors.pop(turn_id, None)
+            return
+        controller = mirror.handle.controller
+        if turn.status in ("queued", "running") or turn.status == controller.status:
+            return
+        built = await controller_from_store(store, turn, await store.list_pending(turn.id))
+        snap = built.snapshot()
+        controller.mirror(replace(snap, revision=max(snap.revision, controller.revision + 1)))
+        if controller.status in TERMINAL_STATUSES:
+            self.mirrors.pop(turn_id, None)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def decisions_args(decisions: list[Decision]) -> dict[str, Any]:
+    return {"decisions": [asdict(d) for d in decisions]}
+
+
+def _again(exc: PeerError) -> Exception:
+    """The peer's error as this server raises it: the same kernel error class, code and param."""
+    cls = getattr(errors, exc.kind, None)
+    if isinstance(cls, type) and issubclass(cls, errors.KernelError):
+        return cls(str(exc), code=exc.data.get("code"), param=exc.data.get("param"))
+    return errors.KernelError(f"the server running this conversation failed: {exc}")
+
+
+__all__ = ["ClusterLink", "OwnedElsewhere", "RemoteWatch", "decisions_args"]

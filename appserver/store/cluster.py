@@ -1,0 +1,449 @@
+"""Several servers on one PostgreSQL database: instances, conversation leases, and messages.
+
+Each `appserver serve` on a PostgreSQL store registers an **instance** (a row in `instances`) and
+holds a session advisory lock keyed by that row on a connection of its own: the *session*. The
+session LISTENs for the cluster's notifications and renews the row's heartbeat every
+`heartbeat_s`. An instance is **gone** when its heartbeat is older than `instance_timeout_s`, or
+when its lock is free (the session ended: PostgreSQL frees it at once when a killed process's
+socket closes) and its heartbeat is older than a grace of 2.5 heartbeats (so a server whose session
+the database dropped and that takes it again at once is not judged gone meanwhile).
+
+A conversation's runtime lives in one instance at a time: loading it takes the conversation's
+lease (`conversation_owners`), which another instance can take only once the holder is gone or
+let go (a holder deletes its lease when it drops an idle runtime). Instances talk through NOTIFY:
+each listens on a channel of its own (requests and replies: `send`, `call`) and all on one
+channel for turn snapshots (`publish_turn`). A payload larger than NOTIFY allows goes through the
+`cluster_mail` table and the notification carries its id.
+
+Everything here judges time by the database's clock, so hosts whose clocks differ agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from appserver.ids import new_id
+
+if TYPE_CHECKING:  # the driver is imported only by a server that joins a cluster (a PostgreSQL store)
+    import psycopg
+    from psycopg.rows import DictRow
+
+    Conn = psycopg.AsyncConnection[DictRow]
+
+log = logging.getLogger("appserver.cluster")
+
+# classid of every instance lock (pg_advisory_lock(int4, int4): classid, objid = the row's lock_key).
+INSTANCE_LOCK_CLASS = 0x61707069
+TURNS_CHANNEL = "appserver_turns"
+NOTIFY_MAX = 7000  # bytes of payload sent inline; PostgreSQL allows a little under 8,000
+MAIL_TTL_S = 300.0
+CALL_TIMEOUT_S = 10.0
+
+NOW = "extract(epoch from clock_timestamp())"
+LIVE = (
+    f"(i.heartbeat_at >= {NOW} - %(timeout)s AND (i.heartbeat_at >= {NOW} - %(grace)s OR EXISTS ("
+    "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 "
+    f"AND l.classid = {INSTANCE_LOCK_CLASS} AND l.objid = i.lock_key::oid)))"
+)
+
+
+class Database(Protocol):
+    """What the cluster uses of the PostgreSQL store: where it is, and its pooled statements."""
+
+    url: str
+    connect_timeout_s: float
+
+    async def _row(self, query: str, params: tuple[Any, ...] | Mapping[str, Any] = ()) -> Any: ...
+
+    async def _rows(self, query: str, params: tuple[Any, ...] | Mapping[str, Any] = ()) -> list[Any]: ...
+
+
+class ClusterError(Exception):
+    """A peer did not answer, or answered with an error it could not describe."""
+
+
+class PeerError(Exception):
+    """A peer answered a call with an error: `kind` and `data` as the peer described it."""
+
+    def __init__(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.data = data
+
+
+@dataclass(slots=True, frozen=True)
+class Lease:
+    """The outcome of taking a conversation's lease: held here (`token`) or by `holder`."""
+
+    token: str | None = None
+    holder: str | None = None
+
+
+MessageHandler = Callable[[str, dict[str, Any]], Any]  # (op, args) -> awaitable result (JSON-able)
+NoticeHandler = Callable[[str, str, int, str], None]  # conv, turn, revision, body (or "@<mail id>")
+
+
+def channel_of(instance_id: str) -> str:
+    return "appserver_" + instance_id.lower()
+
+
+class Cluster:
+    """This server's membership of the database's cluster. Started by `PostgresStore.claim_server`."""
+
+    def __init__(self, store: Database, *, heartbeat_s: float, instance_timeout_s: float, address: str) -> None:
+        self.store = store
+        self.heartbeat_s = heartbeat_s
+        self.instance_timeout_s = instance_timeout_s
+        self.address = address
+        self.instance_id = new_id("inst")
+        self.lock_key = secrets.randbelow(2**31 - 2) + 1
+        self.peers = 0  # live instances besides this one, as of the last heartbeat
+        self._session: Conn | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._on_message: MessageHandler | None = None
+        self._on_notice: NoticeHandler | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopped = False
+        self.lost = False  # the instance row was deleted by a survivor: this server was judged gone
+
+    @property
+    def params(self) -> dict[str, float]:
+        return {"timeout": self.instance_timeout_s, "grace": self.heartbeat_s * 2.5}
+
+    # ------------------------------------------------------------ membership
+
+    async def start(self) -> None:
+        """Register, take the instance lock and listen (raises StoreOpenError when it cannot)."""
+        await self._connect()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="cluster-session")
+
+    def handle(self, on_message: MessageHandler, on_notice: NoticeHandler) -> None:
+        """Where requests from peers and turn notices go (the kernel's side of the cluster)."""
+        self._on_message = on_message
+        self._on_notice = on_notice
+
+    async def _connect(self) -> None:
+        import psycopg
+        from psycopg.rows import dict_row
+
+        conn = await psycopg.AsyncConnection.connect(
+            self.store.url,
+            autocommit=True,
+            row_factory=dict_row,
+            connect_timeout=max(1, int(self.store.connect_timeout_s)),
+            application_name=f"appserver serve {self.instance_id}"[:63],
+        )
+        try:
+            await conn.execute("SELECT pg_advisory_lock(%s, %s)", (INSTANCE_LOCK_CLASS, self.lock_key))
+            await conn.execute(
+                "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
+                f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW}) "
+                f"ON CONFLICT (id) DO UPDATE SET heartbeat_at = {NOW}",
+                (self.instance_id, socket.gethostname(), _pid(), self.address, self.lock_key),
+            )
+            await conn.execute(f"LISTEN {channel_of(self.instance_id)}")
+            await conn.execute(f"LISTEN {TURNS_CHANNEL}")
+        except BaseException:
+            await conn.close()
+            raise
+        self._session = conn
+        await self._count_peers(conn)
+
+    async def _count_peers(self, conn: Conn) -> None:
+        cur = await conn.execute(f"SELECT count(*) AS n FROM instances i WHERE {LIVE}", self.params)
+        row = await cur.fetchone()
+        self.peers = max(0, int(row["n"]) - 1) if row else 0
+
+    async def _run(self) -> None:
+        """Listen; renew the heartbeat; take the session again when the database ended it."""
+        beat_at = time.monotonic()
+        said_at = 0.0
+        while not self._stopped:
+            conn = self._session
+            try:
+                if conn is None or conn.closed:
+                    await self._connect()
+                    log.warning("cluster: the database ended this instance's session; taken again")
+                    continue
+                async for note in conn.notifies(timeout=min(0.25, self.heartbeat_s)):
+                    self._dispatch(note.channel, note.payload)
+                if time.monotonic() - beat_at >= self.heartbeat_s:
+                    beat_at = time.monotonic()
+                    cur = await conn.execute(
+                        f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING id", (self.instance_id,)
+                    )
+                    if await cur.fetchone() is None and not self.lost:
+                        self.lost = True
+                        log.error(
+                            "cluster: instance %s was judged gone by another server (its heartbeat stopped for "
+                            "longer than %.0f s); its conversations were taken over",
+                            self.instance_id,
+                            self.instance_timeout_s,
+                        )
+                    await self._count_peers(conn)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if self._session is not None:
+                    await self._session.close()
+                self._session = None
+                now = time.monotonic()
+                if now - said_at >= 30.0:
+                    said_at = now
+                    log.error("cluster: lost the database session of instance %s: %s", self.instance_id, exc)
+                await asyncio.sleep(min(0.5, self.heartbeat_s))
+
+    async def stop(self) -> None:
+        """Leave the cluster: delete this instance's leases and row, so others take over at once."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(ClusterError("this server is stopping"))
+        for task in list(self._tasks):
+            task.cancel()
+        session, self._session = self._session, None
+        if session is not None and not session.closed:
+            try:
+                await session.execute("DELETE FROM conversation_owners WHERE instance_id = %s", (self.instance_id,))
+                await session.execute("DELETE FROM instances WHERE id = %s", (self.instance_id,))
+            except Exception:
+                pass  # the rows expire on their own: the others judge this instance gone
+            await session.close()
+
+    # ------------------------------------------------------------ judging others
+
+    async def live_instances(self) -> set[str]:
+        rows = await self.store._rows(f"SELECT id FROM instances i WHERE {LIVE}", self.params)
+        return {r["id"] for r in rows}
+
+    async def owner_alive(self, owner: str | None) -> bool:
+        """Does the instance stamped `owner` (a turn's or a claim's) still live?"""
+        if not owner:
+            return False
+        if owner == self.instance_id:
+            return True
+        row = await self.store._row(
+            f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {LIVE}", {**self.params, "id": owner}
+        )
+        return row is not None
+
+    async def forget_gone(self) -> list[str]:
+        """Delete the rows of gone instances (one survivor wins each); returns their ids."""
+        rows = await self.store._rows(
+            f"DELETE FROM instances i WHERE NOT {LIVE} AND i.id <> %(me)s RETURNING id",
+            {**self.params, "me": self.instance_id},
+        )
+        return [r["id"] for r in rows]
+
+    # ------------------------------------------------------------ conversation leases
+
+    async def take(self, conversation_id: str) -> Lease:
+        """Take the conversation's lease: `Lease.token` when this instance holds it now, else
+        `Lease.holder`, the live instance that does. Each take has a token of its own, so letting
+        go of an earlier one (`release`, in the background) never deletes a later one."""
+        token = secrets.token_hex(8)
+        args = {**self.params, "conv": conversation_id, "me": self.instance_id, "token": token}
+        for _ in range(5):
+            row = await self.store._row(
+                "INSERT INTO conversation_owners AS o (conversation_id, instance_id, token, since) "
+                f"VALUES (%(conv)s, %(me)s, %(token)s, {NOW}) ON CONFLICT (conversation_id) DO UPDATE "
+                "SET instance_id = EXCLUDED.instance_id, token = EXCLUDED.token, since = EXCLUDED.since "
+                "WHERE o.instance_id = EXCLUDED.instance_id OR NOT EXISTS "
+                f"(SELECT 1 FROM instances i WHERE i.id = o.instance_id AND {LIVE}) RETURNING instance_id",
+                args,
+            )
+            if row is not None:
+                return Lease(token=token)
+            holder = await self.store._row(
+                "SELECT instance_id FROM conversation_owners WHERE conversation_id = %s", (conversation_id,)
+            )
+            if holder is not None:
+                return Lease(holder=str(holder["instance_id"]))
+        raise ClusterError(f"could not take or find the owner of conversation {conversation_id}")
+
+    def release(self, conversation_id: str, token: str) -> None:
+        """Let go of a conversation whose runtime this instance dropped (in the background)."""
+        self._spawn(self._release(conversation_id, token))
+
+    async def _release(self, conversation_id: str, token: str) -> None:
+        await self.store._row(
+            "DELETE FROM conversation_owners WHERE conversation_id = %s AND token = %s RETURNING 1",
+            (conversation_id, token),
+        )
+
+    async def orphaned_conversations(self) -> list[str]:
+        """Conversations with queued or running turns whose lease no live instance holds."""
+        rows = await self.store._rows(
+            f"WITH live AS (SELECT id FROM instances i WHERE {LIVE}) "
+            "SELECT DISTINCT t.conversation_id FROM turns t WHERE t.status IN ('queued', 'running') "
+            "AND NOT EXISTS (SELECT 1 FROM conversation_owners o WHERE o.conversation_id = t.conversation_id "
+            "AND o.instance_id IN (SELECT id FROM live))",
+            self.params,
+        )
+        return [r["conversation_id"] for r in rows]
+
+    async def waiting_here(self, older_than_s: float) -> list[str]:
+        """Conversations this instance holds with a turn queued for longer than `older_than_s`
+        (a notification that never came: the owner catches up with the store)."""
+        rows = await self.store._rows(
+            "SELECT DISTINCT t.conversation_id FROM turns t JOIN conversation_owners o "
+            "ON o.conversation_id = t.conversation_id WHERE t.status = 'queued' AND o.instance_id = %s "
+            "AND t.created_at < %s",
+            (self.instance_id, time.time() - older_than_s),
+        )
+        return [r["conversation_id"] for r in rows]
+
+    async def open_turn_count(self, conversation_id: str) -> int:
+        row = await self.store._row(
+            "SELECT count(*) AS n FROM turns WHERE conversation_id = %s AND status IN ('queued', 'running')",
+            (conversation_id,),
+        )
+        return int(row["n"]) if row else 0
+
+    # ------------------------------------------------------------ messages
+
+    async def _notify(self, channel: str, payload: str) -> None:
+        if len(payload.encode()) > NOTIFY_MAX:
+            mail_id = new_id("mail")
+            await self.store._row(
+                f"WITH m AS (INSERT INTO cluster_mail(id, body, created_at) VALUES (%s, %s, {NOW})) "
+                "SELECT pg_notify(%s, %s) AS sent",
+                (mail_id, payload, channel, "@" + mail_id),
+            )
+            return
+        await self.store._row("SELECT pg_notify(%s, %s) AS sent", (channel, payload))
+
+    async def read_mail(self, payload: str) -> str:
+        """A notification's payload: itself, or the mail it names (`@<id>`)."""
+        return await self._mail(payload)
+
+    async def _mail(self, payload: str) -> str:
+        if not payload.startswith("@"):
+            return payload
+        row = await self.store._row("SELECT body FROM cluster_mail WHERE id = %s", (payload[1:],))
+        if row is None:
+            raise ClusterError(f"cluster mail {payload[1:]} is gone")
+        return str(row["body"])
+
+    async def send(self, instance_id: str, op: str, args: dict[str, Any]) -> None:
+        """A request that wants no answer."""
+        body = json.dumps({"op": op, "args": args, "from": self.instance_id})
+        await self._notify(channel_of(instance_id), body)
+
+    async def call(
+        self, instance_id: str, op: str, args: dict[str, Any], timeout: float = CALL_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """A request answered by the peer within `timeout`; raises PeerError with the peer's error,
+        ClusterError when no answer came."""
+        req = new_id("req")
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._calls[req] = fut
+        try:
+            body = json.dumps({"op": op, "args": args, "from": self.instance_id, "req": req})
+            await self._notify(channel_of(instance_id), body)
+            async with asyncio.timeout(timeout):
+                reply = await fut
+        except TimeoutError:
+            raise ClusterError(f"instance {instance_id} did not answer {op} within {timeout:.0f} s") from None
+        finally:
+            self._calls.pop(req, None)
+        if reply.get("ok"):
+            return dict(reply.get("result") or {})
+        error = reply.get("error") or {}
+        raise PeerError(str(error.get("kind", "error")), str(error.get("message", "the peer failed")), error)
+
+    def publish_turn(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
+        """Tell every instance of a turn's newest snapshot (only when there are others)."""
+        if self.peers:
+            self._spawn(self._notify(TURNS_CHANNEL, f"{conversation_id} {turn_id} {revision} {body}"))
+
+    async def publish_turn_now(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
+        await self._notify(TURNS_CHANNEL, f"{conversation_id} {turn_id} {revision} {body}")
+
+    # ------------------------------------------------------------ incoming
+
+    def _dispatch(self, channel: str, payload: str) -> None:
+        if channel == TURNS_CHANNEL:
+            head = payload.split(" ", 3)
+            if len(head) == 4 and self._on_notice is not None:
+                conv, turn, rev, body = head
+                try:
+                    self._on_notice(conv, turn, int(rev), body)
+                except Exception:
+                    log.exception("cluster: a turn notice failed")
+            return
+        self._spawn(self._incoming(payload))
+
+    async def _incoming(self, payload: str) -> None:
+        try:
+            msg = json.loads(await self._mail(payload))
+        except Exception:
+            log.exception("cluster: an unreadable message")
+            return
+        if "reply" in msg:
+            fut = self._calls.get(msg["reply"])
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        if self._on_message is None:
+            return
+        req = msg.get("req")
+        try:
+            result = await self._on_message(str(msg.get("op")), dict(msg.get("args") or {}))
+            reply: dict[str, Any] = {"reply": req, "ok": True, "result": result or {}}
+        except Exception as exc:
+            reply = {"reply": req, "ok": False, "error": describe(exc)}
+            if req is None:
+                log.exception("cluster: request %s from %s failed", msg.get("op"), msg.get("from"))
+        if req is not None and msg.get("from"):
+            try:
+                await self._notify(channel_of(str(msg["from"])), json.dumps(reply))
+            except Exception:
+                log.exception("cluster: could not answer %s", msg.get("from"))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("cluster: a background step failed: %s", task.exception())
+
+    async def purge_mail(self) -> None:
+        await self.store._row(f"DELETE FROM cluster_mail WHERE created_at < {NOW} - %s RETURNING 1", (MAIL_TTL_S,))
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """An exception as a peer can raise it again (appserver errors keep their class and fields)."""
+    data: dict[str, Any] = {"kind": type(exc).__name__, "message": str(exc)}
+    for name in ("code", "param", "status", "holder"):
+        value = getattr(exc, name, None)
+        if isinstance(value, str | int) or value is None:
+            data[name] = value
+    return data
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+__all__ = ["Cluster", "ClusterError", "Lease", "PeerError", "channel_of", "describe"]

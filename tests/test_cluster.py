@@ -1,0 +1,208 @@
+"""Several `appserver serve` processes on one PostgreSQL database (issue 21): any instance takes any
+request; a conversation runs on one instance at a time, in order; everyone sees its turns live;
+answers given anywhere resume it where it runs; a killed instance's work is taken over."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.support.cli import cli_env, run_cli
+from tests.support.pg import require_postgres, temp_database
+from tests.support.serve import ServeProcess, start_serve
+from tests.support.ws import WS
+
+pytestmark = pytest.mark.timeout(120)
+
+# Fast heartbeats so that failover happens within seconds in a test (defaults: 2 s and 30 s).
+FAST = {"APPSERVER_STORE__HEARTBEAT_S": "0.2", "APPSERVER_STORE__INSTANCE_TIMEOUT_S": "3"}
+
+
+@dataclass
+class Cluster:
+    url: str
+    nodes: list[ServeProcess]
+
+
+def _env(home: Path, url: str) -> dict[str, str]:
+    return cli_env(home, APPSERVER_STORE__URL=url, **FAST)
+
+
+def _start(tmp: Path, url: str, n: int) -> list[ServeProcess]:
+    nodes = []
+    for i in range(n):
+        home = tmp / f"node{i}"
+        nodes.append(start_serve(home, env=_env(home, url)))
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    require_postgres()
+    tmp = tmp_path_factory.mktemp("cluster")
+    with temp_database("cluster") as url:
+        home = tmp / "admin"
+        r = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=_env(home, url))
+        assert r.code == 0, r.err
+        nodes = _start(tmp, url, 3)
+        try:
+            yield Cluster(url, nodes)
+        finally:
+            for sp in nodes:
+                sp.stop()
+            for sp in nodes:
+                sp.kill()
+
+
+def _turns(url: str, conversation_id: str) -> list[dict[str, Any]]:
+    with psycopg.connect(url) as c:
+        c.row_factory = psycopg.rows.dict_row
+        return c.execute(
+            "SELECT id, status, owner, started_at, ended_at, input FROM turns WHERE conversation_id = %s ORDER BY seq",
+            (conversation_id,),
+        ).fetchall()
+
+
+def _instances(url: str) -> list[str]:
+    with psycopg.connect(url) as c:
+        return [r[0] for r in c.execute("SELECT id FROM instances ORDER BY started_at").fetchall()]
+
+
+async def _create(ws: WS, agent: str = "assistant") -> str:
+    return str((await ws.request({"type": "create_conversation", "agent": agent}))["conversation"]["id"])
+
+
+async def _submit(ws: WS, conversation: str, text: str, agent: str = "assistant") -> dict[str, Any]:
+    ack = await ws.request({"type": "submit_input", "agent": agent, "conversation": conversation, "input": text})
+    assert ack["type"] == "ack", ack
+    return ack
+
+
+def test_submits_through_three_instances_run_one_at_a_time_in_order(cluster: Cluster) -> None:
+    async def go() -> None:
+        socks = [await WS.open(sp.url) for sp in cluster.nodes]
+        conv = await _create(socks[0])
+        acks = []
+        for i in range(9):  # round robin; each ack before the next submit: that is the order
+            acks.append(await _submit(socks[i % 3], conv, "/slow 4"))
+        finals = [await socks[i % 3].terminal(a["turn_id"], timeout=60) for i, a in enumerate(acks)]
+        assert [f["status"] for f in finals] == ["completed"] * 9
+        assert all(f["blocks"][-1]["text"] == "w1 w2 w3 w4" for f in finals)
+        turns = {t["id"]: t for t in _turns(cluster.url, conv)}
+        ordered = [turns[a["turn_id"]] for a in acks]
+        for before, after in zip(ordered, ordered[1:], strict=False):
+            assert after["started_at"] >= before["ended_at"], (before, after)  # one at a time, in order
+        assert len({t["owner"] for t in ordered}) >= 1
+        for s in socks:
+            await s.close()
+
+    asyncio.run(go())
+
+
+def test_a_subscriber_on_c_sees_the_turn_that_runs_on_a(cluster: Cluster) -> None:
+    a_url, c_url = cluster.nodes[0].url, cluster.nodes[2].url
+
+    async def go() -> None:
+        a, c = await WS.open(a_url), await WS.open(c_url)
+        conv = await _create(a)
+        warm = await _submit(a, conv, "hi")  # A takes the conversation
+        await a.terminal(warm["turn_id"])
+        sub = await c.request({"type": "subscribe", "conversation": conv})
+        assert sub["type"] != "error", sub
+        ack = await _submit(a, conv, "/slow 20")
+        on_a = await a.terminal(ack["turn_id"], timeout=30)
+        on_c = await c.terminal(ack["turn_id"], timeout=30)
+        assert on_c["blocks"] == on_a["blocks"] and on_c["status"] == "completed"
+        seen = [
+            f["snapshot"] for f in c.seen if f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == ack["turn_id"]
+        ]
+        revisions = [s["revision"] for s in seen]
+        assert revisions == sorted(revisions) and len(set(revisions)) == len(revisions)
+        partial = [s for s in seen if s["status"] == "running" and s["blocks"]]
+        assert len(partial) >= 3, "C saw the reply grow, not only its end"
+        assert all(on_a["blocks"][-1]["text"].startswith(s["blocks"][-1]["text"]) for s in partial)
+        rows = _turns(cluster.url, conv)
+        assert rows[-1]["owner"] == rows[0]["owner"]  # both ran where the conversation lives
+        await a.close()
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_an_approval_answered_on_b_resumes_the_turn_on_a(cluster: Cluster) -> None:
+    a_url, b_url = cluster.nodes[0].url, cluster.nodes[1].url
+
+    async def go() -> None:
+        a, b = await WS.open(a_url), await WS.open(b_url)
+        conv = await _create(a, "careful")
+        await b.request({"type": "subscribe", "conversation": conv})
+        ack = await _submit(a, conv, "/call clock {}", agent="careful")
+        request = await b.expect(lambda f: f["type"] == "approval_request", timeout=15)
+        assert request["turn_id"] == ack["turn_id"]
+        answer = await b.request(
+            {
+                "type": "approval_response",
+                "conversation": conv,
+                "decisions": [{"call_id": request["call_id"], "decision": "approve"}],
+            }
+        )
+        assert answer["type"] == "ack" and answer["results"][0]["accepted"] is True, answer
+        final = await a.terminal(ack["turn_id"], timeout=20)
+        assert final["status"] == "completed"
+        tool = [blk for blk in final["blocks"] if blk["type"] == "tool_call"]
+        assert tool and tool[0]["status"] == "completed"
+        assert (await b.terminal(ack["turn_id"], timeout=20))["status"] == "completed"
+        row = _turns(cluster.url, conv)[0]
+        assert row["status"] == "completed"
+        # it ran and resumed on A: the instance that accepted it and holds the conversation
+        with psycopg.connect(cluster.url) as db:
+            holder = db.execute(
+                "SELECT instance_id FROM conversation_owners WHERE conversation_id = %s", (conv,)
+            ).fetchone()
+        assert holder is not None and row["owner"] == holder[0]
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> None:
+    require_postgres()
+    with temp_database("cluster_kill") as url:
+        nodes = _start(tmp_path, url, 2)
+        try:
+
+            async def go() -> None:
+                a, b = await WS.open(nodes[0].url), await WS.open(nodes[1].url)
+                conv = await _create(a)
+                running = await _submit(a, conv, "/slow 400")
+                await a.expect(
+                    lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15
+                )  # it runs on A
+                queued = await _submit(b, conv, "after the kill")  # accepted by B, queued behind it
+                nodes[0].proc.send_signal(signal.SIGKILL)
+                nodes[0].proc.wait(10)
+                started = time.monotonic()
+                settled = await b.terminal(running["turn_id"], timeout=30)
+                assert settled["status"] == "cancelled" and settled["error"]["kind"] == "interrupted"
+                answered = await b.terminal(queued["turn_id"], timeout=30)
+                assert answered["status"] == "completed" and answered["blocks"][-1]["text"] == "echo: after the kill"
+                assert time.monotonic() - started < 30
+                rows = {r["id"]: r for r in _turns(url, conv)}
+                assert rows[running["turn_id"]]["status"] == "interrupted"
+                assert rows[queued["turn_id"]]["status"] == "completed"
+                assert len(_instances(url)) == 1  # the dead one's row is gone
+                await b.close()
+
+            asyncio.run(go())
+        finally:
+            for sp in nodes:
+                sp.kill()

@@ -53,6 +53,7 @@ class LeaseHolder:
             started_at=self.started_at,
             proc_start=process_start(self.pid),
             host=socket.gethostname(),
+            instance=self.store.instance_id,
         )
 
     def holds(self, state: CronFile) -> bool:
@@ -65,7 +66,7 @@ class LeaseHolder:
         if self.holds(state):
             return True
         owner = state.scheduler_owner
-        if owner is not None and owner_alive(owner):
+        if owner is not None and self._alive(owner):
             return False
         if owner is not None:
             log.warning(
@@ -75,6 +76,14 @@ class LeaseHolder:
             )
         state.scheduler_owner = self.record()
         return True
+
+    def _alive(self, owner: OwnerRecord) -> bool:
+        """A server of a cluster is judged by its instance row (any host); a process by its pid."""
+        if owner.instance:
+            judged = self.store.instance_alive(owner.instance)
+            if judged is not None:
+                return judged
+        return owner_alive(owner)
 
     def claim(self) -> bool:
         """Claim or verify the lease in its own transaction."""

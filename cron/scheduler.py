@@ -46,6 +46,7 @@ from cron.store import (
     Occurrence,
     utcnow,
 )
+from cron.stores import cron_store_for
 
 log = logging.getLogger("appserver.cron")
 
@@ -182,7 +183,7 @@ class Scheduler:
     def from_config(cls, cfg: Any, *, fire: FireFn, **kwargs: Any) -> Scheduler:
         """Build from `appserver.config.Config` (home, cron.tick_s). The caller checks
         `cfg.cron.enabled` (APPSERVER_DISABLE_CRON=1) and does not start one when it is off."""
-        return cls(cfg.home, fire=fire, tick_s=cfg.cron.tick_s, **kwargs)
+        return cls(cron_store_for(cfg.home, cfg.store.url), fire=fire, tick_s=cfg.cron.tick_s, **kwargs)
 
     # ------------------------------------------------------------ the tick
 
@@ -506,3 +507,4 @@ class Scheduler:
             except (TimeoutError, CronStoreError, CorruptStateFile) as exc:
                 log.warning("cron: could not release the scheduler lease: %s", exc)
             self.has_lease = False
+        await asyncio.to_thread(self.store.close)

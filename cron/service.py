@@ -35,6 +35,11 @@ class CronService:
         self._recovery: asyncio.Task[int] | None = None
 
     def start(self) -> None:
+        config = self.server.config
+        if self.server.kernel.owner.startswith("inst_"):  # a server of a cluster: tasks in the database
+            self.scheduler.store.join_cluster(
+                self.server.kernel.owner, config.store.instance_timeout_s, config.store.heartbeat_s
+            )
         self._task = asyncio.get_running_loop().create_task(self.scheduler.run(self._stop), name="cron-scheduler")
 
     def problem(self) -> str | None:

@@ -113,15 +113,21 @@ class OwnerRecord:
     started_at: datetime
     proc_start: int | None  # /proc/<pid>/stat field 22 (clock ticks since boot), None off Linux
     host: str
+    # The server's instance id when the tasks live in a cluster's database (cron/pgstore.py): then
+    # the owner is judged by its instance row, on any host.
+    instance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "pid": self.pid,
             "token": self.token,
             "started_at": _iso(self.started_at),
             "proc_start": self.proc_start,
             "host": self.host,
         }
+        if self.instance:
+            out["instance"] = self.instance
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OwnerRecord:
@@ -130,7 +136,15 @@ class OwnerRecord:
         if not isinstance(pid, int) or not isinstance(token, str) or started is None:
             raise ValueError("scheduler_owner needs pid, token and started_at")
         ps = d.get("proc_start")
-        return cls(pid, token, started, ps if isinstance(ps, int) else None, str(d.get("host", "")))
+        inst = d.get("instance")
+        return cls(
+            pid,
+            token,
+            started,
+            ps if isinstance(ps, int) else None,
+            str(d.get("host", "")),
+            inst if isinstance(inst, str) and inst else None,
+        )
 
 
 @dataclass(slots=True)
@@ -383,6 +397,7 @@ class CronStore:
         self._cache: tuple[tuple[int, int, int], CronFile] | None = None
         # task id -> (fingerprint, JSON line) of the last save: unchanged tasks are not re-encoded
         self._lines: dict[str, tuple[tuple[Any, ...], str]] = {}
+        self.instance_id: str | None = None  # this server's cluster instance (a database-backed store)
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -463,19 +478,34 @@ class CronStore:
         times faster than indenting every key of ten thousand tasks. `cache=True` (the scheduler
         only) keeps `state` for the next `load`; the caller must then hold no references into it
         that it hands out, since the next loader will mutate those objects."""
+        atomic_write_text(self.path, self.render(state))
+        self._cache = None
+        if cache:
+            self.keep(state)
+
+    def render(self, state: CronFile) -> str:
+        """crons.json's text for `state`."""
         state.version = FORMAT_VERSION
         owner = None if state.scheduler_owner is None else state.scheduler_owner.to_dict()
         tasks = ",\n    ".join(self._encode_tasks(state.tasks))
-        text = (
+        return (
             "{\n"
             f'  "version": {state.version},\n'
             f'  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n'
             f'  "tasks": [' + (f"\n    {tasks}\n  " if tasks else "") + "]\n}\n"
         )
-        atomic_write_text(self.path, text)
-        self._cache = None
-        if cache:
-            self.keep(state)
+
+    def join_cluster(self, instance_id: str, instance_timeout_s: float, heartbeat_s: float) -> None:
+        """This store's scheduler is a server of a cluster: its lease is stamped `instance_id`,
+        and others are judged with the cluster's timings."""
+        self.instance_id = instance_id
+
+    def close(self) -> None:
+        """Let go of what the store holds open (a database connection; a file store: nothing)."""
+
+    def instance_alive(self, instance_id: str) -> bool | None:
+        """Is this cluster instance alive? None: this store cannot tell (a file in one home)."""
+        return None
 
     def _encode_tasks(self, tasks: list[CronTask]) -> list[str]:
         """One JSON line per task, reusing the last save's line of every task whose fingerprint

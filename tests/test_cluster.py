@@ -5,6 +5,7 @@ answers given anywhere resume it where it runs; a killed instance's work is take
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -203,6 +204,65 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                 await b.close()
 
             asyncio.run(go())
+        finally:
+            for sp in nodes:
+                sp.kill()
+
+
+def _cron_doc(url: str) -> dict[str, Any]:
+    with psycopg.connect(url) as c:
+        row = c.execute("SELECT doc FROM cron_state WHERE id = 1").fetchone()
+    return json.loads(row[0]) if row and row[0].strip() else {}
+
+
+def _cron_turns(url: str) -> list[dict[str, Any]]:
+    with psycopg.connect(url) as c:
+        c.row_factory = psycopg.rows.dict_row
+        rows = c.execute("SELECT id, status, owner, source FROM turns ORDER BY seq").fetchall()
+    return [r for r in rows if r["source"] and json.loads(r["source"]).get("kind") == "cron_prompt"]
+
+
+def test_a_cron_task_due_during_a_failover_fires_exactly_once(tmp_path: Path) -> None:
+    """The cron tasks live in the database: one scheduler across the cluster (its lease names an
+    instance); kill -9 of that instance just before a task is due: the survivor takes the lease
+    and fires it, once."""
+    require_postgres()
+    with temp_database("cluster_cron") as url:
+        admin = tmp_path / "admin"
+        tick = {"APPSERVER_CRON_TICK_S": "0.3"}
+        nodes = []
+        try:
+            for i in range(2):
+                home = tmp_path / f"node{i}"
+                nodes.append(start_serve(home, env={**_env(home, url), **tick}))
+            deadline = time.monotonic() + 15
+            while not (_cron_doc(url).get("scheduler_owner") or {}).get("instance"):
+                assert time.monotonic() < deadline, "no instance took the scheduler lease"
+                time.sleep(0.1)
+            holder = _cron_doc(url)["scheduler_owner"]["instance"]
+            add = run_cli(admin, "cron", "add", "--name", "soon", "--agent", "assistant",
+                          "--in", "3s", "--exact", "--prompt", "wake up", "--json", env=_env(admin, url))  # fmt: skip
+            assert add.code == 0, add.err
+            assert [t["name"] for t in _cron_doc(url)["tasks"]] == ["soon"]  # in the database, not a home
+            with psycopg.connect(url) as c:
+                pids = dict(c.execute("SELECT id, pid FROM instances").fetchall())
+            victim = next(sp for sp in nodes if sp.proc.pid == pids[holder])
+            survivor = next(sp for sp in nodes if sp is not victim)
+            time.sleep(1.5)
+            assert _cron_turns(url) == []  # not due yet
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait(10)
+            deadline = time.monotonic() + 20
+            while not [t for t in _cron_turns(url) if t["status"] == "completed"]:
+                assert time.monotonic() < deadline, "the survivor never fired the task"
+                time.sleep(0.1)
+            time.sleep(1.0)  # a few more ticks: nothing fires again
+            fired = _cron_turns(url)
+            assert len(fired) == 1, fired
+            with psycopg.connect(url) as c:
+                survivor_id = c.execute("SELECT id FROM instances WHERE pid = %s", (survivor.proc.pid,)).fetchone()[0]
+            assert fired[0]["owner"] == survivor_id
+            assert _cron_doc(url)["scheduler_owner"]["instance"] == survivor_id
         finally:
             for sp in nodes:
                 sp.kill()

@@ -18,7 +18,16 @@ GATEWAY_MAY_IMPORT = ("gateway", "appserver.client", "plugins.contract", "plugin
 PLUGINS_MAY_IMPORT = ("plugins",)
 # cron's data (crons.json, schedules, the run log, the lease) is below the runtime: the `schedule`
 # tool uses it; cron's scheduler and its kernel adapter are a front end.
-CRON_DATA = {"cron.store", "cron.schedule", "cron.runlog", "cron.lease", "cron.envelope", "cron"}
+CRON_DATA = {
+    "cron.store",
+    "cron.pgstore",
+    "cron.stores",
+    "cron.schedule",
+    "cron.runlog",
+    "cron.lease",
+    "cron.envelope",
+    "cron",
+}
 FRONT_ENDS = (
     "appserver.http",
     "appserver.ws",

@@ -18,6 +18,7 @@ from appserver.auth import namespace_allows
 from appserver.store.base import Store
 from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron
 from cron.store import CronNotFound, CronStore, CronStoreError, CronTask, make_task, utcnow
+from cron.stores import cron_store_for
 
 KINDS = ("cron", "every", "at", "in")
 _UNKNOWN = "\x00unknown"  # the caller's namespace when it cannot be read: only this conversation
@@ -75,7 +76,7 @@ def _list(tasks: list[CronTask]) -> str:
 
 
 async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
-    store = CronStore(ctx.config.home)
+    store = cron_store_for(ctx.config.home, ctx.config.store.url)
     action = args.get("action")
     try:
         ns = await _caller_namespace(conversations, ctx)
@@ -104,6 +105,8 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
             return ToolOutput("action must be create, list or cancel", is_error=True)
     except (ScheduleError, CronNotFound, CronStoreError, ValueError, LookupError) as exc:
         return ToolOutput(f"schedule {action} failed: {exc}", is_error=True)
+    finally:
+        await asyncio.to_thread(store.close)
     return ToolOutput(text)
 
 

@@ -43,6 +43,7 @@ from cron.store import (
     make_task,
     utcnow,
 )
+from cron.stores import cron_store_for
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -141,7 +142,7 @@ def _config() -> Config:
 
 
 def _store(cfg: Config) -> CronStore:
-    store = CronStore(cfg.home)
+    store = cron_store_for(cfg.home, cfg.store.url)
     for path in store.corrupt_files():
         click.echo(
             f"warning: {path} was set aside as unreadable; its tasks are not active "

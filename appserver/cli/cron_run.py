@@ -15,7 +15,8 @@ from appserver.errors import KernelError
 from appserver.server import Server
 from cron.adapter import KernelAdapter
 from cron.runner import run_task_now
-from cron.store import CronNotFound, CronStore
+from cron.store import CronNotFound
+from cron.stores import cron_store_for
 
 
 def validate_agent(config: Config, agent: str) -> str:
@@ -65,7 +66,7 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
         try:
             adapter = KernelAdapter(server.kernel, server.store)
             result = await run_task_now(
-                config.home,
+                cron_store_for(config.home, config.store.url),
                 task,
                 agent=agent_id,
                 fire=adapter.fire,
@@ -126,7 +127,7 @@ def run_remote(config: Config, url: str, task: str, agent: str | None, timeout: 
     ack, snap = call_server(go, url, timeout)
     occurrence = dict((ack.get("results") or [{}])[0])
     task_id = str(occurrence.get("task_id"))
-    stored = CronStore(config.home).read().get(task_id)
+    stored = cron_store_for(config.home, config.store.url).read().get(task_id)
     return {
         "task": stored.to_dict() if stored else {"id": task_id, "name": occurrence.get("task_name")},
         "occurrence": {k: v for k, v in occurrence.items() if k not in ("task_id", "task_name", "agent_id")},

@@ -15,7 +15,8 @@ same observable behaviour:
 - `store_probe`: the one row `check_writable` updates.
 - Version 2, the cluster (appserver/store/cluster.py): `instances` (a row per running server, its
   heartbeat and the key of its session lock), `conversation_owners` (which instance holds a
-  conversation's runtime), `cluster_mail` (notification payloads too large for NOTIFY).
+  conversation's runtime), `cluster_mail` (notification payloads too large for NOTIFY),
+  `cron_state` (the cron tasks document, cron/pgstore.py).
 """
 
 from __future__ import annotations
@@ -204,6 +205,12 @@ MIGRATIONS: list[tuple[int, str]] = [
             id TEXT COLLATE "C" PRIMARY KEY,
             body TEXT NOT NULL,
             created_at DOUBLE PRECISION NOT NULL
+        );
+
+        CREATE TABLE cron_state (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            doc TEXT NOT NULL,
+            version BIGINT NOT NULL
         );
         """,
     ),

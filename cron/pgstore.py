@@ -1,0 +1,154 @@
+"""Cron tasks in a PostgreSQL store's database, for servers that share it (docs/scale-out.md).
+
+The same document crons.json holds, kept in one row (`cron_state`), so every rule of the file
+store holds unchanged: a read-modify-write is one transaction holding the row lock (`lock`), the
+claim of an occurrence commits before it fires (claim-before-fire), and the scheduler lease
+(`scheduler_owner`) names the instance that may fire, judged alive by its instance row
+(appserver/store/cluster.py) from any host. One scheduler fires across the cluster; when its
+instance is gone, another takes the lease at its next tick. Run logs stay in each server's home.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from appserver.store.cluster import LIVE
+from appserver.store.url import redact_url, scrub
+from cron.store import DEFAULT_LOCK_TIMEOUT_S, CronFile, CronLockTimeout, CronStore, CronStoreError
+
+HEARTBEAT_GRACE = {"timeout": 30.0, "grace": 5.0}  # the cluster's defaults (see `instance_alive`)
+
+
+class PgCronStore(CronStore):
+    def __init__(self, home: Path, url: str, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
+        super().__init__(home, lock_timeout_s=lock_timeout_s)
+        self.url = url
+        self.shown = redact_url(url)
+        self.liveness = dict(HEARTBEAT_GRACE)  # the server sets its own [store] timings
+        self._db: psycopg.Connection[Any] | None = None
+        self._mutex = threading.RLock()  # one connection, used by one thread at a time
+        self._held: tuple[str, int] | None = None  # (doc, version) of the row, while locked
+        self._cached: tuple[int, CronFile] | None = None
+
+    def _conn(self) -> psycopg.Connection[Any]:
+        db = self._db
+        if db is None or db.closed or db.broken:
+            try:
+                db = self._db = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+            except psycopg.Error as exc:
+                raise CronStoreError(
+                    f"cron: cannot reach the database {self.shown}: {scrub(str(exc), self.url)}"
+                ) from None
+        return db
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """One transaction holding the cron row's lock (CronLockTimeout after `lock_timeout_s`)."""
+        with self._mutex:
+            if self._held is not None:  # re-entered by the thread that holds it
+                yield
+                return
+            conn = self._conn()
+            try:
+                with conn.transaction():
+                    conn.execute(f"SET LOCAL lock_timeout = '{int(self.lock_timeout_s * 1000)}ms'")
+                    conn.execute(
+                        "INSERT INTO cron_state(id, doc, version) VALUES (1, '', 0) ON CONFLICT (id) DO NOTHING"
+                    )
+                    try:
+                        row = conn.execute("SELECT doc, version FROM cron_state WHERE id = 1 FOR UPDATE").fetchone()
+                    except psycopg.errors.LockNotAvailable:
+                        raise CronLockTimeout(
+                            f"timed out after {self.lock_timeout_s:g} s waiting for the cron tasks in {self.shown}; "
+                            "another appserver process is holding them"
+                        ) from None
+                    assert row is not None
+                    self._held = (str(row[0]), int(row[1]))
+                    try:
+                        yield
+                    finally:
+                        self._held = None
+            except psycopg.Error as exc:
+                raise CronStoreError(f"cron: the database {self.shown} failed: {scrub(str(exc), self.url)}") from None
+
+    def signature(self) -> tuple[int, int, int] | None:
+        """The row's version (every save bumps it), in the file store's shape."""
+        with self._mutex:
+            if self._held is not None:
+                return (self._held[1], 0, 0)
+            try:
+                row = self._conn().execute("SELECT version FROM cron_state WHERE id = 1").fetchone()
+            except psycopg.Error as exc:
+                raise CronStoreError(f"cron: the database {self.shown} failed: {scrub(str(exc), self.url)}") from None
+            return None if row is None else (int(row[0]), 0, 0)
+
+    def cached_signature(self) -> tuple[int, int, int] | None:
+        cached = self._cached
+        return None if cached is None else (cached[0], 0, 0)
+
+    def load(self, *, readonly: bool = False) -> CronFile:
+        held = self._held
+        if held is None:
+            raise CronStoreError("cron: load() outside lock()")
+        doc, version = held
+        cached, self._cached = self._cached, None
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        if not doc.strip():
+            return CronFile()
+        try:
+            return CronFile.from_dict(json.loads(doc))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CronStoreError(
+                f"the cron tasks in {self.shown} (table cron_state) are not valid: {exc}; fix or empty the row"
+            ) from None
+
+    def save(self, state: CronFile, *, cache: bool = False) -> None:
+        if self._held is None:
+            raise CronStoreError("cron: save() outside lock()")
+        text = self.render(state)
+        row = (
+            self._conn()
+            .execute("UPDATE cron_state SET doc = %s, version = version + 1 WHERE id = 1 RETURNING version", (text,))
+            .fetchone()
+        )
+        assert row is not None
+        self._held = (text, int(row[0]))
+        self._cached = (int(row[0]), state) if cache else None
+
+    def keep(self, state: CronFile) -> None:
+        held = self._held
+        self._cached = None if held is None else (held[1], state)
+
+    def join_cluster(self, instance_id: str, instance_timeout_s: float, heartbeat_s: float) -> None:
+        super().join_cluster(instance_id, instance_timeout_s, heartbeat_s)
+        self.liveness = {"timeout": instance_timeout_s, "grace": heartbeat_s * 2.5}
+
+    def corrupt_files(self) -> list[Path]:
+        return []
+
+    def problem(self) -> str | None:
+        return None
+
+    def instance_alive(self, instance_id: str) -> bool | None:
+        conn = self._conn()
+        row = conn.execute(
+            f"SELECT 1 FROM instances i WHERE i.id = %(id)s AND {LIVE}", {**self.liveness, "id": instance_id}
+        ).fetchone()
+        return row is not None
+
+
+__all__ = ["PgCronStore"]

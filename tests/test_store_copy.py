@@ -177,3 +177,18 @@ def test_copy_refuses_what_it_cannot_do(tmp_path: Path, target: str) -> None:
     assert r.code == 2 and "no SQLite store at" in r.err, r.err
     r = run_cli(home, "store", "copy", env=env)
     assert r.code == 2 and "--to" in r.err
+
+
+def test_copy_brings_the_cron_tasks_into_the_database(tmp_path: Path, target: str) -> None:
+    """A PostgreSQL store keeps the cron tasks in the database (cron/pgstore.py): `store copy`
+    moves the home's crons.json there, without its scheduler owner; `cron list` then reads them."""
+    home = _home_with_data(tmp_path)
+    add = run_cli(home, "cron", "add", "--name", "nightly", "--agent", "one", "--cron", "0 3 * * *",
+                  "--prompt", "tidy up", env=cli_env(home))  # fmt: skip
+    assert add.code == 0, add.err
+    r = run_cli(home, "store", "copy", "--to", target, env=cli_env(home))
+    assert r.code == 0, r.err
+    assert "1 cron tasks" in r.out, r.out
+    listed = run_cli(home, "cron", "list", "--json", env=cli_env(home, APPSERVER_STORE__URL=target))
+    assert listed.code == 0, listed.err
+    assert [t["name"] for t in listed.json()] == ["nightly"]

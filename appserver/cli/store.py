@@ -1,7 +1,8 @@
 """`appserver store copy --to URL`: this home's SQLite store into an empty PostgreSQL database.
 
 Everything the store holds moves (agents, conversations, messages, turns, pending calls, stored
-responses, idempotency keys, history points), in one PostgreSQL transaction from one SQLite
+responses, idempotency keys, history points) and the home's cron tasks (crons.json, which a
+PostgreSQL store keeps in the database), in one PostgreSQL transaction from one SQLite
 snapshot: a copy that fails leaves the target as empty as it was. Then serve with
 `[store] url` (or `serve --store URL`) set to the target. docs/scale-out.md.
 """
@@ -22,17 +23,34 @@ def store_group() -> None:
     """Copy this home's SQLite store into PostgreSQL."""
 
 
-async def _copy(db_path: Path, url: str) -> dict[str, int]:
+def _cron_doc(home: Path) -> tuple[str | None, int]:
+    """The home's cron tasks as the database keeps them (no scheduler owner), and how many."""
+    from appserver.store.base import StoreError
+    from cron.store import CronStore, CronStoreError
+
+    try:
+        state = CronStore(home).read()  # an unreadable crons.json refuses the copy, left in place
+    except CronStoreError as exc:
+        raise StoreError(f"cannot copy the cron tasks: {exc}") from None
+    if not state.tasks:
+        return None, 0
+    state.scheduler_owner = None
+    return CronStore(home).render(state), len(state.tasks)
+
+
+async def _copy(db_path: Path, url: str, home: Path) -> dict[str, int]:
     from appserver.store.postgres import PostgresStore  # the driver: only for this command
     from appserver.store.sqlite import SQLiteStore
 
+    cron_doc, cron_tasks = _cron_doc(home)
     source = SQLiteStore(db_path)
     target = PostgresStore(url)
     source.open_sync()  # refuses a damaged store, brings an old one to the current schema
     try:
         await target.open()
         try:
-            return await target.copy_from_sqlite(source.db)
+            counts = await target.copy_from_sqlite(source.db, cron_doc)
+            return {**counts, "cron_tasks": cron_tasks}
         finally:
             await target.close()
     finally:
@@ -66,7 +84,7 @@ def copy_command(to_url: str, as_json: bool) -> None:
             "would not be in PostgreSQL; stop it first",
             3,
         )
-    counts = run_or_fail(lambda: asyncio.run(_copy(config.db_path, to_url.strip())))
+    counts = run_or_fail(lambda: asyncio.run(_copy(config.db_path, to_url.strip(), config.home)))
     if as_json:
         print_json({"from": str(config.db_path), "to": redact_url(to_url), "copied": counts})
         return

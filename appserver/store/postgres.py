@@ -61,6 +61,7 @@ from appserver.store.rows import (
     conversation_record,
     dump_json,
     http_idempotency,
+    load_json,
     message_record,
     pending_call,
     response_record,
@@ -1026,11 +1027,13 @@ class PostgresStore(Store):
 
     # ------------------------------------------------------------ store copy
 
-    async def copy_from_sqlite(self, source: sqlite3.Connection) -> dict[str, int]:
+    async def copy_from_sqlite(self, source: sqlite3.Connection, cron_doc: str | None = None) -> dict[str, int]:
         """Copy every data table of an SQLite store (an open connection at the newest SQLite schema)
         into this one, which must be empty: one PostgreSQL transaction (all or nothing) reading one
         SQLite snapshot. Message ids are kept (responses and history points refer to them); the
-        rows of each table go in their SQLite insertion order. Returns rows copied per table."""
+        rows of each table go in their SQLite insertion order. `cron_doc`: the home's cron tasks
+        (crons.json's text), which a database store keeps in `cron_state`. Returns rows copied per
+        table (and `cron_tasks`)."""
         await self._writes.settle()
         counts: dict[str, int] = {}
         async with self.pool.connection() as conn, conn.transaction():
@@ -1043,6 +1046,11 @@ class PostgresStore(Store):
                 row = await cur.fetchone()
                 if row and row["n"]:
                     present[table] = int(row["n"])
+            cur = await conn.execute("SELECT doc FROM cron_state WHERE id = 1 FOR UPDATE")
+            cron_row = await cur.fetchone()
+            held = load_json(str(cron_row["doc"]) or "{}", {}) if cron_row is not None else {}
+            if isinstance(held, dict) and held.get("tasks"):
+                present["cron_state"] = len(held["tasks"])
             if present:
                 shown = ", ".join(f"{n} {t}" for t, n in present.items())
                 raise StoreError(
@@ -1059,6 +1067,12 @@ class PostgresStore(Store):
                 "SELECT setval(pg_get_serial_sequence('messages', 'id'), COALESCE((SELECT MAX(id) FROM messages), 1), "
                 "(SELECT MAX(id) FROM messages) IS NOT NULL)"
             )
+            if cron_doc is not None:
+                await conn.execute(
+                    "INSERT INTO cron_state(id, doc, version) VALUES (1, %s, 1) "
+                    "ON CONFLICT (id) DO UPDATE SET doc = EXCLUDED.doc, version = cron_state.version + 1",
+                    (cron_doc,),
+                )
         return counts
 
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import re
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from appserver.auth import TokenStore
+from appserver.auth import token_store_for
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
 from gateway.db import default_path, open_db
@@ -28,6 +31,17 @@ log = logging.getLogger("appserver.channels")
 
 READINESS_CHECK = "channels"
 GATEWAY_TOKEN_NAME = "gateway"
+
+
+def gateway_token_name(config: Config) -> str:
+    """The gateway credential's token name: `gateway`, or, when the tokens live in a database
+    several servers share, one per home (`gateway@<host>-<hash of the home>`), so one server's
+    start never revokes another's gateway."""
+    if not config.store.url.strip():
+        return GATEWAY_TOKEN_NAME
+    where = hashlib.sha256(f"{socket.gethostname()}:{config.home.resolve()}".encode()).hexdigest()[:10]
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{GATEWAY_TOKEN_NAME}@{host}-{where}"
 
 
 class ChannelsUnavailable(Exception):
@@ -43,10 +57,11 @@ def mint_credential(config: Config) -> Credential:
             "channels need auth mode 'none' or 'token' (the gateway gets a capability token); "
             f"this server uses {mode!r}"
         )
-    store = TokenStore(config.home)
+    store = token_store_for(config.home, config.store.url)
+    name = gateway_token_name(config)
     with contextlib.suppress(KeyError):
-        store.revoke(GATEWAY_TOKEN_NAME)  # left behind by a server that was killed
-    record, plaintext = store.create(name=GATEWAY_TOKEN_NAME, scopes="ws")
+        store.revoke(name)  # left behind by a server of this home that was killed
+    record, plaintext = store.create(name=name, scopes="ws")
 
     def revoke() -> None:
         with contextlib.suppress(KeyError):

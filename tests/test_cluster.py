@@ -266,3 +266,38 @@ def test_a_cron_task_due_during_a_failover_fires_exactly_once(tmp_path: Path) ->
         finally:
             for sp in nodes:
                 sp.kill()
+
+
+def test_tokens_are_shared_and_a_revoke_reaches_every_instance(tmp_path: Path) -> None:
+    """With `[auth] mode = "token"` the tokens live in the database: one minted through the CLI
+    works on every instance, and a revoke stops it on all of them within seconds."""
+    import httpx
+
+    require_postgres()
+    with temp_database("cluster_tokens") as url:
+        admin = tmp_path / "admin"
+        auth = {"APPSERVER_AUTH__MODE": "token"}
+        nodes = []
+        try:
+            for i in range(2):
+                home = tmp_path / f"node{i}"
+                nodes.append(start_serve(home, env={**_env(home, url), **auth}))
+            made = run_cli(admin, "token", "create", "--name", "shared", "--json", env={**_env(admin, url), **auth})
+            assert made.code == 0, made.err
+            token = json.loads(made.out)["token"]
+            body = {"model": "assistant", "messages": [{"role": "user", "content": "hi"}]}
+            headers = {"Authorization": f"Bearer {token}"}
+            for sp in nodes:
+                r = httpx.post(sp.url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+                assert r.status_code == 200, r.text
+                assert httpx.post(sp.url + "/v1/chat/completions", json=body, timeout=10).status_code == 401
+            gone = run_cli(admin, "token", "revoke", "shared", env={**_env(admin, url), **auth})
+            assert gone.code == 0, gone.err
+            time.sleep(1.5)  # each server looks for changes at least every second
+            for sp in nodes:
+                r = httpx.post(sp.url + "/v1/chat/completions", json=body, headers=headers, timeout=10)
+                assert r.status_code == 401, r.text
+            assert not (admin / "auth" / "tokens.json").exists()  # nothing in a home
+        finally:
+            for sp in nodes:
+                sp.kill()

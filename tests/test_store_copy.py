@@ -179,10 +179,13 @@ def test_copy_refuses_what_it_cannot_do(tmp_path: Path, target: str) -> None:
     assert r.code == 2 and "--to" in r.err
 
 
-def test_copy_brings_the_cron_tasks_into_the_database(tmp_path: Path, target: str) -> None:
-    """A PostgreSQL store keeps the cron tasks in the database (cron/pgstore.py): `store copy`
-    moves the home's crons.json there, without its scheduler owner; `cron list` then reads them."""
+def test_copy_brings_the_cron_tasks_and_tokens_into_the_database(tmp_path: Path, target: str) -> None:
+    """A PostgreSQL store keeps the cron tasks and the capability tokens in the database
+    (cron/pgstore.py, auth/pgtokens.py): `store copy` moves the home's crons.json (without its
+    scheduler owner) and tokens.json there; `cron list` and `token list` then read them."""
     home = _home_with_data(tmp_path)
+    made = run_cli(home, "token", "create", "--name", "laptop", "--json", env=cli_env(home))
+    assert made.code == 0, made.err
     add = run_cli(home, "cron", "add", "--name", "nightly", "--agent", "one", "--cron", "0 3 * * *",
                   "--prompt", "tidy up", env=cli_env(home))  # fmt: skip
     assert add.code == 0, add.err
@@ -192,3 +195,7 @@ def test_copy_brings_the_cron_tasks_into_the_database(tmp_path: Path, target: st
     listed = run_cli(home, "cron", "list", "--json", env=cli_env(home, APPSERVER_STORE__URL=target))
     assert listed.code == 0, listed.err
     assert [t["name"] for t in listed.json()] == ["nightly"]
+    tokens = run_cli(home, "token", "list", "--json", env=cli_env(home, APPSERVER_STORE__URL=target))
+    assert tokens.code == 0, tokens.err
+    assert [t["name"] for t in tokens.json()] == ["laptop"]
+    assert "1 tokens" in r.out, r.out

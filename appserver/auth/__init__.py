@@ -14,6 +14,7 @@ from appserver.auth.namespaces import (
     sees_all,
 )
 from appserver.auth.principal import DEFAULT_TOKEN_SCOPES, SCOPES, Principal
+from appserver.auth.stores import token_store_for
 from appserver.auth.tokens import (
     TOKEN_PREFIX,
     TokenRecord,
@@ -38,6 +39,7 @@ __all__ = [
     "TokenStore",
     "conversation_namespace",
     "fingerprint",
+    "token_store_for",
     "namespace_allows",
     "namespace_of",
     "parse_agents",

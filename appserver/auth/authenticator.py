@@ -13,6 +13,7 @@ import re
 from appserver.auth.errors import AuthError, unauthorized
 from appserver.auth.jwt import JwtVerifier
 from appserver.auth.principal import Principal
+from appserver.auth.stores import token_store_for
 from appserver.auth.tokens import TokenStore, fingerprint
 from appserver.config import Config, ConfigError
 
@@ -38,7 +39,7 @@ class Authenticator:
         self.tokens: TokenStore | None = None
         self.jwt: JwtVerifier | None = None
         if self.mode == "token":
-            self.tokens = token_store or TokenStore(config.home)
+            self.tokens = token_store or token_store_for(config.home, config.store.url)
         elif self.mode == "jwt":
             self.jwt = JwtVerifier(config.auth, base_dir=config.home)
 

@@ -243,6 +243,9 @@ class TokenStore:
         log.info("created token %s (%s) %s", rec.id, rec.name, fingerprint(plaintext))
         return rec, plaintext
 
+    def close(self) -> None:
+        """Let go of what the store holds open (a database connection; the file store: nothing)."""
+
     def list(self) -> list[TokenRecord]:
         return list(self._read())
 

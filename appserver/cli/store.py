@@ -1,8 +1,9 @@
 """`appserver store copy --to URL`: this home's SQLite store into an empty PostgreSQL database.
 
 Everything the store holds moves (agents, conversations, messages, turns, pending calls, stored
-responses, idempotency keys, history points) and the home's cron tasks (crons.json, which a
-PostgreSQL store keeps in the database), in one PostgreSQL transaction from one SQLite
+responses, idempotency keys, history points) and the home's cron tasks and capability tokens
+(crons.json and auth/tokens.json, which a PostgreSQL store keeps in the database, so that every
+server sharing it sees them), in one PostgreSQL transaction from one SQLite
 snapshot: a copy that fails leaves the target as empty as it was. Then serve with
 `[store] url` (or `serve --store URL`) set to the target. docs/scale-out.md.
 """
@@ -38,18 +39,26 @@ def _cron_doc(home: Path) -> tuple[str | None, int]:
     return CronStore(home).render(state), len(state.tasks)
 
 
+def _tokens(home: Path) -> list[dict[str, object]]:
+    """The home's capability tokens (hashes only), which a database store keeps in `tokens`."""
+    from appserver.auth import TokenStore
+
+    return [r.to_json() for r in TokenStore(home).list()]  # an unreadable file is set aside: loud
+
+
 async def _copy(db_path: Path, url: str, home: Path) -> dict[str, int]:
     from appserver.store.postgres import PostgresStore  # the driver: only for this command
     from appserver.store.sqlite import SQLiteStore
 
     cron_doc, cron_tasks = _cron_doc(home)
+    tokens = _tokens(home)
     source = SQLiteStore(db_path)
     target = PostgresStore(url)
     source.open_sync()  # refuses a damaged store, brings an old one to the current schema
     try:
         await target.open()
         try:
-            counts = await target.copy_from_sqlite(source.db, cron_doc)
+            counts = await target.copy_from_sqlite(source.db, cron_doc, tokens)
             return {**counts, "cron_tasks": cron_tasks}
         finally:
             await target.close()

@@ -11,13 +11,14 @@ from typing import Any
 
 import click
 
-from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore
+from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore, token_store_for
 from appserver.cli.common import get_config
 from appserver.fsutil import CorruptStateFile
 
 
 def _store() -> TokenStore:
-    return TokenStore(get_config().home)  # a config error: one line, exit 2
+    config = get_config()  # a config error: one line, exit 2
+    return token_store_for(config.home, config.store.url)
 
 
 def _when(ts: float | None) -> str:

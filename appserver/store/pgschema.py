@@ -16,7 +16,8 @@ same observable behaviour:
 - Version 2, the cluster (appserver/store/cluster.py): `instances` (a row per running server, its
   heartbeat and the key of its session lock), `conversation_owners` (which instance holds a
   conversation's runtime), `cluster_mail` (notification payloads too large for NOTIFY),
-  `cron_state` (the cron tasks document, cron/pgstore.py).
+  `cron_state` (the cron tasks document, cron/pgstore.py), `tokens` and `token_state` (capability
+  tokens, auth/pgtokens.py).
 """
 
 from __future__ import annotations
@@ -205,6 +206,20 @@ MIGRATIONS: list[tuple[int, str]] = [
             id TEXT COLLATE "C" PRIMARY KEY,
             body TEXT NOT NULL,
             created_at DOUBLE PRECISION NOT NULL
+        );
+
+        CREATE TABLE tokens (
+            id TEXT COLLATE "C" PRIMARY KEY,
+            name TEXT COLLATE "C" NOT NULL UNIQUE,
+            hash TEXT NOT NULL,
+            agents TEXT,
+            scopes TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            expires_at DOUBLE PRECISION
+        );
+        CREATE TABLE token_state (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            version BIGINT NOT NULL
         );
 
         CREATE TABLE cron_state (

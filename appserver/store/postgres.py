@@ -1027,13 +1027,18 @@ class PostgresStore(Store):
 
     # ------------------------------------------------------------ store copy
 
-    async def copy_from_sqlite(self, source: sqlite3.Connection, cron_doc: str | None = None) -> dict[str, int]:
+    async def copy_from_sqlite(
+        self,
+        source: sqlite3.Connection,
+        cron_doc: str | None = None,
+        tokens: Iterable[Mapping[str, Any]] = (),
+    ) -> dict[str, int]:
         """Copy every data table of an SQLite store (an open connection at the newest SQLite schema)
         into this one, which must be empty: one PostgreSQL transaction (all or nothing) reading one
         SQLite snapshot. Message ids are kept (responses and history points refer to them); the
         rows of each table go in their SQLite insertion order. `cron_doc`: the home's cron tasks
-        (crons.json's text), which a database store keeps in `cron_state`. Returns rows copied per
-        table (and `cron_tasks`)."""
+        (crons.json's text), which a database store keeps in `cron_state`; `tokens`: the home's
+        capability tokens (tokens.json's entries, hashes only). Returns rows copied per table."""
         await self._writes.settle()
         counts: dict[str, int] = {}
         async with self.pool.connection() as conn, conn.transaction():
@@ -1051,6 +1056,10 @@ class PostgresStore(Store):
             held = load_json(str(cron_row["doc"]) or "{}", {}) if cron_row is not None else {}
             if isinstance(held, dict) and held.get("tasks"):
                 present["cron_state"] = len(held["tasks"])
+            cur = await conn.execute("SELECT count(*) AS n FROM tokens")
+            row = await cur.fetchone()
+            if row and row["n"]:
+                present["tokens"] = int(row["n"])
             if present:
                 shown = ", ".join(f"{n} {t}" for t, n in present.items())
                 raise StoreError(
@@ -1067,6 +1076,27 @@ class PostgresStore(Store):
                 "SELECT setval(pg_get_serial_sequence('messages', 'id'), COALESCE((SELECT MAX(id) FROM messages), 1), "
                 "(SELECT MAX(id) FROM messages) IS NOT NULL)"
             )
+            counts["tokens"] = 0
+            for t in tokens:
+                await conn.execute(
+                    "INSERT INTO tokens(id, name, hash, agents, scopes, created_at, expires_at) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s)",
+                    (
+                        t["id"],
+                        t["name"],
+                        t["hash"],
+                        dump_json(t["agents"]) if t.get("agents") is not None else None,
+                        dump_json(t.get("scopes") or []),
+                        t.get("created_at") or 0.0,
+                        t.get("expires_at"),
+                    ),
+                )
+                counts["tokens"] += 1
+            if counts["tokens"]:
+                await conn.execute(
+                    "INSERT INTO token_state(id, version) VALUES (1, 1) "
+                    "ON CONFLICT (id) DO UPDATE SET version = token_state.version + 1"
+                )
             if cron_doc is not None:
                 await conn.execute(
                     "INSERT INTO cron_state(id, doc, version) VALUES (1, %s, 1) "

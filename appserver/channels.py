@@ -16,21 +16,26 @@ import hashlib
 import logging
 import re
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appserver.auth import token_store_for
+from appserver.channelconfig import AccountConfig
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
 from gateway.db import default_path, open_db
 from gateway.pairing import Pairing, PairingError
 from gateway.supervisor import Credential, GatewaySupervisor
 
+if TYPE_CHECKING:
+    from appserver.store.cluster import Cluster
+
 log = logging.getLogger("appserver.channels")
 
 READINESS_CHECK = "channels"
 GATEWAY_TOKEN_NAME = "gateway"
+LEASE_CHECK_S = 1.0  # how often a server of a cluster looks for channel accounts to take over
 
 
 def gateway_token_name(config: Config) -> str:
@@ -71,10 +76,16 @@ def mint_credential(config: Config) -> Credential:
 
 
 class ChannelService:
-    def __init__(self, config: Config, readiness: Readiness) -> None:
+    def __init__(
+        self, config: Config, readiness: Readiness, cluster: Callable[[], Cluster | None] | None = None
+    ) -> None:
         self.config = config
         self.readiness = readiness
         self.accounts = config.channels.enabled_accounts()
+        # Several servers on one database: each account runs in the gateway of the one server
+        # holding its lease (`Cluster.take_channel`); `elsewhere` names the holders of the others.
+        self._cluster = cluster
+        self.elsewhere: dict[str, str] = {}
         self.supervisor: GatewaySupervisor | None = None
         self._url: asyncio.Future[str] | None = None
         self._problem: str | None = None
@@ -125,25 +136,74 @@ class ChannelService:
             self._problem = str(exc)
             log.error("channels: %s", exc)
             return
+        cluster = self._cluster() if self._cluster is not None else None
+        if cluster is None:
+            await self._run_gateway(url, self.accounts)
+            return
+        await self._follow_leases(url, cluster)
+
+    async def _run_gateway(self, url: str, accounts: list[AccountConfig]) -> None:
         self.supervisor = GatewaySupervisor(
             home=self.config.home,
             url=lambda: url,
-            accounts=[a.to_json() for a in self.accounts],
+            accounts=[a.to_json() for a in accounts],
             credential=lambda: mint_credential(self.config),
         )
-        log.info("channels: starting the gateway for %s", ", ".join(a.ref for a in self.accounts) or "no accounts")
+        log.info("channels: starting the gateway for %s", ", ".join(a.ref for a in accounts) or "no accounts")
         await self.supervisor.start()
         ok, detail = self.supervisor.readiness()
         if not ok:
             log.error("channels: not every account is running: %s", _describe(detail))
 
+    async def _follow_leases(self, url: str, cluster: Cluster) -> None:
+        """Run the accounts whose lease this server holds, and take over those of a server that
+        is gone: the gateway restarts with the new set whenever it changes."""
+        running: tuple[str, ...] | None = None
+        said = ""
+        while True:
+            mine: list[AccountConfig] = []
+            others: dict[str, str] = {}
+            try:
+                if not cluster.lost:
+                    for account in self.accounts:
+                        holder = await cluster.take_channel(account.ref)
+                        if holder is None:
+                            mine.append(account)
+                        else:
+                            others[account.ref] = holder
+            except Exception as exc:  # the database is away: keep what runs, look again
+                if str(exc) != said:
+                    said = str(exc)
+                    log.error("channels: cannot check the account leases: %s", exc)
+                await asyncio.sleep(LEASE_CHECK_S)
+                continue
+            said = ""
+            self.elsewhere = others
+            refs = tuple(a.ref for a in mine)
+            if refs != running:
+                if self.supervisor is not None:
+                    await self.supervisor.stop()
+                    self.supervisor = None
+                if others:
+                    log.info(
+                        "channels: %s run in other servers of the cluster",
+                        ", ".join(f"{ref} (instance {who})" for ref, who in others.items()),
+                    )
+                if mine:
+                    await self._run_gateway(url, mine)
+                running = refs
+            await asyncio.sleep(LEASE_CHECK_S)
+
     async def check(self) -> CheckResult:
         if self._problem:
             return CheckResult("fail", self._problem)
+        elsewhere = "; ".join(f"{ref} runs in instance {who}" for ref, who in self.elsewhere.items())
         if self.supervisor is None:
+            if self.elsewhere and len(self.elsewhere) == len(self.accounts):
+                return CheckResult("ok", elsewhere)
             return CheckResult("fail", "the gateway is starting")
         ok, detail = self.supervisor.readiness()
-        return CheckResult("ok" if ok else "fail", _describe(detail))
+        return CheckResult("ok" if ok else "fail", "; ".join(filter(None, [_describe(detail), elsewhere])))
 
     async def deliver(self, target: str, text: str) -> list[str]:
         """Send `text` to `channel:account:chat[:thread]` through the gateway (cron `--deliver`)."""

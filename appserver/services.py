@@ -37,7 +37,7 @@ class Services:
 
 
 def build_services(server: Server) -> Services:
-    channels = ChannelService(server.config, server.readiness)
+    channels = ChannelService(server.config, server.readiness, cluster=lambda: getattr(server.store, "cluster", None))
     return Services(
         hub=Hub(server),
         metrics=Metrics(server),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -301,3 +302,49 @@ def test_tokens_are_shared_and_a_revoke_reaches_every_instance(tmp_path: Path) -
         finally:
             for sp in nodes:
                 sp.kill()
+
+
+def test_a_channel_account_moves_to_a_survivor_and_its_next_message_is_answered_once(tmp_path: Path) -> None:
+    """Both servers configure the same account; one gateway runs it (its server holds the
+    account's lease); kill -9 of that server: the other takes the lease, starts the account, and
+    the next message is answered once."""
+    from tests.fakes.fakechat import FakeChat
+    from tests.support.gateway import fakechat_home, gateway_children, start_channel_server
+
+    require_postgres()
+    with temp_database("cluster_channels") as url, FakeChat() as chat:
+        nodes = []
+        try:
+            for i in range(2):
+                home = fakechat_home(tmp_path / f"node{i}" / "home", chat)
+                nodes.append(start_channel_server(home, env=_env(home, url)))
+            for sp in nodes:
+                sp.wait_channels_ready()
+            chat.inject("before", "hello")
+            chat.wait_for_text("before", "echo: hello", timeout=20)
+            with psycopg.connect(url) as c:
+                holder = c.execute("SELECT instance_id FROM channel_owners WHERE account = 'fakechat:main'").fetchone()
+                pids = dict(c.execute("SELECT id, pid FROM instances").fetchall())
+            assert holder is not None
+            victim = next(sp for sp in nodes if sp.proc.pid == pids[holder[0]])
+            survivor = next(sp for sp in nodes if sp is not victim)
+            assert gateway_children(victim.proc.pid) and not gateway_children(survivor.proc.pid)
+            assert "runs in instance" in survivor.channels_check()["detail"]
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait(10)
+            deadline = time.monotonic() + 30
+            while "fakechat:main running" not in survivor.channels_check()["detail"]:
+                assert time.monotonic() < deadline, survivor.channels_check()
+                time.sleep(0.2)
+            chat.inject("after", "still there?")
+            chat.wait_for_text("after", "echo: still there?", timeout=20)
+            time.sleep(1.0)
+            assert [m.text for m in chat.messages("after")] == ["echo: still there?"]
+            with psycopg.connect(url) as c:
+                owner = c.execute("SELECT instance_id FROM channel_owners WHERE account = 'fakechat:main'").fetchone()
+            assert owner is not None and owner[0] != holder[0]
+        finally:
+            for sp in nodes:
+                sp.kill()
+                for pid in gateway_children(sp.proc.pid):
+                    os.kill(pid, signal.SIGKILL)

@@ -220,6 +220,7 @@ class Cluster:
         if session is not None and not session.closed:
             try:
                 await session.execute("DELETE FROM conversation_owners WHERE instance_id = %s", (self.instance_id,))
+                await session.execute("DELETE FROM channel_owners WHERE instance_id = %s", (self.instance_id,))
                 await session.execute("DELETE FROM instances WHERE id = %s", (self.instance_id,))
             except Exception:
                 pass  # the rows expire on their own: the others judge this instance gone
@@ -285,6 +286,23 @@ class Cluster:
             "DELETE FROM conversation_owners WHERE conversation_id = %s AND token = %s RETURNING 1",
             (conversation_id, token),
         )
+
+    async def take_channel(self, account: str) -> str | None:
+        """Take the lease of a channel account (`channel:name`) for this instance's gateway: None
+        when this instance holds it now, else the live instance that does."""
+        args = {**self.params, "account": account, "me": self.instance_id}
+        row = await self.store._row(
+            "INSERT INTO channel_owners AS o (account, instance_id, since) "
+            f"VALUES (%(account)s, %(me)s, {NOW}) ON CONFLICT (account) DO UPDATE "
+            "SET instance_id = EXCLUDED.instance_id, since = EXCLUDED.since "
+            "WHERE o.instance_id = EXCLUDED.instance_id OR NOT EXISTS "
+            f"(SELECT 1 FROM instances i WHERE i.id = o.instance_id AND {LIVE}) RETURNING instance_id",
+            args,
+        )
+        if row is not None:
+            return None
+        holder = await self.store._row("SELECT instance_id FROM channel_owners WHERE account = %s", (account,))
+        return str(holder["instance_id"]) if holder is not None else "another instance"
 
     async def orphaned_conversations(self) -> list[str]:
         """Conversations with queued or running turns whose lease no live instance holds."""

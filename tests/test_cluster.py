@@ -348,3 +348,46 @@ def test_a_channel_account_moves_to_a_survivor_and_its_next_message_is_answered_
                 sp.kill()
                 for pid in gateway_children(sp.proc.pid):
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_openai_clients_on_any_instance_share_conversations_and_idempotency_keys(cluster: Cluster) -> None:
+    """The real `openai` SDK: a conversation A runs is continued through B, streamed through C;
+    an Idempotency-Key used on A and retried on B replays A's answer, one turn."""
+    import openai
+
+    a, b, c = (openai.OpenAI(base_url=sp.url + "/v1", api_key="x", max_retries=0) for sp in cluster.nodes)
+    first = a.chat.completions.with_raw_response.create(
+        model="assistant", messages=[{"role": "user", "content": "/slow 3"}]
+    )
+    conv = first.headers["x-conversation-id"]
+    assert first.parse().choices[0].message.content == "w1 w2 w3"
+    on_b = b.chat.completions.create(
+        model="assistant",
+        messages=[{"role": "user", "content": "through b"}],
+        extra_headers={"X-Conversation-Id": conv},
+    )
+    assert on_b.choices[0].message.content == "echo: through b"
+    chunks = c.chat.completions.create(
+        model="assistant",
+        messages=[{"role": "user", "content": "/slow 12"}],
+        extra_headers={"X-Conversation-Id": conv},
+        stream=True,
+    )
+    pieces = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+    assert "".join(pieces) == " ".join(f"w{i}" for i in range(1, 13))
+    assert len([p for p in pieces if p]) >= 3  # it streamed through C, not one final blob
+    rows = _turns(cluster.url, conv)
+    assert [r["status"] for r in rows] == ["completed"] * 3
+    assert len({r["owner"] for r in rows}) == 1  # one instance ran the conversation's turns
+
+    key = {"Idempotency-Key": f"k-{time.monotonic_ns()}"}
+    body = {"model": "assistant", "messages": [{"role": "user", "content": "exactly once please"}]}
+    once = a.chat.completions.with_raw_response.create(**body, extra_headers=key)  # type: ignore[arg-type]
+    again = b.chat.completions.with_raw_response.create(**body, extra_headers=key)  # type: ignore[arg-type]
+    assert again.parse().id == once.parse().id
+    assert again.parse().choices[0].message.content == once.parse().choices[0].message.content
+    with psycopg.connect(cluster.url) as db:
+        n = db.execute(
+            "SELECT count(*) FROM messages WHERE role = 'user' AND content LIKE %s", ("%exactly once please%",)
+        ).fetchone()
+    assert n == (1,)

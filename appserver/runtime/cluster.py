@@ -6,11 +6,14 @@ A conversation's runtime lives in the one server holding its lease (`Cluster.tak
   accepted into the store as a `queued` turn and the holder is told to pull it (`pull`); answers
   to pending calls and cancels are calls to the holder (`respond`, `cancel`), which runs them on
   its runtime. Nothing is forwarded that the store does not already hold.
-- **Live views:** the holder publishes each turn's newest snapshot (`Cluster.publish_turn`,
-  latest wins, at most every `PUBLISH_EVERY_S` while it runs, at once when it settles, always
-  after its commit); here a *mirror* — a `TurnController` that only follows (`mirror`) — stands
-  for each turn someone follows, so a submitter, an SSE stream or a WebSocket subscriber on this
-  server sees the turn as if it ran here. A mirror that heard nothing for a while reads the store.
+- **Live views:** the holder publishes the newest snapshot of each turn of a conversation another
+  server follows (`Cluster.publish_turn`, latest wins, at most every `PUBLISH_EVERY_S` while it
+  runs, at once when it settles, always after its commit); here a *mirror* — a `TurnController`
+  that only follows (`mirror`) — stands for each turn someone follows, so a submitter, an SSE
+  stream or a WebSocket subscriber on this server sees the turn as if it ran here. A server says
+  which conversations it follows (`follow`, renewed every `FOLLOW_EVERY_S`; a `pull` counts), so
+  turns nobody elsewhere follows cost nothing. A mirror that heard nothing for a while reads the
+  store.
 - **Failover:** a sweep takes the conversations whose holder is gone and runs what they left
   (`Kernel.catch_up`), and pulls turns queued here that no notification announced.
 """
@@ -43,6 +46,8 @@ STALE_S = 2.0  # a mirror that heard nothing this long reads the turn from the s
 SWEEP_S = 1.0
 PULL_AFTER_S = 2.0  # a turn queued this long at a conversation held here is pulled from the store
 MOVED_HOPS = 3  # a call follows a conversation that moved at most this many times
+FOLLOW_EVERY_S = 5.0  # a follower renews its interest this often
+FOLLOW_TTL_S = 15.0  # and the holder forgets an interest not renewed for this long
 
 
 class KernelSide(Protocol):
@@ -55,6 +60,8 @@ class KernelSide(Protocol):
     def stopping(self) -> bool: ...
 
     def holds(self, conversation_id: str) -> bool: ...
+
+    def live_handles(self, conversation_id: str) -> list[TurnHandle]: ...
 
     async def catch_up(self, conversation_id: str) -> None: ...
 
@@ -139,6 +146,8 @@ class ClusterLink:
         self.mirrors: dict[str, _Mirror] = {}
         self.watchers: dict[str, list[Callable[[TurnHandle], None]]] = {}
         self._sent: dict[str, int] = {}  # turn id -> the newest revision published
+        self._followed: dict[str, float] = {}  # conversation id -> until when another server follows it
+        self._told: dict[str, float] = {}  # conversation id -> when this server last said it follows
         self._publishers: dict[str, asyncio.Task[None]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -155,9 +164,28 @@ class ClusterLink:
 
     # ------------------------------------------------------------ publishing (the holder)
 
+    def followed(self, conversation_id: str) -> bool:
+        until = self._followed.get(conversation_id)
+        if until is None:
+            return False
+        if until < time.monotonic():
+            del self._followed[conversation_id]
+            return False
+        return True
+
+    def _mark_followed(self, conversation_id: str) -> None:
+        fresh = not self.followed(conversation_id)
+        self._followed[conversation_id] = time.monotonic() + FOLLOW_TTL_S
+        if fresh:  # turns already running start to be published now
+            for handle in self.kernel.live_handles(conversation_id):
+                self.on_local_turn(handle)
+
     def on_local_turn(self, handle: TurnHandle) -> None:
-        """A turn became visible in a runtime held here: publish its snapshots while it runs."""
-        if handle.turn_id in self._publishers:
+        """A turn became visible in a runtime held here: publish its snapshots while it runs,
+        when another server follows its conversation."""
+        if handle.turn_id in self._publishers or not self.cluster.peers or not self.followed(handle.conversation_id):
+            return
+        if handle.controller.status in TERMINAL_STATUSES:
             return
         turn_id = handle.turn_id
         task = asyncio.get_running_loop().create_task(self._publish(handle.controller), name="cluster-publish")
@@ -185,6 +213,8 @@ class ClusterLink:
 
     def publish(self, snap: TurnSnapshot) -> None:
         if not self.cluster.peers or self._sent.get(snap.turn_id, -1) >= snap.revision:
+            return
+        if not self.followed(snap.conversation_id):
             return
         if snap.terminal:
             self._sent.pop(snap.turn_id, None)
@@ -230,7 +260,22 @@ class ClusterLink:
         mirror = self.mirrors.get(handle.turn_id)
         if mirror is None:
             mirror = self.mirrors[handle.turn_id] = _Mirror(handle)
+            self._follow_soon(handle.conversation_id)
         return mirror
+
+    def _follow_soon(self, conversation_id: str) -> None:
+        """Tell the holder at once that this server follows the conversation (the sweep renews it)."""
+        if conversation_id not in self._told:
+            self._told[conversation_id] = time.monotonic()
+            self._spawn(self._say_following([conversation_id]))
+
+    async def _say_following(self, conversation_ids: list[str]) -> None:
+        for conversation_id, holder in (await self.cluster.holders(conversation_ids)).items():
+            if holder != self.cluster.instance_id:
+                await self.cluster.send(holder, "follow", {"conversation": conversation_id})
+
+    def _following(self) -> set[str]:
+        return {m.handle.conversation_id for m in self.mirrors.values()} | set(self.watchers)
 
     def _tell(self, handle: TurnHandle) -> None:
         for callback in list(self.watchers.get(handle.conversation_id, ())):
@@ -257,6 +302,7 @@ class ClusterLink:
 
     async def watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> RemoteWatch:
         view = RemoteWatch(self, conversation_id, on_turn)
+        self._follow_soon(conversation_id)
         for turn in await self.kernel.store.list_turns(conversation_id, statuses=("queued", "running", "awaiting")):
             await self.mirror(turn)
         return view
@@ -322,9 +368,15 @@ class ClusterLink:
         return await handler(conversation_id, args)
 
     def _ops(self) -> dict[str, Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]]:
-        return {"pull": self._pull, "respond": self._respond, "cancel": self._cancel}
+        return {"pull": self._pull, "respond": self._respond, "cancel": self._cancel, "follow": self._follow}
+
+    async def _follow(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        if self.kernel.holds(conversation_id):
+            self._mark_followed(conversation_id)
+        return {}
 
     async def _pull(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        self._followed[conversation_id] = time.monotonic() + FOLLOW_TTL_S  # its submitter follows it
         try:
             await self.kernel.catch_up(conversation_id)
         except OwnedElsewhere as moved:
@@ -378,6 +430,15 @@ class ClusterLink:
             except OwnedElsewhere:
                 pass
         now = time.monotonic()
+        following = self._following()
+        for conversation_id in list(self._told):
+            if conversation_id not in following:
+                del self._told[conversation_id]
+        renew = [c for c in following if now - self._told.get(c, 0.0) >= FOLLOW_EVERY_S]
+        if renew:
+            for conversation_id in renew:
+                self._told[conversation_id] = now
+            await self._say_following(renew)
         for turn_id, mirror in list(self.mirrors.items()):
             if now - mirror.heard_at < STALE_S:
                 continue

@@ -191,6 +191,11 @@ class Kernel:
             return await self._link.cluster.owner_alive(owner)
         return identity_alive(owner)
 
+    def live_handles(self, conversation_id: str) -> list[TurnHandle]:
+        """The turns the conversation's runtime here still shows (none when it is not here)."""
+        rt = self.runtimes.get(conversation_id)
+        return list(rt.handles.values()) if rt is not None else []
+
     def holds(self, conversation_id: str) -> bool:
         """This server runs the conversation (its runtime is loaded here)."""
         return conversation_id in self.runtimes

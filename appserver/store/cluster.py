@@ -46,6 +46,9 @@ TURNS_CHANNEL = "appserver_turns"
 NOTIFY_MAX = 7000  # bytes of payload sent inline; PostgreSQL allows a little under 8,000
 MAIL_TTL_S = 300.0
 CALL_TIMEOUT_S = 10.0
+# A notification needs no durability (a lost one is made up for by the store, which the others
+# read when they hear nothing): its transaction does not wait for the WAL to reach the disk.
+NO_FLUSH = "set_config('synchronous_commit', 'off', true)"
 
 NOW = "extract(epoch from clock_timestamp())"
 LIVE = (
@@ -326,6 +329,14 @@ class Cluster:
         )
         return [r["conversation_id"] for r in rows]
 
+    async def holders(self, conversation_ids: list[str]) -> dict[str, str]:
+        """The instance holding each of these conversations (those held by none are left out)."""
+        rows = await self.store._rows(
+            "SELECT conversation_id, instance_id FROM conversation_owners WHERE conversation_id = ANY(%s)",
+            (conversation_ids,),
+        )
+        return {r["conversation_id"]: r["instance_id"] for r in rows}
+
     async def open_turn_count(self, conversation_id: str) -> int:
         row = await self.store._row(
             "SELECT count(*) AS n FROM turns WHERE conversation_id = %s AND status IN ('queued', 'running')",
@@ -340,11 +351,11 @@ class Cluster:
             mail_id = new_id("mail")
             await self.store._row(
                 f"WITH m AS (INSERT INTO cluster_mail(id, body, created_at) VALUES (%s, %s, {NOW})) "
-                "SELECT pg_notify(%s, %s) AS sent",
+                f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent",
                 (mail_id, payload, channel, "@" + mail_id),
             )
             return
-        await self.store._row("SELECT pg_notify(%s, %s) AS sent", (channel, payload))
+        await self.store._row(f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent", (channel, payload))
 
     async def read_mail(self, payload: str) -> str:
         """A notification's payload: itself, or the mail it names (`@<id>`)."""

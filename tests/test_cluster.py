@@ -391,3 +391,46 @@ def test_openai_clients_on_any_instance_share_conversations_and_idempotency_keys
             "SELECT count(*) FROM messages WHERE role = 'user' AND content LIKE %s", ("%exactly once please%",)
         ).fetchone()
     assert n == (1,)
+
+
+def test_the_example_balancer_spreads_one_conversation_over_the_instances(cluster: Cluster) -> None:
+    """examples/cluster/balancer.py in front of the three instances (docs/scale-out.md): one
+    conversation through it lands on every instance and stays one ordered history."""
+    import subprocess
+    import sys
+
+    import openai
+
+    from tests.support.cli import ROOT
+    from tests.support.net import free_port
+
+    port = free_port()
+    backends = [sp.url.removeprefix("http://") for sp in cluster.nodes]
+    lb = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "cluster" / "balancer.py"), f"127.0.0.1:{port}", *backends],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert lb.stdout is not None and "balancing" in lb.stdout.readline()
+        conv = ""
+        for i in range(6):  # a client per request: a new connection, so the next instance
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            extra = {"X-Conversation-Id": conv} if conv else {}
+            r = client.chat.completions.with_raw_response.create(
+                model="assistant", messages=[{"role": "user", "content": f"m{i}"}], extra_headers=extra
+            )
+            conv = conv or r.headers["x-conversation-id"]
+            assert r.parse().choices[0].message.content == f"echo: m{i}"
+            client.close()
+        with psycopg.connect(cluster.url) as db:
+            said = [
+                json.loads(row[0])
+                for row in db.execute(
+                    "SELECT content FROM messages WHERE conversation_id = %s AND role = 'user' ORDER BY id", (conv,)
+                ).fetchall()
+            ]
+        assert said == [f"m{i}" for i in range(6)]
+    finally:
+        lb.kill()
+        lb.wait(10)

@@ -32,9 +32,23 @@ child_log = logging.getLogger("gateway")
 READY_TIMEOUT_S = 30.0
 COMMAND_TIMEOUT_S = 30.0
 STOP_GRACE_S = 5.0
+# The first restart's wait. A test suite that kills the child on purpose may shorten it with
+# APPSERVER_GATEWAY_RESTART_BACKOFF_S (a positive number of seconds); unset, it is 1 s.
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_RESET_S = 300.0
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; the default when unset or not one."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if 0 < value < float("inf") else default
+
+
+BACKOFF_MIN_S = _env_seconds("APPSERVER_GATEWAY_RESTART_BACKOFF_S", BACKOFF_MIN_S)
 
 
 @dataclass(frozen=True, slots=True)

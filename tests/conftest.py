@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import ROOT, CLIResult, run_cli
+from tests.support.cli import FAST_WAITS, ROOT, CLIResult, run_cli
 from tests.support.serve import ServeProcess, serving
 
 # Most of the suite's time is `appserver` subprocesses, and most of a subprocess's start is imports.
@@ -19,6 +19,11 @@ from tests.support.serve import ServeProcess, serving
 # bytecode, so every one of them compiled the package again (~35 % of a CLI call's CPU). The suite's
 # processes (xdist workers and everything they start) write and read the cache like any install.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+# The platform waits the loopback fakes need not pay (tests/support/cli.py), for in-process adapters
+# as for the `serve` subprocesses (whose environment is built from this one).
+for _name, _value in FAST_WAITS.items():
+    os.environ.setdefault(_name, _value)
 
 
 # `make test` runs files on 4 xdist workers (--dist loadfile), so one long file bounds the wall time
@@ -30,7 +35,6 @@ SLOW_FILES_FIRST = (
     "test_hardening_state_store.py",
     "test_telegram_e2e.py",
     "test_gateway_debounce.py",
-    "test_discord.py",
     "test_hardening_state_disk.py",
     "test_hardening_http_edge.py",
     "test_cron_failover.py",
@@ -55,6 +59,7 @@ SLOW_FILES_FIRST = (
     "test_kernel_crash.py",
     "test_chat_terminal.py",
     "test_gateway_channels_e2e.py",
+    "test_discord.py",
     "test_store_select.py",
     "test_hardening_state_operator.py",
     "test_ws_approvals.py",

@@ -8,6 +8,7 @@ store. docs/architecture.md points here.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +66,16 @@ def imports_of(path: Path, module: str) -> set[str]:
 
 
 def all_modules() -> dict[str, set[str]]:
+    """The import graph: parsed once per run (every file of four packages), a fresh copy per test."""
+    return {name: set(targets) for name, targets in _parsed_graph().items()}
+
+
+@functools.cache
+def _parsed_graph() -> dict[str, frozenset[str]]:
+    return {name: frozenset(targets) for name, targets in _parse_graph().items()}
+
+
+def _parse_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for top in PACKAGES:
         for path in sorted((ROOT / top).rglob("*.py")):

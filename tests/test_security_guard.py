@@ -567,29 +567,33 @@ def test_jwt_over_http(rsa_env: tuple[Config, rsa.RSAPrivateKey]) -> None:
 async def test_ws_closed_when_jwt_expires(rsa_env: tuple[Config, rsa.RSAPrivateKey]) -> None:
     cfg, key = rsa_env
     cfg.auth.jwt_leeway_s = 0  # a live socket lasts until exp + leeway (tests/test_security_e2e.py)
+
+    async def expires(port: int, hello: bool) -> None:
+        claims = {
+            "sub": "bob",
+            "iss": "https://issuer.example",
+            "aud": "appserver",
+            "exp": int(time.time()) + 2,
+        }
+        tok = jwt.encode(claims, key, algorithm="RS256")
+        headers = {} if hello else {"Authorization": f"Bearer {tok}"}
+        async with ws_connect(f"ws://127.0.0.1:{port}/ws", additional_headers=headers, open_timeout=T) as ws:
+            if hello:
+                await ws.send(json.dumps({"type": "hello", "token": tok}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), T))["subject"] == "jwt:bob"
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    await ws.send("still here")
+                    await asyncio.wait_for(ws.recv(), T)
+                    await asyncio.sleep(0.1)
+            closed_at = time.time()
+            assert closed.value.rcvd is not None
+            assert closed.value.rcvd.code == 4401 and "expired" in closed.value.rcvd.reason
+            assert claims["exp"] - 0.5 <= closed_at < claims["exp"] + 2
+
     with live_server(guarded(cfg)) as port:
-        for hello in (False, True):
-            claims = {
-                "sub": "bob",
-                "iss": "https://issuer.example",
-                "aud": "appserver",
-                "exp": int(time.time()) + 2,
-            }
-            tok = jwt.encode(claims, key, algorithm="RS256")
-            headers = {} if hello else {"Authorization": f"Bearer {tok}"}
-            async with ws_connect(f"ws://127.0.0.1:{port}/ws", additional_headers=headers, open_timeout=T) as ws:
-                if hello:
-                    await ws.send(json.dumps({"type": "hello", "token": tok}))
-                assert json.loads(await asyncio.wait_for(ws.recv(), T))["subject"] == "jwt:bob"
-                with pytest.raises(ConnectionClosed) as closed:
-                    while True:
-                        await ws.send("still here")
-                        await asyncio.wait_for(ws.recv(), T)
-                        await asyncio.sleep(0.1)
-                closed_at = time.time()
-                assert closed.value.rcvd is not None
-                assert closed.value.rcvd.code == 4401 and "expired" in closed.value.rcvd.reason
-                assert claims["exp"] - 0.5 <= closed_at < claims["exp"] + 2
+        # The header and the hello credential at once, on two sockets: their expiries are waited together.
+        await asyncio.gather(expires(port, hello=False), expires(port, hello=True))
 
 
 # ── check 10: no secret in the log ────────────────────────────────────────────────────────────

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from appserver.ws.frames import CLOSE_SLOW_CONSUMER
+from appserver.ws.codes import CLOSE_SLOW_CONSUMER
 
 if TYPE_CHECKING:
     from appserver.auth import Principal

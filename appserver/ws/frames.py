@@ -13,8 +13,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import ValidationError as ValidationError  # what `client_frame` raises (ws/routes.py)
 
-PROTOCOL_VERSION = 1
+from appserver.ws.codes import CLOSE_AUTH as CLOSE_AUTH
+from appserver.ws.codes import CLOSE_PROTOCOL as CLOSE_PROTOCOL
+from appserver.ws.codes import CLOSE_SLOW_CONSUMER as CLOSE_SLOW_CONSUMER
+from appserver.ws.codes import CLOSE_TOO_BIG as CLOSE_TOO_BIG
+from appserver.ws.codes import PROTOCOL_VERSION as PROTOCOL_VERSION
+
 IMAGE_URL_SCHEMES = ("https:", "http:", "data:image/")
 
 
@@ -406,9 +412,3 @@ server_frame: TypeAdapter[Any] = TypeAdapter(ServerFrame)
 
 CLIENT_TYPES = frozenset(m.model_fields["type"].annotation.__args__[0] for m in ClientFrame.__origin__.__args__)  # type: ignore[attr-defined]
 SERVER_TYPES = frozenset(m.model_fields["type"].annotation.__args__[0] for m in ServerFrame.__origin__.__args__)  # type: ignore[attr-defined]
-
-# Close codes (4000-4999 are application codes)
-CLOSE_AUTH = 4401
-CLOSE_PROTOCOL = 4406
-CLOSE_SLOW_CONSUMER = 4408
-CLOSE_TOO_BIG = 1009

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -28,12 +28,29 @@ from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.server import Server
 from appserver.store.records import AgentRecord, ConversationRecord
-from appserver.ws import frames as F
 from appserver.ws.connection import Connection
 from appserver.ws.hub import Hub
 from cron.runlog import read_runs
 from cron.service import CronService
 from cron.store import CronNotFound, CronStoreError
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from appserver.ws import frames as F
+else:
+
+    class _Frames:
+        """`appserver.ws.frames`, imported at its first use: pydantic and the frame models cost
+        ~80 ms of every `serve` start, and a server may never see a WebSocket frame. The first
+        attribute read imports the module and puts it in place of this stand-in."""
+
+        def __getattr__(self, name: str) -> Any:
+            global F
+            F = importlib.import_module("appserver.ws.frames")
+            return getattr(F, name)
+
+    F = _Frames()
 
 log = logging.getLogger("appserver.ws")
 
@@ -157,7 +174,7 @@ def parse_client_frame(text: str | None, limits: FrameLimits = FrameLimits()) ->
         raise FrameError("unknown_type", f"unknown frame type {kind[:64]!r}", "type")
     try:
         return F.client_frame.validate_python(data)
-    except ValidationError as exc:
+    except F.ValidationError as exc:
         message, param = _validation_message(exc)
         raise FrameError("bad_frame", message, param) from None
 

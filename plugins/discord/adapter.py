@@ -71,6 +71,22 @@ MAX_RETRY_AFTER_S = 300.0
 CATCH_UP_LIMIT = 500  # per channel and reconnect
 NONCE_LENGTH = 25  # Discord's limit for a string nonce
 STATE_FILE = "last_seen.json"
+# discord.py waits 5 s before each re-IDENTIFY (not the first) and `GUILD_READY_TIMEOUT_S` after the
+# last GUILD_CREATE before READY. Tests against a loopback fake shorten both through the environment
+# (a positive number of seconds); unset, these are the values used.
+REIDENTIFY_WAIT_S = 5.0
+GUILD_READY_TIMEOUT_S = 0.5
+REIDENTIFY_WAIT_ENV = "APPSERVER_DISCORD_REIDENTIFY_WAIT_S"
+GUILD_READY_TIMEOUT_ENV = "APPSERVER_DISCORD_GUILD_READY_TIMEOUT_S"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; the default when unset or not one."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if 0 < value < math.inf else default
 
 
 class _Client(discord.Client):
@@ -79,6 +95,11 @@ class _Client(discord.Client):
     def __init__(self, adapter: DiscordAdapter, **options: Any) -> None:
         super().__init__(**options)
         self._adapter = adapter
+
+    async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
+        """As discord.py's (which waits 5 s before a re-IDENTIFY), with the wait from the environment."""
+        if not initial:
+            await asyncio.sleep(_env_seconds(REIDENTIFY_WAIT_ENV, REIDENTIFY_WAIT_S))
 
     async def on_ready(self) -> None:
         await self._adapter._on_ready()
@@ -169,7 +190,7 @@ class DiscordAdapter:
             intents=intents,
             max_ratelimit_timeout=MAX_RATELIMIT_WAIT_S,
             chunk_guilds_at_startup=False,
-            guild_ready_timeout=0.5,
+            guild_ready_timeout=_env_seconds(GUILD_READY_TIMEOUT_ENV, GUILD_READY_TIMEOUT_S),
             allowed_mentions=discord.AllowedMentions.none(),
         )
         self._client = client

@@ -12,6 +12,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
+# Waits meant for real platforms, shortened for the loopback fakes (each knob's default is unchanged
+# when unset): the gateway child's first restart (1 s), discord.py's wait before a re-IDENTIFY (5 s)
+# and its wait for GUILD_CREATEs after READY (0.5 s; the fake sends its one guild with READY).
+FAST_WAITS = {
+    "APPSERVER_GATEWAY_RESTART_BACKOFF_S": "0.1",
+    "APPSERVER_DISCORD_REIDENTIFY_WAIT_S": "0.2",
+    "APPSERVER_DISCORD_GUILD_READY_TIMEOUT_S": "0.1",
+}
+
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
     """The caller's environment with the home pinned and retries fast, so tests never wait on backoff,
@@ -20,6 +29,8 @@ def cli_env(home: Path, **extra: str) -> dict[str, str]:
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # each subprocess would compile the package anew
     env["APPSERVER_HOME"] = str(home)
     env.setdefault("APPSERVER_LIMITS__RETRY_BASE_MS", "10")
+    for name, value in FAST_WAITS.items():
+        env.setdefault(name, value)
     env.update(extra)
     return env
 

@@ -59,7 +59,7 @@ def start_serve(home: Path, *extra: str, env: dict[str, str] | None = None, time
                 info = None
             if info and info.get("pid") == proc.pid:
                 return ServeProcess(proc, home, info["url"])
-        time.sleep(0.05)
+        time.sleep(0.02)
     proc.kill()
     raise RuntimeError("serve did not write server.json in time")
 

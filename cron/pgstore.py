@@ -41,7 +41,7 @@ class PgCronStore(CronStore):
         db = self._db
         if db is None or db.closed or db.broken:
             try:
-                db = self._db = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+                db = self._db = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
             except psycopg.Error as exc:
                 raise CronStoreError(
                     f"cron: cannot reach the database {self.shown}: {scrub(str(exc), self.url)}"

@@ -472,8 +472,24 @@ class Scheduler:
                 await asyncio.wait_for(stop.wait(), timeout=min(left, self.watch_s))
             except TimeoutError:
                 pass
-            if self.has_lease and self.changed_elsewhere():
+            if self.has_lease and await self._changed_elsewhere_safely():
                 return
+
+    async def _changed_elsewhere_safely(self) -> bool:
+        """`changed_elsewhere` off the event loop (a database-backed store asks the database), and
+        an unreachable store only noted: the next tick says what is wrong and tries again."""
+        try:
+            return await asyncio.to_thread(self.changed_elsewhere)
+        except (CorruptStateFile, CronStoreError, OSError) as exc:
+            self._tick_error = f"cannot look for changes: {exc}"
+            self._log_problem()
+            return False
+
+    async def _note_seen(self) -> None:
+        try:
+            self._seen = await asyncio.to_thread(self.store.signature)
+        except (CorruptStateFile, CronStoreError, OSError):
+            self._seen = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until `stop` is set; then close (release the lease, stop outcome watchers): the
@@ -485,11 +501,11 @@ class Scheduler:
                     self._tick_error = None
                 except (CorruptStateFile, CronStoreError) as exc:
                     self._tick_error = f"tick skipped: {exc}"
-                    self._seen = self.store.signature()
+                    await self._note_seen()
                 except Exception as exc:
                     log.exception("cron: tick failed")
                     self._tick_error = f"tick failed: {type(exc).__name__}: {exc}"
-                    self._seen = self.store.signature()
+                    await self._note_seen()
                 self._log_problem()
                 await self._sleep(stop)
         finally:

@@ -5,6 +5,7 @@ answers given anywhere resume it where it runs; a killed instance's work is take
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import psycopg
 import pytest
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # Fast heartbeats so that failover happens within seconds in a test (defaults: 2 s and 30 s).
 FAST = {"APPSERVER_STORE__HEARTBEAT_S": "0.2", "APPSERVER_STORE__INSTANCE_TIMEOUT_S": "3"}
+QUEUE_MAX = 12  # the module cluster's [limits] queue_max
 
 
 @dataclass
@@ -38,11 +41,11 @@ def _env(home: Path, url: str) -> dict[str, str]:
     return cli_env(home, APPSERVER_STORE__URL=url, **FAST)
 
 
-def _start(tmp: Path, url: str, n: int) -> list[ServeProcess]:
+def _start(tmp: Path, url: str, n: int, **env: str) -> list[ServeProcess]:
     nodes = []
     for i in range(n):
         home = tmp / f"node{i}"
-        nodes.append(start_serve(home, env=_env(home, url)))
+        nodes.append(start_serve(home, env={**_env(home, url), **env}))
     return nodes
 
 
@@ -54,7 +57,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         home = tmp / "admin"
         r = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=_env(home, url))
         assert r.code == 0, r.err
-        nodes = _start(tmp, url, 3)
+        nodes = _start(tmp, url, 3, APPSERVER_LIMITS__QUEUE_MAX=str(QUEUE_MAX))
         try:
             yield Cluster(url, nodes)
         finally:
@@ -71,6 +74,12 @@ def _turns(url: str, conversation_id: str) -> list[dict[str, Any]]:
             "SELECT id, status, owner, started_at, ended_at, input FROM turns WHERE conversation_id = %s ORDER BY seq",
             (conversation_id,),
         ).fetchall()
+
+
+def _all_turns(url: str) -> list[dict[str, Any]]:
+    with psycopg.connect(url) as c:
+        c.row_factory = psycopg.rows.dict_row
+        return c.execute("SELECT id, status, input FROM turns ORDER BY seq").fetchall()
 
 
 def _instances(url: str) -> list[str]:
@@ -190,9 +199,24 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                     lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15
                 )  # it runs on A
                 queued = await _submit(b, conv, "after the kill")  # accepted by B, queued behind it
+                # and an OpenAI client whose request (with an Idempotency-Key) runs on A
+                key = {"Idempotency-Key": f"k-{time.monotonic_ns()}"}
+                body = {"model": "assistant", "messages": [{"role": "user", "content": "/slow 30"}]}
+                on_a = openai.AsyncOpenAI(base_url=nodes[0].url + "/v1", api_key="x", max_retries=0)
+                first = asyncio.ensure_future(on_a.chat.completions.create(**body, extra_headers=key))  # type: ignore[call-overload]
+                while not [r for r in _all_turns(url) if "/slow 30" in r["input"] and r["status"] == "running"]:
+                    await asyncio.sleep(0.02)
                 nodes[0].proc.send_signal(signal.SIGKILL)
                 nodes[0].proc.wait(10)
                 started = time.monotonic()
+                with contextlib.suppress(openai.APIError):
+                    await first
+                # the client retries at once, on B: the turn it follows died with A, so it runs again
+                on_b = openai.AsyncOpenAI(base_url=nodes[1].url + "/v1", api_key="x", max_retries=0, timeout=30)
+                retried = await on_b.chat.completions.create(**body, extra_headers=key)  # type: ignore[call-overload]
+                assert retried.choices[0].message.content == " ".join(f"w{i}" for i in range(1, 31))
+                again = await on_b.chat.completions.create(**body, extra_headers=key)  # type: ignore[call-overload]
+                assert again.id == retried.id  # and from then on that answer is the key's
                 settled = await b.terminal(running["turn_id"], timeout=30)
                 assert settled["status"] == "cancelled" and settled["error"]["kind"] == "interrupted"
                 answered = await b.terminal(queued["turn_id"], timeout=30)
@@ -202,6 +226,8 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                 assert rows[running["turn_id"]]["status"] == "interrupted"
                 assert rows[queued["turn_id"]]["status"] == "completed"
                 assert len(_instances(url)) == 1  # the dead one's row is gone
+                slow = sorted(r["status"] for r in _all_turns(url) if "/slow 30" in r["input"])
+                assert slow == ["completed", "interrupted"], slow
                 await b.close()
 
             asyncio.run(go())
@@ -264,6 +290,21 @@ def test_a_cron_task_due_during_a_failover_fires_exactly_once(tmp_path: Path) ->
                 survivor_id = c.execute("SELECT id FROM instances WHERE pid = %s", (survivor.proc.pid,)).fetchone()[0]
             assert fired[0]["owner"] == survivor_id
             assert _cron_doc(url)["scheduler_owner"]["instance"] == survivor_id
+            # the database ends every session (a restart): the scheduler keeps going, and fires the next task
+            with psycopg.connect(url, autocommit=True) as c:
+                c.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            time.sleep(1.0)
+            add = run_cli(admin, "cron", "add", "--name", "later", "--agent", "assistant",
+                          "--in", "2s", "--exact", "--prompt", "again", "--json", env=_env(admin, url))  # fmt: skip
+            assert add.code == 0, add.err
+            deadline = time.monotonic() + 20
+            while len([t for t in _cron_turns(url) if t["status"] == "completed"]) < 2:
+                assert time.monotonic() < deadline, "the scheduler stopped after the database ended its session"
+                time.sleep(0.1)
+            assert len(_cron_turns(url)) == 2
         finally:
             for sp in nodes:
                 sp.kill()
@@ -434,3 +475,83 @@ def test_the_example_balancer_spreads_one_conversation_over_the_instances(cluste
     finally:
         lb.kill()
         lb.wait(10)
+
+
+def test_the_queue_bound_holds_across_instances(cluster: Cluster) -> None:
+    """Many clients on all three instances submit to one busy conversation at once: no more than
+    `queue_max` inputs are accepted behind the running turn, the rest are refused (queue_full)."""
+
+    async def go() -> None:
+        # (these clients read only their replies: a short close timeout, as their unread frames block it)
+        socks = [await WS.open(sp.url, close_timeout=0.2) for sp in cluster.nodes for _ in range(7)]
+        conv = await _create(socks[0])
+        running = await _submit(socks[0], conv, "/slow 80")
+        await socks[0].expect(lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15)
+
+        async def one(ws: WS) -> dict[str, Any]:
+            return await ws.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "q"})
+
+        replies = await asyncio.gather(*(one(ws) for ws in socks))
+        accepted = [r for r in replies if r["type"] == "ack"]
+        refused = [r for r in replies if r["type"] == "error"]
+        assert len(accepted) == QUEUE_MAX, [r.get("code") for r in refused]
+        assert len(refused) == len(socks) - QUEUE_MAX and {r["code"] for r in refused} == {"queue_full"}, refused
+        queued = [t for t in _turns(cluster.url, conv) if t["status"] == "queued"]
+        assert len(queued) == QUEUE_MAX
+        await socks[0].request({"type": "cancel", "conversation": conv, "turn_id": running["turn_id"]})
+        for ws in socks:
+            await ws.close()
+
+    asyncio.run(go())
+
+
+def test_an_input_accepted_elsewhere_first_runs_first(cluster: Cluster) -> None:
+    """A holds an idle conversation; X is accepted through B, then Y through A at once: X runs
+    before Y, every time (acceptance order is the database's, not the holder's own queue)."""
+    a_url, b_url = cluster.nodes[0].url, cluster.nodes[1].url
+
+    async def go() -> None:
+        a, b = await WS.open(a_url), await WS.open(b_url)
+        conv = await _create(a)
+        await a.terminal((await _submit(a, conv, "warm"))["turn_id"])  # A holds it
+        pairs = []
+        for i in range(8):
+            x = await _submit(b, conv, f"x{i}")
+            y = await _submit(a, conv, f"y{i}")
+            pairs.append((x["turn_id"], y["turn_id"]))
+            await a.terminal(y["turn_id"], timeout=20)
+        rows = {t["id"]: t for t in _turns(cluster.url, conv)}
+        for x, y in pairs:
+            assert rows[x]["status"] == rows[y]["status"] == "completed"
+            assert rows[x]["ended_at"] <= rows[y]["started_at"], (rows[x], rows[y])
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
+
+
+def test_a_follower_sees_a_turn_larger_than_a_notification_as_it_grows(cluster: Cluster) -> None:
+    """Snapshots past NOTIFY's size go through the database (one row per turn): a subscriber on B
+    sees a 30 KB reply end as promptly as A, not from its fallback reading of the store."""
+    a_url, b_url = cluster.nodes[0].url, cluster.nodes[1].url
+
+    async def go() -> None:
+        a, b = await WS.open(a_url), await WS.open(b_url)
+        conv = await _create(a)
+        await a.terminal((await _submit(a, conv, "warm"))["turn_id"])
+        await b.request({"type": "subscribe", "conversation": conv})
+        await asyncio.sleep(0.3)  # B's interest reaches A
+        text = " ".join(f"word{i:05d}" for i in range(3000))
+        ack = await _submit(a, conv, text)
+        on_a = await a.terminal(ack["turn_id"], timeout=20)
+        seen_a = time.monotonic()
+        on_b = await b.terminal(ack["turn_id"], timeout=20)
+        assert time.monotonic() - seen_a < 1.0, "B heard of the end through the store, late"
+        assert on_b["blocks"] == on_a["blocks"] and len(on_b["blocks"][-1]["text"]) > 30_000
+        with psycopg.connect(cluster.url) as db:
+            rows = db.execute("SELECT count(*) FROM cluster_mail WHERE id = %s", ("turn:" + ack["turn_id"],)).fetchone()
+        assert rows == (1,)  # one row for the whole turn, not one per revision
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())

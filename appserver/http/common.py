@@ -253,6 +253,10 @@ class Idempotency:
             return None, (self.key, self.turn_scope)
         if turn.status not in ("queued", "running", "awaiting", "completed"):
             return None, None  # cancelled, failed, or interrupted by a crash: the request runs again
+        if turn.status == "running" and not await self.server.kernel.owner_alive(turn.owner, strict=True):
+            # Its server died while it ran (it is settled as interrupted once that is noticed):
+            # not the answer either. A queued turn of a dead server still runs elsewhere: followed.
+            return None, None
         return TurnRun(self.server, turn.conversation_id, await self.server.kernel.handle_for(turn)), None
 
     async def finish(self, status: int, content_type: str, body: str, conversation_id: str | None) -> None:

@@ -35,7 +35,7 @@ from appserver.runtime.restore import controller_from_store
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import TERMINAL_STATUSES, LifecycleState
 from appserver.runtime.watch import Watch
-from appserver.store.base import Store
+from appserver.store.base import OpenLimitReached, Store
 from appserver.store.cluster import Cluster, ClusterError, PeerError
 from appserver.store.records import TurnRecord
 
@@ -312,15 +312,19 @@ class ClusterLink:
     async def submit(self, record: TurnRecord, scope: str | None, holder: str) -> tuple[TurnHandle, int]:
         """Accept an input for a conversation `holder` runs: queued in the store, then pulled."""
         limit = self.kernel.config.limits.queue_max
-        waiting = await self.cluster.open_turn_count(record.conversation_id)
-        if waiting > limit:
-            raise errors.QueueFull(
-                f"conversation {record.conversation_id} has {waiting - 1} inputs queued (limit {limit}); "
-                "try again later"
-            )
         record.status = "queued"
         record.owner = None
-        await self.kernel.store.accept_turn(record, scope)  # raises DuplicateTurn
+        accept = getattr(self.kernel.store, "accept_in_cluster", None)
+        if accept is None:
+            raise errors.KernelError("this store cannot accept inputs for a conversation another server runs")
+        try:
+            earlier = await accept(record, scope, limit + 1)  # raises DuplicateTurn
+        except OpenLimitReached as full:
+            raise errors.QueueFull(
+                f"conversation {record.conversation_id} has {full.open_turns - 1} inputs queued (limit {limit}); "
+                "try again later"
+            ) from None
+        waiting = len(earlier) + 1
         controller = TurnController(
             record.id, record.conversation_id, record.agent_id, phase="queued", queue_position=waiting
         )

@@ -3,7 +3,7 @@ itself): the runtime never calls up, so runtime and kernel do not import each ot
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from appserver.agent.loop import AgentLoop
@@ -20,3 +20,6 @@ class RuntimeDeps:
     agent_loop: AgentLoop
     owner: str  # this process's identity, recorded on the turns it runs
     settled: Callable[[TurnRecord, TurnSnapshot], None]  # told once per turn (segment) settled
+    # A server of a cluster: accepts go through `PostgresStore.accept_in_cluster` (the queue bound
+    # counted in the database, acceptance order across servers); None on a server of its own.
+    cluster_accept: Callable[[TurnRecord, str | None, int], Awaitable[list[str]]] | None = None

@@ -114,7 +114,10 @@ class Kernel:
             # A server of a cluster: its turns are stamped with its instance id, and what other
             # servers hold is theirs (docs/scale-out.md).
             self.owner = cluster.instance_id
-            self._deps = RuntimeDeps(self.store, self.config, self.agent_loop, self.owner, self._turn_settled)
+            accept = getattr(self.store, "accept_in_cluster", None)
+            self._deps = RuntimeDeps(
+                self.store, self.config, self.agent_loop, self.owner, self._turn_settled, cluster_accept=accept
+            )
             self._link = ClusterLink(self, cluster)
         reaped = reap_orphaned_tools(self.config.home, self.owner)
         if reaped:
@@ -184,11 +187,13 @@ class Kernel:
         if token is not None and self._link is not None:
             self._link.cluster.release(conversation_id, token)
 
-    async def owner_alive(self, owner: str | None) -> bool:
+    async def owner_alive(self, owner: str | None, *, strict: bool = False) -> bool:
         """Does the server stamped `owner` (on a turn) still run: a process of this host, or in a
-        cluster a live instance."""
+        cluster a live instance (`strict`: one whose database session is up right now)."""
+        if owner == self.owner:
+            return True
         if self._link is not None and owner and owner.startswith("inst_"):
-            return await self._link.cluster.owner_alive(owner)
+            return await self._link.cluster.owner_alive(owner, strict=strict)
         return identity_alive(owner)
 
     def live_handles(self, conversation_id: str) -> list[TurnHandle]:

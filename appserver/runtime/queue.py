@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from appserver.errors import QueueFull
@@ -22,6 +23,7 @@ from appserver.runtime.restore import controller_from_store
 from appserver.runtime.run import TurnRunner
 from appserver.runtime.settle import TurnEnd
 from appserver.runtime.snapshot import TurnController
+from appserver.store.base import OpenLimitReached
 from appserver.store.records import AgentRecord, TurnCommit, TurnRecord
 
 
@@ -92,6 +94,8 @@ class TurnQueue:
             raise QueueFull(
                 f"conversation {self._conversation_id} has {waiting} inputs queued (limit {limit}); try again later"
             )
+        if self._deps.cluster_accept is not None:
+            return await self._enqueue_in_cluster(record, idempotency_scope, self._deps.cluster_accept)
         position = waiting + (1 if self._lifecycle.busy else 0)
         record.status = "queued" if position else "running"
         record.owner = self._deps.owner
@@ -114,6 +118,37 @@ class TurnQueue:
             self.accepting -= 1
             raise
         self.accepting -= 1
+        return self._queue_accepted(record, position), position
+
+    async def _enqueue_in_cluster(
+        self,
+        record: TurnRecord,
+        idempotency_scope: str | None,
+        accept: Callable[[TurnRecord, str | None, int], Awaitable[list[str]]],
+    ) -> tuple[TurnHandle, int]:
+        """A server of a cluster: the accept counts the conversation's open turns in the database
+        (the bound holds across servers) and names the queued turns other servers accepted
+        before this one, which are queued here first, so turns run in acceptance order."""
+        limit = self._deps.config.limits.queue_max
+        record.status = "queued"  # marked running when the worker begins it
+        record.owner = self._deps.owner
+        self.accepting += 1
+        try:
+            earlier = await accept(record, idempotency_scope, limit + 1)  # raises DuplicateTurn
+        except OpenLimitReached as full:
+            raise QueueFull(
+                f"conversation {self._conversation_id} has {full.open_turns - 1} inputs queued (limit {limit}); "
+                "try again later"
+            ) from None
+        finally:
+            self.accepting -= 1
+        known = {*self.turn_ids(), self._lifecycle.turn_id, *self._board.handles}
+        for turn_id in earlier:
+            if turn_id not in known:
+                turn = await self._deps.store.get_turn(turn_id)
+                if turn is not None and turn.status == "queued" and turn.id not in self.turn_ids():
+                    self.requeue(turn)
+        position = len(self._items) + (1 if self._lifecycle.busy else 0)
         return self._queue_accepted(record, position), position
 
     def _queue_overlapped(self, record: TurnRecord, agent: AgentRecord | None) -> TurnHandle:

@@ -27,6 +27,14 @@ class StoreError(Exception):
     pass
 
 
+class OpenLimitReached(Exception):
+    """A conversation already has as many open (queued or running) turns as the caller allows."""
+
+    def __init__(self, open_turns: int) -> None:
+        super().__init__(f"{open_turns} open turns")
+        self.open_turns = open_turns
+
+
 class DuplicateTurn(Exception):
     """An idempotency key was already accepted; `turn` is the earlier turn."""
 

@@ -51,11 +51,11 @@ CALL_TIMEOUT_S = 10.0
 NO_FLUSH = "set_config('synchronous_commit', 'off', true)"
 
 NOW = "extract(epoch from clock_timestamp())"
-LIVE = (
-    f"(i.heartbeat_at >= {NOW} - %(timeout)s AND (i.heartbeat_at >= {NOW} - %(grace)s OR EXISTS ("
-    "SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 "
-    f"AND l.classid = {INSTANCE_LOCK_CLASS} AND l.objid = i.lock_key::oid)))"
+LOCK_HELD = (
+    "EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 "
+    f"AND l.classid = {INSTANCE_LOCK_CLASS} AND l.objid = i.lock_key::oid)"
 )
+LIVE = f"(i.heartbeat_at >= {NOW} - %(timeout)s AND (i.heartbeat_at >= {NOW} - %(grace)s OR {LOCK_HELD}))"
 
 
 class Database(Protocol):
@@ -235,14 +235,17 @@ class Cluster:
         rows = await self.store._rows(f"SELECT id FROM instances i WHERE {LIVE}", self.params)
         return {r["id"] for r in rows}
 
-    async def owner_alive(self, owner: str | None) -> bool:
-        """Does the instance stamped `owner` (a turn's or a claim's) still live?"""
+    async def owner_alive(self, owner: str | None, *, strict: bool = False) -> bool:
+        """Does the instance stamped `owner` (a turn's or a claim's) still live? `strict`: only
+        while its session holds its lock, without the grace that lets a server whose session the
+        database ended take it again (a killed server is then dead at once)."""
         if not owner:
             return False
         if owner == self.instance_id:
             return True
+        alive = f"{LIVE} AND {LOCK_HELD}" if strict else LIVE
         row = await self.store._row(
-            f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {LIVE}", {**self.params, "id": owner}
+            f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {alive}", {**self.params, "id": owner}
         )
         return row is not None
 
@@ -337,13 +340,6 @@ class Cluster:
         )
         return {r["conversation_id"]: r["instance_id"] for r in rows}
 
-    async def open_turn_count(self, conversation_id: str) -> int:
-        row = await self.store._row(
-            "SELECT count(*) AS n FROM turns WHERE conversation_id = %s AND status IN ('queued', 'running')",
-            (conversation_id,),
-        )
-        return int(row["n"]) if row else 0
-
     # ------------------------------------------------------------ messages
 
     async def _notify(self, channel: str, payload: str) -> None:
@@ -399,10 +395,22 @@ class Cluster:
     def publish_turn(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
         """Tell every instance of a turn's newest snapshot (only when there are others)."""
         if self.peers:
-            self._spawn(self._notify(TURNS_CHANNEL, f"{conversation_id} {turn_id} {revision} {body}"))
+            self._spawn(self._notify_turn(conversation_id, turn_id, revision, body))
 
-    async def publish_turn_now(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
-        await self._notify(TURNS_CHANNEL, f"{conversation_id} {turn_id} {revision} {body}")
+    async def _notify_turn(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
+        """A snapshot too large for NOTIFY goes into the turn's one mail row (the newest wins, so
+        a long reply does not leave a row per revision) and the notice names it."""
+        head = f"{conversation_id} {turn_id} {revision} "
+        if len(head.encode()) + len(body.encode()) <= NOTIFY_MAX:
+            await self.store._row(f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent", (TURNS_CHANNEL, head + body))
+            return
+        mail_id = "turn:" + turn_id
+        await self.store._row(
+            f"WITH m AS (INSERT INTO cluster_mail(id, body, created_at) VALUES (%s, %s, {NOW}) "
+            "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, created_at = EXCLUDED.created_at) "
+            f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent",
+            (mail_id, body, TURNS_CHANNEL, head + "@" + mail_id),
+        )
 
     # ------------------------------------------------------------ incoming
 

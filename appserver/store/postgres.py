@@ -39,7 +39,7 @@ from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from appserver.procid import identity, identity_alive
-from appserver.store.base import DuplicateTurn, Store, StoreError
+from appserver.store.base import DuplicateTurn, OpenLimitReached, Store, StoreError
 from appserver.store.cluster import LIVE, Cluster
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew
@@ -82,6 +82,7 @@ POOL_MAX = 10
 # ------------------------------------------------------------------ the writer
 
 
+ACCEPT_LOCK_CLASS = 0x61636370  # pg_advisory_xact_lock(class, hashtext(conversation id)): "accp"
 HEARTBEAT_S = 2.0  # [store] heartbeat_s: how often a server renews its instance row
 INSTANCE_TIMEOUT_S = 30.0  # [store] instance_timeout_s: a server silent this long is gone
 LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
@@ -650,14 +651,31 @@ class PostgresStore(Store):
         turn.created_at = turn.created_at or now
 
         async def job(conn: Conn) -> None:
-            if turn.idempotency_key and idempotency_scope:
-                # ON CONFLICT: a concurrent claim of the same key (another process) waits for it, then loses.
-                cur = await conn.execute(
-                    "INSERT INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) "
-                    "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (scope, key) DO NOTHING RETURNING turn_id",
-                    (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now),
-                )
-                if await cur.fetchone() is None:
+            await self._insert_turn(conn, turn, idempotency_scope, now)
+
+        await self._write(job)
+        return turn
+
+    async def accept_in_cluster(self, turn: TurnRecord, idempotency_scope: str | None, open_limit: int) -> list[str]:
+        """Accept a turn of a conversation that servers of a cluster share: serialised with every
+        other accept of the conversation (a transaction-scoped advisory lock), refused with
+        OpenLimitReached when it already has `open_limit` queued or running turns (the queue
+        bound, cluster-wide), stamped with the database's clock (acceptance order, whichever
+        host accepted). Returns the ids of the conversation's queued turns accepted before it,
+        in order: the holder runs those first."""
+
+        async def job(conn: Conn) -> list[str]:
+            await conn.execute(
+                "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (ACCEPT_LOCK_CLASS, turn.conversation_id)
+            )
+            cur = await conn.execute(
+                "SELECT id, status FROM turns WHERE conversation_id = %s AND status IN ('queued', 'running') "
+                "ORDER BY seq",
+                (turn.conversation_id,),
+            )
+            rows = await cur.fetchall()
+            if len(rows) >= open_limit:
+                if turn.idempotency_key and idempotency_scope:  # a retry of an accepted input is no new input
                     cur = await conn.execute(
                         "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id "
                         "WHERE k.scope=%s AND k.key=%s",
@@ -666,33 +684,55 @@ class PostgresStore(Store):
                     existing = await cur.fetchone()
                     if existing is not None:
                         raise DuplicateTurn(turn_record(existing))
-                    # the key outlived its turn (deleted with its agent): it is this turn's now
-                    await conn.execute(
-                        "UPDATE idempotency_keys SET turn_id=%s, conversation_id=%s, created_at=%s "
-                        "WHERE scope=%s AND key=%s",
-                        (turn.id, turn.conversation_id, now, idempotency_scope, turn.idempotency_key),
-                    )
-            await conn.execute(
-                "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, "
-                "client_tools, options, owner, created_at, started_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
-                (
-                    turn.id,
-                    turn.conversation_id,
-                    turn.agent_id,
-                    turn.status,
-                    turn.idempotency_key,
-                    dump_json(turn.source) if turn.source is not None else None,
-                    dump_json(turn.input),
-                    dump_json(turn.client_tools),
-                    dump_json(turn.options),
-                    turn.owner,
-                    turn.created_at,
-                    turn.started_at,  # a turn that runs at once starts as it is accepted
-                ),
-            )
+                raise OpenLimitReached(len(rows))
+            cur = await conn.execute("SELECT extract(epoch from clock_timestamp()) AS now")
+            clock = await cur.fetchone()
+            turn.created_at = float(clock["now"]) if clock else time.time()
+            await self._insert_turn(conn, turn, idempotency_scope, turn.created_at)
+            return [r["id"] for r in rows if r["status"] == "queued"]
 
-        await self._write(job)
-        return turn
+        return await self._write(job)
+
+    async def _insert_turn(self, conn: Conn, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
+        if turn.idempotency_key and idempotency_scope:
+            # ON CONFLICT: a concurrent claim of the same key (another process) waits for it, then loses.
+            cur = await conn.execute(
+                "INSERT INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) "
+                "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (scope, key) DO NOTHING RETURNING turn_id",
+                (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now),
+            )
+            if await cur.fetchone() is None:
+                cur = await conn.execute(
+                    "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=%s AND k.key=%s",
+                    (idempotency_scope, turn.idempotency_key),
+                )
+                existing = await cur.fetchone()
+                if existing is not None:
+                    raise DuplicateTurn(turn_record(existing))
+                # the key outlived its turn (deleted with its agent): it is this turn's now
+                await conn.execute(
+                    "UPDATE idempotency_keys SET turn_id=%s, conversation_id=%s, created_at=%s "
+                    "WHERE scope=%s AND key=%s",
+                    (turn.id, turn.conversation_id, now, idempotency_scope, turn.idempotency_key),
+                )
+        await conn.execute(
+            "INSERT INTO turns(id, conversation_id, agent_id, status, idempotency_key, source, input, "
+            "client_tools, options, owner, created_at, started_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+            (
+                turn.id,
+                turn.conversation_id,
+                turn.agent_id,
+                turn.status,
+                turn.idempotency_key,
+                dump_json(turn.source) if turn.source is not None else None,
+                dump_json(turn.input),
+                dump_json(turn.client_tools),
+                dump_json(turn.options),
+                turn.owner,
+                turn.created_at,
+                turn.started_at,  # a turn that runs at once starts as it is accepted
+            ),
+        )
 
     async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
         row = await self._row(

@@ -555,3 +555,50 @@ def test_a_follower_sees_a_turn_larger_than_a_notification_as_it_grows(cluster: 
         await b.close()
 
     asyncio.run(go())
+
+
+def test_a_follower_sees_turns_from_the_start_after_the_conversation_moved(tmp_path: Path) -> None:
+    """B follows a conversation A holds; A lets it go when idle; C takes it with the next input:
+    C knows (from the database) that B follows it and publishes the new turn from its start."""
+    require_postgres()
+    with temp_database("cluster_moved") as url:
+        nodes = _start(tmp_path, url, 3, APPSERVER_LIMITS__IDLE_EVICT_S="1")
+        try:
+
+            async def go() -> None:
+                a, b, c = [await WS.open(sp.url) for sp in nodes]
+                conv = await _create(a)
+                await a.terminal((await _submit(a, conv, "warm"))["turn_id"])  # A holds it
+                await b.request({"type": "subscribe", "conversation": conv})
+                await a.close()  # nobody on A watches it any more
+                deadline = time.monotonic() + 10
+                while True:  # A drops the idle runtime and its lease
+                    with psycopg.connect(url) as db:
+                        if (
+                            db.execute(
+                                "SELECT 1 FROM conversation_owners WHERE conversation_id = %s", (conv,)
+                            ).fetchone()
+                            is None
+                        ):
+                            break
+                    assert time.monotonic() < deadline, "A never let the idle conversation go"
+                    await asyncio.sleep(0.1)
+                ack = await _submit(c, conv, "/slow 30")  # C takes it
+                on_c = await c.terminal(ack["turn_id"], timeout=20)
+                on_b = await b.terminal(ack["turn_id"], timeout=20)
+                assert on_b["blocks"] == on_c["blocks"]
+                seen = [
+                    f["snapshot"]
+                    for f in b.seen
+                    if f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == ack["turn_id"]
+                ]
+                growing = [s for s in seen if s["status"] == "running" and s["blocks"]]
+                assert len(growing) >= 5, [len(s["blocks"][-1]["text"]) for s in growing]
+                assert len(growing[0]["blocks"][-1]["text"]) < 30, "B missed the start of the reply"
+                for ws in (b, c):
+                    await ws.close()
+
+            asyncio.run(go())
+        finally:
+            for sp in nodes:
+                sp.kill()

@@ -270,6 +270,7 @@ class ClusterLink:
             self._spawn(self._say_following([conversation_id]))
 
     async def _say_following(self, conversation_ids: list[str]) -> None:
+        await self.cluster.note_following(conversation_ids, FOLLOW_TTL_S)
         for conversation_id, holder in (await self.cluster.holders(conversation_ids)).items():
             if holder != self.cluster.instance_id:
                 await self.cluster.send(holder, "follow", {"conversation": conversation_id})
@@ -373,6 +374,11 @@ class ClusterLink:
 
     def _ops(self) -> dict[str, Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]]:
         return {"pull": self._pull, "respond": self._respond, "cancel": self._cancel, "follow": self._follow}
+
+    async def taken(self, conversation_id: str) -> None:
+        """This server just took the conversation: if another follows it, publish from the start."""
+        if self.cluster.peers and await self.cluster.followed_elsewhere(conversation_id):
+            self._followed[conversation_id] = time.monotonic() + FOLLOW_TTL_S
 
     async def _follow(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
         if self.kernel.holds(conversation_id):

@@ -256,6 +256,7 @@ class Kernel:
         does) and queue the ones accepted but not queued here, in the order they were accepted."""
         link = self._link
         assert link is not None
+        await link.taken(rt.conversation_id)
         mine = {*rt.queue.turn_ids(), rt.lifecycle.turn_id}
         for turn in await self.store.list_turns(rt.conversation_id, statuses=("running", "queued")):
             if turn.id in mine or turn.id in rt.handles:

@@ -332,6 +332,24 @@ class Cluster:
         )
         return [r["conversation_id"] for r in rows]
 
+    async def note_following(self, conversation_ids: list[str], ttl_s: float) -> None:
+        """Record that this instance follows these conversations for `ttl_s` more seconds, so a
+        server that takes one of them later knows to publish its turns from the start."""
+        await self.store._row(
+            "INSERT INTO conversation_followers(conversation_id, instance_id, until) "
+            f"SELECT c, %s, {NOW} + %s FROM unnest(%s::text[]) AS c "
+            "ON CONFLICT (conversation_id, instance_id) DO UPDATE SET until = EXCLUDED.until RETURNING 1",
+            (self.instance_id, ttl_s, conversation_ids),
+        )
+
+    async def followed_elsewhere(self, conversation_id: str) -> bool:
+        row = await self.store._row(
+            f"SELECT 1 AS yes FROM conversation_followers WHERE conversation_id = %s AND instance_id <> %s "
+            f"AND until > {NOW} LIMIT 1",
+            (conversation_id, self.instance_id),
+        )
+        return row is not None
+
     async def holders(self, conversation_ids: list[str]) -> dict[str, str]:
         """The instance holding each of these conversations (those held by none are left out)."""
         rows = await self.store._rows(
@@ -465,6 +483,7 @@ class Cluster:
 
     async def purge_mail(self) -> None:
         await self.store._row(f"DELETE FROM cluster_mail WHERE created_at < {NOW} - %s RETURNING 1", (MAIL_TTL_S,))
+        await self.store._row(f"DELETE FROM conversation_followers WHERE until < {NOW} RETURNING 1")
 
 
 def describe(exc: BaseException) -> dict[str, Any]:

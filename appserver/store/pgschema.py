@@ -15,7 +15,9 @@ same observable behaviour:
 - `store_probe`: the one row `check_writable` updates.
 - Version 2, the cluster (appserver/store/cluster.py): `instances` (a row per running server, its
   heartbeat and the key of its session lock), `conversation_owners` (which instance holds a
-  conversation's runtime), `channel_owners` (which instance's gateway runs a channel account),
+  conversation's runtime), `conversation_followers` (which
+  instances follow a conversation another holds), `channel_owners` (which instance's gateway runs a
+  channel account),
   `cluster_mail` (notification payloads too large for NOTIFY),
   `cron_state` (the cron tasks document, cron/pgstore.py), `tokens` and `token_state` (capability
   tokens, auth/pgtokens.py).
@@ -202,6 +204,13 @@ MIGRATIONS: list[tuple[int, str]] = [
             since DOUBLE PRECISION NOT NULL
         );
         CREATE INDEX conversation_owners_instance ON conversation_owners(instance_id);
+
+        CREATE TABLE conversation_followers (
+            conversation_id TEXT COLLATE "C" NOT NULL,
+            instance_id TEXT COLLATE "C" NOT NULL,
+            until DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (conversation_id, instance_id)
+        );
 
         CREATE TABLE channel_owners (
             account TEXT COLLATE "C" PRIMARY KEY,

@@ -602,3 +602,56 @@ def test_a_follower_sees_turns_from_the_start_after_the_conversation_moved(tmp_p
         finally:
             for sp in nodes:
                 sp.kill()
+
+
+def test_an_answer_sent_as_the_holder_dies_reaches_whoever_takes_over_and_subscribers_see_it(tmp_path: Path) -> None:
+    """A turn paused on A; A is killed; at once B gets the approval and C an input for the same
+    conversation: whichever of them takes the conversation over, the approval is applied once,
+    both turns run, and a subscriber on B sees both (also when B itself took it over)."""
+    require_postgres()
+    with temp_database("cluster_answer") as url:
+        admin = tmp_path / "admin"
+        r = run_cli(admin, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=_env(admin, url))
+        assert r.code == 0, r.err
+        nodes = _start(tmp_path, url, 3)
+        try:
+
+            async def go() -> None:
+                a, b, c = [await WS.open(sp.url) for sp in nodes]
+                conv = await _create(a, "careful")
+                await b.request({"type": "subscribe", "conversation": conv})
+                paused = await _submit(a, conv, "/call clock {}", agent="careful")
+                request = await b.expect(lambda f: f["type"] == "approval_request", timeout=15)
+                nodes[0].proc.send_signal(signal.SIGKILL)
+                nodes[0].proc.wait(10)
+                started = time.monotonic()
+                answer, later = await asyncio.gather(
+                    b.request(
+                        {
+                            "type": "approval_response",
+                            "conversation": conv,
+                            "decisions": [{"call_id": request["call_id"], "decision": "approve"}],
+                        },
+                        timeout=40,
+                    ),
+                    _submit(c, conv, "and then this", agent="careful"),
+                )
+                assert answer["type"] == "ack" and answer["results"][0]["accepted"] is True, answer
+                assert time.monotonic() - started < 30
+                done = await b.terminal(paused["turn_id"], timeout=30)
+                assert done["status"] == "completed"
+                assert [blk["status"] for blk in done["blocks"] if blk["type"] == "tool_call"] == ["completed"]
+                after = await b.terminal(later["turn_id"], timeout=30)  # the subscriber on B sees it too
+                assert after["status"] == "completed" and after["blocks"][-1]["text"] == "echo: and then this"
+                rows = {t["id"]: t for t in _turns(url, conv)}
+                assert [rows[paused["turn_id"]]["status"], rows[later["turn_id"]]["status"]] == ["completed"] * 2
+                for ws in (b, c):
+                    await ws.close()
+
+            asyncio.run(go())
+        finally:
+            for sp in nodes:
+                sp.kill()
+        for sp in nodes[1:]:
+            log = sp.proc.stderr.read() if sp.proc.stderr else ""
+            assert "Traceback" not in log, log[-3000:]

@@ -46,6 +46,8 @@ STALE_S = 2.0  # a mirror that heard nothing this long reads the turn from the s
 SWEEP_S = 1.0
 PULL_AFTER_S = 2.0  # a turn queued this long at a conversation held here is pulled from the store
 MOVED_HOPS = 3  # a call follows a conversation that moved at most this many times
+HOLDER_CHECK_S = 0.5  # a call to a holder looks this often whether it is still alive
+MOVED_WAIT_S = 45.0  # how long an answer follows a conversation that moves or whose holder died
 FOLLOW_EVERY_S = 5.0  # a follower renews its interest this often
 FOLLOW_TTL_S = 15.0  # and the holder forgets an interest not renewed for this long
 
@@ -104,7 +106,11 @@ class RemoteWatch(Watch):
         return self._conversation_id
 
     def _mine(self) -> list[TurnHandle]:
-        return [m.handle for m in self._link.mirrors.values() if m.handle.conversation_id == self._conversation_id]
+        """The conversation's turns this server knows: mirrors, and (once this server took the
+        conversation over) the live ones of its runtime here."""
+        cid = self._conversation_id
+        mirrored = [m.handle for m in self._link.mirrors.values() if m.handle.conversation_id == cid]
+        return [*mirrored, *self._link.kernel.live_handles(cid)]
 
     @property
     def state(self) -> LifecycleState:
@@ -181,8 +187,11 @@ class ClusterLink:
                 self.on_local_turn(handle)
 
     def on_local_turn(self, handle: TurnHandle) -> None:
-        """A turn became visible in a runtime held here: publish its snapshots while it runs,
-        when another server follows its conversation."""
+        """A turn became visible in a runtime held here: tell the watches opened here while
+        another server held the conversation, and publish its snapshots while it runs when
+        another server follows the conversation."""
+        if handle.conversation_id in self.watchers:
+            self._tell(handle)
         if handle.turn_id in self._publishers or not self.cluster.peers or not self.followed(handle.conversation_id):
             return
         if handle.controller.status in TERMINAL_STATUSES:
@@ -339,23 +348,45 @@ class ClusterLink:
         return handle, waiting
 
     async def call_holder(self, conversation_id: str, holder: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Run `op` on the server holding the conversation, following it when it moved; when the
-        holder is gone, this server takes the conversation and runs it here."""
-        for _ in range(MOVED_HOPS):
+        """Run `op` on the server holding the conversation, following it when it moved (to
+        another server, or here); when the holder is gone, this server takes the conversation
+        and runs it here, unless yet another server took it first, which is then asked."""
+        deadline = time.monotonic() + MOVED_WAIT_S
+        while time.monotonic() < deadline:
             try:
-                return await self.cluster.call(holder, op, {"conversation": conversation_id, **args})
+                return await self._call_while_alive(holder, op, {"conversation": conversation_id, **args})
             except PeerError as exc:
                 if exc.kind == "OwnedElsewhere" and exc.data.get("holder"):
                     holder = str(exc.data["holder"])
                     continue
                 raise _again(exc) from None
             except ClusterError:
-                if await self.cluster.owner_alive(holder):
+                if await self.cluster.owner_alive(holder, strict=True):
                     raise errors.KernelError(
                         f"the server running conversation {conversation_id} did not answer; try again"
                     ) from None
-                break
-        return await self._here(conversation_id, op, args)
+            try:
+                return await self._here(conversation_id, op, args)
+            except OwnedElsewhere as moved:
+                if moved.holder == holder:  # dead, but not yet past the grace the others give it
+                    await asyncio.sleep(HOLDER_CHECK_S)
+                holder = moved.holder  # or another server took it over first: ask that one
+        raise errors.KernelError(f"conversation {conversation_id} kept moving between servers; try again")
+
+    async def _call_while_alive(self, holder: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """`Cluster.call`, given up as soon as the holder's database session is gone (a killed
+        server never answers: no need to wait for the whole timeout)."""
+        call = asyncio.ensure_future(self.cluster.call(holder, op, args))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=HOLDER_CHECK_S)
+                if done:
+                    return call.result()
+                if not await self.cluster.owner_alive(holder, strict=True):
+                    raise ClusterError(f"instance {holder} is gone")
+        finally:
+            if not call.done():
+                call.cancel()
 
     async def _here(self, conversation_id: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
         handler = self._ops().get(op)

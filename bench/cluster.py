@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare import http_request, one_request, read_response  # noqa: E402
 
 from tests.support.cli import cli_env  # noqa: E402
 from tests.support.pg import temp_database  # noqa: E402
@@ -38,38 +38,43 @@ SHARED_CONVERSATIONS = 16
 
 
 async def _drive(urls: list[str], seconds: float, concurrency: int, shared: bool) -> tuple[float, int]:
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-        convs: list[str] = []
-        if shared:
-            for i in range(SHARED_CONVERSATIONS):
-                r = await client.post(
-                    urls[i % len(urls)] + "/v1/chat/completions",
-                    json={"model": "assistant", "messages": [{"role": "user", "content": "start"}]},
-                )
-                convs.append(r.headers["x-conversation-id"])
-        done, errors = 0, 0
-        deadline = time.perf_counter() + seconds
-        target = itertools.count()
+    """`concurrency` clients, each on one keep-alive connection to one server (spread over the
+    servers), posting non-stream chat completions for `seconds`; a raw HTTP/1.1 client (from
+    bench/compare.py), so the client's own cost stays small next to the servers'."""
+    ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+    convs: list[str] = []
+    if shared:
+        for i in range(SHARED_CONVERSATIONS):
+            port = ports[i % len(ports)]
+            resp = await one_request(port, http_request("/v1/chat/completions", port, _body("start")))
+            convs.append(resp.headers["x-conversation-id"])
+    done, errors = 0, 0
+    deadline = time.perf_counter() + seconds
 
-        async def client_loop(w: int) -> None:
-            nonlocal done, errors
-            headers = {"X-Conversation-Id": convs[w % len(convs)]} if shared else {}
+    async def client_loop(w: int) -> None:
+        nonlocal done, errors
+        port = ports[w % len(ports)]
+        headers = {"X-Conversation-Id": convs[(w * 7) % len(convs)]} if shared else {}
+        data = http_request("/v1/chat/completions", port, _body("hi"), headers)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
             while time.perf_counter() < deadline:
-                url = urls[next(target) % len(urls)]
-                r = await client.post(
-                    url + "/v1/chat/completions",
-                    json={"model": "assistant", "messages": [{"role": "user", "content": "hi"}]},
-                    headers=headers,
-                )
-                if r.status_code == 200:
+                writer.write(data)
+                resp = await asyncio.wait_for(read_response(reader), 30)
+                if resp.status == 200:
                     done += 1
                 else:
                     errors += 1
+        finally:
+            writer.close()
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client_loop(w) for w in range(concurrency)))
-        return done / (time.perf_counter() - t0), errors
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client_loop(w) for w in range(concurrency)))
+    return done / (time.perf_counter() - t0), errors
+
+
+def _body(text: str) -> dict[str, object]:
+    return {"model": "assistant", "messages": [{"role": "user", "content": text}]}
 
 
 def _start(tmp: Path, n: int, url: str | None) -> list[ServeProcess]:

@@ -3,8 +3,9 @@ itself): the runtime never calls up, so runtime and kernel do not import each ot
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from appserver.agent.loop import AgentLoop
 from appserver.config import Config
@@ -22,4 +23,10 @@ class RuntimeDeps:
     settled: Callable[[TurnRecord, TurnSnapshot], None]  # told once per turn (segment) settled
     # A server of a cluster: accepts go through `PostgresStore.accept_in_cluster` (the queue bound
     # counted in the database, acceptance order across servers); None on a server of its own.
-    cluster_accept: Callable[[TurnRecord, str | None, int], Awaitable[list[str]]] | None = None
+    cluster_accept: ClusterAccept | None = None
+
+
+class ClusterAccept(Protocol):
+    async def __call__(
+        self, turn: TurnRecord, idempotency_scope: str | None, open_limit: int, *, start_if_free: bool = False
+    ) -> list[str]: ...

@@ -10,12 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from appserver.errors import QueueFull
 from appserver.runtime.board import TurnBoard
-from appserver.runtime.deps import RuntimeDeps
+from appserver.runtime.deps import ClusterAccept, RuntimeDeps
 from appserver.runtime.handle import TurnHandle
 from appserver.runtime.lifecycle import TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
@@ -124,17 +123,18 @@ class TurnQueue:
         self,
         record: TurnRecord,
         idempotency_scope: str | None,
-        accept: Callable[[TurnRecord, str | None, int], Awaitable[list[str]]],
+        accept: ClusterAccept,
     ) -> tuple[TurnHandle, int]:
         """A server of a cluster: the accept counts the conversation's open turns in the database
         (the bound holds across servers) and names the queued turns other servers accepted
         before this one, which are queued here first, so turns run in acceptance order."""
         limit = self._deps.config.limits.queue_max
-        record.status = "queued"  # marked running when the worker begins it
+        record.status = "queued"  # marked running when the worker begins it, unless accepted so
         record.owner = self._deps.owner
+        free = not self._lifecycle.busy and not self._items and not self.accepting and self.worker is None
         self.accepting += 1
         try:
-            earlier = await accept(record, idempotency_scope, limit + 1)  # raises DuplicateTurn
+            earlier = await accept(record, idempotency_scope, limit + 1, start_if_free=free)  # raises DuplicateTurn
         except OpenLimitReached as full:
             raise QueueFull(
                 f"conversation {self._conversation_id} has {full.open_turns - 1} inputs queued (limit {limit}); "

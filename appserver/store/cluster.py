@@ -26,9 +26,9 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from appserver.ids import new_id
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the driver is imported only by a server that joins a cluste
     Conn = psycopg.AsyncConnection[DictRow]
 
 log = logging.getLogger("appserver.cluster")
+T = TypeVar("T")
 
 # classid of every instance lock (pg_advisory_lock(int4, int4): classid, objid = the row's lock_key).
 INSTANCE_LOCK_CLASS = 0x61707069
@@ -59,10 +60,13 @@ LIVE = f"(i.heartbeat_at >= {NOW} - %(timeout)s AND (i.heartbeat_at >= {NOW} - %
 
 
 class Database(Protocol):
-    """What the cluster uses of the PostgreSQL store: where it is, and its pooled statements."""
+    """What the cluster uses of the PostgreSQL store: where it is, its pooled statements, and its
+    ordered, group-committing writer."""
 
     url: str
     connect_timeout_s: float
+
+    async def _write(self, job: Callable[[Conn], Awaitable[T]]) -> T: ...
 
     async def _row(self, query: str, params: tuple[Any, ...] | Mapping[str, Any] = ()) -> Any: ...
 
@@ -265,8 +269,9 @@ class Cluster:
         go of an earlier one (`release`, in the background) never deletes a later one."""
         token = secrets.token_hex(8)
         args = {**self.params, "conv": conversation_id, "me": self.instance_id, "token": token}
-        for _ in range(5):
-            row = await self.store._row(
+
+        async def job(conn: Conn) -> Lease | None:
+            cur = await conn.execute(
                 "INSERT INTO conversation_owners AS o (conversation_id, instance_id, token, since) "
                 f"VALUES (%(conv)s, %(me)s, %(token)s, {NOW}) ON CONFLICT (conversation_id) DO UPDATE "
                 "SET instance_id = EXCLUDED.instance_id, token = EXCLUDED.token, since = EXCLUDED.since "
@@ -274,13 +279,20 @@ class Cluster:
                 f"(SELECT 1 FROM instances i WHERE i.id = o.instance_id AND {LIVE}) RETURNING instance_id",
                 args,
             )
-            if row is not None:
+            if await cur.fetchone() is not None:
                 return Lease(token=token)
-            holder = await self.store._row(
+            cur = await conn.execute(
                 "SELECT instance_id FROM conversation_owners WHERE conversation_id = %s", (conversation_id,)
             )
-            if holder is not None:
-                return Lease(holder=str(holder["instance_id"]))
+            holder = await cur.fetchone()
+            return Lease(holder=str(holder["instance_id"])) if holder is not None else None
+
+        for _ in range(5):
+            # Through the store's writer: a take commits with the group of writes in flight (a new
+            # conversation's lease lands with the conversation), in order with this server's releases.
+            lease = await self.store._write(job)
+            if lease is not None:
+                return lease
         raise ClusterError(f"could not take or find the owner of conversation {conversation_id}")
 
     def release(self, conversation_id: str, token: str) -> None:
@@ -288,10 +300,12 @@ class Cluster:
         self._spawn(self._release(conversation_id, token))
 
     async def _release(self, conversation_id: str, token: str) -> None:
-        await self.store._row(
-            "DELETE FROM conversation_owners WHERE conversation_id = %s AND token = %s RETURNING 1",
-            (conversation_id, token),
-        )
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "DELETE FROM conversation_owners WHERE conversation_id = %s AND token = %s", (conversation_id, token)
+            )
+
+        await self.store._write(job)
 
     async def take_channel(self, account: str) -> str | None:
         """Take the lease of a channel account (`channel:name`) for this instance's gateway: None

@@ -656,13 +656,16 @@ class PostgresStore(Store):
         await self._write(job)
         return turn
 
-    async def accept_in_cluster(self, turn: TurnRecord, idempotency_scope: str | None, open_limit: int) -> list[str]:
+    async def accept_in_cluster(
+        self, turn: TurnRecord, idempotency_scope: str | None, open_limit: int, *, start_if_free: bool = False
+    ) -> list[str]:
         """Accept a turn of a conversation that servers of a cluster share: serialised with every
         other accept of the conversation (a transaction-scoped advisory lock), refused with
         OpenLimitReached when it already has `open_limit` queued or running turns (the queue
         bound, cluster-wide), stamped with the database's clock (acceptance order, whichever
         host accepted). Returns the ids of the conversation's queued turns accepted before it,
-        in order: the holder runs those first."""
+        in order: the holder runs those first. `start_if_free`: the holder, idle, runs it at once
+        when nothing is open: it is accepted as running (no second write to mark it so)."""
 
         async def job(conn: Conn) -> list[str]:
             await conn.execute(
@@ -688,6 +691,8 @@ class PostgresStore(Store):
             cur = await conn.execute("SELECT extract(epoch from clock_timestamp()) AS now")
             clock = await cur.fetchone()
             turn.created_at = float(clock["now"]) if clock else time.time()
+            if start_if_free and not rows:
+                turn.status, turn.started_at = "running", turn.created_at
             await self._insert_turn(conn, turn, idempotency_scope, turn.created_at)
             return [r["id"] for r in rows if r["status"] == "queued"]
 

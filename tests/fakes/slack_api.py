@@ -114,6 +114,7 @@ class _Envelope:
     acked: bool = False
     dropped: bool = False
     envelope_ids: set[str] = field(default_factory=set)
+    lost_ids: set[str] = field(default_factory=set)  # acks of these deliveries never arrive (lose_ack)
 
 
 @dataclass(slots=True)
@@ -454,6 +455,15 @@ class FakeSlack(LoopbackServer):
                     return env.event_id
         raise KeyError(ts)
 
+    def lose_ack(self, event_id: str) -> None:
+        """The acks of the deliveries made so far of this event are lost (the client died with
+        them in flight, whether or not it had sent them): Slack redelivers it after the timeout."""
+        with self._lock:
+            for env in self._envelopes:
+                if env.event_id == event_id:
+                    env.lost_ids |= env.envelope_ids
+                    env.acked = False
+
     def acked(self, event_id: str) -> bool:
         with self._lock:
             return any(e.acked for e in self._envelopes if e.event_id == event_id)
@@ -586,6 +596,8 @@ class FakeSlack(LoopbackServer):
         with self._lock:
             for env in self._envelopes:
                 if envelope_id in env.envelope_ids:
+                    if envelope_id in env.lost_ids:
+                        return
                     env.acked = True
                     self._acks.append((envelope_id, env.event_id, time.monotonic()))
                     return

@@ -11,7 +11,6 @@ instance is gone, another takes the lease at its next tick. Run logs stay in eac
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import psycopg
 
 from appserver.store.cluster import LIVE
-from appserver.store.url import redact_url, scrub
+from appserver.store.pgsync import SyncConnection
 from cron.store import DEFAULT_LOCK_TIMEOUT_S, CronFile, CronLockTimeout, CronStore, CronStoreError
 
 HEARTBEAT_GRACE = {"timeout": 30.0, "grace": 5.0}  # the cluster's defaults (see `instance_alive`)
@@ -29,30 +28,18 @@ HEARTBEAT_GRACE = {"timeout": 30.0, "grace": 5.0}  # the cluster's defaults (see
 class PgCronStore(CronStore):
     def __init__(self, home: Path, url: str, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
         super().__init__(home, lock_timeout_s=lock_timeout_s)
-        self.url = url
-        self.shown = redact_url(url)
+        self._sync = SyncConnection(url, lambda why: CronStoreError(f"cron: {why}"))
+        self.shown = self._sync.shown
         self.liveness = dict(HEARTBEAT_GRACE)  # the server sets its own [store] timings
-        self._db: psycopg.Connection[Any] | None = None
-        self._mutex = threading.RLock()  # one connection, used by one thread at a time
+        self._mutex = self._sync.mutex
         self._held: tuple[str, int] | None = None  # (doc, version) of the row, while locked
         self._cached: tuple[int, CronFile] | None = None
 
     def _conn(self) -> psycopg.Connection[Any]:
-        db = self._db
-        if db is None or db.closed or db.broken:
-            try:
-                db = self._db = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
-            except psycopg.Error as exc:
-                raise CronStoreError(
-                    f"cron: cannot reach the database {self.shown}: {scrub(str(exc), self.url)}"
-                ) from None
-        return db
+        return self._sync.get()
 
     def close(self) -> None:
-        with self._mutex:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        self._sync.close()
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -82,7 +69,7 @@ class PgCronStore(CronStore):
                     finally:
                         self._held = None
             except psycopg.Error as exc:
-                raise CronStoreError(f"cron: the database {self.shown} failed: {scrub(str(exc), self.url)}") from None
+                raise CronStoreError(f"cron: the database {self.shown} failed: {self._sync.scrub(exc)}") from None
 
     def signature(self) -> tuple[int, int, int] | None:
         """The row's version (every save bumps it), in the file store's shape."""
@@ -92,7 +79,7 @@ class PgCronStore(CronStore):
             try:
                 row = self._conn().execute("SELECT version FROM cron_state WHERE id = 1").fetchone()
             except psycopg.Error as exc:
-                raise CronStoreError(f"cron: the database {self.shown} failed: {scrub(str(exc), self.url)}") from None
+                raise CronStoreError(f"cron: the database {self.shown} failed: {self._sync.scrub(exc)}") from None
             return None if row is None else (int(row[0]), 0, 0)
 
     def cached_signature(self) -> tuple[int, int, int] | None:

@@ -11,7 +11,6 @@ read) at most every `REFRESH_S`; a token it does not know makes it look at once 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from filelock import Timeout
 
 from appserver.auth.principal import Principal
 from appserver.auth.tokens import LOCK_TIMEOUT_S, TokenRecord, TokenStore
-from appserver.store.url import redact_url, scrub
+from appserver.store.pgsync import SyncConnection
 
 REFRESH_S = 1.0
 MISS_REFRESH_S = 0.2
@@ -57,25 +56,16 @@ class _Transaction:
 class PgTokenStore(TokenStore):
     def __init__(self, home: Path, url: str) -> None:
         super().__init__(home)
-        self.url = url
-        self.shown = redact_url(url)
+        self._sync = SyncConnection(url, lambda why: RuntimeError(f"tokens: {why}"))
+        self.shown = self._sync.shown
         self.path = Path(f"{self.shown} (table tokens)")  # what messages name
-        self._db: psycopg.Connection[Any] | None = None
-        self._mutex = threading.RLock()
+        self._mutex = self._sync.mutex
         self._in_tx = False
         self._version: int | None = None
         self._refreshed_at = 0.0
 
     def _conn(self) -> psycopg.Connection[Any]:
-        db = self._db
-        if db is None or db.closed or db.broken:
-            try:
-                db = self._db = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
-            except psycopg.Error as exc:
-                raise RuntimeError(
-                    f"tokens: cannot reach the database {self.shown}: {scrub(str(exc), self.url)}"
-                ) from None
-        return db
+        return self._sync.get()
 
     def _locked(self) -> Any:
         return _Transaction(self)
@@ -156,10 +146,7 @@ class PgTokenStore(TokenStore):
         return found
 
     def close(self) -> None:
-        with self._mutex:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        self._sync.close()
 
 
 __all__ = ["PgTokenStore"]

@@ -150,7 +150,12 @@ class Cluster:
             application_name=f"appserver serve {self.instance_id}"[:63],
         )
         try:
-            await conn.execute("SELECT pg_advisory_lock(%s, %s)", (INSTANCE_LOCK_CLASS, self.lock_key))
+            # Never a blocking wait: after a lost session the old one may linger in the database
+            # until it notices; then this try fails and the session loop tries again shortly.
+            cur = await conn.execute("SELECT pg_try_advisory_lock(%s, %s) AS got", (INSTANCE_LOCK_CLASS, self.lock_key))
+            got = await cur.fetchone()
+            if not (got and got["got"]):
+                raise ClusterError(f"the lock of instance {self.instance_id} is still held by its earlier session")
             await conn.execute(
                 "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
                 f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW}) "

@@ -40,7 +40,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from appserver.procid import identity, identity_alive
 from appserver.store.base import DuplicateTurn, OpenLimitReached, Store, StoreError
-from appserver.store.cluster import LIVE, Cluster
+from appserver.store.cluster import LIVE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew
 from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS
@@ -346,7 +346,7 @@ class PostgresStore(Store):
         )
         try:
             await cluster.start()
-        except (psycopg.Error, OSError, ValueError) as exc:
+        except (psycopg.Error, OSError, ValueError, ClusterError) as exc:
             raise self._error("cannot join the cluster of servers on this database", exc) from None
         self.cluster = cluster
         self.owner = cluster.instance_id

@@ -37,6 +37,28 @@ class KernelAdapter:
         )
         return submission.turn_id
 
+    async def claimed_turn(self, task: CronTask, occurrence: Occurrence) -> str | None:
+        """The turn `occurrence` was submitted as (its idempotency key, in the scope the kernel
+        keeps it), or None when it never reached the kernel."""
+        sub = CronSubmission.of(task, occurrence)
+        agent = await self.store.get_agent(sub.agent)
+        if agent is None:
+            found = await self.store.find_agents(sub.agent)
+            agent = found[0] if len(found) == 1 else None
+        if agent is None:
+            return None
+        if sub.conversation == "new":
+            scope = f"new:{agent.id}"
+        elif sub.conversation == "default":
+            conv = await self.store.get_default_conversation(agent.id)
+            if conv is None:
+                return None
+            scope = conv.id
+        else:
+            scope = sub.conversation
+        turn = await self.store.lookup_idempotency(scope, sub.idempotency_key)
+        return turn.id if turn is not None else None
+
     async def outcome(self, turn_id: str) -> TurnOutcome:
         """Wait for the turn to settle and say how it ended."""
         turn = await self.store.get_turn(turn_id)

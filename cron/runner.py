@@ -87,6 +87,8 @@ class TurnOutcome:
 
 FireFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
 AwaitOutcomeFn = Callable[[str], Awaitable[TurnOutcome]]
+# The turn an occurrence was submitted as, if it was (found by its idempotency key), else None.
+ClaimedTurnFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
 # Sends a reply to a channel target (`channel:account:chat[:thread]`) through the gateway; returns
 # the platform's message ids. Injected by serve when channels run.
 DeliverFn = Callable[[str, str], Awaitable[list[str]]]

@@ -28,6 +28,7 @@ from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
     DEFAULT_OUTCOME_TIMEOUT_S,
     AwaitOutcomeFn,
+    ClaimedTurnFn,
     Clock,
     DeliverFn,
     FireFn,
@@ -40,6 +41,7 @@ from cron.runner import (
 from cron.schedule import ScheduleError, due_time, next_occurrence
 from cron.store import (
     CorruptStateFile,
+    CronFile,
     CronStore,
     CronStoreError,
     CronTask,
@@ -152,6 +154,7 @@ class Scheduler:
         lock_timeout_s: float | None = None,
         watch_s: float = WATCH_S,
         problem_log_every_s: float = PROBLEM_LOG_EVERY_S,
+        claimed_turn: ClaimedTurnFn | None = None,
     ) -> None:
         if isinstance(home, CronStore):
             self.store = home
@@ -174,6 +177,10 @@ class Scheduler:
         self.started_at = utcnow()  # real time, as run-log records are stamped
         self._watchers: set[asyncio.Task[TurnOutcome]] = set()
         self._next_due: datetime | None = None  # earliest due time of an enabled task (lease held)
+        self.claimed_turn = claimed_turn
+        # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
+        # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
+        self._orphans: list[tuple[CronTask, Occurrence]] = []
         self._last_tick: datetime | None = None
         self._seen: tuple[int, int, int] | None = None  # crons.json signature after our last look
         self._tick_error: str | None = None
@@ -192,6 +199,9 @@ class Scheduler:
         report = TickReport()
         now = self._last_tick = self.clock()
         planned = await asyncio.to_thread(self._claim_due, now, report)
+        orphans, self._orphans = self._orphans, []
+        for task, occurrence in orphans:
+            await self._submit_orphan(task, occurrence, report)
         for item in planned:
             turn_id = await submit_claimed(
                 self.store,
@@ -206,10 +216,46 @@ class Scheduler:
                 self._watch(item.task.id, item.occurrence.number, turn_id, item.task.deliver)
         return report
 
+    @staticmethod
+    def _claimed_by(state: CronFile, token: str) -> list[tuple[CronTask, Occurrence]]:
+        """The occurrences the scheduler holding lease `token` claimed last, task by task."""
+        found = []
+        for task in state.tasks:
+            if (task.last_claimed or {}).get("by") == token:
+                occurrence = task.claimed_occurrence()
+                if occurrence is not None:
+                    found.append((dataclasses.replace(task), occurrence))
+        return found
+
+    async def _submit_orphan(self, task: CronTask, occurrence: Occurrence, report: TickReport) -> None:
+        """An occurrence the previous scheduler claimed before it died: submitted now unless its
+        turn exists (then it ran, or runs, and the previous server's log has it)."""
+        if self.claimed_turn is None:
+            return
+        try:
+            if await self.claimed_turn(task, occurrence) is not None:
+                return
+        except Exception as exc:  # noqa: BLE001 — the kernel could not tell: leave it, say so
+            log.warning("cron: could not check run #%d of task %s: %s", occurrence.number, task.id, exc)
+            return
+        log.warning(
+            "cron: run #%d of task %s was claimed by a scheduler that stopped before submitting it; submitting it now",
+            occurrence.number,
+            task.id,
+        )
+        append_run(self.store.runs_dir, task.id, "fired", recovered=True, **occurrence.to_dict())
+        turn_id = await submit_claimed(
+            self.store, task, occurrence, self.fire, fire_timeout_s=self.fire_timeout_s, clock=self.clock
+        )
+        report.fired.append((task.id, occurrence.number, turn_id))
+        if turn_id is not None and self.await_outcome is not None:
+            self._watch(task.id, occurrence.number, turn_id, task.deliver)
+
     def _claim_due(self, now: datetime, report: TickReport) -> list[_Planned]:
         with self.store.lock():
             state = self.store.load()
             had = self.lease.holds(state)
+            previous = state.scheduler_owner
             if not self.lease.claim_in(state):
                 if self.has_lease:
                     log.warning("cron: lost the scheduler lease; another process owns it now")
@@ -220,6 +266,8 @@ class Scheduler:
                 return []
             if not self.has_lease:
                 log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
+            if not had and previous is not None and previous.token != self.lease.token:
+                self._orphans = self._claimed_by(state, previous.token)
             self.has_lease = report.has_lease = True
             changed = not had
             planned: list[_Planned] = []
@@ -278,7 +326,7 @@ class Scheduler:
         report.missed += len(missed)
         occurrences: list[Occurrence] = []
         for nominal, due_at, catch_up in fire:
-            occ = task.claim(nominal, due_at, now, catch_up=catch_up)
+            occ = task.claim(nominal, due_at, now, catch_up=catch_up, by=self.lease.token)
             occurrences.append(occ)
             logs.append((task.id, "fired", occ.to_dict()))
         task.next_fire_at, task.next_due_at = following if following is not None else (None, None)

@@ -28,7 +28,11 @@ class CronService:
         self.server = server
         adapter = KernelAdapter(server.kernel, server.store)
         self.scheduler = Scheduler.from_config(
-            server.config, fire=adapter.fire, await_outcome=adapter.outcome, deliver=deliver
+            server.config,
+            fire=adapter.fire,
+            await_outcome=adapter.outcome,
+            deliver=deliver,
+            claimed_turn=adapter.claimed_turn,
         )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

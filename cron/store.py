@@ -280,12 +280,31 @@ class CronTask:
         *,
         manual: bool = False,
         catch_up: bool = False,
+        by: str | None = None,
     ) -> Occurrence:
-        """Count one more run and record it as the last claimed occurrence (before anything fires)."""
+        """Count one more run and record it as the last claimed occurrence (before anything fires);
+        `by`: the scheduler lease token that claimed it (a scheduler that takes the lease over
+        from a dead one submits what that one claimed and never submitted)."""
         self.occurrence += 1
         occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
-        self.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat()}
+        self.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat(), **({"by": by} if by else {})}
         return occ
+
+    def claimed_occurrence(self) -> Occurrence | None:
+        """The last claimed occurrence, rebuilt from `last_claimed` (None when it cannot be)."""
+        c = self.last_claimed or {}
+        try:
+            number = int(c["occurrence"])
+            scheduled = _dt(c.get("scheduled_for"), "last_claimed.scheduled_for")
+            due = _dt(c.get("due_at"), "last_claimed.due_at")
+            fired = _dt(c.get("fired_at"), "last_claimed.fired_at")
+        except (KeyError, TypeError, ValueError):
+            return None
+        if scheduled is None or due is None or fired is None:
+            return None
+        return Occurrence(
+            self.id, number, scheduled, due, fired, manual=bool(c.get("manual")), catch_up=bool(c.get("catch_up"))
+        )
 
     def fingerprint(self) -> tuple[Any, ...]:
         """Every field `to_dict` writes, by value: equal fingerprints give an equal JSON line, so

@@ -281,3 +281,55 @@ def test_outcome_of_a_cron_turn_queued_at_kill9_is_recorded_by_the_next_server(h
             if sp is not None and sp.proc.poll() is None:
                 sp.proc.kill()
                 sp.proc.wait(10)
+
+
+def test_an_occurrence_claimed_by_a_scheduler_that_died_before_submitting_it_still_runs_once(home: Path) -> None:
+    """The window the claim-before-fire rule leaves: a scheduler committed the claim of an
+    occurrence and was killed before submitting its turn. The scheduler that takes the lease over
+    from it submits that occurrence (the kernel's idempotency key keeps it to one turn) and logs it
+    as recovered, instead of the occurrence being silently lost; a later takeover does not repeat it."""
+    import socket
+
+    from cron.store import CronStore, OwnerRecord, utcnow
+
+    env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
+    add = run_cli(home, "cron", "add", "--name", "once", "--agent", "assistant",
+                  "--in", "1h", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
+    assert add.code == 0, add.err
+    task_id = json.loads(add.out)["id"]
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs: the dead scheduler
+    store = CronStore(home)
+    now = utcnow()
+    with store.transaction() as state:  # what the killed scheduler committed: the claim, nothing more
+        state.scheduler_owner = OwnerRecord(gone.pid, "deadbeef", now, None, socket.gethostname())
+        task = state.find("once")
+        task.claim(now, now, now, by="deadbeef")
+        task.next_fire_at = task.next_due_at = None
+
+    def cron_turns() -> list[str]:
+        db = home / "appserver.db"
+        if not db.exists():
+            return []
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            rows = conn.execute("SELECT id, idempotency_key FROM turns").fetchall()
+        finally:
+            conn.close()
+        return [key for _, key in rows if key == f"cron:{task_id}:1"]
+
+    port = free_port()
+    srv = Serve(home, port, env=env)
+    try:
+        wait_for(lambda: cron_turns() or None, 20, "the recovered occurrence's turn")
+        wait_for(lambda: any(x["event"] == "outcome" for x in run_log(home, task_id)), 10, "its outcome")
+        events = [(x["event"], x.get("recovered")) for x in run_log(home, task_id)]
+        assert events[:2] == [("fired", True), ("submitted", None)], events
+        srv.kill()  # killed again after submitting: the next takeover finds the turn, runs nothing more
+        srv = Serve(home, port, env=env)
+        wait_for(lambda: srv.said("listening on"), 20, "the second server to listen")
+        wait_for(lambda: owner_pid(home) == srv.proc.pid, 10, "the second server to take the lease")
+        time.sleep(1.0)
+        assert len(cron_turns()) == 1
+    finally:
+        srv.kill()

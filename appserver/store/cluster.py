@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import socket
 import time
@@ -160,7 +161,7 @@ class Cluster:
                 "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
                 f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW}) "
                 f"ON CONFLICT (id) DO UPDATE SET heartbeat_at = {NOW}",
-                (self.instance_id, socket.gethostname(), _pid(), self.address, self.lock_key),
+                (self.instance_id, socket.gethostname(), os.getpid(), self.address, self.lock_key),
             )
             await conn.execute(f"LISTEN {channel_of(self.instance_id)}")
             await conn.execute(f"LISTEN {TURNS_CHANNEL}")
@@ -239,10 +240,6 @@ class Cluster:
             await session.close()
 
     # ------------------------------------------------------------ judging others
-
-    async def live_instances(self) -> set[str]:
-        rows = await self.store._rows(f"SELECT id FROM instances i WHERE {LIVE}", self.params)
-        return {r["id"] for r in rows}
 
     async def owner_alive(self, owner: str | None, *, strict: bool = False) -> bool:
         """Does the instance stamped `owner` (a turn's or a claim's) still live? `strict`: only
@@ -513,12 +510,6 @@ def describe(exc: BaseException) -> dict[str, Any]:
         if isinstance(value, str | int) or value is None:
             data[name] = value
     return data
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
 
 
 __all__ = ["Cluster", "ClusterError", "Lease", "PeerError", "channel_of", "describe"]

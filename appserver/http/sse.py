@@ -88,6 +88,9 @@ class SSEResponse:
         async def pump() -> None:
             nonlocal completed
             await send({"type": "http.response.start", "status": 200, "headers": headers})
+            # The body goes straight to the server once the head passed the middleware (see
+            # security/guard.py: they act on the head only).
+            body_send: Send = (scope.get("state") or {}).get("body_send") or send
             keep, sent = self.on_close is not None, self.sent  # frames kept only for a replay
             async for item in self.producer:
                 if item is None:
@@ -97,8 +100,8 @@ class SSEResponse:
                     if keep:
                         sent.append(frame)
                     chunk = frame.encode()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await body_send({"type": "http.response.body", "body": b"", "more_body": False})
             completed = True
 
         listener = asyncio.create_task(listen())

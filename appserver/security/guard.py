@@ -52,6 +52,9 @@ log = logging.getLogger("appserver.guard")
 _STAMPED = frozenset({"http.response.start", "websocket.accept", "websocket.http.response.start"})
 
 
+BODY_SEND = "body_send"
+
+
 def _stamp_request_id(send: Send, rid: bytes) -> Send:
     """`send` that adds `x-request-id` to the response head (unless the app set it already)."""
 
@@ -104,11 +107,11 @@ class SecurityGuard:
         # lines written while handling it carry (appserver/http/requestid.py).
         rid, token = begin_request()
         try:
-            await self._handle(scope, receive, _stamp_request_id(send, rid.encode("ascii")), kind)
+            await self._handle(scope, receive, _stamp_request_id(send, rid.encode("ascii")), kind, send)
         finally:
             end_request(token)
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, kind: str) -> None:
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, kind: str, server_send: Send) -> None:
         origin: str | None = None
         try:
             hdrs = guarded_headers(scope)
@@ -135,6 +138,10 @@ class SecurityGuard:
         state = dict(scope.get("state") or {})
         state["principal"] = principal
         state["auth_pending"] = pending
+        # The server's own `send`, for a streamed body once its head went out through the whole
+        # chain (the wrappers only touch the head: request id, CORS): one call per chunk instead
+        # of five (appserver/http/sse.py).
+        state[BODY_SEND] = server_send
         scope["state"] = state
         self.slots.acquire(client)
         try:

@@ -5,6 +5,7 @@ runs last (it restarts the gateway child)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -135,7 +136,8 @@ def test_kill_9_before_the_ack_gives_one_turn_and_one_reply(srv: ChannelServer, 
     def kill_on_delivery(event_id: str, retry_attempt: int) -> None:
         if armed.is_set() and retry_attempt == 0:
             armed.clear()
-            os.kill(pid, signal.SIGKILL)  # delivered, the ack not yet sent
+            with contextlib.suppress(ProcessLookupError):  # (a hook that raised would stop the fake's pump)
+                os.kill(pid, signal.SIGKILL)  # delivered, the ack not yet sent
             slack.lose_ack(event_id)  # (on a loaded machine the ack may have left just before the kill)
 
     slack.on_delivered(kill_on_delivery)

@@ -20,6 +20,11 @@ def free_port() -> int:
 
 
 def listening(port: int) -> bool:
+    """Something accepts connections on `port`. A port in the ephemeral range with no listener
+    can still "accept": Linux may give the probing socket that very port as its own, and the
+    socket then connects to itself (TCP simultaneous open). That is not a listener."""
     with socket.socket() as s:
         s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        if s.connect_ex(("127.0.0.1", port)) != 0:
+            return False
+        return s.getsockname() != s.getpeername()

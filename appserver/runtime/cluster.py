@@ -114,10 +114,10 @@ class RemoteWatch(Watch):
 
     @property
     def state(self) -> LifecycleState:
-        statuses = {h.controller.status for h in self._mine()}
-        if "running" in statuses and any(h.controller.phase != "queued" for h in self._mine()):
-            return "active"
-        return "awaiting" if "awaiting" in statuses else "idle"
+        active = self.active_handle
+        if active is None:
+            return "idle"
+        return "awaiting" if active.controller.status == "awaiting" else "active"
 
     @property
     def active_handle(self) -> TurnHandle | None:
@@ -409,7 +409,7 @@ class ClusterLink:
     async def taken(self, conversation_id: str) -> None:
         """This server just took the conversation: if another follows it, publish from the start."""
         if self.cluster.peers and await self.cluster.followed_elsewhere(conversation_id):
-            self._followed[conversation_id] = time.monotonic() + FOLLOW_TTL_S
+            self._mark_followed(conversation_id)
 
     async def _follow(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
         if self.kernel.holds(conversation_id):
@@ -417,7 +417,7 @@ class ClusterLink:
         return {}
 
     async def _pull(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
-        self._followed[conversation_id] = time.monotonic() + FOLLOW_TTL_S  # its submitter follows it
+        self._mark_followed(conversation_id)  # its submitter follows it
         try:
             await self.kernel.catch_up(conversation_id)
         except OwnedElsewhere as moved:

@@ -268,7 +268,7 @@ class Kernel:
                     )
                     continue
                 await self._settle_interrupted(turn)
-            elif rt.queue.closed is False and self.runtimes.get(rt.conversation_id, rt) is rt:
+            elif not rt.queue.closed and self.runtimes.get(rt.conversation_id, rt) is rt:
                 rt.queue.requeue(turn)
 
     async def _settle_interrupted(self, turn: TurnRecord) -> None:

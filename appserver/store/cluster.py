@@ -376,22 +376,23 @@ class Cluster:
 
     # ------------------------------------------------------------ messages
 
-    async def _notify(self, channel: str, payload: str) -> None:
-        if len(payload.encode()) > NOTIFY_MAX:
-            mail_id = new_id("mail")
-            await self.store._row(
-                f"WITH m AS (INSERT INTO cluster_mail(id, body, created_at) VALUES (%s, %s, {NOW})) "
-                f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent",
-                (mail_id, payload, channel, "@" + mail_id),
-            )
+    async def _notify(self, channel: str, body: str, *, head: str = "", mail_id: str | None = None) -> None:
+        """NOTIFY `head + body`; a body too large for NOTIFY goes into a `cluster_mail` row and
+        the notice carries `head + "@<id>"` instead (`mail_id`: a row the newest body replaces,
+        so a long reply does not leave a row per revision)."""
+        if len(head.encode()) + len(body.encode()) <= NOTIFY_MAX:
+            await self.store._row(f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent", (channel, head + body))
             return
-        await self.store._row(f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent", (channel, payload))
+        mail_id = mail_id or new_id("mail")
+        await self.store._row(
+            f"WITH m AS (INSERT INTO cluster_mail(id, body, created_at) VALUES (%s, %s, {NOW}) "
+            "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, created_at = EXCLUDED.created_at) "
+            f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent",
+            (mail_id, body, channel, head + "@" + mail_id),
+        )
 
     async def read_mail(self, payload: str) -> str:
         """A notification's payload: itself, or the mail it names (`@<id>`)."""
-        return await self._mail(payload)
-
-    async def _mail(self, payload: str) -> str:
         if not payload.startswith("@"):
             return payload
         row = await self.store._row("SELECT body FROM cluster_mail WHERE id = %s", (payload[1:],))
@@ -429,22 +430,8 @@ class Cluster:
     def publish_turn(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
         """Tell every instance of a turn's newest snapshot (only when there are others)."""
         if self.peers:
-            self._spawn(self._notify_turn(conversation_id, turn_id, revision, body))
-
-    async def _notify_turn(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
-        """A snapshot too large for NOTIFY goes into the turn's one mail row (the newest wins, so
-        a long reply does not leave a row per revision) and the notice names it."""
-        head = f"{conversation_id} {turn_id} {revision} "
-        if len(head.encode()) + len(body.encode()) <= NOTIFY_MAX:
-            await self.store._row(f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent", (TURNS_CHANNEL, head + body))
-            return
-        mail_id = "turn:" + turn_id
-        await self.store._row(
-            f"WITH m AS (INSERT INTO cluster_mail(id, body, created_at) VALUES (%s, %s, {NOW}) "
-            "ON CONFLICT (id) DO UPDATE SET body = EXCLUDED.body, created_at = EXCLUDED.created_at) "
-            f"SELECT {NO_FLUSH}, pg_notify(%s, %s) AS sent",
-            (mail_id, body, TURNS_CHANNEL, head + "@" + mail_id),
-        )
+            head = f"{conversation_id} {turn_id} {revision} "
+            self._spawn(self._notify(TURNS_CHANNEL, body, head=head, mail_id="turn:" + turn_id))
 
     # ------------------------------------------------------------ incoming
 
@@ -462,7 +449,7 @@ class Cluster:
 
     async def _incoming(self, payload: str) -> None:
         try:
-            msg = json.loads(await self._mail(payload))
+            msg = json.loads(await self.read_mail(payload))
         except Exception:
             log.exception("cluster: an unreadable message")
             return

@@ -719,3 +719,31 @@ def test_unknown_transport_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text('[providers.x]\nbase_url = "http://127.0.0.1:1/v1"\ntransport = "curl"\n')
     with pytest.raises(ConfigError, match="transport must be one of 'lean', 'httpx'"):
         load_config(tmp_path, environ={})
+
+
+def test_joined_merges_adjacent_deltas_of_one_read_only() -> None:
+    from appserver.providers.base import Reasoning, Text, ToolCallArgs, ToolCallStart
+    from appserver.providers.openai_compat import joined
+
+    got = joined(
+        [
+            Reasoning("a"),
+            Reasoning("b"),
+            Text("he"),
+            Text("llo"),
+            ToolCallStart(0, "c0", "f"),
+            ToolCallArgs(0, '{"x"'),
+            ToolCallArgs(0, ":1}"),
+            ToolCallArgs(1, "{}"),
+            Text("!"),
+        ]
+    )
+    assert got == [
+        Reasoning("ab"),
+        Text("hello"),
+        ToolCallStart(0, "c0", "f"),
+        ToolCallArgs(0, '{"x":1}'),
+        ToolCallArgs(1, "{}"),
+        Text("!"),
+    ]
+    assert joined([Text("x")]) == [Text("x")]

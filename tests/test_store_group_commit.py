@@ -21,6 +21,7 @@ from appserver.store import (
     TurnCommit,
     TurnRecord,
 )
+from appserver.store.agentcache import RECHECK_S
 
 
 @pytest.fixture
@@ -73,15 +74,35 @@ async def test_group_commit_is_one_transaction_yet_all_or_nothing_per_turn(
     store.db.set_trace_callback(None)
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], sqlite3.IntegrityError)
-    assert [s for s in statements if s.startswith(("BEGIN", "COMMIT"))] == [
+    assert [s for s in statements if s.startswith("COMMIT")] == ["COMMIT"], (
+        "three concurrent commits should share one transaction"
+    )
+    # the failure undid the group, which ran again with a savepoint per job
+    assert [s for s in statements if s.startswith(("BEGIN", "ROLLBACK", "COMMIT"))] == [
         "BEGIN IMMEDIATE",
+        "ROLLBACK",
+        "BEGIN IMMEDIATE",
+        "ROLLBACK TO turn_commit",
         "COMMIT",
-    ], "three concurrent commits should share one transaction"
+    ]
     texts = [m.text() for m in await store.list_messages("conv_1")]
     assert texts == ["one", "echo: one", "three", "echo: three"], "the failed turn must leave no rows behind"
     assert (await store.get_turn(ok.id)).status == "completed"  # type: ignore[union-attr]
     assert (await store.get_turn(bad.id)).status == "running"  # type: ignore[union-attr]
     assert await store.list_pending(bad.id) == []
+
+
+async def test_a_group_without_failures_runs_no_savepoints(store: SQLiteStore) -> None:
+    a, b, c = await _conversation_with_turns(store, 3)
+    statements: list[str] = []
+    store.db.set_trace_callback(statements.append)
+    await asyncio.gather(*(store.commit_turn("conv_1", _commit(t.id, t.id)) for t in (a, b, c)))
+    store.db.set_trace_callback(None)
+    assert [s for s in statements if s.startswith(("BEGIN", "SAVEPOINT", "RELEASE", "ROLLBACK", "COMMIT"))] == [
+        "BEGIN IMMEDIATE",
+        "COMMIT",
+    ]
+    assert len(await store.list_messages("conv_1")) == 6
 
 
 async def test_a_failed_group_commit_reports_every_turn_failed(store: SQLiteStore) -> None:
@@ -120,6 +141,7 @@ async def test_agent_cache_sees_other_writers_and_hands_out_copies(store: SQLite
     other.execute("INSERT INTO agents(id, name, model, created_at, updated_at) VALUES ('agt_2', 'b', 'echo', 1, 1)")
     other.commit()
     other.close()
+    await asyncio.sleep(2 * RECHECK_S)  # the cache looks at the data version at most once a millisecond
     assert [a.name for a in await store.find_agents("renamed")] == ["renamed"]
     assert {a.id for a in await store.list_agents()} == {"agt_1", "agt_2"}
     # our own writes

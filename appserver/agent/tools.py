@@ -70,11 +70,14 @@ class ToolRegistry:
 
     def __init__(self, tools: list[Tool] | None = None) -> None:
         self._tools: dict[str, Tool] = {}
+        # offered() per agent tool policies: asked twice per turn, and most agents share a few
+        self._offered: dict[tuple[tuple[str, Any], ...], tuple[Tool, ...]] = {}
         for tool in tools or []:
             self.add(tool)
 
     def add(self, tool: Tool) -> None:
         self._tools[tool.name] = tool
+        self._offered.clear()
 
     def get(self, name: str) -> Tool | None:
         return self._tools.get(name)
@@ -93,6 +96,18 @@ class ToolRegistry:
         return configured
 
     def offered(self, agent: AgentRecord) -> list[Tool]:
+        key = tuple(agent.tools.items())
+        try:
+            hit = self._offered.get(key)
+        except TypeError:  # a policy value that is not hashable: nothing to share
+            return self._offer(agent)
+        if hit is None:
+            if len(self._offered) >= 256:
+                self._offered.clear()
+            hit = self._offered[key] = tuple(self._offer(agent))
+        return list(hit)
+
+    def _offer(self, agent: AgentRecord) -> list[Tool]:
         return [t for n, t in sorted(self._tools.items()) if self.policy(agent, n) in ("allow", "ask")]
 
 

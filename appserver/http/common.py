@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from appserver import fastjson
 from appserver.auth import Principal, namespace_of
 from appserver.errors import KernelError
 from appserver.http.bodies import json_bodies
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
-from appserver.runtime import TERMINAL_STATUSES, Decision, SubmitRequest, TurnHandle, TurnSnapshot
+from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
 if TYPE_CHECKING:
@@ -309,16 +310,24 @@ class TurnRun:
         """Newer snapshots (latest-wins), None when nothing changed for `keepalive_s`."""
         controller = self.handle.controller
         seen = self.after_revision
-        while True:
-            try:
-                snap = await controller.next_snapshot(seen, keepalive_s)
-            except TimeoutError:
-                yield None
-                continue
-            seen = snap.revision
-            yield snap
-            if snap.status in TERMINAL_STATUSES:
-                return
+        quiet = Quiet(keepalive_s) if keepalive_s else None
+        try:
+            while True:
+                if quiet is None:
+                    snap = await controller.next_snapshot(seen)
+                else:
+                    got = await controller.next_snapshot_or_quiet(seen, quiet)
+                    if got is None:
+                        yield None
+                        continue
+                    snap = got
+                seen = snap.revision
+                yield snap
+                if snap.status in TERMINAL_STATUSES:
+                    return
+        finally:
+            if quiet is not None:
+                quiet.close()
 
     async def cancel(self) -> None:
         """The client went away: cancel this turn if it is the conversation's current one, or drop
@@ -531,18 +540,24 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Hand
         )
         return response
 
+    endpoint.__dict__[_API_ROUTE] = True
     return endpoint
+
+
+_API_ROUTE = "appserver_api_route"
+
+
+def is_api_route(endpoint: object) -> bool:
+    """Made by `api_route`: answers every method and turns every error into a response itself."""
+    return bool(getattr(endpoint, _API_ROUTE, False))
 
 
 def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # one, not one per call
-
-
 def dumps(body: Any) -> str:
-    return line_safe(_ENCODE(body))
+    return line_safe(fastjson.dumps(body))
 
 
 async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[TurnSnapshot], bool]) -> TurnSnapshot:

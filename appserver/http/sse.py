@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.types import Receive, Scope, Send
+
+from appserver import fastjson
 
 log = logging.getLogger("appserver.http.sse")
 
@@ -37,11 +38,7 @@ def line_safe(text: str) -> str:
 
 
 def sse_data(payload: Any) -> str:
-    return (
-        payload
-        if isinstance(payload, str)
-        else line_safe(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
-    )
+    return payload if isinstance(payload, str) else line_safe(fastjson.dumps(payload))
 
 
 SSEItem = str | tuple[str, str] | None

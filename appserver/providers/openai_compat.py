@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from appserver import fastjson
 from appserver.config import ProviderConfig
 from appserver.providers.base import (
     ChatMessage,
@@ -28,6 +29,7 @@ from appserver.providers.base import (
     ProviderError,
     ProviderRequest,
     Reasoning,
+    Text,
     ToolCallArgs,
     ToolCallStart,
     ToolSpec,
@@ -47,10 +49,10 @@ from appserver.providers.upstream import (
     transport_error,
 )
 
-_decode = json.JSONDecoder().decode  # json.loads without its per-call checks (payloads are str)
-# The request body exactly as httpx's `json=` writes it (NaN and infinities refused), encoded here
-# so that the lean transport gets bytes.
-_encode_body = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+_decode = fastjson.loads_chunk
+# The request body as compact UTF-8 JSON, encoded here so that the lean transport gets bytes (a NaN
+# or infinity, which no upstream accepts as a number, is written as null).
+_encode_body = fastjson.dumps
 
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
@@ -252,6 +254,27 @@ class OpenAIStreamParser:
             finish = "tool_calls"  # Ollama reports "stop" for tool-call answers
         out.append(Done(finish))
         return out
+
+
+def joined(chunks: list[ProviderChunk]) -> list[ProviderChunk]:
+    """Adjacent text (reasoning, one call's arguments) deltas as one: the events of one network
+    read reach the turn together, so no one could see the states between them, and each delta
+    costs a snapshot revision."""
+    if len(chunks) < 2:
+        return chunks
+    out: list[ProviderChunk] = []
+    for chunk in chunks:
+        last = out[-1] if out else None
+        kind = type(chunk)
+        if last is not None and type(last) is kind:
+            if kind is Text or kind is Reasoning:
+                out[-1] = kind(last.text + chunk.text)  # type: ignore[union-attr]
+                continue
+            if kind is ToolCallArgs and last.index == chunk.index:  # type: ignore[union-attr]
+                out[-1] = ToolCallArgs(chunk.index, last.delta + chunk.delta)  # type: ignore[union-attr]
+                continue
+        out.append(chunk)
+    return out
 
 
 def parse_sse_bytes(parts: Iterable[bytes]) -> list[ProviderChunk]:
@@ -473,9 +496,16 @@ class OpenAICompatProvider:
                 # Undecoded bytes need no decoder layers (the body arrives as the transport read it).
                 parts = resp.aiter_bytes() if encoding not in (b"", b"identity") else resp.stream
                 async for part in parts:  # type: ignore[union-attr]
-                    for ev in dec.feed(part):
-                        for chunk in parser.feed_data(ev.data):
+                    events = dec.feed(part)
+                    if len(events) == 1:
+                        for chunk in parser.feed_data(events[0].data):
                             yield chunk
+                        continue
+                    got: list[ProviderChunk] = []
+                    for ev in events:
+                        got.extend(parser.feed_data(ev.data))
+                    for chunk in joined(got):
+                        yield chunk
                 for ev in dec.close():
                     for chunk in parser.feed_data(ev.data):
                         yield chunk
@@ -489,7 +519,7 @@ class OpenAICompatProvider:
     @staticmethod
     def _whole_completion(raw: bytes) -> list[ProviderChunk]:
         try:
-            obj = json.loads(raw)
+            obj = fastjson.loads_chunk(raw)
         except ValueError as exc:
             raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}") from None
         if not isinstance(obj, dict):

@@ -76,11 +76,29 @@ class SSEDecoder:
         if not self._skip_lf and b"\r" not in buf:  # LF-only lines (the usual stream): one split
             end = buf.rfind(b"\n")
             if end >= 0:
-                for raw in bytes(buf[:end]).split(b"\n"):
-                    ev = self._line(raw)
+                lines = bytes(buf[:end]).split(b"\n")
+                del buf[: end + 1]
+                line = self._line
+                i, n = 0, len(lines)
+                while i < n:
+                    raw = lines[i]
+                    # The usual event, `data: …` then a blank line, with nothing pending: at once.
+                    if i + 1 < n and not lines[i + 1] and not self._has_data and raw.startswith(b"data: "):
+                        events.append(
+                            SSEEvent(
+                                raw[6:].decode("utf-8", errors="replace"),
+                                self._event or "message",
+                                self._id,
+                                self._retry,
+                            )
+                        )
+                        self._event = ""
+                        i += 2
+                        continue
+                    ev = line(raw)
                     if ev is not None:
                         events.append(ev)
-                del buf[: end + 1]
+                    i += 1
             return events
         pos = 0
         n = len(buf)

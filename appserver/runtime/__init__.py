@@ -6,6 +6,7 @@ Everything else in this package is the kernel's inside and may change shape free
 from appserver.ids import new_id
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.kernel import Kernel, SettledListener, Submission, SubmitRequest
+from appserver.runtime.latest import Quiet
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import (
     SETTLED_SNAPSHOT_STATUS,
@@ -25,6 +26,7 @@ __all__ = [
     "Kernel",
     "LifecycleState",
     "Phase",
+    "Quiet",
     "SettledListener",
     "SnapshotStatus",
     "StopReason",

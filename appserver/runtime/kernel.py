@@ -104,6 +104,9 @@ class Kernel:
         # Several servers on one database (a PostgreSQL store that joined its cluster at start).
         self._link: ClusterLink | None = None
         self._leases: dict[str, str] = {}  # conversation id -> lease token, while its runtime is here
+        # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
+        self._trim_after_count = 0
+        self._trim_after_time = 0.0
 
     # ------------------------------------------------------------ start / stop
 
@@ -213,8 +216,13 @@ class Kernel:
         hundreds of new conversations a second, `idle_evict_s` alone kept enough of them to make
         collections pause the loop for 100 ms and more. Trimming to 90 % makes the scan rare. A
         caller that holds a runtime across an await re-checks that it is still the loaded one
-        (`submit`), as the style says of leases."""
-        keep = self.config.limits.idle_runtimes_max * 9 // 10
+        (`submit`), as the style says of leases.
+
+        Busy runtimes stay (a thousand streams at once are a thousand busy runtimes): after a
+        scan, the next waits for a tenth of the limit more runtimes or a second, or every new
+        conversation would scan them all again and find nothing to drop."""
+        limit = self.config.limits.idle_runtimes_max
+        keep = limit * 9 // 10
         excess = len(self.runtimes) - keep
         gone = []
         for cid, rt in self.runtimes.items():
@@ -225,6 +233,8 @@ class Kernel:
                 excess -= 1
         for cid in gone:
             self._drop(cid)
+        self._trim_after_count = len(self.runtimes) + max(1, limit // 10)
+        self._trim_after_time = time.monotonic() + 1.0
 
     async def settle_crashed(self, *, requeue: bool) -> int:
         """Close turns left `running` by a process that died (kill -9, power loss) as interrupted."""
@@ -429,7 +439,9 @@ class Kernel:
                     link.cluster.release(conversation_id, token)
                 raise
             self.runtimes[conversation_id] = rt
-            if len(self.runtimes) > self.config.limits.idle_runtimes_max:
+            if len(self.runtimes) > self.config.limits.idle_runtimes_max and (
+                len(self.runtimes) > self._trim_after_count or time.monotonic() >= self._trim_after_time
+            ):
                 self._trim_idle(conversation_id)
             fut.set_result(rt)
             return rt

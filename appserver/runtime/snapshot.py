@@ -26,7 +26,7 @@ from appserver.agent.events import (
     TurnEvent,
     UsageUpdated,
 )
-from appserver.runtime.latest import Latest
+from appserver.runtime.latest import Latest, Quiet
 from appserver.runtime.types import TERMINAL_STATUSES, Phase, SnapshotStatus, StopReason, TerminalStatus
 from appserver.store.records import MessageRecord, PendingCall
 
@@ -331,6 +331,12 @@ class TurnController:
         """Wait for a revision newer than `seen_revision` and return the newest snapshot."""
         await self._signal.wait_newer(seen_revision, timeout)
         return self.snapshot()
+
+    async def next_snapshot_or_quiet(self, seen_revision: int, quiet: Quiet) -> TurnSnapshot | None:
+        """The newest snapshot once newer than `seen_revision`, or None when `quiet` fell due first."""
+        if await self._signal.wait_newer_or_quiet(seen_revision, quiet):
+            return self.snapshot()
+        return None
 
     async def wait_settled(self, timeout: float | None = None, *, after_revision: int = -1) -> TurnSnapshot:
         """Wait until the turn is terminal or awaiting an answer (at a revision > after_revision)."""

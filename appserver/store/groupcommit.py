@@ -98,8 +98,11 @@ class GroupCommit:
     def flush(self) -> None:
         """Commit every queued job in one transaction.
 
-        Each job runs inside its own savepoint, so a turn's rows stay all-or-nothing: a job that
-        fails is rolled back alone and its caller gets the error. Futures settle only after COMMIT
+        A turn's rows stay all-or-nothing: the jobs run one after another in one transaction, and
+        if one fails the transaction is rolled back and run again with each job in its own
+        savepoint, so only the failing job is undone and its caller gets the error (jobs are pure
+        SQL, so running one twice writes the same rows; failures are rare, savepoints for every
+        job were two statements more per job on every group). Futures settle only after COMMIT
         returns, so no turn is reported done before its rows are durable; if COMMIT fails, every
         job of the group fails.
         """
@@ -110,27 +113,14 @@ class GroupCommit:
         self._group = []
         if not jobs:
             return
-        errors: list[BaseException | None] = []
-        lone = len(jobs) == 1  # a lone job is the whole transaction: no savepoint needed
+        errors: list[BaseException | None]
         try:
             db = self._connection()
             db.execute("BEGIN IMMEDIATE")
             try:
-                for job, _ in jobs:
-                    if not lone:
-                        db.execute("SAVEPOINT turn_commit")
-                    try:
-                        job(db)
-                    except Exception as exc:
-                        if not lone:
-                            db.execute("ROLLBACK TO turn_commit")
-                        errors.append(exc)
-                    else:
-                        errors.append(None)
-                    if not lone:
-                        db.execute("RELEASE turn_commit")
-                if lone and errors[0] is not None:
-                    db.execute("ROLLBACK")
+                errors = self._run_all(db, jobs)
+                if len(jobs) == 1 and errors[0] is not None:
+                    db.execute("ROLLBACK")  # a lone job is the whole transaction
                 else:
                     db.execute("COMMIT")
                     self._committed()
@@ -147,3 +137,29 @@ class GroupCommit:
                 fut.set_result(None)
             else:
                 fut.set_exception(err)
+
+    @staticmethod
+    def _run_all(db: sqlite3.Connection, jobs: list[tuple[Job, asyncio.Future[None]]]) -> list[BaseException | None]:
+        """Run the jobs inside the open transaction; → each job's error (None when it succeeded)."""
+        try:
+            for job, _ in jobs:
+                job(db)
+        except Exception as exc:
+            if len(jobs) == 1:
+                return [exc]
+            db.execute("ROLLBACK")  # undo the whole group, then again with one savepoint per job
+            db.execute("BEGIN IMMEDIATE")
+        else:
+            return [None] * len(jobs)
+        errors: list[BaseException | None] = []
+        for job, _ in jobs:
+            db.execute("SAVEPOINT turn_commit")
+            try:
+                job(db)
+            except Exception as exc:
+                db.execute("ROLLBACK TO turn_commit")
+                errors.append(exc)
+            else:
+                errors.append(None)
+            db.execute("RELEASE turn_commit")
+        return errors

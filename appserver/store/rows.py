@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from appserver import fastjson
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -20,19 +21,17 @@ from appserver.store.records import (
 
 Row = Mapping[str, Any]
 
-_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # one, not one per call
-
 
 def dump_json(value: Any) -> str:
     if not value and type(value) in (dict, list):  # options, client tools, ...: mostly empty
         return "{}" if type(value) is dict else "[]"
-    return _ENCODE(value)
+    return fastjson.dumps(value)
 
 
 def load_json(text: str | None, default: Any = None) -> Any:
     if text is None:
         return default
-    return json.loads(text)
+    return json.loads(text)  # exact: fastjson.loads_chunk would read a huge integer as a float
 
 
 # Only a turn still open takes a draft: a checkpoint scheduled before the turn's commit but run

@@ -10,13 +10,13 @@ else waits for it (fan-out only ever appends to buffers, it never awaits a socke
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from appserver import fastjson
 from appserver.ws.codes import CLOSE_SLOW_CONSUMER
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ log = logging.getLogger("appserver.ws")
 
 
 def encode(frame: dict[str, Any]) -> str:
-    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"), default=str)
+    return fastjson.dumps(frame, default=str)
 
 
 class _Entry:

@@ -47,7 +47,8 @@ def _app(tmp_path: Any) -> App:
     ]
     starlette = Starlette(routes=routes)
     starlette.state.marker = "here"
-    direct = {r.path: r.endpoint for r in routes if "{" not in r.path and is_api_route(r.endpoint)}
+    fixed = [r for r in routes if "{" not in r.path and is_api_route(r.endpoint)]
+    direct = {r.path: (r.endpoint, frozenset(r.methods or ())) for r in fixed}
     assert set(direct) == {"/v1/ok", "/v1/explode"}
     return App(starlette, direct)
 
@@ -56,8 +57,10 @@ async def test_direct_route_sees_the_app_and_dispatches_on_the_method(tmp_path: 
     async with await _client(_app(tmp_path)) as client:
         r = await client.post("/v1/ok")
         assert r.status_code == 200 and r.json() == {"app_state": "here", "path": "/v1/ok"}
-        r = await client.delete("/v1/ok")  # api_route answers a method it does not serve itself
+        r = await client.get("/v1/ok")  # a method of the route that api_route does not serve: its 405
         assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+        r = await client.request("PROPFIND", "/v1/ok")  # not a method of the route: Starlette's 405
+        assert r.status_code == 405
         r = await client.get("/v1/other/1")  # a path with parameters: Starlette's router
         assert r.status_code == 200 and r.json() == {"via": "starlette"}
         r = await client.get("/v1/ok/")  # not the exact path: Starlette (its redirect or 404)

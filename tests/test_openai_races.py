@@ -153,3 +153,39 @@ def test_a_sequential_stateless_client_still_continues_one_conversation(client: 
         history.append({"role": "assistant", "content": r.parse().choices[0].message.content})
     assert len(convs) == 1
     assert history[-1]["content"] == "seq0 | seq1 | seq2 | seq3"
+
+
+def test_a_reply_point_is_the_reply_even_when_a_queued_turn_commits_right_after(client: openai.OpenAI) -> None:
+    """Two requests pinned to one conversation (X-Conversation-Id): one runs, the other, queued,
+    runs at once after it. Each client then resends only what it saw, [its input, its reply,
+    /recall]. The one that ran first must fork at its own reply and never see the other's turn:
+    its history point is its reply's message, not whatever the conversation's newest message was
+    when the point was written (the other turn may have committed by then)."""
+    for i in range(8):
+        pinned = f"pinned-{time.time_ns()}-{i}"
+        texts = [f"A{i} {time.time()}", f"B{i} {time.time()}"]
+
+        def pinned_call(text: str, pinned: str = pinned) -> str:
+            r = client.chat.completions.create(
+                model="assistant",
+                messages=[{"role": "user", "content": text}],
+                extra_headers={"X-Conversation-Id": pinned},
+            )
+            return str(r.choices[0].message.content)
+
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(pinned_call, texts))
+        clean = 0
+        for mine, reply, other in ((texts[0], replies[0], texts[1]), (texts[1], replies[1], texts[0])):
+            follow = client.chat.completions.create(
+                model="assistant",
+                messages=[
+                    {"role": "user", "content": mine},
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "/recall"},
+                ],
+            )
+            seen = str(follow.choices[0].message.content)
+            assert mine in seen, seen
+            clean += other not in seen
+        assert clean == 1, "the follow-up of the turn that ran first saw the turn queued behind it"

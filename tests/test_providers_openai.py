@@ -747,3 +747,27 @@ def test_joined_merges_adjacent_deltas_of_one_read_only() -> None:
         Text("!"),
     ]
     assert joined([Text("x")]) == [Text("x")]
+
+
+async def test_text_before_an_error_event_in_the_same_read_is_kept(fake: FakeOpenAI) -> None:
+    """Events of one network read are parsed together and their deltas joined; an error event
+    among them must not swallow the text before it (the turn keeps what was shown)."""
+    fake.script(
+        openai_sse([chunk(content="partial "), chunk(content="text"), {"error": {"code": 502, "message": "boom"}}])
+    )  # one write, one read
+    provider = OpenAICompatProvider(cfg(fake))
+    got: list[ProviderChunk] = []
+    try:
+        with pytest.raises(ProviderError) as info:
+            async for c in provider.stream(req()):
+                got.append(c)
+    finally:
+        await provider.aclose()
+    assert info.value.message == "boom"
+    assert got == [Text("partial text")]
+
+
+async def test_usage_counts_beyond_64_bits_keep_every_digit(fake: FakeOpenAI) -> None:
+    fake.script(openai_sse([chunk(content="x", finish_reason="stop"), usage_chunk(10**30, 10**21)]))
+    got = await run(fake)
+    assert Usage(input_tokens=10**30, output_tokens=10**21) in got

@@ -771,17 +771,3 @@ async def test_a_turn_accepted_running_keeps_its_start_time(store: AnyStore) -> 
     now, later = await store.get_turn("turn_now"), await store.get_turn("turn_later")
     assert now is not None and now.started_at == pytest.approx(started)
     assert later is not None and later.started_at is None
-
-
-async def test_history_point_at_head_names_the_newest_message(store: AnyStore) -> None:
-    await _agent_and_conversation(store, "conv_1")
-    await store.add_history_point_at_head("agt_1", "h0", "conv_1")  # no message yet
-    written = [MessageRecord(role="user", content="a"), MessageRecord(role="assistant", content="b")]
-    await store.append_messages("conv_1", written)
-    await store.add_history_point_at_head("agt_1", "h1", "conv_1")
-    assert [p.last_message_id for p in await store.find_history_points("agt_1", "h0")] == [0]
-    assert [p.last_message_id for p in await store.find_history_points("agt_1", "h1")] == [written[-1].id]
-    later = [MessageRecord(role="user", content="c")]
-    await store.append_messages("conv_1", later)
-    await store.add_history_point_at_head("agt_1", "h1", "conv_1")  # the same point again: replaced
-    assert [p.last_message_id for p in await store.find_history_points("agt_1", "h1")] == [later[-1].id]

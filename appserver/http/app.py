@@ -75,16 +75,17 @@ class App:
     WebSockets and the lifespan go through Starlette as before.
     """
 
-    def __init__(self, starlette: Starlette, direct: dict[str, Endpoint]) -> None:
+    def __init__(self, starlette: Starlette, direct: dict[str, tuple[Endpoint, frozenset[str]]]) -> None:
         self.starlette = starlette
         self.state = starlette.state
         self.direct = direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = self.direct.get(scope["path"]) if scope["type"] == "http" and not scope.get("root_path") else None
-        if endpoint is None:
+        hit = self.direct.get(scope["path"]) if scope["type"] == "http" and not scope.get("root_path") else None
+        if hit is None or scope["method"] not in hit[1]:  # a method the route does not take: Starlette's 405
             await self.starlette(scope, receive, send)
             return
+        endpoint = hit[0]
         scope["app"] = self.starlette
         started = False
 
@@ -126,7 +127,7 @@ def build_app(server: Server, services: Services, *, extra_routes: list[BaseRout
     app.state.server = server
     app.state.json_bodies = JsonBodies(int(server.config.limits.max_messages))  # both OpenAI POST routes
     direct = {
-        r.path: r.endpoint
+        r.path: (r.endpoint, frozenset(r.methods or ()))
         for r in routes
         if isinstance(r, Route) and r.path.startswith("/v1/") and "{" not in r.path and is_api_route(r.endpoint)
     }

@@ -623,7 +623,10 @@ class _Ctx:
             ],
         )
         await self.route.matcher.record(
-            self.agent.id, self.run.conversation_id, chain([*self.new, reply], self.prefix_hash)
+            self.agent.id,
+            self.run.conversation_id,
+            chain([*self.new, reply], self.prefix_hash),
+            self.run.handle.controller.last_message_id,  # the reply's own id: no read, no race
         )
 
     # -------------------------------------------------------- non-stream

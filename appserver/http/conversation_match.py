@@ -28,6 +28,7 @@ from appserver.runtime import new_id
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
+    HistoryPoint,
     MessageRecord,
     PendingCall,
     TurnCommit,
@@ -494,5 +495,10 @@ class ConversationMatcher:
         )
         return conv.id
 
-    async def record(self, agent_id: str, conversation_id: str, prefix_hash: str) -> None:
-        await self.store.add_history_point_at_head(agent_id, prefix_hash, conversation_id)
+    async def record(
+        self, agent_id: str, conversation_id: str, prefix_hash: str, last_message_id: int | None = None
+    ) -> None:
+        """A point at `last_message_id` (a turn's own newest message, when known), else at the
+        conversation's newest message now: read before a later turn can commit behind it."""
+        last = last_message_id if last_message_id is not None else await self.store.last_message_id(conversation_id)
+        await self.store.add_history_point(HistoryPoint(agent_id, prefix_hash, conversation_id, last))

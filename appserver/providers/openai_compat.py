@@ -11,6 +11,7 @@ The provider never retries: the agent loop owns that decision (retry.py).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -49,7 +50,17 @@ from appserver.providers.upstream import (
     transport_error,
 )
 
-_decode = fastjson.loads_chunk
+_LONG_INT = re.compile(r"[0-9]{20}")
+
+
+def _decode(data: str) -> Any:
+    """A chunk's JSON: orjson, except for a usage chunk with a number orjson would round (token
+    counts are stored and reported, so every digit is kept)."""
+    if '"usage"' in data and _LONG_INT.search(data) is not None:
+        return json.loads(data)
+    return fastjson.loads_chunk(data)
+
+
 # The request body as compact UTF-8 JSON, encoded here so that the lean transport gets bytes (a NaN
 # or infinity, which no upstream accepts as a number, is written as null).
 _encode_body = fastjson.dumps
@@ -502,8 +513,13 @@ class OpenAICompatProvider:
                             yield chunk
                         continue
                     got: list[ProviderChunk] = []
-                    for ev in events:
-                        got.extend(parser.feed_data(ev.data))
+                    try:
+                        for ev in events:
+                            got.extend(parser.feed_data(ev.data))
+                    except ProviderError:
+                        for chunk in joined(got):  # what came before an error event still counts
+                            yield chunk
+                        raise
                     for chunk in joined(got):
                         yield chunk
                 for ev in dec.close():

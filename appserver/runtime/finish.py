@@ -71,6 +71,9 @@ async def finish_turn(
             record.input_committed = record.input_committed or commit.input_committed
             record.iteration = commit.iteration
             record.usage = dict(commit.usage)
+            stored = [m.id for m in commit.messages if m.id is not None]
+            if stored:
+                controller.last_message_id = max(stored)
             if seat is not None:
                 seat.history.extend(commit.messages)
     # From here on nothing awaits: no other task sees the turn half settled.

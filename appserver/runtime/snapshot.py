@@ -153,6 +153,7 @@ class TurnController:
         self.queue_position = queue_position
         self.attempt = 1
         self.pending: list[dict[str, Any]] = []
+        self.last_message_id: int | None = None  # the newest message its commits stored (finish_turn)
         self._blocks: list[_Block] = []
         self._calls: dict[str, _Block] = {}
         self._cached: TurnSnapshot | None = None

@@ -190,9 +190,6 @@ class Store(ABC):
 
     @abstractmethod
     async def add_history_point(self, point: HistoryPoint) -> None: ...
-    @abstractmethod
-    async def add_history_point_at_head(self, agent_id: str, prefix_hash: str, conversation_id: str) -> None:
-        """A point at the conversation's newest message when it is written (no read first)."""
 
     @abstractmethod
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:

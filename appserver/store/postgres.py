@@ -1059,20 +1059,6 @@ class PostgresStore(Store):
 
         await self._write(job)
 
-    async def add_history_point_at_head(self, agent_id: str, prefix_hash: str, conversation_id: str) -> None:
-        created = time.time()
-
-        async def job(conn: Conn) -> None:
-            await conn.execute(
-                "INSERT INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at) "
-                "VALUES (%s,%s,%s,(SELECT COALESCE(MAX(id), 0) FROM messages WHERE conversation_id=%s),%s) "
-                "ON CONFLICT (agent_id, prefix_hash, conversation_id) DO UPDATE SET "
-                "last_message_id=EXCLUDED.last_message_id, created_at=EXCLUDED.created_at",
-                (agent_id, prefix_hash, conversation_id, conversation_id, created),
-            )
-
-        await self._write(job)
-
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
         rows = await self._rows(
             "SELECT p.* FROM history_points p JOIN conversations c ON c.id = p.conversation_id "

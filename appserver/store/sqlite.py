@@ -718,18 +718,6 @@ class SQLiteStore(Store):
 
         await self._writes.submit(write)
 
-    async def add_history_point_at_head(self, agent_id: str, prefix_hash: str, conversation_id: str) -> None:
-        row = (agent_id, prefix_hash, conversation_id, conversation_id, time.time())
-
-        def write(tx: sqlite3.Connection) -> None:
-            tx.execute(
-                "INSERT OR REPLACE INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, "
-                "created_at) VALUES (?,?,?,(SELECT COALESCE(MAX(id), 0) FROM messages WHERE conversation_id=?),?)",
-                row,
-            )
-
-        await self._writes.submit(write)
-
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
         self._writes.settle()  # a point still queued is found too
         rows = self.db.execute(

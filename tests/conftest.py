@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import zygote_client
 from tests.support.cli import FAST_WAITS, ROOT, CLIResult, run_cli
 from tests.support.serve import ServeProcess, serving
 
@@ -19,6 +20,11 @@ from tests.support.serve import ServeProcess, serving
 # bytecode, so every one of them compiled the package again (~35 % of a CLI call's CPU). The suite's
 # processes (xdist workers and everything they start) write and read the cache like any install.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+# Most of what is left of an `appserver` subprocess's start is Python starting and importing the CLI
+# and the server: the suite forks its CLI calls and `serve` processes from a zygote that imported
+# them once per worker (tests/support/zygote.py); bench/ keeps starting real interpreters.
+zygote_client.enabled = True
 
 # The platform waits the loopback fakes need not pay (tests/support/cli.py), for in-process adapters
 # as for the `serve` subprocesses (whose environment is built from this one).
@@ -30,46 +36,45 @@ for _name, _value in FAST_WAITS.items():
 # when it starts last. These files (real `serve` processes, kill -9, restarts) take longest; they are
 # handed out first, longest first, and the quick files fill in around them. Only the order changes.
 SLOW_FILES_FIRST = (
-    "test_discord_e2e.py",
-    "test_gateway_load.py",
-    "test_hardening_state_store.py",
+    "test_cluster.py",
+    "test_postgres_serve_attack.py",
     "test_telegram_e2e.py",
+    "test_discord_e2e.py",
     "test_gateway_debounce.py",
-    "test_hardening_state_disk.py",
-    "test_hardening_http_edge.py",
+    "test_gateway_load.py",
     "test_cron_failover.py",
-    "test_gateway_access.py",
-    "test_telegram.py",
-    "test_gateway_chatops.py",
-    "test_state_adversarial.py",
+    "test_hardening_http_edge.py",
     "test_plugins_webhook.py",
+    "test_gateway_chatops.py",
+    "test_telegram.py",
     "test_slack_e2e.py",
-    "test_kernel_cli.py",
     "test_client_failover.py",
-    "test_hardening_state.py",
-    "test_security_guard.py",
-    "test_gateway_crash.py",
+    "test_gateway_access.py",
+    "test_cron_timing.py",
+    "test_hardening_state_disk.py",
+    "test_cron_lease.py",
     "test_gateway_e2e.py",
+    "test_discord.py",
+    "test_gateway_crash.py",
+    "test_fakechat.py",
+    "test_slack.py",
     "test_security_e2e.py",
     "test_openai_fidelity.py",
-    "test_fakechat.py",
-    "test_openai_http.py",
-    "test_cron_kernel.py",
-    "test_cron_timing.py",
-    "test_kernel_crash.py",
-    "test_chat_terminal.py",
-    "test_gateway_channels_e2e.py",
-    "test_discord.py",
     "test_store_select.py",
-    "test_hardening_state_operator.py",
-    "test_ws_approvals.py",
+    "test_security_guard.py",
+    "test_gateway_channels_e2e.py",
+    "test_state_adversarial.py",
+    "test_kernel_crash.py",
+    "test_kernel_cli.py",
+    "test_chat_terminal.py",
+    "test_gateway_supervisor.py",
+    "test_ws_connection_life.py",
+    "test_ws_fanout.py",
     "test_openai_schemathesis.py",
-    "test_import_rules.py",
-    "test_cron_lease.py",
-    "test_provider_params_http.py",
-    "test_ws_protocol_errors.py",
-    "test_ws_protocol.py",
-    "test_hardening_http_api.py",
+    "test_store_contract.py",
+    "test_cron_scheduler.py",
+    "test_cron_kernel.py",
+    "test_providers_openai.py",
 )
 
 

@@ -22,6 +22,7 @@ from appserver.serverinfo import read_live_server
 from tests.support.cli import ROOT, cli_env
 from tests.support.serve import ServeProcess, start_serve
 from tests.support.wait import wait_for
+from tests.support.zygote_client import appserver_popen
 from tests.test_chat_terminal import Pty
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,8 +62,8 @@ class Standby:
     def __init__(self, home: Path, env: dict[str, str], log: Path) -> None:
         self.log_path = log
         self._log: IO[str] = log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "appserver", "serve", "--standby", "--listen", "127.0.0.1:0"],
+        self.proc = appserver_popen(
+            ["serve", "--standby", "--listen", "127.0.0.1:0"],
             env=env,
             cwd=ROOT,
             stdout=self._log,
@@ -105,8 +106,8 @@ def test_run_prints_the_truthful_outcome_after_kill9_failover(
     pair: tuple[Path, dict[str, str], ServeProcess, Standby],
 ) -> None:
     home, env, primary, standby = pair
-    run = subprocess.Popen(
-        [sys.executable, "-m", "appserver", "run", "/slow 40"],
+    run = appserver_popen(
+        ["run", "/slow 40"],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -136,8 +137,8 @@ def test_run_gives_up_with_a_clear_error_when_no_server_returns(tmp_path: Path) 
     home = tmp_path / "home"
     env = cli_env(home)
     primary = start_serve(home, env=env)
-    run = subprocess.Popen(
-        [sys.executable, "-m", "appserver", "run", "--reconnect-wait", "1", "/slow 200"],
+    run = appserver_popen(
+        ["run", "--reconnect-wait", "1", "/slow 200"],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,

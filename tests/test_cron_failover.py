@@ -10,7 +10,6 @@ import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from datetime import datetime
@@ -23,6 +22,7 @@ from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.net import free_port, listening
 from tests.support.wait import wait_for
 from tests.support.ws import WS
+from tests.support.zygote_client import appserver_popen
 
 TICK_S = 1.0
 
@@ -31,8 +31,8 @@ class Serve:
     """`appserver serve` as a subprocess whose stdout lines are collected by a reader thread."""
 
     def __init__(self, home: Path, port: int, *extra: str, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "appserver", "serve", "--listen", f"127.0.0.1:{port}", *extra],
+        self.proc = appserver_popen(
+            ["serve", "--listen", f"127.0.0.1:{port}", *extra],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -195,8 +195,8 @@ def test_cli_waits_for_a_server_that_is_still_starting(home: Path, tmp_path: Pat
             raise AssertionError("a held lock without server.json must not read as 'no server'")
         except HomeStarting:
             assert time.monotonic() - started >= 0.3
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "appserver", "run", "--agent", "assistant", "--json", "hello"],
+        proc = appserver_popen(
+            ["run", "--agent", "assistant", "--json", "hello"],
             env=cli_env(home),
             cwd=ROOT,
             stdout=subprocess.PIPE,

@@ -20,6 +20,7 @@ import pytest
 from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.net import SSL
 from tests.support.wait import eventually
+from tests.support.zygote_client import appserver_popen
 
 T = 10.0  # the longest any single wait in this file may take
 
@@ -54,13 +55,13 @@ def start(home: Path, *args: str, nofile: int | None = None, **env: str) -> Srv:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0", *args],
+        proc = appserver_popen(  # a new interpreter when it must start with a descriptor limit
+            ["serve", "--listen", "127.0.0.1:0", *args],
             env=cli_env(home, **env),
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=limit_fds,
+            preexec_fn=None if nofile is None else limit_fds,
         )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

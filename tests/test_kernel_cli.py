@@ -6,7 +6,6 @@ import json
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import httpx
 
 from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.serve import start_serve
+from tests.support.zygote_client import appserver_popen
 
 
 def test_run_hello_json(cli) -> None:
@@ -78,8 +78,8 @@ def test_denial_is_readable_by_the_model(cli) -> None:
 
 def test_kill9_mid_turn_is_settled_as_interrupted(home: Path, cli) -> None:
     conv = cli("run", "--conversation", "new", "--json", "first").json()["conversation_id"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "appserver", "run", "--conversation", conv, "/slow 300"],
+    proc = appserver_popen(
+        ["run", "--conversation", conv, "/slow 300"],
         env=cli_env(home, APPSERVER_LIMITS__DRAFT_INTERVAL_S="0.1"),
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from plugins.contract import Account, AccountError, Adapter, AdapterContext, DeliveryError, InboundMessage, Target
 from plugins.loader import load_plugin
 from plugins.webhook import SIGNATURE_HEADER, TIMESTAMP_HEADER, WebhookAdapter, create_adapter, sign, verify
+from tests.fakes.loopback import QuickServer
 from tests.support.net import free_port, listening
 
 SECRET = "s3cret-for-tests"
@@ -344,7 +345,7 @@ async def receiver() -> AsyncIterator[Receiver]:
     await task
 
 
-class _QuietServer(uvicorn.Server):
+class _QuietServer(QuickServer):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:  # leave pytest's signal handlers alone
         yield

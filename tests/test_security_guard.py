@@ -35,6 +35,7 @@ from appserver.auth import Authenticator, AuthError, TokenStore, fingerprint
 from appserver.config import Config
 from appserver.logredact import SecretRedactor
 from appserver.security import SecurityGuard
+from tests.fakes.loopback import QuickServer
 from tests.support.certs import self_signed
 
 T = 5.0  # every wait in these tests is bounded
@@ -123,7 +124,7 @@ def live_server(app: Any, host: str = "127.0.0.1", **kwargs: Any) -> Iterator[in
         timeout_graceful_shutdown=2,
         **kwargs,
     )
-    server = uvicorn.Server(config)
+    server = QuickServer(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

@@ -335,7 +335,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
             await server.close()
             await task
             fail(f"could not start on {host}:{port}", 1)
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.005)  # uvicorn binds within a few ms: so does server.json
     bound_port = uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
     url = url_for(host, bound_port, tls)
     try:

@@ -47,6 +47,49 @@ WEBSOCKET_OPTIONS: dict[str, Any] = {
 }
 
 
+class QuickServer(uvicorn.Server):
+    """uvicorn, stopping in milliseconds instead of a few tenths of a second: a test sets
+    `should_exit` (from any thread), and uvicorn looked at it every 0.1 s, then paused 0.1 s after
+    asking the connections to close and polled every 0.1 s until they had. Here the main loop looks
+    every few milliseconds (its once-a-tick work still runs every 0.1 s), and the stop waits for the
+    connections as long as they need (at most `timeout_graceful_shutdown`), without the pause."""
+
+    POLL_S = 0.005
+
+    async def main_loop(self) -> None:
+        counter, ticked = 0, time.monotonic()
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            await asyncio.sleep(self.POLL_S)
+            if self.should_exit:
+                break
+            if time.monotonic() - ticked >= 0.1:
+                counter, ticked = (counter + 1) % 864000, time.monotonic()
+                should_exit = await self.on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for listener in self.servers:
+            listener.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        try:
+            await asyncio.wait_for(self._drained(), timeout=self.config.timeout_graceful_shutdown)
+        except TimeoutError:
+            for task in self.server_state.tasks:
+                task.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    async def _drained(self) -> None:
+        state = self.server_state
+        while (state.connections or state.tasks) and not self.force_exit:
+            await asyncio.sleep(self.POLL_S)
+        for listener in self.servers:
+            await listener.wait_closed()
+
+
 def first_match(
     items: Callable[[], Iterable[M]], predicate: str | Callable[[str], bool], text: Callable[[M], str]
 ) -> Callable[[], M | None]:
@@ -95,7 +138,7 @@ class LoopbackServer:
         self._sock.bind(("127.0.0.1", self._port))
         app = Starlette(routes=self._routes())
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, **self._server_options)
-        self._server = uvicorn.Server(config)
+        self._server = QuickServer(config)
         started = threading.Event()
 
         async def main() -> None:

@@ -1,14 +1,18 @@
-"""The CLI as a real subprocess, with its home and environment pinned to one test."""
+"""The CLI as a real subprocess, with its home and environment pinned to one test.
+
+The process is a fork of a zygote that imported the CLI once (tests/support/zygote.py): it runs
+`appserver/__main__.py` as `python -m appserver` does, without paying the imports every call."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tests.support.zygote_client import appserver_popen
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -46,15 +50,18 @@ class CLIResult:
 
 
 def run_cli(home: Path, *args: str, timeout: float = 60, env: dict[str, str] | None = None) -> CLIResult:
-    proc = subprocess.run(
-        [sys.executable, "-m", "appserver", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env or cli_env(home),
-        cwd=ROOT,
-    )
-    return CLIResult(proc.returncode, proc.stdout, proc.stderr)
+    """`python -m appserver ARGS` in a child process, as `subprocess.run` would (pipes, timeout),
+    forked from this worker's zygote (tests/support/zygote.py) when one can stand in for it."""
+    with appserver_popen(
+        list(args), env=env or cli_env(home), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return CLIResult(proc.returncode, out, err)
 
 
 def careful_home(parent: Path) -> Path:

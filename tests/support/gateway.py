@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import httpx
 
 from tests.fakes.fakechat import FakeChat
 from tests.support.cli import ROOT, cli_env
+from tests.support.zygote_client import appserver_popen
 
 PLUGIN = ROOT / "tests" / "fakes" / "fakechat_plugin"
 
@@ -89,7 +89,7 @@ class ChannelServer:
                     return
             except (httpx.HTTPError, AssertionError) as exc:
                 last = exc
-            time.sleep(0.1)
+            time.sleep(0.02)
         raise AssertionError(f"channels not ready in {timeout} s: {last}\n{self.log()[-3000:]}")
 
     def gateway_pid(self, timeout: float = 30) -> int:
@@ -98,7 +98,7 @@ class ChannelServer:
         while time.monotonic() < deadline:
             for pid in gateway_children(self.proc.pid):
                 return pid
-            time.sleep(0.05)
+            time.sleep(0.01)
         raise AssertionError("no gateway child process")
 
     def stop(self, timeout: float = 20) -> int:
@@ -135,8 +135,8 @@ def start_channel_server(
     server_json.unlink(missing_ok=True)
     log_path = home.parent / f"{home.name}-serve-{time.monotonic_ns()}.log"
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0", *extra],
+        proc = appserver_popen(
+            ["serve", "--listen", "127.0.0.1:0", *extra],
             env=env or cli_env(home),
             cwd=ROOT,
             stdout=log_file,
@@ -153,7 +153,7 @@ def start_channel_server(
                 info = None
             if info and info.get("pid") == proc.pid:
                 return ChannelServer(proc, home, info["url"], log_path)
-        time.sleep(0.05)
+        time.sleep(0.005)  # a start takes a few tens of milliseconds (tests/support/zygote.py)
     proc.kill()
     raise RuntimeError("serve did not write server.json in time")
 

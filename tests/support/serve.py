@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ import httpx
 
 from tests.support.cli import ROOT, cli_env
 from tests.support.net import SSL
+from tests.support.zygote_client import appserver_popen
 
 
 @dataclass
@@ -40,8 +40,8 @@ def start_serve(home: Path, *extra: str, env: dict[str, str] | None = None, time
     home.mkdir(parents=True, exist_ok=True)
     server_json = home / "server.json"
     server_json.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0", *extra],
+    proc = appserver_popen(
+        ["serve", "--listen", "127.0.0.1:0", *extra],
         env=env or cli_env(home),
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -59,7 +59,7 @@ def start_serve(home: Path, *extra: str, env: dict[str, str] | None = None, time
                 info = None
             if info and info.get("pid") == proc.pid:
                 return ServeProcess(proc, home, info["url"])
-        time.sleep(0.02)
+        time.sleep(0.005)  # a start takes a few tens of milliseconds (tests/support/zygote.py)
     proc.kill()
     raise RuntimeError("serve did not write server.json in time")
 

@@ -56,6 +56,8 @@ class Server:
         if self.store.fresh and not await self.store.list_agents():
             await self.agents.create(DEFAULT_AGENT, "echo", "")
         await self.kernel.start(serve=serve)
+        if serve:
+            self.providers.warm(a.model for a in await self.store.list_agents())
         self._opened = True
         for path in set_aside_files(home):
             log.warning("%s", set_aside_notice(home, path))

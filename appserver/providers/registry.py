@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from appserver.config import Config
 from appserver.providers.base import Provider
 from appserver.providers.echo import EchoProvider
@@ -47,6 +49,17 @@ class ProviderRegistry:
             inst = self._create(provider_name)
             self._instances[provider_name] = inst
         return inst, model_name
+
+    def warm(self, models: Iterable[str]) -> None:
+        """Create the providers these model strings name now (their modules imported, HTTP stack
+        included): a server's first model call then pays no imports, and what a server holds after
+        its first requests is not mostly modules it loaded late. A model string that does not
+        resolve is left to the request that uses it, which reports it."""
+        for model in models:
+            try:
+                self.resolve(model)
+            except Exception:  # noqa: BLE001 - reported by the request that uses it
+                continue
 
     def _create(self, name: str) -> Provider:
         cfg = self.config.providers[name]

@@ -16,9 +16,8 @@ LISTEN ?=
 serve: $(STAMP)
 	$(VENV)/bin/appserver serve $(if $(LISTEN),--listen $(LISTEN))
 
-# six workers on two cores: most of the suite waits on sockets and child processes, not the CPU
 test: $(STAMP)
-	$(PY) -m pytest -x -q -n 6 --dist loadfile
+	$(PY) -m pytest -x -q -n 4 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check appserver cron gateway plugins tests bench examples

@@ -34,14 +34,6 @@ def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=default)
 
 
-def dumpb(value: Any) -> bytes:
-    """Compact JSON as UTF-8 bytes."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:
-        return _STD_ENCODE(value).encode()
-
-
 def loads_chunk(data: str | bytes) -> Any:
     """Parse an upstream's JSON chunk (text or UTF-8 bytes); raises ValueError as json.loads does.
 

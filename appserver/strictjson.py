@@ -151,7 +151,7 @@ def loads(data: bytes | str, *, object_budget: ObjectBudget | None = None) -> An
         if raw.startswith(codecs.BOM_UTF8):
             raw = raw[3:]
         if object_budget is None and len(raw) <= FAST_MAX_BYTES:
-            fast = _fast(raw, _LONG_NUMBER_B)
+            fast = _fast(raw)
             if fast is not _NO:
                 return fast
         text = _decode(raw)
@@ -178,13 +178,13 @@ def loads(data: bytes | str, *, object_budget: ObjectBudget | None = None) -> An
 _NO = object()
 
 
-def _fast(data: bytes, long_number: re.Pattern[bytes]) -> Any:
+def _fast(data: bytes) -> Any:
     """orjson when it agrees with the rules above, else `_NO` (the standard path then parses, and
     words any refusal). It refuses what they refuse (invalid UTF-8, lone surrogate escapes, NaN
     and infinities, numbers that overflow a double) except integers from 2**63 up, which it reads
     (past 2**64 as floats): an input with a run of 19 digits goes the standard way, as does one
     with more brackets than `MAX_DEPTH` (only then can it nest that deep)."""
-    if data.count(b"{") + data.count(b"[") > MAX_DEPTH or long_number.search(data) is not None:
+    if data.count(b"{") + data.count(b"[") > MAX_DEPTH or _LONG_NUMBER_B.search(data) is not None:
         return _NO
     try:
         return orjson.loads(data)

@@ -34,14 +34,13 @@ def test_nan_is_written_as_null_not_as_an_invalid_literal() -> None:
     assert fastjson.dumps([math.nan, math.inf]) == "[null,null]"
 
 
-def test_dumps_default_and_bytes() -> None:
+def test_dumps_default() -> None:
     class Odd:
         def __str__(self) -> str:
             return "odd"
 
     assert fastjson.dumps({"x": Odd()}, default=str) == '{"x":"odd"}'
     assert fastjson.dumps({1: Odd()}, default=str) == '{"1":"odd"}'  # the fallback keeps `default`
-    assert fastjson.dumpb({"é": 1}) == '{"é":1}'.encode()
 
 
 @pytest.mark.parametrize(

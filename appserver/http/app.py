@@ -77,7 +77,6 @@ class App:
 
     def __init__(self, starlette: Starlette, direct: dict[str, tuple[Endpoint, frozenset[str]]]) -> None:
         self.starlette = starlette
-        self.state = starlette.state
         self.direct = direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -58,7 +58,7 @@ class ProviderRegistry:
         for model in models:
             try:
                 self.resolve(model)
-            except Exception:  # noqa: BLE001 - reported by the request that uses it
+            except Exception:  # reported by the request that uses it
                 continue
 
     def _create(self, name: str) -> Provider:

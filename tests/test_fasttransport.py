@@ -173,3 +173,64 @@ async def test_https_verifies_the_upstream_certificate(tmp_path: Path) -> None:
                 await client.post(url, content=b"")
     finally:
         srv.close()
+
+
+async def test_provider_reads_each_kind_of_answer_through_the_lean_response() -> None:
+    """The provider's lean path (`LeanClient.post_stream` → `LeanResponse`): a plain stream is read
+    off the connection, a gzip-encoded one through httpx's decoder, a JSON answer and an error
+    status through `LeanResponse.full()`; the one connection is reused after each."""
+    import gzip
+    import json
+
+    from appserver.config import ProviderConfig
+    from appserver.providers.base import ChatMessage, Done, ProviderError, ProviderRequest, Text
+    from appserver.providers.fasttransport import LeanClient, LeanResponse
+    from appserver.providers.openai_compat import OpenAICompatProvider
+
+    def sse(text: str) -> bytes:
+        chunk = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+        end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        return b"data: %s\n\ndata: %s\n\ndata: [DONE]\n\n" % (json.dumps(chunk).encode(), json.dumps(end).encode())
+
+    completion = json.dumps(
+        {"choices": [{"index": 0, "message": {"role": "assistant", "content": "whole"}, "finish_reason": "stop"}]}
+    ).encode()
+    error = json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}).encode()
+    zipped = gzip.compress(sse("zipped"))
+    raw = RawServer(
+        [
+            framed(sse("plain"), b"content-type: text/event-stream"),
+            framed(zipped, b"content-type: text/event-stream", b"content-encoding: gzip"),
+            framed(completion, b"content-type: application/json"),
+            lambda _b: [
+                b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                % len(error),
+                error,
+            ],
+            framed(sse("again"), b"content-type: text/event-stream"),
+            framed(b"raw", b"content-type: text/plain"),
+        ]
+    )
+    async with serving(raw) as url:
+        provider = OpenAICompatProvider(
+            ProviderConfig("up", kind="openai", base_url=url + "/v1", api_key_env=None, max_attempts=1)
+        )
+        assert isinstance(provider._client(), LeanClient)
+        request = ProviderRequest(model="m", messages=[ChatMessage("user", "hi")])
+
+        async def chunks() -> list[object]:
+            return [c async for c in provider.stream(request)]
+
+        assert await chunks() == [Text("plain"), Done("stop")]
+        assert await chunks() == [Text("zipped"), Done("stop")]
+        assert await chunks() == [Text("whole"), Done("stop")]
+        with pytest.raises(ProviderError) as failed:
+            await chunks()
+        assert failed.value.status == 429 and "slow down" in str(failed.value)
+        assert await chunks() == [Text("again"), Done("stop")]
+        async with provider._client().post_stream(url + "/v1/chat/completions", b"{}", {}, httpx.Timeout(5)) as r:
+            assert isinstance(r, LeanResponse) and r.status_code == 200
+            assert (b"content-type", b"text/plain") in r.raw_headers and r.headers["content-type"] == "text/plain"
+            assert b"".join([p async for p in r.stream]) == b"raw"
+        await provider.aclose()
+    assert raw.connections == 1

@@ -168,6 +168,11 @@ async def test_agents_create_find_list_update_delete(store: AnyStore) -> None:
     await store.create_agent(AgentRecord(id="agt_Z", name="other", system="be brief", created_at=1.0))
     # (created_at, id), ids compared byte-wise ("Z" < "a" < "b")
     assert [a.id for a in await store.list_agents()] == ["agt_Z", "agt_a", "agt_b"]
+    assert [(a.id, a.name) for a in await store.agents_to_read()] == [
+        ("agt_Z", "other"),
+        ("agt_a", "same"),
+        ("agt_b", "same"),
+    ]
     assert [a.id for a in await store.find_agents("same")] == ["agt_a", "agt_b"]
     assert [a.id for a in await store.find_agents("agt_Z")] == ["agt_Z"]
     assert await store.find_agents("nobody") == []
@@ -199,6 +204,7 @@ async def test_agents_create_find_list_update_delete(store: AnyStore) -> None:
     assert await store.delete_agent("agt_b") is False
     assert await store.get_agent("agt_b") is None
     assert [a.id for a in await store.list_agents()] == ["agt_Z", "agt_a"]
+    assert [a.id for a in await store.agents_to_read()] == ["agt_Z", "agt_a"]  # no stale cache
 
 
 async def test_deleting_an_agent_deletes_its_conversations_turns_and_messages(store: AnyStore) -> None:

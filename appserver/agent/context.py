@@ -29,6 +29,7 @@ from appserver.providers.base import (
     ToolSpec,
 )
 from appserver.store.records import MessageRecord
+from appserver.values import value
 
 CHARS_PER_TOKEN = 3.5  # deliberately pessimistic: real tokenizers average ~4 characters on English
 MESSAGE_OVERHEAD_TOKENS = 6  # role, separators and the like, per message
@@ -85,7 +86,7 @@ def default_window(model: str) -> int:
     return KNOWN_WINDOWS[best] if best else DEFAULT_WINDOW
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Budget:
     """How much of the window a request may use: the window minus room for the reply."""
 

@@ -2,47 +2,49 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Literal
+
+from appserver.values import value
 
 Phase = Literal["queued", "reasoning", "responding", "acting", "compacting", "finalizing", "awaiting", "retrying"]
 ToolStatus = Literal["streaming", "pending_approval", "awaiting_client", "running", "completed", "failed", "denied"]
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class PhaseChanged:
     phase: Phase
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class StepStarted:
     iteration: int
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ReasoningDelta:
     text: str
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class TextDelta:
     text: str
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ToolCallStarted:
     call_id: str
     name: str
     executor: Literal["server", "client"]
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ToolCallArgsDelta:
     call_id: str
     delta: str
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ToolCallStatus:
     call_id: str
     status: ToolStatus
@@ -51,24 +53,24 @@ class ToolCallStatus:
     reason: str | None = None
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class UsageUpdated:
     usage: dict[str, int]
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Retrying:
     attempt: int
     delay_ms: int
     error: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class StreamDiscarded:
     """A failed attempt's partial output is dropped before a retry (only when nothing was shown)."""
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Compacted:
     summary: str
     messages_folded: int

@@ -56,6 +56,7 @@ from appserver.providers.base import (
 from appserver.providers.registry import ProviderRegistry
 from appserver.providers.retry import RetryPolicy, retry_delay_ms
 from appserver.store.records import AgentRecord, MessageRecord, PendingCall
+from appserver.values import value
 
 log = logging.getLogger("appserver.agent")
 
@@ -129,7 +130,7 @@ class LoopOutcome:
     error: dict[str, Any] | None = None
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Resolution:
     """The answer to one pending call, turned into a tool result when the turn resumes."""
 

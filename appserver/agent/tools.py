@@ -20,6 +20,7 @@ from appserver.config import Config
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
 from appserver.store.records import AgentRecord
+from appserver.values import value
 
 # Every tool process carries these in its environment (its children inherit them): which server
 # started it and for which home, so the next server of that home can find and kill what a dead
@@ -29,7 +30,7 @@ TOOL_HOME_ENV = "APPSERVER_TOOL_HOME"
 PR_SET_PDEATHSIG = 1
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ToolOutput:
     text: str
     is_error: bool = False
@@ -50,7 +51,7 @@ class ToolContext:
 ToolFn = Callable[[dict[str, Any], ToolContext], Awaitable[ToolOutput]]
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Tool:
     name: str
     description: str

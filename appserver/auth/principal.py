@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from appserver.values import value
 
 SCOPES: tuple[str, ...] = ("openai", "ws", "admin")
 DEFAULT_TOKEN_SCOPES: tuple[str, ...] = ("openai", "ws")
 
 
-@dataclass(frozen=True, slots=True)
+@value
 class Principal:
     """An authenticated caller and what it may touch.
 

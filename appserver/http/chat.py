@@ -12,13 +12,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
 from appserver.auth import conversation_namespace
 from appserver.http.common import (
+    AfterReply,
     Idempotency,
+    JSONReply,
     TurnRun,
     approval_pending,
     client_pending,
@@ -668,12 +669,7 @@ class _Ctx:
         data = dumps(body)
         if self.idem is not None:
             await self.idem.finish(200, "application/json", data, self.run.conversation_id)
-        return Response(
-            data,
-            media_type="application/json",
-            headers=self.headers,
-            background=BackgroundTask(self.record_point_after, snap, text, calls),
-        )
+        return JSONReply(data, self.headers, AfterReply(self.record_point_after, snap, text, calls))
 
     async def record_point_after(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
         """The history point, written once the reply is on the wire (off the latency path). It only

@@ -7,10 +7,11 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -105,7 +106,7 @@ def json_type(value: Any) -> str:
 # ---------------------------------------------------------------- models
 
 
-def advertised_ids(agents: list[AgentRecord]) -> dict[str, str]:
+def advertised_ids(agents: Sequence[AgentRecord]) -> dict[str, str]:
     """agent id → advertised model id: the name when unique and no agent's id, else the agent id."""
     ids = {a.id for a in agents}
     counts: dict[str, int] = {}
@@ -135,17 +136,18 @@ async def resolve_model(server: Server, principal: Principal, model: Any) -> tup
         raise ApiError(
             400, "'model' is empty: use one of the ids from GET /v1/models", code="missing_model", param="model"
         )
-    agents = await server.store.list_agents()
+    agents = await server.store.agents_to_read()
     adv = advertised_ids(agents)
     found = [a for a in agents if a.id == model] or [a for a in agents if adv[a.id] == model]
-    if len(found) != 1 or not principal.allows_agent(found[0].id, found[0].name):
+    agent = await server.store.get_agent(found[0].id) if len(found) == 1 else None  # a copy of its own
+    if agent is None or not principal.allows_agent(agent.id, agent.name):
         raise ApiError(
             404,
             f"The model '{model}' does not exist or you do not have access to it.",
             code="model_not_found",
             param="model",
         )
-    return found[0], adv[found[0].id]
+    return agent, adv[agent.id]
 
 
 def model_object(agent: AgentRecord, model_id: str) -> dict[str, Any]:
@@ -550,6 +552,31 @@ _API_ROUTE = "appserver_api_route"
 def is_api_route(endpoint: object) -> bool:
     """Made by `api_route`: answers every method and turns every error into a response itself."""
     return bool(getattr(endpoint, _API_ROUTE, False))
+
+
+class AfterReply(BackgroundTask):
+    """`func(*args)` once the reply is sent: Starlette's `BackgroundTask` inspects `func` on every
+    request to learn whether it is a coroutine function; this one knows."""
+
+    def __init__(self, func: Callable[..., Awaitable[None]], *args: Any) -> None:  # no super().__init__
+        self.func = func
+        self.args = args  # type: ignore[assignment]
+        self.kwargs = {}  # type: ignore[assignment]
+        self.is_async = True
+
+
+class JSONReply(Response):
+    """An `application/json` reply of already-encoded JSON, with the head Starlette's `Response`
+    writes for it (the caller's headers, then content-length and content-type), built directly."""
+
+    media_type = "application/json"
+
+    def __init__(self, data: str, headers: dict[str, str], background: BackgroundTask | None = None) -> None:
+        self.status_code = 200
+        self.background = background
+        self.body = data.encode("utf-8")
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.raw_headers += [(b"content-length", b"%d" % len(self.body)), (b"content-type", b"application/json")]
 
 
 def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -10,40 +10,42 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from appserver.values import value
+
 # ---------------------------------------------------------------- chunks
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Text:
     text: str
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Reasoning:
     text: str
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ToolCallStart:
     index: int
     id: str
     name: str
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ToolCallArgs:
     index: int
     delta: str
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ProviderState:
     """Opaque replay state (thinking signatures, encrypted reasoning). Stored, never shown."""
 
     data: dict[str, Any]
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Usage:
     input_tokens: int = 0
     output_tokens: int = 0
@@ -54,7 +56,7 @@ class Usage:
 FinishReason = Literal["stop", "tool_calls", "length", "content_filter", "unknown"]
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Done:
     finish_reason: FinishReason
 
@@ -91,7 +93,7 @@ class ChatMessage:
         return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class ToolSpec:
     name: str
     description: str = ""

@@ -16,7 +16,8 @@ import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -195,6 +196,55 @@ class _ResponseBody(httpx.AsyncByteStream):
             self.pool._release(self.key, self.conn)
 
 
+class LeanResponse:
+    """A response's head and its streaming body, as the lean path reads them: the status, the raw
+    header fields and `stream`. `full()` wraps them as an `httpx.Response` (built once, on demand)
+    where httpx's reading is wanted: error bodies, a JSON answer, content decoding.
+
+    An `httpx.Response` per model call normalized every header and set up decoders the usual
+    streamed answer never uses."""
+
+    __slots__ = ("status_code", "raw_headers", "stream", "_reason", "_full")
+
+    def __init__(self, status_code: int, raw_headers: list[tuple[bytes, bytes]], stream: _ResponseBody, reason: bytes):
+        self.status_code = status_code
+        self.raw_headers = raw_headers
+        self.stream = stream
+        self._reason = reason
+        self._full: httpx.Response | None = None
+
+    def full(self) -> httpx.Response:
+        if self._full is None:
+            self._full = httpx.Response(
+                self.status_code,
+                headers=self.raw_headers,
+                stream=self.stream,
+                extensions={"http_version": b"HTTP/1.1", "reason_phrase": self._reason},
+            )
+        return self._full
+
+    @property
+    def headers(self) -> httpx.Headers:
+        return self.full().headers
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]:
+        return self.full().aiter_bytes()
+
+    async def aclose(self) -> None:
+        if self._full is not None:
+            await self._full.aclose()
+        else:
+            await self.stream.aclose()
+
+
+def as_httpx(response: LeanResponse | httpx.Response) -> httpx.Response:
+    return response.full() if isinstance(response, LeanResponse) else response
+
+
+def raw_headers(response: LeanResponse | httpx.Response) -> list[tuple[bytes, bytes]]:
+    return response.raw_headers if isinstance(response, LeanResponse) else response.headers.raw
+
+
 class LeanTransport(httpx.AsyncBaseTransport):
     """Keep-alive pool of `_Connection`s per (scheme, host, port); at most `max_connections` busy."""
 
@@ -236,9 +286,9 @@ class LeanTransport(httpx.AsyncBaseTransport):
         body = [part async for part in request.stream]  # type: ignore[union-attr]
         if chunked:
             body = [b"%x\r\n%s\r\n" % (len(p), p) for p in body if p] + [b"0\r\n\r\n"]
-        return await self.exchange(key, b"".join(head + body), timeouts)
+        return (await self.exchange(key, b"".join(head + body), timeouts)).full()
 
-    async def exchange(self, key: _Key, payload: bytes, timeouts: dict[str, float | None]) -> httpx.Response:
+    async def exchange(self, key: _Key, payload: bytes, timeouts: dict[str, float | None]) -> LeanResponse:
         """Write one whole request (head and framed body) to a pooled connection to `key` and
         return the response once its head arrived; the body streams from `response.stream`."""
         if self._slots.locked():
@@ -265,11 +315,8 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 conn.close()
             self._slots.release()
             raise
-        return httpx.Response(
-            conn.status,
-            headers=conn.headers,
-            stream=_ResponseBody(self, key, conn, timeouts.get("read")),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": conn.reason},
+        return LeanResponse(
+            conn.status, conn.headers, _ResponseBody(self, key, conn, timeouts.get("read")), conn.reason
         )
 
     def _checkout(self, key: _Key) -> _Connection | None:
@@ -374,31 +421,45 @@ class LeanClient(httpx.AsyncClient):
         self._routes[cache_key] = route
         return route
 
-    @asynccontextmanager
-    async def post_stream(
+    def post_stream(
         self, url: str, content: bytes, headers: dict[str, str], timeout: httpx.Timeout
-    ) -> AsyncIterator[httpx.Response]:
+    ) -> _LeanPost | AbstractAsyncContextManager[httpx.Response]:
         """POST `content` and stream the answer, like `stream("POST", url, content=..., ...)` and
         with the same bytes on the wire, without httpx's per-request client work (URL parsing,
-        header merging, request and response wrapping: about 0.1 ms of CPU per model call).
-        Proxied URLs take the ordinary path."""
+        header merging, request and response wrapping: about 0.1 ms of CPU per model call). The
+        answer is a `LeanResponse`; proxied URLs take the ordinary path (an `httpx.Response`)."""
         route = self._route(url, headers)
         if route is None:
-            async with self.stream("POST", url, content=content, headers=headers, timeout=timeout) as response:
-                yield response
-            return
+            return self.stream("POST", url, content=content, headers=headers, timeout=timeout)
         payload = b"%sContent-Length: %d\r\n%s%s" % (
             route.before,
             len(content),
             route.after,
             content,
         )
-        timeouts = {"connect": timeout.connect, "read": timeout.read, "pool": timeout.pool}
-        response = await route.transport.exchange(route.key, payload, timeouts)
-        try:
-            yield response
-        finally:
-            await response.aclose()
+        return _LeanPost(route, payload, {"connect": timeout.connect, "read": timeout.read, "pool": timeout.pool})
+
+
+class _LeanPost:
+    """`LeanClient.post_stream`'s context: the response once its head arrived; closed on exit."""
+
+    __slots__ = ("route", "payload", "timeouts", "response")
+
+    def __init__(self, route: _Route, payload: bytes, timeouts: dict[str, float | None]) -> None:
+        self.route = route
+        self.payload = payload
+        self.timeouts = timeouts
+        self.response: LeanResponse | None = None
+
+    async def __aenter__(self) -> LeanResponse:
+        self.response = await self.route.transport.exchange(self.route.key, self.payload, self.timeouts)
+        return self.response
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.response is not None:
+            await self.response.aclose()
 
 
 def lean_transport(max_connections: int = 1000) -> LeanTransport | None:

@@ -37,7 +37,7 @@ from appserver.providers.base import (
     Usage,
     error_from_status,
 )
-from appserver.providers.fasttransport import LeanClient
+from appserver.providers.fasttransport import LeanClient, as_httpx, raw_headers
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
@@ -385,12 +385,12 @@ class _ToolsJSON:
         return text
 
 
-def _content_headers(resp: httpx.Response) -> tuple[bytes, bytes]:
-    """(content-type, content-encoding) of a response, lower-cased, in one pass over its headers
-    (repeated fields joined as httpx joins them)."""
+def _content_headers(raw: list[tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
+    """(content-type, content-encoding) of a response's raw header fields, lower-cased, in one
+    pass (repeated fields joined as httpx joins them)."""
     ctype: list[bytes] = []
     encoding: list[bytes] = []
-    for name, value in resp.headers.raw:
+    for name, value in raw:
         lname = name.lower()
         if lname == b"content-type":
             ctype.append(value.lower())
@@ -413,6 +413,7 @@ class OpenAICompatProvider:
         self._http = http
         self._owns_http = http is None
         self._tools_json = _ToolsJSON()
+        self._timeout = request_timeout(cfg)
 
     @property
     def url(self) -> str:
@@ -486,26 +487,27 @@ class OpenAICompatProvider:
         content = self.encode_body(request)
         client = self._client()
         headers = self.build_headers()
-        timeout = request_timeout(self.cfg)
+        timeout = self._timeout
         try:
             if isinstance(client, LeanClient):
                 opened = client.post_stream(self.url, content, headers, timeout)
             else:
                 opened = client.stream("POST", self.url, content=content, headers=headers, timeout=timeout)
-            async with opened as resp:
-                if resp.status_code >= 400:
-                    raise await read_error_response(resp)
-                ctype, encoding = _content_headers(resp)
+            async with opened as answer:
+                if answer.status_code >= 400:
+                    raise await read_error_response(as_httpx(answer))
+                ctype, encoding = _content_headers(raw_headers(answer))
                 if b"json" in ctype and b"event-stream" not in ctype:
                     # The server ignored `stream: true` and answered one completion object.
-                    raw = await resp.aread()
+                    raw = await as_httpx(answer).aread()
                     for chunk in self._whole_completion(raw):
                         yield chunk
                     return
                 parser = OpenAIStreamParser()
                 dec = SSEDecoder()
                 # Undecoded bytes need no decoder layers (the body arrives as the transport read it).
-                parts = resp.aiter_bytes() if encoding not in (b"", b"identity") else resp.stream
+                identity = encoding in (b"", b"identity")
+                parts = answer.stream if identity else as_httpx(answer).aiter_bytes()
                 async for part in parts:  # type: ignore[union-attr]
                     events = dec.feed(part)
                     if len(events) == 1:

@@ -8,12 +8,12 @@ lines, so no split position can change the result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from appserver.values import value
 
 _BOM = b"\xef\xbb\xbf"
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class SSEEvent:
     """One dispatched event (WHATWG semantics: data lines joined with LF)."""
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, TurnLifecycle
@@ -20,11 +19,12 @@ from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
 from appserver.store.base import Store
 from appserver.store.records import TurnRecord
+from appserver.values import value
 
 log = logging.getLogger("appserver.runtime")
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Seat:
     """The conversation runtime a turn ends in: its history in memory, its lifecycle (released
     or paused under the turn's lease) and its pending answers (a pause waits there)."""
@@ -34,7 +34,7 @@ class Seat:
     answers: PendingAnswers
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Finished:
     """How a turn ended: `end` is what was published (a store failure when the commit failed,
     and then `commit_error` is why)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.values import value
 
 
 @dataclass(slots=True)
@@ -20,7 +21,7 @@ class TurnHandle:
         return await self.controller.wait_settled(timeout, after_revision=after_revision)
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class Decision:
     """An answer to a pending call: approve/deny (approvals) or a result (client tools)."""
 

@@ -5,15 +5,15 @@ and the messages a turn that stopped early keeps. Pure functions; `finish_turn`
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 from appserver.agent.loop import LoopOutcome, TurnWork
 from appserver.runtime.types import StopReason
 from appserver.store.records import MessageRecord, TurnCommit, TurnStatus
+from appserver.values import value
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class TurnEnd:
     """A turn's tagged result. `commit` is what the store must write first; None when nothing may
     be written (the turn was never accepted, or its commit failed)."""

@@ -29,9 +29,10 @@ from appserver.agent.events import (
 from appserver.runtime.latest import Latest, Quiet
 from appserver.runtime.types import TERMINAL_STATUSES, Phase, SnapshotStatus, StopReason, TerminalStatus
 from appserver.store.records import MessageRecord, PendingCall
+from appserver.values import value
 
 
-@dataclass(slots=True, frozen=True)
+@value
 class TurnSnapshot:
     turn_id: str
     conversation_id: str

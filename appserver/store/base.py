@@ -6,7 +6,7 @@ No SQLite-only semantics leak through: callers see records, not rows or connecti
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from appserver.readiness import CheckResult, Readiness
@@ -82,6 +82,12 @@ class Store(ABC):
     async def find_agents(self, ref: str) -> list[AgentRecord]: ...
     @abstractmethod
     async def list_agents(self) -> list[AgentRecord]: ...
+
+    async def agents_to_read(self) -> Sequence[AgentRecord]:
+        """Every agent, in `list_agents` order, for a caller that only reads them: a store with a
+        cache hands out its own records rather than a copy of each (a request resolving its model
+        copied every agent)."""
+        return await self.list_agents()
 
     # conversations
     @abstractmethod

@@ -11,7 +11,7 @@ import logging
 import shutil
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
@@ -264,6 +264,9 @@ class SQLiteStore(Store):
 
     async def list_agents(self) -> list[AgentRecord]:
         return [copy_agent(a) for a in self._agents().values()]
+
+    async def agents_to_read(self) -> Sequence[AgentRecord]:
+        return tuple(self._agents().values())
 
     # ------------------------------------------------------------ conversations
 

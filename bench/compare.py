@@ -47,6 +47,9 @@ BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "
 STREAM_AGENT = "mstream"  # the server's agent on the upstream's slow (gapped) streaming path
 WORDS = ["Hello", " from", " the", " fake", " upstream", "."]
 LITELLM_HINT = "not installed (pip install 'litellm[proxy]')"
+# The commit issue 20 measured (638 req/s at c=64): `--baseline` serves it beside the current code,
+# so "4x today" is a ratio measured in one run instead of against a number from another day's host.
+ISSUE_REV = "a00da74"
 PCTS: list[float] = [float(p) for p in range(1, 100)] + [99.9, 99.99]
 
 # The issue's targets (issue 20), printed beside the measured values.
@@ -894,6 +897,48 @@ def measure_target(b: Bench, name: str, port: int, path: str, body: dict[str, An
     return {"c1": c1, "c64": c64}
 
 
+def measure_baseline(b: Bench, rev: str) -> dict[str, Any]:
+    """The server of git revision `rev` (exported with `git archive`, run from its own tree with the
+    same interpreter, packages, upstream and agent) under the same load as the current code."""
+    tree = b.work / f"baseline-{rev}"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    home = b.work / "baseline-home"
+    env = {**b.server_env(home), "PYTHONPATH": str(tree)}
+    env.pop("PYTHONSAFEPATH", None)
+    made = subprocess.run(
+        [sys.executable, "-m", "appserver", "agents", "create", "--name", "m", "--model", "fake:m"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if made.returncode != 0:
+        raise RuntimeError(f"baseline {rev}: could not create the agent: {made.stderr}")
+    port = free_port()
+    with b.cpus.for_target():
+        proc = track(
+            subprocess.Popen(
+                [sys.executable, "-m", "appserver", "serve", "--listen", f"127.0.0.1:{port}"],
+                cwd=tree,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    try:
+        wait_port(port, proc, timeout=60)
+        time.sleep(0.5)
+        idle = rss_mb(proc.pid)
+        runs: dict[str, Any] = measure_target(b, f"@{rev}", port, "/v1/chat/completions", BODY)
+        runs.update(rss_idle_mb=idle, rss_after_mb=rss_mb(proc.pid))
+        return runs
+    finally:
+        end(proc)
+
+
 def part_http(b: Bench) -> None:
     print("\n== HTTP: non-stream chat completion, same body to every target ==", flush=True)
     print(
@@ -930,6 +975,20 @@ def part_http(b: Bench) -> None:
     )
     res["appserver"] = {k: v.to_json() for k, v in served.items()}
     res["appserver"].update(rss_idle_mb=b.server_rss_idle, rss_after_mb=after)
+    if b.args.baseline:
+        base = measure_baseline(b, b.args.baseline)
+        rows.append(
+            Row(
+                f"appserver at {b.args.baseline} (the same, older code)",
+                base["c1"].p(50),
+                base["c1"].p(99),
+                base["c64"].rps,
+                base["rss_idle_mb"],  # type: ignore[arg-type]
+                base["rss_after_mb"],  # type: ignore[arg-type]
+            )
+        )
+        res["baseline"] = {k: v.to_json() for k, v in base.items() if isinstance(v, LoadRun)}
+        res["baseline"].update(rev=b.args.baseline, rss_idle_mb=base["rss_idle_mb"], rss_after_mb=base["rss_after_mb"])
 
     exe = find_litellm(b.args.litellm)
     if exe is None or b.args.no_litellm:
@@ -1254,7 +1313,7 @@ def summary(b: Bench) -> None:
         http = r["http"]
         errs = {
             name: {k: v["errors"] for k, v in http[name].items() if isinstance(v, dict) and v.get("errors")}
-            for name in ("upstream", "appserver", "litellm")
+            for name in ("upstream", "appserver", "baseline", "litellm")
             if http.get(name)
         }
         errs = {k: v for k, v in errs.items() if v}
@@ -1265,6 +1324,16 @@ def summary(b: Bench) -> None:
     if "http" in r:
         up, sv = r["http"]["upstream"], r["http"]["appserver"]
         lines.append(target_line("c=64 req/s through the server", sv["c64"]["rps"], "req/s", TARGETS["c64_rps"], True))
+        base = r["http"].get("baseline")
+        if base:  # the issue's "≥ 4x today": the code it measured, served in this same run
+            rel = sv["c64"]["rps"] / base["c64"]["rps"]
+            lines.append(target_line(f"  c=64 against the code at {base['rev']}", rel, "×", 4.0, True))
+        lines.append(
+            target_line("  c=64 as a share of the upstream direct", sv["c64"]["rps"] / up["c64"]["rps"], "", 0.2, True)
+        )
+        ll = r["http"].get("litellm")
+        if ll:
+            lines.append(target_line("  c=64 against LiteLLM", sv["c64"]["rps"] / ll["c64"]["rps"], "×", 30.0, True))
         added = sv["c1"]["pct_ms"]["50"] - up["c1"]["pct_ms"]["50"]
         lines.append(target_line("c=1 added median", added, "ms", TARGETS["c1_added_p50_ms"]))
         lines.append(target_line("c=1 p99 through the server", sv["c1"]["pct_ms"]["99"], "ms", TARGETS["c1_p99_ms"]))
@@ -1322,7 +1391,12 @@ def plot(b: Bench, out: Path) -> None:
     except ImportError:
         print("(no plot: matplotlib is not installed; pip install -e '.[bench]')")
         return
-    names = [("upstream", "upstream directly"), ("appserver", "appserver"), ("litellm", "LiteLLM proxy")]
+    names = [
+        ("upstream", "upstream directly"),
+        ("appserver", "appserver"),
+        ("baseline", f"appserver at {http['baseline']['rev']}" if http.get("baseline") else ""),
+        ("litellm", "LiteLLM proxy"),
+    ]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     bars: list[tuple[str, float]] = []
     for key, label in names:
@@ -1341,7 +1415,7 @@ def plot(b: Bench, out: Path) -> None:
     left.legend()
     labels = [x[0] for x in bars]
     values = [x[1] for x in bars]
-    right.bar(labels, values, color=["#4c72b0", "#dd8452", "#55a868"][: len(bars)])
+    right.bar(labels, values, color=["#4c72b0", "#dd8452", "#8172b3", "#55a868"][: len(bars)])
     for i, v in enumerate(values):
         right.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
     right.axhline(TARGETS["c64_rps"], color="grey", linestyle="--", linewidth=1)
@@ -1364,6 +1438,11 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=None, help="seconds per load run (default 10; quick 2)")
     ap.add_argument("--litellm", help="the litellm executable (else $LITELLM_BIN, else `litellm` on PATH)")
     ap.add_argument("--no-litellm", action="store_true", help="skip LiteLLM even when installed")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help=f"also serve this git revision of the project beside the current code (issue 20's own: {ISSUE_REV})",
+    )
     ap.add_argument("--builtin-client", action="store_true", help="the asyncio load generator even if wrk is here")
     ap.add_argument("--no-pin", action="store_true", help="no CPU pinning")
     ap.add_argument("--streams", type=int, default=None, help="concurrent SSE streams (default 1000; quick 100)")

@@ -125,6 +125,33 @@ async def test_a_failed_group_commit_reports_every_turn_failed(store: SQLiteStor
     assert [m.text() for m in await store.list_messages("conv_1")] == ["again", "echo: again"]
 
 
+async def test_a_failed_write_nobody_waits_for_is_logged_and_the_rest_commits(
+    store: SQLiteStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deferred write (a new conversation's row, a history point) that fails is logged when its
+    group commits; the other writes of the group still commit, and no future is left unretrieved."""
+    (a,) = await _conversation_with_turns(store, 1)
+
+    def broken(tx: sqlite3.Connection) -> None:
+        tx.execute("INSERT INTO no_such_table VALUES (1)")
+
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
+    caplog.set_level("ERROR", logger="appserver.store")
+    deferred = store._writes.submit(broken, defer=True)
+    await store.commit_turn("conv_1", _commit(a.id, "kept"))
+    assert deferred.done() and deferred.result() is None  # nobody waits: the failure is in the log
+    assert [m.text() for m in await store.list_messages("conv_1")] == ["kept", "echo: kept"]
+    assert any("a queued write failed" in r.getMessage() and "no_such_table" in r.getMessage() for r in caplog.records)
+    del deferred
+    import gc
+
+    gc.collect()
+    assert unretrieved == []
+    assert not store._writes._unwatched
+
+
 async def test_agent_cache_sees_other_writers_and_hands_out_copies(store: SQLiteStore) -> None:
     await store.create_agent(AgentRecord(id="agt_1", name="a", params={"stop": ["x"]}))
     first = await store.get_agent("agt_1")

@@ -18,11 +18,6 @@ log = logging.getLogger("appserver.store")
 Job = Callable[[sqlite3.Connection], None]
 
 
-def _log_deferred_failure(fut: asyncio.Future[None]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("a queued write failed: %s", fut.exception())
-
-
 class GroupCommit:
     """The writer's queue: grouped jobs, and plain transactions that commit queued jobs first so
     that writes land in the order they were made.
@@ -35,6 +30,7 @@ class GroupCommit:
         self._connection = connection
         self._committed = committed
         self._group: list[tuple[Job, asyncio.Future[None]]] = []
+        self._unwatched: set[asyncio.Future[None]] = set()  # deferred: a failure is logged, not raised
         self._handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -67,7 +63,8 @@ class GroupCommit:
         """Queue `job` for the next group transaction; the future settles once it is committed.
 
         `defer`: nobody waits for it, so let the next write join it rather than commit it alone
-        (it still commits by the second loop pass; a failure is logged). Two passes, not one: a
+        (it still commits by the second loop pass; a failure is logged when the group commits, not
+        by a done callback, which would cost a loop callback per write). Two passes, not one: a
         turn that starts in this pass may run up to its model call and overlap the accept that
         joins this write with that call (ConversationRuntime.enqueue `overlap`).
         """
@@ -78,7 +75,7 @@ class GroupCommit:
         self._group.append((job, fut))
         self._loop = loop
         if defer:
-            fut.add_done_callback(_log_deferred_failure)
+            self._unwatched.add(fut)
             if self._handle is None:
                 self._handle = loop.call_soon(self._flush_next_pass)
             return fut
@@ -110,6 +107,8 @@ class GroupCommit:
             self._handle.cancel()
             self._handle = None
         jobs = [(job, fut) for job, fut in self._group if not fut.cancelled()]
+        if len(jobs) < len(self._group):
+            self._unwatched.difference_update(fut for _, fut in self._group if fut.cancelled())
         self._group = []
         if not jobs:
             return
@@ -130,7 +129,14 @@ class GroupCommit:
                 raise
         except Exception as exc:
             errors = [exc] * len(jobs)
+        unwatched = self._unwatched
         for (_, fut), err in zip(jobs, errors, strict=True):
+            if unwatched and fut in unwatched:
+                unwatched.discard(fut)
+                if err is not None:
+                    log.error("a queued write failed: %s", err)
+                fut.set_result(None)  # nobody waits for it: the failure is logged above
+                continue
             if fut.cancelled() or fut.get_loop().is_closed():
                 continue
             if err is None:

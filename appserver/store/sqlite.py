@@ -702,8 +702,10 @@ class SQLiteStore(Store):
             return tx.execute("DELETE FROM http_idempotency WHERE created_at < ?", (older_than,)).rowcount
 
     async def add_history_point(self, point: HistoryPoint) -> None:
-        """In the next group transaction (one per request in a transaction of its own was a fifth
-        of the server's time at concurrency 64); `find_history_points` commits it first."""
+        """Queued for the next group transaction (one per request in a transaction of its own was a
+        fifth of the server's time at concurrency 64), and not waited for: a point only serves a
+        later request, `find_history_points` commits queued writes first, and a point lost to a
+        crash only means that request starts a new conversation."""
         row = (
             point.agent_id,
             point.prefix_hash,
@@ -719,7 +721,7 @@ class SQLiteStore(Store):
                 row,
             )
 
-        await self._writes.submit(write)
+        self._writes.submit(write, defer=True)
 
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
         self._writes.settle()  # a point still queued is found too

@@ -13,6 +13,7 @@ from appserver.runtime import Kernel, new_id
 from appserver.store.records import POLICIES, AgentRecord
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+AGENT_ID_PREFIX = "agt_"  # new_id("agt")
 TOOL_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
@@ -28,6 +29,11 @@ def validate_name(name: str) -> str:
     if not NAME_RE.match(name or ""):
         raise InvalidInput(
             f"invalid agent name {name!r}: letters, digits, '_', '-', '.', at most 64 characters", param="name"
+        )
+    if name.startswith(AGENT_ID_PREFIX):
+        # A token or JWT limited to an agent id would also admit an agent named like that id.
+        raise InvalidInput(
+            f"invalid agent name {name!r}: names starting with {AGENT_ID_PREFIX!r} are kept for agent ids", param="name"
         )
     return name
 

@@ -136,3 +136,36 @@ def test_replies_keep_flowing_on_a_kept_alive_connection(tmp_path: Path) -> None
         for i, (head, body) in enumerate(got):
             assert head.startswith(b"HTTP/1.1 200"), head
             assert f"n{i}" in json.loads(body)["choices"][0]["message"]["content"]
+
+
+def test_a_reply_sent_before_a_websocket_upgrade_stays_before_the_101(tmp_path: Path) -> None:
+    """A request and a WebSocket upgrade in one write: the request's reply (held for the end of its
+    loop pass) still reaches the client before the 101 and the first frame."""
+    import base64
+    import os
+    import re
+
+    home = tmp_path / "home"
+    with serving(home) as srv:
+        host, port = srv.url.split("//")[1].split("/")[0].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            key = base64.b64encode(os.urandom(16))
+            s.sendall(
+                f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+                + f"GET /ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n".encode()
+                + b"Sec-WebSocket-Key: "
+                + key
+                + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
+            got = b""
+            while b"101 Switching Protocols" not in got or not got.split(b"101 Switching Protocols", 1)[1].count(
+                b"\r\n\r\n"
+            ):
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+    statuses = re.findall(rb"HTTP/1.1 (\d+)", got)
+    assert statuses[:2] == [b"200", b"101"], got[:300]
+    first = got.index(b"HTTP/1.1 200")
+    body_end = got.index(b"HTTP/1.1 101")
+    assert b"\r\n\r\n" in got[first:body_end]  # the whole 200 reply came before the 101

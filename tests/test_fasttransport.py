@@ -234,3 +234,53 @@ async def test_provider_reads_each_kind_of_answer_through_the_lean_response() ->
             assert b"".join([p async for p in r.stream]) == b"raw"
         await provider.aclose()
     assert raw.connections == 1
+
+
+@pytest.mark.parametrize("stray", [b"HTTP/1.1 200 OK\r\ncontent-le", b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nx"])
+@pytest.mark.parametrize("same_read", [False, True])
+async def test_a_connection_that_got_bytes_nobody_asked_for_is_not_reused(stray: bytes, same_read: bool) -> None:
+    """An upstream that writes after its answer (late, or in the same packet): a partial stray would
+    make the next request on that connection wait for its rest; a whole one would be read as the
+    next request's answer. Either way the connection is dropped and the next request gets a new one."""
+    connections = 0
+    second = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        n = connections
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                await reader.readexactly(length)
+                answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\nfrom %d" % (len(b"from %d" % n), n)
+                writer.write(answer + stray if same_read else answer)
+                await writer.drain()
+                if not same_read:
+                    await asyncio.sleep(0.05)
+                    writer.write(stray)
+                    await writer.drain()
+                second.set()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}/x"
+    try:
+        async with httpx.AsyncClient(transport=LeanTransport(), timeout=3) as client:
+            assert (await client.post(url, content=b"1")).text == "from 1"
+            await asyncio.wait_for(second.wait(), 3)
+            await asyncio.sleep(0.1)  # the stray bytes have arrived
+            t0 = asyncio.get_running_loop().time()
+            assert (await client.post(url, content=b"2")).text == "from 2"  # a new connection, at once
+            assert asyncio.get_running_loop().time() - t0 < 1.0
+    finally:
+        srv.close()
+    assert connections == 2

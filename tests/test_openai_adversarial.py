@@ -320,3 +320,34 @@ def test_an_upstream_that_numbers_its_calls_per_reply_keeps_working(
         assert ids[0] == "call_0" and ids[1] != "call_0"
     finally:
         fake.responder = fine
+
+
+# ---------------------------------------------------------------- a reply cut short upstream
+
+
+def test_a_reply_the_upstream_cut_short_is_an_error_not_a_finished_answer(
+    srv: tuple[ServeProcess, FakeOpenAI], client: openai.OpenAI, http: httpx.Client
+) -> None:
+    """Text, then the upstream's connection drops mid-body: chat completions must not present the
+    part as a whole answer (`finish_reason: stop`). Non-stream: the turn's error; stream: the text
+    that was shown, then an error event (the SDK raises), never a `stop` chunk."""
+    _, fake = srv
+    body = openai_sse([chunk(role="assistant", content="the first half "), chunk(content="and the rest")])
+    cut_at = body.index(b"and the rest")
+
+    fake.script(body, chunk_size=cut_at, drop_after=cut_at)
+    r = http.post("/v1/chat/completions", json={"model": "remote", "messages": [{"role": "user", "content": "q1"}]})
+    assert r.status_code >= 500, r.text
+    assert r.json()["error"]["code"] and "turn failed" in r.json()["error"]["message"]
+
+    fake.script(body, chunk_size=cut_at, drop_after=cut_at)
+    shown: list[str] = []
+    finishes: list[str | None] = []
+    with pytest.raises(openai.APIError):
+        for c in client.chat.completions.create(
+            model="remote", messages=[{"role": "user", "content": "q2"}], stream=True
+        ):
+            if c.choices:
+                shown.append(c.choices[0].delta.content or "")
+                finishes.append(c.choices[0].finish_reason)
+    assert "".join(shown) == "the first half " and "stop" not in finishes

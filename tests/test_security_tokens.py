@@ -23,6 +23,7 @@ from appserver.auth import (
 from appserver.cli.token import token_group
 from appserver.config import Config
 from appserver.fsutil import CorruptStateFile
+from tests.support.cli import run_cli
 
 
 def test_create_stores_only_a_hash(tmp_path: Path) -> None:
@@ -180,3 +181,20 @@ def test_cli(tmp_path: Path) -> None:
     assert r.exit_code != 0 and "no token" in r.output
     r = runner.invoke(token_group, ["create", "--scopes", "root"], env=env)
     assert r.exit_code != 0 and "unknown scope" in r.output
+
+
+def test_a_limit_to_an_agent_id_admits_that_agent_only(tmp_path: Path) -> None:
+    """An agent named like another agent's id (possible in a store from before names were checked)
+    does not pass a limit to that id; the CLI refuses such a name now."""
+    from appserver.auth.principal import Principal
+
+    p = Principal("t", "token", agents=frozenset({"agt_1", "helper"}))
+    assert p.allows_agent("agt_1") and p.allows_agent("agt_9", "helper")
+    assert not p.allows_agent("agt_2", "agt_1")  # named like the id the limit names
+    home = tmp_path / "home"
+    r = run_cli(home, "agents", "create", "--name", "agt_1", "--model", "echo")
+    assert r.code != 0 and "kept for agent ids" in r.err
+    ok = run_cli(home, "agents", "create", "--name", "fine", "--model", "echo")
+    assert ok.code == 0
+    r = run_cli(home, "agents", "update", "fine", "--name", "agt_x")
+    assert r.code != 0 and "kept for agent ids" in r.err

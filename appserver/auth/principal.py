@@ -37,7 +37,11 @@ class Principal:
     def allows_agent(self, agent_id: str, agent_name: str | None = None) -> bool:
         if self.agents is None:
             return True
-        return agent_id in self.agents or (agent_name is not None and agent_name in self.agents)
+        if agent_id in self.agents:
+            return True
+        # By name too, unless the name looks like an agent id (no longer allowed as a name, but a
+        # store may hold one from before): a limit to an id admits that agent only.
+        return agent_name is not None and agent_name in self.agents and not agent_name.startswith("agt_")
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes

@@ -637,8 +637,10 @@ class _Ctx:
             snap = await settle_or_cancel(request, self.run, self.settled)
             blocks = blocks_after(snap, self.run)
             text = render_text(blocks)
-            if snap.status == "failed" and (not text or (snap.error or {}).get("kind") == "store"):
-                raise failure(snap)  # a reply the store could not keep is no reply
+            if snap.status == "failed":
+                # Cut short (the upstream broke off, the store could not keep it): a part of a
+                # reply is no reply, whatever text came before. What was shown stays in the history.
+                raise failure(snap)
             if snap.stop_reason == "max_steps":
                 text = f"{text}\n\n{self.steps_note}" if text else self.steps_note
             calls = tool_calls_of(snap) if snap.status == "awaiting" else []
@@ -767,7 +769,7 @@ class _Ctx:
                     if snap.status == "awaiting" and approval_pending(snap):
                         continue  # waiting for an approval from a WebSocket client, with keepalives
                 assert last is not None
-                if last.status == "failed" and not any_text:
+                if last.status == "failed":  # after text too: the stream ends in an error, not `stop`
                     err = failure(last)
                     yield dumps(error_body(err.status, err.message, code=err.code))
                     yield "[DONE]"

@@ -41,6 +41,10 @@ def _expire(waiter: asyncio.Future[object]) -> None:
         waiter.set_result(_EXPIRED)
 
 
+class _StrayAnswer(Exception):
+    """Raised in a parser callback to stop reading an answer nobody asked for."""
+
+
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: parser callbacks fill the state a request awaits."""
 
@@ -51,6 +55,7 @@ class _Connection(asyncio.Protocol):
         self.lost = False
         self.error: Exception | None = None
         self.idle_since = 0.0
+        self.idle = False  # in the pool between requests: any byte arriving now is not ours
         self.reset()
 
     def reset(self) -> None:
@@ -71,12 +76,18 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.idle:
+            # Bytes nobody asked for (a stray or late reply): the next request on this
+            # connection would read them as its answer, or wait for the rest of them.
+            self.close()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # pragma: no cover - we never ask for an upgrade
             self.error = httpx.RemoteProtocolError("unexpected protocol upgrade")
         except httptools.HttpParserError as exc:
-            self.error = httpx.RemoteProtocolError(f"malformed HTTP response: {exc}")
+            if self.error is None:  # else a callback stopped the parse and said why
+                self.error = httpx.RemoteProtocolError(f"malformed HTTP response: {exc}")
         if self.error is not None and self.transport is not None:
             self.transport.close()
         self._wake()
@@ -100,6 +111,11 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     # -------------------------------------------------------- httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: stop reading, drop the connection
+            self.error = httpx.RemoteProtocolError("the upstream sent data after its answer")
+            raise _StrayAnswer
 
     def on_status(self, status: bytes) -> None:
         self.reason = status
@@ -182,10 +198,10 @@ class _ResponseBody(httpx.AsyncByteStream):
             if conn.chunks:
                 yield conn.take()
                 continue
+            if conn.complete:  # whole: an error after it (bytes after the answer) only ends reuse
+                return
             if conn.error is not None:
                 raise conn.error
-            if conn.complete:
-                return
             if conn.lost:
                 raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
             await conn.wait(self.read_timeout)
@@ -325,6 +341,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         while idle:
             conn = idle.pop()
             if not conn.lost and conn.error is None and now - conn.idle_since < self._expiry:
+                conn.idle = False
                 conn.reset()
                 return conn
             conn.close()
@@ -350,6 +367,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         idle = self._idle.setdefault(key, [])
         if conn.reusable and len(idle) < self._max_keepalive:
             conn.idle_since = time.monotonic()
+            conn.idle = True
             idle.append(conn)
         else:
             conn.close()

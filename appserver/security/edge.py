@@ -329,10 +329,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                 self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._on_body_timeout)
 
     def handle_websocket_upgrade(self) -> None:
+        # The WebSocket protocol writes through the same `PassWrites`: a reply to a request sent
+        # before the upgrade on this connection may still be held, and must go out before the 101.
         self._cancel_timers()
-        if isinstance(self.transport, PassWrites):  # the WebSocket protocol gets the socket itself
-            self.transport.flush()
-            self.transport = self.transport.raw
         super().handle_websocket_upgrade()
 
     def send_400_response(self, msg: str) -> None:

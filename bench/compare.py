@@ -1406,7 +1406,7 @@ def plot(b: Bench, out: Path) -> None:
         pct = {float(k): v for k, v in d["c1"]["pct_ms"].items()}
         xs = sorted(pct)
         left.plot(xs, [pct[x] for x in xs], label=label, marker=".", markersize=3)
-        bars.append((label, d["c64"]["rps"]))
+        bars.append((label.replace(" ", "\n", 1), d["c64"]["rps"]))
     left.set_yscale("log")
     left.set_xlabel("percentile")
     left.set_ylabel("latency (ms, log)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -351,3 +352,50 @@ def test_a_reply_the_upstream_cut_short_is_an_error_not_a_finished_answer(
                 shown.append(c.choices[0].delta.content or "")
                 finishes.append(c.choices[0].finish_reason)
     assert "".join(shown) == "the first half " and "stop" not in finishes
+
+
+# ---------------------------------------------------------------- the agent deleted mid-request
+
+
+def test_an_agent_deleted_while_its_request_runs_is_a_404_not_a_500(
+    srv: tuple[ServeProcess, FakeOpenAI], http: httpx.Client
+) -> None:
+    """`appserver agents delete` while a request for that agent waits on its model: the request
+    ends as the model not existing (404 model_not_found), as the next one does, not as a server
+    error; the server keeps serving."""
+    import threading
+
+    sp, fake = srv
+    env = cli_env(sp.home)
+    made = run_cli(sp.home, "agents", "create", "--name", "doomed", "--model", "fake:m", "--json", env=env)
+    assert made.code == 0, made.err
+    fake.script(
+        openai_sse([chunk(role="assistant", content="too late"), chunk(finish_reason="stop")]), initial_delay_s=1.5
+    )
+    got: dict[str, httpx.Response] = {}
+
+    def ask() -> None:
+        got["r"] = http.post(
+            "/v1/chat/completions", json={"model": "doomed", "messages": [{"role": "user", "content": "q"}]}
+        )
+
+    t = threading.Thread(target=ask)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not any(
+        json.loads(r.body or b"{}").get("messages") == [{"role": "user", "content": "q"}] for r in fake.requests
+    ):
+        assert time.monotonic() < deadline, "the model call never came"
+        time.sleep(0.02)
+    assert run_cli(sp.home, "agents", "delete", "doomed", env=env).code == 0
+    t.join(20)
+    r = got["r"]
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    after = http.post("/v1/chat/completions", json={"model": "doomed", "messages": [{"role": "user", "content": "q"}]})
+    assert after.status_code == 404 and after.json()["error"]["code"] == "model_not_found"
+    assert (
+        http.post(
+            "/v1/chat/completions", json={"model": "remote", "messages": [{"role": "user", "content": "ok"}]}
+        ).status_code
+        == 200
+    )

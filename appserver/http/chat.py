@@ -33,6 +33,7 @@ from appserver.http.common import (
     settle_or_cancel,
     start_turn,
     stream_replay,
+    turn_error,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -47,7 +48,7 @@ from appserver.http.conversation_match import (
     split_new_input,
     user_content,
 )
-from appserver.http.errors import ApiError, bad_request, error_body, turn_failure
+from appserver.http.errors import ApiError, bad_request, error_body
 from appserver.http.sse import SSEResponse
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
@@ -468,10 +469,6 @@ def tool_calls_of(snap: TurnSnapshot) -> list[dict[str, Any]]:
     ]
 
 
-def failure(snap: TurnSnapshot) -> ApiError:
-    return turn_failure(snap.error)
-
-
 # ---------------------------------------------------------------- the route
 
 
@@ -640,7 +637,7 @@ class _Ctx:
             if snap.status == "failed":
                 # Cut short (the upstream broke off, the store could not keep it): a part of a
                 # reply is no reply, whatever text came before. What was shown stays in the history.
-                raise failure(snap)
+                raise await turn_error(self.server, self.agent.id, snap.error)
             if snap.stop_reason == "max_steps":
                 text = f"{text}\n\n{self.steps_note}" if text else self.steps_note
             calls = tool_calls_of(snap) if snap.status == "awaiting" else []
@@ -770,7 +767,7 @@ class _Ctx:
                         continue  # waiting for an approval from a WebSocket client, with keepalives
                 assert last is not None
                 if last.status == "failed":  # after text too: the stream ends in an error, not `stop`
-                    err = failure(last)
+                    err = await turn_error(self.server, self.agent.id, last.error)
                     yield dumps(error_body(err.status, err.message, code=err.code))
                     yield "[DONE]"
                     finished = True

@@ -19,7 +19,7 @@ from appserver import fastjson
 from appserver.auth import Principal, namespace_of
 from appserver.errors import KernelError
 from appserver.http.bodies import json_bodies
-from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id
+from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id, turn_failure
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
@@ -148,6 +148,16 @@ async def resolve_model(server: Server, principal: Principal, model: Any) -> tup
             param="model",
         )
     return agent, adv[agent.id]
+
+
+async def turn_error(server: Server, agent_id: str, error: dict[str, Any] | None) -> ApiError:
+    """The OpenAI error for a failed turn. A turn whose rows could not be saved because its agent
+    was deleted while it ran ends as that model not existing, as the next request for it does."""
+    if (error or {}).get("kind") == "store" and await server.store.get_agent(agent_id) is None:
+        return ApiError(
+            404, "The model's agent was deleted while this request ran.", code="model_not_found", param="model"
+        )
+    return turn_failure(error)
 
 
 def model_object(agent: AgentRecord, model_id: str) -> dict[str, Any]:

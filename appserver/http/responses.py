@@ -44,6 +44,7 @@ from appserver.http.common import (
     settle_or_cancel,
     start_turn,
     stream_replay,
+    turn_error,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -917,7 +918,7 @@ class _Run:
             ):
                 # As on chat: an HTTP error the SDK raises (and retries when it may), not a 200 with
                 # status "failed". Streams keep ending with `response.failed`.
-                raise turn_failure(snap.error)
+                raise await turn_error(self.server, self.shape.agent.id, snap.error)
             body = await self.finalize(snap)
         except BaseException:
             if self.idem is not None:

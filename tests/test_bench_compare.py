@@ -197,3 +197,17 @@ def test_summary_states_the_issue_ratios_when_measured(
     )
     assert "0.150" in lines["c=64 as a share of the upstream direct"]
     assert "20.00 ×" in lines["c=64 against LiteLLM"] and "misses" in lines["c=64 against LiteLLM"]
+
+
+def test_ab_reads_cpu_times_and_finds_source_trees(tmp_path: Path) -> None:
+    """bench/ab.py's pure parts: CPU times from /proc, `.` and directories as they are."""
+    import os
+
+    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "bench" / "ab.py")
+    assert spec is not None and spec.loader is not None
+    ab = importlib.util.module_from_spec(spec)
+    sys.modules["bench_ab"] = ab
+    spec.loader.exec_module(ab)
+    user, system = ab.cpu_times(os.getpid())
+    assert user > 0 and system >= 0
+    assert ab.source_tree(".", tmp_path) == ROOT and ab.source_tree(str(tmp_path), tmp_path) == tmp_path.resolve()

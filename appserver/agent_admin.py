@@ -8,12 +8,12 @@ from typing import Any
 
 from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
+from appserver.ids import AGENT_ID_PREFIX
 from appserver.providers.registry import ModelStringError, parse_model
 from appserver.runtime import Kernel, new_id
 from appserver.store.records import POLICIES, AgentRecord
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-AGENT_ID_PREFIX = "agt_"  # new_id("agt")
 TOOL_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import secrets
 import time
 
+AGENT_ID_PREFIX = "agt_"  # new_id("agt"): no agent name may start so (a name must not pass for an id)
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{time.time_ns() // 1_000_000:011x}{secrets.token_hex(6)}"

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from compare import BODY, end, free_port, parse_wrk, track, wait_port, wrk_lua  # noqa: E402
+from compare import BODY, end, export_rev, free_port, parse_wrk, serve_tree, track, wait_port, wrk_lua  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -61,11 +61,7 @@ def source_tree(ref: str, work: Path) -> Path:
     if ref == "." or Path(ref).is_dir():
         return (ROOT if ref == "." else Path(ref)).resolve()
     tree = work / f"rev-{ref.replace('/', '_')}"
-    if not tree.exists():
-        tree.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    return tree
+    return tree if tree.exists() else export_rev(ref, tree)
 
 
 def pinned(cpu: int, cmd: list[str]) -> list[str]:
@@ -85,22 +81,7 @@ def start(t: Target, upstream: str, work: Path, index: int) -> None:
         "APPSERVER_LIMITS__CONNECTIONS_PER_CLIENT": "2000",
         **t.env,
     }
-    made = subprocess.run(
-        [sys.executable, "-m", "appserver", "agents", "create", "--name", "m", "--model", "fake:m"],
-        cwd=t.tree,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if made.returncode != 0:
-        raise SystemExit(f"{t.spec}: could not create the agent: {made.stderr.strip()}")
-    t.port = free_port()
-    cmd = [sys.executable, "-m", "appserver", "serve", "--listen", f"127.0.0.1:{t.port}"]
-    t.proc = track(
-        subprocess.Popen(pinned(0, cmd), cwd=t.tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    )
-    wait_port(t.port, t.proc, timeout=60)
+    t.proc, t.port = serve_tree(t.tree, env, t.spec, tuple(pinned(0, [])))
 
 
 def load(wrk: str, script: Path, port: int, c: int, secs: int) -> tuple[int, float]:

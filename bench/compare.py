@@ -897,16 +897,19 @@ def measure_target(b: Bench, name: str, port: int, path: str, body: dict[str, An
     return {"c1": c1, "c64": c64}
 
 
-def measure_baseline(b: Bench, rev: str) -> dict[str, Any]:
-    """The server of git revision `rev` (exported with `git archive`, run from its own tree with the
-    same interpreter, packages, upstream and agent) under the same load as the current code."""
-    tree = b.work / f"baseline-{rev}"
+def export_rev(rev: str, tree: Path) -> Path:
+    """Git revision `rev` of this repository as files in `tree` (made here), by `git archive`."""
     tree.mkdir()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    home = b.work / "baseline-home"
-    env = {**b.server_env(home), "PYTHONPATH": str(tree)}
-    env.pop("PYTHONSAFEPATH", None)
+    return tree
+
+
+def serve_tree(
+    tree: Path, env: dict[str, str], label: str, prefix: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`appserver serve` run from the source tree `tree` (PYTHONPATH in `env` names it), with agent
+    `m` on provider `fake` created first; `prefix` goes before the command (e.g. taskset)."""
     made = subprocess.run(
         [sys.executable, "-m", "appserver", "agents", "create", "--name", "m", "--model", "fake:m"],
         cwd=tree,
@@ -916,20 +919,24 @@ def measure_baseline(b: Bench, rev: str) -> dict[str, Any]:
         timeout=120,
     )
     if made.returncode != 0:
-        raise RuntimeError(f"baseline {rev}: could not create the agent: {made.stderr}")
+        raise RuntimeError(f"{label}: could not create the agent: {made.stderr.strip()}")
     port = free_port()
+    cmd = [*prefix, sys.executable, "-m", "appserver", "serve", "--listen", f"127.0.0.1:{port}"]
+    proc = track(subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    wait_port(port, proc, timeout=60)
+    return proc, port
+
+
+def measure_baseline(b: Bench, rev: str) -> dict[str, Any]:
+    """The server of git revision `rev` (exported with `git archive`, run from its own tree with the
+    same interpreter, packages, upstream and agent) under the same load as the current code."""
+    tree = export_rev(rev, b.work / f"baseline-{rev}")
+    home = b.work / "baseline-home"
+    env = {**b.server_env(home), "PYTHONPATH": str(tree)}
+    env.pop("PYTHONSAFEPATH", None)
     with b.cpus.for_target():
-        proc = track(
-            subprocess.Popen(
-                [sys.executable, "-m", "appserver", "serve", "--listen", f"127.0.0.1:{port}"],
-                cwd=tree,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
+        proc, port = serve_tree(tree, env, f"baseline {rev}")
     try:
-        wait_port(port, proc, timeout=60)
         time.sleep(0.5)
         idle = rss_mb(proc.pid)
         runs: dict[str, Any] = measure_target(b, f"@{rev}", port, "/v1/chat/completions", BODY)

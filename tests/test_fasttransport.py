@@ -14,6 +14,7 @@ import pytest
 
 from appserver.providers.fasttransport import LeanTransport
 from tests.support.certs import self_signed
+from tests.support.net import read_request
 
 Reply = Callable[[bytes], list[bytes]]  # request body → what to write back, piece by piece
 
@@ -31,12 +32,7 @@ class RawServer:
         self.connections += 1
         try:
             while self.replies:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                body = await reader.readexactly(length)
+                _, body = await read_request(reader)
                 self.bodies.append(body)
                 for piece in self.replies.pop(0)(body):
                     writer.write(piece)
@@ -251,13 +247,7 @@ async def test_a_connection_that_got_bytes_nobody_asked_for_is_not_reused(stray:
         n = connections
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-                await reader.readexactly(length)
+                await read_request(reader)
                 answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\nfrom %d" % (len(b"from %d" % n), n)
                 writer.write(answer + stray if same_read else answer)
                 await writer.drain()

@@ -22,6 +22,7 @@ from appserver.server import Server
 from tests.fakes.openai_upstream import FakeOpenAI, Reply, chunk, cut, openai_sse
 from tests.support.cli import cli_env, run_cli
 from tests.support.kernel import open_server
+from tests.support.net import read_request
 from tests.support.serve import start_serve
 
 REFUSE_TURNS = "CREATE TRIGGER refuse_turns BEFORE INSERT ON turns BEGIN SELECT RAISE(ABORT, 'disk is full'); END"
@@ -184,13 +185,8 @@ async def test_post_stream_writes_what_httpx_writes_and_reuses_the_connection() 
         connections += 1
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                heads.append(head + await reader.readexactly(length))
+                head, body = await read_request(reader)
+                heads.append(head + body)
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 5\r\n\r\nhello")
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):

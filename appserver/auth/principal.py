@@ -6,6 +6,7 @@ import time
 from dataclasses import field
 from typing import Any
 
+from appserver.ids import AGENT_ID_PREFIX
 from appserver.values import value
 
 SCOPES: tuple[str, ...] = ("openai", "ws", "admin")
@@ -41,7 +42,7 @@ class Principal:
             return True
         # By name too, unless the name looks like an agent id (no longer allowed as a name, but a
         # store may hold one from before): a limit to an id admits that agent only.
-        return agent_name is not None and agent_name in self.agents and not agent_name.startswith("agt_")
+        return agent_name is not None and agent_name in self.agents and not agent_name.startswith(AGENT_ID_PREFIX)
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes

@@ -139,7 +139,7 @@ async def resolve_model(server: Server, principal: Principal, model: Any) -> tup
     agents = await server.store.agents_to_read()
     adv = advertised_ids(agents)
     found = [a for a in agents if a.id == model] or [a for a in agents if adv[a.id] == model]
-    agent = await server.store.get_agent(found[0].id) if len(found) == 1 else None  # a copy of its own
+    agent = found[0] if len(found) == 1 else None  # read only, as every route and turn uses it
     if agent is None or not principal.allows_agent(agent.id, agent.name):
         raise ApiError(
             404,

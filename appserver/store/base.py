@@ -84,9 +84,9 @@ class Store(ABC):
     async def list_agents(self) -> list[AgentRecord]: ...
 
     async def agents_to_read(self) -> Sequence[AgentRecord]:
-        """Every agent, in `list_agents` order, for a caller that only reads them: a store with a
-        cache hands out its own records rather than a copy of each (a request resolving its model
-        copied every agent)."""
+        """Every agent, in `list_agents` order, for a caller that only reads them and never
+        changes them: a store with a cache hands out its own records rather than a copy of each (a
+        request resolving its model copied every agent)."""
         return await self.list_agents()
 
     # conversations

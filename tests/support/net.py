@@ -3,6 +3,7 @@ the tests' HTTP calls share."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import httpx
@@ -28,3 +29,13 @@ def listening(port: int) -> bool:
         if s.connect_ex(("127.0.0.1", port)) != 0:
             return False
         return s.getsockname() != s.getpeername()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 request with a Content-Length body off a loopback fake's stream: (head, body)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length)

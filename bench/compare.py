@@ -946,6 +946,24 @@ def measure_baseline(b: Bench, rev: str) -> dict[str, Any]:
         end(proc)
 
 
+def measure_relay(b: Bench) -> dict[str, Any]:
+    """bench/bare_relay.py (uvicorn + the server's upstream client, nothing else) on the target
+    CPU, under the same load: the floor the server's own work stands on."""
+    port = free_port()
+    cmd = [sys.executable, str(ROOT / "bench" / "bare_relay.py"), "--port", str(port), "--upstream", f"{b.upstream}/v1"]
+    with b.cpus.for_target():
+        proc = track(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        wait_port(port, proc, timeout=60)
+        time.sleep(0.5)
+        idle = rss_mb(proc.pid)
+        runs: dict[str, Any] = measure_target(b, "relay", port, "/v1/chat/completions", BODY)
+        runs.update(rss_idle_mb=idle, rss_after_mb=rss_mb(proc.pid))
+        return runs
+    finally:
+        end(proc)
+
+
 def part_http(b: Bench) -> None:
     print("\n== HTTP: non-stream chat completion, same body to every target ==", flush=True)
     print(
@@ -963,6 +981,19 @@ def part_http(b: Bench) -> None:
         b.cpus.move(b.upstream_proc.pid, b.cpus.rest)
     rows.append(Row("upstream directly", direct["c1"].p(50), direct["c1"].p(99), direct["c64"].rps))
     res["upstream"] = {k: v.to_json() for k, v in direct.items()}
+
+    relay = measure_relay(b)
+    rows.append(
+        Row(
+            "bare relay (uvicorn + the server's upstream client; no kernel, no store)",
+            relay["c1"].p(50),
+            relay["c1"].p(99),
+            relay["c64"].rps,
+            relay["rss_idle_mb"],
+            relay["rss_after_mb"],
+        )
+    )
+    res["relay"] = {k: v.to_json() for k, v in relay.items() if isinstance(v, LoadRun)}
 
     sp = b.ensure_server()
     port = server_port(sp)
@@ -1313,14 +1344,15 @@ def summary(b: Bench) -> None:
     print("\n== Summary ==")
     rows: list[Row] | None = r.pop("_rows", None)
     if rows:
-        if rows[1].start_s is None and r.get("startup", {}).get("server_first_200_s") is not None:
-            rows[1].start_s = r["startup"]["server_first_200_s"]
-            r["table_rows"][1]["start_s"] = rows[1].start_s
+        mine = next((i for i, row in enumerate(rows) if row.name.startswith("appserver (")), None)
+        if mine is not None and rows[mine].start_s is None and r.get("startup", {}).get("server_first_200_s"):
+            rows[mine].start_s = r["startup"]["server_first_200_s"]
+            r["table_rows"][mine]["start_s"] = rows[mine].start_s
         print(table(rows, rows[0]))
         http = r["http"]
         errs = {
             name: {k: v["errors"] for k, v in http[name].items() if isinstance(v, dict) and v.get("errors")}
-            for name in ("upstream", "appserver", "baseline", "litellm")
+            for name in ("upstream", "relay", "appserver", "baseline", "litellm")
             if http.get(name)
         }
         errs = {k: v for k, v in errs.items() if v}
@@ -1338,6 +1370,10 @@ def summary(b: Bench) -> None:
         lines.append(
             target_line("  c=64 as a share of the upstream direct", sv["c64"]["rps"] / up["c64"]["rps"], "", 0.2, True)
         )
+        relay = r["http"].get("relay")
+        if relay:  # no target: how much of what a do-nothing relay serves on this host the server keeps
+            share = sv["c64"]["rps"] / relay["c64"]["rps"]
+            lines.append(f"    c=64 as a share of the bare relay (the floor; no target) {share:.3f}")
         ll = r["http"].get("litellm")
         if ll:
             lines.append(target_line("  c=64 against LiteLLM", sv["c64"]["rps"] / ll["c64"]["rps"], "×", 30.0, True))
@@ -1400,6 +1436,7 @@ def plot(b: Bench, out: Path) -> None:
         return
     names = [
         ("upstream", "upstream directly"),
+        ("relay", "bare relay"),
         ("appserver", "appserver"),
         ("baseline", f"appserver at {http['baseline']['rev']}" if http.get("baseline") else ""),
         ("litellm", "LiteLLM proxy"),
@@ -1422,7 +1459,7 @@ def plot(b: Bench, out: Path) -> None:
     left.legend()
     labels = [x[0] for x in bars]
     values = [x[1] for x in bars]
-    right.bar(labels, values, color=["#4c72b0", "#dd8452", "#8172b3", "#55a868"][: len(bars)])
+    right.bar(labels, values, color=["#4c72b0", "#937860", "#dd8452", "#8172b3", "#55a868"][: len(bars)])
     for i, v in enumerate(values):
         right.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
     right.axhline(TARGETS["c64_rps"], color="grey", linestyle="--", linewidth=1)

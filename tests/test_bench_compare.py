@@ -176,7 +176,8 @@ def test_summary_states_the_issue_ratios_when_measured(
     compare: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With `--baseline` (and LiteLLM) in the run, the summary states the issue's relative targets:
-    against the code it measured (≥ 4x), as a share of the upstream (≥ 0.2), against LiteLLM (≥ 30x)."""
+    against the code it measured (≥ 4x), as a share of the upstream (≥ 0.2), against LiteLLM (≥ 30x);
+    with the bare relay, the share of it the server keeps."""
     import argparse
 
     def run(rps: float, p50: float) -> dict[str, Any]:
@@ -185,6 +186,7 @@ def test_summary_states_the_issue_ratios_when_measured(
     b = compare.Bench(argparse.Namespace(), compare.Cpus(False), tmp_path)
     b.results["http"] = {
         "upstream": {"c1": run(8000, 0.1), "c64": run(10000, 5)},
+        "relay": {"c1": run(2000, 0.4), "c64": run(5000, 12)},
         "appserver": {"c1": run(400, 0.9), "c64": run(1500, 40), "rss_idle_mb": 45.0, "rss_after_mb": 50.0},
         "baseline": {"c1": run(200, 4), "c64": run(500, 120), "rev": "a00da74"},
         "litellm": {"c1": run(60, 15), "c64": run(75, 800)},
@@ -196,6 +198,7 @@ def test_summary_states_the_issue_ratios_when_measured(
         "3.00 ×" in lines["c=64 against the code at a00da74"] and "misses" in lines["c=64 against the code at a00da74"]
     )
     assert "0.150" in lines["c=64 as a share of the upstream direct"]
+    assert lines["c=64 as a share of the bare relay (the floor; no target) 0.300"]
     assert "20.00 ×" in lines["c=64 against LiteLLM"] and "misses" in lines["c=64 against LiteLLM"]
 
 

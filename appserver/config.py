@@ -80,6 +80,7 @@ class ProviderConfig:
     context_windows: dict[str, int] = field(default_factory=dict)  # model → tokens
     transport: str = "lean"  # lean (providers/fasttransport.py) | httpx (httpx's own transport)
     max_connections: int = 1000  # model calls in flight to this provider at once (more wait for a slot)
+    answer_max_bytes: int = 64 * 1024 * 1024  # one whole JSON answer or one SSE event, decoded
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) if self.api_key_env else None
@@ -244,6 +245,7 @@ RULES: dict[str, Rule] = {
     "providers.connect_timeout_s": _POSITIVE,
     "providers.max_attempts": Rule(ge=1, le=20),
     "providers.max_connections": _AT_LEAST_ONE,
+    "providers.answer_max_bytes": Rule(ge=1024),
     "providers.context_windows": _AT_LEAST_ONE,
 }
 

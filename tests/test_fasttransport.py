@@ -274,3 +274,101 @@ async def test_a_connection_that_got_bytes_nobody_asked_for_is_not_reused(stray:
     finally:
         srv.close()
     assert connections == 2
+
+
+def _bomb(size: int, *, wbits: int) -> bytes:
+    """`size` zero bytes compressed (about a thousandth of that on the wire)."""
+    import zlib
+
+    packer = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    piece = bytes(1024 * 1024)
+    return b"".join(packer.compress(piece) for _ in range(size // len(piece))) + packer.flush()
+
+
+async def _stream_all(url: str, **cfg: object) -> list[object]:
+    from appserver.config import ProviderConfig
+    from appserver.providers.base import ChatMessage, ProviderRequest
+    from appserver.providers.openai_compat import OpenAICompatProvider
+
+    provider = OpenAICompatProvider(
+        ProviderConfig("up", kind="openai", base_url=url + "/v1", api_key_env=None, max_attempts=1, **cfg)  # type: ignore[arg-type]
+    )
+    try:
+        return [c async for c in provider.stream(ProviderRequest(model="m", messages=[ChatMessage("user", "hi")]))]
+    finally:
+        await provider.aclose()
+
+
+@pytest.mark.parametrize("ctype", [b"application/json", b"text/event-stream"])
+async def test_a_compressed_bomb_fails_the_call_without_filling_memory(ctype: bytes) -> None:
+    """64 MB of zeros in 64 KB of gzip, as a JSON answer or an SSE line that never ends: the call
+    fails as a protocol error once the decoded answer passes `answer_max_bytes`, and the server
+    never held the bomb expanded (httpx's decoder expanded each network read whole)."""
+    import tracemalloc
+
+    from appserver.providers.base import ProviderError
+
+    bomb = _bomb(64 * 1024 * 1024, wbits=31)
+    raw = RawServer([framed(bomb, b"content-type: " + ctype, b"content-encoding: gzip")])
+    async with serving(raw) as url:
+        tracemalloc.start()
+        try:
+            with pytest.raises(ProviderError) as failed:
+                await _stream_all(url, answer_max_bytes=4 * 1024 * 1024)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert failed.value.kind == "protocol" and "larger than 4194304 bytes" in str(failed.value)
+    assert peak < 24 * 1024 * 1024, f"peak {peak} bytes while reading the bomb"
+
+
+async def test_an_sse_line_that_never_ends_fails_at_the_limit() -> None:
+    """An uncompressed stream whose `data:` line keeps growing is cut at `answer_max_bytes` (the
+    line so far counts; so do the data lines of an event that never gets its blank line)."""
+    from appserver.providers.base import ProviderError
+
+    endless = b"data: " + b"x" * (3 * 1024 * 1024)
+    many_lines = b"data: " + b"y" * 1000 + b"\n"
+    raw = RawServer(
+        [
+            framed(endless, b"content-type: text/event-stream"),
+            framed(many_lines * 3000, b"content-type: text/event-stream"),
+        ]
+    )
+    async with serving(raw) as url:
+        for _ in range(2):
+            with pytest.raises(ProviderError) as failed:
+                await _stream_all(url, answer_max_bytes=1024 * 1024)
+            assert failed.value.kind == "protocol" and "larger than 1048576 bytes" in str(failed.value)
+
+
+@pytest.mark.parametrize(("encoding", "wbits"), [(b"gzip", 31), (b"deflate", 15), (b"deflate", -15)])
+async def test_compressed_answers_decode_in_bounded_pieces(encoding: bytes, wbits: int) -> None:
+    """gzip, deflate with its zlib header and raw deflate (both are sent as `deflate`), as a stream
+    and as one JSON answer, decode to what was compressed."""
+    import json
+    import zlib
+
+    from appserver.providers.base import Done, Text
+
+    def pack(data: bytes) -> bytes:
+        packer = zlib.compressobj(6, zlib.DEFLATED, wbits)
+        return packer.compress(data) + packer.flush()
+
+    text = "word " * 500_000  # 2.5 MB: more than one decoded piece
+    event = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}]}
+    stream = b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(event).encode()
+    whole = json.dumps(
+        {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+    ).encode()
+    raw = RawServer(
+        [
+            framed(pack(stream), b"content-type: text/event-stream", b"content-encoding: " + encoding),
+            framed(pack(whole), b"content-type: application/json", b"content-encoding: " + encoding),
+        ]
+    )
+    async with serving(raw) as url:
+        for _ in range(2):
+            chunks = await _stream_all(url)
+            assert "".join(c.text for c in chunks if isinstance(c, Text)) == text
+            assert chunks[-1] == Done("stop")

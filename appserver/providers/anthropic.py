@@ -36,6 +36,7 @@ from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
     as_dict,
     as_str,
+    decoded_body,
     default_client,
     read_error_response,
     request_timeout,
@@ -502,8 +503,8 @@ class AnthropicProvider:
                 if resp.status_code >= 400:
                     raise await read_error_response(resp)
                 parser = AnthropicStreamParser(self.name)
-                dec = SSEDecoder()
-                async for part in resp.aiter_bytes():
+                dec = SSEDecoder(self.cfg.answer_max_bytes)
+                async for part in decoded_body(resp):
                     for ev in dec.feed(part):
                         for chunk in parser.feed_data(ev.data):
                             yield chunk

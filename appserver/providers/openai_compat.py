@@ -37,14 +37,16 @@ from appserver.providers.base import (
     Usage,
     error_from_status,
 )
-from appserver.providers.fasttransport import LeanClient, as_httpx, raw_headers
+from appserver.providers.fasttransport import LeanClient, raw_headers
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
     as_dict,
     as_str,
+    decoded_body,
     default_client,
     error_message_from_body,
+    read_answer,
     read_error_response,
     request_timeout,
     transport_error,
@@ -495,19 +497,18 @@ class OpenAICompatProvider:
                 opened = client.stream("POST", self.url, content=content, headers=headers, timeout=timeout)
             async with opened as answer:
                 if answer.status_code >= 400:
-                    raise await read_error_response(as_httpx(answer))
+                    raise await read_error_response(answer)
                 ctype, encoding = _content_headers(raw_headers(answer))
                 if b"json" in ctype and b"event-stream" not in ctype:
                     # The server ignored `stream: true` and answered one completion object.
-                    raw = await as_httpx(answer).aread()
-                    for chunk in self._whole_completion(raw):
+                    for chunk in self._whole_completion(await read_answer(answer, self.cfg.answer_max_bytes)):
                         yield chunk
                     return
                 parser = OpenAIStreamParser()
-                dec = SSEDecoder()
+                dec = SSEDecoder(self.cfg.answer_max_bytes)
                 # Undecoded bytes need no decoder layers (the body arrives as the transport read it).
                 identity = encoding in (b"", b"identity")
-                parts = answer.stream if identity else as_httpx(answer).aiter_bytes()
+                parts = answer.stream if identity else decoded_body(answer)
                 async for part in parts:  # type: ignore[union-attr]
                     events = dec.feed(part)
                     if len(events) == 1:

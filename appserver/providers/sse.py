@@ -8,6 +8,7 @@ lines, so no split position can change the result.
 
 from __future__ import annotations
 
+from appserver.providers.base import ProviderError
 from appserver.values import value
 
 _BOM = b"\xef\xbb\xbf"
@@ -26,9 +27,13 @@ class SSEEvent:
 class SSEDecoder:
     """Feed raw bytes with `feed()`, collect events; call `close()` at end of stream."""
 
-    __slots__ = ("_buf", "_skip_lf", "_started", "_data", "_event", "_id", "_retry", "_has_data")
+    __slots__ = ("_buf", "_skip_lf", "_started", "_data", "_event", "_id", "_retry", "_has_data", "_max", "_size")
 
-    def __init__(self) -> None:
+    def __init__(self, max_event_bytes: int | None = None) -> None:
+        """`max_event_bytes`: an unfinished line or event past this size is a protocol error
+        (ProviderError), not a buffer that grows with whatever an upstream keeps sending."""
+        self._max = max_event_bytes
+        self._size = 0  # bytes in the data lines of the current event
         self._buf = bytearray()
         self._skip_lf = False  # last line ended with CR: an LF starting the next chunk belongs to it
         self._started = False  # BOM check done
@@ -49,7 +54,10 @@ class SSEDecoder:
             if self._buf.startswith(_BOM):
                 del self._buf[: len(_BOM)]
             self._started = True
-        return self._drain(final=False)
+        events = self._drain(final=False)
+        if self._max is not None and len(self._buf) + self._size > self._max:
+            raise ProviderError("protocol", f"upstream sent an event larger than {self._max} bytes")
+        return events
 
     def close(self) -> list[SSEEvent]:
         """End of stream: flush a last line and event even without the trailing blank line.
@@ -137,6 +145,7 @@ class SSEDecoder:
             return self._dispatch()
         if raw.startswith(b"data: "):  # the usual line: what the general parse below would do
             self._data.append(raw[6:].decode("utf-8", errors="replace"))
+            self._size += len(raw)
             self._has_data = True
             return None
         line = raw.decode("utf-8", errors="replace")
@@ -147,6 +156,7 @@ class SSEDecoder:
             value = value[1:]
         if name == "data":
             self._data.append(value)
+            self._size += len(raw)
             self._has_data = True
         elif name == "event":
             self._event = value
@@ -169,6 +179,7 @@ class SSEDecoder:
             retry=self._retry,
         )
         self._data = []
+        self._size = 0
         self._has_data = False
         self._event = ""
         return ev

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -62,3 +63,23 @@ def test_a_second_sigterm_stops_at_once_without_a_traceback(tmp_path: Path) -> N
     assert code == 0, err
     assert "Traceback" not in err and "CancelledError" not in err, err
     assert not (home / "server.json").exists()
+
+
+def test_signals_until_the_very_end_still_exit_cleanly(tmp_path: Path) -> None:
+    """SIGTERM after SIGTERM, every few milliseconds until the process is gone: whichever lands
+    after uvicorn let go of the signals (server.json removed, the loop closing, the interpreter
+    ending) finds the stop already under way; none kills the process with -15."""
+    home = tmp_path / "home"
+    codes = []
+    for _ in range(3):
+        sp = start_serve(home, env=cli_env(home))
+        deadline = time.monotonic() + 15
+        while sp.proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                sp.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        code = sp.proc.wait(15)
+        err = sp.proc.stderr.read() if sp.proc.stderr else ""
+        assert "Traceback" not in err, err
+        codes.append(code)
+    assert codes == [0, 0, 0]

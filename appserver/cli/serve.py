@@ -93,6 +93,12 @@ class _UvicornServer(uvicorn.Server):
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+                # The stop is under way (server.json goes, the loop closes, the interpreter ends):
+                # a signal from here on asks for what is already happening, and must not end the
+                # process with -15 (or a KeyboardInterrupt traceback) instead of 0. Ignored by the
+                # kernel, not by a Python handler: the interpreter resets its own handlers to the
+                # default while it finalizes, and a signal then would still kill it.
+                signal.signal(sig, signal.SIG_IGN)
 
     def __init__(self, config: uvicorn.Config, hub: Hub) -> None:
         self._exit_asked: asyncio.Event | None = None

@@ -220,6 +220,28 @@ async def test_deleting_an_agent_deletes_its_conversations_turns_and_messages(st
     assert await store.last_message_id("conv_1") == 0
 
 
+async def test_a_turn_whose_agent_was_deleted_meanwhile_fails_as_conversation_gone(store: AnyStore) -> None:
+    """The agent (and with it the conversation) deleted while a turn ran: its commit fails with
+    `ConversationGone`, which the runtime logs without a traceback, and writes nothing; a turn of
+    another conversation committed in the same group is kept."""
+    from appserver.store.base import ConversationGone
+
+    await _agent_and_conversation(store)
+    await _agent_and_conversation(store, "conv_2", "agt_2")
+    await _turn(store, "turn_1")
+    await store.accept_turn(TurnRecord(id="turn_2", conversation_id="conv_2", agent_id="agt_2", status="running"))
+    assert await store.delete_agent("agt_1")
+    gone, kept = await asyncio.gather(
+        store.commit_turn("conv_1", _commit("turn_1", "lost")),
+        store.commit_turn("conv_2", _commit("turn_2", "kept")),
+        return_exceptions=True,
+    )
+    assert isinstance(gone, ConversationGone) and gone.conversation_id == "conv_1", gone
+    assert kept is None
+    assert await store.list_messages("conv_1") == []
+    assert [m.content for m in await store.list_messages("conv_2")] == ["kept", "echo: kept"]
+
+
 # ------------------------------------------------------------------ conversations
 
 

@@ -17,7 +17,7 @@ from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.settle import TurnEnd, store_failure
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
-from appserver.store.base import Store
+from appserver.store.base import ConversationGone, Store
 from appserver.store.records import TurnRecord
 from appserver.values import value
 
@@ -62,7 +62,10 @@ async def finish_turn(
         try:
             await store.commit_turn(record.conversation_id, commit)
         except Exception as exc:
-            log.exception("could not commit turn %s", record.id)
+            if isinstance(exc, ConversationGone):  # deleted on purpose while it ran: no fault to trace
+                log.warning("turn %s not saved: %s", record.id, exc)
+            else:
+                log.exception("could not commit turn %s", record.id)
             failure = exc
             end = store_failure(exc)
             if seat is not None:

@@ -27,6 +27,15 @@ class StoreError(Exception):
     pass
 
 
+class ConversationGone(StoreError):
+    """A turn's rows have nowhere to go: its conversation (or the agent, and with it every
+    conversation of the agent) was deleted while the turn ran."""
+
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(f"conversation {conversation_id} was deleted while the turn ran")
+        self.conversation_id = conversation_id
+
+
 class OpenLimitReached(Exception):
     """A conversation already has as many open (queued or running) turns as the caller allows."""
 

@@ -39,7 +39,7 @@ from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from appserver.procid import identity, identity_alive
-from appserver.store.base import DuplicateTurn, OpenLimitReached, Store, StoreError
+from appserver.store.base import ConversationGone, DuplicateTurn, OpenLimitReached, Store, StoreError
 from appserver.store.cluster import LIVE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew
@@ -778,7 +778,12 @@ class PostgresStore(Store):
         async def job(conn: Conn) -> None:
             await self._commit_turn(conn, conversation_id, commit)
 
-        await self._write(job)
+        try:
+            await self._write(job)
+        except psycopg.errors.ForeignKeyViolation as exc:
+            # Every row a commit inserts refers to its conversation: deleted meanwhile. (Raised when
+            # the group's pipeline syncs, so here rather than inside the job.)
+            raise ConversationGone(conversation_id) from exc
 
     async def checkpoint_turn(
         self,

@@ -18,7 +18,7 @@ from typing import Any
 
 from appserver.procid import identity, identity_alive
 from appserver.store.agentcache import AgentCache, copy_agent
-from appserver.store.base import DuplicateTurn, Store, StoreError
+from appserver.store.base import ConversationGone, DuplicateTurn, Store, StoreError
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
 from appserver.store.groupcommit import GroupCommit
 from appserver.store.integrity import (
@@ -501,6 +501,16 @@ class SQLiteStore(Store):
             tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
     def _commit_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit) -> None:
+        try:
+            self._write_turn(tx, conversation_id, commit)
+        except sqlite3.IntegrityError as exc:
+            # Every row a commit inserts refers to its conversation (turns and pending calls go
+            # with it by cascade): a foreign key that fails here is a conversation deleted meanwhile.
+            if "FOREIGN KEY" in str(exc):
+                raise ConversationGone(conversation_id) from exc
+            raise
+
+    def _write_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit) -> None:
         now = time.time()
         terminal = commit.status in ("completed", "cancelled", "failed", "interrupted")
         for m in commit.messages:

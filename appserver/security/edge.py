@@ -13,6 +13,9 @@ connection and before any auth work:
 * a global connection cap counted at accept (`max_connections`, default derived from the fd
   limit): beyond it a connection gets an immediate 503 and is closed, so descriptors never run out.
 
+A refusal never overtakes a reply in flight: a request refused behind pipelined ones is answered
+after their replies, which get the refused phase's timeout to finish (`_hold_refusal`).
+
 Plus `AcceptErrorThrottle`, which keeps asyncio's "accept out of system resource" error (logged in a
 hot loop once descriptors do run out) to one line per interval.
 """
@@ -20,20 +23,24 @@ hot loop once descriptors do run out) to one line per interval.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Response as WsResponse
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGI3Application
 
 log = logging.getLogger("appserver.edge")
 
@@ -241,6 +248,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._refused = False
         self._linger_left: int | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._running: RequestResponseCycle | None = None  # the request whose app runs (one at a time)
+        self._held_refusal: tuple[int, str, str] | None = None  # a refusal waiting for the replies before it
+        self._held_timer: asyncio.TimerHandle | None = None
 
     # ── connection ────────────────────────────────────────────────────────────────────────────
 
@@ -275,9 +285,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._cancel_timers()
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
-            self._linger_timer = None
+        for timer in (self._linger_timer, self._held_timer):
+            if timer is not None:
+                timer.cancel()
+        self._linger_timer = self._held_timer = None
         super().connection_lost(exc)
 
     def _cancel_timers(self) -> None:
@@ -289,10 +300,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        if self._linger_left is not None:  # answered and half-closed: drop the rest
+        if self._linger_left is not None:  # refused (answered, or held for replies before it): drop the rest
             self._linger_left -= len(data)
             if self._linger_left < 0:
-                self.transport.close()
+                self._hang_up()
             return
         self._unset_keepalive_if_required()
         started_in_head = self._phase != BODY
@@ -336,6 +347,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         if self.transport.is_closing():
+            return
+        if self._behind_a_reply():
+            self._cancel_timers()
+            self._hold_refusal(400, "invalid_http", msg)
             return
         data, _ = raw_error(400, "invalid_http", msg)
         self.transport.write(data)
@@ -381,12 +396,39 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._body_timer = None
         super().on_message_complete()
 
+    # ── replies ───────────────────────────────────────────────────────────────────────────────
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        # uvicorn keeps only the newest cycle (`self.cycle`, maybe still queued); a refusal held
+        # for the replies before it must know the one being written, to cut it if it never ends.
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts the next queued request, if any
+        if self._held_refusal is None or self.transport.is_closing():
+            return
+        if self._running is not None and self._running.response_complete:  # the last one before the refusal
+            status, code, message = self._held_refusal
+            self._held_refusal = None
+            if self._held_timer is not None:
+                self._held_timer.cancel()
+                self._held_timer = None
+            self._unset_keepalive_if_required()
+            # Called from inside the last reply's task: outside its context, so the refusal's log
+            # line does not carry that request's id.
+            contextvars.Context().run(self._answer, status, code, message)
+
     # ── refusals ──────────────────────────────────────────────────────────────────────────────
 
     def _close_with(self, status: int, code: str, message: str) -> None:
-        """Answer (when the wire is free for an answer) and close the connection."""
+        """Answer (when the wire is free for an answer) and close the connection; a request
+        pipelined behind a reply in flight is answered once that reply is complete."""
         self._cancel_timers()
         if self.transport.is_closing():
+            return
+        if self._behind_a_reply():
+            self._hold_refusal(status, code, message)
             return
         cycle = self.cycle
         if self._phase == BODY:  # the current request's cycle: answer unless its response began
@@ -397,13 +439,56 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # what the app still sends goes nowhere; its receive says disconnect
             cycle.message_event.set()
         if free:
-            data, rid = raw_error(status, code, message)
-            self.transport.write(data)
-            log.info("[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
-            self._linger_close()
+            self._answer(status, code, message)
         else:
             log.info("%s from %s: closing a connection whose response had started", message, self._peer())
             self.transport.close()
+
+    def _answer(self, status: int, code: str, message: str) -> None:
+        """Write the refusal and close."""
+        data, rid = raw_error(status, code, message)
+        self.transport.write(data)
+        log.info("[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
+        self._linger_close()
+
+    def _behind_a_reply(self) -> bool:
+        """Whether the request being refused was pipelined behind one whose reply is not complete."""
+        cycle = self.cycle
+        if cycle is None:
+            return False
+        if self._phase == BODY:  # the refused request's own cycle: still queued behind a running one?
+            return bool(self.pipeline) and self.pipeline[0][0] is cycle
+        return not cycle.response_complete  # a new head: `cycle` is the previous request's
+
+    def _hold_refusal(self, status: int, code: str, message: str) -> None:
+        """Answering now would cut off the replies to requests accepted before the refused one
+        (pipelining): read no more requests (what arrives is dropped, as while lingering), let those
+        replies finish in order, then answer (`on_response_complete`). They get the refused phase's
+        timeout (`head_timeout_s`, or `body_timeout_s` for a body) to finish; past it the connection
+        is closed without the answer, as before, so a reply that never ends holds nothing forever."""
+        if self._phase == BODY:  # the refused request is queued: it never runs
+            self.pipeline.popleft()
+        self._held_refusal = (status, code, message)
+        self._linger_left = LINGER_MAX_BYTES
+        wait_s = self.limits.body_timeout_s if self._phase == BODY else self.limits.head_timeout_s
+        self._held_timer = self.loop.call_later(wait_s, self._on_held_timeout, wait_s)
+
+    def _on_held_timeout(self, wait_s: float) -> None:
+        self._held_timer = None
+        if self._held_refusal is None or self.transport.is_closing():
+            return
+        _, _, message = self._held_refusal
+        log.info("%s from %s: closing, a reply before it did not finish within %g s", message, self._peer(), wait_s)
+        self._hang_up()
+
+    def _hang_up(self) -> None:
+        """Close without an answer; replies still in flight are cut and their apps see a disconnect
+        (uvicorn tells only the newest cycle, which may be queued behind the running one)."""
+        for cycle in (self._running, self.cycle, *(c for c, _ in self.pipeline)):
+            if cycle is not None and not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self.transport.close()
 
     def _linger_close(self) -> None:
         """Close after an error answer without losing it. Closing with unread input makes the

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import tracemalloc
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
+from appserver import fastjson
+from appserver.http.app import build_app
 from appserver.runtime import SubmitRequest
 from appserver.server import Server
+from appserver.services import build_services
 from tests.support.kernel import open_server
 
 
@@ -98,3 +103,69 @@ async def test_turns_leave_no_cyclic_garbage(server: Server, text: str) -> None:
         gc.garbage.clear()
         gc.enable()
     assert len(garbage) < 20, sorted(garbage)
+
+
+# ---------------------------------------------------------------- a big input, then the turn settled
+
+# A pasted file of short words: echo answers it word by word, so the turn streams 200k deltas.
+BIG_TEXT = ("a " * 200_000).strip()
+
+
+async def _retained_by(run: Callable[[], Awaitable[object]]) -> int:
+    """Bytes allocated by `run` that are still alive once it returned (tracemalloc, one frame)."""
+    gc.collect()
+    tracemalloc.start(1)
+    try:
+        await run()
+        await asyncio.sleep(0)  # let the turn's task finish its last step
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+
+
+async def test_a_big_input_costs_its_size_not_a_string_per_streamed_piece(server: Server) -> None:
+    """The settled turn's runtime holds its messages (the reply, 0.4 MB) and nothing per delta: the
+    snapshot shares the reply's string. One string per delta held ~35 times the input."""
+    conv: list[str] = []
+
+    async def big_turn() -> None:
+        conv.append(await _turn(server, BIG_TEXT))
+
+    retained = await _retained_by(big_turn)
+    assert conv[0] in server.kernel.runtimes
+    history = await server.store.list_messages(conv[0])
+    assert history[-1].content == f"echo: {BIG_TEXT}"
+    assert retained < 1.5 * len(BIG_TEXT), (
+        f"{retained / 1e6:.1f} MB kept by a turn of a {len(BIG_TEXT) / 1e6:.1f} MB input"
+    )
+
+
+async def test_a_big_paste_over_http_is_held_once_until_eviction(server: Server) -> None:
+    """The non-stream chat route with the input a client pastes: what stays until the runtime is
+    evicted is the conversation's two messages (the input and echo's reply), and then nothing."""
+    app = build_app(server, build_services(server))
+    body = fastjson.dumps({"model": "assistant", "messages": [{"role": "user", "content": BIG_TEXT}]}).encode()
+
+    async def post() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+            reply = await c.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert reply.status_code == 200, reply.text[:300]
+        assert reply.json()["choices"][0]["message"]["content"] == f"echo: {BIG_TEXT}"
+
+    gc.collect()
+    tracemalloc.start(1)
+    try:
+        await post()
+        await asyncio.sleep(0)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        assert server.kernel.runtime_count == 1
+        assert server.kernel.evict_idle(0) == 1
+        gc.collect()
+        after_eviction = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 2.5 * len(BIG_TEXT), f"{held / 1e6:.1f} MB kept by a request of a {len(BIG_TEXT) / 1e6:.1f} MB input"
+    # What the first request of a server leaves (~64 KB of caches and pools), not a message's worth.
+    assert after_eviction < 0.25 * len(BIG_TEXT), f"{after_eviction / 1e6:.2f} MB still held after eviction"

@@ -56,6 +56,7 @@ from appserver.providers.base import (
 from appserver.providers.registry import ProviderRegistry
 from appserver.providers.retry import RetryPolicy, retry_delay_ms
 from appserver.store.records import AgentRecord, MessageRecord, PendingCall
+from appserver.textparts import TextParts
 from appserver.values import value
 
 log = logging.getLogger("appserver.agent")
@@ -82,15 +83,15 @@ class StreamingCall:
     id: str
     name: str
     executor: str
-    args: list[str] = field(default_factory=list)
+    args: TextParts = field(default_factory=TextParts)
 
 
 @dataclass(slots=True)
 class StreamingAssistant:
     """The assistant message being streamed right now (lost on retry, settled on cancel)."""
 
-    text: list[str] = field(default_factory=list)
-    reasoning: list[str] = field(default_factory=list)
+    text: TextParts = field(default_factory=TextParts)
+    reasoning: TextParts = field(default_factory=TextParts)
     calls: dict[int, StreamingCall] = field(default_factory=dict)
     provider_state: dict[str, Any] | None = None
     shown: bool = False  # anything reached a client: a retry would contradict it
@@ -184,13 +185,13 @@ class AgentLoop:
             calls = [partial.calls[i] for i in sorted(partial.calls)]
             assistant = MessageRecord(
                 role="assistant",
-                content="".join(partial.text),
+                content=partial.text.text(),
                 turn_id=work.turn_id,
                 iteration=work.iteration,
-                reasoning="".join(partial.reasoning) or None,
+                reasoning=partial.reasoning.text() or None,
                 provider_state=partial.provider_state,
                 tool_calls=[
-                    {"id": c.id, "name": c.name, "arguments": "".join(c.args), "executor": c.executor} for c in calls
+                    {"id": c.id, "name": c.name, "arguments": c.args.text(), "executor": c.executor} for c in calls
                 ],
             )
             if partial.usage is not None and partial.usage.input_tokens:
@@ -333,12 +334,12 @@ class AgentLoop:
                     if isinstance(chunk, Text):
                         if chunk.text:
                             partial.shown = True
-                            partial.text.append(chunk.text)
+                            partial.text.add(chunk.text)
                             emit(TextDelta(chunk.text))
                     elif isinstance(chunk, Reasoning):
                         if chunk.text:
                             partial.shown = True
-                            partial.reasoning.append(chunk.text)
+                            partial.reasoning.add(chunk.text)
                             emit(ReasoningDelta(chunk.text))
                     elif isinstance(chunk, ToolCallStart):
                         partial.shown = True
@@ -354,7 +355,7 @@ class AgentLoop:
                         call = partial.calls.get(chunk.index)
                         if call is None:
                             raise ProviderError("protocol", f"tool call arguments for unknown index {chunk.index}")
-                        call.args.append(chunk.delta)
+                        call.args.add(chunk.delta)
                         emit(ToolCallArgsDelta(call.id, chunk.delta))
                     elif isinstance(chunk, ProviderState):
                         partial.provider_state = {**(partial.provider_state or {}), **chunk.data}

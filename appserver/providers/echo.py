@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from appserver.providers.base import (
@@ -29,6 +29,8 @@ _CALL = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(.*)$", re.DOTALL)
 # so `/slow 30` typed in a chat works as it does everywhere else.
 _CHANNEL_MESSAGE = re.compile(r"<channel-message [^<>]*>([^<>]*)</channel-message>$")
 _ENTITIES = {"&lt;": "<", "&gt;": ">", "&quot;": '"', "&#39;": "'", "&amp;": "&"}
+_WORD = re.compile(r"\s*\S+")  # a word with the whitespace before it
+_NON_SPACE = re.compile(r"\S")
 
 
 def _words(text: str) -> int:
@@ -113,7 +115,11 @@ class EchoProvider:
         self, reply: str, request: ProviderRequest, input_tokens: int, extra_tokens: int = 0
     ) -> AsyncIterator[ProviderChunk]:
         """Stream `reply` word by word (whitespace preserved), honouring max_tokens as words."""
-        pieces = re.findall(r"\s*\S+", reply) or [reply]
+        # One word at a time, not a list of every word first: a reply of millions of words (a big
+        # paste echoed back) would hold ~50 bytes per word for as long as the reply streams.
+        pieces: Iterable[str] = (
+            (m.group() for m in _WORD.finditer(reply)) if _NON_SPACE.search(reply) is not None else (reply,)
+        )
         limit = request.max_tokens
         produced = 0
         for piece in pieces:

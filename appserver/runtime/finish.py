@@ -77,6 +77,7 @@ async def finish_turn(
             stored = [m.id for m in commit.messages if m.id is not None]
             if stored:
                 controller.last_message_id = max(stored)
+            controller.share_texts(commit.messages)
             if seat is not None:
                 seat.history.extend(commit.messages)
     # From here on nothing awaits: no other task sees the turn half settled.

@@ -116,11 +116,11 @@ def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecor
     """
     messages = list(work.new_messages)
     partial = work.partial
-    if partial is not None and "".join(partial.text):
+    if partial is not None and partial.text:
         messages.append(
             MessageRecord(
                 role="assistant",
-                content="".join(partial.text),
+                content=partial.text.text(),
                 turn_id=work.turn_id,
                 iteration=work.iteration,
                 completion_status=completion_status,

@@ -29,6 +29,7 @@ from appserver.agent.events import (
 from appserver.runtime.latest import Latest, Quiet
 from appserver.runtime.types import TERMINAL_STATUSES, Phase, SnapshotStatus, StopReason, TerminalStatus
 from appserver.store.records import MessageRecord, PendingCall
+from appserver.textparts import TextParts
 from appserver.values import value
 
 
@@ -106,7 +107,7 @@ class TurnSnapshot:
 @dataclass(slots=True)
 class _Block:
     type: str  # reasoning | text | tool_call | compaction
-    parts: list[str] = field(default_factory=list)
+    parts: TextParts = field(default_factory=TextParts)  # the text, or a tool call's arguments
     call_id: str | None = None
     name: str | None = None
     executor: str | None = None
@@ -120,13 +121,13 @@ class _Block:
                 "type": "tool_call",
                 "call_id": self.call_id,
                 "name": self.name,
-                "arguments": "".join(self.parts),
+                "arguments": self.parts.text(),
                 "executor": self.executor,
                 "status": self.status,
                 "output": self.output,
                 "is_error": self.is_error,
             }
-        return {"type": self.type, "text": "".join(self.parts)}
+        return {"type": self.type, "text": self.parts.text()}
 
 
 class TurnController:
@@ -179,7 +180,7 @@ class TurnController:
             block = self._calls.get(event.call_id)
             if block is None:
                 return
-            block.parts.append(event.delta)
+            block.parts.add(event.delta)
         elif isinstance(event, ToolCallStarted):
             block = _Block(
                 "tool_call", call_id=event.call_id, name=event.name, executor=event.executor, status="streaming"
@@ -213,7 +214,7 @@ class TurnController:
         elif isinstance(event, StreamDiscarded):
             return
         elif isinstance(event, Compacted):
-            self._blocks.append(_Block("compaction", [event.summary]))
+            self._blocks.append(_Block("compaction", TextParts(event.summary)))
             self.phase = "compacting"
         else:  # pragma: no cover - exhaustive over TurnEvent
             return
@@ -222,9 +223,9 @@ class TurnController:
     def _append(self, kind: str, text: str) -> None:
         last = self._blocks[-1] if self._blocks else None
         if last is not None and last.type == kind:
-            last.parts.append(text)
+            last.parts.add(text)
         else:
-            self._blocks.append(_Block(kind, [text]))
+            self._blocks.append(_Block(kind, TextParts(text)))
 
     def _bump(self) -> None:
         self.revision += 1
@@ -300,7 +301,7 @@ class TurnController:
     def visible_text(self) -> str:
         if self._mirrored is not None:
             return self._mirrored.text()
-        return "".join("".join(b.parts) for b in self._blocks if b.type == "text")
+        return "".join([b.parts.text() for b in self._blocks if b.type == "text"])
 
     def draft(self, skip: int = 0) -> dict[str, Any]:
         """The crash checkpoint: visible text past the first `skip` characters (those are stored)."""
@@ -371,7 +372,7 @@ class TurnController:
                 for c in m.tool_calls:
                     block = _Block(
                         "tool_call",
-                        [c.get("arguments", "")],
+                        TextParts(c.get("arguments", "")),
                         call_id=c["id"],
                         name=c["name"],
                         executor=c.get("executor", "server"),
@@ -385,8 +386,38 @@ class TurnController:
                 block.output = m.text()
                 block.is_error = m.is_error
             elif m.role == "compaction":
-                self._blocks.append(_Block("compaction", [m.text()]))
+                self._blocks.append(_Block("compaction", TextParts(m.text())))
         self._cached = None
+
+    def share_texts(self, messages: list[MessageRecord]) -> None:
+        """Keep the committed messages' own strings where a block holds an equal text (the reply,
+        its reasoning, a call's arguments): a settled turn's text is then in memory once, in its
+        history message, not also as the copy its snapshot joined from the streamed pieces."""
+        if self._mirrored is not None:
+            return
+        texts: list[str] = []
+        arguments: dict[str, str] = {}
+        for m in messages:
+            if m.role != "assistant":
+                continue
+            texts.extend(t for t in (m.content, m.reasoning) if isinstance(t, str) and t)
+            for c in m.tool_calls:
+                if isinstance(c.get("arguments"), str):
+                    arguments[c["id"]] = c["arguments"]
+        if not texts and not arguments:
+            return
+        for block in self._blocks:
+            if block.type == "tool_call":
+                candidates = [arguments[block.call_id]] if block.call_id in arguments else []
+            elif block.type in ("text", "reasoning"):
+                candidates = texts
+            else:
+                continue
+            mine = block.parts.text() if candidates else ""
+            for text in candidates:
+                if text is not mine and len(text) == len(mine) and text == mine:
+                    block.parts = TextParts(text)  # the next snapshot (the settled one) renders it
+                    break
 
     def mark_pending_blocks(self, pending: list[PendingCall]) -> None:
         for p in pending:

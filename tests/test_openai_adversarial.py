@@ -357,6 +357,74 @@ def test_a_reply_the_upstream_cut_short_is_an_error_not_a_finished_answer(
 # ---------------------------------------------------------------- the agent deleted mid-request
 
 
+def test_a_responses_stream_whose_agent_is_deleted_says_so(
+    srv: tuple[ServeProcess, FakeOpenAI], http: httpx.Client
+) -> None:
+    """`/v1/responses` with `stream: true`, the agent deleted mid-stream: it ends with
+    `response.failed` whose message says the agent was deleted (model_not_found), as the other
+    paths answer, not a generic "could not be saved" server error."""
+    import threading
+
+    sp, _ = srv
+    env = cli_env(sp.home)
+    assert run_cli(sp.home, "agents", "create", "--name", "fleeting", "--model", "echo:m", "--json", env=env).code == 0
+    events: list[dict[str, Any]] = []
+    started = threading.Event()
+
+    def read() -> None:
+        with http.stream("POST", "/v1/responses", json={"model": "fleeting", "input": "/slow 60", "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1].get("type") == "response.output_text.delta":
+                        started.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert started.wait(10), events
+    assert run_cli(sp.home, "agents", "delete", "fleeting", env=env).code == 0
+    t.join(30)
+    last = events[-1]
+    assert last["type"] == "response.failed", last
+    error = last["response"]["error"]
+    assert "deleted" in error["message"] and "model_not_found" in error["message"], error
+
+
+def test_a_conversation_id_reused_after_its_agent_was_deleted_starts_empty(
+    srv: tuple[ServeProcess, FakeOpenAI], http: httpx.Client
+) -> None:
+    """Agent A's conversation (by `X-Conversation-Id`) holds a secret; A is deleted from the CLI (the
+    server hears nothing of it); agent B then uses the same conversation id. B gets a new, empty
+    conversation: nothing of A's history, kept in A's runtime in the server's memory, carries over."""
+    sp, _ = srv
+    env = cli_env(sp.home)
+    for name in ("keeper", "stranger"):
+        made = run_cli(sp.home, "agents", "create", "--name", name, "--model", "echo:m", "--json", env=env)
+        assert made.code == 0, made.err
+    conv = {"X-Conversation-Id": f"shared-{uuid.uuid4().hex[:8]}"}
+    said = http.post(
+        "/v1/chat/completions",
+        json={"model": "keeper", "messages": [{"role": "user", "content": "my password is hunter2"}]},
+        headers=conv,
+    )
+    assert said.status_code == 200, said.text
+    assert run_cli(sp.home, "agents", "delete", "keeper", env=env).code == 0
+    recalled = http.post(
+        "/v1/chat/completions",
+        json={"model": "stranger", "messages": [{"role": "user", "content": "/recall"}]},
+        headers=conv,
+    )
+    assert recalled.status_code == 200, recalled.text
+    text = recalled.json()["choices"][0]["message"]["content"]
+    assert "hunter2" not in text, text
+    again = http.post(
+        "/v1/chat/completions",
+        json={"model": "stranger", "messages": [{"role": "user", "content": "/recall"}]},
+        headers=conv,
+    )
+    assert "hunter2" not in again.json()["choices"][0]["message"]["content"]
+
+
 def test_an_agent_deleted_while_its_request_runs_is_a_404_not_a_500(
     srv: tuple[ServeProcess, FakeOpenAI], http: httpx.Client
 ) -> None:

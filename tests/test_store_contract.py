@@ -242,6 +242,44 @@ async def test_a_turn_whose_agent_was_deleted_meanwhile_fails_as_conversation_go
     assert [m.content for m in await store.list_messages("conv_2")] == ["kept", "echo: kept"]
 
 
+async def test_a_history_point_of_a_conversation_deleted_meanwhile_is_dropped_quietly(store: AnyStore) -> None:
+    """A reply's point is written after the reply went out; the conversation (its agent) deleted
+    in between: nothing is written and nothing fails, not even a write nobody waits for."""
+    await _agent_and_conversation(store)
+    assert await store.delete_agent("agt_1")
+    await store.add_history_point(HistoryPoint("agt_1", "h", "conv_1", 2))
+    await _agent_and_conversation(store, "conv_2", "agt_2")
+    await store.add_history_point(HistoryPoint("agt_2", "h", "conv_2", 1))
+    assert await store.find_history_points("agt_1", "h") == []
+    assert [p.conversation_id for p in await store.find_history_points("agt_2", "h")] == ["conv_2"]
+
+
+async def test_a_turn_of_a_deleted_conversation_never_lands_in_one_created_again_under_its_id(
+    store: AnyStore,
+) -> None:
+    """The conversation deleted (with its agent) while a turn ran, then created again under the same
+    id by another agent: the old turn's commit fails with `ConversationGone` (its turn row is gone)
+    and writes nothing into the new conversation."""
+    from appserver.store.base import ConversationGone
+
+    await _agent_and_conversation(store)
+    await _turn(store, "turn_1")
+    assert await store.delete_agent("agt_1")
+    await _agent_and_conversation(store, "conv_1", "agt_2")
+    with pytest.raises(ConversationGone):
+        await store.checkpoint_turn(
+            "conv_1", "turn_1", [MessageRecord(role="user", content="before a tool")], iteration=1, usage={}
+        )
+    with pytest.raises(ConversationGone):
+        await store.commit_turn("conv_1", _commit("turn_1", "from the deleted agent"))
+    assert await store.list_messages("conv_1") == []
+    await store.delete_agent("agt_2")
+    with pytest.raises(ConversationGone):  # and with no conversation of that id at all
+        await store.checkpoint_turn(
+            "conv_1", "turn_1", [MessageRecord(role="user", content="x")], iteration=1, usage={}
+        )
+
+
 # ------------------------------------------------------------------ conversations
 
 

@@ -506,13 +506,20 @@ def usage_of(snap: TurnSnapshot | None) -> dict[str, Any]:
 
 
 def response_body(
-    shape: Shape, *, status: str, output: list[dict[str, Any]], snap: TurnSnapshot | None
+    shape: Shape,
+    *,
+    status: str,
+    output: list[dict[str, Any]],
+    snap: TurnSnapshot | None,
+    failed: ApiError | None = None,
 ) -> dict[str, Any]:
+    """`failed`: the error of a failed turn as the route worded it (`turn_error`), else from the
+    snapshot's error."""
     error = None
     incomplete = None
     if snap is not None and snap.status == "failed":
         # Response.error.code is a closed enum: the specific reason travels in the message.
-        failed = turn_failure(snap.error)
+        failed = failed or turn_failure(snap.error)
         code = (
             "rate_limit_exceeded"
             if failed.status == 429
@@ -887,7 +894,8 @@ class _Run:
 
     async def finalize(self, snap: TurnSnapshot) -> dict[str, Any]:
         output = self.output(snap)
-        body = response_body(self.shape, status=final_status(snap), output=output, snap=snap)
+        failed = await turn_error(self.server, self.shape.agent.id, snap.error) if snap.status == "failed" else None
+        body = response_body(self.shape, status=final_status(snap), output=output, snap=snap, failed=failed)
         store = self.server.store
         if snap.status != "failed":
             view = merge_assistants(_reply_view(output))

@@ -575,6 +575,14 @@ class Kernel:
         """Load a conversation the caller just wrote, so the submit that follows finds it ready.
         `paused`: it holds a paused turn to adopt; else it has no turns yet, and `history` (all its
         messages, when the caller knows them) spares reading them."""
+        stale = self.runtimes.get(conv.id)
+        if stale is not None:
+            # No row had this id until the caller wrote it, so a runtime loaded under it belongs to
+            # a conversation deleted since (by another process: the CLI, with its agent). Its
+            # history and turns must not carry over into the new conversation: end it first.
+            log.warning("conversation %s was deleted and created again: ending its old runtime here", conv.id)
+            self._drop(conv.id)
+            await stale.shutdown()
         if paused:
             try:
                 await self.runtime(conv.id, conv=conv)

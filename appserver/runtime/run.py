@@ -26,7 +26,7 @@ from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
 from appserver.runtime.settle import TurnEnd, cancel_wins, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
-from appserver.store.base import StoreError
+from appserver.store.base import ConversationGone, StoreError
 from appserver.store.records import AgentRecord, MessageRecord, TurnRecord
 
 log = logging.getLogger("appserver.runtime")
@@ -190,6 +190,10 @@ class TurnRunner:
                         self._draft_timer = None
         except StaleLease:
             return
+        except ConversationGone as exc:
+            # Deleted while it ran (a checkpoint before a tool could not be saved): the commit in
+            # finish_turn fails the same way and says so in one line.
+            outcome = LoopOutcome("failed", "error", store_failure(exc).error)
         except Exception as exc:
             log.exception("turn %s failed inside the server", record.id)
             outcome = LoopOutcome(

@@ -800,14 +800,23 @@ class PostgresStore(Store):
             m.turn_id = m.turn_id or turn_id
 
         async def job(conn: Conn) -> None:
-            await conn.execute(
-                "UPDATE turns SET input_committed=TRUE, iteration=%s, usage=%s, draft=NULL WHERE id=%s",
+            updated = await conn.execute(
+                "UPDATE turns SET input_committed=TRUE, iteration=%s, usage=%s, draft=NULL WHERE id=%s RETURNING id",
                 (iteration, dump_json(usage), turn_id),
             )
             await conn.execute("UPDATE conversations SET updated_at=%s WHERE id=%s", (now, conversation_id))
             await self._insert_messages(conn, conversation_id, messages, now)
 
-        await self._write(job)
+            async def turn_still_there() -> None:  # gone with its conversation (maybe created again since)
+                if await updated.fetchone() is None:
+                    raise ConversationGone(conversation_id)
+
+            self._writes.defer(turn_still_there)
+
+        try:
+            await self._write(job)
+        except psycopg.errors.ForeignKeyViolation as exc:
+            raise ConversationGone(conversation_id) from exc
 
     async def _commit_turn(self, conn: Conn, conversation_id: str, commit: TurnCommit) -> None:
         now = time.time()
@@ -833,9 +842,9 @@ class PostgresStore(Store):
                     p.expires_at,
                 ),
             )
-        await conn.execute(
+        updated = await conn.execute(
             "UPDATE turns SET status=%s, stop_reason=%s, error=%s, usage=%s, revision=%s, iteration=%s, "
-            "input_committed=%s, draft=NULL, ended_at=%s WHERE id=%s",
+            "input_committed=%s, draft=NULL, ended_at=%s WHERE id=%s RETURNING id",
             (
                 commit.status,
                 commit.stop_reason,
@@ -848,6 +857,14 @@ class PostgresStore(Store):
                 commit.turn_id,
             ),
         )
+
+        async def turn_still_there() -> None:
+            # The turn's row went with its conversation: deleted while the turn ran (maybe created
+            # again under the same id since, which must not receive this turn's messages).
+            if await updated.fetchone() is None:
+                raise ConversationGone(conversation_id)
+
+        self._writes.defer(turn_still_there)
         if terminal and (commit.iteration > 1 or commit.pending or commit.stop_reason != "end_turn"):
             # Pending calls that never got an answer are closed with the turn.
             await conn.execute(
@@ -1055,11 +1072,20 @@ class PostgresStore(Store):
         created = point.created_at or time.time()
 
         async def job(conn: Conn) -> None:
+            # Only while the conversation exists: one deleted since (with its agent) needs no point.
             await conn.execute(
                 "INSERT INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at) "
-                "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (agent_id, prefix_hash, conversation_id) DO UPDATE SET "
+                "SELECT %s,%s,%s,%s,%s WHERE EXISTS (SELECT 1 FROM conversations WHERE id=%s) "
+                "ON CONFLICT (agent_id, prefix_hash, conversation_id) DO UPDATE SET "
                 "last_message_id=EXCLUDED.last_message_id, created_at=EXCLUDED.created_at",
-                (point.agent_id, point.prefix_hash, point.conversation_id, point.last_message_id, created),
+                (
+                    point.agent_id,
+                    point.prefix_hash,
+                    point.conversation_id,
+                    point.last_message_id,
+                    created,
+                    point.conversation_id,
+                ),
             )
 
         await self._write(job)

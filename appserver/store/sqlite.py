@@ -491,13 +491,20 @@ class SQLiteStore(Store):
         """Committed before this returns (queued writes first): a tool may act right after."""
         now = time.time()
         with self._tx() as tx:
-            for m in messages:
-                m.turn_id = m.turn_id or turn_id
-                self._insert_message(tx, conversation_id, m, now)
-            tx.execute(
+            try:
+                for m in messages:
+                    m.turn_id = m.turn_id or turn_id
+                    self._insert_message(tx, conversation_id, m, now)
+            except sqlite3.IntegrityError as exc:
+                if "FOREIGN KEY" in str(exc):
+                    raise ConversationGone(conversation_id) from exc
+                raise
+            updated = tx.execute(
                 "UPDATE turns SET input_committed=1, iteration=?, usage=?, draft=NULL WHERE id=?",
                 (iteration, dump_json(usage), turn_id),
-            )
+            ).rowcount
+            if updated == 0:  # gone with its conversation (maybe created again under its id since)
+                raise ConversationGone(conversation_id)
             tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
     def _commit_turn(self, tx: sqlite3.Connection, conversation_id: str, commit: TurnCommit) -> None:
@@ -537,7 +544,7 @@ class SQLiteStore(Store):
                     p.expires_at,
                 ),
             )
-        tx.execute(
+        updated = tx.execute(
             "UPDATE turns SET status=?, stop_reason=?, error=?, usage=?, revision=?, iteration=?, input_committed=?, "
             "draft=NULL, ended_at=? WHERE id=?",
             (
@@ -551,7 +558,11 @@ class SQLiteStore(Store):
                 now if terminal else None,
                 commit.turn_id,
             ),
-        )
+        ).rowcount
+        if updated == 0:
+            # The turn's row went with its conversation: deleted while the turn ran (maybe created
+            # again under the same id since, which must not receive this turn's messages).
+            raise ConversationGone(conversation_id)
         if terminal and (commit.iteration > 1 or commit.pending or commit.stop_reason != "end_turn"):
             # Pending calls that never got an answer are closed with the turn.
             tx.execute(
@@ -722,12 +733,15 @@ class SQLiteStore(Store):
             point.conversation_id,
             point.last_message_id,
             point.created_at or time.time(),
+            point.conversation_id,
         )
 
         def write(tx: sqlite3.Connection) -> None:
+            # Only while the conversation exists: one deleted since (with its agent, from the CLI)
+            # needs no point, and the insert would fail its foreign key.
             tx.execute(
                 "INSERT OR REPLACE INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, "
-                "created_at) VALUES (?,?,?,?,?)",
+                "created_at) SELECT ?,?,?,?,? WHERE EXISTS (SELECT 1 FROM conversations WHERE id=?)",
                 row,
             )
 

@@ -83,3 +83,25 @@ def test_signals_until_the_very_end_still_exit_cleanly(tmp_path: Path) -> None:
         assert "Traceback" not in err, err
         codes.append(code)
     assert codes == [0, 0, 0]
+
+
+def test_a_stream_still_running_when_the_graceful_wait_ends_is_no_error_in_the_log(tmp_path: Path) -> None:
+    """A reply still streaming when the stop's graceful wait (5 s) ends is cancelled: that is the
+    stop doing its job, not "Exception in ASGI application" with a CancelledError traceback."""
+    import socket
+
+    home = tmp_path / "home"
+    sp = start_serve(home, env=cli_env(home))
+    host, port = sp.url.split("//", 1)[1].rsplit(":", 1)
+    body = b'{"model": "assistant", "stream": true, "messages": [{"role": "user", "content": "/slow 100000"}]}'
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert b"data: " in conn.recv(65536)  # streaming
+        sp.proc.send_signal(signal.SIGTERM)
+        code = sp.proc.wait(30)
+    err = sp.proc.stderr.read() if sp.proc.stderr else ""
+    assert code == 0, err
+    assert "Exception in ASGI application" not in err and "CancelledError" not in err, err

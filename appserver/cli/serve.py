@@ -139,6 +139,9 @@ class _UvicornServer(uvicorn.Server):
             logging.getLogger("uvicorn.error").addFilter(_drop_cancelled)
             return
         self._stopping = True
+        # Requests still running when the graceful wait ends are cancelled by uvicorn, which logs
+        # each as "Exception in ASGI application" with a CancelledError traceback: the stop, not a fault.
+        logging.getLogger("uvicorn.error").addFilter(_drop_cancelled)
         told = self.hub.broadcast_event("server_stopping", {"reason": "shutdown"})
         if not told:
             self.should_exit = True

@@ -34,6 +34,7 @@ from appserver.providers.base import (
 )
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
+    ACCEPT_ENCODING,
     as_dict,
     as_str,
     decoded_body,
@@ -474,6 +475,7 @@ class AnthropicProvider:
     def build_headers(self) -> dict[str, str]:
         headers = {
             "Accept": "text/event-stream",
+            "Accept-Encoding": ACCEPT_ENCODING,
             "Content-Type": "application/json",
             "anthropic-version": ANTHROPIC_VERSION,
         }

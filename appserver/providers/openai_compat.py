@@ -41,6 +41,7 @@ from appserver.providers.fasttransport import LeanClient, raw_headers
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
+    ACCEPT_ENCODING,
     as_dict,
     as_str,
     decoded_body,
@@ -472,7 +473,11 @@ class OpenAICompatProvider:
         return text.replace(marker, tools_json).encode("utf-8")
 
     def build_headers(self) -> dict[str, str]:
-        headers = {"Accept": "text/event-stream", "Content-Type": "application/json"}
+        headers = {
+            "Accept": "text/event-stream",
+            "Accept-Encoding": ACCEPT_ENCODING,
+            "Content-Type": "application/json",
+        }
         key = self.cfg.api_key()
         if key:
             headers["Authorization"] = f"Bearer {key}"

@@ -8,6 +8,8 @@ lines, so no split position can change the result.
 
 from __future__ import annotations
 
+import sys
+
 from appserver.providers.base import ProviderError
 from appserver.values import value
 
@@ -30,14 +32,16 @@ class SSEDecoder:
     __slots__ = ("_buf", "_skip_lf", "_started", "_data", "_event", "_id", "_retry", "_has_data", "_max", "_size")
 
     def __init__(self, max_event_bytes: int | None = None) -> None:
-        """`max_event_bytes`: an unfinished line or event past this size is a protocol error
-        (ProviderError), not a buffer that grows with whatever an upstream keeps sending."""
-        self._max = max_event_bytes
+        """`max_event_bytes`: a line, or an event's data lines together (field names included, line
+        ends not), past this size is a protocol error (ProviderError), not a buffer that grows with
+        whatever an upstream keeps sending. Checked on every line and event however the stream was
+        split, finished or not; the data held for an event is bytes, about its size."""
+        self._max = sys.maxsize if max_event_bytes is None else max_event_bytes
         self._size = 0  # bytes in the data lines of the current event
         self._buf = bytearray()
         self._skip_lf = False  # last line ended with CR: an LF starting the next chunk belongs to it
         self._started = False  # BOM check done
-        self._data: list[str] = []
+        self._data = bytearray()  # the current event's data lines, joined with LF, undecoded
         self._has_data = False
         self._event = ""
         self._id: str | None = None
@@ -54,10 +58,20 @@ class SSEDecoder:
             if self._buf.startswith(_BOM):
                 del self._buf[: len(_BOM)]
             self._started = True
-        events = self._drain(final=False)
-        if self._max is not None and len(self._buf) + self._size > self._max:
-            raise ProviderError("protocol", f"upstream sent an event larger than {self._max} bytes")
+        # What is pending (the event's data lines and the bytes not yet cut into lines) bounds any
+        # event or line this read completes or leaves unfinished: within the limit, nothing to
+        # measure (the usual read); past it, every one is measured.
+        over = len(self._buf) + self._size > self._max
+        events = self._drain(False, over)
+        if over:
+            # The unfinished line: too long on its own, or a data line taking the event past it.
+            buf = self._buf
+            if len(buf) > self._max or (buf.startswith(b"data:") and len(buf) + self._size > self._max):
+                self._too_large()
         return events
+
+    def _too_large(self) -> None:
+        raise ProviderError("protocol", f"upstream sent an event larger than {self._max} bytes")
 
     def close(self) -> list[SSEEvent]:
         """End of stream: flush a last line and event even without the trailing blank line.
@@ -66,7 +80,7 @@ class SSEDecoder:
         no blank line; dropping it would lose information, so it is dispatched.
         """
         self._started = True
-        events = self._drain(final=True)
+        events = self._drain(True, len(self._buf) + self._size > self._max)
         if self._buf:
             line = bytes(self._buf)
             self._buf.clear()
@@ -78,7 +92,9 @@ class SSEDecoder:
             events.append(ev)
         return events
 
-    def _drain(self, *, final: bool) -> list[SSEEvent]:
+    def _drain(self, final: bool, over: bool) -> list[SSEEvent]:
+        """Cut the buffer into lines and handle them; `over`: what is pending is past the limit,
+        so the events the fast path hands out are measured (`_line` measures the rest)."""
         events: list[SSEEvent] = []
         buf = self._buf
         if not self._skip_lf and b"\r" not in buf:  # LF-only lines (the usual stream): one split
@@ -92,6 +108,8 @@ class SSEDecoder:
                     raw = lines[i]
                     # The usual event, `data: …` then a blank line, with nothing pending: at once.
                     if i + 1 < n and not lines[i + 1] and not self._has_data and raw.startswith(b"data: "):
+                        if over and len(raw) > self._max:
+                            self._too_large()
                         events.append(
                             SSEEvent(
                                 raw[6:].decode("utf-8", errors="replace"),
@@ -143,22 +161,35 @@ class SSEDecoder:
     def _line(self, raw: bytes) -> SSEEvent | None:
         if not raw:
             return self._dispatch()
-        if raw.startswith(b"data: "):  # the usual line: what the general parse below would do
-            self._data.append(raw[6:].decode("utf-8", errors="replace"))
-            self._size += len(raw)
-            self._has_data = True
-            return None
-        line = raw.decode("utf-8", errors="replace")
-        if line.startswith(":"):
+        if raw.startswith(b"data"):
+            if raw.startswith(b"data: "):  # the usual line
+                data: bytes | None = raw[6:]
+            elif raw.startswith(b"data:"):
+                data = raw[5:]
+            elif len(raw) == 4:  # `data` alone: an empty data line
+                data = b""
+            else:
+                data = None  # another field whose name starts with "data"
+            if data is not None:
+                # Held as bytes, joined with LF (a str and a list slot per line cost ~60 bytes
+                # for a 9-byte `data: xy`, so an event's memory was several times its size).
+                self._size += len(raw)
+                if self._size > self._max:
+                    self._too_large()
+                if self._has_data:
+                    self._data += b"\n"
+                self._data += data
+                self._has_data = True
+                return None
+        if len(raw) > self._max:
+            self._too_large()
+        if raw.startswith(b":"):
             return None  # comment / keep-alive
+        line = raw.decode("utf-8", errors="replace")
         name, sep, value = line.partition(":")
         if sep and value.startswith(" "):
             value = value[1:]
-        if name == "data":
-            self._data.append(value)
-            self._size += len(raw)
-            self._has_data = True
-        elif name == "event":
+        if name == "event":
             self._event = value
         elif name == "id":
             if "\0" not in value:
@@ -173,12 +204,13 @@ class SSEDecoder:
             self._event = ""
             return None
         ev = SSEEvent(
-            data="\n".join(self._data),
+            # Decoded whole, it reads as line by line would: a line's broken UTF-8 ends at its LF.
+            data=self._data.decode("utf-8", errors="replace"),
             event=self._event or "message",
             id=self._id,
             retry=self._retry,
         )
-        self._data = []
+        self._data = bytearray()
         self._size = 0
         self._has_data = False
         self._event = ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -21,6 +21,10 @@ from appserver.providers.retry import parse_retry_after
 _ERROR_BODY_MAX = 64 * 1024
 _DECODED_PIECE = 1024 * 1024  # what one step of decompression may produce
 _ZLIB_WBITS = {b"gzip": zlib.MAX_WBITS | 16, b"x-gzip": zlib.MAX_WBITS | 16, b"deflate": zlib.MAX_WBITS}
+_CODINGS_MAX = 4  # content codings applied one over another (servers apply one; a proxy may add one)
+# What the providers offer (sent on every request, whatever httpx would add when brotli or
+# zstandard is installed): the codings `decoded_body` undoes in bounded steps.
+ACCEPT_ENCODING = "gzip, deflate"
 
 
 def as_dict(value: Any) -> dict[str, Any]:
@@ -56,13 +60,36 @@ def content_encoding(response: LeanResponse | httpx.Response) -> bytes:
     return b", ".join(value.lower() for name, value in raw_headers(response) if name.lower() == b"content-encoding")
 
 
+def content_codings(encoding: bytes) -> list[bytes]:
+    """The codings of a (lower-cased) content-encoding value, in the order to undo them: the last
+    one applied first. `identity` adds none. A coding we cannot decode in bounded steps (one we did
+    not offer: br, zstd, compress, anything unknown) raises `httpx.DecodingError`."""
+    codings: list[bytes] = []
+    for token in encoding.split(b","):
+        coding = token.strip()
+        if not coding or coding == b"identity":
+            continue
+        if coding not in _ZLIB_WBITS:
+            name = coding.decode("latin-1")[:40]
+            raise httpx.DecodingError(
+                f"the upstream answered with content-encoding {name!r}, which was not offered "
+                f"(Accept-Encoding: {ACCEPT_ENCODING})"
+            )
+        codings.append(coding)
+    if len(codings) > _CODINGS_MAX:
+        raise httpx.DecodingError(f"the upstream applied {len(codings)} content codings (at most {_CODINGS_MAX})")
+    codings.reverse()
+    return codings
+
+
 async def decoded_body(response: LeanResponse | httpx.Response) -> AsyncIterator[bytes]:
     """The answer's body, decoded, in pieces of at most 1 MiB.
 
     httpx decompresses each network read whole, so a few kilobytes of gzip can become gigabytes in
-    one piece before anything can look at its size. gzip and deflate are decompressed here with
-    zlib's own bound per step; any other encoding goes through httpx's decoders. Faults raise
-    `httpx.DecodingError`, as httpx's would.
+    one piece before anything can look at its size. Every coding of the chain (gzip, x-gzip,
+    deflate; `gzip, gzip` is two) is undone here by zlib with a bound on each step, so no stage
+    holds more than a piece at a time; the encoded body is never handed to httpx's decoders.
+    Faults, and codings other than those, raise `httpx.DecodingError`, as httpx's would.
     """
     encoding = content_encoding(response)
     raw: AsyncIterator[bytes]
@@ -74,35 +101,95 @@ async def decoded_body(response: LeanResponse | httpx.Response) -> AsyncIterator
         async for part in raw:
             yield part
         return
-    wbits = _ZLIB_WBITS.get(encoding)
-    if wbits is None:
-        async for part in (response.full() if isinstance(response, LeanResponse) else response).aiter_bytes():
+    stages = [_Inflater(coding) for coding in content_codings(encoding)]
+    if not stages:  # `identity, identity` and the like
+        async for part in raw:
             yield part
         return
-    decoder: Any = None
     try:
+        if len(stages) == 1:
+            stage = stages[0]
+            async for part in raw:
+                for piece in stage.feed(part):
+                    yield piece
+            for piece in stage.flush():
+                yield piece
+            return
         async for part in raw:
-            if not part:
-                continue
-            if decoder is None:
-                decoder = _zlib_decoder(wbits, part)
-            data = decoder.decompress(part, _DECODED_PIECE)
-            while True:
-                if data:
-                    yield data
-                if not decoder.unconsumed_tail:
-                    break
-                data = decoder.decompress(decoder.unconsumed_tail, _DECODED_PIECE)
-        rest = decoder.flush() if decoder is not None else b""
-        if rest:
-            yield rest
+            for piece in _through(stages, 0, part):
+                yield piece
+        for i, stage in enumerate(stages):  # each stage's last output still goes through the rest
+            for rest in stage.flush():
+                for piece in _through(stages, i + 1, rest):
+                    yield piece
     except zlib.error as exc:
-        raise httpx.DecodingError(f"cannot decode the {encoding.decode('latin-1')} body: {exc}") from None
+        raise httpx.DecodingError(f"cannot decode the {encoding.decode('latin-1')[:80]} body: {exc}") from None
+
+
+def _through(stages: list[_Inflater], i: int, data: bytes) -> Iterator[bytes]:
+    """`data` decoded by stages[i:], piece by piece (each stage steps at most 1 MiB at a time)."""
+    if i == len(stages):
+        yield data
+        return
+    for piece in stages[i].feed(data):
+        yield from _through(stages, i + 1, piece)
+
+
+class _Inflater:
+    """One gzip or deflate stage: decoded output in pieces of at most `_DECODED_PIECE`. Bytes after
+    the end of the compressed data are dropped (tolerated, as httpx does, but not kept: zlib
+    would hold them all in `unused_data`)."""
+
+    __slots__ = ("_wbits", "_zobj", "_head")
+
+    def __init__(self, coding: bytes) -> None:
+        self._wbits = _ZLIB_WBITS[coding]
+        self._zobj: Any = None if self._wbits == zlib.MAX_WBITS else zlib.decompressobj(self._wbits)
+        self._head = b""  # deflate: the first bytes, until there are enough to tell zlib from raw
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        z = self._zobj
+        if z is None:
+            data = self._head + data
+            if len(data) < _DEFLATE_SNIFF:
+                self._head = data
+                return
+            self._head = b""
+            z = self._zobj = _zlib_decoder(self._wbits, data)
+        if z.eof or not data:
+            return
+        out = z.decompress(data, _DECODED_PIECE)
+        while True:
+            if out:
+                yield out
+            tail = z.unconsumed_tail
+            if not tail or z.eof:
+                return
+            out = z.decompress(tail, _DECODED_PIECE)
+
+    def flush(self) -> Iterator[bytes]:
+        if self._zobj is None:  # a deflate body shorter than the sniff: decide on what came
+            if not self._head:
+                return
+            head, self._head = self._head, b""
+            self._zobj = _zlib_decoder(self._wbits, head)
+            yield from self.feed(head)
+        z = self._zobj
+        if not z.eof:
+            rest = z.flush()  # every input is consumed already: what zlib still holds (a few bytes)
+            if rest:
+                yield rest
+
+
+# zlib's header is 2 bytes, and zlib rejects a wrong one on those alone: a first piece of 1 byte
+# cannot tell zlib from raw deflate (it passed as zlib, and the raw stream then failed).
+_DEFLATE_SNIFF = 2
 
 
 def _zlib_decoder(wbits: int, first: bytes) -> Any:
     """A decompressor for `wbits`; `deflate` is meant with a zlib header, but some servers send it
-    raw (httpx accepts both, so do we)."""
+    raw (httpx accepts both, so do we). `first`: at least `_DEFLATE_SNIFF` bytes, unless that is
+    the whole body."""
     if wbits == zlib.MAX_WBITS:
         try:
             zlib.decompressobj(wbits).decompress(first[:64])

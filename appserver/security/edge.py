@@ -13,8 +13,16 @@ connection and before any auth work:
 * a global connection cap counted at accept (`max_connections`, default derived from the fd
   limit): beyond it a connection gets an immediate 503 and is closed, so descriptors never run out.
 
-A refusal never overtakes a reply in flight: a request refused behind pipelined ones is answered
-after their replies, which get the refused phase's timeout to finish (`_hold_refusal`).
+Pipelining (several requests on a connection before their replies) keeps replies in order:
+
+* a refusal never overtakes a reply in flight: a request refused behind pipelined ones is answered
+  after their replies, which get the refused phase's timeout to finish (`_hold_refusal`);
+* neither does a WebSocket upgrade: it waits for the replies before it (`_defer_upgrade`);
+* a client that goes away disconnects every request in flight, running or queued
+  (`_disconnect_all`), and a connection the edge cuts without an answer is aborted, not closed after
+  a flush that a client that never reads would hold open (`_hang_up`);
+* a head split across reads counts only its own bytes (`_head_bytes_in`), and a body's clocks stop
+  while the app is not reading it: queued, or before its `100 Continue` (`_BodyFlow`).
 
 Plus `AcceptErrorThrottle`, which keeps asyncio's "accept out of system resource" error (logged in a
 hot loop once descriptors do run out) to one line per interval.
@@ -28,10 +36,12 @@ import json
 import logging
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Response as WsResponse
@@ -168,6 +178,8 @@ class _HeadTooLarge(Exception):
 
 LINGER_S = 2.0
 LINGER_MAX_BYTES = 1 << 20
+# What a client may send after a pipelined WebSocket upgrade head before its 101 (RFC 6455: nothing).
+UPGRADE_EARLY_MAX_BYTES = HIGH_WATER_LIMIT
 
 # Where the parser is in the current message.
 IDLE, HEAD, BODY = 0, 1, 2
@@ -229,6 +241,23 @@ class PassWrites:
         return getattr(self.raw, name)
 
 
+class _BodyFlow(FlowControl):
+    """uvicorn's flow control of one connection, which also tells the edge when the app asks for the
+    request body: its `receive` resumes reading (and first sends `100 Continue` if one is due), and
+    so does the end of the reply a queued request waited for. Until then the client cannot send the
+    body (reading is paused, or it waits for the 100), so the body's clocks must not run."""
+
+    def __init__(self, transport: asyncio.Transport, on_body_wanted: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self.expecting = False  # the request being read waits for a `100 Continue`
+        self._on_body_wanted = on_body_wanted
+
+    def resume_reading(self) -> None:
+        if self.read_paused or self.expecting:
+            self._on_body_wanted()
+        super().resume_reading()
+
+
 class EdgeHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; `protocol_class` binds the limits."""
 
@@ -238,7 +267,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.timeout_keep_alive = self.limits.keepalive_timeout_s  # type: ignore[assignment]
         self._phase = IDLE
-        self._head_raw = 0  # bytes of chunks that ended inside the current head
+        self._head_raw = 0  # bytes of the current head in the reads that ended inside it
+        self._head_began = False  # the current head began in the read being parsed
         self._head_parsed = 0  # bytes of its request line and complete header lines
         self._last_data = 0.0
         self._body_clock = self._body_checked = 0.0  # when the body began (less time not read)
@@ -251,6 +281,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._running: RequestResponseCycle | None = None  # the request whose app runs (one at a time)
         self._held_refusal: tuple[int, str, str] | None = None  # a refusal waiting for the replies before it
         self._held_timer: asyncio.TimerHandle | None = None
+        self._upgrade_early: bytearray | None = None  # an upgrade waits for replies; what came after it
+        self._body_flow: _BodyFlow  # set by connection_made, before any byte is parsed
 
     # ── connection ────────────────────────────────────────────────────────────────────────────
 
@@ -278,6 +310,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             return
         super().connection_made(transport)
         self.transport = PassWrites(transport, self.loop)  # type: ignore[assignment]
+        self.flow = self._body_flow = _BodyFlow(transport, self._body_wanted)
         # uvicorn arms its keep-alive timer only after a response; a fresh connection gets it too.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
@@ -289,6 +322,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self._linger_timer = self._held_timer = None
+        self._upgrade_early = None
+        self._disconnect_all()
         super().connection_lost(exc)
 
     def _cancel_timers(self) -> None:
@@ -305,16 +340,22 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             if self._linger_left < 0:
                 self._hang_up()
             return
+        if self._upgrade_early is not None:  # an upgrade waits for the replies before it
+            self._keep_early(data)
+            return
         self._unset_keepalive_if_required()
-        started_in_head = self._phase != BODY
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as upgrade:
             self._cancel_timers()
-            if self._should_upgrade():
-                self.handle_websocket_upgrade()
-            else:
+            if not self._should_upgrade():
                 self._unsupported_upgrade_warning()
+                return
+            rest = data[upgrade.args[0] :]  # what follows the upgrade head is the WebSocket's
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._defer_upgrade(rest)
+            else:
+                self._upgrade(rest)
             return
         except httptools.HttpParserError as exc:
             if isinstance(exc.__context__, _HeadTooLarge):
@@ -325,12 +366,15 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             return
         phase = self._phase
         if phase == HEAD:
-            if started_in_head:
-                # Inside a header line httptools buffers without calling back: count raw bytes.
+            # Inside a header line httptools buffers without calling back: count raw bytes too.
+            if self._head_began:
+                self._head_began = False
+                self._head_raw = self._head_bytes_in(data)
+            else:
                 self._head_raw += len(data)
-                if self._head_raw > self.limits.head_max_bytes:
-                    self._refuse_head()
-                    return
+            if self._head_raw > self.limits.head_max_bytes:
+                self._refuse_head()
+                return
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._on_head_timeout)
         elif phase == BODY:
@@ -338,6 +382,18 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._body_bytes += len(data)
             if self._body_timer is None:
                 self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._on_body_timeout)
+
+    def _head_bytes_in(self, data: bytes) -> int:
+        """The bytes of `data` from the start of the head being parsed, which began inside it (after
+        requests before it in the same read, which are not its bytes). The head is found by its URL
+        so far, which `on_url` reported as a slice of `data`: its last occurrence, since an earlier
+        one may be in a body before the head; a later one, in the head's own header values, only
+        undercounts this read, and the reads after it count in full."""
+        url = self.url
+        if not url:  # the read ended in the method
+            return 0
+        at = data.rfind(url)
+        return len(data) - at + len(self.parser.get_method()) + 1 if at >= 0 else len(data)
 
     def handle_websocket_upgrade(self) -> None:
         # The WebSocket protocol writes through the same `PassWrites`: a reply to a request sent
@@ -361,6 +417,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._phase = HEAD
         self._head_raw = self._head_parsed = 0
+        self._head_began = True
         super().on_message_begin()
 
     def on_url(self, url: bytes) -> None:
@@ -387,6 +444,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+        self._body_flow.expecting = self.expect_100_continue
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -406,18 +464,70 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # starts the next queued request, if any
-        if self._held_refusal is None or self.transport.is_closing():
+        if (self._held_refusal is None and self._upgrade_early is None) or self.transport.is_closing():
             return
-        if self._running is not None and self._running.response_complete:  # the last one before the refusal
+        if self._running is None or not self._running.response_complete:  # more replies before it
+            if self._upgrade_early is not None:
+                self.flow.pause_reading()  # resumed to start the next one; the upgrade still waits
+            return
+        # The last reply before the refusal or the upgrade is complete.
+        self._unset_keepalive_if_required()
+        # Called from inside the last reply's task: run outside its context, so the refusal's log
+        # line (or the WebSocket session's task) does not carry that request's id.
+        if self._held_refusal is not None:
             status, code, message = self._held_refusal
             self._held_refusal = None
             if self._held_timer is not None:
                 self._held_timer.cancel()
                 self._held_timer = None
-            self._unset_keepalive_if_required()
-            # Called from inside the last reply's task: outside its context, so the refusal's log
-            # line does not carry that request's id.
             contextvars.Context().run(self._answer, status, code, message)
+        elif self._upgrade_early is not None:
+            contextvars.Context().run(self._upgrade, bytes(self._upgrade_early))
+
+    def _body_wanted(self) -> None:
+        """The app asks for the body being read (`_BodyFlow`): from now the client can send it, so
+        the stall clock restarts, and the time until now does not count against the rate."""
+        cycle = self.cycle
+        if cycle is None or not cycle.waiting_for_100_continue:  # its 100 Continue is out (or not due)
+            self._body_flow.expecting = False
+        if self._phase != BODY:
+            return
+        now = self.loop.time()
+        self._body_clock += now - self._body_checked
+        self._body_checked = self._last_data = now
+
+    # ── WebSocket upgrades ────────────────────────────────────────────────────────────────────
+
+    def _defer_upgrade(self, rest: bytes) -> None:
+        """A WebSocket upgrade pipelined behind a request whose reply is not complete: a 101 now
+        would land in the middle of that reply, and the session's frames with it. Parse nothing
+        more; upgrade once the replies before it are complete (`on_response_complete`), as if it
+        had been sent then. No timeout: like a queued request, it lasts as long as those replies.
+        What the client sends meanwhile (RFC 6455: nothing, until the 101) is kept for the
+        WebSocket protocol, up to UPGRADE_EARLY_MAX_BYTES."""
+        self._phase = IDLE
+        self._upgrade_early = bytearray()
+        self._keep_early(rest)
+
+    def _keep_early(self, data: bytes) -> None:
+        """Keep bytes that came after a waiting upgrade head, and read no more for now; past the
+        cap, this is no WebSocket client: cut the connection."""
+        early = cast(bytearray, self._upgrade_early)
+        early += data
+        if len(early) > UPGRADE_EARLY_MAX_BYTES:
+            log.info("%s sent %d bytes before the answer to its WebSocket upgrade: closing", self._peer(), len(early))
+            self._hang_up()
+            return
+        self.flow.pause_reading()  # an app's `receive` resumes it; what comes is kept
+
+    def _upgrade(self, rest: bytes) -> None:
+        """Hand the connection to the WebSocket protocol, with what the client sent after the
+        upgrade head (uvicorn drops it)."""
+        self._upgrade_early = None
+        self.handle_websocket_upgrade()
+        self.flow.resume_reading()  # paused while the upgrade waited; the WebSocket reads now
+        if rest:
+            cast(asyncio.Protocol, self.transport.get_protocol()).data_received(rest)
 
     # ── refusals ──────────────────────────────────────────────────────────────────────────────
 
@@ -442,7 +552,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._answer(status, code, message)
         else:
             log.info("%s from %s: closing a connection whose response had started", message, self._peer())
-            self.transport.close()
+            self._hang_up()
 
     def _answer(self, status: int, code: str, message: str) -> None:
         """Write the refusal and close."""
@@ -482,13 +592,21 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._hang_up()
 
     def _hang_up(self) -> None:
-        """Close without an answer; replies still in flight are cut and their apps see a disconnect
-        (uvicorn tells only the newest cycle, which may be queued behind the running one)."""
+        """Cut the connection without an answer: replies still in flight are cut and their apps
+        see a disconnect. An abort: what waits unsent is thrown away, where a close would first wait
+        for the client to take it, forever if it never reads (the connection, and its slot, held)."""
+        self._disconnect_all()
+        self.transport.abort()
+
+    def _disconnect_all(self) -> None:
+        """Every request in flight on this connection sees the client gone: its `receive` says
+        disconnect and what it still sends goes nowhere. uvicorn tells only its newest cycle, which
+        may be one queued behind the running one (or refused, never to run): the running app would
+        stream into the closed socket forever, its client's slot held."""
         for cycle in (self._running, self.cycle, *(c for c, _ in self.pipeline)):
             if cycle is not None and not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
-        self.transport.close()
 
     def _linger_close(self) -> None:
         """Close after an error answer without losing it. Closing with unread input makes the

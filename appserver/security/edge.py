@@ -250,12 +250,17 @@ class _BodyFlow(FlowControl):
     def __init__(self, transport: asyncio.Transport, on_body_wanted: Callable[[], None]) -> None:
         super().__init__(transport)
         self.expecting = False  # the request being read waits for a `100 Continue`
-        self._on_body_wanted = on_body_wanted
+        self._on_body_wanted: Callable[[], None] | None = on_body_wanted
 
     def resume_reading(self) -> None:
         if self.read_paused or self.expecting:
-            self._on_body_wanted()
+            if self._on_body_wanted is not None:
+                self._on_body_wanted()
         super().resume_reading()
+
+    def release(self) -> None:
+        """Call back no more (the connection is gone)."""
+        self._on_body_wanted = None
 
 
 class EdgeHttpProtocol(HttpToolsProtocol):
@@ -325,6 +330,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._upgrade_early = None
         self._disconnect_all()
         super().connection_lost(exc)
+        # The flow control calls back into this protocol: a reference cycle that would keep the
+        # connection's last request (scope, reply, what it references) until a full collection,
+        # which the server makes rare (cli/serve.py). Nothing reads from it after this.
+        self._body_flow.release()
+        self._running = None
 
     def _cancel_timers(self) -> None:
         for timer in (self._head_timer, self._body_timer):

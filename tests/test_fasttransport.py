@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -14,45 +12,7 @@ import pytest
 
 from appserver.providers.fasttransport import LeanTransport
 from tests.support.certs import self_signed
-from tests.support.net import read_request
-
-Reply = Callable[[bytes], list[bytes]]  # request body → what to write back, piece by piece
-
-
-class RawServer:
-    """Answers each request on a connection with the next scripted reply; counts connections."""
-
-    def __init__(self, replies: list[Reply], *, close_after: bool = False) -> None:
-        self.replies = replies
-        self.close_after = close_after  # close the connection after each reply
-        self.connections = 0
-        self.bodies: list[bytes] = []
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while self.replies:
-                _, body = await read_request(reader)
-                self.bodies.append(body)
-                for piece in self.replies.pop(0)(body):
-                    writer.write(piece)
-                    await writer.drain()
-                if self.close_after:
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
-@asynccontextmanager
-async def serving(server: RawServer) -> AsyncIterator[str]:
-    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
-    port = srv.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.close()
+from tests.support.net import Reply, ScriptedServer, read_request, serving
 
 
 def framed(text: bytes, *extra: bytes) -> Reply:
@@ -71,7 +31,7 @@ def chunked(pieces: list[bytes]) -> Reply:
 
 
 async def test_keep_alive_reuses_one_connection_and_frames_bodies() -> None:
-    raw = RawServer([framed(b"one"), chunked([b"t", b"wo"]), lambda body: framed(b"echo " + body)(body)])
+    raw = ScriptedServer([framed(b"one"), chunked([b"t", b"wo"]), lambda body: framed(b"echo " + body)(body)])
     async with (
         serving(raw) as url,
         httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
@@ -87,7 +47,7 @@ async def test_keep_alive_reuses_one_connection_and_frames_bodies() -> None:
 
 async def test_closed_connections_are_never_reused() -> None:
     # "Connection: close" in the reply, then a server that hangs up after each reply anyway.
-    raw = RawServer([framed(b"a", b"connection: close"), framed(b"b"), framed(b"c")], close_after=True)
+    raw = ScriptedServer([framed(b"a", b"connection: close"), framed(b"b"), framed(b"c")], close_after=True)
     async with (
         serving(raw) as url,
         httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
@@ -105,14 +65,14 @@ async def test_body_until_close_and_large_chunked_body_with_flow_control() -> No
     def until_close(_body: bytes) -> list[bytes]:
         return [b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\n", b"no length ", b"given"]
 
-    raw = RawServer([chunked(big)])
+    raw = ScriptedServer([chunked(big)])
     async with (
         serving(raw) as url,
         httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
     ):
         got = await client.post(url, content=b"")
         assert got.content == b"".join(big)
-    raw2 = RawServer([until_close], close_after=True)
+    raw2 = ScriptedServer([until_close], close_after=True)
     async with (
         serving(raw2) as url,
         httpx.AsyncClient(transport=LeanTransport(), timeout=5) as client,
@@ -126,7 +86,7 @@ async def test_cancel_mid_body_drops_the_connection_and_timeouts_are_httpx_error
     def slow(_body: bytes) -> list[bytes]:
         return [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", b"5\r\nfirst\r\n"]
 
-    raw = RawServer([slow, framed(b"fresh")])
+    raw = ScriptedServer([slow, framed(b"fresh")])
     async with (
         serving(raw) as url,
         httpx.AsyncClient(transport=LeanTransport(), timeout=httpx.Timeout(5, read=0.2)) as client,
@@ -155,7 +115,7 @@ async def test_https_verifies_the_upstream_certificate(tmp_path: Path) -> None:
     pem, key = self_signed(tmp_path)
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(pem, key)
-    raw = RawServer([framed(b"secret"), framed(b"again")])
+    raw = ScriptedServer([framed(b"secret"), framed(b"again")])
     srv = await asyncio.start_server(raw.handle, "127.0.0.1", 0, ssl=server_ctx)
     url = f"https://127.0.0.1:{srv.sockets[0].getsockname()[1]}/"
     try:
@@ -193,7 +153,7 @@ async def test_provider_reads_each_kind_of_answer_through_the_lean_response() ->
     ).encode()
     error = json.dumps({"error": {"message": "slow down", "type": "rate_limit"}}).encode()
     zipped = gzip.compress(sse("zipped"))
-    raw = RawServer(
+    raw = ScriptedServer(
         [
             framed(sse("plain"), b"content-type: text/event-stream"),
             framed(zipped, b"content-type: text/event-stream", b"content-encoding: gzip"),
@@ -309,7 +269,7 @@ async def test_a_compressed_bomb_fails_the_call_without_filling_memory(ctype: by
     from appserver.providers.base import ProviderError
 
     bomb = _bomb(64 * 1024 * 1024, wbits=31)
-    raw = RawServer([framed(bomb, b"content-type: " + ctype, b"content-encoding: gzip")])
+    raw = ScriptedServer([framed(bomb, b"content-type: " + ctype, b"content-encoding: gzip")])
     async with serving(raw) as url:
         tracemalloc.start()
         try:
@@ -329,7 +289,7 @@ async def test_an_sse_line_that_never_ends_fails_at_the_limit() -> None:
 
     endless = b"data: " + b"x" * (3 * 1024 * 1024)
     many_lines = b"data: " + b"y" * 1000 + b"\n"
-    raw = RawServer(
+    raw = ScriptedServer(
         [
             framed(endless, b"content-type: text/event-stream"),
             framed(many_lines * 3000, b"content-type: text/event-stream"),
@@ -361,7 +321,7 @@ async def test_compressed_answers_decode_in_bounded_pieces(encoding: bytes, wbit
     whole = json.dumps(
         {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
     ).encode()
-    raw = RawServer(
+    raw = ScriptedServer(
         [
             framed(pack(stream), b"content-type: text/event-stream", b"content-encoding: " + encoding),
             framed(pack(whole), b"content-type: application/json", b"content-encoding: " + encoding),

@@ -4,12 +4,10 @@ against a raw scripted server; memory is measured with tracemalloc where it is t
 
 from __future__ import annotations
 
-import asyncio
 import json
 import tracemalloc
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -19,45 +17,9 @@ from appserver.providers.anthropic import AnthropicProvider
 from appserver.providers.base import ChatMessage, Done, ProviderError, ProviderRequest, Text
 from appserver.providers.openai_compat import OpenAICompatProvider
 from appserver.providers.sse import SSEDecoder
-from tests.support.net import read_request
+from tests.support.net import Reply, ScriptedServer, serving
 
 MiB = 1024 * 1024
-
-# A reply: what to write back, piece by piece; a float is a pause (so the pieces arrive apart).
-Reply = Callable[[], Iterable[bytes | float]]
-
-
-class ScriptedServer:
-    """Answers each request with the next scripted reply; keeps the request heads."""
-
-    def __init__(self, replies: list[Reply]) -> None:
-        self.replies = replies
-        self.heads: list[bytes] = []
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while self.replies:
-                head, _ = await read_request(reader)
-                self.heads.append(head)
-                for piece in self.replies.pop(0)():
-                    if isinstance(piece, float):
-                        await asyncio.sleep(piece)
-                        continue
-                    writer.write(piece)
-                    await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
-@asynccontextmanager
-async def serving(server: ScriptedServer) -> AsyncIterator[str]:
-    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
-    finally:
-        srv.close()
 
 
 def head(status: int, *fields: bytes, length: int | None = None) -> bytes:
@@ -67,13 +29,13 @@ def head(status: int, *fields: bytes, length: int | None = None) -> bytes:
 
 def whole(body: bytes, *fields: bytes, status: int = 200) -> Reply:
     """One write: head and body (Content-Length)."""
-    return lambda: [head(status, *fields, length=len(body)) + body]
+    return lambda _body: [head(status, *fields, length=len(body)) + body]
 
 
 def pieces(parts: Iterable[bytes], *fields: bytes, pause: float = 0.0, status: int = 200) -> Reply:
     """A chunked body, one write per part (with `pause` between them)."""
 
-    def reply() -> Iterator[bytes | float]:
+    def reply(_body: bytes) -> Iterator[bytes | float]:
         yield head(status, *fields)
         for part in parts:
             yield b"%x\r\n%s\r\n" % (len(part), part)
@@ -294,7 +256,7 @@ async def test_bytes_after_the_compressed_data_are_dropped_not_kept() -> None:
     zlib's `unused_data` 32 MB."""
     body = pack(event("member") + FINISH, "gzip")
 
-    def reply() -> Iterator[bytes | float]:
+    def reply(_body: bytes) -> Iterator[bytes | float]:
         junk = b"JUNK" * (MiB // 4)
         yield head(200, SSE, b"content-encoding: gzip", length=len(body) + 32 * len(junk)) + body
         for _ in range(32):

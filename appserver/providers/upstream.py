@@ -97,24 +97,12 @@ async def decoded_body(response: LeanResponse | httpx.Response) -> AsyncIterator
         raw = response.stream.__aiter__()
     else:
         raw = response.aiter_raw()
-    if encoding in (b"", b"identity"):
-        async for part in raw:
-            yield part
-        return
     stages = [_Inflater(coding) for coding in content_codings(encoding)]
-    if not stages:  # `identity, identity` and the like
+    if not stages:  # none, `identity`, `identity, identity`
         async for part in raw:
             yield part
         return
     try:
-        if len(stages) == 1:
-            stage = stages[0]
-            async for part in raw:
-                for piece in stage.feed(part):
-                    yield piece
-            for piece in stage.flush():
-                yield piece
-            return
         async for part in raw:
             for piece in _through(stages, 0, part):
                 yield piece

@@ -1,10 +1,12 @@
-"""Loopback ports for tests that must name a port before the server binds it, and the SSL context
-the tests' HTTP calls share."""
+"""Loopback ports for tests that must name a port before the server binds it, the SSL context
+the tests' HTTP calls share, and a scripted raw HTTP/1.1 server for client-side tests."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 
 import httpx
 
@@ -39,3 +41,50 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
     return head, await reader.readexactly(length)
+
+
+# A scripted reply: request body → what to write back, piece by piece; a float is a pause (so the
+# pieces arrive apart).
+Reply = Callable[[bytes], Iterable[bytes | float]]
+
+
+class ScriptedServer:
+    """Answers each request on a connection with the next scripted reply; keeps the request heads
+    and bodies and counts connections. `close_after`: close the connection after each reply."""
+
+    def __init__(self, replies: list[Reply], *, close_after: bool = False) -> None:
+        self.replies = replies
+        self.close_after = close_after
+        self.connections = 0
+        self.heads: list[bytes] = []
+        self.bodies: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.replies:
+                head, body = await read_request(reader)
+                self.heads.append(head)
+                self.bodies.append(body)
+                for piece in self.replies.pop(0)(body):
+                    if isinstance(piece, float):
+                        await asyncio.sleep(piece)
+                        continue
+                    writer.write(piece)
+                    await writer.drain()
+                if self.close_after:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def serving(server: ScriptedServer) -> AsyncIterator[str]:
+    """`server` on an ephemeral loopback port: its base URL."""
+    srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}"
+    finally:
+        srv.close()

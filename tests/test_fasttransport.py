@@ -133,8 +133,8 @@ async def test_https_verifies_the_upstream_certificate(tmp_path: Path) -> None:
 
 async def test_provider_reads_each_kind_of_answer_through_the_lean_response() -> None:
     """The provider's lean path (`LeanClient.post_stream` → `LeanResponse`): a plain stream is read
-    off the connection, a gzip-encoded one through httpx's decoder, a JSON answer and an error
-    status through `LeanResponse.full()`; the one connection is reused after each."""
+    off the connection, a gzip-encoded one, a JSON answer and an error status through
+    `decoded_body`; the one connection is reused after each."""
     import gzip
     import json
 

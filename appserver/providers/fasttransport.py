@@ -215,7 +215,8 @@ class _ResponseBody(httpx.AsyncByteStream):
 class LeanResponse:
     """A response's head and its streaming body, as the lean path reads them: the status, the raw
     header fields and `stream`. `full()` wraps them as an `httpx.Response` (built once, on demand)
-    where httpx's reading is wanted: error bodies, a JSON answer, content decoding.
+    for callers that want httpx's view (`headers`, `aiter_bytes`, the generic transport path);
+    the providers read the body through `providers/upstream.py` `decoded_body`.
 
     An `httpx.Response` per model call normalized every header and set up decoders the usual
     streamed answer never uses."""
@@ -251,10 +252,6 @@ class LeanResponse:
             await self._full.aclose()
         else:
             await self.stream.aclose()
-
-
-def as_httpx(response: LeanResponse | httpx.Response) -> httpx.Response:
-    return response.full() if isinstance(response, LeanResponse) else response
 
 
 def raw_headers(response: LeanResponse | httpx.Response) -> list[tuple[bytes, bytes]]:

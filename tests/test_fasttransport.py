@@ -59,6 +59,24 @@ async def test_closed_connections_are_never_reused() -> None:
     assert raw.connections == 3
 
 
+async def test_idle_connections_past_their_expiry_are_closed_while_traffic_goes_on() -> None:
+    # A burst opens eight connections; then one request at a time keeps reusing the top of the
+    # pool. The seven below it must still be closed once they expired, not kept open for good.
+    raw = ScriptedServer([framed(b"ok") for _ in range(8 + 12 + 1)])  # one spare: no handler runs out
+    transport = LeanTransport(keepalive_expiry=0.3)
+    async with serving(raw) as url, httpx.AsyncClient(transport=transport, timeout=5) as client:
+        burst = await asyncio.gather(*(client.post(url, content=b"b") for _ in range(8)))
+        assert [r.text for r in burst] == ["ok"] * 8 and raw.connections == 8
+        for _ in range(12):
+            assert (await client.post(url, content=b"s")).text == "ok"
+            await asyncio.sleep(0.1)
+        assert raw.connections == 8  # the steady requests reused a pooled connection
+        assert raw.closed == 7  # the rest were swept after 0.3 s idle
+        await asyncio.sleep(0.6)
+        assert raw.closed == 8  # and the last one once traffic stopped
+    assert transport._sweeper is None  # aclose cancelled the timer
+
+
 async def test_body_until_close_and_large_chunked_body_with_flow_control() -> None:
     big = [bytes([65 + i % 26]) * 65536 for i in range(20)]  # 1.3 MB: reading pauses and resumes
 

@@ -274,6 +274,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._slots = asyncio.Semaphore(max_connections)
         self._max_keepalive = max_keepalive
         self._expiry = keepalive_expiry
+        self._sweeper: asyncio.TimerHandle | None = None
         self._fallback: httpx.AsyncHTTPTransport | None = None
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -366,10 +367,38 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.idle_since = time.monotonic()
             conn.idle = True
             idle.append(conn)
+            if self._sweeper is None:
+                self._sweeper = asyncio.get_running_loop().call_later(self._expiry, self._sweep)
         else:
             conn.close()
 
+    def _sweep(self) -> None:
+        """Close idle connections past their expiry, and drop those the upstream closed.
+
+        Checkout alone skips only what it meets: after a burst, the connections below the top of
+        the pool would stay open (sockets on both ends) until traffic reached down to them."""
+        self._sweeper = None
+        now = time.monotonic()
+        for key, idle in list(self._idle.items()):
+            keep = []
+            for conn in idle:
+                if not conn.lost and conn.error is None and now - conn.idle_since < self._expiry:
+                    keep.append(conn)
+                else:
+                    conn.close()
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
+        if self._idle:  # each list is in release order: its first connection expires first
+            oldest = min(idle[0].idle_since for idle in self._idle.values())
+            delay = max(oldest + self._expiry - now, 0.05)
+            self._sweeper = asyncio.get_running_loop().call_later(delay, self._sweep)
+
     async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()

@@ -56,6 +56,7 @@ class ScriptedServer:
         self.replies = replies
         self.close_after = close_after
         self.connections = 0
+        self.closed = 0  # connections that ended (the client hung up, or close_after)
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
 
@@ -77,6 +78,7 @@ class ScriptedServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.closed += 1
             writer.close()
 
 

@@ -29,6 +29,7 @@ from appserver.cli.common import StartupError, fail, get_config
 from appserver.config import Config, ConfigError
 from appserver.http.app import build_app
 from appserver.http.requestid import install as install_request_ids
+from appserver.http.stopping import Stopping
 from appserver.logredact import from_config as redactor_from_config
 from appserver.logredact import install as install_redactor
 from appserver.netaddr import check_bind_allowed, parse_listen, parse_trusted_proxies
@@ -67,6 +68,11 @@ def url_for(host: str, port: int, tls: bool = False) -> str:
 
 
 STOP_NOTICE_S = 0.2
+# A stop lets the requests in flight finish for GRACE_S; then the OpenAI requests still waiting on a
+# turn are answered with a 503 `server_shutting_down` error object (a stream: its error event), and
+# what still runs DRAIN_S later is cancelled by uvicorn (a plain-text 500, or a cut: the last resort).
+GRACE_S = 5.0
+DRAIN_S = 3.0
 
 
 def _drop_cancelled(record: logging.LogRecord) -> bool:
@@ -100,10 +106,11 @@ class _UvicornServer(uvicorn.Server):
                 # default while it finalizes, and a signal then would still kill it.
                 signal.signal(sig, signal.SIG_IGN)
 
-    def __init__(self, config: uvicorn.Config, hub: Hub) -> None:
+    def __init__(self, config: uvicorn.Config, hub: Hub, stopping: Stopping | None = None) -> None:
         self._exit_asked: asyncio.Event | None = None
         super().__init__(config)
         self.hub = hub
+        self.requests = stopping or Stopping()
         self._stopping = False
 
     # uvicorn's main loop looks at `should_exit` every 0.1 s: a stop asked for wakes it at once instead.
@@ -131,6 +138,23 @@ class _UvicornServer(uvicorn.Server):
                 await asyncio.wait_for(self._exit_asked.wait(), 0.1)
             should_exit = await self.on_tick(counter)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's: stop accepting, wait for the requests in flight (`timeout_graceful_shutdown`,
+        GRACE_S + DRAIN_S), cancel what is left, then the lifespan's shutdown (the kernel settles
+        running turns as interrupted). GRACE_S into that wait, the OpenAI requests still waiting are
+        answered with an error object first (http/stopping.py), so uvicorn has none left to cancel
+        into a plain-text "Internal Server Error" or a cut stream."""
+        timer = asyncio.get_running_loop().call_later(GRACE_S, self._drain)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _drain(self) -> None:
+        stopped = self.requests.stop()
+        if stopped:
+            log.info("stopping: answered %d request(s) still waiting with 503 server_shutting_down", stopped)
+
     def _on_signal(self) -> None:
         if self._stopping:  # a second signal: stop now
             self.force_exit = self.should_exit = True
@@ -153,10 +177,12 @@ class _UvicornServer(uvicorn.Server):
         self.should_exit = True
 
 
-def build_asgi(config: Config, server: Server, services: Services) -> tuple[SecurityGuard, Authenticator]:
+def build_asgi(
+    config: Config, server: Server, services: Services, stopping: Stopping | None = None
+) -> tuple[SecurityGuard, Authenticator]:
     """The whole app behind the security guard: every route, present and future, is covered."""
     authenticator = Authenticator(config)
-    return SecurityGuard(build_app(server, services), config, authenticator), authenticator
+    return SecurityGuard(build_app(server, services, stopping=stopping), config, authenticator), authenticator
 
 
 def refusal(config: Config, live: dict[str, Any] | None) -> str:
@@ -271,7 +297,8 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     server = Server(config)
     server.store.accept_data_loss = accept_data_loss
     services = build_services(server)
-    app, authenticator = build_asgi(config, server, services)
+    stopping = Stopping()  # the requests a stop answers with an error object (GRACE_S)
+    app, authenticator = build_asgi(config, server, services, stopping)
     check_port_free(host, port)
     # Open the store (refusing a damaged one) and settle crashed turns before uvicorn runs the
     # lifespan, which then finds the server open: a refusal is one line, not a lifespan traceback.
@@ -313,7 +340,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         log_level="warning",
         access_log=False,  # warnings only anyway; on, uvicorn formats each reply's access line before dropping it
         server_header=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=int(GRACE_S + DRAIN_S),
         ws_max_size=config.limits.ws_frame_max_bytes,
         # Off by default: each subscriber's frames are compressed apart (its own zlib context), which
         # made fanning a turn out to 1,000 subscribers CPU-bound and doubled an idle connection's memory.
@@ -337,7 +364,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         edge.keepalive_timeout_s,
         ", ".join(proxies) or "none",
     )
-    uv = _UvicornServer(uv_config, services.hub)
+    uv = _UvicornServer(uv_config, services.hub, stopping)
     task = asyncio.create_task(uv.serve())
     while not uv.started:
         if task.done():

@@ -18,6 +18,7 @@ from appserver.http.common import is_api_route
 from appserver.http.errors import error_response, new_request_id
 from appserver.http.openai_routes import openai_routes
 from appserver.http.requestid import current_request_id
+from appserver.http.stopping import Stopping
 from appserver.server import Server
 from appserver.services import Services
 from appserver.ws.routes import ws_routes
@@ -103,9 +104,17 @@ class App:
                 await (await server_error(Request(scope, receive, send), RuntimeError()))(scope, receive, send)
 
 
-def build_app(server: Server, services: Services, *, extra_routes: list[BaseRoute] | None = None) -> App:
+def build_app(
+    server: Server,
+    services: Services,
+    *,
+    extra_routes: list[BaseRoute] | None = None,
+    stopping: Stopping | None = None,
+) -> App:
     """Build the ASGI app. The lifespan opens the Server (store, crash settle), runs the background
-    services (`Services.running`) while it serves, and closes everything in reverse order."""
+    services (`Services.running`) while it serves, and closes everything in reverse order.
+    `stopping.stop()` (serve calls it when its graceful wait is over) answers the OpenAI requests
+    still waiting with an OpenAI error instead of leaving them to be cut (http/stopping.py)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -117,7 +126,7 @@ def build_app(server: Server, services: Services, *, extra_routes: list[BaseRout
             await server.close()
 
     routes: list[BaseRoute] = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
-    routes.extend(openai_routes(server, services.metrics))
+    routes.extend(openai_routes(server, services.metrics, stopping))
     routes.extend(ws_routes(server, services.hub, services.cron))
     routes.extend(extra_routes or [])
     app = Starlette(

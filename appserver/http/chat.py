@@ -50,6 +50,7 @@ from appserver.http.conversation_match import (
 )
 from appserver.http.errors import ApiError, bad_request, error_body
 from appserver.http.sse import SSEResponse
+from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
 from appserver.store.records import AgentRecord
@@ -473,10 +474,13 @@ def tool_calls_of(snap: TurnSnapshot) -> list[dict[str, Any]]:
 
 
 class ChatCompletions:
-    def __init__(self, server: Server, metrics: Metrics, matcher: ConversationMatcher) -> None:
+    def __init__(
+        self, server: Server, metrics: Metrics, matcher: ConversationMatcher, stopping: Stopping | None = None
+    ) -> None:
         self.server = server
         self.metrics = metrics
         self.matcher = matcher
+        self.stopping = stopping or Stopping()  # the server's stop ends a waiting stream with an error
 
     async def post(self, request: Request) -> Response:
         principal = principal_of(request)
@@ -717,7 +721,7 @@ class _Ctx:
                 call_index: dict[str, int] = {}
                 any_text = False
                 last: TurnSnapshot | None = None
-                async for snap in self.run.snapshots(self.keepalive):
+                async for snap in self.run.snapshots(self.keepalive, self.route.stopping):
                     if snap is None:
                         yield None
                         continue
@@ -765,7 +769,12 @@ class _Ctx:
                         break
                     if snap.status == "awaiting" and approval_pending(snap):
                         continue  # waiting for an approval from a WebSocket client, with keepalives
-                assert last is not None
+                if last is None or not self.settled(last):  # the server stops (the only other way out)
+                    # An error event the SDKs raise, as for a failed turn; no replay is stored.
+                    err = shutting_down()
+                    yield dumps(error_body(err.status, err.message, code=err.code))
+                    yield "[DONE]"
+                    return
                 if last.status == "failed":  # after text too: the stream ends in an error, not `stop`
                     err = await turn_error(self.server, self.agent.id, last.error)
                     yield dumps(error_body(err.status, err.message, code=err.code))

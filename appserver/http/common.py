@@ -22,6 +22,7 @@ from appserver.http.bodies import json_bodies
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id, turn_failure
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
+from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
@@ -318,21 +319,39 @@ class TurnRun:
     def turn_id(self) -> str:
         return self.handle.turn_id
 
-    async def snapshots(self, keepalive_s: float | None) -> AsyncIterator[TurnSnapshot | None]:
-        """Newer snapshots (latest-wins), None when nothing changed for `keepalive_s`."""
+    async def snapshots(
+        self, keepalive_s: float | None, stopping: Stopping | None = None
+    ) -> AsyncIterator[TurnSnapshot | None]:
+        """Newer snapshots (latest-wins), None when nothing changed for `keepalive_s`. With
+        `stopping`, the server's stop ends the iteration early (the last snapshot yielded is not
+        terminal then, and `stopping.stopped` is true): the stream ends with its error event."""
         controller = self.handle.controller
         seen = self.after_revision
         quiet = Quiet(keepalive_s) if keepalive_s else None
         try:
             while True:
-                if quiet is None:
-                    snap = await controller.next_snapshot(seen)
-                else:
-                    got = await controller.next_snapshot_or_quiet(seen, quiet)
-                    if got is None:
-                        yield None
-                        continue
-                    snap = got
+                task = None
+                if stopping is not None:
+                    if stopping.stopped:
+                        return
+                    task = stopping.enter()
+                got: TurnSnapshot | None
+                try:
+                    if quiet is None:
+                        got = await controller.next_snapshot(seen)
+                    else:
+                        got = await controller.next_snapshot_or_quiet(seen, quiet)
+                except asyncio.CancelledError:
+                    if stopping is not None and stopping.caught(task):
+                        return
+                    raise
+                finally:
+                    if stopping is not None:
+                        stopping.leave(task)
+                if got is None:
+                    yield None
+                    continue
+                snap = got
                 seen = snap.revision
                 yield snap
                 if snap.status in TERMINAL_STATUSES:
@@ -513,10 +532,26 @@ async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bo
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Handler:
-    """One endpoint: dispatch by method (405 otherwise), errors as OpenAI objects, metrics."""
+def api_route(metrics: Metrics, route: str, methods: dict[str, Handler], stopping: Stopping | None = None) -> Handler:
+    """One endpoint: dispatch by method (405 otherwise), errors as OpenAI objects, metrics. A
+    handler still running when the server stops answers 503 `server_shutting_down` (stopping.py)."""
 
     allow = ", ".join(sorted(methods))
+
+    async def guarded(handler: Handler, request: Request) -> Response:
+        if stopping is None:
+            return await handler(request)
+        if stopping.stopped:
+            raise shutting_down()
+        task = stopping.enter()
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            if stopping.caught(task):
+                raise shutting_down() from None
+            raise
+        finally:
+            stopping.leave(task)
 
     async def endpoint(request: Request) -> Response:
         handler = methods.get(request.method)
@@ -532,7 +567,7 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler]) -> Hand
             )
         else:
             try:
-                response = await handler(request)
+                response = await guarded(handler, request)
             except ApiError as exc:
                 response = error_response(exc.status, exc.message, code=exc.code, param=exc.param, headers=exc.headers)
             except KernelError as exc:

@@ -20,15 +20,18 @@ from appserver.http.conversation_match import ConversationMatcher
 from appserver.http.errors import ApiError
 from appserver.http.metrics import Metrics
 from appserver.http.responses import Responses
+from appserver.http.stopping import Stopping
 from appserver.server import Server
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]  # api_route answers each
 
 
-def openai_routes(server: Server, metrics: Metrics) -> list[BaseRoute]:
+def openai_routes(server: Server, metrics: Metrics, stopping: Stopping | None = None) -> list[BaseRoute]:
+    """`stopping`: the server's stop answers what still waits with an OpenAI error (stopping.py)."""
+    stopping = stopping or Stopping()
     matcher = ConversationMatcher(server)  # one for both routes: they match on the same history points
-    chat = ChatCompletions(server, metrics, matcher)
-    responses = Responses(server, metrics, matcher)
+    chat = ChatCompletions(server, metrics, matcher, stopping)
+    responses = Responses(server, metrics, matcher, stopping)
 
     async def list_models(request: Request) -> Response:
         agents = await server.store.list_agents()
@@ -50,7 +53,7 @@ def openai_routes(server: Server, metrics: Metrics) -> list[BaseRoute]:
         return json_response(model_object(agent, model_id))
 
     def route(path: str, name: str, methods: dict) -> Route:  # type: ignore[type-arg]
-        return Route(path, api_route(metrics, name, methods), methods=ALL_METHODS)
+        return Route(path, api_route(metrics, name, methods, stopping), methods=ALL_METHODS)
 
     return [
         route("/v1/models", "/v1/models", {"GET": list_models}),

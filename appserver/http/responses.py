@@ -60,6 +60,7 @@ from appserver.http.conversation_match import (
 )
 from appserver.http.errors import ApiError, bad_request, turn_failure
 from appserver.http.sse import SSEItem, SSEResponse
+from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
 from appserver.store.records import AgentRecord, ResponseRecord
@@ -584,10 +585,13 @@ def final_status(snap: TurnSnapshot) -> str:
 
 
 class Responses:
-    def __init__(self, server: Server, metrics: Metrics, matcher: ConversationMatcher) -> None:
+    def __init__(
+        self, server: Server, metrics: Metrics, matcher: ConversationMatcher, stopping: Stopping | None = None
+    ) -> None:
         self.server = server
         self.metrics = metrics
         self.matcher = matcher
+        self.stopping = stopping or Stopping()  # the server's stop ends a waiting stream with an error
 
     async def _stored(self, request: Request) -> ResponseRecord:
         rid = request.path_params["response_id"]
@@ -960,7 +964,7 @@ class _Run:
                 states: dict[int, dict[str, Any]] = {}  # absolute block index → progress
                 out_index = 0
                 last: TurnSnapshot | None = None
-                async for snap in self.run.snapshots(self.keepalive):
+                async for snap in self.run.snapshots(self.keepalive, self.route.stopping):
                     if snap is None:
                         yield None
                         continue
@@ -987,7 +991,13 @@ class _Run:
                             break
                     if settled:
                         break
-                assert last is not None
+                if last is None or not self.settled(last):  # the server stops (the only other way out)
+                    # `response.failed`, as a failed turn's stream ends; nothing stored, no replay.
+                    err = shutting_down()
+                    body = response_body(shape, status="failed", output=[], snap=last)
+                    body["error"] = {"code": "server_error", "message": f"{err.message} [{err.code}]"}
+                    yield ev("response.failed", response=body)
+                    return
                 body = await self.finalize(last)
                 terminal = {
                     "completed": "response.completed",

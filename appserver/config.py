@@ -48,6 +48,7 @@ DEFAULT_CONFIG_TOML = """\
 # body_timeout_s = 30             # a request body may pause this long (408)
 # body_min_rate_bytes_s = 1024    # after body_timeout_s, a body must average at least this (408)
 # keepalive_timeout_s = 5         # an idle connection is closed after this
+# send_timeout_s = 30             # a client that takes no byte of a pending reply this long is cut off
 # min_free_disk_bytes = 16777216  # /readyz reports not ready below this free space (0 = off)
 
 [store]
@@ -114,6 +115,7 @@ class LimitsConfig:
     body_timeout_s: float = 30.0  # a request body that sends nothing for this long ends (408)
     body_min_rate_bytes_s: int = 1024  # past body_timeout_s, a body slower than this on average ends (408); 0 = off
     keepalive_timeout_s: float = 5.0  # an idle connection (no request in progress) is closed after this
+    send_timeout_s: float = 30.0  # a client that takes no byte of a reply waiting for it this long is cut off
     max_messages: int = 2048  # entries in `messages` / `input` per request (400 beyond)
     approval_timeout_s: float = 600.0
     client_tool_timeout_s: float = 300.0
@@ -220,6 +222,7 @@ RULES: dict[str, Rule] = {
     "limits.body_timeout_s": _POSITIVE,
     "limits.body_min_rate_bytes_s": _NON_NEGATIVE,  # 0 = no minimum rate
     "limits.keepalive_timeout_s": _POSITIVE,
+    "limits.send_timeout_s": _POSITIVE,
     "limits.max_messages": _AT_LEAST_ONE,
     "limits.approval_timeout_s": _POSITIVE,
     "limits.client_tool_timeout_s": _POSITIVE,

@@ -10,6 +10,9 @@ connection and before any auth work:
   if nothing was answered yet; the app sees a disconnect);
 * an idle timeout (`keepalive_timeout_s`) on a fresh connection before its first byte, as uvicorn
   already does between requests;
+* a send timeout (`send_timeout_s`): a client that takes no byte of a reply waiting for it (more
+  than the low-water mark unsent, or anything once a close was asked for, since a close waits for
+  the buffer to drain) is aborted, and the requests on it see a disconnect (`PassWrites`);
 * a global connection cap counted at accept (`max_connections`, default derived from the fd
   limit): beyond it a connection gets an immediate 503 and is closed, so descriptors never run out.
 
@@ -31,10 +34,16 @@ hot loop once descriptors do run out) to one line per interval.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import fcntl
 import json
 import logging
 import resource
+import socket
+import struct
+import sys
+import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,6 +149,7 @@ class EdgeLimits:
     body_min_rate: int
     keepalive_timeout_s: float
     max_connections: int
+    send_timeout_s: float = 30.0
     refusals: LogThrottle = field(default_factory=LogThrottle, compare=False)
 
     @classmethod
@@ -151,6 +161,7 @@ class EdgeLimits:
             body_min_rate=int(limits.body_min_rate_bytes_s),
             keepalive_timeout_s=float(limits.keepalive_timeout_s),
             max_connections=connection_cap(int(limits.max_connections)),
+            send_timeout_s=float(limits.send_timeout_s),
         )
 
 
@@ -185,6 +196,12 @@ UPGRADE_EARLY_MAX_BYTES = HIGH_WATER_LIMIT
 IDLE, HEAD, BODY = 0, 1, 2
 
 
+# Linux's SIOCOUTQ (= TIOCOUTQ): the bytes a TCP socket holds that its peer has not acknowledged.
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform.startswith("linux") else None
+# How often a stalled send is looked at, per `send_timeout_s`: a stall is cut within 1¼ of it.
+SEND_CHECKS = 4
+
+
 class PassWrites:
     """A connection's transport whose writes made in one event-loop pass go out as one send.
 
@@ -193,14 +210,48 @@ class PassWrites:
     two. The first write of a pass is held and the rest appended; the whole goes out when the pass
     ends (`call_soon`), or at once when the connection is closed or handed on, so nothing waits
     longer than the pass that wrote it.
+
+    It also bounds how long a client that does not read can hold the connection (`send_timeout_s`,
+    0 = never): while the transport's buffer stays above its low-water mark (a reply blocked on
+    flow control, or one complete but not taken), or any byte of it stays unsent after a close was
+    asked for (a close waits for the buffer to drain), the client must take bytes: past
+    `send_timeout_s` without one, the connection is aborted, its buffer dropped, and the protocol's
+    `connection_lost` disconnects the requests on it. Taken means acknowledged by the client's TCP
+    (`_taken`), not time passing: a slow reader moves it at every window it opens. An empty buffer
+    (an SSE stream waiting for a slow model) is never timed. `watch_open` (the HTTP protocol's)
+    turns the check of an open connection off once it is handed to the WebSocket protocol, which
+    has its own (`ws_send_timeout_s`, pings); a close is watched for both. One timer at most, only
+    while stalled; `release` (from `connection_lost`) cancels it.
     """
 
-    __slots__ = ("raw", "_loop", "_held")
+    __slots__ = (
+        "raw",
+        "_loop",
+        "_held",
+        "sent",
+        "send_timeout_s",
+        "watch_open",
+        "_closing",
+        "_watch",
+        "_mark",
+        "_since",
+        "_under",
+    )
 
-    def __init__(self, raw: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, raw: asyncio.Transport, loop: asyncio.AbstractEventLoop, send_timeout_s: float = 0.0) -> None:
         self.raw = raw
         self._loop = loop
         self._held: list[bytes] | None = None
+        self.sent = 0  # bytes handed to the transport
+        self.send_timeout_s = send_timeout_s
+        self.watch_open = True
+        self._closing = False  # a close (or EOF) was asked for: every byte must still leave
+        self._watch: asyncio.TimerHandle | None = None
+        self._mark = 0  # bytes the client had taken at the last progress
+        self._since = 0.0  # when that was
+        # Under TLS (asyncio's), the socket's own transport: a reply written at once is encrypted
+        # straight into its buffer, which the TLS transport's size does not count.
+        self._under: asyncio.Transport | None = getattr(getattr(raw, "_ssl_protocol", None), "_transport", None)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         held = self._held
@@ -208,6 +259,7 @@ class PassWrites:
             held.append(bytes(data))
             return
         if self.raw.is_closing():
+            self.sent += len(data)
             self.raw.write(data)  # asyncio's own handling of a write after close
             return
         self._held = [bytes(data)]
@@ -217,25 +269,111 @@ class PassWrites:
         held = self._held
         if held is not None:
             self._held = None
-            self.raw.write(held[0] if len(held) == 1 else b"".join(held))
+            data = held[0] if len(held) == 1 else b"".join(held)
+            self.sent += len(data)
+            self.raw.write(data)
+            if self._watch is None and self.send_timeout_s > 0 and self._stalled():
+                self._arm()
 
     def close(self) -> None:
+        self._closing = True
         self.flush()
         self.raw.close()
+        if self._watch is None and self.send_timeout_s > 0 and self._stalled():
+            self._arm()
 
     def abort(self) -> None:
         self._held = None
+        self.release()
         self.raw.abort()
 
     def write_eof(self) -> None:
+        self._closing = True
         self.flush()
         self.raw.write_eof()
+        if self._watch is None and self.send_timeout_s > 0 and self._stalled():
+            self._arm()
 
     def is_closing(self) -> bool:
         return self.raw.is_closing()
 
     def get_write_buffer_size(self) -> int:
         return self.raw.get_write_buffer_size() + sum(map(len, self._held or ()))
+
+    def release(self) -> None:
+        """Stop watching for good (the connection is gone): the timer, and its reference to this, go."""
+        self.send_timeout_s = 0.0  # nothing arms it again (uvicorn closes a lost transport once more)
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    # ── the send timeout ──────────────────────────────────────────────────────────────────────
+
+    def _stalled(self) -> bool:
+        """Whether what waits in the transport is the client's to take: anything, once a close
+        was asked for; above the low-water mark (where flow control blocks a reply) otherwise."""
+        size = self._buffered()
+        if size <= 0:
+            return False
+        if self._closing:
+            return True
+        return self.watch_open and size > self.raw.get_write_buffer_limits()[0]
+
+    def _buffered(self) -> int:
+        under = self._under
+        try:
+            size = self.raw.get_write_buffer_size()
+            return size if under is None else size + under.get_write_buffer_size()
+        except AttributeError:  # asyncio's TLS transport, once its connection is lost
+            return 0
+
+    def _arm(self) -> None:
+        self._mark = self._taken()
+        self._since = self._loop.time()
+        self._watch = self._loop.call_later(self.send_timeout_s / SEND_CHECKS, self._check)
+
+    def _check(self) -> None:
+        self._watch = None
+        if not self._stalled():  # drained (below low water), or the connection is gone
+            return
+        now = self._loop.time()
+        taken = self._taken()
+        if taken > self._mark:
+            self._mark, self._since = taken, now
+        elif now - self._since >= self.send_timeout_s * 0.999:  # timers may fire a tick early
+            peer = self.raw.get_extra_info("peername")
+            log.info(
+                "%s took no byte of its reply for %g s ([limits] send_timeout_s), %d bytes unsent: "
+                "aborting the connection",
+                f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client",
+                self.send_timeout_s,
+                self._buffered(),
+            )
+            sock = self.raw.get_extra_info("socket")
+            if sock is not None:  # a reset: the kernel drops what it holds for the client too
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.abort()  # the protocol's connection_lost disconnects what runs on it
+            return
+        tick = self.send_timeout_s / SEND_CHECKS
+        self._watch = self._loop.call_later(min(tick, self._since + self.send_timeout_s - now), self._check)
+
+    def _taken(self) -> int:
+        """Bytes the client has taken: handed over, less what the transport still holds and what
+        the kernel holds unacknowledged (Linux; elsewhere what left the transport)."""
+        return self.sent - self._buffered() - self._unacked()
+
+    def _unacked(self) -> int:
+        if _OUTQ is None:
+            return 0
+        sock = self.raw.get_extra_info("socket")
+        try:
+            fd = sock.fileno() if sock is not None else -1
+            if fd < 0:
+                return 0
+            return int(struct.unpack("i", fcntl.ioctl(fd, _OUTQ, b"\0\0\0\0"))[0])
+        except (OSError, ValueError, AttributeError):
+            return 0
 
     def __getattr__(self, name: str) -> Any:  # get_extra_info, pause_reading, set_protocol, …
         return getattr(self.raw, name)
@@ -314,7 +452,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                 )
             return
         super().connection_made(transport)
-        self.transport = PassWrites(transport, self.loop)  # type: ignore[assignment]
+        self.transport = PassWrites(transport, self.loop, self.limits.send_timeout_s)  # type: ignore[assignment]
         self.flow = self._body_flow = _BodyFlow(transport, self._body_wanted)
         # uvicorn arms its keep-alive timer only after a response; a fresh connection gets it too.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
@@ -328,6 +466,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                 timer.cancel()
         self._linger_timer = self._held_timer = None
         self._upgrade_early = None
+        cast(PassWrites, self.transport).release()  # its send timeout's timer
         self._disconnect_all()
         super().connection_lost(exc)
         # The flow control calls back into this protocol: a reference cycle that would keep the
@@ -408,7 +547,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     def handle_websocket_upgrade(self) -> None:
         # The WebSocket protocol writes through the same `PassWrites`: a reply to a request sent
         # before the upgrade on this connection may still be held, and must go out before the 101.
+        # Its send timeout keeps watching a close; an open WebSocket has its own (ws_send_timeout_s).
         self._cancel_timers()
+        cast(PassWrites, self.transport).watch_open = False
         super().handle_websocket_upgrade()
 
     def send_400_response(self, msg: str) -> None:
@@ -727,3 +868,18 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             send_response(response)
 
         self.conn.send_response = stamped  # type: ignore[method-assign]
+
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if self.initial_response is not None and self.close_sent and not self.handshake_complete:
+            # A refusal answered over HTTP (the `websocket.http.response` extension, which the
+            # guard uses: a 403 for a foreign Origin, …) is the handshake's end, as an accept or a
+            # close before accept is; uvicorn does not mark it so, and once the app returned it
+            # logged "ASGI callable returned without completing handshake." for every one.
+            self.handshake_complete = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        release = getattr(self.transport, "release", None)  # PassWrites: its send timeout's timer
+        if release is not None:
+            release()
+        super().connection_lost(exc)

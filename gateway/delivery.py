@@ -151,8 +151,11 @@ class ReplySink:
     interval: float = 1.0
     parts: list[_Part] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
-    # Called with every id the reply occupies as soon as a new part was sent, so a crash after the
-    # platform accepted a part does not send that part again (the ledger notes them).
+    # Called with every id the reply occupies as soon as a new part was sent (no await in between), so
+    # a restart continues in those messages instead of sending them again (the ledger notes them).
+    # The one exception: a crash while a send is in flight (performed by the platform, its answer not
+    # read yet) sends that part again after the restart; a platform without idempotent sends
+    # (Telegram's sendMessage) cannot be asked whether it arrived. docs/channels.md, "Exactly once".
     on_sent: Callable[[list[str]], None] | None = None
     key: str | None = None  # the reply's identity; each part is sent with `key:index` (Target.key)
     _last: float = -1e9

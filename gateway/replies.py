@@ -3,7 +3,8 @@
 One follower per turn (`follow`): the turn's snapshots grow a `ReplySink` in place (paced about one
 edit per second, the end never held back long), the final text is written to the ledger before it
 is delivered, and the platform ids are noted as each part goes out, so a restart continues the same
-reply instead of sending it again. Replies to one chat go out in their messages' order
+reply instead of sending it again (only a part whose send was in flight at the crash goes out twice:
+see `ReplySink.on_sent`). Replies to one chat go out in their messages' order
 (`ChatOrder`); the typing indicator runs while a turn does.
 """
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,6 +93,38 @@ def test_the_fake_refuses_what_telegram_refuses() -> None:
         with pytest.raises(EntityParseError):
             parse_html(bad)
     assert parse_html('<a href="https://e.com/?a=1&amp;b=2">x</a> &lt;&#33;') == "x <!"
+
+
+def test_the_fakes_crash_hooks_run_at_their_step_before_the_client_sees_the_answer() -> None:
+    """A crash test kills the bot at the step its hook names, never later: every hook has run before
+    the answer it precedes is written, however long it takes (a hook run after the answer, in a worker
+    thread, lagged 100 ms and more on a loaded machine, and the client went on meanwhile)."""
+    seen: list[str] = []
+
+    def slow(what: str) -> None:
+        time.sleep(0.2)  # an answer written before the hook ended would be read first
+        seen.append(what)
+
+    with FakeTelegram() as tg:
+        tg.on_request = lambda method, params: slow(f"request {method}")
+        tg.on_delivery = lambda ids: slow(f"delivery of {len(ids)}")
+        tg.on_answer = lambda call: slow(f"answer {call.method} {call.status}, {len(tg.messages(7))} in the chat")
+        tg.dm("hi", user_id=7)
+        base = f"{tg.url}/bot{tg.token}"
+        with httpx.Client(timeout=10) as client:
+            assert len(client.post(f"{base}/getUpdates", json={"timeout": 0}).json()["result"]) == 1
+            seen.append("the client read the update")
+            assert client.post(f"{base}/sendMessage", json={"chat_id": 7, "text": "hello"}).json()["ok"]
+            seen.append("the client read the send")
+    assert seen == [
+        "request getUpdates",
+        "delivery of 1",
+        "answer getUpdates 200, 0 in the chat",
+        "the client read the update",
+        "request sendMessage",
+        "answer sendMessage 200, 1 in the chat",  # performed: in the chat before its answer leaves
+        "the client read the send",
+    ]
 
 
 # ---------------------------------------------------------------------- the adapter against the fake

@@ -29,6 +29,12 @@ Telegram semantics kept on purpose:
   found"; a chat that blocked or removed the bot is 403;
 - with `privacy_mode=True`, group messages reach the bot only when they mention it, reply to it or are
   commands (Telegram's default for bots in groups).
+
+Crash hooks (`on_request`, `on_answer`, `on_delivery`) let a test kill the bot's process at one exact
+step of the wire: each runs synchronously on the fake's event loop, at its step, before the fake serves
+anything else. Never in a worker thread after the answer: a hook that lags behind its step (as a
+starlette background task does on a loaded machine, by 100 ms and more) kills the client at whatever
+step it reached meanwhile, e.g. with a reply's sendMessage already performed and its answer unread.
 """
 
 from __future__ import annotations
@@ -44,7 +50,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -248,7 +253,16 @@ class FakeTelegram(LoopbackServer):
         self.bot_id = bot_id
         self.username = username
         self.privacy_mode = privacy_mode
-        self.on_delivery: Callable[[list[int]], None] | None = None  # called after an answer with updates is sent
+        # Crash hooks (see the module docstring): quick, synchronous, each at its exact step.
+        # `on_request(method, params)`: a call arrived; the fake has not acted on it yet (it will).
+        self.on_request: Callable[[str, dict[str, Any]], None] | None = None
+        # `on_answer(call)`: the fake acted on a call (a send is in the chat, an offset acknowledged)
+        # and its answer is not written yet: the client has not seen it.
+        self.on_answer: Callable[[Call], None] | None = None
+        # `on_delivery(update_ids)`: an answer carrying these updates is about to be written; they
+        # count as delivered (Telegram keeps them until an offset passes them), the client has not
+        # read them yet.
+        self.on_delivery: Callable[[list[int]], None] | None = None
         self._lock = threading.RLock()
         self._updates: list[dict[str, Any]] = []
         self._next_update_id = 100
@@ -603,12 +617,14 @@ class FakeTelegram(LoopbackServer):
 
     # ------------------------------------------------------------------ server side
 
-    def _answer(
-        self, method: str, params: dict[str, Any], status: int, body: dict[str, Any], background: Any = None
-    ) -> JSONResponse:
+    def _answer(self, method: str, params: dict[str, Any], status: int, body: dict[str, Any]) -> JSONResponse:
+        call = Call(method, params, status, time.monotonic(), body)
         with self._lock:
-            self._calls.append(Call(method, params, status, time.monotonic(), body))
-        return JSONResponse(body, status_code=status, background=background)
+            self._calls.append(call)
+        hook = self.on_answer
+        if hook is not None:
+            hook(call)
+        return JSONResponse(body, status_code=status)
 
     @staticmethod
     def _error(status: int, description: str, retry_after: int | None = None) -> dict[str, Any]:
@@ -645,6 +661,9 @@ class FakeTelegram(LoopbackServer):
             return self._answer(method, params, 401, self._error(401, "Unauthorized"))
         if method not in METHODS:
             return self._answer(method, params, 404, self._error(404, "Not Found"))
+        hook = self.on_request
+        if hook is not None:
+            hook(method, params)
         failure = self._take_failure(method)
         if failure is not None:
             body = self._error(failure.status, failure.description, failure.retry_after)
@@ -706,11 +725,8 @@ class FakeTelegram(LoopbackServer):
                     if batch or closing or deadline <= time.monotonic():
                         ids = [u["update_id"] for u in batch]
                         answered.extend(ids)
-                        hook = self.on_delivery if ids else None
                         body = {"ok": True, "result": json.loads(json.dumps(batch))}
-                        background = BackgroundTask(hook, ids) if hook is not None else None
-                        self._calls.append(Call("getUpdates", params, 200, time.monotonic(), body))
-                        return JSONResponse(body, background=background)
+                        break
                 assert self._wake is not None
                 wake = asyncio.ensure_future(self._wake.wait())
                 stop = asyncio.ensure_future(superseded.wait())
@@ -726,6 +742,10 @@ class FakeTelegram(LoopbackServer):
         finally:
             if self._held is superseded:
                 self._held = None
+        hook = self.on_delivery
+        if ids and hook is not None:
+            hook(ids)
+        return self._answer("getUpdates", params, 200, body)
 
     def _dispatch(self, method: str, p: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         def bad(description: str, status: int = 400) -> tuple[int, dict[str, Any]]:

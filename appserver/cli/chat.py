@@ -32,8 +32,8 @@ from typing import Any
 import click
 
 from appserver.cli.common import fail, get_config, live_server_or_fail
-from appserver.cli.run import server_url_source
-from appserver.client import TERMINAL, ProtocolClient, ProtocolError
+from appserver.cli.run import USAGE_ERRORS, reconnect_wait_option, server_url_source, token_hint
+from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 ERASE_LINE = "\r\x1b[K"
@@ -275,6 +275,7 @@ class Chat:
         self.held: list[str] = []
         self.eof = False
         self.exit_code: int | None = None
+        self.lost = False  # the connection is gone for good (said once; exit 1)
         self.tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ screen
@@ -327,11 +328,25 @@ class Chat:
             elif kind == "notice":
                 self.notice(value)
             elif kind == "closed":
-                self.screen.fresh_line()
-                click.echo(f"error: {value}", err=True)
-                return 1
+                self.gone(value)
         self.screen.fresh_line()
         return self.exit_code
+
+    def gone(self, why: str) -> None:
+        """The connection is gone for good (no server to reconnect to): say why once, leave with 1."""
+        if not self.lost:
+            self.lost = True
+            self.screen.fresh_line()
+            click.echo(f"error: {why}", err=True)
+        self.exit_code = 1
+
+    def refused(self, exc: ProtocolError, what: str = "") -> None:
+        """A request failed: the server said no (shown; the session goes on), or the connection is
+        gone for good (the session ends, exit 1: lines typed after it would be lost silently)."""
+        if exc.code == "connection_closed" or self.client.gone:
+            self.gone(exc.message)
+        else:
+            self.screen.line(f"error: {what}{exc.message}")
 
     def follow(self, turn_id: str) -> None:
         self.turn, self.cancelling = turn_id, False
@@ -345,6 +360,9 @@ class Chat:
             try:
                 text = report(await self.client.request(frame))
             except ProtocolError as exc:
+                if exc.code == "connection_closed" or self.client.gone:
+                    self.events.put_nowait(("closed", exc.message))
+                    return
                 text = f"error: {exc.message}"
             if text:
                 self.events.put_nowait(("notice", text))
@@ -395,7 +413,10 @@ class Chat:
                 self.screen.write(PROMPT + text + "\n")
                 await self.line(text)
             elif self.eof:
-                self.exit_code = 0
+                if self.client.gone:  # the input ended as the connection did: that is no success
+                    self.gone(self.client.closed_message())
+                else:
+                    self.exit_code = 0
             else:
                 if not self.editor.visible:
                     self.prompt()
@@ -431,7 +452,7 @@ class Chat:
                 await self.client.request({"type": "subscribe", "conversation": self.conv_id})
                 self.screen.line(f"new conversation {self.conv_id}")
             except ProtocolError as exc:
-                self.screen.line(f"error: {exc.message}")
+                self.refused(exc)
             return
         send = text[1:] if text.startswith("//") else text
         try:
@@ -439,7 +460,7 @@ class Chat:
                 self.agent_id, send, self.conv_id, source={"client": "chat"}, idempotency_key=f"chat-{uuid.uuid4().hex}"
             )
         except ProtocolError as exc:
-            self.screen.line(f"error: {exc.message}")
+            self.refused(exc, "line too long: " if exc.code == "frame_too_large" else "")
             return
         self.follow(ack["turn_id"])
         if ack.get("queue_position"):
@@ -649,12 +670,7 @@ async def chat(
 @click.option("--url", default=None, help="Server URL (default: the server running on this home).")
 @click.option("--token", default=None, envvar="APPSERVER_TOKEN", help="Bearer token when the server requires one.")
 @click.option("--show-reasoning", is_flag=True, help="Show the model's reasoning (dimmed); hidden by default.")
-@click.option(
-    "--reconnect-wait",
-    default=30.0,
-    show_default=True,
-    help="Seconds to wait for the server (or a standby taking over) after the connection drops.",
-)
+@reconnect_wait_option()
 def chat_command(
     agent: str, conversation: str, url: str | None, token: str | None, show_reasoning: bool, reconnect_wait: float
 ) -> None:
@@ -667,10 +683,20 @@ def chat_command(
             fail("no server is running on this home: start `appserver serve` (or give --url)", 3)
         url = str(live["url"])
         url_source = server_url_source(server_json)
+    else:
+        try:
+            check_url(url)
+        except ConnectError as exc:
+            fail(f"--url: {exc.message}", 2)
     try:
         code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source))
-    except ProtocolError as exc:
-        fail(exc.message, 2)
+    except ProtocolError as exc:  # ConnectError too: a refused upgrade (401/403 …), a bad URL
+        fail(
+            exc.message + token_hint(exc.code, "give --token or set APPSERVER_TOKEN"),
+            2 if exc.code in USAGE_ERRORS else 1,
+        )
     except OSError as exc:
         fail(f"cannot reach the server at {url}: {exc}", 1)
+    except TimeoutError:
+        fail(f"the server at {url} did not answer in time", 1)
     sys.exit(code)

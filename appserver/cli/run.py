@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import shlex
 import sys
 import uuid
@@ -19,6 +20,36 @@ from appserver.server import Server
 from appserver.serverinfo import read_live_server
 
 T = TypeVar("T")
+
+
+class Seconds(click.ParamType[float]):
+    """A finite number of seconds, at least 0 (`zero`) or more than 0: `-1`, `nan` and `inf` are
+    usage errors (exit 2), not a wait that never ends or ends at once."""
+
+    name = "seconds"
+
+    def __init__(self, *, zero: bool) -> None:
+        self.zero = zero
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not self.zero):
+            self.fail(f"{value!r}: give a finite number of seconds {'≥ 0' if self.zero else '> 0'}", param, ctx)
+        return seconds
+
+
+def reconnect_wait_option() -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--reconnect-wait` of `run` and `chat`."""
+    return click.option(
+        "--reconnect-wait",
+        default=30.0,
+        show_default=True,
+        type=Seconds(zero=True),
+        help="Seconds to wait for the server (or a standby taking over) after the connection drops (0: do not wait).",
+    )
 
 
 def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: str) -> int:
@@ -57,13 +88,10 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
 @click.option("--deny", "deny", multiple=True, help="Deny a pending call (repeatable).")
 @click.option("--reason", default=None, help="Reason given with --deny.")
 @click.option("--idempotency-key", default=None)
-@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
 @click.option(
-    "--reconnect-wait",
-    default=30.0,
-    show_default=True,
-    help="Seconds to wait for the server (or a standby taking over) after the connection drops.",
+    "--timeout", default=600.0, show_default=True, type=Seconds(zero=False), help="Seconds to wait for the turn."
 )
+@reconnect_wait_option()
 @click.option("--json", "as_json", is_flag=True)
 @click.argument("text", required=False)
 def run_command(
@@ -163,6 +191,8 @@ def snapshot_from_dict(d: dict[str, Any]) -> TurnSnapshot:
 USAGE_ERRORS = frozenset(
     {
         "bad_frame",
+        "frame_too_large",
+        "invalid_url",
         "invalid_request",
         "not_found",
         "agent_not_found",
@@ -272,9 +302,14 @@ def call_server(go: Callable[[], Coroutine[Any, Any, T]], url: str, timeout: flo
     except TimeoutError:
         fail(f"the turn did not settle within {timeout:g} s", 1)
     except ProtocolError as exc:
-        fail(exc.message, 2 if exc.code in USAGE_ERRORS else 1)
+        fail(exc.message + token_hint(exc.code, "set APPSERVER_TOKEN"), 2 if exc.code in USAGE_ERRORS else 1)
     except OSError as exc:
         fail(f"cannot reach the server at {url}: {exc}", 1)
+
+
+def token_hint(code: str, how: str) -> str:
+    """What to do about a server that wants a token the command did not send."""
+    return f" ({how})" if code == "missing_api_key" else ""
 
 
 def snapshot_summary(snapshot: TurnSnapshot) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 It imports nothing of the server (tests/test_client_package.py checks), so the CLI's remote
 commands, the examples and the gateway child process can speak the protocol exactly as a desktop
 app would, without loading the kernel. `ProtocolClient` is the connection (reconnect with backoff,
-resubscribe, resume); `frames` holds the frame types; `ProtocolError`/`Closed` are what it raises.
+resubscribe, resume); `frames` holds the frame types; `ProtocolError` (a refused frame),
+`ConnectError` (a bad URL, an upgrade the server refused: 401/403) and `Closed` are what it raises;
+network failures are `OSError`.
 
     from appserver.client import ProtocolClient
 
@@ -15,10 +17,10 @@ resubscribe, resume); `frames` holds the frame types; `ProtocolError`/`Closed` a
 from __future__ import annotations
 
 from appserver.client import frames
-from appserver.client.auth import TokenSource, ws_url
+from appserver.client.auth import TokenSource, check_url, ws_url
 from appserver.client.buffer import FrameBuffer
 from appserver.client.connection import ProtocolClient, resendable
-from appserver.client.errors import Closed, ProtocolError
+from appserver.client.errors import Closed, ConnectError, ProtocolError
 from appserver.client.frames import PROTOCOL_VERSION, TERMINAL, ClientFrame, ServerFrame, Snapshot
 from appserver.client.resume import lost_snapshot, settled_from_history
 
@@ -27,12 +29,14 @@ __all__ = [
     "TERMINAL",
     "ClientFrame",
     "Closed",
+    "ConnectError",
     "FrameBuffer",
     "ProtocolClient",
     "ProtocolError",
     "ServerFrame",
     "Snapshot",
     "TokenSource",
+    "check_url",
     "frames",
     "lost_snapshot",
     "resendable",

@@ -8,9 +8,14 @@ does. The token travels only in the `Authorization` header, never in a URL or a 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from appserver.client.errors import ConnectError
 
 TokenSource = str | Callable[[], str | None] | None
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+")  # what a bearer token can be, in a header
 
 
 def ws_url(base: str) -> str:
@@ -23,12 +28,39 @@ def ws_url(base: str) -> str:
     return base if base.endswith("/ws") else base + "/ws"
 
 
+def check_url(base: str) -> str:
+    """`ws_url(base)`, or `ConnectError` (`invalid_url`, fatal) saying what is wrong with it."""
+    url = ws_url(base.strip())
+
+    def bad(why: str) -> ConnectError:
+        return ConnectError("invalid_url", f"invalid server URL {base!r}: {why}", fatal=True)
+
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    if parts.scheme not in ("ws", "wss"):
+        raise bad("it must start with http://, https://, ws:// or wss://")
+    if not parts.hostname:
+        raise bad("it names no host")
+    if parts.username is not None or parts.password is not None:
+        raise bad("credentials do not go in the URL; give a token")
+    return url
+
+
 def default_token(token: TokenSource) -> TokenSource:
     """The token as given, else `APPSERVER_TOKEN` from the environment (read once, at connect)."""
     return token if token is not None else os.environ.get("APPSERVER_TOKEN") or None
 
 
 def auth_headers(token: TokenSource) -> dict[str, str] | None:
-    """The handshake headers for `token` (a callable is asked now), or None without a token."""
+    """The handshake headers for `token` (a callable is asked now), or None without a token.
+    A token no header can carry (spaces, line breaks, non-ASCII) is `ConnectError` `invalid_api_key`."""
     value = token() if callable(token) else token
-    return {"Authorization": f"Bearer {value}"} if value else None
+    if not value:
+        return None
+    if _HEADER_SAFE.fullmatch(value) is None:
+        why = "the token holds characters no token has (spaces, line breaks, non-ASCII)"
+        raise ConnectError("invalid_api_key", why, fatal=True)
+    return {"Authorization": f"Bearer {value}"}

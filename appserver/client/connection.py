@@ -19,7 +19,14 @@ committed history (`resume.py`), so a caller waiting for an outcome always gets 
 Callers see two local frames, `{"type": "event", "name": "connection_lost" | "reconnected",
 "local": true, …}` (clients ignore event names they do not know). Requests in flight are re-sent
 when that is safe and fail with `Closed` otherwise. Without a server after `reconnect_s`, `frames()`
-ends and requests raise `Closed` with the reason.
+ends and requests raise `Closed` with the reason; a server that refuses the credential (401/403 at
+the upgrade) ends it at once, since retrying cannot help.
+
+Opening: a network failure is `OSError`; a bad URL or an upgrade the server refuses with an HTTP
+status is `ConnectError` (a `ProtocolError`), in one line (`the server at … refused the token (401
+invalid_api_key: …)`). A frame bigger than the server takes (its welcome's `max_frame_bytes`, else
+4 MiB) is refused before it is sent (`ProtocolError` `frame_too_large`): sent, it would end the
+connection.
 """
 
 from __future__ import annotations
@@ -33,11 +40,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import websockets
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from appserver.client.auth import TokenSource, auth_headers, default_token, ws_url
+from appserver.client.auth import TokenSource, auth_headers, check_url, default_token
 from appserver.client.buffer import DEFAULT_LIMIT, FrameBuffer
-from appserver.client.errors import Closed, ProtocolError
+from appserver.client.errors import Closed, ConnectError, ProtocolError
 from appserver.client.frames import PROTOCOL_VERSION, TERMINAL, ClientFrame
 from appserver.client.resume import lost_snapshot, settled_from_history
 
@@ -67,6 +74,9 @@ RESENDABLE = frozenset(
 )
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 2.0
 HISTORY_LIMIT = 500
+# The biggest frame a server takes when its welcome does not say (docs/protocol.md: 4 MiB); a
+# bigger one would end the connection (1009), so the client refuses to send it.
+DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
 
 
 def resendable(frame: dict[str, Any]) -> bool:
@@ -185,14 +195,28 @@ class ProtocolClient:
         return {"type": "hello", "protocol": PROTOCOL_VERSION, "client": self._client}
 
     async def _open(self, url: str) -> Any:
-        return await websockets.connect(
-            ws_url(url),
-            additional_headers=auth_headers(self._token),
-            open_timeout=self._open_timeout,
-            max_size=None,
-            ping_interval=20,
-            ping_timeout=60,
-        )
+        """A connection to `url`; what is not a network error (OSError) is `ConnectError`."""
+        target = check_url(url)
+        headers = auth_headers(self._token)
+        try:
+            return await websockets.connect(
+                target,
+                additional_headers=headers,
+                open_timeout=self._open_timeout,
+                max_size=None,
+                ping_interval=20,
+                ping_timeout=60,
+            )
+        except InvalidStatus as exc:
+            raise _refused(url, exc.response.status_code, bytes(exc.response.body or b"")) from None
+        except InvalidURI as exc:
+            raise ConnectError("invalid_url", f"invalid server URL {url!r}: {exc.msg}", fatal=True) from None
+        except TimeoutError:
+            raise ConnectError(
+                "connect_timeout", f"the server at {url} did not accept a connection within {self._open_timeout:g} s"
+            ) from None
+        except (InvalidHandshake, ConnectionClosed) as exc:
+            raise ConnectError("handshake_failed", f"no WebSocket server answered at {target}: {exc}") from None
 
     async def _call(self, ws: Any, frame: dict[str, Any], out: list[dict[str, Any]]) -> dict[str, Any]:
         """One request on a connection nobody else reads yet (handshakes); other frames go to `out`."""
@@ -283,7 +307,7 @@ class ProtocolClient:
                 "data": {"code": code, "reason": reason, "url": self.url, "reconnect_s": self._reconnect_s},
             }
         )
-        delay, last = BACKOFF_FIRST_S, f"{code} {reason}".strip()
+        delay, last, fatal = BACKOFF_FIRST_S, f"{code} {reason}".strip(), False
         while not self._closing:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -295,8 +319,9 @@ class ProtocolClient:
                 out: list[dict[str, Any]] = []
                 welcome = await asyncio.wait_for(self._rehandshake(ws, out), max(0.5, deadline - time.monotonic()))
             except ProtocolError as exc:
-                last = f"{exc.code}: {exc.message}"
-                if exc.code in FATAL_CODES:
+                last = exc.message if isinstance(exc, ConnectError) else f"{exc.code}: {exc.message}"
+                if exc.code in FATAL_CODES or getattr(exc, "fatal", False):
+                    fatal = True
                     break
             except (OSError, TimeoutError, ConnectionClosed, InvalidHandshake, InvalidURI, ValueError) as exc:
                 last = str(exc) or type(exc).__name__
@@ -325,10 +350,11 @@ class ProtocolClient:
                 await ws.close()
             await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, BACKOFF_MAX_S)
-        self.close_reason = (
-            f"lost the server at {self.url} ({code} {reason}".strip()
-            + f") and could not reconnect within {self._reconnect_s:g} s (last error: {last})"
-        )
+        lost = f"lost the server at {self.url} ({code} {reason}".strip() + ")"
+        if fatal:
+            self.close_reason = f"{lost} and it refused to reconnect: {last}"
+        else:
+            self.close_reason = f"{lost} and could not reconnect within {self._reconnect_s:g} s (last error: {last})"
         return False
 
     def _where(self) -> str:
@@ -449,13 +475,40 @@ class ProtocolClient:
         if self._gone:
             raise Closed("connection_closed", self.closed_message())
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """The biggest frame the server takes: what its welcome says, else the documented 4 MiB."""
+        limit = self.welcome.get("max_frame_bytes")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit
+        return DEFAULT_MAX_FRAME_BYTES
+
+    @property
+    def gone(self) -> bool:
+        """Whether the connection is gone for good (`closed_message()` says why)."""
+        return self._gone
+
+    def _encode(self, frame: dict[str, Any]) -> str:
+        """The frame as sent; one bigger than the server takes is refused here (`frame_too_large`):
+        the server would close the connection over it (1009)."""
+        text = json.dumps(frame)  # ASCII (non-ASCII is escaped), so its length is its size in bytes
+        limit = self.max_frame_bytes
+        if len(text) > limit:
+            raise ProtocolError(
+                "frame_too_large",
+                f"the {frame.get('type')} frame would be {len(text):,} bytes, over the server's limit of "
+                f"{limit:,} bytes per frame; it was not sent",
+            )
+        return text
+
     async def _send_raw(self, frame: dict[str, Any], pending: _Pending | None = None) -> None:
         """Send once a connection is up; a send that hits a dropped connection waits for the next."""
         while True:
             await self._usable()
             ws = self.ws
+            text = self._encode(frame)
             try:
-                await ws.send(json.dumps(frame))
+                await ws.send(text)
             except ConnectionClosed:
                 if not self._reconnect:
                     raise Closed("connection_closed", self.closed_message()) from None
@@ -544,6 +597,28 @@ class ProtocolClient:
                     return snap
 
         return await asyncio.wait_for(go(), timeout) if timeout else await go()
+
+
+def _refused(url: str, status: int, body: bytes) -> ConnectError:
+    """The upgrade the server answered with an HTTP error, said in one line: its status and, from
+    its JSON error body (the OpenAI shape), its code and message."""
+    code, said = f"http_{status}", ""
+    try:
+        error = json.loads(body.decode("utf-8")).get("error") or {}
+        if isinstance(error.get("code"), str) and error["code"]:
+            code = error["code"]
+        if isinstance(error.get("message"), str):
+            said = " ".join(error["message"].split())[:300]
+    except (ValueError, AttributeError):
+        pass
+    detail = f"{status} {code}" + (f": {said}" if said else "")
+    if status == 401:
+        what = "refused the token" if code != "missing_api_key" else "requires a token"
+    elif status == 403:
+        what = "refused the connection"
+    else:
+        what = "refused the WebSocket connection"
+    return ConnectError(code, f"the server at {url} {what} ({detail})", status=status, fatal=status in (401, 403))
 
 
 def _consume(future: asyncio.Future[dict[str, Any]]) -> None:

@@ -1,4 +1,5 @@
-"""The two errors a protocol client raises: the server refused a frame, or the connection is gone."""
+"""The errors a protocol client raises: the server refused a frame, the connection could not be
+opened, or the connection is gone."""
 
 from __future__ import annotations
 
@@ -15,3 +16,21 @@ class ProtocolError(Exception):
 
 class Closed(ProtocolError):
     """The connection is gone for good (or was lost before a reply that is unsafe to re-send)."""
+
+
+class ConnectError(ProtocolError):
+    """The connection could not be opened, and the network is not why (that is an `OSError`):
+
+    * `invalid_url`: not a URL a client can connect to (scheme, host, port);
+    * the server answered the WebSocket upgrade with an HTTP error (`status`): `code` is the one
+      its JSON error body gives (`invalid_api_key`, `insufficient_scope`, `websocket_refused`, …),
+      else `http_<status>`;
+    * `handshake_failed`: what answered is not a WebSocket server; `connect_timeout`.
+
+    `fatal`: trying again cannot help (401/403: the credential or the URL is refused; a bad URL),
+    so a reconnecting client gives up at once instead of retrying until its deadline."""
+
+    def __init__(self, code: str, message: str, *, status: int | None = None, fatal: bool = False) -> None:
+        super().__init__(code, message)
+        self.status = status
+        self.fatal = fatal

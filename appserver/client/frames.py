@@ -218,6 +218,7 @@ class Welcome(TypedDict):
     server: str
     connection_id: str
     subject: NotRequired[str | None]
+    max_frame_bytes: NotRequired[int | None]
     request_id: NotRequired[str | None]
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from appserver import fastjson
 from appserver.ws.codes import CLOSE_SLOW_CONSUMER
@@ -26,7 +29,42 @@ log = logging.getLogger("appserver.ws")
 
 
 def encode(frame: dict[str, Any]) -> str:
-    return fastjson.dumps(frame, default=str)
+    """A frame as JSON text that always goes out as UTF-8 (what a WebSocket text frame is)."""
+    try:
+        return orjson.dumps(frame, str).decode()  # fastjson.dumps's fast path, spelled out
+    except TypeError:
+        return _encode_slow(frame)
+
+
+def _encode_slow(frame: dict[str, Any]) -> str:
+    """What orjson refuses (integers beyond 64 bits, keys that are not strings, lone surrogates):
+    the standard library writes it, but it writes a lone surrogate as is, and such text cannot be
+    encoded as UTF-8, so sending it would fail. Client input never holds one (strictjson refuses
+    them), but text from elsewhere (an upstream's reply) may: it goes out as U+FFFD, as a decoder
+    shows bytes it cannot read, rather than failing the frame."""
+    text = fastjson.dumps(frame, default=str)
+    if _SURROGATE.search(text) is None:
+        return text
+    log.warning("a %r frame held a lone UTF-16 surrogate; it is sent as U+FFFD", frame.get("type"))
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_FRAME_TYPE = re.compile(r'"type":"([a-z_]{1,32})"')
+
+
+def _unsendable(text: str) -> str:
+    """The error frame sent in place of one that could not be sent (a bug: `encode` makes text
+    that always can be)."""
+    m = _FRAME_TYPE.search(text, 0, 200)
+    kind = m.group(1) if m else "unknown"
+    return encode(
+        {
+            "type": "error",
+            "code": "internal_error",
+            "message": f"the server could not send a {kind!r} frame to this connection; it was left out",
+        }
+    )
 
 
 class _Entry:
@@ -134,7 +172,20 @@ class Connection:
     def send(self, frame: dict[str, Any]) -> None:
         if "request_id" in frame and frame["request_id"] is None:
             frame = {k: v for k, v in frame.items() if k != "request_id"}
-        self.send_encoded(encode(frame))
+        try:
+            text = encode(frame)
+        except Exception:  # a bug (a value JSON cannot hold): one frame must not end the connection
+            log.exception("websocket %s: could not encode a %r frame", self.id, frame.get("type"))
+            rid = frame.get("request_id")
+            text = encode(
+                {
+                    "type": "error",
+                    **({"request_id": rid} if isinstance(rid, str) else {}),
+                    "code": "internal_error",
+                    "message": f"the server could not encode its {frame.get('type')!r} frame; it was left out",
+                }
+            )
+        self.send_encoded(text)
 
     def send_encoded(self, text: str) -> None:
         try:
@@ -168,11 +219,18 @@ class Connection:
                 raise
             try:
                 async with asyncio.timeout(self.send_timeout_s):  # no task per frame, unlike wait_for
-                    await self._send_text(text)
+                    try:
+                        await self._send_text(text)
+                    except UnicodeEncodeError:  # nothing was written: the frame failed, not the socket
+                        log.error("websocket %s: a frame could not be encoded as UTF-8; sent an error instead", self.id)
+                        await self._send_text(_unsendable(text))
             except TimeoutError:
                 self.kill(
                     CLOSE_SLOW_CONSUMER,
                     f"slow consumer: a frame could not be delivered within {self.send_timeout_s:g} s",
                 )
                 return
+            except Exception as exc:  # the socket is gone: the endpoint closes this connection
+                log.info("websocket %s: sending failed, closing: %r", self.id, exc)
+                raise
             self.sent += 1

@@ -52,7 +52,8 @@ class TextPart(_ClientShape):
 
 class ImagePart(_ClientShape):
     """An image by URL: `https://…`, `http://…` (the provider fetches it, as OpenAI's API does) or
-    a `data:image/…;base64,…` URL. Other schemes (`file:`, relative paths) are refused."""
+    a `data:image/…;base64,…` URL. Other schemes (`file:`, relative paths) are refused, and so is
+    a URL with space before its scheme: it is stored and sent on as given, which no fetch takes."""
 
     type: Literal["image"]
     url: str = Field(min_length=1)
@@ -61,8 +62,9 @@ class ImagePart(_ClientShape):
     @field_validator("url")
     @classmethod
     def _scheme(cls, url: str) -> str:
-        if not url.strip().lower().startswith(IMAGE_URL_SCHEMES):
-            raise ValueError("an image URL must start with https:, http: or data:image/")
+        if not url.lower().startswith(IMAGE_URL_SCHEMES):
+            spaced = " (without the space before it)" if url[:1].isspace() else ""
+            raise ValueError(f"an image URL must start with https:, http: or data:image/{spaced}")
         return url
 
 
@@ -297,6 +299,7 @@ class Welcome(_Frame):
     server: str
     connection_id: str
     subject: str | None = None
+    max_frame_bytes: int | None = None  # the biggest client frame taken (`limits.ws_frame_max_bytes`)
 
 
 class Ack(_Frame):

@@ -392,6 +392,7 @@ class Endpoint:
                 "server": SERVER_NAME,
                 "connection_id": conn.id,
                 "subject": conn.principal.subject,
+                "max_frame_bytes": int(self.server.config.limits.ws_frame_max_bytes),
             }
         )
 
@@ -550,7 +551,10 @@ class Endpoint:
 
     async def _conversation(self, conn: Connection, ref: str, agent_ref: str | None) -> ConversationRecord:
         """The conversation a frame names, if this credential may see it (namespace_allows);
-        unknown and not-yours get the same `conversation_not_found`."""
+        unknown and not-yours get the same `conversation_not_found`. An `agent` given with an id
+        must be the conversation's agent, as for `submit_input` (a client that shows "chatting with
+        X" must not be handed a conversation of Y)."""
+        agent: AgentRecord | None = None
         if ref in ("default", "new"):
             if ref == "new" or not agent_ref:
                 raise FrameError("bad_frame", "give a conversation id (or 'default' with an agent)", "conversation")
@@ -559,6 +563,8 @@ class Endpoint:
             if ns is None:
                 return await self.server.kernel.resolve_conversation(agent, "default", create=True)
             ref = await self._namespace_default(agent, ns)
+        elif agent_ref:
+            agent = await self._agent(conn, agent_ref)
         conv = await self.server.store.get_conversation(ref)
         if conv is not None:
             self._remember(conv)
@@ -568,8 +574,9 @@ class Endpoint:
             or owner is None
             or not self._allows(conn, owner)
             or not namespace_allows(_namespace(conn), conv.namespace)
+            or (agent is not None and conv.agent_id != agent.id)
         ):
-            raise _not_found(ref)
+            raise _not_found(ref, agent)
         return conv
 
     async def _owned(self, conn: Connection, ref: str, agent: AgentRecord) -> None:
@@ -646,8 +653,10 @@ def _new_scope(agent_id: str) -> str:
     return f"new:{agent_id}"
 
 
-def _not_found(ref: str) -> NotFound:
-    return NotFound(f"unknown conversation {ref!r}", code="conversation_not_found", param="conversation")
+def _not_found(ref: str, agent: AgentRecord | None = None) -> NotFound:
+    """Unknown, not this credential's and (with `agent`) another agent's look the same."""
+    of = f" for agent {agent.name}" if agent is not None else ""
+    return NotFound(f"unknown conversation {ref!r}{of}", code="conversation_not_found", param="conversation")
 
 
 def _view(conv: ConversationRecord) -> dict[str, Any]:
@@ -659,20 +668,37 @@ def _view(conv: ConversationRecord) -> dict[str, Any]:
 
 
 _REQUEST_ID = re.compile(r'"request_id"\s*:\s*"([^"\\]{0,256})"')
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _peek_request_id(text: str) -> str | None:
     """The `request_id` of a refused frame, for the error frame. A big frame (refused for its
-    size or shape) is not parsed again: a look for the field is enough."""
-    if len(text) > BUDGET_FROM_CHARS:
-        m = _REQUEST_ID.search(text)
-        return m.group(1) if m else None
+    size or shape) is not parsed again: a look for the field is enough.
+
+    Never raises: it runs while the refusal is answered, so anything escaping it would end the
+    connection without an answer. Invalid JSON has no request_id; JSON the standard parser cannot
+    hold (nesting too deep, an integer beyond `sys.get_int_max_str_digits`: a ValueError) gets
+    the look for the field. A request_id that is not valid Unicode (a lone surrogate escape) is not
+    echoed: the error frame could not be sent."""
+    rid: Any = None
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        if len(text) <= BUDGET_FROM_CHARS:
+            data = json.loads(text)
+            rid = data.get("request_id") if isinstance(data, dict) else None
+        else:
+            rid = _look_for_request_id(text)
+    except json.JSONDecodeError:
         return None
-    rid = data.get("request_id") if isinstance(data, dict) else None
-    return rid if isinstance(rid, str) else None
+    except (ValueError, RecursionError):
+        rid = _look_for_request_id(text)
+    if not isinstance(rid, str) or _SURROGATE.search(rid) is not None:
+        return None
+    return rid
+
+
+def _look_for_request_id(text: str) -> str | None:
+    m = _REQUEST_ID.search(text)
+    return m.group(1) if m else None
 
 
 def ws_routes(server: Server, hub: Hub, cron: CronService | None = None) -> list[BaseRoute]:

@@ -1,0 +1,224 @@
+"""`appserver chat` and `appserver run` against a real `appserver serve` (token auth) when things go
+wrong: one clear line and an exit code, never a traceback, and never a session that goes on as
+somebody else or ends as a success after losing input.
+
+* A refused upgrade (bad, revoked or openai-only token: 401/403) or a bad `--url` used to print
+  websockets' InvalidStatus / InvalidURI / ValueError traceback: the client library now raises its
+  own `ConnectError` (appserver/client/connection.py `_open`), and a reconnecting client gives up
+  at once on a 401 instead of retrying until its deadline.
+* A line bigger than the server's frame limit ended the session (1009) and the lines after it were
+  lost, with exit code 0: the client refuses such a frame itself (the welcome says the limit), and a
+  session whose connection is gone for good exits 1.
+* `chat --agent ops --conversation <a conversation of another agent>` said "chatting with ops" and
+  ran the turns as the other agent: the server refuses the subscribe (conversation_not_found).
+* Negative, NaN or infinite `--reconnect-wait` / `--timeout` are usage errors (exit 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from appserver.auth import TokenStore
+from appserver.cli.chat import chat
+from appserver.cli.run import server_url_source
+from appserver.client import ConnectError, ProtocolClient
+from tests.support.cli import CLIResult, cli_env, run_cli
+from tests.support.serve import ServeProcess, serving, start_serve
+from tests.support.zygote_client import appserver_popen
+
+pytestmark = pytest.mark.timeout(120)
+
+FRAME_MAX = 64 * 1024
+
+
+@dataclass
+class Srv:
+    sp: ServeProcess
+    good: str  # ws + openai
+    http_only: str  # openai only: 403 at the upgrade
+    revoked: str
+
+    @property
+    def home(self) -> Path:
+        return self.sp.home
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
+    home = tmp_path_factory.mktemp("chaterr") / "home"
+    env = cli_env(home, APPSERVER_LIMITS__WS_FRAME_MAX_BYTES=str(FRAME_MAX))
+    made = run_cli(home, "agents", "create", "--name", "ops", env=env)  # `assistant` comes with the home
+    assert made.code == 0, made.err
+    tokens = TokenStore(home)
+    good = tokens.create(name="good", scopes="openai,ws")[1]
+    http_only = tokens.create(name="http", scopes="openai")[1]
+    revoked = tokens.create(name="gone", scopes="openai,ws")[1]
+    tokens.revoke("gone")
+    with serving(home, "--auth", "token", env=env) as sp:
+        yield Srv(sp, good, http_only, revoked)
+
+
+def cli(home: Path, *args: str, stdin: str = "", timeout: float = 60, **env: str) -> CLIResult:
+    """The CLI as a child process, with `stdin` as its input (a file or pipe: no terminal)."""
+    with appserver_popen(
+        list(args),
+        env=cli_env(home, **env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(stdin, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return CLIResult(proc.returncode, out, err)
+
+
+def one_line(r: CLIResult, code: int, needle: str) -> None:
+    assert r.code == code, (r.code, r.out, r.err)
+    assert "Traceback" not in r.err and "Traceback" not in r.out, r.err
+    lines = [line for line in r.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.err
+
+
+def test_a_refused_token_is_one_line_and_not_a_traceback(srv: Srv) -> None:
+    refused = "refused the token (401 invalid_api_key: invalid, expired or revoked token)"
+    cases = [
+        ("aps_bad", refused),
+        (srv.revoked, refused),
+        (srv.http_only, "refused the connection (403 insufficient_scope: this credential lacks the 'ws' scope)"),
+    ]
+    for token, needle in cases:
+        one_line(cli(srv.home, "chat", "--token", token, stdin="hi\n"), 1, needle)
+        one_line(cli(srv.home, "run", "hi", APPSERVER_TOKEN=token), 1, needle)
+    # no token at all: the server asks for one in hello; the line says how to give it
+    one_line(cli(srv.home, "chat", stdin="hi\n"), 1, "(give --token or set APPSERVER_TOKEN)")
+
+
+def test_a_bad_url_is_a_usage_error_and_a_refused_path_one_line(srv: Srv) -> None:
+    for url, why in (
+        ("notaurl", "it must start with http://, https://, ws:// or wss://"),
+        ("ftp://127.0.0.1:9", "it must start with http://, https://, ws:// or wss://"),
+        ("http://127.0.0.1:99999", "Port out of range 0-65535"),
+        ("http://[::1", "Invalid IPv6 URL"),
+    ):
+        one_line(cli(srv.home, "chat", "--url", url, stdin="hi\n"), 2, f"--url: invalid server URL {url!r}: {why}")
+    r = cli(srv.home, "chat", "--url", srv.sp.url + "/foo", "--token", srv.good, stdin="hi\n")
+    one_line(r, 1, "refused the connection (403 websocket_refused")
+
+
+def test_seconds_must_be_finite_and_not_negative(srv: Srv) -> None:
+    for args in (
+        ("chat", "--reconnect-wait", "-1"),
+        ("chat", "--reconnect-wait", "nan"),
+        ("chat", "--reconnect-wait", "inf"),
+        ("run", "--timeout", "-1", "hi"),
+        ("run", "--timeout", "nan", "hi"),
+        ("run", "--timeout", "0", "hi"),
+        ("run", "--reconnect-wait", "-1", "hi"),
+    ):
+        r = cli(srv.home, *args, stdin="hi\n", APPSERVER_TOKEN=srv.good)
+        assert r.code == 2, (args, r.code, r.err)
+        assert f"Invalid value for '{args[1]}'" in r.err and "Traceback" not in r.err, (args, r.err)
+
+
+def test_chat_refuses_a_conversation_of_another_agent(srv: Srv) -> None:
+    made = cli(srv.home, "run", "--conversation", "new", "--json", "first", APPSERVER_TOKEN=srv.good)
+    assert made.code == 0, made.err
+    conv = made.json()["conversation_id"]  # the `assistant`'s
+    r = cli(srv.home, "chat", "--agent", "ops", "--conversation", conv, "--token", srv.good, stdin="x\n")
+    one_line(r, 2, f"unknown conversation '{conv}' for agent ops")
+    assert "chatting with" not in r.out and "echo: x" not in r.out, r.out
+    # the same for `run --approve` (as run does without a server)
+    r = cli(srv.home, "run", "--agent", "ops", "--conversation", conv, "--approve", "call_x", APPSERVER_TOKEN=srv.good)
+    one_line(r, 2, f"unknown conversation '{conv}' for agent ops")
+    # and its own agent is fine
+    r = cli(srv.home, "chat", "--agent", "assistant", "--conversation", conv, "--token", srv.good, stdin="x\n")
+    assert r.code == 0 and "echo: x" in r.out, (r.out, r.err)
+
+
+def test_chat_refuses_a_line_bigger_than_a_frame_and_goes_on(srv: Srv) -> None:
+    marker = f"after-big-{time.monotonic_ns()}"
+    stdin = "x" * (FRAME_MAX + 10) + "\n" + marker + "\n"
+    r = cli(srv.home, "chat", "--conversation", "new", "--token", srv.good, stdin=stdin)
+    assert r.code == 0, (r.code, r.err)
+    assert "Traceback" not in r.err, r.err
+    assert "error: line too long:" in r.out and f"limit of {FRAME_MAX:,} bytes" in r.out, r.out[-2000:]
+    assert f"echo: {marker}" in r.out, r.out[-2000:]  # the line after it was sent and answered
+
+
+async def test_chat_exits_1_when_the_server_closes_over_a_frame(
+    srv: Srv, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A client that does not know the server's limit sends the big line, and the server closes the
+    connection (1009): the session ends with exit code 1, said once, not 0 with the next line lost."""
+    monkeypatch.setattr(ProtocolClient, "max_frame_bytes", property(lambda self: 1 << 30), raising=False)
+    read, write = os.pipe()
+    os.write(write, b"small\n")
+    big = ("y" * (FRAME_MAX + 10) + "\nnext line\n").encode()
+
+    def feed() -> None:
+        with os.fdopen(write, "wb") as w:
+            w.write(big)
+
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(fileno=lambda: read))
+    feeder = asyncio.get_running_loop().run_in_executor(None, feed)
+    try:
+        code = await asyncio.wait_for(chat(srv.sp.url, "assistant", "new", srv.good, False, 0.0, None), 60)
+    finally:
+        await feeder
+        os.close(read)
+    out, err = capsys.readouterr()
+    assert code == 1, (out, err)
+    assert "echo: small" in out
+    assert err.count("error: ") == 1 and "1009" in err, err
+
+
+async def test_a_reconnecting_client_gives_up_at_once_when_its_token_is_refused(tmp_path: Path) -> None:
+    """A server back after a crash that refuses the token (401) is not retried until the deadline."""
+    home = tmp_path / "home"
+    env = cli_env(home)
+    assert run_cli(home, "agents", "list", env=env).code == 0
+    good = TokenStore(home).create(name="good", scopes="ws")[1]
+    token = [good]
+    sp = start_serve(home, "--auth", "token", env=env)
+    try:
+        client = await ProtocolClient.connect(
+            sp.url,
+            token=lambda: token[0],
+            reconnect=True,
+            reconnect_s=60,
+            url_source=server_url_source(home / "server.json"),
+        )
+        sp.kill()  # SIGKILL: the connection drops (1006), the client reconnects
+        token[0] = "aps_bad"
+        sp = start_serve(home, "--auth", "token", env=env)
+        start = time.monotonic()
+
+        async def frames() -> list[dict[str, object]]:
+            return [f async for f in client.frames()]
+
+        seen = await asyncio.wait_for(frames(), 20)
+        assert time.monotonic() - start < 20
+        assert [f.get("name") for f in seen if f.get("type") == "event"] == ["connection_lost"], seen
+        reason = client.closed_message()
+        assert "refused to reconnect" in reason and "401 invalid_api_key" in reason, reason
+        await client.close()
+        # and a first connect with it is a ConnectError saying so
+        with pytest.raises(ConnectError) as refused:
+            await ProtocolClient.connect(sp.url, token="aps_bad")
+        assert refused.value.status == 401 and refused.value.fatal and refused.value.code == "invalid_api_key"
+    finally:
+        sp.kill()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from appserver.cli.agents import agents_group
 from appserver.cli.channels import channels_group
 from appserver.config import load_config
 from appserver.serverinfo import write_server_json
@@ -271,6 +272,63 @@ def test_add_refusals_write_nothing(home: Path) -> None:
     assert "already exists" in refused(home, 1, "add", "webhook", "main", "--set", "listen=y")
 
 
+@pytest.mark.parametrize(
+    ("channel", "setting", "says"),
+    [
+        ("slack", "dm_policy=bogus", "dm_policy must be one of open, allowlist, pairing, disabled, got 'bogus'"),
+        ("webhook", "group_policy=everyone", "group_policy must be one of"),
+        ("discord", "unpaired=loud", "unpaired must be 'code' or 'silent'"),
+        ("telegram", "allow=5", "allow"),
+        ("slack", "debounce_ms=-5", "debounce_ms must be a number of milliseconds ≥ 0, got -5"),
+        ("slack", "debounce_ms=fast", "debounce_ms must be a number"),
+        ("webhook", "max_items=0", "max_items must be a positive integer"),
+        ("slack", "api_url=ftp://x", "api_url must be an http:// or https:// URL"),
+        ("discord", "gateway_url=https://x", "gateway_url must be a ws:// or wss:// URL"),
+    ],
+)
+def test_add_refuses_settings_the_gateway_would_refuse(home: Path, channel: str, setting: str, says: str) -> None:
+    """Checked by the gateway's own code (access policy, debounce, the plugin's check_settings)
+    before anything is written, not only once `serve` starts the account."""
+    err = refused(home, 2, "add", channel, "main2", "--set", setting)
+    assert says in err and f"[channels.{channel}.accounts.main2]" in err and "nothing written" in err
+    refused(home, 2, "add", "slack", "main2", "--set", "debounce_ms=3000", "--set", "max_wait_ms=1000")
+    code, _, err = ch("add", "slack", "main2", "--set", "dm_policy=allowlist", "--set", "debounce_ms=1500")
+    assert code == 0, err
+
+
+def test_list_and_status_flag_an_account_with_bad_settings(home: Path) -> None:
+    """Written by hand (or by an older version): the CLI says so before a server refuses it."""
+    (home / "config.toml").write_text(
+        BASE
+        + '[channels]\nenabled = ["slack"]\n'
+        + '[channels.slack.accounts.main]\ndm_policy = "bogus"\n'
+        + '[channels.slack.accounts.good]\ndm_policy = "open"\n'
+        + "[channels.discord.accounts.d]\ndebounce_ms = -5\n"
+        + '[channels.discord.accounts.e]\napi_url = "discord.example"\n'
+    )
+    code, out, err = ch("list")
+    assert code == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["slack"], ["discord"])}
+    assert rows["slack"].endswith("bad settings: main (below)")
+    assert "bad settings: d, e (below)" in rows["discord"]
+    assert "slack:main: [channels.slack.accounts.main] dm_policy must be one of" in out
+    assert "discord:d: [channels.discord.accounts.d] debounce_ms must be a number" in out
+    assert "discord:e: [channels.discord.accounts.e] api_url must be an http:// or https:// URL" in out
+    assert "does not start" in out and "Traceback" not in out + err
+
+    code, out, _ = ch("list", "--json")
+    by_id = {r["id"]: r for r in json.loads(out)["channels"]}
+    assert list(by_id["slack"]["account_errors"]) == ["main"]
+    assert sorted(by_id["discord"]["account_errors"]) == ["d", "e"]
+    assert by_id["webhook"]["account_errors"] == {}
+
+    code, out, _ = ch("status")
+    line = next(x for x in out.splitlines() if x.startswith("slack") and " main " in x)
+    assert "bad settings: dm_policy must be one of" in line
+    accounts = {a["account"]: a for a in json.loads(ch("status", "--json")[1])["accounts"]}
+    assert accounts["good"]["settings_error"] is None and "debounce_ms" in accounts["d"]["settings_error"]
+
+
 def test_enable_refuses_unknown_and_bad_ids(home: Path) -> None:
     assert "unknown channel" in refused(home, 2, "enable", "nosuch")
     assert "not a channel id" in refused(home, 2, "enable", "Bad")
@@ -321,7 +379,14 @@ def test_list_shows_broken_manifests(home: Path) -> None:
 # ── routes ──────────────────────────────────────────────────────────────────────────────────────
 
 
+def create_agents(*names: str) -> None:
+    for name in names:
+        res = CliRunner().invoke(agents_group, ["create", "--name", name], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+
+
 def test_route_add_list_remove(home: Path) -> None:
+    create_agents("helper", "other")
     code, out, err = ch("route", "add", "webhook:main:chat1", "assistant")
     assert code == 0, out
     assert "webhook:main:chat1:__root__ -> assistant" in out
@@ -363,6 +428,26 @@ def test_bad_route_key_is_exit_2(home: Path, key: str) -> None:
     code, _, err = ch("route", "add", key, "assistant")
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert not default_path(home).exists()  # nothing written, not even an empty database
+
+
+def test_route_add_refuses_an_agent_that_does_not_exist(home: Path) -> None:
+    code, _, err = ch("route", "add", "slack:main:C1", "nosuchagent")
+    assert code == 2 and err.startswith("error: unknown agent 'nosuchagent'") and err.count("\n") == 1, err
+    assert "appserver agents create" in err and "nothing written" in err
+    assert not default_path(home).exists()  # no route table written
+    create_agents("helper")
+    assert ch("route", "add", "slack:main:C1", "helper")[0] == 0
+    agents = json.loads(CliRunner().invoke(agents_group, ["list", "--json"], catch_exceptions=False).stdout)
+    helper_id = next(a["id"] for a in agents if a["name"] == "helper")
+    assert ch("route", "add", "slack:main:C2", helper_id)[0] == 0  # by id, as the server resolves it
+    conn = open_db(default_path(home))
+    try:
+        assert [(str(r.key), r.agent) for r in Router(conn).routes("slack", "main")] == [
+            ("slack:main:C1:__root__", "helper"),
+            ("slack:main:C2:__root__", helper_id),
+        ]
+    finally:
+        conn.close()
 
 
 def test_route_list_without_gateway_db(home: Path) -> None:
@@ -499,6 +584,10 @@ def test_real_cli_exit_codes(tmp_path: Path) -> None:
     assert r.code == 2 and r.err.startswith("error: ") and "inline" in r.err
     r = run_cli(home, "channels", "route", "add", "webhook:main", "assistant")
     assert r.code == 2 and "channel:account:chat" in r.err
+    r = run_cli(home, "channels", "route", "add", "webhook:main:c1", "nosuchagent")
+    assert r.code == 2 and r.err.startswith("error: unknown agent") and "Traceback" not in r.err, r.err
+    r = run_cli(home, "channels", "add", "webhook", "main2", "--set", "dm_policy=bogus")
+    assert r.code == 2 and r.err.startswith("error: ") and "dm_policy" in r.err and "Traceback" not in r.err
     r = run_cli(home, "channels", "status", "--json")
     assert r.code == 0, r.err
     assert [a["account"] for a in r.json()["accounts"]] == ["main"]

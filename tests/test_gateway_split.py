@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.split import split_message
+from gateway.split import is_grapheme_boundary, split_message
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 
@@ -141,3 +141,123 @@ def test_any_markdown_splits_within_the_limit(text: str, limit: int) -> None:
         assert split_message(text, limit) == [text]
         return
     check(text, limit)
+
+
+# ---------------------------------------------------------------------------- grapheme clusters
+
+FAMILY = "\U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466"  # 👨‍👩‍👧‍👦, 7 code points
+CLUSTERS = {
+    "family (ZWJ)": FAMILY,
+    "technologist, skin tone (ZWJ)": "\U0001f469\U0001f3fd\u200d\U0001f4bb",  # 👩🏽‍💻
+    "rainbow flag (VS + ZWJ)": "\U0001f3f3\ufe0f\u200d\U0001f308",  # 🏳️‍🌈
+    "thumbs up, skin tone": "\U0001f44d\U0001f3fd",  # 👍🏽
+    "heart + VS16": "\u2764\ufe0f",  # ❤️
+    "flag DE": "\U0001f1e9\U0001f1ea",  # 🇩🇪
+    "flag FR": "\U0001f1eb\U0001f1f7",  # 🇫🇷
+    "flag England (tags)": "\U0001f3f4\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",
+    "e + combining acute": "e\u0301",
+    "a + two marks": "a\u0308\u0304",
+    "keycap": "1\ufe0f\u20e3",  # 1️⃣
+    "Hangul L V T": "\u1100\u1161\u11a8",  # 각 as jamo
+    "Hangul LV + T": "\uac00\u11a8",
+    "Devanagari conjunct": "\u0915\u094d\u0937\u093f",  # क्षि
+    "CJK": "\u6f22",  # 漢
+    "CRLF": "\r\n",
+}
+
+
+def clusters(text: str) -> list[str]:
+    cuts = [k for k in range(1, len(text)) if is_grapheme_boundary(text, k)]
+    return [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_each_sample_is_one_cluster(name: str) -> None:
+    cluster = CLUSTERS[name]
+    assert clusters(cluster) == [cluster]
+    assert clusters(cluster * 3) == [cluster] * 3
+
+
+def test_cluster_boundaries_between_characters() -> None:
+    de, fr, jp = "\U0001f1e9\U0001f1ea", "\U0001f1eb\U0001f1f7", "\U0001f1ef\U0001f1f5"
+    assert clusters(de + fr + jp) == [de, fr, jp]  # pairs, never the middle pair
+    assert clusters(de + "\U0001f1eb") == [de, "\U0001f1eb"]  # an odd one out stands alone
+    assert clusters("a\r\nb") == ["a", "\r\n", "b"]
+    assert clusters("\r\r\n\n") == ["\r", "\r\n", "\n"]
+    assert clusters("\u6f22\u5b57\u304b\u306a") == ["\u6f22", "\u5b57", "\u304b", "\u306a"]
+    assert clusters("\ud55c\uad6d\uc5b4") == ["\ud55c", "\uad6d", "\uc5b4"]  # 한국어 precomposed
+    assert clusters("\u0928\u092e\u0938\u094d\u0924\u0947") == ["\u0928", "\u092e", "\u0938\u094d\u0924\u0947"]  # नमस्ते
+    assert clusters("ab\u200bcd") == ["a", "b", "\u200b", "c", "d"]  # a zero-width space is a control
+    assert clusters("x\U0001f44d") == ["x", "\U0001f44d"]
+
+
+@pytest.mark.parametrize("name", sorted(set(CLUSTERS) - {"CRLF"}))
+@pytest.mark.parametrize("limit", [32, 33, 37, 100, 1990])
+def test_a_long_line_without_spaces_is_cut_between_clusters(name: str, limit: int) -> None:
+    cluster = CLUSTERS[name]
+    text = cluster * (3 * limit // len(cluster) + 5)
+    parts = split_message(text, limit)
+    assert "".join(parts) == text  # a hard cut drops nothing
+    for part in parts:
+        assert 0 < len(part) <= limit
+        assert len(part) % len(cluster) == 0 and part == cluster * (len(part) // len(cluster)), repr(part[:12])
+
+
+def test_the_discord_family_reply_is_cut_between_families() -> None:
+    text = FAMILY * 400
+    parts = split_message(text, 1990)
+    assert "".join(parts) == text and all(len(p) <= 1990 for p in parts)
+    assert all(p.startswith(FAMILY) and p.endswith(FAMILY) for p in parts)
+
+
+def test_a_fenced_line_of_emoji_is_cut_between_clusters() -> None:
+    text = "```\n" + FAMILY * 300 + "\n```"
+    parts = check(text, 200)
+    for part in parts:
+        body = part.removeprefix("```\n").removesuffix("\n```")
+        assert body and body == FAMILY * (len(body) // len(FAMILY))
+
+
+def test_a_space_carrying_a_mark_is_not_cut_at() -> None:
+    text = "a" * 50 + " \u0301" + "b" * 80
+    parts = split_message(text, 60)
+    assert "".join(parts) == text
+    assert not any(p.startswith("\u0301") for p in parts)
+
+
+def test_a_cluster_longer_than_the_limit_is_cut_inside_it() -> None:
+    text = "e" + "\u0301" * 500  # one pathological cluster: the limit comes first
+    parts = split_message(text, 100)
+    assert "".join(parts) == text and all(len(p) <= 100 for p in parts)
+
+
+TOKENS = sorted({c for c in CLUSTERS.values() if c != "\r\n"} | {"a", "b", "x"}, key=len, reverse=True)
+WHOLE = re.compile("(?:" + "|".join(re.escape(t) for t in TOKENS) + "| |\n)*")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.sampled_from(TOKENS),
+            st.sampled_from([" ", "\n", "\n\n", "\n```\n", "\n```py\n"]),
+            st.lists(st.sampled_from(TOKENS), min_size=20, max_size=120).map("".join),
+        ),
+        max_size=60,
+    ),
+    limit=st.integers(min_value=32, max_value=300),
+)
+def test_any_text_of_clusters_splits_between_clusters(pieces: list[str], limit: int) -> None:
+    text = "".join(pieces)
+    if not text.strip() or len(text) <= limit:
+        return
+    parts = check(text, limit)
+    for part in parts:
+        body = "\n".join(line for line in part.split("\n") if not FENCE.match(line))
+        assert WHOLE.fullmatch(body), f"a cluster was cut: {body!r}"
+
+
+def test_an_indented_over_long_line_never_gives_an_empty_part() -> None:
+    for text in ("  " + "z" * 100, " " * 40 + "z" * 100, "x\n  " + FAMILY * 30):
+        parts = check(text, 32)
+        assert all(p.strip() for p in parts), parts

@@ -24,7 +24,8 @@ import re
 import sqlite3
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import date, datetime
@@ -43,11 +44,13 @@ from appserver.channelconfig import (
     check_account,
     load_channels,
 )
-from appserver.cli.common import fail, get_config, print_json
+from appserver.cli.common import fail, get_config, print_json, run_or_fail
 from appserver.config import Config, ConfigError, default_home, load_config
 from appserver.fsutil import atomic_write_text
 from appserver.serverinfo import read_live_server
+from gateway.access import AccessPolicy, PolicyError
 from gateway.db import CorruptGatewayDB, SchemaTooNew, default_path, open_db
+from gateway.debounce import DebounceError, DebounceSettings
 from gateway.ledger import Ledger
 from gateway.routing import ROOT, Route, RouteKey, Router
 from gateway.status import AccountStatus, StatusBoard
@@ -499,6 +502,57 @@ def _env_overrides_enabled() -> bool:
     return "APPSERVER_CHANNELS__ENABLED" in os.environ
 
 
+@functools.cache
+def _plugin_check(channel: str) -> Callable[[Mapping[str, Any]], None] | None:
+    """A first-party plugin's own `check_settings`, from its `settings.py` (standard library only),
+    loaded by path so that the platform library (slack_sdk, discord.py, …) is not imported here.
+    None when the plugin has no such file."""
+    module_name = FIRST_PARTY.get(channel)
+    if module_name is None:
+        return None  # a user plugin is never imported by the CLI
+    try:
+        spec = importlib.util.find_spec(module_name)  # imports `plugins`, not the channel's package
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(folder) / "settings.py"
+        if not path.is_file():
+            continue
+        file_spec = importlib.util.spec_from_file_location(f"appserver_channel_settings_{channel}", path)
+        if file_spec is None or file_spec.loader is None:
+            return None
+        module = types.ModuleType(file_spec.name)
+        module.__file__ = str(path)
+        file_spec.loader.exec_module(module)
+        check = getattr(module, "check_settings", None)
+        return check if callable(check) else None
+    return None
+
+
+def _settings_problem(channel: str, settings: Mapping[str, Any]) -> str | None:
+    """Why the gateway would refuse this account's settings when it starts it (state `error`), by the
+    gateway's own checks: the access policy, the debounce, and the first-party plugin's
+    `check_settings`. None when they pass."""
+    try:
+        AccessPolicy.from_settings(settings)
+        DebounceSettings.from_settings(settings)
+    except (PolicyError, DebounceError) as exc:
+        return _one_line(exc)
+    try:
+        check = _plugin_check(channel)
+    except Exception as exc:  # noqa: BLE001 - a broken settings.py is reported, never a traceback
+        return f"the {channel} plugin's settings check could not be loaded: {type(exc).__name__}: {_one_line(exc)}"
+    if check is None:
+        return None
+    try:
+        check(settings)
+    except ValueError as exc:
+        return _one_line(exc)
+    except Exception as exc:  # noqa: BLE001
+        return f"the {channel} plugin's settings check failed: {type(exc).__name__}: {_one_line(exc)}"
+    return None
+
+
 # ── the group ───────────────────────────────────────────────────────────────────────────────────
 
 
@@ -526,6 +580,12 @@ def list_cmd(as_json: bool) -> None:
             "accounts": sorted(channels.accounts.get(c.id, {})),
             "error": c.problem,
             "folder": c.folder,
+            # accounts whose settings the gateway would refuse (state `error` at start): name -> why
+            "account_errors": {
+                name: problem
+                for name, account in sorted(channels.accounts.get(c.id, {}).items())
+                if (problem := _settings_problem(c.id, account.settings)) is not None
+            },
         }
         for c in sorted(known.values(), key=lambda c: c.id)
     ]
@@ -534,11 +594,19 @@ def list_cmd(as_json: bool) -> None:
         return
     table = [["CHANNEL", "KIND", "ENABLED", "ACCOUNTS", "PROBLEM"]]
     for r in rows:
-        problem = r["error"] or ""
-        if r["kind"] == "plugin" and problem:
-            problem = "broken (below)"
+        problems = [r["error"]] if r["error"] else []
+        if r["kind"] == "plugin" and problems:
+            problems = ["broken (below)"]
+        if r["account_errors"]:
+            problems.append("bad settings: " + ", ".join(r["account_errors"]) + " (below)")
         table.append(
-            [r["id"], r["kind"], "yes" if r["enabled"] else "no", ", ".join(r["accounts"]) or "-", problem or "-"]
+            [
+                r["id"],
+                r["kind"],
+                "yes" if r["enabled"] else "no",
+                ", ".join(r["accounts"]) or "-",
+                "; ".join(problems) or "-",
+            ]
         )
     click.echo(_table(table))
     broken = [r for r in rows if r["kind"] == "plugin" and r["error"]]
@@ -546,6 +614,14 @@ def list_cmd(as_json: bool) -> None:
         click.echo(f"\n{r['id']}: {r['error']}")
     if broken:
         click.echo("\nA broken plugin does not run; fix its channel.json (the error says how) and restart the server.")
+    bad = [(r["id"], name, why) for r in rows for name, why in r["account_errors"].items()]
+    for cid, name, why in bad:
+        click.echo(f"\n{cid}:{name}: [channels.{cid}.accounts.{name}] {why}")
+    if bad:
+        click.echo(
+            "\nAn account with bad settings does not start (its state is error); fix it in config.toml "
+            "and restart the server."
+        )
 
 
 @channels_group.command("add")
@@ -571,9 +647,12 @@ def add_cmd(channel: str, account: str, settings: tuple[str, ...], secrets: tupl
         raise Refused(f"{account!r} is not an account name (letters, digits, '_' or '-', at most 64)", 2)
     table = _account_table(settings, secrets)
     try:  # the arguments first: an inline secret is refused before anything is read
-        check_account(channel, account, table, "channels add")
+        checked = check_account(channel, account, table, "channels add")
     except ChannelConfigError as exc:
         raise Refused(_one_line(exc), 2) from None
+    problem = _settings_problem(channel, checked.settings)  # what the gateway would refuse at start
+    if problem is not None:
+        raise Refused(f"channels add: [channels.{channel}.accounts.{account}] {problem}; nothing written", 2)
     config = get_config()
     found = _require_known(config.home, channel)
     file = _ConfigFile.read(config.config_path)
@@ -811,6 +890,9 @@ def _account_rows(config: Config, rows: list[AccountStatus]) -> list[dict[str, A
             "configured": (ch, name) in configured,
             "enabled": ch in config.channels.enabled,
             "started": row is not None,
+            "settings_error": (
+                _settings_problem(ch, config.channels.accounts[ch][name].settings) if (ch, name) in configured else None
+            ),
         }
         if row is not None:
             item.update(row.to_json())
@@ -864,6 +946,8 @@ def status_cmd(as_json: bool) -> None:
         table = [["CHANNEL", "ACCOUNT", "STATE", "LAST IN", "LAST OUT", "IN", "TURNS", "REPLIES", "FAILURES", "REASON"]]
         for a in accounts:
             notes = [a["reason"]] if a["reason"] else []
+            if a["settings_error"] and a["settings_error"] not in (a["reason"] or ""):
+                notes.append(f"bad settings: {a['settings_error']}")
             if not a["configured"] and a["reason"] != "not configured":
                 notes.append("not configured")
             elif a["configured"] and not a["enabled"]:
@@ -959,6 +1043,7 @@ def route_add_cmd(key: str, agent: str, conversation: str | None) -> None:
     if conversation is not None and not conversation.strip():
         raise Refused("--conversation must not be empty", 2)
     config = get_config()
+    _require_agent(config, agent.strip())
     with _gateway_db(config.home, create=True) as conn:
         assert conn is not None
         router = Router(conn)
@@ -975,6 +1060,24 @@ def route_add_cmd(key: str, agent: str, conversation: str | None) -> None:
             "the route is kept and used once it exists",
             err=True,
         )
+
+
+def _require_agent(config: Config, agent: str) -> None:
+    """Refuse a route to an agent the server would not find (by id or unique name, as the server
+    resolves it for each message), before anything is written."""
+    from appserver.cli.cron_run import validate_agent  # the kernel: imported only when needed
+
+    def check() -> None:
+        try:
+            validate_agent(config, agent)
+        except LookupError as exc:
+            raise Refused(
+                f"{_one_line(exc)}: a route must name an existing agent (see `appserver agents list`, "
+                "or create it with `appserver agents create --name NAME`); nothing written",
+                2,
+            ) from None
+
+    run_or_fail(check)  # a store that cannot be opened is one line too
 
 
 @route_group.command("remove")

@@ -2,14 +2,18 @@
 client out.
 
 Inbound: every MESSAGE_CREATE the bot can see (DMs, guild channels, threads) becomes an
-`InboundMessage` keyed by the message's snowflake, which is stable however often it arrives
-(a RESUME replay, a catch-up fetch): the ledger dedupes. Discord has no acknowledgement; `on_message`
-returning means the ledger committed it. After that the message's id is noted per channel in
-`<data_dir>/last_seen.json` (written atomically), and on every new session (READY: the first connect,
-or a re-IDENTIFY after the session was invalidated or lost in a long outage) the adapter fetches, for
-each channel it has seen, the messages after that id and hands each to `on_message`: what the gateway
-missed while it was away is answered once. The bot's own messages are skipped; other bots' are handed
-over marked `sender_is_bot` (the gateway never lets them through).
+`InboundMessage` keyed by the message's snowflake, which is stable however often it arrives (a
+RESUME replay, a catch-up fetch): the ledger dedupes. discord.py dispatches each event as a task of
+its own; a per-channel ticket (`plugins.inorder`) taken as the event arrives hands a channel's
+messages over in arrival order, so a message whose image is still downloading is not overtaken by
+the next one (which waits at most `FETCH_TIMEOUT_S + ORDER_MARGIN_S` from its own arrival). Discord
+has no acknowledgement; `on_message` returning means the ledger committed it. After that the
+message's id is noted per channel in `<data_dir>/last_seen.json` (written atomically), and on every
+new session (READY: the first connect, or a re-IDENTIFY after the session was invalidated or lost in
+a long outage) the adapter fetches, for each channel it has seen, the messages after that id and
+hands each to `on_message`: what the gateway missed while it was away is answered once. The bot's
+own messages are skipped; other bots' are handed over marked `sender_is_bot` (the gateway never lets
+them through).
 
 Outbound: `POST channels/{id}/messages` with `allowed_mentions` none (an agent cannot ping @everyone,
 a role or a person), a reply reference in guild channels, and `nonce` + `enforce_nonce` derived from
@@ -58,13 +62,14 @@ from plugins.contract import (
     Target,
 )
 from plugins.discord.format import to_discord
+from plugins.discord.settings import DEFAULT_API_URL, DEFAULT_GATEWAY_URL, check_settings
+from plugins.inorder import ChatOrder
 
 CHANNEL = "discord"
-DEFAULT_API_URL = "https://discord.com/api/v10"
-DEFAULT_GATEWAY_URL = "wss://gateway.discord.gg/"
 MAX_LENGTH = 1990  # Discord refuses content over 2,000 characters; a margin for the status line
 IMAGE_MAX_BYTES = 5 << 20
 FETCH_TIMEOUT_S = 10.0
+ORDER_MARGIN_S = 2.0  # how much longer than a download a later message of the channel waits for it
 READY_TIMEOUT_S = 30.0
 MAX_RATELIMIT_WAIT_S = 30.0  # discord.py sleeps out shorter 429s itself; longer ones come back to the gateway
 MAX_RETRY_AFTER_S = 300.0
@@ -129,13 +134,15 @@ class DiscordAdapter:
         self._log = context.log
         self._where = f"discord account '{account.name}'"
         self._config_error: str | None = None
+        try:
+            check_settings(account.settings)
+        except ValueError as exc:
+            self._config_error = f"{self._where}: {exc}"
         api_url = account.settings.get("api_url", DEFAULT_API_URL)
         gateway_url = account.settings.get("gateway_url", DEFAULT_GATEWAY_URL)
         if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
-            self._config_error = f"{self._where}: api_url must be an http:// or https:// URL"
-            api_url = DEFAULT_API_URL
+            api_url = DEFAULT_API_URL  # refused at start (the error above)
         if not isinstance(gateway_url, str) or not gateway_url.startswith(("ws://", "wss://")):
-            self._config_error = f"{self._where}: gateway_url must be a ws:// or wss:// URL"
             gateway_url = DEFAULT_GATEWAY_URL
         self._api_url = api_url.rstrip("/")
         self._gateway_url = gateway_url if gateway_url.endswith("/") else gateway_url + "/"
@@ -149,6 +156,9 @@ class DiscordAdapter:
         self._seen: dict[str, dict[str, Any]] = self._load_seen()
         self._catch_up: asyncio.Task[None] | None = None
         self.bot_user_id: int | None = None
+        # Per-channel arrival order; a later message waits for an earlier one's attachments at most
+        # this long (from its own arrival), then goes ahead.
+        self._order = ChatOrder(FETCH_TIMEOUT_S + ORDER_MARGIN_S, self._log)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -290,18 +300,23 @@ class DiscordAdapter:
     async def _on_discord_message(self, message: discord.Message, meta: dict[str, Any] | None = None) -> None:
         if self.bot_user_id is not None and message.author.id == self.bot_user_id:
             return  # our own posts come back as MESSAGE_CREATE
-        try:
-            msg = await self._inbound(message, meta)
-        except Exception:  # noqa: BLE001 - a malformed message must not stall the others
-            self._log.exception("%s: could not read message %s; skipped", self._where, message.id)
-            return
-        try:
-            await self.context.on_message(msg)
-        except Exception as exc:  # noqa: BLE001 - not recorded: the catch-up after a reconnect brings it again
-            self._log.error("%s: message %s not recorded (%s)", self._where, msg.message_id, exc)
-            self._note_seen(message.channel.id, message.id, msg, recorded=False)
-            return
-        self._note_seen(message.channel.id, message.id, msg)
+        # discord.py dispatches each event as its own task, started in arrival order: the ticket,
+        # taken before the first await, keeps the channel's messages in that order however long
+        # one of them takes to read (its attachments are downloaded first).
+        with self._order.ticket(message.channel.id) as ticket:
+            try:
+                msg = await self._inbound(message, meta)
+            except Exception:  # noqa: BLE001 - a malformed message must not stall the others
+                self._log.exception("%s: could not read message %s; skipped", self._where, message.id)
+                return
+            await ticket.wait()
+            try:
+                await self.context.on_message(msg)
+            except Exception as exc:  # noqa: BLE001 - not recorded: the catch-up after a reconnect brings it again
+                self._log.error("%s: message %s not recorded (%s)", self._where, msg.message_id, exc)
+                self._note_seen(message.channel.id, message.id, msg, recorded=False)
+                return
+            self._note_seen(message.channel.id, message.id, msg)
 
     def _where_is(self, message: discord.Message) -> tuple[str, str | None, str]:
         """(chat, thread, chat_type) of a live message."""
@@ -378,38 +393,40 @@ class DiscordAdapter:
         verb, _, short_id = custom_id.partition(":")
         if verb not in ("approve", "deny") or not short_id or not short_id.isalnum():
             return
-        try:
-            await interaction.response.defer()  # type 6: deferred update, the gateway edits the prompt next
-        except discord.HTTPException as exc:
-            self._log.warning("%s: could not acknowledge interaction %s: %s", self._where, interaction.id, exc)
-        channel = interaction.channel
         channel_id = interaction.channel_id
         if channel_id is None:
             return
-        thread: str | None = None
-        chat = str(channel_id)
-        if isinstance(channel, discord.Thread):
-            chat, thread = str(channel.parent_id), str(channel.id)
-        user = interaction.user
-        msg = InboundMessage(
-            channel=CHANNEL,
-            account=self.account.name,
-            chat=chat,
-            chat_type="group" if interaction.guild_id else "dm",
-            sender=str(user.id),
-            message_id=f"interaction:{interaction.id}",
-            text=f"/{verb} {short_id}",
-            thread=thread,
-            sender_name=user.display_name or user.name or None,
-            mentions_bot=True,  # a press on the bot's own button is addressed to it
-            reply_to=str(interaction.message.id) if interaction.message else None,
-            ts=interaction.created_at.timestamp(),
-            raw={"interaction_id": str(interaction.id), "custom_id": custom_id},
-        )
-        try:
-            await self.context.on_message(msg)
-        except Exception as exc:  # noqa: BLE001 - the person can press again
-            self._log.error("%s: button press %s not recorded (%s)", self._where, interaction.id, exc)
+        with self._order.ticket(channel_id) as ticket:  # in line with the channel's messages
+            try:
+                await interaction.response.defer()  # type 6: deferred update, the gateway edits the prompt next
+            except discord.HTTPException as exc:
+                self._log.warning("%s: could not acknowledge interaction %s: %s", self._where, interaction.id, exc)
+            channel = interaction.channel
+            thread: str | None = None
+            chat = str(channel_id)
+            if isinstance(channel, discord.Thread):
+                chat, thread = str(channel.parent_id), str(channel.id)
+            user = interaction.user
+            msg = InboundMessage(
+                channel=CHANNEL,
+                account=self.account.name,
+                chat=chat,
+                chat_type="group" if interaction.guild_id else "dm",
+                sender=str(user.id),
+                message_id=f"interaction:{interaction.id}",
+                text=f"/{verb} {short_id}",
+                thread=thread,
+                sender_name=user.display_name or user.name or None,
+                mentions_bot=True,  # a press on the bot's own button is addressed to it
+                reply_to=str(interaction.message.id) if interaction.message else None,
+                ts=interaction.created_at.timestamp(),
+                raw={"interaction_id": str(interaction.id), "custom_id": custom_id},
+            )
+            await ticket.wait()
+            try:
+                await self.context.on_message(msg)
+            except Exception as exc:  # noqa: BLE001 - the person can press again
+                self._log.error("%s: button press %s not recorded (%s)", self._where, interaction.id, exc)
 
     # ------------------------------------------------------------------ catch-up
 

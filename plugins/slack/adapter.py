@@ -8,6 +8,10 @@ could not take stays unacknowledged and Slack redelivers it (`retry_attempt` + 1
 message id is `<channel>:<ts>`, independent of the envelope and the event id, so a redelivery (or
 the `message.channels` twin of an `app_mention`) is the same ledger key and never a second turn.
 Events that are not messages for the agent (edits, joins, deletions, …) are acknowledged at once.
+slack_sdk runs each envelope in its own task; a per-chat ticket (`plugins.inorder`) taken as the
+envelope arrives hands a chat's messages to the gateway in arrival order, so a message whose image is
+still downloading is not overtaken by the next one (a later message waits for it at most
+`FETCH_TIMEOUT_S + ORDER_MARGIN_S` from its own arrival, which keeps its ack within Slack's 3 s).
 
 Threads: a DM's main line is its conversation; in a channel every top-level mention starts a
 thread (the reply is posted in the thread of the mention: `thread` is the mention's ts), and
@@ -51,10 +55,11 @@ from plugins.contract import (
     Limits,
     Target,
 )
+from plugins.inorder import ChatOrder
 from plugins.slack.format import escape, to_mrkdwn
+from plugins.slack.settings import DEFAULT_API_URL, check_settings
 
 CHANNEL = "slack"
-DEFAULT_API_URL = "https://slack.com"
 # Slack truncates a message's text at 40,000 characters but recommends at most 4,000 (longer texts
 # render badly and are cut in notifications). 3,900 after formatting leaves room for the escapes
 # and the status line the gateway may add, and one screenful stays one message.
@@ -62,6 +67,7 @@ MAX_LENGTH = 3900
 SECTION_MAX = 3000  # Block Kit: a section's text
 IMAGE_MAX_BYTES = 5 << 20  # the gateway keeps images up to 5 MiB
 FETCH_TIMEOUT_S = 2.0  # files are fetched before the ack, which Slack wants within 3 s
+ORDER_MARGIN_S = 0.5  # how much longer than a download a later message of the chat waits for it
 CONNECT_TIMEOUT_S = 15.0
 WATCH_S = 0.2
 REFRESH_GRACE_S = 5.0  # a refresh asked for by Slack that takes longer than this shows as backoff
@@ -94,11 +100,14 @@ class SlackAdapter:
         self.context = context
         self._log = context.log
         self._where = f"slack account '{account.name}'"
-        api_url = account.settings.get("api_url", DEFAULT_API_URL)
         self._config_error: str | None = None
+        try:
+            check_settings(account.settings)
+        except ValueError as exc:
+            self._config_error = f"{self._where}: {exc}"
+        api_url = account.settings.get("api_url", DEFAULT_API_URL)
         if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
-            self._config_error = f"{self._where}: api_url must be an http:// or https:// URL"
-            api_url = DEFAULT_API_URL
+            api_url = DEFAULT_API_URL  # refused at start (the error above)
         self._api_url = api_url.rstrip("/")
         self._web: AsyncWebClient | None = None
         self._socket: SocketModeClient | None = None
@@ -110,6 +119,9 @@ class SlackAdapter:
         self._state: AccountState = "stopped"
         self._fatal: str | None = None
         self._prompts: dict[tuple[str, str], str] = {}  # (channel, ts) of a prompt with buttons -> short id
+        # Per-chat arrival order. A later message waits for an earlier one's files at most this long
+        # (counted from its own arrival), so its acknowledgement still goes out within Slack's 3 s.
+        self._order = ChatOrder(FETCH_TIMEOUT_S + ORDER_MARGIN_S, self._log)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -241,30 +253,36 @@ class SlackAdapter:
     # ------------------------------------------------------------------ inbound
 
     async def _on_request(self, client: AsyncBaseSocketModeClient, req: SocketModeRequest) -> None:
-        try:
-            if req.type == "events_api":
-                msg = await self._event_message(req.payload)
-            elif req.type == "interactive":
-                msg = self._action_message(req.payload)
-            else:
-                msg = None  # slash commands, options: not used by this app
-        except Exception:  # noqa: BLE001 - a malformed event must not stall the socket
-            self._log.exception("%s: could not read a %s envelope; acknowledged and skipped", self._where, req.type)
-            msg = None
-        if msg is None:
-            await self._ack(client, req.envelope_id)
-            return
-        envelope_id = req.envelope_id
+        # slack_sdk runs each envelope in its own task, started in arrival order: the ticket, taken
+        # before the first await, keeps the chat's messages in that order however long one of
+        # them takes to read (its files are downloaded first).
+        with self._order.ticket(_chat_of(req)) as ticket:
+            try:
+                if req.type == "events_api":
+                    msg = await self._event_message(req.payload)
+                elif req.type == "interactive":
+                    msg = self._action_message(req.payload)
+                else:
+                    msg = None  # slash commands, options: not used by this app
+            except Exception:  # noqa: BLE001 - a malformed event must not stall the socket
+                self._log.exception("%s: could not read a %s envelope; acknowledged and skipped", self._where, req.type)
+                msg = None
+            if msg is None:
+                ticket.release()
+                await self._ack(client, req.envelope_id)
+                return
+            envelope_id = req.envelope_id
 
-        async def ack() -> None:
-            await self._ack(client, envelope_id)
+            async def ack() -> None:
+                await self._ack(client, envelope_id)
 
-        try:
-            await self.context.on_message(replace(msg, ack=ack))
-        except Exception as exc:  # noqa: BLE001 - not acknowledged: Slack redelivers it
-            self._log.error(
-                "%s: message %s not recorded (%s); Slack will redeliver it", self._where, msg.message_id, exc
-            )
+            await ticket.wait()
+            try:
+                await self.context.on_message(replace(msg, ack=ack))
+            except Exception as exc:  # noqa: BLE001 - not acknowledged: Slack redelivers it
+                self._log.error(
+                    "%s: message %s not recorded (%s); Slack will redeliver it", self._where, msg.message_id, exc
+                )
 
     async def _ack(self, client: AsyncBaseSocketModeClient, envelope_id: str) -> None:
         try:
@@ -558,6 +576,17 @@ def _retry_after(headers: Any) -> float:
     except (TypeError, ValueError):
         return 1.0
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S) if math.isfinite(seconds) else MAX_RETRY_AFTER_S
+
+
+def _chat_of(req: SocketModeRequest) -> str:
+    """The channel an envelope belongs to, read without awaiting anything ("" when it has none:
+    those share one line, and are acknowledged at once anyway)."""
+    payload = _dict(req.payload)
+    if req.type == "events_api":
+        return str(_dict(payload.get("event")).get("channel") or "")
+    if req.type == "interactive":
+        return str(_dict(payload.get("container")).get("channel_id") or _dict(payload.get("channel")).get("id") or "")
+    return ""
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -33,7 +33,8 @@ client's job, with `GET messages?after=`). `hold()` keeps new sockets waiting be
 
 Test side: `inject_dm`, `inject_guild_message` (`mention=True` adds the bot to `mentions`; `reply_to` a
 message id sets `message_reference` + `referenced_message`; `thread=` a thread id created by
-`add_thread`), `add_attachment`, `click` (an INTERACTION_CREATE for a button); inspection with
+`add_thread`), `add_attachment` (`slow_attachments(s)` answers the bytes only after `s` seconds),
+`click` (an INTERACTION_CREATE for a button); inspection with
 `messages(channel)` (what the bot posted, with every edit), `calls()`, `interaction_callbacks()`,
 `identifies` / `resumes` / `connections`; `fail_next`, `forbid`, `delay_next_post` (the POST is recorded,
 its answer held back: a kill -9 lands between the platform's accept and the ledger write).
@@ -171,6 +172,7 @@ class FakeDiscord(LoopbackServer):
         self._forbidden: set[str] = set()
         self._post_delay: float = 0.0
         self._attachments: dict[str, bytes] = {}
+        self._attachment_delay = 0.0  # seconds before attachment bytes are answered (slow_attachments)
         self._session: _Session | None = None
         self._socket: _Socket | None = None
         self._sockets_total = 0
@@ -259,6 +261,11 @@ class FakeDiscord(LoopbackServer):
         if content_type.startswith("image/"):
             att.update(width=1, height=1)
         return att
+
+    def slow_attachments(self, seconds: float) -> None:
+        """Answer every attachment download (the CDN) only after `seconds`; 0 ends it."""
+        with self._lock:
+            self._attachment_delay = max(0.0, seconds)
 
     def _user(self, user: str, name: str | None = None, bot: bool = False) -> dict[str, Any]:
         return {"id": user, "username": name or f"user{user[-4:]}", "discriminator": "0", "avatar": None,
@@ -778,6 +785,9 @@ class FakeDiscord(LoopbackServer):
     async def _attachment(self, request: Request) -> Response:
         with self._lock:
             data = self._attachments.get(request.path_params["aid"])
+            delay = self._attachment_delay
+        if delay:
+            await asyncio.sleep(delay)
         if data is None:
             return Response(status_code=404)
         return Response(data, media_type="application/octet-stream")

@@ -28,7 +28,8 @@ sends `{"type": "disconnect", "reason": "refresh_requested"}`; `drop()` closes t
 
 Test side: `inject_dm` (`message.im`, with `files`, `thread_ts`, `bot_id`, `subtype`),
 `inject_mention` (`app_mention`), `inject_channel_message` (`message.channels`), `inject_event` (any
-inner event), `add_file` (an image or file behind `url_private`), `click` (a `block_actions` button
+inner event), `add_file` (an image or file behind `url_private`; `slow_files(s)` answers downloads
+only after `s` seconds), `click` (a `block_actions` button
 click as an `interactive` envelope); `messages` / `wait_for_text` (what the bot posted, with every
 edit), `calls` (every Web API call with its status and time), `deliveries` / `acked` / `acks` /
 `pending` (envelopes), `connections` / `open_sockets` / `wait_connected`; failures with `fail_next`
@@ -172,6 +173,7 @@ class FakeSlack(LoopbackServer):
         self._channels: set[str] = set()
         self._files: dict[str, bytes] = {}
         self._file_gets: list[tuple[str, str | None]] = []  # file id, token used
+        self._file_delay = 0.0  # seconds before a file's bytes are answered (slow_files)
         self._sockets_total = 0
         self._socket: _Socket | None = None
         self._open: set[int] = set()
@@ -319,6 +321,11 @@ class FakeSlack(LoopbackServer):
             "url_private": url,
             "url_private_download": url + "?download=1",
         }
+
+    def slow_files(self, seconds: float) -> None:
+        """Answer every file download only after `seconds` (a slow file server); 0 ends it."""
+        with self._lock:
+            self._file_delay = max(0.0, seconds)
 
     def click(
         self,
@@ -658,6 +665,9 @@ class FakeSlack(LoopbackServer):
         with self._lock:
             self._file_gets.append((file_id, token))
             data = self._files.get(file_id)
+            delay = self._file_delay
+        if delay:
+            await asyncio.sleep(delay)
         if token != self.bot_token:
             return Response("<html>sign in</html>", status_code=403, media_type="text/html")
         if data is None:

@@ -1,0 +1,25 @@
+"""The account settings the Discord plugin itself reads, checked with the standard library only.
+
+`check_settings` is what the adapter applies when it starts (a bad value is an `AccountError`), and
+what `appserver channels add` / `channels list` apply before a server runs: the CLI loads this file
+by its path, without importing discord.py. The gateway's own settings (dm_policy, debounce_ms, …)
+are the gateway's to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_API_URL = "https://discord.com/api/v10"
+DEFAULT_GATEWAY_URL = "wss://gateway.discord.gg/"
+
+
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """Raise ValueError (one line, naming the setting) when a setting cannot work."""
+    api_url = settings.get("api_url", DEFAULT_API_URL)
+    if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+        raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")
+    gateway_url = settings.get("gateway_url", DEFAULT_GATEWAY_URL)
+    if not isinstance(gateway_url, str) or not gateway_url.startswith(("ws://", "wss://")):
+        raise ValueError(f"gateway_url must be a ws:// or wss:// URL, got {gateway_url!r}")

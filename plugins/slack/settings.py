@@ -1,0 +1,21 @@
+"""The account settings the Slack plugin itself reads, checked with the standard library only.
+
+`check_settings` is what the adapter applies when it starts (a bad value is an `AccountError`), and
+what `appserver channels add` / `channels list` apply before a server runs: the CLI loads this file
+by its path, without importing slack_sdk. The gateway's own settings (dm_policy, debounce_ms, …) are
+the gateway's to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_API_URL = "https://slack.com"
+
+
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """Raise ValueError (one line, naming the setting) when a setting cannot work."""
+    api_url = settings.get("api_url", DEFAULT_API_URL)
+    if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+        raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")

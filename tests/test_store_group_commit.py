@@ -199,10 +199,18 @@ async def test_submit_cancelled_around_its_commit_leaves_no_orphan_turn(tmp_path
             await early
         # Cancelled after the commit landed but before the submit resumed: the turn still runs.
         late = asyncio.create_task(kernel.submit(SubmitRequest(agent="assistant", input="landed", conversation=conv)))
-        await asyncio.sleep(0)
-        loop.call_soon(late.cancel)  # runs after the queued group commit, before `late` resumes
-        with pytest.raises(asyncio.CancelledError):
-            await late
+        await asyncio.sleep(0)  # the submit queues its accept for a group commit of its own
+
+        def cancel_once_committed(statement: str) -> None:
+            if statement == "COMMIT":  # queued before the commit's futures wake `late`
+                loop.call_soon(late.cancel)
+
+        server.store.db.set_trace_callback(cancel_once_committed)
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await late
+        finally:
+            server.store.db.set_trace_callback(None)
         after = await kernel.submit(SubmitRequest(agent="assistant", input="/recall", conversation=conv))
         snap = await after.wait(5)
         assert snap.text() == "warm | landed"
@@ -251,17 +259,51 @@ async def test_a_new_conversation_commits_with_its_first_turn_and_is_never_invis
         "BEGIN IMMEDIATE",
         "COMMIT",
     ]
-    # A conversation nobody writes to right away: our reads see it at once, others by the second
-    # loop pass (a turn started in the first may reach its model call before the write commits).
+    # A conversation nobody writes to right away: our reads see it at once, others once the loop
+    # runs dry after the second pass (a turn started in the first may reach its model call before
+    # the write commits), or within the group window while the loop stays busy.
     await store.create_conversation(ConversationRecord(id="conv_2", agent_id="agt_1"))
     found = await store.get_conversation("conv_2")
     assert found is not None and found.agent_id == "agt_1"
     await store.create_conversation(ConversationRecord(id="conv_3", agent_id="agt_1"))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
     other = sqlite3.connect(str(store.path))
+    await asyncio.sleep(0)
+    assert other.execute("SELECT COUNT(*) FROM conversations").fetchone()[0] == 2  # not alone in a pass
+    await asyncio.sleep(0.001)  # the loop runs dry (its only task sleeps): committed, within 1 ms
     assert other.execute("SELECT COUNT(*) FROM conversations").fetchone()[0] == 3
     other.close()
+
+
+async def test_a_group_stays_open_while_the_loop_is_busy_but_no_longer_than_its_window(
+    store: SQLiteStore,
+) -> None:
+    from appserver.store.groupcommit import GROUP_WINDOW_S
+
+    await store.create_agent(AgentRecord(id="agt_1", name="a"))
+    await store.create_conversation(ConversationRecord(id="conv_1", agent_id="agt_1"))
+    commits: list[str] = []
+    store.db.set_trace_callback(lambda s: commits.append(s) if s == "COMMIT" else None)
+    loop = asyncio.get_running_loop()
+    busy_until = loop.time() + 1.0  # the loop never runs dry for a second, as under load
+
+    # Two concurrent writers through the group: each waits for its own commit.
+    async def writer(tag: str) -> float:
+        start = loop.time()
+        await store.save_draft(f"turn_{tag}", {"text": tag})
+        return loop.time() - start
+
+    spin = asyncio.create_task(_spin(loop, busy_until))
+    waits = await asyncio.gather(*(writer(str(i)) for i in range(20)))
+    await spin
+    store.db.set_trace_callback(None)
+    assert len(commits) == 1  # twenty writes, one group, though the loop never ran dry
+    # committed by the window, not earlier (the loop was never idle), nor once the loop went idle
+    assert 0.9 * GROUP_WINDOW_S <= max(waits) < 0.5
+
+
+async def _spin(loop: asyncio.AbstractEventLoop, until: float) -> None:
+    while loop.time() < until:
+        await asyncio.sleep(0)
 
 
 async def test_cancel_lands_in_the_loop_and_the_same_worker_runs_the_next_turn(

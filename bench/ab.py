@@ -6,7 +6,8 @@ source tree (a path, or a git revision exported with `git archive`), all pinned 
 and wrk (one thread, the same non-stream chat body as bench/compare.py) loads them in turn,
 round after round, reversing the order each round. Each round reads the server's user and system
 CPU time from /proc before and after its load, so what is compared is CPU per request, which
-depends far less on the host's speed at that moment than requests per second.
+depends far less on the host's speed at that moment than requests per second. Each round's
+latency (p50, p99) is printed too, and the median of the rounds' per target at the end.
 
     .venv/bin/python bench/ab.py HEAD~3 HEAD                 # two revisions
     .venv/bin/python bench/ab.py a00da74 . --rounds 6 --c 1  # a revision against the working tree
@@ -21,18 +22,19 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
-from compare import BODY, end, export_rev, free_port, parse_wrk, serve_tree, track, wait_port, wrk_lua  # noqa: E402
+from compare import BODY, LoadRun, end, export_rev, free_port, parse_wrk, serve_tree, track, wait_port, wrk_lua  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -48,6 +50,8 @@ class Target:
     user_s: float = 0.0
     sys_s: float = 0.0
     rps_sum: float = 0.0
+    p50_ms: list[float] = field(default_factory=list)
+    p99_ms: list[float] = field(default_factory=list)
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
@@ -84,7 +88,7 @@ def start(t: Target, upstream: str, work: Path, index: int) -> None:
     t.proc, t.port = serve_tree(t.tree, env, t.spec, tuple(pinned(0, [])))
 
 
-def load(wrk: str, script: Path, port: int, c: int, secs: int) -> tuple[int, float]:
+def load(wrk: str, script: Path, port: int, c: int, secs: int) -> LoadRun:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     cmd = pinned(1, [wrk, "-t1", f"-c{c}", f"-d{secs}s", "--timeout", "10s", "-s", str(script), url])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=secs + 60).stdout
@@ -92,7 +96,7 @@ def load(wrk: str, script: Path, port: int, c: int, secs: int) -> tuple[int, flo
     errors = run.error_count
     if errors:
         print(f"    ({errors} errors in this round)", flush=True)
-    return run.requests, run.rps
+    return run
 
 
 def main() -> None:
@@ -129,14 +133,21 @@ def main() -> None:
             for t in targets if r % 2 == 0 else list(reversed(targets)):
                 assert t.proc is not None
                 u0, s0 = cpu_times(t.proc.pid)
-                n, rps = load(wrk, script, t.port, a.c, a.secs)
+                run = load(wrk, script, t.port, a.c, a.secs)
+                n, rps = run.requests, run.rps
                 u1, s1 = cpu_times(t.proc.pid)
                 t.requests += n
                 t.user_s += u1 - u0
                 t.sys_s += s1 - s0
                 t.rps_sum += rps
+                t.p50_ms.append(run.p(50))
+                t.p99_ms.append(run.p(99))
                 per = 1e6 * (u1 - u0 + s1 - s0) / max(n, 1)
-                print(f"round {r}  {t.spec:<40} {rps:8.0f} req/s  {per:7.0f} µs CPU/request", flush=True)
+                print(
+                    f"round {r}  {t.spec:<40} {rps:8.0f} req/s  {per:7.0f} µs CPU/request  "
+                    f"p50 {run.p(50):6.2f} ms  p99 {run.p(99):6.2f} ms",
+                    flush=True,
+                )
         print(f"\nc={a.c}, {a.rounds} rounds of {a.secs} s, the first target is 1.000×:")
         base: float | None = None
         for t in targets:
@@ -145,7 +156,8 @@ def main() -> None:
             sys_per = 1e6 * t.sys_s / max(t.requests, 1)
             print(
                 f"  {t.spec:<40} {t.rps_sum / a.rounds:8.0f} req/s  {per:7.1f} µs CPU/request ({per / base:.3f}×), "
-                f"of it system {sys_per:5.1f} µs"
+                f"of it system {sys_per:5.1f} µs; median of the rounds' p50 {statistics.median(t.p50_ms):.2f} ms, "
+                f"p99 {statistics.median(t.p99_ms):.2f} ms"
             )
     finally:
         for t in targets:

@@ -145,7 +145,8 @@ class AuthConfig:
 @dataclass(slots=True)
 class CronConfig:
     enabled: bool = True
-    tick_s: float = 60.0
+    tick_s: float = 60.0  # 0.1 … 3600 (cron.scheduler MIN_TICK_S, MAX_TICK_S)
+    lease_ttl_s: float = 90.0  # a scheduler lease not renewed this long expires (renewed every third)
 
 
 @dataclass(slots=True)
@@ -239,7 +240,8 @@ RULES: dict[str, Rule] = {
     "auth.mode": Rule(choices=("none", "token", "jwt")),
     "server.event_loop": Rule(choices=("auto", "uvloop", "asyncio")),
     "auth.jwt_leeway_s": _NON_NEGATIVE,
-    "cron.tick_s": _POSITIVE,
+    "cron.tick_s": Rule(gt=0, le=3600),  # and >= 0.1: see _check_value
+    "cron.lease_ttl_s": Rule(ge=3, le=3600),
     "store.heartbeat_s": Rule(ge=0.1, le=60),
     "store.instance_timeout_s": Rule(ge=1, le=3600),
     "providers.kind": Rule(choices=("openai", "anthropic")),
@@ -272,6 +274,8 @@ def _check_value(section: str, key: str, value: Any) -> str | None:
             store_kind(value)
         except ValueError as exc:
             return str(exc)
+    if (section, key) == ("cron", "tick_s") and value < 0.1:
+        return f"must be at least 0.1 (seconds; a shorter tick only busies the scheduler), got {value!r}"
     if section == "providers" and key == "base_url" and not value.startswith(("http://", "https://")):
         return f"must be an http:// or https:// URL, got {value!r}"
     return None

@@ -5,10 +5,19 @@ front end."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from appserver.runtime import Kernel, SubmitRequest
 from appserver.store.base import Store
-from cron.runner import CronSubmission, TurnOutcome
-from cron.store import CronTask, Occurrence
+from cron.runner import ClaimUnverifiable, CronSubmission, TurnOutcome
+from cron.store import CronTask, Occurrence, utcnow
+
+# How old a claim may be for "its idempotency key is not in the store" to still mean "it never
+# reached the kernel". The kernel purges keys older than 48 h at every start; half of that leaves
+# room for clock skew between the hosts of a cluster and for a turn accepted long after its claim.
+# Past it, an unanswered claim is never resubmitted (tests/test_cron_refire.py pins it below the
+# kernel's purge window).
+CLAIM_VERIFIABLE_S = 24 * 3600.0
 
 
 class KernelAdapter:
@@ -39,7 +48,18 @@ class KernelAdapter:
 
     async def claimed_turn(self, task: CronTask, occurrence: Occurrence) -> str | None:
         """The turn `occurrence` was submitted as (its idempotency key, in the scope the kernel
-        keeps it), or None when it never reached the kernel."""
+        keeps it), or None when it never reached the kernel. ClaimUnverifiable when the claim is
+        older than the kernel is sure to keep that key: then "not found" proves nothing."""
+        turn_id = await self._turn_by_key(task, occurrence)
+        age = utcnow() - occurrence.fired_at
+        if turn_id is None and age > timedelta(seconds=CLAIM_VERIFIABLE_S):
+            raise ClaimUnverifiable(
+                f"it was claimed {age.total_seconds() / 3600:.0f} h ago, longer than the kernel is sure "
+                f"to keep the key that would show whether it was submitted ({CLAIM_VERIFIABLE_S / 3600:g} h)"
+            )
+        return turn_id
+
+    async def _turn_by_key(self, task: CronTask, occurrence: Occurrence) -> str | None:
         sub = CronSubmission.of(task, occurrence)
         agent = await self.store.get_agent(sub.agent)
         if agent is None:

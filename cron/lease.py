@@ -1,10 +1,16 @@
 """The scheduler lease: `scheduler_owner` in crons.json says which process may fire tasks.
 
-An owner is judged by its process identity (pid plus the process start time from
-`/proc/<pid>/stat` field 22), not by a heartbeat: a dead pid, a zombie, or a live pid whose start
-time differs (the pid was reused by another program) is dead, and its lease may be taken. A live
-owner is never displaced, so two `serve` processes on one home never both fire. Every function
-here must be called with the store lock held; `LeaseHolder` does that for the scheduler.
+An owner on this host is judged by its process identity (pid plus the process start time from
+`/proc/<pid>/stat` field 22): a dead pid, a zombie, or a live pid whose start time differs (the pid
+was reused by another program) is dead, and its lease may be taken. A live owner is never
+displaced, so two `serve` processes on one home never both fire.
+
+An owner on another host (a home on shared storage, or a container that came back under a new
+hostname) cannot be checked by pid, so the lease also carries a heartbeat: the holder renews
+`renewed_at` every third of its `ttl_s`, and a lease from another host that was not renewed within
+its TTL is expired and may be taken. Every claim happens under the store lock and fires only what
+it claimed there, so a holder that was only slow, not dead, finds the lease gone and fires nothing.
+Every function here must be called with the store lock held; `LeaseHolder` does that.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from appserver.procid import pid_alive, process_start_ticks
 from cron.store import CronFile, CronStore, OwnerRecord
@@ -24,11 +30,23 @@ log = logging.getLogger("appserver.cron")
 
 process_start = process_start_ticks  # the name the scheduler and its tests use
 
+DEFAULT_LEASE_TTL_S = 90.0  # a lease from another host not renewed for this long has expired
 
-def owner_alive(owner: OwnerRecord) -> bool:
-    """Could this owner still be running? Another host's pid cannot be checked: assume alive."""
+
+def lease_expired(owner: OwnerRecord, now: datetime | None = None) -> bool:
+    """Was the lease not renewed within its TTL? (A record without a heartbeat, written by an
+    older version, counts from its start time.)"""
+    now = now or datetime.now(UTC)
+    last = owner.renewed_at or owner.started_at
+    ttl = owner.ttl_s or DEFAULT_LEASE_TTL_S
+    return now - last > timedelta(seconds=ttl)
+
+
+def owner_alive(owner: OwnerRecord, now: datetime | None = None) -> bool:
+    """Could this owner still be running? A pid on this host is checked; another host's pid cannot
+    be, so there the lease's heartbeat decides."""
     if owner.host and owner.host != socket.gethostname():
-        return True
+        return not lease_expired(owner, now)
     if not pid_alive(owner.pid):
         return False
     if owner.proc_start is None:
@@ -45,6 +63,7 @@ class LeaseHolder:
     started_at: datetime
     pid: int = field(default_factory=os.getpid)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
+    ttl_s: float = DEFAULT_LEASE_TTL_S
 
     def record(self) -> OwnerRecord:
         return OwnerRecord(
@@ -54,7 +73,36 @@ class LeaseHolder:
             proc_start=process_start(self.pid),
             host=socket.gethostname(),
             instance=self.store.instance_id,
+            renewed_at=datetime.now(UTC),
+            ttl_s=self.ttl_s,
         )
+
+    def renew_due(self, state: CronFile, now: datetime | None = None) -> bool:
+        """Is our heartbeat due (a third of the TTL since the last renewal)?"""
+        owner = state.scheduler_owner
+        if owner is None or not self.holds(state):
+            return False
+        now = now or datetime.now(UTC)
+        last = owner.renewed_at or owner.started_at
+        return owner.ttl_s != self.ttl_s or now - last >= timedelta(seconds=self.ttl_s / 3)
+
+    def seconds_to_renewal(self, state: CronFile) -> float:
+        """How long until our heartbeat is due (0 when it is, or when we do not hold the lease)."""
+        owner = state.scheduler_owner
+        if owner is None or not self.holds(state):
+            return 0.0
+        age = (datetime.now(UTC) - (owner.renewed_at or owner.started_at)).total_seconds()
+        return max(0.0, self.ttl_s / 3 - age)
+
+    def renew_in(self, state: CronFile) -> bool:
+        """Renew the heartbeat of a lease we hold when it is due; True when `state` changed (the
+        caller saves)."""
+        if not self.renew_due(state):
+            return False
+        owner = state.scheduler_owner
+        assert owner is not None
+        owner.renewed_at, owner.ttl_s = datetime.now(UTC), self.ttl_s
+        return True
 
     def holds(self, state: CronFile) -> bool:
         owner = state.scheduler_owner
@@ -70,8 +118,10 @@ class LeaseHolder:
             return False
         if owner is not None:
             log.warning(
-                "cron: taking over the scheduler lease from dead owner pid %s (token %s…)",
+                "cron: taking over the scheduler lease from %s owner pid %s on %s (token %s…)",
+                "expired" if owner.host and owner.host != socket.gethostname() else "dead",
                 owner.pid,
+                owner.host or "this host",
                 owner.token[:6],
             )
         state.scheduler_owner = self.record()
@@ -86,16 +136,28 @@ class LeaseHolder:
         return owner_alive(owner)
 
     def claim(self) -> bool:
-        """Claim or verify the lease in its own transaction."""
+        """Claim or verify the lease in its own transaction (renewing its heartbeat when due)."""
         with self.store.lock():
             state = self.store.load()
             held_before = self.holds(state)
             ok = self.claim_in(state)
-            if ok and not held_before:
+            if ok and (not held_before or self.renew_in(state)):
                 self.store.save(state)
             else:
                 self.store.keep(state)
             return ok
+
+    def describe_holder(self, state: CronFile) -> str:
+        """Who holds the lease, in words (for readiness and the log)."""
+        owner = state.scheduler_owner
+        if owner is None:
+            return "nobody holds the scheduler lease"
+        if self.holds(state):
+            return "this process holds the scheduler lease"
+        last = owner.renewed_at or owner.started_at
+        age = (datetime.now(UTC) - last).total_seconds()
+        where = owner.instance or f"pid {owner.pid} on {owner.host or 'this host'}"
+        return f"the scheduler lease is held by {where} (renewed {age:.0f} s ago)"
 
     def verify(self) -> bool:
         """Do we still hold it? (Someone may have deleted or rewritten crons.json.)"""

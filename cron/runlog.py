@@ -6,6 +6,10 @@ Events: `fired` (written when the occurrence is claimed, before the turn is subm
 keeps the task, so its log can still be found by name). A `fired` line without a later `submitted`
 or `fire_failed` line is an occurrence claimed by a process that died before submitting it: it is
 never fired again (at most once), and the reader marks it `lost` so it is not silently missing.
+
+The scheduler writes through `RunLog`, which never raises: a record the disk refuses (full, a
+directory in the way) is logged loudly, kept in memory and retried (in order, per task) at the next
+write or tick, so a run-log failure can never stop a claimed run from firing.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,9 @@ log = logging.getLogger("appserver.cron")
 
 EVENTS = ("fired", "submitted", "fire_failed", "missed", "outcome", "error", "removed")
 TAIL_BYTES = 64 * 1024  # how much of a log's end the start-up and removed-task scans read
+BACKLOG_MAX = 10_000  # records kept for a retry while the disk refuses them; the oldest go first
+# The records that settle a claimed occurrence: it reached the kernel, or it was recorded as not run.
+SETTLING_EVENTS = ("submitted", "fire_failed", "outcome", "missed")
 
 
 def run_log_path(runs_dir: Path, task_id: str) -> Path:
@@ -31,22 +39,111 @@ def run_log_path(runs_dir: Path, task_id: str) -> Path:
     return runs_dir / f"{task_id}.jsonl"
 
 
-def append_run(runs_dir: Path, task_id: str, event: str, **fields: Any) -> dict[str, Any]:
-    """Append one record with a single O_APPEND write, so concurrent writers never interleave."""
+def run_record(task_id: str, event: str, **fields: Any) -> dict[str, Any]:
+    """One run-log record, stamped now."""
     record: dict[str, Any] = {
         "event": event,
         "at": datetime.now(UTC).isoformat(),
         "task_id": task_id,
     }
     record.update({k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in fields.items()})
+    return record
+
+
+def write_record(runs_dir: Path, record: dict[str, Any]) -> None:
+    """Append one record with a single O_APPEND write, so concurrent writers never interleave."""
     line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
     ensure_private_dir(runs_dir)
-    fd = os.open(run_log_path(runs_dir, task_id), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(run_log_path(runs_dir, str(record["task_id"])), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        os.write(fd, line)
+        if os.write(fd, line) != len(line):
+            raise OSError(f"short write to the run log of task {record['task_id']}")
     finally:
         os.close(fd)
+
+
+def append_run(runs_dir: Path, task_id: str, event: str, **fields: Any) -> dict[str, Any]:
+    """Append one record now; raises when the disk refuses it (see `RunLog` for a writer that
+    never raises)."""
+    record = run_record(task_id, event, **fields)
+    write_record(runs_dir, record)
     return record
+
+
+class RunLog:
+    """The run logs of one home, written without ever raising: a record that cannot be written
+    is logged as an error and kept for a retry (at the next write or `flush`), in order per task,
+    so neither a full disk nor one broken log file stops claimed runs from firing."""
+
+    def __init__(self, runs_dir: Path) -> None:
+        self.runs_dir = runs_dir
+        self._backlog: list[dict[str, Any]] = []
+        self._error: str | None = None
+        self._mutex = threading.Lock()  # the scheduler writes from the loop and from worker threads
+
+    def record(self, task_id: str, event: str, **fields: Any) -> dict[str, Any]:
+        """Append a record, or keep it for a retry when that fails (logged loudly)."""
+        record = run_record(task_id, event, **fields)
+        with self._mutex:
+            if any(r["task_id"] == task_id for r in self._backlog):
+                self._flush_locked()  # older records of this task go first
+            if any(r["task_id"] == task_id for r in self._backlog):
+                self._keep(record, None)
+                return record
+            try:
+                write_record(self.runs_dir, record)
+            except (OSError, ValueError) as exc:
+                self._keep(record, exc)
+        return record
+
+    def flush(self) -> int:
+        """Retry the records kept after a failure; how many are still waiting."""
+        with self._mutex:
+            self._flush_locked()
+            return len(self._backlog)
+
+    def problem(self) -> str | None:
+        """One line while records are waiting for the disk, else None."""
+        with self._mutex:
+            if not self._backlog:
+                return None
+            return (
+                f"{len(self._backlog)} run-log record(s) could not be written to {self.runs_dir} "
+                f"({self._error}); retrying at every tick"
+            )
+
+    def _keep(self, record: dict[str, Any], exc: Exception | None) -> None:
+        if exc is not None:
+            self._error = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "cron: could not write the %s record of task %s to its run log (%s); keeping it to retry",
+                record["event"],
+                record["task_id"],
+                self._error,
+            )
+        self._backlog.append(record)
+        if len(self._backlog) > BACKLOG_MAX:
+            dropped = self._backlog.pop(0)
+            log.error(
+                "cron: run-log backlog full; dropped a %s record of task %s", dropped["event"], dropped["task_id"]
+            )
+
+    def _flush_locked(self) -> None:
+        waiting, self._backlog = self._backlog, []
+        failed: set[str] = set()
+        for record in waiting:
+            task_id = str(record["task_id"])
+            if task_id not in failed:
+                try:
+                    write_record(self.runs_dir, record)
+                    continue
+                except (OSError, ValueError) as exc:
+                    self._error = f"{type(exc).__name__}: {exc}"
+                    failed.add(task_id)
+            self._backlog.append(record)
+        if waiting and not self._backlog:
+            log.warning("cron: the run-log records kept after a write failure are written now")
+            self._error = None
 
 
 def read_runs(runs_dir: Path, task_id: str, *, limit: int | None = None) -> list[dict[str, Any]]:
@@ -160,3 +257,25 @@ def _mark_lost(records: list[dict[str, Any]]) -> None:
     for r in fired[:-1]:
         if r.get("occurrence") not in settled:
             r["lost"] = True
+
+
+def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, Any] | None:
+    """The record saying what became of claimed `occurrence` (its `submitted` turn, a failed
+    submit, an outcome, or a `missed` verdict), or None when the log has none: the durable answer
+    to "did this claim reach the kernel?", which no purge window limits. The tail is read first;
+    the whole log only when the tail does not reach back to the occurrence's `fired` record."""
+    path = run_log_path(runs_dir, task_id)
+    records = _tail(path)
+    found = _settling(records, occurrence)
+    if found is not None or any(r.get("event") == "fired" and r.get("occurrence") == occurrence for r in records):
+        return found
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    return _settling(_parse(raw, path, quiet=True), occurrence)
+
+
+def _settling(records: list[dict[str, Any]], occurrence: int) -> dict[str, Any] | None:
+    found = [r for r in records if r.get("event") in SETTLING_EVENTS and r.get("occurrence") == occurrence]
+    return found[-1] if found else None

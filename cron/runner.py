@@ -18,14 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from cron.envelope import build_envelope
-from cron.runlog import append_run
-from cron.store import CronStore, CronTask, Occurrence, utcnow
+from cron.store import CronStore, CronStoreError, CronTask, Occurrence, utcnow
 
 log = logging.getLogger("appserver.cron")
 
 DEFAULT_FIRE_TIMEOUT_S = 30.0
 DEFAULT_OUTCOME_TIMEOUT_S = 3600.0
 FAILED_STATUSES = ("failed", "error", "cancelled", "interrupted", "timeout")
+
+
+class ClaimUnverifiable(Exception):
+    """`ClaimedTurnFn` cannot tell whether a claimed occurrence reached the kernel (the key it
+    would be found by may have been purged): it must not be submitted again (at most once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +91,8 @@ class TurnOutcome:
 
 FireFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
 AwaitOutcomeFn = Callable[[str], Awaitable[TurnOutcome]]
-# The turn an occurrence was submitted as, if it was (found by its idempotency key), else None.
+# The turn an occurrence was submitted as, if it was (found by its idempotency key), else None;
+# raises ClaimUnverifiable when that can no longer be known.
 ClaimedTurnFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
 # Sends a reply to a channel target (`channel:account:chat[:thread]`) through the gateway; returns
 # the platform's message ids. Injected by serve when channels run.
@@ -106,8 +111,7 @@ def record_outcome(
     now: datetime | None = None,
 ) -> None:
     """Append the turn's end to the run log; a failed run also becomes the task's visible error."""
-    append_run(
-        store.runs_dir,
+    store.runlog.record(
         task_id,
         "outcome",
         occurrence=occurrence,
@@ -156,16 +160,34 @@ async def submit_claimed(
 ) -> str | None:
     """Call `fire` for an occurrence that is already claimed, and log what happened. A failure is
     recorded (run log + task error) and not retried: the occurrence was claimed, so at most once."""
+    return (await submit_claimed_why(store, task, occurrence, fire, fire_timeout_s=fire_timeout_s, clock=clock))[0]
+
+
+async def submit_claimed_why(
+    store: CronStore,
+    task: CronTask,
+    occurrence: Occurrence,
+    fire: FireFn,
+    *,
+    fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
+    clock: Clock = utcnow,
+) -> tuple[str | None, str | None]:
+    """`submit_claimed`, also saying why nothing was submitted: (turn id, None) or (None, reason).
+    Never raises: a run-log or crons.json failure after the fire is logged, never allowed to stop
+    the other claimed runs of a tick."""
     try:
         turn_id = await asyncio.wait_for(fire(task, occurrence), timeout=fire_timeout_s)
     except Exception as exc:  # noqa: BLE001 — any kernel failure must be logged, not kill the loop
         message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.warning("cron: task %s run #%d could not be submitted: %s", task.id, occurrence.number, message)
-        append_run(store.runs_dir, task.id, "fire_failed", occurrence=occurrence.number, error=message)
-        await asyncio.to_thread(_record_fire_failure, store, task.id, occurrence.number, message, clock())
-        return None
-    append_run(store.runs_dir, task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id)
-    return turn_id
+        store.runlog.record(task.id, "fire_failed", occurrence=occurrence.number, error=message)
+        try:
+            await asyncio.to_thread(_record_fire_failure, store, task.id, occurrence.number, message, clock())
+        except (CronStoreError, OSError) as exc2:
+            log.error("cron: could not record the failure of task %s run #%d: %s", task.id, occurrence.number, exc2)
+        return None, message
+    store.runlog.record(task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id)
+    return turn_id, None
 
 
 async def watch_outcome(
@@ -187,7 +209,10 @@ async def watch_outcome(
         outcome = TurnOutcome(status="unknown", error=f"no outcome within {timeout_s:g} s")
     except Exception as exc:  # noqa: BLE001
         outcome = TurnOutcome(status="unknown", error=f"{type(exc).__name__}: {exc}")
-    await asyncio.to_thread(record_outcome, store, task_id, occurrence, turn_id, outcome)
+    try:
+        await asyncio.to_thread(record_outcome, store, task_id, occurrence, turn_id, outcome)
+    except (CronStoreError, OSError) as exc:  # the run log has it (or retries it); say what failed
+        log.error("cron: could not record the outcome of task %s run #%d in the tasks: %s", task_id, occurrence, exc)
     if deliver_to:
         await deliver_reply(store, task_id, occurrence, turn_id, outcome, deliver_to, deliver)
     return outcome
@@ -216,8 +241,7 @@ async def deliver_reply(
         except Exception as exc:  # noqa: BLE001 - a failed delivery is recorded, never raised into the loop
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         else:
-            append_run(
-                store.runs_dir,
+            store.runlog.record(
                 task_id,
                 "delivered",
                 occurrence=occurrence,
@@ -227,9 +251,7 @@ async def deliver_reply(
             )
             return
     log.warning("cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, error)
-    append_run(
-        store.runs_dir, task_id, "delivery_failed", occurrence=occurrence, turn_id=turn_id, target=target, error=error
-    )
+    store.runlog.record(task_id, "delivery_failed", occurrence=occurrence, turn_id=turn_id, target=target, error=error)
 
 
 def claim_manual(store: CronStore, ref: str, *, agent: str | None, now: datetime) -> tuple[CronTask, Occurrence]:
@@ -241,8 +263,8 @@ def claim_manual(store: CronStore, ref: str, *, agent: str | None, now: datetime
         occ = task.claim(now, now, now, manual=True)
         task.updated_at = now
         copy = dataclasses.replace(task)  # handed out; the cached state stays the store's
-        store.save(state, cache=True)
-        append_run(store.runs_dir, task.id, "fired", **occ.to_dict())
+        store.save(state, cache=True)  # the claim first: a log failure never unclaims nor refires
+        store.runlog.record(task.id, "fired", **occ.to_dict())
     return copy, occ
 
 
@@ -252,6 +274,7 @@ class RunNowResult:
     occurrence: Occurrence
     turn_id: str | None
     outcome: TurnOutcome | None
+    error: str | None = None  # why no turn was submitted (turn_id None)
 
 
 async def run_task_now(
@@ -270,7 +293,7 @@ async def run_task_now(
     `await_outcome` is given) wait for the turn and log its outcome."""
     store = home if isinstance(home, CronStore) else CronStore(home)
     task, occ = await asyncio.to_thread(claim_manual, store, ref, agent=agent, now=clock())
-    turn_id = await submit_claimed(store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock)
+    turn_id, error = await submit_claimed_why(store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock)
     outcome = None
     if turn_id is not None and await_outcome is not None:
         outcome = await watch_outcome(
@@ -283,4 +306,5 @@ async def run_task_now(
             deliver_to=task.deliver,
             deliver=deliver,
         )
-    return RunNowResult(task, occ, turn_id, outcome)
+    await asyncio.to_thread(store.runlog.flush)
+    return RunNowResult(task, occ, turn_id, outcome, error)

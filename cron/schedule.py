@@ -37,6 +37,18 @@ _MACROS = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
+_FIELDS = ("minute", "hour", "day-of-month", "month", "day-of-week")
+_BOUNDS = ((0, 59), (0, 23), (1, 31), (1, 12), (0, 6))
+_NAMES: tuple[dict[str, int], ...] = (
+    {},
+    {},
+    {},
+    {
+        m: i + 1
+        for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"))
+    },
+    {d: i for i, d in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))},
+)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION_RE = re.compile(r"(\d+)\s*([smhd])")
 
@@ -125,16 +137,50 @@ def local_zone_name() -> str:
 
 
 def normalize_cron(expr: str) -> str:
-    """Collapse whitespace, expand @macros, and insist on exactly five fields."""
+    """Collapse whitespace, expand @macros, insist on exactly five fields, and refuse what croniter
+    accepts but a schedule must not mean: `R` (a random value, drawn anew whenever the expression
+    is parsed, so every restart and every host would fire at another time) and reversed ranges
+    such as `5-1` (croniter wraps them around; standard cron refuses them)."""
     e = " ".join(expr.split())
     e = _MACROS.get(e.lower(), e)
-    if len(e.split(" ")) != 5:
+    fields = e.split(" ")
+    if len(fields) != 5:
         raise ScheduleError(
             f"invalid cron expression {expr!r}: need 5 fields (minute hour day-of-month month day-of-week)"
         )
+    for index, text in enumerate(fields):
+        _check_field(expr, index, text)
     if not croniter.is_valid(e):
         raise ScheduleError(f"invalid cron expression {expr!r}")
     return e
+
+
+def _check_field(expr: str, index: int, text: str) -> None:
+    """Refuse random values and reversed ranges in one field (the rest is croniter's to judge)."""
+    where = f"invalid cron expression {expr!r}: {_FIELDS[index]} field {text!r}"
+    for item in text.split(","):
+        base = item.split("/", 1)[0].strip()
+        if base.upper() == "R" or base.upper().startswith("R("):
+            raise ScheduleError(f"{where}: random values (R) are not supported; give the value")
+        low, sep, high = base.partition("-")
+        if not sep:
+            continue
+        a, b = _field_value(index, low), _field_value(index, high)
+        if a is not None and b is not None and a > b:
+            lo, hi = _BOUNDS[index]
+            wrap = f"e.g. {low}-{hi},{lo}-{high}" if low.isdigit() and high.isdigit() else "one range per part"
+            raise ScheduleError(
+                f"{where}: range {base} runs backwards; ranges run low-high, so list a range that wraps "
+                f"around as two ({wrap})"
+            )
+
+
+def _field_value(index: int, token: str) -> int | None:
+    """A plain number or a month/day name as a number; None for anything else (L, W, #, …)."""
+    t = token.strip().lower()
+    if t.isdigit():
+        return int(t)
+    return _NAMES[index].get(t)
 
 
 def is_wildcard_cron(expr: str) -> bool:

@@ -10,6 +10,14 @@ list the occurrences that came due, apply the task's misfire policy, and CLAIM w
 advance `next_fire_at`, bump the run counter, record `last_claimed`, and save — before any turn is
 submitted. A crash after the claim therefore loses that occurrence instead of running it twice.
 Then, outside the lock, `fire(task, occurrence)` submits each claimed occurrence.
+
+The order is claim (saved), run-log records, submit. A save that fails fires and logs nothing (the
+next tick claims again); a run-log record that fails is kept and retried (cron.runlog.RunLog) while
+the run still fires, so no failure can lose a claimed run or fire it twice.
+
+A scheduler that takes the lease over from a dead one resolves what that one claimed last: by the
+run log (durable: it names the turn), else by the kernel's idempotency key; when neither can tell
+(the key may have been purged, `ClaimUnverifiable`) the run is recorded as missed, never refired.
 """
 
 from __future__ import annotations
@@ -17,18 +25,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from cron.lease import LeaseHolder
-from cron.runlog import append_run, unrecorded_turns
+from cron.lease import DEFAULT_LEASE_TTL_S, LeaseHolder
+from cron.runlog import settled_record, unrecorded_turns
 from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
     DEFAULT_OUTCOME_TIMEOUT_S,
     AwaitOutcomeFn,
     ClaimedTurnFn,
+    ClaimUnverifiable,
     Clock,
     DeliverFn,
     FireFn,
@@ -58,6 +69,20 @@ CATCH_UP_AFTER_S = 2.0  # a run this late past its due time fires after downtime
 WATCH_S = 0.25  # how often the sleeping scheduler looks whether crons.json changed
 MIN_TICK_GAP_S = 0.5  # due-time ticks are at least this far apart (each that fires saves crons.json)
 PROBLEM_LOG_EVERY_S = 60.0  # a lasting problem (corrupt crons.json, …) is logged this often
+# The backstop tick's range (config `cron.tick_s` is held to the same): a shorter one only busies
+# the scheduler, a longer one would delay a take-over and overflow date arithmetic.
+MIN_TICK_S = 0.1
+MAX_TICK_S = 3600.0
+LOOP_ERROR_PAUSE_S = 5.0  # after an unexpected error in the loop itself, pause this long and go on
+
+
+def _check_seconds(name: str, value: float, low: float, high: float) -> float:
+    """A duration argument: finite and in range, else ValueError (never a stalled or dead loop)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be from {low:g} to {high:g} seconds, got {value!r}")
+    return float(value)
 
 
 _Missed = tuple[datetime, str]  # nominal time, reason
@@ -155,6 +180,7 @@ class Scheduler:
         watch_s: float = WATCH_S,
         problem_log_every_s: float = PROBLEM_LOG_EVERY_S,
         claimed_turn: ClaimedTurnFn | None = None,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
     ) -> None:
         if isinstance(home, CronStore):
             self.store = home
@@ -164,15 +190,16 @@ class Scheduler:
             self.store = CronStore(home)
         self.fire = fire
         self.clock = clock
-        self.tick_s = tick_s
+        self.tick_s = _check_seconds("tick_s", tick_s, MIN_TICK_S, MAX_TICK_S)
         self.await_outcome = await_outcome
         self.deliver = deliver
-        self.fire_timeout_s = fire_timeout_s
-        self.outcome_timeout_s = outcome_timeout_s
+        self.fire_timeout_s = _check_seconds("fire_timeout_s", fire_timeout_s, 0.001, 86400)
+        self.outcome_timeout_s = _check_seconds("outcome_timeout_s", outcome_timeout_s, 0.001, 366 * 86400)
         self.run_all_cap = max(1, run_all_cap)
-        self.watch_s = watch_s
+        self.watch_s = _check_seconds("watch_s", watch_s, 0.01, 60)
         self.problem_log_every_s = problem_log_every_s
-        self.lease = LeaseHolder(self.store, started_at=clock())
+        ttl = _check_seconds("lease_ttl_s", lease_ttl_s, 1, 86400)
+        self.lease = LeaseHolder(self.store, started_at=clock(), ttl_s=ttl)
         self.has_lease = False
         self.started_at = utcnow()  # real time, as run-log records are stamped
         self._watchers: set[asyncio.Task[TurnOutcome]] = set()
@@ -184,13 +211,24 @@ class Scheduler:
         self._last_tick: datetime | None = None
         self._seen: tuple[int, int, int] | None = None  # crons.json signature after our last look
         self._tick_error: str | None = None
+        self._loop_error: str | None = None  # the loop itself failed (outside a tick)
+        self._invalid: str | None = None  # tasks kept in crons.json but not scheduled
         self._problem_logged: tuple[str, float] | None = None  # (text, monotonic time)
+        self._renew_at = math.inf  # monotonic time our lease heartbeat is due (lease held)
+        self.lease_state: str | None = None  # who holds the lease, as seen by the last tick
+        self.alive_at = time.monotonic()  # the loop's own heartbeat, for readiness
 
     @classmethod
     def from_config(cls, cfg: Any, *, fire: FireFn, **kwargs: Any) -> Scheduler:
         """Build from `appserver.config.Config` (home, cron.tick_s). The caller checks
         `cfg.cron.enabled` (APPSERVER_DISABLE_CRON=1) and does not start one when it is off."""
-        return cls(cron_store_for(cfg.home, cfg.store.url), fire=fire, tick_s=cfg.cron.tick_s, **kwargs)
+        return cls(
+            cron_store_for(cfg.home, cfg.store.url),
+            fire=fire,
+            tick_s=cfg.cron.tick_s,
+            lease_ttl_s=cfg.cron.lease_ttl_s,
+            **kwargs,
+        )
 
     # ------------------------------------------------------------ the tick
 
@@ -228,22 +266,38 @@ class Scheduler:
         return found
 
     async def _submit_orphan(self, task: CronTask, occurrence: Occurrence, report: TickReport) -> None:
-        """An occurrence the previous scheduler claimed before it died: submitted now unless its
-        turn exists (then it ran, or runs, and the previous server's log has it)."""
-        if self.claimed_turn is None:
+        """An occurrence the previous scheduler claimed before it died, however long ago: settled
+        when the run log says what became of it; else found by the kernel's idempotency key;
+        submitted only when the kernel can say it never got it; recorded as missed when nobody can
+        tell any more. Never submitted twice."""
+        number = occurrence.number
+        try:
+            settled = await asyncio.to_thread(settled_record, self.store.runs_dir, task.id, number)
+        except (OSError, ValueError) as exc:  # the kernel's answer still decides
+            log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
+            settled = None
+        if settled is not None or self.claimed_turn is None:
             return
         try:
-            if await self.claimed_turn(task, occurrence) is not None:
-                return
-        except Exception as exc:  # noqa: BLE001 — the kernel could not tell: leave it, say so
-            log.warning("cron: could not check run #%d of task %s: %s", occurrence.number, task.id, exc)
+            turn_id = await self.claimed_turn(task, occurrence)
+        except ClaimUnverifiable as exc:
+            self._orphan_missed(task, occurrence, str(exc), report)
+            return
+        except Exception as exc:  # noqa: BLE001 — the kernel could not tell: never guess, say so
+            why = f"whether it reached the kernel could not be checked ({type(exc).__name__}: {exc})"
+            self._orphan_missed(task, occurrence, why, report)
+            return
+        if turn_id is not None:  # it reached the kernel; the log lost it: complete the log, follow it
+            self.store.runlog.record(task.id, "submitted", occurrence=number, turn_id=turn_id, recovered=True)
+            if self.await_outcome is not None:
+                self._watch(task.id, number, turn_id, task.deliver)
             return
         log.warning(
             "cron: run #%d of task %s was claimed by a scheduler that stopped before submitting it; submitting it now",
-            occurrence.number,
+            number,
             task.id,
         )
-        append_run(self.store.runs_dir, task.id, "fired", recovered=True, **occurrence.to_dict())
+        self.store.runlog.record(task.id, "fired", recovered=True, **occurrence.to_dict())
         turn_id = await submit_claimed(
             self.store, task, occurrence, self.fire, fire_timeout_s=self.fire_timeout_s, clock=self.clock
         )
@@ -251,16 +305,33 @@ class Scheduler:
         if turn_id is not None and self.await_outcome is not None:
             self._watch(task.id, occurrence.number, turn_id, task.deliver)
 
+    def _orphan_missed(self, task: CronTask, occurrence: Occurrence, why: str, report: TickReport) -> None:
+        """A claimed run nobody can resolve is recorded as missed (at most once), loudly."""
+        reason = (
+            f"run #{occurrence.number} was claimed by a scheduler that stopped, and {why}; "
+            "it is not submitted again (a run fires at most once)"
+        )
+        log.error("cron: task %s (%s): %s", task.name, task.id, reason)
+        self.store.runlog.record(
+            task.id, "missed", occurrence=occurrence.number, scheduled_for=occurrence.scheduled_for, reason=reason
+        )
+        report.missed += 1
+
     def _claim_due(self, now: datetime, report: TickReport) -> list[_Planned]:
+        self.store.runlog.flush()  # records a failing disk refused earlier, oldest first
+        self.lease_state = None  # unknown until this tick reads the lease
         with self.store.lock():
             state = self.store.load()
             had = self.lease.holds(state)
             previous = state.scheduler_owner
+            self._invalid = state.invalid_problem()
             if not self.lease.claim_in(state):
                 if self.has_lease:
                     log.warning("cron: lost the scheduler lease; another process owns it now")
                 self.has_lease = report.has_lease = False
                 self._next_due = None
+                self._renew_at = math.inf
+                self.lease_state = self.lease.describe_holder(state)
                 self.store.keep(state)
                 self._seen = self.store.signature()
                 return []
@@ -269,15 +340,18 @@ class Scheduler:
             if not had and previous is not None and previous.token != self.lease.token:
                 self._orphans = self._claimed_by(state, previous.token)
             self.has_lease = report.has_lease = True
-            changed = not had
+            changed = self.lease.renew_in(state) or not had
+            self.lease_state = self.lease.describe_holder(state)
+            self._renew_at = time.monotonic() + self.lease.seconds_to_renewal(state)
             planned: list[_Planned] = []
             logs: list[tuple[str, str, dict[str, Any]]] = []
             next_due: datetime | None = None
-            for task in state.tasks:
+            for index, task in enumerate(state.tasks):
                 if not task.enabled:
                     continue
-                if self._plan_task(task, now, planned, logs, report):
+                if self._plan_isolated(state, index, now, planned, logs, report):
                     changed = True
+                task = state.tasks[index]
                 if task.next_due_at is not None and (next_due is None or task.next_due_at < next_due):
                     next_due = task.next_due_at
             self._next_due = next_due
@@ -286,9 +360,36 @@ class Scheduler:
             else:
                 self.store.keep(state)
             self._seen = self.store.signature()
-            for task_id, event, fields_ in logs:
-                append_run(self.store.runs_dir, task_id, event, **fields_)
+            for task_id, event, fields_ in logs:  # never raises: a failing disk keeps them to retry
+                self.store.runlog.record(task_id, event, **fields_)
             return planned
+
+    def _plan_isolated(
+        self,
+        state: CronFile,
+        index: int,
+        now: datetime,
+        planned: list[_Planned],
+        logs: list[tuple[str, str, dict[str, Any]]],
+        report: TickReport,
+    ) -> bool:
+        """`_plan_task` for one task, fenced: a value the schedule arithmetic cannot handle (a date
+        past the year 9999, …) undoes what that task's planning did and turns it into a visible
+        error, so one bad task never stalls the others."""
+        task = state.tasks[index]
+        if task.next_fire_at is not None and task.next_due_at is not None and task.next_due_at > now:
+            return False  # not due (most tasks, most ticks): nothing to plan, nothing to copy
+        before = dataclasses.replace(task)
+        marks = (len(planned), len(logs), report.missed)
+        try:
+            return self._plan_task(task, now, planned, logs, report)
+        except Exception as exc:  # noqa: BLE001 — confined to this task, reported loudly below
+            del planned[marks[0] :], logs[marks[1] :]
+            report.missed = marks[2]
+            state.tasks[index] = before
+            message = f"cannot be scheduled ({type(exc).__name__}: {exc})"
+            self._fail(before, ScheduleError(message), now, logs, report)
+            return True
 
     def _plan_task(
         self,
@@ -490,8 +591,19 @@ class Scheduler:
 
     def problem(self) -> str | None:
         """Why cron is not doing its job right now, in one line (None when all is well): a
-        crons.json that was set aside as corrupt, or a tick that fails. For /readyz and the log."""
-        found = [p for p in (self.store.problem(), self._tick_error) if p]
+        crons.json that was set aside as corrupt, a tick or the loop that fails, tasks that are
+        invalid, run-log records the disk refuses. For /readyz and the log."""
+        found = [
+            p
+            for p in (
+                self.store.problem(),
+                self._tick_error,
+                self._loop_error,
+                self._invalid,
+                self.store.runlog.problem(),
+            )
+            if p
+        ]
         return "; ".join(found) or None
 
     def _log_problem(self) -> None:
@@ -513,8 +625,9 @@ class Scheduler:
         on the wall clock, so a suspended machine ticks as soon as it resumes."""
         wake = self.next_wake()
         while not stop.is_set():
+            self.alive_at = time.monotonic()
             left = (wake - self.clock()).total_seconds()
-            if left <= 0:
+            if left <= 0 or (self.has_lease and time.monotonic() >= self._renew_at):  # tick, or renew
                 return
             try:
                 await asyncio.wait_for(stop.wait(), timeout=min(left, self.watch_s))
@@ -544,6 +657,7 @@ class Scheduler:
         loop's owner does not close it again."""
         try:
             while not stop.is_set():
+                self.alive_at = time.monotonic()
                 try:
                     await self.tick()
                     self._tick_error = None
@@ -554,8 +668,17 @@ class Scheduler:
                     log.exception("cron: tick failed")
                     self._tick_error = f"tick failed: {type(exc).__name__}: {exc}"
                     await self._note_seen()
-                self._log_problem()
-                await self._sleep(stop)
+                try:
+                    self._log_problem()
+                    await self._sleep(stop)
+                    self._loop_error = None
+                except Exception as exc:  # the loop must outlive its own bugs: say so, pause, go on
+                    log.exception("cron: the scheduler loop failed; retrying in %g s", LOOP_ERROR_PAUSE_S)
+                    self._loop_error = f"scheduler loop failed: {type(exc).__name__}: {exc}"
+                    try:
+                        await asyncio.wait_for(stop.wait(), timeout=LOOP_ERROR_PAUSE_S)
+                    except TimeoutError:
+                        pass
         finally:
             await self.close()
 

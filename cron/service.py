@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,6 +19,8 @@ log = logging.getLogger("appserver.cron")
 
 
 READINESS_CHECK = "cron"  # its name in /readyz while `serve` runs the service
+STALL_AFTER_TICKS = 3  # a loop silent for this many ticks (and at least STALL_MIN_S) is stuck
+STALL_MIN_S = 120.0
 
 
 class CronService:
@@ -45,6 +48,32 @@ class CronService:
                 self.server.kernel.owner, config.store.instance_timeout_s, config.store.heartbeat_s
             )
         self._task = asyncio.get_running_loop().create_task(self.scheduler.run(self._stop), name="cron-scheduler")
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The loop ended: expected after `stop`; otherwise cron is dead in this server, which is
+        logged as an error here (not left to a never-retrieved exception) and fails /readyz."""
+        if self._stop.is_set():
+            return
+        exc = None if task.cancelled() else task.exception()
+        log.error(
+            "cron: the scheduler stopped unexpectedly (%s); no cron task fires in this server",
+            "cancelled" if exc is None else f"{type(exc).__name__}: {exc}",
+            exc_info=exc,
+        )
+
+    def stopped(self) -> str | None:
+        """Why the scheduler loop is not running although it should, or None."""
+        if self._task is None or self._stop.is_set():
+            return None
+        if self._task.done():
+            exc = None if self._task.cancelled() else self._task.exception()
+            why = "it was cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
+            return f"the scheduler stopped unexpectedly ({why}); restart the server"
+        silent = time.monotonic() - self.scheduler.alive_at
+        if silent > max(STALL_AFTER_TICKS * self.scheduler.tick_s, STALL_MIN_S):
+            return f"the scheduler loop has not run for {silent:.0f} s"
+        return None
 
     def problem(self) -> str | None:
         """One line saying why cron cannot do its job (a crons.json set aside as corrupt and not
@@ -52,10 +81,24 @@ class CronService:
         return self.scheduler.problem()
 
     async def readiness(self) -> CheckResult:
-        """The `cron` check of /readyz: a problem warns (the server still serves; the operator
-        has something to look at), it never makes the server unready."""
+        """The `cron` check of /readyz. A scheduler loop that died or is stuck fails it (this
+        server was meant to run cron and runs none); a problem cron works around warns (the
+        server still serves; the operator has something to look at). Not holding the lease
+        while a live peer does is fine, and said; not holding it without a working tick warns."""
+        dead = self.stopped()
+        if dead:
+            return CheckResult("fail", dead)
         problem = self.problem()
-        return CheckResult("warn", problem) if problem else CheckResult("ok")
+        sched = self.scheduler
+        standby = self._task is not None and not sched.has_lease
+        if problem:
+            if standby:
+                lease = sched.lease_state or "no scheduler could be seen holding the lease"
+                problem = f"{problem}; this server does not hold the scheduler lease: {lease}"
+            return CheckResult("warn", problem)
+        if standby and sched.lease_state:
+            return CheckResult("ok", f"standby: {sched.lease_state}")
+        return CheckResult("ok")
 
     def start_recovery(self) -> None:
         self._recovery = asyncio.get_running_loop().create_task(self.recover_outcomes(), name="cron-recover-outcomes")

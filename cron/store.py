@@ -13,12 +13,20 @@ told "your file was moved aside to X" expects `cron add` to work again — while
 never touched, and `corrupt_files()` lets every CLI command keep warning about it until the user
 restores or deletes it. Refusing all writes until the user acts was rejected: a forgotten corrupt
 file would silently stop every scheduled job, which is the failure this package exists to prevent.
+Valid JSON of the wrong shape (`null`, a list, a number, a task that is no object or has no string
+id) is as unusable as torn JSON and is set aside the same way, never read as "no tasks".
+
+One task that can be named (it has a string id) but not used (a non-finite or absurd number, a
+missing field) does not take the others down: it is kept in the file exactly as loaded
+(`CronFile.invalid`), skipped by the scheduler, and reported loudly until someone fixes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import operator
 import os
 import re
@@ -37,10 +45,11 @@ from appserver.fsutil import (
     atomic_write_text,
     ensure_private_dir,
     move_aside,
-    read_json_or_move_aside,
 )
-from cron.runlog import append_run
-from cron.schedule import ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
+from cron.runlog import RunLog, append_run
+from cron.schedule import MAX_DURATION_S, ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
+
+log = logging.getLogger("appserver.cron")
 
 FORMAT_VERSION = 1
 CRONS_FILE = "crons.json"
@@ -50,6 +59,9 @@ DEFAULT_MAX_LATENESS_S = 300.0  # 5 ticks: a restart or a slow tick is not a mis
 MISFIRE_POLICIES = ("skip", "run_once", "run_all")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TARGET_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # it names the task's run-log file
+MAX_OCCURRENCE = 2**53  # a run counter beyond this was not written by a scheduler
+_MISSING = object()  # crons.json does not exist (as opposed to holding `null`)
 
 __all__ = [
     "CorruptStateFile",
@@ -116,6 +128,10 @@ class OwnerRecord:
     # The server's instance id when the tasks live in a cluster's database (cron/pgstore.py): then
     # the owner is judged by its instance row, on any host.
     instance: str | None = None
+    # The holder's heartbeat: when it last renewed the lease, and how long the lease lasts without
+    # a renewal. A holder on another host cannot be checked by pid; its lease expires instead.
+    renewed_at: datetime | None = None
+    ttl_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -127,6 +143,10 @@ class OwnerRecord:
         }
         if self.instance:
             out["instance"] = self.instance
+        if self.renewed_at is not None:
+            out["renewed_at"] = _iso(self.renewed_at)
+        if self.ttl_s is not None:
+            out["ttl_s"] = self.ttl_s
         return out
 
     @classmethod
@@ -135,16 +155,41 @@ class OwnerRecord:
         pid, token = d.get("pid"), d.get("token")
         if not isinstance(pid, int) or not isinstance(token, str) or started is None:
             raise ValueError("scheduler_owner needs pid, token and started_at")
+        if isinstance(pid, bool) or not 0 < pid < 2**31:  # os.kill overflows beyond: the lease would stick
+            raise ValueError(f"scheduler_owner.pid must be a process id, got {pid!r}")
         ps = d.get("proc_start")
+        ps = ps if isinstance(ps, int) and not isinstance(ps, bool) and 0 <= ps < 2**63 else None
         inst = d.get("instance")
+        ttl = d.get("ttl_s")
+        if ttl is not None and not _finite_in(ttl, 0.001, MAX_DURATION_S):
+            raise ValueError("scheduler_owner.ttl_s must be a positive number of seconds")
         return cls(
             pid,
             token,
             started,
-            ps if isinstance(ps, int) else None,
+            ps,
             str(d.get("host", "")),
             inst if isinstance(inst, str) and inst else None,
+            _dt(d.get("renewed_at"), "scheduler_owner.renewed_at"),
+            None if ttl is None else float(ttl),
         )
+
+
+def _finite_in(value: Any, low: float, high: float) -> bool:
+    """A JSON number (not a bool), finite, within [low, high]."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and low <= value <= high
+    )
+
+
+def check_lateness(value: Any) -> float:
+    """A max lateness in seconds: finite, 0 … 100 years (ScheduleError otherwise)."""
+    if not _finite_in(value, 0, MAX_DURATION_S):
+        raise ScheduleError(f"max lateness must be a number of seconds from 0 to {MAX_DURATION_S}, got {value!r}")
+    return float(value)
 
 
 @dataclass(slots=True)
@@ -173,6 +218,9 @@ class CronTask:
     last_error: str | None = None
     last_error_at: datetime | None = None
     updated_at: datetime | None = None
+    # The credential namespace of whoever created it through the `schedule` tool (None: unowned,
+    # e.g. the CLI): task names are unique per agent and namespace, never across namespaces.
+    namespace: str | None = None
 
     @property
     def state(self) -> str:
@@ -206,27 +254,47 @@ class CronTask:
             "last_error_at": _iso(self.last_error_at),
             "created_at": _iso(self.created_at),
             "updated_at": _iso(self.updated_at),
+            **({"namespace": self.namespace} if self.namespace is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CronTask:
+        """Parse one task; every value is checked (types, finite numbers in range), since a value
+        the scheduler cannot compute with would stall it. ValueError names the task and field."""
         if not isinstance(d, dict):
             raise ValueError("task must be an object")
         for key in ("id", "name", "agent", "prompt"):
             if not isinstance(d.get(key), str):
                 raise ValueError(f"task.{key} must be a string")
+        tid = d["id"]
+        if not _ID_RE.match(tid):
+            raise ValueError(f"task {tid!r}: id must be 1-128 letters, digits, '.', '_' or '-'")
         sched = d.get("schedule")
         if not isinstance(sched, dict):
-            raise ValueError(f"task {d['id']}: schedule must be an object")
+            raise ValueError(f"task {tid}: schedule must be an object")
         created = _dt(d.get("created_at"), "created_at")
         if created is None:
-            raise ValueError(f"task {d['id']}: created_at is required")
+            raise ValueError(f"task {tid}: created_at is required")
         misfire = d.get("misfire", "skip")
         if misfire not in MISFIRE_POLICIES:
-            raise ValueError(f"task {d['id']}: misfire must be one of {MISFIRE_POLICIES}")
+            raise ValueError(f"task {tid}: misfire must be one of {MISFIRE_POLICIES}")
+        lateness = d.get("max_lateness_s", DEFAULT_MAX_LATENESS_S)
+        if not _finite_in(lateness, 0, MAX_DURATION_S):
+            raise ValueError(f"task {tid}: max_lateness_s must be a number of seconds from 0 to {MAX_DURATION_S}")
+        occurrence = d.get("occurrence", 0)
+        if not isinstance(occurrence, int) or isinstance(occurrence, bool) or not 0 <= occurrence <= MAX_OCCURRENCE:
+            raise ValueError(f"task {tid}: occurrence must be a whole number from 0 to {MAX_OCCURRENCE}")
+        for key in ("exact", "enabled"):
+            if key in d and not isinstance(d[key], bool):
+                raise ValueError(f"task {tid}: {key} must be true or false")
         claimed = d.get("last_claimed")
+        if claimed is not None and not isinstance(claimed, dict):
+            raise ValueError(f"task {tid}: last_claimed must be an object")
+        ns = d.get("namespace")
+        if ns is not None and not isinstance(ns, str):
+            raise ValueError(f"task {tid}: namespace must be a string")
         return cls(
-            id=d["id"],
+            id=tid,
             name=d["name"],
             agent=d["agent"],
             schedule=ScheduleSpec.from_dict(sched),
@@ -234,17 +302,18 @@ class CronTask:
             created_at=created,
             conversation=str(d.get("conversation", "new")),
             misfire=misfire,
-            max_lateness_s=float(d.get("max_lateness_s", DEFAULT_MAX_LATENESS_S)),
-            exact=bool(d.get("exact", False)),
+            max_lateness_s=float(lateness),
+            exact=d.get("exact", False),
             deliver=d.get("deliver") if isinstance(d.get("deliver"), str) else None,
-            enabled=bool(d.get("enabled", True)),
+            enabled=d.get("enabled", True),
             next_fire_at=_dt(d.get("next_fire_at"), "next_fire_at"),
             next_due_at=_dt(d.get("next_due_at"), "next_due_at"),
-            last_claimed=claimed if isinstance(claimed, dict) else None,
-            occurrence=int(d.get("occurrence", 0)),
+            last_claimed=claimed,
+            occurrence=occurrence,
             last_error=d.get("last_error") if isinstance(d.get("last_error"), str) else None,
             last_error_at=_dt(d.get("last_error_at"), "last_error_at"),
             updated_at=_dt(d.get("updated_at"), "updated_at"),
+            namespace=ns,
         )
 
     def set_error(self, message: str, now: datetime) -> None:
@@ -298,7 +367,7 @@ class CronTask:
             scheduled = _dt(c.get("scheduled_for"), "last_claimed.scheduled_for")
             due = _dt(c.get("due_at"), "last_claimed.due_at")
             fired = _dt(c.get("fired_at"), "last_claimed.fired_at")
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
         if scheduled is None or due is None or fired is None:
             return None
@@ -345,6 +414,22 @@ class Occurrence:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class InvalidTask:
+    """A task of crons.json that names itself (a string id) but cannot be used: kept in the file
+    as it was loaded, never scheduled, reported until someone fixes or removes it."""
+
+    raw: dict[str, Any]
+    reason: str
+
+    @property
+    def id(self) -> str:
+        return str(self.raw["id"])
+
+    def owns_name(self, agent: str, name: str) -> bool:
+        return self.raw.get("agent") == agent and self.raw.get("name") == name
+
+
 @dataclass(slots=True)
 class CronFile:
     """The whole of crons.json, parsed."""
@@ -352,33 +437,59 @@ class CronFile:
     version: int = FORMAT_VERSION
     scheduler_owner: OwnerRecord | None = None
     tasks: list[CronTask] = field(default_factory=list)
+    invalid: list[InvalidTask] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": self.version,
             "scheduler_owner": None if self.scheduler_owner is None else self.scheduler_owner.to_dict(),
-            "tasks": [t.to_dict() for t in self.tasks],
+            "tasks": [t.to_dict() for t in self.tasks] + [bad.raw for bad in self.invalid],
         }
 
     @classmethod
     def from_dict(cls, d: Any) -> CronFile:
+        """Parse crons.json's document. ValueError (the file is unusable: set it aside) for a
+        document of the wrong shape; a task that has a string id but is otherwise unusable is
+        kept in `invalid` instead, so one bad task never takes the others down."""
         if not isinstance(d, dict):
-            raise ValueError("top level must be an object")
+            raise ValueError(f"top level must be an object, not {_json_kind(d)}")
         version = d.get("version")
-        if not isinstance(version, int):
+        if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError("version must be an integer")
         tasks = d.get("tasks", [])
         if not isinstance(tasks, list):
             raise ValueError("tasks must be a list")
         owner = d.get("scheduler_owner")
-        parsed = [CronTask.from_dict(t) for t in tasks]
-        ids = [t.id for t in parsed]
+        if owner is not None and not isinstance(owner, dict):
+            raise ValueError(f"scheduler_owner must be an object or null, not {_json_kind(owner)}")
+        parsed: list[CronTask] = []
+        invalid: list[InvalidTask] = []
+        for raw in tasks:
+            if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+                raise ValueError("every task must be an object with a string id")
+            try:
+                parsed.append(CronTask.from_dict(raw))
+            except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                invalid.append(InvalidTask(raw, f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)))
+        ids = [t.id for t in parsed] + [bad.id for bad in invalid]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate task ids")
         return cls(
             version=version,
-            scheduler_owner=OwnerRecord.from_dict(owner) if isinstance(owner, dict) else None,
+            scheduler_owner=None if owner is None else OwnerRecord.from_dict(owner),
             tasks=parsed,
+            invalid=invalid,
+        )
+
+    def invalid_problem(self) -> str | None:
+        """One line naming the tasks that are kept but not scheduled, else None."""
+        if not self.invalid:
+            return None
+        shown = "; ".join(f"{bad.id}: {bad.reason}" for bad in self.invalid[:3])
+        more = f" (and {len(self.invalid) - 3} more)" if len(self.invalid) > 3 else ""
+        return (
+            f"{len(self.invalid)} task(s) in the cron tasks are invalid and are not scheduled "
+            f"(left in place: fix or remove them): {shown}{more}"
         )
 
     def find(self, ref: str, agent: str | None = None) -> CronTask:
@@ -390,13 +501,30 @@ class CronFile:
         if len(named) == 1:
             return named[0]
         if not named:
+            for bad in self.invalid:
+                if (bad.id == ref or bad.raw.get("name") == ref) and agent in (None, bad.raw.get("agent")):
+                    raise CronStoreError(
+                        f"cron task {ref!r} is invalid and not scheduled ({bad.reason}); "
+                        f"fix or delete it in {CRONS_FILE}"
+                    )
             who = f" for agent {agent!r}" if agent else ""
             raise CronNotFound(f"no cron task {ref!r}{who}")
-        agents = ", ".join(sorted(t.agent for t in named))
-        raise CronStoreError(f"task name {ref!r} exists for several agents ({agents}); pass --agent")
+        agents = sorted({t.agent for t in named})
+        if len(agents) == 1:
+            ids = ", ".join(t.id for t in named)
+            raise CronStoreError(f"several tasks of agent {agents[0]!r} are named {ref!r} ({ids}); give the task id")
+        raise CronStoreError(f"task name {ref!r} exists for several agents ({', '.join(agents)}); pass --agent")
 
     def get(self, task_id: str) -> CronTask | None:
         return next((t for t in self.tasks if t.id == task_id), None)
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list"}.get(
+        type(value), type(value).__name__
+    )
 
 
 # ---------------------------------------------------------------- the store
@@ -417,6 +545,7 @@ class CronStore:
         # task id -> (fingerprint, JSON line) of the last save: unchanged tasks are not re-encoded
         self._lines: dict[str, tuple[tuple[Any, ...], str]] = {}
         self.instance_id: str | None = None  # this server's cluster instance (a database-backed store)
+        self.runlog = RunLog(self.runs_dir)  # the scheduler's writer: never raises, retries
 
     @contextmanager
     def lock(self) -> Iterator[None]:
@@ -458,7 +587,7 @@ class CronStore:
         if cached is not None and cached[0] == self.signature():
             return cached[1]
         raw = self._read_json(readonly)
-        if raw is None:
+        if raw is _MISSING:
             return CronFile()
         if isinstance(raw, dict) and isinstance(raw.get("version"), int) and raw["version"] > FORMAT_VERSION:
             raise CronStoreError(
@@ -474,16 +603,19 @@ class CronStore:
             raise move_aside(self.path, reason) from None
 
     def _read_json(self, readonly: bool) -> Any:
-        if not readonly:
-            return read_json_or_move_aside(self.path)
+        """The parsed document, or `_MISSING` when there is no file (a JSON `null` is a document,
+        and not one of cron tasks: `load` sets it aside like any other wrong shape)."""
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
-            return None
+            return _MISSING
         try:
             return json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._unreadable(f"invalid JSON: {exc}") from None
+            reason = f"invalid JSON: {exc}"
+            if readonly:
+                raise self._unreadable(reason) from None
+            raise move_aside(self.path, reason) from None
 
     def _unreadable(self, reason: str) -> CronFileUnreadable:
         return CronFileUnreadable(
@@ -506,7 +638,9 @@ class CronStore:
         """crons.json's text for `state`."""
         state.version = FORMAT_VERSION
         owner = None if state.scheduler_owner is None else state.scheduler_owner.to_dict()
-        tasks = ",\n    ".join(self._encode_tasks(state.tasks))
+        lines = self._encode_tasks(state.tasks)
+        lines += [json.dumps(bad.raw, allow_nan=True, **_COMPACT) for bad in state.invalid]  # as loaded
+        tasks = ",\n    ".join(lines)
         return (
             "{\n"
             f'  "version": {state.version},\n'
@@ -583,10 +717,18 @@ class CronStore:
     # ------------------------------------------------------------ task operations
 
     def add(self, task: CronTask) -> CronTask:
-        """Insert a task; a duplicate name for the same agent is refused and nothing is written."""
+        """Insert a task; a duplicate name for the same agent and namespace is refused and nothing
+        is written. Names are scoped to (agent, namespace): another agent's or another credential
+        namespace's tasks neither collide with nor show through this one."""
         with self.lock():
             state = self.load()
-            if any(t.agent == task.agent and t.name == task.name for t in state.tasks):
+            if any(
+                t.agent == task.agent and t.name == task.name and t.namespace == task.namespace for t in state.tasks
+            ) or any(
+                bad.owns_name(task.agent, task.name) and bad.raw.get("namespace") == task.namespace
+                for bad in state.invalid
+            ):
+                self.keep(state)
                 raise CronStoreError(f"agent {task.agent!r} already has a cron task named {task.name!r}")
             state.tasks.append(task)
             self.save(state)
@@ -676,6 +818,7 @@ def make_task(
     deliver: str | None = None,
     enabled: bool = True,
     task_id: str | None = None,
+    namespace: str | None = None,
 ) -> CronTask:
     """Validate everything `add` must refuse (ScheduleError, nothing written) and compute the first
     fire time."""
@@ -686,8 +829,7 @@ def make_task(
         raise ScheduleError("prompt must not be empty")
     if misfire not in MISFIRE_POLICIES:
         raise ScheduleError(f"invalid misfire policy {misfire!r}: use skip, run_once or run_all")
-    if max_lateness_s < 0:
-        raise ScheduleError("max lateness must not be negative")
+    max_lateness_s = check_lateness(max_lateness_s)
     first = validate_new(schedule, now)
     tid = task_id or new_task_id()
     return CronTask(
@@ -706,4 +848,5 @@ def make_task(
         next_fire_at=first,
         next_due_at=due_time(schedule, first, task_id=tid, created_at=now, exact=exact),
         updated_at=now,
+        namespace=namespace,
     )

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -95,10 +95,21 @@ def test_zombie_owner_is_dead(tmp_path: Path, sleeper: subprocess.Popen[bytes]) 
     assert LeaseHolder(store, started_at=NOW).claim()
 
 
-def test_owner_on_another_host_is_never_assumed_dead(tmp_path: Path) -> None:
+def test_owner_on_another_host_is_judged_by_its_heartbeat(tmp_path: Path) -> None:
+    """Another host's pid cannot be checked: a lease renewed within its TTL is respected, one
+    that was not (the holder died, or its container came back under a new hostname) is taken."""
     store = CronStore(tmp_path)
-    put_owner(store, owner(999_999_999, 1, host="some-other-host"))
+    fresh = owner(999_999_999, 1, host="some-other-host")
+    fresh.renewed_at, fresh.ttl_s = datetime.now(UTC), 60.0
+    put_owner(store, fresh)
     assert not LeaseHolder(store, started_at=NOW).claim()
+    stale = owner(999_999_999, 1, host="some-other-host")
+    stale.renewed_at, stale.ttl_s = datetime.now(UTC) - timedelta(seconds=61), 60.0
+    put_owner(store, stale)
+    me = LeaseHolder(store, started_at=NOW)
+    assert me.claim()
+    rec = store.read().scheduler_owner
+    assert rec is not None and rec.token == me.token and rec.renewed_at is not None
 
 
 # ------------------------------------------------------------------ two real processes

@@ -6,6 +6,10 @@ conversation may only schedule into conversations of that namespace (by default:
 conversation), and lists and cancels only such tasks; "new" and "default" (unowned conversations,
 seen by admin and local callers only) are refused there. Turns of unowned conversations (local,
 admin, CLI, cron) may target any conversation of the agent, as before.
+
+Task names are scoped the same way: a task remembers the namespace it was created in, names are
+unique per agent and namespace (`CronStore.add`), and cancel finds a name only among the caller's
+visible tasks, so a caller can neither see nor collide with another agent's or namespace's names.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ async def _visible_tasks(store: Store, ctx: ToolContext, ns: str | None, tasks: 
     return [t for t in tasks if await _target_allowed(store, ctx, ns, t.conversation)]
 
 
-def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str) -> str:
+def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str, ns: str | None) -> str:
     given = [(k, args[k]) for k in KINDS if args.get(k)]
     if len(given) != 1:
         raise ScheduleError("give exactly one of cron, every, at, in")
@@ -59,6 +63,7 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
         now=utcnow(),
         conversation=conversation,
         misfire=str(args.get("misfire") or "skip"),
+        namespace=None if ns == _UNKNOWN else ns,  # an unreadable owner: seen by unowned callers only
     )
     store.add(task)
     when = task.next_fire_at.isoformat(timespec="minutes") if task.next_fire_at else "never"
@@ -89,17 +94,21 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
                     "omit `conversation` to schedule into this conversation",
                     is_error=True,
                 )
-            text = await asyncio.to_thread(_create, store, args, ctx, conversation)
+            text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns)
         elif action == "list":
             text = _list(
                 await _visible_tasks(conversations, ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id))
             )
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
-            found = (await asyncio.to_thread(store.read)).find(ref, ctx.agent.id)
-            if not await _target_allowed(conversations, ctx, ns, found.conversation):
-                raise CronNotFound(f"no cron task {ref!r}")  # not yours: as if it did not exist
-            task = await asyncio.to_thread(store.remove, found.id, ctx.agent.id)
+            mine = await _visible_tasks(conversations, ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id))
+            found = [t for t in mine if t.id == ref] or [t for t in mine if t.name == ref]
+            if not found:
+                raise CronNotFound(f"no cron task {ref!r}")  # another's is as if it did not exist
+            if len(found) > 1:
+                ids = ", ".join(t.id for t in found)
+                raise CronStoreError(f"several of your tasks are named {ref!r} ({ids}); cancel one by its id")
+            task = await asyncio.to_thread(store.remove, found[0].id, ctx.agent.id)
             text = f"cancelled task {task.name} ({task.id})"
         else:
             return ToolOutput("action must be create, list or cancel", is_error=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -113,11 +114,26 @@ def _agent_filter(cfg: Config, agent: str | None) -> str | None:
         return agent
 
 
+MAX_RUN_TIMEOUT_S = 7 * 86400.0
+
+
 class _OneLineError(click.ClickException):
     """`error: <one line>` and exit code 1, spelled like every other appserver command."""
 
     def show(self, file: Any = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _seconds(option: str, text: str, low: float, high: float) -> float:
+    """A number of seconds given on the command line: `nan`, `inf`, `1e999` and values out of
+    range are refused with one line (exit 1), never handed to a timer that overflows."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise _OneLineError(f"{option} must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or not low <= value <= high:
+        raise _OneLineError(f"{option} must be a number of seconds from {low:g} to {high:g}, got {text!r}")
+    return value
 
 
 def _one_line(exc: BaseException) -> str:
@@ -317,7 +333,11 @@ def add_cmd(
 def list_cmd(agent: str | None, as_json: bool) -> None:
     """List tasks with their next run (jitter applied) and state."""
     cfg = _config()
-    tasks = _store(cfg).list(_agent_filter(cfg, agent))
+    state = _store(cfg).read()
+    agent_id = _agent_filter(cfg, agent)
+    tasks = [t for t in state.tasks if agent_id is None or t.agent == agent_id]
+    for bad in state.invalid:
+        click.echo(f"warning: cron task {bad.id} is invalid and not scheduled: {bad.reason}", err=True)
     names = _names_of(cfg) if tasks else {}
     if as_json:
         click.echo(json.dumps([_task_json(t, names) for t in tasks]))
@@ -418,13 +438,13 @@ def remove_cmd(ref: str, agent: str | None) -> None:
 @cron_group.command("run")
 @click.argument("task")
 @click.option("--agent", default=None, help="Agent of the task, when names repeat across agents.")
-@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the turn.")
+@click.option("--timeout", default="600", show_default=True, help="Seconds to wait for the turn (up to 7 days).")
 @click.option("--json", "as_json", is_flag=True)
-def run_cmd(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
+def run_cmd(task: str, agent: str | None, timeout: str, as_json: bool) -> None:
     """Run TASK now (works without the scheduler lease; through the server when one runs)."""
     from appserver.cli.cron_run import run_now
 
-    run_now(task, agent, timeout, as_json)
+    run_now(task, agent, _seconds("--timeout", timeout, 0.001, MAX_RUN_TIMEOUT_S), as_json)
 
 
 @cron_group.command("logs")

@@ -15,7 +15,7 @@ from appserver.errors import KernelError
 from appserver.server import Server
 from cron.adapter import KernelAdapter
 from cron.runner import run_task_now
-from cron.store import CronNotFound
+from cron.store import CorruptStateFile, CronNotFound, CronStoreError
 from cron.stores import cron_store_for
 
 
@@ -81,7 +81,7 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
             "occurrence": result.occurrence.to_dict(),
             "turn_id": result.turn_id,
             "outcome": result.outcome.status if result.outcome else None,
-            "error": result.outcome.error if result.outcome else None,
+            "error": result.outcome.error if result.outcome else result.error,
             "snapshot": snapshot,
         }
 
@@ -91,18 +91,24 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
         fail(str(exc), 2)
     except KernelError as exc:
         fail(exc.message, 2)
+    except (CronStoreError, CorruptStateFile) as exc:
+        fail(" ".join(str(exc).split()), 1)
     report(out, as_json)
 
 
 def report(out: dict[str, Any], as_json: bool) -> None:
     """Print the run (the same shape in-process and through a server) and exit with its status."""
+    run = f"run #{out['occurrence']['occurrence']} of {out['task']['name']}"
     if as_json:
         print_json(out)
+    elif out["turn_id"] is None:  # claimed, but the kernel refused it: say why, never "None"
+        why = " ".join(str(out.get("error") or "the kernel gave no reason").split())
+        click.echo(f"error: {run} could not be submitted: {why}", err=True)
     else:
         text = "".join(b.get("text", "") for b in (out["snapshot"] or {}).get("blocks", []) if b["type"] == "text")
-        click.echo(
-            f"run #{out['occurrence']['occurrence']} of {out['task']['name']}: {out['outcome']} (turn {out['turn_id']})"
-        )
+        status = out["outcome"] or "unknown (no outcome was reported)"
+        why = f": {out['error']}" if out.get("error") and out["outcome"] not in ("completed", "awaiting") else ""
+        click.echo(f"{run}: {status}{why} (turn {out['turn_id']})")
         if text:
             click.echo(text)
     sys.exit(0 if out["outcome"] in ("completed", "awaiting") else 1)

@@ -1,0 +1,96 @@
+"""A scheduler lease held by a process on another host (a home on shared storage, a container that
+came back under a new hostname) cannot be judged by pid: it expires when its heartbeat stops.
+A real `serve` waits while the foreign lease is renewed, says so in /readyz, and takes over and
+fires once the lease has gone unrenewed for its TTL; the holder renews its own lease on time."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cron.lease import LeaseHolder, owner_alive
+from cron.store import CronStore, OwnerRecord
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import start_serve
+from tests.support.state import check, wait_ready
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def foreign(renewed_at: datetime, ttl_s: float) -> OwnerRecord:
+    return OwnerRecord(4242, "e" * 32, renewed_at, 1, "a-host-that-is-not-this-one", None, renewed_at, ttl_s)
+
+
+def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:
+    path = home / "cron-runs" / f"{task_id}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_foreign_lease_is_respected_while_renewed_and_taken_once_it_expires(home: Path) -> None:
+    env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
+    add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
+                  "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
+    assert add.code == 0, add.err
+    task_id = json.loads(add.out)["id"]
+    ttl = 6.0
+    renewed = datetime.now(UTC)
+    with CronStore(home).transaction() as state:  # the other host's server, alive a moment ago
+        state.scheduler_owner = foreign(renewed, ttl)
+    sp = start_serve(home, env=env)
+    try:
+        body = wait_ready(sp.url, 200)
+        cron = check(body, "cron")
+        assert cron["status"] == "ok" and "a-host-that-is-not-this-one" in cron.get("detail", ""), cron
+        while (datetime.now(UTC) - renewed).total_seconds() < ttl - 1.0:
+            assert run_log(home, task_id) == []  # the lease is live: this server does not fire
+            time.sleep(0.2)
+        wait_for(lambda: any(r["event"] == "outcome" for r in run_log(home, task_id)), 15, "the take-over and fire")
+        assert [r["event"] for r in run_log(home, task_id)] == ["fired", "submitted", "outcome"]
+        owner = CronStore(home).read().scheduler_owner
+        assert owner is not None and owner.pid == sp.proc.pid and owner.renewed_at is not None
+        time.sleep(1.6)  # readiness results are cached for 1.5 s
+        assert check(wait_ready(sp.url, 200), "cron") == {"name": "cron", "status": "ok"}
+    finally:
+        sp.kill()
+
+
+def test_the_holder_renews_its_heartbeat_and_a_stale_one_elsewhere_is_dead(tmp_path: Path) -> None:
+    store = CronStore(tmp_path)
+    me = LeaseHolder(store, started_at=datetime.now(UTC), ttl_s=3.0)
+    assert me.claim()
+    first = store.read().scheduler_owner
+    assert first is not None and first.ttl_s == 3.0 and first.renewed_at is not None
+    assert me.claim() and store.read().scheduler_owner.renewed_at == first.renewed_at  # type: ignore[union-attr]
+    time.sleep(1.1)  # a third of the TTL: renewal is due
+    assert me.claim()
+    renewed = store.read().scheduler_owner
+    assert renewed is not None and renewed.renewed_at is not None and renewed.renewed_at > first.renewed_at
+    now = datetime.now(UTC)
+    assert owner_alive(foreign(now - timedelta(seconds=2), 3.0), now)
+    assert not owner_alive(foreign(now - timedelta(seconds=4), 3.0), now)
+
+
+def test_a_dead_foreign_lease_without_a_heartbeat_does_not_block_cron_forever(home: Path) -> None:
+    """The record an older server on another host left (no heartbeat fields), an hour old."""
+    env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
+    add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
+                  "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
+    assert add.code == 0, add.err
+    task_id = json.loads(add.out)["id"]
+    data = json.loads((home / "crons.json").read_text())
+    started = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    data["scheduler_owner"] = {"pid": 4242, "token": "d" * 32, "started_at": started, "proc_start": 1, "host": "gone"}
+    (home / "crons.json").write_text(json.dumps(data))
+    sp = start_serve(home, env=env)
+    try:
+        wait_for(lambda: any(r["event"] == "submitted" for r in run_log(home, task_id)), 15, "the take-over and fire")
+        owner = CronStore(home).read().scheduler_owner
+        assert owner is not None and owner.pid == sp.proc.pid
+    finally:
+        sp.kill()

@@ -1,0 +1,80 @@
+"""A run log the disk refuses never loses a claimed run, its own or another task's.
+
+Real files: a directory squats on one task's run-log path (the write fails with EISDIR, as a full
+or broken disk would fail it). The claims are saved first, every due task still fires exactly
+once, the refused records are kept and retried in order once the path is writable again, and the
+problem is reported (for /readyz and the log) while it lasts.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from cron.runlog import read_runs
+from cron.schedule import ScheduleSpec
+from cron.scheduler import Scheduler
+from cron.store import CronStore, CronTask, Occurrence, make_task
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class Kernel:
+    """The injected `fire` (the kernel's seam): records what was submitted."""
+
+    def __init__(self) -> None:
+        self.fired: list[tuple[str, int]] = []
+
+    async def __call__(self, task: CronTask, occ: Occurrence) -> str:
+        self.fired.append((task.name, occ.number))
+        return f"turn_{task.name}_{occ.number}"
+
+
+def add(store: CronStore, name: str) -> CronTask:
+    spec = ScheduleSpec("every", "1h", "UTC")
+    return store.add(make_task(name=name, agent="echo", schedule=spec, prompt="p", now=T0, exact=True))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CronStore:
+    return CronStore(tmp_path / "home")
+
+
+async def test_a_refused_run_log_write_loses_no_run_and_is_retried(store: CronStore) -> None:
+    broken, fine = add(store, "broken"), add(store, "fine")
+    blocker = store.runs_dir / f"{broken.id}.jsonl"
+    blocker.mkdir(parents=True)  # every write to this task's log fails
+    kernel = Kernel()
+    clock = Clock(T0 + timedelta(hours=1))
+    s = Scheduler(store, fire=kernel, clock=clock)
+
+    report = await s.tick()
+    assert sorted(kernel.fired) == [("broken", 1), ("fine", 1)]  # both fired, neither lost
+    assert sorted(report.fired) == sorted([(broken.id, 1, "turn_broken_1"), (fine.id, 1, "turn_fine_1")])
+    assert [r["event"] for r in read_runs(store.runs_dir, fine.id)] == ["fired", "submitted"]
+    assert store.read().get(broken.id).occurrence == 1  # type: ignore[union-attr]  # the claim is saved
+    problem = s.problem()
+    assert problem is not None and "run-log record(s) could not be written" in problem
+
+    await s.tick()  # still refused: nothing fires twice, nothing is dropped
+    assert len(kernel.fired) == 2
+
+    blocker.rmdir()  # the disk recovers
+    await s.tick()
+    records = read_runs(store.runs_dir, broken.id)
+    assert [(r["event"], r.get("occurrence")) for r in records] == [("fired", 1), ("submitted", 1)]
+    assert records[1]["turn_id"] == "turn_broken_1"
+    assert s.problem() is None
+    clock.now += timedelta(hours=1)
+    await s.tick()
+    assert sorted(kernel.fired) == [("broken", 1), ("broken", 2), ("fine", 1), ("fine", 2)]

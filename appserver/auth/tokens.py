@@ -54,10 +54,16 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
 def parse_duration(text: str) -> float | None:
-    """`30d`, `12h`, `45m`, `2w`, `90s` → seconds; `never`/`none`/`0` → None (no expiry)."""
+    """`30d`, `12h`, `45m`, `2w`, `90s` → seconds; `never`/`none` → None (no expiry).
+
+    An empty value or a bare `0` is refused rather than read as "never": either could be a typo or
+    an unset shell variable, and must not silently mint a token that never expires.
+    """
     t = text.strip().lower()
-    if t in ("never", "none", "0", ""):
+    if t in ("never", "none"):
         return None
+    if t in ("", "0"):
+        raise ValueError(f"invalid duration {text!r}: give e.g. 30d, 12h, 45m, 2w, or never for no expiry")
     m = _DURATION_RE.match(t)
     if not m or int(m.group(1)) <= 0:
         raise ValueError(f"invalid duration {text!r}: expected e.g. 30d, 12h, 45m, 2w or never")
@@ -79,12 +85,23 @@ def parse_scopes(value: str | Iterable[str] | None) -> frozenset[str]:
 
 
 def parse_agents(value: str | Iterable[str] | None) -> frozenset[str] | None:
-    """Comma-separated or a list → set of agent ids/names; None/empty/`*` → all agents."""
+    """Comma-separated or a list → set of agent ids/names; None (not given) or `*` alone → all agents.
+
+    Only those two spellings mean "all": a value that names no agent (`""`, `" , "`, an empty list,
+    an unset shell variable) or mixes `*` with names is refused, since reading it as "all" would
+    silently widen what the token grants.
+    """
     if value is None:
         return None
     items = value.split(",") if isinstance(value, str) else list(value)
-    out = {a.strip() for a in items if isinstance(a, str) and a.strip()}
-    if not out or "*" in out:
+    if not all(isinstance(a, str) for a in items):
+        raise ValueError("agents must be strings (agent ids or names)")
+    out = {a.strip() for a in items if a.strip()}
+    if not out:
+        raise ValueError("--agents names no agent: give agent ids or names (a,b), or '*' for all agents")
+    if "*" in out:
+        if len(out) > 1:
+            raise ValueError("--agents: '*' (all agents) cannot be combined with agent ids or names")
         return None
     return frozenset(out)
 

@@ -2,7 +2,8 @@
 
 An operator's problem (bad config, damaged store, full disk, busy port, missing TLS file) ends a
 command with one line saying what, where and what to do, and exit code 2; the traceback only
-with `appserver --debug`. A bug (an error `explain` does not know) keeps its traceback.
+with `appserver --debug`. A bug (an error `explain` does not know) keeps its traceback. A stdout
+whose reader left (`appserver … | head -1`) ends the command quietly with exit code 141.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import errno
 import json
 import os
+import select
 import sqlite3
 import ssl
 import sys
@@ -55,9 +57,47 @@ def _os_error(exc: OSError) -> str:
         return f"permission denied: {where}: it must be readable and writable by the user running appserver"
     if exc.errno == errno.EROFS:
         return f"read-only file system: {where}: the home directory must be writable"
+    if exc.errno == errno.EPIPE and not exc.filename:
+        return f"broken pipe: what this command was writing to (a pipe or a connection) went away ({exc.strerror})"
     if exc.errno == errno.ENOENT:
         return f"no such file or directory: {where}"
     return f"{where}: {exc.strerror or exc}"
+
+
+STDOUT_CLOSED_EXIT = 141  # 128 + SIGPIPE: what a shell shows for a writer its reader left (`| head`)
+
+
+def _pipe_gone(stream: Any) -> bool:
+    """Has the reader of this stream's pipe (or terminal) gone away? One poll, no wait."""
+    try:
+        fd = stream.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test runner's buffer), or no poll()
+        return False
+    poller.register(fd, 0)  # errors and hang-ups are reported whatever is asked for
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def stdout_closed(exc: BaseException) -> bool:
+    """Is `exc` the broken pipe of writing to a stdout nobody reads any more (`appserver … | head -1`)?
+
+    That is no error worth a line: the reader had what it wanted. A broken pipe anywhere else (a
+    connection to the server) is one, so it must be stdout's own pipe that is gone.
+    """
+    return isinstance(exc, OSError) and exc.errno == errno.EPIPE and _pipe_gone(sys.stdout)
+
+
+def exit_stdout_closed() -> NoReturn:
+    """Leave as a command piped into `head` does: say nothing, exit 141. What is still buffered goes
+    to /dev/null, so the interpreter's last flush cannot print `Exception ignored … BrokenPipeError`."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if _pipe_gone(stream):
+                os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+    sys.exit(STDOUT_CLOSED_EXIT)
 
 
 def explain(exc: BaseException) -> str | None:
@@ -88,6 +128,8 @@ def run_or_fail(fn: Callable[[], T]) -> T:
     except (click.ClickException, click.exceptions.Exit, click.Abort, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:
+        if stdout_closed(exc):
+            exit_stdout_closed()
         message = explain(exc)
         if message is None or debug_enabled():
             raise

@@ -21,6 +21,8 @@ from appserver.serverinfo import read_live_server
 
 T = TypeVar("T")
 
+OPEN_TIMEOUT_S = 10.0  # for the connection and then for the server's welcome (each)
+
 
 class Seconds(click.ParamType[float]):
     """A finite number of seconds, at least 0 (`zero`) or more than 0: `-1`, `nan` and `inf` are
@@ -255,7 +257,12 @@ def run_remote(
 
     async def go() -> tuple[TurnSnapshot, str]:
         client = await ProtocolClient.connect(
-            url, client="appserver-run", reconnect=reconnect_wait > 0, reconnect_s=reconnect_wait, url_source=url_source
+            url,
+            client="appserver-run",
+            open_timeout=min(OPEN_TIMEOUT_S, timeout),  # a short --timeout bounds the wait for the welcome too
+            reconnect=reconnect_wait > 0,
+            reconnect_s=reconnect_wait,
+            url_source=url_source,
         )
         try:
             if approve or deny:

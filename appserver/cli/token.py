@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore, token_store_for
-from appserver.cli.common import get_config
+from appserver.cli.common import fail, get_config
 from appserver.fsutil import CorruptStateFile
 
 
@@ -39,7 +39,11 @@ def token_group() -> None:
 
 @token_group.command("create")
 @click.option("--name", default=None, help="A unique name (default: the token id).")
-@click.option("--agents", default=None, help="Comma-separated agent ids or names (default: all agents).")
+@click.option(
+    "--agents",
+    default=None,
+    help="Comma-separated agent ids or names, or '*' (default: all agents). An empty value is refused.",
+)
 @click.option(
     "--scopes",
     default=",".join(DEFAULT_TOKEN_SCOPES),
@@ -53,7 +57,9 @@ def create_cmd(name: str | None, agents: str | None, scopes: str, expires: str, 
     store = _store()
     try:
         rec, plaintext = store.create(name=name, agents=agents, scopes=scopes, expires=expires)
-    except (ValueError, RuntimeError, CorruptStateFile) as exc:
+    except ValueError as exc:  # what was asked for is wrong (empty --agents, bad scope...): a usage error
+        fail(str(exc), 2)
+    except (RuntimeError, CorruptStateFile) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         out: dict[str, Any] = rec.public()

@@ -24,7 +24,9 @@ the upgrade) ends it at once, since retrying cannot help.
 
 Opening: a network failure is `OSError`; a bad URL or an upgrade the server refuses with an HTTP
 status is `ConnectError` (a `ProtocolError`), in one line (`the server at … refused the token (401
-invalid_api_key: …)`). A frame bigger than the server takes (its welcome's `max_frame_bytes`, else
+invalid_api_key: …)`), and so is a server that takes the connection but sends no welcome in time
+(`welcome_timeout`: not the turn's timeout, not a refused connection); one that closes it before
+its welcome is `Closed`. A frame bigger than the server takes (its welcome's `max_frame_bytes`, else
 4 MiB) is refused before it is sent (`ProtocolError` `frame_too_large`): sent, it would end the
 connection.
 """
@@ -77,6 +79,12 @@ HISTORY_LIMIT = 500
 # The biggest frame a server takes when its welcome does not say (docs/protocol.md: 4 MiB); a
 # bigger one would end the connection (1009), so the client refuses to send it.
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+def _closed(exc: ConnectionClosed) -> str:
+    """`code reason` of a closed connection, as the close frame said (1006 when there was none)."""
+    frame = exc.rcvd or exc.sent
+    return f"{frame.code} {frame.reason}".strip() if frame is not None else "1006 no close frame"
 
 
 def resendable(frame: dict[str, Any]) -> bool:
@@ -163,6 +171,23 @@ class ProtocolClient:
         early: list[dict[str, Any]] = []
         try:
             self.welcome = await asyncio.wait_for(self._call(ws, self._hello(), early), open_timeout)
+        except TimeoutError:
+            # Not the turn's timeout nor a refused connection: the upgrade succeeded, hello went unanswered.
+            await ws.close()
+            raise ConnectError(
+                "welcome_timeout",
+                f"the server at {url} accepted the WebSocket connection but sent no welcome within "
+                f"{open_timeout:g} s (it may be overloaded or stuck, or not an appserver)",
+            ) from None
+        except ConnectionClosed as exc:
+            raise Closed(
+                "connection_closed", f"the server at {url} closed the connection before its welcome ({_closed(exc)})"
+            ) from None
+        except ValueError:
+            await ws.close()
+            raise ConnectError(
+                "handshake_failed", f"the server at {url} answered hello with something other than a protocol frame"
+            ) from None
         except BaseException:
             await ws.close()
             raise

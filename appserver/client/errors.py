@@ -25,7 +25,9 @@ class ConnectError(ProtocolError):
     * the server answered the WebSocket upgrade with an HTTP error (`status`): `code` is the one
       its JSON error body gives (`invalid_api_key`, `insufficient_scope`, `websocket_refused`, …),
       else `http_<status>`;
-    * `handshake_failed`: what answered is not a WebSocket server; `connect_timeout`.
+    * `handshake_failed`: what answered is not a WebSocket server (or not a protocol server);
+      `connect_timeout`: no WebSocket connection in time; `welcome_timeout`: the connection was
+      taken but hello got no welcome in time.
 
     `fatal`: trying again cannot help (401/403: the credential or the URL is refused; a bad URL),
     so a reconnecting client gives up at once instead of retrying until its deadline."""

@@ -8,6 +8,8 @@ response with `function_call` items; server tools needing approval end it with
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import secrets
 import time
@@ -68,6 +70,12 @@ from appserver.store.records import AgentRecord, ResponseRecord
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
     from appserver.server import Server
+
+log = logging.getLogger("appserver.http.responses")
+
+# A stream that announced its response id but ends without its turn's outcome (the server stops,
+# the client leaves) still stores the response: bounded, as the stop's drain (DRAIN_S) is.
+KEEP_TIMEOUT_S = 2.0
 
 
 def _id(prefix: str) -> str:
@@ -900,26 +908,56 @@ class _Run:
         output = self.output(snap)
         failed = await turn_error(self.server, self.shape.agent.id, snap.error) if snap.status == "failed" else None
         body = response_body(self.shape, status=final_status(snap), output=output, snap=snap, failed=failed)
-        store = self.server.store
         if snap.status != "failed":
             view = merge_assistants(_reply_view(output))
             await self.route.matcher.record(self.shape.agent.id, self.run.conversation_id, chain(view, self.point_base))
-        if self.shape.store:
-            await store.save_response(
-                ResponseRecord(
-                    id=self.shape.id,
-                    agent_id=self.shape.agent.id,
-                    conversation_id=self.run.conversation_id,
-                    body=body,
-                    turn_id=self.run.turn_id,
-                    previous_response_id=self.shape.previous_response_id,
-                    namespace=None,
-                    last_message_id=await store.last_message_id(self.run.conversation_id),
-                    input_items=self.parsed.stored,
-                    stored=True,
-                )
-            )
+        await self.keep(body)
         return body
+
+    async def keep(self, body: dict[str, Any]) -> None:
+        """Store the Response object under its id (unless `store` is false)."""
+        if not self.shape.store:
+            return
+        store = self.server.store
+        await store.save_response(
+            ResponseRecord(
+                id=self.shape.id,
+                agent_id=self.shape.agent.id,
+                conversation_id=self.run.conversation_id,
+                body=body,
+                turn_id=self.run.turn_id,
+                previous_response_id=self.shape.previous_response_id,
+                namespace=None,
+                last_message_id=await store.last_message_id(self.run.conversation_id),
+                input_items=self.parsed.stored,
+                stored=True,
+            )
+        )
+
+    async def keep_unfinished(self, body: dict[str, Any]) -> None:
+        """A stream told the client its response id (`response.created`) and ends without the
+        turn's outcome: the id must still name the response, with how it ended, after a restart.
+        Best effort within KEEP_TIMEOUT_S: the stream's end is never held up for long."""
+        try:
+            await asyncio.wait_for(self.keep(body), KEEP_TIMEOUT_S)
+        except Exception as exc:  # the store is failing or stopping: the stream still ends as it must
+            log.warning("could not store unfinished response %s: %r", self.shape.id, exc)
+
+    async def client_gone(self) -> None:
+        """A stream's client left: cancel the turn, then keep the response as the turn ended
+        (cancelled, or whatever it reached first), or as cancelled if it does not settle in time."""
+        await self.run.cancel()
+        try:
+            snap = await self.run.handle.wait_settled(KEEP_TIMEOUT_S, after_revision=self.run.after_revision)
+        except TimeoutError:
+            snap = None
+        if snap is not None and snap.status in TERMINAL_STATUSES:
+            try:
+                await asyncio.wait_for(self.finalize(snap), KEEP_TIMEOUT_S)
+                return
+            except Exception as exc:
+                log.warning("could not store response %s after its client left: %r", self.shape.id, exc)
+        await self.keep_unfinished(response_body(self.shape, status="cancelled", output=[], snap=None))
 
     async def complete(self, request: Request) -> Response:
         try:
@@ -944,6 +982,8 @@ class _Run:
     def stream_response(self) -> Response:
         metrics = self.route.metrics
         finished = False
+        announced = False  # the client may have the response id (response.created went out)
+        kept = False  # the response's outcome is (being) stored: a disconnect must not overwrite it
         seq = 0
 
         def ev(kind: str, **fields: Any) -> tuple[str, str]:
@@ -953,10 +993,11 @@ class _Run:
             return kind, dumps(payload)  # sent with an `event: <type>` line, as OpenAI does
 
         async def produce() -> AsyncIterator[SSEItem]:
-            nonlocal finished
+            nonlocal finished, announced, kept
             metrics.active_streams.inc()
             try:
                 shape = self.shape
+                announced = True
                 yield ev("response.created", response=response_body(shape, status="in_progress", output=[], snap=None))
                 yield ev(
                     "response.in_progress", response=response_body(shape, status="in_progress", output=[], snap=None)
@@ -992,12 +1033,16 @@ class _Run:
                     if settled:
                         break
                 if last is None or not self.settled(last):  # the server stops (the only other way out)
-                    # `response.failed`, as a failed turn's stream ends; nothing stored, no replay.
+                    # `response.failed`, as a failed turn's stream ends; stored as sent (the client
+                    # has the id: GET answers with it after the restart), no replay.
                     err = shutting_down()
                     body = response_body(shape, status="failed", output=[], snap=last)
                     body["error"] = {"code": "server_error", "message": f"{err.message} [{err.code}]"}
+                    kept = True
+                    await self.keep_unfinished(body)
                     yield ev("response.failed", response=body)
                     return
+                kept = True  # from here on, the outcome is stored by finalize (or it failed loudly)
                 body = await self.finalize(last)
                 terminal = {
                     "completed": "response.completed",
@@ -1014,8 +1059,14 @@ class _Run:
             finally:
                 metrics.active_streams.dec()
 
+        async def on_disconnect() -> None:
+            if announced and not kept:
+                await self.client_gone()
+            else:
+                await self.run.cancel()
+
         on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
-        return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]
+        return SSEResponse(produce(), headers=self.headers, on_disconnect=on_disconnect, on_close=on_close)  # type: ignore[return-value]
 
     def _advance(
         self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any

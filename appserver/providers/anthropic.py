@@ -32,6 +32,7 @@ from appserver.providers.base import (
     Usage,
     error_from_status,
 )
+from appserver.providers.jsontext import loads_event
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
@@ -111,7 +112,7 @@ class AnthropicStreamParser:
             return []
         self.events += 1
         try:
-            obj = json.loads(data)
+            obj = loads_event(data)  # lone surrogates as U+FFFD (jsontext.py)
         except ValueError as exc:
             raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]) from None
         if not isinstance(obj, dict):

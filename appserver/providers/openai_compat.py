@@ -11,7 +11,6 @@ The provider never retries: the agent loop owns that decision (retry.py).
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from appserver.providers.base import (
     error_from_status,
 )
 from appserver.providers.fasttransport import LeanClient, raw_headers
+from appserver.providers.jsontext import loads, loads_event
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
@@ -52,17 +52,6 @@ from appserver.providers.upstream import (
     request_timeout,
     transport_error,
 )
-
-_LONG_INT = re.compile(r"[0-9]{20}")
-
-
-def _decode(data: str) -> Any:
-    """A chunk's JSON: orjson, except for a usage chunk with a number orjson would round (token
-    counts are stored and reported, so every digit is kept)."""
-    if '"usage"' in data and _LONG_INT.search(data) is not None:
-        return json.loads(data)
-    return fastjson.loads_chunk(data)
-
 
 # The request body as compact UTF-8 JSON, encoded here so that the lean transport gets bytes (a NaN
 # or infinity, which no upstream accepts as a number, is written as null).
@@ -140,7 +129,7 @@ class OpenAIStreamParser:
             self.saw_done = True
             return []
         try:
-            obj = _decode(data)
+            obj = loads_event(data)
         except ValueError as exc:
             raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}", body=data[:500]) from None
         if not isinstance(obj, dict):
@@ -543,7 +532,7 @@ class OpenAICompatProvider:
     @staticmethod
     def _whole_completion(raw: bytes) -> list[ProviderChunk]:
         try:
-            obj = fastjson.loads_chunk(raw)
+            obj = loads(raw)
         except ValueError as exc:
             raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}") from None
         if not isinstance(obj, dict):

@@ -6,7 +6,6 @@ Kept apart from any one provider so that a new kind imports the plumbing, not a 
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -16,6 +15,7 @@ import httpx
 from appserver.config import ProviderConfig
 from appserver.providers.base import ProviderError, error_from_status
 from appserver.providers.fasttransport import LeanClient, LeanResponse, lean_transport, raw_headers
+from appserver.providers.jsontext import loads
 from appserver.providers.retry import parse_retry_after
 
 _ERROR_BODY_MAX = 64 * 1024
@@ -210,7 +210,7 @@ async def read_error_response(resp: httpx.Response | LeanResponse) -> ProviderEr
     text = raw.decode("utf-8", errors="replace")
     body: Any
     try:
-        body = json.loads(text) if text.strip() else None
+        body = loads(text) if text.strip() else None  # lone surrogates as U+FFFD (jsontext.py)
     except ValueError:
         body = text
     message = error_message_from_body(body, f"upstream answered HTTP {resp.status_code}")

@@ -1,0 +1,88 @@
+"""`appserver … | head -1`: a reader that leaves early ends the command quietly.
+
+The broken pipe (EPIPE) reached the CLI's one-line errors (appserver/cli/common.py `explain`) and
+came out as `error: (no file named): Broken pipe` with exit code 2, or, with stderr on the same
+pipe, as Python's `Exception ignored … BrokenPipeError` at exit. Now it ends the command with no
+output and exit code 141 (128 + SIGPIPE), as a shell reports a writer its reader left. A broken
+pipe that is not stdout's (a connection) is still reported, in a line that says what broke.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appserver.cli.common import STDOUT_CLOSED_EXIT, explain, stdout_closed
+from tests.support.cli import ROOT, cli_env
+from tests.support.zygote_client import appserver_popen
+
+ROWS = 2000  # `token list`: ~100 bytes a row, far more than a pipe holds (64 KiB)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A home with many tokens (written as the store writes them: hashes only)."""
+    home = tmp_path_factory.mktemp("pipe") / "home"
+    auth = home / "auth"
+    auth.mkdir(parents=True, mode=0o700)
+    tokens = [
+        {
+            "id": f"tok_{i:012x}",
+            "name": f"token-{i}",
+            "hash": hashlib.sha256(str(i).encode()).hexdigest(),
+            "agents": None,
+            "scopes": ["openai", "ws"],
+            "created_at": 1767220000.0,
+            "expires_at": None,
+        }
+        for i in range(ROWS)
+    ]
+    (auth / "tokens.json").write_text(json.dumps({"version": 1, "tokens": tokens}))
+    (auth / "tokens.json").chmod(0o600)
+    return home
+
+
+@pytest.mark.parametrize("args", [("token", "list"), ("token", "list", "--json")])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(home: Path, args: tuple[str, ...]) -> None:
+    with appserver_popen(
+        list(args), env=cli_env(home), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.read(100)  # what `head -c 100` takes, then it goes
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        code = proc.wait(30)
+    assert first, err
+    assert err == "", err  # no "error: … Broken pipe", no traceback, no "Exception ignored"
+    if "--json" in args:
+        # One write of the whole array: when the reader leaves while the write blocks, the kernel
+        # ends it short and Python reports no error, so the command may end as a success.
+        assert code in (0, STDOUT_CLOSED_EXIT), code
+    else:
+        assert code == STDOUT_CLOSED_EXIT, code
+
+
+def test_piped_into_head_with_stderr_on_the_same_pipe(home: Path) -> None:
+    """As an operator types it, through a shell: `appserver token list 2>&1 | head -1`."""
+    script = f'"{sys.executable}" -m appserver token list 2>&1 | head -1; echo "status=${{PIPESTATUS[0]}}"'
+    done = subprocess.run(
+        ["bash", "-c", script], env=cli_env(home), cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("ID "), done.stdout
+    assert lines[1] == f"status={STDOUT_CLOSED_EXIT}", done.stdout
+    assert done.stderr == "", done.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_still_an_error() -> None:
+    """pytest's captured stdout is no pipe: a broken connection is reported, and says so."""
+    exc = BrokenPipeError(errno.EPIPE, "Broken pipe")
+    assert not stdout_closed(exc)
+    message = explain(exc)
+    assert message is not None and message.startswith("broken pipe:") and "no file named" not in message

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from plugins.contract import Target
+from plugins.contract import Target, shorten
 
 SHORT_ID = 8
 ARGS_SHOWN = 300
@@ -45,9 +45,7 @@ class Prompt:
         return self.call_id[-SHORT_ID:]
 
     def text(self) -> str:
-        args = " ".join(self.arguments.split())
-        if len(args) > ARGS_SHOWN:
-            args = args[: ARGS_SHOWN - 1] + "…"
+        args = shorten(" ".join(self.arguments.split()), ARGS_SHOWN)
         head = f"🔐 The agent wants to use {self.name} with {args or '{}'}"
         if self.decided:
             return f"{head}\n{self.decided}"

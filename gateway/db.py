@@ -114,6 +114,12 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         CREATE INDEX ledger_batch ON ledger(channel, account, batch);
         """,
     ),
+    (
+        5,
+        """
+        ALTER TABLE ledger ADD COLUMN sending TEXT;
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

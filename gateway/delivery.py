@@ -7,6 +7,13 @@ platform's `retry_after`, retries transient errors with backoff and raises `Deli
 the reason in the end. A `ReplySink` grows one turn's reply in place where the platform can edit
 (first send at the first visible text, then about one edit per `interval`, no-op edits skipped,
 the last edit exact), splitting at the platform's limit without breaking code fences.
+
+A send is never repeated where that could show it twice (DESIGN §8: once, never twice). When its
+outcome is unknown (a timeout, a connection lost after the request went out, or a restart after a
+crash in flight), the outbox sends again only where the platform dedupes by the part's key
+(`dedupes_sends`: Discord's nonce) or, after looking the message up by its key (`find_sent`:
+Slack's message metadata), reuses the one it finds. A platform with neither (Telegram) gets at most
+once: an uncertain send is not repeated and the reply fails with the reason, logged as an error.
 """
 
 from __future__ import annotations
@@ -15,13 +22,14 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from gateway.ratelimit import ChatRateLimiter, RetryAfter
 from gateway.split import MIN_LIMIT, split_message
-from plugins.contract import Adapter, DeliveryError, Target
+from plugins.contract import Adapter, DeliveryError, Target, shorten
 
 if TYPE_CHECKING:
     from gateway.accounts import AccountRunner
@@ -37,6 +45,23 @@ MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) 
 
 class DeliveryFailed(Exception):
     """A reply or send that could not be delivered, with the platform's reason."""
+
+
+class SendUncertain(DeliveryFailed):
+    """A send that may have reached the chat, on a platform that can neither dedupe nor be asked:
+    not repeated, so the chat shows it at most once."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a send left in the chat: its message ids; `found` when an earlier attempt had been
+    performed and these are its messages (showing that attempt's text, not necessarily this one)."""
+
+    ids: list[str]
+    found: bool = False
+
+
+Resend = Literal["dedupe", "lookup"]
 
 
 def reply_body(snapshot: dict[str, Any]) -> str:
@@ -72,17 +97,24 @@ def visible_text(snapshot: dict[str, Any], *, tool_status: bool = True) -> str:
 
 
 def _short(text: str, limit: int = 200) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+    return shorten(" ".join(text.split()), limit)
 
 
 class Outbox:
-    """All traffic to one account's chats: rate limited per chat, retried, never silently dropped."""
+    """All traffic to one account's chats: rate limited per chat, retried, never silently dropped,
+    and a send never repeated where it could show twice."""
 
-    def __init__(self, adapter: Adapter, limiter: ChatRateLimiter, sleep: Callable[[float], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        adapter: Adapter,
+        limiter: ChatRateLimiter,
+        sleep: Callable[[float], Awaitable[None]],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.adapter = adapter
         self.limiter = limiter
         self._sleep = sleep
+        self._wall = wall  # epoch seconds: a lookup asks the platform for messages since a time
 
     def format(self, text: str) -> str:
         fmt = getattr(self.adapter, "format", None)
@@ -92,14 +124,96 @@ class Outbox:
     def can_edit(self) -> bool:
         return bool(self.adapter.limits.can_edit and callable(getattr(self.adapter, "edit", None)))
 
+    @property
+    def resend(self) -> Resend | None:
+        """How a send whose outcome is unknown may be repeated without showing twice, if at all."""
+        if getattr(self.adapter, "dedupes_sends", False) is True:
+            return "dedupe"
+        if callable(getattr(self.adapter, "find_sent", None)):
+            return "lookup"
+        return None
+
     async def send(self, target: Target, text: str) -> list[str]:
+        return (await self.send_part(target, text)).ids
+
+    async def send_part(self, target: Target, text: str, *, since: float | None = None) -> Sent:
+        """Send one message. `since` (epoch seconds): an earlier attempt at this same part (same
+        `target.key`) began then and may have been performed (a restart after a crash in flight);
+        where the platform can be asked, its message is looked up first and reused.
+
+        Within this call, an uncertain failure is retried only where that cannot post twice; on a
+        platform that can neither dedupe nor be asked it raises `SendUncertain` at once."""
         formatted = self.format(text)
-        return await self._call(target.chat, lambda: self.adapter.send(target, formatted))
+        resend = self.resend
+        if target.key is None and resend is not None:
+            target = replace(target, key=str(uuid.uuid4()))  # the same over this send's retries
+        doubt = since  # when set, an earlier attempt may have been performed
+        doubted_here = False  # ...by an uncertain failure seen in this call (not only before a restart)
+        started: float | None = None
+
+        async def attempt() -> Sent:
+            nonlocal doubt, doubted_here, started
+            if doubt is not None and resend == "lookup":
+                found = await self._find(target, doubt, doubted_here)
+                if found:
+                    log.info("%s: the message %s was sent before (%s); reusing it", target.chat, target.key, found)
+                    return Sent(found, found=True)
+            elif since is not None and resend is None and started is None:
+                log.warning(
+                    "%s: sending part %s again: an attempt before the restart may have reached the chat, and"
+                    " this platform cannot tell (the one window left, docs/channels.md)",
+                    target.chat,
+                    target.key,
+                )
+            if started is None:
+                started = self._wall()
+            try:
+                return Sent(await self.adapter.send(target, formatted))
+            except DeliveryError as exc:
+                error = exc
+            except TimeoutError as exc:  # a plugin's own timeout: the request may have been performed
+                error = DeliveryError(f"TimeoutError: {exc}", uncertain=True)
+            except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: transient, never lost
+                error = DeliveryError(f"{type(exc).__name__}: {exc}")
+            if error.uncertain:
+                if resend is None:
+                    log.error(
+                        "%s: a send failed after it may have reached the chat (%s); this platform can neither"
+                        " dedupe nor be asked, so it is not sent again (at most once, never twice)",
+                        target.chat,
+                        error.reason,
+                    )
+                    raise SendUncertain(f"{error.reason} (it may have reached the chat; not sent again)") from error
+                doubt = started if doubt is None else min(doubt, started)
+                doubted_here = True
+            raise error
+
+        return await self._call(target.chat, attempt)
+
+    async def _find(self, target: Target, since: float, doubted_here: bool) -> list[str] | None:
+        """The platform's answer to "was this part sent?"; a lookup the platform refuses for good
+        means it cannot tell: at most once within this process, sent again after a restart."""
+        find = getattr(self.adapter, "find_sent")  # noqa: B009 - optional method of the contract
+        try:
+            found = await find(target, since)
+        except DeliveryError as exc:
+            if not exc.permanent or exc.retry_after is not None:
+                raise
+            if doubted_here:
+                log.error(
+                    "%s: a send may have reached the chat and the lookup was refused (%s): not sent again",
+                    target.chat,
+                    exc.reason,
+                )
+                raise SendUncertain(f"{exc.reason} (the message may have reached the chat; not sent again)") from exc
+            log.warning("%s: cannot look up part %s (%s); sending it again", target.chat, target.key, exc.reason)
+            return None
+        return [str(i) for i in found] if found else None
 
     async def edit(self, target: Target, message_id: str, text: str) -> None:
         formatted = self.format(text)
         edit = getattr(self.adapter, "edit")  # noqa: B009 - optional method of the contract
-        await self._call(target.chat, lambda: edit(target, message_id, formatted))
+        await self._call(target.chat, lambda: edit(target, message_id, formatted))  # an edit repeats harmlessly
 
     async def react(self, target: Target, message_id: str, emoji: str) -> None:
         react = getattr(self.adapter, "react", None)
@@ -116,7 +230,7 @@ class Outbox:
                     wait = exc.retry_after if math.isfinite(exc.retry_after) else MAX_RETRY_AFTER_S
                     raise RetryAfter(min(max(wait, 0.0), MAX_RETRY_AFTER_S)) from exc
                 raise
-            except RetryAfter:
+            except (RetryAfter, DeliveryFailed):
                 raise
             except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: transient, never lost
                 raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
@@ -137,7 +251,7 @@ class Outbox:
 @dataclass
 class _Part:
     message_id: str
-    text: str | None  # None: sent before a restart, content unknown (always re-edited)
+    text: str | None  # None: content unknown (sent before a restart, or found by a lookup): always re-edited
 
 
 @dataclass
@@ -153,12 +267,18 @@ class ReplySink:
     clock: Callable[[], float] = time.monotonic
     # Called with every id the reply occupies as soon as a new part was sent (no await in between), so
     # a restart continues in those messages instead of sending them again (the ledger notes them).
-    # The one exception: a crash while a send is in flight (performed by the platform, its answer not
-    # read yet) sends that part again after the restart; a platform without idempotent sends
-    # (Telegram's sendMessage) cannot be asked whether it arrived. docs/channels.md, "Exactly once".
     on_sent: Callable[[list[str]], None] | None = None
+    # Called with a part's key and the time (epoch seconds) before its first send goes out, so a
+    # restart knows that part may exist although its id was never noted (a crash while the send was
+    # in flight): it is then looked up where the platform can be asked, deduped where the platform
+    # does that, and sent again only where it can do neither (Telegram). docs/channels.md, "Exactly once".
+    on_attempt: Callable[[str, float], None] | None = None
     key: str | None = None  # the reply's identity; each part is sent with `key:index` (Target.key)
+    attempted: dict[str, float] = field(default_factory=dict)  # part key -> when its first send began
+    wall: Callable[[], float] = time.time
     _last: float = -1e9
+    _doubtful: set[str] = field(default_factory=set)  # parts that may be in the chat: never sent again
+    _tried_here: set[str] = field(default_factory=set)  # parts first attempted by this process
 
     @classmethod
     def resumed(cls, outbox: Outbox, target: Target, remote_ids: tuple[str, ...], **kw: Any) -> ReplySink:
@@ -197,30 +317,61 @@ class ReplySink:
             chunks = chunks[len(self.parts) :] if final else []
         for i, chunk in enumerate(chunks):
             if self.outbox.can_edit and i < len(self.parts):
-                part = self.parts[i]
-                if part.text != chunk:
-                    try:
-                        await self.outbox.edit(self.target, part.message_id, chunk)
-                    except DeliveryFailed:
-                        if not final:
-                            raise
-                        # The platform will not edit this message (too old, deleted): the final text
-                        # goes out as a new message rather than leave the chat with a partial reply.
-                        ids = await self.outbox.send(self.target, chunk)
-                        part.message_id = ids[0] if ids else part.message_id
-                        self._sent()
-                    part.text = chunk
+                await self._edit(i, chunk, final)
                 continue
-            where = self.target if self.key is None else replace(self.target, key=f"{self.key}:{len(self.parts)}")
-            for message_id in await self.outbox.send(where, chunk):
-                self.parts.append(_Part(message_id, chunk))
+            index = len(self.parts)
+            sent = await self._post(str(index), chunk)
+            for message_id in sent.ids:
+                self.parts.append(_Part(message_id, None if sent.found else chunk))
             self._sent()
+            if sent.found and self.outbox.can_edit and index < len(self.parts):
+                await self._edit(index, chunk, final)  # it shows the earlier attempt's text
         if self.outbox.can_edit and len(self.parts) > len(chunks) and final:
             # The reply shrank (a status line went away): blank the surplus rather than leave stale text.
             for part in self.parts[len(chunks) :]:
                 if part.text != "…":
                     await self.outbox.edit(self.target, part.message_id, "…")
                     part.text = "…"
+
+    async def _edit(self, i: int, chunk: str, final: bool) -> None:
+        part = self.parts[i]
+        if part.text == chunk:
+            return
+        try:
+            await self.outbox.edit(self.target, part.message_id, chunk)
+        except DeliveryFailed:
+            if not final:
+                raise
+            # The platform will not edit this message (too old, deleted): the final text goes out as
+            # a new message rather than leave the chat with a partial reply.
+            sent = await self._post(f"{i}:new", chunk)
+            part.message_id = sent.ids[0] if sent.ids else part.message_id
+            self._sent()
+            if sent.found:
+                await self.outbox.edit(self.target, part.message_id, chunk)
+        part.text = chunk
+
+    async def _post(self, suffix: str, chunk: str) -> Sent:
+        """Send one part as `key:suffix`: noted as attempted before it goes (`on_attempt`), looked up
+        or deduped when an earlier attempt may have been performed, never repeated when doubtful."""
+        if self.key is None:
+            return await self.outbox.send_part(self.target, chunk)
+        key = f"{self.key}:{suffix}"
+        if key in self._doubtful:
+            raise SendUncertain(f"part {key} may already be in the chat; not sent again")
+        since = self.attempted.get(key)
+        if since is None:
+            self.attempted[key] = self.wall()
+            self._tried_here.add(key)
+            if self.on_attempt is not None:
+                self.on_attempt(key, self.attempted[key])
+        elif key in self._tried_here and self.outbox.resend != "lookup":
+            since = None  # this process saw every earlier attempt fail for certain (an uncertain one is doubtful)
+        try:
+            return await self.outbox.send_part(replace(self.target, key=key), chunk, since=since)
+        except SendUncertain:
+            self._doubtful.add(key)
+            raise
 
     def _sent(self) -> None:
         if self.on_sent is not None:

@@ -13,7 +13,9 @@ States, each move one committed transaction::
         └──► held (pairing; `release` moves it to allowed)
 
 `to_decide`, `to_submit`, `in_flight` and `to_deliver` are the resume queries, oldest first, so
-per-chat order survives a restart.
+per-chat order survives a restart. Beside the state, a reply's progress is noted as it goes out: the
+platform ids of the parts sent (`note_sent`) and, before each new part's send, that it is being
+attempted (`note_sending`), so a restart knows a part may exist although its id was never noted.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Entry:
     received_at: float
     updated_at: float
     batch: str | None = None  # the message id of the batch's first message, when debounced into one
+    sending: tuple[str, float] | None = None  # the reply part last attempted: its key, when (epoch s)
 
     @property
     def idempotency_key(self) -> str:
@@ -221,6 +224,17 @@ class Ledger:
                     (ids, shown, self._clock(), key.channel, key.account, key.message_id),
                 )
 
+    def note_sending(self, key: UpdateKey, part: str, at: float) -> None:
+        """The reply part `part` (its `Target.key`) is about to be sent, first tried at `at`: after a
+        crash before its id is noted, the restart looks for it instead of assuming it is not there."""
+        mark = json.dumps({"part": part, "at": at})
+        with transaction(self._conn, durable=False) as c:
+            c.execute(
+                "UPDATE ledger SET sending=?, updated_at=? WHERE channel=? AND account=? AND message_id=?"
+                " AND state IN ('submitted', 'finished')",
+                (mark, self._clock(), key.channel, key.account, key.message_id),
+            )
+
     def mark_finished(self, key: UpdateKey, reply: str) -> Entry:
         """The turn settled with `reply` to deliver (kept so a restart can deliver it)."""
         return self._move(key, ("submitted",), "finished", reply=reply)
@@ -298,7 +312,7 @@ class Ledger:
 
 _COLUMNS = (
     "id, channel, account, message_id, chat, thread, sender, payload, state, decision, reason,"
-    " turn_id, conversation, reply, remote_ids, received_at, updated_at, batch"
+    " turn_id, conversation, reply, remote_ids, received_at, updated_at, batch, sending"
 )
 
 
@@ -320,4 +334,15 @@ def _entry(row: tuple[Any, ...]) -> Entry:
         received_at=row[15],
         updated_at=row[16],
         batch=row[17],
+        sending=_sending(row[18]),
     )
+
+
+def _sending(raw: str | None) -> tuple[str, float] | None:
+    if not raw:
+        return None
+    try:
+        mark = json.loads(raw)
+        return str(mark["part"]), float(mark["at"])
+    except (ValueError, KeyError, TypeError):
+        return None

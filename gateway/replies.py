@@ -3,8 +3,10 @@
 One follower per turn (`follow`): the turn's snapshots grow a `ReplySink` in place (paced about one
 edit per second, the end never held back long), the final text is written to the ledger before it
 is delivered, and the platform ids are noted as each part goes out, so a restart continues the same
-reply instead of sending it again (only a part whose send was in flight at the crash goes out twice:
-see `ReplySink.on_sent`). Replies to one chat go out in their messages' order
+reply instead of sending it again. A part whose send was in flight at the crash was noted as
+attempted first: after the restart it is looked up or deduped where the platform allows, and sent
+again only where it allows neither (see `ReplySink.on_attempt`). Replies to one chat go out in their
+messages' order
 (`ChatOrder`); the typing indicator runs while a turn does.
 """
 
@@ -123,7 +125,10 @@ class Replies:
             sink = ReplySink.resumed(outbox, target, entry.remote_ids, stream=stream)
             key = entry.key
             sink.on_sent = lambda ids: self.ledger.note_sent(key, ids, None)
+            sink.on_attempt = lambda part, at: self.ledger.note_sending(key, part, at)
             sink.key = str(key)
+            if entry.sending is not None:  # a part was being sent when the gateway stopped
+                sink.attempted[entry.sending[0]] = entry.sending[1]
             text = entry.reply
             if entry.state == "submitted":
                 typing = asyncio.ensure_future(self._keep_typing(runner, target))

@@ -16,18 +16,23 @@ Rules, in order of preference for where a part ends:
 
 Blank lines at a cut are dropped, and so is the space a line is cut at; nothing else is (a hard cut
 drops nothing: the parts joined give the line back). Every part is at most `limit` characters
-(measured in `str` length, as the platforms document theirs) and has balanced fences.
+(measured in `str` length, as the platforms document theirs) and has balanced fences. The
+grapheme-cluster rules live in `plugins/graphemes.py` (re-exported by `plugins.contract`, so a
+plugin cuts text the same way).
 """
 
 from __future__ import annotations
 
 import re
-import unicodedata
 from dataclasses import dataclass
+
+from plugins.contract import is_grapheme_boundary
 
 # A fence opener or closer: up to three spaces, then ``` or ~~~ (3 or more).
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 MIN_LIMIT = 32
+
+__all__ = ["MIN_LIMIT", "is_grapheme_boundary", "split_message"]
 
 
 @dataclass(frozen=True)
@@ -173,100 +178,3 @@ def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
         head, rest = text[:cut], text[cut + 1 :]
     fence = line.fence_before if line.fence_before == line.fence_after else None
     return _Line(head, line.fence_before, fence), _Line(rest, fence, line.fence_after)
-
-
-# ---------------------------------------------------------------------------- grapheme clusters
-#
-# The standard library has no grapheme segmentation (and the `regex` module is not a dependency):
-# these are UAX #29's extended grapheme cluster rules, with the properties derived from `unicodedata`
-# categories and a few explicit ranges. They cover what replies contain: accents and other combining
-# marks, emoji with skin tones, variation selectors and ZWJ sequences, flags (regional-indicator
-# pairs) and tag-sequence flags, Hangul jamo, CRLF, Indic conjuncts. Where they are simpler than the
-# standard they keep more together, never less (every spacing mark is kept with what precedes it,
-# whatever follows a ZWJ stays with it, any letter after a virama joins the conjunct), with one
-# exception: only the Prepend characters listed below are known.
-
-_ZWJ = "\u200d"
-_CR, _LF = "\r", "\n"
-_PREPEND = frozenset(
-    [*range(0x0600, 0x0606), 0x06DD, 0x070F, 0x0890, 0x0891, 0x08E2, 0x0D4E, 0x110BD, 0x110CD, 0x111C2, 0x111C3]
-)
-# Indic virama-like "linkers" (InCB=Linker): consonant + linker (+ ZWJ/marks) + consonant is one cluster.
-_LINKERS = frozenset([0x094D, 0x09CD, 0x0ACD, 0x0B4D, 0x0C4D, 0x0D4D])
-
-
-def _extend(ch: str) -> bool:
-    """Grapheme_Cluster_Break Extend (or SpacingMark, also never cut before): combining marks,
-    variation selectors, emoji modifiers (skin tones), tag characters, ZWNJ."""
-    cp = ord(ch)
-    if unicodedata.category(ch) in ("Mn", "Me", "Mc"):
-        return True
-    return cp == 0x200C or 0x1F3FB <= cp <= 0x1F3FF or 0xE0020 <= cp <= 0xE007F or 0xFF9E <= cp <= 0xFF9F
-
-
-def _control(ch: str) -> bool:
-    """Grapheme_Cluster_Break Control (CR and LF apart): always a boundary on both sides."""
-    cat = unicodedata.category(ch)
-    if cat in ("Cc", "Zl", "Zp"):
-        return True
-    if cat == "Cf":
-        cp = ord(ch)
-        return not (cp in (0x200C, 0x200D) or cp in _PREPEND or 0xE0020 <= cp <= 0xE007F)
-    return False
-
-
-def _regional(ch: str) -> bool:
-    return 0x1F1E6 <= ord(ch) <= 0x1F1FF
-
-
-def _hangul(ch: str) -> str | None:
-    """The Hangul syllable type: L, V, T, LV, LVT (None for anything else)."""
-    cp = ord(ch)
-    if 0x1100 <= cp <= 0x115F or 0xA960 <= cp <= 0xA97C:
-        return "L"
-    if 0x1160 <= cp <= 0x11A7 or 0xD7B0 <= cp <= 0xD7C6:
-        return "V"
-    if 0x11A8 <= cp <= 0x11FF or 0xD7CB <= cp <= 0xD7FB:
-        return "T"
-    if 0xAC00 <= cp <= 0xD7A3:
-        return "LV" if (cp - 0xAC00) % 28 == 0 else "LVT"
-    return None
-
-
-def is_grapheme_boundary(text: str, k: int) -> bool:
-    """Whether `text[:k]` / `text[k:]` is a cut between two user-perceived characters."""
-    if k <= 0 or k >= len(text):
-        return True
-    a, b = text[k - 1], text[k]
-    if a == _CR and b == _LF:  # GB3
-        return False
-    if a in (_CR, _LF) or b in (_CR, _LF) or _control(a) or _control(b):  # GB4, GB5
-        return True
-    ha, hb = _hangul(a), _hangul(b)
-    if ha is not None and hb is not None:  # GB6-GB8
-        if ha == "L" and hb in ("L", "V", "LV", "LVT"):
-            return False
-        if ha in ("LV", "V") and hb in ("V", "T"):
-            return False
-        if ha in ("LVT", "T") and hb == "T":
-            return False
-    if b == _ZWJ or _extend(b):  # GB9, GB9a
-        return False
-    if ord(a) in _PREPEND:  # GB9b
-        return False
-    if a == _ZWJ:  # GB11 (kept with whatever it joins)
-        return False
-    if _regional(a) and _regional(b):  # GB12, GB13: flags are pairs
-        run = 0
-        i = k - 1
-        while i >= 0 and _regional(text[i]):
-            run += 1
-            i -= 1
-        return run % 2 == 0
-    if unicodedata.category(b) == "Lo":  # GB9c: consonant + linker (+ marks / ZWJ) + consonant
-        i = k - 1
-        while i > 0 and (text[i] == _ZWJ or (_extend(text[i]) and ord(text[i]) not in _LINKERS)):
-            i -= 1
-        if ord(text[i]) in _LINKERS and i > 0 and unicodedata.category(text[i - 1]) == "Lo":
-            return False
-    return True  # GB999

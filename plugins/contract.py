@@ -4,7 +4,9 @@ A plugin module exposes `create_adapter(account: Account, context: AdapterContex
 The gateway owns everything that does not depend on the platform (ledger, access, routing,
 envelopes, splitting, rate limiting, retries); an adapter only turns platform traffic into
 `InboundMessage`s and performs sends, edits and reactions. This module imports nothing but the
-standard library, so a plugin depends on it and on its platform library only.
+standard library (and `plugins.graphemes`, re-exported here: `shorten` and `is_grapheme_boundary`
+for cutting text where a person sees a cut), so a plugin depends on it and on its platform library
+only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,27 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from plugins.graphemes import is_grapheme_boundary, shorten
+
+__all__ = [
+    "Account",
+    "AccountError",
+    "AccountState",
+    "Adapter",
+    "AdapterContext",
+    "Attachment",
+    "ChatType",
+    "CreateAdapter",
+    "DeliveryError",
+    "InboundMessage",
+    "Limits",
+    "OnMessage",
+    "ReportState",
+    "Target",
+    "is_grapheme_boundary",
+    "shorten",
+]
 
 ChatType = Literal["dm", "group"]
 AccountState = Literal["starting", "running", "backoff", "conflict", "stopped", "error"]
@@ -68,7 +91,9 @@ class Target:
     reply_to: str | None = None
     # Stable across resends of the same message part (`channel:account:message_id:part`): a platform
     # with its own idempotency (Discord's nonce, a webhook receiver's dedupe) uses it so a resend
-    # after a crash does not post twice. None for sends that are not part of a reply.
+    # does not post twice, and one that can be searched (Slack's message metadata) tags the message
+    # with it for `find_sent`. For a send outside a reply the gateway sets a fresh key that stays the
+    # same over that send's retries.
     key: str | None = None
 
 
@@ -85,13 +110,19 @@ class DeliveryError(Exception):
 
     `retry_after` (seconds) means the platform asked to wait (HTTP 429 and the like): the gateway
     waits at least that long before the next call to that chat and retries. `permanent` means a retry
-    cannot help (chat not found, no permission): the delivery is recorded as failed with `reason`."""
+    cannot help (chat not found, no permission): the delivery is recorded as failed with `reason`.
+    `uncertain` means the platform may have performed the call although no answer came (a timeout,
+    a connection lost after the request went out): a send is then repeated only where that cannot
+    post twice (see `Adapter`)."""
 
-    def __init__(self, reason: str, *, retry_after: float | None = None, permanent: bool = False) -> None:
+    def __init__(
+        self, reason: str, *, retry_after: float | None = None, permanent: bool = False, uncertain: bool = False
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
         self.permanent = permanent
+        self.uncertain = uncertain
 
 
 class AccountError(Exception):
@@ -138,7 +169,18 @@ class Adapter(Protocol):
     `react(target, message_id, emoji) -> None` (when `limits.can_react`),
     `measure(text) -> int` (how the platform counts `max_length`, when not in characters),
     `typing(target) -> None`, and `format(text) -> str` (Markdown to the platform's markup; the
-    identity when absent)."""
+    identity when absent).
+
+    A send whose outcome is unknown (`DeliveryError(uncertain=True)`, or a restart after a crash
+    while it was in flight) is repeated only where that cannot post twice, which an adapter
+    declares with one of: `dedupes_sends = True` (the platform itself drops a repeated send with the
+    same `Target.key`: Discord's `nonce` with `enforce_nonce`, a webhook receiver deduping on `id`),
+    or `find_sent(target, since) -> list[str] | None` (looks for the message sent with `target.key`
+    at or after `since`, seconds since the epoch; its ids, None when there is none; raises
+    `DeliveryError` when it cannot tell: Slack, by message metadata). Without either, an uncertain
+    send is not repeated (the reply fails, loudly, rather than show twice); after a crash such a
+    part is sent again, as nothing tells whether the request had left (docs/channels.md, "Exactly
+    once")."""
 
     limits: Limits
 

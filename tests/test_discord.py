@@ -289,3 +289,32 @@ async def test_a_failed_message_is_caught_up_even_after_a_later_one_and_on_resum
     assert lost not in gw.ledger
     fake.drop()  # RESUME
     await fake.wait_for_async(lambda: lost in gw.ledger, 10, "the catch-up after the resume")
+
+
+async def test_a_send_answered_after_the_timeout_is_repeated_with_its_nonce_and_stays_one_message(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's outbox repeats a send whose answer did not come in time: Discord dedupes it by
+    the nonce (`dedupes_sends`), so the reply is one message and continues in it."""
+    import plugins.discord.adapter as discord_adapter
+    from gateway.delivery import Outbox, ReplySink
+    from gateway.ratelimit import ChatRateLimiter
+
+    adapter, _ = running
+    monkeypatch.setattr(discord_adapter, "SEND_TIMEOUT_S", 0.5)
+    fake.delay_next_post(2.0)  # recorded at once, answered after the timeout
+    before = len(fake.messages(GENERAL))
+    sink = ReplySink(
+        Outbox(adapter, ChatRateLimiter(50.0, 50), asyncio.sleep), Target(GENERAL), key="discord:main:late:1"
+    )
+    sink.interval = 0.0
+    [mid] = await sink.show("the answer")
+    assert await sink.finish("the answer is 42") == [mid]
+    mine = fake.messages(GENERAL)[before:]
+    assert [(m.id, m.content) for m in mine] == [(mid, "the answer is 42")]
+    posts = [
+        c
+        for c in fake.calls("POST messages", channel=GENERAL)
+        if c.body.get("nonce") == nonce_for("discord:main:late:1:0")
+    ]
+    assert len(posts) == 2  # the late one, then its repeat, answered with the same message

@@ -46,6 +46,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import discord
 import discord.gateway
 import discord.http
@@ -75,6 +76,7 @@ MAX_RATELIMIT_WAIT_S = 30.0  # discord.py sleeps out shorter 429s itself; longer
 MAX_RETRY_AFTER_S = 300.0
 CATCH_UP_LIMIT = 500  # per channel and reconnect
 NONCE_LENGTH = 25  # Discord's limit for a string nonce
+SEND_TIMEOUT_S = 60.0  # a send without an answer by then is repeated (same nonce)
 STATE_FILE = "last_seen.json"
 # discord.py waits 5 s before each re-IDENTIFY (not the first) and `GUILD_READY_TIMEOUT_S` after the
 # last GUILD_CREATE before READY. Tests against a loopback fake shorten both through the environment
@@ -127,6 +129,9 @@ class DiscordAdapter:
     """One Discord bot (one token)."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+    # Discord itself answers a repeated send with the same nonce with the message it already has
+    # (`enforce_nonce`, for a few minutes): the gateway may repeat a send whose outcome is unknown.
+    dedupes_sends = True
 
     def __init__(self, account: Account, context: AdapterContext) -> None:
         self.account = account
@@ -525,7 +530,10 @@ class DiscordAdapter:
         if components is not None:
             payload["components"] = components
         route = discord.http.Route("POST", "/channels/{channel_id}/messages", channel_id=channel.id)
-        data = await _call("send", channel._state.http.request(route, json=payload))
+        # Bounded, so a repeat after a lost answer comes well within the nonce's few minutes
+        # (aiohttp's own limit is 5 minutes); discord.py sleeps out rate limits up to 30 s in it.
+        request = asyncio.wait_for(channel._state.http.request(route, json=payload), SEND_TIMEOUT_S)
+        data = await _call("send", request)
         message_id = data.get("id") if isinstance(data, dict) else None
         if not message_id:
             raise DeliveryError("discord send: answered without a message id")
@@ -595,8 +603,10 @@ async def _call(op: str, awaitable: Any) -> Any:
         if 400 <= exc.status < 500:
             raise DeliveryError(f"discord {op}: {exc.status} {exc.text}", permanent=True) from None
         raise DeliveryError(f"discord {op}: {exc.status} {exc.text}") from None
-    except (TimeoutError, OSError) as exc:
+    except aiohttp.ClientConnectorError as exc:  # never connected: the request was not sent
         raise DeliveryError(f"discord {op}: {type(exc).__name__}: {exc}") from None
+    except (TimeoutError, OSError, aiohttp.ClientError) as exc:  # the request may have been performed
+        raise DeliveryError(f"discord {op}: {type(exc).__name__}: {exc}", uncertain=True) from None
 
 
 def _bounded(value: Any) -> float:

@@ -23,6 +23,15 @@ The socket: the library reconnects by itself when Slack asks (`disconnect` frame
 notices a dropped socket, reports `backoff`, reconnects with a growing pause (0.5 s → 30 s) and
 reports `running` again. A token Slack refuses (`invalid_auth`, …) is an `AccountError` at start,
 and a refusal while reconnecting puts the account in `error` (no hot loop).
+
+Outbound, once per part: every `chat.postMessage` of a reply part carries message metadata
+(`event_type` `appserver_reply`, `event_payload.key` = the part's `Target.key`). When a post's
+outcome is unknown (no answer within the timeout, the connection lost after the request went out,
+or a restart after a crash while it was in flight), the gateway calls `find_sent`, which reads the
+messages since that post began (`conversations.history`, or `conversations.replies` in a thread,
+with `include_all_metadata`) and returns the one carrying the key, so the reply continues in it
+instead of posting it twice. slack_sdk's own retry after a dropped connection is kept for every
+method but `chat.postMessage`, for the same reason.
 """
 
 from __future__ import annotations
@@ -30,14 +39,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import httpx
 from slack_sdk.errors import SlackApiError
+from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
+from slack_sdk.http_retry.request import HttpRequest as RetryRequest
+from slack_sdk.http_retry.response import HttpResponse as RetryResponse
+from slack_sdk.http_retry.state import RetryState
 from slack_sdk.socket_mode.aiohttp import SocketModeClient
 from slack_sdk.socket_mode.async_client import AsyncBaseSocketModeClient
 from slack_sdk.socket_mode.request import SocketModeRequest
@@ -54,6 +69,7 @@ from plugins.contract import (
     InboundMessage,
     Limits,
     Target,
+    shorten,
 )
 from plugins.inorder import ChatOrder
 from plugins.slack.format import escape, to_mrkdwn
@@ -69,6 +85,12 @@ IMAGE_MAX_BYTES = 5 << 20  # the gateway keeps images up to 5 MiB
 FETCH_TIMEOUT_S = 2.0  # files are fetched before the ack, which Slack wants within 3 s
 ORDER_MARGIN_S = 0.5  # how much longer than a download a later message of the chat waits for it
 CONNECT_TIMEOUT_S = 15.0
+API_TIMEOUT_S = 15.0  # a Web API call without an answer by then fails (a post is then looked up)
+API_TIMEOUT_ENV = "APPSERVER_SLACK_API_TIMEOUT_S"  # tests against a loopback fake shorten it
+REPLY_EVENT = "appserver_reply"  # the metadata event type that tags a reply part with its key
+LOOKUP_PAGE = 200  # messages per history page when looking a post up
+LOOKUP_PAGES = 5  # pages read at most; more messages than that since the post: cannot tell
+CLOCK_SKEW_S = 60.0  # the lookup starts this much before the post began (our clock against Slack's)
 WATCH_S = 0.2
 REFRESH_GRACE_S = 5.0  # a refresh asked for by Slack that takes longer than this shows as backoff
 BACKOFF_MIN_S = 0.5
@@ -80,6 +102,7 @@ PERMANENT_ERRORS = AUTH_ERRORS | {
     "channel_not_found", "not_in_channel", "is_archived", "msg_too_long", "no_text", "invalid_blocks",
     "restricted_action", "message_not_found", "cant_update_message", "edit_window_closed", "invalid_name",
     "too_many_reactions", "invalid_arguments", "team_access_not_granted", "ekm_access_denied",
+    "thread_not_found", "invalid_ts_oldest", "invalid_cursor",
 }  # fmt: skip
 ACCEPTED_SUBTYPES = (None, "file_share", "thread_broadcast", "bot_message", "me_message")
 EMOJI_NAMES = {
@@ -88,6 +111,33 @@ EMOJI_NAMES = {
     "🤔": "thinking_face", "⚠️": "warning", "⚠": "warning", "🚀": "rocket", "💯": "100", "😊": "blush",
 }  # fmt: skip
 _SLACK_LINK_RE = re.compile(r"<((?:https?://|mailto:)[^|>]+)(?:\|([^>]*))?>")
+
+
+class _RetryDroppedConnections(AsyncConnectionErrorRetryHandler):
+    """slack_sdk's one retry after a dropped connection, but never for `chat.postMessage`: a post
+    whose connection dropped may have been performed, and a blind retry would post it twice (the
+    gateway retries it after looking it up)."""
+
+    async def _can_retry_async(
+        self,
+        *,
+        state: RetryState,
+        request: RetryRequest,
+        response: RetryResponse | None = None,
+        error: Exception | None = None,
+    ) -> bool:
+        if request.url.rstrip("/").endswith("/chat.postMessage"):
+            return False
+        return await super()._can_retry_async(state=state, request=request, response=response, error=error)
+
+
+def api_timeout() -> float:
+    """`API_TIMEOUT_S`, or a positive number of seconds from `APPSERVER_SLACK_API_TIMEOUT_S`."""
+    try:
+        value = float(os.environ.get(API_TIMEOUT_ENV, ""))
+    except ValueError:
+        return API_TIMEOUT_S
+    return value if math.isfinite(value) and value > 0 else API_TIMEOUT_S
 
 
 class SlackAdapter:
@@ -150,7 +200,12 @@ class SlackAdapter:
         self._bot_token = bot
         self._fatal = None
         self._report("starting", None)
-        self._web = web = AsyncWebClient(token=bot, base_url=f"{self._api_url}/api/", timeout=15)
+        self._web = web = AsyncWebClient(
+            token=bot,
+            base_url=f"{self._api_url}/api/",
+            timeout=api_timeout(),  # type: ignore[arg-type] # slack_sdk hands it to aiohttp's ClientTimeout
+            retry_handlers=[_RetryDroppedConnections()],
+        )
         try:
             auth = await web.auth_test()
         except SlackApiError as exc:
@@ -435,10 +490,10 @@ class SlackAdapter:
             return await call(**kwargs)
         except SlackApiError as exc:
             raise _delivery_error(method, exc) from None
-        except (TimeoutError, OSError, httpx.HTTPError) as exc:
+        except aiohttp.ClientConnectorError as exc:  # never connected: the request was not sent
             raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - aiohttp's client errors and the like: transient
-            raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a timeout, a dropped connection: it may have been performed
+            raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}", uncertain=True) from None
 
     async def send(self, target: Target, text: str) -> list[str]:
         """`chat.postMessage` (in `target.thread` when set); returns the message's ts."""
@@ -448,11 +503,58 @@ class SlackAdapter:
         kwargs: dict[str, Any] = {"channel": target.chat, "text": text, "unfurl_links": False, "unfurl_media": False}
         if target.thread:
             kwargs["thread_ts"] = target.thread
+        if target.key:
+            kwargs["metadata"] = {"event_type": REPLY_EVENT, "event_payload": {"key": target.key}}
         response = await self._call("chat.postMessage", web.chat_postMessage, **kwargs)
         ts = response.get("ts")
         if not ts:
             raise DeliveryError("slack chat.postMessage answered without a ts")
         return [str(ts)]
+
+    async def find_sent(self, target: Target, since: float) -> list[str] | None:
+        """The ts of the bot's message tagged with `target.key`, posted since `since` (less the clock
+        skew) in `target`'s channel or thread; None when there is none. A `DeliveryError` when Slack
+        cannot be asked (`missing_scope`: the history scopes) or too much was posted since to tell."""
+        web = self._web
+        if web is None:
+            raise DeliveryError("slack: not started")
+        if not target.key:
+            return None
+        kwargs: dict[str, Any] = {
+            "channel": target.chat,
+            "oldest": f"{max(since - CLOCK_SKEW_S, 0.0):.6f}",
+            "inclusive": True,
+            "include_all_metadata": True,
+            "limit": LOOKUP_PAGE,
+        }
+        call: Callable[..., Awaitable[Any]] = web.conversations_history
+        method = "conversations.history"
+        if target.thread:
+            method, call = "conversations.replies", web.conversations_replies
+            kwargs["ts"] = target.thread
+        for _ in range(LOOKUP_PAGES):
+            response = await self._call(method, call, **kwargs)
+            for message in response.get("messages") or []:
+                if isinstance(message, dict) and self._tagged(message, target.key):
+                    return [str(message["ts"])]
+            cursor = _dict(response.get("response_metadata")).get("next_cursor")
+            if not response.get("has_more") or not cursor:
+                return None
+            kwargs["cursor"] = cursor
+        raise DeliveryError(
+            f"slack {method}: more than {LOOKUP_PAGE * LOOKUP_PAGES} messages since the post; cannot tell whether"
+            " it arrived",
+            permanent=True,
+        )
+
+    def _tagged(self, message: Mapping[str, Any], key: str) -> bool:
+        """The bot's own message carrying `key` in its reply metadata."""
+        metadata = _dict(message.get("metadata"))
+        if metadata.get("event_type") != REPLY_EVENT or _dict(metadata.get("event_payload")).get("key") != key:
+            return False
+        if self.bot_id and message.get("bot_id") and message.get("bot_id") != self.bot_id:
+            return False
+        return bool(message.get("ts"))
 
     async def edit(self, target: Target, message_id: str, text: str) -> None:
         """`chat.update`. An approval prompt keeps its buttons while undecided and loses them once
@@ -512,7 +614,7 @@ class SlackAdapter:
 
 def _prompt_blocks(text: str, short_id: str | None) -> list[dict[str, Any]]:
     """A section with the (already formatted) text; with buttons while `short_id` is pending."""
-    shown = text if len(text) <= SECTION_MAX else text[: SECTION_MAX - 1] + "…"
+    shown = shorten(text, SECTION_MAX)
     blocks: list[dict[str, Any]] = [
         {"type": "section", "text": {"type": "mrkdwn", "text": shown or escape(" "), "verbatim": True}}
     ]

@@ -11,7 +11,10 @@ Outbound: text goes as Telegram HTML (`format` turns the reply's Markdown into i
 refuses the entities anyway, the unformatted original is sent as plain text instead of losing it.
 Replies grow by `editMessageText`; "message is not modified" is success. Errors become
 `DeliveryError`s: 429 with its `retry_after`, refusals that a retry cannot fix (blocked, removed
-from the group, chat not found) as permanent, network trouble as retryable.
+from the group, chat not found) as permanent, network trouble as retryable, except that a failure
+after the request may have reached Telegram (a read timeout, a dropped connection) is `uncertain`:
+sendMessage has no idempotency key and a bot cannot read a chat back, so the gateway does not repeat
+such a send (at most once), while an edit repeats harmlessly.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import httpx
 from telegram import (
     Bot,
     CallbackQuery,
@@ -626,9 +630,16 @@ async def _delivery(call: Awaitable[T]) -> T:
     except InvalidToken as exc:
         raise DeliveryError(f"Telegram refused the bot token: {exc.message}", permanent=True) from exc
     except (TimedOut, NetworkError) as exc:
-        raise DeliveryError(f"Telegram unreachable: {_describe(exc)}") from exc
+        raise DeliveryError(f"Telegram unreachable: {_describe(exc)}", uncertain=may_have_arrived(exc)) from exc
     except TelegramError as exc:
         raise DeliveryError(f"Telegram: {_describe(exc)}") from exc
+
+
+def may_have_arrived(exc: NetworkError) -> bool:
+    """Whether Telegram may have performed a call that failed this way: yes unless the connection
+    was never made (python-telegram-bot raises from the httpx error). sendMessage takes no
+    idempotency key and a bot cannot read a chat back, so the gateway does not repeat such a send."""
+    return not isinstance(exc.__cause__, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
 
 
 def retry_seconds(exc: RetryAfter) -> float:

@@ -120,6 +120,9 @@ class WebhookAdapter:
     """One webhook account: its own listener for inbound messages and a client for replies."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=False)
+    # A reply's `id` is its part's key, the same when it is sent again: the receiver dedupes on it
+    # (documented), so the gateway may repeat a send whose outcome is unknown.
+    dedupes_sends = True
     # Every inbound message is signed with the account's secret: the sender is the integration the
     # owner configured, so direct messages default to open (no pairing).
     authenticated_senders = True
@@ -333,8 +336,10 @@ class WebhookAdapter:
             self._client = httpx.AsyncClient(timeout=SEND_TIMEOUT, follow_redirects=False)
         try:
             response = await self._client.post(url, content=body, headers=headers)
-        except httpx.HTTPError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:  # not sent
             raise DeliveryError(f"reply_url unreachable: {type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:  # a timeout, a dropped connection: it may have been received
+            raise DeliveryError(f"reply_url unreachable: {type(exc).__name__}: {exc}", uncertain=True) from exc
         status = response.status_code
         if 200 <= status < 300:
             return [message_id]

@@ -13,8 +13,14 @@ subprocesses (`appserver serve` and its gateway child) all talk to it.
 Web API (`POST /api/<method>`, form, query or JSON parameters, `Authorization: Bearer <token>`), as
 Slack answers it: `{"ok": true, …}` or `{"ok": false, "error": "…"}` (HTTP 200), and `ratelimited`
 as HTTP 429 with `Retry-After`. Methods: `auth.test`, `apps.connections.open` (the `xapp-` app
-token only; answers a `ws://` URL), `chat.postMessage`, `chat.update` (omitted `blocks` are kept,
-`blocks: []` removes them), `reactions.add`, `conversations.info`. Errors: `not_authed` (no token),
+token only; answers a `ws://` URL), `chat.postMessage` (with `metadata`: `{"event_type": …,
+"event_payload": {…}}`, a dict in JSON or a JSON string in a form), `chat.update` (omitted `blocks`
+are kept, `blocks: []` removes them; metadata is kept), `reactions.add`, `conversations.info`,
+`conversations.history` (top-level messages, the bot's and people's, newest first; `oldest` /
+`latest` / `inclusive`, `limit` + `cursor` pagination with `has_more` and
+`response_metadata.next_cursor`; a message's `metadata` only with `include_all_metadata`) and
+`conversations.replies` (`ts` names the thread: its parent, then the replies oldest first, same
+parameters; `thread_not_found` for an unknown ts). Errors: `not_authed` (no token),
 `invalid_auth` (a wrong one), `not_allowed_token_type`, `channel_not_found`, `not_in_channel`,
 `message_not_found`, `already_reacted`, `msg_too_long`, `no_text`. Files: `GET /files/<id>/<name>`
 (`url_private`) needs the bot token (else 403 with an HTML page, as Slack's login redirect would).
@@ -35,6 +41,15 @@ edit), `calls` (every Web API call with its status and time), `deliveries` / `ac
 `pending` (envelopes), `connections` / `open_sockets` / `wait_connected`; failures with `fail_next`
 (any error; `ratelimited` as 429 + Retry-After) and `set_not_in_channel`; `on_delivered(hook)` runs
 a hook right after an envelope went out (the kill -9 test kills the gateway there).
+
+Web API timing and crash hooks: `hold_answers(method, seconds, count=…, channel=…)` performs the
+next calls of `method` (a post is stored, visible to `messages` and the history methods) and
+answers them only `seconds` later: a call that Slack performed but answered late, after the
+client's timeout (`perform=False`: not performed, `internal_error` late). `on_request(method,
+params)` runs when a call arrives, before the fake acts on it; `on_answer(call)` runs after the fake
+acted, before the answer is written (and before a hold), so a hook that kills the client there
+leaves a performed post whose answer never arrives. Both run synchronously on the fake's loop, at
+their exact step; keep them quick.
 """
 
 from __future__ import annotations
@@ -58,7 +73,16 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from tests.fakes.loopback import WEBSOCKET_OPTIONS, LoopbackServer, first_match
 
-BOT_METHODS = ("auth.test", "chat.postMessage", "chat.update", "reactions.add", "conversations.info")
+BOT_METHODS = (
+    "auth.test",
+    "chat.postMessage",
+    "chat.update",
+    "reactions.add",
+    "conversations.info",
+    "conversations.history",
+    "conversations.replies",
+)
+HISTORY_LIMIT = 100  # conversations.history / replies: the default page (Slack: 100, at most 999)
 MAX_TEXT = 40_000  # Slack truncates beyond this; the fake refuses (msg_too_long)
 
 
@@ -69,7 +93,7 @@ class Call:
     method: str
     params: dict[str, Any]
     status: int
-    t: float  # time.monotonic() when answered
+    t: float  # time.monotonic() when performed (answered then, unless held: `hold_answers`)
     response: dict[str, Any]
     token: str | None
 
@@ -91,6 +115,7 @@ class SlackMessage:
     edits: int = 0
     history: list[str] = field(default_factory=list)
     t_sent: float = 0.0
+    metadata: dict[str, Any] | None = None  # chat.postMessage's `metadata`, as Slack keeps it
 
 
 @dataclass(slots=True)
@@ -123,6 +148,15 @@ class _Failure:
     error: str
     retry_after: float | None
     count: int
+
+
+@dataclass(slots=True)
+class _Hold:
+    method: str
+    seconds: float
+    count: int
+    channel: str | None
+    perform: bool
 
 
 @dataclass(slots=True)
@@ -166,6 +200,11 @@ class FakeSlack(LoopbackServer):
         self._messages: dict[tuple[str, str], SlackMessage] = {}
         self._order: list[SlackMessage] = []
         self._inbound: set[tuple[str, str]] = set()  # (channel, ts) of people's messages
+        self._inbound_events: dict[tuple[str, str], dict[str, Any]] = {}  # the same, as their events
+        self._holds: list[_Hold] = []
+        # Crash hooks (see the module docstring): quick, synchronous, each at its exact step.
+        self.on_request: Callable[[str, dict[str, Any]], None] | None = None
+        self.on_answer: Callable[[Call], None] | None = None
         self._reactions: dict[tuple[str, str], list[str]] = {}
         self._calls: list[Call] = []
         self._failures: dict[str, list[_Failure]] = {}
@@ -220,6 +259,7 @@ class FakeSlack(LoopbackServer):
             if "channel" in event and "ts" in event:
                 self._channels.add(str(event["channel"]))
                 self._inbound.add((str(event["channel"]), str(event["ts"])))
+                self._inbound_events[(str(event["channel"]), str(event["ts"]))] = dict(event)
             self._envelopes.append(_Envelope(event_id, "events_api", payload))
         self._notify()
         return event_id
@@ -402,6 +442,25 @@ class FakeSlack(LoopbackServer):
             self._failures.setdefault(method, []).append(
                 _Failure(error, retry_after if error == "ratelimited" else None, count)
             )
+
+    def hold_answers(
+        self, method: str, seconds: float, *, count: int = 1, channel: str | None = None, perform: bool = True
+    ) -> None:
+        """Perform the next `count` calls of `method` (in `channel`, when given) at once and answer
+        each only after `seconds`: Slack did it, the answer comes late. With `perform=False` the
+        calls are not performed and answer `internal_error` late (Slack lost them)."""
+        with self._lock:
+            self._holds.append(_Hold(method, seconds, count, channel, perform))
+
+    def _take_hold(self, method: str, channel: str | None) -> _Hold | None:
+        with self._lock:
+            for hold in self._holds:
+                if hold.method == method and (hold.channel is None or hold.channel == channel):
+                    hold.count -= 1
+                    if hold.count <= 0:
+                        self._holds.remove(hold)
+                    return hold
+        return None
 
     def on_delivered(self, hook: Callable[[str, int], None] | None) -> None:
         """Call `hook(event_id, retry_attempt)` (in the fake's thread) right after each envelope was sent."""
@@ -689,9 +748,22 @@ class FakeSlack(LoopbackServer):
                 params.update(dict(parse_qsl(raw.decode("utf-8", "replace"), keep_blank_values=True)))
         auth = request.headers.get("authorization", "")
         token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else params.pop("token", None)
-        status, body = self._dispatch(method, params, token)
+        before = self.on_request
+        if before is not None:
+            before(method, params)
+        hold = self._take_hold(method, None if params.get("channel") is None else str(params["channel"]))
+        if hold is not None and not hold.perform:
+            status, body = 200, {"ok": False, "error": "internal_error"}
+        else:
+            status, body = self._dispatch(method, params, token)
+        call = Call(method, params, status, time.monotonic(), body, token)
         with self._lock:
-            self._calls.append(Call(method, params, status, time.monotonic(), body, token))
+            self._calls.append(call)
+        after = self.on_answer
+        if after is not None:
+            after(call)
+        if hold is not None:
+            await asyncio.sleep(hold.seconds)
         headers = {"Retry-After": f"{body.pop('_retry_after'):g}"} if "_retry_after" in body else None
         return JSONResponse(body, status_code=status, headers=headers)
 
@@ -747,6 +819,8 @@ class FakeSlack(LoopbackServer):
                 return err("not_in_channel")
         if method == "conversations.info":
             return 200, {"ok": True, "channel": {"id": channel, "is_im": channel.startswith("D")}}
+        if method in ("conversations.history", "conversations.replies"):
+            return self._history(method, channel, p)
         if method == "reactions.add":
             ts, name = str(p.get("timestamp") or ""), str(p.get("name") or "")
             with self._lock:
@@ -769,7 +843,7 @@ class FakeSlack(LoopbackServer):
                 ts = self._ts()
                 msg = SlackMessage(
                     ts, channel, None if thread_ts is None else str(thread_ts), text, blocks or [],
-                    history=[text], t_sent=time.monotonic(),
+                    history=[text], t_sent=time.monotonic(), metadata=_metadata(p.get("metadata")),
                 )  # fmt: skip
                 self._messages[(channel, ts)] = msg
                 self._order.append(msg)
@@ -788,6 +862,84 @@ class FakeSlack(LoopbackServer):
             found.history.append(text)
         return 200, {"ok": True, "channel": channel, "ts": ts, "text": text}
 
+    def _history(self, method: str, channel: str, p: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """conversations.history (top-level messages, newest first) or conversations.replies (a
+        thread: its parent, then the replies oldest first), filtered by `oldest` / `latest` and paged."""
+        try:
+            oldest = float(p.get("oldest") or 0)
+            latest = float(p.get("latest") or "inf")
+            limit = max(1, min(int(p.get("limit") or HISTORY_LIMIT), 999))
+            start = int(str(p.get("cursor") or "0").removeprefix("next:"))
+        except ValueError:
+            return 200, {"ok": False, "error": "invalid_arguments"}
+        inclusive = _flag(p.get("inclusive"))
+        with_metadata = _flag(p.get("include_all_metadata"))
+
+        def within(ts: str) -> bool:
+            t = float(ts)
+            return (oldest <= t if inclusive else oldest < t) and (t <= latest if inclusive else t < latest)
+
+        with self._lock:
+            mine = [(m.ts, self._as_event(m, with_metadata)) for m in self._order if m.channel == channel]
+            people = [(ts, dict(e)) for (ch, ts), e in self._inbound_events.items() if ch == channel]
+        everything = sorted(mine + people, key=lambda pair: float(pair[0]))
+        if method == "conversations.history":
+            top = [e for ts, e in everything if e.get("thread_ts") in (None, ts) and within(ts)]
+            found = top[::-1]
+        else:
+            parent_ts = str(p.get("ts") or "")
+            parent = next((e for ts, e in everything if ts == parent_ts), None)
+            if parent is None:
+                return 200, {"ok": False, "error": "thread_not_found"}
+            replies = [e for ts, e in everything if e.get("thread_ts") == parent_ts and ts != parent_ts and within(ts)]
+            found = [parent, *replies]
+        page = found[start : start + limit]
+        more = start + limit < len(found)
+        body: dict[str, Any] = {"ok": True, "messages": page, "has_more": more}
+        body["response_metadata"] = {"next_cursor": f"next:{start + limit}" if more else ""}
+        return 200, body
+
+    def _as_event(self, m: SlackMessage, with_metadata: bool) -> dict[str, Any]:
+        """The bot's message as the history methods show it (caller holds the lock)."""
+        event: dict[str, Any] = {
+            "type": "message",
+            "user": self.bot_user,
+            "bot_id": self.bot_id,
+            "app_id": "AFAKEAPP",
+            "text": m.text,
+            "ts": m.ts,
+            "team": self.team,
+        }
+        if m.thread_ts is not None:
+            event["thread_ts"] = m.thread_ts
+        if m.blocks:
+            event["blocks"] = list(m.blocks)
+        if m.edits:
+            event["edited"] = {"user": self.bot_user, "ts": m.ts}
+        if with_metadata and m.metadata is not None:
+            event["metadata"] = json.loads(json.dumps(m.metadata))
+        return event
+
+
+def _flag(value: Any) -> bool:
+    """A boolean parameter as slack_sdk sends it (`1`/`0`, `true`/`false`, or JSON)."""
+    return value is True or str(value).lower() in ("1", "true")
+
+
+def _metadata(value: Any) -> dict[str, Any] | None:
+    """chat.postMessage's `metadata` (a dict in JSON, a JSON string in a form); None when absent or
+    not `{"event_type": str, "event_payload": dict}` (Slack then refuses it; the fake ignores it)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not isinstance(value, dict) or not isinstance(value.get("event_type"), str):
+        return None
+    if not isinstance(value.get("event_payload"), dict):
+        return None
+    return {"event_type": value["event_type"], "event_payload": dict(value["event_payload"])}
+
 
 def _blocks(value: Any) -> list[dict[str, Any]] | None:
     """`blocks` as sent (a JSON string in a form, a list in JSON); None when omitted."""
@@ -802,4 +954,7 @@ def _blocks(value: Any) -> list[dict[str, Any]] | None:
 
 
 def _copy(m: SlackMessage) -> SlackMessage:
-    return SlackMessage(m.ts, m.channel, m.thread_ts, m.text, list(m.blocks), m.edits, list(m.history), m.t_sent)
+    metadata = None if m.metadata is None else json.loads(json.dumps(m.metadata))
+    return SlackMessage(
+        m.ts, m.channel, m.thread_ts, m.text, list(m.blocks), m.edits, list(m.history), m.t_sent, metadata
+    )

@@ -5,6 +5,9 @@ came out as `error: (no file named): Broken pipe` with exit code 2, or, with std
 pipe, as Python's `Exception ignored … BrokenPipeError` at exit. Now it ends the command with no
 output and exit code 141 (128 + SIGPIPE), as a shell reports a writer its reader left. A broken
 pipe that is not stdout's (a connection) is still reported, in a line that says what broke.
+
+`appserver chat` caught every OSError of its session as the server's, so its closed stdout came out
+as `error: cannot reach the server at … Broken pipe` with exit code 1: it now ends as the others do.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from appserver.cli.common import STDOUT_CLOSED_EXIT, explain, stdout_closed
 from tests.support.cli import ROOT, cli_env
+from tests.support.serve import ServeProcess, serving
 from tests.support.zygote_client import appserver_popen
 
 ROWS = 2000  # `token list`: ~100 bytes a row, far more than a pipe holds (64 KiB)
@@ -86,3 +91,33 @@ def test_a_broken_pipe_that_is_not_stdouts_is_still_an_error() -> None:
     assert not stdout_closed(exc)
     message = explain(exc)
     assert message is not None and message.startswith("broken pipe:") and "no file named" not in message
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """A real `appserver serve` on loopback (its home comes with the echo agent `assistant`)."""
+    with serving(tmp_path_factory.mktemp("pipechat") / "home") as sp:
+        yield sp
+
+
+def test_chat_whose_reader_leaves_ends_quietly_not_as_a_lost_server(server: ServeProcess) -> None:
+    """`appserver chat | head -1`: the banner is read, the reader goes, a line comes in on stdin."""
+    with appserver_popen(
+        ["chat"],
+        env=cli_env(server.home),
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()  # what `head -1` takes, then it goes
+        proc.stdout.close()
+        proc.stdin.write(b"hello\n")  # the session writes again (the line, its reply): EPIPE
+        proc.stdin.close()
+        err = proc.stderr.read().decode()
+        code = proc.wait(30)
+    assert first.startswith(b"chatting with assistant"), (first, err)
+    assert "cannot reach" not in err, err
+    assert err == "", err  # no "error: … Broken pipe", no traceback, no "Exception ignored"
+    assert code == STDOUT_CLOSED_EXIT, (code, err)

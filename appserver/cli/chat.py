@@ -31,7 +31,7 @@ from typing import Any
 
 import click
 
-from appserver.cli.common import fail, get_config, live_server_or_fail
+from appserver.cli.common import exit_stdout_closed, fail, get_config, live_server_or_fail, stdout_closed
 from appserver.cli.run import USAGE_ERRORS, reconnect_wait_option, server_url_source, token_hint
 from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
 
@@ -695,8 +695,10 @@ def chat_command(
             exc.message + token_hint(exc.code, "give --token or set APPSERVER_TOKEN"),
             2 if exc.code in USAGE_ERRORS else 1,
         )
-    except OSError as exc:
-        fail(f"cannot reach the server at {url}: {exc}", 1)
-    except TimeoutError:
+    except TimeoutError:  # before OSError, of which it is a kind
         fail(f"the server at {url} did not answer in time", 1)
+    except OSError as exc:
+        if stdout_closed(exc):  # `appserver chat | head -1`: the reader left, the server did not
+            exit_stdout_closed()
+        fail(f"cannot reach the server at {url}: {exc}", 1)
     sys.exit(code)

@@ -54,9 +54,11 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Response as WsResponse
+from websockets.protocol import State as WsState
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
+from appserver.ws.connection import WRITE_FRAME
 
 if TYPE_CHECKING:
     from uvicorn._types import ASGI3Application
@@ -274,6 +276,19 @@ class PassWrites:
             self.raw.write(data)
             if self._watch is None and self.send_timeout_s > 0 and self._stalled():
                 self._arm()
+
+    def write_now(self, data: bytes) -> None:
+        """Write at once, after anything held: for a message complete by itself (a WebSocket frame
+        fanned out to many connections), where waiting for the loop's next pass joins nothing."""
+        held = self._held
+        if held is not None:
+            held.append(data)
+            self.flush()  # the pass's scheduled flush then finds nothing held
+            return
+        self.sent += len(data)
+        self.raw.write(data)
+        if self._watch is None and self.send_timeout_s > 0 and self._stalled():
+            self._arm()
 
     def close(self) -> None:
         self._closing = True
@@ -870,13 +885,55 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self.conn.send_response = stamped  # type: ignore[method-assign]
 
     async def send(self, message: Any) -> None:
-        await super().send(message)
+        # A close waits for no flow control: behind the backlog of a client that does not read (a
+        # slow consumer closed with 4408), it is what that client finds once it reads, and the
+        # edge's send timeout ends the connection if it never does. uvicorn would wait for the
+        # paused socket, and the endpoint gives up on a close after a few seconds.
+        lift = message["type"] == "websocket.close" and self.handshake_complete and not self.writable.is_set()
+        if lift:
+            self.writable.set()  # super().send does not yield once it is set: no one else sees this
+        try:
+            await super().send(message)
+        finally:
+            if lift:
+                self.writable.clear()  # still paused: resume_writing sets it
         if self.initial_response is not None and self.close_sent and not self.handshake_complete:
             # A refusal answered over HTTP (the `websocket.http.response` extension, which the
             # guard uses: a 403 for a foreign Origin, …) is the handshake's end, as an accept or a
             # close before accept is; uvicorn does not mark it so, and once the app returned it
             # logged "ASGI callable returned without completing handshake." for every one.
             self.handshake_complete = True
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # none when the handshake was refused
+        if scope is not None:
+            scope["extensions"][WRITE_FRAME] = self.write_frame
+
+    def write_frame(self, frame: bytes) -> bool:
+        """Write a framed server message (`appserver/ws/connection.py` `text_frame`) now, as
+        `send` would, if the connection takes it as it is: open, with no extension (permessage-deflate
+        frames each connection apart), not paused by flow control and not about to be: what waits
+        unsent (PassWrites holds a write until the loop's next pass) is under the high-water mark,
+        so a burst of frames written in one pass queues behind it as it would behind `send`.
+        False: it did nothing."""
+        transport: Any = self.transport  # PassWrites, in serve; asyncio's in a test's bare uvicorn
+        if (
+            not self.handshake_complete
+            or self.close_sent
+            or self.disconnected
+            or self.conn.extensions
+            or not self.writable.is_set()
+            or self.conn.state is not WsState.OPEN
+            or transport.is_closing()
+            or transport.get_write_buffer_size() >= transport.get_write_buffer_limits()[1]
+        ):
+            return False
+        if isinstance(transport, PassWrites):
+            transport.write_now(frame)
+        else:
+            transport.write(frame)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         release = getattr(self.transport, "release", None)  # PassWrites: its send timeout's timer

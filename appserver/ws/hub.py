@@ -11,6 +11,7 @@ kernel only after the store commit, so `completed` always means "already in hist
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from appserver.runtime import (
     TurnSnapshot,
     Watch,
 )
-from appserver.ws.connection import Connection, encode
+from appserver.ws.connection import Connection, encode, text_frame
 
 if TYPE_CHECKING:
     from appserver.server import Server
@@ -99,8 +100,10 @@ class ConversationWatch:
                 paced = len(self.subscribers) >= PACE_SUBSCRIBERS
                 if paced and not snap.terminal:
                     # A round to many subscribers is expensive: let the turn move on for a moment
-                    # and send its newest state (a short turn then goes out once, finished).
-                    await asyncio.sleep(PACE_DELAY_S)
+                    # and send its newest state (a short turn then goes out once, finished); a turn
+                    # that ends (or stops for an answer) meanwhile goes out at once.
+                    with contextlib.suppress(TimeoutError):
+                        await controller.wait_settled(PACE_DELAY_S)
                     snap = controller.snapshot()
                 seen = snap.revision
                 await self.publish(snap)
@@ -141,15 +144,17 @@ class ConversationWatch:
     async def publish(self, snap: TurnSnapshot) -> None:
         self.last[snap.turn_id] = snap
         text = encode({"type": "turn_updated", "snapshot": snap.to_dict()})
+        frame = text_frame(text.encode())  # framed once for every subscriber that can take it now
         for conn in list(self.subscribers.values()):
-            conn.send_snapshot(snap.turn_id, text)
+            conn.send_snapshot(snap.turn_id, text, frame)
         if snap.status == "awaiting":
             for p in snap.pending:
                 if p["kind"] == "approval" and p["call_id"] not in self.announced:
-                    frame = encode(approval_request(snap, p))
+                    request = encode(approval_request(snap, p))
+                    framed = text_frame(request.encode())
                     self.announced[p["call_id"]] = set(self.subscribers)
                     for conn in list(self.subscribers.values()):
-                        conn.send_encoded(frame)
+                        conn.send_encoded(request, framed)
                 elif p["kind"] == "client" and p["call_id"] not in self.requested:
                     self.requested.add(p["call_id"])
                     await self.route_client_call(snap, p)
@@ -280,9 +285,11 @@ class Hub:
     def broadcast_event(self, name: str, data: dict[str, Any]) -> int:
         """An `event` frame to every authenticated connection; returns how many were told."""
         told = 0
+        text = encode({"type": "event", "name": name, "data": data})
+        frame = text_frame(text.encode())
         for conn in list(self.connections.values()):
             if conn.principal is not None and conn.alive:
-                conn.send({"type": "event", "name": name, "data": data})
+                conn.send_encoded(text, frame)
                 told += 1
         return told
 

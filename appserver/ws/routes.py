@@ -28,7 +28,7 @@ from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.server import Server
 from appserver.store.records import AgentRecord, ConversationRecord
-from appserver.ws.connection import Connection
+from appserver.ws.connection import WRITE_FRAME, Connection
 from appserver.ws.hub import Hub
 from cron.runlog import read_runs
 from cron.service import CronService
@@ -192,7 +192,10 @@ class Endpoint:
         limits = self.server.config.limits
         await websocket.accept()
         conn = Connection(
-            websocket.send_text, outbound_max=limits.ws_outbound_max, send_timeout_s=limits.ws_send_timeout_s
+            websocket.send_text,
+            outbound_max=limits.ws_outbound_max,
+            send_timeout_s=limits.ws_send_timeout_s,
+            write_frame=websocket.scope.get("extensions", {}).get(WRITE_FRAME),
         )
         state = websocket.scope.get("state") or {}
         if not state.get("auth_pending"):

@@ -350,3 +350,37 @@ async def test_compressed_answers_decode_in_bounded_pieces(encoding: bytes, wbit
             chunks = await _stream_all(url)
             assert "".join(c.text for c in chunks if isinstance(c, Text)) == text
             assert chunks[-1] == Done("stop")
+
+
+async def test_the_read_timeout_counts_from_each_wait_not_from_the_first() -> None:
+    """One timer per connection, moved lazily: a body that trickles in, each piece well within the
+    read timeout, is read whole however long it takes in all; a gap longer than it fails."""
+    pieces = [b"%d\r\npart%d\r\n" % (5, i) for i in range(6)]
+    trickle: Reply = lambda _body: [  # noqa: E731
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+        *[x for p in pieces for x in (0.1, p)],
+        b"0\r\n\r\n",
+    ]
+    stall: Reply = lambda _body: [  # noqa: E731
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n",
+        pieces[0],
+        0.1,
+        pieces[1],
+        0.6,
+        pieces[2],
+        b"0\r\n\r\n",
+    ]
+    raw = ScriptedServer([trickle, stall])
+    async with (
+        serving(raw) as url,
+        httpx.AsyncClient(transport=LeanTransport(), timeout=httpx.Timeout(5, read=0.3)) as client,
+    ):
+        async with client.stream("POST", url, content=b"") as r:
+            body = b"".join([part async for part in r.aiter_bytes()])
+        assert body == b"".join(b"part%d" % i for i in range(6))  # 0.6 s in all, twice the timeout
+        got: list[bytes] = []
+        with pytest.raises(httpx.ReadTimeout):
+            async with client.stream("POST", url, content=b"") as r:
+                async for part in r.aiter_bytes():
+                    got.append(part)
+        assert b"".join(got) == b"part0part1"

@@ -12,6 +12,7 @@ through httpx's own proxy transports (they are mounted ahead of this one). Witho
 from __future__ import annotations
 
 import asyncio
+import math
 import ssl
 import time
 from collections import deque
@@ -36,11 +37,6 @@ _Key = tuple[str, str, int]
 _EXPIRED = object()  # a waiter's result when its timer fired first
 
 
-def _expire(waiter: asyncio.Future[object]) -> None:
-    if not waiter.done():
-        waiter.set_result(_EXPIRED)
-
-
 class _StrayAnswer(Exception):
     """Raised in a parser callback to stop reading an answer nobody asked for."""
 
@@ -56,6 +52,8 @@ class _Connection(asyncio.Protocol):
         self.error: Exception | None = None
         self.idle_since = 0.0
         self.idle = False  # in the pool between requests: any byte arriving now is not ours
+        self._deadline = 0.0  # the read timeout of the current wait (loop time)
+        self._timer: asyncio.TimerHandle | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -101,6 +99,7 @@ class _Connection(asyncio.Protocol):
 
     def _end(self) -> None:
         self.lost = True
+        self._stop_timer()
         if self.until_close and self.headers_done:
             self.complete = True  # a body without length or chunking ends with the connection
         self._wake()
@@ -151,19 +150,40 @@ class _Connection(asyncio.Protocol):
     async def wait(self, timeout: float | None) -> None:
         """Until the parser made progress (or the connection ended); ReadTimeout after `timeout`.
 
-        A plain timer on the waiter rather than `asyncio.timeout`: this runs a few times per
-        model call, and the timer almost never fires."""
+        This runs once per streamed token, and the timeout almost never fires: one timer per
+        connection, moved lazily (a wait only moves the deadline; the timer, when it fires early,
+        re-arms for what is left), instead of a timer armed and cancelled per token."""
         loop = asyncio.get_running_loop()
         waiter = self.waiter = loop.create_future()
-        timer = None if timeout is None else loop.call_later(timeout, _expire, waiter)
+        if timeout is None:
+            self._deadline = math.inf
+        else:
+            self._deadline = loop.time() + timeout
+            if self._timer is None:
+                self._timer = loop.call_at(self._deadline, self._check_deadline)
         try:
             await waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
         if waiter.result() is _EXPIRED:
             raise httpx.ReadTimeout("timed out waiting for the upstream to send data")
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait arms it again
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:
+            if self._deadline != math.inf:
+                self._timer = loop.call_at(self._deadline, self._check_deadline)
+            return
+        waiter.set_result(_EXPIRED)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def take(self) -> bytes:
         data = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
@@ -180,6 +200,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.lost = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 

@@ -328,13 +328,14 @@ class TurnRun:
         controller = self.handle.controller
         seen = self.after_revision
         quiet = Quiet(keepalive_s) if keepalive_s else None
+        me = asyncio.current_task() if stopping is not None else None
         try:
             while True:
                 task = None
                 if stopping is not None:
                     if stopping.stopped:
                         return
-                    task = stopping.enter()
+                    task = stopping.enter(me)
                 got: TurnSnapshot | None
                 try:
                     if quiet is None:

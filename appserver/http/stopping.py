@@ -42,10 +42,12 @@ class Stopping:
         self._cancelled: set[asyncio.Task[Any]] = set()
         self.stopped = False
 
-    def enter(self) -> asyncio.Task[Any] | None:
-        """The current task enters a guarded section (a guard checks `stopped` first: once the
-        stop came, it answers at once instead of entering)."""
-        task = asyncio.current_task()
+    def enter(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any] | None:
+        """The current task (`task`, when the caller already knows it: a stream enters once per
+        snapshot) enters a guarded section (a guard checks `stopped` first: once the stop came, it
+        answers at once instead of entering)."""
+        if task is None:
+            task = asyncio.current_task()
         if task is not None:
             self._waiting.add(task)
         return task

@@ -198,7 +198,7 @@ def unrecorded_turns(runs_dir: Path, before: datetime) -> list[tuple[str, int, s
     found: list[tuple[str, int, str]] = []
     for path in sorted(runs_dir.glob("*.jsonl")):
         records = _tail(path)
-        ended = {r.get("occurrence") for r in records if r.get("event") == "outcome"}
+        ended = {_number(r) for r in records if r.get("event") == "outcome"}  # a hand-edited list: no crash
         for r in records:
             n, turn_id = r.get("occurrence"), r.get("turn_id")
             if (
@@ -248,15 +248,18 @@ def find_removed(runs_dir: Path, ref: str) -> list[dict[str, Any]]:
 def _mark_lost(records: list[dict[str, Any]]) -> None:
     """Flag `fired` records whose submission never got recorded, except the newest per task
     (which may still be in flight)."""
-    settled = {
-        r.get("occurrence")
-        for r in records
-        if r.get("event") in ("submitted", "fire_failed") and r.get("occurrence") is not None
-    }
+    settled = {_number(r) for r in records if r.get("event") in ("submitted", "fire_failed")} - {None}
     fired = [r for r in records if r.get("event") == "fired"]
     for r in fired[:-1]:
-        if r.get("occurrence") not in settled:
+        if _number(r) not in settled:
             r["lost"] = True
+
+
+def _number(record: dict[str, Any]) -> int | None:
+    """A record's occurrence number; None when it holds none or something else (a hand-edited
+    `[1]` or `{}` must not make a set lookup raise and hide the whole log)."""
+    n = record.get("occurrence")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, Any] | None:

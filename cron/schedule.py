@@ -140,7 +140,9 @@ def normalize_cron(expr: str) -> str:
     """Collapse whitespace, expand @macros, insist on exactly five fields, and refuse what croniter
     accepts but a schedule must not mean: `R` (a random value, drawn anew whenever the expression
     is parsed, so every restart and every host would fire at another time) and reversed ranges
-    such as `5-1` (croniter wraps them around; standard cron refuses them)."""
+    such as `5-1` (croniter wraps them around; standard cron refuses them). A range of one value
+    such as `5-5` is written as that value: croniter 7 reads it as the whole field (`0 0 3-3 * *`
+    would fire every day), standard cron as the value."""
     e = " ".join(expr.split())
     e = _MACROS.get(e.lower(), e)
     fields = e.split(" ")
@@ -148,17 +150,19 @@ def normalize_cron(expr: str) -> str:
         raise ScheduleError(
             f"invalid cron expression {expr!r}: need 5 fields (minute hour day-of-month month day-of-week)"
         )
-    for index, text in enumerate(fields):
-        _check_field(expr, index, text)
+    fields = [_check_field(expr, index, text) for index, text in enumerate(fields)]
+    e = " ".join(fields)
     if not croniter.is_valid(e):
         raise ScheduleError(f"invalid cron expression {expr!r}")
     return e
 
 
-def _check_field(expr: str, index: int, text: str) -> None:
-    """Refuse random values and reversed ranges in one field (the rest is croniter's to judge)."""
+def _check_field(expr: str, index: int, text: str) -> str:
+    """Refuse random values and reversed ranges in one field (the rest is croniter's to judge);
+    the field with each range of one value (`5-5`, `mon-mon`, `1-1/3`) written as that value."""
     where = f"invalid cron expression {expr!r}: {_FIELDS[index]} field {text!r}"
-    for item in text.split(","):
+    items = text.split(",")
+    for pos, item in enumerate(items):
         base = item.split("/", 1)[0].strip()
         if base.upper() == "R" or base.upper().startswith("R("):
             raise ScheduleError(f"{where}: random values (R) are not supported; give the value")
@@ -166,13 +170,26 @@ def _check_field(expr: str, index: int, text: str) -> None:
         if not sep:
             continue
         a, b = _field_value(index, low), _field_value(index, high)
+        if a is not None and b is not None and a == b:
+            items[pos] = low.strip()  # standard cron's one value, not croniter's whole field
         if a is not None and b is not None and a > b:
             lo, hi = _BOUNDS[index]
-            wrap = f"e.g. {low}-{hi},{lo}-{high}" if low.isdigit() and high.isdigit() else "one range per part"
+            if index == 4 and a == 7:  # day 7 is Sunday, as 0 is: `7-1` means `0-1`, no wrap at all
+                wrap = f"e.g. {_span(0, b)}"
+            elif low.isdigit() and high.isdigit():
+                wrap = f"e.g. {_span(a, hi)},{_span(lo, b)}"
+            else:
+                wrap = "one range per part"
             raise ScheduleError(
                 f"{where}: range {base} runs backwards; ranges run low-high, so list a range that wraps "
                 f"around as two ({wrap})"
             )
+    return ",".join(items)
+
+
+def _span(a: int, b: int) -> str:
+    """`a-b` for a hint, or `a` alone when the ends meet (croniter would read `a-a` as the whole field)."""
+    return str(a) if a == b else f"{a}-{b}"
 
 
 def _field_value(index: int, token: str) -> int | None:

@@ -265,6 +265,16 @@ class Scheduler:
                     found.append((dataclasses.replace(task), occurrence))
         return found
 
+    def _adopt(self, state: CronFile, token: str) -> None:
+        """Stamp the claims of the dead scheduler `token` with our lease token, saved with the
+        take-over: should this process die too before it has resolved them, the next one to take
+        the lease over finds them as ours and resolves them (by the run log, the kernel's key, or
+        as missed) instead of losing them without a word."""
+        for task in state.tasks:
+            claimed = task.last_claimed
+            if claimed is not None and claimed.get("by") == token:
+                task.last_claimed = {**claimed, "by": self.lease.token}
+
     async def _submit_orphan(self, task: CronTask, occurrence: Occurrence, report: TickReport) -> None:
         """An occurrence the previous scheduler claimed before it died, however long ago: settled
         when the run log says what became of it; else found by the kernel's idempotency key;
@@ -339,6 +349,7 @@ class Scheduler:
                 log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
             if not had and previous is not None and previous.token != self.lease.token:
                 self._orphans = self._claimed_by(state, previous.token)
+                self._adopt(state, previous.token)
             self.has_lease = report.has_lease = True
             changed = self.lease.renew_in(state) or not had
             self.lease_state = self.lease.describe_holder(state)

@@ -57,6 +57,7 @@ RUNS_DIR = "cron-runs"
 DEFAULT_LOCK_TIMEOUT_S = 10.0
 DEFAULT_MAX_LATENESS_S = 300.0  # 5 ticks: a restart or a slow tick is not a misfire
 MISFIRE_POLICIES = ("skip", "run_once", "run_all")
+# Matched with `fullmatch`: `re.match` lets `$` match before a trailing newline ("nightly\n").
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TARGET_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # it names the task's run-log file
@@ -267,7 +268,7 @@ class CronTask:
             if not isinstance(d.get(key), str):
                 raise ValueError(f"task.{key} must be a string")
         tid = d["id"]
-        if not _ID_RE.match(tid):
+        if not _ID_RE.fullmatch(tid):
             raise ValueError(f"task {tid!r}: id must be 1-128 letters, digits, '.', '_' or '-'")
         sched = d.get("schedule")
         if not isinstance(sched, dict):
@@ -771,7 +772,7 @@ class CronStore:
 
 
 def validate_name(name: str) -> str:
-    if not _NAME_RE.match(name):
+    if not _NAME_RE.fullmatch(name):
         raise ScheduleError(
             f"invalid task name {name!r}: 1-64 characters, letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -784,7 +785,7 @@ def validate_deliver(target: str | None) -> str | None:
     if target is None or target == "":
         return None
     parts = target.split(":", 2)
-    if len(parts) != 3 or not all(parts) or not all(_TARGET_PART_RE.match(p) for p in parts[:2]):
+    if len(parts) != 3 or not all(parts) or not all(_TARGET_PART_RE.fullmatch(p) for p in parts[:2]):
         raise ScheduleError(f"invalid deliver target {target!r}: use channel:account:chat")
     return target
 

@@ -529,9 +529,14 @@ def _removed_task(store: CronStore, ref: str, agent: str | None) -> tuple[str, s
 def _log_line(r: dict[str, Any], tz: str) -> str:
     def when(key: str) -> str:
         v = r.get(key)
-        return _local(datetime.fromisoformat(v), tz) if isinstance(v, str) else "-"
+        if not isinstance(v, str):
+            return "-"
+        try:  # a hand-edited or foreign record shows as written; it must not hide the rest of the log
+            return _local(datetime.fromisoformat(v), tz)
+        except (ValueError, OverflowError):
+            return v
 
-    ev = r.get("event", "?")
+    ev = str(r.get("event", "?"))
     n = r.get("occurrence")
     head = f"{when('at')}  {ev:<11}"
     if ev == "fired":

@@ -9,11 +9,13 @@ references); every later line is a command envelope `{"id", "op", ...}` answered
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,10 @@ log = logging.getLogger("gateway")
 
 START_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 25.0
+# One gateway process per gateway.db. A child orphaned by a killed server (or one a standby took
+# over from) is still stopping for a few seconds (STOP_TIMEOUT_S per account) after its stdin closed:
+# the next child waits that long for it, so two never deliver the same replies side by side.
+LOCK_WAIT_S = 15.0
 
 EXIT_OK = 0
 EXIT_BAD_START = 2
@@ -67,6 +73,9 @@ async def _main(control: ControlWriter) -> int:
         log.error("no valid start envelope on stdin: %s", exc)
         return EXIT_BAD_START
 
+    lock = await lock_ledger(home, control)  # held until this process exits
+    if lock is None:
+        return EXIT_BAD_START
     ledger = _open_ledger(home, control)
     if ledger is None:
         return EXIT_BAD_START
@@ -85,6 +94,41 @@ async def _main(control: ControlWriter) -> int:
         await gateway.stop()
         await link.close()
         ledger.close()
+
+
+async def lock_ledger(home: Path, control: ControlWriter, wait_s: float = LOCK_WAIT_S) -> int | None:
+    """Take `channels/gateway.lock` (flock, exclusive, held until this process exits, even on kill -9)
+    and write our pid in it: one gateway process per gateway.db. Waits up to `wait_s` for the
+    process holding it to exit; then refuses, naming it (the supervisor retries with backoff). The
+    open descriptor is returned (kept for the process's life), or None when refused."""
+    path = default_path(home).with_name("gateway.lock")
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            who = f"another gateway process (pid {holder})" if holder.isdigit() else "another gateway process"
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                message = (
+                    f"{who} still runs on {default_path(home)} after {wait_s:g} s; refusing to start a second"
+                    " one on the same ledger (it would deliver the same replies)"
+                )
+                log.error("%s", message)
+                control.event("gateway_error", {"message": message})
+                return None
+            if not waiting:
+                log.warning("waiting for %s on %s to exit (at most %g s)", who, default_path(home), wait_s)
+                waiting = True
+            await asyncio.sleep(0.05)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _open_ledger(home: Path, control: ControlWriter) -> Ledger | None:

@@ -31,13 +31,24 @@ _PREPEND = frozenset(
 _LINKERS = frozenset([0x094D, 0x09CD, 0x0ACD, 0x0B4D, 0x0C4D, 0x0D4D])
 
 
+# SpacingMark characters that are letters (Lo), not Mc: Thai SARA AM and Lao AM ("น้ำ", "ทำ" are one
+# cluster each, and Thai is written without spaces, so a hard cut often lands right before one).
+_SPACING_LETTERS = frozenset([0x0E33, 0x0EB3])
+
+
 def _extend(ch: str) -> bool:
     """Grapheme_Cluster_Break Extend (or SpacingMark, also never cut before): combining marks,
-    variation selectors, emoji modifiers (skin tones), tag characters, ZWNJ."""
+    variation selectors, emoji modifiers (skin tones), tag characters, ZWNJ, Thai/Lao AM."""
     cp = ord(ch)
     if unicodedata.category(ch) in ("Mn", "Me", "Mc"):
         return True
-    return cp == 0x200C or 0x1F3FB <= cp <= 0x1F3FF or 0xE0020 <= cp <= 0xE007F or 0xFF9E <= cp <= 0xFF9F
+    return (
+        cp == 0x200C
+        or cp in _SPACING_LETTERS
+        or 0x1F3FB <= cp <= 0x1F3FF
+        or 0xE0020 <= cp <= 0xE007F
+        or 0xFF9E <= cp <= 0xFF9F
+    )
 
 
 def _control(ch: str) -> bool:
@@ -101,11 +112,13 @@ def is_grapheme_boundary(text: str, k: int) -> bool:
             run += 1
             i -= 1
         return run % 2 == 0
-    if unicodedata.category(b) == "Lo":  # GB9c: consonant + linker (+ marks / ZWJ) + consonant
-        i = k - 1
-        while i > 0 and (text[i] == _ZWJ or (_extend(text[i]) and ord(text[i]) not in _LINKERS)):
+    if unicodedata.category(b) == "Lo":  # GB9c: consonant [marks | linker | ZWJ]* with a linker × consonant
+        i = k - 1  # marks may stand on either side of the linker: a nukta before it (ज़्य), a ZWJ after it
+        linked = False
+        while i > 0 and (text[i] == _ZWJ or _extend(text[i])):
+            linked = linked or ord(text[i]) in _LINKERS
             i -= 1
-        if ord(text[i]) in _LINKERS and i > 0 and unicodedata.category(text[i - 1]) == "Lo":
+        if linked and unicodedata.category(text[i]) == "Lo":
             return False
     return True  # GB999
 

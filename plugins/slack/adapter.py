@@ -552,7 +552,11 @@ class SlackAdapter:
         metadata = _dict(message.get("metadata"))
         if metadata.get("event_type") != REPLY_EVENT or _dict(metadata.get("event_payload")).get("key") != key:
             return False
-        if self.bot_id and message.get("bot_id") and message.get("bot_id") != self.bot_id:
+        # Only this bot's message: one without a bot_id (a person's, or another app posting with a
+        # user token, which may carry any metadata) is never taken for the lost post.
+        if self.bot_id and message.get("bot_id") != self.bot_id:
+            return False
+        if not self.bot_id and self.bot_user and message.get("user") != self.bot_user:
             return False
         return bool(message.get("ts"))
 

@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from websockets.frames import Frame, Opcode
 
-from appserver.ws.connection import Connection, text_frame
+from appserver.auth import Authenticator, Principal
+from appserver.config import Config
+from appserver.security.ws_session import run_ws
+from appserver.ws.connection import WRITE_FRAME, Connection, text_frame
 from tests.support.cli import cli_env
 from tests.support.serve import start_serve
 from tests.support.ws import WS
@@ -125,3 +129,43 @@ async def test_replies_and_fanned_out_snapshots_arrive_whole_and_in_order(
         await boss.close()
     finally:
         sp.stop()
+
+
+async def test_direct_writes_pass_the_guard_session(tmp_path: Path) -> None:
+    """The guard's session stands between the app and the socket for direct writes too: none
+    while one of its sends holds the lock (that frame keeps its place), none once it closed the
+    socket (here: an oversized frame; likewise a revoked or expired credential)."""
+    wire: list[bytes] = []
+    sent: list[dict[str, Any]] = []
+    gate = asyncio.Event()
+    incoming: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    seen: dict[str, bool] = {}
+
+    def raw_write(frame: bytes) -> bool:
+        wire.append(frame)
+        return True
+
+    async def send(message: dict[str, Any]) -> None:  # the server's side: one send waits
+        sent.append(message)
+        if message.get("text") == "slow":
+            await gate.wait()
+
+    async def app(scope: dict[str, Any], receive: Any, send_: Any) -> None:
+        write = scope["extensions"][WRITE_FRAME]
+        await send_({"type": "websocket.accept"})
+        seen["open"] = write(b"open")
+        slow = asyncio.create_task(send_({"type": "websocket.send", "text": "slow"}))
+        await asyncio.sleep(0)
+        seen["while_a_send_waits"] = write(b"mid")
+        gate.set()
+        await slow
+        incoming.put_nowait({"type": "websocket.receive", "text": "x" * 2000})
+        await receive()  # the guard closes (1009) and reports a disconnect
+        seen["after_the_guard_closed"] = write(b"late")
+
+    scope = {"type": "websocket", "path": "/ws", "extensions": {WRITE_FRAME: raw_write}}
+    auth = Authenticator(Config(home=tmp_path / "home"))
+    await run_ws(app, scope, incoming.get, send, {"principal": Principal.local()}, auth, 10, 1024)
+    assert seen == {"open": True, "while_a_send_waits": False, "after_the_guard_closed": False}
+    assert wire == [b"open"]
+    assert sent[-1]["type"] == "websocket.close" and sent[-1]["code"] == 1009

@@ -910,6 +910,25 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         if scope is not None:
             scope["extensions"][WRITE_FRAME] = self.write_frame
 
+    def send_receive_event_to_app(self) -> None:
+        # A text message that is not UTF-8 is the client's fault, closed with 1007; uvicorn logged
+        # each one as an ERROR with a traceback, so any client could fill the log (and stall a
+        # server whose stderr is a pipe read slower than that). One INFO line instead.
+        if self.curr_msg_data_type == "text" and not self.close_sent:
+            data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
+            self.frames = [data]  # joined once: uvicorn's own path below takes it as it is
+            if not data.isascii():
+                try:
+                    data.decode()
+                except UnicodeDecodeError:
+                    self.frames = []
+                    peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+                    log.info("websocket from %s sent a text message that is not UTF-8: closing (1007)", peer)
+                    self.conn.send_close(1007)
+                    self.handle_parser_exception()
+                    return
+        super().send_receive_event_to_app()
+
     def write_frame(self, frame: bytes) -> bool:
         """Write a framed server message (`appserver/ws/connection.py` `text_frame`) now, as
         `send` would, if the connection takes it as it is: open, with no extension (permessage-deflate

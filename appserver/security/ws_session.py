@@ -14,6 +14,7 @@ from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principa
 from appserver.security.asgi import ASGIApp, Message, Receive, Scope, Send
 from appserver.security.authentication import WS_SCOPE
 from appserver.security.refusals import error_json
+from appserver.ws.connection import WRITE_FRAME
 
 log = logging.getLogger("appserver.guard")
 
@@ -223,6 +224,15 @@ async def run_ws(
             session.changed.set()
         return message
 
+    extensions = scope.get("extensions") or {}
+    write_frame = extensions.get(WRITE_FRAME)
+    if write_frame is not None:
+        # Frames written straight to the socket pass the session too: none once the guard closed
+        # it (revoked, expired, too big), and none past a send holding the lock (it keeps its place).
+        def guarded_write_frame(frame: bytes) -> bool:
+            return not session.closed and not session.lock.locked() and write_frame(frame)
+
+        scope = {**scope, "extensions": {**extensions, WRITE_FRAME: guarded_write_frame}}
     session.ensure_watch()
     try:
         await app(scope, guarded_receive, session.send)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -195,3 +196,41 @@ def test_a_slow_consumer_finds_its_close_after_its_backlog_however_late_it_reads
         asyncio.run(go())
     finally:
         sp.stop()
+
+
+def test_a_stop_does_not_wait_for_a_client_that_reads_nothing(tmp_path: Path) -> None:
+    """A client whose socket is full never takes the server's close: the stop drops it after a
+    short drain instead of waiting out its whole grace and logging an ERROR."""
+    home = tmp_path / "home"
+    sp = start_serve(home, env=cli_env(home))
+
+    async def fill() -> websockets.ClientConnection:
+        boss = await WS.open(sp.url)
+        big = await boss.request(
+            {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": " ".join(["x" * 99] * 2000)}
+        )
+        await boss.terminal(big["turn_id"])
+        await boss.close()
+        stalled = await _stalled_client(sp.url)
+        await stalled.send('{"type":"hello","protocol":1}')
+        for _ in range(30):  # ~12 MB it never reads: more than the kernel's buffers hold
+            await stalled.send(f'{{"type":"get_history","conversation":"{big["conversation_id"]}"}}')
+        await asyncio.sleep(1.0)
+        return stalled
+
+    async def go() -> None:
+        stalled = await fill()
+        t0 = time.monotonic()
+        sp.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(sp.proc.wait, 20)
+        took = time.monotonic() - t0
+        err = sp.proc.stderr.read() if sp.proc.stderr else ""
+        assert code == 0, err[-2000:]
+        assert "graceful shutdown exceeded" not in err, err[-2000:]
+        assert took < 5, f"the stop took {took:.1f} s"
+        stalled.transport.abort()
+
+    try:
+        asyncio.run(go())
+    finally:
+        sp.kill()

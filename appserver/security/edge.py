@@ -853,6 +853,9 @@ def protocol_class(limits: EdgeLimits) -> type[EdgeHttpProtocol]:
     return type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits})
 
 
+WS_SHUTDOWN_DRAIN_S = 2.0  # how long a stop waits for a WebSocket client to take its close
+
+
 class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol (the one "auto" picks) whose own handshake refusals (a bad
     `Sec-WebSocket-Version`, a missing `Sec-WebSocket-Key`, a 500 before accept) carry an
@@ -909,6 +912,22 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         scope = getattr(self, "scope", None)  # none when the handshake was refused
         if scope is not None:
             scope["extensions"][WRITE_FRAME] = self.write_frame
+
+    def shutdown(self) -> None:
+        super().shutdown()  # the close (1012) is written and the transport asked to close
+        # A client that does not read never lets the close (nor the frames before it) leave, and the
+        # server's stop waited out its whole grace for it, then logged an ERROR: past a short
+        # drain such a connection is dropped.
+        self.loop.call_later(WS_SHUTDOWN_DRAIN_S, self._drop_if_stuck)
+
+    def _drop_if_stuck(self) -> None:
+        if self in self.connections and self.transport is not None:
+            log.info(
+                "websocket from %s took nothing for %g s after the server's close: dropped",
+                self.client,
+                WS_SHUTDOWN_DRAIN_S,
+            )
+            self.transport.abort()
 
     def send_receive_event_to_app(self) -> None:
         # A text message that is not UTF-8 is the client's fault, closed with 1007; uvicorn logged

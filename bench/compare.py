@@ -1442,15 +1442,15 @@ def plot(b: Bench, out: Path) -> None:
         ("litellm", "LiteLLM proxy"),
     ]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    bars: list[tuple[str, float]] = []
+    bars: list[tuple[str, float, str]] = []
     for key, label in names:
         d = http.get(key)
         if not d:
             continue
         pct = {float(k): v for k, v in d["c1"]["pct_ms"].items()}
         xs = sorted(pct)
-        left.plot(xs, [pct[x] for x in xs], label=label, marker=".", markersize=3)
-        bars.append((label.replace(" ", "\n", 1), d["c64"]["rps"]))
+        (line,) = left.plot(xs, [pct[x] for x in xs], label=label, marker=".", markersize=3)
+        bars.append((label.replace(" ", "\n", 1), d["c64"]["rps"], line.get_color()))  # one color per target
     left.set_yscale("log")
     left.set_xlabel("percentile")
     left.set_ylabel("latency (ms, log)")
@@ -1459,7 +1459,7 @@ def plot(b: Bench, out: Path) -> None:
     left.legend()
     labels = [x[0] for x in bars]
     values = [x[1] for x in bars]
-    right.bar(labels, values, color=["#4c72b0", "#937860", "#dd8452", "#8172b3", "#55a868"][: len(bars)])
+    right.bar(labels, values, color=[x[2] for x in bars])
     for i, v in enumerate(values):
         right.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
     right.axhline(TARGETS["c64_rps"], color="grey", linestyle="--", linewidth=1)

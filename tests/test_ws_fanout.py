@@ -26,6 +26,15 @@ async def _stalled_client(http_url: str) -> websockets.ClientConnection:
     return await websockets.connect(ws_url(http_url), sock=sock, max_queue=1, max_size=None, ping_interval=None)
 
 
+async def read_to_close(ws: websockets.ClientConnection) -> websockets.ConnectionClosed:
+    """Read everything a client was sent, up to the close: the close it got."""
+    try:
+        while True:
+            await ws.recv()
+    except websockets.ConnectionClosed as exc:
+        return exc
+
+
 def test_two_hundred_subscribers_and_one_that_never_reads(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = cli_env(home, APPSERVER_LIMITS__WS_OUTBOUND_MAX="8", APPSERVER_LIMITS__WS_SEND_TIMEOUT_S="1")
@@ -68,14 +77,7 @@ def test_two_hundred_subscribers_and_one_that_never_reads(tmp_path: Path) -> Non
             assert (await ws.request({"type": "ping"}))["type"] == "pong"
 
         # the stalled client was disconnected: once it reads, it finds the close after its backlog
-        async def read_to_close() -> websockets.ConnectionClosed:
-            try:
-                while True:
-                    await stalled.recv()
-            except websockets.ConnectionClosed as exc:
-                return exc
-
-        closed = await asyncio.wait_for(read_to_close(), 15)
+        closed = await asyncio.wait_for(read_to_close(stalled), 15)
         # the bound, or (on a slow host) the send timeout of the frame the writer task holds
         assert closed.rcvd is not None and closed.rcvd.code == 4408, closed
         assert "not reading" in closed.rcvd.reason or "could not be delivered" in closed.rcvd.reason, closed
@@ -180,15 +182,7 @@ def test_a_slow_consumer_finds_its_close_after_its_backlog_however_late_it_reads
         for _ in range(30):
             await stalled.send(f'{{"type":"get_history","conversation":"{big["conversation_id"]}"}}')
         await asyncio.sleep(6.5)  # longer than the endpoint waits for a close to be written
-
-        async def read_to_close() -> websockets.ConnectionClosed:
-            try:
-                while True:
-                    await stalled.recv()
-            except websockets.ConnectionClosed as exc:
-                return exc
-
-        closed = await asyncio.wait_for(read_to_close(), 15)
+        closed = await asyncio.wait_for(read_to_close(stalled), 15)
         assert closed.rcvd is not None and closed.rcvd.code == 4408, closed
         await boss.close()
 

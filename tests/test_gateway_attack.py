@@ -234,6 +234,9 @@ async def _killed_in_flight(
     entry = ledger.get(key)
     assert entry is not None and entry.state == "finished" and entry.sending is not None
     assert entry.sending[0] == f"{key}:{nth - 1}" and len(entry.remote_ids) == nth - 1
+    # A killed process's connections die with it: its Discord gateway session (or Telegram poll)
+    # must not go on beside the restarted one's, which the fakes, like the platforms, do not allow.
+    await adapter.stop()
 
 
 def _paragraphs(n: int, words: int) -> str:

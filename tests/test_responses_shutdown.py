@@ -95,3 +95,40 @@ async def test_a_stream_stopped_by_the_server_is_stored_as_it_ended(tmp_path: Pa
         await client.close()
     finally:
         sp.stop()
+
+
+async def test_a_streaming_response_is_stored_in_progress_from_response_created(tmp_path: Path) -> None:
+    """The id `response.created` announces names the response at once: GET answers it in progress
+    while it streams, continuing from it is refused until it completed (409), and one deleted
+    while it streams stays deleted when the stream ends."""
+    home = tmp_path / "home"
+    sp = start_serve(home, env=cli_env(home))
+    try:
+        client = client_for(sp)
+        seen: list[Any] = []
+        stream = await client.responses.create(model="assistant", input="/slow 30", stream=True)
+        rid = await until_text(stream, seen)
+        live = await client.responses.retrieve(rid)
+        assert live.status == "in_progress" and live.id == rid
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.responses.create(model="assistant", input="next", previous_response_id=rid)
+        assert refused.value.status_code == 409
+        assert refused.value.body["code"] == "previous_response_in_progress"  # type: ignore[index]
+        async for e in stream:
+            seen.append(e)
+        assert seen[-1].type == "response.completed"
+        done = await client.responses.retrieve(rid)
+        assert done.status == "completed" and done.output_text == seen[-1].response.output_text
+        nxt = await client.responses.create(model="assistant", input="next", previous_response_id=rid)
+        assert nxt.status == "completed"
+
+        stream = await client.responses.create(model="assistant", input="/slow 30", stream=True)
+        gone = await until_text(stream, [])
+        await client.responses.delete(gone)
+        async for _ in stream:
+            pass
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(gone)
+        await client.close()
+    finally:
+        sp.stop()

@@ -14,7 +14,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -70,12 +70,30 @@ from appserver.store.records import AgentRecord, ResponseRecord
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
     from appserver.server import Server
+    from appserver.store.base import Store
 
 log = logging.getLogger("appserver.http.responses")
 
 # A stream that announced its response id but ends without its turn's outcome (the server stops,
 # the client leaves) still stores the response: bounded, as the stop's drain (DRAIN_S) is.
 KEEP_TIMEOUT_S = 2.0
+CUT_SHORT = (
+    "The server stopped before this response completed (it was killed mid-stream); the conversation "
+    "keeps the turn as interrupted, with the text saved so far."
+)
+
+
+async def as_ended(store: Store, rec: ResponseRecord) -> ResponseRecord:
+    """`rec`, or, when its stream stored it in progress and the server was killed before the stream
+    could store how it ended (its turn was settled as interrupted at the restart), `rec` as failed,
+    as a server stop's stream ends."""
+    if rec.body.get("status") != "in_progress" or rec.turn_id is None:
+        return rec
+    turn = await store.get_turn(rec.turn_id)
+    if turn is not None and turn.status != "interrupted":
+        return rec  # still running, or its stream is storing the outcome now
+    body = dict(rec.body, status="failed", error={"code": "server_error", "message": CUT_SHORT})
+    return replace(rec, body=body)
 
 
 def _id(prefix: str) -> str:
@@ -617,7 +635,7 @@ class Responses:
         agent = await self.server.store.get_agent(rec.agent_id)
         if agent is None or not principal.allows_agent(agent.id, agent.name):
             raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
-        return rec
+        return await as_ended(self.server.store, rec)
 
     async def get(self, request: Request) -> Response:
         rec = await self._stored(request)
@@ -843,6 +861,15 @@ class Responses:
                     code="previous_response_not_found",
                     param="previous_response_id",
                 )
+            rec = await as_ended(store, rec)
+            if rec.body.get("status") == "in_progress":
+                raise ApiError(
+                    409,
+                    f"Previous response with id '{prev_id}' is still in progress; continue from it once it "
+                    "has completed.",
+                    code="previous_response_in_progress",
+                    param="previous_response_id",
+                )
             head = await store.last_message_id(rec.conversation_id)
             if head == rec.last_message_id and self.matcher.free(
                 rec.conversation_id
@@ -891,6 +918,7 @@ class _Run:
         self.headers = {HEADER: run.conversation_id}
         self.keepalive = float(self.server.config.limits.sse_keepalive_s)
         self.steps_note = max_steps_note(self.server, shape.agent)
+        self.kept_in_progress = False  # the stream stored its response as in progress (response.created)
 
     def settled(self, snap: TurnSnapshot) -> bool:
         return snap.status in TERMINAL_STATUSES or (
@@ -919,6 +947,8 @@ class _Run:
         if not self.shape.store:
             return
         store = self.server.store
+        if self.kept_in_progress and await store.get_response(self.shape.id) is None:
+            return  # deleted (DELETE /v1/responses/{id}) while its stream ran: it stays deleted
         await store.save_response(
             ResponseRecord(
                 id=self.shape.id,
@@ -997,8 +1027,15 @@ class _Run:
             metrics.active_streams.inc()
             try:
                 shape = self.shape
+                created = response_body(shape, status="in_progress", output=[], snap=None)
+                if shape.store:
+                    # The id goes out with response.created: stored first, in progress, so it names
+                    # the response even if the server is killed before the stream ends (GET then
+                    # answers it as failed, `_as_ended`). Best effort, like keep_unfinished.
+                    await self.keep_unfinished(created)
+                    self.kept_in_progress = True
                 announced = True
-                yield ev("response.created", response=response_body(shape, status="in_progress", output=[], snap=None))
+                yield ev("response.created", response=created)
                 yield ev(
                     "response.in_progress", response=response_body(shape, status="in_progress", output=[], snap=None)
                 )

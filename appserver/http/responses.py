@@ -964,14 +964,17 @@ class _Run:
             )
         )
 
-    async def keep_unfinished(self, body: dict[str, Any]) -> None:
+    async def keep_unfinished(self, body: dict[str, Any]) -> bool:
         """A stream told the client its response id (`response.created`) and ends without the
         turn's outcome: the id must still name the response, with how it ended, after a restart.
-        Best effort within KEEP_TIMEOUT_S: the stream's end is never held up for long."""
+        Best effort within KEEP_TIMEOUT_S: the stream's end is never held up for long. True once
+        stored."""
         try:
             await asyncio.wait_for(self.keep(body), KEEP_TIMEOUT_S)
         except Exception as exc:  # the store is failing or stopping: the stream still ends as it must
             log.warning("could not store unfinished response %s: %r", self.shape.id, exc)
+            return False
+        return True
 
     async def client_gone(self) -> None:
         """A stream's client left: cancel the turn, then keep the response as the turn ended
@@ -1031,9 +1034,8 @@ class _Run:
                 if shape.store:
                     # The id goes out with response.created: stored first, in progress, so it names
                     # the response even if the server is killed before the stream ends (GET then
-                    # answers it as failed, `_as_ended`). Best effort, like keep_unfinished.
-                    await self.keep_unfinished(created)
-                    self.kept_in_progress = True
+                    # answers it as failed: `as_ended`). Best effort, like keep_unfinished.
+                    self.kept_in_progress = await self.keep_unfinished(created)
                 announced = True
                 yield ev("response.created", response=created)
                 yield ev(

@@ -41,8 +41,8 @@ def port_of(url: str) -> int:
 def serve_output(sp: ServeProcess) -> str:
     """Stop the server (exit 0 expected) and return everything it wrote to stdout and stderr."""
     assert sp.stop() == 0
-    out, err = sp.proc.communicate(timeout=T)
-    return out + err
+    assert sp.proc.stdout is not None and sp.proc.stderr is not None
+    return sp.proc.stdout.read() + sp.proc.stderr.read()
 
 
 def create_token(home: Path, *args: str) -> str:

@@ -184,7 +184,8 @@ def test_serve_on_postgresql_answers_a_chat_completion_through_the_openai_sdk(tm
         ready = httpx.get(sp.url + "/readyz", timeout=10)
         assert ready.status_code == 200 and "writable (PostgreSQL" in ready.text, ready.text
         sp.stop()
-        _, err = sp.proc.communicate(timeout=15)
+        assert sp.proc.stderr is not None
+        err = sp.proc.stderr.read()
     assert SECRET not in err
     assert not (home / "appserver.db").exists(), "a PostgreSQL server must not create the SQLite file"
     with psycopg.connect(pg_url) as conn:

@@ -5,17 +5,68 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 
 from tests.support.cli import ROOT, cli_env
 from tests.support.net import SSL
 from tests.support.zygote_client import appserver_popen
+
+
+class DrainedStream:
+    """A child's text output pipe, read by a thread as it comes, so the child never blocks on a full
+    pipe: a server whose log a test reads only at the end (`proc.stderr.read()`) stalled once its
+    lines passed 64 KiB (a thousand refused requests, clients leaving). `read` and `readline` as a
+    text file's: `read` waits for the end (the child closed it)."""
+
+    def __init__(self, pipe: IO[str]) -> None:
+        self._lines: list[str] = []
+        self._pos = 0
+        self._done = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._drain, args=(pipe,), daemon=True, name="serve-output").start()
+
+    def _drain(self, pipe: IO[str]) -> None:
+        try:
+            for line in iter(pipe.readline, ""):
+                with self._cond:
+                    self._lines.append(line)
+                    self._cond.notify_all()
+        except (OSError, ValueError):
+            pass  # closed under us
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def readline(self) -> str:
+        with self._cond:
+            while self._pos >= len(self._lines) and not self._done:
+                self._cond.wait()
+            if self._pos < len(self._lines):
+                self._pos += 1
+                return self._lines[self._pos - 1]
+            return ""
+
+    def read(self, timeout: float = 30) -> str:
+        with self._cond:
+            self._cond.wait_for(lambda: self._done, timeout)
+            rest = "".join(self._lines[self._pos :])
+            self._pos = len(self._lines)
+            return rest
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.readline, "")
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -48,6 +99,8 @@ def start_serve(home: Path, *extra: str, env: dict[str, str] | None = None, time
         stderr=subprocess.PIPE,
         text=True,
     )
+    if proc.stderr is not None:
+        proc.stderr = DrainedStream(proc.stderr)  # type: ignore[assignment]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

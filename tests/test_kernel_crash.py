@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.cli import cli_env, run_cli
 from tests.support.serve import ServeProcess, start_serve
-from tests.support.wait import wait_for
+from tests.support.wait import eventually, wait_for
 from tests.support.ws import WS
 
 
@@ -25,6 +25,23 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def _describe(procs: set[tuple[int, int]]) -> str:
+    """What a process still runs as, its state, parent and signal masks (blocked, ignored, caught):
+    enough to tell why a SIGTERM did not end it."""
+    out = []
+    for pid, _ in sorted(procs):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            status = dict(
+                line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+            )
+        except OSError:
+            continue
+        fields = " ".join(f"{k}={status.get(k, '?').strip()}" for k in ("State", "PPid", "SigBlk", "SigIgn", "SigCgt"))
+        out.append(f"[{pid} {cmd.strip()[:80]!r} {fields}]")
+    return " ".join(out) or "(gone meanwhile)"
 
 
 def _live_group(pgid: int) -> set[tuple[int, int]]:
@@ -96,7 +113,10 @@ def test_kill9_while_an_allow_tool_runs_keeps_the_call_and_kills_its_processes(t
         started = time.monotonic()
         # the tool's whole process group dies with the server (PR_SET_PDEATHSIG + the group
         # guard): before, what the shell had started in the background ran on until a restart
-        wait_for(lambda: not members & _live_group(group), 10, "the tool's process group to die with the server")
+        if not eventually(lambda: not members & _live_group(group), 10):
+            raise AssertionError(
+                f"the tool's process group outlived the server by 10 s: {_describe(members & _live_group(group))}"
+            )
         # ... what left the group runs on until a server of this home starts again
         assert _live_group(os.getpgid(loner)), "expected the setsid sleep to outlive the server"
     finally:

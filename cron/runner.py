@@ -157,24 +157,11 @@ async def submit_claimed(
     *,
     fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
     clock: Clock = utcnow,
-) -> str | None:
-    """Call `fire` for an occurrence that is already claimed, and log what happened. A failure is
-    recorded (run log + task error) and not retried: the occurrence was claimed, so at most once."""
-    return (await submit_claimed_why(store, task, occurrence, fire, fire_timeout_s=fire_timeout_s, clock=clock))[0]
-
-
-async def submit_claimed_why(
-    store: CronStore,
-    task: CronTask,
-    occurrence: Occurrence,
-    fire: FireFn,
-    *,
-    fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
-    clock: Clock = utcnow,
 ) -> tuple[str | None, str | None]:
-    """`submit_claimed`, also saying why nothing was submitted: (turn id, None) or (None, reason).
-    Never raises: a run-log or crons.json failure after the fire is logged, never allowed to stop
-    the other claimed runs of a tick."""
+    """Call `fire` for an occurrence that is already claimed, and log what happened: (turn id, None),
+    or (None, the reason nothing was submitted). A failure is recorded (run log + task error) and
+    not retried: the occurrence was claimed, so at most once. Never raises: a run-log or crons.json
+    failure after the fire is logged, never allowed to stop the other claimed runs of a tick."""
     try:
         turn_id = await asyncio.wait_for(fire(task, occurrence), timeout=fire_timeout_s)
     except Exception as exc:  # noqa: BLE001 — any kernel failure must be logged, not kill the loop
@@ -293,7 +280,7 @@ async def run_task_now(
     `await_outcome` is given) wait for the turn and log its outcome."""
     store = home if isinstance(home, CronStore) else CronStore(home)
     task, occ = await asyncio.to_thread(claim_manual, store, ref, agent=agent, now=clock())
-    turn_id, error = await submit_claimed_why(store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock)
+    turn_id, error = await submit_claimed(store, task, occ, fire, fire_timeout_s=fire_timeout_s, clock=clock)
     outcome = None
     if turn_id is not None and await_outcome is not None:
         outcome = await watch_outcome(

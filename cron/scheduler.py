@@ -241,7 +241,7 @@ class Scheduler:
         for task, occurrence in orphans:
             await self._submit_orphan(task, occurrence, report)
         for item in planned:
-            turn_id = await submit_claimed(
+            turn_id, _ = await submit_claimed(
                 self.store,
                 item.task,
                 item.occurrence,
@@ -308,7 +308,7 @@ class Scheduler:
             task.id,
         )
         self.store.runlog.record(task.id, "fired", recovered=True, **occurrence.to_dict())
-        turn_id = await submit_claimed(
+        turn_id, _ = await submit_claimed(
             self.store, task, occurrence, self.fire, fire_timeout_s=self.fire_timeout_s, clock=self.clock
         )
         report.fired.append((task.id, occurrence.number, turn_id))

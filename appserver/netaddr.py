@@ -90,9 +90,9 @@ def parse_listen(value: str, default_port: int = DEFAULT_PORT) -> ListenAddress:
     text = value.strip()
     if not text:
         raise ValueError("empty listen address; expected HOST:PORT, e.g. 127.0.0.1:8770")
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return ListenAddress(DEFAULT_HOST, _parse_port(text, value))
-    if text.startswith(":") and text[1:].isdigit():
+    if text.startswith(":") and text[1:].isascii() and text[1:].isdigit():
         return ListenAddress(DEFAULT_HOST, _parse_port(text[1:], value))
     if text.startswith("["):
         end = text.find("]")
@@ -165,7 +165,7 @@ def split_host_header(value: str) -> tuple[str, int | None]:
         except ValueError:
             raise ValueError("malformed Host header") from None
         if rest:
-            if not rest.startswith(":") or not rest[1:].isdigit() or len(rest) > 6:
+            if not rest.startswith(":") or not (rest.isascii() and rest[1:].isdigit()) or len(rest) > 6:
                 raise ValueError("malformed Host header")
             port = int(rest[1:])
     else:
@@ -173,7 +173,7 @@ def split_host_header(value: str) -> tuple[str, int | None]:
             raise ValueError("malformed Host header")
         host, sep, port_text = text.partition(":")
         if sep:
-            if not port_text.isdigit() or len(port_text) > 5:
+            if not (port_text.isascii() and port_text.isdigit()) or len(port_text) > 5:
                 raise ValueError("malformed Host header")
             port = int(port_text)
         if not host or not _HOSTNAME_RE.match(host):

@@ -50,7 +50,7 @@ _NAMES: tuple[dict[str, int], ...] = (
     {d: i for i, d in enumerate(("sun", "mon", "tue", "wed", "thu", "fri", "sat"))},
 )
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-_DURATION_RE = re.compile(r"(\d+)\s*([smhd])")
+_DURATION_RE = re.compile(r"(\d+)\s*([smhd])", re.ASCII)
 
 
 class ScheduleError(ValueError):
@@ -176,7 +176,7 @@ def _check_field(expr: str, index: int, text: str) -> str:
             lo, hi = _BOUNDS[index]
             if index == 4 and a == 7:  # day 7 is Sunday, as 0 is: `7-1` means `0-1`, no wrap at all
                 wrap = f"e.g. {_span(0, b)}"
-            elif low.isdigit() and high.isdigit():
+            elif _number(low) and _number(high):
                 wrap = f"e.g. {_span(a, hi)},{_span(lo, b)}"
             else:
                 wrap = "one range per part"
@@ -192,10 +192,15 @@ def _span(a: int, b: int) -> str:
     return str(a) if a == b else f"{a}-{b}"
 
 
+def _number(text: str) -> bool:
+    """ASCII digits only: `str.isdigit` also takes `٥` and `²`, which cron does not read."""
+    return text.isascii() and text.isdigit()
+
+
 def _field_value(index: int, token: str) -> int | None:
     """A plain number or a month/day name as a number; None for anything else (L, W, #, …)."""
     t = token.strip().lower()
-    if t.isdigit():
+    if _number(t):
         return int(t)
     return _NAMES[index].get(t)
 

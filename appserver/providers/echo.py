@@ -88,7 +88,7 @@ class EchoProvider:
             return
         if text.startswith("/slow"):
             arg = text[len("/slow") :].strip() or "10"
-            n = min(int(arg), SLOW_MAX_WORDS) if arg.isdigit() else 10
+            n = min(int(arg), SLOW_MAX_WORDS) if arg.isascii() and arg.isdigit() else 10
             produced = 0
             for i in range(1, n + 1):
                 if request.max_tokens is not None and produced >= request.max_tokens:
@@ -104,7 +104,7 @@ class EchoProvider:
             return
         if text.startswith("/error"):
             arg = text[len("/error") :].strip()
-            code = int(arg) if arg.isdigit() else 500
+            code = int(arg) if arg.isascii() and arg.isdigit() else 500
             raise error_from_status(
                 code, f"echo: simulated upstream error {code}", body={"error": {"message": f"simulated {code}"}}
             )

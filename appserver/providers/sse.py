@@ -195,7 +195,7 @@ class SSEDecoder:
             if "\0" not in value:
                 self._id = value
         elif name == "retry":
-            if value.isdigit():
+            if value.isascii() and value.isdigit():
                 self._retry = int(value)
         return None
 

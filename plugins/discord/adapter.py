@@ -442,7 +442,7 @@ class DiscordAdapter:
             return {}
         if not isinstance(value, dict):
             return {}
-        return {str(k): v for k, v in value.items() if isinstance(v, dict) and str(v.get("last", "")).isdigit()}
+        return {str(k): v for k, v in value.items() if isinstance(v, dict) and _snowflake(str(v.get("last", "")))}
 
     def _note_seen(self, channel_id: int, message_id: int, msg: InboundMessage, *, recorded: bool = True) -> None:
         """Remember where the catch-up of a channel starts: after the newest recorded message, but
@@ -521,7 +521,7 @@ class DiscordAdapter:
         if target.key:
             payload["nonce"] = nonce_for(target.key)
             payload["enforce_nonce"] = True
-        if target.reply_to and target.reply_to.isdigit() and not _is_dm(self, target):
+        if target.reply_to and _snowflake(target.reply_to) and not _is_dm(self, target):
             payload["message_reference"] = {
                 "message_id": target.reply_to,
                 "channel_id": str(channel.id),
@@ -575,11 +575,16 @@ def nonce_for(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:NONCE_LENGTH]
 
 
+def _snowflake(text: str) -> bool:
+    """A Discord id as text: ASCII digits (`str.isdigit` alone also takes `٥` and `²`)."""
+    return text.isascii() and text.isdigit()
+
+
 def _is_dm(adapter: DiscordAdapter, target: Target) -> bool:
     """Whether `target` is a DM (no reply reference there): from discord.py's cache, else from the
     channels this adapter has seen."""
     client = adapter._client
-    if client is not None and target.chat.isdigit():
+    if client is not None and _snowflake(target.chat):
         cached = client.get_channel(int(target.chat))
         if cached is not None:
             return isinstance(cached, discord.DMChannel | discord.GroupChannel)

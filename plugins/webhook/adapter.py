@@ -96,7 +96,7 @@ class WebhookSettings:
 def _parse_listen(listen: str, where: str) -> tuple[str, int]:
     host, sep, port_text = listen.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
         raise AccountError(f"{where}: listen must be host:port (e.g. 127.0.0.1:8788), not {listen!r}")
     return host, int(port_text)
 
@@ -247,7 +247,7 @@ class WebhookAdapter:
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             raise _BadRequest(413, f"body larger than {limit} bytes")
         body = bytearray()
 

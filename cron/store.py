@@ -14,7 +14,9 @@ never touched, and `corrupt_files()` lets every CLI command keep warning about i
 restores or deletes it. Refusing all writes until the user acts was rejected: a forgotten corrupt
 file would silently stop every scheduled job, which is the failure this package exists to prevent.
 Valid JSON of the wrong shape (`null`, a list, a number, a task that is no object or has no string
-id) is as unusable as torn JSON and is set aside the same way, never read as "no tasks".
+id) is as unusable as torn JSON and is set aside the same way, never read as "no tasks". An
+unusable `scheduler_owner` is not: the lease record is the scheduler's, so it is read as no owner
+(with an error in the log) and a scheduler takes the lease over, with every task kept.
 
 One task that can be named (it has a string id) but not used (a non-finite or absurd number, a
 missing field) does not take the others down: it is kept in the file exactly as loaded
@@ -439,6 +441,7 @@ class CronFile:
     scheduler_owner: OwnerRecord | None = None
     tasks: list[CronTask] = field(default_factory=list)
     invalid: list[InvalidTask] = field(default_factory=list)
+    owner_problem: str | None = None  # an unusable scheduler_owner, read as no owner
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -460,9 +463,17 @@ class CronFile:
         tasks = d.get("tasks", [])
         if not isinstance(tasks, list):
             raise ValueError("tasks must be a list")
-        owner = d.get("scheduler_owner")
-        if owner is not None and not isinstance(owner, dict):
-            raise ValueError(f"scheduler_owner must be an object or null, not {_json_kind(owner)}")
+        # The lease record is the scheduler's, not the user's data: an unusable one is read as no
+        # owner (the next scheduler takes the lease over; a live holder sees that at its next
+        # renewal and steps down) and the tasks stay in use, instead of the whole file set aside.
+        raw_owner, owner, owner_problem = d.get("scheduler_owner"), None, None
+        if raw_owner is not None and not isinstance(raw_owner, dict):
+            owner_problem = f"scheduler_owner must be an object or null, not {_json_kind(raw_owner)}"
+        elif raw_owner is not None:
+            try:
+                owner = OwnerRecord.from_dict(raw_owner)
+            except (ValueError, TypeError, KeyError, OverflowError) as exc:
+                owner_problem = str(exc) or type(exc).__name__
         parsed: list[CronTask] = []
         invalid: list[InvalidTask] = []
         for raw in tasks:
@@ -477,9 +488,10 @@ class CronFile:
             raise ValueError("duplicate task ids")
         return cls(
             version=version,
-            scheduler_owner=None if owner is None else OwnerRecord.from_dict(owner),
+            scheduler_owner=owner,
             tasks=parsed,
             invalid=invalid,
+            owner_problem=owner_problem,
         )
 
     def invalid_problem(self) -> str | None:
@@ -596,12 +608,20 @@ class CronStore:
                 f"understands ({FORMAT_VERSION}); upgrade appserver"
             )
         try:
-            return CronFile.from_dict(raw)
+            state = CronFile.from_dict(raw)
         except (ValueError, TypeError, KeyError) as exc:
             reason = f"not a valid crons.json: {exc}"
             if readonly:
                 raise self._unreadable(reason) from None
             raise move_aside(self.path, reason) from None
+        if state.owner_problem is not None:
+            log.error(
+                "%s: the scheduler lease record is unusable (%s); read as no owner, so a scheduler takes "
+                "the lease over (the tasks are kept)",
+                self.path,
+                state.owner_problem,
+            )
+        return state
 
     def _read_json(self, readonly: bool) -> Any:
         """The parsed document, or `_MISSING` when there is no file (a JSON `null` is a document,

@@ -94,3 +94,39 @@ def test_a_dead_foreign_lease_without_a_heartbeat_does_not_block_cron_forever(ho
         assert owner is not None and owner.pid == sp.proc.pid
     finally:
         sp.kill()
+
+
+@pytest.mark.parametrize(
+    "owner",
+    [
+        {"pid": "abc", "token": "d" * 32, "started_at": "2026-01-01T00:00:00+00:00"},
+        {"pid": 2**40, "token": "d" * 32, "started_at": "2026-01-01T00:00:00+00:00"},
+        {"pid": 4242, "token": "d" * 32, "started_at": "not a time"},
+        "a string",
+        [1, 2],
+    ],
+)
+def test_an_unusable_lease_record_keeps_the_tasks_and_is_taken_over(home: Path, owner: Any) -> None:
+    """The lease record is the scheduler's, not the user's: a damaged one (a hand edit, another
+    tool) is read as no owner, loudly, and the tasks stay; before, the whole crons.json was set
+    aside and every task stopped firing."""
+    env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
+    add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
+                  "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
+    assert add.code == 0, add.err
+    task_id = json.loads(add.out)["id"]
+    data = json.loads((home / "crons.json").read_text())
+    data["scheduler_owner"] = owner
+    (home / "crons.json").write_text(json.dumps(data))
+    listed = run_cli(home, "cron", "list", "--json", env=env)
+    assert listed.code == 0, listed.err
+    assert [t["id"] for t in json.loads(listed.out)] == [task_id]
+    assert "scheduler lease record is unusable" in listed.err
+    sp = start_serve(home, env=env)
+    try:
+        wait_for(lambda: any(r["event"] == "submitted" for r in run_log(home, task_id)), 15, "the take-over and fire")
+        owner_now = CronStore(home).read().scheduler_owner
+        assert owner_now is not None and owner_now.pid == sp.proc.pid
+        assert not list(home.glob("crons.json.corrupt-*"))
+    finally:
+        sp.kill()

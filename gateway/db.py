@@ -150,6 +150,11 @@ def open_db(path: Path) -> sqlite3.Connection:
     """Open (creating if needed) and migrate the database; raise `CorruptGatewayDB` after moving a
     corrupt file aside."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _create_whole(path)
+    if path.is_file() and path.stat().st_size == 0:
+        # SQLite opens an empty file as a new database, but a ledger never has 0 bytes (it is
+        # created whole, above): this one was truncated, and its -wal may hold the rest.
+        raise _move_aside(path, "the file is empty (0 bytes)")
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute("PRAGMA busy_timeout = 5000")
@@ -167,6 +172,31 @@ def open_db(path: Path) -> sqlite3.Connection:
         raise
     os.chmod(path, 0o600)
     return conn
+
+
+def _create_whole(path: Path) -> None:
+    """A missing gateway.db appears with its header already written (made under another name, then
+    linked into place), so a process that opens it meanwhile never sees a 0-byte file, which is
+    what a truncated ledger looks like. Where hard links are not supported, SQLite creates it."""
+    if path.exists():
+        return
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        conn = sqlite3.connect(tmp)
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")  # writes the header; the mode is kept in it
+        finally:
+            conn.close()
+        os.chmod(tmp, 0o600)
+        try:
+            os.link(tmp, path)  # never over a file another process created meanwhile
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            log.debug("could not link %s into place (%s); SQLite creates it", path, exc)
+    finally:
+        for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
+            leftover.unlink(missing_ok=True)
 
 
 @contextmanager

@@ -184,6 +184,24 @@ def test_corrupt_file_is_moved_aside_never_emptied(db_path: Path) -> None:
     assert moved.read_bytes() == garbage
 
 
+def test_an_emptied_ledger_is_moved_aside_with_its_wal_not_opened_as_new(db_path: Path) -> None:
+    ledger = Ledger.open(db_path)
+    ledger.record(key(1), chat="c", sender="s", payload={"text": "x"})
+    ledger.close()
+    wal = db_path.with_name(db_path.name + "-wal")
+    wal.write_bytes(b"what a truncated ledger left in its log")
+    db_path.write_bytes(b"")  # truncated (a full disk, a bad copy)
+    with pytest.raises(CorruptGatewayDB, match=r"empty \(0 bytes\)") as info:
+        open_db(db_path)
+    moved = info.value.moved_to
+    assert moved.read_bytes() == b""
+    assert moved.with_name(moved.name + "-wal").read_bytes() == b"what a truncated ledger left in its log"
+    assert not db_path.exists() and not wal.exists()
+    fresh = Ledger.open(db_path)  # what the gateway does next: a new ledger, loudly
+    assert fresh.get(key(1)) is None
+    fresh.close()
+
+
 def test_damaged_pages_are_moved_aside(db_path: Path) -> None:
     ledger = Ledger.open(db_path)
     for n in range(300):

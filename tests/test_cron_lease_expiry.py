@@ -27,6 +27,14 @@ def foreign(renewed_at: datetime, ttl_s: float) -> OwnerRecord:
     return OwnerRecord(4242, "e" * 32, renewed_at, 1, "a-host-that-is-not-this-one", None, renewed_at, ttl_s)
 
 
+def add_soon_task(home: Path, env: dict[str, str]) -> str:
+    """A task due in a second; its id."""
+    add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
+                  "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
+    assert add.code == 0, add.err
+    return str(json.loads(add.out)["id"])
+
+
 def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:
     path = home / "cron-runs" / f"{task_id}.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
@@ -34,10 +42,7 @@ def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:
 
 def test_a_foreign_lease_is_respected_while_renewed_and_taken_once_it_expires(home: Path) -> None:
     env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
-    add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
-                  "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
-    assert add.code == 0, add.err
-    task_id = json.loads(add.out)["id"]
+    task_id = add_soon_task(home, env)
     ttl = 6.0
     renewed = datetime.now(UTC)
     with CronStore(home).transaction() as state:  # the other host's server, alive a moment ago
@@ -79,10 +84,7 @@ def test_the_holder_renews_its_heartbeat_and_a_stale_one_elsewhere_is_dead(tmp_p
 def test_a_dead_foreign_lease_without_a_heartbeat_does_not_block_cron_forever(home: Path) -> None:
     """The record an older server on another host left (no heartbeat fields), an hour old."""
     env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
-    add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
-                  "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
-    assert add.code == 0, add.err
-    task_id = json.loads(add.out)["id"]
+    task_id = add_soon_task(home, env)
     data = json.loads((home / "crons.json").read_text())
     started = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
     data["scheduler_owner"] = {"pid": 4242, "token": "d" * 32, "started_at": started, "proc_start": 1, "host": "gone"}
@@ -111,10 +113,7 @@ def test_an_unusable_lease_record_keeps_the_tasks_and_is_taken_over(home: Path, 
     tool) is read as no owner, loudly, and the tasks stay; before, the whole crons.json was set
     aside and every task stopped firing."""
     env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
-    add = run_cli(home, "cron", "add", "--name", "soon", "--agent", "assistant",
-                  "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
-    assert add.code == 0, add.err
-    task_id = json.loads(add.out)["id"]
+    task_id = add_soon_task(home, env)
     data = json.loads((home / "crons.json").read_text())
     data["scheduler_owner"] = owner
     (home / "crons.json").write_text(json.dumps(data))

@@ -148,7 +148,10 @@ def default_path(home: Path | None = None) -> Path:
 
 def open_db(path: Path) -> sqlite3.Connection:
     """Open (creating if needed) and migrate the database; raise `CorruptGatewayDB` after moving a
-    corrupt file aside."""
+    corrupt file aside. A database that is only busy, unreadable for its permissions or on a failing
+    disk raises its `sqlite3.Error` and stays where it is: moving a healthy ledger aside because
+    another process held its lock would split the gateway's state in two."""
+    path = Path(os.path.realpath(path))  # a symlinked gateway.db: the file it names is the ledger
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     _create_whole(path)
     if path.is_file() and path.stat().st_size == 0:
@@ -156,29 +159,43 @@ def open_db(path: Path) -> sqlite3.Connection:
         # created whole, above): this one was truncated, and its -wal may hold the rest.
         raise _move_aside(path, "the file is empty (0 bytes)")
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    damage: str | None = None
     try:
         conn.execute("PRAGMA busy_timeout = 5000")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         row = conn.execute("PRAGMA quick_check").fetchone()
         if row is None or row[0] != "ok":
-            raise sqlite3.DatabaseError(f"quick_check: {row[0] if row else 'no answer'}")
-        _migrate(conn)
+            damage = f"quick_check: {row[0] if row else 'no answer'}"
+        else:
+            _migrate(conn)
     except sqlite3.DatabaseError as exc:
-        conn.close()
-        raise _move_aside(path, str(exc)) from exc
+        if not _corrupt(exc):
+            conn.close()
+            raise
+        damage = str(exc)
     except BaseException:
         conn.close()
         raise
+    if damage is not None:
+        conn.close()
+        raise _move_aside(path, damage)
     os.chmod(path, 0o600)
     return conn
+
+
+def _corrupt(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite says the file is damaged or no database at all (not: busy, locked, read-only, I/O)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
 def _create_whole(path: Path) -> None:
     """A missing gateway.db appears with its header already written (made under another name, then
     linked into place), so a process that opens it meanwhile never sees a 0-byte file, which is
     what a truncated ledger looks like. Where hard links are not supported, SQLite creates it."""
-    if path.exists():
+    _drop_stale_temporaries(path)
+    if os.path.lexists(path):
         return
     tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{os.urandom(4).hex()}")
     try:
@@ -195,8 +212,33 @@ def _create_whole(path: Path) -> None:
         except OSError as exc:
             log.debug("could not link %s into place (%s); SQLite creates it", path, exc)
     finally:
-        for leftover in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
+        for leftover in (tmp, *_sidecars(tmp)):
             leftover.unlink(missing_ok=True)
+
+
+def _drop_stale_temporaries(path: Path) -> None:
+    """The temporaries of creators that died before cleaning up (a kill -9 mid-creation): each
+    name carries its creator's pid, so a live creator's file is left alone."""
+    for tmp in path.parent.glob(f".{path.name}.new-*"):
+        pid = tmp.name[len(f".{path.name}.new-") :].split("-", 1)[0]
+        if not (pid.isascii() and pid.isdigit() and len(pid) < 10) or _alive(int(pid)):
+            continue
+        tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """The gateway's own check (it imports nothing of the server's but the client)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _sidecars(path: Path) -> tuple[Path, Path, Path]:
+    return tuple(path.with_name(path.name + suffix) for suffix in ("-wal", "-shm", "-journal"))  # type: ignore[return-value]
 
 
 @contextmanager

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -142,6 +143,11 @@ def _open_ledger(home: Path, control: ControlWriter) -> Ledger | None:
     except SchemaTooNew as exc:
         log.error("%s", exc)
         control.event("gateway_error", {"message": str(exc)})
+        return None
+    except (sqlite3.Error, OSError) as exc:  # busy, read-only, a failing disk: left where it is
+        message = f"cannot open {path}: {exc}"
+        log.error("%s", message)
+        control.event("gateway_error", {"message": message})
         return None
 
 

@@ -3,6 +3,7 @@ what happens to a corrupt file."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -200,6 +201,58 @@ def test_an_emptied_ledger_is_moved_aside_with_its_wal_not_opened_as_new(db_path
     fresh = Ledger.open(db_path)  # what the gateway does next: a new ledger, loudly
     assert fresh.get(key(1)) is None
     fresh.close()
+
+
+def test_a_locked_ledger_is_an_error_and_stays_in_place(db_path: Path) -> None:
+    """Busy is not corrupt: a ledger another process holds locked past the busy timeout is refused
+    with SQLite's error and never moved aside (that would split the gateway's state in two)."""
+    ledger = Ledger.open(db_path)
+    ledger.record(key(1), chat="c", sender="s", payload={"text": "x"})
+    ledger.close()
+    holder = sqlite3.connect(db_path, isolation_level=None)
+    holder.execute("PRAGMA locking_mode = EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            open_db(db_path)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert not list(db_path.parent.glob("gateway.db.corrupt-*"))
+    reopened = Ledger.open(db_path)
+    assert reopened.get(key(1)) is not None
+    reopened.close()
+
+
+def test_a_symlinked_ledger_is_created_and_opened_where_the_link_points(tmp_path: Path) -> None:
+    """gateway.db may be a symlink (to another disk); when its target does not exist yet, several
+    processes opening it at once all open that one target, and none sees it at 0 bytes."""
+    channels = tmp_path / "channels"
+    channels.mkdir()
+    target = tmp_path / "elsewhere" / "ledger.db"
+    target.parent.mkdir()
+    link = channels / "gateway.db"
+    link.symlink_to(target)
+    code = "import sys; from gateway.db import open_db; open_db(__import__('pathlib').Path(sys.argv[1])).close()"
+    for _ in range(3):
+        for f in target.parent.glob("ledger.db*"):
+            f.unlink()
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(link)], cwd=REPO) for _ in range(6)]
+        assert [p.wait(30) for p in procs] == [0] * 6
+        assert link.is_symlink() and target.stat().st_size > 0
+        assert not list(channels.glob("gateway.db.corrupt-*")) and not list(target.parent.glob("*.corrupt-*"))
+
+
+def test_temporaries_of_dead_creators_are_removed_and_live_ones_kept(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    stale = db_path.parent / f".gateway.db.new-{gone.pid}-0badf00d"
+    live = db_path.parent / f".gateway.db.new-{os.getpid()}-0badf00d"
+    for f in (stale, stale.with_name(stale.name + "-journal"), live):
+        f.write_bytes(b"x")
+    open_db(db_path).close()
+    assert not stale.exists() and live.exists()
 
 
 def test_damaged_pages_are_moved_aside(db_path: Path) -> None:

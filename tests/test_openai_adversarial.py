@@ -177,6 +177,73 @@ def test_duplicate_tool_call_ids_are_a_400_and_write_nothing(
     assert conversations(srv) == before
 
 
+def _messages(srv: tuple[ServeProcess, FakeOpenAI], conversation_id: str) -> list[tuple[str, str]]:
+    with sqlite3.connect(f"file:{Path(srv[0].home) / 'appserver.db'}?mode=ro", uri=True) as c:
+        rows = c.execute(
+            "SELECT role, COALESCE(content, '') FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,)
+        ).fetchall()
+    return [(str(role), str(content)) for role, content in rows]
+
+
+def test_one_input_answering_a_call_twice_differently_is_refused_whole_and_writes_nothing(
+    http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
+    """Two different results (or approve and deny) for one call in one request: a 400 that applies
+    none of them (was: the 400, yet the first answer was taken and the turn ran on with it)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ask = [{"role": "user", "content": f'/call f {{"n": "{uuid.uuid4().hex}"}}'}]
+    first = http.post("/v1/chat/completions", json={"model": "assistant", "messages": ask, "tools": [tool]})
+    assert first.status_code == 200, first.text
+    conv = first.headers["x-conversation-id"]
+    (made,) = first.json()["choices"][0]["message"]["tool_calls"]
+    asked = [*ask, {"role": "assistant", "content": None, "tool_calls": [made]}]
+    twice = [
+        *asked,
+        {"role": "tool", "tool_call_id": made["id"], "content": "A"},
+        {"role": "tool", "tool_call_id": made["id"], "content": "B"},
+    ]
+    before = _messages(srv, conv)
+    assert [role for role, _ in before] == ["user", "assistant"]
+    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": twice, "tools": [tool]})
+    assert r.status_code == 400, r.text
+    validate("ErrorResponse", r.json())
+    assert _messages(srv, conv) == before
+    once = http.post(
+        "/v1/chat/completions",
+        json={"model": "assistant", "messages": [*twice[:-1]], "tools": [tool]},
+        headers={"X-Conversation-Id": conv},
+    )
+    assert once.status_code == 200, once.text
+    assert once.json()["choices"][0]["message"]["content"] == "f -> A"
+
+    # approvals through the Responses API: approve and deny for one request
+    env = cli_env(Path(srv[0].home))
+    made_agent = run_cli(Path(srv[0].home), "agents", "create", "--name", f"asker-{uuid.uuid4().hex[:6]}",
+                         "--tool", "clock=ask", "--json", env=env)  # fmt: skip
+    assert made_agent.code == 0, made_agent.err
+    asker = json.loads(made_agent.out)["name"]
+    started = http.post("/v1/responses", json={"model": asker, "input": "/call clock {}"})
+    assert started.status_code == 200, started.text
+    (request,) = [o for o in started.json()["output"] if o["type"] == "mcp_approval_request"]
+    conv = started.headers["x-conversation-id"]
+    before = _messages(srv, conv)
+    assert [role for role, _ in before] == ["user", "assistant"]
+    both = [
+        {"type": "mcp_approval_response", "approval_request_id": request["id"], "approve": True},
+        {"type": "mcp_approval_response", "approval_request_id": request["id"], "approve": False},
+    ]
+    r = http.post("/v1/responses", json={"model": asker, "previous_response_id": started.json()["id"], "input": both})
+    assert r.status_code == 400, r.text
+    validate("ErrorResponse", r.json())
+    time.sleep(0.3)  # a wrongly resumed turn would have run the clock by now
+    assert _messages(srv, conv) == before
+    denied = http.post(
+        "/v1/responses", json={"model": asker, "previous_response_id": started.json()["id"], "input": both[1:]}
+    )
+    assert denied.status_code == 200, denied.text
+    assert not any(role == "tool" and "UTC" in text and "denied" not in text for role, text in _messages(srv, conv))
+
+
 def test_images_where_only_users_may_send_them_are_refused_not_dropped(http: httpx.Client) -> None:
     img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     for msgs in (

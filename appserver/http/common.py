@@ -446,13 +446,14 @@ async def start_turn(
                 return TurnRun(
                     server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision - 1
                 )
-            results = await kernel.respond(conversation_id, decisions)
+            results = await kernel.respond(conversation_id, decisions, whole=True)  # one request: all or none
             refused = [r for r in results if not r.get("accepted")]
             if refused:
                 raise ApiError(
                     400,
                     "; ".join(str(r.get("message")) for r in refused),
-                    code=str(refused[0].get("error") or "invalid_call"),
+                    # the code the transcript's own check uses for the same mistake (conversation_match)
+                    code={"unknown_call": "unknown_tool_call"}.get(str(refused[0].get("error")), "already_resolved"),
                     param="tool_call_id",
                 )
             resolved = [d.call_id for d in decisions if d.action in ("approve", "deny")]

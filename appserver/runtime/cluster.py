@@ -68,7 +68,7 @@ class KernelSide(Protocol):
     async def catch_up(self, conversation_id: str) -> None: ...
 
     async def respond(
-        self, conversation_id: str, decisions: list[Decision], *, here: bool = False
+        self, conversation_id: str, decisions: list[Decision], *, here: bool = False, whole: bool = False
     ) -> list[dict[str, Any]]: ...
 
     async def cancel(self, conversation_id: str, turn_id: str | None = None, *, here: bool = False) -> bool: ...
@@ -428,7 +428,7 @@ class ClusterLink:
 
     async def _respond(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
         decisions = [Decision(**d) for d in args.get("decisions") or []]
-        results = await self.kernel.respond(conversation_id, decisions, here=True)
+        results = await self.kernel.respond(conversation_id, decisions, here=True, whole=args.get("whole") is True)
         return {"results": results}
 
     async def _cancel(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -507,8 +507,8 @@ class ClusterLink:
         task.add_done_callback(self._tasks.discard)
 
 
-def decisions_args(decisions: list[Decision]) -> dict[str, Any]:
-    return {"decisions": [asdict(d) for d in decisions]}
+def decisions_args(decisions: list[Decision], *, whole: bool = False) -> dict[str, Any]:
+    return {"decisions": [asdict(d) for d in decisions], "whole": whole}
 
 
 def _again(exc: PeerError) -> Exception:

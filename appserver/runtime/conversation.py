@@ -117,8 +117,8 @@ class ConversationRuntime:
 
     # ------------------------------------------------------------ answers to pending calls
 
-    async def respond(self, decisions: list[Decision]) -> list[dict[str, Any]]:
-        return await self._answers.respond(decisions)
+    async def respond(self, decisions: list[Decision], *, whole: bool = False) -> list[dict[str, Any]]:
+        return await self._answers.respond(decisions, whole=whole)
 
     async def expire_overdue(self) -> None:
         await self._answers.expire_overdue()

@@ -521,18 +521,20 @@ class Kernel:
         return Submission(turn.id, turn.conversation_id, turn.agent_id, handle.controller.queue_position, True, handle)
 
     async def respond(
-        self, conversation_id: str, decisions: list[Decision], *, here: bool = False
+        self, conversation_id: str, decisions: list[Decision], *, here: bool = False, whole: bool = False
     ) -> list[dict[str, Any]]:
         """Answer pending calls of the conversation's paused turn (on the server that holds it;
-        `here`: asked by another server, so never passed on)."""
+        `here`: asked by another server, so never passed on). `whole`: all of them or none
+        (see PendingAnswers.respond)."""
         try:
             rt = await self.runtime(conversation_id)
         except OwnedElsewhere as elsewhere:
             if here or self._link is None:
                 raise
-            got = await self._link.call_holder(conversation_id, elsewhere.holder, "respond", decisions_args(decisions))
+            args = decisions_args(decisions, whole=whole)
+            got = await self._link.call_holder(conversation_id, elsewhere.holder, "respond", args)
             return list(got.get("results") or [])
-        return await rt.respond(decisions)
+        return await rt.respond(decisions, whole=whole)
 
     async def cancel(self, conversation_id: str, turn_id: str | None = None, *, here: bool = False) -> bool:
         """Cancel the conversation's current turn. With `turn_id`, only that turn: cancelled if it

@@ -57,6 +57,7 @@ class PendingAnswers:
         self._awaiting: TurnRecord | None = None
         self._resume: Resume | None = None
         self._expiry: asyncio.TimerHandle | None = None
+        self._answering = asyncio.Lock()
 
     @property
     def turn(self) -> TurnRecord | None:
@@ -93,16 +94,34 @@ class PendingAnswers:
 
     # ------------------------------------------------------------ answers
 
-    async def respond(self, decisions: list[Decision]) -> list[dict[str, Any]]:
+    async def respond(self, decisions: list[Decision], *, whole: bool = False) -> list[dict[str, Any]]:
+        """Answer pending calls; one result per distinct call. Every decision is checked before any
+        is written, so a malformed one (a wrong kind, an unknown action, two different answers to
+        one call) refuses them all. `whole` (one HTTP request): a call that is unknown or already
+        answered refuses them all too, instead of the others being applied."""
+        async with self._answering:  # two inputs answering at once are checked and written in turn
+            return await self._respond(decisions, whole)
+
+    async def _respond(self, decisions: list[Decision], whole: bool) -> list[dict[str, Any]]:
         if self._lifecycle.state != "awaiting" or self._awaiting is None:
             raise NotAwaiting(f"conversation {self._conversation_id} has no turn waiting for an answer")
         turn = self._awaiting
-        results: list[dict[str, Any]] = []
         store = self._deps.store
+        distinct: dict[str, Decision] = {}
         for d in decisions:
+            if d.action not in ("approve", "deny", "result"):
+                raise InvalidInput(f"unknown decision {d.action!r}: use approve, deny or a tool result")
+            seen = distinct.get(d.call_id)
+            if seen is None:
+                distinct[d.call_id] = d
+            elif (seen.action, seen.output or "", seen.is_error) != (d.action, d.output or "", d.is_error):
+                raise InvalidInput(f"call {d.call_id} is answered twice in this input, differently")
+        refused: list[dict[str, Any]] = []
+        ready: list[Decision] = []
+        for d in distinct.values():
             p = await store.get_pending(self._conversation_id, d.call_id)
             if p is None or p.turn_id != turn.id:
-                results.append(
+                refused.append(
                     {
                         "call_id": d.call_id,
                         "accepted": False,
@@ -117,8 +136,14 @@ class PendingAnswers:
                 )
             if d.action == "result" and p.kind != "client":
                 raise InvalidInput(f"call {d.call_id} needs an approval decision, not a tool result")
-            if d.action not in ("approve", "deny", "result"):
-                raise InvalidInput(f"unknown decision {d.action!r}: use approve, deny or a tool result")
+            if whole and p.status != "pending":
+                refused.append(_already(d.call_id, p.status))
+                continue
+            ready.append(d)
+        if whole and refused:
+            return refused
+        results = list(refused)
+        for d in ready:
             status = {"approve": "approved", "deny": "denied", "result": "result"}[d.action]
             won = await store.resolve_pending(
                 self._conversation_id,
@@ -133,15 +158,7 @@ class PendingAnswers:
                 results.append({"call_id": d.call_id, "accepted": True, "status": status})
             else:
                 current = await store.get_pending(self._conversation_id, d.call_id)
-                results.append(
-                    {
-                        "call_id": d.call_id,
-                        "accepted": False,
-                        "error": "already_resolved",
-                        "status": current.status if current else None,
-                        "message": f"call {d.call_id} was already answered ({current.status if current else 'gone'})",
-                    }
-                )
+                results.append(_already(d.call_id, current.status if current else None))
         await self._maybe_resume()
         return results
 
@@ -269,6 +286,16 @@ class PendingAnswers:
                 )
         if changed:
             await self._maybe_resume()
+
+
+def _already(call_id: str, status: str | None) -> dict[str, Any]:
+    return {
+        "call_id": call_id,
+        "accepted": False,
+        "error": "already_resolved",
+        "status": status,
+        "message": f"call {call_id} was already answered ({status or 'gone'})",
+    }
 
 
 __all__ = ["CANCELLED_UNANSWERED", "PendingAnswers", "Resume"]

@@ -300,6 +300,33 @@ def test_an_idempotency_key_replays_the_same_json_whatever_its_number_spelling(h
     assert other.status_code == 409
 
 
+def test_a_failed_turn_names_its_conversation_and_frees_its_idempotency_key(
+    http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
+    """The client's message went into a conversation even when its turn failed: the error says
+    which (was: no X-Conversation-Id, so the client could not find it). Only answers are kept for a
+    key, so a repeat after the failure runs again; an empty key is a mistake, not "no key"."""
+    key = uuid.uuid4().hex
+    text = f"/error 502 {key}"
+    for route, body in (
+        ("/v1/chat/completions", {"model": "assistant", "messages": [{"role": "user", "content": text}]}),
+        ("/v1/responses", {"model": "assistant", "input": text}),
+    ):
+        pinned = f"conv_pin_{uuid.uuid4().hex[:12]}"
+        failed = http.post(route, json=body, headers={"X-Conversation-Id": pinned})
+        assert failed.status_code == 502, failed.text
+        validate("ErrorResponse", failed.json())
+        assert failed.headers["x-conversation-id"] == pinned
+        assert [role for role, _ in _messages(srv, pinned)][:1] == ["user"]
+        unpinned = http.post(route, json=body, headers={"Idempotency-Key": f"{route}{key}"})
+        assert unpinned.status_code == 502 and unpinned.headers["x-conversation-id"].startswith("conv_")
+        again = http.post(route, json=body, headers={"Idempotency-Key": f"{route}{key}"})
+        assert again.status_code == 502 and "idempotent-replayed" not in again.headers
+        assert again.headers["x-conversation-id"] != unpinned.headers["x-conversation-id"]  # it ran anew
+        empty = http.post(route, json=body, headers={"Idempotency-Key": ""})
+        assert empty.status_code == 400 and empty.json()["error"]["code"] == "invalid_idempotency_key", empty.text
+
+
 # ---------------------------------------------------------------- client tools and the agent's own
 
 

@@ -665,9 +665,11 @@ class _Ctx:
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_of(snap)}],
                 "usage": usage_of(snap),
             }
-        except BaseException:
+        except BaseException as exc:
             if self.idem is not None:
                 await self.idem.abandon()
+            if isinstance(exc, ApiError):  # the turn was accepted: its input is in this conversation
+                exc.headers.setdefault(HEADER, self.run.conversation_id)
             raise
         data = dumps(body)
         if self.idem is not None:

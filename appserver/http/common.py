@@ -204,9 +204,9 @@ class Idempotency:
         request, so a key reused on the other route is a different request (409). The hash covers
         the canonical JSON (sorted keys, no spacing), so the same JSON re-serialised replays."""
         key = request.headers.get("idempotency-key")
-        if not key:
+        if key is None:
             return None, None
-        key = key.strip()
+        key = key.strip()  # an empty one is the client's mistake, not "no key": below, a 400
         if not key or len(key) > 255:
             raise ApiError(
                 400,

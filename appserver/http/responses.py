@@ -1003,9 +1003,11 @@ class _Run:
                 # status "failed". Streams keep ending with `response.failed`.
                 raise await turn_error(self.server, self.shape.agent.id, snap.error)
             body = await self.finalize(snap)
-        except BaseException:
+        except BaseException as exc:
             if self.idem is not None:
                 await self.idem.abandon()
+            if isinstance(exc, ApiError):  # the turn was accepted: its input is in this conversation
+                exc.headers.setdefault(HEADER, self.run.conversation_id)
             raise
         data = dumps(body)
         if self.idem is not None:

@@ -244,6 +244,49 @@ def test_one_input_answering_a_call_twice_differently_is_refused_whole_and_write
     assert not any(role == "tool" and "UTC" in text and "denied" not in text for role, text in _messages(srv, conv))
 
 
+def test_a_resent_answer_finds_its_own_conversation_when_another_made_the_same_call(http: httpx.Client) -> None:
+    """Two clients send the same opening and get the same call (other ids). The second answers its
+    call, then resends that body (a retry): it is answered again, in a fork of its own conversation,
+    never refused in the other client's (was: 400 "no pending call" from the other one)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ask = [{"role": "user", "content": f'/call f {{"w": "{uuid.uuid4().hex}"}}'}]
+    other = http.post("/v1/chat/completions", json={"model": "assistant", "messages": ask, "tools": [tool]})
+    assert other.status_code == 200, other.text  # left waiting for its result
+    mine = http.post("/v1/chat/completions", json={"model": "assistant", "messages": ask, "tools": [tool]})
+    (made,) = mine.json()["choices"][0]["message"]["tool_calls"]
+    body = {
+        "model": "assistant",
+        "messages": [
+            *ask,
+            {"role": "assistant", "content": None, "tool_calls": [made]},
+            {"role": "tool", "tool_call_id": made["id"], "content": "OUT"},
+        ],
+        "tools": [tool],
+    }
+    for _ in range(3):
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "f -> OUT"
+        assert r.headers["x-conversation-id"] != other.headers["x-conversation-id"]
+
+    rtool = {"type": "function", "name": "g", "parameters": {"type": "object"}}
+    said = f'/call g {{"w": "{uuid.uuid4().hex}"}}'
+    other = http.post("/v1/responses", json={"model": "assistant", "input": said, "tools": [rtool]})
+    assert other.status_code == 200, other.text
+    mine = http.post("/v1/responses", json={"model": "assistant", "input": said, "tools": [rtool]})
+    (fc,) = [o for o in mine.json()["output"] if o["type"] == "function_call"]
+    items = [
+        {"role": "user", "content": said},
+        {"type": "function_call", "call_id": fc["call_id"], "name": "g", "arguments": fc["arguments"]},
+        {"type": "function_call_output", "call_id": fc["call_id"], "output": "OUT"},
+    ]
+    for _ in range(3):
+        r = http.post("/v1/responses", json={"model": "assistant", "input": items, "tools": [rtool]})
+        assert r.status_code == 200, r.text
+        assert r.json()["output"][-1]["content"][0]["text"] == "g -> OUT"
+        assert r.headers["x-conversation-id"] != other.headers["x-conversation-id"]
+
+
 def test_images_where_only_users_may_send_them_are_refused_not_dropped(http: httpx.Client) -> None:
     img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     for msgs in (

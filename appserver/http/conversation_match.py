@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 HEADER = "X-Conversation-Id"
 CONVERSATION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 EMPTY_HASH = hashlib.sha256(b"appserver-history-v1").hexdigest()
+CALL_TAIL_MAX = 512  # messages read back from a point to find the calls open there (its results, then them)
 
 
 @dataclass(slots=True)
@@ -188,6 +189,16 @@ def _valid_tool_pairs(messages: list[MessageRecord]) -> list[MessageRecord]:
         if m.role == "assistant":
             open_calls = {c["id"]: c["name"] for c in m.tool_calls}
     return out
+
+
+def _calls_made_at(messages: list[MessageRecord]) -> set[str]:
+    """Ids of the calls made by the last assistant message, past the tool results after it."""
+    i = len(messages) - 1
+    while i >= 0 and messages[i].role == "tool":
+        i -= 1
+    if i < 0 or messages[i].role != "assistant":
+        return set()
+    return {c["id"] for c in messages[i].tool_calls}
 
 
 @dataclass(slots=True)
@@ -436,7 +447,10 @@ class ConversationMatcher:
             return Placement(conv.id, "new", claimed=True)
         h = chain(prefix)
         candidates = []
-        for point in await self.store.find_history_points(agent.id, h):
+        points = await self.store.find_history_points(agent.id, h)
+        if answers is not None and len(points) > 1:
+            points = await self._answerable(points, answers)
+        for point in points:
             found = await self.store.get_conversation(point.conversation_id)
             if found is None or not self.visible(found, agent, namespace):
                 continue
@@ -460,6 +474,22 @@ class ConversationMatcher:
             self.release(place)
             raise
         return place
+
+    async def _answerable(self, points: list[HistoryPoint], answers: Answers) -> list[HistoryPoint]:
+        """The points where the answered calls were made, when there are any (else all of them). The
+        view leaves call ids out, so two conversations whose turns made the same call (`f` with the
+        same arguments, under other ids) share a point; answers to one conversation's calls belong
+        there (or in a fork of it), never in the other, which would refuse them as calls it never
+        made."""
+        wanted = set(answers.call_ids)
+        fitting: list[HistoryPoint] = []
+        others: list[HistoryPoint] = []
+        for point in points:
+            tail = await self.store.list_messages(
+                point.conversation_id, before_id=point.last_message_id + 1, limit=CALL_TAIL_MAX
+            )
+            (fitting if wanted <= _calls_made_at(tail) else others).append(point)
+        return fitting or others
 
     async def fork_at(
         self,

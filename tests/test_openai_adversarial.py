@@ -287,6 +287,26 @@ def test_a_resent_answer_finds_its_own_conversation_when_another_made_the_same_c
         assert r.headers["x-conversation-id"] != other.headers["x-conversation-id"]
 
 
+def test_a_name_two_agents_share_is_an_ambiguous_model_not_a_missing_one(
+    http: httpx.Client, srv: tuple[ServeProcess, FakeOpenAI]
+) -> None:
+    home = Path(srv[0].home)
+    name = f"twin-{uuid.uuid4().hex[:8]}"
+    first = run_cli(home, "agents", "create", "--name", name, "--json", env=cli_env(home))
+    assert first.code == 0 and "also named" not in first.err
+    second = run_cli(home, "agents", "create", "--name", name, "--json", env=cli_env(home))
+    assert second.code == 0, second.err
+    ids = [json.loads(first.out)["id"], json.loads(second.out)["id"]]
+    assert f"{ids[0]} is also named {name!r}" in second.err  # the CLI says what it did to clients of the name
+    r = http.post("/v1/chat/completions", json={"model": name, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400, r.text
+    validate("ErrorResponse", r.json())
+    assert r.json()["error"]["code"] == "model_ambiguous" and all(i in r.json()["error"]["message"] for i in ids)
+    ok = http.post("/v1/chat/completions", json={"model": ids[1], "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200, ok.text
+    assert {m["id"] for m in http.get("/v1/models").json()["data"]} >= set(ids)
+
+
 def test_images_where_only_users_may_send_them_are_refused_not_dropped(http: httpx.Client) -> None:
     img = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     for msgs in (

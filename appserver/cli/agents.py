@@ -52,11 +52,27 @@ def list_agents(as_json: bool) -> None:
 def create_agent(
     name: str, model: str, system: str, tools: tuple[str, ...], params: tuple[str, ...], as_json: bool
 ) -> None:
-    async def go(s: Server) -> AgentRecord:
-        return await s.agents.create(name, model, system, parse_tool_policies(tools), parse_params(params))
+    async def go(s: Server) -> tuple[AgentRecord, list[AgentRecord]]:
+        made = await s.agents.create(name, model, system, parse_tool_policies(tools), parse_params(params))
+        return made, await _namesakes(s, made)
 
-    agent = with_server(go)
+    agent, namesakes = with_server(go)
+    _note_namesakes(agent, namesakes)
     print_json(agent.to_dict()) if as_json else _show(agent)
+
+
+async def _namesakes(s: Server, agent: AgentRecord) -> list[AgentRecord]:
+    return [a for a in await s.store.list_agents() if a.name == agent.name and a.id != agent.id]
+
+
+def _note_namesakes(agent: AgentRecord, namesakes: list[AgentRecord]) -> None:
+    """Allowed (DESIGN §5), but every client that named the agent by its name now gets an error."""
+    if namesakes:
+        click.echo(
+            f"note: {', '.join(a.id for a in namesakes)} is also named {agent.name!r}: the name now names "
+            f"several agents, so OpenAI clients must use the ids ({agent.id} for this one)",
+            err=True,
+        )
 
 
 @agents_group.command("show")
@@ -84,12 +100,14 @@ def update_agent(
     params: tuple[str, ...],
     as_json: bool,
 ) -> None:
-    async def go(s: Server) -> AgentRecord:
-        return await s.agents.update(
+    async def go(s: Server) -> tuple[AgentRecord, list[AgentRecord]]:
+        rec = await s.agents.update(
             agent, name=name, model=model, system=system, tools=parse_tool_policies(tools), params=parse_params(params)
         )
+        return rec, await _namesakes(s, rec) if name is not None else []
 
-    rec = with_server(go)
+    rec, namesakes = with_server(go)
+    _note_namesakes(rec, namesakes)
     print_json(rec.to_dict()) if as_json else _show(rec)
 
 

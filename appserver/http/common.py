@@ -141,6 +141,16 @@ async def resolve_model(server: Server, principal: Principal, model: Any) -> tup
     adv = advertised_ids(agents)
     found = [a for a in agents if a.id == model] or [a for a in agents if adv[a.id] == model]
     agent = found[0] if len(found) == 1 else None  # read only, as every route and turn uses it
+    if agent is None:
+        named = [a.id for a in agents if a.name == model and principal.allows_agent(a.id, a.name)]
+        if len(named) > 1:  # several agents share the name: it advertises none of them (DESIGN §5)
+            raise ApiError(
+                400,
+                f"The model '{model}' names several agents ({', '.join(named)}); use one of these ids "
+                "(GET /v1/models lists them)",
+                code="model_ambiguous",
+                param="model",
+            )
     if agent is None or not principal.allows_agent(agent.id, agent.name):
         raise ApiError(
             404,

@@ -159,6 +159,18 @@ def test_chat_refuses_a_line_bigger_than_a_frame_and_goes_on(srv: Srv) -> None:
     assert f"echo: {marker}" in r.out, r.out[-2000:]  # the line after it was sent and answered
 
 
+def test_chat_with_piped_input_exits_1_when_a_turn_failed_after_running_every_line(srv: Srv) -> None:
+    """A script cannot read `[failed: …]` off the screen: with input from a pipe, a failed turn makes
+    the exit code 1, once every line has run (was: 0). A session whose turns all worked exits 0."""
+    marker = f"after-fail-{time.monotonic_ns()}"
+    r = cli(srv.home, "chat", "--conversation", "new", "--token", srv.good, stdin=f"/error 400\n{marker}\n")
+    assert r.code == 1, (r.code, r.out, r.err)
+    assert "[failed:" in r.out and f"echo: {marker}" in r.out, r.out[-2000:]
+    assert "Traceback" not in r.err, r.err
+    ok = cli(srv.home, "chat", "--conversation", "new", "--token", srv.good, stdin=f"{marker}\n")
+    assert ok.code == 0, (ok.code, ok.out, ok.err)
+
+
 async def test_chat_exits_1_when_the_server_closes_over_a_frame(
     srv: Srv, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -129,11 +129,32 @@ async def test_hello_required_and_protocol_version(server: ServeProcess) -> None
     ws = await WS.open(server.url, hello=False)
     err = await ws.request({"type": "list_agents"})
     assert err["type"] == "error" and err["code"] == "hello_required"
+    err = await ws.request({"type": "no_such_frame"})  # any frame but hello, known or not (protocol.md)
+    assert err["type"] == "error" and err["code"] == "hello_required"
     err = await ws.request({"type": "hello", "protocol": 99})
     assert err["code"] == "unsupported_protocol"
     with pytest.raises(websockets.ConnectionClosed) as info:
         await ws.recv(5)
     assert info.value.rcvd is not None and info.value.rcvd.code == 4406
+
+
+async def test_conversation_references_each_frame_can_follow(server: ServeProcess) -> None:
+    """An empty `conversation` is no reference (was: the agent's default, on submit_input only); a
+    frame with no `agent` field is not told to add one to use `default`."""
+    ws = await WS.open(server.url)
+    err = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "", "input": "x"})
+    assert (err["type"], err["code"], err["param"]) == ("error", "bad_frame", "conversation")
+    err = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "  ", "input": "x"})
+    assert (err["code"], err["param"]) == ("bad_frame", "conversation")
+    for frame in (
+        {"type": "cancel", "conversation": "default", "agent": "assistant"},
+        {"type": "approval_response", "conversation": "default", "decisions": [{"call_id": "c", "decision": "deny"}]},
+    ):
+        err = await ws.request(frame)
+        assert err["code"] == "bad_frame" and err["message"] == "give a conversation id", err
+    err = await ws.request({"type": "subscribe", "conversation": "default"})
+    assert err["code"] == "bad_frame" and "'default' with an agent" in err["message"]
+    await ws.close()
 
 
 async def test_oversized_frame_closes_with_reason(server: ServeProcess) -> None:

@@ -275,6 +275,7 @@ class Chat:
         self.held: list[str] = []
         self.eof = False
         self.exit_code: int | None = None
+        self.turns_failed = 0  # with input from a pipe, the exit code says whether any turn failed
         self.lost = False  # the connection is gone for good (said once; exit 1)
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -416,7 +417,9 @@ class Chat:
                 if self.client.gone:  # the input ended as the connection did: that is no success
                     self.gone(self.client.closed_message())
                 else:
-                    self.exit_code = 0
+                    # A script that pipes its input reads the outcome from the exit code (a person
+                    # at the terminal saw each `[failed: …]` line and went on).
+                    self.exit_code = 1 if self.turns_failed and not self.editor.echo else 0
             else:
                 if not self.editor.visible:
                     self.prompt()
@@ -570,6 +573,7 @@ class Chat:
             self.renderer.snapshot(snap)
             if snap["status"] in TERMINAL:
                 self.renderer.end(snap)
+                self.turns_failed += snap["status"] == "failed"
                 await self.turn_ended()
         elif kind == "approval_request" and frame.get("conversation_id") == self.conv_id:
             if self.turn is None:  # a turn of this conversation needs an answer: show it

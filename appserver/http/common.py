@@ -120,8 +120,12 @@ async def visible_agents(server: Server, principal: Principal) -> list[AgentReco
     return [a for a in await server.store.list_agents() if principal.allows_agent(a.id, a.name)]
 
 
-async def resolve_model(server: Server, principal: Principal, model: Any) -> tuple[AgentRecord, str]:
-    """The agent a `model` value names, and its advertised id; 404 model_not_found otherwise."""
+async def resolve_model(
+    server: Server, principal: Principal, model: Any, *, lookup: bool = False
+) -> tuple[AgentRecord, str]:
+    """The agent a `model` value names, and its advertised id; 404 model_not_found otherwise. A name
+    several agents share is 400 model_ambiguous for a request, and (`lookup`: GET /v1/models/{id},
+    where a name that is no advertised id is simply not found) 404 saying so."""
     if model is None:
         raise ApiError(
             400, "'model' is required: use one of the ids from GET /v1/models", code="missing_model", param="model"
@@ -145,10 +149,10 @@ async def resolve_model(server: Server, principal: Principal, model: Any) -> tup
         named = [a.id for a in agents if a.name == model and principal.allows_agent(a.id, a.name)]
         if len(named) > 1:  # several agents share the name: it advertises none of them (DESIGN §5)
             raise ApiError(
-                400,
+                404 if lookup else 400,
                 f"The model '{model}' names several agents ({', '.join(named)}); use one of these ids "
                 "(GET /v1/models lists them)",
-                code="model_ambiguous",
+                code="model_not_found" if lookup else "model_ambiguous",
                 param="model",
             )
     if agent is None or not principal.allows_agent(agent.id, agent.name):

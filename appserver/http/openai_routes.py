@@ -49,7 +49,7 @@ def openai_routes(server: Server, metrics: Metrics, stopping: Stopping | None = 
                 code="model_not_found",
                 param="model",
             )
-        agent, model_id = await resolve_model(server, principal_of(request), request.path_params["model"])
+        agent, model_id = await resolve_model(server, principal_of(request), request.path_params["model"], lookup=True)
         return json_response(model_object(agent, model_id))
 
     def route(path: str, name: str, methods: dict) -> Route:  # type: ignore[type-arg]

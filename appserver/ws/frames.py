@@ -219,7 +219,7 @@ class Unsubscribe(_ClientFrame):
 class SubmitInput(_ClientFrame):
     type: Literal["submit_input"]
     agent: str = Field(min_length=1)
-    conversation: str = "default"
+    conversation: str = Field(default="default", min_length=1)
     input: str | list[InputPart]
     idempotency_key: str | None = Field(default=None, max_length=256)
     source: dict[str, Any] | None = None

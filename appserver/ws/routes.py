@@ -238,6 +238,8 @@ class Endpoint:
             except FrameError as exc:
                 if request_id is None and text:
                     request_id = _peek_request_id(text)
+                if exc.code == "unknown_type" and not conn.greeted:
+                    exc = FrameError("hello_required", "send hello first")  # any frame but hello, before it
                 conn.send(
                     {
                         "type": "error",
@@ -330,13 +332,13 @@ class Endpoint:
         elif isinstance(frame, F.SubmitInput):
             await self.on_submit(conn, frame)
         elif isinstance(frame, F.ApprovalResponse):
-            conv = await self._conversation(conn, frame.conversation, None)
+            conv = await self._conversation(conn, frame.conversation, None, with_agent=False)  # no `agent` field
             who = conn.client_name or (conn.principal.subject if conn.principal else None) or conn.id
             decisions = [Decision(d.call_id, d.decision, reason=d.reason, decided_by=who) for d in frame.decisions]
             results = await self.hub.approve(conn, conv.id, decisions)
             conn.send({"type": "ack", "request_id": rid, "conversation_id": conv.id, "results": results})
         elif isinstance(frame, F.Cancel):
-            conv = await self._conversation(conn, frame.conversation, None)
+            conv = await self._conversation(conn, frame.conversation, None, with_agent=False)  # no `agent` field
             cancelled = await self.server.kernel.cancel(conv.id)
             conn.send({"type": "ack", "request_id": rid, "conversation_id": conv.id, "cancelled": cancelled})
         elif isinstance(frame, F.ToolResult):
@@ -423,7 +425,9 @@ class Endpoint:
         key = frame.idempotency_key or None
         if key is not None and ns is not None:
             key = f"{ns}\x1f{key}"
-        spec = (frame.conversation or "default").strip() or "default"
+        spec = frame.conversation.strip()
+        if not spec:
+            raise FrameError("bad_frame", "conversation: give 'default', 'new' or a conversation id", "conversation")
         fields: dict[str, Any] = {}
         if spec == "new":
             fields["namespace"] = ns
@@ -552,7 +556,9 @@ class Endpoint:
             raise FrameError("forbidden", f"this credential may not use agent {ref!r}", "agent")
         return agent
 
-    async def _conversation(self, conn: Connection, ref: str, agent_ref: str | None) -> ConversationRecord:
+    async def _conversation(
+        self, conn: Connection, ref: str, agent_ref: str | None, *, with_agent: bool = True
+    ) -> ConversationRecord:
         """The conversation a frame names, if this credential may see it (namespace_allows);
         unknown and not-yours get the same `conversation_not_found`. An `agent` given with an id
         must be the conversation's agent, as for `submit_input` (a client that shows "chatting with
@@ -560,7 +566,11 @@ class Endpoint:
         agent: AgentRecord | None = None
         if ref in ("default", "new"):
             if ref == "new" or not agent_ref:
-                raise FrameError("bad_frame", "give a conversation id (or 'default' with an agent)", "conversation")
+                raise FrameError(
+                    "bad_frame",
+                    "give a conversation id (or 'default' with an agent)" if with_agent else "give a conversation id",
+                    "conversation",
+                )
             agent = await self._agent(conn, agent_ref)
             ns = _namespace(conn)
             if ns is None:

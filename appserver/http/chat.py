@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appserver.auth import conversation_namespace
+from appserver.http import fields
 from appserver.http.common import (
     AfterReply,
     Idempotency,
@@ -233,13 +234,36 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
                         "arguments": args if isinstance(args, str) else "",
                     }
                 )
+            legacy = legacy_function_call(m.get("function_call"), where)
+            if legacy is not None:
+                calls.append(legacy)
             items.append(ViewItem("assistant", text, calls=calls))
-        else:  # tool, function
-            call_id = m.get("tool_call_id") if role == "tool" else m.get("name")
+        elif role == "tool":
+            call_id = m.get("tool_call_id")
             if not isinstance(call_id, str):  # "" is schema-valid; as new input it matches no call
                 raise bad_request(f"{where}.tool_call_id is required for a tool message", "messages")
             items.append(ViewItem("tool", text, call_id=call_id))
+        else:  # function: the legacy result of an assistant `function_call`, which it answers by name
+            name = m.get("name")
+            if not isinstance(name, str):  # "" is schema-valid, as a tool_call_id of "" is
+                raise bad_request(f"{where}.name is required for a function message", "messages")
+            items.append(ViewItem("tool", text, call_id=LEGACY_CALL_ID + name))
     return merge_assistants(items), instructions
+
+
+# The id a legacy assistant `function_call` (which has none) is known by: a `function` message
+# answers it by the function's name (one such call per assistant message, as the legacy API made).
+LEGACY_CALL_ID = "call_function_"
+
+
+def legacy_function_call(value: Any, where: str) -> dict[str, Any] | None:
+    """A deprecated assistant `function_call` ({name, arguments}) as a call of the history."""
+    call = fields.obj(value, f"{where}.function_call")
+    if call is None:
+        return None
+    name = fields.string(call.get("name"), f"{where}.function_call.name", nullable=False)
+    args = fields.string(call.get("arguments"), f"{where}.function_call.arguments", nullable=False)
+    return {"id": LEGACY_CALL_ID + str(name), "name": name, "arguments": args}
 
 
 def client_tools_of(tools: Any) -> list[ToolSpec]:
@@ -255,6 +279,11 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].function.name is required", "tools", code="invalid_function_name")
+        fields.function_name(name, f"tools[{i}].function.name")
+        fields.string(fn.get("description"), f"tools[{i}].function.description")
+        fields.boolean(fn.get("strict"), f"tools[{i}].function.strict")
+        if "parameters" in fn:
+            fields.obj(fn["parameters"], f"tools[{i}].function.parameters", nullable=False)
         if any(t.name == name for t in out):
             raise bad_request(
                 f"tools[{i}]: a second function named {name!r}; function names must be unique",
@@ -335,6 +364,13 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
     if kind == "function" or (kind == "mcp" and isinstance(value.get("name"), str)):
         fn = value.get("function")
         name = fn.get("name") if isinstance(fn, dict) else value.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(
+                "Invalid 'tool_choice': a function choice needs the function's name "
+                '({"type": "function", "function": {"name": …}}, or on /v1/responses {"type": "function", "name": …})',
+                "tool_choice",
+                code="missing_required_parameter",
+            )
         if kind == "mcp" and value.get("server_label") not in (agent.id, agent.name):
             raise bad_request(
                 f"'tool_choice' names MCP server {value.get('server_label')!r}; this agent's label is {agent.id}",
@@ -352,10 +388,7 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
     if kind == "mcp" and value.get("server_label") in (agent.id, agent.name):
         return "required" if names else None
     if kind == "allowed_tools":
-        inner = value.get("allowed_tools")
-        spec: dict[str, Any] = inner if isinstance(inner, dict) else value
-        raw_listed = spec.get("tools")
-        listed: list[Any] = raw_listed if isinstance(raw_listed, list) else []
+        spec, listed = allowed_tools_of(value)
         picked = []
         for t in listed:
             fn = t.get("function") if isinstance(t, dict) else None
@@ -367,13 +400,66 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
                     code="invalid_tool_choice",
                 )
             picked.append({"type": "function", "function": {"name": name}})
-        mode = spec.get("mode") if spec.get("mode") in ("auto", "required") else "auto"
-        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": picked}}
+        return {"type": "allowed_tools", "allowed_tools": {"mode": spec["mode"], "tools": picked}}
     raise bad_request(
         f"unsupported 'tool_choice' type {kind!r}: only function tools (and this agent's own, as mcp) can be chosen",
         "tool_choice",
         code="unsupported_tool",
     )
+
+
+def allowed_tools_of(value: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the object holding `mode` and `tools`, the listed tools) of an allowed_tools choice: Chat
+    Completions nests them under `allowed_tools`, Responses puts them beside `type`. Both are
+    required; the list names at least one tool."""
+    nested = "allowed_tools" in value
+    spec = fields.obj(value.get("allowed_tools"), "tool_choice.allowed_tools", nullable=False) if nested else value
+    assert spec is not None
+    where = "tool_choice.allowed_tools" if nested else "tool_choice"
+    if spec.get("mode") is None or spec.get("tools") is None:
+        missing = "mode" if spec.get("mode") is None else "tools"
+        raise bad_request(
+            f"Missing required parameter: '{where}.{missing}' (an allowed_tools choice needs mode and tools)",
+            "tool_choice",
+            code="missing_required_parameter",
+        )
+    fields.one_of(spec["mode"], f"{where}.mode", ("auto", "required"), nullable=False)
+    listed = fields.array(spec["tools"], f"{where}.tools", nullable=False)
+    assert listed is not None
+    if not listed:
+        raise bad_request(
+            f"Invalid '{where}.tools': an allowed_tools choice must list at least one tool",
+            "tool_choice",
+            code="invalid_tool_choice",
+        )
+    for i, t in enumerate(listed):
+        fields.obj(t, f"{where}.tools[{i}]", nullable=False)
+    return spec, listed
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+RESPONSE_FORMATS = ("text", "json_schema", "json_object")
+
+
+def response_format_of(value: Any, param: str = "response_format") -> dict[str, Any] | None:
+    """Chat's `response_format`: text, json_object or json_schema (with json_schema.name)."""
+    fmt = fields.obj(value, param)
+    if fmt is None:
+        return None
+    fields.one_of(fmt.get("type"), f"{param}.type", RESPONSE_FORMATS, nullable=False)
+    if fmt["type"] == "json_schema":
+        inner = fields.obj(fmt.get("json_schema"), f"{param}.json_schema", nullable=False)
+        assert inner is not None
+        schema_fields(inner, f"{param}.json_schema")
+    return fmt
+
+
+def schema_fields(fmt: dict[str, Any], param: str) -> None:
+    """name (required, a function-like name), schema (an object), strict, description."""
+    fields.string(fmt.get("name"), f"{param}.name", nullable=False)
+    fields.obj(fmt.get("schema"), f"{param}.schema")
+    fields.boolean(fmt.get("strict"), f"{param}.strict")
+    fields.string(fmt.get("description"), f"{param}.description")
 
 
 def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[str, Any]:
@@ -386,9 +472,10 @@ def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[
             raise bad_request("'stop' must be a string or an array of strings", "stop")
         if stop:
             opts["stop"] = stop
-    for key in ("response_format", "reasoning_effort"):
-        if body.get(key) is not None:
-            opts[key] = body[key]
+    if response_format_of(body.get("response_format")) is not None:
+        opts["response_format"] = body["response_format"]
+    if fields.one_of(body.get("reasoning_effort"), "reasoning_effort", REASONING_EFFORTS) is not None:
+        opts["reasoning_effort"] = body["reasoning_effort"]
     if body.get("parallel_tool_calls") is not None:
         if not isinstance(body["parallel_tool_calls"], bool):
             raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
@@ -400,10 +487,53 @@ def user_and_metadata(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", "user")
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad_request("'metadata' must be an object", "metadata")
-    return user, dict(metadata or {})
+    return user, dict(fields.metadata(body.get("metadata")) or {})
+
+
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
+VERBOSITY = ("low", "medium", "high")
+
+
+def shared_param_types(body: dict[str, Any], service_tiers: tuple[str, ...] = SERVICE_TIERS) -> None:
+    """Fields both routes accept (used or ignored), checked against the types OpenAI gives them."""
+    fields.integer(body.get("top_logprobs"), "top_logprobs", low=0, high=20)
+    fields.string(body.get("safety_identifier"), "safety_identifier", max_length=64)
+    fields.string(body.get("prompt_cache_key"), "prompt_cache_key")
+    fields.one_of(body.get("prompt_cache_retention"), "prompt_cache_retention", ("in_memory", "24h"))
+    fields.one_of(body.get("service_tier"), "service_tier", service_tiers)
+
+
+def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Type checks of the chat fields not checked where they are used; (stream, include_usage)."""
+    shared_param_types(body)
+    n = fields.integer(body.get("n"), "n", low=1, high=128)
+    if n is not None and n != 1:
+        raise bad_request("only n=1 is supported: an agent gives one reply per turn", "n", code="unsupported_value")
+    stream = bool(fields.boolean(body.get("stream"), "stream"))
+    stream_options = fields.obj(body.get("stream_options"), "stream_options")
+    if stream_options is not None and not stream:
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            "stream_options",
+            code="invalid_stream_options",
+        )
+    options = stream_options or {}
+    include_usage = (
+        fields.boolean(options.get("include_usage"), "stream_options.include_usage", nullable=False)
+        if ("include_usage" in options)
+        else False
+    )
+    if "include_obfuscation" in options:
+        fields.boolean(options["include_obfuscation"], "stream_options.include_obfuscation", nullable=False)
+    fields.boolean(body.get("logprobs"), "logprobs")
+    fields.boolean(body.get("store"), "store")
+    for key in ("frequency_penalty", "presence_penalty"):
+        fields.number(body.get(key), key, low=-2.0, high=2.0)
+    fields.integer(body.get("seed"), "seed")
+    fields.obj(body.get("logit_bias"), "logit_bias")
+    fields.strings(body.get("modalities"), "modalities", ("text", "audio"))
+    fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
+    return stream, bool(include_usage)
 
 
 def turn_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
@@ -486,23 +616,7 @@ class ChatCompletions:
         principal = principal_of(request)
         body, _ = await read_json(request)
         agent, model_id = await resolve_model(self.server, principal, body.get("model"))
-        n = body.get("n")
-        if n is not None and n != 1:
-            raise bad_request("only n=1 is supported: an agent gives one reply per turn", "n", code="unsupported_value")
-        stream = body.get("stream") or False
-        if not isinstance(stream, bool):
-            raise bad_request("'stream' must be a boolean", "stream")
-        stream_options = body.get("stream_options")
-        if stream_options is not None and not stream:
-            raise bad_request(
-                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
-                "stream_options",
-                code="invalid_stream_options",
-            )
-        stream_options = stream_options or {}
-        if not isinstance(stream_options, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        include_usage = bool(stream_options.get("include_usage"))
+        stream, include_usage = chat_param_types(body)
         items, instructions = view_of_messages(body.get("messages"))
         check_call_ids(items, "messages")
         items = for_agent(items, agent)

@@ -21,13 +21,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appserver.auth import conversation_namespace, namespace_allows
+from appserver.http import fields
 from appserver.http.chat import (
+    REASONING_EFFORTS,
+    SERVICE_TIERS,
+    VERBOSITY,
+    allowed_tools_of,
     check_media,
     content_of,
     new_content,
     no_images,
     number_options,
     parts_of,
+    schema_fields,
+    shared_param_types,
     show_reasoning,
     tool_choice_of,
     tool_names,
@@ -112,7 +119,18 @@ def shown_choice(value: Any) -> Any:
         return {"type": "function", "name": value["name"]}
     if isinstance(value, dict) and value.get("type") == "mcp" and isinstance(value.get("server_label"), str):
         return {k: v for k, v in value.items() if k in ("type", "server_label", "name")}
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":  # checked by tool_choice_of
+        spec, listed = allowed_tools_of(value)
+        return {"type": "allowed_tools", "mode": spec["mode"], "tools": [shown_allowed(t) for t in listed]}
     return "auto"
+
+
+def shown_allowed(tool: dict[str, Any]) -> dict[str, Any]:
+    """One tool of an allowed_tools choice as a Response object lists it (Responses shape)."""
+    fn = tool.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str):  # the Chat Completions shape
+        return {"type": "function", "name": fn["name"]}
+    return dict(tool)
 
 
 # ---------------------------------------------------------------- request parsing
@@ -299,21 +317,35 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
     return out
 
 
-def instructions_of(value: Any) -> str | None:
+INSTRUCTION_ROLES = ("system", "developer")
+
+
+def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] | None]:
+    """(the text for the model, the value the Response object echoes). A string, or (as a Response
+    object shows instructions) an array of system/developer messages, echoed as messages."""
     if value is None:
-        return None
+        return None, None
     if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for i, item in enumerate(value):
-            if isinstance(item, dict):
-                text, images = content_of(item.get("content"), f"instructions[{i}]")
-                if images:
-                    raise no_images(f"instructions[{i}]", "instructions", "instructions")
-                texts.append(text)
-        return "\n\n".join(t for t in texts if t)
-    raise bad_request("'instructions' must be a string", "instructions")
+        return value, value
+    if not isinstance(value, list):
+        raise fields.type_error("instructions", "a string or an array of system/developer messages", value)
+    texts: list[str] = []
+    shown: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"instructions[{i}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise bad_request(
+                f"Invalid '{where}': instructions given as an array must be messages "
+                '({"role": "system" or "developer", "content": …})',
+                "instructions",
+            )
+        fields.one_of(item.get("role"), f"{where}.role", INSTRUCTION_ROLES, nullable=False)
+        text, images = content_of(item.get("content"), where)
+        if images:
+            raise no_images(where, "instructions", "instructions")
+        texts.append(text)
+        shown.append({"type": "message", "role": item["role"], "content": text})
+    return "\n\n".join(t for t in texts if t), shown
 
 
 def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
@@ -362,6 +394,10 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
         name = t.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{i}].name is required", "tools", code="invalid_function_name")
+        fields.function_name(name, f"tools[{i}].name")
+        fields.obj(t.get("parameters"), f"tools[{i}].parameters")
+        fields.string(t.get("description"), f"tools[{i}].description")
+        fields.boolean(t.get("strict"), f"tools[{i}].strict")
         if any(sp.name == name for sp in specs):
             raise bad_request(
                 f"tools[{i}]: a second function named {name!r}; function names must be unique",
@@ -384,8 +420,83 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
     return specs, shown
 
 
+TRUNCATION = ("auto", "disabled")
+INCLUDABLE = (
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+)
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+REASONING_CONTEXTS = ("auto", "current_turn", "all_turns")
+TEXT_FORMATS = ("text", "json_schema", "json_object")
+
+
+def response_param_types(body: dict[str, Any]) -> bool:
+    """Type checks of the fields not checked where they are used (OpenAI's types and enums; null
+    where OpenAI allows it); returns `stream`. `background: true` stays unsupported."""
+    shared_param_types(body, (*SERVICE_TIERS, "ultrafast"))
+    stream = bool(fields.boolean(body.get("stream"), "stream"))
+    if fields.boolean(body.get("background"), "background"):
+        raise bad_request("background responses are not supported", "background", code="unsupported_parameter")
+    stream_options = fields.obj(body.get("stream_options"), "stream_options")
+    if stream_options is not None and "include_obfuscation" in stream_options:
+        fields.boolean(stream_options["include_obfuscation"], "stream_options.include_obfuscation", nullable=False)
+    fields.boolean(body.get("parallel_tool_calls"), "parallel_tool_calls")
+    fields.one_of(body.get("truncation"), "truncation", TRUNCATION)
+    fields.strings(body.get("include"), "include", INCLUDABLE)
+    fields.integer(body.get("max_tool_calls"), "max_tool_calls", low=0)
+    text_of(body.get("text"))
+    reasoning_of(body.get("reasoning"))
+    return stream
+
+
+def text_of(value: Any) -> dict[str, Any]:
+    """`text` as the Response object echoes it: format (text, json_schema, json_object), verbosity."""
+    text = fields.obj(value, "text")
+    if text is None:
+        return {"format": {"type": "text"}}
+    fmt = fields.obj(text.get("format"), "text.format")
+    shown: dict[str, Any] = {"format": {"type": "text"}}
+    if fmt is not None:
+        fields.one_of(fmt.get("type"), "text.format.type", TEXT_FORMATS, nullable=False)
+        if fmt["type"] == "json_schema":
+            schema_fields(fmt, "text.format")
+            if fmt.get("schema") is None:
+                raise bad_request(
+                    "Missing required parameter: 'text.format.schema'.",
+                    "text.format.schema",
+                    code="missing_required_parameter",
+                )
+            shown["format"] = {k: fmt[k] for k in ("type", "name", "schema", "strict", "description") if k in fmt}
+        else:
+            shown["format"] = {"type": fmt["type"]}
+    verbosity = fields.one_of(text.get("verbosity"), "text.verbosity", VERBOSITY)
+    if verbosity is not None:
+        shown["verbosity"] = verbosity
+    return shown
+
+
+def reasoning_of(value: Any) -> dict[str, Any]:
+    """`reasoning` as the Response object echoes it (effort and summary, null when not sent)."""
+    reasoning = fields.obj(value, "reasoning")
+    if reasoning is None:
+        return {"effort": None, "summary": None}
+    effort = fields.one_of(reasoning.get("effort"), "reasoning.effort", REASONING_EFFORTS)
+    summary = fields.one_of(reasoning.get("summary"), "reasoning.summary", REASONING_SUMMARIES)
+    fields.one_of(reasoning.get("generate_summary"), "reasoning.generate_summary", REASONING_SUMMARIES)
+    fields.one_of(reasoning.get("context"), "reasoning.context", REASONING_CONTEXTS)
+    fields.string(reasoning.get("mode"), "reasoning.mode")
+    return {"effort": effort, "summary": summary}
+
+
 def response_options(body: dict[str, Any]) -> dict[str, Any]:
-    """Sampling and limits (range-checked); tool_choice is checked by the caller, which knows the tools."""
+    """Sampling and limits (range-checked); tool_choice is checked by the caller, which knows the tools.
+    The other fields' types are checked by `response_param_types`."""
     opts: dict[str, Any] = number_options(body, ("max_output_tokens",))
     if isinstance(body.get("parallel_tool_calls"), bool):
         opts["parallel_tool_calls"] = body["parallel_tool_calls"]
@@ -438,6 +549,17 @@ class Shape:
     tool_choice: Any
     conversation: str | None
     reasoning: bool
+    # echoed as sent (validated by response_param_types): text, reasoning and the identifiers
+    text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning_params: dict[str, Any] = field(default_factory=lambda: {"effort": None, "summary": None})
+    truncation: str = "disabled"
+    max_tool_calls: int | None = None
+    top_logprobs: int = 0
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    shown_instructions: str | list[dict[str, Any]] | None = None
+    service_tier: str = "default"
 
 
 def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = None) -> list[tuple[int, dict[str, Any]]]:
@@ -463,14 +585,19 @@ def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = Non
     return out
 
 
-def item_for(shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final: bool) -> dict[str, Any] | None:
+def item_for(
+    shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final: bool, cut: bool = False
+) -> dict[str, Any] | None:
+    """`cut`: the response did not complete (cancelled, incomplete, failed): its finished message
+    and reasoning items are `incomplete`, not `completed`."""
     tag = f"{shape.id.removeprefix('resp_')}{index:04d}"  # points back to the response (item_reference)
+    done = "incomplete" if cut else "completed"
     if b["type"] == "text":
         return {
             "id": f"msg_{tag}",
             "type": "message",
             "role": "assistant",
-            "status": "completed" if final else "in_progress",
+            "status": done if final else "in_progress",
             "content": [{"type": "output_text", "text": b["text"], "annotations": [], "logprobs": []}] if final else [],
         }
     if b["type"] == "reasoning":
@@ -481,7 +608,7 @@ def item_for(shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final
             "type": "reasoning",
             "summary": [],
             "content": [{"type": "reasoning_text", "text": b["text"]}] if final else [],
-            "status": "completed" if final else "in_progress",
+            "status": done if final else "in_progress",
         }
     if b["type"] == "tool_call":
         if b.get("executor") == "client":
@@ -568,30 +695,32 @@ def response_body(
         "incomplete_details": incomplete,
         "model": shape.model,
         "previous_response_id": shape.previous_response_id,
-        "instructions": shape.instructions,
+        "instructions": shape.shown_instructions,
         "output": output,
         "error": error,
         "tools": shape.tools,
         "tool_choice": shape.tool_choice,
-        "truncation": "disabled",
+        "truncation": shape.truncation,
         "parallel_tool_calls": shape.parallel_tool_calls,
-        "text": {"format": {"type": "text"}},
+        "text": shape.text,
         "top_p": shape.top_p,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
-        "top_logprobs": 0,
+        "top_logprobs": shape.top_logprobs,
         "temperature": shape.temperature,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": shape.reasoning_params,
         "usage": usage_of(snap),
         "max_output_tokens": shape.max_output_tokens,
-        "max_tool_calls": None,
+        "max_tool_calls": shape.max_tool_calls,
         "store": shape.store,
         "background": False,
-        "service_tier": "default",
+        "service_tier": shape.service_tier,
         "metadata": shape.metadata,
-        "safety_identifier": None,
-        "prompt_cache_key": None,
+        "safety_identifier": shape.safety_identifier,
+        "prompt_cache_key": shape.prompt_cache_key,
     }
+    if shape.user is not None:  # Response.user is a string (not nullable): present when sent
+        body["user"] = shape.user
     if shape.conversation:
         body["conversation"] = {"id": shape.conversation}
     return body
@@ -684,11 +813,7 @@ class Responses:
         ns = conversation_namespace(principal)
         body, _ = await read_json(request)
         agent, model_id = await resolve_model(self.server, principal, body.get("model"))
-        stream = body.get("stream") or False
-        if not isinstance(stream, bool):
-            raise bad_request("'stream' must be a boolean", "stream")
-        if body.get("background"):
-            raise bad_request("background responses are not supported", "background", code="unsupported_parameter")
+        stream = response_param_types(body)
         store_flag = body.get("store")
         store_flag = True if store_flag is None else store_flag
         if not isinstance(store_flag, bool):
@@ -705,7 +830,7 @@ class Responses:
         response_id = _id("resp")
         raw_input = await resolve_references(body.get("input"), lambda ref: self._stored_item(agent, ns, ref, prev_id))
         parsed = parse_input(raw_input, response_id)
-        instructions = instructions_of(body.get("instructions"))
+        instructions, shown_instructions = instructions_of(body.get("instructions"))
         specs, shown_tools = function_tools(body.get("tools"), agent)
         options = response_options(body)
         choice = tool_choice_of(body.get("tool_choice"), tool_names(self.server, agent, specs), agent)
@@ -746,6 +871,8 @@ class Responses:
                 "input",
                 code="missing_input",
             )
+        if users and not new_content(users):
+            raise bad_request("the new user input is empty: there is nothing to answer", "input", code="missing_input")
         if users and decisions:
             raise bad_request(
                 "send tool results (or approval answers) and new user input in separate requests",
@@ -805,6 +932,15 @@ class Responses:
             tool_choice=shown_choice(body.get("tool_choice")),
             conversation=run.conversation_id if conv_param else None,
             reasoning=show_reasoning(agent),
+            text=text_of(body.get("text")),
+            reasoning_params=reasoning_of(body.get("reasoning")),
+            truncation=body.get("truncation") or "disabled",
+            max_tool_calls=fields.integer(body.get("max_tool_calls"), "max_tool_calls"),
+            top_logprobs=fields.integer(body.get("top_logprobs"), "top_logprobs") or 0,
+            user=user,
+            safety_identifier=body.get("safety_identifier"),
+            prompt_cache_key=body.get("prompt_cache_key"),
+            shown_instructions=shown_instructions,
         )
         ctx = _Run(self, shape, run, idem, parsed, chain(new, chain(prefix)))
         if stream:
@@ -926,8 +1062,9 @@ class _Run:
         )
 
     def output(self, snap: TurnSnapshot) -> list[dict[str, Any]]:
+        cut = final_status(snap) != "completed"
         items = [
-            item_for(self.shape, self.run.turn_id, i, b, final=True)
+            item_for(self.shape, self.run.turn_id, i, b, final=True, cut=cut)
             for i, b in output_blocks(snap, self.run, self.steps_note)
         ]
         return [i for i in items if i is not None]
@@ -1164,7 +1301,8 @@ class _Run:
                         )
                     )
             if closed:
-                final = item_for(shape, self.run.turn_id, bi, b, final=True)
+                cut = snap.status in TERMINAL_STATUSES and final_status(snap) != "completed"
+                final = item_for(shape, self.run.turn_id, bi, b, final=True, cut=cut)
                 if kind == "text":
                     events.append(
                         ev(

@@ -1,0 +1,154 @@
+"""The types of request fields: each checker takes a field's value and the `param` to name, and
+returns the value when it has the type (and range, enum) OpenAI's API description gives the field,
+else raises a 400 naming it. `None` (JSON null, or the field absent) passes where the description
+allows null; with `nullable=False` a null is refused like any other wrong type."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from appserver.http.common import json_int, json_type
+from appserver.http.errors import ApiError
+
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def type_error(param: str, expected: str, value: Any) -> ApiError:
+    return ApiError(
+        400,
+        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
+        code="invalid_type",
+        param=param,
+    )
+
+
+def boolean(value: Any, param: str, *, nullable: bool = True) -> bool | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, bool):
+        raise type_error(param, "a boolean", value)
+    return value
+
+
+def string(value: Any, param: str, *, max_length: int | None = None, nullable: bool = True) -> str | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str):
+        raise type_error(param, "a string", value)
+    if max_length is not None and len(value) > max_length:
+        raise ApiError(
+            400,
+            f"Invalid '{param}': string too long. Expected a string with maximum length {max_length}, "
+            f"but got a string with length {len(value)} instead.",
+            code="string_above_max_length",
+            param=param,
+        )
+    return value
+
+
+def one_of(value: Any, param: str, values: tuple[str, ...], *, nullable: bool = True) -> str | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str):
+        raise type_error(param, f"one of {', '.join(repr(v) for v in values)}", value)
+    if value not in values:
+        raise ApiError(
+            400,
+            f"Invalid value for '{param}': {value!r}. Supported values are: {', '.join(repr(v) for v in values)}.",
+            code="invalid_value",
+            param=param,
+        )
+    return value
+
+
+def integer(
+    value: Any, param: str, *, low: int | None = None, high: int | None = None, nullable: bool = True
+) -> int | None:
+    if value is None and nullable:
+        return None
+    number = json_int(value)
+    if number is None:
+        raise type_error(param, "an integer", value)
+    if low is not None and number < low:
+        raise ApiError(
+            400,
+            f"Invalid '{param}': integer below minimum value. Expected a value >= {low}, but got {number} instead.",
+            code="integer_below_min_value",
+            param=param,
+        )
+    if high is not None and number > high:
+        raise ApiError(
+            400,
+            f"Invalid '{param}': integer above maximum value. Expected a value <= {high}, but got {number} instead.",
+            code="integer_above_max_value",
+            param=param,
+        )
+    return number
+
+
+def number(value: Any, param: str, *, low: float, high: float, nullable: bool = True) -> float | None:
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise type_error(param, "a number", value)
+    if not low <= value <= high:
+        code = "decimal_below_min_value" if value < low else "decimal_above_max_value"
+        raise ApiError(
+            400, f"Invalid '{param}': {value} is outside the range [{low:g}, {high:g}]", code=code, param=param
+        )
+    return float(value)
+
+
+def obj(value: Any, param: str, *, nullable: bool = True) -> dict[str, Any] | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, dict):
+        raise type_error(param, "an object", value)
+    return value
+
+
+def array(value: Any, param: str, *, nullable: bool = True) -> list[Any] | None:
+    if value is None and nullable:
+        return None
+    if not isinstance(value, list):
+        raise type_error(param, "an array", value)
+    return value
+
+
+def strings(value: Any, param: str, values: tuple[str, ...] | None = None) -> list[str] | None:
+    """An array of strings (each one of `values` when given), or null."""
+    items = array(value, param)
+    if items is None:
+        return None
+    for i, item in enumerate(items):
+        if values is None:
+            string(item, f"{param}[{i}]", nullable=False)
+        else:
+            one_of(item, f"{param}[{i}]", values, nullable=False)
+    return items
+
+
+def function_name(value: Any, param: str) -> str:
+    """A function's name as OpenAI takes one: 1–64 of a-z, A-Z, 0-9, _ and -."""
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"Missing required parameter: '{param}'.", code="invalid_function_name", param=param)
+    if not FUNCTION_NAME.fullmatch(value):
+        raise ApiError(
+            400,
+            f"Invalid '{param}': {value!r} does not match pattern. Expected a string that matches the pattern "
+            "'^[a-zA-Z0-9_-]{1,64}$'.",
+            code="invalid_function_name",
+            param=param,
+        )
+    return value
+
+
+def metadata(value: Any, param: str = "metadata") -> dict[str, str] | None:
+    """An object of strings (OpenAI also caps it at 16 pairs; not enforced here)."""
+    pairs = obj(value, param)
+    if pairs is None:
+        return None
+    for key, v in pairs.items():
+        string(v, f"{param}.{key}", nullable=False)
+    return pairs

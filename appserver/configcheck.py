@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -107,6 +108,15 @@ def convert(value: Any, hint: Any, rule: Rule | None, *, from_env: bool) -> Any:
     return out
 
 
+# A number from the environment is what TOML would take, in ASCII: int() and float() also read `٥`
+# as 5, `1_0` as 10 and `+5`, and int() refuses 5000 digits with its own message. Bounded length.
+MAX_ENV_NUMBER_CHARS = 32
+_ENV_INT_RE = re.compile(rf"-?[0-9]{{1,{MAX_ENV_NUMBER_CHARS}}}")
+_ENV_FLOAT_RE = re.compile(
+    rf"(?=.{{1,{MAX_ENV_NUMBER_CHARS}}}\Z)-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+)
+
+
 def _parse_env(text: str, base: Any, expected: str) -> Any:
     t = text.strip()
     if base is bool:
@@ -117,15 +127,13 @@ def _parse_env(text: str, base: Any, expected: str) -> Any:
             return False
         raise Invalid(expected)
     if base is int:
-        try:
-            return int(t)
-        except ValueError:
-            raise Invalid(expected) from None
+        if not _ENV_INT_RE.fullmatch(t):
+            raise Invalid(expected)
+        return int(t)
     if base is float:
-        try:
-            return float(t)
-        except ValueError:
-            raise Invalid(expected) from None
+        if not _ENV_FLOAT_RE.fullmatch(t):
+            raise Invalid(expected)
+        return float(t)
     origin = typing.get_origin(base)
     if origin is list:
         return [v.strip() for v in text.split(",") if v.strip()]

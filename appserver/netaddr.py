@@ -53,12 +53,18 @@ class ListenAddress:
 
 
 def _parse_port(text: str, original: str) -> int:
-    if not text.isdigit() or not text.isascii():
-        raise ValueError(f"invalid port in listen address {original!r}: expected 0-65535")
+    """ASCII digits, at most five of them: int() would take `٥` and refuse 5000 digits in its own words."""
+    if not text.isdigit() or not text.isascii() or len(text) > 5:
+        raise ValueError(f"invalid port in listen address {_shown(original)}: expected 0-65535")
     port = int(text)
     if not 0 <= port <= 65535:
-        raise ValueError(f"invalid port in listen address {original!r}: expected 0-65535")
+        raise ValueError(f"invalid port in listen address {_shown(original)}: expected 0-65535")
     return port
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """`text` for an error message, cut short: a pasted megabyte must not become the message."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def _check_host(host: str, original: str) -> str:

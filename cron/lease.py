@@ -8,9 +8,14 @@ displaced, so two `serve` processes on one home never both fire.
 An owner on another host (a home on shared storage, or a container that came back under a new
 hostname) cannot be checked by pid, so the lease also carries a heartbeat: the holder renews
 `renewed_at` every third of its `ttl_s`, and a lease from another host that was not renewed within
-its TTL is expired and may be taken. Every claim happens under the store lock and fires only what
-it claimed there, so a holder that was only slow, not dead, finds the lease gone and fires nothing.
-Every function here must be called with the store lock held; `LeaseHolder` does that.
+its TTL is expired and may be taken. That is judged by this process's own observation, so no
+record can block every scheduler forever: a TTL counts for at most MAX_LEASE_TTL_S, and a heartbeat
+in the future (beyond MAX_CLOCK_SKEW_S) counts from when this process first saw it. Waiting for a
+live holder is logged once per holder, and so is taking the lease.
+
+Every claim happens under the store lock and fires only what it claimed there, so a holder that was
+only slow, not dead, finds the lease gone and fires nothing. Every function here must be called
+with the store lock held; `LeaseHolder` does that.
 """
 
 from __future__ import annotations
@@ -31,22 +36,70 @@ log = logging.getLogger("appserver.cron")
 process_start = process_start_ticks  # the name the scheduler and its tests use
 
 DEFAULT_LEASE_TTL_S = 90.0  # a lease from another host not renewed for this long has expired
+# The longest TTL a lease record is judged by (`[cron] lease_ttl_s` allows no more): a record that
+# claims 100 years would otherwise block every other scheduler for that long once its holder died.
+MAX_LEASE_TTL_S = 3600.0
+# How far ahead of this host's clock a foreign heartbeat may be and still be believed. One later
+# than that (a clock far ahead, a hand edit: 9999-12-31) counts from when this process first saw
+# it, so a stuck record expires by our own observation rather than never.
+MAX_CLOCK_SKEW_S = 60.0
 
 
-def lease_expired(owner: OwnerRecord, now: datetime | None = None) -> bool:
-    """Was the lease not renewed within its TTL? (A record without a heartbeat, written by an
-    older version, counts from its start time.)"""
-    now = now or datetime.now(UTC)
+class Sightings:
+    """When this process first saw each heartbeat that lies in the future: such a lease expires by
+    this process's own clock. Kept by the process that judges leases (its `LeaseHolder`)."""
+
+    __slots__ = ("_first",)
+    KEPT = 64  # (token, heartbeat) pairs remembered; only the current holder's matters
+
+    def __init__(self) -> None:
+        self._first: dict[tuple[str, datetime], datetime] = {}
+
+    def first(self, owner: OwnerRecord, heartbeat: datetime, now: datetime) -> datetime:
+        key = (owner.token, heartbeat)
+        seen = self._first.get(key)
+        if seen is None:
+            if len(self._first) >= self.KEPT:
+                self._first.clear()  # older holders' heartbeats: nobody judges them any more
+            seen = self._first[key] = now
+            log.warning(
+                "cron: the scheduler lease of pid %s on %s says it was renewed at %s, in the future; it is "
+                "counted from now (%s) instead",
+                owner.pid,
+                owner.host or "this host",
+                heartbeat.isoformat(),
+                now.isoformat(),
+            )
+        return seen
+
+
+def last_renewal(owner: OwnerRecord, now: datetime, sightings: Sightings) -> datetime:
+    """When the lease was last renewed, as far as this process can tell: the record's heartbeat
+    (a record without one, written by an older version, counts from its start time), unless that
+    lies in the future beyond MAX_CLOCK_SKEW_S: then the moment this process first saw it."""
     last = owner.renewed_at or owner.started_at
-    ttl = owner.ttl_s or DEFAULT_LEASE_TTL_S
-    return now - last > timedelta(seconds=ttl)
+    if last - now <= timedelta(seconds=MAX_CLOCK_SKEW_S):
+        return last
+    return sightings.first(owner, last, now)
 
 
-def owner_alive(owner: OwnerRecord, now: datetime | None = None) -> bool:
+def lease_ttl(owner: OwnerRecord) -> float:
+    """The record's TTL, at most MAX_LEASE_TTL_S (a record without one: the default)."""
+    return min(owner.ttl_s or DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S)
+
+
+def lease_expired(owner: OwnerRecord, now: datetime | None = None, sightings: Sightings | None = None) -> bool:
+    """Was the lease not renewed within its TTL, by this process's own observation? (Without the
+    judge's `sightings`, a heartbeat in the future counts from now.)"""
+    now = now or datetime.now(UTC)
+    return now - last_renewal(owner, now, sightings or Sightings()) > timedelta(seconds=lease_ttl(owner))
+
+
+def owner_alive(owner: OwnerRecord, now: datetime | None = None, sightings: Sightings | None = None) -> bool:
     """Could this owner still be running? A pid on this host is checked; another host's pid cannot
     be, so there the lease's heartbeat decides."""
     if owner.host and owner.host != socket.gethostname():
-        return not lease_expired(owner, now)
+        return not lease_expired(owner, now, sightings)
     if not pid_alive(owner.pid):
         return False
     if owner.proc_start is None:
@@ -64,6 +117,13 @@ class LeaseHolder:
     pid: int = field(default_factory=os.getpid)
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     ttl_s: float = DEFAULT_LEASE_TTL_S
+    # the token of the live holder this process last said it waits for (said once per holder)
+    waiting_for: str | None = None
+    sightings: Sightings = field(default_factory=Sightings)
+
+    def __post_init__(self) -> None:
+        # others judge our lease by at most MAX_LEASE_TTL_S: renewing less often would lose it
+        self.ttl_s = min(self.ttl_s, MAX_LEASE_TTL_S)
 
     def record(self) -> OwnerRecord:
         return OwnerRecord(
@@ -115,15 +175,26 @@ class LeaseHolder:
             return True
         owner = state.scheduler_owner
         if owner is not None and self._alive(owner):
+            if self.waiting_for != owner.token:  # once per holder, not every tick
+                self.waiting_for = owner.token
+                log.warning(
+                    "cron: waiting for the scheduler lease held by %s since %s (last renewed %s); this "
+                    "process fires no task until that holder stops or its lease expires",
+                    _holder(owner),
+                    owner.started_at.isoformat(),
+                    owner.renewed_at.isoformat() if owner.renewed_at is not None else "never",
+                )
             return False
         if owner is not None:
             log.warning(
-                "cron: taking over the scheduler lease from %s owner pid %s on %s (token %s…)",
+                "cron: taking over the scheduler lease from %s owner %s (token %s…)",
                 "expired" if owner.host and owner.host != socket.gethostname() else "dead",
-                owner.pid,
-                owner.host or "this host",
+                _holder(owner),
                 owner.token[:6],
             )
+        elif self.waiting_for is not None:
+            log.warning("cron: the scheduler lease was released; this process takes it (pid %s)", self.pid)
+        self.waiting_for = None
         state.scheduler_owner = self.record()
         return True
 
@@ -133,7 +204,7 @@ class LeaseHolder:
             judged = self.store.instance_alive(owner.instance)
             if judged is not None:
                 return judged
-        return owner_alive(owner)
+        return owner_alive(owner, sightings=self.sightings)
 
     def claim(self) -> bool:
         """Claim or verify the lease in its own transaction (renewing its heartbeat when due)."""
@@ -154,10 +225,9 @@ class LeaseHolder:
             return "nobody holds the scheduler lease"
         if self.holds(state):
             return "this process holds the scheduler lease"
-        last = owner.renewed_at or owner.started_at
-        age = (datetime.now(UTC) - last).total_seconds()
-        where = owner.instance or f"pid {owner.pid} on {owner.host or 'this host'}"
-        return f"the scheduler lease is held by {where} (renewed {age:.0f} s ago)"
+        now = datetime.now(UTC)
+        age = (now - last_renewal(owner, now, self.sightings)).total_seconds()
+        return f"the scheduler lease is held by {_holder(owner)} (renewed {age:.0f} s ago)"
 
     def verify(self) -> bool:
         """Do we still hold it? (Someone may have deleted or rewritten crons.json.)"""
@@ -172,3 +242,8 @@ class LeaseHolder:
                 self.store.save(state)
             else:
                 self.store.keep(state)
+
+
+def _holder(owner: OwnerRecord) -> str:
+    """A lease holder in words: its cluster instance, else its pid and host."""
+    return owner.instance or f"pid {owner.pid} on {owner.host or 'this host'}"

@@ -51,6 +51,9 @@ _NAMES: tuple[dict[str, int], ...] = (
 )
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _DURATION_RE = re.compile(r"(\d+)\s*([smhd])", re.ASCII)
+# More digits than this is beyond MAX_DURATION_S in any unit, and past a few thousand int() itself
+# refuses with Python's own message: a longer number is refused here, in words, before int().
+MAX_NUMBER_DIGITS = 12
 
 
 class ScheduleError(ValueError):
@@ -91,14 +94,23 @@ class ScheduleSpec:
 def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
     """`30m`, `2h`, `1h30m`, `45s`, `1d` → timedelta. Zero is refused unless `allow_zero`."""
     s = text.strip().lower().replace(" ", "")
+    shown = _shown(text)
     if not s or _DURATION_RE.sub("", s):
-        raise ScheduleError(f"invalid duration {text!r}: use a number with s, m, h or d, e.g. 30m or 1h30m")
-    total = sum(int(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(s))
+        raise ScheduleError(f"invalid duration {shown}: use a number with s, m, h or d, e.g. 30m or 1h30m")
+    parts = _DURATION_RE.findall(s)
+    if any(len(n.lstrip("0")) > MAX_NUMBER_DIGITS for n, _ in parts):
+        raise ScheduleError(f"invalid duration {shown}: at most {MAX_DURATION_S // 86400}d")
+    total = sum(int(n.lstrip("0") or "0") * _UNIT_S[u] for n, u in parts)
     if total == 0 and not allow_zero:
-        raise ScheduleError(f"invalid duration {text!r}: must be greater than zero")
+        raise ScheduleError(f"invalid duration {shown}: must be greater than zero")
     if total > MAX_DURATION_S:  # beyond this, date arithmetic overflows (or nobody means it)
-        raise ScheduleError(f"invalid duration {text!r}: at most {MAX_DURATION_S // 86400}d")
+        raise ScheduleError(f"invalid duration {shown}: at most {MAX_DURATION_S // 86400}d")
     return timedelta(seconds=total)
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """`text` for an error message, cut short: a pasted megabyte must not become the message."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def get_zone(name: str) -> ZoneInfo:
@@ -148,19 +160,19 @@ def normalize_cron(expr: str) -> str:
     fields = e.split(" ")
     if len(fields) != 5:
         raise ScheduleError(
-            f"invalid cron expression {expr!r}: need 5 fields (minute hour day-of-month month day-of-week)"
+            f"invalid cron expression {_shown(expr)}: need 5 fields (minute hour day-of-month month day-of-week)"
         )
     fields = [_check_field(expr, index, text) for index, text in enumerate(fields)]
     e = " ".join(fields)
     if not croniter.is_valid(e):
-        raise ScheduleError(f"invalid cron expression {expr!r}")
+        raise ScheduleError(f"invalid cron expression {_shown(expr)}")
     return e
 
 
 def _check_field(expr: str, index: int, text: str) -> str:
     """Refuse random values and reversed ranges in one field (the rest is croniter's to judge);
     the field with each range of one value (`5-5`, `mon-mon`, `1-1/3`) written as that value."""
-    where = f"invalid cron expression {expr!r}: {_FIELDS[index]} field {text!r}"
+    where = f"invalid cron expression {_shown(expr)}: {_FIELDS[index]} field {_shown(text, 40)}"
     items = text.split(",")
     for pos, item in enumerate(items):
         base = item.split("/", 1)[0].strip()
@@ -193,8 +205,9 @@ def _span(a: int, b: int) -> str:
 
 
 def _number(text: str) -> bool:
-    """ASCII digits only: `str.isdigit` also takes `٥` and `²`, which cron does not read."""
-    return text.isascii() and text.isdigit()
+    """ASCII digits only (`str.isdigit` also takes `٥` and `²`, which cron does not read), and few
+    enough for int(): a longer run is no field value, and croniter refuses it as such."""
+    return text.isascii() and text.isdigit() and len(text) <= MAX_NUMBER_DIGITS
 
 
 def _field_value(index: int, token: str) -> int | None:

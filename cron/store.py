@@ -64,6 +64,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TARGET_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # it names the task's run-log file
 MAX_OCCURRENCE = 2**53  # a run counter beyond this was not written by a scheduler
+# Longer JSON integers are not int()'d: Python refuses more than 4300 digits both ways (reading, and
+# writing the number back), with a ValueError that would fail the whole file. Any value a field
+# accepts has at most 19 (proc_start < 2**63); a longer one is kept as it is, up to this.
+MAX_JSON_INT_DIGITS = 4000
 _MISSING = object()  # crons.json does not exist (as opposed to holding `null`)
 
 __all__ = [
@@ -156,10 +160,11 @@ class OwnerRecord:
     def from_dict(cls, d: dict[str, Any]) -> OwnerRecord:
         started = _dt(d.get("started_at"), "scheduler_owner.started_at")
         pid, token = d.get("pid"), d.get("token")
-        if not isinstance(pid, int) or not isinstance(token, str) or started is None:
+        if pid is None or not isinstance(token, str) or started is None:
             raise ValueError("scheduler_owner needs pid, token and started_at")
-        if isinstance(pid, bool) or not 0 < pid < 2**31:  # os.kill overflows beyond: the lease would stick
-            raise ValueError(f"scheduler_owner.pid must be a process id, got {pid!r}")
+        # os.kill overflows beyond 2**31: the lease would stick (an over-long number is read as inf)
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+            raise ValueError(f"scheduler_owner.pid must be a process id, got {pid!r}"[:120])
         ps = d.get("proc_start")
         ps = ps if isinstance(ps, int) and not isinstance(ps, bool) and 0 <= ps < 2**63 else None
         inst = d.get("instance")
@@ -532,6 +537,16 @@ class CronFile:
         return next((t for t in self.tasks if t.id == task_id), None)
 
 
+def _json_int(text: str) -> int | float:
+    """A JSON integer of crons.json. One longer than MAX_JSON_INT_DIGITS is no value this file holds
+    (a pid, a run counter) and one int() may refuse: it is read as an infinity instead, which every
+    check of a field refuses, so an owner with such a pid is no owner and a task with such a number
+    is invalid (kept, not run; written back as Infinity, the value it was read as)."""
+    if len(text.lstrip("-")) <= MAX_JSON_INT_DIGITS:
+        return int(text)
+    return -math.inf if text.startswith("-") else math.inf
+
+
 def _json_kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -631,9 +646,9 @@ class CronStore:
         except FileNotFoundError:
             return _MISSING
         try:
-            return json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            reason = f"invalid JSON: {exc}"
+            return json.loads(raw.decode("utf-8"), parse_int=_json_int)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            reason = "invalid JSON: nested too deeply" if isinstance(exc, RecursionError) else f"invalid JSON: {exc}"
             if readonly:
                 raise self._unreadable(reason) from None
             raise move_aside(self.path, reason) from None

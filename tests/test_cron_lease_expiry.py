@@ -6,6 +6,8 @@ fires once the lease has gone unrenewed for its TTL; the holder renews its own l
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from cron.lease import LeaseHolder, owner_alive
+from cron.lease import MAX_CLOCK_SKEW_S, MAX_LEASE_TTL_S, LeaseHolder, Sightings, owner_alive
 from cron.store import CronStore, OwnerRecord
 from tests.support.cli import cli_env, run_cli
 from tests.support.serve import start_serve
@@ -33,6 +35,19 @@ def add_soon_task(home: Path, env: dict[str, str]) -> str:
                   "--in", "1s", "--exact", "--prompt", "wake up", "--json", env=env)  # fmt: skip
     assert add.code == 0, add.err
     return str(json.loads(add.out)["id"])
+
+
+def serve_until_fired(home: Path, env: dict[str, str], task_id: str, event: str = "submitted") -> str:
+    """A server on `home` until the task's run log shows `event`; it must hold the lease by then.
+    Returns what it logged."""
+    sp = start_serve(home, env=env)
+    try:
+        wait_for(lambda: any(r["event"] == event for r in run_log(home, task_id)), 15, "the take-over and fire")
+        owner = CronStore(home).read().scheduler_owner
+        assert owner is not None and owner.pid == sp.proc.pid
+    finally:
+        sp.stop()
+    return sp.proc.stderr.read() if sp.proc.stderr else ""
 
 
 def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:
@@ -89,13 +104,7 @@ def test_a_dead_foreign_lease_without_a_heartbeat_does_not_block_cron_forever(ho
     started = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
     data["scheduler_owner"] = {"pid": 4242, "token": "d" * 32, "started_at": started, "proc_start": 1, "host": "gone"}
     (home / "crons.json").write_text(json.dumps(data))
-    sp = start_serve(home, env=env)
-    try:
-        wait_for(lambda: any(r["event"] == "submitted" for r in run_log(home, task_id)), 15, "the take-over and fire")
-        owner = CronStore(home).read().scheduler_owner
-        assert owner is not None and owner.pid == sp.proc.pid
-    finally:
-        sp.kill()
+    serve_until_fired(home, env, task_id)
 
 
 @pytest.mark.parametrize(
@@ -121,11 +130,64 @@ def test_an_unusable_lease_record_keeps_the_tasks_and_is_taken_over(home: Path, 
     assert listed.code == 0, listed.err
     assert [t["id"] for t in json.loads(listed.out)] == [task_id]
     assert "scheduler lease record is unusable" in listed.err
-    sp = start_serve(home, env=env)
-    try:
-        wait_for(lambda: any(r["event"] == "submitted" for r in run_log(home, task_id)), 15, "the take-over and fire")
-        owner_now = CronStore(home).read().scheduler_owner
-        assert owner_now is not None and owner_now.pid == sp.proc.pid
-        assert not list(home.glob("crons.json.corrupt-*"))
-    finally:
-        sp.kill()
+    serve_until_fired(home, env, task_id)
+    assert not list(home.glob("crons.json.corrupt-*"))
+
+
+# ── records that passed validation but blocked every scheduler forever, silently ───────────────
+
+
+def test_a_heartbeat_in_the_future_counts_from_when_this_process_first_saw_it() -> None:
+    now = datetime.now(UTC)
+    seen = Sightings()  # a scheduler's memory (its LeaseHolder's)
+    stuck = foreign(datetime(9999, 12, 31, tzinfo=UTC), 3.0)
+    assert owner_alive(stuck, now, seen)  # first seen now: a live holder with a fast clock keeps its lease
+    assert owner_alive(stuck, now + timedelta(seconds=2), seen)
+    assert not owner_alive(stuck, now + timedelta(seconds=4), seen)  # not renewed for its TTL since: expired
+    assert owner_alive(stuck, now + timedelta(seconds=4), Sightings())  # another process first sees it now
+    skewed = foreign(now + timedelta(seconds=MAX_CLOCK_SKEW_S / 2), 3.0)  # a little ahead is believed
+    assert owner_alive(skewed, now + timedelta(seconds=MAX_CLOCK_SKEW_S / 2 + 2), seen)
+    assert not owner_alive(skewed, now + timedelta(seconds=MAX_CLOCK_SKEW_S / 2 + 4), seen)
+
+
+def test_a_lease_ttl_beyond_the_maximum_is_judged_by_the_maximum() -> None:
+    now = datetime.now(UTC)
+    century = 36500 * 86400.0
+    assert OwnerRecord.from_dict(foreign(now, century).to_dict()).ttl_s == century  # still a usable record
+    assert owner_alive(foreign(now - timedelta(seconds=MAX_LEASE_TTL_S - 60), century), now)
+    assert not owner_alive(foreign(now - timedelta(seconds=MAX_LEASE_TTL_S + 60), century), now)
+    assert LeaseHolder(CronStore(Path("/nonexistent")), started_at=now, ttl_s=century).ttl_s == MAX_LEASE_TTL_S
+
+
+def test_waiting_for_a_live_holder_is_logged_once_and_taking_the_lease_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pid 1 on this host without a start time is alive as long as the host is: legitimate (the
+    server may be pid 1 in a container), so the wait is not cut short, but it is said, once."""
+    store = CronStore(tmp_path)
+    started = datetime(2026, 1, 1, tzinfo=UTC)
+    with store.transaction() as state:
+        state.scheduler_owner = OwnerRecord(1, "f" * 32, started, None, socket.gethostname())
+    me = LeaseHolder(store, started_at=datetime.now(UTC), ttl_s=3.0)
+    caplog.set_level(logging.INFO, logger="appserver.cron")
+    for _ in range(5):
+        assert not me.claim()
+    waits = [r for r in caplog.records if "waiting for the scheduler lease" in r.getMessage()]
+    assert len(waits) == 1 and waits[0].levelno == logging.WARNING
+    assert f"pid 1 on {socket.gethostname()} since {started.isoformat()}" in waits[0].getMessage()
+    with store.transaction() as state:
+        state.scheduler_owner = None  # the holder stopped and released it
+    assert me.claim() and me.claim()
+    takes = [r for r in caplog.records if "this process takes it" in r.getMessage()]
+    assert len(takes) == 1 and takes[0].levelno == logging.WARNING
+
+
+def test_a_real_server_takes_over_a_foreign_lease_renewed_in_the_far_future(home: Path) -> None:
+    env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
+    task_id = add_soon_task(home, env)
+    with CronStore(home).transaction() as state:  # a hand edit, or a host whose clock ran away
+        state.scheduler_owner = foreign(datetime(9999, 12, 31, tzinfo=UTC), 2.0)
+    log_text = serve_until_fired(home, env, task_id, "outcome")
+    assert log_text.count("waiting for the scheduler lease held by pid 4242") == 1, log_text[-3000:]
+    assert log_text.count("in the future; it is counted from now") == 1, log_text[-3000:]
+    assert log_text.count("taking over the scheduler lease from expired owner pid 4242") == 1, log_text[-3000:]

@@ -16,6 +16,7 @@ from appserver.cli.cron import ANY_AGENT, cron_group
 from appserver.fsutil import CorruptStateFile
 from cron.scheduler import Scheduler
 from cron.store import CronFileUnreadable, CronStore, CronTask, Occurrence
+from tests.support.cli import run_cli
 
 WRONG_SHAPES = [
     "null",
@@ -82,3 +83,87 @@ def test_an_empty_task_list_is_still_fine(home: Path) -> None:
     (home / "crons.json").write_text(json.dumps({"version": 1, "scheduler_owner": None, "tasks": []}))
     assert CronStore(home).read().tasks == []
     assert cron("list")[0] == 0
+
+
+# ── integers too long for int() ───────────────────────────────────────────────────────────────
+# json.loads raises a plain ValueError ("Exceeds the limit (4300 digits)") for such an integer,
+# which was not caught: `cron list` / `cron add` printed Python's message and the scheduler logged a
+# traceback every tick. Now the file parses, and the over-long number is one no field accepts.
+
+HUGE = "1" + "0" * 5000
+
+
+def _with_a_task(home: Path) -> dict[str, object]:
+    code, _, err = cron("add", "--name", "a", "--agent", "echo", "--every", "1h", "--prompt", "x")
+    assert code == 0, err
+    return json.loads((home / "crons.json").read_text())
+
+
+def test_an_over_long_owner_pid_is_read_as_no_owner_and_the_tasks_stay(home: Path) -> None:
+    data = _with_a_task(home)
+    owner = {"pid": 4242, "token": "d" * 32, "started_at": "2026-01-01T00:00:00+00:00"}
+    text = json.dumps({**data, "scheduler_owner": owner}).replace('"pid": 4242', f'"pid": {HUGE}')
+    (home / "crons.json").write_text(text)
+    state = CronStore(home).read()
+    assert state.scheduler_owner is None and state.owner_problem is not None and "pid" in state.owner_problem
+    assert [t.name for t in state.tasks] == ["a"]
+    listed = run_cli(home, "cron", "list", "--json")
+    assert listed.code == 0 and [t["name"] for t in listed.json()] == ["a"], listed.err[:300]
+    assert "Exceeds the limit" not in listed.err and "Traceback" not in listed.err
+    added = run_cli(home, "cron", "add", "--name", "b", "--agent", "assistant", "--every", "1h", "--prompt", "y")
+    assert added.code == 0, added.err[:300]
+    assert [t.name for t in CronStore(home).read().tasks] == ["a", "b"] and CronStore(home).corrupt_files() == []
+
+
+@pytest.mark.parametrize("field", ["occurrence", "max_lateness_s"])
+def test_an_over_long_number_in_a_task_makes_that_task_invalid_not_the_file(home: Path, field: str) -> None:
+    data = _with_a_task(home)
+    tasks = data["tasks"]
+    assert isinstance(tasks, list)
+    bad = {**tasks[0], "id": "cron_bad", "name": "bad", field: 7}
+    text = json.dumps({**data, "tasks": [*tasks, bad]})
+    text = text.replace(f'"{field}": 7', f'"{field}": {HUGE}')
+    (home / "crons.json").write_text(text)
+    state = CronStore(home).read()
+    assert [t.name for t in state.tasks] == ["a"] and [b.id for b in state.invalid] == ["cron_bad"]
+    assert field in state.invalid[0].reason
+    listed = run_cli(home, "cron", "list")
+    assert listed.code == 0 and "cron_bad is invalid and not scheduled" in listed.err, listed.err[:300]
+    assert "Exceeds the limit" not in listed.err and "Traceback" not in listed.err
+    added = run_cli(home, "cron", "add", "--name", "b", "--agent", "assistant", "--every", "1h", "--prompt", "y")
+    assert added.code == 0, added.err[:300]
+    after = CronStore(home).read()
+    assert [t.name for t in after.tasks] == ["a", "b"] and [b.id for b in after.invalid] == ["cron_bad"]
+    assert CronStore(home).corrupt_files() == []
+
+
+async def test_the_scheduler_ticks_past_over_long_numbers_without_setting_the_file_aside(home: Path) -> None:
+    data = _with_a_task(home)
+    tasks = data["tasks"]
+    assert isinstance(tasks, list)
+    owner = {"pid": 4242, "token": "d" * 32, "started_at": "2026-01-01T00:00:00+00:00"}
+    bad = {**tasks[0], "id": "cron_bad", "name": "bad", "occurrence": 7}
+    text = json.dumps({**data, "scheduler_owner": owner, "tasks": [*tasks, bad]})
+    text = text.replace('"pid": 4242', f'"pid": {HUGE}').replace('"occurrence": 7', f'"occurrence": {HUGE}')
+    (home / "crons.json").write_text(text)
+
+    async def fire(task: CronTask, occ: Occurrence) -> str:
+        return "turn"
+
+    s = Scheduler(CronStore(home), fire=fire, clock=lambda: datetime.now(UTC))
+    for _ in range(2):
+        report = await s.tick()
+        assert report.has_lease  # the unusable owner is no owner: this scheduler takes the lease
+    problem = s.problem()
+    assert problem is not None and "cron_bad" in problem
+    assert CronStore(home).corrupt_files() == []
+    assert CronStore(home).read().scheduler_owner is not None
+
+
+def test_json_nested_too_deeply_is_unreadable_not_a_crash(home: Path) -> None:
+    text = "[" * 100_000 + "]" * 100_000
+    (home / "crons.json").write_text(text)
+    with pytest.raises(CronFileUnreadable, match="nested too deeply"):
+        CronStore(home).read()
+    code, _, err = cron("add", "--name", "a", "--agent", "echo", "--every", "1h", "--prompt", "x")
+    assert code == 1 and "moved aside" in err, err

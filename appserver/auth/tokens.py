@@ -51,23 +51,41 @@ def _token_hash(token: str) -> str:
 
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$", re.IGNORECASE | re.ASCII)
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# The longest lifetime a token may have: longer is not a lifetime anyone means, and an expiry far
+# enough out stops being a date (`token list` could not print it; float() overflows on 400 digits).
+MAX_TOKEN_LIFETIME_S = 36500 * 86400  # 100 years
+_MAX_DIGITS = 12  # more digits than this is beyond MAX_TOKEN_LIFETIME_S in every unit
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` for an error message, cut short: a pasted megabyte must not become the message."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def parse_duration(text: str) -> float | None:
     """`30d`, `12h`, `45m`, `2w`, `90s` → seconds; `never`/`none` → None (no expiry).
 
     An empty value or a bare `0` is refused rather than read as "never": either could be a typo or
-    an unset shell variable, and must not silently mint a token that never expires.
+    an unset shell variable, and must not silently mint a token that never expires. A lifetime
+    beyond MAX_TOKEN_LIFETIME_S is refused before anything is stored.
     """
     t = text.strip().lower()
     if t in ("never", "none"):
         return None
     if t in ("", "0"):
-        raise ValueError(f"invalid duration {text!r}: give e.g. 30d, 12h, 45m, 2w, or never for no expiry")
+        raise ValueError(f"invalid duration {_shown(text)}: give e.g. 30d, 12h, 45m, 2w, or never for no expiry")
     m = _DURATION_RE.match(t)
-    if not m or int(m.group(1)) <= 0:
-        raise ValueError(f"invalid duration {text!r}: expected e.g. 30d, 12h, 45m, 2w or never")
-    return float(int(m.group(1)) * _UNIT_S[m.group(2).lower()])
+    if not m:
+        raise ValueError(f"invalid duration {_shown(text)}: expected e.g. 30d, 12h, 45m, 2w or never")
+    digits = m.group(1).lstrip("0")
+    if not digits:
+        raise ValueError(f"invalid duration {_shown(text)}: expected e.g. 30d, 12h, 45m, 2w or never")
+    seconds = int(digits) * _UNIT_S[m.group(2).lower()] if len(digits) <= _MAX_DIGITS else None
+    if seconds is None or seconds > MAX_TOKEN_LIFETIME_S:
+        raise ValueError(
+            f"invalid duration {_shown(text)}: at most {MAX_TOKEN_LIFETIME_S // 86400}d (100 years), or never"
+        )
+    return float(seconds)
 
 
 def parse_scopes(value: str | Iterable[str] | None) -> frozenset[str]:
@@ -137,8 +155,13 @@ class TokenRecord:
         d = self.to_json()
         d.pop("hash")
         d["fingerprint"] = "sha256:" + self.hash[:12]
-        d["expired"] = self.expires_at is not None and time.time() >= self.expires_at
+        d["expired"] = self.is_expired(time.time())
         return d
+
+    def is_expired(self, now: float) -> bool:
+        """Past its expiry. A stored expiry that is no number (NaN, hand-edited) counts as past:
+        `now >= nan` is False, which would make the token live forever."""
+        return self.expires_at is not None and not now < self.expires_at
 
     @classmethod
     def from_json(cls, d: Any) -> TokenRecord:
@@ -229,8 +252,8 @@ class TokenStore:
         scope_set = parse_scopes(scopes)
         agent_set = parse_agents(agents)
         ttl = parse_duration(expires) if isinstance(expires, str) else expires
-        if ttl is not None and ttl <= 0:
-            raise ValueError("expiry must be in the future")
+        if ttl is not None and not 0 < ttl <= MAX_TOKEN_LIFETIME_S:  # also refuses NaN
+            raise ValueError(f"expiry must be in the future and at most {MAX_TOKEN_LIFETIME_S // 86400}d away")
         plaintext = TOKEN_PREFIX + secrets.token_urlsafe(32)
         now = time.time()
         tid = "tok_" + secrets.token_hex(6)
@@ -312,7 +335,7 @@ class TokenStore:
                 found = rec
         if found is None:
             return None
-        if found.expires_at is not None and time.time() >= found.expires_at:
+        if found.is_expired(time.time()):
             return None
         return Principal(
             subject=f"token:{found.name}",

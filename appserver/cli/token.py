@@ -22,9 +22,16 @@ def _store() -> TokenStore:
 
 
 def _when(ts: float | None) -> str:
+    """An expiry for people. One stored beyond the dates a clock can show (written before lifetimes
+    were capped, or by hand) is shown as such, so `list` and `revoke` still work on that token."""
     if ts is None:
         return "never"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+    except (OverflowError, OSError, ValueError):
+        if ts != ts:  # NaN: verification treats it as expired
+            return "invalid"
+        return "out of range (far future)" if ts > 0 else "out of range (far past)"
 
 
 def _describe(rec: TokenRecord) -> str:
@@ -89,7 +96,7 @@ def list_cmd(as_json: bool) -> None:
     now = time.time()
     for r in records:
         expires = _when(r.expires_at)
-        if r.expires_at is not None and r.expires_at <= now:
+        if r.is_expired(now):
             expires += " (expired)"
         rows.append(
             (

@@ -24,6 +24,7 @@ from appserver.providers.base import (
 
 SLOW_WORD_INTERVAL_S = 0.05
 SLOW_MAX_WORDS = 100_000
+_MAX_ARG_DIGITS = 9  # `/slow 999999999` is already capped at SLOW_MAX_WORDS
 _CALL = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(.*)$", re.DOTALL)
 # A message from a chat channel arrives wrapped in the gateway's envelope; echo answers its body,
 # so `/slow 30` typed in a chat works as it does everywhere else.
@@ -35,6 +36,14 @@ _NON_SPACE = re.compile(r"\S")
 
 def _words(text: str) -> int:
     return len(text.split())
+
+
+def _small_number(arg: str) -> int | None:
+    """A command's argument as a number: ASCII digits (`str.isdigit` also takes `٥` and `²`), and
+    few enough that int() takes them (it refuses 5000 in its own words); else None, the default."""
+    if arg.isascii() and arg.isdigit() and len(arg) <= _MAX_ARG_DIGITS:
+        return int(arg)
+    return None
 
 
 class EchoProvider:
@@ -88,7 +97,8 @@ class EchoProvider:
             return
         if text.startswith("/slow"):
             arg = text[len("/slow") :].strip() or "10"
-            n = min(int(arg), SLOW_MAX_WORDS) if arg.isascii() and arg.isdigit() else 10
+            asked = _small_number(arg)
+            n = 10 if asked is None else min(asked, SLOW_MAX_WORDS)
             produced = 0
             for i in range(1, n + 1):
                 if request.max_tokens is not None and produced >= request.max_tokens:
@@ -104,7 +114,9 @@ class EchoProvider:
             return
         if text.startswith("/error"):
             arg = text[len("/error") :].strip()
-            code = int(arg) if arg.isascii() and arg.isdigit() else 500
+            code = _small_number(arg)
+            if code is None or not 400 <= code <= 599:  # a 200 or a 99999 is no upstream error
+                code = 500
             raise error_from_status(
                 code, f"echo: simulated upstream error {code}", body={"error": {"message": f"simulated {code}"}}
             )

@@ -14,6 +14,7 @@ from appserver.providers.base import ProviderError
 from appserver.values import value
 
 _BOM = b"\xef\xbb\xbf"
+MAX_RETRY_DIGITS = 10  # a `retry:` of more digits (over 115 days in ms) is ignored, not int()'d
 
 
 @value
@@ -195,7 +196,9 @@ class SSEDecoder:
             if "\0" not in value:
                 self._id = value
         elif name == "retry":
-            if value.isascii() and value.isdigit():
+            # advisory: ASCII digits (`isdigit` also takes `²`), and few enough for int() (5000 of them
+            # raise), else ignored as the spec says for a value that is no integer
+            if value.isascii() and value.isdigit() and len(value) <= MAX_RETRY_DIGITS:
                 self._retry = int(value)
         return None
 

@@ -78,6 +78,7 @@ CATCH_UP_LIMIT = 500  # per channel and reconnect
 NONCE_LENGTH = 25  # Discord's limit for a string nonce
 SEND_TIMEOUT_S = 60.0  # a send without an answer by then is repeated (same nonce)
 STATE_FILE = "last_seen.json"
+MAX_SNOWFLAKE_DIGITS = 20  # 2**64 - 1 has 20 digits
 # discord.py waits 5 s before each re-IDENTIFY (not the first) and `GUILD_READY_TIMEOUT_S` after the
 # last GUILD_CREATE before READY. Tests against a loopback fake shorten both through the environment
 # (a positive number of seconds); unset, these are the values used.
@@ -436,21 +437,48 @@ class DiscordAdapter:
     # ------------------------------------------------------------------ catch-up
 
     def _load_seen(self) -> dict[str, dict[str, Any]]:
+        """The catch-up state as saved. Every id in it is checked here (ASCII digits, at most a
+        snowflake's 20), so nothing later int()s a `٥` as 5 or 5000 digits into a ValueError: an
+        entry with an unusable channel or `last` is dropped, an unusable `failed` id is dropped."""
         try:
-            value = json.loads(self._state_path.read_text())
+            # every integer as its text: ids are kept as text anyway, and int() of 5000 digits would
+            # fail the whole file
+            value = json.loads(self._state_path.read_text(), parse_int=str)
         except (OSError, ValueError):
             return {}
         if not isinstance(value, dict):
             return {}
-        return {str(k): v for k, v in value.items() if isinstance(v, dict) and _snowflake(str(v.get("last", "")))}
+        out: dict[str, dict[str, Any]] = {}
+        dropped = 0
+        for key, entry in value.items():
+            if not (_snowflake(key) and isinstance(entry, dict) and _snowflake(str(entry.get("last", "")))):
+                dropped += 1
+                continue
+            raw_failed = entry.get("failed")
+            failed = (
+                [i for i in raw_failed if isinstance(i, str) and _snowflake(i)] if isinstance(raw_failed, list) else []
+            )
+            if raw_failed is not None and failed != raw_failed:
+                dropped += 1
+            out[key] = {k: v for k, v in entry.items() if k != "failed"} | {"last": str(entry["last"])}
+            if failed:
+                out[key]["failed"] = failed
+        if dropped:
+            self._log.warning(
+                "%s: %s holds %d channel(s) or message id(s) that are not Discord ids; they are ignored",
+                self._where,
+                self._state_path,
+                dropped,
+            )
+        return out
 
     def _note_seen(self, channel_id: int, message_id: int, msg: InboundMessage, *, recorded: bool = True) -> None:
         """Remember where the catch-up of a channel starts: after the newest recorded message, but
         never past a message that could not be recorded (kept in `failed` until it is)."""
         key = str(channel_id)
         old = self._seen.get(key) or {"last": "0"}
-        failed = {int(i) for i in old.get("failed") or []}
-        last = int(old["last"])
+        failed = {n for n in map(_snowflake_int, old.get("failed") or []) if n is not None}
+        last = _snowflake_int(old.get("last")) or 0
         if recorded:
             failed.discard(message_id)
             last = max(last, message_id)
@@ -487,8 +515,8 @@ class DiscordAdapter:
             return
         channel = client.get_partial_messageable(channel_id)
         count = 0
-        failed = [int(i) for i in entry.get("failed") or []]
-        after = discord.Object(id=min(failed) - 1 if failed else int(entry["last"]))
+        failed = [n for n in map(_snowflake_int, entry.get("failed") or []) if n is not None]
+        after = discord.Object(id=min(failed) - 1 if failed else _snowflake_int(entry.get("last")) or 0)
         async for message in channel.history(limit=CATCH_UP_LIMIT, after=after, oldest_first=True):
             if self.bot_user_id is not None and message.author.id == self.bot_user_id:
                 continue
@@ -503,12 +531,10 @@ class DiscordAdapter:
         client = self._client
         if client is None:
             raise DeliveryError("discord: not started")
-        try:
-            return client.get_partial_messageable(int(target.thread or target.chat))
-        except ValueError:
-            raise DeliveryError(
-                f"discord: not a channel id: {target.thread or target.chat!r}", permanent=True
-            ) from None
+        channel_id = _snowflake_int(target.thread or target.chat)
+        if channel_id is None:
+            raise DeliveryError(f"discord: not a channel id: {_cut(target.thread or target.chat)!r}", permanent=True)
+        return client.get_partial_messageable(channel_id)
 
     async def send(self, target: Target, text: str) -> list[str]:
         return [await self._post(target, text, None)]
@@ -546,11 +572,11 @@ class DiscordAdapter:
         if short_id is not None and f"/approve {short_id}" not in text:
             kwargs["view"] = None  # decided: the buttons go away
             self._prompts.pop((str(channel.id), message_id), None)
-        await _call("edit", channel.get_partial_message(int(message_id)).edit(**kwargs))
+        await _call("edit", channel.get_partial_message(_message_id(message_id)).edit(**kwargs))
 
     async def react(self, target: Target, message_id: str, emoji: str) -> None:
         channel = self._channel(target)
-        await _call("react", channel.get_partial_message(int(message_id)).add_reaction(emoji))
+        await _call("react", channel.get_partial_message(_message_id(message_id)).add_reaction(emoji))
 
     async def typing(self, target: Target) -> None:
         channel = self._channel(target)
@@ -576,8 +602,26 @@ def nonce_for(key: str) -> str:
 
 
 def _snowflake(text: str) -> bool:
-    """A Discord id as text: ASCII digits (`str.isdigit` alone also takes `٥` and `²`)."""
-    return text.isascii() and text.isdigit()
+    """A Discord id as text: ASCII digits (`str.isdigit` alone also takes `٥` and `²`), at most
+    a 64-bit number's 20 (int() refuses a few thousand with its own ValueError)."""
+    return text.isascii() and text.isdigit() and len(text) <= MAX_SNOWFLAKE_DIGITS
+
+
+def _snowflake_int(value: object) -> int | None:
+    """A Discord id (text, as the state file and the gateway hold them) as a number; None when it is none."""
+    return int(value) if isinstance(value, str) and _snowflake(value) else None
+
+
+def _message_id(value: str) -> int:
+    """A message id to edit or react to; a permanent DeliveryError when it is no Discord id."""
+    number = _snowflake_int(value)
+    if number is None:
+        raise DeliveryError(f"discord: not a message id: {_cut(value)!r}", permanent=True)
+    return number
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _is_dm(adapter: DiscordAdapter, target: Target) -> bool:

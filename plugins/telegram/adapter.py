@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -79,6 +80,10 @@ ALLOWED_UPDATES = ["message", "edited_message", "callback_query", "my_chat_membe
 APPROVE_PREFIX = "approve:"
 DENY_PREFIX = "deny:"
 _REMEMBERED_FORMATS = 512
+# Telegram's ids are 64-bit integers, written in ASCII digits (int() also reads `٥`, `1_0` and `+5`,
+# and refuses 5000 digits with its own ValueError); only a chat id may be negative (groups).
+_CHAT_ID_RE = re.compile(r"-?[0-9]{1,19}")
+_ID_RE = re.compile(r"[0-9]{1,19}")
 
 # python-telegram-bot 22 warns, when it builds a RetryAfter, that `retry_after` will become a timedelta;
 # `retry_seconds` reads either form, so the warning would only flood the log at each 429.
@@ -664,31 +669,31 @@ def _name(user: User) -> str:
 
 
 def _chat_id(chat: str) -> int:
-    try:
-        return int(chat)
-    except ValueError:
-        raise DeliveryError(f"not a Telegram chat id: {chat!r}", permanent=True) from None
+    if not _CHAT_ID_RE.fullmatch(chat):
+        raise DeliveryError(f"not a Telegram chat id: {_cut(chat)!r}", permanent=True)
+    return int(chat)
 
 
 def _int_or_none(value: str | None) -> int | None:
     if value is None or value == "":
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise DeliveryError(f"not a Telegram thread id: {value!r}", permanent=True) from None
+    if not _ID_RE.fullmatch(value):
+        raise DeliveryError(f"not a Telegram thread id: {_cut(value)!r}", permanent=True)
+    return int(value)
 
 
 def _message_id(value: str) -> int | None:
     """A message id as the gateway holds it: ours (`"42"`) or an inbound one (`"<chat>:42"`, `"<chat>:42:e…"`);
-    None for a callback query's (`"cb:…"`)."""
+    None for a callback query's (`"cb:…"`) or anything else that is no message id."""
     parts = value.split(":")
     if parts[0] == "cb":
         return None
-    try:
-        return int(parts[1] if len(parts) > 1 else parts[0])
-    except ValueError:
-        return None
+    number = parts[1] if len(parts) > 1 else parts[0]
+    return int(number) if _ID_RE.fullmatch(number) else None
+
+
+def _cut(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def create_adapter(account: Account, context: AdapterContext) -> TelegramAdapter:

@@ -50,6 +50,7 @@ MAX_CONNECTIONS = 64  # concurrent connections to one account's listener
 BODY_TIMEOUT_S = 10.0  # a body must arrive within this (a slow sender holds a buffer and a slot)
 MAX_RETRY_AFTER_S = 300.0  # a receiver's Retry-After beyond this (or "inf") is read as this
 _TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
+MAX_LENGTH_DIGITS = 18  # a Content-Length longer than this is beyond any body limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,8 @@ class WebhookSettings:
 def _parse_listen(listen: str, where: str) -> tuple[str, int]:
     host, sep, port_text = listen.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
+    port_ok = port_text.isascii() and port_text.isdigit() and len(port_text) <= 5  # int() refuses 5000 digits
+    if not sep or not host or not port_ok or int(port_text) > 65535:
         raise AccountError(f"{where}: listen must be host:port (e.g. 127.0.0.1:8788), not {listen!r}")
     return host, int(port_text)
 
@@ -247,7 +249,9 @@ class WebhookAdapter:
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
         declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > limit:
+        # ASCII digits only (`isdigit` takes `٥`); more than MAX_LENGTH_DIGITS is over any limit, and
+        # int() would raise on a few thousand of them
+        if declared.isascii() and declared.isdigit() and (len(declared) > MAX_LENGTH_DIGITS or int(declared) > limit):
             raise _BadRequest(413, f"body larger than {limit} bytes")
         body = bytearray()
 

@@ -32,7 +32,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from cron.lease import DEFAULT_LEASE_TTL_S, LeaseHolder
+from cron.lease import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, LeaseHolder
 from cron.runlog import settled_record, unrecorded_turns
 from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
@@ -198,7 +198,7 @@ class Scheduler:
         self.run_all_cap = max(1, run_all_cap)
         self.watch_s = _check_seconds("watch_s", watch_s, 0.01, 60)
         self.problem_log_every_s = problem_log_every_s
-        ttl = _check_seconds("lease_ttl_s", lease_ttl_s, 1, 86400)
+        ttl = _check_seconds("lease_ttl_s", lease_ttl_s, 1, MAX_LEASE_TTL_S)  # as others judge it
         self.lease = LeaseHolder(self.store, started_at=clock(), ttl_s=ttl)
         self.has_lease = False
         self.started_at = utcnow()  # real time, as run-log records are stamped

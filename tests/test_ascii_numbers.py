@@ -175,6 +175,7 @@ def test_the_cli_names_the_setting_when_its_environment_value_is_not_ascii_digit
     r = run_cli(home, "token", "list", env=cli_env(home, APPSERVER_LIMITS__RETRY_BASE_MS=text))
     assert r.code == 2, (r.code, r.out, r.err[:300])
     assert r.err.count("\n") == 1 and "retry_base_ms" in r.err and "Traceback" not in r.err, r.err[:300]
+    assert len(r.err) < 300, r.err[:300]  # a long value is cut short in the line, not repeated whole
 
 
 # ── chat platforms' ids ───────────────────────────────────────────────────────────────────────

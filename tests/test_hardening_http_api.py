@@ -252,3 +252,43 @@ def test_every_response_has_a_request_id_and_its_log_lines_carry_it(srv: Srv) ->
     status, headers, _ = read_response(s)
     s.close()
     assert status == 431 and headers["x-request-id"].startswith("req_")
+
+
+def test_an_absolute_form_target_is_judged_by_its_own_host(srv: Srv) -> None:
+    """`GET http://host/path` (the form proxies get) names its host: the Host header is ignored
+    (RFC 9112 §3.2.2), so the host check judges the target's (was: a loopback Host header let a
+    request for evil.example through)."""
+    here = f"{srv.host}:{srv.port}"
+    for target, host, expected in (
+        ("http://evil.example/v1/models", here, 421),
+        (f"http://{here}/v1/models", "evil.example", 200),
+        (f"http://{here}/v1/models", here, 200),
+        ("/v1/models", "evil.example", 421),
+    ):
+        with connect(srv) as s:
+            s.sendall(f"GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+            status, _, _ = read_response(s)
+        assert status == expected, (target, host, status)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+def test_an_encoded_request_body_is_refused_by_its_encoding(srv: Srv, route: str) -> None:
+    import gzip
+
+    body = (
+        {"model": "assistant", "messages": [{"role": "user", "content": "hi"}]}
+        if route == "/v1/chat/completions"
+        else {"model": "assistant", "input": "hi"}
+    )
+    raw = json.dumps(body).encode()
+    for encoding, data in (("gzip", gzip.compress(raw)), ("deflate", raw), ("bogus", raw)):
+        r = httpx.post(
+            srv.url + route,
+            content=data,
+            headers={"Content-Type": "application/json", "Content-Encoding": encoding},
+            timeout=T,
+        )
+        assert r.status_code == 415, (encoding, r.text)  # was: 400 "not valid UTF-8", or 200 ignoring the label
+        assert r.json()["error"]["code"] == "unsupported_content_encoding" and encoding in r.json()["error"]["message"]
+    r = httpx.post(srv.url + route, content=raw, headers={"Content-Encoding": "identity"}, timeout=T)
+    assert r.status_code == 200, r.text

@@ -66,6 +66,16 @@ async def read_body(request: Request) -> bytes:
 
 
 async def read_json(request: Request) -> tuple[dict[str, Any], bytes]:
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        # Read as it is, a gzip body failed as "not valid UTF-8"; a plain body sent under a label
+        # it does not have was read as if the label were not there.
+        raise ApiError(
+            415,
+            f"request bodies with Content-Encoding {encoding[:40]!r} are not accepted; send the JSON as it is",
+            code="unsupported_content_encoding",
+            param="Content-Encoding",
+        )
     try:
         raw = await read_body(request)
     except ClientDisconnect:

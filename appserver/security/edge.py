@@ -604,6 +604,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._count_head(2)  # the empty line that ends the head
+        if self.url[:1] != b"/":
+            self._authority_from_target()
         self._phase = BODY
         self._body_clock = self._body_checked = self.loop.time()
         self._body_bytes = 0
@@ -612,6 +614,21 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._head_timer = None
         self._body_flow.expecting = self.expect_100_continue
         super().on_headers_complete()
+
+    def _authority_from_target(self) -> None:
+        """A request target in absolute form (`GET http://host/path`, as clients send to proxies)
+        names its host itself, and the Host header is then to be ignored (RFC 9112 §3.2.2): the
+        target's authority replaces it, so the host check judges the host the request is for."""
+        try:
+            url = httptools.parse_url(self.url)
+        except httptools.HttpParserInvalidURLError:
+            return  # uvicorn refuses it
+        if not url.host:
+            return
+        host = b"[" + url.host + b"]" if b":" in url.host else url.host
+        authority = host if url.port is None else host + b":" + str(url.port).encode()
+        self.headers[:] = [(n, v) for n, v in self.headers if n != b"host"]
+        self.headers.append((b"host", authority))
 
     def on_message_complete(self) -> None:
         self._phase = IDLE

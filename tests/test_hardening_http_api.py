@@ -214,7 +214,11 @@ def test_wrong_methods_and_options_answer_json_or_204_with_allow(srv: Srv) -> No
     r = httpx.options(srv.url + "/v1/chat/completions", timeout=T)
     assert r.status_code == 204 and r.headers["allow"] == "POST, OPTIONS"
     r = httpx.options(srv.url + "/v1/responses/resp_x", timeout=T)
-    assert r.status_code == 204 and r.headers["allow"] == "DELETE, GET, OPTIONS"
+    assert r.status_code == 204 and r.headers["allow"] == "DELETE, GET, HEAD, OPTIONS"
+    head = httpx.head(srv.url + "/v1/models", timeout=T)  # as GET, without the body (was: 405)
+    get = httpx.get(srv.url + "/v1/models", timeout=T)
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "application/json"
+    assert head.headers["content-length"] == get.headers["content-length"]
     r = httpx.request("OPTIONS", srv.url + "/v1/nothing-here", timeout=T)
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
     r = httpx.get(srv.url + "/", timeout=T)

@@ -562,6 +562,8 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler], stoppin
     """One endpoint: dispatch by method (405 otherwise), errors as OpenAI objects, metrics. A
     handler still running when the server stops answers 503 `server_shutting_down` (stopping.py)."""
 
+    if "GET" in methods and "HEAD" not in methods:  # as HTTP has it (uvicorn sends no body for HEAD)
+        methods = {**methods, "HEAD": methods["GET"]}
     allow = ", ".join(sorted(methods))
 
     async def guarded(handler: Handler, request: Request) -> Response:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -66,9 +67,10 @@ ALLOWED_REFUSALS: dict[tuple[int, str], str] = {
     (400, "unsupported_tool"): "non-function client tool",
     # the schema sets no minimum on max_tokens / max_completion_tokens / max_output_tokens;
     # a limit below 1 cannot be met (OpenAI refuses it with this same code)
-    (400, "integer_below_min_value"): "token limit below 1",
-    # a function tool named "" cannot be called back (OpenAI requires ^[a-zA-Z0-9_-]{1,64}$)
-    (400, "invalid_function_name"): "empty function name",
+    (400, "integer_below_min_value"): "token limit below 1, or max_tool_calls below 0",
+    # a function name outside ^[a-zA-Z0-9_-]{1,64}$ (FunctionObject.name says so in words, so the
+    # generator does not know it): OpenAI refuses it too
+    (400, "invalid_function_name"): "function name not of a-z, A-Z, 0-9, _ and -, at most 64",
     # generated ids name nothing on this server
     (404, "previous_response_not_found"): "unknown previous_response_id",
     (404, "conversation_not_found"): "unknown conversation",
@@ -157,9 +159,20 @@ def has_user_text(item: Any) -> bool:
     )
 
 
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
 def keep_function_tools(body: dict[str, Any], named: Callable[[dict[str, Any]], Any]) -> None:
+    """Only function tools, named as OpenAI takes a function name."""
     if isinstance(body.get("tools"), list):
-        body["tools"] = [t for t in body["tools"] if isinstance(t, dict) and t.get("type") == "function" and named(t)]
+        body["tools"] = [
+            t
+            for t in body["tools"]
+            if isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(named(t), str)
+            and FUNCTION_NAME.fullmatch(named(t))
+        ]
 
 
 def new_user_turn(items: list[Any], answered: Callable[[Any], bool], results: Callable[[Any], bool]) -> None:
@@ -200,6 +213,9 @@ def common_aim(out: dict[str, Any], max_keys: tuple[str, ...], stream: bool) -> 
         del out["stream_options"]
     if out.get("tool_choice") not in (None, "none", "auto"):
         del out["tool_choice"]  # a named/forced choice needs tools this body may not offer
+    calls = out.get("max_tool_calls")  # no minimum in the schema; a negative count means nothing
+    if isinstance(calls, int | float) and not isinstance(calls, bool) and calls < 0:
+        del out["max_tool_calls"]
 
 
 def unique_ids(calls: list[Any], key: str) -> None:

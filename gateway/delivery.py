@@ -41,6 +41,10 @@ TRANSIENT_ATTEMPTS = 5
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 NO_REPLY = "(no reply)"
 MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) is read as this
+# A send whose outcome is unknown may still be in the platform's hands (queued there when the
+# connection dropped): a lookup that finds nothing sooner than this after it began looks once more
+# then, before the part is sent again.
+LOOKUP_SETTLE_S = 3.0
 
 
 class DeliveryFailed(Exception):
@@ -155,6 +159,10 @@ class Outbox:
             nonlocal doubt, doubted_here, started
             if doubt is not None and resend == "lookup":
                 found = await self._find(target, doubt, doubted_here)
+                settle = doubt + LOOKUP_SETTLE_S - self._wall()
+                if not found and settle > 0:
+                    await self._sleep(settle)
+                    found = await self._find(target, doubt, doubted_here)
                 if found:
                     log.info("%s: the message %s was sent before (%s); reusing it", target.chat, target.key, found)
                     return Sent(found, found=True)

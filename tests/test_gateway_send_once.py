@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.delivery import BACKOFF_S, DeliveryFailed, Outbox, ReplySink, SendUncertain
+from gateway.delivery import BACKOFF_S, LOOKUP_SETTLE_S, DeliveryFailed, Outbox, ReplySink, SendUncertain
 from gateway.ledger import Ledger, UpdateKey
 from gateway.ratelimit import ChatRateLimiter
 from plugins.contract import DeliveryError, Limits, Target
@@ -232,9 +232,12 @@ async def test_an_uncertain_send_that_was_performed_is_found_and_reused() -> Non
 async def test_an_uncertain_send_that_was_not_performed_is_sent_again_after_the_lookup() -> None:
     chat = Searchable(Clock())
     chat.unsent()
+    start = chat.clock()
     sent = await outbox(chat).send_part(Target("chat1", key="k:0"), "hello")
     assert not sent.found and sent.ids == ["m1"]
-    assert chat.texts() == ["hello"] and len(chat.sends) == 2 and len(chat.lookups) == 1
+    # looked up, and once more LOOKUP_SETTLE_S after the send began (it may have been queued there)
+    assert chat.texts() == ["hello"] and len(chat.sends) == 2 and len(chat.lookups) == 2
+    assert chat.clock() - start >= LOOKUP_SETTLE_S
 
 
 async def test_a_lookup_that_fails_for_now_is_retried_with_backoff() -> None:

@@ -161,7 +161,24 @@ async def test_a_post_that_never_arrived_is_posted_again_after_the_lookup(
     [message] = slack.messages("D-lost")
     assert ids == [message.ts] and message.text == "hello"
     assert len(slack.calls("chat.postMessage", channel="D-lost")) == 2
-    assert len(slack.calls("conversations.history", channel="D-lost")) == 1
+    # looked up at once, and once more when LOOKUP_SETTLE_S had passed since the lost post began
+    assert len(slack.calls("conversations.history", channel="D-lost")) == 2
+
+
+async def test_a_post_slack_performs_after_the_first_lookup_is_found_by_the_second(
+    slack: FakeSlack, adapter: SlackAdapter
+) -> None:
+    """The post was still queued at Slack when the client gave up and looked: not there yet. A
+    second look, LOOKUP_SETTLE_S after the post began, finds it (was: posted again, shown twice)."""
+    slack.add_channel("D-queued")
+    slack.hold_answers("chat.postMessage", 2 * LATE_S, channel="D-queued", perform_after=LATE_S)
+    ids = await outbox(adapter).send(Target("D-queued", key="k:queued"), "hello")
+    await asyncio.sleep(2 * LATE_S)  # whatever Slack still had queued is performed by now
+    [message] = slack.messages("D-queued")
+    assert ids == [message.ts] and message.text == "hello"
+    [post] = slack.calls("chat.postMessage", channel="D-queued")
+    looks = slack.calls("conversations.history", channel="D-queued")
+    assert len(looks) == 2 and looks[0].t < post.t < looks[1].t  # performed between the two looks
 
 
 async def test_without_the_history_scope_a_late_post_is_not_posted_twice(

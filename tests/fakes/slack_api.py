@@ -157,6 +157,7 @@ class _Hold:
     count: int
     channel: str | None
     perform: bool
+    perform_after: float = 0.0
 
 
 @dataclass(slots=True)
@@ -444,13 +445,22 @@ class FakeSlack(LoopbackServer):
             )
 
     def hold_answers(
-        self, method: str, seconds: float, *, count: int = 1, channel: str | None = None, perform: bool = True
+        self,
+        method: str,
+        seconds: float,
+        *,
+        count: int = 1,
+        channel: str | None = None,
+        perform: bool = True,
+        perform_after: float = 0.0,
     ) -> None:
         """Perform the next `count` calls of `method` (in `channel`, when given) at once and answer
         each only after `seconds`: Slack did it, the answer comes late. With `perform=False` the
-        calls are not performed and answer `internal_error` late (Slack lost them)."""
+        calls are not performed and answer `internal_error` late (Slack lost them); with
+        `perform_after` they are performed that many seconds after they arrived (still queued at
+        Slack when the client gave up), and answered at `seconds`."""
         with self._lock:
-            self._holds.append(_Hold(method, seconds, count, channel, perform))
+            self._holds.append(_Hold(method, seconds, count, channel, perform, perform_after))
 
     def _take_hold(self, method: str, channel: str | None) -> _Hold | None:
         with self._lock:
@@ -752,6 +762,8 @@ class FakeSlack(LoopbackServer):
         if before is not None:
             before(method, params)
         hold = self._take_hold(method, None if params.get("channel") is None else str(params["channel"]))
+        if hold is not None and hold.perform and hold.perform_after > 0:
+            await asyncio.sleep(hold.perform_after)
         if hold is not None and not hold.perform:
             status, body = 200, {"ok": False, "error": "internal_error"}
         else:
@@ -763,7 +775,7 @@ class FakeSlack(LoopbackServer):
         if after is not None:
             after(call)
         if hold is not None:
-            await asyncio.sleep(hold.seconds)
+            await asyncio.sleep(max(0.0, hold.seconds - (hold.perform_after if hold.perform else 0.0)))
         headers = {"Retry-After": f"{body.pop('_retry_after'):g}"} if "_retry_after" in body else None
         return JSONResponse(body, status_code=status, headers=headers)
 

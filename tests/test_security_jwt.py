@@ -107,6 +107,16 @@ def test_rejections(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey, tmp_path: 
     # ES256 token when RS256 is pinned
     ec_key = ec.generate_private_key(ec.SECP256R1())
     _reject(rs256, jwt.encode(_claims(), ec_key, algorithm="ES256"))
+    # a `crit` header PyJWT refuses before any signature is checked: a 401, not a 500 and a traceback
+    crit = _b64(b'{"alg":"RS256","typ":"JWT","crit":["x"],"x":1}') + "." + _b64(json.dumps(_claims()).encode())
+    assert _reject(rs256, crit + "." + _b64(b"sig")).code == "invalid_token"
+    # an exp that is no NumericDate, or so far ahead the token never ends
+    _reject(rs256, jwt.encode(_claims(exp=True), rsa_key, algorithm="RS256"))  # PyJWT reads it as 1: expired
+    for exp in (str(now + 600), 10**30, 1e308, now + 200 * 365 * 86400):
+        rejected = _reject(rs256, jwt.encode(_claims(exp=exp), rsa_key, algorithm="RS256"))
+        assert rejected.code == "invalid_token", (exp, rejected.code)
+    fractional = jwt.encode(_claims(exp=now + 3600.5), rsa_key, algorithm="RS256")  # a float exp is fine
+    assert rs256.authenticate("Bearer " + fractional)
 
 
 def test_scope_and_agent_claims(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +183,48 @@ async def test_each_credential_has_its_own_default_conversation(srv: Srv) -> Non
     for cid in ids:
         assert (await admin.request({"type": "get_history", "conversation": cid}, T))["type"] == "history"
     for w in (a, b, admin):
+        await w.close()
+
+
+async def test_default_and_new_over_http_are_the_credentials_own_never_ids_anyone_can_take(srv: Srv) -> None:
+    """`X-Conversation-Id: default` (or Responses `conversation: "default"`) is the credential's
+    own default, the one its WebSocket `default` names; `new` is a conversation of its own. Was: a
+    token landed in the agent's shared default (reading admin's text) and created a conversation
+    named `default` (and `new`) that locked every other credential out of the word."""
+    a, admin = await ws_for(srv, srv.a), await ws_for(srv, srv.admin)
+    ack_admin, _ = await run_turn(admin, submit(None, "ADMIN-ONLY text"))
+    ack_a, _ = await run_turn(a, submit(None, "a's own default"))
+    chat = {"model": "assistant", "messages": [{"role": "user", "content": "/recall"}]}
+    with httpx.Client(base_url=srv.url, timeout=T) as http:
+        for token, own in ((srv.a, ack_a["conversation_id"]), (srv.admin, ack_admin["conversation_id"])):
+            for word in ("default", "DEFAULT"):
+                r = http.post("/v1/chat/completions", json=chat, headers={**bearer(token), "X-Conversation-Id": word})
+                assert r.status_code == 200 and r.headers["x-conversation-id"] == own, r.text
+            r = http.post(
+                "/v1/responses",
+                json={"model": "assistant", "input": "/recall", "conversation": "default"},
+                headers=bearer(token),
+            )
+            assert r.status_code == 200 and r.headers["x-conversation-id"] == own, r.text
+        recall = http.post("/v1/chat/completions", json=chat, headers={**bearer(srv.a), "X-Conversation-Id": "default"})
+        assert "ADMIN-ONLY" not in recall.text and "a's own default" in recall.text
+        b_default = http.post(
+            "/v1/chat/completions", json=chat, headers={**bearer(srv.b), "X-Conversation-Id": "default"}
+        )
+        assert b_default.status_code == 200 and b_default.headers["x-conversation-id"] not in (
+            ack_a["conversation_id"],
+            ack_admin["conversation_id"],
+        )
+        made = set()
+        for token in (srv.a, srv.b, srv.a):
+            r = http.post("/v1/chat/completions", json=chat, headers={**bearer(token), "X-Conversation-Id": "new"})
+            assert r.status_code == 200, r.text
+            made.add(r.headers["x-conversation-id"])
+        assert len(made) == 3 and not made & {"new", "default"}
+    with sqlite3.connect(f"file:{Path(srv.sp.home) / 'appserver.db'}?mode=ro", uri=True) as db:
+        named = db.execute("SELECT id FROM conversations WHERE lower(id) IN ('default', 'new')").fetchall()
+    assert named == []  # no conversation is named by the word
+    for w in (a, admin):
         await w.close()
 
 

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from appserver.config import AuthConfig, ConfigError
 log = logging.getLogger("appserver.auth")
 
 HS_MIN_SECRET_BYTES = 32
+MAX_JWT_LIFETIME_S = 36500 * 86400.0  # an `exp` further ahead is refused, as a token's lifetime is
 _HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
 _RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 _EC_ALGS = frozenset({"ES256", "ES384", "ES512"})
@@ -133,7 +136,7 @@ class JwtVerifier:
 
         try:
             header = jwt.get_unverified_header(token)
-        except jwt.DecodeError:
+        except jwt.InvalidTokenError:  # malformed, or a header PyJWT refuses (`crit` extensions)
             raise unauthorized("invalid_token", "malformed JWT") from None
         alg = header.get("alg")
         if not isinstance(alg, str) or alg not in self.algorithms:
@@ -168,6 +171,11 @@ class JwtVerifier:
             raise unauthorized("invalid_token", "JWT signature is invalid") from None
         except jwt.InvalidTokenError as exc:
             raise unauthorized("invalid_token", f"invalid JWT: {type(exc).__name__}") from None
+        # PyJWT reads `true` as 1 and "1796…" as a number; and an exp centuries ahead never ends.
+        if not _numeric_date_within(claims.get("exp"), time.time() + MAX_JWT_LIFETIME_S):
+            raise unauthorized(
+                "invalid_token", f"JWT exp must be a NumericDate at most {MAX_JWT_LIFETIME_S // 86400:.0f} days ahead"
+            )
         agents: frozenset[str] | None = None
         if "agents" in claims:
             agents = _claim_set(claims["agents"], "agents")
@@ -192,3 +200,8 @@ class JwtVerifier:
             expires_at=float(claims["exp"]),
             claims=claims,
         )
+
+
+def _numeric_date_within(value: Any, latest: float) -> bool:
+    """A JSON number (not a bool, not a string), finite, no later than `latest`."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value <= latest

@@ -408,6 +408,12 @@ class ConversationMatcher:
         answers: Answers | None = None,
     ) -> Placement:
         value = value.strip()
+        keyword = value.lower()
+        if keyword == "default":  # this credential's default conversation, never an id named so
+            return Placement((await self.server.kernel.default_conversation(agent, namespace)).id, "header")
+        if keyword == "new":  # a conversation of its own, whatever the history says
+            made = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
+            return Placement(made.id, "header_new", claimed=True)
         if not CONVERSATION_ID_RE.match(value):
             raise ApiError(
                 400,

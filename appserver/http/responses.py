@@ -1019,6 +1019,8 @@ class Responses:
                 claimed=True,
             )
         if conv_param:
+            if conv_param.strip().lower() == "default":  # this credential's own, as X-Conversation-Id
+                return Placement((await self.server.kernel.default_conversation(agent, ns)).id, "conversation")
             conv = await store.get_conversation(conv_param)
             if conv is None or not self.matcher.visible(conv, agent, ns):
                 raise ApiError(

@@ -7,6 +7,7 @@ left running by a dead process, and answers pending calls, cancels and snapshot 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -40,6 +41,7 @@ from appserver.store.records import (
     TurnRecord,
 )
 
+NAMESPACE_DEFAULT_PREFIX = "conv_default~"  # a namespace's own default conversation (default_conversation)
 log = logging.getLogger("appserver.kernel")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
@@ -107,6 +109,7 @@ class Kernel:
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
         self._trim_after_time = 0.0
+        self._defaults_lock = asyncio.Lock()  # creating a namespace's own default conversation
 
     # ------------------------------------------------------------ start / stop
 
@@ -354,6 +357,24 @@ class Kernel:
             code="agent_ambiguous",
             param="agent",
         )
+
+    async def default_conversation(self, agent: AgentRecord, namespace: str | None) -> ConversationRecord:
+        """`default` as a credential means it: the agent's shared default for admin and the local
+        owner (`namespace` None), else that namespace's own default, created on first use, under
+        an id derived from the agent and the namespace (two credentials never share a default, and
+        the id has a `~`, which no client-chosen id may have, so nobody can create it ahead)."""
+        if namespace is None:
+            return await self.resolve_conversation(agent, "default")
+        cid = NAMESPACE_DEFAULT_PREFIX + hashlib.sha256(f"{agent.id}\n{namespace}".encode()).hexdigest()[:24]
+        async with self._defaults_lock:
+            conv = await self.store.get_conversation(cid)
+            if conv is None:
+                conv = await self.store.create_conversation(
+                    ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=namespace)
+                )
+        if conv.agent_id != agent.id or conv.namespace != namespace:  # pragma: no cover - ids are derived
+            raise NotFound(f"unknown conversation {cid!r}", code="conversation_not_found", param="conversation")
+        return conv
 
     async def resolve_conversation(
         self, agent: AgentRecord, spec: str, *, create: bool = True, fields: dict[str, Any] | None = None

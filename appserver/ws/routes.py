@@ -8,7 +8,6 @@ client's socket.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import importlib
 import json
 import logging
@@ -26,6 +25,7 @@ from appserver.channels import PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
 from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
+from appserver.runtime.kernel import NAMESPACE_DEFAULT_PREFIX
 from appserver.server import Server
 from appserver.store.records import AgentRecord, ConversationRecord
 from appserver.ws.connection import WRITE_FRAME, Connection
@@ -58,7 +58,6 @@ SERVER_NAME = f"{_pkg}/0.1"
 CLOSE_WAIT_S = 5.0
 # A namespaced credential's own "default" conversation has a derived id with a '~', which the HTTP
 # X-Conversation-Id header refuses: nobody can create it ahead of its owner (squatting).
-NAMESPACE_DEFAULT_PREFIX = "conv_default~"
 OWNER_CACHE_MAX = 10_000  # conversation id -> (agent id, namespace); both never change
 LIST_BATCH = 500
 
@@ -185,7 +184,6 @@ class Endpoint:
         self.hub = hub  # serve's signal handler holds it too: it tells clients the server is stopping
         self.cron = cron  # the `cron_run` frame fires tasks through it
         self._owners: dict[str, tuple[str, str | None]] = {}  # conversation id -> (agent id, namespace)
-        self._default_lock = asyncio.Lock()  # creating a namespace's default conversation
         self.frame_limits = FrameLimits.from_max_messages(int(server.config.limits.max_messages))
 
     async def __call__(self, websocket: WebSocket) -> None:
@@ -611,21 +609,10 @@ class Endpoint:
         return entry
 
     async def _namespace_default(self, agent: AgentRecord, ns: str) -> str:
-        """The id of this namespace's own default conversation of `agent`, created on first use:
-        two credentials never share a default (the agent's shared one is for admin and local)."""
-        cid = NAMESPACE_DEFAULT_PREFIX + hashlib.sha256(f"{agent.id}\n{ns}".encode()).hexdigest()[:24]
-        if cid in self._owners:
-            return cid
-        async with self._default_lock:
-            conv = await self.server.store.get_conversation(cid)
-            if conv is None:
-                conv = await self.server.store.create_conversation(
-                    ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=ns)
-                )
-        if conv.agent_id != agent.id or conv.namespace != ns:  # pragma: no cover - ids are derived
-            raise _not_found(cid)
+        """The id of this namespace's own default conversation of `agent` (Kernel.default_conversation)."""
+        conv = await self.server.kernel.default_conversation(agent, ns)
         self._remember(conv)
-        return cid
+        return conv.id
 
     async def _list_conversations(self, conn: Connection, frame: F.ListConversations) -> list[ConversationRecord]:
         """The page of conversations this credential may see (its agents, its namespace), newest

@@ -51,11 +51,16 @@ def run_record(task_id: str, event: str, **fields: Any) -> dict[str, Any]:
 
 
 def write_record(runs_dir: Path, record: dict[str, Any]) -> None:
-    """Append one record with a single O_APPEND write, so concurrent writers never interleave."""
+    """Append one record with a single O_APPEND write, so concurrent writers never interleave. A
+    log whose last line was cut short (a full disk) gets a line break first: the torn line stays
+    unreadable on its own instead of swallowing this record too."""
     line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
     ensure_private_dir(runs_dir)
-    fd = os.open(run_log_path(runs_dir, str(record["task_id"])), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(run_log_path(runs_dir, str(record["task_id"])), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
         if os.write(fd, line) != len(line):
             raise OSError(f"short write to the run log of task {record['task_id']}")
     finally:
@@ -101,6 +106,19 @@ class RunLog:
         with self._mutex:
             self._flush_locked()
             return len(self._backlog)
+
+    def close(self) -> None:
+        """At stop: a last try, then every record the disk still refuses goes whole into the
+        server's log, so a run that fired is never without a trace (the next server cannot know)."""
+        with self._mutex:
+            self._flush_locked()
+            for record in self._backlog:
+                log.error(
+                    "cron: stopping with a run-log record never written (%s): %s",
+                    self._error,
+                    json.dumps(record, ensure_ascii=False),
+                )
+            self._backlog = []
 
     def problem(self) -> str | None:
         """One line while records are waiting for the disk, else None."""

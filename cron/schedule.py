@@ -76,6 +76,8 @@ class ScheduleSpec:
         kind, expr, tz = data.get("kind"), data.get("expr"), data.get("tz")
         if not isinstance(kind, str) or not isinstance(expr, str) or not isinstance(tz, str):
             raise ValueError("schedule needs string kind, expr and tz")
+        if kind not in KINDS:  # a hand edit: the task is kept as invalid, the others go on
+            raise ValueError(f"unknown schedule kind {kind[:40]!r} (one of {', '.join(KINDS)})")
         return cls(kind, expr, tz)
 
     @property

@@ -705,4 +705,5 @@ class Scheduler:
             except (TimeoutError, CronStoreError, CorruptStateFile) as exc:
                 log.warning("cron: could not release the scheduler lease: %s", exc)
             self.has_lease = False
+        await asyncio.to_thread(self.store.runlog.close)
         await asyncio.to_thread(self.store.close)

@@ -14,7 +14,8 @@ never touched, and `corrupt_files()` lets every CLI command keep warning about i
 restores or deletes it. Refusing all writes until the user acts was rejected: a forgotten corrupt
 file would silently stop every scheduled job, which is the failure this package exists to prevent.
 Valid JSON of the wrong shape (`null`, a list, a number, a task that is no object or has no string
-id) is as unusable as torn JSON and is set aside the same way, never read as "no tasks". An
+id) is as unusable as torn JSON and is set aside the same way, never read as "no tasks". A second
+task with an id already used is kept as invalid (the first stays in use). An
 unusable `scheduler_owner` is not: the lease record is the scheduler's, so it is read as no owner
 (with an error in the log) and a scheduler takes the lease over, with every task kept.
 
@@ -481,16 +482,18 @@ class CronFile:
                 owner_problem = str(exc) or type(exc).__name__
         parsed: list[CronTask] = []
         invalid: list[InvalidTask] = []
+        seen: set[str] = set()
         for raw in tasks:
             if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
                 raise ValueError("every task must be an object with a string id")
+            if raw["id"] in seen:  # a hand edit that copied a task: the first one stays in use
+                invalid.append(InvalidTask(raw, f"a second task with the id {raw['id']!r}; give it another id"))
+                continue
+            seen.add(raw["id"])
             try:
                 parsed.append(CronTask.from_dict(raw))
             except (ValueError, TypeError, KeyError, OverflowError) as exc:
                 invalid.append(InvalidTask(raw, f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)))
-        ids = [t.id for t in parsed] + [bad.id for bad in invalid]
-        if len(set(ids)) != len(ids):
-            raise ValueError("duplicate task ids")
         return cls(
             version=version,
             scheduler_owner=owner,
@@ -806,12 +809,17 @@ class CronStore:
 # ---------------------------------------------------------------- building a task
 
 
+_TASK_ID_SHAPE = re.compile(r"cron_[0-9a-f]{12}")  # what new_task_id makes
+
+
 def validate_name(name: str) -> str:
     if not _NAME_RE.fullmatch(name):
         raise ScheduleError(
             f"invalid task name {name!r}: 1-64 characters, letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
+    if _TASK_ID_SHAPE.fullmatch(name):  # commands take an id or a name: this one could be either
+        raise ScheduleError(f"invalid task name {name!r}: it has the shape of a task id (cron_ and 12 hex digits)")
     return name
 
 

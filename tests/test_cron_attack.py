@@ -188,6 +188,17 @@ def test_a_name_or_target_ending_in_a_newline_is_refused(home: Path) -> None:
     assert names == ["nightly"], names
 
 
+def test_a_name_shaped_like_a_task_id_is_refused(home: Path) -> None:
+    """Commands take an id or a name: a task named like another's id could never be reached by
+    its name (`cron show cron_…` answered with the other task)."""
+    env = cli_env(home)
+    first = add_task(home, env, "--name", "first", "--in", "1h")
+    r = run_cli(home, "cron", "add", "--name", first["id"], "--agent", "assistant", "--in", "1h",
+                "--prompt", "p", env=env)  # fmt: skip
+    assert r.code == 1 and "shape of a task id" in r.err, (r.code, r.err)
+    add_task(home, env, "--name", "cron_nightly", "--in", "1h")  # the prefix alone is a fine name
+
+
 def test_a_stored_id_ending_in_a_newline_is_an_invalid_task() -> None:
     """The id names the run-log file: `cron_x\\n.jsonl` is not a name cron should ever write."""
     good = {"id": "cron_x", "name": "x", "agent": "a", "prompt": "p", "created_at": "2026-01-01T00:00:00+00:00",

@@ -78,3 +78,32 @@ async def test_a_refused_run_log_write_loses_no_run_and_is_retried(store: CronSt
     clock.now += timedelta(hours=1)
     await s.tick()
     assert sorted(kernel.fired) == [("broken", 1), ("broken", 2), ("fine", 1), ("fine", 2)]
+
+
+def test_a_line_cut_short_by_a_full_disk_does_not_swallow_the_next_record(tmp_path: Path) -> None:
+    """The disk filled in the middle of a record: the next write starts on a line of its own, so
+    only the torn line is unreadable (was: the next good record was glued onto it and lost too)."""
+    from cron.runlog import append_run, run_log_path
+
+    runs = tmp_path / "cron-runs"
+    append_run(runs, "cron_torn", "fired", occurrence=1)
+    with open(run_log_path(runs, "cron_torn"), "ab") as f:
+        f.write(b'{"task_id": "cron_torn", "event": "fir')  # what a short write left
+    append_run(runs, "cron_torn", "fired", occurrence=2)
+    assert [(r["event"], r.get("occurrence")) for r in read_runs(runs, "cron_torn")] == [("fired", 1), ("fired", 2)]
+
+
+def test_records_the_disk_still_refuses_at_stop_go_whole_into_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cron.runlog import RunLog
+
+    runs = tmp_path / "cron-runs"
+    runs.write_text("a file where the directory should be: every write fails")
+    writer = RunLog(runs)
+    writer.record("cron_lost", "fired", occurrence=7)
+    assert writer.problem() is not None
+    writer.close()
+    lines = [r.getMessage() for r in caplog.records if "never written" in r.getMessage()]
+    assert len(lines) == 1 and '"task_id": "cron_lost"' in lines[0] and '"occurrence": 7' in lines[0]
+    assert writer.problem() is None

@@ -115,6 +115,39 @@ def test_an_over_long_owner_pid_is_read_as_no_owner_and_the_tasks_stay(home: Pat
     assert [t.name for t in CronStore(home).read().tasks] == ["a", "b"] and CronStore(home).corrupt_files() == []
 
 
+def test_a_task_with_an_unknown_schedule_kind_is_invalid_and_the_others_are_listed(home: Path) -> None:
+    """A hand edit (`"kind": "weekly"`) made `cron list` and `show` fail for every task with a bare
+    KeyError: that task is now kept as invalid, said, and the rest are listed."""
+    _with_a_task(home)
+    added = run_cli(home, "cron", "add", "--name", "b", "--agent", "assistant", "--every", "1h", "--prompt", "y")
+    assert added.code == 0, added.err[:300]
+    data = json.loads((home / "crons.json").read_text())
+    data["tasks"][0]["schedule"]["kind"] = "weekly"
+    (home / "crons.json").write_text(json.dumps(data))
+    listed = run_cli(home, "cron", "list", "--json")
+    assert listed.code == 0 and [t["name"] for t in listed.json()] == ["b"], listed.err[:300]
+    assert "unknown schedule kind 'weekly'" in listed.err
+    shown = run_cli(home, "cron", "show", "a")
+    assert shown.code != 0 and "unknown schedule kind 'weekly'" in shown.err and "Traceback" not in shown.err
+
+
+def test_a_copied_task_with_the_same_id_is_invalid_and_the_file_stays(home: Path) -> None:
+    """A hand edit that duplicated a task (same id): the first stays in use, the copy is kept as
+    invalid and said (was: the whole crons.json set aside, every task stopped)."""
+    data = _with_a_task(home)
+    tasks = data["tasks"]
+    assert isinstance(tasks, list)
+    (home / "crons.json").write_text(json.dumps({**data, "tasks": [*tasks, {**tasks[0], "name": "copy"}]}))
+    listed = run_cli(home, "cron", "list", "--json")
+    assert listed.code == 0 and [t["name"] for t in listed.json()] == ["a"], listed.err[:300]
+    assert "a second task with the id" in listed.err
+    assert CronStore(home).corrupt_files() == []
+    added = run_cli(home, "cron", "add", "--name", "b", "--agent", "assistant", "--every", "1h", "--prompt", "y")
+    assert added.code == 0, added.err[:300]
+    kept = json.loads((home / "crons.json").read_text())["tasks"]
+    assert [t["name"] for t in kept] == ["a", "b", "copy"]  # the copy is still in the file, as it was
+
+
 @pytest.mark.parametrize("field", ["occurrence", "max_lateness_s"])
 def test_an_over_long_number_in_a_task_makes_that_task_invalid_not_the_file(home: Path, field: str) -> None:
     data = _with_a_task(home)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import click
 
 from appserver.agent_admin import parse_params, parse_tool_policies
-from appserver.cli.common import print_json, with_server
+from appserver.cli.common import get_config, print_json, with_server
+from appserver.config import Config
+from appserver.fsutil import CorruptStateFile
 from appserver.server import Server
 from appserver.store.records import AgentRecord
+from cron.store import CronStoreError, CronTask, utcnow
+from cron.stores import cron_store_for
 
 
 def _show(agent: AgentRecord) -> None:
@@ -111,9 +118,72 @@ def update_agent(
     print_json(rec.to_dict()) if as_json else _show(rec)
 
 
+@dataclass(slots=True)
+class _CronCleanup:
+    """What deleting an agent did to its cron tasks: the ones disabled, or why they could not be
+    checked (the agent stays deleted either way)."""
+
+    disabled: list[CronTask] = field(default_factory=list)
+    problem: str | None = None
+
+
+def _disable_cron_tasks(config: Config, agent: AgentRecord) -> _CronCleanup:
+    """Disable the deleted agent's tasks that would still fire (each fire would fail with "unknown
+    agent" for ever, and an agent created again under the name gets a new id). They are kept, with
+    the reason as their last error, so `cron show` still tells what they were. An unreadable
+    crons.json is left in place (a reader's load): deleting an agent must not move it aside."""
+    store = cron_store_for(config.home, config.store.url)
+    try:
+        with store.lock():
+            state = store.load(readonly=True)
+            now = utcnow()
+            live = [t for t in state.tasks if t.agent == agent.id and t.enabled and t.next_fire_at is not None]
+            for task in live:
+                task.set_error(f"disabled: its agent {agent.name} ({agent.id}) was deleted", now)
+                task.enabled = False
+            if live:
+                store.save(state)
+            else:
+                store.keep(state)
+        return _CronCleanup(disabled=live)
+    except (CronStoreError, CorruptStateFile, OSError) as exc:
+        return _CronCleanup(problem=" ".join(str(exc).split()) or type(exc).__name__)
+    finally:
+        store.close()
+
+
+def _cron_note(agent: AgentRecord, cleanup: _CronCleanup, *, as_json: bool) -> None:
+    """One line naming the disabled tasks (stdout; --json carries them instead), or a warning
+    (stderr) that they could not be checked."""
+    if cleanup.problem is not None:
+        click.echo(
+            f"warning: the cron tasks of {agent.name} could not be checked ({cleanup.problem}); "
+            "check them with appserver cron list: any left would fail with 'unknown agent'",
+            err=True,
+        )
+    elif cleanup.disabled and not as_json:
+        n = len(cleanup.disabled)
+        names = ", ".join(f"{t.name} ({t.id})" for t in cleanup.disabled)
+        click.echo(f"disabled {n} cron task{'s' if n != 1 else ''} of {agent.name}: {names}")
+
+
 @agents_group.command("delete")
 @click.argument("agent")
 @click.option("--json", "as_json", is_flag=True)
 def delete_agent(agent: str, as_json: bool) -> None:
-    rec = with_server(lambda s: s.agents.delete(agent))
-    print_json({"deleted": rec.id, "name": rec.name}) if as_json else click.echo(f"deleted {rec.name} ({rec.id})")
+    """Delete an agent; its cron tasks are disabled (kept, with the reason) in the same command."""
+    config = get_config()
+    rec = with_server(lambda s: s.agents.delete(agent), config=config)
+    cleanup = _disable_cron_tasks(config, rec)
+    if as_json:
+        out: dict[str, Any] = {
+            "deleted": rec.id,
+            "name": rec.name,
+            "cron_tasks_disabled": [{"id": t.id, "name": t.name} for t in cleanup.disabled],
+        }
+        if cleanup.problem is not None:
+            out["cron_tasks_unchecked"] = cleanup.problem
+        print_json(out)
+    else:
+        click.echo(f"deleted {rec.name} ({rec.id})")
+    _cron_note(rec, cleanup, as_json=as_json)

@@ -58,22 +58,28 @@ _USER_ERRORS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class AgentDirectory:
-    """How cron commands resolve `--agent` and name agents in their output. `resolve(config,
-    agent)` returns the agent id to store or raises LookupError/ValueError with a user-facing
-    message; `names(config)` maps agent ids to names."""
-
-    resolve: Callable[[Config, str], str]
-    names: Callable[[Config], dict[str, str]]
-
-
 def _accept_any_agent(cfg: Config, agent: str) -> str:
     return agent
 
 
 def _no_names(cfg: Config) -> dict[str, str]:
     return {}
+
+
+def _accept_any_conversation(cfg: Config, agent_id: str, conversation: str) -> None:
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class AgentDirectory:
+    """How cron commands resolve `--agent` and name agents in their output. `resolve(config,
+    agent)` returns the agent id to store or raises LookupError/ValueError with a user-facing
+    message; `names(config)` maps agent ids to names; `conversation(config, agent_id, conv)`
+    raises LookupError when `conv` (a conversation id, not new/default) is not that agent's."""
+
+    resolve: Callable[[Config, str], str]
+    names: Callable[[Config], dict[str, str]]
+    conversation: Callable[[Config, str, str], None] = _accept_any_conversation
 
 
 def _store_resolve(cfg: Config, agent: str) -> str:
@@ -88,8 +94,36 @@ def _store_names(cfg: Config) -> dict[str, str]:
     return agent_names(cfg)
 
 
+def _store_conversation(cfg: Config, agent_id: str, conversation: str) -> None:
+    """A task whose conversation is gone or another agent's fails at every fire: refuse it now.
+    Only the store is opened (the agent was resolved just before, so it exists)."""
+    import asyncio
+
+    from appserver.server import Server
+
+    async def problem() -> str | None:
+        store = Server(cfg).store
+        await store.open()
+        try:
+            conv = await store.get_conversation(conversation)
+            if conv is None:
+                return f"unknown conversation {conversation!r}"
+            if conv.agent_id == agent_id:
+                return None
+            owner, task_agent = await store.get_agent(conv.agent_id), await store.get_agent(agent_id)
+            owner_name = owner.name if owner else conv.agent_id
+            task_name = task_agent.name if task_agent else agent_id
+            return f"conversation {conversation!r} belongs to agent {owner_name}, not to {task_name}"
+        finally:
+            await store.close()
+
+    message = asyncio.run(problem())
+    if message is not None:
+        raise LookupError(message)
+
+
 ANY_AGENT = AgentDirectory(_accept_any_agent, _no_names)
-STORE_AGENTS = AgentDirectory(_store_resolve, _store_names)
+STORE_AGENTS = AgentDirectory(_store_resolve, _store_names, _store_conversation)
 
 
 def _agents() -> AgentDirectory:
@@ -122,6 +156,13 @@ class _OneLineError(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"error: {self.format_message()}", err=True)
+
+
+class _UnknownTarget(_OneLineError):
+    """A task aimed at something that does not exist (a conversation, a channel account): exit
+    code 2, as for an unknown agent or conversation elsewhere in the CLI."""
+
+    exit_code = 2
 
 
 def _seconds(option: str, text: str, low: float, high: float) -> float:
@@ -241,7 +282,7 @@ def cron_group() -> None:
     "--conversation",
     default="new",
     show_default=True,
-    help="new, default, or a conversation id.",
+    help="new, default, or the id of an existing conversation of the agent.",
 )
 @click.option(
     "--misfire",
@@ -259,7 +300,8 @@ def cron_group() -> None:
 @click.option(
     "--deliver",
     default=None,
-    help="Send the run's final reply to channel:account:chat[:thread] through the channel gateway.",
+    help="Send the run's final reply to channel:account:chat[:thread] through the channel gateway "
+    "(a configured channel account).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the new task as JSON.")
 @_user_errors
@@ -300,6 +342,7 @@ def add_cmd(
         exact=exact,
         deliver=deliver,
     )
+    _check_targets(cfg, task)
     store = _store(cfg)
     try:
         store.add(task)
@@ -323,6 +366,38 @@ def add_cmd(
         )
         click.echo(
             f"added cron task {task.name} ({task.id}) for agent {names.get(task.agent, task.agent)}; next run {nxt}"
+        )
+
+
+def _check_targets(cfg: Config, task: CronTask) -> None:
+    """What `make_task` cannot see: the conversation and the delivery account must exist now,
+    else every fire would fail. Refused with exit code 2 before anything is written."""
+    if task.conversation not in ("new", "default"):
+        try:
+            _agents().conversation(cfg, task.agent, task.conversation)
+        except LookupError as exc:
+            raise _UnknownTarget(f"--conversation: {_one_line(exc)}") from None
+    if task.deliver is not None:
+        _check_deliver(cfg, task.deliver)
+
+
+def _check_deliver(cfg: Config, target: str) -> None:
+    """The target's channel account must be configured ([channels.C.accounts.A]); one of a
+    channel that is configured but not enabled is kept, with a note (it can be enabled later)."""
+    channel, account, _ = target.split(":", 2)  # the format was checked by make_task
+    accounts = cfg.channels.accounts.get(channel, {})
+    if account not in accounts:
+        known = ", ".join(f"{c}:{a}" for c, named in sorted(cfg.channels.accounts.items()) for a in sorted(named))
+        raise _UnknownTarget(
+            f"--deliver {target!r}: no channel account {channel}:{account} is configured "
+            f"([channels.{channel}.accounts.{account}] in config.toml); "
+            + (f"configured: {known}" if known else "none is configured")
+        )
+    if channel not in cfg.channels.enabled:
+        click.echo(
+            f"note: channel {channel!r} is not enabled, so deliveries fail until it is: "
+            f"appserver channels enable {channel}",
+            err=True,
         )
 
 

@@ -703,6 +703,37 @@ async def test_asgi_per_client_concurrency_limit(tmp_path: Path) -> None:
     assert (await call_asgi(g))[0] == 200  # budget returned
 
 
+async def test_asgi_slots_belong_to_the_credential_and_health_probes_take_none(tmp_path: Path) -> None:
+    """On a local server every client has one address: a credential's requests count against
+    that credential (was: the address, so one token, or sockets nobody authenticated, could hold
+    every slot and lock out the others), and /healthz and /readyz answer however full it is."""
+    release = asyncio.Event()
+
+    async def slow(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] not in ("/healthz", "/readyz"):
+            await asyncio.wait_for(release.wait(), T)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    cfg = make_config(tmp_path, mode="token")
+    cfg.limits.connections_per_client = 2
+    store = TokenStore(tmp_path)
+    host = (b"host", b"127.0.0.1:8770")
+    a = [host, (b"authorization", f"Bearer {store.create(name='a')[1]}".encode())]
+    b = [host, (b"authorization", f"Bearer {store.create(name='b')[1]}".encode())]
+    g = SecurityGuard(slow, cfg, Authenticator(cfg))
+    first = [asyncio.create_task(call_asgi(g, headers=a)) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    assert (await call_asgi(g, headers=a))[0] == 429  # a's own slots are full
+    other = asyncio.create_task(call_asgi(g, headers=b))  # b, from the same address: its own
+    await asyncio.sleep(0.05)
+    assert not other.done()
+    for path in ("/healthz", "/readyz"):
+        assert (await call_asgi(g, path=path, headers=a))[0] == 200
+    release.set()
+    assert [r[0] for r in await asyncio.gather(*first, other)] == [200, 200, 200]
+
+
 async def test_asgi_lifespan_passes_through(tmp_path: Path) -> None:
     seen: list[str] = []
 

@@ -42,7 +42,7 @@ from appserver.security.authentication import (
 )
 from appserver.security.headers import guarded_headers
 from appserver.security.hostcheck import HostCheck
-from appserver.security.limits import BodyLimit, ClientSlots, client_key
+from appserver.security.limits import BodyLimit, ClientSlots, slot_key
 from appserver.security.origin import OriginCheck, cors_headers, is_preflight, preflight
 from appserver.security.refusals import refuse_ws, send_http_error
 from appserver.security.ws_session import run_ws
@@ -124,7 +124,7 @@ class SecurityGuard:
             principal, pending = self.authentication.authenticate(scope, hdrs)
             if kind == "http":
                 self.body.check_length(hdrs)
-            client = client_key(scope)
+            client = slot_key(scope, principal)
             self.slots.check(client)
         except Refusal as r:
             log.info("refused %s %r: %d %s", kind, scope.get("path", "?"), r.status, r.code)

@@ -4,6 +4,7 @@ and the streamed body size (`[limits] body_max_bytes`) and concurrent requests p
 
 from __future__ import annotations
 
+from appserver.auth.principal import Principal
 from appserver.security.asgi import CLOSE, Refusal, Scope
 from appserver.security.headers import Headers
 
@@ -43,6 +44,20 @@ def client_key(scope: Scope) -> str | None:
     if not client:
         return None
     return str(client[0])
+
+
+HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+def slot_key(scope: Scope, principal: Principal | None) -> str | None:
+    """Whose slots a request takes: an authenticated credential's own (so connections nobody
+    authenticated, all from one address on a local server, cannot use up a token's), else its
+    address. Health probes take none: they must answer while a client floods the server."""
+    if scope["type"] == "http" and scope.get("path") in HEALTH_PATHS:
+        return None
+    if principal is not None and principal.kind in ("token", "jwt"):
+        return f"{principal.kind}:{principal.subject}"
+    return client_key(scope)
 
 
 class ClientSlots:

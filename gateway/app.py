@@ -128,7 +128,9 @@ class Gateway:
     def _resume(self) -> None:
         for entry in self.ledger.in_flight() + self.ledger.to_deliver():
             self._follow(entry, resumed=True)
-        for entry in self.ledger.to_decide() + self.ledger.to_submit():
+        # In arrival order across both states: a crash between deciding m1, m2 and m3 left m3
+        # `received` and the others `allowed`, and m3 first made it the batch's first message.
+        for entry in sorted(self.ledger.to_decide() + self.ledger.to_submit(), key=lambda e: e.seq):
             self._enqueue(entry)
 
     # ---------------------------------------------------------------- status
@@ -276,7 +278,9 @@ class Gateway:
         if len(entries) > 1 and entry.batch is None:
             self.ledger.assign_batch([e.key for e in entries])
             entries = [e for e in self.ledger.batch_of(self.ledger.get(entry.key) or entry) if e.state == "allowed"]
-            entry = entries[0]
+        # The message that carries the turn's delivery is the batch's first (its id names the
+        # batch), wherever it sorts: following another member delivered nothing at all.
+        entry = next((e for e in entries if not e.is_batch_member), entries[0])
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
         resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
         if resolution is None:
@@ -324,8 +328,9 @@ class Gateway:
             attempt += 1
             await asyncio.sleep(delay)
         turn_id, conversation_id = str(ack["turn_id"]), str(ack["conversation_id"])
-        for e in entries[1:]:
-            self.ledger.mark_submitted(e.key, turn_id, conversation_id)
+        for e in entries:
+            if e.key != entry.key:
+                self.ledger.mark_submitted(e.key, turn_id, conversation_id)
         entry = self.ledger.mark_submitted(entry.key, turn_id, conversation_id)
         runner.live.turns += 1
         self._dirty = True

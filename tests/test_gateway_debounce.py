@@ -105,3 +105,30 @@ def test_kill_9_inside_the_window_answers_the_messages_once(tmp_path: Path) -> N
             assert [m.text for m in chat.messages("window")] == ["echo: kept 2"]
             inputs = _turn_inputs(home, "window")
             assert len(inputs) == 1 and re.findall(r">(kept \d)<", inputs[0]) == ["kept 0", "kept 1", "kept 2"]
+
+
+def test_a_crash_between_two_access_decisions_still_answers_the_burst_once(tmp_path: Path) -> None:
+    """The gateway died after deciding m1 and m2 but not m3: the next one resumed m3 (received)
+    before m1 and m2 (allowed), so m3 named the batch while m1 came first in it, and the reply
+    followed a batch member that carries no delivery: the turn ran, nobody was answered."""
+    from gateway.db import default_path
+    from gateway.ledger import Ledger, UpdateKey
+
+    with FakeChat() as chat:
+        home = fakechat_home(tmp_path / "home", chat, **{**SETTINGS, "debounce_ms": 300, "max_wait_ms": 1000})
+        ledger = Ledger.open(default_path(home))
+        for i in range(3):
+            payload = {"text": f"kept {i}", "chat_type": "dm", "ts": time.time(), "images": [], "attachments": []}
+            ledger.record(UpdateKey("fakechat", "main", f"m{i}"), chat="crash", sender="eve", payload=payload)
+        for i in range(2):
+            ledger.decide(UpdateKey("fakechat", "main", f"m{i}"), "allow", "dm: open")
+        ledger.close()
+        with channel_server(home) as srv:
+            try:
+                chat.wait_for_text("crash", "echo: kept 2", timeout=30)
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}\n--- serve log ---\n{srv.log()[-6000:]}") from None
+            time.sleep(1.0)
+            assert [m.text for m in chat.messages("crash")] == ["echo: kept 2"]
+            inputs = _turn_inputs(home, "crash")
+            assert len(inputs) == 1 and re.findall(r">(kept \d)<", inputs[0]) == ["kept 0", "kept 1", "kept 2"]

@@ -97,14 +97,7 @@ def test_kill_9_inside_the_window_answers_the_messages_once(tmp_path: Path) -> N
             for mid in ids:
                 chat.wait_acked(mid, timeout=15)
             os.kill(child, signal.SIGKILL)  # inside the 3 s window: nothing was submitted yet
-            try:
-                chat.wait_for_text("window", "echo: kept 2", timeout=60)
-            except TimeoutError as exc:
-                raise AssertionError(f"{exc}\n--- serve log ---\n{srv.log()[-6000:]}") from None
-            time.sleep(1.0)
-            assert [m.text for m in chat.messages("window")] == ["echo: kept 2"]
-            inputs = _turn_inputs(home, "window")
-            assert len(inputs) == 1 and re.findall(r">(kept \d)<", inputs[0]) == ["kept 0", "kept 1", "kept 2"]
+            _answered_once(chat, srv, home, "window", 60)
 
 
 def test_a_crash_between_two_access_decisions_still_answers_the_burst_once(tmp_path: Path) -> None:
@@ -124,11 +117,16 @@ def test_a_crash_between_two_access_decisions_still_answers_the_burst_once(tmp_p
             ledger.decide(UpdateKey("fakechat", "main", f"m{i}"), "allow", "dm: open")
         ledger.close()
         with channel_server(home) as srv:
-            try:
-                chat.wait_for_text("crash", "echo: kept 2", timeout=30)
-            except TimeoutError as exc:
-                raise AssertionError(f"{exc}\n--- serve log ---\n{srv.log()[-6000:]}") from None
-            time.sleep(1.0)
-            assert [m.text for m in chat.messages("crash")] == ["echo: kept 2"]
-            inputs = _turn_inputs(home, "crash")
-            assert len(inputs) == 1 and re.findall(r">(kept \d)<", inputs[0]) == ["kept 0", "kept 1", "kept 2"]
+            _answered_once(chat, srv, home, "crash", 30)
+
+
+def _answered_once(chat: FakeChat, srv: ChannelServer, home: Path, where: str, timeout: float) -> None:
+    """`kept 0` … `kept 2` in `where` went to the agent as one turn, answered by one message."""
+    try:
+        chat.wait_for_text(where, "echo: kept 2", timeout=timeout)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n--- serve log ---\n{srv.log()[-6000:]}") from None
+    time.sleep(1.0)
+    assert [m.text for m in chat.messages(where)] == ["echo: kept 2"]
+    inputs = _turn_inputs(home, where)
+    assert len(inputs) == 1 and re.findall(r">(kept \d)<", inputs[0]) == ["kept 0", "kept 1", "kept 2"]

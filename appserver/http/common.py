@@ -24,6 +24,7 @@ from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
+from appserver.store.base import ConversationGone
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
 if TYPE_CHECKING:
@@ -512,6 +513,14 @@ async def start_turn(
         return TurnRun(server, sub.conversation_id, sub.handle)
     except KernelError as exc:
         raise from_kernel(exc) from None
+    except ConversationGone:  # deleted between finding it and accepting the turn into it
+        if await server.store.get_agent(agent.id) is None:
+            raise ApiError(
+                404, "The model's agent was deleted while this request ran.", code="model_not_found", param="model"
+            ) from None
+        raise ApiError(
+            404, "The conversation was deleted while this request ran.", code="conversation_not_found"
+        ) from None
 
 
 async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bool, Any]:

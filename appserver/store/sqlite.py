@@ -412,6 +412,16 @@ class SQLiteStore(Store):
         return turn
 
     def _accept_turn(self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
+        try:
+            self._insert_turn(tx, turn, idempotency_scope, now)
+        except sqlite3.IntegrityError as exc:
+            # The turn's conversation (or its agent, and with it the conversation) was deleted
+            # after the request found it: said as such, not a 500.
+            if "FOREIGN KEY" in str(exc):
+                raise ConversationGone(turn.conversation_id) from exc
+            raise
+
+    def _insert_turn(self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
         if turn.idempotency_key and idempotency_scope:
             row = tx.execute(
                 "SELECT turn_id FROM idempotency_keys WHERE scope=? AND key=?",

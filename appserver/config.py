@@ -21,6 +21,7 @@ from appserver.channelconfig import ChannelConfigError, ChannelsConfig, load_cha
 from appserver.configcheck import Invalid, Rule, convert
 from appserver.fsutil import atomic_write_text, ensure_private_dir, move_aside
 from appserver.netaddr import parse_listen, parse_trusted_proxies
+from appserver.shown import shown
 from appserver.store.url import store_kind
 
 DEFAULT_LISTEN = "127.0.0.1:8770"
@@ -281,12 +282,6 @@ def _check_value(section: str, key: str, value: Any) -> str | None:
     return None
 
 
-def _shown(value: Any, limit: int = 80) -> str:
-    """A refused value in an error line, cut short: a pasted megabyte must not become the message."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
-
-
 def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[[str], str], *, from_env: bool) -> None:
     """Set `data` onto the section dataclass `obj`, each value checked; errors name the key and
     where it came from (the file, or the environment variable)."""
@@ -300,7 +295,7 @@ def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[
         try:
             converted = convert(value, hints[key], RULES.get(f"{prefix}.{key}"), from_env=from_env)
         except Invalid as exc:
-            raise ConfigError(f"{origin(key)}: [{where}] {key} must be {exc.expected}, got {_shown(value)}") from None
+            raise ConfigError(f"{origin(key)}: [{where}] {key} must be {exc.expected}, got {shown(value)}") from None
         problem = _check_value(prefix, key, converted)
         if problem is not None:
             raise ConfigError(f"{origin(key)}: [{where}] {key}: {problem}")

@@ -10,6 +10,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from appserver.shown import shown
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8770
 
@@ -55,16 +57,11 @@ class ListenAddress:
 def _parse_port(text: str, original: str) -> int:
     """ASCII digits, at most five of them: int() would take `٥` and refuse 5000 digits in its own words."""
     if not text.isdigit() or not text.isascii() or len(text) > 5:
-        raise ValueError(f"invalid port in listen address {_shown(original)}: expected 0-65535")
+        raise ValueError(f"invalid port in listen address {shown(original)}: expected 0-65535")
     port = int(text)
     if not 0 <= port <= 65535:
-        raise ValueError(f"invalid port in listen address {_shown(original)}: expected 0-65535")
+        raise ValueError(f"invalid port in listen address {shown(original)}: expected 0-65535")
     return port
-
-
-def _shown(text: str, limit: int = 80) -> str:
-    """`text` for an error message, cut short: a pasted megabyte must not become the message."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def _check_host(host: str, original: str) -> str:

@@ -22,6 +22,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterBadCronError, CroniterBadDateError, CroniterError, croniter
 
+from appserver.shown import shown
+
 KINDS = ("cron", "every", "at", "in")
 MAX_LOOKAHEAD = 20_000  # wall-time candidates examined before a cron expression is called dead
 RECURRING_JITTER_MAX_S = 59.0
@@ -96,23 +98,18 @@ class ScheduleSpec:
 def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
     """`30m`, `2h`, `1h30m`, `45s`, `1d` → timedelta. Zero is refused unless `allow_zero`."""
     s = text.strip().lower().replace(" ", "")
-    shown = _shown(text)
+    quoted = shown(text)
     if not s or _DURATION_RE.sub("", s):
-        raise ScheduleError(f"invalid duration {shown}: use a number with s, m, h or d, e.g. 30m or 1h30m")
+        raise ScheduleError(f"invalid duration {quoted}: use a number with s, m, h or d, e.g. 30m or 1h30m")
     parts = _DURATION_RE.findall(s)
     if any(len(n.lstrip("0")) > MAX_NUMBER_DIGITS for n, _ in parts):
-        raise ScheduleError(f"invalid duration {shown}: at most {MAX_DURATION_S // 86400}d")
+        raise ScheduleError(f"invalid duration {quoted}: at most {MAX_DURATION_S // 86400}d")
     total = sum(int(n.lstrip("0") or "0") * _UNIT_S[u] for n, u in parts)
     if total == 0 and not allow_zero:
-        raise ScheduleError(f"invalid duration {shown}: must be greater than zero")
+        raise ScheduleError(f"invalid duration {quoted}: must be greater than zero")
     if total > MAX_DURATION_S:  # beyond this, date arithmetic overflows (or nobody means it)
-        raise ScheduleError(f"invalid duration {shown}: at most {MAX_DURATION_S // 86400}d")
+        raise ScheduleError(f"invalid duration {quoted}: at most {MAX_DURATION_S // 86400}d")
     return timedelta(seconds=total)
-
-
-def _shown(text: str, limit: int = 80) -> str:
-    """`text` for an error message, cut short: a pasted megabyte must not become the message."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 def get_zone(name: str) -> ZoneInfo:
@@ -162,19 +159,19 @@ def normalize_cron(expr: str) -> str:
     fields = e.split(" ")
     if len(fields) != 5:
         raise ScheduleError(
-            f"invalid cron expression {_shown(expr)}: need 5 fields (minute hour day-of-month month day-of-week)"
+            f"invalid cron expression {shown(expr)}: need 5 fields (minute hour day-of-month month day-of-week)"
         )
     fields = [_check_field(expr, index, text) for index, text in enumerate(fields)]
     e = " ".join(fields)
     if not croniter.is_valid(e):
-        raise ScheduleError(f"invalid cron expression {_shown(expr)}")
+        raise ScheduleError(f"invalid cron expression {shown(expr)}")
     return e
 
 
 def _check_field(expr: str, index: int, text: str) -> str:
     """Refuse random values and reversed ranges in one field (the rest is croniter's to judge);
     the field with each range of one value (`5-5`, `mon-mon`, `1-1/3`) written as that value."""
-    where = f"invalid cron expression {_shown(expr)}: {_FIELDS[index]} field {_shown(text, 40)}"
+    where = f"invalid cron expression {shown(expr)}: {_FIELDS[index]} field {shown(text, 40)}"
     items = text.split(",")
     for pos, item in enumerate(items):
         base = item.split("/", 1)[0].strip()

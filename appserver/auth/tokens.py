@@ -26,6 +26,7 @@ from appserver.fsutil import (
     move_aside,
     read_json_or_move_aside,
 )
+from appserver.shown import shown
 
 log = logging.getLogger("appserver.auth")
 
@@ -57,11 +58,6 @@ MAX_TOKEN_LIFETIME_S = 36500 * 86400  # 100 years
 _MAX_DIGITS = 12  # more digits than this is beyond MAX_TOKEN_LIFETIME_S in every unit
 
 
-def _shown(text: str, limit: int = 40) -> str:
-    """`text` for an error message, cut short: a pasted megabyte must not become the message."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")
-
-
 def parse_duration(text: str) -> float | None:
     """`30d`, `12h`, `45m`, `2w`, `90s` → seconds; `never`/`none` → None (no expiry).
 
@@ -73,17 +69,17 @@ def parse_duration(text: str) -> float | None:
     if t in ("never", "none"):
         return None
     if t in ("", "0"):
-        raise ValueError(f"invalid duration {_shown(text)}: give e.g. 30d, 12h, 45m, 2w, or never for no expiry")
+        raise ValueError(f"invalid duration {shown(text, 40)}: give e.g. 30d, 12h, 45m, 2w, or never for no expiry")
     m = _DURATION_RE.match(t)
     if not m:
-        raise ValueError(f"invalid duration {_shown(text)}: expected e.g. 30d, 12h, 45m, 2w or never")
+        raise ValueError(f"invalid duration {shown(text, 40)}: expected e.g. 30d, 12h, 45m, 2w or never")
     digits = m.group(1).lstrip("0")
     if not digits:
-        raise ValueError(f"invalid duration {_shown(text)}: expected e.g. 30d, 12h, 45m, 2w or never")
+        raise ValueError(f"invalid duration {shown(text, 40)}: expected e.g. 30d, 12h, 45m, 2w or never")
     seconds = int(digits) * _UNIT_S[m.group(2).lower()] if len(digits) <= _MAX_DIGITS else None
     if seconds is None or seconds > MAX_TOKEN_LIFETIME_S:
         raise ValueError(
-            f"invalid duration {_shown(text)}: at most {MAX_TOKEN_LIFETIME_S // 86400}d (100 years), or never"
+            f"invalid duration {shown(text, 40)}: at most {MAX_TOKEN_LIFETIME_S // 86400}d (100 years), or never"
         )
     return float(seconds)
 

@@ -180,10 +180,14 @@ async def turn_error(server: Server, agent_id: str, error: dict[str, Any] | None
     """The OpenAI error for a failed turn. A turn whose rows could not be saved because its agent
     was deleted while it ran ends as that model not existing, as the next request for it does."""
     if (error or {}).get("kind") == "store" and await server.store.get_agent(agent_id) is None:
-        return ApiError(
-            404, "The model's agent was deleted while this request ran.", code="model_not_found", param="model"
-        )
+        return agent_deleted()
     return turn_failure(error)
+
+
+def agent_deleted() -> ApiError:
+    """A request whose agent was deleted while it ran: that model does not exist, as the next
+    request for it hears."""
+    return ApiError(404, "The model's agent was deleted while this request ran.", code="model_not_found", param="model")
 
 
 def model_object(agent: AgentRecord, model_id: str) -> dict[str, Any]:
@@ -515,9 +519,7 @@ async def start_turn(
         raise from_kernel(exc) from None
     except ConversationGone:  # deleted between finding it and accepting the turn into it
         if await server.store.get_agent(agent.id) is None:
-            raise ApiError(
-                404, "The model's agent was deleted while this request ran.", code="model_not_found", param="model"
-            ) from None
+            raise agent_deleted() from None
         raise ApiError(
             404, "The conversation was deleted while this request ran.", code="conversation_not_found"
         ) from None

@@ -20,6 +20,12 @@ class NotFound(KernelError):
     http_status = 404
 
 
+class AgentGone(NotFound):
+    """The agent was deleted between the lookup of a request and the accept of its input."""
+
+    code = "agent_not_found"
+
+
 class InvalidInput(KernelError):
     code = "invalid_request"
     http_status = 400

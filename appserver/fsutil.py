@@ -39,11 +39,15 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError) and exc.errno is not None:
+            # name the file the caller writes, not the temporary (a new random name at every try,
+            # which would make a lasting problem look like a new one each time it is logged)
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
     fsync_dir(path.parent)
 

@@ -288,13 +288,31 @@ def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, A
     path = run_log_path(runs_dir, task_id)
     records = _tail(path)
     found = _settling(records, occurrence)
-    if found is not None or any(r.get("event") == "fired" and r.get("occurrence") == occurrence for r in records):
+    if found is not None or any(_fired(r, occurrence) for r in records):
         return found
     try:
         raw = path.read_bytes()
     except OSError:
         return None
     return _settling(_parse(raw, path, quiet=True), occurrence)
+
+
+def has_fired(runs_dir: Path, task_id: str, occurrence: int) -> bool:
+    """Whether the log already holds the `fired` record of `occurrence` (a claim the scheduler
+    logged before it died): a recovered run then adds no second one."""
+    path = run_log_path(runs_dir, task_id)
+    records = _tail(path)
+    if any(_fired(r, occurrence) for r in records):
+        return True
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return False
+    return any(_fired(r, occurrence) for r in _parse(raw, path, quiet=True))
+
+
+def _fired(record: dict[str, Any], occurrence: int) -> bool:
+    return record.get("event") == "fired" and _number(record) == occurrence
 
 
 def _settling(records: list[dict[str, Any]], occurrence: int) -> dict[str, Any] | None:

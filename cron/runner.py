@@ -157,6 +157,7 @@ async def submit_claimed(
     *,
     fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
     clock: Clock = utcnow,
+    recovered: bool = False,
 ) -> tuple[str | None, str | None]:
     """Call `fire` for an occurrence that is already claimed, and log what happened: (turn id, None),
     or (None, the reason nothing was submitted). A failure is recorded (run log + task error) and
@@ -173,7 +174,8 @@ async def submit_claimed(
         except (CronStoreError, OSError) as exc2:
             log.error("cron: could not record the failure of task %s run #%d: %s", task.id, occurrence.number, exc2)
         return None, message
-    store.runlog.record(task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id)
+    extra = {"recovered": True} if recovered else {}  # a claim a dead scheduler left, submitted now
+    store.runlog.record(task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id, **extra)
     return turn_id, None
 
 

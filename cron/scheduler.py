@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from cron.lease import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, LeaseHolder
-from cron.runlog import settled_record, unrecorded_turns
+from cron.runlog import has_fired, settled_record, unrecorded_turns
 from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
     DEFAULT_OUTCOME_TIMEOUT_S,
@@ -307,9 +307,20 @@ class Scheduler:
             number,
             task.id,
         )
-        self.store.runlog.record(task.id, "fired", recovered=True, **occurrence.to_dict())
+        try:
+            logged = await asyncio.to_thread(has_fired, self.store.runs_dir, task.id, number)
+        except (OSError, ValueError):
+            logged = False
+        if not logged:  # the claim's own `fired` line did not make it before the crash
+            self.store.runlog.record(task.id, "fired", recovered=True, **occurrence.to_dict())
         turn_id, _ = await submit_claimed(
-            self.store, task, occurrence, self.fire, fire_timeout_s=self.fire_timeout_s, clock=self.clock
+            self.store,
+            task,
+            occurrence,
+            self.fire,
+            fire_timeout_s=self.fire_timeout_s,
+            clock=self.clock,
+            recovered=True,
         )
         report.fired.append((task.id, occurrence.number, turn_id))
         if turn_id is not None and self.await_outcome is not None:
@@ -674,6 +685,10 @@ class Scheduler:
                     self._tick_error = None
                 except (CorruptStateFile, CronStoreError) as exc:
                     self._tick_error = f"tick skipped: {exc}"
+                    await self._note_seen()
+                except OSError as exc:  # crons.json or its folder not writable (read-only, immutable, full)
+                    where = f": {exc.filename}" if exc.filename else ""
+                    self._tick_error = f"tick skipped: {exc.strerror or exc}{where}"
                     await self._note_seen()
                 except Exception as exc:
                     log.exception("cron: tick failed")

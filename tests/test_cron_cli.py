@@ -126,3 +126,13 @@ def test_out_of_range_schedules_are_one_line_errors_never_tracebacks(home: Path)
     assert out.strip().splitlines()[-1].startswith("99"), out  # it stops before the year 10000
     code, _, err = cron("add", "--name", "century", "--agent", "assistant", "--in", "1h", "--prompt", "x")
     assert code == 1 and err.strip() == "error: agent 'assistant' already has a cron task named 'century'", err
+
+
+def test_an_empty_timezone_is_refused_not_read_as_the_machines(home: Path) -> None:
+    """`--tz "$TZ"` with TZ unset gives `--tz ""`: a mistake to say, not a wish for the default zone."""
+    for tz in ("", " ", "Mars/Olympus"):
+        args = ("--name", "t", "--agent", "assistant", "--cron", "0 9 * * *", "--tz", tz, "--prompt", "x")
+        code, _, err = cron("add", *args)
+        assert code == 1 and err.strip().startswith("error: unknown timezone"), (tz, err)
+    code, out, _ = cron("list")
+    assert code == 0 and "no cron tasks" in out

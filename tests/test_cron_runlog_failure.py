@@ -8,6 +8,9 @@ problem is reported (for /readyz and the log) while it lasts.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -107,3 +110,30 @@ def test_records_the_disk_still_refuses_at_stop_go_whole_into_the_log(
     lines = [r.getMessage() for r in caplog.records if "never written" in r.getMessage()]
     assert len(lines) == 1 and '"task_id": "cron_lost"' in lines[0] and '"occurrence": 7' in lines[0]
     assert writer.problem() is None
+
+
+async def test_a_crons_json_the_disk_will_not_replace_is_one_line_not_a_traceback_a_tick(
+    store: CronStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An immutable (or read-only) crons.json: the claim cannot be saved, so nothing fires (a run
+    it could not claim must not run), and the log says so in one line naming crons.json itself,
+    not a traceback per tick naming a temporary file with a new random name each time."""
+    add(store, "due")
+    path = store.path
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    kernel = Kernel()
+    s = Scheduler(store, fire=kernel, clock=Clock(T0 + timedelta(hours=1)), tick_s=0.1, watch_s=0.05)
+    stop = asyncio.Event()
+    try:
+        with caplog.at_level(logging.INFO, logger="appserver.cron"):
+            loop = asyncio.create_task(s.run(stop))
+            await asyncio.sleep(0.8)  # several ticks
+            stop.set()
+            await asyncio.wait_for(loop, 10)
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+    assert kernel.fired == []
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert all(r.exc_info is None for r in errors), [r.getMessage() for r in errors]
+    assert [r.getMessage() for r in errors] == [f"cron: tick skipped: Operation not permitted: {path}"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appserver.errors import InvalidInput, NotFound, QueueFull
+from appserver.errors import AgentGone, InvalidInput, NotFound, QueueFull
 from appserver.runtime import Decision, SubmitRequest
 from appserver.server import Server
 from tests.fakes.openai_upstream import FakeOpenAI, chunk, openai_sse, tool_delta, usage_chunk
@@ -250,3 +250,23 @@ async def test_openai_kind_through_the_kernel(tmp_path: Path) -> None:
             assert second[-1]["role"] == "tool" and second[-1]["tool_call_id"] == "call_1"
         finally:
             await server.close()
+
+
+async def test_an_input_accepted_after_its_agent_was_deleted_is_not_found(server: Server) -> None:
+    """Another process (`appserver agents delete`) deletes the agent, and its conversations with
+    it, while this server still holds the conversation's runtime: the accept's foreign key fails.
+    Every front end hears "not found" (AgentGone, a NotFound), not an internal error, and nothing
+    of the input is written."""
+    agent = await server.agents.create("victim")
+    first = await server.kernel.submit(SubmitRequest(agent=agent.id, input="hello", conversation="new"))
+    await first.wait(5)
+    conv = first.conversation_id
+    assert conv in server.kernel.runtimes  # loaded: the next submit goes straight to its queue
+    assert await server.store.delete_agent(agent.id)
+    with pytest.raises(AgentGone) as caught:
+        await server.kernel.submit(SubmitRequest(agent=agent.id, input="again", conversation=conv, resolved=agent))
+    assert caught.value.http_status == 404 and caught.value.param == "agent" and "victim" in caught.value.message
+    assert await server.store.get_conversation(conv) is None
+
+    after = await server.kernel.submit(SubmitRequest(agent="assistant", input="hi", conversation="new"))
+    assert (await after.wait(5)).text() == "echo: hi"  # the kernel goes on

@@ -255,6 +255,8 @@ def test_the_interrupted_turn_is_kept_and_the_conversation_goes_on(
         conv = stopped["ws"]["conversation"]
     (turn,) = turns(sp.home)[conv]
     assert turn["status"] == "interrupted", turn
+    # it says why, as a turn a crash interrupted does (a cron run's log and every client show it)
+    assert json.loads(turn["error"])["message"] == "the server stopped while this turn was running", turn
     rows = messages(sp.home, conv)
     assert rows[0]["role"] == "user"
     if CASES.get(conv, ("", "", False, SLEEP))[3] == SLEEP:

@@ -242,6 +242,27 @@ async def test_a_turn_whose_agent_was_deleted_meanwhile_fails_as_conversation_go
     assert [m.content for m in await store.list_messages("conv_2")] == ["kept", "echo: kept"]
 
 
+async def test_accepting_a_turn_into_a_conversation_deleted_meanwhile_fails_as_conversation_gone(
+    store: AnyStore,
+) -> None:
+    """The accept of an input whose conversation went with its agent a moment before: on both
+    backends `ConversationGone` (the kernel tells the client "not found"), nothing written, and an
+    accept of another conversation in the same group is kept."""
+    from appserver.store.base import ConversationGone
+
+    await _agent_and_conversation(store)
+    await _agent_and_conversation(store, "conv_2", "agt_2")
+    assert await store.delete_agent("agt_1")
+    gone, kept = await asyncio.gather(
+        store.accept_turn(TurnRecord(id="turn_1", conversation_id="conv_1", agent_id="agt_1", status="queued")),
+        store.accept_turn(TurnRecord(id="turn_2", conversation_id="conv_2", agent_id="agt_2", status="queued")),
+        return_exceptions=True,
+    )
+    assert isinstance(gone, ConversationGone) and gone.conversation_id == "conv_1", gone
+    assert isinstance(kept, TurnRecord) and kept.id == "turn_2", kept
+    assert await store.get_turn("turn_1") is None and await store.get_turn("turn_2") is not None
+
+
 async def test_a_history_point_of_a_conversation_deleted_meanwhile_is_dropped_quietly(store: AnyStore) -> None:
     """A reply's point is written after the reply went out; the conversation (its agent) deleted
     in between: nothing is written and nothing fails, not even a write nobody waits for."""

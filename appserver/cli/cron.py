@@ -257,7 +257,7 @@ def _spec_from_options(
     if len(given) != 1:
         raise click.UsageError("give exactly one of --cron, --every, --at, --in")
     kind, expr = given[0]
-    zone = tz or local_zone_name()
+    zone = local_zone_name() if tz is None else tz  # `--tz ""` (an unset variable) is an error, not the default
     get_zone(zone)
     if kind == "cron":
         expr = normalize_cron(expr)
@@ -601,6 +601,10 @@ def _removed_task(store: CronStore, ref: str, agent: str | None) -> tuple[str, s
     return ids[0], str(task.get("name", ref)), tz if isinstance(tz, str) else "UTC"
 
 
+def _recovered(record: dict[str, Any]) -> str:
+    return " (recovered: claimed by a scheduler that stopped)" if record.get("recovered") else ""
+
+
 def _log_line(r: dict[str, Any], tz: str) -> str:
     def when(key: str) -> str:
         v = r.get(key)
@@ -617,9 +621,9 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
     if ev == "fired":
         kind = " (run now)" if r.get("manual") else " (catch-up)" if r.get("catch_up") else ""
         lost = "  LOST: the process died before submitting it" if r.get("lost") else ""
-        return f"{head} #{n} scheduled for {when('scheduled_for')}{kind}{lost}"
+        return f"{head} #{n} scheduled for {when('scheduled_for')}{kind}{lost}{_recovered(r)}"
     if ev == "submitted":
-        return f"{head} #{n} turn {r.get('turn_id')}"
+        return f"{head} #{n} turn {r.get('turn_id')}{_recovered(r)}"
     if ev == "outcome":
         err = f": {r['error']}" if r.get("error") else ""
         return f"{head} #{n} turn {r.get('turn_id')} {r.get('status')}{err}"

@@ -17,14 +17,13 @@ from starlette.responses import JSONResponse, Response
 
 from appserver import fastjson
 from appserver.auth import Principal, namespace_of
-from appserver.errors import KernelError
+from appserver.errors import AgentGone, KernelError
 from appserver.http.bodies import json_bodies
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id, turn_failure
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
-from appserver.store.base import ConversationGone
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
 if TYPE_CHECKING:
@@ -515,14 +514,10 @@ async def start_turn(
             )
         )
         return TurnRun(server, sub.conversation_id, sub.handle)
+    except AgentGone:  # deleted between finding it and accepting the turn: that model is gone
+        raise agent_deleted() from None
     except KernelError as exc:
         raise from_kernel(exc) from None
-    except ConversationGone:  # deleted between finding it and accepting the turn into it
-        if await server.store.get_agent(agent.id) is None:
-            raise agent_deleted() from None
-        raise ApiError(
-            404, "The conversation was deleted while this request ran.", code="conversation_not_found"
-        ) from None
 
 
 async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bool, Any]:

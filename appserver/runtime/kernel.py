@@ -18,7 +18,7 @@ from typing import Any
 from appserver.agent.loop import AgentLoop
 from appserver.agent.tools import reap_orphaned_tools
 from appserver.config import Config
-from appserver.errors import InvalidInput, NotFound
+from appserver.errors import AgentGone, InvalidInput, NotFound
 from appserver.ids import new_id
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
@@ -28,10 +28,10 @@ from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import finish_turn
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store
-from appserver.runtime.settle import TurnEnd, close_unanswered
+from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
-from appserver.store.base import DuplicateTurn, Store
+from appserver.store.base import ConversationGone, DuplicateTurn, Store
 from appserver.store.cluster import Cluster
 from appserver.store.records import (
     AgentRecord,
@@ -309,12 +309,7 @@ class Kernel:
                     completion_status="interrupted",
                 )
             )
-        error = {
-            "kind": "interrupted",
-            "message": "the server stopped while this turn was running",
-            "retryable": False,
-            "status": None,
-        }
+        error = server_stopped()
         commit = TurnCommit(
             turn.id,
             "interrupted",
@@ -535,7 +530,20 @@ class Kernel:
                 handle, position = await rt.queue.enqueue(record, scope, overlap=req.overlap_accept, agent=agent)
         except DuplicateTurn as dup:
             return await self._duplicate(dup.turn)
+        except ConversationGone:
+            raise await self._gone(agent, conv_id) from None
         return Submission(record.id, conv_id, agent.id, position, False, handle)
+
+    async def _gone(self, agent: AgentRecord, conversation_id: str) -> NotFound:
+        """The accept found the conversation gone: deleted, or its agent (and with it the
+        conversation) deleted, since the request found them. Said so to every front end."""
+        if await self.store.get_agent(agent.id) is None:
+            return AgentGone(f"agent {agent.name!r} was deleted while the input was accepted", param="agent")
+        return NotFound(
+            f"conversation {conversation_id!r} was deleted while the input was accepted",
+            code="conversation_not_found",
+            param="conversation",
+        )
 
     async def _duplicate(self, turn: TurnRecord) -> Submission:
         handle = await self.handle_for(turn)

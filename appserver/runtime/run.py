@@ -24,7 +24,7 @@ from appserver.runtime.handle import TurnHandle
 from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
-from appserver.runtime.settle import TurnEnd, cancel_wins, loop_end, store_failure
+from appserver.runtime.settle import TurnEnd, cancel_wins, halted, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import ConversationGone, StoreError
 from appserver.store.records import AgentRecord, MessageRecord, TurnRecord
@@ -169,7 +169,7 @@ class TurnRunner:
             if lease.cancel_event.is_set():  # cancelled before it ran: nothing may run now
                 if resume is not None:
                     await self._answers.close_calls(record, work, emit)
-                outcome = LoopOutcome("interrupted" if self._stopping() else "cancelled", "cancelled")
+                outcome = halted(self._stopping())
             else:
                 drafts = self._schedule_draft(lease, controller, record.id, -1)
                 self._loop_running = True  # from here a cancel cancels the worker (see cancel_loop)
@@ -178,7 +178,7 @@ class TurnRunner:
                 except asyncio.CancelledError:
                     if not self._loop_cancelled:
                         raise  # the worker itself is being torn down
-                    outcome = LoopOutcome("interrupted" if self._stopping() else "cancelled", "cancelled")
+                    outcome = halted(self._stopping())
                 finally:
                     self._loop_running = False
                     if self._loop_cancelled:

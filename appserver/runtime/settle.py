@@ -68,6 +68,26 @@ def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) 
     return TurnEnd(commit.status, stop_reason, error, commit)
 
 
+def server_stopped() -> dict[str, Any]:
+    """The error of a turn the server's stop interrupted, whether it stopped gracefully (the turn
+    cancelled on the way out) or died (the turn closed at the next start): every reader of the
+    turn (a client, a cron run's log, `conversations history`) is told why it ended."""
+    return {
+        "kind": "interrupted",
+        "message": "the server stopped while this turn was running",
+        "retryable": False,
+        "status": None,
+    }
+
+
+def halted(stopping: bool) -> LoopOutcome:
+    """How a turn ends that was stopped from outside: interrupted when the server is stopping,
+    else cancelled (a client asked)."""
+    return (
+        LoopOutcome("interrupted", "cancelled", server_stopped()) if stopping else LoopOutcome("cancelled", "cancelled")
+    )
+
+
 def cancel_wins(work: TurnWork) -> LoopOutcome:
     """The loop ended after a cancel was accepted (say a tool swallowed it): the turn ends
     cancelled as promised, and its last reply says so too."""

@@ -653,7 +653,10 @@ class PostgresStore(Store):
         async def job(conn: Conn) -> None:
             await self._insert_turn(conn, turn, idempotency_scope, now)
 
-        await self._write(job)
+        try:
+            await self._write(job)
+        except psycopg.errors.ForeignKeyViolation as exc:
+            raise ConversationGone(turn.conversation_id) from exc  # deleted since the request found it
         return turn
 
     async def accept_in_cluster(
@@ -696,7 +699,10 @@ class PostgresStore(Store):
             await self._insert_turn(conn, turn, idempotency_scope, turn.created_at)
             return [r["id"] for r in rows if r["status"] == "queued"]
 
-        return await self._write(job)
+        try:
+            return await self._write(job)
+        except psycopg.errors.ForeignKeyViolation as exc:
+            raise ConversationGone(turn.conversation_id) from exc  # deleted since the request found it
 
     async def _insert_turn(self, conn: Conn, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
         if turn.idempotency_key and idempotency_scope:

@@ -62,6 +62,11 @@ class DrainedStream:
             self._pos = len(self._lines)
             return rest
 
+    def seen(self, text: str) -> bool:
+        """Whether a line so far holds `text` (for `wait_for`; reads nothing away from `readline`)."""
+        with self._cond:
+            return any(text in line for line in self._lines)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.readline, "")
 

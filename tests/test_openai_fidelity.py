@@ -672,3 +672,61 @@ def test_openai_doc_lists_routes_items_parts_and_store_false(
             ).fetchone()[0]
             == 2
         )
+
+
+# ---------------------------------------------------------------- every input item reaches the model
+
+
+def test_system_and_developer_input_messages_instruct_the_model(http: httpx.Client, fake: FakeOpenAI) -> None:
+    """A Responses `input` with developer/system messages (LangChain sends a system prompt so):
+    their text reaches the model as system text after `instructions`, as chat's system messages do."""
+    body = {
+        "model": "remote",
+        "instructions": "BE BRIEF",
+        "input": [{"role": "developer", "content": "RULE ONE"}, {"role": "user", "content": "hi"}],
+    }
+    r = http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    validate("Response", r.json())
+    sent = fake.requests[-1].json["messages"]
+    assert [m["content"] for m in sent if m["role"] == "system"] == ["BE BRIEF", "RULE ONE"], sent
+    assert sent[-1] == {"role": "user", "content": "hi"}
+
+
+def test_messages_before_the_new_input_follow_a_previous_response(http: httpx.Client, fake: FakeOpenAI) -> None:
+    """previous_response_id with [user, assistant, user]: all three are new items (OpenAI's rule),
+    placed after the previous response's context, listed by input_items, and kept for the next
+    response of the chain. With `conversation` the same input is refused, never half-used."""
+    first = http.post("/v1/responses", json={"model": "remote", "input": "base"}).json()
+    added = [
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "U2"},
+    ]
+    r = http.post("/v1/responses", json={"model": "remote", "previous_response_id": first["id"], "input": added})
+    assert r.status_code == 200, r.text
+    seen = [(m["role"], m["content"]) for m in fake.requests[-1].json["messages"]]
+    assert seen == [("user", "base"), ("assistant", "fine"), ("user", "U1"), ("assistant", "A1"), ("user", "U2")]
+    items = http.get(f"/v1/responses/{r.json()['id']}/input_items", params={"order": "asc"}).json()
+    validate("ResponseItemList", items)
+    assert [(i["role"], i["content"][0]["text"]) for i in items["data"]] == [
+        ("user", "U1"),
+        ("assistant", "A1"),
+        ("user", "U2"),
+    ]
+    nxt = http.post("/v1/responses", json={"model": "remote", "previous_response_id": r.json()["id"], "input": "U3"})
+    assert nxt.status_code == 200, nxt.text
+    seen = [m["content"] for m in fake.requests[-1].json["messages"]]
+    assert seen == ["base", "fine", "U1", "A1", "U2", "fine", "U3"], seen
+
+    conv = nxt.headers["x-conversation-id"]
+    calls = len(fake.requests)
+    refused = http.post("/v1/responses", json={"model": "remote", "conversation": conv, "input": added})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_input", refused.text
+    validate("ErrorResponse", refused.json())
+    assert len(fake.requests) == calls  # nothing ran
+    again = http.post(
+        "/v1/responses", json={"model": "remote", "previous_response_id": nxt.json()["id"], "input": "U4"}
+    )
+    assert again.status_code == 200, again.text  # the refused request left the chain as it was
+    assert [m["content"] for m in fake.requests[-1].json["messages"]][-3:] == ["U3", "fine", "U4"]

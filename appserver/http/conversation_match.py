@@ -507,9 +507,10 @@ class ConversationMatcher:
         *,
         user: str | None = None,
         metadata: dict[str, Any] | None = None,
+        seed: list[ViewItem] | None = None,
     ) -> str:
-        """A new conversation with the source's messages up to `last_message_id`; with `answers`,
-        paused at the calls open there (checked before anything is written)."""
+        """A new conversation with the source's messages up to `last_message_id`, then `seed`'s;
+        with `answers`, paused at the calls open there (checked before anything is written)."""
         messages = [
             m
             for m in await self.store.list_messages(source_conversation)
@@ -528,6 +529,7 @@ class ConversationMatcher:
             copy=ids,
             answers=answers,
             paused=paused,
+            seed=seed,
         )
         return conv.id
 

@@ -199,6 +199,15 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             if role == "assistant":
                 out.items.append(ViewItem("assistant", text))
                 out.decisions.clear()  # approvals before a later reply are history, not new answers
+                out.stored.append(
+                    {
+                        "id": item_id("msg"),
+                        "type": "message",
+                        "role": "assistant",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+                    }
+                )
             elif role == "user":
                 out.items.append(ViewItem("user", text, images, parts=media))
                 parts: list[dict[str, Any]] = [{"type": "input_text", "text": text}] if text else []
@@ -836,8 +845,11 @@ class Responses:
         choice = tool_choice_of(body.get("tool_choice"), tool_names(self.server, agent, specs), agent)
         if choice is not None:
             options["tool_choice"] = choice
-        if instructions:
-            options["instructions"] = [instructions]
+        # system/developer messages of `input` instruct the model as `instructions` does (after it):
+        # per turn, as a chat request's system messages do
+        told = [i.text for i in parsed.items if i.kind == "system" and i.text]
+        if instructions or told:
+            options["instructions"] = ([instructions] if instructions else []) + told
         user, metadata = user_and_metadata(body)
         conv_param = body.get("conversation")
         if isinstance(conv_param, dict):
@@ -862,6 +874,7 @@ class Responses:
         items = merge_assistants(for_agent(parsed.items, agent))
         check_call_ids(items, "input")
         prefix, new = split_new_input(items)
+        added = history_to_add(prefix) if prev_id or conv_param else []
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
         decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results] + parsed.decisions
@@ -879,6 +892,15 @@ class Responses:
                 "input",
                 code="mixed_input",
             )
+        if added and (decisions or conv_param):
+            # never dropped silently: a stored conversation takes new input at its end only
+            raise bad_request(
+                "earlier messages cannot be added to a stored conversation ahead of "
+                + ("tool results or approval answers" if decisions else "the new input (with 'conversation')")
+                + ": send only the new input, or use previous_response_id with the messages and a new user message",
+                "input",
+                code="unsupported_input",
+            )
         check_media(self.server, agent, [p for u in users for p in u.parts], "input")
         answers = (
             Answers([d.call_id for d in decisions], turn_tools(specs), options, "input")
@@ -895,7 +917,9 @@ class Responses:
             if earlier is not None:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
-                place = await self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers)
+                place = await self._place(
+                    agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added
+                )
                 content = new_content(users)
                 run = await start_turn(
                     self.server,
@@ -985,7 +1009,10 @@ class Responses:
         user: str | None,
         metadata: dict[str, Any],
         answers: Answers | None = None,
+        added: list[ViewItem] | None = None,
     ) -> Placement:
+        """`added`: messages of `input` before its new input, with previous_response_id: they go
+        after the previous response's context, in a conversation forked from it."""
         store = self.server.store
         if prev_id:
             rec = await store.get_response(prev_id)
@@ -1006,6 +1033,9 @@ class Responses:
                     code="previous_response_in_progress",
                     param="previous_response_id",
                 )
+            if added:
+                fork = await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, seed=added)
+                return Placement(fork, "fork", claimed=True)
             head = await store.last_message_id(rec.conversation_id)
             if head == rec.last_message_id and self.matcher.free(
                 rec.conversation_id
@@ -1034,6 +1064,17 @@ class Responses:
         if header:
             return await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
         return await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
+
+
+def history_to_add(prefix: list[ViewItem]) -> list[ViewItem]:
+    """What of `input` before its new input must reach the model after a previous response (or a
+    conversation): its user messages and assistant text with the calls and results around them.
+    A prefix of only function calls (some clients resend the calls they answer) repeats what the
+    previous response holds: nothing to add. System text is not history (it instructs the turn)."""
+    history = [i for i in prefix if i.kind in ("user", "assistant", "tool")]
+    if any(i.kind == "user" or (i.kind == "assistant" and i.text.strip()) for i in history):
+        return history
+    return []
 
 
 class _Run:

@@ -89,14 +89,15 @@ def visible_text(snapshot: dict[str, Any], *, tool_status: bool = True) -> str:
         waiting = [str(p.get("name")) for p in snapshot.get("pending") or [] if p.get("kind") == "approval"]
         if waiting:
             lines.append(f"⏸ waiting for approval of {', '.join(waiting)}")
-    elif status == "failed":
+    elif status in ("failed", "cancelled"):
         error = snapshot.get("error") or {}
-        if error.get("kind") in ("interrupted", "unknown"):
+        # a server stop shows as `cancelled` with an `interrupted` error: nobody cancelled it
+        if error.get("kind") == "interrupted" or (status == "failed" and error.get("kind") == "unknown"):
             lines.append("⚠ The reply was interrupted (the server stopped while it was being written).")
-        else:
+        elif status == "failed":
             lines.append(f"⚠ The turn failed: {_short(str(error.get('message') or error.get('kind') or 'error'))}")
-    elif status == "cancelled":
-        lines.append("⏹ Cancelled.")
+        else:
+            lines.append("⏹ Cancelled.")
     return "\n\n".join(lines)
 
 

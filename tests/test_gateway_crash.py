@@ -89,6 +89,7 @@ def _kill_9_of_the_server_ends_the_child_and_a_restart_delivers_once(tmp_path: P
             time.sleep(1.5)
             assert len(chat.messages("c")) == 1, chat.messages("c")
             assert final.text.startswith("w1"), final.text  # what the chat showed stays
+            assert final.text.endswith("⚠ The reply was interrupted (the server stopped while it was being written).")
             assert store_turns(srv2.home, f'message_id="{mid}"') == 1
             from gateway.db import default_path
             from gateway.ledger import Ledger, UpdateKey

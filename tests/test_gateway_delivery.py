@@ -148,9 +148,11 @@ def test_failed_cancelled_and_interrupted_lines() -> None:
     assert visible_text(snap("failed", error={"kind": "timeout"})) == "⚠ The turn failed: timeout"
     long = visible_text(snap("failed", error={"message": "x" * 500}))
     assert long.endswith("…") and len(long) < 260
-    for kind in ("interrupted", "unknown"):
-        line = visible_text(snap("failed", error={"kind": kind, "message": "ignored"}))
-        assert line == "⚠ The reply was interrupted (the server stopped while it was being written)."
+    for status, kind in (("failed", "interrupted"), ("failed", "unknown"), ("cancelled", "interrupted")):
+        # a server stop reaches clients as `cancelled` with an `interrupted` error: nobody cancelled it
+        line = visible_text(snap(status, error={"kind": kind, "message": "ignored"}))
+        assert line == "⚠ The reply was interrupted (the server stopped while it was being written).", status
+    assert visible_text(snap("cancelled", error={"kind": "unknown"})) == "⏹ Cancelled."
     assert visible_text(snap("cancelled", text("Half"), tool("fetch"))) == "Half\n\n⏹ Cancelled."
 
 

@@ -165,6 +165,19 @@ def test_429_retry_after_is_honoured(srv: ChannelServer, tg: FakeTelegram) -> No
     assert len(tg.messages(4600)) == 1
 
 
+def test_a_5xx_the_bot_api_answers_is_retried_and_the_reply_arrives_once(srv: ChannelServer, tg: FakeTelegram) -> None:
+    """A 500 (or 502) in the Bot API's JSON is Telegram refusing the call, not a send that may have
+    landed: the reply is sent again after a pause and arrives exactly once (it was lost for good)."""
+    for chat, status in ((4610, 500), (4611, 502)):
+        tg.chat(chat)
+        tg.fail_next("sendMessage", status)
+        tg.dm(f"hiccup {status}", user_id=chat)
+        tg.wait_for_text(chat, f"echo: hiccup {status}", timeout=20)
+        sends = [c.status for c in tg.calls(chat_id=chat) if c.method == "sendMessage"]
+        assert sends == [status, 200], sends
+        assert [m.text for m in tg.messages(chat)] == [f"echo: hiccup {status}"]
+
+
 def test_a_conflict_is_shown_then_recovers(srv: ChannelServer, tg: FakeTelegram) -> None:
     tg.other_poller(True)
     try:

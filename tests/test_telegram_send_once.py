@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from telegram.error import NetworkError, TimedOut
+from telegram.error import NetworkError, TelegramError, TimedOut
 
 from gateway.delivery import Outbox, SendUncertain
 from gateway.ratelimit import ChatRateLimiter
@@ -38,6 +38,8 @@ REQUEST = httpx.Request("POST", "https://api.telegram.org/botX/sendMessage")
         (_raised(TimedOut(), httpx.ConnectTimeout("connect", request=REQUEST)), False),
         (_raised(TimedOut("Pool timeout"), httpx.PoolTimeout("pool", request=REQUEST)), False),
         (_raised(NetworkError("httpx.ConnectError"), httpx.ConnectError("refused", request=REQUEST)), False),
+        # a gateway's 502 page the library could not parse: its backend may have done the call
+        (_raised(NetworkError("Bad Gateway (502). Parsing failed"), TelegramError("Invalid server response")), True),
     ],
 )
 async def test_a_failure_after_the_request_left_is_uncertain(error: NetworkError, uncertain: bool) -> None:
@@ -49,6 +51,19 @@ async def test_a_failure_after_the_request_left_is_uncertain(error: NetworkError
     with pytest.raises(DeliveryError) as raised:
         await _delivery(call())
     assert raised.value.uncertain is uncertain and not raised.value.permanent
+
+
+async def test_an_error_the_bot_api_answers_is_a_plain_retry() -> None:
+    """A 5xx in the Bot API's own JSON (raised without a cause): Telegram refused the call, so it
+    can be made again: neither uncertain nor permanent."""
+
+    async def call() -> Any:
+        raise NetworkError("Internal Server Error")
+
+    with pytest.raises(DeliveryError) as raised:
+        await _delivery(call())
+    assert not raised.value.uncertain and not raised.value.permanent
+    assert raised.value.reason == "Telegram answered with an error: NetworkError: Internal Server Error"
 
 
 def test_telegram_can_neither_dedupe_nor_be_asked() -> None:

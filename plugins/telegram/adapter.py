@@ -635,9 +635,20 @@ async def _delivery(call: Awaitable[T]) -> T:
     except InvalidToken as exc:
         raise DeliveryError(f"Telegram refused the bot token: {exc.message}", permanent=True) from exc
     except (TimedOut, NetworkError) as exc:
+        if answered_with_error(exc):  # a 5xx in the Bot API's own JSON: it did not do the call
+            raise DeliveryError(f"Telegram answered with an error: {_describe(exc)}") from exc
         raise DeliveryError(f"Telegram unreachable: {_describe(exc)}", uncertain=may_have_arrived(exc)) from exc
     except TelegramError as exc:
         raise DeliveryError(f"Telegram: {_describe(exc)}") from exc
+
+
+def answered_with_error(exc: NetworkError) -> bool:
+    """Whether the Bot API itself answered the call with an error (HTTP 5xx, `ok: false` in its
+    JSON): the call was refused, not lost, so repeating it cannot post twice. python-telegram-bot
+    raises such an answer without a cause; a transport failure comes from the httpx error, and an
+    answer it could not parse (a proxy's 502 page, whose backend may have done the call) from that
+    parse failure."""
+    return exc.__cause__ is None and not isinstance(exc, TimedOut)
 
 
 def may_have_arrived(exc: NetworkError) -> bool:

@@ -31,7 +31,7 @@ from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.intake import Intake
 from gateway.ledger import Entry, Ledger, Receipt, UpdateKey
 from gateway.link import ServerLink
-from gateway.pairing import Pairing
+from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
 from gateway.replies import Replies, chat_key
 from gateway.routing import RouteKey, Router
 from gateway.status import StatusBoard
@@ -261,9 +261,22 @@ class Gateway:
             mentions_bot=bool(p.get("mentions_bot")),
             approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
         )
-        if verdict == "pair" and len(self.ledger.held(key.channel, key.account, entry.sender)) >= MAX_HELD:
+        if verdict == "pair" and self.pairing.is_denied(key.channel, key.account, entry.sender):
+            verdict, reason = "deny", "dm: the owner denied this sender's pairing"  # no new code
+        elif verdict == "pair" and len(self._kept(key.channel, key.account, entry.sender)) >= MAX_HELD:
             verdict, reason = "deny", f"dm: pairing pending and {MAX_HELD} messages already kept"
         return self.ledger.decide(key, verdict, reason)
+
+    def _kept(self, channel: str, account: str, sender: str) -> list[Entry]:
+        """The sender's messages kept for their pending code. Kept messages with no valid code left
+        belong to one that expired unapproved: refused now (they can never be released), so they
+        neither count against a new code's limit nor lock the sender out."""
+        held = self.ledger.held(channel, account, sender)
+        if held and not self.pairing.has_pending(channel, account, sender):
+            for old in held:
+                self.ledger.refuse(old.key, EXPIRED_UNAPPROVED)
+            return []
+        return held
 
     # ---------------------------------------------------------------- turns
 

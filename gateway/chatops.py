@@ -22,7 +22,7 @@ from gateway.commands import HELP, Command
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
-from gateway.pairing import Pairing
+from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
 from gateway.replies import Replies
 from gateway.routing import RouteKey, Router
 from plugins.contract import Target
@@ -91,7 +91,13 @@ class ChatOps:
                     continue  # not configured or not running here: act on it once it runs
                 held = self.ledger.held(decided.channel, decided.account, decided.sender)
                 target = Target(decided.chat)
-                if decided.status == "approved":
+                if decided.status == "expired":
+                    # never approved in time: what it kept can never be released (a later code
+                    # keeps the messages written after this one expired)
+                    for entry in held:
+                        if entry.updated_at <= decided.expires_at:
+                            self.ledger.refuse(entry.key, EXPIRED_UNAPPROVED)
+                elif decided.status == "approved":
                     released = [self.ledger.release(e.key, f"pairing {decided.code} approved") for e in held]
                     if len(released) > 1:  # the kept messages are the first turn, together
                         self.ledger.assign_batch([e.key for e in released])

@@ -5,7 +5,8 @@ given again to the same sender while it is valid; an account has at most three p
 fourth sender is told to try later). The owner answers with `appserver pairing approve CODE` (or
 deny), which works on gateway.db whether or not a server runs; a running gateway notices the
 decision within a second (`decided_unhandled`), tells the sender, and releases the messages it
-held. Approved senders persist until `appserver pairing revoke`.
+held. Approved senders persist until `appserver pairing revoke`; so do denied ones (a denied
+sender gets no new code). An expired code's kept messages are refused.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
 CODE_LENGTH = 8
 CODE_TTL_S = 3600.0
 MAX_PENDING = 3
+EXPIRED_UNAPPROVED = "pairing code expired before it was approved"  # why its kept messages are refused
 
 Status = Literal["pending", "approved", "denied", "expired"]
 
@@ -118,6 +120,24 @@ class Pairing:
         assert found is not None
         return found, True
 
+    def has_pending(self, channel: str, account: str, sender: str) -> bool:
+        """Whether the sender holds a code still valid now."""
+        row = self._conn.execute(
+            "SELECT 1 FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND status='pending'"
+            " AND expires_at > ? LIMIT 1",
+            (channel, account, sender, self._clock()),
+        ).fetchone()
+        return row is not None
+
+    def is_denied(self, channel: str, account: str, sender: str) -> bool:
+        """The owner denied this sender a pairing: they hear nothing more (no new code) until
+        `appserver pairing revoke` clears it."""
+        row = self._conn.execute(
+            "SELECT 1 FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND status='denied' LIMIT 1",
+            (channel, account, sender),
+        ).fetchone()
+        return row is not None
+
     def is_approved(self, channel: str, account: str, sender: str) -> bool:
         row = self._conn.execute(
             "SELECT 1 FROM approved_senders WHERE channel=? AND account=? AND sender=?", (channel, account, sender)
@@ -125,10 +145,13 @@ class Pairing:
         return row is not None
 
     def decided_unhandled(self) -> list[PairingCode]:
-        """Approvals and denials the gateway has not acted on yet (oldest first)."""
+        """Approvals, denials and expiries the gateway has not acted on yet (oldest first): an
+        expired code's kept messages can never be released, so they are refused."""
+        with transaction(self._conn) as c:
+            self._expire(c, self._clock())
         rows = self._conn.execute(
-            f"SELECT {_COLUMNS} FROM pairing_codes WHERE status IN ('approved','denied') AND handled=0"
-            " ORDER BY decided_at"
+            f"SELECT {_COLUMNS} FROM pairing_codes WHERE status IN ('approved','denied','expired') AND handled=0"
+            " ORDER BY COALESCE(decided_at, expires_at)"
         ).fetchall()
         return [_row(r) for r in rows]
 
@@ -164,14 +187,20 @@ class Pairing:
         return [(str(a), str(b), str(c), float(d)) for a, b, c, d in rows]
 
     def revoke(self, sender: str, channel: str | None = None, account: str | None = None) -> int:
-        """Remove an approved sender (of every account, or of one); returns how many were removed."""
+        """Reset a sender's pairing (of every account, or of one): an approval is removed, and a
+        denial forgotten (their next message gets a new code); returns how many were reset."""
         where, args = "sender=?", [sender]
         if channel is not None:
             where, args = where + " AND channel=?", [*args, channel]
         if account is not None:
             where, args = where + " AND account=?", [*args, account]
         with transaction(self._conn) as c:
-            return int(c.execute(f"DELETE FROM approved_senders WHERE {where}", args).rowcount)
+            approvals = int(c.execute(f"DELETE FROM approved_senders WHERE {where}", args).rowcount)
+            denied = c.execute(
+                f"SELECT DISTINCT channel, account FROM pairing_codes WHERE {where} AND status='denied'", args
+            ).fetchall()
+            c.execute(f"DELETE FROM pairing_codes WHERE {where} AND status='denied'", args)
+            return approvals + len(denied)
 
     def _decide(self, code: str, status: Status) -> PairingCode:
         now = self._clock()

@@ -99,6 +99,44 @@ def test_pairing_deny_is_silent_and_the_kept_message_is_denied(srv: ChannelServe
     _wait_state(srv.home, mid, "denied: pairing")
     time.sleep(1.0)
     assert [m.text for m in chat.messages("dm-bob")] == [prompt.text]  # nothing more was said
+    # The denial sticks: writing again gets no new code (nor a pending slot of the account's three).
+    again = chat.inject("dm-bob", "let me in please", sender="bob")
+    assert _wait_state(srv.home, again, "denied") == "denied: dm: the owner denied this sender's pairing"
+    time.sleep(1.0)
+    assert [m.text for m in chat.messages("dm-bob")] == [prompt.text]
+    assert '"sender": "bob"' not in run_cli(srv.home, "pairing", "list", "--json").out
+    # `pairing revoke` forgets the denial: the next message gets a new code.
+    forgot = run_cli(srv.home, "pairing", "revoke", "bob")
+    assert forgot.code == 0, forgot.err
+    chat.inject("dm-bob", "one more try", sender="bob")
+    fresh = chat.wait_for_text("dm-bob", lambda t: "pairing code" in t and t != prompt.text, timeout=15)
+    assert _code(fresh.text) != _code(prompt.text)
+    assert run_cli(srv.home, "pairing", "deny", _code(fresh.text)).code == 0
+    nobody = run_cli(srv.home, "pairing", "revoke", "nobody-at-all")
+    assert nobody.code == 1 and "neither an approved nor a denied sender" in nobody.err
+
+
+def test_an_expired_code_with_five_kept_messages_does_not_lock_the_sender_out(
+    srv: ChannelServer, chat: FakeChat
+) -> None:
+    """The five kept messages of a code that expired unapproved can never be released: they are
+    refused, and the sender's next message gets a new code (it was denied for good)."""
+    kept = [chat.inject("dm-eve", f"kept {i}", sender="eve") for i in range(5)]
+    prompt = chat.wait_for_text("dm-eve", lambda t: "pairing code" in t, timeout=15)
+    for mid in kept:
+        _wait_state(srv.home, mid, "held")
+    conn = sqlite3.connect(default_path(srv.home))
+    conn.execute("UPDATE pairing_codes SET expires_at = 1 WHERE code = ?", (_code(prompt.text),))
+    conn.commit()
+    conn.close()
+    late = chat.inject("dm-eve", "still there?", sender="eve")
+    fresh = chat.wait_for_text("dm-eve", lambda t: "pairing code" in t and t != prompt.text, timeout=15)
+    _wait_state(srv.home, late, "held")
+    for mid in kept:
+        assert _state(srv.home, mid) == "denied: pairing code expired before it was approved"
+    assert run_cli(srv.home, "pairing", "approve", _code(fresh.text)).code == 0
+    chat.wait_for_text("dm-eve", lambda t: t == "echo: still there?", timeout=15)
+    assert not any(m.text.startswith("echo: kept") for m in chat.messages("dm-eve"))
 
 
 def test_at_most_three_pending_codes_and_an_expired_code(srv: ChannelServer, chat: FakeChat) -> None:

@@ -107,10 +107,11 @@ def approved_cmd(as_json: bool) -> None:
 @click.option("--account", default=None, help="Only this account.")
 @_errors
 def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
-    """Remove SENDER from the approved senders (their next message needs a new pairing)."""
+    """Reset SENDER's pairing: an approval is removed, a denial forgotten (their next message
+    needs a new pairing)."""
     with _pairing() as conn:
         assert conn is not None
         removed = Pairing(conn).revoke(sender, channel, account)
     if not removed:
-        raise Refused(f"{sender} is not an approved sender", 1)
+        raise Refused(f"{sender} is neither an approved nor a denied sender", 1)
     click.echo(f"Revoked {sender} ({removed} account{'s' if removed != 1 else ''}).")

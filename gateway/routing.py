@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -22,7 +23,7 @@ ROOT = "__root__"
 
 @dataclass(frozen=True)
 class RouteKey:
-    """`channel:account:chat:thread`; no part may be empty or contain `:`."""
+    """`channel:account:chat:thread`; no part may be empty or contain `:` or a control character."""
 
     channel: str
     account: str
@@ -33,6 +34,9 @@ class RouteKey:
         for part in (self.channel, self.account, self.chat, self.thread):
             if not part or ":" in part:
                 raise ValueError(f"route key parts must be non-empty and without ':': {part!r}")
+            if not part.isprintable() and any(unicodedata.category(ch) == "Cc" for ch in part):
+                # a newline or a NUL would split the key's line in `route list` and in logs
+                raise ValueError(f"route key parts must not contain control characters: {part!r}")
 
     @classmethod
     def parse(cls, text: str) -> RouteKey:

@@ -284,6 +284,10 @@ def test_add_refusals_write_nothing(home: Path) -> None:
         ("webhook", "max_items=0", "max_items must be a positive integer"),
         ("slack", "api_url=ftp://x", "api_url must be an http:// or https:// URL"),
         ("discord", "gateway_url=https://x", "gateway_url must be a ws:// or wss:// URL"),
+        ("telegram", "poll_timeout=999", "poll_timeout must be a number of seconds from 0 to 50, got 999"),
+        ("telegram", "api_url=ftp://x", "api_url must be an http:// or https:// URL"),
+        ("telegram", "edited=maybe", 'edited must be "ignore" or "new", got \'maybe\''),
+        ("telegram", "mode=webhook", 'mode must be "polling"'),
     ],
 )
 def test_add_refuses_settings_the_gateway_would_refuse(home: Path, channel: str, setting: str, says: str) -> None:
@@ -422,7 +426,18 @@ def test_route_add_list_remove(home: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["nocolons", "a:b", "a:b:c:d:e", "webhook::chat", "webhook:main:chat:", "Web:main:chat", "webhook:a b:c"]
+    "key",
+    [
+        "nocolons",
+        "a:b",
+        "a:b:c:d:e",
+        "webhook::chat",
+        "webhook:main:chat:",
+        "Web:main:chat",
+        "webhook:a b:c",
+        "telegram:main:1\n2",  # a newline would split the route's line in `route list`
+        "webhook:main:chat:t\x00",
+    ],
 )
 def test_bad_route_key_is_exit_2(home: Path, key: str) -> None:
     code, _, err = ch("route", "add", key, "assistant")

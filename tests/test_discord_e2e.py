@@ -122,6 +122,22 @@ def test_a_drop_resumes_and_each_message_is_answered_once(srv: ChannelServer, fa
     assert len(fake.messages(dm)) == 1 and store_turns(srv.home, f'message_id="{mid}"') == 1
 
 
+def test_an_event_discord_py_cannot_read_is_skipped_and_the_session_goes_on(
+    srv: ChannelServer, fake: FakeDiscord
+) -> None:
+    """A MESSAGE_UPDATE or MESSAGE_CREATE missing fields raised out of discord.py's websocket loop:
+    the session dropped and a message arriving during the reconnect was lost. Now it is skipped
+    (logged), the connection stays, and the next message is answered."""
+    identifies, resumes, connections = fake.identifies, fake.resumes, fake.connections
+    fake.dispatch_raw("MESSAGE_UPDATE", {"id": "1", "channel_id": "400000000000000999", "content": "edited"})
+    fake.dispatch_raw("MESSAGE_CREATE", {"id": "garbage"})
+    fake.inject_dm("615", "after the junk")
+    fake.wait_for_text(fake.dm_channel("615"), "echo: after the junk", timeout=20)
+    assert (fake.identifies, fake.resumes, fake.connections) == (identifies, resumes, connections)
+    assert "skipped a MESSAGE_UPDATE event that could not be read" in srv.log()
+    assert "skipped a MESSAGE_CREATE event that could not be read" in srv.log()
+
+
 def test_an_invalid_session_reidentifies_and_catches_up_once(srv: ChannelServer, fake: FakeDiscord) -> None:
     first = fake.inject_dm("607", "before the outage")
     dm = fake.dm_channel("607")

@@ -204,6 +204,8 @@ async def test_an_oversized_body_is_413(start: Start, gateway: Gateway) -> None:
         (message(mentions_bot="yes"), "mentions_bot"),
         (message(thread=5), "thread must be"),
         (message(chat="a:b"), "must not contain ':'"),
+        (message(chat="room\n2"), "chat must not contain control characters"),
+        (message(thread="t\x00"), "thread must not contain control characters"),
         (message(id="x" * 2000), "longer than"),
     ],
 )

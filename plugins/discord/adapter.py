@@ -43,6 +43,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +98,39 @@ def _env_seconds(name: str, default: float) -> float:
     return value if 0 < value < math.inf else default
 
 
+# Events that make or restore a session: a failure there is the connection's (it reconnects).
+SESSION_EVENTS = frozenset({"READY", "RESUMED"})
+
+
 class _Client(discord.Client):
     """discord.Client whose events go to the adapter."""
 
     def __init__(self, adapter: DiscordAdapter, **options: Any) -> None:
         super().__init__(**options)
         self._adapter = adapter
+        parsers = self._connection.parsers  # the dict discord.py's websocket dispatches through
+        for event, parse in list(parsers.items()):
+            if event not in SESSION_EVENTS:
+                parsers[event] = self._guarded(event, parse)
+
+    def _guarded(self, event: str, parse: Callable[[Any], None]) -> Callable[[Any], None]:
+        """A parser that skips an event discord.py cannot read (a malformed MESSAGE_UPDATE raised
+        KeyError out of the websocket loop: the session dropped, and a message arriving during the
+        reconnect was lost), saying so once per event."""
+
+        def run(data: Any) -> None:
+            try:
+                parse(data)
+            except Exception as exc:  # noqa: BLE001 - one bad event must not end the session
+                self._adapter._log.warning(
+                    "%s: skipped a %s event that could not be read: %s: %s",
+                    self._adapter._where,
+                    event,
+                    type(exc).__name__,
+                    exc,
+                )
+
+        return run
 
     async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
         """As discord.py's (which waits 5 s before a re-IDENTIFY), with the wait from the environment."""

@@ -66,12 +66,11 @@ from plugins.contract import (
     Target,
 )
 from plugins.telegram.format import plain, to_html
+from plugins.telegram.settings import DEFAULT_API_URL, DEFAULT_POLL_TIMEOUT, check_settings
 
 T = TypeVar("T")
 
 CHANNEL = "telegram"
-DEFAULT_API_URL = "https://api.telegram.org"
-DEFAULT_POLL_TIMEOUT = 30
 MAX_LENGTH = 4096 - 96  # Telegram counts UTF-16 units after entity parsing; the margin covers most astral text
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
@@ -102,24 +101,14 @@ class TelegramAdapter:
         self._where = f"telegram account '{account.name}'"
         self._config_error: str | None = None
         s = account.settings
-        api_url = s.get("api_url", DEFAULT_API_URL)
-        if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
-            self._config_error = f"{self._where}: api_url must be an http:// or https:// URL"
-            api_url = DEFAULT_API_URL
-        self.api_url = api_url.rstrip("/")
-        poll_timeout = s.get("poll_timeout", DEFAULT_POLL_TIMEOUT)
-        if isinstance(poll_timeout, bool) or not isinstance(poll_timeout, int | float) or not 0 <= poll_timeout <= 50:
-            self._config_error = f"{self._where}: poll_timeout must be a number of seconds from 0 to 50"
-            poll_timeout = DEFAULT_POLL_TIMEOUT
-        self.poll_timeout = int(poll_timeout)
-        edited = s.get("edited", "ignore")
-        if edited not in ("ignore", "new"):
-            self._config_error = f'{self._where}: edited must be "ignore" or "new"'
-            edited = "ignore"
-        self.edited: str = edited
-        mode = s.get("mode", "polling")
-        if mode != "polling":
-            self._config_error = f'{self._where}: mode must be "polling" (webhook mode is not supported yet)'
+        try:
+            check_settings(s)
+        except ValueError as exc:  # refused at start, with the same words `channels add` uses
+            self._config_error = f"{self._where}: {exc}"
+            s = {}
+        self.api_url = str(s.get("api_url", DEFAULT_API_URL)).rstrip("/")
+        self.poll_timeout = int(s.get("poll_timeout", DEFAULT_POLL_TIMEOUT))
+        self.edited: str = str(s.get("edited", "ignore"))
         self._bot: Bot | None = None
         self._requests: tuple[HTTPXRequest, ...] = ()
         self._token = ""

@@ -368,6 +368,8 @@ def _field(data: Mapping[str, Any], name: str, *, optional: bool = False, key_pa
         raise _BadRequest(400, f"{name} is longer than {MAX_FIELD} characters")
     if key_part and ":" in value:
         raise _BadRequest(400, f"{name} must not contain ':'")
+    if key_part and any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in value):
+        raise _BadRequest(400, f"{name} must not contain control characters")
     if key_part and value == "__root__":
         raise _BadRequest(400, f"{name} '__root__' is reserved (it names a chat's main line)")
     return value

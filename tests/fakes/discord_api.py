@@ -464,6 +464,10 @@ class FakeDiscord(LoopbackServer):
         with contextlib.suppress(Exception):
             await sock.ws.close(code=code)
 
+    def dispatch_raw(self, event: str, data: dict[str, Any]) -> None:
+        """Send a gateway event as given, however malformed (what a client must survive)."""
+        self._dispatch(event, data)
+
     def _dispatch(self, event: str, data: dict[str, Any]) -> None:
         """Give `event` a sequence number in the current session and send it if a socket is on it."""
         with self._lock:

@@ -1,0 +1,36 @@
+"""The account settings the Telegram plugin itself reads, checked with the standard library only.
+
+`check_settings` is what the adapter applies when it starts (a bad value is an `AccountError`), and
+what `appserver channels add` / `channels list` apply before a server runs: the CLI loads this file
+by its path, without importing python-telegram-bot. The gateway's own settings (dm_policy,
+debounce_ms, …) are the gateway's to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_API_URL = "https://api.telegram.org"
+DEFAULT_POLL_TIMEOUT = 30
+MAX_POLL_TIMEOUT = 50  # Telegram holds a long poll at most this long
+
+
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """Raise ValueError (one line, naming the setting) when a setting cannot work."""
+    api_url = settings.get("api_url", DEFAULT_API_URL)
+    if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
+        raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")
+    poll_timeout = settings.get("poll_timeout", DEFAULT_POLL_TIMEOUT)
+    if (
+        isinstance(poll_timeout, bool)
+        or not isinstance(poll_timeout, int | float)
+        or not 0 <= poll_timeout <= MAX_POLL_TIMEOUT
+    ):
+        raise ValueError(f"poll_timeout must be a number of seconds from 0 to {MAX_POLL_TIMEOUT}, got {poll_timeout!r}")
+    edited = settings.get("edited", "ignore")
+    if edited not in ("ignore", "new"):
+        raise ValueError(f'edited must be "ignore" or "new", got {edited!r}')
+    mode = settings.get("mode", "polling")
+    if mode != "polling":
+        raise ValueError(f'mode must be "polling" (webhook mode is not supported yet), got {mode!r}')

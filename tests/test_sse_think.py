@@ -119,11 +119,10 @@ def test_think_blank_lines_after_tags_are_layout() -> None:
     ]
 
 
-THINK_TEXT = "Intro <think>a < b and </th is not a tag</think>\n\nresult: x<y </think> end"
+THINK_TEXT = "\n <think>a < b and </th is not a tag</think>\n\nresult: x<y </think> end, <think>not a tag</think>"
 THINK_EXPECTED = [
-    Text("Intro "),
     Reasoning("a < b and </th is not a tag"),
-    Text("result: x<y </think> end"),
+    Text("result: x<y </think> end, <think>not a tag</think>"),
 ]
 
 
@@ -138,18 +137,26 @@ def test_think_every_char_separately() -> None:
     got = split_all(list(THINK_TEXT))
     assert coalesce(got) == THINK_EXPECTED
     visible = "".join(c.text for c in got if isinstance(c, Text))
-    assert "<think>" not in visible and "<thi" not in visible.split("x<y")[0]
+    assert "<thi" not in visible.split("x<y")[0]
 
 
 @pytest.mark.parametrize(
     ("deltas", "expected"),
     [
-        (["hello <th"], [Text("hello <th")]),  # never completes: flushed as text at the end
+        (["hello <th"], [Text("hello <th")]),
         (["hello <th", "inking"], [Text("hello <thinking")]),
+        (["  <th"], [Text("  <th")]),  # never completes: flushed as text at the end
         (["<think>reason</thi"], [Reasoning("reason</thi")]),  # dangling close inside reasoning
         (["<thunk>x"], [Text("<thunk>x")]),
         (["a<", "b"], [Text("a<b")]),
         ([""], []),
+        # once the answer has begun, a tag is text the model meant: it never hides the rest
+        (
+            ["Use a <think> tag like <think>x</think> in prompts."],
+            [Text("Use a <think> tag like <think>x</think> in prompts.")],
+        ),
+        (["The answer.", "<think>", "more"], [Text("The answer.<think>more")]),
+        (["<think>a</think>b", "<think>c</think>"], [Reasoning("a"), Text("b<think>c</think>")]),
     ],
 )
 def test_think_partial_tags(deltas: list[str], expected: list[Text | Reasoning]) -> None:
@@ -158,5 +165,6 @@ def test_think_partial_tags(deltas: list[str], expected: list[Text | Reasoning])
 
 def test_think_holds_back_only_possible_tag_prefixes() -> None:
     sp = ThinkSplitter()
-    assert sp.feed("abc <thi") == [Text("abc ")]
-    assert sp.feed("s is") == [Text("<this is")]
+    assert sp.feed("  <thi") == []  # the text may still open with a think block
+    assert sp.feed("s is") == [Text("  <this is")]
+    assert sp.feed(" <think>") == [Text(" <think>")]  # the answer began: nothing held back now

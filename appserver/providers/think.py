@@ -1,17 +1,23 @@
-"""Split inline `<think>…</think>` reasoning out of streamed text.
+"""Split a leading inline `<think>…</think>` block of streamed text into reasoning.
 
 Local models (DeepSeek-R1, Qwen3 through Ollama, llama.cpp, vLLM without a reasoning parser) put
-their reasoning inline in `content`. Deltas are cut anywhere, so a tag may arrive as `<th` + `ink>`:
-the splitter holds back any suffix that could still become a tag and never shows it as text until it
-is known not to be one.
+their reasoning inline in `content`, before the answer. Only a block that opens the text (after
+whitespace) is reasoning: once the answer has begun, a `<think>` in it is text the model meant
+(a prompt-writing tip, code, a quote), never a toggle that would hide the rest of the answer.
+Deltas are cut anywhere, so a tag may arrive as `<th` + `ink>`: the splitter holds back what could
+still become the tag it looks for and never shows it as text until it is known not to be one.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from appserver.providers.base import Reasoning, Text
 
 OPEN_TAG = "<think>"
 CLOSE_TAG = "</think>"
+
+State = Literal["start", "inside", "answer"]
 
 
 def _partial_suffix(buf: str, tag: str) -> int:
@@ -23,46 +29,56 @@ def _partial_suffix(buf: str, tag: str) -> int:
 
 
 class ThinkSplitter:
-    """Stateful: `feed(delta)` → Text/Reasoning chunks; `flush()` once at end of stream."""
+    """Stateful: `feed(delta)` → Text/Reasoning chunks; `flush()` once at end of stream.
 
-    __slots__ = ("_open", "_close", "_inside", "_pending", "_strip_ws")
+    `start`: only whitespace so far, a think block may open; `inside`: reasoning until the close
+    tag; `answer`: everything is text."""
+
+    __slots__ = ("_open", "_close", "_state", "_pending", "_strip_ws")
 
     def __init__(self, open_tag: str = OPEN_TAG, close_tag: str = CLOSE_TAG) -> None:
         self._open = open_tag
         self._close = close_tag
-        self._inside = False
-        self._pending = ""  # a held-back possible tag prefix
+        self._state: State = "start"
+        self._pending = ""  # held back: leading whitespace, or what may still become a tag
         # Models put blank lines after `</think>` (and after `<think>`); they are layout, not content.
         self._strip_ws = False
 
     @property
     def inside(self) -> bool:
-        return self._inside
+        return self._state == "inside"
 
     def feed(self, delta: str) -> list[Text | Reasoning]:
         out: list[Text | Reasoning] = []
-        if not self._pending and (self._close if self._inside else self._open)[0] not in delta:
-            self._emit(out, delta)  # no tag and no start of one (the common delta): in one step
+        if self._state == "answer":  # the common delta: in one step
+            self._emit(out, delta)
             return out
         buf = self._pending + delta
         self._pending = ""
-        while buf:
-            tag = self._close if self._inside else self._open
-            i = buf.find(tag)
-            if i >= 0:
-                self._emit(out, buf[:i])
-                self._inside = not self._inside
-                self._strip_ws = True
-                buf = buf[i + len(tag) :]
-                continue
-            k = _partial_suffix(buf, tag)
-            self._emit(out, buf[: len(buf) - k])
-            self._pending = buf[len(buf) - k :] if k else ""
-            break
+        if self._state == "start":
+            lead = buf.lstrip()
+            if not lead or (self._open.startswith(lead) and lead != self._open):
+                self._pending = buf  # whitespace, or the opening tag still arriving
+                return out
+            if not lead.startswith(self._open):
+                self._state = "answer"  # the answer begins with this text: no reasoning block
+                self._emit(out, buf)
+                return out
+            self._state, self._strip_ws = "inside", True
+            buf = lead[len(self._open) :]
+        i = buf.find(self._close)
+        if i >= 0:
+            self._emit(out, buf[:i])
+            self._state, self._strip_ws = "answer", True
+            self._emit(out, buf[i + len(self._close) :])
+            return out
+        k = _partial_suffix(buf, self._close)
+        self._emit(out, buf[: len(buf) - k])
+        self._pending = buf[len(buf) - k :]
         return out
 
     def flush(self) -> list[Text | Reasoning]:
-        """End of stream: a tag prefix that never completed was ordinary text after all."""
+        """End of stream: what was held back was ordinary text (or reasoning) after all."""
         out: list[Text | Reasoning] = []
         pending, self._pending = self._pending, ""
         self._emit(out, pending)
@@ -76,4 +92,4 @@ class ThinkSplitter:
             self._strip_ws = False
         if not text:
             return
-        out.append(Reasoning(text) if self._inside else Text(text))
+        out.append(Reasoning(text) if self._state == "inside" else Text(text))

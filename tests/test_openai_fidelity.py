@@ -466,6 +466,10 @@ def test_responses_streams_carry_event_lines_and_chat_streams_do_not(http: httpx
         ("/v1/responses", {"temperature": -1}, "temperature"),
         ("/v1/responses", {"max_output_tokens": 10**12}, "max_output_tokens"),
         ("/v1/responses", {"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        # OpenAI's metadata limits: 16 pairs, keys of 64 characters, values of 512
+        ("/v1/chat/completions", {"store": True, "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ("/v1/responses", {"metadata": {"k" * 65: "v"}}, "metadata"),
+        ("/v1/responses", {"metadata": {"k": "v" * 513}}, "metadata.k"),
     ],
 )
 def test_parameters_are_range_checked(http: httpx.Client, fake: FakeOpenAI, path: str, extra: dict, param: str) -> None:
@@ -730,3 +734,39 @@ def test_messages_before_the_new_input_follow_a_previous_response(http: httpx.Cl
     )
     assert again.status_code == 200, again.text  # the refused request left the chain as it was
     assert [m["content"] for m in fake.requests[-1].json["messages"]][-3:] == ["U3", "fine", "U4"]
+
+
+def test_a_function_call_cut_off_by_the_token_limit_is_incomplete(http: httpx.Client, fake: FakeOpenAI) -> None:
+    """The model ran out of tokens in the middle of a call's arguments: the response is incomplete,
+    and so is its function_call item (it cannot be answered), never `completed`."""
+    fake.script(
+        openai_sse(
+            [
+                chunk(
+                    role="assistant",
+                    tool_calls=[tool_delta(0, id="call_cut", name="get_weather", arguments='{"a":')],
+                ),
+                chunk(finish_reason="length"),
+                usage_chunk(5, 16),
+            ]
+        )
+    )
+    r = http.post("/v1/responses", json={"model": "remote", "input": "weather?", "tools": [WEATHER_R]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate("Response", body)
+    assert body["status"] == "incomplete", body
+    calls = [o for o in body["output"] if o["type"] == "function_call"]
+    assert calls and all(c["status"] == "incomplete" for c in calls), body["output"]
+
+
+def test_retrieving_a_response_as_a_stream_is_refused_in_words(client: openai.OpenAI, http: httpx.Client) -> None:
+    """`responses.retrieve(id, stream=True)` follows a background response; there are none here, so
+    it is a 400 saying so, never an empty event stream that looks like success."""
+    rid = client.responses.create(model="assistant", input="kept").id
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.retrieve(rid, stream=True)
+    assert refused.value.body["code"] == "unsupported_parameter" and refused.value.body["param"] == "stream"  # type: ignore[index]
+    validate("ErrorResponse", refused.value.response.json())
+    assert http.get(f"/v1/responses/{rid}", params={"stream": "maybe"}).status_code == 400
+    assert client.responses.retrieve(rid).output_text == "echo: kept"

@@ -144,11 +144,33 @@ def function_name(value: Any, param: str) -> str:
     return value
 
 
+METADATA_PAIRS = 16
+METADATA_KEY_LENGTH = 64
+METADATA_VALUE_LENGTH = 512
+
+
 def metadata(value: Any, param: str = "metadata") -> dict[str, str] | None:
-    """An object of strings (OpenAI also caps it at 16 pairs; not enforced here)."""
+    """An object of at most 16 strings, keys of at most 64 characters and values of at most 512, as
+    OpenAI has it (a client that passes here passes there)."""
     pairs = obj(value, param)
     if pairs is None:
         return None
+    if len(pairs) > METADATA_PAIRS:
+        raise ApiError(
+            400,
+            f"Invalid '{param}': too many properties. Expected an object with at most {METADATA_PAIRS} "
+            f"properties, but got an object with {len(pairs)} properties instead.",
+            code="object_above_max_properties",
+            param=param,
+        )
     for key, v in pairs.items():
-        string(v, f"{param}.{key}", nullable=False)
+        if len(key) > METADATA_KEY_LENGTH:
+            raise ApiError(
+                400,
+                f"Invalid '{param}': key too long. Expected keys of at most {METADATA_KEY_LENGTH} characters, "
+                f"but got a key with {len(key)} characters instead.",
+                code="string_above_max_length",
+                param=param,
+            )
+        string(v, f"{param}.{key}", max_length=METADATA_VALUE_LENGTH, nullable=False)
     return pairs

@@ -627,7 +627,9 @@ def item_for(
                 "call_id": b["call_id"],
                 "name": b["name"],
                 "arguments": b["arguments"] if final else "",
-                "status": "completed" if final else "in_progress",
+                # a call of a response that did not complete (cut off by the token limit, say)
+                # can never be answered: incomplete, not completed
+                "status": done if final else "in_progress",
             }
         if b.get("status") == "pending_approval":
             return {
@@ -642,14 +644,15 @@ def item_for(
             if final
             else "in_progress"
         )
+        failed = final and status == "failed"  # denied, or the tool failed: its output says why
         return {
             "id": f"mcp_{b['call_id']}",
             "type": "mcp_call",
             "server_label": shape.agent.id,
             "name": b["name"],
             "arguments": b["arguments"] if final else "",
-            "output": b.get("output") if final else None,
-            "error": None,
+            "output": b.get("output") if final and not failed else None,
+            "error": (b.get("output") or f"the call was {b.get('status')}") if failed else None,
             "status": status,
             "approval_request_id": None,
         }
@@ -776,6 +779,18 @@ class Responses:
         return await as_ended(self.server.store, rec)
 
     async def get(self, request: Request) -> Response:
+        stream = request.query_params.get("stream", "false").lower()
+        if stream not in ("true", "false"):
+            raise bad_request("'stream' must be true or false", "stream")
+        if stream == "true":
+            # OpenAI streams a background response's events on retrieve; this server runs none
+            # (`background` is refused): an empty event stream would look like success
+            raise bad_request(
+                "stream=true on retrieve follows a background response, and this server runs no background "
+                "responses (each one streams in the request that created it): retrieve it without stream",
+                "stream",
+                code="unsupported_parameter",
+            )
         rec = await self._stored(request)
         return json_response(rec.body, headers={HEADER: rec.conversation_id})
 

@@ -98,6 +98,8 @@ def visible_text(snapshot: dict[str, Any], *, tool_status: bool = True) -> str:
             lines.append(f"⚠ The turn failed: {_short(str(error.get('message') or error.get('kind') or 'error'))}")
         else:
             lines.append("⏹ Cancelled.")
+    elif status == "completed" and snapshot.get("stop_reason") == "content_filter":
+        lines.append("⚠ The model provider's content filter stopped this reply.")
     return "\n\n".join(lines)
 
 

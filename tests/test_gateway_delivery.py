@@ -153,6 +153,9 @@ def test_failed_cancelled_and_interrupted_lines() -> None:
         line = visible_text(snap(status, error={"kind": kind, "message": "ignored"}))
         assert line == "⚠ The reply was interrupted (the server stopped while it was being written).", status
     assert visible_text(snap("cancelled", error={"kind": "unknown"})) == "⏹ Cancelled."
+    filtered = snap("completed", text("Part"), stop_reason="content_filter")
+    assert visible_text(filtered) == "Part\n\n⚠ The model provider's content filter stopped this reply."
+    assert visible_text(snap("completed", text("Done."), stop_reason="end_turn")) == "Done."
     assert visible_text(snap("cancelled", text("Half"), tool("fetch"))) == "Half\n\n⏹ Cancelled."
 
 

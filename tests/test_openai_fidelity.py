@@ -770,3 +770,30 @@ def test_retrieving_a_response_as_a_stream_is_refused_in_words(client: openai.Op
     validate("ErrorResponse", refused.value.response.json())
     assert http.get(f"/v1/responses/{rid}", params={"stream": "maybe"}).status_code == 400
     assert client.responses.retrieve(rid).output_text == "echo: kept"
+
+
+def test_a_reply_stopped_by_the_content_filter_says_so(client: openai.OpenAI, fake: FakeOpenAI) -> None:
+    """An upstream `finish_reason: content_filter` is not a normal stop: chat says content_filter
+    (stream and not), Responses is incomplete with reason content_filter."""
+
+    def filtered() -> None:
+        fake.script(openai_sse([chunk(role="assistant", content="partial"), chunk(finish_reason="content_filter")]))
+
+    filtered()
+    raw = client.chat.completions.with_raw_response.create(model="remote", messages=[{"role": "user", "content": "x"}])
+    validate("CreateChatCompletionResponse", raw.http_response.json())
+    reply = raw.parse()
+    assert reply.choices[0].finish_reason == "content_filter" and reply.choices[0].message.content == "partial"
+    filtered()
+    chunks = list(
+        client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "y"}], stream=True)
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "content_filter"
+    ]
+    filtered()
+    raw_r = client.responses.with_raw_response.create(model="remote", input="z")
+    validate("Response", raw_r.http_response.json())
+    response = raw_r.parse()
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "content_filter" and response.output_text == "partial"

@@ -75,6 +75,11 @@ PROVIDER_OPTION_KEYS = (
 )
 # What a request may still set on an agent with `allow_overrides=false`: the shape of the answer the
 # client needs, not the sampling the agent's owner chose.
+# A model reply that ended before it was done: its stop reason, and why its calls are not run.
+CUT_SHORT: dict[str, tuple[str, str]] = {
+    "length": ("max_tokens", "the reply hit the output token limit"),
+    "content_filter": ("content_filter", "the provider's content filter stopped the reply"),
+}
 REQUEST_SHAPE_KEYS = ("response_format", "tool_choice", "parallel_tool_calls")
 
 
@@ -198,20 +203,16 @@ class AgentLoop:
                 # The provider's own count of the context up to this reply anchors later estimates.
                 assistant.meta["context_tokens"] = partial.usage.input_tokens + partial.usage.output_tokens
             work.new_messages.append(assistant)
+            cut = CUT_SHORT.get(finish)
             if not calls:
-                if finish == "length":
-                    return LoopOutcome("completed", "max_tokens")
-                return LoopOutcome("completed", "end_turn")
-            if finish == "length":
+                return LoopOutcome("completed", cut[0] if cut else "end_turn")
+            if cut is not None:
                 # The arguments may be cut off: fail the calls to the model, never execute them.
                 for c in calls:
-                    msg = (
-                        f"The call to {c.name} was not executed: the reply hit the output token limit "
-                        "before its arguments were complete."
-                    )
+                    msg = f"The call to {c.name} was not executed: {cut[1]} before its arguments were complete."
                     emit(ToolCallStatus(c.id, "failed", msg, True))
                     work.new_messages.append(_tool_message(work, c.id, c.name, msg, True))
-                return LoopOutcome("completed", "max_tokens")
+                return LoopOutcome("completed", cut[0])
             emit(PhaseChanged("acting"))
             if work.before_effects is not None:
                 await work.before_effects()

@@ -66,6 +66,7 @@ FINISH = {
     "end_turn": "stop",
     "max_tokens": "length",
     "max_steps": "length",
+    "content_filter": "content_filter",
     "cancelled": "stop",
     "requires_client_tool": "tool_calls",
 }

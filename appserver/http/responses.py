@@ -697,7 +697,8 @@ def response_body(
     if status == "incomplete":
         # OpenAI's schema allows only max_output_tokens and content_filter here; a max_steps stop
         # says what happened in the text block output_blocks adds (docs/openai.md).
-        incomplete = {"reason": "max_output_tokens"}
+        filtered = snap is not None and snap.stop_reason == "content_filter"
+        incomplete = {"reason": "content_filter" if filtered else "max_output_tokens"}
     body: dict[str, Any] = {
         "id": shape.id,
         "object": "response",
@@ -743,7 +744,7 @@ def final_status(snap: TurnSnapshot) -> str:
         return "failed"
     if snap.status == "cancelled":
         return "cancelled"
-    if snap.stop_reason in ("max_tokens", "max_steps"):
+    if snap.stop_reason in ("max_tokens", "max_steps", "content_filter"):
         return "incomplete"
     return "completed"
 

@@ -14,7 +14,14 @@ from appserver.agent.events import Phase  # the agent loop reports phases too: d
 TerminalStatus = Literal["completed", "cancelled", "failed"]
 SnapshotStatus = Literal["running", "awaiting", "completed", "cancelled", "failed"]
 StopReason = Literal[
-    "end_turn", "max_tokens", "requires_approval", "requires_client_tool", "cancelled", "error", "max_steps"
+    "end_turn",
+    "max_tokens",
+    "requires_approval",
+    "requires_client_tool",
+    "cancelled",
+    "error",
+    "max_steps",
+    "content_filter",  # the provider's content filter (or a model's refusal stop) ended the reply
 ]
 LifecycleState = Literal["idle", "active", "awaiting", "cancelling"]
 

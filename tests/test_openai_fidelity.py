@@ -797,3 +797,24 @@ def test_a_reply_stopped_by_the_content_filter_says_so(client: openai.OpenAI, fa
     response = raw_r.parse()
     assert response.status == "incomplete" and response.incomplete_details is not None
     assert response.incomplete_details.reason == "content_filter" and response.output_text == "partial"
+
+
+def test_calls_cut_off_by_the_content_filter_are_not_run(http: httpx.Client, fake: FakeOpenAI) -> None:
+    """The filter stopped the reply while it streamed a call: its arguments may be cut, so the call
+    is not run (as with the token limit), and the response says content_filter."""
+    fake.script(
+        openai_sse(
+            [
+                chunk(role="assistant", tool_calls=[tool_delta(0, id="call_cf", name="clock", arguments="{")]),
+                chunk(finish_reason="content_filter"),
+            ]
+        )
+    )
+    r = http.post("/v1/responses", json={"model": "remote", "input": "time?"})
+    assert r.status_code == 200, r.text
+    validate("Response", r.json())
+    assert r.json()["status"] == "incomplete" and r.json()["incomplete_details"] == {"reason": "content_filter"}
+    assert len(fake.requests) == 1  # no second model call: the clock never ran
+    calls = [o for o in r.json()["output"] if o["type"] == "mcp_call"]
+    assert calls and all(c["status"] == "failed" for c in calls), r.json()
+    assert "content filter" in calls[0]["error"]["content"][0]["text"], calls

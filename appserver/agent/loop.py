@@ -403,7 +403,7 @@ class AgentLoop:
                     work.usage[key] = work.usage.get(key, 0) + getattr(step_usage, key)
                 work.usage["last_input_tokens"] = step_usage.input_tokens
                 emit(UsageUpdated(dict(work.usage)))
-            if partial.calls and finish in ("stop", "unknown", "content_filter"):
+            if partial.calls and finish in ("stop", "unknown"):
                 finish = "tool_calls"  # a turn that streamed a tool call never ends with end_turn
             return finish
 

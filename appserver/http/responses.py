@@ -652,7 +652,12 @@ def item_for(
             "name": b["name"],
             "arguments": b["arguments"] if final else "",
             "output": b.get("output") if final and not failed else None,
-            "error": (b.get("output") or f"the call was {b.get('status')}") if failed else None,
+            "error": {
+                "type": "mcp_tool_execution_error",
+                "content": [{"type": "text", "text": b.get("output") or f"the call was {b.get('status')}"}],
+            }
+            if failed
+            else None,
             "status": status,
             "approval_request_id": None,
         }

@@ -30,7 +30,7 @@ from tests.fakes.openai_upstream import (
     tool_delta,
     usage_chunk,
 )
-from tests.openai_schema import require_conformance, sse_payloads, validate
+from tests.openai_schema import require_conformance, sse_lines, sse_payloads, validate
 from tests.support.cli import cli_env, run_cli
 from tests.support.serve import ServeProcess, serving
 
@@ -818,3 +818,61 @@ def test_calls_cut_off_by_the_content_filter_are_not_run(http: httpx.Client, fak
     calls = [o for o in r.json()["output"] if o["type"] == "mcp_call"]
     assert calls and all(c["status"] == "failed" for c in calls), r.json()
     assert "content filter" in calls[0]["error"]["content"][0]["text"], calls
+
+
+def _refuses(fake: FakeOpenAI) -> None:
+    """The upstream declines as OpenAI's models do: `refusal` deltas, `content` null."""
+    first = chunk(role="assistant")
+    first["choices"][0]["delta"].update({"content": None, "refusal": ""})
+    parts = [chunk(), chunk()]
+    parts[0]["choices"][0]["delta"] = {"refusal": "I can't "}
+    parts[1]["choices"][0]["delta"] = {"refusal": "help with that."}
+    fake.script(openai_sse([first, *parts, chunk(finish_reason="stop"), usage_chunk(5, 4)]))
+
+
+def test_a_refusal_reaches_the_client_as_a_refusal(client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI) -> None:
+    """The model's refusal is neither dropped (an empty answer) nor passed off as an answer: chat
+    has it in `refusal` (and `.parse()` gives no parsed value), streams send `refusal` deltas, and
+    Responses has a `refusal` content part with refusal events, all as OpenAI's schema has them."""
+    _refuses(fake)
+    raw = client.chat.completions.with_raw_response.create(model="remote", messages=[{"role": "user", "content": "x"}])
+    validate("CreateChatCompletionResponse", raw.http_response.json())
+    message = raw.parse().choices[0].message
+    assert message.refusal == "I can't help with that." and message.content is None
+
+    _refuses(fake)
+    chunks = list(
+        client.chat.completions.create(model="remote", messages=[{"role": "user", "content": "y"}], stream=True)
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.refusal or "" for d in deltas) == "I can't help with that."
+    assert "".join(d.content or "" for d in deltas) == ""
+
+    _refuses(fake)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    parsed = client.chat.completions.parse(
+        model="remote",
+        messages=[{"role": "user", "content": "z"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
+    )
+    assert parsed.choices[0].message.refusal == "I can't help with that."
+
+    _refuses(fake)
+    body = http.post("/v1/responses", json={"model": "remote", "input": "w"}).json()
+    validate("Response", body)
+    assert body["output"][0]["content"] == [{"type": "refusal", "refusal": "I can't help with that."}], body
+
+    _refuses(fake)
+    r = http.post("/v1/responses", json={"model": "remote", "input": "v", "stream": True})
+    events = [json.loads(p) for p in sse_payloads(sse_lines(r.content)) if p != "[DONE]"]
+    for e in events:
+        validate("ResponseStreamEvent", e)
+    kinds = [e["type"] for e in events]
+    assert "response.refusal.delta" in kinds and "response.output_text.delta" not in kinds, kinds
+    done = next(e for e in events if e["type"] == "response.refusal.done")
+    assert done["refusal"] == "I can't help with that."

@@ -29,6 +29,7 @@ class ReasoningDelta:
 @value
 class TextDelta:
     text: str
+    refusal: bool = False  # the model's refusal (OpenAI `refusal`), shown as text and marked so
 
 
 @value

@@ -47,6 +47,7 @@ from appserver.providers.base import (
     ProviderRequest,
     ProviderState,
     Reasoning,
+    Refusal,
     Text,
     ToolCallArgs,
     ToolCallStart,
@@ -101,6 +102,7 @@ class StreamingAssistant:
     provider_state: dict[str, Any] | None = None
     shown: bool = False  # anything reached a client: a retry would contradict it
     usage: Usage | None = None
+    refused: bool = False  # the text is (or holds) the model's refusal
 
 
 @dataclass(slots=True)
@@ -199,6 +201,8 @@ class AgentLoop:
                     {"id": c.id, "name": c.name, "arguments": c.args.text(), "executor": c.executor} for c in calls
                 ],
             )
+            if partial.refused:
+                assistant.meta["refusal"] = True  # front ends show it as a refusal (OpenAI's field)
             if partial.usage is not None and partial.usage.input_tokens:
                 # The provider's own count of the context up to this reply anchors later estimates.
                 assistant.meta["context_tokens"] = partial.usage.input_tokens + partial.usage.output_tokens
@@ -342,6 +346,11 @@ class AgentLoop:
                             partial.shown = True
                             partial.reasoning.add(chunk.text)
                             emit(ReasoningDelta(chunk.text))
+                    elif isinstance(chunk, Refusal):
+                        if chunk.text:
+                            partial.shown = partial.refused = True
+                            partial.text.add(chunk.text)
+                            emit(TextDelta(chunk.text, refusal=True))
                     elif isinstance(chunk, ToolCallStart):
                         partial.shown = True
                         call_id = chunk.id or f"call_{uuid.uuid4().hex[:20]}"

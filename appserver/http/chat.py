@@ -572,8 +572,11 @@ def blocks_after(snap: TurnSnapshot, run: TurnRun) -> list[dict[str, Any]]:
     return list(snap.blocks[run.base_blocks :])
 
 
-def render_text(blocks: list[dict[str, Any]], kind: str = "text") -> str:
-    return "\n\n".join(b["text"] for b in blocks if b["type"] == kind and b["text"])
+def render_text(blocks: list[dict[str, Any]], kind: str = "text", *, refusal: bool = False) -> str:
+    """The text of the blocks of `kind`; of text blocks, the answer's or (`refusal`) the refusal's."""
+    return "\n\n".join(
+        b["text"] for b in blocks if b["type"] == kind and b["text"] and bool(b.get("refusal")) == refusal
+    )
 
 
 def usage_of(snap: TurnSnapshot) -> dict[str, Any]:
@@ -753,6 +756,7 @@ class _Ctx:
             snap = await settle_or_cancel(request, self.run, self.settled)
             blocks = blocks_after(snap, self.run)
             text = render_text(blocks)
+            refusal = render_text(blocks, refusal=True)
             if snap.status == "failed":
                 # Cut short (the upstream broke off, the store could not keep it): a part of a
                 # reply is no reply, whatever text came before. What was shown stays in the history.
@@ -762,8 +766,8 @@ class _Ctx:
             calls = tool_calls_of(snap) if snap.status == "awaiting" else []
             message: dict[str, Any] = {
                 "role": "assistant",
-                "content": text if (text or not calls) else None,
-                "refusal": None,
+                "content": text if (text or not (calls or refusal)) else None,
+                "refusal": refusal or None,
                 "annotations": [],
             }
             if calls:
@@ -850,7 +854,9 @@ class _Ctx:
                             done = sent.get(i, 0)
                             if len(full) > done:
                                 piece = full[done:]
-                                if b["type"] == "text":
+                                if b.get("refusal"):
+                                    yield self.chunk({"refusal": piece})  # OpenAI's field for it
+                                elif b["type"] == "text":
                                     if done == 0 and any_text:
                                         piece = "\n\n" + piece
                                     any_text = True

@@ -594,6 +594,13 @@ def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = Non
     return out
 
 
+def text_part(b: dict[str, Any], text: str) -> dict[str, Any]:
+    """A text block's content part: the answer's `output_text`, or the model's `refusal`."""
+    if b.get("refusal"):
+        return {"type": "refusal", "refusal": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
 def item_for(
     shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final: bool, cut: bool = False
 ) -> dict[str, Any] | None:
@@ -607,7 +614,7 @@ def item_for(
             "type": "message",
             "role": "assistant",
             "status": done if final else "in_progress",
-            "content": [{"type": "output_text", "text": b["text"], "annotations": [], "logprobs": []}] if final else [],
+            "content": [text_part(b, b["text"])] if final else [],
         }
     if b["type"] == "reasoning":
         if not shape.reasoning:
@@ -1335,7 +1342,7 @@ class _Run:
                             item_id=item["id"],
                             output_index=idx,
                             content_index=0,
-                            part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                            part=text_part(b, ""),
                         )
                     )
                 st["added"] = True
@@ -1343,7 +1350,11 @@ class _Run:
             if len(text) > st["sent"]:
                 piece = text[st["sent"] :]
                 st["sent"] = len(text)
-                if kind == "text":
+                if kind == "text" and b.get("refusal"):
+                    events.append(
+                        ev("response.refusal.delta", item_id=item["id"], output_index=idx, content_index=0, delta=piece)
+                    )
+                elif kind == "text":
                     events.append(
                         ev(
                             "response.output_text.delta",
@@ -1368,23 +1379,34 @@ class _Run:
                 cut = snap.status in TERMINAL_STATUSES and final_status(snap) != "completed"
                 final = item_for(shape, self.run.turn_id, bi, b, final=True, cut=cut)
                 if kind == "text":
-                    events.append(
-                        ev(
-                            "response.output_text.done",
-                            item_id=item["id"],
-                            output_index=idx,
-                            content_index=0,
-                            text=text,
-                            logprobs=[],
+                    if b.get("refusal"):
+                        events.append(
+                            ev(
+                                "response.refusal.done",
+                                item_id=item["id"],
+                                output_index=idx,
+                                content_index=0,
+                                refusal=text,
+                            )
                         )
-                    )
+                    else:
+                        events.append(
+                            ev(
+                                "response.output_text.done",
+                                item_id=item["id"],
+                                output_index=idx,
+                                content_index=0,
+                                text=text,
+                                logprobs=[],
+                            )
+                        )
                     events.append(
                         ev(
                             "response.content_part.done",
                             item_id=item["id"],
                             output_index=idx,
                             content_index=0,
-                            part={"type": "output_text", "text": text, "annotations": [], "logprobs": []},
+                            part=text_part(b, text),
                         )
                     )
                 else:
@@ -1478,7 +1500,9 @@ def _reply_view(output: list[dict[str, Any]]) -> list[ViewItem]:
     view: list[ViewItem] = []
     for item in output:
         if item["type"] == "message":
-            view.append(ViewItem("assistant", "".join(c.get("text", "") for c in item["content"])))
+            # a refusal part reads as text, as parse_input reads it when a client resends it
+            text = "".join(c.get("text", c.get("refusal", "")) for c in item["content"])
+            view.append(ViewItem("assistant", text))
         elif item["type"] == "function_call":
             view.append(
                 ViewItem(

@@ -26,6 +26,13 @@ class Reasoning:
 
 
 @value
+class Refusal:
+    """The model declined to answer (OpenAI's `refusal`): shown as its reply, marked as a refusal."""
+
+    text: str
+
+
+@value
 class ToolCallStart:
     index: int
     id: str
@@ -61,7 +68,7 @@ class Done:
     finish_reason: FinishReason
 
 
-ProviderChunk = Text | Reasoning | ToolCallStart | ToolCallArgs | ProviderState | Usage | Done
+ProviderChunk = Text | Reasoning | Refusal | ToolCallStart | ToolCallArgs | ProviderState | Usage | Done
 
 # ---------------------------------------------------------------- requests
 

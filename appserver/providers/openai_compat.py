@@ -29,6 +29,7 @@ from appserver.providers.base import (
     ProviderError,
     ProviderRequest,
     Reasoning,
+    Refusal,
     Text,
     ToolCallArgs,
     ToolCallStart,
@@ -162,7 +163,12 @@ class OpenAIStreamParser:
         return out
 
     def _delta(self, delta: dict[str, Any], out: list[ProviderChunk]) -> None:
-        if "reasoning_content" not in delta and "reasoning" not in delta and "tool_calls" not in delta:
+        if (
+            "reasoning_content" not in delta
+            and "reasoning" not in delta
+            and "tool_calls" not in delta
+            and not delta.get("refusal")
+        ):
             content = delta.get("content")  # the usual delta: text only, in fewer steps
             if content and type(content) is str:
                 out.extend(self._think.feed(content))
@@ -176,6 +182,9 @@ class OpenAIStreamParser:
         content = delta.get("content")
         if isinstance(content, str) and content:
             out.extend(self._think.feed(content))
+        refusal = delta.get("refusal")  # OpenAI: the model declined (structured outputs, safety)
+        if isinstance(refusal, str) and refusal:
+            out.append(Refusal(refusal))
         elif isinstance(content, list):  # a few servers stream content parts
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):

@@ -114,6 +114,7 @@ class _Block:
     status: str | None = None
     output: str | None = None
     is_error: bool = False
+    refusal: bool = False  # a text block holding the model's refusal
 
     def render(self) -> dict[str, Any]:
         if self.type == "tool_call":
@@ -127,6 +128,8 @@ class _Block:
                 "output": self.output,
                 "is_error": self.is_error,
             }
+        if self.refusal:
+            return {"type": self.type, "text": self.parts.text(), "refusal": True}
         return {"type": self.type, "text": self.parts.text()}
 
 
@@ -171,7 +174,7 @@ class TurnController:
         if self.status in TERMINAL_STATUSES:
             return
         if isinstance(event, TextDelta):
-            self._append("text", event.text)
+            self._append("text", event.text, event.refusal)
             self.phase = "responding"
         elif isinstance(event, ReasoningDelta):
             self._append("reasoning", event.text)
@@ -220,12 +223,12 @@ class TurnController:
             return
         self._bump()
 
-    def _append(self, kind: str, text: str) -> None:
+    def _append(self, kind: str, text: str, refusal: bool = False) -> None:
         last = self._blocks[-1] if self._blocks else None
-        if last is not None and last.type == kind:
+        if last is not None and last.type == kind and last.refusal == refusal:
             last.parts.add(text)
         else:
-            self._blocks.append(_Block(kind, TextParts(text)))
+            self._blocks.append(_Block(kind, TextParts(text), refusal=refusal))
 
     def _bump(self) -> None:
         self.revision += 1
@@ -368,7 +371,7 @@ class TurnController:
                 if m.reasoning:
                     self._append("reasoning", m.reasoning)
                 if m.text():
-                    self._append("text", m.text())
+                    self._append("text", m.text(), bool(m.meta.get("refusal")))
                 for c in m.tool_calls:
                     block = _Block(
                         "tool_call",

@@ -329,6 +329,38 @@ def test_images_where_only_users_may_send_them_are_refused_not_dropped(http: htt
         assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_part", r.text
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("data:image/png;base64,AA!A", "base64 is not valid"),
+        ("data:image/png;base64,AAA", "base64 is not valid"),  # cut short: no whole group
+        ("data:image/png;base64,", "holds no data"),
+        ("data:image/png,AAAA", "must be base64"),
+        ("file:///etc/passwd", "must start with https:, http: or data:image/"),
+        (" https://example.com/a.png", "without the space before it"),
+    ],
+)
+def test_an_image_url_no_model_could_take_is_refused_where_it_arrives(http: httpx.Client, url: str, says: str) -> None:
+    """Broken base64 or a scheme a provider must not fetch (a local file): a 400 naming the part on
+    both routes (and the WebSocket protocol uses the same check), not a turn that fails upstream."""
+    chat = {
+        "role": "user",
+        "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}],
+    }
+    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": [chat]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image_url", r.text
+    assert says in r.json()["error"]["message"] and "messages[0].content[1]" in r.json()["error"]["message"]
+    validate("ErrorResponse", r.json())
+    item = {"role": "user", "content": [{"type": "input_image", "image_url": url}]}
+    r = http.post("/v1/responses", json={"model": "assistant", "input": [item]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image_url", r.text
+    ok = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    good = http.post(
+        "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": [ok]}]}
+    )
+    assert good.status_code == 200, good.text
+
+
 def test_a_conversation_object_without_an_id_is_refused_not_ignored(http: httpx.Client) -> None:
     r = http.post("/v1/responses", json={"model": "assistant", "input": "x", "conversation": {"idd": "conv_x"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "conversation", r.text  # was: a new conversation

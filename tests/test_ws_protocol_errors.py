@@ -296,7 +296,7 @@ async def test_documented_details_hold(srv: Srv) -> None:
             T,
         )
         assert ok["type"] == "ack", (url, ok)
-    for url in ("file:///etc/passwd", "/tmp/a.png", "ftp://example.com/a.png"):
+    for url in ("file:///etc/passwd", "/tmp/a.png", "ftp://example.com/a.png", "data:image/png;base64,AA!A"):
         err = await ws.request(
             {"type": "submit_input", "agent": "assistant", "input": [{"type": "image", "url": url}]}, T
         )

@@ -52,6 +52,7 @@ from appserver.http.conversation_match import (
 from appserver.http.errors import ApiError, bad_request, error_body
 from appserver.http.sse import SSEResponse
 from appserver.http.stopping import Stopping, shutting_down
+from appserver.images import image_url_problem
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
 from appserver.store.records import AgentRecord
@@ -139,6 +140,9 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
             url = image.get("url") if isinstance(image, dict) else image
             if not isinstance(url, str):
                 raise bad_request(f"{where}.content[{j}].image_url.url must be a string", f"{where}.content")
+            problem = image_url_problem(url)
+            if problem is not None:
+                raise bad_request(f"{where}.content[{j}]: {problem}", f"{where}.content", code="invalid_image_url")
             images.append(url)
         elif kind in MEDIA_PARTS and media:
             media_parts.append(media_part(part, f"{where}.content[{j}]"))

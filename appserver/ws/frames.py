@@ -15,13 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from pydantic import ValidationError as ValidationError  # what `client_frame` raises (ws/routes.py)
 
+from appserver.images import image_url_problem
 from appserver.ws.codes import CLOSE_AUTH as CLOSE_AUTH
 from appserver.ws.codes import CLOSE_PROTOCOL as CLOSE_PROTOCOL
 from appserver.ws.codes import CLOSE_SLOW_CONSUMER as CLOSE_SLOW_CONSUMER
 from appserver.ws.codes import CLOSE_TOO_BIG as CLOSE_TOO_BIG
 from appserver.ws.codes import PROTOCOL_VERSION as PROTOCOL_VERSION
-
-IMAGE_URL_SCHEMES = ("https:", "http:", "data:image/")
 
 
 class _Frame(BaseModel):
@@ -62,9 +61,9 @@ class ImagePart(_ClientShape):
     @field_validator("url")
     @classmethod
     def _scheme(cls, url: str) -> str:
-        if not url.lower().startswith(IMAGE_URL_SCHEMES):
-            spaced = " (without the space before it)" if url[:1].isspace() else ""
-            raise ValueError(f"an image URL must start with https:, http: or data:image/{spaced}")
+        problem = image_url_problem(url)
+        if problem is not None:
+            raise ValueError(problem)
         return url
 
 

@@ -881,6 +881,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._writes_blocked = False  # over the high-water mark: see pause_writing
         send_response = self.conn.send_response
 
         def stamped(response: WsResponse) -> None:
@@ -923,6 +924,34 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             # close before accept is; uvicorn does not mark it so, and once the app returned it
             # logged "ASGI callable returned without completing handshake." for every one.
             self.handshake_complete = True
+
+    # ── a client that does not take what it is sent ──────────────────────────────────────────
+    # Every ping gets a pong, written whether or not the client reads: a client that pings and
+    # never reads grew the server's buffer without end (hundreds of MB in seconds, even before
+    # `hello`). While the socket is over its high-water mark the server reads nothing more from
+    # that client (its pings wait in TCP, on its side), and the edge's send timeout watches the
+    # connection as it watches an HTTP reply: no byte taken for `send_timeout_s`, it is aborted.
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._writes_blocked = True
+        self.transport.pause_reading()
+        if isinstance(self.transport, PassWrites):
+            self.transport.watch_open = True  # PassWrites arms its timer after the write that got here
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._writes_blocked = False
+        if isinstance(self.transport, PassWrites):
+            self.transport.watch_open = False  # open and draining: ws_send_timeout_s and pings again
+        if not self.read_paused and not self.transport.is_closing():
+            self.transport.resume_reading()  # not while a message waits for the app (uvicorn's pause)
+
+    async def receive(self) -> Any:
+        message = await super().receive()  # resumes reading once the app took the queued message
+        if self._writes_blocked and not self.transport.is_closing():
+            self.transport.pause_reading()  # …but not while the client leaves our writes untaken
+        return message
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)

@@ -876,3 +876,87 @@ def test_a_refusal_reaches_the_client_as_a_refusal(client: openai.OpenAI, http: 
     assert "response.refusal.delta" in kinds and "response.output_text.delta" not in kinds, kinds
     done = next(e for e in events if e["type"] == "response.refusal.done")
     assert done["refusal"] == "I can't help with that."
+
+
+def test_added_messages_keep_the_rules_of_new_input(http: httpx.Client, fake: FakeOpenAI) -> None:
+    """Messages added with previous_response_id: not while the response waits for a call's answer
+    (409 calls_pending, as for any new input; the model got an unanswered call), a function_call
+    among them is listed by input_items, and a file part the model cannot take is refused even
+    in history (it was dropped)."""
+    fake.script(
+        openai_sse(
+            [
+                chunk(role="assistant", tool_calls=[tool_delta(0, id="call_w1", name="get_weather", arguments="{}")]),
+                chunk(finish_reason="tool_calls"),
+            ]
+        )
+    )
+    waiting = http.post("/v1/responses", json={"model": "remote", "input": "weather?", "tools": [WEATHER_R]}).json()
+    assert [o["type"] for o in waiting["output"]] == ["function_call"], waiting
+    added = [
+        {"role": "user", "content": "U1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "U2"},
+    ]
+    calls = len(fake.requests)
+    r = http.post("/v1/responses", json={"model": "remote", "previous_response_id": waiting["id"], "input": added})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "calls_pending", r.text
+    assert "call_w1" in r.json()["error"]["message"] and len(fake.requests) == calls
+
+    first = http.post("/v1/responses", json={"model": "remote", "input": "base"}).json()
+    history = [
+        {"role": "user", "content": "U1"},
+        {"type": "function_call", "call_id": "call_h1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_h1", "output": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "U2"},
+    ]
+    r = http.post(
+        "/v1/responses",
+        json={"model": "remote", "previous_response_id": first["id"], "input": history, "tools": [WEATHER_R]},
+    )
+    assert r.status_code == 200, r.text
+    items = http.get(f"/v1/responses/{r.json()['id']}/input_items", params={"order": "asc"}).json()
+    validate("ResponseItemList", items)
+    assert [i["type"] for i in items["data"]] == [
+        "message",
+        "function_call",
+        "function_call_output",
+        "message",
+        "message",
+    ], items
+
+    pdf = {"role": "user", "content": [{"type": "input_file", "filename": "a.pdf", "file_data": PDF}]}
+    echo_first = http.post("/v1/responses", json={"model": "assistant", "input": "base"}).json()
+    with_file = [pdf, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]
+    r = http.post(
+        "/v1/responses", json={"model": "assistant", "previous_response_id": echo_first["id"], "input": with_file}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_part", r.text
+    chat_file = [{"role": "user", "content": [{"type": "file", "file": {"file_data": PDF}}]}, *with_file[1:]]
+    r = http.post("/v1/chat/completions", json={"model": "assistant", "messages": chat_file})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_content_part", r.text
+
+
+def test_a_previous_response_chain_leaves_no_point_a_shorter_history_could_match(
+    http: httpx.Client, fake: FakeOpenAI
+) -> None:
+    """A conversation continued with previous_response_id holds context its requests did not send:
+    a stateless request carrying only the last exchange must not continue it (and see that context)."""
+    secret = http.post("/v1/responses", json={"model": "remote", "input": "SECRET-CONTEXT"}).json()
+    later = http.post("/v1/responses", json={"model": "remote", "previous_response_id": secret["id"], "input": "hello"})
+    assert later.status_code == 200, later.text
+    stranger = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "remote",
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "fine"},
+                {"role": "user", "content": "next"},
+            ],
+        },
+    )
+    assert stranger.status_code == 200, stranger.text
+    assert stranger.headers["x-conversation-id"] != later.headers["x-conversation-id"]
+    assert "SECRET-CONTEXT" not in json.dumps(fake.requests[-1].json["messages"])

@@ -771,3 +771,33 @@ async def test_usage_counts_beyond_64_bits_keep_every_digit(fake: FakeOpenAI) ->
     fake.script(openai_sse([chunk(content="x", finish_reason="stop"), usage_chunk(10**30, 10**21)]))
     got = await run(fake)
     assert Usage(input_tokens=10**30, output_tokens=10**21) in got
+
+
+def test_parts_with_a_refusal_and_whitespace_before_a_call_keep_their_order() -> None:
+    """Content parts beside a refusal are kept; text held back at the start precedes a tool call
+    or a refusal that follows it."""
+    from appserver.providers.base import Refusal
+    from appserver.providers.openai_compat import OpenAIStreamParser
+
+    p = OpenAIStreamParser()
+    out = p.feed_chunk(
+        {"choices": [{"index": 0, "delta": {"content": [{"type": "text", "text": "PART "}], "refusal": "NO"}}]}
+    )
+    assert out == [Text("PART "), Refusal("NO")]
+    q = OpenAIStreamParser()
+    assert q.feed_chunk({"choices": [{"index": 0, "delta": {"content": "\n\n"}}]}) == []
+    out = q.feed_chunk(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                        ]
+                    },
+                }
+            ]
+        }
+    )
+    assert out[0] == Text("\n\n") and type(out[1]).__name__ == "ToolCallStart", out

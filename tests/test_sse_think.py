@@ -168,3 +168,16 @@ def test_think_holds_back_only_possible_tag_prefixes() -> None:
     assert sp.feed("  <thi") == []  # the text may still open with a think block
     assert sp.feed("s is") == [Text("  <this is")]
     assert sp.feed(" <think>") == [Text(" <think>")]  # the answer began: nothing held back now
+
+
+def test_text_held_at_the_start_goes_out_before_what_follows_it() -> None:
+    """Whitespace or a tag prefix held back at the start is text once a tool call or a refusal
+    follows: in order, before it (it came out after them)."""
+    sp = ThinkSplitter()
+    assert sp.feed("\n\n") == []
+    assert sp.settle() == [Text("\n\n")]
+    assert sp.feed("<think>x</think>") == [Text("<think>x</think>")]  # no block opens any more
+    inside = ThinkSplitter()
+    assert inside.feed("<think>why") == [Reasoning("why")]
+    assert inside.settle() == []  # a call inside the reasoning: the block goes on
+    assert inside.feed("</think>ok") == [Text("ok")]

@@ -647,7 +647,8 @@ class ChatCompletions:
             raise bad_request(
                 "send tool results and a new user message in separate requests", "messages", code="mixed_input"
             )
-        check_media(self.server, agent, [p for u in users for p in u.parts], "messages")
+        # every user message's parts, the history's too (seeded into a new conversation, they reach the model)
+        check_media(self.server, agent, [p for u in items if u.kind == "user" for p in u.parts], "messages")
         answers = (
             Answers([r.call_id or "" for r in results], turn_tools(tools), options, "messages") if results else None
         )

@@ -231,12 +231,17 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(call_id, str):
                 raise bad_request(f"{where}: a function_call needs call_id and name", "input")
-            out.items.append(
-                ViewItem(
-                    "assistant",
-                    "",
-                    calls=[{"id": call_id, "name": name, "arguments": args if isinstance(args, str) else ""}],
-                )
+            arguments = args if isinstance(args, str) else ""
+            out.items.append(ViewItem("assistant", "", calls=[{"id": call_id, "name": name, "arguments": arguments}]))
+            out.stored.append(
+                {
+                    "id": item_id("fc"),
+                    "type": "function_call",
+                    "call_id": call_id,
+                    "name": name,
+                    "arguments": arguments,
+                    "status": "completed",
+                }
             )
             out.decisions.clear()
         elif kind == "function_call_output":
@@ -524,6 +529,17 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
+def open_calls_of(body: dict[str, Any]) -> list[str]:
+    """The calls a stored response left waiting for answers (as clients name them)."""
+    out: list[str] = []
+    for item in body.get("output") or []:
+        if item.get("type") == "function_call" and item.get("status") == "completed":
+            out.append(str(item.get("call_id")))
+        elif item.get("type") == "mcp_approval_request":
+            out.append(str(item.get("id")))
+    return out
+
+
 def calls_pending(call_ids: list[str]) -> ApiError:
     """New input while the conversation waits for answers: 409 naming what it waits for."""
     return ApiError(
@@ -792,6 +808,7 @@ class Responses:
         return await as_ended(self.server.store, rec)
 
     async def get(self, request: Request) -> Response:
+        rec = await self._stored(request)  # an unknown id is a 404 whatever else the request asks
         stream = request.query_params.get("stream", "false").lower()
         if stream not in ("true", "false"):
             raise bad_request("'stream' must be true or false", "stream")
@@ -804,7 +821,6 @@ class Responses:
                 "stream",
                 code="unsupported_parameter",
             )
-        rec = await self._stored(request)
         return json_response(rec.body, headers={HEADER: rec.conversation_id})
 
     async def delete(self, request: Request) -> Response:
@@ -929,7 +945,9 @@ class Responses:
                 "input",
                 code="unsupported_input",
             )
-        check_media(self.server, agent, [p for u in users for p in u.parts], "input")
+        # every user message's parts, the history's too: a part seeded into a conversation reaches
+        # the model as much as the new input's
+        check_media(self.server, agent, [p for u in items if u.kind == "user" for p in u.parts], "input")
         answers = (
             Answers([d.call_id for d in decisions], turn_tools(specs), options, "input")
             if decisions and not users
@@ -994,7 +1012,12 @@ class Responses:
             prompt_cache_key=body.get("prompt_cache_key"),
             shown_instructions=shown_instructions,
         )
-        ctx = _Run(self, shape, run, idem, parsed, chain(new, chain(prefix)))
+        # A history point is the hash of the whole transcript a client holds: only a request that sent
+        # the whole history has it. With previous_response_id or conversation the input is only the
+        # new part, and a point made from it would let a stateless request with that little history
+        # continue a conversation holding context it never saw.
+        point_base = None if prev_id or conv_param else chain(new, chain(prefix))
+        ctx = _Run(self, shape, run, idem, parsed, point_base)
         if stream:
             return ctx.stream_response()
         return await ctx.complete(request)
@@ -1062,6 +1085,9 @@ class Responses:
                     param="previous_response_id",
                 )
             if added:
+                waiting = open_calls_of(rec.body)
+                if waiting:  # as for any new input: the calls the response left open come first
+                    raise calls_pending(waiting)
                 fork = await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, seed=added)
                 return Placement(fork, "fork", claimed=True)
             head = await store.last_message_id(rec.conversation_id)
@@ -1113,7 +1139,7 @@ class _Run:
         run: TurnRun,
         idem: Idempotency | None,
         parsed: ParsedInput,
-        point_base: str,
+        point_base: str | None,
     ) -> None:
         self.route = route
         self.server = route.server
@@ -1121,7 +1147,7 @@ class _Run:
         self.run = run
         self.idem = idem
         self.parsed = parsed
-        self.point_base = point_base  # hash of the transcript up to and including the new input
+        self.point_base = point_base  # hash of the transcript up to and including the new input, if sent whole
         self.headers = {HEADER: run.conversation_id}
         self.keepalive = float(self.server.config.limits.sse_keepalive_s)
         self.steps_note = max_steps_note(self.server, shape.agent)
@@ -1144,7 +1170,7 @@ class _Run:
         output = self.output(snap)
         failed = await turn_error(self.server, self.shape.agent.id, snap.error) if snap.status == "failed" else None
         body = response_body(self.shape, status=final_status(snap), output=output, snap=snap, failed=failed)
-        if snap.status != "failed":
+        if snap.status != "failed" and self.point_base is not None:
             view = merge_assistants(_reply_view(output))
             await self.route.matcher.record(self.shape.agent.id, self.run.conversation_id, chain(view, self.point_base))
         await self.keep(body)

@@ -182,14 +182,16 @@ class OpenAIStreamParser:
         content = delta.get("content")
         if isinstance(content, str) and content:
             out.extend(self._think.feed(content))
-        refusal = delta.get("refusal")  # OpenAI: the model declined (structured outputs, safety)
-        if isinstance(refusal, str) and refusal:
-            out.append(Refusal(refusal))
         elif isinstance(content, list):  # a few servers stream content parts
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
                     out.extend(self._think.feed(part["text"]))
+        refusal = delta.get("refusal")  # OpenAI: the model declined (structured outputs, safety)
         tool_calls = delta.get("tool_calls")
+        if (isinstance(refusal, str) and refusal) or (isinstance(tool_calls, list) and tool_calls):
+            out.extend(self._think.settle())  # text held back at the start comes before them
+        if isinstance(refusal, str) and refusal:
+            out.append(Refusal(refusal))
         if isinstance(tool_calls, list):
             for tc in tool_calls:
                 if isinstance(tc, dict):

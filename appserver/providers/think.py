@@ -77,6 +77,18 @@ class ThinkSplitter:
         self._pending = buf[len(buf) - k :]
         return out
 
+    def settle(self) -> list[Text | Reasoning]:
+        """Something other than text follows (a tool call, a refusal): what was held back at the
+        start (whitespace, a tag prefix) is text after all and goes out before it, in order; no
+        think block can open any more. Inside a block nothing changes (reasoning goes on)."""
+        if self._state != "start":
+            return []
+        out: list[Text | Reasoning] = []
+        pending, self._pending = self._pending, ""
+        self._state = "answer"
+        self._emit(out, pending)
+        return out
+
     def flush(self) -> list[Text | Reasoning]:
         """End of stream: what was held back was ordinary text (or reasoning) after all."""
         out: list[Text | Reasoning] = []

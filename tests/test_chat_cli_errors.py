@@ -12,6 +12,8 @@ somebody else or ends as a success after losing input.
 * `chat --agent ops --conversation <a conversation of another agent>` said "chatting with ops" and
   ran the turns as the other agent: the server refuses the subscribe (conversation_not_found).
 * Negative, NaN or infinite `--reconnect-wait` / `--timeout` are usage errors (exit 2).
+* With piped input, a turn a server crash interrupted made `chat` exit 0 (only `failed` turns
+  counted) where `run` exits 1: it is no success either. A turn cancelled on purpose still is.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from pathlib import Path
 import pytest
 
 from appserver.auth import TokenStore
-from appserver.cli.chat import chat
+from appserver.cli.chat import chat, did_not_complete
 from appserver.cli.run import server_url_source
 from appserver.client import ConnectError, ProtocolClient
 from tests.support.cli import CLIResult, cli_env, run_cli
 from tests.support.serve import ServeProcess, serving, start_serve
+from tests.support.wait import wait_for
 from tests.support.zygote_client import appserver_popen
+from tests.test_client_failover import running_turn_with_draft
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,6 +173,49 @@ def test_chat_with_piped_input_exits_1_when_a_turn_failed_after_running_every_li
     assert "Traceback" not in r.err, r.err
     ok = cli(srv.home, "chat", "--conversation", "new", "--token", srv.good, stdin=f"{marker}\n")
     assert ok.code == 0, (ok.code, ok.out, ok.err)
+
+
+def test_chat_with_piped_input_exits_1_when_a_turn_was_interrupted_but_not_when_cancelled(tmp_path: Path) -> None:
+    """kill -9 mid-turn, then a new server on the home: it settles the turn as interrupted, chat
+    reconnects to it and shows `[interrupted: …]`, and its exit code says the turn did not complete
+    (was: 0). `/cancel` ends a turn on purpose: that session exits 0."""
+    home = tmp_path / "home"
+    env = cli_env(home, APPSERVER_LIMITS__DRAFT_INTERVAL_S="0.1")
+    sp = start_serve(home, env=env)
+    try:
+        with appserver_popen(
+            ["chat", "--conversation", "new"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as proc:
+            assert proc.stdin is not None
+            proc.stdin.write("/slow 200\n")  # 200 words 50 ms apart: 10 s, far longer than the test needs
+            proc.stdin.flush()
+            wait_for(lambda: running_turn_with_draft(home), 15, "the turn to run and checkpoint text")
+            sp.kill()  # SIGKILL: nothing is settled, the connection drops
+            sp = start_serve(home, env=env)  # its start settles the turn as interrupted
+            out, err = proc.communicate(timeout=60)  # stdin ends: chat leaves once the turn has ended
+        assert "[interrupted: the server stopped while this turn was running]" in out, (out, err)
+        assert proc.returncode == 1, (proc.returncode, out, err)
+        assert "Traceback" not in err, err
+        cancelled = cli(home, "chat", "--conversation", "new", stdin="/slow 200\n/cancel\n")
+        assert "[cancelled]" in cancelled.out and "w200" not in cancelled.out, (cancelled.out, cancelled.err)
+        assert cancelled.code == 0, (cancelled.code, cancelled.out, cancelled.err)
+    finally:
+        sp.kill()
+
+
+def test_which_ended_turns_count_against_the_exit_code() -> None:
+    interrupted = {"kind": "interrupted", "message": "the server stopped while this turn was running"}
+    assert did_not_complete({"status": "failed", "error": {"kind": "upstream"}})
+    assert did_not_complete({"status": "failed", "error": {"kind": "unknown"}})  # rebuilt after a reconnect
+    assert did_not_complete({"status": "cancelled", "error": interrupted})
+    assert not did_not_complete({"status": "cancelled", "error": None})  # Ctrl-C, /cancel, another client
+    assert not did_not_complete({"status": "completed", "error": None})
+    assert not did_not_complete({"status": "awaiting"})
 
 
 async def test_chat_exits_1_when_the_server_closes_over_a_frame(

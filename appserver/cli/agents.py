@@ -73,11 +73,16 @@ async def _namesakes(s: Server, agent: AgentRecord) -> list[AgentRecord]:
 
 
 def _note_namesakes(agent: AgentRecord, namesakes: list[AgentRecord]) -> None:
-    """Allowed (DESIGN §5), but every client that named the agent by its name now gets an error."""
+    """Allowed (DESIGN §5), but everything that named the agent by its name now gets an error: not
+    only OpenAI clients (`model_ambiguous`) but this CLI too (`run`, `chat`, `cron add` and
+    `conversations list` default to or take `--agent assistant`), so the warning names them."""
     if namesakes:
+        ids = ", ".join(a.id for a in namesakes)
         click.echo(
-            f"note: {', '.join(a.id for a in namesakes)} is also named {agent.name!r}: the name now names "
-            f"several agents, so OpenAI clients must use the ids ({agent.id} for this one)",
+            f"warning: {ids} {'is' if len(namesakes) == 1 else 'are'} also named {agent.name!r}, so that name is "
+            f"now ambiguous: --agent {agent.name} (run, chat, cron, conversations) and the OpenAI model "
+            f"{agent.name!r} fail until you give an id instead ({agent.id} for this one) or rename one "
+            f"(appserver agents update {agent.id} --name NEW)",
             err=True,
         )
 

@@ -250,6 +250,14 @@ class Renderer:
             self.screen.fresh_line()
 
 
+def did_not_complete(snap: dict[str, Any]) -> bool:
+    """A finished turn that a script must hear about: failed, or interrupted by a server stop or crash
+    (`cancelled` with the error kind `interrupted`, as `appserver run` exits 1 for it). A turn
+    somebody cancelled on purpose (Ctrl-C, /cancel) has no error and is no failure."""
+    error = snap.get("error") or {}
+    return snap["status"] == "failed" or (snap["status"] == "cancelled" and error.get("kind") == "interrupted")
+
+
 class Chat:
     """One chat session: a single event loop over keys, frames and Ctrl-C, so output never interleaves."""
 
@@ -275,7 +283,7 @@ class Chat:
         self.held: list[str] = []
         self.eof = False
         self.exit_code: int | None = None
-        self.turns_failed = 0  # with input from a pipe, the exit code says whether any turn failed
+        self.turns_failed = 0  # with input from a pipe, the exit code says whether any turn failed or was interrupted
         self.lost = False  # the connection is gone for good (said once; exit 1)
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -573,7 +581,7 @@ class Chat:
             self.renderer.snapshot(snap)
             if snap["status"] in TERMINAL:
                 self.renderer.end(snap)
-                self.turns_failed += snap["status"] == "failed"
+                self.turns_failed += did_not_complete(snap)
                 await self.turn_ended()
         elif kind == "approval_request" and frame.get("conversation_id") == self.conv_id:
             if self.turn is None:  # a turn of this conversation needs an answer: show it

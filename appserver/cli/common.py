@@ -16,7 +16,7 @@ import select
 import sqlite3
 import ssl
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -45,6 +45,35 @@ def fail(message: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
+def not_utf8(text: str) -> bool:
+    """Does `text` hold bytes that were not UTF-8? Python hands such argv and environment bytes over as
+    lone surrogates (surrogateescape), which every later encode (SQLite, JSON, a frame) refuses."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def shown_raw(text: str, limit: int = 80) -> str:
+    """`text` as the bytes it came from, escaped (`'caf\\xe9'`) and cut at `limit`, so that the line
+    saying it is bad is readable and stays one line (the bad argument may be a whole prompt)."""
+    try:
+        shown = repr(text.encode("utf-8", "surrogateescape"))[1:]
+    except UnicodeEncodeError:  # a surrogate no byte decoded to (only from Python callers)
+        shown = repr(text.encode("utf-8", "backslashreplace"))[1:]
+    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
+
+
+def refuse_non_utf8_args(args: Sequence[str]) -> None:
+    """Every command, before it parses anything: an argument that is not UTF-8 is one line and exit code
+    2, naming it, instead of a traceback wherever the text is first encoded (or a server's refusal)."""
+    for n, arg in enumerate(args, 1):
+        if not_utf8(arg):
+            after = f", after {args[n - 2]}" if n > 1 and args[n - 2].startswith("-") else ""
+            fail(f"argument {n} ({shown_raw(arg)}{after}) is not valid UTF-8: give arguments as UTF-8 text", 2)
+
+
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV) == "1"
 
@@ -62,6 +91,21 @@ def _os_error(exc: OSError) -> str:
     if exc.errno == errno.ENOENT:
         return f"no such file or directory: {where}"
     return f"{where}: {exc.strerror or exc}"
+
+
+# The most items one --limit/--count may ask for: far more than anyone reads in a terminal, far below the
+# integers SQLite takes (a bigger LIMIT was an OverflowError traceback).
+MAX_COUNT = 100_000
+
+
+class Count(click.IntRange):
+    """How many items to list: 1 to `maximum`. 0 and negative numbers (which SQLite takes as "no
+    limit") and absurd ones are usage errors (exit 2), not everything or a traceback."""
+
+    name = "count"
+
+    def __init__(self, maximum: int = MAX_COUNT) -> None:
+        super().__init__(min=1, max=maximum)
 
 
 STDOUT_CLOSED_EXIT = 141  # 128 + SIGPIPE: what a shell shows for a writer its reader left (`| head`)

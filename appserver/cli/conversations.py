@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from appserver.cli.common import print_json, with_server
+from appserver.cli.common import MAX_COUNT, Count, print_json, with_server
 from appserver.errors import NotFound
 from appserver.server import Server
 
@@ -19,7 +19,9 @@ def conversations_group() -> None:
 
 @conversations_group.command("list")
 @click.option("--agent", default="assistant", show_default=True)
-@click.option("--limit", default=100, show_default=True)
+@click.option(
+    "--limit", type=Count(), default=100, show_default=True, help=f"Most conversations to list, 1 to {MAX_COUNT}."
+)
 @click.option("--json", "as_json", is_flag=True)
 def list_conversations(agent: str, limit: int, as_json: bool) -> None:
     async def go(s: Server) -> list[Any]:
@@ -56,7 +58,7 @@ def show_conversation(conversation_id: str, as_json: bool) -> None:
 
 @conversations_group.command("history")
 @click.argument("conversation_id")
-@click.option("--limit", type=int, default=None)
+@click.option("--limit", type=Count(), default=None, help=f"Only the last N messages, 1 to {MAX_COUNT} (default: all).")
 @click.option("--json", "as_json", is_flag=True)
 def history(conversation_id: str, limit: int | None, as_json: bool) -> None:
     async def go(s: Server) -> list[Any]:

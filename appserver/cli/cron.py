@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import click
 
-from appserver.cli.common import get_config
+from appserver.cli.common import MAX_COUNT, Count, get_config
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile
 from cron.runlog import find_removed, read_runs
@@ -47,6 +47,8 @@ from cron.store import (
 from cron.stores import cron_store_for
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+MAX_PREVIEW = 1000  # `preview --count`: each fire time is computed, not read
 
 _USER_ERRORS = (
     CronStoreError,
@@ -525,7 +527,9 @@ def run_cmd(task: str, agent: str | None, timeout: str, as_json: bool) -> None:
 @cron_group.command("logs")
 @click.argument("ref")
 @click.option("--agent", default=None)
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option(
+    "--limit", type=Count(), default=50, show_default=True, help=f"Only the last N records, 1 to {MAX_COUNT}."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of run-log records.")
 @_user_errors
 def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
@@ -554,7 +558,9 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
 @cron_group.command("preview")
 @click.argument("ref")
 @click.option("--agent", default=None)
-@click.option("--count", type=click.IntRange(min=1, max=1000), default=5, show_default=True)
+@click.option(
+    "--count", type=Count(MAX_PREVIEW), default=5, show_default=True, help=f"How many fire times, 1 to {MAX_PREVIEW}."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 @_user_errors
 def preview_cmd(ref: str, agent: str | None, count: int, as_json: bool) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from appserver.cli.common import DEBUG_ENV, run_or_fail
+from appserver.cli.common import DEBUG_ENV, fail, not_utf8, refuse_non_utf8_args, run_or_fail, shown_raw
 from appserver.cli.lazy import LazyCommand, LazyGroup
 
 # Each command imports its own dependencies (uvicorn, the kernel) only when it runs (see cli/lazy.py).
@@ -40,6 +40,11 @@ COMMANDS = {
 class _Main(LazyGroup):
     """Every command: an operator's error is one line and exit code 2 (see cli/common.py)."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """All of the command line passes here first (the subcommands' arguments too)."""
+        refuse_non_utf8_args(args)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> object:
         return run_or_fail(lambda: super(_Main, self).invoke(ctx))
 
@@ -58,6 +63,8 @@ def main(home: str | None, debug: bool) -> None:
     os.umask(0o077)
     if home:
         os.environ["APPSERVER_HOME"] = home
+    elif not_utf8(env_home := os.environ.get("APPSERVER_HOME", "")):  # as an argument would be
+        fail(f"$APPSERVER_HOME ({shown_raw(env_home)}) is not valid UTF-8: give the home as UTF-8 text", 2)
     if debug:
         os.environ[DEBUG_ENV] = "1"
 

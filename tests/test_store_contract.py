@@ -422,6 +422,23 @@ async def test_list_messages_pages_backwards(store: AnyStore) -> None:
     assert ids == sorted(ids) and not set(ids) & {m.id for m in all_}
 
 
+async def test_a_history_page_stops_at_its_size_and_says_more_remain(store: AnyStore) -> None:
+    """Pages by count and by stored size (about `max_bytes`, at least one message), with
+    `more` saying whether older messages remain: how a client reads a conversation of any size."""
+    await _agent_and_conversation(store)
+    for i in range(5):
+        await store.append_messages("conv_1", [MessageRecord(role="user", content=f"{i}" * 1000)])
+    page, more = await store.history_page("conv_1", before_id=None, limit=10, max_bytes=2500)
+    assert [m.text()[0] for m in page] == ["2", "3", "4"] and more
+    page, more = await store.history_page("conv_1", before_id=page[0].id, limit=10, max_bytes=2500)
+    assert [m.text()[0] for m in page] == ["0", "1"] and not more
+    page, more = await store.history_page("conv_1", before_id=None, limit=2, max_bytes=10**9)
+    assert [m.text()[0] for m in page] == ["3", "4"] and more
+    page, more = await store.history_page("conv_1", before_id=None, limit=5, max_bytes=1)
+    assert [m.text()[0] for m in page] == ["4"] and more  # one message always, whatever its size
+    assert await store.history_page("conv_1", before_id=page[0].id - 4, limit=5, max_bytes=1) == ([], False)
+
+
 # ------------------------------------------------------------------ turns
 
 

@@ -344,3 +344,33 @@ def test_doc_client_examples_use_only_fields_the_server_knows() -> None:
         assert set(ex) <= set(model.model_fields), (ex["type"], set(ex) - set(model.model_fields))
         checked += 1
     assert checked == len(models)
+
+
+async def test_history_pages_stop_at_a_size_and_say_more_remain(srv: Srv) -> None:
+    """A conversation bigger than one reply should hold (a thousand 4 MiB messages were gigabytes
+    read and encoded at once, stalling every client): pages of about 8 MiB, `has_more`, and
+    paging back with `before` reaches every message exactly once."""
+    ws = await srv.ws()
+    big = "x" * (1024 * 1024)
+    conv = "new"
+    for i in range(5):  # 5 turns: 5 inputs of 1 MiB and 5 echoes of them, ~10 MiB
+        ack = await ws.request(
+            {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": f"{i}{big}"}, T
+        )
+        assert ack["type"] == "ack", ack
+        conv = ack["conversation_id"]
+        await ws.terminal(ack["turn_id"], T)
+    first = await ws.request({"type": "get_history", "conversation": conv, "limit": 1000}, T)
+    assert first["has_more"] is True and 0 < len(first["messages"]) < 10, len(first["messages"])
+    assert sum(len(m["content"]) for m in first["messages"]) <= 9 * 1024 * 1024
+    seen = [m["id"] for m in first["messages"]]
+    page = first
+    while page["has_more"]:
+        page = await ws.request(
+            {"type": "get_history", "conversation": conv, "limit": 1000, "before": page["messages"][0]["id"]}, T
+        )
+        seen = [m["id"] for m in page["messages"]] + seen
+    assert len(seen) == 10 and seen == sorted(set(seen))
+    small = await ws.request({"type": "get_history", "conversation": conv, "limit": 2}, T)
+    assert len(small["messages"]) == 2 and small["has_more"] is True
+    await ws.close()

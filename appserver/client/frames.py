@@ -298,6 +298,7 @@ class History(TypedDict):
     type: Literal["history"]
     conversation_id: str
     messages: list[dict[str, Any]]
+    has_more: NotRequired[bool]
     request_id: NotRequired[str | None]
 
 

@@ -120,6 +120,14 @@ class Store(ABC):
         self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None
     ) -> list[MessageRecord]: ...
     @abstractmethod
+    async def history_page(
+        self, conversation_id: str, *, before_id: int | None, limit: int, max_bytes: int
+    ) -> tuple[list[MessageRecord], bool]:
+        """The newest `limit` messages before `before_id` (oldest first) that fit in about
+        `max_bytes` of stored text (at least one), and whether older ones remain: a client pages
+        back through a conversation of any size without one reply holding all of it."""
+
+    @abstractmethod
     async def append_messages(self, conversation_id: str, messages: list[MessageRecord]) -> None: ...
 
     # turns

@@ -596,6 +596,29 @@ class PostgresStore(Store):
             )
         return [message_record(r) for r in rows]
 
+    async def history_page(
+        self, conversation_id: str, *, before_id: int | None, limit: int, max_bytes: int
+    ) -> tuple[list[MessageRecord], bool]:
+        # The sizes first (octet_length reads no text), then only the rows that fit the budget.
+        sizes = await self._rows(
+            "SELECT id, coalesce(octet_length(content), 0) + coalesce(octet_length(reasoning), 0) "
+            "+ coalesce(octet_length(tool_calls::text), 0) AS size FROM messages "
+            "WHERE conversation_id=%s AND id < %s ORDER BY id DESC LIMIT %s",
+            (conversation_id, before_id if before_id is not None else 2**62, limit + 1),
+        )
+        ids: list[int] = []
+        size, more = 0, False
+        for r in sizes:
+            if len(ids) == limit or (ids and size >= max_bytes):
+                more = True
+                break
+            ids.append(int(r["id"]))
+            size += int(r["size"])
+        if not ids:
+            return [], False
+        rows = await self._rows("SELECT * FROM messages WHERE id = ANY(%s) ORDER BY id", (ids,))
+        return [message_record(r) for r in rows], more
+
     async def _insert_messages(
         self, conn: Conn, conversation_id: str, messages: list[MessageRecord], now: float
     ) -> None:

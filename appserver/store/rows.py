@@ -67,6 +67,11 @@ def conversation_record(row: Row) -> ConversationRecord:
     )
 
 
+def stored_size(row: Row) -> int:
+    """About how much a message row holds (its text columns), for paging by size."""
+    return sum(len(row[k]) for k in ("content", "tool_calls", "reasoning") if row[k] is not None)
+
+
 def message_record(row: Row) -> MessageRecord:
     return MessageRecord(
         id=row["id"],

@@ -50,6 +50,7 @@ from appserver.store.rows import (
     message_record,
     pending_call,
     response_record,
+    stored_size,
     turn_record,
 )
 
@@ -365,6 +366,29 @@ class SQLiteStore(Store):
             ).fetchall()
             rows.reverse()
         return [message_record(r) for r in rows]
+
+    async def history_page(
+        self, conversation_id: str, *, before_id: int | None, limit: int, max_bytes: int
+    ) -> tuple[list[MessageRecord], bool]:
+        # Rows are read one by one, newest first, and the read stops at the budget: a page never
+        # pulls more than about `max_bytes` (plus one message) off the disk onto the event loop.
+        cur = self.db.execute(
+            "SELECT * FROM messages WHERE conversation_id=? AND id < ? ORDER BY id DESC LIMIT ?",
+            (conversation_id, before_id if before_id is not None else 2**62, limit + 1),
+        )
+        rows: list[Any] = []  # sqlite3.Row, read as a mapping
+        size, more = 0, False
+        try:
+            for row in cur:
+                if len(rows) == limit or (rows and size >= max_bytes):
+                    more = True
+                    break
+                rows.append(row)
+                size += stored_size(row)
+        finally:
+            cur.close()
+        rows.reverse()
+        return [message_record(r) for r in rows], more
 
     @staticmethod
     def _insert_message(tx: sqlite3.Connection, conversation_id: str, m: MessageRecord, now: float) -> None:

@@ -165,7 +165,9 @@ class MessageView(BaseModel):
     name: str | None = None
     is_error: bool | None = None
     reasoning: str | None = None
+    refusal: bool | None = None  # the content is the model's refusal
     source: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None  # a compaction's numbers
 
 
 # ───────────────────────────────────────────────────────────── client → server
@@ -373,6 +375,7 @@ class History(_Frame):
     type: Literal["history"]
     conversation_id: str
     messages: list[MessageView]
+    has_more: bool = False  # older messages remain: ask again with `before` = the first one's id
 
 
 class Event(_Frame):

@@ -117,6 +117,10 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{param or 'frame'}: {message}", param
 
 
+# The most stored text one `history` reply carries (at least one message, whatever its size): a
+# page of a thousand 4 MiB messages was gigabytes read, encoded and queued at once, stalling every
+# client of the server. A client pages on with `before` while `has_more` says so.
+HISTORY_PAGE_BYTES = 8 * 1024 * 1024
 # How much one frame may hold (issue 11.10 on this front end): a 4 MiB frame of 150,000 tiny client
 # tools or input parts cost seconds of event-loop time to validate, so the counts are checked on
 # the parsed JSON, before the frame models see it, and big frames are parsed with an object budget.
@@ -305,13 +309,16 @@ class Endpoint:
             self.hub.maybe_release(w)
         elif isinstance(frame, F.GetHistory):
             conv = await self._conversation(conn, frame.conversation, frame.agent)
-            messages = await self.server.store.list_messages(conv.id, before_id=frame.before, limit=frame.limit)
+            messages, more = await self.server.store.history_page(
+                conv.id, before_id=frame.before, limit=frame.limit, max_bytes=HISTORY_PAGE_BYTES
+            )
             conn.send(
                 {
                     "type": "history",
                     "request_id": rid,
                     "conversation_id": conv.id,
                     "messages": [m.to_dict() for m in messages],
+                    "has_more": more,
                 }
             )
         elif isinstance(frame, F.Subscribe):

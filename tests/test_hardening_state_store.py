@@ -98,3 +98,66 @@ def test_store_behind_its_recorded_position_is_refused(home: Path, tmp_path: Pat
     sp.stop()
     sp = start_serve(home)
     sp.stop()
+
+
+# ── damaged pages: found at the start, or by a write while the server runs ─────────────────────
+
+
+def _garble_index(db: Path, name: str = "turns") -> None:
+    """Overwrite the root page of one of `name`'s indexes with garbage, as a bad sector would."""
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    root = conn.execute("SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (name,)).fetchone()[
+        0
+    ]
+    conn.close()
+    with open(db, "r+b") as f:
+        f.seek((root - 1) * page_size)
+        f.write(bytes((i * 37 + 11) % 256 for i in range(page_size)))
+
+
+def test_a_store_with_damaged_pages_is_refused_at_the_start(home: Path) -> None:
+    """SQLite finds a damaged page only when something reads it: the server started, /readyz said
+    ready, and every request touching the page failed. Now the start checks every page."""
+    sp = start_serve(home)
+    for i in range(3):
+        chat(sp, f"hello {i}")
+    sp.stop()
+    before = hashlib.sha256((home / "appserver.db").read_bytes()).hexdigest()
+    _garble_index(home / "appserver.db")
+    garbled = hashlib.sha256((home / "appserver.db").read_bytes()).hexdigest()
+    assert garbled != before
+    line = one_error_line(serve_refused(home))
+    assert "is damaged" in line and "restore it from a backup" in line, line
+    assert hashlib.sha256((home / "appserver.db").read_bytes()).hexdigest() == garbled  # left as it is
+    assert "is damaged" in one_error_line(run_cli(home, "conversations", "list"))
+
+
+async def test_a_write_that_meets_a_damaged_page_fails_readiness(tmp_path: Path) -> None:
+    """Damage that appears while the server runs: the first write that meets it marks the store
+    damaged, said once in the log, and the store's readiness check fails from then on."""
+    import sqlite3
+
+    import pytest
+
+    from appserver.store import SQLiteStore
+    from appserver.store.base import StoreError
+    from appserver.store.records import AgentRecord, ConversationRecord, TurnRecord
+
+    store = SQLiteStore(tmp_path / "store.db")
+    await store.open()
+    try:
+        await store.create_agent(AgentRecord(id="agt_1", name="a1"))
+        await store.create_conversation(ConversationRecord(id="conv_1", agent_id="agt_1"))
+        assert (await store.check_writable()).startswith("writable")
+        _garble_index(tmp_path / "store.db")
+        store.db.execute("PRAGMA shrink_memory")  # the writer reads the page again from the file
+        with pytest.raises(sqlite3.DatabaseError):
+            for i in range(50):
+                await store.accept_turn(TurnRecord(id=f"turn_{i}", conversation_id="conv_1", agent_id="agt_1"))
+        with pytest.raises(StoreError, match="is damaged"):
+            await store.check_writable()
+    finally:
+        await store.close()

@@ -9,6 +9,7 @@ store failure) and still settles and publishes it; the `Finished` outcome says s
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Callable
 
 from appserver.runtime.history import History
@@ -64,6 +65,8 @@ async def finish_turn(
         except Exception as exc:
             if isinstance(exc, ConversationGone):  # deleted on purpose while it ran: no fault to trace
                 log.warning("turn %s not saved: %s", record.id, exc)
+            elif isinstance(exc, sqlite3.Error):  # the store's trouble (damaged, full): no fault of ours to trace
+                log.error("could not commit turn %s: %s", record.id, exc)
             else:
                 log.exception("could not commit turn %s", record.id)
             failure = exc

@@ -31,12 +31,19 @@ class GroupCommit:
     that writes land in the order they were made.
 
     `connection` returns the open writer connection (raising when the store is closed);
-    `committed` is called after every COMMIT (the checkpointer counts them).
+    `committed` is called after every COMMIT (the checkpointer counts them); `failed` with each
+    error a group met (the store watches for damage).
     """
 
-    def __init__(self, connection: Callable[[], sqlite3.Connection], committed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        connection: Callable[[], sqlite3.Connection],
+        committed: Callable[[], None],
+        failed: Callable[[BaseException], None] = lambda exc: None,
+    ) -> None:
         self._connection = connection
         self._committed = committed
+        self._failed = failed
         self._group: list[tuple[Job, asyncio.Future[None]]] = []
         self._unwatched: set[asyncio.Future[None]] = set()  # deferred: a failure is logged, not raised
         self._handle: asyncio.Handle | None = None
@@ -62,8 +69,9 @@ class GroupCommit:
         db.execute("BEGIN IMMEDIATE")
         try:
             yield db
-        except BaseException:
+        except BaseException as exc:
             db.execute("ROLLBACK")
+            self._failed(exc)
             raise
         db.execute("COMMIT")
         self._committed()
@@ -151,6 +159,8 @@ class GroupCommit:
                 raise
         except Exception as exc:
             errors = [exc] * len(jobs)
+        for failure in {id(e): e for e in errors if e is not None}.values():
+            self._failed(failure)
         unwatched = self._unwatched
         for (_, fut), err in zip(jobs, errors, strict=True):
             if unwatched and fut in unwatched:

@@ -43,6 +43,11 @@ WAL_HEADER = 32
 FRAME_HEADER = 24
 SHM_VERSION = 3007000
 ACCEPT_HINT = "appserver serve --accept-data-loss"
+# A store up to this size is checked page by page (`PRAGMA quick_check`, well under a second) at
+# every start: damaged pages were found only when a request touched them, each one failing while
+# /readyz said ready. A bigger store is checked the same way after the start (`background_check`).
+QUICK_CHECK_MAX_BYTES = 256 * 1024 * 1024
+SQLITE_CORRUPT, SQLITE_NOTADB = 11, 26
 
 
 class StoreOpenError(StoreError):
@@ -312,8 +317,11 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
             ).fetchone()
             version = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] if row else None
             seq = messages_seq(conn)
+            problem = quick_check(conn) if first and version and size <= QUICK_CHECK_MAX_BYTES else None
         except sqlite3.Error as exc:
             raise open_error(db, exc) from None
+        if problem is not None:
+            raise damaged_error(db, problem)
     finally:
         conn.close()  # read-only: closing it checkpoints nothing and keeps the WAL
     if not version:
@@ -334,6 +342,44 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
         log.warning("accepted: %s is behind its last recorded position (#%d < #%d)", db, seq, recorded)
         write_position(db, seq)
     return False
+
+
+def is_corruption(exc: BaseException) -> bool:
+    """An SQLite error that says the file itself is damaged (not busy, full or refused)."""
+    if not isinstance(exc, sqlite3.DatabaseError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    return (code is not None and code & 0xFF in (SQLITE_CORRUPT, SQLITE_NOTADB)) or "malformed" in str(exc)
+
+
+def quick_check(conn: sqlite3.Connection) -> str | None:
+    """What `PRAGMA quick_check` found wrong (its first lines), or None for a sound store."""
+    rows = [str(r[0]) for r in conn.execute("PRAGMA quick_check(5)").fetchall()]
+    return None if rows == ["ok"] else "; ".join(rows)
+
+
+def background_check(db: Path, on_damage: Callable[[str], None]) -> None:
+    """`quick_check` of a store too big to check before the start, on a connection of its own
+    (this is a thread's body): damage found goes to `on_damage`."""
+    try:
+        conn = _ro_connect(db)
+        try:
+            problem = quick_check(conn)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        problem = str(exc) if is_corruption(exc) else None
+        if problem is None:
+            log.warning("could not check %s for damage: %s", db, exc)
+    if problem is not None:
+        on_damage(problem)
+
+
+def damaged_error(db: Path, problem: str) -> StoreOpenError:
+    return StoreOpenError(
+        f"{db} is damaged (SQLite's check found: {problem}): restore it from a backup; the file is left as it is. "
+        "(`sqlite3 appserver.db .recover` can often save what is readable into a new file)"
+    )
 
 
 def _refuse_or_accept_wal(db: Path, report: WalReport, accept_loss: bool) -> None:

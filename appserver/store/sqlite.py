@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, suppress
@@ -22,9 +23,12 @@ from appserver.store.base import ConversationGone, DuplicateTurn, Store, StoreEr
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
 from appserver.store.groupcommit import GroupCommit
 from appserver.store.integrity import (
+    QUICK_CHECK_MAX_BYTES,
     StoreOpenError,
+    background_check,
     check_store_writable,
     create_store,
+    is_corruption,
     messages_seq,
     open_error,
     preflight,
@@ -66,7 +70,8 @@ class SQLiteStore(Store):
         self.fresh = False  # True when open() created the schema (first use of this home)
         self._agent_cache = AgentCache(self._load_agents)
         # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
-        self._writes = GroupCommit(lambda: self.db, self._committed)
+        self._writes = GroupCommit(lambda: self.db, self._committed, self._failed)
+        self.damage: str | None = None  # what SQLite found damaged while the server runs
         self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
         # Set by `serve --accept-data-loss`: open a store whose WAL was damaged or that is behind
@@ -126,6 +131,11 @@ class SQLiteStore(Store):
             db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
             self._checkpointer = Checkpointer(self.path)
             self._checkpointer.start()
+            if not created and st.st_size > QUICK_CHECK_MAX_BYTES:  # checked before the start when smaller
+                # _damaged only sets a field and logs: safe from this thread
+                threading.Thread(
+                    target=background_check, args=(self.path, self._damaged), name="sqlite-quick-check", daemon=True
+                ).start()
 
     def _open_error(self, exc: sqlite3.Error) -> StoreOpenError:
         return open_error(Path(str(self.path)), exc)
@@ -167,6 +177,8 @@ class SQLiteStore(Store):
                     "no later start will open; stop the server, put the store back (or accept the loss), "
                     "and start again"
                 )
+        if self.damage is not None:
+            raise StoreError(f"{self.path} is damaged ({self.damage}): stop the server and restore it from a backup")
         if isinstance(self.path, Path) and min_free_bytes:
             free = shutil.disk_usage(self.path.parent).free
             if free < min_free_bytes:
@@ -184,6 +196,23 @@ class SQLiteStore(Store):
     def _committed(self) -> None:
         if self._checkpointer is not None:
             self._checkpointer.committed()
+
+    def _failed(self, exc: BaseException) -> None:
+        if is_corruption(exc):
+            self._damaged(str(exc))
+
+    def _damaged(self, problem: str) -> None:
+        """The file is damaged (a write met a malformed page, or the check after the start found
+        one): said once, loudly, and /readyz fails from now on (check_writable)."""
+        if self.damage is None:
+            self.damage = problem
+            log.error(
+                "%s is damaged (%s): writes touching the damaged pages fail; stop the server and restore it "
+                "from a backup (`sqlite3 %s .recover` can often save what is readable)",
+                self.path,
+                problem,
+                self.path,
+            )
 
     @property
     def db(self) -> sqlite3.Connection:

@@ -49,6 +49,7 @@ CASES: dict[str, tuple[str, str, bool, str]] = {
     "approval-chat-stream": ("asker", "chat", True, ASK),
 }
 WS_CASE = "the WebSocket client's"  # its conversation id is the server's: stopped["ws"]["conversation"]
+QUEUE_CONV = "queue-front"  # a slow turn runs here, and one request's input waits queued behind it
 
 
 def _db(home: Path) -> sqlite3.Connection:
@@ -167,11 +168,17 @@ async def scenario(sp: ServeProcess) -> dict[str, Any]:
     seen: dict[str, bool] = {}
     ws, ws_conv = await ws_submit(sp.url)
     tasks = {conv: asyncio.create_task(run_case(client, conv, case, seen)) for conv, case in CASES.items()}
+    front = asyncio.create_task(run_case(client, QUEUE_CONV, ("tooler", "chat", True, SLOW), seen))
     deadline = time.monotonic() + 20
+    while not ready(sp.home, QUEUE_CONV, SLOW):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    queued = asyncio.create_task(run_case(client, QUEUE_CONV, ("tooler", "chat", False, "after the stop"), seen))
     want = {**{c: case[3] for c, case in CASES.items()}, ws_conv: SLEEP}
     while not (
         all(ready(sp.home, c, p) for c, p in want.items())
         and all(seen.get(c) for c, case in CASES.items() if case[2] and case[3] == SLOW)
+        and [t["status"] for t in turns(sp.home).get(QUEUE_CONV, [])] == ["running", "queued"]
     ):
         assert time.monotonic() < deadline, {c: turns(sp.home).get(c) for c in want}
         for conv, t in tasks.items():
@@ -183,6 +190,7 @@ async def scenario(sp: ServeProcess) -> dict[str, Any]:
     code = await asyncio.to_thread(sp.proc.wait, 30)
     took = time.monotonic() - started
     results = {conv: await t for conv, t in tasks.items()}
+    results["front"], results["queued"] = await front, await queued
     ws_result = {**await ws_task, "conversation": ws_conv}
     await client.close()
     stderr = sp.proc.stderr.read() if sp.proc.stderr else ""
@@ -231,6 +239,19 @@ def test_a_waiting_responses_stream_ends_with_response_failed(stopped: dict[str,
     last = events[-1]
     assert last.type == "response.failed", last
     assert last.response.error.code == "server_error" and "server_shutting_down" in last.response.error.message
+
+
+def test_an_input_still_queued_is_dropped_so_the_retry_it_is_told_to_make_is_no_duplicate(
+    stopped: dict[str, Any],
+) -> None:
+    """The 503 says "retry once the server is back": the queued input behind a running turn must
+    not run after the restart as well (it did, and a retry answered it twice). It names the
+    conversation its input went into."""
+    exc = stopped["results"]["queued"].get("exc")
+    assert isinstance(exc, openai.APIStatusError) and exc.status_code == 503, stopped["results"]["queued"]
+    assert exc.response.headers["x-conversation-id"] == QUEUE_CONV
+    statuses = [t["status"] for t in turns(stopped["home"])[QUEUE_CONV]]
+    assert statuses == ["interrupted", "cancelled"], statuses  # the front one kept, the queued one dropped
 
 
 def test_a_websocket_client_is_told_and_closed_with_1012(stopped: dict[str, Any]) -> None:

@@ -899,6 +899,7 @@ class _Ctx:
                         continue  # waiting for an approval from a WebSocket client, with keepalives
                 if last is None or not self.settled(last):  # the server stops (the only other way out)
                     # An error event the SDKs raise, as for a failed turn; no replay is stored.
+                    await self.run.withdraw_if_queued()  # a turn that never started does not run later
                     err = shutting_down()
                     yield dumps(error_body(err.status, err.message, code=err.code))
                     yield "[DONE]"

@@ -19,6 +19,7 @@ from appserver import fastjson
 from appserver.auth import Principal, namespace_of
 from appserver.errors import AgentGone, KernelError
 from appserver.http.bodies import json_bodies
+from appserver.http.conversation_match import HEADER
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id, turn_failure
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
@@ -389,6 +390,13 @@ class TurnRun:
             if quiet is not None:
                 quiet.close()
 
+    async def withdraw_if_queued(self) -> None:
+        """The request ends before its turn started (the server stops): drop the turn from the
+        queue, as when its client leaves, so that the retry the answer asks for is no duplicate.
+        A turn already running is left to the kernel's stop (interrupted, its text kept)."""
+        if self.handle.controller.phase == "queued":
+            await self.cancel()
+
     async def cancel(self) -> None:
         """The client went away: cancel this turn if it is the conversation's current one, or drop
         it from the queue if it has not started (nobody is left to read its answer)."""
@@ -559,6 +567,11 @@ async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bo
             listener.cancel()
 
 
+# Where a request notes the conversation its turn went into, for an answer made outside its
+# handler (the server's stop).
+CONVERSATION_SCOPE_KEY = "appserver.conversation_id"
+
+
 # ---------------------------------------------------------------- route wrapper
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -582,7 +595,11 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler], stoppin
             return await handler(request)
         except asyncio.CancelledError:
             if stopping.caught(task):
-                raise shutting_down() from None
+                err = shutting_down()
+                conversation = request.scope.get(CONVERSATION_SCOPE_KEY)
+                if conversation:  # the request's input went into it (what ran of its turn is kept)
+                    err.headers.setdefault(HEADER, conversation)
+                raise err from None
             raise
         finally:
             stopping.leave(task)
@@ -680,7 +697,12 @@ async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[Tu
                 return snap
             seen = snap.revision  # paused for something this request does not end on: wait on
 
-    gone, outcome = await wait_or_disconnect(request, wait())
+    request.scope[CONVERSATION_SCOPE_KEY] = run.conversation_id  # a stop's 503 names it too
+    try:
+        gone, outcome = await wait_or_disconnect(request, wait())
+    except asyncio.CancelledError:  # the server stops (or uvicorn gives up on the request)
+        await run.withdraw_if_queued()
+        raise
     if gone:
         await run.cancel()
         raise ApiError(499, "the client closed the request", code="client_closed")

@@ -1310,6 +1310,7 @@ class _Run:
                 if last is None or not self.settled(last):  # the server stops (the only other way out)
                     # `response.failed`, as a failed turn's stream ends; stored as sent (the client
                     # has the id: GET answers with it after the restart), no replay.
+                    await self.run.withdraw_if_queued()  # a turn that never started does not run later
                     err = shutting_down()
                     body = response_body(shape, status="failed", output=[], snap=last)
                     body["error"] = {"code": "server_error", "message": f"{err.message} [{err.code}]"}

@@ -270,3 +270,18 @@ async def test_an_input_accepted_after_its_agent_was_deleted_is_not_found(server
 
     after = await server.kernel.submit(SubmitRequest(agent="assistant", input="hi", conversation="new"))
     assert (await after.wait(5)).text() == "echo: hi"  # the kernel goes on
+
+
+def test_a_snapshot_rebuilt_from_the_store_keeps_a_refusal_apart_from_the_answer() -> None:
+    from appserver.runtime.snapshot import TurnController
+    from appserver.store.records import MessageRecord
+
+    c = TurnController("turn_1", "conv_1", "agt_1")
+    c.load_messages(
+        [
+            MessageRecord(role="user", content="x"),
+            MessageRecord(role="assistant", content="Sure. No.", meta={"refusal": "No."}),
+        ]
+    )
+    blocks = list(c.snapshot().blocks)
+    assert blocks == [{"type": "text", "text": "Sure. "}, {"type": "text", "text": "No.", "refusal": True}], blocks

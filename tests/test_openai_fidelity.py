@@ -960,3 +960,33 @@ def test_a_previous_response_chain_leaves_no_point_a_shorter_history_could_match
     assert stranger.status_code == 200, stranger.text
     assert stranger.headers["x-conversation-id"] != later.headers["x-conversation-id"]
     assert "SECRET-CONTEXT" not in json.dumps(fake.requests[-1].json["messages"])
+
+
+def test_an_answer_then_a_refusal_stay_apart_once_stored(
+    srv: tuple[ServeProcess, FakeOpenAI], client: openai.OpenAI, fake: FakeOpenAI
+) -> None:
+    """Text, then a refusal, in one reply: the chat message has both fields, and the stored message
+    says which part is the refusal, so its history (and a snapshot rebuilt from it) keeps them apart."""
+    import asyncio
+
+    from tests.support.ws import WS
+
+    first = chunk(role="assistant", content="Sure. ")
+    tail = chunk()
+    tail["choices"][0]["delta"] = {"refusal": "I can't do the rest."}
+    fake.script(openai_sse([first, tail, chunk(finish_reason="stop")]))
+    raw = client.chat.completions.with_raw_response.create(model="remote", messages=[{"role": "user", "content": "x"}])
+    message = raw.parse().choices[0].message
+    assert (message.content, message.refusal) == ("Sure. ", "I can't do the rest."), message
+    conv = raw.headers["x-conversation-id"]
+
+    async def history() -> list[dict[str, Any]]:
+        ws = await WS.open(srv[0].url)
+        try:
+            reply = await ws.request({"type": "get_history", "conversation": conv}, 10)
+            return list(reply["messages"])
+        finally:
+            await ws.close()
+
+    stored = asyncio.run(history())[-1]
+    assert stored["content"] == "Sure. I can't do the rest." and stored["refusal"] == "I can't do the rest.", stored

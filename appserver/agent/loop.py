@@ -102,7 +102,7 @@ class StreamingAssistant:
     provider_state: dict[str, Any] | None = None
     shown: bool = False  # anything reached a client: a retry would contradict it
     usage: Usage | None = None
-    refused: bool = False  # the text is (or holds) the model's refusal
+    refusal: TextParts = field(default_factory=TextParts)  # the model's refusal (also at the end of `text`)
 
 
 @dataclass(slots=True)
@@ -201,8 +201,11 @@ class AgentLoop:
                     {"id": c.id, "name": c.name, "arguments": c.args.text(), "executor": c.executor} for c in calls
                 ],
             )
-            if partial.refused:
-                assistant.meta["refusal"] = True  # front ends show it as a refusal (OpenAI's field)
+            refusal = partial.refusal.text()
+            if refusal:
+                # the part of the content that is the model's refusal (it follows any answer text):
+                # front ends show it as a refusal (OpenAI's field), after a restart too
+                assistant.meta["refusal"] = refusal
             if partial.usage is not None and partial.usage.input_tokens:
                 # The provider's own count of the context up to this reply anchors later estimates.
                 assistant.meta["context_tokens"] = partial.usage.input_tokens + partial.usage.output_tokens
@@ -348,8 +351,9 @@ class AgentLoop:
                             emit(ReasoningDelta(chunk.text))
                     elif isinstance(chunk, Refusal):
                         if chunk.text:
-                            partial.shown = partial.refused = True
+                            partial.shown = True
                             partial.text.add(chunk.text)
+                            partial.refusal.add(chunk.text)
                             emit(TextDelta(chunk.text, refusal=True))
                     elif isinstance(chunk, ToolCallStart):
                         partial.shown = True

@@ -75,4 +75,5 @@ def history(conversation_id: str, limit: int | None, as_json: bool) -> None:
             click.echo(f"tool {m.name} ({m.tool_call_id}){marker}: {m.text()}")
             continue
         calls = "".join(f"\n  -> {c['name']}({c['arguments']}) [{c['id']}]" for c in m.tool_calls)
-        click.echo(f"{m.role}{marker}: {m.text()}{calls}")
+        refused = " [refusal]" if isinstance(m.meta.get("refusal"), str) else ""
+        click.echo(f"{m.role}{marker}{refused}: {m.text()}{calls}")

@@ -370,8 +370,15 @@ class TurnController:
             if m.role == "assistant":
                 if m.reasoning:
                     self._append("reasoning", m.reasoning)
-                if m.text():
-                    self._append("text", m.text(), bool(m.meta.get("refusal")))
+                text, refusal = m.text(), m.meta.get("refusal")
+                if isinstance(refusal, str) and refusal and text.endswith(refusal):
+                    text = text[: len(text) - len(refusal)]  # the answer before the refusal
+                else:
+                    refusal = ""
+                if text:
+                    self._append("text", text)
+                if refusal:
+                    self._append("text", refusal, True)
                 for c in m.tool_calls:
                     block = _Block(
                         "tool_call",

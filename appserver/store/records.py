@@ -109,8 +109,8 @@ class MessageRecord:
             out["is_error"] = self.is_error
         if self.reasoning:
             out["reasoning"] = self.reasoning
-        if self.meta.get("refusal"):
-            out["refusal"] = True  # the content is the model's refusal
+        if isinstance(self.meta.get("refusal"), str):
+            out["refusal"] = self.meta["refusal"]  # the part of the content that is the model's refusal
         if self.source:
             out["source"] = self.source
         if self.role == "compaction":

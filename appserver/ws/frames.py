@@ -165,7 +165,7 @@ class MessageView(BaseModel):
     name: str | None = None
     is_error: bool | None = None
     reasoning: str | None = None
-    refusal: bool | None = None  # the content is the model's refusal
+    refusal: str | None = None  # the part of the content (its end) that is the model's refusal
     source: dict[str, Any] | None = None
     meta: dict[str, Any] | None = None  # a compaction's numbers
 

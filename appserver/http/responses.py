@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -1360,92 +1360,38 @@ class _Run:
         if kind in ("text", "reasoning"):
             item = item_for(shape, self.run.turn_id, bi, b, final=False)
             assert item is not None
+            item_id = item["id"]
+
+            def part_event(name: str, **fields: Any) -> tuple[str, str]:
+                """An event of the item's one content part."""
+                return cast(tuple[str, str], ev(name, item_id=item_id, output_index=idx, content_index=0, **fields))
+
+            # the part's own events: an answer's output_text, a refusal's refusal, reasoning's text
+            refusal = kind == "text" and b.get("refusal")
+            delta_event, done_event, done_field = (
+                ("response.refusal.delta", "response.refusal.done", "refusal")
+                if refusal
+                else ("response.output_text.delta", "response.output_text.done", "text")
+                if kind == "text"
+                else ("response.reasoning_text.delta", "response.reasoning_text.done", "text")
+            )
+            logprobs: dict[str, Any] = {"logprobs": []} if kind == "text" and not refusal else {}
             if not st["added"]:
                 events.append(ev("response.output_item.added", output_index=idx, item=item))
                 if kind == "text":
-                    events.append(
-                        ev(
-                            "response.content_part.added",
-                            item_id=item["id"],
-                            output_index=idx,
-                            content_index=0,
-                            part=text_part(b, ""),
-                        )
-                    )
+                    events.append(part_event("response.content_part.added", part=text_part(b, "")))
                 st["added"] = True
             text = b["text"]
             if len(text) > st["sent"]:
                 piece = text[st["sent"] :]
                 st["sent"] = len(text)
-                if kind == "text" and b.get("refusal"):
-                    events.append(
-                        ev("response.refusal.delta", item_id=item["id"], output_index=idx, content_index=0, delta=piece)
-                    )
-                elif kind == "text":
-                    events.append(
-                        ev(
-                            "response.output_text.delta",
-                            item_id=item["id"],
-                            output_index=idx,
-                            content_index=0,
-                            delta=piece,
-                            logprobs=[],
-                        )
-                    )
-                else:
-                    events.append(
-                        ev(
-                            "response.reasoning_text.delta",
-                            item_id=item["id"],
-                            output_index=idx,
-                            content_index=0,
-                            delta=piece,
-                        )
-                    )
+                events.append(part_event(delta_event, delta=piece, **logprobs))
             if closed:
                 cut = snap.status in TERMINAL_STATUSES and final_status(snap) != "completed"
                 final = item_for(shape, self.run.turn_id, bi, b, final=True, cut=cut)
+                events.append(part_event(done_event, **{done_field: text}, **logprobs))
                 if kind == "text":
-                    if b.get("refusal"):
-                        events.append(
-                            ev(
-                                "response.refusal.done",
-                                item_id=item["id"],
-                                output_index=idx,
-                                content_index=0,
-                                refusal=text,
-                            )
-                        )
-                    else:
-                        events.append(
-                            ev(
-                                "response.output_text.done",
-                                item_id=item["id"],
-                                output_index=idx,
-                                content_index=0,
-                                text=text,
-                                logprobs=[],
-                            )
-                        )
-                    events.append(
-                        ev(
-                            "response.content_part.done",
-                            item_id=item["id"],
-                            output_index=idx,
-                            content_index=0,
-                            part=text_part(b, text),
-                        )
-                    )
-                else:
-                    events.append(
-                        ev(
-                            "response.reasoning_text.done",
-                            item_id=item["id"],
-                            output_index=idx,
-                            content_index=0,
-                            text=text,
-                        )
-                    )
+                    events.append(part_event("response.content_part.done", part=text_part(b, text)))
                 events.append(ev("response.output_item.done", output_index=idx, item=final))
                 st["done"] = True
             return events, True

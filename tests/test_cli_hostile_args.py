@@ -61,9 +61,10 @@ def test_an_argument_that_is_not_utf8_is_one_line_naming_it(
 def test_a_home_that_is_not_utf8_is_refused_as_an_argument_or_from_the_environment(tmp_path: Path) -> None:
     bad = str(tmp_path) + "/" + FFFE  # absolute: a refused home must not be created anywhere
     r = run_cli(tmp_path, "--home", bad, "agents", "list")
-    one_error_line(r, 2, "argument 2", r"\xff\xfe', after --home)", "is not valid UTF-8")
+    # the path is shown cut at 80 characters (a long temporary directory may hide its end)
+    one_error_line(r, 2, "argument 2 ('/", "', after --home)", "is not valid UTF-8")
     r = run_cli(tmp_path, "agents", "list", env=cli_env(tmp_path, APPSERVER_HOME=bad))
-    one_error_line(r, 2, r"$APPSERVER_HOME (", r"\xff\xfe')", "is not valid UTF-8")
+    one_error_line(r, 2, "$APPSERVER_HOME ('/", "') is not valid UTF-8")
     assert os.listdir(tmp_path) == []
     # --home wins over the environment, as for any other home
     good = tmp_path / "good"

@@ -400,7 +400,14 @@ async def test_writes_failing_inside_big_groups_fail_only_their_own_requests(tmp
         )
         _, err = await deleted.communicate()
         assert deleted.returncode == 0, err.decode()
-        await asyncio.sleep(rng.uniform(0.2, 0.5))
+        # the turns in flight at the delete end (their commits fail) before the kill: waited for,
+        # not slept on, so that a loaded machine slower than a fixed pause still shows the race
+        landed = time.monotonic() + 15
+        while time.monotonic() < landed and not any(
+            "deleted while this request ran" in e["message"] for _, _, e in failures
+        ):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(rng.uniform(0.0, 0.3))
         kill9(sp)
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 30)

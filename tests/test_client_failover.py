@@ -280,3 +280,101 @@ def test_ctrl_c_while_chat_waits_for_a_dead_server_exits_cleanly(tmp_path: Path)
         if primary.proc.poll() is None:
             primary.proc.kill()
             primary.proc.wait(10)
+
+
+class _CutProxy:
+    """A loopback TCP relay to the server whose connections can be cut (a link going down) and
+    whose listener closed and opened again on the same port (the link coming back)."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket as _socket
+
+        self.target = target_port
+        with _socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.server: Any = None
+        self.writers: list[Any] = []
+
+    async def up(self) -> None:
+        import asyncio
+
+        async def relay(reader: Any, writer: Any) -> None:
+            try:
+                up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+            except OSError:
+                writer.close()
+                return
+            self.writers += [writer, up_w]
+
+            async def pipe(src: Any, dst: Any) -> None:
+                try:
+                    while data := await src.read(65536):
+                        dst.write(data)
+                        await dst.drain()
+                except (ConnectionError, OSError):
+                    pass
+                finally:
+                    dst.close()
+
+            await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+        self.server = await asyncio.start_server(relay, "127.0.0.1", self.port)
+
+    async def down(self) -> None:
+        self.server.close()
+        for w in self.writers:
+            w.transport.abort()
+        self.writers.clear()
+        await self.server.wait_closed()
+
+
+async def test_a_reconnect_finds_a_turn_that_ended_pages_back_in_the_history(tmp_path: Path) -> None:
+    """While the client was away, big inputs after its turn filled more than one history page
+    (a page stops at about 8 MiB): it pages back until it finds its turn, which completed,
+    instead of reporting it lost."""
+    import asyncio
+
+    import websockets
+
+    from appserver.client.connection import ProtocolClient
+    from tests.support.serve import serving
+
+    with serving(tmp_path / "home") as sp:
+        port = int(sp.url.rsplit(":", 1)[1])
+        proxy = _CutProxy(port)
+        await proxy.up()
+        via = f"http://127.0.0.1:{proxy.port}"
+        a = await ProtocolClient.connect(via, reconnect=True, reconnect_s=30, url_source=lambda: via)
+        try:
+            conv = (await a.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
+            await a.request({"type": "subscribe", "conversation": conv})
+            t1 = (await a.submit("assistant", "/slow 40", conversation=conv))["turn_id"]
+            ws_url = sp.url.replace("http://", "ws://") + "/ws"
+            async with websockets.connect(ws_url, max_size=None) as b:
+                await b.send(json.dumps({"type": "hello", "protocol": 1}))
+                await b.recv()
+                for i in range(2):  # queued behind t1: ~12 MB of history after it
+                    big = chr(97 + i) * 3_000_000
+                    await b.send(
+                        json.dumps({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": big})
+                    )
+                await asyncio.sleep(0.3)
+                await proxy.down()  # the link goes down while t1 runs
+                done = 0
+                while done < 2:
+                    frame = json.loads(await asyncio.wait_for(b.recv(), 60))
+                    snap = frame.get("snapshot") or {}
+                    if (
+                        frame["type"] == "turn_updated"
+                        and snap.get("turn_id") != t1
+                        and snap.get("status") == "completed"
+                    ):
+                        done += 1
+            await proxy.up()
+            snap = await a.wait_turn(t1, timeout=60)
+            text = "".join(b.get("text", "") for b in snap["blocks"] if b["type"] == "text")
+            assert snap["status"] == "completed" and text.startswith("w1 w2 w3"), snap
+        finally:
+            await a.close()
+            await proxy.down()

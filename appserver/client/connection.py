@@ -76,6 +76,7 @@ RESENDABLE = frozenset(
 )
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 2.0
 HISTORY_LIMIT = 500
+HISTORY_PAGES = 20  # pages read back at most to rebuild the turns a reconnect finds ended
 # The biggest frame a server takes when its welcome does not say (docs/protocol.md: 4 MiB); a
 # bigger one would end the connection (1009), so the client refuses to send it.
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -421,21 +422,38 @@ class ProtocolClient:
             ]
             if not missing:
                 continue
-            history = await self._call(
-                ws, {"type": "get_history", "conversation": conv_id, "limit": HISTORY_LIMIT}, out
-            )
+            messages = await self._history_with(ws, conv_id, set(missing), out)
             agent_id = (state.get("conversation") or {}).get("agent_id") or self._subscribed.get(conv_id) or ""
             for turn_id in missing:
                 followed = self._turns[turn_id]
-                snap = settled_from_history(
-                    turn_id, conv_id, agent_id, history.get("messages") or [], followed.revision + 1
-                )
+                snap = settled_from_history(turn_id, conv_id, agent_id, messages, followed.revision + 1)
                 if snap is None and (state.get("queued") or 0) > 0:
                     continue  # still queued: its snapshots follow on this subscription
                 if snap is None:
                     snap = lost_snapshot(turn_id, conv_id, agent_id, followed.revision + 1)
                 out.append({"type": "turn_updated", "snapshot": snap})
         return welcome
+
+    async def _history_with(
+        self, ws: Any, conv_id: str, turns: set[str], out: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """The conversation's newest messages, paging back (a page stops at about 8 MiB: big
+        messages after the turn pushed it off the first page) until every one of `turns` is
+        reached, or the start, or HISTORY_PAGES pages."""
+        messages: list[dict[str, Any]] = []
+        before: int | None = None
+        for _ in range(HISTORY_PAGES):
+            frame: dict[str, Any] = {"type": "get_history", "conversation": conv_id, "limit": HISTORY_LIMIT}
+            if before is not None:
+                frame["before"] = before
+            page = await self._call(ws, frame, out)
+            got = list(page.get("messages") or [])
+            messages = got + messages
+            seen = {m.get("turn_id") for m in messages}
+            if not got or not page.get("has_more") or turns <= seen or not isinstance(got[0].get("id"), int):
+                break
+            before = got[0]["id"]
+        return messages
 
     def _forget(self, conv_id: str) -> None:
         self._subscribed.pop(conv_id, None)

@@ -133,6 +133,14 @@ def test_a_store_with_damaged_pages_is_refused_at_the_start(home: Path) -> None:
     assert "is damaged" in line and "restore it from a backup" in line, line
     assert hashlib.sha256((home / "appserver.db").read_bytes()).hexdigest() == garbled  # left as it is
     assert "is damaged" in one_error_line(run_cli(home, "conversations", "list"))
+    import sqlite3
+
+    held = sqlite3.connect(home / "appserver.db")  # an operator's shell has it open: still checked
+    try:
+        held.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        assert "is damaged" in one_error_line(serve_refused(home))
+    finally:
+        held.close()
 
 
 async def test_a_write_that_meets_a_damaged_page_fails_readiness(tmp_path: Path) -> None:
@@ -161,3 +169,44 @@ async def test_a_write_that_meets_a_damaged_page_fails_readiness(tmp_path: Path)
             await store.check_writable()
     finally:
         await store.close()
+
+
+async def test_a_read_that_meets_a_damaged_page_fails_readiness_too(tmp_path: Path) -> None:
+    """A turn of a conversation whose messages sit on a damaged page (its history read, its writes)
+    fails, and the store is marked damaged: it stayed 'ready' while every turn of the conversation
+    failed. (A failure only a front end sees, a read of `get_history` or of a route, reaches the
+    store through `Store.note_failure` the same way.)"""
+    import sqlite3
+
+    import pytest
+
+    from appserver.runtime import SubmitRequest
+    from appserver.store.base import StoreError
+    from tests.support.kernel import open_server
+
+    server = await open_server(tmp_path / "h")
+    try:
+        first = await server.kernel.submit(SubmitRequest(agent="assistant", input="hello " * 200, conversation="new"))
+        await first.wait(5)
+        server.kernel.evict_idle(0)  # the next turn reads its history from the file
+        server.store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()  # type: ignore[attr-defined]
+        db = server.store.path  # type: ignore[attr-defined]
+        conn = sqlite3.connect(db)
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master WHERE type = 'table' AND name = 'messages'").fetchone()[
+            0
+        ]
+        conn.close()
+        with open(db, "r+b") as f:
+            f.seek((root - 1) * page_size)
+            f.write(bytes((i * 37 + 11) % 256 for i in range(page_size)))
+        server.store.db.execute("PRAGMA shrink_memory")  # type: ignore[attr-defined]
+        again = await server.kernel.submit(
+            SubmitRequest(agent="assistant", input="again", conversation=first.conversation_id)
+        )
+        snap = await again.wait(5)
+        assert snap.status == "failed", snap
+        with pytest.raises(StoreError, match="is damaged"):
+            await server.store.check_writable()
+    finally:
+        await server.close()

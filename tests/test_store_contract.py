@@ -875,3 +875,13 @@ async def test_a_turn_accepted_running_keeps_its_start_time(store: AnyStore) -> 
     now, later = await store.get_turn("turn_now"), await store.get_turn("turn_later")
     assert now is not None and now.started_at == pytest.approx(started)
     assert later is not None and later.started_at is None
+
+
+async def test_a_history_page_counts_bytes_not_characters(store: AnyStore) -> None:
+    """Text of 4-byte characters fills a page four times faster than ASCII: the budget is bytes, on
+    both backends alike."""
+    await _agent_and_conversation(store)
+    for _ in range(4):
+        await store.append_messages("conv_1", [MessageRecord(role="user", content="😀" * 250)])  # ~1,000 bytes each
+    page, more = await store.history_page("conv_1", before_id=None, limit=10, max_bytes=2500)
+    assert len(page) == 3 and more, [len(m.text()) for m in page]

@@ -577,7 +577,13 @@ CONVERSATION_SCOPE_KEY = "appserver.conversation_id"
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def api_route(metrics: Metrics, route: str, methods: dict[str, Handler], stopping: Stopping | None = None) -> Handler:
+def api_route(
+    metrics: Metrics,
+    route: str,
+    methods: dict[str, Handler],
+    stopping: Stopping | None = None,
+    on_failure: Callable[[BaseException], None] | None = None,
+) -> Handler:
     """One endpoint: dispatch by method (405 otherwise), errors as OpenAI objects, metrics. A
     handler still running when the server stops answers 503 `server_shutting_down` (stopping.py)."""
 
@@ -624,9 +630,11 @@ def api_route(metrics: Metrics, route: str, methods: dict[str, Handler], stoppin
             except KernelError as exc:
                 e = from_kernel(exc)
                 response = error_response(e.status, e.message, code=e.code, param=e.param)
-            except Exception:
+            except Exception as exc:
                 rid = current_request_id() or new_request_id()  # the x-request-id of this response
                 log.exception("request %s on %s failed", rid, route)
+                if on_failure is not None:
+                    on_failure(exc)  # the store's damage shows in /readyz
                 response = error_response(
                     500,
                     f"The server had an error while processing your request (request id {rid}).",

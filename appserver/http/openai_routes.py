@@ -53,7 +53,7 @@ def openai_routes(server: Server, metrics: Metrics, stopping: Stopping | None = 
         return json_response(model_object(agent, model_id))
 
     def route(path: str, name: str, methods: dict) -> Route:  # type: ignore[type-arg]
-        return Route(path, api_route(metrics, name, methods, stopping), methods=ALL_METHODS)
+        return Route(path, api_route(metrics, name, methods, stopping, server.store.note_failure), methods=ALL_METHODS)
 
     return [
         route("/v1/models", "/v1/models", {"GET": list_models}),

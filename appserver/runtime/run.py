@@ -196,6 +196,7 @@ class TurnRunner:
             outcome = LoopOutcome("failed", "error", store_failure(exc).error)
         except Exception as exc:
             log.exception("turn %s failed inside the server", record.id)
+            deps.store.note_failure(exc)  # a damaged store file says so in /readyz
             outcome = LoopOutcome(
                 "failed",
                 "error",

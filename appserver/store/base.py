@@ -70,6 +70,12 @@ class Store(ABC):
         """A real write, and room on the disk (`min_free_bytes`, 0 = unchecked): what was checked,
         or an exception saying why the store cannot take writes."""
 
+    def note_failure(self, exc: BaseException) -> None:
+        """An operation on this store failed where the caller could only log it (a request's 500, a
+        turn failing inside the server): a store that can tell its file is damaged from the error
+        says so and fails readiness from then on (sqlite.py). Nothing by default."""
+        return None
+
     def register_readiness(self, readiness: Readiness, *, min_free_bytes: int = 0) -> None:
         """Add the store's own `/readyz` check, named `store`: `check_writable`."""
 

@@ -317,7 +317,8 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
             ).fetchone()
             version = conn.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] if row else None
             seq = messages_seq(conn)
-            problem = quick_check(conn) if first and version and size <= QUICK_CHECK_MAX_BYTES else None
+            # through SQLite, so also while another process has the store open (an operator's shell)
+            problem = quick_check(conn) if version and size <= QUICK_CHECK_MAX_BYTES else None
         except sqlite3.Error as exc:
             raise open_error(db, exc) from None
         if problem is not None:

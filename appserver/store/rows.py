@@ -68,8 +68,13 @@ def conversation_record(row: Row) -> ConversationRecord:
 
 
 def stored_size(row: Row) -> int:
-    """About how much a message row holds (its text columns), for paging by size."""
-    return sum(len(row[k]) for k in ("content", "tool_calls", "reasoning") if row[k] is not None)
+    """How many bytes a message row's text columns hold (UTF-8), for paging by size."""
+    total = 0
+    for k in ("content", "tool_calls", "reasoning"):
+        text = row[k]
+        if text is not None:
+            total += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    return total
 
 
 def message_record(row: Row) -> MessageRecord:

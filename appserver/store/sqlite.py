@@ -201,6 +201,9 @@ class SQLiteStore(Store):
         if is_corruption(exc):
             self._damaged(str(exc))
 
+    def note_failure(self, exc: BaseException) -> None:
+        self._failed(exc)  # a read that met a damaged page reaches here (writes do by the group commit)
+
     def _damaged(self, problem: str) -> None:
         """The file is damaged (a write met a malformed page, or the check after the start found
         one): said once, loudly, and /readyz fails from now on (check_writable)."""

@@ -269,6 +269,7 @@ class Endpoint:
                 raise
             except Exception as exc:
                 log.exception("ws frame failed")
+                self.server.store.note_failure(exc)  # the store's damage shows in /readyz
                 conn.send(
                     {
                         "type": "error",

@@ -37,8 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.delivery")
 T = TypeVar("T")
 
-TRANSIENT_ATTEMPTS = 5
-BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# A transient failure (a 5xx the platform answered, a dropped connection) is retried for about a
+# minute: a platform's brief outage (tens of seconds) costs a late reply, not a lost one.
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+TRANSIENT_ATTEMPTS = len(BACKOFF_S) + 1
 NO_REPLY = "(no reply)"
 MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) is read as this
 # A send whose outcome is unknown may still be in the platform's hands (queued there when the

@@ -990,3 +990,73 @@ def test_an_answer_then_a_refusal_stay_apart_once_stored(
 
     stored = asyncio.run(history())[-1]
     assert stored["content"] == "Sure. I can't do the rest." and stored["refusal"] == "I can't do the rest.", stored
+
+
+def test_the_deprecated_functions_shape_is_served_not_ignored(client: openai.OpenAI, fake: FakeOpenAI) -> None:
+    """`functions` / `function_call` (deprecated, still OpenAI's): the functions reach the model as
+    tools, a call comes back as `message.function_call` with finish_reason `function_call`, and a
+    `function` message answers it by name (the legacy shape has no call id). They were ignored."""
+    fn = {"name": "get_weather", "description": "weather", "parameters": WEATHER["function"]["parameters"]}
+
+    def calls_weather(call_id: str) -> None:
+        fake.script(
+            openai_sse(
+                [
+                    chunk(
+                        role="assistant",
+                        tool_calls=[tool_delta(0, id=call_id, name="get_weather", arguments='{"city": "Paris"}')],
+                    ),
+                    chunk(finish_reason="tool_calls"),
+                ]
+            )
+        )
+
+    calls_weather("call_up1")
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="remote", messages=ask, functions=[fn], function_call="auto"
+    )  # type: ignore[call-overload]
+    validate("CreateChatCompletionResponse", raw.http_response.json())
+    choice = raw.parse().choices[0]
+    assert choice.finish_reason == "function_call" and not choice.message.tool_calls, choice
+    assert choice.message.function_call is not None and choice.message.function_call.name == "get_weather"
+    sent = fake.requests[-1].json
+    assert "get_weather" in [t["function"]["name"] for t in sent["tools"]] and sent["parallel_tool_calls"] is False
+    answered = ask + [
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"role": "function", "name": "get_weather", "content": "sunny"},
+    ]
+    reply = client.chat.completions.create(model="remote", messages=answered, functions=[fn])  # type: ignore[call-overload]
+    assert reply.choices[0].message.content == "after tool: sunny", reply
+    assert fake.requests[-1].json["messages"][-1] == {"role": "tool", "tool_call_id": "call_up1", "content": "sunny"}
+
+    calls_weather("call_up2")
+    chunks = list(
+        client.chat.completions.create(
+            model="remote", messages=[{"role": "user", "content": "and Rome?"}], functions=[fn], stream=True
+        )  # type: ignore[call-overload]
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert all(not d.tool_calls for d in deltas)
+    assert [d.function_call.name for d in deltas if d.function_call and d.function_call.name] == ["get_weather"]
+    assert "".join(d.function_call.arguments or "" for d in deltas if d.function_call) == '{"city": "Paris"}'
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["function_call"]
+
+
+def test_functions_and_tools_together_are_refused(http: httpx.Client) -> None:
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+    for extra, param in (
+        ({"functions": [fn], "tools": [WEATHER]}, "functions"),
+        ({"functions": [fn], "function_call": "auto", "tool_choice": "auto"}, "function_call"),
+        ({"functions": [fn], "function_call": {"nom": "f"}}, "function_call"),
+        ({"functions": "f"}, "functions"),
+    ):
+        r = http.post(
+            "/v1/chat/completions", json={"model": "remote", "messages": [{"role": "user", "content": "x"}], **extra}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        validate("ErrorResponse", r.json())

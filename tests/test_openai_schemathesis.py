@@ -5,10 +5,11 @@ Bodies are generated from OpenAI's own schema, so each is valid; `model` always 
 agent. A body is sent as generated, where a 4xx must carry one of the ALLOWED_REFUSALS, and, when
 it holds such a trigger, once more "aimed": the same body (still schema-valid, checked) without the
 triggers (a trailing user message when the transcript has no new user input, only client function
-tools, `n` = 1, token limits 1..10^7, no file/audio parts (echo takes none), no hosted-tool
-input items or item references, no forced/named `tool_choice`, no `stream_options` without
-`stream`, integers clamped to 64 bits, no `background`; `previous_response_id` and `conversation`
-pointed at objects this run created), so that the rest of it (sampling, formats, tools, images,
+tools and no deprecated `functions`, `n` = 1, token limits 1..10^7, no file/audio parts (echo takes
+none), no hosted-tool input items or item references, no forced/named `tool_choice`, no
+`stream_options` without `stream`, integers clamped to 64 bits, no `background`;
+`previous_response_id` and `conversation` pointed at objects this run created), so that the rest
+of it (sampling, formats, tools, images,
 metadata, …) runs a real turn, and nearly all aimed requests must succeed. A second, smaller run
 does the same with `stream: true`, validating every SSE chunk / Responses event and how each
 stream ends.
@@ -248,6 +249,10 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
         if out.get("n") not in (None, 1):
             out["n"] = 1
         keep_function_tools(out, lambda t: t["function"].get("name"))
+        # the deprecated `functions` / `function_call` are served (test_openai_fidelity checks them);
+        # generated beside `tools`, or with names OpenAI refuses, they are refused as OpenAI does
+        out.pop("functions", None)
+        out.pop("function_call", None)
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(out.get(key), int) and out[key] < 1:
                 del out[key]

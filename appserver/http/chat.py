@@ -28,6 +28,7 @@ from appserver.http.common import (
     json_int,
     log,
     max_steps_note,
+    named_answers,
     principal_of,
     read_json,
     resolve_model,
@@ -38,6 +39,7 @@ from appserver.http.common import (
 )
 from appserver.http.conversation_match import (
     HEADER,
+    LEGACY_CALL_ID,
     Answers,
     ConversationMatcher,
     Placement,
@@ -256,11 +258,6 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
     return merge_assistants(items), instructions
 
 
-# The id a legacy assistant `function_call` (which has none) is known by: a `function` message
-# answers it by the function's name (one such call per assistant message, as the legacy API made).
-LEGACY_CALL_ID = "call_function_"
-
-
 def legacy_function_call(value: Any, where: str) -> dict[str, Any] | None:
     """A deprecated assistant `function_call` ({name, arguments}) as a call of the history."""
     call = fields.obj(value, f"{where}.function_call")
@@ -269,6 +266,28 @@ def legacy_function_call(value: Any, where: str) -> dict[str, Any] | None:
     name = fields.string(call.get("name"), f"{where}.function_call.name", nullable=False)
     args = fields.string(call.get("arguments"), f"{where}.function_call.arguments", nullable=False)
     return {"id": LEGACY_CALL_ID + str(name), "name": name, "arguments": args}
+
+
+def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+    """(tools, tool_choice) of a request in the deprecated shape: `functions` are function tools,
+    `function_call` ("none", "auto" or {"name": …}) is the tool choice. Not both shapes at once."""
+    for newer, older in (("tools", "functions"), ("tool_choice", "function_call")):
+        if body.get(newer) is not None and body.get(older) is not None:
+            raise bad_request(
+                f"use either '{newer}' or the deprecated '{older}', not both", older, code="conflicting_parameters"
+            )
+    functions = body.get("functions")
+    if not isinstance(functions, list):
+        raise bad_request("'functions' must be an array of functions", "functions")
+    call = body.get("function_call")
+    if isinstance(call, dict):
+        name = call.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("'function_call' must be 'none', 'auto' or {\"name\": …}", "function_call")
+        call = {"type": "function", "function": {"name": name}}
+    elif call is not None and call not in ("none", "auto"):
+        raise bad_request("'function_call' must be 'none', 'auto' or {\"name\": …}", "function_call")
+    return [{"type": "function", "function": f} for f in functions], call
 
 
 def client_tools_of(tools: Any) -> list[ToolSpec]:
@@ -628,9 +647,13 @@ class ChatCompletions:
         items, instructions = view_of_messages(body.get("messages"))
         check_call_ids(items, "messages")
         items = for_agent(items, agent)
-        tools = client_tools_of(body.get("tools"))
+        legacy = body.get("functions") is not None  # the deprecated function calling, still OpenAI's
+        raw_tools, raw_choice = legacy_tools(body) if legacy else (body.get("tools"), body.get("tool_choice"))
+        tools = client_tools_of(raw_tools)
         options = sampling_options(body, max_key=("max_tokens", "max_completion_tokens"))
-        choice = tool_choice_of(body.get("tool_choice"), tool_names(self.server, agent, tools), agent)
+        if legacy:
+            options["parallel_tool_calls"] = False  # a legacy reply holds one function_call
+        choice = tool_choice_of(raw_choice, tool_names(self.server, agent, tools), agent)
         if choice is not None:
             options["tool_choice"] = choice
         if instructions:
@@ -670,6 +693,7 @@ class ChatCompletions:
                     place = await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
                 content = new_content(users)
                 decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results]
+                decisions = await named_answers(self.server, place.conversation_id, decisions)
                 run = await start_turn(
                     self.server,
                     agent,
@@ -694,7 +718,7 @@ class ChatCompletions:
             # that setup then overlaps the wait for the model instead of delaying the call.
             await asyncio.sleep(0)
         prefix_hash = chain(prefix)
-        ctx = _Ctx(self, agent, model_id, run, idem, new, prefix_hash, show_reasoning(agent))
+        ctx = _Ctx(self, agent, model_id, run, idem, new, prefix_hash, show_reasoning(agent), legacy)
         if stream:
             return ctx.stream_response(include_usage)
         return await ctx.complete(request)
@@ -714,7 +738,9 @@ class _Ctx:
         new: list[ViewItem],
         prefix_hash: str,
         reasoning: bool,
+        legacy: bool = False,
     ) -> None:
+        self.legacy = legacy  # the request used `functions`: a call is answered as `function_call`
         self.route = route
         self.server = route.server
         self.agent = agent
@@ -775,7 +801,9 @@ class _Ctx:
                 "refusal": refusal or None,
                 "annotations": [],
             }
-            if calls:
+            if calls and self.legacy:  # the deprecated shape: one call, no id (a `function` message answers it)
+                message["function_call"] = dict(calls[0]["function"])
+            elif calls:
                 message["tool_calls"] = calls
             if self.reasoning:
                 thought = render_text(blocks, "reasoning")
@@ -786,7 +814,7 @@ class _Ctx:
                 "object": "chat.completion",
                 "created": self.created,
                 "model": self.model_id,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_of(snap)}],
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish(snap)}],
                 "usage": usage_of(snap),
             }
         except BaseException as exc:
@@ -808,6 +836,31 @@ class _Ctx:
             await self.record_point(snap, text, calls)
         except Exception:
             log.exception("could not record the history point of conversation %s", self.run.conversation_id)
+
+    def finish(self, snap: TurnSnapshot) -> str:
+        reason = finish_of(snap)
+        return "function_call" if self.legacy and reason == "tool_calls" else reason
+
+    def call_delta(self, index: int, call_id: str, name: str | None, arguments: str) -> dict[str, Any]:
+        """A stream delta of a client call: `tool_calls`, or the deprecated `function_call`."""
+        if self.legacy:
+            return {
+                "function_call": {"name": name, "arguments": arguments}
+                if name is not None
+                else {"arguments": arguments}
+            }
+        if name is not None:
+            return {
+                "tool_calls": [
+                    {
+                        "index": index,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": arguments},
+                    }
+                ]
+            }
+        return {"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}
 
     # -------------------------------------------------------- stream
 
@@ -873,25 +926,14 @@ class _Ctx:
                             cid = b["call_id"]
                             args = b.get("arguments") or ""
                             if cid not in call_index:
+                                if self.legacy and call_index:
+                                    continue  # a legacy reply shows one call
                                 call_index[cid] = len(call_index)
                                 sent[i] = 0
-                                yield self.chunk(
-                                    {
-                                        "tool_calls": [
-                                            {
-                                                "index": call_index[cid],
-                                                "id": cid,
-                                                "type": "function",
-                                                "function": {"name": b["name"], "arguments": ""},
-                                            }
-                                        ]
-                                    }
-                                )
+                                yield self.chunk(self.call_delta(call_index[cid], cid, b["name"], ""))
                             done = sent.get(i, 0)
                             if len(args) > done:
-                                yield self.chunk(
-                                    {"tool_calls": [{"index": call_index[cid], "function": {"arguments": args[done:]}}]}
-                                )
+                                yield self.chunk(self.call_delta(call_index[cid], cid, None, args[done:]))
                                 sent[i] = len(args)
                     if self.settled(snap):
                         break
@@ -914,10 +956,11 @@ class _Ctx:
                     yield self.chunk({"content": f"\n\n{self.steps_note}" if any_text else self.steps_note})
                 calls = tool_calls_of(last) if last.status == "awaiting" else []
                 for c in calls:  # calls made before this request (not streamed above)
-                    if c["id"] not in call_index:
+                    if c["id"] not in call_index and not (self.legacy and call_index):
                         call_index[c["id"]] = len(call_index)
-                        yield self.chunk({"tool_calls": [{"index": call_index[c["id"]], **c}]})
-                yield self.chunk({}, finish_of(last))
+                        fn = c["function"]
+                        yield self.chunk(self.call_delta(call_index[c["id"]], c["id"], fn["name"], fn["arguments"]))
+                yield self.chunk({}, self.finish(last))
                 if include_usage:
                     yield dumps(
                         {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -19,7 +20,7 @@ from appserver import fastjson
 from appserver.auth import Principal, namespace_of
 from appserver.errors import AgentGone, KernelError
 from appserver.http.bodies import json_bodies
-from appserver.http.conversation_match import HEADER
+from appserver.http.conversation_match import HEADER, by_name, legacy_name
 from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id, turn_failure
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
@@ -430,6 +431,18 @@ async def pending_call_ids(server: Server, conversation_id: str) -> list[str]:
         return []
     pending = [p for p in await server.store.list_pending(awaiting.id) if p.status == "pending"]
     return [p.call_id if p.kind == "client" else f"mcpr_{p.call_id}" for p in pending]
+
+
+async def named_answers(server: Server, conversation_id: str, decisions: list[Decision]) -> list[Decision]:
+    """Legacy `function` results answer a call by its function's name (the legacy API shows no
+    call id): each becomes an answer to the one waiting call of that name."""
+    if not any(legacy_name(d.call_id) for d in decisions):
+        return decisions
+    awaiting = await server.kernel.awaiting(conversation_id)
+    if awaiting is None:
+        return decisions
+    waiting = [(p.call_id, p.name) for p in await server.store.list_pending(awaiting.id) if p.status == "pending"]
+    return [dataclasses.replace(d, call_id=by_name(d.call_id, waiting)) for d in decisions]
 
 
 def already_given(p: PendingCall | None, d: Decision) -> bool:

@@ -229,6 +229,25 @@ class Paused:
     open_calls: list[dict[str, Any]]
 
 
+# The id a legacy assistant `function_call` (which has none) is known by: a `function` message
+# answers it by the function's name (one such call per assistant message, as the legacy API made).
+LEGACY_CALL_ID = "call_function_"
+
+
+def legacy_name(call_id: str) -> str | None:
+    """The function a legacy `function` message answers (its id names it), else None."""
+    return call_id[len(LEGACY_CALL_ID) :] if call_id.startswith(LEGACY_CALL_ID) else None
+
+
+def by_name(call_id: str, calls: list[tuple[str, str]]) -> str:
+    """The id of the one open call (id, name) a legacy answer names, or `call_id` as it is."""
+    name = legacy_name(call_id)
+    if name is None or any(cid == call_id for cid, _ in calls):
+        return call_id
+    named = [cid for cid, n in calls if n == name]
+    return named[0] if len(named) == 1 else call_id
+
+
 def split_paused(messages: list[MessageRecord], answers: Answers) -> tuple[list[MessageRecord], Paused]:
     """(messages before the paused tail, the tail) for a history whose last assistant message has
     calls without results; 400 (before anything is written) when the answers fit no open call."""
@@ -240,7 +259,8 @@ def split_paused(messages: list[MessageRecord], answers: Answers) -> tuple[list[
         answered = {m.tool_call_id for m in messages[i + 1 :]}
         open_calls = [c for c in messages[i].tool_calls if c["id"] not in answered]
     known = {c["id"] for c in open_calls}
-    stray = [c for c in answers.call_ids if c not in known]
+    named = [(c["id"], c["name"]) for c in open_calls]
+    stray = [c for c in answers.call_ids if by_name(c, named) not in known]
     if stray:
         waiting = f"the calls waiting there are {', '.join(sorted(known))}" if known else "no call is waiting there"
         raise ApiError(

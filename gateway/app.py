@@ -47,6 +47,7 @@ SUBMIT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 NOTICE_EVERY_S = 600.0
 STATUS_FLUSH_S = 1.0
 MAX_HELD = 5  # messages kept per sender while their pairing is pending
+KEPT_BEHIND_APPROVAL = "dm: kept behind the messages the sender's approval releases"
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -221,7 +222,7 @@ class Gateway:
             return
         if entry.state == "received":
             entry = self._decide(entry, runner)
-            if entry.state == "held":
+            if entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL:
                 await self.chatops.pairing_prompt(entry, runner)
         if entry.state != "allowed":
             return
@@ -261,6 +262,10 @@ class Gateway:
             mentions_bot=bool(p.get("mentions_bot")),
             approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
         )
+        if verdict == "allow" and self.ledger.held(key.channel, key.account, entry.sender):
+            if self.pairing.approval_pending_release(key.channel, key.account, entry.sender):
+                # approved a moment ago: the kept messages are the first turn, this one comes with them
+                return self.ledger.decide(key, "pair", KEPT_BEHIND_APPROVAL)
         if verdict == "pair" and self.pairing.is_denied(key.channel, key.account, entry.sender):
             verdict, reason = "deny", "dm: the owner denied this sender's pairing"  # no new code
         elif verdict == "pair" and len(self._kept(key.channel, key.account, entry.sender)) >= MAX_HELD:

@@ -138,6 +138,16 @@ class Pairing:
         ).fetchone()
         return row is not None
 
+    def approval_pending_release(self, channel: str, account: str, sender: str) -> bool:
+        """The sender was approved a moment ago and the gateway has not released their kept
+        messages yet (`watch_pairings` acts within a second): new messages wait behind them."""
+        row = self._conn.execute(
+            "SELECT 1 FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND status='approved'"
+            " AND handled=0 LIMIT 1",
+            (channel, account, sender),
+        ).fetchone()
+        return row is not None
+
     def is_approved(self, channel: str, account: str, sender: str) -> bool:
         row = self._conn.execute(
             "SELECT 1 FROM approved_senders WHERE channel=? AND account=? AND sender=?", (channel, account, sender)
@@ -199,7 +209,10 @@ class Pairing:
             denied = c.execute(
                 f"SELECT DISTINCT channel, account FROM pairing_codes WHERE {where} AND status='denied'", args
             ).fetchall()
-            c.execute(f"DELETE FROM pairing_codes WHERE {where} AND status='denied'", args)
+            c.execute(f"DELETE FROM pairing_codes WHERE {where} AND status='denied' AND handled=1", args)
+            # a denial the gateway has not acted on yet: it still refuses what it kept (as for an
+            # expired code), and no longer bars the sender
+            c.execute(f"UPDATE pairing_codes SET status='expired' WHERE {where} AND status='denied'", args)
             return approvals + len(denied)
 
     def _decide(self, code: str, status: Status) -> PairingCode:

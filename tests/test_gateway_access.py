@@ -207,3 +207,35 @@ def test_pairing_over_the_protocol(srv: ChannelServer, chat: FakeChat) -> None:
     listed = asyncio.run(decide())
     assert any(p["code"] == code and p["sender"] == "pat" for p in listed)
     chat.wait_for_text("dm-proto", "echo: via the desktop app please", timeout=15)
+
+
+def test_a_message_written_right_after_the_approval_waits_behind_the_kept_ones(
+    srv: ChannelServer, chat: FakeChat
+) -> None:
+    """The approval is committed at once, the kept messages are released within a second: a message
+    in between was answered first, on its own. It joins the kept ones' turn instead, after them."""
+    chat.inject("dm-kim", "kept one", sender="kim")
+    prompt = chat.wait_for_text("dm-kim", lambda t: "pairing code" in t, timeout=15)
+    kept = chat.inject("dm-kim", "kept two", sender="kim")
+    _wait_state(srv.home, kept, "held")
+    assert run_cli(srv.home, "pairing", "approve", _code(prompt.text)).code == 0
+    new = chat.inject("dm-kim", "written after approval", sender="kim")
+    chat.wait_for_text("dm-kim", lambda t: t == "echo: written after approval", timeout=15)
+    _wait_state(srv.home, new, "delivered")
+    time.sleep(1.0)
+    echoes = [m.text for m in chat.messages("dm-kim") if m.text.startswith("echo:")]
+    assert echoes == ["echo: written after approval"], echoes  # one turn: the kept two and the new one
+    assert store_turns(srv.home, "kept one") == 1 and store_turns(srv.home, "written after approval") == 1
+    assert len([m for m in chat.messages("dm-kim") if "pairing code" in m.text]) == 1  # no second code
+
+
+def test_a_denial_revoked_before_the_gateway_acted_on_it_still_refuses_the_kept_message(
+    srv: ChannelServer, chat: FakeChat
+) -> None:
+    mid = chat.inject("dm-dee", "let me in", sender="dee")
+    prompt = chat.wait_for_text("dm-dee", lambda t: "pairing code" in t, timeout=15)
+    assert run_cli(srv.home, "pairing", "deny", _code(prompt.text)).code == 0
+    assert run_cli(srv.home, "pairing", "revoke", "dee").code == 0  # within the gateway's second
+    assert _wait_state(srv.home, mid, "denied")
+    chat.inject("dm-dee", "again", sender="dee")
+    chat.wait_for_text("dm-dee", lambda t: "pairing code" in t and t != prompt.text, timeout=15)  # not barred

@@ -25,6 +25,7 @@ from tests.fakes.openai_upstream import (
     RecordedRequest,
     Reply,
     chunk,
+    one_call_sse,
     openai_error,
     openai_sse,
     tool_delta,
@@ -739,18 +740,7 @@ def test_messages_before_the_new_input_follow_a_previous_response(http: httpx.Cl
 def test_a_function_call_cut_off_by_the_token_limit_is_incomplete(http: httpx.Client, fake: FakeOpenAI) -> None:
     """The model ran out of tokens in the middle of a call's arguments: the response is incomplete,
     and so is its function_call item (it cannot be answered), never `completed`."""
-    fake.script(
-        openai_sse(
-            [
-                chunk(
-                    role="assistant",
-                    tool_calls=[tool_delta(0, id="call_cut", name="get_weather", arguments='{"a":')],
-                ),
-                chunk(finish_reason="length"),
-                usage_chunk(5, 16),
-            ]
-        )
-    )
+    fake.script(one_call_sse("call_cut", "get_weather", '{"a":', finish="length"))
     r = http.post("/v1/responses", json={"model": "remote", "input": "weather?", "tools": [WEATHER_R]})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -802,14 +792,7 @@ def test_a_reply_stopped_by_the_content_filter_says_so(client: openai.OpenAI, fa
 def test_calls_cut_off_by_the_content_filter_are_not_run(http: httpx.Client, fake: FakeOpenAI) -> None:
     """The filter stopped the reply while it streamed a call: its arguments may be cut, so the call
     is not run (as with the token limit), and the response says content_filter."""
-    fake.script(
-        openai_sse(
-            [
-                chunk(role="assistant", tool_calls=[tool_delta(0, id="call_cf", name="clock", arguments="{")]),
-                chunk(finish_reason="content_filter"),
-            ]
-        )
-    )
+    fake.script(one_call_sse("call_cf", "clock", "{", finish="content_filter"))
     r = http.post("/v1/responses", json={"model": "remote", "input": "time?"})
     assert r.status_code == 200, r.text
     validate("Response", r.json())
@@ -883,14 +866,7 @@ def test_added_messages_keep_the_rules_of_new_input(http: httpx.Client, fake: Fa
     (409 calls_pending, as for any new input; the model got an unanswered call), a function_call
     among them is listed by input_items, and a file part the model cannot take is refused even
     in history (it was dropped)."""
-    fake.script(
-        openai_sse(
-            [
-                chunk(role="assistant", tool_calls=[tool_delta(0, id="call_w1", name="get_weather", arguments="{}")]),
-                chunk(finish_reason="tool_calls"),
-            ]
-        )
-    )
+    fake.script(one_call_sse("call_w1", "get_weather", "{}"))
     waiting = http.post("/v1/responses", json={"model": "remote", "input": "weather?", "tools": [WEATHER_R]}).json()
     assert [o["type"] for o in waiting["output"]] == ["function_call"], waiting
     added = [
@@ -999,17 +975,7 @@ def test_the_deprecated_functions_shape_is_served_not_ignored(client: openai.Ope
     fn = {"name": "get_weather", "description": "weather", "parameters": WEATHER["function"]["parameters"]}
 
     def calls_weather(call_id: str) -> None:
-        fake.script(
-            openai_sse(
-                [
-                    chunk(
-                        role="assistant",
-                        tool_calls=[tool_delta(0, id=call_id, name="get_weather", arguments='{"city": "Paris"}')],
-                    ),
-                    chunk(finish_reason="tool_calls"),
-                ]
-            )
-        )
+        fake.script(one_call_sse(call_id, "get_weather", '{"city": "Paris"}'))
 
     calls_weather("call_up1")
     ask = [{"role": "user", "content": "weather in Paris?"}]

@@ -335,6 +335,16 @@ def tool_delta(
     return tc
 
 
+def one_call_sse(call_id: str, name: str, arguments: str, finish: str = "tool_calls") -> bytes:
+    """A streamed reply that is one tool call and its finish reason."""
+    return openai_sse(
+        [
+            chunk(role="assistant", tool_calls=[tool_delta(0, id=call_id, name=name, arguments=arguments)]),
+            chunk(finish_reason=finish),
+        ]
+    )
+
+
 def usage_chunk(prompt: int, completion: int, *, reasoning: int = 0, cached: int = 0) -> dict[str, Any]:
     """The usage-only final chunk (`choices: []`) sent with stream_options.include_usage."""
     usage: dict[str, Any] = {

@@ -47,7 +47,8 @@ def one_error_line(r: CLIResult, code: int, *needles: str) -> str:
         (("run", "--conversation=" + os.fsdecode(b"\xff"), "hi"), 2, r"'--conversation=\xff'"),
         (("agents", "create", "--name", os.fsdecode(b"caf\xe9")), 4, r"'caf\xe9', after --name"),
         (("cron", "list", "--agent", FFFE), 4, r"'\xff\xfe', after --agent"),
-        (("run", "x" * 500 + FFFE + "\n" * 9), 2, "'" + "x" * 75 + "...'"),  # a whole prompt: cut, one line
+        # a whole prompt: one line, shown around its first byte that is not UTF-8
+        (("run", "x" * 500 + FFFE + "\n" * 9), 2, "'..." + "x" * 20 + r"\xff\xfe" + r"\n" * 9 + "'"),
     ],
 )
 def test_an_argument_that_is_not_utf8_is_one_line_naming_it(
@@ -61,10 +62,10 @@ def test_an_argument_that_is_not_utf8_is_one_line_naming_it(
 def test_a_home_that_is_not_utf8_is_refused_as_an_argument_or_from_the_environment(tmp_path: Path) -> None:
     bad = str(tmp_path) + "/" + FFFE  # absolute: a refused home must not be created anywhere
     r = run_cli(tmp_path, "--home", bad, "agents", "list")
-    # the path is shown cut at 80 characters (a long temporary directory may hide its end)
-    one_error_line(r, 2, "argument 2 ('/", "', after --home)", "is not valid UTF-8")
+    # a long path is cut, but never the bytes that are not UTF-8
+    one_error_line(r, 2, "argument 2 ('", r"/\xff\xfe', after --home)", "is not valid UTF-8")
     r = run_cli(tmp_path, "agents", "list", env=cli_env(tmp_path, APPSERVER_HOME=bad))
-    one_error_line(r, 2, "$APPSERVER_HOME ('/", "') is not valid UTF-8")
+    one_error_line(r, 2, "$APPSERVER_HOME ('", r"/\xff\xfe') is not valid UTF-8")
     assert os.listdir(tmp_path) == []
     # --home wins over the environment, as for any other home
     good = tmp_path / "good"

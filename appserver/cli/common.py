@@ -56,13 +56,29 @@ def not_utf8(text: str) -> bool:
 
 
 def shown_raw(text: str, limit: int = 80) -> str:
-    """`text` as the bytes it came from, escaped (`'caf\\xe9'`) and cut at `limit`, so that the line
-    saying it is bad is readable and stays one line (the bad argument may be a whole prompt)."""
-    try:
-        shown = repr(text.encode("utf-8", "surrogateescape"))[1:]
-    except UnicodeEncodeError:  # a surrogate no byte decoded to (only from Python callers)
-        shown = repr(text.encode("utf-8", "backslashreplace"))[1:]
-    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
+    """`text` as the bytes it came from, escaped (`'caf\\xe9'`), so that the line saying it is bad
+    is readable and stays one line (the bad argument may be a whole prompt): a long one is shown
+    around its first byte that is not UTF-8, cut with "..." on either side."""
+    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), 0)
+    start = max(0, bad - limit // 4)
+    window = text[start : start + limit // 2]
+
+    def escaped(part: str) -> str:
+        try:
+            return repr(part.encode("utf-8", "surrogateescape"))[2:-1]
+        except UnicodeEncodeError:  # a surrogate no byte decoded to (only from Python callers)
+            return repr(part.encode("utf-8", "backslashreplace"))[2:-1]
+
+    whole = escaped(text)
+    if len(whole) + 2 <= limit:
+        return f"'{whole}'"
+    return (
+        "'"
+        + ("..." if start else "")
+        + escaped(window)[:limit]
+        + ("..." if start + len(window) < len(text) else "")
+        + "'"
+    )
 
 
 def refuse_non_utf8_args(args: Sequence[str]) -> None:

@@ -122,29 +122,22 @@ class Pairing:
 
     def has_pending(self, channel: str, account: str, sender: str) -> bool:
         """Whether the sender holds a code still valid now."""
-        row = self._conn.execute(
-            "SELECT 1 FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND status='pending'"
-            " AND expires_at > ? LIMIT 1",
-            (channel, account, sender, self._clock()),
-        ).fetchone()
-        return row is not None
+        return self._has_code(channel, account, sender, "status='pending' AND expires_at > ?", self._clock())
 
     def is_denied(self, channel: str, account: str, sender: str) -> bool:
         """The owner denied this sender a pairing: they hear nothing more (no new code) until
         `appserver pairing revoke` clears it."""
-        row = self._conn.execute(
-            "SELECT 1 FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND status='denied' LIMIT 1",
-            (channel, account, sender),
-        ).fetchone()
-        return row is not None
+        return self._has_code(channel, account, sender, "status='denied'")
 
     def approval_pending_release(self, channel: str, account: str, sender: str) -> bool:
         """The sender was approved a moment ago and the gateway has not released their kept
         messages yet (`watch_pairings` acts within a second): new messages wait behind them."""
+        return self._has_code(channel, account, sender, "status='approved' AND handled=0")
+
+    def _has_code(self, channel: str, account: str, sender: str, where: str, *args: object) -> bool:
         row = self._conn.execute(
-            "SELECT 1 FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND status='approved'"
-            " AND handled=0 LIMIT 1",
-            (channel, account, sender),
+            f"SELECT 1 FROM pairing_codes WHERE channel=? AND account=? AND sender=? AND {where} LIMIT 1",
+            (channel, account, sender, *args),
         ).fetchone()
         return row is not None
 

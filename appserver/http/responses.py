@@ -205,7 +205,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                         "type": "message",
                         "role": "assistant",
                         "status": "completed",
-                        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+                        "content": [text_part({}, text)],
                     }
                 )
             elif role == "user":

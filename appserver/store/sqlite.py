@@ -70,7 +70,7 @@ class SQLiteStore(Store):
         self.fresh = False  # True when open() created the schema (first use of this home)
         self._agent_cache = AgentCache(self._load_agents)
         # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
-        self._writes = GroupCommit(lambda: self.db, self._committed, self._failed)
+        self._writes = GroupCommit(lambda: self.db, self._committed, self.note_failure)
         self.damage: str | None = None  # what SQLite found damaged while the server runs
         self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
@@ -197,12 +197,10 @@ class SQLiteStore(Store):
         if self._checkpointer is not None:
             self._checkpointer.committed()
 
-    def _failed(self, exc: BaseException) -> None:
+    def note_failure(self, exc: BaseException) -> None:
+        """Writes that failed come here from the group commit; reads, from the front ends."""
         if is_corruption(exc):
             self._damaged(str(exc))
-
-    def note_failure(self, exc: BaseException) -> None:
-        self._failed(exc)  # a read that met a damaged page reaches here (writes do by the group commit)
 
     def _damaged(self, problem: str) -> None:
         """The file is damaged (a write met a malformed page, or the check after the start found

@@ -68,8 +68,10 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o600) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
-def atomic_write_json(path: Path, value: Any, mode: int = 0o600) -> None:
-    atomic_write_text(path, json.dumps(value, indent=2, sort_keys=False) + "\n", mode)
+def atomic_write_json(path: Path, value: Any, mode: int = 0o600, *, indent: int | None = 2) -> None:
+    """`indent=None` for a file written often by a machine: the indenting encoder is pure Python
+    and leaves cyclic garbage (its nested closures) at every call; the compact one is C."""
+    atomic_write_text(path, json.dumps(value, indent=indent, sort_keys=False) + "\n", mode)
 
 
 def move_aside(path: Path, reason: str, *, quiet: bool = False) -> CorruptStateFile:

@@ -230,7 +230,7 @@ def read_position(db: Path) -> int | None:
 
 def write_position(db: Path, seq: int) -> None:
     """Record that the store holds every message up to rowid `seq` (call only once that is durable)."""
-    atomic_write_json(position_path(db), {"messages_seq": seq, "written_at": time.time()})
+    atomic_write_json(position_path(db), {"messages_seq": seq, "written_at": time.time()}, indent=None)
 
 
 def messages_seq(conn: sqlite3.Connection) -> int:

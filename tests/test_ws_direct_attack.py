@@ -447,6 +447,58 @@ async def test_keepalive_pings_go_out_among_direct_frames(tmp_path: Path) -> Non
         assert_quiet(srv.stderr())
 
 
+async def test_a_slow_steady_reader_gets_the_latest_snapshot_not_a_backlog(tmp_path: Path) -> None:
+    """A subscriber reading 100 KB/s while 25 turns stream one after another: the writer task handed
+    its whole queue to the socket in one pass and the kernel's send buffer took megabytes of snapshots
+    (every one delivered, every ping behind them: half a minute late, so the reader was cut by its
+    own keepalive). Only each turn's latest snapshot may wait for it, and pings go out meanwhile."""
+    with served(tmp_path, APPSERVER_LIMITS__WS_PING_INTERVAL_S="0.3", APPSERVER_LIMITS__WS_PING_TIMEOUT_S="3") as srv:
+        boss = await WS.open(srv.url, compression=None)
+        conv = await conversation(boss)
+        reader = await raw_subscriber(srv.url, conv, rcvbuf=8192, limit=8192)
+        text = " ".join(f"word{i:05d}" for i in range(1500))
+        turns: list[str] = []
+
+        async def busy() -> None:
+            for _ in range(25):
+                turns.append(await submit(boss, conv, text))
+                await boss.terminal(turns[-1])
+
+        async def slow_reads() -> None:
+            while not turns or check_turns(reader.seen).get(turns[-1], {}).get("status") not in TERMINAL:
+                await reader.recv(10)  # a close (Closed) fails the test
+                await asyncio.sleep(reader.lengths[-1] / 100_000)
+
+        async with asyncio.timeout(60):
+            await asyncio.gather(busy(), slow_reads())
+        last = check_turns(reader.seen)
+        assert last[turns[-1]]["status"] == "completed"
+        assert all(s["status"] == "completed" and s["blocks"][-1]["text"] == f"echo: {text}" for s in last.values())
+        reader.send({"type": "ping", "request_id": "after"})
+        assert (await reader.recv())["type"] == "pong"
+        code, _ = srv.stop()
+        assert code == 0
+        assert_quiet(srv.stderr())
+
+
+async def test_a_client_that_reads_nothing_for_now_is_still_heard(tmp_path: Path) -> None:
+    """A client whose downlink is full (it took nothing of a big turn's snapshots) presses stop: its
+    `cancel` is read and acted on. The server stopped reading from any client over the high-water
+    mark (a ping flood's bound), so the cancel waited until the client had read everything."""
+    with served(tmp_path) as srv:
+        boss = await WS.open(srv.url, compression=None)
+        conv = await conversation(boss)
+        stalled = await raw_subscriber(srv.url, conv, rcvbuf=4096, limit=4096)
+        await boss.terminal(await submit(boss, conv, BIG_TEXT))  # fills the stalled client's socket
+        slow = await submit(boss, conv, "/slow 200")  # ten seconds
+        await asyncio.sleep(0.3)
+        stalled.send({"type": "cancel", "conversation": conv, "request_id": "stop"})
+        snap = await boss.terminal(slow, 5)
+        assert snap["status"] == "cancelled", snap["status"]
+        code, _ = srv.stop()
+        assert code == 0
+
+
 async def test_wss_fan_out_with_compression_side_by_side_and_a_slow_consumer(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
     with served(

@@ -193,6 +193,10 @@ LINGER_S = 2.0
 LINGER_MAX_BYTES = 1 << 20
 # What a client may send after a pipelined WebSocket upgrade head before its 101 (RFC 6455: nothing).
 UPGRADE_EARLY_MAX_BYTES = HIGH_WATER_LIMIT
+# The kernel's unsent bytes of a WebSocket, at most (TCP_NOTSENT_LOWAT; see `limit_unsent`).
+WS_UNSENT_MAX = 64 * 1024
+# What a WebSocket client may send while it leaves the server's writes untaken (its pongs, ...).
+WS_READ_WHILE_BLOCKED = 1 << 20
 
 # Where the parser is in the current message.
 IDLE, HEAD, BODY = 0, 1, 2
@@ -416,6 +420,23 @@ class _BodyFlow(FlowControl):
         self._on_body_wanted = None
 
 
+def limit_unsent(transport: asyncio.BaseTransport) -> None:
+    """Keep at most `WS_UNSENT_MAX` bytes not yet sent in the kernel's buffer of a WebSocket.
+
+    A turn's snapshots go out as whole texts and a newer one replaces an older one still queued
+    (ws/connection.py), but only while it is queued here: the kernel's send buffer grows to
+    megabytes for a slow reader, and every snapshot already in it is delivered, and every ping waits
+    behind them. A reader of 20 KB/s was minutes behind and was cut by its own keepalive. With the
+    unsent part small, the socket stops taking frames early and the queue keeps only the latest."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "TCP_NOTSENT_LOWAT"):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, WS_UNSENT_MAX)
+    except OSError:  # not TCP (a Unix socket), or a kernel without it: the buffer stays as it was
+        pass
+
+
 class EdgeHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; `protocol_class` binds the limits."""
 
@@ -565,6 +586,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         # Its send timeout keeps watching a close; an open WebSocket has its own (ws_send_timeout_s).
         self._cancel_timers()
         cast(PassWrites, self.transport).watch_open = False
+        limit_unsent(self.transport)
         super().handle_websocket_upgrade()
 
     def send_400_response(self, msg: str) -> None:
@@ -882,6 +904,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._writes_blocked = False  # over the high-water mark: see pause_writing
+        self._read_while_blocked = 0  # bytes read from the client since then
         send_response = self.conn.send_response
 
         def stamped(response: WsResponse) -> None:
@@ -906,6 +929,16 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self.conn.send_response = stamped  # type: ignore[method-assign]
 
     async def send(self, message: Any) -> None:
+        transport = self.transport
+        if (
+            isinstance(transport, PassWrites)
+            and transport.get_write_buffer_size() >= transport.get_write_buffer_limits()[1]
+        ):
+            # Frames written in one pass wait in PassWrites until the pass ends, and flow control
+            # hears of them only then: the writer task (ws/connection.py) sent its whole queue in
+            # one pass, megabytes past the high-water mark, where no newer snapshot replaces an
+            # older one and every ping waits behind them all. Handed on now, they pause it now.
+            transport.flush()
         # A close waits for no flow control: behind the backlog of a client that does not read (a
         # slow consumer closed with 4408), it is what that client finds once it reads, and the
         # edge's send timeout ends the connection if it never does. uvicorn would wait for the
@@ -928,14 +961,16 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     # ── a client that does not take what it is sent ──────────────────────────────────────────
     # Every ping gets a pong, written whether or not the client reads: a client that pings and
     # never reads grew the server's buffer without end (hundreds of MB in seconds, even before
-    # `hello`). While the socket is over its high-water mark the server reads nothing more from
-    # that client (its pings wait in TCP, on its side), and the edge's send timeout watches the
-    # connection as it watches an HTTP reply: no byte taken for `send_timeout_s`, it is aborted.
+    # `hello`). While the socket is over its high-water mark the server reads at most
+    # `WS_READ_WHILE_BLOCKED` bytes more from that client (then its pings wait in TCP, on its
+    # side), and the edge's send timeout watches the connection as it watches an HTTP reply: no
+    # byte taken for `send_timeout_s`, it is aborted. Not reading at all while blocked starved a
+    # slow reader that keeps the socket full: its pongs were never read, and its keepalive cut it.
 
     def pause_writing(self) -> None:
         super().pause_writing()
         self._writes_blocked = True
-        self.transport.pause_reading()
+        self._read_while_blocked = 0
         if isinstance(self.transport, PassWrites):
             self.transport.watch_open = True  # PassWrites arms its timer after the write that got here
 
@@ -947,11 +982,24 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.read_paused and not self.transport.is_closing():
             self.transport.resume_reading()  # not while a message waits for the app (uvicorn's pause)
 
+    def data_received(self, data: bytes) -> None:
+        if self._writes_blocked:
+            self._read_while_blocked += len(data)
+        super().data_received(data)
+        self._hold_reads_if_over()
+
     async def receive(self) -> Any:
         message = await super().receive()  # resumes reading once the app took the queued message
-        if self._writes_blocked and not self.transport.is_closing():
-            self.transport.pause_reading()  # …but not while the client leaves our writes untaken
+        self._hold_reads_if_over()  # …but not past the budget of a client that leaves writes untaken
         return message
+
+    def _hold_reads_if_over(self) -> None:
+        if (
+            self._writes_blocked
+            and self._read_while_blocked > WS_READ_WHILE_BLOCKED
+            and not self.transport.is_closing()
+        ):
+            self.transport.pause_reading()
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)

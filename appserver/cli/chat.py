@@ -13,6 +13,9 @@ What a person sees, and why it is built this way:
   (`//text` sends `/text`).
 * A server stop or failover to a standby is ridden out: the protocol client reconnects, resubscribes
   and resumes the turn on screen (see appserver/client/connection.py).
+* Nothing from elsewhere (the model, tools, the server, other clients) controls the terminal: its
+  controls are shown as escapes (appserver/cli/safetext.py); a tool call at an approval prompt is
+  shown exactly, bidi controls included. Only this client's own styling is sent as escapes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import click
 
 from appserver.cli.common import exit_stdout_closed, fail, get_config, live_server_or_fail, stdout_closed
 from appserver.cli.run import USAGE_ERRORS, reconnect_wait_option, server_url_source, token_hint
+from appserver.cli.safetext import exact, visible
 from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -207,7 +211,8 @@ class Renderer:
 
     def snapshot(self, snap: dict[str, Any]) -> None:
         s = self.screen
-        for i, block in enumerate(snap.get("blocks") or []):
+        blocks = snap.get("blocks") or []
+        for i, block in enumerate(blocks):
             kind = block.get("type")
             if kind == "reasoning" and not self.show_reasoning:
                 continue
@@ -217,24 +222,30 @@ class Renderer:
                 if len(text) <= done:
                     continue
                 new = text[done:]
+                if new.endswith("\r") and i == len(blocks) - 1 and snap.get("status") not in TERMINAL:
+                    new = new[:-1]  # perhaps half a CRLF (a line end): decided with the next snapshot
+                    if not new:
+                        continue
                 if self.kind != kind or i not in self.printed:
                     s.fresh_line()
                     if kind == "reasoning":
                         s.write(s.dim("thinking: "))
                 if kind == "reasoning":  # labelled, indented and dimmed: never like reply text
-                    s.write(s.dim(new.replace("\n", "\n  ")))
+                    s.write(s.dim(visible(new).replace("\n", "\n  ")))
                 else:
-                    s.write(new)
-                self.printed[i] = len(text)
+                    s.write(visible(new))
+                self.printed[i] = done + len(new)
                 self.kind = kind
             elif kind == "tool_call":
                 status = block.get("status") or ""
                 if status == "streaming" or self.tool_status.get(i) == status:
                     continue
                 self.tool_status[i] = status
-                line = f"[{block.get('name')}({block.get('arguments') or ''}) {status}]"
+                name = exact(block.get("name"))
+                line = f"[{name}({exact(block.get('arguments') or '')}) {exact(status)}]"
                 if block.get("output") is not None:
-                    line = f"[{block.get('name')} {status}: {str(block['output']).replace(chr(10), ' ')[:120]}]"
+                    output = str(block["output"]).replace("\r\n", " ").replace("\n", " ")[:120]
+                    line = f"[{name} {exact(status)}: {exact(output)}]"
                 s.line(s.dim(line))
                 self.kind = None
 
@@ -242,10 +253,12 @@ class Renderer:
         error = snap.get("error") or {}
         if snap["status"] == "cancelled":
             self.screen.line(
-                f"[interrupted: {error.get('message')}]" if error.get("kind") == "interrupted" else "[cancelled]"
+                f"[interrupted: {visible(error.get('message'))}]"
+                if error.get("kind") == "interrupted"
+                else "[cancelled]"
             )
         elif snap["status"] == "failed":
-            self.screen.line(f"[failed: {error.get('message') or snap.get('stop_reason')}]")
+            self.screen.line(f"[failed: {visible(error.get('message') or snap.get('stop_reason'))}]")
         else:
             self.screen.fresh_line()
 
@@ -290,7 +303,7 @@ class Chat:
     # ------------------------------------------------------------ screen
 
     def banner(self) -> None:
-        self.screen.line(f"chatting with {self.agent} in conversation {self.conv_id}")
+        self.screen.line(f"chatting with {exact(self.agent)} in conversation {exact(self.conv_id)}")
         reasoning = "" if self.show_reasoning else "; reasoning hidden (--show-reasoning shows it)"
         self.screen.line(
             self.screen.dim(f"commands: {' '.join(c for c, _ in COMMANDS)}; Ctrl-C cancels a running turn{reasoning}")
@@ -302,10 +315,9 @@ class Chat:
         self.editor.visible = True
 
     def approval_prompt(self, frame: dict[str, Any]) -> str:
-        return (
-            f"{self.screen.dim('[' + frame['call_id'] + ']')} {frame['name']}({frame['arguments']}) "
-            "wants to run. approve? [y/N] "
-        )
+        """The call exactly as it is: no control, newline or bidi override may hide or reorder it."""
+        call = f"{exact(frame['name'])}({exact(frame['arguments'])})"
+        return f"{self.screen.dim('[' + exact(frame['call_id']) + ']')} {call} wants to run. approve? [y/N] "
 
     def notice(self, text: str) -> None:
         """A line of information that must not tear the line being typed."""
@@ -346,7 +358,7 @@ class Chat:
         if not self.lost:
             self.lost = True
             self.screen.fresh_line()
-            click.echo(f"error: {why}", err=True)
+            click.echo(f"error: {visible(why)}", err=True)
         self.exit_code = 1
 
     def refused(self, exc: ProtocolError, what: str = "") -> None:
@@ -355,7 +367,7 @@ class Chat:
         if exc.code == "connection_closed" or self.client.gone:
             self.gone(exc.message)
         else:
-            self.screen.line(f"error: {what}{exc.message}")
+            self.screen.line(f"error: {what}{visible(exc.message)}")
 
     def follow(self, turn_id: str) -> None:
         self.turn, self.cancelling = turn_id, False
@@ -372,7 +384,7 @@ class Chat:
                 if exc.code == "connection_closed" or self.client.gone:
                     self.events.put_nowait(("closed", exc.message))
                     return
-                text = f"error: {exc.message}"
+                text = f"error: {visible(exc.message)}"
             if text:
                 self.events.put_nowait(("notice", text))
 
@@ -461,7 +473,7 @@ class Chat:
                 created = await self.client.request({"type": "create_conversation", "agent": self.agent_id})
                 self.conv_id = created["conversation"]["id"]
                 await self.client.request({"type": "subscribe", "conversation": self.conv_id})
-                self.screen.line(f"new conversation {self.conv_id}")
+                self.screen.line(f"new conversation {exact(self.conv_id)}")
             except ProtocolError as exc:
                 self.refused(exc)
             return
@@ -475,7 +487,7 @@ class Chat:
             return
         self.follow(ack["turn_id"])
         if ack.get("queue_position"):
-            self.screen.line(self.screen.dim(f"[queued behind {ack['queue_position']} input(s)]"))
+            self.screen.line(self.screen.dim(f"[queued behind {visible(ack['queue_position'])} input(s)]"))
 
     def answer(self, text: str) -> None:
         frame, self.asking = self.asking, None
@@ -490,7 +502,8 @@ class Chat:
             refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
             return (
                 "; ".join(
-                    f"[{r.get('call_id')}: not {decision}d: {r.get('message') or r.get('error')}]" for r in refused
+                    f"[{exact(r.get('call_id'))}: not {decision}d: {visible(r.get('message') or r.get('error'))}]"
+                    for r in refused
                 )
                 or None
             )
@@ -577,7 +590,7 @@ class Chat:
                 if (
                     self.asking["call_id"] not in open_calls or self.asking["call_id"] in settled
                 ):  # answered while we could not hear it
-                    self.withdraw(f"[{self.asking['call_id']} answered elsewhere]")
+                    self.withdraw(f"[{exact(self.asking['call_id'])} answered elsewhere]")
             self.renderer.snapshot(snap)
             if snap["status"] in TERMINAL:
                 self.renderer.end(snap)
@@ -597,23 +610,23 @@ class Chat:
         elif kind == "approval_resolved" and frame.get("conversation_id") == self.conv_id:
             self.approvals = [a for a in self.approvals if a["call_id"] != frame["call_id"]]
             if self.asking is not None and self.asking["call_id"] == frame["call_id"]:
-                by = f" by {frame['decided_by']}" if frame.get("decided_by") else ""
-                self.withdraw(f"[{frame['call_id']} {frame.get('status')}{by}]")
+                by = f" by {exact(frame['decided_by'])}" if frame.get("decided_by") else ""
+                self.withdraw(f"[{exact(frame['call_id'])} {exact(frame.get('status'))}{by}]")
         elif kind == "event":
             data = frame.get("data") or {}
             if frame.get("name") == "connection_lost":
                 self.notice(
                     self.screen.dim(
-                        f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip()
+                        f"[connection lost ({visible(data.get('code'))} {visible(data.get('reason') or '')}".rstrip()
                         + f"); reconnecting for up to {data.get('reconnect_s'):g} s]"
                     )
                 )
             elif frame.get("name") == "reconnected":
-                self.notice(self.screen.dim(f"[reconnected to {data.get('url')}]"))
+                self.notice(self.screen.dim(f"[reconnected to {visible(data.get('url'))}]"))
             elif frame.get("name") == "server_stopping":
                 self.notice(self.screen.dim("[the server is stopping; a standby may take over]"))
         elif kind == "error":
-            self.notice(f"error: {frame.get('message')}")
+            self.notice(f"error: {visible(frame.get('message'))}")
 
     async def turn_ended(self) -> None:
         self.turn, self.cancelling = None, False

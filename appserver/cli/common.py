@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
+from appserver.cli.safetext import json_text, visible
 from appserver.config import Config, ConfigError, load_config
 from appserver.errors import KernelError
 from appserver.fsutil import CorruptStateFile
@@ -41,7 +42,9 @@ class StartupError(Exception):
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
+    """One error line and exit `code`; the message often carries a server's or a model's words, so
+    its controls are shown, not obeyed."""
+    click.echo(f"error: {visible(message)}", err=True)
     sys.exit(code)
 
 
@@ -209,7 +212,8 @@ def live_server_or_fail(server_json: Path) -> dict[str, Any] | None:
 
 
 def print_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+    """`--json` output: the exact values, with DEL and C1 controls as `\\u` escapes (as JSON does C0)."""
+    click.echo(json_text(json.dumps(value, indent=2, ensure_ascii=False, default=str)))
 
 
 def with_server(fn: Callable[[Server], Awaitable[T]], *, config: Config | None = None) -> T:

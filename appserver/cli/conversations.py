@@ -1,4 +1,7 @@
-"""`appserver conversations list|show|history`."""
+"""`appserver conversations list|show|history`.
+
+Titles and messages are other people's and the model's words: the plain-text output shows their
+controls (appserver/cli/safetext.py) instead of handing them to the terminal; `--json` is exact."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import Any
 import click
 
 from appserver.cli.common import MAX_COUNT, Count, print_json, with_server
+from appserver.cli.safetext import exact, visible
 from appserver.errors import NotFound
 from appserver.server import Server
 
@@ -34,7 +38,7 @@ def list_conversations(agent: str, limit: int, as_json: bool) -> None:
         return
     for c in convs:
         when = datetime.fromtimestamp(c.updated_at).strftime("%Y-%m-%d %H:%M")
-        click.echo(f"{c.id}  {when}  {'default' if c.is_default else c.title}")
+        click.echo(f"{exact(c.id)}  {when}  {'default' if c.is_default else exact(c.title)}")
 
 
 async def _conversation(s: Server, conversation_id: str):  # type: ignore[no-untyped-def]
@@ -53,7 +57,7 @@ def show_conversation(conversation_id: str, as_json: bool) -> None:
         print_json(conv.to_dict())
         return
     for k, v in conv.to_dict().items():
-        click.echo(f"{k}: {v}")
+        click.echo(f"{k}: {visible(v)}")
 
 
 @conversations_group.command("history")
@@ -72,8 +76,8 @@ def history(conversation_id: str, limit: int | None, as_json: bool) -> None:
     for m in messages:
         marker = "" if m.completion_status == "completed" else f" [{m.completion_status}]"
         if m.role == "tool":
-            click.echo(f"tool {m.name} ({m.tool_call_id}){marker}: {m.text()}")
+            click.echo(f"tool {exact(m.name)} ({exact(m.tool_call_id)}){visible(marker)}: {visible(m.text())}")
             continue
-        calls = "".join(f"\n  -> {c['name']}({c['arguments']}) [{c['id']}]" for c in m.tool_calls)
+        calls = "".join(f"\n  -> {exact(c['name'])}({exact(c['arguments'])}) [{exact(c['id'])}]" for c in m.tool_calls)
         refused = " [refusal]" if isinstance(m.meta.get("refusal"), str) else ""
-        click.echo(f"{m.role}{marker}{refused}: {m.text()}{calls}")
+        click.echo(f"{visible(m.role)}{visible(marker)}{refused}: {visible(m.text())}{calls}")

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import click
 
 from appserver.cli.common import fail, get_config, live_server_or_fail, print_json, with_server
+from appserver.cli.safetext import exact, visible
 from appserver.errors import InvalidInput, NotAwaiting
 from appserver.runtime import Decision, SubmitRequest, TurnSnapshot
 from appserver.server import Server
@@ -55,31 +56,35 @@ def reconnect_wait_option() -> Callable[[Callable[..., Any]], Callable[..., Any]
 
 
 def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: str) -> int:
-    """Print the turn; `agent` is how the user named the agent (the answer hint names it too)."""
+    """Print the turn; `agent` is how the user named the agent (the answer hint names it too).
+
+    The plain text is for a person, on a terminal or through a pipe that often ends at one (`| less
+    -R`, a log `cat` later): the model's, tools' and server's words go through `visible`/`exact`.
+    `--json` keeps every value exact (for scripts)."""
     if as_json:
         print_json({**snapshot.to_dict(), "text": snapshot.text(), "conversation_id": conversation_id})
     else:
         for block in snapshot.blocks:
             if block["type"] == "tool_call" and block.get("output") is not None:
-                click.echo(f"[{block['name']} {block['status']}] {block['output']}", err=True)
+                click.echo(f"[{exact(block['name'])} {exact(block['status'])}] {visible(block['output'])}", err=True)
         text = snapshot.text()
         if text:
-            click.echo(text)
+            click.echo(visible(text))
         if snapshot.status == "awaiting":
             for p in snapshot.pending:
                 verb = "approval" if p["kind"] == "approval" else "a client result"
-                click.echo(f"awaiting {verb}: {p['call_id']} {p['name']}({p['arguments']})")
+                click.echo(f"awaiting {verb}: {exact(p['call_id'])} {exact(p['name'])}({exact(p['arguments'])})")
             # The hint must work as printed, with or without a server: a conversation id alone
             # resolves only under its own agent.
-            again = f"appserver run --agent {shlex.quote(agent)} --conversation {conversation_id}"
+            again = f"appserver run --agent {shlex.quote(agent)} --conversation {exact(conversation_id)}"
             click.echo(
-                f"conversation: {conversation_id}  "
+                f"conversation: {exact(conversation_id)}  "
                 f"(answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)"
             )
         elif snapshot.status != "completed":
             error = snapshot.error or {}
             label = {"interrupted": "interrupted", "unknown": "ended"}.get(str(error.get("kind")), snapshot.status)
-            click.echo(f"turn {label}: {error.get('message') or snapshot.stop_reason}", err=True)
+            click.echo(f"turn {visible(label)}: {visible(error.get('message') or snapshot.stop_reason)}", err=True)
     return 0 if snapshot.status in ("completed", "awaiting") else 1
 
 
@@ -226,12 +231,12 @@ def tell_connection(frame: dict[str, Any]) -> None:
     data = frame.get("data") or {}
     if frame.get("name") == "connection_lost":
         click.echo(
-            f"[connection lost ({data.get('code')} {data.get('reason') or ''}".rstrip()
+            f"[connection lost ({visible(data.get('code'))} {visible(data.get('reason') or '')}".rstrip()
             + f"); waiting up to {data.get('reconnect_s'):g} s for the server or a standby]",
             err=True,
         )
     elif frame.get("name") == "reconnected":
-        click.echo(f"[reconnected to {data.get('url')} after {data.get('after_s')} s]", err=True)
+        click.echo(f"[reconnected to {visible(data.get('url'))} after {visible(data.get('after_s'))} s]", err=True)
 
 
 def run_remote(

@@ -41,5 +41,12 @@ class QueueFull(KernelError):
     http_status = 429
 
 
+class Unavailable(KernelError):
+    """This server cannot take the request now; another can (a cluster's survivor)."""
+
+    code = "server_unavailable"
+    http_status = 503
+
+
 class NotAwaiting(Conflict):
     code = "not_awaiting"

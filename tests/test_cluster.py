@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import psycopg
 import pytest
@@ -234,6 +235,141 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
         finally:
             for sp in nodes:
                 sp.kill()
+
+
+def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_path: Path) -> None:
+    """A stopped for longer than instance_timeout_s (a frozen VM, a paused container) while its turn
+    runs: B takes the conversation over and settles the turn as interrupted. A, resumed, went on:
+    it wrote the turn a second time (completed, after interrupted), ran inputs sent to it beside
+    B, and said ready. Judged gone, it now writes nothing of the turn, refuses requests with 503
+    and fails /readyz."""
+    require_postgres()
+    with temp_database("cluster_fenced") as url:
+        nodes = _start(tmp_path, url, 2)
+        try:
+
+            async def go() -> None:
+                a = await WS.open(nodes[0].url)
+                conv = await _create(a)
+                running = await _submit(a, conv, "/slow 120")
+                await a.expect(lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15)
+                nodes[0].proc.send_signal(signal.SIGSTOP)
+                try:
+                    deadline = time.monotonic() + 20
+                    while [r["status"] for r in _turns(url, conv)] != ["interrupted"]:
+                        assert time.monotonic() < deadline, _turns(url, conv)
+                        await asyncio.sleep(0.1)
+                finally:
+                    nodes[0].proc.send_signal(signal.SIGCONT)
+                # A's turn goes on to its end (6 s in all) and tries to write it
+                on_a = openai.AsyncOpenAI(base_url=nodes[0].url + "/v1", api_key="x", max_retries=0, timeout=30)
+                refused = None
+                deadline = time.monotonic() + 10
+                while refused is None:
+                    assert time.monotonic() < deadline, "A still takes requests"
+                    try:
+                        await on_a.chat.completions.create(
+                            model="assistant",
+                            messages=[{"role": "user", "content": "to A"}],
+                            extra_headers={"X-Conversation-Id": conv},
+                        )
+                    except openai.APIStatusError as exc:
+                        refused = exc
+                    await asyncio.sleep(0.2)
+                assert refused.status_code == 503 and refused.code == "server_unavailable", refused
+                async with httpx.AsyncClient() as http:
+                    assert (await http.get(nodes[0].url + "/readyz")).status_code == 503
+                    assert (await http.get(nodes[1].url + "/readyz")).status_code == 200
+                await asyncio.sleep(7)  # A's turn has ended by now
+                on_b = openai.AsyncOpenAI(base_url=nodes[1].url + "/v1", api_key="x", max_retries=0, timeout=30)
+                reply = await on_b.chat.completions.create(
+                    model="assistant",
+                    messages=[{"role": "user", "content": "to B"}],
+                    extra_headers={"X-Conversation-Id": conv},
+                )
+                assert reply.choices[0].message.content == "echo: to B"
+                rows = _turns(url, conv)
+                assert [(r["id"], r["status"]) for r in rows][0] == (running["turn_id"], "interrupted"), rows
+                assert [r["status"] for r in rows] == ["interrupted", "completed"], rows
+                with psycopg.connect(url) as c:
+                    written = c.execute(
+                        "SELECT count(*) FROM messages WHERE turn_id = %s AND role = 'assistant'", (running["turn_id"],)
+                    ).fetchone()
+                assert written is not None and written[0] <= 1, written  # the interrupted text, once at most
+                await a.close()
+
+            asyncio.run(go())
+        finally:
+            for sp in nodes:
+                sp.proc.send_signal(signal.SIGCONT)
+                sp.kill()
+
+
+def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path) -> None:
+    """A (on a role of its own) loses every connection and cannot reconnect for longer than 2.5
+    heartbeats while its turn runs: B judges it gone, deletes its row and takes the conversation
+    over. A reconnected and put its row back, live again beside B, and ran inputs sent to it.
+    Now it learns it was judged gone: its turn is not written twice and it refuses requests."""
+    require_postgres()
+    role = f"fenced_{os.getpid()}_{time.monotonic_ns() % 100000}"
+    with temp_database("cluster_cut") as url:
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute(f"CREATE ROLE {role} LOGIN")
+            c.execute(f"GRANT ALL ON SCHEMA public TO {role}")
+        try:
+            b = _start(tmp_path / "b", url, 1)[0]  # creates the schema
+            with psycopg.connect(url, autocommit=True) as c:
+                c.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}")
+                c.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}")
+            a = _start(tmp_path / "a", url.replace("postgres@", f"{role}@", 1), 1)[0]
+            try:
+
+                async def go() -> None:
+                    ws = await WS.open(a.url)
+                    conv = await _create(ws)
+                    running = await _submit(ws, conv, "/slow 100")
+                    await ws.expect(lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15)
+                    with psycopg.connect(url, autocommit=True) as c:
+                        c.execute(f"ALTER ROLE {role} CONNECTION LIMIT 0")
+                        c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+                    try:
+                        deadline = time.monotonic() + 20
+                        while [r["status"] for r in _turns(url, conv)] != ["interrupted"]:
+                            assert time.monotonic() < deadline, _turns(url, conv)
+                            await asyncio.sleep(0.1)
+                    finally:
+                        with psycopg.connect(url, autocommit=True) as c:
+                            c.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")
+                    on_a = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key="x", max_retries=0, timeout=30)
+                    deadline = time.monotonic() + 15
+                    while True:
+                        assert time.monotonic() < deadline, "A still takes requests"
+                        try:
+                            await on_a.chat.completions.create(
+                                model="assistant",
+                                messages=[{"role": "user", "content": "to A"}],
+                                extra_headers={"X-Conversation-Id": conv},
+                            )
+                        except openai.APIStatusError as exc:
+                            if exc.status_code == 503 and exc.code == "server_unavailable":
+                                break
+                        await asyncio.sleep(0.2)
+                    await asyncio.sleep(6)  # A's turn has ended by now
+                    rows = _turns(url, conv)
+                    assert [(r["id"], r["status"]) for r in rows] == [(running["turn_id"], "interrupted")], rows
+                    assert len(_instances(url)) == 1  # A did not put its row back
+                    await ws.close()
+
+                asyncio.run(go())
+            finally:
+                for sp in (a, b):
+                    sp.kill()
+        finally:
+            with psycopg.connect(url, autocommit=True) as c:
+                c.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")
+                c.execute(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'")
+                c.execute(f"DROP OWNED BY {role}")
+                c.execute(f"DROP ROLE {role}")
 
 
 def _cron_doc(url: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from appserver.store import (
     TurnCommit,
     TurnRecord,
 )
+from appserver.store.base import TurnSettledElsewhere
 from appserver.store.integrity import StoreOpenError
 from appserver.store.postgres import PostgresStore
 from appserver.store.records import HistoryPoint, HttpIdempotency, ResponseRecord
@@ -537,9 +538,14 @@ async def test_mark_running_draft_checkpoint_and_commit(store: AnyStore) -> None
     started = t.started_at
     assert started is not None and t.ended_at is None
     await asyncio.sleep(0.002)
-    await store.mark_turn_running("turn_1", "owner-b", 4)
+    await store.mark_turn_running("turn_1", "owner-a", 4)
     t = await store.get_turn("turn_1")
-    assert t is not None and t.started_at == started and t.owner == "owner-b"  # started_at kept
+    assert t is not None and t.started_at == started and t.revision == 4  # started_at kept
+    if isinstance(store, PostgresStore):  # a cluster: another server never starts a turn one runs
+        with pytest.raises(TurnSettledElsewhere):
+            await store.mark_turn_running("turn_1", "owner-b", 5)
+        t = await store.get_turn("turn_1")
+        assert t is not None and (t.owner, t.revision) == ("owner-a", 4)
 
     await store.save_draft("turn_1", {"text": "partial", "n": 1})
     t = await store.get_turn("turn_1")
@@ -591,6 +597,11 @@ async def test_mark_running_draft_checkpoint_and_commit(store: AnyStore) -> None
     assert t.ended_at is not None and t.error is None
     assert [m.role for m in await store.list_messages("conv_1")] == ["assistant", "tool"]
     assert commit.messages[0].turn_id == "turn_1" and commit.messages[0].id is not None
+    if isinstance(store, PostgresStore):  # a cluster: a turn settled (by a survivor) is not written again
+        again = TurnCommit("turn_1", "completed", "end_turn", [MessageRecord(role="assistant", content="twice")])
+        with pytest.raises(TurnSettledElsewhere):
+            await store.commit_turn("conv_1", again)
+        assert [m.role for m in await store.list_messages("conv_1")] == ["assistant", "tool"]
 
 
 async def test_commit_with_pending_calls_then_terminal_commit_cancels_unanswered(store: AnyStore) -> None:

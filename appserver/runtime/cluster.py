@@ -455,7 +455,7 @@ class ClusterLink:
     async def sweep_once(self) -> None:
         """Take over what gone servers left, pull what no notification announced, refresh mirrors
         that heard nothing."""
-        if self.kernel.stopping:
+        if self.kernel.stopping or self.cluster.lost:
             return
         gone = await self.cluster.forget_gone()
         for instance in gone:

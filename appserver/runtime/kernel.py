@@ -18,7 +18,7 @@ from typing import Any
 from appserver.agent.loop import AgentLoop
 from appserver.agent.tools import reap_orphaned_tools
 from appserver.config import Config
-from appserver.errors import AgentGone, InvalidInput, NotFound
+from appserver.errors import AgentGone, InvalidInput, NotFound, Unavailable
 from appserver.ids import new_id
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
@@ -415,6 +415,7 @@ class Kernel:
         check), so a caller that pins it or queues on it before its own next await cannot end up
         on a runtime `_trim_idle` dropped meanwhile: one that waited on another caller's load
         looks again after that wait."""
+        self._check_not_fenced()
         runtimes = self.runtimes
         while True:
             rt = runtimes.get(conversation_id)
@@ -470,7 +471,18 @@ class Kernel:
 
     # ------------------------------------------------------------ the kernel call
 
+    def _check_not_fenced(self) -> None:
+        """A cluster member judged gone by the others runs nothing more: they took its
+        conversations over, and a runtime still loaded here would run a second copy of one."""
+        link = self._link
+        if link is not None and link.cluster.lost:
+            raise Unavailable(
+                f"this server ({link.cluster.instance_id}) was judged gone by the others of its cluster and "
+                "its conversations were taken over: send the request to another server (this one needs a restart)"
+            )
+
     async def submit(self, req: SubmitRequest) -> Submission:
+        self._check_not_fenced()
         known = req.resolved
         agent = known if known is not None and known.id == req.agent else await self.resolve_agent(req.agent)
         content = req.input

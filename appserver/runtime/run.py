@@ -26,7 +26,7 @@ from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
 from appserver.runtime.settle import TurnEnd, cancel_wins, halted, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
-from appserver.store.base import ConversationGone, StoreError
+from appserver.store.base import ConversationGone, StoreError, TurnSettledElsewhere
 from appserver.store.records import AgentRecord, MessageRecord, TurnRecord
 
 log = logging.getLogger("appserver.runtime")
@@ -79,6 +79,10 @@ class TurnRunner:
         self._loop_cancelled = False
         self._draft_base = 0  # visible characters of the running turn already in history
         self._draft_timer: asyncio.TimerHandle | None = None
+        # Draft writes in flight: kept here, as the event loop holds a task only weakly (an
+        # unreferenced one may be collected mid-write).
+        self._draft_writes: set[asyncio.Task[None]] = set()
+        self._draft_failed = ""  # the turn whose failed draft was already logged as a warning
 
     def cancel_loop(self, worker: asyncio.Task[None] | None) -> None:
         """A cancel was accepted: if the agent loop runs, cancel the worker it runs in (the cancel
@@ -122,6 +126,7 @@ class TurnRunner:
             self._board.notify(handle)
         self._draft_base = len(controller.visible_text())  # a resumed turn's earlier text is stored
         work: TurnWork | None = None
+        elsewhere: TurnSettledElsewhere | None = None
         try:
             if (record.status != "running" or resume is not None) and not lease.cancel_event.is_set():
                 record.status = "running"
@@ -190,6 +195,12 @@ class TurnRunner:
                         self._draft_timer = None
         except StaleLease:
             return
+        except TurnSettledElsewhere as exc:
+            # Another server of the cluster took the conversation over: it runs or settled this
+            # turn, and nothing of it may be written from here.
+            log.warning("turn %s not run here: %s", record.id, exc)
+            elsewhere = exc
+            outcome = LoopOutcome("failed", "error", store_failure(exc).error)
         except ConversationGone as exc:
             # Deleted while it ran (a checkpoint before a tool could not be saved): the commit in
             # finish_turn fails the same way and says so in one line.
@@ -221,7 +232,9 @@ class TurnRunner:
         except StaleLease:
             return
         not_accepted = await accept_failure(accepting)
-        if not_accepted is not None:
+        if elsewhere is not None:
+            end = store_failure(elsewhere)
+        elif not_accepted is not None:
             # Never accepted, so never acknowledged nor visible: nothing of it may be written.
             log.error("turn %s could not be accepted: %s", record.id, not_accepted)
             end = store_failure(not_accepted)
@@ -277,10 +290,28 @@ class TurnRunner:
             nonlocal_saved = saved
             if controller.revision != saved and controller.visible_text():
                 nonlocal_saved = controller.revision
-                loop.create_task(self._deps.store.save_draft(turn_id, controller.draft(self._draft_base)))
+                self._save_draft(turn_id, controller.draft(self._draft_base))
             self._draft_timer = self._schedule_draft(lease, controller, turn_id, nonlocal_saved)
 
         return loop.call_later(interval, tick)
+
+    def _save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
+        """Write a draft in the background: the turn never waits on a best-effort checkpoint."""
+        task = asyncio.get_running_loop().create_task(self._deps.store.save_draft(turn_id, draft))
+        self._draft_writes.add(task)
+        task.add_done_callback(partial(self._draft_written, turn_id))
+
+    def _draft_written(self, turn_id: str, task: asyncio.Task[None]) -> None:
+        """A failed draft is one log line, not an ERROR traceback: the turn goes on and its text is
+        stored when it ends. A warning for a turn's first failure; later ones (an outage fails every
+        tick) at debug."""
+        self._draft_writes.discard(task)
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        level = logging.DEBUG if self._draft_failed == turn_id else logging.WARNING
+        self._draft_failed = turn_id
+        reason = " ".join(str(exc).split()) or "no detail"
+        log.log(level, "turn %s: draft not saved, the turn goes on (%s: %s)", turn_id, type(exc).__name__, reason)
 
 
 __all__ = ["TurnRunner", "accept_failure", "require_accepted"]

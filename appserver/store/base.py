@@ -27,6 +27,15 @@ class StoreError(Exception):
     pass
 
 
+class TurnSettledElsewhere(StoreError):
+    """Another server of the cluster took the turn's conversation over and settled or runs the
+    turn: what this server has of it must not be written (a second copy of the turn)."""
+
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(f"turn {turn_id} was taken over by another server of the cluster")
+        self.turn_id = turn_id
+
+
 class ConversationGone(StoreError):
     """A turn's rows have nowhere to go: its conversation (or the agent, and with it every
     conversation of the agent) was deleted while the turn ran."""

@@ -122,6 +122,7 @@ class Cluster:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = False
         self.lost = False  # the instance row was deleted by a survivor: this server was judged gone
+        self._held: dict[str, str] = {}  # conversation id -> token of each lease taken and not let go
 
     @property
     def params(self) -> dict[str, float]:
@@ -139,7 +140,7 @@ class Cluster:
         self._on_message = on_message
         self._on_notice = on_notice
 
-    async def _connect(self) -> None:
+    async def _connect(self, *, again: bool = False) -> None:
         import psycopg
         from psycopg.rows import dict_row
 
@@ -157,12 +158,21 @@ class Cluster:
             got = await cur.fetchone()
             if not (got and got["got"]):
                 raise ClusterError(f"the lock of instance {self.instance_id} is still held by its earlier session")
-            await conn.execute(
-                "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
-                f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW}) "
-                f"ON CONFLICT (id) DO UPDATE SET heartbeat_at = {NOW}",
-                (self.instance_id, socket.gethostname(), os.getpid(), self.address, self.lock_key),
-            )
+            if again:
+                # Never registered anew: a survivor that judged this instance gone deleted its row
+                # and took its conversations over, and a row put back would make it live again
+                # beside them (two servers running one conversation).
+                cur = await conn.execute(
+                    f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING id", (self.instance_id,)
+                )
+                if await cur.fetchone() is None or not await self._leases_still_held(conn):
+                    self._judged_gone()
+            else:
+                await conn.execute(
+                    "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
+                    f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW})",
+                    (self.instance_id, socket.gethostname(), os.getpid(), self.address, self.lock_key),
+                )
             await conn.execute(f"LISTEN {channel_of(self.instance_id)}")
             await conn.execute(f"LISTEN {TURNS_CHANNEL}")
         except BaseException:
@@ -184,24 +194,21 @@ class Cluster:
             conn = self._session
             try:
                 if conn is None or conn.closed:
-                    await self._connect()
-                    log.warning("cluster: the database ended this instance's session; taken again")
+                    await self._connect(again=True)
+                    if not self.lost:
+                        log.warning("cluster: the database ended this instance's session; taken again")
                     continue
                 async for note in conn.notifies(timeout=min(0.25, self.heartbeat_s)):
                     self._dispatch(note.channel, note.payload)
                 if time.monotonic() - beat_at >= self.heartbeat_s:
+                    # Late (the process was stopped, or starved): others may have judged it gone.
+                    late = time.monotonic() - beat_at > self.params["grace"]
                     beat_at = time.monotonic()
                     cur = await conn.execute(
                         f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING id", (self.instance_id,)
                     )
-                    if await cur.fetchone() is None and not self.lost:
-                        self.lost = True
-                        log.error(
-                            "cluster: instance %s was judged gone by another server (its heartbeat stopped for "
-                            "longer than %.0f s); its conversations were taken over",
-                            self.instance_id,
-                            self.instance_timeout_s,
-                        )
+                    if await cur.fetchone() is None or (late and not await self._leases_still_held(conn)):
+                        self._judged_gone()
                     await self._count_peers(conn)
             except asyncio.CancelledError:
                 raise
@@ -214,6 +221,33 @@ class Cluster:
                     said_at = now
                     log.error("cluster: lost the database session of instance %s: %s", self.instance_id, exc)
                 await asyncio.sleep(min(0.5, self.heartbeat_s))
+
+    async def _leases_still_held(self, conn: Conn) -> bool:
+        """Does this instance still hold every conversation lease it took? While its session was
+        away it was not live, and another server may have taken one (a request for it there)."""
+        held = dict(self._held)
+        if not held:
+            return True
+        cur = await conn.execute(
+            "SELECT conversation_id, token FROM conversation_owners WHERE conversation_id = ANY(%s)", (list(held),)
+        )
+        rows = {r["conversation_id"]: r["token"] for r in await cur.fetchall()}
+        return all(rows.get(conversation_id) == token for conversation_id, token in held.items())
+
+    def _judged_gone(self) -> None:
+        """This instance's row is gone: a survivor judged it gone and took its conversations over.
+        From now on it runs nothing (the kernel refuses, `/readyz` fails): restart it."""
+        if self.lost:
+            return
+        self.lost = True
+        log.error(
+            "cluster: instance %s was judged gone by another server (its heartbeat stopped for longer than "
+            "%.0f s, or its database session for %.0f s); its conversations were taken over and it runs "
+            "nothing more: restart it",
+            self.instance_id,
+            self.instance_timeout_s,
+            self.params["grace"],
+        )
 
     async def stop(self) -> None:
         """Leave the cluster: delete this instance's leases and row, so others take over at once."""
@@ -294,11 +328,15 @@ class Cluster:
             # conversation's lease lands with the conversation), in order with this server's releases.
             lease = await self.store._write(job)
             if lease is not None:
+                if lease.token is not None:
+                    self._held[conversation_id] = lease.token
                 return lease
         raise ClusterError(f"could not take or find the owner of conversation {conversation_id}")
 
     def release(self, conversation_id: str, token: str) -> None:
         """Let go of a conversation whose runtime this instance dropped (in the background)."""
+        if self._held.get(conversation_id) == token:
+            del self._held[conversation_id]
         self._spawn(self._release(conversation_id, token))
 
     async def _release(self, conversation_id: str, token: str) -> None:

@@ -39,7 +39,14 @@ from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from appserver.procid import identity, identity_alive
-from appserver.store.base import ConversationGone, DuplicateTurn, OpenLimitReached, Store, StoreError
+from appserver.store.base import (
+    ConversationGone,
+    DuplicateTurn,
+    OpenLimitReached,
+    Store,
+    StoreError,
+    TurnSettledElsewhere,
+)
 from appserver.store.cluster import LIVE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew
@@ -785,11 +792,20 @@ class PostgresStore(Store):
         now = time.time()
 
         async def job(conn: Conn) -> None:
-            await conn.execute(
+            # Fenced: a turn another server of the cluster took over (it runs it, or settled it)
+            # is not started here too.
+            updated = await conn.execute(
                 "UPDATE turns SET status='running', owner=%s, revision=%s, started_at=COALESCE(started_at, %s) "
-                "WHERE id=%s",
-                (owner, revision, now, turn_id),
+                "WHERE id=%s AND (status IN ('queued', 'awaiting') OR (status = 'running' AND owner = %s)) "
+                "RETURNING id",
+                (owner, revision, now, turn_id, owner),
             )
+
+            async def still_ours() -> None:
+                if await updated.fetchone() is None:
+                    raise TurnSettledElsewhere(turn_id)
+
+            self._writes.defer(still_ours)
 
         await self._write(job)
 
@@ -873,7 +889,8 @@ class PostgresStore(Store):
             )
         updated = await conn.execute(
             "UPDATE turns SET status=%s, stop_reason=%s, error=%s, usage=%s, revision=%s, iteration=%s, "
-            "input_committed=%s, draft=NULL, ended_at=%s WHERE id=%s RETURNING id",
+            "input_committed=%s, draft=NULL, ended_at=%s "
+            "WHERE id=%s AND status NOT IN ('completed', 'cancelled', 'failed', 'interrupted') RETURNING id",
             (
                 commit.status,
                 commit.stop_reason,
@@ -889,8 +906,12 @@ class PostgresStore(Store):
 
         async def turn_still_there() -> None:
             # The turn's row went with its conversation: deleted while the turn ran (maybe created
-            # again under the same id since, which must not receive this turn's messages).
+            # again under the same id since, which must not receive this turn's messages). Or it
+            # is settled already: another server of the cluster took the conversation over.
             if await updated.fetchone() is None:
+                cur = await conn.execute("SELECT 1 AS settled FROM turns WHERE id=%s", (commit.turn_id,))
+                if await cur.fetchone() is not None:
+                    raise TurnSettledElsewhere(commit.turn_id)
                 raise ConversationGone(conversation_id)
 
         self._writes.defer(turn_still_there)
@@ -1241,16 +1262,18 @@ async def _copy_table(conn: Conn, source: sqlite3.Connection, table: str) -> int
 async def migrate(conn: Conn) -> int:
     """Bring the database to the newest schema, one transaction per migration, serialised across
     processes by an advisory lock; returns the version it had (0: none). A schema newer than this
-    code raises SchemaTooNew."""
+    code raises SchemaTooNew.
+
+    DDL only when a migration is due: on a current schema a role with only data permissions
+    (no CREATE on the schema) starts. `schema_version` is created in the same transaction as the
+    first migration, so a refused one (e.g. a foreign database with its own `agents`) leaves the
+    database as it was."""
     known = max(v for v, _ in MIGRATIONS)
     first: int | None = None
     for version, script in [(0, ""), *MIGRATIONS]:
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-            await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-            cur = await conn.execute("SELECT MAX(version) AS v FROM schema_version")
-            row = await cur.fetchone()
-            current = int(row["v"] or 0) if row else 0
+            current = await _schema_version(conn)  # after the lock: what a concurrent start committed
             if first is None:
                 first = current
             if current > known:
@@ -1259,6 +1282,25 @@ async def migrate(conn: Conn) -> int:
                 )
             if version == 0 or version <= current:
                 continue
+            await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             await conn.execute(script)  # several statements: no parameters, so the simple query protocol
             await conn.execute("INSERT INTO schema_version(version) VALUES (%s)", (version,))
     return first or 0
+
+
+async def _schema_version(conn: Conn) -> int:
+    """The newest applied migration, 0 when `schema_version` does not exist; reads, creates nothing.
+
+    Asked of pg_class under this statement's snapshot (taken after the migration lock), not with
+    to_regclass: that looks the name up without a lock, in a catalog cache that may not yet know of
+    the table a concurrent start just committed."""
+    cur = await conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE c.relname = 'schema_version' AND n.nspname = current_schema()) AS present"
+    )
+    row = await cur.fetchone()
+    if not row or not row["present"]:
+        return 0
+    cur = await conn.execute("SELECT MAX(version) AS v FROM schema_version")
+    row = await cur.fetchone()
+    return int(row["v"] or 0) if row else 0

@@ -97,7 +97,9 @@ ClaimedTurnFn = Callable[[CronTask, Occurrence], Awaitable[str | None]]
 # Sends a reply to a channel target (`channel:account:chat[:thread]`) through the gateway; returns
 # the platform's message ids. Injected by serve when channels run.
 DeliverFn = Callable[[str, str], Awaitable[list[str]]]
-DELIVER_TIMEOUT_S = 60.0
+# Longer than the gateway's own give-up (90 s) and the supervisor's `deliver` timeout (100 s), so
+# the run log records the gateway's verdict, never a timeout while the reply may still go out.
+DELIVER_TIMEOUT_S = 110.0
 Clock = Callable[[], datetime]
 
 
@@ -227,6 +229,8 @@ async def deliver_reply(
     else:
         try:
             ids = await asyncio.wait_for(deliver(target, str(outcome.reply)), DELIVER_TIMEOUT_S)
+        except TimeoutError:
+            error = f"the gateway did not answer within {DELIVER_TIMEOUT_S:g} s; the reply may still arrive"
         except Exception as exc:  # noqa: BLE001 - a failed delivery is recorded, never raised into the loop
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         else:

@@ -32,7 +32,7 @@ from gateway.intake import Intake
 from gateway.ledger import Entry, Ledger, Receipt, UpdateKey
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
-from gateway.replies import Replies, chat_key
+from gateway.replies import Replies, answer_target, chat_key
 from gateway.routing import RouteKey, Router
 from gateway.status import StatusBoard
 from gateway.turninput import clean, payload_of, submit_frame
@@ -238,7 +238,7 @@ class Gateway:
                 await self._submit_batch(waiting)
         if command is not None:
             answer = await self.chatops.command(entry, runner, command)
-            ids = await self.outboxes.say(runner, Target(entry.chat, entry.thread), answer) if answer else []
+            ids = await self.outboxes.say(runner, answer_target(entry), answer) if answer else []
             self.ledger.mark_command(entry.key, f"command /{command.name}", ids)
             return
         if media or not settings.enabled:
@@ -374,7 +374,7 @@ class Gateway:
             return
         self._notices[key_of_chat] = now
         try:
-            await self.outboxes.of(runner).send(Target(entry.chat, entry.thread), text)
+            await self.outboxes.of(runner).send(answer_target(entry), text)
         except (DeliveryFailed, RuntimeError) as exc:
             log.warning("%s: could not send a notice: %s", entry.key, exc)
 

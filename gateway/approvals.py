@@ -9,11 +9,16 @@ the call is decided here, elsewhere (CLI, desktop) or times out.
 from __future__ import annotations
 
 import asyncio
+import json
+import sqlite3
+import time
 from dataclasses import dataclass, field
 
+from gateway.db import transaction
 from plugins.contract import Target, shorten
 
 SHORT_ID = 8
+FORGET_POSTED_S = 7 * 24 * 3600.0  # a remembered prompt post older than this is dropped at start
 ARGS_SHOWN = 300
 
 OUTCOME_LINES = {
@@ -52,11 +57,50 @@ class Prompt:
         return f"{head}\nReply /approve {self.short_id} or /deny {self.short_id}"
 
 
-class ApprovalBoard:
-    """The pending prompts of this gateway, by call id."""
+@dataclass(frozen=True)
+class Posted:
+    """A prompt's post as gateway.db remembers it: its key (`Target.key`), when its first attempt
+    began, and its message ids once the platform answered (empty: the post may be in the chat)."""
 
-    def __init__(self) -> None:
+    key: str
+    attempted_at: float
+    message_ids: tuple[str, ...]
+
+
+class ApprovalBoard:
+    """The pending prompts of this gateway, by call id. Their posts are remembered in gateway.db
+    (`approval_prompts`), so a restarted gateway, to which the server sends the pending request
+    again, reuses (and later edits) the prompt already in the chat instead of posting another."""
+
+    def __init__(self, conn: sqlite3.Connection, now: float | None = None) -> None:
         self.prompts: dict[str, Prompt] = {}
+        self._conn = conn
+        # A call decided while no gateway ran is never settled here: its row goes after a week.
+        with transaction(conn, durable=False) as c:
+            c.execute("DELETE FROM approval_prompts WHERE attempted_at < ?", ((now or time.time()) - FORGET_POSTED_S,))
+
+    def posted(self, call_id: str) -> Posted | None:
+        row = self._conn.execute(
+            "SELECT part_key, attempted_at, message_ids FROM approval_prompts WHERE call_id=?", (call_id,)
+        ).fetchone()
+        return Posted(row[0], float(row[1]), tuple(str(i) for i in json.loads(row[2]))) if row else None
+
+    def note_attempt(self, prompt: Prompt, key: str, at: float) -> None:
+        """Before the post goes out: after a crash in flight the prompt may be in the chat."""
+        with transaction(self._conn, durable=False) as c:
+            c.execute(
+                "INSERT OR IGNORE INTO approval_prompts (call_id, account, part_key, attempted_at) VALUES (?,?,?,?)",
+                (prompt.call_id, prompt.account, key, at),
+            )
+
+    def note_shown(self, call_id: str, message_ids: list[str]) -> None:
+        with transaction(self._conn, durable=False) as c:
+            c.execute("UPDATE approval_prompts SET message_ids=? WHERE call_id=?", (json.dumps(message_ids), call_id))
+
+    def settled(self, call_id: str) -> None:
+        """The call was decided: nothing more to reuse or edit after a restart."""
+        with transaction(self._conn, durable=False) as c:
+            c.execute("DELETE FROM approval_prompts WHERE call_id=?", (call_id,))
 
     def add(self, prompt: Prompt) -> bool:
         """False when this call already has a prompt (a re-sent request after a reconnect)."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from appserver.client import Closed, ProtocolError
@@ -23,7 +24,7 @@ from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
-from gateway.replies import Replies
+from gateway.replies import Replies, answer_target
 from gateway.routing import RouteKey, Router
 from plugins.contract import Target
 
@@ -54,7 +55,7 @@ class ChatOps:
         self.replies = replies
         self.runners = runners
         self.enqueue = enqueue
-        self.approvals = ApprovalBoard()
+        self.approvals = ApprovalBoard(ledger.connection)
         self._prompted: dict[str, tuple[str, float]] = {}  # sender -> (what they were told, when)
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
@@ -80,7 +81,7 @@ class ChatOps:
                 f"Hi! This assistant only talks to people its owner has approved. Your pairing code is {pretty} "
                 f"(valid for an hour). Ask the owner to run: appserver pairing approve {code.code}"
             )
-        await self.outboxes.say(runner, Target(entry.chat, entry.thread), text)
+        await self.outboxes.say(runner, answer_target(entry), text)
 
     async def watch_pairings(self) -> None:
         """Act on approvals and denials (from the CLI or elsewhere) within a second, live."""
@@ -124,6 +125,13 @@ class ChatOps:
             if command.name == "help":
                 return HELP
             if command.name == "new":
+                if resolution is None:
+                    return "This chat is not connected to an agent yet."
+                if resolution.pinned:  # the operator chose this chat's conversation; it is not ours to drop
+                    return (
+                        f"📌 This chat is pinned to conversation {conversation} by the operator, so it cannot start"
+                        " a new one: your next message continues it."
+                    )
                 self.router.forget(route_key)
                 return "🆕 Your next message starts a new conversation."
             if command.name == "cancel":
@@ -185,23 +193,38 @@ class ChatOps:
             conversation=str(frame.get("conversation_id") or ctx.conversation),
             turn_id=str(frame.get("turn_id")),
             account=spec.ref,
-            target=ctx.here,
+            target=replace(ctx.here, reply_to=ctx.reply_to),  # it answers the turn's message
             starter=ctx.starter,
             name=str(frame.get("name") or "a tool"),
             arguments=str(frame.get("arguments") or ""),
         )
         if not self.approvals.add(prompt):
             return
-        buttons = getattr(ctx.runner.adapter, "prompt_approval", None)
         try:
-            if callable(buttons):
-                prompt.message_ids = list(await buttons(ctx.here, prompt.text(), prompt.short_id))
-            else:
-                prompt.message_ids = await self.outboxes.say(ctx.runner, ctx.here, prompt.text())
+            await self.show_prompt(prompt, ctx.runner)
         except Exception as exc:  # noqa: BLE001 - a prompt that cannot be shown leaves the CLI to answer
             log.warning("%s: could not show the approval prompt: %s", spec.ref, exc)
         finally:
             prompt.shown.set()
+
+    async def show_prompt(self, prompt: Prompt, runner: AccountRunner) -> None:
+        """Post the prompt through the outbox, like every send, and only once: a prompt posted
+        before a restart (gateway.db remembers it) is reused; one whose post was in flight at the
+        crash is looked up or deduped by its key where the platform allows."""
+        earlier = self.approvals.posted(prompt.call_id)
+        if earlier is not None and earlier.message_ids:
+            prompt.message_ids = list(earlier.message_ids)
+            log.info("%s: reusing the approval prompt %s posted before", prompt.account, prompt.message_ids)
+            return
+        outbox = self.outboxes.of(runner)
+        if earlier is None:
+            key, since = f"{prompt.account}:approval:{prompt.call_id}", None
+            self.approvals.note_attempt(prompt, key, time.time())
+        else:
+            key, since = earlier.key, earlier.attempted_at
+        sent = await outbox.prompt(replace(prompt.target, key=key), prompt.text(), prompt.short_id, since=since)
+        prompt.message_ids = list(sent.ids)
+        self.approvals.note_shown(prompt.call_id, prompt.message_ids)
 
     async def answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         found = self.approvals.find(runner.spec.ref, entry.chat, command.args[0] if command.args else None)
@@ -240,8 +263,10 @@ class ChatOps:
         try:
             outbox = self.outboxes.of(runner)
             if outbox.can_edit and prompt.message_ids:
-                await outbox.edit(prompt.target, prompt.message_ids[0], prompt.text())
+                await outbox.edit_prompt(prompt.target, prompt.message_ids[0], prompt.text(), None)
             else:
                 await outbox.send(prompt.target, f"{prompt.name}: {line}")
         except (DeliveryFailed, RuntimeError) as exc:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
+        finally:
+            self.approvals.settled(prompt.call_id)

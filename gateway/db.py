@@ -1,6 +1,6 @@
 """The gateway's one SQLite database: open it in WAL, migrate it, and move a corrupt file aside.
 
-Ledger, routes and (next) pairing live in `$APPSERVER_HOME/channels/gateway.db` (DESIGN §13). A file
+Ledger, routes, pairing and approval prompts live in `$APPSERVER_HOME/channels/gateway.db` (DESIGN §13). A file
 that is not a readable database is renamed to `gateway.db.corrupt-<timestamp>` with a loud error and
 never emptied: the records in it may be the only trace of messages a person sent.
 """
@@ -118,6 +118,18 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         5,
         """
         ALTER TABLE ledger ADD COLUMN sending TEXT;
+        """,
+    ),
+    (
+        6,
+        """
+        CREATE TABLE approval_prompts (
+            call_id TEXT PRIMARY KEY,
+            account TEXT NOT NULL,
+            part_key TEXT NOT NULL,
+            attempted_at REAL NOT NULL,
+            message_ids TEXT NOT NULL DEFAULT '[]'
+        );
         """,
     ),
 )

@@ -124,6 +124,10 @@ class Outbox:
         self.limiter = limiter
         self._sleep = sleep
         self._wall = wall  # epoch seconds: a lookup asks the platform for messages since a time
+        # What went wrong last and whether a call is out right now: a caller that gives up (cron's
+        # delivery) says what happened, and whether the call it cut off may have been performed.
+        self.last_error: str | None = None
+        self.in_flight = False
 
     def format(self, text: str) -> str:
         fmt = getattr(self.adapter, "format", None)
@@ -145,14 +149,24 @@ class Outbox:
     async def send(self, target: Target, text: str) -> list[str]:
         return (await self.send_part(target, text)).ids
 
-    async def send_part(self, target: Target, text: str, *, since: float | None = None) -> Sent:
+    async def prompt(self, target: Target, text: str, short_id: str, *, since: float | None = None) -> Sent:
+        """An approval prompt: posted with the adapter's buttons (`prompt_approval`) where it has
+        them, else as a plain message; either way like every send (rate limited, `retry_after`
+        honoured, transient errors retried, never posted twice)."""
+        return await self.send_part(target, text, since=since, buttons=short_id)
+
+    async def send_part(
+        self, target: Target, text: str, *, since: float | None = None, buttons: str | None = None
+    ) -> Sent:
         """Send one message. `since` (epoch seconds): an earlier attempt at this same part (same
         `target.key`) began then and may have been performed (a restart after a crash in flight);
-        where the platform can be asked, its message is looked up first and reused.
+        where the platform can be asked, its message is looked up first and reused. `buttons`: the
+        short id of an approval prompt, posted by the adapter's `prompt_approval` (which formats it).
 
         Within this call, an uncertain failure is retried only where that cannot post twice; on a
         platform that can neither dedupe nor be asked it raises `SendUncertain` at once."""
         formatted = self.format(text)
+        with_buttons = getattr(self.adapter, "prompt_approval", None) if buttons is not None else None
         resend = self.resend
         if target.key is None and resend is not None:
             target = replace(target, key=str(uuid.uuid4()))  # the same over this send's retries
@@ -181,6 +195,8 @@ class Outbox:
             if started is None:
                 started = self._wall()
             try:
+                if buttons is not None and callable(with_buttons):
+                    return Sent(list(await with_buttons(target, text, buttons)))
                 return Sent(await self.adapter.send(target, formatted))
             except DeliveryError as exc:
                 error = exc
@@ -228,6 +244,17 @@ class Outbox:
         edit = getattr(self.adapter, "edit")  # noqa: B009 - optional method of the contract
         await self._call(target.chat, lambda: edit(target, message_id, formatted))  # an edit repeats harmlessly
 
+    async def edit_prompt(self, target: Target, message_id: str, text: str, short_id: str | None) -> None:
+        """Edit an approval prompt: with its buttons while `short_id` is pending, without them once
+        decided (None). The gateway says which, so this holds for a prompt posted before a restart;
+        an adapter without `edit_prompt` gets a plain edit."""
+        edit_prompt = getattr(self.adapter, "edit_prompt", None)
+        if not callable(edit_prompt):
+            await self.edit(target, message_id, text)
+            return
+        formatted = self.format(text)
+        await self._call(target.chat, lambda: edit_prompt(target, message_id, formatted, short_id))
+
     async def react(self, target: Target, message_id: str, emoji: str) -> None:
         react = getattr(self.adapter, "react", None)
         if not callable(react):
@@ -235,30 +262,61 @@ class Outbox:
         await self._call(target.chat, lambda: react(target, message_id, emoji))
 
     async def _call(self, chat: str, op: Callable[[], Awaitable[T]]) -> T:
+        tries = 0
+
         async def attempt() -> T:
+            nonlocal tries
+            tries += 1
+            self.in_flight = True
             try:
                 return await op()
             except DeliveryError as exc:
+                self.last_error = exc.reason
                 if exc.retry_after is not None and not exc.permanent:
                     wait = exc.retry_after if math.isfinite(exc.retry_after) else MAX_RETRY_AFTER_S
+                    self.last_error = f"{exc.reason} (asked to wait {wait:g} s)"
                     raise RetryAfter(min(max(wait, 0.0), MAX_RETRY_AFTER_S)) from exc
                 raise
-            except (RetryAfter, DeliveryFailed):
+            except (RetryAfter, DeliveryFailed) as exc:
+                self.last_error = str(exc)
                 raise
             except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: transient, never lost
-                raise DeliveryError(f"{type(exc).__name__}: {exc}") from exc
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                raise DeliveryError(self.last_error) from exc
+            finally:
+                self.in_flight = False
 
+        began = time.monotonic()
         for n in range(TRANSIENT_ATTEMPTS):
             try:
                 return await self.limiter.call(chat, attempt)
             except RetryAfter as exc:
-                raise DeliveryFailed(f"rate limited: the platform kept asking to wait ({exc.seconds:g} s)") from exc
+                raise DeliveryFailed(
+                    f"rate limited: the platform kept asking to wait ({exc.seconds:g} s)"
+                    + _over(tries, time.monotonic() - began, exc.__cause__)
+                ) from exc
             except DeliveryError as exc:
                 if exc.permanent or n == TRANSIENT_ATTEMPTS - 1:
-                    raise DeliveryFailed(exc.reason) from exc
+                    raise DeliveryFailed(exc.reason + _over(tries, time.monotonic() - began)) from exc
                 log.warning("send to %s failed (%s); retrying in %g s", chat, exc.reason, BACKOFF_S[n])
                 await self._sleep(BACKOFF_S[n])
         raise AssertionError("unreachable")
+
+    def gave_up(self, seconds: float) -> str:
+        """Why a caller that stopped waiting after `seconds` got no delivery: the last error, and
+        whether the call it cut off may still have reached the chat."""
+        reason = f"gave up after {seconds:g} s"
+        failing = f"the channel kept failing: {self.last_error}" if self.last_error else "the channel did not answer"
+        reason += f"; {failing}"
+        if self.in_flight:
+            reason += "; the last attempt was cut off and may have reached the chat"
+        return reason
+
+
+def _over(tries: int, elapsed: float, cause: BaseException | None = None) -> str:
+    """How long a call kept failing, for the reason it is given up with ("" for a first refusal)."""
+    said = f": {cause}" if isinstance(cause, DeliveryError) else ""
+    return f"{said} (after {tries} attempts over {elapsed:.0f} s)" if tries > 1 else said
 
 
 @dataclass

@@ -31,6 +31,11 @@ log = logging.getLogger("gateway.replies")
 
 FIRST_SEND_GRACE_S = 0.3
 TYPING_EVERY_S = 4.0
+# A cron delivery (`deliver_text`) is given up after this, which is longer than the outbox's
+# transient retries (sum(BACKOFF_S) ≈ 60 s plus the attempts) and shorter than the supervisor's
+# `deliver` command timeout (gateway/supervisor.py), itself shorter than cron's DELIVER_TIMEOUT_S:
+# each waiter outlasts the one it waits for, so the run log records the real outcome.
+DELIVER_GIVE_UP_S = 90.0
 CONTEXT_WAIT_S = 5.0  # how long a tool call or approval may wait for its turn's submit to be acked
 
 
@@ -45,6 +50,12 @@ class TurnContext:
     starter: str
     conversation: str | None
     sends: TurnSends = field(default_factory=TurnSends)
+
+
+def answer_target(entry: Entry) -> Target:
+    """Where an answer to `entry` goes: its chat and thread, as a reply to it (a platform may thread
+    it, a webhook receiver correlates it by `reply_to`). Replies, command answers and notices alike."""
+    return Target(entry.chat, entry.thread, entry.key.message_id)
 
 
 def chat_key(entry: Entry) -> str:
@@ -112,8 +123,7 @@ class Replies:
         self.on_turn_done(turn_id)
 
     async def _deliver(self, entry: Entry, runner: AccountRunner, turn_id: str, resumed: bool) -> None:
-        # The reply answers the message (a platform may thread it, a webhook receiver correlates it).
-        target = Target(entry.chat, entry.thread, entry.key.message_id)
+        target = answer_target(entry)
         before, mine = self.order.ticket(chat_key(entry))
         try:
             await runner.ready.wait()
@@ -235,10 +245,18 @@ class Replies:
                 log.warning("recovering %s failed (%s); retrying", turn_id, exc)
             await asyncio.sleep(1.0)
 
-    async def deliver_text(self, runner: AccountRunner, target: Target, text: str) -> list[str]:
-        """Send `text` as a whole reply to `target` (cron `--deliver`); returns the ids."""
-        sink = ReplySink(self.outboxes.of(runner), target, stream=False)
-        ids = await sink.finish(text)
+    async def deliver_text(
+        self, runner: AccountRunner, target: Target, text: str, *, give_up_s: float = DELIVER_GIVE_UP_S
+    ) -> list[str]:
+        """Send `text` as a whole reply to `target` (cron `--deliver`); returns the ids. Given up
+        after `give_up_s` (a platform may ask to wait minutes), before the caller stops waiting, so
+        the caller's verdict is the outcome: nothing goes out after a `DeliveryFailed`."""
+        outbox = self.outboxes.of(runner)
+        sink = ReplySink(outbox, target, stream=False)
+        try:
+            ids = await asyncio.wait_for(sink.finish(text), give_up_s)
+        except TimeoutError:
+            raise DeliveryFailed(outbox.gave_up(give_up_s)) from None
         runner.live.replies += 1
         runner.live.last_outbound = time.time()
         self.changed()

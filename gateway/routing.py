@@ -74,6 +74,7 @@ class Resolution:
     agent: str
     conversation: str | None
     source: Literal["route", "chat", "default"]
+    pinned: bool = False  # the route names its conversation (`route add --conversation`): `/new` cannot change it
 
 
 class Router:
@@ -119,7 +120,7 @@ class Router:
         bound = self._bound(key)
         own = self.get(key)
         if own is not None:
-            return Resolution(key, own.agent, bound or own.conversation, "route")
+            return Resolution(key, own.agent, bound or own.conversation, "route", pinned=own.conversation is not None)
         if key.thread != ROOT:
             chat = self.get(key.root)
             if chat is not None:
@@ -139,7 +140,8 @@ class Router:
             )
 
     def forget(self, key: RouteKey) -> bool:
-        """Drop the bound conversation (`/new`); the next message starts a new one."""
+        """Drop the bound conversation (`/new`); the next message starts a new one, unless the route
+        pins its conversation (`Resolution.pinned`), which this leaves as it is."""
         with transaction(self._conn) as c:
             n = c.execute("DELETE FROM route_conversations WHERE key=?", (str(key),)).rowcount
         return n == 1

@@ -31,6 +31,10 @@ child_log = logging.getLogger("gateway")
 
 READY_TIMEOUT_S = 30.0
 COMMAND_TIMEOUT_S = 30.0
+# `deliver` (cron) waits for the outbox's own verdict: the child gives up at 90 s
+# (gateway/replies.py DELIVER_GIVE_UP_S) and answers; this waits a little longer, and cron's
+# DELIVER_TIMEOUT_S longer still, so nobody stops waiting while the reply may still go out.
+DELIVER_COMMAND_TIMEOUT_S = 100.0
 STOP_GRACE_S = 5.0
 # The first restart's wait. A test suite that kills the child on purpose may shorten it with
 # APPSERVER_GATEWAY_RESTART_BACKOFF_S (a positive number of seconds); unset, it is 1 s.
@@ -127,8 +131,11 @@ class GatewaySupervisor:
             await asyncio.gather(self._runner, return_exceptions=True)
         self.view.state = "stopped"
 
-    async def command(self, op: str, *, timeout: float = COMMAND_TIMEOUT_S, **args: Any) -> dict[str, Any]:
-        """Send a command envelope and wait for its GATEWAY_RESPONSE (or TimeoutError)."""
+    async def command(self, op: str, *, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        """Send a command envelope and wait for its GATEWAY_RESPONSE (or TimeoutError); by default
+        30 s, and for `deliver` long enough for the child's own verdict."""
+        if timeout is None:
+            timeout = DELIVER_COMMAND_TIMEOUT_S if op == "deliver" else COMMAND_TIMEOUT_S
         proc = self._proc
         if proc is None or proc.returncode is not None or proc.stdin is None or not self._ready.is_set():
             raise RuntimeError(f"the gateway is not running ({self.view.state}: {self.view.reason or 'no reason'})")

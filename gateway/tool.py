@@ -65,7 +65,7 @@ class TurnSends:
 def parse_call(arguments: str, *, channel: str, account: str, here: Target, reply_to: str | None) -> ToolCall:
     try:
         args = json.loads(arguments or "{}")
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an integer past the digit limit, or nested too deeply
         raise ToolRefusal("arguments are not valid JSON") from None
     if not isinstance(args, dict):
         raise ToolRefusal("arguments must be a JSON object")

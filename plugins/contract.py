@@ -168,8 +168,14 @@ class Adapter(Protocol):
     `edit(target, message_id, text) -> None` (when `limits.can_edit`),
     `react(target, message_id, emoji) -> None` (when `limits.can_react`),
     `measure(text) -> int` (how the platform counts `max_length`, when not in characters),
-    `typing(target) -> None`, and `format(text) -> str` (Markdown to the platform's markup; the
-    identity when absent).
+    `typing(target) -> None`, `format(text) -> str` (Markdown to the platform's markup; the
+    identity when absent), `prompt_approval(target, text, short_id) -> list[str]` (an approval
+    prompt with buttons that come back as `/approve <short_id>` / `/deny <short_id>`; `text` is
+    Markdown, formatted by the adapter; tagged with `target.key` like a send) and
+    `edit_prompt(target, message_id, text, short_id | None) -> None` (edit such a prompt, keeping its
+    buttons for a pending `short_id` and removing them for None, also for a prompt posted by an
+    earlier process). The gateway makes every one of these calls through its outbox: rate limited
+    and retried like a send.
 
     A send whose outcome is unknown (`DeliveryError(uncertain=True)`, or a restart after a crash
     while it was in flight) is repeated only where that cannot post twice, which an adapter

@@ -128,7 +128,7 @@ def read_manifest(folder: Path) -> Manifest:
         raise PluginError(name, f"cannot read manifest: {exc}", path=path) from exc
     try:
         data: Any = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # also: too many digits, too deep
         moved_to = move_aside(path)
         log.error("channel '%s': %s is not valid JSON (%s); moved aside to %s", name, path, exc, moved_to)
         raise PluginError(

@@ -602,6 +602,17 @@ class DiscordAdapter:
             self._prompts.pop((str(channel.id), message_id), None)
         await _call("edit", channel.get_partial_message(_message_id(message_id)).edit(**kwargs))
 
+    async def edit_prompt(self, target: Target, message_id: str, text: str, short_id: str | None) -> None:
+        """Edit an approval prompt: its buttons stay while `short_id` is pending and go once decided
+        (None), also for a prompt posted before a restart (which this process never saw)."""
+        channel = self._channel(target)
+        kwargs: dict[str, Any] = {"content": text, "allowed_mentions": discord.AllowedMentions.none()}
+        if short_id is None:
+            kwargs["view"] = None
+        await _call("edit", channel.get_partial_message(_message_id(message_id)).edit(**kwargs))
+        if short_id is None:
+            self._prompts.pop((str(channel.id), message_id), None)
+
     async def react(self, target: Target, message_id: str, emoji: str) -> None:
         channel = self._channel(target)
         await _call("react", channel.get_partial_message(_message_id(message_id)).add_reaction(emoji))

@@ -566,14 +566,28 @@ class SlackAdapter:
         web = self._web
         if web is None:
             raise DeliveryError("slack: not started")
-        kwargs: dict[str, Any] = {"channel": target.chat, "ts": message_id, "text": text}
         short_id = self._prompts.get((target.chat, message_id))
         if short_id is not None:
-            pending = f"/approve {short_id}" in text
-            kwargs["blocks"] = _prompt_blocks(text, short_id if pending else None)
-            if not pending:
-                self._prompts.pop((target.chat, message_id), None)
+            await self.edit_prompt(target, message_id, text, short_id if f"/approve {short_id}" in text else None)
+            return
+        await self._call("chat.update", web.chat_update, channel=target.chat, ts=message_id, text=text)
+
+    async def edit_prompt(self, target: Target, message_id: str, text: str, short_id: str | None) -> None:
+        """`chat.update` of an approval prompt: its buttons while `short_id` is pending, none once
+        decided (`blocks` are always sent: Slack keeps the old ones when they are left out, so a
+        prompt posted before a restart would keep live buttons)."""
+        web = self._web
+        if web is None:
+            raise DeliveryError("slack: not started")
+        kwargs: dict[str, Any] = {
+            "channel": target.chat,
+            "ts": message_id,
+            "text": text,
+            "blocks": _prompt_blocks(text, short_id),
+        }
         await self._call("chat.update", web.chat_update, **kwargs)
+        if short_id is None:
+            self._prompts.pop((target.chat, message_id), None)
 
     async def react(self, target: Target, message_id: str, emoji: str) -> None:
         """`reactions.add` on a message (an inbound `channel:ts` id or a sent ts)."""
@@ -608,6 +622,8 @@ class SlackAdapter:
         kwargs: dict[str, Any] = {"channel": target.chat, "text": body, "blocks": _prompt_blocks(body, short_id)}
         if target.thread:
             kwargs["thread_ts"] = target.thread
+        if target.key:  # tagged like a reply part, so a post with an unknown outcome is found, not repeated
+            kwargs["metadata"] = {"event_type": REPLY_EVENT, "event_payload": {"key": target.key}}
         response = await self._call("chat.postMessage", web.chat_postMessage, **kwargs)
         ts = str(response.get("ts") or "")
         if not ts:

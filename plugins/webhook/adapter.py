@@ -49,6 +49,7 @@ MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_nam
 MAX_CONNECTIONS = 64  # concurrent connections to one account's listener
 BODY_TIMEOUT_S = 10.0  # a body must arrive within this (a slow sender holds a buffer and a slot)
 MAX_RETRY_AFTER_S = 300.0  # a receiver's Retry-After beyond this (or "inf") is read as this
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 _TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
 MAX_LENGTH_DIGITS = 18  # a Content-Length longer than this is beyond any body limit
 
@@ -286,8 +287,18 @@ class WebhookAdapter:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise _BadRequest(400, f"body is not valid JSON: {exc}") from exc
+        except ValueError as exc:  # an integer past Python's digit limit (4300)
+            raise _BadRequest(400, f"body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # nesting deeper than the parser's recursion allows
+            raise _BadRequest(400, "body is not valid JSON: nested too deeply") from exc
         if not isinstance(data, dict):
             raise _BadRequest(400, "body must be a JSON object")
+        for name, value in data.items():
+            # JSON may escape half a surrogate pair ("\ud800"), which is no text at all: it could not
+            # be stored or answered, and cleaned up it would collide with a legitimate "\ufffd".
+            if _has_lone_surrogate(name) or _has_lone_surrogate(value):
+                shown = name if not _has_lone_surrogate(name) else "a field name"
+                raise _BadRequest(400, f"{shown} holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text")
         chat_type = data.get("chat_type", "dm")
         if chat_type not in ("dm", "group"):
             raise _BadRequest(400, 'chat_type must be "dm" or "group"')
@@ -373,6 +384,23 @@ def _field(data: Mapping[str, Any], name: str, *, optional: bool = False, key_pa
     if key_part and value == "__root__":
         raise _BadRequest(400, f"{name} '__root__' is reserved (it names a chat's main line)")
     return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """A string anywhere in `value` (keys included) with a code point U+D800-U+DFFF: only a lone
+    half of a pair survives `json.loads`. Walked without recursion (the nesting may be deep)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE_RE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:

@@ -92,6 +92,21 @@ def test_pairing_approve_from_the_cli_answers_the_kept_messages(srv: ChannelServ
     assert run_cli(srv.home, "pairing", "approve", _code(prompt.text)).code != 0
 
 
+def test_a_strangers_name_cannot_control_the_operators_terminal(srv: ChannelServer, chat: FakeChat) -> None:
+    """A chat platform's display name is the stranger's to choose: `pairing list` and `approve`
+    print it with its controls shown, not acted on (a window title, the clipboard, a clear screen)."""
+    name = "\x1b]0;PWNED\x07\x1b]52;c;ZXZpbA==\x07\x1b[2J\u009b31mcarol"
+    chat.inject("dm-carol", "hi", sender="carol\x1b[8m", sender_name=name)
+    prompt = chat.wait_for_text("dm-carol", lambda t: "pairing code" in t, timeout=15)
+    listed = run_cli(srv.home, "pairing", "list")
+    assert listed.code == 0 and "carol" in listed.out, listed.err
+    approved = run_cli(srv.home, "pairing", "approve", _code(prompt.text))
+    assert approved.code == 0, approved.err
+    for out in (listed.out, approved.out):
+        assert not any(c in out for c in ("\x1b", "\x07", "\u009b")), repr(out)
+        assert "\\x1b]0;PWNED\\x07" in out, out
+
+
 def test_pairing_deny_is_silent_and_the_kept_message_is_denied(srv: ChannelServer, chat: FakeChat) -> None:
     mid = chat.inject("dm-bob", "let me in", sender="bob")
     prompt = chat.wait_for_text("dm-bob", lambda t: "pairing code" in t, timeout=15)

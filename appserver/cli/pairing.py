@@ -15,6 +15,7 @@ import click
 
 from appserver.cli.channels import Refused, _errors, _gateway_db
 from appserver.cli.common import get_config
+from appserver.cli.safetext import exact
 from gateway.pairing import Pairing, PairingCode, PairingError
 
 
@@ -49,7 +50,15 @@ def list_cmd(as_json: bool) -> None:
     for p in pending:
         left = max(0, int(p.expires_at - time.time()))
         rows.append(
-            (p.code, p.channel, p.account, p.sender, p.sender_name or "-", _ago(p.created_at), f"{left // 60}m")
+            (
+                p.code,
+                p.channel,
+                p.account,
+                exact(p.sender),  # what a chat platform says of a stranger: never a terminal control
+                exact(p.sender_name or "-"),
+                _ago(p.created_at),
+                f"{left // 60}m",
+            )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -72,7 +81,9 @@ def approve_cmd(code: str) -> None:
     """Let the sender of CODE talk to the agent; the messages they sent meanwhile are answered."""
     p = _decide(code, True)
     click.echo(
-        f"Approved {p.sender}" + (f" ({p.sender_name})" if p.sender_name else "") + f" on {p.channel}:{p.account}."
+        f"Approved {exact(p.sender)}"
+        + (f" ({exact(p.sender_name)})" if p.sender_name else "")
+        + f" on {p.channel}:{p.account}."
     )
 
 
@@ -82,7 +93,7 @@ def approve_cmd(code: str) -> None:
 def deny_cmd(code: str) -> None:
     """Refuse the sender of CODE; they hear nothing more (unless the account has a deny_notice)."""
     p = _decide(code, False)
-    click.echo(f"Denied {p.sender} on {p.channel}:{p.account}.")
+    click.echo(f"Denied {exact(p.sender)} on {p.channel}:{p.account}.")
 
 
 @pairing_group.command("approved")
@@ -96,7 +107,7 @@ def approved_cmd(as_json: bool) -> None:
         click.echo(json.dumps([{"channel": c, "account": a, "sender": s, "approved_at": t} for c, a, s, t in rows]))
         return
     for c, a, s, t in rows:
-        click.echo(f"{c}:{a}  {s}  approved {_ago(t)}")
+        click.echo(f"{c}:{a}  {exact(s)}  approved {_ago(t)}")
     if not rows:
         click.echo("No approved senders.")
 

@@ -1,7 +1,8 @@
 """The run log `cron-runs/<task id>.jsonl`: one JSON object per line, append-only.
 
 Events: `fired` (written when the occurrence is claimed, before the turn is submitted), `submitted`
-(the turn id), `fire_failed`, `missed` (with its reason), `outcome` (the turn's end), `error`
+(the turn id), `fire_failed`, `missed` (with its reason), `outcome` (the turn's end), `delivered`
+and `delivery_failed` (where a `--deliver` reply went, or why it did not), `error`
 (a visible task failure such as an invalid expression), `removed` (the task was removed; the record
 keeps the task, so its log can still be found by name). A `fired` line without a later `submitted`
 or `fire_failed` line is an occurrence claimed by a process that died before submitting it: it is
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from appserver.fsutil import ensure_private_dir
 
 log = logging.getLogger("appserver.cron")
 
-EVENTS = ("fired", "submitted", "fire_failed", "missed", "outcome", "error", "removed")
+EVENTS = ("fired", "submitted", "fire_failed", "missed", "outcome", "delivered", "delivery_failed", "error", "removed")
 TAIL_BYTES = 64 * 1024  # how much of a log's end the start-up and removed-task scans read
 BACKLOG_MAX = 10_000  # records kept for a retry while the disk refuses them; the oldest go first
 # The records that settle a claimed occurrence: it reached the kernel, or it was recorded as not run.
@@ -164,33 +166,74 @@ class RunLog:
             self._error = None
 
 
-def read_runs(runs_dir: Path, task_id: str, *, limit: int | None = None) -> list[dict[str, Any]]:
-    """Records oldest first (the last `limit` of them). Unparseable lines — e.g. a write cut short
-    by a crash — are skipped with a warning rather than hiding the rest of the history."""
+@dataclass(frozen=True, slots=True)
+class RunLogRead:
+    """What could be read of one run log: its records (oldest first) and the numbers of the lines
+    that are no record (a write cut short by a crash, a hand edit, garbage), which are skipped
+    rather than hiding the rest of the history, and reported by the reader."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    unreadable: list[int]  # 1-based line numbers
+
+    @property
+    def unusable(self) -> bool:
+        """Lines were there, but none of them could be read: the history is unknown, not empty."""
+        return not self.records and bool(self.unreadable)
+
+    def problem(self) -> str | None:
+        """One line about the unreadable lines, else None."""
+        if not self.unreadable:
+            return None
+        shown = ", ".join(str(n) for n in self.unreadable[:5]) + (", …" if len(self.unreadable) > 5 else "")
+        if self.unusable:
+            return (
+                f"the run log {self.path} cannot be read: none of its {len(self.unreadable)} line(s) "
+                f"is a run-log record (line {shown}); fix or delete the file"
+            )
+        return f"{self.path}: skipped {len(self.unreadable)} unreadable line(s) of the run log (line {shown})"
+
+
+def read_run_log(runs_dir: Path, task_id: str, *, limit: int | None = None) -> RunLogRead:
+    """The records of a task's run log, oldest first (the last `limit` of them), with the lines
+    that could not be read; a missing log has neither. Logs nothing: the caller reports."""
     path = run_log_path(runs_dir, task_id)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return []
-    out = _parse(raw, path)
+        return RunLogRead(path, [], [])
+    out, bad = _parse_lines(raw)
     _mark_lost(out)
-    return out[-limit:] if limit else out
+    return RunLogRead(path, out[-limit:] if limit else out, bad)
 
 
-def _parse(raw: bytes, path: Path, *, quiet: bool = False) -> list[dict[str, Any]]:
+def read_runs(runs_dir: Path, task_id: str, *, limit: int | None = None) -> list[dict[str, Any]]:
+    """Records oldest first (the last `limit` of them). Unreadable lines are skipped with one
+    warning for the whole log (`read_run_log` tells the caller about them instead)."""
+    found = read_run_log(runs_dir, task_id, limit=limit)
+    problem = found.problem()
+    if problem is not None:
+        log.warning("cron: %s", problem)
+    return found.records
+
+
+def _parse_lines(raw: bytes) -> tuple[list[dict[str, Any]], list[int]]:
+    """(the records, the numbers of the non-blank lines that are no JSON object)."""
     out: list[dict[str, Any]] = []
+    bad: list[int] = []
     for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            if not quiet:
-                log.warning("%s:%d: skipping unreadable run-log line", path, n)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            bad.append(n)
             continue
         if isinstance(rec, dict):
             out.append(rec)
-    return out
+        else:  # valid JSON, but no record (`42`, `[1]`): as unreadable as torn JSON
+            bad.append(n)
+    return out, bad
 
 
 def _tail(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
@@ -204,7 +247,7 @@ def _tail(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
         return []
     if size > max_bytes:
         raw = raw.partition(b"\n")[2]
-    return _parse(raw, path, quiet=True)
+    return _parse_lines(raw)[0]
 
 
 def unrecorded_turns(runs_dir: Path, before: datetime) -> list[tuple[str, int, str]]:
@@ -294,7 +337,7 @@ def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, A
         raw = path.read_bytes()
     except OSError:
         return None
-    return _settling(_parse(raw, path, quiet=True), occurrence)
+    return _settling(_parse_lines(raw)[0], occurrence)
 
 
 def has_fired(runs_dir: Path, task_id: str, occurrence: int) -> bool:
@@ -308,7 +351,7 @@ def has_fired(runs_dir: Path, task_id: str, occurrence: int) -> bool:
         raw = path.read_bytes()
     except OSError:
         return False
-    return any(_fired(r, occurrence) for r in _parse(raw, path, quiet=True))
+    return any(_fired(r, occurrence) for r in _parse_lines(raw)[0])
 
 
 def _fired(record: dict[str, Any], occurrence: int) -> bool:

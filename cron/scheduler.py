@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -45,6 +46,7 @@ from cron.runner import (
     FireFn,
     RunNowResult,
     TurnOutcome,
+    deliver_reply,
     run_task_now,
     submit_claimed,
     watch_outcome,
@@ -532,19 +534,45 @@ class Scheduler:
 
     # ------------------------------------------------------------ outcomes
 
-    def watch(self, task_id: str, occurrence: int, turn_id: str, deliver_to: str | None = None) -> None:
-        """Record the outcome of a submitted turn when it ends (needs `await_outcome`)."""
-        self._watch(task_id, occurrence, turn_id, deliver_to)
+    def watch(
+        self,
+        task_id: str,
+        occurrence: int,
+        turn_id: str,
+        deliver_to: str | None = None,
+        *,
+        not_delivered: str | None = None,
+        before_delivery: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Record the outcome of a submitted turn when it ends (needs `await_outcome`), then send
+        its reply to `deliver_to`, after awaiting `before_delivery` when given (a restarted
+        server waits for its channels: outside the delivery's own timeout, which must outlast
+        the gateway's tries). With `not_delivered` (why the reply must not go there, e.g. the
+        task was removed) a `delivery_failed` record says so instead."""
+        self._watch(task_id, occurrence, turn_id, deliver_to, not_delivered, before_delivery)
 
     def unrecorded_turns(self) -> list[tuple[str, int, str]]:
         """Turns submitted before this scheduler started whose outcome was never logged (their
         process died or stopped first): (task id, occurrence, turn id). Blocking file I/O."""
         return unrecorded_turns(self.store.runs_dir, self.started_at)
 
-    def _watch(self, task_id: str, occurrence: int, turn_id: str, deliver_to: str | None) -> None:
+    def _watch(
+        self,
+        task_id: str,
+        occurrence: int,
+        turn_id: str,
+        deliver_to: str | None,
+        not_delivered: str | None = None,
+        before_delivery: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         assert self.await_outcome is not None
-        t = asyncio.create_task(
-            watch_outcome(
+        outcome: Coroutine[Any, Any, TurnOutcome]
+        if deliver_to and (not_delivered or before_delivery):
+            outcome = self._outcome_then_delivery(
+                task_id, occurrence, turn_id, deliver_to, not_delivered, before_delivery
+            )
+        else:
+            outcome = watch_outcome(
                 self.store,
                 task_id,
                 occurrence,
@@ -554,9 +582,37 @@ class Scheduler:
                 deliver_to=deliver_to,
                 deliver=self.deliver,
             )
-        )
+        t = asyncio.create_task(outcome)
         self._watchers.add(t)
         t.add_done_callback(self._watchers.discard)
+
+    async def _outcome_then_delivery(
+        self,
+        task_id: str,
+        occurrence: int,
+        turn_id: str,
+        target: str,
+        not_delivered: str | None,
+        before_delivery: Callable[[], Awaitable[None]] | None,
+    ) -> TurnOutcome:
+        """The outcome, then the delivery (or the `delivery_failed` record of a reply that must
+        not be sent): in the order of any other run, so `cron logs` reads the same."""
+        assert self.await_outcome is not None
+        ended = await watch_outcome(
+            self.store, task_id, occurrence, turn_id, self.await_outcome, timeout_s=self.outcome_timeout_s
+        )
+        if not_delivered:
+            log.warning(
+                "cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, not_delivered
+            )
+            self.store.runlog.record(
+                task_id, "delivery_failed", occurrence=occurrence, turn_id=turn_id, target=target, error=not_delivered
+            )
+            return ended
+        if before_delivery is not None and ended.status == "completed":
+            await before_delivery()
+        await deliver_reply(self.store, task_id, occurrence, turn_id, ended, target, self.deliver)
+        return ended
 
     async def wait_outcomes(self, timeout_s: float) -> None:
         """Wait (bounded) for outcome watchers; used by tests and a graceful stop."""

@@ -8,12 +8,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
+from appserver.channels import READINESS_CHECK as CHANNELS_CHECK
 from appserver.readiness import CheckResult
 from appserver.server import Server
 from cron.adapter import KernelAdapter
-from cron.runner import DeliverFn, RunNowResult, TurnOutcome, record_outcome
+from cron.runner import DeliverFn, RunNowResult, TurnOutcome, deliver_reply, record_outcome
 from cron.scheduler import Scheduler
+from cron.store import CorruptStateFile, CronStoreError, CronTask
 
 log = logging.getLogger("appserver.cron")
 
@@ -21,6 +24,29 @@ log = logging.getLogger("appserver.cron")
 READINESS_CHECK = "cron"  # its name in /readyz while `serve` runs the service
 STALL_AFTER_TICKS = 3  # a loop silent for this many ticks (and at least STALL_MIN_S) is stuck
 STALL_MIN_S = 120.0
+# How long the reply of a run recovered at start waits for the channel gateway to run (it starts
+# with the server); the delivery is then tried whatever the state, and its failure logged.
+RECOVERED_DELIVERY_WAIT_S = 30.0
+
+
+def recovered_delivery(
+    source: dict[str, Any] | None, task: CronTask | None, *, removed: bool
+) -> tuple[str | None, str | None]:
+    """(target, why it is not sent) for the reply of a run recovered after a restart. The target
+    is the one the turn was fired with (its `source`, which the envelope announced to the agent),
+    else the task's. The reply of a task removed since is not sent (its owner removed it; the
+    reply stays in the conversation) and the run log says so."""
+    if isinstance(source, dict) and source.get("kind") == "cron_prompt":
+        fired_with = source.get("deliver")
+        target = fired_with if isinstance(fired_with, str) and fired_with else None
+    else:
+        target = task.deliver if task is not None else None
+    if target and removed:
+        return target, (
+            "not delivered: the task was removed before this run's outcome was recovered after a restart "
+            "(the reply is in the conversation)"
+        )
+    return target, None
 
 
 class CronService:
@@ -106,20 +132,24 @@ class CronService:
     async def recover_outcomes(self) -> int:
         """Record the outcomes of cron turns that a previous server submitted but did not see end
         (killed, or stopped while they were queued or running): this process settles or runs
-        them now. Each is watched until it ends, then logged like any other; returns how many."""
+        them now. Each is watched until it ends, then logged like any other, and its reply sent
+        where the run was to deliver it (`delivered` or `delivery_failed`, as for any run);
+        returns how many."""
         pending = await asyncio.to_thread(self.scheduler.unrecorded_turns)
+        if not pending:
+            return 0
+        tasks = await asyncio.to_thread(self._current_tasks)
         watched = 0
         for task_id, occurrence, turn_id in pending:
+            task = None if tasks is None else tasks.get(task_id)
             turn = await self.server.store.get_turn(turn_id)
             if turn is None:  # accepted by a process that died before its store commit
-                await asyncio.to_thread(
-                    record_outcome,
-                    self.scheduler.store,
-                    task_id,
-                    occurrence,
-                    turn_id,
-                    TurnOutcome("lost", "the turn never reached the store (its server died)"),
-                )
+                lost = TurnOutcome("lost", "the turn never reached the store (its server died)")
+                await asyncio.to_thread(record_outcome, self.scheduler.store, task_id, occurrence, turn_id, lost)
+                if task is not None and task.deliver:  # nothing to send: say so where a delivery goes
+                    await deliver_reply(
+                        self.scheduler.store, task_id, occurrence, turn_id, lost, task.deliver, self.scheduler.deliver
+                    )
                 continue
             if (
                 turn.owner
@@ -127,11 +157,37 @@ class CronService:
                 and await self.server.kernel.owner_alive(turn.owner)
             ):
                 continue  # another live process runs it and will record it
-            self.scheduler.watch(task_id, occurrence, turn_id)
+            target, why_not = recovered_delivery(turn.source, task, removed=tasks is not None and task is None)
+            self.scheduler.watch(
+                task_id, occurrence, turn_id, target, not_delivered=why_not, before_delivery=self._channels_up
+            )
             watched += 1
-        if pending:
-            log.info("cron: recovering the outcome of %d turn(s) of a previous server", len(pending))
+        log.info("cron: recovering the outcome of %d turn(s) of a previous server", len(pending))
         return watched
+
+    async def _channels_up(self) -> None:
+        """Wait (at most RECOVERED_DELIVERY_WAIT_S) until the channels run: the gateway starts
+        with this server, after the turns it recovers, and a reply sent before it runs would fail
+        though nothing is wrong. Then the delivery is tried whatever the state, and its failure
+        recorded. Without channels in this server there is nothing to wait for."""
+        if self.scheduler.deliver is None:
+            return
+        deadline = time.monotonic() + RECOVERED_DELIVERY_WAIT_S
+        while time.monotonic() < deadline:
+            _, body = await self.server.readiness.report()
+            if any(c.get("name") == CHANNELS_CHECK and c.get("status") == "ok" for c in body.get("checks", [])):
+                return
+            await asyncio.sleep(0.2)
+
+    def _current_tasks(self) -> dict[str, CronTask] | None:
+        """The tasks by id now, for the delivery targets of recovered runs; None (logged) when
+        crons.json cannot be read: the turns' own record of their target is used then."""
+        try:
+            state = self.scheduler.store.read()
+        except (CronStoreError, CorruptStateFile, OSError) as exc:
+            log.warning("cron: cannot read the tasks to recover the delivery of their runs: %s", exc)
+            return None
+        return {t.id: t for t in state.tasks}
 
     async def run_now(self, ref: str, *, agent: str | None = None) -> RunNowResult:
         """Fire task `ref` now in this server: the same claim, envelope, run log and outcome watch

@@ -302,6 +302,13 @@ class CronTask:
         ns = d.get("namespace")
         if ns is not None and not isinstance(ns, str):
             raise ValueError(f"task {tid}: namespace must be a string")
+        deliver = d.get("deliver")
+        if deliver is not None and not isinstance(deliver, str):
+            raise ValueError(f"task {tid}: deliver must be a string or null")
+        try:  # a hand edit the gateway would refuse at every run: kept as invalid, reported
+            deliver = validate_deliver(deliver)
+        except ScheduleError as exc:
+            raise ValueError(f"task {tid}: {exc}") from None
         return cls(
             id=tid,
             name=d["name"],
@@ -313,7 +320,7 @@ class CronTask:
             misfire=misfire,
             max_lateness_s=float(lateness),
             exact=d.get("exact", False),
-            deliver=d.get("deliver") if isinstance(d.get("deliver"), str) else None,
+            deliver=deliver,
             enabled=d.get("enabled", True),
             next_fire_at=_dt(d.get("next_fire_at"), "next_fire_at"),
             next_due_at=_dt(d.get("next_due_at"), "next_due_at"),
@@ -824,12 +831,17 @@ def validate_name(name: str) -> str:
 
 
 def validate_deliver(target: str | None) -> str | None:
-    """`channel:account:chat[:thread]` (the remainder after the account is the chat and thread)."""
+    """`channel:account:chat[:thread]`: exactly what the gateway delivers to (3 or 4 parts, none
+    empty; gateway/app.py `deliver_text`), so a target it would refuse at every run is refused
+    when the task is made instead."""
     if target is None or target == "":
         return None
-    parts = target.split(":", 2)
-    if len(parts) != 3 or not all(parts) or not all(_TARGET_PART_RE.fullmatch(p) for p in parts[:2]):
-        raise ScheduleError(f"invalid deliver target {target!r}: use channel:account:chat")
+    parts = target.split(":")
+    if len(parts) not in (3, 4) or not all(parts) or not all(_TARGET_PART_RE.fullmatch(p) for p in parts[:2]):
+        raise ScheduleError(
+            f"invalid deliver target {target!r}: use channel:account:chat or channel:account:chat:thread "
+            "(no part empty, none with a ':')"
+        )
     return target
 
 

@@ -54,7 +54,7 @@ def test_logs_of_a_removed_task_by_name_and_id(home: Path) -> None:
         assert [r["event"] for r in json.loads(out)] == ["missed", "removed"]
 
     code, _, err = cron("logs", "never-existed")
-    assert code == 1 and err.startswith("error: no cron task 'never-existed'")
+    assert code == 2 and err.startswith("error: no cron task 'never-existed'")
 
     # a name reused after removal: the live task wins; two removed ones by one name: ask for an id
     assert cron("add", "--name", "gone", "--agent", "echo", "--every", "2h", "--prompt", "p")[0] == 0

@@ -220,7 +220,7 @@ def test_validate_agent_hook(home: Path) -> None:
     res = CliRunner().invoke(
         cron_group, ["add", "--name", "a", "--agent", "nope", "--every", "1h", "--prompt", "x"], obj=agents
     )
-    assert res.exit_code == 1 and "no agent named 'nope'" in res.stderr
+    assert res.exit_code == 2 and "no agent named 'nope'" in res.stderr  # as `agents show` exits
     res = CliRunner().invoke(
         cron_group, ["add", "--name", "a", "--agent", "echo", "--every", "1h", "--prompt", "x"], obj=agents
     )
@@ -278,7 +278,7 @@ def test_list_show_enable_disable_remove_preview_logs(home: Path) -> None:
 
     assert cli("remove", "brief")[0] == 0
     code, _, err = cli("show", "brief")
-    assert code == 1 and "no cron task 'brief'" in err
+    assert code == 2 and "no cron task 'brief'" in err
     assert cli("list")[1].strip() == "no cron tasks"
 
 

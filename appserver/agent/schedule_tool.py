@@ -5,7 +5,9 @@ the caller is whoever owns the conversation the tool runs in. A turn in a creden
 conversation may only schedule into conversations of that namespace (by default: this very
 conversation), and lists and cancels only such tasks; "new" and "default" (unowned conversations,
 seen by admin and local callers only) are refused there. Turns of unowned conversations (local,
-admin, CLI, cron) may target any conversation of the agent, as before.
+admin, CLI, cron) may target any existing conversation of the agent (or new/default). Either way
+an omitted `conversation` is the one the tool runs in, and a target that does not exist or is
+another agent's is refused when the task is made (as `cron add` does), not left to fail every run.
 
 Task names are scoped the same way: a task remembers the namespace it was created in, names are
 unique per agent and namespace (`CronStore.add`), and cancel finds a name only among the caller's
@@ -41,6 +43,23 @@ async def _target_allowed(store: Store, ctx: ToolContext, ns: str | None, target
         return False  # unowned conversations: outside every credential's namespace
     conv = await store.get_conversation(target)
     return conv is not None and conv.agent_id == ctx.agent.id and namespace_allows(ns, conv.namespace)
+
+
+async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None, target: str) -> str | None:
+    """Why a new task may not run in `target`, or None. Checked when the task is made, as `cron
+    add` does: a conversation that is missing or another agent's would fail at every run."""
+    if ns is not None:
+        if await _target_allowed(store, ctx, ns, target):
+            return None
+        return f"conversation {target!r} is not one this conversation's owner may use"
+    if target in ("new", "default") or target == ctx.conversation_id:
+        return None
+    conv = await store.get_conversation(target)
+    if conv is None:
+        return f"unknown conversation {target!r}"
+    if conv.agent_id != ctx.agent.id:
+        return f"conversation {target!r} belongs to another agent"
+    return None
 
 
 async def _visible_tasks(store: Store, ctx: ToolContext, ns: str | None, tasks: list[CronTask]) -> list[CronTask]:
@@ -86,12 +105,12 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
     try:
         ns = await _caller_namespace(conversations, ctx)
         if action == "create":
-            given = str(args.get("conversation") or "").strip()
-            conversation = given or ("new" if ns is None else ctx.conversation_id)
-            if not await _target_allowed(conversations, ctx, ns, conversation):
+            # Omitted: this very conversation, as the parameter's description tells the model.
+            conversation = str(args.get("conversation") or "").strip() or ctx.conversation_id
+            problem = await _create_target_problem(conversations, ctx, ns, conversation)
+            if problem is not None:
                 return ToolOutput(
-                    f"schedule create failed: conversation {given!r} is not one this conversation's owner may use; "
-                    "omit `conversation` to schedule into this conversation",
+                    f"schedule create failed: {problem}; omit `conversation` to schedule into this conversation",
                     is_error=True,
                 )
             text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns)

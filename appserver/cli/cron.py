@@ -24,7 +24,7 @@ import click
 from appserver.cli.common import MAX_COUNT, Count, get_config
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile
-from cron.runlog import find_removed, read_runs
+from cron.runlog import find_removed, read_run_log
 from cron.schedule import (
     ScheduleError,
     ScheduleSpec,
@@ -160,6 +160,13 @@ class _OneLineError(click.ClickException):
         click.echo(f"error: {self.format_message()}", err=True)
 
 
+class _NotFound(_OneLineError):
+    """No task (or agent) by that id or name: exit code 2 in every cron command, as `agents show`
+    and `conversations show` exit for an id they do not know."""
+
+    exit_code = 2
+
+
 class _UnknownTarget(_OneLineError):
     """A task aimed at something that does not exist (a conversation, a channel account): exit
     code 2, as for an unknown agent or conversation elsewhere in the CLI."""
@@ -184,12 +191,15 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _user_errors(fn: F) -> F:
-    """Every known failure becomes `Error: <one line>` and exit code 1, never a traceback."""
+    """Every known failure becomes `error: <one line>` and exit code 1 (2 for a task that does
+    not exist), never a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except CronNotFound as exc:
+            raise _NotFound(_one_line(exc)) from None
         except _USER_ERRORS as exc:
             raise _OneLineError(_one_line(exc)) from None
 
@@ -331,7 +341,10 @@ def add_cmd(
         else parse_duration(max_lateness, allow_zero=True).total_seconds()
     )
     cfg = _config()
-    agent_id = _check_agent(cfg, agent)
+    try:
+        agent_id = _check_agent(cfg, agent)
+    except LookupError as exc:  # an unknown (or ambiguous) agent: exit 2, as `agents show` says it
+        raise _NotFound(_one_line(exc)) from None
     task = make_task(
         name=name,
         agent=agent_id,
@@ -533,7 +546,7 @@ def run_cmd(task: str, agent: str | None, timeout: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array of run-log records.")
 @_user_errors
 def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
-    """Show the run log: fires, submissions, outcomes, misses and errors. A removed task's
+    """Show the run log: fires, submissions, outcomes, deliveries, misses and errors. A removed task's
     log is kept (cron-runs/<task id>.jsonl) and found by its id or name."""
     cfg = _config()
     store = _store(cfg)
@@ -544,7 +557,13 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
     except CronNotFound:
         task_id, name, tz = _removed_task(store, ref, agent_id)
         click.echo(f"note: task {name} ({task_id}) was removed; its run log was kept", err=True)
-    records = read_runs(store.runs_dir, task_id, limit=limit)
+    found = read_run_log(store.runs_dir, task_id, limit=limit)
+    problem = found.problem()
+    if found.unusable:  # a log nothing could be read from is an unknown history, never "no runs"
+        raise _OneLineError(str(problem))
+    if problem is not None:  # some lines lost: said once, the readable records still shown
+        click.echo(f"warning: {problem}", err=True)
+    records = found.records
     if as_json:
         click.echo(json.dumps(records))
         return
@@ -637,6 +656,12 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
         return f"{head} scheduled for {when('scheduled_for')}: {r.get('reason')}"
     if ev == "fire_failed":
         return f"{head} #{n} {r.get('error')}"
+    if ev == "delivered":
+        ids = r.get("remote_ids")
+        shown = ", ".join(str(i) for i in ids) if isinstance(ids, list) and ids else "none reported"
+        return f"{head} #{n} turn {r.get('turn_id')} to {r.get('target')} (message ids: {shown})"
+    if ev == "delivery_failed":
+        return f"{head} #{n} to {r.get('target')}: {r.get('error')}"
     if ev == "removed":
         return f"{head} the task was removed"
     return f"{head} {r.get('error', '')}"

@@ -11,9 +11,10 @@ from typing import Any
 
 import click
 
-from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore, token_store_for
-from appserver.cli.common import fail, get_config
+from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore, parse_agents, token_store_for
+from appserver.cli.common import fail, get_config, with_server
 from appserver.fsutil import CorruptStateFile
+from appserver.ids import AGENT_ID_PREFIX
 
 
 def _store() -> TokenStore:
@@ -37,6 +38,28 @@ def _when(ts: float | None) -> str:
 def _describe(rec: TokenRecord) -> str:
     agents = ",".join(rec.agents) if rec.agents is not None else "*"
     return f"id={rec.id} name={rec.name} agents={agents} scopes={','.join(rec.scopes)} expires={_when(rec.expires_at)}"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _check_agents(wanted: frozenset[str]) -> None:
+    """`--agents` against the agents of this home. An unknown id is refused (exit 2): ids are
+    never made again, so the token could admit nothing. An unknown name is only warned about: a
+    name admits whichever agent carries it when a request comes (docs/security.md), so it may be
+    an agent that is created or renamed later, but it is just as likely a typo."""
+    agents = with_server(lambda s: s.store.list_agents())
+    ids, names = {a.id for a in agents}, {a.name for a in agents}
+    unknown_ids = sorted(a for a in wanted if a.startswith(AGENT_ID_PREFIX) and a not in ids)
+    if unknown_ids:
+        fail(f"--agents: no agent with id {', '.join(unknown_ids)}", 2)
+    for name in sorted(a for a in wanted if not a.startswith(AGENT_ID_PREFIX) and a not in names):
+        click.echo(
+            f"warning: --agents: no agent is named {name!r} now; the token admits one that carries "
+            "that name later (a typo admits nothing)",
+            err=True,
+        )
 
 
 @click.group("token")
@@ -63,11 +86,17 @@ def create_cmd(name: str | None, agents: str | None, scopes: str, expires: str, 
     """Mint a token and print it once; only its hash is stored."""
     store = _store()
     try:
+        limited = parse_agents(agents)
+    except ValueError as exc:  # empty, or `*` mixed with names: a usage error, before any lookup
+        fail(str(exc), 2)
+    if limited is not None:
+        _check_agents(limited)
+    try:
         rec, plaintext = store.create(name=name, agents=agents, scopes=scopes, expires=expires)
-    except ValueError as exc:  # what was asked for is wrong (empty --agents, bad scope...): a usage error
+    except ValueError as exc:  # what was asked for is wrong (bad scope, expiry...): a usage error
         fail(str(exc), 2)
     except (RuntimeError, CorruptStateFile) as exc:
-        raise click.ClickException(str(exc)) from None
+        fail(_one_line(exc), 1)
     if as_json:
         out: dict[str, Any] = rec.public()
         out["token"] = plaintext
@@ -85,7 +114,7 @@ def list_cmd(as_json: bool) -> None:
     try:
         records = _store().list()
     except (RuntimeError, CorruptStateFile) as exc:
-        raise click.ClickException(str(exc)) from None
+        fail(_one_line(exc), 1)
     if as_json:
         click.echo(json.dumps([r.public() for r in records]))
         return
@@ -120,10 +149,10 @@ def revoke_cmd(id_or_name: str, as_json: bool) -> None:
     """Revoke a token by id or name; a running server refuses it from the next request."""
     try:
         rec = _store().revoke(id_or_name)
-    except KeyError:
-        raise click.ClickException(f"no token with id or name {id_or_name!r}") from None
+    except KeyError:  # exit 2, as `agents show` and `cron show` exit for an id they do not know
+        fail(f"no token with id or name {id_or_name!r}", 2)
     except (RuntimeError, CorruptStateFile) as exc:
-        raise click.ClickException(str(exc)) from None
+        fail(_one_line(exc), 1)
     if as_json:
         click.echo(json.dumps(rec.public()))
     else:

@@ -570,6 +570,31 @@ def test_openai_clients_on_any_instance_share_conversations_and_idempotency_keys
     assert n == (1,)
 
 
+def test_two_clients_continuing_one_response_on_two_instances_each_get_their_own(cluster: Cluster) -> None:
+    """Client 1 continues a response on A (its turn runs there); client 2 continues the same
+    response on B meanwhile. As on one server, client 2 forks from the response: its reply must not
+    see client 1's input (B looked only at its own runtimes, found the conversation idle and
+    queued client 2's input behind client 1's)."""
+
+    async def go() -> None:
+        a = openai.AsyncOpenAI(base_url=cluster.nodes[0].url + "/v1", api_key="x", max_retries=0, timeout=60)
+        b = openai.AsyncOpenAI(base_url=cluster.nodes[1].url + "/v1", api_key="x", max_retries=0, timeout=60)
+        first = await a.responses.create(model="assistant", input="first")
+        one = asyncio.ensure_future(
+            a.responses.create(model="assistant", input="/slow 21", previous_response_id=first.id)
+        )
+        deadline = time.monotonic() + 15
+        while not [r for r in _all_turns(cluster.url) if "/slow 21" in r["input"] and r["status"] == "running"]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        two = await b.responses.create(model="assistant", input="/recall", previous_response_id=first.id)
+        assert two.output_text == "first", two.output_text  # the fork holds what came before, not client 1's input
+        done = await one
+        assert done.output_text == " ".join(f"w{i}" for i in range(1, 22))
+
+    asyncio.run(go())
+
+
 def test_the_example_balancer_spreads_one_conversation_over_the_instances(cluster: Cluster) -> None:
     """examples/cluster/balancer.py in front of the three instances (docs/scale-out.md): one
     conversation through it lands on every instance and stays one ordered history."""

@@ -482,7 +482,9 @@ class ConversationMatcher:
                 continue
             candidates.append(point)
             head = await self.store.last_message_id(point.conversation_id)
-            if head == point.last_message_id and self.free(point.conversation_id):  # no await between check and claim
+            if head != point.last_message_id or await self.server.kernel.in_flight_elsewhere(point.conversation_id):
+                continue
+            if self.free(point.conversation_id):  # no await between check and claim
                 self.claim(point.conversation_id)
                 return Placement(point.conversation_id, "prefix", claimed=True)
         if candidates:

@@ -1091,9 +1091,10 @@ class Responses:
                 fork = await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, seed=added)
                 return Placement(fork, "fork", claimed=True)
             head = await store.last_message_id(rec.conversation_id)
-            if head == rec.last_message_id and self.matcher.free(
+            at_head = head == rec.last_message_id and not await self.server.kernel.in_flight_elsewhere(
                 rec.conversation_id
-            ):  # no await between check and claim
+            )  # another server of a cluster runs a turn of it: that request continues it, this one forks
+            if at_head and self.matcher.free(rec.conversation_id):  # no await between check and claim
                 self.matcher.claim(rec.conversation_id)
                 return Placement(rec.conversation_id, "previous_response", claimed=True)
             # an older response, or one whose conversation another request is already continuing

@@ -612,6 +612,13 @@ class Kernel:
         rt = self.runtimes.get(conversation_id)
         return rt is not None and rt.in_flight
 
+    async def in_flight_elsewhere(self, conversation_id: str) -> bool:
+        """In a cluster, a turn of this conversation runs or waits on another server (the
+        conversation is not loaded here; `in_flight` answers for one that is)."""
+        if self._link is None or conversation_id in self.runtimes:
+            return False
+        return bool(await self.store.list_turns(conversation_id, statuses=("queued", "running")))
+
     async def adopt(
         self, conv: ConversationRecord, *, paused: bool = False, history: list[MessageRecord] | None = None
     ) -> None:

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import re
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
 from gateway.db import default_path, open_db
 from gateway.pairing import Pairing, PairingError
-from gateway.supervisor import Credential, GatewaySupervisor
+from gateway.supervisor import DELIVER_COMMAND_TIMEOUT_S, Credential, GatewaySupervisor
 
 if TYPE_CHECKING:
     from appserver.store.cluster import Cluster
@@ -36,6 +37,16 @@ log = logging.getLogger("appserver.channels")
 READINESS_CHECK = "channels"
 GATEWAY_TOKEN_NAME = "gateway"
 LEASE_CHECK_S = 1.0  # how often a server of a cluster looks for channel accounts to take over
+# A delivery (cron `--deliver`) ends within this, waiting for a starting gateway included: cron
+# stops waiting at 110 s (cron/runner.py DELIVER_TIMEOUT_S) and must hear the gateway's verdict.
+DELIVER_BUDGET_S = 108.0
+# Once the gateway runs it gets at least this long to answer: the child gives a delivery up at
+# 90 s (gateway/replies.py DELIVER_GIVE_UP_S) and then says so, so nobody stops waiting earlier.
+DELIVER_ANSWER_S = 95.0
+# What is left for a gateway that is starting (at serve's start, or restarting): a cron catch-up
+# run fired at start can finish before the child is ready, and its reply should still go out.
+DELIVER_START_WAIT_S = DELIVER_BUDGET_S - DELIVER_ANSWER_S
+START_POLL_S = 0.05
 
 
 def gateway_token_name(config: Config) -> str:
@@ -206,13 +217,49 @@ class ChannelService:
         return CheckResult("ok" if ok else "fail", "; ".join(filter(None, [_describe(detail), elsewhere])))
 
     async def deliver(self, target: str, text: str) -> list[str]:
-        """Send `text` to `channel:account:chat[:thread]` through the gateway (cron `--deliver`)."""
-        if self.supervisor is None:
-            raise RuntimeError(self._problem or "channels are not running")
-        reply = await self.supervisor.command("deliver", target=target, text=text)
+        """Send `text` to `channel:account:chat[:thread]` through the gateway (cron `--deliver`).
+
+        A gateway that is starting is waited for (at most DELIVER_START_WAIT_S); one that cannot
+        run the target's account (channels off, the account not configured, a setup problem)
+        fails at once, saying why."""
+        started = time.monotonic()
+        supervisor = await self._gateway_for(target)
+        waited = time.monotonic() - started
+        timeout = min(DELIVER_COMMAND_TIMEOUT_S, DELIVER_BUDGET_S - waited)
+        reply = await supervisor.command("deliver", timeout=timeout, target=target, text=text)
         if not reply.get("ok"):
             raise RuntimeError(str(reply.get("error") or "delivery failed"))
         return [str(i) for i in reply.get("remote_ids") or []]
+
+    async def _gateway_for(self, target: str) -> GatewaySupervisor:
+        """The running gateway that can deliver to `target`, once it runs."""
+        parts = target.split(":")
+        if len(parts) < 3:
+            raise RuntimeError(f"invalid target {target!r}: use channel:account:chat[:thread]")
+        channel, ref = parts[0], f"{parts[0]}:{parts[1]}"
+        if not self.enabled:
+            raise RuntimeError("channels are not enabled in this server")
+        if channel not in self.config.channels.enabled:
+            raise RuntimeError(f"channel {channel} is not enabled in this server")
+        if ref not in {a.ref for a in self.accounts}:
+            raise RuntimeError(f"no account {ref} is configured in this server")
+        if ref in self.elsewhere:
+            raise RuntimeError(f"{ref} runs in instance {self.elsewhere[ref]} of the cluster, not in this server")
+        deadline = time.monotonic() + DELIVER_START_WAIT_S
+        while True:
+            if self._problem:
+                raise RuntimeError(self._problem)
+            supervisor = self.supervisor
+            if supervisor is not None and supervisor.view.state == "running":
+                return supervisor
+            if self._task is None or (self._task.done() and supervisor is None):
+                raise RuntimeError("channels are not running")  # not started, or ended for good
+            if time.monotonic() >= deadline:
+                state = "not started" if supervisor is None else supervisor.view.state
+                if supervisor is not None and supervisor.view.reason:
+                    state += f": {supervisor.view.reason}"
+                raise RuntimeError(f"the gateway is not running after waiting {DELIVER_START_WAIT_S:g} s ({state})")
+            await asyncio.sleep(START_POLL_S)
 
     async def status(self) -> dict[str, Any]:
         if self.supervisor is None:

@@ -2,7 +2,7 @@
 
 `pairing_prompt` answers an unknown sender (their code, or "try later"; once per burst);
 `watch_pairings` acts on the owner's decisions within a second (tell the sender, release the kept
-messages as one turn); `command` answers `/new`, `/cancel`, `/status`, `/help`, `/pair`,
+messages as one turn per chat and thread); `command` answers `/new`, `/cancel`, `/status`, `/help`, `/pair`,
 `/approve`, `/deny` without a turn; `on_approval` shows an approval prompt for a paused turn and
 keeps it up to date, whoever answers.
 """
@@ -33,6 +33,15 @@ log = logging.getLogger("gateway.chatops")
 PAIRING_POLL_S = 1.0
 PROMPT_EVERY_S = 60.0
 PROMPT_SHOWN_WAIT_S = 10.0
+
+
+def by_conversation(entries: list[Entry]) -> list[list[Entry]]:
+    """Split a sender's kept messages by chat and thread (a thread is a conversation of its own),
+    keeping arrival order inside each group and ordering the groups by their first message."""
+    groups: dict[tuple[str, str | None], list[Entry]] = {}
+    for entry in entries:
+        groups.setdefault((entry.chat, entry.thread), []).append(entry)
+    return list(groups.values())
 
 
 class ChatOps:
@@ -100,10 +109,10 @@ class ChatOps:
                             self.ledger.refuse(entry.key, EXPIRED_UNAPPROVED)
                 elif decided.status == "approved":
                     released = [self.ledger.release(e.key, f"pairing {decided.code} approved") for e in held]
-                    if len(released) > 1:  # the kept messages are the first turn, together
-                        self.ledger.assign_batch([e.key for e in released])
-                    if released:
-                        self.enqueue(released[0])
+                    for kept in by_conversation(released):  # each where it was written, in order
+                        if len(kept) > 1:  # a conversation's kept messages are its first turn, together
+                            self.ledger.assign_batch([e.key for e in kept])
+                        self.enqueue(kept[0])
                     await self.outboxes.say(
                         runner, target, "✅ You're approved. Your messages are on their way to the assistant."
                     )

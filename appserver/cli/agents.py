@@ -9,6 +9,7 @@ import click
 
 from appserver.agent_admin import parse_params, parse_tool_policies
 from appserver.cli.common import get_config, print_json, with_server
+from appserver.cli.safetext import exact, visible
 from appserver.config import Config
 from appserver.fsutil import CorruptStateFile
 from appserver.server import Server
@@ -18,14 +19,16 @@ from cron.stores import cron_store_for
 
 
 def _show(agent: AgentRecord) -> None:
-    click.echo(f"{agent.name}  ({agent.id})")
-    click.echo(f"  model:  {agent.model}")
+    """Names, ids and settings as stored (any client of the server may have written them) are
+    shown exactly; the system prompt is the operator's own text and is printed as written."""
+    click.echo(f"{exact(agent.name)}  ({exact(agent.id)})")
+    click.echo(f"  model:  {exact(agent.model)}")
     if agent.system:
         click.echo(f"  system: {agent.system}")
     if agent.tools:
-        click.echo("  tools:  " + ", ".join(f"{k}={v}" for k, v in sorted(agent.tools.items())))
+        click.echo("  tools:  " + ", ".join(f"{exact(k)}={exact(v)}" for k, v in sorted(agent.tools.items())))
     if agent.params:
-        click.echo("  params: " + ", ".join(f"{k}={v}" for k, v in sorted(agent.params.items())))
+        click.echo("  params: " + ", ".join(f"{exact(k)}={exact(v)}" for k, v in sorted(agent.params.items())))
 
 
 @click.group("agents")
@@ -41,7 +44,7 @@ def list_agents(as_json: bool) -> None:
         print_json([a.to_dict() for a in agents])
         return
     for a in agents:
-        click.echo(f"{a.id}  {a.name:<20} {a.model}")
+        click.echo(f"{exact(a.id)}  {exact(a.name):<20} {exact(a.model)}")
 
 
 @agents_group.command("create")
@@ -77,12 +80,13 @@ def _note_namesakes(agent: AgentRecord, namesakes: list[AgentRecord]) -> None:
     only OpenAI clients (`model_ambiguous`) but this CLI too (`run`, `chat`, `cron add` and
     `conversations list` default to or take `--agent assistant`), so the warning names them."""
     if namesakes:
-        ids = ", ".join(a.id for a in namesakes)
+        ids = ", ".join(exact(a.id) for a in namesakes)
+        name, agent_id = exact(agent.name), exact(agent.id)
         click.echo(
             f"warning: {ids} {'is' if len(namesakes) == 1 else 'are'} also named {agent.name!r}, so that name is "
-            f"now ambiguous: --agent {agent.name} (run, chat, cron, conversations) and the OpenAI model "
-            f"{agent.name!r} fail until you give an id instead ({agent.id} for this one) or rename one "
-            f"(appserver agents update {agent.id} --name NEW)",
+            f"now ambiguous: --agent {name} (run, chat, cron, conversations) and the OpenAI model "
+            f"{agent.name!r} fail until you give an id instead ({agent_id} for this one) or rename one "
+            f"(appserver agents update {agent_id} --name NEW)",
             err=True,
         )
 
@@ -162,14 +166,14 @@ def _cron_note(agent: AgentRecord, cleanup: _CronCleanup, *, as_json: bool) -> N
     (stderr) that they could not be checked."""
     if cleanup.problem is not None:
         click.echo(
-            f"warning: the cron tasks of {agent.name} could not be checked ({cleanup.problem}); "
+            f"warning: the cron tasks of {exact(agent.name)} could not be checked ({visible(cleanup.problem)}); "
             "check them with appserver cron list: any left would fail with 'unknown agent'",
             err=True,
         )
     elif cleanup.disabled and not as_json:
         n = len(cleanup.disabled)
-        names = ", ".join(f"{t.name} ({t.id})" for t in cleanup.disabled)
-        click.echo(f"disabled {n} cron task{'s' if n != 1 else ''} of {agent.name}: {names}")
+        names = ", ".join(f"{exact(t.name)} ({exact(t.id)})" for t in cleanup.disabled)  # crons.json's
+        click.echo(f"disabled {n} cron task{'s' if n != 1 else ''} of {exact(agent.name)}: {names}")
 
 
 @agents_group.command("delete")
@@ -190,5 +194,5 @@ def delete_agent(agent: str, as_json: bool) -> None:
             out["cron_tasks_unchecked"] = cleanup.problem
         print_json(out)
     else:
-        click.echo(f"deleted {rec.name} ({rec.id})")
+        click.echo(f"deleted {exact(rec.name)} ({exact(rec.id)})")
     _cron_note(rec, cleanup, as_json=as_json)

@@ -45,6 +45,7 @@ from appserver.channelconfig import (
     load_channels,
 )
 from appserver.cli.common import fail, get_config, print_json, run_or_fail
+from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError, default_home, load_config
 from appserver.fsutil import atomic_write_text
 from appserver.serverinfo import read_live_server
@@ -484,14 +485,14 @@ def _require_known(home: Path, channel: str) -> _Channel:
 def _warn_if_broken(found: _Channel) -> None:
     """Said after a change succeeded, so a refusal stays one line."""
     if found.problem:
-        click.echo(f"warning: channel {found.id!r}: {found.problem}", err=True)
+        click.echo(f"warning: channel {found.id!r}: {visible(found.problem)}", err=True)  # a plugin's words
 
 
 def _restart_hint(config: Config, what: str) -> None:
     live = read_live_server(config.server_json)
     if live is not None:
         click.echo(
-            f"A server is running at {live.get('url')} (pid {live.get('pid')}): it picks up {what} when "
+            f"A server is running at {exact(live.get('url'))} (pid {exact(live.get('pid'))}): it picks up {what} when "
             "restarted (stop it and run `appserver serve` again)."
         )
     else:
@@ -610,13 +611,13 @@ def list_cmd(as_json: bool) -> None:
         )
     click.echo(_table(table))
     broken = [r for r in rows if r["kind"] == "plugin" and r["error"]]
-    for r in broken:
-        click.echo(f"\n{r['id']}: {r['error']}")
+    for r in broken:  # the error quotes the plugin's own files
+        click.echo(f"\n{exact(r['id'])}: {visible(r['error'])}")
     if broken:
         click.echo("\nA broken plugin does not run; fix its channel.json (the error says how) and restart the server.")
     bad = [(r["id"], name, why) for r in rows for name, why in r["account_errors"].items()]
     for cid, name, why in bad:
-        click.echo(f"\n{cid}:{name}: [channels.{cid}.accounts.{name}] {why}")
+        click.echo(f"\n{exact(cid)}:{exact(name)}: [channels.{exact(cid)}.accounts.{exact(name)}] {visible(why)}")
     if bad:
         click.echo(
             "\nAn account with bad settings does not start (its state is error); fix it in config.toml "
@@ -757,7 +758,7 @@ def remove_cmd(channel: str, account: str) -> None:
     file.write(text)
     click.echo(f"Removed account {channel}:{account} from {file.path}.")
     if still:
-        click.echo(f"warning: {file.path} still has a problem: {still}", err=True)
+        click.echo(f"warning: {file.path} still has a problem: {visible(still)}", err=True)
     if config is not None:
         _restart_hint(config, "the change")
         if channel in config.channels.enabled and not _file_accounts(data, channel):
@@ -826,6 +827,9 @@ def _ago(t: float | None, now: float) -> str:
 
 
 def _table(rows: list[list[str]]) -> str:
+    """Aligned columns; each cell one line shown exactly (ids from platforms, a plugin's or a
+    platform's reasons: their controls are escapes, never acted on by the terminal)."""
+    rows = [[exact(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
@@ -975,18 +979,18 @@ def status_cmd(as_json: bool) -> None:
         click.echo("Server: not running; this is the last recorded state.")
     elif not server["reachable"]:
         click.echo(
-            f"Server: running at {server['url']} but /readyz could not be read ({server['error']}); "
+            f"Server: running at {exact(server['url'])} but /readyz could not be read ({visible(server['error'])}); "
             "the state above is the last recorded one."
         )
     elif server["channels"] is None:
         click.echo(
-            f"Server: running at {server['url']} without channels (none enabled when it started; "
+            f"Server: running at {exact(server['url'])} without channels (none enabled when it started; "
             "restart it after `appserver channels enable`)."
         )
     else:
         check = server["channels"]
-        detail = f": {check['detail']}" if check.get("detail") else ""
-        click.echo(f"Server: running at {server['url']}; live channels check {check['status']}{detail}")
+        detail = f": {visible(check['detail'])}" if check.get("detail") else ""  # the platforms' words too
+        click.echo(f"Server: running at {exact(server['url'])}; live channels check {exact(check['status'])}{detail}")
 
 
 # ── routes ──────────────────────────────────────────────────────────────────────────────────────
@@ -1050,7 +1054,8 @@ def route_add_cmd(key: str, agent: str, conversation: str | None) -> None:
         old = router.get(route_key)
         router.add(route_key, agent.strip(), conversation.strip() if conversation else None)
     target = agent.strip() + (f" (conversation {conversation.strip()})" if conversation else "")
-    click.echo(f"Route {route_key} -> {target}" + (f"; replaced the route to {old.agent}" if old else "") + ".")
+    replaced = f"; replaced the route to {exact(old.agent)}" if old else ""  # gateway.db's, written by anyone
+    click.echo(f"Route {exact(route_key)} -> {exact(target)}{replaced}.")
     click.echo("A running gateway uses it from the next message on (no restart needed).")
     if route_key.thread == ROOT:
         click.echo("Threads of this chat without a route of their own use it, each in a conversation of its own.")

@@ -21,7 +21,9 @@ from typing import Any, TypeVar
 
 import click
 
+from appserver.cli import safetext
 from appserver.cli.common import MAX_COUNT, Count, get_config
+from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile
 from cron.runlog import find_removed, read_run_log
@@ -157,7 +159,7 @@ class _OneLineError(click.ClickException):
     """`error: <one line>` and exit code 1, spelled like every other appserver command."""
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"error: {self.format_message()}", err=True)
+        click.echo(f"error: {visible(self.format_message())}", err=True)  # may quote crons.json or a server
 
 
 class _NotFound(_OneLineError):
@@ -379,9 +381,9 @@ def add_cmd(
             if task.next_due_at is None or task.next_fire_at is None
             else _fire_line(task.next_due_at, task.next_fire_at, task.schedule.tz)
         )
-        click.echo(
-            f"added cron task {task.name} ({task.id}) for agent {names.get(task.agent, task.agent)}; next run {nxt}"
-        )
+        shown = safetext.exact  # `exact` is the --exact flag here
+        agent_name = shown(names.get(task.agent, task.agent))
+        click.echo(f"added cron task {shown(task.name)} ({shown(task.id)}) for agent {agent_name}; next run {nxt}")
 
 
 def _check_targets(cfg: Config, task: CronTask) -> None:
@@ -427,7 +429,7 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
     agent_id = _agent_filter(cfg, agent)
     tasks = [t for t in state.tasks if agent_id is None or t.agent == agent_id]
     for bad in state.invalid:
-        click.echo(f"warning: cron task {bad.id} is invalid and not scheduled: {bad.reason}", err=True)
+        click.echo(f"warning: cron task {exact(bad.id)} is invalid and not scheduled: {visible(bad.reason)}", err=True)
     names = _names_of(cfg) if tasks else {}
     if as_json:
         click.echo(json.dumps([_task_json(t, names) for t in tasks]))
@@ -436,17 +438,17 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
         click.echo("no cron tasks")
         return
     rows = [["ID", "NAME", "AGENT", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
-    for t in tasks:
+    for t in tasks:  # each cell one line, exactly as stored (crons.json is the schedule tool's too)
         rows.append(
             [
-                t.id,
-                t.name,
-                names.get(t.agent, t.agent),
-                _schedule_text(t),
+                exact(t.id),
+                exact(t.name),
+                exact(names.get(t.agent, t.agent)),
+                exact(_schedule_text(t)),
                 _local(t.next_due_at if t.enabled else None, t.schedule.tz),
                 t.state,
                 str(t.occurrence),
-                (t.last_error or "")[:60],
+                exact((t.last_error or "")[:60]),
             ]
         )
     click.echo(_table(rows))
@@ -467,22 +469,24 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         return
     tz = task.schedule.tz
     agent_text = f"{names[task.agent]} ({task.agent})" if task.agent in names else task.agent
+    # crons.json is also written by the agent's schedule tool: names, ids and targets are shown
+    # exactly, the prompt and the error as text, and no value can act on the terminal.
     fields = [
-        ("id", task.id),
-        ("name", task.name),
-        ("agent", agent_text),
-        ("schedule", _schedule_text(task)),
+        ("id", exact(task.id)),
+        ("name", exact(task.name)),
+        ("agent", exact(agent_text)),
+        ("schedule", exact(_schedule_text(task))),
         ("state", task.state),
         ("next scheduled", _local(task.next_fire_at, tz)),
         ("next run (with jitter)", _local(task.next_due_at, tz)),
-        ("conversation", task.conversation),
+        ("conversation", exact(task.conversation)),
         ("misfire", f"{task.misfire} (max lateness {task.max_lateness_s:g}s)"),
         ("exact", "yes" if task.exact else "no"),
-        ("deliver", task.deliver or "-"),
+        ("deliver", exact(task.deliver or "-")),
         ("runs", str(task.occurrence)),
-        ("last error", task.last_error or "-"),
+        ("last error", visible(task.last_error or "-")),
         ("created", _local(task.created_at, tz)),
-        ("prompt", task.prompt),
+        ("prompt", visible(task.prompt)),
     ]
     width = max(len(k) for k, _ in fields)
     for k, v in fields:
@@ -501,7 +505,7 @@ def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
 def enable_cmd(ref: str, agent: str | None) -> None:
     """Enable a task; a recurring one resumes from now (no catch-up for the disabled period)."""
     t = _toggle(ref, agent, True)
-    click.echo(f"enabled {t.name} ({t.id}); next run {_local(t.next_due_at, t.schedule.tz)}")
+    click.echo(f"enabled {exact(t.name)} ({exact(t.id)}); next run {_local(t.next_due_at, t.schedule.tz)}")
 
 
 @cron_group.command("disable")
@@ -511,7 +515,7 @@ def enable_cmd(ref: str, agent: str | None) -> None:
 def disable_cmd(ref: str, agent: str | None) -> None:
     """Disable a task without removing it."""
     t = _toggle(ref, agent, False)
-    click.echo(f"disabled {t.name} ({t.id})")
+    click.echo(f"disabled {exact(t.name)} ({exact(t.id)})")
 
 
 @cron_group.command("remove")
@@ -522,7 +526,7 @@ def remove_cmd(ref: str, agent: str | None) -> None:
     """Remove a task (its run log stays in cron-runs/)."""
     cfg = _config()
     t = _store(cfg).remove(ref, _agent_filter(cfg, agent))
-    click.echo(f"removed {t.name} ({t.id}); its run log stays: appserver cron logs {t.id}")
+    click.echo(f"removed {exact(t.name)} ({exact(t.id)}); its run log stays: appserver cron logs {exact(t.id)}")
 
 
 @cron_group.command("run")
@@ -556,19 +560,19 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
         task_id, name, tz = task.id, task.name, task.schedule.tz
     except CronNotFound:
         task_id, name, tz = _removed_task(store, ref, agent_id)
-        click.echo(f"note: task {name} ({task_id}) was removed; its run log was kept", err=True)
+        click.echo(f"note: task {exact(name)} ({exact(task_id)}) was removed; its run log was kept", err=True)
     found = read_run_log(store.runs_dir, task_id, limit=limit)
     problem = found.problem()
     if found.unusable:  # a log nothing could be read from is an unknown history, never "no runs"
         raise _OneLineError(str(problem))
     if problem is not None:  # some lines lost: said once, the readable records still shown
-        click.echo(f"warning: {problem}", err=True)
+        click.echo(f"warning: {visible(problem)}", err=True)
     records = found.records
     if as_json:
         click.echo(json.dumps(records))
         return
     if not records:
-        click.echo(f"no runs yet for {name}")
+        click.echo(f"no runs yet for {exact(name)}")
         return
     for r in records:
         click.echo(_log_line(r, tz))
@@ -604,7 +608,7 @@ def preview_cmd(ref: str, agent: str | None, count: int, as_json: bool) -> None:
         click.echo(json.dumps(out))
         return
     if not out:
-        click.echo(f"{task.name} has no upcoming runs")
+        click.echo(f"{exact(task.name)} has no upcoming runs")
     for nominal, o in zip(times, out, strict=True):
         click.echo(_fire_line(datetime.fromisoformat(o["fires_at"]), nominal, task.schedule.tz))
 
@@ -631,6 +635,9 @@ def _recovered(record: dict[str, Any]) -> str:
 
 
 def _log_line(r: dict[str, Any], tz: str) -> str:
+    """One run-log record as a line. Its values come from the run log (the model's and the
+    channels' error words among them): ids and targets shown exactly, errors as text."""
+
     def when(key: str) -> str:
         v = r.get(key)
         if not isinstance(v, str):
@@ -638,30 +645,33 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
         try:  # a hand-edited or foreign record shows as written; it must not hide the rest of the log
             return _local(datetime.fromisoformat(v), tz)
         except (ValueError, OverflowError):
-            return v
+            return exact(v)
 
-    ev = str(r.get("event", "?"))
-    n = r.get("occurrence")
+    def field(key: str) -> str:
+        return exact(r.get(key))
+
+    ev = exact(r.get("event", "?"))
+    n = field("occurrence")
     head = f"{when('at')}  {ev:<11}"
     if ev == "fired":
         kind = " (run now)" if r.get("manual") else " (catch-up)" if r.get("catch_up") else ""
         lost = "  LOST: the process died before submitting it" if r.get("lost") else ""
         return f"{head} #{n} scheduled for {when('scheduled_for')}{kind}{lost}{_recovered(r)}"
     if ev == "submitted":
-        return f"{head} #{n} turn {r.get('turn_id')}{_recovered(r)}"
+        return f"{head} #{n} turn {field('turn_id')}{_recovered(r)}"
     if ev == "outcome":
-        err = f": {r['error']}" if r.get("error") else ""
-        return f"{head} #{n} turn {r.get('turn_id')} {r.get('status')}{err}"
+        err = f": {visible(r['error'])}" if r.get("error") else ""
+        return f"{head} #{n} turn {field('turn_id')} {field('status')}{err}"
     if ev == "missed":
-        return f"{head} scheduled for {when('scheduled_for')}: {r.get('reason')}"
+        return f"{head} scheduled for {when('scheduled_for')}: {visible(r.get('reason'))}"
     if ev == "fire_failed":
-        return f"{head} #{n} {r.get('error')}"
+        return f"{head} #{n} {visible(r.get('error'))}"
     if ev == "delivered":
         ids = r.get("remote_ids")
-        shown = ", ".join(str(i) for i in ids) if isinstance(ids, list) and ids else "none reported"
-        return f"{head} #{n} turn {r.get('turn_id')} to {r.get('target')} (message ids: {shown})"
+        shown = ", ".join(exact(i) for i in ids) if isinstance(ids, list) and ids else "none reported"
+        return f"{head} #{n} turn {field('turn_id')} to {field('target')} (message ids: {shown})"
     if ev == "delivery_failed":
-        return f"{head} #{n} to {r.get('target')}: {r.get('error')}"
+        return f"{head} #{n} to {field('target')}: {visible(r.get('error'))}"
     if ev == "removed":
         return f"{head} the task was removed"
-    return f"{head} {r.get('error', '')}"
+    return f"{head} {visible(r.get('error', ''))}"

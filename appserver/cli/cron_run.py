@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from appserver.cli.common import fail, get_config, live_server_or_fail, print_json
+from appserver.cli.safetext import exact, visible
 from appserver.config import Config
 from appserver.errors import KernelError
 from appserver.server import Server
@@ -98,19 +99,22 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
 
 def report(out: dict[str, Any], as_json: bool) -> None:
     """Print the run (the same shape in-process and through a server) and exit with its status."""
-    run = f"run #{out['occurrence']['occurrence']} of {out['task']['name']}"
+    # The task's name (written by the agent's schedule tool), the model's text and the reasons are
+    # from elsewhere: shown with their controls escaped, never obeyed by the terminal.
+    run = f"run #{out['occurrence']['occurrence']} of {exact(out['task']['name'])}"
     if as_json:
         print_json(out)
     elif out["turn_id"] is None:  # claimed, but the kernel refused it: say why, never "None"
         why = " ".join(str(out.get("error") or "the kernel gave no reason").split())
-        click.echo(f"error: {run} could not be submitted: {why}", err=True)
+        click.echo(f"error: {run} could not be submitted: {visible(why)}", err=True)
     else:
         text = "".join(b.get("text", "") for b in (out["snapshot"] or {}).get("blocks", []) if b["type"] == "text")
-        status = out["outcome"] or "unknown (no outcome was reported)"
-        why = f": {out['error']}" if out.get("error") and out["outcome"] not in ("completed", "awaiting") else ""
-        click.echo(f"{run}: {status}{why} (turn {out['turn_id']})")
+        status = exact(out["outcome"] or "unknown (no outcome was reported)")
+        failed = out.get("error") and out["outcome"] not in ("completed", "awaiting")
+        why = f": {visible(out['error'])}" if failed else ""
+        click.echo(f"{run}: {status}{why} (turn {exact(out['turn_id'])})")
         if text:
-            click.echo(text)
+            click.echo(visible(text))
     sys.exit(0 if out["outcome"] in ("completed", "awaiting") else 1)
 
 

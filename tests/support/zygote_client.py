@@ -128,9 +128,9 @@ class ZygotePopen(subprocess.Popen):  # type: ignore[type-arg]
                 socket.send_fds(zygote.control, [json.dumps(body).encode()], [theirs.fileno(), *streams])
         finally:
             theirs.close()
+            # Closes the child's ends here, /dev/null (DEVNULL) among them: closing that again would
+            # fail with EBADF, or close a descriptor another thread has opened since.
             self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
-            if hasattr(self, "_devnull"):
-                os.close(self._devnull)
         self._reply, self._replies = reply, b""
         message = self._next_message(None)
         if message is None or "pid" not in message:

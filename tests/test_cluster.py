@@ -89,7 +89,9 @@ def _instances(url: str) -> list[str]:
 
 
 async def _create(ws: WS, agent: str = "assistant") -> str:
-    return str((await ws.request({"type": "create_conversation", "agent": agent}))["conversation"]["id"])
+    reply = await ws.request({"type": "create_conversation", "agent": agent})
+    assert "conversation" in reply, reply
+    return str(reply["conversation"]["id"])
 
 
 async def _submit(ws: WS, conversation: str, text: str, agent: str = "assistant") -> dict[str, Any]:
@@ -230,6 +232,8 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                 slow = sorted(r["status"] for r in _all_turns(url) if "/slow 30" in r["input"])
                 assert slow == ["completed", "interrupted"], slow
                 await b.close()
+                await on_a.close()
+                await on_b.close()
 
             asyncio.run(go())
         finally:
@@ -297,6 +301,8 @@ def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_
                     ).fetchone()
                 assert written is not None and written[0] <= 1, written  # the interrupted text, once at most
                 await a.close()
+                await on_a.close()
+                await on_b.close()
 
             asyncio.run(go())
         finally:
@@ -359,6 +365,7 @@ def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path)
                     assert [(r["id"], r["status"]) for r in rows] == [(running["turn_id"], "interrupted")], rows
                     assert len(_instances(url)) == 1  # A did not put its row back
                     await ws.close()
+                    await on_a.close()
 
                 asyncio.run(go())
             finally:
@@ -591,6 +598,8 @@ def test_two_clients_continuing_one_response_on_two_instances_each_get_their_own
         assert two.output_text == "first", two.output_text  # the fork holds what came before, not client 1's input
         done = await one
         assert done.output_text == " ".join(f"w{i}" for i in range(1, 22))
+        await a.close()
+        await b.close()
 
     asyncio.run(go())
 

@@ -84,6 +84,7 @@ PROVIDER_FAILURES: dict[str, tuple[int, str]] = {
     "network": (502, "upstream_unreachable"),
     "server": (502, "upstream_server_error"),
     "protocol": (502, "upstream_protocol_error"),
+    "taken_over": (503, "server_unavailable"),  # not upstream: a cluster's survivor has the conversation now
 }
 
 

@@ -31,7 +31,7 @@ from appserver.runtime.restore import controller_from_store
 from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
-from appserver.store.base import ConversationGone, DuplicateTurn, Store
+from appserver.store.base import ConversationGone, DuplicateTurn, Store, TurnSettledElsewhere
 from appserver.store.cluster import Cluster
 from appserver.store.records import (
     AgentRecord,
@@ -105,6 +105,7 @@ class Kernel:
         self._stopping = False
         # Several servers on one database (a PostgreSQL store that joined its cluster at start).
         self._link: ClusterLink | None = None
+        self._cancelling: set[asyncio.Task[bool]] = set()
         self._leases: dict[str, str] = {}  # conversation id -> lease token, while its runtime is here
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
@@ -125,6 +126,7 @@ class Kernel:
                 self.store, self.config, self.agent_loop, self.owner, self._turn_settled, cluster_accept=accept
             )
             self._link = ClusterLink(self, cluster)
+            cluster.on_lost = self._taken_over
         reaped = reap_orphaned_tools(self.config.home, self.owner)
         if reaped:
             log.warning("killed %d tool process(es) left running by a server of this home that died", reaped)
@@ -475,11 +477,26 @@ class Kernel:
         """A cluster member judged gone by the others runs nothing more: they took its
         conversations over, and a runtime still loaded here would run a second copy of one."""
         link = self._link
-        if link is not None and link.cluster.lost:
+        if link is None or not link.cluster.fenced:
+            return
+        if link.cluster.lost:
             raise Unavailable(
                 f"this server ({link.cluster.instance_id}) was judged gone by the others of its cluster and "
                 "its conversations were taken over: send the request to another server (this one needs a restart)"
             )
+        raise Unavailable(
+            f"this server ({link.cluster.instance_id}) has lost its database session; the others may take "
+            "its conversations over: send the request to another server"
+        )
+
+    def _taken_over(self) -> None:
+        """Judged gone: the turns running here are another server's now. Cancelled, so that none
+        goes on calling its model and tools (what they would write is refused in the database)."""
+        for rt in list(self.runtimes.values()):
+            if not rt.idle:
+                task = asyncio.get_running_loop().create_task(rt.cancel(), name="cancel-taken-over")
+                self._cancelling.add(task)  # the loop holds a task only weakly
+                task.add_done_callback(self._cancelling.discard)
 
     async def submit(self, req: SubmitRequest) -> Submission:
         self._check_not_fenced()
@@ -544,6 +561,9 @@ class Kernel:
             return await self._duplicate(dup.turn)
         except ConversationGone:
             raise await self._gone(agent, conv_id) from None
+        except TurnSettledElsewhere:  # its conversation was taken over meanwhile: this server is fenced
+            self._check_not_fenced()
+            raise
         return Submission(record.id, conv_id, agent.id, position, False, handle)
 
     async def _gone(self, agent: AgentRecord, conversation_id: str) -> NotFound:

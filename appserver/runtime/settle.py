@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from appserver.agent.loop import LoopOutcome, TurnWork
 from appserver.runtime.types import StopReason
+from appserver.store.base import TurnSettledElsewhere
 from appserver.store.records import MessageRecord, TurnCommit, TurnStatus
 from appserver.values import value
 
@@ -25,11 +26,13 @@ class TurnEnd:
 
 
 def store_failure(reason: object) -> TurnEnd:
-    """The turn could not be saved: it ends failed with nothing written."""
+    """The turn could not be saved: it ends failed with nothing written. Error kind `taken_over`
+    when another server of the cluster took its conversation over (HTTP says 503 for it)."""
+    kind = "taken_over" if isinstance(reason, TurnSettledElsewhere) else "store"
     return TurnEnd(
         "failed",
         "error",
-        {"kind": "store", "message": f"the turn could not be saved: {reason}", "retryable": False, "status": None},
+        {"kind": kind, "message": f"the turn could not be saved: {reason}", "retryable": False, "status": None},
     )
 
 

@@ -123,10 +123,32 @@ class Cluster:
         self._stopped = False
         self.lost = False  # the instance row was deleted by a survivor: this server was judged gone
         self._held: dict[str, str] = {}  # conversation id -> token of each lease taken and not let go
+        self._up_since: float | None = None  # when the session was (re)connected
+        self._down_since: float | None = None  # when it was lost, while it is
+        self._beat_ok = time.monotonic()  # when the heartbeat was last renewed (or the session taken)
+        self.on_lost: Callable[[], None] | None = None  # the kernel: stop what runs here
 
     @property
     def params(self) -> dict[str, float]:
-        return {"timeout": self.instance_timeout_s, "grace": self.heartbeat_s * 2.5}
+        """How the others are judged. Until this instance's own session has been up for a while,
+        only by the timeout: after an outage of the whole database every heartbeat is stale and no
+        lock held, and the first server back judged all the others gone (each of them fenced)
+        before their sessions were back too."""
+        grace = self.heartbeat_s * 2.5
+        settled = self._up_since is not None and time.monotonic() - self._up_since >= grace + self.heartbeat_s
+        return {"timeout": self.instance_timeout_s, "grace": grace if settled else self.instance_timeout_s}
+
+    @property
+    def fenced(self) -> bool:
+        """Runs nothing: judged gone (`lost`), or its session away longer than the grace, after
+        which the others may judge it gone and take its conversations over at any moment."""
+        if self.lost:
+            return True
+        now = time.monotonic()
+        if self._down_since is not None and now - self._down_since > self.heartbeat_s * 2.5:
+            return True
+        # its heartbeat not renewed (a session that hangs): judged gone at the timeout, lock or not
+        return now - self._beat_ok > self.instance_timeout_s - self.heartbeat_s
 
     # ------------------------------------------------------------ membership
 
@@ -166,7 +188,7 @@ class Cluster:
                     f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING id", (self.instance_id,)
                 )
                 if await cur.fetchone() is None or not await self._leases_still_held(conn):
-                    self._judged_gone()
+                    self.judged_gone()
             else:
                 await conn.execute(
                     "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
@@ -179,6 +201,8 @@ class Cluster:
             await conn.close()
             raise
         self._session = conn
+        self._up_since = self._beat_ok = time.monotonic()
+        self._down_since = None
         await self._count_peers(conn)
 
     async def _count_peers(self, conn: Conn) -> None:
@@ -194,6 +218,8 @@ class Cluster:
             conn = self._session
             try:
                 if conn is None or conn.closed:
+                    if self._down_since is None:
+                        self._down_since = time.monotonic()
                     await self._connect(again=True)
                     if not self.lost:
                         log.warning("cluster: the database ended this instance's session; taken again")
@@ -202,13 +228,14 @@ class Cluster:
                     self._dispatch(note.channel, note.payload)
                 if time.monotonic() - beat_at >= self.heartbeat_s:
                     # Late (the process was stopped, or starved): others may have judged it gone.
-                    late = time.monotonic() - beat_at > self.params["grace"]
+                    late = time.monotonic() - self._beat_ok > self.heartbeat_s * 2.5
                     beat_at = time.monotonic()
                     cur = await conn.execute(
                         f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING id", (self.instance_id,)
                     )
                     if await cur.fetchone() is None or (late and not await self._leases_still_held(conn)):
-                        self._judged_gone()
+                        self.judged_gone()
+                    self._beat_ok = time.monotonic()
                     await self._count_peers(conn)
             except asyncio.CancelledError:
                 raise
@@ -216,6 +243,9 @@ class Cluster:
                 if self._session is not None:
                     await self._session.close()
                 self._session = None
+                self._up_since = None
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
                 now = time.monotonic()
                 if now - said_at >= 30.0:
                     said_at = now
@@ -234,12 +264,14 @@ class Cluster:
         rows = {r["conversation_id"]: r["token"] for r in await cur.fetchall()}
         return all(rows.get(conversation_id) == token for conversation_id, token in held.items())
 
-    def _judged_gone(self) -> None:
+    def judged_gone(self) -> None:
         """This instance's row is gone: a survivor judged it gone and took its conversations over.
         From now on it runs nothing (the kernel refuses, `/readyz` fails): restart it."""
         if self.lost:
             return
         self.lost = True
+        if self.on_lost is not None:
+            self.on_lost()
         log.error(
             "cluster: instance %s was judged gone by another server (its heartbeat stopped for longer than "
             "%.0f s, or its database session for %.0f s); its conversations were taken over and it runs "

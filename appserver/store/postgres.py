@@ -441,6 +441,11 @@ class PostgresStore(Store):
 
         await self._write(probe)
         cluster = self.cluster
+        if cluster is not None and cluster.fenced and not cluster.lost:
+            raise StoreError(
+                f"PostgreSQL store {self.shown_url}: this server ({cluster.instance_id}) has lost its database "
+                "session; the others may take its conversations over"
+            )
         if cluster is not None and cluster.lost:
             raise StoreError(
                 f"PostgreSQL store {self.shown_url}: this server ({cluster.instance_id}) was judged gone by the "
@@ -704,6 +709,13 @@ class PostgresStore(Store):
             await conn.execute(
                 "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (ACCEPT_LOCK_CLASS, turn.conversation_id)
             )
+            if turn.owner is not None and self.cluster is not None:  # the holder's accept: is it still?
+                cur = await conn.execute(
+                    "SELECT 1 AS held FROM conversation_owners WHERE conversation_id = %s AND instance_id = %s",
+                    (turn.conversation_id, self.cluster.instance_id),
+                )
+                if await cur.fetchone() is None:
+                    raise TurnSettledElsewhere(turn.id)
             cur = await conn.execute(
                 "SELECT id, status FROM turns WHERE conversation_id = %s AND status IN ('queued', 'running') "
                 "ORDER BY seq",
@@ -730,7 +742,7 @@ class PostgresStore(Store):
             return [r["id"] for r in rows if r["status"] == "queued"]
 
         try:
-            return await self._write(job)
+            return await self._turn_write(job)
         except psycopg.errors.ForeignKeyViolation as exc:
             raise ConversationGone(turn.conversation_id) from exc  # deleted since the request found it
 
@@ -788,26 +800,72 @@ class PostgresStore(Store):
 
         return await self._write(job)
 
+    def _lease_held(self) -> tuple[str, tuple[str, ...]]:
+        """A clause for a turn's writes in a cluster: only while this server holds the turn's
+        conversation (`turns` in the statement). A server the others judged gone (its session
+        away, or the process stopped) may still have the turn in memory and connections that
+        work; the lease, which a survivor took, is what says whose the conversation is."""
+        cluster = self.cluster
+        if cluster is None:
+            return "", ()
+        return (
+            " AND EXISTS (SELECT 1 FROM conversation_owners o WHERE o.conversation_id = turns.conversation_id "
+            "AND o.instance_id = %s)",
+            (cluster.instance_id,),
+        )
+
+    async def _turn_write(self, job: Job[T]) -> T:
+        """A write of a turn's state. Refused (TurnSettledElsewhere, once the group's outcome is
+        final: a group that failed elsewhere runs again) because its conversation's lease is
+        another server's, this server is fenced: its conversations in memory may all be another's
+        by now."""
+        try:
+            return await self._write(job)
+        except TurnSettledElsewhere as exc:
+            cluster = self.cluster
+            if cluster is not None:
+                held = await self._row(
+                    "SELECT 1 AS held FROM turns t JOIN conversation_owners o ON o.conversation_id = t.conversation_id "
+                    "WHERE t.id = %s AND o.instance_id = %s",
+                    (exc.turn_id, cluster.instance_id),
+                )
+                if held is None:  # its conversation is another server's now: so may all be
+                    cluster.judged_gone()
+            raise
+
+    async def _gone_or_taken_over(self, conn: Conn, conversation_id: str, turn_id: str) -> None:
+        """A turn's write found no row to change: its conversation was deleted (ConversationGone),
+        or the turn is another server's now (settled, or its conversation's lease taken)."""
+        cur = await conn.execute("SELECT 1 AS here FROM turns WHERE id=%s", (turn_id,))
+        if await cur.fetchone() is not None:
+            raise TurnSettledElsewhere(turn_id)
+        raise ConversationGone(conversation_id)
+
     async def mark_turn_running(self, turn_id: str, owner: str, revision: int) -> None:
         now = time.time()
 
         async def job(conn: Conn) -> None:
             # Fenced: a turn another server of the cluster took over (it runs it, or settled it)
             # is not started here too.
+            held, held_args = self._lease_held()
             updated = await conn.execute(
                 "UPDATE turns SET status='running', owner=%s, revision=%s, started_at=COALESCE(started_at, %s) "
-                "WHERE id=%s AND (status IN ('queued', 'awaiting') OR (status = 'running' AND owner = %s)) "
-                "RETURNING id",
-                (owner, revision, now, turn_id, owner),
+                "WHERE id=%s AND (status IN ('queued', 'awaiting') OR owner = %s OR owner IS NULL)"
+                f"{held} RETURNING id",
+                (owner, revision, now, turn_id, owner, *held_args),
             )
 
             async def still_ours() -> None:
                 if await updated.fetchone() is None:
-                    raise TurnSettledElsewhere(turn_id)
+                    # No row yet is no refusal: a turn started before its accept commits (an
+                    # overlapped accept, later in this group or the next) is written running by it.
+                    cur = await conn.execute("SELECT 1 AS here FROM turns WHERE id=%s", (turn_id,))
+                    if await cur.fetchone() is not None:
+                        raise TurnSettledElsewhere(turn_id)
 
             self._writes.defer(still_ours)
 
-        await self._write(job)
+        await self._turn_write(job)
 
     async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
         text = dump_json(draft)
@@ -824,7 +882,7 @@ class PostgresStore(Store):
             await self._commit_turn(conn, conversation_id, commit)
 
         try:
-            await self._write(job)
+            await self._turn_write(job)
         except psycopg.errors.ForeignKeyViolation as exc:
             # Every row a commit inserts refers to its conversation: deleted meanwhile. (Raised when
             # the group's pipeline syncs, so here rather than inside the job.)
@@ -845,21 +903,24 @@ class PostgresStore(Store):
             m.turn_id = m.turn_id or turn_id
 
         async def job(conn: Conn) -> None:
+            # Before a server tool acts: never on a server whose conversation was taken over.
+            held, held_args = self._lease_held()
             updated = await conn.execute(
-                "UPDATE turns SET input_committed=TRUE, iteration=%s, usage=%s, draft=NULL WHERE id=%s RETURNING id",
-                (iteration, dump_json(usage), turn_id),
+                "UPDATE turns SET input_committed=TRUE, iteration=%s, usage=%s, draft=NULL "
+                f"WHERE id=%s AND status NOT IN ('completed', 'cancelled', 'failed', 'interrupted'){held} RETURNING id",
+                (iteration, dump_json(usage), turn_id, *held_args),
             )
             await conn.execute("UPDATE conversations SET updated_at=%s WHERE id=%s", (now, conversation_id))
             await self._insert_messages(conn, conversation_id, messages, now)
 
             async def turn_still_there() -> None:  # gone with its conversation (maybe created again since)
                 if await updated.fetchone() is None:
-                    raise ConversationGone(conversation_id)
+                    await self._gone_or_taken_over(conn, conversation_id, turn_id)
 
             self._writes.defer(turn_still_there)
 
         try:
-            await self._write(job)
+            await self._turn_write(job)
         except psycopg.errors.ForeignKeyViolation as exc:
             raise ConversationGone(conversation_id) from exc
 
@@ -887,10 +948,11 @@ class PostgresStore(Store):
                     p.expires_at,
                 ),
             )
+        held, held_args = self._lease_held()
         updated = await conn.execute(
             "UPDATE turns SET status=%s, stop_reason=%s, error=%s, usage=%s, revision=%s, iteration=%s, "
             "input_committed=%s, draft=NULL, ended_at=%s "
-            "WHERE id=%s AND status NOT IN ('completed', 'cancelled', 'failed', 'interrupted') RETURNING id",
+            f"WHERE id=%s AND status NOT IN ('completed', 'cancelled', 'failed', 'interrupted'){held} RETURNING id",
             (
                 commit.status,
                 commit.stop_reason,
@@ -901,6 +963,7 @@ class PostgresStore(Store):
                 commit.input_committed,
                 now if terminal else None,
                 commit.turn_id,
+                *held_args,
             ),
         )
 
@@ -909,10 +972,7 @@ class PostgresStore(Store):
             # again under the same id since, which must not receive this turn's messages). Or it
             # is settled already: another server of the cluster took the conversation over.
             if await updated.fetchone() is None:
-                cur = await conn.execute("SELECT 1 AS settled FROM turns WHERE id=%s", (commit.turn_id,))
-                if await cur.fetchone() is not None:
-                    raise TurnSettledElsewhere(commit.turn_id)
-                raise ConversationGone(conversation_id)
+                await self._gone_or_taken_over(conn, conversation_id, commit.turn_id)
 
         self._writes.defer(turn_still_there)
         if terminal and (commit.iteration > 1 or commit.pending or commit.stop_reason != "end_turn"):

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from tests.support.cli import cli_env, run_cli
-from tests.support.pg import require_postgres, temp_database
+from tests.support.pg import require_postgres, temp_database, url_for
 from tests.support.serve import ServeProcess, start_serve
 from tests.support.ws import WS
 
@@ -311,11 +311,14 @@ def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_
                 sp.kill()
 
 
-def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path) -> None:
-    """A (on a role of its own) loses every connection and cannot reconnect for longer than 2.5
+@pytest.mark.parametrize("cut", ["every connection", "its session only"])
+def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path, cut: str) -> None:
+    """A (on a role of its own) loses its connections and cannot reconnect for longer than 2.5
     heartbeats while its turn runs: B judges it gone, deletes its row and takes the conversation
-    over. A reconnected and put its row back, live again beside B, and ran inputs sent to it.
-    Now it learns it was judged gone: its turn is not written twice and it refuses requests."""
+    over. A reconnected and put its row back, live again beside B, and ran inputs sent to it;
+    with only its session cut (its pool still connected) it went on running and writing turns
+    the whole time. Now it refuses requests once its session is away longer than the grace, its
+    turn is not written twice, and back it learns it was judged gone."""
     require_postgres()
     role = f"fenced_{os.getpid()}_{time.monotonic_ns() % 100000}"
     with temp_database("cluster_cut") as url:
@@ -337,29 +340,41 @@ def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path)
                     await ws.expect(lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15)
                     with psycopg.connect(url, autocommit=True) as c:
                         c.execute(f"ALTER ROLE {role} CONNECTION LIMIT 0")
-                        c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+                        only = (
+                            " AND application_name LIKE 'appserver serve inst_%%'" if cut != "every connection" else ""
+                        )
+                        c.execute(
+                            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s{only}", (role,)
+                        )
+                    on_a = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+                    async def a_refuses() -> None:
+                        deadline = time.monotonic() + 15
+                        while True:
+                            assert time.monotonic() < deadline, "A still takes requests"
+                            try:
+                                await on_a.chat.completions.create(
+                                    model="assistant",
+                                    messages=[{"role": "user", "content": "to A"}],
+                                    extra_headers={"X-Conversation-Id": conv},
+                                )
+                            except openai.APIStatusError as exc:
+                                if exc.status_code == 503 and exc.code == "server_unavailable":
+                                    return
+                            await asyncio.sleep(0.2)
+
                     try:
                         deadline = time.monotonic() + 20
                         while [r["status"] for r in _turns(url, conv)] != ["interrupted"]:
                             assert time.monotonic() < deadline, _turns(url, conv)
                             await asyncio.sleep(0.1)
+                        if cut == "its session only":  # its pool still reaches the database
+                            await a_refuses()  # cut off: it refuses by itself
                     finally:
                         with psycopg.connect(url, autocommit=True) as c:
                             c.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")
-                    on_a = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key="x", max_retries=0, timeout=30)
-                    deadline = time.monotonic() + 15
-                    while True:
-                        assert time.monotonic() < deadline, "A still takes requests"
-                        try:
-                            await on_a.chat.completions.create(
-                                model="assistant",
-                                messages=[{"role": "user", "content": "to A"}],
-                                extra_headers={"X-Conversation-Id": conv},
-                            )
-                        except openai.APIStatusError as exc:
-                            if exc.status_code == 503 and exc.code == "server_unavailable":
-                                break
-                        await asyncio.sleep(0.2)
+                    await asyncio.sleep(2)  # back: it learns it was judged gone, and stays fenced
+                    await a_refuses()
                     await asyncio.sleep(6)  # A's turn has ended by now
                     rows = _turns(url, conv)
                     assert [(r["id"], r["status"]) for r in rows] == [(running["turn_id"], "interrupted")], rows
@@ -377,6 +392,38 @@ def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path)
                 c.execute(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}'")
                 c.execute(f"DROP OWNED BY {role}")
                 c.execute(f"DROP ROLE {role}")
+
+
+def test_an_outage_of_the_whole_database_fences_no_server(tmp_path: Path) -> None:
+    """The database refuses every connection for longer than 2.5 heartbeats (a restart), three
+    times: every heartbeat is stale and no lock held when it is back, and the first server back
+    judged the others gone before their sessions were back too (all of them fenced, a cluster that
+    answers nothing until restarted). Each server back judges the others by the timeout only."""
+    require_postgres()
+    with temp_database("cluster_outage") as url:
+        db = url.rsplit("/", 1)[1]
+        nodes = _start(tmp_path, url, 3)
+        try:
+            for _ in range(3):
+                with psycopg.connect(url_for("postgres"), autocommit=True) as c:
+                    c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
+                    c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (db,))
+                    time.sleep(1.5)
+                    c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
+                time.sleep(2)
+                for sp in nodes:
+                    assert httpx.get(sp.url + "/readyz", timeout=10).status_code == 200, sp.url
+                assert len(_instances(url)) == 3
+            for sp in nodes:
+                reply = httpx.post(
+                    sp.url + "/v1/chat/completions",
+                    json={"model": "assistant", "messages": [{"role": "user", "content": "after"}]},
+                    timeout=30,
+                )
+                assert reply.status_code == 200, reply.text
+        finally:
+            for sp in nodes:
+                sp.kill()
 
 
 def _cron_doc(url: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import operator
 import os
 import re
 import secrets
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -842,7 +843,13 @@ def validate_deliver(target: str | None) -> str | None:
             f"invalid deliver target {target!r}: use channel:account:chat or channel:account:chat:thread "
             "(no part empty, none with a ':')"
         )
+    if any(_unfit_char(c) for c in target):  # no chat is named so: the channels refuse such ids
+        raise ScheduleError(f"invalid deliver target {target!r}: a control character or a lone surrogate in it")
     return target
+
+
+def _unfit_char(c: str) -> bool:
+    return unicodedata.category(c) in ("Cc", "Cs")
 
 
 def validate_conversation(conv: str) -> str:

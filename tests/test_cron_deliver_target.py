@@ -24,6 +24,9 @@ REFUSED = [
     ":home:kitchen",
     "webhook::kitchen",
     "webhook:home:a:b:c:d",
+    "webhook:home:c\x1b[2J",  # a control character: no chat is named so
+    "webhook:home:kitchen:t\x00",
+    "webhook:home:k\ud800",  # a lone surrogate
 ]
 TAKEN = ["webhook:home:kitchen", "webhook:home:kitchen:thread-1", "telegram:bot1:-100123:42"]
 

@@ -229,3 +229,23 @@ def test_an_error_line_carrying_the_servers_words_shows_their_controls(
         refused.kill()
     assert "error: no pending call call_\\x1b]0;T\\x07\\x9b2J in this conversation" in refused.text(), refused.text()
     assert_no_foreign_controls(refused.raw)
+
+
+def test_history_with_a_damaged_text_is_shown_not_a_traceback(tmp_path: Path) -> None:
+    """A stored text holding a lone surrogate (a damaged or hand-edited store): the history
+    crashed with a UnicodeEncodeError traceback, as text and as JSON. It is shown escaped."""
+    import sqlite3
+
+    home = tmp_path / "home"
+    env = cli_env(home)
+    ran = run_cli(home, "run", "--json", "hello", env=env)
+    assert ran.code == 0, ran.err
+    conv = json.loads(ran.out)["conversation_id"]
+    with sqlite3.connect(home / "appserver.db") as db:
+        db.execute("UPDATE messages SET content = ? WHERE role = 'assistant'", ('"echo: \\ud800 hello"',))
+    text = run_cli(home, "conversations", "history", conv, env=env)
+    assert text.code == 0 and "Traceback" not in text.err, text.err
+    assert "echo: \\ud800 hello" in text.out, text.out
+    as_json = run_cli(home, "conversations", "history", conv, "--json", env=env)
+    assert as_json.code == 0 and "Traceback" not in as_json.err, as_json.err
+    assert "\\ud800" in as_json.out and "echo: \ud800 hello" in json.dumps(json.loads(as_json.out), ensure_ascii=False)

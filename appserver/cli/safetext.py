@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 
 # C0 controls but \t and \n, DEL, C1: what a terminal acts on instead of showing.
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")  # and lone surrogates: not printable
 # The same and \t, \n, and the bidi formatting characters (ALM, LRM, RLM, LRE…RLO, LRI…PDI).
-_EXACT = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+_EXACT = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def _escaped(match: re.Match[str]) -> str:
@@ -44,4 +44,5 @@ def json_text(text: str) -> str:
     """JSON text (as `json.dumps(ensure_ascii=False)` writes it) with DEL and the C1 controls as
     `\\u` escapes: the same JSON value, but no raw 8-bit CSI on a terminal. (JSON already escapes
     the C0 controls; these can only occur inside strings, where `\\u00XX` is the same character.)"""
-    return re.sub("[\x7f-\x9f]", lambda m: f"\\u{ord(m.group()):04x}", text)
+    # and a lone surrogate (a damaged stored text): valid as a JSON escape, unprintable as it is
+    return re.sub("[\x7f-\x9f\ud800-\udfff]", lambda m: f"\\u{ord(m.group()):04x}", text)

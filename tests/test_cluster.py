@@ -241,6 +241,24 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                 sp.kill()
 
 
+async def _until_refused(client: openai.AsyncOpenAI, conversation_id: str, within_s: float = 15) -> None:
+    """Send to the conversation through `client` until the server refuses as fenced (503
+    `server_unavailable`); fails if it still takes requests after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        assert time.monotonic() < deadline, "the server still takes requests"
+        try:
+            await client.chat.completions.create(
+                model="assistant",
+                messages=[{"role": "user", "content": "to A"}],
+                extra_headers={"X-Conversation-Id": conversation_id},
+            )
+        except openai.APIStatusError as exc:
+            if exc.status_code == 503 and exc.code == "server_unavailable":
+                return
+        await asyncio.sleep(0.2)
+
+
 def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_path: Path) -> None:
     """A stopped for longer than instance_timeout_s (a frozen VM, a paused container) while its turn
     runs: B takes the conversation over and settles the turn as interrupted. A, resumed, went on:
@@ -267,20 +285,7 @@ def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_
                     nodes[0].proc.send_signal(signal.SIGCONT)
                 # A's turn goes on to its end (6 s in all) and tries to write it
                 on_a = openai.AsyncOpenAI(base_url=nodes[0].url + "/v1", api_key="x", max_retries=0, timeout=30)
-                refused = None
-                deadline = time.monotonic() + 10
-                while refused is None:
-                    assert time.monotonic() < deadline, "A still takes requests"
-                    try:
-                        await on_a.chat.completions.create(
-                            model="assistant",
-                            messages=[{"role": "user", "content": "to A"}],
-                            extra_headers={"X-Conversation-Id": conv},
-                        )
-                    except openai.APIStatusError as exc:
-                        refused = exc
-                    await asyncio.sleep(0.2)
-                assert refused.status_code == 503 and refused.code == "server_unavailable", refused
+                await _until_refused(on_a, conv)
                 async with httpx.AsyncClient() as http:
                     assert (await http.get(nodes[0].url + "/readyz")).status_code == 503
                     assert (await http.get(nodes[1].url + "/readyz")).status_code == 200
@@ -348,33 +353,18 @@ def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path,
                         )
                     on_a = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key="x", max_retries=0, timeout=30)
 
-                    async def a_refuses() -> None:
-                        deadline = time.monotonic() + 15
-                        while True:
-                            assert time.monotonic() < deadline, "A still takes requests"
-                            try:
-                                await on_a.chat.completions.create(
-                                    model="assistant",
-                                    messages=[{"role": "user", "content": "to A"}],
-                                    extra_headers={"X-Conversation-Id": conv},
-                                )
-                            except openai.APIStatusError as exc:
-                                if exc.status_code == 503 and exc.code == "server_unavailable":
-                                    return
-                            await asyncio.sleep(0.2)
-
                     try:
                         deadline = time.monotonic() + 20
                         while [r["status"] for r in _turns(url, conv)] != ["interrupted"]:
                             assert time.monotonic() < deadline, _turns(url, conv)
                             await asyncio.sleep(0.1)
                         if cut == "its session only":  # its pool still reaches the database
-                            await a_refuses()  # cut off: it refuses by itself
+                            await _until_refused(on_a, conv)  # cut off: it refuses by itself
                     finally:
                         with psycopg.connect(url, autocommit=True) as c:
                             c.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")
                     await asyncio.sleep(2)  # back: it learns it was judged gone, and stays fenced
-                    await a_refuses()
+                    await _until_refused(on_a, conv)
                     await asyncio.sleep(6)  # A's turn has ended by now
                     rows = _turns(url, conv)
                     assert [(r["id"], r["status"]) for r in rows] == [(running["turn_id"], "interrupted")], rows

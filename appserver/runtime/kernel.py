@@ -106,7 +106,6 @@ class Kernel:
         # Several servers on one database (a PostgreSQL store that joined its cluster at start).
         self._link: ClusterLink | None = None
         self._cancelling: set[asyncio.Task[bool]] = set()
-        self._leases: dict[str, str] = {}  # conversation id -> lease token, while its runtime is here
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
         self._trim_after_time = 0.0
@@ -191,9 +190,8 @@ class Kernel:
     def _drop(self, conversation_id: str) -> None:
         """Unload an idle runtime; in a cluster, let go of its lease so any server may take it."""
         del self.runtimes[conversation_id]
-        token = self._leases.pop(conversation_id, None)
-        if token is not None and self._link is not None:
-            self._link.cluster.release(conversation_id, token)
+        if self._link is not None:
+            self._link.cluster.release(conversation_id)
 
     async def owner_alive(self, owner: str | None, *, strict: bool = False) -> bool:
         """Does the server stamped `owner` (on a turn) still run: a process of this host, or in a
@@ -440,8 +438,6 @@ class Kernel:
                 lease = await link.cluster.take(conversation_id)
                 if lease.holder is not None:
                     raise OwnedElsewhere(conversation_id, lease.holder)
-                assert lease.token is not None
-                self._leases[conversation_id] = lease.token
             rt = ConversationRuntime(self._deps, conv.id, conv.agent_id)
             if link is not None:
                 rt.watchers.append(link.on_local_turn)  # the other servers see its turns
@@ -453,9 +449,8 @@ class Kernel:
                 if link is not None and not fresh:
                     await self._take_over(rt)
             except BaseException:
-                token = self._leases.pop(conversation_id, None)
-                if token is not None and link is not None:
-                    link.cluster.release(conversation_id, token)
+                if link is not None:
+                    link.cluster.release(conversation_id)
                 raise
             self.runtimes[conversation_id] = rt
             if len(self.runtimes) > self.config.limits.idle_runtimes_max and (

@@ -365,11 +365,12 @@ class Cluster:
                 return lease
         raise ClusterError(f"could not take or find the owner of conversation {conversation_id}")
 
-    def release(self, conversation_id: str, token: str) -> None:
-        """Let go of a conversation whose runtime this instance dropped (in the background)."""
-        if self._held.get(conversation_id) == token:
-            del self._held[conversation_id]
-        self._spawn(self._release(conversation_id, token))
+    def release(self, conversation_id: str) -> None:
+        """Let go of a conversation whose runtime this instance dropped (in the background): the
+        lease of its latest take, by its token, so a later take's is never deleted."""
+        token = self._held.pop(conversation_id, None)
+        if token is not None:
+            self._spawn(self._release(conversation_id, token))
 
     async def _release(self, conversation_id: str, token: str) -> None:
         async def job(conn: Conn) -> None:

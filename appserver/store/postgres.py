@@ -92,6 +92,8 @@ POOL_MAX = 10
 ACCEPT_LOCK_CLASS = 0x61636370  # pg_advisory_xact_lock(class, hashtext(conversation id)): "accp"
 HEARTBEAT_S = 2.0  # [store] heartbeat_s: how often a server renews its instance row
 INSTANCE_TIMEOUT_S = 30.0  # [store] instance_timeout_s: a server silent this long is gone
+# A turn still open: a write of its state (a checkpoint, its end) never changes a settled one.
+NOT_SETTLED = "status NOT IN ('completed', 'cancelled', 'failed', 'interrupted')"
 LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
 
 
@@ -836,8 +838,7 @@ class PostgresStore(Store):
     async def _gone_or_taken_over(self, conn: Conn, conversation_id: str, turn_id: str) -> None:
         """A turn's write found no row to change: its conversation was deleted (ConversationGone),
         or the turn is another server's now (settled, or its conversation's lease taken)."""
-        cur = await conn.execute("SELECT 1 AS here FROM turns WHERE id=%s", (turn_id,))
-        if await cur.fetchone() is not None:
+        if await _turn_exists(conn, turn_id):
             raise TurnSettledElsewhere(turn_id)
         raise ConversationGone(conversation_id)
 
@@ -859,8 +860,7 @@ class PostgresStore(Store):
                 if await updated.fetchone() is None:
                     # No row yet is no refusal: a turn started before its accept commits (an
                     # overlapped accept, later in this group or the next) is written running by it.
-                    cur = await conn.execute("SELECT 1 AS here FROM turns WHERE id=%s", (turn_id,))
-                    if await cur.fetchone() is not None:
+                    if await _turn_exists(conn, turn_id):
                         raise TurnSettledElsewhere(turn_id)
 
             self._writes.defer(still_ours)
@@ -907,7 +907,7 @@ class PostgresStore(Store):
             held, held_args = self._lease_held()
             updated = await conn.execute(
                 "UPDATE turns SET input_committed=TRUE, iteration=%s, usage=%s, draft=NULL "
-                f"WHERE id=%s AND status NOT IN ('completed', 'cancelled', 'failed', 'interrupted'){held} RETURNING id",
+                f"WHERE id=%s AND {NOT_SETTLED}{held} RETURNING id",
                 (iteration, dump_json(usage), turn_id, *held_args),
             )
             await conn.execute("UPDATE conversations SET updated_at=%s WHERE id=%s", (now, conversation_id))
@@ -952,7 +952,7 @@ class PostgresStore(Store):
         updated = await conn.execute(
             "UPDATE turns SET status=%s, stop_reason=%s, error=%s, usage=%s, revision=%s, iteration=%s, "
             "input_committed=%s, draft=NULL, ended_at=%s "
-            f"WHERE id=%s AND status NOT IN ('completed', 'cancelled', 'failed', 'interrupted'){held} RETURNING id",
+            f"WHERE id=%s AND {NOT_SETTLED}{held} RETURNING id",
             (
                 commit.status,
                 commit.stop_reason,
@@ -1346,6 +1346,11 @@ async def migrate(conn: Conn) -> int:
             await conn.execute(script)  # several statements: no parameters, so the simple query protocol
             await conn.execute("INSERT INTO schema_version(version) VALUES (%s)", (version,))
     return first or 0
+
+
+async def _turn_exists(conn: Conn, turn_id: str) -> bool:
+    cur = await conn.execute("SELECT 1 AS here FROM turns WHERE id=%s", (turn_id,))
+    return await cur.fetchone() is not None
 
 
 async def _schema_version(conn: Conn) -> int:

@@ -37,7 +37,11 @@ T = 10.0
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 # Documented, but no real `serve` can be made to send them: a bug, and a server run without the cron
 # service (serve always runs it).
-NOT_PROVOKABLE = {"internal_error": "a bug in the server", "cron_unavailable": "serve always runs the cron service"}
+NOT_PROVOKABLE = {
+    "internal_error": "a bug in the server",
+    "cron_unavailable": "serve always runs the cron service",
+    "server_unavailable": "a fenced server of a cluster (tests/test_cluster.py provokes it)",
+}
 LOOKUP = {"name": "lookup", "description": "a client tool", "parameters": {"type": "object", "properties": {}}}
 
 

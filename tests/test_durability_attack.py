@@ -43,6 +43,8 @@ pytestmark = [
 ]
 
 CLIENTS = 64
+PINNED = "/slow 100"  # 100 words 50 ms apart: a turn of 5 s
+PINNED_TURNS = 4
 # The seed is printed on failure (pytest shows captured stdout), to replay a failing schedule.
 SEED = int(os.environ.get("DURABILITY_ATTACK_SEED", str(random.randrange(1 << 30))))
 
@@ -96,6 +98,14 @@ def restarted(home: Path, log: Path) -> Any:
     finally:
         sp.stop()
         sp.kill()
+
+
+def running_pinned(db: sqlite3.Connection) -> int:
+    """How many of the pinned victim turns run (accepted, not settled)."""
+    row = db.execute(
+        "SELECT count(*) FROM turns WHERE status = 'running' AND input LIKE ?", (f"%{PINNED}%",)
+    ).fetchone()
+    return int(row[0])
 
 
 def open_turns(db: sqlite3.Connection) -> list[tuple[str, str]]:
@@ -380,25 +390,35 @@ async def test_writes_failing_inside_big_groups_fail_only_their_own_requests(tmp
                     unexpected.append(f"{prompt}: {type(exc).__name__}: {exc}")
                     return
 
+        async def pinned() -> None:
+            """A victim turn that streams for 5 s: running when the delete lands, however loaded the
+            machine (the race of the other users' turns with the delete is theirs to win or lose)."""
+            try:
+                await client.chat.completions.create(model="victim", messages=[{"role": "user", "content": PINNED}])
+            except openai.APIStatusError as exc:
+                failures.append(("victim", exc.status_code, error_object(exc.response)))
+            except (openai.APIConnectionError, httpx.TransportError):
+                return  # the kill -9
+            except Exception as exc:  # noqa: BLE001
+                unexpected.append(f"{PINNED}: {type(exc).__name__}: {exc}")
+
         tasks = [asyncio.create_task(user(i)) for i in range(CLIENTS)]
         tasks += [asyncio.create_task(_ws_duplicates(sp.url, f"dup{j}", ws_turns, stop)) for j in range(8)]
         deadline = time.monotonic() + 20
         while sum(a.kind == "victim" for a in acks) < 20:
             assert time.monotonic() < deadline and not unexpected, unexpected
             await asyncio.sleep(0.01)
-        deleted = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "appserver",
-            "agents",
-            "delete",
-            "victim",
-            env=env,
-            cwd=ROOT,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
+        tasks += [asyncio.create_task(pinned()) for _ in range(PINNED_TURNS)]
+        with sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True) as db:
+            while running_pinned(db) < PINNED_TURNS:
+                assert time.monotonic() < deadline + 20 and not unexpected, unexpected
+                await asyncio.sleep(0.02)
+        # Forked from the test's zygote: a new interpreter's start, seconds on a loaded machine,
+        # would let the pinned turns end before the delete.
+        deleted = appserver_popen(
+            ["agents", "delete", "victim"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
-        _, err = await deleted.communicate()
+        _, err = await asyncio.to_thread(deleted.communicate, timeout=30)
         assert deleted.returncode == 0, err.decode()
         # the turns in flight at the delete end (their commits fail) before the kill: waited for,
         # not slept on, so that a loaded machine slower than a fixed pause still shows the race

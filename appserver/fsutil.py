@@ -164,3 +164,13 @@ def set_aside_files(home: Path) -> list[Path]:
         return []
     found = [*home.glob("*.corrupt-*"), *home.glob("auth/*.corrupt-*"), *home.glob("channels/*.corrupt-*")]
     return sorted(found)
+
+
+def set_aside_notice(home: Path, path: Path) -> str:
+    """What to tell the operator about a state file that was moved aside as unreadable."""
+    original = path.name.split(".corrupt-", 1)[0]
+    rel = path.relative_to(home)
+    return (
+        f"{rel} was set aside as unreadable ({original} lost what it held): repair it and move it back "
+        f"over {original}, or delete it once nothing in it is needed"
+    )

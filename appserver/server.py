@@ -5,14 +5,13 @@ typed fields of `appserver.services.Services`, not entries in a bag on the Serve
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from appserver.agent.loop import AgentLoop
 from appserver.agent.schedule_tool import schedule_tool
 from appserver.agent.tools import ToolRegistry, builtin_tools
 from appserver.agent_admin import Agents
 from appserver.config import Config
-from appserver.fsutil import set_aside_files, tighten_home
+from appserver.fsutil import set_aside_files, set_aside_notice, tighten_home
 from appserver.providers.registry import ProviderRegistry
 from appserver.readiness import CheckResult, Readiness
 from appserver.runtime import Kernel
@@ -79,13 +78,3 @@ class Server:
         if not found:
             return CheckResult("ok")
         return CheckResult("warn", "; ".join(set_aside_notice(self.config.home, p) for p in found))
-
-
-def set_aside_notice(home: Path, path: Path) -> str:
-    """What to tell the operator about a state file that was moved aside as unreadable."""
-    original = path.name.split(".corrupt-", 1)[0]
-    rel = path.relative_to(home)
-    return (
-        f"{rel} was set aside as unreadable ({original} lost what it held): repair it and move it back "
-        f"over {original}, or delete it once nothing in it is needed"
-    )

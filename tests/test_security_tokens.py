@@ -103,6 +103,25 @@ def test_corrupt_file_is_moved_aside(tmp_path: Path) -> None:
     assert len(list((tmp_path / "auth").glob("tokens.json.corrupt-*"))) == 2
 
 
+def test_a_damaged_token_file_is_found_at_start_and_named_by_the_cli(tmp_path: Path) -> None:
+    """`serve --auth token` read the file only at the first request with a token: a damaged one
+    started silently and /readyz said ok. Now building the authenticator reads it (moving it aside,
+    which /readyz's state_files reports), and `token list` / `token create` name the set-aside file
+    (its tokens are missing from the list)."""
+    store = TokenStore(tmp_path)
+    store.create(name="a")
+    (tmp_path / "auth" / "tokens.json").write_text('{"version": 1, "tokens": [{"id": ')  # cut short
+    cfg = Config(home=tmp_path)
+    cfg.auth.mode = "token"
+    Authenticator(cfg)
+    moved = list((tmp_path / "auth").glob("tokens.json.corrupt-*"))
+    assert len(moved) == 1, "the damaged file should be set aside as the server starts"
+    r = CliRunner().invoke(token_group, ["list"], env={"APPSERVER_HOME": str(tmp_path)})
+    assert r.exit_code == 0, r.output
+    assert "warning: auth/tokens.json.corrupt-" in r.stderr and "set aside as unreadable" in r.stderr
+    assert "no tokens" in r.stdout
+
+
 def test_authenticator_token_mode(tmp_path: Path) -> None:
     cfg = Config(home=tmp_path)
     cfg.auth.mode = "token"

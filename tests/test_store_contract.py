@@ -350,6 +350,37 @@ async def test_conversations_create_get_default_list_update(store: AnyStore) -> 
     assert (await store.list_conversations("agt_2"))[0].id == "conv_0"  # updating it moved it first
 
 
+async def test_conversations_listed_by_namespace_and_agents_in_the_query(store: AnyStore) -> None:
+    """A namespaced credential's page is filtered by the store: `offset` counts its own only, and
+    the read uses the namespace index, not a walk over every conversation (a WebSocket client that
+    owned none of 20,000 conversations stalled the server for seconds per frame)."""
+    for agent in ("agt_1", "agt_2", "agt_3"):
+        await store.create_agent(AgentRecord(id=agent, name=agent))
+    for i in range(30):
+        owner = "ns_a" if i % 3 == 0 else "ns_b" if i % 3 == 1 else None
+        await store.create_conversation(
+            ConversationRecord(id=f"conv_{i:02d}", agent_id=f"agt_{1 + i % 2}", namespace=owner)
+        )
+        await asyncio.sleep(0.002)  # distinct updated_at
+    own = [c.id for c in await store.list_conversations(namespace="ns_a", limit=100)]
+    assert own == [f"conv_{i:02d}" for i in range(27, -1, -3)]
+    assert [c.id for c in await store.list_conversations(namespace="ns_a", limit=2, offset=3)] == own[3:5]
+    assert await store.list_conversations(namespace="ns_a", offset=1_000_000_000) == []
+    assert await store.list_conversations(namespace="nobody") == []
+    only_1 = [c.id for c in await store.list_conversations(namespace="ns_a", agent_ids={"agt_1"})]
+    assert only_1 == [c for c in own if int(c[5:]) % 2 == 0]
+    assert await store.list_conversations(namespace="ns_a", agent_ids=set()) == []
+    assert await store.list_conversations("agt_2", namespace="ns_a", agent_ids={"agt_1"}) == []
+    both = await store.list_conversations(agent_ids={"agt_1", "agt_3"}, limit=100)
+    assert [c.id for c in both] == [f"conv_{i:02d}" for i in range(28, -1, -2)]
+    if isinstance(store, SQLiteStore):
+        plan = store.db.execute(
+            "EXPLAIN QUERY PLAN SELECT * FROM conversations WHERE namespace = ? ORDER BY updated_at DESC, id",
+            ("ns_a",),
+        ).fetchall()
+        assert any("conversations_namespace" in str(tuple(row)) for row in plan), plan
+
+
 async def test_a_conversation_can_start_with_copies_of_messages(store: AnyStore) -> None:
     await _agent_and_conversation(store)
     msgs = [MessageRecord(role="user", content=f"m{i}", meta={"i": i}) for i in range(4)]

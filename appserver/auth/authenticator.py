@@ -40,6 +40,7 @@ class Authenticator:
         self.jwt: JwtVerifier | None = None
         if self.mode == "token":
             self.tokens = token_store or token_store_for(config.home, config.store.url)
+            self.tokens.check()
         elif self.mode == "jwt":
             self.jwt = JwtVerifier(config.auth, base_dir=config.home)
 

@@ -5,6 +5,7 @@ Also the parsers of what a token grants (`--scopes`, `--agents`, `--expires`), s
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -298,6 +299,12 @@ class TokenStore:
             raise RuntimeError(f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s") from None
         log.info("revoked token %s (%s)", hit[0].id, hit[0].name)
         return hit[0]
+
+    def check(self) -> None:
+        """Read the file once at start: a damaged one is moved aside with a loud error then, and
+        shown by /readyz, not found by the first request that presents a token."""
+        with contextlib.suppress(CorruptStateFile):
+            self._records()
 
     def live(self, token_id: str, *, max_age_s: float = 0.0) -> bool:
         """Is the token with this id still in the file (not revoked)? Re-checks the file when the

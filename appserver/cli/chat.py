@@ -343,7 +343,14 @@ class Chat:
             if kind == "keys":
                 await self.on_keys(value)
             elif kind == "frame":
-                await self.on_frame(value)
+                try:
+                    await self.on_frame(value)
+                except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                    # a server (or something posing as one) sent a frame of the wrong shape
+                    self.notice(
+                        f"error: ignored a malformed {visible(value.get('type'))} frame from the server "
+                        f"({type(exc).__name__}: {visible(str(exc))})"
+                    )
             elif kind == "interrupt":
                 self.on_interrupt()
             elif kind == "notice":
@@ -612,7 +619,7 @@ class Chat:
             if self.asking is not None and self.asking["call_id"] == frame["call_id"]:
                 by = f" by {exact(frame['decided_by'])}" if frame.get("decided_by") else ""
                 self.withdraw(f"[{exact(frame['call_id'])} {exact(frame.get('status'))}{by}]")
-        elif kind == "event":
+        elif kind == "event" and frame.get("local") is True:  # the client library's own, never the server's
             data = frame.get("data") or {}
             if frame.get("name") == "connection_lost":
                 self.notice(
@@ -623,8 +630,8 @@ class Chat:
                 )
             elif frame.get("name") == "reconnected":
                 self.notice(self.screen.dim(f"[reconnected to {visible(data.get('url'))}]"))
-            elif frame.get("name") == "server_stopping":
-                self.notice(self.screen.dim("[the server is stopping; a standby may take over]"))
+        elif kind == "event" and frame.get("name") == "server_stopping":
+            self.notice(self.screen.dim("[the server is stopping; a standby may take over]"))
         elif kind == "error":
             self.notice(f"error: {visible(frame.get('message'))}")
 

@@ -13,12 +13,17 @@ import click
 
 from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore, parse_agents, token_store_for
 from appserver.cli.common import fail, get_config, with_server
-from appserver.fsutil import CorruptStateFile
+from appserver.cli.safetext import visible
+from appserver.fsutil import CorruptStateFile, set_aside_notice
 from appserver.ids import AGENT_ID_PREFIX
 
 
 def _store() -> TokenStore:
+    """The token store, after a warning for each token file set aside as unreadable: its tokens
+    are not in the list, and a new token starts a new file without them."""
     config = get_config()  # a config error: one line, exit 2
+    for path in sorted(config.home.glob("auth/tokens.json.corrupt-*")):
+        click.echo(f"warning: {visible(set_aside_notice(config.home, path))}", err=True)
     return token_store_for(config.home, config.store.url)
 
 

@@ -102,6 +102,26 @@ class _Pending:
     sent: bool = False
 
 
+def server_frame(raw: str | bytes) -> dict[str, Any] | None:
+    """A frame the server sent, or None for one that is no protocol frame (not JSON, not an
+    object): ignored, as an unknown frame type is. A `local` flag is removed: only this library's
+    own frames (connection lost, reconnected) carry it, so a server cannot fake them."""
+    try:
+        frame = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(frame, dict):
+        return None
+    frame.pop("local", None)
+    return frame
+
+
+def _revision(snap: dict[str, Any]) -> int:
+    """A snapshot's revision; -1 (before any) when it is missing or no integer."""
+    value = snap.get("revision", -1)
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
 @dataclass
 class _Followed:
     conversation_id: str
@@ -249,7 +269,9 @@ class ProtocolClient:
         rid = f"h{next(self._ids)}"
         await ws.send(json.dumps({**frame, "request_id": rid}))
         while True:
-            reply: dict[str, Any] = json.loads(await ws.recv())
+            reply = server_frame(await ws.recv())
+            if reply is None:
+                continue
             if reply.get("request_id") != rid:
                 out.append(reply)
                 continue
@@ -282,9 +304,8 @@ class ProtocolClient:
         try:
             if self._overflow is None:
                 async for raw in self.ws:
-                    try:
-                        frame = json.loads(raw)
-                    except ValueError:
+                    frame = server_frame(raw)
+                    if frame is None:
                         continue
                     self._dispatch(frame)
                     if self._overflow is not None:
@@ -464,7 +485,7 @@ class ProtocolClient:
 
     def _dispatch(self, frame: dict[str, Any]) -> None:
         rid = frame.get("request_id")
-        p = self._pending.pop(rid, None) if rid else None
+        p = self._pending.pop(rid, None) if isinstance(rid, str) and rid else None
         if p is None:
             self._deliver(frame)
             return
@@ -477,29 +498,36 @@ class ProtocolClient:
         """Remember what to restore after a reconnect: subscriptions and turns being followed."""
         kind = sent.get("type")
         if kind == "subscribe" and reply.get("type") == "conversation_state":
-            conv = reply.get("conversation") or {}
-            if conv.get("id"):
-                self._subscribed[conv["id"]] = conv.get("agent_id")
+            conv = reply.get("conversation")
+            if not isinstance(conv, dict) or not isinstance(conv.get("id"), str):
+                return
+            self._subscribed[conv["id"]] = conv.get("agent_id")
             active = reply.get("active_turn")
-            if active and conv.get("id") and active.get("status") not in TERMINAL:
-                self._turns.setdefault(active["turn_id"], _Followed(conv["id"])).revision = int(
-                    active.get("revision", -1)
-                )
+            if (
+                isinstance(active, dict)
+                and isinstance(active.get("turn_id"), str)
+                and active.get("status") not in TERMINAL
+            ):
+                self._turns.setdefault(active["turn_id"], _Followed(conv["id"])).revision = _revision(active)
         elif kind == "unsubscribe" and sent.get("conversation"):
             self._forget(str(sent["conversation"]))
-        elif kind in ("submit_input", "cron_run") and reply.get("turn_id") and reply.get("conversation_id"):
+        elif (
+            kind in ("submit_input", "cron_run")
+            and isinstance(reply.get("turn_id"), str)
+            and isinstance(reply.get("conversation_id"), str)
+        ):
             self._subscribed.setdefault(reply["conversation_id"], None)
             if not reply.get("duplicate"):
                 self._turns.setdefault(reply["turn_id"], _Followed(reply["conversation_id"]))
 
     def _deliver(self, frame: dict[str, Any]) -> None:
-        if frame.get("type") == "turn_updated":
-            snap = frame.get("snapshot") or {}
+        snap = frame.get("snapshot")
+        if frame.get("type") == "turn_updated" and isinstance(snap, dict):
             turn_id, conv_id = str(snap.get("turn_id") or ""), str(snap.get("conversation_id") or "")
             if snap.get("status") in TERMINAL:
                 self._turns.pop(turn_id, None)
             elif turn_id and conv_id in self._subscribed:
-                self._turns.setdefault(turn_id, _Followed(conv_id)).revision = int(snap.get("revision", -1))
+                self._turns.setdefault(turn_id, _Followed(conv_id)).revision = _revision(snap)
         if not self._frames.put(frame) and self._overflow is None:
             self._overflow = f"the client fell behind: {self._frames.limit} frames were left unread"
 
@@ -631,12 +659,12 @@ class ProtocolClient:
                 frame = await self.next_frame()
                 if on_frame is not None:
                     await on_frame(frame)
-                if frame.get("type") != "turn_updated":
+                snap = frame.get("snapshot")
+                if frame.get("type") != "turn_updated" or not isinstance(snap, dict):
+                    continue  # (a snapshot of the wrong shape is no news of the turn)
+                if snap.get("turn_id") != turn_id or _revision(snap) <= after_revision:
                     continue
-                snap: dict[str, Any] = frame["snapshot"]
-                if snap["turn_id"] != turn_id or snap["revision"] <= after_revision:
-                    continue
-                if snap["status"] in TERMINAL or (settled and snap["status"] == "awaiting"):
+                if snap.get("status") in TERMINAL or (settled and snap.get("status") == "awaiting"):
                     return snap
 
         return await asyncio.wait_for(go(), timeout) if timeout else await go()

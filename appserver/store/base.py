@@ -6,7 +6,7 @@ No SQLite-only semantics leak through: callers see records, not rows or connecti
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from appserver.readiness import CheckResult, Readiness
@@ -124,8 +124,18 @@ class Store(ABC):
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None: ...
     @abstractmethod
     async def list_conversations(
-        self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
-    ) -> list[ConversationRecord]: ...
+        self,
+        agent_id: str | None = None,
+        *,
+        limit: int = 100,
+        offset: int = 0,
+        agent_ids: Collection[str] | None = None,
+        namespace: str | None = None,
+    ) -> list[ConversationRecord]:
+        """Newest first. `agent_ids` (when given) and `namespace` (when given: only conversations
+        owned by it) narrow the list in the query, so a credential that sees few of many
+        conversations costs one indexed read, not a walk over every conversation."""
+
     @abstractmethod
     async def update_conversation(self, conv: ConversationRecord) -> None: ...
 
@@ -232,3 +242,25 @@ class Store(ABC):
     @abstractmethod
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
         """Points with that hash, most recently active conversation first."""
+
+
+def conversations_where(
+    mark: str, agent_id: str | None, agent_ids: Collection[str] | None, namespace: str | None
+) -> tuple[str, list[Any]]:
+    """The WHERE clause (empty, or starting with " WHERE") and its parameters for
+    `list_conversations`; `mark` is the driver's placeholder ("?" or "%s")."""
+    clauses: list[str] = []
+    params: list[Any] = []
+    if agent_id is not None:
+        clauses.append(f"agent_id = {mark}")
+        params.append(agent_id)
+    if agent_ids is not None:
+        if not agent_ids:
+            clauses.append("0 = 1")
+        else:
+            clauses.append(f"agent_id IN ({', '.join([mark] * len(agent_ids))})")
+            params.extend(sorted(agent_ids))
+    if namespace is not None:
+        clauses.append(f"namespace = {mark}")
+        params.append(namespace)
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

@@ -168,6 +168,13 @@ MIGRATIONS: list[tuple[int, str]] = [
         ALTER TABLE http_idempotency ADD COLUMN owner TEXT;
         """,
     ),
+    (
+        5,
+        """
+        -- A namespaced credential lists its own conversations in one indexed read.
+        CREATE INDEX conversations_namespace ON conversations(namespace, updated_at);
+        """,
+    ),
 ]
 
 

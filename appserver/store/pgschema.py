@@ -245,6 +245,13 @@ MIGRATIONS: list[tuple[int, str]] = [
         );
         """,
     ),
+    (
+        3,
+        """
+        -- A namespaced credential lists its own conversations in one indexed read.
+        CREATE INDEX conversations_namespace ON conversations(namespace, updated_at DESC, id);
+        """,
+    ),
 ]
 
 # The data tables, parents first (the order `store copy` fills them and an emptiness check reads them).

@@ -29,7 +29,7 @@ import logging
 import socket
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ from appserver.store.base import (
     Store,
     StoreError,
     TurnSettledElsewhere,
+    conversations_where,
 )
 from appserver.store.cluster import LIVE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
@@ -574,16 +575,19 @@ class PostgresStore(Store):
         return conversation_record(row) if row else None
 
     async def list_conversations(
-        self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
+        self,
+        agent_id: str | None = None,
+        *,
+        limit: int = 100,
+        offset: int = 0,
+        agent_ids: Collection[str] | None = None,
+        namespace: str | None = None,
     ) -> list[ConversationRecord]:
-        page = (_limit(limit), max(offset, 0))
-        if agent_id is None:
-            rows = await self._rows("SELECT * FROM conversations ORDER BY updated_at DESC, id LIMIT %s OFFSET %s", page)
-        else:
-            rows = await self._rows(
-                "SELECT * FROM conversations WHERE agent_id=%s ORDER BY updated_at DESC, id LIMIT %s OFFSET %s",
-                (agent_id, *page),
-            )
+        where, params = conversations_where("%s", agent_id, agent_ids, namespace)
+        rows = await self._rows(
+            f"SELECT * FROM conversations{where} ORDER BY updated_at DESC, id LIMIT %s OFFSET %s",
+            (*params, _limit(limit), max(offset, 0)),
+        )
         return [conversation_record(r) for r in rows]
 
     async def update_conversation(self, conv: ConversationRecord) -> None:

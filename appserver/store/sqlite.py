@@ -12,14 +12,14 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 from typing import Any
 
 from appserver.procid import identity, identity_alive
 from appserver.store.agentcache import AgentCache, copy_agent
-from appserver.store.base import ConversationGone, DuplicateTurn, Store, StoreError
+from appserver.store.base import ConversationGone, DuplicateTurn, Store, StoreError, conversations_where
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
 from appserver.store.groupcommit import GroupCommit
 from appserver.store.integrity import (
@@ -359,18 +359,20 @@ class SQLiteStore(Store):
         return conversation_record(row) if row else None
 
     async def list_conversations(
-        self, agent_id: str | None = None, *, limit: int = 100, offset: int = 0
+        self,
+        agent_id: str | None = None,
+        *,
+        limit: int = 100,
+        offset: int = 0,
+        agent_ids: Collection[str] | None = None,
+        namespace: str | None = None,
     ) -> list[ConversationRecord]:
         self._writes.settle()
-        if agent_id is None:
-            rows = self.db.execute(
-                "SELECT * FROM conversations ORDER BY updated_at DESC, id LIMIT ? OFFSET ?", (limit, offset)
-            )
-        else:
-            rows = self.db.execute(
-                "SELECT * FROM conversations WHERE agent_id=? ORDER BY updated_at DESC, id LIMIT ? OFFSET ?",
-                (agent_id, limit, offset),
-            )
+        where, params = conversations_where("?", agent_id, agent_ids, namespace)
+        rows = self.db.execute(
+            f"SELECT * FROM conversations{where} ORDER BY updated_at DESC, id LIMIT ? OFFSET ?",
+            (*params, limit, offset),
+        )
         return [conversation_record(r) for r in rows]
 
     async def update_conversation(self, conv: ConversationRecord) -> None:

@@ -10,6 +10,7 @@ is not the protocol number 1.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
@@ -191,11 +192,28 @@ class ListConversations(_ClientFrame):
     offset: int = Field(default=0, ge=0, strict=True)
 
 
+TITLE_MAX_CHARS = 1000
+METADATA_MAX_BYTES = 16 * 1024
+
+
 class CreateConversation(_ClientFrame):
+    """`title` and `metadata` are bounded: every `list_conversations` page carries them, and a page
+    of 1,000 conversations with megabytes each would be gigabytes (DESIGN: every input bounded)."""
+
     type: Literal["create_conversation"]
     agent: str = Field(min_length=1)
-    title: str | None = None
+    title: str | None = Field(default=None, max_length=TITLE_MAX_CHARS)
     metadata: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_small(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if (
+            value is not None
+            and len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass")) > METADATA_MAX_BYTES
+        ):
+            raise ValueError(f"metadata is larger than {METADATA_MAX_BYTES} bytes as JSON")
+        return value
 
 
 class GetHistory(_ClientFrame):

@@ -59,7 +59,6 @@ CLOSE_WAIT_S = 5.0
 # A namespaced credential's own "default" conversation has a derived id with a '~', which the HTTP
 # X-Conversation-Id header refuses: nobody can create it ahead of its owner (squatting).
 OWNER_CACHE_MAX = 10_000  # conversation id -> (agent id, namespace); both never change
-LIST_BATCH = 500
 
 
 class FrameError(Exception):
@@ -629,25 +628,12 @@ class Endpoint:
         ns = _namespace(conn)
         store = self.server.store
         assert conn.principal is not None
-        if ns is None and conn.principal.agents is None:
-            return await store.list_conversations(agent_id, limit=frame.limit, offset=frame.offset)
-        allowed = {a.id for a in await store.list_agents() if self._allows(conn, a)}
-        out: list[ConversationRecord] = []
-        skip = frame.offset
-        at = 0
-        while len(out) < frame.limit:
-            page = await store.list_conversations(agent_id, limit=LIST_BATCH, offset=at)
-            for c in page:
-                if c.agent_id not in allowed or not namespace_allows(ns, c.namespace):
-                    continue
-                if skip:
-                    skip -= 1
-                else:
-                    out.append(c)
-            if len(page) < LIST_BATCH:
-                break
-            at += LIST_BATCH
-        return out[: frame.limit]
+        agent_ids = None
+        if conn.principal.agents is not None:
+            agent_ids = {a.id for a in await store.agents_to_read() if self._allows(conn, a)}
+        return await store.list_conversations(
+            agent_id, limit=frame.limit, offset=frame.offset, agent_ids=agent_ids, namespace=ns
+        )
 
 
 def _namespace(conn: Connection) -> str | None:

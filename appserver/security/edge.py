@@ -61,7 +61,7 @@ from appserver.http.errors import error_body, new_request_id
 from appserver.ws.connection import WRITE_FRAME
 
 if TYPE_CHECKING:
-    from uvicorn._types import ASGI3Application
+    from uvicorn._types import ASGI3Application, ASGISendEvent
 
 log = logging.getLogger("appserver.edge")
 
@@ -437,6 +437,37 @@ def limit_unsent(transport: asyncio.BaseTransport) -> None:
         pass
 
 
+def _close_delimited(cycle: RequestResponseCycle) -> None:
+    """HTTP/1.0 has no chunked encoding, and a server must not send it to a 1.0 client (RFC 9112
+    §7.1; nginx proxies as 1.0 by default): uvicorn would, for every reply of unknown length (the
+    streams). Such a reply goes out as it is written and ends when the connection closes, which a
+    1.0 reply always does. The cycle's own length check is given the last write's length, so its
+    bookkeeping ends the reply as for one of known length."""
+    send = cycle.send
+    unbounded = False
+
+    async def send_to_http10(message: ASGISendEvent) -> None:
+        nonlocal unbounded
+        if message["type"] == "http.response.start":
+            named = {name.lower() for name, _ in message.get("headers", [])}
+            if (
+                not named & {b"content-length", b"transfer-encoding"}
+                and cycle.scope["method"] != "HEAD"
+                and message["status"] not in (204, 304)
+            ):
+                unbounded = True
+                cycle.chunked_encoding = False  # (None would make uvicorn add chunked)
+                cycle.expected_content_length = _UNBOUNDED_LENGTH
+        elif unbounded and message["type"] == "http.response.body" and not message.get("more_body", False):
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    cycle.send = send_to_http10  # type: ignore[method-assign]
+
+
+_UNBOUNDED_LENGTH = 1 << 62
+
+
 class EdgeHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; `protocol_class` binds the limits."""
 
@@ -665,6 +696,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         # uvicorn keeps only the newest cycle (`self.cycle`, maybe still queued); a refusal held
         # for the replies before it must know the one being written, to cut it if it never ends.
         self._running = cycle
+        if cycle.scope["http_version"] == "1.0":
+            _close_delimited(cycle)
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:

@@ -2,10 +2,15 @@
 
 A bot token in a public workspace is an open door to an agent that may run tools. Per account:
 
-- `dm_policy`: `open` (anyone), `allowlist` (only `allow` ∪ `admins` ∪ approved pairings),
-  `pairing` (the default: unknown senders get a pairing code the owner approves), `disabled`.
-- `group_policy`: `open` (every message), `allowlist` (only listed senders), `mention` (the
-  default: only messages that mention the bot or reply to it).
+- `dm_policy` decides WHO may use the bot, in DMs and groups alike: `open` (anyone); `allowlist`,
+  `pairing` (the default) and `disabled` only `allow` ∪ `admins` ∪ approved pairings. In a DM an
+  unknown sender is refused under `allowlist` and gets a code the owner approves under `pairing`;
+  `disabled` refuses every DM (listed senders still reach the bot in groups).
+- `group_policy` decides WHICH group messages count: `open` (every message), `mention` (the
+  default: only messages that mention the bot or reply to it), `allowlist` (only listed senders).
+  A group message also needs a sender `dm_policy` lets in: otherwise a stranger could add the bot to
+  a group of their own and talk to it past pairing. Nobody gets a pairing code in a group (it would
+  be posted to everyone there); a stranger pairs in a DM.
 - `allow` / `admins`: sender ids; `"*"` in `allow` lets everyone through. Both also accept a
   comma-separated string, which is how an environment override arrives
   (`APPSERVER_CHANNELS__TELEGRAM__ACCOUNTS__MAIN__ALLOW=123,456`).
@@ -67,15 +72,7 @@ class AccessPolicy:
         if sender_is_bot:
             return "deny", "message from a bot"
         if chat_type == "group":
-            if self.group == "open":
-                return "allow", "group: open"
-            if self.group == "allowlist":
-                if self.listed(sender, approved):
-                    return "allow", "group: sender on the allowlist"
-                return "deny", "group: sender not on the allowlist"
-            if mentions_bot:
-                return "allow", "group: the bot was mentioned"
-            return "deny", "group: the bot was not mentioned"
+            return self._decide_group(sender, mentions_bot, approved)
         if self.dm == "disabled":
             return "deny", "dm: direct messages are disabled"
         if self.dm == "open":
@@ -85,6 +82,25 @@ class AccessPolicy:
         if self.dm == "allowlist":
             return "deny", "dm: sender not on the allowlist"
         return "pair", "dm: unknown sender, pairing required"
+
+    def _decide_group(self, sender: str, mentions_bot: bool, approved: bool) -> tuple[Verdict, str]:
+        """Which messages count (`group_policy`), then who may use the bot at all (`dm_policy`)."""
+        listed = self.listed(sender, approved)
+        if self.group == "allowlist":
+            if listed:
+                return "allow", "group: sender on the allowlist"
+            return "deny", "group: sender not on the allowlist"
+        if self.group == "mention" and not mentions_bot:
+            return "deny", "group: the bot was not mentioned"
+        counted = "open" if self.group == "open" else "the bot was mentioned"
+        if self.dm == "open":
+            return "allow", f"group: {counted}"
+        if listed:
+            return "allow", f"group: {counted}, " + ("approved sender" if approved else "sender on the allowlist")
+        return "deny", (
+            f"group: sender is neither on the allowlist nor paired (dm_policy {self.dm}); "
+            "a stranger pairs in a direct message, never in a group"
+        )
 
 
 def _ids(value: Any, key: str) -> frozenset[str]:

@@ -32,6 +32,7 @@ from gateway.intake import Intake
 from gateway.ledger import Entry, Ledger, Receipt, UpdateKey
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
+from gateway.recent import Recent
 from gateway.replies import Replies, answer_target, chat_key
 from gateway.routing import RouteKey, Router
 from gateway.status import StatusBoard
@@ -82,7 +83,7 @@ class Gateway:
         self._queues: dict[str, asyncio.Queue[UpdateKey]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._notices: dict[str, float] = {}
+        self._notices: Recent[bool] = Recent(NOTICE_EVERY_S)  # chats told something lately
         self._dirty = True
         link.on_tool_call(self.tool.on_call)
         link.on_approval(self.chatops.on_approval)
@@ -369,10 +370,9 @@ class Gateway:
     async def _notice(self, runner: AccountRunner, entry: Entry, text: str, *, force: bool = False) -> None:
         """A short line to the chat, at most one per chat per 10 minutes unless `force`."""
         key_of_chat = chat_key(entry)
-        now = time.monotonic()
-        if not force and now - self._notices.get(key_of_chat, -1e9) < NOTICE_EVERY_S:
+        if not force and self._notices.get(key_of_chat):
             return
-        self._notices[key_of_chat] = now
+        self._notices.put(key_of_chat, True)
         try:
             await self.outboxes.of(runner).send(answer_target(entry), text)
         except (DeliveryFailed, RuntimeError) as exc:

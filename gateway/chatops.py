@@ -24,6 +24,7 @@ from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
+from gateway.recent import Recent
 from gateway.replies import Replies, answer_target
 from gateway.routing import RouteKey, Router
 from plugins.contract import Target
@@ -65,7 +66,7 @@ class ChatOps:
         self.runners = runners
         self.enqueue = enqueue
         self.approvals = ApprovalBoard(ledger.connection)
-        self._prompted: dict[str, tuple[str, float]] = {}  # sender -> (what they were told, when)
+        self._prompted: Recent[str] = Recent(PROMPT_EVERY_S)  # sender -> what they were told lately
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
         """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
@@ -77,11 +78,9 @@ class ChatOps:
             return
         asked = f"{key.channel}:{key.account}:{entry.sender}"
         said = code.code if code is not None else "later"
-        now = time.monotonic()
-        last = self._prompted.get(asked)
-        if last is not None and last[0] == said and now - last[1] < PROMPT_EVERY_S:
+        if self._prompted.get(asked) == said:
             return  # a burst of messages from one stranger gets one answer, not one each
-        self._prompted[asked] = (said, now)
+        self._prompted.put(asked, said)
         if code is None:
             text = "Too many people are waiting to be let in right now; please try again later."
         else:
@@ -146,10 +145,13 @@ class ChatOps:
             if command.name == "cancel":
                 if conversation is None:
                     return "Nothing is running."
-                starters = self.replies.starters(conversation)
-                if starters and entry.sender not in starters and not runner.policy.is_admin(entry.sender):
+                running = await self.running_turn(conversation)
+                if running is None:
+                    return "Nothing is running."
+                if self.replies.starter_of(running) != entry.sender and not runner.policy.is_admin(entry.sender):
                     return "Only the person who started the running reply, or an admin, can cancel it."
-                ack = await self.link.request({"type": "cancel", "conversation": conversation})
+                # naming the turn: if it ended meanwhile, the next one (someone else's) runs on
+                ack = await self.link.request({"type": "cancel", "conversation": conversation, "turn_id": running})
                 return "⏹ Cancelled." if ack.get("cancelled") else "Nothing is running."
             if command.name == "status":
                 return await self.status_text(resolution.agent if resolution else None, conversation)
@@ -168,6 +170,14 @@ class ChatOps:
             return await self.answer_approval(entry, runner, command)
         except (ProtocolError, Closed, TimeoutError) as exc:
             return f"⚠ The server did not answer: {exc}"
+
+    async def running_turn(self, conversation: str) -> str | None:
+        """The id of the conversation's running turn: `cancel` stops that one, so only its starter
+        may ask (having a message queued behind it is no claim on it)."""
+        state = await self.link.request({"type": "subscribe", "conversation": conversation})
+        active = state.get("active_turn") or {}
+        turn_id = active.get("turn_id")
+        return str(turn_id) if turn_id else None
 
     async def status_text(self, agent: str | None, conversation: str | None) -> str:
         if agent is None:

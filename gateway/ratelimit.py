@@ -35,7 +35,12 @@ class _Bucket:
 
 
 class ChatRateLimiter:
-    """`rate` operations per second per chat, with bursts of up to `burst`."""
+    """`rate` operations per second per chat, with bursts of up to `burst`.
+
+    A long-running gateway sees many chats: each time the number of buckets doubles, the idle ones
+    are dropped (`forget_idle`), so memory follows the chats active lately, not every chat ever."""
+
+    SWEEP_MIN = 64  # buckets kept before the first sweep
 
     def __init__(
         self,
@@ -52,6 +57,11 @@ class ChatRateLimiter:
         self._clock = clock
         self._sleep = sleep
         self._buckets: dict[str, _Bucket] = {}
+        self._sweep_at = self.SWEEP_MIN  # sweep when a new chat would take the count past this
+
+    def __len__(self) -> int:
+        """How many chats hold a bucket now."""
+        return len(self._buckets)
 
     async def acquire(self, chat: str) -> float:
         """Wait for this chat's turn and take one token; returns the seconds waited."""
@@ -94,7 +104,8 @@ class ChatRateLimiter:
         raise AssertionError("unreachable")
 
     def forget_idle(self) -> int:
-        """Drop buckets that are full and unused (a long-running gateway sees many chats)."""
+        """Drop buckets that are full and unused: such a bucket is the same as a new one, so
+        forgetting it changes nothing for its chat (a long-running gateway sees many chats)."""
         now = self._clock()
         idle = []
         for chat, bucket in self._buckets.items():
@@ -108,6 +119,9 @@ class ChatRateLimiter:
     def _bucket(self, chat: str) -> _Bucket:
         bucket = self._buckets.get(chat)
         if bucket is None:
+            if len(self._buckets) >= self._sweep_at:  # amortised: O(1) per new chat
+                self.forget_idle()
+                self._sweep_at = max(self.SWEEP_MIN, 2 * len(self._buckets))
             bucket = self._buckets[chat] = _Bucket(tokens=float(self.burst), updated=self._clock())
         return bucket
 

@@ -96,9 +96,10 @@ class Replies:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def starters(self, conversation: str) -> list[str]:
-        """Who started the turns of `conversation` this gateway follows now."""
-        return [c.starter for c in self.turns.values() if c.conversation == conversation]
+    def starter_of(self, turn_id: str) -> str | None:
+        """Who started `turn_id`, if this gateway submitted and follows it (else nobody in a chat did)."""
+        ctx = self.turns.get(turn_id)
+        return ctx.starter if ctx is not None else None
 
     def follow(self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False) -> None:
         if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:

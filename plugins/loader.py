@@ -8,7 +8,8 @@ informational and never installed at run time. Every problem is a `PluginError` 
 the file and the reason: nothing is skipped silently. A manifest that is not JSON at all is moved
 aside to `channel.json.corrupt-<UTC timestamp>` (never emptied or overwritten).
 
-The loader imports only `plugins.contract` and the standard library; the gateway calls it.
+The loader imports only `plugins.contract`, `plugins.statefile` and the standard library; the gateway
+calls it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ import importlib.machinery
 import importlib.util
 import json
 import logging
-import os
 import re
 import sys
-import time
 import traceback
 import types
 from collections.abc import Mapping
@@ -30,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from plugins.contract import CreateAdapter
+from plugins.statefile import move_aside as move_aside  # the gateway sets gateway.db aside with it
 
 log = logging.getLogger(__name__)
 
@@ -270,17 +270,3 @@ def _describe(exc: BaseException) -> str:
 def _mangle(plugin_id: str) -> str:
     """An identifier for an id, one to one (`_` → `__`, `-` → `_h`)."""
     return plugin_id.replace("_", "__").replace("-", "_h")
-
-
-def move_aside(path: Path) -> Path:
-    """Rename a file that cannot be read to `<name>.corrupt-<UTC timestamp>` (never over an
-    existing file) and return the new path; its content is kept, never emptied (the gateway's
-    database is set aside the same way)."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    moved_to = path.with_name(f"{path.name}.corrupt-{stamp}")
-    n = 1
-    while moved_to.exists():
-        moved_to = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-        n += 1
-    os.replace(path, moved_to)
-    return moved_to

@@ -318,3 +318,46 @@ async def test_a_send_answered_after_the_timeout_is_repeated_with_its_nonce_and_
         if c.body.get("nonce") == nonce_for("discord:main:late:1:0")
     ]
     assert len(posts) == 2  # the late one, then its repeat, answered with the same message
+
+
+@pytest.mark.parametrize("damage", ["torn", "not an object", "not utf-8"])
+async def test_a_damaged_catch_up_state_is_moved_aside_loudly_not_overwritten(
+    fake: FakeDiscord, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """A `last_seen.json` that cannot be read as what the adapter writes is set aside as
+    `last_seen.json.corrupt-<time>` (its bytes kept) with an error naming both files; the adapter
+    then starts a fresh one, written atomically, instead of silently overwriting the damaged one."""
+    state = tmp_path / "last_seen.json"
+    good = json.dumps({GENERAL: {"last": "300000000000000100", "chat": GENERAL, "thread": None}})
+    damaged = {
+        "torn": good[: len(good) // 2].encode(),
+        "not an object": b'["300000000000000100"]',
+        "not utf-8": b'{"\xff": 1}',
+    }[damage]
+    state.write_bytes(damaged)
+    gw = StandIn()
+    with caplog.at_level(logging.ERROR, logger="test.discord"):
+        adapter = _adapter(fake, gw, tmp_path)
+    [aside] = list(tmp_path.glob("last_seen.json.corrupt-*"))
+    assert aside.read_bytes() == damaged and not state.exists()
+    assert any(str(state) in r.getMessage() and str(aside) in r.getMessage() for r in caplog.records), caplog.text
+    await adapter.start()
+    try:
+        mid = fake.inject_guild_message("512", "after the damage", mention=True)
+        await fake.wait_for_async(lambda: mid in gw.ledger, 5, "the message")
+        await fake.wait_for_async(lambda: state.exists(), 5, "the new state")
+        assert json.loads(state.read_text())[GENERAL]["last"] == mid
+        assert aside.read_bytes() == damaged  # the moved copy is never touched again
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["last_seen.json", aside.name]  # no temporary left
+    finally:
+        await adapter.stop()
+
+
+def test_a_catch_up_state_that_cannot_be_read_is_left_alone(fake: FakeDiscord, tmp_path: Path) -> None:
+    """Unreadable (here: a directory where the file should be) is not damaged: nothing is moved, and
+    nothing is written over it."""
+    (tmp_path / "last_seen.json").mkdir()
+    adapter = _adapter(fake, StandIn(), tmp_path)
+    msg = InboundMessage("discord", "main", GENERAL, "group", "u", "300000000000000200", "hi")
+    adapter._note_seen(int(GENERAL), 300000000000000200, msg)
+    assert (tmp_path / "last_seen.json").is_dir() and list(tmp_path.iterdir()) == [tmp_path / "last_seen.json"]

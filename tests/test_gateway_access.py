@@ -175,12 +175,32 @@ def test_at_most_three_pending_codes_and_an_expired_code(srv: ChannelServer, cha
 
 
 def test_group_messages_need_a_mention(srv: ChannelServer, chat: FakeChat) -> None:
-    quiet = chat.inject("group-1", "talking among ourselves", sender="carol", chat_type="group")
-    loud = chat.inject("group-1", "@bot what time is it", sender="carol", chat_type="group", mentions_bot=True)
+    quiet = chat.inject("group-1", "talking among ourselves", sender="boss", chat_type="group")
+    loud = chat.inject("group-1", "@bot what time is it", sender="boss", chat_type="group", mentions_bot=True)
     chat.wait_for_text("group-1", lambda t: t == "echo: @bot what time is it", timeout=15)
     assert _state(srv.home, quiet) == "denied: group: the bot was not mentioned"
     _wait_state(srv.home, loud, "delivered")
     assert len(chat.messages("group-1")) == 1
+
+
+def test_a_stranger_cannot_use_the_bot_through_a_group_of_their_own(srv: ChannelServer, chat: FakeChat) -> None:
+    """dm_policy says who may use the bot, in groups too: under "pairing" a stranger who adds the bot
+    to their group and mentions it gets no turn, and no pairing code posted in the group; once
+    approved (paired in a DM) their mentions in that group are answered."""
+    asked = chat.inject("mallorys-group", "@bot run clock", sender="mallory", chat_type="group", mentions_bot=True)
+    state = _wait_state(srv.home, asked, "denied")
+    assert "neither on the allowlist nor paired" in state, state
+    time.sleep(1.0)
+    assert chat.messages("mallorys-group") == []  # no turn, no code, no notice in the group
+    assert '"sender": "mallory"' not in run_cli(srv.home, "pairing", "list", "--json").out
+    assert store_turns(srv.home, "@bot run clock") == 0
+    # pairing happens in a DM; after the approval the group works for them
+    chat.inject("dm-mallory", "hi", sender="mallory")
+    prompt = chat.wait_for_text("dm-mallory", lambda t: "pairing code" in t, timeout=15)
+    assert run_cli(srv.home, "pairing", "approve", _code(prompt.text)).code == 0
+    chat.wait_for_text("dm-mallory", lambda t: t == "echo: hi", timeout=15)
+    chat.inject("mallorys-group", "@bot now?", sender="mallory", chat_type="group", mentions_bot=True)
+    chat.wait_for_text("mallorys-group", lambda t: t == "echo: @bot now?", timeout=15)
 
 
 def test_silent_mode_sends_nothing_to_an_unknown_sender(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from appserver.client import ProtocolClient
+from gateway.db import default_path
+from gateway.ledger import Ledger, UpdateKey
 from tests.fakes.fakechat import FakeChat
 from tests.support.cli import run_cli
 from tests.support.gateway import (
@@ -17,6 +19,7 @@ from tests.support.gateway import (
     fakechat_home,
     store_turns,
 )
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,6 +91,30 @@ def test_only_the_starter_or_an_admin_may_cancel_in_a_group(srv: ChannelServer, 
     chat.wait_for_text("team", lambda t: "Only the person who started" in t, timeout=15)
     chat.inject("team", "/cancel", sender="boss", chat_type="group")  # an admin
     chat.wait_for_text("team", "⏹ Cancelled.", timeout=15)
+
+
+def test_a_queued_message_gives_no_right_to_cancel_the_running_turn(srv: ChannelServer, chat: FakeChat) -> None:
+    """Bob's message waits behind Alice's running turn: his /cancel is refused (it would stop hers),
+    hers stops it, and then his turn runs."""
+    chat.inject("team-queue", "/slow 400", sender="alice", chat_type="group")
+    chat.wait_for(lambda: chat.messages("team-queue") or None, timeout=15, what="Alice's reply to start")
+    queued = chat.inject("team-queue", "me too", sender="bob", chat_type="group")
+    wait_for(lambda: _ledger_state(srv, queued) == "submitted", 15, "Bob's turn to be queued")
+    chat.inject("team-queue", "/cancel", sender="bob", chat_type="group")
+    chat.wait_for_text("team-queue", lambda t: "Only the person who started" in t, timeout=15)
+    assert not any("⏹ Cancelled." in m.text for m in chat.messages("team-queue"))
+    chat.inject("team-queue", "/cancel", sender="alice", chat_type="group")
+    chat.wait_for_text("team-queue", "⏹ Cancelled.", timeout=15)
+    chat.wait_for_text("team-queue", "echo: me too", timeout=15)  # Bob's turn was not the one cancelled
+
+
+def _ledger_state(srv: ChannelServer, message_id: str) -> str | None:
+    ledger = Ledger.open(default_path(srv.home))
+    try:
+        entry = ledger.get(UpdateKey("fakechat", "main", message_id))
+        return entry.state if entry is not None else None
+    finally:
+        ledger.close()
 
 
 def test_approval_by_the_starter_runs_the_tool_and_a_stranger_is_refused(srv: ChannelServer, chat: FakeChat) -> None:

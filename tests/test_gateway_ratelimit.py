@@ -133,6 +133,22 @@ async def test_forget_idle_drops_only_full_unblocked_buckets() -> None:
     assert rl.forget_idle() == 2
 
 
+async def test_buckets_of_idle_chats_are_dropped_as_new_chats_come() -> None:
+    """Nobody has to call `forget_idle`: a gateway that meets 1,000 new chats a day for ten days
+    keeps the buckets of about the latest day's chats, not 10,000; a chat the platform blocked keeps
+    its block."""
+    clock = FakeClock()
+    rl = limiter(clock, rate=1.0, burst=2)
+    rl.retry_after("blocked", 3600)
+    for day in range(10):
+        for i in range(1000):
+            await rl.acquire(f"chat-{day}-{i}")  # each leaves its bucket below full: not idle yet
+        assert len(rl) <= 2 * 1000 + ChatRateLimiter.SWEEP_MIN
+        clock.now += 10  # the day's chats refill: idle
+    assert len(rl) <= 2 * 1000 + ChatRateLimiter.SWEEP_MIN
+    assert await rl.acquire("blocked") >= 3600 - 100
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         ChatRateLimiter(0, 1)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from plugins.contract import Account, AccountError, Adapter, AdapterContext, DeliveryError, InboundMessage, Target
 from plugins.loader import load_plugin
 from plugins.telegram import TelegramAdapter, create_adapter, plain, to_html
-from tests.fakes.telegram_api import EntityParseError, FakeTelegram, parse_html
+from tests.fakes.telegram_api import EntityParseError, FakeTelegram, parse_html, utf16_len
 from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -319,8 +319,37 @@ async def test_edited_messages_are_ignored_or_new(tg: FakeTelegram, gw: Gateway,
     first = await gw.wait_message(lambda m: m.text == "frist")
     edit = tg.edit_user_message(sent.chat_id, int(sent.message_id or 0), "first")
     again = await gw.wait_message(lambda m: m.text == "first")
-    assert again.message_id != first.message_id and again.message_id.startswith(first.message_id + ":e")
+    assert again.message_id == f"{first.message_id}:u{edit.update_id}"
     await tg.wait_for_async(lambda: tg.acked(edit))
+
+
+async def test_two_edits_in_one_second_are_two_messages_each_with_a_stable_key(
+    tg: FakeTelegram, gw: Gateway, start: Start
+) -> None:
+    """`edit_date` has whole seconds: keyed by it, the second of two quick edits was taken for a
+    redelivery of the first and dropped. Keyed by the update id, each edit is its own message, and a
+    redelivered edit keeps its key."""
+    refused = {"left": 1}
+
+    def refuse_once(m: InboundMessage) -> bool:
+        if m.text == "third" and refused["left"]:
+            refused["left"] -= 1
+            return True
+        return False
+
+    gw.refuse = refuse_once
+    await start(edited="new")
+    sent = tg.dm("frist")
+    first = await gw.wait_message(lambda m: m.text == "frist")
+    while time.time() % 1 > 0.5:  # both edits well inside one second
+        await asyncio.sleep(0.01)
+    edits = [tg.edit_user_message(sent.chat_id, int(sent.message_id or 0), text) for text in ("first", "third")]
+    await tg.wait_for_async(lambda: tg.acked(edits[1]), timeout=10, what="both edits acknowledged")
+    one = await gw.wait_message(lambda m: m.text == "first")
+    two = [m for m in gw.messages if m.text == "third"]
+    assert one.raw["edited_message"]["edit_date"] == two[0].raw["edited_message"]["edit_date"]  # the same second
+    assert len(two) == 2 and two[0].message_id == two[1].message_id  # redelivered under the same key
+    assert len({first.message_id, one.message_id, two[0].message_id}) == 3
 
 
 async def test_edits_are_ignored_by_default(tg: FakeTelegram, gw: Gateway, start: Start) -> None:
@@ -361,6 +390,54 @@ async def test_refused_formatting_is_resent_as_the_plain_original(tg: FakeTelegr
     # HTML we did not produce (a plugin user's own): the text Telegram would have shown
     [mid2] = await adapter.send(Target("88"), "<b>broken")
     assert tg.message(88, int(mid2)).text == "broken"
+
+
+async def _reply(adapter: TelegramAdapter, chat: str, text: str, *, stream: bool = False) -> list[str]:
+    """`text` delivered to a DM as the gateway delivers a turn's reply (split, formatted, sent)."""
+    from gateway.delivery import Outbox, ReplySink
+    from gateway.ratelimit import ChatRateLimiter
+
+    sink = ReplySink(Outbox(adapter, ChatRateLimiter(50.0, 50), asyncio.sleep), Target(chat), stream=stream)
+    sink.interval = 0.0
+    if stream:
+        await sink.show(text[: len(text) // 2])
+    return await sink.finish(text)
+
+
+async def test_a_reply_is_split_by_what_telegram_shows_not_by_its_html(
+    tg: FakeTelegram, gw: Gateway, start: Start
+) -> None:
+    """Telegram's 4,096 counts the text after entity parsing (`&amp;` is one character): 4,000 `&`
+    are one message, not seven; and however the markup and the escapes fall, no part is longer than
+    Telegram takes (the fake refuses those as Telegram does)."""
+    adapter = await start()
+    for chat in (71, 72):
+        tg.dm("hi", user_id=chat)  # the bot may write to people who wrote to it
+    await gw.wait_message(lambda m: m.chat == "72")
+    assert adapter.measure(adapter.format("**a** & <b> 😀")) == utf16_len("a & <b> 😀") == 10
+    [one] = await _reply(adapter, "71", "&" * 4000)
+    assert tg.message(71, int(one)).text == "&" * 4000
+    line = "x < y && **z** > `<w>` 😀😀 & [l](https://e.org/?a=1&b=2) <&>\n"
+    text = line * 400  # 25,600 characters of Markdown, about twice as many of HTML
+    ids = await _reply(adapter, "72", text, stream=True)
+    shown = [tg.message(72, int(i)).text for i in ids]
+    assert all(utf16_len(t) <= 4096 for t in shown)
+    # no more parts than the Markdown itself makes at the split length (the HTML source made 12)
+    assert len(ids) <= len(text) // adapter.limits.max_length + 1, (len(ids), [utf16_len(t) for t in shown])
+
+
+async def test_a_refused_part_falls_back_to_text_that_fits(tg: FakeTelegram, gw: Gateway, start: Start) -> None:
+    """A part is measured as Telegram shows it, so its Markdown (markup, link URLs) may be longer than
+    Telegram takes: when Telegram refuses the HTML, the fallback is then the shown text, which fits."""
+    adapter = await start()
+    tg.dm("hi", user_id=73)
+    await gw.wait_message(lambda m: m.chat == "73")
+    text = "**😀😀** " * 560  # one part: 3,920 characters; shown 2,800 UTF-16 units, the Markdown 5,040
+    assert utf16_len(parse_html(to_html(text))) < 4096 < utf16_len(text)
+    tg.fail_next("sendMessage", 400, description="Bad Request: can't parse entities: Unsupported start tag")
+    [mid] = await _reply(adapter, "73", text)
+    msg = tg.message(73, int(mid))
+    assert msg.parse_mode is None and msg.text == "😀😀 " * 560
 
 
 async def test_errors_become_delivery_errors(tg: FakeTelegram, gw: Gateway, start: Start) -> None:

@@ -66,6 +66,32 @@ async def test_cancel_keeps_partial_text(server: ServeProcess) -> None:
     await ws.close()
 
 
+async def test_a_cancel_naming_a_turn_stops_that_turn_only(server: ServeProcess) -> None:
+    """A cancel meant for a turn that has ended (a re-send after a reconnect, a /cancel racing the
+    next turn) must not stop the one after it; naming a queued turn takes it out of the queue."""
+    ws = await WS.open(server.url)
+    first = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "hi"})
+    conv = first["conversation_id"]
+    assert (await ws.terminal(first["turn_id"]))["status"] == "completed"
+    running = await ws.request(
+        {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "/slow 200"}
+    )
+    queued = await ws.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "later"})
+    assert queued["queue_position"] == 1
+    late = await ws.request({"type": "cancel", "conversation": conv, "turn_id": first["turn_id"]})
+    assert late["type"] == "ack" and late["cancelled"] is False
+    unknown = await ws.request({"type": "cancel", "conversation": conv, "turn_id": "turn_nosuch"})
+    assert unknown["cancelled"] is False
+    dropped = await ws.request({"type": "cancel", "conversation": conv, "turn_id": queued["turn_id"]})
+    assert dropped["cancelled"] is True
+    stopped = await ws.request({"type": "cancel", "conversation": conv, "turn_id": running["turn_id"]})
+    assert stopped["cancelled"] is True
+    assert (await ws.terminal(running["turn_id"]))["status"] == "cancelled"
+    hist = (await ws.request({"type": "get_history", "conversation": conv}))["messages"]
+    assert "later" not in [m["content"] for m in hist if m["role"] == "user"]  # withdrawn before it ran
+    await ws.close()
+
+
 async def test_idempotent_submit_is_one_turn(server: ServeProcess) -> None:
     ws = await WS.open(server.url)
     conv = (await ws.request({"type": "create_conversation", "agent": "assistant", "title": "idem"}))["conversation"][

@@ -470,7 +470,7 @@ class Chat:
             return
         if cmd == "/cancel":
             self.background(
-                {"type": "cancel", "conversation": self.conv_id},
+                self.cancel_frame(),
                 lambda ack: None if ack.get("cancelled") else "[nothing to cancel]",
             )
             return
@@ -552,7 +552,14 @@ class Chat:
 
     def cancel(self) -> None:
         self.cancelling = True
-        self.background({"type": "cancel", "conversation": self.conv_id}, lambda ack: None)
+        self.background(self.cancel_frame(), lambda ack: None)
+
+    def cancel_frame(self) -> dict[str, Any]:
+        """A cancel of the turn on screen, if one is (never of the one queued behind it)."""
+        frame: dict[str, Any] = {"type": "cancel", "conversation": self.conv_id}
+        if self.turn is not None:
+            frame["turn_id"] = self.turn
+        return frame
 
     def on_interrupt(self) -> None:
         if self.asking is not None:  # cancel at once; the approval is not answered

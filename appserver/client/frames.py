@@ -156,6 +156,7 @@ class ApprovalResponse(TypedDict):
 class Cancel(TypedDict):
     type: Literal["cancel"]
     conversation: str
+    turn_id: NotRequired[str]
     request_id: NotRequired[str]
 
 

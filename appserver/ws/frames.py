@@ -252,8 +252,12 @@ class ApprovalResponse(_ClientFrame):
 
 
 class Cancel(_ClientFrame):
+    """With `turn_id`, only that turn: a cancel meant for a turn that has ended never stops the one
+    queued behind it (a re-sent cancel after a reconnect, a chat's /cancel racing the next turn)."""
+
     type: Literal["cancel"]
     conversation: str = Field(min_length=1)
+    turn_id: str | None = Field(default=None, min_length=1)
 
 
 class ToolResult(_ClientFrame):

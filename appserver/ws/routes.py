@@ -344,7 +344,7 @@ class Endpoint:
             conn.send({"type": "ack", "request_id": rid, "conversation_id": conv.id, "results": results})
         elif isinstance(frame, F.Cancel):
             conv = await self._conversation(conn, frame.conversation, None, with_agent=False)  # no `agent` field
-            cancelled = await self.server.kernel.cancel(conv.id)
+            cancelled = await self.server.kernel.cancel(conv.id, frame.turn_id)
             conn.send({"type": "ack", "request_id": rid, "conversation_id": conv.id, "cancelled": cancelled})
         elif isinstance(frame, F.ToolResult):
             results = await self.hub.tool_result(conn, frame.call_id, frame.output, frame.is_error)

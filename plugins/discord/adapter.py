@@ -66,6 +66,7 @@ from plugins.contract import (
 from plugins.discord.format import to_discord
 from plugins.discord.settings import DEFAULT_API_URL, DEFAULT_GATEWAY_URL, check_settings
 from plugins.inorder import ChatOrder
+from plugins.statefile import atomic_write_text, move_aside
 
 CHANNEL = "discord"
 MAX_LENGTH = 1990  # Discord refuses content over 2,000 characters; a margin for the status line
@@ -187,6 +188,7 @@ class DiscordAdapter:
         self._fatal: str | None = None
         self._prompts: dict[tuple[str, str], str] = {}  # (channel, message id) of a prompt -> short id
         self._state_path = Path(context.data_dir) / STATE_FILE
+        self._state_writable = True  # False while the saved file exists but cannot be read: never clobber it
         self._seen: dict[str, dict[str, Any]] = self._load_seen()
         self._catch_up: asyncio.Task[None] | None = None
         self.bot_user_id: int | None = None
@@ -465,16 +467,36 @@ class DiscordAdapter:
     # ------------------------------------------------------------------ catch-up
 
     def _load_seen(self) -> dict[str, dict[str, Any]]:
-        """The catch-up state as saved. Every id in it is checked here (ASCII digits, at most a
-        snowflake's 20), so nothing later int()s a `٥` as 5 or 5000 digits into a ValueError: an
-        entry with an unusable channel or `last` is dropped, an unusable `failed` id is dropped."""
+        """The catch-up state as saved. A file that is not the JSON object this adapter writes (torn,
+        bit rot, edited by hand) is moved aside to `last_seen.json.corrupt-<UTC time>` with an error:
+        never read as empty and later overwritten, which would lose what it says silently. Every id
+        in it is checked here (ASCII digits, at most a snowflake's 20), so nothing later int()s a `٥`
+        as 5 or 5000 digits into a ValueError: an entry with an unusable channel or `last` is
+        dropped, an unusable `failed` id is dropped (the original is set aside first)."""
+        path = self._state_path
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            self._state_writable = False
+            self._log.error(
+                "%s: cannot read the catch-up state %s (%s); messages sent while the gateway was away are not "
+                "fetched, and the file is left as it is until it can be read",
+                self._where,
+                path,
+                exc,
+            )
+            return {}
         try:
             # every integer as its text: ids are kept as text anyway, and int() of 5000 digits would
             # fail the whole file
-            value = json.loads(self._state_path.read_text(), parse_int=str)
-        except (OSError, ValueError):
+            value = json.loads(raw.decode("utf-8"), parse_int=str)
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            self._set_aside(f"not valid JSON ({exc})")
             return {}
         if not isinstance(value, dict):
+            self._set_aside(f"a JSON {type(value).__name__}, not an object")
             return {}
         out: dict[str, dict[str, Any]] = {}
         dropped = 0
@@ -492,13 +514,40 @@ class DiscordAdapter:
             if failed:
                 out[key]["failed"] = failed
         if dropped:
-            self._log.warning(
-                "%s: %s holds %d channel(s) or message id(s) that are not Discord ids; they are ignored",
+            self._set_aside(f"{dropped} channel(s) or message id(s) that are not Discord ids; the rest is kept")
+            self._save_seen(out)
+        return out
+
+    def _set_aside(self, reason: str) -> None:
+        """Move a damaged catch-up state aside (kept for a look), loudly."""
+        try:
+            moved_to = move_aside(self._state_path)
+        except OSError as exc:
+            self._state_writable = False
+            self._log.error(
+                "%s: the catch-up state %s is damaged (%s) and could not be moved aside (%s); it is left as it is",
                 self._where,
                 self._state_path,
-                dropped,
+                reason,
+                exc,
             )
-        return out
+            return
+        self._log.error(
+            "%s: the catch-up state %s is damaged (%s): moved aside to %s; messages sent while the gateway "
+            "was away before now may not be fetched",
+            self._where,
+            self._state_path,
+            reason,
+            moved_to,
+        )
+
+    def _save_seen(self, seen: dict[str, dict[str, Any]]) -> None:
+        if not self._state_writable:
+            return
+        try:
+            atomic_write_text(self._state_path, json.dumps(seen, sort_keys=True))
+        except OSError as exc:
+            self._log.warning("%s: could not save %s: %s", self._where, self._state_path, exc)
 
     def _note_seen(self, channel_id: int, message_id: int, msg: InboundMessage, *, recorded: bool = True) -> None:
         """Remember where the catch-up of a channel starts: after the newest recorded message, but
@@ -518,13 +567,7 @@ class DiscordAdapter:
         if entry == old:
             return
         self._seen[key] = entry
-        try:
-            self._state_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self._state_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self._seen, sort_keys=True))
-            os.replace(tmp, self._state_path)
-        except OSError as exc:
-            self._log.warning("%s: could not save %s: %s", self._where, self._state_path, exc)
+        self._save_seen(self._seen)
 
     async def _catch_up_all(self, only_held: bool = False) -> None:
         for channel_id, entry in list(self._seen.items()):

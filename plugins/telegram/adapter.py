@@ -71,7 +71,8 @@ from plugins.telegram.settings import DEFAULT_API_URL, DEFAULT_POLL_TIMEOUT, che
 T = TypeVar("T")
 
 CHANNEL = "telegram"
-MAX_LENGTH = 4096 - 96  # Telegram counts UTF-16 units after entity parsing; the margin covers most astral text
+TELEGRAM_MAX_TEXT = 4096  # Telegram's limit: UTF-16 units of the text it shows (after entity parsing)
+MAX_LENGTH = TELEGRAM_MAX_TEXT - 96  # where replies are split (`measure`), a margin below Telegram's limit
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 IMAGE_MAX_BYTES = 5 * 1024 * 1024  # what the gateway passes on to the model
@@ -352,8 +353,9 @@ class TelegramAdapter:
         suffix = ""
         if message is None and update.edited_message is not None and self.edited == "new":
             message = update.edited_message
-            edit_date = message.edit_date or message.date
-            suffix = f":e{int(edit_date.timestamp())}"
+            # The update's id: one per edit, the same when Telegram delivers it again (an edit's
+            # `edit_date` has whole seconds, so two quick edits would share a key and one be lost).
+            suffix = f":u{update_id}"
         if message is None:
             return None
         attachments = await self._attachments(message)
@@ -504,8 +506,10 @@ class TelegramAdapter:
 
     @staticmethod
     def measure(text: str) -> int:
-        """Telegram counts a message's length in UTF-16 code units (an emoji is two)."""
-        return len(text.encode("utf-16-le")) // 2
+        """The length of our HTML (`format`'s output) as Telegram counts it: the text it shows (tags
+        not counted, `&amp;` one character), in UTF-16 code units (an emoji is two). Counting the
+        HTML source would split a reply full of `&`, `<`, `>` into several times the messages."""
+        return utf16_len(plain(text))
 
     def format(self, text: str) -> str:
         """The reply's Markdown as Telegram HTML (remembered, so a refused one can go out as plain text)."""
@@ -517,8 +521,13 @@ class TelegramAdapter:
         return html
 
     def _plain(self, html: str) -> str:
+        """The fallback for HTML Telegram refused: the Markdown it came from, unless that is longer
+        than Telegram takes (markup and link URLs count there; the part was measured as shown), else
+        the text the HTML shows, which `measure` kept within the limit."""
         original = self._formatted.get(html)
-        return original if original is not None else plain(html)
+        if original is not None and utf16_len(original) <= TELEGRAM_MAX_TEXT:
+            return original
+        return plain(html)
 
     async def send(self, target: Target, text: str) -> list[str]:
         message = await self._send(target, text)
@@ -659,6 +668,11 @@ def retry_seconds(exc: RetryAfter) -> float:
     return float(value)
 
 
+def utf16_len(text: str) -> int:
+    """Telegram counts lengths in UTF-16 code units (an emoji is two)."""
+    return len(text.encode("utf-16-le", "surrogatepass")) // 2
+
+
 def _describe(exc: BaseException) -> str:
     message = getattr(exc, "message", None) or str(exc)
     return f"{type(exc).__name__}: {message}"
@@ -683,7 +697,7 @@ def _int_or_none(value: str | None) -> int | None:
 
 
 def _message_id(value: str) -> int | None:
-    """A message id as the gateway holds it: ours (`"42"`) or an inbound one (`"<chat>:42"`, `"<chat>:42:e…"`);
+    """A message id as the gateway holds it: ours (`"42"`) or an inbound one (`"<chat>:42"`, `"<chat>:42:u…"`);
     None for a callback query's (`"cb:…"`) or anything else that is no message id."""
     parts = value.split(":")
     if parts[0] == "cb":

@@ -96,6 +96,11 @@ ALLOWED_REFUSALS: dict[tuple[int, str], str] = {
     (400, "unsupported_item_type"): "input item of a hosted tool this server does not run",
     # integers beyond 64 bits cannot be parsed faithfully (appserver/strictjson.py)
     (400, "invalid_json"): "integer outside the 64-bit range",
+    # a call of the transcript that no later tool result answers: OpenAI refuses it (the schema
+    # cannot say so), and it would reach the model with a made-up result
+    (400, "tool_calls_unanswered"): "a tool call the history leaves unanswered",
+    # a json_schema format name outside ^[a-zA-Z0-9_-]{1,64}$ (said in words only): OpenAI refuses it
+    (400, "invalid_value"): "response format name not of a-z, A-Z, 0-9, _ and -, at most 64",
     # an assistant reply that makes two tool calls with one id: a result could not say which it answers
     (400, "duplicate_tool_call_id"): "repeated tool call ids in one reply",
 }
@@ -229,6 +234,32 @@ def unique_ids(calls: list[Any], key: str) -> None:
             seen.add(call[key])
 
 
+def answered_only(items: list[Any], calls_key: str | None, call_id: Callable[[Any], Any], result_id: str) -> None:
+    """Drop the calls no later result answers (OpenAI refuses a transcript that leaves one open):
+    from an assistant message's `calls_key` list, or (None) the call items themselves."""
+    for n in range(len(items) - 1, -1, -1):
+        later = {it.get(result_id) for it in items[n + 1 :] if isinstance(it, dict)}
+        item = items[n]
+        if not isinstance(item, dict):
+            continue
+        if calls_key is None:
+            if item.get("type") == "function_call" and call_id(item) not in later:
+                del items[n]
+        elif isinstance(item.get(calls_key), list):
+            item[calls_key] = [c for c in item[calls_key] if call_id(c) in later]
+            if not item[calls_key]:
+                del item[calls_key]
+
+
+def valid_format_name(fmt: Any) -> None:
+    """A json_schema format whose name OpenAI would refuse gets one it takes."""
+    if isinstance(fmt, dict) and isinstance(fmt.get("name"), str) and not VALID_NAME.fullmatch(fmt["name"]):
+        fmt["name"] = "schema"
+
+
+VALID_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
 def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     """The generated body, still schema-valid, without the parts listed in ALLOWED_REFUSALS, so
     that everything else in it (sampling, formats, client tools, metadata, images…) runs a turn."""
@@ -246,6 +277,19 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
         for m in out["messages"]:
             if isinstance(m, dict) and isinstance(m.get("tool_calls"), list):
                 unique_ids(m["tool_calls"], "id")
+        answered_only(
+            out["messages"], "tool_calls", lambda c: c.get("id") if isinstance(c, dict) else None, "tool_call_id"
+        )
+        for n, m in enumerate(out["messages"]):  # a legacy function_call is answered by name
+            call = m.get("function_call") if isinstance(m, dict) else None
+            if isinstance(call, dict) and not any(
+                isinstance(r, dict) and r.get("role") == "function" and r.get("name") == call.get("name")
+                for r in out["messages"][n + 1 :]
+            ):
+                del m["function_call"]
+        fmt = out.get("response_format")
+        if isinstance(fmt, dict):
+            valid_format_name(fmt.get("json_schema"))
         if out.get("n") not in (None, 1):
             out["n"] = 1
         keep_function_tools(out, lambda t: t["function"].get("name"))
@@ -280,6 +324,11 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
             lambda it: it.get("role") == "assistant" or it.get("type") == "function_call",
             lambda it: it.get("type") in kinds,
         )
+    if isinstance(out.get("input"), list):
+        answered_only(out["input"], None, lambda it: it.get("call_id"), "call_id")
+    text = out.get("text")
+    if isinstance(text, dict):
+        valid_format_name(text.get("format"))
     keep_function_tools(out, lambda t: t.get("name"))
     if isinstance(out.get("max_output_tokens"), int) and out["max_output_tokens"] < 1:
         del out["max_output_tokens"]

@@ -176,6 +176,117 @@ def test_a_connection_dropped_mid_request_is_replaced_without_a_traceback(tmp_pa
         assert "Traceback" not in log, log[-3000:]
 
 
+def test_a_connection_ended_while_its_commit_runs_loses_nothing_and_fails_nothing(tmp_path: Path) -> None:
+    """A deferred trigger ends the session at COMMIT, once: the answer to the pipelined COMMIT never
+    comes, so whether it took effect was unknown and the request got a 500 with a traceback. Now
+    the store asks the database (txid_status): aborted, so the group runs again on another
+    connection and the request succeeds, its turn stored once."""
+    with temp_database("atk_commit") as url:
+        with psycopg.connect(url, autocommit=True) as c:
+            c.execute("CREATE SEQUENCE attack_armed")
+            c.execute(
+                "CREATE FUNCTION attack_drop() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                "IF nextval('attack_armed') = 1 THEN PERFORM pg_terminate_backend(pg_backend_pid()); "
+                "PERFORM pg_sleep(1); END IF; RETURN NEW; END $$"
+            )
+        with serving(tmp_path / "h", "--store", url) as sp:
+            with psycopg.connect(url, autocommit=True) as c:  # after the start's own writes
+                c.execute(
+                    "CREATE CONSTRAINT TRIGGER attack_drop AFTER INSERT ON messages DEFERRABLE INITIALLY DEFERRED "
+                    "FOR EACH ROW EXECUTE FUNCTION attack_drop()"
+                )
+            got = _client(sp).chat.completions.create(model="assistant", messages=[{"role": "user", "content": "c1"}])
+            assert got.choices[0].message.content == "echo: c1"
+            with psycopg.connect(url) as c:
+                assert c.execute("SELECT nextval('attack_armed')").fetchone()[0] > 1  # the drop did happen
+            assert [status for _, status in _turns_with_input(url, "c1")] == ["completed"]
+            sp.stop()
+            log = sp.proc.stderr.read() if sp.proc.stderr else ""
+        assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_database_that_ends_every_write_is_a_503_store_unavailable(tmp_path: Path) -> None:
+    """Every session that writes a message is ended, before COMMIT and at it: after four tries the
+    request is refused 503 `store_unavailable`, not a 500 with a traceback, and nothing of it is
+    written."""
+    with temp_database("atk_always") as url:
+        with serving(tmp_path / "h", "--store", url) as sp:
+            with psycopg.connect(url, autocommit=True) as c:
+                c.execute(
+                    "CREATE FUNCTION attack_drop() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                    "PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(1); RETURN NEW; END $$"
+                )
+                c.execute(
+                    "CREATE TRIGGER attack_drop BEFORE INSERT ON messages FOR EACH ROW EXECUTE FUNCTION attack_drop()"
+                )
+            body = {"model": "assistant", "messages": [{"role": "user", "content": "never"}]}
+            r = httpx.post(sp.url + "/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "store_unavailable", r.text
+            with psycopg.connect(url, autocommit=True) as c:
+                c.execute("DROP TRIGGER attack_drop ON messages")
+            assert _turns_with_input(url, "never") == []
+            ok = _client(sp).chat.completions.create(model="assistant", messages=[{"role": "user", "content": "now"}])
+            assert ok.choices[0].message.content == "echo: now"
+            sp.stop()
+            log = sp.proc.stderr.read() if sp.proc.stderr else ""
+        assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_storm_of_terminated_sessions_fails_no_request_and_loses_nothing(tmp_path: Path) -> None:
+    """Every session of the database ended every 100 ms while 8 clients chat: a lost connection
+    before COMMIT runs the group again, one lost during COMMIT is settled by asking the database
+    whether it committed. No request fails, every acknowledged reply is stored once, no traceback."""
+    with temp_database("atk_storm") as url, serving(tmp_path / "h", "--store", url) as sp:
+        name = url.rsplit("/", 1)[1]
+        acked: list[tuple[str, str]] = []
+        failed: list[str] = []
+        stop = asyncio.Event()
+
+        async def user(i: int) -> None:
+            async with httpx.AsyncClient(base_url=sp.url, timeout=30) as http:
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    text = f"s{i}-{n}"
+                    body = {"model": "assistant", "messages": [{"role": "user", "content": text}]}
+                    r = await http.post("/v1/chat/completions", json=body)
+                    if r.status_code == 200:
+                        acked.append((text, r.json()["choices"][0]["message"]["content"]))
+                    else:
+                        failed.append(f"{r.status_code} {r.text[:300]}")
+
+        async def storm() -> None:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as c:
+                for _ in range(40):
+                    await c.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = %s AND pid <> pg_backend_pid()",
+                        (name,),
+                    )
+                    await asyncio.sleep(0.1)
+            stop.set()
+
+        async def main() -> None:
+            await asyncio.wait_for(asyncio.gather(storm(), *(user(i) for i in range(8))), 90)
+
+        asyncio.run(main())
+        sp.stop()
+        log = sp.proc.stderr.read() if sp.proc.stderr else ""
+        assert not failed, failed[:5]
+        assert len(acked) > 40
+        with psycopg.connect(url) as c:
+            for text, out in acked:
+                rows = c.execute(
+                    "SELECT t.status, (SELECT count(*) FROM messages a WHERE a.turn_id = t.id AND a.role = 'assistant' "
+                    "AND a.content = %s) FROM turns t JOIN messages m ON m.turn_id = t.id "
+                    "WHERE m.role = 'user' AND m.content = %s",
+                    (json.dumps(out), json.dumps(text)),
+                ).fetchall()
+                assert rows == [("completed", 1)], (text, rows)
+    assert "Traceback" not in log, log[-3000:]
+
+
 def test_a_second_serve_joins_after_the_database_dropped_connections(tmp_path: Path) -> None:
     with temp_database("atk_claim") as url, serving(tmp_path / "a", "--store", url) as first:
         name = url.rsplit("/", 1)[1]

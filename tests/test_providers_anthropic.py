@@ -485,11 +485,21 @@ async def test_stream_cut_before_message_stop(fake: FakeAnthropic) -> None:
             ]
         )
     )
-    assert coalesce(await run(fake)) == [
-        Text("Hi!"),
-        Usage(input_tokens=10, output_tokens=1),
-        Done("unknown"),
-    ]
+    provider = AnthropicProvider(claude_cfg(fake))
+    got: list[ProviderChunk] = []
+    with pytest.raises(ProviderError) as info:
+        async for c in provider.stream(req()):
+            got.append(c)
+    await provider.aclose()
+    # cut off between two events: a network failure, never a finished answer
+    assert info.value.kind == "network" and "no stop_reason" in info.value.message
+    assert coalesce(got) == [Text("Hi!")]
+
+
+async def test_stop_reason_without_message_stop_is_lenient(fake: FakeAnthropic) -> None:
+    fake.script(anthropic_sse([message_start(), *text_block(0, ["Hi"]), message_delta("end_turn")]))
+    got = await run(fake)
+    assert coalesce(got)[0] == Text("Hi") and got[-1] == Done("stop")
 
 
 # ---------------------------------------------------------------- errors

@@ -491,8 +491,22 @@ async def test_usage_only_final_chunk(fake: FakeOpenAI) -> None:
     ]
 
 
-async def test_stream_ending_without_finish_reason_or_done(fake: FakeOpenAI) -> None:
+async def test_stream_ending_without_finish_reason_or_done_is_cut_off(fake: FakeOpenAI) -> None:
+    """A stream closed cleanly between two events, with neither a finish reason nor `[DONE]`, was
+    cut off: a network failure (as a stream dropped mid-event), never a finished answer."""
     fake.script(openai_sse([chunk(content="partial"), chunk(content=" answer")], done=False))
+    provider = OpenAICompatProvider(cfg(fake))
+    got: list[ProviderChunk] = []
+    with pytest.raises(ProviderError) as info:
+        async for c in provider.stream(req()):
+            got.append(c)
+    await provider.aclose()
+    assert info.value.kind == "network" and "no finish_reason" in info.value.message
+    assert coalesce(got) == [Text("partial answer")]  # what was shown, and no Done
+
+
+async def test_done_marker_without_finish_reason_is_lenient(fake: FakeOpenAI) -> None:
+    fake.script(openai_sse([chunk(content="partial"), chunk(content=" answer")]))
     assert coalesce(await run(fake)) == [Text("partial answer"), Done("unknown")]
 
 

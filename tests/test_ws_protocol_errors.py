@@ -41,6 +41,7 @@ NOT_PROVOKABLE = {
     "internal_error": "a bug in the server",
     "cron_unavailable": "serve always runs the cron service",
     "server_unavailable": "a fenced server of a cluster (tests/test_cluster.py provokes it)",
+    "store_unavailable": "PostgreSQL ending every connection (tests/test_postgres_serve_attack.py provokes it)",
 }
 LOOKUP = {"name": "lookup", "description": "a client tool", "parameters": {"type": "object", "properties": {}}}
 

@@ -48,7 +48,9 @@ from appserver.http.conversation_match import (
     check_call_ids,
     for_agent,
     merge_assistants,
+    results_without_call,
     split_new_input,
+    unanswered_calls,
     user_content,
 )
 from appserver.http.errors import ApiError, bad_request, error_body
@@ -215,6 +217,10 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "messages")
+        if role in CONTENT_REQUIRED:  # every message of the transcript, not only the new input
+            content = fields.required(m, "content", f"{where}.content")
+            if not isinstance(content, str | list):
+                raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
         text, images, media = parts_of(m.get("content"), where, media=role == "user")
         if images and role != "user":
             raise no_images(where, role, "messages")
@@ -229,18 +235,10 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             raw_calls = m.get("tool_calls") or []
             if not isinstance(raw_calls, list):
                 raise bad_request(f"{where}.tool_calls must be an array", "messages")
-            for c in raw_calls:
-                fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    continue  # custom tool calls are not client function calls
-                args = fn.get("arguments")
-                calls.append(
-                    {
-                        "id": str(c.get("id") or ""),
-                        "name": fn["name"],
-                        "arguments": args if isinstance(args, str) else "",
-                    }
-                )
+            for k, c in enumerate(raw_calls):
+                call = history_call(c, f"{where}.tool_calls[{k}]")
+                if call is not None:
+                    calls.append(call)
             legacy = legacy_function_call(m.get("function_call"), where)
             if legacy is not None:
                 calls.append(legacy)
@@ -256,6 +254,28 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
                 raise bad_request(f"{where}.name is required for a function message", "messages")
             items.append(ViewItem("tool", text, call_id=LEGACY_CALL_ID + name))
     return merge_assistants(items), instructions
+
+
+# roles whose `content` OpenAI requires (an assistant's may be null or absent: tool calls only)
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
+def history_call(c: Any, at: str) -> dict[str, Any] | None:
+    """A function call of an assistant message, checked as OpenAI checks it (`id`, and
+    `function.name` and `function.arguments` as strings); None for a custom tool call, which is
+    not a client function call. A malformed call is refused, never dropped or coerced."""
+    if not isinstance(c, dict):
+        raise fields.type_error(at, "an object", c)
+    if c.get("type") == "custom":
+        return None
+    call_id = fields.string(fields.required(c, "id", f"{at}.id"), f"{at}.id", nullable=False)
+    fn = fields.obj(fields.required(c, "function", f"{at}.function"), f"{at}.function", nullable=False)
+    assert fn is not None and call_id is not None
+    name = fields.string(fields.required(fn, "name", f"{at}.function.name"), f"{at}.function.name", nullable=False)
+    args = fields.string(
+        fields.required(fn, "arguments", f"{at}.function.arguments"), f"{at}.function.arguments", nullable=False
+    )
+    return {"id": call_id, "name": name, "arguments": args}
 
 
 def legacy_function_call(value: Any, where: str) -> dict[str, Any] | None:
@@ -279,15 +299,19 @@ def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
     functions = body.get("functions")
     if not isinstance(functions, list):
         raise bad_request("'functions' must be an array of functions", "functions")
-    call = body.get("function_call")
+    return [{"type": "function", "function": f} for f in functions], legacy_choice(body.get("function_call"))
+
+
+def legacy_choice(call: Any) -> Any:
+    """The deprecated `function_call` ("none", "auto" or {"name": …}) as a tool choice."""
     if isinstance(call, dict):
         name = call.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request("'function_call' must be 'none', 'auto' or {\"name\": …}", "function_call")
-        call = {"type": "function", "function": {"name": name}}
-    elif call is not None and call not in ("none", "auto"):
+        return {"type": "function", "function": {"name": name}}
+    if call is not None and call not in ("none", "auto"):
         raise bad_request("'function_call' must be 'none', 'auto' or {\"name\": …}", "function_call")
-    return [{"type": "function", "function": f} for f in functions], call
+    return call
 
 
 def client_tools_of(tools: Any) -> list[ToolSpec]:
@@ -480,7 +504,14 @@ def response_format_of(value: Any, param: str = "response_format") -> dict[str, 
 
 def schema_fields(fmt: dict[str, Any], param: str) -> None:
     """name (required, a function-like name), schema (an object), strict, description."""
-    fields.string(fmt.get("name"), f"{param}.name", nullable=False)
+    name = fields.string(fmt.get("name"), f"{param}.name", nullable=False)
+    if not fields.FUNCTION_NAME.fullmatch(name or ""):  # an upstream would refuse it after the turn began
+        raise bad_request(
+            f"Invalid '{param}.name': {name!r} does not match pattern. Expected a string that matches the pattern "
+            "'^[a-zA-Z0-9_-]{1,64}$'.",
+            f"{param}.name",
+            code="invalid_value",
+        )
     fields.obj(fmt.get("schema"), f"{param}.schema")
     fields.boolean(fmt.get("strict"), f"{param}.strict")
     fields.string(fmt.get("description"), f"{param}.description")
@@ -557,6 +588,8 @@ def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
     fields.obj(body.get("logit_bias"), "logit_bias")
     fields.strings(body.get("modalities"), "modalities", ("text", "audio"))
     fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
+    if body.get("functions") is None and body.get("function_call") is not None:
+        legacy_choice(body["function_call"])  # typed even without `functions` (legacy_tools checks it with them)
     return stream, bool(include_usage)
 
 
@@ -667,9 +700,19 @@ class ChatCompletions:
                 "the last message must be a user message or tool results", "messages", code="missing_input"
             )
         if users and results:
+            stray = results_without_call(items)
+            if stray:  # not a mix: these results answer nothing (as new input alone they would be refused so)
+                raise bad_request(
+                    f"the tool messages for {', '.join(stray)} answer no tool call of an assistant message before them",
+                    "messages",
+                    code="unknown_tool_call",
+                )
             raise bad_request(
                 "send tool results and a new user message in separate requests", "messages", code="mixed_input"
             )
+        unanswered = unanswered_calls(items, answering=not users)
+        if unanswered:
+            raise calls_unanswered(unanswered)
         # every user message's parts, the history's too (seeded into a new conversation, they reach the model)
         check_media(self.server, agent, [p for u in items if u.kind == "user" for p in u.parts], "messages")
         answers = (
@@ -705,6 +748,7 @@ class ChatCompletions:
                     source={"kind": "openai_chat", "user": user} if user else {"kind": "openai_chat"},
                     overlap_accept=not stream,  # a non-stream reply acknowledges only once the turn settled
                     while_pending=calls_unanswered,
+                    answers_param="messages",
                     idempotency=key,
                 )
         except BaseException:

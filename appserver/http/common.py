@@ -18,14 +18,22 @@ from starlette.responses import JSONResponse, Response
 
 from appserver import fastjson
 from appserver.auth import Principal, namespace_of
-from appserver.errors import AgentGone, KernelError
+from appserver.errors import AgentGone, InvalidInput, KernelError
 from appserver.http.bodies import json_bodies
 from appserver.http.conversation_match import HEADER, by_name, legacy_name
-from appserver.http.errors import ApiError, error_response, from_kernel, new_request_id, turn_failure
+from appserver.http.errors import (
+    ApiError,
+    error_body,
+    error_response,
+    from_kernel,
+    new_request_id,
+    turn_failure,
+)
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
+from appserver.store.base import StoreUnavailable
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
 if TYPE_CHECKING:
@@ -261,6 +269,11 @@ class Idempotency:
                     param="Idempotency-Key",
                 )
             if existing.state == "done":
+                answered = answered_response(existing)
+                if answered is not None and answered[1]:
+                    kept = await store.get_response(answered[0])
+                    if kept is None or not kept.stored:  # deleted, while its request still ran
+                        existing = await forget_answer(server, existing, answered[0])
                 headers = {"Idempotent-Replayed": "true"}
                 if existing.conversation_id:
                     headers["X-Conversation-Id"] = existing.conversation_id
@@ -310,6 +323,52 @@ class Idempotency:
 
     async def abandon(self) -> None:
         await self.server.store.drop_http_idempotency(self.scope, self.key)
+
+
+def answered_response(entry: HttpIdempotency) -> tuple[str, bool] | None:
+    """(id, `store`) of the Response object a key's stored answer carries (a `/v1/responses`
+    JSON body, or its stream's `response.created` event); None for any other answer."""
+    body = entry.body or ""
+    try:
+        if (entry.content_type or "").startswith("text/event-stream"):
+            first = next((line for line in body.splitlines() if line.startswith("data:")), "")
+            event = json.loads(first.removeprefix("data:"))
+            obj = event.get("response") if isinstance(event, dict) else None
+        else:
+            obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("object") != "response" or not isinstance(obj.get("id"), str):
+        return None
+    return obj["id"], obj.get("store") is not False
+
+
+def deleted_answer(response_id: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The response this Idempotency-Key answered with ('{response_id}') was deleted.",
+        code="response_not_found",
+        param="Idempotency-Key",
+    )
+
+
+async def forget_answer(server: Server, entry: HttpIdempotency, response_id: str) -> HttpIdempotency:
+    """A deleted response is not served again by a replay: the key's stored answer becomes the
+    404 its GET answers (the key stays taken, so a retry does not run the request twice)."""
+    err = deleted_answer(response_id)
+    body = fastjson.dumps(error_body(err.status, err.message, code=err.code, param=err.param))
+    await server.store.finish_http_idempotency(
+        entry.scope, entry.key, err.status, "application/json", body, entry.conversation_id
+    )
+    return dataclasses.replace(entry, status_code=err.status, content_type="application/json", body=body, state="done")
+
+
+async def forget_answers_of(server: Server, conversation_id: str, response_id: str) -> None:
+    """DELETE /v1/responses/{id}: every key whose stored answer is that response forgets it."""
+    for entry in await server.store.answered_http_idempotency(conversation_id):
+        answered = answered_response(entry)
+        if answered is not None and answered[0] == response_id:
+            await forget_answer(server, entry, response_id)
 
 
 def stream_replay(
@@ -454,6 +513,20 @@ def already_given(p: PendingCall | None, d: Decision) -> bool:
     return p.status == {"approve": "approved", "deny": "denied"}.get(d.action)
 
 
+def answered_approvals(before: TurnSnapshot, given: dict[str, PendingCall], decisions: list[Decision]) -> list[str]:
+    """The approvals of this pause the response that resumes it shows as `mcp_call`s: answered now,
+    or answered by an earlier request of a round answered in parts (their calls have not run: no
+    result in `before` yet), in the order the calls were made."""
+    now = {d.call_id for d in decisions if d.action in ("approve", "deny")}
+    earlier = {cid for cid, p in given.items() if p.kind == "approval" and p.status in ("approved", "denied")}
+    return [
+        b["call_id"]
+        for b in before.blocks
+        if b["type"] == "tool_call"
+        and (b["call_id"] in now or (b["call_id"] in earlier and b.get("status") in ("pending_approval", "streaming")))
+    ]
+
+
 async def start_turn(
     server: Server,
     agent: AgentRecord,
@@ -467,10 +540,12 @@ async def start_turn(
     overlap_accept: bool = False,
     while_pending: Callable[[list[str]], ApiError] | None = None,
     idempotency: tuple[str, str] | None = None,
+    answers_param: str = "input",
 ) -> TurnRun:
     """`overlap_accept`: the caller answers only once the turn settled (see SubmitRequest).
     `while_pending`: the error for new input while the conversation waits for answers to calls
-    (their client-visible ids); HTTP answers at once instead of queueing (DESIGN §13)."""
+    (their client-visible ids); HTTP answers at once instead of queueing (DESIGN §13).
+    `answers_param`: the field that carried the answers, named by a refusal of them."""
     kernel = server.kernel
     try:
         if decisions:
@@ -503,9 +578,9 @@ async def start_turn(
                     "; ".join(str(r.get("message")) for r in refused),
                     # the code the transcript's own check uses for the same mistake (conversation_match)
                     code={"unknown_call": "unknown_tool_call"}.get(str(refused[0].get("error")), "already_resolved"),
-                    param="tool_call_id",
+                    param=answers_param,  # the request's field that carries the answers
                 )
-            resolved = [d.call_id for d in decisions if d.action in ("approve", "deny")]
+            resolved = answered_approvals(before, given, decisions)
             return TurnRun(
                 server,
                 conversation_id,
@@ -537,6 +612,11 @@ async def start_turn(
         return TurnRun(server, sub.conversation_id, sub.handle)
     except AgentGone:  # deleted between finding it and accepting the turn: that model is gone
         raise agent_deleted() from None
+    except InvalidInput as exc:
+        if not decisions:
+            raise from_kernel(exc) from None
+        # answers that contradict each other (one call answered twice, differently) or the call
+        raise ApiError(400, exc.message, code="invalid_input", param=answers_param) from None
     except KernelError as exc:
         raise from_kernel(exc) from None
 
@@ -643,6 +723,9 @@ def api_route(
             except KernelError as exc:
                 e = from_kernel(exc)
                 response = error_response(e.status, e.message, code=e.code, param=e.param)
+            except StoreUnavailable as exc:  # the database's doing (a restart, a terminated session)
+                log.warning("request on %s failed: %s", route, exc)
+                response = error_response(503, str(exc), code="store_unavailable", headers={"Retry-After": "1"})
             except Exception as exc:
                 rid = current_request_id() or new_request_id()  # the x-request-id of this response
                 log.exception("request %s on %s failed", rid, route)

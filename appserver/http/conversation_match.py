@@ -135,6 +135,37 @@ def check_call_ids(items: list[ViewItem], param: str) -> None:
             )
 
 
+def unanswered_calls(items: list[ViewItem], *, answering: bool) -> list[str]:
+    """Ids of the calls of the transcript no later tool result answers: OpenAI refuses such a
+    transcript (it would be seeded with made-up results). `answering`: the new input answers the
+    last reply's calls (results, approvals), which may come in parts; its calls are not checked."""
+    answered_at: dict[str, int] = {}
+    last_reply = -1
+    for n, item in enumerate(items):
+        if item.kind == "tool" and item.call_id is not None:
+            answered_at[item.call_id] = n
+        elif item.kind == "assistant":
+            last_reply = n
+    out: list[str] = []
+    for n, item in enumerate(items):
+        if item.kind != "assistant" or (answering and n == last_reply):
+            continue
+        out += [c["id"] for c in item.calls if answered_at.get(c["id"], -1) < n]
+    return out
+
+
+def results_without_call(items: list[ViewItem]) -> list[str]:
+    """Call ids of tool results that no assistant item before them made."""
+    made: set[str] = set()
+    out: list[str] = []
+    for item in items:
+        if item.kind == "assistant":
+            made.update(c["id"] for c in item.calls)
+        elif item.kind == "tool" and item.call_id not in made:
+            out.append(item.call_id or "")
+    return out
+
+
 def split_new_input(items: list[ViewItem]) -> tuple[list[ViewItem], list[ViewItem]]:
     """(prefix up to and including the last assistant item, the trailing new input)."""
     last = -1

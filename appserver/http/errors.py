@@ -85,6 +85,7 @@ PROVIDER_FAILURES: dict[str, tuple[int, str]] = {
     "server": (502, "upstream_server_error"),
     "protocol": (502, "upstream_protocol_error"),
     "taken_over": (503, "server_unavailable"),  # not upstream: a cluster's survivor has the conversation now
+    "store_unavailable": (503, "store_unavailable"),  # not upstream: the database ended the connection
 }
 
 

@@ -23,6 +23,17 @@ def type_error(param: str, expected: str, value: Any) -> ApiError:
     )
 
 
+def missing(param: str) -> ApiError:
+    return ApiError(400, f"Missing required parameter: '{param}'.", code="missing_required_parameter", param=param)
+
+
+def required(container: dict[str, Any], name: str, param: str) -> Any:
+    """`container[name]`, which OpenAI requires: absent is a 400 naming `param`."""
+    if name not in container:
+        raise missing(param)
+    return container[name]
+
+
 def boolean(value: Any, param: str, *, nullable: bool = True) -> bool | None:
     if value is None and nullable:
         return None

@@ -45,6 +45,7 @@ from appserver.http.common import (
     Idempotency,
     TurnRun,
     dumps,
+    forget_answers_of,
     json_response,
     max_steps_note,
     principal_of,
@@ -66,6 +67,7 @@ from appserver.http.conversation_match import (
     for_agent,
     merge_assistants,
     split_new_input,
+    unanswered_calls,
 )
 from appserver.http.errors import ApiError, bad_request, turn_failure
 from appserver.http.sse import SSEItem, SSEResponse
@@ -193,7 +195,11 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
-            text, images, media = parts_of(item.get("content"), where, media=role == "user")
+            # every message item of the input, not only the new one: content is required (OpenAI)
+            content = fields.required(item, "content", f"{where}.content")
+            if not isinstance(content, str | list):
+                raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
+            text, images, media = parts_of(content, where, media=role == "user")
             if images and role != "user":
                 raise no_images(where, role, "input")
             if role == "assistant":
@@ -228,10 +234,11 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                     }
                 )
         elif kind == "function_call":
-            name, args, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not isinstance(name, str) or not isinstance(call_id, str):
-                raise bad_request(f"{where}: a function_call needs call_id and name", "input")
-            arguments = args if isinstance(args, str) else ""
+            call_id, name, arguments = (
+                fields.string(fields.required(item, key, f"{where}.{key}"), f"{where}.{key}", nullable=False)
+                for key in ("call_id", "name", "arguments")
+            )
+            assert call_id is not None and name is not None and arguments is not None
             out.items.append(ViewItem("assistant", "", calls=[{"id": call_id, "name": name, "arguments": arguments}]))
             out.stored.append(
                 {
@@ -593,7 +600,7 @@ def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = Non
     out: list[tuple[int, dict[str, Any]]] = []
     for cid in run.resolved_calls:
         for i, b in enumerate(snap.blocks):
-            if b["type"] == "tool_call" and b["call_id"] == cid:
+            if b["type"] == "tool_call" and b["call_id"] == cid and not _answered_unrun(snap, b):
                 out.append((i, b))
     if snap.status == "awaiting":
         # calls of earlier requests still waiting (some of a round were answered): the client must
@@ -608,6 +615,13 @@ def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = Non
     if steps_note and snap.stop_reason == "max_steps" and snap.status in TERMINAL_STATUSES:
         out.append((len(snap.blocks), {"type": "text", "text": steps_note}))
     return out
+
+
+def _answered_unrun(snap: TurnSnapshot, b: dict[str, Any]) -> bool:
+    """An answered approval whose call has not run yet (the turn still waits for other answers, or
+    is just resuming): neither an open request any more nor an `mcp_call` with a result yet. It is
+    shown once it ran, by the response that resumed the turn."""
+    return snap.status not in TERMINAL_STATUSES and b.get("status") in ("pending_approval", "streaming")
 
 
 def text_part(b: dict[str, Any], text: str) -> dict[str, Any]:
@@ -826,6 +840,7 @@ class Responses:
     async def delete(self, request: Request) -> Response:
         rec = await self._stored(request)
         await self.server.store.delete_response(rec.id)
+        await forget_answers_of(self.server, rec.conversation_id, rec.id)
         return json_response({"id": rec.id, "object": "response.deleted", "deleted": True})
 
     async def input_items(self, request: Request) -> Response:
@@ -935,6 +950,13 @@ class Responses:
                 "send tool results (or approval answers) and new user input in separate requests",
                 "input",
                 code="mixed_input",
+            )
+        unanswered = unanswered_calls(items, answering=not users)
+        if unanswered:  # OpenAI's refusal of a call left without its output
+            raise bad_request(
+                f"No tool output found for function call {', '.join(unanswered)}.",
+                "input",
+                code="tool_calls_unanswered",
             )
         if added and (decisions or conv_param):
             # never dropped silently: a stored conversation takes new input at its end only

@@ -242,6 +242,14 @@ class AnthropicStreamParser:
             given = block.tool_input if isinstance(block.tool_input, dict) else {}
             out.append(ToolCallArgs(block.tool_index, json.dumps(given, ensure_ascii=False)))
 
+    def check_ended(self) -> None:
+        """A stream that stops with neither `message_stop` nor a `stop_reason` was cut off between
+        two events: its answer is incomplete and must not be reported as finished."""
+        if not self.saw_stop and self._stop is None:
+            raise ProviderError(
+                "network", "upstream stream ended before the answer did (no stop_reason and no message_stop)"
+            )
+
     def finish(self) -> list[ProviderChunk]:
         """End of stream: close blocks left open, then state, usage and exactly one Done."""
         out: list[ProviderChunk] = []
@@ -516,6 +524,7 @@ class AnthropicProvider:
                         yield chunk
                 if parser.events == 0:
                     raise ProviderError("protocol", "upstream answered 200 without any event")
+                parser.check_ended()
                 for chunk in parser.finish():
                     yield chunk
         except httpx.RequestError as exc:

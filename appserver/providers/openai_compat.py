@@ -250,6 +250,15 @@ class OpenAIStreamParser:
             slot.any_args = True
             out.append(ToolCallArgs(slot.index, buffered))
 
+    def check_ended(self) -> None:
+        """A stream that stops with neither a finish reason nor `[DONE]` was cut off (a proxy or
+        the server closed it between two events): its answer is incomplete and must not be
+        reported as finished. A stream that sent `[DONE]`, or a finish reason, ended as it meant to."""
+        if not self.saw_done and self._finish is None:
+            raise ProviderError(
+                "network", "upstream stream ended before the answer did (no finish_reason and no [DONE])"
+            )
+
     def finish(self) -> list[ProviderChunk]:
         """End of stream: flush held text, start calls still missing an id, usage, one Done."""
         out: list[ProviderChunk] = list(self._think.flush())
@@ -535,6 +544,7 @@ class OpenAICompatProvider:
                         yield chunk
                 if parser.events == 0:
                     raise ProviderError("protocol", "upstream answered 200 without any event")
+                parser.check_ended()
                 for chunk in parser.finish():
                     yield chunk
         except httpx.RequestError as exc:

@@ -18,7 +18,7 @@ from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.settle import TurnEnd, store_failure
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
-from appserver.store.base import ConversationGone, Store, TurnSettledElsewhere
+from appserver.store.base import ConversationGone, Store, StoreUnavailable, TurnSettledElsewhere
 from appserver.store.records import TurnRecord
 from appserver.values import value
 
@@ -63,7 +63,7 @@ async def finish_turn(
         try:
             await store.commit_turn(record.conversation_id, commit)
         except Exception as exc:
-            if isinstance(exc, (ConversationGone, TurnSettledElsewhere)):  # no fault of ours to trace
+            if isinstance(exc, (ConversationGone, TurnSettledElsewhere, StoreUnavailable)):  # no fault of ours to trace
                 log.warning("turn %s not saved: %s", record.id, exc)
             elif isinstance(exc, sqlite3.Error):  # the store's trouble (damaged, full): no fault of ours to trace
                 log.error("could not commit turn %s: %s", record.id, exc)

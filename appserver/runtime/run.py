@@ -26,7 +26,7 @@ from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
 from appserver.runtime.settle import TurnEnd, cancel_wins, halted, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
-from appserver.store.base import ConversationGone, StoreError, TurnSettledElsewhere
+from appserver.store.base import ConversationGone, StoreError, StoreUnavailable, TurnSettledElsewhere
 from appserver.store.records import AgentRecord, MessageRecord, TurnRecord
 
 log = logging.getLogger("appserver.runtime")
@@ -201,7 +201,7 @@ class TurnRunner:
             log.warning("turn %s not run here: %s", record.id, exc)
             elsewhere = exc
             outcome = LoopOutcome("failed", "error", store_failure(exc).error)
-        except ConversationGone as exc:
+        except (ConversationGone, StoreUnavailable) as exc:
             # Deleted while it ran (a checkpoint before a tool could not be saved): the commit in
             # finish_turn fails the same way and says so in one line.
             outcome = LoopOutcome("failed", "error", store_failure(exc).error)

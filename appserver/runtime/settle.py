@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from appserver.agent.loop import LoopOutcome, TurnWork
 from appserver.runtime.types import StopReason
-from appserver.store.base import TurnSettledElsewhere
+from appserver.store.base import StoreUnavailable, TurnSettledElsewhere
 from appserver.store.records import MessageRecord, TurnCommit, TurnStatus
 from appserver.values import value
 
@@ -28,7 +28,13 @@ class TurnEnd:
 def store_failure(reason: object) -> TurnEnd:
     """The turn could not be saved: it ends failed with nothing written. Error kind `taken_over`
     when another server of the cluster took its conversation over (HTTP says 503 for it)."""
-    kind = "taken_over" if isinstance(reason, TurnSettledElsewhere) else "store"
+    kind = (
+        "taken_over"
+        if isinstance(reason, TurnSettledElsewhere)
+        else "store_unavailable"
+        if isinstance(reason, StoreUnavailable)
+        else "store"
+    )
     return TurnEnd(
         "failed",
         "error",

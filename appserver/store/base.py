@@ -27,6 +27,12 @@ class StoreError(Exception):
     pass
 
 
+class StoreUnavailable(StoreError):
+    """The database ended the connection (a restart, a terminated backend, an outage) and the
+    operation could not be completed. For a commit cut off mid-way, whether it took effect is
+    unknown: a client retries with its idempotency key. HTTP says 503 `store_unavailable`."""
+
+
 class TurnSettledElsewhere(StoreError):
     """Another server of the cluster took the turn's conversation over and settled or runs the
     turn: what this server has of it must not be written (a second copy of the turn)."""
@@ -229,6 +235,11 @@ class Store(ABC):
     ) -> None: ...
     @abstractmethod
     async def drop_http_idempotency(self, scope: str, key: str) -> None: ...
+    @abstractmethod
+    async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
+        """The done keys whose stored answer went into `conversation_id`: deleting a response
+        finds the replays that would serve it again."""
+
     @abstractmethod
     async def purge_http_idempotency(self, older_than: float) -> int: ...
     @abstractmethod

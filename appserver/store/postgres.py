@@ -45,6 +45,7 @@ from appserver.store.base import (
     OpenLimitReached,
     Store,
     StoreError,
+    StoreUnavailable,
     TurnSettledElsewhere,
     conversations_where,
 )
@@ -100,6 +101,29 @@ LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost befor
 
 class _LostBeforeCommit(Exception):
     """The connection broke while a group's statements ran: nothing was committed."""
+
+
+# The server's own word that it ended the session (pg_terminate_backend, a shutdown, a crash
+# restart): it arrives as an error result before the socket closes, so `conn.broken` is still false.
+_ENDED_BY_SERVER = (psycopg.errors.AdminShutdown, psycopg.errors.CrashShutdown, psycopg.errors.CannotConnectNow)
+
+
+def connection_lost(conn: Conn, exc: BaseException) -> bool:
+    """Did `exc` come from the database ending `conn` (not from the statement)?"""
+    return conn.closed or conn.broken or isinstance(exc, _ENDED_BY_SERVER)
+
+
+class _LostAtCommit(Exception):
+    """The connection broke after COMMIT was sent: transaction `xid` may or may not have committed.
+    `outcomes` are the jobs' results, true if it did."""
+
+    def __init__(self, xid: int | None, outcomes: list[tuple[bool, Any]]) -> None:
+        super().__init__(f"connection lost while transaction {xid} committed")
+        self.xid = xid
+        self.outcomes = outcomes
+
+
+COMMIT_STATUS_TRIES = 40  # 50 ms apart: the ended backend may still be finishing its commit
 
 
 class _Writer:
@@ -193,11 +217,31 @@ class _Writer:
                     if outcomes is None:
                         outcomes = await self._run(jobs, savepoints=True)
                     break
+                except _LostAtCommit as lost:
+                    # Whether the COMMIT took effect, the database says (txid_status): committed,
+                    # the group's results stand; aborted, nothing was written and it runs again.
+                    status = await self._commit_status(lost.xid)
+                    if status == "committed":
+                        outcomes = lost.outcomes
+                        break
+                    if status != "aborted":
+                        raise StoreUnavailable(
+                            "the database connection was lost while the write committed, and whether it took "
+                            f"effect could not be learnt: {lost.__cause__}"
+                        ) from lost.__cause__
+                    if attempt == LOST_CONNECTION_RETRIES:
+                        raise StoreUnavailable(
+                            f"the database ended {LOST_CONNECTION_RETRIES + 1} connections in a row before the "
+                            f"write could commit (nothing was written): {lost.__cause__}"
+                        ) from lost.__cause__
                 except _LostBeforeCommit as lost:
                     # The database ended the connection before COMMIT was sent (a restart, a
                     # terminated backend): nothing of the group was committed, so it runs again.
                     if attempt == LOST_CONNECTION_RETRIES:
-                        raise lost.__cause__ or lost from None
+                        raise StoreUnavailable(
+                            f"the database ended {LOST_CONNECTION_RETRIES + 1} connections in a row before the "
+                            f"write could commit (nothing was written): {lost.__cause__}"
+                        ) from lost.__cause__
         except Exception as exc:
             outcomes = [(False, exc)] * len(jobs)
         except BaseException as exc:
@@ -220,34 +264,64 @@ class _Writer:
         (a lone job's error is raised instead: it is the whole transaction)."""
         self._deferred = []
         outcomes: list[tuple[bool, Any]] = []
-        async with self._connection() as conn, conn.pipeline() as pipeline:
-            committing = False
-            try:
-                async with conn.transaction():
-                    for job, _ in jobs:
-                        if not savepoints:
-                            outcomes.append((True, await job(conn)))
-                            continue
-                        try:
-                            async with conn.transaction():  # SAVEPOINT: all-or-nothing per job
-                                value = await job(conn)
-                                await self._collect()
-                        except Exception as exc:
-                            self._deferred = []
-                            outcomes.append((False, exc))
-                        else:
-                            outcomes.append((True, value))
-                    await self._collect()
-                    await pipeline.sync()  # every statement's error surfaces here, before COMMIT
-                    committing = True
-            except Exception as exc:
-                self._deferred = []
-                if not committing and (conn.broken or conn.closed):
-                    raise _LostBeforeCommit() from exc  # nothing was committed: safe to run again
-                if committing or savepoints or len(jobs) == 1:
-                    raise
-                return None
+        committing = False
+        xid: int | None = None  # the transaction's id, to ask whether a COMMIT cut off took effect
+        try:
+            async with self._connection() as conn, conn.pipeline() as pipeline:
+                try:
+                    async with conn.transaction():
+                        marker = await conn.execute("SELECT txid_current() AS xid")  # pipelined: no round trip
+                        for job, _ in jobs:
+                            if not savepoints:
+                                outcomes.append((True, await job(conn)))
+                                continue
+                            try:
+                                async with conn.transaction():  # SAVEPOINT: all-or-nothing per job
+                                    value = await job(conn)
+                                    await self._collect()
+                            except Exception as exc:
+                                self._deferred = []
+                                outcomes.append((False, exc))
+                            else:
+                                outcomes.append((True, value))
+                        await self._collect()
+                        await pipeline.sync()  # every statement's error surfaces here, before COMMIT
+                        row = await marker.fetchone()
+                        xid = int(row["xid"]) if row else None
+                        committing = True
+                except Exception as exc:
+                    self._deferred = []
+                    if connection_lost(conn, exc):
+                        if not committing:
+                            raise _LostBeforeCommit() from exc  # nothing was committed: safe to run again
+                        raise _LostAtCommit(xid, outcomes) from exc
+                    if committing or savepoints or len(jobs) == 1:
+                        raise
+                    return None
+        except psycopg.OperationalError as exc:
+            # Raised as the pipeline ends, where the answer to its COMMIT is read ("cannot exit
+            # pipeline mode while busy", "consuming input failed"): the connection went meanwhile.
+            if not committing:
+                raise _LostBeforeCommit() from exc
+            raise _LostAtCommit(xid, outcomes) from exc
         return outcomes
+
+    async def _commit_status(self, xid: int | None) -> str | None:
+        """`committed`, `aborted`, or None when the database cannot say (yet)."""
+        if xid is None:
+            return None
+        for _ in range(COMMIT_STATUS_TRIES):
+            try:
+                async with self._connection() as conn:
+                    cur = await conn.execute("SELECT txid_status(%s) AS status", (xid,))
+                    row = await cur.fetchone()
+                status = row["status"] if row else None
+            except (psycopg.Error, StoreError):
+                status = "in progress"  # no connection to ask on yet: the storm goes on
+            if status in ("committed", "aborted"):
+                return str(status)
+            await asyncio.sleep(0.05)
+        return None
 
 
 # ------------------------------------------------------------------ row → record
@@ -399,9 +473,11 @@ class PostgresStore(Store):
             async with self.pool.connection() as conn:
                 try:
                     return await run(conn)
-                except psycopg.OperationalError:
-                    if not (conn.closed or conn.broken) or attempt == attempts - 1:
+                except psycopg.OperationalError as exc:
+                    if not connection_lost(conn, exc):
                         raise
+                    if attempt == attempts - 1:
+                        raise StoreUnavailable(f"the database ended every connection of the read: {exc}") from exc
         raise AssertionError("unreachable")
 
     @property
@@ -1175,6 +1251,12 @@ class PostgresStore(Store):
             await conn.execute("DELETE FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
 
         await self._write(job)
+
+    async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
+        rows = await self._rows(
+            "SELECT * FROM http_idempotency WHERE conversation_id=%s AND state='done'", (conversation_id,)
+        )
+        return [http_idempotency(r) for r in rows]
 
     async def purge_http_idempotency(self, older_than: float) -> int:
         async def job(conn: Conn) -> int:

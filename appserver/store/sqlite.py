@@ -784,6 +784,12 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (scope, key))
 
+    async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
+        rows = self.db.execute(
+            "SELECT * FROM http_idempotency WHERE conversation_id=? AND state='done'", (conversation_id,)
+        ).fetchall()
+        return [http_idempotency(r) for r in rows]
+
     async def purge_http_idempotency(self, older_than: float) -> int:
         with self._tx() as tx:
             return tx.execute("DELETE FROM http_idempotency WHERE created_at < ?", (older_than,)).rowcount

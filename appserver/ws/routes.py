@@ -27,6 +27,7 @@ from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.runtime.kernel import NAMESPACE_DEFAULT_PREFIX
 from appserver.server import Server
+from appserver.store.base import StoreUnavailable
 from appserver.store.records import AgentRecord, ConversationRecord
 from appserver.ws.connection import WRITE_FRAME, Connection
 from appserver.ws.hub import Hub
@@ -266,6 +267,9 @@ class Endpoint:
                 return
             except (WebSocketDisconnect, asyncio.CancelledError):
                 raise
+            except StoreUnavailable as exc:  # the database's doing (a restart, a terminated session)
+                log.warning("ws frame failed: %s", exc)
+                conn.send({"type": "error", "request_id": request_id, "code": "store_unavailable", "message": str(exc)})
             except Exception as exc:
                 log.exception("ws frame failed")
                 self.server.store.note_failure(exc)  # the store's damage shows in /readyz

@@ -75,7 +75,14 @@ class CronSubmission:
 
     @property
     def idempotency_key(self) -> str:
-        """One occurrence is one turn, even if the submit is retried."""
+        """One occurrence is one turn, even if the submit is retried. The separator is a control
+        character, which no protocol client can put in a key (appserver/ws/frames.py): a client
+        submitting to the task's conversation can never take an occurrence's key."""
+        return f"cron\x1f{self.task_id}:{self.occurrence.number}"
+
+    @property
+    def legacy_idempotency_key(self) -> str:
+        """The key of an occurrence submitted by an older server (its claim may still be open)."""
         return f"cron:{self.task_id}:{self.occurrence.number}"
 
 

@@ -81,7 +81,7 @@ def test_a_claim_orphaned_by_two_crashes_in_a_row_still_runs_exactly_once(home: 
     try:
         servers.append(start_serve(home, env=env))
         task = add_task(home, env, "--name", "soon", "--in", "2s", "--exact")
-        tid, key = task["id"], f"cron:{task['id']}:1"
+        tid, key = task["id"], f"cron\x1f{task['id']}:1"
         db = sqlite3.connect(home / "appserver.db", isolation_level=None, timeout=10)
 
         db.execute("BEGIN IMMEDIATE")  # server 1's submit cannot commit
@@ -277,7 +277,7 @@ def test_cron_run_while_the_task_fires_on_schedule_never_shares_an_occurrence(ho
     assert len({r["turn_id"] for r in submitted}) == len(numbers)
     assert {r["status"] for r in log if r["event"] == "outcome"} == {"completed"}
     for n in numbers:
-        assert len(turns_with_key(home, f"cron:{tid}:{n}")) == 1, n
+        assert len(turns_with_key(home, f"cron\x1f{tid}:{n}")) == 1, n
 
 
 def test_a_crons_json_damaged_before_serve_is_set_aside_loudly_and_cron_goes_on(home: Path) -> None:

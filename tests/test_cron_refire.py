@@ -77,7 +77,7 @@ def fire_once_then_kill(home: Path, env: dict[str, str]) -> tuple[str, str]:
     try:
         wait_for(lambda: any(r["event"] == "outcome" for r in run_log(home, task_id)), 20, "the first run")
         turn_id = next(r["turn_id"] for r in run_log(home, task_id) if r["event"] == "submitted")
-        key = f"cron:{task_id}:1"
+        key = f"cron\x1f{task_id}:1"
         wait_for(lambda: turns_with_key(home, key) == [turn_id], 10, "the turn to be committed")
     finally:
         first.kill()  # SIGKILL: the lease stays with the dead pid, the claim stays in crons.json
@@ -102,7 +102,7 @@ def test_an_old_claim_that_reached_the_kernel_resolves_to_its_turn_after_a_resta
     age_home(home, task_id)
     second = restart(home, env)
     try:
-        assert turns_with_key(home, f"cron:{task_id}:1") == [turn_id]  # one turn, never a second
+        assert turns_with_key(home, f"cron\x1f{task_id}:1") == [turn_id]  # one turn, never a second
         events = [r["event"] for r in run_log(home, task_id)]
         assert events == ["fired", "submitted", "outcome"], events
     finally:
@@ -119,7 +119,7 @@ def test_an_old_claim_whose_submit_was_not_logged_is_recorded_missed_not_refired
     age_home(home, task_id)
     second = restart(home, env)
     try:
-        assert turns_with_key(home, f"cron:{task_id}:1") == [turn_id]
+        assert turns_with_key(home, f"cron\x1f{task_id}:1") == [turn_id]
         records = run_log(home, task_id)
         assert [r["event"] for r in records] == ["fired", "missed"], records
         assert records[1]["occurrence"] == 1 and "not submitted again" in records[1]["reason"]
@@ -137,8 +137,28 @@ def test_a_recent_claim_whose_submit_was_not_logged_resolves_by_its_key(home: Pa
     log_path.write_text(log_path.read_text().splitlines()[0] + "\n")
     second = restart(home, env)
     try:
-        assert turns_with_key(home, f"cron:{task_id}:1") == [turn_id]
+        assert turns_with_key(home, f"cron\x1f{task_id}:1") == [turn_id]
         recovered = [r for r in run_log(home, task_id) if r["event"] == "submitted"]
         assert len(recovered) == 1 and recovered[0]["turn_id"] == turn_id and recovered[0]["recovered"] is True
+    finally:
+        second.kill()
+
+
+def test_a_claim_an_older_server_keyed_cron_colon_still_resolves_to_its_turn(home: Path) -> None:
+    """Occurrence keys now carry a control character no protocol client can send (a local client
+    that submitted `cron:<task>:<n>` to the task's conversation took the occurrence: it was acked
+    as a duplicate and never ran). A claim an older server left under the old key still finds its
+    turn after the upgrade: one turn, never a second."""
+    env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
+    task_id, turn_id = fire_once_then_kill(home, env)
+    legacy = f"cron:{task_id}:1"
+    with sqlite3.connect(home / "appserver.db") as c:  # as an older server wrote it
+        c.execute("UPDATE turns SET idempotency_key = ? WHERE id = ?", (legacy, turn_id))
+        c.execute("UPDATE idempotency_keys SET key = ? WHERE turn_id = ?", (legacy, turn_id))
+    second = restart(home, env)
+    try:
+        assert turns_with_key(home, legacy) == [turn_id] and turns_with_key(home, f"cron\x1f{task_id}:1") == []
+        events = [r["event"] for r in run_log(home, task_id)]
+        assert events == ["fired", "submitted", "outcome"], events
     finally:
         second.kill()

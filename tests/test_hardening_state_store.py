@@ -100,6 +100,31 @@ def test_store_behind_its_recorded_position_is_refused(home: Path, tmp_path: Pat
     sp.stop()
 
 
+def test_a_damaged_position_record_is_set_aside_loudly_not_ignored(home: Path) -> None:
+    """The position record is what tells a store put back from an older copy: an unreadable one
+    was ignored with a warning and then overwritten, so the evidence went. Now it is moved aside
+    with an error, and /readyz warns while it lies there."""
+    import httpx
+
+    sp = start_serve(home)
+    chat(sp, "first")
+    sp.stop()
+    position = home / "appserver.db.position"
+    position.write_text('{"messages_seq": ')  # damaged
+    sp = start_serve(home)
+    try:
+        aside = list(home.glob("appserver.db.position.corrupt-*"))
+        assert len(aside) == 1 and aside[0].read_text() == '{"messages_seq": '
+        ready = httpx.get(sp.url + "/readyz", timeout=5).json()
+        files = next(c for c in ready["checks"] if c["name"] == "state_files")
+        assert files["status"] == "warn" and "appserver.db.position.corrupt-" in files["detail"], files
+        chat(sp, "second")
+    finally:
+        sp.stop()
+    err = sp.proc.stderr.read() if sp.proc.stderr else ""
+    assert "ERROR" in err and "appserver.db.position" in err and "cannot be checked" in err, err[-2000:]
+
+
 # ── damaged pages: found at the start, or by a write while the server runs ─────────────────────
 
 

@@ -197,8 +197,9 @@ def test_idempotency_key_of_a_request_killed_mid_turn_is_released_at_start(tmp_p
 
 def test_an_idempotency_key_whose_turn_was_queued_at_kill9_gives_one_turn(tmp_path: Path) -> None:
     """The turn of a keyed request was accepted (queued behind a slow one) when the server was
-    killed: the restart runs it, and the client's retry with the same key follows that turn instead
-    of running the input a second time (found on PostgreSQL by an outside test; both stores)."""
+    killed: its connection died with the process, so the restart drops it (nothing written) rather
+    than answer nobody, and the client's retry with the same key runs the input once (found on
+    PostgreSQL by an outside test; both stores)."""
     home = tmp_path / "home"
     env = cli_env(home)
     db = home / "appserver.db"
@@ -266,5 +267,72 @@ def test_an_idempotency_key_whose_turn_was_queued_at_kill9_gives_one_turn(tmp_pa
         assert retry.status_code == 200, retry.text
         assert retry.json()["choices"][0]["message"]["content"] == f"echo: {content}"
         assert [s for _, s in turns()] == ["completed"], turns()
+    finally:
+        sp.stop()
+
+
+def test_http_inputs_queued_at_kill9_are_dropped_and_protocol_inputs_run(tmp_path: Path) -> None:
+    """Chat and Responses inputs queued behind a slow turn when the server was killed: their only
+    answer was the reply to a request that died with the process, so the restart drops them
+    (cancelled, error kind `withdrawn`, nothing written) instead of running them for nobody while
+    the client's retry runs them again. A WebSocket input queued beside them runs: its client
+    follows it on reconnecting."""
+    home = tmp_path / "home"
+    env = cli_env(home)
+    db = home / "appserver.db"
+
+    def rows(sql: str, *args: object) -> list[tuple[object, ...]]:
+        with sqlite3.connect(db) as c:
+            return c.execute(sql, args).fetchall()
+
+    sp = start_serve(home, env=env)
+    try:
+
+        async def load() -> str:
+            ws = await WS.open(sp.url)
+            ack = await ws.request(
+                {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "/slow 300"}
+            )
+            conv = ack["conversation_id"]
+            hdr = {"X-Conversation-Id": conv}
+            async with httpx.AsyncClient(base_url=sp.url, timeout=10, headers=hdr) as client:
+                chat = asyncio.ensure_future(
+                    client.post(
+                        "/v1/chat/completions",
+                        json={"model": "assistant", "messages": [{"role": "user", "content": "chat-queued"}]},
+                    )
+                )
+                resp = asyncio.ensure_future(
+                    client.post("/v1/responses", json={"model": "assistant", "input": "responses-queued"})
+                )
+                queued = await ws.request(
+                    {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "ws-queued"}
+                )
+                assert queued["queue_position"] >= 1
+                deadline = time.monotonic() + 10
+                while len(rows("SELECT id FROM turns WHERE status='queued'")) < 3:
+                    assert time.monotonic() < deadline, "the three inputs were never all queued"
+                    await asyncio.sleep(0.02)
+                _kill9(sp)
+                for request in (chat, resp):
+                    with pytest.raises(httpx.HTTPError):
+                        await request
+            return conv
+
+        conv = asyncio.run(load())
+    finally:
+        if sp.proc.poll() is None:
+            sp.proc.kill()
+    sp = start_serve(home, env=env)
+    try:
+        eventually(lambda: not rows("SELECT id FROM turns WHERE status IN ('queued', 'running')"), 15)
+        users = [
+            json.loads(r[0]) for r in rows("SELECT content FROM messages WHERE role='user' AND conversation_id=?", conv)
+        ]
+        assert users == ["/slow 300", "ws-queued"], users
+        dropped = rows("SELECT status, error FROM turns WHERE conversation_id=? AND status='cancelled'", conv)
+        assert len(dropped) == 2 and all(json.loads(str(e))["kind"] == "withdrawn" for _, e in dropped), dropped
+        statuses = sorted(str(r[0]) for r in rows("SELECT status FROM turns WHERE conversation_id=?", conv))
+        assert statuses == ["cancelled", "cancelled", "completed", "interrupted"], statuses
     finally:
         sp.stop()

@@ -143,7 +143,7 @@ def test_queued_turn_and_its_key_after_kill9_give_one_turn(tmp_path: Path) -> No
         with serving(home, "--store", url) as sp:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and "completed" not in [s for _, s in _turns_with_input(url, content)]:
-                time.sleep(0.1)  # the queued turn runs after the restart
+                time.sleep(0.1)  # a cluster's server runs it (a retry sent elsewhere may follow it)
             retry = _client(sp).chat.completions.create(
                 model="assistant",
                 messages=[{"role": "user", "content": content}],

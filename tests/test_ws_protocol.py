@@ -92,6 +92,36 @@ async def test_a_cancel_naming_a_turn_stops_that_turn_only(server: ServeProcess)
     await ws.close()
 
 
+async def test_two_inputs_at_once_run_in_the_order_their_acks_gave(server: ServeProcess) -> None:
+    """Two clients submit to an idle conversation at the same moment: the input acknowledged at
+    queue position 0 runs first. One group commit settled both accepts, and the submitter whose
+    write closed the group went on first, so the input acked 1 ran first in about one try in five."""
+    a, b = await WS.open(server.url), await WS.open(server.url)
+    raced = 0
+    for i in range(25):
+        conv = (await a.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
+        acks = await asyncio.gather(
+            *(
+                ws.request(
+                    {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": f"/recall {n}{i}"}
+                )
+                for ws, n in ((a, "A"), (b, "B"))
+            )
+        )
+        for ack, ws in zip(acks, (a, b), strict=True):
+            await ws.terminal(ack["turn_id"])
+        history = (await a.request({"type": "get_history", "conversation": conv}))["messages"]
+        ran = [m["content"].removeprefix("/recall ") for m in history if m["role"] == "user"]
+        positions = {n: ack["queue_position"] for ack, n in zip(acks, (f"A{i}", f"B{i}"), strict=True)}
+        if sorted(positions.values()) == [0, 0]:
+            continue  # (a loaded machine: the first had ended before the second came)
+        raced += 1
+        assert ran == sorted(positions, key=positions.__getitem__), (i, positions, ran)
+    assert raced, "the two inputs never met: the race was not run"
+    await a.close()
+    await b.close()
+
+
 async def test_idempotent_submit_is_one_turn(server: ServeProcess) -> None:
     ws = await WS.open(server.url)
     conv = (await ws.request({"type": "create_conversation", "agent": "assistant", "title": "idem"}))["conversation"][

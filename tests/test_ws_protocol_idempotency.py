@@ -68,3 +68,16 @@ async def test_new_then_real_id_with_the_same_key_is_one_turn(
     users = [content for role, content, _ in db_messages(sp.home, conv) if role == "user"]
     assert users == ['"run me once"', '"a different input"'], users
     await again.close()
+
+
+async def test_a_key_with_a_control_character_is_refused(tokens: tuple[ServeProcess, dict[str, str]]) -> None:
+    """The server builds its own keys with a control character (a namespace's prefix, a cron
+    occurrence's key): a client's key never holds one, so it can never take one of them."""
+    sp, toks = tokens
+    ws = await WS.open(sp.url, headers={"Authorization": f"Bearer {toks['admin']}"}, open_timeout=T)
+    for key in ("cron\x1ftask_1:1", "a\x00b", "tab\there", "del\x7f"):
+        refused = await ws.request(frame("new", key), T)
+        assert refused["type"] == "error" and refused["param"] == "idempotency_key", refused
+    ok = await ws.request(frame("new", "cron:task_1:1"), T)  # printable: a key like any other
+    assert ok["type"] == "ack" and ok["duplicate"] is False
+    await ws.close()

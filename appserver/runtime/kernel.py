@@ -28,7 +28,7 @@ from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import finish_turn
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store
-from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped
+from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped, withdrawn
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
 from appserver.store.base import ConversationGone, DuplicateTurn, Store, TurnSettledElsewhere
@@ -89,6 +89,15 @@ class Submission:
     async def wait(self, timeout: float | None = None) -> TurnSnapshot:
         """The snapshot once the turn is terminal or paused for an answer."""
         return await self.handle.wait_settled(timeout)
+
+
+# Inputs answered only by the reply to the HTTP request that sent them (no background jobs): a
+# queued one whose process died has nobody to answer, and its client retries.
+REQUEST_BOUND_SOURCES = frozenset({"openai_chat", "openai_responses"})
+
+
+def awaited_by_a_request(turn: TurnRecord) -> bool:
+    return isinstance(turn.source, dict) and turn.source.get("kind") in REQUEST_BOUND_SOURCES
 
 
 class Kernel:
@@ -246,7 +255,9 @@ class Kernel:
             if turn.owner and turn.owner != self.owner and identity_alive(turn.owner):
                 continue  # another live process runs it
             if turn.status == "queued":
-                if requeue:
+                if requeue and awaited_by_a_request(turn):
+                    await self._settle_withdrawn(turn)
+                elif requeue:
                     rt = await self.runtime(turn.conversation_id)
                     rt.queue.requeue(turn)
                 continue
@@ -282,7 +293,24 @@ class Kernel:
                     continue
                 await self._settle_interrupted(turn)
             elif not rt.queue.closed and self.runtimes.get(rt.conversation_id, rt) is rt:
+                # (an HTTP input too: its client's retry, sent to this server before the dead
+                # one was judged gone, may already follow it by its Idempotency-Key)
                 rt.queue.requeue(turn)
+
+    async def _settle_withdrawn(self, turn: TurnRecord) -> None:
+        """Drop a queued input whose only answer was the reply to the HTTP request that sent it:
+        that connection died with the process, and the client's retry must not find it run as well
+        (as when a client leaves before its input starts; DESIGN §13)."""
+        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=turn.revision)
+        end = withdrawn(turn.id, turn.revision + 1, "its HTTP request was cut off by a stop before it started")
+        finished = await finish_turn(self.store, self._turn_settled, turn, controller, end)
+        if finished.commit_error is not None:
+            raise finished.commit_error
+        log.warning(
+            "dropped queued turn %s of conversation %s: its HTTP request ended with the process",
+            turn.id,
+            turn.conversation_id,
+        )
 
     async def _settle_interrupted(self, turn: TurnRecord) -> None:
         """Close a turn a dead process left running: interrupted, keeping its input and the text

@@ -3,11 +3,18 @@
 An input is admitted against `limits.queue_max`, recorded in the store (`Store.accept_turn`) and
 queued; one worker task per conversation, started on demand, runs the turns one at a time in
 arrival order (and a paused turn handed to it by `PendingAnswers.take` before any queued one).
+
+Arrival order is the order inputs are given their queue positions (a ticket each, before their
+accept commits), not the order their accepts return: one group commit settles several accepts, and
+the submitter whose write closed the group goes on at once while the others wait for the loop. So
+an accepted input takes its place by ticket, and the worker never begins one while an input with
+an earlier ticket is still being accepted: the input acknowledged at position 0 runs first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,10 +27,10 @@ from appserver.runtime.lifecycle import TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.restore import controller_from_store
 from appserver.runtime.run import TurnRunner
-from appserver.runtime.settle import TurnEnd
+from appserver.runtime.settle import withdrawn
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import OpenLimitReached
-from appserver.store.records import AgentRecord, TurnCommit, TurnRecord
+from appserver.store.records import AgentRecord, TurnRecord
 
 
 @dataclass(slots=True)
@@ -34,6 +41,7 @@ class Queued:
     accepting: asyncio.Task[None] | None = None
     agent: AgentRecord | None = None  # the agent as the submitter just read it (overlapped only)
     cancelled: bool = False  # cancelled as the next turn to run, before the worker began it
+    ticket: int = -1  # arrival order among inputs accepted here (-1: requeued, placed by its time)
 
 
 class TurnQueue:
@@ -53,7 +61,9 @@ class TurnQueue:
         self._answers = answers
         self._runner = runner
         self._items: deque[Queued] = deque()
-        self.accepting = 0  # inputs waiting for their accept to commit (they hold a queue place)
+        self._tickets = itertools.count()
+        self._accepting: set[int] = set()  # tickets of inputs whose accept has not returned yet
+        self._accepted = asyncio.Event()  # set whenever one of them returns (the worker may go on)
         self.worker: asyncio.Task[None] | None = None
         self.closed = False  # see close()
         self.last_active = time.monotonic()
@@ -64,6 +74,11 @@ class TurnQueue:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def accepting(self) -> int:
+        """Inputs waiting for their accept to commit (they hold a queue place)."""
+        return len(self._accepting)
 
     def turn_ids(self) -> set[str]:
         return {q.record.id for q in self._items}
@@ -103,21 +118,26 @@ class TurnQueue:
         if overlap and position == 0 and idempotency_scope is None and self.worker is None and not self.closed:
             return self._queue_overlapped(record, agent), 0
         # The accept commits with the next group commit: until then this input holds its place.
-        self.accepting += 1
+        ticket = next(self._tickets)
+        self._accepting.add(ticket)
         try:
             await self._deps.store.accept_turn(record, idempotency_scope)  # raises DuplicateTurn
         except asyncio.CancelledError:
             # The commit may have landed just before the cancel reached us: queue the turn all the
             # same, or it would sit in the store as accepted with nobody to run it.
-            self.accepting -= 1
+            self._accept_returned(ticket)
             if await self._deps.store.get_turn(record.id) is not None:
-                self._queue_accepted(record, position)
+                self._queue_accepted(record, position, ticket)
             raise
         except BaseException:
-            self.accepting -= 1
+            self._accept_returned(ticket)
             raise
-        self.accepting -= 1
-        return self._queue_accepted(record, position), position
+        self._accept_returned(ticket)
+        return self._queue_accepted(record, position, ticket), position
+
+    def _accept_returned(self, ticket: int) -> None:
+        self._accepting.discard(ticket)
+        self._accepted.set()
 
     async def _enqueue_in_cluster(
         self,
@@ -132,7 +152,8 @@ class TurnQueue:
         record.status = "queued"  # marked running when the worker begins it, unless accepted so
         record.owner = self._deps.owner
         free = not self._lifecycle.busy and not self._items and not self.accepting and self.worker is None
-        self.accepting += 1
+        ticket = next(self._tickets)
+        self._accepting.add(ticket)
         try:
             earlier = await accept(record, idempotency_scope, limit + 1, start_if_free=free)  # raises DuplicateTurn
         except OpenLimitReached as full:
@@ -141,7 +162,7 @@ class TurnQueue:
                 "try again later"
             ) from None
         finally:
-            self.accepting -= 1
+            self._accept_returned(ticket)
         known = {*self.turn_ids(), self._lifecycle.turn_id, *self._board.handles}
         for turn_id in earlier:
             if turn_id not in known:
@@ -149,12 +170,17 @@ class TurnQueue:
                 if turn is not None and turn.status == "queued" and turn.id not in self.turn_ids():
                     self.requeue(turn)
         position = len(self._items) + (1 if self._lifecycle.busy else 0)
-        return self._queue_accepted(record, position), position
+        return self._queue_accepted(record, position, ticket), position
 
     def _queue_overlapped(self, record: TurnRecord, agent: AgentRecord | None) -> TurnHandle:
         controller = TurnController(record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=0)
         handle = TurnHandle(record.id, self._conversation_id, controller)
-        item = Queued(record, handle, agent=agent if agent is not None and agent.id == record.agent_id else None)
+        item = Queued(
+            record,
+            handle,
+            agent=agent if agent is not None and agent.id == record.agent_id else None,
+            ticket=next(self._tickets),
+        )
         self._items.append(item)
         # The worker's first step is scheduled first: it runs up to the model call, then the
         # accept commits while the model works.
@@ -168,13 +194,18 @@ class TurnQueue:
         self._board.remember(handle)
         self._board.notify(handle)
 
-    def _queue_accepted(self, record: TurnRecord, position: int) -> TurnHandle:
+    def _queue_accepted(self, record: TurnRecord, position: int, ticket: int) -> TurnHandle:
         controller = TurnController(
             record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=position
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
         self._board.remember(handle)
-        self._items.append(Queued(record, handle))
+        items = self._items
+        # by ticket: an input given its place earlier, whose accept returned later, goes first
+        at = len(items)
+        while at > 0 and items[at - 1].ticket > ticket:
+            at -= 1
+        items.insert(at, Queued(record, handle, ticket=ticket))
         self._board.notify(handle)
         self.ensure_worker()
         return handle
@@ -216,16 +247,8 @@ class TurnQueue:
         self._items.remove(item)  # before any await: the worker can no longer pick it
         self._renumber()
         controller = item.handle.controller
-        commit = TurnCommit(
-            turn_id, "cancelled", "cancelled", [], revision=controller.revision + 1, input_committed=False
-        )
-        error = {
-            "kind": "withdrawn",
-            "message": "the client went away before this input started; it was dropped",
-            "retryable": False,
-            "status": None,
-        }
-        await self._runner.finish(item.record, controller, None, TurnEnd("cancelled", "cancelled", error, commit))
+        end = withdrawn(turn_id, controller.revision + 1, "the client went away before this input started")
+        await self._runner.finish(item.record, controller, None, end)
         return True
 
     def _renumber(self) -> None:
@@ -257,6 +280,12 @@ class TurnQueue:
                     continue
                 if self._lifecycle.state == "awaiting" or not self._items:
                     break
+                head = self._items[0].ticket
+                if head >= 0 and self._accepting and min(self._accepting) < head:
+                    # an input given an earlier place is still being accepted: it runs first
+                    self._accepted.clear()
+                    await self._accepted.wait()
+                    continue
                 item = self._items.popleft()
                 if self._items:
                     self._renumber()

@@ -42,6 +42,14 @@ def store_failure(reason: object) -> TurnEnd:
     )
 
 
+def withdrawn(turn_id: str, revision: int, why: str) -> TurnEnd:
+    """An input dropped before it started (its client went away): closed as cancelled, error kind
+    `withdrawn`, nothing of it written to the history."""
+    error = {"kind": "withdrawn", "message": f"{why}; it was dropped", "retryable": False, "status": None}
+    commit = TurnCommit(turn_id, "cancelled", "cancelled", [], error=error, revision=revision, input_committed=False)
+    return TurnEnd("cancelled", "cancelled", error, commit)
+
+
 def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) -> TurnEnd:
     """The end of a segment the agent loop ran: its messages made valid for every provider, and
     a turn that streamed a tool call never ending with `end_turn`."""

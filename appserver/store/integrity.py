@@ -20,6 +20,7 @@ accept the loss deliberately (`appserver serve --accept-data-loss`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from appserver.fsutil import atomic_write_json, fsync_dir
+from appserver.fsutil import atomic_write_json, fsync_dir, move_aside
 from appserver.store.base import StoreError
 
 log = logging.getLogger("appserver.store")
@@ -218,13 +219,22 @@ def check_wal_index(db: Path, accept_loss: bool) -> None:
 
 
 def read_position(db: Path) -> int | None:
+    """The recorded position, or None when there is none. An unreadable one is moved aside with a
+    loud error (and /readyz warns while it lies there): it is not "no position", but this start
+    cannot tell whether the store fell behind it, and the next write would overwrite the evidence."""
+    path = position_path(db)
     try:
-        data = json.loads(position_path(db).read_text("utf-8"))
+        data = json.loads(path.read_text("utf-8"))
         return int(data["messages_seq"])
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        log.warning("ignoring unreadable %s: %s", position_path(db), exc)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
+        with contextlib.suppress(OSError):
+            move_aside(
+                path,
+                f"unreadable ({exc}): whether {db.name} fell behind its last recorded position cannot be "
+                "checked at this start",
+            )
         return None
 
 

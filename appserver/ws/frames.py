@@ -240,7 +240,8 @@ class SubmitInput(_ClientFrame):
     agent: str = Field(min_length=1)
     conversation: str = Field(default="default", min_length=1)
     input: str | list[InputPart]
-    idempotency_key: str | None = Field(default=None, max_length=256)
+    # no control characters: the server's own keys (cron's, a namespace's prefix) are built with one
+    idempotency_key: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
     source: dict[str, Any] | None = None
     client_tools: list[ClientTool] = Field(default_factory=list)
 

@@ -653,6 +653,21 @@ def finish_of(snap: TurnSnapshot) -> str:
     return FINISH.get(snap.stop_reason or "end_turn", "stop")
 
 
+def turn_cancelled(snap: TurnSnapshot) -> ApiError:
+    """The answer to a request whose turn was cancelled before it showed any text (a WebSocket
+    client's `cancel`; a queued input dropped, its error kind `withdrawn`): chat has no finish
+    reason for it, and an empty `stop` would read as the agent's whole reply. 409, never retried by
+    the SDKs: the cancel was someone's decision (Responses answers `status: "cancelled"`)."""
+    err = snap.error or {}
+    dropped = err.get("kind") == "withdrawn"
+    why = (
+        "this input was withdrawn from the queue before it started; nothing of it was written to the conversation"
+        if dropped
+        else "the turn was cancelled before it produced a reply"
+    )
+    return ApiError(409, why, code="turn_cancelled", headers={"x-should-retry": "false"})
+
+
 def tool_calls_of(snap: TurnSnapshot) -> list[dict[str, Any]]:
     return [
         {"id": p["call_id"], "type": "function", "function": {"name": p["name"], "arguments": p["arguments"] or ""}}
@@ -715,8 +730,11 @@ class ChatCompletions:
             raise calls_unanswered(unanswered)
         # every user message's parts, the history's too (seeded into a new conversation, they reach the model)
         check_media(self.server, agent, [p for u in items if u.kind == "user" for p in u.parts], "messages")
+        given = [Decision(r.call_id or "", "result", output=r.text) for r in results]
         answers = (
-            Answers([r.call_id or "" for r in results], turn_tools(tools), options, "messages") if results else None
+            Answers([d.call_id for d in given], turn_tools(tools), options, "messages", given=given)
+            if results
+            else None
         )
 
         idem, replay = await Idempotency.begin(self.server, request, principal, "chat.completions", body)
@@ -735,8 +753,7 @@ class ChatCompletions:
                 else:
                     place = await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
                 content = new_content(users)
-                decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results]
-                decisions = await named_answers(self.server, place.conversation_id, decisions)
+                decisions = await named_answers(self.server, place.conversation_id, given)
                 run = await start_turn(
                     self.server,
                     agent,
@@ -836,6 +853,8 @@ class _Ctx:
                 # Cut short (the upstream broke off, the store could not keep it): a part of a
                 # reply is no reply, whatever text came before. What was shown stays in the history.
                 raise await turn_error(self.server, self.agent.id, snap.error)
+            if snap.status == "cancelled" and not (text or refusal):
+                raise turn_cancelled(snap)  # an empty `stop` would read as the agent's whole reply
             if snap.stop_reason == "max_steps":
                 text = f"{text}\n\n{self.steps_note}" if text else self.steps_note
             calls = tool_calls_of(snap) if snap.status == "awaiting" else []
@@ -996,6 +1015,13 @@ class _Ctx:
                     yield "[DONE]"
                     finished = True
                     return
+                if last.status == "cancelled" and not (
+                    render_text(blocks_after(last, self.run)) or render_text(blocks_after(last, self.run), refusal=True)
+                ):  # cancelled before it showed any text: no reply, not an empty `stop`
+                    err = turn_cancelled(last)
+                    yield dumps(error_body(err.status, err.message, code=err.code))
+                    yield "[DONE]"
+                    return  # not `finished`: a cancelled turn keeps no answer for its key
                 if last.stop_reason == "max_steps":
                     yield self.chunk({"content": f"\n\n{self.steps_note}" if any_text else self.steps_note})
                 calls = tool_calls_of(last) if last.status == "awaiting" else []

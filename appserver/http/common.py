@@ -20,7 +20,7 @@ from appserver import fastjson
 from appserver.auth import Principal, namespace_of
 from appserver.errors import AgentGone, InvalidInput, KernelError
 from appserver.http.bodies import json_bodies
-from appserver.http.conversation_match import HEADER, by_name, legacy_name
+from appserver.http.conversation_match import HEADER, by_name, legacy_name, repeats_answer
 from appserver.http.errors import (
     ApiError,
     error_body,
@@ -506,11 +506,7 @@ async def named_answers(server: Server, conversation_id: str, decisions: list[De
 
 def already_given(p: PendingCall | None, d: Decision) -> bool:
     """`d` repeats the answer call `p` already has (a stateless client resending its history)."""
-    if p is None:
-        return False
-    if d.action == "result":
-        return p.status == "result" and (p.output or "") == (d.output or "")
-    return p.status == {"approve": "approved", "deny": "denied"}.get(d.action)
+    return repeats_answer(p, d)
 
 
 def answered_approvals(before: TurnSnapshot, given: dict[str, PendingCall], decisions: list[Decision]) -> list[str]:

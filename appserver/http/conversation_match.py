@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from appserver import fastjson
 from appserver.auth import namespace_allows
 from appserver.http.errors import ApiError
-from appserver.runtime import new_id
+from appserver.runtime import Decision, new_id
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -249,6 +249,7 @@ class Answers:
     client_tools: list[dict[str, Any]]  # of the paused turn written (as TurnRecord.client_tools)
     options: dict[str, Any]
     param: str  # where a refusal points: messages | input
+    given: list[Decision] = field(default_factory=list)  # the answers themselves (a fork checks them)
 
 
 @dataclass(slots=True)
@@ -277,6 +278,15 @@ def by_name(call_id: str, calls: list[tuple[str, str]]) -> str:
         return call_id
     named = [cid for cid, n in calls if n == name]
     return named[0] if len(named) == 1 else call_id
+
+
+def repeats_answer(p: PendingCall | None, d: Decision) -> bool:
+    """`d` is the answer call `p` already has (a stateless client resending its history, a retry)."""
+    if p is None:
+        return False
+    if d.action == "result":
+        return p.status == "result" and (p.output or "") == (d.output or "")
+    return p.status == {"approve": "approved", "deny": "denied"}.get(d.action)
 
 
 def split_paused(messages: list[MessageRecord], answers: Answers) -> tuple[list[MessageRecord], Paused]:
@@ -572,6 +582,7 @@ class ConversationMatcher:
         paused: Paused | None = None
         if answers is not None:
             messages, paused = split_paused(messages, answers)  # the tail is written again, paused
+            await self._refuse_decided(paused, answers)
         ids = [m.id for m in messages if m.id is not None]
         conv = await self._new(
             agent,
@@ -585,6 +596,33 @@ class ConversationMatcher:
             seed=seed,
         )
         return conv.id
+
+    async def _refuse_decided(self, paused: Paused, answers: Answers) -> None:
+        """400 `already_resolved` (before anything is written) for an answer to a call the source
+        conversation already closed otherwise: denied or approved the other way (by a person on the
+        WebSocket, say), given another result, expired or cancelled. A fork answers again only what
+        repeats the answer the call had there (a retry, a resent round); it never decides a call
+        anew, which would run a command a person denied."""
+        turn_id = paused.messages[0].turn_id if paused.messages else None
+        if turn_id is None or not answers.given:
+            return  # a seeded history's calls: never answered on this server
+        closed = {p.call_id: p for p in await self.store.list_pending(turn_id) if p.status != "pending"}
+        if not closed:
+            return
+        named = [(c["id"], c["name"]) for c in paused.open_calls]
+        clashes: list[str] = []
+        for d in answers.given:
+            cid = by_name(d.call_id, named)
+            p = closed.get(cid)
+            if p is not None and not repeats_answer(p, d):
+                clashes.append(f"call {cid} was already answered ({p.status})")
+        if clashes:
+            raise ApiError(
+                400,
+                "; ".join(clashes) + ": an answer given there cannot be changed by answering the call again",
+                code="already_resolved",
+                param=answers.param,
+            )
 
     async def record(
         self, agent_id: str, conversation_id: str, prefix_hash: str, last_message_id: int | None = None

@@ -79,7 +79,6 @@ from appserver.store.records import AgentRecord, ResponseRecord
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
     from appserver.server import Server
-    from appserver.store.base import Store
 
 log = logging.getLogger("appserver.http.responses")
 
@@ -92,17 +91,48 @@ CUT_SHORT = (
 )
 
 
-async def as_ended(store: Store, rec: ResponseRecord) -> ResponseRecord:
-    """`rec`, or, when its stream stored it in progress and the server was killed before the stream
-    could store how it ended (its turn was settled as interrupted at the restart), `rec` as failed,
-    as a server stop's stream ends."""
-    if rec.body.get("status") != "in_progress" or rec.turn_id is None:
-        return rec
-    turn = await store.get_turn(rec.turn_id)
-    if turn is not None and turn.status != "interrupted":
-        return rec  # still running, or its stream is storing the outcome now
+# A turn the store shows in one of these is still on its way: a stream (this server's, or, after a
+# restart, none) may yet store how it ends.
+ON_ITS_WAY = ("queued", "running")
+
+
+def cut_short(rec: ResponseRecord) -> ResponseRecord:
+    """`rec` as failed, as a server stop's stream ends: its turn was interrupted by a crash."""
     body = dict(rec.body, status="failed", error={"code": "server_error", "message": CUT_SHORT})
     return replace(rec, body=body)
+
+
+def shape_of(body: dict[str, Any], agent: AgentRecord) -> Shape:
+    """The Shape of a stored Response object (the request's echoed fields), to render it again."""
+    conversation = body.get("conversation")
+    return Shape(
+        id=str(body["id"]),
+        model=str(body.get("model") or agent.id),
+        agent=agent,
+        created_at=int(body.get("created_at") or time.time()),
+        instructions=None,
+        tools=list(body.get("tools") or []),
+        previous_response_id=body.get("previous_response_id"),
+        store=bool(body.get("store", True)),
+        metadata=dict(body.get("metadata") or {}),
+        temperature=float(body.get("temperature", 1.0)),
+        top_p=float(body.get("top_p", 1.0)),
+        max_output_tokens=body.get("max_output_tokens"),
+        parallel_tool_calls=bool(body.get("parallel_tool_calls", True)),
+        tool_choice=body.get("tool_choice", "auto"),
+        conversation=conversation.get("id") if isinstance(conversation, dict) else None,
+        reasoning=show_reasoning(agent),
+        text=body.get("text") or {"format": {"type": "text"}},
+        reasoning_params=body.get("reasoning") or {"effort": None, "summary": None},
+        truncation=str(body.get("truncation") or "disabled"),
+        max_tool_calls=body.get("max_tool_calls"),
+        top_logprobs=int(body.get("top_logprobs") or 0),
+        user=body.get("user"),
+        safety_identifier=body.get("safety_identifier"),
+        prompt_cache_key=body.get("prompt_cache_key"),
+        shown_instructions=body.get("instructions"),
+        service_tier=str(body.get("service_tier") or "default"),
+    )
 
 
 def _id(prefix: str) -> str:
@@ -802,6 +832,49 @@ class Responses:
         self.metrics = metrics
         self.matcher = matcher
         self.stopping = stopping or Stopping()  # the server's stop ends a waiting stream with an error
+        # ids of the responses whose stream in this process stored them in progress and will store
+        # how they end (`as_ended` leaves them to it)
+        self.live: set[str] = set()
+
+    async def as_ended(self, rec: ResponseRecord) -> ResponseRecord:
+        """`rec`, or, when its stream stored it in progress (`response.created`) and can no longer
+        store how it ended (the server was killed, or restarted while the turn waited in the queue),
+        `rec` as its turn ended, whatever that was: rendered from the turn in the store, and kept so.
+        A turn interrupted by the crash answers `failed`, as a server stop's stream ends."""
+        if rec.body.get("status") != "in_progress" or rec.turn_id is None or rec.id in self.live:
+            return rec  # done, or its stream (in this process) stores the outcome itself
+        store = self.server.store
+        turn = await store.get_turn(rec.turn_id)
+        if turn is not None and turn.status in ON_ITS_WAY:
+            return rec  # still on its way (a queued turn requeued at the restart, say)
+        agent = await store.get_agent(rec.agent_id)
+        if turn is None or turn.status == "interrupted" or agent is None:
+            return cut_short(rec)
+        handle = await self.server.kernel.handle_for(turn)
+        snap = handle.controller.snapshot()
+        if snap.status not in TERMINAL_STATUSES and snap.status != "awaiting":
+            return cut_short(rec)  # an end this route does not know how to show: never in progress
+        shape = shape_of(rec.body, agent)
+        run = TurnRun(self.server, rec.conversation_id, handle)
+        # The request's own blocks are the turn's from its start when it sent new input; a request
+        # that answered calls resumed a turn whose earlier blocks are not its output.
+        fresh = any(i.get("type") == "message" and i.get("role") == "user" for i in rec.input_items)
+        cut = final_status(snap) != "completed"
+        steps_note = max_steps_note(self.server, agent)
+        items = [item_for(shape, turn.id, i, b, final=True, cut=cut) for i, b in output_blocks(snap, run, steps_note)]
+        output = [i for i in items if i is not None] if fresh else list(rec.body.get("output") or [])
+        failed = await turn_error(self.server, agent.id, snap.error) if snap.status == "failed" else None
+        body = response_body(shape, status=final_status(snap), output=output, snap=snap, failed=failed)
+        if body["completed_at"] is not None and turn.ended_at:
+            body["completed_at"] = int(turn.ended_at)
+        own = [m.id for m in await store.list_messages(rec.conversation_id) if m.turn_id == turn.id and m.id]
+        ended = replace(rec, body=body, last_message_id=max(own) if own else rec.last_message_id)
+        if await store.get_response(rec.id) is not None:  # deleted meanwhile: it stays deleted
+            try:
+                await store.save_response(ended)
+            except Exception as exc:  # answered all the same; the next read renders it again
+                log.warning("could not store the ended response %s: %r", rec.id, exc)
+        return ended
 
     async def _stored(self, request: Request) -> ResponseRecord:
         rid = request.path_params["response_id"]
@@ -819,7 +892,7 @@ class Responses:
         agent = await self.server.store.get_agent(rec.agent_id)
         if agent is None or not principal.allows_agent(agent.id, agent.name):
             raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
-        return await as_ended(self.server.store, rec)
+        return await self.as_ended(rec)
 
     async def get(self, request: Request) -> Response:
         rec = await self._stored(request)  # an unknown id is a 404 whatever else the request asks
@@ -971,7 +1044,7 @@ class Responses:
         # the model as much as the new input's
         check_media(self.server, agent, [p for u in items if u.kind == "user" for p in u.parts], "input")
         answers = (
-            Answers([d.call_id for d in decisions], turn_tools(specs), options, "input")
+            Answers([d.call_id for d in decisions], turn_tools(specs), options, "input", given=decisions)
             if decisions and not users
             else None
         )
@@ -1097,7 +1170,7 @@ class Responses:
                     code="previous_response_not_found",
                     param="previous_response_id",
                 )
-            rec = await as_ended(store, rec)
+            rec = await self.as_ended(rec)
             if rec.body.get("status") == "in_progress":
                 raise ApiError(
                     409,
@@ -1293,7 +1366,8 @@ class _Run:
                 if shape.store:
                     # The id goes out with response.created: stored first, in progress, so it names
                     # the response even if the server is killed before the stream ends (GET then
-                    # answers it as failed: `as_ended`). Best effort, like keep_unfinished.
+                    # answers it as its turn ended: `as_ended`). Best effort, like keep_unfinished.
+                    self.route.live.add(shape.id)
                     self.kept_in_progress = await self.keep_unfinished(created)
                 announced = True
                 yield ev("response.created", response=created)
@@ -1343,26 +1417,30 @@ class _Run:
                     return
                 kept = True  # from here on, the outcome is stored by finalize (or it failed loudly)
                 body = await self.finalize(last)
+                # A cancelled response (another client cancelled or dropped its turn) ends as it is
+                # stored and as the non-stream answer says: status `cancelled`, in the event OpenAI
+                # has for a response that ended early without failing (it has no event of its own).
                 terminal = {
                     "completed": "response.completed",
                     "incomplete": "response.incomplete",
                     "failed": "response.failed",
-                    "cancelled": "response.failed",
+                    "cancelled": "response.incomplete",
                 }[body["status"]]
-                if body["status"] == "cancelled":
-                    body = dict(
-                        body, status="failed", error={"code": "server_error", "message": "the turn was cancelled"}
-                    )
                 yield ev(terminal, response=body)
                 finished = True
             finally:
                 metrics.active_streams.dec()
+                if not announced or kept:
+                    self.route.live.discard(self.shape.id)
 
         async def on_disconnect() -> None:
-            if announced and not kept:
-                await self.client_gone()
-            else:
-                await self.run.cancel()
+            try:
+                if announced and not kept:
+                    await self.client_gone()
+                else:
+                    await self.run.cancel()
+            finally:
+                self.route.live.discard(self.shape.id)
 
         on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
         return SSEResponse(produce(), headers=self.headers, on_disconnect=on_disconnect, on_close=on_close)  # type: ignore[return-value]

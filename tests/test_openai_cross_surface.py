@@ -1,0 +1,399 @@
+"""The OpenAI routes and the other surfaces driving the same conversation: what a WebSocket client
+decided, cancelled or dropped, and what a kill -9 left, as the HTTP clients then see it. A real
+`appserver serve` on loopback, the real `openai` SDK and httpx, the WebSocket helpers.
+
+1. An answer a call already has (a WebSocket client denied it, a client tool got its result) is
+   never changed through a fork: answering it otherwise with `previous_response_id`, or by resending
+   the transcript, is a 400 `already_resolved` that writes nothing (was: 200, and the fork ran the
+   shell command the person had denied). Repeating the same answer still forks and answers.
+2. A Responses stream queued behind another turn, told its response id (`response.created`), then
+   the server killed (-9): after the restart `GET` answers how its turn ended, and
+   `previous_response_id` naming it continues (was: `in_progress` and 409 forever).
+3. A turn cancelled by a WebSocket client: a chat request whose turn showed nothing is an error
+   (409 `turn_cancelled`), never an empty `stop` (was: 200 with empty content); a Responses stream
+   ends with the status the non-stream answer and `GET` give, `cancelled` (was: `response.failed`
+   with status `failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.openai_schema import require_conformance, sse_payloads, validate
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving, start_serve
+from tests.support.ws import WS
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    require_conformance()
+    home = tmp_path_factory.mktemp("cross") / "home"
+    env = cli_env(home)
+    made = run_cli(home, "agents", "create", "--name", "ops", "--tool", "shell=ask", env=env)
+    assert made.code == 0, made.err
+    with serving(home, env=env) as sp:
+        yield sp
+
+
+def conversations(sp: ServeProcess) -> int:
+    with sqlite3.connect(f"file:{sp.home / 'appserver.db'}?mode=ro", uri=True) as c:
+        return int(c.execute("SELECT COUNT(*) FROM conversations").fetchone()[0])
+
+
+def user_texts(sp: ServeProcess, conversation_id: str) -> list[str]:
+    with sqlite3.connect(f"file:{sp.home / 'appserver.db'}?mode=ro", uri=True) as c:
+        rows = c.execute(
+            "SELECT content FROM messages WHERE conversation_id = ? AND role = 'user' ORDER BY id", (conversation_id,)
+        ).fetchall()
+    return [json.loads(r[0]) for r in rows]
+
+
+async def _ended(ws: WS, conversation_id: str) -> None:
+    """Wait until the socket saw a turn of `conversation_id` end (denied: it went on and finished)."""
+
+    def ended(f: dict[str, Any]) -> bool:
+        return (
+            f["type"] == "turn_updated"
+            and f["snapshot"]["conversation_id"] == conversation_id
+            and f["snapshot"]["status"] in ("completed", "cancelled", "failed")
+        )
+
+    if not any(ended(f) for f in ws.seen):
+        await ws.expect(ended)
+
+
+def refused_as_resolved(r: httpx.Response) -> None:
+    assert r.status_code == 400, r.text
+    validate("ErrorResponse", r.json())
+    assert r.json()["error"]["code"] == "already_resolved", r.text
+    assert r.json()["error"]["param"] in ("input", "messages")
+
+
+# ---------------------------------------------------------------- 1. decided elsewhere
+
+
+def test_an_approval_denied_on_the_websocket_is_never_run_through_a_fork(srv: ServeProcess, tmp_path: Path) -> None:
+    mark = tmp_path / "ran"
+    command = f'/call shell {{"command": "echo ran >> {mark}"}}'
+
+    async def go() -> None:
+        ws = await WS.open(srv.url)
+        http = httpx.AsyncClient(base_url=srv.url, timeout=30)
+        try:
+            conv = (await ws.request({"type": "create_conversation", "agent": "ops"}))["conversation"]["id"]
+            await ws.request({"type": "subscribe", "conversation": conv})
+            first = await http.post("/v1/responses", json={"model": "ops", "conversation": conv, "input": command})
+            assert first.status_code == 200, first.text
+            (req,) = [o for o in first.json()["output"] if o["type"] == "mcp_approval_request"]
+            asked = await ws.expect(lambda f: f["type"] == "approval_request")
+            assert f"mcpr_{asked['call_id']}" == req["id"]
+            ack = await ws.request(
+                {
+                    "type": "approval_response",
+                    "conversation": conv,
+                    "decisions": [{"call_id": asked["call_id"], "decision": "deny", "reason": "no"}],
+                }
+            )
+            assert ack["results"][0]["accepted"] is True, ack
+            await ws.terminal(asked["turn_id"])
+            before = conversations(srv)
+
+            approve = {"type": "mcp_approval_response", "approval_request_id": req["id"], "approve": True}
+            # the client that started the turn approves it after all: with previous_response_id …
+            again = await http.post(
+                "/v1/responses", json={"model": "ops", "previous_response_id": first.json()["id"], "input": [approve]}
+            )
+            refused_as_resolved(again)
+            assert "denied" in again.json()["error"]["message"]
+            # … or statelessly, resending the round, on a turn started without any conversation id
+            said = command.replace("ran", "ran-stateless")
+            started = await http.post("/v1/responses", json={"model": "ops", "input": said})
+            (req2,) = [o for o in started.json()["output"] if o["type"] == "mcp_approval_request"]
+            conv2 = started.headers["x-conversation-id"]
+            await ws.request({"type": "subscribe", "conversation": conv2})
+            ack = await ws.request(
+                {
+                    "type": "approval_response",
+                    "conversation": conv2,
+                    "decisions": [{"call_id": req2["id"].removeprefix("mcpr_"), "decision": "deny"}],
+                }
+            )
+            assert ack["results"][0]["accepted"] is True, ack
+            await _ended(ws, conv2)
+            before = conversations(srv)
+            approve2 = dict(approve, approval_request_id=req2["id"])
+            stateless = await http.post(
+                "/v1/responses", json={"model": "ops", "input": [{"role": "user", "content": said}, req2, approve2]}
+            )
+            refused_as_resolved(stateless)
+            await asyncio.sleep(0.5)  # a fork that ran the command would have written the mark by now
+            assert not mark.exists(), "the command a person denied ran"
+            assert conversations(srv) == before  # refused whole: no fork written
+
+            # the same answer again (a retry) is history: it forks and is answered, never refused
+            deny = dict(approve, approve=False)
+            repeat = await http.post(
+                "/v1/responses", json={"model": "ops", "previous_response_id": first.json()["id"], "input": [deny]}
+            )
+            assert repeat.status_code == 200, repeat.text
+            validate("Response", repeat.json())
+            assert repeat.headers["x-conversation-id"] != conv
+            assert [o["status"] for o in repeat.json()["output"] if o["type"] == "mcp_call"] == ["failed"]
+            assert not mark.exists()
+        finally:
+            await http.aclose()
+            await ws.close()
+
+    asyncio.run(go())
+
+
+def test_a_client_tool_result_is_not_changed_through_a_fork(srv: ServeProcess) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ask = [{"role": "user", "content": f'/call f {{"n": "{uuid.uuid4().hex}"}}'}]
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        first = http.post("/v1/chat/completions", json={"model": "ops", "messages": ask, "tools": [tool]})
+        assert first.status_code == 200, first.text
+        (made,) = first.json()["choices"][0]["message"]["tool_calls"]
+        asked = [*ask, {"role": "assistant", "content": None, "tool_calls": [made]}]
+
+        def answer(output: str) -> httpx.Response:
+            msgs = [*asked, {"role": "tool", "tool_call_id": made["id"], "content": output}]
+            return http.post("/v1/chat/completions", json={"model": "ops", "messages": msgs, "tools": [tool]})
+
+        done = answer("A")
+        assert done.status_code == 200 and done.json()["choices"][0]["message"]["content"] == "f -> A"
+        assert done.headers["x-conversation-id"] == first.headers["x-conversation-id"]
+        before = conversations(srv)
+        refused_as_resolved(answer("B"))  # the call has its result: not another one, in a fork
+        assert conversations(srv) == before
+        retried = answer("A")  # the same body again: a fork answers it again, as before
+        assert retried.status_code == 200 and retried.json()["choices"][0]["message"]["content"] == "f -> A"
+
+        # Responses, with previous_response_id
+        rtool = {"type": "function", "name": "g", "parameters": {"type": "object"}}
+        r1 = http.post(
+            "/v1/responses",
+            json={"model": "ops", "input": f'/call g {{"n": "{uuid.uuid4().hex}"}}', "tools": [rtool]},
+        )
+        (fc,) = [o for o in r1.json()["output"] if o["type"] == "function_call"]
+
+        def output(text: str) -> httpx.Response:
+            item = {"type": "function_call_output", "call_id": fc["call_id"], "output": text}
+            body = {"model": "ops", "previous_response_id": r1.json()["id"], "input": [item], "tools": [rtool]}
+            return http.post("/v1/responses", json=body)
+
+        assert output("A").status_code == 200
+        refused_as_resolved(output("B"))
+        assert output("A").status_code == 200
+
+
+# ---------------------------------------------------------------- 2. kill -9 with a queued stream
+
+
+def test_a_queued_stream_killed_with_the_server_is_answered_as_its_turn_ended(tmp_path: Path) -> None:
+    require_conformance()
+    home = tmp_path / "home"
+    env = cli_env(home)
+    sp = start_serve(home, env=env)
+    rid = ""
+    try:
+
+        async def queue_and_kill() -> tuple[str, str]:
+            ws = await WS.open(sp.url)
+            conv = (await ws.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
+            await ws.request({"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "/slow 400"})
+            client = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0)
+            stream = await client.responses.create(model="assistant", input="queued", conversation=conv, stream=True)
+            async for e in stream:
+                if e.type == "response.created":
+                    break
+            held = await client.responses.retrieve(e.response.id)
+            assert held.status == "in_progress"  # stored so from response.created on
+            sp.proc.kill()  # kill -9, the turn still queued behind the WebSocket's
+            sp.proc.wait(10)
+            await client.close()
+            return e.response.id, conv
+
+        rid, conv = asyncio.run(queue_and_kill())
+    finally:
+        sp.kill()
+
+    sp = start_serve(home, env=env)
+    try:
+        with httpx.Client(base_url=sp.url, timeout=30) as http:
+            deadline = time.monotonic() + 20
+            while (got := http.get(f"/v1/responses/{rid}")).json().get("status") == "in_progress":
+                assert time.monotonic() < deadline, "the response stays in_progress after its turn ended"
+                time.sleep(0.1)
+            assert got.status_code == 200, got.text
+            validate("Response", got.json())
+            body = got.json()
+            # how its turn ended: dropped at the restart (nothing of it in the history), or run then
+            if body["status"] == "cancelled":
+                assert body["output"] == [] and "queued" not in user_texts(sp, conv)
+            else:
+                assert body["status"] == "completed", body
+                assert body["output"][-1]["content"][0]["text"] == "echo: queued"
+            assert http.get(f"/v1/responses/{rid}").json() == body  # kept so
+            nxt = http.post("/v1/responses", json={"model": "assistant", "input": "next", "previous_response_id": rid})
+            assert nxt.status_code == 200, nxt.text
+            assert nxt.json()["status"] == "completed"
+    finally:
+        sp.stop()
+
+
+# ---------------------------------------------------------------- 3. cancelled from the WebSocket
+
+
+async def _new_turn(ws: WS, known: set[str]) -> str:
+    """The id of the next turn the subscribed socket sees that is not in `known` (added to it)."""
+
+    def fresh(f: dict[str, Any]) -> bool:
+        return f["type"] == "turn_updated" and f["snapshot"]["turn_id"] not in known
+
+    seen = next((f for f in ws.seen if fresh(f)), None) or await ws.expect(fresh)
+    known.add(seen["snapshot"]["turn_id"])
+    return str(seen["snapshot"]["turn_id"])
+
+
+def test_queued_http_inputs_cancelled_from_the_websocket_are_no_answers(srv: ServeProcess) -> None:
+    async def go() -> None:
+        ws = await WS.open(srv.url)
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=2)
+        http = httpx.AsyncClient(base_url=srv.url, timeout=30)
+        try:
+            conv = (await ws.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
+            await ws.request({"type": "subscribe", "conversation": conv})
+            ack = await ws.request(
+                {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "/slow 200"}
+            )
+            known = {ack["turn_id"]}
+            pinned = {"X-Conversation-Id": conv}
+
+            chat = asyncio.create_task(
+                client.chat.completions.create(
+                    model="assistant", messages=[{"role": "user", "content": "chat-q"}], extra_headers=pinned
+                )
+            )
+            chat_turn = await _new_turn(ws, known)
+
+            async def chat_stream() -> list[str]:
+                body = {"model": "assistant", "stream": True, "messages": [{"role": "user", "content": "chat-s"}]}
+                async with http.stream("POST", "/v1/chat/completions", json=body, headers=pinned) as r:
+                    assert r.status_code == 200
+                    return sse_payloads([line async for line in r.aiter_lines()])
+
+            streamed = asyncio.create_task(chat_stream())
+            stream_turn = await _new_turn(ws, known)
+
+            async def responses_stream() -> list[Any]:
+                events = []
+                stream = await client.responses.create(
+                    model="assistant", input="resp-s", conversation=conv, stream=True
+                )
+                async for e in stream:
+                    events.append(e)
+                return events
+
+            resp = asyncio.create_task(responses_stream())
+            resp_turn = await _new_turn(ws, known)
+
+            for turn in (chat_turn, stream_turn, resp_turn):
+                cancelled = await ws.request({"type": "cancel", "conversation": conv, "turn_id": turn})
+                assert cancelled["cancelled"] is True, cancelled
+
+            with pytest.raises(openai.ConflictError) as info:
+                await asyncio.wait_for(chat, 10)
+            validate("ErrorResponse", info.value.response.json())
+            assert info.value.body["code"] == "turn_cancelled"  # type: ignore[index]
+            assert info.value.response.headers["x-should-retry"] == "false"
+            assert info.value.response.headers["x-conversation-id"] == conv
+
+            payloads = await asyncio.wait_for(streamed, 10)
+            assert payloads[-1] == "[DONE]"
+            error = json.loads(payloads[-2])
+            assert error["error"]["code"] == "turn_cancelled", payloads
+            assert not any('"finish_reason":"stop"' in p.replace(" ", "") for p in payloads)
+
+            events = await asyncio.wait_for(resp, 10)
+            last = events[-1]
+            validate("ResponseStreamEvent", last.model_dump(mode="json", exclude_unset=True))
+            assert last.type == "response.incomplete" and last.response.status == "cancelled", last
+            kept = await client.responses.retrieve(last.response.id)
+            assert kept.status == "cancelled"
+
+            await ws.request({"type": "cancel", "conversation": conv})
+            assert user_texts(srv, conv) == ["/slow 200"]  # the dropped inputs wrote nothing
+        finally:
+            await client.close()
+            await http.aclose()
+            await ws.close()
+
+    asyncio.run(go())
+
+
+def test_a_running_turn_cancelled_from_the_websocket_keeps_its_text_and_says_cancelled(srv: ServeProcess) -> None:
+    async def go() -> None:
+        ws = await WS.open(srv.url)
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            conv = (await ws.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
+            await ws.request({"type": "subscribe", "conversation": conv})
+
+            # Responses stream: ends with the status its stored response and a non-stream answer have
+            stream = await client.responses.create(model="assistant", input="/slow 200", conversation=conv, stream=True)
+            events: list[Any] = []
+            async for e in stream:
+                events.append(e)
+                if e.type == "response.output_text.delta":
+                    break
+            await ws.request({"type": "cancel", "conversation": conv})
+            async for e in stream:
+                events.append(e)
+            last = events[-1]
+            validate("ResponseStreamEvent", last.model_dump(mode="json", exclude_unset=True))
+            assert last.type == "response.incomplete" and last.response.status == "cancelled", last
+            assert last.response.error is None
+            (msg,) = last.response.output
+            assert msg.status == "incomplete" and msg.content[0].text.startswith("w1")  # type: ignore[union-attr]
+            assert (await client.responses.retrieve(last.response.id)).status == "cancelled"
+
+            # chat, non-stream, cancelled after it showed text: that text, as a 200
+            known = {f["snapshot"]["turn_id"] for f in ws.seen if f["type"] == "turn_updated"}
+            chat = asyncio.create_task(
+                client.chat.completions.create(
+                    model="assistant",
+                    messages=[{"role": "user", "content": "/slow 200"}],
+                    extra_headers={"X-Conversation-Id": conv},
+                )
+            )
+            turn = await _new_turn(ws, known)
+            await ws.expect(
+                lambda f: (
+                    f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == turn and bool(f["snapshot"]["blocks"])
+                )
+            )
+            await asyncio.sleep(0.2)
+            await ws.request({"type": "cancel", "conversation": conv})
+            done = await asyncio.wait_for(chat, 10)
+            validate("CreateChatCompletionResponse", done.model_dump(mode="json", exclude_unset=True))
+            assert (done.choices[0].message.content or "").startswith("w1")
+        finally:
+            await client.close()
+            await ws.close()
+
+    asyncio.run(go())

@@ -461,7 +461,7 @@ class TurnRun:
         """The client went away: cancel this turn if it is the conversation's current one, or drop
         it from the queue if it has not started (nobody is left to read its answer)."""
         try:
-            await self.server.kernel.cancel(self.conversation_id, self.turn_id)
+            await self.server.kernel.cancel(self.conversation_id, self.turn_id, client_left=True)
         except Exception:
             log.exception("could not cancel turn %s after a disconnect", self.turn_id)
 

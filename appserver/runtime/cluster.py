@@ -71,7 +71,9 @@ class KernelSide(Protocol):
         self, conversation_id: str, decisions: list[Decision], *, here: bool = False, whole: bool = False
     ) -> list[dict[str, Any]]: ...
 
-    async def cancel(self, conversation_id: str, turn_id: str | None = None, *, here: bool = False) -> bool: ...
+    async def cancel(
+        self, conversation_id: str, turn_id: str | None = None, *, here: bool = False, client_left: bool = False
+    ) -> bool: ...
 
 
 class OwnedElsewhere(Exception):
@@ -433,7 +435,8 @@ class ClusterLink:
 
     async def _cancel(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
         turn_id = args.get("turn_id")
-        done = await self.kernel.cancel(conversation_id, str(turn_id) if turn_id else None, here=True)
+        left = args.get("client_left") is True
+        done = await self.kernel.cancel(conversation_id, str(turn_id) if turn_id else None, here=True, client_left=left)
         return {"cancelled": done}
 
     # ------------------------------------------------------------ the sweep

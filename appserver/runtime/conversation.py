@@ -144,9 +144,9 @@ class ConversationRuntime:
             return self.queue.cancel_next()
         return False
 
-    async def withdraw(self, turn_id: str) -> bool:
+    async def withdraw(self, turn_id: str, why: str) -> bool:
         """Drop a queued input that has not started (see `TurnQueue.withdraw`)."""
-        return await self.queue.withdraw(turn_id)
+        return await self.queue.withdraw(turn_id, why)
 
     async def shutdown(self) -> None:
         self.queue.close()

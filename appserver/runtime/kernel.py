@@ -620,24 +620,25 @@ class Kernel:
             return list(got.get("results") or [])
         return await rt.respond(decisions, whole=whole)
 
-    async def cancel(self, conversation_id: str, turn_id: str | None = None, *, here: bool = False) -> bool:
+    async def cancel(
+        self, conversation_id: str, turn_id: str | None = None, *, here: bool = False, client_left: bool = False
+    ) -> bool:
         """Cancel the conversation's current turn. With `turn_id`, only that turn: cancelled if it
-        is the current one, or dropped from the queue if it has not started (DESIGN §13)."""
+        is the current one, or dropped from the queue if it has not started (DESIGN §13), saying
+        why: its client went away (`client_left`), or a cancel named it."""
         try:
             rt = await self.runtime(conversation_id)
         except OwnedElsewhere as elsewhere:
             if here or self._link is None:
                 raise
-            got = await self._link.call_holder(conversation_id, elsewhere.holder, "cancel", {"turn_id": turn_id})
+            args = {"turn_id": turn_id, "client_left": client_left}
+            got = await self._link.call_holder(conversation_id, elsewhere.holder, "cancel", args)
             return bool(got.get("cancelled"))
         if turn_id is None or rt.lifecycle.turn_id == turn_id:
             return await rt.cancel()
-        if await rt.withdraw(turn_id):
-            log.info(
-                "dropped queued turn %s of conversation %s: its client went away before it started",
-                turn_id,
-                conversation_id,
-            )
+        why = "the client went away before this input started" if client_left else "a cancel named it before it started"
+        if await rt.withdraw(turn_id, why):
+            log.info("dropped queued turn %s of conversation %s: %s", turn_id, conversation_id, why)
             return True
         return False
 

@@ -238,16 +238,17 @@ class TurnQueue:
         self._items[0].cancelled = True
         return True
 
-    async def withdraw(self, turn_id: str) -> bool:
-        """Drop a queued input that has not started (its HTTP client went away, DESIGN §13): closed
-        as cancelled, nothing of it written to the history. False when it started or is unknown."""
+    async def withdraw(self, turn_id: str, why: str) -> bool:
+        """Drop a queued input that has not started (its HTTP client went away, DESIGN §13, or a
+        cancel named it): closed as cancelled, `why` its error, nothing of it written to the
+        history. False when it started or is unknown."""
         item = next((q for q in self._items if q.record.id == turn_id and q.accepting is None), None)
         if item is None:
             return False
         self._items.remove(item)  # before any await: the worker can no longer pick it
         self._renumber()
         controller = item.handle.controller
-        end = withdrawn(turn_id, controller.revision + 1, "the client went away before this input started")
+        end = withdrawn(turn_id, controller.revision + 1, why)
         await self._runner.finish(item.record, controller, None, end)
         return True
 

@@ -13,7 +13,9 @@ A bot token in a public workspace is an open door to an agent that may run tools
   be posted to everyone there); a stranger pairs in a DM.
 - `allow` / `admins`: sender ids; `"*"` in `allow` lets everyone through. Both also accept a
   comma-separated string, which is how an environment override arrives
-  (`APPSERVER_CHANNELS__TELEGRAM__ACCOUNTS__MAIN__ALLOW=123,456`).
+  (`APPSERVER_CHANNELS__TELEGRAM__ACCOUNTS__MAIN__ALLOW=123,456`). Ids are stripped either way.
+- `chat_type` is `dm` or `group` (plugins/contract.py); anything else a plugin sends is decided as a
+  group, so a pairing code is never posted in a chat that is not known to be private.
 
 Messages from bots (the bot's own included) never get through. Every decision carries its reason,
 which the ledger records.
@@ -71,7 +73,7 @@ class AccessPolicy:
         """The verdict for one message and why (recorded in the ledger)."""
         if sender_is_bot:
             return "deny", "message from a bot"
-        if chat_type == "group":
+        if chat_type != "dm":  # a group, or a kind a plugin made up ("channel"): never a DM, so never a code
             return self._decide_group(sender, mentions_bot, approved)
         if self.dm == "disabled":
             return "deny", "dm: direct messages are disabled"
@@ -109,5 +111,5 @@ def _ids(value: Any, key: str) -> frozenset[str]:
     if isinstance(value, str):
         return frozenset(v.strip() for v in value.split(",") if v.strip())
     if isinstance(value, list | tuple) and all(isinstance(v, str | int) and not isinstance(v, bool) for v in value):
-        return frozenset(str(v) for v in value)
+        return frozenset(str(v).strip() for v in value if str(v).strip())  # `" 123"` is the id 123 here too
     raise PolicyError(f"{key} must be a list of sender ids (or a comma-separated string), got {value!r}")

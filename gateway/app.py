@@ -84,6 +84,7 @@ class Gateway:
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._notices: Recent[bool] = Recent(NOTICE_EVERY_S)  # chats told something lately
+        self._odd_chat_types: set[tuple[str, str]] = set()  # (account, chat_type) outside the contract, logged once
         self._dirty = True
         link.on_tool_call(self.tool.on_call)
         link.on_approval(self.chatops.on_approval)
@@ -225,6 +226,8 @@ class Gateway:
             entry = self._decide(entry, runner)
             if entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL:
                 await self.chatops.pairing_prompt(entry, runner)
+            elif entry.state == "denied":
+                await self.chatops.refuse_answer(entry, runner)  # a refused approval answer still hears why
         if entry.state != "allowed":
             return
         if entry.batch is not None:  # a batch written down before a crash: submit it as it was
@@ -256,8 +259,17 @@ class Gateway:
         if not str(p.get("text") or "").strip() and not p.get("images") and not p.get("attachments"):
             # A pin notice, a join, a sticker or an embed alone: nothing for an agent to answer.
             return self.ledger.decide(key, "deny", "empty message (no text and no files)")
+        chat_type = str(p.get("chat_type") or "")
+        if chat_type not in ("dm", "group") and (runner.spec.ref, chat_type) not in self._odd_chat_types:
+            self._odd_chat_types.add((runner.spec.ref, chat_type))
+            log.warning(
+                "%s: the plugin sent chat_type %r (the contract has 'dm' and 'group'); such chats are treated as "
+                "groups, so nobody there is given a pairing code",
+                runner.spec.ref,
+                chat_type,
+            )
         verdict, reason = runner.policy.decide(
-            chat_type=str(p.get("chat_type") or "dm"),
+            chat_type=chat_type,
             sender=entry.sender,
             sender_is_bot=bool(p.get("sender_is_bot")),
             mentions_bot=bool(p.get("mentions_bot")),

@@ -19,11 +19,11 @@ from typing import Any
 from appserver.client import Closed, ProtocolError
 from gateway.accounts import AccountRunner
 from gateway.approvals import OUTCOME_LINES, ApprovalBoard, Prompt
-from gateway.commands import HELP, Command
+from gateway.commands import HELP, Command, parse_command
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
-from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
+from gateway.pairing import EXPIRED_UNAPPROVED, REVOKED_UNRELEASED, Pairing, PairingCode
 from gateway.recent import Recent
 from gateway.replies import Replies, answer_target
 from gateway.routing import RouteKey, Router
@@ -34,6 +34,8 @@ log = logging.getLogger("gateway.chatops")
 PAIRING_POLL_S = 1.0
 PROMPT_EVERY_S = 60.0
 PROMPT_SHOWN_WAIT_S = 10.0
+REFUSE_EVERY_S = 60.0  # a person pressing someone else's button again and again is refused once a minute
+NOT_YOURS = "Only the person who started this, or an admin, can answer it."
 
 
 def by_conversation(entries: list[Entry]) -> list[list[Entry]]:
@@ -67,6 +69,7 @@ class ChatOps:
         self.enqueue = enqueue
         self.approvals = ApprovalBoard(ledger.connection)
         self._prompted: Recent[str] = Recent(PROMPT_EVERY_S)  # sender -> what they were told lately
+        self._refused: Recent[bool] = Recent(REFUSE_EVERY_S)  # account:chat:sender:call -> refused lately
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
         """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
@@ -103,15 +106,13 @@ class ChatOps:
                 if decided.status == "expired":
                     # never approved in time: what it kept can never be released (a later code
                     # keeps the messages written after this one expired)
-                    for entry in held:
-                        if entry.updated_at <= decided.expires_at:
-                            self.ledger.refuse(entry.key, EXPIRED_UNAPPROVED)
+                    self._refuse_kept(held, decided.expires_at, EXPIRED_UNAPPROVED)
+                elif decided.status == "revoked":
+                    # approved, then revoked before it was acted on: revoke wins, the stranger hears nothing
+                    self._refuse_kept(held, decided.expires_at, REVOKED_UNRELEASED)
                 elif decided.status == "approved":
-                    released = [self.ledger.release(e.key, f"pairing {decided.code} approved") for e in held]
-                    for kept in by_conversation(released):  # each where it was written, in order
-                        if len(kept) > 1:  # a conversation's kept messages are its first turn, together
-                            self.ledger.assign_batch([e.key for e in kept])
-                        self.enqueue(kept[0])
+                    if not self._release(decided):
+                        continue  # revoked meanwhile: handled as `revoked` at the next look
                     await self.outboxes.say(
                         runner, target, "✅ You're approved. Your messages are on their way to the assistant."
                     )
@@ -123,6 +124,55 @@ class ChatOps:
                         await self.outboxes.say(runner, target, notice)
                 self.pairing.mark_handled(decided.code)
             await asyncio.sleep(PAIRING_POLL_S)
+
+    def _release(self, decided: PairingCode) -> bool:
+        """Release an approved sender's kept messages as one turn per conversation, re-checking the
+        approval in the same transaction: a `pairing revoke` that came after the approval (and before
+        this) wins. False when the sender is no longer approved (nothing released)."""
+        channel, account, sender = decided.channel, decided.account, decided.sender
+        released = self.ledger.release_held(
+            channel,
+            account,
+            sender,
+            f"pairing {decided.code} approved",
+            lambda: self.pairing.is_approved(channel, account, sender),
+        )
+        if released is None:
+            now = self.pairing.get(decided.code)
+            if now is None or now.status != "revoked":  # the approval went some other way: refuse what it kept
+                self._refuse_kept(self.ledger.held(channel, account, sender), time.time(), REVOKED_UNRELEASED)
+                self.pairing.mark_handled(decided.code)
+            return False
+        for kept in by_conversation(released):  # each where it was written, in order
+            if len(kept) > 1:  # a conversation's kept messages are its first turn, together
+                self.ledger.assign_batch([e.key for e in kept])
+            self.enqueue(kept[0])
+        return True
+
+    def _refuse_kept(self, held: list[Entry], until: float, reason: str) -> None:
+        """Refuse the kept messages of a code that ended at `until` (later ones belong to a newer code)."""
+        for entry in held:
+            if entry.updated_at <= until:
+                self.ledger.refuse(entry.key, reason)
+
+    async def refuse_answer(self, entry: Entry, runner: AccountRunner) -> None:
+        """A refused message that answers an approval prompt waiting in its chat (a button press, or
+        `/approve ID` naming it) still gets the documented short refusal: the presser is someone access
+        does not let in, and otherwise hears nothing (a button's own answer is neutral). Once a minute
+        per person and prompt, so pressing again and again does not flood the chat."""
+        if entry.payload.get("sender_is_bot"):
+            return
+        command = parse_command(str(entry.payload.get("text") or ""))
+        if command is None or command.name not in ("approve", "deny") or not command.args:
+            return
+        prompt = self.approvals.find(runner.spec.ref, entry.chat, command.args[0])
+        if not isinstance(prompt, Prompt):
+            return
+        asked = f"{runner.spec.ref}:{entry.chat}:{entry.sender}:{prompt.call_id}"
+        if self._refused.get(asked):
+            return
+        self._refused.put(asked, True)
+        await self.outboxes.say(runner, answer_target(entry), NOT_YOURS)
 
     async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
@@ -158,6 +208,8 @@ class ChatOps:
             if command.name == "pair":
                 if not runner.policy.is_admin(entry.sender):
                     return "Only an admin of this bot can list pairing requests."
+                if entry.payload.get("chat_type") != "dm":  # the codes and names are not for everyone here
+                    return "/pair lists pairing requests only in a direct message with the bot: write it to me there."
                 pending = [
                     p
                     for p in self.pairing.pending()
@@ -253,7 +305,7 @@ class ChatOps:
             return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
         prompt = found
         if entry.sender != prompt.starter and not runner.policy.is_admin(entry.sender):
-            return "Only the person who started this, or an admin, can answer it."
+            return NOT_YOURS
         decision = "approve" if command.name == "approve" else "deny"
         ack = await self.link.request(
             {

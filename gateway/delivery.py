@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from gateway.ratelimit import ChatRateLimiter, RetryAfter
-from gateway.split import MIN_LIMIT, split_message
+from gateway.split import split_message
 from plugins.contract import Adapter, DeliveryError, Target, shorten
 
 if TYPE_CHECKING:
@@ -450,17 +450,15 @@ class ReplySink:
 
     def _chunks(self, text: str) -> list[str]:
         """The parts of `text`. `max_length` counts after `format` (markup and escapes can grow a
-        part), so a part whose formatted form is too long is split finer."""
+        part), so a part whose formatted form is too long is made smaller, as large as still fits,
+        and the next part goes on from there (greedy: no run of small parts)."""
         limit = self.outbox.adapter.limits.max_length
         measure = getattr(self.outbox.adapter, "measure", None) or len  # e.g. Telegram counts UTF-16 units
-        out: list[str] = []
-        for chunk in split_message(text, limit):
-            room, parts = limit, [chunk]
-            while room > MIN_LIMIT and any(measure(self.outbox.format(p)) > limit for p in parts):
-                room = max(MIN_LIMIT, room * 4 // 5)
-                parts = split_message(chunk, room)
-            out.extend(parts)
-        return out
+
+        def fits(part: str) -> bool:
+            return bool(measure(self.outbox.format(part)) <= limit)
+
+        return split_message(text, limit, fits)
 
 
 class ChatOrder:

@@ -157,6 +157,27 @@ class Ledger:
         """A held message's sender was approved: it becomes submittable."""
         return self._move(key, ("held",), "allowed", decision="allow", reason=reason)
 
+    def release_held(
+        self, channel: str, account: str, sender: str, reason: str, still_allowed: Callable[[], bool]
+    ) -> list[Entry] | None:
+        """Release every message kept for `sender` (oldest first), in one transaction that first asks
+        `still_allowed` (which reads the same database): the write lock is taken before it looks, so a
+        revoke committed by another process is either seen (None: nothing released) or comes after."""
+        with transaction(self._conn, durable=False) as c:
+            if not still_allowed():
+                return None
+            rows = c.execute(
+                "SELECT message_id FROM ledger WHERE state='held' AND channel=? AND account=? AND sender=? ORDER BY id",
+                (channel, account, sender),
+            ).fetchall()
+            c.execute(
+                "UPDATE ledger SET state='allowed', decision='allow', reason=?, updated_at=?"
+                " WHERE state='held' AND channel=? AND account=? AND sender=?",
+                (reason, self._clock(), channel, account, sender),
+            )
+        released = [self.get(UpdateKey(channel, account, str(mid))) for (mid,) in rows]
+        return [e for e in released if e is not None]
+
     def assign_batch(self, keys: Sequence[UpdateKey]) -> str:
         """Write down that these allowed messages (of one account) make one turn, before it is
         submitted: a resubmission after a crash is then the same batch. Returns the batch id (the

@@ -6,7 +6,8 @@ fourth sender is told to try later). The owner answers with `appserver pairing a
 deny), which works on gateway.db whether or not a server runs; a running gateway notices the
 decision within a second (`decided_unhandled`), tells the sender, and releases the messages it
 held. Approved senders persist until `appserver pairing revoke`; so do denied ones (a denied
-sender gets no new code). An expired code's kept messages are refused.
+sender gets no new code). An expired code's kept messages are refused, and so are those of an
+approval revoked before the gateway released them (the code is then `revoked`: revoke wins).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ CODE_LENGTH = 8
 CODE_TTL_S = 3600.0
 MAX_PENDING = 3
 EXPIRED_UNAPPROVED = "pairing code expired before it was approved"  # why its kept messages are refused
+REVOKED_UNRELEASED = "pairing revoked before its kept messages were released"
 
-Status = Literal["pending", "approved", "denied", "expired"]
+Status = Literal["pending", "approved", "denied", "expired", "revoked"]
 
 
 class PairingError(Exception):
@@ -148,12 +150,13 @@ class Pairing:
         return row is not None
 
     def decided_unhandled(self) -> list[PairingCode]:
-        """Approvals, denials and expiries the gateway has not acted on yet (oldest first): an
-        expired code's kept messages can never be released, so they are refused."""
+        """Approvals, denials, expiries and revocations the gateway has not acted on yet (oldest
+        first): an expired or revoked code's kept messages can never be released, so they are refused."""
         with transaction(self._conn) as c:
             self._expire(c, self._clock())
         rows = self._conn.execute(
-            f"SELECT {_COLUMNS} FROM pairing_codes WHERE status IN ('approved','denied','expired') AND handled=0"
+            f"SELECT {_COLUMNS} FROM pairing_codes WHERE status IN ('approved','denied','expired','revoked')"
+            " AND handled=0"
             " ORDER BY COALESCE(decided_at, expires_at)"
         ).fetchall()
         return [_row(r) for r in rows]
@@ -191,21 +194,32 @@ class Pairing:
 
     def revoke(self, sender: str, channel: str | None = None, account: str | None = None) -> int:
         """Reset a sender's pairing (of every account, or of one): an approval is removed, and a
-        denial forgotten (their next message gets a new code); returns how many were reset."""
+        denial forgotten (their next message gets a new code); returns how many were reset.
+
+        A decision the gateway has not acted on yet ends now (`expires_at` is set to this moment, read
+        under the write lock, so every message kept before it is older): an approval becomes
+        `revoked`, so its kept messages are refused instead of released; a denial becomes `expired`,
+        so what it kept is still refused. Messages kept later, for a new code, are not touched."""
         where, args = "sender=?", [sender]
         if channel is not None:
             where, args = where + " AND channel=?", [*args, channel]
         if account is not None:
             where, args = where + " AND account=?", [*args, account]
         with transaction(self._conn) as c:
+            now = self._clock()
             approvals = int(c.execute(f"DELETE FROM approved_senders WHERE {where}", args).rowcount)
             denied = c.execute(
                 f"SELECT DISTINCT channel, account FROM pairing_codes WHERE {where} AND status='denied'", args
             ).fetchall()
             c.execute(f"DELETE FROM pairing_codes WHERE {where} AND status='denied' AND handled=1", args)
-            # a denial the gateway has not acted on yet: it still refuses what it kept (as for an
-            # expired code), and no longer bars the sender
-            c.execute(f"UPDATE pairing_codes SET status='expired' WHERE {where} AND status='denied'", args)
+            ended = "expires_at=MIN(expires_at, ?)"
+            c.execute(
+                f"UPDATE pairing_codes SET status='expired', {ended} WHERE {where} AND status='denied'", [now, *args]
+            )
+            c.execute(
+                f"UPDATE pairing_codes SET status='revoked', {ended} WHERE {where} AND status='approved' AND handled=0",
+                [now, *args],
+            )
             return approvals + len(denied)
 
     def _decide(self, code: str, status: Status) -> PairingCode:

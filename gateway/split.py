@@ -24,6 +24,7 @@ plugin cuts text the same way).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from plugins.contract import is_grapheme_boundary
@@ -42,11 +43,16 @@ class _Line:
     fence_after: str | None  # reopening line of the fence open after this line
 
 
-def split_message(text: str, limit: int) -> list[str]:
-    """Parts of `text`, each at most `limit` characters; `[]` for empty text."""
+def split_message(text: str, limit: int, fits: Callable[[str], bool] | None = None) -> list[str]:
+    """Parts of `text`, each at most `limit` characters; `[]` for empty text.
+
+    `fits` is the platform's own test of a part (Telegram counts the text it shows, in UTF-16 units,
+    after formatting): a part it refuses is made again, as large as still passes, by a binary search
+    over the room (at least `MIN_LIMIT`), and the next part starts right after it. So each part is
+    filled greedily instead of the whole text being cut finer (which made many small parts)."""
     if limit < MIN_LIMIT:
         raise ValueError(f"limit must be at least {MIN_LIMIT}")
-    if len(text) <= limit:
+    if len(text) <= limit and (fits is None or fits(text)):
         return [text] if text.strip() else []
     lines = _annotate(text.split("\n"), limit)
     parts: list[str] = []
@@ -55,18 +61,45 @@ def split_message(text: str, limit: int) -> list[str]:
         if not lines[i].text.strip() and lines[i].fence_before is None:
             i += 1  # blank lines at a cut
             continue
-        j = _cut(lines, i, limit)
-        if j == i:  # one line too long for any part: cut it, keep the rest for the next part
-            head, rest = _wrap(lines[i], limit - _overhead(lines, i, i + 1))
-            lines[i : i + 1] = [head, rest]
-            j = i + 1
-        elif j < len(lines) and len(lines[j].text) > limit // 2:
-            j = _fill(lines, i, j, limit)
-        part = _render(lines, i, j)
+        part, j, cut = _next_part(lines, i, limit)
+        if fits is not None and not fits(part):
+            part, j, cut = _largest_fitting(lines, i, limit, fits)
+        lines = cut
         if part.strip():  # a head of only indentation, cut off an over-long line, is not a part
-            parts.append(part)
+            parts.append(_closed(part, limit, fits))
         i = j
     return parts
+
+
+def _next_part(lines: list[_Line], i: int, room: int) -> tuple[str, int, list[_Line]]:
+    """The part starting at line `i` within `room`, the line after it, and the lines as they are then
+    (an over-long line cut in two: a copy, so another room can be tried on the original)."""
+    j = _cut(lines, i, room)
+    if j == i:  # one line too long for any part: cut it, keep the rest for the next part
+        head, rest = _wrap(lines[i], room - _overhead(lines, i, i + 1))
+        lines = [*lines[:i], head, rest, *lines[i + 1 :]]
+        j = i + 1
+    elif j < len(lines) and len(lines[j].text) > room // 2:
+        lines = list(lines)
+        j = _fill(lines, i, j, room)
+    return _render(lines, i, j), j, lines
+
+
+def _largest_fitting(
+    lines: list[_Line], i: int, limit: int, fits: Callable[[str], bool]
+) -> tuple[str, int, list[_Line]]:
+    """`_next_part` with the largest room below `limit` whose part `fits` (the smallest room when
+    none does: the part cannot be made smaller without breaking the splitting rules)."""
+    low, high = MIN_LIMIT, limit  # the part at `high` is known not to fit
+    best = _next_part(lines, i, low)
+    while high - low > 1:
+        mid = (low + high) // 2
+        trial = _next_part(lines, i, mid)
+        if fits(trial[0]):
+            low, best = mid, trial
+        else:
+            high = mid
+    return best
 
 
 def fence_closer(opener: str) -> str:
@@ -91,6 +124,23 @@ def _annotate(raw: list[str], limit: int) -> list[_Line]:
                 fence = None
         out.append(_Line(line, before, fence))
     return out
+
+
+def _closed(part: str, limit: int, fits: Callable[[str], bool] | None) -> str:
+    """`part` with a closer for a fence it leaves open, when that fits. Only a hard cut through a
+    run of fence characters (a line of 40 backticks in a room of 32) makes one: the rest of the
+    run, at the start of the next part, is an opener no line after it closes."""
+    opener: str | None = None
+    for line in part.split("\n"):
+        m = _FENCE.match(line)
+        if m and opener is None:
+            opener = line
+        elif m and opener is not None and _closes(opener, m):
+            opener = None
+    if opener is None:
+        return part
+    closed = f"{part}\n{fence_closer(opener)}"
+    return closed if len(closed) <= limit and (fits is None or fits(closed)) else part
 
 
 def _closes(opener: str, m: re.Match[str]) -> bool:

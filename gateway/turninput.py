@@ -32,7 +32,7 @@ def submit_frame(entries: list[Entry], agent: str, conversation: str, first: boo
             channel=e.key.channel,
             account=e.key.account,
             chat=e.chat,
-            chat_type="group" if p.get("chat_type") == "group" else "dm",
+            chat_type="dm" if p.get("chat_type") == "dm" else "group",  # as access decided it
             sender=e.sender,
             message_id=e.key.message_id,
             text=text,

@@ -67,3 +67,22 @@ def test_direct_messages_are_decided_as_before() -> None:
     disabled = AccessPolicy.from_settings({"dm_policy": "disabled", "admins": [OWNER]})
     assert verdict(disabled, OWNER, chat_type="dm") == "deny"
     assert verdict(disabled, OWNER) == "allow"  # disabled DMs, but the owner still uses the bot in a group
+
+
+@pytest.mark.parametrize("chat_type", ["channel", "", "DM", "supergroup"])
+def test_a_chat_type_outside_the_contract_is_a_group_never_a_dm(chat_type: str) -> None:
+    """The contract has `dm` and `group`; a user plugin's "channel" is not private: a stranger there
+    gets no pairing code (it would be posted to everyone), a known sender is decided as in a group."""
+    policy = AccessPolicy.from_settings({"dm_policy": "pairing", "admins": [OWNER]})
+    assert verdict(policy, STRANGER, chat_type=chat_type) == "deny"
+    assert verdict(policy, OWNER, chat_type=chat_type, mention=False) == "deny"  # group_policy mention applies
+    assert verdict(policy, OWNER, chat_type=chat_type) == "allow"
+    assert verdict(policy, STRANGER, chat_type="dm") == "pair"
+
+
+def test_ids_given_as_a_list_are_stripped_like_the_comma_string() -> None:
+    listed = AccessPolicy.from_settings({"allow": [" 555 ", "\t777"], "admins": [" 123456789", "  "]})
+    parsed = AccessPolicy.from_settings({"allow": " 555 , 777", "admins": " 123456789 ,"})
+    assert listed.allow == parsed.allow == frozenset({"555", "777"})
+    assert listed.admins == parsed.admins == frozenset({OWNER})
+    assert verdict(listed, "777", chat_type="dm") == "allow" and listed.is_admin(OWNER)

@@ -361,3 +361,72 @@ def test_a_catch_up_state_that_cannot_be_read_is_left_alone(fake: FakeDiscord, t
     msg = InboundMessage("discord", "main", GENERAL, "group", "u", "300000000000000200", "hi")
     adapter._note_seen(int(GENERAL), 300000000000000200, msg)
     assert (tmp_path / "last_seen.json").is_dir() and list(tmp_path.iterdir()) == [tmp_path / "last_seen.json"]
+
+
+async def test_a_catch_up_entry_of_the_wrong_shape_is_set_aside_and_its_channel_still_caught_up(
+    fake: FakeDiscord, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An entry with a usable `last` but no usable chat / thread / chat_type (a hand edit, a partial
+    tool) used to pass the load check and then fail every caught-up message of its channel in
+    `_inbound` (a KeyError: skipped, and lost once a live message moved `last` past them). The file is
+    set aside loudly, the good entries are kept, and the channel is still caught up (where it is
+    looked up from discord.py's cache)."""
+    before = fake.inject_guild_message("520", "seen before", mention=True)
+    missed = fake.inject_guild_message("520", "sent while the gateway was away", mention=True)
+    good = {"last": before, "chat": GENERAL, "thread": None, "chat_type": "group"}
+    state = tmp_path / "last_seen.json"
+    damaged = {
+        GENERAL: {"last": before},
+        "300000000000000077": {"last": before, "chat": ["x"], "thread": None, "chat_type": "group"},
+        "300000000000000078": {"last": before, "chat": "300000000000000078", "thread": 5.5, "chat_type": "group"},
+        "300000000000000079": {"last": before, "chat": "300000000000000079", "thread": None, "chat_type": "channel"},
+        "300000000000000080": good | {"chat": "300000000000000080"},
+    }
+    state.write_text(json.dumps(damaged))
+    gw = StandIn()
+    with caplog.at_level(logging.ERROR, logger="test.discord"):
+        adapter = _adapter(fake, gw, tmp_path)
+    [aside] = list(tmp_path.glob("last_seen.json.corrupt-*"))
+    assert json.loads(aside.read_text()) == damaged
+    assert any("4 channel(s) without a usable chat" in r.getMessage() for r in caplog.records), caplog.text
+    assert adapter._seen["300000000000000080"] == good | {"chat": "300000000000000080"}  # a good entry is kept
+    assert adapter._seen[GENERAL] == {"last": before}  # its catch-up point too
+    await adapter.start()
+    try:
+        await fake.wait_for_async(lambda: missed in gw.ledger, 10, "the missed message caught up")
+        m = gw.ledger[missed]
+        assert (m.chat, m.chat_type, m.thread, m.mentions_bot) == (GENERAL, "group", None, True)
+        assert before not in gw.ledger
+    finally:
+        await adapter.stop()
+    assert json.loads(state.read_text())[GENERAL] == {
+        "last": missed,
+        "chat": GENERAL,
+        "thread": None,
+        "chat_type": "group",
+    }
+
+
+async def test_the_catch_up_state_is_written_at_most_once_a_second_off_the_loop_and_at_stop(
+    fake: FakeDiscord, tmp_path: Path
+) -> None:
+    """Writing the whole state (two fsyncs) for every message, on the event loop, grew with every
+    channel ever seen. Noting a message now only marks it; the file follows within a second, once for
+    a burst, and at stop. (A crash may lose that second: the catch-up fetches those messages again,
+    and the ledger, keyed by message id, knows them.)"""
+    state = tmp_path / "last_seen.json"
+    adapter = _adapter(fake, StandIn(), tmp_path)
+    for i in range(50):
+        msg = InboundMessage("discord", "main", GENERAL, "group", "u", str(300000000000000300 + i), "hi")
+        adapter._note_seen(int(GENERAL), 300000000000000300 + i, msg)
+    assert not state.exists()  # nothing written on the loop, for any of them
+    await asyncio.sleep(1.5)
+    first = json.loads(state.read_text())
+    assert first[GENERAL]["last"] == "300000000000000349"
+    written = state.stat().st_mtime_ns
+    msg = InboundMessage("discord", "main", GENERAL, "group", "u", "300000000000000400", "hi")
+    adapter._note_seen(int(GENERAL), 300000000000000400, msg)
+    assert state.stat().st_mtime_ns == written
+    await adapter.stop()  # never started: stop still writes what is noted
+    assert json.loads(state.read_text())[GENERAL]["last"] == "300000000000000400"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last_seen.json"]  # no temporary left

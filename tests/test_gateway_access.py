@@ -274,3 +274,17 @@ def test_a_denial_revoked_before_the_gateway_acted_on_it_still_refuses_the_kept_
     assert _wait_state(srv.home, mid, "denied")
     chat.inject("dm-dee", "again", sender="dee")
     chat.wait_for_text("dm-dee", lambda t: "pairing code" in t and t != prompt.text, timeout=15)  # not barred
+
+
+def test_pair_lists_the_pending_codes_only_in_a_direct_message(srv: ChannelServer, chat: FakeChat) -> None:
+    """`/pair` shows every pending code with the sender's name: in a group that would hand a
+    stranger's code to everyone there (who could get it approved as theirs). It answers only in a DM."""
+    chat.inject("dm-quinn", "let me in", sender="quinn", sender_name="Quinn")
+    code = _code(chat.wait_for_text("dm-quinn", lambda t: "pairing code" in t, timeout=15).text)
+    chat.inject("team-room", "/pair", sender="boss", chat_type="group", mentions_bot=True)
+    answer = chat.wait_for_text("team-room", lambda t: "/pair" in t, timeout=15)
+    assert "direct message" in answer.text and code not in answer.text and "Quinn" not in answer.text
+    chat.inject("dm-boss", "/pair", sender="boss")
+    listed = chat.wait_for_text("dm-boss", lambda t: "Pending pairing requests" in t, timeout=15)
+    assert code in listed.text and "Quinn" in listed.text
+    assert all(code not in m.text for m in chat.messages("team-room"))

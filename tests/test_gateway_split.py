@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import re
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -33,11 +36,12 @@ def content(text: str) -> str:
     return "".join(re.sub(r"\s+", "", line) for line in text.split("\n") if not FENCE.match(line))
 
 
-def check(text: str, limit: int) -> list[str]:
-    parts = split_message(text, limit)
+def check(text: str, limit: int, fits: Callable[[str], bool] | None = None) -> list[str]:
+    parts = split_message(text, limit, fits)
     assert parts, "a non-empty reply gives parts"
     for part in parts:
         assert 0 < len(part) <= limit
+        assert fits is None or fits(part), f"a part the platform would refuse: {part!r}"
         assert part.strip()
         assert open_fence_after(part.split("\n")) is None, f"unbalanced fence in {part!r}"
     assert content("\n".join(parts)) == content(text)  # nothing lost, nothing added, order kept
@@ -261,3 +265,70 @@ def test_an_indented_over_long_line_never_gives_an_empty_part() -> None:
     for text in ("  " + "z" * 100, " " * 40 + "z" * 100, "x\n  " + FAMILY * 30):
         parts = check(text, 32)
         assert all(p.strip() for p in parts), parts
+
+
+# ------------------------------------------------------------------ a platform's own measure (Telegram)
+
+
+def utf16(text: str) -> int:
+    return len(text.encode("utf-16-le")) // 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.sampled_from(TOKENS),
+            st.sampled_from([" ", "\n", "\n\n", "\n```\n", "\n```py\n"]),
+            st.lists(st.sampled_from(TOKENS), min_size=20, max_size=120).map("".join),
+        ),
+        max_size=60,
+    ),
+    limit=st.integers(min_value=64, max_value=300),
+)
+def test_parts_measured_the_platforms_way_fit_and_keep_clusters_and_fences(pieces: list[str], limit: int) -> None:
+    """With `fits` (here: UTF-16 units, as Telegram counts), every part passes it, clusters stay whole
+    and fences balanced, and nothing is lost."""
+    text = "".join(pieces)
+    if not text.strip() or utf16(text) <= limit:
+        return  # one part, as written
+    parts = check(text, limit, lambda part: utf16(part) <= limit)
+    for part in parts:
+        body = "\n".join(line for line in part.split("\n") if not FENCE.match(line))
+        assert WHOLE.fullmatch(body), f"a cluster was cut: {body!r}"
+    assert split_message(text, limit, lambda part: True) == split_message(text, limit)
+
+
+def test_emoji_heavy_telegram_replies_are_split_greedily_not_finer_and_finer() -> None:
+    """1,000 lines of "😀😀😀 hello world" are 19,000 UTF-16 units: five Telegram messages, each as full as
+    it can be (whole lines), not eight (each 4,000-character part cut again at 4/5 of its room)."""
+    from gateway.delivery import Outbox, ReplySink
+    from gateway.ratelimit import ChatRateLimiter
+    from plugins.contract import Account, AdapterContext, Target
+    from plugins.telegram import create_adapter
+
+    context = AdapterContext(None, None, Path("."), logging.getLogger("test.split"))  # type: ignore[arg-type]
+    adapter = create_adapter(Account("telegram", "main", {}, {"token": "1:x"}), context)
+    sink = ReplySink(Outbox(adapter, ChatRateLimiter(), asyncio_sleep_never), Target("1"))
+    limit = adapter.limits.max_length
+    text = "😀😀😀 hello world\n" * 1000
+    parts = sink._chunks(text)
+    shown = [adapter.measure(adapter.format(p)) for p in parts]
+    assert len(parts) == 5 and all(n <= limit for n in shown), shown
+    assert all(n > limit - 19 for n in shown[:-1]), shown  # full but for less than one line
+    assert "\n".join(parts) == text.rstrip("\n")
+    fenced = "```\n" + "👨‍👩‍👧‍👦 x\n" * 900 + "```"  # 12,600 units shown: four messages
+    parts = sink._chunks(fenced)
+    assert len(parts) == 4 and all(adapter.measure(adapter.format(p)) <= limit for p in parts)
+    assert all(p.startswith("```\n") and p.endswith("\n```") for p in parts)
+
+
+async def asyncio_sleep_never(_: float) -> None:
+    raise AssertionError("nothing is sent here")
+
+
+def test_a_hard_cut_through_a_run_of_fence_characters_leaves_no_fence_open() -> None:
+    """A line of 37 backticks in a fence, at limit 40: its hard cut left `````` ````` `````` alone
+    in the next part, an opener nothing closed (found by the property test above)."""
+    parts = check("```\n" + "`" * 37, 40)
+    assert all(open_fence_after(p.split("\n")) is None for p in parts), parts

@@ -8,12 +8,12 @@ its own; a per-channel ticket (`plugins.inorder`) taken as the event arrives han
 messages over in arrival order, so a message whose image is still downloading is not overtaken by
 the next one (which waits at most `FETCH_TIMEOUT_S + ORDER_MARGIN_S` from its own arrival). Discord
 has no acknowledgement; `on_message` returning means the ledger committed it. After that the
-message's id is noted per channel in `<data_dir>/last_seen.json` (written atomically), and on every
-new session (READY: the first connect, or a re-IDENTIFY after the session was invalidated or lost in
-a long outage) the adapter fetches, for each channel it has seen, the messages after that id and
-hands each to `on_message`: what the gateway missed while it was away is answered once. The bot's
-own messages are skipped; other bots' are handed over marked `sender_is_bot` (the gateway never lets
-them through).
+message's id is noted per channel in `<data_dir>/last_seen.json` (written atomically, in a thread, at
+most once a second and at stop), and on every new session (READY: the first connect, or a
+re-IDENTIFY after the session was invalidated or lost in a long outage) the adapter fetches, for
+each channel it has seen, the messages after that id and hands each to `on_message`: what the
+gateway missed while it was away is answered once. The bot's own messages are skipped; other bots'
+are handed over marked `sender_is_bot` (the gateway never lets them through).
 
 Outbound: `POST channels/{id}/messages` with `allowed_mentions` none (an agent cannot ping @everyone,
 a role or a person), a reply reference in guild channels, and `nonce` + `enforce_nonce` derived from
@@ -80,6 +80,7 @@ CATCH_UP_LIMIT = 500  # per channel and reconnect
 NONCE_LENGTH = 25  # Discord's limit for a string nonce
 SEND_TIMEOUT_S = 60.0  # a send without an answer by then is repeated (same nonce)
 STATE_FILE = "last_seen.json"
+SAVE_EVERY_S = 1.0  # the catch-up state is written at most this often (and at stop), off the event loop
 MAX_SNOWFLAKE_DIGITS = 20  # 2**64 - 1 has 20 digits
 # discord.py waits 5 s before each re-IDENTIFY (not the first) and `GUILD_READY_TIMEOUT_S` after the
 # last GUILD_CREATE before READY. Tests against a loopback fake shorten both through the environment
@@ -190,6 +191,9 @@ class DiscordAdapter:
         self._state_path = Path(context.data_dir) / STATE_FILE
         self._state_writable = True  # False while the saved file exists but cannot be read: never clobber it
         self._seen: dict[str, dict[str, Any]] = self._load_seen()
+        self._seen_dirty = False  # `_seen` has changes not written yet
+        self._saver: asyncio.Task[None] | None = None
+        self._save_now = asyncio.Event()  # stop: the saver writes without waiting out its second
         self._catch_up: asyncio.Task[None] | None = None
         self.bot_user_id: int | None = None
         # Per-channel arrival order; a later message waits for an earlier one's attachments at most
@@ -303,6 +307,7 @@ class DiscordAdapter:
                     await task
         self._runner = None
         self._catch_up = None
+        await self._flush_seen()
 
     def _report(self, state: AccountState, reason: str | None) -> None:
         if state == self._state and state == "running":
@@ -367,10 +372,10 @@ class DiscordAdapter:
         return str(channel.id), None, "group"
 
     async def _inbound(self, message: discord.Message, meta: dict[str, Any] | None) -> InboundMessage:
-        if meta is not None:
-            chat, thread, chat_type = str(meta["chat"]), meta.get("thread"), str(meta["chat_type"])
-        else:
-            chat, thread, chat_type = self._where_is(message)
+        where = _where_of(meta) if meta is not None else None
+        if where is None:  # a live message, or a saved entry that does not say where (never a KeyError)
+            where = self._where_is(message)
+        chat, thread, chat_type = where
         me = self.bot_user_id
         mentions_bot = me is not None and (any(u.id == me for u in message.mentions) or me in message.raw_mentions)
         reply_to: str | None = None
@@ -500,8 +505,9 @@ class DiscordAdapter:
             return {}
         out: dict[str, dict[str, Any]] = {}
         dropped = 0
+        unplaced = 0
         for key, entry in value.items():
-            if not (_snowflake(key) and isinstance(entry, dict) and _snowflake(str(entry.get("last", "")))):
+            if not (_snowflake(key) and isinstance(entry, dict) and _snowflake_int(entry.get("last")) is not None):
                 dropped += 1
                 continue
             raw_failed = entry.get("failed")
@@ -510,11 +516,22 @@ class DiscordAdapter:
             )
             if raw_failed is not None and failed != raw_failed:
                 dropped += 1
-            out[key] = {k: v for k, v in entry.items() if k != "failed"} | {"last": str(entry["last"])}
+            out[key] = {"last": entry["last"]}
+            where = _where_of(entry)
+            if where is None:
+                # where the channel is (chat, thread, DM or not) is unusable, but its catch-up point is
+                # not: kept, the channel is looked up when it is caught up (and noted whole again)
+                unplaced += 1
+            else:
+                out[key] |= {"chat": where[0], "thread": where[1], "chat_type": where[2]}
             if failed:
                 out[key]["failed"] = failed
-        if dropped:
-            self._set_aside(f"{dropped} channel(s) or message id(s) that are not Discord ids; the rest is kept")
+        if dropped or unplaced:
+            problems = [
+                f"{dropped} channel(s) or message id(s) that are not Discord ids" if dropped else "",
+                f"{unplaced} channel(s) without a usable chat, thread and chat_type" if unplaced else "",
+            ]
+            self._set_aside("; ".join(p for p in problems if p) + "; the rest is kept")
             self._save_seen(out)
         return out
 
@@ -540,6 +557,42 @@ class DiscordAdapter:
             reason,
             moved_to,
         )
+
+    def _seen_changed(self) -> None:
+        """Have the catch-up state written soon. Writing it whole (two fsyncs) for every message, on
+        the event loop, cost milliseconds per message once many channels were seen; now one write a
+        second at most, in a thread. A crash loses at most that second of positions: the catch-up
+        then fetches those messages again and the ledger, keyed by message id, knows them."""
+        self._seen_dirty = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a synchronous caller): write it now
+            self._seen_dirty = False
+            self._save_seen(self._seen)
+            return
+        if self._saver is None or self._saver.done():
+            self._saver = asyncio.create_task(self._save_soon(), name=f"discord-state-{self.account.name}")
+
+    async def _save_soon(self) -> None:
+        """Write the state a second after its first change (sooner once stop asks), again while it changes."""
+        while self._seen_dirty:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._save_now.wait(), SAVE_EVERY_S)
+            self._seen_dirty = False
+            # a copy: the entries are replaced, never changed in place, so the thread reads a stable map
+            await asyncio.to_thread(self._save_seen, dict(self._seen))
+
+    async def _flush_seen(self) -> None:
+        """At stop: the changes not written yet are written now."""
+        saver = self._saver
+        if saver is not None and not saver.done():
+            self._save_now.set()
+            with contextlib.suppress(Exception):
+                await saver
+        self._save_now.clear()
+        if self._seen_dirty:
+            self._seen_dirty = False
+            await asyncio.to_thread(self._save_seen, dict(self._seen))
 
     def _save_seen(self, seen: dict[str, dict[str, Any]]) -> None:
         if not self._state_writable:
@@ -567,7 +620,7 @@ class DiscordAdapter:
         if entry == old:
             return
         self._seen[key] = entry
-        self._save_seen(self._seen)
+        self._seen_changed()
 
     async def _catch_up_all(self, only_held: bool = False) -> None:
         for channel_id, entry in list(self._seen.items()):
@@ -584,6 +637,8 @@ class DiscordAdapter:
         client = self._client
         if client is None:
             return
+        if _where_of(entry) is None:  # its saved entry did not say where it is: ask once for all its messages
+            entry = {**entry, **dict(zip(("chat", "thread", "chat_type"), await self._place(channel_id), strict=True))}
         channel = client.get_partial_messageable(channel_id)
         count = 0
         failed = [n for n in map(_snowflake_int, entry.get("failed") or []) if n is not None]
@@ -595,6 +650,25 @@ class DiscordAdapter:
             await self._on_discord_message(message, entry)
         if count:
             self._log.info("%s: caught up on %d message(s) in channel %s", self._where, count, channel_id)
+
+    async def _place(self, channel_id: int) -> tuple[str, str | None, str]:
+        """(chat, thread, chat_type) of a channel from discord.py's cache (servers' channels and
+        threads), else from Discord; when neither knows, a group: a pairing code is never posted where
+        others may read it."""
+        client = self._client
+        channel: Any = client.get_channel(channel_id) if client is not None else None
+        if channel is None and client is not None:
+            try:
+                channel = await asyncio.wait_for(client.fetch_channel(channel_id), FETCH_TIMEOUT_S)
+            except (TimeoutError, discord.HTTPException, discord.InvalidData, OSError) as exc:
+                self._log.warning(
+                    "%s: could not look channel %s up (%s); taken as a group", self._where, channel_id, exc
+                )
+        if isinstance(channel, discord.DMChannel | discord.GroupChannel):
+            return str(channel_id), None, "dm"
+        if isinstance(channel, discord.Thread):
+            return str(channel.parent_id), str(channel_id), "group"
+        return str(channel_id), None, "group"
 
     # ------------------------------------------------------------------ outbound
 
@@ -692,6 +766,19 @@ def _snowflake(text: str) -> bool:
 def _snowflake_int(value: object) -> int | None:
     """A Discord id (text, as the state file and the gateway hold them) as a number; None when it is none."""
     return int(value) if isinstance(value, str) and _snowflake(value) else None
+
+
+def _where_of(entry: Any) -> tuple[str, str | None, str] | None:
+    """(chat, thread, chat_type) as a saved catch-up entry says, or None when it does not say it in
+    the shape this adapter writes (Discord ids as text, `thread` an id or null, `dm` or `group`)."""
+    if not isinstance(entry, dict):
+        return None
+    chat, thread, chat_type = entry.get("chat"), entry.get("thread"), entry.get("chat_type")
+    if _snowflake_int(chat) is None or chat_type not in ("dm", "group"):
+        return None
+    if thread is not None and _snowflake_int(thread) is None:
+        return None
+    return str(chat), thread, str(chat_type)
 
 
 def _message_id(value: str) -> int:

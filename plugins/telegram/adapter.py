@@ -425,11 +425,11 @@ class TelegramAdapter:
         if isinstance(message, Message) and message.is_topic_message and message.message_thread_id:
             thread = str(message.message_thread_id)
 
-        notice = "Approving…" if command.startswith("/approve") else "Denying…"
-
         async def ack_and_answer() -> None:
+            # Neutral (the spinner stops, no toast): whether this person may answer is the gateway's
+            # decision, made after this; it edits the prompt, or tells a refused presser in the chat.
             await ack()
-            self._spawn(self._answer_callback(query.id, notice))
+            self._spawn(self._answer_callback(query.id, None))
 
         sender = query.from_user
         return InboundMessage(

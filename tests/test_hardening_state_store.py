@@ -11,6 +11,8 @@ import signal
 import struct
 from pathlib import Path
 
+import pytest
+
 from tests.support.cli import run_cli
 from tests.support.serve import start_serve
 from tests.support.state import chat, conversations, one_error_line, serve_refused
@@ -123,6 +125,18 @@ def test_a_damaged_position_record_is_set_aside_loudly_not_ignored(home: Path) -
         sp.stop()
     err = sp.proc.stderr.read() if sp.proc.stderr else ""
     assert "ERROR" in err and "appserver.db.position" in err and "cannot be checked" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("value", ["1e400", "true", '"5"', "1.9", "-3", "null"])
+def test_a_position_record_of_the_wrong_kind_is_damage_not_a_position(tmp_path: Path, value: str) -> None:
+    """`1e400` (infinity: the start died with a traceback), `true` (read as 1: a fresh store was
+    refused as behind it), a string, a fraction: none is a message number."""
+    from appserver.store.integrity import position_path, read_position
+
+    db = tmp_path / "appserver.db"
+    position_path(db).write_text('{"messages_seq": ' + value + "}")
+    assert read_position(db) is None
+    assert len(list(tmp_path.glob("appserver.db.position.corrupt-*"))) == 1
 
 
 # ── damaged pages: found at the start, or by a write while the server runs ─────────────────────

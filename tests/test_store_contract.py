@@ -558,6 +558,25 @@ async def test_a_draft_after_the_turn_ended_changes_nothing(store: AnyStore) -> 
     assert t is not None and (t.status, t.draft) == ("completed", None)
 
 
+async def test_a_settled_turn_is_never_marked_running_again(store: AnyStore) -> None:
+    """Its own server included: a turn queued twice in memory (two submitters of a cluster each
+    requeued one another server accepted, under a storm of ended connections) ran twice and was
+    committed twice, because the owner's mark set a completed turn back to running."""
+    await _agent_and_conversation(store)
+    await store.accept_turn(
+        TurnRecord(id="turn_1", conversation_id="conv_1", agent_id="agt_1", status="queued", input={"content": "q"})
+    )
+    await store.mark_turn_running("turn_1", "owner-a", 3)
+    await store.commit_turn("conv_1", TurnCommit("turn_1", "completed", "end_turn", [], usage={}, revision=4))
+    if isinstance(store, PostgresStore):
+        with pytest.raises(TurnSettledElsewhere):
+            await store.mark_turn_running("turn_1", "owner-a", 5)
+    else:
+        await store.mark_turn_running("turn_1", "owner-a", 5)
+    t = await store.get_turn("turn_1")
+    assert t is not None and (t.status, t.revision) == ("completed", 4)
+
+
 async def test_mark_running_draft_checkpoint_and_commit(store: AnyStore) -> None:
     await _agent_and_conversation(store)
     await store.accept_turn(

@@ -64,6 +64,7 @@ class TurnQueue:
         self._tickets = itertools.count()
         self._accepting: set[int] = set()  # tickets of inputs whose accept has not returned yet
         self._accepted = asyncio.Event()  # set whenever one of them returns (the worker may go on)
+        self._cancel_ticket = -1  # an input cancelled by cancel_next while still being accepted
         self.worker: asyncio.Task[None] | None = None
         self.closed = False  # see close()
         self.last_active = time.monotonic()
@@ -163,14 +164,20 @@ class TurnQueue:
             ) from None
         finally:
             self._accept_returned(ticket)
-        known = {*self.turn_ids(), self._lifecycle.turn_id, *self._board.handles}
         for turn_id in earlier:
-            if turn_id not in known:
-                turn = await self._deps.store.get_turn(turn_id)
-                if turn is not None and turn.status == "queued" and turn.id not in self.turn_ids():
-                    self.requeue(turn)
+            if self._knows(turn_id):
+                continue
+            turn = await self._deps.store.get_turn(turn_id)
+            # asked again after the await: another submitter may have queued it, and the worker
+            # begun or even finished it, meanwhile (it would run twice)
+            if turn is not None and turn.status == "queued" and not self._knows(turn.id):
+                self.requeue(turn)
         position = len(self._items) + (1 if self._lifecycle.busy else 0)
         return self._queue_accepted(record, position, ticket), position
+
+    def _knows(self, turn_id: str) -> bool:
+        """The turn is queued, running or was shown here lately (its handle is on the board)."""
+        return turn_id == self._lifecycle.turn_id or turn_id in self._board.handles or turn_id in self.turn_ids()
 
     def _queue_overlapped(self, record: TurnRecord, agent: AgentRecord | None) -> TurnHandle:
         controller = TurnController(record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=0)
@@ -205,7 +212,8 @@ class TurnQueue:
         at = len(items)
         while at > 0 and items[at - 1].ticket > ticket:
             at -= 1
-        items.insert(at, Queued(record, handle, ticket=ticket))
+        cancelled = ticket == self._cancel_ticket  # cancelled as the next to run while it was accepted
+        items.insert(at, Queued(record, handle, ticket=ticket, cancelled=cancelled))
         self._board.notify(handle)
         self.ensure_worker()
         return handle
@@ -232,7 +240,11 @@ class TurnQueue:
 
     def cancel_next(self) -> bool:
         """Cancel the turn about to start (acknowledged as running): it ends cancelled when the
-        worker begins it. False when nothing is queued."""
+        worker begins it, also when its accept has not returned yet (it goes before the queued
+        ones). False when nothing is queued."""
+        if self._accepting and (not self._items or min(self._accepting) < self._items[0].ticket):
+            self._cancel_ticket = min(self._accepting)
+            return True
         if not self._items:
             return False
         self._items[0].cancelled = True

@@ -225,7 +225,10 @@ def read_position(db: Path) -> int | None:
     path = position_path(db)
     try:
         data = json.loads(path.read_text("utf-8"))
-        return int(data["messages_seq"])
+        seq = data["messages_seq"]
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # 1e400, true, "5", 1.9: damage
+            raise ValueError(f"messages_seq is {seq!r}, not a message number")
+        return seq
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:

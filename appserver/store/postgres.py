@@ -123,6 +123,7 @@ class _LostAtCommit(Exception):
         self.outcomes = outcomes
 
 
+LIVE_CONNECTION_WAIT_S = 5.0  # how long a group of writes looks for a connection the database has not ended
 COMMIT_STATUS_TRIES = 40  # 50 ms apart: the ended backend may still be finishing its commit
 
 
@@ -453,16 +454,28 @@ class PostgresStore(Store):
     async def _writer_connection(self) -> AsyncIterator[Conn]:
         """A pooled connection checked alive first (one round trip per group of writes): a
         connection the database ended (a restart, a failover, an idle reaper) is dropped and
-        another taken, instead of failing a whole group of turn commits."""
-        for _ in range(self.pool_max + 1):  # every pooled connection may be dead (a restart)
+        another taken, instead of failing a whole group of turn commits. Every pooled connection may
+        be dead at once (a restart), and new ones ended as they come (a storm of terminated
+        sessions): it keeps trying for LIVE_CONNECTION_WAIT_S before the group fails."""
+        deadline = time.monotonic() + LIVE_CONNECTION_WAIT_S
+        tries = 0
+        while True:
             async with self.pool.connection() as conn:
                 try:
                     await AsyncConnectionPool.check_connection(conn)
                 except psycopg.Error:
-                    continue  # returned broken: the pool discards it
-                yield conn
-                return
-        raise StoreError(f"PostgreSQL store {self.shown_url}: no live connection to write on")
+                    pass  # returned broken: the pool discards it
+                else:
+                    yield conn
+                    return
+            tries += 1
+            if time.monotonic() >= deadline:
+                raise StoreUnavailable(
+                    f"PostgreSQL store {self.shown_url}: no live connection to write on ({tries} ended in "
+                    f"{LIVE_CONNECTION_WAIT_S:g} s)"
+                )
+            if tries > self.pool_max:  # the pool's connections are all new and still dying: pause
+                await asyncio.sleep(0.05)
 
     async def _read(self, run: Callable[[Conn], Awaitable[T]]) -> T:
         """`run` on a pooled connection, and again on another while the database had ended the one
@@ -927,12 +940,13 @@ class PostgresStore(Store):
 
         async def job(conn: Conn) -> None:
             # Fenced: a turn another server of the cluster took over (it runs it, or settled it)
-            # is not started here too.
+            # is not started here too, and a settled turn is never started again (a second queue
+            # entry for it would run it twice).
             held, held_args = self._lease_held()
             updated = await conn.execute(
                 "UPDATE turns SET status='running', owner=%s, revision=%s, started_at=COALESCE(started_at, %s) "
-                "WHERE id=%s AND (status IN ('queued', 'awaiting') OR owner = %s OR owner IS NULL)"
-                f"{held} RETURNING id",
+                "WHERE id=%s AND (status IN ('queued', 'awaiting') OR (status = 'running' AND (owner = %s "
+                f"OR owner IS NULL))){held} RETURNING id",
                 (owner, revision, now, turn_id, owner, *held_args),
             )
 

@@ -527,7 +527,8 @@ class SQLiteStore(Store):
     async def mark_turn_running(self, turn_id: str, owner: str, revision: int) -> None:
         with self._tx() as tx:
             tx.execute(
-                "UPDATE turns SET status='running', owner=?, revision=?, started_at=COALESCE(started_at, ?) WHERE id=?",
+                "UPDATE turns SET status='running', owner=?, revision=?, started_at=COALESCE(started_at, ?) "
+                "WHERE id=? AND status NOT IN ('completed', 'cancelled', 'failed', 'interrupted')",  # never again
                 (owner, revision, time.time(), turn_id),
             )
 

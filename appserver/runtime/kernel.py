@@ -297,15 +297,21 @@ class Kernel:
                 # one was judged gone, may already follow it by its Idempotency-Key)
                 rt.queue.requeue(turn)
 
+    async def _settle_unheld(self, turn: TurnRecord, end: TurnEnd) -> None:
+        """End a turn no runtime holds through `finish_turn`, like every turn: a controller of its
+        own publishes the settled snapshot; a commit that fails here fails the start."""
+        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=turn.revision)
+        finished = await finish_turn(self.store, self._turn_settled, turn, controller, end)
+        if finished.commit_error is not None:
+            raise finished.commit_error
+
     async def _settle_withdrawn(self, turn: TurnRecord) -> None:
         """Drop a queued input whose only answer was the reply to the HTTP request that sent it:
         that connection died with the process, and the client's retry must not find it run as well
         (as when a client leaves before its input starts; DESIGN §13)."""
-        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=turn.revision)
-        end = withdrawn(turn.id, turn.revision + 1, "its HTTP request was cut off by a stop before it started")
-        finished = await finish_turn(self.store, self._turn_settled, turn, controller, end)
-        if finished.commit_error is not None:
-            raise finished.commit_error
+        await self._settle_unheld(
+            turn, withdrawn(turn.id, turn.revision + 1, "its HTTP request was cut off by a stop before it started")
+        )
         log.warning(
             "dropped queued turn %s of conversation %s: its HTTP request ended with the process",
             turn.id,
@@ -348,13 +354,7 @@ class Kernel:
             revision=turn.revision + 1,
             iteration=turn.iteration,
         )
-        # No runtime holds the turn: a controller of its own publishes the settled snapshot.
-        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=turn.revision)
-        finished = await finish_turn(
-            self.store, self._turn_settled, turn, controller, TurnEnd("interrupted", "cancelled", error, commit)
-        )
-        if finished.commit_error is not None:
-            raise finished.commit_error
+        await self._settle_unheld(turn, TurnEnd("interrupted", "cancelled", error, commit))
         log.warning(
             "turn %s of conversation %s was interrupted by a stop; kept %d characters of its text",
             turn.id,

@@ -397,3 +397,51 @@ def test_a_running_turn_cancelled_from_the_websocket_keeps_its_text_and_says_can
             await ws.close()
 
     asyncio.run(go())
+
+
+def test_a_cancelled_turns_reply_frees_its_idempotency_key(srv: ServeProcess) -> None:
+    """docs/openai.md: only an answer is kept under a key; after a cancelled turn the key is free
+    and a repeat runs anew. A turn cancelled from the WebSocket after it showed text was answered
+    200 with that text, and kept: the repeat replayed the cancelled reply (Responses, chat, streams)."""
+
+    async def cancelled_once(ws: WS, known: set[str], conv: str, send: Any) -> None:
+        task = asyncio.create_task(send)
+        turn = await _new_turn(ws, known)
+        await ws.expect(
+            lambda f: f["type"] == "turn_updated" and f["snapshot"]["turn_id"] == turn and bool(f["snapshot"]["blocks"])
+        )
+        await ws.request({"type": "cancel", "conversation": conv, "turn_id": turn})
+        await asyncio.wait_for(task, 10)
+
+    async def go() -> None:
+        ws = await WS.open(srv.url)
+        http = httpx.AsyncClient(base_url=srv.url, timeout=20)
+        try:
+            conv = (await ws.request({"type": "create_conversation", "agent": "assistant"}))["conversation"]["id"]
+            await ws.request({"type": "subscribe", "conversation": conv})
+            known: set[str] = set()
+            cases = [
+                ("/v1/responses", {"model": "assistant", "input": "/slow 200", "conversation": conv}),
+                ("/v1/responses", {"model": "assistant", "input": "/slow 200", "conversation": conv, "stream": True}),
+                (
+                    "/v1/chat/completions",
+                    {"model": "assistant", "messages": [{"role": "user", "content": "/slow 200"}]},
+                ),
+                (
+                    "/v1/chat/completions",
+                    {"model": "assistant", "messages": [{"role": "user", "content": "/slow 200"}], "stream": True},
+                ),
+            ]
+            for n, (path, body) in enumerate(cases):
+                headers = {"Idempotency-Key": f"cancelled-{n}", "X-Conversation-Id": conv}
+                await cancelled_once(ws, known, conv, http.post(path, json=body, headers=headers))
+                repeat = asyncio.create_task(http.post(path, json=body, headers=headers))
+                turn = await _new_turn(ws, known)  # it runs anew: a turn of its own
+                await ws.request({"type": "cancel", "conversation": conv, "turn_id": turn})
+                again = await asyncio.wait_for(repeat, 10)
+                assert again.headers.get("Idempotent-Replayed") is None, (path, body.get("stream"), again.text[:200])
+        finally:
+            await http.aclose()
+            await ws.close()
+
+    asyncio.run(go())

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from appserver.auth import conversation_namespace
 from appserver.http import fields
 from appserver.http.common import (
+    NOT_ANSWERS,
     AfterReply,
     Idempotency,
     JSONReply,
@@ -26,6 +27,7 @@ from appserver.http.common import (
     client_pending,
     dumps,
     json_int,
+    keep_or_free,
     log,
     max_steps_note,
     named_answers,
@@ -888,7 +890,7 @@ class _Ctx:
             raise
         data = dumps(body)
         if self.idem is not None:
-            await self.idem.finish(200, "application/json", data, self.run.conversation_id)
+            await keep_or_free(self.idem, snap, data, self.run.conversation_id)
         return JSONReply(data, self.headers, AfterReply(self.record_point_after, snap, text, calls))
 
     async def record_point_after(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
@@ -1043,7 +1045,7 @@ class _Ctx:
                         }
                     )
                 yield "[DONE]"
-                finished = True
+                finished = last.status not in NOT_ANSWERS  # a cancelled turn's text frees the key
                 shown = render_text(blocks_after(last, self.run))
                 if last.stop_reason == "max_steps":
                     shown = f"{shown}\n\n{self.steps_note}" if shown else self.steps_note

@@ -371,6 +371,19 @@ async def forget_answers_of(server: Server, conversation_id: str, response_id: s
             await forget_answer(server, entry, response_id)
 
 
+# Turns whose reply is no answer to keep under an Idempotency-Key: a repeat runs again (docs/openai.md).
+NOT_ANSWERS = ("cancelled", "failed", "interrupted")
+
+
+async def keep_or_free(idem: Idempotency, snap: TurnSnapshot, body: str, conversation_id: str) -> None:
+    """A 200 JSON reply: kept for replay when its turn answered, else the key is freed (a cancelled
+    turn's partial text, a failed one's)."""
+    if snap.status in NOT_ANSWERS:
+        await idem.abandon()
+    else:
+        await idem.finish(200, "application/json", body, conversation_id)
+
+
 def stream_replay(
     idem: Idempotency | None, conversation_id: str, finished: Callable[[], bool]
 ) -> Callable[[bool, list[str]], Awaitable[None]] | None:

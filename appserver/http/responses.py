@@ -47,6 +47,7 @@ from appserver.http.common import (
     dumps,
     forget_answers_of,
     json_response,
+    keep_or_free,
     max_steps_note,
     principal_of,
     read_json,
@@ -1341,7 +1342,7 @@ class _Run:
             raise
         data = dumps(body)
         if self.idem is not None:
-            await self.idem.finish(200, "application/json", data, self.run.conversation_id)
+            await keep_or_free(self.idem, snap, data, self.run.conversation_id)
         return Response(data, media_type="application/json", headers=self.headers)
 
     def stream_response(self) -> Response:
@@ -1427,7 +1428,7 @@ class _Run:
                     "cancelled": "response.incomplete",
                 }[body["status"]]
                 yield ev(terminal, response=body)
-                finished = True
+                finished = body["status"] in ("completed", "incomplete")  # an answer: kept for replay
             finally:
                 metrics.active_streams.dec()
                 if not announced or kept:

@@ -121,3 +121,22 @@ def test_chat_whose_reader_leaves_ends_quietly_not_as_a_lost_server(server: Serv
     assert "cannot reach" not in err, err
     assert err == "", err  # no "error: … Broken pipe", no traceback, no "Exception ignored"
     assert code == STDOUT_CLOSED_EXIT, (code, err)
+
+
+def test_a_piped_quit_waits_for_the_lines_before_it(server: ServeProcess) -> None:
+    """`printf 'hello\n/quit\n' | appserver chat`: the /quit acted as it was read, while hello's
+    reply streamed, so the reply never showed and the lines after it were dropped. A script's lines
+    run in order, its /quit too."""
+    with appserver_popen(
+        ["chat", "--conversation", "new"],
+        env=cli_env(server.home),
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        out, err = proc.communicate(b"/slow 12\nsecond\n/quit\nthird\n", timeout=30)
+    text = out.decode()
+    assert "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12" in text, (text, err)
+    assert "echo: second" in text and "echo: third" not in text, (text, err)
+    assert proc.returncode == 0, (proc.returncode, err)

@@ -419,6 +419,10 @@ class Chat:
                     self.exit_code = 0
                 else:
                     self.answer(text)
+            elif self.turn is not None and not self.editor.echo and text.strip() != "/cancel":
+                # piped: a script's lines run in order, its /quit too (acting now dropped the replies
+                # of the lines before it); its /cancel acts now, on the reply streaming
+                self.held.append(text)
             elif self.turn is not None:  # a reply is streaming: commands act now, other lines wait
                 if text.strip() == "/cancel":
                     self.cancel()
@@ -467,6 +471,15 @@ class Chat:
                 ("//text", "send /text to the model (other /words, e.g. the echo model's /slow, go as typed)"),
             ):
                 self.screen.line(f"  {name:<8} {what}")
+            return
+        if cmd == "/cancel" and not self.editor.echo:  # piped: done before the next line is sent
+            try:
+                ack = await self.client.request(self.cancel_frame())
+            except ProtocolError as exc:
+                self.notice(f"error: {visible(exc.message)}")
+                return
+            if not ack.get("cancelled"):
+                self.screen.line(self.screen.dim("[nothing to cancel]"))
             return
         if cmd == "/cancel":
             self.background(

@@ -136,13 +136,24 @@ class Agents:
             name=validate_name(name),
             model=validate_model(model, self.config),
             system=system or "",
-            tools=dict(tools or {}),
+            tools=self._known_tools(tools or {}),
             params={k: v for k, v in (params or {}).items() if v is not None},
         )
         return await self.store.create_agent(agent)
 
     async def get(self, ref: str) -> AgentRecord:
         return await self.kernel.resolve_agent(ref)
+
+    def _known_tools(self, tools: dict[str, str]) -> dict[str, str]:
+        """Policies name the server's tools only (a client's tools run in the client): a typo such
+        as `shel=ask` would otherwise be kept and govern nothing."""
+        known = self.kernel.agent_loop.tools.names()
+        unknown = sorted(set(tools) - set(known))
+        if unknown:
+            raise InvalidInput(
+                f"no tool named {', '.join(repr(n) for n in unknown)}: the tools are {', '.join(known)}", param="tool"
+            )
+        return dict(tools)
 
     async def update(
         self,
@@ -162,7 +173,7 @@ class Agents:
         if system is not None:
             agent.system = system
         if tools:
-            agent.tools.update(tools)
+            agent.tools.update(self._known_tools(tools))
         for key, value in (params or {}).items():
             if value is None:
                 agent.params.pop(key, None)

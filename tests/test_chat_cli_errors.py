@@ -19,6 +19,7 @@ somebody else or ends as a success after losing input.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import time
@@ -281,3 +282,38 @@ async def test_a_reconnecting_client_gives_up_at_once_when_its_token_is_refused(
         assert refused.value.status == 401 and refused.value.fatal and refused.value.code == "invalid_api_key"
     finally:
         sp.kill()
+
+
+def test_run_behind_a_turn_waiting_for_an_approval_says_so(tmp_path: Path) -> None:
+    """`appserver run` into a conversation whose turn waits for an approval printed nothing until
+    the approval timed out (600 s): now one stderr line names the call and how to answer it. A
+    key sent before says its turn is followed instead of printing the old answer as new."""
+    from tests.support.cli import careful_home
+
+    home = careful_home(tmp_path)
+    env = cli_env(home)
+    sp = start_serve(home, env=env)
+    try:
+        first = run_cli(home, "run", "--agent", "careful", "--conversation", "new", "--json", "/call clock {}", env=env)
+        paused = json.loads(first.out)
+        conv = paused["conversation_id"]
+        (call,) = [c["call_id"] for c in paused["pending"]]
+        with appserver_popen(
+            ["run", "--agent", "careful", "--conversation", conv, "--timeout", "60", "behind it"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as behind:
+            assert behind.stderr is not None
+            line = behind.stderr.readline()  # said at once, not after the approval's 600 s
+            assert "queued behind 1 input(s)" in line and call in line and "--approve" in line, line
+            approved = run_cli(home, "run", "--agent", "careful", "--conversation", conv, "--approve", call, env=env)
+            assert approved.code == 0, approved.err
+            out, _ = behind.communicate(timeout=30)
+        assert "echo: behind it" in out, out
+        once = run_cli(home, "run", "--idempotency-key", "k1", "first", env=env)
+        again = run_cli(home, "run", "--idempotency-key", "k1", "second", env=env)
+        assert once.out == again.out and "following its turn" in again.err, (once, again)
+    finally:
+        sp.stop()

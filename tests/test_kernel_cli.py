@@ -125,6 +125,8 @@ def test_bad_input_is_one_line_error_and_writes_nothing(home: Path, cli) -> None
         ("run", "--conversation", "conv_doesnotexist", "hi"),
         ("agents", "create", "--name", "x", "--tool", "clock=sometimes"),
         ("agents", "create", "--name", "x", "--tool", "justaname"),
+        ("agents", "create", "--name", "x", "--tool", "shel=ask"),  # a typo: it would govern nothing
+        ("agents", "update", "assistant", "--tool", "nosuch=allow"),
         ("agents", "create", "--name", "x", "--model", "gpt-4o"),
         ("agents", "create", "--name", "x", "--model", "nosuchprovider:model"),
         ("agents", "update", "assistant", "--model", "bad model"),

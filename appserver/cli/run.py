@@ -239,6 +239,31 @@ def tell_connection(frame: dict[str, Any]) -> None:
         click.echo(f"[reconnected to {visible(data.get('url'))} after {visible(data.get('after_s'))} s]", err=True)
 
 
+async def tell_waiting(client: Any, ack: dict[str, Any]) -> None:
+    """One stderr line when the input will not run at once, instead of silence until it does: an
+    earlier input with the same key (its turn is followed), or turns ahead of it, one of them maybe
+    waiting for an approval (which only an answer or its timeout ends)."""
+    if ack.get("duplicate"):
+        click.echo(
+            f"[an input with this idempotency key was sent before: following its turn {visible(ack.get('turn_id'))}]",
+            err=True,
+        )
+        return
+    ahead = ack.get("queue_position")
+    if not isinstance(ahead, int) or ahead <= 0:
+        return
+    line = f"[queued behind {ahead} input(s)"
+    try:
+        state = await client.request({"type": "subscribe", "conversation": ack["conversation_id"]})
+    except Exception:  # noqa: BLE001 - only a hint: the turn is followed all the same
+        state = {}
+    calls = [str(p.get("call_id")) for p in state.get("pending_approvals") or [] if isinstance(p, dict)]
+    if state.get("state") == "awaiting" and calls:
+        ids = " ".join(visible(c) for c in calls)
+        line += f"; the turn ahead waits for an answer to {ids}: `appserver run --approve ID` or `--deny ID`"
+    click.echo(line + "]", err=True)
+
+
 def run_remote(
     url: str,
     agent: str,
@@ -297,6 +322,7 @@ def run_remote(
                 "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}",
             }
             ack = await client.submit(agent, text, conversation, **extra)
+            await tell_waiting(client, ack)
             snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
             return snapshot_from_dict(snap), ack["conversation_id"]
         finally:

@@ -86,3 +86,14 @@ def test_the_cli_refuses_a_keyword_string_without_its_password(tmp_path: Path) -
         assert r.code == 2, (r.out, r.err)
         assert "password=***" in r.err and "no scheme" in r.err, r.err
         assert SECRET not in r.out + r.err and "Traceback" not in r.err
+
+
+def test_a_short_password_never_garbles_or_spells_out_a_message() -> None:
+    """Password `e`: every `e` of the message became ***, so `server` read `s***rv***r` and the
+    gaps showed which letters the password has. A secret that short withholds the message."""
+    from appserver.store.url import scrub
+
+    said = scrub("connection to server at 127.0.0.1 failed", "postgresql://u:e@127.0.0.1/db")
+    assert "***" not in said and "server" not in said and "withheld" in said
+    assert scrub("connection to server failed", "postgresql://u:longer-secret@h/db") == "connection to server failed"
+    assert scrub('missing "=" after "longer-secret"', "postgresql://u:longer-secret@h/db") == 'missing "=" after "***"'

@@ -95,10 +95,19 @@ def _longest_first(secrets: list[str]) -> list[str]:
     return sorted((s for s in dict.fromkeys(secrets) if s), key=len, reverse=True)
 
 
+SHORTEST_REDACTABLE = 4  # a shorter secret is found inside ordinary words ("e" in "server")
+
+
 def scrub(text: str, url: str) -> str:
-    """`text` (an error message) with every secret of `url` replaced by ***, and the URL redacted."""
+    """`text` (an error message) with every secret of `url` replaced by ***, and the URL redacted.
+    A secret too short to replace without garbling the words around it (and showing, by the gaps,
+    which letters it has) withholds the message, when it occurs in it, instead."""
     text = text.replace(url, redact_url(url))
     for secret in url_secrets(url):
+        if secret not in text:
+            continue
+        if len(secret) < SHORTEST_REDACTABLE:
+            return "the error's text is withheld: it may hold the password, which is too short to redact in it"
         text = text.replace(secret, REDACTED)
     return text
 

@@ -16,7 +16,7 @@ from appserver.cli.cron import ANY_AGENT, cron_group
 from cron.envelope import build_envelope
 from cron.schedule import ScheduleSpec
 from cron.store import CronStore, make_task
-from tests.support.cli import run_cli
+from tests.support.cli import cli_env, run_cli
 
 
 @pytest.fixture
@@ -136,3 +136,20 @@ def test_an_empty_timezone_is_refused_not_read_as_the_machines(home: Path) -> No
         assert code == 1 and err.strip().startswith("error: unknown timezone"), (tz, err)
     code, out, _ = cron("list")
     assert code == 0 and "no cron tasks" in out
+
+
+def test_a_task_whose_agent_was_deleted_is_not_enabled_again(tmp_path: Path) -> None:
+    """Enabled, it would fail at every fire: `cron enable` said "next run …" and exited 0."""
+    home = tmp_path / "home"
+    env = cli_env(home)
+    assert run_cli(home, "agents", "create", "--name", "gone", env=env).code == 0
+    add = run_cli(
+        home, "cron", "add", "--name", "t", "--agent", "gone", "--every", "1h", "--prompt", "p", "--json", env=env
+    )
+    assert add.code == 0, add.err
+    task_id = json.loads(add.out)["id"]
+    assert run_cli(home, "agents", "delete", "gone", env=env).code == 0  # the task is disabled with it
+    again = run_cli(home, "cron", "enable", task_id, env=env)
+    assert again.code == 2 and "was deleted" in again.err and again.err.count("\n") == 1, (again.code, again.err)
+    shown = json.loads(run_cli(home, "cron", "show", task_id, "--json", env=env).out)
+    assert shown["enabled"] is False

@@ -495,7 +495,17 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
 
 def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
     cfg = _config()
-    return _store(cfg).set_enabled(ref, enabled, agent=_agent_filter(cfg, agent))
+    store, which = _store(cfg), _agent_filter(cfg, agent)
+    if enabled:
+        task = store.read().find(ref, which)
+        try:
+            _check_agent(cfg, task.agent)
+        except LookupError:  # its agent was deleted: enabled, it would fail at every fire
+            raise _NotFound(
+                f"task {task.name!r} ({task.id}) cannot run: its agent {task.agent} was deleted; remove the task "
+                f"(appserver cron remove {task.id}) or add a new one for an existing agent"
+            ) from None
+    return store.set_enabled(ref, enabled, agent=which)
 
 
 @cron_group.command("enable")

@@ -317,3 +317,25 @@ def test_run_behind_a_turn_waiting_for_an_approval_says_so(tmp_path: Path) -> No
         assert once.out == again.out and "following its turn" in again.err, (once, again)
     finally:
         sp.stop()
+
+
+def test_a_provider_added_while_the_server_runs_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """config.toml gained a provider while `serve` ran; the CLI (reading the new file) let an agent
+    use it; its turns failed with a traceback in the server log ("failed inside the server"). Now
+    one line says the provider is loaded at the next start."""
+    home = tmp_path / "home"
+    env = cli_env(home)
+    sp = start_serve(home, env=env)
+    try:
+        config = home / "config.toml"
+        config.write_text(
+            config.read_text() + '\n[providers.later]\nkind = "openai"\nbase_url = "http://127.0.0.1:9/v1"\n'
+        )
+        made = run_cli(home, "agents", "create", "--name", "late", "--model", "later:m", env=env)
+        assert made.code == 0, made.err
+        ran = run_cli(home, "run", "--agent", "late", "hi", env=env)
+        assert ran.code != 0 and "loaded at the next start" in ran.err, (ran.code, ran.err)
+    finally:
+        sp.stop()
+    log = sp.proc.stderr.read() if sp.proc.stderr else ""
+    assert "Traceback" not in log and "loaded at the next start" in log, log[-2000:]

@@ -17,6 +17,7 @@ from typing import Any
 from appserver.agent.loop import LoopOutcome, TurnWork
 from appserver.errors import NotFound
 from appserver.providers.base import ToolSpec
+from appserver.providers.registry import ModelStringError
 from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import Finished, Seat, finish_turn
@@ -201,6 +202,14 @@ class TurnRunner:
             log.warning("turn %s not run here: %s", record.id, exc)
             elsewhere = exc
             outcome = LoopOutcome("failed", "error", store_failure(exc).error)
+        except ModelStringError as exc:
+            # The agent names a provider this server did not load: config.toml changed after the
+            # start (the CLI reads the new file), or the agent was written by another server.
+            why = f"{exc}; providers added to config.toml are loaded at the next start of the server"
+            log.error("turn %s not run: %s", record.id, why)
+            outcome = LoopOutcome(
+                "failed", "error", {"kind": "config", "message": why, "retryable": False, "status": None}
+            )
         except (ConversationGone, StoreUnavailable) as exc:
             # Deleted while it ran (a checkpoint before a tool could not be saved): the commit in
             # finish_turn fails the same way and says so in one line.

@@ -26,8 +26,9 @@ from plugins.discord.adapter import create_adapter as create_discord
 from plugins.telegram.adapter import _chat_id as tg_chat_id
 from plugins.telegram.adapter import _int_or_none as tg_thread_id
 from plugins.telegram.adapter import _message_id as tg_message_id
-from plugins.webhook.adapter import AccountError, WebhookAdapter, _BadRequest, _parse_listen
+from plugins.webhook.adapter import WebhookAdapter, _BadRequest
 from plugins.webhook.adapter import create_adapter as create_webhook
+from plugins.webhook.settings import parse_listen as webhook_listen
 from tests.support.cli import cli_env, run_cli
 
 NOT_ASCII = ["٥", "²", "١٢", "５"]  # Arabic-Indic, superscript, Arabic-Indic, full-width
@@ -62,8 +63,8 @@ def test_listen_addresses_and_host_headers_take_ascii_ports_only(digits: str) ->
         split_host_header(f"example.com:{digits}")
     with pytest.raises(ValueError, match="malformed Host header"):
         split_host_header(f"[::1]:{digits}")
-    with pytest.raises(AccountError, match="listen must be host:port"):
-        _parse_listen(f"127.0.0.1:{digits}", "webhook")
+    with pytest.raises(ValueError, match="listen must be host:port"):
+        webhook_listen(f"127.0.0.1:{digits}")
 
 
 def test_an_upstream_sse_retry_field_of_other_digits_is_ignored_not_a_crash() -> None:
@@ -120,8 +121,8 @@ def test_long_ports_are_refused_in_words() -> None:
         assert len(str(err.value)) < 200
     with pytest.raises(ValueError, match="malformed Host header"):
         split_host_header(f"example.com:{LONG}")
-    with pytest.raises(AccountError, match="listen must be host:port"):
-        _parse_listen(f"127.0.0.1:{LONG}", "webhook")
+    with pytest.raises(ValueError, match="listen must be host:port"):
+        webhook_listen(f"127.0.0.1:{LONG}")
 
 
 def test_an_upstream_sse_retry_of_many_digits_is_ignored_not_a_crash() -> None:

@@ -173,12 +173,10 @@ def test_enable_edits_a_hand_written_enabled_and_keeps_its_comments(home: Path) 
 
 
 def test_enable_creates_channels_table_before_its_subtables(home: Path) -> None:
-    (home / "config.toml").write_text(BASE + '\n# the main hook\n[channels.webhook.accounts.main]\nlisten = "x"\n')
+    hook = '\n# the main hook\n[channels.webhook.accounts.main]\nlisten = "127.0.0.1:9999"\n'
+    (home / "config.toml").write_text(BASE + hook)
     assert ch("enable", "webhook")[0] == 0
-    assert config_text(home) == (
-        BASE
-        + '\n[channels]\nenabled = ["webhook"]\n\n# the main hook\n[channels.webhook.accounts.main]\nlisten = "x"\n'
-    )
+    assert config_text(home) == (BASE + '\n[channels]\nenabled = ["webhook"]\n' + hook)
     assert load_config(home).channels.enabled == ["webhook"]
 
 
@@ -220,7 +218,7 @@ def test_remove_refuses_an_account_defined_another_way(home: Path) -> None:
     (home / "config.toml").write_text(BASE + '\n[channels.webhook]\naccounts.main.listen = "127.0.0.1:8788"\n')
     err = refused(home, 1, "remove", "webhook", "main")
     assert "edit it by hand" in err
-    (home / "config.toml").write_text(BASE + '\n[channels.webhook.accounts]\nmain = { listen = "x" }\n')
+    (home / "config.toml").write_text(BASE + '\n[channels.webhook.accounts]\nmain = { listen = "127.0.0.1:9999" }\n')
     refused(home, 1, "remove", "webhook", "main")
 
 
@@ -229,15 +227,15 @@ def test_enabled_defined_another_way_is_refused(home: Path) -> None:
     assert "edit it by hand" in refused(home, 1, "enable", "telegram")
     (home / "config.toml").write_text('channels = { enabled = ["webhook"] }\n' + BASE)
     assert "edit it by hand" in refused(home, 1, "disable", "webhook")
-    assert "edit it by hand" in refused(home, 1, "add", "webhook", "main", "--set", "listen=x")
+    assert "edit it by hand" in refused(home, 1, "add", "webhook", "main", "--set", "listen=127.0.0.1:9999")
 
 
 def test_crlf_file_round_trip(home: Path) -> None:
     original = BASE.replace("\n", "\r\n").encode()
     (home / "config.toml").write_bytes(original)
-    assert ch("add", "webhook", "main", "--set", "listen=x", "--enable")[0] == 0
+    assert ch("add", "webhook", "main", "--set", "listen=127.0.0.1:9999", "--enable")[0] == 0
     text = (home / "config.toml").read_bytes()
-    assert b'\r\n[channels.webhook.accounts.main]\r\nlisten = "x"\r\n' in text
+    assert b'\r\n[channels.webhook.accounts.main]\r\nlisten = "127.0.0.1:9999"\r\n' in text
     assert b"\n" not in text.replace(b"\r\n", b"")
     assert load_config(home).channels.enabled == ["webhook"]
     assert ch("remove", "webhook", "main")[0] == 0
@@ -268,8 +266,8 @@ def test_add_refusals_write_nothing(home: Path) -> None:
     assert "environment variable" in refused(home, 2, "add", "webhook", "main", "--secret", "token=env:1BAD")
     assert "wrong type" in refused(home, 2, "add", "webhook", "main", "--set", "stream=yes")
 
-    assert ch("add", "webhook", "main", "--set", "listen=x")[0] == 0
-    assert "already exists" in refused(home, 1, "add", "webhook", "main", "--set", "listen=y")
+    assert ch("add", "webhook", "main", "--set", "listen=127.0.0.1:9999")[0] == 0
+    assert "already exists" in refused(home, 1, "add", "webhook", "main", "--set", "listen=127.0.0.1:9998")
 
 
 @pytest.mark.parametrize(
@@ -288,6 +286,11 @@ def test_add_refusals_write_nothing(home: Path) -> None:
         ("telegram", "api_url=ftp://x", "api_url must be an http:// or https:// URL"),
         ("telegram", "edited=maybe", 'edited must be "ignore" or "new", got \'maybe\''),
         ("telegram", "mode=webhook", 'mode must be "polling"'),
+        ("webhook", "listen=notanaddr", "listen must be host:port"),
+        ("webhook", "reply_url=ftp://x", "reply_url must be an http:// or https:// URL"),
+        ("webhook", "tolerance_s=-5", "tolerance_s must be a positive number of seconds"),
+        ("webhook", "max_body_bytes=hello", "max_body_bytes must be a positive integer"),
+        ("webhook", "path=nope", "path must be a string starting with '/'"),
     ],
 )
 def test_add_refuses_settings_the_gateway_would_refuse(home: Path, channel: str, setting: str, says: str) -> None:
@@ -360,7 +363,7 @@ def test_list_shows_broken_manifests(home: Path) -> None:
     garbled = home / "channels" / "garbled"
     garbled.mkdir()
     (garbled / "channel.json").write_text("{not json")
-    assert ch("add", "webhook", "main", "--set", "listen=x", "--enable")[0] == 0
+    assert ch("add", "webhook", "main", "--set", "listen=127.0.0.1:9999", "--enable")[0] == 0
 
     code, out, err = ch("list")
     assert code == 0, err
@@ -493,7 +496,7 @@ def _seed_status(home: Path) -> None:
 
 
 def test_status_without_gateway_db(home: Path) -> None:
-    assert ch("add", "webhook", "main", "--set", "listen=x", "--enable")[0] == 0
+    assert ch("add", "webhook", "main", "--set", "listen=127.0.0.1:9999", "--enable")[0] == 0
     code, out, err = ch("status")
     assert code == 0, err
     assert "does not exist yet" in out
@@ -503,8 +506,8 @@ def test_status_without_gateway_db(home: Path) -> None:
 
 
 def test_status_from_gateway_db(home: Path) -> None:
-    assert ch("add", "webhook", "main", "--set", "listen=x", "--enable")[0] == 0
-    assert ch("add", "webhook", "spare", "--set", "listen=y")[0] == 0
+    assert ch("add", "webhook", "main", "--set", "listen=127.0.0.1:9999", "--enable")[0] == 0
+    assert ch("add", "webhook", "spare", "--set", "listen=127.0.0.1:9998")[0] == 0
     _seed_status(home)
     code, out, err = ch("status")
     assert code == 0, err
@@ -562,7 +565,7 @@ def readyz() -> Iterator[str]:
 
 
 def test_status_shows_the_live_check_and_an_unreachable_server(home: Path, readyz: str) -> None:
-    assert ch("add", "webhook", "main", "--set", "listen=x", "--enable")[0] == 0
+    assert ch("add", "webhook", "main", "--set", "listen=127.0.0.1:9999", "--enable")[0] == 0
     _seed_status(home)
     _Readyz.body = {
         "status": "not_ready",

@@ -37,12 +37,10 @@ from plugins.contract import (
     Limits,
     Target,
 )
+from plugins.webhook.settings import DEFAULT_LISTEN, DEFAULT_MAX_BODY, DEFAULT_TOLERANCE_S, check_settings, parse_listen
 from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
 
 MAX_LENGTH = 100_000
-DEFAULT_LISTEN = "127.0.0.1:8788"
-DEFAULT_MAX_BODY = 1024 * 1024
-DEFAULT_TOLERANCE_S = 300.0
 STOP_TIMEOUT_S = 5.0
 SEND_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
 MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_name
@@ -74,34 +72,21 @@ class WebhookSettings:
         secret = account.secrets.get("secret")
         if not secret:
             raise AccountError(f"{where}: no secret; set secret_env (an environment variable) or secret_file")
-        listen = s.get("listen", DEFAULT_LISTEN)
-        if not isinstance(listen, str):
-            raise AccountError(f"{where}: listen must be a string host:port")
-        host, port = _parse_listen(listen, where)
-        path = s.get("path", "/")
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise AccountError(f"{where}: path must be a string starting with '/'")
+        try:
+            check_settings(s)
+        except ValueError as exc:
+            raise AccountError(f"{where}: {exc}") from None
+        host, port = parse_listen(s.get("listen", DEFAULT_LISTEN))
         reply_url = s.get("reply_url")
-        if reply_url is not None and (
-            not isinstance(reply_url, str) or not reply_url.startswith(("http://", "https://"))
-        ):
-            raise AccountError(f"{where}: reply_url must be an http:// or https:// URL")
-        max_body = s.get("max_body_bytes", DEFAULT_MAX_BODY)
-        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body <= 0:
-            raise AccountError(f"{where}: max_body_bytes must be a positive integer")
-        tolerance = s.get("tolerance_s", DEFAULT_TOLERANCE_S)
-        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance <= 0:
-            raise AccountError(f"{where}: tolerance_s must be a positive number of seconds")
-        return cls(host, port, path, secret, reply_url or None, max_body, float(tolerance))
-
-
-def _parse_listen(listen: str, where: str) -> tuple[str, int]:
-    host, sep, port_text = listen.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    port_ok = port_text.isascii() and port_text.isdigit() and len(port_text) <= 5  # int() refuses 5000 digits
-    if not sep or not host or not port_ok or int(port_text) > 65535:
-        raise AccountError(f"{where}: listen must be host:port (e.g. 127.0.0.1:8788), not {listen!r}")
-    return host, int(port_text)
+        return cls(
+            host,
+            port,
+            s.get("path", "/"),
+            secret,
+            reply_url or None,
+            s.get("max_body_bytes", DEFAULT_MAX_BODY),
+            float(s.get("tolerance_s", DEFAULT_TOLERANCE_S)),
+        )
 
 
 class _Server(uvicorn.Server):

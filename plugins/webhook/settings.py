@@ -1,0 +1,46 @@
+"""The account settings the webhook plugin itself reads, checked with the standard library only.
+
+`check_settings` is what the adapter applies when it starts (a bad value is an `AccountError`), and
+what `appserver channels add` / `channels list` apply before a server runs: the CLI loads this file
+by its path. The secret is read from the environment or a file when the account starts, so it is
+the adapter's to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_LISTEN = "127.0.0.1:8788"
+DEFAULT_MAX_BODY = 1024 * 1024
+DEFAULT_TOLERANCE_S = 300.0
+
+
+def check_settings(settings: Mapping[str, Any]) -> None:
+    """Raise ValueError (one line, naming the setting) when a setting cannot work."""
+    listen = settings.get("listen", DEFAULT_LISTEN)
+    if not isinstance(listen, str):
+        raise ValueError("listen must be a string host:port")
+    parse_listen(listen)
+    path = settings.get("path", "/")
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ValueError("path must be a string starting with '/'")
+    reply_url = settings.get("reply_url")
+    if reply_url is not None and (not isinstance(reply_url, str) or not reply_url.startswith(("http://", "https://"))):
+        raise ValueError(f"reply_url must be an http:// or https:// URL, got {reply_url!r}")
+    max_body = settings.get("max_body_bytes", DEFAULT_MAX_BODY)
+    if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body <= 0:
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body!r}")
+    tolerance = settings.get("tolerance_s", DEFAULT_TOLERANCE_S)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance <= 0:
+        raise ValueError(f"tolerance_s must be a positive number of seconds, got {tolerance!r}")
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """(host, port) of `host:port` (`[::1]:8788` for IPv6); ValueError for anything else."""
+    host, sep, port_text = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    port_ok = port_text.isascii() and port_text.isdigit() and len(port_text) <= 5  # int() refuses 5000 digits
+    if not sep or not host or not port_ok or int(port_text) > 65535:
+        raise ValueError(f"listen must be host:port (e.g. 127.0.0.1:8788), not {listen!r}")
+    return host, int(port_text)

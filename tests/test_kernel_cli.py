@@ -131,6 +131,7 @@ def test_bad_input_is_one_line_error_and_writes_nothing(home: Path, cli) -> None
         ("agents", "create", "--name", "x", "--model", "nosuchprovider:model"),
         ("agents", "update", "assistant", "--model", "bad model"),
         ("run", "--approve", "call_nope"),
+        ("run", "--reason", "because", "hi"),  # a reason with no --deny was ignored, silently
     ):
         r = cli(*args)
         assert r.code != 0, args

@@ -94,12 +94,17 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
 @click.option("--approve", "approve", multiple=True, help="Approve a pending call (repeatable).")
 @click.option("--deny", "deny", multiple=True, help="Deny a pending call (repeatable).")
 @click.option("--reason", default=None, help="Reason given with --deny.")
-@click.option("--idempotency-key", default=None)
+@click.option(
+    "--idempotency-key",
+    default=None,
+    help="Up to 256 characters: a run sent again with the same key follows the first one's turn instead of "
+    "running the input twice.",
+)
 @click.option(
     "--timeout", default=600.0, show_default=True, type=Seconds(zero=False), help="Seconds to wait for the turn."
 )
 @reconnect_wait_option()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as one JSON object.")
 @click.argument("text", required=False)
 def run_command(
     agent: str,
@@ -121,6 +126,8 @@ def run_command(
         fail("give either TEXT or --approve/--deny, not both", 2)
     if not answering and not text:
         fail("nothing to send: give TEXT (or --approve/--deny CALL_ID)", 2)
+    if reason is not None and not deny:
+        fail("--reason goes with --deny CALL_ID (it is the reason the call was denied)", 2)
 
     if live is not None:
         # a server owns this home: run the turn through its WebSocket protocol (never beside it)

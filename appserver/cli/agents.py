@@ -39,6 +39,7 @@ def agents_group() -> None:
 @agents_group.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def list_agents(as_json: bool) -> None:
+    """List the agents: id, name and model."""
     agents = with_server(lambda s: s.store.list_agents())
     if as_json:
         print_json([a.to_dict() for a in agents])
@@ -62,6 +63,8 @@ def list_agents(as_json: bool) -> None:
 def create_agent(
     name: str, model: str, system: str, tools: tuple[str, ...], params: tuple[str, ...], as_json: bool
 ) -> None:
+    """Create an agent: a model, a system prompt, tool policies and parameters."""
+
     async def go(s: Server) -> tuple[AgentRecord, list[AgentRecord]]:
         made = await s.agents.create(name, model, system, parse_tool_policies(tools), parse_params(params))
         return made, await _namesakes(s, made)
@@ -95,6 +98,7 @@ def _note_namesakes(agent: AgentRecord, namesakes: list[AgentRecord]) -> None:
 @click.argument("agent")
 @click.option("--json", "as_json", is_flag=True)
 def show_agent(agent: str, as_json: bool) -> None:
+    """Show one agent (by id or name)."""
     rec = with_server(lambda s: s.agents.get(agent))
     print_json(rec.to_dict()) if as_json else _show(rec)
 
@@ -116,6 +120,8 @@ def update_agent(
     params: tuple[str, ...],
     as_json: bool,
 ) -> None:
+    """Change an agent; only the options given change (--tool and --param add to what it has)."""
+
     async def go(s: Server) -> tuple[AgentRecord, list[AgentRecord]]:
         rec = await s.agents.update(
             agent, name=name, model=model, system=system, tools=parse_tool_policies(tools), params=parse_params(params)

@@ -28,6 +28,8 @@ def conversations_group() -> None:
 )
 @click.option("--json", "as_json", is_flag=True)
 def list_conversations(agent: str, limit: int, as_json: bool) -> None:
+    """List an agent's conversations, most recently used first."""
+
     async def go(s: Server) -> list[Any]:
         rec = await s.kernel.resolve_agent(agent)
         return await s.store.list_conversations(rec.id, limit=limit)
@@ -52,6 +54,7 @@ async def _conversation(s: Server, conversation_id: str):  # type: ignore[no-unt
 @click.argument("conversation_id")
 @click.option("--json", "as_json", is_flag=True)
 def show_conversation(conversation_id: str, as_json: bool) -> None:
+    """Show one conversation: its agent, title, owner and times."""
     conv = with_server(lambda s: _conversation(s, conversation_id))
     if as_json:
         print_json(conv.to_dict())
@@ -65,6 +68,8 @@ def show_conversation(conversation_id: str, as_json: bool) -> None:
 @click.option("--limit", type=Count(), default=None, help=f"Only the last N messages, 1 to {MAX_COUNT} (default: all).")
 @click.option("--json", "as_json", is_flag=True)
 def history(conversation_id: str, limit: int | None, as_json: bool) -> None:
+    """Print a conversation's committed messages, oldest first."""
+
     async def go(s: Server) -> list[Any]:
         await _conversation(s, conversation_id)
         return await s.store.list_messages(conversation_id, limit=limit)

@@ -88,6 +88,15 @@ def _instances(url: str) -> list[str]:
         return [r[0] for r in c.execute("SELECT id FROM instances ORDER BY started_at").fetchall()]
 
 
+def _logs(cluster: Cluster) -> str:
+    """The servers' log lines so far, for a failing test's message."""
+    return "".join(
+        f"--- node{i}\n{sp.proc.stderr.so_far()}"  # type: ignore[attr-defined]
+        for i, sp in enumerate(cluster.nodes)
+        if sp.proc.stderr is not None
+    )
+
+
 async def _create(ws: WS, agent: str = "assistant") -> str:
     reply = await ws.request({"type": "create_conversation", "agent": agent})
     assert "conversation" in reply, reply
@@ -108,7 +117,9 @@ def test_submits_through_three_instances_run_one_at_a_time_in_order(cluster: Clu
         for i in range(9):  # round robin; each ack before the next submit: that is the order
             acks.append(await _submit(socks[i % 3], conv, "/slow 4"))
         finals = [await socks[i % 3].terminal(a["turn_id"], timeout=60) for i, a in enumerate(acks)]
-        assert [f["status"] for f in finals] == ["completed"] * 9
+        statuses = [f["status"] for f in finals]
+        if statuses != ["completed"] * 9:
+            pytest.fail(f"{statuses} {[f.get('error') for f in finals]}\n{_logs(cluster)}", pytrace=False)
         assert all(f["blocks"][-1]["text"] == "w1 w2 w3 w4" for f in finals)
         turns = {t["id"]: t for t in _turns(cluster.url, conv)}
         ordered = [turns[a["turn_id"]] for a in acks]

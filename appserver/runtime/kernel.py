@@ -281,9 +281,10 @@ class Kernel:
         link = self._link
         assert link is not None
         await link.taken(rt.conversation_id)
-        mine = {*rt.queue.turn_ids(), rt.lifecycle.turn_id}
         for turn in await self.store.list_turns(rt.conversation_id, statuses=("running", "queued")):
-            if turn.id in mine or turn.id in rt.handles:
+            # asked now, not before the read: an input this server accepts meanwhile is its own
+            # (running, if accepted into an idle conversation), and its queue is about to hold it
+            if rt.queue.knows(turn.id):
                 continue
             if turn.status == "running":
                 if turn.owner != self.owner and await link.cluster.owner_alive(turn.owner):

@@ -65,6 +65,8 @@ class TurnQueue:
         self._accepting: set[int] = set()  # tickets of inputs whose accept has not returned yet
         self._accepted = asyncio.Event()  # set whenever one of them returns (the worker may go on)
         self._cancel_ticket = -1  # an input cancelled by cancel_next while still being accepted
+        # Turns of a cluster's accept here not queued yet: a pull meanwhile must not queue them too.
+        self._arriving: set[str] = set()
         self.worker: asyncio.Task[None] | None = None
         self.closed = False  # see close()
         self.last_active = time.monotonic()
@@ -155,29 +157,39 @@ class TurnQueue:
         free = not self._lifecycle.busy and not self._items and not self.accepting and self.worker is None
         ticket = next(self._tickets)
         self._accepting.add(ticket)
+        self._arriving.add(record.id)
         try:
-            earlier = await accept(record, idempotency_scope, limit + 1, start_if_free=free)  # raises DuplicateTurn
-        except OpenLimitReached as full:
-            raise QueueFull(
-                f"conversation {self._conversation_id} has {full.open_turns - 1} inputs queued (limit {limit}); "
-                "try again later"
-            ) from None
+            try:
+                earlier = await accept(record, idempotency_scope, limit + 1, start_if_free=free)  # raises DuplicateTurn
+            except OpenLimitReached as full:
+                raise QueueFull(
+                    f"conversation {self._conversation_id} has {full.open_turns - 1} inputs queued (limit {limit}); "
+                    "try again later"
+                ) from None
+            finally:
+                self._accept_returned(ticket)
+            for turn_id in earlier:
+                if self.knows(turn_id):
+                    continue
+                turn = await self._deps.store.get_turn(turn_id)
+                # asked again after the await: another submitter may have queued it, and the worker
+                # begun or even finished it, meanwhile (it would run twice)
+                if turn is not None and turn.status == "queued":
+                    self.requeue(turn)
+            position = len(self._items) + (1 if self._lifecycle.busy else 0)
+            return self._queue_accepted(record, position, ticket), position
         finally:
-            self._accept_returned(ticket)
-        for turn_id in earlier:
-            if self._knows(turn_id):
-                continue
-            turn = await self._deps.store.get_turn(turn_id)
-            # asked again after the await: another submitter may have queued it, and the worker
-            # begun or even finished it, meanwhile (it would run twice)
-            if turn is not None and turn.status == "queued" and not self._knows(turn.id):
-                self.requeue(turn)
-        position = len(self._items) + (1 if self._lifecycle.busy else 0)
-        return self._queue_accepted(record, position, ticket), position
+            self._arriving.discard(record.id)
 
-    def _knows(self, turn_id: str) -> bool:
-        """The turn is queued, running or was shown here lately (its handle is on the board)."""
-        return turn_id == self._lifecycle.turn_id or turn_id in self._board.handles or turn_id in self.turn_ids()
+    def knows(self, turn_id: str) -> bool:
+        """The turn is queued, running, being accepted here, or was shown here lately (its handle
+        is on the board): nothing may queue it again."""
+        return (
+            turn_id == self._lifecycle.turn_id
+            or turn_id in self._board.handles
+            or turn_id in self._arriving
+            or any(q.record.id == turn_id for q in self._items)
+        )
 
     def _queue_overlapped(self, record: TurnRecord, agent: AgentRecord | None) -> TurnHandle:
         controller = TurnController(record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=0)
@@ -218,10 +230,13 @@ class TurnQueue:
         self.ensure_worker()
         return handle
 
-    def requeue(self, record: TurnRecord) -> None:
+    def requeue(self, record: TurnRecord) -> bool:
         """Queue a turn accepted but never begun here: a dead process's (server start), or one
         another server of the cluster accepted for this conversation. It takes its place by the
-        time it was accepted, before any queued input accepted later."""
+        time it was accepted, before any queued input accepted later. False (nothing done) when
+        this queue knows the turn already: a second entry would run it twice."""
+        if self.knows(record.id):
+            return False
         record.owner = self._deps.owner
         items = self._items
         at = next((i for i, q in enumerate(items) if q.record.created_at > record.created_at), len(items))
@@ -235,6 +250,7 @@ class TurnQueue:
             self._renumber()
         self._board.notify(handle)
         self.ensure_worker()
+        return True
 
     # ------------------------------------------------------------ leaving the queue early
 

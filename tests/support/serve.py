@@ -67,6 +67,11 @@ class DrainedStream:
         with self._cond:
             return any(text in line for line in self._lines)
 
+    def so_far(self) -> str:
+        """Every line so far, reading nothing away (for a failing test's message)."""
+        with self._cond:
+            return "".join(self._lines)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.readline, "")
 

@@ -337,6 +337,7 @@ def test_queued_http_inputs_cancelled_from_the_websocket_are_no_answers(srv: Ser
             assert kept.status == "cancelled"
 
             await ws.request({"type": "cancel", "conversation": conv})
+            await ws.terminal(ack["turn_id"], timeout=15)  # the cancel is acked before the turn's commit
             assert user_texts(srv, conv) == ["/slow 200"]  # the dropped inputs wrote nothing
         finally:
             await client.close()

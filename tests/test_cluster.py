@@ -58,7 +58,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         home = tmp / "admin"
         r = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=_env(home, url))
         assert r.code == 0, r.err
-        nodes = _start(tmp, url, 3, APPSERVER_LIMITS__QUEUE_MAX=str(QUEUE_MAX))
+        # Nothing here kills a server: a longer instance timeout keeps a loaded machine's late
+        # heartbeat from fencing one (3 s did, when the suite shared two cores with much else).
+        nodes = _start(
+            tmp, url, 3, APPSERVER_LIMITS__QUEUE_MAX=str(QUEUE_MAX), APPSERVER_STORE__INSTANCE_TIMEOUT_S="15"
+        )
         try:
             yield Cluster(url, nodes)
         finally:

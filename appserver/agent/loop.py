@@ -60,6 +60,9 @@ from appserver.store.records import AgentRecord, MessageRecord, PendingCall
 from appserver.textparts import TextParts
 from appserver.values import value
 
+# Chunks handled before the loop yields to the event loop once (each costs some microseconds).
+CHUNKS_BETWEEN_YIELDS = 64
+
 log = logging.getLogger("appserver.agent")
 
 Emit = Callable[[TurnEvent], None]
@@ -338,7 +341,14 @@ class AgentLoop:
             estimate: int | None = 0
             try:
                 request, estimate = await self._prepare(work, provider, model, emit, forced)
+                unyielded = 0
                 async for chunk in provider.stream(request):
+                    unyielded += 1
+                    if unyielded >= CHUNKS_BETWEEN_YIELDS:
+                        # A provider whose chunks are ready at once (a big reply already read, the
+                        # echo model) never suspends: let every other client run now and then.
+                        unyielded = 0
+                        await asyncio.sleep(0)
                     if isinstance(chunk, Text):
                         if chunk.text:
                             partial.shown = True

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from appserver.providers.base import (
@@ -32,6 +33,10 @@ _CHANNEL_MESSAGE = re.compile(r"<channel-message [^<>]*>([^<>]*)</channel-messag
 _ENTITIES = {"&lt;": "<", "&gt;": ">", "&quot;": '"', "&#39;": "'", "&amp;": "&"}
 _WORD = re.compile(r"\s*\S+")  # a word with the whitespace before it
 _NON_SPACE = re.compile(r"\S")
+# A reply longer than this (a big paste echoed back) streams many words per chunk: one chunk per
+# word would cost seconds of server time for a few megabytes.
+WORD_BY_WORD_MAX_CHARS = 1 << 20
+WORDS_PER_BIG_CHUNK = 256
 
 
 def _words(text: str) -> int:
@@ -129,18 +134,25 @@ class EchoProvider:
         """Stream `reply` word by word (whitespace preserved), honouring max_tokens as words."""
         # One word at a time, not a list of every word first: a reply of millions of words (a big
         # paste echoed back) would hold ~50 bytes per word for as long as the reply streams.
-        pieces: Iterable[str] = (
-            (m.group() for m in _WORD.finditer(reply)) if _NON_SPACE.search(reply) is not None else (reply,)
+        pieces: Iterator[str] = (
+            (m.group() for m in _WORD.finditer(reply)) if _NON_SPACE.search(reply) is not None else iter((reply,))
         )
         limit = request.max_tokens
+        per_chunk = WORDS_PER_BIG_CHUNK if len(reply) > WORD_BY_WORD_MAX_CHARS else 1
         produced = 0
-        for piece in pieces:
-            if limit is not None and produced >= limit:
-                yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
-                yield Done("length")
-                return
-            yield Text(piece)
-            produced += 1
+        while True:
+            take = per_chunk if limit is None else min(per_chunk, limit - produced)
+            if take <= 0:
+                if next(pieces, None) is not None:  # words left that max_tokens cuts off
+                    yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
+                    yield Done("length")
+                    return
+                break
+            words = list(itertools.islice(pieces, take))
+            if not words:
+                break
+            yield Text("".join(words))
+            produced += len(words)
         yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
         yield Done("stop")
 

@@ -162,6 +162,8 @@ REFUSALS = [
     ),
     ("host", "GET", "/v1/models", "full", {"Host": "attacker.example"}, 421, "host_not_allowed"),
     ("admin-scope", "GET", "/admin/agents", "scoped", {}, 403, "insufficient_scope"),
+    # server-wide counts (every tenant's turns and requests) are the operator's
+    ("metrics-scope", "GET", "/metrics", "scoped", {}, 403, "insufficient_scope"),
     ("ws-token-in-query", "GET", "/ws?token={full}", None, WS_UPGRADE, 401, "credentials_in_url"),
     ("ws-origin", "GET", "/ws", "full", {**WS_UPGRADE, "Origin": EVIL}, 403, "origin_not_allowed"),
     (
@@ -212,6 +214,8 @@ def test_loopback_hosts_and_right_token_are_served(srv: TokenServer) -> None:
             assert r.status_code == 200, host
         # an admin-scoped credential passes the guard on /admin (no such route exists yet: 404)
         assert c.get("/admin/agents", headers=bearer(srv.full)).status_code != 403
+        metrics = c.get("/metrics", headers=bearer(srv.full))
+        assert metrics.status_code == 200 and "appserver_turns_total" in metrics.text
 
 
 # ── check 4: a token scoped to agent a ────────────────────────────────────────────────────────

@@ -17,7 +17,7 @@ from appserver.security.headers import Headers, single
 from appserver.security.memo import Memo
 
 PUBLIC_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz"})
-DEFAULT_PATH_SCOPES: Mapping[str, str] = {"/v1": "openai", "/admin": "admin"}
+DEFAULT_PATH_SCOPES: Mapping[str, str] = {"/v1": "openai", "/admin": "admin", "/metrics": "admin"}
 WS_SCOPE = "ws"
 URL_CREDENTIAL_PARAMS = frozenset({"token", "access_token", "api_key", "apikey", "api-key", "key", "jwt"})
 

@@ -20,6 +20,7 @@ import openai
 import psycopg
 import pytest
 
+from tests.openai_schema import sse_payloads
 from tests.support.cli import cli_env, run_cli
 from tests.support.pg import require_postgres, temp_database, url_for
 from tests.support.serve import ServeProcess, start_serve
@@ -217,12 +218,34 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                     lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15
                 )  # it runs on A
                 queued = await _submit(b, conv, "after the kill")  # accepted by B, queued behind it
+                # OpenAI clients on B following turns that run on A (conversations A holds)
+                followed = []
+                for _ in range(2):
+                    held = await _create(a)
+                    await a.terminal((await _submit(a, held, "take it"))["turn_id"])
+                    followed.append(held)
+                on_b_http = httpx.AsyncClient(base_url=nodes[1].url, timeout=30)
+                slow = {"model": "assistant", "messages": [{"role": "user", "content": "/slow 300"}]}
+                plain = asyncio.ensure_future(
+                    on_b_http.post("/v1/chat/completions", json=slow, headers={"X-Conversation-Id": followed[0]})
+                )
+
+                async def streamed() -> list[str]:
+                    body, pinned = {**slow, "stream": True}, {"X-Conversation-Id": followed[1]}
+                    async with on_b_http.stream("POST", "/v1/chat/completions", json=body, headers=pinned) as r:
+                        return sse_payloads([line async for line in r.aiter_lines()])
+
+                stream = asyncio.ensure_future(streamed())
                 # and an OpenAI client whose request (with an Idempotency-Key) runs on A
                 key = {"Idempotency-Key": f"k-{time.monotonic_ns()}"}
                 body = {"model": "assistant", "messages": [{"role": "user", "content": "/slow 30"}]}
                 on_a = openai.AsyncOpenAI(base_url=nodes[0].url + "/v1", api_key="x", max_retries=0)
                 first = asyncio.ensure_future(on_a.chat.completions.create(**body, extra_headers=key))  # type: ignore[call-overload]
-                while not [r for r in _all_turns(url) if "/slow 30" in r["input"] and r["status"] == "running"]:
+
+                def running_on_a() -> int:  # the `/slow 30` sent to A and the two `/slow 300` on B
+                    return len([r for r in _all_turns(url) if "/slow 30" in r["input"] and r["status"] == "running"])
+
+                while running_on_a() < 3:
                     await asyncio.sleep(0.02)
                 nodes[0].proc.send_signal(signal.SIGKILL)
                 nodes[0].proc.wait(10)
@@ -235,6 +258,13 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                 assert retried.choices[0].message.content == " ".join(f"w{i}" for i in range(1, 31))
                 again = await on_b.chat.completions.create(**body, extra_headers=key)  # type: ignore[call-overload]
                 assert again.id == retried.id  # and from then on that answer is the key's
+                # no answer, no cancel: the followed turns were interrupted (503, not a short `stop`)
+                answer = await asyncio.wait_for(plain, 30)
+                assert answer.status_code == 503 and answer.json()["error"]["code"] == "turn_interrupted", answer.text
+                payloads = await asyncio.wait_for(stream, 30)
+                assert payloads[-1] == "[DONE]" and json.loads(payloads[-2])["error"]["code"] == "turn_interrupted"
+                assert not any('"finish_reason":"stop"' in p.replace(" ", "") for p in payloads)
+                await on_b_http.aclose()
                 settled = await b.terminal(running["turn_id"], timeout=30)
                 assert settled["status"] == "cancelled" and settled["error"]["kind"] == "interrupted"
                 answered = await b.terminal(queued["turn_id"], timeout=30)
@@ -244,8 +274,8 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                 assert rows[running["turn_id"]]["status"] == "interrupted"
                 assert rows[queued["turn_id"]]["status"] == "completed"
                 assert len(_instances(url)) == 1  # the dead one's row is gone
-                slow = sorted(r["status"] for r in _all_turns(url) if "/slow 30" in r["input"])
-                assert slow == ["completed", "interrupted"], slow
+                slow_30 = sorted(r["status"] for r in _all_turns(url) if '"/slow 30"' in r["input"])
+                assert slow_30 == ["completed", "interrupted"], slow_30
                 await b.close()
                 await on_a.close()
                 await on_b.close()

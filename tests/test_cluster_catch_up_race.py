@@ -59,3 +59,42 @@ async def test_a_pull_during_an_accept_here_runs_the_input_once(tmp_path: Path) 
         finally:
             await b.close()
             await a.close()
+
+
+async def test_inputs_accepted_at_once_on_two_servers_run_in_acceptance_order(tmp_path: Path) -> None:
+    """The holder's own input, committed first but queued here after a pull queued one another
+    server accepted later, still runs first; each ack's `queue_position` says where it runs."""
+    require_postgres()
+    with temp_database("catchup_order") as url:
+        a = await _serve(tmp_path / "a", url)
+        b = await _serve(tmp_path / "b", url)
+        try:
+            warm = await a.kernel.submit(SubmitRequest(agent="assistant", input="/slow 2", conversation="new"))
+            conv = warm.conversation_id
+            subs = [warm]
+
+            async def pull(after: float) -> None:
+                await asyncio.sleep(after)
+                await a.kernel.catch_up(conv)
+
+            for i in range(12):
+                pulls = [asyncio.ensure_future(pull(k * 0.0005)) for k in range(8)]
+                pair = await asyncio.gather(
+                    a.kernel.submit(SubmitRequest(agent="assistant", input=f"a{i}", conversation=conv)),
+                    b.kernel.submit(SubmitRequest(agent="assistant", input=f"b{i}", conversation=conv)),
+                )
+                await asyncio.gather(*pulls)
+                subs += pair
+            ends = [await s.wait(60) for s in subs]
+            assert [e.status for e in ends] == ["completed"] * len(subs)
+            turns = await a.store.list_turns(conv)
+            accepted = sorted(turns, key=lambda t: t.created_at)
+            started = sorted(turns, key=lambda t: t.started_at or 0)
+            assert [t.id for t in started] == [t.id for t in accepted]
+            # the holder's acks: their positions grow with acceptance order
+            order = {t.id: i for i, t in enumerate(accepted)}
+            ranked = sorted(subs[1::2], key=lambda s: order[s.turn_id])
+            assert [s.queue_position for s in ranked] == sorted(s.queue_position for s in ranked)
+        finally:
+            await b.close()
+            await a.close()

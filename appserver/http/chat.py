@@ -26,6 +26,7 @@ from appserver.http.common import (
     approval_pending,
     client_pending,
     dumps,
+    failed_answer,
     json_int,
     keep_or_free,
     log,
@@ -827,7 +828,7 @@ class _Ctx:
         return snap.status == "awaiting" and bool(client_pending(snap)) and snap.revision > self.run.after_revision
 
     async def record_point(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
-        if snap.status == "failed":
+        if failed_answer(snap):
             return
         reply = ViewItem(
             "assistant",
@@ -851,9 +852,10 @@ class _Ctx:
             blocks = blocks_after(snap, self.run)
             text = render_text(blocks)
             refusal = render_text(blocks, refusal=True)
-            if snap.status == "failed":
-                # Cut short (the upstream broke off, the store could not keep it): a part of a
-                # reply is no reply, whatever text came before. What was shown stays in the history.
+            if failed_answer(snap):
+                # Cut short (the upstream broke off, the store could not keep it, the server
+                # running it stopped): a part of a reply is no reply, whatever text came before.
+                # What was shown stays in the history.
                 raise await turn_error(self.server, self.agent.id, snap.error)
             if snap.status == "cancelled" and not (text or refusal):
                 raise turn_cancelled(snap)  # an empty `stop` would read as the agent's whole reply
@@ -1011,7 +1013,7 @@ class _Ctx:
                     yield dumps(error_body(err.status, err.message, code=err.code))
                     yield "[DONE]"
                     return
-                if last.status == "failed":  # after text too: the stream ends in an error, not `stop`
+                if failed_answer(last):  # after text too: the stream ends in an error, not `stop`
                     err = await turn_error(self.server, self.agent.id, last.error)
                     yield dumps(error_body(err.status, err.message, code=err.code))
                     yield "[DONE]"

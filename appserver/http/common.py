@@ -185,6 +185,18 @@ async def resolve_model(
     return agent, adv[agent.id]
 
 
+def interrupted(snap: TurnSnapshot) -> bool:
+    """The turn ended because the server running it stopped (a cluster's survivor closed it for a
+    server killed mid-turn): nobody's cancel, so answered as a failure (503 `turn_interrupted`),
+    never as a short `stop` or a `turn_cancelled` the client did not ask for."""
+    return snap.status == "cancelled" and (snap.error or {}).get("kind") == "interrupted"
+
+
+def failed_answer(snap: TurnSnapshot) -> bool:
+    """The turn's end is answered with an error: it failed, or it was interrupted."""
+    return snap.status == "failed" or interrupted(snap)
+
+
 async def turn_error(server: Server, agent_id: str, error: dict[str, Any] | None) -> ApiError:
     """The OpenAI error for a failed turn. A turn whose rows could not be saved because its agent
     was deleted while it ran ends as that model not existing, as the next request for it does."""

@@ -86,6 +86,7 @@ PROVIDER_FAILURES: dict[str, tuple[int, str]] = {
     "protocol": (502, "upstream_protocol_error"),
     "taken_over": (503, "server_unavailable"),  # not upstream: a cluster's survivor has the conversation now
     "store_unavailable": (503, "store_unavailable"),  # not upstream: the database ended the connection
+    "interrupted": (503, "turn_interrupted"),  # not upstream: the server running the turn stopped
 }
 
 

@@ -45,6 +45,7 @@ from appserver.http.common import (
     Idempotency,
     TurnRun,
     dumps,
+    failed_answer,
     forget_answers_of,
     json_response,
     keep_or_free,
@@ -756,7 +757,7 @@ def response_body(
     snapshot's error."""
     error = None
     incomplete = None
-    if snap is not None and snap.status == "failed":
+    if snap is not None and failed_answer(snap):
         # Response.error.code is a closed enum: the specific reason travels in the message.
         failed = failed or turn_failure(snap.error)
         code = (
@@ -813,7 +814,7 @@ def response_body(
 
 
 def final_status(snap: TurnSnapshot) -> str:
-    if snap.status == "failed":
+    if failed_answer(snap):  # an interrupted turn too: nobody cancelled it
         return "failed"
     if snap.status == "cancelled":
         return "cancelled"
@@ -864,7 +865,7 @@ class Responses:
         steps_note = max_steps_note(self.server, agent)
         items = [item_for(shape, turn.id, i, b, final=True, cut=cut) for i, b in output_blocks(snap, run, steps_note)]
         output = [i for i in items if i is not None] if fresh else list(rec.body.get("output") or [])
-        failed = await turn_error(self.server, agent.id, snap.error) if snap.status == "failed" else None
+        failed = await turn_error(self.server, agent.id, snap.error) if failed_answer(snap) else None
         body = response_body(shape, status=final_status(snap), output=output, snap=snap, failed=failed)
         if body["completed_at"] is not None and turn.ended_at:
             body["completed_at"] = int(turn.ended_at)
@@ -1265,9 +1266,9 @@ class _Run:
 
     async def finalize(self, snap: TurnSnapshot) -> dict[str, Any]:
         output = self.output(snap)
-        failed = await turn_error(self.server, self.shape.agent.id, snap.error) if snap.status == "failed" else None
+        failed = await turn_error(self.server, self.shape.agent.id, snap.error) if failed_answer(snap) else None
         body = response_body(self.shape, status=final_status(snap), output=output, snap=snap, failed=failed)
-        if snap.status != "failed" and self.point_base is not None:
+        if not failed_answer(snap) and self.point_base is not None:
             view = merge_assistants(_reply_view(output))
             await self.route.matcher.record(self.shape.agent.id, self.run.conversation_id, chain(view, self.point_base))
         await self.keep(body)
@@ -1326,7 +1327,7 @@ class _Run:
     async def complete(self, request: Request) -> Response:
         try:
             snap = await settle_or_cancel(request, self.run, self.settled)
-            if snap.status == "failed" and (
+            if failed_answer(snap) and (
                 not any(b["type"] == "text" and b["text"] for _, b in output_blocks(snap, self.run))
                 or (snap.error or {}).get("kind") == "store"
             ):

@@ -158,6 +158,8 @@ class TurnQueue:
         ticket = next(self._tickets)
         self._accepting.add(ticket)
         self._arriving.add(record.id)
+        # The ticket is held until the input is queued: the worker starts no turn a pull queued
+        # meanwhile (maybe accepted after this one) before it knows where this one goes.
         try:
             try:
                 earlier = await accept(record, idempotency_scope, limit + 1, start_if_free=free)  # raises DuplicateTurn
@@ -166,8 +168,6 @@ class TurnQueue:
                     f"conversation {self._conversation_id} has {full.open_turns - 1} inputs queued (limit {limit}); "
                     "try again later"
                 ) from None
-            finally:
-                self._accept_returned(ticket)
             for turn_id in earlier:
                 if self.knows(turn_id):
                     continue
@@ -176,10 +176,15 @@ class TurnQueue:
                 # begun or even finished it, meanwhile (it would run twice)
                 if turn is not None and turn.status == "queued":
                     self.requeue(turn)
-            position = len(self._items) + (1 if self._lifecycle.busy else 0)
-            return self._queue_accepted(record, position, ticket), position
+            # by acceptance (the database's clock, under the conversation's accept lock): a turn
+            # another server accepted after this one, queued here by a pull meanwhile, goes after it
+            items = self._items
+            at = next((i for i, q in enumerate(items) if q.record.created_at > record.created_at), len(items))
+            position = at + (1 if self._lifecycle.busy else 0)
+            return self._queue_accepted(record, position, ticket, placed=at), position
         finally:
             self._arriving.discard(record.id)
+            self._accept_returned(ticket)
 
     def knows(self, turn_id: str) -> bool:
         """The turn is queued, running, being accepted here, or was shown here lately (its handle
@@ -213,19 +218,23 @@ class TurnQueue:
         self._board.remember(handle)
         self._board.notify(handle)
 
-    def _queue_accepted(self, record: TurnRecord, position: int, ticket: int) -> TurnHandle:
+    def _queue_accepted(self, record: TurnRecord, position: int, ticket: int, placed: int | None = None) -> TurnHandle:
         controller = TurnController(
             record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=position
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
         self._board.remember(handle)
         items = self._items
-        # by ticket: an input given its place earlier, whose accept returned later, goes first
-        at = len(items)
-        while at > 0 and items[at - 1].ticket > ticket:
-            at -= 1
+        at = placed
+        if at is None:
+            # by ticket: an input given its place earlier, whose accept returned later, goes first
+            at = len(items)
+            while at > 0 and items[at - 1].ticket > ticket:
+                at -= 1
         cancelled = ticket == self._cancel_ticket  # cancelled as the next to run while it was accepted
         items.insert(at, Queued(record, handle, ticket=ticket, cancelled=cancelled))
+        if placed is not None and at < len(items) - 1:
+            self._renumber()
         self._board.notify(handle)
         self.ensure_worker()
         return handle
@@ -310,8 +319,11 @@ class TurnQueue:
                 if self._lifecycle.state == "awaiting" or not self._items:
                     break
                 head = self._items[0].ticket
-                if head >= 0 and self._accepting and min(self._accepting) < head:
-                    # an input given an earlier place is still being accepted: it runs first
+                if self._accepting and (
+                    min(self._accepting) < head or (head < 0 and self._deps.cluster_accept is not None)
+                ):
+                    # an input given an earlier place is still being accepted: it runs first (in a
+                    # cluster, one accepted here may precede a turn another server accepted)
                     self._accepted.clear()
                     await self._accepted.wait()
                     continue

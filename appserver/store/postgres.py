@@ -25,6 +25,7 @@ stamped with the instance id, which any server can judge alive or gone through t
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import socket
 import sqlite3
@@ -211,8 +212,13 @@ class _Writer:
         sent committed nothing: the group runs again on another. A failure of COMMIT itself (a lost
         connection: the outcome is unknown) is never retried: every job of the group fails."""
         outcomes: list[tuple[bool, Any]] | None = None
+        # Runs again while the database keeps ending connections, for at least
+        # LOST_CONNECTION_RETRIES more tries and LIVE_CONNECTION_WAIT_S (a slow host's group may
+        # outlast each of a storm's short-lived connections).
+        give_up_after = time.monotonic() + LIVE_CONNECTION_WAIT_S
         try:
-            for attempt in range(LOST_CONNECTION_RETRIES + 1):
+            for attempt in itertools.count():
+                last = attempt >= LOST_CONNECTION_RETRIES and time.monotonic() >= give_up_after
                 try:
                     outcomes = await self._run(jobs, savepoints=False)
                     if outcomes is None:
@@ -230,17 +236,17 @@ class _Writer:
                             "the database connection was lost while the write committed, and whether it took "
                             f"effect could not be learnt: {lost.__cause__}"
                         ) from lost.__cause__
-                    if attempt == LOST_CONNECTION_RETRIES:
+                    if last:
                         raise StoreUnavailable(
-                            f"the database ended {LOST_CONNECTION_RETRIES + 1} connections in a row before the "
+                            f"the database ended {attempt + 1} connections in a row before the "
                             f"write could commit (nothing was written): {lost.__cause__}"
                         ) from lost.__cause__
                 except _LostBeforeCommit as lost:
                     # The database ended the connection before COMMIT was sent (a restart, a
                     # terminated backend): nothing of the group was committed, so it runs again.
-                    if attempt == LOST_CONNECTION_RETRIES:
+                    if last:
                         raise StoreUnavailable(
-                            f"the database ended {LOST_CONNECTION_RETRIES + 1} connections in a row before the "
+                            f"the database ended {attempt + 1} connections in a row before the "
                             f"write could commit (nothing was written): {lost.__cause__}"
                         ) from lost.__cause__
         except Exception as exc:

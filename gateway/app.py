@@ -49,6 +49,9 @@ NOTICE_EVERY_S = 600.0
 STATUS_FLUSH_S = 1.0
 MAX_HELD = 5  # messages kept per sender while their pairing is pending
 KEPT_BEHIND_APPROVAL = "dm: kept behind the messages the sender's approval releases"
+# A stranger's command (`/pair`, `/approve CODE`, `/new`, …) is not kept for the first turn: it was
+# meant for the gateway, not the agent. The stranger still gets the pairing code.
+COMMAND_NOT_KEPT = "dm: pairing pending; a command is not kept for the first turn"
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -224,7 +227,7 @@ class Gateway:
             return
         if entry.state == "received":
             entry = self._decide(entry, runner)
-            if entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL:
+            if (entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL) or entry.reason == COMMAND_NOT_KEPT:
                 await self.chatops.pairing_prompt(entry, runner)
             elif entry.state == "denied":
                 await self.chatops.refuse_answer(entry, runner)  # a refused approval answer still hears why
@@ -275,7 +278,8 @@ class Gateway:
             mentions_bot=bool(p.get("mentions_bot")),
             approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
         )
-        if verdict == "allow" and self.ledger.held(key.channel, key.account, entry.sender):
+        command = parse_command(str(p.get("text") or "")) is not None
+        if verdict == "allow" and not command and self.ledger.held(key.channel, key.account, entry.sender):
             if self.pairing.approval_pending_release(key.channel, key.account, entry.sender):
                 # approved a moment ago: the kept messages are the first turn, this one comes with them
                 return self.ledger.decide(key, "pair", KEPT_BEHIND_APPROVAL)
@@ -283,6 +287,8 @@ class Gateway:
             verdict, reason = "deny", "dm: the owner denied this sender's pairing"  # no new code
         elif verdict == "pair" and len(self._kept(key.channel, key.account, entry.sender)) >= MAX_HELD:
             verdict, reason = "deny", f"dm: pairing pending and {MAX_HELD} messages already kept"
+        elif verdict == "pair" and command:
+            verdict, reason = "deny", COMMAND_NOT_KEPT
         return self.ledger.decide(key, verdict, reason)
 
     def _kept(self, channel: str, account: str, sender: str) -> list[Entry]:

@@ -110,15 +110,16 @@ class ApprovalBoard:
         return True
 
     def find(self, account: str, chat: str, ref: str | None) -> Prompt | None | list[Prompt]:
-        """The open prompt in this chat that `ref` names (by its short id or whole call id; the only
-        open one when `ref` is None); a list when several match."""
+        """The open prompt in this chat that `ref` names, case-insensitively: by the ID the prompt
+        shows (its short id) or its whole call id, nothing shorter (any suffix would let `/approve 1`
+        answer whichever call happens to end in 1); the only open one when `ref` is None; a list when
+        several match."""
         open_here = [
             p for p in self.prompts.values() if p.account == account and p.target.chat == chat and p.decided is None
         ]
         if ref is None:
             return open_here[0] if len(open_here) == 1 else (open_here or None)
-        wanted = ref.strip().lower()
-        hits = [p for p in open_here if p.call_id.lower() == wanted or p.call_id.lower().endswith(wanted)]
+        hits = [p for p in open_here if _names(p, ref)]
         if not hits:
             return None
         return hits[0] if len(hits) == 1 else hits
@@ -126,3 +127,9 @@ class ApprovalBoard:
     def forget_turn(self, turn_id: str) -> None:
         for call_id in [c for c, p in self.prompts.items() if p.turn_id == turn_id]:
             del self.prompts[call_id]
+
+
+def _names(prompt: Prompt, ref: str) -> bool:
+    """`ref` is the prompt's short id or its whole call id (case-insensitively)."""
+    wanted = ref.strip().lower()
+    return wanted in (prompt.short_id.lower(), prompt.call_id.lower())

@@ -298,8 +298,15 @@ class ChatOps:
         self.approvals.note_shown(prompt.call_id, prompt.message_ids)
 
     async def answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
+        """`/approve ID` or `/deny ID`, typed or clicked. A click that finds nothing waiting (the
+        second of a double click, a prompt decided meanwhile) gets no answer in the chat: the prompt
+        shows (or is about to show) its decision, and the platform's own answer to the click is neutral."""
+        pressed = bool(entry.payload.get("pressed"))
         found = self.approvals.find(runner.spec.ref, entry.chat, command.args[0] if command.args else None)
         if found is None:
+            if pressed:
+                log.info("%s: a click on an answered approval prompt in %s; ignored", runner.spec.ref, entry.chat)
+                return ""
             return "No request waiting for an answer here" + (f" with ID {command.args[0]}." if command.args else ".")
         if isinstance(found, list):
             return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
@@ -316,7 +323,7 @@ class ChatOps:
         )
         result = (ack.get("results") or [{}])[0]
         if result.get("accepted") is False:
-            return "That request was already answered."
+            return "" if pressed else "That request was already answered."
         who = entry.payload.get("sender_name") or entry.sender
         await self.decided(prompt, f"{OUTCOME_LINES['approved' if decision == 'approve' else 'denied']} by {who}")
         return ""

@@ -17,10 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.ledger import Entry
+from plugins.contract import number_setting
+
+# Bounds of the gateway's numeric settings: a finite value past these is a typo or a probe
+# (`inf` would hold every message forever), never a wish.
+DEBOUNCE_MAX_MS = 600_000  # ten minutes of quiet before a burst is answered
+MAX_WAIT_MAX_MS = 3_600_000  # an hour (at least 4 × DEBOUNCE_MAX_MS, the default's factor)
+MAX_ITEMS_MAX = 1000
+CHAT_RATE_MAX = 100.0  # sends and edits per second per chat
 
 
 class DebounceError(ValueError):
-    """A bad debounce setting (the account does not start)."""
+    """A bad debounce setting, or another of the gateway's numeric settings (the account does not start)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,21 +43,27 @@ class DebounceSettings:
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> DebounceSettings:
-        debounce = _number(settings, "debounce_ms", 0)
-        max_wait = _number(settings, "max_wait_ms", max(debounce * 4, 2000))
-        items = settings.get("max_items", 10)
-        if not isinstance(items, int) or isinstance(items, bool) or items < 1:
-            raise DebounceError(f"max_items must be a positive integer, got {items!r}")
+        """The account's debounce, its settings checked. `appserver channels add` and the account's
+        start both come here, so the gateway's other numeric setting (`chat_rate`) is checked here too."""
+        debounce = _ms(settings, "debounce_ms", 0, DEBOUNCE_MAX_MS)
+        max_wait = _ms(settings, "max_wait_ms", max(debounce * 4, 2000), MAX_WAIT_MAX_MS)
+        what = f"a positive integer of at most {MAX_ITEMS_MAX}"
+        items = int(
+            number_setting(
+                settings, "max_items", 10, low=1, high=MAX_ITEMS_MAX, what=what, integer=True, error=DebounceError
+            )
+        )
         if debounce and max_wait < debounce:
             raise DebounceError(f"max_wait_ms ({max_wait:g}) must be at least debounce_ms ({debounce:g})")
+        if "chat_rate" in settings:
+            what = f"a positive number of sends per second of at most {CHAT_RATE_MAX:g}"
+            number_setting(settings, "chat_rate", 1, low=0.001, high=CHAT_RATE_MAX, what=what, error=DebounceError)
         return cls(debounce / 1000.0, max_wait / 1000.0, items)
 
 
-def _number(settings: Mapping[str, Any], key: str, default: float) -> float:
-    value = settings.get(key, default)
-    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-        raise DebounceError(f"{key} must be a number of milliseconds ≥ 0, got {value!r}")
-    return float(value)
+def _ms(settings: Mapping[str, Any], key: str, default: float, high: int) -> float:
+    what = f"a number of milliseconds ≥ 0 and at most {high} ({high // 60_000} min)"
+    return number_setting(settings, key, default, low=0, high=high, what=what, error=DebounceError)
 
 
 @dataclass

@@ -12,7 +12,10 @@ Rules, in order of preference for where a part ends:
    a cut never separates a letter from its combining accents, an emoji from its skin tone,
    variation selector or ZWJ sequence (a family stays one family), the two halves of a flag, a
    Hangul syllable's jamo, or CR from LF. Only a single cluster longer than the whole room (a
-   pathological run of marks) is cut inside, because the limit comes first.
+   pathological run of marks) is cut inside, because the limit comes first. A cut is not made
+   inside a Markdown link `[text](url)` (the link moves to the next part) unless that would leave
+   a part under half the limit, and a word too long for any part is cut hard right away rather
+   than after a tiny head (`echo:` alone).
 
 Blank lines at a cut are dropped, and so is the space a line is cut at; nothing else is (a hard cut
 drops nothing: the parts joined give the line back). Every part is at most `limit` characters
@@ -31,6 +34,7 @@ from plugins.contract import is_grapheme_boundary
 
 # A fence opener or closer: up to three spaces, then ``` or ~~~ (3 or more).
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+_LINK = re.compile(r"!?\[[^\]\n]*\]\([^()\s]*\)")  # a Markdown link or image, kept whole by a cut
 MIN_LIMIT = 32
 
 __all__ = ["MIN_LIMIT", "is_grapheme_boundary", "split_message"]
@@ -210,21 +214,44 @@ def _fill(lines: list[_Line], i: int, j: int, limit: int) -> int:
 
 def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
     """Cut an over-long content line at its last space within `room`, else at the last grapheme
-    boundary within `room` (exactly at `room` only when one cluster is longer than that)."""
+    boundary within `room` (exactly at `room` only when one cluster is longer than that). Markdown
+    links `[text](url)` are kept whole: a space inside one is no cut, and the start of a link is
+    one, where it leaves a head of at least half the room. A space that would leave a shorter
+    head before a word too long for any part is passed over: that word is cut hard anyway, so it
+    is cut here (`echo: ` alone would be a part)."""
     room = max(room, 1)
     text = line.text
     indent = len(text) - len(text.lstrip(" "))
+    links = [m.span() for m in _LINK.finditer(text)]
     cut = text.rfind(" ", indent + 1, room + 1)  # never in the indentation: that would leave a blank head
-    while cut > 0 and not (is_grapheme_boundary(text, cut) and is_grapheme_boundary(text, cut + 1)):
-        cut = text.rfind(" ", indent + 1, cut)  # a space carrying a combining mark, or inside a ZWJ sequence
-    if cut <= 0:
+    while cut > 0 and not (
+        is_grapheme_boundary(text, cut) and is_grapheme_boundary(text, cut + 1) and _outside(links, cut)
+    ):
+        cut = text.rfind(" ", indent + 1, cut)  # a space carrying a combining mark, inside a ZWJ sequence or a link
+    before_link = max(
+        (a for a, _ in links if max(indent + 1, room // 2) <= a <= room and is_grapheme_boundary(text, a)), default=-1
+    )
+    if before_link > cut + 1:  # (right after a space: the space is the cut)
+        head, rest = text[:before_link], text[before_link:]  # nothing dropped: the link goes on in the next part
+    elif cut > 0 and (cut >= room // 2 or _word_end(text, cut + 1) - (cut + 1) <= room):
+        head, rest = text[:cut], text[cut + 1 :]
+    else:
         at = min(room, len(text))
         while at > 0 and not is_grapheme_boundary(text, at):
             at -= 1
         if at == 0:
             at = room  # a single cluster longer than the room: the limit wins
         head, rest = text[:at], text[at:]
-    else:
-        head, rest = text[:cut], text[cut + 1 :]
     fence = line.fence_before if line.fence_before == line.fence_after else None
     return _Line(head, line.fence_before, fence), _Line(rest, fence, line.fence_after)
+
+
+def _outside(links: list[tuple[int, int]], cut: int) -> bool:
+    """A space at `cut` is not inside a link."""
+    return all(not start < cut < end for start, end in links)
+
+
+def _word_end(text: str, start: int) -> int:
+    """Where the word starting at `start` ends (the next space, or the end of the text)."""
+    end = text.find(" ", start)
+    return len(text) if end < 0 else end

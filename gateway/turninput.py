@@ -90,6 +90,7 @@ def payload_of(msg: InboundMessage) -> dict[str, Any]:
         "mentions_bot": msg.mentions_bot,
         "reply_to": msg.reply_to,
         "sender_is_bot": msg.sender_is_bot,
+        "pressed": msg.pressed,
         "ts": msg.ts,
         "attachments": [
             {"kind": a.kind, "name": clean(a.name), "mime": clean(a.mime), "size": a.size}

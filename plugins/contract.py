@@ -35,6 +35,7 @@ __all__ = [
     "ReportState",
     "Target",
     "is_grapheme_boundary",
+    "number_setting",
     "shorten",
 ]
 
@@ -77,6 +78,9 @@ class InboundMessage:
     reply_to: str | None = None
     sender_is_bot: bool = False
     ts: float | None = None  # platform time, seconds since the epoch
+    # A click on one of the bot's own buttons, handed over as the command it stands for: a click that
+    # finds nothing to answer (a double click, a prompt decided meanwhile) is answered quietly.
+    pressed: bool = False
     attachments: tuple[Attachment, ...] = ()
     raw: Mapping[str, Any] = field(default_factory=dict)
     ack: Callable[[], Awaitable[None]] | None = None
@@ -103,6 +107,29 @@ class Limits:
     can_edit: bool = False  # replies grow in place by edits when True, else the final text is sent
     can_react: bool = False
     edits_per_second: float = 1.0  # the per-chat budget for sends and edits
+
+
+def number_setting(
+    settings: Mapping[str, Any],
+    key: str,
+    default: float,
+    *,
+    low: float,
+    high: float,
+    what: str,
+    integer: bool = False,
+    error: type[ValueError] = ValueError,
+) -> float:
+    """`settings[key]` (else `default`), refused with `error` ("<key> must be <what>, got …") unless
+    a number from `low` to `high` (a whole one with `integer`). TOML and `--set` take `inf`, `nan`
+    and `1e308`: each would stall or quietly switch off what the setting paces, so the bounds are
+    finite and `nan`, failing every comparison, is refused with them."""
+    value = settings.get(key, default)
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds) or not low <= value <= high:
+        shown = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a number too large"
+        raise error(f"{key} must be {what}, got {shown}")
+    return float(value)
 
 
 class DeliveryError(Exception):

@@ -277,7 +277,11 @@ def test_add_refusals_write_nothing(home: Path) -> None:
         ("webhook", "group_policy=everyone", "group_policy must be one of"),
         ("discord", "unpaired=loud", "unpaired must be 'code' or 'silent'"),
         ("telegram", "allow=5", "allow"),
-        ("slack", "debounce_ms=-5", "debounce_ms must be a number of milliseconds ≥ 0, got -5"),
+        (
+            "slack",
+            "debounce_ms=-5",
+            "debounce_ms must be a number of milliseconds ≥ 0 and at most 600000 (10 min), got -5",
+        ),
         ("slack", "debounce_ms=fast", "debounce_ms must be a number"),
         ("webhook", "max_items=0", "max_items must be a positive integer"),
         ("slack", "api_url=ftp://x", "api_url must be an http:// or https:// URL"),

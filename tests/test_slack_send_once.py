@@ -198,7 +198,7 @@ async def test_a_timeout_is_uncertain_and_a_slack_error_is_not(slack: FakeSlack,
     with pytest.raises(DeliveryError) as late:
         await adapter.send(Target("D-kinds"), "x")
     assert late.value.uncertain and not late.value.permanent
-    slack.fail_next("chat.postMessage", "internal_error")
+    slack.fail_next("chat.postMessage", "channel_not_found")
     with pytest.raises(DeliveryError) as refused:
         await adapter.send(Target("D-kinds"), "x")
     assert not refused.value.uncertain

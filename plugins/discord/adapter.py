@@ -461,6 +461,7 @@ class DiscordAdapter:
                 mentions_bot=True,  # a press on the bot's own button is addressed to it
                 reply_to=str(interaction.message.id) if interaction.message else None,
                 ts=interaction.created_at.timestamp(),
+                pressed=True,
                 raw={"interaction_id": str(interaction.id), "custom_id": custom_id},
             )
             await ticket.wait()

@@ -27,7 +27,8 @@ and a refusal while reconnecting puts the account in `error` (no hot loop).
 Outbound, once per part: every `chat.postMessage` of a reply part carries message metadata
 (`event_type` `appserver_reply`, `event_payload.key` = the part's `Target.key`). When a post's
 outcome is unknown (no answer within the timeout, the connection lost after the request went out,
-or a restart after a crash while it was in flight), the gateway calls `find_sent`, which reads the
+an answer that does not say Slack refused it: `internal_error`, `fatal_error`, `service_unavailable`,
+a 5xx, an HTML page; or a restart after a crash while it was in flight), the gateway calls `find_sent`, which reads the
 messages since that post began (`conversations.history`, or `conversations.replies` in a thread,
 with `include_all_metadata`) and returns the one carrying the key, so the reply continues in it
 instead of posting it twice. slack_sdk's own retry after a dropped connection is kept for every
@@ -104,6 +105,8 @@ PERMANENT_ERRORS = AUTH_ERRORS | {
     "too_many_reactions", "invalid_arguments", "team_access_not_granted", "ekm_access_denied",
     "thread_not_found", "invalid_ts_oldest", "invalid_cursor",
 }  # fmt: skip
+# Errors Slack documents as "some aspect of the operation may have succeeded": not a refusal.
+UNCERTAIN_ERRORS = {"internal_error", "fatal_error", "service_unavailable"}
 ACCEPTED_SUBTYPES = (None, "file_share", "thread_broadcast", "bot_message", "me_message")
 EMOJI_NAMES = {
     "👀": "eyes", "👍": "+1", "👎": "-1", "✅": "white_check_mark", "❌": "x", "⏳": "hourglass_flowing_sand",
@@ -477,6 +480,7 @@ class SlackAdapter:
             sender_name=str(name) if name else None,
             mentions_bot=True,  # a click on the bot's own button is addressed to it
             reply_to=f"{channel}:{container.get('message_ts')}" if container.get("message_ts") else None,
+            pressed=True,
             ts=_float(action_ts),
             raw=dict(payload),
         )
@@ -675,6 +679,9 @@ def _error_code(exc: SlackApiError) -> str:
 
 
 def _delivery_error(method: str, exc: SlackApiError) -> DeliveryError:
+    """Slack's refusal as a `DeliveryError`. An answer that does not say the call was refused (an
+    error Slack documents as possibly partly performed, a 5xx, a page that is no Slack answer) is
+    `uncertain`: a post is then looked up before it is posted again, never blindly repeated."""
     error = _error_code(exc)
     status = getattr(exc.response, "status_code", None)
     reason = f"slack {method}: {error}"
@@ -682,7 +689,17 @@ def _delivery_error(method: str, exc: SlackApiError) -> DeliveryError:
         return DeliveryError(reason, retry_after=_retry_after(getattr(exc.response, "headers", None)))
     if error in PERMANENT_ERRORS:
         return DeliveryError(reason, permanent=True)
-    return DeliveryError(reason)  # internal_error, service_unavailable, 5xx: retried
+    if error in UNCERTAIN_ERRORS or not _slack_error(exc) or (isinstance(status, int) and status >= 500):
+        return DeliveryError(reason, uncertain=True)
+    return DeliveryError(reason)  # another error Slack named (it refused the call): retried
+
+
+def _slack_error(exc: SlackApiError) -> bool:
+    """Whether the answer was Slack's own JSON naming an error (so Slack decided, and said what)."""
+    try:
+        return isinstance(exc.response.get("error"), str)
+    except Exception:  # noqa: BLE001 - a response that is not JSON
+        return False
 
 
 def _retry_after(headers: Any) -> float:

@@ -445,6 +445,7 @@ class TelegramAdapter:
             mentions_bot=True,
             reply_to=f"{chat.id}:{message.message_id}",
             sender_is_bot=sender.is_bot,
+            pressed=True,
             raw=update.to_dict(),
             ack=ack_and_answer,
         )
@@ -637,7 +638,9 @@ async def _delivery(call: Awaitable[T]) -> T:
             raise DeliveryError(f"Telegram answered with an error: {_describe(exc)}") from exc
         raise DeliveryError(f"Telegram unreachable: {_describe(exc)}", uncertain=may_have_arrived(exc)) from exc
     except TelegramError as exc:
-        raise DeliveryError(f"Telegram: {_describe(exc)}") from exc
+        # An answer that is no JSON at all (a proxy's or a maintenance page served with 200): the Bot
+        # API may have done the call behind it, so it is as uncertain as a lost answer.
+        raise DeliveryError(f"Telegram: {_describe(exc)}", uncertain=isinstance(exc.__cause__, ValueError)) from exc
 
 
 def answered_with_error(exc: NetworkError) -> bool:

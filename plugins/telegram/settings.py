@@ -1,4 +1,5 @@
-"""The account settings the Telegram plugin itself reads, checked with the standard library only.
+"""The account settings the Telegram plugin itself reads, checked with the standard library
+and `plugins.contract` (itself standard library only).
 
 `check_settings` is what the adapter applies when it starts (a bad value is an `AccountError`), and
 what `appserver channels add` / `channels list` apply before a server runs: the CLI loads this file
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from plugins.contract import number_setting
+
 DEFAULT_API_URL = "https://api.telegram.org"
 DEFAULT_POLL_TIMEOUT = 30
 MAX_POLL_TIMEOUT = 50  # Telegram holds a long poll at most this long
@@ -21,13 +24,8 @@ def check_settings(settings: Mapping[str, Any]) -> None:
     api_url = settings.get("api_url", DEFAULT_API_URL)
     if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
         raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")
-    poll_timeout = settings.get("poll_timeout", DEFAULT_POLL_TIMEOUT)
-    if (
-        isinstance(poll_timeout, bool)
-        or not isinstance(poll_timeout, int | float)
-        or not 0 <= poll_timeout <= MAX_POLL_TIMEOUT
-    ):
-        raise ValueError(f"poll_timeout must be a number of seconds from 0 to {MAX_POLL_TIMEOUT}, got {poll_timeout!r}")
+    what = f"a number of seconds from 0 to {MAX_POLL_TIMEOUT}"
+    number_setting(settings, "poll_timeout", DEFAULT_POLL_TIMEOUT, low=0, high=MAX_POLL_TIMEOUT, what=what)
     edited = settings.get("edited", "ignore")
     if edited not in ("ignore", "new"):
         raise ValueError(f'edited must be "ignore" or "new", got {edited!r}')

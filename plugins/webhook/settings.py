@@ -1,4 +1,5 @@
-"""The account settings the webhook plugin itself reads, checked with the standard library only.
+"""The account settings the webhook plugin itself reads, checked with the standard library
+and `plugins.contract` (itself standard library only).
 
 `check_settings` is what the adapter applies when it starts (a bad value is an `AccountError`), and
 what `appserver channels add` / `channels list` apply before a server runs: the CLI loads this file
@@ -11,9 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from plugins.contract import number_setting
+
 DEFAULT_LISTEN = "127.0.0.1:8788"
 DEFAULT_MAX_BODY = 1024 * 1024
 DEFAULT_TOLERANCE_S = 300.0
+MAX_BODY_LIMIT = 64 << 20  # a body is held in memory whole
+MAX_TOLERANCE_S = 86_400.0  # a signature older than a day is no clock skew
 
 
 def check_settings(settings: Mapping[str, Any]) -> None:
@@ -28,12 +33,10 @@ def check_settings(settings: Mapping[str, Any]) -> None:
     reply_url = settings.get("reply_url")
     if reply_url is not None and (not isinstance(reply_url, str) or not reply_url.startswith(("http://", "https://"))):
         raise ValueError(f"reply_url must be an http:// or https:// URL, got {reply_url!r}")
-    max_body = settings.get("max_body_bytes", DEFAULT_MAX_BODY)
-    if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body <= 0:
-        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body!r}")
-    tolerance = settings.get("tolerance_s", DEFAULT_TOLERANCE_S)
-    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or tolerance <= 0:
-        raise ValueError(f"tolerance_s must be a positive number of seconds, got {tolerance!r}")
+    what = f"a positive integer of at most {MAX_BODY_LIMIT} (64 MiB)"
+    number_setting(settings, "max_body_bytes", DEFAULT_MAX_BODY, low=1, high=MAX_BODY_LIMIT, what=what, integer=True)
+    what = f"a positive number of seconds of at most {MAX_TOLERANCE_S:g} (a day)"
+    number_setting(settings, "tolerance_s", DEFAULT_TOLERANCE_S, low=0.001, high=MAX_TOLERANCE_S, what=what)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -39,7 +39,8 @@ only after `s` seconds), `click` (a `block_actions` button
 click as an `interactive` envelope); `messages` / `wait_for_text` (what the bot posted, with every
 edit), `calls` (every Web API call with its status and time), `deliveries` / `acked` / `acks` /
 `pending` (envelopes), `connections` / `open_sockets` / `wait_connected`; failures with `fail_next`
-(any error; `ratelimited` as 429 + Retry-After) and `set_not_in_channel`; `on_delivered(hook)` runs
+(any error, not performed; `ratelimited` as 429 + Retry-After), `perform_then_fail` (performed, then
+answered with an error: JSON or an HTML page, any status) and `set_not_in_channel`; `on_delivered(hook)` runs
 a hook right after an envelope went out (the kill -9 test kills the gateway there).
 
 Web API timing and crash hooks: `hold_answers(method, seconds, count=…, channel=…)` performs the
@@ -151,6 +152,16 @@ class _Failure:
 
 
 @dataclass(slots=True)
+class _Garble:
+    """A call performed, then answered with an error anyway (`perform_then_fail`)."""
+
+    error: str
+    status: int
+    html: bool
+    count: int
+
+
+@dataclass(slots=True)
 class _Hold:
     method: str
     seconds: float
@@ -209,6 +220,7 @@ class FakeSlack(LoopbackServer):
         self._reactions: dict[tuple[str, str], list[str]] = {}
         self._calls: list[Call] = []
         self._failures: dict[str, list[_Failure]] = {}
+        self._garbles: dict[str, list[_Garble]] = {}
         self._not_in: set[str] = set()
         self._channels: set[str] = set()
         self._files: dict[str, bytes] = {}
@@ -443,6 +455,27 @@ class FakeSlack(LoopbackServer):
             self._failures.setdefault(method, []).append(
                 _Failure(error, retry_after if error == "ratelimited" else None, count)
             )
+
+    def perform_then_fail(
+        self, method: str, error: str = "internal_error", *, status: int = 200, html: bool = False, count: int = 1
+    ) -> None:
+        """Perform the next `count` calls of `method` (a post is stored), then answer each with an
+        error all the same: `{"ok": false, "error": error}` with HTTP `status`, or with `html` an HTML
+        page (a proxy's 502, a maintenance page served with 200). Slack says of `internal_error` and
+        `fatal_error` that part of the operation may have succeeded."""
+        with self._lock:
+            self._garbles.setdefault(method, []).append(_Garble(error, status, html, count))
+
+    def _take_garble(self, method: str) -> _Garble | None:
+        with self._lock:
+            queue = self._garbles.get(method)
+            if not queue:
+                return None
+            garble = queue[0]
+            garble.count -= 1
+            if garble.count <= 0:
+                queue.pop(0)
+            return garble
 
     def hold_answers(
         self,
@@ -743,7 +776,7 @@ class FakeSlack(LoopbackServer):
             return Response("not found", status_code=404)
         return Response(data, media_type="application/octet-stream")
 
-    async def _api(self, request: Request) -> JSONResponse:
+    async def _api(self, request: Request) -> Response:
         method = request.path_params["method"]
         params: dict[str, Any] = dict(request.query_params)
         raw = await request.body()
@@ -768,6 +801,9 @@ class FakeSlack(LoopbackServer):
             status, body = 200, {"ok": False, "error": "internal_error"}
         else:
             status, body = self._dispatch(method, params, token)
+        garble = self._take_garble(method) if status == 200 and body.get("ok") else None
+        if garble is not None:  # performed; the answer says otherwise
+            status, body = garble.status, {"ok": False, "error": garble.error}
         call = Call(method, params, status, time.monotonic(), body, token)
         with self._lock:
             self._calls.append(call)
@@ -776,6 +812,9 @@ class FakeSlack(LoopbackServer):
             after(call)
         if hold is not None:
             await asyncio.sleep(max(0.0, hold.seconds - (hold.perform_after if hold.perform else 0.0)))
+        if garble is not None and garble.html:
+            page = f"<html><body><h1>{status} {garble.error}</h1></body></html>"
+            return Response(page, status_code=status, media_type="text/html")
         headers = {"Retry-After": f"{body.pop('_retry_after'):g}"} if "_retry_after" in body else None
         return JSONResponse(body, status_code=status, headers=headers)
 

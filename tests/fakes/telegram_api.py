@@ -30,6 +30,9 @@ Telegram semantics kept on purpose:
 - with `privacy_mode=True`, group messages reach the bot only when they mention it, reply to it or are
   commands (Telegram's default for bots in groups).
 
+Failures: `fail_next` (an error the Bot API answers in its JSON, the call not performed) and
+`perform_then_page` (the call performed, then answered with an HTML page instead of JSON).
+
 Crash hooks (`on_request`, `on_answer`, `on_delivery`) let a test kill the bot's process at one exact
 step of the wire: each runs synchronously on the fake's event loop, at its step, before the fake serves
 anything else. Never in a worker thread after the answer: a hook that lags behind its step (as a
@@ -276,6 +279,7 @@ class FakeTelegram(LoopbackServer):
         self._calls: list[Call] = []
         self._polls: list[tuple[int, float, list[int]]] = []  # (offset, t arrived, update ids answered)
         self._failures: dict[str, list[_Failure]] = {}
+        self._pages: dict[str, list[int]] = {}  # method -> HTTP statuses of pages answered after performing
         self._acked_offset = 0
         self._other_poller = False
         self._closing = False
@@ -570,6 +574,12 @@ class FakeTelegram(LoopbackServer):
         with self._lock:
             self._failures.setdefault(method, []).append(_Failure(status, description or default, retry_after, count))
 
+    def perform_then_page(self, method: str, status: int = 200) -> None:
+        """Perform the next call of `method` (a message is stored), then answer it with an HTML page
+        with HTTP `status` instead of the Bot API's JSON (a proxy's or a maintenance page)."""
+        with self._lock:
+            self._pages.setdefault(method, []).append(status)
+
     def other_poller(self, running: bool = True) -> None:
         """Another process polls the same token: while it runs every getUpdates is refused with 409."""
         with self._lock:
@@ -674,6 +684,12 @@ class FakeTelegram(LoopbackServer):
             status, body = self._dispatch(method, params)
         except (KeyError, TypeError, ValueError) as exc:
             status, body = 400, self._error(400, f"Bad Request: {type(exc).__name__}: {exc}")
+        with self._lock:
+            pages = self._pages.get(method)
+            page = pages.pop(0) if pages and status == 200 else None
+        if page is not None:  # performed; the answer is no Bot API answer
+            self._answer(method, params, page, {"ok": False, "description": "an HTML page"})
+            return Response(f"<html><body>{page}</body></html>", status_code=page, media_type="text/html")
         return self._answer(method, params, status, body)
 
     async def _file(self, request: Request) -> Response:

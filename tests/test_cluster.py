@@ -269,6 +269,15 @@ def test_kill9_of_the_instance_running_a_turn_is_taken_over(tmp_path: Path) -> N
                 assert settled["status"] == "cancelled" and settled["error"]["kind"] == "interrupted"
                 answered = await b.terminal(queued["turn_id"], timeout=30)
                 assert answered["status"] == "completed" and answered["blocks"][-1]["text"] == "echo: after the kill"
+                # ... and B's client heard them end in the order they ran: the killed turn's end
+                # (numbered from the store, below what A published) was not taken as stale
+                ends = [
+                    f["snapshot"]["turn_id"]
+                    for f in b.seen
+                    if f["type"] == "turn_updated" and f["snapshot"]["status"] in ("completed", "cancelled")
+                ]
+                assert ends.index(running["turn_id"]) < ends.index(queued["turn_id"]), ends
+                assert len(ends) == len(set(ends)), ends  # and each end once
                 assert time.monotonic() - started < 30
                 rows = {r["id"]: r for r in _turns(url, conv)}
                 assert rows[running["turn_id"]]["status"] == "interrupted"

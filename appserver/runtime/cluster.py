@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, replace
 from typing import Any, Protocol
@@ -45,6 +46,7 @@ PUBLISH_EVERY_S = 0.05  # a running turn's snapshots go to the others at most th
 STALE_S = 2.0  # a mirror that heard nothing this long reads the turn from the store
 SWEEP_S = 1.0
 PULL_AFTER_S = 2.0  # a turn queued this long at a conversation held here is pulled from the store
+ENDED_REMEMBERED = 4096  # ended turns whose repeated notices are ignored
 MOVED_HOPS = 3  # a pull is passed on to a conversation's new holder at most this many times
 HOLDER_CHECK_S = 0.5  # a call to a holder looks this often whether it is still alive
 MOVED_WAIT_S = 45.0  # how long an answer follows a conversation that moves or whose holder died
@@ -157,6 +159,8 @@ class ClusterLink:
         self._followed: dict[str, float] = {}  # conversation id -> until when another server follows it
         self._told: dict[str, float] = {}  # conversation id -> when this server last said it follows
         self._publishers: dict[str, asyncio.Task[None]] = {}
+        # turns whose end was applied here lately: a repeated notice of it is no new turn
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         cluster.handle(self.on_message, self.on_notice)
@@ -219,7 +223,12 @@ class ClusterLink:
             await asyncio.sleep(PUBLISH_EVERY_S)
 
     def settled(self, snapshot: TurnSnapshot) -> None:
-        """Every settled turn (segment) of this server, committed: its snapshot goes out now."""
+        """Every settled turn (segment) of this server, committed: its snapshot goes out now, and
+        to a mirror here of a turn another server ran (this one took the conversation over and
+        closed the turn: its watchers here hear the end now, not when the mirror goes stale)."""
+        mirror = self.mirrors.get(snapshot.turn_id)
+        if mirror is not None:
+            self._take(mirror, snapshot)
         self.publish(snapshot)
 
     def publish(self, snap: TurnSnapshot) -> None:
@@ -237,12 +246,17 @@ class ClusterLink:
     # ------------------------------------------------------------ following (everyone else)
 
     def on_notice(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
+        if turn_id in self._ended:
+            return  # its end was heard already (the same snapshot twice: no second end)
         mirror = self.mirrors.get(turn_id)
         if mirror is None and conversation_id not in self.watchers:
             return
         if mirror is not None and revision <= mirror.handle.controller.revision:
             mirror.heard_at = time.monotonic()
-            return
+            # An older revision is stale, unless it is the turn's end: a survivor that closed the
+            # turn of a killed server numbers it from the store, below what the runner published.
+            if not (body.startswith("@") or any(f'"status":"{s}"' in body for s in TERMINAL_STATUSES)):
+                return
         if body.startswith("@"):
             self._spawn(self._fetch_and_apply(body))
             return
@@ -259,13 +273,19 @@ class ClusterLink:
                 return  # our own turn, heard back
             controller = TurnController(snap.turn_id, snap.conversation_id, snap.agent_id)
             mirror = self._track(TurnHandle(snap.turn_id, snap.conversation_id, controller))
-            mirror.handle.controller.mirror(snap)
+            self._take(mirror, snap)
             self._tell(mirror.handle)
         else:
-            mirror.handle.controller.mirror(snap)
+            self._take(mirror, snap)
+
+    def _take(self, mirror: _Mirror, snap: TurnSnapshot) -> None:
+        mirror.handle.controller.mirror(snap)
         mirror.heard_at = time.monotonic()
         if snap.terminal:
             self.mirrors.pop(snap.turn_id, None)
+            self._ended[snap.turn_id] = None
+            if len(self._ended) > ENDED_REMEMBERED:
+                self._ended.popitem(last=False)
 
     def _track(self, handle: TurnHandle) -> _Mirror:
         mirror = self.mirrors.get(handle.turn_id)

@@ -277,11 +277,14 @@ class TurnController:
     def mirror(self, snap: TurnSnapshot) -> bool:
         """Take a whole snapshot another server published for a turn it runs (the cluster): this
         controller then only follows, latest wins (an older revision is ignored). True if taken."""
-        if snap.revision <= self.revision and self._mirrored is not None:
-            return False
         if self.status in TERMINAL_STATUSES:
             return False
-        if snap.revision <= self.revision:  # the first one: never let the revision go back
+        if snap.revision <= self.revision:
+            # An older revision is ignored, unless it is the first one taken or the turn's end (a
+            # survivor closing a killed server's turn numbers it from the store, below what the
+            # runner published): never let the revision go back.
+            if self._mirrored is not None and not snap.terminal:
+                return False
             snap = _with_revision(snap, self.revision + 1)
         self.revision = snap.revision
         self.status = snap.status

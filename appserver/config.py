@@ -440,8 +440,13 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
                 where = str(path) if not from_env else f"APPSERVER_{section.upper()}"
                 raise ConfigError(f"{where}: [{section}] must be a table")
             _apply_section(target, raw, section, origin, from_env=from_env)
-    if environ.get("APPSERVER_DISABLE_CRON") == "1":
-        cfg.cron.enabled = False
+    disable_cron = environ.get("APPSERVER_DISABLE_CRON", "")
+    if disable_cron.strip():  # 1/true/yes/on or 0/false/no/off, as every boolean setting; else refused
+        try:
+            if convert(disable_cron, bool, None, from_env=True):
+                cfg.cron.enabled = False
+        except Invalid as bad:
+            raise ConfigError(f"APPSERVER_DISABLE_CRON={disable_cron!r}: must be {bad.expected}") from None
     if "APPSERVER_CRON_TICK_S" in environ:
         _apply_section(cfg.cron, {"tick_s": environ["APPSERVER_CRON_TICK_S"]}, "cron", tick_origin, from_env=True)
 

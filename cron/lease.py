@@ -2,7 +2,9 @@
 
 An owner on this host is judged by its process identity (pid plus the process start time from
 `/proc/<pid>/stat` field 22): a dead pid, a zombie, or a live pid whose start time differs (the pid
-was reused by another program) is dead, and its lease may be taken. A live owner is never
+was reused by another program) is dead, and its lease may be taken. A record without a start time
+cannot be told from an unrelated process that has the pid: it is judged by its heartbeat instead,
+and expires like a lease from another host. A live owner is never
 displaced, so two `serve` processes on one home never both fire.
 
 An owner on another host (a home on shared storage, or a container that came back under a new
@@ -103,7 +105,10 @@ def owner_alive(owner: OwnerRecord, now: datetime | None = None, sightings: Sigh
     if not pid_alive(owner.pid):
         return False
     if owner.proc_start is None:
-        return True
+        # Nothing to tell this holder from any other process that has its pid (a hand edit, a
+        # record from a system without /proc): a live pid proves nothing, so its heartbeat decides,
+        # as for a holder on another host. A real holder renews every third of its TTL.
+        return not lease_expired(owner, now, sightings)
     current = process_start(owner.pid)
     return current is None or current == owner.proc_start  # differs → the pid was reused
 

@@ -361,3 +361,44 @@ def _fired(record: dict[str, Any], occurrence: int) -> bool:
 def _settling(records: list[dict[str, Any]], occurrence: int) -> dict[str, Any] | None:
     found = [r for r in records if r.get("event") in SETTLING_EVENTS and r.get("occurrence") == occurrence]
     return found[-1] if found else None
+
+
+def highest_occurrence(runs_dir: Path, task_id: str) -> int:
+    """The highest run number the log's tail names (0 for none): a run counter in crons.json below
+    it was rolled back (an older copy restored), and numbering must go on above it, or a new run
+    would take an earlier run's number and with it that run's idempotency key and its records."""
+    return used_runs(runs_dir, task_id)[0]
+
+
+def used_runs(runs_dir: Path, task_id: str) -> tuple[int, datetime | None]:
+    """(the highest run number the log's tail names, the latest scheduled time of a scheduled run
+    it claimed): what a rolled-back crons.json (an older copy restored) must not repeat, neither a
+    run number nor an occurrence that already ran."""
+    records = _tail(run_log_path(runs_dir, task_id))
+    numbers = [n for n in (_number(r) for r in records) if n is not None]
+    latest: datetime | None = None
+    for r in records:
+        if r.get("event") == "fired" and not r.get("manual") and isinstance(r.get("scheduled_for"), str):
+            try:
+                when = datetime.fromisoformat(r["scheduled_for"])
+            except ValueError:
+                continue
+            if when.tzinfo is not None and (latest is None or when > latest):
+                latest = when
+    return max(numbers, default=0), latest
+
+
+def unsettled_claims(runs_dir: Path, task_id: str, exclude_by: str) -> list[dict[str, Any]]:
+    """The `fired` records of scheduled runs claimed by a scheduler lease other than `exclude_by`
+    (the caller's own) that no record settles: what a scheduler that died mid-tick had claimed but
+    not submitted (a `run_all` catch-up claims several at once), oldest first. Records written
+    before claims named their scheduler (no `by`) are not listed: `last_claimed` covers those."""
+    records = _tail(run_log_path(runs_dir, task_id))
+    settled = {_number(r) for r in records if r.get("event") in SETTLING_EVENTS} - {None}
+    found: dict[int, dict[str, Any]] = {}
+    for r in records:
+        n, by = _number(r), r.get("by")
+        if r.get("event") == "fired" and n is not None and isinstance(by, str) and by != exclude_by:
+            if n not in settled and not r.get("manual"):
+                found.setdefault(n, r)
+    return [found[n] for n in sorted(found)]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cron.envelope import build_envelope
+from cron.runlog import highest_occurrence
 from cron.store import CronStore, CronStoreError, CronTask, Occurrence, utcnow
 
 log = logging.getLogger("appserver.cron")
@@ -260,7 +261,8 @@ def claim_manual(store: CronStore, ref: str, *, agent: str | None, now: datetime
     with store.lock():
         state = store.load()
         task = state.find(ref, agent)
-        occ = task.claim(now, now, now, manual=True)
+        used = highest_occurrence(store.runs_dir, task.id)  # a rolled-back counter reuses no number
+        occ = task.claim(now, now, now, manual=True, floor=used)
         task.updated_at = now
         copy = dataclasses.replace(task)  # handed out; the cached state stays the store's
         store.save(state, cache=True)  # the claim first: a log failure never unclaims nor refires

@@ -33,8 +33,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from cron.credentials import CredentialCheck, TokenCredentials
 from cron.lease import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, LeaseHolder
-from cron.runlog import has_fired, settled_record, unrecorded_turns
+from cron.runlog import has_fired, settled_record, unrecorded_turns, unsettled_claims, used_runs
 from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
     DEFAULT_OUTCOME_TIMEOUT_S,
@@ -59,6 +60,7 @@ from cron.store import (
     CronStoreError,
     CronTask,
     Occurrence,
+    OwnerRecord,
     utcnow,
 )
 from cron.stores import cron_store_for
@@ -102,7 +104,9 @@ def apply_misfire(
     (nominal, due, catch_up) and misses. One tick sees several only after downtime (the scheduler
     wakes at every due time), so:
     `skip` runs at most the most recent occurrence that is at most `max_lateness` late, and records
-    the others as missed; `run_once` runs only the most recent one, however late; `run_all` runs
+    the others as missed (a lateness below `catch_up_after` counts as that: a run the scheduler
+    starts on time, a few ms past its due time, is on time, so `--max-lateness 0s` means "never
+    late", not "never"); `run_once` runs only the most recent one, however late; `run_all` runs
     them all, keeping the most recent `run_all_cap`. Every run later than `catch_up_after` past its
     due time fired after downtime and is labelled catch-up."""
 
@@ -120,11 +124,12 @@ def apply_misfire(
         missed = [(n, "coalesced into one run of the most recent occurrence (misfire=run_once)") for n, _ in due[:-1]]
         return [run(due[-1])], missed
     # skip, and anything unknown: never run late work by accident
-    limit = max_lateness.total_seconds()
-    on_time = [o for o in due if now - o[1] <= max_lateness]
+    window = max(max_lateness, catch_up_after)
+    limit = window.total_seconds()
+    on_time = [o for o in due if now - o[1] <= window]
     missed = []
     for n, d in due:
-        if now - d > max_lateness:
+        if now - d > window:
             missed.append(
                 (
                     n,
@@ -183,6 +188,7 @@ class Scheduler:
         problem_log_every_s: float = PROBLEM_LOG_EVERY_S,
         claimed_turn: ClaimedTurnFn | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        credentials: CredentialCheck | None = None,
     ) -> None:
         if isinstance(home, CronStore):
             self.store = home
@@ -207,9 +213,15 @@ class Scheduler:
         self._watchers: set[asyncio.Task[TurnOutcome]] = set()
         self._next_due: datetime | None = None  # earliest due time of an enabled task (lease held)
         self.claimed_turn = claimed_turn
+        # Why the credential a task was made for is gone (None: alive), asked at fire time
+        self.credentials = credentials
         # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
         # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
         self._orphans: list[tuple[CronTask, Occurrence]] = []
+        # task id -> (the highest run number used, the latest scheduled time run), by this process's
+        # claims, else the run log's: a task rolled back by restoring an older crons.json neither
+        # reuses a run number nor runs an occurrence again.
+        self._used: dict[str, tuple[int, datetime | None]] = {}
         self._last_tick: datetime | None = None
         self._seen: tuple[int, int, int] | None = None  # crons.json signature after our last look
         self._tick_error: str | None = None
@@ -223,7 +235,9 @@ class Scheduler:
     @classmethod
     def from_config(cls, cfg: Any, *, fire: FireFn, **kwargs: Any) -> Scheduler:
         """Build from `appserver.config.Config` (home, cron.tick_s). The caller checks
-        `cfg.cron.enabled` (APPSERVER_DISABLE_CRON=1) and does not start one when it is off."""
+        `cfg.cron.enabled` (APPSERVER_DISABLE_CRON=1) and does not start one when it is off. The
+        home's token store says whether a task's credential still exists."""
+        kwargs.setdefault("credentials", TokenCredentials.for_home(cfg.home, cfg.store.url))
         return cls(
             cron_store_for(cfg.home, cfg.store.url),
             fire=fire,
@@ -240,8 +254,9 @@ class Scheduler:
         now = self._last_tick = self.clock()
         planned = await asyncio.to_thread(self._claim_due, now, report)
         orphans, self._orphans = self._orphans, []
-        for task, occurrence in orphans:
-            await self._submit_orphan(task, occurrence, report)
+        for task, last in orphans:
+            for occurrence in await asyncio.to_thread(self._orphan_occurrences, task, last):
+                await self._submit_orphan(task, occurrence, report)
         for item in planned:
             turn_id, _ = await submit_claimed(
                 self.store,
@@ -257,25 +272,63 @@ class Scheduler:
         return report
 
     @staticmethod
-    def _claimed_by(state: CronFile, token: str) -> list[tuple[CronTask, Occurrence]]:
-        """The occurrences the scheduler holding lease `token` claimed last, task by task."""
+    def _claimed_by(state: CronFile, tokens: set[str]) -> list[tuple[CronTask, Occurrence]]:
+        """The occurrences the schedulers holding leases `tokens` claimed last, task by task."""
         found = []
         for task in state.tasks:
-            if (task.last_claimed or {}).get("by") == token:
+            if (task.last_claimed or {}).get("by") in tokens:
                 occurrence = task.claimed_occurrence()
                 if occurrence is not None:
                     found.append((dataclasses.replace(task), occurrence))
         return found
 
-    def _adopt(self, state: CronFile, token: str) -> None:
-        """Stamp the claims of the dead scheduler `token` with our lease token, saved with the
+    def _dead_tokens(self, state: CronFile, previous: OwnerRecord | None) -> set[str]:
+        """The lease tokens whose claims this take-over must resolve: the dead holder's; when the
+        lease record was null or unusable (a hand edit, a damaged file; a clean stop too), every
+        other scheduler's that left a claim, since nobody can say it was resolved (the run log and
+        the kernel's key answer that, claim by claim)."""
+        if previous is not None:
+            return set() if previous.token == self.lease.token else {previous.token}
+        return {
+            by
+            for task in state.tasks
+            if isinstance(by := (task.last_claimed or {}).get("by"), str) and by != self.lease.token
+        }
+
+    def _adopt(self, state: CronFile, tokens: set[str]) -> None:
+        """Stamp the claims of the dead schedulers `tokens` with our lease token, saved with the
         take-over: should this process die too before it has resolved them, the next one to take
         the lease over finds them as ours and resolves them (by the run log, the kernel's key, or
         as missed) instead of losing them without a word."""
         for task in state.tasks:
             claimed = task.last_claimed
-            if claimed is not None and claimed.get("by") == token:
+            if claimed is not None and claimed.get("by") in tokens:
                 task.last_claimed = {**claimed, "by": self.lease.token}
+
+    def _orphan_occurrences(self, task: CronTask, last: Occurrence) -> list[Occurrence]:
+        """Every run of `task` a dead scheduler claimed and did not settle, oldest first: the run
+        log's unsettled `fired` records of other leases (a `run_all` catch-up claims several in one
+        tick) and the task's `last_claimed`. Said loudly when there is more than the last one."""
+        try:
+            records = unsettled_claims(self.store.runs_dir, task.id, self.lease.token)
+        except (OSError, ValueError) as exc:
+            log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
+            records = []
+        found = {last.number: last}
+        for r in records:
+            occ = Occurrence.from_record(task.id, r)
+            if occ is not None and occ.number <= last.number:
+                found.setdefault(occ.number, occ)
+        if len(found) > 1:
+            log.warning(
+                "cron: task %s (%s): %d runs (%s) were claimed by a scheduler that stopped; each is "
+                "resolved now: submitted if it never reached the kernel, else recorded as it went",
+                task.name,
+                task.id,
+                len(found),
+                ", ".join(f"#{n}" for n in sorted(found)),
+            )
+        return [found[n] for n in sorted(found)]
 
     async def _submit_orphan(self, task: CronTask, occurrence: Occurrence, report: TickReport) -> None:
         """An occurrence the previous scheduler claimed before it died, however long ago: settled
@@ -360,9 +413,10 @@ class Scheduler:
                 return []
             if not self.has_lease:
                 log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
-            if not had and previous is not None and previous.token != self.lease.token:
-                self._orphans = self._claimed_by(state, previous.token)
-                self._adopt(state, previous.token)
+            if not had:
+                dead = self._dead_tokens(state, previous)
+                self._orphans = self._claimed_by(state, dead)
+                self._adopt(state, dead)
             self.has_lease = report.has_lease = True
             changed = self.lease.renew_in(state) or not had
             self.lease_state = self.lease.describe_holder(state)
@@ -442,23 +496,76 @@ class Scheduler:
             due, following, skipped = self._due_occurrences(task, now)
         except ScheduleError as exc:
             return self._fail(task, exc, now, logs, report)
+        used, ran_until = self._used_runs(task)
+        if ran_until is not None and due and due[0][0] <= ran_until:  # a rolled-back schedule: not rerun
+            log.warning(
+                "cron: task %s (%s): the tasks say it is due from %s, but the run log shows it ran up to %s "
+                "(was an older copy of the tasks restored?); those occurrences are not run again",
+                task.name,
+                task.id,
+                due[0][0].isoformat(),
+                ran_until.isoformat(),
+            )
+            due = [o for o in due if o[0] > ran_until]
         fire, missed = apply_misfire(task.misfire, due, now, timedelta(seconds=task.max_lateness_s), self.run_all_cap)
         if skipped is not None:
             missed.insert(0, skipped)
+        if fire and task.namespace is not None and self.credentials is not None:
+            gone = self.credentials(task.namespace)
+            if gone is not None:  # never submit turns for a credential that is no more
+                reason = (
+                    f"not run: {gone}; the task is kept (it runs again once a token of that name "
+                    "exists; `appserver cron remove` deletes it)"
+                )
+                log.error("cron: task %s (%s) run skipped: %s", task.name, task.id, reason)
+                missed.extend((nominal, reason) for nominal, _, _ in fire)
+                fire = []
 
         for nominal, reason in missed:
             logs.append((task.id, "missed", {"scheduled_for": nominal, "reason": reason}))
         report.missed += len(missed)
         occurrences: list[Occurrence] = []
+        floor = used if fire else 0
         for nominal, due_at, catch_up in fire:
-            occ = task.claim(nominal, due_at, now, catch_up=catch_up, by=self.lease.token)
+            occ = task.claim(nominal, due_at, now, catch_up=catch_up, by=self.lease.token, floor=floor)
             occurrences.append(occ)
-            logs.append((task.id, "fired", occ.to_dict()))
+            # `by` names the claiming lease: a take-over finds every claim of a dead scheduler's tick
+            logs.append((task.id, "fired", {**occ.to_dict(), "by": self.lease.token}))
+        if occurrences:
+            latest = max(o.scheduled_for for o in occurrences)
+            self._used[task.id] = (task.occurrence, latest if ran_until is None else max(ran_until, latest))
         task.next_fire_at, task.next_due_at = following if following is not None else (None, None)
         task.updated_at = now
         snapshot = dataclasses.replace(task)  # `fire` gets a copy, not the store's cached object
         planned.extend(_Planned(snapshot, occ) for occ in occurrences)
         return True
+
+    def _used_runs(self, task: CronTask) -> tuple[int, datetime | None]:
+        """The highest run number of `task` already used and the latest scheduled time it ran: what
+        this process claimed, else what the run log names (read once per task). A counter below it
+        was rolled back (an older crons.json restored): said loudly, and numbering goes on above
+        it, so no run reuses an earlier run's number, whose idempotency key would make the kernel
+        answer with that earlier turn (nothing would run)."""
+        found = self._used.get(task.id)
+        if found is None:
+            try:
+                found = used_runs(self.store.runs_dir, task.id)
+            except (OSError, ValueError) as exc:
+                log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
+                found = (0, None)
+            self._used[task.id] = found
+        used = found[0]
+        if used > task.occurrence:
+            log.warning(
+                "cron: task %s (%s): its run counter in the tasks (%d) is behind the runs already made "
+                "(#%d; was an older copy of the tasks restored?); the next run is #%d",
+                task.name,
+                task.id,
+                task.occurrence,
+                used,
+                used + 1,
+            )
+        return found
 
     def _due_occurrences(
         self, task: CronTask, now: datetime
@@ -778,3 +885,5 @@ class Scheduler:
             self.has_lease = False
         await asyncio.to_thread(self.store.runlog.close)
         await asyncio.to_thread(self.store.close)
+        if isinstance(self.credentials, TokenCredentials):  # the one this scheduler made (from_config)
+            await asyncio.to_thread(self.credentials.close)

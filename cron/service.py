@@ -16,7 +16,7 @@ from appserver.server import Server
 from cron.adapter import KernelAdapter
 from cron.runner import DeliverFn, RunNowResult, TurnOutcome, deliver_reply, record_outcome
 from cron.scheduler import Scheduler
-from cron.store import CorruptStateFile, CronStoreError, CronTask
+from cron.store import CorruptStateFile, CronNotFound, CronStoreError, CronTask
 
 log = logging.getLogger("appserver.cron")
 
@@ -191,8 +191,15 @@ class CronService:
 
     async def run_now(self, ref: str, *, agent: str | None = None) -> RunNowResult:
         """Fire task `ref` now in this server: the same claim, envelope, run log and outcome watch
-        as `appserver cron run` in-process (the outcome is logged when the turn ends)."""
-        return await self.scheduler.run_now(ref, agent=agent)
+        as `appserver cron run` in-process (the outcome is logged when the turn ends). A task whose
+        agent was deleted is refused (CronNotFound) before a run number is used up."""
+        task = (await asyncio.to_thread(self.scheduler.store.read)).find(ref, agent)
+        if await self.server.store.get_agent(task.agent) is None:
+            raise CronNotFound(
+                f"task {task.name!r} ({task.id}) cannot run: its agent {task.agent} was deleted; remove the task "
+                f"(appserver cron remove {task.id}) or add a new one for an existing agent"
+            )
+        return await self.scheduler.run_now(task.id, agent=task.agent)
 
     async def stop(self) -> None:
         """Stop the loop, which closes the scheduler as it ends (lease released, outcome watchers

@@ -71,6 +71,10 @@ MAX_OCCURRENCE = 2**53  # a run counter beyond this was not written by a schedul
 # accepts has at most 19 (proc_start < 2**63); a longer one is kept as it is, up to this.
 MAX_JSON_INT_DIGITS = 4000
 _MISSING = object()  # crons.json does not exist (as opposed to holding `null`)
+# The namespace of tasks the `schedule` tool makes in a conversation no credential owns (local,
+# admin, CLI, cron conversations): the tool sees and cancels these, never the operator's CLI tasks
+# (namespace None) of the same agent.
+UNOWNED_TOOL_NAMESPACE = "schedule-tool:unowned"
 
 __all__ = [
     "CorruptStateFile",
@@ -83,6 +87,7 @@ __all__ = [
     "CronTask",
     "Occurrence",
     "OwnerRecord",
+    "UNOWNED_TOOL_NAMESPACE",
     "make_task",
 ]
 
@@ -367,30 +372,21 @@ class CronTask:
         manual: bool = False,
         catch_up: bool = False,
         by: str | None = None,
+        floor: int = 0,
     ) -> Occurrence:
         """Count one more run and record it as the last claimed occurrence (before anything fires);
         `by`: the scheduler lease token that claimed it (a scheduler that takes the lease over
-        from a dead one submits what that one claimed and never submitted)."""
-        self.occurrence += 1
+        from a dead one submits what that one claimed and never submitted); `floor`: the highest
+        run number already used (the run log's), which the new number must exceed even when the
+        counter here was rolled back by restoring an older crons.json."""
+        self.occurrence = max(self.occurrence, floor) + 1
         occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
         self.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat(), **({"by": by} if by else {})}
         return occ
 
     def claimed_occurrence(self) -> Occurrence | None:
         """The last claimed occurrence, rebuilt from `last_claimed` (None when it cannot be)."""
-        c = self.last_claimed or {}
-        try:
-            number = int(c["occurrence"])
-            scheduled = _dt(c.get("scheduled_for"), "last_claimed.scheduled_for")
-            due = _dt(c.get("due_at"), "last_claimed.due_at")
-            fired = _dt(c.get("fired_at"), "last_claimed.fired_at")
-        except (KeyError, TypeError, ValueError, OverflowError):
-            return None
-        if scheduled is None or due is None or fired is None:
-            return None
-        return Occurrence(
-            self.id, number, scheduled, due, fired, manual=bool(c.get("manual")), catch_up=bool(c.get("catch_up"))
-        )
+        return Occurrence.from_record(self.id, self.last_claimed or {})
 
     def fingerprint(self) -> tuple[Any, ...]:
         """Every field `to_dict` writes, by value: equal fingerprints give an equal JSON line, so
@@ -415,6 +411,23 @@ class Occurrence:
     fired_at: datetime
     manual: bool = False  # "run now", outside the schedule
     catch_up: bool = False  # fired late by the misfire policy (run_once / run_all)
+
+    @classmethod
+    def from_record(cls, task_id: str, c: dict[str, Any]) -> Occurrence | None:
+        """An occurrence rebuilt from `last_claimed` or a `fired` run-log record (None when the
+        record does not hold one)."""
+        try:
+            number = int(c["occurrence"])
+            scheduled = _dt(c.get("scheduled_for"), "scheduled_for")
+            due = _dt(c.get("due_at"), "due_at")
+            fired = _dt(c.get("fired_at"), "fired_at")
+        except (KeyError, TypeError, ValueError, OverflowError):
+            return None
+        if scheduled is None or due is None or fired is None:
+            return None
+        return cls(
+            task_id, number, scheduled, due, fired, manual=bool(c.get("manual")), catch_up=bool(c.get("catch_up"))
+        )
 
     @property
     def late_s(self) -> float:
@@ -763,12 +776,24 @@ class CronStore:
 
     # ------------------------------------------------------------ task operations
 
-    def add(self, task: CronTask) -> CronTask:
+    def add(self, task: CronTask, *, max_in_namespace: int | None = None) -> CronTask:
         """Insert a task; a duplicate name for the same agent and namespace is refused and nothing
         is written. Names are scoped to (agent, namespace): another agent's or another credential
-        namespace's tasks neither collide with nor show through this one."""
+        namespace's tasks neither collide with nor show through this one. `max_in_namespace`
+        (the `schedule` tool's cap) refuses a task when its namespace already holds that many,
+        counted under the lock so concurrent creations cannot pass it together."""
         with self.lock():
             state = self.load()
+            if max_in_namespace is not None:
+                held = sum(1 for t in state.tasks if t.namespace == task.namespace) + sum(
+                    1 for bad in state.invalid if bad.raw.get("namespace") == task.namespace
+                )
+                if held >= max_in_namespace:
+                    self.keep(state)
+                    raise CronStoreError(
+                        f"there are already {held} scheduled tasks of this owner, the most allowed "
+                        f"({max_in_namespace}); cancel some first"
+                    )
             if any(
                 t.agent == task.agent and t.name == task.name and t.namespace == task.namespace for t in state.tasks
             ) or any(

@@ -162,12 +162,15 @@ def test_a_lease_ttl_beyond_the_maximum_is_judged_by_the_maximum() -> None:
 def test_waiting_for_a_live_holder_is_logged_once_and_taking_the_lease_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """pid 1 on this host without a start time is alive as long as the host is: legitimate (the
-    server may be pid 1 in a container), so the wait is not cut short, but it is said, once."""
+    """pid 1 on this host without a start time, renewing its lease: legitimate (the server may be
+    pid 1 in a container), so the wait is not cut short while its heartbeat is fresh (without a
+    start time the pid proves nothing, tests/test_cron_lease_unverified.py), but it is said, once."""
     store = CronStore(tmp_path)
     started = datetime(2026, 1, 1, tzinfo=UTC)
     with store.transaction() as state:
-        state.scheduler_owner = OwnerRecord(1, "f" * 32, started, None, socket.gethostname())
+        state.scheduler_owner = OwnerRecord(
+            1, "f" * 32, started, None, socket.gethostname(), renewed_at=datetime.now(UTC), ttl_s=90.0
+        )
     me = LeaseHolder(store, started_at=datetime.now(UTC), ttl_s=3.0)
     caplog.set_level(logging.INFO, logger="appserver.cron")
     for _ in range(5):

@@ -89,3 +89,26 @@ async def test_readiness_fails_when_the_scheduler_loop_is_gone(
     finally:
         await service.stop()
         await server.close()
+
+
+@pytest.mark.parametrize(
+    ("value", "enabled"),
+    [
+        ("1", False),
+        ("true", False),
+        ("YES", False),
+        ("on", False),
+        ("0", True),
+        ("false", True),
+        ("off", True),
+        ("", True),
+    ],
+)
+def test_disable_cron_takes_every_boolean_spelling(tmp_path: Path, value: str, enabled: bool) -> None:
+    assert load_config(tmp_path, environ={"APPSERVER_DISABLE_CRON": value}).cron.enabled is enabled
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "disable"])
+def test_disable_cron_refuses_anything_else_naming_it(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ConfigError, match=r"APPSERVER_DISABLE_CRON"):  # `true` was ignored: cron ran
+        load_config(tmp_path, environ={"APPSERVER_DISABLE_CRON": value})

@@ -12,6 +12,13 @@ another agent's is refused when the task is made (as `cron add` does), not left 
 Task names are scoped the same way: a task remembers the namespace it was created in, names are
 unique per agent and namespace (`CronStore.add`), and cancel finds a name only among the caller's
 visible tasks, so a caller can neither see nor collide with another agent's or namespace's names.
+
+A task made in a conversation no credential owns is stored under `UNOWNED_TOOL_NAMESPACE`, so the
+tool can tell it from the operator's `cron add` tasks (no namespace), which it never shows or
+cancels, whoever's conversation it runs in. A credential's turn lists and cancels only its own
+namespace's tasks; an unowned one (admin, local), which sees every conversation, sees every task
+the tool made. A model cannot flood the scheduler either:
+at most MAX_TASKS_PER_NAMESPACE tasks per namespace, and a recurring one at most once a minute.
 """
 
 from __future__ import annotations
@@ -22,12 +29,31 @@ from typing import Any
 from appserver.agent.tools import Tool, ToolContext, ToolOutput
 from appserver.auth import namespace_allows
 from appserver.store.base import Store
-from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron
-from cron.store import CronNotFound, CronStore, CronStoreError, CronTask, make_task, utcnow
+from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron, parse_duration
+from cron.store import (
+    UNOWNED_TOOL_NAMESPACE,
+    CronNotFound,
+    CronStore,
+    CronStoreError,
+    CronTask,
+    make_task,
+    utcnow,
+)
 from cron.stores import cron_store_for
 
 KINDS = ("cron", "every", "at", "in")
 _UNKNOWN = "\x00unknown"  # the caller's namespace when it cannot be read: only this conversation
+MAX_TASKS_PER_NAMESPACE = 100  # tasks one namespace may hold through the tool (the CLI is not capped)
+MIN_EVERY_S = 60  # the shortest `every` the tool accepts (a cron expression fires once a minute at most)
+
+
+def _stored_namespace(ns: str | None) -> str | None:
+    """The namespace the caller's tasks are stored under: its credential's; the tool's own marker
+    in an unowned conversation (so they are told apart from the operator's CLI tasks); None when
+    the caller's namespace cannot be read (such a task is the operator's to manage)."""
+    if ns is None:
+        return UNOWNED_TOOL_NAMESPACE
+    return None if ns == _UNKNOWN else ns
 
 
 async def _caller_namespace(store: Store, ctx: ToolContext) -> str | None:
@@ -62,8 +88,14 @@ async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None,
     return None
 
 
-async def _visible_tasks(store: Store, ctx: ToolContext, ns: str | None, tasks: list[CronTask]) -> list[CronTask]:
-    return [t for t in tasks if await _target_allowed(store, ctx, ns, t.conversation)]
+def _visible_tasks(ns: str | None, tasks: list[CronTask]) -> list[CronTask]:
+    """The tasks this caller may list and cancel: a credential's own namespace only (whatever
+    conversation they run in); an unowned caller (admin, local), which sees every namespace as it
+    sees every conversation, every task the tool made; nobody the operator's CLI tasks."""
+    if ns is None:
+        return [t for t in tasks if t.namespace is not None]
+    own = _stored_namespace(ns)
+    return [t for t in tasks if own is not None and t.namespace == own]
 
 
 def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversation: str, ns: str | None) -> str:
@@ -74,6 +106,10 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
     tz = str(args.get("tz") or "UTC")
     get_zone(tz)
     expr = normalize_cron(str(expr)) if kind == "cron" else str(expr).strip()
+    if kind == "every" and parse_duration(expr).total_seconds() < MIN_EVERY_S:
+        raise ScheduleError(
+            f"every {expr!r} is too often: a task made by this tool repeats at most once a minute (every 60s or more)"
+        )
     task = make_task(
         name=str(args.get("name") or ""),
         agent=ctx.agent.id,
@@ -82,9 +118,9 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
         now=utcnow(),
         conversation=conversation,
         misfire=str(args.get("misfire") or "skip"),
-        namespace=None if ns == _UNKNOWN else ns,  # an unreadable owner: seen by unowned callers only
+        namespace=_stored_namespace(ns),
     )
-    store.add(task)
+    store.add(task, max_in_namespace=MAX_TASKS_PER_NAMESPACE)
     when = task.next_fire_at.isoformat(timespec="minutes") if task.next_fire_at else "never"
     return f"created task {task.name} ({task.id}); next run {when}"
 
@@ -115,12 +151,10 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
                 )
             text = await asyncio.to_thread(_create, store, args, ctx, conversation, ns)
         elif action == "list":
-            text = _list(
-                await _visible_tasks(conversations, ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id))
-            )
+            text = _list(_visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id)))
         elif action == "cancel":
             ref = str(args.get("name") or args.get("id") or "")
-            mine = await _visible_tasks(conversations, ctx, ns, await asyncio.to_thread(store.list, ctx.agent.id))
+            mine = _visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id))
             found = [t for t in mine if t.id == ref] or [t for t in mine if t.name == ref]
             if not found:
                 raise CronNotFound(f"no cron task {ref!r}")  # another's is as if it did not exist

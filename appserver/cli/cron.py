@@ -242,8 +242,14 @@ def _schedule_text(t: CronTask) -> str:
     }[s.kind] + ("" if s.kind == "every" else f" [{s.tz}]")
 
 
+def _owner(t: CronTask) -> str:
+    """Who made the task, in words: the operator (`cron add`, no namespace), or the namespace of
+    the conversation the `schedule` tool made it in (a credential's, or the tool's own marker)."""
+    return "operator" if t.namespace is None else t.namespace
+
+
 def _task_json(t: CronTask, names: dict[str, str] | None = None) -> dict[str, Any]:
-    out = {**t.to_dict(), "state": t.state}
+    out = {**t.to_dict(), "namespace": t.namespace, "owner": _owner(t), "state": t.state}
     if names and t.agent in names:
         out["agent_name"] = names[t.agent]
     return out
@@ -308,7 +314,8 @@ def cron_group() -> None:
 @click.option(
     "--max-lateness",
     default=None,
-    help=f"How late a run may start before it counts as missed (default {DEFAULT_MAX_LATENESS_S:g}s).",
+    help=f"How late a run may start before it counts as missed (default {DEFAULT_MAX_LATENESS_S:g}s; "
+    "a run started within 2s of its due time is on time, so 0s means never late).",
 )
 @click.option("--exact", is_flag=True, help="No jitter: fire exactly at the scheduled second.")
 @click.option(
@@ -437,13 +444,14 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
     if not tasks:
         click.echo("no cron tasks")
         return
-    rows = [["ID", "NAME", "AGENT", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
+    rows = [["ID", "NAME", "AGENT", "OWNER", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
     for t in tasks:  # each cell one line, exactly as stored (crons.json is the schedule tool's too)
         rows.append(
             [
                 exact(t.id),
                 exact(t.name),
                 exact(names.get(t.agent, t.agent)),
+                exact(_owner(t)),
                 exact(_schedule_text(t)),
                 _local(t.next_due_at if t.enabled else None, t.schedule.tz),
                 t.state,
@@ -475,6 +483,7 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         ("id", exact(task.id)),
         ("name", exact(task.name)),
         ("agent", exact(agent_text)),
+        ("owner", exact(_owner(task))),
         ("schedule", exact(_schedule_text(task))),
         ("state", task.state),
         ("next scheduled", _local(task.next_fire_at, tz)),
@@ -497,15 +506,27 @@ def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
     cfg = _config()
     store, which = _store(cfg), _agent_filter(cfg, agent)
     if enabled:
-        task = store.read().find(ref, which)
-        try:
-            _check_agent(cfg, task.agent)
-        except LookupError:  # its agent was deleted: enabled, it would fail at every fire
-            raise _NotFound(
-                f"task {task.name!r} ({task.id}) cannot run: its agent {task.agent} was deleted; remove the task "
-                f"(appserver cron remove {task.id}) or add a new one for an existing agent"
-            ) from None
+        _check_task_agent(cfg, store.read().find(ref, which))
     return store.set_enabled(ref, enabled, agent=which)
+
+
+def _check_task_agent(cfg: Config, task: CronTask) -> None:
+    """A task whose agent was deleted cannot run: refused (exit 2) before anything is claimed or
+    enabled, rather than left to use up a run number and fail at the fire."""
+    try:
+        _check_agent(cfg, task.agent)
+    except LookupError:
+        raise _NotFound(
+            f"task {task.name!r} ({task.id}) cannot run: its agent {task.agent} was deleted; remove the task "
+            f"(appserver cron remove {task.id}) or add a new one for an existing agent"
+        ) from None
+
+
+@_user_errors
+def _runnable(task: str, agent: str | None) -> None:
+    """`cron run`'s checks before it runs anything (an unknown task, a deleted agent: exit 2)."""
+    cfg = _config()
+    _check_task_agent(cfg, _store(cfg).read().find(task, _agent_filter(cfg, agent)))
 
 
 @cron_group.command("enable")
@@ -548,7 +569,9 @@ def run_cmd(task: str, agent: str | None, timeout: str, as_json: bool) -> None:
     """Run TASK now (works without the scheduler lease; through the server when one runs)."""
     from appserver.cli.cron_run import run_now
 
-    run_now(task, agent, _seconds("--timeout", timeout, 0.001, MAX_RUN_TIMEOUT_S), as_json)
+    seconds = _seconds("--timeout", timeout, 0.001, MAX_RUN_TIMEOUT_S)
+    _runnable(task, agent)
+    run_now(task, agent, seconds, as_json)
 
 
 @cron_group.command("logs")

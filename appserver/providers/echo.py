@@ -140,19 +140,28 @@ class EchoProvider:
         limit = request.max_tokens
         per_chunk = WORDS_PER_BIG_CHUNK if len(reply) > WORD_BY_WORD_MAX_CHARS else 1
         produced = 0
-        while True:
-            take = per_chunk if limit is None else min(per_chunk, limit - produced)
-            if take <= 0:
-                if next(pieces, None) is not None:  # words left that max_tokens cuts off
+        if per_chunk == 1:  # the usual reply: a word a chunk
+            for piece in pieces:
+                if limit is not None and produced >= limit:  # words left that max_tokens cuts off
                     yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
                     yield Done("length")
                     return
-                break
-            words = list(itertools.islice(pieces, take))
-            if not words:
-                break
-            yield Text("".join(words))
-            produced += len(words)
+                yield Text(piece)
+                produced += 1
+        else:
+            while True:
+                take = per_chunk if limit is None else min(per_chunk, limit - produced)
+                if take <= 0:
+                    if next(pieces, None) is not None:  # words left that max_tokens cuts off
+                        yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
+                        yield Done("length")
+                        return
+                    break
+                words = list(itertools.islice(pieces, take))
+                if not words:
+                    break
+                yield Text("".join(words))
+                produced += len(words)
         yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
         yield Done("stop")
 

@@ -1436,11 +1436,14 @@ async def migrate(conn: Conn) -> int:
     database as it was."""
     known = max(v for v, _ in MIGRATIONS)
     first: int | None = None
+    applied = False
     for version, script in [(0, ""), *MIGRATIONS]:
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
             current = await _schema_version(conn)  # after the lock: what a concurrent start committed
-            if first is None:
+            if first is None or (first == 0 and not applied):
+                # (a concurrent start that created the schema between two of these transactions
+                # made it not this one's: only the start that creates it finds the database new)
                 first = current
             if current > known:
                 raise SchemaTooNew(
@@ -1451,6 +1454,7 @@ async def migrate(conn: Conn) -> int:
             await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
             await conn.execute(script)  # several statements: no parameters, so the simple query protocol
             await conn.execute("INSERT INTO schema_version(version) VALUES (%s)", (version,))
+            applied = True
     return first or 0
 
 

@@ -446,7 +446,10 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
             if convert(disable_cron, bool, None, from_env=True):
                 cfg.cron.enabled = False
         except Invalid as bad:
-            raise ConfigError(f"APPSERVER_DISABLE_CRON={disable_cron!r}: must be {bad.expected}") from None
+            raise ConfigError(
+                f"APPSERVER_DISABLE_CRON={disable_cron!r}: must be 1, true, yes or on (0, false, no or off leave "
+                f"cron on; {bad.expected})"
+            ) from None
     if "APPSERVER_CRON_TICK_S" in environ:
         _apply_section(cfg.cron, {"tick_s": environ["APPSERVER_CRON_TICK_S"]}, "cron", tick_origin, from_env=True)
 

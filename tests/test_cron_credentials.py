@@ -116,6 +116,9 @@ async def test_token_revoke_stops_a_task_of_a_running_server(tmp_path: Path) -> 
         events = [r["event"] for r in read_runs(home / "cron-runs", task_id)]
         assert events == ["missed"], events  # no turn was submitted in a revoked token's name
         wait_for(lambda: sp.proc.stderr.seen("run skipped"), 10, "the server log line")  # type: ignore[union-attr]
+        by_hand = run_cli(home, "cron", "run", "persist", env=env)  # nor by hand: refused, no run used
+        assert by_hand.code == 2 and "revoked" in by_hand.err, (by_hand.code, by_hand.out, by_hand.err)
+        assert [r["event"] for r in read_runs(home / "cron-runs", task_id)] == ["missed"]
         listed = run_cli(home, "cron", "list", "--json", env=env)
         assert listed.code == 0, listed.err
         (persist,) = json.loads(listed.out)  # kept, with its owner shown

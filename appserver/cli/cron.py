@@ -26,6 +26,7 @@ from appserver.cli.common import MAX_COUNT, Count, get_config
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile
+from cron.credentials import TokenCredentials
 from cron.runlog import find_removed, read_run_log
 from cron.schedule import (
     ScheduleError,
@@ -524,9 +525,19 @@ def _check_task_agent(cfg: Config, task: CronTask) -> None:
 
 @_user_errors
 def _runnable(task: str, agent: str | None) -> None:
-    """`cron run`'s checks before it runs anything (an unknown task, a deleted agent: exit 2)."""
+    """`cron run`'s checks before it runs anything (an unknown task, a deleted agent, the revoked
+    token of a task the `schedule` tool made: exit 2)."""
     cfg = _config()
-    _check_task_agent(cfg, _store(cfg).read().find(task, _agent_filter(cfg, agent)))
+    found = _store(cfg).read().find(task, _agent_filter(cfg, agent))
+    _check_task_agent(cfg, found)
+    if found.namespace is not None:
+        credentials = TokenCredentials.for_home(cfg.home, cfg.store.url)
+        try:
+            gone = credentials(found.namespace)
+        finally:
+            credentials.close()
+        if gone is not None:
+            raise _NotFound(f"task {found.name!r} ({found.id}) cannot run: {gone}")
 
 
 @cron_group.command("enable")

@@ -77,8 +77,9 @@ class KernelAdapter:
         else:
             scope = sub.conversation
         turn = await self.store.lookup_idempotency(scope, sub.idempotency_key)
-        if turn is None:
-            turn = await self.store.lookup_idempotency(scope, sub.legacy_idempotency_key)
+        for legacy in sub.legacy_idempotency_keys:
+            if turn is None:
+                turn = await self.store.lookup_idempotency(scope, legacy)
         return turn.id if turn is not None else None
 
     async def outcome(self, turn_id: str) -> TurnOutcome:

@@ -78,13 +78,16 @@ class CronSubmission:
     def idempotency_key(self) -> str:
         """One occurrence is one turn, even if the submit is retried. The separator is a control
         character, which no protocol client can put in a key (appserver/ws/frames.py): a client
-        submitting to the task's conversation can never take an occurrence's key."""
-        return f"cron\x1f{self.task_id}:{self.occurrence.number}"
+        submitting to the task's conversation can never take an occurrence's key. The scheduled
+        time is part of it: a run number used again (an older crons.json restored while the run
+        log that would have said so was lost) is another occurrence, never the earlier turn."""
+        scheduled_ms = int(self.occurrence.scheduled_for.timestamp() * 1000)
+        return f"cron\x1f{self.task_id}:{self.occurrence.number}@{scheduled_ms}"
 
     @property
-    def legacy_idempotency_key(self) -> str:
-        """The key of an occurrence submitted by an older server (its claim may still be open)."""
-        return f"cron:{self.task_id}:{self.occurrence.number}"
+    def legacy_idempotency_keys(self) -> tuple[str, str]:
+        """The keys of an occurrence submitted by an older server (its claim may still be open)."""
+        return f"cron\x1f{self.task_id}:{self.occurrence.number}", f"cron:{self.task_id}:{self.occurrence.number}"
 
 
 @dataclass(frozen=True, slots=True)

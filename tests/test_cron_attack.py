@@ -54,7 +54,9 @@ def events(home: Path, task_id: str) -> list[str]:
 def turns_with_key(home: Path, key: str) -> list[tuple[str, str]]:
     conn = sqlite3.connect(home / "appserver.db")
     try:
-        return list(conn.execute("SELECT id, status FROM turns WHERE idempotency_key = ?", (key,)))
+        # `key` names the run (cron\x1f<task>:<n>); the key also carries its scheduled time (@ms)
+        rows = conn.execute("SELECT id, status, idempotency_key FROM turns").fetchall()
+        return [(i, s) for i, s, k in rows if k == key or (k or "").startswith(key + "@")]
     finally:
         conn.close()
 

@@ -37,7 +37,9 @@ def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:
 def turns_with_key(home: Path, key: str) -> list[str]:
     conn = sqlite3.connect(home / "appserver.db")
     try:
-        return [r[0] for r in conn.execute("SELECT id FROM turns WHERE idempotency_key = ?", (key,))]
+        # `key` names the run (cron\x1f<task>:<n>); the key also carries its scheduled time (@ms)
+        rows = conn.execute("SELECT id, idempotency_key FROM turns").fetchall()
+        return [i for i, k in rows if k == key or (k or "").startswith(key + "@")]
     finally:
         conn.close()
 

@@ -111,6 +111,29 @@ async def test_a_restored_older_crons_json_never_reuses_a_run_number(tmp_path: P
     await s.close()
 
 
+async def test_a_restore_with_the_run_log_lost_too_still_runs_every_occurrence(tmp_path: Path) -> None:
+    """Nothing on disk says which numbers were used (the run log deleted, as docs/security.md
+    suggests for a damaged one): a number used again is another occurrence, so another turn."""
+    store = CronStore(tmp_path / "home")
+    add(store, "r", "1h")
+    kernel = Kernel()
+    clock = FakeClock(T0 + timedelta(hours=1, seconds=1))
+    s = Scheduler(store, fire=kernel.fire, clock=clock)
+    await s.tick()
+    backup = store.path.read_text()  # after run #1
+    clock.now = T0 + timedelta(hours=2, seconds=1)
+    await s.tick()
+    await s.close()
+    restore(store, backup, owner=None)
+    for record in store.runs_dir.iterdir():
+        record.unlink()
+    restarted = Scheduler(store, fire=kernel.fire, clock=FakeClock(T0 + timedelta(hours=3, seconds=1)))
+    await restarted.tick()
+    assert kernel.ran == [1, 2, 2]  # #2 again, for 03:00: a turn of its own, not 02:00's
+    assert len(set(kernel.turns.values())) == 3
+    await restarted.close()
+
+
 async def test_after_a_restore_and_a_restart_numbering_goes_on_past_the_run_log(tmp_path: Path) -> None:
     store = CronStore(tmp_path / "home")
     task = add(store, "r", "1h")

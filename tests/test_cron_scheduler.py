@@ -404,7 +404,8 @@ async def test_outcome_is_recorded_after_the_fire(store: CronStore) -> None:
     assert "Scheduled for:" in sub.input_text and "Current time:" in sub.input_text
     assert "Timezone: UTC" in sub.input_text and sub.input_text.endswith("do h")
     assert sub.metadata["cron_task_id"] == t.id and sub.metadata["occurrence"] == 1
-    assert sub.idempotency_key == f"cron\x1f{t.id}:1"  # one occurrence is one turn
+    # one occurrence is one turn: its run number and scheduled time
+    assert sub.idempotency_key == f"cron\x1f{t.id}:1@{int(sub.occurrence.scheduled_for.timestamp() * 1000)}"
     assert sub.source == {"kind": "cron_prompt", "deliver": None, **sub.metadata}
 
 

@@ -228,6 +228,11 @@ async def cron_background(service: CronService) -> AsyncIterator[None]:
     service.start_recovery()  # this process owns the home's turns, scheduler or not
     if server.config.cron.enabled:
         service.start()
+    else:
+        log.info(
+            "cron: the scheduler is off in this server (APPSERVER_DISABLE_CRON or [cron] enabled = false); "
+            "no task fires here, `appserver cron run` still works"
+        )
     try:
         yield
     finally:

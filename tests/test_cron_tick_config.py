@@ -17,6 +17,8 @@ from cron.scheduler import Scheduler
 from cron.service import CronService
 from cron.store import CronStore, CronTask, Occurrence
 from tests.support.cli import cli_env, run_cli
+from tests.support.serve import serving
+from tests.support.wait import wait_for
 
 
 async def fire(task: CronTask, occ: Occurrence) -> str:
@@ -112,3 +114,10 @@ def test_disable_cron_takes_every_boolean_spelling(tmp_path: Path, value: str, e
 def test_disable_cron_refuses_anything_else_naming_it(tmp_path: Path, value: str) -> None:
     with pytest.raises(ConfigError, match=r"APPSERVER_DISABLE_CRON"):  # `true` was ignored: cron ran
         load_config(tmp_path, environ={"APPSERVER_DISABLE_CRON": value})
+
+
+def test_a_server_with_cron_off_says_so(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with serving(home, env=cli_env(home, APPSERVER_DISABLE_CRON="yes")) as sp:
+        wait_for(lambda: sp.proc.stderr.seen("scheduler is off"), 15, "the line saying cron is off")  # type: ignore[union-attr]
+        assert not sp.proc.stderr.seen("now runs the scheduler")  # type: ignore[union-attr]

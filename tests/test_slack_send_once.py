@@ -7,7 +7,6 @@ The kill -9 of the gateway while a post is in flight is in tests/test_slack_send
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,12 +17,12 @@ import pytest
 from slack_sdk.http_retry.request import HttpRequest as RetryRequest
 from slack_sdk.http_retry.state import RetryState
 
-from gateway.delivery import Outbox, ReplySink, SendUncertain
-from gateway.ratelimit import ChatRateLimiter
-from plugins.contract import Account, AdapterContext, DeliveryError, InboundMessage, Target
-from plugins.slack import SlackAdapter, create_adapter
+from gateway.delivery import ReplySink, SendUncertain
+from plugins.contract import DeliveryError, Target
+from plugins.slack import SlackAdapter
 from plugins.slack.adapter import API_TIMEOUT_ENV, REPLY_EVENT, _RetryDroppedConnections
 from tests.fakes.slack_api import FakeSlack
+from tests.support.slack import outbox, started_adapter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,26 +39,8 @@ def slack() -> Iterator[FakeSlack]:
 @pytest.fixture
 async def adapter(slack: FakeSlack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SlackAdapter]:
     monkeypatch.setenv(API_TIMEOUT_ENV, str(TIMEOUT_S))
-
-    async def on_message(msg: InboundMessage) -> None:
-        if msg.ack is not None:
-            await msg.ack()
-
-    ctx = AdapterContext(on_message, lambda state, reason: None, tmp_path, logging.getLogger("test.slack"))
-    account = Account(
-        "slack", "main", {"api_url": slack.url}, {"bot_token": slack.bot_token, "app_token": slack.app_token}
-    )
-    made = create_adapter(account, ctx)
-    assert isinstance(made, SlackAdapter)
-    await made.start()
-    try:
+    async with started_adapter(slack, tmp_path) as made:
         yield made
-    finally:
-        await made.stop()
-
-
-def outbox(adapter: SlackAdapter) -> Outbox:
-    return Outbox(adapter, ChatRateLimiter(rate=50.0, burst=50), asyncio.sleep)
 
 
 def tagged(key: str) -> dict[str, Any]:

@@ -6,19 +6,17 @@ The real slack_sdk client against the loopback fake (`perform_then_fail`)."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from gateway.delivery import Outbox, ReplySink
-from gateway.ratelimit import ChatRateLimiter
-from plugins.contract import Account, AdapterContext, DeliveryError, InboundMessage, Target
-from plugins.slack import SlackAdapter, create_adapter
+from gateway.delivery import ReplySink
+from plugins.contract import DeliveryError, Target
+from plugins.slack import SlackAdapter
 from plugins.slack.adapter import API_TIMEOUT_ENV
 from tests.fakes.slack_api import FakeSlack
+from tests.support.slack import outbox, started_adapter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,26 +40,8 @@ def slack() -> Iterator[FakeSlack]:
 @pytest.fixture
 async def adapter(slack: FakeSlack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[SlackAdapter]:
     monkeypatch.setenv(API_TIMEOUT_ENV, "2")
-
-    async def on_message(msg: InboundMessage) -> None:
-        if msg.ack is not None:
-            await msg.ack()
-
-    ctx = AdapterContext(on_message, lambda state, reason: None, tmp_path, logging.getLogger("test.slack"))
-    account = Account(
-        "slack", "main", {"api_url": slack.url}, {"bot_token": slack.bot_token, "app_token": slack.app_token}
-    )
-    made = create_adapter(account, ctx)
-    assert isinstance(made, SlackAdapter)
-    await made.start()
-    try:
+    async with started_adapter(slack, tmp_path) as made:
         yield made
-    finally:
-        await made.stop()
-
-
-def outbox(adapter: SlackAdapter) -> Outbox:
-    return Outbox(adapter, ChatRateLimiter(rate=50.0, burst=50), asyncio.sleep)
 
 
 @pytest.mark.parametrize(("error", "status", "html"), ANSWERS)

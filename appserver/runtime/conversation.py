@@ -144,6 +144,26 @@ class ConversationRuntime:
             return self.queue.cancel_next()
         return False
 
+    @property
+    def holds_turns(self) -> bool:
+        """A turn runs, waits for answers, or waits in the queue (or for its accept) here."""
+        return self.lifecycle.busy or bool(self.queue) or self.queue.accepting > 0
+
+    def end_deleted(self, why: str) -> bool:
+        """The conversation is gone from the store (another process deleted its agent): every turn
+        held here ends failed, nothing written, so each watcher still gets its final snapshot. The
+        running one is cancelled; the paused one and the queued ones end as the worker reaches them.
+        False when this was known already."""
+        runner = self._runner
+        if runner.gone is not None:
+            return False
+        runner.gone = why
+        if self.lifecycle.request_cancel() is not None:
+            runner.cancel_loop(self.queue.worker)
+        self._answers.abandon()
+        self.queue.ensure_worker()
+        return True
+
     async def withdraw(self, turn_id: str, why: str) -> bool:
         """Drop a queued input that has not started (see `TurnQueue.withdraw`)."""
         return await self.queue.withdraw(turn_id, why)

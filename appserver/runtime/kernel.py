@@ -45,6 +45,7 @@ NAMESPACE_DEFAULT_PREFIX = "conv_default~"  # a namespace's own default conversa
 log = logging.getLogger("appserver.kernel")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
+DELETED_AGENT_CHECK_S = 1.0  # how soon turns held here end after another process deleted their agent
 
 SettledListener = Callable[[TurnRecord, TurnSnapshot], None]
 
@@ -173,10 +174,19 @@ class Kernel:
         await asyncio.gather(*(rt.shutdown() for rt in list(self.runtimes.values())), return_exceptions=True)
 
     async def _sweep(self) -> None:
-        """Evict idle runtimes; expire approvals of conversations not in memory."""
+        """Evict idle runtimes; expire approvals of conversations not in memory; each second, end
+        the turns of conversations whose agent another process deleted."""
         interval = max(0.5, min(self.config.limits.idle_evict_s / 2, 30.0))
+        next_full = time.monotonic() + interval
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(min(DELETED_AGENT_CHECK_S, interval))
+            try:
+                await self.end_deleted_agents_turns()
+            except Exception:
+                log.exception("the check for deleted agents failed")
+            if time.monotonic() < next_full:
+                continue
+            next_full = time.monotonic() + interval
             try:
                 self.evict_idle()
                 for p in await self.store.overdue_pending(time.time()):
@@ -187,6 +197,25 @@ class Kernel:
                     await rt.expire_overdue()
             except Exception:
                 log.exception("runtime sweep failed")
+
+    async def end_deleted_agents_turns(self) -> int:
+        """`appserver agents delete` runs in a process of its own and deletes the agent's
+        conversations and turns in the store; the turns held here (running, paused for an answer,
+        queued) would otherwise never end. Each runtime with turns whose agent is gone ends them
+        (failed, nothing written). With no turn held here it costs nothing; else one look at the
+        agents (cached in SQLite's store)."""
+        holding = [rt for rt in self.runtimes.values() if rt.holds_turns]
+        if not holding:
+            return 0
+        agents = {a.id for a in await self.store.agents_to_read()}
+        ended = 0
+        for rt in holding:
+            if rt.agent_id in agents or self.runtimes.get(rt.conversation_id) is not rt:
+                continue
+            if rt.end_deleted(f"its agent {rt.agent_id} was deleted"):
+                log.warning("conversation %s: its agent %s was deleted; its turns end", rt.conversation_id, rt.agent_id)
+                ended += 1
+        return ended
 
     def evict_idle(self, older_than_s: float | None = None) -> int:
         limit = self.config.limits.idle_evict_s if older_than_s is None else older_than_s

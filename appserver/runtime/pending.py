@@ -201,6 +201,14 @@ class PendingAnswers:
         await self._cancel_open_calls(turn.id)
         return True
 
+    def abandon(self) -> None:
+        """The conversation is gone from the store: hand the paused turn to the worker to end it,
+        with no store call here (its rows, and its calls', no longer exist)."""
+        turn = self._awaiting
+        if turn is not None and self._resume is None and self._lifecycle.state == "awaiting":
+            self.take(turn, None)
+        self.cancel_expiry()
+
     async def _cancel_open_calls(self, turn_id: str) -> None:
         store = self._deps.store
         for p in await store.list_pending(turn_id):

@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any
 
 from appserver.agent.loop import LoopOutcome, TurnWork
-from appserver.errors import NotFound
 from appserver.providers.base import ToolSpec
 from appserver.providers.registry import ModelStringError
 from appserver.runtime.board import TurnBoard
@@ -25,7 +24,7 @@ from appserver.runtime.handle import TurnHandle
 from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
-from appserver.runtime.settle import TurnEnd, cancel_wins, halted, loop_end, store_failure
+from appserver.runtime.settle import TurnEnd, cancel_wins, deleted, halted, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import ConversationGone, StoreError, StoreUnavailable, TurnSettledElsewhere
 from appserver.store.records import AgentRecord, MessageRecord, TurnRecord
@@ -84,6 +83,9 @@ class TurnRunner:
         # unreferenced one may be collected mid-write).
         self._draft_writes: set[asyncio.Task[None]] = set()
         self._draft_failed = ""  # the turn whose failed draft was already logged as a warning
+        # Why this conversation no longer exists in the store (its agent was deleted by another
+        # process), once known: every turn it still holds ends failed at once, nothing written.
+        self.gone: str | None = None
 
     def cancel_loop(self, worker: asyncio.Task[None] | None) -> None:
         """A cancel was accepted: if the agent loop runs, cancel the worker it runs in (the cancel
@@ -126,6 +128,14 @@ class TurnRunner:
             controller.resume("finalizing" if lease.cancel_event.is_set() else "acting")
             self._board.notify(handle)
         self._draft_base = len(controller.visible_text())  # a resumed turn's earlier text is stored
+        if self.gone is not None:
+            await accept_failure(accepting)
+            try:
+                lifecycle.settle(lease, pausing=False)
+            except StaleLease:
+                return
+            await self.finish(record, controller, lease, deleted(self.gone))
+            return
         work: TurnWork | None = None
         elsewhere: TurnSettledElsewhere | None = None
         try:
@@ -138,8 +148,9 @@ class TurnRunner:
             if agent is None:
                 agent = await deps.store.get_agent(record.agent_id)
                 lifecycle.check(lease)
-            if agent is None:
-                raise NotFound(f"agent {record.agent_id} was deleted")
+            if agent is None:  # deleted, and the conversation with it (by another process)
+                self.gone = f"its agent {record.agent_id} was deleted"
+                raise ConversationGone(self._conversation_id)
             work = TurnWork(
                 agent=agent,
                 conversation_id=self._conversation_id,
@@ -241,7 +252,9 @@ class TurnRunner:
         except StaleLease:
             return
         not_accepted = await accept_failure(accepting)
-        if elsewhere is not None:
+        if self.gone is not None:
+            end = deleted(self.gone)
+        elif elsewhere is not None:
             end = store_failure(elsewhere)
         elif not_accepted is not None:
             # Never accepted, so never acknowledged nor visible: nothing of it may be written.

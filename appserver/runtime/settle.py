@@ -42,6 +42,17 @@ def store_failure(reason: object) -> TurnEnd:
     )
 
 
+def deleted(why: str) -> TurnEnd:
+    """The turn's conversation is gone from the store (its agent was deleted, by another process):
+    it ends failed with nothing written. Error kind `store`, as a commit that found the rows gone
+    says (HTTP answers it as the model not existing)."""
+    return TurnEnd(
+        "failed",
+        "error",
+        {"kind": "store", "message": f"{why}; nothing of the turn was saved", "retryable": False, "status": None},
+    )
+
+
 def withdrawn(turn_id: str, revision: int, why: str) -> TurnEnd:
     """An input dropped before it started (its client went away): closed as cancelled, error kind
     `withdrawn`, nothing of it written to the history."""

@@ -168,19 +168,19 @@ class ConversationWatch:
                 continue
             told = self.announced.pop(call_id)
             p = await self.hub.server.store.get_pending(self.conversation_id, call_id)
-            if p is None or p.turn_id != snap.turn_id:
-                if p is None:
-                    continue
+            if p is not None and p.turn_id != snap.turn_id:
                 self.announced.setdefault(call_id, told)  # another turn's call: keep
                 continue
+            # No row: the conversation was deleted (with its agent) and its paused turn ended
+            # without an answer, so the request those connections hold is void: cancelled.
             frame = encode(
                 {
                     "type": "approval_resolved",
                     "conversation_id": self.conversation_id,
-                    "turn_id": p.turn_id,
+                    "turn_id": p.turn_id if p is not None else snap.turn_id,
                     "call_id": call_id,
-                    "status": p.status,
-                    "decided_by": p.decided_by,
+                    "status": p.status if p is not None else "cancelled",
+                    "decided_by": p.decided_by if p is not None else None,
                 }
             )
             for cid in told:

@@ -259,6 +259,9 @@ class Paused:
 
     messages: list[MessageRecord]
     open_calls: list[dict[str, Any]]
+    # Approved calls that already ran in the conversation this one is forked from: their result
+    # there (text, is_error). Approving one in the fork reuses it instead of running it again.
+    ran: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
 
 # The id a legacy assistant `function_call` (which has none) is known by: a `function` message
@@ -285,7 +288,9 @@ def repeats_answer(p: PendingCall | None, d: Decision) -> bool:
     if p is None:
         return False
     if d.action == "result":
-        return p.status == "result" and (p.output or "") == (d.output or "")
+        return p.kind == "client" and p.status == "result" and (p.output or "") == (d.output or "")
+    if p.kind == "approval" and p.status == "result":  # approved in a fork: the result it reused
+        return d.action == "approve"
     return p.status == {"approve": "approved", "deny": "denied"}.get(d.action)
 
 
@@ -437,6 +442,7 @@ class ConversationMatcher:
         for c in paused.open_calls:
             client = c.get("executor") == "client"
             timeout = limits.client_tool_timeout_s if client else limits.approval_timeout_s
+            output, is_error = paused.ran.get(c["id"], (None, False))
             pending.append(
                 PendingCall(
                     c["id"],
@@ -445,6 +451,8 @@ class ConversationMatcher:
                     c["name"],
                     c.get("arguments") or "",
                     "client" if client else "approval",
+                    output=output,  # ran where this was forked from: an approval reuses it
+                    is_error=is_error,
                     created_at=now,
                     expires_at=now + timeout,
                 )
@@ -574,15 +582,13 @@ class ConversationMatcher:
     ) -> str:
         """A new conversation with the source's messages up to `last_message_id`, then `seed`'s;
         with `answers`, paused at the calls open there (checked before anything is written)."""
-        messages = [
-            m
-            for m in await self.store.list_messages(source_conversation)
-            if m.id is not None and m.id <= last_message_id
-        ]
+        source = await self.store.list_messages(source_conversation)
+        messages = [m for m in source if m.id is not None and m.id <= last_message_id]
         paused: Paused | None = None
         if answers is not None:
+            later = [m for m in source if m.id is not None and m.id > last_message_id]
             messages, paused = split_paused(messages, answers)  # the tail is written again, paused
-            await self._refuse_decided(paused, answers)
+            await self._refuse_decided(paused, answers, later)
         ids = [m.id for m in messages if m.id is not None]
         conv = await self._new(
             agent,
@@ -597,25 +603,51 @@ class ConversationMatcher:
         )
         return conv.id
 
-    async def _refuse_decided(self, paused: Paused, answers: Answers) -> None:
-        """400 `already_resolved` (before anything is written) for an answer to a call the source
-        conversation already closed otherwise: denied or approved the other way (by a person on the
-        WebSocket, say), given another result, expired or cancelled. A fork answers again only what
-        repeats the answer the call had there (a retry, a resent round); it never decides a call
-        anew, which would run a command a person denied."""
+    async def _refuse_decided(self, paused: Paused, answers: Answers, later: list[MessageRecord]) -> None:
+        """Check a fork's answers against what the source conversation did with the same calls
+        (before anything is written); `later` is the source's messages after the fork point.
+
+        400 `already_resolved` for an approval decided otherwise there (denied, or approved the
+        other way by a person on the WebSocket, say), expired or cancelled: a fork never decides an
+        approval anew, which would run a command a person denied. An approval that repeats the one
+        given there (a retry, a resent round) must not run the call a second time either: when the
+        call ran there, the fork reuses its result (`Paused.ran`); while it is still being answered
+        or run there (two requests sending the same answer at once), 409, to retry once that
+        request is done. A client tool's result may differ from the one given there: nothing of
+        the server runs for it, and a client that edits a result and regenerates forks as it
+        would with any other message."""
         turn_id = paused.messages[0].turn_id if paused.messages else None
         if turn_id is None or not answers.given:
             return  # a seeded history's calls: never answered on this server
-        closed = {p.call_id: p for p in await self.store.list_pending(turn_id) if p.status != "pending"}
-        if not closed:
+        calls = {p.call_id: p for p in await self.store.list_pending(turn_id)}
+        if not calls:
             return
+        results = {m.tool_call_id: m for m in later if m.role == "tool" and m.tool_call_id}
         named = [(c["id"], c["name"]) for c in paused.open_calls]
         clashes: list[str] = []
+        busy: list[str] = []
         for d in answers.given:
             cid = by_name(d.call_id, named)
-            p = closed.get(cid)
-            if p is not None and not repeats_answer(p, d):
+            p = calls.get(cid)
+            if p is None or p.kind != "approval" or d.action == "result":
+                continue
+            approved = p.status in ("approved", "result")  # "result": approved, its earlier result reused
+            if p.status == "pending" or (approved and cid not in results):
+                if d.action == "approve":
+                    busy.append(cid)
+            elif not repeats_answer(p, d):
                 clashes.append(f"call {cid} was already answered ({p.status})")
+            elif approved:
+                done = results[cid]
+                paused.ran[cid] = (done.content if isinstance(done.content, str) else "", done.is_error)
+        if busy and not clashes:
+            raise ApiError(
+                409,
+                f"call {', '.join(busy)} is being answered by another request right now; an approval runs its "
+                "call once: retry once that request is done, and this one reuses the call's result",
+                code="already_resolving",
+                param=answers.param,
+            )
         if clashes:
             raise ApiError(
                 400,

@@ -117,7 +117,7 @@ class PendingAnswers:
             elif (seen.action, seen.output or "", seen.is_error) != (d.action, d.output or "", d.is_error):
                 raise InvalidInput(f"call {d.call_id} is answered twice in this input, differently")
         refused: list[dict[str, Any]] = []
-        ready: list[Decision] = []
+        ready: list[tuple[Decision, PendingCall]] = []
         for d in distinct.values():
             p = await store.get_pending(self._conversation_id, d.call_id)
             if p is None or p.turn_id != turn.id:
@@ -139,23 +139,29 @@ class PendingAnswers:
             if whole and p.status != "pending":
                 refused.append(_already(d.call_id, p.status))
                 continue
-            ready.append(d)
+            ready.append((d, p))
         if whole and refused:
             return refused
         results = list(refused)
-        for d in ready:
+        for d, p in ready:
             status = {"approve": "approved", "deny": "denied", "result": "result"}[d.action]
+            output, is_error = d.output, d.is_error
+            if d.action == "approve" and p.output is not None:
+                # it ran in the conversation this one was forked from (the same approval resent):
+                # approved, it is answered with that result instead of running a second time
+                status, output, is_error = "result", p.output, p.is_error
             won = await store.resolve_pending(
                 self._conversation_id,
                 d.call_id,
                 status,
-                output=d.output,
-                is_error=d.is_error,
+                output=output,
+                is_error=is_error,
                 reason=d.reason,
                 decided_by=d.decided_by,
             )
             if won:
-                results.append({"call_id": d.call_id, "accepted": True, "status": status})
+                shown = "approved" if d.action == "approve" else status
+                results.append({"call_id": d.call_id, "accepted": True, "status": shown})
             else:
                 current = await store.get_pending(self._conversation_id, d.call_id)
                 results.append(_already(d.call_id, current.status if current else None))

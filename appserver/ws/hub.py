@@ -179,7 +179,7 @@ class ConversationWatch:
                     "conversation_id": self.conversation_id,
                     "turn_id": p.turn_id if p is not None else snap.turn_id,
                     "call_id": call_id,
-                    "status": p.status if p is not None else "cancelled",
+                    "status": ("approved" if p.status == "result" else p.status) if p is not None else "cancelled",
                     "decided_by": p.decided_by if p is not None else None,
                 }
             )

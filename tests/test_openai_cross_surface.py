@@ -185,6 +185,17 @@ def test_an_approval_resent_runs_its_call_once_and_the_forks_reuse_its_result(
                 if r.status_code == 409:  # still being answered by the first: retry once it is done
                     validate("ErrorResponse", r.json())
                     assert r.json()["error"]["code"] == "already_resolving", r.text
+            # the OpenAI SDK sends them (it retries a 409 on its own): every one is answered
+            sdk = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=4)
+            by_sdk = await asyncio.gather(
+                *(
+                    sdk.responses.create(model="ops", previous_response_id=first.json()["id"], input=[approve])  # type: ignore[arg-type,list-item]
+                    for _ in range(3)
+                )
+            )
+            for resp in by_sdk:
+                (call,) = [o for o in resp.output if o.type == "mcp_call"]
+                assert call.status == "completed" and "done-once" in (call.output or ""), resp.output
             later = await http.post("/v1/responses", json=body)
             stateless = await http.post(
                 "/v1/responses", json={"model": "ops", "input": [{"role": "user", "content": command}, req, approve]}

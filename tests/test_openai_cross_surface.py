@@ -310,6 +310,64 @@ def test_a_queued_stream_killed_with_the_server_is_answered_as_its_turn_ended(tm
         sp.stop()
 
 
+def test_a_stream_killed_mid_turn_keeps_its_text_and_a_continuation_follows_it(tmp_path: Path) -> None:
+    """The running turn of a Responses stream is interrupted by kill -9: after the restart `GET`
+    answers `failed` with the text the turn kept as an incomplete message, and previous_response_id
+    naming it continues after that turn (was: no output, and the continuation forked from before the
+    turn, its input and kept text missing)."""
+    require_conformance()
+    home = tmp_path / "home"
+    env = cli_env(home)
+    sp = start_serve(home, env=env)
+    try:
+
+        async def stream_and_kill() -> tuple[str, str]:
+            client = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0)
+            first = await client.responses.create(model="assistant", input="first")
+            stream = await client.responses.create(
+                model="assistant", input="/slow 300", previous_response_id=first.id, stream=True
+            )
+            rid, words = "", 0
+            async for e in stream:
+                if e.type == "response.created":
+                    rid = e.response.id
+                elif e.type == "response.output_text.delta":
+                    words += 1
+                    if words == 5:
+                        break
+            await asyncio.sleep(0.7)  # the turn's draft (twice a second) holds some of its text now
+            sp.proc.kill()
+            sp.proc.wait(10)
+            await client.close()
+            return first.id, rid
+
+        first_id, rid = asyncio.run(stream_and_kill())
+    finally:
+        sp.kill()
+
+    sp = start_serve(home, env=env)
+    try:
+        with httpx.Client(base_url=sp.url, timeout=30) as http:
+            got = http.get(f"/v1/responses/{rid}")
+            assert got.status_code == 200, got.text
+            validate("Response", got.json())
+            body = got.json()
+            assert body["status"] == "failed", body
+            (message,) = [o for o in body["output"] if o["type"] == "message"]
+            kept = message["content"][0]["text"]
+            assert message["status"] == "incomplete" and kept.startswith("w1 w2 w3"), body["output"]
+            assert http.get(f"/v1/responses/{rid}").json() == body  # kept so
+            nxt = http.post(
+                "/v1/responses", json={"model": "assistant", "input": "/recall", "previous_response_id": rid}
+            )
+            assert nxt.status_code == 200, nxt.text
+            assert nxt.json()["output"][-1]["content"][0]["text"] == "first | /slow 300", nxt.json()
+            got_first = http.get(f"/v1/responses/{first_id}").json()
+            assert got_first["status"] == "completed"
+    finally:
+        sp.stop()
+
+
 # ---------------------------------------------------------------- 3. cancelled from the WebSocket
 
 

@@ -842,7 +842,9 @@ class Responses:
         """`rec`, or, when its stream stored it in progress (`response.created`) and can no longer
         store how it ended (the server was killed, or restarted while the turn waited in the queue),
         `rec` as its turn ended, whatever that was: rendered from the turn in the store, and kept so.
-        A turn interrupted by the crash answers `failed`, as a server stop's stream ends."""
+        A turn interrupted by the crash answers `failed`, as a server stop's stream ends, with the
+        text it kept as its (incomplete) output, and a response continuing from it goes on after
+        that turn's messages, as from any other."""
         if rec.body.get("status") != "in_progress" or rec.turn_id is None or rec.id in self.live:
             return rec  # done, or its stream (in this process) stores the outcome itself
         store = self.server.store
@@ -850,7 +852,7 @@ class Responses:
         if turn is not None and turn.status in ON_ITS_WAY:
             return rec  # still on its way (a queued turn requeued at the restart, say)
         agent = await store.get_agent(rec.agent_id)
-        if turn is None or turn.status == "interrupted" or agent is None:
+        if turn is None or agent is None:
             return cut_short(rec)
         handle = await self.server.kernel.handle_for(turn)
         snap = handle.controller.snapshot()

@@ -193,6 +193,7 @@ def test_an_approval_resent_runs_its_call_once_and_the_forks_reuse_its_result(
                     for _ in range(3)
                 )
             )
+            await sdk.close()
             for resp in by_sdk:
                 (call,) = [o for o in resp.output if o.type == "mcp_call"]
                 assert call.status == "completed" and "done-once" in (call.output or ""), resp.output

@@ -34,6 +34,8 @@ Verdict = Literal["allow", "deny", "pair"]
 DM_POLICIES: tuple[DmPolicy, ...] = ("open", "allowlist", "pairing", "disabled")
 GROUP_POLICIES: tuple[GroupPolicy, ...] = ("open", "allowlist", "mention")
 
+NOT_MENTIONED = "group: the bot was not mentioned"
+
 
 class PolicyError(ValueError):
     """An account's access settings are wrong (the account does not start)."""
@@ -93,7 +95,7 @@ class AccessPolicy:
                 return "allow", "group: sender on the allowlist"
             return "deny", "group: sender not on the allowlist"
         if self.group == "mention" and not mentions_bot:
-            return "deny", "group: the bot was not mentioned"
+            return "deny", NOT_MENTIONED
         counted = "open" if self.group == "open" else "the bot was mentioned"
         if self.dm == "open":
             return "allow", f"group: {counted}"

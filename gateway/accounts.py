@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ BACKOFF_MAX_S = 60.0
 HEALTHY_RESET_S = 300.0
 WATCH_INTERVAL_S = 1.0
 STOP_TIMEOUT_S = 5.0
+SECRET_FILE_MAX = 64 << 10  # bytes; a token is far smaller, so a bigger file is a mistake
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +65,42 @@ def resolve_secrets(spec: AccountSpec, home: Path, environ: dict[str, str]) -> d
         elif "file" in ref:
             path = Path(ref["file"]).expanduser()
             path = path if path.is_absolute() else home / path
-            try:
-                value = path.read_text().strip()
-            except OSError as exc:
-                raise AccountError(f"{name}_file: cannot read {path}: {exc.strerror or exc}") from None
+            value = read_secret_file(path, name).strip()
             if not value:
                 raise AccountError(f"{name}_file: {path} is empty")
             out[name] = value
     return out
+
+
+def read_secret_file(path: Path, name: str) -> str:
+    """A secret file's text, read without blocking: the read runs on the gateway's event loop, where a
+    FIFO with no writer froze every account and `/dev/zero` filled memory. Only a regular file of at
+    most `SECRET_FILE_MAX` bytes, opened non-blocking (a FIFO swapped in after the check does not wait
+    for a writer) and checked again once open; anything else is this account's AccountError."""
+    what = f"{name}_file: cannot read {path}"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: opening a device may do something
+            raise AccountError(f"{what}: not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise AccountError(f"{what}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AccountError(f"{what}: not a regular file")
+        if info.st_size > SECRET_FILE_MAX:
+            raise AccountError(f"{what}: {info.st_size:,} bytes, more than a secret's {SECRET_FILE_MAX:,}")
+        data = os.read(fd, SECRET_FILE_MAX + 1)
+    except OSError as exc:
+        raise AccountError(f"{what}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(data) > SECRET_FILE_MAX:  # it grew since fstat
+        raise AccountError(f"{what}: more than a secret's {SECRET_FILE_MAX:,} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise AccountError(f"{what}: not UTF-8 text") from None
 
 
 @dataclass

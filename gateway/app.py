@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from appserver.client import Closed, ProtocolError
+from gateway.access import NOT_MENTIONED
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.channeltool import MessageChannel
 from gateway.chatops import ChatOps
@@ -279,6 +280,8 @@ class Gateway:
             approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
         )
         command = parse_command(str(p.get("text") or "")) is not None
+        if verdict == "deny" and reason == NOT_MENTIONED and self.chatops.answers_own_prompt(entry, runner):
+            verdict, reason = "allow", "group: an answer to the sender's own approval prompt"
         if verdict == "allow" and not command and self.ledger.held(key.channel, key.account, entry.sender):
             if self.pairing.approval_pending_release(key.channel, key.account, entry.sender):
                 # approved a moment ago: the kept messages are the first turn, this one comes with them

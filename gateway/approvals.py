@@ -1,25 +1,29 @@
 """Approval prompts in the chat: what the gateway shows for a paused turn and who may answer.
 
 When a channel turn pauses for an `ask` tool, the chat gets a prompt naming the tool and its
-arguments (shortened), answered with `/approve ID` / `/deny ID` (or a plugin's buttons, which send
-the same). Only the sender who started the turn or an admin may answer. The prompt is updated when
-the call is decided here, elsewhere (CLI, desktop) or times out.
+arguments (literally, in a code block; long ones cut in the middle, saying so), answered with
+`/approve ID` / `/deny ID` (or a plugin's buttons, which send the same). Only the sender who
+started the turn or an admin may answer. The prompt is updated when the call is decided here,
+elsewhere (CLI, desktop) or times out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sqlite3
 import time
 from dataclasses import dataclass, field
 
 from gateway.db import transaction
-from plugins.contract import Target, shorten
+from plugins.contract import Target, is_grapheme_boundary
 
 SHORT_ID = 8
 FORGET_POSTED_S = 7 * 24 * 3600.0  # a remembered prompt post older than this is dropped at start
-ARGS_SHOWN = 300
+ARGS_SHOWN = 300  # longer arguments show their first ARGS_HEAD and last ARGS_TAIL characters
+ARGS_HEAD = 200
+ARGS_TAIL = 80
 
 OUTCOME_LINES = {
     "approved": "✅ Approved",
@@ -50,11 +54,38 @@ class Prompt:
         return self.call_id[-SHORT_ID:]
 
     def text(self) -> str:
-        args = shorten(" ".join(self.arguments.split()), ARGS_SHOWN)
-        head = f"🔐 The agent wants to use {self.name} with {args or '{}'}"
+        """The prompt as Markdown. The arguments are the model's: shown literally in a code block no
+        text can close (rendered as Markdown, Discord hid `||…||` as a spoiler and `[x](url)` behind
+        its label), and a cut says so outside the block, where the model cannot forge it."""
+        args = " ".join(self.arguments.split()) or "{}"
+        shown, hidden = cut_middle(args)
+        cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
+        name = self.name.replace("`", "'")
+        head = f"🔐 The agent wants to use `{name}` with these arguments{cut}:\n```\n{literal(shown)}\n```"
         if self.decided:
             return f"{head}\n{self.decided}"
         return f"{head}\nReply /approve {self.short_id} or /deny {self.short_id}"
+
+
+def cut_middle(text: str) -> tuple[str, int]:
+    """`text`, or its start and end around " … " when longer than `ARGS_SHOWN` (cut at grapheme
+    boundaries), and how many characters were left out: the end of a command is where the danger
+    tends to be, so padding cannot push it out of sight."""
+    if len(text) <= ARGS_SHOWN:
+        return text, 0
+    head = ARGS_HEAD
+    while head > 0 and not is_grapheme_boundary(text, head):
+        head -= 1
+    tail = len(text) - ARGS_TAIL
+    while tail < len(text) and not is_grapheme_boundary(text, tail):
+        tail += 1
+    return f"{text[:head]} … {text[tail:]}", tail - head
+
+
+def literal(text: str) -> str:
+    """`text` for the inside of a ``` block: a zero-width space after every backtick followed by
+    another, so no run of backticks can close the block (Discord closes it at any ```)."""
+    return re.sub("`(?=`)", "`\u200b", text)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from gateway.replies import Replies, TurnContext
 from gateway.routing import Router
 from gateway.tool import NAME as TOOL_NAME
 from gateway.tool import ToolRefusal, parse_call, target_name
+from plugins.contract import Adapter, Target
 
 log = logging.getLogger("gateway.tool")
 
@@ -50,7 +51,7 @@ class MessageChannel:
             if call.action in ("send", "reply"):
                 if ctx.sends.last == (where, call.text):
                     raise ToolRefusal("not sent: this is an exact repeat of your previous message in this turn")
-                if call.target.chat != ctx.here.chat and not self.reachable(spec.channel, spec.name, call.target.chat):
+                if not await self.allowed(ctx, outbox.adapter, call.target):
                     raise ToolRefusal(f"not sent: {where} is not a chat this account has talked to or routes")
                 ids = await ReplySink(outbox, call.target, stream=False).finish(call.text)
                 ctx.sends.last = (where, call.text)
@@ -71,6 +72,23 @@ class MessageChannel:
             await self.answer(call_id, str(exc), True)
             return
         await self.answer(call_id, result, False)
+
+    async def allowed(self, ctx: TurnContext, adapter: Adapter, target: Target) -> bool:
+        """Whether the model may send to `target`: this turn's own chat and thread, or a reachable chat
+        and, when a thread is named, one the adapter confirms is inside that chat (a Discord thread is
+        a channel of its own: unchecked, `chat:<any channel id>` reached channels and DMs that never
+        talked to the bot). An adapter without `thread_in_chat` keeps threads inside their chat itself
+        (Telegram's message_thread_id, Slack's thread_ts are addressed within `chat`)."""
+        here = ctx.here
+        if (target.chat, target.thread) == (here.chat, here.thread):
+            return True
+        spec = ctx.runner.spec
+        if target.chat != here.chat and not self.reachable(spec.channel, spec.name, target.chat):
+            return False
+        if target.thread is None:
+            return True
+        check = getattr(adapter, "thread_in_chat", None)
+        return check is None or bool(await check(target.chat, target.thread))
 
     def reachable(self, channel: str, account: str, chat: str) -> bool:
         """A chat the account can send to on the model's behalf: one it has heard from, or one an

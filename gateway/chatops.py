@@ -174,6 +174,16 @@ class ChatOps:
         self._refused.put(asked, True)
         await self.outboxes.say(runner, answer_target(entry), NOT_YOURS)
 
+    def answers_own_prompt(self, entry: Entry, runner: AccountRunner) -> bool:
+        """Whether `entry` is `/approve ID` or `/deny ID` naming an open prompt in its chat, from the
+        person who may answer it: in a group that counts only mentions, typing it without one is
+        still an answer (as the prompt says), not a message the bot ignores."""
+        command = parse_command(str(entry.payload.get("text") or ""))
+        if command is None or command.name not in ("approve", "deny") or not command.args:
+            return False
+        prompt = self.approvals.find(runner.spec.ref, entry.chat, command.args[0])
+        return isinstance(prompt, Prompt) and (entry.sender == prompt.starter or runner.policy.is_admin(entry.sender))
+
     async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
@@ -312,6 +322,11 @@ class ChatOps:
             return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
         prompt = found
         if entry.sender != prompt.starter and not runner.policy.is_admin(entry.sender):
+            # a member let in, pressing someone else's button again and again, hears it once a minute too
+            asked = f"{runner.spec.ref}:{entry.chat}:{entry.sender}:{prompt.call_id}"
+            if self._refused.get(asked):
+                return ""
+            self._refused.put(asked, True)
             return NOT_YOURS
         decision = "approve" if command.name == "approve" else "deny"
         ack = await self.link.request(

@@ -174,8 +174,10 @@ class Outbox:
         doubted_here = False  # ...by an uncertain failure seen in this call (not only before a restart)
         started: float | None = None
 
+        past_window = False  # the dedupe window was found passed (and looked past) in this call
+
         async def attempt() -> Sent:
-            nonlocal doubt, doubted_here, started
+            nonlocal doubt, doubted_here, started, past_window
             if doubt is not None and resend == "lookup":
                 found = await self._find(target, doubt, doubted_here)
                 settle = doubt + LOOKUP_SETTLE_S - self._wall()
@@ -184,6 +186,11 @@ class Outbox:
                     found = await self._find(target, doubt, doubted_here)
                 if found:
                     log.info("%s: the message %s was sent before (%s); reusing it", target.chat, target.key, found)
+                    return Sent(found, found=True)
+            elif doubt is not None and resend == "dedupe" and not past_window:
+                past_window = self._wall() - doubt >= self._dedupe_window()
+                found = await self._find_posted(target, doubt, formatted) if past_window else None
+                if found:
                     return Sent(found, found=True)
             elif since is not None and resend is None and started is None:
                 log.warning(
@@ -218,6 +225,37 @@ class Outbox:
             raise error
 
         return await self._call(target.chat, attempt)
+
+    def _dedupe_window(self) -> float:
+        """How long the platform dedupes a repeated key (`dedupe_window_s`; unbounded when not said)."""
+        window = getattr(self.adapter, "dedupe_window_s", None)
+        if isinstance(window, int | float) and not isinstance(window, bool) and window > 0:
+            return float(window)
+        return math.inf
+
+    async def _find_posted(self, target: Target, since: float, text: str) -> list[str] | None:
+        """A repeat past the platform's dedupe window (Discord's nonce holds a few minutes) would post
+        again: the adapter's `find_posted` looks for the message first; without one, or when it
+        cannot tell, the part is sent again, with a warning (as on a platform that cannot dedupe)."""
+        find = getattr(self.adapter, "find_posted", None)
+        if callable(find):
+            try:
+                found = await find(target, since, text)
+            except DeliveryError as exc:
+                log.warning("%s: cannot look up part %s (%s)", target.chat, target.key, exc.reason)
+            else:
+                if found:
+                    log.info("%s: the message %s was sent before (%s); reusing it", target.chat, target.key, found)
+                    return [str(i) for i in found]
+        log.warning(
+            "%s: sending part %s again %.0f s after an attempt that may have reached the chat: past the"
+            " platform's dedupe window (%g s), so it may show twice",
+            target.chat,
+            target.key,
+            self._wall() - since,
+            self._dedupe_window(),
+        )
+        return None
 
     async def _find(self, target: Target, since: float, doubted_here: bool) -> list[str] | None:
         """The platform's answer to "was this part sent?"; a lookup the platform refuses for good

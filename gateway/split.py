@@ -26,6 +26,7 @@ plugin cuts text the same way).
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ class _Line:
     text: str
     fence_before: str | None  # reopening line of the fence open before this line
     fence_after: str | None  # reopening line of the fence open after this line
+    # The rest of a line `_wrap` cut: the links of the whole line (found once, by start) and where
+    # this text starts in it. Searching each rest again made a long line quadratic (1 MB: seconds).
+    links: tuple[tuple[int, int], ...] | None = None
+    offset: int = 0
 
 
 def split_message(text: str, limit: int, fits: Callable[[str], bool] | None = None) -> list[str]:
@@ -222,7 +227,8 @@ def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
     room = max(room, 1)
     text = line.text
     indent = len(text) - len(text.lstrip(" "))
-    links = [m.span() for m in _LINK.finditer(text)]
+    every = line.links if line.links is not None else tuple(m.span() for m in _LINK.finditer(text))
+    links = _links_near(every, line.offset, room)
     cut = text.rfind(" ", indent + 1, room + 1)  # never in the indentation: that would leave a blank head
     while cut > 0 and not (
         is_grapheme_boundary(text, cut) and is_grapheme_boundary(text, cut + 1) and _outside(links, cut)
@@ -243,7 +249,19 @@ def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
             at = room  # a single cluster longer than the room: the limit wins
         head, rest = text[:at], text[at:]
     fence = line.fence_before if line.fence_before == line.fence_after else None
-    return _Line(head, line.fence_before, fence), _Line(rest, fence, line.fence_after)
+    offset = line.offset + len(text) - len(rest)
+    return _Line(head, line.fence_before, fence), _Line(rest, fence, line.fence_after, every, offset)
+
+
+def _links_near(links: tuple[tuple[int, int], ...], offset: int, room: int) -> list[tuple[int, int]]:
+    """The links starting in the text from `offset` up to `room` past it (the only ones a cut within
+    `room` can meet; links do not overlap), as spans within that text."""
+    k = bisect.bisect_left(links, (offset, -1))
+    out = []
+    while k < len(links) and links[k][0] <= offset + room + 1:
+        out.append((links[k][0] - offset, links[k][1] - offset))
+        k += 1
+    return out
 
 
 def _outside(links: list[tuple[int, int]], cut: int) -> bool:

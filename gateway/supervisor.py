@@ -4,7 +4,8 @@ It starts `python -m gateway`, gives it a credential of its own (minted per star
 sent on stdin with the start envelope — never argv — and revoked when that child ends), relays the
 child's stderr into the server log with a `gateway` prefix, reads only control lines from its
 stdout, answers commands within a timeout, and restarts the child after an unexpected exit with
-capped exponential backoff (1 s → 60 s, reset after 5 minutes of health). It never takes the
+capped exponential backoff (1 s → 60 s, reset after 5 minutes of health); it pings the running
+child and kills one that stops answering (hung or stopped), which is then restarted. It never takes the
 server down. It knows the child only by its control lines (`gateway.stdio`).
 """
 
@@ -53,6 +54,12 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 BACKOFF_MIN_S = _env_seconds("APPSERVER_GATEWAY_RESTART_BACKOFF_S", BACKOFF_MIN_S)
+# A running child is pinged every PING_INTERVAL_S; no answer within PING_TIMEOUT_S makes readiness
+# `unresponsive`, and HUNG_KILL_S without an answered ping kills it (then the usual restart). A
+# stopped (SIGSTOP) or wedged child otherwise looked healthy forever. Overridable like the backoff.
+PING_INTERVAL_S = _env_seconds("APPSERVER_GATEWAY_PING_INTERVAL_S", 10.0)
+PING_TIMEOUT_S = _env_seconds("APPSERVER_GATEWAY_PING_TIMEOUT_S", 10.0)
+HUNG_KILL_S = _env_seconds("APPSERVER_GATEWAY_HUNG_KILL_S", 60.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +72,7 @@ class Credential:
 class ChildView:
     """What the server knows of the child and its accounts (kept current by GATEWAY_EVENTs)."""
 
-    state: str = "stopped"  # starting | running | backoff | stopped
+    state: str = "stopped"  # starting | running | unresponsive | backoff | stopped
     reason: str | None = None
     pid: int | None = None
     restarts: int = 0
@@ -86,6 +93,9 @@ class GatewaySupervisor:
         stop_grace: float = STOP_GRACE_S,
         backoff_min: float = BACKOFF_MIN_S,
         backoff_max: float = BACKOFF_MAX_S,
+        ping_interval: float = PING_INTERVAL_S,
+        ping_timeout: float = PING_TIMEOUT_S,
+        hung_kill: float = HUNG_KILL_S,
     ) -> None:
         self.home = home
         self.view = ChildView()
@@ -102,6 +112,10 @@ class GatewaySupervisor:
         self._stop_grace = stop_grace
         self._backoff_min = backoff_min
         self._backoff_max = backoff_max
+        self._ping_interval = ping_interval
+        self._ping_timeout = ping_timeout
+        self._hung_kill = hung_kill
+        self._hung: str | None = None  # why the watchdog killed the current child
         self._proc: asyncio.subprocess.Process | None = None
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
@@ -177,6 +191,8 @@ class GatewaySupervisor:
                 backoff = self._backoff_min
             self.view.state = "backoff"
             ended = f"exited with code {code}" if failure is None else f"could not be run ({failure})"
+            if self._hung is not None:
+                ended = self._hung
             self.view.reason = f"{ended}; restarting in {backoff:g} s"
             for a in self.view.accounts.values():
                 a["state"], a["reason"] = "stopped", "the gateway process is restarting"
@@ -188,6 +204,7 @@ class GatewaySupervisor:
 
     async def _one_child(self) -> int | None:
         self.view.state, self.view.reason = "starting", None
+        self._hung = None
         self._stderr_tail.clear()  # the last lines of this child, not of the one before
         credential = self._credential()
         try:
@@ -229,7 +246,12 @@ class GatewaySupervisor:
                 tail = " | ".join(self._stderr_tail) or "no output"
                 log.error("gateway: not ready within %g s; stopping it (last log lines: %s)", self._ready_timeout, tail)
                 await self._end(proc)
-            code = await proc.wait()
+            watchdog = asyncio.ensure_future(self._watch(proc))
+            try:
+                code = await proc.wait()
+            finally:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
             # A grandchild a plugin started may hold the pipes open after the child is gone: do not
             # wait for it to let go before restarting.
             _done, pending = await asyncio.wait({relay, control}, timeout=1.0)
@@ -239,6 +261,35 @@ class GatewaySupervisor:
             return code
         finally:
             credential.revoke()
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """Ping the child while it runs: a child that stops answering is `unresponsive` in readiness
+        (logged), and one silent for `hung_kill` seconds is killed, so `_run` restarts it."""
+        answered = time.monotonic()
+        while proc.returncode is None and not self._stopping:
+            await asyncio.sleep(self._ping_interval)
+            if not self._ready.is_set() or proc.returncode is not None or self._stopping:
+                return
+            try:
+                # bounded as a whole: a stopped child's full stdin pipe would block the write itself
+                await asyncio.wait_for(self.command("ping", timeout=self._ping_timeout), self._ping_timeout)
+            except (TimeoutError, RuntimeError, OSError) as exc:
+                silent = time.monotonic() - answered
+                if self.view.state == "running":
+                    self.view.state = "unresponsive"
+                    log.error("gateway: the child (pid %s) does not answer pings (%s)", proc.pid, exc or "timeout")
+                self.view.reason = f"no answer to a ping for {silent:.0f} s"
+                if silent >= self._hung_kill and proc.returncode is None:
+                    self._hung = f"answered no ping for {silent:.0f} s and was killed"
+                    log.error("gateway: the child (pid %s) %s", proc.pid, self._hung)
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    return
+                continue
+            answered = time.monotonic()
+            if self.view.state == "unresponsive":
+                self.view.state, self.view.reason = "running", None
+                log.warning("gateway: the child (pid %s) answers pings again", proc.pid)
 
     async def _end(self, proc: asyncio.subprocess.Process, grace: float | None = None) -> None:
         """Close stdin (the child's signal to stop), wait the grace period, then kill."""

@@ -118,6 +118,33 @@ async def test_guild_mentions_replies_threads_and_bots(
     assert gw.ledger[other_bot].sender_is_bot
 
 
+async def test_a_thread_never_announced_is_still_a_thread_of_its_channel(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    """With no THREAD_CREATE seen, a thread's message was taken as a chat of its own: it escaped its
+    channel's route. Now the channel is looked up once (then known from the catch-up state)."""
+    _, gw = running
+    thread = fake.add_thread(GENERAL, announce=False)
+    first = fake.inject_guild_message("507", "in a quiet thread", channel=thread, mention=True)
+    await fake.wait_for_async(lambda: first in gw.ledger, 5, "the first message")
+    second = fake.inject_guild_message("507", "and again", channel=thread, mention=True)
+    await fake.wait_for_async(lambda: second in gw.ledger, 5, "the second message")
+    for mid in (first, second):
+        m = gw.ledger[mid]
+        assert (m.chat, m.thread, m.chat_type) == (GENERAL, thread, "group")
+    assert len([c for c in fake.calls("GET channels") if c.path == f"channels/{thread}"]) == 1
+
+
+async def test_system_notices_are_not_handed_over(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
+    """Under group_policy "open" a channel rename (type 4) or "started a thread" (type 18) became a turn."""
+    _, gw = running
+    notices = [fake.inject_guild_message("508", "new-name", message_type=t) for t in (4, 6, 7, 18)]
+    person = fake.inject_guild_message("508", "a person wrote this")
+    await fake.wait_for_async(lambda: person in gw.ledger, 5, "the person's message")
+    assert not any(n in gw.ledger for n in notices)
+    assert [m.message_id for m in gw.calls if m.sender == "508"] == [person]
+
+
 async def test_an_image_is_fetched_and_a_file_named(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
     _, gw = running
     image = fake.add_attachment("cat.png", PNG)
@@ -143,6 +170,29 @@ async def test_send_edit_react_typing_without_pings(fake: FakeDiscord, running: 
     patch = fake.calls("PATCH messages", channel=GENERAL)[-1]
     assert patch.body["allowed_mentions"] == {"parse": []}
     assert fake.reactions(GENERAL, asker) == ["👀"] and GENERAL in fake.typing()
+
+
+async def test_a_thread_target_must_be_a_thread_of_its_chat(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    """`Target(chat, thread)` posts to the thread's channel id: unchecked, any channel or DM id in the
+    thread part was posted to. The adapter checks the thread's parent, even for a thread never seen."""
+    adapter, _ = running
+    other = fake.add_text_channel("300000000000000078", "elsewhere")
+    stranger = fake.dm_channel("689")
+    seen = fake.add_thread(GENERAL)
+    unseen = fake.add_thread(GENERAL, announce=False)  # not in discord.py's cache: looked up
+    elsewhere = fake.add_thread(other)
+    for thread in (other, stranger, elsewhere, GENERAL, "not-an-id"):
+        assert not await adapter.thread_in_chat(GENERAL, thread), thread
+        with pytest.raises(DeliveryError, match="is not a thread of channel|not a channel id") as refused:
+            await adapter.send(Target(GENERAL, thread, key=f"k-{thread}"), "leak")
+        assert refused.value.permanent
+    assert fake.messages(other) == [] and fake.messages(stranger) == [] and fake.messages(elsewhere) == []
+    for thread in (seen, unseen):
+        assert await adapter.thread_in_chat(GENERAL, thread)
+        [mid] = await adapter.send(Target(GENERAL, thread, key=f"k-{thread}"), "in the thread")
+        assert [m.id for m in fake.messages(thread)] == [mid]
 
 
 async def test_the_same_key_is_the_same_message(fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]) -> None:
@@ -273,6 +323,34 @@ async def test_an_approval_button_is_acknowledged_and_handed_over(
     assert decided.components == [] and decided.content.endswith("Approved by Bo")
 
 
+async def test_a_channel_first_written_to_while_away_is_caught_up(fake: FakeDiscord, tmp_path: Path) -> None:
+    """The catch-up walked only channels seen before: a message in a channel the gateway had never
+    seen, sent while it was down, was lost. Now a server channel whose last message is newer than
+    the newest one recorded is caught up too (an older one, from before any record, is not)."""
+    before = fake.add_text_channel("300000000000000081", "quiet-before")
+    old = fake.inject_guild_message("512", "from before the first run", channel=before)
+    gw = StandIn()
+    first = _adapter(fake, gw, tmp_path)
+    await first.start()
+    try:
+        seen = fake.inject_guild_message("512", "recorded", mention=True)
+        await fake.wait_for_async(lambda: seen in gw.ledger, 5, "the recorded message")
+    finally:
+        await first.stop()
+    fresh = fake.add_text_channel("300000000000000082", "made-while-away")
+    missed = fake.inject_guild_message("513", "written while the gateway was down", channel=fresh)
+    again = _adapter(fake, gw, tmp_path)
+    await again.start()
+    try:
+        await fake.wait_for_async(lambda: missed in gw.ledger, 10, "the missed message")
+        m = gw.ledger[missed]
+        assert (m.chat, m.thread, m.chat_type, m.text) == (fresh, None, "group", "written while the gateway was down")
+        await asyncio.sleep(0.3)
+        assert old not in gw.ledger
+    finally:
+        await again.stop()
+
+
 async def test_a_failed_message_is_caught_up_even_after_a_later_one_and_on_resume(
     fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
 ) -> None:
@@ -318,6 +396,36 @@ async def test_a_send_answered_after_the_timeout_is_repeated_with_its_nonce_and_
         if c.body.get("nonce") == nonce_for("discord:main:late:1:0")
     ]
     assert len(posts) == 2  # the late one, then its repeat, answered with the same message
+
+
+async def test_a_repeat_past_the_nonce_window_looks_for_the_message_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Discord enforces a nonce for a few minutes only: a part whose first attempt (before a crash)
+    is older than that was posted a second time on the nonce's word. Now the adapter looks for it."""
+    from gateway.delivery import Outbox
+    from gateway.ratelimit import ChatRateLimiter
+
+    caplog.set_level(logging.INFO, logger="gateway.delivery")
+    with FakeDiscord(nonce_window=0.1) as short:
+        gw = StandIn()
+        adapter = _adapter(short, gw, tmp_path)
+        await adapter.start()
+        try:
+            outbox = Outbox(adapter, ChatRateLimiter(50.0, 50), asyncio.sleep)
+            [mid] = await adapter.send(Target(GENERAL, key="discord:main:old:0"), "sent before the crash")
+            await asyncio.sleep(0.3)  # the fake forgets the nonce
+            long_ago = time.time() - 10 * adapter.dedupe_window_s
+            again = await outbox.send_part(Target(GENERAL, key="discord:main:old:0"), "sent before the crash",
+                                           since=long_ago)  # fmt: skip
+            assert again.ids == [mid] and again.found
+            assert [m.id for m in short.messages(GENERAL)] == [mid]
+            assert "may show twice" not in caplog.text
+            fresh = await outbox.send_part(Target(GENERAL, key="discord:main:new:0"), "never sent", since=long_ago)
+            assert not fresh.found and [m.id for m in short.messages(GENERAL)] == [mid, *fresh.ids]
+            assert "past the platform's dedupe window (120 s), so it may show twice" in caplog.text
+        finally:
+            await adapter.stop()
 
 
 @pytest.mark.parametrize("damage", ["torn", "not an object", "not utf-8"])

@@ -6,6 +6,7 @@ last (it restarts the gateway child)."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import signal
@@ -157,6 +158,32 @@ def test_an_invalid_session_reidentifies_and_catches_up_once(srv: ChannelServer,
     ]
     for mid in [first, *missed]:
         assert store_turns(srv.home, f'message_id="{mid}"') == 1
+
+
+def test_message_channel_reaches_no_other_channel_or_dm_through_the_thread_part(
+    srv: ChannelServer, fake: FakeDiscord
+) -> None:
+    """A Discord thread is a channel of its own: `discord:main:<chat>:<any channel id>` posted into a
+    channel that never talked to the bot, or DMed a stranger. Now a thread must be one of that chat."""
+    secret = fake.add_text_channel("300000000000000077", "admins-only")
+    stranger = fake.dm_channel("688")
+    thread = fake.add_thread(GENERAL)
+    fake.inject_guild_message("609", "hello general", mention=True)
+    fake.wait_for_text(GENERAL, "echo: hello general", timeout=20)
+    targets = [
+        f"discord:main:{GENERAL}:{secret}",
+        f"discord:main:{GENERAL}:{stranger}",
+        f"discord:main:{GENERAL}:{thread}",
+    ]
+    calls = [json.dumps({"action": "send", "target": t, "text": f"to {t}"}) for t in targets]
+    fake.inject_dm("609", "\n".join(f"/call message_channel {c}" for c in calls))
+    dm = fake.dm_channel("609")
+    final = fake.wait_for_text(dm, lambda t: t.count("message_channel ->") == 3 and "…" not in t, timeout=30)
+    for refused in targets[:2]:
+        assert f"not sent: {refused} is not a chat this account has talked to or routes" in final.content
+    assert f"sent to {targets[2]}" in final.content
+    assert fake.messages(secret) == [] and fake.messages(stranger) == []
+    assert [m.content for m in fake.messages(thread)] == [f"to {targets[2]}"]
 
 
 def test_kill_9_between_the_send_and_the_ledger_write_keeps_one_message(srv: ChannelServer, fake: FakeDiscord) -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.approvals import ARGS_SHOWN, Prompt
+from gateway.approvals import ARGS_HEAD, ARGS_SHOWN, ARGS_TAIL, Prompt
 from gateway.delivery import visible_text
 from gateway.split import is_grapheme_boundary
 from plugins.contract import Target, shorten
@@ -69,11 +69,15 @@ def test_a_failed_turns_reason_is_shortened_at_a_boundary() -> None:
 
 
 def test_an_approval_prompts_arguments_are_shortened_at_a_boundary() -> None:
-    args = '{"text": "' + "y" * (ARGS_SHOWN - 12) + FLAG * 3 + '"}'
+    args = (
+        '{"text": "' + "y" * (ARGS_HEAD - 11) + FLAG * 3 + "z" * ARGS_SHOWN + THUMB * 3 + "w" * (ARGS_TAIL - 6) + '"}'
+    )
     prompt = Prompt("call_12345678", "conv", "turn", "slack:main", Target("C1"), "U1", "shell", args)
-    shown = prompt.text().splitlines()[0].removeprefix("🔐 The agent wants to use shell with ")
-    assert shown.endswith("…") and len(shown) <= ARGS_SHOWN
-    assert args.startswith(shown[:-1]) and is_grapheme_boundary(args, len(shown) - 1)
+    shown = prompt.text().split("```")[1].strip("\n")
+    head, tail = shown.split(" … ")
+    assert args.startswith(head) and is_grapheme_boundary(args, len(head)) and len(head) <= ARGS_HEAD
+    assert args.endswith(tail) and is_grapheme_boundary(args, len(args) - len(tail)) and len(tail) >= ARGS_TAIL
+    assert f"({len(args) - len(head) - len(tail):,} of {len(args):,} characters not shown" in prompt.text()
 
 
 def test_a_slack_section_is_shortened_at_a_boundary() -> None:

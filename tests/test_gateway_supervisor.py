@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -70,6 +72,8 @@ for line in sys.stdin:
     op, rid = cmd["op"], cmd["id"]
     if op == "echo":
         respond(rid, ok=True, got=cmd)
+    elif op == "ping":
+        respond(rid, ok=True)
     elif op == "slow":
         time.sleep(cmd["delay"])
         respond(rid, ok=True, late=True)
@@ -348,3 +352,47 @@ async def test_stop_during_backoff_starts_nothing_more(fx: Fixture) -> None:
     assert sup.view.state == "stopped"
     assert [s["mode"] for s in fx.starts()] == ["exit3"]
     assert fx.credentials.revoked == ["tok0"]
+
+
+PINGS = {"ping_interval": 0.1, "ping_timeout": 0.3, "hung_kill": 1.5}
+
+
+async def test_a_stopped_child_is_unready_then_killed_and_restarted(
+    fx: Fixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A child that stops answering (SIGSTOP, a wedged loop) kept /readyz saying channels ok forever:
+    the supervisor never sent the child's `ping`. Now it is `unresponsive` at once and killed later."""
+    caplog.set_level(logging.INFO, logger="appserver.gateway")
+    sup = fx.supervisor(**PINGS)
+    await sup.start()
+    pid = sup.view.pid
+    assert pid is not None and sup.readiness()[0]
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    await until(lambda: sup.view.state == "unresponsive", timeout=5)
+    ok, detail = sup.readiness()
+    assert not ok and detail["gateway"] == "unresponsive" and detail["reason"].startswith("no answer to a ping for")
+    assert f"the child (pid {pid}) does not answer pings" in caplog.text
+    await until(lambda: sup.view.pid != pid and sup.view.state == "running", timeout=10)
+    assert time.monotonic() - stopped_at >= PINGS["hung_kill"]
+    assert sup.view.restarts == 1 and sup.readiness()[0]
+    assert re.search(rf"the child \(pid {pid}\) answered no ping for \d+ s and was killed", caplog.text)
+    assert "the child answered no ping for" in caplog.text and "restarting in" in caplog.text
+
+
+async def test_a_child_that_answers_again_is_ready_again_without_a_restart(
+    fx: Fixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="appserver.gateway")
+    sup = fx.supervisor(**{**PINGS, "hung_kill": 30.0})
+    await sup.start()
+    pid = sup.view.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await until(lambda: sup.view.state == "unresponsive", timeout=5)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    await until(lambda: sup.view.state == "running", timeout=5)
+    assert sup.readiness()[0] and sup.view.pid == pid and sup.view.restarts == 0
+    assert "answers pings again" in caplog.text

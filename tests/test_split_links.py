@@ -5,6 +5,7 @@ Measured with the Slack plugin's own formatting, as the outbox does."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -54,3 +55,17 @@ def test_a_link_longer_than_half_a_part_is_still_cut() -> None:
     text = "intro " + "[x](https://example.com/" + "a" * 900 + ")"
     parts = split_message(text, 500)
     assert all(len(p) <= 500 for p in parts) and "".join(parts).replace(" ", "") == text.replace(" ", "")
+
+
+@pytest.mark.parametrize("unit", ["[x](https://e.example/a) word ", "abcdefg ", "a"])
+def test_a_megabyte_line_is_split_in_linear_time(unit: str) -> None:
+    """`_wrap` searched the whole rest of a line for links at every cut: a 1 MB line without line
+    breaks took seconds (9 s with links), blocking the gateway's loop. Now links are found once."""
+    text = unit * (1_000_000 // len(unit))
+    started = time.perf_counter()
+    parts = split_message(text, 2000)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 1.5, f"{elapsed:.2f} s for 1 MB"
+    assert all(len(p) <= 2000 for p in parts) and len(parts) >= 499
+    assert "".join(parts).replace(" ", "") == text.replace(" ", "")
+    _links_whole(text, parts)

@@ -12,8 +12,12 @@ message's id is noted per channel in `<data_dir>/last_seen.json` (written atomic
 most once a second and at stop), and on every new session (READY: the first connect, or a
 re-IDENTIFY after the session was invalidated or lost in a long outage) the adapter fetches, for
 each channel it has seen, the messages after that id and hands each to `on_message`: what the
-gateway missed while it was away is answered once. The bot's own messages are skipped; other bots'
-are handed over marked `sender_is_bot` (the gateway never lets them through).
+gateway missed while it was away is answered once (also in server channels and threads never seen
+whose last message is newer than the newest one recorded: first written to during the outage). The
+bot's own messages are skipped; other bots'
+are handed over marked `sender_is_bot` (the gateway never lets them through). System notices
+(message types other than a default message and a reply: a rename, a pin, a thread started) are
+skipped.
 
 Outbound: `POST channels/{id}/messages` with `allowed_mentions` none (an agent cannot ping @everyone,
 a role or a person), a reply reference in guild channels, and `nonce` + `enforce_nonce` derived from
@@ -44,6 +48,7 @@ import json
 import math
 import os
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +83,8 @@ MAX_RATELIMIT_WAIT_S = 30.0  # discord.py sleeps out shorter 429s itself; longer
 MAX_RETRY_AFTER_S = 300.0
 CATCH_UP_LIMIT = 500  # per channel and reconnect
 NONCE_LENGTH = 25  # Discord's limit for a string nonce
+NONCE_WINDOW_S = 120.0  # Discord enforces a nonce "for a few minutes": taken as two
+FIND_POSTED_LIMIT = 100  # messages after the first attempt looked at for a repeat past the window
 SEND_TIMEOUT_S = 60.0  # a send without an answer by then is repeated (same nonce)
 STATE_FILE = "last_seen.json"
 SAVE_EVERY_S = 1.0  # the catch-up state is written at most this often (and at stop), off the event loop
@@ -99,6 +106,10 @@ def _env_seconds(name: str, default: float) -> float:
         return default
     return value if 0 < value < math.inf else default
 
+
+# What a person wrote (a message, a reply); every other type is a notice Discord makes (a channel
+# renamed, a pin, a thread started, a member joined) whose text would otherwise become a turn.
+PERSON_MESSAGE_TYPES = frozenset({discord.MessageType.default, discord.MessageType.reply})
 
 # Events that make or restore a session: a failure there is the connection's (it reconnects).
 SESSION_EVENTS = frozenset({"READY", "RESUMED"})
@@ -163,6 +174,7 @@ class DiscordAdapter:
     # Discord itself answers a repeated send with the same nonce with the message it already has
     # (`enforce_nonce`, for a few minutes): the gateway may repeat a send whose outcome is unknown.
     dedupes_sends = True
+    dedupe_window_s = NONCE_WINDOW_S  # past it, `find_posted` looks for the message before a repeat
 
     def __init__(self, account: Account, context: AdapterContext) -> None:
         self.account = account
@@ -341,6 +353,9 @@ class DiscordAdapter:
     async def _on_discord_message(self, message: discord.Message, meta: dict[str, Any] | None = None) -> None:
         if self.bot_user_id is not None and message.author.id == self.bot_user_id:
             return  # our own posts come back as MESSAGE_CREATE
+        if message.type not in PERSON_MESSAGE_TYPES:  # a rename, a pin, "started a thread": nobody wrote it
+            self._log.debug("%s: skipped system message %s (%s)", self._where, message.id, message.type)
+            return
         # discord.py dispatches each event as its own task, started in arrival order: the ticket,
         # taken before the first await, keeps the channel's messages in that order however long
         # one of them takes to read (its attachments are downloaded first).
@@ -359,13 +374,17 @@ class DiscordAdapter:
                 return
             self._note_seen(message.channel.id, message.id, msg)
 
-    def _where_is(self, message: discord.Message) -> tuple[str, str | None, str]:
-        """(chat, thread, chat_type) of a live message."""
+    async def _where_is(self, message: discord.Message) -> tuple[str, str | None, str]:
+        """(chat, thread, chat_type) of a live message. A guild channel discord.py does not know (a
+        thread whose THREAD_CREATE it never saw) is looked up: taken as a chat of its own, a thread
+        escaped its parent channel's route (a stricter agent) and was answered by the default one."""
         channel = message.channel
         if isinstance(channel, discord.DMChannel | discord.GroupChannel):
             return str(channel.id), None, "dm"
         if isinstance(channel, discord.Thread):
             return str(channel.parent_id), str(channel.id), "group"
+        if isinstance(channel, discord.PartialMessageable):
+            return _where_of(self._seen.get(str(channel.id))) or await self._place(channel.id)
         guild_id = message.guild.id if message.guild else getattr(channel, "guild_id", None)
         if guild_id is None:
             return str(channel.id), None, "dm"
@@ -374,7 +393,7 @@ class DiscordAdapter:
     async def _inbound(self, message: discord.Message, meta: dict[str, Any] | None) -> InboundMessage:
         where = _where_of(meta) if meta is not None else None
         if where is None:  # a live message, or a saved entry that does not say where (never a KeyError)
-            where = self._where_is(message)
+            where = await self._where_is(message)
         chat, thread, chat_type = where
         me = self.bot_user_id
         mentions_bot = me is not None and (any(u.id == me for u in message.mentions) or me in message.raw_mentions)
@@ -624,7 +643,8 @@ class DiscordAdapter:
         self._seen_changed()
 
     async def _catch_up_all(self, only_held: bool = False) -> None:
-        for channel_id, entry in list(self._seen.items()):
+        unseen = [] if only_held else self._unseen_with_news()
+        for channel_id, entry in [*self._seen.items(), *unseen]:
             if only_held and not entry.get("failed"):
                 continue
             try:
@@ -633,6 +653,32 @@ class DiscordAdapter:
                 raise
             except Exception as exc:  # noqa: BLE001 - one channel that cannot be read does not stop the rest
                 self._log.warning("%s: catch-up of channel %s failed: %s", self._where, channel_id, exc)
+
+    def _unseen_with_news(self) -> list[tuple[str, dict[str, Any]]]:
+        """Server channels and active threads never seen whose last message is newer than the newest
+        message recorded anywhere (the previous run's last moment, as far as it is known): a channel
+        first written to while the gateway was away, or in the second before a crash that the state
+        file had not saved yet. Caught up from that watermark. DMs have no such list (Discord sends
+        none to a bot), nor does a first run (no watermark: history is not answered)."""
+        client = self._client
+        marks = [_snowflake_int(e.get("last")) or 0 for e in self._seen.values()]
+        watermark = max(marks, default=0)
+        if client is None or watermark == 0:
+            return []
+        found: list[tuple[str, dict[str, Any]]] = []
+        for guild in client.guilds:
+            channels: list[discord.TextChannel | discord.Thread] = [*guild.text_channels, *guild.threads]
+            for channel in channels:
+                last = getattr(channel, "last_message_id", None)
+                if str(channel.id) in self._seen or not isinstance(last, int) or last <= watermark:
+                    continue
+                me = guild.me
+                if me is not None and not channel.permissions_for(me).read_message_history:
+                    continue
+                found.append((str(channel.id), {"last": str(watermark)}))
+        if found:
+            self._log.info("%s: %d channel(s) never seen have new messages; catching up", self._where, len(found))
+        return found
 
     async def _catch_up_channel(self, channel_id: int, entry: dict[str, Any]) -> None:
         client = self._client
@@ -682,13 +728,44 @@ class DiscordAdapter:
             raise DeliveryError(f"discord: not a channel id: {_cut(target.thread or target.chat)!r}", permanent=True)
         return client.get_partial_messageable(channel_id)
 
+    async def thread_in_chat(self, chat: str, thread: str) -> bool:
+        """Whether `thread` is a thread of the channel `chat`. A Discord thread is a channel of its own:
+        unchecked, a target's thread part could name any channel or DM the bot can post to. Known from
+        a message seen there, else from discord.py's cache or Discord (`_place`)."""
+        if _snowflake_int(chat) is None or _snowflake_int(thread) is None or chat == thread:
+            return False
+        if _where_of(self._seen.get(thread)) == (chat, thread, "group"):
+            return True
+        return await self._place(int(thread)) == (chat, thread, "group")
+
     async def send(self, target: Target, text: str) -> list[str]:
         return [await self._post(target, text, None)]
+
+    async def find_posted(self, target: Target, since: float, text: str) -> list[str] | None:
+        """The bot's message since `since` with this part's nonce or this text: asked before a
+        repeat past the nonce window, where Discord would post the part a second time."""
+        channel = self._channel(target)
+        nonce = nonce_for(target.key) if target.key else None
+        after = discord.Object(id=discord.utils.time_snowflake(datetime.fromtimestamp(since - 2.0, tz=UTC)))
+        found: list[str] = []
+
+        async def look() -> None:
+            async for m in channel.history(limit=FIND_POSTED_LIMIT, after=after, oldest_first=True):
+                mine = self.bot_user_id is not None and m.author.id == self.bot_user_id
+                if mine and ((nonce is not None and str(m.nonce) == nonce) or m.content == text):
+                    found.append(str(m.id))
+                    return
+
+        await _call("find", asyncio.wait_for(look(), FETCH_TIMEOUT_S))
+        return found or None
 
     async def _post(self, target: Target, text: str, components: list[dict[str, Any]] | None) -> str:
         """`POST channels/{id}/messages` through discord.py's HTTP client (its rate limiting included),
         with the payload written out here so that `enforce_nonce` is sent whatever the discord.py 2.x."""
         channel = self._channel(target)
+        if target.thread is not None and not await self.thread_in_chat(target.chat, target.thread):
+            raise DeliveryError(f"discord: {_cut(target.thread)} is not a thread of channel {_cut(target.chat)}",
+                                permanent=True)  # fmt: skip
         payload: dict[str, Any] = {"content": text, "allowed_mentions": {"parse": []}}
         if target.key:
             payload["nonce"] = nonce_for(target.key)

@@ -231,8 +231,9 @@ class FakeDiscord(LoopbackServer):
                                           "rate_limit_per_user": 0}  # fmt: skip
         return channel_id
 
-    def add_thread(self, parent: str, name: str = "a thread") -> str:
-        """A public thread under `parent` (a THREAD_CREATE dispatch goes out); returns its id."""
+    def add_thread(self, parent: str, name: str = "a thread", *, announce: bool = True) -> str:
+        """A public thread under `parent` (a THREAD_CREATE dispatch goes out unless `announce` is False:
+        the client then first learns of it from a message in it); returns its id."""
         tid = self.snowflake()
         thread = {"id": tid, "type": 11, "name": name, "guild_id": self.guild_id, "parent_id": parent,
                   "owner_id": "1", "member_count": 1, "message_count": 0, "rate_limit_per_user": 0, "flags": 0,
@@ -240,7 +241,8 @@ class FakeDiscord(LoopbackServer):
                                       "archive_timestamp": _iso(time.time())}, "newly_created": True}  # fmt: skip
         with self._lock:
             self._channels[tid] = thread
-        self._dispatch("THREAD_CREATE", thread)
+        if announce:
+            self._dispatch("THREAD_CREATE", thread)
         return tid
 
     def dm_channel(self, user: str) -> str:
@@ -282,18 +284,20 @@ class FakeDiscord(LoopbackServer):
     def inject_guild_message(
         self, user: str, text: str, *, channel: str = "300000000000000001", mention: bool = False,
         reply_to: str | None = None, name: str | None = None, attachments: list[dict[str, Any]] | None = None,
-        bot: bool = False,
+        bot: bool = False, message_type: int | None = None,
     ) -> str:  # fmt: skip
         """A message in a guild text channel or thread (`channel`); `mention` writes `<@bot>` into it and
-        adds the bot to `mentions`; `reply_to` makes it a reply. Returns the message id."""
+        adds the bot to `mentions`; `reply_to` makes it a reply; `message_type` makes it a system notice
+        of that type (4: channel renamed, 18: thread created, …). Returns the message id."""
         if mention:
             text = f"<@{self.bot_id}> {text}"
         return self._inject(user, text, channel, self.guild_id, name=name, attachments=attachments, bot=bot,
-                            mention=mention, reply_to=reply_to)  # fmt: skip
+                            mention=mention, reply_to=reply_to, message_type=message_type)  # fmt: skip
 
     def _inject(
         self, user: str, text: str, channel: str, guild: str | None, *, name: str | None,
         attachments: list[dict[str, Any]] | None, bot: bool, mention: bool = False, reply_to: str | None = None,
+        message_type: int | None = None,
     ) -> str:  # fmt: skip
         mid = self.snowflake()
         msg: dict[str, Any] = {
@@ -309,8 +313,12 @@ class FakeDiscord(LoopbackServer):
             if guild:
                 msg["message_reference"]["guild_id"] = guild
             msg["referenced_message"] = ref
+        if message_type is not None:
+            msg["type"] = message_type
         with self._lock:
             self._history.setdefault(channel, []).append(msg)
+            if channel in self._channels:
+                self._channels[channel]["last_message_id"] = mid  # as GUILD_CREATE then reports it
         event = dict(msg)
         if guild is not None:
             event["guild_id"] = guild
@@ -675,6 +683,9 @@ class FakeDiscord(LoopbackServer):
         if forbidden and method != "GET":
             return 403, {"message": "Missing Permissions", "code": 50013}, None, 0.0
         rest = parts[2:]
+        if rest == [] and method == "GET":  # GET /channels/{id}: what discord.py's fetch_channel reads
+            with self._lock:
+                return 200, dict(self._channels[cid]), None, 0.0
         if rest == ["typing"] and method == "POST":
             with self._lock:
                 self._typing.append(cid)
@@ -759,6 +770,7 @@ class FakeDiscord(LoopbackServer):
             self._bot_messages[mid] = bm
             self._order.append(bm)
             self._history.setdefault(cid, []).append(payload)
+            self._channels[cid]["last_message_id"] = mid
             if nonce is not None and body.get("enforce_nonce"):
                 self._nonces[(cid, str(nonce))] = (mid, now)
         event = dict(payload)

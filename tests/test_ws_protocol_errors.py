@@ -189,6 +189,11 @@ async def _provoke_token_server(srv: Srv) -> set[str]:
     with pytest.raises(websockets.ConnectionClosed) as closed:
         await old.recv(T)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 4406
+    two = await srv.ws(hello=False)  # the upgrade carries `full`; hello names another credential
+    assert await error(two, {"type": "hello", "protocol": 1, "token": srv.scoped}) == "conflicting_credentials"
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        await two.recv(T)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 4401
 
     for token, code in (
         (None, "missing_api_key"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import json
 import logging
 import re
 import secrets
@@ -285,6 +286,35 @@ class TokenStore:
 
     def list(self) -> list[TokenRecord]:
         return list(self._read())
+
+    def unreadable(self) -> str | None:
+        """Why tokens.json cannot be used, without moving it (a reader's look: `token list`, and
+        the checks `token create` and `revoke` make before they write); None when it is fine or
+        missing. A database-backed store has no file: always None."""
+        if self.path != self.dir / "tokens.json":  # PgTokenStore: rows in a table
+            return None
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            self._parse(json.loads(raw.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return f"invalid JSON: {exc}"
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"invalid token file: {exc}"
+        return None
+
+    def set_aside_unreadable(self) -> CorruptStateFile | None:
+        """Move an unusable tokens.json aside so that a new file can start (`token create
+        --start-new-file`, the operator's explicit choice); None when there was nothing to move.
+        Quiet: the caller tells the operator where it went."""
+        try:
+            with self._locked().acquire(timeout=LOCK_TIMEOUT_S):
+                reason = self.unreadable()
+                return None if reason is None else move_aside(self.path, reason, quiet=True)
+        except Timeout:
+            raise RuntimeError(f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s") from None
 
     def revoke(self, id_or_name: str) -> TokenRecord:
         """Delete a token by id or name; KeyError if there is none. Effective immediately."""

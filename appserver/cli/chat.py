@@ -357,8 +357,20 @@ class Chat:
                 self.notice(value)
             elif kind == "closed":
                 self.gone(value)
-        self.screen.fresh_line()
+            elif kind == "signal":  # SIGTERM/SIGHUP: the terminal is already restored (see chat())
+                self.exit_code = 128 + int(value)
+        try:
+            self.screen.fresh_line()
+        except OSError:  # the terminal hung up (SIGHUP): nothing left to tidy on it
+            pass
         return self.exit_code
+
+    def leave(self) -> None:
+        """End the session on purpose (/quit, end of input). A script that pipes its input reads
+        the outcome from the exit code, however its input ends (`/quit` or end of file): 1 when a
+        turn failed or was interrupted. A person at the terminal saw each `[failed: …]` line and
+        went on: 0."""
+        self.exit_code = 1 if self.turns_failed and not self.editor.echo else 0
 
     def gone(self, why: str) -> None:
         """The connection is gone for good (no server to reconnect to): say why once, leave with 1."""
@@ -416,7 +428,7 @@ class Chat:
                 if text.strip() == "/cancel":  # cancels the turn, like Ctrl-C; the call is not answered
                     self.on_interrupt()
                 elif text.strip() in ("/quit", "/exit"):
-                    self.exit_code = 0
+                    self.leave()
                 else:
                     self.answer(text)
             elif self.turn is not None and not self.editor.echo and text.strip() != "/cancel":
@@ -427,7 +439,7 @@ class Chat:
                 if text.strip() == "/cancel":
                     self.cancel()
                 elif text.strip() in ("/quit", "/exit"):
-                    self.exit_code = 0
+                    self.leave()
                 else:
                     self.held.append(text)
             else:
@@ -448,9 +460,7 @@ class Chat:
                 if self.client.gone:  # the input ended as the connection did: that is no success
                     self.gone(self.client.closed_message())
                 else:
-                    # A script that pipes its input reads the outcome from the exit code (a person
-                    # at the terminal saw each `[failed: …]` line and went on).
-                    self.exit_code = 1 if self.turns_failed and not self.editor.echo else 0
+                    self.leave()
             else:
                 if not self.editor.visible:
                     self.prompt()
@@ -463,7 +473,7 @@ class Chat:
         if not cmd:
             return
         if cmd in ("/quit", "/exit"):
-            self.exit_code = 0
+            self.leave()
             return
         if cmd == "/help":
             for name, what in (
@@ -593,7 +603,7 @@ class Chat:
             self.screen.write("^C\n")
             self.prompt()
         else:
-            self.exit_code = 0
+            self.leave()
 
     # ------------------------------------------------------------ frames
 
@@ -688,6 +698,31 @@ async def chat(
 
     frames = loop.create_task(pump())
     keys: Keys | None = None
+    session: Chat | None = None
+    signalled: list[int] = []
+    main = asyncio.current_task()
+    assert main is not None
+
+    def stopped(signum: int) -> None:
+        """SIGTERM or SIGHUP (the terminal closed, `kill`): give the terminal its modes back at
+        once, before anything else can go wrong, then leave with 128 + the signal number, as a
+        shell reports a process the signal ended. Without this the default action killed the
+        process with the terminal left without echo."""
+        if keys is not None:
+            try:
+                keys.restore()
+            except (termios.error, OSError):  # a terminal that hung up has no modes to restore
+                keys.saved = None
+        signalled.append(signum)
+        if session is not None:
+            session.exit_code = 128 + signum
+            events.put_nowait(("signal", signum))
+        else:  # still connecting: stop that
+            main.cancel()
+
+    stop_signals = (signal.SIGTERM, signal.SIGHUP)
+    for signum in stop_signals:
+        loop.add_signal_handler(signum, stopped, signum)
     try:
         if conversation == "new":  # as `appserver run --conversation new`
             created = await client.request({"type": "create_conversation", "agent": agent})
@@ -708,10 +743,19 @@ async def chat(
             events,
         )
         return await session.run(state.get("active_turn"))
+    except asyncio.CancelledError:
+        if signalled:
+            return 128 + signalled[0]
+        raise
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         if keys is not None:
-            keys.restore()
+            try:
+                keys.restore()
+            except (termios.error, OSError):  # the terminal hung up
+                keys.saved = None
+        for signum in stop_signals:
+            loop.remove_signal_handler(signum)
         frames.cancel()
         await client.close()
 

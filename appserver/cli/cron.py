@@ -40,6 +40,8 @@ from cron.schedule import (
 )
 from cron.store import (
     DEFAULT_MAX_LATENESS_S,
+    CronFile,
+    CronFileUnreadable,
     CronNotFound,
     CronStore,
     CronStoreError,
@@ -507,8 +509,20 @@ def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
     cfg = _config()
     store, which = _store(cfg), _agent_filter(cfg, agent)
     if enabled:
-        _check_task_agent(cfg, store.read().find(ref, which))
+        _check_task_agent(cfg, _read_to_change(store).find(ref, which))
     return store.set_enabled(ref, enabled, agent=which)
+
+
+def _read_to_change(store: CronStore) -> CronFile:
+    """The tasks, read by a command about to change them. `enable` checks the task's agent before
+    it writes; that look must treat an unparseable crons.json as every command that changes tasks
+    does (add, remove, disable): set it aside loudly (CorruptStateFile: exit 1, naming where it
+    went), not leave it in place with a reader's message that promises the opposite."""
+    try:
+        return store.read()
+    except CronFileUnreadable:
+        with store.lock():
+            return store.load()  # a writer's load: moves the file aside and raises CorruptStateFile
 
 
 def _check_task_agent(cfg: Config, task: CronTask) -> None:

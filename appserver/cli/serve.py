@@ -456,6 +456,7 @@ def serve_command(
             config.channels.enabled = parse_enabled(channels, "--channels")
         except ValueError as exc:
             fail(str(exc), 2)
+        _refuse_unknown_channels(config, config.channels.enabled)
     if tls_cert or tls_key:
         if not (tls_cert and tls_key):
             fail("--tls-cert and --tls-key go together", 2)
@@ -481,6 +482,24 @@ def serve_command(
     config.server.listen = str(addr)
     with asyncio.Runner(loop_factory=event_loop_factory(config.server.event_loop)) as runner:
         runner.run(serve_async(config, host, port, lock, accept_data_loss=accept_data_loss))
+
+
+def _refuse_unknown_channels(config: Config, wanted: list[str]) -> None:
+    """`--channels` naming a channel that is neither first-party nor a plugin folder of this home
+    (a typo) is refused before anything starts (exit 2, listing the known ones), as every other bad
+    flag is: it used to start and say only that the channel "has no account". A plugin folder whose
+    manifest is broken is known: the gateway reports what is wrong with it."""
+    from plugins.loader import FIRST_PARTY, channels_dir, discover  # only when --channels is given
+
+    known = sorted({*FIRST_PARTY, *discover(config.home)})
+    unknown = [c for c in wanted if c not in known]
+    if unknown:
+        names = ", ".join(repr(c) for c in unknown)
+        fail(
+            f"--channels: unknown channel {names}: known channels are {', '.join(known)} "
+            f"(a user plugin lives in {channels_dir(config.home) / unknown[0] / 'channel.json'})",
+            2,
+        )
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:

@@ -17,14 +17,48 @@ from appserver.cli.safetext import visible
 from appserver.fsutil import CorruptStateFile, set_aside_notice
 from appserver.ids import AGENT_ID_PREFIX
 
+START_NEW = "appserver token create --start-new-file"
+
 
 def _store() -> TokenStore:
     """The token store, after a warning for each token file set aside as unreadable: its tokens
-    are not in the list, and a new token starts a new file without them."""
+    are not in the list."""
     config = get_config()  # a config error: one line, exit 2
     for path in sorted(config.home.glob("auth/tokens.json.corrupt-*")):
         click.echo(f"warning: {visible(set_aside_notice(config.home, path))}", err=True)
     return token_store_for(config.home, config.store.url)
+
+
+def _refuse_unusable(store: TokenStore, doing: str) -> None:
+    """Stop (exit 1, one line) when tokens.json cannot be read. The file is left where it is:
+    a running server refuses every token until the operator repairs it (docs/security.md), and a
+    command that silently started a new file would turn auth back on with only the new token."""
+    reason = store.unreadable()
+    if reason is None:
+        return
+    fail(
+        f"{visible(str(store.path))} cannot be read ({visible(' '.join(reason.split()))}); it was left in place "
+        f"and a running server refuses every token until it is repaired. Nothing was {doing}. Repair it, "
+        f"or start a new token file without the tokens it held: {START_NEW}",
+        1,
+    )
+
+
+def _refuse_unrestored(store: TokenStore) -> None:
+    """Stop (exit 1) when tokens.json was set aside as unreadable and nothing took its place:
+    the operator has to choose between restoring it (its tokens work again) and a new file (only
+    the new token works), never learn it from a token that stopped working."""
+    config = get_config()
+    if store.path != config.home / "auth" / "tokens.json" or store.path.exists():
+        return  # a database store, or a token file (repaired, or started anew) is in place
+    aside = sorted(config.home.glob("auth/tokens.json.corrupt-*"))
+    if aside:
+        fail(
+            f"auth/tokens.json was set aside as unreadable ({visible(aside[-1].name)}) and not restored, so "
+            "every token is refused; a new token would start a new file that admits only itself. Repair the "
+            f"set-aside file and move it back over auth/tokens.json, or start a new file: {START_NEW}",
+            1,
+        )
 
 
 def _when(ts: float | None) -> str:
@@ -87,15 +121,37 @@ def token_group() -> None:
 )
 @click.option("--expires", default="never", show_default=True, help="Lifetime: 30d, 12h, 45m, 2w or never.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object (includes the token).")
-def create_cmd(name: str | None, agents: str | None, scopes: str, expires: str, as_json: bool) -> None:
+@click.option(
+    "--start-new-file",
+    is_flag=True,
+    help="When auth/tokens.json is unreadable or was set aside: start a new one holding only this token "
+    "(an unreadable file is kept as tokens.json.corrupt-<time>).",
+)
+def create_cmd(
+    name: str | None, agents: str | None, scopes: str, expires: str, as_json: bool, start_new_file: bool
+) -> None:
     """Mint a token and print it once; only its hash is stored."""
     store = _store()
+    if not start_new_file:
+        _refuse_unusable(store, "created")
+        _refuse_unrestored(store)
     try:
         limited = parse_agents(agents)
     except ValueError as exc:  # empty, or `*` mixed with names: a usage error, before any lookup
         fail(str(exc), 2)
     if limited is not None:
         _check_agents(limited)
+    if start_new_file:
+        try:
+            moved = store.set_aside_unreadable()
+        except RuntimeError as exc:
+            fail(_one_line(exc), 1)
+        if moved is not None:
+            click.echo(
+                f"warning: {visible(str(moved.path))} could not be read; moved aside to "
+                f"{visible(str(moved.moved_to))}; the new file holds only the new token",
+                err=True,
+            )
     try:
         rec, plaintext = store.create(name=name, agents=agents, scopes=scopes, expires=expires)
     except ValueError as exc:  # what was asked for is wrong (bad scope, expiry...): a usage error
@@ -116,8 +172,10 @@ def create_cmd(name: str | None, agents: str | None, scopes: str, expires: str, 
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array.")
 def list_cmd(as_json: bool) -> None:
     """List tokens (never the tokens themselves: only ids, names, scopes and fingerprints)."""
+    store = _store()
+    _refuse_unusable(store, "listed")  # a reader: it never moves the file
     try:
-        records = _store().list()
+        records = store.list()
     except (RuntimeError, CorruptStateFile) as exc:
         fail(_one_line(exc), 1)
     if as_json:
@@ -152,8 +210,10 @@ def list_cmd(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the revoked token's record as JSON.")
 def revoke_cmd(id_or_name: str, as_json: bool) -> None:
     """Revoke a token by id or name; a running server refuses it from the next request."""
+    store = _store()
+    _refuse_unusable(store, "revoked")
     try:
-        rec = _store().revoke(id_or_name)
+        rec = store.revoke(id_or_name)
     except KeyError:  # exit 2, as `agents show` and `cron show` exit for an id they do not know
         fail(f"no token with id or name {id_or_name!r}", 2)
     except (RuntimeError, CorruptStateFile) as exc:

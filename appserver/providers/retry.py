@@ -31,12 +31,37 @@ def retry_delay_ms(
 
     `attempt` counts from 1 (the attempt that just failed). Nothing retries after output reached a
     client: the client has already seen part of an answer that a retry would contradict.
+
+    A `Retry-After` longer than `max_retry_after_ms` gives up at once: retrying sooner than the
+    upstream asked only meets the same refusal, so waiting the cap once per attempt (4 × 60 s for
+    `Retry-After: 3600`) held the request for minutes before the same error. The error's message
+    then says so, naming the wait the upstream asked for (the only change made to `error`).
     """
     if output_shown or not is_retryable_kind(error.kind) or attempt >= policy.max_attempts:
         return None
     if error.retry_after_s is not None and error.retry_after_s >= 0:
-        return min(int(error.retry_after_s * 1000), policy.max_retry_after_ms)
+        wanted_ms = error.retry_after_s * 1000
+        if wanted_ms > policy.max_retry_after_ms:
+            _say_not_retried(error, policy)
+            return None
+        return int(wanted_ms)
     return int(min(policy.base_ms * (2 ** (attempt - 1)), policy.cap_ms))
+
+
+RETRY_AFTER_NOTE = "not retried: the upstream asks to retry after"
+
+
+def _say_not_retried(error: ProviderError, policy: RetryPolicy) -> None:
+    """Add to the error's message why it was not retried (once, however often it is asked)."""
+    if RETRY_AFTER_NOTE in error.message:
+        return
+    assert error.retry_after_s is not None
+    note = (
+        f"{RETRY_AFTER_NOTE} {error.retry_after_s:g} s (Retry-After), longer than this server waits "
+        f"({policy.max_retry_after_ms / 1000:g} s)"
+    )
+    error.message = f"{error.message} ({note})" if error.message else note
+    error.args = (error.message,)
 
 
 def parse_retry_after(headers: Mapping[str, str], *, now: float | None = None) -> float | None:

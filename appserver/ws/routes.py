@@ -329,12 +329,13 @@ class Endpoint:
             conv = await self._conversation(conn, frame.conversation, frame.agent)
             await self.hub.subscribe(conn, conv.id, _view(conv), rid)
         elif isinstance(frame, F.Unsubscribe):
-            was = self.hub.unsubscribe(conn, frame.conversation)
+            ref = _conversation_ref(frame.conversation)
+            was = self.hub.unsubscribe(conn, ref)
             conn.send(
                 {
                     "type": "ack",
                     "request_id": rid,
-                    "conversation_id": frame.conversation,
+                    "conversation_id": ref,
                     "results": [{"subscribed": False, "was_subscribed": was}],
                 }
             )
@@ -391,6 +392,17 @@ class Endpoint:
             )
             conn.kill(F.CLOSE_PROTOCOL, "unsupported protocol version", flush=True)
             return
+        if conn.principal is not None and conn.principal.kind != "none" and frame.token and frame.token.strip():
+            # The upgrade carried a credential and hello another: which one should act? Taking the
+            # upgrade's silently left a client believing it acted as the hello's credential.
+            upgrade = _bearer(websocket.headers.get("authorization"))
+            if upgrade is not None and upgrade != _bearer(frame.token):
+                raise AuthError(
+                    401,
+                    "conflicting_credentials",
+                    "two different credentials were given: one in the Authorization header of the upgrade and "
+                    "another in hello.token; send one of them (or the same token in both)",
+                )
         if conn.principal is None:
             authenticate = websocket.scope.get("state", {}).get("authenticate_hello")
             if authenticate is None:  # pragma: no cover - the guard always provides it
@@ -434,9 +446,7 @@ class Endpoint:
         key = frame.idempotency_key or None
         if key is not None and ns is not None:
             key = f"{ns}\x1f{key}"
-        spec = frame.conversation.strip()
-        if not spec:
-            raise FrameError("bad_frame", "conversation: give 'default', 'new' or a conversation id", "conversation")
+        spec = _conversation_ref(frame.conversation, "give 'default', 'new' or a conversation id")
         fields: dict[str, Any] = {}
         if spec == "new":
             fields["namespace"] = ns
@@ -573,6 +583,9 @@ class Endpoint:
         must be the conversation's agent, as for `submit_input` (a client that shows "chatting with
         X" must not be handed a conversation of Y)."""
         agent: AgentRecord | None = None
+        ref = _conversation_ref(
+            ref, "give a conversation id (or 'default' with an agent)" if with_agent else "give a conversation id"
+        )
         if ref in ("default", "new"):
             if ref == "new" or not agent_ref:
                 raise FrameError(
@@ -644,6 +657,26 @@ def _namespace(conn: Connection) -> str | None:
     """The connection's conversation namespace (None: admin or local, sees every conversation).
     Fails closed: a connection without a principal (unreachable after `hello`) sees nothing."""
     return conversation_namespace(conn.principal) if conn.principal is not None else "\x00unauthenticated"
+
+
+def _conversation_ref(value: str, expected: str = "give a conversation id") -> str:
+    """The conversation a frame names, read the same way by every frame (get_history, subscribe,
+    unsubscribe, submit_input, approval_response, cancel): surrounding whitespace is not part of
+    it (`" default "` is `default`, as submit_input always read it); nothing left is `bad_frame`."""
+    ref = value.strip()
+    if not ref:
+        raise FrameError("bad_frame", f"conversation: {expected}", "conversation")
+    return ref
+
+
+def _bearer(value: str | None) -> str | None:
+    """The token of an `Authorization` value or of `hello.token` (either may say `Bearer `)."""
+    if value is None:
+        return None
+    token = value.strip()
+    if token[:7].lower() == "bearer ":
+        token = token[7:].strip()
+    return token or None
 
 
 def _new_scope(agent_id: str) -> str:

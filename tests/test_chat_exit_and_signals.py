@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, str], ServeProcess]]:
-    home = tmp_path_factory.mktemp("fix17chat") / "home"
+    home = tmp_path_factory.mktemp("chat_exit") / "home"
     env = cli_env(home)
     with serving(home, env=env) as sp:
         yield home, env, sp

@@ -117,7 +117,7 @@ def test_retry_after_is_honoured_and_capped() -> None:
     assert retry_delay_ms(ProviderError("rate_limit", "x", status=429, retry_after_s=1), 1, POLICY) == 1000
     assert retry_delay_ms(ProviderError("rate_limit", "x", retry_after_s=0.25), 3, POLICY) == 250
     assert retry_delay_ms(ProviderError("rate_limit", "x", retry_after_s=60), 1, POLICY) == 60_000
-    # Longer than the policy waits: given up at once (see tests/test_fix17_retry_after.py).
+    # Longer than the policy waits: given up at once (see tests/test_retry_after_beyond_cap.py).
     far = ProviderError("rate_limit", "x", retry_after_s=3600)
     assert retry_delay_ms(far, 1, POLICY) is None and "3600 s" in far.message
     # Retry-After never makes a non-retryable error retryable.

@@ -42,7 +42,7 @@ def fine(req: RecordedRequest) -> Reply:
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, FakeOpenAI]]:
     with FakeOpenAI() as fake:
         fake.responder = fine
-        home = tmp_path_factory.mktemp("fix17retry") / "home"
+        home = tmp_path_factory.mktemp("retry_after") / "home"
         home.mkdir()
         (home / "config.toml").write_text(
             f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 4\n'

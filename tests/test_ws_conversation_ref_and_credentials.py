@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def open_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    home = tmp_path_factory.mktemp("fix17ws") / "home"
+    home = tmp_path_factory.mktemp("wsref") / "home"
     with serving(home, env=cli_env(home)) as sp:
         yield sp
 
@@ -82,7 +82,7 @@ async def test_every_frame_reads_a_conversation_id_with_spaces_around_it_the_sam
 
 @pytest.fixture(scope="module")
 def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, str, str]]:
-    home = tmp_path_factory.mktemp("fix17ws_auth") / "home"
+    home = tmp_path_factory.mktemp("ws_auth") / "home"
     tokens = TokenStore(home)
     alice = tokens.create(name="alice")[1]
     bob = tokens.create(name="bob")[1]

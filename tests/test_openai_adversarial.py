@@ -656,3 +656,44 @@ def test_an_agent_deleted_while_its_request_runs_is_a_404_not_a_500(
         ).status_code
         == 200
     )
+
+
+def test_refusals_name_parts_and_fields_as_the_clients_api_does(http: httpx.Client) -> None:
+    """A Responses `input_image` is refused as `input_image` / `image_url` (a string there), not in
+    Chat's words; a conversation id taken by another model reads as not found, nothing more."""
+    no_url = http.post(
+        "/v1/responses",
+        json={
+            "model": "assistant",
+            "input": [{"role": "user", "content": [{"type": "input_image", "detail": "auto"}]}],
+        },
+    )
+    assert no_url.status_code == 400, no_url.text
+    assert "].image_url must be a string" in no_url.json()["error"]["message"], no_url.text
+    assistant_image = http.post(
+        "/v1/responses",
+        json={
+            "model": "assistant",
+            "input": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}],
+                },
+                {"role": "user", "content": "again"},
+            ],
+        },
+    )
+    assert assistant_image.status_code == 400, assistant_image.text
+    assert "'input_image'" in assistant_image.json()["error"]["message"], assistant_image.text
+    made = http.post(
+        "/v1/chat/completions", json={"model": "assistant", "messages": [{"role": "user", "content": "x"}]}
+    )
+    conv = made.headers["x-conversation-id"]
+    other = http.post(
+        "/v1/chat/completions",
+        headers={"X-Conversation-Id": conv},
+        json={"model": "remote", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert other.status_code == 404, other.text
+    assert other.json()["error"]["message"] == f"Conversation with id {conv!r} not found for this model and credential."

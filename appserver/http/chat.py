@@ -146,7 +146,8 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image
             if not isinstance(url, str):
-                raise bad_request(f"{where}.content[{j}].image_url.url must be a string", f"{where}.content")
+                field = "image_url.url" if kind == "image_url" else "image_url"  # Responses: a string
+                raise bad_request(f"{where}.content[{j}].{field} must be a string", f"{where}.content")
             problem = image_url_problem(url)
             if problem is not None:
                 raise bad_request(f"{where}.content[{j}]: {problem}", f"{where}.content", code="invalid_image_url")
@@ -170,10 +171,11 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
     return "".join(texts), images, media_parts
 
 
-def no_images(where: str, role: str, param: str) -> ApiError:
-    """An image where only users may send one: refused by name, never dropped."""
+def no_images(where: str, role: str, param: str, part: str = "image_url") -> ApiError:
+    """An image where only users may send one: refused by name (`part`: as the client's API calls
+    it, `input_image` in Responses), never dropped."""
     return bad_request(
-        f"{where}: unsupported content part 'image_url' in a {role} message: only user messages may carry images",
+        f"{where}: unsupported content part '{part}' in a {role} message: only user messages may carry images",
         param,
         code="unsupported_content_part",
     )

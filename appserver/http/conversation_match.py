@@ -495,7 +495,7 @@ class ConversationMatcher:
             if not self.visible(conv, agent, namespace):
                 raise ApiError(
                     404,
-                    f"conversation {value!r} does not belong to this model",
+                    f"Conversation with id {value!r} not found for this model and credential.",
                     code="conversation_not_found",
                     param=HEADER,
                 )

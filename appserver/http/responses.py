@@ -233,7 +233,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                 raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
             text, images, media = parts_of(content, where, media=role == "user")
             if images and role != "user":
-                raise no_images(where, role, "input")
+                raise no_images(where, role, "input", "input_image")
             if role == "assistant":
                 out.items.append(ViewItem("assistant", text))
                 out.decisions.clear()  # approvals before a later reply are history, not new answers
@@ -290,7 +290,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             if isinstance(output, list):
                 output, images = content_of(output, where)
                 if images:
-                    raise no_images(where, "function_call_output", "input")
+                    raise no_images(where, "function_call_output", "input", "input_image")
             if not isinstance(output, str):
                 raise bad_request(f"{where}.output must be a string", "input")
             out.items.append(ViewItem("tool", output, call_id=call_id))
@@ -395,7 +395,7 @@ def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] 
         fields.one_of(item.get("role"), f"{where}.role", INSTRUCTION_ROLES, nullable=False)
         text, images = content_of(item.get("content"), where)
         if images:
-            raise no_images(where, "instructions", "instructions")
+            raise no_images(where, "instructions", "instructions", "input_image")
         texts.append(text)
         shown.append({"type": "message", "role": item["role"], "content": text})
     return "\n\n".join(t for t in texts if t), shown

@@ -199,3 +199,17 @@ def test_copy_brings_the_cron_tasks_and_tokens_into_the_database(tmp_path: Path,
     assert tokens.code == 0, tokens.err
     assert [t["name"] for t in tokens.json()] == ["laptop"]
     assert "1 tokens" in r.out, r.out
+
+
+def test_copy_refuses_an_unreadable_token_file_and_leaves_it_in_place(tmp_path: Path, target: str) -> None:
+    """Copying no token would leave the database's server refusing every client: a tokens.json
+    that cannot be read stops the copy (exit ≠ 0, nothing copied) and stays where it is."""
+    home = _home_with_data(tmp_path)
+    assert run_cli(home, "token", "create", "--name", "laptop", env=cli_env(home)).code == 0
+    tokens = home / "auth" / "tokens.json"
+    tokens.write_text('{"tokens": [')
+    r = run_cli(home, "store", "copy", "--to", target, env=cli_env(home))
+    assert r.code != 0 and "cannot copy the tokens" in r.err and "Traceback" not in r.err, r.err
+    assert tokens.read_text() == '{"tokens": ['  # left in place for the operator to restore
+    agents = run_cli(home, "agents", "list", "--json", env=cli_env(home, APPSERVER_STORE__URL=target))
+    assert agents.code == 0 and agents.json() == [], agents.out + agents.err

@@ -42,8 +42,13 @@ def _cron_doc(home: Path) -> tuple[str | None, int]:
 def _tokens(home: Path) -> list[dict[str, object]]:
     """The home's capability tokens (hashes only), which a database store keeps in `tokens`."""
     from appserver.auth import TokenStore
+    from appserver.store.base import StoreError
 
-    return [r.to_json() for r in TokenStore(home).list()]  # an unreadable file is set aside: loud
+    store = TokenStore(home)
+    problem = store.unreadable()
+    if problem is not None:  # copying none would leave the database with no token: refused, left in place
+        raise StoreError(f"cannot copy the tokens: {store.path} cannot be read ({problem}); restore it first")
+    return [r.to_json() for r in store.list()]
 
 
 async def _copy(db_path: Path, url: str, home: Path) -> dict[str, int]:

@@ -74,21 +74,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Srv]:
 
 def cli(home: Path, *args: str, stdin: str = "", timeout: float = 60, **env: str) -> CLIResult:
     """The CLI as a child process, with `stdin` as its input (a file or pipe: no terminal)."""
-    with appserver_popen(
-        list(args),
-        env=cli_env(home, **env),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(stdin, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-    return CLIResult(proc.returncode, out, err)
+    return run_cli(home, *args, stdin=stdin, timeout=timeout, env=cli_env(home, **env))
 
 
 def one_line(r: CLIResult, code: int, needle: str) -> None:

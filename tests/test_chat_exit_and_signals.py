@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import termios
 from collections.abc import Iterator
@@ -20,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import CLIResult, cli_env
+from tests.support.cli import CLIResult, cli_env, run_cli
 from tests.support.serve import ServeProcess, serving
-from tests.support.zygote_client import appserver_popen
 from tests.test_chat_terminal import Pty
 
 pytestmark = pytest.mark.timeout(90)
@@ -38,21 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dic
 
 def piped_chat(home: Path, stdin: str, timeout: float = 60) -> CLIResult:
     """`appserver chat` with `stdin` as its input (a pipe: no terminal)."""
-    with appserver_popen(
-        ["chat", "--conversation", "new"],
-        env=cli_env(home),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        try:
-            out, err = proc.communicate(stdin, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-    return CLIResult(proc.returncode, out, err)
+    return run_cli(home, "chat", "--conversation", "new", stdin=stdin, timeout=timeout)
 
 
 def test_piped_chat_that_ends_with_quit_still_exits_1_after_a_failed_turn(

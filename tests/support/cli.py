@@ -49,14 +49,23 @@ class CLIResult:
         return json.loads(self.out)
 
 
-def run_cli(home: Path, *args: str, timeout: float = 60, env: dict[str, str] | None = None) -> CLIResult:
+def run_cli(
+    home: Path, *args: str, timeout: float = 60, env: dict[str, str] | None = None, stdin: str | None = None
+) -> CLIResult:
     """`python -m appserver ARGS` in a child process, as `subprocess.run` would (pipes, timeout),
-    forked from this worker's zygote (tests/support/zygote.py) when one can stand in for it."""
+    forked from this worker's zygote (tests/support/zygote.py) when one can stand in for it.
+    `stdin`: the child's input, through a pipe (no terminal)."""
     with appserver_popen(
-        list(args), env=env or cli_env(home), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        list(args),
+        env=env or cli_env(home),
+        cwd=ROOT,
+        stdin=subprocess.PIPE if stdin is not None else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as proc:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(stdin, timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -213,6 +213,101 @@ def test_an_approval_resent_runs_its_call_once_and_the_forks_reuse_its_result(
     asyncio.run(go())
 
 
+def test_a_fork_keeps_every_call_closed_where_it_came_from(srv: ServeProcess, tmp_path: Path) -> None:
+    """A round of two calls, A approved and B denied (by a person, with a reason) in the source:
+    a resend answering only one of them forks with the other closed as it was there, never open
+    again (was: the fork asked for it anew, and approving it there ran the denied call and A a
+    second time). A call approved there that waits for the rest of its round is a 400 naming
+    the conversation to answer in (was: a 409 to retry that no retry cleared)."""
+    marks = {k: tmp_path / k for k in "ABCD"}
+
+    def shell(k: str) -> str:
+        return f'/call shell {{"command": "echo ran >> {marks[k]}"}}'
+
+    def ran(k: str) -> int:
+        return marks[k].read_text().count("ran") if marks[k].exists() else 0
+
+    def approve(req: dict[str, Any], ok: bool = True) -> dict[str, Any]:
+        return {"type": "mcp_approval_response", "approval_request_id": req["id"], "approve": ok}
+
+    def calls(r: httpx.Response) -> list[tuple[str, str | None]]:
+        assert r.status_code == 200, r.text
+        validate("Response", r.json())
+        return [
+            (o["output"] or "", (o.get("error") or {}).get("content", [{}])[0].get("text"))
+            for o in r.json()["output"]
+            if o["type"] == "mcp_call"
+        ]
+
+    async def go() -> None:
+        ws = await WS.open(srv.url)
+        http = httpx.AsyncClient(base_url=srv.url, timeout=30)
+        try:
+            first = await http.post("/v1/responses", json={"model": "ops", "input": f"{shell('A')}\n{shell('B')}"})
+            a, b = [o for o in first.json()["output"] if o["type"] == "mcp_approval_request"]
+            conv = first.headers["x-conversation-id"]
+            await ws.request({"type": "subscribe", "conversation": conv})
+            decided = await ws.request(
+                {
+                    "type": "approval_response",
+                    "conversation": conv,
+                    "decisions": [
+                        {"call_id": a["id"].removeprefix("mcpr_"), "decision": "approve"},
+                        {"call_id": b["id"].removeprefix("mcpr_"), "decision": "deny", "reason": "never on prod"},
+                    ],
+                }
+            )
+            assert all(r["accepted"] for r in decided["results"]), decided
+            await _ended(ws, conv)
+            assert (ran("A"), ran("B")) == (1, 0)
+            prev = first.json()["id"]
+            for only in ([approve(a)], [approve(b, False)]):
+                fork = await http.post(
+                    "/v1/responses", json={"model": "ops", "previous_response_id": prev, "input": only}
+                )
+                (done_a, _), (_, denied_b) = calls(fork)
+                assert denied_b is not None and "never on prod" in denied_b, denied_b
+                assert fork.headers["x-conversation-id"] != conv
+            stateless = await http.post(
+                "/v1/responses",
+                json={
+                    "model": "ops",
+                    "input": [{"role": "user", "content": f"{shell('A')}\n{shell('B')}"}, a, b, approve(a)],
+                },
+            )
+            assert len(calls(stateless)) == 2
+            assert (ran("A"), ran("B")) == (1, 0), "a fork ran a call again, or ran the one a person denied"
+
+            # a round answered in parts: C approved, D still open in the source
+            second = await http.post("/v1/responses", json={"model": "ops", "input": f"{shell('C')}\n{shell('D')}"})
+            c, d = [o for o in second.json()["output"] if o["type"] == "mcp_approval_request"]
+            part = await http.post(
+                "/v1/responses",
+                json={"model": "ops", "previous_response_id": second.json()["id"], "input": [approve(c)]},
+            )
+            assert part.status_code == 200 and ran("C") == 0, part.text  # waits for D's answer
+            await ws.request(
+                {
+                    "type": "submit_input",
+                    "agent": "ops",
+                    "conversation": part.headers["x-conversation-id"],
+                    "input": "later",
+                }
+            )  # queued behind the pause: a request naming the older response forks
+            again = await http.post(
+                "/v1/responses",
+                json={"model": "ops", "previous_response_id": second.json()["id"], "input": [approve(d)]},
+            )
+            assert again.status_code == 400 and again.json()["error"]["code"] == "already_resolved", again.text
+            assert part.headers["x-conversation-id"] in again.json()["error"]["message"]
+            assert ran("C") == ran("D") == 0
+        finally:
+            await http.aclose()
+            await ws.close()
+
+    asyncio.run(go())
+
+
 def test_a_client_tool_result_given_otherwise_forks(srv: ServeProcess) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     ask = [{"role": "user", "content": f'/call f {{"n": "{uuid.uuid4().hex}"}}'}]

@@ -539,7 +539,8 @@ def answered_approvals(before: TurnSnapshot, given: dict[str, PendingCall], deci
     or answered by an earlier request of a round answered in parts (their calls have not run: no
     result in `before` yet), in the order the calls were made."""
     now = {d.call_id for d in decisions if d.action in ("approve", "deny")}
-    earlier = {cid for cid, p in given.items() if p.kind == "approval" and p.status in ("approved", "denied")}
+    # "result" on an approval: approved in a fork, the result it had where it ran reused
+    earlier = {cid for cid, p in given.items() if p.kind == "approval" and p.status in ("approved", "denied", "result")}
     return [
         b["call_id"]
         for b in before.blocks

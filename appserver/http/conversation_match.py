@@ -18,7 +18,7 @@ import json
 import re
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from appserver import fastjson
@@ -259,9 +259,13 @@ class Paused:
 
     messages: list[MessageRecord]
     open_calls: list[dict[str, Any]]
-    # Approved calls that already ran in the conversation this one is forked from: their result
-    # there (text, is_error). Approving one in the fork reuses it instead of running it again.
+    # What the conversation this one is forked from did with the calls (`_carry_over`): approved
+    # calls that ran there, by their result (text, is_error), which approving them reuses; denials
+    # the request repeats (their reason and who decided); calls closed there that the request
+    # does not answer, written closed as they were.
     ran: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    decided: dict[str, PendingCall] = field(default_factory=dict)
+    carried: dict[str, PendingCall] = field(default_factory=dict)
 
 
 # The id a legacy assistant `function_call` (which has none) is known by: a `function` message
@@ -440,9 +444,14 @@ class ConversationMatcher:
         ]
         pending = []
         for c in paused.open_calls:
+            carried = paused.carried.get(c["id"])
+            if carried is not None:  # closed where this was forked from: closed here as it was
+                pending.append(replace(carried, conversation_id=conv.id, turn_id=turn.id, created_at=now))
+                continue
             client = c.get("executor") == "client"
             timeout = limits.client_tool_timeout_s if client else limits.approval_timeout_s
             output, is_error = paused.ran.get(c["id"], (None, False))
+            earlier = paused.decided.get(c["id"])
             pending.append(
                 PendingCall(
                     c["id"],
@@ -453,11 +462,14 @@ class ConversationMatcher:
                     "client" if client else "approval",
                     output=output,  # ran where this was forked from: an approval reuses it
                     is_error=is_error,
+                    reason=earlier.reason if earlier is not None else None,  # a denial repeated keeps its words
+                    decided_by=earlier.decided_by if earlier is not None else None,
                     created_at=now,
                     expires_at=now + timeout,
                 )
             )
-        stop = "requires_approval" if any(p.kind == "approval" for p in pending) else "requires_client_tool"
+        still_open = [p for p in pending if p.status == "pending"]
+        stop = "requires_approval" if any(p.kind == "approval" for p in still_open) else "requires_client_tool"
         await self.store.commit_turn(
             conv.id, TurnCommit(turn.id, "awaiting", stop, messages, pending, revision=1, iteration=1)
         )
@@ -588,7 +600,7 @@ class ConversationMatcher:
         if answers is not None:
             later = [m for m in source if m.id is not None and m.id > last_message_id]
             messages, paused = split_paused(messages, answers)  # the tail is written again, paused
-            await self._refuse_decided(paused, answers, later)
+            await self._carry_over(paused, answers, later, source_conversation)
         ids = [m.id for m in messages if m.id is not None]
         conv = await self._new(
             agent,
@@ -603,19 +615,22 @@ class ConversationMatcher:
         )
         return conv.id
 
-    async def _refuse_decided(self, paused: Paused, answers: Answers, later: list[MessageRecord]) -> None:
-        """Check a fork's answers against what the source conversation did with the same calls
-        (before anything is written); `later` is the source's messages after the fork point.
+    async def _carry_over(self, paused: Paused, answers: Answers, later: list[MessageRecord], source: str) -> None:
+        """What the source conversation did with the calls open at the fork point goes into the
+        fork (checked before anything is written); `later` is the source's messages after it.
 
-        400 `already_resolved` for an approval decided otherwise there (denied, or approved the
-        other way by a person on the WebSocket, say), expired or cancelled: a fork never decides an
-        approval anew, which would run a command a person denied. An approval that repeats the one
-        given there (a retry, a resent round) must not run the call a second time either: when the
-        call ran there, the fork reuses its result (`Paused.ran`); while it is still being answered
-        or run there (two requests sending the same answer at once), 409, to retry once that
-        request is done. A client tool's result may differ from the one given there: nothing of
-        the server runs for it, and a client that edits a result and regenerates forks as it
-        would with any other message."""
+        Every approval closed there stays closed in the fork, whether or not this request answers
+        it: a call run there keeps its result, a denied, expired or cancelled one its end, with who
+        denied it and why (`Paused.carried`). A client tool's call is the client's to answer: open
+        in the fork unless this request answers it, with whatever result it sends (nothing of the
+        server runs for it; a retry of a partial answer is asked for the rest again). An approval
+        resent for a call that ran there reuses the result instead of running again (`Paused.ran`),
+        one resent for a denied call keeps the denial's words (`Paused.decided`). A fork never decides an
+        approval anew: one given otherwise (approving what a person denied, an expired or
+        cancelled call) is a 400 `already_resolved`. An approved call with no result yet while the
+        source runs its turn (two requests sending the same answer at once) is a 409
+        `already_resolving`, to retry once that request is done; one that waits there for the
+        other answers of its round is a 400 naming the conversation to answer them in."""
         turn_id = paused.messages[0].turn_id if paused.messages else None
         if turn_id is None or not answers.given:
             return  # a seeded history's calls: never answered on this server
@@ -624,23 +639,46 @@ class ConversationMatcher:
             return
         results = {m.tool_call_id: m for m in later if m.role == "tool" and m.tool_call_id}
         named = [(c["id"], c["name"]) for c in paused.open_calls]
+        given = {by_name(d.call_id, named): d for d in answers.given}
+        running = source in self.claims or self.server.kernel.turn_active(source)
+        if not running:
+            turn = await self.store.get_turn(turn_id)
+            running = turn is not None and turn.status == "running"  # resumed, maybe on another server
         clashes: list[str] = []
         busy: list[str] = []
-        for d in answers.given:
-            cid = by_name(d.call_id, named)
-            p = calls.get(cid)
-            if p is None or p.kind != "approval" or d.action == "result":
+        waiting: list[str] = []
+        for c in paused.open_calls:
+            cid = c["id"]
+            p, d = calls.get(cid), given.get(cid)
+            if p is None or p.status == "pending" and not (running and d is not None and d.action == "approve"):
+                continue  # never asked here, or still open there and nobody answers it: open in the fork
+            if p.kind == "client":
+                continue  # nothing of the server ran for it: open, or this request's result, as sent
+            if p.status == "pending" or (p.status in ("approved", "result") and cid not in results):
+                (busy if running else waiting).append(cid)
                 continue
-            approved = p.status in ("approved", "result")  # "result": approved, its earlier result reused
-            if p.status == "pending" or (approved and cid not in results):
-                if d.action == "approve":
-                    busy.append(cid)
-            elif not repeats_answer(p, d):
+            if d is not None and not repeats_answer(p, d):
                 clashes.append(f"call {cid} was already answered ({p.status})")
-            elif approved:
+                continue
+            if p.status in ("approved", "result"):  # "result": approved in a fork, its result reused there
                 done = results[cid]
-                paused.ran[cid] = (done.content if isinstance(done.content, str) else "", done.is_error)
-        if busy and not clashes:
+                output = (done.content if isinstance(done.content, str) else "", done.is_error)
+                if d is None:
+                    paused.carried[cid] = replace(p, status="result", output=output[0], is_error=output[1])
+                else:
+                    paused.ran[cid] = output
+            elif d is None:
+                paused.carried[cid] = p
+            else:
+                paused.decided[cid] = p
+        if clashes:
+            raise ApiError(
+                400,
+                "; ".join(clashes) + ": an answer given there cannot be changed by answering the call again",
+                code="already_resolved",
+                param=answers.param,
+            )
+        if busy:
             raise ApiError(
                 409,
                 f"call {', '.join(busy)} is being answered by another request right now; an approval runs its "
@@ -648,10 +686,12 @@ class ConversationMatcher:
                 code="already_resolving",
                 param=answers.param,
             )
-        if clashes:
+        if waiting:
             raise ApiError(
                 400,
-                "; ".join(clashes) + ": an answer given there cannot be changed by answering the call again",
+                f"call {', '.join(waiting)} was approved in conversation {source}, where it waits for the other "
+                "answers of its round and has not run yet: answer those there (conversation or X-Conversation-Id "
+                f"{source}), not in a fork of an earlier response",
                 code="already_resolved",
                 param=answers.param,
             )

@@ -686,6 +686,12 @@ class Kernel:
         rt = self.runtimes.get(conversation_id)
         return rt is not None and rt.in_flight
 
+    def turn_active(self, conversation_id: str) -> bool:
+        """A turn of this conversation runs here right now (begun or resumed, not merely queued or
+        paused): a call it approved may be running."""
+        rt = self.runtimes.get(conversation_id)
+        return rt is not None and rt.lifecycle.state in ("active", "cancelling")
+
     async def in_flight_elsewhere(self, conversation_id: str) -> bool:
         """In a cluster, a turn of this conversation runs or waits on another server (the
         conversation is not loaded here; `in_flight` answers for one that is)."""

@@ -146,18 +146,21 @@ class PendingAnswers:
         for d, p in ready:
             status = {"approve": "approved", "deny": "denied", "result": "result"}[d.action]
             output, is_error = d.output, d.is_error
+            reason, decided_by = d.reason, d.decided_by
             if d.action == "approve" and p.output is not None:
                 # it ran in the conversation this one was forked from (the same approval resent):
                 # approved, it is answered with that result instead of running a second time
                 status, output, is_error = "result", p.output, p.is_error
+            elif d.action == "deny" and p.decided_by is not None:
+                reason, decided_by = p.reason, p.decided_by  # denied there: the fork keeps who and why
             won = await store.resolve_pending(
                 self._conversation_id,
                 d.call_id,
                 status,
                 output=output,
                 is_error=is_error,
-                reason=d.reason,
-                decided_by=d.decided_by,
+                reason=reason,
+                decided_by=decided_by,
             )
             if won:
                 shown = "approved" if d.action == "approve" else status

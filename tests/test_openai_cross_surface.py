@@ -464,6 +464,56 @@ def test_a_stream_killed_mid_turn_keeps_its_text_and_a_continuation_follows_it(t
         sp.stop()
 
 
+def test_a_stream_answering_an_approval_killed_while_the_call_runs_shows_the_call(tmp_path: Path) -> None:
+    """kill -9 while the call an approval resumed runs inside a Responses stream: after the restart
+    `GET` shows that `mcp_call` with the interrupted outcome (was: `failed` with no output)."""
+    require_conformance()
+    home = tmp_path / "home"
+    env = cli_env(home)
+    assert run_cli(home, "agents", "create", "--name", "ops", "--tool", "shell=ask", env=env).code == 0
+    sp = start_serve(home, env=env)
+    try:
+
+        async def approve_and_kill() -> str:
+            client = openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0)
+            first = await client.responses.create(model="ops", input='/call shell {"command": "sleep 30"}')
+            (req,) = [o for o in first.output if o.type == "mcp_approval_request"]
+            answer = {"type": "mcp_approval_response", "approval_request_id": req.id, "approve": True}
+            stream = await client.responses.create(
+                model="ops",
+                previous_response_id=first.id,
+                input=[answer],  # type: ignore[list-item]
+                stream=True,
+            )
+            rid = ""
+            async for e in stream:
+                if e.type == "response.created":
+                    rid = e.response.id
+                elif e.type == "response.output_item.added" and e.item.type == "mcp_call":
+                    break
+            await asyncio.sleep(0.3)
+            sp.proc.kill()
+            sp.proc.wait(10)
+            await client.close()
+            return rid
+
+        rid = asyncio.run(approve_and_kill())
+    finally:
+        sp.kill()
+
+    sp = start_serve(home, env=env)
+    try:
+        with httpx.Client(base_url=sp.url, timeout=30) as http:
+            got = http.get(f"/v1/responses/{rid}")
+            assert got.status_code == 200, got.text
+            validate("Response", got.json())
+            assert got.json()["status"] == "failed"
+            (call,) = [o for o in got.json()["output"] if o["type"] == "mcp_call"]
+            assert call["name"] == "shell" and call["error"] is not None, call
+    finally:
+        sp.stop()
+
+
 # ---------------------------------------------------------------- 3. cancelled from the WebSocket
 
 

@@ -309,6 +309,9 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
             if isinstance(it, dict)
             and it.get("type", "message") in SUPPORTED_ITEMS
             and not (it.get("type") == "function_call_output" and not it.get("call_id"))
+            # no approval of this run waits for an answer: one answers nothing (then beside the
+            # nudge, the body is refused as mixing answers with new input)
+            and it.get("type") != "mcp_approval_response"
         ]
         for it in inp:
             if it.get("type", "message") == "message" and it.get("role") == "user":
@@ -334,6 +337,10 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
         del out["max_output_tokens"]
     if out.get("background"):
         del out["background"]
+    for key in ("previous_response_id", "conversation"):  # an empty id names nothing: not given
+        value = out.get(key)
+        if key in out and not (value.get("id") if isinstance(value, dict) else value):
+            del out[key]
     if out.get("previous_response_id") and out.get("conversation"):
         del out["conversation"]
     if out.get("previous_response_id") and tally.response_ids:

@@ -75,7 +75,7 @@ from appserver.http.errors import ApiError, bad_request, turn_failure
 from appserver.http.sse import SSEItem, SSEResponse
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
-from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
+from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnapshot
 from appserver.store.records import AgentRecord, ResponseRecord
 
 if TYPE_CHECKING:
@@ -649,6 +649,24 @@ def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = Non
     return out
 
 
+def resumed_run(server: Server, rec: ResponseRecord, handle: TurnHandle) -> TurnRun | None:
+    """The part of a turn a stored response that answered calls resumed: the calls its input
+    answered, and the blocks after them; None when the turn shows none of those calls."""
+    approvals: list[str] = []
+    answered: set[str] = set()
+    for item in rec.input_items:
+        if item.get("type") == "mcp_approval_response" and isinstance(item.get("approval_request_id"), str):
+            approvals.append(item["approval_request_id"].removeprefix("mcpr_"))
+        elif item.get("type") == "function_call_output" and isinstance(item.get("call_id"), str):
+            answered.add(item["call_id"])
+    answered.update(approvals)
+    blocks = handle.controller.snapshot().blocks
+    at = [i for i, b in enumerate(blocks) if b["type"] == "tool_call" and b["call_id"] in answered]
+    if not at:
+        return None
+    return TurnRun(server, rec.conversation_id, handle, base_blocks=max(at) + 1, resolved_calls=approvals)
+
+
 def _answered_unrun(snap: TurnSnapshot, b: dict[str, Any]) -> bool:
     """An answered approval whose call has not run yet (the turn still waits for other answers, or
     is just resuming): neither an open request any more nor an `mcp_call` with a result yet. It is
@@ -859,14 +877,20 @@ class Responses:
         if snap.status not in TERMINAL_STATUSES and snap.status != "awaiting":
             return cut_short(rec)  # an end this route does not know how to show: never in progress
         shape = shape_of(rec.body, agent)
-        run = TurnRun(self.server, rec.conversation_id, handle)
         # The request's own blocks are the turn's from its start when it sent new input; a request
-        # that answered calls resumed a turn whose earlier blocks are not its output.
+        # that answered calls resumed a turn whose earlier blocks are not its output: its own are
+        # the calls it answered and what followed them.
         fresh = any(i.get("type") == "message" and i.get("role") == "user" for i in rec.input_items)
+        run = TurnRun(self.server, rec.conversation_id, handle) if fresh else resumed_run(self.server, rec, handle)
         cut = final_status(snap) != "completed"
         steps_note = max_steps_note(self.server, agent)
-        items = [item_for(shape, turn.id, i, b, final=True, cut=cut) for i, b in output_blocks(snap, run, steps_note)]
-        output = [i for i in items if i is not None] if fresh else list(rec.body.get("output") or [])
+        if run is not None:
+            blocks = output_blocks(snap, run, steps_note)
+            output = [
+                i for i in (item_for(shape, turn.id, n, b, final=True, cut=cut) for n, b in blocks) if i is not None
+            ]
+        else:
+            output = list(rec.body.get("output") or [])
         failed = await turn_error(self.server, agent.id, snap.error) if failed_answer(snap) else None
         body = response_body(shape, status=final_status(snap), output=output, snap=snap, failed=failed)
         if body["completed_at"] is not None and turn.ended_at:

@@ -67,6 +67,43 @@ def test_damaged_wal_after_kill9_is_refused_and_kept(home: Path) -> None:
     sp.stop()
 
 
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ("torn-sector", "has a damaged header"),  # the first 512 bytes zeroed
+        ("magic", "has a damaged header (not a WAL's magic number)"),
+        ("salt", "has a damaged header (checksum)"),  # another salt, its checksum no longer fits
+    ],
+)
+def test_a_wal_whose_header_was_damaged_after_kill9_is_refused(home: Path, damage: str, said: str) -> None:
+    """SQLite drops a WAL with a bad header whole, and starts a new one: every commit in it was
+    lost without a word (was: the server started, ready, with hundreds of acknowledged turns
+    gone). The wal-index a crash leaves says frames are due: a header that cannot be theirs is
+    refused, the files kept."""
+    sp = start_serve(home)
+    for i in range(30):
+        chat(sp, f"conversation {i} " + "x" * 2000)
+    sp.stop(signal.SIGKILL)
+    wal = home / "appserver.db-wal"
+    assert len(_live_frames(wal)) >= 4, "the commits should still be in the WAL right after kill -9"
+    with open(wal, "r+b") as f:
+        if damage == "torn-sector":
+            f.write(bytes(512))
+        elif damage == "magic":
+            f.write(b"\x00\x00\x00\x00")
+        else:
+            f.seek(16)
+            salt = f.read(4)
+            f.seek(16)
+            f.write(bytes(b ^ 0x5A for b in salt))
+    line = one_error_line(serve_refused(home))
+    assert "write-ahead log" in line and said in line and "not yet in the database" in line, line
+    assert "--accept-data-loss" in line and len(list(home.glob("appserver.db.damaged-*"))) == 1
+    sp = start_serve(home, "--accept-data-loss")
+    sp.stop()
+    assert "accepted data loss" in sp.proc.stderr.read()
+
+
 def test_clean_stops_and_kill9_never_refuse(home: Path) -> None:
     """The checks must not cry wolf: SIGTERM and plain kill -9 leave a store that opens."""
     total = 0

@@ -167,12 +167,14 @@ def shm_path(db: Path) -> Path:
     return db.with_name(db.name + "-shm")
 
 
-def wal_index_claim(db: Path) -> tuple[int, int] | None:
+def wal_index_claim(db: Path) -> tuple[int, int, bytes] | None:
     """(frames the `-shm` wal-index says the WAL holds that are not yet copied into the database,
-    bytes the WAL must have for them), from a wal-index a crash left behind; None when there is no
-    usable index or nothing un-copied. A kill -9 writes WAL frames before it indexes them, so the
-    WAL is never shorter than this: a shorter or missing WAL lost committed transactions (deleted
-    or truncated after the crash) that the position sidecar may not have recorded yet."""
+    bytes the WAL must have for them, the salt of that WAL generation), from a wal-index a crash
+    left behind; None when there is no usable index or nothing un-copied. A kill -9 writes WAL
+    frames (after the WAL's header) before it indexes them, so the WAL is never shorter than this
+    and its header is whole and of that generation: a shorter, missing or re-headed WAL lost
+    committed transactions (deleted, truncated or overwritten after the crash) that the position
+    sidecar may not have recorded yet."""
     try:
         with open(shm_path(db), "rb") as f:
             head = f.read(100)
@@ -188,26 +190,50 @@ def wal_index_claim(db: Path) -> tuple[int, int] | None:
     page_size = 65536 if page == 1 else page
     if mx_frame <= backfilled or page_size < 512 or page_size & (page_size - 1):
         return None
-    return mx_frame - backfilled, WAL_HEADER + mx_frame * (FRAME_HEADER + page_size)
+    return mx_frame - backfilled, WAL_HEADER + mx_frame * (FRAME_HEADER + page_size), head[32:40]
+
+
+def _wal_header_problem(wal: Path, salt: bytes) -> str | None:
+    """Why the WAL's header cannot be the one its index describes (None: it can). SQLite ignores a
+    WAL whose header is damaged, and starts a new one: every frame in it would be dropped."""
+    with open(wal, "rb") as f:
+        header = f.read(WAL_HEADER)
+    if len(header) < WAL_HEADER:
+        return "has a header cut short"
+    magic = struct.unpack(">I", header[:4])[0]
+    if magic not in WAL_MAGICS:
+        return "has a damaged header (not a WAL's magic number)"
+    if not _header_checksum_ok(header, magic):
+        return "has a damaged header (checksum)"
+    if header[16:24] != salt:
+        return "has the header of another WAL generation than its index"
+    return None
 
 
 def check_wal_index(db: Path, accept_loss: bool) -> None:
-    """Refuse a store whose WAL is missing or shorter than its crash-time wal-index says."""
+    """Refuse a store whose WAL is missing, shorter than its crash-time wal-index says, or headed
+    by anything but the header that index describes."""
     claim = wal_index_claim(db)
     if claim is None:
         return
-    pending, needed = claim
+    pending, needed, salt = claim
     wal = wal_path(db)
     size = wal.stat().st_size if wal.exists() else None
     if size is not None and size >= needed:
-        return
+        problem = _wal_header_problem(wal, salt)
+        if problem is None:
+            return
+        state, label = problem, f"wal-header-{size}"
+    elif size is None:
+        state, label = "is missing", f"wal-missing-of-{needed}"
+    else:
+        state, label = f"is shorter than it was ({size} of {needed} bytes)", f"wal-{size}-of-{needed}"
     what = (
-        f"the write-ahead log of {db} is "
-        f"{'missing' if size is None else f'shorter than it was ({size} of {needed} bytes)'}, "
+        f"the write-ahead log of {db} {state}, "
         f"but its index ({shm_path(db).name}) says it held {pending} frame(s) not yet in the database: "
-        "committed conversations would be lost (the WAL was deleted, truncated or replaced after a crash)"
+        "committed conversations would be lost (the WAL was deleted, truncated, damaged or replaced after a crash)"
     )
-    kept = keep_copy(db, f"wal-{'missing' if size is None else size}-of-{needed}")
+    kept = keep_copy(db, label)
     if accept_loss:
         log.warning("accepted data loss: %s; the files as they were are kept in %s", what, kept)
         shm_path(db).unlink(missing_ok=True)  # a stale index must not describe the next WAL

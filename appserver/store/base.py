@@ -33,6 +33,11 @@ class StoreUnavailable(StoreError):
     unknown: a client retries with its idempotency key. HTTP says 503 `store_unavailable`."""
 
 
+class StoreFileGone(StoreUnavailable):
+    """The store's file was deleted or replaced while the server runs: a write now would go to a
+    file no later start opens, so none is made (nor acknowledged) until an operator acts."""
+
+
 class TurnSettledElsewhere(StoreError):
     """Another server of the cluster took the turn's conversation over and settled or runs the
     turn: what this server has of it must not be written (a second copy of the turn)."""

@@ -312,6 +312,11 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
     """Check an existing store file before the writer opens it; True when it does not exist yet
     (a new store). Raises StoreOpenError with the operator's next step when it must not be used."""
     wal = wal_path(db)
+    if db.is_symlink() and not db.exists():
+        raise StoreOpenError(
+            f"{db} is a symbolic link to {os.readlink(db)}, which does not exist (a disk not mounted?): make the "
+            "file it points to available, or remove the link to start a new, empty store"
+        )
     if not db.exists():
         if wal.exists() and wal.stat().st_size > WAL_HEADER:
             raise StoreOpenError(
@@ -319,9 +324,14 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
                 f"the store was removed with unsaved changes; put {db.name} back, "
                 f"or move {wal.name} away to start a new store"
             )
-        if position_path(db).exists():
-            log.warning("no store at %s: starting a new one (removing the old %s)", db, position_path(db).name)
-            position_path(db).unlink(missing_ok=True)
+        seq = read_position(db)
+        if seq:
+            raise StoreOpenError(
+                f"{db} is missing, but {position_path(db).name} records that it held messages up to #{seq}: the store "
+                "was deleted or moved, or its disk is not mounted; put it back, or remove "
+                f"{position_path(db).name} to start a new, empty store"
+            )
+        position_path(db).unlink(missing_ok=True)  # a store that held nothing: nothing to lose
         return True
     if db.is_dir():
         raise StoreOpenError(f"{db} is a directory, not a store: move it away")

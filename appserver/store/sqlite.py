@@ -19,7 +19,14 @@ from typing import Any
 
 from appserver.procid import identity, identity_alive
 from appserver.store.agentcache import AgentCache, copy_agent
-from appserver.store.base import ConversationGone, DuplicateTurn, Store, StoreError, conversations_where
+from appserver.store.base import (
+    ConversationGone,
+    DuplicateTurn,
+    Store,
+    StoreError,
+    StoreFileGone,
+    conversations_where,
+)
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
 from appserver.store.groupcommit import GroupCommit
 from appserver.store.integrity import (
@@ -70,7 +77,7 @@ class SQLiteStore(Store):
         self.fresh = False  # True when open() created the schema (first use of this home)
         self._agent_cache = AgentCache(self._load_agents)
         # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
-        self._writes = GroupCommit(lambda: self.db, self._committed, self.note_failure)
+        self._writes = GroupCommit(self._writer, self._committed, self.note_failure)
         self.damage: str | None = None  # what SQLite found damaged while the server runs
         self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
@@ -79,6 +86,7 @@ class SQLiteStore(Store):
         self.accept_data_loss = False
         self._write_probe = 0
         self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file opened
+        self._file_gone: str | None = None  # why writes are refused: the file was deleted or replaced
 
     # ------------------------------------------------------------ lifecycle
 
@@ -163,20 +171,7 @@ class SQLiteStore(Store):
         """Readiness: a real write transaction, and room on the disk. In WAL mode a small write
         reuses WAL space already allocated, so it succeeds on a full disk; growing the database
         at the next checkpoint would not. The free-space check is what sees a full disk."""
-        if isinstance(self.path, Path) and self._file_id is not None:
-            # A store file deleted or replaced under a running server still takes writes, into a
-            # file nobody will open again: everything from then on is lost at the next start.
-            try:
-                st = self.path.stat()
-                same = (st.st_dev, st.st_ino) == self._file_id
-            except FileNotFoundError:
-                same = False
-            if not same:
-                raise StoreError(
-                    f"{self.path} was deleted or replaced while the server runs: what it writes now goes to a file "
-                    "no later start will open; stop the server, put the store back (or accept the loss), "
-                    "and start again"
-                )
+        self._check_file()
         if self.damage is not None:
             raise StoreError(f"{self.path} is damaged ({self.damage}): stop the server and restore it from a backup")
         if isinstance(self.path, Path) and min_free_bytes:
@@ -192,6 +187,38 @@ class SQLiteStore(Store):
         return "writable" + (
             f", {shutil.disk_usage(self.path.parent).free:,} bytes free" if isinstance(self.path, Path) else ""
         )
+
+    def _writer(self) -> sqlite3.Connection:
+        """The connection every write transaction runs on, once the file it opened is still the
+        store's (one stat per transaction; a group of commits shares one)."""
+        self._check_file()
+        return self.db
+
+    def _check_file(self) -> None:
+        """A store file deleted or replaced under a running server still takes writes, into a file
+        nobody will open again: everything from then on would be lost at the next start, after
+        being acknowledged. While it is so, every write is refused (StoreFileGone, HTTP 503) and
+        readiness fails; the same file put back under its name takes writes again."""
+        if not isinstance(self.path, Path) or self._file_id is None:
+            return
+        try:
+            st = self.path.stat()
+            same = (st.st_dev, st.st_ino) == self._file_id
+        except FileNotFoundError:
+            same = False
+        if same:
+            if self._file_gone is not None:
+                log.warning("%s is back: writes go on", self.path)
+                self._file_gone = None
+            return
+        if self._file_gone is None:
+            self._file_gone = (
+                f"{self.path} was deleted or replaced while the server runs: nothing more is written (what would "
+                "be goes to a file no later start will open); put the file back, or stop the server and accept "
+                "the loss"
+            )
+            log.error("%s", self._file_gone)
+        raise StoreFileGone(self._file_gone)
 
     def _committed(self) -> None:
         if self._checkpointer is not None:

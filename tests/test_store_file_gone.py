@@ -1,0 +1,66 @@
+"""The store file deleted or replaced under a running server, or missing at a start while its
+position record says it held messages: nothing more is acknowledged (was: turns answered 200 into a
+file no later start opens), and the next start refuses instead of making a new, empty store (was:
+a warning, and every conversation gone). Real `appserver serve` processes and SQLite files."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.cli import run_cli
+from tests.support.serve import start_serve
+from tests.support.state import chat, one_error_line, serve_refused
+
+
+def _ask(url: str, text: str) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "assistant", "messages": [{"role": "user", "content": text}]},
+        timeout=15,
+    )
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_store_file_gone_under_the_server_takes_no_more_turns(home: Path, tmp_path: Path, how: str) -> None:
+    sp = start_serve(home)
+    try:
+        for i in range(5):
+            chat(sp, f"kept {i}")
+        db = home / "appserver.db"
+        if how == "deleted":
+            db.unlink()
+        else:
+            shutil.copyfile(db, tmp_path / "copy.db")
+            (tmp_path / "copy.db").replace(db)  # another file under the same name
+        r = _ask(sp.url, "after")
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "store_unavailable" and "was deleted or replaced" in r.text
+        assert _ask(sp.url, "again").status_code == 503  # every write, not only the first
+        ready = httpx.get(sp.url + "/readyz", timeout=10)
+        assert ready.status_code == 503 and "deleted or replaced" in ready.text
+    finally:
+        sp.stop()
+    assert sp.proc.stderr is not None
+    assert "Traceback" not in sp.proc.stderr.read()
+    if how == "deleted":
+        line = one_error_line(serve_refused(home))
+        assert "appserver.db is missing but its write-ahead log" in line, line
+        for leftover in ("appserver.db-wal", "appserver.db-shm"):  # moved away, as that refusal says
+            (home / leftover).unlink(missing_ok=True)
+        line = one_error_line(serve_refused(home))
+        assert "appserver.db is missing, but appserver.db.position records that it held messages" in line, line
+        assert not (home / "appserver.db").exists()  # no new, empty store made in its place
+
+
+def test_a_store_that_is_a_dangling_symlink_is_refused(home: Path, tmp_path: Path) -> None:
+    assert run_cli(home, "agents", "list").code == 0
+    (home / "appserver.db").unlink()
+    (home / "appserver.db.position").unlink(missing_ok=True)
+    (home / "appserver.db").symlink_to(tmp_path / "unmounted" / "appserver.db")
+    line = one_error_line(serve_refused(home))
+    assert "is a symbolic link to" in line and "does not exist" in line, line
+    assert not (tmp_path / "unmounted").exists()  # nothing written through the link

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.cli import run_cli
+from tests.support.cli import cli_env, run_cli
 from tests.support.serve import start_serve
 from tests.support.state import chat, one_error_line, serve_refused
 
@@ -64,3 +64,19 @@ def test_a_store_that_is_a_dangling_symlink_is_refused(home: Path, tmp_path: Pat
     line = one_error_line(serve_refused(home))
     assert "is a symbolic link to" in line and "does not exist" in line, line
     assert not (tmp_path / "unmounted").exists()  # nothing written through the link
+
+
+def test_a_second_serve_is_refused_while_the_first_keeps_the_store_open(home: Path) -> None:
+    """serve.lock and server.json deleted by hand (a "stale lock" clean-up) let a second `serve`
+    start beside the live one (was: both ran); the store's own lock names the first."""
+    env = cli_env(home, PYTHONFAULTHANDLER="1")  # a new interpreter, `python -m appserver serve`, not a fork
+    sp = start_serve(home, env=env)
+    try:
+        chat(sp, "first")
+        (home / "serve.lock").unlink()
+        (home / "server.json").unlink()
+        line = one_error_line(serve_refused(home))
+        assert "is open in another `appserver serve`" in line and f"pid {sp.proc.pid}" in line, line
+        chat(sp, "the first goes on")
+    finally:
+        sp.stop()

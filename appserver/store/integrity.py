@@ -103,28 +103,34 @@ def _recovered_frames(db: Path, conn: sqlite3.Connection, salt: bytes) -> int | 
     return int(struct.unpack_from("=I", head, 16)[0])
 
 
+def shm_lock_holders(db: Path) -> set[int]:
+    """The processes (pids) holding a lock on `db`'s `-shm` file: each SQLite connection to the
+    store holds one while it is open (read from /proc/locks; empty where there is none)."""
+    try:
+        st = os.stat(db.with_name(db.name + "-shm"))
+        text = Path("/proc/locks").read_text()
+    except OSError:
+        return set()  # no -shm: nobody attached (or no /proc: checked as if first)
+    holders: set[int] = set()
+    for line in text.splitlines():
+        fields = line.split()
+        for n, token in enumerate(fields):
+            parts = token.split(":")
+            if len(parts) == 3 and parts[2].isdigit() and int(parts[2]) == st.st_ino:
+                try:
+                    if (int(parts[0], 16), int(parts[1], 16)) == (os.major(st.st_dev), os.minor(st.st_dev)):
+                        holders.add(int(fields[n - 1]) if n and fields[n - 1].lstrip("-").isdigit() else -1)
+                except ValueError:
+                    pass
+    return holders
+
+
 def attached_elsewhere(db: Path) -> bool:
     """Whether some connection (another process, or another one of ours) has `db` open: each
     holds a lock on its `-shm` file. Then no recovery happens at our open (the WAL index in use
     is authoritative and nothing is discarded), and we must not open and close the `-shm` file
     ourselves: closing any descriptor of a file drops this process's POSIX locks on it."""
-    try:
-        st = os.stat(db.with_name(db.name + "-shm"))
-        text = Path("/proc/locks").read_text()
-    except FileNotFoundError:
-        return False  # no -shm: nobody attached (or no /proc: checked as if first)
-    except OSError:
-        return False
-    for line in text.splitlines():
-        for token in line.split():
-            parts = token.split(":")
-            if len(parts) == 3 and parts[2].isdigit() and int(parts[2]) == st.st_ino:
-                try:
-                    if (int(parts[0], 16), int(parts[1], 16)) == (os.major(st.st_dev), os.minor(st.st_dev)):
-                        return True
-                except ValueError:
-                    pass
-    return False
+    return bool(shm_lock_holders(db))
 
 
 def inspect_wal(db: Path, conn: sqlite3.Connection) -> WalReport | None:

@@ -8,6 +8,7 @@ interface is async for that reason.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sqlite3
 import threading
@@ -39,6 +40,7 @@ from appserver.store.integrity import (
     messages_seq,
     open_error,
     preflight,
+    shm_lock_holders,
 )
 from appserver.store.migrations import SchemaTooNew, migrate
 from appserver.store.records import (
@@ -68,6 +70,25 @@ from appserver.store.rows import (
 log = logging.getLogger("appserver.store")
 
 _DRAFT_UPDATE = DRAFT_UPDATE.replace("%s", "?")  # the shared statement in SQLite's placeholders
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _serves(pid: int) -> bool:
+    """Process `pid` is an `appserver serve` (`appserver serve …` or `python -m appserver serve …`)."""
+    args = _argv(pid)
+    return "serve" in args and any(os.path.basename(a) == "appserver" for a in args[: args.index("serve")])
+
+
+def _process(pid: int) -> str:
+    """`pid 123 (appserver serve …)`, as far as /proc tells."""
+    cmd = " ".join(_argv(pid)).strip()
+    return f"pid {pid}" + (f" ({cmd[:80]})" if cmd else "")
 
 
 class SQLiteStore(Store):
@@ -166,6 +187,20 @@ class SQLiteStore(Store):
             if checkpointer is not None and seq is not None:
                 checkpointer.record(seq)
         self._agent_cache.drop()
+
+    async def claim_server(self) -> None:
+        """`serve.lock` gives the home to one server, but a lock file deleted by hand (a "stale
+        lock" clean-up) let a second `serve` start beside a live one. The store's own `-shm` lock
+        says who else has it open; another `appserver serve` among them is refused by pid (readers
+        are not: a command of the CLI, a backup, an `sqlite3` shell)."""
+        if not isinstance(self.path, Path):
+            return
+        servers = [pid for pid in sorted(shm_lock_holders(self.path) - {os.getpid()}) if _serves(pid)]
+        if servers:
+            raise StoreOpenError(
+                f"{self.path} is open in another `appserver serve` ({', '.join(_process(p) for p in servers)}), "
+                "which runs without holding this home's serve.lock (deleted by hand?); stop it, then start again"
+            )
 
     async def check_writable(self, min_free_bytes: int = 0) -> str:
         """Readiness: a real write transaction, and room on the disk. In WAL mode a small write

@@ -19,7 +19,15 @@ from typing import Any
 
 from appserver.channelconfig import ChannelConfigError, ChannelsConfig, load_channels
 from appserver.configcheck import Invalid, Rule, convert
-from appserver.fsutil import atomic_write_text, ensure_private_dir, move_aside
+from appserver.fsutil import (
+    CONFIG_MAX_BYTES,
+    StateFileRefused,
+    StateFileTooLarge,
+    atomic_write_text,
+    ensure_private_dir,
+    move_aside,
+    read_state_bytes,
+)
 from appserver.netaddr import parse_listen, parse_trusted_proxies
 from appserver.shown import shown
 from appserver.store.url import store_kind
@@ -388,7 +396,16 @@ def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
             f"probably not the config you meant: repair the set-aside file and move it over {path.name}, "
             f"or delete it to use {path.name} as it is"
         )
-    raw = path.read_bytes()
+    try:
+        raw = read_state_bytes(path, CONFIG_MAX_BYTES)
+    except StateFileTooLarge as exc:
+        err = move_aside(path, exc.reason, quiet=True)
+        raise ConfigError(
+            f"{path} is {exc.reason} for a config; moved aside to {err.moved_to.name}: restore the config "
+            f"from a backup, or delete the set-aside file to start from defaults"
+        ) from None
+    except StateFileRefused as exc:  # a FIFO, a device, a directory: never read, never moved
+        raise ConfigError(str(exc)) from None
     if not raw.strip():
         raise ConfigError(
             f"{path} is empty ({len(raw)} bytes), which is not a valid config: restore it from a backup, "
@@ -409,6 +426,11 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
     """Read `home/config.toml` (written with commented defaults when the home has none) plus
     environment overrides, every value checked. `Config.source` says what was loaded."""
     home = (home or default_home()).expanduser().resolve()
+    if home.exists() and not home.is_dir():
+        raise ConfigError(
+            f"the home {home} is not a directory: point APPSERVER_HOME (or --home) at a directory, "
+            "or move the file away so that appserver can make one there"
+        )
     environ = dict(os.environ) if environ is None else environ
     if create:
         ensure_private_dir(home)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -9,7 +10,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 log = logging.getLogger("appserver.fs")
 
@@ -24,12 +25,180 @@ class CorruptStateFile(Exception):
         self.reason = reason
 
 
+MIB = 1024 * 1024
+# How much one state file may hold before it is refused as not appserver's (a link to /dev/zero, a
+# sparse file, a wrong file copied in): reading it whole would use memory without bound. Far above
+# what appserver writes (a token is ~300 bytes, a cron task ~1 KB with a long prompt).
+CONFIG_MAX_BYTES = 4 * MIB
+TOKENS_MAX_BYTES = 16 * MIB
+CRONS_MAX_BYTES = 64 * MIB
+SERVER_JSON_MAX_BYTES = 1 * MIB
+POSITION_MAX_BYTES = 64 * 1024  # appserver.db.position: one small JSON object
+
+
+class StateFileRefused(OSError):
+    """A state file appserver will not read, left where it is (never moved aside): not a regular file
+    (a FIFO would block every reader forever, a device never ends), a symbolic link to nothing (an
+    unmounted disk: never "missing"), or a newer format. An OSError, so that every command's
+    error handler shows it as one line naming the file."""
+
+    def __init__(self, path: Path | str, problem: str, code: int = errno.EINVAL) -> None:
+        super().__init__(code, problem, str(path))
+        self.path = Path(path)
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}"
+
+
+class StateFileTooLarge(StateFileRefused):
+    """A regular state file larger than its limit. Files whose damage is handled by moving them aside
+    catch this and move it aside like unparseable content; the others refuse it."""
+
+    def __init__(self, path: Path | str, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            path,
+            f"{size} bytes, more than the {_amount(limit)} this file may hold (not a file appserver wrote: "
+            "a damaged, sparse or wrong file)",
+            errno.EFBIG,
+        )
+
+    @property
+    def reason(self) -> str:
+        """The reason given when the file is moved aside."""
+        return f"{self.size} bytes, more than the {_amount(self.limit)} limit"
+
+
+def _amount(n: int) -> str:
+    return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n} bytes"
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "directory"
+    if stat.S_ISFIFO(mode):
+        return "FIFO (named pipe)"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "special file"
+
+
+def _check_regular(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise StateFileRefused(
+            path,
+            f"a {_kind(st.st_mode)}, not a regular file: appserver reads its state only from regular files "
+            "and left this one in place (never moved aside): replace it with the file, or remove it",
+        )
+
+
+def dangling_link(path: Path) -> StateFileRefused | None:
+    """The error for `path` when it is a symbolic link to nothing (its target's disk not mounted, a
+    restore that missed the target), else None: such a file is never read as missing, nor replaced."""
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link, or gone
+        return None
+    return StateFileRefused(
+        path,
+        f"a symbolic link to {target}, which does not exist: make the file it points to available "
+        "(is its disk mounted?), or remove the link",
+    )
+
+
+def state_file_stat(path: Path) -> os.stat_result | None:
+    """stat(2) through links; None when there is no file, StateFileRefused for a link to nothing."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        err = dangling_link(path)
+        if err is not None:
+            raise err from None
+        return None
+
+
+def open_state_file(path: Path) -> BinaryIO:
+    """Open a state file for reading, only if it is a regular file (through symbolic links).
+
+    Checked before opening (opening a device can itself act) and again on the open descriptor, which
+    is opened non-blocking: a FIFO swapped in between the two is refused instead of blocking the
+    reader forever. A missing file raises FileNotFoundError; a link to nothing StateFileRefused."""
+    st = state_file_stat(path)
+    if st is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    _check_regular(path, st)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        err = dangling_link(path)
+        if err is not None:
+            raise err from None
+        raise
+    try:
+        _check_regular(path, os.fstat(fd))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_state_bytes(path: Path, limit: int) -> bytes:
+    """The whole content of a state file of at most `limit` bytes (see `open_state_file`).
+    Larger: StateFileTooLarge, without reading more than `limit` + 1 bytes (it may grow meanwhile)."""
+    with open_state_file(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise StateFileTooLarge(path, size, limit)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise StateFileTooLarge(path, len(data), limit)
+    return data
+
+
 def ensure_private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Make the directory (0700). A file in its place is named as such, not "File exists"."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:
+        if path.is_dir():  # made by someone else meanwhile
+            return path
+        dangling = dangling_link(path)
+        if dangling is not None:
+            raise dangling from None
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            "exists but is not a directory; appserver keeps its state in a directory here: move the file away, "
+            "or point APPSERVER_HOME (--home) at a directory",
+            str(path),
+        ) from None
     return path
 
 
+def _write_target(path: Path) -> Path:
+    """Where an atomic write of `path` goes: `path` itself, or the existing regular file a symbolic
+    link points to (the rename happens there, so the link is kept: a state file on another disk
+    stays there). A link to nothing or to a non-regular file is refused: replacing the link would
+    hide the real file, as writing a new one beside an unmounted disk would."""
+    if not path.is_symlink():
+        return path
+    st = state_file_stat(path)  # StateFileRefused when the link leads nowhere
+    if st is None:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    _check_regular(path, st)
+    return Path(os.path.realpath(path))
+
+
 def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write `data` to a temporary file, fsync, rename over `path` (through a symbolic link: see
+    `_write_target`)."""
+    named = path
+    path = _write_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -47,7 +216,7 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
         if isinstance(exc, OSError) and exc.errno is not None:
             # name the file the caller writes, not the temporary (a new random name at every try,
             # which would make a lasting problem look like a new one each time it is logged)
-            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+            raise OSError(exc.errno, exc.strerror, str(named)) from exc
         raise
     fsync_dir(path.parent)
 
@@ -90,16 +259,37 @@ def move_aside(path: Path, reason: str, *, quiet: bool = False) -> CorruptStateF
     return err
 
 
-def read_json_or_move_aside(path: Path) -> Any | None:
-    """Parse a JSON state file. Missing → None. Unparseable → moved aside, CorruptStateFile raised."""
+def read_json_or_move_aside(path: Path, limit: int) -> dict[str, Any] | None:
+    """Parse a JSON state file holding an object. Missing → None (and only then: a JSON `null`, a
+    list or a number is no state file of appserver's). Unparseable, not an object or over `limit`
+    bytes → moved aside, CorruptStateFile raised. Not a regular file or a link to nothing →
+    StateFileRefused, left in place."""
     try:
-        raw = path.read_bytes()
+        raw = read_state_bytes(path, limit)
     except FileNotFoundError:
         return None
+    except StateFileTooLarge as exc:
+        raise move_aside(path, exc.reason) from None
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise move_aside(path, f"invalid JSON: {exc}") from None
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        reason = "invalid JSON: nested too deeply" if isinstance(exc, RecursionError) else f"invalid JSON: {exc}"
+        raise move_aside(path, reason) from None
+    if not isinstance(value, dict):
+        raise move_aside(path, f"expected a JSON object, got {_json_kind(value)}")
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else type(value).__name__
 
 
 # Names appserver keeps in its home (top level); `tighten_home` leaves anything else alone.

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from appserver.fsutil import atomic_write_json
+from appserver.fsutil import (
+    SERVER_JSON_MAX_BYTES,
+    StateFileRefused,
+    StateFileTooLarge,
+    atomic_write_json,
+    read_state_bytes,
+)
 from appserver.procid import identity, identity_alive
+
+log = logging.getLogger("appserver.serverinfo")
 
 
 def write_server_json(path: Path, url: str, auth_mode: str, **extra: Any) -> dict[str, Any]:
@@ -33,10 +42,16 @@ def write_server_json(path: Path, url: str, auth_mode: str, **extra: Any) -> dic
 
 
 def read_live_server(path: Path) -> dict[str, Any] | None:
-    """The server.json of a live server on this home, or None (a stale file from a dead one is ignored)."""
+    """The server.json of a live server on this home, or None (a stale file from a dead one is ignored).
+    One too large to be a server's is damaged, so ignored as garbage is (`serve` replaces it); one that
+    is no regular file or a link to nothing raises StateFileRefused: a FIFO would block every command
+    forever, and a file on an unmounted disk may name a live server."""
     try:
-        info = json.loads(path.read_text("utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        info = json.loads(read_state_bytes(path, SERVER_JSON_MAX_BYTES).decode("utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    except StateFileTooLarge as exc:
+        log.warning("ignoring a damaged server.json: %s", exc)
         return None
     if not isinstance(info, dict) or not identity_alive(str(info.get("identity") or "")):
         return None
@@ -46,10 +61,13 @@ def read_live_server(path: Path) -> dict[str, Any] | None:
 def remove_server_json(path: Path) -> None:
     """Remove server.json only when it is ours (another server may have started since)."""
     try:
-        info = json.loads(path.read_text("utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        info = json.loads(read_state_bytes(path, SERVER_JSON_MAX_BYTES).decode("utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         return
-    if info.get("identity") == identity():
+    except StateFileRefused as exc:  # at a stop: say so, and leave it
+        log.warning("not removing server.json: %s", exc)
+        return
+    if isinstance(info, dict) and info.get("identity") == identity():
         path.unlink(missing_ok=True)
 
 
@@ -74,7 +92,8 @@ class HomeLock:
         if self._fd is not None:
             return True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # non-blocking: the open of a FIFO put in its place must not wait (the flock's wait is LOCK_NB's)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         deadline = time.monotonic() + patience_s
         try:
             while True:
@@ -95,7 +114,7 @@ class HomeLock:
     def held_elsewhere(self) -> bool:
         """Whether another process holds the lock (probed with a shared lock kept for microseconds)."""
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO: no wait
         except FileNotFoundError:
             return False
         try:

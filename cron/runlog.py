@@ -18,18 +18,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from appserver.fsutil import ensure_private_dir
+from appserver.fsutil import MIB, StateFileRefused, ensure_private_dir, open_state_file, state_file_stat
 
 log = logging.getLogger("appserver.cron")
 
 EVENTS = ("fired", "submitted", "fire_failed", "missed", "outcome", "delivered", "delivery_failed", "error", "removed")
 TAIL_BYTES = 64 * 1024  # how much of a log's end the start-up and removed-task scans read
+# How much of a log's end `cron logs` reads: a log is never purged and may hold years of runs; its
+# newest records are what is asked for, and memory must not grow with the file (or a link to
+# /dev/zero). Scans for one record read the whole file a line at a time instead.
+READ_MAX_BYTES = 16 * MIB
+MAX_LINE_BYTES = 1 * MIB  # a longer "line" (a sparse file of zeros) is skipped, never held whole
 BACKLOG_MAX = 10_000  # records kept for a retry while the disk refuses them; the oldest go first
 # The records that settle a claimed occurrence: it reached the kernel, or it was recorded as not run.
 SETTLING_EVENTS = ("submitted", "fire_failed", "outcome", "missed")
@@ -58,9 +65,15 @@ def write_record(runs_dir: Path, record: dict[str, Any]) -> None:
     unreadable on its own instead of swallowing this record too."""
     line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
     ensure_private_dir(runs_dir)
-    fd = os.open(run_log_path(runs_dir, str(record["task_id"])), os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    path = run_log_path(runs_dir, str(record["task_id"]))
+    state_file_stat(path)  # a link to nothing (an unmounted disk) is refused, never created anew
+    # non-blocking: a FIFO in the log's place must fail the write, not hang the scheduler
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o600)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StateFileRefused(path, "not a regular file: a run log must be one; replace it with the log")
+        size = st.st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
         if os.write(fd, line) != len(line):
@@ -174,7 +187,8 @@ class RunLogRead:
 
     path: Path
     records: list[dict[str, Any]]
-    unreadable: list[int]  # 1-based line numbers
+    unreadable: list[int]  # 1-based line numbers (of the part read, when `skipped` > 0)
+    skipped: int = 0  # bytes at the start of a log too large to read whole, not read
 
     @property
     def unusable(self) -> bool:
@@ -186,6 +200,8 @@ class RunLogRead:
         if not self.unreadable:
             return None
         shown = ", ".join(str(n) for n in self.unreadable[:5]) + (", …" if len(self.unreadable) > 5 else "")
+        if self.skipped:
+            shown += f" of its last {READ_MAX_BYTES // MIB} MiB"
         if self.unusable:
             return (
                 f"the run log {self.path} cannot be read: none of its {len(self.unreadable)} line(s) "
@@ -196,15 +212,26 @@ class RunLogRead:
 
 def read_run_log(runs_dir: Path, task_id: str, *, limit: int | None = None) -> RunLogRead:
     """The records of a task's run log, oldest first (the last `limit` of them), with the lines
-    that could not be read; a missing log has neither. Logs nothing: the caller reports."""
+    that could not be read; a missing log has neither. Logs nothing: the caller reports. Of a log
+    over READ_MAX_BYTES only the end is read (`skipped` says how much was not). A log that is no
+    regular file or a link to nothing raises StateFileRefused: an unknown history, never "no runs"."""
     path = run_log_path(runs_dir, task_id)
     try:
-        raw = path.read_bytes()
+        f = open_state_file(path)
     except FileNotFoundError:
         return RunLogRead(path, [], [])
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        start = max(0, size - READ_MAX_BYTES)
+        f.seek(start)
+        raw = f.read(READ_MAX_BYTES)
+    if start:
+        if b"\n" not in raw:  # no line ends in the part read: nothing there is a record
+            return RunLogRead(path, [], [1], start)
+        raw = raw.partition(b"\n")[2]  # the first line is cut
     out, bad = _parse_lines(raw)
     _mark_lost(out)
-    return RunLogRead(path, out[-limit:] if limit else out, bad)
+    return RunLogRead(path, out[-limit:] if limit else out, bad, start)
 
 
 def read_runs(runs_dir: Path, task_id: str, *, limit: int | None = None) -> list[dict[str, Any]]:
@@ -237,13 +264,18 @@ def _parse_lines(raw: bytes) -> tuple[list[dict[str, Any]], list[int]]:
 
 
 def _tail(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
-    """The whole records in the last `max_bytes` of a log (a cut first line is dropped)."""
+    """The whole records in the last `max_bytes` of a log (a cut first line is dropped). A log that
+    is no regular file (a FIFO would block the scheduler) or a link to nothing is logged as an
+    error and read as empty, as an unreadable one always was: the scheduler goes on."""
     try:
-        with open(path, "rb") as f:
+        with open_state_file(path) as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - max_bytes))
-            raw = f.read()
-    except OSError:
+            raw = f.read(max_bytes)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.error("cron: cannot read the run log: %s", exc)
         return []
     if size > max_bytes:
         raw = raw.partition(b"\n")[2]
@@ -333,11 +365,32 @@ def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, A
     found = _settling(records, occurrence)
     if found is not None or any(_fired(r, occurrence) for r in records):
         return found
+    hits = [r for r in _scan(path) if r.get("event") in SETTLING_EVENTS and r.get("occurrence") == occurrence]
+    return hits[-1] if hits else None
+
+
+def _scan(path: Path) -> Iterator[dict[str, Any]]:
+    """Every record of a whole log, one line at a time (memory bounded by MAX_LINE_BYTES, whatever
+    the file's size); nothing when it cannot be read (as `_tail` says why)."""
     try:
-        raw = path.read_bytes()
+        f = open_state_file(path)
     except OSError:
-        return None
-    return _settling(_parse_lines(raw)[0], occurrence)
+        return
+    with f:
+        while True:
+            try:
+                line = f.readline(MAX_LINE_BYTES)
+            except OSError as exc:
+                log.error("cron: cannot read the run log %s: %s", path, exc)
+                return
+            if not line:
+                return
+            if not line.endswith(b"\n") and len(line) == MAX_LINE_BYTES:
+                while line and not line.endswith(b"\n"):  # too long to be a record: skip to its end
+                    line = f.readline(MAX_LINE_BYTES)
+                continue
+            records, _ = _parse_lines(line)
+            yield from records
 
 
 def has_fired(runs_dir: Path, task_id: str, occurrence: int) -> bool:
@@ -347,11 +400,7 @@ def has_fired(runs_dir: Path, task_id: str, occurrence: int) -> bool:
     records = _tail(path)
     if any(_fired(r, occurrence) for r in records):
         return True
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return False
-    return any(_fired(r, occurrence) for r in _parse_lines(raw)[0])
+    return any(_fired(r, occurrence) for r in _scan(path))
 
 
 def _fired(record: dict[str, Any], occurrence: int) -> bool:

@@ -22,6 +22,12 @@ unusable `scheduler_owner` is not: the lease record is the scheduler's, so it is
 One task that can be named (it has a string id) but not used (a non-finite or absurd number, a
 missing field) does not take the others down: it is kept in the file exactly as loaded
 (`CronFile.invalid`), skipped by the scheduler, and reported loudly until someone fixes it.
+
+What is never moved aside: a crons.json that is no regular file (a FIFO would block every reader,
+a device never ends; moving either is not ours to do) or a symbolic link to nothing (its disk not
+mounted: the tasks are there, just not reachable). Readers and writers both refuse it with
+CronStoreError naming the file, and nothing is written. A link to an existing file is written
+through (the rename happens beside the target), so the tasks stay where the link says.
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ import json
 import logging
 import math
 import operator
-import os
 import re
 import secrets
 import unicodedata
@@ -45,10 +50,15 @@ from typing import Any
 import filelock
 
 from appserver.fsutil import (
+    CRONS_MAX_BYTES,
     CorruptStateFile,
+    StateFileRefused,
+    StateFileTooLarge,
     atomic_write_text,
     ensure_private_dir,
     move_aside,
+    read_state_bytes,
+    state_file_stat,
 )
 from cron.runlog import RunLog, append_run
 from cron.schedule import MAX_DURATION_S, ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
@@ -620,8 +630,10 @@ class CronStore:
         """(inode, mtime, size) of crons.json now, None when there is none. Every atomic write
         makes a new inode, so a different signature means someone wrote the file."""
         try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
+            st = state_file_stat(self.path)
+        except StateFileRefused as exc:  # a link to nothing: the next load says so
+            raise CronStoreError(str(exc)) from None
+        if st is None:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
@@ -664,11 +676,19 @@ class CronStore:
 
     def _read_json(self, readonly: bool) -> Any:
         """The parsed document, or `_MISSING` when there is no file (a JSON `null` is a document,
-        and not one of cron tasks: `load` sets it aside like any other wrong shape)."""
+        and not one of cron tasks: `load` sets it aside like any other wrong shape). A file too large
+        to be appserver's is unusable like torn JSON; one that is no regular file (a FIFO, a device)
+        or a link to nothing (an unmounted disk) is never read, moved or replaced: CronStoreError."""
         try:
-            raw = self.path.read_bytes()
+            raw = read_state_bytes(self.path, CRONS_MAX_BYTES)
         except FileNotFoundError:
             return _MISSING
+        except StateFileTooLarge as exc:
+            if readonly:
+                raise self._unreadable(exc.reason) from None
+            raise move_aside(self.path, exc.reason) from None
+        except StateFileRefused as exc:
+            raise CronStoreError(f"{exc}; nothing was changed") from None
         try:
             return json.loads(raw.decode("utf-8"), parse_int=_json_int)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

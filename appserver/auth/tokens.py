@@ -22,11 +22,16 @@ from filelock import FileLock, Timeout
 
 from appserver.auth.principal import DEFAULT_TOKEN_SCOPES, SCOPES, Principal
 from appserver.fsutil import (
+    TOKENS_MAX_BYTES,
     CorruptStateFile,
+    StateFileRefused,
+    StateFileTooLarge,
     atomic_write_json,
     ensure_private_dir,
     move_aside,
     read_json_or_move_aside,
+    read_state_bytes,
+    state_file_stat,
 )
 from appserver.shown import shown
 
@@ -34,6 +39,7 @@ log = logging.getLogger("appserver.auth")
 
 TOKEN_PREFIX = "aps_"
 LOCK_TIMEOUT_S = 10.0
+FORMAT_VERSION = 1  # of tokens.json; a newer one is refused, never rewritten as this one
 
 
 def fingerprint(secret: str | bytes) -> str:
@@ -196,16 +202,30 @@ class TokenStore:
         self._cache_key: tuple[int, int, int] | None = None
         self._cache: list[TokenRecord] = []
         self._checked_at = 0.0  # monotonic time of the last stat by `live`
+        self._refused: str | None = None  # the last refusal `verify`/`live` logged, logged once
 
     # reading
     def _parse(self, data: Any) -> list[TokenRecord]:
+        self._check_version(data)
         if not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
             raise ValueError("expected an object with a 'tokens' list")
         return [TokenRecord.from_json(t) for t in data["tokens"]]
 
+    def _check_version(self, data: Any) -> None:
+        """A newer format is refused and left alone: read as version 1, its unknown fields would be
+        dropped by the next write, and a field that limits a token would be ignored."""
+        version = data.get("version") if isinstance(data, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise StateFileRefused(
+                self.path,
+                f"format version {version}, newer than this appserver understands ({FORMAT_VERSION}); "
+                "upgrade appserver (the file was left as it is)",
+            )
+
     def _read(self) -> list[TokenRecord]:
-        """Parse the file; unreadable → moved aside and CorruptStateFile raised (never emptied)."""
-        data = read_json_or_move_aside(self.path)
+        """Parse the file; unreadable → moved aside and CorruptStateFile raised (never emptied).
+        Not a regular file, a link to nothing or a newer format: StateFileRefused, left in place."""
+        data = read_json_or_move_aside(self.path, TOKENS_MAX_BYTES)
         if data is None:
             return []
         try:
@@ -215,9 +235,8 @@ class TokenStore:
 
     def _records(self) -> list[TokenRecord]:
         """Cached read keyed by (inode, size, mtime): cheap enough to call on every request."""
-        try:
-            st = self.path.stat()
-        except FileNotFoundError:
+        st = state_file_stat(self.path)  # a link to nothing: StateFileRefused, never "no tokens"
+        if st is None:
             self._cache_key, self._cache = None, []
             return []
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -228,7 +247,7 @@ class TokenStore:
 
     def _write(self, records: list[TokenRecord]) -> None:
         ensure_private_dir(self.dir)
-        atomic_write_json(self.path, {"version": 1, "tokens": [r.to_json() for r in records]}, 0o600)
+        atomic_write_json(self.path, {"version": FORMAT_VERSION, "tokens": [r.to_json() for r in records]}, 0o600)
         self._cache_key = None
 
     def _locked(self) -> FileLock:
@@ -290,17 +309,24 @@ class TokenStore:
     def unreadable(self) -> str | None:
         """Why tokens.json cannot be used, without moving it (a reader's look: `token list`, and
         the checks `token create` and `revoke` make before they write); None when it is fine or
-        missing. A database-backed store has no file: always None."""
+        missing. A database-backed store has no file: always None. What is never moved aside (not a
+        regular file, a link to nothing, a newer format) raises StateFileRefused instead."""
         if self.path != self.dir / "tokens.json":  # PgTokenStore: rows in a table
             return None
         try:
-            raw = self.path.read_bytes()
+            raw = read_state_bytes(self.path, TOKENS_MAX_BYTES)
         except FileNotFoundError:
             return None
+        except StateFileTooLarge as exc:
+            return exc.reason
         try:
-            self._parse(json.loads(raw.decode("utf-8")))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return f"invalid JSON: {exc}"
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            return "invalid JSON: nested too deeply" if isinstance(exc, RecursionError) else f"invalid JSON: {exc}"
+        if not isinstance(data, dict):
+            return "expected a JSON object with a 'tokens' list"
+        try:
+            self._parse(data)
         except (KeyError, TypeError, ValueError) as exc:
             return f"invalid token file: {exc}"
         return None
@@ -332,9 +358,18 @@ class TokenStore:
 
     def check(self) -> None:
         """Read the file once at start: a damaged one is moved aside with a loud error then, and
-        shown by /readyz, not found by the first request that presents a token."""
+        shown by /readyz, not found by the first request that presents a token. One that is never
+        moved aside (StateFileRefused: not a regular file, a link to nothing, a newer format) ends
+        the start: a server that refused every token without a word would look healthy."""
         with contextlib.suppress(CorruptStateFile):
             self._records()
+
+    def _note_refused(self, exc: StateFileRefused) -> None:
+        """Log a refusal of the token file (every token is then refused) once, not at every request."""
+        text = str(exc)
+        if text != self._refused:
+            log.error("every token is refused: %s", text)
+            self._refused = text
 
     def live(self, token_id: str, *, max_age_s: float = 0.0) -> bool:
         """Is the token with this id still in the file (not revoked)? Re-checks the file when the
@@ -346,6 +381,10 @@ class TokenStore:
                 records = self._records()
             except CorruptStateFile:
                 return False
+            except StateFileRefused as exc:
+                self._note_refused(exc)
+                return False
+            self._refused = None
             self._checked_at = now
         else:
             records = self._cache
@@ -361,6 +400,10 @@ class TokenStore:
             records = self._records()
         except CorruptStateFile:
             return None  # already logged loudly and moved aside; deny rather than guess
+        except StateFileRefused as exc:
+            self._note_refused(exc)
+            return None  # left in place (a FIFO, a link to an unmounted disk, a newer format): deny
+        self._refused = None
         presented = _token_hash(token)
         found: TokenRecord | None = None
         for rec in records:

@@ -25,7 +25,7 @@ from appserver.cli import safetext
 from appserver.cli.common import MAX_COUNT, Count, get_config
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
-from appserver.fsutil import CorruptStateFile
+from appserver.fsutil import CorruptStateFile, StateFileRefused
 from cron.credentials import TokenCredentials
 from cron.runlog import find_removed, read_run_log
 from cron.schedule import (
@@ -59,6 +59,7 @@ _USER_ERRORS = (
     CronStoreError,
     ScheduleError,
     CorruptStateFile,
+    StateFileRefused,  # a FIFO, a device or a link to nothing where a state file should be
     ConfigError,
     LookupError,
     ValueError,
@@ -625,6 +626,10 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
         raise _OneLineError(str(problem))
     if problem is not None:  # some lines lost: said once, the readable records still shown
         click.echo(f"warning: {visible(problem)}", err=True)
+    if found.skipped:  # a log too large to read whole: its newest records are what is shown
+        click.echo(
+            f"note: {visible(str(found.path))} is large; its first {found.skipped} bytes were not read", err=True
+        )
     records = found.records
     if as_json:
         click.echo(json.dumps(records))

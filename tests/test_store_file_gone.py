@@ -5,6 +5,7 @@ a warning, and every conversation gone). Real `appserver serve` processes and SQ
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -80,3 +81,13 @@ def test_a_second_serve_is_refused_while_the_first_keeps_the_store_open(home: Pa
         chat(sp, "the first goes on")
     finally:
         sp.stop()
+
+
+def test_a_position_record_that_is_a_fifo_is_refused_without_hanging(home: Path) -> None:
+    assert run_cli(home, "agents", "list").code == 0
+    position = home / "appserver.db.position"
+    position.unlink(missing_ok=True)
+    os.mkfifo(position)
+    line = one_error_line(serve_refused(home))  # was: serve waited for a writer for ever
+    assert "appserver.db.position" in line and "FIFO" in line, line
+    assert position.is_fifo()  # left where it is

@@ -33,7 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from appserver.fsutil import atomic_write_json, fsync_dir, move_aside
+from appserver.fsutil import (
+    POSITION_MAX_BYTES,
+    StateFileRefused,
+    StateFileTooLarge,
+    atomic_write_json,
+    fsync_dir,
+    move_aside,
+    read_state_bytes,
+)
 from appserver.store.base import StoreError
 
 log = logging.getLogger("appserver.store")
@@ -256,21 +264,31 @@ def read_position(db: Path) -> int | None:
     cannot tell whether the store fell behind it, and the next write would overwrite the evidence."""
     path = position_path(db)
     try:
-        data = json.loads(path.read_text("utf-8"))
+        data = json.loads(read_state_bytes(path, POSITION_MAX_BYTES).decode("utf-8"))
         seq = data["messages_seq"]
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # 1e400, true, "5", 1.9: damage
             raise ValueError(f"messages_seq is {seq!r}, not a message number")
         return seq
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
-        with contextlib.suppress(OSError):
-            move_aside(
-                path,
-                f"unreadable ({exc}): whether {db.name} fell behind its last recorded position cannot be "
-                "checked at this start",
-            )
+    except StateFileTooLarge as exc:
+        _position_unreadable(db, path, exc.reason)
         return None
+    except StateFileRefused as exc:  # a FIFO, a device, a link to nothing: left where it is
+        raise StoreOpenError(f"{exc}; the store's position record cannot be checked") from None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
+        _position_unreadable(db, path, str(exc))
+        return None
+
+
+def _position_unreadable(db: Path, path: Path, why: str) -> None:
+    """A damaged position record (a regular file): moved aside loudly, no position at this start."""
+    with contextlib.suppress(OSError):
+        move_aside(
+            path,
+            f"unreadable ({why}): whether {db.name} fell behind its last recorded position cannot be checked at "
+            "this start",
+        )
 
 
 def write_position(db: Path, seq: int) -> None:

@@ -91,3 +91,14 @@ def test_a_position_record_that_is_a_fifo_is_refused_without_hanging(home: Path)
     line = one_error_line(serve_refused(home))  # was: serve waited for a writer for ever
     assert "appserver.db.position" in line and "FIFO" in line, line
     assert position.is_fifo()  # left where it is
+
+
+def test_a_store_locked_by_another_writer_is_explained(home: Path) -> None:
+    """SQLite's "database is locked" (another process holds a write transaction past the busy
+    timeout) says what to do, rather than a bare "store error"."""
+    import sqlite3
+
+    from appserver.cli.common import explain
+
+    line = explain(sqlite3.OperationalError("database is locked"))
+    assert line is not None and "locked by another process" in line and "try again" in line

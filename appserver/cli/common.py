@@ -180,6 +180,12 @@ def explain(exc: BaseException) -> str | None:
                 "no space left for the store (SQLite: database or disk is full): "
                 "free some space on the device holding the home directory and start again"
             )
+        if "database is locked" in str(exc):
+            return (
+                "the store is locked by another process that keeps writing to it (SQLite: database is locked); "
+                "wait for it to finish (a long command, a backup, an `sqlite3` shell with an open transaction) "
+                "and try again"
+            )
         return f"store error: {exc}"
     return None
 

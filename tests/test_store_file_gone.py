@@ -93,7 +93,7 @@ def test_a_position_record_that_is_a_fifo_is_refused_without_hanging(home: Path)
     assert position.is_fifo()  # left where it is
 
 
-def test_a_store_locked_by_another_writer_is_explained(home: Path) -> None:
+def test_a_store_locked_by_another_writer_is_explained() -> None:
     """SQLite's "database is locked" (another process holds a write transaction past the busy
     timeout) says what to do, rather than a bare "store error"."""
     import sqlite3

@@ -102,3 +102,16 @@ def test_a_store_locked_by_another_writer_is_explained() -> None:
 
     line = explain(sqlite3.OperationalError("database is locked"))
     assert line is not None and "locked by another process" in line and "try again" in line
+
+
+def test_a_schema_version_older_than_its_tables_is_named_not_upgraded(home: Path) -> None:
+    """schema_version rows lost or edited: the upgrade met its own changes already made ("duplicate
+    column name") and said only that; now it says the store's version record is damaged."""
+    import sqlite3
+
+    assert run_cli(home, "agents", "list").code == 0
+    with sqlite3.connect(home / "appserver.db") as db:
+        newest = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0]
+        db.execute("DELETE FROM schema_version WHERE version > ?", (newest - 3,))
+    line = one_error_line(serve_refused(home))
+    assert "schema_version table was changed or damaged" in line and "restore the store" in line, line

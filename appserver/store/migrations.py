@@ -182,6 +182,10 @@ class SchemaTooNew(Exception):
     """The store was written by a newer appserver."""
 
 
+class SchemaMismatch(Exception):
+    """The store's recorded schema version is older than its tables: not something to upgrade."""
+
+
 def migrate(db: sqlite3.Connection) -> int:
     """Bring `db` (autocommit connection) to the newest schema, one transaction per migration;
     returns the version it had (0: it had none)."""
@@ -201,6 +205,17 @@ def migrate(db: sqlite3.Connection) -> int:
                 if statement.strip():
                     db.execute(statement)
             db.execute("INSERT INTO schema_version(version) VALUES (?)", (version,))
+        except sqlite3.OperationalError as exc:
+            db.execute("ROLLBACK")
+            if "duplicate column" in str(exc) or "already exists" in str(exc):
+                # the change this migration makes is there already: the recorded version is older
+                # than the tables (schema_version edited, or rows of it lost), not a store to upgrade
+                raise SchemaMismatch(
+                    f"the database says it has schema version {current}, but its tables already have what version "
+                    f"{version} adds ({exc}): its schema_version table was changed or damaged; restore the store "
+                    "from a backup"
+                ) from None
+            raise
         except BaseException:
             db.execute("ROLLBACK")
             raise

@@ -42,7 +42,7 @@ from appserver.store.integrity import (
     preflight,
     shm_lock_holders,
 )
-from appserver.store.migrations import SchemaTooNew, migrate
+from appserver.store.migrations import SchemaMismatch, SchemaTooNew, migrate
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -141,7 +141,7 @@ class SQLiteStore(Store):
                 self._db = None
                 db.close()
                 raise
-        except SchemaTooNew as exc:
+        except (SchemaTooNew, SchemaMismatch) as exc:
             raise StoreOpenError(f"{self.path}: {exc}") from None
         except sqlite3.Error as exc:
             raise self._open_error(exc) from None

@@ -26,7 +26,7 @@ from gateway.access import NOT_MENTIONED
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.channeltool import MessageChannel
 from gateway.chatops import ChatOps
-from gateway.commands import parse_command
+from gateway.commands import bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.intake import Intake
@@ -90,8 +90,10 @@ class Gateway:
         self._notices: Recent[bool] = Recent(NOTICE_EVERY_S)  # chats told something lately
         self._odd_chat_types: set[tuple[str, str]] = set()  # (account, chat_type) outside the contract, logged once
         self._dirty = True
+        self._started = False  # start() has resumed the ledger
         link.on_tool_call(self.tool.on_call)
         link.on_approval(self.chatops.on_approval)
+        link.on_reconnected(self.chatops.reconcile_prompts)  # answers given while away were not heard
 
     def _changed(self) -> None:
         self._dirty = True
@@ -116,6 +118,8 @@ class Gateway:
             if isinstance(result, BaseException) and not isinstance(result, TimeoutError):
                 raise result
         self._resume()
+        self._started = True
+        self._spawn(self.chatops.reconcile_prompts())  # prompts whose call ended while no gateway ran
 
     async def stop(self) -> None:
         await asyncio.gather(*(r.stop() for r in self.runners.values()), return_exceptions=True)
@@ -151,6 +155,8 @@ class Gateway:
         )
         if live.state in ("error", "stopped"):
             self._save_status()
+        elif live.state == "running" and self._started:
+            self._spawn(self.chatops.reconcile_prompts())  # back from backoff: its prompts can be edited now
 
     def statuses(self) -> list[dict[str, Any]]:
         return [r.live.snapshot().to_json() for r in self.runners.values()]
@@ -237,7 +243,7 @@ class Gateway:
         if entry.batch is not None:  # a batch written down before a crash: submit it as it was
             await self._submit_batch([e for e in self.ledger.batch_of(entry) if e.state == "allowed"])
             return
-        command = parse_command(str(entry.payload.get("text") or ""))
+        command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
         media = bool(entry.payload.get("images") or entry.payload.get("attachments"))
         settings = runner.debounce
         if command is not None or media or not settings.enabled:
@@ -263,6 +269,9 @@ class Gateway:
         if not str(p.get("text") or "").strip() and not p.get("images") and not p.get("attachments"):
             # A pin notice, a join, a sticker or an embed alone: nothing for an agent to answer.
             return self.ledger.decide(key, "deny", "empty message (no text and no files)")
+        if for_another_bot(str(p.get("text") or ""), bot_name(runner.adapter)):
+            # `/cancel@otherbot` in a group: not ours to act on, nor for our agent to read
+            return self.ledger.decide(key, "deny", "a command addressed to another bot")
         chat_type = str(p.get("chat_type") or "")
         if chat_type not in ("dm", "group") and (runner.spec.ref, chat_type) not in self._odd_chat_types:
             self._odd_chat_types.add((runner.spec.ref, chat_type))
@@ -279,7 +288,7 @@ class Gateway:
             mentions_bot=bool(p.get("mentions_bot")),
             approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
         )
-        command = parse_command(str(p.get("text") or "")) is not None
+        command = parse_command(str(p.get("text") or ""), bot_name(runner.adapter)) is not None
         if verdict == "deny" and reason == NOT_MENTIONED and self.chatops.answers_own_prompt(entry, runner):
             verdict, reason = "allow", "group: an answer to the sender's own approval prompt"
         if verdict == "allow" and not command and self.ledger.held(key.channel, key.account, entry.sender):

@@ -14,6 +14,7 @@ import json
 import re
 import sqlite3
 import time
+import unicodedata
 from dataclasses import dataclass, field
 
 from gateway.db import transaction
@@ -31,6 +32,15 @@ OUTCOME_LINES = {
     "expired": "⌛ Timed out (not run)",
     "cancelled": "⏹ Cancelled",
 }
+# A prompt whose call ended while no gateway (or no connection) was there to hear how: the server
+# told nobody here, and the protocol shows only whether the call still waits (and, while its turn
+# runs, whether it ran or was denied).
+NO_LONGER_WAITING = (
+    "⏹ No longer waiting for an answer (answered elsewhere, timed out or cancelled while the gateway was away)"
+)
+NAME_SHOWN = 100  # a person's (or the server's) name in a decision line is cut here
+# Invisible but not of category Cf: fillers and joiners that render as nothing.
+INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0")
 
 
 @dataclass
@@ -60,7 +70,7 @@ class Prompt:
         args = " ".join(self.arguments.split()) or "{}"
         shown, hidden = cut_middle(args)
         cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
-        name = self.name.replace("`", "'")
+        name = visible(self.name.replace("`", "'"))
         head = f"🔐 The agent wants to use `{name}` with these arguments{cut}:\n```\n{literal(shown)}\n```"
         if self.decided:
             return f"{head}\n{self.decided}"
@@ -83,9 +93,42 @@ def cut_middle(text: str) -> tuple[str, int]:
 
 
 def literal(text: str) -> str:
-    """`text` for the inside of a ``` block: a zero-width space after every backtick followed by
-    another, so no run of backticks can close the block (Discord closes it at any ```)."""
-    return re.sub("`(?=`)", "`\u200b", text)
+    """`text` for the inside of a ``` block: every invisible or direction-changing character shown
+    as its escape (`visible`), then a zero-width space after every backtick followed by another, so
+    no run of backticks can close the block (Discord closes it at any ```). The only invisible
+    characters left are those spaces: one the model wrote shows as `\\u200b`."""
+    return re.sub("`(?=`)", "`\u200b", visible(text))
+
+
+def visible(text: str) -> str:
+    """`text` with every character that renders as nothing or reorders what follows (bidi overrides,
+    isolates and marks, zero-width and other format characters, controls, line separators) written
+    as its `\\u202e` escape: `ls \\u202e; rm -rf ~ #\\u202c` displayed reversed looked harmless."""
+    return "".join(_escaped(c) if _hidden(c) else c for c in text)
+
+
+def _hidden(char: str) -> bool:
+    return unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp", "Cs") or char in INVISIBLE
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def code_span(text: str) -> str:
+    """A name someone else chose (a chat display name, the server's `decided_by`, an ID typed in a
+    command) for a bot message rendered as Markdown: in an inline code span it cannot become a link,
+    bold or a mention (`[Verify your account](http://…)` as a Slack name was a masked link in the
+    bot's own message); its backticks turn into quotes so it cannot close the span, its whitespace
+    is collapsed, hidden characters are escaped, and a long one is cut."""
+    flat = " ".join(text.split()).replace("`", "'") or "?"
+    if len(flat) > NAME_SHOWN:
+        cut = NAME_SHOWN
+        while cut > 0 and not is_grapheme_boundary(flat, cut):
+            cut -= 1
+        flat = flat[:cut] + "…"
+    return f"`{visible(flat)}`"
 
 
 @dataclass(frozen=True)
@@ -117,12 +160,52 @@ class ApprovalBoard:
         return Posted(row[0], float(row[1]), tuple(str(i) for i in json.loads(row[2]))) if row else None
 
     def note_attempt(self, prompt: Prompt, key: str, at: float) -> None:
-        """Before the post goes out: after a crash in flight the prompt may be in the chat."""
+        """Before the post goes out: after a crash in flight the prompt may be in the chat. The call,
+        its chat and what the prompt shows are kept too, so a gateway that starts after the call
+        ended (no request comes again for it) can still edit that prompt (`leftovers`)."""
+        t = prompt.target
         with transaction(self._conn, durable=False) as c:
             c.execute(
-                "INSERT OR IGNORE INTO approval_prompts (call_id, account, part_key, attempted_at) VALUES (?,?,?,?)",
-                (prompt.call_id, prompt.account, key, at),
+                "INSERT OR IGNORE INTO approval_prompts (call_id, account, part_key, attempted_at, conversation,"
+                " turn_id, chat, thread, reply_to, starter, name, arguments) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    prompt.call_id,
+                    prompt.account,
+                    key,
+                    at,
+                    prompt.conversation,
+                    prompt.turn_id,
+                    t.chat,
+                    t.thread,
+                    t.reply_to,
+                    prompt.starter,
+                    prompt.name,
+                    prompt.arguments,
+                ),  # fmt: skip
             )
+
+    def leftovers(self) -> list[Prompt]:
+        """The prompts gateway.db remembers that this process has not (yet) taken up again, rebuilt
+        as shown (with the message ids of their post; none when its outcome is unknown). Rows of
+        an older gateway, which kept no conversation, are left to expire."""
+        rows = self._conn.execute(
+            "SELECT call_id, account, conversation, turn_id, chat, thread, reply_to, starter, name, arguments,"
+            " message_ids FROM approval_prompts WHERE conversation IS NOT NULL AND chat IS NOT NULL"
+            " ORDER BY attempted_at"
+        ).fetchall()
+        found: list[Prompt] = []
+        for row in rows:
+            if row[0] in self.prompts:
+                found.append(self.prompts[row[0]])
+                continue
+            prompt = Prompt(
+                call_id=row[0], conversation=row[2], turn_id=str(row[3] or ""), account=row[1],
+                target=Target(row[4], row[5], row[6]), starter=str(row[7] or ""), name=str(row[8] or "a tool"),
+                arguments=str(row[9] or ""), message_ids=[str(i) for i in json.loads(row[10] or "[]")],
+            )  # fmt: skip
+            prompt.shown.set()  # its post is done (or lost): nothing to wait for
+            found.append(prompt)
+        return found
 
     def note_shown(self, call_id: str, message_ids: list[str]) -> None:
         with transaction(self._conn, durable=False) as c:

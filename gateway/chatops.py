@@ -18,8 +18,8 @@ from typing import Any
 
 from appserver.client import Closed, ProtocolError
 from gateway.accounts import AccountRunner
-from gateway.approvals import OUTCOME_LINES, ApprovalBoard, Prompt
-from gateway.commands import HELP, Command, parse_command
+from gateway.approvals import NO_LONGER_WAITING, OUTCOME_LINES, ApprovalBoard, Prompt, code_span
+from gateway.commands import HELP, Command, bot_name, parse_command
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
@@ -70,6 +70,7 @@ class ChatOps:
         self.approvals = ApprovalBoard(ledger.connection)
         self._prompted: Recent[str] = Recent(PROMPT_EVERY_S)  # sender -> what they were told lately
         self._refused: Recent[bool] = Recent(REFUSE_EVERY_S)  # account:chat:sender:call -> refused lately
+        self._reconciling = asyncio.Lock()
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
         """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
@@ -162,7 +163,7 @@ class ChatOps:
         per person and prompt, so pressing again and again does not flood the chat."""
         if entry.payload.get("sender_is_bot"):
             return
-        command = parse_command(str(entry.payload.get("text") or ""))
+        command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
         if command is None or command.name not in ("approve", "deny") or not command.args:
             return
         prompt = self.approvals.find(runner.spec.ref, entry.chat, command.args[0])
@@ -178,7 +179,7 @@ class ChatOps:
         """Whether `entry` is `/approve ID` or `/deny ID` naming an open prompt in its chat, from the
         person who may answer it: in a group that counts only mentions, typing it without one is
         still an answer (as the prompt says), not a message the bot ignores."""
-        command = parse_command(str(entry.payload.get("text") or ""))
+        command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
         if command is None or command.name not in ("approve", "deny") or not command.args:
             return False
         prompt = self.approvals.find(runner.spec.ref, entry.chat, command.args[0])
@@ -227,7 +228,7 @@ class ChatOps:
                 ]
                 if not pending:
                     return "No pending pairing requests."
-                lines = [f"{p.code}  {p.sender_name or p.sender}" for p in pending]
+                lines = [f"{p.code}  {code_span(p.sender_name or p.sender)}" for p in pending]
                 return "Pending pairing requests (approve with: appserver pairing approve CODE):\n" + "\n".join(lines)
             return await self.answer_approval(entry, runner, command)
         except (ProtocolError, Closed, TimeoutError) as exc:
@@ -261,9 +262,8 @@ class ChatOps:
             if prompt is not None and prompt.decided is None:
                 who = frame.get("decided_by")
                 line = OUTCOME_LINES.get(str(frame.get("status")), str(frame.get("status")))
-                await self.decided(
-                    prompt, f"{line}" + (f" by {who}" if who and frame.get("status") in ("approved", "denied") else "")
-                )
+                by = f" by {code_span(str(who))}" if who and frame.get("status") in ("approved", "denied") else ""
+                await self.decided(prompt, f"{line}{by}")
             return
         ctx = await self.replies.context(str(frame.get("turn_id")))
         if ctx is None or ctx.conversation is None and not frame.get("conversation_id"):
@@ -317,7 +317,9 @@ class ChatOps:
             if pressed:
                 log.info("%s: a click on an answered approval prompt in %s; ignored", runner.spec.ref, entry.chat)
                 return ""
-            return "No request waiting for an answer here" + (f" with ID {command.args[0]}." if command.args else ".")
+            return "No request waiting for an answer here" + (
+                f" with ID {code_span(command.args[0])}." if command.args else "."
+            )
         if isinstance(found, list):
             return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
         prompt = found
@@ -339,9 +341,62 @@ class ChatOps:
         result = (ack.get("results") or [{}])[0]
         if result.get("accepted") is False:
             return "" if pressed else "That request was already answered."
-        who = entry.payload.get("sender_name") or entry.sender
+        who = code_span(str(entry.payload.get("sender_name") or entry.sender))  # their name, shown literally
         await self.decided(prompt, f"{OUTCOME_LINES['approved' if decision == 'approve' else 'denied']} by {who}")
         return ""
+
+    async def reconcile_prompts(self) -> None:
+        """Settle the prompts gateway.db remembers whose call no longer waits: after a start, and
+        after each reconnect, the server sends requests again only for calls still pending, so a
+        call that was answered (from the CLI, say), timed out or was cancelled while this gateway
+        was hung, restarting or disconnected would keep live buttons forever that do nothing. Each
+        such prompt is edited to the outcome where the protocol shows it, else to "no longer
+        waiting", without buttons. A prompt of an account not running now waits for the next time."""
+        async with self._reconciling:
+            by_conversation: dict[str, list[Prompt]] = {}
+            for prompt in self.approvals.leftovers():
+                runner = self.runners.get(prompt.account)
+                if prompt.decided is not None or runner is None or runner.adapter is None:
+                    continue
+                if runner.adapter.is_running:
+                    by_conversation.setdefault(prompt.conversation, []).append(prompt)
+            for conversation, prompts in by_conversation.items():
+                try:
+                    await self._reconcile_conversation(conversation, prompts)
+                except (ProtocolError, Closed, TimeoutError, OSError) as exc:
+                    log.warning("could not check the approval prompts of %s: %s", conversation, exc)
+
+    async def _reconcile_conversation(self, conversation: str, prompts: list[Prompt]) -> None:
+        try:
+            state = await self.link.request({"type": "subscribe", "conversation": conversation})
+        except ProtocolError as exc:
+            if exc.code != "conversation_not_found":
+                raise
+            for prompt in prompts:  # deleted with its paused turn: the request is void (as the server says)
+                if prompt.decided is None:
+                    await self.decided(prompt, OUTCOME_LINES["cancelled"])
+            return
+        active = state.get("active_turn") or None
+        if state.get("state") == "awaiting" and active is None:
+            return  # the server has not loaded the paused turn yet: which calls wait is unknown
+        waiting = {
+            str(p.get("call_id"))
+            for p in state.get("pending_approvals") or []
+            if isinstance(p, dict) and p.get("status", "pending") == "pending"
+        }
+        history: list[dict[str, Any]] | None = None
+        for prompt in prompts:
+            if prompt.call_id in waiting:
+                continue  # still pending: its request came again (or comes), and the prompt is live
+            line = _outcome_in_snapshot(active, prompt)
+            if line is None:
+                if history is None:
+                    reply = await self.link.request({"type": "get_history", "conversation": conversation, "limit": 200})
+                    history = [m for m in reply.get("messages") or [] if isinstance(m, dict)]
+                line = _outcome_in_history(history, prompt)
+            if prompt.decided is None:  # an `approval_resolved` may have come meanwhile
+                log.info("%s: approval %s no longer waits: %s", prompt.account, prompt.call_id, line)
+                await self.decided(prompt, line)
 
     async def decided(self, prompt: Prompt, line: str) -> None:
         """Show the decision on the prompt: edited in place where the platform can, else a line."""
@@ -358,8 +413,36 @@ class ChatOps:
             if outbox.can_edit and prompt.message_ids:
                 await outbox.edit_prompt(prompt.target, prompt.message_ids[0], prompt.text(), None)
             else:
-                await outbox.send(prompt.target, f"{prompt.name}: {line}")
+                await outbox.send(prompt.target, f"{code_span(prompt.name)}: {line}")
         except (DeliveryFailed, RuntimeError) as exc:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
         finally:
             self.approvals.settled(prompt.call_id)
+
+
+def _outcome_in_snapshot(active: dict[str, Any] | None, prompt: Prompt) -> str | None:
+    """What the call's turn, still the active one, shows of it: only an approved call runs or
+    completes; a denied one is marked so; one still marked pending in an ended turn was cancelled
+    with it. None when the snapshot cannot tell (a failed call may have timed out or failed)."""
+    if not active or active.get("turn_id") != prompt.turn_id:
+        return None
+    for block in active.get("blocks") or []:
+        if block.get("type") != "tool_call" or block.get("call_id") != prompt.call_id:
+            continue
+        status = block.get("status")
+        if status in ("running", "completed"):
+            return OUTCOME_LINES["approved"]
+        if status == "denied":
+            return OUTCOME_LINES["denied"]
+        if status == "pending_approval" and active.get("status") == "cancelled":
+            return OUTCOME_LINES["cancelled"]
+    return None
+
+
+def _outcome_in_history(messages: list[dict[str, Any]], prompt: Prompt) -> str:
+    """A result without an error means the call ran, so it was approved; an error result reads the
+    same whether the call was denied, timed out, was cancelled or failed: not guessed at."""
+    for m in messages:
+        if m.get("role") == "tool" and m.get("tool_call_id") == prompt.call_id and m.get("is_error") is False:
+            return OUTCOME_LINES["approved"]
+    return NO_LONGER_WAITING

@@ -2,12 +2,16 @@
 
 `/new`, `/cancel`, `/status`, `/help`, `/approve ID`, `/deny ID`, and for admins `/pair`. A slash
 word that is not one of these (`/slow 30`, `/recall`) is ordinary text for the agent. Telegram's
-`/cmd@botname` form is understood.
+`/cmd@botname` form is understood when it names this bot; `/cmd@otherbot` is another bot's command
+(in an open group it would otherwise act here). A leading mention of this bot (`@bot /approve ID`)
+is dropped before parsing.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 COMMANDS = ("new", "cancel", "status", "help", "approve", "deny", "pair")
 
@@ -29,12 +33,42 @@ class Command:
     args: tuple[str, ...]
 
 
-def parse_command(text: str) -> Command | None:
-    stripped = text.strip()
+def bot_name(adapter: Any) -> str | None:
+    """The username this account's bot is addressed by in text (`@name`), where the adapter knows
+    one (Telegram's `username`); None elsewhere (Slack and Discord drop their own mention)."""
+    name = getattr(adapter, "username", None)
+    return name if isinstance(name, str) and name else None
+
+
+def parse_command(text: str, me: str | None = None) -> Command | None:
+    """The command in `text`, or None. `me` is this bot's username: `@me /cmd` and `/cmd@me` are
+    commands; `/cmd@someone_else` is not (nor `/cmd@x` when `me` is unknown)."""
+    stripped = _without_mention(text.strip(), me)
     if not stripped.startswith("/") or len(stripped) < 2:
         return None
     head, *args = stripped[1:].split()
-    name = head.split("@", 1)[0].lower()
+    name, at, addressee = head.partition("@")
+    if at and (me is None or addressee.lower() != me.lower()):
+        return None  # another bot's command
+    name = name.lower()
     if name not in COMMANDS:
         return None
     return Command(name, tuple(args))
+
+
+def for_another_bot(text: str, me: str | None) -> bool:
+    """`/cmd@otherbot …`: a command of ours addressed to another bot, which this one ignores."""
+    stripped = _without_mention(text.strip(), me)
+    match = re.match(r"/(\w+)@(\w+)", stripped)
+    if match is None or match.group(1).lower() not in COMMANDS:
+        return False
+    return me is None or match.group(2).lower() != me.lower()
+
+
+def _without_mention(text: str, me: str | None) -> str:
+    """`text` without a leading `@me` (and the whitespace after it)."""
+    if me and text[: len(me) + 1].lower() == f"@{me}".lower():
+        rest = text[len(me) + 1 :]
+        if not rest or rest[0].isspace():
+            return rest.lstrip()
+    return text

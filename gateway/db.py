@@ -132,6 +132,19 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         );
         """,
     ),
+    (
+        7,
+        """
+        ALTER TABLE approval_prompts ADD COLUMN conversation TEXT;
+        ALTER TABLE approval_prompts ADD COLUMN turn_id TEXT;
+        ALTER TABLE approval_prompts ADD COLUMN chat TEXT;
+        ALTER TABLE approval_prompts ADD COLUMN thread TEXT;
+        ALTER TABLE approval_prompts ADD COLUMN reply_to TEXT;
+        ALTER TABLE approval_prompts ADD COLUMN starter TEXT;
+        ALTER TABLE approval_prompts ADD COLUMN name TEXT;
+        ALTER TABLE approval_prompts ADD COLUMN arguments TEXT;
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -53,6 +53,7 @@ class ServerLink:
         self._unclaimed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._tool_handler: ToolHandler | None = None
         self._approval_handler: ToolHandler | None = None
+        self._reconnected: Callable[[], Coroutine[Any, Any, None]] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = asyncio.Event()
@@ -72,6 +73,10 @@ class ServerLink:
     def on_approval(self, handler: ToolHandler) -> None:
         """`approval_request` and `approval_resolved` frames of the conversations followed."""
         self._approval_handler = handler
+
+    def on_reconnected(self, handler: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Called after the client reconnected (and resubscribed): frames sent meanwhile were lost."""
+        self._reconnected = handler
 
     async def close(self) -> None:
         await self.client.close()
@@ -150,6 +155,8 @@ class ServerLink:
                 elif kind in ("approval_request", "approval_resolved") and self._approval_handler is not None:
                     self._spawn(self._approval_handler(frame))
                 elif kind == "event":
+                    if frame.get("local") and frame.get("name") == "reconnected" and self._reconnected is not None:
+                        self._spawn(self._reconnected())
                     log.info("server event %s %s", frame.get("name"), frame.get("data") or "")
         except Closed:
             pass

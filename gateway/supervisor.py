@@ -277,7 +277,7 @@ class GatewaySupervisor:
                 silent = time.monotonic() - answered
                 if self.view.state == "running":
                     self.view.state = "unresponsive"
-                    log.error("gateway: the child (pid %s) does not answer pings (%s)", proc.pid, exc or "timeout")
+                    log.error("gateway: the child (pid %s) does not answer pings (%s)", proc.pid, _why(exc))
                 self.view.reason = f"no answer to a ping for {silent:.0f} s"
                 if silent >= self._hung_kill and proc.returncode is None:
                     self._hung = f"answered no ping for {silent:.0f} s and was killed"
@@ -348,3 +348,11 @@ class GatewaySupervisor:
             if not future.done():
                 future.set_exception(RuntimeError(reason))
         self._pending.clear()
+
+
+def _why(exc: BaseException) -> str:
+    """An exception for a log line: its message, else its kind (`timeout` for a bare TimeoutError,
+    whose message is empty, while the exception itself is always truthy)."""
+    if str(exc):
+        return str(exc)
+    return "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__

@@ -125,7 +125,7 @@ def test_approval_by_the_starter_runs_the_tool_and_a_stranger_is_refused(srv: Ch
     chat.inject("approvals", f"/approve {short.group(1)}", sender="mallory", chat_type="group")
     chat.wait_for_text("approvals", lambda t: "Only the person who started this" in t, timeout=15)
     chat.inject("approvals", f"/approve {short.group(1)}", sender="ann", sender_name="Ann", chat_type="group")
-    chat.wait_for_text("approvals", lambda t: t.startswith("🔐") and "✅ Approved by Ann" in t, timeout=15)
+    chat.wait_for_text("approvals", lambda t: t.startswith("🔐") and "✅ Approved by `Ann`" in t, timeout=15)
     chat.wait_for_text("approvals", lambda t: t.startswith("clock -> "), timeout=15)
 
 

@@ -53,7 +53,7 @@ def test_a_member_is_refused_once_and_the_starter_answers_without_a_mention(srv:
     chat.wait_for_text("team", lambda t: t.startswith("Agent: careful"), timeout=15)  # bob's tries are all handled
     assert sum(NOT_YOURS in m.text for m in chat.messages("team")) == 1
     chat.inject("team", f"/approve {short.group(1)}", sender="ann", sender_name="Ann", chat_type="group")
-    chat.wait_for_text("team", lambda t: t.startswith("🔐") and "✅ Approved by Ann" in t, timeout=15)
+    chat.wait_for_text("team", lambda t: t.startswith("🔐") and "✅ Approved by `Ann`" in t, timeout=15)
     chat.wait_for_text("team", lambda t: t.startswith("clock -> "), timeout=15)
     time.sleep(0.3)
     assert sum(NOT_YOURS in m.text for m in chat.messages("team")) == 1

@@ -75,7 +75,7 @@ def test_a_429_on_the_prompt_is_waited_out_and_the_prompt_shown(srv: ChannelServ
     short = re.search(r"/approve (\w+)", shown.text)
     assert short, shown.text
     slack.click("U2", "C-a429", shown.ts, f"approve:{short.group(1)}", user_name="ann")
-    decided = slack.wait_for_text("C-a429", lambda t: t.startswith("🔐") and "Approved by ann" in t, timeout=20)
+    decided = slack.wait_for_text("C-a429", lambda t: t.startswith("🔐") and "Approved by `ann`" in t, timeout=20)
     assert decided.ts == shown.ts and not _with_buttons(decided)
     assert len(_prompts(slack, "C-a429")) == 1
 
@@ -93,7 +93,7 @@ def test_a_prompt_pending_across_a_kill_9_is_reused_not_posted_again(srv: Channe
     time.sleep(4.0)  # the server sends the pending request again to the restarted gateway
     assert [m.ts for m in _prompts(slack, "C-akill")] == [first.ts], [m.text for m in slack.messages("C-akill")]
     slack.click("U2", "C-akill", first.ts, f"approve:{short.group(1)}", user_name="ann")
-    decided = slack.wait_for_text("C-akill", lambda t: t.startswith("🔐") and "Approved by ann" in t, timeout=20)
+    decided = slack.wait_for_text("C-akill", lambda t: t.startswith("🔐") and "Approved by `ann`" in t, timeout=20)
     assert decided.ts == first.ts and not _with_buttons(decided)  # the prompt posted is the one updated
     slack.wait_for_text("C-akill", lambda t: t.startswith(("clock -&gt; ", "clock -> ")), timeout=20)
     assert len(_prompts(slack, "C-akill")) == 1

@@ -62,7 +62,7 @@ def test_approve_needs_the_id_as_shown_not_a_piece_of_it(srv: ChannelServer, sla
     shown, short = _prompt(slack, "C-suffix")
     for piece in (short[-1], short[-3:]):
         slack.inject_mention("U2", f"<@UBOT> /approve {piece}", channel="C-suffix", thread_ts=parent)
-        slack.wait_for_text("C-suffix", f"No request waiting for an answer here with ID {piece}.", timeout=20)
+        slack.wait_for_text("C-suffix", f"No request waiting for an answer here with ID `{piece}`.", timeout=20)
     assert not any("Approved" in m.text for m in slack.messages("C-suffix")) and _with_buttons(shown)
     slack.inject_mention("U2", f"<@UBOT> /approve {short.upper()}", channel="C-suffix", thread_ts=parent)
     decided = slack.wait_for_text("C-suffix", lambda t: t.startswith("🔐") and "Approved by" in t, timeout=20)
@@ -74,7 +74,7 @@ def test_a_second_click_on_an_answered_prompt_posts_nothing(srv: ChannelServer, 
     shown, short = _prompt(slack, "C-double")
     slack.click("U2", "C-double", shown.ts, f"approve:{short}", user_name="ann")
     slack.click("U2", "C-double", shown.ts, f"deny:{short}", user_name="ann")
-    decided = slack.wait_for_text("C-double", lambda t: t.startswith("🔐") and "Approved by ann" in t, timeout=20)
+    decided = slack.wait_for_text("C-double", lambda t: t.startswith("🔐") and "Approved by `ann`" in t, timeout=20)
     assert decided.ts == shown.ts and not _with_buttons(decided)
     slack.wait_for_text("C-double", lambda t: t.startswith(("clock -&gt; ", "clock -> ")), timeout=20)
     time.sleep(2.0)  # the second click has long been handled

@@ -104,7 +104,7 @@ def test_an_approval_is_answered_by_a_button(srv: ChannelServer, slack: FakeSlac
     short = re.search(r"/approve (\w+)", shown.text)
     assert short, shown
     slack.click("U2", "C-appr", shown.ts, f"approve:{short.group(1)}", user_name="ann")
-    decided = slack.wait_for_text("C-appr", lambda t: t.startswith("🔐") and "Approved by ann" in t, timeout=20)
+    decided = slack.wait_for_text("C-appr", lambda t: t.startswith("🔐") and "Approved by `ann`" in t, timeout=20)
     assert [b["type"] for b in decided.blocks] == ["section"]  # the buttons are gone
     answer = slack.wait_for_text(
         "C-appr", lambda t: t.startswith("clock -&gt; ") or t.startswith("clock -> "), timeout=20

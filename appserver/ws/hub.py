@@ -341,7 +341,11 @@ class Hub:
                 await self.answer_gone(conv_id, call_id, name)
 
     async def answer_gone(self, conversation_id: str, call_id: str, name: str) -> None:
-        text = f"The client that runs the tool {name} disconnected before returning a result; the call has no result."
+        text = (
+            f"The client that runs the tool {name} disconnected before returning a result, so the outcome is"
+            " unknown: the tool may have acted before the client disconnected. Check whether it did before"
+            " retrying the call."
+        )
         try:
             await self.server.kernel.respond(
                 conversation_id, [Decision(call_id, "result", output=text, is_error=True, decided_by="server")]

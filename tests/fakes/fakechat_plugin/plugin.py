@@ -51,6 +51,8 @@ class _ApiError(Exception):
 
 
 class FakeChatAdapter:
+    username = "bot"  # addressed as `@bot`: `/status@bot` and `@bot /cancel` are this bot's commands
+
     def __init__(self, account: Account, context: AdapterContext) -> None:
         self.account = account
         self.context = context

@@ -286,3 +286,25 @@ async def test_a_read_that_meets_a_damaged_page_fails_readiness_too(tmp_path: Pa
             await server.store.check_writable()
     finally:
         await server.close()
+
+
+def test_a_store_reached_through_a_symlink_is_checked_where_sqlite_keeps_its_log(home: Path, tmp_path: Path) -> None:
+    """`appserver.db` a symbolic link to a file on another disk: SQLite keeps `-wal` and `-shm`
+    beside the target, and the checks look there (was: they looked beside the link, found
+    nothing, and a WAL damaged after kill -9 lost acknowledged turns with the server ready)."""
+    assert run_cli(home, "agents", "list").code == 0
+    data = tmp_path / "data"
+    data.mkdir()
+    (home / "appserver.db").replace(data / "real.db")
+    (home / "appserver.db").symlink_to(data / "real.db")
+    sp = start_serve(home)
+    for i in range(20):
+        chat(sp, f"conversation {i} " + "x" * 2000)
+    sp.stop(signal.SIGKILL)
+    wal = data / "real.db-wal"
+    assert len(_live_frames(wal)) >= 4, "the commits should still be in the WAL right after kill -9"
+    with open(wal, "r+b") as f:
+        f.seek(24)
+        f.write(b"\xde\xad\xbe\xef")  # the header's checksum
+    line = one_error_line(serve_refused(home))
+    assert "has a damaged header (checksum)" in line and "real.db-shm" in line, line

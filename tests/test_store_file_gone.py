@@ -115,3 +115,21 @@ def test_a_schema_version_older_than_its_tables_is_named_not_upgraded(home: Path
         db.execute("DELETE FROM schema_version WHERE version > ?", (newest - 3,))
     line = one_error_line(serve_refused(home))
     assert "schema_version table was changed or damaged" in line and "restore the store" in line, line
+
+
+def test_a_second_serve_is_refused_also_when_the_store_is_a_symlink(home: Path, tmp_path: Path) -> None:
+    assert run_cli(home, "agents", "list").code == 0
+    data = tmp_path / "data"
+    data.mkdir()
+    (home / "appserver.db").replace(data / "real.db")
+    (home / "appserver.db").symlink_to(data / "real.db")
+    env = cli_env(home, PYTHONFAULTHANDLER="1")  # a new interpreter, `python -m appserver serve`, not a fork
+    sp = start_serve(home, env=env)
+    try:
+        chat(sp, "first")
+        (home / "serve.lock").unlink()
+        (home / "server.json").unlink()
+        line = one_error_line(serve_refused(home))
+        assert "is open in another `appserver serve`" in line and f"pid {sp.proc.pid}" in line, line
+    finally:
+        sp.stop()

@@ -70,8 +70,15 @@ class WalReport:
     lost_commits: int  # committed transactions among the discarded frames
 
 
+def _beside_file(db: Path, suffix: str) -> Path:
+    """SQLite keeps `-wal` and `-shm` beside the database file itself: for a store reached through
+    a symbolic link (on another disk, say), beside the link's target, not the link."""
+    real = Path(os.path.realpath(db)) if db.is_symlink() else db
+    return real.with_name(real.name + suffix)
+
+
 def wal_path(db: Path) -> Path:
-    return db.with_name(db.name + "-wal")
+    return _beside_file(db, "-wal")
 
 
 def position_path(db: Path) -> Path:
@@ -97,7 +104,7 @@ def _recovered_frames(db: Path, conn: sqlite3.Connection, salt: bytes) -> int | 
     read after `conn` made SQLite recover the WAL. None when it cannot be read reliably."""
     conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # a read: SQLite recovers the WAL
     try:
-        with open(db.with_name(db.name + "-shm"), "rb") as f:
+        with open(shm_path(db), "rb") as f:
             head = f.read(96)
     except OSError:
         return None
@@ -115,7 +122,7 @@ def shm_lock_holders(db: Path) -> set[int]:
     """The processes (pids) holding a lock on `db`'s `-shm` file: each SQLite connection to the
     store holds one while it is open (read from /proc/locks; empty where there is none)."""
     try:
-        st = os.stat(db.with_name(db.name + "-shm"))
+        st = os.stat(shm_path(db))
         text = Path("/proc/locks").read_text()
     except OSError:
         return set()  # no -shm: nobody attached (or no /proc: checked as if first)
@@ -178,7 +185,7 @@ def inspect_wal(db: Path, conn: sqlite3.Connection) -> WalReport | None:
 
 
 def shm_path(db: Path) -> Path:
-    return db.with_name(db.name + "-shm")
+    return _beside_file(db, "-shm")
 
 
 def wal_index_claim(db: Path) -> tuple[int, int, bytes] | None:

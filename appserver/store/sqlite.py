@@ -80,9 +80,20 @@ def _argv(pid: int) -> list[str]:
 
 
 def _serves(pid: int) -> bool:
-    """Process `pid` is an `appserver serve` (`appserver serve …` or `python -m appserver serve …`)."""
+    """Process `pid` is an `appserver serve` (`appserver [--home H] serve …`, `python -m appserver
+    serve …`): its command, the first word after the program and its options, is `serve` (not a
+    later argument: `appserver run serve` is a turn of an agent named so)."""
     args = _argv(pid)
-    return "serve" in args and any(os.path.basename(a) == "appserver" for a in args[: args.index("serve")])
+    program = next((i for i, a in enumerate(args) if os.path.basename(a) == "appserver"), None)
+    if program is None:
+        return False
+    rest = iter(args[program + 1 :])
+    for word in rest:
+        if word == "--home":
+            next(rest, None)
+        elif not word.startswith("-"):
+            return word == "serve"
+    return False
 
 
 def _process(pid: int) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.cli import run_cli
 from tests.support.serve import start_serve
-from tests.support.state import chat, conversations, one_error_line, serve_refused
+from tests.support.state import chat, conversations, one_error_line, serve_refused, store_behind_symlink
 
 # ── 11.6 a damaged WAL after kill -9 is refused loudly, the files kept ─────────────────────────
 
@@ -293,10 +293,7 @@ def test_a_store_reached_through_a_symlink_is_checked_where_sqlite_keeps_its_log
     beside the target, and the checks look there (was: they looked beside the link, found
     nothing, and a WAL damaged after kill -9 lost acknowledged turns with the server ready)."""
     assert run_cli(home, "agents", "list").code == 0
-    data = tmp_path / "data"
-    data.mkdir()
-    (home / "appserver.db").replace(data / "real.db")
-    (home / "appserver.db").symlink_to(data / "real.db")
+    data = store_behind_symlink(home, tmp_path / "data").parent
     sp = start_serve(home)
     for i in range(20):
         chat(sp, f"conversation {i} " + "x" * 2000)

@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.cli import cli_env, run_cli
 from tests.support.serve import start_serve
-from tests.support.state import chat, one_error_line, serve_refused
+from tests.support.state import chat, one_error_line, serve_refused, store_behind_symlink
 
 
 def _ask(url: str, text: str) -> httpx.Response:
@@ -67,9 +67,16 @@ def test_a_store_that_is_a_dangling_symlink_is_refused(home: Path, tmp_path: Pat
     assert not (tmp_path / "unmounted").exists()  # nothing written through the link
 
 
-def test_a_second_serve_is_refused_while_the_first_keeps_the_store_open(home: Path) -> None:
+@pytest.mark.parametrize("linked", [False, True], ids=["file", "symlink"])
+def test_a_second_serve_is_refused_while_the_first_keeps_the_store_open(
+    home: Path, tmp_path: Path, linked: bool
+) -> None:
     """serve.lock and server.json deleted by hand (a "stale lock" clean-up) let a second `serve`
-    start beside the live one (was: both ran); the store's own lock names the first."""
+    start beside the live one (was: both ran); the store's own lock names the first, also when
+    `appserver.db` is a symbolic link (its -shm lies beside the target)."""
+    if linked:
+        assert run_cli(home, "agents", "list").code == 0
+        store_behind_symlink(home, tmp_path / "data")
     env = cli_env(home, PYTHONFAULTHANDLER="1")  # a new interpreter, `python -m appserver serve`, not a fork
     sp = start_serve(home, env=env)
     try:
@@ -115,21 +122,3 @@ def test_a_schema_version_older_than_its_tables_is_named_not_upgraded(home: Path
         db.execute("DELETE FROM schema_version WHERE version > ?", (newest - 3,))
     line = one_error_line(serve_refused(home))
     assert "schema_version table was changed or damaged" in line and "restore the store" in line, line
-
-
-def test_a_second_serve_is_refused_also_when_the_store_is_a_symlink(home: Path, tmp_path: Path) -> None:
-    assert run_cli(home, "agents", "list").code == 0
-    data = tmp_path / "data"
-    data.mkdir()
-    (home / "appserver.db").replace(data / "real.db")
-    (home / "appserver.db").symlink_to(data / "real.db")
-    env = cli_env(home, PYTHONFAULTHANDLER="1")  # a new interpreter, `python -m appserver serve`, not a fork
-    sp = start_serve(home, env=env)
-    try:
-        chat(sp, "first")
-        (home / "serve.lock").unlink()
-        (home / "server.json").unlink()
-        line = one_error_line(serve_refused(home))
-        assert "is open in another `appserver serve`" in line and f"pid {sp.proc.pid}" in line, line
-    finally:
-        sp.stop()

@@ -64,3 +64,13 @@ def wait_ready(url: str, want: int, timeout: float = 10) -> dict[str, Any]:
 
 def check(body: dict[str, Any], name: str) -> dict[str, Any]:
     return dict(next(c for c in body["checks"] if c["name"] == name))
+
+
+def store_behind_symlink(home: Path, elsewhere: Path) -> Path:
+    """Move the home's store to `elsewhere/real.db` and leave `appserver.db` a symbolic link to it
+    (a store kept on another disk); the real file's path."""
+    elsewhere.mkdir(parents=True, exist_ok=True)
+    real = elsewhere / "real.db"
+    (home / "appserver.db").replace(real)
+    (home / "appserver.db").symlink_to(real)
+    return real

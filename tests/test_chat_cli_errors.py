@@ -325,3 +325,32 @@ def test_a_provider_added_while_the_server_runs_is_named_not_a_traceback(tmp_pat
         sp.stop()
     log = sp.proc.stderr.read() if sp.proc.stderr else ""
     assert "Traceback" not in log and "loaded at the next start" in log, log[-2000:]
+
+
+def test_run_takes_url_and_token_like_chat(srv: Srv, tmp_path: Path) -> None:
+    """`run --url … --token …` reaches a server of another home (a laptop driving a small server):
+    nothing runs in-process on the local home, the token goes with it, a paused turn's answer hint
+    names the same --url, and a bad --url or a refused token is one line (was: no such options)."""
+    elsewhere = tmp_path / "laptop"  # no server here: without --url the turn would run in-process
+    r = cli(elsewhere, "run", "--url", srv.sp.url, "--token", srv.good, "--json", "over there")
+    assert r.code == 0, (r.code, r.out, r.err)
+    conv = r.json()["conversation_id"]
+    assert r.json()["text"] == "echo: over there"
+    hist = cli(srv.home, "conversations", "history", conv, APPSERVER_TOKEN=srv.good)
+    assert "over there" in hist.out, (hist.out, hist.err)
+    assert not (elsewhere / "appserver.db").exists()  # the local home was not used
+    careful = cli(srv.home, "agents", "create", "--name", "careful-url", "--tool", "clock=ask")
+    assert careful.code == 0, careful.err
+    paused = cli(elsewhere, "run", "--url", srv.sp.url, "--token", srv.good, "--agent", "careful-url", "/call clock {}")
+    assert paused.code == 0 and "awaiting approval" in paused.out, (paused.code, paused.out, paused.err)
+    assert f"--url {srv.sp.url} --approve CALL_ID" in paused.out, paused.out
+    call_id = paused.out.split("awaiting approval: ")[1].split()[0]
+    conv = paused.out.split("conversation: ")[1].split()[0]
+    answer = ("run", "--url", srv.sp.url, "--token", srv.good, "--agent", "careful-url", "--conversation", conv)
+    approved = cli(elsewhere, *answer, "--approve", call_id)
+    assert approved.code == 0 and "[clock completed]" in approved.err, (approved.code, approved.out, approved.err)
+    one_line(cli(elsewhere, "run", "--url", srv.sp.url, "--token", "aps_bad", "hi"), 1, "refused the token (401")
+    one_line(cli(elsewhere, "run", "--url", srv.sp.url, "hi"), 1, "(give --token or set APPSERVER_TOKEN)")
+    one_line(cli(elsewhere, "run", "--url", "notaurl", "hi"), 2, "--url: invalid server URL 'notaurl'")
+    env_token = cli(elsewhere, "run", "--url", srv.sp.url, "hi", APPSERVER_TOKEN=srv.good)
+    assert env_token.code == 0 and "echo: hi" in env_token.out, (env_token.out, env_token.err)

@@ -55,8 +55,9 @@ def reconnect_wait_option() -> Callable[[Callable[..., Any]], Callable[..., Any]
     )
 
 
-def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: str) -> int:
-    """Print the turn; `agent` is how the user named the agent (the answer hint names it too).
+def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: str, url: str | None = None) -> int:
+    """Print the turn; `agent` is how the user named the agent (the answer hint names it too, and
+    the `--url` the user gave, so that it reaches the same server).
 
     The plain text is for a person, on a terminal or through a pipe that often ends at one (`| less
     -R`, a log `cat` later): the model's, tools' and server's words go through `visible`/`exact`.
@@ -77,6 +78,8 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
             # The hint must work as printed, with or without a server: a conversation id alone
             # resolves only under its own agent.
             again = f"appserver run --agent {shlex.quote(agent)} --conversation {exact(conversation_id)}"
+            if url is not None:
+                again = f"{again} --url {shlex.quote(exact(url))}"
             click.echo(
                 f"conversation: {exact(conversation_id)}  "
                 f"(answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)"
@@ -104,6 +107,12 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
     "--timeout", default=600.0, show_default=True, type=Seconds(zero=False), help="Seconds to wait for the turn."
 )
 @reconnect_wait_option()
+@click.option(
+    "--url",
+    default=None,
+    help="Server URL: run the turn there (default: the server running on this home, else in-process).",
+)
+@click.option("--token", default=None, envvar="APPSERVER_TOKEN", help="Bearer token when the server requires one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as one JSON object.")
 @click.argument("text", required=False)
 def run_command(
@@ -115,12 +124,12 @@ def run_command(
     idempotency_key: str | None,
     timeout: float,
     reconnect_wait: float,
+    url: str | None,
+    token: str | None,
     as_json: bool,
     text: str | None,
 ) -> None:
     """Run one turn of AGENT with TEXT and print the reply."""
-    config = get_config()
-    live = live_server_or_fail(config.server_json)
     answering = bool(approve or deny)
     if answering and text:
         fail("give either TEXT or --approve/--deny, not both", 2)
@@ -128,7 +137,32 @@ def run_command(
         fail("nothing to send: give TEXT (or --approve/--deny CALL_ID)", 2)
     if reason is not None and not deny:
         fail("--reason goes with --deny CALL_ID (it is the reason the call was denied)", 2)
+    if url is not None:
+        # another server (or this home's, named): its home is not read, nothing runs in-process
+        from appserver.client import ConnectError, check_url
 
+        try:
+            check_url(url)
+        except ConnectError as exc:
+            fail(f"--url: {exc.message}", 2)
+        snap, conversation_id = run_remote(
+            url,
+            agent,
+            conversation,
+            text,
+            approve,
+            deny,
+            reason,
+            idempotency_key,
+            timeout,
+            reconnect_wait=reconnect_wait,
+            token=token,
+            token_how="give --token or set APPSERVER_TOKEN",
+        )
+        sys.exit(render(snap, conversation_id, as_json, agent, url))
+
+    config = get_config()
+    live = live_server_or_fail(config.server_json)
     if live is not None:
         # a server owns this home: run the turn through its WebSocket protocol (never beside it)
         snap, conversation_id = run_remote(
@@ -143,6 +177,7 @@ def run_command(
             timeout,
             reconnect_wait=reconnect_wait,
             url_source=server_url_source(config.server_json),
+            token=token,
         )
         sys.exit(render(snap, conversation_id, as_json, agent))
 
@@ -284,6 +319,8 @@ def run_remote(
     *,
     reconnect_wait: float = 30.0,
     url_source: Callable[[], str | None] | None = None,
+    token: str | None = None,
+    token_how: str = "give --token or set APPSERVER_TOKEN",
 ) -> tuple[TurnSnapshot, str]:
     """One turn (or the answers to a paused one) through a live server's /ws protocol; the outcome
     is awaited across a failover (the client reconnects, possibly to a standby elsewhere)."""
@@ -295,6 +332,7 @@ def run_remote(
     async def go() -> tuple[TurnSnapshot, str]:
         client = await ProtocolClient.connect(
             url,
+            token=token,
             client="appserver-run",
             open_timeout=min(OPEN_TIMEOUT_S, timeout),  # a short --timeout bounds the wait for the welcome too
             reconnect=reconnect_wait > 0,
@@ -335,10 +373,12 @@ def run_remote(
         finally:
             await client.close()
 
-    return call_server(go, url, timeout)
+    return call_server(go, url, timeout, token_how)
 
 
-def call_server(go: Callable[[], Coroutine[Any, Any, T]], url: str, timeout: float) -> T:
+def call_server(
+    go: Callable[[], Coroutine[Any, Any, T]], url: str, timeout: float, token_how: str = "set APPSERVER_TOKEN"
+) -> T:
     """Run one protocol exchange with the live server; every failure is a one-line CLI error."""
     from appserver.client import ProtocolError
 
@@ -347,7 +387,7 @@ def call_server(go: Callable[[], Coroutine[Any, Any, T]], url: str, timeout: flo
     except TimeoutError:
         fail(f"the turn did not settle within {timeout:g} s", 1)
     except ProtocolError as exc:
-        fail(exc.message + token_hint(exc.code, "set APPSERVER_TOKEN"), 2 if exc.code in USAGE_ERRORS else 1)
+        fail(exc.message + token_hint(exc.code, token_how), 2 if exc.code in USAGE_ERRORS else 1)
     except OSError as exc:
         fail(f"cannot reach the server at {url}: {exc}", 1)
 

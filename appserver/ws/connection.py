@@ -108,6 +108,7 @@ class Outbound:
         self._entries: deque[_Entry] = deque()
         self._by_turn: dict[str, _Entry] = {}
         self._live = 0
+        self._dead = 0  # replaced snapshots still in _entries (emptied: only their place is kept)
         self._ready = asyncio.Event()
         self.closed = False
 
@@ -135,8 +136,16 @@ class Outbound:
             return
         old = self._by_turn.get(turn_id)
         if old is not None and not old.dead:
+            # Let go of the replaced text now, not when the writer reaches its place: a client
+            # that does not read would otherwise hold every revision of a long reply until it is
+            # closed (each one the whole text so far: hundreds of MB for a 400 KB reply).
             old.dead = True
+            old.text = ""
             self._live -= 1
+            self._dead += 1
+            if self._dead > 64 and self._dead > self._live:
+                self._entries = deque(e for e in self._entries if not e.dead)
+                self._dead = 0
         elif self._live >= self.limit:
             raise Overflow(f"outbound buffer full ({self.limit} frames): the client is not reading")
         entry = _Entry(text, turn_id)
@@ -150,6 +159,7 @@ class Outbound:
             while self._entries:
                 entry = self._entries.popleft()
                 if entry.dead:
+                    self._dead -= 1
                     continue
                 self._live -= 1
                 if entry.turn_id is not None and self._by_turn.get(entry.turn_id) is entry:
@@ -167,6 +177,7 @@ class Outbound:
             self._entries.clear()
             self._by_turn.clear()
             self._live = 0
+            self._dead = 0
         self._ready.set()
 
 

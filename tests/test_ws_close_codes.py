@@ -35,6 +35,7 @@ APP_CODES = {
     codes.CLOSE_PROTOCOL,
     codes.CLOSE_SLOW_CONSUMER,
     codes.CLOSE_TOO_BIG,
+    codes.CLOSE_TOO_MANY,  # a `hello` whose credential is at its connection cap
     ws_session.WS_CLOSE_AUTH,
     ws_session.WS_CLOSE_TOO_BIG,
 }

@@ -16,6 +16,11 @@ listen elsewhere). Then it says hello, re-subscribes to its conversations and re
 was following: the active turn's snapshot is replayed as `turn_updated`; a followed turn that ended
 meanwhile (e.g. settled as interrupted by the standby) gets a terminal snapshot rebuilt from the
 committed history (`resume.py`), so a caller waiting for an outcome always gets a truthful one.
+On one connection, a `turn_updated` whose revision is not higher than the last one delivered
+for that turn is not delivered (to `frames()`, `next_frame()`, `wait_turn()`): revisions of a turn
+strictly increase, so it is an old or repeated view (a server that restarted shows a turn it
+settled at a higher revision). A frame nested deeper than 64 levels, like one that is no JSON,
+is ignored.
 Callers see two local frames, `{"type": "event", "name": "connection_lost" | "reconnected",
 "local": true, …}` (clients ignore event names they do not know). Requests in flight are re-sent
 when that is safe and fail with `Closed` otherwise. Without a server after `reconnect_s`, `frames()`
@@ -37,6 +42,7 @@ import asyncio
 import itertools
 import json
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,16 +110,44 @@ class _Pending:
 
 def server_frame(raw: str | bytes) -> dict[str, Any] | None:
     """A frame the server sent, or None for one that is no protocol frame (not JSON, not an
-    object): ignored, as an unknown frame type is. A `local` flag is removed: only this library's
-    own frames (connection lost, reconnected) carry it, so a server cannot fake them."""
+    object, nested deeper than MAX_DEPTH): ignored, as an unknown frame type is. A `local` flag is
+    removed: only this library's own frames (connection lost, reconnected) carry it, so a server
+    cannot fake them."""
     try:
         frame = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nesting past the parser's recursion limit)
         return None
-    if not isinstance(frame, dict):
+    if not isinstance(frame, dict) or _too_deep(raw, frame):
         return None
     frame.pop("local", None)
     return frame
+
+
+# The deepest nesting a protocol frame has: the server's own limit for what it takes (docs/protocol.md,
+# `bad_json`). Deeper is no protocol frame, and code that walks frames recursively (printing them,
+# json.dumps) could hit the recursion limit on it.
+MAX_DEPTH = 64
+
+
+def _too_deep(raw: str | bytes, frame: dict[str, Any]) -> bool:
+    """Whether `frame` nests deeper than MAX_DEPTH (the frame itself is level 1). Without a walk
+    when `raw` holds too few brackets to be that deep (nearly every frame); the walk uses no
+    recursion."""
+    if isinstance(raw, str):
+        brackets = raw.count("{") + raw.count("[")
+    else:
+        brackets = raw.count(b"{") + raw.count(b"[")
+    if brackets <= MAX_DEPTH:
+        return False
+    stack: list[tuple[Any, int]] = [(frame, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
 
 
 def _revision(snap: dict[str, Any]) -> int:
@@ -126,6 +160,9 @@ def _revision(snap: dict[str, Any]) -> int:
 class _Followed:
     conversation_id: str
     revision: int = -1
+
+
+SEEN_TURNS_MAX = 4096  # turns whose newest revision the client remembers (the oldest forgotten first)
 
 
 class ProtocolClient:
@@ -162,6 +199,9 @@ class ProtocolClient:
         self._gone = False
         self._subscribed: dict[str, str | None] = {}  # conversation id -> agent id
         self._turns: dict[str, _Followed] = {}  # turns this client follows until their terminal snapshot
+        # turn id -> the newest revision delivered on this connection: an older or equal snapshot
+        # of the turn is not delivered again (revisions strictly increase)
+        self._seen: OrderedDict[str, int] = OrderedDict()
 
     @classmethod
     async def connect(
@@ -375,6 +415,9 @@ class ProtocolClient:
             else:
                 self.ws, self.url, self.welcome = ws, url, welcome
                 self.reconnects += 1
+                # Another server process may answer now: its revisions are compared among
+                # themselves (a turn it requeued after a crash counts from its start again).
+                self._seen.clear()
                 self._deliver(
                     {
                         "type": "event",
@@ -509,8 +552,9 @@ class ProtocolClient:
                 and active.get("status") not in TERMINAL
             ):
                 self._turns.setdefault(active["turn_id"], _Followed(conv["id"])).revision = _revision(active)
-        elif kind == "unsubscribe" and sent.get("conversation"):
-            self._forget(str(sent["conversation"]))
+        elif kind == "unsubscribe" and (reply.get("conversation_id") or sent.get("conversation")):
+            # the ack names the id (`default` with an agent is resolved by the server)
+            self._forget(str(reply.get("conversation_id") or sent["conversation"]))
         elif (
             kind in ("submit_input", "cron_run")
             and isinstance(reply.get("turn_id"), str)
@@ -520,10 +564,28 @@ class ProtocolClient:
             if not reply.get("duplicate"):
                 self._turns.setdefault(reply["turn_id"], _Followed(reply["conversation_id"]))
 
+    def _saw(self, turn_id: str, revision: int) -> bool:
+        """Note `revision` of `turn_id`; False (and nothing noted) when it is not newer than one
+        seen before: a snapshot older than what the caller was shown, or the same one again."""
+        last = self._seen.get(turn_id)
+        if last is not None and revision <= last:
+            return False
+        self._seen[turn_id] = revision
+        self._seen.move_to_end(turn_id)
+        if len(self._seen) > SEEN_TURNS_MAX:
+            self._seen.popitem(last=False)
+        return True
+
     def _deliver(self, frame: dict[str, Any]) -> None:
         snap = frame.get("snapshot")
         if frame.get("type") == "turn_updated" and isinstance(snap, dict):
             turn_id, conv_id = str(snap.get("turn_id") or ""), str(snap.get("conversation_id") or "")
+            if turn_id and not self._saw(turn_id, _revision(snap)):
+                # Revisions of a turn strictly increase (docs/protocol.md): an older snapshot (a
+                # confused or hostile server; a restarted one before it kept revisions rising) would
+                # show older text as the turn's, a second terminal one a different outcome. A
+                # restarted server's snapshot of a turn it settled has a higher revision (restore.py).
+                return
             if snap.get("status") in TERMINAL:
                 self._turns.pop(turn_id, None)
             elif turn_id and conv_id in self._subscribed:

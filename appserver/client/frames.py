@@ -132,6 +132,7 @@ class Subscribe(TypedDict):
 class Unsubscribe(TypedDict):
     type: Literal["unsubscribe"]
     conversation: str
+    agent: NotRequired[str | None]
     request_id: NotRequired[str]
 
 
@@ -347,4 +348,5 @@ ServerFrame = (
 CLOSE_AUTH = 4401
 CLOSE_PROTOCOL = 4406
 CLOSE_SLOW_CONSUMER = 4408
+CLOSE_TOO_MANY = 4429
 CLOSE_TOO_BIG = 1009

@@ -15,7 +15,9 @@ What the app sees in `scope["state"]` (Starlette: `request.state` / `websocket.s
   * `auth_pending`: True on a WebSocket upgraded without credentials (token/jwt mode); the
     protocol layer must authenticate the `hello` frame before doing anything else;
   * `authenticate_hello`: (WebSocket only) `fn(token) -> Principal`, raises `AuthError`. It checks
-    the token, requires the `ws` scope, stores the principal, clears `auth_pending` and re-arms the
+    the token, requires the `ws` scope, moves the socket's connection slot from its address to the
+    credential (`AuthError` 429 `too_many_connections` when the credential's are all taken: the
+    protocol closes with 4429), stores the principal, clears `auth_pending` and re-arms the
     expiry timer. Without it within `Authenticator.hello_timeout_s` the guard closes with 4401.
 
 Refused WebSocket upgrades get a real HTTP response (403/401/421/400) through the
@@ -42,7 +44,7 @@ from appserver.security.authentication import (
 )
 from appserver.security.headers import guarded_headers
 from appserver.security.hostcheck import HostCheck
-from appserver.security.limits import BodyLimit, ClientSlots, slot_key
+from appserver.security.limits import BodyLimit, ClientSlots, SlotHold, slot_key
 from appserver.security.origin import OriginCheck, cors_headers, is_preflight, preflight
 from appserver.security.refusals import refuse_ws, send_http_error
 from appserver.security.ws_session import run_ws
@@ -143,7 +145,8 @@ class SecurityGuard:
         # of five (appserver/http/sse.py).
         state[BODY_SEND] = server_send
         scope["state"] = state
-        self.slots.acquire(client)
+        hold = SlotHold(self.slots, client)
+        hold.acquire()
         try:
             if kind == "http":
                 await self._run_http(scope, receive, send, origin)
@@ -157,9 +160,11 @@ class SecurityGuard:
                     self.authenticator,
                     self.hello_timeout_s,
                     self.frame_max,
+                    hold,
                 )
         finally:
-            self.slots.release(client)
+            # (a WebSocket authenticated by `hello` holds its credential's slot by now: that one)
+            hold.release()
 
     async def _run_http(self, scope: Scope, receive: Receive, send: Send, origin: str | None) -> None:
         """Run the app with CORS headers on its answer and its streamed body held to the limit."""

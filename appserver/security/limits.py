@@ -46,6 +46,8 @@ def client_key(scope: Scope) -> str | None:
     return str(client[0])
 
 
+TOO_MANY_CONNECTIONS = "too_many_connections"
+
 HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
 
 
@@ -69,7 +71,7 @@ class ClientSlots:
 
     def check(self, client: str | None) -> None:
         if client is not None and self.per_client > 0 and self._active.get(client, 0) >= self.per_client:
-            raise Refusal(429, "too_many_connections", "too many concurrent requests from this client")
+            raise Refusal(429, TOO_MANY_CONNECTIONS, "too many concurrent requests from this client")
 
     def acquire(self, client: str | None) -> None:
         if client is not None:
@@ -83,3 +85,33 @@ class ClientSlots:
             self._active[client] = left
         else:
             self._active.pop(client, None)
+
+
+class SlotHold:
+    """The one slot a request or WebSocket holds, and whose it is. A WebSocket upgraded without
+    credentials holds its address's slot until `hello` authenticates it; then `move` takes the
+    credential's slot instead (refused like an over-cap upgrade when that is full) and gives the
+    address's back, so the cap of a credential counts its hello-authenticated sockets too."""
+
+    def __init__(self, slots: ClientSlots, key: str | None) -> None:
+        self.slots = slots
+        self.key = key
+        self.released = False
+
+    def acquire(self) -> None:
+        self.slots.acquire(self.key)
+
+    def move(self, key: str | None) -> None:
+        """Hold `key`'s slot instead of the current one; raises the 429 `Refusal` (holding the
+        current one still) when `key`'s slots are all taken."""
+        if key == self.key or self.released:
+            return
+        self.slots.check(key)
+        self.slots.acquire(key)  # nothing awaits between the check and the take
+        self.slots.release(self.key)
+        self.key = key
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.slots.release(self.key)

@@ -11,8 +11,9 @@ import time
 from typing import Any
 
 from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principal
-from appserver.security.asgi import ASGIApp, Message, Receive, Scope, Send
+from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send
 from appserver.security.authentication import WS_SCOPE
+from appserver.security.limits import TOO_MANY_CONNECTIONS, SlotHold, slot_key
 from appserver.security.refusals import error_json
 from appserver.ws.connection import WRITE_FRAME
 
@@ -39,8 +40,14 @@ class WsSession:
         hello_deadline: float | None,
         path: str = "/ws",
         http_refusals: bool = False,
+        hold: SlotHold | None = None,
+        scope: Scope | None = None,
     ) -> None:
         self.state = state
+        # The connection slot the socket holds (guard.py): its address's until `hello` names a
+        # credential, then the credential's (`[limits] connections_per_client` is per credential).
+        self.hold = hold
+        self.scope: Scope = scope or {"type": "websocket"}
         self.path = path
         # The server can answer a refused upgrade with an HTTP response (`websocket.http.response`).
         self.http_refusals = http_refusals
@@ -80,6 +87,17 @@ class WsSession:
         principal = self.authenticator.authenticate_hello(token)
         if not principal.has_scope(WS_SCOPE):
             raise AuthError(403, "insufficient_scope", f"this credential lacks the '{WS_SCOPE}' scope")
+        if self.hold is not None:
+            try:
+                self.hold.move(slot_key(self.scope, principal))
+            except Refusal as r:
+                # What an upgrade with this credential in its Authorization header gets (429), as
+                # an error frame; the protocol then closes with 4429.
+                raise AuthError(
+                    429,
+                    TOO_MANY_CONNECTIONS,
+                    "too many concurrent requests and WebSockets of this credential ([limits] connections_per_client)",
+                ) from r
         self.state["principal"] = principal
         self.state["auth_pending"] = False
         self.changed.set()
@@ -187,8 +205,10 @@ async def run_ws(
     authenticator: Authenticator,
     hello_timeout_s: float,
     frame_max: int,
+    hold: SlotHold | None = None,
 ) -> None:
-    """Run the app on a WebSocket under its session: frame size, revocation, hello and expiry."""
+    """Run the app on a WebSocket under its session: frame size, revocation, hello and expiry;
+    `hold` is the socket's connection slot, which a `hello` that authenticates it moves."""
     pending = bool(state.get("auth_pending"))
     session = WsSession(
         state,
@@ -197,6 +217,8 @@ async def run_ws(
         time.time() + hello_timeout_s if pending else None,
         path=str(scope.get("path") or "/"),
         http_refusals="websocket.http.response" in (scope.get("extensions") or {}),
+        hold=hold,
+        scope=scope,
     )
     state["authenticate_hello"] = session.authenticate_hello
 

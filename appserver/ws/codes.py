@@ -10,4 +10,5 @@ PROTOCOL_VERSION = 1
 CLOSE_AUTH = 4401
 CLOSE_PROTOCOL = 4406
 CLOSE_SLOW_CONSUMER = 4408
+CLOSE_TOO_MANY = 4429  # `hello` named a credential whose connection slots are all taken
 CLOSE_TOO_BIG = 1009

@@ -21,6 +21,7 @@ from appserver.ws.codes import CLOSE_AUTH as CLOSE_AUTH
 from appserver.ws.codes import CLOSE_PROTOCOL as CLOSE_PROTOCOL
 from appserver.ws.codes import CLOSE_SLOW_CONSUMER as CLOSE_SLOW_CONSUMER
 from appserver.ws.codes import CLOSE_TOO_BIG as CLOSE_TOO_BIG
+from appserver.ws.codes import CLOSE_TOO_MANY as CLOSE_TOO_MANY
 from appserver.ws.codes import PROTOCOL_VERSION as PROTOCOL_VERSION
 
 
@@ -231,8 +232,12 @@ class Subscribe(_ClientFrame):
 
 
 class Unsubscribe(_ClientFrame):
+    """Names its conversation as `subscribe` does: `default` with `agent` is the default
+    conversation `subscribe` took (was: the literal id "default", acked while nothing changed)."""
+
     type: Literal["unsubscribe"]
     conversation: str = Field(min_length=1)
+    agent: str | None = None  # needed only with conversation "default"
 
 
 class SubmitInput(_ClientFrame):

@@ -263,7 +263,8 @@ class Endpoint:
                 )
             except AuthError as exc:
                 conn.send({"type": "error", "request_id": request_id, "code": exc.code, "message": exc.message})
-                conn.kill(F.CLOSE_AUTH, exc.message, flush=True)
+                # a credential over its connection cap (429 at an upgrade) is no authentication failure
+                conn.kill(F.CLOSE_TOO_MANY if exc.status == 429 else F.CLOSE_AUTH, exc.message, flush=True)
                 return
             except (WebSocketDisconnect, asyncio.CancelledError):
                 raise
@@ -329,13 +330,13 @@ class Endpoint:
             conv = await self._conversation(conn, frame.conversation, frame.agent)
             await self.hub.subscribe(conn, conv.id, _view(conv), rid)
         elif isinstance(frame, F.Unsubscribe):
-            ref = _conversation_ref(frame.conversation)
-            was = self.hub.unsubscribe(conn, ref)
+            conv_id = await self._unsubscribe_target(conn, frame)
+            was = self.hub.unsubscribe(conn, conv_id)
             conn.send(
                 {
                     "type": "ack",
                     "request_id": rid,
-                    "conversation_id": ref,
+                    "conversation_id": conv_id,
                     "results": [{"subscribed": False, "was_subscribed": was}],
                 }
             )
@@ -613,6 +614,16 @@ class Endpoint:
         ):
             raise _not_found(ref, agent)
         return conv
+
+    async def _unsubscribe_target(self, conn: Connection, frame: F.Unsubscribe) -> str:
+        """The conversation an `unsubscribe` names, read as `subscribe` reads it (`default` with
+        `agent`; an `agent` with an id must be its agent; unknown, another agent's and another
+        namespace's are `conversation_not_found`). An id this connection is subscribed to needs no
+        look-up: `subscribe` checked it (and it stays removable if the conversation was deleted)."""
+        ref = _conversation_ref(frame.conversation, "give a conversation id (or 'default' with an agent)")
+        if not frame.agent and ref in conn.subscriptions and ref not in ("default", "new"):
+            return ref
+        return (await self._conversation(conn, ref, frame.agent)).id
 
     async def _owned(self, conn: Connection, ref: str, agent: AgentRecord) -> None:
         """Refuse (as not found) a submit to a conversation outside the caller's namespace or of

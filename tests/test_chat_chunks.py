@@ -13,25 +13,28 @@ from appserver.http.common import dumps
 TEXTS = ["", "hello", 'quo"te', "back\\slash", "line\nbreak", "tab\t", "\u2028\u2029", "é中文😀", "\x00text\x00", "}]"]
 
 
-def _ctx(model_id: str) -> _Ctx:
+def _ctx(model_id: str, include_usage: bool = False) -> _Ctx:
     ctx = object.__new__(_Ctx)  # only the fields chunk() reads: the constructor needs a whole request
     ctx.id, ctx.created, ctx.model_id, ctx._content_frame = "chatcmpl-abc", 1_700_000_000, model_id, None
+    ctx.include_usage = include_usage
     return ctx
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize("model_id", ["m", 'we"ird\u2028model'])
 @pytest.mark.parametrize("text", TEXTS)
-def test_a_text_delta_chunk_is_the_whole_chunk_encoded(model_id: str, text: str) -> None:
-    ctx = _ctx(model_id)
-    whole = dumps(
-        {
-            "id": "chatcmpl-abc",
-            "object": "chat.completion.chunk",
-            "created": 1_700_000_000,
-            "model": model_id,
-            "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
-        }
-    )
+def test_a_text_delta_chunk_is_the_whole_chunk_encoded(model_id: str, text: str, include_usage: bool) -> None:
+    ctx = _ctx(model_id, include_usage)
+    body = {
+        "id": "chatcmpl-abc",
+        "object": "chat.completion.chunk",
+        "created": 1_700_000_000,
+        "model": model_id,
+        "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}],
+    }
+    if include_usage:  # stream_options.include_usage: null on every chunk but the usage chunk (as OpenAI)
+        body["usage"] = None
+    whole = dumps(body)
     assert ctx.chunk({"content": text}) == whole
     assert ctx.chunk({"content": text}) == whole  # the second one from the cached frame
     assert json.loads(whole)["choices"][0]["delta"]["content"] == text

@@ -54,7 +54,7 @@ from appserver.http.conversation_match import (
     results_without_call,
     split_new_input,
     unanswered_calls,
-    user_content,
+    users_content,
 )
 from appserver.http.errors import ApiError, bad_request, error_body
 from appserver.http.sse import SSEResponse
@@ -88,7 +88,7 @@ MEDIA_PARTS = ("file", "input_file", "input_audio")
 
 def content_of(content: Any, where: str) -> tuple[str, list[str]]:
     """(text, image urls) of a message's content; file and audio parts only come from users."""
-    text, images, _ = parts_of(content, where, media=False)
+    text, images, _, _ = parts_of(content, where, media=False)
     return text, images
 
 
@@ -121,18 +121,28 @@ def media_part(part: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "file", "file": out}
 
 
-def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list[str], list[dict[str, Any]]]:
-    """(text, image urls, file/audio parts) of a message's content. A part this server cannot
-    pass on is refused by name, never dropped."""
+# image detail levels: Chat Completions takes these; Responses' ImageDetail adds `original`
+IMAGE_DETAILS = ("auto", "low", "high")
+INPUT_IMAGE_DETAILS = ("low", "high", "auto", "original")
+
+
+def parts_of(
+    content: Any, where: str, *, media: bool = True
+) -> tuple[str, list[str], list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(text, image urls, file/audio parts, every part in order) of a message's content. The
+    ordered parts are in the shape providers take (`text`, `image_url` with its `detail` when
+    sent, `file`, `input_audio`), as the client sent them: none merged or moved. None for plain
+    string content. A part this server cannot pass on is refused by name, never dropped."""
     if content is None:
-        return "", [], []
+        return "", [], [], None
     if isinstance(content, str):
-        return content, [], []
+        return content, [], [], None
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or an array of parts", f"{where}.content")
     texts: list[str] = []
     images: list[str] = []
     media_parts: list[dict[str, Any]] = []
+    ordered: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise bad_request(f"{where}.content[{j}] must be an object", f"{where}.content")
@@ -142,6 +152,7 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
             if not isinstance(text, str):
                 raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content")
             texts.append(text)
+            ordered.append({"type": "text", "text": text})
         elif kind in ("image_url", "input_image"):
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image
@@ -151,9 +162,18 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
             problem = image_url_problem(url)
             if problem is not None:
                 raise bad_request(f"{where}.content[{j}]: {problem}", f"{where}.content", code="invalid_image_url")
+            if kind == "image_url":
+                detail = image.get("detail") if isinstance(image, dict) else None
+                detail = fields.one_of(detail, f"{where}.content[{j}].image_url.detail", IMAGE_DETAILS)
+            else:
+                detail = fields.one_of(part.get("detail"), f"{where}.content[{j}].detail", INPUT_IMAGE_DETAILS)
             images.append(url)
+            ordered.append(
+                {"type": "image_url", "image_url": {"url": url, "detail": detail} if detail else {"url": url}}
+            )
         elif kind in MEDIA_PARTS and media:
             media_parts.append(media_part(part, f"{where}.content[{j}]"))
+            ordered.append(media_parts[-1])
         elif kind in MEDIA_PARTS:
             raise bad_request(
                 f"{where}.content[{j}]: unsupported content part '{kind}': "
@@ -168,7 +188,7 @@ def parts_of(content: Any, where: str, *, media: bool = True) -> tuple[str, list
                 f"{where}.content",
                 code="unsupported_content_part",
             )
-    return "".join(texts), images, media_parts
+    return "".join(texts), images, media_parts, ordered
 
 
 def no_images(where: str, role: str, param: str, part: str = "image_url") -> ApiError:
@@ -226,7 +246,15 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             content = fields.required(m, "content", f"{where}.content")
             if not isinstance(content, str | list):
                 raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
-        text, images, media = parts_of(m.get("content"), where, media=role == "user")
+        if m.get("content") == []:  # OpenAI's content arrays have minItems 1
+            raise ApiError(
+                400,
+                f"Invalid '{where}.content': empty array. Expected an array with minimum length 1, "
+                "but got an empty array instead.",
+                code="empty_array",
+                param=f"{where}.content",
+            )
+        text, images, media, ordered = parts_of(m.get("content"), where, media=role == "user")
         if images and role != "user":
             raise no_images(where, role, "messages")
         if role in ("system", "developer"):
@@ -234,7 +262,7 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             if text.strip():
                 instructions.append(text)
         elif role == "user":
-            items.append(ViewItem("user", text, images, parts=media))
+            items.append(ViewItem("user", text, images, parts=media, content=ordered))
         elif role == "assistant":
             calls = []
             raw_calls = m.get("tool_calls") or []
@@ -293,6 +321,9 @@ def legacy_function_call(value: Any, where: str) -> dict[str, Any] | None:
     return {"id": LEGACY_CALL_ID + str(name), "name": name, "arguments": args}
 
 
+FUNCTIONS_MAX = 128
+
+
 def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
     """(tools, tool_choice) of a request in the deprecated shape: `functions` are function tools,
     `function_call` ("none", "auto" or {"name": …}) is the tool choice. Not both shapes at once."""
@@ -304,6 +335,13 @@ def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
     functions = body.get("functions")
     if not isinstance(functions, list):
         raise bad_request("'functions' must be an array of functions", "functions")
+    if not 1 <= len(functions) <= FUNCTIONS_MAX:  # OpenAI's minItems 1, maxItems 128
+        raise ApiError(
+            400,
+            f"Invalid 'functions': an array of {len(functions)} functions; expected 1 to {FUNCTIONS_MAX}.",
+            code="empty_array" if not functions else "array_above_max_length",
+            param="functions",
+        )
     return [{"type": "function", "function": f} for f in functions], legacy_choice(body.get("function_call"))
 
 
@@ -522,6 +560,9 @@ def schema_fields(fmt: dict[str, Any], param: str) -> None:
     fields.string(fmt.get("description"), f"{param}.description")
 
 
+STOP_MAX = 4  # stop sequences OpenAI takes at most
+
+
 def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[str, Any]:
     opts = number_options(body, max_key)
     stop = body.get("stop")
@@ -530,8 +571,17 @@ def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad_request("'stop' must be a string or an array of strings", "stop")
-        if stop:
-            opts["stop"] = stop
+        if not 1 <= len(stop) <= STOP_MAX:  # OpenAI's StopConfiguration: minItems 1, maxItems 4
+            raise ApiError(
+                400,
+                "Invalid 'stop': empty array. Expected an array with minimum length 1, but got an empty array instead."
+                if not stop
+                else f"Invalid 'stop': array too long. Expected an array with maximum length {STOP_MAX}, "
+                f"but got an array with length {len(stop)} instead.",
+                code="empty_array" if not stop else "array_above_max_length",
+                param="stop",
+            )
+        opts["stop"] = stop
     if response_format_of(body.get("response_format")) is not None:
         opts["response_format"] = body["response_format"]
     if fields.one_of(body.get("reasoning_effort"), "reasoning_effort", REASONING_EFFORTS) is not None:
@@ -604,11 +654,11 @@ def turn_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
 
 
 def new_content(users: list[ViewItem]) -> str | list[dict[str, Any]] | None:
-    """The kernel input of the trailing user messages: their texts joined, then images, files, audio."""
+    """The kernel input of the trailing user messages: their texts joined (plain text), else every
+    message's parts in the order sent."""
     if not users:
         return None
-    text = "\n\n".join(u.text for u in users if u.text)
-    return user_content(text, [url for u in users for url in u.images], [p for u in users for p in u.parts])
+    return users_content(users)
 
 
 def show_reasoning(agent: AgentRecord) -> bool:
@@ -818,6 +868,8 @@ class _Ctx:
         self.reasoning = reasoning
         self.id = f"chatcmpl-{secrets.token_hex(12)}"
         self._content_frame: tuple[str, str] | None = None  # chunk(): a text delta's frame around its text
+        # stream_options.include_usage: every chunk but the last (the usage chunk) has "usage": null
+        self.include_usage = False
         self.created = int(time.time())
         self.headers = {HEADER: run.conversation_id}
         self.keepalive = float(self.server.config.limits.sse_keepalive_s)
@@ -939,15 +991,16 @@ class _Ctx:
             if type(text) is str:  # a text delta, most chunks of a stream: only the text is encoded
                 head, tail = self._content_frame or self._split_content_frame()
                 return head + dumps(text) + tail
-        return dumps(
-            {
-                "id": self.id,
-                "object": "chat.completion.chunk",
-                "created": self.created,
-                "model": self.model_id,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-            }
-        )
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model_id,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        if self.include_usage:
+            body["usage"] = None
+        return dumps(body)
 
     def _split_content_frame(self) -> tuple[str, str]:
         """The chunk of a text delta around its text: the same bytes `dumps` writes for the whole."""
@@ -958,6 +1011,7 @@ class _Ctx:
 
     def stream_response(self, include_usage: bool) -> Response:
         metrics = self.route.metrics
+        self.include_usage = include_usage  # before the first chunk: the text frame is cut from one
         finished = False
 
         async def produce() -> AsyncIterator[str | None]:

@@ -54,18 +54,49 @@ class ViewItem:
     calls: list[dict[str, str]] = field(default_factory=list)  # assistant: [{id, name, arguments}]
     call_id: str | None = None  # tool
     parts: list[dict[str, Any]] = field(default_factory=list)  # user: file / audio parts, as sent upstream
+    # user: every content part in the order sent (text, image_url with its detail, file, audio), as
+    # providers take them; None for plain string content
+    content: list[dict[str, Any]] | None = None
 
     def key(self) -> list[Any]:
         if self.kind == "assistant":
             return ["assistant", self.text.strip(), [[c["name"], _canon_args(c["arguments"])] for c in self.calls]]
         if self.kind == "user":
+            if self.content is not None and not _keyed_as_before(self.content):
+                return ["user_parts", _digest([_part_key(p) for p in self.content])]
             if self.parts:
-                digest = hashlib.sha256(
-                    json.dumps(self.parts, sort_keys=True, separators=(",", ":")).encode("utf-8", "surrogatepass")
-                ).hexdigest()
-                return ["user", self.text.strip(), list(self.images), digest]
+                return ["user", self.text.strip(), list(self.images), _digest(self.parts)]
             return ["user", self.text.strip(), list(self.images)]
         return [self.kind, self.text.strip()]
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(
+        json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    ).hexdigest()
+
+
+def _part_key(part: dict[str, Any]) -> list[Any]:
+    """A content part as the hash sees it: text stripped, an image's detail `auto` when not sent."""
+    if part["type"] == "text":
+        return ["text", part["text"].strip()]
+    if part["type"] == "image_url":
+        return ["image", part["image_url"]["url"], part["image_url"].get("detail") or "auto"]
+    return ["part", part]
+
+
+AUTO = (None, "auto")  # an image's detail when the client leaves it to the model
+
+
+def _keyed_as_before(content: list[dict[str, Any]]) -> bool:
+    """Content whose hash keeps the key the matcher gave it before it kept the parts' order (text,
+    then images, then files and audio): at most one text part, first, then images of detail `auto`,
+    then files and audio. Points recorded for such messages keep matching; a message with several
+    text parts, or images between texts or with another detail, is keyed with its parts in order."""
+    i = 1 if content and content[0]["type"] == "text" else 0
+    while i < len(content) and content[i]["type"] == "image_url" and content[i]["image_url"].get("detail") in AUTO:
+        i += 1
+    return all(p["type"] not in ("text", "image_url") for p in content[i:])
 
 
 def _canon_args(arguments: str) -> str:
@@ -92,15 +123,34 @@ def for_agent(items: list[ViewItem], agent: AgentRecord) -> list[ViewItem]:
     return items
 
 
-def user_content(text: str, images: list[str], parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """Stored/provider content of a user input: plain text unless it carries images, files or audio."""
-    if not images and not parts:
-        return text
-    return (
-        ([{"type": "text", "text": text}] if text else [])
-        + [{"type": "image_url", "image_url": {"url": u}} for u in images]
-        + [dict(p) for p in parts]
-    )
+def user_content(item: ViewItem) -> str | list[dict[str, Any]]:
+    """Stored/provider content of a user message: its parts in the order sent, or plain text when
+    it is text alone (a string, or one text part)."""
+    parts = item.content
+    if parts is None:
+        return item.text
+    if all(p["type"] == "text" and not p["text"] for p in parts):
+        return ""
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return str(parts[0]["text"])
+    return [dict(p) for p in parts]
+
+
+def users_content(users: list[ViewItem]) -> str | list[dict[str, Any]]:
+    """The content of several user messages taken as one input: texts alone are joined by blank
+    lines (one string); else every message's parts, in order."""
+    contents = [user_content(u) for u in users]
+    texts = [c for c in contents if isinstance(c, str)]
+    if len(texts) == len(contents):
+        return "\n\n".join(t for t in texts if t)
+    out: list[dict[str, Any]] = []
+    for c in contents:
+        if isinstance(c, str):
+            if c:
+                out.append({"type": "text", "text": c})
+        else:
+            out.extend(c)
+    return out
 
 
 def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
@@ -114,7 +164,15 @@ def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
             prev.calls.extend(item.calls)
         else:
             out.append(
-                ViewItem(item.kind, item.text, list(item.images), list(item.calls), item.call_id, list(item.parts))
+                ViewItem(
+                    item.kind,
+                    item.text,
+                    list(item.images),
+                    list(item.calls),
+                    item.call_id,
+                    list(item.parts),
+                    None if item.content is None else list(item.content),
+                )
             )
     return out
 
@@ -181,11 +239,7 @@ def seed_records(items: list[ViewItem]) -> list[MessageRecord]:
     out: list[MessageRecord] = []
     for item in items:
         if item.kind == "user":
-            out.append(
-                MessageRecord(
-                    role="user", content=user_content(item.text, item.images, item.parts), source={"kind": "http_seed"}
-                )
-            )
+            out.append(MessageRecord(role="user", content=user_content(item), source={"kind": "http_seed"}))
         elif item.kind == "assistant":
             calls = []
             for c in item.calls:

@@ -64,5 +64,6 @@ def openai_routes(server: Server, metrics: Metrics, stopping: Stopping | None = 
         route(
             "/v1/responses/{response_id}/input_items", "/v1/responses/{id}/input_items", {"GET": responses.input_items}
         ),
+        route("/v1/responses/{response_id}/cancel", "/v1/responses/{id}/cancel", {"POST": responses.cancel}),
         Route("/metrics", metrics.endpoint, methods=["GET"]),
     ]

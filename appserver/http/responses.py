@@ -231,7 +231,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             content = fields.required(item, "content", f"{where}.content")
             if not isinstance(content, str | list):
                 raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
-            text, images, media = parts_of(content, where, media=role == "user")
+            text, images, media, ordered = parts_of(content, where, media=role == "user")
             if images and role != "user":
                 raise no_images(where, role, "input", "input_image")
             if role == "assistant":
@@ -247,10 +247,12 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                     }
                 )
             elif role == "user":
-                out.items.append(ViewItem("user", text, images, parts=media))
-                parts: list[dict[str, Any]] = [{"type": "input_text", "text": text}] if text else []
-                parts += [{"type": "input_image", "image_url": u, "detail": "auto"} for u in images]
-                parts += [_input_part(p) for p in media]
+                out.items.append(ViewItem("user", text, images, parts=media, content=ordered))
+                parts: list[dict[str, Any]] = (
+                    ([{"type": "input_text", "text": text}] if text else [])
+                    if ordered is None
+                    else [_input_part(p) for p in ordered]
+                )
                 out.stored.append(
                     {"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts}
                 )
@@ -342,7 +344,12 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
 
 
 def _input_part(part: dict[str, Any]) -> dict[str, Any]:
-    """A file/audio part (chat shape) as input_items lists it."""
+    """A content part (in the shape providers take) as input_items lists it."""
+    if part["type"] == "text":
+        return {"type": "input_text", "text": part["text"]}
+    if part["type"] == "image_url":
+        image = part["image_url"]
+        return {"type": "input_image", "image_url": image["url"], "detail": image.get("detail") or "auto"}
     if part["type"] == "file":
         return {"type": "input_file", **part["file"]}
     return dict(part)
@@ -496,6 +503,13 @@ def response_param_types(body: dict[str, Any]) -> bool:
     stream = bool(fields.boolean(body.get("stream"), "stream"))
     if fields.boolean(body.get("background"), "background"):
         raise bad_request("background responses are not supported", "background", code="unsupported_parameter")
+    if body.get("prompt") is not None:  # a stored prompt template (OpenAI's dashboard): none here
+        raise bad_request(
+            "'prompt' (a reusable prompt template) is not supported: this server stores no prompt templates; "
+            "send the text as instructions and input",
+            "prompt",
+            code="unsupported_parameter",
+        )
     stream_options = fields.obj(body.get("stream_options"), "stream_options")
     if stream_options is not None and "include_obfuscation" in stream_options:
         fields.boolean(stream_options["include_obfuscation"], "stream_options.include_obfuscation", nullable=False)
@@ -525,7 +539,12 @@ def text_of(value: Any) -> dict[str, Any]:
                     "text.format.schema",
                     code="missing_required_parameter",
                 )
-            shown["format"] = {k: fmt[k] for k in ("type", "name", "schema", "strict", "description") if k in fmt}
+            # strict always (false when not sent: OpenAI's default); description when sent (OpenAI's
+            # document types it a string, so no null stands in for it)
+            shown["format"] = {"type": "json_schema", "name": fmt["name"], "schema": fmt["schema"]}
+            if isinstance(fmt.get("description"), str):
+                shown["format"]["description"] = fmt["description"]
+            shown["format"]["strict"] = bool(fmt.get("strict"))
         else:
             shown["format"] = {"type": fmt["type"]}
     verbosity = fields.one_of(text.get("verbosity"), "text.verbosity", VERBOSITY)
@@ -943,6 +962,19 @@ class Responses:
         await self.server.store.delete_response(rec.id)
         await forget_answers_of(self.server, rec.conversation_id, rec.id)
         return json_response({"id": rec.id, "object": "response.deleted", "deleted": True})
+
+    async def cancel(self, request: Request) -> Response:
+        """POST /v1/responses/{id}/cancel: OpenAI cancels background responses only, and this server
+        runs none (`background` is refused): a stored response is answered as OpenAI answers a
+        synchronous one (400), an unknown one 404 as GET (same credential and agent rules)."""
+        rec = await self._stored(request)
+        raise ApiError(
+            400,
+            f"Only responses created with background=true can be cancelled; response '{rec.id}' was not "
+            "(this server runs no background responses: a response's turn is cancelled by its client "
+            "disconnecting, or from another front end)",
+            param="response_id",
+        )
 
     async def input_items(self, request: Request) -> Response:
         rec = await self._stored(request)

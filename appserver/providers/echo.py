@@ -74,7 +74,7 @@ class EchoProvider:
             return
 
         users = [m for m in messages if m.role == "user"]
-        text = _unwrap_channel_message(users[-1].text().strip()) if users else ""
+        text = _unwrap_channel_message(_said(users[-1]).strip()) if users else ""
 
         calls = [_CALL.match(line.strip()) for line in text.splitlines() if line.strip().startswith("/call")]
         if text.startswith("/call") and all(calls):
@@ -89,7 +89,7 @@ class EchoProvider:
             yield Done("tool_calls")
             return
         if text == "/recall" or text.startswith("/recall "):
-            earlier = [m.text() for m in users[:-1]]
+            earlier = [_said(m) for m in users[:-1]]
             async for c in self._words_out(" | ".join(earlier) if earlier else "(nothing)", request, input_tokens):
                 yield c
             return
@@ -164,6 +164,14 @@ class EchoProvider:
                 produced += len(words)
         yield Usage(input_tokens=input_tokens, output_tokens=produced + extra_tokens)
         yield Done("stop")
+
+
+def _said(message: ChatMessage) -> str:
+    """A user message's text: its text parts one per line (each part is its own piece of text,
+    never glued to the next)."""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(p["text"] for p in message.content if p.get("type") == "text" and p.get("text"))
 
 
 def _unwrap_channel_message(text: str) -> str:

@@ -103,10 +103,10 @@ class PgCronStore(CronStore):
                 f"the cron tasks in {self.shown} (table cron_state) are not valid: {exc}; fix or empty the row"
             ) from None
 
-    def save(self, state: CronFile, *, cache: bool = False) -> None:
+    def save(self, state: CronFile, *, cache: bool = False, user_edit: bool = False) -> None:
         if self._held is None:
             raise CronStoreError("cron: save() outside lock()")
-        text = self.render(state)
+        text = self.checked_render(state, user_edit=user_edit)  # the file store's limits hold here too
         row = (
             self._conn()
             .execute("UPDATE cron_state SET doc = %s, version = version + 1 WHERE id = 1 RETURNING version", (text,))
@@ -115,6 +115,10 @@ class PgCronStore(CronStore):
         assert row is not None
         self._held = (text, int(row[0]))
         self._cached = (int(row[0]), state) if cache else None
+
+    def stored_size(self) -> int:
+        held = self._held
+        return 0 if held is None else len(held[0].encode("utf-8"))
 
     def keep(self, state: CronFile) -> None:
         held = self._held

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import stat
 import threading
 from collections.abc import Iterator
@@ -37,6 +38,17 @@ TAIL_BYTES = 64 * 1024  # how much of a log's end the start-up and removed-task 
 # /dev/zero). Scans for one record read the whole file a line at a time instead.
 READ_MAX_BYTES = 16 * MIB
 MAX_LINE_BYTES = 1 * MIB  # a longer "line" (a sparse file of zeros) is skipped, never held whole
+# Records are kept small, so the scans that read a log's end see many of them: a string in a record
+# (an error text, …) is cut to MAX_FIELD_CHARS, and the task a `removed` record keeps has its prompt
+# cut to REMOVED_PROMPT_CHARS (it is there to find the log by name, not to restore the task). Logs
+# written before that may hold longer records: the scans read backward a line at a time
+# (`_records_from_end`), and of a line over MAX_LINE_BYTES use what its first HEAD_BYTES hold.
+MAX_FIELD_CHARS = 4000
+REMOVED_PROMPT_CHARS = 200
+HEAD_BYTES = 64 * 1024
+CHUNK_BYTES = 64 * 1024
+# Records that may follow a task's `removed` one: the end of runs it had in flight
+AFTER_REMOVAL = ("submitted", "fire_failed", "outcome", "delivered", "delivery_failed")
 BACKLOG_MAX = 10_000  # records kept for a retry while the disk refuses them; the oldest go first
 # The records that settle a claimed occurrence: it reached the kernel, or it was recorded as not run.
 SETTLING_EVENTS = ("submitted", "fire_failed", "outcome", "missed")
@@ -55,8 +67,28 @@ def run_record(task_id: str, event: str, **fields: Any) -> dict[str, Any]:
         "at": datetime.now(UTC).isoformat(),
         "task_id": task_id,
     }
-    record.update({k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in fields.items()})
+    record.update({k: (v.isoformat() if isinstance(v, datetime) else _bounded(v)) for k, v in fields.items()})
     return record
+
+
+def _bounded(value: Any, depth: int = 0) -> Any:
+    """`value` with every string in it cut to MAX_FIELD_CHARS (lists to 100 items)."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_FIELD_CHARS else value[: MAX_FIELD_CHARS - 1] + "…"
+    if depth < 4 and isinstance(value, dict):
+        return {k: _bounded(v, depth + 1) for k, v in value.items()}
+    if depth < 4 and isinstance(value, list):
+        return [_bounded(v, depth + 1) for v in value[:100]]
+    return value
+
+
+def removed_task(task: dict[str, Any]) -> dict[str, Any]:
+    """What a `removed` record keeps of a task (`CronTask.to_dict()`): all of it but a long prompt,
+    which is cut to REMOVED_PROMPT_CHARS (`prompt_chars` says how long it was)."""
+    prompt = task.get("prompt")
+    if not isinstance(prompt, str) or len(prompt) <= REMOVED_PROMPT_CHARS:
+        return task
+    return {**task, "prompt": prompt[: REMOVED_PROMPT_CHARS - 1] + "…", "prompt_chars": len(prompt)}
 
 
 def write_record(runs_dir: Path, record: dict[str, Any]) -> None:
@@ -324,18 +356,139 @@ def find_removed(runs_dir: Path, ref: str) -> list[dict[str, Any]]:
     paths = [p for p in by_id if p.exists()] or sorted(runs_dir.glob("*.jsonl"))
     found: list[tuple[str, dict[str, Any]]] = []
     for path in paths:
-        removed = [r for r in _tail(path) if r.get("event") == "removed"]
-        task = removed[-1].get("task") if removed else None
+        removed = _removal(path)
+        task = removed.get("task") if removed is not None else None
+        at = str(removed.get("at", "")) if removed is not None else ""
         if path.stem == ref:
-            found.append(
-                (
-                    str(removed[-1].get("at", "")) if removed else "",
-                    task if isinstance(task, dict) else {"id": ref},
-                )
-            )
+            found.append((at, task if isinstance(task, dict) else {"id": ref}))
         elif isinstance(task, dict) and task.get("name") == ref:
-            found.append((str(removed[-1].get("at", "")), task))
+            found.append((at, task))
     return [task for _, task in sorted(found, key=lambda x: x[0])]
+
+
+def _removal(path: Path) -> dict[str, Any] | None:
+    """The newest `removed` record of a log, else None. Found however long it is (an older one
+    keeps the whole prompt): the log is read backward, the whole of its last TAIL_BYTES and beyond
+    that only past records that may follow a removal (the end of runs in flight), so a log of a
+    task that was not removed costs about what its end holds."""
+    for back, r in _records_from_end(path, max_bytes=READ_MAX_BYTES):
+        event = r.get("event")
+        if event == "removed":
+            return r
+        if back > TAIL_BYTES and event not in AFTER_REMOVAL:
+            return None
+    return None
+
+
+def _records_from_end(path: Path, *, max_bytes: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A log's records newest first, each as (bytes from its line's start to the end of the log,
+    record), read backward CHUNK_BYTES at a time: memory stays bounded whatever the log's size or
+    its lines' length. A line longer than MAX_LINE_BYTES yields the fields its first HEAD_BYTES
+    hold (`_head_record`, marked `partial`); a line that is no record is skipped. With `max_bytes`
+    it stops once that much of the end was read. A log that cannot be read yields nothing (logged,
+    as `_tail` does)."""
+    try:
+        f = open_state_file(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.error("cron: cannot read the run log: %s", exc)
+        return
+    with f:
+        try:
+            size = pos = f.seek(0, os.SEEK_END)
+            pending, long = b"", False  # the end of the line being put together, which starts before pos
+            while pos > 0:
+                if max_bytes is not None and size - pos >= max_bytes:
+                    return
+                start = max(0, pos - CHUNK_BYTES)
+                f.seek(start)
+                data = f.read(pos - start)
+                pos = start
+                end = len(data)
+                while True:
+                    i = data.rfind(b"\n", 0, end) if end else -1
+                    if i < 0:
+                        if not long:
+                            pending = data[:end] + pending
+                            if len(pending) > MAX_LINE_BYTES:
+                                pending, long = b"", True
+                        break
+                    record = _line_record(f, None if long else data[i + 1 : end] + pending, start + i + 1)
+                    if record is not None:
+                        yield size - (start + i + 1), record
+                    end, pending, long = i, b"", False
+            record = _line_record(f, None if long else pending, 0)
+            if record is not None:
+                yield size, record
+        except OSError as exc:
+            log.error("cron: cannot read the run log %s: %s", path, exc)
+
+
+def _line_record(f: Any, line: bytes | None, start: int) -> dict[str, Any] | None:
+    """The record of one line, or (`line` None: too long to hold) of its head at offset `start`."""
+    if line is None:
+        f.seek(start)
+        head = _head_record(f.read(HEAD_BYTES))
+        return None if head is None else {**head, "partial": True}
+    if not line.strip():
+        return None
+    try:
+        rec = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+_DECODER = json.JSONDecoder()
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _head_record(head: bytes) -> dict[str, Any] | None:
+    """The leading fields of a record cut short (the start of a line too long to read whole): every
+    key whose value is complete, and the complete leading fields of a nested object that is cut
+    (an older `removed` record's task: id, name, agent and schedule come before its prompt)."""
+    found = _partial_object(head.decode("utf-8", "ignore"), 0)[0]
+    return found if isinstance(found, dict) and found else None
+
+
+def _partial_object(text: str, pos: int) -> tuple[dict[str, Any] | None, bool]:
+    """(the fields of the JSON object at `pos` that are complete, whether the object is)."""
+    pos = _skip_ws(text, pos)
+    if not text.startswith("{", pos):
+        return None, False
+    out: dict[str, Any] = {}
+    pos = _skip_ws(text, pos + 1)
+    if text.startswith("}", pos):
+        return out, True
+    while True:
+        try:
+            key, pos = _DECODER.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError):
+            return out, False
+        pos = _skip_ws(text, pos)
+        if not isinstance(key, str) or not text.startswith(":", pos):
+            return out, False
+        pos = _skip_ws(text, pos + 1)
+        try:
+            value, pos = _DECODER.raw_decode(text, pos)
+        except (json.JSONDecodeError, RecursionError):
+            inner, _ = _partial_object(text, pos) if text.startswith("{", pos) else (None, False)
+            if inner:
+                out[key] = inner
+            return out, False
+        out[key] = value
+        pos = _skip_ws(text, pos)
+        if text.startswith("}", pos):
+            return out, True
+        if not text.startswith(",", pos):
+            return out, False
+        pos = _skip_ws(text, pos + 1)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    found = _WS.match(text, pos)
+    return pos if found is None else found.end()
 
 
 def _mark_lost(records: list[dict[str, Any]]) -> None:
@@ -358,15 +511,15 @@ def _number(record: dict[str, Any]) -> int | None:
 def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, Any] | None:
     """The record saying what became of claimed `occurrence` (its `submitted` turn, a failed
     submit, an outcome, or a `missed` verdict), or None when the log has none: the durable answer
-    to "did this claim reach the kernel?", which no purge window limits. The tail is read first;
-    the whole log only when the tail does not reach back to the occurrence's `fired` record."""
-    path = run_log_path(runs_dir, task_id)
-    records = _tail(path)
-    found = _settling(records, occurrence)
-    if found is not None or any(_fired(r, occurrence) for r in records):
-        return found
-    hits = [r for r in _scan(path) if r.get("event") in SETTLING_EVENTS and r.get("occurrence") == occurrence]
-    return hits[-1] if hits else None
+    to "did this claim reach the kernel?", which no purge window limits. The log is read backward
+    to the occurrence's `fired` record (the records settling it come after it), the whole log
+    when it has none; a long record on the way (an older log's) hides nothing."""
+    for _, r in _records_from_end(run_log_path(runs_dir, task_id)):
+        if r.get("event") in SETTLING_EVENTS and r.get("occurrence") == occurrence:
+            return r
+        if _fired(r, occurrence):
+            return None
+    return None
 
 
 def _scan(path: Path) -> Iterator[dict[str, Any]]:
@@ -420,34 +573,55 @@ def highest_occurrence(runs_dir: Path, task_id: str) -> int:
 
 
 def used_runs(runs_dir: Path, task_id: str) -> tuple[int, datetime | None]:
-    """(the highest run number the log's tail names, the latest scheduled time of a scheduled run
+    """(the highest run number the log's end names, the scheduled time of the newest scheduled run
     it claimed): what a rolled-back crons.json (an older copy restored) must not repeat, neither a
-    run number nor an occurrence that already ran."""
-    records = _tail(run_log_path(runs_dir, task_id))
-    numbers = [n for n in (_number(r) for r in records) if n is not None]
+    run number nor an occurrence that already ran. The newest claim, not the latest time: after the
+    clock was corrected backward, runs claimed while it was ahead name times still to come, and the
+    newer ones claimed since say how far the schedule really got. Read backward: the last
+    TAIL_BYTES, and on (up to READ_MAX_BYTES) until a scheduled run's `fired` record is found, so
+    long records at the end (an older log's) cannot hide it."""
+    best = 0
     latest: datetime | None = None
-    for r in records:
-        if r.get("event") == "fired" and not r.get("manual") and isinstance(r.get("scheduled_for"), str):
-            try:
-                when = datetime.fromisoformat(r["scheduled_for"])
-            except ValueError:
-                continue
-            if when.tzinfo is not None and (latest is None or when > latest):
-                latest = when
-    return max(numbers, default=0), latest
+    for back, r in _records_from_end(run_log_path(runs_dir, task_id), max_bytes=READ_MAX_BYTES):
+        n = _number(r)
+        if n is not None and n > best:
+            best = n
+        if latest is None and r.get("event") == "fired" and not r.get("manual") and not r.get("recovered"):
+            latest = _aware(r.get("scheduled_for"))
+        if back >= TAIL_BYTES and latest is not None:
+            break
+    return best, latest
+
+
+def _aware(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else None
 
 
 def unsettled_claims(runs_dir: Path, task_id: str, exclude_by: str) -> list[dict[str, Any]]:
     """The `fired` records of scheduled runs claimed by a scheduler lease other than `exclude_by`
     (the caller's own) that no record settles: what a scheduler that died mid-tick had claimed but
     not submitted (a `run_all` catch-up claims several at once), oldest first. Records written
-    before claims named their scheduler (no `by`) are not listed: `last_claimed` covers those."""
-    records = _tail(run_log_path(runs_dir, task_id))
-    settled = {_number(r) for r in records if r.get("event") in SETTLING_EVENTS} - {None}
+    before claims named their scheduler (no `by`) are not listed: `last_claimed` covers those.
+    Read backward (a settling record follows its claim): the last TAIL_BYTES, and on (up to
+    READ_MAX_BYTES) until a settled claim, before which the claims were settled too, so long
+    records at the end (an older log's) cannot push a claim out of sight."""
+    settled: set[int] = set()
     found: dict[int, dict[str, Any]] = {}
-    for r in records:
-        n, by = _number(r), r.get("by")
-        if r.get("event") == "fired" and n is not None and isinstance(by, str) and by != exclude_by:
-            if n not in settled and not r.get("manual"):
-                found.setdefault(n, r)
+    for back, r in _records_from_end(run_log_path(runs_dir, task_id), max_bytes=READ_MAX_BYTES):
+        n, by, event = _number(r), r.get("by"), r.get("event")
+        if n is None:
+            continue
+        if event in SETTLING_EVENTS:
+            settled.add(n)
+        elif event == "fired":
+            if isinstance(by, str) and by != exclude_by and n not in settled and not r.get("manual"):
+                found[n] = r  # read backward: the oldest record of a number is kept
+            if back > TAIL_BYTES and n in settled:
+                break
     return [found[n] for n in sorted(found)]

@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from cron.runner import (
     submit_claimed,
     watch_outcome,
 )
-from cron.schedule import ScheduleError, due_time, next_occurrence
+from cron.schedule import ScheduleError, due_time, next_occurrence, parse_duration
 from cron.store import (
     CorruptStateFile,
     CronFile,
@@ -78,6 +78,36 @@ PROBLEM_LOG_EVERY_S = 60.0  # a lasting problem (corrupt crons.json, …) is log
 MIN_TICK_S = 0.1
 MAX_TICK_S = 3600.0
 LOOP_ERROR_PAUSE_S = 5.0  # after an unexpected error in the loop itself, pause this long and go on
+# A time this far ahead of the clock was set by a clock that was ahead (or has since been put back):
+# a scheduled run is never claimed early and a one-shot at most ONESHOT_JITTER_EARLY_S early.
+CLOCK_SLACK_S = 120.0
+
+
+def _claimed_at(task: CronTask) -> datetime | None:
+    """When the task's last run was claimed (None when unknown)."""
+    value = (task.last_claimed or {}).get("claimed_at")
+    if not isinstance(value, str):
+        return None
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else None
+
+
+def _stamped_after(task: CronTask, limit: datetime, limit_utc: str) -> bool:
+    """Is a time stamped on the task (made, changed, claimed) later than `limit` (`limit_utc`: its
+    UTC ISO text)? Cheap: asked of every task at every tick (a claim time in UTC, as the scheduler
+    writes it, is compared as text)."""
+    if task.created_at > limit or (task.updated_at is not None and task.updated_at > limit):
+        return True
+    value = (task.last_claimed or {}).get("claimed_at")
+    if not isinstance(value, str):
+        return False
+    if value.endswith("+00:00"):
+        return value > limit_utc  # the same shape: the text compares as the time does
+    claimed = _claimed_at(task)
+    return claimed is not None and claimed > limit
 
 
 def _check_seconds(name: str, value: float, low: float, high: float) -> float:
@@ -223,6 +253,17 @@ class Scheduler:
         # reuses a run number nor runs an occurrence again.
         self._used: dict[str, tuple[int, datetime | None]] = {}
         self._last_tick: datetime | None = None
+        # The clock went back since the last tick: every recurring task's next time is checked
+        self._clock_back = False
+        # task id -> (next_fire_at, now) of a next time found to fit the schedule at that now: it
+        # still does at every later now, so it is not computed again
+        self._fits: dict[str, tuple[datetime, datetime]] = {}
+        # (now, now + CLOCK_SLACK_S, that in UTC ISO text): the limit of `_clock_check`, per tick
+        # The tasks as last looked at, and whether this tick looks at their time stamps: only when
+        # they were read anew (the first tick, a change by another process), not the kept ones
+        self._stamps_seen: CronFile | None = None
+        self._look_at_stamps = True
+        self._stamp_limit: tuple[datetime, datetime, str] | None = None
         self._seen: tuple[int, int, int] | None = None  # crons.json signature after our last look
         self._tick_error: str | None = None
         self._loop_error: str | None = None  # the loop itself failed (outside a tick)
@@ -251,7 +292,18 @@ class Scheduler:
     async def tick(self) -> TickReport:
         """One pass: lease, claim what is due (saved before firing), then fire it."""
         report = TickReport()
-        now = self._last_tick = self.clock()
+        now = self.clock()
+        before, self._last_tick = self._last_tick, now
+        self._clock_back = before is not None and now < before - timedelta(seconds=CLOCK_SLACK_S)
+        if self._clock_back:
+            assert before is not None
+            log.warning(
+                "cron: the clock went back by %s since the last tick (from %s to %s); every recurring "
+                "task's next run is checked against its schedule",
+                before - now,
+                before.isoformat(),
+                now.isoformat(),
+            )
         planned = await asyncio.to_thread(self._claim_due, now, report)
         orphans, self._orphans = self._orphans, []
         for task, last in orphans:
@@ -424,6 +476,7 @@ class Scheduler:
             planned: list[_Planned] = []
             logs: list[tuple[str, str, dict[str, Any]]] = []
             next_due: datetime | None = None
+            self._look_at_stamps, self._stamps_seen = state is not self._stamps_seen, state
             for index, task in enumerate(state.tasks):
                 if not task.enabled:
                     continue
@@ -455,8 +508,9 @@ class Scheduler:
         past the year 9999, …) undoes what that task's planning did and turns it into a visible
         error, so one bad task never stalls the others."""
         task = state.tasks[index]
+        moved = self._clock_check(task, now)
         if task.next_fire_at is not None and task.next_due_at is not None and task.next_due_at > now:
-            return False  # not due (most tasks, most ticks): nothing to plan, nothing to copy
+            return moved  # not due (most tasks, most ticks): nothing to plan, nothing to copy
         before = dataclasses.replace(task)
         marks = (len(planned), len(logs), report.missed)
         try:
@@ -468,6 +522,71 @@ class Scheduler:
             message = f"cannot be scheduled ({type(exc).__name__}: {exc})"
             self._fail(before, ScheduleError(message), now, logs, report)
             return True
+
+    def _clock_check(self, task: CronTask, now: datetime) -> bool:
+        """A recurring task whose next run lies beyond its schedule's next occurrence after `now`
+        was scheduled by a clock that was ahead (a bad RTC, a restored VM) and has since been put
+        back: left alone it would stay silent for the size of the jump. It is rescheduled from now,
+        loudly; its run counter is untouched, so run numbers (and the turns' idempotency keys) go on
+        above those already used. Checked when the clock went back during this process's life, or,
+        for tasks read anew (the first tick, a change by another process), when a time stamped on
+        the task (made, changed, claimed) is ahead of now; a next time found to fit is not computed
+        again (cheap for ten thousand tasks). A one-shot keeps its time. True when the task changed."""
+        limit = self._stamp_limit
+        if limit is None or limit[0] is not now:  # once per tick
+            later = now + timedelta(seconds=CLOCK_SLACK_S)
+            limit = self._stamp_limit = (now, later, later.astimezone(UTC).isoformat())
+        if not self._clock_back and not (self._look_at_stamps and _stamped_after(task, limit[1], limit[2])):
+            return False  # (most tasks, most ticks)
+        nominal = task.next_fire_at
+        if nominal is None or nominal <= now or not task.schedule.recurring:
+            return False
+        slack = timedelta(seconds=CLOCK_SLACK_S)
+        stamps = [task.created_at, task.updated_at, _claimed_at(task)]
+        ahead = max((t for t in stamps if t is not None), default=now)
+        fits = self._fits.get(task.id)
+        if fits is not None and fits[0] == nominal and fits[1] <= now:
+            return False
+        try:
+            expected, anchor = self._next_from_now(task, now)
+        except (ScheduleError, ValueError, OverflowError):
+            return False  # the planning of a due task says what is wrong with it
+        if expected is None or nominal <= expected:
+            self._fits[task.id] = (nominal, now)
+            return False
+        log.warning(
+            "cron: task %s (%s): its next run was set for %s, but its schedule's next occurrence from now "
+            "(%s) is %s: the clock was ahead by about %s when it was set (last stamped %s) and has been "
+            "put back; rescheduled from now (run numbers go on from #%d)",
+            task.name,
+            task.id,
+            nominal.isoformat(),
+            now.isoformat(),
+            expected.isoformat(),
+            max(ahead - now, nominal - expected),
+            ahead.isoformat(),
+            task.occurrence + 1,
+        )
+        task.created_at = anchor
+        task.next_fire_at, task.next_due_at = expected, self._due(task, expected)
+        task.updated_at = now
+        self._fits[task.id] = (expected, now)
+        used = self._used.get(task.id)
+        if used is not None and used[1] is not None and used[1] > now + slack:
+            self._used[task.id] = (used[0], None)  # those runs were claimed by the clock that was ahead
+        return True
+
+    @staticmethod
+    def _next_from_now(task: CronTask, now: datetime) -> tuple[datetime | None, datetime]:
+        """(the schedule's next occurrence after `now`, the creation time to keep). An interval
+        counts from its creation time; one stamped by the clock that was ahead is moved back by
+        whole intervals to before now, which keeps the task's phase (at :15 past every hour stays
+        so) while letting it run before that time comes round again."""
+        anchor = task.created_at
+        if task.schedule.kind == "every" and anchor > now:
+            step = parse_duration(task.schedule.expr)
+            anchor -= step * -((now - anchor) // step)  # whole steps, to at or before now
+        return next_occurrence(task.schedule, now, anchor), anchor
 
     def _plan_task(
         self,
@@ -497,6 +616,19 @@ class Scheduler:
         except ScheduleError as exc:
             return self._fail(task, exc, now, logs, report)
         used, ran_until = self._used_runs(task)
+        if ran_until is not None and ran_until > now + timedelta(seconds=CLOCK_SLACK_S):
+            log.warning(
+                "cron: task %s (%s): the run log shows a run scheduled for %s, later than now (%s): the clock "
+                "was ahead when it was claimed and has been put back; the schedule goes on from now (run "
+                "numbers go on from #%d)",
+                task.name,
+                task.id,
+                ran_until.isoformat(),
+                now.isoformat(),
+                max(used, task.occurrence) + 1,
+            )
+            ran_until = None
+            self._used[task.id] = (used, None)
         if ran_until is not None and due and due[0][0] <= ran_until:  # a rolled-back schedule: not rerun
             log.warning(
                 "cron: task %s (%s): the tasks say it is due from %s, but the run log shows it ran up to %s "
@@ -533,7 +665,7 @@ class Scheduler:
             logs.append((task.id, "fired", {**occ.to_dict(), "by": self.lease.token}))
         if occurrences:
             latest = max(o.scheduled_for for o in occurrences)
-            self._used[task.id] = (task.occurrence, latest if ran_until is None else max(ran_until, latest))
+            self._used[task.id] = (task.occurrence, latest)  # the newest claim, as `used_runs` reads the log
         task.next_fire_at, task.next_due_at = following if following is not None else (None, None)
         task.updated_at = now
         snapshot = dataclasses.replace(task)  # `fire` gets a copy, not the store's cached object
@@ -758,7 +890,7 @@ class Scheduler:
         wake = now + timedelta(seconds=self.seconds_to_next_tick())
         if self.has_lease and self._next_due is not None and self._next_due < wake:
             wake = self._next_due
-        if self._last_tick is not None:  # (a configured tick shorter than the gap is honoured)
+        if self._last_tick is not None and self._last_tick <= now:  # (a tick shorter than the gap is honoured)
             gap = min(MIN_TICK_GAP_S, self.tick_s)
             wake = max(wake, self._last_tick + timedelta(seconds=gap))
         return wake
@@ -813,6 +945,8 @@ class Scheduler:
             self.alive_at = time.monotonic()
             left = (wake - self.clock()).total_seconds()
             if left <= 0 or (self.has_lease and time.monotonic() >= self._renew_at):  # tick, or renew
+                return
+            if left > self.tick_s + 1:  # more than a tick away: the clock was put back since; tick now
                 return
             try:
                 await asyncio.wait_for(stop.wait(), timeout=min(left, self.watch_s))

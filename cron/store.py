@@ -51,16 +51,17 @@ import filelock
 
 from appserver.fsutil import (
     CRONS_MAX_BYTES,
+    MIB,
     CorruptStateFile,
     StateFileRefused,
     StateFileTooLarge,
-    atomic_write_text,
+    atomic_write_bytes,
     ensure_private_dir,
     move_aside,
     read_state_bytes,
     state_file_stat,
 )
-from cron.runlog import RunLog, append_run
+from cron.runlog import RunLog, append_run, removed_task
 from cron.schedule import MAX_DURATION_S, ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
 
 log = logging.getLogger("appserver.cron")
@@ -81,6 +82,20 @@ MAX_OCCURRENCE = 2**53  # a run counter beyond this was not written by a schedul
 # accepts has at most 19 (proc_start < 2**63); a longer one is kept as it is, up to this.
 MAX_JSON_INT_DIGITS = 4000
 _MISSING = object()  # crons.json does not exist (as opposed to holding `null`)
+# The longest prompt a task may have, in UTF-8 bytes: a quarter of the default WebSocket frame
+# limit ([limits] ws_frame_max_bytes, 4 MiB), so a prompt fits whole in any frame that carries it
+# (its JSON escapes included), and some sixty of the largest fit in crons.json.
+MAX_PROMPT_BYTES = MIB
+# A task's last error is kept this short (the run log has the whole text): what the scheduler's
+# bookkeeping may add to a task is bounded, so the room it keeps below the read limit is enough.
+MAX_ERROR_CHARS = 400
+# crons.json is read with a limit (CRONS_MAX_BYTES); a file over it is unusable and set aside, and
+# every task stops. A user's add or change is therefore refused (nothing written) when the file it
+# would make leaves less than this room below that limit: the scheduler's own writes (claims, run
+# counters, errors, the lease) never grow a task by more than BOOKKEEPING_TASK_BYTES, nor the rest by
+# more than BOOKKEEPING_FIXED_BYTES, so they always fit. No write at all may pass the read limit.
+BOOKKEEPING_FIXED_BYTES = 64 * 1024
+BOOKKEEPING_TASK_BYTES = 2560
 # The namespace of tasks the `schedule` tool makes in a conversation no credential owns (local,
 # admin, CLI, cron conversations): the tool sees and cancels these, never the operator's CLI tasks
 # (namespace None) of the same agent.
@@ -95,6 +110,7 @@ __all__ = [
     "CronStore",
     "CronStoreError",
     "CronTask",
+    "CronTasksTooLarge",
     "Occurrence",
     "OwnerRecord",
     "UNOWNED_TOOL_NAMESPACE",
@@ -116,6 +132,11 @@ class CronNotFound(CronStoreError):
 
 class CronFileUnreadable(CronStoreError):
     """A reader found crons.json unparseable; unlike a writer it leaves the file where it is."""
+
+
+class CronTasksTooLarge(CronStoreError):
+    """A write would make crons.json too large to be read back (or, for a user's add or change,
+    leave too little room for the scheduler's bookkeeping); nothing was written."""
 
 
 def utcnow() -> datetime:
@@ -198,6 +219,12 @@ class OwnerRecord:
             _dt(d.get("renewed_at"), "scheduler_owner.renewed_at"),
             None if ttl is None else float(ttl),
         )
+
+
+def short_error(message: str) -> str:
+    """`message` on one line of at most MAX_ERROR_CHARS characters."""
+    text = "".join(" " if _unfit_char(c) else c for c in message[: MAX_ERROR_CHARS * 2])
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
 
 
 def _finite_in(value: Any, low: float, high: float) -> bool:
@@ -349,7 +376,9 @@ class CronTask:
         )
 
     def set_error(self, message: str, now: datetime) -> None:
-        self.last_error, self.last_error_at, self.updated_at = message, now, now
+        """Record a visible failure, kept to MAX_ERROR_CHARS on one line (control characters, which
+        JSON would spell in six bytes each, become spaces): the run log keeps the whole text."""
+        self.last_error, self.last_error_at, self.updated_at = short_error(message), now, now
 
     def reschedule(self, after: datetime, now: datetime) -> None:
         """Set next_fire_at/next_due_at to the first occurrence after `after`; a schedule that can
@@ -704,15 +733,50 @@ class CronStore:
             f"server's scheduler set it aside as {CRONS_FILE}.corrupt-<time>"
         )
 
-    def save(self, state: CronFile, *, cache: bool = False) -> None:
+    def save(self, state: CronFile, *, cache: bool = False, user_edit: bool = False) -> None:
         """Write atomically (call with the lock held), one task per line: readable, and several
         times faster than indenting every key of ten thousand tasks. `cache=True` (the scheduler
         only) keeps `state` for the next `load`; the caller must then hold no references into it
-        that it hands out, since the next loader will mutate those objects."""
-        atomic_write_text(self.path, self.render(state))
+        that it hands out, since the next loader will mutate those objects. A file too large to be
+        read back is never written (`user_edit`: a user's add or change, held to the room the
+        scheduler's bookkeeping needs; see `checked_render`): CronTasksTooLarge, file unchanged."""
+        data = self.checked_render(state, user_edit=user_edit).encode("utf-8")
+        atomic_write_bytes(self.path, data)
         self._cache = None
         if cache:
             self.keep(state)
+
+    def stored_size(self) -> int:
+        """The size in bytes of the tasks as stored now (call with the lock held); 0 for none."""
+        try:
+            st = state_file_stat(self.path)
+        except StateFileRefused:
+            return 0
+        return 0 if st is None else st.st_size
+
+    def checked_render(self, state: CronFile, *, user_edit: bool = False) -> str:
+        """`render(state)`, refused (CronTasksTooLarge) when it is more than crons.json is read
+        with (CRONS_MAX_BYTES: a larger file would be set aside as corrupt, every task stopped).
+        With `user_edit` (`add`, `enable`, `disable`) a text that grows the stored one is also refused
+        when it leaves less than the scheduler's bookkeeping room below that limit, so the
+        scheduler's own writes (which are not so held) always fit; one that does not grow it
+        (a removal, or a change in place) always passes."""
+        text = self.render(state)
+        size = len(text.encode("utf-8"))
+        if size > CRONS_MAX_BYTES:
+            raise CronTasksTooLarge(
+                f"the cron tasks would take {size} bytes, more than the {CRONS_MAX_BYTES // MIB} MiB "
+                f"{self.path} is read with; nothing was written: remove tasks or shorten their prompts"
+            )
+        if user_edit:
+            room = user_limit(len(state.tasks))
+            if size > room and size > self.stored_size():
+                raise CronTasksTooLarge(
+                    f"the cron tasks would take {size} bytes, more than the {room} bytes they may fill "
+                    f"({CRONS_MAX_BYTES // MIB} MiB, less room kept for the scheduler's bookkeeping of "
+                    f"{len(state.tasks)} task(s)); nothing was written: remove tasks or shorten their prompts"
+                )
+        return text
 
     def render(self, state: CronFile) -> str:
         """crons.json's text for `state`."""
@@ -762,12 +826,12 @@ class CronStore:
         self._cache = None if sig is None else (sig, state)
 
     @contextmanager
-    def transaction(self) -> Iterator[CronFile]:
-        """Lock, load, yield, and save unless the block raised."""
+    def transaction(self, *, user_edit: bool = False) -> Iterator[CronFile]:
+        """Lock, load, yield, and save unless the block raised (`user_edit`: see `save`)."""
         with self.lock():
             state = self.load()
             yield state
-            self.save(state)
+            self.save(state, user_edit=user_edit)
 
     def read(self) -> CronFile:
         """A consistent snapshot (taken under the lock, so never a half-written file). The caller
@@ -823,16 +887,20 @@ class CronStore:
                 self.keep(state)
                 raise CronStoreError(f"agent {task.agent!r} already has a cron task named {task.name!r}")
             state.tasks.append(task)
-            self.save(state)
+            try:
+                self.save(state, user_edit=True)
+            except CronTasksTooLarge:
+                self._lines.pop(task.id, None)
+                raise
         return task
 
     def remove(self, ref: str, agent: str | None = None) -> CronTask:
         """Remove a task; its run log stays, ending with a `removed` record that keeps the task
-        (so `cron logs NAME` still finds it by name)."""
+        (so `cron logs NAME` still finds it by name; a long prompt cut short: `removed_task`)."""
         with self.transaction() as state:
             task = state.find(ref, agent)
             state.tasks.remove(task)
-        append_run(self.runs_dir, task.id, "removed", task=task.to_dict())
+        append_run(self.runs_dir, task.id, "removed", task=removed_task(task.to_dict()))
         return task
 
     def set_enabled(
@@ -841,7 +909,7 @@ class CronStore:
         """Disable keeps the task; enable recomputes a recurring task's next time from now, so the
         occurrences that passed while it was disabled are not treated as misfires."""
         now = now or utcnow()
-        with self.transaction() as state:
+        with self.transaction(user_edit=True) as state:
             task = state.find(ref, agent)
             was = task.enabled
             task.enabled = enabled
@@ -874,6 +942,22 @@ def validate_name(name: str) -> str:
     if _TASK_ID_SHAPE.fullmatch(name):  # commands take an id or a name: this one could be either
         raise ScheduleError(f"invalid task name {name!r}: it has the shape of a task id (cron_ and 12 hex digits)")
     return name
+
+
+def validate_prompt(prompt: str) -> str:
+    """At most MAX_PROMPT_BYTES in UTF-8 (ScheduleError otherwise: nothing is written)."""
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if size > MAX_PROMPT_BYTES:
+        raise ScheduleError(
+            f"prompt too long: {size} bytes in UTF-8, at most {MAX_PROMPT_BYTES} ({MAX_PROMPT_BYTES // MIB} MiB)"
+        )
+    return prompt
+
+
+def user_limit(tasks: int) -> int:
+    """How large a user's add or change may make the cron tasks of `tasks` tasks: the read limit
+    less the room the scheduler's bookkeeping of them may need."""
+    return CRONS_MAX_BYTES - BOOKKEEPING_FIXED_BYTES - BOOKKEEPING_TASK_BYTES * tasks
 
 
 def validate_deliver(target: str | None) -> str | None:
@@ -935,6 +1019,7 @@ def make_task(
         raise ScheduleError("agent must not be empty")
     if not prompt.strip():
         raise ScheduleError("prompt must not be empty")
+    validate_prompt(prompt)
     if misfire not in MISFIRE_POLICIES:
         raise ScheduleError(f"invalid misfire policy {misfire!r}: use skip, run_once or run_all")
     max_lateness_s = check_lateness(max_lateness_s)

@@ -3,8 +3,9 @@
 With channels enabled (`--channels` or `[channels] enabled`), serve runs the gateway child under
 `gateway.supervisor.GatewaySupervisor` once its own socket is bound (the child connects to it like
 any client). The child's credential is minted here per start: in auth mode `token` a capability
-token named `gateway` with the `ws` scope only (its conversations form their own namespace),
-revoked when that child ends; in mode `none` the loopback needs none. `/readyz` gets a `channels`
+token named `gateway` with the `ws` scope only (its conversations form their own namespace; the
+name is reserved and the token marked as the gateway's, so no user token can share it), revoked
+when that child ends; in mode `none` the loopback needs none. `/readyz` gets a `channels`
 check: ready only when the child runs and every enabled account runs, with per-account detail.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appserver.auth import token_store_for
+from appserver.auth import GATEWAY_TOKEN_NAME, ReservedNameTaken, token_store_for
 from appserver.channelconfig import AccountConfig
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("appserver.channels")
 
 READINESS_CHECK = "channels"
-GATEWAY_TOKEN_NAME = "gateway"
 LEASE_CHECK_S = 1.0  # how often a server of a cluster looks for channel accounts to take over
 # A delivery (cron `--deliver`) ends within this, waiting for a starting gateway included: cron
 # stops waiting at 110 s (cron/runner.py DELIVER_TIMEOUT_S) and must hear the gateway's verdict.
@@ -75,9 +75,23 @@ def mint_credential(config: Config) -> Credential:
         )
     store = token_store_for(config.home, config.store.url)
     name = gateway_token_name(config)
-    with contextlib.suppress(KeyError):
-        store.revoke(name)  # left behind by a server of this home that was killed
-    record, plaintext = store.create(name=name, scopes="ws")
+    try:
+        # replaces the credential a server of this home left behind when it was killed; marked
+        # as the gateway's (a user's token can never carry the gateway's namespace)
+        record, plaintext, replaced = store.mint_gateway(name, scopes="ws")
+    except ReservedNameTaken as exc:
+        # a token an older appserver let someone name `gateway`: never revoked without a word;
+        # channels wait for the operator (it keeps working, in a namespace of its own)
+        raise ChannelsUnavailable(str(exc)) from None
+    if replaced is not None and not replaced.is_gateway:
+        log.warning(
+            "channels: revoked token %s named %r (scopes ws, every agent, no expiry, created %s): taken for "
+            "the credential an older server's gateway left behind; if it was a token of yours, create it "
+            "again under another name (the name is reserved for the gateway)",
+            replaced.id,
+            replaced.name,
+            time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(replaced.created_at)),
+        )
 
     def revoke() -> None:
         with contextlib.suppress(KeyError):

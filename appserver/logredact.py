@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from appserver.auth import TOKEN_PREFIX, fingerprint
 from appserver.config import Config
@@ -148,10 +149,45 @@ class SecretRedactor(logging.Filter):
 
 
 def from_config(config: Config, extra_secrets: Iterable[str] = ()) -> SecretRedactor:
-    """A redactor knowing the API keys of every configured provider and well-known env names."""
+    """A redactor knowing the API keys of every configured provider (and what else of theirs is
+    secret: `provider_secrets`) and well-known env names."""
     names = {p.api_key_env for p in config.providers.values() if p.api_key_env}
     names.update(ENV_SECRET_NAMES)
-    return SecretRedactor(secrets=extra_secrets, env_names=sorted(names))
+    return SecretRedactor(secrets=[*extra_secrets, *provider_secrets(config)], env_names=sorted(names))
+
+
+def provider_secrets(config: Config, environ: dict[str, str] | None = None) -> list[str]:
+    """What the configured providers send upstream that is secret: each API key's value, the
+    values of extra headers (a custom auth header), and what a `base_url` carries (a password in
+    its user part, the values of its query: `?api-key=…`). An upstream can echo any of them back
+    in an error (a 401 that quotes the Authorization header, a 404 that quotes the path)."""
+    env = os.environ if environ is None else environ
+    found: list[str] = []
+    for p in config.providers.values():
+        if p.api_key_env:
+            found.append(env.get(p.api_key_env, ""))
+        for value in p.headers.values():
+            if isinstance(value, str):
+                found.append(value)
+                scheme, _, rest = value.strip().partition(" ")
+                if rest and scheme.lower() in ("bearer", "basic", "token"):
+                    found.append(rest)
+        try:
+            url = urlsplit(p.base_url or "")
+        except ValueError:
+            continue
+        found.extend(x for x in (url.username, url.password) if x)
+        for _, value in parse_qsl(url.query, keep_blank_values=False):
+            found.append(value)
+            found.append(quote(value, safe=""))  # as a URL quotes it again
+    return [s for s in found if s and len(s.strip()) >= MIN_SECRET_LEN]
+
+
+def provider_error_redactor(config: Config) -> SecretRedactor:
+    """The redactor for what an upstream says in an error before a client sees it or the store
+    keeps it (agent/loop.py): the provider secrets of `config`, the well-known key variables and
+    the secret shapes of the log filter. One per agent loop, built from its own Config."""
+    return from_config(config)
 
 
 def install(

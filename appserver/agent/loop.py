@@ -40,6 +40,7 @@ from appserver.agent.events import (
 )
 from appserver.agent.tools import Tool, ToolContext, ToolOutput, ToolRegistry, parse_arguments
 from appserver.config import Config
+from appserver.logredact import provider_error_redactor
 from appserver.providers.base import (
     ChatMessage,
     Done,
@@ -169,6 +170,9 @@ class AgentLoop:
         self._locks = KeyedLocks()
         self._tool_estimates = ToolEstimates()
         self._windows: dict[tuple[str, str], int | None] = {}
+        # What an upstream says in an error reaches clients (`Retrying`, the failed turn) and the
+        # store: secrets it echoes (the API key of a 401, a base_url query) are redacted first.
+        self._redactor = provider_error_redactor(config)
 
     # ------------------------------------------------------------ entry points
 
@@ -186,7 +190,7 @@ class AgentLoop:
             emit(StepStarted(work.iteration))
             try:
                 finish = await self._stream_step(work, emit)
-            except ProviderError as exc:
+            except ProviderError as exc:  # redacted in _stream_step
                 return LoopOutcome("failed", "error", exc.to_dict())
             _drop_tool_choice(work)  # a request's tool_choice governs its first model call only
             partial = work.partial
@@ -388,6 +392,7 @@ class AgentLoop:
                     elif isinstance(chunk, Done):
                         finish = chunk.finish_reason
             except ProviderError as exc:
+                exc.redact(self._redactor.redact)
                 if exc.kind == "context_overflow" and not partial.shown and not overflowed:
                     # Our estimate said it fits; the provider disagrees. Compact once, harder, and retry.
                     overflowed = True
@@ -523,6 +528,25 @@ class AgentLoop:
         for p in resolved:
             if p.status == "approved":
                 tool = self.tools.get(p.name)
+                # The approval answers the question asked under the policy of then; the agent's
+                # policy NOW decides whether the tool may run at all (`work.agent` is read from the
+                # store when a paused turn resumes): a tool switched to `deny`, or taken from the
+                # agent, while the call waited does not run, approved or not.
+                policy = self.tools.policy(work.agent, p.name)
+                if tool is not None and policy == "deny":
+                    msg = (
+                        f"The call to {p.name} was refused: the agent's policy denies this tool "
+                        "(changed while the call waited for approval); it was not executed."
+                    )
+                    self._result(work, p.call_id, p.name, ToolOutput(msg, True), emit, status="denied")
+                    continue
+                if tool is not None and policy not in ("allow", "ask"):
+                    msg = (
+                        f"Tool {p.name!r} is no longer available to this agent (changed while the call "
+                        "waited for approval); it was not executed."
+                    )
+                    self._result(work, p.call_id, p.name, ToolOutput(msg, True), emit)
+                    continue
                 try:
                     args = parse_arguments(p.arguments)
                 except ValueError as exc:

@@ -16,10 +16,14 @@ from appserver.auth.namespaces import (
 from appserver.auth.principal import DEFAULT_TOKEN_SCOPES, SCOPES, Principal
 from appserver.auth.stores import token_store_for
 from appserver.auth.tokens import (
+    GATEWAY_TOKEN_NAME,
     TOKEN_PREFIX,
+    ReservedNameTaken,
     TokenRecord,
     TokenStore,
+    check_token_name,
     fingerprint,
+    is_reserved_name,
     parse_agents,
     parse_duration,
     parse_scopes,
@@ -27,6 +31,7 @@ from appserver.auth.tokens import (
 
 __all__ = [
     "DEFAULT_TOKEN_SCOPES",
+    "GATEWAY_TOKEN_NAME",
     "HELLO_TIMEOUT_S",
     "REVOCATION_POLL_S",
     "SCOPES",
@@ -35,10 +40,13 @@ __all__ = [
     "Authenticator",
     "JwtVerifier",
     "Principal",
+    "ReservedNameTaken",
     "TokenRecord",
     "TokenStore",
+    "check_token_name",
     "conversation_namespace",
     "fingerprint",
+    "is_reserved_name",
     "token_store_for",
     "namespace_allows",
     "namespace_of",

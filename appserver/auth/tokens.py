@@ -41,6 +41,41 @@ TOKEN_PREFIX = "aps_"
 LOCK_TIMEOUT_S = 10.0
 FORMAT_VERSION = 1  # of tokens.json; a newer one is refused, never rewritten as this one
 
+# The channel gateway's own credential (appserver/channels.py) is a token named `gateway` (or, on a
+# database several servers share, `gateway@<host>-<hash>`), and its conversations are the namespace
+# of that name. Those names are reserved: `token create` refuses them, and only a token minted for
+# the gateway (`TokenStore.mint_gateway`) carries the mark that gives it that namespace: its id
+# starts with GATEWAY_ID_PREFIX, which no other token id does (`create` always makes `tok_…`).
+GATEWAY_TOKEN_NAME = "gateway"
+GATEWAY_ID_PREFIX = "gwt_"
+USER_ID_PREFIX = "tok_"
+
+
+def is_reserved_name(name: str) -> bool:
+    """A token name that belongs to the channel gateway: `gateway` and `gateway@…`."""
+    return name == GATEWAY_TOKEN_NAME or name.startswith(GATEWAY_TOKEN_NAME + "@")
+
+
+def reserved_name_error(name: str) -> str:
+    return (
+        f"the token name {name!r} is reserved for the channel gateway's own credential (so are "
+        f"{GATEWAY_TOKEN_NAME!r} and every name starting with '{GATEWAY_TOKEN_NAME}@'): pick another name"
+    )
+
+
+class ReservedNameTaken(ValueError):
+    """A token the gateway did not mint holds the gateway's reserved name (made by an older
+    appserver, which did not reserve it): it is never revoked for the gateway without a word."""
+
+    def __init__(self, record: TokenRecord) -> None:
+        super().__init__(
+            f"token {record.id} is named {record.name!r}, a name reserved for the channel gateway's credential, "
+            "but it was not made for the gateway (an older appserver allowed the name). It keeps working, in a "
+            f"namespace of its own; revoke it (`appserver token revoke {record.id}`) and create it again under "
+            "another name, then restart the server, to run channels"
+        )
+        self.record = record
+
 
 def fingerprint(secret: str | bytes) -> str:
     """A short, stable, non-reversible tag for a secret, for logs and `token list`.
@@ -128,6 +163,23 @@ def parse_agents(value: str | Iterable[str] | None) -> frozenset[str] | None:
     return frozenset(out)
 
 
+def check_token_name(name: str) -> str:
+    """A name `token create` may give (stripped), else ValueError: 1-64 of letters, digits and
+    `._@-`, and none of the names reserved for the channel gateway."""
+    name = name.strip()
+    if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}", name):
+        raise ValueError("token name must be 1-64 characters: letters, digits, '.', '_', '@', '-'")
+    if is_reserved_name(name):
+        raise ValueError(reserved_name_error(name))
+    return name
+
+
+def _old_gateway_shape(r: TokenRecord) -> bool:
+    """What the gateway's credential looked like before it was marked (scopes `ws` alone, every
+    agent, no expiry): one left behind by an older server of this home that was killed."""
+    return r.id.startswith(USER_ID_PREFIX) and r.scopes == ("ws",) and r.agents is None and r.expires_at is None
+
+
 # ── capability tokens ──────────────────────────────────────────────────────────────────────────
 
 
@@ -161,6 +213,23 @@ class TokenRecord:
         d["fingerprint"] = "sha256:" + self.hash[:12]
         d["expired"] = self.is_expired(time.time())
         return d
+
+    @property
+    def is_gateway(self) -> bool:
+        """Minted for the channel gateway (`TokenStore.mint_gateway`): its mark is its id."""
+        return self.id.startswith(GATEWAY_ID_PREFIX) and is_reserved_name(self.name)
+
+    @property
+    def subject(self) -> str:
+        """The subject of the principal this token authenticates as; its namespace is
+        `token:<subject>` (appserver.auth.namespace_of). A token's namespace follows its name,
+        except that a reserved name (`gateway`, `gateway@…`) gives the gateway's namespace only to
+        the gateway's own credential: a token of that name made by an older appserver, which did
+        not reserve it, gets a namespace of its own (`~` is in no token name, so it is nobody
+        else's either)."""
+        if is_reserved_name(self.name) and not self.is_gateway:
+            return f"token:{self.name}~{self.id}"
+        return f"token:{self.name}"
 
     def is_expired(self, now: float) -> bool:
         """Past its expiry. A stored expiry that is no number (NaN, hand-edited) counts as past:
@@ -271,18 +340,52 @@ class TokenStore:
         ttl = parse_duration(expires) if isinstance(expires, str) else expires
         if ttl is not None and not 0 < ttl <= MAX_TOKEN_LIFETIME_S:  # also refuses NaN
             raise ValueError(f"expiry must be in the future and at most {MAX_TOKEN_LIFETIME_S // 86400}d away")
+        if name is not None:
+            name = check_token_name(name)
+        rec, plaintext, _ = self._mint(name, agent_set, scope_set, ttl, gateway=False)
+        return rec, plaintext
+
+    def mint_gateway(
+        self, name: str, scopes: Iterable[str] | str = "ws"
+    ) -> tuple[TokenRecord, str, TokenRecord | None]:
+        """The channel gateway's credential, named `name` (a reserved name), replacing the one a
+        server of this home left behind (killed before it could revoke it). Returns (record,
+        plaintext, the replaced record or None). A token of that name the gateway did not mint
+        (made by an older appserver, which did not reserve the name) is replaced only when it
+        has exactly the shape the gateway's credential had then (scopes `ws`, every agent, no
+        expiry) and the caller is told (it logs it); any other raises ReservedNameTaken and
+        nothing is changed."""
+        if not is_reserved_name(name):
+            raise ValueError(f"{name!r} is not a name of the channel gateway's credential")
+        rec, plaintext, replaced = self._mint(name, None, parse_scopes(scopes), None, gateway=True)
+        return rec, plaintext, replaced
+
+    def _mint(
+        self,
+        name: str | None,
+        agent_set: frozenset[str] | None,
+        scope_set: frozenset[str],
+        ttl: float | None,
+        *,
+        gateway: bool,
+    ) -> tuple[TokenRecord, str, TokenRecord | None]:
         plaintext = TOKEN_PREFIX + secrets.token_urlsafe(32)
         now = time.time()
-        tid = "tok_" + secrets.token_hex(6)
-        if name is not None:
-            name = name.strip()
-            if not name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}", name):
-                raise ValueError("token name must be 1-64 characters: letters, digits, '.', '_', '@', '-'")
+        tid = (GATEWAY_ID_PREFIX if gateway else USER_ID_PREFIX) + secrets.token_hex(6)
+        replaced: TokenRecord | None = None
         try:
             with self._locked().acquire(timeout=LOCK_TIMEOUT_S):
                 records = self._read()
                 if name is None:
                     name = tid
+                if gateway:
+                    for r in records:
+                        if r.name != name:
+                            continue
+                        if not (r.is_gateway or _old_gateway_shape(r)):
+                            raise ReservedNameTaken(r)
+                        replaced = r
+                    records = [r for r in records if r is not replaced]
                 if any(r.name == name or r.id == name for r in records):
                     raise ValueError(f"a token named {name!r} already exists; revoke it or pick another name")
                 rec = TokenRecord(
@@ -297,8 +400,15 @@ class TokenStore:
                 self._write([*records, rec])
         except Timeout:
             raise RuntimeError(f"could not lock {self.path} within {LOCK_TIMEOUT_S:.0f} s") from None
+        if replaced is not None:
+            log.info("revoked token %s (%s)", replaced.id, replaced.name)
         log.info("created token %s (%s) %s", rec.id, rec.name, fingerprint(plaintext))
-        return rec, plaintext
+        return rec, plaintext, replaced
+
+    def reserved_name_holders(self) -> list[TokenRecord]:
+        """Tokens that carry a name reserved for the gateway without being its credential (made
+        by an older appserver): each has a namespace of its own, not the gateway's."""
+        return [r for r in self._records() if is_reserved_name(r.name) and not r.is_gateway]
 
     def close(self) -> None:
         """Let go of what the store holds open (a database connection; the file store: nothing)."""
@@ -362,7 +472,23 @@ class TokenStore:
         moved aside (StateFileRefused: not a regular file, a link to nothing, a newer format) ends
         the start: a server that refused every token without a word would look healthy."""
         with contextlib.suppress(CorruptStateFile):
-            self._records()
+            self._warn_reserved()
+
+    def _warn_reserved(self) -> None:
+        """Say at start which tokens hold a name reserved for the gateway without being its own."""
+        for r in self.reserved_name_holders():
+            log.warning(
+                "token %s is named %r, a name reserved for the channel gateway's credential since this "
+                "version: it no longer sees the gateway's conversations (its namespace is token:%s); revoke "
+                "it and create it again under another name%s",
+                r.id,
+                r.name,
+                r.subject,
+                " (or, if it is the credential an older server's gateway left behind, the next start with "
+                "channels replaces it)"
+                if _old_gateway_shape(r)
+                else "",
+            )
 
     def _note_refused(self, exc: StateFileRefused) -> None:
         """Log a refusal of the token file (every token is then refused) once, not at every request."""
@@ -414,7 +540,7 @@ class TokenStore:
         if found.is_expired(time.time()):
             return None
         return Principal(
-            subject=f"token:{found.name}",
+            subject=found.subject,
             kind="token",
             agents=frozenset(found.agents) if found.agents is not None else None,
             scopes=frozenset(found.scopes),

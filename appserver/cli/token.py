@@ -11,7 +11,15 @@ from typing import Any
 
 import click
 
-from appserver.auth import DEFAULT_TOKEN_SCOPES, SCOPES, TokenRecord, TokenStore, parse_agents, token_store_for
+from appserver.auth import (
+    DEFAULT_TOKEN_SCOPES,
+    SCOPES,
+    TokenRecord,
+    TokenStore,
+    check_token_name,
+    parse_agents,
+    token_store_for,
+)
 from appserver.cli.common import fail, get_config, with_server
 from appserver.cli.safetext import visible
 from appserver.fsutil import CorruptStateFile, set_aside_notice
@@ -107,7 +115,11 @@ def token_group() -> None:
 
 
 @token_group.command("create")
-@click.option("--name", default=None, help="A unique name (default: the token id).")
+@click.option(
+    "--name",
+    default=None,
+    help="A unique name (default: the token id); 'gateway' and 'gateway@…' are the channel gateway's.",
+)
 @click.option(
     "--agents",
     default=None,
@@ -136,6 +148,8 @@ def create_cmd(
         _refuse_unusable(store, "created")
         _refuse_unrestored(store)
     try:
+        if name is not None:
+            check_token_name(name)  # a bad or reserved name (`gateway`): a usage error, before any lookup
         limited = parse_agents(agents)
     except ValueError as exc:  # empty, or `*` mixed with names: a usage error, before any lookup
         fail(str(exc), 2)

@@ -6,7 +6,7 @@ Every provider (echo, OpenAI-compatible, Anthropic) yields exactly these chunk k
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -167,6 +167,19 @@ class ProviderError(Exception):
         self.retry_after_s = retry_after_s
         self.body = body
 
+    def redact(self, redact: Callable[[str], str]) -> ProviderError:
+        """Replace the secrets in what this error says (its message and the upstream's body) with
+        what `redact` makes of them, in place; returns the error. An upstream may echo what it was
+        sent (an API key in a 401, a `base_url` query in a 404), and the message reaches clients
+        and the store: the agent loop redacts every ProviderError before either sees it, with the
+        redactor of its Config (appserver.logredact.provider_error_redactor). The kind was
+        classified already, from the unredacted text."""
+        self.message = redact(self.message)
+        self.args = (self.message,)
+        if self.body is not None:
+            self.body = _redact_json(self.body, redact)
+        return self
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
@@ -177,6 +190,21 @@ class ProviderError(Exception):
 
     def __repr__(self) -> str:
         return f"ProviderError({self.kind!r}, {self.message!r}, status={self.status})"
+
+
+def _redact_json(value: Any, redact: Callable[[str], str], depth: int = 0) -> Any:
+    """`redact` applied to the strings of a JSON-like value (an upstream's error body)."""
+    if isinstance(value, str):
+        return redact(value)
+    if depth > 32:
+        return None  # nested deeper than any error body: dropped rather than walked
+    if isinstance(value, dict):
+        return {redact(str(k)): _redact_json(v, redact, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_redact_json(v, redact, depth + 1) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return redact(bytes(value).decode("utf-8", errors="replace"))
+    return value
 
 
 def error_from_status(

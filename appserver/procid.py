@@ -47,9 +47,16 @@ def identity(pid: int | None = None) -> str:
 
 
 def identity_alive(ident: str | None) -> bool:
-    """True when the process named by `pid:starttime` still runs (same pid AND same start time)."""
+    """True when the process named by `pid:starttime` still runs (same pid AND same start time).
+
+    A server of a PostgreSQL cluster stamps its turns with its instance id (`inst_…`), which names
+    no process of this host: only the cluster can say whether that server lives
+    (`Cluster.owner_alive`). Asked here, it is taken as alive, so that nothing is ever settled,
+    taken or killed as a dead process's because of a name this function cannot judge."""
     if not ident:
         return False
+    if ident.startswith("inst_"):
+        return True
     try:
         pid_s, start_s = ident.split(":", 1)
         pid, start = int(pid_s), int(start_s)

@@ -52,7 +52,11 @@ class Server:
         await self.store.open()
         if serve:
             await self.store.claim_server()
-        if self.store.fresh and not await self.store.list_agents():
+        # A new home or database gets the default agent. A database several servers share gets it
+        # whenever a server starts on it with no agent at all: its first start may have been
+        # killed between creating the schema and the agent, and nothing else would ever make it.
+        shared = getattr(self.store, "shared", False)
+        if (self.store.fresh or (serve and shared)) and not await self.store.list_agents():
             await self.agents.create(DEFAULT_AGENT, "echo", "")
         await self.kernel.start(serve=serve)
         if serve:

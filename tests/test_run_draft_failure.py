@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from appserver.config import load_config
 from appserver.runtime import SubmitRequest
 from appserver.server import Server
 from appserver.store.base import StoreError
@@ -69,7 +70,9 @@ async def test_failing_drafts_on_postgresql_are_one_warning_and_the_turn_complet
     from psycopg_pool import PoolTimeout
 
     with temp_database("draft") as url:
-        server = await open_server(tmp_path / "home", APPSERVER_STORE__URL=url, **FAST_DRAFTS)
+        env = {"APPSERVER_LIMITS__RETRY_BASE_MS": "5", "APPSERVER_STORE__URL": url, **FAST_DRAFTS}
+        server = Server(load_config(tmp_path / "home", environ=env))
+        await server.open(serve=True)  # turns of a PostgreSQL store run only in a server of its cluster
         try:
             await _failing_drafts_leave_one_line(
                 server, caplog, PoolTimeout("couldn't get a connection after 5.00 sec")

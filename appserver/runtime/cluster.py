@@ -37,7 +37,7 @@ from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import TERMINAL_STATUSES, LifecycleState
 from appserver.runtime.watch import Watch
 from appserver.store.base import OpenLimitReached, Store
-from appserver.store.cluster import Cluster, ClusterError, PeerError
+from appserver.store.cluster import CALL_TIMEOUT_S, Cluster, ClusterError, PeerError
 from appserver.store.records import TurnRecord
 
 log = logging.getLogger("appserver.cluster")
@@ -67,6 +67,8 @@ class KernelSide(Protocol):
 
     def live_handles(self, conversation_id: str) -> list[TurnHandle]: ...
 
+    def active_turn(self, conversation_id: str) -> str | None: ...
+
     async def catch_up(self, conversation_id: str) -> None: ...
 
     async def respond(
@@ -76,6 +78,18 @@ class KernelSide(Protocol):
     async def cancel(
         self, conversation_id: str, turn_id: str | None = None, *, here: bool = False, client_left: bool = False
     ) -> bool: ...
+
+
+class OutcomeUnknown(errors.KernelError):
+    """A request passed on to the server holding the conversation (an answer to a pending call, a
+    cancel) got no reply in time while that server still lives: it may apply it later, or not.
+    Sent again, an answer finds its call `already_resolved` if it was applied meanwhile."""
+
+    code = "outcome_unknown"
+    http_status = 504
+
+
+_WHAT = {"respond": "answer", "cancel": "cancel"}
 
 
 class OwnedElsewhere(Exception):
@@ -88,11 +102,23 @@ class OwnedElsewhere(Exception):
 
 
 class _Mirror:
-    __slots__ = ("handle", "heard_at")
+    """A turn another server runs, as followed here. `started`: it left the queue (it runs or
+    waits for answers there). A snapshot alone does not always say so: one rebuilt from the store
+    shows a running turn in phase `queued`, as does the holder's first snapshot of a turn it
+    begins (queue position 0, before its first step)."""
 
-    def __init__(self, handle: TurnHandle) -> None:
+    __slots__ = ("handle", "heard_at", "started")
+
+    def __init__(self, handle: TurnHandle, *, started: bool | None = None) -> None:
         self.handle = handle
         self.heard_at = time.monotonic()
+        self.started = _started(handle.controller.snapshot()) if started is None else started
+
+
+def _started(snap: TurnSnapshot) -> bool:
+    """Does this snapshot (of the holder) show the turn begun: out of phase `queued`, paused or
+    ended, or at queue position 0 (the holder numbers the turns waiting in its queue from 1)?"""
+    return snap.status != "running" or snap.phase != "queued" or snap.queue_position == 0
 
 
 class RemoteWatch(Watch):
@@ -112,9 +138,19 @@ class RemoteWatch(Watch):
     def _mine(self) -> list[TurnHandle]:
         """The conversation's turns this server knows: mirrors, and (once this server took the
         conversation over) the live ones of its runtime here."""
+        return [h for h, _ in self._turns()]
+
+    def _turns(self) -> list[tuple[TurnHandle, bool]]:
+        """Each turn of `_mine` with whether it left the queue (it runs, or waits for answers):
+        what the holder's lifecycle knows, so every server shows the same state and active turn."""
         cid = self._conversation_id
-        mirrored = [m.handle for m in self._link.mirrors.values() if m.handle.conversation_id == cid]
-        return [*mirrored, *self._link.kernel.live_handles(cid)]
+        link = self._link
+        mirrored = [(m.handle, m.started) for m in link.mirrors.values() if m.handle.conversation_id == cid]
+        local: list[tuple[TurnHandle, bool]] = []
+        if link.kernel.holds(cid):
+            active = link.kernel.active_turn(cid)
+            local = [(h, h.turn_id == active) for h in link.kernel.live_handles(cid)]
+        return [*mirrored, *local]
 
     @property
     def state(self) -> LifecycleState:
@@ -125,15 +161,15 @@ class RemoteWatch(Watch):
 
     @property
     def active_handle(self) -> TurnHandle | None:
-        for h in self._mine():
+        for h, started in self._turns():
             c = h.controller
-            if c.status == "awaiting" or (c.status == "running" and c.phase != "queued"):
+            if c.status == "awaiting" or (c.status == "running" and started):
                 return h
         return None
 
     @property
     def queued(self) -> int:
-        return sum(1 for h in self._mine() if h.controller.phase == "queued" and h.controller.status == "running")
+        return sum(1 for h, started in self._turns() if h.controller.status == "running" and not started)
 
     def handles(self) -> list[TurnHandle]:
         return self._mine()
@@ -272,14 +308,15 @@ class ClusterLink:
             if self.kernel.holds(snap.conversation_id):
                 return  # our own turn, heard back
             controller = TurnController(snap.turn_id, snap.conversation_id, snap.agent_id)
-            mirror = self._track(TurnHandle(snap.turn_id, snap.conversation_id, controller))
+            mirror = self._track(TurnHandle(snap.turn_id, snap.conversation_id, controller), started=_started(snap))
             self._take(mirror, snap)
             self._tell(mirror.handle)
         else:
             self._take(mirror, snap)
 
     def _take(self, mirror: _Mirror, snap: TurnSnapshot) -> None:
-        mirror.handle.controller.mirror(snap)
+        if mirror.handle.controller.mirror(snap) and _started(snap):
+            mirror.started = True
         mirror.heard_at = time.monotonic()
         if snap.terminal:
             self.mirrors.pop(snap.turn_id, None)
@@ -287,12 +324,25 @@ class ClusterLink:
             if len(self._ended) > ENDED_REMEMBERED:
                 self._ended.popitem(last=False)
 
-    def _track(self, handle: TurnHandle) -> _Mirror:
+    def _track(self, handle: TurnHandle, *, started: bool | None = None) -> _Mirror:
         mirror = self.mirrors.get(handle.turn_id)
         if mirror is None:
-            mirror = self.mirrors[handle.turn_id] = _Mirror(handle)
+            mirror = self.mirrors[handle.turn_id] = _Mirror(handle, started=started)
             self._follow_soon(handle.conversation_id)
+        elif started:
+            mirror.started = True
         return mirror
+
+    def follow_elsewhere(self, handle: TurnHandle) -> None:
+        """A turn of a runtime this server had to drop (it was judged gone, and its conversations
+        were taken over): from now on its handle follows the turn as a mirror, which reads the
+        turn from the store (the sweep, every `STALE_S`) until it has ended, so the clients here
+        hear how it really ended on the server that took it over. The handle's controller must
+        no longer be driven by a runtime."""
+        if handle.controller.status in TERMINAL_STATUSES or handle.turn_id in self.mirrors:
+            return
+        mirror = self.mirrors[handle.turn_id] = _Mirror(handle)
+        mirror.heard_at = 0.0  # read at the next sweep
 
     def _follow_soon(self, conversation_id: str) -> None:
         """Tell the holder at once that this server follows the conversation (the sweep renews it)."""
@@ -329,7 +379,8 @@ class ClusterLink:
             return known.handle
         handle = TurnHandle(fresh.id, fresh.conversation_id, controller)
         if controller.status not in TERMINAL_STATUSES:
-            self._track(handle)
+            # rebuilt from the store, a running turn shows phase `queued`: the stored status says it began
+            self._track(handle, started=fresh.status != "queued")
         return handle
 
     async def watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> RemoteWatch:
@@ -384,8 +435,12 @@ class ClusterLink:
                 raise _again(exc) from None
             except ClusterError:
                 if await self.cluster.owner_alive(holder, strict=True):
-                    raise errors.KernelError(
-                        f"the server running conversation {conversation_id} did not answer; try again"
+                    # It got the request and may still carry it out (a server stopped for a while
+                    # and resumed applies what it was sent): the outcome is unknown, not failed.
+                    raise OutcomeUnknown(
+                        f"the server running conversation {conversation_id} did not answer within "
+                        f"{CALL_TIMEOUT_S:.0f} s; it may still apply this {_WHAT.get(op, op)}: do not send it again, "
+                        "follow the conversation (subscribe) for the outcome"
                     ) from None
             try:
                 return await self._here(conversation_id, op, args)
@@ -478,7 +533,12 @@ class ClusterLink:
     async def sweep_once(self) -> None:
         """Take over what gone servers left, pull what no notification announced, refresh mirrors
         that heard nothing."""
-        if self.kernel.stopping or self.cluster.lost:
+        if self.kernel.stopping:
+            return
+        if self.cluster.lost:
+            # Judged gone: this server takes nothing over and pulls nothing; it only follows the
+            # turns its clients still wait for (`follow_elsewhere`) to their real end.
+            await self._refresh_stale(time.monotonic())
             return
         gone = await self.cluster.forget_gone()
         for instance in gone:
@@ -503,6 +563,10 @@ class ClusterLink:
             for conversation_id in renew:
                 self._told[conversation_id] = now
             await self._say_following(renew)
+        await self._refresh_stale(now)
+
+    async def _refresh_stale(self, now: float) -> None:
+        """Read from the store each mirror that heard nothing for `STALE_S`."""
         for turn_id, mirror in list(self.mirrors.items()):
             if now - mirror.heard_at < STALE_S:
                 continue
@@ -516,6 +580,8 @@ class ClusterLink:
             self.mirrors.pop(turn_id, None)
             return
         controller = mirror.handle.controller
+        if turn.status in ("running", "awaiting"):
+            mirror.started = True
         if turn.status in ("queued", "running") or turn.status == controller.status:
             return
         built = await controller_from_store(store, turn, await store.list_pending(turn.id))
@@ -542,4 +608,4 @@ def _again(exc: PeerError) -> Exception:
     return errors.KernelError(f"the server running this conversation failed: {exc}")
 
 
-__all__ = ["ClusterLink", "OwnedElsewhere", "RemoteWatch", "decisions_args"]
+__all__ = ["ClusterLink", "OutcomeUnknown", "OwnedElsewhere", "RemoteWatch", "decisions_args"]

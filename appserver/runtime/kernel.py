@@ -18,7 +18,7 @@ from typing import Any
 from appserver.agent.loop import AgentLoop
 from appserver.agent.tools import reap_orphaned_tools
 from appserver.config import Config
-from appserver.errors import AgentGone, InvalidInput, NotFound, Unavailable
+from appserver.errors import AgentGone, Conflict, InvalidInput, NotFound, Unavailable
 from appserver.ids import new_id
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
@@ -115,7 +115,7 @@ class Kernel:
         self._stopping = False
         # Several servers on one database (a PostgreSQL store that joined its cluster at start).
         self._link: ClusterLink | None = None
-        self._cancelling: set[asyncio.Task[bool]] = set()
+        self._cancelling: set[asyncio.Task[Any]] = set()
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
         self._trim_after_time = 0.0
@@ -123,9 +123,24 @@ class Kernel:
 
     # ------------------------------------------------------------ start / stop
 
+    @property
+    def runs_turns(self) -> bool:
+        """May this process run, settle or answer turns? On a store several processes share (a
+        PostgreSQL database: a cluster), only a server that joined its cluster may: a CLI command
+        or any other process that did not has no lease and cannot tell which servers are alive,
+        so it never touches a turn (docs/scale-out.md)."""
+        return self._link is not None or not getattr(self.store, "shared", False)
+
     async def start(self, *, serve: bool = False) -> None:
-        """Settle turns of dead processes; in a server, resume queued turns and watch deadlines."""
+        """Settle turns of dead processes; in a server, resume queued turns and watch deadlines.
+
+        On a shared store (PostgreSQL) a process that did not join the cluster (`serve` joins it,
+        `PostgresStore.claim_server`; a CLI command does not) settles, requeues and releases
+        nothing: the turns there are the servers', and only a server of the cluster judges
+        whether another is gone and takes its work over."""
         cluster: Cluster | None = getattr(self.store, "cluster", None)
+        if cluster is None and getattr(self.store, "shared", False):
+            return  # not a member: reads and admin writes only (see runs_turns)
         if cluster is not None:
             # A server of a cluster: its turns are stamped with its instance id, and what other
             # servers hold is theirs (docs/scale-out.md).
@@ -244,6 +259,12 @@ class Kernel:
         """The turns the conversation's runtime here still shows (none when it is not here)."""
         rt = self.runtimes.get(conversation_id)
         return list(rt.handles.values()) if rt is not None else []
+
+    def active_turn(self, conversation_id: str) -> str | None:
+        """The turn the conversation's runtime here runs or holds paused (None when none, or when
+        the conversation is not held here)."""
+        rt = self.runtimes.get(conversation_id)
+        return rt.lifecycle.turn_id if rt is not None else None
 
     def holds(self, conversation_id: str) -> bool:
         """This server runs the conversation (its runtime is loaded here)."""
@@ -528,8 +549,16 @@ class Kernel:
 
     def _check_not_fenced(self) -> None:
         """A cluster member judged gone by the others runs nothing more: they took its
-        conversations over, and a runtime still loaded here would run a second copy of one."""
+        conversations over, and a runtime still loaded here would run a second copy of one. A
+        process that is no member of its store's cluster (a CLI command on a PostgreSQL store)
+        runs no turn at all: it holds no lease, so its runtime would run beside the server's."""
         link = self._link
+        if link is None and not self.runs_turns:
+            raise Conflict(
+                "turns of a PostgreSQL store run only in its servers (appserver serve), and this process is not "
+                "one: send the input to a server (appserver run --url http://HOST:PORT …, or the HTTP and "
+                "WebSocket APIs)"
+            )
         if link is None or not link.cluster.fenced:
             return
         if link.cluster.lost:
@@ -543,13 +572,27 @@ class Kernel:
         )
 
     def _taken_over(self) -> None:
-        """Judged gone: the turns running here are another server's now. Cancelled, so that none
-        goes on calling its model and tools (what they would write is refused in the database)."""
-        for rt in list(self.runtimes.values()):
-            if not rt.idle:
-                task = asyncio.get_running_loop().create_task(rt.cancel(), name="cancel-taken-over")
-                self._cancelling.add(task)  # the loop holds a task only weakly
-                task.add_done_callback(self._cancelling.discard)
+        """Judged gone: the conversations held here are other servers' now, which settled or run
+        their turns. Each runtime is dropped and its worker stopped where it is (cancelled as a
+        task, not as a turn: so it calls its model and tools no more, and ends nothing, since what
+        it would write is refused in the database and what it would publish is not what happened).
+        The turns its clients here still follow (running, queued, paused) become mirrors that
+        read their outcome from the store, so each client hears how its turn really ended
+        (interrupted by the survivor's takeover, or run and completed there), never a failure
+        of a turn that another server completed."""
+        link = self._link
+        for conversation_id, rt in list(self.runtimes.items()):
+            del self.runtimes[conversation_id]  # no release: the lease is another server's now
+            rt.queue.close()
+            rt._answers.cancel_expiry()  # a deadline here would close calls another server holds
+            worker = rt.queue.worker
+            if worker is not None:
+                worker.cancel()
+                self._cancelling.add(worker)  # the loop holds a task only weakly
+                worker.add_done_callback(self._cancelling.discard)
+            if link is not None:
+                for handle in list(rt.handles.values()):
+                    link.follow_elsewhere(handle)
 
     async def submit(self, req: SubmitRequest) -> Submission:
         self._check_not_fenced()

@@ -269,3 +269,33 @@ DATA_TABLES: tuple[str, ...] = (
 
 # Serialises migrations of one database across processes (pg_advisory_xact_lock key: "appsrvsc").
 MIGRATION_LOCK = 0x61707073_72767363
+
+
+_CONSTRAINTS = frozenset({"PRIMARY", "UNIQUE", "FOREIGN", "CHECK", "CONSTRAINT", "EXCLUDE"})
+
+
+def expected_columns() -> dict[str, tuple[str, ...]]:
+    """The tables and columns the migrations create, read from their `CREATE TABLE` and `ALTER
+    TABLE … ADD COLUMN` statements (checked at start, `postgres.check_schema`; a test compares it
+    with a migrated database, so it cannot drift from them)."""
+    import re
+
+    tables: dict[str, list[str]] = {}
+    for _, text in MIGRATIONS:
+        script = re.sub(r"--[^\n]*", "", text)
+        for name, body in re.findall(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+)\s*\((.*?)\n\s*\);", script, re.S):
+            columns = tables.setdefault(name, [])
+            depth = 0
+            item = ""
+            for ch in body + ",":
+                if ch == "," and depth == 0:
+                    words = item.split()
+                    if words and words[0].upper() not in _CONSTRAINTS:
+                        columns.append(words[0].strip('"'))
+                    item = ""
+                    continue
+                depth += (ch == "(") - (ch == ")")
+                item += ch
+        for name, column in re.findall(r"ALTER TABLE (\w+) ADD COLUMN (?:IF NOT EXISTS )?(\w+)", script):
+            tables.setdefault(name, []).append(column)
+    return {name: tuple(columns) for name, columns in tables.items()}

@@ -53,7 +53,7 @@ from appserver.store.base import (
 from appserver.store.cluster import LIVE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew
-from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS
+from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS, expected_columns
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -365,6 +365,11 @@ async def _count(conn: Conn, query: str, params: tuple[Any, ...]) -> int:
 
 
 class PostgresStore(Store):
+    # Several processes use one database at once: only the servers of its cluster (`claim_server`)
+    # run, settle or answer turns; another process (a CLI command) reads and administers only
+    # (Kernel.runs_turns).
+    shared = True
+
     def __init__(self, url: str, *, pool_max: int = POOL_MAX, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.url = url
         self.shown_url = redact_url(url)  # the only form of the URL that may reach a log or an error
@@ -403,7 +408,8 @@ class PostgresStore(Store):
             raise self._error("cannot connect (check [store] url / --store, and that the server runs)", exc) from None
         try:
             self.fresh = await migrate(conn) == 0
-        except SchemaTooNew as exc:
+            await check_schema(conn)
+        except (SchemaTooNew, SchemaDamaged) as exc:
             raise StoreOpenError(f"PostgreSQL store {self.shown_url}: {exc}") from None
         except psycopg.Error as exc:
             raise self._error("cannot prepare the schema", exc) from None
@@ -932,6 +938,10 @@ class PostgresStore(Store):
                 )
                 if held is None:  # its conversation is another server's now: so may all be
                     cluster.judged_gone()
+                    # Judged gone just now, the kernel stopped the turns it ran (Kernel._taken_over):
+                    # if this write was one of theirs, its cancel lands here, and the turn ends
+                    # nothing here (no failure published for a turn the new holder settles).
+                    await asyncio.sleep(0)
             raise
 
     async def _gone_or_taken_over(self, conn: Conn, conversation_id: str, turn_id: str) -> None:
@@ -1478,4 +1488,39 @@ async def _schema_version(conn: Conn) -> int:
         return 0
     cur = await conn.execute("SELECT MAX(version) AS v FROM schema_version")
     row = await cur.fetchone()
-    return int(row["v"] or 0) if row else 0
+    value = row["v"] if row else None
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        raise SchemaDamaged(
+            f"its schema_version table holds {str(value)[:40]!r}, not a schema version: the table was changed "
+            "by hand or by another program; restore the database from a backup"
+        ) from None
+
+
+class SchemaDamaged(Exception):
+    """The database's schema is not one this appserver made (a table or column missing, a bad
+    schema_version): refused at start with one line, before any request meets it."""
+
+
+async def check_schema(conn: Conn) -> None:
+    """Every table and column the migrations create is there (one catalog read at start): a
+    database changed by hand is refused with what it lacks, not served until the first request
+    fails on a missing column."""
+    cur = await conn.execute(
+        "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = current_schema()"
+    )
+    present = {(str(r["table_name"]), str(r["column_name"])) for r in await cur.fetchall()}
+    tables = {t for t, _ in present}
+    missing: list[str] = []
+    for table, columns in expected_columns().items():
+        if table not in tables:
+            missing.append(f"table {table}")
+            continue
+        missing.extend(f"{table}.{c}" for c in columns if (table, c) not in present)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise SchemaDamaged(
+            f"its schema (version {max(v for v, _ in MIGRATIONS)}) lacks {shown}: the database was changed by hand "
+            "or by another program; restore it from a backup, or copy what it holds into a new database"
+        )

@@ -42,9 +42,22 @@ from plugins.contract import InboundMessage, Target
 
 log = logging.getLogger("gateway")
 
+# `frame_too_large` is the protocol client's own refusal (the frame was never sent): the same
+# message would be refused on every retry, and its chat's worker would wait behind it forever.
 PERMANENT_CODES = frozenset(
-    {"bad_frame", "forbidden", "agent_not_found", "agent_ambiguous", "invalid_request", "unknown_type"}
+    {
+        "bad_frame",
+        "forbidden",
+        "agent_not_found",
+        "agent_ambiguous",
+        "invalid_request",
+        "unknown_type",
+        "frame_too_large",
+    }
 )
+# The route a conversation was opened for, in its metadata: cut to this many characters (a plugin's
+# chat id is unbounded; the server takes at most 16 KiB of metadata, control characters escaped ×6).
+ROUTE_METADATA_MAX = 2000
 SUBMIT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 NOTICE_EVERY_S = 600.0
 STATUS_FLUSH_S = 1.0
@@ -350,7 +363,7 @@ class Gateway:
                 conversation = resolution.conversation
                 if conversation is None:
                     conversation = await self.link.create_conversation(
-                        resolution.agent, f"{route_key}", {"channel_route": str(route_key)}
+                        resolution.agent, f"{route_key}", {"channel_route": str(route_key)[:ROUTE_METADATA_MAX]}
                     )
                     self.router.bind(route_key, conversation)
                     resolution = self.router.resolve(route_key, runner.settings.get("default_agent")) or resolution

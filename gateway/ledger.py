@@ -3,7 +3,8 @@
 Ledger-first ingress (issue 15): an adapter acknowledges an update to its platform only after
 `record` has committed, and submission and delivery are driven from here, so after a crash anywhere
 the gateway resumes from these rows instead of from memory. One update is one row, keyed by
-`channel:account:message_id`, which is also the turn's idempotency key on the server.
+`channel:account:message_id`, which is also the turn's idempotency key on the server (a digest
+of it when it is too long or holds a control character: `UpdateKey.idempotency_key`).
 
 States, each move one committed transaction::
 
@@ -20,7 +21,9 @@ attempted (`note_sending`), so a restart knows a part may exist although its id 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,6 +38,11 @@ Decision = Literal["allow", "deny", "pair"]
 
 _DECIDED: dict[Decision, State] = {"allow": "allowed", "deny": "denied", "pair": "held"}
 
+# What the server takes as an idempotency key (appserver/ws/frames.py `SubmitInput`): at most 256
+# characters, none of them a control character.
+IDEMPOTENCY_KEY_MAX = 256
+_KEY_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
 
 class LedgerStateError(Exception):
     """A move the state machine does not allow (e.g. delivering a reply that never finished)."""
@@ -42,7 +50,8 @@ class LedgerStateError(Exception):
 
 @dataclass(frozen=True)
 class UpdateKey:
-    """Identity of one platform update; `str()` is the server-side idempotency key."""
+    """Identity of one platform update; `str()` is its ledger name, `idempotency_key` the turn's
+    key on the server (the same string whenever the server takes it)."""
 
     channel: str
     account: str
@@ -50,6 +59,22 @@ class UpdateKey:
 
     def __str__(self) -> str:
         return f"{self.channel}:{self.account}:{self.message_id}"
+
+    @property
+    def idempotency_key(self) -> str:
+        """`channel:account:message_id` when the server takes it as a key (at most 256 characters,
+        no control character): every key a platform's short ids make, so rows written by older
+        versions keep matching. Otherwise (a webhook `id` of 1,024 characters, one with a newline,
+        a plugin's odd ids) `channel:account:h:<sha256 hex of that string>`: deterministic, so a
+        redelivered message still maps to the same key and the server still makes it one turn."""
+        natural = str(self)
+        if len(natural) <= IDEMPOTENCY_KEY_MAX and not _KEY_CONTROL.search(natural):
+            return natural
+        digest = hashlib.sha256(natural.encode("utf-8", "surrogatepass")).hexdigest()
+        short = f"{self.channel}:{self.account}:h:{digest}"
+        if len(short) <= IDEMPOTENCY_KEY_MAX and not _KEY_CONTROL.search(short):
+            return short
+        return f"h:{digest}"  # (a channel and account name that long: the digest covers them)
 
 
 @dataclass(frozen=True)
@@ -87,7 +112,7 @@ class Entry:
 
     @property
     def idempotency_key(self) -> str:
-        return str(self.key)
+        return self.key.idempotency_key
 
     @property
     def is_batch_member(self) -> bool:

@@ -8,14 +8,16 @@ inside the escaped body), images as image parts, the agent note for a new conver
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any
 
 from gateway.envelope import AGENT_NOTE, Envelope, render, timestamp
 from gateway.ledger import Entry
 from gateway.tool import SPEC as TOOL_SPEC
-from plugins.contract import InboundMessage
+from plugins.contract import Attachment, InboundMessage
 
 IMAGE_MAX_BYTES = 5 << 20
+_IMAGE_MIME = re.compile(r"image/[A-Za-z0-9][A-Za-z0-9.+_-]*")
 
 
 def submit_frame(entries: list[Entry], agent: str, conversation: str, first: bool) -> dict[str, Any]:
@@ -77,11 +79,7 @@ def clean(text: str) -> str:
 def payload_of(msg: InboundMessage) -> dict[str, Any]:
     """What the ledger keeps of a message: enough to submit it again after a crash, images included
     (as data URLs, each at most 5 MiB; a larger one is named like any other file)."""
-    images = [
-        f"data:{a.mime};base64,{base64.b64encode(a.data).decode()}"
-        for a in msg.attachments
-        if a.kind == "image" and a.data is not None and len(a.data) <= IMAGE_MAX_BYTES and a.mime.startswith("image/")
-    ]
+    images = [f"data:{a.mime};base64,{base64.b64encode(a.data or b'').decode()}" for a in msg.attachments if _inline(a)]
     return {
         "images": images,
         "text": clean(msg.text),
@@ -95,6 +93,18 @@ def payload_of(msg: InboundMessage) -> dict[str, Any]:
         "attachments": [
             {"kind": a.kind, "name": clean(a.name), "mime": clean(a.mime), "size": a.size}
             for a in msg.attachments
-            if not (a.kind == "image" and a.data is not None and len(a.data) <= IMAGE_MAX_BYTES)
+            if not _inline(a)
         ],
     }
+
+
+def _inline(a: Attachment) -> bool:
+    """Whether an attachment goes to the model as an image: image data of at most 5 MiB under a
+    plain `image/<type>` (the server refuses a data: URL whose type holds a `,` or `;`, or that
+    holds no data, and that refusal would sink the whole turn). Anything else is named as a file."""
+    return (
+        a.kind == "image"
+        and a.data is not None
+        and 0 < len(a.data) <= IMAGE_MAX_BYTES
+        and _IMAGE_MIME.fullmatch(a.mime) is not None
+    )

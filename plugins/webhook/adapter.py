@@ -37,14 +37,22 @@ from plugins.contract import (
     Limits,
     Target,
 )
-from plugins.webhook.settings import DEFAULT_LISTEN, DEFAULT_MAX_BODY, DEFAULT_TOLERANCE_S, check_settings, parse_listen
+from plugins.webhook.edge import Gate, protocol_class
+from plugins.webhook.settings import (
+    DEFAULT_CONNECTIONS_PER_CLIENT,
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_TOLERANCE_S,
+    check_settings,
+    parse_listen,
+)
 from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
 
 MAX_LENGTH = 100_000
 STOP_TIMEOUT_S = 5.0
 SEND_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
 MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_name
-MAX_CONNECTIONS = 64  # concurrent connections to one account's listener
 BODY_TIMEOUT_S = 10.0  # a body must arrive within this (a slow sender holds a buffer and a slot)
 MAX_RETRY_AFTER_S = 300.0  # a receiver's Retry-After beyond this (or "inf") is read as this
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
@@ -63,6 +71,8 @@ class WebhookSettings:
     reply_url: str | None
     max_body_bytes: int
     tolerance_s: float
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    connections_per_client: int = DEFAULT_CONNECTIONS_PER_CLIENT
 
     @classmethod
     def from_account(cls, account: Account) -> WebhookSettings:
@@ -86,6 +96,8 @@ class WebhookSettings:
             reply_url or None,
             s.get("max_body_bytes", DEFAULT_MAX_BODY),
             float(s.get("tolerance_s", DEFAULT_TOLERANCE_S)),
+            int(s.get("max_connections", DEFAULT_MAX_CONNECTIONS)),
+            int(s.get("connections_per_client", DEFAULT_CONNECTIONS_PER_CLIENT)),
         )
 
 
@@ -144,16 +156,21 @@ class WebhookAdapter:
                 f"webhook account '{self.account.name}': cannot listen on {st.host}:{st.port}: {exc}"
             ) from exc
         self.bound_port = int(sock.getsockname()[1])
+        # Unauthenticated bodies are buffered until the signature can be checked: the edge caps how
+        # many connections may be open at once, in all and per client address (503 beyond), and
+        # closes one that has not sent a complete request head within HEAD_TIMEOUT_S; a body then
+        # has BODY_TIMEOUT_S (below). So an unauthenticated connection holds a slot for at most
+        # HEAD_TIMEOUT_S + BODY_TIMEOUT_S, and each error answer closes its connection.
+        gate = Gate(st.max_connections, min(st.connections_per_client, st.max_connections), self.context.log)
         config = uvicorn.Config(
             self._asgi,
             interface="asgi3",
+            http=protocol_class(gate),
+            ws="none",
             lifespan="off",
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=3,
-            # Unauthenticated bodies are buffered until the signature can be checked: cap how many
-            # connections may do that at once (each at most max_body_bytes, for at most BODY_TIMEOUT_S).
-            limit_concurrency=MAX_CONNECTIONS,
             timeout_keep_alive=5,
         )
         self._server = server = _Server(config)
@@ -407,7 +424,11 @@ def _retry_after(headers: httpx.Headers) -> float | None:
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"accepted": False, "error": message}, status_code=status, headers=headers)
+    """The channel's error answer; it closes the connection (a sender that got one, or a stranger,
+    does not keep a slot of the listener by keeping the connection alive)."""
+    return JSONResponse(
+        {"accepted": False, "error": message}, status_code=status, headers={**(headers or {}), "Connection": "close"}
+    )
 
 
 def create_adapter(account: Account, context: AdapterContext) -> WebhookAdapter:

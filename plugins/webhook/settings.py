@@ -19,6 +19,9 @@ DEFAULT_MAX_BODY = 1024 * 1024
 DEFAULT_TOLERANCE_S = 300.0
 MAX_BODY_LIMIT = 64 << 20  # a body is held in memory whole
 MAX_TOLERANCE_S = 86_400.0  # a signature older than a day is no clock skew
+DEFAULT_MAX_CONNECTIONS = 64  # connections open at once to one account's listener
+DEFAULT_CONNECTIONS_PER_CLIENT = 16  # of those, from one client address (an IPv6 /64)
+MAX_CONNECTIONS_LIMIT = 4096  # each is a file descriptor of the gateway process
 
 
 def check_settings(settings: Mapping[str, Any]) -> None:
@@ -37,6 +40,12 @@ def check_settings(settings: Mapping[str, Any]) -> None:
     number_setting(settings, "max_body_bytes", DEFAULT_MAX_BODY, low=1, high=MAX_BODY_LIMIT, what=what, integer=True)
     what = f"a positive number of seconds of at most {MAX_TOLERANCE_S:g} (a day)"
     number_setting(settings, "tolerance_s", DEFAULT_TOLERANCE_S, low=0.001, high=MAX_TOLERANCE_S, what=what)
+    what = f"a positive integer of at most {MAX_CONNECTIONS_LIMIT}"
+    for key, default in (
+        ("max_connections", DEFAULT_MAX_CONNECTIONS),
+        ("connections_per_client", DEFAULT_CONNECTIONS_PER_CLIENT),
+    ):
+        number_setting(settings, key, default, low=1, high=MAX_CONNECTIONS_LIMIT, what=what, integer=True)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -1,0 +1,242 @@
+"""The webhook listener's connection edge: what must hold before a request reaches the adapter.
+
+uvicorn's httptools protocol times out nothing but an idle gap after a response, and its
+`limit_concurrency` answers a plain-text 503 to every new request while connections that never send
+a request hold the slots: 64 idle connections (or 64 that send half a request head) locked every
+signed sender out for as long as they stayed open. This protocol adds, per listener:
+
+* a head deadline: a connection waiting for a request (a new one, or a kept-alive one after its
+  reply) must deliver a complete request head within `HEAD_TIMEOUT_S`, else it is closed (silently
+  when it sent nothing, with a 408 when it sent part of a head);
+* a cap on the head's size (`HEAD_MAX_BYTES`, 431 beyond);
+* connection caps counted at accept: in all (`max_connections`) and per client address
+  (`connections_per_client`; an IPv6 client counts by its /64), so one address cannot take every
+  slot. A connection over a cap gets a 503 at once, in the channel's JSON error shape with
+  `Retry-After`, and is closed.
+
+Every answer the edge writes itself has the adapter's error shape, `{"accepted": false, "error": …}`.
+The body's own deadline (`BODY_TIMEOUT_S`) is the adapter's. Standard library and uvicorn only: a
+plugin imports nothing of the server (`tests/test_import_rules.py`), so the server's own edge
+(`appserver/security/edge.py`) is not reused, only its approach.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+HEAD_TIMEOUT_S = 5.0  # from the moment a connection waits for a request to its complete head
+HEAD_MAX_BYTES = 64 * 1024  # the request line and headers
+LINGER_S = 1.0  # after a refusal: what the client still sends is read and dropped this long, then closed
+REFUSAL_LOG_EVERY_S = 10.0
+
+
+def client_group(host: str | None) -> str:
+    """What the per-client cap counts by: the address, or an IPv6 address's /64 (one host has a
+    whole /64 to pick from). An IPv4-mapped IPv6 address is its IPv4 address."""
+    if not host:
+        return "?"
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
+    return str(address)
+
+
+@dataclass
+class Gate:
+    """The open connections of one listener, in all and per client group."""
+
+    max_connections: int
+    per_client: int
+    log: logging.Logger
+    total: int = 0
+    by_client: dict[str, int] = field(default_factory=dict)
+    _last_notice: float = -float("inf")
+    _held_back: int = 0
+
+    def admit(self, group: str) -> str | None:
+        """Count a new connection from `group`; or why it is refused (nothing counted)."""
+        if self.total >= self.max_connections:
+            return self._refused(
+                f"the listener has {self.max_connections} connections open, its limit (max_connections); retry shortly"
+            )
+        if self.by_client.get(group, 0) >= self.per_client:
+            return self._refused(
+                f"this client has {self.per_client} connections open, its limit (connections_per_client); retry shortly"
+            )
+        self.total += 1
+        self.by_client[group] = self.by_client.get(group, 0) + 1
+        return None
+
+    def release(self, group: str) -> None:
+        self.total -= 1
+        left = self.by_client.get(group, 0) - 1
+        if left > 0:
+            self.by_client[group] = left
+        else:
+            self.by_client.pop(group, None)
+
+    def _refused(self, reason: str) -> str:
+        now = time.monotonic()
+        if now - self._last_notice >= REFUSAL_LOG_EVERY_S:
+            more = f" ({self._held_back} more since the last notice)" if self._held_back else ""
+            self.log.warning("refusing a connection with 503: %s%s", reason, more)
+            self._last_notice, self._held_back = now, 0
+        else:
+            self._held_back += 1
+        return reason
+
+
+def json_error(status: int, message: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> bytes:
+    """A complete `Connection: close` response with the channel's error body."""
+    body = json.dumps({"accepted": False, "error": message}).encode()
+    lines = [
+        STATUS_LINE[status],
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n",
+        *(name + b": " + value + b"\r\n" for name, value in extra),
+        b"\r\n",
+        body,
+    ]
+    return b"".join(lines)
+
+
+class WebhookHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above; `protocol_class` binds the gate."""
+
+    gate: ClassVar[Gate]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._group: str | None = None  # counted by the gate (None: refused, or not yet made)
+        self._closing = False  # answered by the edge: what still arrives is dropped
+        self._waiting_head = False  # between requests: the head deadline runs
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+
+    # connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) and peer else None
+        group = client_group(host if isinstance(host, str) else None)
+        refusal = self.gate.admit(group)
+        if refusal is not None:
+            self.transport = transport
+            self._refuse(transport, json_error(503, refusal, ((b"retry-after", b"1"),)))
+            return
+        self._group = group
+        super().connection_made(transport)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._head_timer, self._linger_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._linger_timer = None
+        group, self._group = self._group, None
+        if group is None:  # refused at accept: uvicorn never knew of it
+            return
+        self.gate.release(group)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        super().data_received(data)
+        if self._waiting_head and not self._closing:
+            self._head_bytes += len(data)
+            if self._head_bytes > HEAD_MAX_BYTES:
+                self._answer(431, f"the request line and headers exceed {HEAD_MAX_BYTES} bytes")
+
+    # the head deadline
+
+    def _await_head(self) -> None:
+        self._waiting_head = True
+        self._head_bytes = 0
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._on_head_timeout)
+
+    def on_headers_complete(self) -> None:
+        self._waiting_head = False
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # starts a request pipelined behind this one, if any
+        cycle = self.cycle
+        if self.transport.is_closing() or self._closing or (cycle is not None and not cycle.response_complete):
+            return
+        self._await_head()  # kept alive: the next request's head is due in HEAD_TIMEOUT_S
+
+    def _on_head_timeout(self) -> None:
+        self._head_timer = None
+        if not self._waiting_head or self._closing or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return  # a request runs (a head pipelined behind it is timed once its reply is done)
+        if self._head_bytes == 0:
+            self._closing = True
+            self.transport.close()  # idle: nothing to answer
+            return
+        self._answer(408, f"the request head did not arrive within {HEAD_TIMEOUT_S:g} s")
+
+    # answers the edge writes itself
+
+    def send_400_response(self, msg: str) -> None:
+        self._answer(400, msg)
+
+    def _answer(self, status: int, message: str) -> None:
+        if self.transport.is_closing() or self._closing:
+            return
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # a reply in flight: cut it, its app sees a disconnect
+            cycle.message_event.set()
+            self._closing = True
+            self.transport.abort()
+            return
+        self._refuse(self.transport, json_error(status, message))
+
+    def _refuse(self, transport: asyncio.Transport, response: bytes) -> None:
+        """Write `response` and close without losing it: stop writing (FIN), drop what still
+        arrives for LINGER_S, then close (closing with unread input resets the connection, and a
+        reset can discard the answer before the client reads it)."""
+        self._closing = True
+        transport.write(response)
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._linger_timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    # no WebSockets here: an upgrade request is an ordinary request (405 or 404), logged by nobody
+
+    def _should_upgrade_to_ws(self) -> bool:
+        return False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        pass
+
+
+def protocol_class(gate: Gate) -> type[WebhookHttpProtocol]:
+    """The protocol class uvicorn instantiates per connection, bound to one listener's gate."""
+    return type("BoundWebhookHttpProtocol", (WebhookHttpProtocol,), {"gate": gate})

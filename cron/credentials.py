@@ -19,7 +19,7 @@ from pathlib import Path
 from appserver.auth import namespace_of
 from appserver.auth.principal import Principal
 from appserver.auth.stores import token_store_for
-from appserver.auth.tokens import TokenStore
+from appserver.auth.tokens import TokenRecord, TokenStore
 
 log = logging.getLogger("appserver.cron")
 
@@ -30,10 +30,11 @@ CACHE_S = 1.0  # one read of the token store serves a whole tick
 CredentialCheck = Callable[[str], str | None]
 
 
-def token_namespace(name: str) -> str:
-    """The namespace of the capability token named `name`, exactly as a request made with it
-    gets it (the principal `TokenStore.verify` builds)."""
-    return namespace_of(Principal(subject=f"{TOKEN_KIND}:{name}", kind=TOKEN_KIND))
+def token_namespace(record: TokenRecord) -> str:
+    """The namespace of a capability token, exactly as a request made with it gets it (the
+    principal `TokenStore.verify` builds from `TokenRecord.subject`: a reserved name of a token that
+    is not the gateway's own gets a namespace of its own)."""
+    return namespace_of(Principal(subject=record.subject, kind=TOKEN_KIND))
 
 
 class TokenCredentials:
@@ -56,7 +57,7 @@ class TokenCredentials:
         try:
             wall = time.time()
             found: frozenset[str] | str = frozenset(
-                token_namespace(r.name) for r in self.tokens.list() if not r.is_expired(wall)
+                token_namespace(r) for r in self.tokens.list() if not r.is_expired(wall)
             )
         except Exception as exc:  # noqa: BLE001 — a store that cannot answer revokes, never allows
             found = f"the token store cannot be read ({type(exc).__name__}: {exc})"

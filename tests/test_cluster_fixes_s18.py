@@ -174,6 +174,23 @@ def test_cli_commands_on_a_cluster_store_leave_the_servers_turns_alone(cluster: 
     asyncio.run(go())
 
 
+def test_cron_run_on_a_cluster_store_without_a_server_refuses_before_claiming(cluster: Cluster) -> None:
+    """`cron run` in a process that is no server of the cluster refuses (exit 2) before it claims a
+    run: it claimed one, then failed to submit it, leaving a run number used by nothing."""
+    cli_home = cluster.tmp / "cli-cron"
+    env = _env(cli_home, cluster.url)
+    added = run_cli(cli_home, "cron", "add", "--name", "s18-now", "--agent", "assistant", "--every", "1h",
+                    "--prompt", "hi", env=env)  # fmt: skip
+    assert added.code == 0, added.err
+    r = run_cli(cli_home, "cron", "run", "s18-now", env=env)
+    assert r.code == 2, (r.code, r.out, r.err)
+    assert "run only in its servers" in r.err and "Traceback" not in r.err, r.err
+    logs = run_cli(cli_home, "cron", "logs", "s18-now", "--json", env=env)
+    assert "claimed" not in logs.out and "submitted" not in logs.out, logs.out
+    removed = run_cli(cli_home, "cron", "remove", "s18-now", env=env)
+    assert removed.code == 0, removed.err
+
+
 # ------------------------------------------------------------------ 3: the same state everywhere
 
 

@@ -176,3 +176,22 @@ def test_the_tool_neither_lists_nor_cancels_the_operators_cli_tasks(tmp_path: Pa
     owners = {t["name"]: t["owner"] for t in ok(home, "cron", "list", "--json").json()}
     assert owners == {"backup": "operator", "mine": UNOWNED_TOOL_NAMESPACE}
     assert "cancelled task mine" in tool(home, {"action": "cancel", "name": "mine"})
+
+
+async def test_a_task_of_an_older_token_named_gateway_stays_live(tmp_path: Path) -> None:
+    """A token named `gateway` made by an older appserver authenticates into a namespace of its own
+    (`TokenRecord.subject`): the credential check of its cron tasks reads the same namespace, not
+    the one its name alone would give (was: its tasks were skipped as revoked)."""
+    from appserver.auth import namespace_of
+    from tests.test_security_fixes_s18 import add_token_as_an_older_appserver_did
+
+    home = tmp_path / "home"
+    TokenStore(home)  # the file exists, as after any `token create`
+    plaintext = add_token_as_an_older_appserver_did(home, "gateway", ["openai", "ws"], None)
+    principal = TokenStore(home).verify(plaintext)
+    assert principal is not None
+    ns = namespace_of(principal)
+    assert ns != "token:gateway", ns  # not the gateway's namespace
+    check = TokenCredentials(TokenStore(home), cache_s=0)
+    assert check(ns) is None, check(ns)
+    assert check("token:gateway") is not None  # nobody's live namespace here

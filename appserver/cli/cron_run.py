@@ -12,7 +12,7 @@ import click
 from appserver.cli.common import fail, get_config, live_server_or_fail, print_json
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config
-from appserver.errors import KernelError
+from appserver.errors import Conflict, KernelError
 from appserver.server import Server
 from cron.adapter import KernelAdapter
 from cron.runner import run_task_now
@@ -65,6 +65,12 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
         server = Server(config)
         await server.open()
         try:
+            if not server.kernel.runs_turns:
+                # before the claim: a run claimed here could never be submitted (no lease)
+                raise Conflict(
+                    "turns of a PostgreSQL store run only in its servers (appserver serve), and none runs on this "
+                    "home: run `appserver cron run` on the home of a running server, which submits it"
+                )
             adapter = KernelAdapter(server.kernel, server.store)
             result = await run_task_now(
                 cron_store_for(config.home, config.store.url),

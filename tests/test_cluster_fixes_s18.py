@@ -305,6 +305,49 @@ def test_a_server_judged_gone_tells_its_client_how_its_turns_really_ended(tmp_pa
             _stop_all(nodes)
 
 
+def test_a_survivor_ends_a_killed_servers_turn_with_its_text_at_a_higher_revision(tmp_path: Path) -> None:
+    """A client watching through B a turn A runs; A is killed (-9); B settles it interrupted. Its
+    end came at the revision stored when the turn started + 1 (below what the client had seen, so a
+    client keeping the newest revision dropped it) and with no blocks (wiping the partial reply
+    that history keeps). Now: above every revision seen, with the kept text."""
+    require_postgres()
+    with temp_database("s18_survivor") as url:
+        nodes = _start(tmp_path, url, 2, FAST)
+        try:
+
+            async def go() -> None:
+                a = await WS.open(nodes[0].url)
+                conv = await _create(a)
+                b = await WS.open(nodes[1].url)
+                await b.request({"type": "subscribe", "conversation": conv})
+                ack = await _submit(a, conv, "/slow 200")
+                await b.expect(
+                    lambda f: (
+                        f["type"] == "turn_updated"
+                        and f["snapshot"]["turn_id"] == ack["turn_id"]
+                        and "w12" in "".join(x.get("text") or "" for x in f["snapshot"]["blocks"])
+                    ),
+                    timeout=20,
+                )
+                await asyncio.sleep(0.6)  # a draft checkpoint (draft_interval_s) holds some text
+                nodes[0].kill()
+                end = await b.terminal(ack["turn_id"], timeout=30)
+                seen = max(s["revision"] for s in b.snapshots(ack["turn_id"]) if s is not end)
+                assert end["status"] == "cancelled" and (end["error"] or {}).get("kind") == "interrupted", end
+                assert end["revision"] > seen, (end["revision"], seen)
+                text = "".join(x.get("text") or "" for x in end["blocks"] if x["type"] == "text")
+                assert text.startswith("w1 w2") and "w12" in text, end["blocks"]
+                history = await b.request({"type": "get_history", "conversation": conv})
+                kept = [m for m in history["messages"] if m["role"] == "assistant"]
+                assert kept and text.startswith(kept[-1]["content"][:20]), (kept, text)
+                await a.close()
+                await b.close()
+
+            asyncio.run(go())
+        finally:
+            _stop_all(nodes)
+
+
 # ------------------------------------------------------------------ 5: bad schemas
 
 

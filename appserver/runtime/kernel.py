@@ -27,7 +27,7 @@ from appserver.runtime.conversation import ConversationRuntime
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import finish_turn
 from appserver.runtime.handle import Decision, TurnHandle
-from appserver.runtime.restore import controller_from_store
+from appserver.runtime.restore import REVISIONS_PER_SECOND, controller_from_store
 from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped, withdrawn
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
@@ -348,10 +348,16 @@ class Kernel:
                 # one was judged gone, may already follow it by its Idempotency-Key)
                 rt.queue.requeue(turn)
 
-    async def _settle_unheld(self, turn: TurnRecord, end: TurnEnd) -> None:
+    async def _settle_unheld(
+        self, turn: TurnRecord, end: TurnEnd, shown: list[MessageRecord] | None = None, revision: int | None = None
+    ) -> None:
         """End a turn no runtime holds through `finish_turn`, like every turn: a controller of its
-        own publishes the settled snapshot; a commit that fails here fails the start."""
-        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=turn.revision)
+        own, holding `shown` (the turn's messages, kept and new), publishes the settled snapshot at
+        `revision` (default: the stored one + 1); a commit that fails here fails the start."""
+        published = revision if revision is not None else turn.revision + 1
+        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=published - 1)
+        if shown:
+            controller.load_messages(shown)
         finished = await finish_turn(self.store, self._turn_settled, turn, controller, end)
         if finished.commit_error is not None:
             raise finished.commit_error
@@ -405,7 +411,13 @@ class Kernel:
             revision=turn.revision + 1,
             iteration=turn.iteration,
         )
-        await self._settle_unheld(turn, TurnEnd("interrupted", "cancelled", error, commit))
+        # Its snapshot shows what history keeps (was: no blocks, wiping a client's partial reply),
+        # at a revision from the settle time as a later rebuild gives it (restore.py
+        # `interrupted_revision`): above any the dead process published and never stored, so a
+        # client that saw them takes this end (the stored revision stays small: an INTEGER column).
+        shown = [m for m in history if m.turn_id == turn.id] + messages
+        published = max(turn.revision + 1, int(time.time() * REVISIONS_PER_SECOND))
+        await self._settle_unheld(turn, TurnEnd("interrupted", "cancelled", error, commit), shown, published)
         log.warning(
             "turn %s of conversation %s was interrupted by a stop; kept %d characters of its text",
             turn.id,

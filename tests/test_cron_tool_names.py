@@ -112,3 +112,20 @@ async def test_agents_neither_see_nor_collide_with_each_others_names(srv: Srv) -
         assert [t["agent"] for t in tasks(srv) if t["name"] == "weekly"] != []  # assistant's stays
     finally:
         await admin.close()
+
+
+async def test_list_cuts_long_prompts(srv: Srv) -> None:
+    """A prompt may be up to 1 MiB and an agent may hold 100 tasks: `list` shows the first 500
+    characters of each and its length, not a tool result of up to 100 MiB in the model's context."""
+    a = await ws_for(srv, srv.a)
+    try:
+        long_prompt = "p" * 600 + "TAIL-NOT-SHOWN"
+        conv, text = await call(a, "new", {"action": "create", "name": "wordy", "prompt": long_prompt, "in": "2h"})
+        assert "created task wordy" in text, text
+        _, text = await call(a, conv, {"action": "list"})
+        line = next(x for x in text.splitlines() if x.startswith("wordy ("))
+        assert "p" * 500 + "… (614 characters in all)" in line and "TAIL-NOT-SHOWN" not in line, line
+        _, text = await call(a, conv, {"action": "cancel", "name": "wordy"})
+        assert "cancelled task wordy" in text, text
+    finally:
+        await a.close()

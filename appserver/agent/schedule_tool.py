@@ -125,12 +125,22 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
     return f"created task {task.name} ({task.id}); next run {when}"
 
 
+LISTED_PROMPT_CHARS = 500  # a prompt may be 1 MiB: a list of many would flood the model's context
+
+
+def _listed_prompt(prompt: str) -> str:
+    if len(prompt) <= LISTED_PROMPT_CHARS:
+        return prompt
+    return f"{prompt[:LISTED_PROMPT_CHARS]}… ({len(prompt):,} characters in all)"
+
+
 def _list(tasks: list[CronTask]) -> str:
     if not tasks:
         return "no scheduled tasks"
     return "\n".join(
         f"{t.name} ({t.id}): {t.schedule.kind} {t.schedule.expr} [{t.schedule.tz}] {t.state}; "
-        f"next {t.next_fire_at.isoformat(timespec='minutes') if t.next_fire_at else '-'}; prompt: {t.prompt}"
+        f"next {t.next_fire_at.isoformat(timespec='minutes') if t.next_fire_at else '-'}; "
+        f"prompt: {_listed_prompt(t.prompt)}"
         for t in tasks
     )
 

@@ -141,6 +141,11 @@ class Agents:
         )
         return await self.store.create_agent(agent)
 
+    async def create_default(self, name: str) -> bool:
+        """The default agent (`name` on `echo`), if the store has no agent at all."""
+        agent = AgentRecord(id=new_id("agt"), name=validate_name(name), model=validate_model("echo", self.config))
+        return await self.store.create_first_agent(agent)
+
     async def get(self, ref: str) -> AgentRecord:
         return await self.kernel.resolve_agent(ref)
 

@@ -56,8 +56,8 @@ class Server:
         # whenever a server starts on it with no agent at all: its first start may have been
         # killed between creating the schema and the agent, and nothing else would ever make it.
         shared = getattr(self.store, "shared", False)
-        if (self.store.fresh or (serve and shared)) and not await self.store.list_agents():
-            await self.agents.create(DEFAULT_AGENT, "echo", "")
+        if self.store.fresh or (serve and shared):
+            await self.agents.create_default(DEFAULT_AGENT)
         await self.kernel.start(serve=serve)
         if serve:
             self.providers.warm(a.model for a in await self.store.list_agents())

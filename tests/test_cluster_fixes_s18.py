@@ -17,6 +17,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +347,23 @@ def test_a_survivor_ends_a_killed_servers_turn_with_its_text_at_a_higher_revisio
             asyncio.run(go())
         finally:
             _stop_all(nodes)
+
+
+def test_servers_starting_together_on_a_new_database_make_one_default_agent(tmp_path: Path) -> None:
+    """Three servers started at once on an empty database: each found no agent and created one, so
+    `assistant` named three agents and every request for it was refused as ambiguous."""
+    require_postgres()
+    for round_ in range(2):
+        with temp_database(f"s18_first{round_}") as url:
+            homes = [tmp_path / f"r{round_}n{i}" for i in range(3)]
+            with ThreadPoolExecutor(3) as pool:
+                started = list(pool.map(lambda h: start_serve(h, env=_env(h, url, **FAST)), homes))
+            try:
+                with psycopg.connect(url) as c:
+                    names = [r[0] for r in c.execute("SELECT name FROM agents").fetchall()]
+                assert names == ["assistant"], names
+            finally:
+                _stop_all(started)
 
 
 # ------------------------------------------------------------------ 5: bad schemas

@@ -118,6 +118,15 @@ class Store(ABC):
     @abstractmethod
     async def list_agents(self) -> list[AgentRecord]: ...
 
+    async def create_first_agent(self, agent: AgentRecord) -> bool:
+        """Create `agent` if the store has no agent at all; True if it did. A store several
+        processes share makes the check and the insert one step (servers starting together on a
+        new database made one `assistant` each)."""
+        if await self.list_agents():
+            return False
+        await self.create_agent(agent)
+        return True
+
     async def agents_to_read(self) -> Sequence[AgentRecord]:
         """Every agent, in `list_agents` order, for a caller that only reads them and never
         changes them: a store with a cache hands out its own records rather than a copy of each (a

@@ -92,6 +92,7 @@ POOL_MAX = 10
 # ------------------------------------------------------------------ the writer
 
 
+FIRST_AGENT_LOCK = 0x61707073_61676E74  # pg_advisory_xact_lock: "appsagnt", the default agent's creation
 ACCEPT_LOCK_CLASS = 0x61636370  # pg_advisory_xact_lock(class, hashtext(conversation id)): "accp"
 HEARTBEAT_S = 2.0  # [store] heartbeat_s: how often a server renews its instance row
 INSTANCE_TIMEOUT_S = 30.0  # [store] instance_timeout_s: a server silent this long is gone
@@ -582,6 +583,34 @@ class PostgresStore(Store):
 
         await self._write(job)
         return agent
+
+    async def create_first_agent(self, agent: AgentRecord) -> bool:
+        now = time.time()
+        agent.created_at = agent.created_at or now
+        agent.updated_at = now
+
+        async def job(conn: Conn) -> bool:
+            # Servers starting together each find no agent: the lock makes one of them the first.
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (FIRST_AGENT_LOCK,))
+            if await (await conn.execute("SELECT 1 FROM agents LIMIT 1")).fetchone() is not None:
+                return False
+            await conn.execute(
+                "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) "
+                "VALUES (%s,%s,%s,%s,%s,%s,%s,%s)",
+                (
+                    agent.id,
+                    agent.name,
+                    agent.model,
+                    agent.system,
+                    dump_json(agent.tools),
+                    dump_json(agent.params),
+                    agent.created_at,
+                    agent.updated_at,
+                ),
+            )
+            return True
+
+        return await self._write(job)
 
     async def update_agent(self, agent: AgentRecord) -> AgentRecord:
         agent.updated_at = time.time()

@@ -327,3 +327,194 @@ def test_json_schema_format_is_echoed_with_strict(client: openai.OpenAI, http: h
     sent = {**fmt, "strict": True, "description": "an x"}
     r2 = client.responses.create(model="assistant", input="hi", text={"format": sent})  # type: ignore[typeddict-item]
     assert r2.text.format is not None and r2.text.format.model_dump(by_alias=True) == sent
+
+
+# ---------------------------------------------------------------- round 2: call ids, text parts, detail
+
+F_TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def tool_round(question: str, call_id: str, result: str = "result") -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": question},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
+def test_a_tool_history_under_call_ids_never_issued_is_seeded_and_answered(client: openai.OpenAI) -> None:
+    """The view leaves call ids out: the same history under other ids lands on the point a first
+    one left. Answers to calls made there continue or fork it; answers to other ids are a history
+    this server never issued: a new conversation seeded with it and answered, never a 400."""
+    first = client.chat.completions.with_raw_response.create(
+        model="assistant", tools=F_TOOL, messages=tool_round("imported r2", "call_AAA")
+    )
+    second = client.chat.completions.with_raw_response.create(
+        model="assistant", tools=F_TOOL, messages=tool_round("imported r2", "call_BBB")
+    )
+    assert first.parse().choices[0].message.content == "f -> result"
+    assert second.parse().choices[0].message.content == "f -> result"
+    assert second.headers[HEADER] != first.headers[HEADER]
+    # the same ids again: the point call_AAA was answered at (moved past): a fork of it, answered
+    again = client.chat.completions.with_raw_response.create(
+        model="assistant", tools=F_TOOL, messages=tool_round("imported r2", "call_AAA", "other")
+    )
+    assert again.parse().choices[0].message.content == "f -> other"
+    assert again.headers[HEADER] not in (first.headers[HEADER], second.headers[HEADER])
+
+    # the server's own call: its answer continues the paused turn; a regenerate forks where it was open
+    asked = client.chat.completions.with_raw_response.create(
+        model="assistant", tools=F_TOOL, messages=[{"role": "user", "content": "/call f {}"}]
+    )
+    calls = asked.parse().choices[0].message.tool_calls
+    assert calls and calls[0].id not in ("call_AAA", "call_BBB")
+    own = [
+        {"role": "user", "content": "/call f {}"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": calls[0].id, "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "42"},
+    ]
+    answered = client.chat.completions.with_raw_response.create(model="assistant", tools=F_TOOL, messages=own)
+    assert answered.headers[HEADER] == asked.headers[HEADER]
+    assert answered.parse().choices[0].message.content == "f -> 42"
+    regen = client.chat.completions.with_raw_response.create(model="assistant", tools=F_TOOL, messages=own)
+    assert regen.headers[HEADER] not in (asked.headers[HEADER],)
+    assert regen.parse().choices[0].message.content == "f -> 42"
+    # the same history with a call id the server never issued there: seeded anew, answered
+    foreign = [*own[:1], {**own[1], "tool_calls": [{**own[1]["tool_calls"][0], "id": "call_mine"}]}]
+    foreign.append({"role": "tool", "tool_call_id": "call_mine", "content": "7"})
+    mine = client.chat.completions.with_raw_response.create(model="assistant", tools=F_TOOL, messages=foreign)
+    assert mine.parse().choices[0].message.content == "f -> 7"
+    assert mine.headers[HEADER] not in (asked.headers[HEADER], regen.headers[HEADER])
+    # results that answer no call of the assistant message before them are still refused
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="assistant", tools=F_TOOL, messages=[*foreign[:2], {**foreign[2], "tool_call_id": "call_none"}]
+        )
+    assert err.value.code == "unknown_tool_call"
+
+
+def test_responses_history_under_call_ids_never_issued_is_seeded(client: openai.OpenAI) -> None:
+    def items(call_id: str) -> list[Any]:
+        return [
+            {"role": "user", "content": "imported responses r2"},
+            {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": call_id, "output": "done"},
+        ]
+
+    tools: Any = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    a = client.responses.with_raw_response.create(model="assistant", tools=tools, input=items("call_r2a"))
+    b = client.responses.with_raw_response.create(model="assistant", tools=tools, input=items("call_r2b"))
+    assert a.parse().output_text == b.parse().output_text == "f -> done"
+    assert a.headers[HEADER] != b.headers[HEADER]
+
+
+def test_text_parts_of_other_roles_reach_the_model_apart(http: httpx.Client, fake: FakeOpenAI) -> None:
+    """System, developer, assistant and tool messages reach the model as one string each (the
+    provider layer carries a string for them): their text parts are joined by a blank line, never
+    glued; and a client resending that history continues the conversation."""
+
+    def text(*words: str) -> list[dict[str, str]]:
+        return [{"type": "text", "text": w} for w in words]
+
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": text("Be brief.", "Answer in French.")},
+        {"role": "developer", "content": text("D1", "D2")},
+        {"role": "user", "content": "q r2"},
+        {
+            "role": "assistant",
+            "content": text("Hello", "world"),
+            "tool_calls": [{"id": "call_r2", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "call_r2", "content": text("line one", "line two")},
+    ]
+    first = http.post("/v1/chat/completions", json={"model": "remote", "tools": F_TOOL, "messages": history})
+    assert first.status_code == 200, first.text
+    sent = fake.requests[-1].json["messages"]
+    assert [m for m in sent if m["role"] == "system"][-2:] == [
+        {"role": "system", "content": "Be brief.\n\nAnswer in French."},
+        {"role": "system", "content": "D1\n\nD2"},
+    ]
+    assert [m["content"] for m in sent if m["role"] == "assistant"] == ["Hello\n\nworld"]
+    assert [m["content"] for m in sent if m["role"] == "tool"] == ["line one\n\nline two"]
+    # one text part, or a string, is its text as sent
+    http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "remote",
+            "messages": [{"role": "system", "content": text("One.")}, {"role": "user", "content": "x"}],
+        },
+    )
+    assert [m for m in fake.requests[-1].json["messages"] if m["role"] == "system"][-1]["content"] == "One."
+    # the client resends the same history with the reply and new input: the same conversation
+    again = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "remote",
+            "tools": F_TOOL,
+            "messages": [*history, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "more"}],
+        },
+    )
+    assert again.status_code == 200, again.text
+    assert again.headers[HEADER] == first.headers[HEADER]
+
+
+def test_responses_assistant_parts_stay_apart_in_input_items(
+    client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI
+) -> None:
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": [{"type": "input_text", "text": "S1"}, {"type": "input_text", "text": "S2"}]},
+        {"role": "user", "content": "hi r2"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "x"}, {"type": "output_text", "text": "y"}]},
+        {"role": "user", "content": "go on"},
+    ]
+    r = http.post("/v1/responses", json={"model": "remote", "input": history})
+    assert r.status_code == 200, r.text
+    sent = fake.requests[-1].json["messages"]
+    assert [m["content"] for m in sent if m["role"] == "assistant"] == ["x\n\ny"]
+    assert [m for m in sent if m["role"] == "system"][-1]["content"] == "S1\n\nS2"
+    listed = client.responses.input_items.list(r.json()["id"], order="asc").model_dump()["data"]
+    validate("ResponseItemList", http.get(f"/v1/responses/{r.json()['id']}/input_items").json())
+    assert [[p["text"] for p in i["content"]] for i in listed if i["role"] in ("system", "assistant")] == [
+        ["S1", "S2"],
+        ["x", "y"],
+    ]
+    assert [p["type"] for p in listed[2]["content"]] == ["output_text", "output_text"]
+    # resent with the reply and new input: continues that conversation
+    again = http.post(
+        "/v1/responses",
+        json={
+            "model": "remote",
+            "input": [*history, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "!"}],
+        },
+    )
+    assert again.headers[HEADER] == r.headers[HEADER]
+
+
+def test_original_image_detail_goes_to_a_chat_upstream_as_high(
+    client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI
+) -> None:
+    """Chat Completions takes detail auto|low|high: Responses' `original` is sent as `high`, on this
+    turn and every later one of the conversation; input_items still echoes what was sent."""
+    content = [
+        {"type": "input_text", "text": "see r2"},
+        {"type": "input_image", "image_url": IMG1, "detail": "original"},
+    ]
+    upstream = [{"type": "text", "text": "see r2"}, {"type": "image_url", "image_url": {"url": IMG1, "detail": "high"}}]
+    first = http.post("/v1/responses", json={"model": "remote", "input": [{"role": "user", "content": content}]})
+    assert first.status_code == 200, first.text
+    assert last_user_content(fake) == upstream
+    for m in fake.requests[-1].json["messages"]:
+        validate("ChatCompletionRequestMessage", m)
+    got = http.get(f"/v1/responses/{first.json()['id']}/input_items").json()["data"][0]["content"]
+    assert got[1] == {"type": "input_image", "image_url": IMG1, "detail": "original"}
+    later = client.responses.create(model="remote", previous_response_id=first.json()["id"], input="and?")
+    assert later.status == "completed"
+    assert user_contents(fake) == [upstream, "and?"]

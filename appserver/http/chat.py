@@ -188,7 +188,20 @@ def parts_of(
                 f"{where}.content",
                 code="unsupported_content_part",
             )
-    return "".join(texts), images, media_parts, ordered
+    return join_texts(texts), images, media_parts, ordered
+
+
+TEXT_PARTS_SEPARATOR = "\n\n"
+
+
+def join_texts(texts: list[str]) -> str:
+    """The text of a message whose content has several text parts, where one string must carry it
+    (system, developer, assistant and tool messages reach the model as one string): the parts
+    joined by a blank line, never glued (as several trailing user messages are joined); empty
+    parts add nothing. One part is its text as sent."""
+    if len(texts) == 1:
+        return texts[0]
+    return TEXT_PARTS_SEPARATOR.join(t for t in texts if t)
 
 
 def no_images(where: str, role: str, param: str, part: str = "image_url") -> ApiError:

@@ -42,6 +42,7 @@ HEADER = "X-Conversation-Id"
 CONVERSATION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
 EMPTY_HASH = hashlib.sha256(b"appserver-history-v1").hexdigest()
 CALL_TAIL_MAX = 512  # messages read back from a point to find the calls open there (its results, then them)
+CALL_TAIL_SHORT = 16  # the first read (most rounds have fewer results)
 
 
 @dataclass(slots=True)
@@ -276,14 +277,20 @@ def _valid_tool_pairs(messages: list[MessageRecord]) -> list[MessageRecord]:
     return out
 
 
-def _calls_made_at(messages: list[MessageRecord]) -> set[str]:
-    """Ids of the calls made by the last assistant message, past the tool results after it."""
+def _calls_made_at(messages: list[MessageRecord]) -> list[tuple[str, str]]:
+    """(id, name) of the calls made by the last assistant message, past the tool results after it."""
     i = len(messages) - 1
     while i >= 0 and messages[i].role == "tool":
         i -= 1
     if i < 0 or messages[i].role != "assistant":
-        return set()
-    return {c["id"] for c in messages[i].tool_calls}
+        return []
+    return [(c["id"], c["name"]) for c in messages[i].tool_calls]
+
+
+def _answers_fit(call_ids: list[str], made: list[tuple[str, str]]) -> bool:
+    """Every answered call is one of `made` (a legacy `function` answer by its function's name)."""
+    known = {cid for cid, _ in made}
+    return all(by_name(cid, made) in known for cid in call_ids)
 
 
 @dataclass(slots=True)
@@ -589,7 +596,7 @@ class ConversationMatcher:
         h = chain(prefix)
         candidates = []
         points = await self.store.find_history_points(agent.id, h)
-        if answers is not None and len(points) > 1:
+        if answers is not None and points:
             points = await self._answerable(points, answers)
         for point in points:
             found = await self.store.get_conversation(point.conversation_id)
@@ -619,20 +626,29 @@ class ConversationMatcher:
         return place
 
     async def _answerable(self, points: list[HistoryPoint], answers: Answers) -> list[HistoryPoint]:
-        """The points where the answered calls were made, when there are any (else all of them). The
-        view leaves call ids out, so two conversations whose turns made the same call (`f` with the
-        same arguments, under other ids) share a point; answers to one conversation's calls belong
-        there (or in a fork of it), never in the other, which would refuse them as calls it never
-        made."""
-        wanted = set(answers.call_ids)
+        """The points where the answered calls were made. The view leaves call ids out, so two
+        histories whose turns made the same call (`f` with the same arguments, under other ids)
+        share a point; answers to one conversation's calls belong there (or in a fork of it), never
+        in another, which would refuse them as calls it never made. When no point made them (a
+        history whose calls this server never issued, resent with other ids than one it seeded
+        before), there is none: the history is seeded as a new conversation, paused at its own
+        calls, and the answers answer those."""
         fitting: list[HistoryPoint] = []
-        others: list[HistoryPoint] = []
         for point in points:
+            if _answers_fit(answers.call_ids, await self._calls_at(point)):
+                fitting.append(point)
+        return fitting
+
+    async def _calls_at(self, point: HistoryPoint) -> list[tuple[str, str]]:
+        """The calls made by the last assistant message at `point` (past the results after it): a
+        short read first, the long one only when the round's results fill it."""
+        for limit in (CALL_TAIL_SHORT, CALL_TAIL_MAX):
             tail = await self.store.list_messages(
-                point.conversation_id, before_id=point.last_message_id + 1, limit=CALL_TAIL_MAX
+                point.conversation_id, before_id=point.last_message_id + 1, limit=limit
             )
-            (fitting if wanted <= _calls_made_at(tail) else others).append(point)
-        return fitting or others
+            if len(tail) < limit or any(m.role != "tool" for m in tail):
+                break
+        return _calls_made_at(tail)
 
     async def fork_at(
         self,

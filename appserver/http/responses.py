@@ -29,6 +29,7 @@ from appserver.http.chat import (
     allowed_tools_of,
     check_media,
     content_of,
+    join_texts,
     new_content,
     no_images,
     number_options,
@@ -234,6 +235,8 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             text, images, media, ordered = parts_of(content, where, media=role == "user")
             if images and role != "user":
                 raise no_images(where, role, "input", "input_image")
+            # input_items lists every text part as sent (the model gets them as one text: join_texts)
+            texts = [p["text"] for p in ordered if p["type"] == "text"] if ordered else [text]
             if role == "assistant":
                 out.items.append(ViewItem("assistant", text))
                 out.decisions.clear()  # approvals before a later reply are history, not new answers
@@ -243,7 +246,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                         "type": "message",
                         "role": "assistant",
                         "status": "completed",
-                        "content": [text_part({}, text)],
+                        "content": [text_part({}, t) for t in texts],
                     }
                 )
             elif role == "user":
@@ -264,7 +267,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                         "type": "message",
                         "role": role,
                         "status": "completed",
-                        "content": [{"type": "input_text", "text": text}],
+                        "content": [{"type": "input_text", "text": t} for t in texts],
                     }
                 )
         elif kind == "function_call":
@@ -1635,7 +1638,7 @@ def _reply_view(output: list[dict[str, Any]]) -> list[ViewItem]:
     for item in output:
         if item["type"] == "message":
             # a refusal part reads as text, as parse_input reads it when a client resends it
-            text = "".join(c.get("text", c.get("refusal", "")) for c in item["content"])
+            text = join_texts([c.get("text", c.get("refusal", "")) for c in item["content"]])
             view.append(ViewItem("assistant", text))
         elif item["type"] == "function_call":
             view.append(

@@ -317,12 +317,19 @@ def parse_sse_bytes(parts: Iterable[bytes]) -> list[ProviderChunk]:
 # ---------------------------------------------------------------- request building
 
 
+# Chat Completions takes an image `detail` of auto, low or high; Responses' `original` (the image
+# at its own resolution, never scaled down) is sent as the finest of those.
+CHAT_IMAGE_DETAIL = {"original": "high"}
+
+
 def _image_part(part: dict[str, Any]) -> dict[str, Any]:
     img = part.get("image_url")
     if isinstance(img, str):
         img = {"url": img}
     elif not isinstance(img, dict):
         img = {"url": part.get("url", "")}
+    elif img.get("detail") in CHAT_IMAGE_DETAIL:
+        img = {**img, "detail": CHAT_IMAGE_DETAIL[img["detail"]]}
     return {"type": "image_url", "image_url": img}
 
 

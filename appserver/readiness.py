@@ -9,6 +9,7 @@ check that raises fails with its message.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import Any
 
 STATUSES = ("ok", "warn", "fail")
 DEFAULT_TTL_S = 1.5  # a load balancer probing every second costs one real check per 1.5 s
+CHECK_TIMEOUT_S = 5.0  # a check that does not answer by then fails (a probe must not hang for the 40 s
+# a store cut off from its database takes to give up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +65,12 @@ class Readiness:
                 results.append((name, hit[1]))
                 continue
             try:
-                result = await check()
+                async with asyncio.timeout(CHECK_TIMEOUT_S):
+                    result = await check()
                 if result.status not in STATUSES:
                     result = CheckResult("fail", f"check returned unknown status {result.status!r}")
+            except TimeoutError:
+                result = CheckResult("fail", f"no answer within {CHECK_TIMEOUT_S:g} s")
             except Exception as exc:  # a probe reports, it never raises
                 result = CheckResult("fail", " ".join(str(exc).split()) or type(exc).__name__)
             self._cache[name] = (time.monotonic(), result)

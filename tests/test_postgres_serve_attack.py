@@ -8,11 +8,13 @@ which is what `SELECT pg_terminate_backend(pid) FROM pg_stat_activity …` does 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -379,3 +381,99 @@ def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -
             sp2.stop()
             log = sp2.proc.stderr.read() if sp2.proc.stderr else ""
         assert "Traceback" not in log
+
+
+class _CutProxy:
+    """A TCP proxy in front of PostgreSQL that can be cut: every connection ended and new ones
+    closed at once (a server whose network to the database went away)."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        import threading
+
+        self.target_port = target_port
+        self.cut = False
+        self._socks: list[Any] = []
+        self._lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.cut:
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: Any, b: Any) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def cut_off(self) -> None:
+        import socket
+
+        self.cut = True
+        with self._lock:
+            for s in self._socks:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    s.close()
+            self._socks.clear()
+
+    def close(self) -> None:
+        self.cut_off()
+        self.listener.close()
+
+
+def test_a_server_cut_off_from_its_database_answers_503_and_readyz_in_time(tmp_path: Path) -> None:
+    """The database unreachable (connections ended, new ones refused): a request waited for the
+    pool's connect timeout and got a 500 `internal_error` (psycopg_pool's PoolTimeout was no store
+    error), and /readyz hung for 40 s. Now: a 503 (`store_unavailable`, or `server_unavailable` once
+    the server knows its session is gone), and /readyz fails within its check timeout."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from appserver.readiness import CHECK_TIMEOUT_S
+
+    with temp_database("atk_cut") as url:
+        parts = urlsplit(url)
+        proxy = _CutProxy(parts.port or 5432)
+        via = urlunsplit((parts.scheme, f"{parts.username}@127.0.0.1:{proxy.port}", parts.path, "", ""))
+        try:
+            with serving(tmp_path / "h", "--store", via) as sp:
+                ok = _client(sp).chat.completions.create(model="assistant", messages=[{"role": "user", "content": "a"}])
+                assert ok.choices[0].message.content == "echo: a"
+                proxy.cut_off()
+                body = {"model": "assistant", "messages": [{"role": "user", "content": "cut"}]}
+                r = httpx.post(sp.url + "/v1/chat/completions", json=body, timeout=90)
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] in ("store_unavailable", "server_unavailable"), r.text
+                started = time.monotonic()
+                ready = httpx.get(sp.url + "/readyz", timeout=90)
+                took = time.monotonic() - started
+                assert ready.status_code == 503, ready.text
+                assert took < 3 * CHECK_TIMEOUT_S, f"/readyz took {took:.1f} s"
+                sp.kill()
+                log = sp.proc.stderr.read() if sp.proc.stderr else ""
+            assert "Traceback" not in log, log[-3000:]
+        finally:
+            proxy.close()

@@ -62,6 +62,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.images import image_url_problem
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
+from appserver.store.base import StoreUnavailable
 from appserver.store.records import AgentRecord
 
 if TYPE_CHECKING:
@@ -968,6 +969,8 @@ class _Ctx:
         before the server starts on that request."""
         try:
             await self.record_point(snap, text, calls)
+        except StoreUnavailable as exc:  # the database is away: one line (the next request forks)
+            log.warning("could not record the history point of conversation %s: %s", self.run.conversation_id, exc)
         except Exception:
             log.exception("could not record the history point of conversation %s", self.run.conversation_id)
 

@@ -487,6 +487,8 @@ class TurnRun:
         it from the queue if it has not started (nobody is left to read its answer)."""
         try:
             await self.server.kernel.cancel(self.conversation_id, self.turn_id, client_left=True)
+        except StoreUnavailable as exc:
+            log.warning("could not cancel turn %s after a disconnect: %s", self.turn_id, exc)
         except Exception:
             log.exception("could not cancel turn %s after a disconnect", self.turn_id)
 

@@ -36,7 +36,7 @@ from appserver.runtime.restore import controller_from_store
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import TERMINAL_STATUSES, LifecycleState
 from appserver.runtime.watch import Watch
-from appserver.store.base import OpenLimitReached, Store
+from appserver.store.base import OpenLimitReached, Store, StoreUnavailable
 from appserver.store.cluster import CALL_TIMEOUT_S, Cluster, ClusterError, PeerError
 from appserver.store.records import TurnRecord
 
@@ -527,6 +527,8 @@ class ClusterLink:
                     await self.cluster.purge_mail()
             except asyncio.CancelledError:
                 raise
+            except StoreUnavailable as exc:  # the database is away: said once a sweep, no traceback
+                log.warning("cluster sweep skipped: %s", exc)
             except Exception:
                 log.exception("cluster sweep failed")
 

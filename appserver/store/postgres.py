@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 from psycopg.rows import DictRow, dict_row
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from appserver.procid import identity, identity_alive
 from appserver.store.base import (
@@ -473,14 +473,17 @@ class PostgresStore(Store):
         deadline = time.monotonic() + LIVE_CONNECTION_WAIT_S
         tries = 0
         while True:
-            async with self.pool.connection() as conn:
-                try:
-                    await AsyncConnectionPool.check_connection(conn)
-                except psycopg.Error:
-                    pass  # returned broken: the pool discards it
-                else:
-                    yield conn
-                    return
+            try:
+                async with self.pool.connection() as conn:
+                    try:
+                        await AsyncConnectionPool.check_connection(conn)
+                    except psycopg.Error:
+                        pass  # returned broken: the pool discards it
+                    else:
+                        yield conn
+                        return
+            except PoolTimeout as exc:
+                raise StoreUnavailable(f"PostgreSQL store {self.shown_url}: no connection to write on: {exc}") from exc
             tries += 1
             if time.monotonic() >= deadline:
                 raise StoreUnavailable(
@@ -496,14 +499,17 @@ class PostgresStore(Store):
         await self._writes.settle()
         attempts = self.pool_max + 1  # every pooled connection may be dead (a restart)
         for attempt in range(attempts):
-            async with self.pool.connection() as conn:
-                try:
-                    return await run(conn)
-                except psycopg.OperationalError as exc:
-                    if not connection_lost(conn, exc):
-                        raise
-                    if attempt == attempts - 1:
-                        raise StoreUnavailable(f"the database ended every connection of the read: {exc}") from exc
+            try:
+                async with self.pool.connection() as conn:
+                    try:
+                        return await run(conn)
+                    except psycopg.OperationalError as exc:
+                        if not connection_lost(conn, exc):
+                            raise
+                        if attempt == attempts - 1:
+                            raise StoreUnavailable(f"the database ended every connection of the read: {exc}") from exc
+            except PoolTimeout as exc:  # the database cannot be reached: 503 store_unavailable, not a 500
+                raise StoreUnavailable(f"PostgreSQL store {self.shown_url}: no connection to read on: {exc}") from exc
         raise AssertionError("unreachable")
 
     @property

@@ -28,6 +28,7 @@ from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
 from gateway.db import default_path, open_db
 from gateway.pairing import Pairing, PairingError
+from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.supervisor import DELIVER_COMMAND_TIMEOUT_S, Credential, GatewaySupervisor
 
 if TYPE_CHECKING:
@@ -235,7 +236,15 @@ class ChannelService:
 
         A gateway that is starting is waited for (at most DELIVER_START_WAIT_S); one that cannot
         run the target's account (channels off, the account not configured, a setup problem)
-        fails at once, saying why."""
+        fails at once, saying why. A text over DELIVER_MAX_CHARS is cut there with a note (as the
+        child would), so the command stays far below the child's line limit; a command over that
+        limit all the same is refused before it is sent (`CommandTooLarge`), failing this delivery
+        alone."""
+        if len(text) > DELIVER_MAX_CHARS:
+            log.warning(
+                "channels: delivering the first %d of %d characters to %s", DELIVER_MAX_CHARS, len(text), target
+            )
+            text = cap_text(text)
         started = time.monotonic()
         supervisor = await self._gateway_for(target)
         waited = time.monotonic() - started

@@ -944,8 +944,18 @@ def validate_name(name: str) -> str:
     return name
 
 
+_LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # in a str every surrogate is a lone one
+
+
 def validate_prompt(prompt: str) -> str:
-    """At most MAX_PROMPT_BYTES in UTF-8 (ScheduleError otherwise: nothing is written)."""
+    """Text that UTF-8 can encode (no lone surrogate), at most MAX_PROMPT_BYTES of it (ScheduleError
+    otherwise: nothing is written)."""
+    lone = _LONE_SURROGATE_RE.search(prompt)
+    if lone is not None:
+        raise ScheduleError(
+            f"prompt contains a lone surrogate (U+{ord(lone.group()):04X} at character {lone.start()}), which is not "
+            "text: remove it or write the character it was meant to be"
+        )
     size = len(prompt.encode("utf-8", "surrogatepass"))
     if size > MAX_PROMPT_BYTES:
         raise ScheduleError(

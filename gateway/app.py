@@ -36,6 +36,7 @@ from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
 from gateway.recent import Recent
 from gateway.replies import Replies, answer_target, chat_key
 from gateway.routing import RouteKey, Router
+from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.status import StatusBoard
 from gateway.turninput import clean, payload_of, submit_frame
 from plugins.contract import InboundMessage, Target
@@ -424,12 +425,16 @@ class Gateway:
     # ---------------------------------------------------------------- commands from the supervisor
 
     async def deliver_text(self, target: str, text: str) -> list[str]:
-        """Send `text` to `channel:account:chat[:thread]` (cron `--deliver`); returns the ids."""
+        """Send `text` to `channel:account:chat[:thread]` (cron `--deliver`); returns the ids. A text
+        over DELIVER_MAX_CHARS is cut there, with a note saying so (`cap_text`)."""
         parts = target.split(":")
         if len(parts) not in (3, 4) or not all(parts):
             raise ValueError("target must be channel:account:chat[:thread]")
         runner = self.runners.get(f"{parts[0]}:{parts[1]}")
         if runner is None:
             raise ValueError(f"no running account {parts[0]}:{parts[1]}")
-        ids = await self.replies.deliver_text(runner, Target(parts[2], parts[3] if len(parts) == 4 else None), text)
+        where = Target(parts[2], parts[3] if len(parts) == 4 else None)
+        if len(text) > DELIVER_MAX_CHARS:
+            log.warning("delivering the first %d of %d characters to %s", DELIVER_MAX_CHARS, len(text), target)
+        ids = await self.replies.deliver_text(runner, where, cap_text(text))
         return ids

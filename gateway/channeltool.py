@@ -12,6 +12,7 @@ from gateway.ledger import Ledger
 from gateway.link import ServerLink
 from gateway.replies import Replies, TurnContext
 from gateway.routing import Router
+from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.tool import NAME as TOOL_NAME
 from gateway.tool import ToolRefusal, parse_call, target_name
 from plugins.contract import Adapter, Target
@@ -53,10 +54,15 @@ class MessageChannel:
                     raise ToolRefusal("not sent: this is an exact repeat of your previous message in this turn")
                 if not await self.allowed(ctx, outbox.adapter, call.target):
                     raise ToolRefusal(f"not sent: {where} is not a chat this account has talked to or routes")
-                ids = await ReplySink(outbox, call.target, stream=False).finish(call.text)
+                ids = await ReplySink(outbox, call.target, stream=False).finish(cap_text(call.text))
                 ctx.sends.last = (where, call.text)
                 ctx.sends.sent.update((i, call.target) for i in ids)
                 result = f"sent to {where}; message id {', '.join(ids)}"
+                if len(call.text) > DELIVER_MAX_CHARS:
+                    result += (
+                        f" (only the first {DELIVER_MAX_CHARS:,} of its {len(call.text):,} characters: a send is cut"
+                        " there, with a note saying so)"
+                    )
             elif call.action == "edit":
                 where_sent = ctx.sends.sent.get(str(call.message_id))
                 if where_sent is None:

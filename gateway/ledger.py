@@ -42,6 +42,7 @@ _DECIDED: dict[Decision, State] = {"allow": "allowed", "deny": "denied", "pair":
 # characters, none of them a control character.
 IDEMPOTENCY_KEY_MAX = 256
 _KEY_CONTROL = re.compile("[\x00-\x1f\x7f]")
+DIGEST_MARK = "h:"  # the id part of a digest key starts with it; no natural key's id part does
 
 
 class LedgerStateError(Exception):
@@ -63,18 +64,26 @@ class UpdateKey:
     @property
     def idempotency_key(self) -> str:
         """`channel:account:message_id` when the server takes it as a key (at most 256 characters,
-        no control character): every key a platform's short ids make, so rows written by older
-        versions keep matching. Otherwise (a webhook `id` of 1,024 characters, one with a newline,
-        a plugin's odd ids) `channel:account:h:<sha256 hex of that string>`: deterministic, so a
-        redelivered message still maps to the same key and the server still makes it one turn."""
+        no control character) and the id does not start with `h:`: every key a platform's short ids
+        make, so rows written by older versions keep matching. Otherwise (a webhook `id` of 1,024
+        characters, one with a newline, a plugin's odd ids, and any id starting with `h:`)
+        `channel:account:h:<sha256 hex of that string>`: deterministic, so a redelivered message
+        still maps to the same key and the server still makes it one turn. The two forms never
+        meet: a natural key's id part never starts with `h:`, a digest key's always does (channel
+        and account hold no `:`), so an id crafted as `h:<digest of another id>` gets a digest of
+        its own instead of taking that id's turn."""
         natural = str(self)
-        if len(natural) <= IDEMPOTENCY_KEY_MAX and not _KEY_CONTROL.search(natural):
+        if (
+            len(natural) <= IDEMPOTENCY_KEY_MAX
+            and not _KEY_CONTROL.search(natural)
+            and not self.message_id.startswith(DIGEST_MARK)
+        ):
             return natural
         digest = hashlib.sha256(natural.encode("utf-8", "surrogatepass")).hexdigest()
-        short = f"{self.channel}:{self.account}:h:{digest}"
+        short = f"{self.channel}:{self.account}:{DIGEST_MARK}{digest}"
         if len(short) <= IDEMPOTENCY_KEY_MAX and not _KEY_CONTROL.search(short):
             return short
-        return f"h:{digest}"  # (a channel and account name that long: the digest covers them)
+        return f"{DIGEST_MARK}{digest}"  # (a channel and account name that long: the digest covers them)
 
 
 @dataclass(frozen=True)

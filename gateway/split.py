@@ -37,8 +37,49 @@ from plugins.contract import is_grapheme_boundary
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 _LINK = re.compile(r"!?\[[^\]\n]*\]\([^()\s]*\)")  # a Markdown link or image, kept whole by a cut
 MIN_LIMIT = 32
+# What one delivery outside a turn's own reply sends at most: a cron `--deliver` reply and a
+# `message_channel` send or reply (10 Telegram messages, about 20 on Discord). A longer text is cut
+# here with a note saying so (`cap_text`): a 6 MB reply would be 1,500 chat messages, and its
+# command line to the gateway child would be larger than that child reads.
+DELIVER_MAX_CHARS = 40_000
 
-__all__ = ["MIN_LIMIT", "is_grapheme_boundary", "split_message"]
+__all__ = ["DELIVER_MAX_CHARS", "MIN_LIMIT", "cap_text", "is_grapheme_boundary", "split_message"]
+
+
+def cap_text(text: str, limit: int = DELIVER_MAX_CHARS) -> str:
+    """`text` when it has at most `limit` characters; else its beginning (cut at a grapheme-cluster
+    boundary, a code fence it leaves open closed) and a note that the rest was cut, naming the sizes,
+    together at most `limit` characters (so capping again changes nothing)."""
+    if len(text) <= limit:
+        return text
+    note = f"\n\n✂ Cut here: the text has {len(text):,} characters, and one delivery sends at most {limit:,}."
+    room = max(limit - len(note), 0)
+    reserve = 0
+    for _ in range(3):
+        kept = _cut_at_cluster(text, max(room - reserve, 0))
+        closer = _open_fence_closer(kept)
+        if len(kept) + len(closer) <= room:
+            return f"{kept}{closer}{note}"
+        reserve = len(closer)
+    return f"{_cut_at_cluster(text, room)}{note}"[:limit]
+
+
+def _cut_at_cluster(text: str, room: int) -> str:
+    cut = room
+    while cut > 0 and not is_grapheme_boundary(text, cut):
+        cut -= 1
+    return text[: cut or room]  # one absurd cluster: the limit comes first
+
+
+def _open_fence_closer(text: str) -> str:
+    opener: str | None = None
+    for line in text.split("\n"):
+        m = _FENCE.match(line)
+        if m and opener is None:
+            opener = line
+        elif m and opener is not None and _closes(opener, m):
+            opener = None
+    return f"\n{fence_closer(opener)}" if opener is not None else ""
 
 
 @dataclass(frozen=True)

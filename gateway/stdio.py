@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -29,8 +31,18 @@ READY = "GATEWAY_READY"
 RESPONSE = "GATEWAY_RESPONSE"
 EVENT = "GATEWAY_EVENT"
 MAX_LINE = 1 << 20  # a control line longer than this is noise, not a message
+# The longest command line (supervisor -> child, without its newline) the child reads: the
+# supervisor refuses to send a longer one (`CommandTooLarge`), and the child skips one that comes
+# anyway, answering an error for it when its id can be read, instead of exiting.
+COMMAND_MAX_LINE = 1 << 22
+# A string in a control line the child writes is cut to this many characters (an error's text, an
+# account's reason): the line then stays far below MAX_LINE, which the supervisor would drop.
+MAX_FIELD_CHARS = 4000
+_COMMAND_ID = re.compile(rb'^\s*\{\s*"id"\s*:\s*"([A-Za-z0-9_.-]{1,64})"')
 
 Kind = Literal["ready", "response", "event"]
+
+log = logging.getLogger("gateway.stdio")
 
 
 @dataclass(frozen=True)
@@ -60,10 +72,23 @@ class ControlWriter:
         self._write(READY)
 
     def response(self, request_id: str, payload: Mapping[str, Any]) -> None:
-        self._write(f"{RESPONSE} {_dump({**payload, 'id': request_id})}")
+        line = f"{RESPONSE} {_dump({**_clip(payload), 'id': request_id})}"
+        if len(line) > MAX_LINE:  # the supervisor would drop it and wait for nothing: say so instead
+            log.error(
+                "the answer to command %s is %d bytes, over the control line limit; answering an error",
+                request_id,
+                len(line),
+            )
+            error = f"the gateway's answer was {len(line)} bytes, over the control channel's {MAX_LINE} bytes"
+            line = f"{RESPONSE} {_dump({'ok': False, 'error': error, 'id': request_id})}"
+        self._write(line)
 
     def event(self, event_type: str, payload: Mapping[str, Any]) -> None:
-        self._write(f"{EVENT} {_dump({**payload, 'type': event_type})}")
+        line = f"{EVENT} {_dump({**_clip(payload), 'type': event_type})}"
+        if len(line) > MAX_LINE:
+            log.error("dropped a %s event of %d bytes, over the control line limit", event_type, len(line))
+            return
+        self._write(line)
 
     def close(self) -> None:
         self._out.close()
@@ -131,6 +156,49 @@ async def _skip_line(stream: asyncio.StreamReader) -> None:
             await stream.readexactly(exc.consumed)
         except asyncio.IncompleteReadError:
             return
+
+
+@dataclass(frozen=True)
+class Overlong:
+    """A command line longer than COMMAND_MAX_LINE, skipped: its size and its id when readable."""
+
+    size: int
+    request_id: str | None
+
+
+async def read_command(stream: asyncio.StreamReader) -> bytes | Overlong:
+    """The child's next command line (b"" at EOF). A line longer than the stream's limit is read
+    past, up to its newline, and comes back as `Overlong` (never an exception: one bad line must
+    not end the child and every channel with it). Give the stream a limit of COMMAND_MAX_LINE."""
+    try:
+        return await stream.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        return bytes(exc.partial)
+    except asyncio.LimitOverrunError as exc:
+        head = await stream.readexactly(exc.consumed)
+        match = _COMMAND_ID.match(head[:200])
+        size = len(head)
+        while True:
+            try:
+                size += len(await stream.readuntil(b"\n")) - 1
+                break
+            except asyncio.LimitOverrunError as more:
+                size += len(await stream.readexactly(more.consumed))
+            except asyncio.IncompleteReadError as end:
+                size += len(end.partial)
+                break
+        return Overlong(size, match.group(1).decode("ascii") if match else None)
+
+
+def _clip(value: Any) -> Any:
+    """`value` with every string in it cut to MAX_FIELD_CHARS characters."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_FIELD_CHARS else value[: MAX_FIELD_CHARS - 1] + "…"
+    if isinstance(value, Mapping):
+        return {k: _clip(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clip(v) for v in value]
+    return value
 
 
 def _dump(payload: Mapping[str, Any]) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.stdio import MAX_LINE, ControlLine, read_lines
+from gateway.stdio import COMMAND_MAX_LINE, MAX_LINE, ControlLine, read_lines
 
 log = logging.getLogger("appserver.gateway")
 child_log = logging.getLogger("gateway")
@@ -60,6 +60,10 @@ BACKOFF_MIN_S = _env_seconds("APPSERVER_GATEWAY_RESTART_BACKOFF_S", BACKOFF_MIN_
 PING_INTERVAL_S = _env_seconds("APPSERVER_GATEWAY_PING_INTERVAL_S", 10.0)
 PING_TIMEOUT_S = _env_seconds("APPSERVER_GATEWAY_PING_TIMEOUT_S", 10.0)
 HUNG_KILL_S = _env_seconds("APPSERVER_GATEWAY_HUNG_KILL_S", 60.0)
+
+
+class CommandTooLarge(RuntimeError):
+    """A command whose line is longer than the child reads (COMMAND_MAX_LINE): never sent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +158,16 @@ class GatewaySupervisor:
         if proc is None or proc.returncode is not None or proc.stdin is None or not self._ready.is_set():
             raise RuntimeError(f"the gateway is not running ({self.view.state}: {self.view.reason or 'no reason'})")
         request_id = f"r{next(self._ids)}"
+        line = json.dumps({"id": request_id, "op": op, **args}).encode()
+        if len(line) > COMMAND_MAX_LINE:  # the child would skip it: refuse it here, with the sizes
+            raise CommandTooLarge(
+                f"the gateway command {op!r} would be {len(line):,} bytes, over the {COMMAND_MAX_LINE:,} the gateway "
+                "reads; not sent"
+            )
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            proc.stdin.write((json.dumps({"id": request_id, "op": op, **args}) + "\n").encode())
+            proc.stdin.write(line + b"\n")
             await proc.stdin.drain()
             return await asyncio.wait_for(future, timeout)
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import selectors
 import socket
 import sqlite3
@@ -300,3 +301,286 @@ def test_an_error_answer_closes_its_connection(hook: Hook) -> None:
         assert _answered([sock], 2.0).get(sock) == b""  # closed by the server
     finally:
         sock.close()
+
+
+# ----------------------------------------------------------------------------- 3: round 3 of the tester
+#
+# F1: a delivery too big for the control line must not kill the gateway child; F2: a local user
+# holding every slot from several loopback addresses does not lock signed senders out; F3: refused
+# connections whose client is gone write no traceback each; F4: an id crafted as `h:<digest>` gets
+# its own key; and a cron prompt with a lone surrogate is refused clearly.
+
+
+def _gateway_pid(srv: ChannelServer) -> str:
+    return (srv.home / "channels" / "gateway.lock").read_text().strip()
+
+
+def test_a_cron_reply_too_big_for_the_control_line_is_cut_and_the_gateway_lives_on(hook: Hook) -> None:
+    from cron.schedule import ScheduleSpec
+    from cron.store import CronStore, make_task, utcnow
+    from gateway.split import DELIVER_MAX_CHARS
+    from tests.support.cli import run_cli
+
+    home = hook.srv.home
+    pid = _gateway_pid(hook.srv)
+    env = cli_env(home, WH_SECRET=SECRET)
+    seed = run_cli(
+        home,
+        "cron",
+        "add",
+        "--name",
+        "seed",
+        "--agent",
+        "assistant",
+        "--every",
+        "1h",
+        "--prompt",
+        "s",
+        "--json",
+        env=env,
+    )
+    assert seed.code == 0, (seed.out, seed.err)
+    # 1,000,000 control characters: the echoed reply JSON-escaped is ~6 MB on the command line,
+    # over the 4 MiB the child reads (it used to exit with ValueError, taking every channel along).
+    task = make_task(
+        name="big-reply",
+        agent=str(seed.json()["agent"]),
+        schedule=ScheduleSpec.from_dict(seed.json()["schedule"]),
+        prompt="\x01" * 1_000_000,
+        now=utcnow(),
+        deliver=f"webhook:{ACCOUNT}:bigcron",
+    )
+    CronStore(home).add(task)
+    r = run_cli(home, "cron", "run", "big-reply", "--json", env=env, timeout=90)
+    assert r.code == 0, (r.out[:500], r.err[:500])
+
+    def delivered() -> list[dict[str, Any]] | None:
+        path = home / "cron-runs" / f"{task.id}.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+        return [x for x in rows if x["event"] in ("delivered", "delivery_failed")] or None
+
+    verdict = wait_for(delivered, timeout=60, what="the delivery's verdict")
+    assert [v["event"] for v in verdict] == ["delivered"], verdict
+    posts = wait_for(lambda: [p for p in hook.receiver.posts if p["chat"] == "bigcron"], timeout=20, what="the post")
+    text = "".join(p["text"] for p in posts)
+    assert (
+        len(text) <= DELIVER_MAX_CHARS + 100 and "Cut here" in text and re.search(r"has 1,000,\d{3} characters", text)
+    ), text[-200:]
+    assert _gateway_pid(hook.srv) == pid  # the same child: it never exited
+    assert "exited with code" not in hook.srv.log()
+    answer = hook.post({"id": "after-big-cron", "chat": "bigcron2", "sender": "ann", "text": "still here"})
+    assert answer.status_code == 202, answer.text
+
+
+def _start_envelope(srv: ChannelServer, home: Any) -> bytes:
+    return (
+        json.dumps({"op": "start", "url": srv.url, "token": None, "home": str(home), "accounts": []}) + "\n"
+    ).encode()
+
+
+def test_the_child_skips_an_over_long_command_line_and_answers_it(hook: Hook, tmp_path: Any) -> None:
+    """The child's own guard (a writer other than the supervisor, or a bug): the line is skipped up to
+    its newline, answered with an error when its id can be read, and the next command is served."""
+    import subprocess
+    import sys
+
+    from gateway.stdio import COMMAND_MAX_LINE, parse_line
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(tmp_path / "h"),
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(_start_envelope(hook.srv, tmp_path / "h"))
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == b"GATEWAY_READY"
+        huge = json.dumps({"id": "r7", "op": "deliver", "target": "webhook:x:y", "text": "\x01" * COMMAND_MAX_LINE})
+        proc.stdin.write(huge.encode() + b"\n" + b'{"id": "r8", "op": "ping"}\n')
+        proc.stdin.flush()
+        first, second = parse_line(proc.stdout.readline()), parse_line(proc.stdout.readline())
+        assert first is not None and first.payload["id"] == "r7" and first.payload["ok"] is False, first
+        assert "over the gateway's" in first.payload["error"]
+        assert second is not None and second.payload == {"ok": True, "id": "r8"}, second
+        assert proc.poll() is None
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr is not None else ""
+    assert err.count("skipped a command line") == 1 and "Traceback" not in err, err[-2000:]
+
+
+def test_the_supervisor_refuses_a_command_the_child_could_not_read(hook: Hook, tmp_path: Any) -> None:
+    import asyncio
+
+    from gateway.stdio import COMMAND_MAX_LINE
+    from gateway.supervisor import CommandTooLarge, Credential, GatewaySupervisor
+
+    async def go() -> None:
+        sup = GatewaySupervisor(
+            home=tmp_path / "h",
+            url=lambda: hook.srv.url,
+            accounts=[],
+            credential=lambda: Credential(None, lambda: None),
+            env=cli_env(tmp_path / "h"),
+        )
+        await sup.start()
+        try:
+            assert sup.view.state == "running", sup.view
+            pid = sup.view.pid
+            with pytest.raises(CommandTooLarge, match="not sent"):
+                await sup.command("deliver", target="webhook:x:y", text="\x01" * (COMMAND_MAX_LINE // 5))
+            assert await sup.command("ping") == {"ok": True, "id": "r2"}
+            assert sup.view.pid == pid and sup.view.restarts == 0
+        finally:
+            await sup.stop()
+
+    asyncio.run(go())
+
+
+def _held_body(port: int, source: str) -> socket.socket:
+    """A connection that sent a complete head and keeps its body coming (not yet verifiable)."""
+    sock = _connect(port, source)
+    sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+    return sock
+
+
+def _signed_request(payload: dict[str, Any]) -> bytes:
+    body = json.dumps(payload).encode()
+    stamp = str(int(time.time()))
+    head = (
+        f"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"{TIMESTAMP_HEADER}: {stamp}\r\n{SIGNATURE_HEADER}: {sign(SECRET, stamp, body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _read_response(sock: socket.socket, wait_s: float = 5.0) -> bytes:
+    sock.settimeout(wait_s)
+    got = b""
+    while b"\r\n\r\n" not in got or not got.endswith(b"}"):
+        data = sock.recv(65536)
+        if not data:
+            break
+        got += data
+    return got
+
+
+def test_unsigned_connections_from_several_addresses_cannot_lock_signed_senders_out(hook: Hook) -> None:
+    port = hook.port
+    # A signed sender already talking over a kept-alive connection keeps it: never evicted.
+    kept = _connect(port, "127.0.0.1")
+    holders: list[socket.socket] = []
+    try:
+        kept.sendall(_signed_request({"id": "keep-1", "chat": "fair", "sender": "ann", "text": "kept alive 1"}))
+        assert _read_response(kept).startswith(b"HTTP/1.1 202"), "the first signed request"
+        # One local user takes every other slot from 4 loopback addresses (16 each, the per-client
+        # cap), each with a complete head and a body that never ends.
+        for n in range(63):
+            holders.append(_held_body(port, f"127.0.0.{10 + n // 16}"))
+        time.sleep(0.3)
+        assert _answered(holders, 0.3) == {}, "all 63 held"
+        # A signed sender on another address is served: room is made by evicting the oldest
+        # unsigned connection of the largest group, with a 503 or a cut.
+        for i in range(3):
+            answer = hook.post(
+                {"id": f"fair-{i}", "chat": "fair", "sender": "ann", "text": f"through {i}"}, "127.0.0.2"
+            )
+            assert answer.status_code == 202, answer.text
+        evicted = _answered(holders, 1.0)
+        assert 1 <= len(evicted) <= 3, len(evicted)
+        assert evicted.get(holders[0]) is not None  # the oldest of its group went first
+        # Full again, an attacker connecting from an address that holds about as many unsigned
+        # connections as any other evicts nobody: it is refused.
+        holders = [h for h in holders if h not in evicted]
+        while len(holders) < 63:
+            holders.append(_held_body(port, "127.0.0.10"))
+        extra = _held_body(port, "127.0.0.13")
+        refused = _answered([extra], 2.0)[extra]
+        assert refused.startswith(b"HTTP/1.1 503") and b"max_connections" in refused, refused
+        assert _answered(holders, 0.3) == {}
+        # The kept-alive signed connection is still open and served.
+        kept.sendall(_signed_request({"id": "keep-2", "chat": "fair", "sender": "ann", "text": "kept alive 2"}))
+        assert _read_response(kept).startswith(b"HTTP/1.1 202"), "the second request on the same connection"
+    finally:
+        for s in [kept, *holders]:
+            s.close()
+    wait_for(lambda: store_turns(hook.srv.home, "through 2") == 1, timeout=20, what="the turn")
+
+
+def test_refused_connections_whose_client_is_gone_log_nothing_each(hook: Hook) -> None:
+    port = hook.port
+    before = hook.srv.log()
+    held = [_connect(port, "127.0.0.30") for _ in range(DEFAULT_CONNECTIONS_PER_CLIENT)]
+    try:
+        time.sleep(0.2)
+        for _ in range(300):  # over the per-client cap, closed (FIN) before the server answers
+            s = _connect(port, "127.0.0.30")
+            s.close()
+        time.sleep(1.5)
+    finally:
+        for s in held:
+            s.close()
+    added = hook.srv.log()[len(before) :]
+    assert "Traceback" not in added and "Exception in callback" not in added, added[:3000]
+    assert added.count("refusing a connection") <= 2, added[:3000]
+    assert (
+        hook.post({"id": "after-flood", "chat": "flood", "sender": "ann", "text": "after the flood"}).status_code == 202
+    )
+
+
+def test_an_id_crafted_as_another_ids_digest_gets_its_own_key() -> None:
+    long_id = "L" * 300
+    crafted = "h:" + hashlib.sha256(f"{PREFIX}{long_id}".encode()).hexdigest()
+    a, b = UpdateKey("webhook", ACCOUNT, long_id), UpdateKey("webhook", ACCOUNT, crafted)
+    assert a.idempotency_key == f"{PREFIX}{crafted}"
+    assert b.idempotency_key != a.idempotency_key
+    assert b.idempotency_key == f"{PREFIX}h:" + hashlib.sha256(f"{PREFIX}{crafted}".encode()).hexdigest()
+    # The two spaces never meet: a natural key's id part never starts with "h:", a digest's always does.
+    for mid in ["h:", "h:x", "H:abc", "evt-h:1", "xh:" + "0" * 64, "a" * 300, "nl\n", "h", ""]:
+        key = UpdateKey("webhook", ACCOUNT, mid).idempotency_key
+        assert key.startswith(PREFIX)
+        rest = key[len(PREFIX) :]
+        if rest == mid:
+            assert not mid.startswith("h:")
+        else:
+            assert rest == "h:" + hashlib.sha256(f"{PREFIX}{mid}".encode()).hexdigest()
+
+
+def test_a_crafted_digest_id_is_a_turn_of_its_own(hook: Hook) -> None:
+    long_id = "C" * 300
+    crafted = "h:" + hashlib.sha256(f"{PREFIX}{long_id}".encode()).hexdigest()
+    assert hook.post({"id": long_id, "chat": "coll", "sender": "ann", "text": "FIRST long id"}).status_code == 202
+    hook.answered("coll", 1)
+    assert hook.post({"id": crafted, "chat": "coll", "sender": "ann", "text": "SECOND crafted id"}).status_code == 202
+    rows = hook.answered("coll", 2)
+    assert len(rows) == 2 and len({r[3] for r in rows}) == 2, rows
+    wait_for(lambda: store_turns(hook.srv.home, "SECOND crafted id") == 1, timeout=20, what="the second turn")
+    wait_for(lambda: len([p for p in hook.receiver.posts if p["chat"] == "coll"]) >= 2, timeout=20, what="both replies")
+
+
+def test_a_cron_prompt_with_a_lone_surrogate_is_refused_clearly(tmp_path: Any) -> None:
+    """What the schedule tool hands over (JSON `"\\ud800"` decodes to a lone surrogate): refused by
+    the validation with a clear message, nothing written; it used to pass and fail at the save with
+    a raw codec error."""
+    from cron.schedule import ScheduleError, ScheduleSpec
+    from cron.store import CronStore, make_task, utcnow
+
+    home = tmp_path / "home"
+    home.mkdir()
+    spec = ScheduleSpec.from_dict({"kind": "every", "expr": "1h", "tz": "Etc/UTC"})
+    with pytest.raises(ScheduleError, match=r"lone surrogate \(U\+D800 at character 4\)") as refused:
+        make_task(name="sur", agent="agt_x", schedule=spec, prompt="say \ud800 hi", now=utcnow())
+    assert "codec" not in str(refused.value)
+    assert not (home / "crons.json").exists()
+    ok = make_task(name="ok", agent="agt_x", schedule=spec, prompt="say 😀 hi", now=utcnow())
+    CronStore(home).add(ok)  # a real astral character is text, as before
+    assert "😀" in (home / "crons.json").read_text(encoding="utf-8")

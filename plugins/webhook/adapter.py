@@ -37,7 +37,7 @@ from plugins.contract import (
     Limits,
     Target,
 )
-from plugins.webhook.edge import Gate, protocol_class
+from plugins.webhook.edge import AUTHENTICATED_EXTENSION, REFUSAL_LOG_EVERY_S, Gate, protocol_class
 from plugins.webhook.settings import (
     DEFAULT_CONNECTIONS_PER_CLIENT,
     DEFAULT_LISTEN,
@@ -136,6 +136,8 @@ class WebhookAdapter:
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
         self._stopping = False
+        self._last_refusal_log = -float("inf")
+        self._refusals_held_back = 0
 
     # lifecycle
 
@@ -235,10 +237,11 @@ class WebhookAdapter:
         try:
             body = await self._read_body(request)
             self._check_signature(request, body)
+            _mark_authenticated(request.scope)  # the edge keeps this connection's slot from now on
             message = self._parse(body, request.headers[TIMESTAMP_HEADER])
         except _BadRequest as exc:
             if exc.status == 401:
-                self.context.log.warning("webhook account '%s': refused a delivery: %s", self.account.name, exc.message)
+                self._note_refusal(exc.message)
             return _error(exc.status, exc.message)
         try:
             await self.context.on_message(message)
@@ -248,6 +251,17 @@ class WebhookAdapter:
             )
             return _error(503, "not recorded; retry later", headers={"Retry-After": "5"})
         return JSONResponse({"accepted": True, "id": message.message_id}, status_code=202)
+
+    def _note_refusal(self, reason: str) -> None:
+        """One log line per REFUSAL_LOG_EVERY_S for refused signatures, with how many more there
+        were: anyone who can connect could otherwise write a line per request into the log."""
+        now = time.monotonic()
+        if now - self._last_refusal_log < REFUSAL_LOG_EVERY_S:
+            self._refusals_held_back += 1
+            return
+        more = f" ({self._refusals_held_back} more since the last notice)" if self._refusals_held_back else ""
+        self.context.log.warning("webhook account '%s': refused a delivery: %s%s", self.account.name, reason, more)
+        self._last_refusal_log, self._refusals_held_back = now, 0
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -421,6 +435,13 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     except (TypeError, ValueError):
         return None
     return min(max(0.0, when.timestamp() - time.time()), MAX_RETRY_AFTER_S)
+
+
+def _mark_authenticated(scope: Scope) -> None:
+    """Tell the listener's edge this connection sent a validly signed request (never evicted)."""
+    marker = (scope.get("extensions") or {}).get(AUTHENTICATED_EXTENSION)
+    if isinstance(marker, dict) and callable(marker.get("mark")):
+        marker["mark"]()
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:

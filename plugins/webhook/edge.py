@@ -12,7 +12,13 @@ signed sender out for as long as they stayed open. This protocol adds, per liste
 * connection caps counted at accept: in all (`max_connections`) and per client address
   (`connections_per_client`; an IPv6 client counts by its /64), so one address cannot take every
   slot. A connection over a cap gets a 503 at once, in the channel's JSON error shape with
-  `Retry-After`, and is closed.
+  `Retry-After`, and is closed; but at the total cap a newcomer may take the slot of the oldest
+  connection that has not sent a validly signed request yet, of the address holding the most of
+  them (`Gate`), so a local user filling every slot from several loopback addresses does not lock
+  signed senders out. The adapter marks a verified request through the ASGI scope extension
+  `AUTHENTICATED_EXTENSION`; such a connection is never evicted.
+* quiet closes: a refused client that is gone already is closed without a traceback, and refusals
+  are logged once per REFUSAL_LOG_EVERY_S, never per connection.
 
 Every answer the edge writes itself has the adapter's error shape, `{"accepted": false, "error": …}`.
 The body's own deadline (`BODY_TIMEOUT_S`) is the adapter's. Standard library and uvicorn only: a
@@ -36,6 +42,9 @@ HEAD_TIMEOUT_S = 5.0  # from the moment a connection waits for a request to its 
 HEAD_MAX_BYTES = 64 * 1024  # the request line and headers
 LINGER_S = 1.0  # after a refusal: what the client still sends is read and dropped this long, then closed
 REFUSAL_LOG_EVERY_S = 10.0
+# The ASGI scope extension through which the adapter marks a request whose signature it verified:
+# `scope["extensions"][AUTHENTICATED_EXTENSION]["mark"]()`. Such a connection is never evicted.
+AUTHENTICATED_EXTENSION = "webhook.authenticated"
 
 
 def client_group(host: str | None) -> str:
@@ -56,37 +65,77 @@ def client_group(host: str | None) -> str:
 
 @dataclass
 class Gate:
-    """The open connections of one listener, in all and per client group."""
+    """The open connections of one listener, in all and per client group.
+
+    Past `max_connections` a newcomer is not simply refused (a local user holding every slot with
+    trickled bodies from several loopback addresses locked signed senders out): room is made by
+    evicting a connection that has not shown a valid signature yet, when that makes the slots
+    fairer. The newcomer's group must hold no unauthenticated connection, or fewer than the
+    victim's group less one; the victim is the oldest unauthenticated connection of the group
+    holding the most of them. So a newcomer is never evicted while any group holds more
+    unauthenticated connections than its own, and otherwise only after every connection older than
+    it; a connection that showed a valid signature (`authenticated`) is never evicted.
+    """
 
     max_connections: int
     per_client: int
     log: logging.Logger
     total: int = 0
     by_client: dict[str, int] = field(default_factory=dict)
+    # unauthenticated connections per group, oldest first (dicts keep insertion order)
+    _pending: dict[str, dict[WebhookHttpProtocol, int]] = field(default_factory=dict)
+    _seq: int = 0
     _last_notice: float = -float("inf")
     _held_back: int = 0
 
-    def admit(self, group: str) -> str | None:
-        """Count a new connection from `group`; or why it is refused (nothing counted)."""
-        if self.total >= self.max_connections:
-            return self._refused(
-                f"the listener has {self.max_connections} connections open, its limit (max_connections); retry shortly"
-            )
+    def admit(self, group: str, conn: WebhookHttpProtocol | None = None) -> str | None:
+        """Count a new connection from `group`; or why it is refused (nothing counted). At the total
+        cap an unauthenticated connection may be evicted to make room (above)."""
         if self.by_client.get(group, 0) >= self.per_client:
             return self._refused(
                 f"this client has {self.per_client} connections open, its limit (connections_per_client); retry shortly"
             )
+        if self.total >= self.max_connections and not self._make_room(group):
+            return self._refused(
+                f"the listener has {self.max_connections} connections open, its limit (max_connections); retry shortly"
+            )
         self.total += 1
         self.by_client[group] = self.by_client.get(group, 0) + 1
+        if conn is not None:
+            self._seq += 1
+            self._pending.setdefault(group, {})[conn] = self._seq
         return None
 
-    def release(self, group: str) -> None:
+    def authenticated(self, group: str, conn: WebhookHttpProtocol) -> None:
+        """`conn` showed a valid signature: it is never evicted from now on."""
+        waiting = self._pending.get(group)
+        if waiting is not None and waiting.pop(conn, None) is not None and not waiting:
+            del self._pending[group]
+
+    def release(self, group: str, conn: WebhookHttpProtocol | None = None) -> None:
+        if conn is not None:
+            self.authenticated(group, conn)  # no longer a candidate for eviction
         self.total -= 1
         left = self.by_client.get(group, 0) - 1
         if left > 0:
             self.by_client[group] = left
         else:
             self.by_client.pop(group, None)
+
+    def _make_room(self, group: str) -> bool:
+        if not self._pending:
+            return False
+        most = max(len(conns) for conns in self._pending.values())
+        mine = len(self._pending.get(group, ()))
+        if mine and mine + 1 >= most:
+            return False  # evicting would not make the slots fairer: refuse the newcomer instead
+        candidates = (next(iter(conns.items())) for conns in self._pending.values() if len(conns) == most)
+        victim, _ = min(candidates, key=lambda item: item[1])
+        victim.evict(
+            f"evicted to make room: the listener has {self.max_connections} connections open, its limit "
+            "(max_connections), and this one had not sent a signed request; retry shortly"
+        )  # releases its slot at once, through `release`
+        return self.total < self.max_connections
 
     def _refused(self, reason: str) -> str:
         now = time.monotonic()
@@ -121,7 +170,8 @@ class WebhookHttpProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._group: str | None = None  # counted by the gate (None: refused, or not yet made)
+        self._group: str | None = None  # counted by the gate (None: refused, evicted, or not yet made)
+        self._admitted = False  # uvicorn knows of this connection (it was not refused at accept)
         self._closing = False  # answered by the edge: what still arrives is dropped
         self._waiting_head = False  # between requests: the head deadline runs
         self._head_bytes = 0
@@ -134,24 +184,40 @@ class WebhookHttpProtocol(HttpToolsProtocol):
         peer = transport.get_extra_info("peername")
         host = peer[0] if isinstance(peer, tuple) and peer else None
         group = client_group(host if isinstance(host, str) else None)
-        refusal = self.gate.admit(group)
+        refusal = self.gate.admit(group, self)
         if refusal is not None:
             self.transport = transport
             self._refuse(transport, json_error(503, refusal, ((b"retry-after", b"1"),)))
             return
         self._group = group
+        self._admitted = True
         super().connection_made(transport)
         self._await_head()
+
+    def evict(self, reason: str) -> None:
+        """Give up this connection's slot at once (the gate makes room for a newcomer): a 503, or a
+        cut when a request of it runs, then closed."""
+        self._release()
+        self._answer(503, reason, ((b"retry-after", b"1"),))
+
+    def authenticated(self) -> None:
+        """The adapter verified a request's signature on this connection: it keeps its slot."""
+        if self._group is not None:
+            self.gate.authenticated(self._group, self)
+
+    def _release(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            self.gate.release(group, self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._head_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         self._head_timer = self._linger_timer = None
-        group, self._group = self._group, None
-        if group is None:  # refused at accept: uvicorn never knew of it
+        self._release()
+        if not self._admitted:  # refused at accept: uvicorn never knew of it
             return
-        self.gate.release(group)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -171,6 +237,11 @@ class WebhookHttpProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._on_head_timeout)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        # how the adapter tells the edge a request's signature was valid (`authenticated`)
+        self.scope.setdefault("extensions", {})[AUTHENTICATED_EXTENSION] = {"mark": self.authenticated}
 
     def on_headers_complete(self) -> None:
         self._waiting_head = False
@@ -204,7 +275,7 @@ class WebhookHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self._answer(400, msg)
 
-    def _answer(self, status: int, message: str) -> None:
+    def _answer(self, status: int, message: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         if self.transport.is_closing() or self._closing:
             return
         cycle = self.cycle
@@ -214,18 +285,23 @@ class WebhookHttpProtocol(HttpToolsProtocol):
             self._closing = True
             self.transport.abort()
             return
-        self._refuse(self.transport, json_error(status, message))
+        self._refuse(self.transport, json_error(status, message, extra))
 
     def _refuse(self, transport: asyncio.Transport, response: bytes) -> None:
         """Write `response` and close without losing it: stop writing (FIN), drop what still
         arrives for LINGER_S, then close (closing with unread input resets the connection, and a
-        reset can discard the answer before the client reads it)."""
+        reset can discard the answer before the client reads it). A client that is gone already
+        (ENOTCONN, a reset) is closed quietly: a flood of them must not write a log line each."""
         self._closing = True
-        transport.write(response)
-        if not transport.can_write_eof():
-            transport.close()
+        try:
+            transport.write(response)
+            if transport.is_closing() or not transport.can_write_eof():
+                transport.close()
+                return
+            transport.write_eof()
+        except OSError:
+            transport.abort()
             return
-        transport.write_eof()
         self._linger_timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     # no WebSockets here: an upgrade request is an ordinary request (405 or 404), logged by nobody

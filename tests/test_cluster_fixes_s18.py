@@ -366,6 +366,38 @@ def test_servers_starting_together_on_a_new_database_make_one_default_agent(tmp_
                 _stop_all(started)
 
 
+def test_run_approve_of_a_copied_awaiting_turn_waits_for_its_outcome(tmp_path: Path) -> None:
+    """An approval left waiting in a SQLite home, the home copied into PostgreSQL, two servers on
+    it, `run --approve` through the second: the server that took the turn over re-sent its waiting
+    state at a higher revision, and `run` printed that (still "awaiting approval", exit 0) as the
+    outcome of the answer it had just given. It waits for the state in which the call is answered."""
+    require_postgres()
+    home = tmp_path / "sqlite-home"
+    env = cli_env(home)
+    assert run_cli(home, "agents", "create", "--name", "ops", "--tool", "clock=ask", env=env).code == 0
+    sp = start_serve(home, env=env)
+    try:
+        paused = run_cli(home, "run", "--json", "--agent", "ops", "--conversation", "new", "/call clock {}", env=env)
+    finally:
+        sp.stop(timeout=10)
+    assert paused.code == 0, paused.err
+    conv, call = paused.json()["conversation_id"], paused.json()["pending"][0]["call_id"]
+    with temp_database("s18_copied") as url:
+        copied = run_cli(home, "store", "copy", "--to", url, env=env)
+        assert copied.code == 0, copied.err
+        nodes = _start(tmp_path, url, 2, FAST)
+        try:
+            second = nodes[1].home
+            r = run_cli(second, "run", "--json", "--agent", "ops", "--conversation", conv, "--approve", call,
+                        env=_env(second, url), timeout=60)  # fmt: skip
+            assert r.code == 0, (r.code, r.out, r.err)
+            out = r.json()
+            assert out["status"] == "completed" and out["pending"] == [], out
+            assert out["text"].startswith("clock -> "), out
+        finally:
+            _stop_all(nodes)
+
+
 # ------------------------------------------------------------------ 5: bad schemas
 
 

@@ -356,9 +356,7 @@ def run_remote(
                     raise ProtocolError(
                         refused[0].get("error") or "invalid_request", "; ".join(r.get("message", "") for r in refused)
                     )
-                snap = await client.wait_turn(
-                    active["turn_id"], after_revision=active["revision"], timeout=timeout, on_frame=on_frame
-                )
+                snap = await wait_answered(client, active, {*approve, *deny}, timeout, on_frame)
                 return snapshot_from_dict(snap), conv_id
             assert text is not None
             # a key of our own makes re-sending the input after a reconnect safe (it never runs twice)
@@ -374,6 +372,32 @@ def run_remote(
             await client.close()
 
     return call_server(go, url, timeout, token_how)
+
+
+async def wait_answered(
+    client: Any,
+    active: dict[str, Any],
+    answered: set[str],
+    timeout: float,
+    on_frame: Callable[[dict[str, Any]], Coroutine[Any, Any, None]],
+) -> dict[str, Any]:
+    """The turn's next settled snapshot in which the answered calls no longer wait: a snapshot
+    still awaiting them is the state before the answer landed, sent again (a server of a cluster
+    that took the turn over re-sends it at a higher revision), not the outcome."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    after = active["revision"]
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise TimeoutError
+        snap: dict[str, Any] = await client.wait_turn(
+            active["turn_id"], after_revision=after, timeout=left, on_frame=on_frame
+        )
+        waiting = {p.get("call_id") for p in snap.get("pending") or [] if isinstance(p, dict)}
+        if snap.get("status") != "awaiting" or not waiting & answered:
+            return snap
+        after = snap.get("revision", after)
 
 
 def call_server(

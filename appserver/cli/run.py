@@ -137,6 +137,7 @@ def run_command(
         fail("nothing to send: give TEXT (or --approve/--deny CALL_ID)", 2)
     if reason is not None and not deny:
         fail("--reason goes with --deny CALL_ID (it is the reason the call was denied)", 2)
+    remote: tuple[str, Callable[[], str | None] | None] | None = None
     if url is not None:
         # another server (or this home's, named): its home is not read, nothing runs in-process
         from appserver.client import ConnectError, check_url
@@ -145,8 +146,16 @@ def run_command(
             check_url(url)
         except ConnectError as exc:
             fail(f"--url: {exc.message}", 2)
+        remote = (url, None)
+    else:
+        config = get_config()
+        live = live_server_or_fail(config.server_json)
+        if live is not None:
+            # a server owns this home: run the turn through its WebSocket protocol (never beside it)
+            remote = (str(live.get("url")), server_url_source(config.server_json))
+    if remote is not None:
         snap, conversation_id = run_remote(
-            url,
+            remote[0],
             agent,
             conversation,
             text,
@@ -156,30 +165,11 @@ def run_command(
             idempotency_key,
             timeout,
             reconnect_wait=reconnect_wait,
+            url_source=remote[1],
             token=token,
-            token_how="give --token or set APPSERVER_TOKEN",
+            token_how="give --token or set APPSERVER_TOKEN" if url is not None else "set APPSERVER_TOKEN",
         )
         sys.exit(render(snap, conversation_id, as_json, agent, url))
-
-    config = get_config()
-    live = live_server_or_fail(config.server_json)
-    if live is not None:
-        # a server owns this home: run the turn through its WebSocket protocol (never beside it)
-        snap, conversation_id = run_remote(
-            str(live.get("url")),
-            agent,
-            conversation,
-            text,
-            approve,
-            deny,
-            reason,
-            idempotency_key,
-            timeout,
-            reconnect_wait=reconnect_wait,
-            url_source=server_url_source(config.server_json),
-            token=token,
-        )
-        sys.exit(render(snap, conversation_id, as_json, agent))
 
     async def go(s: Server) -> tuple[TurnSnapshot, str]:
         if answering:

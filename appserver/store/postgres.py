@@ -572,20 +572,7 @@ class PostgresStore(Store):
         agent.updated_at = now
 
         async def job(conn: Conn) -> None:
-            await conn.execute(
-                "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) "
-                "VALUES (%s,%s,%s,%s,%s,%s,%s,%s)",
-                (
-                    agent.id,
-                    agent.name,
-                    agent.model,
-                    agent.system,
-                    dump_json(agent.tools),
-                    dump_json(agent.params),
-                    agent.created_at,
-                    agent.updated_at,
-                ),
-            )
+            await _insert_agent(conn, agent)
 
         await self._write(job)
         return agent
@@ -600,20 +587,7 @@ class PostgresStore(Store):
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (FIRST_AGENT_LOCK,))
             if await (await conn.execute("SELECT 1 FROM agents LIMIT 1")).fetchone() is not None:
                 return False
-            await conn.execute(
-                "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) "
-                "VALUES (%s,%s,%s,%s,%s,%s,%s,%s)",
-                (
-                    agent.id,
-                    agent.name,
-                    agent.model,
-                    agent.system,
-                    dump_json(agent.tools),
-                    dump_json(agent.params),
-                    agent.created_at,
-                    agent.updated_at,
-                ),
-            )
+            await _insert_agent(conn, agent)
             return True
 
         return await self._write(job)
@@ -1468,6 +1442,23 @@ async def _copy_table(conn: Conn, source: sqlite3.Connection, table: str) -> int
             await copy.write_row(values)
             n += 1
     return n
+
+
+async def _insert_agent(conn: Conn, agent: AgentRecord) -> None:
+    await conn.execute(
+        "INSERT INTO agents(id, name, model, system, tools, params, created_at, updated_at) "
+        "VALUES (%s,%s,%s,%s,%s,%s,%s,%s)",
+        (
+            agent.id,
+            agent.name,
+            agent.model,
+            agent.system,
+            dump_json(agent.tools),
+            dump_json(agent.params),
+            agent.created_at,
+            agent.updated_at,
+        ),
+    )
 
 
 async def migrate(conn: Conn) -> int:

@@ -587,13 +587,14 @@ def used_runs(runs_dir: Path, task_id: str) -> tuple[int, datetime | None]:
         if n is not None and n > best:
             best = n
         if latest is None and r.get("event") == "fired" and not r.get("manual") and not r.get("recovered"):
-            latest = _aware(r.get("scheduled_for"))
+            latest = aware_time(r.get("scheduled_for"))
         if back >= TAIL_BYTES and latest is not None:
             break
     return best, latest
 
 
-def _aware(value: Any) -> datetime | None:
+def aware_time(value: Any) -> datetime | None:
+    """An ISO time with its zone, as records and task state hold them; None for anything else."""
     if not isinstance(value, str):
         return None
     try:

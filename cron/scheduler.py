@@ -35,7 +35,7 @@ from typing import Any
 
 from cron.credentials import CredentialCheck, TokenCredentials
 from cron.lease import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, LeaseHolder
-from cron.runlog import has_fired, settled_record, unrecorded_turns, unsettled_claims, used_runs
+from cron.runlog import aware_time, has_fired, settled_record, unrecorded_turns, unsettled_claims, used_runs
 from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
     DEFAULT_OUTCOME_TIMEOUT_S,
@@ -85,14 +85,7 @@ CLOCK_SLACK_S = 120.0
 
 def _claimed_at(task: CronTask) -> datetime | None:
     """When the task's last run was claimed (None when unknown)."""
-    value = (task.last_claimed or {}).get("claimed_at")
-    if not isinstance(value, str):
-        return None
-    try:
-        when = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return when if when.tzinfo is not None else None
+    return aware_time((task.last_claimed or {}).get("claimed_at"))
 
 
 def _stamped_after(task: CronTask, limit: datetime, limit_utc: str) -> bool:

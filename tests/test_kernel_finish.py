@@ -57,13 +57,13 @@ async def test_crash_settle_finishes_the_turn_through_the_one_door(server: Serve
     stored = await server.store.get_turn(turn.id)
     assert stored is not None and stored.status == "interrupted"
     # Published above any revision the dead process may have sent and never stored (restore.py
-    # `interrupted_revision`); the stored one stays small (a PostgreSQL INTEGER column).
-    assert stored.revision == turn.revision + 1 and snap.revision > 10**15
+    # `restart_revision`, the clock), and stored as published (a PostgreSQL BIGINT column).
+    assert stored.revision == snap.revision and snap.revision > 10**15
     messages = await server.store.list_messages(turn.conversation_id)
     assert [m.text() for m in messages if m.turn_id == turn.id] == ["lost in the crash"]
     # The settled turn reads back as it was published, never at a lower revision.
     again = await server.kernel.turn_snapshot(turn.id)
-    assert again.status == "cancelled" and again.revision >= snap.revision
+    assert again.status == "cancelled" and again.revision == snap.revision
 
 
 async def test_crash_settle_whose_commit_fails_still_fails_the_start(

@@ -16,11 +16,13 @@ listen elsewhere). Then it says hello, re-subscribes to its conversations and re
 was following: the active turn's snapshot is replayed as `turn_updated`; a followed turn that ended
 meanwhile (e.g. settled as interrupted by the standby) gets a terminal snapshot rebuilt from the
 committed history (`resume.py`), so a caller waiting for an outcome always gets a truthful one.
-On one connection, a `turn_updated` whose revision is not higher than the last one delivered
-for that turn is not delivered (to `frames()`, `next_frame()`, `wait_turn()`): revisions of a turn
-strictly increase, so it is an old or repeated view (a server that restarted shows a turn it
-settled at a higher revision). A frame nested deeper than 64 levels, like one that is no JSON,
-is ignored.
+On one connection (across its reconnects), a `turn_updated` whose revision is not higher than the
+last one delivered for that turn is not delivered (to `frames()`, `next_frame()`, `wait_turn()`):
+revisions of a turn strictly increase, also across a server's restart or a failover, so it is an
+old or repeated view. Nor is any `turn_updated` of a turn after its terminal snapshot: that one is
+the turn's last (a terminal snapshot rebuilt from history after a reconnect, then the server's own
+when the input is sent again with its idempotency key, would be two). A frame nested deeper than
+64 levels, like one that is no JSON, is ignored.
 Callers see two local frames, `{"type": "event", "name": "connection_lost" | "reconnected",
 "local": true, …}` (clients ignore event names they do not know). Requests in flight are re-sent
 when that is safe and fail with `Closed` otherwise. Without a server after `reconnect_s`, `frames()`
@@ -163,6 +165,7 @@ class _Followed:
 
 
 SEEN_TURNS_MAX = 4096  # turns whose newest revision the client remembers (the oldest forgotten first)
+ENDED = 1 << 63  # noted in `_seen` for a turn whose terminal snapshot was delivered: nothing follows it
 
 
 class ProtocolClient:
@@ -199,8 +202,9 @@ class ProtocolClient:
         self._gone = False
         self._subscribed: dict[str, str | None] = {}  # conversation id -> agent id
         self._turns: dict[str, _Followed] = {}  # turns this client follows until their terminal snapshot
-        # turn id -> the newest revision delivered on this connection: an older or equal snapshot
-        # of the turn is not delivered again (revisions strictly increase)
+        # turn id -> the newest revision delivered on this connection (across its reconnects): an
+        # older or equal snapshot of the turn is not delivered again (revisions strictly increase);
+        # ENDED once its terminal snapshot was delivered (it is the turn's last)
         self._seen: OrderedDict[str, int] = OrderedDict()
 
     @classmethod
@@ -415,9 +419,8 @@ class ProtocolClient:
             else:
                 self.ws, self.url, self.welcome = ws, url, welcome
                 self.reconnects += 1
-                # Another server process may answer now: its revisions are compared among
-                # themselves (a turn it requeued after a crash counts from its start again).
-                self._seen.clear()
+                # `_seen` is kept: another server process may answer now, and revisions of a turn
+                # strictly increase across a restart or a takeover too (docs/protocol.md).
                 self._deliver(
                     {
                         "type": "event",
@@ -568,7 +571,7 @@ class ProtocolClient:
         """Note `revision` of `turn_id`; False (and nothing noted) when it is not newer than one
         seen before: a snapshot older than what the caller was shown, or the same one again."""
         last = self._seen.get(turn_id)
-        if last is not None and revision <= last:
+        if last is not None and (revision <= last or last == ENDED):
             return False
         self._seen[turn_id] = revision
         self._seen.move_to_end(turn_id)
@@ -585,9 +588,12 @@ class ProtocolClient:
                 # confused or hostile server; a restarted one before it kept revisions rising) would
                 # show older text as the turn's, a second terminal one a different outcome. A
                 # restarted server's snapshot of a turn it settled has a higher revision (restore.py).
+                # Nothing after a terminal one: it is the turn's last.
                 return
             if snap.get("status") in TERMINAL:
                 self._turns.pop(turn_id, None)
+                if turn_id:
+                    self._seen[turn_id] = ENDED
             elif turn_id and conv_id in self._subscribed:
                 self._turns.setdefault(turn_id, _Followed(conv_id)).revision = _revision(snap)
         if not self._frames.put(frame) and self._overflow is None:

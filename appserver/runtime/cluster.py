@@ -373,7 +373,7 @@ class ClusterLink:
             return known.handle
         store = self.kernel.store
         fresh = await store.get_turn(turn.id) or turn
-        controller = await controller_from_store(store, fresh, await store.list_pending(fresh.id))
+        controller = await controller_from_store(store, fresh, await store.list_pending(fresh.id), follower=True)
         known = self.mirrors.get(turn.id)  # another caller made it meanwhile
         if known is not None:
             return known.handle
@@ -586,7 +586,7 @@ class ClusterLink:
             mirror.started = True
         if turn.status in ("queued", "running") or turn.status == controller.status:
             return
-        built = await controller_from_store(store, turn, await store.list_pending(turn.id))
+        built = await controller_from_store(store, turn, await store.list_pending(turn.id), follower=True)
         snap = built.snapshot()
         controller.mirror(replace(snap, revision=max(snap.revision, controller.revision + 1)))
         if controller.status in TERMINAL_STATUSES:

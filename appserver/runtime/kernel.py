@@ -27,7 +27,7 @@ from appserver.runtime.conversation import ConversationRuntime
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import finish_turn
 from appserver.runtime.handle import Decision, TurnHandle
-from appserver.runtime.restore import REVISIONS_PER_SECOND, controller_from_store
+from appserver.runtime.restore import controller_from_store, restart_revision
 from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped, withdrawn
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
@@ -353,7 +353,8 @@ class Kernel:
     ) -> None:
         """End a turn no runtime holds through `finish_turn`, like every turn: a controller of its
         own, holding `shown` (the turn's messages, kept and new), publishes the settled snapshot at
-        `revision` (default: the stored one + 1); a commit that fails here fails the start."""
+        `revision` (default: the stored one + 1), the one `end` stores; a commit that fails here
+        fails the start."""
         published = revision if revision is not None else turn.revision + 1
         controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=published - 1)
         if shown:
@@ -366,8 +367,12 @@ class Kernel:
         """Drop a queued input whose only answer was the reply to the HTTP request that sent it:
         that connection died with the process, and the client's retry must not find it run as well
         (as when a client leaves before its input starts; DESIGN §13)."""
+        # A restart revision (restore.py): a dead process showed its queue positions, never stored.
+        revision = restart_revision(turn)
         await self._settle_unheld(
-            turn, withdrawn(turn.id, turn.revision + 1, "its HTTP request was cut off by a stop before it started")
+            turn,
+            withdrawn(turn.id, revision, "its HTTP request was cut off by a stop before it started"),
+            revision=revision,
         )
         log.warning(
             "dropped queued turn %s of conversation %s: its HTTP request ended with the process",
@@ -401,6 +406,11 @@ class Kernel:
                 )
             )
         error = server_stopped()
+        # Its snapshot shows what history keeps (was: no blocks, wiping a client's partial reply),
+        # at a restart revision (restore.py `restart_revision`, the clock): above any the dead
+        # process published and never stored, so a client that saw them takes this end. Stored as
+        # published (a BIGINT column), so a later rebuild shows the same revision.
+        published = restart_revision(turn)
         commit = TurnCommit(
             turn.id,
             "interrupted",
@@ -408,15 +418,10 @@ class Kernel:
             messages,
             error=error,
             usage=turn.usage,
-            revision=turn.revision + 1,
+            revision=published,
             iteration=turn.iteration,
         )
-        # Its snapshot shows what history keeps (was: no blocks, wiping a client's partial reply),
-        # at a revision from the settle time as a later rebuild gives it (restore.py
-        # `interrupted_revision`): above any the dead process published and never stored, so a
-        # client that saw them takes this end (the stored revision stays small: an INTEGER column).
         shown = [m for m in history if m.turn_id == turn.id] + messages
-        published = max(turn.revision + 1, int(time.time() * REVISIONS_PER_SECOND))
         await self._settle_unheld(turn, TurnEnd("interrupted", "cancelled", error, commit), shown, published)
         log.warning(
             "turn %s of conversation %s was interrupted by a stop; kept %d characters of its text",

@@ -25,7 +25,7 @@ from appserver.runtime.deps import ClusterAccept, RuntimeDeps
 from appserver.runtime.handle import TurnHandle
 from appserver.runtime.lifecycle import TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
-from appserver.runtime.restore import controller_from_store
+from appserver.runtime.restore import controller_from_store, restart_revision
 from appserver.runtime.run import TurnRunner
 from appserver.runtime.settle import withdrawn
 from appserver.runtime.snapshot import TurnController
@@ -249,8 +249,15 @@ class TurnQueue:
         record.owner = self._deps.owner
         items = self._items
         at = next((i for i, q in enumerate(items) if q.record.created_at > record.created_at), len(items))
+        # Another process (the dead one, the server that accepted it) may have shown it, at queue
+        # positions it never stored: it goes on from a restart revision (restore.py), above them.
         controller = TurnController(
-            record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=at + 1
+            record.id,
+            self._conversation_id,
+            record.agent_id,
+            revision=restart_revision(record),
+            phase="queued",
+            queue_position=at + 1,
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
         self._board.handles[record.id] = handle

@@ -21,6 +21,8 @@ same observable behaviour:
   `cluster_mail` (notification payloads too large for NOTIFY),
   `cron_state` (the cron tasks document, cron/pgstore.py), `tokens` and `token_state` (capability
   tokens, auth/pgtokens.py).
+- Version 4: `turns.revision` is a BIGINT (SQLite's INTEGER holds 64 bits already): a turn a
+  restart or a takeover goes on with counts from a clock revision (runtime/restore.py).
 """
 
 from __future__ import annotations
@@ -250,6 +252,14 @@ MIGRATIONS: list[tuple[int, str]] = [
         """
         -- A namespaced credential lists its own conversations in one indexed read.
         CREATE INDEX conversations_namespace ON conversations(namespace, updated_at DESC, id);
+        """,
+    ),
+    (
+        4,
+        """
+        -- A turn another process held goes on from a clock revision (microseconds since 1970,
+        -- runtime/restore.py), stored as it is published: 64 bits, as SQLite's INTEGER.
+        ALTER TABLE turns ALTER COLUMN revision TYPE BIGINT;
         """,
     ),
 ]

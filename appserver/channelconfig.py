@@ -69,7 +69,14 @@ class ChannelsConfig:
         return [a for ch in self.enabled for a in self.accounts.get(ch, {}).values()]
 
 
-def parse_enabled(value: Any, where: str) -> list[str]:
+def parse_enabled(value: Any, where: str, *, text: bool = True) -> list[str]:
+    """The channel ids of `value`: a list of strings, or (`text`: from the environment or
+    `--channels`) one comma-separated string. In config.toml a string is refused: TOML has lists."""
+    if isinstance(value, str) and not text:
+        raise ChannelConfigError(
+            f"{where}: [channels] enabled must be a list of channel ids (enabled = [{value!r}]), "
+            f"got the string {value!r}"
+        )
     items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
         raise ChannelConfigError(f"{where}: [channels] enabled must be a list of channel ids, got {value!r}")
@@ -95,7 +102,7 @@ def load_channels(file_table: Any, env_table: Any, path: str, env_origin: Callab
         cfg.enabled = parse_enabled(env_table.pop("enabled"), env_origin("channels", "enabled"))
         file_table.pop("enabled", None)
     elif "enabled" in file_table:
-        cfg.enabled = parse_enabled(file_table.pop("enabled"), path)
+        cfg.enabled = parse_enabled(file_table.pop("enabled"), path, text=False)
     for channel in [*file_table, *(c for c in env_table if c not in file_table)]:
         where = path if channel in file_table else env_origin("channels", channel)
         if not CHANNEL_ID.fullmatch(channel):

@@ -285,9 +285,78 @@ def _check_value(section: str, key: str, value: Any) -> str | None:
             return str(exc)
     if (section, key) == ("cron", "tick_s") and value < 0.1:
         return f"must be at least 0.1 (seconds; a shorter tick only busies the scheduler), got {value!r}"
-    if section == "providers" and key == "base_url" and not value.startswith(("http://", "https://")):
-        return f"must be an http:// or https:// URL, got {value!r}"
+    if section == "providers" and key == "base_url":
+        return _base_url_problem(value)
+    if section == "providers" and key == "headers":
+        return _headers_problem(value)
     return None
+
+
+# An RFC 9110 (7230) token: what a header name may be. A value may hold any visible character, space
+# and tab, never CR, LF, NUL or another control: those would end the header line (a second header,
+# or a request of its own, on the upstream's connection).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# Headers the HTTP client writes itself, from base_url and the request's body, and that keep the
+# connection usable: one given here would contradict them (a second Host or Content-Length, a body
+# framed twice, a pooled connection closed or upgraded under the client).
+MANAGED_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
+
+
+def _headers_problem(headers: dict[str, str]) -> str | None:
+    for name, value in headers.items():
+        if not _HEADER_NAME.fullmatch(name):
+            return f"{name!r} is not a valid header name (letters, digits and !#$%&'*+.^_`|~- only, no spaces)"
+        if name.lower() in MANAGED_HEADERS:
+            return f"{name!r} is set by the HTTP client itself (from base_url and the request) and cannot be given"
+        bad = _HEADER_VALUE_BAD.search(value)
+        if bad is not None:
+            return (
+                f"the value of {name!r} holds the control character {bad.group()!r} "
+                "(CR, LF, NUL and other controls would split or end the header line)"
+            )
+        if value != value.strip(" \t"):
+            return f"the value of {name!r} starts or ends with white space"
+    return None
+
+
+def _base_url_problem(value: str) -> str | None:
+    """Why `value` is no usable upstream URL (http or https, a host, no white space), or None."""
+    if not value.startswith(("http://", "https://")):
+        return f"must be an http:// or https:// URL, got {value!r}"
+    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return f"must be a URL without spaces or control characters, got {value!r}"
+    try:
+        host = _url_host(value)
+    except ValueError as exc:
+        return f"must be a valid http:// or https:// URL ({exc}), got {value!r}"
+    if not host:
+        return f"must name a host (http://HOST[:PORT]/PATH), got {value!r}"
+    return None
+
+
+def _url_host(value: str) -> str:
+    """The host `value` names (empty when it names none); ValueError when it cannot be parsed."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    _ = parts.port  # ValueError: a port that is no number, or out of range
+    host = parts.hostname or ""
+    if host and not re.fullmatch(r"[A-Za-z0-9._~%!$&'()*+,;=:-]+", host):
+        raise ValueError(f"{host!r} is not a host name or address")
+    return host
 
 
 def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[[str], str], *, from_env: bool) -> None:
@@ -310,10 +379,74 @@ def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[
         setattr(obj, key, converted)
 
 
+# The APPSERVER_ variables read besides the APPSERVER_<SECTION>__<KEY> ones (docs/configuration.md),
+# and those set for tests and tools. Any other APPSERVER_<SECTION>_… or APPSERVER_<KEY> is a typo of
+# a setting (`APPSERVER_AUTH_MODE=token`, one underscore) and is refused, not ignored: the server
+# would otherwise start without what it names.
+OTHER_ENV = frozenset(
+    {
+        "APPSERVER_HOME",
+        "APPSERVER_TOKEN",
+        "APPSERVER_DEBUG",
+        "APPSERVER_DISABLE_CRON",
+        "APPSERVER_CRON_TICK_S",
+        "APPSERVER_TOOL_OWNER",
+        "APPSERVER_TOOL_HOME",
+        "APPSERVER_TEST_PG",
+        "APPSERVER_TEST_ZYGOTE",
+        "APPSERVER_CLUSTER_DIR",
+        "APPSERVER_GATEWAY_RESTART_BACKOFF_S",
+        "APPSERVER_GATEWAY_PING_INTERVAL_S",
+        "APPSERVER_GATEWAY_PING_TIMEOUT_S",
+        "APPSERVER_GATEWAY_HUNG_KILL_S",
+        "APPSERVER_DISCORD_REIDENTIFY_WAIT_S",
+        "APPSERVER_DISCORD_GUILD_READY_TIMEOUT_S",
+        "APPSERVER_SLACK_API_TIMEOUT_S",
+    }
+)
+SECTION_NAMES = ("server", "limits", "auth", "cron", "store", "channels", "providers")
+
+
+def _setting_keys() -> dict[str, str]:
+    """Every key of a section, to the section it belongs to (the first one, for a shared name)."""
+    out: dict[str, str] = {}
+    for cls, section in _SECTIONS.items():
+        for f in fields(cls):
+            if f.name != "name":
+                out.setdefault(f.name, section)
+    out.setdefault("enabled", "channels")
+    return out
+
+
+def _stray_env_problem(name: str) -> str | None:
+    """Why the variable `name` (APPSERVER_ and no `__`) looks like a mistyped setting, or None."""
+    if name in OTHER_ENV:
+        return None
+    rest = name[len("APPSERVER_") :].lower()
+    for section in SECTION_NAMES:
+        if rest.startswith(section + "_"):
+            key = rest[len(section) + 1 :].lstrip("_")
+            if not key:
+                return f"{name}: not a setting; settings are APPSERVER_{section.upper()}__<KEY>"
+            return f"{name}: not a setting; did you mean APPSERVER_{section.upper()}__{key.upper()}? (two underscores)"
+        if rest == section:
+            return f"{name}: not a setting; settings are APPSERVER_{section.upper()}__<KEY>"
+    owner = _setting_keys().get(rest)
+    if owner is not None:
+        where = "PROVIDERS__<NAME>" if owner == "providers" else owner.upper()
+        return f"{name}: not a setting; did you mean APPSERVER_{where}__{rest.upper()}?"
+    return None
+
+
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith("APPSERVER_") or "__" not in name:
+        if not name.startswith("APPSERVER_"):
+            continue
+        if "__" not in name:
+            problem = _stray_env_problem(name)
+            if problem is not None:
+                raise ConfigError(problem)
             continue
         path = [p.lower() for p in name[len("APPSERVER_") :].split("__")]
         cur = out
@@ -340,6 +473,12 @@ def _env_names(tree: dict[str, Any], *prefix: str) -> list[str]:
     for k, v in tree.items():
         out.extend(_env_names(v, *prefix, k) if isinstance(v, dict) else [_env_name(*prefix, k)])
     return out
+
+
+def _origin_of(environ: dict[str, str], path: Path, section: str, key: str) -> str:
+    """The variable that set `section.key` when one did, else the file."""
+    name = _env_name(section, key)
+    return name if name in environ else str(path)
 
 
 def builtin_providers() -> dict[str, ProviderConfig]:
@@ -484,6 +623,12 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         for raw, where in ((raw_file, str(path)), (raw_env, _env_name("providers", name))):
             if not isinstance(raw, dict):
                 raise ConfigError(f"{where}: [providers.{name}] must be a table")
+        if not name or ":" in name or any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+            where = str(path) if name in file_provs else _env_name("providers", name)
+            raise ConfigError(
+                f"{where}: [providers.{name!r}]: a provider name must be non-empty, without ':' (a model is "
+                "named PROVIDER:MODEL), spaces or control characters"
+            )
         if name == "echo":
             raise ConfigError(
                 f"{path if raw_file else _env_name('providers', name)}: "
@@ -520,6 +665,12 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         names = ", ".join(sorted(_env_names(env)))
         raise ConfigError(
             f"{names}: no such config section; known: server, limits, auth, cron, store, channels, providers"
+        )
+    if cfg.store.instance_timeout_s < 3 * cfg.store.heartbeat_s:
+        raise ConfigError(
+            f"{_origin_of(environ, path, 'store', 'instance_timeout_s')}: [store] instance_timeout_s "
+            f"({cfg.store.instance_timeout_s:g}) must be at least 3 heartbeats (3 × heartbeat_s = "
+            f"{3 * cfg.store.heartbeat_s:g}): a server is judged gone only after several missed heartbeats"
         )
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: [server] tls_cert and tls_key go together (set both or neither)")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import click
 
-from appserver.cli.common import fail, get_config, live_server_or_fail, print_json, run_or_fail
+from appserver.cli.common import fail, get_config, print_json, run_or_fail
+from appserver.serverinfo import claim_home, home_lock_path
 from appserver.store.url import redact_url, store_kind
 
 
@@ -51,7 +52,7 @@ def _tokens(home: Path) -> list[dict[str, object]]:
     return [r.to_json() for r in store.list()]
 
 
-async def _copy(db_path: Path, url: str, home: Path) -> dict[str, int]:
+async def _copy(db_path: Path, url: str, home: Path, replaced: dict[str, list[str]]) -> dict[str, int]:
     from appserver.store.postgres import PostgresStore  # the driver: only for this command
     from appserver.store.sqlite import SQLiteStore
 
@@ -63,7 +64,7 @@ async def _copy(db_path: Path, url: str, home: Path) -> dict[str, int]:
     try:
         await target.open()
         try:
-            counts = await target.copy_from_sqlite(source.db, cron_doc, tokens)
+            counts = await target.copy_from_sqlite(source.db, cron_doc, tokens, replaced)
             return {**counts, "cron_tasks": cron_tasks}
         finally:
             await target.close()
@@ -91,16 +92,35 @@ def copy_command(to_url: str, as_json: bool) -> None:
         fail("--to: give the PostgreSQL database to copy into (postgresql://USER[:PASSWORD]@HOST[:PORT]/DB)", 2)
     if not config.db_path.exists():
         fail(f"no SQLite store at {config.db_path}: nothing to copy", 2)
-    live = live_server_or_fail(config.server_json)
-    if live is not None:
-        fail(
-            f"a server runs on this home ({live.get('url')}, pid {live.get('pid')}): what it writes after the copy "
-            "would not be in PostgreSQL; stop it first",
-            3,
+    # The home's serve lock, held for the whole copy: a `serve` started meanwhile is refused (what it
+    # wrote would be in SQLite only), and a running or starting one refuses the copy.
+    lock, live = claim_home(config.server_json)
+    if lock is None:
+        who = (
+            f"a server runs on this home ({live.get('url')}, pid {live.get('pid')})"
+            if live
+            else (
+                f"another process holds this home ({home_lock_path(config.server_json)}: a `serve` starting, "
+                "or another `store copy`)"
+            )
         )
-    counts = run_or_fail(lambda: asyncio.run(_copy(config.db_path, to_url.strip(), config.home)))
+        fail(f"{who}: what it writes after the copy would not be in PostgreSQL; stop it first", 3)
+    try:
+        replaced: dict[str, list[str]] = {}
+        counts = run_or_fail(lambda: asyncio.run(_copy(config.db_path, to_url.strip(), config.home, replaced)))
+    finally:
+        lock.release()
+    if replaced:  # PostgreSQL text cannot hold NUL (older versions stored a client's as sent)
+        for column, ids in replaced.items():
+            shown_ids = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+            click.echo(
+                f"warning: {column}: {len(ids)} value(s) held NUL characters, which PostgreSQL cannot store; "
+                f"copied with each NUL replaced by U+FFFD (row {shown_ids})",
+                err=True,
+            )
     if as_json:
-        print_json({"from": str(config.db_path), "to": redact_url(to_url), "copied": counts})
+        nul = {column: len(ids) for column, ids in replaced.items()}
+        print_json({"from": str(config.db_path), "to": redact_url(to_url), "copied": counts, "nul_replaced": nul})
         return
     shown = ", ".join(f"{n} {table.replace('_', ' ')}" for table, n in counts.items())
     click.echo(f"copied {config.db_path} into {redact_url(to_url)}: {shown}")

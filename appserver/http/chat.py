@@ -611,7 +611,7 @@ def user_and_metadata(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", "user")
-    return user, dict(fields.metadata(body.get("metadata")) or {})
+    return fields.plain_text(user, "user"), dict(fields.metadata(body.get("metadata")) or {})
 
 
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")

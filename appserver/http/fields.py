@@ -58,6 +58,19 @@ def string(value: Any, param: str, *, max_length: int | None = None, nullable: b
     return value
 
 
+def plain_text(value: str | None, param: str) -> str | None:
+    """`value`, refused (400 naming `param`) when it holds a NUL character: a string the store keeps
+    as it is (a conversation's `user`), which PostgreSQL cannot hold and `store copy` cannot move."""
+    if value is not None and "\x00" in value:
+        raise ApiError(
+            400,
+            f"Invalid '{param}': the string must not contain a NUL character (\\u0000).",
+            code="invalid_value",
+            param=param,
+        )
+    return value
+
+
 def one_of(value: Any, param: str, values: tuple[str, ...], *, nullable: bool = True) -> str | None:
     if value is None and nullable:
         return None

@@ -263,7 +263,7 @@ class _Writer:
             if ok:
                 fut.set_result(value)
             else:
-                fut.set_exception(value)
+                fut.set_exception(_refused_value(value))
 
     async def _run(
         self, jobs: list[tuple[Job[Any], asyncio.Future[Any]]], *, savepoints: bool
@@ -330,6 +330,16 @@ class _Writer:
                 return str(status)
             await asyncio.sleep(0.05)
         return None
+
+
+def _refused_value(exc: BaseException) -> BaseException:
+    """A value the database cannot hold (psycopg.DataError: a NUL character in text, a number out
+    of range) as a one-line StoreError naming what was refused; every other error as it is. The
+    front ends refuse such input first (a NUL in `user`, a title, ...): this is the backstop."""
+    if isinstance(exc, psycopg.DataError):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return StoreError(f"the database refused a value of this write: {first}")
+    return exc
 
 
 # ------------------------------------------------------------------ row → record
@@ -1343,13 +1353,19 @@ class PostgresStore(Store):
         source: sqlite3.Connection,
         cron_doc: str | None = None,
         tokens: Iterable[Mapping[str, Any]] = (),
+        replaced: dict[str, list[str]] | None = None,
     ) -> dict[str, int]:
         """Copy every data table of an SQLite store (an open connection at the newest SQLite schema)
         into this one, which must be empty: one PostgreSQL transaction (all or nothing) reading one
         SQLite snapshot. Message ids are kept (responses and history points refer to them); the
         rows of each table go in their SQLite insertion order. `cron_doc`: the home's cron tasks
         (crons.json's text), which a database store keeps in `cron_state`; `tokens`: the home's
-        capability tokens (tokens.json's entries, hashes only). Returns rows copied per table."""
+        capability tokens (tokens.json's entries, hashes only). Returns rows copied per table.
+
+        A text value holding NUL characters (which PostgreSQL text cannot hold; older versions
+        stored them as a client sent them) is copied with each NUL replaced by U+FFFD; `replaced`
+        (when given) receives `table.column` → the ids of the rows changed. A column the target
+        does not have (a store edited by hand or damaged) refuses the copy, naming it."""
         await self._writes.settle()
         counts: dict[str, int] = {}
         async with self.pool.connection() as conn, conn.transaction():
@@ -1380,7 +1396,7 @@ class PostgresStore(Store):
             source.execute("BEGIN")  # one read snapshot of the SQLite store
             try:
                 for table in DATA_TABLES:
-                    counts[table] = await _copy_table(conn, source, table)
+                    counts[table] = await _copy_table(conn, source, table, replaced if replaced is not None else {})
             finally:
                 source.execute("ROLLBACK")
             await conn.execute(
@@ -1417,29 +1433,46 @@ class PostgresStore(Store):
         return counts
 
 
-async def _copy_table(conn: Conn, source: sqlite3.Connection, table: str) -> int:
+async def _copy_table(conn: Conn, source: sqlite3.Connection, table: str, replaced: dict[str, list[str]]) -> int:
     cur = await conn.execute(
         "SELECT column_name, data_type, is_identity, identity_generation FROM information_schema.columns "
         "WHERE table_schema = current_schema() AND table_name = %s ORDER BY ordinal_position",
         (table,),
     )
+    rows = await cur.fetchall()
+    known = {r["column_name"] for r in rows}
     target = {
         r["column_name"]: r["data_type"]
-        for r in await cur.fetchall()
+        for r in rows
         if not (r["is_identity"] == "YES" and r["identity_generation"] == "ALWAYS")
     }
     have = [r[1] for r in source.execute(f'PRAGMA table_info("{table}")')]
+    extra = [c for c in have if c not in known]
+    if extra:  # a newer schema is refused before this: a column of no version is a hand edit or damage
+        raise StoreError(
+            f"the SQLite table {table} has column(s) {', '.join(extra)}, which no appserver schema has "
+            "(the store was changed by hand or by another program): nothing was copied; remove them "
+            "or restore the store from a backup"
+        )
     columns = [c for c in have if c in target]
     booleans = {i for i, c in enumerate(columns) if target[c] == "boolean"}
-    select = "SELECT " + ", ".join(f'"{c}"' for c in columns) + f' FROM "{table}" ORDER BY rowid'
+    key = "id" if "id" in have else "rowid"
+    select = "SELECT " + ", ".join([*(f'"{c}"' for c in columns), f'"{key}"']) + f' FROM "{table}" ORDER BY rowid'
     copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(
         sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns))
     )
     n = 0
     async with conn.cursor().copy(copy_sql) as copy:
-        for row in source.execute(select):
-            values = tuple(bool(v) if i in booleans and v is not None else v for i, v in enumerate(row))
-            await copy.write_row(values)
+        for *row, row_id in source.execute(select):
+            values = []
+            for i, v in enumerate(row):
+                if i in booleans and v is not None:
+                    v = bool(v)
+                elif isinstance(v, str) and "\x00" in v:
+                    v = v.replace("\x00", "\ufffd")
+                    replaced.setdefault(f"{table}.{columns[i]}", []).append(str(row_id))
+                values.append(v)
+            await copy.write_row(tuple(values))
             n += 1
     return n
 

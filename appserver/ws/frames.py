@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from pydantic import ValidationError as ValidationError  # what `client_frame` raises (ws/routes.py)
 
 from appserver.images import image_url_problem
@@ -23,6 +23,17 @@ from appserver.ws.codes import CLOSE_SLOW_CONSUMER as CLOSE_SLOW_CONSUMER
 from appserver.ws.codes import CLOSE_TOO_BIG as CLOSE_TOO_BIG
 from appserver.ws.codes import CLOSE_TOO_MANY as CLOSE_TOO_MANY
 from appserver.ws.codes import PROTOCOL_VERSION as PROTOCOL_VERSION
+
+
+def _no_nul(value: str) -> str:
+    """A NUL character cannot be stored as text (PostgreSQL refuses it, and `store copy` could not
+    move a SQLite home holding one): refused in every string the server stores or looks up as is."""
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character (\\u0000)")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]  # a string that is stored or looked up as it is
 
 
 class _Frame(BaseModel):
@@ -79,9 +90,9 @@ class ClientTool(_ClientShape):
 
 
 class ApprovalDecision(_ClientShape):
-    call_id: str = Field(min_length=1)
+    call_id: Text = Field(min_length=1)
     decision: Literal["approve", "deny"]
-    reason: str | None = None
+    reason: Text | None = None
 
 
 class Block(BaseModel):
@@ -178,7 +189,7 @@ class MessageView(BaseModel):
 class Hello(_ClientFrame):
     type: Literal["hello"]
     protocol: int = Field(strict=True)
-    client: str | None = None
+    client: Text | None = None
     token: str | None = None
 
 
@@ -188,7 +199,7 @@ class ListAgents(_ClientFrame):
 
 class ListConversations(_ClientFrame):
     type: Literal["list_conversations"]
-    agent: str | None = None
+    agent: Text | None = None
     limit: int = Field(default=100, ge=1, le=1000, strict=True)
     offset: int = Field(default=0, ge=0, strict=True)
 
@@ -202,8 +213,8 @@ class CreateConversation(_ClientFrame):
     of 1,000 conversations with megabytes each would be gigabytes (DESIGN: every input bounded)."""
 
     type: Literal["create_conversation"]
-    agent: str = Field(min_length=1)
-    title: str | None = Field(default=None, max_length=TITLE_MAX_CHARS)
+    agent: Text = Field(min_length=1)
+    title: Text | None = Field(default=None, max_length=TITLE_MAX_CHARS)
     metadata: dict[str, Any] | None = None
 
     @field_validator("metadata")
@@ -219,16 +230,16 @@ class CreateConversation(_ClientFrame):
 
 class GetHistory(_ClientFrame):
     type: Literal["get_history"]
-    conversation: str = Field(min_length=1)
-    agent: str | None = None  # needed only with conversation "default"
+    conversation: Text = Field(min_length=1)
+    agent: Text | None = None  # needed only with conversation "default"
     before: int | None = Field(default=None, strict=True)
     limit: int = Field(default=100, ge=1, le=1000, strict=True)
 
 
 class Subscribe(_ClientFrame):
     type: Literal["subscribe"]
-    conversation: str = Field(min_length=1)
-    agent: str | None = None  # needed only with conversation "default"
+    conversation: Text = Field(min_length=1)
+    agent: Text | None = None  # needed only with conversation "default"
 
 
 class Unsubscribe(_ClientFrame):
@@ -236,14 +247,14 @@ class Unsubscribe(_ClientFrame):
     conversation `subscribe` took (was: the literal id "default", acked while nothing changed)."""
 
     type: Literal["unsubscribe"]
-    conversation: str = Field(min_length=1)
-    agent: str | None = None  # needed only with conversation "default"
+    conversation: Text = Field(min_length=1)
+    agent: Text | None = None  # needed only with conversation "default"
 
 
 class SubmitInput(_ClientFrame):
     type: Literal["submit_input"]
-    agent: str = Field(min_length=1)
-    conversation: str = Field(default="default", min_length=1)
+    agent: Text = Field(min_length=1)
+    conversation: Text = Field(default="default", min_length=1)
     input: str | list[InputPart]
     # no control characters: the server's own keys (cron's, a namespace's prefix) are built with one
     idempotency_key: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
@@ -253,7 +264,7 @@ class SubmitInput(_ClientFrame):
 
 class ApprovalResponse(_ClientFrame):
     type: Literal["approval_response"]
-    conversation: str = Field(min_length=1)
+    conversation: Text = Field(min_length=1)
     decisions: list[ApprovalDecision] = Field(min_length=1)
 
 
@@ -262,14 +273,14 @@ class Cancel(_ClientFrame):
     queued behind it (a re-sent cancel after a reconnect, a chat's /cancel racing the next turn)."""
 
     type: Literal["cancel"]
-    conversation: str = Field(min_length=1)
-    turn_id: str | None = Field(default=None, min_length=1)
+    conversation: Text = Field(min_length=1)
+    turn_id: Text | None = Field(default=None, min_length=1)
 
 
 class ToolResult(_ClientFrame):
     type: Literal["tool_result"]
-    call_id: str = Field(min_length=1)
-    output: str
+    call_id: Text = Field(min_length=1)
+    output: Text
     is_error: bool = Field(default=False, strict=True)
 
 
@@ -282,8 +293,8 @@ class CronRun(_ClientFrame):
     Needs the `admin` scope; answered like submit_input, and subscribes the connection."""
 
     type: Literal["cron_run"]
-    task: str = Field(min_length=1)  # task id or name
-    agent: str | None = None  # narrows a task name that several agents use
+    task: Text = Field(min_length=1)  # task id or name
+    agent: Text | None = None  # narrows a task name that several agents use
 
 
 class PairingList(_ClientFrame):
@@ -296,7 +307,7 @@ class PairingDecide(_ClientFrame):
     """Approve or deny a channel pairing code (admin scope); the gateway acts on it within a second."""
 
     type: Literal["pairing_decide"]
-    code: str = Field(min_length=1, max_length=64)
+    code: Text = Field(min_length=1, max_length=64)
     decision: Literal["approve", "deny"]
 
 

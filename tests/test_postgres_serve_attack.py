@@ -477,3 +477,37 @@ def test_a_server_cut_off_from_its_database_answers_503_and_readyz_in_time(tmp_p
             assert "Traceback" not in log, log[-3000:]
         finally:
             proxy.close()
+
+
+def test_a_nul_in_an_id_looked_up_is_a_400_not_a_500(tmp_path: Path) -> None:
+    """PostgreSQL refuses a NUL character even in a query's parameter: an id looked up with one
+    (`previous_response_id`, a response's id in the path, a conversation header) was a 500 with a
+    traceback. It is the client's value: 400 (HTTP) / `bad_frame` (protocol), the server unharmed."""
+    import websockets
+
+    with temp_database("atk_nul_id") as url:
+        with serving(tmp_path / "h", "--store", url) as sp:
+            bad = "resp_\u0000x"
+            for method, path, body in (
+                ("POST", "/v1/responses", {"model": "assistant", "input": "hi", "previous_response_id": bad}),
+                ("GET", "/v1/responses/resp_%00x", None),
+                ("GET", "/v1/responses/resp_%00x/input_items", None),
+            ):
+                r = httpx.request(method, sp.url + path, json=body, timeout=30)
+                assert r.status_code in (400, 404), (path, r.status_code, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error", r.text
+
+            async def ws() -> dict[str, Any]:
+                async with websockets.connect(sp.url.replace("http", "ws", 1) + "/ws") as c:
+                    await c.send(json.dumps({"type": "hello", "protocol": 1}))
+                    await asyncio.wait_for(c.recv(), 10)
+                    await c.send(json.dumps({"type": "get_history", "conversation": "conv_\u0000", "request_id": "r"}))
+                    return dict(json.loads(await asyncio.wait_for(c.recv(), 10)))
+
+            reply = asyncio.run(ws())
+            assert reply["type"] == "error" and reply["code"] != "internal_error", reply
+            ok = _client(sp).chat.completions.create(model="assistant", messages=[{"role": "user", "content": "a"}])
+            assert ok.choices[0].message.content == "echo: a"
+            sp.stop()
+            log = sp.proc.stderr.read() if sp.proc.stderr else ""
+        assert "Traceback" not in log, log[-3000:]

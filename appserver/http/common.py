@@ -33,7 +33,7 @@ from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
-from appserver.store.base import StoreUnavailable
+from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
 if TYPE_CHECKING:
@@ -747,6 +747,8 @@ def api_route(
             except KernelError as exc:
                 e = from_kernel(exc)
                 response = error_response(e.status, e.message, code=e.code, param=e.param)
+            except StoreValueRefused as exc:  # the client's value (a NUL the database cannot hold)
+                response = error_response(400, str(exc), code="invalid_value")
             except StoreUnavailable as exc:  # the database's doing (a restart, a terminated session)
                 log.warning("request on %s failed: %s", route, exc)
                 response = error_response(503, str(exc), code="store_unavailable", headers={"Retry-After": "1"})

@@ -27,6 +27,11 @@ class StoreError(Exception):
     pass
 
 
+class StoreValueRefused(StoreError):
+    """The database cannot hold or look up a value of the request (PostgreSQL: a NUL character in
+    text): the client's input, so HTTP says 400 `invalid_request_error` and the protocol `bad_frame`."""
+
+
 class StoreUnavailable(StoreError):
     """The database ended the connection (a restart, a terminated backend, an outage) and the
     operation could not be completed. For a commit cut off mid-way, whether it took effect is

@@ -47,6 +47,7 @@ from appserver.store.base import (
     Store,
     StoreError,
     StoreUnavailable,
+    StoreValueRefused,
     TurnSettledElsewhere,
     conversations_where,
 )
@@ -338,7 +339,7 @@ def _refused_value(exc: BaseException) -> BaseException:
     front ends refuse such input first (a NUL in `user`, a title, ...): this is the backstop."""
     if isinstance(exc, psycopg.DataError):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return StoreError(f"the database refused a value of this write: {first}")
+        return StoreValueRefused(f"the database refused a value of this request: {first}")
     return exc
 
 
@@ -513,6 +514,8 @@ class PostgresStore(Store):
                 async with self.pool.connection() as conn:
                     try:
                         return await run(conn)
+                    except psycopg.DataError as exc:  # a NUL in an id looked up, say: nothing to find
+                        raise _refused_value(exc) from exc
                     except psycopg.OperationalError as exc:
                         if not connection_lost(conn, exc):
                             raise

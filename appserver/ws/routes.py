@@ -27,7 +27,7 @@ from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.runtime.kernel import NAMESPACE_DEFAULT_PREFIX
 from appserver.server import Server
-from appserver.store.base import StoreUnavailable
+from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, ConversationRecord
 from appserver.ws.connection import WRITE_FRAME, Connection
 from appserver.ws.hub import Hub
@@ -268,6 +268,8 @@ class Endpoint:
                 return
             except (WebSocketDisconnect, asyncio.CancelledError):
                 raise
+            except StoreValueRefused as exc:  # the client's value (a NUL the database cannot hold)
+                conn.send({"type": "error", "request_id": request_id, "code": "bad_frame", "message": str(exc)})
             except StoreUnavailable as exc:  # the database's doing (a restart, a terminated session)
                 log.warning("ws frame failed: %s", exc)
                 conn.send({"type": "error", "request_id": request_id, "code": "store_unavailable", "message": str(exc)})

@@ -206,6 +206,7 @@ def test_a_subscriber_elsewhere_sees_the_running_turn_as_active(cluster: Cluster
         ack = await _submit(a, conv, "/slow 40")
         await _text_shown(a, ack["turn_id"])
         queued = await _submit(a, conv, "after it")
+        await asyncio.sleep(0.6)  # a draft checkpoint (draft_interval_s) holds the text so far
         # A stopped for a moment (far from being judged gone): B hears nothing from it and shows
         # the turns as the database has them
         cluster.nodes[0].proc.send_signal(signal.SIGSTOP)
@@ -219,6 +220,10 @@ def test_a_subscriber_elsewhere_sees_the_running_turn_as_active(cluster: Cluster
             assert state["state"] == "active", state
             assert state["active_turn"] is not None and state["active_turn"]["turn_id"] == ack["turn_id"], state
             assert state["queued"] == 1, state
+        # and B shows the reply so far from the checkpoint (was: no blocks at revision 0)
+        shown = "".join(x.get("text") or "" for x in on_b["active_turn"]["blocks"] if x["type"] == "text")
+        assert shown.startswith("w1 w2"), on_b["active_turn"]
+        assert on_b["active_turn"]["revision"] > 1, on_b["active_turn"]
         assert (await b.terminal(queued["turn_id"], timeout=20))["status"] == "completed"
         await a.close()
         await b.close()

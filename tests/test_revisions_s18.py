@@ -77,13 +77,14 @@ def _shown_after(before: Highest, frames: list[dict[str, Any]], turn_id: str, *,
     """What was shown of `turn_id` after the restart, to a client that keeps the highest revision
     it saw before and ignores any snapshot not above it: its end is above (else the turn would
     run forever there), and so is every snapshot (`strict`), or every one but a mirror's view of
-    the turn waiting in the queue, read from the store while the dead server was not yet judged
-    gone (older than what was seen, and shown at the older revision it had: a client ignores it)."""
+    the turn still running, read from the store while the dead server was not yet judged gone (its
+    queue place or its last draft checkpoint: older than what was seen, and shown at the older
+    revision it had, so a client ignores it)."""
     low = before.revision[turn_id]
     shown = [s for s in _snapshots(frames) if s["turn_id"] == turn_id]
     assert shown and shown[-1]["status"] in TERMINAL, shown
     assert shown[-1]["revision"] > low, (low, shown[-1])
-    checked = [s for s in shown if strict or s["phase"] != "queued" or s["status"] != "running"]
+    checked = [s for s in shown if strict or s["status"] != "running"]
     assert all(s["revision"] > low for s in checked), (low, [(s["revision"], s["phase"]) for s in shown])
 
 

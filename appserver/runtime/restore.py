@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from typing import cast
 
+from appserver.agent.events import TextDelta
 from appserver.runtime.snapshot import TurnController
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS, StopReason
 from appserver.store.base import Store
@@ -57,6 +58,16 @@ async def controller_from_store(
         controller.pause(stored or ("requires_approval" if has_approval else "requires_client_tool"), pending)
     elif turn.status in SETTLED_SNAPSHOT_STATUS:
         controller.finish(SETTLED_SNAPSHOT_STATUS[turn.status], stored or "end_turn", turn.error)
+    elif follower and turn.status == "running" and isinstance(turn.draft, dict):
+        # Another server runs it: its last checkpoint (the text past what history holds, and the
+        # revision it had then), so a subscriber here sees the reply so far, not an empty turn at
+        # revision 0, until that server's next snapshot arrives.
+        text = turn.draft.get("text")
+        if isinstance(text, str) and text:
+            controller.apply(TextDelta(text))
+        seen = turn.draft.get("revision")
+        if isinstance(seen, int) and not isinstance(seen, bool) and seen > controller.revision:
+            controller.revision = seen
     return controller
 
 

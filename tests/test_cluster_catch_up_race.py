@@ -69,7 +69,9 @@ async def test_inputs_accepted_at_once_on_two_servers_run_in_acceptance_order(tm
         a = await _serve(tmp_path / "a", url)
         b = await _serve(tmp_path / "b", url)
         try:
-            warm = await a.kernel.submit(SubmitRequest(agent="assistant", input="/slow 2", conversation="new"))
+            # long enough that no turn leaves the queue while the inputs arrive (a position is the
+            # count of turns ahead at the ack: one ending meanwhile lowered a later ack's position)
+            warm = await a.kernel.submit(SubmitRequest(agent="assistant", input="/slow 60", conversation="new"))
             conv = warm.conversation_id
             subs = [warm]
 

@@ -71,7 +71,8 @@ def _cut_at_cluster(text: str, room: int) -> str:
     return text[: cut or room]  # one absurd cluster: the limit comes first
 
 
-def _open_fence_closer(text: str) -> str:
+def _open_fence(text: str) -> str | None:
+    """The opening line of a code fence `text` leaves open, or None."""
     opener: str | None = None
     for line in text.split("\n"):
         m = _FENCE.match(line)
@@ -79,6 +80,11 @@ def _open_fence_closer(text: str) -> str:
             opener = line
         elif m and opener is not None and _closes(opener, m):
             opener = None
+    return opener
+
+
+def _open_fence_closer(text: str) -> str:
+    opener = _open_fence(text)
     return f"\n{fence_closer(opener)}" if opener is not None else ""
 
 
@@ -180,13 +186,7 @@ def _closed(part: str, limit: int, fits: Callable[[str], bool] | None) -> str:
     """`part` with a closer for a fence it leaves open, when that fits. Only a hard cut through a
     run of fence characters (a line of 40 backticks in a room of 32) makes one: the rest of the
     run, at the start of the next part, is an opener no line after it closes."""
-    opener: str | None = None
-    for line in part.split("\n"):
-        m = _FENCE.match(line)
-        if m and opener is None:
-            opener = line
-        elif m and opener is not None and _closes(opener, m):
-            opener = None
+    opener = _open_fence(part)
     if opener is None:
         return part
     closed = f"{part}\n{fence_closer(opener)}"

@@ -33,6 +33,10 @@ class KernelAdapter:
         agent = await self.store.get_agent(task.agent)
         return await self.submit(CronSubmission.of(task, occurrence, None if agent is None else agent.name))
 
+    async def agent_names(self) -> dict[str, str]:
+        """Agent id -> name: the scheduler's credential check judges a limit by name with them."""
+        return {a.id: a.name for a in await self.store.list_agents()}
+
     async def submit(self, sub: CronSubmission) -> str | None:
         """Submit the `cron_prompt` turn of one occurrence; its turn id."""
         submission = await self.kernel.submit(

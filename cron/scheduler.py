@@ -65,6 +65,8 @@ from cron.store import (
 )
 from cron.stores import cron_store_for
 
+AgentNamesFn = Callable[[], Awaitable[dict[str, str]]]  # agent id -> name, read from the server's store
+
 log = logging.getLogger("appserver.cron")
 
 RUN_ALL_CAP = 10  # run_all fires at most this many catch-up runs per task per tick
@@ -212,6 +214,7 @@ class Scheduler:
         claimed_turn: ClaimedTurnFn | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         credentials: CredentialCheck | None = None,
+        agent_names: AgentNamesFn | None = None,
     ) -> None:
         if isinstance(home, CronStore):
             self.store = home
@@ -236,8 +239,11 @@ class Scheduler:
         self._watchers: set[asyncio.Task[TurnOutcome]] = set()
         self._next_due: datetime | None = None  # earliest due time of an enabled task (lease held)
         self.claimed_turn = claimed_turn
-        # Why the credential a task was made for is gone (None: alive), asked at fire time
+        # Why the credential a task was made for is gone or may not use its agent (None: it may),
+        # asked at fire time; a limit by agent name is checked against the names read each tick
         self.credentials = credentials
+        self.agent_names = agent_names
+        self._agent_name: dict[str, str] = {}  # agent id -> name, as read at the last tick
         # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
         # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
         self._orphans: list[tuple[CronTask, Occurrence]] = []
@@ -297,6 +303,8 @@ class Scheduler:
                 before.isoformat(),
                 now.isoformat(),
             )
+        if self.credentials is not None and self.agent_names is not None:
+            await self._read_agent_names()
         planned = await asyncio.to_thread(self._claim_due, now, report)
         orphans, self._orphans = self._orphans, []
         for task, last in orphans:
@@ -315,6 +323,23 @@ class Scheduler:
             if turn_id is not None and self.await_outcome is not None:
                 self._watch(item.task.id, item.occurrence.number, turn_id, item.task.deliver)
         return report
+
+    async def _read_agent_names(self) -> None:
+        """The agents' names, for credentials limited by name; on failure the last ones read stay
+        (a name limit then judges by them, or by the id alone) and the failure is logged."""
+        assert self.agent_names is not None
+        try:
+            self._agent_name = await asyncio.wait_for(self.agent_names(), self.fire_timeout_s)
+        except Exception as exc:  # noqa: BLE001 — a store that cannot answer now: judged by what was read
+            log.warning("cron: cannot read the agents' names for the credential check: %s", exc)
+
+    def credential_problem(self, task: CronTask, agent_name: str | None = None) -> str | None:
+        """Why the credential `task` was made for (the `schedule` tool's, its namespace) may not
+        run it now: gone, or narrowed to other agents or scopes. None when it may, or when the
+        task has no such credential."""
+        if task.namespace is None or self.credentials is None:
+            return None
+        return self.credentials(task.namespace, task.agent, agent_name or self._agent_name.get(task.agent))
 
     @staticmethod
     def _claimed_by(state: CronFile, tokens: set[str]) -> list[tuple[CronTask, Occurrence]]:
@@ -635,12 +660,12 @@ class Scheduler:
         fire, missed = apply_misfire(task.misfire, due, now, timedelta(seconds=task.max_lateness_s), self.run_all_cap)
         if skipped is not None:
             missed.insert(0, skipped)
-        if fire and task.namespace is not None and self.credentials is not None:
-            gone = self.credentials(task.namespace)
+        if fire:
+            gone = self.credential_problem(task)
             if gone is not None:  # never submit turns for a credential that is no more
                 reason = (
-                    f"not run: {gone}; the task is kept (it runs again once a token of that name "
-                    "exists; `appserver cron remove` deletes it)"
+                    f"not run: {gone}; the task is kept (it runs again once a live token of that name "
+                    "may use its agent; `appserver cron remove` deletes it)"
                 )
                 log.error("cron: task %s (%s) run skipped: %s", task.name, task.id, reason)
                 missed.extend((nominal, reason) for nominal, _, _ in fire)

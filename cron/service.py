@@ -62,6 +62,7 @@ class CronService:
             await_outcome=adapter.outcome,
             deliver=deliver,
             claimed_turn=adapter.claimed_turn,
+            agent_names=adapter.agent_names,
         )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -194,11 +195,15 @@ class CronService:
         as `appserver cron run` in-process (the outcome is logged when the turn ends). A task whose
         agent was deleted is refused (CronNotFound) before a run number is used up."""
         task = (await asyncio.to_thread(self.scheduler.store.read)).find(ref, agent)
-        if await self.server.store.get_agent(task.agent) is None:
+        record = await self.server.store.get_agent(task.agent)
+        if record is None:
             raise CronNotFound(
                 f"task {task.name!r} ({task.id}) cannot run: its agent {task.agent} was deleted; remove the task "
                 f"(appserver cron remove {task.id}) or add a new one for an existing agent"
             )
+        gone = await asyncio.to_thread(self.scheduler.credential_problem, task, record.name)
+        if gone is not None:  # as `appserver cron run` in-process refuses it
+            raise CronNotFound(f"task {task.name!r} ({task.id}) cannot run: {gone}")
         return await self.scheduler.run_now(task.id, agent=task.agent)
 
     async def stop(self) -> None:

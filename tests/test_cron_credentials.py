@@ -193,5 +193,80 @@ async def test_a_task_of_an_older_token_named_gateway_stays_live(tmp_path: Path)
     ns = namespace_of(principal)
     assert ns != "token:gateway", ns  # not the gateway's namespace
     check = TokenCredentials(TokenStore(home), cache_s=0)
-    assert check(ns) is None, check(ns)
-    assert check("token:gateway") is not None  # nobody's live namespace here
+    assert check(ns, "agt_x") is None, check(ns, "agt_x")
+    assert check("token:gateway", "agt_x") is not None  # nobody's live namespace here
+
+
+# ------------------------------------------------------------------ a token narrowed by a rotation
+
+
+async def test_a_task_stops_when_its_token_is_narrowed_to_other_agents_or_scopes(tmp_path: Path) -> None:
+    """A rotation that keeps the token's name but limits it to other agents (by name or id), or
+    takes away every scope that submits turns, stops its tasks as a revocation does (was: only the
+    name was checked, so a narrowed token's task kept running turns on an agent it may not use)."""
+    home = tmp_path / "home"
+    ns = token_namespace(home, "dave")
+    store = CronStore(home)
+    task = store.add(make_task(name="rot", agent="agt_free", schedule=ScheduleSpec("every", "1h", "UTC"),
+                               prompt="p", now=T0, exact=True, namespace=ns))  # fmt: skip
+    fired: list[int] = []
+
+    async def fire(t: CronTask, occ: Occurrence) -> str:
+        fired.append(occ.number)
+        return f"turn_{occ.number}"
+
+    async def names() -> dict[str, str]:
+        return {"agt_free": "free", "agt_assistant": "assistant"}
+
+    clock = FakeClock(T0 + timedelta(hours=1, seconds=1))
+    tokens = TokenCredentials(TokenStore(home), cache_s=0)
+    s = Scheduler(store, fire=fire, clock=clock, credentials=tokens, agent_names=names)
+
+    async def hour(n: int) -> list[str]:
+        clock.now = T0 + timedelta(hours=n, seconds=1)
+        await s.tick()
+        return [r.get("reason", "") for r in read_runs(store.runs_dir, task.id) if r["event"] == "missed"]
+
+    assert await hour(1) == [] and fired == [1]  # every agent: runs
+    TokenStore(home).revoke("dave")
+    TokenStore(home).create(name="dave", agents=["assistant"])
+    missed = await hour(2)
+    assert fired == [1] and len(missed) == 1, (fired, missed)
+    assert "may no longer use the task's agent free (agt_free)" in missed[0], missed
+    TokenStore(home).revoke("dave")
+    TokenStore(home).create(name="dave", agents=["free"])  # limited by name to the task's agent
+    assert len(await hour(3)) == 1 and fired == [1, 2]  # (a missed run uses no number)
+    TokenStore(home).revoke("dave")
+    TokenStore(home).create(name="dave", agents=["agt_free"])  # by id
+    assert len(await hour(4)) == 1 and fired == [1, 2, 3]
+    TokenStore(home).revoke("dave")
+    TokenStore(home).create(name="dave", scopes=["admin"])  # no scope that submits turns
+    missed = await hour(5)
+    assert fired == [1, 2, 3] and len(missed) == 2 and "may no longer submit turns" in missed[1], missed
+    await s.close()
+
+
+async def test_a_narrowed_tokens_task_is_refused_by_hand_through_a_running_server(tmp_path: Path) -> None:
+    """`appserver cron run` beside a live server (the `cron_run` frame, the server's cron service)
+    refuses the task of a narrowed token as the in-process run does, before a run number is used."""
+    home = tmp_path / "home"
+    env = cli_env(home)
+    assert run_cli(home, "agents", "create", "--name", "free", env=env).code == 0
+    _, secret = TokenStore(home).create(name="dave")
+    with serving(home, "--auth", "token", env=env) as sp:
+        ws = await WS.open(sp.url, headers={"Authorization": f"Bearer {secret}"}, open_timeout=T)
+        try:
+            _, text = await _call(ws, "new", {"action": "create", "name": "rot", "prompt": "M", "in": "1h"})
+            assert "created task rot" in text, text
+        finally:
+            await ws.close()
+        TokenStore(home).revoke("dave")
+        TokenStore(home).create(name="dave", agents=["free"])  # the rotation narrows it to another agent
+        by_hand = run_cli(home, "cron", "run", "rot", env=env)
+        assert by_hand.code == 2 and "may no longer use the task's agent assistant" in by_hand.err, (
+            by_hand.code,
+            by_hand.out,
+            by_hand.err,
+        )
+        task_id = json.loads((home / "crons.json").read_text())["tasks"][0]["id"]
+        assert read_runs(home / "cron-runs", task_id) == []  # nothing claimed, nothing fired

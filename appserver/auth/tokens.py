@@ -214,6 +214,17 @@ class TokenRecord:
         d["expired"] = self.is_expired(time.time())
         return d
 
+    def principal(self) -> Principal:
+        """The caller a request presenting this token is: its subject, agents and scopes."""
+        return Principal(
+            subject=self.subject,
+            kind="token",
+            agents=frozenset(self.agents) if self.agents is not None else None,
+            scopes=frozenset(self.scopes),
+            expires_at=self.expires_at,
+            token_id=self.id,
+        )
+
     @property
     def is_gateway(self) -> bool:
         """Minted for the channel gateway (`TokenStore.mint_gateway`): its mark is its id."""
@@ -539,11 +550,4 @@ class TokenStore:
             return None
         if found.is_expired(time.time()):
             return None
-        return Principal(
-            subject=found.subject,
-            kind="token",
-            agents=frozenset(found.agents) if found.agents is not None else None,
-            scopes=frozenset(found.scopes),
-            expires_at=found.expires_at,
-            token_id=found.id,
-        )
+        return found.principal()

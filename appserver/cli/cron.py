@@ -548,7 +548,7 @@ def _runnable(task: str, agent: str | None) -> None:
     if found.namespace is not None:
         credentials = TokenCredentials.for_home(cfg.home, cfg.store.url)
         try:
-            gone = credentials(found.namespace)
+            gone = credentials(found.namespace, found.agent, _names_of(cfg).get(found.agent))
         finally:
             credentials.close()
         if gone is not None:

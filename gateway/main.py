@@ -103,8 +103,14 @@ async def lock_ledger(home: Path, control: ControlWriter, wait_s: float = LOCK_W
     process holding it to exit; then refuses, naming it (the supervisor retries with backoff). The
     open descriptor is returned (kept for the process's life), or None when refused."""
     path = default_path(home).with_name("gateway.lock")
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:  # a directory in its place, no permission, a read-only home
+        message = f"cannot open the gateway lock {path}: {exc.strerror or exc}"
+        log.error("%s", message)
+        control.event("gateway_error", {"message": message})
+        return None
     deadline = time.monotonic() + wait_s
     waiting = False
     while True:
@@ -127,8 +133,11 @@ async def lock_ledger(home: Path, control: ControlWriter, wait_s: float = LOCK_W
                 log.warning("waiting for %s on %s to exit (at most %g s)", who, default_path(home), wait_s)
                 waiting = True
             await asyncio.sleep(0.05)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:  # the pid is for people reading the file; the lock itself is held
+        log.warning("could not write our pid in %s: %s", path, exc)
     return fd
 
 

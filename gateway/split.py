@@ -280,7 +280,7 @@ def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
     )
     if before_link > cut + 1:  # (right after a space: the space is the cut)
         head, rest = text[:before_link], text[before_link:]  # nothing dropped: the link goes on in the next part
-    elif cut > 0 and (cut >= room // 2 or _word_end(text, cut + 1) - (cut + 1) <= room):
+    elif cut > 0 and (cut >= room // 2 or _word_end(text, cut + 1, links) - (cut + 1) <= room):
         head, rest = text[:cut], text[cut + 1 :]
     else:
         at = min(room, len(text))
@@ -310,7 +310,10 @@ def _outside(links: list[tuple[int, int]], cut: int) -> bool:
     return all(not start < cut < end for start, end in links)
 
 
-def _word_end(text: str, start: int) -> int:
-    """Where the word starting at `start` ends (the next space, or the end of the text)."""
+def _word_end(text: str, start: int, links: list[tuple[int, int]]) -> int:
+    """Where the word starting at `start` ends (the next space outside `links`, which are no cuts,
+    or the end of the text): a link longer than a part is one long word."""
     end = text.find(" ", start)
+    while end >= 0 and not _outside(links, end):
+        end = text.find(" ", end + 1)
     return len(text) if end < 0 else end

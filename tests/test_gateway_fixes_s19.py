@@ -1,0 +1,46 @@
+"""Gateway fixes from the nineteenth session's outside attacks.
+
+* A gateway lock path the gateway cannot open (a directory in its place) is a `gateway_error`
+  event naming it, not a traceback that ends the child and comes back at every restart.
+* A line that is one Markdown link longer than a part is one long word: it is cut hard at the
+  limit, never after a tiny head (`echo:` alone as a first chat message).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gateway.db import default_path
+from gateway.main import lock_ledger
+from gateway.split import split_message
+
+
+class Control:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def event(self, kind: str, payload: dict[str, Any]) -> None:
+        self.events.append((kind, payload))
+
+
+async def test_a_lock_path_that_is_a_directory_is_a_clear_gateway_error(tmp_path: Path) -> None:
+    lock = default_path(tmp_path).with_name("gateway.lock")
+    lock.mkdir(parents=True)
+    control = Control()
+    assert await lock_ledger(tmp_path, control, wait_s=0.1) is None  # type: ignore[arg-type]
+    [(kind, payload)] = control.events
+    assert kind == "gateway_error", control.events
+    assert "cannot open the gateway lock" in payload["message"] and str(lock) in payload["message"], payload
+    assert lock.is_dir()  # left where it is for the operator
+
+
+def test_a_link_longer_than_a_part_is_cut_hard_not_after_a_tiny_head() -> None:
+    url = "https://example.com/" + "a" * 100
+    text = "echo: [" + "link text " * 500 + "](" + url + ")"
+    parts = split_message(text, 4000)
+    assert len(parts[0]) == 4000 and parts[0].startswith("echo: [link text"), [len(p) for p in parts]
+    assert "".join(parts) == text  # a hard cut drops nothing
+    short = "echo: [short](https://x.y/" + "b" * 30 + ") " + "word " * 1000  # a short link: cut at a space
+    assert all(len(p) <= 4000 for p in split_message(short, 4000))
+    assert split_message(short, 4000)[0].startswith("echo: [short](")

@@ -12,6 +12,7 @@ import re
 import time
 import tomllib
 import typing
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -292,11 +293,14 @@ def _check_value(section: str, key: str, value: Any) -> str | None:
     return None
 
 
-# An RFC 9110 (7230) token: what a header name may be. A value may hold any visible character, space
-# and tab, never CR, LF, NUL or another control: those would end the header line (a second header,
-# or a request of its own, on the upstream's connection).
+# An RFC 9110 (7230) token: what a header name may be. A value may hold any visible ASCII character,
+# space and tab, never CR, LF, NUL or another control: those would end the header line (a second
+# header, or a request of its own, on the upstream's connection); and nothing beyond ASCII: the
+# HTTP client encodes header values as ASCII (a `é` or a pasted non-breaking hyphen would fail every
+# model call), and C1 controls (U+0080-U+009F) are controls too.
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_HEADER_VALUE_BAD = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+_HEADER_VALUE_BAD = re.compile(r"[^\t\x20-\x7e]")
+_HEADER_VALUE_BAD_NO_TAB = re.compile(r"[^\x20-\x7e]")
 # Headers the HTTP client writes itself, from base_url and the request's body, and that keep the
 # connection usable: one given here would contradict them (a second Host or Content-Length, a body
 # framed twice, a pooled connection closed or upgraded under the client).
@@ -321,15 +325,51 @@ def _headers_problem(headers: dict[str, str]) -> str | None:
             return f"{name!r} is not a valid header name (letters, digits and !#$%&'*+.^_`|~- only, no spaces)"
         if name.lower() in MANAGED_HEADERS:
             return f"{name!r} is set by the HTTP client itself (from base_url and the request) and cannot be given"
-        bad = _HEADER_VALUE_BAD.search(value)
-        if bad is not None:
-            return (
-                f"the value of {name!r} holds the control character {bad.group()!r} "
-                "(CR, LF, NUL and other controls would split or end the header line)"
-            )
+        problem = header_text_problem(value)
+        if problem is not None:
+            return f"the value of {name!r} {problem}"
         if value != value.strip(" \t"):
             return f"the value of {name!r} starts or ends with white space"
     return None
+
+
+def describe_char(c: str) -> str:
+    """`U+2011 (NON-BREAKING HYPHEN)`: one character named without showing the text around it."""
+    name = unicodedata.name(c, "") or _CONTROL_NAMES.get(ord(c), "")
+    return f"U+{ord(c):04X}" + (f" ({name})" if name else "")
+
+
+_CONTROL_NAMES = {0x00: "NUL", 0x09: "TAB", 0x0A: "LF", 0x0D: "CR", 0x1B: "ESC", 0x7F: "DEL", 0x85: "NEL"}
+
+
+def header_text_problem(value: str, *, tab: bool = True) -> str | None:
+    """Why `value` cannot be sent as an HTTP header value (a control or a character beyond ASCII),
+    naming the character by its code point and its position (counted from 1), never quoting the
+    value: it may be a secret. None when it can be sent. `tab=False`: a tab is refused too (a key)."""
+    bad = (_HEADER_VALUE_BAD if tab else _HEADER_VALUE_BAD_NO_TAB).search(value)
+    if bad is None:
+        return None
+    at, c = bad.start(), bad.group()
+    if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F:
+        return (
+            f"holds the control character {describe_char(c)} at position {at + 1} "
+            "(CR, LF, NUL and other controls would split or end the header line)"
+        )
+    return (
+        f"holds the non-ASCII character {describe_char(c)} at position {at + 1} (HTTP header values are "
+        "sent as ASCII; a character pasted from a document, such as a non-breaking hyphen, a curly quote "
+        "or a no-break space, is a common cause)"
+    )
+
+
+def api_key_problem(key: str, provider: str, variable: str) -> str | None:
+    """Why the API key `key` (read from the environment variable `variable` for `[providers.NAME]`)
+    cannot be sent in a header, naming the variable, the character (U+XXXX) and its position but
+    never the key; None when it can."""
+    problem = header_text_problem(key, tab=False)
+    if problem is None:
+        return None
+    return f"{variable}: the API key of [providers.{provider}] (api_key_env = {variable!r}) {problem}; set it again"
 
 
 def _base_url_problem(value: str) -> str | None:
@@ -354,6 +394,14 @@ def _url_host(value: str) -> str:
     parts = urlsplit(value)
     _ = parts.port  # ValueError: a port that is no number, or out of range
     host = parts.hostname or ""
+    if not host.isascii():
+        try:
+            ascii_form = f": write it as {host.encode('idna').decode('ascii')!r}"
+        except UnicodeError:
+            ascii_form = ""
+        raise ValueError(
+            f"the host {host!r} is not ASCII (an internationalized name goes in its IDNA form{ascii_form})"
+        )
     if host and not re.fullmatch(r"[A-Za-z0-9._~%!$&'()*+,;=:-]+", host):
         raise ValueError(f"{host!r} is not a host name or address")
     return host
@@ -674,4 +722,11 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         )
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: [server] tls_cert and tls_key go together (set both or neither)")
+    for prov in cfg.providers.values():
+        # The key is read from its variable at every model call (ProviderConfig.api_key); one that
+        # cannot go into a header would fail every turn of every agent on this provider.
+        if prov.api_key_env:
+            problem = api_key_problem(environ.get(prov.api_key_env) or "", prov.name, prov.api_key_env)
+            if problem is not None:
+                raise ConfigError(problem)
     return cfg

@@ -11,6 +11,7 @@ child loggers (`appserver.*`, `uvicorn.*`), while a handler's filters see every 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -18,13 +19,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, urlsplit
 
 from appserver.auth import TOKEN_PREFIX, fingerprint
 from appserver.config import Config
 
 MIN_SECRET_LEN = 8
 MAX_REMEMBERED = 1024
+
+_SECRET_FIELD = r"(?i)[\"'](?:token|access_token|api_key|apikey|secret|password|authorization)[\"']\s*:\s*"
 
 # Each pattern matches a secret; when it has a group named `s`, only that group is replaced.
 _PATTERNS: tuple[re.Pattern[str], ...] = (
@@ -41,11 +44,10 @@ _PATTERNS: tuple[re.Pattern[str], ...] = (
     re.compile(r"\b\d{6,12}:[A-Za-z0-9_-]{30,}"),
     # credentials in a URL query (the guard refuses them, but the access log already saw them)
     re.compile(r"(?i)[?&](?:token|access_token|api_key|apikey|api-key|key|jwt)=(?P<s>[^&\s\"']+)"),
-    # JSON / repr fields named like secrets
-    re.compile(
-        r"(?i)[\"'](?:token|access_token|api_key|apikey|secret|password|authorization)[\"']\s*:\s*"
-        r"[\"'](?P<s>[^\"']{8,})[\"']"
-    ),
+    # JSON / repr fields named like secrets; the value runs to its closing quote, over escaped quotes
+    # and backslashes inside it (`"Authorization": "Bearer k3y\"x\\y"`: all of it is the value)
+    re.compile(_SECRET_FIELD + r'"(?P<s>(?:[^"\\]|\\.){8,})"'),
+    re.compile(_SECRET_FIELD + r"'(?P<s>(?:[^'\\]|\\.){8,})'"),
 )
 
 ENV_SECRET_NAMES: tuple[str, ...] = (
@@ -60,6 +62,10 @@ ENV_SECRET_NAMES: tuple[str, ...] = (
 )
 
 
+# A value that is a mask already, alone or after its scheme (`Bearer [redacted sha256:…]`).
+_MASKED = re.compile(r"(?i)(?:(?:bearer|basic|token)\s+)?\[redacted[^\]]*\]")
+
+
 def _mask(secret: str) -> str:
     return f"[redacted {fingerprint(secret)}]"
 
@@ -67,12 +73,48 @@ def _mask(secret: str) -> str:
 def _replace(m: re.Match[str]) -> str:
     if "s" not in m.re.groupindex:
         return _mask(m.group(0))
-    if m.group("s").startswith("[redacted"):
-        return m.group(0)  # already masked by an earlier pattern
+    if _MASKED.fullmatch(m.group("s")):
+        return m.group(0)  # already masked by an earlier pattern (or a known secret)
     start, end = m.span("s")
     base = m.start(0)
     whole = m.group(0)
     return whole[: start - base] + _mask(m.group("s")) + whole[end - base :]
+
+
+_UNICODE_ESCAPE = re.compile(r"\\u([0-9a-f]{4})")
+_PERCENT = re.compile(r"%[0-9A-F]{2}")
+
+
+def _json_escaped(secret: str) -> set[str]:
+    """`secret` as the inside of a JSON string, as encoders write it: Python's json.dumps with and
+    without `ensure_ascii`, `/` as `\\/` (PHP), `<`, `>`, `&` as `\\u003c`… (Go), `\\uXXXX` in
+    upper-case hex (JavaScript, Java)."""
+    forms: set[str] = set()
+    for ensure_ascii in (True, False):
+        inner = json.dumps(secret, ensure_ascii=ensure_ascii)[1:-1]
+        forms.add(inner)
+        forms.add(inner.replace("/", "\\/"))
+        html = inner.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+        forms.add(html.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+    forms |= {_UNICODE_ESCAPE.sub(lambda m: "\\u" + m.group(1).upper(), f) for f in forms}
+    return forms
+
+
+def secret_forms(secret: str) -> set[str]:
+    """Every form in which `secret` may come back quoted in an upstream's error: as it is, JSON-escaped
+    (an upstream that quotes its request's headers as JSON, inside a JSON error body, so twice as
+    well), and URL-encoded (a query or a path that quotes it). A secret of letters, digits and
+    `-._~` has one form; one holding `"`, `\\`, `/`, `&`, a space or a non-ASCII character has several.
+    Each is at least as long as the secret."""
+    url = {quote(secret, safe=""), quote(secret, safe="/"), quote_plus(secret)}
+    url |= {_PERCENT.sub(lambda m: m.group(0).lower(), u) for u in url}
+    forms = {secret, *url}
+    for form in list(forms):
+        forms |= _json_escaped(form)
+    for once in _json_escaped(secret):
+        forms.add(json.dumps(once)[1:-1])  # escaped twice: JSON text inside a JSON string
+        forms.add(json.dumps(once, ensure_ascii=False)[1:-1])
+    return forms
 
 
 class SecretRedactor(logging.Filter):
@@ -90,8 +132,9 @@ class SecretRedactor(logging.Filter):
     ) -> None:
         super().__init__()
         self._lock = threading.Lock()
-        self._known: OrderedDict[str, str] = OrderedDict()
+        self._known: OrderedDict[str, tuple[str, frozenset[str]]] = OrderedDict()  # secret → mask, forms
         self._regex: re.Pattern[str] | None = None
+        self._forms: dict[str, str] = {}  # each form of each known secret → the secret's mask
         env = os.environ if environ is None else environ
         for s in secrets:
             self.add_secret(s)
@@ -111,21 +154,32 @@ class SecretRedactor(logging.Filter):
             if secret in self._known:
                 self._known.move_to_end(secret)
                 return
-            self._known[secret] = _mask(secret)
+        entry = (_mask(secret), frozenset(secret_forms(secret)))  # outside the lock: the costly part
+        with self._lock:
+            if secret in self._known:
+                self._known.move_to_end(secret)
+                return
+            self._known[secret] = entry
             while len(self._known) > MAX_REMEMBERED:
                 self._known.popitem(last=False)
             self._regex = None
 
     def redact(self, text: str) -> str:
-        """Return `text` with every known or secret-looking value replaced by its fingerprint."""
+        """Return `text` with every known or secret-looking value replaced by its fingerprint: a
+        known secret as it is and in each form an upstream may quote it in (JSON-escaped, URL-encoded:
+        `secret_forms`), each form masked with the fingerprint of the secret itself."""
         with self._lock:
-            regex = self._regex
-            known = dict(self._known)
-            if regex is None and known:
-                ordered = sorted(known, key=len, reverse=True)
+            regex, forms = self._regex, self._forms
+            if regex is None and self._known:
+                forms = {}
+                for mask, secret_forms_ in self._known.values():
+                    for form in secret_forms_:
+                        forms.setdefault(form, mask)
+                ordered = sorted(forms, key=len, reverse=True)
                 regex = self._regex = re.compile("|".join(re.escape(s) for s in ordered))
+                self._forms = forms
         if regex is not None:
-            text = regex.sub(lambda m: known.get(m.group(0), "[redacted]"), text)
+            text = regex.sub(lambda m: forms.get(m.group(0), "[redacted]"), text)
         for pat in _PATTERNS:
             text = pat.sub(_replace, text)
         return text

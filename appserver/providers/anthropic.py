@@ -38,11 +38,14 @@ from appserver.providers.upstream import (
     ACCEPT_ENCODING,
     as_dict,
     as_str,
+    check_extra_headers,
     decoded_body,
     default_client,
+    key_for_header,
     read_error_response,
     request_timeout,
     transport_error,
+    unsendable_error,
 )
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -488,10 +491,12 @@ class AnthropicProvider:
             "Content-Type": "application/json",
             "anthropic-version": ANTHROPIC_VERSION,
         }
-        key = self.cfg.api_key()
+        key = key_for_header(self.cfg)
         if key:
             headers["x-api-key"] = key
-        headers.update(self.cfg.headers)
+        if self.cfg.headers:
+            check_extra_headers(self.cfg)
+            headers.update(self.cfg.headers)
         return headers
 
     def _client(self) -> httpx.AsyncClient:
@@ -529,6 +534,8 @@ class AnthropicProvider:
                     yield chunk
         except httpx.RequestError as exc:
             raise transport_error(exc) from exc
+        except UnicodeEncodeError as exc:  # a header or URL the checks missed: no internal error
+            raise unsendable_error(self.cfg, exc) from None
 
     async def aclose(self) -> None:
         if self._owns_http and self._http is not None:

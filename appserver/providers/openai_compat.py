@@ -45,13 +45,16 @@ from appserver.providers.upstream import (
     ACCEPT_ENCODING,
     as_dict,
     as_str,
+    check_extra_headers,
     decoded_body,
     default_client,
     error_message_from_body,
+    key_for_header,
     read_answer,
     read_error_response,
     request_timeout,
     transport_error,
+    unsendable_error,
 )
 
 # The request body as compact UTF-8 JSON, encoded here so that the lean transport gets bytes (a NaN
@@ -494,10 +497,12 @@ class OpenAICompatProvider:
             "Accept-Encoding": ACCEPT_ENCODING,
             "Content-Type": "application/json",
         }
-        key = self.cfg.api_key()
+        key = key_for_header(self.cfg)
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        headers.update(self.cfg.headers)
+        if self.cfg.headers:
+            check_extra_headers(self.cfg)
+            headers.update(self.cfg.headers)
         return headers
 
     def _client(self) -> httpx.AsyncClient:
@@ -556,6 +561,8 @@ class OpenAICompatProvider:
                     yield chunk
         except httpx.RequestError as exc:
             raise transport_error(exc) from exc
+        except UnicodeEncodeError as exc:  # a header or URL the checks missed: no internal error
+            raise unsendable_error(self.cfg, exc) from None
 
     @staticmethod
     def _whole_completion(raw: bytes) -> list[ProviderChunk]:

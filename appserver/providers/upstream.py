@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from appserver.config import ProviderConfig
+from appserver.config import ProviderConfig, api_key_problem, describe_char, header_text_problem
 from appserver.providers.base import ProviderError, error_from_status
 from appserver.providers.fasttransport import LeanClient, LeanResponse, lean_transport, raw_headers
 from appserver.providers.jsontext import loads
@@ -215,6 +215,43 @@ async def read_error_response(resp: httpx.Response | LeanResponse) -> ProviderEr
         body = text
     message = error_message_from_body(body, f"upstream answered HTTP {resp.status_code}")
     return error_from_status(resp.status_code, message, body=body, retry_after_s=parse_retry_after(resp.headers))
+
+
+def key_for_header(cfg: ProviderConfig) -> str | None:
+    """The provider's API key as read now from its variable (`ProviderConfig.api_key`: at every
+    model call, not only at load), or None; a ProviderError naming the variable, the character and
+    its position (never the key) when it cannot go into a header: the HTTP client would fail on it
+    with an encoding error, or a control character would end the header line."""
+    key = cfg.api_key()
+    if not key:
+        return None
+    problem = api_key_problem(key, cfg.name, cfg.api_key_env or "the API key variable")
+    if problem is not None:
+        raise ProviderError("auth", f"cannot call the model: {problem}")
+    return key
+
+
+def check_extra_headers(cfg: ProviderConfig) -> None:
+    """ProviderError when a configured header value cannot be sent (checked at load already: this
+    covers a ProviderConfig made another way), naming the header, never quoting its value."""
+    for name, value in cfg.headers.items():
+        problem = header_text_problem(value) if isinstance(value, str) else "is not text"
+        if problem is not None:
+            raise ProviderError(
+                "auth", f"cannot call the model: [providers.{cfg.name}] headers: the value of {name!r} {problem}"
+            )
+
+
+def unsendable_error(cfg: ProviderConfig, exc: UnicodeEncodeError) -> ProviderError:
+    """A request the HTTP client could not encode (a header value or URL beyond ASCII that no check
+    caught) as a clear ProviderError instead of an internal error with a traceback."""
+    bad = exc.object[exc.start : exc.start + 1] if isinstance(exc.object, str) else ""
+    what = f"the character {describe_char(bad)}" if bad else "a character"
+    return ProviderError(
+        "auth",
+        f"cannot call the model: the request to [providers.{cfg.name}] holds {what}, which HTTP headers cannot "
+        "carry (only ASCII): check its headers, its API key variable and its base_url",
+    )
 
 
 def transport_error(exc: Exception) -> ProviderError:

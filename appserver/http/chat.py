@@ -34,6 +34,7 @@ from appserver.http.common import (
     named_answers,
     principal_of,
     read_json,
+    request_usage,
     resolve_model,
     settle_or_cancel,
     start_turn,
@@ -704,8 +705,9 @@ def render_text(blocks: list[dict[str, Any]], kind: str = "text", *, refusal: bo
     )
 
 
-def usage_of(snap: TurnSnapshot) -> dict[str, Any]:
-    u = snap.usage or {}
+def usage_of(snap: TurnSnapshot, base: dict[str, int] | None = None) -> dict[str, Any]:
+    """The usage of this request's model calls (`base`: the turn's when the request resumed it)."""
+    u = request_usage(snap.usage, base)
     prompt, completion = int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0))
     return {
         "prompt_tokens": prompt,
@@ -820,7 +822,9 @@ class ChatCompletions:
                 if header:
                     place = await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
                 else:
-                    place = await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
+                    place = await self.matcher.by_prefix(
+                        agent, ns, prefix, user, metadata, answers, while_pending=calls_unanswered
+                    )
                 content = new_content(users)
                 decisions = await named_answers(self.server, place.conversation_id, given)
                 run = await start_turn(
@@ -950,7 +954,7 @@ class _Ctx:
                 "created": self.created,
                 "model": self.model_id,
                 "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": self.finish(snap)}],
-                "usage": usage_of(snap),
+                "usage": usage_of(snap, self.run.base_usage),
             }
         except BaseException as exc:
             if self.idem is not None:
@@ -1034,10 +1038,15 @@ class _Ctx:
             nonlocal finished
             metrics.active_streams.inc()
             try:
-                yield self.chunk({"role": "assistant", "content": ""})
+                # The role chunk goes out at once (it says the input was accepted), before it is
+                # known whether the reply is text, a refusal or tool calls: it carries no `content`,
+                # so a refusal's (or tool calls') message accumulates `content` null, as OpenAI's
+                # streams and the non-stream answer have it, and a text's its text.
+                yield self.chunk({"role": "assistant"})
                 sent: dict[int, int] = {}  # block index → characters sent
                 call_index: dict[str, int] = {}
                 any_text = False
+                any_refusal = False
                 last: TurnSnapshot | None = None
                 async for snap in self.run.snapshots(self.keepalive, self.route.stopping):
                     if snap is None:
@@ -1052,6 +1061,7 @@ class _Ctx:
                             if len(full) > done:
                                 piece = full[done:]
                                 if b.get("refusal"):
+                                    any_refusal = True
                                     yield self.chunk({"refusal": piece})  # OpenAI's field for it
                                 elif b["type"] == "text":
                                     if done == 0 and any_text:
@@ -1100,7 +1110,10 @@ class _Ctx:
                     return  # not `finished`: a cancelled turn keeps no answer for its key
                 if last.stop_reason == "max_steps":
                     yield self.chunk({"content": f"\n\n{self.steps_note}" if any_text else self.steps_note})
+                    any_text = True
                 calls = tool_calls_of(last) if last.status == "awaiting" else []
+                if not (any_text or any_refusal or calls or call_index):
+                    yield self.chunk({"content": ""})  # an empty reply: content "", as non-stream
                 for c in calls:  # calls made before this request (not streamed above)
                     if c["id"] not in call_index and not (self.legacy and call_index):
                         call_index[c["id"]] = len(call_index)
@@ -1115,7 +1128,7 @@ class _Ctx:
                             "created": self.created,
                             "model": self.model_id,
                             "choices": [],
-                            "usage": usage_of(last),
+                            "usage": usage_of(last, self.run.base_usage),
                         }
                     )
                 yield "[DONE]"

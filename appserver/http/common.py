@@ -428,6 +428,9 @@ class TurnRun:
     after_revision: int = -1
     resolved_calls: list[str] = field(default_factory=list)  # server calls answered by this request
     started: bool = True
+    # The turn's usage when this request resumed it (its earlier model calls, which the responses
+    # of the earlier requests reported): this request reports only what it adds (`request_usage`).
+    base_usage: dict[str, int] = field(default_factory=dict)
 
     @property
     def turn_id(self) -> str:
@@ -551,6 +554,18 @@ def answered_approvals(before: TurnSnapshot, given: dict[str, PendingCall], deci
     ]
 
 
+USAGE_KEYS = ("input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
+
+
+def request_usage(usage: dict[str, int] | None, base: dict[str, int] | None = None) -> dict[str, int]:
+    """The usage of one request's model calls: the turn's running total (`usage`) less what it was
+    when the request resumed the turn (`base`: a request answering tool calls continues a turn
+    whose earlier calls the earlier responses reported), as OpenAI reports each request's own.
+    Never negative."""
+    u, b = usage or {}, base or {}
+    return {k: max(0, int(u.get(k, 0) or 0) - int(b.get(k, 0) or 0)) for k in USAGE_KEYS}
+
+
 async def start_turn(
     server: Server,
     agent: AgentRecord,
@@ -592,7 +607,12 @@ async def start_turn(
             before = handle.controller.snapshot()
             if not decisions:  # nothing new: the turn still waits for the rest, as it shows now
                 return TurnRun(
-                    server, conversation_id, handle, base_blocks=len(before.blocks), after_revision=before.revision - 1
+                    server,
+                    conversation_id,
+                    handle,
+                    base_blocks=len(before.blocks),
+                    after_revision=before.revision - 1,
+                    base_usage=dict(before.usage),
                 )
             results = await kernel.respond(conversation_id, decisions, whole=True)  # one request: all or none
             refused = [r for r in results if not r.get("accepted")]
@@ -612,6 +632,7 @@ async def start_turn(
                 base_blocks=len(before.blocks),
                 after_revision=before.revision,
                 resolved_calls=resolved,
+                base_usage=dict(before.usage),
             )
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")

@@ -18,6 +18,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -285,6 +286,35 @@ def _calls_made_at(messages: list[MessageRecord]) -> list[tuple[str, str]]:
     if i < 0 or messages[i].role != "assistant":
         return []
     return [(c["id"], c["name"]) for c in messages[i].tool_calls]
+
+
+def open_call_ids(messages: list[MessageRecord]) -> list[str]:
+    """The calls open at the end of `messages` (the last assistant message's calls, past the results
+    after it, that have none), as clients name them: a client tool's by its id, an approval's
+    `mcpr_…`. New input after them would reach the model after calls without results (OpenAI
+    refuses such a transcript, and every later turn would carry it)."""
+    i = len(messages) - 1
+    while i >= 0 and messages[i].role == "tool":
+        i -= 1
+    if i < 0 or messages[i].role != "assistant":
+        return []
+    answered = {m.tool_call_id for m in messages[i + 1 :]}
+    return [
+        c["id"] if c.get("executor") == "client" else f"mcpr_{c['id']}"
+        for c in messages[i].tool_calls
+        if c["id"] not in answered
+    ]
+
+
+def calls_open(call_ids: list[str]) -> ApiError:
+    """New input at a point where calls wait for answers (when the route names no error of its own)."""
+    return ApiError(
+        409,
+        f"the calls {', '.join(call_ids)} wait for answers at this point of the conversation: answer them "
+        "before new input",
+        code="calls_pending",
+        param="input",
+    )
 
 
 def _answers_fit(call_ids: list[str], made: list[tuple[str, str]]) -> bool:
@@ -584,10 +614,13 @@ class ConversationMatcher:
         user: str | None,
         metadata: dict[str, Any] | None,
         answers: Answers | None = None,
+        *,
+        while_pending: Callable[[list[str]], ApiError] = calls_open,
     ) -> Placement:
         """`answers`: the new input answers tool calls; a fork or a new conversation is then made
         paused at them (a resent finished tool round forks and is answered; a history whose calls
-        this server never issued is seeded and answered)."""
+        this server never issued is seeded and answered). `while_pending`: the route's refusal of
+        new input at a point whose calls wait for answers (a fork never takes it: `fork_at`)."""
         if not prefix:
             if answers is not None:  # results with no call before them: refused, nothing written
                 split_paused([], answers)
@@ -612,7 +645,14 @@ class ConversationMatcher:
         if candidates:
             src = candidates[0]
             conv_id = await self.fork_at(
-                agent, namespace, src.conversation_id, src.last_message_id, answers, user=user, metadata=metadata
+                agent,
+                namespace,
+                src.conversation_id,
+                src.last_message_id,
+                answers,
+                user=user,
+                metadata=metadata,
+                while_pending=while_pending,
             )
             place = Placement(conv_id, "fork", claimed=True)
         else:
@@ -661,13 +701,26 @@ class ConversationMatcher:
         user: str | None = None,
         metadata: dict[str, Any] | None = None,
         seed: list[ViewItem] | None = None,
+        while_pending: Callable[[list[str]], ApiError] = calls_open,
     ) -> str:
         """A new conversation with the source's messages up to `last_message_id`, then `seed`'s;
-        with `answers`, paused at the calls open there (checked before anything is written)."""
+        with `answers`, paused at the calls open there (checked before anything is written).
+
+        Without `answers` (new user input) the point must have no call waiting for an answer: a
+        client tool's call stays the client's, open in the fork unless the request answers it, and
+        an approval is never decided by new input. Whatever became of the calls in the source
+        conversation later (answered there, run, expired), new input after them is refused with
+        `while_pending(their ids)` (Responses 409 `calls_pending`, chat 400
+        `tool_calls_unanswered`), before anything is written: continued, the fork would send the
+        model an assistant message with tool calls and no results, on this turn and every later one."""
         source = await self.store.list_messages(source_conversation)
         messages = [m for m in source if m.id is not None and m.id <= last_message_id]
         paused: Paused | None = None
-        if answers is not None:
+        if answers is None:
+            waiting = open_call_ids(messages)
+            if waiting:
+                raise while_pending(waiting)
+        else:
             later = [m for m in source if m.id is not None and m.id > last_message_id]
             messages, paused = split_paused(messages, answers)  # the tail is written again, paused
             await self._carry_over(paused, answers, later, source_conversation)

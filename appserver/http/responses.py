@@ -13,7 +13,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -53,6 +53,7 @@ from appserver.http.common import (
     max_steps_note,
     principal_of,
     read_json,
+    request_usage,
     resolve_model,
     settle_or_cancel,
     start_turn,
@@ -590,17 +591,6 @@ def response_options(body: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
-def open_calls_of(body: dict[str, Any]) -> list[str]:
-    """The calls a stored response left waiting for answers (as clients name them)."""
-    out: list[str] = []
-    for item in body.get("output") or []:
-        if item.get("type") == "function_call" and item.get("status") == "completed":
-            out.append(str(item.get("call_id")))
-        elif item.get("type") == "mcp_approval_request":
-            out.append(str(item.get("id")))
-    return out
-
-
 def calls_pending(call_ids: list[str]) -> ApiError:
     """New input while the conversation waits for answers: 409 naming what it waits for."""
     return ApiError(
@@ -610,6 +600,26 @@ def calls_pending(call_ids: list[str]) -> ApiError:
         code="calls_pending",
         param="input",
     )
+
+
+def calls_pending_at(response_id: str) -> Callable[[list[str]], ApiError]:
+    """New input after a response that left calls unanswered, which is no longer its
+    conversation's head (a fork): 409 naming the calls, as while its conversation waited. Answered
+    later in that conversation or not, they are open at that response, and a fork from it keeps
+    them open until this client answers them."""
+
+    def refuse(call_ids: list[str]) -> ApiError:
+        return ApiError(
+            409,
+            f"response {response_id} left the calls {', '.join(call_ids)} unanswered: new input continuing "
+            f"from it needs their answers first. Send function_call_output (client tools) or "
+            f"mcp_approval_response (approvals) items for them with previous_response_id {response_id}, "
+            "then the new input with the id of the response that answers",
+            code="calls_pending",
+            param="input",
+        )
+
+    return refuse
 
 
 # ---------------------------------------------------------------- rendering
@@ -773,8 +783,9 @@ def item_for(
     return None  # compaction blocks are not output
 
 
-def usage_of(snap: TurnSnapshot | None) -> dict[str, Any]:
-    u = (snap.usage if snap is not None else None) or {}
+def usage_of(snap: TurnSnapshot | None, base: dict[str, int] | None = None) -> dict[str, Any]:
+    """The usage of this request's model calls (`base`: the turn's when the request resumed it)."""
+    u = request_usage(snap.usage if snap is not None else None, base)
     i, o = int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0))
     return {
         "input_tokens": i,
@@ -792,9 +803,10 @@ def response_body(
     output: list[dict[str, Any]],
     snap: TurnSnapshot | None,
     failed: ApiError | None = None,
+    base_usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """`failed`: the error of a failed turn as the route worded it (`turn_error`), else from the
-    snapshot's error."""
+    snapshot's error. `base_usage`: the turn's usage when this request resumed it (`TurnRun`)."""
     error = None
     incomplete = None
     if snap is not None and failed_answer(snap):
@@ -836,7 +848,7 @@ def response_body(
         "top_logprobs": shape.top_logprobs,
         "temperature": shape.temperature,
         "reasoning": shape.reasoning_params,
-        "usage": usage_of(snap),
+        "usage": usage_of(snap, base_usage),
         "max_output_tokens": shape.max_output_tokens,
         "max_tool_calls": shape.max_tool_calls,
         "store": shape.store,
@@ -914,7 +926,14 @@ class Responses:
         else:
             output = list(rec.body.get("output") or [])
         failed = await turn_error(self.server, agent.id, snap.error) if failed_answer(snap) else None
-        body = response_body(shape, status=final_status(snap), output=output, snap=snap, failed=failed)
+        body = response_body(
+            shape,
+            status=final_status(snap),
+            output=output,
+            snap=snap,
+            failed=failed,
+            base_usage=run.base_usage if run is not None else None,
+        )
         if body["completed_at"] is not None and turn.ended_at:
             body["completed_at"] = int(turn.ended_at)
         own = [m.id for m in await store.list_messages(rec.conversation_id) if m.turn_id == turn.id and m.id]
@@ -1242,11 +1261,13 @@ class Responses:
                     code="previous_response_in_progress",
                     param="previous_response_id",
                 )
+            # New input after calls the response left open is refused (409 calls_pending) wherever
+            # it would go: at the head by the paused turn itself (start_turn), in a fork by fork_at.
+            refuse = calls_pending_at(prev_id)
             if added:
-                waiting = open_calls_of(rec.body)
-                if waiting:  # as for any new input: the calls the response left open come first
-                    raise calls_pending(waiting)
-                fork = await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, seed=added)
+                fork = await self.matcher.fork_at(
+                    agent, ns, rec.conversation_id, rec.last_message_id, seed=added, while_pending=refuse
+                )
                 return Placement(fork, "fork", claimed=True)
             head = await store.last_message_id(rec.conversation_id)
             at_head = head == rec.last_message_id and not await self.server.kernel.in_flight_elsewhere(
@@ -1257,7 +1278,9 @@ class Responses:
                 return Placement(rec.conversation_id, "previous_response", claimed=True)
             # an older response, or one whose conversation another request is already continuing
             return Placement(
-                await self.matcher.fork_at(agent, ns, rec.conversation_id, rec.last_message_id, answers),
+                await self.matcher.fork_at(
+                    agent, ns, rec.conversation_id, rec.last_message_id, answers, while_pending=refuse
+                ),
                 "fork",
                 claimed=True,
             )
@@ -1276,7 +1299,7 @@ class Responses:
         header = request.headers.get(HEADER)
         if header:
             return await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
-        return await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers)
+        return await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers, while_pending=calls_pending)
 
 
 def history_to_add(prefix: list[ViewItem]) -> list[ViewItem]:
@@ -1328,7 +1351,14 @@ class _Run:
     async def finalize(self, snap: TurnSnapshot) -> dict[str, Any]:
         output = self.output(snap)
         failed = await turn_error(self.server, self.shape.agent.id, snap.error) if failed_answer(snap) else None
-        body = response_body(self.shape, status=final_status(snap), output=output, snap=snap, failed=failed)
+        body = response_body(
+            self.shape,
+            status=final_status(snap),
+            output=output,
+            snap=snap,
+            failed=failed,
+            base_usage=self.run.base_usage,
+        )
         if not failed_answer(snap) and self.point_base is not None:
             view = merge_assistants(_reply_view(output))
             await self.route.matcher.record(self.shape.agent.id, self.run.conversation_id, chain(view, self.point_base))
@@ -1472,7 +1502,7 @@ class _Run:
                     # has the id: GET answers with it after the restart), no replay.
                     await self.run.withdraw_if_queued()  # a turn that never started does not run later
                     err = shutting_down()
-                    body = response_body(shape, status="failed", output=[], snap=last)
+                    body = response_body(shape, status="failed", output=[], snap=last, base_usage=self.run.base_usage)
                     body["error"] = {"code": "server_error", "message": f"{err.message} [{err.code}]"}
                     kept = True
                     await self.keep_unfinished(body)

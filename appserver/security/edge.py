@@ -14,7 +14,9 @@ connection and before any auth work:
   than the low-water mark unsent, or anything once a close was asked for, since a close waits for
   the buffer to drain) is aborted, and the requests on it see a disconnect (`PassWrites`);
 * a global connection cap counted at accept (`max_connections`, default derived from the fd
-  limit): beyond it a connection gets an immediate 503 and is closed, so descriptors never run out.
+  limit): beyond it a connection gets an immediate 503 and is closed, so descriptors never run out;
+  but a newcomer may first take the slot of a connection that has not completed a request head yet,
+  when that is fair (`fair_slots.SlotGate`), so one client trickling heads cannot hold every slot.
 
 Pipelining (several requests on a connection before their replies) keeps replies in order:
 
@@ -58,6 +60,7 @@ from websockets.protocol import State as WsState
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
+from appserver.security.fair_slots import SAME_GROUP_GRACE_S, SlotGate, client_group
 from appserver.ws.connection import WRITE_FRAME
 
 if TYPE_CHECKING:
@@ -153,6 +156,9 @@ class EdgeLimits:
     max_connections: int
     send_timeout_s: float = 30.0
     refusals: LogThrottle = field(default_factory=LogThrottle, compare=False)
+    # the connections that may give up their slot at the cap, and the throttle of that notice
+    slots: SlotGate = field(default_factory=SlotGate, compare=False)
+    evictions: LogThrottle = field(default_factory=LogThrottle, compare=False)
 
     @classmethod
     def from_config(cls, limits: LimitsConfig) -> EdgeLimits:
@@ -164,6 +170,7 @@ class EdgeLimits:
             keepalive_timeout_s=float(limits.keepalive_timeout_s),
             max_connections=connection_cap(int(limits.max_connections)),
             send_timeout_s=float(limits.send_timeout_s),
+            slots=SlotGate(grace_s=min(SAME_GROUP_GRACE_S, float(limits.head_timeout_s) / 2)),
         )
 
 
@@ -493,11 +500,18 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._held_timer: asyncio.TimerHandle | None = None
         self._upgrade_early: bytearray | None = None  # an upgrade waits for replies; what came after it
         self._body_flow: _BodyFlow  # set by connection_made, before any byte is parsed
+        self._unproven = False  # admitted and no request head completed yet: may be evicted at the cap
 
     # ── connection ────────────────────────────────────────────────────────────────────────────
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if isinstance(peer, tuple) and peer and isinstance(peer[0], str) else None
+        group = client_group(host)
+        slots = self.limits.slots
+        # Evicted connections are still in `connections` until their `connection_lost`, a loop pass
+        # later; their slots are free already.
+        if len(self.connections) - slots.leaving >= self.limits.max_connections and not self._made_room(group):
             self._refused = True
             self.transport = transport
             data, _ = raw_error(
@@ -521,12 +535,57 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self.transport = PassWrites(transport, self.loop, self.limits.send_timeout_s)  # type: ignore[assignment]
         self.flow = self._body_flow = _BodyFlow(transport, self._body_wanted)
+        slots.admitted(self, group)
+        self._unproven = True
         # uvicorn arms its keep-alive timer only after a response; a fresh connection gets it too.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def _made_room(self, group: str) -> bool:
+        """At the cap: whether a connection that never completed a request head gave up its slot to
+        this newcomer (`SlotGate.make_room`); logged at most once per interval."""
+        cap = self.limits.max_connections
+        eviction = self.limits.slots.make_room(
+            group,
+            f"the server has {cap} connections open, its limit ([limits] max_connections), and this one "
+            "had not completed a request head: its slot went to a newer connection; retry shortly",
+        )
+        if eviction is None:
+            return False
+        emit, held = self.limits.evictions.allow()
+        if emit:
+            more = f" ({held} more since the last notice)" if held else ""
+            log.warning(
+                "connection limit %d reached: closed a connection from %s that had not completed a request "
+                "head in %.1f s (%d such from it) to admit one from %s%s",
+                cap,
+                eviction.victim_group,
+                eviction.victim_age_s,
+                eviction.victim_group_unproven,
+                group,
+                more,
+            )
+        return True
+
+    def evict(self, reason: str) -> None:
+        """Give up this connection's slot at once (`SlotGate.make_room`; it has no request yet): a
+        503 if part of a head arrived, then closed. Closed, not lingered: its descriptor is free
+        within a loop pass, so evictions never hold more descriptors than the cap allows. Not logged
+        here: `_made_room` logs at most one line per interval, however many are evicted."""
+        self._cancel_timers()
+        self._unproven = False
+        self._linger_left = LINGER_MAX_BYTES  # whatever still arrives is dropped
+        transport = self.transport
+        if transport.is_closing():  # already answered (a 400, a 408) and lingering: go now
+            transport.abort()
+            return
+        if self._phase == HEAD:
+            transport.write(raw_error(503, "server_busy", reason, ((b"retry-after", b"1"),))[0])
+        transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._refused:
             return
+        self.limits.slots.gone(self)
         self._cancel_timers()
         for timer in (self._linger_timer, self._held_timer):
             if timer is not None:
@@ -616,6 +675,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         # before the upgrade on this connection may still be held, and must go out before the 101.
         # Its send timeout keeps watching a close; an open WebSocket has its own (ws_send_timeout_s).
         self._cancel_timers()
+        if self._unproven:
+            self._unproven = False
+            self.limits.slots.proven(self)
         cast(PassWrites, self.transport).watch_open = False
         limit_unsent(self.transport)
         super().handle_websocket_upgrade()
@@ -657,6 +719,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._count_head(2)  # the empty line that ends the head
+        if self._unproven:  # its first complete head: it keeps its slot from now on
+            self._unproven = False
+            self.limits.slots.proven(self)
         if self.url[:1] != b"/":
             self._authority_from_target()
         self._phase = BODY

@@ -1,0 +1,372 @@
+"""Fair eviction at the connection cap (appserver/security/fair_slots.py, edge.py `connection_made`),
+against a real `appserver serve` on loopback with raw sockets.
+
+One address used to hold every slot with partial request heads (a line trickled before each head
+timeout) while every other client got 503 server_busy. Now, at the cap, a newcomer takes the slot of
+the oldest connection that has not completed a request head: at once when it comes from another
+address (fairer slots), from the same address once that connection has waited the grace (1 s). A
+connection that completed a request is never evicted, and below the cap nothing changes."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import pytest
+
+from appserver.security.fair_slots import SlotGate, client_group
+from tests.support.cli import cli_env
+from tests.support.serve import ServeProcess, serving
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+T = 10.0  # the longest any single socket wait may take
+CAP = 8
+GRACE_S = 1.0  # fair_slots.SAME_GROUP_GRACE_S (the head timeout here is 10 s: half of it is more)
+HOLD = b"GET /healthz HTTP/1.1\r\n"  # a request line, and the head never finished
+ASK = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+HEALTH = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+EVICTED_LOG = "that had not completed a request head"
+
+
+def _serve(tmp_path: Path, cap: int = CAP) -> AbstractContextManager[ServeProcess]:
+    home = tmp_path / "home"
+    env = cli_env(
+        home,
+        APPSERVER_LIMITS__MAX_CONNECTIONS=str(cap),
+        APPSERVER_LIMITS__HEAD_TIMEOUT_S="10",
+        APPSERVER_LIMITS__KEEPALIVE_TIMEOUT_S="30",  # idle connections stay for the whole test
+    )
+    return serving(home, env=env)
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[ServeProcess]:
+    with _serve(tmp_path) as sp:
+        yield sp
+
+
+def _address(srv: ServeProcess) -> tuple[str, int]:
+    host, port = srv.url.split("//")[1].split("/")[0].rsplit(":", 1)
+    return host, int(port)
+
+
+def _connect(srv: ServeProcess, source: str = "127.0.0.1") -> socket.socket:
+    s = socket.create_connection(_address(srv), timeout=T, source_address=(source, 0))
+    s.settimeout(T)
+    return s
+
+
+def _hold(srv: ServeProcess, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """`n` connections from `source`, each with a partial request head."""
+    socks = []
+    for _ in range(n):
+        s = _connect(srv, source)
+        s.sendall(HOLD)
+        socks.append(s)
+    return socks
+
+
+def _response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One Content-Length framed response; status 0 when the connection ended (EOF or reset)
+    before a complete head (a 503 at accept may be cut by the reset our request causes)."""
+    buf = b""
+    try:
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk:
+                return 0, {}, buf
+            buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+        need = int(headers.get("content-length", "0"))
+        while len(rest) < need:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    except ConnectionResetError:
+        return 0, {}, buf
+    return int(lines[0].split()[1]), headers, rest[:need]
+
+
+def _ask(srv: ServeProcess, source: str = "127.0.0.1", keep: list[socket.socket] | None = None) -> int:
+    """GET /v1/models on a new connection from `source`: its status (0: cut without an answer).
+    With `keep`, the connection stays open (kept alive, having completed a request) in it."""
+    s = _connect(srv, source)
+    try:
+        s.sendall(ASK)
+    except OSError:
+        s.close()
+        return 0
+    status = _response(s)[0]
+    if keep is not None and status == 200:
+        keep.append(s)
+    else:
+        s.close()
+    return status
+
+
+def _untouched(s: socket.socket) -> bool:
+    """Still open, and nothing was written to it."""
+    s.setblocking(False)
+    try:
+        s.recv(1)  # b"": closed; bytes: answered
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        s.settimeout(T)
+    return False
+
+
+def _assert_evicted(s: socket.socket) -> None:
+    """A 503 server_busy in the error shape of the edge, then the end of the connection."""
+    status, headers, body = _response(s)
+    assert status == 503, body
+    assert headers["retry-after"] == "1"
+    assert headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert error["code"] == "server_busy"
+    assert "had not completed a request head" in error["message"]
+    assert s.recv(1) == b""
+
+
+def _close(socks: list[socket.socket]) -> None:
+    for s in socks:
+        s.close()
+
+
+def _can_bind(address: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((address, 0))
+    except OSError:
+        return False
+    return True
+
+
+other_loopback = pytest.mark.skipif(not _can_bind("127.0.0.2"), reason="cannot bind 127.0.0.2 here")
+
+
+# ── real sockets ─────────────────────────────────────────────────────────────────────────────────
+
+
+@other_loopback
+def test_a_newcomer_from_another_address_takes_the_oldest_slow_head_at_once(srv: ServeProcess) -> None:
+    held = _hold(srv, CAP)
+    extra: list[socket.socket] = []
+    try:
+        # One address holds every slot: its own next connection is refused (its slow heads are
+        # younger than the grace), as before.
+        assert _ask(srv) in (0, 503)
+        time.sleep(0.1)  # the partial heads are read (the eviction answers them with a 503)
+        started = time.monotonic()
+        assert _ask(srv, "127.0.0.2", keep=extra) == 200
+        assert _ask(srv, "127.0.0.3", keep=extra) == 200
+        assert time.monotonic() - started < GRACE_S  # no waiting for the grace across addresses
+        _assert_evicted(held[0])  # the oldest two go, with a 503 each
+        _assert_evicted(held[1])
+        assert all(_untouched(s) for s in held[2:])
+        wait_for(lambda: srv.proc.stderr.seen(EVICTED_LOG), T, "the eviction notice")  # type: ignore[union-attr]
+    finally:
+        _close(held + extra)
+
+
+def test_a_newcomer_from_the_same_address_takes_a_slow_head_past_the_grace(srv: ServeProcess) -> None:
+    held = _hold(srv, CAP)
+    opened = time.monotonic()
+    served: list[socket.socket] = []
+    try:
+        assert _ask(srv) in (0, 503)  # within the grace: a burst never evicts its own fresh connections
+        for s in held:  # the attack: a header line now and then keeps each head alive
+            s.sendall(b"X-Trickle: 1\r\n")
+        time.sleep(max(0.0, opened + GRACE_S + 0.1 - time.monotonic()))
+        # Three newcomers from the same address, each kept open after its request: each takes the
+        # slot of the oldest slow head left, which gets a 503.
+        for _ in range(3):
+            assert _ask(srv, keep=served) == 200
+        for s in held[:3]:
+            _assert_evicted(s)
+        assert all(_untouched(s) for s in held[3:])
+        # The served connections completed a request: never evicted, and they go on working.
+        for s in served:
+            s.sendall(HEALTH)
+            assert _response(s)[0] == 200
+        wait_for(lambda: srv.proc.stderr.seen(EVICTED_LOG), T, "the eviction notice")  # type: ignore[union-attr]
+        log = srv.proc.stderr.so_far()  # type: ignore[union-attr]
+        assert log.count(EVICTED_LOG) == 1, log  # three evictions, one line per interval
+        assert "Traceback" not in log
+    finally:
+        _close(held + served)
+
+
+def test_a_connection_that_completed_a_request_is_never_evicted(srv: ServeProcess) -> None:
+    proven: list[socket.socket] = []
+    for _ in range(CAP - 1):
+        assert _ask(srv, keep=proven) == 200
+    assert len(proven) == CAP - 1
+    proven[0].sendall(HOLD)  # a second head, left partial: still a connection that proved itself
+    slow = _hold(srv, 1)
+    time.sleep(GRACE_S + 0.1)  # every one of them is past the grace
+    extra: list[socket.socket] = []
+    sources = ["127.0.0.1", "127.0.0.2"] if _can_bind("127.0.0.2") else ["127.0.0.1"]
+    try:
+        assert _ask(srv, sources[-1], keep=extra) == 200  # takes the one slow first head's slot
+        _assert_evicted(slow[0])
+        for source in sources:  # nothing left to evict: refused, as at any full server
+            assert _ask(srv, source) in (0, 503)
+        assert _untouched(proven[0])
+        proven[0].sendall(b"Host: 127.0.0.1\r\n\r\n")  # its head, completed late, is served
+        assert _response(proven[0])[0] == 200
+        for s in proven[1:]:
+            s.sendall(HEALTH)
+            assert _response(s)[0] == 200
+    finally:
+        _close(proven + slow + extra)
+
+
+def test_below_the_cap_nothing_is_evicted(tmp_path: Path) -> None:
+    """A burst of connects from one address, all past the grace: every one is served, and so are
+    newcomers while there is room (the last slot); none is evicted."""
+    cap = 48
+    with _serve(tmp_path, cap=cap) as sp:
+        burst = [_connect(sp) for _ in range(cap - 1)]
+        try:
+            for s in burst[::2]:
+                s.sendall(HOLD)  # half begin a head, half send nothing yet
+            time.sleep(GRACE_S + 0.1)
+            assert _ask(sp) == 200  # the last slot, then (closed) the last slot again
+            if _can_bind("127.0.0.2"):
+                assert _ask(sp, "127.0.0.2") == 200
+            assert all(_untouched(s) for s in burst)
+            for i, s in enumerate(burst):
+                s.sendall(b"Host: 127.0.0.1\r\n\r\n" if i % 2 == 0 else HEALTH)
+            assert [_response(s)[0] for s in burst] == [200] * len(burst)
+            assert EVICTED_LOG not in sp.proc.stderr.so_far()  # type: ignore[union-attr]
+        finally:
+            _close(burst)
+
+
+def test_a_burst_over_the_cap_keeps_its_first_connections(srv: ServeProcess) -> None:
+    """Connects from one address beyond the cap, all at once: the ones over it are refused (503),
+    the first `CAP` are not evicted by them and are all served."""
+    burst = [_connect(srv) for _ in range(CAP)]
+    try:
+        over = [_ask(srv) for _ in range(4)]
+        assert all(status in (0, 503) for status in over), over
+        for s in burst:
+            s.sendall(HEALTH)
+        assert [_response(s)[0] for s in burst] == [200] * CAP
+    finally:
+        _close(burst)
+
+
+# ── the gate's rule, without sockets ─────────────────────────────────────────────────────────────
+
+
+class _Conn:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.evicted: str | None = None
+
+    def evict(self, reason: str) -> None:
+        self.evicted = reason
+
+
+def _gate(grace_s: float = 1.0, **groups: int) -> tuple[SlotGate, dict[str, list[_Conn]]]:
+    gate = SlotGate(grace_s=grace_s)
+    conns: dict[str, list[_Conn]] = {}
+    for group, n in groups.items():
+        for i in range(n):
+            conn = _Conn(f"{group}{i}")
+            gate.admitted(conn, group)
+            conns.setdefault(group, []).append(conn)
+    return gate, conns
+
+
+def test_gate_evicts_the_oldest_of_the_heaviest_group_when_fairer() -> None:
+    gate, conns = _gate(a=5, b=2)
+    eviction = gate.make_room("b", "why")  # b holds 2 < 5 - 1: fairer
+    assert eviction is not None and eviction.victim_group == "a" and eviction.victim_group_unproven == 5
+    assert conns["a"][0].evicted == "why"
+    assert gate.leaving == 1
+    gate.gone(conns["a"][0])
+    assert gate.leaving == 0
+    gate, conns = _gate(a=5, b=4)
+    assert gate.make_room("b", "why") is None  # 4 is not fewer than 5 - 1: a swap, not fairer
+    assert gate.make_room("a", "why") is None  # a's own, all younger than the grace
+    assert not any(c.evicted for cs in conns.values() for c in cs)
+
+
+def test_gate_same_group_only_past_the_grace_and_never_a_proven_one() -> None:
+    gate, conns = _gate(grace_s=0.0, a=3)
+    gate.proven(conns["a"][0])  # completed a head: never a victim
+    eviction = gate.make_room("a", "why")
+    assert eviction is not None and conns["a"][1].evicted and not conns["a"][0].evicted
+    gate, conns = _gate(grace_s=0.0, a=1)
+    gate.proven(conns["a"][0])
+    assert gate.make_room("a", "why") is None and gate.make_room("b", "why") is None
+
+
+def test_client_group() -> None:
+    assert client_group("127.0.0.1") == "127.0.0.1"
+    assert client_group("::ffff:10.0.0.7") == "10.0.0.7"
+    assert client_group("2001:db8::1") == client_group("2001:db8::ffff:1") == "2001:db8::/64"
+    assert client_group("2001:db8:0:1::1") != client_group("2001:db8::1")
+    assert client_group("fe80::1%eth0") == "fe80::/64"
+    assert client_group(None) == client_group("") == "?"
+
+
+class _SmallScan(SlotGate):
+    SCAN = 2  # the path taken when thousands of groups hold the most
+
+
+@pytest.mark.parametrize("gate_class", [SlotGate, _SmallScan])
+def test_gate_matches_its_rule_under_random_churn(gate_class: type[SlotGate]) -> None:
+    """Admissions, proofs and evictions at random, checked against the rule written plainly."""
+    rng = random.Random(7)
+    gate = gate_class(grace_s=0.0)
+    live: dict[_Conn, str] = {}  # unproven, oldest first
+    for step in range(3000):
+        group = rng.choice("abcdef")
+        action = rng.random()
+        if action < 0.5 or not live:
+            conn = _Conn(f"{group}{step}")
+            gate.admitted(conn, group)
+            live[conn] = group
+        elif action < 0.75:
+            conn = rng.choice(list(live))
+            gate.proven(conn) if rng.random() < 0.5 else gate.gone(conn)
+            del live[conn]
+        else:
+            counts = {g: list(live.values()).count(g) for g in set(live.values())}
+            most = max(counts.values())
+            mine = counts.get(group, 0)
+            own = bool(mine) and mine >= most - 1
+            if own:
+                expected = next(c for c, g in live.items() if g == group)
+            else:
+                expected = next(c for c, g in live.items() if counts[g] == most)
+            eviction = gate.make_room(group, "why")
+            victims = [c for c in live if c.evicted]
+            assert eviction is not None and len(victims) == 1, step
+            victim = victims[0]
+            assert eviction.victim_group == live[victim] and counts[live[victim]] == eviction.victim_group_unproven
+            if own or gate_class is SlotGate or len({g for g, n in counts.items() if n == most}) <= gate.SCAN:
+                assert victim is expected, step
+            else:  # more groups hold the most than it looks at: one of them, its oldest
+                assert counts[live[victim]] == most
+                assert victim is next(c for c, g in live.items() if g == live[victim])
+            del live[victim]
+            gate.gone(victim)
+        assert gate.leaving == 0
+    assert not any(c.evicted for c in live)

@@ -205,20 +205,30 @@ class Renderer:
 
     def __init__(self, screen: Screen, show_reasoning: bool) -> None:
         self.screen, self.show_reasoning = screen, show_reasoning
-        self.printed: dict[int, int] = {}
-        self.tool_status: dict[int, str] = {}
+        # What is on screen of each text or reasoning block, by (kind, its number among the blocks
+        # of that kind): a turn rebuilt from the store after a restart has no reasoning blocks
+        # before its text, so a block's index alone could name another block.
+        self.shown: dict[tuple[str, int], str] = {}
+        self.tool_status: dict[str, str] = {}
         self.kind: str | None = None
 
     def snapshot(self, snap: dict[str, Any]) -> None:
         s = self.screen
         blocks = snap.get("blocks") or []
+        ordinal: dict[str, int] = {}
         for i, block in enumerate(blocks):
             kind = block.get("type")
-            if kind == "reasoning" and not self.show_reasoning:
-                continue
             if kind in ("text", "reasoning"):
+                key = (kind, ordinal.setdefault(kind, 0))
+                ordinal[kind] += 1
+                if kind == "reasoning" and not self.show_reasoning:
+                    continue
                 text = block.get("text") or ""
-                done = self.printed.get(i, 0)
+                shown = self.shown.get(key)
+                if shown and not text.startswith(shown):
+                    shown = self.cut(kind, shown, text)
+                    self.shown[key] = shown
+                done = len(shown or "")
                 if len(text) <= done:
                     continue
                 new = text[done:]
@@ -226,7 +236,7 @@ class Renderer:
                     new = new[:-1]  # perhaps half a CRLF (a line end): decided with the next snapshot
                     if not new:
                         continue
-                if self.kind != kind or i not in self.printed:
+                if self.kind != kind or not shown:
                     s.fresh_line()
                     if kind == "reasoning":
                         s.write(s.dim("thinking: "))
@@ -234,13 +244,14 @@ class Renderer:
                     s.write(s.dim(visible(new).replace("\n", "\n  ")))
                 else:
                     s.write(visible(new))
-                self.printed[i] = done + len(new)
+                self.shown[key] = text[: done + len(new)]
                 self.kind = kind
             elif kind == "tool_call":
                 status = block.get("status") or ""
-                if status == "streaming" or self.tool_status.get(i) == status:
+                call = str(block.get("call_id") or f"#{i}")
+                if status == "streaming" or self.tool_status.get(call) == status:
                     continue
-                self.tool_status[i] = status
+                self.tool_status[call] = status
                 name = exact(block.get("name"))
                 line = f"[{name}({exact(block.get('arguments') or '')}) {exact(status)}]"
                 if block.get("output") is not None:
@@ -248,6 +259,28 @@ class Renderer:
                     line = f"[{name} {exact(status)}: {exact(output)}]"
                 s.line(s.dim(line))
                 self.kind = None
+
+    def cut(self, kind: str, shown: str, text: str) -> str:
+        """The server holds less of a block than this screen shows (a crash lost what it had not
+        kept yet; README: an interrupted turn is reported "with the text the server kept"): say
+        so, plainly, rather than leave text on screen that is in no history. Returns the part of
+        what is shown that the server kept (what follows is printed after this line)."""
+        kept = 0
+        while kept < min(len(shown), len(text)) and shown[kept] == text[kept]:
+            kept += 1
+        what = "reply" if kind == "text" else "reasoning"
+        if kept == 0:
+            line = f"[the server kept none of the {what} text shown above: it was lost]"
+        else:
+            tail = text[:kept]
+            tail = visible(tail if len(tail) <= 40 else "…" + tail[-39:]).replace("\n", " ")
+            line = (
+                f"[the server kept only the first {kept} characters of this {what}, "
+                f'up to "{tail}"; the rest shown above was lost]'
+            )
+        self.screen.line(line)
+        self.kind = None  # what follows starts on a line of its own
+        return text[:kept]
 
     def end(self, snap: dict[str, Any]) -> None:
         error = snap.get("error") or {}
@@ -292,6 +325,10 @@ class Chat:
         self.cancelling = False
         self.asking: dict[str, Any] | None = None
         self.approvals: list[dict[str, Any]] = []
+        # Calls whose prompt went away because a snapshot showed them settled, before this client
+        # heard how (the server sends `approval_resolved` after that snapshot): the outcome is
+        # shown when it arrives, never guessed.
+        self.unexplained: dict[str, None] = {}
         self.stash = ""
         self.held: list[str] = []
         self.eof = False
@@ -443,8 +480,8 @@ class Chat:
                 else:
                     self.held.append(text)
             else:
-                if not self.editor.echo:
-                    self.screen.write("\n")
+                if not self.editor.echo:  # piped: nothing was echoed; show the line after its prompt
+                    self.screen.write(text + "\n")
                 await self.line(text)
         await self.drain()
 
@@ -524,8 +561,8 @@ class Chat:
         assert frame is not None
         self.editor.visible = False
         self.editor.buf = list(self.stash)
-        if not self.editor.echo:
-            self.screen.write("\n")
+        if not self.editor.echo:  # piped: nothing was echoed; show the answer after its prompt
+            self.screen.write(text + "\n")
         decision = "approve" if text.strip().lower() in ("y", "yes") else "deny"
 
         def report(ack: dict[str, Any]) -> str | None:
@@ -555,19 +592,25 @@ class Chat:
         self.screen.write(self.approval_prompt(frame))
         self.editor.visible = True
         if not self.editor.echo and self.held:  # a script on stdin answers in order; a person at a
-            self.screen.write(self.held[0])  # terminal never approves with keys typed before the prompt
-            self.answer(self.held.pop(0))
+            self.answer(self.held.pop(0))  # terminal never approves with keys typed before the prompt
         elif self.eof:  # stdin ended: nobody here can answer
             self.screen.write("(no input left: deny)")
             self.answer("")
 
-    def withdraw(self, why: str) -> None:
-        """Take the approval prompt off the screen: somebody else answered (or it expired)."""
+    def withdraw(self, why: str | None) -> None:
+        """Take the approval prompt off the screen: somebody else answered, it expired, or the
+        turn was cancelled. `why` None: not known yet (`approval_resolved` will say)."""
         self.screen.erase_line()
         self.asking = None
         self.editor.visible, self.editor.buf = False, list(self.stash)
-        self.screen.line(self.screen.dim(why))
+        if why is not None:
+            self.screen.line(self.screen.dim(why))
         self.next_approval()
+
+    def remember_unexplained(self, call_id: str) -> None:
+        self.unexplained[call_id] = None
+        while len(self.unexplained) > 64:  # a server that never says: keep only the latest
+            del self.unexplained[next(iter(self.unexplained))]
 
     def next_approval(self) -> None:
         if self.approvals and self.asking is None:
@@ -626,8 +669,9 @@ class Chat:
                 }
                 if (
                     self.asking["call_id"] not in open_calls or self.asking["call_id"] in settled
-                ):  # answered while we could not hear it
-                    self.withdraw(f"[{exact(self.asking['call_id'])} answered elsewhere]")
+                ):  # settled (answered, expired, cancelled): how, approval_resolved says next
+                    self.remember_unexplained(self.asking["call_id"])
+                    self.withdraw(None)
             self.renderer.snapshot(snap)
             if snap["status"] in TERMINAL:
                 self.renderer.end(snap)
@@ -646,9 +690,13 @@ class Chat:
                 self.approvals.append(frame)
         elif kind == "approval_resolved" and frame.get("conversation_id") == self.conv_id:
             self.approvals = [a for a in self.approvals if a["call_id"] != frame["call_id"]]
+            by = f" by {exact(frame['decided_by'])}" if frame.get("decided_by") else ""
+            outcome = f"[{exact(frame['call_id'])} {exact(frame.get('status'))}{by}]"
             if self.asking is not None and self.asking["call_id"] == frame["call_id"]:
-                by = f" by {exact(frame['decided_by'])}" if frame.get("decided_by") else ""
-                self.withdraw(f"[{exact(frame['call_id'])} {exact(frame.get('status'))}{by}]")
+                self.withdraw(outcome)
+            elif frame["call_id"] in self.unexplained:  # its prompt went when the snapshot settled it
+                del self.unexplained[frame["call_id"]]
+                self.notice(self.screen.dim(outcome))
         elif kind == "event" and frame.get("local") is True:  # the client library's own, never the server's
             data = frame.get("data") or {}
             if frame.get("name") == "connection_lost":

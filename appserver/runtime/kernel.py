@@ -621,6 +621,9 @@ class Kernel:
                 raise InvalidInput("input is empty", param="input")
         elif not isinstance(content, list) or not content:
             raise InvalidInput("input must be text or a non-empty list of parts", param="input")
+        elif all(_blank_text_part(part) for part in content):
+            # parts with no text to read and no image or file: as empty as "" (HTTP: missing_input)
+            raise InvalidInput("input is empty: its parts hold no text, image or file", param="input")
         key = req.idempotency_key or None
         spec = (req.conversation or "default").strip()
         if key and (spec == "new" or req.idempotency_scope):
@@ -853,3 +856,12 @@ class Kernel:
                 listener(record, snapshot)
             except Exception:
                 log.exception("settled listener failed")
+
+
+def _blank_text_part(part: Any) -> bool:
+    """A text part whose text is empty or only whitespace (any other part, an image or a file,
+    is input)."""
+    if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):
+        return False
+    text = part.get("text")
+    return not isinstance(text, str) or not text.strip()

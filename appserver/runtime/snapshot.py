@@ -269,6 +269,7 @@ class TurnController:
         self.stop_reason = stop_reason
         self.error = error
         self.pending = []
+        self.queue_position = 0  # an ended turn waits in no queue (also one dropped before it started)
         self.revision += 1
         self._cached = None
         self._signal.publish(self.revision, version=self.revision, final=True)
@@ -292,6 +293,8 @@ class TurnController:
         self.stop_reason = snap.stop_reason
         self.error = snap.error
         self.usage = dict(snap.usage)
+        if snap.terminal and snap.queue_position:
+            snap = replace(snap, queue_position=0)  # as finish(): an ended turn waits in no queue
         self.queue_position = snap.queue_position
         self.attempt = snap.attempt
         self.pending = [dict(p) for p in snap.pending]

@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from appserver import __name__ as _pkg
 from appserver import strictjson
-from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows
+from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows, namespace_of
 from appserver.channels import PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
 from appserver.providers.base import ToolSpec
@@ -444,11 +444,13 @@ class Endpoint:
         if len(set(names)) != len(names):
             raise FrameError("bad_frame", "client_tools names must be unique", "client_tools")
         ns = _namespace(conn)
-        # Idempotency keys live in the credential's namespace: another credential's key never
-        # matches (it would hand over that credential's turn and subscribe to its conversation).
+        # Idempotency keys belong to the credential: another credential's key never matches (it
+        # would hand over that credential's turn and subscribe to its conversation). Admin
+        # credentials see every conversation, but their keys are still their own.
         key = frame.idempotency_key or None
-        if key is not None and ns is not None:
-            key = f"{ns}\x1f{key}"
+        scope = _key_scope(conn)
+        if key is not None and scope is not None:
+            key = f"{scope}\x1f{key}"
         spec = _conversation_ref(frame.conversation, "give 'default', 'new' or a conversation id")
         fields: dict[str, Any] = {}
         if spec == "new":
@@ -670,6 +672,18 @@ def _namespace(conn: Connection) -> str | None:
     """The connection's conversation namespace (None: admin or local, sees every conversation).
     Fails closed: a connection without a principal (unreachable after `hello`) sees nothing."""
     return conversation_namespace(conn.principal) if conn.principal is not None else "\x00unauthenticated"
+
+
+def _key_scope(conn: Connection) -> str | None:
+    """Whose `idempotency_key`s a connection's are: its credential's identity (`namespace_of`:
+    kind and subject, so a rotated token of the same name keeps its keys), also for an `admin`
+    credential, which sees every conversation but shares no keys with another admin. None (the
+    key unprefixed, as stored before keys were per credential) for the local owner of auth mode
+    `none`, the only caller of such a server. Fails closed like `_namespace`."""
+    principal = conn.principal
+    if principal is None:
+        return "\x00unauthenticated"
+    return None if principal.kind == "none" else namespace_of(principal)
 
 
 def _conversation_ref(value: str, expected: str = "give a conversation id") -> str:

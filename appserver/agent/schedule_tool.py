@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from appserver.agent.tools import Tool, ToolContext, ToolOutput
+from appserver.agent.tools import Tool, ToolContext, ToolOutput, shown_zone, zone_named
 from appserver.auth import namespace_allows
 from appserver.store.base import Store
 from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron, parse_duration
@@ -104,6 +104,8 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
         raise ScheduleError("give exactly one of cron, every, at, in")
     kind, expr = given[0]
     tz = str(args.get("tz") or "UTC")
+    if zone_named(tz) is None:  # checked before the zone database is read: no path, no huge name
+        raise ScheduleError(f"unknown timezone {shown_zone(tz)}: use an IANA name such as Europe/Paris")
     get_zone(tz)
     expr = normalize_cron(str(expr)) if kind == "cron" else str(expr).strip()
     if kind == "every" and parse_duration(expr).total_seconds() < MIN_EVERY_S:

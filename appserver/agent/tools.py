@@ -7,6 +7,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -115,13 +116,79 @@ class ToolRegistry:
 # ---------------------------------------------------------------- built-in tools
 
 
+TZ_NAME_MAX = 64  # the longest IANA name is about 32 characters; a longer one is refused unread
+_TZ_NAME = re.compile(r"[A-Za-z0-9_+-]+(?:/[A-Za-z0-9_+-]+)*")
+
+
+def zone_named(name: object) -> ZoneInfo | None:
+    """The IANA zone a model or user named, or None when `name` is not one. Checked before the
+    zone database is read (at most TZ_NAME_MAX characters of letters, digits, `_`, `+`, `-` in
+    `/`-separated parts: no path, no NUL), and every error of the lookup (not found, not a zone
+    file, a name the file system refuses) is None: the caller says "unknown timezone", never an
+    OSError that names the server's files."""
+    if not isinstance(name, str) or len(name) > TZ_NAME_MAX or not _TZ_NAME.fullmatch(name):
+        return None
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        return None
+
+
+def shown_zone(name: object) -> str:
+    """A timezone name as an error message quotes it: shortened, never thousands of characters."""
+    text = repr(name)
+    return text if len(text) <= TZ_NAME_MAX + 2 else f"{text[:TZ_NAME_MAX]}… ({len(str(name)):,} characters)"
+
+
 async def _clock(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     tz_name = args.get("timezone") or "UTC"
-    try:
-        tz = ZoneInfo(str(tz_name))
-    except (ZoneInfoNotFoundError, ValueError):
-        return ToolOutput(f"unknown timezone {tz_name!r}; use an IANA name such as Europe/Paris", is_error=True)
+    tz = zone_named(tz_name)
+    if tz is None:
+        return ToolOutput(
+            f"unknown timezone {shown_zone(tz_name)}; use an IANA name such as Europe/Paris", is_error=True
+        )
     return ToolOutput(datetime.now(tz).isoformat(timespec="seconds") + f" ({tz_name})")
+
+
+KILL_GRACE_S = 5.0  # after the kill, how long the command's output pipe may take to close
+
+
+class _BoundedOutput(asyncio.SubprocessProtocol):
+    """The combined output of a shell command, read as it comes and never paused: the first `cap`
+    bytes are kept, the rest only counted, so a command that floods its output neither grows the
+    server's memory nor blocks on a full pipe (it runs to its end, or to its timeout).
+    `finished` is done once the process has exited and its output pipe is closed."""
+
+    def __init__(self, cap: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.total = 0
+        self.finished: asyncio.Future[None] = loop.create_future()
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        self.total += len(data)
+        room = self.cap - len(self.kept)
+        if room > 0:
+            self.kept += data[:room]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.finished.done():
+            self.finished.set_result(None)
+
+    def text(self) -> str:
+        text = bytes(self.kept).decode("utf-8", "replace")
+        if self.total > len(self.kept):
+            text += f"\n[output truncated: {self.total} bytes, showing the first {len(self.kept)}]"
+        return text
+
+
+def _kill_group(pid: int | None) -> None:
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
@@ -137,7 +204,12 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     timeout = min(float(asked or limits.shell_timeout_s), limits.shell_timeout_s)
     workspace = ctx.workspace
     workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
-    proc = await asyncio.create_subprocess_exec(
+    loop = asyncio.get_running_loop()
+    # A protocol of our own rather than Process.communicate(): its reader stops reading past its
+    # buffer limit, and a command killed then never shows EOF, so the kill's wait never ended (and
+    # the agent's workspace lock stayed held); and communicate() kept every byte until the end.
+    transport, out = await loop.subprocess_exec(
+        lambda: _BoundedOutput(limits.shell_output_max_bytes, loop),
         "/bin/sh",
         "-c",
         _GROUP_GUARD,
@@ -151,24 +223,24 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
         preexec_fn=_die_with_server(),
         env={**os.environ, TOOL_OWNER_ENV: identity(), TOOL_HOME_ENV: str(ctx.config.home)},
     )
-    cap = limits.shell_output_max_bytes
+    timed_out = False
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except (TimeoutError, asyncio.CancelledError) as exc:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        return ToolOutput(f"command timed out after {timeout:g} s and was killed", is_error=True)
-    text = out[:cap].decode("utf-8", "replace")
-    if len(out) > cap:
-        text += f"\n[output truncated: {len(out)} bytes, showing the first {cap}]"
-    if proc.returncode:
-        return ToolOutput(f"exit code {proc.returncode}\n{text}", is_error=True)
-    return ToolOutput(text)
+        await asyncio.wait({out.finished}, timeout=timeout)
+        timed_out = not out.finished.done()
+    finally:  # timed out or cancelled: the whole group goes, and nothing here waits unbounded
+        if not out.finished.done():
+            _kill_group(transport.get_pid())
+            # the output drains until the pipe closes; one held open by a process that left the
+            # group (setsid) is closed on our side below instead of waited for
+            await asyncio.wait({out.finished}, timeout=KILL_GRACE_S)
+        transport.close()  # kills the leader if it still runs, closes the pipes
+    if timed_out:
+        note = f"command timed out after {timeout:g} s and was killed"
+        return ToolOutput(f"{note}; its output until then:\n{out.text()}" if out.total else note, is_error=True)
+    code = transport.get_returncode()
+    if code:
+        return ToolOutput(f"exit code {code}\n{out.text()}", is_error=True)
+    return ToolOutput(out.text())
 
 
 # The tool's process-group leader: runs the command in a child shell and, when told the server

@@ -55,9 +55,33 @@ def reconnect_wait_option() -> Callable[[Callable[..., Any]], Callable[..., Any]
     )
 
 
-def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: str, url: str | None = None) -> int:
+def max_steps_note(steps: int | None) -> str:
+    """What `run` says of a turn the server's loop stopped at its step limit: the note the OpenAI
+    routes append to such a reply (`http/common.py` `max_steps_note`; a front end does not import
+    another, so said here too). The limit is named when known (in-process; a server's agent may
+    override it)."""
+    limit = f"its limit of {steps} steps" if steps else "its step limit"
+    return (
+        f"[stopped: the agent reached {limit} (max_steps) before finishing this reply; "
+        "send another message to let it go on]"
+    )
+
+
+def render(
+    snapshot: TurnSnapshot,
+    conversation_id: str,
+    as_json: bool,
+    agent: str,
+    url: str | None = None,
+    steps: int | None = None,
+) -> int:
     """Print the turn; `agent` is how the user named the agent (the answer hint names it too, and
-    the `--url` the user gave, so that it reaches the same server).
+    the `--url` the user gave, so that it reaches the same server); `steps`, the agent's step limit
+    when known.
+
+    A turn stopped at max_steps completed (exit 0: what it said stands, and another message lets
+    it go on) but says so on stderr, where `run` puts every note about the turn (tool lines, a
+    failure), so that stdout stays the reply alone; `--json` has it as `stop_reason`.
 
     The plain text is for a person, on a terminal or through a pipe that often ends at one (`| less
     -R`, a log `cat` later): the model's, tools' and server's words go through `visible`/`exact`.
@@ -84,6 +108,8 @@ def render(snapshot: TurnSnapshot, conversation_id: str, as_json: bool, agent: s
                 f"conversation: {exact(conversation_id)}  "
                 f"(answer with: {again} --approve CALL_ID | {again} --deny CALL_ID --reason TEXT)"
             )
+        elif snapshot.status == "completed" and snapshot.stop_reason == "max_steps":
+            click.echo(max_steps_note(steps), err=True)
         elif snapshot.status != "completed":
             error = snapshot.error or {}
             label = {"interrupted": "interrupted", "unknown": "ended"}.get(str(error.get("kind")), snapshot.status)
@@ -171,6 +197,8 @@ def run_command(
         )
         sys.exit(render(snap, conversation_id, as_json, agent, url))
 
+    steps: int | None = None
+
     async def go(s: Server) -> tuple[TurnSnapshot, str]:
         if answering:
             rec = await s.kernel.resolve_agent(agent)
@@ -187,6 +215,7 @@ def run_command(
             if refused:
                 raise InvalidInput("; ".join(r["message"] for r in refused))
             snap = await handle.wait_settled(timeout, after_revision=before)
+            await limit_of(s, snap)
             return snap, conv.id
         assert text is not None
         sub = await s.kernel.submit(
@@ -199,13 +228,51 @@ def run_command(
             )
         )
         snap = await sub.wait(timeout)
+        await limit_of(s, snap)
         return snap, sub.conversation_id
+
+    async def limit_of(s: Server, snap: TurnSnapshot) -> None:
+        """The step limit a max_steps stop names (the agent's param, else the server's limit)."""
+        nonlocal steps
+        if snap.stop_reason == "max_steps":
+            rec = await s.kernel.resolve_agent(snap.agent_id)
+            steps = step_limit(rec.params.get("max_steps"), s.config.limits.max_steps)
 
     try:
         snap, conversation_id = with_server(go, config=config)
     except TimeoutError:
         fail(f"the turn did not settle within {timeout:g} s", 1)
-    sys.exit(render(snap, conversation_id, as_json, agent))
+    sys.exit(render(snap, conversation_id, as_json, agent, steps=steps))
+
+
+def step_limit(param: Any, default: int) -> int | None:
+    """The agent's step limit: its `max_steps` param, else the server's `limits.max_steps`."""
+    try:
+        return int(param or default)
+    except (TypeError, ValueError):
+        return None
+
+
+class RetryTeller:
+    """One stderr line per provider retry of a turn run through a server (`phase` `retrying`, a
+    new `attempt`), so `run` is not silent while the server waits out an upstream's 429 or 5xx
+    (its Retry-After). In-process the server's own log line says it already."""
+
+    def __init__(self) -> None:
+        self.told = 0
+
+    def see(self, snap: dict[str, Any]) -> None:
+        attempt = snap.get("attempt")
+        if snap.get("phase") != "retrying" or not isinstance(attempt, int) or attempt <= self.told:
+            return
+        self.told = attempt
+        error = snap.get("error")
+        if not isinstance(error, dict):
+            error = {}
+        why = " ".join(visible(x) for x in (error.get("kind"), error.get("status")) if x is not None)
+        said = visible(error.get("message") or "")[:200]
+        detail = f" ({why}{': ' + said if said else ''})" if why or said else ""
+        click.echo(f"[the model's provider failed{detail}; retrying: attempt {attempt}]", err=True)
 
 
 def snapshot_from_dict(d: dict[str, Any]) -> TurnSnapshot:
@@ -316,8 +383,13 @@ def run_remote(
     is awaited across a failover (the client reconnects, possibly to a standby elsewhere)."""
     from appserver.client import ProtocolClient, ProtocolError
 
+    teller = RetryTeller()
+
     async def on_frame(frame: dict[str, Any]) -> None:
         tell_connection(frame)
+        snap = frame.get("snapshot")
+        if frame.get("type") == "turn_updated" and isinstance(snap, dict):
+            teller.see(snap)
 
     async def go() -> tuple[TurnSnapshot, str]:
         client = await ProtocolClient.connect(

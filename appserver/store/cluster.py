@@ -58,6 +58,15 @@ LOCK_HELD = (
     f"AND l.classid = {INSTANCE_LOCK_CLASS} AND l.objid = i.lock_key::oid)"
 )
 LIVE = f"(i.heartbeat_at >= {NOW} - %(timeout)s AND (i.heartbeat_at >= {NOW} - %(grace)s OR {LOCK_HELD}))"
+# How a server of the cluster judges the others (`Cluster.params`): as LIVE, but each heartbeat
+# counts from no earlier than `back`, the database time this server's own session came back
+# (after an outage every heartbeat is stale: each instance gets a full timeout from then to renew
+# its own), and nobody is judged at all while this server's session is away (`back` in the future).
+BEAT = "GREATEST(i.heartbeat_at, %(back)s)"
+LIVE_SINCE = f"({BEAT} >= {NOW} - %(timeout)s AND ({BEAT} >= {NOW} - %(grace)s OR {LOCK_HELD}))"
+# `back` while this server's session is away: every heartbeat counts as fresh (1e15 s is some
+# 30 million years ahead, and exact in a double).
+AWAY = 1e15
 
 
 class Database(Protocol):
@@ -126,17 +135,29 @@ class Cluster:
         self._up_since: float | None = None  # when the session was (re)connected
         self._down_since: float | None = None  # when it was lost, while it is
         self._beat_ok = time.monotonic()  # when the heartbeat was last renewed (or the session taken)
+        # The database time the session came back after it was lost (0: never lost), AWAY while it is.
+        self._back_at = 0.0
         self.on_lost: Callable[[], None] | None = None  # the kernel: stop what runs here
+        # The store's repairs (writes an outage made fail), run after a heartbeat renewed.
+        self.after_beat: Callable[[], Awaitable[None]] | None = None
+        self._repairing: asyncio.Task[None] | None = None
+        self._said_unserved = False  # a request from a peer refused while fenced was logged
 
     @property
     def params(self) -> dict[str, float]:
-        """How the others are judged. Until this instance's own session has been up for a while,
-        only by the timeout: after an outage of the whole database every heartbeat is stale and no
-        lock held, and the first server back judged all the others gone (each of them fenced)
-        before their sessions were back too."""
+        """How the others are judged (the parameters of LIVE_SINCE). While this instance's own
+        session is away, not at all: everyone counts as live (its pool may reach the database
+        before its session does, and its sweep would judge by heartbeats nobody could renew).
+        Once it is back, each heartbeat counts from no earlier than that moment (`back`): after an
+        outage of the whole database longer than the timeout every heartbeat is stale, and the
+        first server back judged all the others gone (each of them fenced) before their sessions
+        were back too. And until it has been back for a few heartbeats, only by the timeout: the
+        others' sessions (and locks) come back after it."""
         grace = self.heartbeat_s * 2.5
         settled = self._up_since is not None and time.monotonic() - self._up_since >= grace + self.heartbeat_s
-        return {"timeout": self.instance_timeout_s, "grace": grace if settled else self.instance_timeout_s}
+        back = self._back_at if self._up_since is not None else AWAY
+        timeout = self.instance_timeout_s
+        return {"timeout": timeout, "grace": grace if settled else timeout, "back": back}
 
     @property
     def fenced(self) -> bool:
@@ -189,6 +210,9 @@ class Cluster:
                 )
                 if await cur.fetchone() is None or not await self._leases_still_held(conn):
                     self.judged_gone()
+                cur = await conn.execute(f"SELECT {NOW} AS now")
+                now = await cur.fetchone()
+                self._back_at = float(now["now"]) if now else AWAY
             else:
                 await conn.execute(
                     "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
@@ -206,7 +230,7 @@ class Cluster:
         await self._count_peers(conn)
 
     async def _count_peers(self, conn: Conn) -> None:
-        cur = await conn.execute(f"SELECT count(*) AS n FROM instances i WHERE {LIVE}", self.params)
+        cur = await conn.execute(f"SELECT count(*) AS n FROM instances i WHERE {LIVE_SINCE}", self.params)
         row = await cur.fetchone()
         self.peers = max(0, int(row["n"]) - 1) if row else 0
 
@@ -237,6 +261,7 @@ class Cluster:
                         self.judged_gone()
                     self._beat_ok = time.monotonic()
                     await self._count_peers(conn)
+                    self._repair()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -251,6 +276,21 @@ class Cluster:
                     said_at = now
                     log.error("cluster: lost the database session of instance %s: %s", self.instance_id, exc)
                 await asyncio.sleep(min(0.5, self.heartbeat_s))
+
+    def _repair(self) -> None:
+        """Run the store's repairs (`after_beat`) in the background, one run at a time: the
+        heartbeat just renewed, so the database is reachable again."""
+        if self.after_beat is None or self.lost or (self._repairing is not None and not self._repairing.done()):
+            return
+        self._repairing = asyncio.get_running_loop().create_task(self._run_repair(self.after_beat))
+
+    async def _run_repair(self, repair: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await repair()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # tried again after the next heartbeat
+            log.warning("cluster: the store's repairs failed (tried again shortly): %s", exc)
 
     async def _leases_still_held(self, conn: Conn) -> bool:
         """Does this instance still hold every conversation lease it took? While its session was
@@ -295,6 +335,8 @@ class Cluster:
                 fut.set_exception(ClusterError("this server is stopping"))
         for task in list(self._tasks):
             task.cancel()
+        if self._repairing is not None:
+            self._repairing.cancel()
         session, self._session = self._session, None
         if session is not None and not session.closed:
             try:
@@ -315,16 +357,19 @@ class Cluster:
             return False
         if owner == self.instance_id:
             return True
-        alive = f"{LIVE} AND {LOCK_HELD}" if strict else LIVE
+        alive = f"{LIVE_SINCE} AND {LOCK_HELD}" if strict else LIVE_SINCE
         row = await self.store._row(
             f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {alive}", {**self.params, "id": owner}
         )
         return row is not None
 
     async def forget_gone(self) -> list[str]:
-        """Delete the rows of gone instances (one survivor wins each); returns their ids."""
+        """Delete the rows of gone instances (one survivor wins each); returns their ids. None while
+        this server's own session is away (see `params`)."""
+        if self._up_since is None:
+            return []
         rows = await self.store._rows(
-            f"DELETE FROM instances i WHERE NOT {LIVE} AND i.id <> %(me)s RETURNING id",
+            f"DELETE FROM instances i WHERE NOT {LIVE_SINCE} AND i.id <> %(me)s RETURNING id",
             {**self.params, "me": self.instance_id},
         )
         return [r["id"] for r in rows]
@@ -344,7 +389,7 @@ class Cluster:
                 f"VALUES (%(conv)s, %(me)s, %(token)s, {NOW}) ON CONFLICT (conversation_id) DO UPDATE "
                 "SET instance_id = EXCLUDED.instance_id, token = EXCLUDED.token, since = EXCLUDED.since "
                 "WHERE o.instance_id = EXCLUDED.instance_id OR NOT EXISTS "
-                f"(SELECT 1 FROM instances i WHERE i.id = o.instance_id AND {LIVE}) RETURNING instance_id",
+                f"(SELECT 1 FROM instances i WHERE i.id = o.instance_id AND {LIVE_SINCE}) RETURNING instance_id",
                 args,
             )
             if await cur.fetchone() is not None:
@@ -389,7 +434,7 @@ class Cluster:
             f"VALUES (%(account)s, %(me)s, {NOW}) ON CONFLICT (account) DO UPDATE "
             "SET instance_id = EXCLUDED.instance_id, since = EXCLUDED.since "
             "WHERE o.instance_id = EXCLUDED.instance_id OR NOT EXISTS "
-            f"(SELECT 1 FROM instances i WHERE i.id = o.instance_id AND {LIVE}) RETURNING instance_id",
+            f"(SELECT 1 FROM instances i WHERE i.id = o.instance_id AND {LIVE_SINCE}) RETURNING instance_id",
             args,
         )
         if row is not None:
@@ -400,7 +445,7 @@ class Cluster:
     async def orphaned_conversations(self) -> list[str]:
         """Conversations with queued or running turns whose lease no live instance holds."""
         rows = await self.store._rows(
-            f"WITH live AS (SELECT id FROM instances i WHERE {LIVE}) "
+            f"WITH live AS (SELECT id FROM instances i WHERE {LIVE_SINCE}) "
             "SELECT DISTINCT t.conversation_id FROM turns t WHERE t.status IN ('queued', 'running') "
             "AND NOT EXISTS (SELECT 1 FROM conversation_owners o WHERE o.conversation_id = t.conversation_id "
             "AND o.instance_id IN (SELECT id FROM live))",
@@ -538,7 +583,23 @@ class Cluster:
         except Exception as exc:
             reply = {"reply": req, "ok": False, "error": describe(exc)}
             if req is None:
-                log.exception("cluster: request %s from %s failed", msg.get("op"), msg.get("from"))
+                if self.fenced:
+                    # Judged gone, or its session away: every request it still hears fails alike.
+                    if not self._said_unserved:
+                        self._said_unserved = True
+                        log.warning(
+                            "cluster: requests from the other servers are not served while this one is fenced "
+                            "(%s %s from %s: %s)",
+                            msg.get("op"),
+                            msg.get("args"),
+                            msg.get("from"),
+                            exc,
+                        )
+                else:
+                    log.exception("cluster: request %s from %s failed", msg.get("op"), msg.get("from"))
+        else:
+            if not self.fenced:
+                self._said_unserved = False
         if req is not None and msg.get("from"):
             try:
                 await self._notify(channel_of(str(msg["from"])), json.dumps(reply))

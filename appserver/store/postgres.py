@@ -51,7 +51,7 @@ from appserver.store.base import (
     TurnSettledElsewhere,
     conversations_where,
 )
-from appserver.store.cluster import LIVE, Cluster, ClusterError
+from appserver.store.cluster import LIVE_SINCE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew
 from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS, expected_columns
@@ -398,6 +398,16 @@ class PostgresStore(Store):
         self.instance_timeout_s = INSTANCE_TIMEOUT_S
         self.address = ""  # host:port this server listens on, shown to the others
         self.cluster: Cluster | None = None  # once claim_server joined the cluster (a serve)
+        # HTTP Idempotency-Keys this process claimed and whose request still runs here: (scope, key)
+        # -> the claim's created_at. A pending key of this process missing here is no longer worked
+        # on (its end could not be written): a retry takes it over.
+        self._claimed: dict[tuple[str, str], float] = {}
+        # What an outage kept from being written, written by `repair` once the database is back
+        # (after the cluster's next heartbeat): keys whose request ended here but whose end (the
+        # stored answer, or the release) failed, left pending (scope, key) -> created_at; turns
+        # whose end failed to commit (ended failed here), left running: turn id -> (error, revision).
+        self._loose_keys: dict[tuple[str, str], float] = {}
+        self._loose_turns: dict[str, tuple[str, int]] = {}
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.shown_url!r})"
@@ -459,6 +469,7 @@ class PostgresStore(Store):
             raise self._error("cannot join the cluster of servers on this database", exc) from None
         self.cluster = cluster
         self.owner = cluster.instance_id
+        cluster.after_beat = self.repair
 
     async def close(self) -> None:
         cluster, self.cluster = self.cluster, None
@@ -1019,6 +1030,16 @@ class PostgresStore(Store):
             # Every row a commit inserts refers to its conversation: deleted meanwhile. (Raised when
             # the group's pipeline syncs, so here rather than inside the job.)
             raise ConversationGone(conversation_id) from exc
+        except (ConversationGone, TurnSettledElsewhere):
+            raise  # not this server's turn to write any more
+        except Exception as exc:
+            # The turn ends failed here (runtime/finish.py), but its row still says running (or
+            # paused): no sweep settles it while this server lives. `repair` writes that end.
+            if self.cluster is not None:
+                kind = "store_unavailable" if isinstance(exc, StoreUnavailable) else "store"
+                error = {"kind": kind, "message": f"the turn could not be saved: {exc}", "retryable": False}
+                self._loose_turns[commit.turn_id] = (dump_json({**error, "status": None}), commit.revision)
+            raise
 
     async def checkpoint_turn(
         self,
@@ -1223,13 +1244,21 @@ class PostgresStore(Store):
 
     async def _orphaned(self, conn: Conn, owner: str | None) -> bool:
         """A pending key's claimant is gone (killed mid-request): nobody will ever finish it. A
-        server of the cluster (`inst_…`) is judged by its instance row and lock; a claim stamped
-        by a process identity (a CLI, or an older server) only on its own host."""
+        server of the cluster (`inst_…`) is judged by its instance row and lock, as the cluster
+        judges it; a claim stamped by a process identity (a CLI, or an older server) only on its
+        own host."""
         if owner == self.owner:
             return False
         if owner and owner.startswith("inst_"):
-            params = {"timeout": self.instance_timeout_s, "grace": self.heartbeat_s * 2.5, "id": owner}
-            cur = await conn.execute(f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {LIVE}", params)
+            cluster = self.cluster
+            judged = (
+                cluster.params
+                if cluster is not None
+                else {"timeout": self.instance_timeout_s, "grace": self.heartbeat_s * 2.5, "back": 0.0}
+            )
+            cur = await conn.execute(
+                f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {LIVE_SINCE}", {**judged, "id": owner}
+            )
             return await cur.fetchone() is None
         ident, at, host = (owner or "").partition("@")
         if at and host != self.host:
@@ -1237,30 +1266,44 @@ class PostgresStore(Store):
         return not identity_alive(ident or None)
 
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
-        """A pending key whose claimant died is taken over (the retry runs the request)."""
+        """A pending key whose claimant died is taken over (the retry runs the request), and so is
+        one this process claimed but no longer works on (its end could not be written: an outage)."""
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
+        k = (entry.scope, entry.key)
 
         async def job(conn: Conn) -> HttpIdempotency | None:
+            # `_claimed` is read and written here, in the writer's order: a claim and the end of
+            # the request that made it are seen in the order they were made.
             cur = await conn.execute(
                 "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) "
                 "VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO NOTHING RETURNING 1",
                 (entry.scope, entry.key, entry.body_hash, entry.created_at, entry.owner),
             )
             if await cur.fetchone() is not None:
+                self._claimed[k] = entry.created_at
                 return None
             cur = await conn.execute(
                 "SELECT * FROM http_idempotency WHERE scope=%s AND key=%s FOR UPDATE", (entry.scope, entry.key)
             )
             row = await cur.fetchone()
             if row is not None:
-                if row["state"] != "pending" or not await self._orphaned(conn, row["owner"]):
+                if row["state"] != "pending":
                     return http_idempotency(row)
-                log.warning(
-                    "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
-                    entry.key,
-                    row["owner"],
-                )
+                if row["owner"] == self.owner and self._claimed.get(k) != row["created_at"]:
+                    log.warning(
+                        "Idempotency-Key %r: its earlier request here ended but its end could not be written "
+                        "(the database was away): this request takes it over",
+                        entry.key,
+                    )
+                elif not await self._orphaned(conn, row["owner"]):
+                    return http_idempotency(row)
+                else:
+                    log.warning(
+                        "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
+                        entry.key,
+                        row["owner"],
+                    )
             await conn.execute(
                 "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) "
                 "VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO UPDATE SET "
@@ -1268,9 +1311,19 @@ class PostgresStore(Store):
                 "conversation_id=NULL, created_at=EXCLUDED.created_at, owner=EXCLUDED.owner",
                 (entry.scope, entry.key, entry.body_hash, entry.created_at, entry.owner),
             )
+            self._claimed[k] = entry.created_at
             return None
 
-        return await self._write(job)
+        try:
+            return await self._write(job)
+        except Exception:
+            # Its outcome may be unknown (committed as the connection ended): a key left pending
+            # under this process would keep every retry elsewhere waiting.
+            if self._claimed.get(k) == entry.created_at:
+                del self._claimed[k]
+            if entry.owner == self.owner:
+                self._loose_keys[k] = entry.created_at
+            raise
 
     async def release_orphaned_http_idempotency(self) -> int:
         async def job(conn: Conn) -> int:
@@ -1289,20 +1342,87 @@ class PostgresStore(Store):
     async def finish_http_idempotency(
         self, scope: str, key: str, status_code: int, content_type: str, body: str, conversation_id: str | None
     ) -> None:
+        claim = self._claimed.get((scope, key))
+
         async def job(conn: Conn) -> None:
+            self._ended((scope, key), claim)
             await conn.execute(
                 "UPDATE http_idempotency SET state='done', status_code=%s, content_type=%s, body=%s, "
                 "conversation_id=%s WHERE scope=%s AND key=%s",
                 (status_code, content_type, body, conversation_id, scope, key),
             )
 
-        await self._write(job)
+        await self._end_write(job, (scope, key), claim)
 
     async def drop_http_idempotency(self, scope: str, key: str) -> None:
+        claim = self._claimed.get((scope, key))
+
         async def job(conn: Conn) -> None:
+            self._ended((scope, key), claim)
             await conn.execute("DELETE FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
 
-        await self._write(job)
+        await self._end_write(job, (scope, key), claim)
+
+    def _ended(self, k: tuple[str, str], claim: float | None) -> None:
+        """The request that claimed `k` (at `claim`) ended: no longer worked on here."""
+        if claim is not None and self._claimed.get(k) == claim:
+            del self._claimed[k]
+
+    async def _end_write(self, job: Job[None], k: tuple[str, str], claim: float | None) -> None:
+        """Write a claimed key's end. One that fails (the database away) leaves the key pending
+        under this live server, where every retry, on any server, would wait for it forever: it
+        is remembered and released by `repair` once the database is back (a retry then runs the
+        request again, or follows its turn: `Idempotency.earlier`)."""
+        try:
+            await self._write(job)
+        except Exception:
+            self._ended(k, claim)
+            if claim is not None:
+                self._loose_keys[k] = claim
+            raise
+
+    async def repair(self) -> None:
+        """Write what an outage kept from being written (see `_loose_keys`, `_loose_turns`): each
+        key released only while still pending under this claim, each turn settled failed only
+        while it still runs under this server. Run by the cluster after each heartbeat."""
+        keys = dict(self._loose_keys)
+        turns = dict(self._loose_turns)
+        if not keys and not turns:
+            return
+        owner = self.owner
+        now = time.time()
+
+        async def job(conn: Conn) -> tuple[int, int]:
+            released = settled = 0
+            for (scope, key), created_at in keys.items():
+                released += await _count(
+                    conn,
+                    "DELETE FROM http_idempotency WHERE scope=%s AND key=%s AND state='pending' AND owner=%s "
+                    "AND created_at=%s",
+                    (scope, key, owner, created_at),
+                )
+            for turn_id, (error, revision) in turns.items():
+                settled += await _count(
+                    conn,
+                    "UPDATE turns SET status='failed', stop_reason='error', error=%s, draft=NULL, ended_at=%s, "
+                    f"revision=GREATEST(revision, %s) WHERE id=%s AND {NOT_SETTLED} AND owner=%s",
+                    (error, now, revision, turn_id, owner),
+                )
+            return released, settled
+
+        released, settled = await self._write(job)
+        for k, created_at in keys.items():
+            if self._loose_keys.get(k) == created_at:
+                del self._loose_keys[k]
+        for turn_id in turns:
+            self._loose_turns.pop(turn_id, None)
+        if released or settled:
+            log.warning(
+                "the database is back: released %d Idempotency-Key(s) of requests that ended while it was away "
+                "(a retry runs them), and settled %d turn(s) as failed whose end could not be saved",
+                released,
+                settled,
+            )
 
     async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
         rows = await self._rows(
@@ -1372,6 +1492,10 @@ class PostgresStore(Store):
         await self._writes.settle()
         counts: dict[str, int] = {}
         async with self.pool.connection() as conn, conn.transaction():
+            # A server starting on the database meanwhile finds no agent and creates `assistant`
+            # (create_first_agent): under this lock, so it waits for this transaction and then
+            # finds the copied agents (LOCK TABLE … EXCLUSIVE does not keep it from reading them).
+            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (FIRST_AGENT_LOCK,))
             await conn.execute(
                 sql.SQL("LOCK TABLE {} IN EXCLUSIVE MODE").format(sql.SQL(", ").join(map(sql.Identifier, DATA_TABLES)))
             )

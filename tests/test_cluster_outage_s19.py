@@ -1,0 +1,295 @@
+"""A cluster through outages of its whole database, with real PostgreSQL and real `serve` processes:
+an outage longer than `instance_timeout_s` fences nobody; a request that ended with the database
+away leaves no Idempotency-Key that a retry waits on forever (nor a turn left running); and
+`store copy` into a database a server starts on meanwhile leaves one `assistant`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from appserver.store import AgentRecord, ConversationRecord, SQLiteStore
+from appserver.store.cluster import INSTANCE_LOCK_CLASS
+from appserver.store.postgres import PostgresStore
+from tests.support.cli import cli_env
+from tests.support.pg import require_postgres, temp_database, url_for
+from tests.support.serve import ServeProcess, start_serve
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _env(home: Path, url: str, heartbeat_s: float, instance_timeout_s: float) -> dict[str, str]:
+    return cli_env(
+        home,
+        APPSERVER_STORE__URL=url,
+        APPSERVER_STORE__HEARTBEAT_S=str(heartbeat_s),
+        APPSERVER_STORE__INSTANCE_TIMEOUT_S=str(instance_timeout_s),
+    )
+
+
+def _start(tmp: Path, url: str, n: int, heartbeat_s: float, instance_timeout_s: float) -> list[ServeProcess]:
+    nodes: list[ServeProcess] = []
+    try:
+        for i in range(n):
+            home = tmp / f"node{i}"
+            nodes.append(start_serve(home, env=_env(home, url, heartbeat_s, instance_timeout_s)))
+    except BaseException:
+        for sp in nodes:
+            sp.kill()
+        raise
+    return nodes
+
+
+def _logs(nodes: list[ServeProcess]) -> str:
+    return "".join(
+        f"--- node{i}\n{sp.proc.stderr.so_far()}"  # type: ignore[attr-defined]
+        for i, sp in enumerate(nodes)
+        if sp.proc.stderr is not None
+    )
+
+
+def _outage(url: str, seconds: float) -> None:
+    """The database refuses every connection and ends every session for `seconds` (PostgreSQL
+    itself keeps running: other tests use it)."""
+    db = url.rsplit("/", 1)[1]
+    with psycopg.connect(url_for("postgres"), autocommit=True) as c:
+        c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
+        try:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                c.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()",
+                    (db,),
+                )
+                time.sleep(0.1)
+        finally:
+            c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
+
+
+def _query(url: str, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as c:
+        return c.execute(query, args).fetchall()
+
+
+def _chat(sp: ServeProcess, content: str, timeout: float = 30, **headers: str) -> httpx.Response:
+    return httpx.post(
+        sp.url + "/v1/chat/completions",
+        json={"model": "assistant", "messages": [{"role": "user", "content": content}]},
+        headers=headers,
+        timeout=timeout,
+    )
+
+
+def _all_ready(nodes: list[ServeProcess]) -> None:
+    ready = [httpx.get(sp.url + "/readyz", timeout=10) for sp in nodes]
+    if [r.status_code for r in ready] != [200] * len(nodes):
+        pytest.fail(f"{[(r.status_code, r.text[:200]) for r in ready]}\n{_logs(nodes)}", pytrace=False)
+
+
+def test_an_outage_longer_than_the_instance_timeout_fences_no_server(tmp_path: Path) -> None:
+    """Heartbeat 0.5 s, instance timeout 3 s, outages of 5 s: when the database is back every
+    heartbeat is older than the timeout. Each server judges the others only once its own session
+    is back, and their heartbeats from no earlier than that moment: nobody is judged gone.
+
+    The second outage ends with the servers' sessions kept away a few seconds longer than their
+    pools (their instance locks still held, as by sessions that linger in the database): before,
+    each server's sweep ran on its pool and judged the others gone by their stale heartbeats, and
+    every server was fenced."""
+    require_postgres()
+    with temp_database("s19_long_outage") as url:
+        nodes = _start(tmp_path, url, 3, 0.5, 3)
+        try:
+            for sp in nodes:  # each holds a conversation: a lease to keep through the outage
+                assert _chat(sp, "before").status_code == 200
+            _outage(url, 5.0)
+            time.sleep(4.0)  # past the timeout, counted from the end of the outage
+            _all_ready(nodes)
+            assert len(_query(url, "SELECT id FROM instances")) == 3
+
+            locks = _query(url, "SELECT lock_key FROM instances")
+            db = url.rsplit("/", 1)[1]
+            with psycopg.connect(url, autocommit=True) as lingering:
+                with psycopg.connect(url_for("postgres"), autocommit=True) as c:
+                    c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
+                    try:
+                        pid = lingering.info.backend_pid
+                        c.execute(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
+                            (db, pid),
+                        )
+                        for (key,) in locks:
+                            lingering.execute("SELECT pg_advisory_lock(%s, %s)", (INSTANCE_LOCK_CLASS, key))
+                        time.sleep(5.0)
+                    finally:
+                        c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
+                time.sleep(6.0)  # the pools are back (their reconnect backs off), the sessions not
+            time.sleep(3.0)
+            _all_ready(nodes)
+            assert len(_query(url, "SELECT id FROM instances")) == 3
+            for sp in nodes:
+                reply = _chat(sp, "after")
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["message"]["content"] == "echo: after"
+            assert "is gone" not in _logs(nodes)
+        finally:
+            for sp in nodes:
+                sp.kill()
+
+
+def test_a_retry_after_an_outage_runs_the_request_its_key_did_not_answer(tmp_path: Path) -> None:
+    """A request with an Idempotency-Key runs on A when the database goes away (for less than the
+    instance timeout: nobody is judged gone): its turn cannot be saved and its key cannot be
+    released, and the client gets 503. Once the database is back, A writes both (the key released,
+    the turn settled failed), so a retry on B runs the request: 200, one completed turn for it,
+    its input once in history, and no turn left running. Before, the key stayed pending under the
+    live A and every retry anywhere waited 120 s for a 409 idempotency_key_in_progress."""
+    require_postgres()
+    with temp_database("s19_idem_outage") as url:
+        nodes = _start(tmp_path, url, 2, 0.5, 30)
+        a, b = nodes
+        try:
+            text = "/slow 30"  # 1.5 s of model output: it ends while the database is away
+            key = "s19-outage-key"
+            first: dict[str, Any] = {}
+
+            def send() -> None:
+                try:
+                    r = _chat(a, text, timeout=60, **{"Idempotency-Key": key})
+                    first["status"], first["body"] = r.status_code, r.text
+                except Exception as exc:  # pragma: no cover - shown by the assertion below
+                    first["error"] = repr(exc)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            deadline = time.monotonic() + 10
+            while not _query(url, "SELECT 1 FROM turns WHERE status = 'running'"):
+                assert time.monotonic() < deadline, "the turn never started"
+                time.sleep(0.05)
+            # Without a connection for the pool's 10 s each, the turn's commit fails, then the key's release.
+            _outage(url, 23.0)
+            sender.join(20)
+            assert first.get("status") == 503, (first, _logs(nodes))
+            assert "store_unavailable" in first["body"], first
+            deadline = time.monotonic() + 5  # A repairs after its next heartbeat
+            while _query(url, "SELECT 1 FROM turns WHERE status = 'running'") or _query(
+                url, "SELECT 1 FROM http_idempotency WHERE key = %s AND state = 'pending'", (key,)
+            ):
+                if time.monotonic() > deadline:
+                    pytest.fail(
+                        f"{_query(url, 'SELECT id, status, owner FROM turns')} "
+                        f"{_query(url, 'SELECT key, state, owner FROM http_idempotency')}\n{_logs(nodes)}",
+                        pytrace=False,
+                    )
+                time.sleep(0.1)
+            started = time.monotonic()
+            retry = _chat(b, text, timeout=30, **{"Idempotency-Key": key})
+            assert retry.status_code == 200, retry.text
+            assert retry.json()["choices"][0]["message"]["content"] == " ".join(f"w{i}" for i in range(1, 31))
+            assert time.monotonic() - started < 15
+            again = _chat(a, text, timeout=30, **{"Idempotency-Key": key})  # now answered: replayed
+            assert again.status_code == 200 and again.headers.get("idempotent-replayed") == "true"
+            assert again.json() == retry.json()
+            statuses = sorted(
+                s for (s,) in _query(url, "SELECT status FROM turns WHERE input::text LIKE %s", ("%/slow 30%",))
+            )
+            assert statuses == ["completed", "failed"]  # the one the outage failed, and the retry's
+            users = _query(
+                url, "SELECT count(*) FROM messages WHERE role = 'user' AND content::text LIKE %s", ("%/slow 30%",)
+            )
+            assert users == [(1,)]  # the failed turn wrote nothing
+        finally:
+            for sp in nodes:
+                sp.kill()
+
+
+class _PausedSource:
+    """The SQLite connection `store copy` reads, pausing the copy (its PostgreSQL transaction
+    open, the agents copied) when it first reads the table named by `at`."""
+
+    def __init__(self, db: Any, at: str) -> None:
+        self.db = db
+        self.at = at
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def execute(self, query: str, *args: Any) -> Any:
+        if f'FROM "{self.at}"' in query and not self.reached.is_set():
+            self.reached.set()
+            self.go.wait(30)
+        return self.db.execute(query, *args)
+
+
+def test_store_copy_while_a_server_starts_on_the_database_leaves_one_assistant(tmp_path: Path) -> None:
+    """`store copy` into an empty database, and a `serve` starting on it while the copy's
+    transaction is open (its agents copied, not committed): the server, finding no agent, waits for
+    the copy and then finds the copied `assistant`. Before, it created one more, and every request
+    for `assistant` was refused as ambiguous."""
+    require_postgres()
+    with temp_database("s19_copy_race") as url:
+
+        async def fill() -> SQLiteStore:
+            store = SQLiteStore(tmp_path / "source.db")
+            await store.open()
+            await store.create_agent(AgentRecord(id="agt_copied", name="assistant"))
+            await store.create_conversation(ConversationRecord(id="conv_copied", agent_id="agt_copied"))
+            return store
+
+        source = asyncio.run(fill())
+        paused = _PausedSource(source.db, "conversations")
+        copied: dict[str, Any] = {}
+
+        def copy() -> None:
+            async def go() -> dict[str, int]:
+                target = PostgresStore(url)
+                await target.open()
+                try:
+                    return await target.copy_from_sqlite(paused)  # type: ignore[arg-type]
+                finally:
+                    await target.close()
+
+            try:
+                copied["counts"] = asyncio.run(go())
+            except Exception as exc:  # pragma: no cover - shown by the assertion below
+                copied["error"] = repr(exc)
+
+        copier = threading.Thread(target=copy)
+        copier.start()
+        server: dict[str, Any] = {}
+
+        def serve() -> None:
+            home = tmp_path / "node"
+            try:
+                server["sp"] = start_serve(home, env=_env(home, url, 0.5, 30), timeout=40)
+            except Exception as exc:  # pragma: no cover - shown by the assertion below
+                server["error"] = repr(exc)
+
+        starter = threading.Thread(target=serve)
+        try:
+            assert paused.reached.wait(20), copied
+            starter.start()
+            time.sleep(2.0)  # the server is at its first-agent check by now
+            paused.go.set()
+            copier.join(30)
+            starter.join(45)
+            assert "error" not in copied, copied
+            assert copied["counts"]["agents"] == 1
+            assert "sp" in server, server
+            agents = _query(url, "SELECT id FROM agents WHERE name = 'assistant'")
+            assert agents == [("agt_copied",)], agents
+            reply = _chat(server["sp"], "hello")
+            assert reply.status_code == 200, reply.text
+        finally:
+            paused.go.set()
+            copier.join(30)
+            starter.join(45)
+            if "sp" in server:
+                server["sp"].kill()
+            asyncio.run(source.close())

@@ -9,6 +9,7 @@ state written by any other provider is ignored, so switching an agent's model dr
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from appserver.providers.jsontext import loads_event
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
+    answer_too_large,
     as_dict,
     as_str,
     check_extra_headers,
@@ -46,6 +48,7 @@ from appserver.providers.upstream import (
     request_timeout,
     transport_error,
     unsendable_error,
+    utf8_size,
 )
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -98,10 +101,16 @@ class _Block:
 
 
 class AnthropicStreamParser:
-    """Messages API stream events → provider chunks. Pure, so split tests can be exhaustive."""
+    """Messages API stream events → provider chunks. Pure, so split tests can be exhaustive.
 
-    def __init__(self, provider_name: str) -> None:
+    `max_bytes`: the most the answer's text, thinking (and its signatures) and tool inputs may hold
+    together (UTF-8 bytes, as received): the event that would pass it raises `answer_too_large`
+    before any of its content is handed out."""
+
+    def __init__(self, provider_name: str, max_bytes: int | None = None) -> None:
         self._provider = provider_name
+        self._room = sys.maxsize if max_bytes is None else max_bytes  # bytes the answer may still add
+        self._max = self._room
         self._blocks: dict[int, _Block] = {}
         self._state: list[dict[str, Any]] = []
         self._tools = 0
@@ -185,15 +194,21 @@ class AnthropicStreamParser:
             block.tool_input = cb.get("input")
             out.append(ToolCallStart(block.tool_index, str(cb.get("id", "")), str(cb.get("name", ""))))
 
-    @staticmethod
-    def _text(block: _Block, text: Any, out: list[ProviderChunk]) -> None:
+    def _count(self, text: str) -> None:
+        """Charge `text` to the answer's size; past `max_bytes`, the answer is stopped."""
+        self._room -= len(text) if text.isascii() else utf8_size(text)
+        if self._room < 0:
+            raise answer_too_large(self._provider, self._max)
+
+    def _text(self, block: _Block, text: Any, out: list[ProviderChunk]) -> None:
         if isinstance(text, str) and text:
+            self._count(text)
             block.text.append(text)
             out.append(Text(text))
 
-    @staticmethod
-    def _thinking(block: _Block, text: Any, out: list[ProviderChunk]) -> None:
+    def _thinking(self, block: _Block, text: Any, out: list[ProviderChunk]) -> None:
         if isinstance(text, str) and text:
+            self._count(text)
             block.text.append(text)
             out.append(Reasoning(text))
 
@@ -214,12 +229,14 @@ class AnthropicStreamParser:
             self._thinking(block, delta.get("thinking"), out)
         elif dtype == "signature_delta":
             if isinstance(delta.get("signature"), str):
+                self._count(delta["signature"])  # kept with the answer (its replay state)
                 block.signature.append(delta["signature"])
         elif dtype == "input_json_delta":
             part = delta.get("partial_json")
             if block.tool_index < 0:
                 raise ProviderError("protocol", "input_json_delta outside a tool_use block", body=obj)
             if isinstance(part, str) and part:
+                self._count(part)
                 block.any_args = True
                 out.append(ToolCallArgs(block.tool_index, part))
         # citations_delta and unknown deltas carry nothing the loop uses.
@@ -518,7 +535,9 @@ class AnthropicProvider:
             ) as resp:
                 if resp.status_code >= 400:
                     raise await read_error_response(resp)
-                parser = AnthropicStreamParser(self.name)
+                # The answer as a whole is bounded too (a model looping without max_tokens): its
+                # content is counted event by event, and the stream closed once it passes the limit.
+                parser = AnthropicStreamParser(self.name, self.cfg.answer_max_bytes)
                 dec = SSEDecoder(self.cfg.answer_max_bytes)
                 async for part in decoded_body(resp):
                     for ev in dec.feed(part):

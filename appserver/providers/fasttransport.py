@@ -471,6 +471,12 @@ class LeanClient(httpx.AsyncClient):
         route: _Route | None = None
         if isinstance(transport, LeanTransport) and not self.auth and not any(self.event_hooks.values()):
             u = template.url
+            if u.username or u.password:
+                # A user and password in the URL (`http://user:pw@host/v1`): Basic auth, as httpx's
+                # client layer sends it (`_build_request_auth`: the percent-decoded user and
+                # password; its Authorization header replaces one the caller set, an API key's).
+                # The request line and the Host header never carry them.
+                next(httpx.BasicAuth(u.username, u.password).sync_auth_flow(template))
             key = (u.scheme, u.host, u.port or DEFAULT_PORTS.get(u.scheme, 80))
             before = [b"POST %s HTTP/1.1\r\n" % u.raw_path]
             after: list[bytes] = []

@@ -11,6 +11,7 @@ The provider never retries: the agent loop owns that decision (retry.py).
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
+    answer_too_large,
     as_dict,
     as_str,
     check_extra_headers,
@@ -55,6 +57,7 @@ from appserver.providers.upstream import (
     request_timeout,
     transport_error,
     unsendable_error,
+    utf8_size,
 )
 
 # The request body as compact UTF-8 JSON, encoded here so that the lean transport gets bytes (a NaN
@@ -113,9 +116,16 @@ class OpenAIStreamParser:
     """Chat Completions stream chunks (already JSON-decoded or raw SSE data) → provider chunks.
 
     Pure and synchronous so that the split-anywhere guarantees can be tested exhaustively.
+
+    `max_bytes`: the most the answer's text, reasoning, refusal and tool-call arguments may hold
+    together (UTF-8 bytes, as received): the event that would pass it raises `answer_too_large`
+    (naming `provider`'s config) before any of its content is handed out.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int | None = None, provider: str = "") -> None:
+        self._room = sys.maxsize if max_bytes is None else max_bytes  # bytes the answer may still add
+        self._max = self._room
+        self._provider = provider
         self._think = ThinkSplitter()
         self._calls: list[_Call] = []
         self._by_key: dict[int, _Call] = {}
@@ -174,6 +184,9 @@ class OpenAIStreamParser:
         ):
             content = delta.get("content")  # the usual delta: text only, in fewer steps
             if content and type(content) is str:
+                self._room -= len(content) if content.isascii() else utf8_size(content)
+                if self._room < 0:
+                    raise answer_too_large(self._provider, self._max)
                 out.extend(self._think.feed(content))
                 return
         # vLLM sends `reasoning_content`, OpenRouter/Ollama `reasoning`; some send both, identical.
@@ -181,24 +194,34 @@ class OpenAIStreamParser:
         if not (isinstance(reasoning, str) and reasoning):
             reasoning = delta.get("reasoning")
         if isinstance(reasoning, str) and reasoning:
+            self._count(reasoning)
             out.append(Reasoning(reasoning))
         content = delta.get("content")
         if isinstance(content, str) and content:
+            self._count(content)
             out.extend(self._think.feed(content))
         elif isinstance(content, list):  # a few servers stream content parts
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    self._count(part["text"])
                     out.extend(self._think.feed(part["text"]))
         refusal = delta.get("refusal")  # OpenAI: the model declined (structured outputs, safety)
         tool_calls = delta.get("tool_calls")
         if (isinstance(refusal, str) and refusal) or (isinstance(tool_calls, list) and tool_calls):
             out.extend(self._think.settle())  # text held back at the start comes before them
         if isinstance(refusal, str) and refusal:
+            self._count(refusal)
             out.append(Refusal(refusal))
         if isinstance(tool_calls, list):
             for tc in tool_calls:
                 if isinstance(tc, dict):
                     self._tool_delta(tc, out)
+
+    def _count(self, text: str) -> None:
+        """Charge `text` to the answer's size; past `max_bytes`, the answer is stopped."""
+        self._room -= utf8_size(text)
+        if self._room < 0:
+            raise answer_too_large(self._provider, self._max)
 
     def _slot(self, tc: dict[str, Any], call_id: str, name: str) -> _Call:
         wire = tc.get("index")
@@ -229,6 +252,8 @@ class OpenAIStreamParser:
             args = json.dumps(args, ensure_ascii=False)
         elif not isinstance(args, str):
             args = ""
+        if args:
+            self._count(args)
         slot = self._slot(tc, call_id, name)
         if call_id and not slot.id:
             slot.id = call_id
@@ -530,7 +555,9 @@ class OpenAICompatProvider:
                     for chunk in self._whole_completion(await read_answer(answer, self.cfg.answer_max_bytes)):
                         yield chunk
                     return
-                parser = OpenAIStreamParser()
+                # The answer as a whole is bounded too (a model looping without max_tokens): its
+                # content is counted event by event, and the stream closed once it passes the limit.
+                parser = OpenAIStreamParser(self.cfg.answer_max_bytes, self.name)
                 dec = SSEDecoder(self.cfg.answer_max_bytes)
                 # Undecoded bytes need no decoder layers (the body arrives as the transport read it).
                 identity = encoding in (b"", b"identity")

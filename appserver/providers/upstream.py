@@ -197,6 +197,23 @@ async def read_answer(response: LeanResponse | httpx.Response, limit: int) -> by
     return bytes(out)
 
 
+def utf8_size(text: str) -> int:
+    """`text`'s size in UTF-8 bytes (ASCII: its length, which CPython knows without a scan)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def answer_too_large(provider: str, limit: int) -> ProviderError:
+    """The error of a streamed answer whose text, reasoning and tool-call arguments together passed
+    `answer_max_bytes` (a model looping without a `max_tokens`): a protocol error like the other
+    answer size limits (not retried, HTTP 502); the text shown so far is kept, marked incomplete."""
+    where = f"[providers.{provider}] answer_max_bytes" if provider else "the provider's answer_max_bytes"
+    return ProviderError(
+        "protocol",
+        f"the model's answer passed answer_max_bytes ({limit} bytes of text, reasoning and tool-call "
+        f"arguments) and was stopped: raise {where} or give the agent a max_tokens",
+    )
+
+
 async def read_error_response(resp: httpx.Response | LeanResponse) -> ProviderError:
     """Turn a non-2xx upstream answer into a classified ProviderError (Retry-After honoured)."""
     raw = bytearray()

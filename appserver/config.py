@@ -373,18 +373,26 @@ def api_key_problem(key: str, provider: str, variable: str) -> str | None:
 
 
 def _base_url_problem(value: str) -> str | None:
-    """Why `value` is no usable upstream URL (http or https, a host, no white space), or None."""
+    """Why `value` is no usable upstream URL (http or https, a host, no white space), or None. The
+    URL is quoted with its secrets masked (a password in its user part, the values of its query)."""
+    shown = _masked_url(value)
     if not value.startswith(("http://", "https://")):
-        return f"must be an http:// or https:// URL, got {value!r}"
+        return f"must be an http:// or https:// URL, got {shown!r}"
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        return f"must be a URL without spaces or control characters, got {value!r}"
+        return f"must be a URL without spaces or control characters, got {shown!r}"
     try:
         host = _url_host(value)
     except ValueError as exc:
-        return f"must be a valid http:// or https:// URL ({exc}), got {value!r}"
+        return f"must be a valid http:// or https:// URL ({exc}), got {shown!r}"
     if not host:
-        return f"must name a host (http://HOST[:PORT]/PATH), got {value!r}"
+        return f"must name a host (http://HOST[:PORT]/PATH), got {shown!r}"
     return None
+
+
+def _masked_url(value: str) -> str:
+    """`value` for an error message: the password of its user part and its query's values as `***`."""
+    masked = re.sub(r"(//[^/?#@:]*):[^/?#@]*@", r"\1:***@", value, count=1)
+    return re.sub(r"([?&][^=&#]*=)[^&#]*", r"\1***", masked)
 
 
 def _url_host(value: str) -> str:
@@ -600,10 +608,12 @@ def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
         )
     try:
         data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        err = move_aside(path, f"invalid TOML: {exc}", quiet=True)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        # (RecursionError: arrays or inline tables nested thousands deep, which no config needs)
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        err = move_aside(path, f"invalid TOML: {why}", quiet=True)
         raise ConfigError(
-            f"{path} is not valid TOML ({exc}); moved aside to {err.moved_to.name}: repair it and move "
+            f"{path} is not valid TOML ({why}); moved aside to {err.moved_to.name}: repair it and move "
             f"it back (mv {err.moved_to} {path}), or delete it to start from defaults"
         ) from None
     return data, f"loaded {path}"

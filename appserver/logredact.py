@@ -19,7 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import parse_qsl, quote, quote_plus, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, urlsplit
 
 from appserver.auth import TOKEN_PREFIX, fingerprint
 from appserver.config import Config
@@ -230,7 +230,9 @@ def provider_secrets(config: Config, environ: dict[str, str] | None = None) -> l
             url = urlsplit(p.base_url or "")
         except ValueError:
             continue
-        found.extend(x for x in (url.username, url.password) if x)
+        for x in (url.username, url.password):
+            if x:
+                found.extend((x, unquote(x)))  # as written, and as sent (percent-decoded, in Basic auth)
         for _, value in parse_qsl(url.query, keep_blank_values=False):
             found.append(value)
             found.append(quote(value, safe=""))  # as a URL quotes it again

@@ -48,6 +48,22 @@ class Readiness:
         self._checks[name] = (check, ttl_s)
         self._cache.pop(name, None)
 
+    def amend(self, name: str, extra: Callable[[], CheckResult | None]) -> None:
+        """Add a condition to the registered check `name`: `extra()` (cheap, not awaited) returns
+        None while all is well, else a result reported with the check's own (the worse status)."""
+        check, ttl = self._checks[name]
+
+        async def amended() -> CheckResult:
+            base = await check()
+            more = extra()
+            if more is None:
+                return base
+            status = max(base.status, more.status, key=STATUSES.index)
+            return CheckResult(status, "; ".join(d for d in (base.detail, more.detail) if d))
+
+        self._checks[name] = (amended, ttl)
+        self._cache.pop(name, None)
+
     def unregister(self, name: str) -> None:
         self._checks.pop(name, None)
         self._cache.pop(name, None)

@@ -24,6 +24,7 @@ from appserver.fsutil import (
     read_state_bytes,
 )
 from appserver.procid import identity, identity_alive
+from appserver.readiness import CheckResult
 
 log = logging.getLogger("appserver.serverinfo")
 
@@ -69,6 +70,72 @@ def remove_server_json(path: Path) -> None:
         return
     if isinstance(info, dict) and info.get("identity") == identity():
         path.unlink(missing_ok=True)
+
+
+SERVER_JSON_CHECK_S = 2.0  # how often `serve` looks whether its server.json is still as it wrote it
+
+
+class ServerJsonKeeper:
+    """`serve`'s server.json, kept as written for the server's life: deleted, damaged or changed by
+    hand while the server runs, it is rewritten (atomically, logged as a warning) at the next
+    `check`, so CLI commands on this home keep finding the server. A check is one stat while the
+    file is as written (the signature of our own write: every atomic write makes a new inode)."""
+
+    def __init__(self, path: Path, info: dict[str, Any]) -> None:
+        self.path = path
+        self.info = info
+        self._written = self._signature()
+        self.problem: str | None = None  # why it could not be rewritten (for /readyz), else None
+
+    def readiness(self) -> CheckResult | None:
+        """For /readyz `state_files`: a warning while server.json cannot be rewritten."""
+        return None if self.problem is None else CheckResult("warn", self.problem)
+
+    def _signature(self) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def check(self) -> bool:
+        """Rewrite server.json when it is no longer what this server wrote; True when it did."""
+        now = self._signature()
+        if now is not None and now == self._written:
+            return False
+        why = self._why_not_ours()
+        if why is None:  # the same content (touched, or copied back): ours
+            self._written, self.problem = now, None
+            return False
+        try:
+            atomic_write_json(self.path, self.info)
+        except OSError as exc:  # a full disk, a directory in its place, a link to nothing
+            problem = (
+                f"{self.path} {why} and cannot be rewritten ({exc}): `appserver run`, `chat` and `cron run` "
+                "on this home cannot find this server"
+            )
+            if problem != self.problem:
+                log.error("%s", problem)
+            self.problem = problem
+            return False
+        self._written, self.problem = self._signature(), None
+        log.warning("%s %s while the server runs; rewritten (it serves on %s)", self.path, why, self.info.get("url"))
+        return True
+
+    def _why_not_ours(self) -> str | None:
+        try:
+            raw = read_state_bytes(self.path, SERVER_JSON_MAX_BYTES)
+        except FileNotFoundError:
+            return "was deleted"
+        except StateFileTooLarge as exc:
+            return f"is damaged ({exc.reason})"
+        except OSError as exc:  # StateFileRefused too: a FIFO, a directory, a link to nothing
+            return f"cannot be read ({exc})"
+        try:
+            info = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            return "is damaged (not the JSON this server wrote)"
+        return None if info == self.info else "was changed"
 
 
 PROBE_PATIENCE_S = 0.5
@@ -146,10 +213,34 @@ def find_live_server(server_json: Path, wait_s: float = 20.0) -> dict[str, Any] 
         if live is not None or not lock.held_elsewhere():
             return live
         if time.monotonic() >= deadline:
-            raise HomeStarting(
-                f"a server holds this home ({lock.path}) but has not published server.json after {wait_s:g} s"
-            )
+            raise HomeStarting(_not_published(server_json, lock.path, wait_s))
         time.sleep(0.05)
+
+
+def _not_published(server_json: Path, lock: Path, wait_s: float) -> str:
+    """Why no server could be found though one holds the home, as far as this process can tell."""
+    try:
+        raw: bytes | None = read_state_bytes(server_json, SERVER_JSON_MAX_BYTES)
+    except FileNotFoundError:
+        raw = None
+    except OSError as exc:  # StateFileRefused too
+        return (
+            f"a server holds this home ({lock}) but its {server_json} cannot be read ({exc}); "
+            "remove what is in its place: the server writes it again within seconds"
+        )
+    if raw is None:
+        state = "is missing"
+    else:
+        try:
+            info = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            info = None
+        state = "names a process that is gone" if isinstance(info, dict) else "is damaged"
+    return (
+        f"a server holds this home ({lock}) but {server_json} {state} after {wait_s:g} s: a server that "
+        f"started within that time is still starting; a running one rewrites the file within "
+        f"{SERVER_JSON_CHECK_S:g} s (one that does not is an older appserver or is stuck: restart it)"
+    )
 
 
 def home_lock_path(server_json: Path) -> Path:

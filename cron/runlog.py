@@ -132,6 +132,9 @@ class RunLog:
         self._backlog: list[dict[str, Any]] = []
         self._error: str | None = None
         self._mutex = threading.Lock()  # the scheduler writes from the loop and from worker threads
+        # A command that ends right after its run (`cron run` in-process) cannot retry: it reports
+        # what was not written once, at its end (`unwritten`), instead of a line per record
+        self.retries = True
 
     def record(self, task_id: str, event: str, **fields: Any) -> dict[str, Any]:
         """Append a record, or keep it for a retry when that fails (logged loudly)."""
@@ -167,6 +170,14 @@ class RunLog:
                 )
             self._backlog = []
 
+    def unwritten(self) -> tuple[int, str | None]:
+        """After a last try: how many records the disk still refuses, and why (for a command that
+        ends now; the records are then given up)."""
+        with self._mutex:
+            self._flush_locked()
+            count, self._backlog = len(self._backlog), []
+            return count, self._error if count else None
+
     def problem(self) -> str | None:
         """One line while records are waiting for the disk, else None."""
         with self._mutex:
@@ -180,6 +191,7 @@ class RunLog:
     def _keep(self, record: dict[str, Any], exc: Exception | None) -> None:
         if exc is not None:
             self._error = f"{type(exc).__name__}: {exc}"
+        if exc is not None and self.retries:
             log.error(
                 "cron: could not write the %s record of task %s to its run log (%s); keeping it to retry",
                 record["event"],
@@ -495,7 +507,9 @@ def _mark_lost(records: list[dict[str, Any]]) -> None:
     """Flag `fired` records whose submission never got recorded, except the newest per task
     (which may still be in flight)."""
     settled = {_number(r) for r in records if r.get("event") in ("submitted", "fire_failed")} - {None}
-    fired = [r for r in records if r.get("event") == "fired"]
+    # a `fired` record whose run number is no whole number (`1e999`, "x": a hand edit, damage) is
+    # shown as written, but it names no run, so no run is said to be lost by it
+    fired = [r for r in records if r.get("event") == "fired" and _number(r) is not None]
     for r in fired[:-1]:
         if _number(r) not in settled:
             r["lost"] = True

@@ -80,6 +80,9 @@ PROBLEM_LOG_EVERY_S = 60.0  # a lasting problem (corrupt crons.json, …) is log
 MIN_TICK_S = 0.1
 MAX_TICK_S = 3600.0
 LOOP_ERROR_PAUSE_S = 5.0  # after an unexpected error in the loop itself, pause this long and go on
+# A tick whose save failed (a full disk, …) is tried again this soon (at the latest the backstop),
+# so a run it could not claim fires late once writes work again, not a whole tick later.
+FAILED_TICK_RETRY_S = 2.0
 # A time this far ahead of the clock was set by a clock that was ahead (or has since been put back):
 # a scheduled run is never claimed early and a one-shot at most ONESHOT_JITTER_EARLY_S early.
 CLOCK_SLACK_S = 120.0
@@ -115,6 +118,7 @@ def _check_seconds(name: str, value: float, low: float, high: float) -> float:
 
 
 _Missed = tuple[datetime, str]  # nominal time, reason
+_ABSENT = object()  # no entry (in the journal of a tick)
 
 
 def apply_misfire(
@@ -251,9 +255,13 @@ class Scheduler:
         # claims, else the run log's: a task rolled back by restoring an older crons.json neither
         # reuses a run number nor runs an occurrence again.
         self._used: dict[str, tuple[int, datetime | None]] = {}
+        # While a tick plans: what `_used` and `_fits` held before it changed them (_ABSENT: no
+        # entry), so a tick whose save fails leaves no trace in memory (see `_undo_tick`)
+        self._journal: dict[tuple[str, str], Any] | None = None
         self._last_tick: datetime | None = None
         # The clock went back since the last tick: every recurring task's next time is checked
         self._clock_back = False
+        self._clock_back_unsaved = False  # … and the tick that saw it could not save
         # task id -> (next_fire_at, now) of a next time found to fit the schedule at that now: it
         # still does at every later now, so it is not computed again
         self._fits: dict[str, tuple[datetime, datetime]] = {}
@@ -293,7 +301,11 @@ class Scheduler:
         report = TickReport()
         now = self.clock()
         before, self._last_tick = self._last_tick, now
-        self._clock_back = before is not None and now < before - timedelta(seconds=CLOCK_SLACK_S)
+        # (a clock found gone back by a tick that failed is checked again by the next one)
+        self._clock_back = self._clock_back_unsaved or (
+            before is not None and now < before - timedelta(seconds=CLOCK_SLACK_S)
+        )
+        self._clock_back_unsaved = False
         if self._clock_back:
             assert before is not None
             log.warning(
@@ -464,6 +476,56 @@ class Scheduler:
         report.missed += 1
 
     def _claim_due(self, now: datetime, report: TickReport) -> list[_Planned]:
+        """Claim what is due, saved before anything fires. A tick that fails (above all its save:
+        a full disk, a read-only file) leaves no trace in memory: the next one plans again from
+        what is on disk, so a run it could not claim is claimed then (late, or logged as missed
+        by its misfire policy), never taken for done."""
+        undo = (
+            self.has_lease,
+            self._next_due,
+            self._renew_at,
+            self.lease_state,
+            self._orphans,
+            self._invalid,
+        )
+        self._journal = {}
+        try:
+            return self._claim_due_journaled(now, report)
+        except BaseException:
+            if self._journal is not None:  # (None: it failed after its save; what it planned holds)
+                self._undo_tick(undo, now)
+            raise
+        finally:
+            self._journal = None
+
+    def _undo_tick(self, undo: tuple[Any, ...], now: datetime) -> None:
+        """Forget what a failed tick planned: the run numbers and times it claimed (`_used`), the
+        next times it found to fit (`_fits`), the lease it took or renewed, the tasks it looked at
+        (whose objects it changed: the store's cache was dropped by its load, so the next tick
+        reads the file), and its earliest due time; it is tried again soon."""
+        journal = self._journal or {}
+        for (kind, task_id), value in journal.items():
+            table: dict[str, Any] = self._used if kind == "used" else self._fits
+            if value is _ABSENT:
+                table.pop(task_id, None)
+            else:
+                table[task_id] = value
+        (self.has_lease, self._next_due, self._renew_at, self.lease_state, self._orphans, self._invalid) = undo
+        self._stamps_seen = None
+        self._clock_back_unsaved = self._clock_back
+        retry = now + timedelta(seconds=FAILED_TICK_RETRY_S)
+        if self._next_due is None or self._next_due < retry:
+            self._next_due = retry
+
+    def _remember(self, kind: str, task_id: str, value: Any) -> None:
+        """Set `_used` (kind "used") or `_fits` ("fits") of a task, journaled while a tick plans."""
+        table: dict[str, Any] = self._used if kind == "used" else self._fits
+        journal = self._journal
+        if journal is not None and (kind, task_id) not in journal:
+            journal[(kind, task_id)] = table.get(task_id, _ABSENT)
+        table[task_id] = value
+
+    def _claim_due_journaled(self, now: datetime, report: TickReport) -> list[_Planned]:
         self.store.runlog.flush()  # records a failing disk refused earlier, oldest first
         self.lease_state = None  # unknown until this tick reads the lease
         with self.store.lock():
@@ -508,6 +570,7 @@ class Scheduler:
                 self.store.save(state, cache=True)  # the claim, persisted before anything fires
             else:
                 self.store.keep(state)
+            self._journal = None  # saved: nothing of this tick is undone any more
             self._seen = self.store.signature()
             for task_id, event, fields_ in logs:  # never raises: a failing disk keeps them to retry
                 self.store.runlog.record(task_id, event, **fields_)
@@ -570,7 +633,7 @@ class Scheduler:
         except (ScheduleError, ValueError, OverflowError):
             return False  # the planning of a due task says what is wrong with it
         if expected is None or nominal <= expected:
-            self._fits[task.id] = (nominal, now)
+            self._remember("fits", task.id, (nominal, now))
             return False
         log.warning(
             "cron: task %s (%s): its next run was set for %s, but its schedule's next occurrence from now "
@@ -588,10 +651,10 @@ class Scheduler:
         task.created_at = anchor
         task.next_fire_at, task.next_due_at = expected, self._due(task, expected)
         task.updated_at = now
-        self._fits[task.id] = (expected, now)
+        self._remember("fits", task.id, (expected, now))
         used = self._used.get(task.id)
         if used is not None and used[1] is not None and used[1] > now + slack:
-            self._used[task.id] = (used[0], None)  # those runs were claimed by the clock that was ahead
+            self._remember("used", task.id, (used[0], None))  # those runs were claimed by the clock that was ahead
         return True
 
     @staticmethod
@@ -646,7 +709,7 @@ class Scheduler:
                 max(used, task.occurrence) + 1,
             )
             ran_until = None
-            self._used[task.id] = (used, None)
+            self._remember("used", task.id, (used, None))
         if ran_until is not None and due and due[0][0] <= ran_until:  # a rolled-back schedule: not rerun
             log.warning(
                 "cron: task %s (%s): the tasks say it is due from %s, but the run log shows it ran up to %s "
@@ -683,7 +746,7 @@ class Scheduler:
             logs.append((task.id, "fired", {**occ.to_dict(), "by": self.lease.token}))
         if occurrences:
             latest = max(o.scheduled_for for o in occurrences)
-            self._used[task.id] = (task.occurrence, latest)  # the newest claim, as `used_runs` reads the log
+            self._remember("used", task.id, (task.occurrence, latest))  # the newest claim, as `used_runs` reads the log
         task.next_fire_at, task.next_due_at = following if following is not None else (None, None)
         task.updated_at = now
         snapshot = dataclasses.replace(task)  # `fire` gets a copy, not the store's cached object
@@ -703,7 +766,7 @@ class Scheduler:
             except (OSError, ValueError) as exc:
                 log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
                 found = (0, None)
-            self._used[task.id] = found
+            self._remember("used", task.id, found)
         used = found[0]
         if used > task.occurrence:
             log.warning(

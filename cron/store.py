@@ -674,7 +674,8 @@ class CronStore:
 
     def load(self, *, readonly: bool = False) -> CronFile:
         """Parse crons.json (call with the lock held). Missing → empty; unusable → moved aside
-        (CorruptStateFile), or with `readonly` left in place (CronFileUnreadable).
+        (CorruptStateFile, not logged here: every caller reports it, so it is said once), or with
+        `readonly` left in place (CronFileUnreadable).
         The caller owns the returned object: it leaves the cache until `save` or `keep`."""
         cached, self._cache = self._cache, None
         if cached is not None and cached[0] == self.signature():
@@ -693,7 +694,7 @@ class CronStore:
             reason = f"not a valid crons.json: {exc}"
             if readonly:
                 raise self._unreadable(reason) from None
-            raise move_aside(self.path, reason) from None
+            raise move_aside(self.path, reason, quiet=True) from None
         if state.owner_problem is not None:
             log.error(
                 "%s: the scheduler lease record is unusable (%s); read as no owner, so a scheduler takes "
@@ -715,7 +716,7 @@ class CronStore:
         except StateFileTooLarge as exc:
             if readonly:
                 raise self._unreadable(exc.reason) from None
-            raise move_aside(self.path, exc.reason) from None
+            raise move_aside(self.path, exc.reason, quiet=True) from None
         except StateFileRefused as exc:
             raise CronStoreError(f"{exc}; nothing was changed") from None
         try:
@@ -724,7 +725,7 @@ class CronStore:
             reason = "invalid JSON: nested too deeply" if isinstance(exc, RecursionError) else f"invalid JSON: {exc}"
             if readonly:
                 raise self._unreadable(reason) from None
-            raise move_aside(self.path, reason) from None
+            raise move_aside(self.path, reason, quiet=True) from None
 
     def _unreadable(self, reason: str) -> CronFileUnreadable:
         return CronFileUnreadable(

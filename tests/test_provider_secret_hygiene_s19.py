@@ -421,3 +421,25 @@ def test_the_log_filter_masks_every_form_of_the_configured_secrets(
         logger.removeHandler(handler)
     _assert_clean("log", stream.getvalue())
     assert stream.getvalue().count("[redacted sha256:") >= 2 * len(_forms(API_KEY)), stream.getvalue()
+
+
+# ------------------------------------------------------------------ a password in base_url
+
+
+def test_a_base_url_password_is_masked_in_config_errors_and_redacted_as_sent(tmp_path: Path) -> None:
+    """A refused base_url is quoted with its password and query values masked; the password is
+    redacted both as written (percent-encoded) and as the transports send it (decoded, in Basic)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[providers.x]\nkind = "openai"\nbase_url = "http://user:p%40ssw0rd-secret@host:99999/v1?api-key=qk-123456789"\n'
+    )
+    r = run_cli(home, "agents", "list", env=cli_env(home))
+    assert r.code == 2 and "Port out of range" in r.err, (r.code, r.err)
+    assert "p%40ssw0rd-secret" not in r.err and "qk-123456789" not in r.err and "user:***@" in r.err, r.err
+    (home / "config.toml").write_text(
+        '[providers.x]\nkind = "openai"\nbase_url = "http://user:p%40ssw0rd-secret@host/v1"\n'
+    )
+    redactor = from_config(load_config(home=home, environ={}))
+    said = redactor.redact("upstream says: bad password p@ssw0rd-secret (p%40ssw0rd-secret)")
+    assert "ssw0rd-secret" not in said, said

@@ -72,8 +72,10 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
                     "home: run `appserver cron run` on the home of a running server, which submits it"
                 )
             adapter = KernelAdapter(server.kernel, server.store)
+            store = cron_store_for(config.home, config.store.url)
+            store.runlog.retries = False  # this process ends with the run: what is not written is said at the end
             result = await run_task_now(
-                cron_store_for(config.home, config.store.url),
+                store,
                 task,
                 agent=agent_id,
                 fire=adapter.fire,
@@ -81,9 +83,18 @@ def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None
                 outcome_timeout_s=timeout,
             )
             snapshot = (await server.kernel.turn_snapshot(result.turn_id)).to_dict() if result.turn_id else None
+            unwritten, why = await asyncio.to_thread(store.runlog.unwritten)
         finally:
             await server.close()
+        runlog_error = None
+        if unwritten:
+            runlog_error = (
+                f"its run log in {store.runs_dir} could not be written ({why}): {unwritten} record(s) of this run "
+                "are lost, so `appserver cron logs` will not show it; fix the run log (free space, or remove "
+                "what is in its place)"
+            )
         return {
+            "runlog_error": runlog_error,
             "task": result.task.to_dict(),
             "occurrence": result.occurrence.to_dict(),
             "turn_id": result.turn_id,
@@ -121,6 +132,9 @@ def report(out: dict[str, Any], as_json: bool) -> None:
         click.echo(f"{run}: {status}{why} (turn {exact(out['turn_id'])})")
         if text:
             click.echo(visible(text))
+    if out.get("runlog_error"):  # the run happened, its record did not: never a silent success
+        click.echo(f"error: {run}: {visible(out['runlog_error'])}", err=True)
+        sys.exit(1)
     sys.exit(0 if out["outcome"] in ("completed", "awaiting") else 1)
 
 

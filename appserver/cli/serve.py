@@ -43,7 +43,14 @@ from appserver.security.edge import (
     raise_fd_limit,
 )
 from appserver.server import Server
-from appserver.serverinfo import HomeLock, claim_home, remove_server_json, write_server_json
+from appserver.serverinfo import (
+    SERVER_JSON_CHECK_S,
+    HomeLock,
+    ServerJsonKeeper,
+    claim_home,
+    remove_server_json,
+    write_server_json,
+)
 from appserver.services import Services, build_services
 from appserver.store.url import store_kind
 from appserver.ws.hub import Hub
@@ -375,17 +382,34 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     bound_port = uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
     url = url_for(host, bound_port, tls)
     try:
-        write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
+        info = write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
     except OSError:  # e.g. a full disk: stop cleanly, then report it in one line
         uv.should_exit = True
         await task
         raise
+    keeper = ServerJsonKeeper(config.server_json, info)
+    server.readiness.amend("state_files", keeper.readiness)
+    keeping = asyncio.create_task(_keep_server_json(keeper))
     click.echo(f"appserver listening on {url}  (home {config.home})", err=False)
     services.channels.server_bound(url)
     try:
         await task
     finally:
+        keeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeping
         remove_server_json(config.server_json)
+
+
+async def _keep_server_json(keeper: ServerJsonKeeper) -> None:
+    """Every SERVER_JSON_CHECK_S: server.json deleted, damaged or changed is written again (one
+    stat while it is as written; on the event loop, so a stop never races a rewrite)."""
+    while True:
+        await asyncio.sleep(SERVER_JSON_CHECK_S)
+        try:
+            keeper.check()
+        except Exception:  # never the end of the server: logged, and the next check tries again
+            log.exception("could not check %s", keeper.path)
 
 
 @click.command("serve")

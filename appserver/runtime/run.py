@@ -27,6 +27,7 @@ from appserver.runtime.pending import PendingAnswers, Resume
 from appserver.runtime.settle import TurnEnd, cancel_wins, deleted, halted, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import ConversationGone, StoreError, StoreUnavailable, TurnSettledElsewhere
+from appserver.store.integrity import damage_text, is_corruption
 from appserver.store.records import AgentRecord, MessageRecord, TurnRecord
 
 log = logging.getLogger("appserver.runtime")
@@ -226,12 +227,15 @@ class TurnRunner:
             # finish_turn fails the same way and says so in one line.
             outcome = LoopOutcome("failed", "error", store_failure(exc).error)
         except Exception as exc:
-            log.exception("turn %s failed inside the server", record.id)
             deps.store.note_failure(exc)  # a damaged store file says so in /readyz
+            if is_corruption(exc):  # one line: a traceback would only repeat it (with the damaged bytes)
+                why = f"the store is damaged: {damage_text(exc)}"
+                log.error("turn %s failed: %s", record.id, why)
+            else:
+                log.exception("turn %s failed inside the server", record.id)
+                why = f"{type(exc).__name__}: {exc}"
             outcome = LoopOutcome(
-                "failed",
-                "error",
-                {"kind": "internal", "message": f"{type(exc).__name__}: {exc}", "retryable": False, "status": None},
+                "failed", "error", {"kind": "internal", "message": why, "retryable": False, "status": None}
             )
         if work is None:
             work = TurnWork(agent=None, conversation_id=self._conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]

@@ -283,8 +283,9 @@ def read_position(db: Path) -> int | None:
         return None
     except StateFileRefused as exc:  # a FIFO, a device, a link to nothing: left where it is
         raise StoreOpenError(f"{exc}; the store's position record cannot be checked") from None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError) as exc:
-        _position_unreadable(db, path, str(exc))
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError, RecursionError) as exc:
+        why = "invalid JSON: nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        _position_unreadable(db, path, why)
         return None
 
 
@@ -426,11 +427,34 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
 
 
 def is_corruption(exc: BaseException) -> bool:
-    """An SQLite error that says the file itself is damaged (not busy, full or refused)."""
+    """An SQLite error that says the file itself is damaged (not busy, full or refused), or stored
+    text that is not UTF-8 (bytes changed inside a page, which `quick_check` does not read)."""
     if not isinstance(exc, sqlite3.DatabaseError):
         return False
     code = getattr(exc, "sqlite_errorcode", None)
-    return (code is not None and code & 0xFF in (SQLITE_CORRUPT, SQLITE_NOTADB)) or "malformed" in str(exc)
+    return (
+        (code is not None and code & 0xFF in (SQLITE_CORRUPT, SQLITE_NOTADB))
+        or "malformed" in str(exc)
+        or is_text_damage(exc)
+    )
+
+
+_TEXT_DAMAGE = "Could not decode to UTF-8"  # sqlite3's message for a text value that is no UTF-8
+
+
+def is_text_damage(exc: BaseException) -> bool:
+    """sqlite3 could not read a stored text value as UTF-8 (appserver writes only UTF-8: damage)."""
+    return isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(_TEXT_DAMAGE)
+
+
+def damage_text(exc: BaseException) -> str:
+    """The damage an error shows, in one short line: a text that is no UTF-8 is named by its column,
+    never quoted (sqlite3's message holds the whole damaged value, raw bytes and all)."""
+    text = str(exc)
+    if is_text_damage(exc):
+        column = text[len(_TEXT_DAMAGE) :].split(" with text ", 1)[0].strip()
+        return f"stored text in {column[:80] or 'a column'} is not valid UTF-8: bytes inside a page were changed"
+    return text if len(text) <= 300 else text[:300] + "…"
 
 
 def quick_check(conn: sqlite3.Connection) -> str | None:

@@ -36,7 +36,9 @@ from appserver.store.integrity import (
     background_check,
     check_store_writable,
     create_store,
+    damage_text,
     is_corruption,
+    is_text_damage,
     messages_seq,
     open_error,
     preflight,
@@ -70,6 +72,11 @@ from appserver.store.rows import (
 log = logging.getLogger("appserver.store")
 
 _DRAFT_UPDATE = DRAFT_UPDATE.replace("%s", "?")  # the shared statement in SQLite's placeholders
+
+
+def _replace_bad_utf8(raw: bytes) -> str:
+    """The text_factory of a read that met damaged text: U+FFFD for each byte that is no UTF-8."""
+    return raw.decode("utf-8", "replace")
 
 
 def _argv(pid: int) -> list[str]:
@@ -273,7 +280,7 @@ class SQLiteStore(Store):
     def note_failure(self, exc: BaseException) -> None:
         """Writes that failed come here from the group commit; reads, from the front ends."""
         if is_corruption(exc):
-            self._damaged(str(exc))
+            self._damaged(damage_text(exc))
 
     def _damaged(self, problem: str) -> None:
         """The file is damaged (a write met a malformed page, or the check after the start found
@@ -461,16 +468,37 @@ class SQLiteStore(Store):
         self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None
     ) -> list[MessageRecord]:
         if before_id is None and limit is None:
-            rows = self.db.execute(
-                "SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)
-            ).fetchall()
+            rows = self._read_messages(
+                conversation_id, "SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)
+            )
         else:
-            rows = self.db.execute(
+            rows = self._read_messages(
+                conversation_id,
                 "SELECT * FROM messages WHERE conversation_id=? AND id < ? ORDER BY id DESC LIMIT ?",
                 (conversation_id, before_id if before_id is not None else 2**62, limit if limit is not None else -1),
-            ).fetchall()
+            )
             rows.reverse()
         return [message_record(r) for r in rows]
+
+    def _read_messages(self, conversation_id: str, sql: str, params: Sequence[Any]) -> list[Any]:
+        """The rows of a read of messages. Text that is not UTF-8 (bytes changed inside a page) is
+        damage: said once, loudly, and /readyz fails from then on; the conversation is read again
+        with U+FFFD in place of the bad bytes, so it stays usable (and its history readable) until
+        the store is restored. The usual read costs nothing more: the slower decoding is only set
+        for that second read (on this connection, on the one thread that uses it, and put back)."""
+        try:
+            return self.db.execute(sql, params).fetchall()
+        except sqlite3.OperationalError as exc:
+            if not is_text_damage(exc):
+                raise
+            problem = damage_text(exc)
+        self._damaged(f"{problem}, in conversation {conversation_id}")
+        db = self.db
+        db.text_factory = _replace_bad_utf8
+        try:
+            return db.execute(sql, params).fetchall()
+        finally:
+            db.text_factory = str
 
     async def history_page(
         self, conversation_id: str, *, before_id: int | None, limit: int, max_bytes: int
@@ -490,6 +518,18 @@ class SQLiteStore(Store):
                     break
                 rows.append(row)
                 size += stored_size(row)
+        except sqlite3.OperationalError as exc:
+            if not is_text_damage(exc):
+                raise
+            # damaged text (see _read_messages): this page is read again, each row decoded with U+FFFD
+            cur.close()
+            self._damaged(f"{damage_text(exc)}, in conversation {conversation_id}")
+            db = self.db
+            db.text_factory = _replace_bad_utf8
+            try:
+                return await self.history_page(conversation_id, before_id=before_id, limit=limit, max_bytes=max_bytes)
+            finally:
+                db.text_factory = str
         finally:
             cur.close()
         rows.reverse()

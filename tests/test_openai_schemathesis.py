@@ -301,12 +301,14 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
             if isinstance(out.get(key), int) and out[key] < 1:
                 del out[key]
         return out
+    out.pop("prompt", None)  # a stored prompt template: refused (the server keeps none)
     inp = out.get("input")
     if isinstance(inp, list):
         inp[:] = [
             it
             for it in inp
             if isinstance(it, dict)
+            and ("type" in it or "role" in it)  # with neither it is no item (refused, as by OpenAI)
             and it.get("type", "message") in SUPPORTED_ITEMS
             and not (it.get("type") == "function_call_output" and not it.get("call_id"))
             # no approval of this run waits for an answer: one answers nothing (then beside the

@@ -16,7 +16,7 @@ import click
 from appserver.cli.common import fail, get_config, live_server_or_fail, print_json, with_server
 from appserver.cli.safetext import exact, visible
 from appserver.errors import InvalidInput, NotAwaiting
-from appserver.runtime import Decision, SubmitRequest, TurnSnapshot
+from appserver.runtime import Decision, SubmitRequest, TurnSnapshot, max_steps_note
 from appserver.server import Server
 from appserver.serverinfo import read_live_server
 
@@ -52,18 +52,6 @@ def reconnect_wait_option() -> Callable[[Callable[..., Any]], Callable[..., Any]
         show_default=True,
         type=Seconds(zero=True),
         help="Seconds to wait for the server (or a standby taking over) after the connection drops (0: do not wait).",
-    )
-
-
-def max_steps_note(steps: int | None) -> str:
-    """What `run` says of a turn the server's loop stopped at its step limit: the note the OpenAI
-    routes append to such a reply (`http/common.py` `max_steps_note`; a front end does not import
-    another, so said here too). The limit is named when known (in-process; a server's agent may
-    override it)."""
-    limit = f"its limit of {steps} steps" if steps else "its step limit"
-    return (
-        f"[stopped: the agent reached {limit} (max_steps) before finishing this reply; "
-        "send another message to let it go on]"
     )
 
 

@@ -33,6 +33,7 @@ from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
+from appserver.runtime import max_steps_note as steps_note
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
 
@@ -498,11 +499,7 @@ class TurnRun:
 
 def max_steps_note(server: Server, agent: AgentRecord) -> str:
     """The text a client sees when the server's loop stopped a turn at its step limit."""
-    steps = int(agent.params.get("max_steps") or server.config.limits.max_steps)
-    return (
-        f"[stopped: the agent reached its limit of {steps} steps (max_steps) before finishing this reply; "
-        "send another message to let it go on]"
-    )
+    return steps_note(int(agent.params.get("max_steps") or server.config.limits.max_steps))
 
 
 def client_pending(snap: TurnSnapshot) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from appserver.runtime.types import (
     SnapshotStatus,
     StopReason,
     TerminalStatus,
+    max_steps_note,
 )
 from appserver.runtime.watch import Watch
 
@@ -37,5 +38,6 @@ __all__ = [
     "TurnHandle",
     "TurnSnapshot",
     "Watch",
+    "max_steps_note",
     "new_id",
 ]

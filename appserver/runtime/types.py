@@ -32,7 +32,19 @@ SETTLED_SNAPSHOT_STATUS: Mapping[str, TerminalStatus] = MappingProxyType(
     {"completed": "completed", "cancelled": "cancelled", "failed": "failed", "interrupted": "cancelled"}
 )
 
+
+def max_steps_note(steps: int | None) -> str:
+    """What a front end says of a turn the loop stopped at its step limit (`stop_reason`
+    `max_steps`): the limit named when known (an agent's `max_steps` param overrides the server's)."""
+    limit = f"its limit of {steps} steps" if steps else "its step limit"
+    return (
+        f"[stopped: the agent reached {limit} (max_steps) before finishing this reply; "
+        "send another message to let it go on]"
+    )
+
+
 __all__ = [
+    "max_steps_note",
     "SETTLED_SNAPSHOT_STATUS",
     "TERMINAL_STATUSES",
     "TerminalStatus",

@@ -114,12 +114,14 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
 
 def get_zone(name: str) -> ZoneInfo:
     """An IANA zone, or a ScheduleError naming the bad zone (not a bare KeyError)."""
-    if not name or name.startswith(("/", ".")) or ".." in name:
-        raise ScheduleError(f"unknown timezone {name!r}: use an IANA name such as Europe/Paris")
+    shown = repr(name) if len(name) <= 64 else f"{name[:40]!r}… ({len(name)} characters)"
+    unknown = f"unknown timezone {shown}: use an IANA name such as Europe/Paris"
+    if not name or len(name) > 255 or name.startswith(("/", ".")) or ".." in name:
+        raise ScheduleError(unknown)
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
-        raise ScheduleError(f"unknown timezone {name!r}: use an IANA name such as Europe/Paris") from None
+        raise ScheduleError(unknown) from None
 
 
 def local_zone_name() -> str:

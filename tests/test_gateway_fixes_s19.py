@@ -1,4 +1,4 @@
-"""Gateway fixes from the nineteenth session's outside attacks.
+"""Gateway (and one cron) fixes from the nineteenth session's outside attacks.
 
 * A gateway lock path the gateway cannot open (a directory in its place) is a `gateway_error`
   event naming it, not a traceback that ends the child and comes back at every restart.
@@ -44,3 +44,16 @@ def test_a_link_longer_than_a_part_is_cut_hard_not_after_a_tiny_head() -> None:
     short = "echo: [short](https://x.y/" + "b" * 30 + ") " + "word " * 1000  # a short link: cut at a space
     assert all(len(p) <= 4000 for p in split_message(short, 4000))
     assert split_message(short, 4000)[0].startswith("echo: [short](")
+
+
+def test_a_cron_timezone_name_too_long_is_refused_short() -> None:
+    """`cron add --tz` and the schedule tool go through `get_zone`: a 5,000-character name is refused
+    in one short line (was: quoted whole)."""
+    import pytest
+
+    from cron.schedule import ScheduleError, get_zone
+
+    with pytest.raises(ScheduleError) as refused:
+        get_zone("a" * 5000)
+    assert "unknown timezone" in str(refused.value) and len(str(refused.value)) < 200, str(refused.value)
+    assert get_zone("Europe/Paris").key == "Europe/Paris"

@@ -275,3 +275,29 @@ def test_cron_run_whose_run_log_cannot_be_written_fails(home: Path) -> None:
     assert len(errors) == 1 and "could not be written" in errors[0] and "lost" in errors[0], r.err
     assert "keeping it to retry" not in r.err
     shutil.rmtree(log)
+
+
+def test_damaged_text_in_an_agent_or_a_title_keeps_the_home_usable(home: Path) -> None:
+    """Not only messages: text that is no UTF-8 in an agent's row (its system prompt) or in a
+    conversation's title is damage too, and read with U+FFFD, so `serve` starts, the agent answers
+    and the conversations list; /readyz `store` fails (was: every command and `serve` itself
+    refused with sqlite3's decode error)."""
+    import sqlite3
+
+    assert run_cli(home, "agents", "create", "--name", "bob", "--system", "sé prompt").code == 0
+    assert run_cli(home, "run", "--agent", "bob", "hi").code == 0
+    db = sqlite3.connect(home / "appserver.db")
+    with db:  # é as C3 FF: no UTF-8 any more, as a byte changed inside a page makes it
+        db.execute("UPDATE agents SET system = CAST(X'73C3FF2070726F6D7074' AS TEXT) WHERE name = 'bob'")
+        db.execute("UPDATE conversations SET title = CAST(X'41FF42' AS TEXT)")
+    db.close()
+
+    listed = run_cli(home, "agents", "list")
+    assert listed.code == 0 and "bob" in listed.out, listed.err[-800:]
+    convs = run_cli(home, "conversations", "list", "--agent", "bob", "--json")
+    assert convs.code == 0 and "\ufffd" in json.dumps(convs.json(), ensure_ascii=False), convs.err[-800:]
+    with serving(home) as sp:
+        r = run_cli(home, "run", "--agent", "bob", "again")
+        assert r.code == 0 and "echo: again" in r.out, r.err[-800:]
+        store = check(wait_ready(sp.url, 503), "store")
+        assert store["status"] == "fail" and "is not valid UTF-8" in store["detail"], store

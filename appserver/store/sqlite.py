@@ -358,9 +358,9 @@ class SQLiteStore(Store):
             cur = tx.execute("DELETE FROM agents WHERE id=?", (agent_id,))
             return cur.rowcount > 0
 
-    @classmethod
-    def _load_agents(cls, db: sqlite3.Connection) -> Iterable[AgentRecord]:
-        return map(agent_record, db.execute("SELECT * FROM agents ORDER BY created_at, id"))
+    def _load_agents(self, db: sqlite3.Connection) -> Iterable[AgentRecord]:
+        assert db is self.db  # the agent cache reads through this store's connection
+        return map(agent_record, self._rows("SELECT * FROM agents ORDER BY created_at, id", (), "in the agents"))
 
     def _agents(self) -> dict[str, AgentRecord]:
         """The cached agents (agentcache.py)."""
@@ -430,12 +430,14 @@ class SQLiteStore(Store):
 
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         self._writes.settle()
-        row = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+        row = self._row("SELECT * FROM conversations WHERE id=?", (conversation_id,), "in the conversations")
         return conversation_record(row) if row else None
 
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
         self._writes.settle()
-        row = self.db.execute("SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,)).fetchone()
+        row = self._row(
+            "SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,), "in the conversations"
+        )
         return conversation_record(row) if row else None
 
     async def list_conversations(
@@ -449,9 +451,10 @@ class SQLiteStore(Store):
     ) -> list[ConversationRecord]:
         self._writes.settle()
         where, params = conversations_where("?", agent_id, agent_ids, namespace)
-        rows = self.db.execute(
+        rows = self._rows(
             f"SELECT * FROM conversations{where} ORDER BY updated_at DESC, id LIMIT ? OFFSET ?",
             (*params, limit, offset),
+            "in the conversations",
         )
         return [conversation_record(r) for r in rows]
 
@@ -481,24 +484,33 @@ class SQLiteStore(Store):
         return [message_record(r) for r in rows]
 
     def _read_messages(self, conversation_id: str, sql: str, params: Sequence[Any]) -> list[Any]:
-        """The rows of a read of messages. Text that is not UTF-8 (bytes changed inside a page) is
-        damage: said once, loudly, and /readyz fails from then on; the conversation is read again
-        with U+FFFD in place of the bad bytes, so it stays usable (and its history readable) until
-        the store is restored. The usual read costs nothing more: the slower decoding is only set
-        for that second read (on this connection, on the one thread that uses it, and put back)."""
+        return self._rows(sql, params, f"in conversation {conversation_id}")
+
+    def _rows(self, sql: str, params: Sequence[Any] = (), where: str = "") -> list[Any]:
+        """The rows of a read. Text that is not UTF-8 (bytes changed inside a page) is damage:
+        said once, loudly, and /readyz fails from then on; the rows are read again with U+FFFD in
+        place of the bad bytes, so what holds them (an agent, a conversation, its history) stays
+        usable until the store is restored. The usual read costs nothing more: the slower decoding
+        is only set for that second read (on this connection, on the one thread that uses it, and
+        put back)."""
         try:
             return self.db.execute(sql, params).fetchall()
         except sqlite3.OperationalError as exc:
             if not is_text_damage(exc):
                 raise
             problem = damage_text(exc)
-        self._damaged(f"{problem}, in conversation {conversation_id}")
+        self._damaged(f"{problem}, {where}" if where else problem)
         db = self.db
         db.text_factory = _replace_bad_utf8
         try:
             return db.execute(sql, params).fetchall()
         finally:
             db.text_factory = str
+
+    def _row(self, sql: str, params: Sequence[Any] = (), where: str = "") -> Any:
+        """The first row of a read (`_rows`), or None."""
+        rows = self._rows(sql, params, where)
+        return rows[0] if rows else None
 
     async def history_page(
         self, conversation_id: str, *, before_id: int | None, limit: int, max_bytes: int
@@ -627,10 +639,11 @@ class SQLiteStore(Store):
         )
 
     async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
-        row = self.db.execute(
+        row = self._row(
             "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=? AND k.key=?",
             (scope, key),
-        ).fetchone()
+            "in the turns",
+        )
         return turn_record(row) if row else None
 
     async def purge_idempotency(self, older_than: float) -> int:
@@ -751,35 +764,44 @@ class SQLiteStore(Store):
         tx.execute("UPDATE conversations SET updated_at=? WHERE id=?", (now, conversation_id))
 
     async def get_turn(self, turn_id: str) -> TurnRecord | None:
-        row = self.db.execute("SELECT * FROM turns WHERE id=?", (turn_id,)).fetchone()
+        row = self._row("SELECT * FROM turns WHERE id=?", (turn_id,), "in the turns")
         return turn_record(row) if row else None
 
     async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]:
         if statuses is None:
-            rows = self.db.execute("SELECT * FROM turns WHERE conversation_id=? ORDER BY rowid", (conversation_id,))
+            rows = self._rows(
+                "SELECT * FROM turns WHERE conversation_id=? ORDER BY rowid", (conversation_id,), "in the turns"
+            )
         else:
             st = list(statuses)
-            rows = self.db.execute(
+            rows = self._rows(
                 f"SELECT * FROM turns WHERE conversation_id=? AND status IN ({','.join('?' * len(st))}) ORDER BY rowid",
                 (conversation_id, *st),
+                "in the turns",
             )
         return [turn_record(r) for r in rows]
 
     async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]:
         st = list(statuses)
-        rows = self.db.execute(f"SELECT * FROM turns WHERE status IN ({','.join('?' * len(st))}) ORDER BY rowid", st)
+        rows = self._rows(
+            f"SELECT * FROM turns WHERE status IN ({','.join('?' * len(st))}) ORDER BY rowid", st, "in the turns"
+        )
         return [turn_record(r) for r in rows]
 
     # ------------------------------------------------------------ pending calls
 
     async def list_pending(self, turn_id: str) -> list[PendingCall]:
-        rows = self.db.execute("SELECT * FROM pending_calls WHERE turn_id=? ORDER BY created_at, rowid", (turn_id,))
+        rows = self._rows(
+            "SELECT * FROM pending_calls WHERE turn_id=? ORDER BY created_at, rowid", (turn_id,), "in the pending calls"
+        )
         return [pending_call(r) for r in rows]
 
     async def get_pending(self, conversation_id: str, call_id: str) -> PendingCall | None:
-        row = self.db.execute(
-            "SELECT * FROM pending_calls WHERE conversation_id=? AND call_id=?", (conversation_id, call_id)
-        ).fetchone()
+        row = self._row(
+            "SELECT * FROM pending_calls WHERE conversation_id=? AND call_id=?",
+            (conversation_id, call_id),
+            "in the pending calls",
+        )
         return pending_call(row) if row else None
 
     async def resolve_pending(
@@ -803,10 +825,11 @@ class SQLiteStore(Store):
             return cur.rowcount == 1
 
     async def overdue_pending(self, now: float) -> list[PendingCall]:
-        rows = self.db.execute(
+        rows = self._rows(
             "SELECT * FROM pending_calls WHERE status='pending' AND expires_at IS NOT NULL AND expires_at <= ? "
             "ORDER BY expires_at",
             (now,),
+            "in the pending calls",
         )
         return [pending_call(r) for r in rows]
 
@@ -839,7 +862,7 @@ class SQLiteStore(Store):
             )
 
     async def get_response(self, response_id: str) -> ResponseRecord | None:
-        row = self.db.execute("SELECT * FROM responses WHERE id=?", (response_id,)).fetchone()
+        row = self._row("SELECT * FROM responses WHERE id=?", (response_id,), "in the responses")
         return response_record(row) if row else None
 
     async def delete_response(self, response_id: str) -> bool:
@@ -881,7 +904,9 @@ class SQLiteStore(Store):
         return len(gone)
 
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
-        row = self.db.execute("SELECT * FROM http_idempotency WHERE scope=? AND key=?", (scope, key)).fetchone()
+        row = self._row(
+            "SELECT * FROM http_idempotency WHERE scope=? AND key=?", (scope, key), "in the idempotency keys"
+        )
         return http_idempotency(row) if row else None
 
     async def finish_http_idempotency(
@@ -899,9 +924,11 @@ class SQLiteStore(Store):
             tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (scope, key))
 
     async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
-        rows = self.db.execute(
-            "SELECT * FROM http_idempotency WHERE conversation_id=? AND state='done'", (conversation_id,)
-        ).fetchall()
+        rows = self._rows(
+            "SELECT * FROM http_idempotency WHERE conversation_id=? AND state='done'",
+            (conversation_id,),
+            "in the idempotency keys",
+        )
         return [http_idempotency(r) for r in rows]
 
     async def purge_http_idempotency(self, older_than: float) -> int:

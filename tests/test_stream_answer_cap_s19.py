@@ -32,6 +32,7 @@ from appserver.config import ProviderConfig
 from appserver.providers.anthropic import AnthropicProvider, AnthropicStreamParser
 from appserver.providers.base import ChatMessage, ProviderError, ProviderRequest, Text
 from appserver.providers.openai_compat import OpenAICompatProvider, OpenAIStreamParser
+from appserver.providers.upstream import ITEM_BYTES
 from tests.support.cli import cli_env, run_cli
 from tests.support.serve import ServeProcess, serving
 
@@ -373,7 +374,7 @@ async def test_either_transport_closes_the_upstream(kind: str, transport: str) -
                 await provider.aclose()
         assert caught.value.kind == "protocol"
         _error_says_cap(caught.value.message, "p")
-        assert CAP - DELTA < len(text) <= CAP
+        assert CAP - DELTA - ITEM_BYTES < len(text) <= CAP  # (a block costs ITEM_BYTES too)
         # The event loop must run for asyncio to close the socket: wait for the upstream off it.
         rec = upstream.served[-1]
         await asyncio.to_thread(rec.done.wait, 30)
@@ -400,6 +401,31 @@ def test_the_cap_counts_utf8_bytes_not_characters() -> None:
         a.feed_event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "é" * 30}})
     # Without a cap (tests, offline replay) nothing is counted against.
     assert OpenAIStreamParser().feed_chunk({"choices": [{"index": 0, "delta": {"content": "é" * 5000}}]})
+
+
+def test_tool_calls_count_with_their_ids_names_and_number() -> None:
+    """A model looping on tool calls with long ids and no arguments (or on empty blocks) is stopped
+    as one looping on text is: each call or block costs its id, its name and ITEM_BYTES (was: only
+    arguments counted, so 300 calls of 700-byte ids passed a 1 KiB cap)."""
+    o = OpenAIStreamParser(4096, "o")
+    with pytest.raises(ProviderError, match=r"\[providers\.o\] answer_max_bytes"):
+        for i in range(300):
+            call = {"id": f"call_{i}_" + "x" * 700, "type": "function", "function": {"name": "clock"}}
+            o.feed_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    o = OpenAIStreamParser(4096, "o")
+    with pytest.raises(ProviderError):
+        for i in range(300):  # short ids, no index, no arguments: the number of calls alone
+            call = {"id": f"c{i}", "function": {"name": "clock", "arguments": ""}}
+            o.feed_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
+    a = AnthropicStreamParser("a", 4096)
+    with pytest.raises(ProviderError, match=r"\[providers\.a\] answer_max_bytes"):
+        for i in range(300):
+            block = {"type": "tool_use", "id": f"toolu_{i}", "name": "clock", "input": {}}
+            a.feed_event({"type": "content_block_start", "index": i, "content_block": block})
+    few = OpenAIStreamParser(4096, "o")  # a handful of real calls stays far below
+    for i in range(5):
+        call = {"index": i, "id": f"call_{i}", "function": {"name": "clock", "arguments": "{}"}}
+        few.feed_chunk({"choices": [{"index": 0, "delta": {"tool_calls": [call]}}]})
 
 
 # ---------------------------------------------------------------- user and password in base_url

@@ -37,6 +37,7 @@ from appserver.providers.jsontext import loads_event
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
+    ITEM_BYTES,
     answer_too_large,
     as_dict,
     as_str,
@@ -180,6 +181,7 @@ class AnthropicStreamParser:
         btype = str(cb.get("type", ""))
         block = _Block(type=btype)
         self._blocks[idx] = block
+        self._charge(ITEM_BYTES)  # a block is stored with the answer, even an empty one
         if btype == "text":
             self._text(block, cb.get("text"), out)
         elif btype == "thinking":
@@ -188,15 +190,22 @@ class AnthropicStreamParser:
                 block.signature.append(cb["signature"])
         elif btype == "redacted_thinking":
             block.data = as_str(cb.get("data"))
+            self._count(block.data)
         elif btype == "tool_use":
             block.tool_index = self._tools
             self._tools += 1
             block.tool_input = cb.get("input")
-            out.append(ToolCallStart(block.tool_index, str(cb.get("id", "")), str(cb.get("name", ""))))
+            call_id, name = str(cb.get("id", "")), str(cb.get("name", ""))
+            self._count(call_id)
+            self._count(name)
+            out.append(ToolCallStart(block.tool_index, call_id, name))
 
     def _count(self, text: str) -> None:
         """Charge `text` to the answer's size; past `max_bytes`, the answer is stopped."""
-        self._room -= len(text) if text.isascii() else utf8_size(text)
+        self._charge(len(text) if text.isascii() else utf8_size(text))
+
+    def _charge(self, size: int) -> None:
+        self._room -= size
         if self._room < 0:
             raise answer_too_large(self._provider, self._max)
 

@@ -44,6 +44,7 @@ from appserver.providers.sse import SSEDecoder
 from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
+    ITEM_BYTES,
     answer_too_large,
     as_dict,
     as_str,
@@ -129,6 +130,7 @@ class OpenAIStreamParser:
         self._think = ThinkSplitter()
         self._calls: list[_Call] = []
         self._by_key: dict[int, _Call] = {}
+        self._by_id: dict[str, _Call] = {}  # calls by their id, for servers that send no index
         self._finish: str | None = None
         self._usage: Usage | None = None
         self.events = 0
@@ -219,7 +221,10 @@ class OpenAIStreamParser:
 
     def _count(self, text: str) -> None:
         """Charge `text` to the answer's size; past `max_bytes`, the answer is stopped."""
-        self._room -= utf8_size(text)
+        self._charge(utf8_size(text))
+
+    def _charge(self, size: int) -> None:
+        self._room -= size
         if self._room < 0:
             raise answer_too_large(self._provider, self._max)
 
@@ -232,12 +237,13 @@ class OpenAIStreamParser:
                 return slot
             key = wire
         else:
-            for existing in self._calls:
-                if call_id and existing.id == call_id:
-                    return existing
+            existing = self._by_id.get(call_id) if call_id else None
+            if existing is not None:
+                return existing
             if not (call_id or name) and self._calls:
                 return self._calls[-1]  # a bare argument fragment continues the last call
             key = -1 - len(self._calls)  # never collides with a wire index
+        self._charge(ITEM_BYTES)  # a call is stored with the answer, even one with no arguments
         slot = _Call(index=len(self._calls))
         self._calls.append(slot)
         self._by_key[key] = slot
@@ -256,8 +262,11 @@ class OpenAIStreamParser:
             self._count(args)
         slot = self._slot(tc, call_id, name)
         if call_id and not slot.id:
+            self._count(call_id)
             slot.id = call_id
+            self._by_id.setdefault(call_id, slot)
         if name and not slot.name:
+            self._count(name)
             slot.name = name  # servers that repeat the name on every delta: first one wins
         if slot.started:
             if args:

@@ -202,6 +202,11 @@ def utf8_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
+# What one tool call or content block adds to a stored answer besides its text: charged against
+# answer_max_bytes, so a model looping on empty calls or blocks is stopped as one looping on text is.
+ITEM_BYTES = 32
+
+
 def answer_too_large(provider: str, limit: int) -> ProviderError:
     """The error of a streamed answer whose text, reasoning and tool-call arguments together passed
     `answer_max_bytes` (a model looping without a `max_tokens`): a protocol error like the other

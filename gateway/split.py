@@ -110,6 +110,8 @@ def split_message(text: str, limit: int, fits: Callable[[str], bool] | None = No
         raise ValueError(f"limit must be at least {MIN_LIMIT}")
     if len(text) <= limit and (fits is None or fits(text)):
         return [text] if text.strip() else []
+    if "```" in text:
+        text = fences_on_own_lines(text)
     lines = _annotate(text.split("\n"), limit)
     parts: list[str] = []
     i = 0
@@ -156,6 +158,45 @@ def _largest_fitting(
         else:
             high = mid
     return best
+
+
+_TICKS = re.compile(r"`{3,}")
+
+
+def fences_on_own_lines(text: str) -> str:
+    """`text` with each code fence that opens or closes in the middle of a line moved to a line of
+    its own (`Here: ```python` → `Here: ` and ```` ```python ````; `x = 1```` → `x = 1` and
+    ```` ``` ````), as chat platforms (Discord, Slack, Telegram) open and close code blocks there
+    too: the splitter follows fences by line, and a part cut after such an opener was left open, or
+    prose after its closer was taken for code. Pairs within one line (```` ```x``` ````) stay as
+    they are; the text renders the same."""
+    out: list[str] = []
+    inside = False
+    for line in text.split("\n"):
+        while True:
+            if _FENCE.match(line) and line.lstrip(" ")[:1] == "`":
+                inside = not inside
+                out.append(line)
+                break
+            runs = list(_TICKS.finditer(line))
+            if inside and runs:  # the code block ends at the first run: the rest of the line is text
+                at = runs[0].start()
+                if line[:at].strip():
+                    out.append(line[:at])
+                out.append(runs[0].group(0))
+                inside = False
+                line = line[runs[0].end() :]
+                if not line.strip():
+                    break
+                continue
+            if not inside and len(runs) % 2 == 1:  # an opener left open on this line
+                at = runs[-1].start()
+                out.append(line[:at])
+                line = line[at:]
+                continue  # now at the start of its line: an opener
+            out.append(line)
+            break
+    return "\n".join(out)
 
 
 def fence_closer(opener: str) -> str:

@@ -57,3 +57,22 @@ def test_a_cron_timezone_name_too_long_is_refused_short() -> None:
         get_zone("a" * 5000)
     assert "unknown timezone" in str(refused.value) and len(str(refused.value)) < 200, str(refused.value)
     assert get_zone("Europe/Paris").key == "Europe/Paris"
+
+
+def test_a_fence_opened_mid_line_is_split_as_a_fence() -> None:
+    """`Here it is: ```python` opens a code block on Discord, Slack and Telegram: a long reply
+    cut inside it closes and reopens it in every part, and prose after its closer is never wrapped
+    in a code block (was: the first part left it open, the code parts had no fences, and the
+    closer was taken for an opener)."""
+    code = "\n".join(f"x = {i}  # a line of code" for i in range(300))
+    text = "echo: ```python\n" + code + "\n```\n\n" + "prose " * 500
+    parts = split_message(text, 2000)
+    assert all(len(p) <= 2000 for p in parts)
+    coded = [p for p in parts if "x = " in p]
+    assert len(coded) >= 3 and all(p.count("```") == 2 for p in coded), [p.count("```") for p in coded]
+    assert all(p.rstrip().endswith("```") for p in coded)
+    assert all("```python" in p for p in coded[1:])  # reopened with its language
+    prose = [p for p in parts if "x = " not in p]
+    assert prose and all("```" not in p for p in prose), prose
+    inline = "say ```x``` then " + "word " * 1000  # a pair on one line is no fence
+    assert all(p.count("```") in (0, 2) for p in split_message(inline, 2000))

@@ -95,7 +95,7 @@ def _all_ready(nodes: list[ServeProcess]) -> None:
 
 
 def test_an_outage_longer_than_the_instance_timeout_fences_no_server(tmp_path: Path) -> None:
-    """Heartbeat 0.5 s, instance timeout 3 s, outages of 5 s: when the database is back every
+    """Heartbeat 1 s, instance timeout 6 s, outages of 8 s: when the database is back every
     heartbeat is older than the timeout. Each server judges the others only once its own session
     is back, and their heartbeats from no earlier than that moment: nobody is judged gone.
 
@@ -105,12 +105,12 @@ def test_an_outage_longer_than_the_instance_timeout_fences_no_server(tmp_path: P
     every server was fenced."""
     require_postgres()
     with temp_database("s19_long_outage") as url:
-        nodes = _start(tmp_path, url, 3, 0.5, 3)
+        nodes = _start(tmp_path, url, 3, 1.0, 6)
         try:
             for sp in nodes:  # each holds a conversation: a lease to keep through the outage
                 assert _chat(sp, "before").status_code == 200
-            _outage(url, 5.0)
-            time.sleep(4.0)  # past the timeout, counted from the end of the outage
+            _outage(url, 8.0)
+            time.sleep(7.0)  # past the timeout, counted from the end of the outage
             _all_ready(nodes)
             assert len(_query(url, "SELECT id FROM instances")) == 3
 
@@ -127,7 +127,7 @@ def test_an_outage_longer_than_the_instance_timeout_fences_no_server(tmp_path: P
                         )
                         for (key,) in locks:
                             lingering.execute("SELECT pg_advisory_lock(%s, %s)", (INSTANCE_LOCK_CLASS, key))
-                        time.sleep(5.0)
+                        time.sleep(8.0)
                     finally:
                         c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
                 time.sleep(6.0)  # the pools are back (their reconnect backs off), the sessions not

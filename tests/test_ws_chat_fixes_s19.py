@@ -339,3 +339,36 @@ def test_chat_after_kill9_says_what_the_server_kept(tmp_path: Path) -> None:
             chat.kill()
         sp.stop()
         sp.kill()
+
+
+async def test_a_key_of_a_token_that_lost_admin_shows_no_conversation_it_cannot_see(
+    admins: tuple[ServeProcess, Path, str, str],
+) -> None:
+    """A token rotated under its name keeps its keys; rotated without `admin`, the turn its key made
+    in an ownerless conversation (only admins see those) is not handed back: an error on the key,
+    never an ack, a subscription or a snapshot of that conversation."""
+    sp, home, _, _ = admins
+    tokens = TokenStore(home)
+    first = tokens.create(name="rot", scopes="ws,admin")[1]
+    key = f"rot-{uuid.uuid4().hex[:8]}"
+    submit = {"type": "submit_input", "agent": "assistant", "conversation": "new", "idempotency_key": key}
+    ws = await WS.open(sp.url, headers={"Authorization": f"Bearer {first}"}, open_timeout=T)
+    try:
+        made = await ws.request({**submit, "input": "secret-admin-text"}, T)
+        assert made["type"] == "ack", made
+        assert (await ws.terminal(made["turn_id"], T))["status"] == "completed"
+    finally:
+        await ws.close()
+    tokens.revoke("rot")
+    narrowed = tokens.create(name="rot", scopes="ws")[1]
+    ws = await WS.open(sp.url, headers={"Authorization": f"Bearer {narrowed}"}, open_timeout=T)
+    try:
+        again = await ws.request({**submit, "input": "secret-admin-text"}, T)
+        assert again["type"] == "error" and again["param"] == "idempotency_key", again
+        assert made["conversation_id"] not in json.dumps(again), again
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            seen = await ws.recv(1.0)  # nothing of that conversation follows
+            assert "secret-admin-text" not in json.dumps(seen), seen
+            raise TimeoutError
+    finally:
+        await ws.close()

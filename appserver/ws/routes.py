@@ -486,6 +486,16 @@ class Endpoint:
                 resolved=agent,
             )
         )
+        if sub.duplicate and spec == "new" and ns is not None:
+            # The key's turn was made in a conversation this credential may no longer see (a token
+            # rotated under its name without `admin`, which sees every conversation): not shown.
+            conv = await self.server.store.get_conversation(sub.conversation_id)
+            if conv is None or not namespace_allows(ns, conv.namespace):
+                raise FrameError(
+                    "invalid_request",
+                    "this idempotency_key was used for a conversation this credential may not see; use another key",
+                    "idempotency_key",
+                )
         await self._acked(
             conn,
             frame.request_id,

@@ -13,8 +13,8 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
-from contextlib import AbstractContextManager, suppress
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -471,20 +471,19 @@ class SQLiteStore(Store):
         self, conversation_id: str, *, before_id: int | None = None, limit: int | None = None
     ) -> list[MessageRecord]:
         if before_id is None and limit is None:
-            rows = self._read_messages(
-                conversation_id, "SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (conversation_id,)
+            rows = self._rows(
+                "SELECT * FROM messages WHERE conversation_id=? ORDER BY id",
+                (conversation_id,),
+                f"in conversation {conversation_id}",
             )
         else:
-            rows = self._read_messages(
-                conversation_id,
+            rows = self._rows(
                 "SELECT * FROM messages WHERE conversation_id=? AND id < ? ORDER BY id DESC LIMIT ?",
                 (conversation_id, before_id if before_id is not None else 2**62, limit if limit is not None else -1),
+                f"in conversation {conversation_id}",
             )
             rows.reverse()
         return [message_record(r) for r in rows]
-
-    def _read_messages(self, conversation_id: str, sql: str, params: Sequence[Any]) -> list[Any]:
-        return self._rows(sql, params, f"in conversation {conversation_id}")
 
     def _rows(self, sql: str, params: Sequence[Any] = (), where: str = "") -> list[Any]:
         """The rows of a read. Text that is not UTF-8 (bytes changed inside a page) is damage:
@@ -500,10 +499,16 @@ class SQLiteStore(Store):
                 raise
             problem = damage_text(exc)
         self._damaged(f"{problem}, {where}" if where else problem)
+        with self._lenient_text():
+            return self.db.execute(sql, params).fetchall()
+
+    @contextmanager
+    def _lenient_text(self) -> Iterator[None]:
+        """Reads inside decode text that is no UTF-8 with U+FFFD (a read that met damage, again)."""
         db = self.db
         db.text_factory = _replace_bad_utf8
         try:
-            return db.execute(sql, params).fetchall()
+            yield
         finally:
             db.text_factory = str
 
@@ -533,15 +538,11 @@ class SQLiteStore(Store):
         except sqlite3.OperationalError as exc:
             if not is_text_damage(exc):
                 raise
-            # damaged text (see _read_messages): this page is read again, each row decoded with U+FFFD
+            # damaged text (see _rows): this page is read again, each row decoded with U+FFFD
             cur.close()
             self._damaged(f"{damage_text(exc)}, in conversation {conversation_id}")
-            db = self.db
-            db.text_factory = _replace_bad_utf8
-            try:
+            with self._lenient_text():
                 return await self.history_page(conversation_id, before_id=before_id, limit=limit, max_bytes=max_bytes)
-            finally:
-                db.text_factory = str
         finally:
             cur.close()
         rows.reverse()

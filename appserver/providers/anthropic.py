@@ -9,7 +9,6 @@ state written by any other provider is ignored, so switching an agent's model dr
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
     ITEM_BYTES,
-    answer_too_large,
+    AnswerBudget,
     as_dict,
     as_str,
     check_extra_headers,
@@ -49,7 +48,6 @@ from appserver.providers.upstream import (
     request_timeout,
     transport_error,
     unsendable_error,
-    utf8_size,
 )
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -110,8 +108,7 @@ class AnthropicStreamParser:
 
     def __init__(self, provider_name: str, max_bytes: int | None = None) -> None:
         self._provider = provider_name
-        self._room = sys.maxsize if max_bytes is None else max_bytes  # bytes the answer may still add
-        self._max = self._room
+        self._budget = AnswerBudget(max_bytes, provider_name)
         self._blocks: dict[int, _Block] = {}
         self._state: list[dict[str, Any]] = []
         self._tools = 0
@@ -181,7 +178,7 @@ class AnthropicStreamParser:
         btype = str(cb.get("type", ""))
         block = _Block(type=btype)
         self._blocks[idx] = block
-        self._charge(ITEM_BYTES)  # a block is stored with the answer, even an empty one
+        self._budget.charge(ITEM_BYTES)  # a block is stored with the answer, even an empty one
         if btype == "text":
             self._text(block, cb.get("text"), out)
         elif btype == "thinking":
@@ -190,34 +187,25 @@ class AnthropicStreamParser:
                 block.signature.append(cb["signature"])
         elif btype == "redacted_thinking":
             block.data = as_str(cb.get("data"))
-            self._count(block.data)
+            self._budget.count(block.data)
         elif btype == "tool_use":
             block.tool_index = self._tools
             self._tools += 1
             block.tool_input = cb.get("input")
             call_id, name = str(cb.get("id", "")), str(cb.get("name", ""))
-            self._count(call_id)
-            self._count(name)
+            self._budget.count(call_id)
+            self._budget.count(name)
             out.append(ToolCallStart(block.tool_index, call_id, name))
-
-    def _count(self, text: str) -> None:
-        """Charge `text` to the answer's size; past `max_bytes`, the answer is stopped."""
-        self._charge(len(text) if text.isascii() else utf8_size(text))
-
-    def _charge(self, size: int) -> None:
-        self._room -= size
-        if self._room < 0:
-            raise answer_too_large(self._provider, self._max)
 
     def _text(self, block: _Block, text: Any, out: list[ProviderChunk]) -> None:
         if isinstance(text, str) and text:
-            self._count(text)
+            self._budget.count(text)
             block.text.append(text)
             out.append(Text(text))
 
     def _thinking(self, block: _Block, text: Any, out: list[ProviderChunk]) -> None:
         if isinstance(text, str) and text:
-            self._count(text)
+            self._budget.count(text)
             block.text.append(text)
             out.append(Reasoning(text))
 
@@ -238,14 +226,14 @@ class AnthropicStreamParser:
             self._thinking(block, delta.get("thinking"), out)
         elif dtype == "signature_delta":
             if isinstance(delta.get("signature"), str):
-                self._count(delta["signature"])  # kept with the answer (its replay state)
+                self._budget.count(delta["signature"])  # kept with the answer (its replay state)
                 block.signature.append(delta["signature"])
         elif dtype == "input_json_delta":
             part = delta.get("partial_json")
             if block.tool_index < 0:
                 raise ProviderError("protocol", "input_json_delta outside a tool_use block", body=obj)
             if isinstance(part, str) and part:
-                self._count(part)
+                self._budget.count(part)
                 block.any_args = True
                 out.append(ToolCallArgs(block.tool_index, part))
         # citations_delta and unknown deltas carry nothing the loop uses.

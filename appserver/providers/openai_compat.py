@@ -11,7 +11,6 @@ The provider never retries: the agent loop owns that decision (retry.py).
 from __future__ import annotations
 
 import json
-import sys
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
     ITEM_BYTES,
-    answer_too_large,
+    AnswerBudget,
     as_dict,
     as_str,
     check_extra_headers,
@@ -58,7 +57,6 @@ from appserver.providers.upstream import (
     request_timeout,
     transport_error,
     unsendable_error,
-    utf8_size,
 )
 
 # The request body as compact UTF-8 JSON, encoded here so that the lean transport gets bytes (a NaN
@@ -124,9 +122,7 @@ class OpenAIStreamParser:
     """
 
     def __init__(self, max_bytes: int | None = None, provider: str = "") -> None:
-        self._room = sys.maxsize if max_bytes is None else max_bytes  # bytes the answer may still add
-        self._max = self._room
-        self._provider = provider
+        self._budget = AnswerBudget(max_bytes, provider)
         self._think = ThinkSplitter()
         self._calls: list[_Call] = []
         self._by_key: dict[int, _Call] = {}
@@ -186,9 +182,7 @@ class OpenAIStreamParser:
         ):
             content = delta.get("content")  # the usual delta: text only, in fewer steps
             if content and type(content) is str:
-                self._room -= len(content) if content.isascii() else utf8_size(content)
-                if self._room < 0:
-                    raise answer_too_large(self._provider, self._max)
+                self._budget.count(content)
                 out.extend(self._think.feed(content))
                 return
         # vLLM sends `reasoning_content`, OpenRouter/Ollama `reasoning`; some send both, identical.
@@ -196,37 +190,28 @@ class OpenAIStreamParser:
         if not (isinstance(reasoning, str) and reasoning):
             reasoning = delta.get("reasoning")
         if isinstance(reasoning, str) and reasoning:
-            self._count(reasoning)
+            self._budget.count(reasoning)
             out.append(Reasoning(reasoning))
         content = delta.get("content")
         if isinstance(content, str) and content:
-            self._count(content)
+            self._budget.count(content)
             out.extend(self._think.feed(content))
         elif isinstance(content, list):  # a few servers stream content parts
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    self._count(part["text"])
+                    self._budget.count(part["text"])
                     out.extend(self._think.feed(part["text"]))
         refusal = delta.get("refusal")  # OpenAI: the model declined (structured outputs, safety)
         tool_calls = delta.get("tool_calls")
         if (isinstance(refusal, str) and refusal) or (isinstance(tool_calls, list) and tool_calls):
             out.extend(self._think.settle())  # text held back at the start comes before them
         if isinstance(refusal, str) and refusal:
-            self._count(refusal)
+            self._budget.count(refusal)
             out.append(Refusal(refusal))
         if isinstance(tool_calls, list):
             for tc in tool_calls:
                 if isinstance(tc, dict):
                     self._tool_delta(tc, out)
-
-    def _count(self, text: str) -> None:
-        """Charge `text` to the answer's size; past `max_bytes`, the answer is stopped."""
-        self._charge(utf8_size(text))
-
-    def _charge(self, size: int) -> None:
-        self._room -= size
-        if self._room < 0:
-            raise answer_too_large(self._provider, self._max)
 
     def _slot(self, tc: dict[str, Any], call_id: str, name: str) -> _Call:
         wire = tc.get("index")
@@ -243,7 +228,7 @@ class OpenAIStreamParser:
             if not (call_id or name) and self._calls:
                 return self._calls[-1]  # a bare argument fragment continues the last call
             key = -1 - len(self._calls)  # never collides with a wire index
-        self._charge(ITEM_BYTES)  # a call is stored with the answer, even one with no arguments
+        self._budget.charge(ITEM_BYTES)  # a call is stored with the answer, even one with no arguments
         slot = _Call(index=len(self._calls))
         self._calls.append(slot)
         self._by_key[key] = slot
@@ -259,14 +244,14 @@ class OpenAIStreamParser:
         elif not isinstance(args, str):
             args = ""
         if args:
-            self._count(args)
+            self._budget.count(args)
         slot = self._slot(tc, call_id, name)
         if call_id and not slot.id:
-            self._count(call_id)
+            self._budget.count(call_id)
             slot.id = call_id
             self._by_id.setdefault(call_id, slot)
         if name and not slot.name:
-            self._count(name)
+            self._budget.count(name)
             slot.name = name  # servers that repeat the name on every delta: first one wins
         if slot.started:
             if args:

@@ -6,6 +6,7 @@ Kept apart from any one provider so that a new kind imports the plumbing, not a 
 
 from __future__ import annotations
 
+import sys
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -205,6 +206,28 @@ def utf8_size(text: str) -> int:
 # What one tool call or content block adds to a stored answer besides its text: charged against
 # answer_max_bytes, so a model looping on empty calls or blocks is stopped as one looping on text is.
 ITEM_BYTES = 32
+
+
+class AnswerBudget:
+    """What a streamed answer may still add under `answer_max_bytes` (None: no limit), in UTF-8
+    bytes as its strings decode; past it `answer_too_large`, before the event's content is handed
+    out. One per model call, shared by the stream parsers of every kind."""
+
+    __slots__ = ("left", "limit", "provider")
+
+    def __init__(self, limit: int | None, provider: str) -> None:
+        self.limit = sys.maxsize if limit is None else limit
+        self.left = self.limit
+        self.provider = provider
+
+    def count(self, text: str) -> None:
+        """Charge `text` to the answer."""
+        self.charge(utf8_size(text))
+
+    def charge(self, size: int) -> None:
+        self.left -= size
+        if self.left < 0:
+            raise answer_too_large(self.provider, self.limit)
 
 
 def answer_too_large(provider: str, limit: int) -> ProviderError:

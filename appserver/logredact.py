@@ -11,6 +11,7 @@ child loggers (`appserver.*`, `uvicorn.*`), while a handler's filters see every 
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -100,12 +101,31 @@ def _json_escaped(secret: str) -> set[str]:
     return forms
 
 
+def base64_forms(secret: str) -> set[str]:
+    """The parts of any base64 text (standard and URL-safe alphabets, padded or not) that encode
+    `secret` and nothing else, at each of the three byte offsets it may start at inside the encoded
+    text (`Basic base64(user:secret)`, a token echoed base64-encoded): the characters before and
+    after each core also carry bits of neighbouring bytes, so they are left as they are."""
+    data = secret.encode("utf-8")
+    forms: set[str] = set()
+    for offset in range(3):
+        encoded = base64.b64encode(b"\0" * offset + data).decode("ascii").rstrip("=")
+        first = -(-8 * offset // 6)  # the first character made of the secret's bits only
+        last = 8 * (offset + len(data)) // 6  # one past the last such character
+        core = encoded[first:last]
+        if len(core) >= MIN_SECRET_LEN:
+            forms.add(core)
+            forms.add(core.replace("+", "-").replace("/", "_"))
+    return forms
+
+
 def secret_forms(secret: str) -> set[str]:
     """Every form in which `secret` may come back quoted in an upstream's error: as it is, JSON-escaped
     (an upstream that quotes its request's headers as JSON, inside a JSON error body, so twice as
     well), and URL-encoded (a query or a path that quotes it). A secret of letters, digits and
     `-._~` has one form; one holding `"`, `\\`, `/`, `&`, a space or a non-ASCII character has several.
-    Each is at least as long as the secret."""
+    Base64-encoded too (`base64_forms`: a `Basic` header quoted back, an echo that encodes).
+    Each is at least MIN_SECRET_LEN long."""
     url = {quote(secret, safe=""), quote(secret, safe="/"), quote_plus(secret)}
     url |= {_PERCENT.sub(lambda m: m.group(0).lower(), u) for u in url}
     forms = {secret, *url}
@@ -114,7 +134,7 @@ def secret_forms(secret: str) -> set[str]:
     for once in _json_escaped(secret):
         forms.add(json.dumps(once)[1:-1])  # escaped twice: JSON text inside a JSON string
         forms.add(json.dumps(once, ensure_ascii=False)[1:-1])
-    return forms
+    return forms | base64_forms(secret)
 
 
 class SecretRedactor(logging.Filter):

@@ -43,6 +43,7 @@ from appserver.providers.upstream import (
     check_extra_headers,
     decoded_body,
     default_client,
+    endpoint_url,
     key_for_header,
     read_error_response,
     request_timeout,
@@ -370,8 +371,7 @@ class AnthropicProvider:
 
     @property
     def url(self) -> str:
-        base = self.cfg.base_url.rstrip("/")
-        return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+        return endpoint_url(self.cfg.base_url, "/v1/messages", unless_ends="/v1")
 
     def replay_blocks(self, msg: ChatMessage) -> list[dict[str, Any]]:
         """Thinking blocks stored by *this* provider for `msg`, in their original order."""

@@ -50,6 +50,7 @@ from appserver.providers.upstream import (
     check_extra_headers,
     decoded_body,
     default_client,
+    endpoint_url,
     error_message_from_body,
     key_for_header,
     read_answer,
@@ -458,7 +459,7 @@ class OpenAICompatProvider:
 
     @property
     def url(self) -> str:
-        return self.cfg.base_url.rstrip("/") + "/chat/completions"
+        return endpoint_url(self.cfg.base_url, "/chat/completions")
 
     def _uses_max_completion_tokens(self) -> bool:
         # api.openai.com rejects `max_tokens` for reasoning models; compatible servers only know it.

@@ -10,6 +10,7 @@ import sys
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -196,6 +197,17 @@ async def read_answer(response: LeanResponse | httpx.Response, limit: int) -> by
         if len(out) > limit:
             raise ProviderError("protocol", f"upstream answer is larger than {limit} bytes")
     return bytes(out)
+
+
+def endpoint_url(base_url: str, path: str, *, unless_ends: str = "") -> str:
+    """`path` appended to `base_url`'s path, before any query string (`?api-version=…`, `?api-key=…`
+    for gateways that take them) and without a doubled slash; `unless_ends` is a path suffix the
+    base may already carry (`/v1`), and then is not added twice."""
+    parts = urlsplit(base_url)
+    base = parts.path.rstrip("/")
+    if unless_ends and base.endswith(unless_ends) and path.startswith(unless_ends + "/"):
+        path = path[len(unless_ends) :]
+    return urlunsplit(parts._replace(path=base + path, fragment=""))
 
 
 def utf8_size(text: str) -> int:

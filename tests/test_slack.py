@@ -212,6 +212,25 @@ async def test_mentions_threads_bots_and_subtypes(slack: FakeSlack, running: tup
     assert not [m for m in gw.calls if m.text in ("edit", "has joined", "my own reply")]  # acked, not handed over
 
 
+async def test_the_named_mention_form_is_the_bots_mention_too(
+    slack: FakeSlack, running: tuple[SlackAdapter, StandIn]
+) -> None:
+    """`<@UBOT|appserver>` (older clients, text posted through the API) is the bot's mention: dropped
+    from the text, and counts as a mention in a plain channel message; other users' stay."""
+    _, gw = running
+    named = slack.inject_mention("U2", "<@UBOT|appserver> /status", channel="C-named")
+    plain = slack.inject_channel_message("U3", "hey <@UBOT|appserver> and <@U7|bob>", channel="C-named")
+    other = slack.inject_channel_message("U3", "ask <@U7|bob> not <@UBOTX>", channel="C-named")
+    for ts in (named, plain, other):
+        await slack.wait_for_async(lambda ts=ts: f"C-named:{ts}" in gw.ledger, 5, "the message")
+    first = gw.ledger[f"C-named:{named}"]
+    assert (first.mentions_bot, first.text) == (True, "/status"), first
+    second = gw.ledger[f"C-named:{plain}"]
+    assert second.mentions_bot and "UBOT" not in second.text and "<@U7|bob>" in second.text, second
+    third = gw.ledger[f"C-named:{other}"]
+    assert not third.mentions_bot and third.text == "ask <@U7|bob> not <@UBOTX>", third
+
+
 async def test_an_image_is_fetched_with_the_bot_token(slack: FakeSlack, running: tuple[SlackAdapter, StandIn]) -> None:
     _, gw = running
     image = slack.add_file("cat.png", PNG)

@@ -114,6 +114,7 @@ EMOJI_NAMES = {
     "🤔": "thinking_face", "⚠️": "warning", "⚠": "warning", "🚀": "rocket", "💯": "100", "😊": "blush",
 }  # fmt: skip
 _SLACK_LINK_RE = re.compile(r"<((?:https?://|mailto:)[^|>]+)(?:\|([^>]*))?>")
+_MENTION_RE = re.compile(r"<@([A-Z0-9]+)(?:\|[^>]*)?>")  # a user mention, with or without its `|name`
 
 
 class _RetryDroppedConnections(AsyncConnectionErrorRetryHandler):
@@ -367,8 +368,7 @@ class SlackAdapter:
         channel_type = event.get("channel_type")
         is_dm = channel_type == "im" or (channel_type is None and channel.startswith("D"))
         raw_text = str(event.get("text") or "")
-        mention = f"<@{self.bot_user}>" if self.bot_user else None
-        mentions_bot = kind == "app_mention" or (mention is not None and mention in raw_text)
+        mentions_bot = kind == "app_mention" or (self.bot_user is not None and self._mention(raw_text) is not None)
         thread_ts = event.get("thread_ts") if isinstance(event.get("thread_ts"), str) else None
         # A channel's top-level mention starts a thread: the reply goes there, and the thread is the
         # conversation. A DM's main line is one conversation, and so is a channel's (for messages
@@ -396,11 +396,16 @@ class SlackAdapter:
             raw=dict(payload),
         )
 
+    def _mention(self, text: str) -> re.Match[str] | None:
+        """The bot's mention in `text`: `<@UBOT>`, or `<@UBOT|name>` as older clients and text
+        posted through the API write it."""
+        return next((m for m in _MENTION_RE.finditer(text) if m.group(1) == self.bot_user), None)
+
     def _plain(self, text: str) -> str:
         """Slack's markup as plain text: the bot's own mention dropped, links as their URL (with the
         label), `&amp;` `&lt;` `&gt;` decoded."""
         if self.bot_user:
-            text = text.replace(f"<@{self.bot_user}>", "")
+            text = _MENTION_RE.sub(lambda m: "" if m.group(1) == self.bot_user else m.group(0), text)
         text = _SLACK_LINK_RE.sub(lambda m: m.group(1) if not m.group(2) else f"{m.group(2)} ({m.group(1)})", text)
         text = text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
         return text.strip()

@@ -9,6 +9,7 @@ connection that completed a request is never evicted, and below the cap nothing 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import socket
@@ -20,9 +21,11 @@ from pathlib import Path
 import pytest
 
 from appserver.security.fair_slots import SlotGate, client_group
-from tests.support.cli import cli_env
+from tests.support.cli import cli_env, run_cli
 from tests.support.serve import ServeProcess, serving
+from tests.support.state import token_home
 from tests.support.wait import wait_for
+from tests.support.ws import WS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +35,7 @@ GRACE_S = 1.0  # fair_slots.SAME_GROUP_GRACE_S (the head timeout here is 10 s: h
 HOLD = b"GET /healthz HTTP/1.1\r\n"  # a request line, and the head never finished
 ASK = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 HEALTH = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-EVICTED_LOG = "that had not completed a request head"
+EVICTED_LOG = "that had not authenticated"
 
 
 def _serve(tmp_path: Path, cap: int = CAP) -> AbstractContextManager[ServeProcess]:
@@ -136,7 +139,7 @@ def _assert_evicted(s: socket.socket) -> None:
     assert headers["connection"] == "close"
     error = json.loads(body)["error"]
     assert error["code"] == "server_busy"
-    assert "had not completed a request head" in error["message"]
+    assert "had not authenticated" in error["message"]
     assert s.recv(1) == b""
 
 
@@ -370,3 +373,143 @@ def test_gate_matches_its_rule_under_random_churn(gate_class: type[SlotGate]) ->
             gate.gone(victim)
         assert gate.leaving == 0
     assert not any(c.evicted for c in live)
+
+
+# ── token mode: a connection proves itself by authenticating, not by finishing a head ───────────
+
+UPGRADE = (
+    b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+
+
+@pytest.fixture
+def token_srv(tmp_path: Path) -> Iterator[tuple[ServeProcess, str]]:
+    home = tmp_path / "home"
+    token_home(home)
+    env = cli_env(
+        home,
+        APPSERVER_LIMITS__MAX_CONNECTIONS=str(CAP),
+        APPSERVER_LIMITS__HEAD_TIMEOUT_S="10",
+        APPSERVER_LIMITS__KEEPALIVE_TIMEOUT_S="30",
+    )
+    made = run_cli(home, "token", "create", "--name", "app", "--scopes", "openai,ws", "--json", env=env)
+    assert made.code == 0, made.err
+    with serving(home, "--auth", "token", env=env) as sp:
+        yield sp, made.json()["token"]
+
+
+def _ask_with(srv: ServeProcess, token: str | None, source: str = "127.0.0.1") -> tuple[int, socket.socket]:
+    """GET /v1/models with `token` (or none) on a new connection, left open: (status, socket)."""
+    s = _connect(srv, source)
+    auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
+    try:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + auth + b"\r\n")
+    except OSError:
+        return 0, s
+    return _response(s)[0], s
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    """The server ended the connection (EOF or reset), whatever it wrote before."""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def _upgraded(srv: ServeProcess) -> socket.socket:
+    """A WebSocket upgraded without a credential (its `hello` never sent)."""
+    s = _connect(srv)
+    s.sendall(UPGRADE)
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(4096)
+        assert chunk, buf
+        buf += chunk
+    assert buf.startswith(b"HTTP/1.1 101"), buf
+    return s
+
+
+@other_loopback
+def test_refused_keep_alive_connections_do_not_hold_the_slots(token_srv: tuple[ServeProcess, str]) -> None:
+    """One address opens every slot and sends a request without a credential on each (401, kept
+    alive, re-sent before each keep-alive timeout): a client with a token from another address is
+    still served, taking the oldest refused connection's slot; one that authenticated keeps its slot."""
+    srv, token = token_srv
+    refused: list[socket.socket] = []
+    served: list[socket.socket] = []
+    try:
+        for _ in range(CAP):
+            status, s = _ask_with(srv, None)
+            assert status == 401
+            refused.append(s)
+        for s in refused:  # the attack keeps each alive with another refused request
+            s.sendall(ASK)
+            assert _response(s)[0] == 401
+        status, s = _ask_with(srv, token, "127.0.0.2")
+        served.append(s)
+        assert status == 200
+        assert _closed_by_server(refused[0])
+        status, s = _ask_with(srv, token, "127.0.0.3")
+        served.append(s)
+        assert status == 200
+        assert _closed_by_server(refused[1])
+        # the served connections authenticated: evicted for nobody, they go on working
+        for _ in range(CAP - 2):
+            status, s = _ask_with(srv, token, "127.0.0.2")
+            served.append(s)
+            assert status == 200
+        status, s = _ask_with(srv, token, "127.0.0.3")
+        s.close()
+        assert status in (0, 503)  # every slot is held by an authenticated connection now
+        for s in served:
+            s.sendall(
+                b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token.encode() + b"\r\n\r\n"
+            )
+            assert _response(s)[0] == 200
+        log = srv.proc.stderr.so_far()  # type: ignore[union-attr]
+        assert "Traceback" not in log
+    finally:
+        _close(refused + served)
+
+
+@other_loopback
+def test_websockets_waiting_for_hello_do_not_hold_the_slots(token_srv: tuple[ServeProcess, str]) -> None:
+    """Every slot held by WebSockets upgraded without a credential that never send `hello`: a client
+    with a token from another address takes the oldest one's slot. A socket whose `hello`
+    authenticated is never evicted."""
+    srv, token = token_srv
+
+    loop = asyncio.new_event_loop()
+    greeted: list[WS] = []
+    waiting: list[socket.socket] = []
+    served: list[socket.socket] = []
+    try:
+        for _ in range(2):
+            ws = loop.run_until_complete(WS.open(srv.url, hello=False))
+            greeted.append(ws)
+            hello = {"type": "hello", "protocol": 1, "client": "t", "token": token}
+            welcome = loop.run_until_complete(ws.request(hello))
+            assert welcome["type"] == "welcome", welcome
+        # (the hello window is 5 s: what follows takes well under that)
+        waiting = [_upgraded(srv) for _ in range(CAP - 2)]
+        time.sleep(0.2)
+        status, s = _ask_with(srv, token, "127.0.0.2")
+        served.append(s)
+        assert status == 200
+        assert _closed_by_server(waiting[0])
+        assert all(_untouched(w) for w in waiting[1:])
+        for ws in greeted:  # the greeted sockets were left alone and still answer
+            reply = loop.run_until_complete(ws.request({"type": "list_agents"}))
+            assert reply["type"] == "agents", reply
+    finally:
+        _close(waiting + served)
+        for ws in greeted:
+            loop.run_until_complete(ws.close())
+        loop.close()

@@ -13,6 +13,19 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 CLOSE = (b"connection", b"close")
 BEARER_CHALLENGE = (b"www-authenticate", b'Bearer realm="appserver"')
+# A scope extension the edge (edge.py) puts on requests and WebSockets of a connection that has not
+# authenticated yet: the guard calls it once one does, and the connection keeps its slot at the cap.
+PROVE = "appserver.prove"
+
+
+def prove(scope: Scope) -> None:
+    """Tell the edge that the connection behind `scope` authenticated (a credential, or a loopback
+    client in auth mode none): from now on it is never evicted to make room for a newcomer."""
+    extensions = scope.get("extensions")
+    if extensions:
+        done = extensions.get(PROVE)
+        if done is not None:
+            done()
 
 
 class Refusal(Exception):

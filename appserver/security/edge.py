@@ -15,8 +15,11 @@ connection and before any auth work:
   the buffer to drain) is aborted, and the requests on it see a disconnect (`PassWrites`);
 * a global connection cap counted at accept (`max_connections`, default derived from the fd
   limit): beyond it a connection gets an immediate 503 and is closed, so descriptors never run out;
-  but a newcomer may first take the slot of a connection that has not completed a request head yet,
-  when that is fair (`fair_slots.SlotGate`), so one client trickling heads cannot hold every slot.
+  but a newcomer may first take the slot of a connection that has not authenticated yet (no request
+  of it, nor its WebSocket's `hello`, carried a valid credential: the guard says when one does,
+  `asgi.PROVE`), when that is fair (`fair_slots.SlotGate`), so one client trickling heads, or
+  sending refused requests on keep-alive connections, or holding un-greeted WebSockets, cannot hold
+  every slot.
 
 Pipelining (several requests on a connection before their replies) keeps replies in order:
 
@@ -60,7 +63,8 @@ from websockets.protocol import State as WsState
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
-from appserver.security.fair_slots import SAME_GROUP_GRACE_S, SlotGate, client_group
+from appserver.security.asgi import PROVE
+from appserver.security.fair_slots import SAME_GROUP_GRACE_S, Evictable, SlotGate, client_group
 from appserver.ws.connection import WRITE_FRAME
 
 if TYPE_CHECKING:
@@ -475,6 +479,34 @@ def _close_delimited(cycle: RequestResponseCycle) -> None:
 _UNBOUNDED_LENGTH = 1 << 62
 
 
+class EdgeSlot:
+    """A connection's place in the `SlotGate` until it authenticates (`prove`, called by the guard
+    through the `asgi.PROVE` scope extension); it follows the connection from HTTP to WebSocket."""
+
+    __slots__ = ("gate", "conn", "unproven")
+
+    def __init__(self, gate: SlotGate, conn: Evictable, group: str) -> None:
+        self.gate = gate
+        self.conn: Evictable | None = conn
+        self.unproven = True
+        gate.admitted(self, group)
+
+    def evict(self, reason: str) -> None:
+        self.unproven = False
+        if self.conn is not None:
+            self.conn.evict(reason)
+
+    def prove(self) -> None:
+        if self.unproven:
+            self.unproven = False
+            self.gate.proven(self)
+
+    def gone(self) -> None:
+        self.unproven = False
+        self.gate.gone(self)
+        self.conn = None  # the protocol holds its slot: no cycle left for the collector to find
+
+
 class EdgeHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; `protocol_class` binds the limits."""
 
@@ -500,7 +532,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._held_timer: asyncio.TimerHandle | None = None
         self._upgrade_early: bytearray | None = None  # an upgrade waits for replies; what came after it
         self._body_flow: _BodyFlow  # set by connection_made, before any byte is parsed
-        self._unproven = False  # admitted and no request head completed yet: may be evicted at the cap
+        self._slot: EdgeSlot  # set by connection_made: evictable at the cap until it authenticates
 
     # ── connection ────────────────────────────────────────────────────────────────────────────
 
@@ -535,19 +567,19 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self.transport = PassWrites(transport, self.loop, self.limits.send_timeout_s)  # type: ignore[assignment]
         self.flow = self._body_flow = _BodyFlow(transport, self._body_wanted)
-        slots.admitted(self, group)
-        self._unproven = True
+        self._slot = EdgeSlot(slots, self, group)
         # uvicorn arms its keep-alive timer only after a response; a fresh connection gets it too.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def _made_room(self, group: str) -> bool:
-        """At the cap: whether a connection that never completed a request head gave up its slot to
-        this newcomer (`SlotGate.make_room`); logged at most once per interval."""
+        """At the cap: whether a connection that never authenticated gave up its slot to this
+        newcomer (`SlotGate.make_room`); logged at most once per interval."""
         cap = self.limits.max_connections
         eviction = self.limits.slots.make_room(
             group,
             f"the server has {cap} connections open, its limit ([limits] max_connections), and this one "
-            "had not completed a request head: its slot went to a newer connection; retry shortly",
+            "had not authenticated (no request with a valid credential yet): its slot went to a newer "
+            "connection; retry shortly",
         )
         if eviction is None:
             return False
@@ -555,8 +587,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if emit:
             more = f" ({held} more since the last notice)" if held else ""
             log.warning(
-                "connection limit %d reached: closed a connection from %s that had not completed a request "
-                "head in %.1f s (%d such from it) to admit one from %s%s",
+                "connection limit %d reached: closed a connection from %s that had not authenticated "
+                "in %.1f s (%d such from it) to admit one from %s%s",
                 cap,
                 eviction.victim_group,
                 eviction.victim_age_s,
@@ -567,12 +599,13 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         return True
 
     def evict(self, reason: str) -> None:
-        """Give up this connection's slot at once (`SlotGate.make_room`; it has no request yet): a
-        503 if part of a head arrived, then closed. Closed, not lingered: its descriptor is free
+        """Give up this connection's slot at once (`SlotGate.make_room`; it never authenticated): a
+        503 if part of a head arrived, then closed; a request of it still running (a refused one's
+        answer, a public path) sees a disconnect. Closed, not lingered: its descriptor is free
         within a loop pass, so evictions never hold more descriptors than the cap allows. Not logged
         here: `_made_room` logs at most one line per interval, however many are evicted."""
         self._cancel_timers()
-        self._unproven = False
+        self._disconnect_all()
         self._linger_left = LINGER_MAX_BYTES  # whatever still arrives is dropped
         transport = self.transport
         if transport.is_closing():  # already answered (a 400, a 408) and lingering: go now
@@ -585,7 +618,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._refused:
             return
-        self.limits.slots.gone(self)
+        self._slot.gone()
         self._cancel_timers()
         for timer in (self._linger_timer, self._held_timer):
             if timer is not None:
@@ -675,12 +708,16 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         # before the upgrade on this connection may still be held, and must go out before the 101.
         # Its send timeout keeps watching a close; an open WebSocket has its own (ws_send_timeout_s).
         self._cancel_timers()
-        if self._unproven:
-            self._unproven = False
-            self.limits.slots.proven(self)
         cast(PassWrites, self.transport).watch_open = False
         limit_unsent(self.transport)
         super().handle_websocket_upgrade()
+        slot = self._slot
+        if slot.unproven:  # upgraded without a credential: evictable until its `hello` authenticates
+            ws = self.transport.get_protocol()
+            if isinstance(ws, EdgeWebSocketProtocol):
+                ws.take_slot(slot)
+            else:  # not ours (a test's bare uvicorn): nothing would ever free the slot
+                slot.gone()
 
     def send_400_response(self, msg: str) -> None:
         if self.transport.is_closing():
@@ -719,9 +756,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._count_head(2)  # the empty line that ends the head
-        if self._unproven:  # its first complete head: it keeps its slot from now on
-            self._unproven = False
-            self.limits.slots.proven(self)
+        if self._slot.unproven:  # the guard proves it if this request authenticates
+            cast(dict[str, Any], self.scope)["extensions"] = {PROVE: self._slot.prove}
         if self.url[:1] != b"/":
             self._authority_from_target()
         self._phase = BODY
@@ -1001,6 +1037,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._slot: EdgeSlot | None = None  # upgraded without a credential: evictable until `hello`
         self._writes_blocked = False  # over the high-water mark: see pause_writing
         self._read_while_blocked = 0  # bytes read from the client since then
         send_response = self.conn.send_response
@@ -1099,11 +1136,30 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         ):
             self.transport.pause_reading()
 
+    def take_slot(self, slot: EdgeSlot) -> None:
+        """The HTTP connection this socket was upgraded from had not authenticated: its slot is
+        this socket's now, evictable at the cap until the guard proves it (`hello`)."""
+        if self.transport is None or self.transport.is_closing():  # refused handshake, or gone already
+            slot.gone()
+            return
+        slot.conn = self
+        self._slot = slot
+
+    def evict(self, reason: str) -> None:
+        """Give up the slot of a socket still waiting for its `hello` (`SlotGate.make_room`): closed
+        at once; the app sees a disconnect. Logged by `_made_room`, at most once per interval."""
+        self.transport.close()
+
+    def _prove(self) -> None:
+        if self._slot is not None:
+            self._slot.prove()
+
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
         scope = getattr(self, "scope", None)  # none when the handshake was refused
         if scope is not None:
             scope["extensions"][WRITE_FRAME] = self.write_frame
+            scope["extensions"][PROVE] = self._prove
 
     def shutdown(self) -> None:
         super().shutdown()  # the close (1012) is written and the transport asked to close
@@ -1166,6 +1222,8 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._slot is not None:
+            self._slot.gone()
         release = getattr(self.transport, "release", None)  # PassWrites: its send timeout's timer
         if release is not None:
             release()

@@ -1,5 +1,5 @@
-"""Who gives up a connection slot at the global cap: fair eviction of connections that never sent a
-request head.
+"""Who gives up a connection slot at the global cap: fair eviction of connections that never
+authenticated.
 
 The edge caps open connections at accept (`[limits] max_connections`, 503 beyond). A client that
 opens connections and trickles partial request heads (each line just before the head timeout) held
@@ -8,9 +8,11 @@ counts requests only once their head is parsed. A per-address cap on connections
 head would not do: on a laptop every client (CLI, desktop app, gateway child, SDK pools) is
 127.0.0.1, behind a proxy every peer is the proxy, and a burst of legitimate connects is all heads at
 once. So nothing changes below the cap; at the cap a newcomer may take the slot of a connection
-that has not yet completed a request head (`SlotGate.make_room`). A connection that completed one is
-never evicted by this. Same approach as the webhook listener's `Gate` (plugins/webhook/edge.py),
-which the server may not import.
+that has not yet authenticated (`SlotGate.make_room`): still in its first head, or whose requests
+were all refused or public (a 401 kept alive, re-sent before each keep-alive timeout, held a slot
+for good), or a WebSocket still waiting for its `hello`. A connection that sent a request with a
+valid credential (any, in auth mode none) is never evicted by this. Same approach as the webhook
+listener's `Gate` (plugins/webhook/edge.py), which the server may not import.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-# A connection of the newcomer's own group must have waited this long without completing a request
-# head before the newcomer may take its slot (the edge uses at most half its head timeout): a client
+# A connection of the newcomer's own group must have waited this long without authenticating
+# before the newcomer may take its slot (the edge uses at most half its head timeout): a client
 # completes its head within a round trip or two of connecting, so only one that holds its slot idle
 # or trickles is older, and a burst of connects from one address does not evict its own fresh ones.
 SAME_GROUP_GRACE_S = 1.0
@@ -63,7 +65,7 @@ class Eviction:
 
 @dataclass(slots=True)
 class SlotGate:
-    """The connections of one listener that have not completed a request head yet ("unproven"), per
+    """The connections of one listener that have not authenticated yet ("unproven"), per
     client group, oldest first; and how many evicted ones have not gone yet.
 
     At the cap (`make_room`), the victim is the oldest unproven connection of the group holding the
@@ -98,14 +100,14 @@ class SlotGate:
         return len(self._leaving)
 
     def admitted(self, conn: Evictable, group: str) -> None:
-        """`conn` got a slot and has sent no request head yet: a candidate for eviction."""
+        """`conn` got a slot and has not authenticated yet: a candidate for eviction."""
         waiting = self._unproven.setdefault(group, {})
         waiting[conn] = time.monotonic()
         self._group_of[conn] = group
         self._recount(group, len(waiting) - 1, len(waiting))
 
     def proven(self, conn: Evictable) -> None:
-        """`conn` completed a request head (or is gone): never evicted from now on."""
+        """`conn` authenticated (or is gone): never evicted from now on."""
         group = self._group_of.pop(conn, None)
         if group is None:
             return

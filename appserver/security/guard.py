@@ -35,7 +35,7 @@ from appserver.config import Config, ConfigError
 from appserver.http.requestid import HEADER as REQUEST_ID_HEADER
 from appserver.http.requestid import begin_request, end_request
 from appserver.netaddr import BindRefused, check_bind_allowed, parse_listen
-from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send
+from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send, prove
 from appserver.security.authentication import (
     DEFAULT_PATH_SCOPES,
     PUBLIC_PATHS,
@@ -124,6 +124,8 @@ class SecurityGuard:
                 return
             check_query(scope)
             principal, pending = self.authentication.authenticate(scope, hdrs)
+            if principal is not None:
+                prove(scope)  # the connection keeps its slot at the cap (edge.py)
             if kind == "http":
                 self.body.check_length(hdrs)
             client = slot_key(scope, principal)

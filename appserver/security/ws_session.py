@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principal
-from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send
+from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send, prove
 from appserver.security.authentication import WS_SCOPE
 from appserver.security.limits import TOO_MANY_CONNECTIONS, SlotHold, slot_key
 from appserver.security.refusals import error_json
@@ -100,6 +100,7 @@ class WsSession:
                 ) from r
         self.state["principal"] = principal
         self.state["auth_pending"] = False
+        prove(self.scope)  # the connection keeps its slot at the cap (edge.py)
         self.changed.set()
         self.ensure_watch()
         return principal

@@ -218,7 +218,13 @@ async def wait_for_home(config: Config) -> HomeLock | None:
     gc.enable()  # a standby may wait for hours: collect as usual meanwhile (cli/main.py `run`)
     try:
         while True:
-            lock, live = claim_home(config.server_json)
+            # In a thread: the probe waits up to half a second for a lock a CLI process holds for a
+            # moment (serverinfo.HomeLock), and a blocked loop would not hear a stop meanwhile.
+            lock, live = await asyncio.to_thread(claim_home, config.server_json)
+            if stop.is_set():  # told to stop while probing: never take over on the way out
+                if lock is not None:
+                    lock.release()
+                return None
             if lock is not None:
                 if shown != ():
                     click.echo("appserver standby: the holder is gone; taking over")

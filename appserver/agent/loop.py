@@ -124,6 +124,9 @@ class TurnWork:
     usage: dict[str, int] = field(default_factory=dict)
     partial: StreamingAssistant | None = None
     pending: list[PendingCall] = field(default_factory=list)
+    # Calls whose tool began to run in this segment: a turn stopped early says of the others that
+    # they never ran (runtime/settle.py), of these that they were stopped.
+    started_calls: set[str] = field(default_factory=set)
     # MessageRecord → ChatMessage; the runtime passes a per-conversation cache (runtime/chatcache.py).
     to_chat: Callable[[MessageRecord], ChatMessage] = to_chat_message
     # Awaited before the first tool runs: a turn whose accept is still committing (the runtime's
@@ -502,6 +505,7 @@ class AgentLoop:
         ctx = ToolContext(work.agent, work.conversation_id, work.turn_id, self.config)
 
         async def one(call: dict[str, Any], tool: Tool, args: dict[str, Any]) -> ToolOutput:
+            work.started_calls.add(call["id"])
             emit(ToolCallStatus(call["id"], "running"))
             try:
                 if tool.read_only or tool.resource_key is None:

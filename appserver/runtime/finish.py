@@ -81,6 +81,7 @@ async def finish_turn(
             if stored:
                 controller.last_message_id = max(stored)
             controller.share_texts(commit.messages)
+            controller.settle_calls(commit.messages)
             if seat is not None:
                 seat.history.extend(commit.messages)
     # From here on nothing awaits: no other task sees the turn half settled.

@@ -4,7 +4,7 @@ and the messages a turn that stopped early keeps. Pure functions; `finish_turn`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any, cast
 
 from appserver.agent.loop import LoopOutcome, TurnWork
@@ -132,20 +132,30 @@ def stopped_text(name: str) -> str:
     return f"The call to {name} was stopped before it returned a result."
 
 
+def not_run_text(name: str) -> str:
+    return f"The call to {name} was not executed: the turn stopped before it ran."
+
+
 def close_unanswered(
-    assistant: MessageRecord, turn_id: str, answered: set[str | None], text: Callable[[str], str]
+    assistant: MessageRecord,
+    turn_id: str,
+    answered: set[str | None],
+    text: Callable[[str], str],
+    started: Container[str] | None = None,
 ) -> list[MessageRecord]:
     """A synthetic error result for each call of `assistant` not in `answered` (which it extends),
-    so the history stays valid for every provider."""
+    so the history stays valid for every provider; `text(name)` says why, or, when `started` (the
+    calls whose tool began to run) is known, `not_run_text` for a call not in it."""
     out: list[MessageRecord] = []
     for c in assistant.tool_calls if assistant.role == "assistant" else ():
         if c["id"] in answered:
             continue
         answered.add(c["id"])
+        why = not_run_text if started is not None and c["id"] not in started else text
         out.append(
             MessageRecord(
                 role="tool",
-                content=text(c["name"]),
+                content=why(c["name"]),
                 turn_id=turn_id,
                 iteration=assistant.iteration,
                 tool_call_id=c["id"],
@@ -176,12 +186,13 @@ def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecor
         )
     answered = {m.tool_call_id for m in messages if m.role == "tool"}
     answered |= {m.tool_call_id for m in work.history if m.role == "tool"}
+    started = work.started_calls
     out: list[MessageRecord] = []
     for m in work.history:  # a resumed turn: calls committed at the pause, answered but never run
         if m.role == "assistant" and m.turn_id == work.turn_id:
-            out.extend(close_unanswered(m, work.turn_id, answered, stopped_text))
+            out.extend(close_unanswered(m, work.turn_id, answered, stopped_text, started))
     for m in messages:
         out.append(m)
-        out.extend(close_unanswered(m, work.turn_id, answered, stopped_text))
+        out.extend(close_unanswered(m, work.turn_id, answered, stopped_text, started))
     # Results that were produced for calls of this turn stay after their call, in order.
     return out

@@ -435,6 +435,21 @@ class TurnController:
                     block.parts = TextParts(text)  # the next snapshot (the settled one) renders it
                     break
 
+    def settle_calls(self, messages: list[MessageRecord]) -> None:
+        """Give each tool-call block still without its outcome the result its turn committed (a
+        call the end closed, e.g. approved and then cancelled before it ran): a settled snapshot
+        never shows a call pending or running, and says what the history says."""
+        for m in messages:
+            if m.role != "tool" or m.tool_call_id is None:
+                continue
+            block = self._calls.get(m.tool_call_id)
+            if block is None or block.output is not None:
+                continue
+            block.status = "failed" if m.is_error else "completed"
+            block.output = m.text()
+            block.is_error = m.is_error
+            self._cached = None
+
     def mark_pending_blocks(self, pending: list[PendingCall]) -> None:
         for p in pending:
             block = self._calls.get(p.call_id)

@@ -53,7 +53,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
             405, f"Method not allowed ({shown}); use {allow}", code="method_not_allowed", headers=headers
         )
     if exc.status_code == 404:
-        return error_response(404, f"Invalid URL ({shown}): no such route", code="unknown_url", headers=headers)
+        slash = request.url.path.endswith("/") and request.url.path != "/"
+        hint = " (paths take no trailing slash)" if slash else ""
+        return error_response(404, f"Invalid URL ({shown}): no such route{hint}", code="unknown_url", headers=headers)
     return error_response(exc.status_code, str(exc.detail), code="http_error", headers=headers)
 
 
@@ -132,6 +134,9 @@ def build_app(
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error}
     )
+    # A path with a trailing slash (POST /v1/responses/) is no route: a 404 error object, never
+    # Starlette's 307 with an empty body and a Location built from the Host header.
+    app.router.redirect_slashes = False
     app.state.server = server
     app.state.json_bodies = JsonBodies(int(server.config.limits.max_messages))  # both OpenAI POST routes
     direct = {

@@ -63,6 +63,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.images import image_url_problem
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
+from appserver.runtime.kernel import _blank_text_part as blank_text_part  # the kernel's submit rule
 from appserver.store.base import StoreUnavailable
 from appserver.store.records import AgentRecord
 
@@ -668,6 +669,15 @@ def turn_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
     return [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools]
 
 
+def blank_input(content: str | list[dict[str, Any]] | None) -> bool:
+    """New input with nothing to answer, by the rule the kernel's submit refuses it with: text that
+    is empty or only whitespace, or parts that are all blank text parts (no image or file). The
+    routes refuse it (400 `missing_input`) before a conversation is placed or created."""
+    if isinstance(content, str):
+        return not content.strip()
+    return not content or all(blank_text_part(part) for part in content)
+
+
 def new_content(users: list[ViewItem]) -> str | list[dict[str, Any]] | None:
     """The kernel input of the trailing user messages: their texts joined (plain text), else every
     message's parts in the order sent."""
@@ -795,6 +805,10 @@ class ChatCompletions:
                 )
             raise bad_request(
                 "send tool results and a new user message in separate requests", "messages", code="mixed_input"
+            )
+        if users and blank_input(new_content(users)):  # the kernel's rule, before anything is placed
+            raise bad_request(
+                "the new user input is empty: there is nothing to answer", "messages", code="missing_input"
             )
         unanswered = unanswered_calls(items, answering=not users)
         if unanswered:

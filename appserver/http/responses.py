@@ -9,6 +9,7 @@ response with `function_call` items; server tools needing approval end it with
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import secrets
@@ -27,6 +28,7 @@ from appserver.http.chat import (
     SERVICE_TIERS,
     VERBOSITY,
     allowed_tools_of,
+    blank_input,
     check_media,
     content_of,
     join_texts,
@@ -75,6 +77,7 @@ from appserver.http.conversation_match import (
 )
 from appserver.http.errors import ApiError, bad_request, turn_failure
 from appserver.http.sse import SSEItem, SSEResponse
+from appserver.http.stopping import CODE as SHUTTING_DOWN
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnapshot
@@ -104,6 +107,20 @@ def cut_short(rec: ResponseRecord) -> ResponseRecord:
     """`rec` as failed, as a server stop's stream ends: its turn was interrupted by a crash."""
     body = dict(rec.body, status="failed", error={"code": "server_error", "message": CUT_SHORT})
     return replace(rec, body=body)
+
+
+def stopped_early(rec: ResponseRecord) -> bool:
+    """`rec` was stored by a stream the server's stop ended (`response.failed`, server_shutting_down)
+    while its turn still ran: the turn's end (its messages, the text it kept) was saved after it, by
+    the kernel's stop (or the restart's crash settle). Its output and fork point are taken from the
+    turn once that ended (`Responses.as_ended`), after which its `turn_id` is cleared."""
+    error = rec.body.get("error")
+    return (
+        rec.turn_id is not None
+        and rec.body.get("status") == "failed"
+        and isinstance(error, dict)
+        and str(error.get("message") or "").endswith(f"[{SHUTTING_DOWN}]")
+    )
 
 
 def shape_of(body: dict[str, Any], agent: AgentRecord) -> Shape:
@@ -145,6 +162,16 @@ def _id(prefix: str) -> str:
 
 # Ids of items this server stores carry their response's id: msg_/fc_/rs_ + 32 hex (+ suffix).
 REFERENCE_ID = re.compile(r"^(?:msg|fc|rs|fco|mcpa)_([0-9a-f]{32})")
+# The ids of server tool items (`mcp_<call id>`, `mcpr_<call id>`: the approval_request_id clients
+# answer with) cannot carry it: a record of the responses table under `item_index_id` lists the
+# responses that hold such an item (stored false: never a response anyone can read).
+ITEM_INDEX_PREFIX = "ref_"
+ITEM_INDEX_MAX = 16  # responses listed per item id (call ids an upstream reuses: the latest ones)
+
+
+def item_index_id(agent_id: str, item_id: str) -> str:
+    digest = hashlib.sha256(f"{agent_id}\x00{item_id}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{ITEM_INDEX_PREFIX}{digest[:40]}"
 
 
 def shown_choice(value: Any) -> Any:
@@ -367,8 +394,9 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
     out: list[Any] = []
     for i, item in enumerate(value):
         if isinstance(item, dict) and item.get("type") == "item_reference":
-            ref = item.get("id")
-            found = await lookup(ref) if isinstance(ref, str) and ref else None
+            where = f"input[{i}].id"
+            ref = fields.string(fields.required(item, "id", where), where, nullable=False)
+            found = await lookup(ref) if ref else None
             if found is None:
                 raise bad_request(
                     f"input[{i}]: item_reference {ref!r} names no item stored on this server (for this model)",
@@ -897,7 +925,8 @@ class Responses:
         A turn interrupted by the crash answers `failed`, as a server stop's stream ends, with the
         text it kept as its (incomplete) output, and a response continuing from it goes on after
         that turn's messages, as from any other."""
-        if rec.body.get("status") != "in_progress" or rec.turn_id is None or rec.id in self.live:
+        stopped = stopped_early(rec)
+        if (rec.body.get("status") != "in_progress" and not stopped) or rec.turn_id is None or rec.id in self.live:
             return rec  # done, or its stream (in this process) stores the outcome itself
         store = self.server.store
         turn = await store.get_turn(rec.turn_id)
@@ -905,10 +934,12 @@ class Responses:
             return rec  # still on its way (a queued turn requeued at the restart, say)
         agent = await store.get_agent(rec.agent_id)
         if turn is None or agent is None:
-            return cut_short(rec)
+            return replace(rec, turn_id=None) if stopped else cut_short(rec)
         handle = await self.server.kernel.handle_for(turn)
         snap = handle.controller.snapshot()
         if snap.status not in TERMINAL_STATUSES and snap.status != "awaiting":
+            if stopped:
+                return rec
             return cut_short(rec)  # an end this route does not know how to show: never in progress
         shape = shape_of(rec.body, agent)
         # The request's own blocks are the turn's from its start when it sent new input; a request
@@ -936,14 +967,48 @@ class Responses:
         )
         if body["completed_at"] is not None and turn.ended_at:
             body["completed_at"] = int(turn.ended_at)
+        if stopped:  # ended as its response.failed event said; only its output is the turn's
+            body = dict(rec.body, output=output, usage=body["usage"])
         own = [m.id for m in await store.list_messages(rec.conversation_id) if m.turn_id == turn.id and m.id]
-        ended = replace(rec, body=body, last_message_id=max(own) if own else rec.last_message_id)
+        ended = replace(rec, body=body, last_message_id=max([rec.last_message_id, *own]))
+        if stopped:
+            ended = replace(ended, turn_id=None)  # settled: nothing more to take from its turn
         if await store.get_response(rec.id) is not None:  # deleted meanwhile: it stays deleted
             try:
                 await store.save_response(ended)
+                await self.index_items(ended)
             except Exception as exc:  # answered all the same; the next read renders it again
                 log.warning("could not store the ended response %s: %r", rec.id, exc)
         return ended
+
+    async def index_items(self, rec: ResponseRecord) -> None:
+        """Make the server tool items of `rec`'s output (ids built from their call id, which cannot
+        name the response: `mcp_…`, `mcpr_…`) resolvable by an `item_reference`: each gets an index
+        record listing the responses that hold it (`item_index_id`). Best effort: a failure is
+        logged, the response stays stored (its other items resolve as ever)."""
+        store = self.server.store
+        for item in rec.body.get("output") or []:
+            item_id = item.get("id") if isinstance(item, dict) else None
+            if not isinstance(item_id, str) or REFERENCE_ID.match(item_id):
+                continue
+            key = item_index_id(rec.agent_id, item_id)
+            try:
+                index = await store.get_response(key)
+                listed = [str(r) for r in index.body.get("responses") or []] if index is not None else []
+                if rec.id in listed:
+                    continue
+                listed = [*listed, rec.id][-ITEM_INDEX_MAX:]
+                await store.save_response(
+                    ResponseRecord(
+                        id=key,
+                        agent_id=rec.agent_id,
+                        conversation_id=rec.conversation_id,
+                        body={"object": "item_index", "item_id": item_id, "responses": listed},
+                        stored=False,
+                    )
+                )
+            except Exception as exc:
+                log.warning("could not index item %s of response %s: %r", item_id, rec.id, exc)
 
     async def _stored(self, request: Request) -> ResponseRecord:
         rid = request.path_params["response_id"]
@@ -1076,6 +1141,13 @@ class Responses:
             )
         if prev_id is not None and not isinstance(prev_id, str):
             raise bad_request("'previous_response_id' must be a string", "previous_response_id")
+        if prev_id is not None and not prev_id.strip():  # names no response (not "none"), as a blank id
+            raise ApiError(
+                404,
+                f"Previous response with id '{prev_id}' not found.",
+                code="previous_response_not_found",
+                param="previous_response_id",
+            )
         if conv_param is not None and not isinstance(conv_param, str):
             raise bad_request("'conversation' must be a conversation id", "conversation")
         if prev_id and conv_param:
@@ -1098,7 +1170,7 @@ class Responses:
                 "input",
                 code="missing_input",
             )
-        if users and not new_content(users):
+        if users and blank_input(new_content(users)):  # the kernel's rule, before anything is placed
             raise bad_request("the new user input is empty: there is nothing to answer", "input", code="missing_input")
         if users and decisions:
             raise bad_request(
@@ -1207,6 +1279,10 @@ class Responses:
         m = REFERENCE_ID.match(ref)
         if m:
             candidates.append(f"resp_{m.group(1)}")
+        else:  # a server tool item (mcp_/mcpr_ + call id): the responses its index lists, latest first
+            index = await store.get_response(item_index_id(agent.id, ref))
+            if index is not None and not index.stored and index.agent_id == agent.id:
+                candidates.extend(str(r) for r in reversed(index.body.get("responses") or []))
         seen = 0
         rid = prev_id if isinstance(prev_id, str) else None
         while rid and seen < 50:
@@ -1216,7 +1292,7 @@ class Responses:
             seen += 1
         for rid in candidates:
             rec = await store.get_response(rid)
-            if rec is None or rec.agent_id != agent.id:
+            if rec is None or not rec.stored or rec.agent_id != agent.id:
                 continue
             conv = await store.get_conversation(rec.conversation_id)
             if conv is None or not self.matcher.visible(conv, agent, ns):
@@ -1245,7 +1321,12 @@ class Responses:
         if prev_id:
             rec = await store.get_response(prev_id)
             prev_conv = await store.get_conversation(rec.conversation_id) if rec is not None else None
-            if rec is None or prev_conv is None or not self.matcher.visible(prev_conv, agent, ns):
+            if (
+                rec is None
+                or not rec.stored  # an item index (item_index_id), or a response kept with store false
+                or prev_conv is None
+                or not self.matcher.visible(prev_conv, agent, ns)
+            ):
                 raise ApiError(
                     404,
                     f"Previous response with id '{prev_id}' not found.",
@@ -1340,8 +1421,10 @@ class _Run:
             snap.status == "awaiting" and snap.revision > self.run.after_revision
         )
 
-    def output(self, snap: TurnSnapshot) -> list[dict[str, Any]]:
-        cut = final_status(snap) != "completed"
+    def output(self, snap: TurnSnapshot, cut: bool | None = None) -> list[dict[str, Any]]:
+        """`cut`: the response did not complete (default: as the snapshot's status says)."""
+        if cut is None:
+            cut = final_status(snap) != "completed"
         items = [
             item_for(self.shape, self.run.turn_id, i, b, final=True, cut=cut)
             for i, b in output_blocks(snap, self.run, self.steps_note)
@@ -1372,20 +1455,20 @@ class _Run:
         store = self.server.store
         if self.kept_in_progress and await store.get_response(self.shape.id) is None:
             return  # deleted (DELETE /v1/responses/{id}) while its stream ran: it stays deleted
-        await store.save_response(
-            ResponseRecord(
-                id=self.shape.id,
-                agent_id=self.shape.agent.id,
-                conversation_id=self.run.conversation_id,
-                body=body,
-                turn_id=self.run.turn_id,
-                previous_response_id=self.shape.previous_response_id,
-                namespace=None,
-                last_message_id=await store.last_message_id(self.run.conversation_id),
-                input_items=self.parsed.stored,
-                stored=True,
-            )
+        rec = ResponseRecord(
+            id=self.shape.id,
+            agent_id=self.shape.agent.id,
+            conversation_id=self.run.conversation_id,
+            body=body,
+            turn_id=self.run.turn_id,
+            previous_response_id=self.shape.previous_response_id,
+            namespace=None,
+            last_message_id=await store.last_message_id(self.run.conversation_id),
+            input_items=self.parsed.stored,
+            stored=True,
         )
+        await store.save_response(rec)
+        await self.route.index_items(rec)
 
     async def keep_unfinished(self, body: dict[str, Any]) -> bool:
         """A stream told the client its response id (`response.created`) and ends without the
@@ -1469,13 +1552,11 @@ class _Run:
                 )
                 states: dict[int, dict[str, Any]] = {}  # absolute block index → progress
                 out_index = 0
-                last: TurnSnapshot | None = None
-                async for snap in self.run.snapshots(self.keepalive, self.route.stopping):
-                    if snap is None:
-                        yield None
-                        continue
-                    last = snap
-                    settled = self.settled(snap)
+
+                def advance(snap: TurnSnapshot, settled: bool, cut: bool | None = None) -> list[tuple[str, str]]:
+                    """The events that bring every output item up to `snap` (`settled`: closing them)."""
+                    nonlocal out_index
+                    out: list[tuple[str, str]] = []
                     blocks = output_blocks(snap, self.run, self.steps_note)
                     for pos, (bi, b) in enumerate(blocks):
                         st = states.get(bi)
@@ -1484,9 +1565,8 @@ class _Run:
                         if st["done"]:
                             continue
                         closed = settled or pos + 1 < len(blocks)
-                        events, progressed = self._advance(snap, bi, b, st, closed, out_index, ev)
-                        for e in events:
-                            yield e
+                        events, progressed = self._advance(snap, bi, b, st, closed, out_index, ev, cut=cut)
+                        out.extend(events)
                         if st.get("counted") is None and st["added"]:
                             st["counted"] = True
                             out_index += 1
@@ -1495,14 +1575,36 @@ class _Run:
                             continue
                         if not st["done"]:
                             break
+                    return out
+
+                last: TurnSnapshot | None = None
+                async for snap in self.run.snapshots(self.keepalive, self.route.stopping):
+                    if snap is None:
+                        yield None
+                        continue
+                    last = snap
+                    settled = self.settled(snap)
+                    for e in advance(snap, settled):
+                        yield e
                     if settled:
                         break
                 if last is None or not self.settled(last):  # the server stops (the only other way out)
-                    # `response.failed`, as a failed turn's stream ends; stored as sent (the client
-                    # has the id: GET answers with it after the restart), no replay.
+                    # `response.failed`, as a failed turn's stream ends, with what the turn showed
+                    # so far (its items incomplete; the kernel's stop keeps that text as
+                    # interrupted); stored as sent (the client has the id: GET answers with it after
+                    # the restart, its output and fork point then taken from the turn as it was
+                    # kept: `as_ended`), no replay.
                     await self.run.withdraw_if_queued()  # a turn that never started does not run later
+                    now = self.run.handle.controller.snapshot()  # the latest: what was shown so far
+                    shown = now if now.revision > self.run.after_revision else None
+                    if shown is not None:
+                        for e in advance(shown, True, cut=True):
+                            yield e
                     err = shutting_down()
-                    body = response_body(shape, status="failed", output=[], snap=last, base_usage=self.run.base_usage)
+                    output = self.output(shown, cut=True) if shown is not None else []
+                    body = response_body(
+                        shape, status="failed", output=output, snap=shown, base_usage=self.run.base_usage
+                    )
                     body["error"] = {"code": "server_error", "message": f"{err.message} [{err.code}]"}
                     kept = True
                     await self.keep_unfinished(body)
@@ -1539,9 +1641,19 @@ class _Run:
         return SSEResponse(produce(), headers=self.headers, on_disconnect=on_disconnect, on_close=on_close)  # type: ignore[return-value]
 
     def _advance(
-        self, snap: TurnSnapshot, bi: int, b: dict[str, Any], st: dict[str, Any], closed: bool, out_index: int, ev: Any
+        self,
+        snap: TurnSnapshot,
+        bi: int,
+        b: dict[str, Any],
+        st: dict[str, Any],
+        closed: bool,
+        out_index: int,
+        ev: Any,
+        *,
+        cut: bool | None = None,
     ) -> tuple[list[tuple[str, str]], bool]:
-        """Events that bring one output item up to date; marks st['done'] when its item is finished."""
+        """Events that bring one output item up to date; marks st['done'] when its item is finished.
+        `cut`: the response did not complete (default: as the snapshot's status says)."""
         shape = self.shape
         events: list[tuple[str, str]] = []
         kind = b["type"]
@@ -1551,6 +1663,8 @@ class _Run:
         if st["index"] is None and not st["added"]:
             st["index"] = out_index
         idx = st["index"]
+        if cut is None:
+            cut = snap.status in TERMINAL_STATUSES and final_status(snap) != "completed"
         if kind in ("text", "reasoning"):
             item = item_for(shape, self.run.turn_id, bi, b, final=False)
             assert item is not None
@@ -1581,7 +1695,6 @@ class _Run:
                 st["sent"] = len(text)
                 events.append(part_event(delta_event, delta=piece, **logprobs))
             if closed:
-                cut = snap.status in TERMINAL_STATUSES and final_status(snap) != "completed"
                 final = item_for(shape, self.run.turn_id, bi, b, final=True, cut=cut)
                 events.append(part_event(done_event, **{done_field: text}, **logprobs))
                 if kind == "text":
@@ -1622,7 +1735,7 @@ class _Run:
                     ev(
                         "response.output_item.done",
                         output_index=idx,
-                        item=item_for(shape, self.run.turn_id, bi, b, final=True),
+                        item=item_for(shape, self.run.turn_id, bi, b, final=True, cut=cut),
                     )
                 )
                 st["done"] = True

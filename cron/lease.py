@@ -203,6 +203,11 @@ class LeaseHolder:
         state.scheduler_owner = self.record()
         return True
 
+    def alive(self, owner: OwnerRecord) -> bool:
+        """Could this holder still be running (its lease may not be taken)? The same judgement as
+        `claim_in`'s; without the store lock it is only a hint (the scheduler's standby check)."""
+        return self._alive(owner)
+
     def _alive(self, owner: OwnerRecord) -> bool:
         """A server of a cluster is judged by its instance row (any host); a process by its pid."""
         if owner.instance:

@@ -4,8 +4,9 @@ The same document crons.json holds, kept in one row (`cron_state`), so every rul
 store holds unchanged: a read-modify-write is one transaction holding the row lock (`lock`), the
 claim of an occurrence commits before it fires (claim-before-fire), and the scheduler lease
 (`scheduler_owner`) names the instance that may fire, judged alive by its instance row
-(appserver/store/cluster.py) from any host. One scheduler fires across the cluster; when its
-instance is gone, another takes the lease at its next tick. Run logs stay in each server's home.
+(appserver/store/cluster.py) from any host. One scheduler fires across the cluster; the others
+judge the holder's instance every second (`Scheduler._sleep`), and once it is gone, one of them
+takes the lease over at once (under the row lock). Run logs stay in each server's home.
 """
 
 from __future__ import annotations
@@ -135,10 +136,20 @@ class PgCronStore(CronStore):
         return None
 
     def instance_alive(self, instance_id: str) -> bool | None:
-        conn = self._conn()
-        row = conn.execute(
-            f"SELECT 1 FROM instances i WHERE i.id = %(id)s AND {LIVE}", {**self.liveness, "id": instance_id}
-        ).fetchone()
+        """Is the instance alive (LIVE, by the cluster's timings)? Asked under `lock()` by a claim,
+        and without it by a scheduler waiting for the lease (every second; `Scheduler._sleep`)."""
+        with self._mutex:
+            try:
+                row = (
+                    self._conn()
+                    .execute(
+                        f"SELECT 1 FROM instances i WHERE i.id = %(id)s AND {LIVE}",
+                        {**self.liveness, "id": instance_id},
+                    )
+                    .fetchone()
+                )
+            except psycopg.Error as exc:
+                raise CronStoreError(f"cron: the database {self.shown} failed: {self._sync.scrub(exc)}") from None
         return row is not None
 
 

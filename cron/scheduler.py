@@ -5,7 +5,9 @@ process (`appserver cron add`, …) wakes it at once (the file's signature is wa
 `watch_s`).
 
 A tick, under the crons.json lock: verify or claim the lease (without it, do nothing; the next tick
-tries again, so a survivor takes over when the holder dies); for each enabled task that is due,
+tries again, and meanwhile the holder it saw is judged again every LEASE_CHECK_S, without the lock:
+once it is gone, the scheduler ticks at once, so a survivor takes over about a second after the
+holder is judged dead, not at its next backstop tick); for each enabled task that is due,
 list the occurrences that came due, apply the task's misfire policy, and CLAIM what will run —
 advance `next_fire_at`, bump the run counter, record `last_claimed`, and save — before any turn is
 submitted. A crash after the claim therefore loses that occurrence instead of running it twice.
@@ -79,6 +81,10 @@ PROBLEM_LOG_EVERY_S = 60.0  # a lasting problem (corrupt crons.json, …) is log
 # the scheduler, a longer one would delay a take-over and overflow date arithmetic.
 MIN_TICK_S = 0.1
 MAX_TICK_S = 3600.0
+# A scheduler without the lease judges the holder it last saw this often (a pid check on one host,
+# a query of its instance row in a cluster), independent of tick_s: once the holder is judged gone
+# (dead, or its lease expired), it ticks at once and takes the lease over under the store lock.
+LEASE_CHECK_S = 1.0
 LOOP_ERROR_PAUSE_S = 5.0  # after an unexpected error in the loop itself, pause this long and go on
 # A tick whose save failed (a full disk, …) is tried again this soon (at the latest the backstop),
 # so a run it could not claim fires late once writes work again, not a whole tick later.
@@ -278,6 +284,10 @@ class Scheduler:
         self._problem_logged: tuple[str, float] | None = None  # (text, monotonic time)
         self._renew_at = math.inf  # monotonic time our lease heartbeat is due (lease held)
         self.lease_state: str | None = None  # who holds the lease, as seen by the last tick
+        # The holder the last tick found holding the lease (None: this process holds it, or no tick
+        # has read it yet), and when the sleeping loop judges it again (monotonic; `_sleep`)
+        self._holder_seen: OwnerRecord | None = None
+        self._holder_check_at = 0.0
         self.alive_at = time.monotonic()  # the loop's own heartbeat, for readiness
 
     @classmethod
@@ -540,6 +550,8 @@ class Scheduler:
                 self._next_due = None
                 self._renew_at = math.inf
                 self.lease_state = self.lease.describe_holder(state)
+                self._holder_seen = state.scheduler_owner
+                self._holder_check_at = time.monotonic() + LEASE_CHECK_S
                 self.store.keep(state)
                 self._seen = self.store.signature()
                 return []
@@ -550,6 +562,7 @@ class Scheduler:
                 self._orphans = self._claimed_by(state, dead)
                 self._adopt(state, dead)
             self.has_lease = report.has_lease = True
+            self._holder_seen = None
             changed = self.lease.renew_in(state) or not had
             self.lease_state = self.lease.describe_holder(state)
             self._renew_at = time.monotonic() + self.lease.seconds_to_renewal(state)
@@ -1018,9 +1031,11 @@ class Scheduler:
             self._problem_logged = (text, now)
 
     async def _sleep(self, stop: asyncio.Event) -> None:
-        """Sleep until `next_wake()`, waking early when stopped or when crons.json is changed by
-        another process while we hold the lease (a new task may be due before then). Measured
-        on the wall clock, so a suspended machine ticks as soon as it resumes."""
+        """Sleep until `next_wake()`, waking early when stopped, when crons.json is changed by
+        another process while we hold the lease (a new task may be due before then), or, without
+        the lease, when the holder the last tick saw is judged gone (`holder_gone`, every
+        LEASE_CHECK_S): the tick then takes the lease over. Measured on the wall clock, so a
+        suspended machine ticks as soon as it resumes."""
         wake = self.next_wake()
         while not stop.is_set():
             self.alive_at = time.monotonic()
@@ -1035,6 +1050,27 @@ class Scheduler:
                 pass
             if self.has_lease and await self._changed_elsewhere_safely():
                 return
+            if not self.has_lease and self._holder_seen is not None and time.monotonic() >= self._holder_check_at:
+                self._holder_check_at = time.monotonic() + LEASE_CHECK_S
+                if await self._holder_gone_safely():
+                    return
+
+    def holder_gone(self) -> bool:
+        """Is the holder the last tick saw judged gone now (dead, or its lease expired)? Judged
+        as the tick's claim judges it, but without the store lock: only a hint to tick now. The
+        tick takes the lease under the lock and judges again there (another scheduler may have
+        taken it meanwhile, or the holder renewed it), so this can never make two fire."""
+        owner = self._holder_seen
+        return owner is not None and not self.lease.alive(owner)
+
+    async def _holder_gone_safely(self) -> bool:
+        """`holder_gone` off the event loop; a store that cannot answer now (the database is
+        away) counts as no: the backstop tick says what is wrong and tries again."""
+        try:
+            return await asyncio.to_thread(self.holder_gone)
+        except (CorruptStateFile, CronStoreError, OSError) as exc:
+            log.debug("cron: cannot judge the scheduler lease's holder now: %s", exc)
+            return False
 
     async def _changed_elsewhere_safely(self) -> bool:
         """`changed_elsewhere` off the event loop (a database-backed store asks the database), and

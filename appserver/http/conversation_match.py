@@ -462,6 +462,39 @@ class ConversationMatcher:
     ) -> ConversationRecord:
         """`answers`: write the conversation paused at the calls they answer: `paused` (a fork's
         tail, not among `copy`), else the tail of the seeded messages."""
+        made, created = await self._new_or_there(
+            agent,
+            namespace,
+            conv_id=conv_id,
+            seed=seed,
+            user=user,
+            metadata=metadata,
+            forked_from=forked_from,
+            copy=copy,
+            answers=answers,
+            paused=paused,
+        )
+        assert created  # only a client-chosen id (`conv_id`) can be there already
+        return made
+
+    async def _new_or_there(
+        self,
+        agent: AgentRecord,
+        namespace: str | None,
+        *,
+        conv_id: str | None = None,
+        seed: list[ViewItem] | None = None,
+        user: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        forked_from: str | None = None,
+        copy: list[int] | None = None,
+        answers: Answers | None = None,
+        paused: Paused | None = None,
+    ) -> tuple[ConversationRecord, bool]:
+        """`_new` and True; with a client-chosen `conv_id` the conversation may have been created
+        meanwhile (requests racing with the same unseen `X-Conversation-Id`, on this server or
+        another): then nothing is written, and the one there and False are returned (unclaimed),
+        for the caller to check as one it found (it may be another agent's or credential's)."""
         records: list[MessageRecord] = seed_records(seed) if seed else []
         if answers is not None and paused is None:
             records, paused = split_paused(records, answers)  # refuses before anything is written
@@ -474,13 +507,23 @@ class ConversationMatcher:
             forked_from=forked_from,
             metadata=dict(metadata or {}),
         )
-        self.claim(conv.id)  # the caller releases it once its turn is queued (or on failure)
+        # The caller releases the claim once its turn is queued (or on failure). A request of this
+        # server creating the same client-chosen id right now holds it already: its write was
+        # queued first, so this one finds the conversation there and leaves that claim alone.
+        mine = conv.id not in self.claims
+        self.claim(conv.id)
         try:
-            await self._write_new(conv, records, copy, answers, paused)
+            there = await self._write_new(conv, records, copy, answers, paused, once=conv_id is not None)
         except BaseException:
-            self.claims.discard(conv.id)
+            if mine:
+                self.claims.discard(conv.id)
             raise
-        return conv
+        if there is not None:
+            if mine:
+                self.claims.discard(conv.id)
+            return there, False
+        self.claim(conv.id)
+        return conv, True
 
     async def _write_new(
         self,
@@ -489,17 +532,29 @@ class ConversationMatcher:
         copy: list[int] | None,
         answers: Answers | None,
         paused: Paused | None,
-    ) -> None:
-        await self.store.create_conversation(conv, copy_messages=copy)
-        if records:
-            await self.store.append_messages(conv.id, records)
+        *,
+        once: bool = False,
+    ) -> ConversationRecord | None:
+        """None once written; with `once` (a client-chosen id), the conversation already there
+        instead, when there is one (nothing written)."""
+        if once:
+            # with its seed in the same step: a request that finds it (on another server, which
+            # may load it first) finds its history whole
+            there, created = await self.store.ensure_conversation(conv, copy_messages=copy, messages=records)
+            if not created:
+                return there
+        else:
+            await self.store.create_conversation(conv, copy_messages=copy)
+            if records:
+                await self.store.append_messages(conv.id, records)
         if answers is not None and paused is not None:
             await self._write_paused(conv, paused, answers)
             await self.server.kernel.adopt(conv, paused=True)
-            return
+            return None
         # No turns yet and (unless copied) exactly these messages: the submit that follows finds its
         # runtime loaded, with no lookups.
         await self.server.kernel.adopt(conv, history=None if copy else records)
+        return None
 
     async def _write_paused(self, conv: ConversationRecord, paused: Paused, answers: Answers) -> None:
         """A turn of `conv` paused at the open calls, as the runtime leaves one (DESIGN §4.4)."""
@@ -594,17 +649,23 @@ class ConversationMatcher:
                 param=HEADER,
             )
         conv = await self.store.get_conversation(value)
-        if conv is not None:
-            if not self.visible(conv, agent, namespace):
-                raise ApiError(
-                    404,
-                    f"Conversation with id {value!r} not found for this model and credential.",
-                    code="conversation_not_found",
-                    param=HEADER,
-                )
-            return Placement(conv.id, "header")
-        await self._new(agent, namespace, conv_id=value, seed=prefix, user=user, metadata=metadata, answers=answers)
-        return Placement(value, "header_new", claimed=True)
+        if conv is None:
+            # "Created when unknown": requests racing with the same unseen id (on this server or
+            # others) create it once; the rest find that one, as if they had come after it, and
+            # are refused like any other when it is another agent's or credential's.
+            conv, created = await self._new_or_there(
+                agent, namespace, conv_id=value, seed=prefix, user=user, metadata=metadata, answers=answers
+            )
+            if created:
+                return Placement(value, "header_new", claimed=True)
+        if not self.visible(conv, agent, namespace):
+            raise ApiError(
+                404,
+                f"Conversation with id {value!r} not found for this model and credential.",
+                code="conversation_not_found",
+                param=HEADER,
+            )
+        return Placement(conv.id, "header")
 
     async def by_prefix(
         self,

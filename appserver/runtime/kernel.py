@@ -119,7 +119,6 @@ class Kernel:
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
         self._trim_after_time = 0.0
-        self._defaults_lock = asyncio.Lock()  # creating a namespace's own default conversation
 
     # ------------------------------------------------------------ start / stop
 
@@ -457,12 +456,13 @@ class Kernel:
         if namespace is None:
             return await self.resolve_conversation(agent, "default")
         cid = NAMESPACE_DEFAULT_PREFIX + hashlib.sha256(f"{agent.id}\n{namespace}".encode()).hexdigest()[:24]
-        async with self._defaults_lock:
-            conv = await self.store.get_conversation(cid)
-            if conv is None:
-                conv = await self.store.create_conversation(
-                    ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=namespace)
-                )
+        conv = await self.store.get_conversation(cid)
+        if conv is None:
+            # Several requests (on several servers) may use it first at once: one creates it, the
+            # others get that one (never a unique violation, DESIGN §13 / docs/scale-out.md).
+            conv, _ = await self.store.ensure_conversation(
+                ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=namespace)
+            )
         if conv.agent_id != agent.id or conv.namespace != namespace:  # pragma: no cover - ids are derived
             raise NotFound(f"unknown conversation {cid!r}", code="conversation_not_found", param="conversation")
         return conv
@@ -476,9 +476,13 @@ class Kernel:
             if conv is None:
                 if not create:
                     raise NotFound(f"agent {agent.name} has no default conversation yet", code="conversation_not_found")
-                conv = await self.store.create_conversation(
+                # created once however many requests and servers use it first at once: the
+                # others get the one created (the store keeps one default per agent)
+                conv, _ = await self.store.ensure_conversation(
                     ConversationRecord(id=new_id("conv"), agent_id=agent.id, is_default=True, title="default")
                 )
+                if conv.agent_id != agent.id or not conv.is_default:  # pragma: no cover - a random id taken
+                    raise Unavailable(f"could not create the default conversation of agent {agent.name}; try again")
             return conv
         if spec == "new":
             if not create:
@@ -782,7 +786,12 @@ class Kernel:
             except OwnedElsewhere:
                 pass  # another server holds it: the submit that follows goes through it
         else:
-            await self.runtime(conv.id, conv=conv, fresh=True, history=history)
+            try:
+                await self.runtime(conv.id, conv=conv, fresh=True, history=history)
+            except OwnedElsewhere:
+                # Another server found it the moment it was written (a request with the same
+                # client-chosen id) and holds it now: the submit that follows goes through it.
+                pass
 
     # ------------------------------------------------------------ watching
 

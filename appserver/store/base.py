@@ -144,6 +144,25 @@ class Store(ABC):
         self, conv: ConversationRecord, *, copy_messages: Iterable[int] | None = None
     ) -> ConversationRecord: ...
     @abstractmethod
+    async def ensure_conversation(
+        self,
+        conv: ConversationRecord,
+        *,
+        copy_messages: Iterable[int] | None = None,
+        messages: list[MessageRecord] | None = None,
+    ) -> tuple[ConversationRecord, bool]:
+        """`conv` created (with `copy_messages`, as `create_conversation`, then `messages` appended,
+        all in one step: nobody sees it without them) unless a conversation
+        it would clash with is there: one with its id, or, for a default (`is_default`), the
+        agent's default. (the conversation, True) when this call created it; else (the one there,
+        False), which may belong to another agent or namespace: the caller checks that before it
+        uses it (adopting someone else's conversation would leak it). Atomic against every other
+        caller, in this process or another server on the same database: requests that race to
+        use a conversation "created when unknown" (an unseen `X-Conversation-Id`, an agent's or a
+        credential's default) create it once and all find that one, where a look-up followed by
+        `create_conversation` made each of them insert and all but one fail on the unique key."""
+
+    @abstractmethod
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None: ...
     @abstractmethod
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None: ...

@@ -364,6 +364,14 @@ _INSERT_CONVERSATION = (
     'INSERT INTO conversations(id, agent_id, is_default, title, "user", namespace, forked_from, metadata, '
     "created_at, updated_at) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
 )
+_COPY_MESSAGE = (
+    "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, "
+    "is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
+    "SELECT %s, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, "
+    "provider_state, completion_status, source, created_at, meta FROM messages WHERE id=%s"
+)
+ENSURE_TRIES = 5  # ensure_conversation: reads of a clashing row deleted meanwhile before it gives up
+_VANISHED: DictRow = {}  # ensure_conversation's job: the row it clashed with is gone
 
 
 async def _count(conn: Conn, query: str, params: tuple[Any, ...]) -> int:
@@ -687,18 +695,67 @@ class PostgresStore(Store):
                 ),
             )
             for mid in ids:  # one at a time: the copies get ids in the order given
-                await conn.execute(
-                    "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, "
-                    "tool_call_id, name, is_error, reasoning, provider_state, completion_status, source, "
-                    "created_at, meta) "
-                    "SELECT %s, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, "
-                    "reasoning, provider_state, completion_status, source, created_at, meta "
-                    "FROM messages WHERE id=%s",
-                    (conv.id, mid),
-                )
+                await conn.execute(_COPY_MESSAGE, (conv.id, mid))
 
         await self._write(job)
         return conv
+
+    async def ensure_conversation(
+        self,
+        conv: ConversationRecord,
+        *,
+        copy_messages: Iterable[int] | None = None,
+        messages: list[MessageRecord] | None = None,
+    ) -> tuple[ConversationRecord, bool]:
+        """One statement decides, whoever else inserts the same row (another request's job in
+        this transaction, another server): ON CONFLICT DO NOTHING waits for a clashing insert in
+        flight and does nothing once it committed (a unique violation no more), and the row there
+        is read back in the same transaction. ON CONFLICT without a target covers both keys a new
+        conversation can clash on: its id, and `conversations_default` (one default per agent)."""
+        now = time.time()
+        conv.created_at = conv.created_at or now
+        conv.updated_at = now
+        ids = list(copy_messages) if copy_messages is not None else []
+
+        async def job(conn: Conn) -> DictRow | None:
+            cur = await conn.execute(
+                _INSERT_CONVERSATION + " ON CONFLICT DO NOTHING RETURNING id",
+                (
+                    conv.id,
+                    conv.agent_id,
+                    conv.is_default,
+                    conv.title,
+                    conv.user,
+                    conv.namespace,
+                    conv.forked_from,
+                    dump_json(conv.metadata),
+                    conv.created_at,
+                    conv.updated_at,
+                ),
+            )
+            if await cur.fetchone() is not None:
+                for mid in ids:  # as create_conversation: one at a time, the copies keep the order given
+                    await conn.execute(_COPY_MESSAGE, (conv.id, mid))
+                if messages:
+                    await self._insert_messages(conn, conv.id, messages, now)
+                return None
+            cur = await conn.execute("SELECT * FROM conversations WHERE id=%s", (conv.id,))
+            row = await cur.fetchone()
+            if row is None and conv.is_default:
+                cur = await conn.execute(
+                    "SELECT * FROM conversations WHERE agent_id=%s AND is_default", (conv.agent_id,)
+                )
+                row = await cur.fetchone()
+            return row if row is not None else _VANISHED
+
+        for _ in range(ENSURE_TRIES):
+            there = await self._write(job)
+            if there is None:
+                return conv, True
+            if there is not _VANISHED:
+                return conversation_record(there), False
+            # the row it clashed with was deleted before it could be read: try again
+        raise StoreError(f"conversation {conv.id} kept being created and deleted by others; try again")
 
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         row = await self._row("SELECT * FROM conversations WHERE id=%s", (conversation_id,))

@@ -428,6 +428,30 @@ class SQLiteStore(Store):
             ),
         )
 
+    async def ensure_conversation(
+        self,
+        conv: ConversationRecord,
+        *,
+        copy_messages: Iterable[int] | None = None,
+        messages: list[MessageRecord] | None = None,
+    ) -> tuple[ConversationRecord, bool]:
+        """The look-up and the (queued) insert run with no suspension between them, and one
+        server owns a home's file (serve.lock): nobody can create the conversation in between."""
+        self._writes.settle()
+        row = self._row("SELECT * FROM conversations WHERE id=?", (conv.id,), "in the conversations")
+        if row is None and conv.is_default:
+            row = self._row(
+                "SELECT * FROM conversations WHERE agent_id=? AND is_default=1",
+                (conv.agent_id,),
+                "in the conversations",
+            )
+        if row is not None:
+            return conversation_record(row), False
+        await self.create_conversation(conv, copy_messages=copy_messages)
+        if messages:
+            await self.append_messages(conv.id, messages)
+        return conv, True
+
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         self._writes.settle()
         row = self._row("SELECT * FROM conversations WHERE id=?", (conversation_id,), "in the conversations")

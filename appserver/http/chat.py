@@ -40,6 +40,7 @@ from appserver.http.common import (
     start_turn,
     stream_replay,
     turn_error,
+    watch_credential,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -868,7 +869,7 @@ class ChatCompletions:
         prefix_hash = chain(prefix)
         ctx = _Ctx(self, agent, model_id, run, idem, new, prefix_hash, show_reasoning(agent), legacy)
         if stream:
-            return ctx.stream_response(include_usage)
+            return ctx.stream_response(include_usage, request)
         return await ctx.complete(request)
 
 
@@ -1043,7 +1044,7 @@ class _Ctx:
         self._content_frame = (head, tail)
         return head, tail
 
-    def stream_response(self, include_usage: bool) -> Response:
+    def stream_response(self, include_usage: bool, request: Request) -> Response:
         metrics = self.route.metrics
         self.include_usage = include_usage  # before the first chunk: the text frame is cut from one
         finished = False
@@ -1051,6 +1052,8 @@ class _Ctx:
         async def produce() -> AsyncIterator[str | None]:
             nonlocal finished
             metrics.active_streams.inc()
+            stopping = self.route.stopping
+            watcher = watch_credential(request, stopping)  # its end ends the stream (credential_end.py)
             try:
                 # The role chunk goes out at once (it says the input was accepted), before it is
                 # known whether the reply is text, a refusal or tool calls: it carries no `content`,
@@ -1102,10 +1105,14 @@ class _Ctx:
                         break
                     if snap.status == "awaiting" and approval_pending(snap):
                         continue  # waiting for an approval from a WebSocket client, with keepalives
-                if last is None or not self.settled(last):  # the server stops (the only other way out)
+                if last is None or not self.settled(last):  # the server stops, or the credential ended
                     # An error event the SDKs raise, as for a failed turn; no replay is stored.
-                    await self.run.withdraw_if_queued()  # a turn that never started does not run later
-                    err = shutting_down()
+                    ended = stopping.ended(asyncio.current_task())
+                    if ended is not None:  # its turn is cancelled, as when its client leaves
+                        await self.run.cancel()
+                    else:
+                        await self.run.withdraw_if_queued()  # a turn that never started does not run later
+                    err = ended or shutting_down()
                     yield dumps(error_body(err.status, err.message, code=err.code))
                     yield "[DONE]"
                     return
@@ -1153,6 +1160,9 @@ class _Ctx:
                 await self.record_point(last, shown, calls)
             finally:
                 metrics.active_streams.dec()
+                if watcher is not None:
+                    watcher.cancel()
+                    stopping.forget(asyncio.current_task())
 
         on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
         return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]

@@ -21,6 +21,8 @@ from appserver.auth import Principal, namespace_of
 from appserver.errors import AgentGone, InvalidInput, KernelError
 from appserver.http.bodies import json_bodies
 from appserver.http.conversation_match import HEADER, by_name, legacy_name, repeats_answer
+from appserver.http.credential_end import CredentialCheck, credential_check
+from appserver.http.credential_end import ended as credential_ended
 from appserver.http.errors import (
     ApiError,
     error_body,
@@ -442,7 +444,8 @@ class TurnRun:
     ) -> AsyncIterator[TurnSnapshot | None]:
         """Newer snapshots (latest-wins), None when nothing changed for `keepalive_s`. With
         `stopping`, the server's stop ends the iteration early (the last snapshot yielded is not
-        terminal then, and `stopping.stopped` is true): the stream ends with its error event."""
+        terminal then, and `stopping.stopped` is true), and so does the end of the request's
+        credential (`stopping.ended`, credential_end.py): the stream ends with its error event."""
         controller = self.handle.controller
         seen = self.after_revision
         quiet = Quiet(keepalive_s) if keepalive_s else None
@@ -451,7 +454,7 @@ class TurnRun:
             while True:
                 task = None
                 if stopping is not None:
-                    if stopping.stopped:
+                    if stopping.stopped or stopping.ended(me):
                         return
                     task = stopping.enter(me)
                 got: TurnSnapshot | None
@@ -663,29 +666,42 @@ async def start_turn(
         raise from_kernel(exc) from None
 
 
-async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bool, Any]:
-    """Await `coro` unless the client disconnects first: (disconnected, result).
+async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bool | ApiError, Any]:
+    """Await `coro` unless the client disconnects first, or the request's credential ends
+    (credential_end.py): (why it ended early — True for a disconnect, the error to answer with
+    for a credential — else False, result).
 
-    `coro` runs in this task; a listener task cancels it when the client goes away. The listener
-    starts only after DISCONNECT_WATCH_DELAY_S: most turns are done by then, and never pay for it.
+    `coro` runs in this task; a listener task cancels it when the client goes away (and a poller,
+    when the credential ends). They start only after DISCONNECT_WATCH_DELAY_S: most turns are done
+    by then, and never pay for them.
     """
     me = asyncio.current_task()
     assert me is not None
-    gone = False
-    listener: asyncio.Task[None] | None = None
+    gone: bool | ApiError = False
+    watchers: list[asyncio.Task[None]] = []
 
     async def listen() -> None:
         nonlocal gone
         while True:
             msg = await request.receive()
             if msg["type"] == "http.disconnect":
-                gone = True
-                me.cancel()
+                if not gone:
+                    gone = True
+                    me.cancel()
                 return
 
+    async def poll(check: CredentialCheck) -> None:
+        nonlocal gone
+        err = await credential_ended(check)
+        if not gone:
+            gone = err
+            me.cancel()
+
     def start() -> None:
-        nonlocal listener
-        listener = loop.create_task(listen())
+        watchers.append(loop.create_task(listen()))
+        check = credential_check(request)
+        if check is not None:
+            watchers.append(loop.create_task(poll(check)))
 
     loop = asyncio.get_running_loop()
     timer = loop.call_later(DISCONNECT_WATCH_DELAY_S, start)
@@ -695,11 +711,26 @@ async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bo
         if not gone:
             raise  # cancelled from outside (shutdown), not by the listener
         me.uncancel()
-        return True, None
+        return gone, None
     finally:
         timer.cancel()
-        if listener is not None and not listener.done():
-            listener.cancel()
+        for watcher in watchers:
+            if not watcher.done():
+                watcher.cancel()
+
+
+def watch_credential(request: Request, stopping: Stopping) -> asyncio.Task[None] | None:
+    """For a stream (its producer's task): end it through `stopping` once the request's credential
+    ends (credential_end.py); the caller cancels the returned poller when the stream is over."""
+    check = credential_check(request)
+    me = asyncio.current_task()
+    if check is None or me is None:
+        return None
+
+    async def poll(check: CredentialCheck) -> None:
+        stopping.end(me, await credential_ended(check))
+
+    return asyncio.get_running_loop().create_task(poll(check))
 
 
 # Where a request notes the conversation its turn went into, for an answer made outside its
@@ -833,7 +864,8 @@ def dumps(body: Any) -> str:
 
 async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[TurnSnapshot], bool]) -> TurnSnapshot:
     """A non-stream request: the first snapshot that `settled` accepts (or the last one). A client
-    that disconnects first cancels the turn it started and gets 499."""
+    that disconnects first cancels the turn it started and gets 499; a request whose credential
+    ended first (credential_end.py) cancels it too and answers 401."""
 
     async def wait() -> TurnSnapshot:
         # Wake on pauses and the end only, not on every delta: a non-stream reply needs the outcome.
@@ -853,6 +885,9 @@ async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[Tu
         raise
     if gone:
         await run.cancel()
+        if isinstance(gone, ApiError):  # the credential ended (credential_end.py)
+            gone.headers.setdefault(HEADER, run.conversation_id)
+            raise gone
         raise ApiError(499, "the client closed the request", code="client_closed")
     snap: TurnSnapshot = outcome
     return snap

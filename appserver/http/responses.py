@@ -61,6 +61,7 @@ from appserver.http.common import (
     start_turn,
     stream_replay,
     turn_error,
+    watch_credential,
 )
 from appserver.http.conversation_match import (
     HEADER,
@@ -1268,7 +1269,7 @@ class Responses:
         point_base = None if prev_id or conv_param else chain(new, chain(prefix))
         ctx = _Run(self, shape, run, idem, parsed, point_base)
         if stream:
-            return ctx.stream_response()
+            return ctx.stream_response(request)
         return await ctx.complete(request)
 
     async def _stored_item(self, agent: AgentRecord, ns: str | None, ref: str, prev_id: Any) -> dict[str, Any] | None:
@@ -1520,7 +1521,7 @@ class _Run:
             await keep_or_free(self.idem, snap, data, self.run.conversation_id)
         return Response(data, media_type="application/json", headers=self.headers)
 
-    def stream_response(self) -> Response:
+    def stream_response(self, request: Request) -> Response:
         metrics = self.route.metrics
         finished = False
         announced = False  # the client may have the response id (response.created went out)
@@ -1536,6 +1537,8 @@ class _Run:
         async def produce() -> AsyncIterator[SSEItem]:
             nonlocal finished, announced, kept
             metrics.active_streams.inc()
+            stopping = self.route.stopping
+            watcher = watch_credential(request, stopping)  # its end ends the stream (credential_end.py)
             try:
                 shape = self.shape
                 created = response_body(shape, status="in_progress", output=[], snap=None)
@@ -1588,6 +1591,15 @@ class _Run:
                         yield e
                     if settled:
                         break
+                ended = stopping.ended(asyncio.current_task())
+                if ended is not None and (last is None or not self.settled(last)):
+                    # The credential ended (credential_end.py): the turn is cancelled and the
+                    # response kept as when its client leaves; the stream ends with an `error`
+                    # event (the SDKs raise it), its code saying why.
+                    await self.client_gone()
+                    kept = True
+                    yield ev("error", code=ended.code, message=ended.message, param=None)
+                    return
                 if last is None or not self.settled(last):  # the server stops (the only other way out)
                     # `response.failed`, as a failed turn's stream ends, with what the turn showed
                     # so far (its items incomplete; the kernel's stop keeps that text as
@@ -1625,6 +1637,9 @@ class _Run:
                 finished = body["status"] in ("completed", "incomplete")  # an answer: kept for replay
             finally:
                 metrics.active_streams.dec()
+                if watcher is not None:
+                    watcher.cancel()
+                    stopping.forget(asyncio.current_task())
                 if not announced or kept:
                     self.route.live.discard(self.shape.id)
 

@@ -33,14 +33,32 @@ def shutting_down() -> ApiError:
 
 
 class Stopping:
-    """The tasks waiting in a guarded section, and the ones `stop` cancelled."""
+    """The tasks waiting in a guarded section, and the ones `stop` (or `end`) cancelled."""
 
-    __slots__ = ("_waiting", "_cancelled", "stopped")
+    __slots__ = ("_waiting", "_cancelled", "_ended", "stopped")
 
     def __init__(self) -> None:
         self._waiting: set[asyncio.Task[Any]] = set()
         self._cancelled: set[asyncio.Task[Any]] = set()
+        self._ended: dict[asyncio.Task[Any], ApiError] = {}  # one request ended early, and why
         self.stopped = False
+
+    def end(self, task: asyncio.Task[Any], error: ApiError) -> None:
+        """End one request early (its credential ended: http/credential_end.py), as `stop` ends
+        them all: cancelled now if it waits in a guarded section, else its next guard sees it
+        (`ended`). The caller says `forget` once the request is over."""
+        self._ended[task] = error
+        if task in self._waiting and task not in self._cancelled and not task.done():
+            self._cancelled.add(task)
+            task.cancel(error.code)
+
+    def ended(self, task: asyncio.Task[Any] | None) -> ApiError | None:
+        """Why `end` ended this request, or None."""
+        return self._ended.get(task) if task is not None and self._ended else None
+
+    def forget(self, task: asyncio.Task[Any] | None) -> None:
+        if task is not None:
+            self._ended.pop(task, None)
 
     def enter(self, task: asyncio.Task[Any] | None = None) -> asyncio.Task[Any] | None:
         """The current task (`task`, when the caller already knows it: a stream enters once per

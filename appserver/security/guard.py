@@ -142,6 +142,8 @@ class SecurityGuard:
         state = dict(scope.get("state") or {})
         state["principal"] = principal
         state["auth_pending"] = pending
+        # For a request that waits: its credential may end meanwhile (http/credential_end.py).
+        state["authenticator"] = self.authenticator
         # The server's own `send`, for a streamed body once its head went out through the whole
         # chain (the wrappers only touch the head: request id, CORS): one call per chunk instead
         # of five (appserver/http/sse.py).

@@ -28,6 +28,7 @@ import signal
 import sys
 import termios
 import threading
+import unicodedata
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -125,10 +126,32 @@ class Screen:
             self.fresh_line()
 
 
+def is_text(ch: str) -> bool:
+    """Whether a character typed (or piped) is text to send, not a key for the editor: everything
+    but the C0 controls (tab is text), DEL and the C1 controls. Invisible characters are text:
+    ZWNJ and ZWJ (Persian words, emoji sequences), no-break and other spaces, bidi marks,
+    combining marks, private use: what is typed is sent exactly."""
+    return ch == "\t" or not ("\x00" <= ch <= "\x1f" or "\x7f" <= ch <= "\x9f")
+
+
+def cell_width(ch: str) -> int:
+    """Columns a terminal gives `ch` as echoed (an estimate: what Backspace must rub out)."""
+    if ch == "\t":
+        return 1  # echoed as one space
+    if unicodedata.category(ch) in ("Mn", "Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
 class LineEditor:
-    """The line being typed. Printable keys, Backspace, Ctrl-U, Ctrl-W, Enter, Ctrl-D; escape
-    sequences (arrows, function keys) are swallowed. Keys are echoed only while `visible` (a prompt
-    is on screen) and stdin is a terminal; otherwise they are kept silently for the next prompt."""
+    """The line being typed. Text keys, Backspace, Ctrl-U, Ctrl-W, Enter, Ctrl-D; escape
+    sequences (arrows, function keys) are swallowed, other controls dropped (`is_text`). Keys are
+    echoed only while `visible` (a prompt is on screen) and stdin is a terminal (`echo`); otherwise
+    they are kept silently for the next prompt.
+
+    At a terminal, CR is Enter and Ctrl-D on an empty line leaves. From a pipe (no `echo`) a line
+    ends at LF (or CRLF): a CR inside a line is part of its text, and only the end of the input
+    ends it (a Ctrl-D byte there is no key: it is dropped like the other controls)."""
 
     def __init__(self, screen: Screen, echo: bool) -> None:
         self.screen, self.echo = screen, echo
@@ -138,18 +161,25 @@ class LineEditor:
         self._pending = ""
         self._esc = ""
         self._last = ""
+        self._ended = False  # the input ended: "eof" once what is pending is taken
+        self._eof_said = False
 
     def add(self, data: bytes) -> None:
         self._pending += self._decoder.decode(data)
 
     def end(self) -> None:
-        """The input ended: an unfinished last line still counts, then end-of-file."""
-        unfinished = self._pending.rsplit("\n", 1)[-1] if "\n" in self._pending else self.text + self._pending
-        self._pending += ("\n" if unfinished.strip("\r") else "") + "\x04"
+        """The input ended: an unfinished last line still counts (`take`), then end-of-file."""
+        self._pending += self._decoder.decode(b"", final=True)
+        self._ended = True
 
     @property
     def text(self) -> str:
         return "".join(self.buf)
+
+    @property
+    def display(self) -> str:
+        """The line as echoed (a tab as one space, so Backspace rubs out what it shows)."""
+        return self.text.replace("\t", " ")
 
     def take(self) -> tuple[str, str] | None:
         """Apply pending keys up to the next finished line (`("line", text)`) or `("eof", "")`."""
@@ -167,33 +197,65 @@ class LineEditor:
                 continue
             if ch == "\x1b":
                 self._esc = ch
-            elif ch in "\r\n":
+            elif ch == "\n" or (ch == "\r" and self.echo):
                 if ch == "\n" and last == "\r":
-                    continue
+                    if self.echo:
+                        continue  # CRLF: one Enter
+                    if self.buf and self.buf[-1] == "\r":
+                        self.buf.pop()  # a CRLF line end
                 line, self.buf = self.text, []
                 self._show("\n")
                 return ("line", line)
-            elif ch == "\x04":
+            elif ch == "\x04" and self.echo:
                 if not self.buf:
                     return ("eof", "")
             elif ch in "\x7f\x08":
                 if self.buf:
-                    self.buf.pop()
-                    self._show("\b \b")
+                    self._rub_last()
             elif ch == "\x15":
-                self._show("\b \b" * len(self.buf))
-                self.buf = []
+                self._rub(len(self.buf))
             elif ch == "\x17":
-                while self.buf and self.buf[-1] == " ":
-                    self.buf.pop()
-                    self._show("\b \b")
-                while self.buf and self.buf[-1] != " ":
-                    self.buf.pop()
-                    self._show("\b \b")
-            elif ch == "\t" or ch.isprintable():
-                self.buf.append(" " if ch == "\t" else ch)
-                self._show(self.buf[-1])
+                n = len(self.buf)
+                while n and self.buf[n - 1] in " \t":
+                    n -= 1
+                while n and self.buf[n - 1] not in " \t":
+                    n -= 1
+                self._rub(len(self.buf) - n)
+            elif ch == "\r" or is_text(ch):  # (a CR here is from a pipe: text, unless LF follows)
+                self.buf.append(ch)
+                self._show(" " if ch == "\t" else ch)
+        if self._ended and not self._eof_said:
+            self._esc = ""
+            if self.buf:  # an unfinished last line (a CR at its end is text: no LF follows it)
+                line, self.buf = self.text, []
+                self._show("\n")
+                return ("line", line)
+            self._eof_said = True
+            return ("eof", "")
         return None
+
+    def _rub(self, count: int) -> None:
+        """Remove the last `count` characters, and what they took on screen."""
+        if count <= 0:
+            return
+        removed, self.buf = self.buf[-count:], self.buf[:-count]
+        width = sum(cell_width(c) for c in removed)
+        self._show("\b" * width + " " * width + "\b" * width)
+
+    def _rub_last(self) -> None:
+        """Backspace: one character. A zero-width one (a combining mark, ZWJ) changed the cell
+        before it: that cell is drawn again without it."""
+        ch = self.buf.pop()
+        if cell_width(ch):
+            self._show("\b" * cell_width(ch) + " " * cell_width(ch) + "\b" * cell_width(ch))
+            return
+        start = len(self.buf)
+        while start and not cell_width(self.buf[start - 1]):
+            start -= 1
+        if start:
+            width = cell_width(self.buf[start - 1])
+            cell = "".join(self.buf[start - 1 :]).replace("\t", " ")
+            self._show("\b" * width + " " * width + "\b" * width + cell)
 
     def _show(self, text: str) -> None:
         if self.visible and self.echo:
@@ -334,6 +396,7 @@ class Chat:
         self.eof = False
         self.exit_code: int | None = None
         self.turns_failed = 0  # with input from a pipe, the exit code says whether any turn failed or was interrupted
+        self.refusals = 0  # … or whether a line was refused (too long for a frame, refused by the server): lost input
         self.lost = False  # the connection is gone for good (said once; exit 1)
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -348,7 +411,7 @@ class Chat:
 
     def prompt(self) -> None:
         self.screen.fresh_line()
-        self.screen.write(PROMPT + (self.editor.text if self.editor.echo else ""))
+        self.screen.write(PROMPT + (self.editor.display if self.editor.echo else ""))
         self.editor.visible = True
 
     def approval_prompt(self, frame: dict[str, Any]) -> str:
@@ -361,7 +424,7 @@ class Chat:
         if self.editor.visible:
             self.screen.erase_line()
             self.screen.line(text)
-            typed = self.editor.text if self.editor.echo else ""
+            typed = self.editor.display if self.editor.echo else ""
             self.screen.write((self.approval_prompt(self.asking) if self.asking else PROMPT) + typed)
         else:
             self.screen.line(text)
@@ -405,9 +468,10 @@ class Chat:
     def leave(self) -> None:
         """End the session on purpose (/quit, end of input). A script that pipes its input reads
         the outcome from the exit code, however its input ends (`/quit` or end of file): 1 when a
-        turn failed or was interrupted. A person at the terminal saw each `[failed: …]` line and
-        went on: 0."""
-        self.exit_code = 1 if self.turns_failed and not self.editor.echo else 0
+        turn failed or was interrupted, or a line of it was refused (`error: line too long: …`, a
+        submit or command the server refused: that input never ran). A person at the terminal saw
+        each `[failed: …]` and `error:` line and went on: 0."""
+        self.exit_code = 1 if (self.turns_failed or self.refusals) and not self.editor.echo else 0
 
     def gone(self, why: str) -> None:
         """The connection is gone for good (no server to reconnect to): say why once, leave with 1."""
@@ -423,6 +487,7 @@ class Chat:
         if exc.code == "connection_closed" or self.client.gone:
             self.gone(exc.message)
         else:
+            self.refusals += 1
             self.screen.line(f"error: {what}{visible(exc.message)}")
 
     def follow(self, turn_id: str) -> None:
@@ -481,7 +546,7 @@ class Chat:
                     self.held.append(text)
             else:
                 if not self.editor.echo:  # piped: nothing was echoed; show the line after its prompt
-                    self.screen.write(text + "\n")
+                    self.screen.write(visible(text) + "\n")  # (a CR in it is text, not a control)
                 await self.line(text)
         await self.drain()
 
@@ -491,7 +556,7 @@ class Chat:
             if self.held:
                 text = self.held.pop(0)
                 self.screen.fresh_line()
-                self.screen.write(PROMPT + text + "\n")
+                self.screen.write(PROMPT + visible(text) + "\n")
                 await self.line(text)
             elif self.eof:
                 if self.client.gone:  # the input ended as the connection did: that is no success
@@ -523,7 +588,7 @@ class Chat:
             try:
                 ack = await self.client.request(self.cancel_frame())
             except ProtocolError as exc:
-                self.notice(f"error: {visible(exc.message)}")
+                self.refused(exc)
                 return
             if not ack.get("cancelled"):
                 self.screen.line(self.screen.dim("[nothing to cancel]"))
@@ -562,7 +627,7 @@ class Chat:
         self.editor.visible = False
         self.editor.buf = list(self.stash)
         if not self.editor.echo:  # piped: nothing was echoed; show the answer after its prompt
-            self.screen.write(text + "\n")
+            self.screen.write(visible(text) + "\n")
         decision = "approve" if text.strip().lower() in ("y", "yes") else "deny"
 
         def report(ack: dict[str, Any]) -> str | None:

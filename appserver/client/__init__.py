@@ -19,7 +19,7 @@ from __future__ import annotations
 from appserver.client import frames
 from appserver.client.auth import TokenSource, check_url, ws_url
 from appserver.client.buffer import FrameBuffer
-from appserver.client.connection import ProtocolClient, resendable
+from appserver.client.connection import ProtocolClient, encode_frame, resendable
 from appserver.client.errors import Closed, ConnectError, ProtocolError
 from appserver.client.frames import PROTOCOL_VERSION, TERMINAL, ClientFrame, ServerFrame, Snapshot
 from appserver.client.resume import lost_snapshot, settled_from_history
@@ -37,6 +37,7 @@ __all__ = [
     "Snapshot",
     "TokenSource",
     "check_url",
+    "encode_frame",
     "frames",
     "lost_snapshot",
     "resendable",

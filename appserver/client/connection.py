@@ -35,7 +35,8 @@ invalid_api_key: …)`), and so is a server that takes the connection but sends 
 (`welcome_timeout`: not the turn's timeout, not a refused connection); one that closes it before
 its welcome is `Closed`. A frame bigger than the server takes (its welcome's `max_frame_bytes`, else
 4 MiB) is refused before it is sent (`ProtocolError` `frame_too_large`): sent, it would end the
-connection.
+connection. Frames are sent as UTF-8 JSON (non-ASCII text unescaped) and measured in those bytes,
+as the server measures them (`encode_frame`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -88,6 +90,22 @@ HISTORY_PAGES = 20  # pages read back at most to rebuild the turns a reconnect f
 # The biggest frame a server takes when its welcome does not say (docs/protocol.md: 4 MiB); a
 # bigger one would end the connection (1009), so the client refuses to send it.
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encode_frame(frame: dict[str, Any]) -> tuple[str, int]:
+    """`frame` as the JSON text sent, and its size in bytes on the wire (UTF-8), which is what the
+    server's limit counts. Non-ASCII text is written as it is (UTF-8), not as `\\uXXXX` escapes,
+    which would make a frame of non-ASCII text up to three times bigger than it needs to be (and a
+    line refused far below the limit). A lone surrogate (a `str` can hold one; UTF-8 cannot) is
+    written as its JSON escape, the one form of it JSON has: the same value, as `ensure_ascii`
+    writes it. A frame of such text cannot be sent otherwise (a text frame must be UTF-8)."""
+    text = json.dumps(frame, ensure_ascii=False)
+    if _SURROGATE.search(text) is not None:  # (only inside strings: JSON's own syntax is ASCII)
+        text = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text, len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def _closed(exc: ConnectionClosed) -> str:
@@ -311,7 +329,7 @@ class ProtocolClient:
     async def _call(self, ws: Any, frame: dict[str, Any], out: list[dict[str, Any]]) -> dict[str, Any]:
         """One request on a connection nobody else reads yet (handshakes); other frames go to `out`."""
         rid = f"h{next(self._ids)}"
-        await ws.send(json.dumps({**frame, "request_id": rid}))
+        await ws.send(encode_frame({**frame, "request_id": rid})[0])
         while True:
             reply = server_frame(await ws.recv())
             if reply is None:
@@ -434,7 +452,13 @@ class ProtocolClient:
                 try:
                     for p in list(self._pending.values()):
                         if p.sent:
-                            await ws.send(json.dumps(p.frame))
+                            try:
+                                text = self._encode(p.frame)  # this server may take less than the last
+                            except ProtocolError as exc:
+                                if not p.future.done():
+                                    p.future.set_exception(exc)
+                                continue
+                            await ws.send(text)
                 except ConnectionClosed:
                     pass  # dropped again at once: the reader sees it and starts over
                 self._connected.set()
@@ -629,13 +653,14 @@ class ProtocolClient:
 
     def _encode(self, frame: dict[str, Any]) -> str:
         """The frame as sent; one bigger than the server takes is refused here (`frame_too_large`):
-        the server would close the connection over it (1009)."""
-        text = json.dumps(frame)  # ASCII (non-ASCII is escaped), so its length is its size in bytes
+        the server would close the connection over it (1009). Its size is its UTF-8 bytes, as the
+        server counts them (`encode_frame`)."""
+        text, size = encode_frame(frame)
         limit = self.max_frame_bytes
-        if len(text) > limit:
+        if size > limit:
             raise ProtocolError(
                 "frame_too_large",
-                f"the {frame.get('type')} frame would be {len(text):,} bytes, over the server's limit of "
+                f"the {frame.get('type')} frame would be {size:,} bytes, over the server's limit of "
                 f"{limit:,} bytes per frame; it was not sent",
             )
         return text

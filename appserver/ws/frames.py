@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from pydantic import ValidationError as ValidationError  # what `client_frame` raises (ws/routes.py)
 
+from appserver.http.fields import FUNCTION_NAME
 from appserver.images import image_url_problem
 from appserver.ws.codes import CLOSE_AUTH as CLOSE_AUTH
 from appserver.ws.codes import CLOSE_PROTOCOL as CLOSE_PROTOCOL
@@ -84,9 +85,25 @@ InputPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ClientTool(_ClientShape):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    """A tool the connection executes. Its name goes to the model's API as a function name, so it
+    follows the rule of OpenAI's and Anthropic's APIs, the one the HTTP front end checks
+    (`appserver.http.fields.FUNCTION_NAME`): 1-64 of a-z, A-Z, 0-9, `_` and `-`. A name the
+    upstream refuses (`msg.send`) would fail the turn after it began instead of this frame."""
+
+    name: str
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    @field_validator("name")
+    @classmethod
+    def _function_name(cls, name: str) -> str:
+        if not FUNCTION_NAME.fullmatch(name):
+            shown = repr(name) if len(name) <= 64 else repr(name[:64]) + "…"
+            raise ValueError(
+                f"{shown} does not match pattern. Expected a string that matches the pattern "
+                f"'^{FUNCTION_NAME.pattern}$'."
+            )
+        return name
 
 
 class ApprovalDecision(_ClientShape):

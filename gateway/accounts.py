@@ -21,7 +21,7 @@ from typing import Any
 from gateway.access import AccessPolicy, DmPolicy, PolicyError
 from gateway.debounce import DebounceError, DebounceSettings
 from gateway.status import AccountStatus
-from plugins.contract import Account, AccountError, AccountState, Adapter, AdapterContext, OnMessage
+from plugins.contract import Account, AccountError, AccountState, Adapter, AdapterContext, OnMessage, image_budget
 from plugins.loader import PluginError, load_plugin
 
 log = logging.getLogger("gateway.accounts")
@@ -147,8 +147,10 @@ class AccountRunner:
         on_state: StateListener,
         environ: dict[str, str] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        image_budget: Callable[[], int] = image_budget,
     ) -> None:
         self.spec = spec
+        self._image_budget = image_budget
         self.home = home
         self.adapter: Adapter | None = None
         self.live = LiveStatus(spec.channel, spec.name)
@@ -254,6 +256,7 @@ class AccountRunner:
             report=self.report,
             data_dir=data_dir,
             log=logging.getLogger(f"gateway.{self.spec.channel}.{self.spec.name}"),
+            max_image_bytes=self._image_budget,
         )
         return create(account, context)
 

@@ -90,7 +90,10 @@ class Gateway:
         self.link = link
         self.emit = emit
         self.runners = {
-            s.ref: AccountRunner(s, home, self.on_message, self._state_changed, environ=environ) for s in specs
+            s.ref: AccountRunner(
+                s, home, self.on_message, self._state_changed, environ=environ, image_budget=link.image_budget
+            )
+            for s in specs
         }
         self.outboxes = Outboxes()
         self.replies = Replies(ledger, link, self.outboxes, self._changed, self._turn_done)
@@ -123,6 +126,7 @@ class Gateway:
     async def start(self, ready_timeout: float = 25.0) -> None:
         """Start every account (each reaches running or error), then resume the ledger."""
         self.board.mark_unconfigured({(r.spec.channel, r.spec.name) for r in self.runners.values()})
+        self._restore_status()
         for runner in self.runners.values():
             self._spawn(runner.run())
         self._spawn(self._flush_status_forever())
@@ -172,6 +176,24 @@ class Gateway:
         elif live.state == "running" and self._started:
             self._spawn(self.chatops.reconcile_prompts())  # back from backoff: its prompts can be edited now
 
+    def _restore_status(self) -> None:
+        """Carry each account's saved counters and last inbound and outbound times over a restart (the
+        row is written over from memory every second: a fresh start used to show `never` and zeros
+        seconds after a message). The times are also read from the ledger, which a kill -9 within
+        the second before the next save does not lose; counters count from the account's first start."""
+        for runner in self.runners.values():
+            live = runner.live
+            saved = self.board.get(live.channel, live.account)
+            if saved is not None:
+                live.messages_in += saved.messages_in
+                live.turns += saved.turns
+                live.replies += saved.replies
+                live.failures += saved.failures
+            last_in, last_out = self.ledger.last_activity(live.channel, live.account)
+            before_in, before_out = (saved.last_inbound, saved.last_outbound) if saved is not None else (None, None)
+            live.last_inbound = _latest(live.last_inbound, before_in, last_in)
+            live.last_outbound = _latest(live.last_outbound, before_out, last_out)
+
     def statuses(self) -> list[dict[str, Any]]:
         return [r.live.snapshot().to_json() for r in self.runners.values()]
 
@@ -194,7 +216,7 @@ class Gateway:
             raise ValueError(f"message for an unknown account {msg.channel}:{msg.account}")
         key = UpdateKey(msg.channel, msg.account, clean(msg.message_id))
         thread = clean(msg.thread) if msg.thread is not None else None
-        receipt = Receipt(key, clean(msg.chat), clean(msg.sender), thread, payload_of(msg))
+        receipt = Receipt(key, clean(msg.chat), clean(msg.sender), thread, payload_of(msg, self.link.image_budget()))
         entry, created = await self.intake.record(receipt)
         if msg.ack is not None:
             await msg.ack()
@@ -369,7 +391,8 @@ class Gateway:
                     self.router.bind(route_key, conversation)
                     resolution = self.router.resolve(route_key, runner.settings.get("default_agent")) or resolution
                     first = True
-                ack = await self.link.submit(submit_frame(entries, resolution.agent, conversation, first))
+                frame = submit_frame(entries, resolution.agent, conversation, first, self.link.max_frame_bytes)
+                ack = await self.link.submit(frame)
                 break
             except ProtocolError as exc:
                 if exc.code == "conversation_not_found" and resolution.conversation is not None:
@@ -438,3 +461,8 @@ class Gateway:
             log.warning("delivering the first %d of %d characters to %s", DELIVER_MAX_CHARS, len(text), target)
         ids = await self.replies.deliver_text(runner, where, cap_text(text))
         return ids
+
+
+def _latest(*times: float | None) -> float | None:
+    known = [t for t in times if t is not None]
+    return max(known) if known else None

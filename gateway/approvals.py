@@ -67,7 +67,9 @@ class Prompt:
         """The prompt as Markdown. The arguments are the model's: shown literally in a code block no
         text can close (rendered as Markdown, Discord hid `||…||` as a spoiler and `[x](url)` behind
         its label), and a cut says so outside the block, where the model cannot forge it."""
-        args = " ".join(self.arguments.split()) or "{}"
+        # Literally, whitespace included: `printf "a    b"` must read as what will run, and padding
+        # counts toward the cut (squashed, 400 spaces hid nothing and the cut never said so).
+        args = self.arguments if self.arguments.strip() else "{}"
         shown, hidden = cut_middle(args)
         cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
         name = visible(self.name.replace("`", "'"))
@@ -94,17 +96,18 @@ def cut_middle(text: str) -> tuple[str, int]:
 
 def literal(text: str) -> str:
     """`text` for the inside of a ``` block: every invisible or direction-changing character shown
-    as its escape (`visible`), then a zero-width space after every backtick followed by another, so
-    no run of backticks can close the block (Discord closes it at any ```). The only invisible
-    characters left are those spaces: one the model wrote shows as `\\u200b`."""
-    return re.sub("`(?=`)", "`\u200b", visible(text))
+    as its escape (`visible`; line breaks and tabs stay what they are, as the code block shows them),
+    then a zero-width space after every backtick followed by another, so no run of backticks can
+    close the block (Discord closes it at any ```). The only invisible characters left are those
+    spaces: one the model wrote shows as `\\u200b`."""
+    return re.sub("`(?=`)", "`\u200b", "\n".join(visible(line, keep="\t") for line in text.split("\n")))
 
 
-def visible(text: str) -> str:
+def visible(text: str, keep: str = "") -> str:
     """`text` with every character that renders as nothing or reorders what follows (bidi overrides,
     isolates and marks, zero-width and other format characters, controls, line separators) written
     as its `\\u202e` escape: `ls \\u202e; rm -rf ~ #\\u202c` displayed reversed looked harmless."""
-    return "".join(_escaped(c) if _hidden(c) else c for c in text)
+    return "".join(_escaped(c) if _hidden(c) and c not in keep else c for c in text)
 
 
 def _hidden(char: str) -> bool:

@@ -202,20 +202,23 @@ class ChatOps:
                         " a new one: your next message continues it."
                     )
                 self.router.forget(route_key)
+                # A reply still being written goes on (it may be someone else's, whom /new must not
+                # silence), but stays within reach: /cancel and /status here still find it.
+                if conversation is not None and await self.running_turn(conversation) is not None:
+                    return (
+                        "🆕 Your next message starts a new conversation. The reply still being written in the"
+                        " previous one goes on: /cancel stops it."
+                    )
                 return "🆕 Your next message starts a new conversation."
             if command.name == "cancel":
-                if conversation is None:
-                    return "Nothing is running."
-                running = await self.running_turn(conversation)
-                if running is None:
-                    return "Nothing is running."
-                if self.replies.starter_of(running) != entry.sender and not runner.policy.is_admin(entry.sender):
-                    return "Only the person who started the running reply, or an admin, can cancel it."
-                # naming the turn: if it ended meanwhile, the next one (someone else's) runs on
-                ack = await self.link.request({"type": "cancel", "conversation": conversation, "turn_id": running})
-                return "⏹ Cancelled." if ack.get("cancelled") else "Nothing is running."
+                return await self.cancel(entry, runner, conversation)
             if command.name == "status":
-                return await self.status_text(resolution.agent if resolution else None, conversation)
+                text = await self.status_text(resolution.agent if resolution else None, conversation)
+                earlier = await self.earlier_running(entry, runner, conversation)
+                if earlier:
+                    shown = ", ".join(f"{turn_id} in conversation {conv}" for conv, turn_id in earlier)
+                    text += f" Still writing a reply from before /new: {shown} (/cancel stops it)."
+                return text
             if command.name == "pair":
                 if not runner.policy.is_admin(entry.sender):
                     return "Only an admin of this bot can list pairing requests."
@@ -233,6 +236,52 @@ class ChatOps:
             return await self.answer_approval(entry, runner, command)
         except (ProtocolError, Closed, TimeoutError) as exc:
             return f"⚠ The server did not answer: {exc}"
+
+    async def cancel(self, entry: Entry, runner: AccountRunner, conversation: str | None) -> str:
+        """`/cancel`: the running turn of the chat's conversation; when none runs there, the turns
+        this chat started in a conversation it left with `/new` that still run (nobody could stop
+        them from the chat otherwise). Each only by the person who started it, or an admin."""
+        targets: list[tuple[str, str]] = []
+        if conversation is not None:
+            running = await self.running_turn(conversation)
+            if running is not None:
+                targets.append((conversation, running))
+        earlier = False
+        if not targets:
+            targets = await self.earlier_running(entry, runner, conversation)
+            earlier = bool(targets)
+        if not targets:
+            return "Nothing is running."
+        allowed = [
+            (conv, turn_id)
+            for conv, turn_id in targets
+            if self.replies.starter_of(turn_id) == entry.sender or runner.policy.is_admin(entry.sender)
+        ]
+        if not allowed:
+            return "Only the person who started the running reply, or an admin, can cancel it."
+        cancelled = 0
+        for conv, turn_id in allowed:
+            # naming the turn: if it ended meanwhile, the next one (someone else's) runs on
+            ack = await self.link.request({"type": "cancel", "conversation": conv, "turn_id": turn_id})
+            cancelled += bool(ack.get("cancelled"))
+        if not cancelled:
+            return "Nothing is running."
+        return "⏹ Cancelled the reply from before /new." if earlier else "⏹ Cancelled."
+
+    async def earlier_running(
+        self, entry: Entry, runner: AccountRunner, conversation: str | None
+    ) -> list[tuple[str, str]]:
+        """(conversation, turn id) of each turn started in this chat (and thread) in another
+        conversation than its current one (left with `/new`) that still runs, oldest first."""
+        found: list[tuple[str, str]] = []
+        for turn_id, ctx in self.replies.turns_in(runner.spec.ref, entry.chat, entry.thread):
+            if ctx.conversation is None or ctx.conversation == conversation:
+                continue
+            if (ctx.conversation, turn_id) in found:
+                continue
+            if await self.running_turn(ctx.conversation) == turn_id:
+                found.append((ctx.conversation, turn_id))
+        return found
 
     async def running_turn(self, conversation: str) -> str | None:
         """The id of the conversation's running turn: `cancel` stops that one, so only its starter

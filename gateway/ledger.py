@@ -326,6 +326,17 @@ class Ledger:
         """Turns that finished but whose reply was not recorded as delivered."""
         return self._in_state("finished")
 
+    def last_activity(self, channel: str, account: str) -> tuple[float | None, float | None]:
+        """When the account's last message came in, and when its last answer (a reply or a command's
+        answer) was delivered: what `channels status` shows as last inbound and outbound, read back at
+        a start (a kill -9 can lose the last second of the saved status, the ledger has it)."""
+        last_in, last_out = self._conn.execute(
+            "SELECT MAX(received_at), MAX(CASE WHEN state='delivered' AND remote_ids != '[]' THEN updated_at END)"
+            " FROM ledger WHERE channel=? AND account=?",
+            (channel, account),
+        ).fetchone()
+        return last_in, last_out
+
     def counts(self) -> dict[str, int]:
         """Rows per state, for `channels status`."""
         rows = self._conn.execute("SELECT state, COUNT(*) FROM ledger GROUP BY state").fetchall()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from appserver.client import TERMINAL, Closed, ProtocolClient, ProtocolError, settled_from_history
+from plugins.contract import image_budget
 
 log = logging.getLogger("gateway.link")
 
@@ -66,6 +67,16 @@ class ServerLink:
         link = cls(client)
         link._reader = asyncio.get_running_loop().create_task(link._read())
         return link
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The biggest frame the server takes (its welcome's `max_frame_bytes`, else 4 MiB): a turn's
+        input, its images base64-encoded inside, must fit in one."""
+        return int(self.client.max_frame_bytes)
+
+    def image_budget(self) -> int:
+        """The biggest image (bytes as fetched) that can reach the model in a turn, now."""
+        return image_budget(self.max_frame_bytes)
 
     def on_tool_call(self, handler: ToolHandler) -> None:
         self._tool_handler = handler

@@ -101,6 +101,15 @@ class Replies:
         ctx = self.turns.get(turn_id)
         return ctx.starter if ctx is not None else None
 
+    def turns_in(self, account: str, chat: str, thread: str | None) -> list[tuple[str, TurnContext]]:
+        """The turns this gateway follows that were started in `chat` (and `thread`) of `account`,
+        oldest first: after `/new` the previous conversation's turn is still one of them."""
+        return [
+            (turn_id, ctx)
+            for turn_id, ctx in self.turns.items()
+            if ctx.runner.spec.ref == account and ctx.here.chat == chat and ctx.here.thread == thread
+        ]
+
     def follow(self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False) -> None:
         if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:
             return  # a batch's reply is delivered through its first message

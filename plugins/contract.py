@@ -29,11 +29,14 @@ __all__ = [
     "ChatType",
     "CreateAdapter",
     "DeliveryError",
+    "IMAGE_FRAME_RESERVE",
+    "IMAGE_MAX_BYTES",
     "InboundMessage",
     "Limits",
     "OnMessage",
     "ReportState",
     "Target",
+    "image_budget",
     "is_grapheme_boundary",
     "number_setting",
     "shorten",
@@ -42,11 +45,33 @@ __all__ = [
 ChatType = Literal["dm", "group"]
 AccountState = Literal["starting", "running", "backoff", "conflict", "stopped", "error"]
 
+# The most the gateway passes on to the model per image, whatever the server's frame limit.
+IMAGE_MAX_BYTES = 5 << 20
+# What a turn's frame needs besides its images: the envelope with the text (a caption, a message),
+# the agent's note, the `message_channel` tool and the JSON around them.
+IMAGE_FRAME_RESERVE = 64 << 10
+# The server's frame limit when nothing says otherwise (docs/protocol.md: 4 MiB).
+DEFAULT_MAX_FRAME_BYTES = 4 << 20
+
+
+def image_budget(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> int:
+    """The biggest image, in bytes as fetched, that can reach the model in a turn when the server
+    takes frames of at most `max_frame_bytes`: an image travels in the frame as base64 (4 bytes for
+    every 3), beside the message's text (`IMAGE_FRAME_RESERVE`); never more than `IMAGE_MAX_BYTES`.
+    With the default 4 MiB frame that is 3,096,576 bytes (about 2.95 MiB)."""
+    return max(0, min(IMAGE_MAX_BYTES, (max_frame_bytes - IMAGE_FRAME_RESERVE) // 4 * 3))
+
+
+def _default_image_budget() -> int:
+    return image_budget()
+
 
 @dataclass(frozen=True, slots=True)
 class Attachment:
     """A file that came with a message. Images with `data` go to the model as images; every other
-    attachment is named in the envelope with its type and size."""
+    attachment is named in the envelope with its type and size. An image left unfetched because it
+    is bigger than `AdapterContext.max_image_bytes()` stays `kind="image"` with its `size` and no
+    `data`: the gateway names it with a note that it was too big for the model."""
 
     kind: Literal["image", "file"]
     name: str
@@ -184,6 +209,10 @@ class AdapterContext:
     report: ReportState  # e.g. report("backoff", "socket closed; retrying in 4 s")
     data_dir: Path  # a private directory for the adapter's own files
     log: logging.Logger
+    # The biggest image (bytes as fetched) the gateway can pass on to the model now, from the
+    # server's frame limit (`image_budget`): pick the largest size a platform offers within it (a
+    # Telegram photo), and do not fetch a bigger one; the gateway names it as too big instead.
+    max_image_bytes: Callable[[], int] = _default_image_budget
 
 
 @runtime_checkable

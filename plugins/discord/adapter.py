@@ -75,7 +75,6 @@ from plugins.statefile import atomic_write_text, move_aside
 
 CHANNEL = "discord"
 MAX_LENGTH = 1990  # Discord refuses content over 2,000 characters; a margin for the status line
-IMAGE_MAX_BYTES = 5 << 20
 FETCH_TIMEOUT_S = 10.0
 ORDER_MARGIN_S = 2.0  # how much longer than a download a later message of the channel waits for it
 READY_TIMEOUT_S = 30.0
@@ -433,15 +432,20 @@ class DiscordAdapter:
 
     async def _attachment(self, a: discord.Attachment) -> Attachment:
         mime = a.content_type or "application/octet-stream"
-        if not mime.startswith("image/") or a.size > IMAGE_MAX_BYTES:
+        if not mime.startswith("image/"):
             return Attachment(kind="file", name=a.filename, mime=mime, size=a.size)
+        # An image travels to the server base64-encoded in the turn's frame: one bigger than the
+        # gateway's budget (from the server's frame limit) is not fetched, and is named as too big.
+        limit = self.context.max_image_bytes()
+        if a.size > limit:
+            return Attachment(kind="image", name=a.filename, mime=mime, size=a.size)
         try:
             data = await asyncio.wait_for(a.read(), FETCH_TIMEOUT_S)
         except (TimeoutError, discord.HTTPException, OSError) as exc:
             self._log.warning("%s: attachment %s not fetched: %s", self._where, a.filename, exc)
             return Attachment(kind="file", name=a.filename, mime=mime, size=a.size)
-        if len(data) > IMAGE_MAX_BYTES:
-            return Attachment(kind="file", name=a.filename, mime=mime, size=len(data))
+        if len(data) > limit:
+            return Attachment(kind="image", name=a.filename, mime=mime, size=len(data))
         return Attachment(kind="image", name=a.filename, mime=mime, size=len(data), data=data)
 
     async def _on_interaction(self, interaction: discord.Interaction) -> None:

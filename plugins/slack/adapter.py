@@ -82,7 +82,6 @@ CHANNEL = "slack"
 # and the status line the gateway may add, and one screenful stays one message.
 MAX_LENGTH = 3900
 SECTION_MAX = 3000  # Block Kit: a section's text
-IMAGE_MAX_BYTES = 5 << 20  # the gateway keeps images up to 5 MiB
 FETCH_TIMEOUT_S = 2.0  # files are fetched before the ack, which Slack wants within 3 s
 ORDER_MARGIN_S = 0.5  # how much longer than a download a later message of the chat waits for it
 CONNECT_TIMEOUT_S = 15.0
@@ -421,19 +420,27 @@ class SlackAdapter:
         mime = str(f.get("mimetype") or "application/octet-stream")
         size = f.get("size") if isinstance(f.get("size"), int) else None
         url = f.get("url_private_download") or f.get("url_private")
-        if not mime.startswith("image/") or not isinstance(url, str) or (size or 0) > IMAGE_MAX_BYTES:
+        if not mime.startswith("image/") or not isinstance(url, str):
             return Attachment(kind="file", name=name, mime=mime, size=size)
+        # An image travels to the server base64-encoded in the turn's frame: one bigger than the
+        # gateway's budget (from the server's frame limit) is not fetched, and is named as too big.
+        limit = self.context.max_image_bytes()
+        if (size or 0) > limit:
+            return Attachment(kind="image", name=name, mime=mime, size=size)
         try:
-            data = await asyncio.wait_for(self._download(url), FETCH_TIMEOUT_S)
+            data = await asyncio.wait_for(self._download(url, limit), FETCH_TIMEOUT_S)
         except TimeoutError:
             self._log.warning("%s: file %s not fetched within %g s", self._where, name, FETCH_TIMEOUT_S)
             data = None
         if data is None:
             return Attachment(kind="file", name=name, mime=mime, size=size)
+        if len(data) > limit:  # bigger than Slack said: read no further
+            return Attachment(kind="image", name=name, mime=mime, size=size)
         return Attachment(kind="image", name=name, mime=mime, size=len(data), data=data)
 
-    async def _download(self, url: str) -> bytes | None:
-        """A private file, fetched with the bot token (`files:read`); None when it cannot be had in time."""
+    async def _download(self, url: str, limit: int) -> bytes | None:
+        """A private file, fetched with the bot token (`files:read`); None when it cannot be had in
+        time. One bigger than `limit` is read only to just past it (the caller sees it is too big)."""
         if self._files is None:
             self._files = httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True)
         try:
@@ -446,8 +453,8 @@ class SlackAdapter:
                 data = bytearray()
                 async for chunk in r.aiter_bytes():
                     data.extend(chunk)
-                    if len(data) > IMAGE_MAX_BYTES:
-                        return None
+                    if len(data) > limit:
+                        break
                 return bytes(data)
         except httpx.HTTPError as exc:
             self._log.warning("%s: file fetch failed: %s", self._where, exc)

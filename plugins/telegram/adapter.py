@@ -36,6 +36,7 @@ from telegram import (
     InlineKeyboardMarkup,
     Message,
     MessageEntity,
+    PhotoSize,
     ReplyParameters,
     Update,
     User,
@@ -75,7 +76,6 @@ TELEGRAM_MAX_TEXT = 4096  # Telegram's limit: UTF-16 units of the text it shows 
 MAX_LENGTH = TELEGRAM_MAX_TEXT - 96  # where replies are split (`measure`), a margin below Telegram's limit
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
-IMAGE_MAX_BYTES = 5 * 1024 * 1024  # what the gateway passes on to the model
 ALLOWED_UPDATES = ["message", "edited_message", "callback_query", "my_chat_member"]
 APPROVE_PREFIX = "approve:"
 DENY_PREFIX = "deny:"
@@ -465,20 +465,35 @@ class TelegramAdapter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    async def _photo(self, sizes: Sequence[PhotoSize]) -> Attachment:
+        """The largest size of a photo that can reach the model: Telegram offers several (a
+        thumbnail up to the original), and an image travels to the server base64-encoded in the
+        turn's frame, so the limit is the gateway's `max_image_bytes()` (about 2.95 MiB with the
+        server's default 4 MiB frame), not the 5 MiB the gateway keeps at most. A size whose
+        download turns out bigger than Telegram said is passed over for the next smaller one. None
+        fits: the photo is named as too big (an image without data) and the caption goes on."""
+        limit = self.context.max_image_bytes()
+        by_size = sorted(sizes, key=lambda p: (p.file_size or 0, p.width * p.height), reverse=True)
+        largest = by_size[0]
+        name = f"photo_{largest.file_unique_id}.jpg"
+        too_big = largest.file_size
+        for size in [p for p in by_size if (p.file_size or 0) <= limit]:
+            try:
+                file = await self._require_bot().get_file(size.file_id)
+                data = bytes(await file.download_as_bytearray())
+            except (TelegramError, DeliveryError, OSError) as exc:
+                self._log.warning("%s: could not fetch photo %s: %s", self._where, size.file_id, exc)
+                return Attachment(kind="file", name=name, mime="image/jpeg", size=largest.file_size)
+            if 0 < len(data) <= limit:
+                return Attachment(kind="image", name=name, mime="image/jpeg", size=len(data), data=data)
+            too_big = max(too_big or 0, len(data))
+        self._log.info("%s: photo %s: no size Telegram offers fits in %d bytes", self._where, name, limit)
+        return Attachment(kind="image", name=name, mime="image/jpeg", size=too_big)
+
     async def _attachments(self, message: Message) -> list[Attachment]:
         out: list[Attachment] = []
         if message.photo:
-            fitting = [p for p in message.photo if (p.file_size or 0) <= IMAGE_MAX_BYTES] or list(message.photo)
-            largest = max(fitting, key=lambda p: (p.file_size or 0, p.width * p.height))
-            name = f"photo_{largest.file_unique_id}.jpg"
-            try:
-                file = await self._require_bot().get_file(largest.file_id)
-                data = bytes(await file.download_as_bytearray())
-            except (TelegramError, DeliveryError, OSError) as exc:
-                self._log.warning("%s: could not fetch photo %s: %s", self._where, largest.file_id, exc)
-                out.append(Attachment(kind="file", name=name, mime="image/jpeg", size=largest.file_size))
-            else:
-                out.append(Attachment(kind="image", name=name, mime="image/jpeg", size=len(data), data=data))
+            out.append(await self._photo(message.photo))
         if message.document is not None:
             doc = message.document
             out.append(

@@ -347,6 +347,7 @@ class FakeTelegram(LoopbackServer):
         photo: bytes | None = None,
         document: tuple[str, str, bytes] | None = None,  # (file name, mime type, content)
         caption: str | None = None,
+        photo_sizes: list[bytes] | None = None,  # a photo's sizes, small to large, instead of `photo`'s three
     ) -> Injected:
         """A user message in `chat_id` (`kind` private | group | supergroup; `thread` makes the
         supergroup a forum and the message a topic message). `@<bot username>` in the text is marked as
@@ -384,6 +385,8 @@ class FakeTelegram(LoopbackServer):
                     msg["reply_to_message"] = dict(self._user_messages[(chat_id, reply_to)])
             if photo is not None:
                 msg["photo"] = self._photo_sizes(photo)
+            if photo_sizes is not None:
+                msg["photo"] = self._given_sizes(photo_sizes)
             if document is not None:
                 name, mime, content = document
                 file_id = self._add_file(f"documents/{name}", content)
@@ -467,6 +470,23 @@ class FakeTelegram(LoopbackServer):
                 {"file_id": file_id, "file_unique_id": f"u{file_id}", "width": w, "height": h, "file_size": len(data)}
             )
         return sizes
+
+    def _given_sizes(self, sizes: list[bytes]) -> list[dict[str, Any]]:
+        """The sizes a test gives, each its own file (small to large, as Telegram lists them)."""
+        out = []
+        for i, data in enumerate(sizes):
+            file_id = self._add_file(f"photos/file_{len(self._files)}_{i}.jpg", data)
+            side = 90 * (i + 1)
+            out.append(
+                {
+                    "file_id": file_id,
+                    "file_unique_id": f"u{file_id}",
+                    "width": side,
+                    "height": side,
+                    "file_size": len(data),
+                }
+            )
+        return out
 
     def _add_file(self, path: str, content: bytes) -> str:
         file_id = f"AgAC{len(self._files):04d}x"

@@ -8,10 +8,10 @@ inside the escaped body), images as image parts, the agent note for a new conver
 from __future__ import annotations
 
 import base64
-import json
 import re
 from typing import Any
 
+from appserver.client import encode_frame
 from gateway.envelope import AGENT_NOTE, Envelope, render, timestamp
 from gateway.ledger import Entry
 from gateway.tool import SPEC as TOOL_SPEC
@@ -49,8 +49,9 @@ def submit_frame(
 
 
 def frame_size(frame: dict[str, Any]) -> int:
-    """The bytes `frame` takes as `submit_input` on the wire (the client sends ASCII JSON)."""
-    return len(json.dumps({"type": "submit_input", **frame}))
+    """The bytes `frame` takes as `submit_input` on the wire, as the protocol client encodes it
+    (UTF-8: non-ASCII text is not escaped)."""
+    return encode_frame({"type": "submit_input", **frame})[1]
 
 
 def _frame(

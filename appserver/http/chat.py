@@ -64,7 +64,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.images import image_url_problem
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
-from appserver.runtime.kernel import _blank_text_part as blank_text_part  # the kernel's submit rule
+from appserver.runtime.kernel import blank_input as kernel_blank_input  # the kernel's submit rule
 from appserver.store.base import StoreUnavailable
 from appserver.store.records import AgentRecord
 
@@ -674,9 +674,7 @@ def blank_input(content: str | list[dict[str, Any]] | None) -> bool:
     """New input with nothing to answer, by the rule the kernel's submit refuses it with: text that
     is empty or only whitespace, or parts that are all blank text parts (no image or file). The
     routes refuse it (400 `missing_input`) before a conversation is placed or created."""
-    if isinstance(content, str):
-        return not content.strip()
-    return not content or all(blank_text_part(part) for part in content)
+    return content is None or kernel_blank_input(content)
 
 
 def new_content(users: list[ViewItem]) -> str | list[dict[str, Any]] | None:

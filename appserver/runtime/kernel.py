@@ -625,7 +625,7 @@ class Kernel:
                 raise InvalidInput("input is empty", param="input")
         elif not isinstance(content, list) or not content:
             raise InvalidInput("input must be text or a non-empty list of parts", param="input")
-        elif all(_blank_text_part(part) for part in content):
+        elif all(blank_text_part(part) for part in content):
             # parts with no text to read and no image or file: as empty as "" (HTTP: missing_input)
             raise InvalidInput("input is empty: its parts hold no text, image or file", param="input")
         key = req.idempotency_key or None
@@ -867,7 +867,17 @@ class Kernel:
                 log.exception("settled listener failed")
 
 
-def _blank_text_part(part: Any) -> bool:
+def blank_input(content: Any) -> bool:
+    """Input with nothing in it, which `Kernel.submit` refuses: text that is empty or only
+    whitespace, an empty list of parts, or parts that are all blank text parts (no image or file).
+    Front ends that must refuse it before they write anything (the HTTP routes place or create a
+    conversation first) ask this same rule."""
+    if isinstance(content, str):
+        return not content.strip()
+    return isinstance(content, list) and (not content or all(blank_text_part(part) for part in content))
+
+
+def blank_text_part(part: Any) -> bool:
     """A text part whose text is empty or only whitespace (any other part, an image or a file,
     is input)."""
     if not isinstance(part, dict) or part.get("type") not in ("text", "input_text"):

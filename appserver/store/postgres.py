@@ -102,6 +102,22 @@ NOT_SETTLED = "status NOT IN ('completed', 'cancelled', 'failed', 'interrupted')
 LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
 
 
+def _conversation_row(conv: ConversationRecord) -> tuple[Any, ...]:
+    """The parameters of `_INSERT_CONVERSATION` for `conv`."""
+    return (
+        conv.id,
+        conv.agent_id,
+        conv.is_default,
+        conv.title,
+        conv.user,
+        conv.namespace,
+        conv.forked_from,
+        dump_json(conv.metadata),
+        conv.created_at,
+        conv.updated_at,
+    )
+
+
 class _LostBeforeCommit(Exception):
     """The connection broke while a group's statements ran: nothing was committed."""
 
@@ -681,18 +697,7 @@ class PostgresStore(Store):
         async def job(conn: Conn) -> None:
             await conn.execute(
                 _INSERT_CONVERSATION,
-                (
-                    conv.id,
-                    conv.agent_id,
-                    conv.is_default,
-                    conv.title,
-                    conv.user,
-                    conv.namespace,
-                    conv.forked_from,
-                    dump_json(conv.metadata),
-                    conv.created_at,
-                    conv.updated_at,
-                ),
+                _conversation_row(conv),
             )
             for mid in ids:  # one at a time: the copies get ids in the order given
                 await conn.execute(_COPY_MESSAGE, (conv.id, mid))
@@ -720,18 +725,7 @@ class PostgresStore(Store):
         async def job(conn: Conn) -> DictRow | None:
             cur = await conn.execute(
                 _INSERT_CONVERSATION + " ON CONFLICT DO NOTHING RETURNING id",
-                (
-                    conv.id,
-                    conv.agent_id,
-                    conv.is_default,
-                    conv.title,
-                    conv.user,
-                    conv.namespace,
-                    conv.forked_from,
-                    dump_json(conv.metadata),
-                    conv.created_at,
-                    conv.updated_at,
-                ),
+                _conversation_row(conv),
             )
             if await cur.fetchone() is not None:
                 for mid in ids:  # as create_conversation: one at a time, the copies keep the order given

@@ -10,6 +10,7 @@ result the history holds, and a call whose tool never began says it was not exec
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,73 @@ def test_a_cancel_racing_an_approval_leaves_no_open_call_in_the_settled_snapshot
     known = ("not executed", "stopped before it returned a result")
     for outcome in outcomes:
         assert outcome.startswith("completed:") or any(k in outcome for k in known), outcomes
+
+
+KILL_ROUNDS = 12
+
+
+def test_an_acknowledged_cancel_survives_a_kill_9_right_after_it(tmp_path: Path) -> None:
+    """An approval and a cancel race, both acknowledged, then the server is killed at once: the
+    restarted server never resumes the turn and runs the approved call the cancel stopped (it ran
+    in the restarted process in about one round in six). A call that began before the kill may have
+    run there; none may run in the next process."""
+    home = tmp_path / "home"
+    ran = tmp_path / "ran.txt"
+    env = cli_env(home)
+    made = run_cli(home, "agents", "create", "--name", "ops", "--tool", "shell=ask", env=env)
+    assert made.code == 0, made.err
+    command = json.dumps({"command": f"echo $PPID >> {ran}"})
+    restarted: list[int] = []
+
+    async def one_round(url: str) -> tuple[str, bool]:
+        a, b, c = await WS.open(url), await WS.open(url), await WS.open(url)
+        try:
+            conv = (await a.request({"type": "create_conversation", "agent": "ops"}))["conversation"]["id"]
+            await a.request({"type": "subscribe", "conversation": conv})
+            await a.request(
+                {"type": "submit_input", "agent": "ops", "conversation": conv, "input": f"/call shell {command}"}
+            )
+            call_id = (await a.expect(lambda f: f["type"] == "approval_request"))["call_id"]
+            approve = {
+                "type": "approval_response",
+                "conversation": conv,
+                "decisions": [{"call_id": call_id, "decision": "approve"}],
+            }
+            _, cancelled = await asyncio.gather(b.request(approve), c.request({"type": "cancel", "conversation": conv}))
+            return conv, bool(cancelled.get("cancelled"))
+        finally:
+            for ws in (a, b, c):
+                await ws.close()
+
+    async def settled(url: str, conv: str) -> str:
+        ws = await WS.open(url)
+        try:
+            for _ in range(100):
+                history = await ws.request({"type": "get_history", "conversation": conv})
+                tools = [m for m in history["messages"] if m["role"] == "tool"]
+                if tools:
+                    return str(tools[-1]["content"])
+                await asyncio.sleep(0.1)
+            return ""
+        finally:
+            await ws.close()
+
+    for _ in range(KILL_ROUNDS):
+        sp = start_serve(home, env=env)
+        try:
+            conv, cancelled = asyncio.run(one_round(sp.url))
+        finally:
+            sp.proc.kill()  # kill -9 right after both acknowledgements
+            sp.proc.wait(10)
+        sp = start_serve(home, env=env)
+        try:
+            restarted.append(sp.proc.pid)
+            result = asyncio.run(settled(sp.url, conv))
+            assert result, "the call never got its result"
+        finally:
+            sp.stop()
+        if cancelled:
+            pids = ran.read_text().split() if ran.exists() else []
+            assert str(sp.proc.pid) not in pids, (result, pids)  # the cancel held across the crash
+    pids = ran.read_text().split() if ran.exists() else []
+    assert not set(pids) & {str(p) for p in restarted}, pids

@@ -19,7 +19,7 @@ from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.history import History
-from appserver.runtime.lifecycle import TurnLifecycle
+from appserver.runtime.lifecycle import TurnLifecycle, wait_left_pause
 from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.queue import TurnQueue
 from appserver.runtime.run import TurnRunner
@@ -132,9 +132,12 @@ class ConversationRuntime:
             self.queue.close()
         state = self.lifecycle.state
         if state in ("active", "cancelling"):
-            if self.lifecycle.request_cancel() is None:
+            lease = self.lifecycle.request_cancel()
+            if lease is None:
                 return False
             self._runner.cancel_loop(self.queue.worker)
+            if not shutdown:
+                await wait_left_pause(lease)  # a turn just taken out of its pause: see Lease.left_pause
             return True
         if shutdown:
             return False

@@ -84,6 +84,8 @@ async def finish_turn(
             controller.settle_calls(commit.messages)
             if seat is not None:
                 seat.history.extend(commit.messages)
+    if lease is not None:
+        lease.left_pause.set()  # committed (or failed for good): a cancel waiting for it may answer
     # From here on nothing awaits: no other task sees the turn half settled.
     record.status = end.status
     if end.status == "awaiting" and commit is not None and lease is not None and seat is not None:

@@ -21,7 +21,7 @@ from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.history import History
-from appserver.runtime.lifecycle import Lease, TurnLifecycle
+from appserver.runtime.lifecycle import Lease, TurnLifecycle, wait_left_pause
 from appserver.runtime.restore import controller_from_store
 from appserver.store.records import MessageRecord, PendingCall, TurnRecord
 
@@ -187,9 +187,9 @@ class PendingAnswers:
         if self._awaiting is turn and self._resume is None and self._lifecycle.state == "awaiting":
             self.take(turn, [p for p in pending if p.call_id not in done])
 
-    def take(self, turn: TurnRecord, resolved: list[PendingCall] | None) -> None:
+    def take(self, turn: TurnRecord, resolved: list[PendingCall] | None) -> Lease:
         """awaiting → active, synchronously: the paused turn now belongs to the worker, resumed
-        with `resolved`, or (None) cancelled. Nothing else writes its results."""
+        with `resolved`, or (None) cancelled. Nothing else writes its results. Its lease."""
         lease = self._lifecycle.begin(turn.id)
         if resolved is None:
             self._lifecycle.request_cancel()
@@ -197,6 +197,7 @@ class PendingAnswers:
         self.cancel_expiry()
         self._resume = Resume(turn, lease, resolved)
         self._wake()
+        return lease
 
     # ------------------------------------------------------------ cancel
 
@@ -205,9 +206,12 @@ class PendingAnswers:
         if self._lifecycle.state != "awaiting" or self._awaiting is None:
             return False
         turn = self._awaiting
-        self.take(turn, None)
+        lease = self.take(turn, None)
         # The open calls are answered now, so an answer that comes after this hears so.
         await self._cancel_open_calls(turn.id)
+        # Calls answered before the cancel (an approval) stay answered in the store until the turn
+        # leaves its pause there: a crash before that would resume it and run them.
+        await wait_left_pause(lease)
         return True
 
     def abandon(self) -> None:

@@ -140,9 +140,12 @@ class TurnRunner:
         work: TurnWork | None = None
         elsewhere: TurnSettledElsewhere | None = None
         try:
-            if (record.status != "running" or resume is not None) and not lease.cancel_event.is_set():
+            if resume is not None or (record.status != "running" and not lease.cancel_event.is_set()):
+                # A resumed turn leaves its pause in the store first, even when a cancel already
+                # came (`Lease.left_pause`): a crash from here on settles it, never resumes it.
                 record.status = "running"
                 await deps.store.mark_turn_running(record.id, deps.owner, controller.revision)
+                lease.left_pause.set()
                 lifecycle.check(lease)
             history = await self._history.read()
             lifecycle.check(lease)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 
 T = 10.0  # the longest any single socket wait may take
 CAP = 8
-GRACE_S = 1.0  # fair_slots.SAME_GROUP_GRACE_S (the head timeout here is 10 s: half of it is more)
+GRACE_S = 1.0  # fair_slots.EVICTION_GRACE_S (the head timeout here is 10 s: half of it is more)
 HOLD = b"GET /healthz HTTP/1.1\r\n"  # a request line, and the head never finished
 ASK = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 HEALTH = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
@@ -168,14 +168,13 @@ def test_a_newcomer_from_another_address_takes_the_oldest_slow_head_at_once(srv:
     held = _hold(srv, CAP)
     extra: list[socket.socket] = []
     try:
-        # One address holds every slot: its own next connection is refused (its slow heads are
-        # younger than the grace), as before.
+        # One address holds every slot: no newcomer, from it or elsewhere, evicts a connection
+        # younger than the grace (a client's request may be on its way).
         assert _ask(srv) in (0, 503)
-        time.sleep(0.1)  # the partial heads are read (the eviction answers them with a 503)
-        started = time.monotonic()
+        assert _ask(srv, "127.0.0.2") in (0, 503)
+        time.sleep(GRACE_S + 0.1)
         assert _ask(srv, "127.0.0.2", keep=extra) == 200
         assert _ask(srv, "127.0.0.3", keep=extra) == 200
-        assert time.monotonic() - started < GRACE_S  # no waiting for the grace across addresses
         _assert_evicted(held[0])  # the oldest two go, with a 503 each
         _assert_evicted(held[1])
         assert all(_untouched(s) for s in held[2:])
@@ -297,7 +296,7 @@ def _gate(grace_s: float = 1.0, **groups: int) -> tuple[SlotGate, dict[str, list
 
 
 def test_gate_evicts_the_oldest_of_the_heaviest_group_when_fairer() -> None:
-    gate, conns = _gate(a=5, b=2)
+    gate, conns = _gate(grace_s=0.0, a=5, b=2)
     eviction = gate.make_room("b", "why")  # b holds 2 < 5 - 1: fairer
     assert eviction is not None and eviction.victim_group == "a" and eviction.victim_group_unproven == 5
     assert conns["a"][0].evicted == "why"
@@ -308,6 +307,17 @@ def test_gate_evicts_the_oldest_of_the_heaviest_group_when_fairer() -> None:
     assert gate.make_room("b", "why") is None  # 4 is not fewer than 5 - 1: a swap, not fairer
     assert gate.make_room("a", "why") is None  # a's own, all younger than the grace
     assert not any(c.evicted for cs in conns.values() for c in cs)
+
+
+def test_gate_evicts_nobody_younger_than_the_grace_whatever_the_groups() -> None:
+    """A flood of connects from many addresses (each its own group) cannot make a newcomer evict
+    a connection whose request may still be on its way."""
+    gate, conns = _gate(grace_s=1.0, **{f"g{i}": 1 for i in range(8)})
+    for newcomer in ("fresh", "g0", "g3"):
+        assert gate.make_room(newcomer, "why") is None
+    assert not any(c.evicted for cs in conns.values() for c in cs)
+    gate, conns = _gate(grace_s=0.0, **{f"g{i}": 1 for i in range(8)})
+    assert gate.make_room("fresh", "why") is not None and conns["g0"][0].evicted  # past it: the oldest
 
 
 def test_gate_same_group_only_past_the_grace_and_never_a_proven_one() -> None:
@@ -452,6 +462,7 @@ def test_refused_keep_alive_connections_do_not_hold_the_slots(token_srv: tuple[S
         for s in refused:  # the attack keeps each alive with another refused request
             s.sendall(ASK)
             assert _response(s)[0] == 401
+        time.sleep(GRACE_S + 0.1)  # no connection is evicted younger than this
         status, s = _ask_with(srv, token, "127.0.0.2")
         served.append(s)
         assert status == 200
@@ -499,7 +510,7 @@ def test_websockets_waiting_for_hello_do_not_hold_the_slots(token_srv: tuple[Ser
             assert welcome["type"] == "welcome", welcome
         # (the hello window is 5 s: what follows takes well under that)
         waiting = [_upgraded(srv) for _ in range(CAP - 2)]
-        time.sleep(0.2)
+        time.sleep(GRACE_S + 0.1)  # no connection is evicted younger than this
         status, s = _ask_with(srv, token, "127.0.0.2")
         served.append(s)
         assert status == 200
@@ -513,3 +524,57 @@ def test_websockets_waiting_for_hello_do_not_hold_the_slots(token_srv: tuple[Ser
         for ws in greeted:
             loop.run_until_complete(ws.close())
         loop.close()
+
+
+@other_loopback
+def test_a_newcomer_is_not_evicted_by_a_flood_from_many_addresses_before_its_request(
+    token_srv: tuple[ServeProcess, str],
+) -> None:
+    """Every slot but one held by idle connections from many addresses, past the grace; a client
+    with a token takes the last one and is slow to send its request; a flood of newcomers from
+    yet other addresses evicts the old idle ones, never the client's fresh connection, and once
+    those are gone it is refused (503), not let in at the client's expense."""
+    srv, token = token_srv
+    idle = [_connect(srv, f"127.0.1.{i + 1}") for i in range(CAP - 1)]
+    extra: list[socket.socket] = []
+    try:
+        time.sleep(GRACE_S + 0.1)
+        mine = _connect(srv, "127.0.0.1")  # the last slot; its request comes late
+        flood = [_connect(srv, f"127.0.2.{i + 1}") for i in range(CAP - 1)]  # each takes an old idle slot
+        extra.extend(flood)
+        late = _connect(srv, "127.0.3.1")  # nothing old is left: refused, never the client's slot
+        extra.append(late)
+        assert _response(late)[0] in (0, 503)
+        for s in idle:
+            assert _closed_by_server(s)
+        mine.sendall(
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token.encode() + b"\r\n\r\n"
+        )
+        assert _response(mine)[0] == 200
+        extra.append(mine)
+    finally:
+        _close(idle + extra)
+
+
+def test_a_flood_of_pipelined_requests_is_cut_at_the_pipeline_limit(srv: ServeProcess) -> None:
+    """Thousands of requests sent ahead of their replies in one write: at most PIPELINE_MAX are
+    queued, then a 429 (after the replies before it) and the connection ends; nothing piles up."""
+    from appserver.security.edge import PIPELINE_MAX
+
+    s = _connect(srv)
+    try:
+        s.sendall(HEALTH * 1000)
+        got = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not chunk:
+                break
+            got += chunk
+    finally:
+        s.close()
+    answered = got.count(b"HTTP/1.1 200")
+    assert got.count(b"HTTP/1.1 429") == 1 and b"too_many_pipelined_requests" in got, got[-500:]
+    assert answered <= PIPELINE_MAX + 1, answered  # the one running, and the queued ones

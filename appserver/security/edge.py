@@ -64,7 +64,7 @@ from websockets.protocol import State as WsState
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
 from appserver.security.asgi import PROVE
-from appserver.security.fair_slots import SAME_GROUP_GRACE_S, Evictable, SlotGate, client_group
+from appserver.security.fair_slots import EVICTION_GRACE_S, Evictable, SlotGate, client_group
 from appserver.ws.connection import WRITE_FRAME
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class EdgeLimits:
             keepalive_timeout_s=float(limits.keepalive_timeout_s),
             max_connections=connection_cap(int(limits.max_connections)),
             send_timeout_s=float(limits.send_timeout_s),
-            slots=SlotGate(grace_s=min(SAME_GROUP_GRACE_S, float(limits.head_timeout_s) / 2)),
+            slots=SlotGate(grace_s=min(EVICTION_GRACE_S, float(limits.head_timeout_s) / 2)),
         )
 
 
@@ -198,6 +198,16 @@ def raw_error(status: int, code: str, message: str, extra: tuple[tuple[bytes, by
 
 class _HeadTooLarge(Exception):
     pass
+
+
+class _TooManyPipelined(Exception):
+    pass
+
+
+# Requests a client may send ahead of their replies on one connection (pipelining). Each one parsed
+# is a queued request (its scope, headers, cycle) until its turn: a client that sends thousands in
+# one write and never reads a reply held all of them in memory.
+PIPELINE_MAX = 64
 
 
 LINGER_S = 2.0
@@ -600,19 +610,24 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def evict(self, reason: str) -> None:
         """Give up this connection's slot at once (`SlotGate.make_room`; it never authenticated): a
-        503 if part of a head arrived, then closed; a request of it still running (a refused one's
-        answer, a public path) sees a disconnect. Closed, not lingered: its descriptor is free
-        within a loop pass, so evictions never hold more descriptors than the cap allows. Not logged
-        here: `_made_room` logs at most one line per interval, however many are evicted."""
+        503 and closed, or aborted when something is still owed to it (replies it has not taken,
+        one under way); a request of it still running (a refused one's answer, a public path) sees
+        a disconnect. Never lingered: its descriptor is free within a loop pass, so evictions never
+        hold more descriptors than the cap allows. Not logged here: `_made_room` logs at most one
+        line per interval, however many are evicted."""
         self._cancel_timers()
         self._disconnect_all()
         self._linger_left = LINGER_MAX_BYTES  # whatever still arrives is dropped
         transport = self.transport
-        if transport.is_closing():  # already answered (a 400, a 408) and lingering: go now
+        if transport.is_closing() or transport.get_write_buffer_size() > 0 or self._replying():
+            # Answered already (a 400, a 408, lingering), replies its client has not taken, or a
+            # reply under way: a close would wait for the client to take them, its descriptor held
+            # past the cap. Go now.
             transport.abort()
             return
-        if self._phase == HEAD:
-            transport.write(raw_error(503, "server_busy", reason, ((b"retry-after", b"1"),))[0])
+        # Nothing is owed to it: the 503 says why (a client whose request was still on its way
+        # gets an answer, not a reset).
+        transport.write(raw_error(503, "server_busy", reason, ((b"retry-after", b"1"),))[0])
         transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -633,6 +648,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         # which the server makes rare (cli/serve.py). Nothing reads from it after this.
         self._body_flow.release()
         self._running = None
+
+    def _replying(self) -> bool:
+        """A response on this connection has begun and is not complete."""
+        cycle = self._running
+        return cycle is not None and cycle.response_started and not cycle.response_complete
 
     def _cancel_timers(self) -> None:
         for timer in (self._head_timer, self._body_timer):
@@ -668,6 +688,13 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserError as exc:
             if isinstance(exc.__context__, _HeadTooLarge):
                 self._refuse_head()
+            elif isinstance(exc.__context__, _TooManyPipelined):
+                self._close_with(
+                    429,
+                    "too_many_pipelined_requests",
+                    f"more than {PIPELINE_MAX} requests sent ahead of their replies on one connection; "
+                    "read the replies, or open another connection",
+                )
             else:
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")
@@ -756,6 +783,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._count_head(2)  # the empty line that ends the head
+        if len(self.pipeline) >= PIPELINE_MAX:
+            raise _TooManyPipelined()
         if self._slot.unproven:  # the guard proves it if this request authenticates
             cast(dict[str, Any], self.scope)["extensions"] = {PROVE: self._slot.prove}
         if self.url[:1] != b"/":

@@ -22,11 +22,13 @@ import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
-# A connection of the newcomer's own group must have waited this long without authenticating
-# before the newcomer may take its slot (the edge uses at most half its head timeout): a client
-# completes its head within a round trip or two of connecting, so only one that holds its slot idle
-# or trickles is older, and a burst of connects from one address does not evict its own fresh ones.
-SAME_GROUP_GRACE_S = 1.0
+# No connection is evicted before it has waited this long without authenticating (the edge uses
+# at most half its head timeout): a client sends its head and credential within a round trip or
+# two of connecting, so only one that holds its slot idle or trickles is older. Whoever the
+# newcomer is: a burst of connects does not evict its own fresh ones, and a flood of connects from
+# many addresses (any local process can use all of 127.0.0.0/8; a remote one a whole IPv6 /64)
+# cannot make a legitimate newcomer the oldest before its request was even read.
+EVICTION_GRACE_S = 1.0
 _V4_MAPPED = bytes(10) + b"\xff\xff"
 
 
@@ -72,16 +74,17 @@ class SlotGate:
     most of them, when that makes the slots fairer: the newcomer's group holds none, or fewer than
     the victim's group less one (so two groups never trade slots back and forth, and a newcomer is
     never evicted while another group holds more unproven connections than its own). Otherwise,
-    within the newcomer's own group, its oldest unproven connection if it has waited at least the
-    grace: one address (everyone, on a laptop or behind a proxy) cannot lock its other clients out,
-    and no group's share changes. Else the newcomer is refused, as before.
+    within the newcomer's own group, its oldest unproven connection: one address (everyone, on a
+    laptop or behind a proxy) cannot lock its other clients out, and no group's share changes.
+    Either way only a victim that has waited at least the grace (`EVICTION_GRACE_S`); else the
+    newcomer is refused, as before.
 
     Every step is O(1) but the choice among the groups holding the most, which looks at no more
     than `SCAN` of them: at the cap, thousands of addresses must not make each accept a long scan.
     """
 
-    # how long a connection of the newcomer's own group must have waited (`SAME_GROUP_GRACE_S`)
-    grace_s: float = SAME_GROUP_GRACE_S
+    # how long a connection must have waited before it may be evicted (`EVICTION_GRACE_S`)
+    grace_s: float = EVICTION_GRACE_S
     # unproven connections per group, oldest first (dicts keep insertion order): conn -> admitted at
     _unproven: dict[str, dict[Evictable, float]] = field(default_factory=dict)
     # every unproven connection, oldest first, and its group
@@ -137,7 +140,7 @@ class SlotGate:
         victim_group = self._group_of[victim]
         waiting = self._unproven[victim_group]
         since = waiting[victim]
-        if victim_group == group and now - since < self.grace_s:
+        if now - since < self.grace_s:
             return None
         eviction = Eviction(victim_group, now - since, len(waiting))
         self.proven(victim)

@@ -1,10 +1,10 @@
 """Approval prompts in the chat: what the gateway shows for a paused turn and who may answer.
 
 When a channel turn pauses for an `ask` tool, the chat gets a prompt naming the tool and its
-arguments (literally, in a code block; long ones cut in the middle, saying so), answered with
-`/approve ID` / `/deny ID` (or a plugin's buttons, which send the same). Only the sender who
-started the turn or an admin may answer. The prompt is updated when the call is decided here,
-elsewhere (CLI, desktop) or times out.
+arguments (literally, in a code block, long runs of padding as counts; long ones cut in the
+middle, saying so), answered with `/approve ID` / `/deny ID` (or a plugin's buttons, which send
+the same). Only the sender who started the turn or an admin may answer. The prompt is updated
+when the call is decided here, elsewhere (CLI, desktop) or times out.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class Prompt:
         """The prompt as Markdown. The arguments are the model's: shown literally in a code block no
         text can close (rendered as Markdown, Discord hid `||…||` as a spoiler and `[x](url)` behind
         its label), and a cut says so outside the block, where the model cannot forge it."""
-        # Literally, whitespace included: `printf "a    b"` must read as what will run, and padding
-        # counts toward the cut (squashed, 400 spaces hid nothing and the cut never said so).
+        # Literally, whitespace included (`printf "a    b"` must read as what will run), except that
+        # long runs of one whitespace or hidden character, and of combining marks, are shown as a
+        # count (`compact`): as padding they pushed the end of a command out of sight.
         args = self.arguments if self.arguments.strip() else "{}"
         shown, hidden = cut_middle(args)
         cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
@@ -79,19 +80,103 @@ class Prompt:
         return f"{head}\nReply /approve {self.short_id} or /deny {self.short_id}"
 
 
+RUN_SHOWN = 8  # a run of this many identical whitespace (or hidden) characters, or combining marks, is counted
+CUT_BACK = 16  # a cut moves back at most this far to a grapheme boundary (else it cuts inside the cluster)
+MARK_OPEN, MARK_CLOSE = "⟨", "⟩"  # around a count; the model's own are shown escaped, so none is forged
+RUN_NAMES = {" ": "spaces", "\t": "tabs", "\n": "line breaks"}
+
+
+@dataclass(frozen=True)
+class Compacted:
+    """Arguments as shown before a cut: `text`, with `weight[i]` the characters of the arguments
+    that `text[i]` stands for (a count marker's run on its first character, 0 on the rest) and
+    `inside[i]` true where `text[i]` is inside a marker but not its start (no cut there)."""
+
+    text: str
+    weight: tuple[int, ...]
+    inside: tuple[bool, ...]
+
+
+def _combining(char: str) -> bool:
+    return unicodedata.category(char) in ("Mn", "Me")
+
+
+def _tag(char: str) -> bool:
+    return 0xE0020 <= ord(char) <= 0xE007F
+
+
+def _run_kind(text: str, i: int) -> tuple[int, str] | None:
+    """The run of `RUN_SHOWN` or more characters starting at `text[i]` that is shown as a count: its
+    end and its marker's words; None when `text[i]` starts none."""
+    char = text[i]
+    if _combining(char) or _tag(char):  # marks on one base, tag characters: not necessarily identical
+        same = _combining if _combining(char) else _tag
+        end = i
+        while end < len(text) and same(text[end]):
+            end += 1
+        what = "combining marks" if same is _combining else "tag characters"
+    elif char.isspace() or _hidden(char):  # identical whitespace, controls, format characters
+        end = i
+        while end < len(text) and text[end] == char:
+            end += 1
+        what = RUN_NAMES.get(char) or f"× U+{ord(char):04X}"
+    else:
+        return None
+    return (end, what) if end - i >= RUN_SHOWN else None
+
+
+def compact(text: str) -> Compacted:
+    """`text` with every run of `RUN_SHOWN` or more identical whitespace characters (or identical
+    hidden ones: controls, format characters), combining marks (categories Mn/Me) or tag characters
+    shown as a count, `⟨250 spaces⟩`, `⟨40 tabs⟩`, `⟨100 combining marks⟩`, `⟨9 × U+200B⟩`; shorter
+    runs stay literal. The model's own ⟨ and ⟩ are shown as escapes, so a marker cannot be forged."""
+    parts: list[str] = []
+    weight: list[int] = []
+    inside: list[bool] = []
+    i = 0
+    while i < len(text):
+        run = _run_kind(text, i)
+        if run is not None:
+            end, what = run
+            marker = f"{MARK_OPEN}{end - i:,} {what}{MARK_CLOSE}"
+            parts.append(marker)
+            weight += [end - i] + [0] * (len(marker) - 1)
+            inside += [False] + [True] * (len(marker) - 1)
+            i = end
+            continue
+        char = text[i]
+        shown = _escaped(char) if char in (MARK_OPEN, MARK_CLOSE) else char
+        parts.append(shown)
+        weight += [1] + [0] * (len(shown) - 1)
+        inside += [False] + [True] * (len(shown) - 1)
+        i += 1
+    return Compacted("".join(parts), tuple(weight), tuple(inside))
+
+
+def _cut_at(shown: Compacted, k: int) -> int:
+    """Where to cut `shown` near `k`, never after it: at a grapheme boundary at most `CUT_BACK`
+    characters back (else at `k`, inside the cluster: a 101-character cluster moved the end's cut
+    past everything it was to show), and never inside a count marker (moved back to its start)."""
+    text = shown.text
+    cut = next((c for c in range(k, max(0, k - CUT_BACK) - 1, -1) if is_grapheme_boundary(text, c)), k)
+    while 0 < cut < len(text) and shown.inside[cut]:
+        cut -= 1
+    return cut
+
+
 def cut_middle(text: str) -> tuple[str, int]:
-    """`text`, or its start and end around " … " when longer than `ARGS_SHOWN` (cut at grapheme
-    boundaries), and how many characters were left out: the end of a command is where the danger
-    tends to be, so padding cannot push it out of sight."""
-    if len(text) <= ARGS_SHOWN:
-        return text, 0
-    head = ARGS_HEAD
-    while head > 0 and not is_grapheme_boundary(text, head):
-        head -= 1
-    tail = len(text) - ARGS_TAIL
-    while tail < len(text) and not is_grapheme_boundary(text, tail):
-        tail += 1
-    return f"{text[:head]} … {text[tail:]}", tail - head
+    """`text` as shown (`compact`), or its start and end around " … " when that is longer than
+    `ARGS_SHOWN`, and how many characters of `text` were left out (a marker's run counts as its
+    length). The end of a command is where the danger tends to be, so the end shows at least
+    `ARGS_TAIL` characters and padding cannot push it out of sight."""
+    shown = compact(text)
+    if len(shown.text) <= ARGS_SHOWN:
+        return shown.text, 0
+    head = _cut_at(shown, ARGS_HEAD)
+    tail = _cut_at(shown, len(shown.text) - ARGS_TAIL)
+    if tail <= head:  # one marker spans both cuts: a little over the limit, nothing left out
+        return shown.text, 0
+    return f"{shown.text[:head]} … {shown.text[tail:]}", sum(shown.weight[head:tail])
 
 
 def literal(text: str) -> str:

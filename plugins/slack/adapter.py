@@ -434,8 +434,9 @@ class SlackAdapter:
             data = None
         if data is None:
             return Attachment(kind="file", name=name, mime=mime, size=size)
-        if len(data) > limit:  # bigger than Slack said: read no further
-            return Attachment(kind="image", name=name, mime=mime, size=size)
+        if len(data) > limit:  # bigger than Slack said (or it said nothing): read no further
+            # named with the bytes read, past the limit: Slack's `size` was wrong or missing
+            return Attachment(kind="image", name=name, mime=mime, size=max(len(data), size or 0))
         return Attachment(kind="image", name=name, mime=mime, size=len(data), data=data)
 
     async def _download(self, url: str, limit: int) -> bytes | None:

@@ -469,24 +469,29 @@ class TelegramAdapter:
         """The largest size of a photo that can reach the model: Telegram offers several (a
         thumbnail up to the original), and an image travels to the server base64-encoded in the
         turn's frame, so the limit is the gateway's `max_image_bytes()` (about 2.95 MiB with the
-        server's default 4 MiB frame), not the 5 MiB the gateway keeps at most. A size whose
-        download turns out bigger than Telegram said is passed over for the next smaller one. None
-        fits: the photo is named as too big (an image without data) and the caption goes on."""
+        server's default 4 MiB frame), not the 5 MiB the gateway keeps at most. Sizes are ranked by
+        their pixels (`file_size` is optional in the Bot API: one without it may be the largest). A
+        size Telegram says is bigger is not fetched; one whose download turns out bigger, or that
+        cannot be fetched (getFile "file is too big", a failed download), is passed over for the
+        next smaller one. None fits: the photo is named as too big (an image without data) and the
+        caption goes on; none could be fetched at all: it is named as a file."""
         limit = self.context.max_image_bytes()
-        by_size = sorted(sizes, key=lambda p: (p.file_size or 0, p.width * p.height), reverse=True)
+        by_size = sorted(sizes, key=lambda p: (p.width * p.height, p.file_size or 0), reverse=True)
         largest = by_size[0]
         name = f"photo_{largest.file_unique_id}.jpg"
-        too_big = largest.file_size
+        too_big = max((p.file_size or 0 for p in by_size), default=0)  # the biggest size seen
         for size in [p for p in by_size if (p.file_size or 0) <= limit]:
             try:
                 file = await self._require_bot().get_file(size.file_id)
                 data = bytes(await file.download_as_bytearray())
             except (TelegramError, DeliveryError, OSError) as exc:
                 self._log.warning("%s: could not fetch photo %s: %s", self._where, size.file_id, exc)
-                return Attachment(kind="file", name=name, mime="image/jpeg", size=largest.file_size)
+                continue
             if 0 < len(data) <= limit:
                 return Attachment(kind="image", name=name, mime="image/jpeg", size=len(data), data=data)
-            too_big = max(too_big or 0, len(data))
+            too_big = max(too_big, len(data))
+        if too_big <= limit:  # nothing was too big: what could not be fetched is named as a file
+            return Attachment(kind="file", name=name, mime="image/jpeg", size=largest.file_size)
         self._log.info("%s: photo %s: no size Telegram offers fits in %d bytes", self._where, name, limit)
         return Attachment(kind="image", name=name, mime="image/jpeg", size=too_big)
 

@@ -49,7 +49,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,6 +275,7 @@ class FakeTelegram(LoopbackServer):
         self._user_messages: dict[tuple[int, int], dict[str, Any]] = {}
         self._reactions: dict[tuple[int, int], list[str]] = {}
         self._files: dict[str, tuple[str, bytes]] = {}  # file_id -> (file_path, bytes)
+        self._broken_paths: set[str] = set()  # file paths whose download answers 500
         self._callbacks: dict[str, dict[str, Any] | None] = {}  # id -> answer (None until answered)
         self._calls: list[Call] = []
         self._polls: list[tuple[int, float, list[int]]] = []  # (offset, t arrived, update ids answered)
@@ -348,6 +349,8 @@ class FakeTelegram(LoopbackServer):
         document: tuple[str, str, bytes] | None = None,  # (file name, mime type, content)
         caption: str | None = None,
         photo_sizes: list[bytes] | None = None,  # a photo's sizes, small to large, instead of `photo`'s three
+        unsized: Collection[int] = (),  # indexes into `photo_sizes` sent without `file_size` (it is optional)
+        broken: Collection[int] = (),  # indexes into `photo_sizes` whose download answers 500
     ) -> Injected:
         """A user message in `chat_id` (`kind` private | group | supergroup; `thread` makes the
         supergroup a forum and the message a topic message). `@<bot username>` in the text is marked as
@@ -386,7 +389,7 @@ class FakeTelegram(LoopbackServer):
             if photo is not None:
                 msg["photo"] = self._photo_sizes(photo)
             if photo_sizes is not None:
-                msg["photo"] = self._given_sizes(photo_sizes)
+                msg["photo"] = self._given_sizes(photo_sizes, unsized, broken)
             if document is not None:
                 name, mime, content = document
                 file_id = self._add_file(f"documents/{name}", content)
@@ -471,21 +474,22 @@ class FakeTelegram(LoopbackServer):
             )
         return sizes
 
-    def _given_sizes(self, sizes: list[bytes]) -> list[dict[str, Any]]:
-        """The sizes a test gives, each its own file (small to large, as Telegram lists them)."""
+    def _given_sizes(
+        self, sizes: list[bytes], unsized: Collection[int] = (), broken: Collection[int] = ()
+    ) -> list[dict[str, Any]]:
+        """The sizes a test gives, each its own file (small to large, as Telegram lists them); those
+        in `unsized` have no `file_size`, those in `broken` cannot be downloaded (500)."""
         out = []
         for i, data in enumerate(sizes):
-            file_id = self._add_file(f"photos/file_{len(self._files)}_{i}.jpg", data)
+            path = f"photos/file_{len(self._files)}_{i}.jpg"
+            file_id = self._add_file(path, data)
+            if i in broken:
+                self._broken_paths.add(path)
             side = 90 * (i + 1)
-            out.append(
-                {
-                    "file_id": file_id,
-                    "file_unique_id": f"u{file_id}",
-                    "width": side,
-                    "height": side,
-                    "file_size": len(data),
-                }
-            )
+            size: dict[str, Any] = {"file_id": file_id, "file_unique_id": f"u{file_id}", "width": side, "height": side}
+            if i not in unsized:
+                size["file_size"] = len(data)
+            out.append(size)
         return out
 
     def _add_file(self, path: str, content: bytes) -> str:
@@ -720,6 +724,8 @@ class FakeTelegram(LoopbackServer):
             return JSONResponse(self._error(401, "Unauthorized"), status_code=401)
         if found is None:
             return JSONResponse(self._error(404, "Not Found"), status_code=404)
+        if request.path_params["path"] in self._broken_paths:
+            return Response("file server error", status_code=500, media_type="text/plain")
         return Response(found, media_type="application/octet-stream")
 
     def _take_failure(self, method: str) -> _Failure | None:

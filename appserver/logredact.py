@@ -127,6 +127,7 @@ def secret_forms(secret: str) -> set[str]:
     Base64-encoded too (`base64_forms`: a `Basic` header quoted back, an echo that encodes).
     Each is at least MIN_SECRET_LEN long."""
     url = {quote(secret, safe=""), quote(secret, safe="/"), quote_plus(secret)}
+    url |= {quote(u, safe="") for u in url}  # encoded twice: a URL quoted inside another's query
     url |= {_PERCENT.sub(lambda m: m.group(0).lower(), u) for u in url}
     forms = {secret, *url}
     for form in list(forms):
@@ -253,9 +254,10 @@ def provider_secrets(config: Config, environ: dict[str, str] | None = None) -> l
         for x in (url.username, url.password):
             if x:
                 found.extend((x, unquote(x)))  # as written, and as sent (percent-decoded, in Basic auth)
-        for _, value in parse_qsl(url.query, keep_blank_values=False):
-            found.append(value)
-            found.append(quote(value, safe=""))  # as a URL quotes it again
+        for key, value in parse_qsl(url.query, keep_blank_values=True):
+            for secret in (value, key) if not value else (value,):  # `?KEY` alone: the key is the secret
+                found.append(secret)
+                found.append(quote(secret, safe=""))  # as a URL quotes it again
     return [s for s in found if s and len(s.strip()) >= MIN_SECRET_LEN]
 
 

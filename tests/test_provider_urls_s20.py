@@ -14,6 +14,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +175,27 @@ def test_base64_forms_do_not_touch_unrelated_base64() -> None:
     red = SecretRedactor(secrets=[SECRET])
     other = base64.b64encode(b"an unrelated payload of some length").decode()
     assert red.redact(f"data={other}") == f"data={other}"
+
+
+def test_a_secret_url_encoded_twice_is_redacted() -> None:
+    from urllib.parse import quote
+
+    secret = "k3y/with&stuff-SECRET99"
+    red = SecretRedactor(secrets=[secret])
+    twice = quote(quote(secret, safe=""), safe="")
+    out = red.redact(f"GET /cb?next=%2Fv1%3Fkey%3D{twice} failed")
+    assert "SECRET99" not in out and red.redact(secret) in out, out
+
+
+def test_a_bare_query_key_in_base_url_is_a_secret(tmp_path: Path) -> None:
+    from appserver.config import load_config
+    from appserver.logredact import provider_secrets
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        '[providers.q]\nkind = "openai"\n'
+        'base_url = "http://127.0.0.1:9/v1?sk-bare-query-key-123456"\napi_key_env = ""\n'
+    )
+    found = provider_secrets(load_config(home=home, environ={}), environ={})
+    assert "sk-bare-query-key-123456" in found, found

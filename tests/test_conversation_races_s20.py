@@ -7,7 +7,9 @@ raw unique violation as a 500 `internal_error` (`conversations_pkey`, `conversat
 Creation is now idempotent across processes (`Store.ensure_conversation`: the row is inserted
 unless one is there, and the one there is read back), so every racer lands in one conversation;
 an id that exists for another agent or another credential is still refused as unknown, never
-adopted, however the race goes.
+adopted, however the race goes. (A credential without `admin` that sends a header name gets its
+own conversation `NAME~<tag>`, tests/test_conversation_names_s20.py: two credentials racing with
+one name get one conversation each.)
 """
 
 from __future__ import annotations
@@ -157,37 +159,39 @@ def test_an_unseen_header_id_used_by_simultaneous_requests_on_one_server_is_one_
 
 
 def test_an_unseen_header_id_used_on_two_servers_at_once_is_one_conversation(cluster: Cluster) -> None:
-    conv = "race-two-" + uuid.uuid4().hex[:12]
-    replies = asyncio.run(_burst(cluster.nodes, cluster.a, conv, "two-servers"))
+    name = "race-two-" + uuid.uuid4().hex[:12]
+    replies = asyncio.run(_burst(cluster.nodes, cluster.a, name, "two-servers"))
     _all_ok(replies, cluster)
-    assert {_conversation_of(r) for r in replies} == {conv}
+    convs = {_conversation_of(r) for r in replies}
+    assert len(convs) == 1
+    (conv,) = convs
+    assert conv.startswith(name + "~")  # credential a's own conversation of that name
     rows = _rows(cluster.url, "SELECT namespace FROM conversations WHERE id = %s", (conv,))
     assert len(rows) == 1 and rows[0][0] is not None  # owned by credential a
     assert _turn_conversations(cluster.url, "two-servers") == [conv] * N
 
 
-def test_an_unseen_header_id_raced_by_two_credentials_goes_to_one_the_other_is_refused(cluster: Cluster) -> None:
-    """Never adopted across namespaces: whichever credential's request created it owns it, and
-    every request of the other one gets what an unknown id gets (404), not a 500, not a turn."""
-    conv = "race-ns-" + uuid.uuid4().hex[:12]
+def test_an_unseen_header_name_raced_by_two_credentials_is_one_conversation_each(cluster: Cluster) -> None:
+    """Never shared across namespaces: each credential's name is its own (`NAME~<tag>`,
+    tests/test_conversation_names_s20.py), so both bursts succeed, each in one conversation of its
+    own namespace, with no 500 and nothing of one in the other."""
+    name = "race-ns-" + uuid.uuid4().hex[:12]
 
     async def go() -> list[tuple[str, httpx.Response]]:
         a, b = await asyncio.gather(
-            _burst(cluster.nodes, cluster.a, conv, "ns-a"), _burst(cluster.nodes, cluster.b, conv, "ns-b")
+            _burst(cluster.nodes, cluster.a, name, "ns-a"), _burst(cluster.nodes, cluster.b, name, "ns-b")
         )
         return [("a", r) for r in a] + [("b", r) for r in b]
 
     replies = asyncio.run(go())
-    odd = [(w, r.status_code, r.text[:300]) for w, r in replies if r.status_code not in (200, 404)]
-    assert not odd, f"{odd}\n{cluster.logs()[-6000:]}"
-    winners = {who for who, r in replies if r.status_code == 200}
-    assert len(winners) == 1, [(w, r.status_code) for w, r in replies]
-    loser = ({"a", "b"} - winners).pop()
-    for who, r in replies:
-        if who == loser:
-            assert r.json()["error"]["code"] == "conversation_not_found", r.text
-    assert len(_turn_conversations(cluster.url, f"ns-{loser}")) == 0
-    assert _turn_conversations(cluster.url, f"ns-{winners.pop()}") == [conv] * N
+    _all_ok([r for _, r in replies], cluster)
+    convs = {who: {_conversation_of(r) for w, r in replies if w == who} for who in ("a", "b")}
+    assert all(len(c) == 1 for c in convs.values()), convs
+    (conv_a,), (conv_b,) = convs["a"], convs["b"]
+    assert conv_a != conv_b and conv_a.startswith(name + "~") and conv_b.startswith(name + "~")
+    assert _turn_conversations(cluster.url, "ns-a") == [conv_a] * N
+    assert _turn_conversations(cluster.url, "ns-b") == [conv_b] * N
+    assert _rows(cluster.url, "SELECT count(*) FROM conversations WHERE id = %s", (name,)) == [(0,)]
 
 
 def test_an_unseen_header_id_raced_by_two_agents_goes_to_one_the_other_is_refused(cluster: Cluster) -> None:
@@ -213,9 +217,11 @@ def test_an_unseen_header_id_raced_by_two_agents_goes_to_one_the_other_is_refuse
 
 
 def test_an_existing_header_id_of_another_credential_is_still_refused(cluster: Cluster) -> None:
-    conv = "race-taken-" + uuid.uuid4().hex[:12]
-    first = asyncio.run(_burst(cluster.nodes[:1], cluster.a, conv, "taken-a", n=1))
+    """Another credential's conversation id (as its answers echo it) is not found, on every server."""
+    name = "race-taken-" + uuid.uuid4().hex[:12]
+    first = asyncio.run(_burst(cluster.nodes[:1], cluster.a, name, "taken-a", n=1))
     _all_ok(first, cluster)
+    conv = _conversation_of(first[0])
     again = asyncio.run(_burst(cluster.nodes, cluster.b, conv, "taken-b", n=4))
     assert [r.status_code for r in again] == [404] * 4, [r.text for r in again]
     assert {r.json()["error"]["code"] for r in again} == {"conversation_not_found"}

@@ -26,6 +26,7 @@ from appserver import fastjson
 from appserver.auth import namespace_allows
 from appserver.http.errors import ApiError
 from appserver.runtime import Decision, new_id
+from appserver.runtime.kernel import NAMESPACE_DEFAULT_NAME, NAMESPACE_TAG_LEN, namespaced_id
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -41,9 +42,23 @@ if TYPE_CHECKING:
 
 HEADER = "X-Conversation-Id"
 CONVERSATION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:\-]{0,127}$")
+# A name qualified by its namespace (runtime.kernel.namespaced_id): NAME~<tag>, at most 128 + 1 + 24 characters
+SERVER_ID_RE = re.compile(r"^conv_[0-9a-f]{16,32}$")  # what new_id("conv") makes (and made)
+QUALIFIED_ID_RE = re.compile(CONVERSATION_ID_RE.pattern[:-1] + "~[0-9a-f]{" + str(NAMESPACE_TAG_LEN) + "}$")
 EMPTY_HASH = hashlib.sha256(b"appserver-history-v1").hexdigest()
 CALL_TAIL_MAX = 512  # messages read back from a point to find the calls open there (its results, then them)
 CALL_TAIL_SHORT = 16  # the first read (most rounds have fewer results)
+
+
+def name_ids(ref: str, namespace: str | None) -> list[str]:
+    """The conversation ids a name in `X-Conversation-Id` (or a WebSocket frame) means for a caller,
+    first found wins. A namespaced credential's bare name is its own `NAME~<tag>` (`namespaced_id`),
+    then the bare name itself: a conversation it made under it before names were qualified (seen
+    only when it is the caller's). Anything else (an admin's or the local owner's name, an id with
+    a '~', an id the server made) is that id."""
+    if namespace is None or not CONVERSATION_ID_RE.match(ref) or SERVER_ID_RE.match(ref):
+        return [ref]
+    return [namespaced_id(ref, namespace), ref]
 
 
 @dataclass(slots=True)
@@ -634,31 +649,60 @@ class ConversationMatcher:
         metadata: dict[str, Any] | None,
         answers: Answers | None = None,
     ) -> Placement:
+        """The conversation an `X-Conversation-Id` names. Admin and the local owner (`namespace`
+        None) use the name as the id. A namespaced credential's name is its own: `NAME` is the
+        conversation `NAME~<tag>` of its namespace (`namespaced_id`), so two credentials' equal
+        names are two conversations and neither learns whether the other uses a name; a
+        conversation it made under the bare name before names were qualified is still found under
+        it. The `NAME~<tag>` id the answer echoes, sent back, is that same conversation (never
+        qualified twice); nobody creates an id with a '~' but its namespace."""
         value = value.strip()
         keyword = value.lower()
         if keyword == "default":  # this credential's default conversation, never an id named so
-            return Placement((await self.server.kernel.default_conversation(agent, namespace)).id, "header")
+            return await self._default(agent, namespace)
         if keyword == "new":  # a conversation of its own, whatever the history says
             made = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
             return Placement(made.id, "header_new", claimed=True)
-        if not CONVERSATION_ID_RE.match(value):
+        qualified = QUALIFIED_ID_RE.match(value)
+        if not qualified and not CONVERSATION_ID_RE.match(value):
             raise ApiError(
                 400,
-                f"invalid {HEADER}: letters, digits, '_', '.', ':', '-', at most 128 characters",
+                f"invalid {HEADER}: letters, digits, '_', '.', ':', '-', at most 128 characters "
+                "(or such a name with the '~' suffix an answer's X-Conversation-Id gave it)",
                 code="invalid_conversation_id",
                 param=HEADER,
             )
-        conv = await self.store.get_conversation(value)
+        # `own`: created when unknown. Admin's and the local owner's names are ids, as they are; a
+        # namespaced credential's name is its own `NAME~<tag>` (`name_ids`). Ids as the server gives
+        # them out are that conversation or none, never created by a namespaced credential: an id
+        # with a '~' only by the namespace it names (nobody makes another's ahead of it), an id the
+        # server made (`conv_…`) never (another credential's is "not found", as an unknown one is).
+        if namespace is not None and value == NAMESPACE_DEFAULT_NAME:
+            return await self._default(agent, namespace)  # its own default is `conv_default~…`
+        ids = name_ids(value, namespace)
+        if namespace is None:
+            own = not qualified
+        elif qualified:
+            own = value == namespaced_id(value.partition("~")[0], namespace)
+        else:
+            own = len(ids) > 1  # a bare name (its own NAME~<tag>), not an id the server made
+        conv_id = ids[0]
+        conv = await self.store.get_conversation(conv_id)
         if conv is None:
+            for legacy_id in ids[1:]:  # made under the bare name before names were qualified
+                legacy = await self.store.get_conversation(legacy_id)
+                if legacy is not None and self.visible(legacy, agent, namespace):
+                    return Placement(legacy.id, "header")
+        if conv is None and own:
             # "Created when unknown": requests racing with the same unseen id (on this server or
             # others) create it once; the rest find that one, as if they had come after it, and
             # are refused like any other when it is another agent's or credential's.
             conv, created = await self._new_or_there(
-                agent, namespace, conv_id=value, seed=prefix, user=user, metadata=metadata, answers=answers
+                agent, namespace, conv_id=conv_id, seed=prefix, user=user, metadata=metadata, answers=answers
             )
             if created:
-                return Placement(value, "header_new", claimed=True)
-        if not self.visible(conv, agent, namespace):
+                return Placement(conv_id, "header_new", claimed=True)
+        if conv is None or not self.visible(conv, agent, namespace):
             raise ApiError(
                 404,
                 f"Conversation with id {value!r} not found for this model and credential.",
@@ -666,6 +710,9 @@ class ConversationMatcher:
                 param=HEADER,
             )
         return Placement(conv.id, "header")
+
+    async def _default(self, agent: AgentRecord, namespace: str | None) -> Placement:
+        return Placement((await self.server.kernel.default_conversation(agent, namespace)).id, "header")
 
     async def by_prefix(
         self,

@@ -82,6 +82,7 @@ from appserver.http.stopping import CODE as SHUTTING_DOWN
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnapshot
+from appserver.runtime.settle import not_run_text, stopped_text
 from appserver.store.records import AgentRecord, ResponseRecord
 
 if TYPE_CHECKING:
@@ -1217,18 +1218,23 @@ class Responses:
                     agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added
                 )
                 content = new_content(users)
-                run = await start_turn(
-                    self.server,
-                    agent,
-                    place.conversation_id,
-                    content=content,
-                    decisions=decisions,
-                    client_tools=specs,
-                    options=options,
-                    source={"kind": "openai_responses"},
-                    while_pending=calls_pending,
-                    idempotency=key,
-                )
+                try:
+                    run = await start_turn(
+                        self.server,
+                        agent,
+                        place.conversation_id,
+                        content=content,
+                        decisions=decisions,
+                        client_tools=specs,
+                        options=options,
+                        source={"kind": "openai_responses"},
+                        while_pending=calls_pending,
+                        idempotency=key,
+                    )
+                except ApiError as exc:
+                    if exc.code == "not_awaiting" and decisions:
+                        await self._closed_calls(place.conversation_id, decisions)
+                    raise
         except BaseException:
             if idem is not None:
                 await idem.abandon()
@@ -1272,6 +1278,25 @@ class Responses:
             return ctx.stream_response(request)
         return await ctx.complete(request)
 
+    async def _closed_calls(self, conversation_id: str, decisions: list[Decision]) -> None:
+        """No turn of the conversation waits for answers: ones to calls its history already closed
+        (a turn the server's stop interrupted, or one cancelled, closes every call it left open)
+        are a 400 `already_resolved`, as on every other path, not "nothing waits" (409)."""
+        wanted = {d.call_id for d in decisions}
+        closed = {
+            m.tool_call_id
+            for m in await self.server.store.list_messages(conversation_id)
+            if m.role == "tool" and m.tool_call_id in wanted
+        }
+        if closed:
+            raise ApiError(
+                400,
+                f"call {', '.join(sorted(str(c) for c in closed))} can no longer be answered: its turn ended "
+                "(cancelled, failed, or interrupted by a server stop) and closed it",
+                code="already_resolved",
+                param="input",
+            )
+
     async def _stored_item(self, agent: AgentRecord, ns: str | None, ref: str, prev_id: Any) -> dict[str, Any] | None:
         """The stored item an `item_reference` names: found in the response its id points back to
         (`msg_<response hex>…`), else along the previous_response_id chain; of this agent only."""
@@ -1284,6 +1309,10 @@ class Responses:
             index = await store.get_response(item_index_id(agent.id, ref))
             if index is not None and not index.stored and index.agent_id == agent.id:
                 candidates.extend(str(r) for r in reversed(index.body.get("responses") or []))
+        # An approval request a stream showed before the server's stop interrupted its turn: after
+        # the restart its response shows the call as the turn kept it (a failed `mcp_call`), which
+        # the reference then names (both are empty assistant history alike).
+        called = f"mcp_{ref.removeprefix('mcpr_')}" if ref.startswith("mcpr_") else None
         seen = 0
         rid = prev_id if isinstance(prev_id, str) else None
         while rid and seen < 50:
@@ -1301,6 +1330,10 @@ class Responses:
             for item in [*rec.input_items, *(rec.body.get("output") or [])]:
                 if isinstance(item, dict) and item.get("id") == ref:
                     return dict(item)
+            if called is not None and rec.body.get("status") == "failed":
+                for item in rec.body.get("output") or []:
+                    if isinstance(item, dict) and item.get("id") == called and item.get("type") == "mcp_call":
+                        return dict(item)
         return None
 
     async def _place(
@@ -1335,6 +1368,8 @@ class Responses:
                     param="previous_response_id",
                 )
             rec = await self.as_ended(rec)
+            if answers is not None:
+                ended_calls(rec, answers)
             if rec.body.get("status") == "in_progress":
                 raise ApiError(
                     409,
@@ -1384,6 +1419,41 @@ class Responses:
         return await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers, while_pending=calls_pending)
 
 
+def _call_ids(output: Any) -> set[str]:
+    """The call ids of the tool call items of a response's output (`mcp_`/`mcpr_` + call id, a
+    function call's `call_id`)."""
+    ids: set[str] = set()
+    for item in output if isinstance(output, list) else []:
+        if not isinstance(item, dict):
+            continue
+        kind, item_id = item.get("type"), str(item.get("id") or "")
+        if kind == "function_call" and isinstance(item.get("call_id"), str):
+            ids.add(item["call_id"])
+        elif kind == "mcp_call" and item_id.startswith("mcp_"):
+            ids.add(item_id.removeprefix("mcp_"))
+        elif kind == "mcp_approval_request" and item_id.startswith("mcpr_"):
+            ids.add(item_id.removeprefix("mcpr_"))
+    return ids
+
+
+def ended_calls(rec: ResponseRecord, answers: Answers) -> None:
+    """Answers to calls of a response that failed (a server stop interrupted its turn, or the turn
+    failed) are a 400 `already_resolved`, as answers to calls of a cancelled turn are: its turn
+    ended, closing every call it left open (not run, or stopped while it ran); nothing resumes it.
+    Refused before anything is placed (no fork is written for them)."""
+    if rec.body.get("status") != "failed":
+        return
+    closed = [d.call_id for d in answers.given if d.call_id in _call_ids(rec.body.get("output"))]
+    if closed:
+        raise ApiError(
+            400,
+            f"call {', '.join(closed)} of response {rec.id} can no longer be answered: its turn ended "
+            "(failed, or interrupted by a server stop) before the call was answered, and closed it",
+            code="already_resolved",
+            param=answers.param,
+        )
+
+
 def history_to_add(prefix: list[ViewItem]) -> list[ViewItem]:
     """What of `input` before its new input must reach the model after a previous response (or a
     conversation): its user messages and assistant text with the calls and results around them.
@@ -1422,12 +1492,16 @@ class _Run:
             snap.status == "awaiting" and snap.revision > self.run.after_revision
         )
 
-    def output(self, snap: TurnSnapshot, cut: bool | None = None) -> list[dict[str, Any]]:
-        """`cut`: the response did not complete (default: as the snapshot's status says)."""
+    def output(
+        self, snap: TurnSnapshot, cut: bool | None = None, closed: dict[int, dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """`cut`: the response did not complete (default: as the snapshot's status says).
+        `closed`: agent tool call items (by block index) as a stream closed them, which the body
+        must show as its events did (the server's stop closed calls the snapshot shows unfinished)."""
         if cut is None:
             cut = final_status(snap) != "completed"
         items = [
-            item_for(self.shape, self.run.turn_id, i, b, final=True, cut=cut)
+            (closed or {}).get(i) or item_for(self.shape, self.run.turn_id, i, b, final=True, cut=cut)
             for i, b in output_blocks(snap, self.run, self.steps_note)
         ]
         return [i for i in items if i is not None]
@@ -1556,8 +1630,11 @@ class _Run:
                 states: dict[int, dict[str, Any]] = {}  # absolute block index → progress
                 out_index = 0
 
-                def advance(snap: TurnSnapshot, settled: bool, cut: bool | None = None) -> list[tuple[str, str]]:
-                    """The events that bring every output item up to `snap` (`settled`: closing them)."""
+                def advance(
+                    snap: TurnSnapshot, settled: bool, cut: bool | None = None, stopped: bool = False
+                ) -> list[tuple[str, str]]:
+                    """The events that bring every output item up to `snap` (`settled`: closing them;
+                    `stopped`: the server's stop ends the stream, whatever the turn still does)."""
                     nonlocal out_index
                     out: list[tuple[str, str]] = []
                     blocks = output_blocks(snap, self.run, self.steps_note)
@@ -1568,7 +1645,9 @@ class _Run:
                         if st["done"]:
                             continue
                         closed = settled or pos + 1 < len(blocks)
-                        events, progressed = self._advance(snap, bi, b, st, closed, out_index, ev, cut=cut)
+                        events, progressed = self._advance(
+                            snap, bi, b, st, closed, out_index, ev, cut=cut, stopped=stopped
+                        )
                         out.extend(events)
                         if st.get("counted") is None and st["added"]:
                             st["counted"] = True
@@ -1610,10 +1689,13 @@ class _Run:
                     now = self.run.handle.controller.snapshot()  # the latest: what was shown so far
                     shown = now if now.revision > self.run.after_revision else None
                     if shown is not None:
-                        for e in advance(shown, True, cut=True):
+                        # every item the body holds is announced and closed first, in order: an
+                        # agent tool call still running (or not run yet) as a failed `mcp_call`
+                        for e in advance(shown, True, cut=True, stopped=True):
                             yield e
                     err = shutting_down()
-                    output = self.output(shown, cut=True) if shown is not None else []
+                    closed = {bi: st["final"] for bi, st in states.items() if st.get("final") is not None}
+                    output = self.output(shown, cut=True, closed=closed) if shown is not None else []
                     body = response_body(
                         shape, status="failed", output=output, snap=shown, base_usage=self.run.base_usage
                     )
@@ -1666,9 +1748,13 @@ class _Run:
         ev: Any,
         *,
         cut: bool | None = None,
+        stopped: bool = False,
     ) -> tuple[list[tuple[str, str]], bool]:
         """Events that bring one output item up to date; marks st['done'] when its item is finished.
-        `cut`: the response did not complete (default: as the snapshot's status says)."""
+        `cut`: the response did not complete (default: as the snapshot's status says). `stopped`:
+        the server's stop ends the stream while the turn runs (`closed` then too): an agent tool
+        call without its result is closed as the stop leaves it (`st['final']`, the item the body
+        shows)."""
         shape = self.shape
         events: list[tuple[str, str]] = []
         kind = b["type"]
@@ -1755,6 +1841,8 @@ class _Run:
                 )
                 st["done"] = True
             return events, True
+        if stopped and status not in ("completed", "failed", "denied"):
+            return self._stopped_call(bi, b, st, idx, ev), True
         if status == "streaming" and not closed:
             return events, False  # a server call is shown once its policy is known
         if status == "pending_approval":
@@ -1789,6 +1877,34 @@ class _Run:
             )
             st["done"] = True
         return events, True
+
+    def _stopped_call(self, bi: int, b: dict[str, Any], st: dict[str, Any], idx: int, ev: Any) -> list[tuple[str, str]]:
+        """The server's stop ends the stream while an agent tool call has no result: it runs (the
+        stop ends it), or it was not run yet (its arguments streaming, an approval not yet shown,
+        an approved call waiting for its turn). Closed as the kernel's stop keeps it in the history
+        and as `GET` shows it after the restart: a `failed` `mcp_call` (`response.mcp_call.failed`)
+        whose error says why. An approval request never goes out here: the interrupted turn can no
+        longer be answered (an answer is a 400 `already_resolved`)."""
+        shape = self.shape
+        events: list[tuple[str, str]] = []
+        running = b.get("status") == "running"
+        ended = dict(b, status="failed", output=(stopped_text if running else not_run_text)(str(b["name"])))
+        item = item_for(shape, self.run.turn_id, bi, ended, final=False)
+        assert item is not None
+        if not st["added"]:
+            args = b.get("arguments") or ""
+            events.append(ev("response.output_item.added", output_index=idx, item=item))
+            events.append(ev("response.mcp_call_arguments.delta", output_index=idx, item_id=item["id"], delta=args))
+            events.append(ev("response.mcp_call_arguments.done", output_index=idx, item_id=item["id"], arguments=args))
+            if running:
+                events.append(ev("response.mcp_call.in_progress", output_index=idx, item_id=item["id"]))
+            st["added"] = True
+        final = item_for(shape, self.run.turn_id, bi, ended, final=True)
+        events.append(ev("response.mcp_call.failed", item_id=item["id"], output_index=idx))
+        events.append(ev("response.output_item.done", output_index=idx, item=final))
+        st["final"] = final
+        st["done"] = True
+        return events
 
 
 def _reply_view(output: list[dict[str, Any]]) -> list[ViewItem]:

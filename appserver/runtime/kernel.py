@@ -41,7 +41,27 @@ from appserver.store.records import (
     TurnRecord,
 )
 
-NAMESPACE_DEFAULT_PREFIX = "conv_default~"  # a namespace's own default conversation (default_conversation)
+NAMESPACE_DEFAULT_NAME = "conv_default"
+NAMESPACE_DEFAULT_PREFIX = NAMESPACE_DEFAULT_NAME + "~"  # a namespace's own default conversation (default_conversation)
+NAMESPACE_TAG_LEN = 24  # hex digits of the tag after the '~' of a namespace's conversation id
+
+
+def namespace_tag(namespace: str, agent_id: str | None = None) -> str:
+    """The stable tag of a namespace's conversation names (a digest of the namespace), or with
+    `agent_id` of one agent's (a digest of both: a namespace's own default of that agent)."""
+    key = namespace if agent_id is None else f"{agent_id}\n{namespace}"
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:NAMESPACE_TAG_LEN]
+
+
+def namespaced_id(name: str, namespace: str, agent_id: str | None = None) -> str:
+    """The id of a namespace's conversation `name`: `name~<tag>`. A namespace's own default of an
+    agent is `conv_default~<tag of both>`; an `X-Conversation-Id` name a namespaced credential
+    chooses is `<name>~<tag>` (conversation_match.by_header). Client-chosen ids have no '~', so
+    nobody creates another namespace's ids ahead of it, and two namespaces' equal names are two
+    conversations."""
+    return f"{name}~{namespace_tag(namespace, agent_id)}"
+
+
 log = logging.getLogger("appserver.kernel")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
@@ -451,11 +471,12 @@ class Kernel:
     async def default_conversation(self, agent: AgentRecord, namespace: str | None) -> ConversationRecord:
         """`default` as a credential means it: the agent's shared default for admin and the local
         owner (`namespace` None), else that namespace's own default, created on first use, under
-        an id derived from the agent and the namespace (two credentials never share a default, and
-        the id has a `~`, which no client-chosen id may have, so nobody can create it ahead)."""
+        an id derived from the agent and the namespace, `conv_default~<tag>` (`namespaced_id`: two
+        credentials never share a default, and only that namespace may make an id with its tag, so
+        nobody can create it ahead)."""
         if namespace is None:
             return await self.resolve_conversation(agent, "default")
-        cid = NAMESPACE_DEFAULT_PREFIX + hashlib.sha256(f"{agent.id}\n{namespace}".encode()).hexdigest()[:24]
+        cid = namespaced_id(NAMESPACE_DEFAULT_NAME, namespace, agent.id)
         conv = await self.store.get_conversation(cid)
         if conv is None:
             # Several requests (on several servers) may use it first at once: one creates it, the

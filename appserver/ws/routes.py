@@ -23,6 +23,7 @@ from appserver import strictjson
 from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows, namespace_of
 from appserver.channels import PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
+from appserver.http.conversation_match import name_ids
 from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.runtime.kernel import NAMESPACE_DEFAULT_PREFIX
@@ -57,8 +58,8 @@ log = logging.getLogger("appserver.ws")
 
 SERVER_NAME = f"{_pkg}/0.1"
 CLOSE_WAIT_S = 5.0
-# A namespaced credential's own "default" conversation has a derived id with a '~', which the HTTP
-# X-Conversation-Id header refuses: nobody can create it ahead of its owner (squatting).
+# A namespaced credential's own "default" conversation has a derived id with a '~' (namespaced_id),
+# which only its namespace may create: nobody can create it ahead of its owner (squatting).
 OWNER_CACHE_MAX = 10_000  # conversation id -> (agent id, namespace); both never change
 
 
@@ -461,7 +462,7 @@ class Endpoint:
             elif key is not None:
                 spec = (await self.server.kernel.resolve_conversation(agent, "default")).id
         elif ns is not None:
-            await self._owned(conn, spec, agent)
+            spec = await self._owned(conn, spec, agent)
         if key is not None and spec != "new":
             # The same input first sent to "new" and re-sent (after a reconnect) to the id its ack
             # named is one turn: the "new" submit keyed it by agent, not by conversation.
@@ -615,9 +616,14 @@ class Endpoint:
             ref = await self._namespace_default(agent, ns)
         elif agent_ref:
             agent = await self._agent(conn, agent_ref)
-        conv = await self.server.store.get_conversation(ref)
-        if conv is not None:
-            self._remember(conv)
+        conv: ConversationRecord | None = None
+        ns = _namespace(conn)
+        for cid in name_ids(ref, ns):  # a name as X-Conversation-Id takes it: this caller's own
+            conv = await self.server.store.get_conversation(cid)
+            if conv is not None:
+                self._remember(conv)
+                if namespace_allows(ns, conv.namespace):
+                    break
         owner = await self.server.store.get_agent(conv.agent_id) if conv is not None else None
         if (
             conv is None
@@ -639,17 +645,21 @@ class Endpoint:
             return ref
         return (await self._conversation(conn, ref, frame.agent)).id
 
-    async def _owned(self, conn: Connection, ref: str, agent: AgentRecord) -> None:
-        """Refuse (as not found) a submit to a conversation outside the caller's namespace or of
-        another agent. Cached: a conversation's agent and namespace never change."""
-        known = self._owners.get(ref)
-        if known is None:
-            conv = await self.server.store.get_conversation(ref)
-            if conv is None:
-                raise _not_found(ref)
-            known = self._remember(conv)
-        if known[0] != agent.id or not namespace_allows(_namespace(conn), known[1]):
-            raise _not_found(ref)
+    async def _owned(self, conn: Connection, ref: str, agent: AgentRecord) -> str:
+        """The id of the conversation a submit names (a name as X-Conversation-Id takes it:
+        `name_ids`); refused (as not found) when it is outside the caller's namespace or of another
+        agent. Cached: a conversation's agent and namespace never change."""
+        ns = _namespace(conn)
+        for cid in name_ids(ref, ns):
+            known = self._owners.get(cid)
+            if known is None:
+                conv = await self.server.store.get_conversation(cid)
+                if conv is None:
+                    continue
+                known = self._remember(conv)
+            if known[0] == agent.id and namespace_allows(ns, known[1]):
+                return cid
+        raise _not_found(ref)
 
     def _remember(self, conv: ConversationRecord) -> tuple[str, str | None]:
         if len(self._owners) >= OWNER_CACHE_MAX:

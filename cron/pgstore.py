@@ -6,7 +6,9 @@ claim of an occurrence commits before it fires (claim-before-fire), and the sche
 (`scheduler_owner`) names the instance that may fire, judged alive by its instance row
 (appserver/store/cluster.py) from any host. One scheduler fires across the cluster; the others
 judge the holder's instance every second (`Scheduler._sleep`), and once it is gone, one of them
-takes the lease over at once (under the row lock). Run logs stay in each server's home.
+takes the lease over at once (under the row lock). Run logs stay in each server's home; how far
+each open claim got (submitted, settled, delivered) is kept with the claim in the row, so the
+scheduler that takes over resolves only what the dead one left undone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ HEARTBEAT_GRACE = {"timeout": 30.0, "grace": 5.0}  # the cluster's defaults (see
 
 
 class PgCronStore(CronStore):
+    shared = True  # the servers of a cluster share the tasks, each with a run log of its own
+
     def __init__(self, home: Path, url: str, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
         super().__init__(home, lock_timeout_s=lock_timeout_s)
         self._sync = SyncConnection(url, lambda why: CronStoreError(f"cron: {why}"))

@@ -151,6 +151,20 @@ def record_outcome(
         store.save(state, cache=True)  # nothing of `state` is handed out
 
 
+async def take_step(store: CronStore, task_id: str, occurrence: int, step: str, *, final: bool = False) -> bool:
+    """Whether this process takes `step` of run `occurrence` (records its outcome, sends its reply):
+    moved under the store lock (`CronStore.advance`), so of several processes following one run (a
+    scheduler that took the lease over, a restarted server, the holder that lost its lease) only
+    one does. A run the tasks do not follow, or a store that cannot answer now, is taken as before
+    (by this process, which fired or recovered it)."""
+    try:
+        moved = await asyncio.to_thread(store.advance, task_id, occurrence, step, final=final)
+    except (CronStoreError, OSError) as exc:
+        log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, exc)
+        return True
+    return moved is not False
+
+
 def _record_fire_failure(store: CronStore, task_id: str, occurrence: int, message: str, now: datetime) -> None:
     with store.lock():
         state = store.load()
@@ -182,12 +196,14 @@ async def submit_claimed(
         message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.warning("cron: task %s run #%d could not be submitted: %s", task.id, occurrence.number, message)
         store.runlog.record(task.id, "fire_failed", occurrence=occurrence.number, error=message)
+        await take_step(store, task.id, occurrence.number, "settled", final=True)
         try:
             await asyncio.to_thread(_record_fire_failure, store, task.id, occurrence.number, message, clock())
         except (CronStoreError, OSError) as exc2:
             log.error("cron: could not record the failure of task %s run #%d: %s", task.id, occurrence.number, exc2)
         return None, message
     extra = {"recovered": True} if recovered else {}  # a claim a dead scheduler left, submitted now
+    await take_step(store, task.id, occurrence.number, "submitted")  # known cluster-wide from now on
     store.runlog.record(task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id, **extra)
     return turn_id, None
 
@@ -202,19 +218,26 @@ async def watch_outcome(
     timeout_s: float = DEFAULT_OUTCOME_TIMEOUT_S,
     deliver_to: str | None = None,
     deliver: DeliverFn | None = None,
+    delivery_follows: bool = False,
 ) -> TurnOutcome:
-    """Wait (bounded) for the turn to end and record its outcome; with `deliver_to`, send the
-    final reply there and record how that went (`delivered` or `delivery_failed`)."""
+    """Wait (bounded) for the turn to end and record its outcome (`delivery_follows`: the caller
+    delivers its reply itself, so the run is not done yet); with `deliver_to`, send the
+    final reply there and record how that went (`delivered` or `delivery_failed`). Each only when
+    no other process did it already (`take_step`): a run followed by two processes (the scheduler
+    that took the lease over and the one that fired it, …) is recorded and delivered once."""
     try:
         outcome = await asyncio.wait_for(await_outcome(turn_id), timeout=timeout_s)
     except TimeoutError:
         outcome = TurnOutcome(status="unknown", error=f"no outcome within {timeout_s:g} s")
     except Exception as exc:  # noqa: BLE001
         outcome = TurnOutcome(status="unknown", error=f"{type(exc).__name__}: {exc}")
-    try:
-        await asyncio.to_thread(record_outcome, store, task_id, occurrence, turn_id, outcome)
-    except (CronStoreError, OSError) as exc:  # the run log has it (or retries it); say what failed
-        log.error("cron: could not record the outcome of task %s run #%d in the tasks: %s", task_id, occurrence, exc)
+    if await take_step(store, task_id, occurrence, "settled", final=not (deliver_to or delivery_follows)):
+        try:
+            await asyncio.to_thread(record_outcome, store, task_id, occurrence, turn_id, outcome)
+        except (CronStoreError, OSError) as exc:  # the run log has it (or retries it); say what failed
+            log.error(
+                "cron: could not record the outcome of task %s run #%d in the tasks: %s", task_id, occurrence, exc
+            )
     if deliver_to:
         await deliver_reply(store, task_id, occurrence, turn_id, outcome, deliver_to, deliver)
     return outcome
@@ -229,7 +252,26 @@ async def deliver_reply(
     target: str,
     deliver: DeliverFn | None,
 ) -> None:
-    """Send a finished run's reply to its channel target; the run log says what happened."""
+    """Send a finished run's reply to its channel target; the run log says what happened. Only by
+    the process that moves the run to `delivering` (`take_step`): a reply is sent at most once
+    across the servers sharing the tasks, and the run is `done` once the result is recorded."""
+    if not await take_step(store, task_id, occurrence, "delivering"):
+        log.info("cron: task %s run #%d: its reply is delivered by another process", task_id, occurrence)
+        return
+    await _deliver_once(store, task_id, occurrence, turn_id, outcome, target, deliver)
+    # (a process stopped while sending leaves it `delivering`: who takes over says so, never resends)
+    await take_step(store, task_id, occurrence, "done", final=True)
+
+
+async def _deliver_once(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    turn_id: str,
+    outcome: TurnOutcome,
+    target: str,
+    deliver: DeliverFn | None,
+) -> None:
     error: str | None = None
     if deliver is None:
         error = "channels are not running in this server (enable the channel and restart serve)"

@@ -52,6 +52,7 @@ from cron.runner import (
     deliver_reply,
     run_task_now,
     submit_claimed,
+    take_step,
     watch_outcome,
 )
 from cron.schedule import ScheduleError, due_time, next_occurrence, parse_duration
@@ -256,7 +257,7 @@ class Scheduler:
         self._agent_name: dict[str, str] = {}  # agent id -> name, as read at the last tick
         # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
         # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
-        self._orphans: list[tuple[CronTask, Occurrence]] = []
+        self._orphans: list[tuple[CronTask, list[Occurrence]]] = []
         # task id -> (the highest run number used, the latest scheduled time run), by this process's
         # claims, else the run log's: a task rolled back by restoring an older crons.json neither
         # reuses a run number nor runs an occurrence again.
@@ -329,8 +330,8 @@ class Scheduler:
             await self._read_agent_names()
         planned = await asyncio.to_thread(self._claim_due, now, report)
         orphans, self._orphans = self._orphans, []
-        for task, last in orphans:
-            for occurrence in await asyncio.to_thread(self._orphan_occurrences, task, last):
+        for task, claims in orphans:
+            for occurrence in await asyncio.to_thread(self._orphan_occurrences, task, claims):
                 await self._submit_orphan(task, occurrence, report)
         for item in planned:
             turn_id, _ = await submit_claimed(
@@ -364,14 +365,20 @@ class Scheduler:
         return self.credentials(task.namespace, task.agent, agent_name or self._agent_name.get(task.agent))
 
     @staticmethod
-    def _claimed_by(state: CronFile, tokens: set[str]) -> list[tuple[CronTask, Occurrence]]:
-        """The occurrences the schedulers holding leases `tokens` claimed last, task by task."""
+    def _claimed_by(state: CronFile, tokens: set[str]) -> list[tuple[CronTask, list[Occurrence]]]:
+        """The occurrences the schedulers holding leases `tokens` claimed and the tasks still
+        follow, task by task: the last claim, and the earlier ones kept while open (a scheduler
+        that took over and claimed the next run in the same tick, then died before resolving the
+        one it adopted, leaves it there)."""
         found = []
         for task in state.tasks:
-            if (task.last_claimed or {}).get("by") in tokens:
-                occurrence = task.claimed_occurrence()
-                if occurrence is not None:
-                    found.append((dataclasses.replace(task), occurrence))
+            claims = [
+                occ
+                for c in task.claim_records()
+                if c.get("by") in tokens and (occ := Occurrence.from_record(task.id, c)) is not None
+            ]
+            if claims:
+                found.append((dataclasses.replace(task), claims))
         return found
 
     def _dead_tokens(self, state: CronFile, previous: OwnerRecord | None) -> set[str]:
@@ -394,22 +401,36 @@ class Scheduler:
         as missed) instead of losing them without a word."""
         for task in state.tasks:
             claimed = task.last_claimed
-            if claimed is not None and claimed.get("by") in tokens:
-                task.last_claimed = {**claimed, "by": self.lease.token}
+            if not isinstance(claimed, dict):
+                continue
+            earlier = claimed.get("open")
+            if isinstance(earlier, list) and any(isinstance(c, dict) and c.get("by") in tokens for c in earlier):
+                claimed = {
+                    **claimed,
+                    "open": [
+                        {**c, "by": self.lease.token} if isinstance(c, dict) and c.get("by") in tokens else c
+                        for c in earlier
+                    ],
+                }
+            if claimed.get("by") in tokens:
+                claimed = {**claimed, "by": self.lease.token}
+            if claimed is not task.last_claimed:
+                task.last_claimed = claimed
 
-    def _orphan_occurrences(self, task: CronTask, last: Occurrence) -> list[Occurrence]:
+    def _orphan_occurrences(self, task: CronTask, claims: list[Occurrence]) -> list[Occurrence]:
         """Every run of `task` a dead scheduler claimed and did not settle, oldest first: the run
         log's unsettled `fired` records of other leases (a `run_all` catch-up claims several in one
-        tick) and the task's `last_claimed`. Said loudly when there is more than the last one."""
+        tick) and the claims the tasks follow (`claims`). Said loudly when there is more than one."""
         try:
             records = unsettled_claims(self.store.runs_dir, task.id, self.lease.token)
         except (OSError, ValueError) as exc:
             log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
             records = []
-        found = {last.number: last}
+        found = {c.number: c for c in claims}
+        last = max(found)
         for r in records:
             occ = Occurrence.from_record(task.id, r)
-            if occ is not None and occ.number <= last.number:
+            if occ is not None and occ.number <= last:
                 found.setdefault(occ.number, occ)
         if len(found) > 1:
             log.warning(
@@ -423,11 +444,23 @@ class Scheduler:
         return [found[n] for n in sorted(found)]
 
     async def _submit_orphan(self, task: CronTask, occurrence: Occurrence, report: TickReport) -> None:
-        """An occurrence the previous scheduler claimed before it died, however long ago: settled
-        when the run log says what became of it; else found by the kernel's idempotency key;
-        submitted only when the kernel can say it never got it; recorded as missed when nobody can
-        tell any more. Never submitted twice."""
+        """An occurrence the previous scheduler claimed before it died, however long ago: on a
+        cluster's database, taken up where the tasks say it got (`CronTask.claim_progress`, known
+        across the cluster whichever server's run log recorded it); else settled when the run
+        log says what became of it; else found by the kernel's idempotency key; submitted only
+        when the kernel can say it never got it; recorded as missed when nobody can tell any
+        more. Never submitted twice; its outcome recorded and its reply sent only when nobody did
+        (`take_step`)."""
         number = occurrence.number
+        if self.store.shared:  # (one home's run log is everyone's: it says what was done, as before)
+            try:
+                followed, stage = await asyncio.to_thread(self.store.claim_progress, task.id, number)
+            except (CorruptStateFile, CronStoreError, OSError) as exc:  # the run log and the kernel decide
+                log.warning("cron: could not read how far run #%d of task %s got: %s", number, task.id, exc)
+                followed, stage = False, None
+            if followed and stage not in (None, "claimed"):
+                await self._resume_orphan(task, occurrence, stage)
+                return
         try:
             settled = await asyncio.to_thread(settled_record, self.store.runs_dir, task.id, number)
         except (OSError, ValueError) as exc:  # the kernel's answer still decides
@@ -438,14 +471,15 @@ class Scheduler:
         try:
             turn_id = await self.claimed_turn(task, occurrence)
         except ClaimUnverifiable as exc:
-            self._orphan_missed(task, occurrence, str(exc), report)
+            await self._orphan_missed(task, occurrence, str(exc), report)
             return
         except Exception as exc:  # noqa: BLE001 — the kernel could not tell: never guess, say so
             why = f"whether it reached the kernel could not be checked ({type(exc).__name__}: {exc})"
-            self._orphan_missed(task, occurrence, why, report)
+            await self._orphan_missed(task, occurrence, why, report)
             return
         if turn_id is not None:  # it reached the kernel; the log lost it: complete the log, follow it
-            self.store.runlog.record(task.id, "submitted", occurrence=number, turn_id=turn_id, recovered=True)
+            if not self.store.shared or await take_step(self.store, task.id, number, "submitted"):
+                self.store.runlog.record(task.id, "submitted", occurrence=number, turn_id=turn_id, recovered=True)
             if self.await_outcome is not None:
                 self._watch(task.id, number, turn_id, task.deliver)
             return
@@ -473,7 +507,47 @@ class Scheduler:
         if turn_id is not None and self.await_outcome is not None:
             self._watch(task.id, occurrence.number, turn_id, task.deliver)
 
-    def _orphan_missed(self, task: CronTask, occurrence: Occurrence, why: str, report: TickReport) -> None:
+    async def _resume_orphan(self, task: CronTask, occurrence: Occurrence, stage: str) -> None:
+        """A dead scheduler's run that got to `stage` (submitted or further): the steps it did are
+        not done again (no second `submitted`, `outcome` or reply). A reply it was sending when it
+        died may or may not have arrived: it is not sent again (at most once), and that is recorded."""
+        number = occurrence.number
+        if stage == "done":
+            return
+        if stage == "delivering":
+            if await take_step(self.store, task.id, number, "done", final=True):
+                why = (
+                    "the server sending this reply stopped before it recorded the result: it may or may "
+                    "not have arrived; it is not sent again (a reply is sent at most once)"
+                )
+                log.warning("cron: task %s run #%d: %s", task.id, number, why)
+                self.store.runlog.record(
+                    task.id, "delivery_failed", occurrence=number, target=task.deliver, error=why, recovered=True
+                )
+            return
+        if self.await_outcome is None or self.claimed_turn is None:
+            return
+        try:
+            turn_id = await self.claimed_turn(task, occurrence)
+        except Exception as exc:  # noqa: BLE001 — ClaimUnverifiable or a store that cannot answer
+            turn_id, why = None, f"{type(exc).__name__}: {exc}"
+        else:
+            why = "its turn is not found by its idempotency key"
+        if turn_id is None:
+            log.error(
+                "cron: task %s (%s) run #%d was %s by a scheduler that stopped, but %s; "
+                "its outcome is not recorded here",
+                task.name,
+                task.id,
+                number,
+                stage,
+                why,
+            )
+            return
+        # submitted: follow it (its outcome, then its reply); settled: only its reply is left
+        self._watch(task.id, number, turn_id, task.deliver)
+
+    async def _orphan_missed(self, task: CronTask, occurrence: Occurrence, why: str, report: TickReport) -> None:
         """A claimed run nobody can resolve is recorded as missed (at most once), loudly."""
         reason = (
             f"run #{occurrence.number} was claimed by a scheduler that stopped, and {why}; "
@@ -484,6 +558,7 @@ class Scheduler:
             task.id, "missed", occurrence=occurrence.number, scheduled_for=occurrence.scheduled_for, reason=reason
         )
         report.missed += 1
+        await take_step(self.store, task.id, occurrence.number, "settled", final=True)
 
     def _claim_due(self, now: datetime, report: TickReport) -> list[_Planned]:
         """Claim what is due, saved before anything fires. A tick that fails (above all its save:
@@ -932,9 +1007,17 @@ class Scheduler:
         not be sent): in the order of any other run, so `cron logs` reads the same."""
         assert self.await_outcome is not None
         ended = await watch_outcome(
-            self.store, task_id, occurrence, turn_id, self.await_outcome, timeout_s=self.outcome_timeout_s
+            self.store,
+            task_id,
+            occurrence,
+            turn_id,
+            self.await_outcome,
+            timeout_s=self.outcome_timeout_s,
+            delivery_follows=True,
         )
         if not_delivered:
+            if not await take_step(self.store, task_id, occurrence, "delivering", final=True):
+                return ended  # another process has its delivery in hand
             log.warning(
                 "cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, not_delivered
             )

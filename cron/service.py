@@ -143,6 +143,8 @@ class CronService:
         watched = 0
         for task_id, occurrence, turn_id in pending:
             task = None if tasks is None else tasks.get(task_id)
+            if task is not None and self._resolved_elsewhere(task, occurrence):
+                continue
             turn = await self.server.store.get_turn(turn_id)
             if turn is None:  # accepted by a process that died before its store commit
                 lost = TurnOutcome("lost", "the turn never reached the store (its server died)")
@@ -165,6 +167,22 @@ class CronService:
             watched += 1
         log.info("cron: recovering the outcome of %d turn(s) of a previous server", len(pending))
         return watched
+
+    def _resolved_elsewhere(self, task: CronTask, occurrence: int) -> bool:
+        """Did another process finish run `occurrence` (its outcome recorded, its reply sent)? As
+        the tasks say (the progress kept with each claim; a run still open is followed here, and
+        of the processes following it only one records and delivers it): on a cluster's database,
+        a run they no longer follow that is older than the task's last claim was finished by the
+        server that took the scheduler over (its run log has it); on one home's crons.json, this
+        server's run log is everyone's and decides."""
+        followed, stage = task.claim_progress(occurrence)
+        if followed:
+            return stage == "done"
+        last = task.last_claimed or {}
+        number = last.get("occurrence")
+        return (
+            self.scheduler.store.shared and task.tracks_progress() and isinstance(number, int) and occurrence < number
+        )
 
     async def _channels_up(self) -> None:
         """Wait (at most RECOVERED_DELIVERY_WAIT_S) until the channels run: the gateway starts

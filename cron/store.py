@@ -96,6 +96,20 @@ MAX_ERROR_CHARS = 400
 # more than BOOKKEEPING_FIXED_BYTES, so they always fit. No write at all may pass the read limit.
 BOOKKEEPING_FIXED_BYTES = 64 * 1024
 BOOKKEEPING_TASK_BYTES = 2560
+# How far a claimed run got, kept with the claim (`last_claimed["progress"]`, and for the earlier
+# claims still open, `last_claimed["open"]`) in the shared tasks document, so every scheduler of the
+# home or the cluster sees it, whichever run log recorded it: claimed (nothing yet), submitted (the
+# turn reached the kernel), settled (its outcome is recorded; its reply is still to be delivered),
+# delivering (a server is sending the reply), done (nothing more to do). A step is taken under the
+# store lock only by the one process that moves the claim past it (`CronStore.advance`): an outcome
+# is recorded, and a reply sent, once, by whoever gets there first.
+PROGRESS_STAGES = ("claimed", "submitted", "settled", "delivering", "done")
+_STAGE_RANK = {stage: rank for rank, stage in enumerate(PROGRESS_STAGES)}
+# The earlier claims of a task kept while they are open (not done), newest first: a take-over
+# resolves them, and a recovering server finds how far they got. A claim pushed out (more than this
+# many of one task open at once) is resolved as before this was kept (by the run log and the key).
+OPEN_CLAIMS_KEPT = 3
+_OPEN_KEYS = ("occurrence", "scheduled_for", "due_at", "fired_at", "manual", "catch_up", "by", "progress")
 # The namespace of tasks the `schedule` tool makes in a conversation no credential owns (local,
 # admin, CLI, cron conversations): the tool sees and cancels these, never the operator's CLI tasks
 # (namespace None) of the same agent.
@@ -420,12 +434,98 @@ class CronTask:
         counter here was rolled back by restoring an older crons.json."""
         self.occurrence = max(self.occurrence, floor) + 1
         occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
-        self.last_claimed = {**occ.to_dict(), "claimed_at": now.isoformat(), **({"by": by} if by else {})}
+        still_open = self._open_claims()
+        self.last_claimed = {
+            **occ.to_dict(),
+            "claimed_at": now.isoformat(),
+            **({"by": by} if by else {}),
+            "progress": "claimed",
+            **({"open": still_open} if still_open else {}),
+        }
         return occ
+
+    def _open_claims(self) -> list[dict[str, Any]]:
+        """The claims still open (their run not done) once a new claim replaces `last_claimed`:
+        it (when open) and the open ones it kept, newest first, at most OPEN_CLAIMS_KEPT."""
+        last = self.last_claimed
+        if not isinstance(last, dict):
+            return []
+        kept = []
+        if _stage(last) not in (None, "done"):  # (None: a claim made before progress was kept)
+            kept.append({k: last[k] for k in _OPEN_KEYS if k in last and last[k] not in (None, False)})
+        earlier = last.get("open")
+        if isinstance(earlier, list):
+            kept += [c for c in earlier if isinstance(c, dict) and _stage(c) not in (None, "done")]
+        if len(kept) > OPEN_CLAIMS_KEPT:
+            log.warning(
+                "cron: task %s (%s): more than %d of its runs are open at once; run(s) %s are no longer "
+                "followed in the tasks (their run logs still resolve them)",
+                self.name,
+                self.id,
+                OPEN_CLAIMS_KEPT,
+                ", ".join(f"#{c.get('occurrence')}" for c in kept[OPEN_CLAIMS_KEPT:]),
+            )
+        return kept[:OPEN_CLAIMS_KEPT]
 
     def claimed_occurrence(self) -> Occurrence | None:
         """The last claimed occurrence, rebuilt from `last_claimed` (None when it cannot be)."""
         return Occurrence.from_record(self.id, self.last_claimed or {})
+
+    def claim_records(self) -> list[dict[str, Any]]:
+        """`last_claimed` and the earlier claims it keeps open, newest first."""
+        last = self.last_claimed
+        if not isinstance(last, dict):
+            return []
+        earlier = last.get("open")
+        return [last, *(c for c in earlier if isinstance(c, dict))] if isinstance(earlier, list) else [last]
+
+    def tracks_progress(self) -> bool:
+        """Does the last claim say how far it got (a claim made by a scheduler that keeps it)?"""
+        return isinstance(self.last_claimed, dict) and _stage(self.last_claimed) is not None
+
+    def claim_progress(self, occurrence: int) -> tuple[bool, str | None]:
+        """(whether the tasks hold claim `occurrence`, its stage): (False, None) when they do not
+        (an earlier run that is done, or one claimed before progress was kept)."""
+        for c in self.claim_records():
+            if _claim_number(c) == occurrence:
+                return True, _stage(c)
+        return False, None
+
+    def advance_claim(self, occurrence: int, step: str, *, final: bool = False) -> bool | None:
+        """Move claim `occurrence` to `step` (to done with `final`) if it has not got that far:
+        True when it moved (the caller takes the step), False when it was there already (another
+        process took it), None when the tasks do not follow that claim. An open claim that is done
+        is dropped from `open`."""
+        rank = _STAGE_RANK[step]
+        stage = "done" if final else step
+        last = self.last_claimed
+        if not isinstance(last, dict):
+            return None
+        if _claim_number(last) == occurrence:
+            current = _stage(last)
+            if current is None:
+                return None
+            if _STAGE_RANK[current] >= rank:
+                return False
+            self.last_claimed = {**last, "progress": stage}
+            return True
+        earlier = last.get("open")
+        if not isinstance(earlier, list):
+            return None
+        for i, c in enumerate(earlier):
+            if isinstance(c, dict) and _claim_number(c) == occurrence:
+                current = _stage(c)
+                if current is None:
+                    return None
+                if _STAGE_RANK[current] >= rank:
+                    return False
+                rest = earlier[:i] + earlier[i + 1 :]
+                kept = rest if stage == "done" else [*earlier[:i], {**c, "progress": stage}, *earlier[i + 1 :]]
+                self.last_claimed = {k: v for k, v in last.items() if k != "open"}
+                if kept:
+                    self.last_claimed["open"] = kept
+                return True
+        return None
 
     def fingerprint(self) -> tuple[Any, ...]:
         """Every field `to_dict` writes, by value: equal fingerprints give an equal JSON line, so
@@ -433,6 +533,17 @@ class CronTask:
         field, is compared by a copy)."""
         claimed = self.last_claimed
         return (_task_values(self), None if claimed is None else dict(claimed))
+
+
+def _stage(claim: dict[str, Any]) -> str | None:
+    """A claim's progress stage (None when it holds none it knows)."""
+    stage = claim.get("progress")
+    return stage if isinstance(stage, str) and stage in _STAGE_RANK else None
+
+
+def _claim_number(claim: dict[str, Any]) -> int | None:
+    n = claim.get("occurrence")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 _task_values = operator.attrgetter(*(f.name for f in dataclasses.fields(CronTask)))
@@ -623,6 +734,9 @@ def _json_kind(value: Any) -> str:
 
 class CronStore:
     """crons.json under its lock. Use `transaction()` for read-modify-write, `read()` to look."""
+
+    # Do servers with other homes (other run logs) share these tasks? (a cluster's database)
+    shared = False
 
     def __init__(self, home: Path, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
         self.home = Path(home)
@@ -926,6 +1040,29 @@ class CronStore:
 
     def list(self, agent: str | None = None) -> list[CronTask]:
         return [t for t in self.read().tasks if agent is None or t.agent == agent]
+
+    def advance(self, task_id: str, occurrence: int, step: str, *, final: bool = False) -> bool | None:
+        """`CronTask.advance_claim` under the lock, saved when it moved: whether this process takes
+        `step` of run `occurrence` (True), another one took it (False), or the tasks do not follow
+        that run (None: a task removed, an earlier run already done, a claim made before progress
+        was kept), for the caller to decide as it did before."""
+        with self.lock():
+            state = self.load()
+            task = state.get(task_id)
+            moved = None if task is None else task.advance_claim(occurrence, step, final=final)
+            if moved:
+                self.save(state, cache=True)
+            else:
+                self.keep(state)
+            return moved
+
+    def claim_progress(self, task_id: str, occurrence: int) -> tuple[bool, str | None]:
+        """How far run `occurrence` of task `task_id` got, as the tasks say (`CronTask.claim_progress`)."""
+        with self.lock():
+            state = self.load()
+            task = state.get(task_id)
+            self.keep(state)
+            return (False, None) if task is None else task.claim_progress(occurrence)
 
 
 # ---------------------------------------------------------------- building a task

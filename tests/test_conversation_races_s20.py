@@ -402,3 +402,35 @@ def test_sqlite_keeps_answering_simultaneous_first_uses_in_one_conversation(tmp_
             assert r.status_code == 200, r.text
         assert {_conversation_of(r) for r in header} == {"race-sqlite-1"}
         assert len({_conversation_of(r) for r in default}) == 1
+
+
+async def test_a_conversation_of_a_deleted_agent_is_agent_missing_never_a_raw_error(tmp_path: Path) -> None:
+    """On PostgreSQL the insert of a conversation whose agent was deleted meanwhile (another request
+    or server) failed on the foreign key, answered as a 500; it is AgentMissing, which the kernel
+    words as the agent gone and HTTP as the model gone (404 model_not_found)."""
+    from appserver.errors import AgentGone
+    from appserver.http.errors import from_kernel
+    from appserver.runtime.kernel import agent_missing_is_gone
+    from appserver.store.base import AgentMissing
+
+    with temp_database("races_gone") as url:
+        store = PostgresStore(url)
+        await store.open()
+        try:
+            ghost = AgentRecord(id="agt_gone", name="ghost")  # never stored: as if deleted meanwhile
+            for make in (
+                lambda: store.create_conversation(ConversationRecord(id="conv_g1", agent_id=ghost.id)),
+                lambda: store.ensure_conversation(ConversationRecord(id="conv_g2", agent_id=ghost.id, namespace="n")),
+                lambda: store.ensure_conversation(
+                    ConversationRecord(id="conv_g3", agent_id=ghost.id, is_default=True, title="default")
+                ),
+            ):
+                with pytest.raises(AgentMissing):
+                    await make()
+                with pytest.raises(AgentGone) as gone:
+                    with agent_missing_is_gone(ghost):
+                        await make()
+                answer = from_kernel(gone.value)
+                assert (answer.status, answer.code, answer.param) == (404, "model_not_found", "model")
+        finally:
+            await store.close()

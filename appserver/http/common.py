@@ -25,6 +25,7 @@ from appserver.http.credential_end import CredentialCheck, credential_check
 from appserver.http.credential_end import ended as credential_ended
 from appserver.http.errors import (
     ApiError,
+    agent_deleted,
     error_body,
     error_response,
     from_kernel,
@@ -206,12 +207,6 @@ async def turn_error(server: Server, agent_id: str, error: dict[str, Any] | None
     if (error or {}).get("kind") == "store" and await server.store.get_agent(agent_id) is None:
         return agent_deleted()
     return turn_failure(error)
-
-
-def agent_deleted() -> ApiError:
-    """A request whose agent was deleted while it ran: that model does not exist, as the next
-    request for it hears."""
-    return ApiError(404, "The model's agent was deleted while this request ran.", code="model_not_found", param="model")
 
 
 def model_object(agent: AgentRecord, model_id: str) -> dict[str, Any]:

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from appserver import fastjson
 from appserver.auth import namespace_allows
+from appserver.errors import AgentGone
 from appserver.http.errors import ApiError
 from appserver.runtime import Decision, new_id
 from appserver.runtime.kernel import NAMESPACE_DEFAULT_NAME, NAMESPACE_TAG_LEN, namespaced_id
+from appserver.store.base import AgentMissing
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -552,16 +554,19 @@ class ConversationMatcher:
     ) -> ConversationRecord | None:
         """None once written; with `once` (a client-chosen id), the conversation already there
         instead, when there is one (nothing written)."""
-        if once:
-            # with its seed in the same step: a request that finds it (on another server, which
-            # may load it first) finds its history whole
-            there, created = await self.store.ensure_conversation(conv, copy_messages=copy, messages=records)
-            if not created:
-                return there
-        else:
-            await self.store.create_conversation(conv, copy_messages=copy)
-            if records:
-                await self.store.append_messages(conv.id, records)
+        try:
+            if once:
+                # with its seed in the same step: a request that finds it (on another server, which
+                # may load it first) finds its history whole
+                there, created = await self.store.ensure_conversation(conv, copy_messages=copy, messages=records)
+                if not created:
+                    return there
+            else:
+                await self.store.create_conversation(conv, copy_messages=copy)
+        except AgentMissing:  # deleted since the request found it (another request or server)
+            raise AgentGone(f"agent {conv.agent_id} was deleted while the request ran", param="model") from None
+        if not once and records:
+            await self.store.append_messages(conv.id, records)
         if answers is not None and paused is not None:
             await self._write_paused(conv, paused, answers)
             await self.server.kernel.adopt(conv, paused=True)

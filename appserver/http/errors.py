@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from appserver.errors import KernelError
+from appserver.errors import AgentGone, KernelError
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -67,7 +67,15 @@ def error_response(
 
 
 def from_kernel(exc: KernelError) -> ApiError:
+    if isinstance(exc, AgentGone):  # deleted while the request ran: that model is gone
+        return agent_deleted()
     return ApiError(exc.http_status, exc.message, code=exc.code, param=exc.param)
+
+
+def agent_deleted() -> ApiError:
+    """A request whose agent was deleted while it ran: that model does not exist, as the next
+    request for it hears."""
+    return ApiError(404, "The model's agent was deleted while this request ran.", code="model_not_found", param="model")
 
 
 # A failed turn's provider error → (HTTP status, OpenAI error code). The turn already ran (and the

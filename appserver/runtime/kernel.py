@@ -10,8 +10,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from appserver.runtime.restore import controller_from_store, restart_revision
 from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped, withdrawn
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.watch import Watch
-from appserver.store.base import ConversationGone, DuplicateTurn, Store, TurnSettledElsewhere
+from appserver.store.base import AgentMissing, ConversationGone, DuplicateTurn, Store, TurnSettledElsewhere
 from appserver.store.cluster import Cluster
 from appserver.store.records import (
     AgentRecord,
@@ -44,6 +44,16 @@ from appserver.store.records import (
 NAMESPACE_DEFAULT_NAME = "conv_default"
 NAMESPACE_DEFAULT_PREFIX = NAMESPACE_DEFAULT_NAME + "~"  # a namespace's own default conversation (default_conversation)
 NAMESPACE_TAG_LEN = 24  # hex digits of the tag after the '~' of a namespace's conversation id
+
+
+@contextmanager
+def agent_missing_is_gone(agent: AgentRecord) -> Iterator[None]:
+    """A conversation of `agent` could not be created because the agent was deleted meanwhile (by
+    another request or server): said as the agent gone, as every front end words it."""
+    try:
+        yield
+    except AgentMissing:
+        raise AgentGone(f"agent {agent.name!r} was deleted while the request ran", param="agent") from None
 
 
 def namespace_tag(namespace: str, agent_id: str | None = None) -> str:
@@ -481,9 +491,10 @@ class Kernel:
         if conv is None:
             # Several requests (on several servers) may use it first at once: one creates it, the
             # others get that one (never a unique violation, DESIGN §13 / docs/scale-out.md).
-            conv, _ = await self.store.ensure_conversation(
-                ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=namespace)
-            )
+            with agent_missing_is_gone(agent):
+                conv, _ = await self.store.ensure_conversation(
+                    ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=namespace)
+                )
         if conv.agent_id != agent.id or conv.namespace != namespace:  # pragma: no cover - ids are derived
             raise NotFound(f"unknown conversation {cid!r}", code="conversation_not_found", param="conversation")
         return conv
@@ -499,18 +510,20 @@ class Kernel:
                     raise NotFound(f"agent {agent.name} has no default conversation yet", code="conversation_not_found")
                 # created once however many requests and servers use it first at once: the
                 # others get the one created (the store keeps one default per agent)
-                conv, _ = await self.store.ensure_conversation(
-                    ConversationRecord(id=new_id("conv"), agent_id=agent.id, is_default=True, title="default")
-                )
+                with agent_missing_is_gone(agent):
+                    conv, _ = await self.store.ensure_conversation(
+                        ConversationRecord(id=new_id("conv"), agent_id=agent.id, is_default=True, title="default")
+                    )
                 if conv.agent_id != agent.id or not conv.is_default:  # pragma: no cover - a random id taken
                     raise Unavailable(f"could not create the default conversation of agent {agent.name}; try again")
             return conv
         if spec == "new":
             if not create:
                 raise InvalidInput("'new' is not an existing conversation")
-            return await self.store.create_conversation(
-                ConversationRecord(id=new_id("conv"), agent_id=agent.id, **(fields or {}))
-            )
+            with agent_missing_is_gone(agent):
+                return await self.store.create_conversation(
+                    ConversationRecord(id=new_id("conv"), agent_id=agent.id, **(fields or {}))
+                )
         conv = await self.store.get_conversation(spec)
         if conv is None or conv.agent_id != agent.id:
             raise NotFound(

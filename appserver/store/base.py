@@ -32,6 +32,16 @@ class StoreValueRefused(StoreError):
     text): the client's input, so HTTP says 400 `invalid_request_error` and the protocol `bad_frame`."""
 
 
+class AgentMissing(StoreError):
+    """A conversation could not be created: its agent is gone (deleted meanwhile, by another
+    request or another server). The front ends answer as for any request whose agent was deleted
+    while it ran."""
+
+    def __init__(self, agent_id: str) -> None:
+        super().__init__(f"agent {agent_id} no longer exists")
+        self.agent_id = agent_id
+
+
 class StoreUnavailable(StoreError):
     """The database ended the connection (a restart, a terminated backend, an outage) and the
     operation could not be completed. For a commit cut off mid-way, whether it took effect is

@@ -41,6 +41,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from appserver.procid import identity, identity_alive
 from appserver.store.base import (
+    AgentMissing,
     ConversationGone,
     DuplicateTurn,
     OpenLimitReached,
@@ -702,8 +703,18 @@ class PostgresStore(Store):
             for mid in ids:  # one at a time: the copies get ids in the order given
                 await conn.execute(_COPY_MESSAGE, (conv.id, mid))
 
-        await self._write(job)
+        try:
+            await self._write(job)
+        except psycopg.errors.ForeignKeyViolation:
+            await self._raise_if_agent_missing(conv.agent_id)
+            raise
         return conv
+
+    async def _raise_if_agent_missing(self, agent_id: str) -> None:
+        """A conversation insert that failed on a foreign key: AgentMissing when its agent is gone
+        (deleted meanwhile, by another request or server), else the caller re-raises."""
+        if await self.get_agent(agent_id) is None:
+            raise AgentMissing(agent_id) from None
 
     async def ensure_conversation(
         self,
@@ -743,12 +754,17 @@ class PostgresStore(Store):
             return row if row is not None else _VANISHED
 
         for _ in range(ENSURE_TRIES):
-            there = await self._write(job)
+            try:
+                there = await self._write(job)
+            except psycopg.errors.ForeignKeyViolation:
+                await self._raise_if_agent_missing(conv.agent_id)
+                raise
             if there is None:
                 return conv, True
             if there is not _VANISHED:
                 return conversation_record(there), False
             # the row it clashed with was deleted before it could be read: try again
+        await self._raise_if_agent_missing(conv.agent_id)  # deleted with its agent, again and again
         raise StoreError(f"conversation {conv.id} kept being created and deleted by others; try again")
 
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:

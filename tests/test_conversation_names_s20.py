@@ -436,3 +436,27 @@ def test_postgresql_two_servers_two_credentials_one_name(tmp_path: Path) -> None
                 sp.stop()
             for sp in nodes:
                 sp.kill()
+
+
+def test_the_responses_conversation_field_reads_a_name_as_the_header_does(srv: Srv) -> None:
+    """`conversation` in a Responses body names the caller's own conversation of that name, as
+    `X-Conversation-Id` does; another credential's name or id stays not found."""
+    name = _name()
+    mine = conv_of(chat(srv.url, srv.a, name, "by the header"))
+    for ref in (name, mine):
+        reply = httpx.post(
+            srv.url + "/v1/responses",
+            json={"model": "assistant", "input": f"by the field as {ref}", "conversation": ref},
+            headers=_bearer(srv.a),
+            timeout=30,
+        )
+        assert conv_of(reply) == mine
+    assert users(srv.home, mine) == ["by the header", f"by the field as {name}", f"by the field as {mine}"]
+    for ref in (name, mine):  # bob: alice's name means his own (none yet), her id is hers
+        reply = httpx.post(
+            srv.url + "/v1/responses",
+            json={"model": "assistant", "input": "probe", "conversation": ref},
+            headers=_bearer(srv.b),
+            timeout=30,
+        )
+        not_found(reply)

@@ -73,6 +73,7 @@ from appserver.http.conversation_match import (
     check_call_ids,
     for_agent,
     merge_assistants,
+    name_ids,
     split_new_input,
     unanswered_calls,
 )
@@ -1404,8 +1405,13 @@ class Responses:
         if conv_param:
             if conv_param.strip().lower() == "default":  # this credential's own, as X-Conversation-Id
                 return Placement((await self.server.kernel.default_conversation(agent, ns)).id, "conversation")
-            conv = await store.get_conversation(conv_param)
-            if conv is None or not self.matcher.visible(conv, agent, ns):
+            conv = None
+            for cid in name_ids(conv_param, ns):  # a name reads as X-Conversation-Id reads it
+                found = await store.get_conversation(cid)
+                if found is not None and self.matcher.visible(found, agent, ns):
+                    conv = found
+                    break
+            if conv is None:
                 raise ApiError(
                     404,
                     f"Conversation with id '{conv_param}' not found.",

@@ -28,6 +28,7 @@ import signal
 import sys
 import termios
 import threading
+import time
 import unicodedata
 import uuid
 from collections.abc import Callable
@@ -81,7 +82,7 @@ class Keys:
             except OSError:
                 data = b""
             try:
-                self.loop.call_soon_threadsafe(self.events.put_nowait, ("keys", data))
+                self.loop.call_soon_threadsafe(self.events.put_nowait, ("keys", (data, time.monotonic())))
             except RuntimeError:  # the loop is gone: we are exiting
                 return
             if not data:
@@ -151,7 +152,17 @@ class LineEditor:
 
     At a terminal, CR is Enter and Ctrl-D on an empty line leaves. From a pipe (no `echo`) a line
     ends at LF (or CRLF): a CR inside a line is part of its text, and only the end of the input
-    ends it (a Ctrl-D byte there is no key: it is dropped like the other controls)."""
+    ends it (a Ctrl-D byte there is no key: it is dropped like the other controls).
+
+    An escape sequence is ESC and one character (Alt-x), `ESC O` and one character (SS3), or
+    `ESC [`, parameter and intermediate bytes and a final byte (CSI). It is abandoned at the first
+    character that cannot be part of it (a control such as LF, CR or ESC, DEL, anything non-ASCII,
+    and in a CSI anything outside 0x20-0x7E), which is then taken as itself: a LF still ends the
+    line, so a stray ESC never merges lines nor eats the next one. At a terminal an ESC that ends
+    a read is the Escape key alone (dropped), unless the next read comes within `ESC_WAIT` seconds
+    and begins with `[` or `O` (an arrow key split across reads)."""
+
+    ESC_WAIT = 0.05
 
     def __init__(self, screen: Screen, echo: bool) -> None:
         self.screen, self.echo = screen, echo
@@ -160,12 +171,23 @@ class LineEditor:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._pending = ""
         self._esc = ""
+        self._esc_read_at: float | None = None  # when a read that ended in ESC came (a terminal)
         self._last = ""
         self._ended = False  # the input ended: "eof" once what is pending is taken
         self._eof_said = False
 
-    def add(self, data: bytes) -> None:
-        self._pending += self._decoder.decode(data)
+    def add(self, data: bytes, read_at: float | None = None) -> None:
+        """Keys of one read (`read_at`: when it was read, by `time.monotonic()`)."""
+        text = self._decoder.decode(data)
+        if self.echo:
+            now = time.monotonic() if read_at is None else read_at
+            if self._esc_read_at is not None and (
+                now - self._esc_read_at > self.ESC_WAIT or not text.startswith(("[", "O"))
+            ):
+                text = "\x00" + text  # the last read's ESC was the Escape key alone: a control
+                # after it abandons it (and is dropped itself), so this read's keys are their own
+            self._esc_read_at = now if text.endswith("\x1b") else None
+        self._pending += text
 
     def end(self) -> None:
         """The input ended: an unfinished last line still counts (`take`), then end-of-file."""
@@ -187,14 +209,16 @@ class LineEditor:
             ch, self._pending = self._pending[0], self._pending[1:]
             last, self._last = self._last, ch
             if self._esc:
-                self._esc += ch
-                if (
-                    (len(self._esc) == 2 and ch not in "[O")
-                    or (len(self._esc) == 3 and self._esc[1] == "O")
-                    or (len(self._esc) > 2 and "@" <= ch <= "~")
-                ):
-                    self._esc = ""
-                continue
+                if not " " <= ch <= "~":
+                    self._esc = ""  # abandoned: this character is taken as itself, below
+                else:
+                    self._esc += ch
+                    if len(self._esc) == 2 and ch in "[O":
+                        continue  # CSI or SS3: more follows
+                    if self._esc[1] == "[" and ch < "@":
+                        continue  # a CSI's parameter or intermediate byte
+                    self._esc = ""  # its last character
+                    continue
             if ch == "\x1b":
                 self._esc = ch
             elif ch == "\n" or (ch == "\r" and self.echo):
@@ -441,7 +465,7 @@ class Chat:
         while self.exit_code is None:
             kind, value = await self.events.get()
             if kind == "keys":
-                await self.on_keys(value)
+                await self.on_keys(*value)
             elif kind == "frame":
                 try:
                     await self.on_frame(value)
@@ -515,9 +539,9 @@ class Chat:
 
     # ------------------------------------------------------------ input
 
-    async def on_keys(self, data: bytes) -> None:
+    async def on_keys(self, data: bytes, read_at: float | None = None) -> None:
         if data:
-            self.editor.add(data)
+            self.editor.add(data, read_at)
         else:  # stdin closed: finish what was typed, then leave
             self.editor.end()
         while self.exit_code is None and (event := self.editor.take()) is not None:
@@ -527,12 +551,7 @@ class Chat:
                 if self.asking is not None:
                     self.answer("")
             elif self.asking is not None:
-                if text.strip() == "/cancel":  # cancels the turn, like Ctrl-C; the call is not answered
-                    self.on_interrupt()
-                elif text.strip() in ("/quit", "/exit"):
-                    self.leave()
-                else:
-                    self.answer(text)
+                self.at_approval(text)
             elif self.turn is not None and not self.editor.echo and text.strip() != "/cancel":
                 # piped: a script's lines run in order, its /quit too (acting now dropped the replies
                 # of the lines before it); its /cancel acts now, on the reply streaming
@@ -621,6 +640,17 @@ class Chat:
         if ack.get("queue_position"):
             self.screen.line(self.screen.dim(f"[queued behind {visible(ack['queue_position'])} input(s)]"))
 
+    def at_approval(self, text: str) -> None:
+        """A line entered at the approval prompt: its answer, or a command."""
+        if not self.editor.echo and text.strip() in ("/cancel", "/quit", "/exit"):
+            self.screen.write(visible(text) + "\n")  # piped: shown after its prompt, as an answer is
+        if text.strip() == "/cancel":  # cancels the turn, like Ctrl-C; the call is not answered
+            self.on_interrupt()
+        elif text.strip() in ("/quit", "/exit"):  # leaves; the call is not answered
+            self.leave()
+        else:
+            self.answer(text)
+
     def answer(self, text: str) -> None:
         frame, self.asking = self.asking, None
         assert frame is not None
@@ -656,8 +686,10 @@ class Chat:
         self.screen.fresh_line()
         self.screen.write(self.approval_prompt(frame))
         self.editor.visible = True
-        if not self.editor.echo and self.held:  # a script on stdin answers in order; a person at a
-            self.answer(self.held.pop(0))  # terminal never approves with keys typed before the prompt
+        if not self.editor.echo and self.held:  # a script on stdin answers in order (its /quit
+            # leaves, as typed at the prompt); a person at a terminal never approves with keys typed
+            # before the prompt
+            self.at_approval(self.held.pop(0))
         elif self.eof:  # stdin ended: nobody here can answer
             self.screen.write("(no input left: deny)")
             self.answer("")

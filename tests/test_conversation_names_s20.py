@@ -460,3 +460,29 @@ def test_the_responses_conversation_field_reads_a_name_as_the_header_does(srv: S
             timeout=30,
         )
         not_found(reply)
+
+
+def test_default_in_any_case_and_names_with_spaces_read_alike_everywhere(srv: Srv) -> None:
+    """`DEFAULT` over WebSocket is the default, as over HTTP; a Responses `conversation` name with
+    spaces around it is read as the header reads it (stripped)."""
+    name = _name()
+    mine = conv_of(chat(srv.url, srv.a, name, "named"))
+    reply = httpx.post(
+        srv.url + "/v1/responses",
+        json={"model": "assistant", "input": "spaced", "conversation": f"  {name} "},
+        headers=_bearer(srv.a),
+        timeout=30,
+    )
+    assert conv_of(reply) == mine
+    default_http = conv_of(chat(srv.url, srv.a, "default", "to the default"))
+
+    async def go() -> None:
+        ws = await WS.open(srv.url, headers=_bearer(srv.a), open_timeout=T)
+        try:
+            for ref in ("DEFAULT", "Default", "default"):
+                history = await ws.request({"type": "get_history", "conversation": ref, "agent": "assistant"}, T)
+                assert history["type"] == "history" and history["conversation_id"] == default_http, history
+        finally:
+            await ws.close()
+
+    asyncio.run(go())

@@ -1406,7 +1406,7 @@ class Responses:
             if conv_param.strip().lower() == "default":  # this credential's own, as X-Conversation-Id
                 return Placement((await self.server.kernel.default_conversation(agent, ns)).id, "conversation")
             conv = None
-            for cid in name_ids(conv_param, ns):  # a name reads as X-Conversation-Id reads it
+            for cid in name_ids(conv_param.strip(), ns):  # a name reads as X-Conversation-Id reads it
                 found = await store.get_conversation(cid)
                 if found is not None and self.matcher.visible(found, agent, ns):
                     conv = found

@@ -602,7 +602,8 @@ class Endpoint:
         ref = _conversation_ref(
             ref, "give a conversation id (or 'default' with an agent)" if with_agent else "give a conversation id"
         )
-        if ref in ("default", "new"):
+        if ref.lower() in ("default", "new"):  # in any case, as over HTTP
+            ref = ref.lower()
             if ref == "new" or not agent_ref:
                 raise FrameError(
                     "bad_frame",
@@ -618,20 +619,18 @@ class Endpoint:
             agent = await self._agent(conn, agent_ref)
         conv: ConversationRecord | None = None
         ns = _namespace(conn)
+        # Another namespace's conversation costs what an unknown one costs (one read per id, no
+        # cache, no agent look-up), so that neither the answer nor its time tells them apart.
         for cid in name_ids(ref, ns):  # a name as X-Conversation-Id takes it: this caller's own
-            conv = await self.server.store.get_conversation(cid)
-            if conv is not None:
-                self._remember(conv)
-                if namespace_allows(ns, conv.namespace):
-                    break
-        owner = await self.server.store.get_agent(conv.agent_id) if conv is not None else None
-        if (
-            conv is None
-            or owner is None
-            or not self._allows(conn, owner)
-            or not namespace_allows(_namespace(conn), conv.namespace)
-            or (agent is not None and conv.agent_id != agent.id)
-        ):
+            found = await self.server.store.get_conversation(cid)
+            if found is not None and namespace_allows(ns, found.namespace):
+                conv = found
+                break
+        if conv is None:
+            raise _not_found(ref, agent)
+        self._remember(conv)
+        owner = await self.server.store.get_agent(conv.agent_id)
+        if owner is None or not self._allows(conn, owner) or (agent is not None and conv.agent_id != agent.id):
             raise _not_found(ref, agent)
         return conv
 
@@ -652,12 +651,14 @@ class Endpoint:
         ns = _namespace(conn)
         for cid in name_ids(ref, ns):
             known = self._owners.get(cid)
-            if known is None:
+            if known is None or not namespace_allows(ns, known[1]):
+                # Only what a caller may see is cached: another namespace's conversation is read
+                # each time, as an unknown one is (neither the answer nor its time tells them apart).
                 conv = await self.server.store.get_conversation(cid)
-                if conv is None:
+                if conv is None or not namespace_allows(ns, conv.namespace):
                     continue
                 known = self._remember(conv)
-            if known[0] == agent.id and namespace_allows(ns, known[1]):
+            if known[0] == agent.id:
                 return cid
         raise _not_found(ref)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import time
@@ -578,3 +579,42 @@ def test_a_flood_of_pipelined_requests_is_cut_at_the_pipeline_limit(srv: ServePr
     answered = got.count(b"HTTP/1.1 200")
     assert got.count(b"HTTP/1.1 429") == 1 and b"too_many_pipelined_requests" in got, got[-500:]
     assert answered <= PIPELINE_MAX + 1, answered  # the one running, and the queued ones
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@other_loopback
+def test_an_evicted_websocket_that_reads_nothing_frees_its_descriptor_at_once(
+    token_srv: tuple[ServeProcess, str],
+) -> None:
+    """WebSockets waiting for `hello` that ping and never read their pongs: evicted at the cap,
+    each is aborted (a close waited for the client to take what was unsent, up to the send
+    timeout, while its slot was already given away: descriptors and buffers piled up past the cap)."""
+    srv, token = token_srv
+    pid = srv.proc.pid
+    ping = bytes([0x89, 0x80 | 125]) + b"\0\0\0\0" + b"p" * 125  # a masked ping of 125 bytes
+    waiting: list[socket.socket] = []
+    served: list[socket.socket] = []
+    try:
+        before = _fds(pid)
+        for _ in range(CAP):
+            s = _upgraded(srv)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+            s.setblocking(False)
+            try:
+                for _ in range(4000):  # far more pongs than the client's buffer takes
+                    s.send(ping)
+            except BlockingIOError:
+                pass
+            waiting.append(s)
+        time.sleep(GRACE_S + 0.2)
+        for i in range(CAP):  # each newcomer evicts one of them
+            status, s = _ask_with(srv, token, f"127.0.4.{i + 1}")
+            served.append(s)
+            assert status == 200
+        time.sleep(0.5)
+        assert _fds(pid) <= before + CAP + 2, (before, _fds(pid))  # the evicted ones' are free
+    finally:
+        _close(waiting + served)

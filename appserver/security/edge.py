@@ -692,7 +692,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                 self._close_with(
                     429,
                     "too_many_pipelined_requests",
-                    f"more than {PIPELINE_MAX} requests sent ahead of their replies on one connection; "
+                    f"more than {PIPELINE_MAX} requests queued behind the one being answered on one connection; "
                     "read the replies, or open another connection",
                 )
             else:
@@ -1176,8 +1176,10 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def evict(self, reason: str) -> None:
         """Give up the slot of a socket still waiting for its `hello` (`SlotGate.make_room`): closed
-        at once; the app sees a disconnect. Logged by `_made_room`, at most once per interval."""
-        self.transport.close()
+        at once (aborted: a close would wait for the client to take what is still unsent, its
+        descriptor held past the cap); the app sees a disconnect. Logged by `_made_room`, at most
+        once per interval."""
+        self.transport.abort()
 
     def _prove(self) -> None:
         if self._slot is not None:

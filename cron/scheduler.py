@@ -365,7 +365,9 @@ class Scheduler:
         return self.credentials(task.namespace, task.agent, agent_name or self._agent_name.get(task.agent))
 
     @staticmethod
-    def _claimed_by(state: CronFile, tokens: set[str]) -> list[tuple[CronTask, list[Occurrence]]]:
+    def _claimed_by(
+        state: CronFile, tokens: set[str], *, shared: bool = False
+    ) -> list[tuple[CronTask, list[Occurrence]]]:
         """The occurrences the schedulers holding leases `tokens` claimed and the tasks still
         follow, task by task: the last claim, and the earlier ones kept while open (a scheduler
         that took over and claimed the next run in the same tick, then died before resolving the
@@ -375,7 +377,13 @@ class Scheduler:
             claims = [
                 occ
                 for c in task.claim_records()
-                if c.get("by") in tokens and (occ := Occurrence.from_record(task.id, c)) is not None
+                # on a cluster's database, a run the dead holder saw through (`progress` done:
+                # recorded, delivered) is not adopted: claiming the next run in the same tick drops
+                # it from the tasks, and its recovery would then go by this server's own run log,
+                # which knows nothing of it (one home's run log is everyone's: it decides, as before)
+                if c.get("by") in tokens
+                and not (shared and c.get("progress") == "done")
+                and (occ := Occurrence.from_record(task.id, c)) is not None
             ]
             if claims:
                 found.append((dataclasses.replace(task), claims))
@@ -634,7 +642,7 @@ class Scheduler:
                 log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
             if not had:
                 dead = self._dead_tokens(state, previous)
-                self._orphans = self._claimed_by(state, dead)
+                self._orphans = self._claimed_by(state, dead, shared=self.store.shared)
                 self._adopt(state, dead)
             self.has_lease = report.has_lease = True
             self._holder_seen = None

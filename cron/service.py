@@ -145,6 +145,10 @@ class CronService:
             task = None if tasks is None else tasks.get(task_id)
             if task is not None and self._resolved_elsewhere(task, occurrence):
                 continue
+            if task is None and tasks is not None and self.scheduler.store.shared:
+                # removed since, on a cluster's database: the tasks no longer say whether another
+                # server finished the run (the one that took the scheduler over recorded it if so)
+                continue
             turn = await self.server.store.get_turn(turn_id)
             if turn is None:  # accepted by a process that died before its store commit
                 lost = TurnOutcome("lost", "the turn never reached the store (its server died)")

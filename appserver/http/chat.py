@@ -805,7 +805,8 @@ class ChatCompletions:
             raise bad_request(
                 "send tool results and a new user message in separate requests", "messages", code="mixed_input"
             )
-        if users and blank_input(new_content(users)):  # the kernel's rule, before anything is placed
+        content = new_content(users)  # computed once: checked here, submitted below
+        if users and blank_input(content):  # the kernel's rule, before anything is placed
             raise bad_request(
                 "the new user input is empty: there is nothing to answer", "messages", code="missing_input"
             )
@@ -838,7 +839,6 @@ class ChatCompletions:
                     place = await self.matcher.by_prefix(
                         agent, ns, prefix, user, metadata, answers, while_pending=calls_unanswered
                     )
-                content = new_content(users)
                 decisions = await named_answers(self.server, place.conversation_id, given)
                 run = await start_turn(
                     self.server,

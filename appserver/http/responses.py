@@ -1173,7 +1173,8 @@ class Responses:
                 "input",
                 code="missing_input",
             )
-        if users and blank_input(new_content(users)):  # the kernel's rule, before anything is placed
+        content = new_content(users)  # computed once: checked here, submitted below
+        if users and blank_input(content):  # the kernel's rule, before anything is placed
             raise bad_request("the new user input is empty: there is nothing to answer", "input", code="missing_input")
         if users and decisions:
             raise bad_request(
@@ -1218,7 +1219,6 @@ class Responses:
                 place = await self._place(
                     agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added
                 )
-                content = new_content(users)
                 try:
                     run = await start_turn(
                         self.server,

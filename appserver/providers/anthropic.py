@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import httpx
@@ -369,8 +370,8 @@ class AnthropicProvider:
         self._http = http
         self._owns_http = http is None
 
-    @property
-    def url(self) -> str:
+    @cached_property
+    def url(self) -> str:  # parsed once: a provider's base_url does not change
         return endpoint_url(self.cfg.base_url, "/v1/messages", unless_ends="/v1")
 
     def replay_blocks(self, msg: ChatMessage) -> list[dict[str, Any]]:

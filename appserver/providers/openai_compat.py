@@ -14,6 +14,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -457,8 +458,8 @@ class OpenAICompatProvider:
         self._tools_json = _ToolsJSON()
         self._timeout = request_timeout(cfg)
 
-    @property
-    def url(self) -> str:
+    @cached_property
+    def url(self) -> str:  # parsed once: a provider's base_url does not change
         return endpoint_url(self.cfg.base_url, "/chat/completions")
 
     def _uses_max_completion_tokens(self) -> bool:

@@ -1026,3 +1026,86 @@ def test_functions_and_tools_together_are_refused(http: httpx.Client) -> None:
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
         validate("ErrorResponse", r.json())
+
+
+# ---------------------------------------------------------------- session 21
+
+
+def weather_sent(fake: FakeOpenAI) -> dict[str, Any]:
+    """The client tool `get_weather` as the last model call was offered it."""
+    [tool] = [t["function"] for t in fake.requests[-1].json["tools"] if t["function"]["name"] == "get_weather"]
+    return dict(tool)
+
+
+def test_a_function_tools_strict_reaches_the_model(http: httpx.Client, fake: FakeOpenAI) -> None:
+    """`strict` on a client function tool goes to the model as sent (the OpenAI Agents SDK marks
+    every tool strict); it was checked, echoed and dropped."""
+    strict_chat = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": "remote", "messages": [{"role": "user", "content": "s"}], "tools": [strict_chat]},
+    )
+    assert r.status_code == 200, r.text
+    assert weather_sent(fake)["strict"] is True, fake.requests[-1].json["tools"]
+    r = http.post("/v1/responses", json={"model": "remote", "input": "s", "tools": [{**WEATHER_R, "strict": False}]})
+    assert r.status_code == 200 and r.json()["tools"][0]["strict"] is False, r.text
+    assert weather_sent(fake)["strict"] is False
+    r = http.post("/v1/responses", json={"model": "remote", "input": "s", "tools": [WEATHER_R]})
+    assert r.status_code == 200, r.text
+    assert "strict" not in weather_sent(fake)  # not sent: the upstream's default
+
+    # kept with the paused turn: the step after the answer offers the tool the same way
+    fake.script(one_call_sse("call_st1", "get_weather", "{}"))
+    waiting = http.post(
+        "/v1/responses", json={"model": "remote", "input": "weather?", "tools": [{**WEATHER_R, "strict": True}]}
+    ).json()
+    assert [o["type"] for o in waiting["output"]] == ["function_call"], waiting
+    answer = {"type": "function_call_output", "call_id": "call_st1", "output": "sunny"}
+    r = http.post("/v1/responses", json={"model": "remote", "previous_response_id": waiting["id"], "input": [answer]})
+    assert r.status_code == 200, r.text
+    assert weather_sent(fake)["strict"] is True
+
+
+def test_a_function_output_in_parts_is_listed_as_sent(
+    client: openai.OpenAI, http: httpx.Client, fake: FakeOpenAI
+) -> None:
+    """A function_call_output sent as parts reaches the model as one text and is listed by
+    input_items part by part, as a message's parts are (it was listed joined)."""
+    fake.script(one_call_sse("call_parts1", "get_weather", "{}"))
+    waiting = http.post("/v1/responses", json={"model": "remote", "input": "weather?", "tools": [WEATHER_R]}).json()
+    parts = [{"type": "input_text", "text": "part1"}, {"type": "input_text", "text": "part2"}]
+    answer = {"type": "function_call_output", "call_id": "call_parts1", "output": parts}
+    r = http.post("/v1/responses", json={"model": "remote", "previous_response_id": waiting["id"], "input": [answer]})
+    assert r.status_code == 200, r.text
+    tool_message = fake.requests[-1].json["messages"][-1]
+    assert tool_message["role"] == "tool" and "part1" in tool_message["content"] and "part2" in tool_message["content"]
+    listed = http.get(f"/v1/responses/{r.json()['id']}/input_items").json()
+    validate("ResponseItemList", listed)
+    [fco] = [i for i in listed["data"] if i["type"] == "function_call_output"]
+    assert fco["output"] == parts, fco
+    assert client.responses.input_items.list(r.json()["id"]).data[0].type == "function_call_output"
+
+
+def test_a_conflict_a_retry_would_meet_again_tells_the_sdk_not_to_retry(
+    srv: tuple[ServeProcess, FakeOpenAI], fake: FakeOpenAI
+) -> None:
+    """The OpenAI SDK retries every 409 unless told `x-should-retry: false`: a 409 calls_pending
+    or idempotency_key_reused was sent three times by one create() call."""
+    sent: list[str] = []
+    hooks = {"request": [lambda request: sent.append(request.url.path)]}
+    with httpx.Client(event_hooks=hooks) as transport:
+        client = openai.OpenAI(base_url=srv[0].url + "/v1", api_key="unused", max_retries=2, http_client=transport)
+        fake.script(one_call_sse("call_409", "get_weather", "{}"))
+        waiting = client.responses.create(model="remote", input="weather?", tools=[WEATHER_R])  # type: ignore[list-item]
+        sent.clear()
+        with pytest.raises(openai.ConflictError) as exc:
+            client.responses.create(model="remote", previous_response_id=waiting.id, input="and now?")
+        assert exc.value.code == "calls_pending" and exc.value.response.headers["x-should-retry"] == "false"
+        assert len(sent) == 1, sent
+
+        key = {"Idempotency-Key": f"k409-{time.monotonic_ns()}"}
+        client.responses.create(model="assistant", input="one", extra_headers=key)
+        sent.clear()
+        with pytest.raises(openai.ConflictError) as exc:
+            client.responses.create(model="assistant", input="two", extra_headers=key)
+        assert exc.value.code == "idempotency_key_reused" and len(sent) == 1, sent

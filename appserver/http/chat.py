@@ -399,11 +399,13 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
                 code="duplicate_function_name",
             )
         params = fn.get("parameters")
+        strict = fn.get("strict")
         out.append(
             ToolSpec(
                 name,
                 str(fn.get("description") or ""),
                 params if isinstance(params, dict) else {"type": "object", "properties": {}},
+                strict if isinstance(strict, bool) else None,
             )
         )
     return out
@@ -667,7 +669,7 @@ def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def turn_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
     """Client tools as a turn record keeps them."""
-    return [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools]
+    return [t.to_record() for t in tools]
 
 
 def blank_input(content: str | list[dict[str, Any]] | None) -> bool:

@@ -24,6 +24,11 @@ ERROR_TYPES = {
 }
 
 
+# The OpenAI SDKs retry every 409 unless told not to. Only these conflicts can clear by waiting
+# (another request holds what this one needs); every other 409 answers the same on a retry.
+RETRYABLE_CONFLICTS = frozenset({"idempotency_key_in_progress", "previous_response_in_progress", "already_resolving"})
+
+
 class ApiError(Exception):
     """Raised inside a route; rendered as an OpenAI error object with `status`."""
 
@@ -41,7 +46,9 @@ class ApiError(Exception):
         self.message = message
         self.code = code
         self.param = param
-        self.headers = headers or {}
+        self.headers = dict(headers) if headers else {}
+        if status == 409 and code not in RETRYABLE_CONFLICTS:
+            self.headers.setdefault("x-should-retry", "false")
 
 
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:

@@ -323,10 +323,13 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not call_id:
                 raise bad_request(f"{where}.call_id is required", "input", code="missing_call_id")
+            shown_output: str | list[dict[str, Any]] = output if isinstance(output, str) else ""
             if isinstance(output, list):
-                output, images = content_of(output, where)
+                output, images, _, ordered = parts_of(output, where, media=False)
                 if images:
                     raise no_images(where, "function_call_output", "input", "input_image")
+                # the model gets the parts as one text; input_items lists each as sent
+                shown_output = [{"type": "input_text", "text": p["text"]} for p in ordered or () if p["type"] == "text"]
             if not isinstance(output, str):
                 raise bad_request(f"{where}.output must be a string", "input")
             out.items.append(ViewItem("tool", output, call_id=call_id))
@@ -335,7 +338,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                     "id": item_id("fco"),
                     "type": "function_call_output",
                     "call_id": call_id,
-                    "output": output,
+                    "output": shown_output,
                     "status": "completed",
                 }
             )
@@ -502,7 +505,8 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
         raw_params = t.get("parameters")
         params: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {"type": "object", "properties": {}}
         desc = t.get("description") if isinstance(t.get("description"), str) else None
-        specs.append(ToolSpec(name, desc or "", params))
+        strict = t.get("strict")
+        specs.append(ToolSpec(name, desc or "", params, strict if isinstance(strict, bool) else None))
         shown.append(
             {
                 "type": "function",

@@ -105,6 +105,24 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # the client's `strict` (OpenAI's schema-exact arguments), passed on as sent
+
+    def to_record(self) -> dict[str, Any]:
+        """As a turn record keeps a client tool."""
+        record: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if self.strict is not None:
+            record["strict"] = self.strict
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> ToolSpec:
+        strict = record.get("strict")
+        return cls(
+            record["name"],
+            record.get("description", ""),
+            record.get("parameters") or {"type": "object", "properties": {}},
+            strict if isinstance(strict, bool) else None,
+        )
 
 
 @dataclass(slots=True)

@@ -402,6 +402,8 @@ def tool_to_wire(tool: ToolSpec) -> dict[str, Any]:
     fn: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters}
     if tool.description:
         fn["description"] = tool.description
+    if tool.strict is not None:
+        fn["strict"] = tool.strict
     return {"type": "function", "function": fn}
 
 
@@ -412,12 +414,12 @@ class _ToolsJSON:
     __slots__ = ("_items", "marker")
 
     def __init__(self) -> None:
-        self._items: dict[tuple[tuple[str, str, int], ...], tuple[list[dict[str, Any]], str]] = {}
+        self._items: dict[tuple[tuple[str, str, int, bool | None], ...], tuple[list[dict[str, Any]], str]] = {}
         # A placeholder value no request carries by chance; checked anyway (see encode_body).
         self.marker = f"tools-{uuid.uuid4().hex}"
 
     def get(self, tools: list[ToolSpec], wire: list[dict[str, Any]]) -> str:
-        key = tuple((t.name, t.description, id(t.parameters)) for t in tools)
+        key = tuple((t.name, t.description, id(t.parameters), t.strict) for t in tools)
         hit = self._items.get(key)
         if hit is not None and all(a is b.parameters for a, b in zip(hit[0], tools, strict=True)):
             return hit[1]

@@ -698,11 +698,7 @@ class Kernel:
             idempotency_key=key,
             source=req.source,
             input={"content": content},
-            client_tools=[
-                {"name": t.name, "description": t.description, "parameters": t.parameters} for t in req.client_tools
-            ]
-            if req.client_tools
-            else [],
+            client_tools=[t.to_record() for t in req.client_tools] if req.client_tools else [],
             options=dict(req.options),
         )
         try:

@@ -161,14 +161,7 @@ class TurnRunner:
                 turn_id=record.id,
                 history=list(history),
                 to_chat=self._history.chat,
-                client_tools=[
-                    ToolSpec(
-                        t["name"], t.get("description", ""), t.get("parameters") or {"type": "object", "properties": {}}
-                    )
-                    for t in record.client_tools
-                ]
-                if record.client_tools
-                else [],
+                client_tools=[ToolSpec.from_record(t) for t in record.client_tools] if record.client_tools else [],
                 options=record.options,
                 iteration=record.iteration,
                 usage=dict(record.usage),

@@ -93,6 +93,7 @@ class ClientTool(_ClientShape):
     name: str
     description: str = ""
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = Field(default=None, strict=True)  # passed on to the model as OpenAI's `strict`
 
     @field_validator("name")
     @classmethod

@@ -482,7 +482,7 @@ class Endpoint:
                 conversation=spec,
                 source=source,
                 idempotency_key=key,
-                client_tools=[ToolSpec(t.name, t.description, t.parameters) for t in frame.client_tools],
+                client_tools=[ToolSpec(t.name, t.description, t.parameters, t.strict) for t in frame.client_tools],
                 conversation_fields=fields,
                 resolved=agent,
             )

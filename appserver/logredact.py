@@ -44,7 +44,7 @@ _PATTERNS: tuple[re.Pattern[str], ...] = (
     re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"),
     re.compile(r"\b\d{6,12}:[A-Za-z0-9_-]{30,}"),
     # credentials in a URL query (the guard refuses them, but the access log already saw them)
-    re.compile(r"(?i)[?&](?:token|access_token|api_key|apikey|api-key|key|jwt)=(?P<s>[^&\s\"']+)"),
+    re.compile(r"(?i)[?&;](?:token|access_token|api_key|apikey|api-key|key|jwt)=(?P<s>[^&;\s\"']+)"),
     # JSON / repr fields named like secrets; the value runs to its closing quote, over escaped quotes
     # and backslashes inside it (`"Authorization": "Bearer k3y\"x\\y"`: all of it is the value)
     re.compile(_SECRET_FIELD + r'"(?P<s>(?:[^"\\]|\\.){8,})"'),

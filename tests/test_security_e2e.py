@@ -150,6 +150,8 @@ REFUSALS = [
     ("wrong-token", "GET", "/v1/models", "aps_not_a_real_token", {}, 401, "invalid_api_key"),
     ("token-in-query", "GET", "/v1/models?token={full}", None, {}, 401, "credentials_in_url"),
     ("query-and-header", "GET", "/v1/models?api_key={full}", "full", {}, 401, "credentials_in_url"),
+    # `;` separates parameters for many proxies and frameworks (parse_qsl splits on `&` only)
+    ("token-after-semicolon", "GET", "/v1/models?x=1;token={full}", "full", {}, 401, "credentials_in_url"),
     ("origin-get", "GET", "/v1/models", "full", {"Origin": EVIL}, 403, "origin_not_allowed"),
     (
         "origin-post",

@@ -112,7 +112,7 @@ def test_rejections(rs256: Authenticator, rsa_key: rsa.RSAPrivateKey, tmp_path: 
     assert _reject(rs256, crit + "." + _b64(b"sig")).code == "invalid_token"
     # an exp that is no NumericDate, or so far ahead the token never ends
     _reject(rs256, jwt.encode(_claims(exp=True), rsa_key, algorithm="RS256"))  # PyJWT reads it as 1: expired
-    for exp in (str(now + 600), 10**30, 1e308, now + 200 * 365 * 86400):
+    for exp in (str(now + 600), 10**30, 10**400, 1e308, now + 200 * 365 * 86400):  # 10**400: no float holds it
         rejected = _reject(rs256, jwt.encode(_claims(exp=exp), rsa_key, algorithm="RS256"))
         assert rejected.code == "invalid_token", (exp, rejected.code)
     fractional = jwt.encode(_claims(exp=now + 3600.5), rsa_key, algorithm="RS256")  # a float exp is fine
@@ -196,9 +196,21 @@ def test_sub_is_required_it_is_the_namespace(rs256: Authenticator, rsa_key: rsa.
     no_sub = _claims()
     del no_sub["sub"]
     assert "'sub'" in _reject(rs256, jwt.encode(no_sub, rsa_key, algorithm="RS256")).message
-    for bad in ("", "   ", "a\x1fb", "x" * 257, 7):
+    # C1 controls, a bidi override, a line separator, only a zero-width space: not printable
+    for bad in ("", "   ", "a\x1fb", "x" * 257, 7, "a\x85b", "a\u202eb", "a\u2028b", "\u200b", "\u00a0"):
         assert _reject(rs256, jwt.encode(_claims(sub=bad), rsa_key, algorithm="RS256")).code == "invalid_token"
     assert (
         rs256.authenticate("Bearer " + jwt.encode(_claims(sub="carol"), rsa_key, algorithm="RS256")).subject
         == "jwt:carol"
     )
+
+
+def test_an_empty_audience_is_refused_when_none_is_expected(tmp_path: Path, rsa_key: rsa.RSAPrivateKey) -> None:
+    """PyJWT skips an empty `aud` when no audience is configured; the docs say any `aud` is refused."""
+    (tmp_path / "pub.pem").write_bytes(_pub_pem(rsa_key))
+    auth = Authenticator(_cfg(tmp_path, jwt_algorithms=["RS256"], jwt_public_key_file="pub.pem", jwt_audience=None))
+    for aud in ("", [], "someone"):
+        assert _reject(auth, jwt.encode(_claims(aud=aud), rsa_key, algorithm="RS256")).code == "invalid_token", aud
+    no_aud = _claims()
+    del no_aud["aud"]
+    assert auth.authenticate("Bearer " + jwt.encode(no_aud, rsa_key, algorithm="RS256")).subject == "jwt:alice"

@@ -48,6 +48,7 @@ def test_redacts_patterns_and_known_secrets(
     log.info("Authorization: Bearer %s", "opaque-token-value-123")
     log.info("jwt %s and token %s", JWT, TOKEN)
     log.info('127.0.0.1 - "GET /v1/models?access_token=%s&x=1 HTTP/1.1" 401', "abcdef123456")
+    log.info('127.0.0.1 - "GET /v1/models?x=1;token=%s;y=2 HTTP/1.1" 401', "semicolon-sep-value")
     log.info("secret %s key %s", "my-hs256-secret-value", "k-123456789")
     log.info("payload %s", {"api_key": "sk-proj-abcdefghijklmnopqrstuvwxyz"})
     redactor.add_secret("late-registered-token")
@@ -58,6 +59,7 @@ def test_redacts_patterns_and_known_secrets(
         JWT,
         TOKEN,
         "abcdef123456",
+        "semicolon-sep-value",
         "my-hs256-secret-value",
         "k-123456789",
         "sk-proj-abcdefghijklmnopqrstuvwxyz",
@@ -65,7 +67,7 @@ def test_redacts_patterns_and_known_secrets(
     ):
         assert secret not in out, secret
         assert fingerprint(secret) in out, secret
-    assert "x=1" in out and "GET /v1/models" in out  # the rest of the line survives
+    assert "x=1" in out and ";y=2" in out and "GET /v1/models" in out  # the rest of the line survives
 
 
 def test_redacts_tracebacks(captured: tuple[logging.Logger, io.StringIO, SecretRedactor]) -> None:

@@ -114,4 +114,7 @@ class Authenticator:
             except AuthError as exc:
                 log.info("rejected JWT %s: %s", fingerprint(token), exc.message)
                 raise
+            except Exception:  # a claim the checks did not foresee: refused, and loudly, never a 500
+                log.exception("JWT %s could not be verified", fingerprint(token))
+                raise unauthorized("invalid_token", "the JWT could not be verified") from None
         return Principal.local()

@@ -24,7 +24,6 @@ MAX_JWT_LIFETIME_S = 36500 * 86400.0  # an `exp` further ahead is refused, as a 
 _HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
 _RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 _EC_ALGS = frozenset({"ES256", "ES384", "ES512"})
-_CONTROL_CHARS = re.compile("[\x00-\x1f\x7f]")
 
 
 def _claim_set(value: Any, claim: str) -> frozenset[str]:
@@ -171,6 +170,10 @@ class JwtVerifier:
             raise unauthorized("invalid_token", "JWT signature is invalid") from None
         except jwt.InvalidTokenError as exc:
             raise unauthorized("invalid_token", f"invalid JWT: {type(exc).__name__}") from None
+        except (OverflowError, ValueError, TypeError) as exc:  # a claim PyJWT could not compare or convert
+            raise unauthorized("invalid_token", f"invalid JWT: {type(exc).__name__}") from None
+        if self.audience is None and "aud" in claims:  # PyJWT lets an empty one through
+            raise unauthorized("invalid_token", "JWT carries an audience and this server expects none")
         # PyJWT reads `true` as 1 and "1796…" as a number; and an exp centuries ahead never ends.
         if not _numeric_date_within(claims.get("exp"), time.time() + MAX_JWT_LIFETIME_S):
             raise unauthorized(
@@ -187,7 +190,7 @@ class JwtVerifier:
                 scopes = _claim_set(claims[key], key) & frozenset(SCOPES)
                 break
         sub = claims.get("sub")
-        if not isinstance(sub, str) or not sub.strip() or len(sub) > 256 or _CONTROL_CHARS.search(sub):
+        if not isinstance(sub, str) or not sub.strip() or len(sub) > 256 or not sub.isprintable():
             raise unauthorized(
                 "invalid_token",
                 "JWT claim 'sub' must be a non-empty string of printable characters (at most 256)",
@@ -203,5 +206,8 @@ class JwtVerifier:
 
 
 def _numeric_date_within(value: Any, latest: float) -> bool:
-    """A JSON number (not a bool, not a string), finite, no later than `latest`."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value <= latest
+    """A JSON number (not a bool, not a string), finite, no later than `latest`. An int is
+    compared as it is: one past a float's range would not convert (OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return (isinstance(value, int) or math.isfinite(value)) and value <= latest

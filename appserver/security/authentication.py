@@ -28,7 +28,8 @@ def check_query(scope: Scope) -> None:
     if not raw:
         return
     try:
-        pairs = parse_qsl(bytes(raw).decode("latin-1"), keep_blank_values=True)
+        # `;` separates too for many servers, proxies and frameworks (parse_qsl splits on `&` only)
+        pairs = parse_qsl(bytes(raw).decode("latin-1").replace(";", "&"), keep_blank_values=True)
     except ValueError:
         raise Refusal(400, "invalid_query", "malformed query string") from None
     for key, _ in pairs:

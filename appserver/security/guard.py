@@ -130,8 +130,13 @@ class SecurityGuard:
                 self.body.check_length(hdrs)
             client = slot_key(scope, principal)
             self.slots.check(client)
-        except Refusal as r:
-            log.info("refused %s %r: %d %s", kind, scope.get("path", "?"), r.status, r.code)
+        except Exception as exc:
+            if isinstance(exc, Refusal):
+                r = exc
+                log.info("refused %s %r: %d %s", kind, scope.get("path", "?"), r.status, r.code)
+            else:  # a check's own failure: still an error object with the request id, never a bare 500
+                log.exception("the guard's checks failed on %s %r", kind, scope.get("path", "?"))
+                r = Refusal(500, "internal_error", "the server could not check this request")
             if kind == "http":
                 await send_http_error(send, r, cors_headers(origin))
             else:

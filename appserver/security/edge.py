@@ -218,6 +218,10 @@ UPGRADE_EARLY_MAX_BYTES = HIGH_WATER_LIMIT
 WS_UNSENT_MAX = 64 * 1024
 # What a WebSocket client may send while it leaves the server's writes untaken (its pongs, ...).
 WS_READ_WHILE_BLOCKED = 1 << 20
+# With permessage-deflate: bytes of a read given to the parser at a time (EdgeWebSocketProtocol._feed).
+# Deflate inflates at most ~1032×, so a slice holds at most a frame or two that inflate to the
+# frame limit.
+WS_INFLATE_SLICE = 4096
 
 # Where the parser is in the current message.
 IDLE, HEAD, BODY = 0, 1, 2
@@ -1068,6 +1072,8 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         self._slot: EdgeSlot | None = None  # upgraded without a credential: evictable until `hello`
         self._writes_blocked = False  # over the high-water mark: see pause_writing
+        self._inflates = bool(self.config.ws_per_message_deflate)  # see _feed
+        self._unfed = bytearray()  # read from the socket, not yet given to the parser (_feed)
         self._read_while_blocked = 0  # bytes read from the client since then
         send_response = self.conn.send_response
 
@@ -1143,19 +1149,40 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._writes_blocked = False
         if isinstance(self.transport, PassWrites):
             self.transport.watch_open = False  # open and draining: ws_send_timeout_s and pings again
-        if not self.read_paused and not self.transport.is_closing():
+        if not self.read_paused and not self._unfed and not self.transport.is_closing():
             self.transport.resume_reading()  # not while a message waits for the app (uvicorn's pause)
 
     def data_received(self, data: bytes) -> None:
         if self._writes_blocked:
             self._read_while_blocked += len(data)
-        super().data_received(data)
+        if self._inflates:
+            self._unfed += data
+            self._feed()
+        else:
+            super().data_received(data)
         self._hold_reads_if_over()
 
     async def receive(self) -> Any:
         message = await super().receive()  # resumes reading once the app took the queued message
+        if self._unfed:
+            self._feed()  # what the last read brought past the message just taken
         self._hold_reads_if_over()  # …but not past the budget of a client that leaves writes untaken
         return message
+
+    # ── permessage-deflate ───────────────────────────────────────────────────────────────────
+    # uvicorn inflates every frame of a socket read before its pause takes effect: one 256 KiB
+    # read of 4 KB frames that each inflate to just under the frame limit queued ~250 MB for the
+    # app (a compression bomb: ~1000× the bytes sent). With compression on, a read is fed to the
+    # parser in small slices, and feeding stops while a message waits for the app, as reading
+    # does: at most about one slice's worth of frames is inflated ahead of the app.
+
+    def _feed(self) -> None:
+        while self._unfed and not self.read_paused and not self.transport.is_closing():
+            piece = bytes(self._unfed[:WS_INFLATE_SLICE])
+            del self._unfed[:WS_INFLATE_SLICE]
+            super().data_received(piece)
+        if self._unfed and self.read_paused:
+            self.transport.pause_reading()  # (uvicorn paused it already: kept so for what is unfed)
 
     def _hold_reads_if_over(self) -> None:
         if (

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from gateway.ratelimit import ChatRateLimiter, RetryAfter
-from gateway.split import split_message
+from gateway.split import fences_on_own_lines, split_message
 from plugins.contract import Adapter, DeliveryError, Target, shorten
 
 if TYPE_CHECKING:
@@ -130,6 +130,11 @@ class Outbox:
         self.in_flight = False
 
     def format(self, text: str) -> str:
+        """The platform's form of `text`. A code fence opening or closing mid-line is first moved to
+        a line of its own, for every send and edit, however short: the formatters read fences by
+        line, and a short reply with one (`Here it is: ```python`) showed stray backticks."""
+        if "```" in text:
+            text = fences_on_own_lines(text)
         fmt = getattr(self.adapter, "format", None)
         return str(fmt(text)) if callable(fmt) else text
 

@@ -60,6 +60,14 @@ def test_a_dm_grows_by_updates_and_ends_exact_in_mrkdwn(srv: ChannelServer, slac
     assert "slack:main running" in srv.channels_check()["detail"]
 
 
+def test_a_short_reply_with_a_fence_in_mid_line_keeps_one_code_block(srv: ChannelServer, slack: FakeSlack) -> None:
+    """A fence opening mid-line in a short reply ended in a stray extra fence (outside finding, s21)."""
+    slack.inject_dm("U1", "Here it is: ```python\nprint(1)\n```", channel="D-fence")
+    reply = slack.wait_for_text("D-fence", lambda t: "print(1)" in t, timeout=20)
+    assert reply.text.count("```") == 2 and reply.text.rstrip().endswith("```"), reply.text
+    assert re.search(r"```\n?(python\n)?print\(1\)\n```$", reply.text.rstrip()), reply.text
+
+
 def test_a_mention_is_answered_in_its_thread(srv: ChannelServer, slack: FakeSlack) -> None:
     ts = slack.inject_mention("U2", "<@UBOT> hello channel", channel="C-e2e")
     reply = slack.wait_for_text("C-e2e", "echo: hello channel", timeout=20)

@@ -88,6 +88,15 @@ def test_markdown_with_angle_brackets_and_ampersands_renders_as_html(srv: Channe
     assert refused == []
 
 
+def test_a_short_reply_with_a_fence_in_mid_line_shows_a_code_block(srv: ChannelServer, tg: FakeTelegram) -> None:
+    """A fence opening mid-line (`Here it is: ```python`) in a reply short enough for one message
+    was shown as a stray inline backtick, plain code and an empty <pre> (outside finding, s21)."""
+    tg.dm("Here it is: ```python\nprint(1)\n```", user_id=4102)
+    reply = tg.wait_for_text(4102, lambda t: "print(1)" in t, timeout=15)
+    assert re.search(r"<pre><code[^>]*>print\(1\)\s*</code></pre>", reply.source), reply.source
+    assert "`" not in reply.text and reply.source.count("<pre>") == 1, reply.source
+
+
 def test_a_long_reply_is_split_within_telegrams_limit(srv: ChannelServer, tg: FakeTelegram) -> None:
     text = "\n\n".join(f"Paragraph {i}: " + "lorem & ipsum < dolor " * 60 for i in range(6))
     assert len(text) > 8000

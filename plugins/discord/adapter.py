@@ -13,9 +13,14 @@ most once a second and at stop), and on every new session (READY: the first conn
 re-IDENTIFY after the session was invalidated or lost in a long outage) the adapter fetches, for
 each channel it has seen, the messages after that id and hands each to `on_message`: what the
 gateway missed while it was away is answered once (also in server channels and threads never seen
-whose last message is newer than the newest one recorded: first written to during the outage). The
+whose last message is newer than the newest one recorded: first written to during the outage).
+Live messages of a channel being caught up (from READY on: discord.py hands messages over before
+`on_ready`) wait until its catch-up has handed the older ones over, at most `CATCH_UP_WAIT_S`, so the
+channel keeps Discord's order; a channel with a live message waiting is caught up next, and other
+channels are not held up. A message both fetched and live (or replayed) is handed over once. The
 bot's own messages are skipped; other bots'
-are handed over marked `sender_is_bot` (the gateway never lets them through). System notices
+are handed over marked `sender_is_bot` (the gateway never lets them through). A mention of the bot's
+managed role (`<@&role>`, `tags.bot_id` the bot) is a mention of the bot. System notices
 (message types other than a default message and a reply: a rename, a pin, a thread started) are
 skipped.
 
@@ -70,7 +75,7 @@ from plugins.contract import (
 )
 from plugins.discord.format import to_discord
 from plugins.discord.settings import DEFAULT_API_URL, DEFAULT_GATEWAY_URL, check_settings
-from plugins.inorder import ChatOrder
+from plugins.inorder import ChatOrder, Ticket
 from plugins.statefile import atomic_write_text, move_aside
 
 CHANNEL = "discord"
@@ -81,6 +86,10 @@ READY_TIMEOUT_S = 30.0
 MAX_RATELIMIT_WAIT_S = 30.0  # discord.py sleeps out shorter 429s itself; longer ones come back to the gateway
 MAX_RETRY_AFTER_S = 300.0
 CATCH_UP_LIMIT = 500  # per channel and reconnect
+# A live message of a channel whose catch-up is pending waits at most this long (from the channel's
+# first waiting message) for the catch-up to hand the older messages over, then goes ahead.
+CATCH_UP_WAIT_S = 30.0
+HANDED_KEPT = 4096  # ids of messages recently handed over, so a message fetched and also live goes once
 NONCE_LENGTH = 25  # Discord's limit for a string nonce
 NONCE_WINDOW_S = 120.0  # Discord enforces a nonce "for a few minutes": taken as two
 FIND_POSTED_LIMIT = 100  # messages after the first attempt looked at for a repeat past the window
@@ -124,6 +133,19 @@ class _Client(discord.Client):
         for event, parse in list(parsers.items()):
             if event not in SESSION_EVENTS:
                 parsers[event] = self._guarded(event, parse)
+        if "READY" in parsers:
+            parsers["READY"] = self._session_start(parsers["READY"])
+
+    def _session_start(self, parse: Callable[[Any], None]) -> Callable[[Any], None]:
+        """READY's parser, telling the adapter first: a new session, so a catch-up comes, and the live
+        messages dispatched from now on (discord.py hands them over before `on_ready`, which waits
+        for the guilds) wait for it in their channels."""
+
+        def run(data: Any) -> None:
+            self._adapter._on_session_start()
+            parse(data)
+
+        return run
 
     def _guarded(self, event: str, parse: Callable[[Any], None]) -> Callable[[Any], None]:
         """A parser that skips an event discord.py cannot read (a malformed MESSAGE_UPDATE raised
@@ -166,6 +188,21 @@ class _Client(discord.Client):
         await self._adapter._on_interaction(interaction)
 
 
+class _Gate:
+    """A channel whose catch-up has not handed its messages over yet, and the live messages of the
+    channel waiting for that (each a future of its ticket, in arrival order)."""
+
+    __slots__ = ("entry", "again", "waiters", "running", "opened", "timer")
+
+    def __init__(self, entry: dict[str, Any] | None) -> None:
+        self.entry = entry  # where the catch-up starts; None: not known yet whether it is caught up
+        self.again: dict[str, Any] | None = None  # planned again (a new session) while being fetched
+        self.waiters: list[asyncio.Future[Ticket]] = []
+        self.running = False  # being fetched now
+        self.opened = False  # its live messages no longer wait (caught up, or waited long enough)
+        self.timer: asyncio.TimerHandle | None = None
+
+
 class DiscordAdapter:
     """One Discord bot (one token)."""
 
@@ -206,6 +243,13 @@ class DiscordAdapter:
         self._saver: asyncio.Task[None] | None = None
         self._save_now = asyncio.Event()  # stop: the saver writes without waiting out its second
         self._catch_up: asyncio.Task[None] | None = None
+        # Channels whose catch-up has not handed its messages over yet, in the order planned; their
+        # live messages wait there (`_Gate`). `_planning`: a session started, and which channels
+        # never seen are caught up is known only at `on_ready` (the guilds' channels are needed).
+        self._gates: dict[int, _Gate] = {}
+        self._urgent: dict[int, None] = {}  # gated channels with a live message waiting: caught up first
+        self._planning = False
+        self._handed: dict[int, None] = {}  # the last `HANDED_KEPT` message ids handed over, oldest first
         self.bot_user_id: int | None = None
         # Per-channel arrival order; a later message waits for an earlier one's attachments at most
         # this long (from its own arrival), then goes ahead.
@@ -318,6 +362,11 @@ class DiscordAdapter:
                     await task
         self._runner = None
         self._catch_up = None
+        self._planning = False
+        gates, self._gates = self._gates, {}
+        self._urgent.clear()
+        for channel_id, gate in gates.items():  # nothing waits on for a catch-up that will not come
+            self._open_gate(channel_id, gate)
         await self._flush_seen()
 
     def _report(self, state: AccountState, reason: str | None) -> None:
@@ -339,13 +388,105 @@ class DiscordAdapter:
         self._report("running", None)
         self._start_catch_up()
 
+    def _on_session_start(self) -> None:
+        """READY arrived (before discord.py reads it): every channel seen is caught up in this session,
+        so its live messages wait for that from now on; a server channel never seen may be too, which
+        is known at `on_ready`."""
+        self._planning = True
+        for key, entry in list(self._seen.items()):
+            self._plan(int(key), entry)
+
+    def _plan(self, channel_id: int, entry: dict[str, Any]) -> None:
+        """Catch `channel_id` up from `entry` (as it is now: a live message recorded meanwhile must
+        not move the start past what was missed). A channel already planned keeps its place and its
+        entry (the older one, which starts earlier); a gate a live message opened meanwhile gets it."""
+        gate = self._gates.get(channel_id)
+        if gate is None:
+            self._gates[channel_id] = _Gate(entry)
+            return
+        if gate.entry is None:
+            gate.entry = entry
+        elif gate.running:  # its fetch may be past by now: fetched again from here once it ends
+            gate.again = gate.again or entry
+        if gate.opened and not gate.running:  # waited out in an earlier session: waited for again
+            gate.opened = False
+
     def _start_catch_up(self, *, only_held: bool = False) -> None:
-        """Fetch what was missed: after a new session every channel seen; after a RESUME only the
-        channels holding a message that could not be recorded."""
-        if self._catch_up is None or self._catch_up.done():
-            self._catch_up = asyncio.create_task(
-                self._catch_up_all(only_held), name=f"discord-catchup-{self.account.name}"
-            )
+        """Fetch what was missed: after a new session every channel seen (planned at READY) and the
+        server channels never seen that have news; after a RESUME only the channels holding a message
+        that could not be recorded. One task works through the planned channels, those with a live
+        message waiting first."""
+        if only_held:
+            for key, entry in list(self._seen.items()):
+                if entry.get("failed"):
+                    self._plan(int(key), entry)
+        else:
+            for key, entry in list(self._seen.items()):  # also when READY's hook did not run
+                self._plan(int(key), entry)
+            try:
+                unseen = self._unseen_with_news()
+            except Exception:  # noqa: BLE001 - the channels seen are still caught up, and nothing waits on
+                self._log.exception("%s: could not look for channels never seen with news", self._where)
+                unseen = []
+            for key, entry in unseen:
+                self._plan(int(key), entry)
+            self._planning = False
+            for channel_id, gate in list(self._gates.items()):
+                if gate.entry is None:  # a live message's channel that turned out to have nothing to fetch
+                    del self._gates[channel_id]
+                    self._open_gate(channel_id, gate)
+        if self._gates and (self._catch_up is None or self._catch_up.done()):
+            self._catch_up = asyncio.create_task(self._catch_up_all(), name=f"discord-catchup-{self.account.name}")
+
+    def _wait_for_catch_up(self, message: discord.Message) -> asyncio.Future[Ticket] | None:
+        """A live message of a channel whose catch-up is pending waits for it: its place in the
+        channel's line (a ticket) comes when the catch-up has handed the older messages over, in the
+        order the live messages arrived, or `CATCH_UP_WAIT_S` after the first of them began to wait.
+        None: nothing to wait for (no catch-up pending there, or no longer waited for). Synchronous,
+        before the handler's first await, like the ticket it stands for."""
+        channel_id = message.channel.id
+        gate = self._gates.get(channel_id)
+        if gate is None:
+            in_server = message.guild is not None or getattr(message.channel, "guild_id", None) is not None
+            if not (self._planning and in_server):  # a DM never seen is never fetched (no list of DMs)
+                return None
+            gate = self._gates[channel_id] = _Gate(None)  # known at `on_ready`
+        if gate.opened:
+            return None
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[Ticket] = loop.create_future()
+        gate.waiters.append(waiter)
+        if gate.timer is None:
+            gate.timer = loop.call_later(CATCH_UP_WAIT_S, self._catch_up_too_slow, channel_id, gate)
+        if not gate.running:
+            self._urgent[channel_id] = None
+        return waiter
+
+    def _catch_up_too_slow(self, channel_id: int, gate: _Gate) -> None:
+        if gate.opened:
+            return
+        self._log.warning(
+            "%s: channel %s: the messages sent while the gateway was away are not handed over after %g s; "
+            "handing on the ones that came since first",
+            self._where,
+            channel_id,
+            CATCH_UP_WAIT_S,
+        )
+        self._open_gate(channel_id, gate)
+        if gate.entry is None and self._gates.get(channel_id) is gate:
+            del self._gates[channel_id]
+
+    def _open_gate(self, channel_id: int, gate: _Gate) -> None:
+        """The channel's live messages go on, in the order they came (their tickets taken here, after
+        every message the catch-up handed over); later ones do not wait. Idempotent."""
+        gate.opened = True
+        if gate.timer is not None:
+            gate.timer.cancel()
+            gate.timer = None
+        waiters, gate.waiters = gate.waiters, []
+        for waiter in waiters:
+            if not waiter.done():  # not cancelled (its handler gave up or was cancelled)
+                waiter.set_result(self._order.ticket(channel_id))
 
     # ------------------------------------------------------------------ inbound
 
@@ -357,21 +498,45 @@ class DiscordAdapter:
             return
         # discord.py dispatches each event as its own task, started in arrival order: the ticket,
         # taken before the first await, keeps the channel's messages in that order however long
-        # one of them takes to read (its attachments are downloaded first).
-        with self._order.ticket(message.channel.id) as ticket:
+        # one of them takes to read (its attachments are downloaded first). A live message of a
+        # channel being caught up gets its ticket once the catch-up has handed the older ones over.
+        waiter = self._wait_for_catch_up(message) if meta is None else None
+        ticket = self._order.ticket(message.channel.id) if waiter is None else None
+        try:
             try:
                 msg = await self._inbound(message, meta)
             except Exception:  # noqa: BLE001 - a malformed message must not stall the others
                 self._log.exception("%s: could not read message %s; skipped", self._where, message.id)
                 return
+            if waiter is not None:
+                ticket = await waiter  # bounded: the gate opens after `CATCH_UP_WAIT_S` at the latest
+            assert ticket is not None
             await ticket.wait()
+            if message.id in self._handed:  # fetched by the catch-up and also live, or replayed
+                self._log.debug("%s: message %s already handed over", self._where, message.id)
+                return
             try:
                 await self.context.on_message(msg)
             except Exception as exc:  # noqa: BLE001 - not recorded: the catch-up after a reconnect brings it again
                 self._log.error("%s: message %s not recorded (%s)", self._where, msg.message_id, exc)
                 self._note_seen(message.channel.id, message.id, msg, recorded=False)
                 return
+            self._note_handed(message.id)
             self._note_seen(message.channel.id, message.id, msg)
+        finally:
+            if ticket is None and waiter is not None:
+                if waiter.done() and not waiter.cancelled():
+                    ticket = waiter.result()
+                else:
+                    waiter.cancel()  # the gate skips it
+            if ticket is not None:
+                ticket.release()
+
+    def _note_handed(self, message_id: int) -> None:
+        handed = self._handed
+        handed[message_id] = None
+        if len(handed) > HANDED_KEPT:
+            del handed[next(iter(handed))]
 
     async def _where_is(self, message: discord.Message) -> tuple[str, str | None, str]:
         """(chat, thread, chat_type) of a live message. A guild channel discord.py does not know (a
@@ -396,6 +561,13 @@ class DiscordAdapter:
         chat, thread, chat_type = where
         me = self.bot_user_id
         mentions_bot = me is not None and (any(u.id == me for u in message.mentions) or me in message.raw_mentions)
+        # The bot's managed role (`<@&role>`, which Discord's autocomplete often offers for a bot) is a
+        # mention of the bot too: its id is unique across servers, so a caught-up message whose guild
+        # discord.py did not attach is still recognised.
+        my_roles = self._bot_role_ids(message)
+        mentioned_roles = {*message.raw_role_mentions, *(r.id for r in message.role_mentions)}
+        if my_roles & mentioned_roles:
+            mentions_bot = True
         reply_to: str | None = None
         ref = message.reference
         if ref is not None and ref.message_id is not None:
@@ -406,6 +578,8 @@ class DiscordAdapter:
         text = message.content
         if me is not None:
             text = text.replace(f"<@{me}>", "").replace(f"<@!{me}>", "")
+        for role_id in my_roles:
+            text = text.replace(f"<@&{role_id}>", "")
         attachments = tuple([await self._attachment(a) for a in message.attachments])
         author = message.author
         return InboundMessage(
@@ -429,6 +603,20 @@ class DiscordAdapter:
                 "guild_id": str(message.guild.id) if message.guild else None,
             },  # fmt: skip
         )
+
+    def _bot_role_ids(self, message: discord.Message) -> set[int]:
+        """The ids of the bot's own managed roles (`tags.bot_id` is the bot): of the message's server,
+        else of every server the bot is in (a caught-up message may come without its guild)."""
+        client = self._client
+        guilds: list[discord.Guild] = [message.guild] if message.guild is not None else []
+        if not guilds and client is not None:
+            guilds = list(client.guilds)
+        ids: set[int] = set()
+        for guild in guilds:
+            role = guild.self_role
+            if role is not None:
+                ids.add(role.id)
+        return ids
 
     async def _attachment(self, a: discord.Attachment) -> Attachment:
         mime = a.content_type or "application/octet-stream"
@@ -646,17 +834,40 @@ class DiscordAdapter:
         self._seen[key] = entry
         self._seen_changed()
 
-    async def _catch_up_all(self, only_held: bool = False) -> None:
-        unseen = [] if only_held else self._unseen_with_news()
-        for channel_id, entry in [*self._seen.items(), *unseen]:
-            if only_held and not entry.get("failed"):
-                continue
+    async def _catch_up_all(self) -> None:
+        """Catch the planned channels up one after the other, a channel with a live message waiting
+        first; each channel's gate opens once its messages are handed over (or its fetch failed)."""
+        while (channel_id := self._next_to_catch_up()) is not None:
+            gate = self._gates[channel_id]
+            gate.running = True
             try:
-                await self._catch_up_channel(int(channel_id), entry)
+                assert gate.entry is not None
+                await self._catch_up_channel(channel_id, gate.entry)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - one channel that cannot be read does not stop the rest
                 self._log.warning("%s: catch-up of channel %s failed: %s", self._where, channel_id, exc)
+            finally:
+                gate.running = False
+                if gate.again is not None and self._gates.get(channel_id) is gate:
+                    # a new session came meanwhile: what was written before it is fetched too, and
+                    # the channel's live messages keep waiting for that
+                    gate.entry, gate.again, gate.opened = gate.again, None, False
+                    if gate.waiters:
+                        self._urgent[channel_id] = None
+                else:
+                    if self._gates.get(channel_id) is gate:
+                        del self._gates[channel_id]
+                    self._open_gate(channel_id, gate)
+
+    def _next_to_catch_up(self) -> int | None:
+        while self._urgent:
+            channel_id = next(iter(self._urgent))
+            del self._urgent[channel_id]
+            gate = self._gates.get(channel_id)
+            if gate is not None and gate.entry is not None and not gate.running:
+                return channel_id
+        return next((c for c, g in self._gates.items() if g.entry is not None and not g.running), None)
 
     def _unseen_with_news(self) -> list[tuple[str, dict[str, Any]]]:
         """Server channels and active threads never seen whose last message is newer than the newest

@@ -29,9 +29,11 @@ Dispatches carry increasing sequence numbers and are kept per session: after `dr
 op 6 RESUME and the fake replays what it missed, then RESUMED. `invalidate()` sends op 9 (d=false): the
 client IDENTIFYs again and gets a new session; what happened meanwhile is not replayed (catch-up is the
 client's job, with `GET messages?after=`). `hold()` keeps new sockets waiting before HELLO (an outage),
-`release()` ends it.
+`release()` ends it; `hold_history()` keeps `GET messages` waiting (a slow catch-up), `release_history()`
+ends that.
 
-Test side: `inject_dm`, `inject_guild_message` (`mention=True` adds the bot to `mentions`; `reply_to` a
+Test side: `inject_dm`, `inject_guild_message` (`mention=True` adds the bot to `mentions`;
+`mention_role=True` mentions the bot's managed role, which GUILD_CREATE lists with `tags.bot_id`; `reply_to` a
 message id sets `message_reference` + `referenced_message`; `thread=` a thread id created by
 `add_thread`), `add_attachment` (`slow_attachments(s)` answers the bytes only after `s` seconds),
 `click` (an INTERACTION_CREATE for a button); inspection with
@@ -144,6 +146,7 @@ class FakeDiscord(LoopbackServer):
         bot_id: str = "100000000000000001",
         bot_name: str = "appbot",
         guild_id: str = "200000000000000001",
+        bot_role_id: str = "200000000000000777",
         message_content: bool = True,
         heartbeat_ms: int = 2000,
         nonce_window: float = 300.0,
@@ -153,6 +156,7 @@ class FakeDiscord(LoopbackServer):
         self.bot_id = bot_id
         self.bot_name = bot_name
         self.guild_id = guild_id
+        self.bot_role_id = bot_role_id  # the bot's managed role (tags.bot_id), as Discord makes one on invite
         self.message_content = message_content
         self.heartbeat_ms = heartbeat_ms
         self.nonce_window = nonce_window
@@ -178,6 +182,8 @@ class FakeDiscord(LoopbackServer):
         self._sockets_total = 0
         self._held: list[asyncio.Future[None]] = []
         self._holding = False
+        self._history_held: list[asyncio.Future[None]] = []
+        self._holding_history = False
         self.identifies = 0
         self.resumes = 0
         self.heartbeats = 0
@@ -206,6 +212,7 @@ class FakeDiscord(LoopbackServer):
 
     def _before_stop(self) -> None:
         self.release()
+        self.release_history()
         self._run_on_loop(self._close_socket(self._socket, 1000))
 
     @property
@@ -284,26 +291,32 @@ class FakeDiscord(LoopbackServer):
     def inject_guild_message(
         self, user: str, text: str, *, channel: str = "300000000000000001", mention: bool = False,
         reply_to: str | None = None, name: str | None = None, attachments: list[dict[str, Any]] | None = None,
-        bot: bool = False, message_type: int | None = None,
+        bot: bool = False, message_type: int | None = None, mention_role: bool = False,
     ) -> str:  # fmt: skip
         """A message in a guild text channel or thread (`channel`); `mention` writes `<@bot>` into it and
-        adds the bot to `mentions`; `reply_to` makes it a reply; `message_type` makes it a system notice
-        of that type (4: channel renamed, 18: thread created, …). Returns the message id."""
+        adds the bot to `mentions`; `mention_role` writes `<@&role>` of the bot's managed role into it
+        and adds the role to `mention_roles` (what Discord's autocomplete often inserts for a bot);
+        `reply_to` makes it a reply; `message_type` makes it a system notice of that type (4: channel
+        renamed, 18: thread created, …). Returns the message id."""
         if mention:
             text = f"<@{self.bot_id}> {text}"
+        if mention_role:
+            text = f"<@&{self.bot_role_id}> {text}"
         return self._inject(user, text, channel, self.guild_id, name=name, attachments=attachments, bot=bot,
-                            mention=mention, reply_to=reply_to, message_type=message_type)  # fmt: skip
+                            mention=mention, reply_to=reply_to, message_type=message_type,
+                            mention_roles=[self.bot_role_id] if mention_role else [])  # fmt: skip
 
     def _inject(
         self, user: str, text: str, channel: str, guild: str | None, *, name: str | None,
         attachments: list[dict[str, Any]] | None, bot: bool, mention: bool = False, reply_to: str | None = None,
-        message_type: int | None = None,
+        message_type: int | None = None, mention_roles: list[str] | None = None,
     ) -> str:  # fmt: skip
         mid = self.snowflake()
         msg: dict[str, Any] = {
             "id": mid, "channel_id": channel, "author": self._user(user, name, bot), "content": text,
             "timestamp": _iso(time.time()), "edited_timestamp": None, "tts": False, "mention_everyone": False,
-            "mentions": [self.bot_user] if mention else [], "mention_roles": [], "attachments": attachments or [],
+            "mentions": [self.bot_user] if mention else [], "mention_roles": list(mention_roles or []),
+            "attachments": attachments or [],
             "embeds": [], "pinned": False, "type": 0, "flags": 0, "components": [],
         }  # fmt: skip
         if reply_to is not None:
@@ -406,6 +419,21 @@ class FakeDiscord(LoopbackServer):
             for fut in held:
                 loop.call_soon_threadsafe(_resolve, fut)
 
+    def hold_history(self) -> None:
+        """`GET channels/{id}/messages` (a catch-up's fetch) waits until `release_history()`, then is
+        answered with the history as it is then."""
+        with self._lock:
+            self._holding_history = True
+
+    def release_history(self) -> None:
+        with self._lock:
+            self._holding_history = False
+            held, self._history_held = self._history_held, []
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            for fut in held:
+                loop.call_soon_threadsafe(_resolve, fut)
+
     # ------------------------------------------------------------------ test side: inspection
 
     def messages(self, channel: str) -> list[BotMessage]:
@@ -499,7 +527,10 @@ class FakeDiscord(LoopbackServer):
             "id": self.guild_id, "name": "Fake Guild", "unavailable": False, "icon": None, "owner_id": "1",
             "channels": channels, "threads": threads, "members": [], "roles": [
                 {"id": self.guild_id, "name": "@everyone", "permissions": "104324673", "position": 0, "color": 0,
-                 "hoist": False, "managed": False, "mentionable": False, "flags": 0}],
+                 "hoist": False, "managed": False, "mentionable": False, "flags": 0},
+                {"id": self.bot_role_id, "name": self.bot_name, "permissions": "0", "position": 1, "color": 0,
+                 "hoist": False, "managed": True, "mentionable": False, "flags": 0,
+                 "tags": {"bot_id": self.bot_id}}],
             "member_count": 2, "emojis": [], "stickers": [], "voice_states": [], "presences": [], "large": False,
             "joined_at": _iso(time.time()), "features": [], "verification_level": 0, "default_message_notifications": 0,
             "explicit_content_filter": 0, "mfa_level": 0, "premium_tier": 0, "preferred_locale": "en-US",
@@ -618,6 +649,14 @@ class FakeDiscord(LoopbackServer):
         parts = path.split("/")
         channel = parts[1] if len(parts) > 1 and parts[0] == "channels" else None
         kind = _kind(method, path)
+        if method == "GET" and kind == "GET messages" and len(parts) == 3:
+            with self._lock:
+                fut: asyncio.Future[None] | None = None
+                if self._holding_history:
+                    fut = asyncio.get_running_loop().create_future()
+                    self._history_held.append(fut)
+            if fut is not None:
+                await fut
         status, answer, headers, delay = self._handle(request, method, parts, body, kind)
         with self._lock:
             self._calls.append(Call(method, path, body, status, time.monotonic(), channel))

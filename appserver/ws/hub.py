@@ -149,16 +149,47 @@ class ConversationWatch:
             conn.send_snapshot(snap.turn_id, text, frame)
         if snap.status == "awaiting":
             for p in snap.pending:
-                if p["kind"] == "approval" and p["call_id"] not in self.announced:
-                    request = encode(approval_request(snap, p))
-                    framed = text_frame(request.encode())
-                    self.announced[p["call_id"]] = set(self.subscribers)
-                    for conn in list(self.subscribers.values()):
-                        conn.send_encoded(request, framed)
+                if p["kind"] == "approval":
+                    self.announce_to(list(self.subscribers.values()), snap, p)
                 elif p["kind"] == "client" and p["call_id"] not in self.requested:
                     self.requested.add(p["call_id"])
                     await self.route_client_call(snap, p)
         await self.reconcile(snap)
+
+    def announce_to(self, conns: list[Connection], snap: TurnSnapshot, p: dict[str, Any]) -> None:
+        """One `approval_request` for pending approval `p` to each of `conns` not shown it yet on
+        this connection; `announced` remembers who was, for their `approval_resolved`. A connection
+        that joins later (a submit, a re-sent duplicate after a reconnect) is shown it then."""
+        told = self.announced.setdefault(p["call_id"], set())
+        request: str | None = None
+        framed: bytes | None = None
+        for conn in conns:
+            if conn.id in told:
+                continue
+            if request is None:
+                request = encode(approval_request(snap, p))
+                framed = text_frame(request.encode())  # framed once for all of them
+            told.add(conn.id)
+            conn.send_encoded(request, framed)
+
+    def catch_up(self, conn: Connection, controller: TurnController) -> None:
+        """Show a connection that just became a subscriber (by a submit) what the others were shown
+        of a turn: its current snapshot and pending approvals. Only what it missed: a snapshot the
+        follower has not published yet reaches it there (it is a subscriber now), so no revision
+        goes to it twice; a settled turn nobody follows any more is shown as it ended."""
+        snap = controller.snapshot()
+        published = self.last.get(controller.turn_id)
+        if published is None:
+            following = self.followers.get(controller.turn_id)
+            if not snap.terminal or (following is not None and not following[1].done()):
+                return  # its follower publishes it (to this connection too)
+        elif published.revision < snap.revision:
+            return  # a newer one is on its way from the follower
+        conn.send_snapshot(snap.turn_id, encode({"type": "turn_updated", "snapshot": snap.to_dict()}))
+        if snap.status == "awaiting":
+            for p in snap.pending:
+                if p["kind"] == "approval":
+                    self.announce_to([conn], snap, p)
 
     async def reconcile(self, snap: TurnSnapshot) -> None:
         """Tell connections that saw an approval request that it was answered elsewhere (or timed out)."""
@@ -297,23 +328,28 @@ class Hub:
         self, conn: Connection, conversation_id: str, conversation: dict[str, Any], request_id: str | None
     ) -> None:
         w = await self.watch(conversation_id)
-        fresh = conn.id not in w.subscribers
         w.subscribers[conn.id] = conn
         conn.subscriptions.add(conversation_id)
         # All synchronous from here: the state frame is queued before any later turn_updated.
         frame = w.state_frame(conn, conversation, request_id)
         conn.send(frame)
-        if fresh:
+        # One approval_request per pending approval, also on a connection subscribed already (by an
+        # earlier subscribe or a submit): a subscribe asks for the current state, prompts included.
+        # Clients take a request for a call they show as the same prompt (chat, gateway).
+        handle = w.active_handle
+        if frame["pending_approvals"] and handle is not None:
+            snap = handle.controller.snapshot()
             for p in frame["pending_approvals"]:
                 w.announced.setdefault(p["call_id"], set()).add(conn.id)
-                snap = w.active_handle.controller.snapshot() if w.active_handle else None
-                if snap is not None:
-                    conn.send(approval_request(snap, p))
+                conn.send(approval_request(snap, p))
 
-    def subscribe_now(self, conn: Connection, w: ConversationWatch) -> None:
-        if conn.id not in w.subscribers:
-            w.subscribers[conn.id] = conn
-            conn.subscriptions.add(w.conversation_id)
+    def subscribe_now(self, conn: Connection, w: ConversationWatch) -> bool:
+        """Subscribe `conn`; False when it was subscribed already."""
+        if conn.id in w.subscribers:
+            return False
+        w.subscribers[conn.id] = conn
+        conn.subscriptions.add(w.conversation_id)
+        return True
 
     def unsubscribe(self, conn: Connection, conversation_id: str) -> bool:
         conn.subscriptions.discard(conversation_id)
@@ -358,12 +394,25 @@ class Hub:
     async def adopt_submission(
         self, conn: Connection, conversation_id: str, handle: TurnHandle, tool_names: set[str], duplicate: bool
     ) -> None:
+        """Subscribe the submitting connection (after its ack) and show it the turn. A connection
+        that was not subscribed yet missed what was published before (a duplicate re-sent after a
+        reconnect while another connection watches; a turn that ran before the ack): it gets the
+        turn's current snapshot and an approval_request per pending approval, whatever other
+        connections watch. A settled turn is shown as it ended."""
         w = await self.watch(conversation_id)
-        self.subscribe_now(conn, w)
+        joined = self.subscribe_now(conn, w)
         if tool_names and not duplicate:
             w.tool_owners[handle.turn_id] = conn
             w.tool_names[handle.turn_id] = set(tool_names)
         w.follow(handle)
+        if joined:
+            w.catch_up(conn, handle.controller)
+            active = w.active_handle
+            if active is not None and active.turn_id != handle.turn_id:
+                w.catch_up(conn, active.controller)  # the turn ahead of it: a pending approval holds both
+        elif handle.controller.status in TERMINAL_STATUSES and handle.turn_id not in w.followers:
+            snap = handle.controller.snapshot()  # a duplicate of a finished turn: show its result
+            conn.send_snapshot(snap.turn_id, encode({"type": "turn_updated", "snapshot": snap.to_dict()}))
 
     # ------------------------------------------------------------ answers
 
@@ -391,10 +440,17 @@ class Hub:
                 )
         finally:
             w.resolving -= ids
+        # Who was shown each answered call, taken at once (before any await lets a reconcile tell
+        # them too): they, and only they, get approval_resolved, except the one whose answer won
+        # (its ack says it).
+        shown: dict[str, set[str]] = {}
+        for r in results:
+            if r.get("accepted"):
+                shown.setdefault(r["call_id"], set()).update(w.announced.pop(r["call_id"], set()))
         for r in results:
             if not r.get("accepted"):
                 continue
-            told = w.announced.pop(r["call_id"], set())
+            told = shown.pop(r["call_id"], set())  # one approval_resolved per call
             p = await self.server.store.get_pending(conversation_id, r["call_id"])
             frame = encode(
                 {
@@ -406,7 +462,7 @@ class Hub:
                     "decided_by": p.decided_by if p else None,
                 }
             )
-            for cid in told | set(w.subscribers):
+            for cid in told:
                 if cid == conn.id:
                     continue
                 other = w.subscribers.get(cid)

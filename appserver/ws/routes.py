@@ -531,10 +531,8 @@ class Endpoint:
                 "duplicate": duplicate,
             }
         )
+        # subscribes, and shows the turn to a connection that missed it (Hub.adopt_submission)
         await self.hub.adopt_submission(conn, conversation_id, handle, tools, duplicate)
-        snap = handle.controller.snapshot()
-        if snap.terminal:  # a duplicate of a finished turn: show its result
-            conn.send({"type": "turn_updated", "snapshot": snap.to_dict()})
 
     async def on_cron_run(self, conn: Connection, frame: F.CronRun) -> None:
         """`appserver cron run` beside a live server: this server fires the task through its cron
@@ -574,10 +572,8 @@ class Endpoint:
             }
         )
         handle = await self.server.kernel.handle_for(turn)
+        # the turn ended before the subscription: adopt_submission shows its result
         await self.hub.adopt_submission(conn, turn.conversation_id, handle, set(), False)
-        snap = handle.controller.snapshot()
-        if snap.terminal:  # the turn ended before the subscription: show its result
-            conn.send({"type": "turn_updated", "snapshot": snap.to_dict()})
 
     # ------------------------------------------------------------ access
 

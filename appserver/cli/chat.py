@@ -13,6 +13,11 @@ What a person sees, and why it is built this way:
   (`//text` sends `/text`).
 * A server stop or failover to a standby is ridden out: the protocol client reconnects, resubscribes
   and resumes the turn on screen (see appserver/client/connection.py).
+* A line is sent without stalling the session: while its ack is outstanding (a stalled server, a
+  network that keeps the connection open but carries nothing), SIGTERM/SIGHUP, Ctrl-C and `/quit`
+  act at once and lines typed meanwhile wait their turn behind it. A line the server does not
+  confirm within `SUBMIT_TIMEOUT` is said to be unconfirmed (it may or may not have been taken; it
+  is not sent again), like a refused line, and the session goes on.
 * Nothing from elsewhere (the model, tools, the server, other clients) controls the terminal: its
   controls are shown as escapes (appserver/cli/safetext.py); a tool call at an approval prompt is
   shown exactly, bidi controls included. Only this client's own styling is sent as escapes.
@@ -51,6 +56,9 @@ COMMANDS = (
     ("/quit", "leave (or Ctrl-D)"),
 )
 TRAILING_SGR = re.compile(r"(\x1b\[[0-9;]*m)+$")
+SUBMIT_TIMEOUT = 30.0  # seconds a line waits for the server's ack before it is reported unconfirmed
+CLOSE_WAIT = 1.0  # seconds the connection's closing handshake may take when chat leaves
+STOP_GRACE = 0.5  # seconds a session has to end after SIGTERM/SIGHUP before its wait is cancelled
 
 Events = asyncio.Queue[tuple[str, Any]]
 
@@ -423,6 +431,12 @@ class Chat:
         self.refusals = 0  # … or whether a line was refused (too long for a frame, refused by the server): lost input
         self.lost = False  # the connection is gone for good (said once; exit 1)
         self.tasks: set[asyncio.Task[None]] = set()
+        # The line whose submit awaits its ack (None: none does). Meanwhile keys, signals and Ctrl-C
+        # are handled; lines typed wait in `held`, and frames that depend on the turn are kept in
+        # `deferred` (the ack names the turn, and the server sends it before the turn's first
+        # snapshot: they are handled once the ack is).
+        self.sending: str | None = None
+        self.deferred: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ screen
 
@@ -467,14 +481,12 @@ class Chat:
             if kind == "keys":
                 await self.on_keys(*value)
             elif kind == "frame":
-                try:
-                    await self.on_frame(value)
-                except (KeyError, TypeError, AttributeError, ValueError) as exc:
-                    # a server (or something posing as one) sent a frame of the wrong shape
-                    self.notice(
-                        f"error: ignored a malformed {visible(value.get('type'))} frame from the server "
-                        f"({type(exc).__name__}: {visible(str(exc))})"
-                    )
+                if self.sending is not None and value.get("type") not in ("error", "event"):
+                    self.deferred.append(value)  # (an error or a notice is said at once)
+                else:
+                    await self.handle_frame(value)
+            elif kind == "submitted":
+                await self.submitted(value)
             elif kind == "interrupt":
                 self.on_interrupt()
             elif kind == "notice":
@@ -484,10 +496,22 @@ class Chat:
             elif kind == "signal":  # SIGTERM/SIGHUP: the terminal is already restored (see chat())
                 self.exit_code = 128 + int(value)
         try:
+            if self.sending is not None:  # leaving before the server confirmed the last line
+                self.unconfirmed("chat left before the server confirmed", self.sending)
             self.screen.fresh_line()
         except OSError:  # the terminal hung up (SIGHUP): nothing left to tidy on it
             pass
         return self.exit_code
+
+    async def handle_frame(self, frame: dict[str, Any]) -> None:
+        try:
+            await self.on_frame(frame)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            # a server (or something posing as one) sent a frame of the wrong shape
+            self.notice(
+                f"error: ignored a malformed {visible(frame.get('type'))} frame from the server "
+                f"({type(exc).__name__}: {visible(str(exc))})"
+            )
 
     def leave(self) -> None:
         """End the session on purpose (/quit, end of input). A script that pipes its input reads
@@ -552,11 +576,11 @@ class Chat:
                     self.answer("")
             elif self.asking is not None:
                 self.at_approval(text)
-            elif self.turn is not None and not self.editor.echo and text.strip() != "/cancel":
+            elif self.busy and not self.editor.echo and text.strip() != "/cancel":
                 # piped: a script's lines run in order, its /quit too (acting now dropped the replies
                 # of the lines before it); its /cancel acts now, on the reply streaming
                 self.held.append(text)
-            elif self.turn is not None:  # a reply is streaming: commands act now, other lines wait
+            elif self.busy:  # a reply is streaming (or a line awaits its ack): commands act now, other lines wait
                 if text.strip() == "/cancel":
                     self.cancel()
                 elif text.strip() in ("/quit", "/exit"):
@@ -571,7 +595,7 @@ class Chat:
 
     async def drain(self) -> None:
         """Between turns: run the lines typed meanwhile, then leave (stdin ended) or prompt."""
-        while self.turn is None and self.asking is None and self.exit_code is None:
+        while not self.busy and self.asking is None and self.exit_code is None:
             if self.held:
                 text = self.held.pop(0)
                 self.screen.fresh_line()
@@ -628,17 +652,74 @@ class Chat:
             except ProtocolError as exc:
                 self.refused(exc)
             return
-        send = text[1:] if text.startswith("//") else text
-        try:
-            ack = await self.client.submit(
-                self.agent_id, send, self.conv_id, source={"client": "chat"}, idempotency_key=f"chat-{uuid.uuid4().hex}"
-            )
-        except ProtocolError as exc:
-            self.refused(exc, "line too long: " if exc.code == "frame_too_large" else "")
+        self.submit(text[1:] if text.startswith("//") else text)
+
+    @property
+    def busy(self) -> bool:
+        """A reply is on screen, or a line awaits its ack: lines typed now wait."""
+        return self.turn is not None or self.sending is not None
+
+    def submit(self, text: str) -> None:
+        """Send a line for the model without stalling the session: the outcome comes back as a
+        `submitted` event (the ack, or the ProtocolError or TimeoutError the request ended with)."""
+        self.sending, self.cancelling = text, False
+        frame = {
+            "type": "submit_input",
+            "agent": self.agent_id,
+            "conversation": self.conv_id,
+            "input": text,
+            "source": {"client": "chat"},
+            "idempotency_key": f"chat-{uuid.uuid4().hex}",
+        }
+
+        async def go() -> None:
+            outcome: dict[str, Any] | Exception
+            try:
+                outcome = await self.client.request(frame, timeout=SUBMIT_TIMEOUT)
+            except (ProtocolError, TimeoutError) as exc:
+                outcome = exc
+            self.events.put_nowait(("submitted", outcome))
+
+        task = asyncio.get_running_loop().create_task(go())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def submitted(self, outcome: dict[str, Any] | Exception) -> None:
+        """The line being sent was answered (or not in time): follow its turn, or say why not."""
+        text, self.sending = self.sending, None
+        cancel, self.cancelling = self.cancelling, False
+        if text is None:
             return
-        self.follow(ack["turn_id"])
-        if ack.get("queue_position"):
-            self.screen.line(self.screen.dim(f"[queued behind {visible(ack['queue_position'])} input(s)]"))
+        if isinstance(outcome, ProtocolError):
+            self.refused(outcome, "line too long: " if outcome.code == "frame_too_large" else "")
+        elif isinstance(outcome, Exception) or not isinstance(outcome.get("turn_id"), str):
+            # TimeoutError: no answer at all (or an ack naming no turn). Piped, exit 1 at the end,
+            # as for a refused line: this input may never have run.
+            self.refusals += 1
+            self.unconfirmed(
+                "the server did not confirm",
+                text,
+                f"within {SUBMIT_TIMEOUT:g} s" if isinstance(outcome, Exception) else "(its ack named no turn)",
+            )
+        else:
+            self.follow(outcome["turn_id"])
+            if outcome.get("queue_position"):
+                self.screen.line(self.screen.dim(f"[queued behind {visible(outcome['queue_position'])} input(s)]"))
+            if cancel:  # Ctrl-C or /cancel while the line awaited its ack
+                self.cancel()
+        while self.deferred and self.sending is None and self.exit_code is None:
+            await self.handle_frame(self.deferred.pop(0))
+        await self.drain()
+
+    def unconfirmed(self, head: str, text: str, tail: str = "") -> None:
+        """A line the server never confirmed: it may or may not have been taken (it is not sent again)."""
+        shown = visible(text if len(text) <= 60 else text[:59] + "…")
+        self.screen.line(
+            f'error: {head} "{shown}" {tail}'.rstrip()
+            + ": it may or may not have been taken (it is not sent again); if it was, it is in the "
+            f"conversation's history (appserver conversations history {exact(self.conv_id)}), "
+            "else type it again"
+        )
 
     def at_approval(self, text: str) -> None:
         """A line entered at the approval prompt: its answer, or a command."""
@@ -715,6 +796,8 @@ class Chat:
 
     def cancel(self) -> None:
         self.cancelling = True
+        if self.turn is None and self.sending is not None:
+            return  # the turn is not known yet: cancelled once the server confirms the line (`submitted`)
         self.background(self.cancel_frame(), lambda ack: None)
 
     def cancel_frame(self) -> dict[str, Any]:
@@ -731,7 +814,7 @@ class Chat:
             self.editor.visible, self.editor.buf = False, list(self.stash)
             self.screen.line("^C cancelling (Ctrl-C again to exit)")
             self.cancel()
-        elif self.turn is not None:
+        elif self.turn is not None or self.sending is not None:  # a reply runs, or a line awaits its ack
             if self.cancelling:
                 self.exit_code = 130
                 return
@@ -845,6 +928,7 @@ async def chat(
     keys: Keys | None = None
     session: Chat | None = None
     signalled: list[int] = []
+    leaving: list[bool] = []  # the session is over: only tidying up is left
     main = asyncio.current_task()
     assert main is not None
 
@@ -862,6 +946,9 @@ async def chat(
         if session is not None:
             session.exit_code = 128 + signum
             events.put_nowait(("signal", signum))
+            # a session that awaits a request inline (`/new`) handles no event until it returns:
+            # stop that wait if the session has not ended by then
+            loop.call_later(STOP_GRACE, lambda: None if leaving else main.cancel())
         else:  # still connecting: stop that
             main.cancel()
 
@@ -893,6 +980,7 @@ async def chat(
             return 128 + signalled[0]
         raise
     finally:
+        leaving.append(True)
         loop.remove_signal_handler(signal.SIGINT)
         if keys is not None:
             try:
@@ -902,7 +990,12 @@ async def chat(
         for signum in stop_signals:
             loop.remove_signal_handler(signum)
         frames.cancel()
-        await client.close()
+        try:  # a stalled server never answers the closing handshake: do not wait for it long
+            await asyncio.wait_for(client.close(), CLOSE_WAIT)
+        except TimeoutError:
+            transport = getattr(client.ws, "transport", None)
+            if transport is not None:
+                transport.abort()
 
 
 @click.command("chat")

@@ -3,9 +3,10 @@
 The stored history is append-only and complete. What a provider sees is a *view* of it: the last
 `compaction` message (a summary of everything before its cut) followed by the messages it kept and
 everything after it. Before each provider call the loop estimates the request — anchored on the
-size the provider itself reported for the newest reply in the view, plus a character estimate of
-what came after — and, when it would pass the window minus a reserve, folds the oldest part of the
-view into a new summary written by the same provider. Cuts never fall between a tool call and its
+size the provider itself reported for the newest reply in the view whose request was sent as the
+view is sent now (see `estimate_request`), plus a character estimate of what came after — and,
+when it would pass the window minus a reserve, folds the oldest part of the view into a new summary
+written by the same provider. Cuts never fall between a tool call and its
 result: a kept part never starts with a `tool` message.
 """
 
@@ -34,6 +35,15 @@ from appserver.values import value
 CHARS_PER_TOKEN = 3.5  # deliberately pessimistic: real tokenizers average ~4 characters on English
 MESSAGE_OVERHEAD_TOKENS = 6  # role, separators and the like, per message
 IMAGE_TOKENS = 1_000
+IMAGE_PARTS = ("image_url", "input_image", "image")
+TEXT_PARTS = ("text", "input_text")
+# Files and audio are counted from the size of their data (base64, as sent). A PDF costs a few
+# thousand tokens a page (its text and a picture of each page) in some tens of kilobytes: about one
+# token per 16 bytes. Audio costs some 10-32 tokens a second, and a second of compressed or
+# low-rate speech is some 16 kB: about one token per 500 bytes. A file sent by id (no data here)
+# counts as an image.
+FILE_BYTES_PER_TOKEN = 16
+AUDIO_BYTES_PER_TOKEN = 500
 MIN_WINDOW = 512
 SUMMARY_MAX_TOKENS = 1_024
 SUMMARY_INSTRUCTIONS = (
@@ -114,16 +124,37 @@ def estimate_text(text: str) -> int:
     return math.ceil(len(text) / CHARS_PER_TOKEN)
 
 
+def _data_bytes(data: Any) -> int:
+    """Decoded size of base64 data (a bare string or a `data:` URL)."""
+    if not isinstance(data, str):
+        return 0
+    if data.startswith("data:"):
+        data = data[data.find(",") + 1 :]
+    return len(data) * 3 // 4
+
+
+def estimate_part(part: dict[str, Any]) -> int:
+    kind = part.get("type")
+    if kind in IMAGE_PARTS:
+        return IMAGE_TOKENS
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        size = _data_bytes(audio.get("data") if isinstance(audio, dict) else None)
+        return max(1, math.ceil(size / AUDIO_BYTES_PER_TOKEN))
+    if kind in ("file", "input_file"):
+        fields = part.get("file") if kind == "file" else part
+        size = _data_bytes(fields.get("file_data") if isinstance(fields, dict) else None)
+        return max(IMAGE_TOKENS, math.ceil(size / FILE_BYTES_PER_TOKEN))
+    return estimate_text(str(part.get("text", "")))
+
+
 def estimate_message(m: ChatMessage) -> int:
     tokens = MESSAGE_OVERHEAD_TOKENS
     if isinstance(m.content, str):
         tokens += estimate_text(m.content)
     else:
         for part in m.content:
-            if part.get("type") in ("image_url", "input_image", "image"):
-                tokens += IMAGE_TOKENS
-            else:
-                tokens += estimate_text(str(part.get("text", "")))
+            tokens += estimate_part(part)
     for call in m.tool_calls:
         tokens += MESSAGE_OVERHEAD_TOKENS + estimate_text(call.name) + estimate_text(call.arguments)
     if m.reasoning:
@@ -171,22 +202,58 @@ class ToolEstimates:
         return total
 
 
+def estimate_lead(
+    request: ProviderRequest,
+    lead: int,
+    tools_estimate: Callable[[Sequence[ToolSpec]], int] = estimate_tools,
+) -> int:
+    """Estimate what a request sends besides its conversation: the first `lead` messages (system
+    prompt, instructions), the tool schemas and a response schema. They may change from one
+    request to the next (a turn's instructions and client tools are its own)."""
+    tokens = sum(estimate_message(m) for m in request.messages[:lead]) + tools_estimate(request.tools)
+    if request.response_format:
+        tokens += estimate_text(json.dumps(request.response_format, separators=(",", ":")))
+    return tokens
+
+
+def anchor_basis(
+    request: ProviderRequest, lead: int, tools_estimate: Callable[[Sequence[ToolSpec]], int]
+) -> dict[str, Any]:
+    """What an assistant reply records (meta `context_basis`) beside the provider's count of the
+    request that produced it (`context_tokens`), so that a later estimate can tell whether that
+    count still describes the same request: the model that counted, and the estimate of the lead.
+    Only recorded for a request sent as the history says (see `estimate_request`)."""
+    return {"model": request.model, "lead": estimate_lead(request, lead, tools_estimate)}
+
+
 def estimate_request(
     request: ProviderRequest,
     view: Sequence[MessageRecord],
     tools_estimate: Callable[[Sequence[ToolSpec]], int] = estimate_tools,
 ) -> int:
-    """Estimate a request's input tokens: the provider's own count for the newest reply that has one,
-    plus estimates of everything after it; a pure estimate when no reply in the view was measured.
-    `tools_estimate` may be a `ToolEstimates` cache."""
+    """Estimate a request's input tokens: the provider's own count for the newest reply that has a
+    usable one, plus estimates of everything after it; a pure estimate when no reply in the view was
+    measured. `tools_estimate` may be a `ToolEstimates` cache.
+
+    A count is usable only when it describes the messages before it as they are sent now: the reply
+    recorded a `context_basis` (it is not recorded when the request was clipped, as a clipped
+    request is never sent again), it was counted by the same model (another tokenizer counts
+    differently), and it was not kept by a compaction (measured with the old, longer context). A
+    changed system prompt, instructions or tools are corrected by the difference of their
+    estimates."""
     lead = len(request.messages) - len(view)  # system prompt and instructions come first
-    # A reply kept by the last compaction was measured with the old, longer context: not an anchor.
     first = 1 + int(view[0].meta.get("kept", 0)) if view and view[0].role == "compaction" else 0
     for i in range(len(view) - 1, first - 1, -1):
-        measured = view[i].meta.get("context_tokens") if view[i].role == "assistant" else None
-        if measured:
-            return int(measured) + sum(estimate_message(m) for m in request.messages[lead + i + 1 :])
-    return sum(estimate_message(m) for m in request.messages) + tools_estimate(request.tools)
+        if view[i].role != "assistant":
+            continue
+        measured = view[i].meta.get("context_tokens")
+        basis = view[i].meta.get("context_basis")
+        if not measured or not isinstance(basis, dict) or basis.get("model") != request.model:
+            continue
+        after = sum(estimate_message(m) for m in request.messages[lead + i + 1 :])
+        lead_now = estimate_lead(request, lead, tools_estimate)
+        return max(0, int(measured) + lead_now - int(basis.get("lead") or 0)) + after
+    return sum(estimate_message(m) for m in request.messages) + estimate_lead(request, 0, tools_estimate)
 
 
 # ---------------------------------------------------------------- the view
@@ -278,15 +345,51 @@ def clip(text: str, max_chars: int) -> str:
     return f"{text[:half]}\n[… {len(text) - 2 * half} characters omitted …]\n{text[-half:]}"
 
 
+def clip_parts(parts: list[dict[str, Any]], cap: int) -> list[dict[str, Any]] | None:
+    """The parts of a message, their text clipped so that the message fits `cap` tokens beside its
+    other parts (images, files and audio are kept whole); None when the text needs no clipping.
+    Short text parts stay whole; the long ones share what is left equally."""
+    texts = [
+        (i, p["text"]) for i, p in enumerate(parts) if p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
+    ]
+    if not texts:
+        return None
+    others = sum(estimate_part(p) for i, p in enumerate(parts) if i not in {j for j, _ in texts})
+    allowance = int(max(64, cap - MESSAGE_OVERHEAD_TOKENS - others) * CHARS_PER_TOKEN)
+    share = None
+    lengths = sorted(len(t) for _, t in texts)
+    for k, length in enumerate(lengths):
+        fair = allowance // (len(lengths) - k)
+        if length > fair:
+            share = max(200, fair)
+            break
+        allowance -= length
+    if share is None:
+        return None
+    out = list(parts)
+    for i, text in texts:
+        if len(text) > share:
+            out[i] = {**parts[i], "text": clip(text, share)}
+    return out
+
+
 def clip_oversized(request: ProviderRequest, budget: Budget) -> int:
     """Clip, in this request only, every user or tool text bigger than a quarter of the budget
-    (keeping its head and tail); returns how many were clipped. Cached messages are never edited."""
+    (keeping its head and tail; in a message of parts, its text parts, never its images or files);
+    returns how many messages were clipped. Cached messages are never edited."""
     cap = max(64, budget.limit // 4)
     clipped = 0
     for i, m in enumerate(request.messages):
-        if m.role in ("user", "tool") and isinstance(m.content, str) and estimate_message(m) > cap:
+        if m.role not in ("user", "tool") or estimate_message(m) <= cap:
+            continue
+        if isinstance(m.content, str):
             request.messages[i] = replace(m, content=clip(m.content, int(cap * CHARS_PER_TOKEN)))
             clipped += 1
+        else:
+            parts = clip_parts(m.content, cap)
+            if parts is not None:
+                request.messages[i] = replace(m, content=parts)
+                clipped += 1
     return clipped
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from appserver.agent.context import (
     Budget,
     ToolEstimates,
+    anchor_basis,
     clip_oversized,
     compact,
     context_view,
@@ -107,6 +108,9 @@ class StreamingAssistant:
     shown: bool = False  # anything reached a client: a retry would contradict it
     usage: Usage | None = None
     refusal: TextParts = field(default_factory=TextParts)  # the model's refusal (also at the end of `text`)
+    # What the provider's count of this reply's request describes (context.anchor_basis); None when
+    # that request was clipped, so the count must never anchor a later estimate.
+    basis: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -217,8 +221,11 @@ class AgentLoop:
                 # front ends show it as a refusal (OpenAI's field), after a restart too
                 assistant.meta["refusal"] = refusal
             if partial.usage is not None and partial.usage.input_tokens:
-                # The provider's own count of the context up to this reply anchors later estimates.
+                # The provider's own count of the context up to this reply; it anchors later
+                # estimates only with a basis (the request was sent as the history will send it again).
                 assistant.meta["context_tokens"] = partial.usage.input_tokens + partial.usage.output_tokens
+                if partial.basis is not None:
+                    assistant.meta["context_basis"] = partial.basis
             work.new_messages.append(assistant)
             cut = CUT_SHORT.get(finish)
             if not calls:
@@ -293,17 +300,19 @@ class AgentLoop:
 
     async def _prepare(
         self, work: TurnWork, provider: Any, model: str, emit: Emit, forced: Budget | None = None
-    ) -> tuple[ProviderRequest, int | None]:
+    ) -> tuple[ProviderRequest, int | None, dict[str, Any] | None]:
         """Build the next request, compacting first when it would not fit (or when `forced`).
-        The estimate is None when no window applies (it is only needed against one)."""
+        The estimate is None when no window applies (it is only needed against one). The basis is
+        what the provider's count of this request will describe (context.anchor_basis), None when
+        the request was clipped: a later request sends those messages whole."""
         view = context_view([*work.history, *work.new_messages])
         request = self.build_request(work, model, view)
         budget = forced or self.budget(work, provider, model)
-        if budget is None:
-            return request, None
+        if budget is None:  # no window: no estimate now, and none later needs an anchor from here
+            return request, None, None
         estimate = self.estimate(request, view)
         if estimate <= budget.limit:
-            return request, estimate
+            return request, estimate, self._basis(request, view)
         done = await compact(provider, model, view, budget, estimate, work.turn_id, work.iteration, emit)
         if done is not None:
             work.new_messages.append(done.message)
@@ -318,6 +327,7 @@ class AgentLoop:
             request = self.build_request(work, model, view)
             estimate = self.estimate(request, view)
             done.message.meta["tokens_after"] = estimate
+        basis: dict[str, Any] | None = self._basis(request, view)
         if estimate > budget.limit:
             # What is left does not fit even folded: a few huge items (a long tool output, a pasted
             # file). Clip them in this request only; the history keeps them whole.
@@ -330,7 +340,11 @@ class AgentLoop:
                     budget.window,
                 )
                 estimate = estimate_request(request, [])
-        return request, estimate
+                basis = None  # the provider counts the clipped text, not what later requests send
+        return request, estimate, basis
+
+    def _basis(self, request: ProviderRequest, view: list[MessageRecord]) -> dict[str, Any]:
+        return anchor_basis(request, len(request.messages) - len(view), self._tool_estimates)
 
     async def _stream_step(self, work: TurnWork, emit: Emit) -> str:
         provider, model = self.providers.resolve(work.agent.model)
@@ -347,7 +361,7 @@ class AgentLoop:
             step_usage: Usage | None = None
             estimate: int | None = 0
             try:
-                request, estimate = await self._prepare(work, provider, model, emit, forced)
+                request, estimate, partial.basis = await self._prepare(work, provider, model, emit, forced)
                 unyielded = 0
                 async for chunk in provider.stream(request):
                     unyielded += 1

@@ -6,6 +6,7 @@ Every provider (echo, OpenAI-compatible, Anthropic) yields exactly these chunk k
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -225,6 +226,55 @@ def _redact_json(value: Any, redact: Callable[[str], str], depth: int = 0) -> An
     return value
 
 
+# "The prompt does not fit the model's window", as upstreams say it. Each wording is one seen in the
+# server's code or in its verbatim error bodies; a broader word ("tokens", "context length") would
+# also match errors that compacting cannot fix (a max_tokens over the model's output limit, a rate
+# limit "too many tokens per minute").
+OVERFLOW_CODES = (
+    "context_length_exceeded",  # OpenAI, Azure, Groq: error.code
+    "exceed_context_size_error",  # llama.cpp server: error.type
+)
+OVERFLOW_PHRASES = (
+    "maximum context length",  # OpenAI, vLLM, DeepSeek, OpenRouter ("endpoint's"), Mistral ("too large for model with")
+    "exceeds the context window",  # OpenAI ("Your input exceeds the context window of this model")
+    "prompt is too long",  # Anthropic ("prompt is too long: N tokens > M maximum")
+    "exceed context limit",  # Anthropic ("input length and `max_tokens` exceed context limit: A + B > C")
+    "exceeds the available context size",  # llama.cpp ("request (N tokens) exceeds the available context size")
+    "exceeds the maximum number of tokens allowed",  # Gemini ("The input token count (N) exceeds the maximum ...")
+    "maximum prompt length is",  # xAI ("This model's maximum prompt length is N but the request contains M tokens")
+    "input is too long for requested model",  # Amazon Bedrock
+    "greater than the context length",  # LM Studio ("tokens to keep from the initial prompt is greater than ...")
+    "prompt too long; exceeded",  # Ollama ("prompt too long; exceeded max context length by N tokens")
+    "input length exceeds the context length",  # Ollama
+    "context length exceeded",  # the code's words, as some proxies write them
+)
+# The reply alone cannot fit: max_tokens over the window (compacting the prompt cannot help).
+# vLLM: "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context
+# length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778)"; older vLLM:
+# "... maximum context length is 4096 tokens. However, you requested 9000 tokens (1000 in the
+# messages, 8000 in the completion)"; Anthropic: "... exceed context limit: 199759 + 8192 > 200000".
+_OUTPUT_VS_WINDOW = (
+    re.compile(r"\((\d+) > (\d+) - \d+\)"),
+    re.compile(r"maximum context length is (\d+)\D.*?\b(\d+) in the completion", re.S),
+    re.compile(r"exceed context limit: \d+ \+ (\d+) > (\d+)"),
+)
+
+
+def is_context_overflow(text: str) -> bool:
+    """Whether an upstream's error (its message and body, lowercased) says the prompt is too long
+    for the model's window, and a shorter prompt would be taken."""
+    if not (any(c in text for c in OVERFLOW_CODES) or any(p in text for p in OVERFLOW_PHRASES)):
+        return False
+    for pattern in _OUTPUT_VS_WINDOW:
+        m = pattern.search(text)
+        if m is not None:
+            a, b = int(m.group(1)), int(m.group(2))
+            output, window = (b, a) if pattern is _OUTPUT_VS_WINDOW[1] else (a, b)
+            if output >= window:
+                return False
+    return True
+
+
 def error_from_status(
     status: int, message: str, *, body: Any = None, retry_after_s: float | None = None
 ) -> ProviderError:
@@ -233,10 +283,7 @@ def error_from_status(
     body_text = str(body).lower() if body is not None else ""
     blob = text + " " + body_text
     kind: ErrorKind
-    if any(
-        k in blob
-        for k in ("context_length", "context length", "too many tokens", "prompt is too long", "maximum context")
-    ):
+    if status not in (401, 403, 429) and is_context_overflow(blob):
         kind = "context_overflow"
     elif status == 429:
         kind = "quota" if any(k in blob for k in ("insufficient_quota", "quota", "billing")) else "rate_limit"

@@ -363,10 +363,12 @@ def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -
             assert answer.startswith("echo: m") or answer.startswith("w1")
         with serving(home, "--store", url) as sp2:
             _ready(sp2)
-            deadline = time.monotonic() + 10
+            # the queued turns run one after another per conversation (two `/slow 3` in each shared
+            # one): a generous bound, as a loaded machine runs them slower
+            deadline = time.monotonic() + 45
             while time.monotonic() < deadline and {"queued", "running"} & set(_statuses(url)):
                 time.sleep(0.1)
-            assert not {"queued", "running"} & set(_statuses(url))
+            assert not {"queued", "running"} & set(_statuses(url)), _statuses(url)
             cl = _client(sp2)
             for key, content, answer in acked[:10]:
                 again = cl.chat.completions.with_raw_response.create(

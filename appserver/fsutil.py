@@ -6,11 +6,14 @@ import errno
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from appserver.procid import identity_alive, process_start_ticks
 
 log = logging.getLogger("appserver.fs")
 
@@ -194,13 +197,92 @@ def _write_target(path: Path) -> Path:
     return Path(os.path.realpath(path))
 
 
+# A temporary file of an atomic write is `.<name>.<pid>-<start>.<random>.tmp` beside its target: the
+# writer's pid and start time (clock ticks since boot, 0 off Linux) say whose it is. A writer killed
+# between creating it and the rename (kill -9, a power cut) leaves it behind, a copy of what it was
+# writing (0600). The next atomic write of the same target (at most once a minute per target and
+# process) and every start (`tighten_home`) remove those older than STALE_TEMP_S whose writer no
+# longer runs; one of a live writer is never touched (it may be writing now). Temporaries of older
+# versions (`.<name>.<random>.tmp`, no writer named) go once older than STALE_TEMP_S: a write takes
+# far less, and one stalled that long fails at its rename (its file is gone) rather than losing data.
+STALE_TEMP_S = 60.0
+_TEMP_RANDOM = r"[a-z0-9_]{8}"  # tempfile's names: 8 of a-z, 0-9, _
+_swept_at: dict[str, float] = {}  # target -> monotonic time of this process's last sweep of it
+
+
+def _writer_tag() -> str:
+    """`<pid>-<start ticks>` of this process (asked at every write: a forked child is another writer)."""
+    pid = os.getpid()
+    return f"{pid}-{process_start_ticks(pid) or 0}"
+
+
+def _temp_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(rf"\.{re.escape(name)}\.(?:([1-9][0-9]{{0,9}})-([0-9]{{1,20}})\.)?{_TEMP_RANDOM}\.tmp")
+
+
+def remove_stale_temporaries(path: Path, *, now: float | None = None) -> list[Path]:
+    """Remove the temporaries that atomic writes of `path` (the file written: a symbolic link's
+    target) left behind: older than STALE_TEMP_S and written by a process that no longer runs (or by
+    an older version, which did not name its writer). Best effort: a file that cannot be looked at or
+    removed is left. Returns what was removed."""
+    pattern = _temp_pattern(path.name)
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(f".{path.name}.") or not entry.name.endswith(".tmp"):
+            continue
+        found = pattern.fullmatch(entry.name)
+        if found is None:
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < STALE_TEMP_S:
+            continue  # (a fresh one may be written right now, whoever its writer is)
+        pid, start = found.group(1), found.group(2)
+        if pid is not None and identity_alive(f"{pid}:{start}"):
+            continue
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    if removed:
+        log.info(
+            "removed %d temporary file(s) left by interrupted writes of %s: %s",
+            len(removed),
+            path,
+            ", ".join(p.name for p in removed),
+        )
+    return removed
+
+
+def _sweep_before_write(path: Path) -> None:
+    """`remove_stale_temporaries(path)`, at most once per STALE_TEMP_S per target in this process
+    (a state file written at every tick need not list its folder every time)."""
+    key = str(path)
+    now = time.monotonic()
+    last = _swept_at.get(key)
+    if last is not None and now - last < STALE_TEMP_S:
+        return
+    _swept_at[key] = now
+    remove_stale_temporaries(path)
+
+
 def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write `data` to a temporary file, fsync, rename over `path` (through a symbolic link: see
-    `_write_target`)."""
+    `_write_target`). Temporaries that interrupted writes of `path` left are removed first (see
+    `remove_stale_temporaries`)."""
     named = path
     path = _write_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _sweep_before_write(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
@@ -307,6 +389,8 @@ HOME_ENTRIES = (
     "workspaces",
 )
 _RECURSE = ("auth", "cron-runs", "channels")  # workspaces: the directory is closed, its files are the agent's
+# The home's files written by atomic writes, whose interrupted writes' temporaries every start removes
+ATOMIC_STATE_FILES = ("config.toml", "crons.json", "server.json", "appserver.db.position", "auth/tokens.json")
 
 
 def _tighten(path: Path, changed: list[Path]) -> None:
@@ -324,12 +408,19 @@ def _tighten(path: Path, changed: list[Path]) -> None:
 
 def tighten_home(home: Path) -> list[Path]:
     """Remove group/other access from the home and appserver's files in it (umask 077 keeps new
-    ones private; this fixes what an older version or a copy left open). Returns what changed."""
+    ones private; this fixes what an older version or a copy left open). Returns what changed.
+    Also removes the temporaries interrupted atomic writes of the home's state files left
+    (`remove_stale_temporaries`)."""
     changed: list[Path] = []
     try:
         st = os.stat(home)
     except FileNotFoundError:
         return changed
+    for name in ATOMIC_STATE_FILES:
+        try:
+            remove_stale_temporaries(_write_target(home / name))
+        except OSError:  # a link to nothing or no regular file: whoever reads it says so
+            continue
     if st.st_mode & stat.S_ISVTX or st.st_uid != os.geteuid():
         log.warning("%s is shared (sticky or owned by another user): its permissions are left alone", home)
         return changed

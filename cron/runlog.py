@@ -50,6 +50,11 @@ CHUNK_BYTES = 64 * 1024
 # Records that may follow a task's `removed` one: the end of runs it had in flight
 AFTER_REMOVAL = ("submitted", "fire_failed", "outcome", "delivered", "delivery_failed")
 BACKLOG_MAX = 10_000  # records kept for a retry while the disk refuses them; the oldest go first
+# The highest run number a task can have (crons.json refuses a counter above it: exact in every
+# JSON reader). A record naming a higher one was not written by appserver (a hand edit, bit rot):
+# like a run number that is no whole number (`1e999`), it names no run, and it never sets the floor
+# of the next run's number, which would make the task unloadable.
+MAX_RUN_NUMBER = 2**53
 # The records that settle a claimed occurrence: it reached the kernel, or it was recorded as not run.
 SETTLING_EVENTS = ("submitted", "fire_failed", "outcome", "missed")
 
@@ -517,9 +522,17 @@ def _mark_lost(records: list[dict[str, Any]]) -> None:
 
 def _number(record: dict[str, Any]) -> int | None:
     """A record's occurrence number; None when it holds none or something else (a hand-edited
-    `[1]` or `{}` must not make a set lookup raise and hide the whole log)."""
+    `[1]` or `{}` must not make a set lookup raise and hide the whole log), or a whole number no run
+    can have (below 0, above MAX_RUN_NUMBER)."""
     n = record.get("occurrence")
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
+    if isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_RUN_NUMBER:
+        return n
+    return None
+
+
+def _unusable_number(record: dict[str, Any]) -> bool:
+    """The record holds a run number, but one that names no run (`1e999`, 2**60, -1, "x")."""
+    return "occurrence" in record and record["occurrence"] is not None and _number(record) is None
 
 
 def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, Any] | None:
@@ -596,15 +609,34 @@ def used_runs(runs_dir: Path, task_id: str) -> tuple[int, datetime | None]:
     long records at the end (an older log's) cannot hide it."""
     best = 0
     latest: datetime | None = None
-    for back, r in _records_from_end(run_log_path(runs_dir, task_id), max_bytes=READ_MAX_BYTES):
+    path = run_log_path(runs_dir, task_id)
+    skipped: list[Any] = []
+    for back, r in _records_from_end(path, max_bytes=READ_MAX_BYTES):
         n = _number(r)
         if n is not None and n > best:
             best = n
+        elif n is None and _unusable_number(r):
+            skipped.append(r["occurrence"])
         if latest is None and r.get("event") == "fired" and not r.get("manual") and not r.get("recovered"):
             latest = aware_time(r.get("scheduled_for"))
         if back >= TAIL_BYTES and latest is not None:
             break
+    if skipped:
+        shown = ", ".join(_shown(v) for v in skipped[:3]) + (", …" if len(skipped) > 3 else "")
+        log.warning(
+            "cron: %s: skipped %d record(s) whose run number names no run (%s: not a whole number from 0 to "
+            "%d; a hand edit or damage): the numbers of the next runs do not follow it",
+            path,
+            len(skipped),
+            shown,
+            MAX_RUN_NUMBER,
+        )
     return best, latest
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, allow_nan=True, default=str)
+    return text if len(text) <= 40 else text[:39] + "…"
 
 
 def aware_time(value: Any) -> datetime | None:

@@ -61,7 +61,7 @@ from appserver.fsutil import (
     read_state_bytes,
     state_file_stat,
 )
-from cron.runlog import RunLog, append_run, removed_task
+from cron.runlog import MAX_RUN_NUMBER, RunLog, append_run, removed_task
 from cron.schedule import MAX_DURATION_S, ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
 
 log = logging.getLogger("appserver.cron")
@@ -76,7 +76,7 @@ MISFIRE_POLICIES = ("skip", "run_once", "run_all")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TARGET_PART_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")  # it names the task's run-log file
-MAX_OCCURRENCE = 2**53  # a run counter beyond this was not written by a scheduler
+MAX_OCCURRENCE = MAX_RUN_NUMBER  # a run counter beyond this was not written by a scheduler
 # Longer JSON integers are not int()'d: Python refuses more than 4300 digits both ways (reading, and
 # writing the number back), with a ValueError that would fail the whole file. Any value a field
 # accepts has at most 19 (proc_start < 2**63); a longer one is kept as it is, up to this.
@@ -431,8 +431,15 @@ class CronTask:
         `by`: the scheduler lease token that claimed it (a scheduler that takes the lease over
         from a dead one submits what that one claimed and never submitted); `floor`: the highest
         run number already used (the run log's), which the new number must exceed even when the
-        counter here was rolled back by restoring an older crons.json."""
-        self.occurrence = max(self.occurrence, floor) + 1
+        counter here was rolled back by restoring an older crons.json. A number above
+        MAX_OCCURRENCE (which crons.json refuses) is never claimed: CronStoreError, the task unchanged."""
+        number = max(self.occurrence, floor) + 1
+        if number > MAX_OCCURRENCE:
+            raise CronStoreError(
+                f"task {self.name} ({self.id}): its next run would be #{number}, above the highest run number "
+                f"a task may have ({MAX_OCCURRENCE}); nothing was run"
+            )
+        self.occurrence = number
         occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
         still_open = self._open_claims()
         self.last_claimed = {
@@ -721,6 +728,20 @@ def _json_int(text: str) -> int | float:
     return -math.inf if text.startswith("-") else math.inf
 
 
+def _check_loadable(task: CronTask, line: str) -> None:
+    """Refuse (CronStoreError) to write a task as `line` when crons.json's loader would not load it
+    back (it would be kept as invalid: never scheduled, `cron show` and `run` refusing it): whatever
+    put a value out of range in it, nothing writes a file its own loader rejects."""
+    try:
+        CronTask.from_dict(json.loads(line, parse_int=_json_int))
+    except (ValueError, TypeError, KeyError, OverflowError) as exc:
+        why = str(exc) or type(exc).__name__
+        raise CronStoreError(
+            f"task {task.name} ({task.id}) would be written in a form {CRONS_FILE} cannot load back ({why}); "
+            "nothing was written"
+        ) from None
+
+
 def _json_kind(value: Any) -> str:
     if value is None:
         return "null"
@@ -927,7 +948,11 @@ class CronStore:
         for t in tasks:
             key = t.fingerprint()
             hit = previous.get(t.id)
-            line = hit[1] if hit is not None and hit[0] == key else json.dumps(t.to_dict(), **_COMPACT)
+            if hit is not None and hit[0] == key:
+                line = hit[1]
+            else:
+                line = json.dumps(t.to_dict(), **_COMPACT)
+                _check_loadable(t, line)
             lines[t.id] = (key, line)
             out.append(line)
         self._lines = lines

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import click
+import filelock
 
 from appserver.channelconfig import (
     ACCOUNT_NAME,
@@ -62,6 +63,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 LEDGER_STATES = ("received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed")
 READYZ_TIMEOUT_S = 2.0
+# How long an edit of config.toml waits for another command's edit (`config.toml.lock`) to end
+CONFIG_LOCK_TIMEOUT_S = 10.0
 
 
 class Refused(Exception):
@@ -287,13 +290,47 @@ def _env_origin(*parts: str) -> str:
     return "APPSERVER_" + "__".join(p.upper() for p in parts)
 
 
+@contextmanager
+def _config_lock(path: Path) -> Iterator[None]:
+    """Hold `config.toml.lock` beside config.toml (a `filelock`, as crons.json and tokens.json have:
+    flock, which the OS releases when its holder dies, so a killed command never blocks the next)
+    for one edit, read to write: concurrent edits take turns, each on the file the previous one
+    wrote. Refused (exit 1, nothing written) after CONFIG_LOCK_TIMEOUT_S rather than hanging."""
+    if not path.parent.is_dir():  # no home yet (`remove`): nothing to edit, nothing is written
+        yield
+        return
+    lock_path = path.with_name(f"{path.name}.lock")
+    lk = filelock.FileLock(str(lock_path), timeout=CONFIG_LOCK_TIMEOUT_S, mode=0o600)
+    try:
+        lk.acquire()
+    except filelock.Timeout:
+        raise Refused(
+            f"timed out after {CONFIG_LOCK_TIMEOUT_S:g} s waiting for {lock_path}: another appserver command is "
+            "editing config.toml; nothing written, try again"
+        ) from None
+    except OSError as exc:
+        raise Refused(f"cannot lock {lock_path} ({_one_line(exc)}); nothing written") from None
+    try:
+        yield
+    finally:
+        lk.release()
+
+
 @dataclass(slots=True)
 class _ConfigFile:
-    """config.toml's text as read (byte-exact), for one edit."""
+    """config.toml's text as read (byte-exact), for one edit. Read and write it inside
+    `_config_lock` (`_ConfigFile.editing`)."""
 
     path: Path  # config.toml (a symbolic link is written through to its target)
     text: str
     data: dict[str, Any]
+
+    @classmethod
+    @contextmanager
+    def editing(cls, path: Path) -> Iterator[_ConfigFile]:
+        """The file read under its lock, held until the block ends (its `write` included)."""
+        with _config_lock(path):
+            yield cls.read(path)
 
     @classmethod
     def read(cls, path: Path) -> _ConfigFile:
@@ -325,6 +362,8 @@ class _ConfigFile:
         return data, channels
 
     def write(self, text: str) -> None:
+        """Replace the file with `text` (call with the lock held). A change made meanwhile by
+        something that does not take the lock (an editor) refuses the write."""
         target = self.path.resolve()
         try:
             current = target.read_bytes().decode("utf-8", "replace")
@@ -656,26 +695,28 @@ def add_cmd(channel: str, account: str, settings: tuple[str, ...], secrets: tupl
         raise Refused(f"channels add: [channels.{channel}.accounts.{account}] {problem}; nothing written", 2)
     config = get_config()
     found = _require_known(config.home, channel)
-    file = _ConfigFile.read(config.config_path)
-    if account in _file_accounts(file.data, channel):
-        raise Refused(f"account {channel}:{account} already exists in {file.path}; remove it first to replace it")
-    if account in config.channels.accounts.get(channel, {}):
-        raise Refused(f"account {channel}:{account} is already defined by APPSERVER_CHANNELS__ environment variables")
-    nl = _newline(file.text)
-    body = [f"[channels.{channel}.accounts.{account}]"] + [
-        f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()
-    ]
-    text = _append(file.text, nl.join(body) + nl)
-    enabled = _file_enabled(file.data)
-    if enable and channel not in enabled:
-        text = _set_enabled(text, [*enabled, channel])
-    data, loaded = file.check(text)
-    written = _file_accounts(data, channel).get(account)
-    if not isinstance(written, dict) or set(written) != set(table):
-        raise Refused(f"the edited {file.path} would not hold the account as given; nothing written")
-    if enable and channel not in loaded.enabled:
-        raise Refused(f"could not add {channel!r} to [channels] enabled in {file.path}; nothing written")
-    file.write(text)
+    with _ConfigFile.editing(config.config_path) as file:
+        if account in _file_accounts(file.data, channel):
+            raise Refused(f"account {channel}:{account} already exists in {file.path}; remove it first to replace it")
+        if account in config.channels.accounts.get(channel, {}):
+            raise Refused(
+                f"account {channel}:{account} is already defined by APPSERVER_CHANNELS__ environment variables"
+            )
+        nl = _newline(file.text)
+        body = [f"[channels.{channel}.accounts.{account}]"] + [
+            f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()
+        ]
+        text = _append(file.text, nl.join(body) + nl)
+        enabled = _file_enabled(file.data)
+        if enable and channel not in enabled:
+            text = _set_enabled(text, [*enabled, channel])
+        data, loaded = file.check(text)
+        written = _file_accounts(data, channel).get(account)
+        if not isinstance(written, dict) or set(written) != set(table):
+            raise Refused(f"the edited {file.path} would not hold the account as given; nothing written")
+        if enable and channel not in loaded.enabled:
+            raise Refused(f"could not add {channel!r} to [channels] enabled in {file.path}; nothing written")
+        file.write(text)
     click.echo(f"Added account {channel}:{account} to {file.path}.")
     _warn_if_broken(found)
     if enable or channel in config.channels.enabled:
@@ -728,34 +769,34 @@ def remove_cmd(channel: str, account: str) -> None:
         config = load_config(home, create=False)
     except ConfigError as exc:
         problem = _one_line(exc)
-    file = _ConfigFile.read(home / "config.toml")
-    if account not in _file_accounts(file.data, channel):
-        if problem is not None:
-            raise Refused(problem, 2)
-        raise Refused(f"no account {channel}:{account} in {file.path}")
-    text, cut = _remove_tables(file.text, ("channels", channel, "accounts", account))
-    if cut == 0:
-        raise Refused(
-            f"account {channel}:{account} is not written as a [channels.{channel}.accounts.{account}] table in "
-            f"{file.path} (dotted keys or an inline table): edit it by hand; nothing changed"
-        )
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise Refused(f"the edited {file.path} would not be valid TOML ({exc}); nothing changed") from None
-    if account in _file_accounts(data, channel):
-        raise Refused(
-            f"account {channel}:{account} is also defined outside its [channels.{channel}.accounts.{account}] "
-            f"table in {file.path}: edit it by hand; nothing changed"
-        )
-    still: str | None = None
-    try:
-        load_channels(data.get("channels", {}), {}, str(file.path), _env_origin)
-    except ChannelConfigError as exc:
-        if problem is None:  # removing a table made a valid config invalid: never write that
-            raise Refused(f"{_one_line(exc)}; nothing changed", 2) from None
-        still = _one_line(exc)
-    file.write(text)
+    with _ConfigFile.editing(home / "config.toml") as file:
+        if account not in _file_accounts(file.data, channel):
+            if problem is not None:
+                raise Refused(problem, 2)
+            raise Refused(f"no account {channel}:{account} in {file.path}")
+        text, cut = _remove_tables(file.text, ("channels", channel, "accounts", account))
+        if cut == 0:
+            raise Refused(
+                f"account {channel}:{account} is not written as a [channels.{channel}.accounts.{account}] table in "
+                f"{file.path} (dotted keys or an inline table): edit it by hand; nothing changed"
+            )
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise Refused(f"the edited {file.path} would not be valid TOML ({exc}); nothing changed") from None
+        if account in _file_accounts(data, channel):
+            raise Refused(
+                f"account {channel}:{account} is also defined outside its [channels.{channel}.accounts.{account}] "
+                f"table in {file.path}: edit it by hand; nothing changed"
+            )
+        still: str | None = None
+        try:
+            load_channels(data.get("channels", {}), {}, str(file.path), _env_origin)
+        except ChannelConfigError as exc:
+            if problem is None:  # removing a table made a valid config invalid: never write that
+                raise Refused(f"{_one_line(exc)}; nothing changed", 2) from None
+            still = _one_line(exc)
+        file.write(text)
     click.echo(f"Removed account {channel}:{account} from {file.path}.")
     if still:
         click.echo(f"warning: {file.path} still has a problem: {visible(still)}", err=True)
@@ -787,21 +828,23 @@ def disable_cmd(channel: str) -> None:
 
 
 def _edit_enabled(config: Config, channel: str, *, add: bool) -> None:
-    file = _ConfigFile.read(config.config_path)
-    enabled = _file_enabled(file.data)
     word = "enabled" if add else "disabled"
-    if (channel in enabled) == add:
+    with _ConfigFile.editing(config.config_path) as file:
+        enabled = _file_enabled(file.data)
+        loaded: ChannelsConfig | None = None
+        if (channel in enabled) != add:
+            wanted = [*enabled, channel] if add else [c for c in enabled if c != channel]
+            text = _set_enabled(file.text, wanted)
+            _, loaded = file.check(text)
+            if loaded.enabled != wanted:
+                raise Refused(
+                    f"[channels] enabled is not written as `enabled = [...]` in a [channels] table in {file.path} "
+                    "(dotted keys or an inline table): edit it by hand; nothing changed"
+                )
+            file.write(text)
+    if loaded is None:
         click.echo(f"Channel {channel!r} is already {word} in {file.path}; nothing changed.")
     else:
-        wanted = [*enabled, channel] if add else [c for c in enabled if c != channel]
-        text = _set_enabled(file.text, wanted)
-        _, loaded = file.check(text)
-        if loaded.enabled != wanted:
-            raise Refused(
-                f"[channels] enabled is not written as `enabled = [...]` in a [channels] table in {file.path} "
-                "(dotted keys or an inline table): edit it by hand; nothing changed"
-            )
-        file.write(text)
         click.echo(f"Channel {channel!r} {word} in {file.path}.")
         if add and not loaded.accounts.get(channel):
             click.echo(f"It has no account yet: add one with `appserver channels add {channel} NAME --set ...`.")

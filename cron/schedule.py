@@ -11,6 +11,7 @@ time to an instant is done here, because croniter 7 gets the fall-back day wrong
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import heapq
 import os
@@ -227,16 +228,49 @@ def is_wildcard_cron(expr: str) -> bool:
 
 def parse_at(text: str, tz: str) -> datetime:
     """`2026-12-01 08:00` (wall time in `tz`; an explicit offset wins) → aware instant."""
+    written = text.strip().replace("/", "-")
     try:
-        naive = datetime.fromisoformat(text.strip().replace("/", "-"))
-    except ValueError:
-        raise ScheduleError(f"invalid time {text!r}: use YYYY-MM-DD HH:MM (in the task's timezone)") from None
+        naive = datetime.fromisoformat(written)
+    except ValueError as exc:
+        raise ScheduleError(f"invalid time {text!r}: {_at_problem(written, str(exc))}") from None
     try:
         if naive.tzinfo is not None:
             return naive.astimezone(UTC)
         return wall_to_instants(naive, get_zone(tz), both_passes=False)[0]
     except OverflowError:
         raise ScheduleError(f"invalid time {text!r}: outside the dates a schedule can use") from None
+
+
+_AT_DATE = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})")
+_AT_FIELD = re.compile(r"(year|month|day|hour|minute|second|microsecond) (?:\d+ )?(?:must be|is out of range)")
+
+
+def _at_problem(written: str, reason: str) -> str:
+    """Why `written` (an `--at` time) is no time, from fromisoformat's `reason`: the format hint
+    when it is written wrongly; the date or the field that does not exist when the format is
+    right (`2026-02-30 is not a date: February 2026 has 28 days`)."""
+    hint = "use YYYY-MM-DD HH:MM (in the task's timezone)"
+    if reason.startswith("Invalid isoformat string"):
+        return hint
+    found = _AT_DATE.match(written)
+    if found is not None:
+        year, month, day = (int(g) for g in found.groups())
+        date = found.group(0)
+        if not 1 <= year <= 9999:
+            return f"{date} is not a date: years go from 0001 to 9999"
+        if not 1 <= month <= 12:
+            return f"{date} is not a date: there is no month {found.group(2)} (months are 01 to 12)"
+        days = calendar.monthrange(year, month)[1]
+        if not 1 <= day <= days:
+            return f"{date} is not a date: {calendar.month_name[month]} {year} has {days} days"
+    if "offset" in reason:
+        return "the UTC offset must be less than 24 hours"
+    field = _AT_FIELD.search(reason)
+    if field is not None:
+        limits = {"hour": "00 to 23", "minute": "00 to 59", "second": "00 to 59"}
+        name = field.group(1)
+        return f"no such time: the {name} must be {limits[name]}" if name in limits else f"no such time: {reason}"
+    return f"{reason}; {hint}"
 
 
 # ---------------------------------------------------------------- wall time → instants

@@ -17,9 +17,12 @@ The order is claim (saved), run-log records, submit. A save that fails fires and
 next tick claims again); a run-log record that fails is kept and retried (cron.runlog.RunLog) while
 the run still fires, so no failure can lose a claimed run or fire it twice.
 
-A scheduler that takes the lease over from a dead one resolves what that one claimed last: by the
-run log (durable: it names the turn), else by the kernel's idempotency key; when neither can tell
-(the key may have been purged, `ClaimUnverifiable`) the run is recorded as missed, never refired.
+A scheduler that takes the lease over from a dead one resolves what that one claimed last: where
+the progress kept with the claim says it got (on one home, as far as the run log agrees: a reply
+still to send is sent, one that was being sent is recorded `delivery_failed`, never sent twice),
+else by the run log (durable: it names the turn), else by the kernel's idempotency key; when none
+can tell (the key may have been purged, `ClaimUnverifiable`) the run is recorded as missed, never
+refired.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ from typing import Any
 
 from cron.credentials import CredentialCheck, TokenCredentials
 from cron.lease import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, LeaseHolder
-from cron.runlog import aware_time, has_fired, settled_record, unrecorded_turns, unsettled_claims, used_runs
+from cron.runlog import (
+    aware_time,
+    has_fired,
+    read_run_log,
+    settled_record,
+    unrecorded_turns,
+    unsettled_claims,
+    used_runs,
+)
 from cron.runner import (
     DEFAULT_FIRE_TIMEOUT_S,
     DEFAULT_OUTCOME_TIMEOUT_S,
@@ -113,6 +124,16 @@ def _stamped_after(task: CronTask, limit: datetime, limit_utc: str) -> bool:
         return value > limit_utc  # the same shape: the text compares as the time does
     claimed = _claimed_at(task)
     return claimed is not None and claimed > limit
+
+
+def _delivery_recorded(runs_dir: Path, task_id: str, occurrence: int) -> bool:
+    """Does the run log record where the reply of run `occurrence` went (`delivered`, or
+    `delivery_failed` with the reason)? Read only for a run a dead scheduler left with its reply
+    still to send: its records are recent, in the part of the log `read_run_log` reads."""
+    for r in reversed(read_run_log(runs_dir, task_id).records):
+        if r.get("event") in ("delivered", "delivery_failed") and r.get("occurrence") == occurrence:
+            return True
+    return False
 
 
 def _check_seconds(name: str, value: float, low: float, high: float) -> float:
@@ -226,6 +247,7 @@ class Scheduler:
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         credentials: CredentialCheck | None = None,
         agent_names: AgentNamesFn | None = None,
+        before_recovered_delivery: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         if isinstance(home, CronStore):
             self.store = home
@@ -254,6 +276,9 @@ class Scheduler:
         # asked at fire time; a limit by agent name is checked against the names read each tick
         self.credentials = credentials
         self.agent_names = agent_names
+        # Awaited before the reply of a run taken over from a scheduler that stopped is sent (the
+        # server waits until its channels run: its first tick comes before its gateway is up)
+        self.before_recovered_delivery = before_recovered_delivery
         self._agent_name: dict[str, str] = {}  # agent id -> name, as read at the last tick
         # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
         # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
@@ -452,28 +477,26 @@ class Scheduler:
         return [found[n] for n in sorted(found)]
 
     async def _submit_orphan(self, task: CronTask, occurrence: Occurrence, report: TickReport) -> None:
-        """An occurrence the previous scheduler claimed before it died, however long ago: on a
-        cluster's database, taken up where the tasks say it got (`CronTask.claim_progress`, known
-        across the cluster whichever server's run log recorded it); else settled when the run
-        log says what became of it; else found by the kernel's idempotency key; submitted only
-        when the kernel can say it never got it; recorded as missed when nobody can tell any
-        more. Never submitted twice; its outcome recorded and its reply sent only when nobody did
-        (`take_step`)."""
+        """An occurrence the previous scheduler claimed before it died (or stopped), however long
+        ago, whichever the store: taken up where it got (`_orphan_stage`: the progress kept with its
+        claim in the tasks; on one home's crons.json only as far as the home's run log, everyone's,
+        agrees), so a reply the stopped server was sending, or had still to send, is never silently
+        dropped; else settled when the run log says what became of it; else found by the kernel's
+        idempotency key (the run log completed, the run then taken up where its claim says it
+        got); submitted only when the kernel can say it never got it; recorded as missed when
+        nobody can tell any more. Never submitted twice; its outcome recorded and its reply sent
+        only when nobody did (`take_step`)."""
         number = occurrence.number
-        if self.store.shared:  # (one home's run log is everyone's: it says what was done, as before)
+        resume, followed, stage, turn_id, settled = await self._orphan_stage(task, number)
+        if resume and stage is not None:
+            await self._resume_orphan(task, occurrence, stage, turn_id)
+            return
+        if self.store.shared:  # (its run log is this server's: read only when the tasks cannot tell)
             try:
-                followed, stage = await asyncio.to_thread(self.store.claim_progress, task.id, number)
-            except (CorruptStateFile, CronStoreError, OSError) as exc:  # the run log and the kernel decide
-                log.warning("cron: could not read how far run #%d of task %s got: %s", number, task.id, exc)
-                followed, stage = False, None
-            if followed and stage not in (None, "claimed"):
-                await self._resume_orphan(task, occurrence, stage)
-                return
-        try:
-            settled = await asyncio.to_thread(settled_record, self.store.runs_dir, task.id, number)
-        except (OSError, ValueError) as exc:  # the kernel's answer still decides
-            log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
-            settled = None
+                settled = await asyncio.to_thread(settled_record, self.store.runs_dir, task.id, number)
+            except (OSError, ValueError) as exc:  # the kernel's answer still decides
+                log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
+                settled = None
         if settled is not None or self.claimed_turn is None:
             return
         try:
@@ -488,8 +511,10 @@ class Scheduler:
         if turn_id is not None:  # it reached the kernel; the log lost it: complete the log, follow it
             if not self.store.shared or await take_step(self.store, task.id, number, "submitted"):
                 self.store.runlog.record(task.id, "submitted", occurrence=number, turn_id=turn_id, recovered=True)
-            if self.await_outcome is not None:
-                self._watch(task.id, number, turn_id, task.deliver)
+            if followed and stage not in (None, "claimed"):  # (one home: its run log had lost the run)
+                await self._resume_orphan(task, occurrence, stage, turn_id)
+            elif self.await_outcome is not None:
+                self._watch(task.id, number, turn_id, task.deliver, before_delivery=self.before_recovered_delivery)
             return
         log.warning(
             "cron: run #%d of task %s was claimed by a scheduler that stopped before submitting it; submitting it now",
@@ -515,10 +540,59 @@ class Scheduler:
         if turn_id is not None and self.await_outcome is not None:
             self._watch(task.id, occurrence.number, turn_id, task.deliver)
 
-    async def _resume_orphan(self, task: CronTask, occurrence: Occurrence, stage: str) -> None:
+    async def _orphan_stage(
+        self, task: CronTask, number: int
+    ) -> tuple[bool, bool, str | None, str | None, dict[str, Any] | None]:
+        """How far run `number` of a stopped scheduler got: (whether it is taken up by its stage,
+        whether the tasks follow its claim, its stage, its turn id when the run log names it, the
+        run log's record settling it when it is not taken up by its stage). The stage is the one
+        kept with the claim (`CronStore.claim_progress`), known cluster-wide. On one home's
+        crons.json the home's run log is everyone's and is read too: a run it has no `submitted`
+        or `outcome` of is left to it and the kernel's key (returned with the record that settles
+        it, if any, as before); else a step it records that the claim does not show yet (the
+        step's save failed, and `take_step` went on) counts, and the claim is brought up to it, so
+        nothing it records is done again (an outcome, a reply)."""
+        try:
+            followed, stage = await asyncio.to_thread(self.store.claim_progress, task.id, number)
+        except (CorruptStateFile, CronStoreError, OSError) as exc:  # the run log and the kernel decide
+            log.warning("cron: could not read how far run #%d of task %s got: %s", number, task.id, exc)
+            followed, stage = False, None
+        if self.store.shared:
+            return followed and stage not in (None, "claimed"), followed, stage, None, None
+        try:
+            settled = await asyncio.to_thread(settled_record, self.store.runs_dir, task.id, number)
+        except (OSError, ValueError) as exc:  # the kernel's answer decides
+            log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
+            return False, followed, stage, None, None
+        event = settled.get("event") if settled is not None else None
+        if settled is None or event not in ("submitted", "outcome") or not followed or stage is None:
+            return False, followed, stage, None, settled
+        turn = settled.get("turn_id")
+        turn_id = turn if isinstance(turn, str) and turn else None
+        logged = "settled" if event == "outcome" else "submitted"
+        if stage in ("claimed", "submitted") and stage != logged:  # the claim is brought up to the log
+            await take_step(self.store, task.id, number, logged)
+            stage = logged
+        if stage in ("settled", "delivering"):
+            try:
+                sent = await asyncio.to_thread(_delivery_recorded, self.store.runs_dir, task.id, number)
+            except (OSError, ValueError) as exc:
+                log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
+                sent = False
+            if sent:  # recorded; only the claim's own step was not saved: close it now
+                await take_step(self.store, task.id, number, "done", final=True)
+                stage = "done"
+        return True, followed, stage, turn_id, None
+
+    async def _resume_orphan(
+        self, task: CronTask, occurrence: Occurrence, stage: str, turn_id: str | None = None
+    ) -> None:
         """A dead scheduler's run that got to `stage` (submitted or further): the steps it did are
-        not done again (no second `submitted`, `outcome` or reply). A reply it was sending when it
-        died may or may not have arrived: it is not sent again (at most once), and that is recorded."""
+        not done again (no second `submitted`, `outcome` or reply). Its outcome recorded and its
+        reply not yet being sent (`settled`): the reply is sent now (once the channels run, with
+        `before_recovered_delivery`). A reply it was sending when it died (`delivering`) may or may
+        not have arrived: it is not sent again (at most once), and the run log says so. `turn_id`:
+        the run's turn, when the run log names it (else found by the kernel's idempotency key)."""
         number = occurrence.number
         if stage == "done":
             return
@@ -529,18 +603,29 @@ class Scheduler:
                     "not have arrived; it is not sent again (a reply is sent at most once)"
                 )
                 log.warning("cron: task %s run #%d: %s", task.id, number, why)
+                extra = {"turn_id": turn_id} if turn_id else {}
                 self.store.runlog.record(
-                    task.id, "delivery_failed", occurrence=number, target=task.deliver, error=why, recovered=True
+                    task.id,
+                    "delivery_failed",
+                    occurrence=number,
+                    target=task.deliver,
+                    error=why,
+                    recovered=True,
+                    **extra,
                 )
             return
-        if self.await_outcome is None or self.claimed_turn is None:
+        if stage == "settled" and not task.deliver:  # its reply was to go nowhere after all: nothing is left
+            await take_step(self.store, task.id, number, "done", final=True)
             return
-        try:
-            turn_id = await self.claimed_turn(task, occurrence)
-        except Exception as exc:  # noqa: BLE001 — ClaimUnverifiable or a store that cannot answer
-            turn_id, why = None, f"{type(exc).__name__}: {exc}"
-        else:
-            why = "its turn is not found by its idempotency key"
+        if self.await_outcome is None or (turn_id is None and self.claimed_turn is None):
+            return
+        why = "its turn is not found by its idempotency key"
+        if turn_id is None:
+            assert self.claimed_turn is not None
+            try:
+                turn_id = await self.claimed_turn(task, occurrence)
+            except Exception as exc:  # noqa: BLE001 — ClaimUnverifiable or a store that cannot answer
+                turn_id, why = None, f"{type(exc).__name__}: {exc}"
         if turn_id is None:
             log.error(
                 "cron: task %s (%s) run #%d was %s by a scheduler that stopped, but %s; "
@@ -552,8 +637,12 @@ class Scheduler:
                 why,
             )
             return
+        if stage == "settled":
+            log.info(
+                "cron: task %s run #%d: sending the reply a scheduler that stopped had still to send", task.id, number
+            )
         # submitted: follow it (its outcome, then its reply); settled: only its reply is left
-        self._watch(task.id, number, turn_id, task.deliver)
+        self._watch(task.id, number, turn_id, task.deliver, before_delivery=self.before_recovered_delivery)
 
     async def _orphan_missed(self, task: CronTask, occurrence: Occurrence, why: str, report: TickReport) -> None:
         """A claimed run nobody can resolve is recorded as missed (at most once), loudly."""

@@ -63,6 +63,8 @@ class CronService:
             deliver=deliver,
             claimed_turn=adapter.claimed_turn,
             agent_names=adapter.agent_names,
+            # the reply of a run taken over from a server that stopped waits for the channels too
+            before_recovered_delivery=self._channels_up,
         )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

@@ -582,8 +582,10 @@ def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
                 f"repair it and move it back (mv {newest} {path}), or delete it to start from defaults"
             )
         if create:
-            atomic_write_text(path, DEFAULT_CONFIG_TOML)
-            return {}, f"wrote a default {path} (every setting at its default)"
+            # never over a config another process wrote since the check (`channels add` on a new home)
+            if atomic_write_text(path, DEFAULT_CONFIG_TOML, exclusive=True):
+                return {}, f"wrote a default {path} (every setting at its default)"
+            return _read_config_file(path, create=False)
         return {}, f"no config file at {path}: every setting at its default"
     if newest is not None and set_aside_time(newest) > path.stat().st_mtime:
         raise ConfigError(

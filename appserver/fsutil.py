@@ -274,10 +274,11 @@ def _sweep_before_write(path: Path) -> None:
     remove_stale_temporaries(path)
 
 
-def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600, *, exclusive: bool = False) -> bool:
     """Write `data` to a temporary file, fsync, rename over `path` (through a symbolic link: see
     `_write_target`). Temporaries that interrupted writes of `path` left are removed first (see
-    `remove_stale_temporaries`)."""
+    `remove_stale_temporaries`). `exclusive`: only if `path` does not exist (hard-linked into place,
+    so a file another process made meanwhile is never replaced); False when it did. Else True."""
     named = path
     path = _write_target(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,7 +290,10 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if exclusive and not _link_into_place(tmp, path):
+            return False
+        if not exclusive:
+            os.replace(tmp, path)
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -301,6 +305,27 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
             raise OSError(exc.errno, exc.strerror, str(named)) from exc
         raise
     fsync_dir(path.parent)
+    return True
+
+
+def _link_into_place(tmp: str, path: Path) -> bool:
+    """Hard-link `tmp` to `path` unless `path` exists (then False); `tmp` is gone either way. On a
+    file system without hard links, a check then a rename (a narrow window, as before)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        os.unlink(tmp)
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        if path.exists() or path.is_symlink():
+            os.unlink(tmp)
+            return False
+        os.replace(tmp, path)
+        return True
+    os.unlink(tmp)
+    return True
 
 
 def fsync_dir(path: Path) -> None:
@@ -315,8 +340,8 @@ def fsync_dir(path: Path) -> None:
         pass
 
 
-def atomic_write_text(path: Path, text: str, mode: int = 0o600) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"), mode)
+def atomic_write_text(path: Path, text: str, mode: int = 0o600, *, exclusive: bool = False) -> bool:
+    return atomic_write_bytes(path, text.encode("utf-8"), mode, exclusive=exclusive)
 
 
 def atomic_write_json(path: Path, value: Any, mode: int = 0o600, *, indent: int | None = 2) -> None:

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from appserver.cli import channels as channels_cli
-from appserver.fsutil import STALE_TEMP_S, remove_stale_temporaries
+from appserver.fsutil import STALE_TEMP_S, atomic_write_text, remove_stale_temporaries
 from appserver.procid import process_start_ticks
 from cron.runlog import MAX_RUN_NUMBER, used_runs
 from cron.store import MAX_OCCURRENCE, CronStore, CronStoreError
@@ -105,6 +105,27 @@ def test_concurrent_channel_edits_all_land(home: Path) -> None:
         assert now == (before | added) - gone, (home / "config.toml").read_text()
     text = (home / "config.toml").read_text()
     assert text.startswith(BASE)  # the owner's comments and layout stay
+
+
+def test_concurrent_first_edits_of_a_new_home_all_land(tmp_path: Path) -> None:
+    """On a home with no config.toml yet, a command that found none wrote the default over a
+    `channels add` that had just saved (the default is now created only where there is none)."""
+    for rnd in range(8):
+        home = tmp_path / f"new{rnd}"
+        home.mkdir(mode=0o700)
+        commands = [_add(f"n{i}", 36000 + rnd * 100 + i) for i in range(6)] + [["agents", "list"]] * 2
+        results = _run_all(home, commands)
+        for args, r in zip(commands, results, strict=True):
+            assert r.code == 0, (args, r.out, r.err)
+        assert _accounts(home) == {f"n{i}" for i in range(6)}, (home / "config.toml").read_text()
+
+
+def test_an_exclusive_write_never_replaces_a_file(tmp_path: Path) -> None:
+    target = tmp_path / "config.toml"
+    assert atomic_write_text(target, "first", exclusive=True)
+    assert not atomic_write_text(target, "second", exclusive=True)
+    assert target.read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]  # no temporary left behind
 
 
 def test_config_lock_waits_times_out_and_a_dead_holder_never_blocks(

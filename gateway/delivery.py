@@ -41,6 +41,12 @@ T = TypeVar("T")
 # minute: a platform's brief outage (tens of seconds) costs a late reply, not a lost one.
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 TRANSIENT_ATTEMPTS = len(BACKOFF_S) + 1
+TRANSIENT_BUDGET_S = sum(BACKOFF_S)
+# A platform's "wait" answer (429/503 with retry_after) is retried after the longer of its wait and
+# the transient backoff step, and given up only after this many such answers that together waited
+# at least TRANSIENT_BUDGET_S: a short or zero retry_after retries like a transient error (about a
+# minute, 8 attempts), a long one is honoured in full (5 answers of 300 s: 20 minutes).
+RATE_LIMIT_ATTEMPTS = 5
 NO_REPLY = "(no reply)"
 MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) is read as this
 # A send whose outcome is unknown may still be in the platform's hands (queued there when the
@@ -330,20 +336,37 @@ class Outbox:
                 self.in_flight = False
 
         began = time.monotonic()
-        for n in range(TRANSIENT_ATTEMPTS):
+        failures = 0  # of either kind: the backoff step
+        waited = 0.0  # seconds of waiting this call imposed after its failures
+        limited = 0  # "wait" answers (RetryAfter)
+        while True:
             try:
-                return await self.limiter.call(chat, attempt)
+                return await self.limiter.call(chat, attempt, attempts=1)
             except RetryAfter as exc:
-                raise DeliveryFailed(
-                    f"rate limited: the platform kept asking to wait ({exc.seconds:g} s)"
-                    + _over(tries, time.monotonic() - began, exc.__cause__)
-                ) from exc
+                # The platform asked to wait: honoured, but never for less than the transient backoff
+                # (a receiver's `Retry-After: 0` burnt every attempt in a blink), and given up only
+                # after RATE_LIMIT_ATTEMPTS answers that together waited out the transient budget:
+                # a reply is never lost sooner than with any other transient error.
+                limited += 1
+                if limited >= RATE_LIMIT_ATTEMPTS and waited >= TRANSIENT_BUDGET_S:
+                    raise DeliveryFailed(
+                        f"rate limited: the platform kept asking to wait ({exc.seconds:g} s)"
+                        + _over(tries, time.monotonic() - began, exc.__cause__)
+                    ) from exc
+                wait = max(exc.seconds, BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+                if wait > exc.seconds:
+                    self.limiter.retry_after(chat, wait)  # the chat waits the longer of the two
+                failures += 1
+                waited += wait
+                log.warning("send to %s was asked to wait; retrying in %g s", chat, wait)
             except DeliveryError as exc:
-                if exc.permanent or n == TRANSIENT_ATTEMPTS - 1:
+                failures += 1
+                if exc.permanent or failures >= TRANSIENT_ATTEMPTS:
                     raise DeliveryFailed(exc.reason + _over(tries, time.monotonic() - began)) from exc
-                log.warning("send to %s failed (%s); retrying in %g s", chat, exc.reason, BACKOFF_S[n])
-                await self._sleep(BACKOFF_S[n])
-        raise AssertionError("unreachable")
+                backoff = BACKOFF_S[min(failures - 1, len(BACKOFF_S) - 1)]
+                log.warning("send to %s failed (%s); retrying in %g s", chat, exc.reason, backoff)
+                waited += backoff
+                await self._sleep(backoff)
 
     def gave_up(self, seconds: float) -> str:
         """Why a caller that stopped waiting after `seconds` got no delivery: the last error, and

@@ -92,7 +92,9 @@ class ChatRateLimiter:
 
     async def call(self, chat: str, op: Callable[[], Awaitable[T]], attempts: int = 5) -> T:
         """Run `op` (a send or an edit) under the limiter, honouring `RetryAfter` up to `attempts`
-        times; the last `RetryAfter` propagates for the caller to record as a failure."""
+        times; the last `RetryAfter` propagates (the chat stays blocked for its wait). A count alone
+        is no time budget (five `Retry-After: 0` answers pass in a blink): the outbox
+        (`gateway/delivery.py` `Outbox._call`) calls with `attempts=1` and keeps its own budget."""
         for attempt in range(1, attempts + 1):
             await self.acquire(chat)
             try:

@@ -332,9 +332,23 @@ async def test_retry_after_for_ever_ends_in_delivery_failed() -> None:
     with pytest.raises(DeliveryFailed, match="rate limited"):
         await outbox.send(HERE, "hi")
     assert adapter.calls == []
-    assert len(adapter.times) == 5
+    # a short retry_after gets the transient budget (about a minute), each wait at least its value
+    # and at least the backoff step (s21: five answers of Retry-After lost a reply within seconds)
+    assert len(adapter.times) == TRANSIENT_ATTEMPTS
     gaps = [b - a for a, b in zip(adapter.times, adapter.times[1:], strict=False)]
     assert all(g >= 2.0 for g in gaps)
+    assert adapter.times[-1] - adapter.times[0] >= sum(BACKOFF_S[: TRANSIENT_ATTEMPTS - 1])
+
+
+async def test_a_long_retry_after_is_waited_out_five_times() -> None:
+    adapter = MemoryAdapter()
+    outbox, _ = outbox_for(adapter)
+    adapter.errors.extend(DeliveryError("429", retry_after=40.0) for _ in range(20))
+    with pytest.raises(DeliveryFailed, match="rate limited"):
+        await outbox.send(HERE, "hi")
+    assert len(adapter.times) == 5
+    gaps = [b - a for a, b in zip(adapter.times, adapter.times[1:], strict=False)]
+    assert all(g >= 40.0 for g in gaps)
 
 
 async def test_permanent_error_fails_at_once() -> None:

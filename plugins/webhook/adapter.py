@@ -14,6 +14,7 @@ import contextlib
 import email.utils
 import json
 import math
+import os
 import re
 import socket
 import time
@@ -52,6 +53,14 @@ from plugins.webhook.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, ve
 MAX_LENGTH = 100_000
 STOP_TIMEOUT_S = 5.0
 SEND_TIMEOUT = httpx.Timeout(15.0, connect=5.0)
+# One send, from connecting to the receiver's status line, is given this long in all (httpx's
+# timeouts bound each read, so a head trickled a byte at a time never timed out); its body is not
+# waited for on a 2xx, and on an error answer only its first ERROR_EXCERPT_BYTES, for the reason.
+# APPSERVER_WEBHOOK_SEND_DEADLINE_S (a positive number of seconds) overrides it, for tests.
+SEND_DEADLINE_S = 15.0
+SEND_DEADLINE_ENV = "APPSERVER_WEBHOOK_SEND_DEADLINE_S"
+ERROR_EXCERPT_BYTES = 1024
+ERROR_EXCERPT_WAIT_S = 2.0
 MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_name
 BODY_TIMEOUT_S = 10.0  # a body must arrive within this (a slow sender holds a buffer and a slot)
 MAX_RETRY_AFTER_S = 300.0  # a receiver's Retry-After beyond this (or "inf") is read as this
@@ -365,16 +374,26 @@ class WebhookAdapter:
         }
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=SEND_TIMEOUT, follow_redirects=False)
+        deadline = _env_seconds(SEND_DEADLINE_ENV, SEND_DEADLINE_S)
+        request = self._client.build_request("POST", url, content=body, headers=headers)
         try:
-            response = await self._client.post(url, content=body, headers=headers)
+            async with asyncio.timeout(deadline):
+                response = await self._client.send(request, stream=True)
+        except TimeoutError as exc:  # the request may have been received: sent again with the same id
+            raise DeliveryError(f"reply_url did not answer within {deadline:g} s", uncertain=True) from exc
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:  # not sent
             raise DeliveryError(f"reply_url unreachable: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:  # a timeout, a dropped connection: it may have been received
             raise DeliveryError(f"reply_url unreachable: {type(exc).__name__}: {exc}", uncertain=True) from exc
-        status = response.status_code
-        if 200 <= status < 300:
-            return [message_id]
-        excerpt = response.text[:200].strip()
+        try:
+            status = response.status_code
+            if 200 <= status < 300:
+                # Delivered: the receiver accepted it (its body is not ours to wait for; a body that
+                # never ends must not hold the chat's replies, and a resend would only repeat it).
+                return [message_id]
+            excerpt = (await _excerpt(response)).strip()
+        finally:
+            await _close(response)
         reason = f"reply_url answered {status}" + (f": {excerpt}" if excerpt else "")
         if status in (429, 503):
             raise DeliveryError(reason, retry_after=_retry_after(response.headers))
@@ -417,6 +436,35 @@ def _has_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment; the default when unset or not one."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if 0 < value < math.inf else default
+
+
+async def _excerpt(response: httpx.Response) -> str:
+    """The start of an error answer's body, for the reason: at most ERROR_EXCERPT_BYTES, read for at
+    most ERROR_EXCERPT_WAIT_S (a body that trickles or never ends gives what came by then)."""
+    got = bytearray()
+    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(ERROR_EXCERPT_WAIT_S):
+            async for chunk in response.aiter_bytes():
+                got.extend(chunk)
+                if len(got) >= ERROR_EXCERPT_BYTES:
+                    break
+    return bytes(got[:ERROR_EXCERPT_BYTES]).decode("utf-8", "replace")[:200]
+
+
+async def _close(response: httpx.Response) -> None:
+    """Close a response whose body may be unread (the connection is dropped, not reused)."""
+    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(ERROR_EXCERPT_WAIT_S):
+            await response.aclose()
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:

@@ -8,15 +8,19 @@ signed sender out for as long as they stayed open. This protocol adds, per liste
 * a head deadline: a connection waiting for a request (a new one, or a kept-alive one after its
   reply) must deliver a complete request head within `HEAD_TIMEOUT_S`, else it is closed (silently
   when it sent nothing, with a 408 when it sent part of a head);
-* a cap on the head's size (`HEAD_MAX_BYTES`, 431 beyond);
+* a cap on the head's size (`HEAD_MAX_BYTES`, 431 beyond), counted as it is parsed too: a whole
+  head in one read was never counted (the raw count only runs while a read ends inside a head);
 * connection caps counted at accept: in all (`max_connections`) and per client address
   (`connections_per_client`; an IPv6 client counts by its /64), so one address cannot take every
   slot. A connection over a cap gets a 503 at once, in the channel's JSON error shape with
   `Retry-After`, and is closed; but at the total cap a newcomer may take the slot of the oldest
   connection that has not sent a validly signed request yet, of the address holding the most of
   them (`Gate`), so a local user filling every slot from several loopback addresses does not lock
-  signed senders out. The adapter marks a verified request through the ASGI scope extension
-  `AUTHENTICATED_EXTENSION`; such a connection is never evicted.
+  signed senders out; and at either cap, failing that, the oldest such connection of the
+  newcomer's own address once it has waited EVICTION_GRACE_S, so a local user filling 127.0.0.1's
+  share with idle connections does not lock out a signed sender from 127.0.0.1. The adapter marks
+  a verified request through the ASGI scope extension `AUTHENTICATED_EXTENSION`; such a connection
+  is never evicted.
 * quiet closes: a refused client that is gone already is closed without a traceback, and refusals
   are logged once per REFUSAL_LOG_EVERY_S, never per connection.
 
@@ -36,12 +40,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 HEAD_TIMEOUT_S = 5.0  # from the moment a connection waits for a request to its complete head
 HEAD_MAX_BYTES = 64 * 1024  # the request line and headers
 LINGER_S = 1.0  # after a refusal: what the client still sends is read and dropped this long, then closed
 REFUSAL_LOG_EVERY_S = 10.0
+# A connection of the newcomer's own address that has not sent a signed request is evicted for it
+# (at its address's cap, or at the total cap when no other address holds more) only once it has
+# waited this long: a sender's signed request follows its connect within a round trip or two, so only
+# a connection held idle or trickling is that old, and a burst of connects does not evict its own
+# fresh ones. (Same as the server's edge, appserver/security/fair_slots.py.)
+EVICTION_GRACE_S = 1.0
 # The ASGI scope extension through which the adapter marks a request whose signature it verified:
 # `scope["extensions"][AUTHENTICATED_EXTENSION]["mark"]()`. Such a connection is never evicted.
 AUTHENTICATED_EXTENSION = "webhook.authenticated"
@@ -75,15 +86,23 @@ class Gate:
     holding the most of them. So a newcomer is never evicted while any group holds more
     unauthenticated connections than its own, and otherwise only after every connection older than
     it; a connection that showed a valid signature (`authenticated`) is never evicted.
+
+    When that would not make the slots fairer, and likewise at the per-client cap, the victim is the
+    oldest unauthenticated connection of the newcomer's own group, once it has waited `grace_s`
+    (else the newcomer is refused): one address (every local client is 127.0.0.1) holding its share
+    with idle or trickling connections then only churns its own unproven connections, and a signed
+    sender from that address is served. No group's share changes by it.
     """
 
     max_connections: int
     per_client: int
     log: logging.Logger
+    grace_s: float = EVICTION_GRACE_S
     total: int = 0
     by_client: dict[str, int] = field(default_factory=dict)
-    # unauthenticated connections per group, oldest first (dicts keep insertion order)
-    _pending: dict[str, dict[WebhookHttpProtocol, int]] = field(default_factory=dict)
+    # unauthenticated connections per group, oldest first (dicts keep insertion order): their
+    # admission's sequence number and time
+    _pending: dict[str, dict[WebhookHttpProtocol, tuple[int, float]]] = field(default_factory=dict)
     _seq: int = 0
     _last_notice: float = -float("inf")
     _held_back: int = 0
@@ -91,11 +110,17 @@ class Gate:
     def admit(self, group: str, conn: WebhookHttpProtocol | None = None) -> str | None:
         """Count a new connection from `group`; or why it is refused (nothing counted). At the total
         cap an unauthenticated connection may be evicted to make room (above)."""
-        if self.by_client.get(group, 0) >= self.per_client:
+        now = time.monotonic()
+        if self.by_client.get(group, 0) >= self.per_client and not self._evict_own(
+            group,
+            now,
+            f"evicted to make room: this client has {self.per_client} connections open, its limit "
+            "(connections_per_client), and this one had not sent a signed request; retry shortly",
+        ):
             return self._refused(
                 f"this client has {self.per_client} connections open, its limit (connections_per_client); retry shortly"
             )
-        if self.total >= self.max_connections and not self._make_room(group):
+        if self.total >= self.max_connections and not self._make_room(group, now):
             return self._refused(
                 f"the listener has {self.max_connections} connections open, its limit (max_connections); retry shortly"
             )
@@ -103,7 +128,7 @@ class Gate:
         self.by_client[group] = self.by_client.get(group, 0) + 1
         if conn is not None:
             self._seq += 1
-            self._pending.setdefault(group, {})[conn] = self._seq
+            self._pending.setdefault(group, {})[conn] = (self._seq, now)
         return None
 
     def authenticated(self, group: str, conn: WebhookHttpProtocol) -> None:
@@ -122,20 +147,33 @@ class Gate:
         else:
             self.by_client.pop(group, None)
 
-    def _make_room(self, group: str) -> bool:
+    def _make_room(self, group: str, now: float) -> bool:
         if not self._pending:
             return False
+        reason = (
+            f"evicted to make room: the listener has {self.max_connections} connections open, its limit "
+            "(max_connections), and this one had not sent a signed request; retry shortly"
+        )
         most = max(len(conns) for conns in self._pending.values())
         mine = len(self._pending.get(group, ()))
         if mine and mine + 1 >= most:
-            return False  # evicting would not make the slots fairer: refuse the newcomer instead
+            # evicting elsewhere would not make the slots fairer: the newcomer's own group gives one
+            return self._evict_own(group, now, reason) and self.total < self.max_connections
         candidates = (next(iter(conns.items())) for conns in self._pending.values() if len(conns) == most)
-        victim, _ = min(candidates, key=lambda item: item[1])
-        victim.evict(
-            f"evicted to make room: the listener has {self.max_connections} connections open, its limit "
-            "(max_connections), and this one had not sent a signed request; retry shortly"
-        )  # releases its slot at once, through `release`
+        victim, _ = min(candidates, key=lambda item: item[1][0])
+        victim.evict(reason)  # releases its slot at once, through `release`
         return self.total < self.max_connections
+
+    def _evict_own(self, group: str, now: float, reason: str) -> bool:
+        """Evict the oldest unauthenticated connection of `group` if it has waited `grace_s`."""
+        waiting = self._pending.get(group)
+        if not waiting:
+            return False
+        victim, (_, since) = next(iter(waiting.items()))
+        if now - since < self.grace_s:
+            return False
+        victim.evict(reason)  # releases its slot at once, through `release`
+        return True
 
     def _refused(self, reason: str) -> str:
         now = time.monotonic()
@@ -146,6 +184,10 @@ class Gate:
         else:
             self._held_back += 1
         return reason
+
+
+class _HeadTooLarge(Exception):
+    """Raised in a parser callback: the request head passed HEAD_MAX_BYTES."""
 
 
 def json_error(status: int, message: str, extra: tuple[tuple[bytes, bytes], ...] = ()) -> bytes:
@@ -174,7 +216,9 @@ class WebhookHttpProtocol(HttpToolsProtocol):
         self._admitted = False  # uvicorn knows of this connection (it was not refused at accept)
         self._closing = False  # answered by the edge: what still arrives is dropped
         self._waiting_head = False  # between requests: the head deadline runs
-        self._head_bytes = 0
+        self._head_bytes = 0  # raw bytes of reads that ended inside the head (a header line in pieces)
+        self._head_parsed = 0  # bytes of the head parsed so far (its request line and header lines)
+        self._head_over = False  # the head being parsed passed HEAD_MAX_BYTES
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
 
@@ -221,13 +265,48 @@ class WebhookHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        """uvicorn's, but a head over HEAD_MAX_BYTES is a 431 however it arrives: counted as parsed
+        (`_count_head`, which stops the parser mid-read: a whole head in one read never reached the
+        raw count below, which ended with the head) and in raw bytes while a read ends inside it
+        (httptools buffers a header line in pieces without calling back)."""
         if self._closing:
             return
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._unsupported_upgrade_warning()  # never upgraded here (`_should_upgrade`)
+        except httptools.HttpParserError:
+            if self._head_over:
+                self._refuse_head()
+                return
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+            return
         if self._waiting_head and not self._closing:
             self._head_bytes += len(data)
             if self._head_bytes > HEAD_MAX_BYTES:
-                self._answer(431, f"the request line and headers exceed {HEAD_MAX_BYTES} bytes")
+                self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        self._answer(431, f"the request line and headers exceed {HEAD_MAX_BYTES} bytes")
+
+    def on_url(self, url: bytes) -> None:
+        # the request line: METHOD SP url SP HTTP/1.1 CRLF (a URL in pieces calls this per piece)
+        line = 0 if self._head_parsed else len(self.parser.get_method()) + len(b"  HTTP/1.1\r\n")
+        self._count_head(line + len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def _count_head(self, n: int) -> None:
+        self._head_parsed += n
+        if self._head_parsed > HEAD_MAX_BYTES:
+            self._head_over = True
+            raise _HeadTooLarge()  # httptools stops and raises HttpParserError (`data_received`)
 
     # the head deadline
 
@@ -239,11 +318,14 @@ class WebhookHttpProtocol(HttpToolsProtocol):
         self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._on_head_timeout)
 
     def on_message_begin(self) -> None:
+        self._head_parsed = 0
+        self._head_over = False
         super().on_message_begin()
         # how the adapter tells the edge a request's signature was valid (`authenticated`)
         self.scope.setdefault("extensions", {})[AUTHENTICATED_EXTENSION] = {"mark": self.authenticated}
 
     def on_headers_complete(self) -> None:
+        self._count_head(2)  # the empty line that ends the head
         self._waiting_head = False
         if self._head_timer is not None:
             self._head_timer.cancel()

@@ -1,6 +1,11 @@
 """Versioned PostgreSQL schema migrations (the SQLite ones are in migrations.py). Append a new
 entry; never edit a released one.
 
+The migrations due run in ONE transaction (`postgres.migrate`): a failure leaves the database as
+it was. So a migration must be transactional DDL: no `CREATE INDEX CONCURRENTLY`, `VACUUM`,
+`ALTER SYSTEM`, `CREATE DATABASE` or `ALTER TYPE … ADD VALUE` used in the same script (a test
+refuses the first four).
+
 The tables mirror the SQLite schema at its newest version, column for column, so that `store copy`
 moves rows across unchanged and both stores hand out the same records. Differences, each for the
 same observable behaviour:
@@ -284,14 +289,18 @@ MIGRATION_LOCK = 0x61707073_72767363
 _CONSTRAINTS = frozenset({"PRIMARY", "UNIQUE", "FOREIGN", "CHECK", "CONSTRAINT", "EXCLUDE"})
 
 
-def expected_columns() -> dict[str, tuple[str, ...]]:
-    """The tables and columns the migrations create, read from their `CREATE TABLE` and `ALTER
-    TABLE … ADD COLUMN` statements (checked at start, `postgres.check_schema`; a test compares it
-    with a migrated database, so it cannot drift from them)."""
+def expected_columns(upto: int | None = None) -> dict[str, tuple[str, ...]]:
+    """The tables and columns the migrations create (those up to version `upto`, all by default),
+    read from their `CREATE TABLE` and `ALTER TABLE … ADD COLUMN` statements (checked at start:
+    before migrating, that the recorded version's are there, `postgres.migrate`; after it, all of
+    them, `postgres.check_schema`; a test compares it with a migrated database, so it cannot drift
+    from them)."""
     import re
 
     tables: dict[str, list[str]] = {}
-    for _, text in MIGRATIONS:
+    for version, text in MIGRATIONS:
+        if upto is not None and version > upto:
+            break
         script = re.sub(r"--[^\n]*", "", text)
         for name, body in re.findall(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+)\s*\((.*?)\n\s*\);", script, re.S):
             columns = tables.setdefault(name, [])

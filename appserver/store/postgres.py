@@ -1689,36 +1689,39 @@ async def _insert_agent(conn: Conn, agent: AgentRecord) -> None:
 
 
 async def migrate(conn: Conn) -> int:
-    """Bring the database to the newest schema, one transaction per migration, serialised across
-    processes by an advisory lock; returns the version it had (0: none). A schema newer than this
-    code raises SchemaTooNew.
+    """Bring the database to the newest schema; returns the version it had (0: none). A schema
+    newer than this code raises SchemaTooNew; one that is not appserver's (another application's
+    `schema_version`, or a recorded version whose tables are not there) raises SchemaDamaged,
+    before anything is written.
+
+    One transaction, under an advisory lock (so processes starting together migrate once, and
+    only the one that created the schema finds the database new): the database is recognised, then
+    every migration due is applied, and all of it commits or none does (PostgreSQL's DDL is
+    transactional), so a refused start (e.g. a foreign database with its own `agents`, or a
+    migration that fails half way) leaves the database as it was.
 
     DDL only when a migration is due: on a current schema a role with only data permissions
-    (no CREATE on the schema) starts. `schema_version` is created in the same transaction as the
-    first migration, so a refused one (e.g. a foreign database with its own `agents`) leaves the
-    database as it was."""
+    (no CREATE on the schema) starts."""
     known = max(v for v, _ in MIGRATIONS)
-    first: int | None = None
-    applied = False
-    for version, script in [(0, ""), *MIGRATIONS]:
-        async with conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
-            current = await _schema_version(conn)  # after the lock: what a concurrent start committed
-            if first is None or (first == 0 and not applied):
-                # (a concurrent start that created the schema between two of these transactions
-                # made it not this one's: only the start that creates it finds the database new)
-                first = current
-            if current > known:
-                raise SchemaTooNew(
-                    f"database schema version {current} is newer than this appserver ({known}); upgrade appserver"
-                )
-            if version == 0 or version <= current:
-                continue
-            await conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    async with conn.transaction():
+        # Each statement's snapshot taken after the lock, whatever the database's default
+        # isolation: what a concurrent start committed while this one waited is seen.
+        await conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
+        current = await _schema_version(conn)
+        if current > known:
+            raise SchemaTooNew(
+                f"database schema version {current} is newer than this appserver ({known}); upgrade appserver"
+            )
+        if current:
+            await _recognise(conn, current)
+        due = [(version, script) for version, script in MIGRATIONS if version > current]
+        if due and not current:
+            await conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        for version, script in due:
             await conn.execute(script)  # several statements: no parameters, so the simple query protocol
             await conn.execute("INSERT INTO schema_version(version) VALUES (%s)", (version,))
-            applied = True
-    return first or 0
+    return current
 
 
 async def _turn_exists(conn: Conn, turn_id: str) -> bool:
@@ -1726,29 +1729,111 @@ async def _turn_exists(conn: Conn, turn_id: str) -> bool:
     return await cur.fetchone() is not None
 
 
+# The one shape of appserver's `schema_version` (pg_class.relkind, then each column's name, type
+# and NOT NULL): a table of that name in any other shape is another application's.
+_OUR_SCHEMA_VERSION = ("r", (("version", "integer", True),))
+
+_NOT_OURS_HINT = (
+    "give appserver a database of its own (createdb appserver), or a schema of its own "
+    "(?options=-csearch_path%3Dappserver in the URL); if it is appserver's, restore it from a backup"
+)
+
+
+async def _where(conn: Conn) -> str:
+    cur = await conn.execute("SELECT current_database() AS db, current_schema() AS schema")
+    row = await cur.fetchone()
+    return f"database {row['db']!s} (schema {row['schema']!s})" if row else "the database"
+
+
 async def _schema_version(conn: Conn) -> int:
     """The newest applied migration, 0 when `schema_version` does not exist; reads, creates nothing.
+    A `schema_version` that is not appserver's (another shape, empty, no version number) raises
+    SchemaDamaged naming what it is.
 
-    Asked of pg_class under this statement's snapshot (taken after the migration lock), not with
-    to_regclass: that looks the name up without a lock, in a catalog cache that may not yet know of
-    the table a concurrent start just committed."""
+    Asked of the catalog under this statement's snapshot (taken after the migration lock), not
+    with to_regclass: that looks the name up without a lock, in a catalog cache that may not yet
+    know of the table a concurrent start just committed."""
     cur = await conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE c.relname = 'schema_version' AND n.nspname = current_schema()) AS present"
+        "SELECT c.relkind::text AS kind, a.attname::text AS name, format_type(a.atttypid, a.atttypmod) AS type, "
+        "a.attnotnull AS not_null "
+        "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "LEFT JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+        "WHERE c.relname = 'schema_version' AND n.nspname = current_schema() ORDER BY a.attnum"
     )
-    row = await cur.fetchone()
-    if not row or not row["present"]:
+    rows = await cur.fetchall()
+    if not rows:
         return 0
-    cur = await conn.execute("SELECT MAX(version) AS v FROM schema_version")
+    kind = str(rows[0]["kind"])
+    columns = tuple((str(r["name"]), str(r["type"]), bool(r["not_null"])) for r in rows if r["name"] is not None)
+    if (kind, columns) != _OUR_SCHEMA_VERSION:
+        holding = await _holding(conn) if any(name == "version" for name, _, _ in columns) else ""
+        shown = ", ".join(f"{n} {t}{' not null' if nn else ''}" for n, t, nn in columns[:4]) or "no column"
+        if len(columns) > 4:
+            shown += f" and {len(columns) - 4} more columns"
+        what = {"r": "", "p": "partitioned ", "v": "view ", "m": "materialized view "}.get(kind, f"relation ({kind}) ")
+        raise SchemaDamaged(
+            f"{await _where(conn)} holds a schema_version {what or 'table '}that is not appserver's "
+            f"({shown}{holding}; appserver's has one column, version integer not null): "
+            f"another application's, or changed by hand; nothing was changed; {_NOT_OURS_HINT}"
+        )
+    cur = await conn.execute("SELECT MAX(version) AS v, COUNT(*) AS n FROM schema_version")
     row = await cur.fetchone()
     value = row["v"] if row else None
-    try:
-        return int(value or 0)
-    except (TypeError, ValueError):
+    if value is None or int(value) < 1:
         raise SchemaDamaged(
-            f"its schema_version table holds {str(value)[:40]!r}, not a schema version: the table was changed "
-            "by hand or by another program; restore the database from a backup"
-        ) from None
+            f"{await _where(conn)} holds a schema_version table that is not appserver's "
+            f"({'empty' if value is None else f'holding {value}'}; appserver's records each schema version it "
+            f"applied, from 1): another application's, or changed by hand; nothing was changed; {_NOT_OURS_HINT}"
+        )
+    return int(value)
+
+
+async def _holding(conn: Conn) -> str:
+    """'; holding X': the newest value of a foreign schema_version's `version` column, shown with
+    its refusal ('' when it cannot be read: a savepoint keeps the transaction usable)."""
+    try:
+        async with conn.transaction():
+            cur = await conn.execute("SELECT MAX(version)::text AS v FROM schema_version")
+            row = await cur.fetchone()
+    except psycopg.Error:
+        return ""
+    value = row["v"] if row else None
+    return "; empty" if value is None else f"; holding {str(value)[:40]!r}"
+
+
+async def _recognise(conn: Conn, version: int) -> None:
+    """The tables and columns the migrations up to `version` create are all there (one catalog
+    read): a `schema_version` of appserver's shape that says `version` over a schema that is not
+    (another application's, or one changed by hand) is refused before any later migration runs."""
+    cur = await conn.execute(
+        "SELECT c.relname::text AS t, a.attname::text AS c "
+        "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped "
+        "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p')"
+    )
+    present = {(str(r["t"]), str(r["c"])) for r in await cur.fetchall()}
+    missing = _missing(expected_columns(version), present)
+    if missing:
+        raise SchemaDamaged(
+            f"{await _where(conn)} holds a schema_version table that says appserver schema version {version}, "
+            f"but not that schema: it lacks {_shown(missing)}; another application's schema_version, or a "
+            f"database changed by hand; nothing was changed; {_NOT_OURS_HINT}"
+        )
+
+
+def _missing(expected: Mapping[str, Iterable[str]], present: Collection[tuple[str, str]]) -> list[str]:
+    tables = {t for t, _ in present}
+    missing: list[str] = []
+    for table, columns in expected.items():
+        if table not in tables:
+            missing.append(f"table {table}")
+            continue
+        missing.extend(f"{table}.{c}" for c in columns if (table, c) not in present)
+    return missing
+
+
+def _shown(missing: list[str]) -> str:
+    return ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
 
 
 class SchemaDamaged(Exception):
@@ -1764,16 +1849,9 @@ async def check_schema(conn: Conn) -> None:
         "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = current_schema()"
     )
     present = {(str(r["table_name"]), str(r["column_name"])) for r in await cur.fetchall()}
-    tables = {t for t, _ in present}
-    missing: list[str] = []
-    for table, columns in expected_columns().items():
-        if table not in tables:
-            missing.append(f"table {table}")
-            continue
-        missing.extend(f"{table}.{c}" for c in columns if (table, c) not in present)
+    missing = _missing(expected_columns(), present)
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise SchemaDamaged(
-            f"its schema (version {max(v for v, _ in MIGRATIONS)}) lacks {shown}: the database was changed by hand "
-            "or by another program; restore it from a backup, or copy what it holds into a new database"
+            f"its schema (version {max(v for v, _ in MIGRATIONS)}) lacks {_shown(missing)}: the database was changed "
+            "by hand or by another program; restore it from a backup, or copy what it holds into a new database"
         )

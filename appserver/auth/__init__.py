@@ -5,7 +5,7 @@ One public face: front ends and the CLI import from `appserver.auth`, never from
 """
 
 from appserver.auth.authenticator import HELLO_TIMEOUT_S, REVOCATION_POLL_S, Authenticator
-from appserver.auth.errors import AuthError
+from appserver.auth.errors import AuthError, TokensStale
 from appserver.auth.jwt import JwtVerifier
 from appserver.auth.namespaces import (
     conversation_namespace,
@@ -43,6 +43,7 @@ __all__ = [
     "ReservedNameTaken",
     "TokenRecord",
     "TokenStore",
+    "TokensStale",
     "check_token_name",
     "conversation_namespace",
     "fingerprint",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 
-from appserver.auth.errors import AuthError, unauthorized
+from appserver.auth.errors import AuthError, TokensStale, unauthorized
 from appserver.auth.jwt import JwtVerifier
 from appserver.auth.principal import Principal
 from appserver.auth.stores import token_store_for
@@ -75,8 +75,11 @@ class Authenticator:
             return False
         return not self.tokens.live(principal.token_id, max_age_s=max_age_s)
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        """From an `Authorization` header value (None if absent) → Principal, or AuthError."""
+    def authenticate(self, authorization: str | None, *, since: float | None = None) -> Principal:
+        """From an `Authorization` header value (None if absent) → Principal, or AuthError.
+
+        With capability tokens in a database (auth/pgtokens.py) it may raise `TokensStale`
+        instead: await its `wait()` and call again with `since=stale.asked_at`."""
         if self.mode == "none":
             return Principal.local()
         if authorization is None or not authorization.strip():
@@ -84,25 +87,39 @@ class Authenticator:
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() != "bearer":
             raise unauthorized("invalid_api_key", "unsupported authorization scheme; use Bearer")
-        return self.verify_token(token.strip())
+        return self.verify_token(token.strip(), since=since)
 
-    def authenticate_hello(self, token: str | None) -> Principal:
-        """For the WebSocket `hello {token}` frame: the same check as a Bearer header."""
+    def authenticate_hello(self, token: str | None, *, since: float | None = None) -> Principal:
+        """For the WebSocket `hello {token}` frame: the same check as a Bearer header (and the
+        same `TokensStale`)."""
         if self.mode == "none":
             return Principal.local()
         if not isinstance(token, str) or not token.strip():
             raise unauthorized("missing_api_key", "authentication required: send a token in hello")
-        tok = token.strip()
-        if tok[:7].lower() == "bearer ":
-            tok = tok[7:].strip()
-        return self.verify_token(tok)
+        return self.verify_token(_hello_token(token), since=since)
 
-    def verify_token(self, token: str) -> Principal:
+    async def settle_hello(self, token: object) -> float | None:
+        """Before `authenticate_hello(token, since=…)` on the event loop: when the token store
+        must read its database to answer for this token, wait for that read (off the loop; AuthError
+        503 when the database does not answer in time) and return the `since` to pass; else None."""
+        if self.mode != "token" or self.tokens is None or not isinstance(token, str):
+            return None
+        tok = _hello_token(token)
+        if not tok or len(tok) > 8192 or not _TOKEN68.match(tok):
+            return None
+        try:
+            self.tokens.verify(tok)
+        except TokensStale as stale:
+            await stale.wait()
+            return stale.asked_at
+        return None
+
+    def verify_token(self, token: str, *, since: float | None = None) -> Principal:
         if not token or len(token) > 8192 or not _TOKEN68.match(token):
             raise unauthorized("invalid_api_key", "malformed bearer token")
         if self.mode == "token":
             assert self.tokens is not None
-            p = self.tokens.verify(token)
+            p = self.tokens.verify(token) if since is None else self.tokens.verify(token, since=since)
             if p is None:
                 log.info("rejected capability token %s", fingerprint(token))
                 raise unauthorized("invalid_api_key", "invalid, expired or revoked token")
@@ -118,3 +135,10 @@ class Authenticator:
                 log.exception("JWT %s could not be verified", fingerprint(token))
                 raise unauthorized("invalid_token", "the JWT could not be verified") from None
         return Principal.local()
+
+
+def _hello_token(token: str) -> str:
+    tok = token.strip()
+    if tok[:7].lower() == "bearer ":
+        tok = tok[7:].strip()
+    return tok

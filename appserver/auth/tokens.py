@@ -91,6 +91,18 @@ def _token_hash(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
+def match_token(records: Iterable[TokenRecord], token: str) -> TokenRecord | None:
+    """The record whose hash is the presented token's, or None. Compares with every stored hash
+    via hmac.compare_digest and never stops early, so timing says nothing about which (or
+    whether a) record matched."""
+    presented = _token_hash(token)
+    found: TokenRecord | None = None
+    for rec in records:
+        if hmac.compare_digest(rec.hash, presented):
+            found = rec
+    return found
+
+
 # ── durations ──────────────────────────────────────────────────────────────────────────────────
 
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$", re.IGNORECASE | re.ASCII)
@@ -527,11 +539,11 @@ class TokenStore:
             records = self._cache
         return any(r.id == token_id for r in records)
 
-    def verify(self, token: str) -> Principal | None:
-        """The principal for a valid, unexpired token, else None.
+    def verify(self, token: str, *, since: float | None = None) -> Principal | None:
+        """The principal for a valid, unexpired token, else None (`match_token`: in constant time).
 
-        Compares the presented token's hash with every stored hash via hmac.compare_digest and
-        never stops early, so timing says nothing about which (or whether a) record matched.
+        `since`: for a store that holds its records in memory (auth/pgtokens.py), which may raise
+        `TokensStale` instead of answering; this file is read whenever it changed, never stale.
         """
         try:
             records = self._records()
@@ -541,11 +553,7 @@ class TokenStore:
             self._note_refused(exc)
             return None  # left in place (a FIFO, a link to an unmounted disk, a newer format): deny
         self._refused = None
-        presented = _token_hash(token)
-        found: TokenRecord | None = None
-        for rec in records:
-            if hmac.compare_digest(rec.hash, presented):
-                found = rec
+        found = match_token(records, token)
         if found is None:
             return None
         if found.is_expired(time.time()):

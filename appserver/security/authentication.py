@@ -3,6 +3,12 @@ a loopback client in auth mode `none`), and the coarse scope its path prefix nee
 
 A WebSocket upgraded without credentials is let through as *pending*: it must authenticate its
 `hello` frame (ws_session.py).
+
+The check is synchronous and reads no database: capability tokens in a PostgreSQL store are
+checked against the records the server holds in memory; when those cannot answer (a token the
+server does not know, records too old to trust) `authenticate` raises `TokensStale`, and the
+guard awaits `authenticate_fresh`, which waits for a read of the database off the event loop
+(bounded: 503 `store_unavailable` with Retry-After when the database does not answer).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from urllib.parse import parse_qsl
 
-from appserver.auth import Authenticator, AuthError, Principal
+from appserver.auth import Authenticator, AuthError, Principal, TokensStale
 from appserver.netaddr import is_loopback
 from appserver.security.asgi import BEARER_CHALLENGE, Refusal, Scope
 from appserver.security.headers import Headers, single
@@ -19,6 +25,7 @@ from appserver.security.memo import Memo
 PUBLIC_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz"})
 DEFAULT_PATH_SCOPES: Mapping[str, str] = {"/v1": "openai", "/admin": "admin", "/metrics": "admin"}
 WS_SCOPE = "ws"
+RETRY_AFTER = (b"retry-after", b"1")
 URL_CREDENTIAL_PARAMS = frozenset({"token", "access_token", "api_key", "apikey", "api-key", "key", "jwt"})
 
 
@@ -64,8 +71,9 @@ class Authentication:
                 return needed
         return None
 
-    def authenticate(self, scope: Scope, hdrs: Headers) -> tuple[Principal | None, bool]:
-        """→ (principal, auth_pending), or a Refusal (401/403)."""
+    def authenticate(self, scope: Scope, hdrs: Headers, since: float | None = None) -> tuple[Principal | None, bool]:
+        """→ (principal, auth_pending), or a Refusal (401/403/503), or `TokensStale` (then await
+        `authenticate_fresh`)."""
         if self.authenticator.mode == "none":
             client = scope.get("client")
             if (
@@ -81,11 +89,29 @@ class Authentication:
         if authorization is None and scope["type"] == "websocket":
             return None, True
         try:
-            principal = self.authenticator.authenticate(authorization)
+            principal = self.authenticator.authenticate(authorization, since=since)
         except AuthError as exc:
-            headers = [BEARER_CHALLENGE] if exc.status == 401 else []
-            raise Refusal(exc.status, exc.code, exc.message, headers) from None
+            raise _refusal(exc) from None
         needed = self.required_scope(scope)
         if needed is not None and not principal.has_scope(needed):
             raise Refusal(403, "insufficient_scope", f"this credential lacks the '{needed}' scope")
         return principal, False
+
+    async def authenticate_fresh(
+        self, scope: Scope, hdrs: Headers, stale: TokensStale
+    ) -> tuple[Principal | None, bool]:
+        """`authenticate` once the token store has read its database (off the event loop)."""
+        try:
+            await stale.wait()
+            return self.authenticate(scope, hdrs, since=stale.asked_at)
+        except AuthError as exc:
+            raise _refusal(exc) from None
+        except TokensStale:  # not after a read that succeeded; never a 500 if it ever is
+            raise Refusal(
+                503, "store_unavailable", "the capability tokens could not be read: retry", [RETRY_AFTER]
+            ) from None
+
+
+def _refusal(exc: AuthError) -> Refusal:
+    headers = [BEARER_CHALLENGE] if exc.status == 401 else [RETRY_AFTER] if exc.status == 503 else []
+    return Refusal(exc.status, exc.code, exc.message, headers)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from appserver.auth import Authenticator
+from appserver.auth import Authenticator, TokensStale
 from appserver.config import Config, ConfigError
 from appserver.http.requestid import HEADER as REQUEST_ID_HEADER
 from appserver.http.requestid import begin_request, end_request
@@ -123,7 +123,10 @@ class SecurityGuard:
                 await preflight(send, origin, hdrs)
                 return
             check_query(scope)
-            principal, pending = self.authentication.authenticate(scope, hdrs)
+            try:
+                principal, pending = self.authentication.authenticate(scope, hdrs)
+            except TokensStale as stale:  # the token store reads its database first, off the loop
+                principal, pending = await self.authentication.authenticate_fresh(scope, hdrs, stale)
             if principal is not None:
                 prove(scope)  # the connection keeps its slot at the cap (edge.py)
             if kind == "http":

@@ -1,16 +1,23 @@
 """A live WebSocket under the guard: serialised sends, the close the guard may impose (oversized
 frame, revoked or expired credential, the `hello` window running out) and the authentication of
 the `hello` frame for a socket upgraded without credentials.
+
+The protocol calls `authenticate_hello` synchronously. When the token store cannot answer for the
+hello's token from memory (auth/pgtokens.py: a token it does not know, records too old), the
+session has already waited for its read of the database when the frame arrived (`settle_hello`,
+off the event loop, bounded), so that call answers from memory: never a database read on the
+loop, never a 500 (503 `store_unavailable` when the database did not answer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
-from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principal
+from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principal, TokensStale
 from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send, prove
 from appserver.security.authentication import WS_SCOPE
 from appserver.security.limits import TOO_MANY_CONNECTIONS, SlotHold, slot_key
@@ -60,6 +67,8 @@ class WsSession:
         self.closed = False
         self.closed_by_guard: tuple[int, str] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        # the hello's token whose read `settle_hello` waited for: (token, since or its failure)
+        self._hello_ready: tuple[object, float | AuthError] | None = None
 
     def ensure_watch(self) -> None:
         """Run the deadline watcher if there is a deadline (or a revocable credential) and it is
@@ -84,7 +93,18 @@ class WsSession:
             raise AuthError(401, "connection_closed", "the connection is closed")
         if self.state.get("auth_pending") and self.hello_deadline is not None and time.time() > self.hello_deadline:
             raise AuthError(401, "auth_timeout", "authentication window elapsed")
-        principal = self.authenticator.authenticate_hello(token)
+        ready, self._hello_ready = self._hello_ready, None
+        settled = ready[1] if ready is not None and ready[0] == token else None
+        try:
+            principal = self.authenticator.authenticate_hello(
+                token, since=settled if isinstance(settled, float) else None
+            )
+        except TokensStale:
+            if isinstance(settled, AuthError):
+                raise settled from None
+            raise AuthError(
+                503, "store_unavailable", "the capability tokens could not be read from the database: retry"
+            ) from None
         if not principal.has_scope(WS_SCOPE):
             raise AuthError(403, "insufficient_scope", f"this credential lacks the '{WS_SCOPE}' scope")
         if self.hold is not None:
@@ -104,6 +124,28 @@ class WsSession:
         self.changed.set()
         self.ensure_watch()
         return principal
+
+    async def settle_hello(self, message: Message) -> None:
+        """A frame of a socket still waiting for its hello, before the app reads it: when it is the
+        hello and the token store must read its database to answer for its token, wait for that
+        read here (off the event loop, bounded), so that `authenticate_hello` answers from memory."""
+        text = message.get("text")
+        if self.authenticator.tokens is None or not isinstance(text, str) or '"hello"' not in text:
+            return
+        try:
+            frame = json.loads(text)
+        except (ValueError, RecursionError):
+            return  # the protocol answers it
+        if not isinstance(frame, dict) or frame.get("type") != "hello":
+            return
+        token = frame.get("token")
+        try:
+            since = await self.authenticator.settle_hello(token)
+        except AuthError as exc:
+            self._hello_ready = (token, exc)
+            return
+        if since is not None:
+            self._hello_ready = (token, since)
 
     async def send(self, message: Message) -> None:
         async with self.lock:
@@ -245,6 +287,8 @@ async def run_ws(
         elif t == "websocket.disconnect":
             session.closed = True
             session.changed.set()
+        if t == "websocket.receive" and state.get("auth_pending"):
+            await session.settle_hello(message)
         return message
 
     extensions = scope.get("extensions") or {}

@@ -113,7 +113,7 @@ def test_agent_params_reach_the_provider_and_requests_override_only_when_allowed
             openai_error("This model's maximum context length is 10 tokens", code="context_length_exceeded"),
             400,
             "context_length_exceeded",
-            2,
+            1,  # a retry with a smaller budget would send the same single message: not sent (s21)
         ),
         (503, openai_error("overloaded", type="server_error"), 502, "upstream_server_error", 2),
     ],

@@ -261,7 +261,7 @@ def estimate_request(
 
 def to_chat_message(m: MessageRecord) -> ChatMessage:
     if m.role == "compaction":
-        return ChatMessage("user", f"[Summary of the earlier conversation]\n{m.text()}")
+        return ChatMessage("user", f"{SUMMARY_PREFIX}{m.text()}")
     if m.role == "tool":
         return ChatMessage("tool", m.text(), tool_call_id=m.tool_call_id, name=m.name)
     if m.role == "assistant":
@@ -415,9 +415,22 @@ def split_for_summary(messages: Sequence[MessageRecord], chunk_tokens: int) -> l
     return chunks
 
 
+def summary_tokens_for(budget: Budget) -> int:
+    """The most a summary may be (its request's max_tokens)."""
+    return max(64, min(SUMMARY_MAX_TOKENS, budget.limit // 5))
+
+
+SUMMARY_PREFIX = "[Summary of the earlier conversation]\n"
+
+
+def summary_room(budget: Budget) -> int:
+    """What a summary can take of a request (at most its max_tokens, its heading and separators)."""
+    return summary_tokens_for(budget) + estimate_text(SUMMARY_PREFIX) + MESSAGE_OVERHEAD_TOKENS
+
+
 async def summarize(provider: Provider, model: str, folded: Sequence[MessageRecord], budget: Budget) -> str:
     """Summarise `folded` with the conversation's own provider, in pieces when it is large."""
-    summary_tokens = max(64, min(SUMMARY_MAX_TOKENS, budget.limit // 5))
+    summary_tokens = summary_tokens_for(budget)
     overhead = estimate_text(SUMMARY_INSTRUCTIONS) + 3 * MESSAGE_OVERHEAD_TOKENS
     chunk_tokens = max(64, budget.limit - summary_tokens - overhead - 32)
     chunk_chars = int(chunk_tokens * CHARS_PER_TOKEN)
@@ -462,10 +475,20 @@ async def compact(
     turn_id: str,
     iteration: int,
     emit: Callable[[TurnEvent], None],
+    lead_tokens: int = 0,
+    scale: float = 1.0,
 ) -> Compaction | None:
-    """Fold the oldest part of `view` into a summary; None when nothing can be folded."""
-    sizes = [estimate_message(to_chat_message(m)) for m in view]
-    keep_tokens = budget.limit * 2 // 5
+    """Fold the oldest part of `view` into a summary; None when nothing can be folded.
+
+    The kept part is sized from what the request has left beside its lead (`lead_tokens`: system
+    prompt, instructions, tools, response schema) and the summary: at most 40 % of the budget, and
+    when the lead leaves less, less — down to the newest message (never cut from its tool call).
+    `scale` (at least 1) is how much denser than our estimate the provider counted this request
+    (its measured count against our estimate of the same messages): sizes are scaled by it."""
+    scale = max(1.0, scale)
+    sizes = [math.ceil(estimate_message(to_chat_message(m)) * scale) for m in view]
+    room = budget.limit - math.ceil(lead_tokens * scale) - summary_room(budget)
+    keep_tokens = max(0, min(budget.limit * 2 // 5, room))
     cut = choose_cut(view, sizes, keep_tokens)
     if cut is None:
         return None
@@ -482,6 +505,47 @@ async def compact(
     )
     emit(Compacted(summary, len(folded)))
     return Compaction(message, len(folded), tokens_before)
+
+
+class ContextDoesNotFit(ProviderError):
+    """The request cannot be made to fit the model's window (its lead alone is too big, or folding
+    and clipping cannot make a refused request smaller): the turn fails at once with why, rather
+    than sending a request known to be too long (again)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__("context_overflow", message, status=status)
+
+
+def lead_too_large(budget: Budget, lead: int) -> ContextDoesNotFit:
+    return ContextDoesNotFit(
+        f"The agent's system prompt, instructions and tool definitions alone come to about {lead} tokens, "
+        f"more than the {budget.limit} tokens the model's context window of {budget.window} leaves beside "
+        f"the {budget.reserve} kept for the reply; compacting the conversation cannot make room. Shorten the "
+        "system prompt or instructions, offer fewer tools, lower max_tokens or use a model with a larger "
+        "context window."
+    )
+
+
+def cannot_shrink(budget: Budget, lead: int, rest: int, refusal: str, status: int | None) -> ContextDoesNotFit:
+    """The error of an upstream's refusal that folding and clipping cannot answer with a smaller request."""
+    if lead * 2 >= budget.limit:
+        why = (
+            f"the system prompt, instructions and tool definitions take about {lead} of the {budget.limit} "
+            f"tokens the model's context window of {budget.window} leaves beside the {budget.reserve} kept for "
+            "the reply. Shorten them, offer fewer tools, lower max_tokens or use a model with a larger "
+            "context window."
+        )
+    else:
+        why = (
+            f"beside about {lead} tokens of system prompt, instructions and tool definitions, the newest "
+            f"messages (never folded) take about {rest} of the {budget.limit} tokens the model's context "
+            f"window of {budget.window} leaves beside the {budget.reserve} kept for the reply."
+        )
+    return ContextDoesNotFit(
+        f"The model refused the request as too long ({refusal.strip()[:300]}) and compacting cannot make it "
+        f"smaller: {why}",
+        status=status,
+    )
 
 
 def overflow_budget(budget: Budget, estimate: int) -> Budget:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -17,12 +18,16 @@ from typing import Any
 
 from appserver.agent.context import (
     Budget,
+    ContextDoesNotFit,
     ToolEstimates,
     anchor_basis,
+    cannot_shrink,
     clip_oversized,
     compact,
     context_view,
+    estimate_lead,
     estimate_request,
+    lead_too_large,
     overflow_budget,
     to_chat_message,
     window_for,
@@ -299,21 +304,52 @@ class AgentLoop:
         return estimate_request(request, view, self._tool_estimates)
 
     async def _prepare(
-        self, work: TurnWork, provider: Any, model: str, emit: Emit, forced: Budget | None = None
+        self,
+        work: TurnWork,
+        provider: Any,
+        model: str,
+        emit: Emit,
+        forced: Budget | None = None,
+        refused: tuple[int, ProviderError] | None = None,
     ) -> tuple[ProviderRequest, int | None, dict[str, Any] | None]:
         """Build the next request, compacting first when it would not fit (or when `forced`).
         The estimate is None when no window applies (it is only needed against one). The basis is
         what the provider's count of this request will describe (context.anchor_basis), None when
-        the request was clipped: a later request sends those messages whole."""
+        the request was clipped: a later request sends those messages whole.
+
+        A lead (system prompt, instructions, tools, response schema) over the budget on its own
+        fails the turn at once (ContextDoesNotFit): nothing folded could make room. `refused` is the
+        size (estimate_request of the request alone) and error of a request the provider refused as
+        too long: the request built now must be smaller, or the turn fails at once with why."""
         view = context_view([*work.history, *work.new_messages])
         request = self.build_request(work, model, view)
-        budget = forced or self.budget(work, provider, model)
+        real = self.budget(work, provider, model)
+        budget = forced or real
         if budget is None:  # no window: no estimate now, and none later needs an anchor from here
             return request, None, None
+        lead = len(request.messages) - len(view)
         estimate = self.estimate(request, view)
         if estimate <= budget.limit:
+            self._check_smaller(request, lead, refused, real or budget)
             return request, estimate, self._basis(request, view)
-        done = await compact(provider, model, view, budget, estimate, work.turn_id, work.iteration, emit)
+        lead_tokens = estimate_lead(request, lead, self._tool_estimates)
+        # How much denser than our estimate the provider counts (its measured count anchors `estimate`).
+        pure = estimate_request(request, [], self._tool_estimates)
+        scale = estimate / pure if pure else 1.0
+        if real is not None and lead_tokens * min(1.0, scale) > real.limit:
+            raise lead_too_large(real, math.ceil(lead_tokens * min(1.0, scale)))
+        done = await compact(
+            provider,
+            model,
+            view,
+            budget,
+            estimate,
+            work.turn_id,
+            work.iteration,
+            emit,
+            lead_tokens=lead_tokens,
+            scale=scale,
+        )
         if done is not None:
             work.new_messages.append(done.message)
             log.info(
@@ -339,9 +375,23 @@ class AgentLoop:
                     clipped,
                     budget.window,
                 )
-                estimate = estimate_request(request, [])
+                estimate = estimate_request(request, [], self._tool_estimates)
                 basis = None  # the provider counts the clipped text, not what later requests send
+        self._check_smaller(request, lead, refused, real or budget)
         return request, estimate, basis
+
+    def _check_smaller(
+        self, request: ProviderRequest, lead: int, refused: tuple[int, ProviderError] | None, budget: Budget
+    ) -> None:
+        """After a refusal as too long, a request no smaller than the refused one is pointless."""
+        if refused is None:
+            return
+        size = estimate_request(request, [], self._tool_estimates)
+        if size < refused[0]:
+            return
+        lead_tokens = estimate_lead(request, lead, self._tool_estimates)
+        error = refused[1]
+        raise cannot_shrink(budget, lead_tokens, max(0, size - lead_tokens), error.message, error.status)
 
     def _basis(self, request: ProviderRequest, view: list[MessageRecord]) -> dict[str, Any]:
         return anchor_basis(request, len(request.messages) - len(view), self._tool_estimates)
@@ -350,6 +400,7 @@ class AgentLoop:
         provider, model = self.providers.resolve(work.agent.model)
         forced: Budget | None = None
         overflowed = False
+        refused: tuple[int, ProviderError] | None = None  # the request refused as too long, and why
         client_names = {t.name for t in work.client_tools}
         attempts = getattr(getattr(provider, "cfg", None), "max_attempts", None) or 4
         policy = RetryPolicy(max_attempts=attempts, base_ms=self.config.limits.retry_base_ms)
@@ -360,8 +411,9 @@ class AgentLoop:
             finish = "unknown"
             step_usage: Usage | None = None
             estimate: int | None = 0
+            request: ProviderRequest | None = None
             try:
-                request, estimate, partial.basis = await self._prepare(work, provider, model, emit, forced)
+                request, estimate, partial.basis = await self._prepare(work, provider, model, emit, forced, refused)
                 unyielded = 0
                 async for chunk in provider.stream(request):
                     unyielded += 1
@@ -410,11 +462,20 @@ class AgentLoop:
                         finish = chunk.finish_reason
             except ProviderError as exc:
                 exc.redact(self._redactor.redact)
-                if exc.kind == "context_overflow" and not partial.shown and not overflowed:
-                    # Our estimate said it fits; the provider disagrees. Compact once, harder, and retry.
+                if (
+                    exc.kind == "context_overflow"
+                    and not isinstance(exc, ContextDoesNotFit)
+                    and not partial.shown
+                    and not overflowed
+                ):
+                    # Our estimate said it fits; the provider disagrees. Compact once, harder, and retry
+                    # with a smaller request (_prepare fails the turn when it cannot make one).
                     overflowed = True
-                    if estimate is None:  # no window applied, so it was not needed until now
-                        estimate = self.estimate(request, context_view([*work.history, *work.new_messages]))
+                    if request is not None:  # None: the provider refused a summary while compacting
+                        refused = (estimate_request(request, [], self._tool_estimates), exc)
+                        if estimate is None:  # no window applied, so it was not needed until now
+                            estimate = self.estimate(request, context_view([*work.history, *work.new_messages]))
+                    estimate = estimate or 0
                     log.warning(
                         "turn %s: %s says the context is too long (estimate %d tokens); compacting and retrying",
                         work.turn_id,

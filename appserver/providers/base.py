@@ -226,52 +226,108 @@ def _redact_json(value: Any, redact: Callable[[str], str], depth: int = 0) -> An
     return value
 
 
-# "The prompt does not fit the model's window", as upstreams say it. Each wording is one seen in the
-# server's code or in its verbatim error bodies; a broader word ("tokens", "context length") would
-# also match errors that compacting cannot fix (a max_tokens over the model's output limit, a rate
-# limit "too many tokens per minute").
+# "The prompt does not fit the model's window", as upstreams say it. Each is one seen in the
+# server's code or in its verbatim error bodies. An error code or type is looked for in the error's
+# own `code`, `type` or `status` field; a wording in the error's own message (never the rest of the
+# body: a validation error may quote the user's text), whole — "this model's maximum context length
+# is N", not "maximum context length" — and where the provider puts it: at the start of the message
+# or of one of its sentences (or after a proxy's "… - " or "…: "). A broader word ("tokens",
+# "context length") would also match errors that compacting cannot fix (a max_tokens over the
+# model's output limit, a rate limit "too many tokens per minute"). A message that quotes user text
+# right where a provider's wording would start cannot be told apart.
 OVERFLOW_CODES = (
     "context_length_exceeded",  # OpenAI, Azure, Groq: error.code
     "exceed_context_size_error",  # llama.cpp server: error.type
 )
-OVERFLOW_PHRASES = (
-    "maximum context length",  # OpenAI, vLLM, DeepSeek, OpenRouter ("endpoint's"), Mistral ("too large for model with")
-    "exceeds the context window",  # OpenAI ("Your input exceeds the context window of this model")
-    "prompt is too long",  # Anthropic ("prompt is too long: N tokens > M maximum")
-    "exceed context limit",  # Anthropic ("input length and `max_tokens` exceed context limit: A + B > C")
-    "exceeds the available context size",  # llama.cpp ("request (N tokens) exceeds the available context size")
-    "exceeds the maximum number of tokens allowed",  # Gemini ("The input token count (N) exceeds the maximum ...")
-    "maximum prompt length is",  # xAI ("This model's maximum prompt length is N but the request contains M tokens")
-    "input is too long for requested model",  # Amazon Bedrock
-    "greater than the context length",  # LM Studio ("tokens to keep from the initial prompt is greater than ...")
-    "prompt too long; exceeded",  # Ollama ("prompt too long; exceeded max context length by N tokens")
-    "input length exceeds the context length",  # Ollama
-    "context length exceeded",  # the code's words, as some proxies write them
+_N = r"\d(?:[\d,]*\d)?"  # a number, thousands separated or not
+_OVERFLOW_WORDINGS = (
+    # OpenAI, vLLM, DeepSeek, Azure ("This model's …"), OpenRouter ("This endpoint's …")
+    rf"(?:this|the) (?:model|endpoint)'s maximum context length is {_N}",
+    # a proxy's or provider's "the model's maximum context length of N" (Fireworks, DeepInfra…)
+    r"requested token count exceeds the model's maximum context length",
+    rf"prompt contains {_N} tokens.{{0,60}}?too large for model with {_N} maximum context length",  # Mistral
+    r"(?:your |the )?(?:input|prompt|request) exceeds the context window",  # OpenAI
+    r"(?:the )?prompt is too long\b",  # Anthropic ("prompt is too long: N tokens > M maximum"), Fireworks
+    r"input length and .max_tokens. exceed context limit",  # Anthropic ("…: A + B > C")
+    rf"(?:the )?request \({_N} tokens\) exceeds the available context size",  # llama.cpp
+    r"(?:the )?input token count(?: \(\d[\d,]*\))? exceeds the maximum number of tokens allowed",  # Gemini
+    rf"(?:this|the) model's maximum prompt length is {_N}",  # xAI ("… but the request contains M tokens")
+    r"input is too long for requested model",  # Amazon Bedrock
+    r"(?:the )?number of tokens to keep from the initial prompt is greater than the context length",  # LM Studio
+    r"prompt too long; exceeded (?:max )?context length",  # Ollama ("… by N tokens")
+    r"(?:the )?input length exceeds the context length",  # Ollama
+    r"context[ _]length[ _]exceeded",  # the code's words, as some proxies write them
+    r"litellm\.contextwindowexceedederror",  # LiteLLM's proxy
 )
+_OVERFLOW = re.compile(r"(?:^|[.:;!?]\s+|\s-\s+)(?:" + "|".join(_OVERFLOW_WORDINGS) + ")", re.S)
 # The reply alone cannot fit: max_tokens over the window (compacting the prompt cannot help).
 # vLLM: "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context
 # length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778)"; older vLLM:
 # "... maximum context length is 4096 tokens. However, you requested 9000 tokens (1000 in the
-# messages, 8000 in the completion)"; Anthropic: "... exceed context limit: 199759 + 8192 > 200000".
+# messages, 8000 in the completion)"; OpenRouter: "This endpoint's maximum context length is 131072
+# tokens. However, you requested about 140000 tokens (1000 of text input, 139000 in the output)";
+# "Requested token count exceeds the model's maximum context length of 8192 tokens. You requested a
+# total of 9000 tokens: 1000 tokens from the input messages and 8000 tokens for the completion";
+# Anthropic: "... exceed context limit: 199759 + 8192 > 200000". Each gives (output, window), in
+# that order or (window, output) — `_WINDOW_FIRST`.
 _OUTPUT_VS_WINDOW = (
-    re.compile(r"\((\d+) > (\d+) - \d+\)"),
-    re.compile(r"maximum context length is (\d+)\D.*?\b(\d+) in the completion", re.S),
-    re.compile(r"exceed context limit: \d+ \+ (\d+) > (\d+)"),
+    re.compile(rf"\(({_N}) > ({_N}) - {_N}\)"),
+    re.compile(rf"maximum context length is ({_N})\D.*?\b({_N}) in the (?:completion|output)\b", re.S),
+    re.compile(rf"maximum context length of ({_N})\D.*?\b({_N}) tokens for the completion\b", re.S),
+    re.compile(rf"exceed context limit: {_N} \+ ({_N}) > ({_N})"),
 )
+_WINDOW_FIRST = frozenset({1, 2})
 
 
-def is_context_overflow(text: str) -> bool:
-    """Whether an upstream's error (its message and body, lowercased) says the prompt is too long
-    for the model's window, and a shorter prompt would be taken."""
-    if not (any(c in text for c in OVERFLOW_CODES) or any(p in text for p in OVERFLOW_PHRASES)):
+def _number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _error_fields(body: Any) -> tuple[list[str], list[str]]:
+    """The codes (`code`, `type`, `status`) and messages an upstream's error body gives about the
+    error itself, lowercased: OpenAI's and Gemini's {"error": {...}}, Anthropic's {"type": "error",
+    "error": {...}}, vLLM's and others' flat {"message", "type", "code"}, Ollama's {"error": "..."},
+    FastAPI's {"detail": "..."}, a bare text; a list of them (Gemini's stream) by its first."""
+    codes: list[str] = []
+    messages: list[str] = []
+    if isinstance(body, list) and body:
+        body = body[0]
+    if isinstance(body, str):
+        messages.append(body.lower())
+    elif isinstance(body, dict):
+        for where in (body.get("error"), body):
+            if isinstance(where, str):
+                messages.append(where.lower())
+            elif isinstance(where, dict):
+                for key in ("code", "type", "status"):
+                    v = where.get(key)
+                    if isinstance(v, str):
+                        codes.append(v.lower())
+                for key in ("message", "detail"):
+                    v = where.get(key)
+                    if isinstance(v, str):
+                        messages.append(v.lower())
+    return codes, messages
+
+
+def is_context_overflow(message: str, body: Any = None) -> bool:
+    """Whether an upstream's error says the prompt is too long for the model's window, and a shorter
+    prompt would be taken: `message` is the error's message (as the provider extracted it), `body`
+    the upstream's error body, from which only the error's own fields are read."""
+    codes, messages = _error_fields(body)
+    text = (message or "").lower()
+    if text and text not in messages:
+        messages.append(text)
+    if not (any(c in OVERFLOW_CODES for c in codes) or any(_OVERFLOW.search(m) for m in messages)):
         return False
-    for pattern in _OUTPUT_VS_WINDOW:
-        m = pattern.search(text)
-        if m is not None:
-            a, b = int(m.group(1)), int(m.group(2))
-            output, window = (b, a) if pattern is _OUTPUT_VS_WINDOW[1] else (a, b)
-            if output >= window:
-                return False
+    for m in messages:
+        for i, pattern in enumerate(_OUTPUT_VS_WINDOW):
+            found = pattern.search(m)
+            if found is not None:
+                a, b = _number(found.group(1)), _number(found.group(2))
+                output, window = (b, a) if i in _WINDOW_FIRST else (a, b)
+                if output >= window:
+                    return False
     return True
 
 
@@ -283,7 +339,7 @@ def error_from_status(
     body_text = str(body).lower() if body is not None else ""
     blob = text + " " + body_text
     kind: ErrorKind
-    if status not in (401, 403, 429) and is_context_overflow(blob):
+    if status not in (401, 403, 429) and is_context_overflow(message, body):
         kind = "context_overflow"
     elif status == 429:
         kind = "quota" if any(k in blob for k in ("insufficient_quota", "quota", "billing")) else "rate_limit"

@@ -549,6 +549,31 @@ def settled_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, A
     return None
 
 
+def outcome_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, Any] | None:
+    """The `outcome` record of run `occurrence`, or None when the log has none (read backward as
+    `settled_record` is, to the run's `fired` record)."""
+    return _run_record(runs_dir, task_id, occurrence, ("outcome",))
+
+
+def delivery_record(runs_dir: Path, task_id: str, occurrence: int) -> dict[str, Any] | None:
+    """The record of where the reply of run `occurrence` went (`delivered`, or `delivery_failed`
+    with the reason), or None when the log has none. Read backward as `settled_record` is (the
+    records of a run follow its `fired` one), so its cost is what the log holds since that run,
+    never the whole log."""
+    return _run_record(runs_dir, task_id, occurrence, ("delivered", "delivery_failed"))
+
+
+def _run_record(runs_dir: Path, task_id: str, occurrence: int, events: tuple[str, ...]) -> dict[str, Any] | None:
+    """The newest record of run `occurrence` that is one of `events`, read backward to the run's
+    `fired` record (the whole log when it has none); None when there is none."""
+    for _, r in _records_from_end(run_log_path(runs_dir, task_id)):
+        if r.get("event") in events and _number(r) == occurrence:
+            return r
+        if _fired(r, occurrence):
+            return None
+    return None
+
+
 def _scan(path: Path) -> Iterator[dict[str, Any]]:
     """Every record of a whole log, one line at a time (memory bounded by MAX_LINE_BYTES, whatever
     the file's size); nothing when it cannot be read (as `_tail` says why)."""

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from cron.envelope import build_envelope
-from cron.runlog import highest_occurrence
-from cron.store import CronStore, CronStoreError, CronTask, Occurrence, utcnow
+from cron.runlog import highest_occurrence, outcome_record
+from cron.store import CorruptStateFile, CronStore, CronStoreError, CronTask, Occurrence, utcnow
 
 log = logging.getLogger("appserver.cron")
 
@@ -124,6 +124,18 @@ def record_outcome(
     now: datetime | None = None,
 ) -> None:
     """Append the turn's end to the run log; a failed run also becomes the task's visible error."""
+    _write_outcome(store, task_id, occurrence, turn_id, outcome)
+    now = now or utcnow()
+    with store.lock():
+        state = store.load()
+        task = state.get(task_id)
+        if task is not None and _note_outcome(task, occurrence, outcome, now):
+            store.save(state, cache=True)  # nothing of `state` is handed out
+        else:
+            store.keep(state)  # unchanged: the scheduler's next tick need not parse the file again
+
+
+def _write_outcome(store: CronStore, task_id: str, occurrence: int, turn_id: str | None, outcome: TurnOutcome) -> None:
     store.runlog.record(
         task_id,
         "outcome",
@@ -133,22 +145,18 @@ def record_outcome(
         error=outcome.error,
         **({"detail": outcome.detail} if outcome.detail else {}),
     )
-    now = now or utcnow()
-    failed = outcome.status in FAILED_STATUSES
-    with store.lock():
-        state = store.load()
-        task = state.get(task_id)
-        if task is None:
-            store.keep(state)
-            return
-        if failed:
-            task.set_error(f"run #{occurrence} {outcome.status}: {outcome.error or 'no detail'}", now)
-        elif task.last_error and task.last_error.startswith("run #"):
-            task.last_error, task.last_error_at = None, None
-        else:
-            store.keep(state)  # unchanged: the scheduler's next tick need not parse the file again
-            return
-        store.save(state, cache=True)  # nothing of `state` is handed out
+
+
+def _note_outcome(task: CronTask, occurrence: int, outcome: TurnOutcome, now: datetime) -> bool:
+    """A failed run becomes the task's visible error, a later good one clears it: whether the task
+    changed."""
+    if outcome.status in FAILED_STATUSES:
+        task.set_error(f"run #{occurrence} {outcome.status}: {outcome.error or 'no detail'}", now)
+        return True
+    if task.last_error and task.last_error.startswith("run #"):
+        task.last_error, task.last_error_at = None, None
+        return True
+    return False
 
 
 async def take_step(store: CronStore, task_id: str, occurrence: int, step: str, *, final: bool = False) -> bool:
@@ -163,6 +171,65 @@ async def take_step(store: CronStore, task_id: str, occurrence: int, step: str, 
         log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, exc)
         return True
     return moved is not False
+
+
+async def take_recorded_step(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    step: str,
+    write: Callable[[], object],
+    *,
+    final: bool = False,
+    update: Callable[[CronTask], bool] | None = None,
+    recorded: Callable[[], bool] | None = None,
+) -> bool:
+    """`take_step` for a step whose record is its run-log line (`write`: an outcome, a
+    `delivery_failed`): under the store lock, by the one process that moves the claim to `step`,
+    the record is written BEFORE the claim's move is saved. A process killed between the two leaves
+    the record with the claim short of it, which a take-over reads as done (`Scheduler._orphan_stage`
+    brings the claim up to the run log); never the claim moved on without its record, which nobody
+    would write any more. `update(task)` changes the task in the same save (True: it changed).
+    `recorded()` (one home, whose run log is everyone's) says whether the run log already holds the
+    record: asked, under the lock, when the claim is already past `step`, so a record such a crash
+    of an older server lost is written now, and only once. Whether this process took the step."""
+    written = False
+
+    def locked() -> bool:
+        nonlocal written
+        with store.lock():
+            state = store.load()
+            task = state.get(task_id)
+            moved = None if task is None else task.advance_claim(occurrence, step, final=final)
+            if moved is False and (recorded is None or recorded()):
+                store.keep(state)
+                return False
+            if moved is False:
+                log.warning(
+                    "cron: task %s run #%d is past %s, but the run log lacks its record (a server "
+                    "stopped between the two): it is written now",
+                    task_id,
+                    occurrence,
+                    step,
+                )
+            write()  # the record first ...
+            written = True
+            changed = bool(moved)
+            if task is not None and update is not None:
+                changed = update(task) or changed
+            if changed:
+                store.save(state, cache=True)  # ... then the claim's step (nothing of `state` is handed out)
+            else:
+                store.keep(state)
+            return True
+
+    try:
+        return await asyncio.to_thread(locked)
+    except (CorruptStateFile, CronStoreError, OSError) as exc:
+        log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, exc)
+        if not written:  # the store cannot answer now: taken by this process, as `take_step` does
+            await asyncio.to_thread(write)
+        return True
 
 
 def _record_fire_failure(store: CronStore, task_id: str, occurrence: int, message: str, now: datetime) -> None:
@@ -203,8 +270,10 @@ async def submit_claimed(
             log.error("cron: could not record the failure of task %s run #%d: %s", task.id, occurrence.number, exc2)
         return None, message
     extra = {"recovered": True} if recovered else {}  # a claim a dead scheduler left, submitted now
-    await take_step(store, task.id, occurrence.number, "submitted")  # known cluster-wide from now on
+    # the record first, then the step (known cluster-wide from then on): a crash between the two
+    # leaves the claim short of the run log, which a take-over brings up to it
     store.runlog.record(task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id, **extra)
+    await take_step(store, task.id, occurrence.number, "submitted")
     return turn_id, None
 
 
@@ -231,16 +300,45 @@ async def watch_outcome(
         outcome = TurnOutcome(status="unknown", error=f"no outcome within {timeout_s:g} s")
     except Exception as exc:  # noqa: BLE001
         outcome = TurnOutcome(status="unknown", error=f"{type(exc).__name__}: {exc}")
-    if await take_step(store, task_id, occurrence, "settled", final=not (deliver_to or delivery_follows)):
-        try:
-            await asyncio.to_thread(record_outcome, store, task_id, occurrence, turn_id, outcome)
-        except (CronStoreError, OSError) as exc:  # the run log has it (or retries it); say what failed
-            log.error(
-                "cron: could not record the outcome of task %s run #%d in the tasks: %s", task_id, occurrence, exc
-            )
+    await settle(store, task_id, occurrence, turn_id, outcome, final=not (deliver_to or delivery_follows))
     if deliver_to:
         await deliver_reply(store, task_id, occurrence, turn_id, outcome, deliver_to, deliver)
     return outcome
+
+
+async def settle(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    turn_id: str | None,
+    outcome: TurnOutcome,
+    *,
+    final: bool,
+    now: datetime | None = None,
+) -> bool:
+    """Record the run's outcome and move its claim to `settled` (`final`: to done), in that order
+    (`take_recorded_step`): whatever instant a process is killed at, the outcome is in the run log
+    once. Only by the process that takes the step; on one home a claim already past it whose
+    outcome the run log lacks (an older server stopped between the two) gets it now."""
+    moment = now or utcnow()
+
+    def recorded() -> bool:
+        try:
+            return outcome_record(store.runs_dir, task_id, occurrence) is not None
+        except (OSError, ValueError) as exc:  # cannot tell: never record it twice
+            log.warning("cron: could not read the run log of task %s: %s", task_id, exc)
+            return True
+
+    return await take_recorded_step(
+        store,
+        task_id,
+        occurrence,
+        "settled",
+        lambda: _write_outcome(store, task_id, occurrence, turn_id, outcome),
+        final=final,
+        update=lambda task: _note_outcome(task, occurrence, outcome, moment),
+        recorded=None if store.shared else recorded,
+    )
 
 
 async def deliver_reply(

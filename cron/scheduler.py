@@ -42,8 +42,8 @@ from cron.credentials import CredentialCheck, TokenCredentials
 from cron.lease import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, LeaseHolder
 from cron.runlog import (
     aware_time,
+    delivery_record,
     has_fired,
-    read_run_log,
     settled_record,
     unrecorded_turns,
     unsettled_claims,
@@ -63,6 +63,7 @@ from cron.runner import (
     deliver_reply,
     run_task_now,
     submit_claimed,
+    take_recorded_step,
     take_step,
     watch_outcome,
 )
@@ -124,16 +125,6 @@ def _stamped_after(task: CronTask, limit: datetime, limit_utc: str) -> bool:
         return value > limit_utc  # the same shape: the text compares as the time does
     claimed = _claimed_at(task)
     return claimed is not None and claimed > limit
-
-
-def _delivery_recorded(runs_dir: Path, task_id: str, occurrence: int) -> bool:
-    """Does the run log record where the reply of run `occurrence` went (`delivered`, or
-    `delivery_failed` with the reason)? Read only for a run a dead scheduler left with its reply
-    still to send: its records are recent, in the part of the log `read_run_log` reads."""
-    for r in reversed(read_run_log(runs_dir, task_id).records):
-        if r.get("event") in ("delivered", "delivery_failed") and r.get("occurrence") == occurrence:
-            return True
-    return False
 
 
 def _check_seconds(name: str, value: float, low: float, high: float) -> float:
@@ -575,7 +566,7 @@ class Scheduler:
             stage = logged
         if stage in ("settled", "delivering"):
             try:
-                sent = await asyncio.to_thread(_delivery_recorded, self.store.runs_dir, task.id, number)
+                sent = await asyncio.to_thread(delivery_record, self.store.runs_dir, task.id, number) is not None
             except (OSError, ValueError) as exc:
                 log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
                 sent = False
@@ -1113,15 +1104,23 @@ class Scheduler:
             delivery_follows=True,
         )
         if not_delivered:
-            if not await take_step(self.store, task_id, occurrence, "delivering", final=True):
-                return ended  # another process has its delivery in hand
-            log.warning(
-                "cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, not_delivered
-            )
-            self.store.runlog.record(
-                task_id, "delivery_failed", occurrence=occurrence, turn_id=turn_id, target=target, error=not_delivered
-            )
-            return ended
+
+            def write() -> None:
+                log.warning(
+                    "cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, not_delivered
+                )
+                self.store.runlog.record(
+                    task_id,
+                    "delivery_failed",
+                    occurrence=occurrence,
+                    turn_id=turn_id,
+                    target=target,
+                    error=not_delivered,
+                )
+
+            # the record, then the claim done (a crash between them leaves the record: never lost)
+            await take_recorded_step(self.store, task_id, occurrence, "delivering", write, final=True)
+            return ended  # (not taken: another process has its delivery in hand)
         if before_delivery is not None and ended.status == "completed":
             await before_delivery()
         await deliver_reply(self.store, task_id, occurrence, turn_id, ended, target, self.deliver)

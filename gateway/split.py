@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 from plugins.contract import is_grapheme_boundary
 
-# A fence opener or closer: up to three spaces, then ``` or ~~~ (3 or more).
-_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+# A fence opener or closer (CommonMark): up to three spaces, then ``` or ~~~ (3 or more); the info
+# string after backticks holds no backtick (```` ```x``` ```` is inline code, no fence).
+_FENCE = re.compile(r"^ {0,3}(`{3,}(?=[^`]*$)|~{3,})(.*)$")
 _LINK = re.compile(r"!?\[[^\]\n]*\]\([^()\s]*\)")  # a Markdown link or image, kept whole by a cut
 MIN_LIMIT = 32
 # What one delivery outside a turn's own reply sends at most: a cron `--deliver` reply and a
@@ -161,6 +162,7 @@ def _largest_fitting(
 
 
 _TICKS = re.compile(r"`{3,}")
+_FENCE_START = re.compile(r" {0,3}(```|~~~)")
 
 
 def fences_on_own_lines(text: str) -> str:
@@ -168,35 +170,138 @@ def fences_on_own_lines(text: str) -> str:
     its own (`Here: ```python` → `Here: ` and ```` ```python ````; `x = 1```` → `x = 1` and
     ```` ``` ````), as chat platforms (Discord, Slack, Telegram) open and close code blocks there
     too: the splitter follows fences by line, and a part cut after such an opener was left open, or
-    prose after its closer was taken for code. Pairs within one line (```` ```x``` ````) stay as
-    they are; the text renders the same."""
+    prose after its closer was taken for code. Only line breaks are added (and blank pieces of a
+    line dropped), so the text renders the same:
+
+    - a fence line (CommonMark: up to three spaces, then 3 or more backticks with no backtick
+      after them, or 3 or more tildes) stays as it is: outside a fence it opens one; inside, it
+      closes it with the same character, at least as many of it and nothing after, else it is code;
+    - outside a fence, a run of 3 or more backticks in mid-line pairs with the next run on its line
+      at least as long (```` ```x``` ````: inline, it stays); one left unpaired opens a code block
+      only when a later line closes it, else it is literal backticks and stays (a lone `` ``````
+      `` was made a fence the split then closed: an empty code block in place of the text);
+    - inside a backtick fence, the first run at least as long as its opener closes it, in mid-line
+      too; shorter runs, and anything inside a tilde fence, are code;
+    - a piece that would read as a fence on a line of its own when it is none (prose after a closer
+      that starts with `~~~`, or with backticks nothing closes) keeps its line whole: that closer
+      is code, and an opener after such prose literal.
+    """
+    lines = text.split("\n")
+    closers = _Closers(lines)
     out: list[str] = []
-    inside = False
-    for line in text.split("\n"):
-        while True:
-            if _FENCE.match(line) and line.lstrip(" ")[:1] == "`":
-                inside = not inside
-                out.append(line)
-                break
-            runs = list(_TICKS.finditer(line))
-            if inside and runs:  # the code block ends at the first run: the rest of the line is text
-                at = runs[0].start()
-                if line[:at].strip():
-                    out.append(line[:at])
-                out.append(runs[0].group(0))
-                inside = False
-                line = line[runs[0].end() :]
-                if not line.strip():
-                    break
-                continue
-            if not inside and len(runs) % 2 == 1:  # an opener left open on this line
-                at = runs[-1].start()
-                out.append(line[:at])
-                line = line[at:]
-                continue  # now at the start of its line: an opener
+    fence: str | None = None  # the marker of the fence open before the line
+    for k, line in enumerate(lines):
+        m = _FENCE.match(line)
+        if m or (fence is not None and fence[0] == "~") or "```" not in line:
+            if m and fence is None:
+                fence = m.group(1)
+            elif m and fence is not None and _closes(fence, m):
+                fence = None
             out.append(line)
-            break
+            continue
+        pieces, fence = _line_pieces(line, fence, k, closers)
+        out.extend(pieces)
     return "\n".join(out)
+
+
+class _Closers:
+    """Which later line closes a backtick fence of each length (`fences_on_own_lines`): a mid-line
+    run opens a code block only when one does. Built from the last line up, in time linear in the
+    text (each line marks the lengths up to its longest run)."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.last: list[int] = []  # by length: the last line that closes a fence that long, or -1
+        for k in range(len(lines) - 1, -1, -1):
+            for low, high in self._closes(lines[k], k):
+                if high >= len(self.last):
+                    self.last += [-1] * (high + 1 - len(self.last))
+                for n in range(low, high + 1):
+                    if self.last[n] < 0:
+                        self.last[n] = k
+
+    def after(self, n: int, k: int) -> bool:
+        """Whether a line after line `k` closes a backtick fence of `n`."""
+        return n < len(self.last) and self.last[n] > k
+
+    def _closes(self, line: str, k: int) -> list[tuple[int, int]]:
+        """The lengths of the backtick fences `line` closes, as ranges (what `_line_pieces` does)."""
+        m = _FENCE.match(line)
+        if m:
+            return [(3, len(m.group(1)))] if m.group(1)[0] == "`" and not m.group(2).strip() else []
+        if "```" not in line:
+            return []
+        runs = list(_TICKS.finditer(line))
+        out, low = [], 3
+        for q, run in enumerate(runs):  # a fence from `low` to this run's length closes at it
+            if run.end() - run.start() >= low:
+                if not _tail_is_a_fence(line, runs, q, k, self):
+                    out.append((low, run.end() - run.start()))
+                low = run.end() - run.start() + 1
+        return out
+
+
+def _tail_is_a_fence(line: str, runs: list[re.Match[str]], q: int, k: int, closers: _Closers) -> bool:
+    """Whether the text after the closing run `runs[q]` (of line `k`) would read as a fence on a line
+    of its own when it is none: it starts (after up to three spaces) with `~~~`, or with the line's
+    last run of backticks and nothing closes that."""
+    at = runs[q].end()
+    spaces = 0
+    while at + spaces < len(line) and spaces < 4 and line[at + spaces] == " ":
+        spaces += 1
+    if spaces > 3:
+        return False
+    start = at + spaces
+    if line.startswith("~~~", start):
+        return True
+    if q + 1 < len(runs) and runs[q + 1].start() == start and line.find("`", runs[q + 1].end()) < 0:
+        return not closers.after(runs[q + 1].end() - start, k)
+    return False
+
+
+def _line_pieces(line: str, fence: str | None, k: int, closers: _Closers) -> tuple[list[str], str | None]:
+    """Line `k` (no fence line) as lines of the text, and the backtick fence open after it; `fence`
+    is the one open before it."""
+    runs = list(_TICKS.finditer(line))
+    longest_after = [0] * (len(runs) + 1)  # the longest run after each: pairs found in linear time
+    for q in range(len(runs) - 1, -1, -1):
+        longest_after[q] = max(longest_after[q + 1], len(runs[q].group(0)))
+    pieces: list[str] = []
+    start = 0  # where the text not yet in `pieces` starts
+    q = 0
+    while q < len(runs):
+        run = runs[q].group(0)
+        if fence is not None:  # inside: the first run at least as long closes the fence
+            if len(run) >= len(fence):
+                if _tail_is_a_fence(line, runs, q, k, closers):
+                    return [line], fence  # (only when all of the line is code)
+                pieces += [line[start : runs[q].start()], run]
+                fence, start = None, runs[q].end()
+            q += 1
+            continue
+        if longest_after[q + 1] >= len(run):  # an inline pair: on to after its closing run
+            q += 1
+            while len(runs[q].group(0)) < len(run):
+                q += 1
+            q += 1
+            continue
+        before = line[start : runs[q].start()]
+        if not closers.after(len(run), k) or (_FENCE_START.match(before) and _FENCE.match(before)):
+            q += 1  # nothing closes it, or the prose before it would be a fence: literal backticks
+            continue
+        rest = line[runs[q].end() :]
+        pieces.append(before)
+        if "`" not in rest:  # the opener with its info string
+            return _kept([*pieces, run + rest]), run
+        pieces.append(run)  # an info string holds no backtick: the rest is code
+        fence, start = run, runs[q].end()
+        q += 1
+    pieces.append(line[start:])
+    return _kept(pieces), fence
+
+
+def _kept(pieces: list[str]) -> list[str]:
+    """The pieces of a line but blank ones (a fence piece is never blank)."""
+    return [piece for piece in pieces if piece.strip()]
 
 
 def fence_closer(opener: str) -> str:
@@ -208,14 +313,23 @@ def fence_closer(opener: str) -> str:
 
 def _annotate(raw: list[str], limit: int) -> list[_Line]:
     """Mark each line with the fence open around it, as the line that would reopen it (the opener
-    itself, or only its marker when the opener is too long to repeat in every part)."""
+    itself, or only its marker when the opener is too long to repeat in every part). A fence whose
+    marker alone is too long to close and reopen around a character of code in one part is not
+    followed (its lines are cut as prose: the limit comes first); that made parts of nothing but
+    the two markers, without end."""
     out = []
     fence: str | None = None
+    unfollowed: str | None = None  # the marker of such a fence, while it is open
     for line in raw:
         before = fence
         m = _FENCE.match(line)
-        if m:
-            if fence is None:
+        if m and unfollowed is not None:
+            if _closes(unfollowed, m):
+                unfollowed = None
+        elif m:
+            if fence is None and 2 * len(m.group(1)) + 3 > limit:
+                unfollowed = m.group(1)
+            elif fence is None:
                 fence = line if len(line) <= limit // 4 else m.group(1)
             elif _closes(fence, m):
                 fence = None
@@ -330,9 +444,36 @@ def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
         if at == 0:
             at = room  # a single cluster longer than the room: the limit wins
         head, rest = text[:at], text[at:]
+    lo, hi = _fence_heads(text)
+    if lo <= len(head) <= hi or _FENCE_START.match(rest):
+        # On a line of its own, the head or the rest would open or close a code block: the last
+        # hard cut where neither does (none: a line of only fence characters, cut as it was).
+        at = min(room, len(text))
+        while at > indent and (lo <= at <= hi or _FENCE_START.match(text, at) or not is_grapheme_boundary(text, at)):
+            at -= 1
+        if at > indent:
+            head, rest = text[:at], text[at:]
     fence = line.fence_before if line.fence_before == line.fence_after else None
+    opener = _FENCE.match(text) if line.fence_before is None and line.fence_after is not None else None
+    if opener and len(head) > opener.end(1) and rest.strip():
+        fence = line.fence_after  # an opener longer than a part: the rest of its info string is code
     offset = line.offset + len(text) - len(rest)
     return _Line(head, line.fence_before, fence), _Line(rest, fence, line.fence_after, every, offset)
+
+
+def _fence_heads(text: str) -> tuple[int, int]:
+    """The ends of the heads of `text` (no fence line) that would read as a fence line, as a range
+    (empty when none does): a line starting like a fence with a backtick further on (```` ```a`b
+    ````), or ~~~ with more on it than the head."""
+    start = _FENCE_START.match(text)
+    if start is None or _FENCE.match(text):
+        return 1, 0
+    if start.group(1)[0] == "~":
+        return start.end(), len(text)
+    run_end = start.end()
+    while run_end < len(text) and text[run_end] == "`":
+        run_end += 1
+    return start.end(), text.find("`", run_end)
 
 
 def _links_near(links: tuple[tuple[int, int], ...], offset: int, room: int) -> list[tuple[int, int]]:

@@ -181,6 +181,9 @@ class Outbound:
         self._ready.set()
 
 
+REVISIONS_KEPT = 256  # turns a connection remembers the last revision it was sent of (live turns it watched)
+
+
 class Connection:
     """One client connection: identity, principal, outbound buffer, declared client tools."""
 
@@ -202,6 +205,10 @@ class Connection:
         self._write_frame = write_frame
         self._in_flight = False  # the writer task took a frame and has not finished sending it
         self.subscriptions: set[str] = set()
+        # turn_id -> the revision of the last `turn_updated` of that turn sent here (queued or
+        # written), so that none goes out twice or older (see `send_snapshot`); forgotten once the
+        # turn's terminal snapshot is sent, and past REVISIONS_KEPT turns the oldest goes first.
+        self.revisions: dict[str, int] = {}
         self.close_request: tuple[int, str] | None = None
         self.closing = asyncio.Event()
         self.sent = 0
@@ -239,7 +246,30 @@ class Connection:
         except Overflow as exc:
             self.kill(CLOSE_SLOW_CONSUMER, str(exc))
 
-    def send_snapshot(self, turn_id: str, text: str, frame: bytes | None = None) -> None:
+    def send_snapshot(
+        self, turn_id: str, text: str, frame: bytes | None = None, *, revision: int | None = None, final: bool = False
+    ) -> bool:
+        """Send a turn's snapshot (`revision`: its revision, `final`: its terminal one). Revisions of a
+        turn strictly rise on a connection, whoever sends them (a follower's round, a catch-up after
+        a submit, a new follower after an unsubscribe released the watch): one not above the last
+        sent here is left out (False). A terminal snapshot always goes (its turn then is forgotten
+        here): it is the last of its turn, and a settled turn shown again (a `duplicate` ack)
+        repeats it, as docs/protocol.md says."""
+        if revision is not None:
+            seen = self.revisions.pop(turn_id, None)
+            if final:
+                pass  # forgotten: nothing of this turn follows its end
+            elif seen is not None and revision <= seen:
+                self.revisions[turn_id] = seen
+                return False
+            else:
+                self.revisions[turn_id] = revision  # moved to the end: the oldest go first
+                if len(self.revisions) > REVISIONS_KEPT:
+                    del self.revisions[next(iter(self.revisions))]
+        self._put_snapshot(turn_id, text, frame)
+        return True
+
+    def _put_snapshot(self, turn_id: str, text: str, frame: bytes | None) -> None:
         if self._write_now(text, frame):
             return
         try:

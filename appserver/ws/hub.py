@@ -38,7 +38,26 @@ PACE_DELAY_S = 0.01  # and a turn's state waits this long before a round, to go 
 PACE_POLL_S = 0.002
 
 
+class Shown:
+    """The connections shown one approval request (`approval_request`), for their
+    `approval_resolved`, and the turn it belongs to: only that turn's snapshots settle it
+    (`ConversationWatch.reconcile`); a snapshot of another turn never touches it."""
+
+    __slots__ = ("turn_id", "conns")
+
+    def __init__(self, turn_id: str) -> None:
+        self.turn_id = turn_id
+        self.conns: set[str] = set()
+
+
 class ConversationWatch:
+    """One conversation's subscribers and what they were shown.
+
+    Shared state (`subscribers`, `announced`, `last`) is only ever read and written in one go, with
+    no await in between: the store (PostgreSQL) suspends on every query, and whatever another task
+    did meanwhile (a subscribe, a follower's round, an answer) must not be overwritten by a value
+    read before the await. After an await, it is read again."""
+
     def __init__(self, hub: Hub, conversation_id: str) -> None:
         self.hub = hub
         self.conversation_id = conversation_id
@@ -48,10 +67,11 @@ class ConversationWatch:
         self.tool_owners: dict[str, Connection | None] = {}
         self.tool_names: dict[str, set[str]] = {}
         self.followers: dict[str, tuple[TurnController, asyncio.Task[None]]] = {}
-        self.announced: dict[str, set[str]] = {}  # approval call_id -> connection ids told about it
+        self.announced: dict[str, Shown] = {}  # approval call_id -> who was told about it
         self.resolving: set[str] = set()
         self.requested: set[str] = set()  # client call ids routed (or answered) already
         self.last: dict[str, TurnSnapshot] = {}
+        self.pins = 0  # answers in flight through this watch: it is not released under them
 
     def attach(self, view: Watch) -> None:
         """Start following the conversation's turns through the kernel's watch."""
@@ -65,7 +85,7 @@ class ConversationWatch:
 
     @property
     def refs(self) -> int:
-        return len(self.subscribers) + len(self.tool_owners)
+        return len(self.subscribers) + len(self.tool_owners) + self.pins
 
     def close(self) -> None:
         if self.view is not None:
@@ -142,25 +162,41 @@ class ConversationWatch:
             await asyncio.sleep(PACE_POLL_S)
 
     async def publish(self, snap: TurnSnapshot) -> None:
-        self.last[snap.turn_id] = snap
+        published = self.last.get(snap.turn_id)
+        if published is None or published.revision <= snap.revision:
+            self.last[snap.turn_id] = snap
         text = encode({"type": "turn_updated", "snapshot": snap.to_dict()})
         frame = text_frame(text.encode())  # framed once for every subscriber that can take it now
-        for conn in list(self.subscribers.values()):
-            conn.send_snapshot(snap.turn_id, text, frame)
+        subscribers = list(self.subscribers.values())
+        for conn in subscribers:
+            conn.send_snapshot(snap.turn_id, text, frame, revision=snap.revision, final=snap.terminal)
+        # Every approval request goes out with its snapshot, before any await: routing a client
+        # call awaits (an answer for a client gone), and a request sent after it could be one
+        # answered meanwhile.
+        client_calls: list[dict[str, Any]] = []
         if snap.status == "awaiting":
             for p in snap.pending:
                 if p["kind"] == "approval":
-                    self.announce_to(list(self.subscribers.values()), snap, p)
+                    self.announce_to(subscribers, snap, p)
                 elif p["kind"] == "client" and p["call_id"] not in self.requested:
                     self.requested.add(p["call_id"])
-                    await self.route_client_call(snap, p)
+                    client_calls.append(p)
+        for p in client_calls:
+            await self.route_client_call(snap, p)
         await self.reconcile(snap)
+
+    def shown(self, call_id: str, turn_id: str) -> set[str]:
+        """The connections shown approval `call_id` (of turn `turn_id`), to add to."""
+        entry = self.announced.get(call_id)
+        if entry is None:
+            entry = self.announced[call_id] = Shown(turn_id)
+        return entry.conns
 
     def announce_to(self, conns: list[Connection], snap: TurnSnapshot, p: dict[str, Any]) -> None:
         """One `approval_request` for pending approval `p` to each of `conns` not shown it yet on
         this connection; `announced` remembers who was, for their `approval_resolved`. A connection
         that joins later (a submit, a re-sent duplicate after a reconnect) is shown it then."""
-        told = self.announced.setdefault(p["call_id"], set())
+        told = self.shown(p["call_id"], snap.turn_id)
         request: str | None = None
         framed: bytes | None = None
         for conn in conns:
@@ -185,36 +221,53 @@ class ConversationWatch:
                 return  # its follower publishes it (to this connection too)
         elif published.revision < snap.revision:
             return  # a newer one is on its way from the follower
-        conn.send_snapshot(snap.turn_id, encode({"type": "turn_updated", "snapshot": snap.to_dict()}))
+        # Revisions strictly rise on the connection (Connection.send_snapshot): one it was sent
+        # before it left (an unsubscribe) is not sent again.
+        text = encode({"type": "turn_updated", "snapshot": snap.to_dict()})
+        conn.send_snapshot(snap.turn_id, text, revision=snap.revision, final=snap.terminal)
         if snap.status == "awaiting":
             for p in snap.pending:
                 if p["kind"] == "approval":
                     self.announce_to([conn], snap, p)
 
     async def reconcile(self, snap: TurnSnapshot) -> None:
-        """Tell connections that saw an approval request that it was answered elsewhere (or timed out)."""
+        """Tell the connections shown an approval request of this snapshot's turn that it was
+        answered elsewhere (or timed out, or the turn ended). A call of another turn is not this
+        snapshot's to settle (a queued turn's snapshot says nothing of the paused turn's calls).
+
+        The store is read before anything is taken out of `announced`, and `announced` is read
+        again after that await: a connection added to a call's viewers meanwhile (a subscribe, a
+        catch-up) is told with the others, and a call another task settled meanwhile (an answer
+        here, another reconcile) is told once."""
         open_calls = {p["call_id"] for p in snap.pending} if snap.status == "awaiting" else set()
-        for call_id in list(self.announced):
-            if call_id in open_calls or call_id in self.resolving:
+        for call_id, entry in list(self.announced.items()):
+            if entry.turn_id != snap.turn_id or call_id in open_calls or call_id in self.resolving:
                 continue
-            told = self.announced.pop(call_id)
             p = await self.hub.server.store.get_pending(self.conversation_id, call_id)
-            if p is not None and p.turn_id != snap.turn_id:
-                self.announced.setdefault(call_id, told)  # another turn's call: keep
-                continue
+            if call_id in self.resolving:
+                continue  # an answer here is being applied: Hub.approve tells them
+            if p is not None and p.status == "pending" and not snap.terminal:
+                continue  # still open: a snapshot older than the one that showed it
+            told = self.announced.pop(call_id, None)
+            if told is None:
+                continue  # told meanwhile
             # No row: the conversation was deleted (with its agent) and its paused turn ended
-            # without an answer, so the request those connections hold is void: cancelled.
+            # without an answer, so the request those connections hold is void: cancelled (so is a
+            # call its ended turn left unanswered).
+            status = "cancelled"
+            if p is not None and p.status != "pending":
+                status = "approved" if p.status == "result" else p.status
             frame = encode(
                 {
                     "type": "approval_resolved",
                     "conversation_id": self.conversation_id,
                     "turn_id": p.turn_id if p is not None else snap.turn_id,
                     "call_id": call_id,
-                    "status": ("approved" if p.status == "result" else p.status) if p is not None else "cancelled",
+                    "status": status,
                     "decided_by": p.decided_by if p is not None else None,
                 }
             )
-            for cid in told:
+            for cid in told.conns:
                 conn = self.subscribers.get(cid)
                 if conn is not None:
                     conn.send_encoded(frame)
@@ -340,7 +393,7 @@ class Hub:
         if frame["pending_approvals"] and handle is not None:
             snap = handle.controller.snapshot()
             for p in frame["pending_approvals"]:
-                w.announced.setdefault(p["call_id"], set()).add(conn.id)
+                w.shown(p["call_id"], snap.turn_id).add(conn.id)
                 conn.send(approval_request(snap, p))
 
     def subscribe_now(self, conn: Connection, w: ConversationWatch) -> bool:
@@ -358,7 +411,7 @@ class Hub:
             return False
         del w.subscribers[conn.id]
         for told in w.announced.values():
-            told.discard(conn.id)
+            told.conns.discard(conn.id)
         self.maybe_release(w)
         return True
 
@@ -372,7 +425,8 @@ class Hub:
                 if owner is conn:
                     w.tool_owners[turn_id] = None
         for call_id, (owner_id, conv_id, name) in list(self.client_calls.items()):
-            if owner_id == conn.id:
+            # read again: an await of an earlier call lets others change the routes
+            if owner_id == conn.id and self.client_calls.get(call_id, (None,))[0] == conn.id:
                 del self.client_calls[call_id]
                 await self.answer_gone(conv_id, call_id, name)
 
@@ -412,12 +466,23 @@ class Hub:
                 w.catch_up(conn, active.controller)  # the turn ahead of it: a pending approval holds both
         elif handle.controller.status in TERMINAL_STATUSES and handle.turn_id not in w.followers:
             snap = handle.controller.snapshot()  # a duplicate of a finished turn: show its result
-            conn.send_snapshot(snap.turn_id, encode({"type": "turn_updated", "snapshot": snap.to_dict()}))
+            text = encode({"type": "turn_updated", "snapshot": snap.to_dict()})
+            conn.send_snapshot(snap.turn_id, text, revision=snap.revision, final=True)
 
     # ------------------------------------------------------------ answers
 
     async def approve(self, conn: Connection, conversation_id: str, decisions: list[Decision]) -> list[dict[str, Any]]:
         w = await self.watch(conversation_id)
+        w.pins += 1  # not released (its `resolving`, `announced` dropped) while the answer is applied
+        try:
+            return await self._approve(w, conn, conversation_id, decisions)
+        finally:
+            w.pins -= 1
+            self.maybe_release(w)
+
+    async def _approve(
+        self, w: ConversationWatch, conn: Connection, conversation_id: str, decisions: list[Decision]
+    ) -> list[dict[str, Any]]:
         ids = {d.call_id for d in decisions}
         w.resolving |= ids
         try:
@@ -445,8 +510,9 @@ class Hub:
         # (its ack says it).
         shown: dict[str, set[str]] = {}
         for r in results:
-            if r.get("accepted"):
-                shown.setdefault(r["call_id"], set()).update(w.announced.pop(r["call_id"], set()))
+            entry = w.announced.pop(r["call_id"], None) if r.get("accepted") else None
+            if entry is not None:
+                shown.setdefault(r["call_id"], set()).update(entry.conns)
         for r in results:
             if not r.get("accepted"):
                 continue
@@ -470,7 +536,6 @@ class Hub:
                     other.send_encoded(frame)
         for snap in list(w.last.values()):
             await w.reconcile(snap)
-        self.maybe_release(w)
         return results
 
     async def tool_result(self, conn: Connection, call_id: str, output: str, is_error: bool) -> list[dict[str, Any]]:

@@ -31,10 +31,14 @@ class TurnBoard:
                 log.exception("turn watcher failed")
 
     def remember(self, handle: TurnHandle) -> None:
+        """Show `handle`, and forget the oldest settled handles beyond RECENT_HANDLES. The only place
+        a handle is forgotten: never a live turn's (queued, current or paused), and never the one
+        remembered now, even when its turn is not live yet (its caller queues it right after)."""
         handles = self.handles
         handles[handle.turn_id] = handle
         if len(handles) > RECENT_HANDLES:
             live = self._live()
+            live.add(handle.turn_id)
             for turn_id in list(handles):
                 if len(handles) <= RECENT_HANDLES:
                     break

@@ -78,8 +78,8 @@ class PendingAnswers:
         turn = awaiting[-1]
         pending = await store.list_pending(turn.id)
         controller = await controller_from_store(store, turn, pending)
-        self._board.handles[turn.id] = TurnHandle(turn.id, self._conversation_id, controller)
         self._lifecycle.restore_awaiting(turn.id)
+        self._board.remember(TurnHandle(turn.id, self._conversation_id, controller))
         self._awaiting = turn
         await self.expire_overdue()
         if self._lifecycle.state == "awaiting" and self._resume is None:
@@ -180,7 +180,10 @@ class PendingAnswers:
         pending = await self._deps.store.list_pending(turn.id)
         if any(p.status == "pending" for p in pending):
             handle = self._board.handles.get(turn.id)
-            if handle is not None:
+            # only a change is published: a late or unknown answer changes nothing to show
+            if handle is not None and handle.controller.pending != [
+                p.to_dict() for p in pending if p.status == "pending"
+            ]:
                 handle.controller.set_pending(pending)
             return
         done = {m.tool_call_id for m in await self._history.read() if m.role == "tool"}

@@ -223,7 +223,6 @@ class TurnQueue:
             record.id, self._conversation_id, record.agent_id, phase="queued", queue_position=position
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
-        self._board.remember(handle)
         items = self._items
         at = placed
         if at is None:
@@ -233,6 +232,7 @@ class TurnQueue:
                 at -= 1
         cancelled = ticket == self._cancel_ticket  # cancelled as the next to run while it was accepted
         items.insert(at, Queued(record, handle, ticket=ticket, cancelled=cancelled))
+        self._board.remember(handle)  # queued first: a live turn, so no trim of the board drops it
         if placed is not None and at < len(items) - 1:
             self._renumber()
         self._board.notify(handle)
@@ -260,8 +260,8 @@ class TurnQueue:
             queue_position=at + 1,
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
-        self._board.handles[record.id] = handle
         items.insert(at, Queued(record, handle))
+        self._board.remember(handle)
         if at < len(items) - 1:
             self._renumber()
         self._board.notify(handle)

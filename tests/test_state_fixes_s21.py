@@ -308,3 +308,16 @@ def test_a_start_removes_temporaries_of_the_home_state_files(home: Path) -> None
     r = run_cli(home, "agents", "list")  # opens the home as a server start does
     assert r.code == 0, r.err
     assert [p for p in left if p.exists()] == []
+
+
+def test_commands_opening_a_new_store_at_once_all_open_it(tmp_path: Path) -> None:
+    """Two commands on a new home: one read the other's fresh write-ahead log, half way through
+    being made, as a lost one, and refused the store ("the write-ahead log … is shorter than it
+    was"). Opening and closing the store now take turns (`appserver.db.open-lock`)."""
+    for rnd in range(12):
+        home = tmp_path / f"fresh{rnd}"
+        home.mkdir(mode=0o700)
+        (home / "config.toml").write_text(BASE)
+        commands = [["agents", "list"], ["conversations", "list", "--agent", "assistant"]] * 4
+        for args, r in zip(commands, _run_all(home, commands), strict=True):
+            assert r.code == 0, (args, r.out, r.err)

@@ -18,6 +18,8 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from appserver.procid import identity, identity_alive
 from appserver.store.agentcache import AgentCache, copy_agent
 from appserver.store.base import (
@@ -109,6 +111,40 @@ def _process(pid: int) -> str:
     return f"pid {pid}" + (f" ({cmd[:80]})" if cmd else "")
 
 
+OPEN_LOCK_TIMEOUT_S = 30.0  # another process opening or closing the store this long: refused
+CLOSE_LOCK_TIMEOUT_S = 5.0  # at close, past this the connection closes without the lock
+
+
+@contextmanager
+def handoff(path: Path | str, timeout: float, *, required: bool = True) -> Iterator[None]:
+    """Held while this process opens the store (until its connection holds the `-shm` lock) and
+    while it closes it. Another process's preflight reads the files only when nobody has the store
+    open (integrity.py), and a process half way through creating, opening or closing it had no lock
+    yet or any more: two commands on a new home read the other's fresh WAL as a lost one and
+    refused the store. A home where the lock file cannot be made (read-only) goes without it."""
+    if not isinstance(path, Path):
+        yield
+        return
+    lock = FileLock(str(path.with_name(path.name + ".open-lock")), timeout=timeout, mode=0o600)
+    try:
+        lock.acquire()
+    except Timeout:
+        if required:
+            raise StoreOpenError(
+                f"another process has been opening or closing {path} for {timeout:g} s "
+                f"({path.name}.open-lock): try again; if it stays, look for a hung appserver command"
+            ) from None
+        yield
+        return
+    except OSError:
+        yield  # (a read-only home: nothing can be written there anyway)
+        return
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 class SQLiteStore(Store):
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path) if path != ":memory:" else path
@@ -137,6 +173,10 @@ class SQLiteStore(Store):
         raises StoreOpenError naming the file and what to do, and is left as it was."""
         if self._db is not None:
             return
+        with handoff(self.path, OPEN_LOCK_TIMEOUT_S):
+            self._open_held()
+
+    def _open_held(self) -> None:
         created = False
         if isinstance(self.path, Path):
             check_store_writable(self.path)
@@ -200,7 +240,8 @@ class SQLiteStore(Store):
                     # Syncs the WAL even when another process keeps the store open (then the
                     # close below checkpoints nothing): what `seq` counts is durable.
                     self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            self._db.close()  # the last connection to close checkpoints what is left
+            with handoff(self.path, CLOSE_LOCK_TIMEOUT_S, required=False):
+                self._db.close()  # the last connection to close checkpoints what is left
             self._db = None
             if checkpointer is not None and seq is not None:
                 checkpointer.record(seq)

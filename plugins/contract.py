@@ -12,6 +12,8 @@ only.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,16 @@ IMAGE_MAX_BYTES = 5 << 20
 IMAGE_FRAME_RESERVE = 64 << 10
 # The server's frame limit when nothing says otherwise (docs/protocol.md: 4 MiB).
 DEFAULT_MAX_FRAME_BYTES = 4 << 20
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment (a test against a loopback fake shortens
+    a wait); the default when unset or not one."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if 0 < value < math.inf else default
 
 
 def image_budget(max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> int:

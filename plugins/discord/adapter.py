@@ -51,7 +51,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -72,6 +71,7 @@ from plugins.contract import (
     InboundMessage,
     Limits,
     Target,
+    env_seconds,
 )
 from plugins.discord.format import to_discord
 from plugins.discord.settings import DEFAULT_API_URL, DEFAULT_GATEWAY_URL, check_settings
@@ -104,15 +104,6 @@ REIDENTIFY_WAIT_S = 5.0
 GUILD_READY_TIMEOUT_S = 0.5
 REIDENTIFY_WAIT_ENV = "APPSERVER_DISCORD_REIDENTIFY_WAIT_S"
 GUILD_READY_TIMEOUT_ENV = "APPSERVER_DISCORD_GUILD_READY_TIMEOUT_S"
-
-
-def _env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment; the default when unset or not one."""
-    try:
-        value = float(os.environ.get(name, ""))
-    except ValueError:
-        return default
-    return value if 0 < value < math.inf else default
 
 
 # What a person wrote (a message, a reply); every other type is a notice Discord makes (a channel
@@ -169,7 +160,7 @@ class _Client(discord.Client):
     async def before_identify_hook(self, shard_id: int | None, *, initial: bool = False) -> None:
         """As discord.py's (which waits 5 s before a re-IDENTIFY), with the wait from the environment."""
         if not initial:
-            await asyncio.sleep(_env_seconds(REIDENTIFY_WAIT_ENV, REIDENTIFY_WAIT_S))
+            await asyncio.sleep(env_seconds(REIDENTIFY_WAIT_ENV, REIDENTIFY_WAIT_S))
 
     async def on_ready(self) -> None:
         await self._adapter._on_ready()
@@ -295,7 +286,7 @@ class DiscordAdapter:
             intents=intents,
             max_ratelimit_timeout=MAX_RATELIMIT_WAIT_S,
             chunk_guilds_at_startup=False,
-            guild_ready_timeout=_env_seconds(GUILD_READY_TIMEOUT_ENV, GUILD_READY_TIMEOUT_S),
+            guild_ready_timeout=env_seconds(GUILD_READY_TIMEOUT_ENV, GUILD_READY_TIMEOUT_S),
             allowed_mentions=discord.AllowedMentions.none(),
         )
         self._client = client

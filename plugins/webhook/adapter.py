@@ -14,7 +14,6 @@ import contextlib
 import email.utils
 import json
 import math
-import os
 import re
 import socket
 import time
@@ -37,6 +36,7 @@ from plugins.contract import (
     InboundMessage,
     Limits,
     Target,
+    env_seconds,
 )
 from plugins.webhook.edge import AUTHENTICATED_EXTENSION, REFUSAL_LOG_EVERY_S, Gate, protocol_class
 from plugins.webhook.settings import (
@@ -374,7 +374,7 @@ class WebhookAdapter:
         }
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=SEND_TIMEOUT, follow_redirects=False)
-        deadline = _env_seconds(SEND_DEADLINE_ENV, SEND_DEADLINE_S)
+        deadline = env_seconds(SEND_DEADLINE_ENV, SEND_DEADLINE_S)
         request = self._client.build_request("POST", url, content=body, headers=headers)
         try:
             async with asyncio.timeout(deadline):
@@ -436,15 +436,6 @@ def _has_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
-
-
-def _env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds from the environment; the default when unset or not one."""
-    try:
-        value = float(os.environ.get(name, ""))
-    except ValueError:
-        return default
-    return value if 0 < value < math.inf else default
 
 
 async def _excerpt(response: httpx.Response) -> str:

@@ -45,6 +45,16 @@ _PATTERNS: tuple[re.Pattern[str], ...] = (
     re.compile(r"\b\d{6,12}:[A-Za-z0-9_-]{30,}"),
     # credentials in a URL query (the guard refuses them, but the access log already saw them)
     re.compile(r"(?i)[?&;](?:token|access_token|api_key|apikey|api-key|key|jwt)=(?P<s>[^&;\s\"']+)"),
+    # an Authorization header's value under any scheme (`Token …`, `Key …`) or none (a raw key)
+    re.compile(
+        r"(?i)\b(?:proxy-)?authorization\s*[:=]\s*[\"']?(?>(?:[A-Za-z][A-Za-z0-9-]*\s+)?)"
+        r"(?P<s>(?!\[redacted)[A-Za-z0-9\-._~+/]{8,}=*)"
+    ),
+    # `name=value` pairs named like secrets, as key=value logs and command lines write them
+    re.compile(
+        r"(?i)(?<![A-Za-z0-9_])(?:password|passwd|secret|client_secret|api_key|apikey|api-key"
+        r"|access_token|refresh_token|token|jwt)=(?P<s>[^\s&;,\"'<>\[\]]{8,})"
+    ),
     # JSON / repr fields named like secrets; the value runs to its closing quote, over escaped quotes
     # and backslashes inside it (`"Authorization": "Bearer k3y\"x\\y"`: all of it is the value)
     re.compile(_SECRET_FIELD + r'"(?P<s>(?:[^"\\]|\\.){8,})"'),

@@ -87,8 +87,29 @@ def test_leaves_ordinary_text_alone() -> None:
         "send a bearer token",
         "GET /healthz 200",
         "echo: hello world",
+        "the token rejected by the server",
+        "authorization failed for this request",
+        "shell pwd=/work/main token=None",
     ):
         assert r.redact(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("Authorization: Token abcdef123456", "abcdef123456"),
+        ("authorization: rawkey-123456789", "rawkey-123456789"),
+        ("Proxy-Authorization: Key zyxwvut98765", "zyxwvut98765"),
+        ("headers={'Authorization': 'Token q1w2e3r4t5y6'}", "q1w2e3r4t5y6"),
+        ("connect password=hunter2222 user=bob", "hunter2222"),
+        ("export CLIENT_SECRET=verylongsecretvalue", "verylongsecretvalue"),
+        ("refresh_token=rt-0123456789abcdef&scope=x", "rt-0123456789abcdef"),
+    ],
+)
+def test_redacts_any_authorization_scheme_and_secret_pairs(text: str, secret: str) -> None:
+    out = SecretRedactor().redact(text)
+    assert secret not in out and "[redacted sha256:" in out, out
+    assert SecretRedactor().redact(out) == out  # masking twice changes nothing
 
 
 def test_from_config_and_install(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -71,12 +71,20 @@ def _error_code(r: httpx.Response) -> str:
 
 
 async def _hello(sp: ServeProcess, headers: dict[str, str] | None, token: str | None = None) -> dict[str, Any]:
+    """The answer to a hello; an error frame gets the close code that follows it as `close_code`."""
     async with websockets.connect(ws_url(sp.url), additional_headers=headers, open_timeout=20) as ws:
         frame: dict[str, Any] = {"type": "hello", "protocol": 1, "request_id": "h"}
         if token is not None:
             frame["token"] = token
         await ws.send(json.dumps(frame))
-        return dict(json.loads(await asyncio.wait_for(ws.recv(), 20)))
+        answer = dict(json.loads(await asyncio.wait_for(ws.recv(), 20)))
+        if answer.get("type") == "error":
+            try:
+                await asyncio.wait_for(ws.recv(), 20)
+            except websockets.ConnectionClosed:
+                pass
+            answer["close_code"] = ws.close_code
+        return answer
 
 
 @pytest.fixture
@@ -207,6 +215,8 @@ def test_a_slow_token_read_never_stalls_the_server(tmp_path: Path, pg_url: str) 
         assert _error_code(unknown) == "store_unavailable", unknown.text
         assert unknown.headers.get("retry-after") == "1", unknown.headers
         assert unknown_hello and unknown_hello[0].get("code") == "store_unavailable", unknown_hello
+        # "try again later", which clients reconnect on, not 4401: the credential was not refused
+        assert unknown_hello[0]["close_code"] == 1013, unknown_hello
         # the lock is gone: a plain 401 and a 200 again
         r = httpx.get(sp.url + "/v1/models", headers=_bearer("aps_unknown_" + "y" * 30), timeout=20)
         assert r.status_code == 401, r.text

@@ -12,3 +12,4 @@ CLOSE_PROTOCOL = 4406
 CLOSE_SLOW_CONSUMER = 4408
 CLOSE_TOO_MANY = 4429  # `hello` named a credential whose connection slots are all taken
 CLOSE_TOO_BIG = 1009
+CLOSE_TRY_AGAIN = 1013  # `hello` could not be checked now (the token store's database did not answer)

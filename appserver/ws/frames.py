@@ -23,6 +23,7 @@ from appserver.ws.codes import CLOSE_PROTOCOL as CLOSE_PROTOCOL
 from appserver.ws.codes import CLOSE_SLOW_CONSUMER as CLOSE_SLOW_CONSUMER
 from appserver.ws.codes import CLOSE_TOO_BIG as CLOSE_TOO_BIG
 from appserver.ws.codes import CLOSE_TOO_MANY as CLOSE_TOO_MANY
+from appserver.ws.codes import CLOSE_TRY_AGAIN as CLOSE_TRY_AGAIN
 from appserver.ws.codes import PROTOCOL_VERSION as PROTOCOL_VERSION
 
 

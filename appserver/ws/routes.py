@@ -264,8 +264,10 @@ class Endpoint:
                 )
             except AuthError as exc:
                 conn.send({"type": "error", "request_id": request_id, "code": exc.code, "message": exc.message})
-                # a credential over its connection cap (429 at an upgrade) is no authentication failure
-                conn.kill(F.CLOSE_TOO_MANY if exc.status == 429 else F.CLOSE_AUTH, exc.message, flush=True)
+                # neither a credential over its connection cap (429 at an upgrade) nor a token store
+                # that could not answer (503) is an authentication failure
+                code = {429: F.CLOSE_TOO_MANY, 503: F.CLOSE_TRY_AGAIN}.get(exc.status, F.CLOSE_AUTH)
+                conn.kill(code, exc.message, flush=True)
                 return
             except (WebSocketDisconnect, asyncio.CancelledError):
                 raise

@@ -44,6 +44,11 @@ class Authenticator:
         elif self.mode == "jwt":
             self.jwt = JwtVerifier(config.auth, base_dir=config.home)
 
+    def close(self) -> None:
+        """Let go of the token store's database connection (and its reader thread)."""
+        if self.tokens is not None:
+            self.tokens.close()
+
     @property
     def required(self) -> bool:
         return self.mode != "none"

@@ -405,6 +405,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         with contextlib.suppress(asyncio.CancelledError):
             await keeping
         remove_server_json(config.server_json)
+        authenticator.close()
 
 
 async def _keep_server_json(keeper: ServerJsonKeeper) -> None:
@@ -494,7 +495,7 @@ def serve_command(
     try:
         addr = parse_listen(listen or config.server.listen)
         check_bind_allowed(addr, config.auth.mode)
-        Authenticator(config)  # a bad JWT/token configuration fails here, before any socket opens
+        Authenticator(config).close()  # a bad JWT/token configuration fails here, before any socket opens
         store_kind(config.store.url)  # a bad --store URL too (shown without its password)
         if config.server.tls_cert and config.server.tls_key:
             check_tls_files(config.server.tls_cert, config.server.tls_key)

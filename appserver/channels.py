@@ -17,8 +17,9 @@ import hashlib
 import logging
 import re
 import socket
+import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from appserver.auth import GATEWAY_TOKEN_NAME, ReservedNameTaken, token_store_fo
 from appserver.channelconfig import AccountConfig
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
-from gateway.db import default_path, open_db
+from gateway.db import CorruptGatewayDB, CorruptGatewayDBInUse, SchemaTooNew, default_path, open_db
 from gateway.pairing import Pairing, PairingError
 from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.supervisor import DELIVER_COMMAND_TIMEOUT_S, Credential, GatewaySupervisor
@@ -294,30 +295,44 @@ class PairingRefused(Exception):
     """A pairing code that cannot be decided (unknown, expired, already decided)."""
 
 
-def pairing_pending(home: Path) -> list[dict[str, Any]]:
-    """Pending channel pairing codes (the `pairing_list` frame); gateway.db is read directly."""
-    path = default_path(home)
-    if not path.exists():
-        return []
-    conn = open_db(path)
+class LedgerUnavailable(Exception):
+    """gateway.db cannot be used now (corrupt, of a newer appserver, busy, unreadable): the message
+    says why and what happened to the file."""
+
+
+@contextlib.contextmanager
+def _ledger(home: Path) -> Iterator[sqlite3.Connection]:
     try:
-        return [p.to_json() for p in Pairing(conn).pending()]
+        conn = open_db(default_path(home))
+    except CorruptGatewayDB as exc:
+        raise LedgerUnavailable(f"{exc}; the gateway starts a new, empty ledger") from None
+    except (CorruptGatewayDBInUse, SchemaTooNew) as exc:
+        raise LedgerUnavailable(str(exc)) from None
+    except (sqlite3.Error, OSError) as exc:
+        raise LedgerUnavailable(f"cannot open {default_path(home)}: {exc}") from None
+    try:
+        yield conn
     finally:
         conn.close()
 
 
+def pairing_pending(home: Path) -> list[dict[str, Any]]:
+    """Pending channel pairing codes (the `pairing_list` frame); gateway.db is read directly."""
+    if not default_path(home).exists():
+        return []
+    with _ledger(home) as conn:
+        return [p.to_json() for p in Pairing(conn).pending()]
+
+
 def pairing_decide(home: Path, code: str, decision: str) -> dict[str, Any]:
     """Approve or deny a code (the `pairing_decide` frame); a running gateway acts within a second."""
-    conn = open_db(default_path(home))
-    try:
+    with _ledger(home) as conn:
         pairing = Pairing(conn)
         try:
             decided = pairing.approve(code) if decision == "approve" else pairing.deny(code)
         except PairingError as exc:
             raise PairingRefused(str(exc)) from None
         return decided.to_json()
-    finally:
-        conn.close()
 
 
 def _describe(detail: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ never emptied: the records in it may be the only trace of messages a person sent
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sqlite3
@@ -160,6 +161,22 @@ class CorruptGatewayDB(Exception):
         self.reason = reason
 
 
+class CorruptGatewayDBInUse(Exception):
+    """gateway.db could not be read, but a running gateway holds it (`channels/gateway.lock`): left
+    where it is. Moved aside under it, the gateway would go on in the renamed file while every
+    command after this one read and wrote a new, empty one that the gateway never reads."""
+
+    def __init__(self, path: Path, reason: str, holder: str) -> None:
+        super().__init__(
+            f"{path} is not a readable database ({reason}), but the running gateway ({holder}) holds it: "
+            "it was left in place; stop the server (or restart its gateway), which moves it aside and "
+            "starts a new, empty ledger"
+        )
+        self.path = path
+        self.reason = reason
+        self.holder = holder
+
+
 class SchemaTooNew(Exception):
     """The file was written by a newer gateway; refuse rather than guess."""
 
@@ -171,18 +188,21 @@ def default_path(home: Path | None = None) -> Path:
     return home / "channels" / "gateway.db"
 
 
-def open_db(path: Path) -> sqlite3.Connection:
+def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
     """Open (creating if needed) and migrate the database; raise `CorruptGatewayDB` after moving a
     corrupt file aside. A database that is only busy, unreadable for its permissions or on a failing
     disk raises its `sqlite3.Error` and stays where it is: moving a healthy ledger aside because
-    another process held its lock would split the gateway's state in two."""
+    another process held its lock would split the gateway's state in two. So does a corrupt one
+    that a running gateway holds, when anyone but that gateway (`gateway=True`, holding
+    `gateway.lock`) opens it: `CorruptGatewayDBInUse`."""
+    lock = None if gateway else Path(path).with_name("gateway.lock")
     path = Path(os.path.realpath(path))  # a symlinked gateway.db: the file it names is the ledger
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     _create_whole(path)
     if path.is_file() and path.stat().st_size == 0:
         # SQLite opens an empty file as a new database, but a ledger never has 0 bytes (it is
         # created whole, above): this one was truncated, and its -wal may hold the rest.
-        raise _move_aside(path, "the file is empty (0 bytes)")
+        raise _move_aside(path, "the file is empty (0 bytes)", lock)
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     damage: str | None = None
     try:
@@ -204,7 +224,7 @@ def open_db(path: Path) -> sqlite3.Connection:
         raise
     if damage is not None:
         conn.close()
-        raise _move_aside(path, damage)
+        raise _move_aside(path, damage, lock)
     os.chmod(path, 0o600)
     return conn
 
@@ -315,7 +335,30 @@ def _statements(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
 
 
-def _move_aside(path: Path, reason: str) -> CorruptGatewayDB:
+def _move_aside(path: Path, reason: str, lock: Path | None) -> CorruptGatewayDB | CorruptGatewayDBInUse:
+    """Move the damaged ledger aside, unless a running gateway holds `lock` (then leave it: the
+    gateway moves it aside itself when it next starts). The lock is held while moving, so a gateway
+    starting meanwhile opens the new file, not the one being moved."""
+    if lock is None:
+        return _moved(path, reason)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # no lock file (no gateway ever ran here), or none that a gateway could hold
+        return _moved(path, reason)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            holder = f"pid {pid}" if pid.isdigit() else "a gateway process"
+            log.error("gateway.db is corrupt (%s); the running gateway (%s) holds it: left in place", reason, holder)
+            return CorruptGatewayDBInUse(path, reason, holder)
+        return _moved(path, reason)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _moved(path: Path, reason: str) -> CorruptGatewayDB:
     moved_to = move_aside(path)
     for suffix in ("-wal", "-shm"):
         side = path.with_name(path.name + suffix)

@@ -137,8 +137,9 @@ class Ledger:
         self._clock = clock
 
     @classmethod
-    def open(cls, path: Path, clock: Callable[[], float] = time.time) -> Ledger:
-        return cls(open_db(path), clock)
+    def open(cls, path: Path, clock: Callable[[], float] = time.time, *, gateway: bool = False) -> Ledger:
+        """`gateway`: opened by the gateway process, which holds `gateway.lock` (db.open_db)."""
+        return cls(open_db(path, gateway=gateway), clock)
 
     @property
     def connection(self) -> sqlite3.Connection:

@@ -144,11 +144,11 @@ async def lock_ledger(home: Path, control: ControlWriter, wait_s: float = LOCK_W
 def _open_ledger(home: Path, control: ControlWriter) -> Ledger | None:
     path = default_path(home)
     try:
-        return Ledger.open(path)
+        return Ledger.open(path, gateway=True)
     except CorruptGatewayDB as exc:
         log.error("%s; starting with an empty ledger", exc)
         control.event("gateway_error", {"message": str(exc)})
-        return Ledger.open(path)
+        return Ledger.open(path, gateway=True)
     except SchemaTooNew as exc:
         log.error("%s", exc)
         control.event("gateway_error", {"message": str(exc)})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import sqlite3
@@ -255,3 +256,57 @@ def _the_gateway_gets_its_own_token_revoked_at_stop_and_no_child_without_channel
     tokens = json.loads((home / "auth" / "tokens.json").read_text())
     records = tokens["tokens"] if isinstance(tokens, dict) else tokens
     assert [t for t in records if t["name"] == "gateway"] == []
+
+
+def test_a_command_leaves_a_corrupt_ledger_the_running_gateway_holds_in_place(tmp_path: Path) -> None:
+    """gateway.db damaged on disk while the gateway serves (found by an outside test): `channels
+    status` moved the live file aside, so the gateway went on in the renamed file while `pairing
+    approve` and every later command worked on a new, empty one the gateway never read (a pending
+    code could not be approved; after a restart it was gone). Commands now refuse and leave the file
+    where it is; the gateway moves it aside itself when it next starts, and goes on working."""
+    import os
+    import signal
+
+    from tests.support.cli import run_cli
+
+    home = tmp_path / "home"
+    port = free_port()
+    settings = {"listen": f"127.0.0.1:{port}", "secret_env": "WH_SECRET", "default_agent": "assistant"}
+    write_config(home, {"webhook": {"main": settings}}, ["webhook"])
+    env = cli_env(home, WH_SECRET=SECRET)
+    with channel_server(home, env=env, ready=False) as srv:
+        _check_showing(srv, "webhook:main running")
+        assert _post(port, {"id": "a1", "chat": "c", "sender": "s", "text": "hi"}).status_code == 202
+        wait_for(lambda: store_turns(home, 'message_id="a1"') == 1, timeout=20, what="the first turn")
+        channels = home / "channels"
+        for name in ("gateway.db", "gateway.db-wal"):
+            path = channels / name
+            if path.exists():
+                with open(path, "r+b") as f:
+                    f.write(b"\xa5" * max(path.stat().st_size, 8192))
+        for command in (("channels", "status"), ("pairing", "list"), ("pairing", "approve", "ABCDEFGH")):
+            done = run_cli(home, *command, env=env)
+            assert done.code != 0 and "holds it" in done.err and "left in place" in done.err, (command, done)
+            assert not list(channels.glob("gateway.db.corrupt-*")), (command, sorted(os.listdir(channels)))
+        assert asyncio.run(_ws_pairing_list(srv.url)) == {"code": "ledger_unavailable", "held": True}
+        os.kill(srv.gateway_pid(), signal.SIGKILL)  # the next gateway moves it aside, loudly
+        wait_for(
+            lambda: bool(list(channels.glob("gateway.db.corrupt-*"))), timeout=60, what="the ledger moved aside"
+        )
+        _check_showing(srv, "webhook:main running", timeout=60)
+        assert _post(port, {"id": "a2", "chat": "c", "sender": "s", "text": "again"}).status_code == 202
+        wait_for(lambda: store_turns(home, 'message_id="a2"') == 1, timeout=30, what="a turn on the new ledger")
+        assert run_cli(home, "pairing", "list", env=env).code == 0
+
+
+async def _ws_pairing_list(http_url: str) -> dict[str, Any]:
+    import websockets
+
+    from tests.support.ws import ws_url
+
+    async with websockets.connect(ws_url(http_url), open_timeout=20) as ws:
+        await ws.send(json.dumps({"type": "hello", "protocol": 1, "request_id": "h"}))
+        assert json.loads(await asyncio.wait_for(ws.recv(), 20))["type"] == "welcome"
+        await ws.send(json.dumps({"type": "pairing_list", "request_id": "p"}))
+        answer = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        return {"code": answer.get("code"), "held": "holds it" in str(answer.get("message"))}

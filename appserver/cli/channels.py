@@ -51,7 +51,7 @@ from appserver.config import Config, ConfigError, default_home, load_config
 from appserver.fsutil import atomic_write_text
 from appserver.serverinfo import read_live_server
 from gateway.access import AccessPolicy, PolicyError
-from gateway.db import CorruptGatewayDB, SchemaTooNew, default_path, open_db
+from gateway.db import CorruptGatewayDB, CorruptGatewayDBInUse, SchemaTooNew, default_path, open_db
 from gateway.debounce import DebounceError, DebounceSettings
 from gateway.ledger import Ledger
 from gateway.routing import ROOT, Route, RouteKey, Router
@@ -94,6 +94,8 @@ def _errors(fn: F) -> F:
                 "the gateway starts a new, empty ledger and route table (routes must be added again)",
                 1,
             )
+        except CorruptGatewayDBInUse as exc:
+            fail(_one_line(exc), 1)
         except SchemaTooNew as exc:
             fail(f"{_one_line(exc)}: upgrade appserver to use it (the file was left untouched)", 1)
         except (ConfigError, ChannelConfigError) as exc:

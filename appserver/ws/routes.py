@@ -21,7 +21,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from appserver import __name__ as _pkg
 from appserver import strictjson
 from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows, namespace_of
-from appserver.channels import PairingRefused, pairing_decide, pairing_pending
+from appserver.channels import LedgerUnavailable, PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
 from appserver.http.conversation_match import name_ids
 from appserver.providers.base import ToolSpec
@@ -380,6 +380,8 @@ class Endpoint:
                     results = [await asyncio.to_thread(pairing_decide, home, frame.code, frame.decision)]
             except PairingRefused as exc:
                 raise FrameError("invalid_request", str(exc), "code") from None
+            except LedgerUnavailable as exc:
+                raise FrameError("ledger_unavailable", str(exc)) from None
             conn.send({"type": "ack", "request_id": rid, "results": results})
         else:  # pragma: no cover - parse_client_frame only yields known frames
             raise FrameError("unknown_type", f"unhandled frame {frame.type}")

@@ -380,6 +380,7 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
     if not isinstance(tools, list):
         raise bad_request("'tools' must be an array", "tools")
     out: list[ToolSpec] = []
+    names: set[str] = set()
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") not in ("function", None) or not isinstance(fn, dict):
@@ -392,12 +393,13 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
         fields.boolean(fn.get("strict"), f"tools[{i}].function.strict")
         if "parameters" in fn:
             fields.obj(fn["parameters"], f"tools[{i}].function.parameters", nullable=False)
-        if any(t.name == name for t in out):
+        if name in names:
             raise bad_request(
                 f"tools[{i}]: a second function named {name!r}; function names must be unique",
                 "tools",
                 code="duplicate_function_name",
             )
+        names.add(name)
         params = fn.get("parameters")
         strict = fn.get("strict")
         out.append(

@@ -42,12 +42,13 @@ def openai_routes(server: Server, metrics: Metrics, stopping: Stopping | None = 
         )
 
     async def get_model(request: Request) -> Response:
-        if not request.path_params["model"]:
+        if request.path_params["model"].endswith("/") or not request.path_params["model"]:
+            # as every other path with a trailing slash: no route (a model's id never ends with one)
             raise ApiError(
                 404,
-                "GET /v1/models/ names no model: use GET /v1/models to list them, or GET /v1/models/{id}",
-                code="model_not_found",
-                param="model",
+                f"Invalid URL (GET {request.url.path[:200]}): no such route (paths take no trailing slash); "
+                "use GET /v1/models to list the models, or GET /v1/models/{id}",
+                code="unknown_url",
             )
         agent, model_id = await resolve_model(server, principal_of(request), request.path_params["model"], lookup=True)
         return json_response(model_object(agent, model_id))

@@ -454,6 +454,7 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
     if not isinstance(value, list):
         raise bad_request("'tools' must be an array", "tools")
     specs: list[ToolSpec] = []
+    names: set[str] = set()
     shown: list[dict[str, Any]] = []
     for i, t in enumerate(value):
         if isinstance(t, dict) and t.get("type") == "mcp":
@@ -496,7 +497,7 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
         fields.obj(t.get("parameters"), f"tools[{i}].parameters")
         fields.string(t.get("description"), f"tools[{i}].description")
         fields.boolean(t.get("strict"), f"tools[{i}].strict")
-        if any(sp.name == name for sp in specs):
+        if name in names:
             raise bad_request(
                 f"tools[{i}]: a second function named {name!r}; function names must be unique",
                 "tools",
@@ -506,6 +507,7 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
         params: dict[str, Any] = raw_params if isinstance(raw_params, dict) else {"type": "object", "properties": {}}
         desc = t.get("description") if isinstance(t.get("description"), str) else None
         strict = t.get("strict")
+        names.add(name)
         specs.append(ToolSpec(name, desc or "", params, strict if isinstance(strict, bool) else None))
         shown.append(
             {
@@ -1082,10 +1084,11 @@ class Responses:
         if after:
             ids = [i.get("id") for i in items]
             items = items[ids.index(after) + 1 :] if after in ids else []
-        try:
-            limit = int(request.query_params.get("limit", "20"))
-        except ValueError:
-            raise bad_request("'limit' must be an integer", "limit") from None
+        raw_limit = request.query_params.get("limit", "20")
+        # ASCII digits only: int() also reads "١٠", " 5 " and "1_0"
+        if not (raw_limit.isascii() and raw_limit.lstrip("-").isdigit()) or len(raw_limit) > 12:
+            raise bad_request("'limit' must be an integer", "limit")
+        limit = int(raw_limit)
         if not 1 <= limit <= 100:
             raise bad_request(
                 f"Invalid 'limit': {limit}; use 1 to 100",

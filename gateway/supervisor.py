@@ -30,6 +30,9 @@ from gateway.stdio import COMMAND_MAX_LINE, MAX_LINE, ControlLine, read_lines
 log = logging.getLogger("appserver.gateway")
 child_log = logging.getLogger("gateway")
 
+# The directory holding this `gateway` package (and `appserver`, `plugins`): a source checkout or
+# site-packages. The child imports from it, never from the working directory.
+CODE_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 30.0
 COMMAND_TIMEOUT_S = 30.0
 # `deliver` (cron) waits for the outbox's own verdict: the child gives up at 90 s
@@ -220,8 +223,13 @@ class GatewaySupervisor:
         try:
             env = {**self._env, "APPSERVER_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
             env.pop("APPSERVER_TOKEN", None)  # the child gets its own credential, on stdin
+            # `-P`: nothing from the working directory (`-m` would put it first on sys.path, so a
+            # `concurrent.py` where `serve` started ran in the child, which reads the credential).
+            # The code root of this package comes first instead: the child runs the parent's code.
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(CODE_ROOT), env.get("PYTHONPATH"))))
             proc = await asyncio.create_subprocess_exec(
                 self._python,
+                "-P",
                 "-m",
                 "gateway",
                 stdin=asyncio.subprocess.PIPE,

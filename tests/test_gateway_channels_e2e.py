@@ -290,9 +290,7 @@ def test_a_command_leaves_a_corrupt_ledger_the_running_gateway_holds_in_place(tm
             assert not list(channels.glob("gateway.db.corrupt-*")), (command, sorted(os.listdir(channels)))
         assert asyncio.run(_ws_pairing_list(srv.url)) == {"code": "ledger_unavailable", "held": True}
         os.kill(srv.gateway_pid(), signal.SIGKILL)  # the next gateway moves it aside, loudly
-        wait_for(
-            lambda: bool(list(channels.glob("gateway.db.corrupt-*"))), timeout=60, what="the ledger moved aside"
-        )
+        wait_for(lambda: bool(list(channels.glob("gateway.db.corrupt-*"))), timeout=60, what="the ledger moved aside")
         _check_showing(srv, "webhook:main running", timeout=60)
         assert _post(port, {"id": "a2", "chat": "c", "sender": "s", "text": "again"}).status_code == 202
         wait_for(lambda: store_turns(home, 'message_id="a2"') == 1, timeout=30, what="a turn on the new ledger")
@@ -310,3 +308,60 @@ async def _ws_pairing_list(http_url: str) -> dict[str, Any]:
         await ws.send(json.dumps({"type": "pairing_list", "request_id": "p"}))
         answer = json.loads(await asyncio.wait_for(ws.recv(), 20))
         return {"code": answer.get("code"), "held": "holds it" in str(answer.get("message"))}
+
+
+def test_the_gateway_child_imports_nothing_from_the_working_directory(tmp_path: Path) -> None:
+    """`serve` started from a directory holding `concurrent.py` (found by an outside test): the
+    gateway child, started as `python -m gateway`, had that directory first on sys.path, so the
+    file ran inside it (the process that reads the gateway's credential) and the child crash-looped
+    (`concurrent.futures` not found). It now imports only the server's own code and the standard
+    library: the file never runs, and the channel works."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.serve import ROOT
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = tmp_path / "ran"
+    planted = f"open({str(marker)!r}, 'a').write('ran in ' + __import__('sys').argv[0] + '\\n')\n"
+    for name in ("concurrent.py", "gateway.py", "plugins.py", "json.py"):
+        (cwd / name).write_text(planted)
+    home = tmp_path / "home"
+    port = free_port()
+    settings = {"listen": f"127.0.0.1:{port}", "secret_env": "WH_SECRET", "default_agent": "assistant"}
+    write_config(home, {"webhook": {"main": settings}}, ["webhook"])
+    env = cli_env(home, WH_SECRET=SECRET, PYTHONPATH=str(ROOT))  # this tree's code, run from elsewhere
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "appserver", "serve", "--listen", "127.0.0.1:0"],
+            cwd=cwd,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: (home / "server.json").exists(), timeout=30, what="server.json")
+        url = json.loads((home / "server.json").read_text())["url"]
+        srv = ChannelServer(proc, home, url, log_path)
+        _check_showing(srv, "webhook:main running", timeout=60)
+        assert _post(port, {"id": "w1", "chat": "c", "sender": "s", "text": "hi"}).status_code == 202
+        wait_for(lambda: store_turns(home, 'message_id="w1"') == 1, timeout=30, what="the turn")
+        assert not marker.exists(), marker.read_text()
+        assert "ModuleNotFoundError" not in log_path.read_text()
+    finally:
+        from tests.support.gateway import gateway_children
+
+        children = gateway_children(proc.pid)
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for pid in children:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass

@@ -171,7 +171,7 @@ async def test_ready_means_running_and_commands_round_trip(fx: Fixture) -> None:
     assert again["id"] != reply["id"]
 
     (start,) = fx.starts()
-    assert start["argv"] == ["-m", "gateway"]
+    assert start["argv"] == ["-P", "-m", "gateway"]  # nothing from the working directory
     assert start["start"] == {
         "op": "start",
         "url": "ws://127.0.0.1:9/ws",

@@ -36,6 +36,7 @@ APP_CODES = {
     codes.CLOSE_SLOW_CONSUMER,
     codes.CLOSE_TOO_BIG,
     codes.CLOSE_TOO_MANY,  # a `hello` whose credential is at its connection cap
+    codes.CLOSE_TRY_AGAIN,  # a `hello` the token store could not answer (tests/test_pg_tokens_s21.py)
     ws_session.WS_CLOSE_AUTH,
     ws_session.WS_CLOSE_TOO_BIG,
 }

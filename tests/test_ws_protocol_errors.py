@@ -44,6 +44,7 @@ NOT_PROVOKABLE = {
     "store_unavailable": "PostgreSQL ending every connection (tests/test_postgres_serve_attack.py provokes it)",
     "too_many_connections": "a hello over the credential's connection cap (tests/test_ws_fixes_s18.py provokes it)",
     "outcome_unknown": "a cluster holder that does not answer in time (tests/test_cluster_fixes_s18.py provokes it)",
+    "ledger_unavailable": "a corrupt gateway.db a running gateway holds (tests/test_gateway_channels_e2e.py)",
 }
 LOOKUP = {"name": "lookup", "description": "a client tool", "parameters": {"type": "object", "properties": {}}}
 

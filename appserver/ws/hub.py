@@ -25,6 +25,7 @@ from appserver.runtime import (
     TurnSnapshot,
     Watch,
 )
+from appserver.store.records import PendingCall
 from appserver.ws.connection import Connection, encode, text_frame
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ PACE_SUBSCRIBERS = 64  # from this many subscribers on, a turn's snapshots go ou
 PACE_MAX_S = 0.25  # a round never holds the next one back longer than this (a stuck client)
 PACE_DELAY_S = 0.01  # and a turn's state waits this long before a round, to go out as new as it gets
 PACE_POLL_S = 0.002
+# An answer refused because the turn left its pause (`NotAwaiting`) whose calls still read pending:
+# a cancel took the turn and is writing their results (on the holder; in a cluster this server may
+# read the database before that write). How long the store is read for them, first how often.
+CLOSING_WAIT_S = 10.0
+CLOSING_POLL_S = 0.02
 
 
 class Shown:
@@ -68,7 +74,10 @@ class ConversationWatch:
         self.tool_names: dict[str, set[str]] = {}
         self.followers: dict[str, tuple[TurnController, asyncio.Task[None]]] = {}
         self.announced: dict[str, Shown] = {}  # approval call_id -> who was told about it
-        self.resolving: set[str] = set()
+        # approval call_id -> answers to it in flight here (reconcile leaves it to them), and the
+        # newest snapshot a reconcile left it to them for (reconciled again once they are done)
+        self.resolving: dict[str, int] = {}
+        self.deferred: dict[str, TurnSnapshot] = {}
         self.requested: set[str] = set()  # client call ids routed (or answered) already
         self.last: dict[str, TurnSnapshot] = {}
         self.pins = 0  # answers in flight through this watch: it is not released under them
@@ -230,6 +239,34 @@ class ConversationWatch:
                 if p["kind"] == "approval":
                     self.announce_to([conn], snap, p)
 
+    def begin_answer(self, ids: set[str]) -> None:
+        """An answer to calls `ids` is applied from here on: reconcile leaves them to it."""
+        for call_id in ids:
+            self.resolving[call_id] = self.resolving.get(call_id, 0) + 1
+
+    def end_answer(self, ids: set[str]) -> list[TurnSnapshot]:
+        """The answer to calls `ids` is done. The snapshots a reconcile left those calls to it for
+        (no other answer to them still in flight), to reconcile again: an answer that lost, or
+        failed, settles nothing, and the turn's last snapshot may be long gone from `last`."""
+        snaps: dict[str, TurnSnapshot] = {}
+        for call_id in ids:
+            left = self.resolving.get(call_id, 0) - 1
+            if left > 0:
+                self.resolving[call_id] = left
+                continue
+            self.resolving.pop(call_id, None)
+            snap = self.deferred.pop(call_id, None)
+            if snap is not None:
+                seen = snaps.get(snap.turn_id)
+                if seen is None or seen.revision < snap.revision:
+                    snaps[snap.turn_id] = snap
+        return list(snaps.values())
+
+    def _defer(self, call_id: str, snap: TurnSnapshot) -> None:
+        seen = self.deferred.get(call_id)
+        if seen is None or seen.turn_id != snap.turn_id or seen.revision <= snap.revision:
+            self.deferred[call_id] = snap
+
     async def reconcile(self, snap: TurnSnapshot) -> None:
         """Tell the connections shown an approval request of this snapshot's turn that it was
         answered elsewhere (or timed out, or the turn ended). A call of another turn is not this
@@ -238,14 +275,19 @@ class ConversationWatch:
         The store is read before anything is taken out of `announced`, and `announced` is read
         again after that await: a connection added to a call's viewers meanwhile (a subscribe, a
         catch-up) is told with the others, and a call another task settled meanwhile (an answer
-        here, another reconcile) is told once."""
+        here, another reconcile) is told once. A call an answer here is being applied to is left
+        to that answer, with this snapshot (`deferred`): it tells them, or reconciles it again."""
         open_calls = {p["call_id"] for p in snap.pending} if snap.status == "awaiting" else set()
         for call_id, entry in list(self.announced.items()):
-            if entry.turn_id != snap.turn_id or call_id in open_calls or call_id in self.resolving:
+            if entry.turn_id != snap.turn_id or call_id in open_calls:
+                continue
+            if call_id in self.resolving:
+                self._defer(call_id, snap)
                 continue
             p = await self.hub.server.store.get_pending(self.conversation_id, call_id)
             if call_id in self.resolving:
-                continue  # an answer here is being applied: Hub.approve tells them
+                self._defer(call_id, snap)  # an answer here is being applied: Hub.approve tells them
+                continue
             if p is not None and p.status == "pending" and not snap.terminal:
                 continue  # still open: a snapshot older than the one that showed it
             told = self.announced.pop(call_id, None)
@@ -254,23 +296,29 @@ class ConversationWatch:
             # No row: the conversation was deleted (with its agent) and its paused turn ended
             # without an answer, so the request those connections hold is void: cancelled (so is a
             # call its ended turn left unanswered).
-            status = "cancelled"
-            if p is not None and p.status != "pending":
-                status = "approved" if p.status == "result" else p.status
-            frame = encode(
-                {
-                    "type": "approval_resolved",
-                    "conversation_id": self.conversation_id,
-                    "turn_id": p.turn_id if p is not None else snap.turn_id,
-                    "call_id": call_id,
-                    "status": status,
-                    "decided_by": p.decided_by if p is not None else None,
-                }
-            )
-            for cid in told.conns:
-                conn = self.subscribers.get(cid)
-                if conn is not None:
-                    conn.send_encoded(frame)
+            self.tell_resolved(call_id, told, p, resolved_status(p.status if p is not None else None))
+
+    def tell_resolved(
+        self, call_id: str, told: Shown, p: PendingCall | None, status: str | None, *, skip: str | None = None
+    ) -> None:
+        """One `approval_resolved` for call `call_id` (taken out of `announced`: `told`) to each
+        connection shown it still subscribed, but `skip` (whose own answer settled it)."""
+        frame = encode(
+            {
+                "type": "approval_resolved",
+                "conversation_id": self.conversation_id,
+                "turn_id": p.turn_id if p is not None else told.turn_id,
+                "call_id": call_id,
+                "status": status,
+                "decided_by": p.decided_by if p is not None else None,
+            }
+        )
+        for cid in told.conns:
+            if cid == skip:
+                continue
+            conn = self.subscribers.get(cid)
+            if conn is not None:
+                conn.send_encoded(frame)
 
     async def route_client_call(self, snap: TurnSnapshot, p: dict[str, Any]) -> None:
         owner = self.tool_owners.get(snap.turn_id)
@@ -318,6 +366,15 @@ class ConversationWatch:
             "pending_approvals": [dict(p) for p in pending],
             "queued": view.queued,
         }
+
+
+def resolved_status(stored: str | None) -> str:
+    """A settled call's stored status as `approval_resolved` says it: a call gone from the store
+    (its conversation was deleted) or left open by its ended turn is `cancelled`; one answered with
+    a result (an approval resent in a fork, where it had run) was `approved`."""
+    if stored is None or stored == "pending":
+        return "cancelled"
+    return "approved" if stored == "result" else stored
 
 
 def approval_request(snap: TurnSnapshot, p: dict[str, Any]) -> dict[str, Any]:
@@ -484,59 +541,79 @@ class Hub:
         self, w: ConversationWatch, conn: Connection, conversation_id: str, decisions: list[Decision]
     ) -> list[dict[str, Any]]:
         ids = {d.call_id for d in decisions}
-        w.resolving |= ids
+        w.begin_answer(ids)
+        results: list[dict[str, Any]] | None = None
         try:
-            results = await self.server.kernel.respond(conversation_id, decisions)
-        except NotAwaiting:
-            # the turn already moved on: answers to calls that were answered are "already resolved"
-            results = []
-            for d in decisions:
-                p = await self.server.store.get_pending(conversation_id, d.call_id)
-                if p is None or p.status == "pending":
+            results = await self._answer(conversation_id, decisions)
+        finally:
+            deferred = w.end_answer(ids)
+            # Who was shown each call this answer found settled, taken at once (before any await
+            # lets a reconcile tell them too): they, and only they, get approval_resolved, except
+            # the one whose answer won (its ack says it). An answer that lost (another answer or a
+            # cancel settled the call first, on whichever server) settled nothing for its sender:
+            # it is told too.
+            settled: list[tuple[dict[str, Any], Shown]] = []
+            for r in results or ():
+                if r.get("accepted") is not True and r.get("error") != "already_resolved":
+                    continue  # unknown here, or still open
+                entry = w.announced.pop(r["call_id"], None)
+                if entry is not None:
+                    settled.append((r, entry))
+            try:
+                for r, entry in settled:
+                    p = await self.server.store.get_pending(conversation_id, r["call_id"])
+                    if r.get("accepted") is True:
+                        w.tell_resolved(r["call_id"], entry, p, r.get("status"), skip=conn.id)
+                    else:
+                        status = resolved_status(p.status if p is not None else r.get("status"))
+                        w.tell_resolved(r["call_id"], entry, p, status)
+                # What a reconcile left to this answer (the turn may have ended meanwhile: its last
+                # snapshot is gone from `last`), and the turns followed here.
+                for snap in [*deferred, *list(w.last.values())]:
+                    await w.reconcile(snap)
+            except Exception:
+                if results is not None:
                     raise
+                log.exception("telling the viewers of calls %s failed", sorted(ids))  # the answer's error wins
+        return results
+
+    async def _answer(self, conversation_id: str, decisions: list[Decision]) -> list[dict[str, Any]]:
+        """The kernel's results for an answer; when its turn already left the pause (`NotAwaiting`),
+        one `already_resolved` per call answered meanwhile. A call that still reads pending is being
+        closed by a cancel, which took the turn at once and writes its calls' results right after
+        (on the server holding the conversation: this one may read the database first): its result
+        is waited for, up to CLOSING_WAIT_S. A call with no row, one its ended turn left open, or one
+        still open then: `NotAwaiting`."""
+        try:
+            return await self.server.kernel.respond(conversation_id, decisions)
+        except NotAwaiting as refused:
+            store = self.server.store
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + CLOSING_WAIT_S
+            results: list[dict[str, Any]] = []
+            for call_id in dict.fromkeys(d.call_id for d in decisions):
+                pause = CLOSING_POLL_S
+                while True:
+                    p = await store.get_pending(conversation_id, call_id)
+                    if p is None:
+                        raise refused from None
+                    if p.status != "pending":
+                        break
+                    turn = await store.get_turn(p.turn_id)
+                    if turn is None or turn.status in TERMINAL_STATUSES or loop.time() >= deadline:
+                        raise refused from None  # nothing is closing it
+                    await asyncio.sleep(pause)
+                    pause = min(pause * 2, 0.25)
                 results.append(
                     {
-                        "call_id": d.call_id,
+                        "call_id": call_id,
                         "accepted": False,
                         "error": "already_resolved",
                         "status": p.status,
-                        "message": f"call {d.call_id} was already answered ({p.status})",
+                        "message": f"call {call_id} was already answered ({p.status})",
                     }
                 )
-        finally:
-            w.resolving -= ids
-        # Who was shown each answered call, taken at once (before any await lets a reconcile tell
-        # them too): they, and only they, get approval_resolved, except the one whose answer won
-        # (its ack says it).
-        shown: dict[str, set[str]] = {}
-        for r in results:
-            entry = w.announced.pop(r["call_id"], None) if r.get("accepted") else None
-            if entry is not None:
-                shown.setdefault(r["call_id"], set()).update(entry.conns)
-        for r in results:
-            if not r.get("accepted"):
-                continue
-            told = shown.pop(r["call_id"], set())  # one approval_resolved per call
-            p = await self.server.store.get_pending(conversation_id, r["call_id"])
-            frame = encode(
-                {
-                    "type": "approval_resolved",
-                    "conversation_id": conversation_id,
-                    "turn_id": p.turn_id if p else "",
-                    "call_id": r["call_id"],
-                    "status": r.get("status"),
-                    "decided_by": p.decided_by if p else None,
-                }
-            )
-            for cid in told:
-                if cid == conn.id:
-                    continue
-                other = w.subscribers.get(cid)
-                if other is not None:
-                    other.send_encoded(frame)
-        for snap in list(w.last.values()):
-            await w.reconcile(snap)
-        return results
+            return results
 
     async def tool_result(self, conn: Connection, call_id: str, output: str, is_error: bool) -> list[dict[str, Any]]:
         routed = self.client_calls.get(call_id)

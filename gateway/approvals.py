@@ -237,6 +237,7 @@ class ApprovalBoard:
     def __init__(self, conn: sqlite3.Connection, now: float | None = None) -> None:
         self.prompts: dict[str, Prompt] = {}
         self._conn = conn
+        self._change = asyncio.Event()  # set (and replaced) when a prompt is added or settled
         # A call decided while no gateway ran is never settled here: its row goes after a week.
         with transaction(conn, durable=False) as c:
             c.execute("DELETE FROM approval_prompts WHERE attempted_at < ?", ((now or time.time()) - FORGET_POSTED_S,))
@@ -303,13 +304,54 @@ class ApprovalBoard:
         """The call was decided: nothing more to reuse or edit after a restart."""
         with transaction(self._conn, durable=False) as c:
             c.execute("DELETE FROM approval_prompts WHERE call_id=?", (call_id,))
+        self._changed()
 
     def add(self, prompt: Prompt) -> bool:
         """False when this call already has a prompt (a re-sent request after a reconnect)."""
         if prompt.call_id in self.prompts:
             return False
         self.prompts[prompt.call_id] = prompt
+        self._changed()
         return True
+
+    def _changed(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
+
+    def remembered(self, account: str, chat: str, ref: str | None) -> Prompt | None:
+        """The prompt in this chat that `ref` names (as `find` matches it) which gateway.db remembers
+        as posted and not settled, but whose request this process has not been given (again) yet:
+        after a start or a reconnect the server re-sends the requests of the calls still pending
+        only once the gateway subscribes, and a click Slack (or any platform) held meanwhile is
+        redelivered as soon as the adapter connects, before that. None when there is none."""
+        if ref is None:
+            return None
+        for prompt in self.leftovers():
+            if prompt.call_id in self.prompts or prompt.decided is not None:
+                continue
+            if prompt.account == account and prompt.target.chat == chat and _names(prompt, ref):
+                return prompt
+        return None
+
+    async def announced(self, call_id: str, timeout: float) -> Prompt | None:
+        """Wait (at most `timeout` s) until the server has (re)announced the request of `call_id`:
+        its open prompt, or None once the call was settled (gateway.db forgot it: it was answered,
+        timed out or cancelled meanwhile) or the wait ran out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            prompt = self.prompts.get(call_id)
+            if prompt is not None:
+                return prompt if prompt.decided is None else None
+            if self.posted(call_id) is None:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            change = self._change
+            try:
+                await asyncio.wait_for(change.wait(), remaining)
+            except TimeoutError:
+                pass
 
     def find(self, account: str, chat: str, ref: str | None) -> Prompt | None | list[Prompt]:
         """The open prompt in this chat that `ref` names, case-insensitively: by the ID the prompt

@@ -34,6 +34,9 @@ log = logging.getLogger("gateway.chatops")
 PAIRING_POLL_S = 1.0
 PROMPT_EVERY_S = 60.0
 PROMPT_SHOWN_WAIT_S = 10.0
+# A click (or `/approve ID`) on a prompt gateway.db remembers whose request the server has not
+# announced again yet (the gateway just started or reconnected) waits this long for it.
+ANNOUNCE_WAIT_S = 45.0
 REFUSE_EVERY_S = 60.0  # a person pressing someone else's button again and again is refused once a minute
 NOT_YOURS = "Only the person who started this, or an admin, can answer it."
 
@@ -166,14 +169,22 @@ class ChatOps:
         command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
         if command is None or command.name not in ("approve", "deny") or not command.args:
             return
-        prompt = self.approvals.find(runner.spec.ref, entry.chat, command.args[0])
-        if not isinstance(prompt, Prompt):
+        prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
+        if prompt is None:
             return
         asked = f"{runner.spec.ref}:{entry.chat}:{entry.sender}:{prompt.call_id}"
         if self._refused.get(asked):
             return
         self._refused.put(asked, True)
         await self.outboxes.say(runner, answer_target(entry), NOT_YOURS)
+
+    def _open_or_remembered(self, runner: AccountRunner, chat: str, ref: str) -> Prompt | None:
+        """The open prompt `ref` names in this chat, or one gateway.db remembers whose request has
+        not come again yet (right after a start or a reconnect)."""
+        found = self.approvals.find(runner.spec.ref, chat, ref)
+        if isinstance(found, Prompt):
+            return found
+        return self.approvals.remembered(runner.spec.ref, chat, ref) if found is None else None
 
     def answers_own_prompt(self, entry: Entry, runner: AccountRunner) -> bool:
         """Whether `entry` is `/approve ID` or `/deny ID` naming an open prompt in its chat, from the
@@ -182,8 +193,8 @@ class ChatOps:
         command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
         if command is None or command.name not in ("approve", "deny") or not command.args:
             return False
-        prompt = self.approvals.find(runner.spec.ref, entry.chat, command.args[0])
-        return isinstance(prompt, Prompt) and (entry.sender == prompt.starter or runner.policy.is_admin(entry.sender))
+        prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
+        return prompt is not None and (entry.sender == prompt.starter or runner.policy.is_admin(entry.sender))
 
     async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
@@ -362,6 +373,8 @@ class ChatOps:
         shows (or is about to show) its decision, and the platform's own answer to the click is neutral."""
         pressed = bool(entry.payload.get("pressed"))
         found = self.approvals.find(runner.spec.ref, entry.chat, command.args[0] if command.args else None)
+        if found is None and command.args:
+            found = await self._announced(runner, entry.chat, command.args[0])
         if found is None:
             if pressed:
                 log.info("%s: a click on an answered approval prompt in %s; ignored", runner.spec.ref, entry.chat)
@@ -380,19 +393,60 @@ class ChatOps:
             self._refused.put(asked, True)
             return NOT_YOURS
         decision = "approve" if command.name == "approve" else "deny"
+        person = str(entry.payload.get("sender_name") or entry.sender)
         ack = await self.link.request(
             {
                 "type": "approval_response",
                 "conversation": prompt.conversation,
                 "decisions": [{"call_id": prompt.call_id, "decision": decision}],
+                # who decided, for the model's "denied … by" and other clients (docs/protocol.md)
+                "on_behalf_of": person,
             }  # fmt: skip
         )
         result = (ack.get("results") or [{}])[0]
         if result.get("accepted") is False:
             return "" if pressed else "That request was already answered."
-        who = code_span(str(entry.payload.get("sender_name") or entry.sender))  # their name, shown literally
+        who = code_span(person)  # their name, shown literally
         await self.decided(prompt, f"{OUTCOME_LINES['approved' if decision == 'approve' else 'denied']} by {who}")
         return ""
+
+    async def _announced(self, runner: AccountRunner, chat: str, ref: str) -> Prompt | None:
+        """An answer to a prompt gateway.db remembers but whose request this process has not been
+        given yet (a click the platform held while the gateway restarted, redelivered the moment
+        the adapter connected, before the server re-sent its pending requests): held until the
+        server says whether the call still waits, at most `ANNOUNCE_WAIT_S`. The conversation is
+        asked at once (`subscribe` re-sends a pending call's request; a call no longer pending is
+        settled), so the wait is short. None when it no longer waits (or no answer came in time)."""
+        remembered = self.approvals.remembered(runner.spec.ref, chat, ref)
+        if remembered is None:
+            return None
+        log.info(
+            "%s: an answer to approval %s, whose request has not come again since the gateway (re)connected; held"
+            " until the server says whether it still waits",
+            runner.spec.ref,
+            remembered.call_id,
+        )
+        asking = asyncio.ensure_future(self._ask_again(remembered))
+        try:
+            prompt = await self.approvals.announced(remembered.call_id, ANNOUNCE_WAIT_S)
+        finally:
+            if not asking.done():
+                asking.cancel()
+                await asyncio.gather(asking, return_exceptions=True)
+        if prompt is None:
+            log.info("%s: approval %s no longer waits for an answer", runner.spec.ref, remembered.call_id)
+        return prompt
+
+    async def _ask_again(self, prompt: Prompt) -> None:
+        """Ask the server about one remembered prompt's call, as `reconcile_prompts` does; a link
+        that is down is waited for (its reconnect re-sends the requests too)."""
+        while prompt.call_id not in self.approvals.prompts and self.approvals.posted(prompt.call_id) is not None:
+            try:
+                await self._reconcile_conversation(prompt.conversation, [prompt])
+                return
+            except (ProtocolError, Closed, TimeoutError, OSError) as exc:
+                log.info("could not ask about approval %s yet: %s", prompt.call_id, exc)
+                await asyncio.sleep(1.0)
 
     async def reconcile_prompts(self) -> None:
         """Settle the prompts gateway.db remembers whose call no longer waits: after a start, and

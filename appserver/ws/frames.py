@@ -285,6 +285,9 @@ class ApprovalResponse(_ClientFrame):
     type: Literal["approval_response"]
     conversation: Text = Field(min_length=1)
     decisions: list[ApprovalDecision] = Field(min_length=1)
+    # The person the client answers for (a chat gateway: who pressed the button). Recorded as
+    # `<person> (via <client>)`: the client vouches for it, and the record says which client did.
+    on_behalf_of: Text | None = None
 
 
 class Cancel(_ClientFrame):

@@ -350,6 +350,9 @@ class Endpoint:
         elif isinstance(frame, F.ApprovalResponse):
             conv = await self._conversation(conn, frame.conversation, None, with_agent=False)  # no `agent` field
             who = conn.client_name or (conn.principal.subject if conn.principal else None) or conn.id
+            person = _person(frame.on_behalf_of)
+            if person:
+                who = f"{person} (via {who})"
             decisions = [Decision(d.call_id, d.decision, reason=d.reason, decided_by=who) for d in frame.decisions]
             results = await self.hub.approve(conn, conv.id, decisions)
             conn.send({"type": "ack", "request_id": rid, "conversation_id": conv.id, "results": results})
@@ -787,3 +790,15 @@ def ws_routes(server: Server, hub: Hub, cron: CronService | None = None) -> list
         await endpoint(websocket)
 
     return [WebSocketRoute("/ws", ws_endpoint)]
+
+
+PERSON_MAX_CHARS = 100  # `on_behalf_of` as recorded in `decided_by` (a display name, not a document)
+
+
+def _person(name: str | None) -> str:
+    """`approval_response.on_behalf_of` as `decided_by` records it: one line (whitespace and control
+    characters collapsed to single spaces), at most `PERSON_MAX_CHARS` characters."""
+    if not name:
+        return ""
+    flat = " ".join("".join(" " if not c.isprintable() else c for c in name).split())
+    return flat[:PERSON_MAX_CHARS].rstrip()

@@ -166,7 +166,8 @@ class _Client(discord.Client):
         await self._adapter._on_ready()
 
     async def on_resumed(self) -> None:
-        self._adapter._report("running", None)
+        refused = self._adapter._refused
+        self._adapter._report(*(("running", None) if refused is None else ("error", refused)))
         self._adapter._start_catch_up(only_held=True)
 
     async def on_disconnect(self) -> None:
@@ -226,6 +227,7 @@ class DiscordAdapter:
         self._ready: asyncio.Event = asyncio.Event()
         self._state: AccountState = "stopped"
         self._fatal: str | None = None
+        self._refused: str | None = None  # why Discord refused the token on a REST call (state `error`)
         self._prompts: dict[tuple[str, str], str] = {}  # (channel, message id) of a prompt -> short id
         self._state_path = Path(context.data_dir) / STATE_FILE
         self._state_writable = True  # False while the saved file exists but cannot be read: never clobber it
@@ -373,10 +375,31 @@ class DiscordAdapter:
         if self._client is not None and not self._client.is_closed() and self._state == "running":
             self._report("backoff", "gateway connection lost; reconnecting")
 
+    async def _rest(self, op: str, awaitable: Any) -> Any:
+        """`_call`, watching the token: a 401 (the token was reset) puts the account in `error`
+        naming the token at once, as a refused login does at start; a call that succeeds again
+        ends that."""
+        try:
+            result = await _call(op, awaitable)
+        except _TokenRefused as exc:
+            source = self.account.secret_sources.get("token") or "token_env / token_file"
+            reason = f"{self._where}: Discord refused the token ({source}): {exc.reason}"
+            if self._refused != reason:
+                self._log.error("%s", reason)
+            self._refused = reason
+            self._report("error", reason)
+            raise
+        if self._refused is not None:
+            self._refused = None
+            self._log.info("%s: Discord takes the token again", self._where)
+            if self._ready.is_set():
+                self._report("running", None)
+        return result
+
     async def _on_ready(self) -> None:
         """A new session (first connect, or a re-IDENTIFY): running, then catch up on what was missed."""
         self._ready.set()
-        self._report("running", None)
+        self._report(*(("running", None) if self._refused is None else ("error", self._refused)))
         self._start_catch_up()
 
     def _on_session_start(self) -> None:
@@ -962,7 +985,7 @@ class DiscordAdapter:
                     found.append(str(m.id))
                     return
 
-        await _call("find", asyncio.wait_for(look(), FETCH_TIMEOUT_S))
+        await self._rest("find", asyncio.wait_for(look(), FETCH_TIMEOUT_S))
         return found or None
 
     async def _post(self, target: Target, text: str, components: list[dict[str, Any]] | None) -> str:
@@ -988,7 +1011,7 @@ class DiscordAdapter:
         # Bounded, so a repeat after a lost answer comes well within the nonce's few minutes
         # (aiohttp's own limit is 5 minutes); discord.py sleeps out rate limits up to 30 s in it.
         request = asyncio.wait_for(channel._state.http.request(route, json=payload), SEND_TIMEOUT_S)
-        data = await _call("send", request)
+        data = await self._rest("send", request)
         message_id = data.get("id") if isinstance(data, dict) else None
         if not message_id:
             raise DeliveryError("discord send: answered without a message id")
@@ -1001,7 +1024,7 @@ class DiscordAdapter:
         if short_id is not None and f"/approve {short_id}" not in text:
             kwargs["view"] = None  # decided: the buttons go away
             self._prompts.pop((str(channel.id), message_id), None)
-        await _call("edit", channel.get_partial_message(_message_id(message_id)).edit(**kwargs))
+        await self._rest("edit", channel.get_partial_message(_message_id(message_id)).edit(**kwargs))
 
     async def edit_prompt(self, target: Target, message_id: str, text: str, short_id: str | None) -> None:
         """Edit an approval prompt: its buttons stay while `short_id` is pending and go once decided
@@ -1010,17 +1033,17 @@ class DiscordAdapter:
         kwargs: dict[str, Any] = {"content": text, "allowed_mentions": discord.AllowedMentions.none()}
         if short_id is None:
             kwargs["view"] = None
-        await _call("edit", channel.get_partial_message(_message_id(message_id)).edit(**kwargs))
+        await self._rest("edit", channel.get_partial_message(_message_id(message_id)).edit(**kwargs))
         if short_id is None:
             self._prompts.pop((str(channel.id), message_id), None)
 
     async def react(self, target: Target, message_id: str, emoji: str) -> None:
         channel = self._channel(target)
-        await _call("react", channel.get_partial_message(_message_id(message_id)).add_reaction(emoji))
+        await self._rest("react", channel.get_partial_message(_message_id(message_id)).add_reaction(emoji))
 
     async def typing(self, target: Target) -> None:
         channel = self._channel(target)
-        await _call("typing", channel._state.http.send_typing(channel.id))
+        await self._rest("typing", channel._state.http.send_typing(channel.id))
 
     def format(self, text: str) -> str:
         return to_discord(text)
@@ -1089,6 +1112,10 @@ def _is_dm(adapter: DiscordAdapter, target: Target) -> bool:
     return entry is not None and entry.get("chat_type") == "dm"
 
 
+class _TokenRefused(DeliveryError):
+    """Discord refused the bot token on a REST call (401)."""
+
+
 async def _call(op: str, awaitable: Any) -> Any:
     try:
         return await awaitable
@@ -1102,6 +1129,8 @@ async def _call(op: str, awaitable: Any) -> Any:
         if exc.status == 429:
             retry = exc.response.headers.get("Retry-After") if exc.response is not None else None
             raise DeliveryError(f"discord {op}: 429 {exc.text}", retry_after=_bounded(retry)) from None
+        if exc.status == 401:  # the token was reset in the developer portal (or is wrong)
+            raise _TokenRefused(f"discord {op}: 401 {exc.text or 'Unauthorized'}", permanent=True) from None
         if 400 <= exc.status < 500:
             raise DeliveryError(f"discord {op}: {exc.status} {exc.text}", permanent=True) from None
         raise DeliveryError(f"discord {op}: {exc.status} {exc.text}") from None

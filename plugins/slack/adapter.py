@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import re
@@ -49,6 +50,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+from aiohttp import ClientWebSocketResponse, WSMsgType
 from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry.builtin_async_handlers import AsyncConnectionErrorRetryHandler
 from slack_sdk.http_retry.request import HttpRequest as RetryRequest
@@ -92,7 +94,10 @@ LOOKUP_PAGE = 200  # messages per history page when looking a post up
 LOOKUP_PAGES = 5  # pages read at most; more messages than that since the post: cannot tell
 CLOCK_SKEW_S = 60.0  # the lookup starts this much before the post began (our clock against Slack's)
 WATCH_S = 0.2
-REFRESH_GRACE_S = 5.0  # a refresh asked for by Slack that takes longer than this shows as backoff
+REFRESH_GRACE_S = 5.0
+# After a refresh the old socket is read until Slack closes it, at most this long (Slack closes it
+# within seconds of its `disconnect`; what it still carries is handled, not thrown away).
+DRAIN_S = 10.0  # a refresh asked for by Slack that takes longer than this shows as backoff
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 30.0
 MAX_RETRY_AFTER_S = 300.0
@@ -104,6 +109,9 @@ PERMANENT_ERRORS = AUTH_ERRORS | {
     "too_many_reactions", "invalid_arguments", "team_access_not_granted", "ekm_access_denied",
     "thread_not_found", "invalid_ts_oldest", "invalid_cursor",
 }  # fmt: skip
+# A Web API answer that says the bot token itself no longer works (revoked, expired, the workspace
+# or the bot user deactivated): every later call fails the same way, so the account is in `error`.
+TOKEN_ERRORS = {"invalid_auth", "not_authed", "account_inactive", "token_revoked", "token_expired"}
 # Errors Slack documents as "some aspect of the operation may have succeeded": not a refusal.
 UNCERTAIN_ERRORS = {"internal_error", "fatal_error", "service_unavailable"}
 ACCEPTED_SUBTYPES = (None, "file_share", "thread_broadcast", "bot_message", "me_message")
@@ -132,6 +140,96 @@ class _RetryDroppedConnections(AsyncConnectionErrorRetryHandler):
         if request.url.rstrip("/").endswith("/chat.postMessage"):
             return False
         return await super()._can_retry_async(state=state, request=request, response=response, error=error)
+
+
+class _RefreshingSocketModeClient(SocketModeClient):
+    """slack_sdk's aiohttp Socket Mode client, except that a refresh (a `disconnect` frame: Slack
+    asks for a new socket) opens the new socket before letting go of the old one, and reads what
+    the old one still carries until Slack closes it (at most `DRAIN_S`). slack_sdk closed the old
+    socket first, and aiohttp's close discards the frames that arrive meanwhile: an envelope Slack
+    sent on the old socket just after its `disconnect` was dropped unacknowledged, and redelivered
+    only after Slack's ack timeout, behind the person's later messages (answered out of order).
+    A drained envelope is acknowledged on the socket it came on while that one is open."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._drains: set[asyncio.Task[None]] = set()
+        self._came_on: dict[str, ClientWebSocketResponse] = {}  # envelope id -> the old socket it came on
+
+    async def connect(self) -> None:
+        old = self.current_session
+        if old is None or old.closed or self.closed:
+            await super().connect()  # type: ignore[no-untyped-call]
+            return
+        receiver, self.message_receiver = self.message_receiver, None
+        if receiver is not None:  # stop reading the old socket here: `_drain` reads it from now on
+            receiver.cancel()
+            await asyncio.gather(receiver, return_exceptions=True)
+        self.current_session = None  # so super().connect() does not close it first
+        try:
+            await super().connect()  # type: ignore[no-untyped-call]
+        finally:
+            drain = asyncio.ensure_future(self._drain(old))
+            self._drains.add(drain)
+            drain.add_done_callback(self._drains.discard)
+
+    async def _drain(self, session: ClientWebSocketResponse) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DRAIN_S
+        try:
+            while not session.closed and not self.closed:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    message = await session.receive(timeout=remaining)
+                except TimeoutError:
+                    break
+                if message.type == WSMsgType.TEXT and isinstance(message.data, str):
+                    envelope_id = _envelope_id(message.data)
+                    if envelope_id is None:
+                        continue  # `hello`, another `disconnect`: not for the old socket any more
+                    self._came_on[envelope_id] = session
+                    await self.enqueue_message(message.data)
+                elif message.type == WSMsgType.PING:
+                    await session.pong(message.data)
+                elif message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                    break
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the old socket failing is its end
+            self.logger.info("the refreshed socket ended: %s: %s", type(exc).__name__, exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await session.close()
+            for envelope_id in [e for e, s in self._came_on.items() if s is session]:
+                del self._came_on[envelope_id]
+
+    async def send_socket_mode_response(self, response: dict[str, Any] | SocketModeResponse) -> None:
+        body = response.to_dict() if isinstance(response, SocketModeResponse) else response
+        session = self._came_on.pop(str(body.get("envelope_id") or ""), None)
+        if session is not None and not session.closed:
+            try:
+                await session.send_str(json.dumps(body))
+                return
+            except Exception:  # noqa: BLE001 - closed meanwhile: the current socket takes it
+                pass
+        await super().send_socket_mode_response(response)
+
+    async def close(self) -> None:
+        for drain in list(self._drains):
+            drain.cancel()
+        await asyncio.gather(*self._drains, return_exceptions=True)
+        await super().close()  # type: ignore[no-untyped-call]
+
+
+def _envelope_id(raw: str) -> str | None:
+    try:
+        frame = json.loads(raw)
+    except ValueError:
+        return None
+    envelope_id = frame.get("envelope_id") if isinstance(frame, dict) else None
+    return envelope_id if isinstance(envelope_id, str) and envelope_id else None
 
 
 def api_timeout() -> float:
@@ -171,6 +269,7 @@ class SlackAdapter:
         self.bot_id: str | None = None
         self._state: AccountState = "stopped"
         self._fatal: str | None = None
+        self._refused: str | None = None  # why the bot token was refused while running (state `error`)
         self._prompts: dict[tuple[str, str], str] = {}  # (channel, ts) of a prompt with buttons -> short id
         # Per-chat arrival order. A later message waits for an earlier one's files at most this long
         # (counted from its own arrival), so its acknowledgement still goes out within Slack's 3 s.
@@ -221,11 +320,13 @@ class SlackAdapter:
         self.bot_user = str(auth.get("user_id") or "") or None
         self.bot_id = str(auth.get("bot_id") or "") or None
         sdk_log = self._log.getChild("sdk")
-        client = SocketModeClient(app_token=app, web_client=web, auto_reconnect_enabled=False, logger=sdk_log)
+        client = _RefreshingSocketModeClient(
+            app_token=app, web_client=web, auto_reconnect_enabled=False, logger=sdk_log
+        )
         client.socket_mode_request_listeners.append(self._on_request)
         try:
             client.wss_uri = await client.issue_new_wss_url()
-            await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)  # type: ignore[no-untyped-call]
+            await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)
         except SlackApiError as exc:
             await _close_quietly(client)
             error = _error_code(exc)
@@ -271,7 +372,7 @@ class SlackAdapter:
         while True:
             await asyncio.sleep(WATCH_S)
             if await client.is_connected():
-                if self._state != "running":
+                if self._state != "running" and self._refused is None:
                     self._report("running", None)
                 delay = BACKOFF_MIN_S
                 down_since = None
@@ -294,7 +395,7 @@ class SlackAdapter:
                     await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)  # type: ignore[no-untyped-call]
                     if await client.is_connected():
                         self._log.info("%s: reconnected", self._where)
-                        self._report("running", None)
+                        self._report(*(("running", None) if self._refused is None else ("error", self._refused)))
                 except SlackApiError as exc:
                     error = _error_code(exc)
                     if error in AUTH_ERRORS:
@@ -504,13 +605,33 @@ class SlackAdapter:
         if self._web is None:
             raise DeliveryError("slack: not started")
         try:
-            return await call(**kwargs)
+            result = await call(**kwargs)
         except SlackApiError as exc:
+            error = _error_code(exc)
+            if error in TOKEN_ERRORS:
+                self._bot_token_refused(method, error)
             raise _delivery_error(method, exc) from None
         except aiohttp.ClientConnectorError as exc:  # never connected: the request was not sent
             raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a timeout, a dropped connection: it may have been performed
             raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}", uncertain=True) from None
+        if self._refused is not None:  # Slack takes the bot token again: it was not revoked after all
+            self._refused = None
+            self._log.info("%s: Slack accepts the bot token again", self._where)
+            if self._socket is not None and await self._socket.is_connected():
+                self._report("running", None)
+        return result
+
+    def _bot_token_refused(self, method: str, error: str) -> None:
+        """Slack refused the bot token while running (revoked, expired, deactivated): nothing can be
+        sent any more, so the account is in `error` naming the token, as when start() is refused,
+        until a call succeeds again (the socket, on the app-level token, stays up: what comes in is
+        still recorded)."""
+        reason = f"{self._where}: Slack refused the bot token (bot_token_env / bot_token_file): {error} (on {method})"
+        if self._refused != reason:
+            self._log.error("%s", reason)
+        self._refused = reason
+        self._report("error", reason)
 
     async def send(self, target: Target, text: str) -> list[str]:
         """`chat.postMessage` (in `target.thread` when set); returns the message's ts."""

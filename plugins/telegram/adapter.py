@@ -6,6 +6,8 @@ records them in one group commit), and the offset moves only over the prefix of 
 acknowledged (`InboundMessage.ack`, called after the commit). An update that was not acknowledged is
 redelivered by Telegram on the next poll, and so is everything after it; Telegram learns of an
 acknowledgement through the next poll's offset (and at stop, through a last zero-timeout poll).
+An album (updates sharing a `media_group_id`) is handed over as one message, acknowledged together;
+photos are fetched within a time budget per message and per batch (the whole bot waits for them).
 
 Outbound: text goes as Telegram HTML (`format` turns the reply's Markdown into it); when Telegram
 refuses the entities anyway, the unformatted original is sent as plain text instead of losing it.
@@ -22,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -66,6 +70,7 @@ from plugins.contract import (
     Limits,
     Target,
 )
+from plugins.statefile import atomic_write_text, move_aside
 from plugins.telegram.format import plain, to_html
 from plugins.telegram.settings import DEFAULT_API_URL, DEFAULT_POLL_TIMEOUT, check_settings
 
@@ -80,6 +85,21 @@ ALLOWED_UPDATES = ["message", "edited_message", "callback_query", "my_chat_membe
 APPROVE_PREFIX = "approve:"
 DENY_PREFIX = "deny:"
 _REMEMBERED_FORMATS = 512
+# Photos are downloaded while the poll loop waits, so every chat of the bot waits for them: a
+# message's photos (an album's all together) get this long in all, and all the photos of one
+# `getUpdates` batch this long together; a photo not fetched by then is named as a file.
+FETCH_BUDGET_S = 5.0
+BATCH_FETCH_BUDGET_S = 10.0
+# An album (messages sharing `media_group_id`) arrives as one update per photo, usually in one
+# batch: the loop waits this long after the last new part for more (polling every ALBUM_POLL_S, at
+# most ALBUM_MAX_S in all) and hands the album over as one message.
+ALBUM_WAIT_S = 1.0
+ALBUM_POLL_S = 0.2
+ALBUM_MAX_S = 3.0
+ALBUMS_FILE = "albums.json"  # the album parts recorded under their first message (for redelivery)
+_REMEMBERED_ALBUM_PARTS = 1024
+GETUPDATES_LIMIT = 100  # the most updates one getUpdates answers
+UNREAD_NOTE = "[an attachment of this message could not be read]"
 # Telegram's ids are 64-bit integers, written in ASCII digits (int() also reads `٥`, `1_0` and `+5`,
 # and refuses 5000 digits with its own ValueError); only a chat id may be negative (groups).
 _CHAT_ID_RE = re.compile(r"-?[0-9]{1,19}")
@@ -118,8 +138,13 @@ class TelegramAdapter:
         self._offset = 0  # the first update id not yet acknowledged by the gateway
         self._sent_offset = 0  # the offset Telegram is known to have received
         self._state: AccountState = "stopped"
+        self._refused: str | None = None  # why Telegram refused the token on a send (state `error`)
         self._formatted: OrderedDict[str, str] = OrderedDict()  # HTML we produced -> its Markdown
         self._background: set[asyncio.Task[Any]] = set()
+        # `<chat>:<message id>` of album parts recorded under their album's first message -> that one
+        self._albums_path = Path(context.data_dir) / ALBUMS_FILE
+        self._album_parts: OrderedDict[str, str] = self._load_album_parts()
+        self._albums_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -267,10 +292,11 @@ class TelegramAdapter:
                 unreadable = set()
             self._sent_offset = max(self._sent_offset, offset)
             delay = BACKOFF_MIN_S
-            if self._state != "running":
+            if self._state != "running" and self._refused is None:
                 self._report("running", None)
             if not updates and not unreadable:
                 continue
+            updates = await self._complete_albums(bot, offset, updates)
             if await self._hand_over(updates, unreadable):
                 redeliver = BACKOFF_MIN_S
             else:
@@ -301,24 +327,60 @@ class TelegramAdapter:
                 unreadable.add(item["update_id"])
         return out, unreadable
 
+    async def _complete_albums(self, bot: Bot, offset: int, updates: Sequence[Update]) -> Sequence[Update]:
+        """The batch with the album parts that follow it: Telegram delivers an album's messages as
+        updates of their own, usually in one batch, possibly split over two. While the batch holds
+        an album's part, poll again (no long poll, the same offset: nothing is acknowledged) until
+        no new part came for `ALBUM_WAIT_S`, at most `ALBUM_MAX_S` in all, so the album is handed
+        over whole; the other chats wait that long (about a second) for it."""
+        if not any(self._new_part(u) for u in updates if u.update_id >= self._offset):
+            return updates
+        loop = asyncio.get_running_loop()
+        start = last_part = loop.time()
+        merged = {u.update_id: u for u in updates}
+        count = len(updates)
+        while count < GETUPDATES_LIMIT:  # a full batch: what follows is not in the next answer either
+            wait = min(last_part + ALBUM_WAIT_S, start + ALBUM_MAX_S) - loop.time()
+            if wait <= 0:
+                break
+            await asyncio.sleep(min(ALBUM_POLL_S, wait))
+            try:
+                more = await bot.get_updates(offset=offset or None, timeout=0, allowed_updates=ALLOWED_UPDATES)
+            except Exception as exc:  # noqa: BLE001 - the next poll meets it again; what is here goes on
+                self._log.info("%s: getUpdates while waiting for an album: %s", self._where, _describe(exc))
+                break
+            count = len(more)
+            for update in more:
+                if update.update_id not in merged:
+                    merged[update.update_id] = update
+                    if self._new_part(update):
+                        last_part = loop.time()
+        return [merged[update_id] for update_id in sorted(merged)]
+
     async def _hand_over(self, updates: Sequence[Update], unreadable: set[int] | None = None) -> bool:
         """Give a batch to the gateway together, then move the offset over the acknowledged prefix.
-        False when an update was not acknowledged (it and everything after it are redelivered)."""
+        False when an update was not acknowledged (it and everything after it are redelivered). An
+        album's parts go as one message, acknowledged together. An update that cannot be read as
+        usual (an error nobody expected) is handed over as far as it can be read (`_salvage`): only
+        one that holds no message for the gateway is passed over."""
         passed: set[int] = set(unreadable or ())  # acknowledged by the gateway, or nothing for the ledger
-        handed: list[tuple[int, InboundMessage]] = []
-        for update in updates:
-            update_id = update.update_id
-            if update_id < self._offset:
-                continue
+        handed: list[tuple[list[int], InboundMessage]] = []
+        deadline = asyncio.get_running_loop().time() + BATCH_FETCH_BUDGET_S
+        for parts in self._group([u for u in updates if u.update_id >= self._offset], passed):
+            ids = [u.update_id for u in parts]
             try:
-                inbound = await self._inbound(update, passed)
+                inbound = await self._inbound(parts, passed, deadline)
             except Exception:
-                self._log.exception("%s: could not read update %d; skipping it", self._where, update_id)
-                inbound = None
+                self._log.exception("%s: could not read update %s; handing over what can be read", self._where, ids)
+                try:
+                    inbound = self._salvage(parts, passed)
+                except Exception:
+                    self._log.exception("%s: update %s cannot be read at all; skipping it", self._where, ids)
+                    inbound = None
             if inbound is None:
-                passed.add(update_id)
+                passed.update(ids)
             else:
-                handed.append((update_id, inbound))
+                handed.append((ids, inbound))
         results = await asyncio.gather(*(self.context.on_message(m) for _, m in handed), return_exceptions=True)
         for (_, inbound), result in zip(handed, results, strict=True):
             if isinstance(result, asyncio.CancelledError):
@@ -327,41 +389,129 @@ class TelegramAdapter:
                 self._log.error(
                     "%s: %s not recorded (%s); it will be redelivered", self._where, inbound.message_id, result
                 )
-        for update_id in sorted(passed | {update_id for update_id, _ in handed}):
+        for update_id in sorted(passed | {i for ids, _ in handed for i in ids}):
             if update_id not in passed:
                 self._log.warning("%s: update %d was not acknowledged; it will be redelivered", self._where, update_id)
                 return False
             self._offset = max(self._offset, update_id + 1)
         return True
 
-    async def _inbound(self, update: Update, passed: set[int]) -> InboundMessage | None:
-        """The update as an InboundMessage, or None when it carries nothing for the gateway."""
-        update_id = update.update_id
+    def _new_part(self, update: Update) -> bool:
+        """Whether the update is a part of an album not recorded yet (under the album's first message)."""
+        key = _album_key(update)
+        return key is not None and f"{key[0]}:{_message_number(update.message)}" not in self._album_parts
 
-        async def ack() -> None:
-            passed.add(update_id)
+    def _group(self, updates: Sequence[Update], passed: set[int]) -> list[list[Update]]:
+        """The updates one by one, but an album's parts together (where its first one is). A part
+        already recorded under its album's first message (acknowledged, and delivered again because
+        an update before it was not) is passed over: the ledger has it."""
+        out: list[list[Update]] = []
+        albums: dict[tuple[int, str], list[Update]] = {}
+        for update in updates:
+            key = _album_key(update)
+            if key is None:
+                out.append([update])
+                continue
+            if not self._new_part(update):
+                passed.add(update.update_id)
+                continue
+            parts = albums.get(key)
+            if parts is None:
+                parts = albums[key] = []
+                out.append(parts)
+            parts.append(update)
+        return out
 
+    async def _inbound(self, parts: Sequence[Update], passed: set[int], deadline: float) -> InboundMessage | None:
+        """The update (or an album's parts) as an InboundMessage, or None when it carries nothing for
+        the gateway. Photos are fetched by `deadline` (the batch's budget) and within `FETCH_BUDGET_S`."""
+        update = parts[0]
         if update.callback_query is not None:
-            return self._callback(update, update.callback_query, ack)
+            return self._callback(update, update.callback_query, self._acker(parts, passed, None, []))
         if update.my_chat_member is not None:
             change = update.my_chat_member
             status = change.new_chat_member.status
             if status in ("left", "kicked"):
                 self._log.info("%s: removed from chat %s (%s)", self._where, change.chat.id, status)
             return None
-        message = update.message
-        suffix = ""
-        if message is None and update.edited_message is not None and self.edited == "new":
-            message = update.edited_message
-            # The update's id: one per edit, the same when Telegram delivers it again (an edit's
-            # `edit_date` has whole seconds, so two quick edits would share a key and one be lost).
-            suffix = f":u{update_id}"
-        if message is None:
+        parts, messages, suffix = self._messages_of(parts)
+        if not messages:
             return None
-        attachments = await self._attachments(message)
-        text = message.text or message.caption or ""
+        loop = asyncio.get_running_loop()
+        budget = min(deadline, loop.time() + FETCH_BUDGET_S)
+        found = await asyncio.gather(*(self._attachments(m, budget) for m in messages), return_exceptions=True)
+        attachments: list[Attachment] = []
+        unread = False
+        for message, result in zip(messages, found, strict=True):
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                self._log.error(
+                    "%s: could not read the media of message %s: %r", self._where, message.message_id, result
+                )
+                unread = True
+            else:
+                attachments.extend(result)
+        text = _joined(messages, unread)
         if not text and not attachments:
-            return None  # a service message (joined, pinned, topic created, …)
+            return None  # a service message (joined, pinned, topic created, …), a sticker without an emoji
+        mentions = any(self._mentions_me(m) for m in messages)
+        return self._message(parts, passed, messages, suffix, text, attachments, mentions)
+
+    def _salvage(self, parts: Sequence[Update], passed: set[int]) -> InboundMessage | None:
+        """What can be read of a message whose reading failed unexpectedly (`_inbound` raised): its
+        text or caption, with a note when it carried media, and nothing that needs more reading (no
+        download, no entities). None only when the update holds no message for the gateway."""
+        parts, messages, suffix = self._messages_of(parts)
+        if not messages:
+            return None
+        text = _joined(messages, any(_has_media(m) for m in messages))
+        if not text:
+            return None
+        me = self._me
+        handle = f"@{me.username}".lower() if me is not None and me.username else None
+        return self._message(parts, passed, messages, suffix, text, [], bool(handle and handle in text.lower()))
+
+    def _messages_of(self, parts: Sequence[Update]) -> tuple[list[Update], list[Message], str]:
+        """The updates and their messages, an album's in the order they were sent (the first is the
+        one that stands for them all), and the suffix of an edit's key (`edited = "new"`)."""
+        if len(parts) == 1:
+            update = parts[0]
+            if update.message is not None:
+                return [update], [update.message], ""
+            if update.edited_message is not None and self.edited == "new":
+                # The update's id: one per edit, the same when Telegram delivers it again (an edit's
+                # `edit_date` has whole seconds, so two quick edits would share a key and one be lost).
+                return [update], [update.edited_message], f":u{update.update_id}"
+            return [update], [], ""
+        ordered = sorted((u for u in parts if u.message is not None), key=lambda u: _message_number(u.message))
+        return ordered, [u.message for u in ordered if u.message is not None], ""
+
+    def _acker(
+        self, parts: Sequence[Update], passed: set[int], first: str | None, others: list[str]
+    ) -> Callable[[], Awaitable[None]]:
+        """The `ack` for these updates: called after the ledger committed their message. An album's
+        other parts are noted first as recorded under its first message (`first`)."""
+        ids = [u.update_id for u in parts]
+
+        async def ack() -> None:
+            if first is not None and others:
+                await self._remember_album(first, others)
+            passed.update(ids)
+
+        return ack
+
+    def _message(
+        self,
+        parts: Sequence[Update],
+        passed: set[int],
+        messages: Sequence[Message],
+        suffix: str,
+        text: str,
+        attachments: Sequence[Attachment],
+        mentions: bool,
+    ) -> InboundMessage:
+        message = messages[0]  # an album's first: its id is the key, the others are noted under it
         sender = message.from_user
         chat = message.chat
         thread = str(message.message_thread_id) if message.is_topic_message and message.message_thread_id else None
@@ -372,24 +522,75 @@ class TelegramAdapter:
         replies_to_bot = (
             reply is not None and reply.from_user is not None and me is not None and reply.from_user.id == me.id
         )
+        key = f"{chat.id}:{message.message_id}{suffix}"
+        others = [f"{m.chat.id}:{m.message_id}" for m in messages[1:]]
+        raw = parts[0].to_dict()
+        if len(parts) > 1:
+            raw["album"] = [u.to_dict() for u in parts[1:]]
         return InboundMessage(
             channel=CHANNEL,
             account=self.account.name,
             chat=str(chat.id),
             chat_type="dm" if chat.type == "private" else "group",
             sender=str(sender.id) if sender is not None else str(chat.id),
-            message_id=f"{chat.id}:{message.message_id}{suffix}",
+            message_id=key,
             text=text,
             thread=thread,
             sender_name=_name(sender) if sender is not None else chat.title,
-            mentions_bot=replies_to_bot or self._mentions_me(message),
+            mentions_bot=replies_to_bot or mentions,
             reply_to=f"{chat.id}:{reply.message_id}" if reply is not None else None,
             sender_is_bot=bool(sender is not None and sender.is_bot),
             ts=message.date.timestamp() if message.date else None,
             attachments=tuple(attachments),
-            raw=update.to_dict(),
-            ack=ack,
+            raw=raw,
+            ack=self._acker(parts, passed, key, others),
         )
+
+    def _load_album_parts(self) -> OrderedDict[str, str]:
+        """The album parts recorded under their album's first message, as saved (`_remember_album`).
+        A damaged file is moved aside (`albums.json.corrupt-<UTC time>`) with an error, never read as
+        empty and overwritten unseen."""
+        path = self._albums_path
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return OrderedDict()
+        except OSError as exc:
+            self._log.error(
+                "%s: cannot read %s (%s); album parts delivered again may be answered twice", self._where, path, exc
+            )
+            return OrderedDict()
+        try:
+            value = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            value = None
+        if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return OrderedDict(value)
+        try:
+            where = f"moved aside to {move_aside(path)}"
+        except OSError as exc:
+            where = f"left as it is ({exc})"
+        self._log.error(
+            "%s: %s is damaged: %s; album parts delivered again may be answered twice", self._where, path, where
+        )
+        return OrderedDict()
+
+    async def _remember_album(self, first: str, others: Sequence[str]) -> None:
+        """Note an album's other parts as recorded under its first message (the ledger has just
+        committed it), on disk before Telegram is told: a part delivered again, after a crash or
+        because an update before it was not acknowledged, is then passed over instead of being
+        answered as a message of its own."""
+        async with self._albums_lock:
+            for key in others:
+                self._album_parts[key] = first
+                self._album_parts.move_to_end(key)
+            while len(self._album_parts) > _REMEMBERED_ALBUM_PARTS:
+                self._album_parts.popitem(last=False)
+            text = json.dumps(dict(self._album_parts))
+            try:
+                await asyncio.to_thread(atomic_write_text, self._albums_path, text)
+            except OSError as exc:
+                self._log.warning("%s: could not save %s: %s", self._where, self._albums_path, exc)
 
     def _mentions_me(self, message: Message) -> bool:
         me = self._me
@@ -465,27 +666,35 @@ class TelegramAdapter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _photo(self, sizes: Sequence[PhotoSize]) -> Attachment:
+    async def _photo(self, sizes: Sequence[PhotoSize], deadline: float) -> Attachment:
         """The largest size of a photo that can reach the model: Telegram offers several (a
         thumbnail up to the original), and an image travels to the server base64-encoded in the
         turn's frame, so the limit is the gateway's `max_image_bytes()` (about 2.95 MiB with the
         server's default 4 MiB frame), not the 5 MiB the gateway keeps at most. Sizes are ranked by
         their pixels (`file_size` is optional in the Bot API: one without it may be the largest). A
         size Telegram says is bigger is not fetched; one whose download turns out bigger, or that
-        cannot be fetched (getFile "file is too big", a failed download), is passed over for the
-        next smaller one. None fits: the photo is named as too big (an image without data) and the
+        cannot be fetched for any reason (getFile "file is too big", a getFile answer without
+        `file_path`, a failed download), is passed over for the next smaller one. The downloads end
+        at `deadline` (the message's share of the download budget): a photo not fetched by then is
+        not waited for. None fits: the photo is named as too big (an image without data) and the
         caption goes on; none could be fetched at all: it is named as a file."""
         limit = self.context.max_image_bytes()
+        loop = asyncio.get_running_loop()
         by_size = sorted(sizes, key=lambda p: (p.width * p.height, p.file_size or 0), reverse=True)
         largest = by_size[0]
         name = f"photo_{largest.file_unique_id}.jpg"
         too_big = max((p.file_size or 0 for p in by_size), default=0)  # the biggest size seen
         for size in [p for p in by_size if (p.file_size or 0) <= limit]:
+            left = deadline - loop.time()
             try:
-                file = await self._require_bot().get_file(size.file_id)
-                data = bytes(await file.download_as_bytearray())
-            except (TelegramError, DeliveryError, OSError) as exc:
-                self._log.warning("%s: could not fetch photo %s: %s", self._where, size.file_id, exc)
+                if left <= 0:
+                    raise TimeoutError
+                data = await asyncio.wait_for(self._download(size.file_id), left)
+            except TimeoutError:
+                self._log.warning("%s: photo %s not fetched within the download budget", self._where, name)
+                break
+            except Exception as exc:  # noqa: BLE001 - getFile without file_path (RuntimeError), refused, failed
+                self._log.warning("%s: could not fetch photo %s: %r", self._where, size.file_id, exc)
                 continue
             if 0 < len(data) <= limit:
                 return Attachment(kind="image", name=name, mime="image/jpeg", size=len(data), data=data)
@@ -495,10 +704,16 @@ class TelegramAdapter:
         self._log.info("%s: photo %s: no size Telegram offers fits in %d bytes", self._where, name, limit)
         return Attachment(kind="image", name=name, mime="image/jpeg", size=too_big)
 
-    async def _attachments(self, message: Message) -> list[Attachment]:
+    async def _download(self, file_id: str) -> bytes:
+        file = await self._require_bot().get_file(file_id)
+        return bytes(await file.download_as_bytearray())
+
+    async def _attachments(self, message: Message, deadline: float) -> list[Attachment]:
+        """The message's media: a photo fetched (by `deadline`), anything else named. A sticker is
+        no attachment: it comes as its emoji, in the text (`_text_of`)."""
         out: list[Attachment] = []
         if message.photo:
-            out.append(await self._photo(message.photo))
+            out.append(await self._photo(message.photo, deadline))
         if message.document is not None:
             doc = message.document
             out.append(
@@ -515,7 +730,6 @@ class TelegramAdapter:
             ("video", message.video, "video/mp4"),
             ("video message", message.video_note, "video/mp4"),
             ("animation", message.animation, "video/mp4"),
-            ("sticker", message.sticker, "image/webp"),
         ):
             if media is not None:
                 mime = getattr(media, "mime_type", None) or default_mime
@@ -607,14 +821,39 @@ class TelegramAdapter:
     async def _formatted_call(self, html: str, go: Callable[[str, str | None], Awaitable[T]]) -> T:
         """`go(html, "HTML")`; when Telegram cannot parse the entities, `go(original, None)` instead."""
         try:
-            return await _delivery(go(html, "HTML"))
+            return await self._delivered(go(html, "HTML"))
         except _EntitiesRefused as exc:
             self._log.warning("%s: Telegram refused the formatting (%s); sending plain text", self._where, exc)
-            return await _delivery(go(self._plain(html), None))
+            return await self._delivered(go(self._plain(html), None))
+
+    async def _delivered(self, call: Awaitable[T]) -> T:
+        """`_delivery(call)`, watching the token: a 401 (revoked in BotFather) puts the account in
+        `error` naming the token at once, as the next poll would only when its long poll ends; a
+        call that succeeds again ends that."""
+        try:
+            result = await _delivery(call)
+        except _TokenRefused as exc:
+            cause = exc.__cause__
+            reason = (
+                self._token_refused(cause)
+                if isinstance(cause, TelegramError)
+                else f"{self._where}: Telegram refused the bot token: {self._scrub(exc.reason)}"
+            )
+            if self._refused != reason:
+                self._log.error("%s", reason)
+            self._refused = reason
+            self._report("error", reason)
+            raise
+        if self._refused is not None:
+            self._refused = None
+            self._log.info("%s: Telegram takes the bot token again", self._where)
+            if self.is_running:
+                self._report("running", None)
+        return result
 
     async def typing(self, target: Target) -> None:
         bot = self._require_bot()
-        await _delivery(
+        await self._delivered(
             bot.send_chat_action(_chat_id(target.chat), "typing", message_thread_id=_int_or_none(target.thread))
         )
 
@@ -623,11 +862,15 @@ class TelegramAdapter:
         mid = _message_id(message_id)
         if mid is None:
             raise DeliveryError(f"not a Telegram message id: {message_id!r}", permanent=True)
-        await _delivery(bot.set_message_reaction(_chat_id(target.chat), mid, reaction=emoji))
+        await self._delivered(bot.set_message_reaction(_chat_id(target.chat), mid, reaction=emoji))
 
 
 class _NotModified(DeliveryError):
     """An edit to the text the message already shows: success for the caller."""
+
+
+class _TokenRefused(DeliveryError):
+    """Telegram refused the bot token (401): revoked or wrong."""
 
 
 class _EntitiesRefused(DeliveryError):
@@ -652,7 +895,7 @@ async def _delivery(call: Awaitable[T]) -> T:
     except Forbidden as exc:  # blocked by the user, removed from the group: no retry storm
         raise DeliveryError(f"Telegram: {exc.message}", permanent=True) from exc
     except InvalidToken as exc:
-        raise DeliveryError(f"Telegram refused the bot token: {exc.message}", permanent=True) from exc
+        raise _TokenRefused(f"Telegram refused the bot token: {exc.message}", permanent=True) from exc
     except (TimedOut, NetworkError) as exc:
         if answered_with_error(exc):  # a 5xx in the Bot API's own JSON: it did not do the call
             raise DeliveryError(f"Telegram answered with an error: {_describe(exc)}") from exc
@@ -699,6 +942,49 @@ def utf16_len(text: str) -> int:
 def _describe(exc: BaseException) -> str:
     message = getattr(exc, "message", None) or str(exc)
     return f"{type(exc).__name__}: {message}"
+
+
+def _album_key(update: Update) -> tuple[int, str] | None:
+    """(chat id, media_group_id) of a new message that is part of an album, else None."""
+    message = update.message
+    if message is None or not message.media_group_id:
+        return None
+    return message.chat.id, message.media_group_id
+
+
+def _message_number(message: Message | None) -> int:
+    return message.message_id if message is not None else 0
+
+
+def _text_of(message: Message) -> str:
+    """What a person wrote: the text, a media's caption, or a sticker's emoji (a sticker is sent
+    like a reaction; one without an emoji says nothing, and alone it is not handed over)."""
+    text = message.text or message.caption
+    if text:
+        return text
+    sticker = message.sticker
+    return (sticker.emoji or "") if sticker is not None else ""
+
+
+def _has_media(message: Message) -> bool:
+    return bool(
+        message.photo
+        or message.document
+        or message.voice
+        or message.audio
+        or message.video
+        or message.video_note
+        or message.animation
+    )
+
+
+def _joined(messages: Sequence[Message], unread: bool) -> str:
+    """The texts of the messages (an album's captions, in order), one per line; with a note when
+    media of theirs could not be read."""
+    texts = [t for t in (_text_of(m) for m in messages) if t]
+    if unread:
+        texts.append(UNREAD_NOTE)
+    return "\n".join(texts)
 
 
 def _name(user: User) -> str:

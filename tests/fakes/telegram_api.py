@@ -31,7 +31,12 @@ Telegram semantics kept on purpose:
   commands (Telegram's default for bots in groups).
 
 Failures: `fail_next` (an error the Bot API answers in its JSON, the call not performed) and
-`perform_then_page` (the call performed, then answered with an HTML page instead of JSON).
+`perform_then_page` (the call performed, then answered with an HTML page instead of JSON). A photo's
+sizes can be `broken` (the download answers 500), `pathless` (getFile answers without `file_path`,
+which the Bot API leaves optional) or `hanging` (the download never answers, until the fake stops).
+
+Albums: `inject(..., media_group="g1")` on each part (Telegram sends one update per photo); inside
+`with tg.together():` the injected updates reach the bot in one getUpdates answer.
 
 Crash hooks (`on_request`, `on_answer`, `on_delivery`) let a test kill the bot's process at one exact
 step of the wire: each runs synchronously on the fake's event loop, at its step, before the fake serves
@@ -43,13 +48,14 @@ step it reached meanwhile, e.g. with a reply's sendMessage already performed and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import html.parser
 import json
 import re
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,6 +282,8 @@ class FakeTelegram(LoopbackServer):
         self._reactions: dict[tuple[int, int], list[str]] = {}
         self._files: dict[str, tuple[str, bytes]] = {}  # file_id -> (file_path, bytes)
         self._broken_paths: set[str] = set()  # file paths whose download answers 500
+        self._hanging_paths: set[str] = set()  # file paths whose download never answers
+        self._pathless: set[str] = set()  # file ids getFile answers without a file_path
         self._callbacks: dict[str, dict[str, Any] | None] = {}  # id -> answer (None until answered)
         self._calls: list[Call] = []
         self._polls: list[tuple[int, float, list[int]]] = []  # (offset, t arrived, update ids answered)
@@ -351,6 +359,11 @@ class FakeTelegram(LoopbackServer):
         photo_sizes: list[bytes] | None = None,  # a photo's sizes, small to large, instead of `photo`'s three
         unsized: Collection[int] = (),  # indexes into `photo_sizes` sent without `file_size` (it is optional)
         broken: Collection[int] = (),  # indexes into `photo_sizes` whose download answers 500
+        pathless: Collection[int] = (),  # indexes into `photo_sizes` getFile answers without `file_path`
+        hanging: Collection[int] = (),  # indexes into `photo_sizes` whose download never answers
+        media_group: str | None = None,  # the message is a part of this album (`media_group_id`)
+        sticker: str | None = None,  # a sticker with this emoji ("" for one without an emoji)
+        entities: list[dict[str, Any]] | None = None,  # the text's (or caption's) entities, as given
     ) -> Injected:
         """A user message in `chat_id` (`kind` private | group | supergroup; `thread` makes the
         supergroup a forum and the message a topic message). `@<bot username>` in the text is marked as
@@ -377,7 +390,8 @@ class FakeTelegram(LoopbackServer):
                 msg["text"] = text
             if caption is not None:
                 msg["caption"] = caption
-            entities = self._mentions(body or "")
+            if entities is None:
+                entities = self._mentions(body or "")
             if entities:
                 msg["entities" if text is not None else "caption_entities"] = entities
             if reply_to is not None:
@@ -389,7 +403,22 @@ class FakeTelegram(LoopbackServer):
             if photo is not None:
                 msg["photo"] = self._photo_sizes(photo)
             if photo_sizes is not None:
-                msg["photo"] = self._given_sizes(photo_sizes, unsized, broken)
+                msg["photo"] = self._given_sizes(photo_sizes, unsized, broken, pathless, hanging)
+            if media_group is not None:
+                msg["media_group_id"] = media_group
+            if sticker is not None:
+                file_id = self._add_file(f"stickers/file_{len(self._files)}.webp", b"RIFF....WEBP")
+                msg["sticker"] = {
+                    "file_id": file_id,
+                    "file_unique_id": f"u{file_id}",
+                    "type": "regular",
+                    "width": 512,
+                    "height": 512,
+                    "is_animated": False,
+                    "is_video": False,
+                    "file_size": 12,
+                    **({"emoji": sticker} if sticker else {}),
+                }
             if document is not None:
                 name, mime, content = document
                 file_id = self._add_file(f"documents/{name}", content)
@@ -414,6 +443,18 @@ class FakeTelegram(LoopbackServer):
                 self._updates.append({"update_id": update_id, "message": msg})
         self._notify()
         return Injected(update_id, chat_id, message_id)
+
+    def redeliver(self, injected: Injected) -> Injected:
+        """The same user message in an update of its own again, as Telegram delivers one whose
+        acknowledgement it never learnt of (the bot crashed before its next getUpdates)."""
+        assert injected.message_id is not None
+        with self._lock:
+            msg = dict(self._user_messages[(injected.chat_id, injected.message_id)])
+            update_id = self._next_update_id
+            self._next_update_id += 1
+            self._updates.append({"update_id": update_id, "message": msg})
+        self._notify()
+        return Injected(update_id, injected.chat_id, injected.message_id)
 
     def edit_user_message(self, chat_id: int, message_id: int, text: str) -> Injected:
         """The user edits one of their messages: an `edited_message` update."""
@@ -475,16 +516,26 @@ class FakeTelegram(LoopbackServer):
         return sizes
 
     def _given_sizes(
-        self, sizes: list[bytes], unsized: Collection[int] = (), broken: Collection[int] = ()
+        self,
+        sizes: list[bytes],
+        unsized: Collection[int] = (),
+        broken: Collection[int] = (),
+        pathless: Collection[int] = (),
+        hanging: Collection[int] = (),
     ) -> list[dict[str, Any]]:
         """The sizes a test gives, each its own file (small to large, as Telegram lists them); those
-        in `unsized` have no `file_size`, those in `broken` cannot be downloaded (500)."""
+        in `unsized` have no `file_size`, those in `broken` cannot be downloaded (500), those in
+        `pathless` are answered by getFile without `file_path`, those in `hanging` never download."""
         out = []
         for i, data in enumerate(sizes):
             path = f"photos/file_{len(self._files)}_{i}.jpg"
             file_id = self._add_file(path, data)
             if i in broken:
                 self._broken_paths.add(path)
+            if i in hanging:
+                self._hanging_paths.add(path)
+            if i in pathless:
+                self._pathless.add(file_id)
             side = 90 * (i + 1)
             size: dict[str, Any] = {"file_id": file_id, "file_unique_id": f"u{file_id}", "width": side, "height": side}
             if i not in unsized:
@@ -524,6 +575,13 @@ class FakeTelegram(LoopbackServer):
         if m.edits:
             out["edit_date"] = int(time.time())
         return out
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """The updates injected inside reach the bot in one getUpdates answer (none is answered
+        before the block ends)."""
+        with self._lock:
+            yield
 
     # ------------------------------------------------------------------ test side: inspection
 
@@ -726,6 +784,13 @@ class FakeTelegram(LoopbackServer):
             return JSONResponse(self._error(404, "Not Found"), status_code=404)
         if request.path_params["path"] in self._broken_paths:
             return Response("file server error", status_code=500, media_type="text/plain")
+        if request.path_params["path"] in self._hanging_paths:
+            while True:  # never answered: the client gives up, or the fake stops
+                with self._lock:
+                    if self._closing:
+                        break
+                await asyncio.sleep(0.05)
+            return Response("stopping", status_code=503, media_type="text/plain")
         return Response(found, media_type="application/octet-stream")
 
     def _take_failure(self, method: str) -> _Failure | None:
@@ -816,14 +881,11 @@ class FakeTelegram(LoopbackServer):
             if found is None:
                 return bad("Bad Request: invalid file_id")
             path, content = found
-            return ok(
-                {
-                    "file_id": p["file_id"],
-                    "file_unique_id": f"u{p['file_id']}",
-                    "file_size": len(content),
-                    "file_path": path,
-                }
-            )
+            answer = {"file_id": p["file_id"], "file_unique_id": f"u{p['file_id']}", "file_size": len(content)}
+            with self._lock:
+                if str(p["file_id"]) not in self._pathless:  # `file_path` is optional in the Bot API
+                    answer["file_path"] = path
+            return ok(answer)
         if method == "answerCallbackQuery":
             cid = str(p.get("callback_query_id"))
             with self._lock:

@@ -166,6 +166,10 @@ class StoreConfig:
     # its instance row, and how long one may stay silent before the others take over its work.
     heartbeat_s: float = 2.0
     instance_timeout_s: float = 30.0
+    # PostgreSQL only: how long a statement of the store may wait for a lock another session holds,
+    # and run at all, before its request fails with 503 store_unavailable (docs/scale-out.md).
+    lock_timeout_s: float = 10.0
+    statement_timeout_s: float = 120.0
 
 
 @dataclass(slots=True)
@@ -254,6 +258,8 @@ RULES: dict[str, Rule] = {
     "cron.lease_ttl_s": Rule(ge=3, le=3600),
     "store.heartbeat_s": Rule(ge=0.1, le=60),
     "store.instance_timeout_s": Rule(ge=1, le=3600),
+    "store.lock_timeout_s": Rule(ge=0.1, le=3600),
+    "store.statement_timeout_s": Rule(ge=1, le=86400),
     "providers.kind": Rule(choices=("openai", "anthropic")),
     "providers.transport": Rule(choices=("lean", "httpx")),
     "providers.timeout_s": _POSITIVE,

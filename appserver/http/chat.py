@@ -40,6 +40,7 @@ from appserver.http.common import (
     start_turn,
     stream_replay,
     turn_error,
+    until_credential_ends,
     watch_credential,
 )
 from appserver.http.conversation_match import (
@@ -774,7 +775,8 @@ class ChatCompletions:
     async def post(self, request: Request) -> Response:
         principal = principal_of(request)
         body, _ = await read_json(request)
-        agent, model_id = await resolve_model(self.server, principal, body.get("model"))
+        # a read, which may wait for the writer (a lock held elsewhere): a revoke meanwhile ends it
+        agent, model_id = await until_credential_ends(request, resolve_model(self.server, principal, body.get("model")))
         stream, include_usage = chat_param_types(body)
         items, instructions = view_of_messages(body.get("messages"))
         check_call_ids(items, "messages")
@@ -837,13 +839,22 @@ class ChatCompletions:
             else:
                 ns = conversation_namespace(principal)
                 header = request.headers.get(HEADER)
+                # Placing the input reads (and may write) the store, which may keep it waiting
+                # (a lock): a credential revoked meanwhile ends the request (401) there.
                 if header:
-                    place = await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
-                else:
-                    place = await self.matcher.by_prefix(
-                        agent, ns, prefix, user, metadata, answers, while_pending=calls_unanswered
+                    place = await until_credential_ends(
+                        request, self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
                     )
-                decisions = await named_answers(self.server, place.conversation_id, given)
+                else:
+                    place = await until_credential_ends(
+                        request,
+                        self.matcher.by_prefix(
+                            agent, ns, prefix, user, metadata, answers, while_pending=calls_unanswered
+                        ),
+                    )
+                decisions = await until_credential_ends(
+                    request, named_answers(self.server, place.conversation_id, given)
+                )
                 run = await start_turn(
                     self.server,
                     agent,
@@ -857,6 +868,7 @@ class ChatCompletions:
                     while_pending=calls_unanswered,
                     answers_param="messages",
                     idempotency=key,
+                    request=request,  # a credential revoked while the accept waits ends it (401)
                 )
         except BaseException:
             if idem is not None:

@@ -10,14 +10,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from appserver import fastjson
-from appserver.auth import Principal, namespace_of
+from appserver.auth import REVOCATION_POLL_S, Principal, namespace_of
 from appserver.errors import AgentGone, InvalidInput, KernelError
 from appserver.http.bodies import json_bodies
 from appserver.http.conversation_match import HEADER, by_name, legacy_name, repeats_answer
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from appserver.server import Server
 
 log = logging.getLogger("appserver.http")
+T = TypeVar("T")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
 IDEMPOTENCY_WAIT_S = 120.0
@@ -206,6 +207,11 @@ async def turn_error(server: Server, agent_id: str, error: dict[str, Any] | None
     was deleted while it ran ends as that model not existing, as the next request for it does."""
     if (error or {}).get("kind") == "store" and await server.store.get_agent(agent_id) is None:
         return agent_deleted()
+    if (error or {}).get("kind") == "store_unavailable":
+        # Not the agent's failure: the database could not take the turn's writes (a restart, a lock
+        # another process holds). Nothing of it was saved; a retry may go through (docs/openai.md).
+        why = str((error or {}).get("message") or "the store could not save the turn")
+        return ApiError(503, why, code="store_unavailable", headers={"Retry-After": "1"})
     return turn_failure(error)
 
 
@@ -575,8 +581,11 @@ async def start_turn(
     while_pending: Callable[[list[str]], ApiError] | None = None,
     idempotency: tuple[str, str] | None = None,
     answers_param: str = "input",
+    request: Request | None = None,
 ) -> TurnRun:
     """`overlap_accept`: the caller answers only once the turn settled (see SubmitRequest).
+    `request`: the HTTP request whose credential may end while its input waits to be accepted
+    (the store slow or locked): see `_accept_watched`.
     `while_pending`: the error for new input while the conversation waits for answers to calls
     (their client-visible ids); HTTP answers at once instead of queueing (DESIGN §13).
     `answers_param`: the field that carried the answers, named by a refusal of them."""
@@ -632,10 +641,11 @@ async def start_turn(
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
         if while_pending is not None:
-            waiting = await pending_call_ids(server, conversation_id)
+            lookup = pending_call_ids(server, conversation_id)  # a read: it may wait for the writer
+            waiting = await (until_credential_ends(request, lookup) if request is not None else lookup)
             if waiting:
                 raise while_pending(waiting)
-        sub = await kernel.submit(
+        submit = kernel.submit(
             SubmitRequest(
                 agent=agent.id,
                 input=content,
@@ -649,7 +659,11 @@ async def start_turn(
                 idempotency_scope=idempotency[1] if idempotency else None,
             )
         )
-        return TurnRun(server, sub.conversation_id, sub.handle)
+        check = credential_check(request) if request is not None else None
+        if check is None:
+            sub = await submit
+            return TurnRun(server, sub.conversation_id, sub.handle)
+        return await _accept_watched(server, submit, check)
     except AgentGone:  # deleted between finding it and accepting the turn: that model is gone
         raise agent_deleted() from None
     except InvalidInput as exc:
@@ -659,6 +673,95 @@ async def start_turn(
         raise ApiError(400, exc.message, code="invalid_input", param=answers_param) from None
     except KernelError as exc:
         raise from_kernel(exc) from None
+
+
+async def until_credential_ends(request: Request, work: Awaitable[T]) -> T:
+    """`work` (the reads and writes that place a request's input: finding or making its
+    conversation), cancelled once the request's credential ends (credential_end.py) and answered
+    with its 401: the store may keep them waiting for many seconds (a lock, an outage). The poll
+    starts only after REVOCATION_POLL_S: most requests are placed long before, and never pay for it.
+    The accept itself is watched by `start_turn` (given the request), which never cancels it."""
+    check = credential_check(request)
+    me = asyncio.current_task()
+    if check is None or me is None:
+        return await work
+    ended: ApiError | None = None
+    poller: asyncio.Task[None] | None = None
+
+    async def poll(check: CredentialCheck) -> None:
+        nonlocal ended
+        while (err := check()) is None:
+            await asyncio.sleep(REVOCATION_POLL_S)
+        ended = err
+        me.cancel()
+
+    def start() -> None:
+        nonlocal poller
+        poller = loop.create_task(poll(check))
+
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(REVOCATION_POLL_S, start)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if ended is None:
+            raise  # cancelled from outside (the server stops)
+        me.uncancel()
+        raise ended from None
+    finally:
+        timer.cancel()
+        if poller is not None and not poller.done():
+            poller.cancel()
+
+
+async def _accept_watched(server: Server, submit: Awaitable[Any], check: CredentialCheck) -> TurnRun:
+    """`submit` (kernel.submit) while the request's credential is watched (credential_end.py): an
+    accept may wait on the store (a lock, an outage) for many seconds, and a credential revoked or
+    expired meanwhile must not get its turn run and answered once the accept goes through.
+
+    The accept is never cancelled half-way for it (it may have committed already, and a turn
+    accepted with nobody holding its handle would run unseen): the request answers 401 within
+    about a second of the revoke (REVOCATION_POLL_S), and its turn, should the accept still go
+    through, is cancelled as soon as it returns. The credential is checked once more right after
+    the accept returned, before the turn's answer is waited for."""
+    task: asyncio.Future[Any] = asyncio.ensure_future(submit)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=REVOCATION_POLL_S)
+            if done:
+                break
+            err = check()
+            if err is not None:
+                task.add_done_callback(lambda t: _cancel_late(server, t))
+                raise err
+    except asyncio.CancelledError:  # the request is cancelled from outside (the server stops)
+        task.cancel()
+        raise
+    sub = task.result()  # the accept's own error, as before
+    run = TurnRun(server, sub.conversation_id, sub.handle)
+    err = check()
+    if err is not None:  # ended while the accept waited, or just as it returned
+        await _cancel_within(run, REVOCATION_POLL_S)
+        err.headers.setdefault(HEADER, run.conversation_id)
+        raise err
+    return run
+
+
+def _cancel_late(server: Server, task: asyncio.Future[Any]) -> None:
+    """The accept of a request that already answered 401 (its credential ended) went through:
+    cancel that turn, nobody is left to read it (as when a client leaves)."""
+    if task.cancelled() or task.exception() is not None:
+        return  # nothing accepted (the error was the store's; nobody waits for it)
+    sub = task.result()
+    run = TurnRun(server, sub.conversation_id, sub.handle)
+    server.kernel.keep_until_done(asyncio.ensure_future(run.cancel()))
+
+
+async def _cancel_within(run: TurnRun, limit_s: float) -> None:
+    """Cancel `run`'s turn, waiting for that at most `limit_s` (the rest goes on in the background)."""
+    cancelling = asyncio.ensure_future(run.cancel())
+    run.server.kernel.keep_until_done(cancelling)
+    await asyncio.wait((cancelling,), timeout=limit_s)
 
 
 async def wait_or_disconnect(request: Request, coro: Awaitable[Any]) -> tuple[bool | ApiError, Any]:
@@ -879,10 +982,13 @@ async def settle_or_cancel(request: Request, run: TurnRun, settled: Callable[[Tu
         await run.withdraw_if_queued()
         raise
     if gone:
-        await run.cancel()
         if isinstance(gone, ApiError):  # the credential ended (credential_end.py)
+            # Answered within about a second of the revoke even when the cancel has to wait for
+            # the store (a lock held elsewhere): it goes on without the request.
+            await _cancel_within(run, REVOCATION_POLL_S)
             gone.headers.setdefault(HEADER, run.conversation_id)
             raise gone
+        await run.cancel()
         raise ApiError(499, "the client closed the request", code="client_closed")
     snap: TurnSnapshot = outcome
     return snap

@@ -61,6 +61,7 @@ from appserver.http.common import (
     start_turn,
     stream_replay,
     turn_error,
+    until_credential_ends,
     watch_credential,
 )
 from appserver.http.conversation_match import (
@@ -1110,7 +1111,8 @@ class Responses:
         principal = principal_of(request)
         ns = conversation_namespace(principal)
         body, _ = await read_json(request)
-        agent, model_id = await resolve_model(self.server, principal, body.get("model"))
+        # a read, which may wait for the writer (a lock held elsewhere): a revoke meanwhile ends it
+        agent, model_id = await until_credential_ends(request, resolve_model(self.server, principal, body.get("model")))
         stream = response_param_types(body)
         store_flag = body.get("store")
         store_flag = True if store_flag is None else store_flag
@@ -1223,8 +1225,9 @@ class Responses:
             if earlier is not None:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
-                place = await self._place(
-                    agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added
+                place = await until_credential_ends(  # a credential revoked while the store keeps it waiting: 401
+                    request,
+                    self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added),
                 )
                 try:
                     run = await start_turn(
@@ -1238,6 +1241,7 @@ class Responses:
                         source={"kind": "openai_responses"},
                         while_pending=calls_pending,
                         idempotency=key,
+                        request=request,  # a credential revoked while the accept waits ends it (401)
                     )
                 except ApiError as exc:
                     if exc.code == "not_awaiting" and decisions:

@@ -145,7 +145,7 @@ class Kernel:
         self._stopping = False
         # Several servers on one database (a PostgreSQL store that joined its cluster at start).
         self._link: ClusterLink | None = None
-        self._cancelling: set[asyncio.Task[Any]] = set()
+        self._cancelling: set[asyncio.Future[Any]] = set()
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
         self._trim_after_time = 0.0
@@ -746,6 +746,12 @@ class Kernel:
             got = await self._link.call_holder(conversation_id, elsewhere.holder, "respond", args)
             return list(got.get("results") or [])
         return await rt.respond(decisions, whole=whole)
+
+    def keep_until_done(self, task: asyncio.Future[Any]) -> None:
+        """Hold a reference to `task` (a cancel its caller stopped waiting for) until it ends: the
+        event loop holds tasks only weakly."""
+        self._cancelling.add(task)
+        task.add_done_callback(self._cancelling.discard)
 
     async def cancel(
         self, conversation_id: str, turn_id: str | None = None, *, here: bool = False, client_left: bool = False

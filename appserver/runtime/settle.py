@@ -10,6 +10,7 @@ from typing import Any, cast
 from appserver.agent.loop import LoopOutcome, TurnWork
 from appserver.runtime.types import StopReason
 from appserver.store.base import StoreUnavailable, TurnSettledElsewhere
+from appserver.store.groupcommit import is_locked
 from appserver.store.records import MessageRecord, TurnCommit, TurnStatus
 from appserver.values import value
 
@@ -27,12 +28,14 @@ class TurnEnd:
 
 def store_failure(reason: object) -> TurnEnd:
     """The turn could not be saved: it ends failed with nothing written. Error kind `taken_over`
-    when another server of the cluster took its conversation over (HTTP says 503 for it)."""
+    when another server of the cluster took its conversation over (HTTP says 503 for it);
+    `store_unavailable` when the database could not take the write (it ended the connection, or
+    another process holds the SQLite file locked): HTTP says 503 `store_unavailable`."""
     kind = (
         "taken_over"
         if isinstance(reason, TurnSettledElsewhere)
         else "store_unavailable"
-        if isinstance(reason, StoreUnavailable)
+        if isinstance(reason, StoreUnavailable) or (isinstance(reason, BaseException) and is_locked(reason))
         else "store"
     )
     return TurnEnd(

@@ -13,6 +13,8 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 
+from appserver.store.base import StoreUnavailable
+
 log = logging.getLogger("appserver.store")
 
 Job = Callable[[sqlite3.Connection], None]
@@ -24,6 +26,32 @@ Job = Callable[[sqlite3.Connection], None]
 # once: with nothing else runnable, nothing could join it.
 GROUP_WINDOW_S = 0.005
 GROUP_MAX_JOBS = 512
+
+# Every wait has a timeout, and this one blocks the event loop (SQLite's calls are synchronous):
+# a write waits this long for the file's write lock another process holds (another program's
+# transaction, `BEGIN EXCLUSIVE` in an `sqlite3` shell) before it fails with StoreUnavailable
+# (HTTP 503 `store_unavailable`). Other writers of the file (a CLI command of this home) hold the
+# lock for milliseconds; a lock held longer is someone else's doing and gets a clear error, not a
+# server that stalls 10 s per queued write.
+LOCK_WAIT_S = 2.0
+# Once a write found the file locked, the next ones only try (this long) until one gets through:
+# the writes queued behind it fail at once instead of waiting LOCK_WAIT_S each.
+LOCKED_TRY_S = 0.05
+_BUSY = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (the low byte of an extended code)
+
+
+class StoreLocked(StoreUnavailable, sqlite3.OperationalError):
+    """Another process holds the SQLite file's write lock past LOCK_WAIT_S: the store is
+    unavailable (HTTP 503 `store_unavailable`), and still SQLite's own OperationalError to code
+    that knows that one."""
+
+
+def is_locked(exc: BaseException) -> bool:
+    """`exc` is SQLite's "database is locked" (another connection holds the lock it needs)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(exc, sqlite3.OperationalError) and isinstance(code, int):
+        return code & 0xFF in _BUSY
+    return isinstance(exc, sqlite3.OperationalError) and "database is locked" in str(exc)
 
 
 class GroupCommit:
@@ -40,8 +68,12 @@ class GroupCommit:
         connection: Callable[[], sqlite3.Connection],
         committed: Callable[[], None],
         failed: Callable[[BaseException], None] = lambda exc: None,
+        name: str = "the database",
     ) -> None:
         self._connection = connection
+        self._name = name  # the store's file, as an error names it
+        self._locked = False  # the last write found the file locked by another process
+        self._busy_ms: tuple[int, int] | None = None  # (id of the connection, its busy_timeout set here)
         self._committed = committed
         self._failed = failed
         self._group: list[tuple[Job, asyncio.Future[None]]] = []
@@ -66,7 +98,7 @@ class GroupCommit:
         if self._group:
             self.flush()  # queued writes first: writes land in the order they were made
         db = self._connection()
-        db.execute("BEGIN IMMEDIATE")
+        self._begin(db)
         try:
             yield db
         except BaseException as exc:
@@ -145,7 +177,7 @@ class GroupCommit:
         errors: list[BaseException | None]
         try:
             db = self._connection()
-            db.execute("BEGIN IMMEDIATE")
+            self._begin(db)
             try:
                 errors = self._run_all(db, jobs)
                 if len(jobs) == 1 and errors[0] is not None:
@@ -176,8 +208,34 @@ class GroupCommit:
             else:
                 fut.set_exception(err)
 
-    @staticmethod
-    def _run_all(db: sqlite3.Connection, jobs: list[tuple[Job, asyncio.Future[None]]]) -> list[BaseException | None]:
+    def _begin(self, db: sqlite3.Connection) -> None:
+        """BEGIN IMMEDIATE, waiting at most LOCK_WAIT_S for the write lock (LOCKED_TRY_S while the
+        last write found it taken); a lock held longer by another process is a StoreUnavailable
+        that says so."""
+        wait_s = LOCKED_TRY_S if self._locked else LOCK_WAIT_S
+        busy = (id(db), round(wait_s * 1000))
+        if self._busy_ms != busy:
+            db.execute(f"PRAGMA busy_timeout={busy[1]}")
+            self._busy_ms = busy
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if not is_locked(exc):
+                raise
+            if not self._locked:
+                self._locked = True
+                log.warning("%s is locked by another process: writes fail until it lets go", self._name)
+            raise StoreLocked(
+                f"{self._name} is locked by another process (a write waited {wait_s:g} s for it): nothing of "
+                "this request was written; retry once that process lets go of the database"
+            ) from exc
+        if self._locked:
+            self._locked = False
+            log.warning("%s is no longer locked: writes go on", self._name)
+
+    def _run_all(
+        self, db: sqlite3.Connection, jobs: list[tuple[Job, asyncio.Future[None]]]
+    ) -> list[BaseException | None]:
         """Run the jobs inside the open transaction; → each job's error (None when it succeeded)."""
         try:
             for job, _ in jobs:
@@ -186,7 +244,7 @@ class GroupCommit:
             if len(jobs) == 1:
                 return [exc]
             db.execute("ROLLBACK")  # undo the whole group, then again with one savepoint per job
-            db.execute("BEGIN IMMEDIATE")
+            self._begin(db)
         else:
             return [None] * len(jobs)
         errors: list[BaseException | None] = []

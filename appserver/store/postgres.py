@@ -90,6 +90,15 @@ Job = Callable[[Conn], Awaitable[T]]
 
 CONNECT_TIMEOUT_S = 10.0
 POOL_MAX = 10
+# Every wait has a timeout: a statement of the store's pooled connections (its writes, reads and the
+# CLI's) that waits this long for a lock another session holds (`LOCK TABLE`, a long migration by
+# hand, a stuck transaction) fails, and its request with it: 503 `store_unavailable`, nothing of it
+# written. Well above any lock a healthy cluster holds (a group commit's rows: milliseconds), well
+# below a client's patience; a group of writes waits for it once, whatever its size.
+LOCK_TIMEOUT_S = 10.0  # [store] lock_timeout_s
+# A backstop for a statement that runs (not waits) this long: no statement of the store takes more
+# than a fraction of a second on a healthy database (a copy into it, `store copy`, runs without it).
+STATEMENT_TIMEOUT_S = 120.0  # [store] statement_timeout_s
 
 # ------------------------------------------------------------------ the writer
 
@@ -128,6 +137,11 @@ class _LostBeforeCommit(Exception):
 _ENDED_BY_SERVER = (psycopg.errors.AdminShutdown, psycopg.errors.CrashShutdown, psycopg.errors.CannotConnectNow)
 
 
+# A statement that waited `lock_timeout` for a lock, or ran past `statement_timeout` (or was
+# cancelled by an operator): the database is fine, the statement was stopped; nothing it did stays.
+TIMED_OUT = (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled)
+
+
 def connection_lost(conn: Conn, exc: BaseException) -> bool:
     """Did `exc` come from the database ending `conn` (not from the statement)?"""
     return conn.closed or conn.broken or isinstance(exc, _ENDED_BY_SERVER)
@@ -151,8 +165,13 @@ class _Writer:
     """Every write, in submission order; what queued while a transaction was in flight commits in
     the next one, each job in its own savepoint. Futures settle after COMMIT returned."""
 
-    def __init__(self, connection: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        connection: Callable[[], Any],
+        timed_out: Callable[[BaseException], StoreUnavailable] = lambda exc: StoreUnavailable(str(exc)),
+    ) -> None:
         self._connection = connection  # () -> async context manager yielding a Conn
+        self._timed_out = timed_out  # a statement's lock or statement timeout, as the error its group gets
         self._queue: list[tuple[int, Job[Any], asyncio.Future[Any]]] = []
         self._submitted = 0  # sequence number of the last job submitted
         self._done = 0  # every job up to this number has committed or failed
@@ -229,7 +248,10 @@ class _Writer:
         nothing was committed; the group runs again with a savepoint per job, so the failing job
         rolls back alone and its caller gets its own error. A connection lost before COMMIT was
         sent committed nothing: the group runs again on another. A failure of COMMIT itself (a lost
-        connection: the outcome is unknown) is never retried: every job of the group fails."""
+        connection: the outcome is unknown) is never retried: every job of the group fails. So does
+        every job of a group one statement of which timed out (a lock held elsewhere past
+        `lock_timeout`): nothing of it committed, each caller gets StoreUnavailable, and the group
+        is not run again job by job (each would wait for the same lock: a wait per job)."""
         outcomes: list[tuple[bool, Any]] | None = None
         # Runs again while the database keeps ending connections, for at least
         # LOST_CONNECTION_RETRIES more tries and LIVE_CONNECTION_WAIT_S (a slow host's group may
@@ -306,6 +328,8 @@ class _Writer:
                                     value = await job(conn)
                                     await self._collect()
                             except Exception as exc:
+                                if isinstance(exc, TIMED_OUT):
+                                    raise  # the next jobs would wait for the same lock: the group fails
                                 self._deferred = []
                                 outcomes.append((False, exc))
                             else:
@@ -321,6 +345,8 @@ class _Writer:
                         if not committing:
                             raise _LostBeforeCommit() from exc  # nothing was committed: safe to run again
                         raise _LostAtCommit(xid, outcomes) from exc
+                    if not committing and isinstance(exc, TIMED_OUT):
+                        raise self._timed_out(exc) from exc  # nothing committed: every job fails, once
                     if committing or savepoints or len(jobs) == 1:
                         raise
                     return None
@@ -418,7 +444,9 @@ class PostgresStore(Store):
         # This process, and the host: a claim stamped by another host is never judged here (see the module doc).
         self.owner = f"{identity()}@{self.host}"
         self._pool: AsyncConnectionPool[Conn] | None = None
-        self._writes = _Writer(self._writer_connection)
+        self._writes = _Writer(self._writer_connection, self._timed_out)
+        self.lock_timeout_s = LOCK_TIMEOUT_S
+        self.statement_timeout_s = STATEMENT_TIMEOUT_S
         self.heartbeat_s = HEARTBEAT_S
         self.instance_timeout_s = INSTANCE_TIMEOUT_S
         self.address = ""  # host:port this server listens on, shown to the others
@@ -471,6 +499,7 @@ class PostgresStore(Store):
             open=False,
             name="appserver-store",
             timeout=self.connect_timeout_s,
+            configure=self._configure,
         )
         try:
             await pool.open(wait=True, timeout=self.connect_timeout_s)
@@ -478,6 +507,29 @@ class PostgresStore(Store):
             await pool.close()
             raise self._error("cannot open the connection pool", exc) from None
         self._pool = pool
+
+    async def _configure(self, conn: Conn) -> None:
+        """Every pooled connection (writes, reads, a CLI command's) waits at most `lock_timeout_s`
+        for a lock and runs a statement at most `statement_timeout_s` (session settings: the
+        connections are in autocommit, so they last as long as the connection). The migration's
+        own connection (`open`) and the cluster's session (cluster.py) have no such limit: a start
+        waits for another's migration, and the session's advisory lock is only ever tried."""
+        await conn.execute(
+            "SELECT set_config('lock_timeout', %s, false), set_config('statement_timeout', %s, false)",
+            (f"{max(1, round(self.lock_timeout_s * 1000))}ms", f"{max(1, round(self.statement_timeout_s * 1000))}ms"),
+        )
+
+    def _timed_out(self, exc: BaseException) -> StoreUnavailable:
+        """A statement stopped by `lock_timeout` or `statement_timeout`, as a one-line StoreUnavailable."""
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            why = (
+                f"a statement waited {self.lock_timeout_s:g} s for a lock another session holds on the database "
+                "([store] lock_timeout_s)"
+            )
+        else:
+            why = f"a statement was stopped after {self.statement_timeout_s:g} s ([store] statement_timeout_s)"
+        return StoreUnavailable(f"PostgreSQL store {self.shown_url}: {why}; nothing of it was written: {first}")
 
     async def claim_server(self) -> None:
         """Join the database's cluster of servers (appserver/store/cluster.py): register this
@@ -552,6 +604,8 @@ class PostgresStore(Store):
                         return await run(conn)
                     except psycopg.DataError as exc:  # a NUL in an id looked up, say: nothing to find
                         raise _refused_value(exc) from exc
+                    except TIMED_OUT as exc:  # a lock held elsewhere: 503, not a 500 (nor a wait without end)
+                        raise self._timed_out(exc) from exc
                     except psycopg.OperationalError as exc:
                         if not connection_lost(conn, exc):
                             raise
@@ -1562,6 +1616,7 @@ class PostgresStore(Store):
             # A server starting on the database meanwhile finds no agent and creates `assistant`
             # (create_first_agent): under this lock, so it waits for this transaction and then
             # finds the copied agents (LOCK TABLE … EXCLUSIVE does not keep it from reading them).
+            await conn.execute("SET LOCAL statement_timeout = 0")  # a large copy's statements may run long
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (FIRST_AGENT_LOCK,))
             await conn.execute(
                 sql.SQL("LOCK TABLE {} IN EXCLUSIVE MODE").format(sql.SQL(", ").join(map(sql.Identifier, DATA_TABLES)))

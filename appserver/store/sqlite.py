@@ -152,7 +152,7 @@ class SQLiteStore(Store):
         self.fresh = False  # True when open() created the schema (first use of this home)
         self._agent_cache = AgentCache(self._load_agents)
         # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
-        self._writes = GroupCommit(self._writer, self._committed, self.note_failure)
+        self._writes = GroupCommit(self._writer, self._committed, self.note_failure, name=f"the store {self.path}")
         self.damage: str | None = None  # what SQLite found damaged while the server runs
         self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims

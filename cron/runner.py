@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cron.envelope import build_envelope
-from cron.runlog import highest_occurrence, outcome_record
+from cron.runlog import delivery_record, highest_occurrence, outcome_record
 from cron.store import CorruptStateFile, CronStore, CronStoreError, CronTask, Occurrence, utcnow
 
 log = logging.getLogger("appserver.cron")
@@ -114,27 +114,6 @@ DELIVER_TIMEOUT_S = 110.0
 Clock = Callable[[], datetime]
 
 
-def record_outcome(
-    store: CronStore,
-    task_id: str,
-    occurrence: int,
-    turn_id: str | None,
-    outcome: TurnOutcome,
-    *,
-    now: datetime | None = None,
-) -> None:
-    """Append the turn's end to the run log; a failed run also becomes the task's visible error."""
-    _write_outcome(store, task_id, occurrence, turn_id, outcome)
-    now = now or utcnow()
-    with store.lock():
-        state = store.load()
-        task = state.get(task_id)
-        if task is not None and _note_outcome(task, occurrence, outcome, now):
-            store.save(state, cache=True)  # nothing of `state` is handed out
-        else:
-            store.keep(state)  # unchanged: the scheduler's next tick need not parse the file again
-
-
 def _write_outcome(store: CronStore, task_id: str, occurrence: int, turn_id: str | None, outcome: TurnOutcome) -> None:
     store.runlog.record(
         task_id,
@@ -159,18 +138,29 @@ def _note_outcome(task: CronTask, occurrence: int, outcome: TurnOutcome, now: da
     return False
 
 
-async def take_step(store: CronStore, task_id: str, occurrence: int, step: str, *, final: bool = False) -> bool:
+async def take_step(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    step: str,
+    *,
+    final: bool = False,
+    unfollowed_ours: bool = True,
+    recorded: Callable[[], bool] | None = None,
+) -> bool:
     """Whether this process takes `step` of run `occurrence` (records its outcome, sends its reply):
     moved under the store lock (`CronStore.advance`), so of several processes following one run (a
     scheduler that took the lease over, a restarted server, the holder that lost its lease) only
-    one does. A run the tasks do not follow, or a store that cannot answer now, is taken as before
-    (by this process, which fired or recovered it)."""
+    one does. A run the tasks do not follow (pushed out of the claims, its task removed) is taken
+    by this process when `unfollowed_ours` (it fired the run, or recorded its outcome) unless
+    `recorded()` (one home, whose run log is everyone's; asked under the lock) says the run log
+    already holds the step's record; a store that cannot answer now leaves it to this process."""
     try:
-        moved = await asyncio.to_thread(store.advance, task_id, occurrence, step, final=final)
+        moved = await asyncio.to_thread(store.advance, task_id, occurrence, step, final=final, recorded=recorded)
     except (CronStoreError, OSError) as exc:
         log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, exc)
         return True
-    return moved is not False
+    return moved is True or (moved is None and unfollowed_ours)
 
 
 async def take_recorded_step(
@@ -183,6 +173,8 @@ async def take_recorded_step(
     final: bool = False,
     update: Callable[[CronTask], bool] | None = None,
     recorded: Callable[[], bool] | None = None,
+    unfollowed_ours: bool = True,
+    write_lost: bool = True,
 ) -> bool:
     """`take_step` for a step whose record is its run-log line (`write`: an outcome, a
     `delivery_failed`): under the store lock, by the one process that moves the claim to `step`,
@@ -192,7 +184,12 @@ async def take_recorded_step(
     would write any more. `update(task)` changes the task in the same save (True: it changed).
     `recorded()` (one home, whose run log is everyone's) says whether the run log already holds the
     record: asked, under the lock, when the claim is already past `step`, so a record such a crash
-    of an older server lost is written now, and only once. Whether this process took the step."""
+    of an older server lost is written now, and only once. A run the tasks do not follow (pushed
+    out of the claims, its task removed) is taken when `unfollowed_ours` and the run log (asked
+    by `recorded()`) lacks its record: never a second record of a run another process follows
+    too (a restarted server's recovery and a take-over, both following a queued run). Without
+    `write_lost`, `recorded()` is asked only of a run the tasks do not follow. Whether this
+    process took the step."""
     written = False
 
     def locked() -> bool:
@@ -201,7 +198,10 @@ async def take_recorded_step(
             state = store.load()
             task = state.get(task_id)
             moved = None if task is None else task.advance_claim(occurrence, step, final=final)
-            if moved is False and (recorded is None or recorded()):
+            if moved is None and (not unfollowed_ours or (recorded is not None and recorded())):
+                store.keep(state)  # not followed: the run log has it, or its owner writes it
+                return False
+            if moved is False and (recorded is None or not write_lost or recorded()):
                 store.keep(state)
                 return False
             if moved is False:
@@ -294,16 +294,36 @@ async def watch_outcome(
     final reply there and record how that went (`delivered` or `delivery_failed`). Each only when
     no other process did it already (`take_step`): a run followed by two processes (the scheduler
     that took the lease over and the one that fired it, …) is recorded and delivered once."""
+    final = not (deliver_to or delivery_follows)
+    outcome, taken = await follow_outcome(
+        store, task_id, occurrence, turn_id, await_outcome, timeout_s=timeout_s, final=final
+    )
+    if deliver_to:
+        await deliver_reply(store, task_id, occurrence, turn_id, outcome, deliver_to, deliver, outcome_ours=taken)
+    return outcome
+
+
+async def follow_outcome(
+    store: CronStore,
+    task_id: str,
+    occurrence: int,
+    turn_id: str,
+    await_outcome: AwaitOutcomeFn,
+    *,
+    timeout_s: float,
+    final: bool,
+) -> tuple[TurnOutcome, bool]:
+    """Wait (bounded) for the turn to end and `settle` it: (its outcome, whether this process
+    recorded it). Of the processes following a run the tasks no longer follow, the one that
+    recorded its outcome sends its reply (`deliver_reply`'s `outcome_ours`)."""
     try:
         outcome = await asyncio.wait_for(await_outcome(turn_id), timeout=timeout_s)
     except TimeoutError:
         outcome = TurnOutcome(status="unknown", error=f"no outcome within {timeout_s:g} s")
     except Exception as exc:  # noqa: BLE001
         outcome = TurnOutcome(status="unknown", error=f"{type(exc).__name__}: {exc}")
-    await settle(store, task_id, occurrence, turn_id, outcome, final=not (deliver_to or delivery_follows))
-    if deliver_to:
-        await deliver_reply(store, task_id, occurrence, turn_id, outcome, deliver_to, deliver)
-    return outcome
+    taken = await settle(store, task_id, occurrence, turn_id, outcome, final=final)
+    return outcome, taken
 
 
 async def settle(
@@ -349,11 +369,22 @@ async def deliver_reply(
     outcome: TurnOutcome,
     target: str,
     deliver: DeliverFn | None,
+    *,
+    outcome_ours: bool = True,
 ) -> None:
     """Send a finished run's reply to its channel target; the run log says what happened. Only by
     the process that moves the run to `delivering` (`take_step`): a reply is sent at most once
-    across the servers sharing the tasks, and the run is `done` once the result is recorded."""
-    if not await take_step(store, task_id, occurrence, "delivering"):
+    across the servers sharing the tasks, and the run is `done` once the result is recorded. A
+    run the tasks no longer follow is delivered by the process that recorded its outcome
+    (`outcome_ours`), and on one home never when its run log already says where the reply went."""
+    if not await take_step(
+        store,
+        task_id,
+        occurrence,
+        "delivering",
+        unfollowed_ours=outcome_ours,
+        recorded=None if store.shared else lambda: _delivery_recorded(store, task_id, occurrence),
+    ):
         log.info("cron: task %s run #%d: its reply is delivered by another process", task_id, occurrence)
         return
     await _deliver_once(store, task_id, occurrence, turn_id, outcome, target, deliver)
@@ -394,8 +425,24 @@ async def _deliver_once(
                 remote_ids=ids,
             )
             return
-    log.warning("cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, error)
+    log.warning("cron: task %s run #%d: reply to %s %s", task_id, occurrence, target, not_delivered_text(error))
     store.runlog.record(task_id, "delivery_failed", occurrence=occurrence, turn_id=turn_id, target=target, error=error)
+
+
+def not_delivered_text(error: str) -> str:
+    """`error` said after "reply to TARGET": "not delivered: WHY", the prefix once (the reasons
+    recorded in the run log begin with it, or do not)."""
+    return error if error.startswith("not delivered") else f"not delivered: {error}"
+
+
+def _delivery_recorded(store: CronStore, task_id: str, occurrence: int) -> bool:
+    """Does the home's run log say where the reply of run `occurrence` went? (Cannot tell: yes,
+    a reply is never sent twice.)"""
+    try:
+        return delivery_record(store.runs_dir, task_id, occurrence) is not None
+    except (OSError, ValueError) as exc:
+        log.warning("cron: could not read the run log of task %s: %s", task_id, exc)
+        return True
 
 
 def claim_manual(store: CronStore, ref: str, *, agent: str | None, now: datetime) -> tuple[CronTask, Occurrence]:

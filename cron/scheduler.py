@@ -61,6 +61,8 @@ from cron.runner import (
     RunNowResult,
     TurnOutcome,
     deliver_reply,
+    follow_outcome,
+    not_delivered_text,
     run_task_now,
     submit_claimed,
     take_recorded_step,
@@ -261,6 +263,9 @@ class Scheduler:
         self.has_lease = False
         self.started_at = utcnow()  # real time, as run-log records are stamped
         self._watchers: set[asyncio.Task[TurnOutcome]] = set()
+        # (task id, run number) -> the watcher that records its outcome and sends its reply: one
+        # per run in this process, whichever path (a fire, a take-over, a restart's recovery) asks
+        self._following: dict[tuple[str, int], asyncio.Task[TurnOutcome]] = {}
         self._next_due: datetime | None = None  # earliest due time of an enabled task (lease held)
         self.claimed_turn = claimed_turn
         # Why the credential a task was made for is gone or may not use its agent (None: it may),
@@ -1062,6 +1067,13 @@ class Scheduler:
         before_delivery: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         assert self.await_outcome is not None
+        key = (task_id, occurrence)
+        if key in self._following:
+            # followed here already (a restarted server's recovery of the turns a previous one
+            # did not see end, and its scheduler's take-over of the runs that one claimed, both
+            # find a run queued behind a slow turn): one owner records and delivers it
+            log.debug("cron: task %s run #%d is already followed in this process", task_id, occurrence)
+            return
         outcome: Coroutine[Any, Any, TurnOutcome]
         if deliver_to and (not_delivered or before_delivery):
             outcome = self._outcome_then_delivery(
@@ -1080,7 +1092,14 @@ class Scheduler:
             )
         t = asyncio.create_task(outcome)
         self._watchers.add(t)
-        t.add_done_callback(self._watchers.discard)
+        self._following[key] = t
+
+        def ended(done: asyncio.Task[TurnOutcome]) -> None:
+            self._watchers.discard(done)
+            if self._following.get(key) is done:
+                del self._following[key]
+
+        t.add_done_callback(ended)
 
     async def _outcome_then_delivery(
         self,
@@ -1094,20 +1113,24 @@ class Scheduler:
         """The outcome, then the delivery (or the `delivery_failed` record of a reply that must
         not be sent): in the order of any other run, so `cron logs` reads the same."""
         assert self.await_outcome is not None
-        ended = await watch_outcome(
+        ended, ours = await follow_outcome(
             self.store,
             task_id,
             occurrence,
             turn_id,
             self.await_outcome,
             timeout_s=self.outcome_timeout_s,
-            delivery_follows=True,
+            final=False,
         )
         if not_delivered:
 
             def write() -> None:
                 log.warning(
-                    "cron: task %s run #%d: reply to %s not delivered: %s", task_id, occurrence, target, not_delivered
+                    "cron: task %s run #%d: reply to %s %s",
+                    task_id,
+                    occurrence,
+                    target,
+                    not_delivered_text(not_delivered),
                 )
                 self.store.runlog.record(
                     task_id,
@@ -1118,12 +1141,28 @@ class Scheduler:
                     error=not_delivered,
                 )
 
+            def sent() -> bool:
+                try:
+                    return delivery_record(self.store.runs_dir, task_id, occurrence) is not None
+                except (OSError, ValueError):
+                    return True  # cannot tell: never a second record
+
             # the record, then the claim done (a crash between them leaves the record: never lost)
-            await take_recorded_step(self.store, task_id, occurrence, "delivering", write, final=True)
+            await take_recorded_step(
+                self.store,
+                task_id,
+                occurrence,
+                "delivering",
+                write,
+                final=True,
+                unfollowed_ours=ours,
+                recorded=None if self.store.shared else sent,
+                write_lost=False,
+            )
             return ended  # (not taken: another process has its delivery in hand)
         if before_delivery is not None and ended.status == "completed":
             await before_delivery()
-        await deliver_reply(self.store, task_id, occurrence, turn_id, ended, target, self.deliver)
+        await deliver_reply(self.store, task_id, occurrence, turn_id, ended, target, self.deliver, outcome_ours=ours)
         return ended
 
     async def wait_outcomes(self, timeout_s: float) -> None:
@@ -1156,12 +1195,14 @@ class Scheduler:
         return self.tick_s - (now % self.tick_s) + 0.005
 
     def next_wake(self) -> datetime:
-        """When the loop ticks next: the earliest due time of a task (while holding the lease),
-        the next tick boundary at the latest, and not sooner than MIN_TICK_GAP_S after the last
-        tick (so ten thousand tasks with spread-out due times do not save crons.json nonstop)."""
+        """When the loop ticks next: the earliest due time of a task (while holding the lease;
+        a failed tick's retry, with or without it), the next tick boundary at the latest, and not
+        sooner than MIN_TICK_GAP_S after the last tick (so ten thousand tasks with spread-out due
+        times do not save crons.json nonstop)."""
         now = self.clock()
         wake = now + timedelta(seconds=self.seconds_to_next_tick())
-        if self.has_lease and self._next_due is not None and self._next_due < wake:
+        # (without the lease `_next_due` is set only by a failed tick: its retry, `_undo_tick`)
+        if self._next_due is not None and self._next_due < wake:
             wake = self._next_due
         if self._last_tick is not None and self._last_tick <= now:  # (a tick shorter than the gap is honoured)
             gap = min(MIN_TICK_GAP_S, self.tick_s)
@@ -1211,10 +1252,12 @@ class Scheduler:
 
     async def _sleep(self, stop: asyncio.Event) -> None:
         """Sleep until `next_wake()`, waking early when stopped, when crons.json is changed by
-        another process while we hold the lease (a new task may be due before then), or, without
-        the lease, when the holder the last tick saw is judged gone (`holder_gone`, every
-        LEASE_CHECK_S): the tick then takes the lease over. Measured on the wall clock, so a
-        suspended machine ticks as soon as it resumes."""
+        another process while we hold the lease (a new task may be due before then) or while no
+        holder is known (the last tick failed before it could read the lease: a crons.json set
+        aside as corrupt, a store that could not answer; the change, a `cron add`, lets the tick
+        take the lease), or, without the lease, when the holder the last tick saw is judged gone
+        (`holder_gone`, every LEASE_CHECK_S): the tick then takes the lease over. Measured on the
+        wall clock, so a suspended machine ticks as soon as it resumes."""
         wake = self.next_wake()
         while not stop.is_set():
             self.alive_at = time.monotonic()
@@ -1227,7 +1270,7 @@ class Scheduler:
                 await asyncio.wait_for(stop.wait(), timeout=min(left, self.watch_s))
             except TimeoutError:
                 pass
-            if self.has_lease and await self._changed_elsewhere_safely():
+            if (self.has_lease or self._holder_seen is None) and await self._changed_elsewhere_safely():
                 return
             if not self.has_lease and self._holder_seen is not None and time.monotonic() >= self._holder_check_at:
                 self._holder_check_at = time.monotonic() + LEASE_CHECK_S

@@ -14,7 +14,7 @@ from appserver.channels import READINESS_CHECK as CHANNELS_CHECK
 from appserver.readiness import CheckResult
 from appserver.server import Server
 from cron.adapter import KernelAdapter
-from cron.runner import DeliverFn, RunNowResult, TurnOutcome, deliver_reply, record_outcome
+from cron.runner import DeliverFn, RunNowResult, TurnOutcome, deliver_reply, settle
 from cron.scheduler import Scheduler
 from cron.store import CorruptStateFile, CronNotFound, CronStoreError, CronTask
 
@@ -154,10 +154,12 @@ class CronService:
             turn = await self.server.store.get_turn(turn_id)
             if turn is None:  # accepted by a process that died before its store commit
                 lost = TurnOutcome("lost", "the turn never reached the store (its server died)")
-                await asyncio.to_thread(record_outcome, self.scheduler.store, task_id, occurrence, turn_id, lost)
-                if task is not None and task.deliver:  # nothing to send: say so where a delivery goes
+                store, target = self.scheduler.store, task.deliver if task is not None else None
+                # recorded once, whoever else follows the run (the scheduler's take-over of its claim)
+                ours = await settle(store, task_id, occurrence, turn_id, lost, final=not target)
+                if target:  # nothing to send: say so where a delivery goes
                     await deliver_reply(
-                        self.scheduler.store, task_id, occurrence, turn_id, lost, task.deliver, self.scheduler.deliver
+                        store, task_id, occurrence, turn_id, lost, target, self.scheduler.deliver, outcome_ours=ours
                     )
                 continue
             if (
@@ -176,8 +178,9 @@ class CronService:
 
     def _resolved_elsewhere(self, task: CronTask, occurrence: int) -> bool:
         """Did another process finish run `occurrence` (its outcome recorded, its reply sent)? As
-        the tasks say (the progress kept with each claim; a run still open is followed here, and
-        of the processes following it only one records and delivers it): on a cluster's database,
+        the tasks say (the progress kept with each claim, and the runs known done since; a run
+        still open is followed here, and of the processes following it only one records and
+        delivers it): on a cluster's database,
         a run they no longer follow that is older than the task's last claim was finished by the
         server that took the scheduler over (its run log has it); on one home's crons.json, this
         server's run log is everyone's and decides."""

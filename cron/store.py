@@ -40,7 +40,7 @@ import operator
 import re
 import secrets
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -109,6 +109,13 @@ _STAGE_RANK = {stage: rank for rank, stage in enumerate(PROGRESS_STAGES)}
 # resolves them, and a recovering server finds how far they got. A claim pushed out (more than this
 # many of one task open at once) is resolved as before this was kept (by the run log and the key).
 OPEN_CLAIMS_KEPT = 3
+# `last_claimed["followed_from"]`: the lowest run number from which on the tasks follow every run
+# until it is done. A run at or above it, below the last claim and no longer among the claims, was
+# dropped because it is done (only a run pushed out by OPEN_CLAIMS_KEPT leaves the claims undone,
+# and the mark moves above it then): `advance_claim` answers "taken" for it, never "not followed",
+# so a second process following it (a restarted server's recovery, a take-over) neither records
+# its outcome nor sends its reply again.
+FOLLOWED_FROM = "followed_from"
 _OPEN_KEYS = ("occurrence", "scheduled_for", "due_at", "fired_at", "manual", "catch_up", "by", "progress")
 # The namespace of tasks the `schedule` tool makes in a conversation no credential owns (local,
 # admin, CLI, cron conversations): the tool sees and cancels these, never the operator's CLI tasks
@@ -441,22 +448,42 @@ class CronTask:
             )
         self.occurrence = number
         occ = Occurrence(self.id, self.occurrence, scheduled_for, due_at, now, manual=manual, catch_up=catch_up)
-        still_open = self._open_claims()
+        still_open, dropped = self._open_claims()
         self.last_claimed = {
             **occ.to_dict(),
             "claimed_at": now.isoformat(),
             **({"by": by} if by else {}),
             "progress": "claimed",
             **({"open": still_open} if still_open else {}),
+            FOLLOWED_FROM: self._followed_from_after(number, still_open, dropped),
         }
         return occ
 
-    def _open_claims(self) -> list[dict[str, Any]]:
+    def _followed_from_after(self, number: int, still_open: list[dict[str, Any]], dropped: list[int]) -> int:
+        """FOLLOWED_FROM for a new claim `number` (see there): kept from the last claim, raised
+        above the runs pushed out of the claims (`dropped`). A claim that follows no claim kept
+        with progress, or that skips numbers (a counter rolled back, then raised by the run log:
+        the runs between were claimed in a state this file lost), starts it anew; one made before
+        the mark was kept starts it at its lowest claim still open (a run below that may have been
+        pushed out)."""
+        last = self.last_claimed
+        previous = _claim_number(last) if isinstance(last, dict) else None
+        if not isinstance(last, dict) or _stage(last) is None or previous is None or previous + 1 != number:
+            return number
+        start = _claim_number({"occurrence": last.get(FOLLOWED_FROM)})
+        if start is None:
+            start = min([previous, *(n for c in still_open if (n := _claim_number(c)) is not None)])
+        if dropped:
+            start = max(start, max(dropped) + 1)
+        return start
+
+    def _open_claims(self) -> tuple[list[dict[str, Any]], list[int]]:
         """The claims still open (their run not done) once a new claim replaces `last_claimed`:
-        it (when open) and the open ones it kept, newest first, at most OPEN_CLAIMS_KEPT."""
+        it (when open) and the open ones it kept, newest first, at most OPEN_CLAIMS_KEPT; and the
+        numbers of the open runs pushed out (no longer followed)."""
         last = self.last_claimed
         if not isinstance(last, dict):
-            return []
+            return [], []
         kept = []
         if _stage(last) not in (None, "done"):  # (None: a claim made before progress was kept)
             kept.append({k: last[k] for k in _OPEN_KEYS if k in last and last[k] not in (None, False)})
@@ -472,7 +499,16 @@ class CronTask:
                 OPEN_CLAIMS_KEPT,
                 ", ".join(f"#{c.get('occurrence')}" for c in kept[OPEN_CLAIMS_KEPT:]),
             )
-        return kept[:OPEN_CLAIMS_KEPT]
+        dropped = [n for c in kept[OPEN_CLAIMS_KEPT:] if (n := _claim_number(c)) is not None]
+        return kept[:OPEN_CLAIMS_KEPT], dropped
+
+    def known_done(self, occurrence: int) -> bool:
+        """Is run `occurrence`, which is not among the claims, known to be done (see FOLLOWED_FROM)?"""
+        last = self.last_claimed
+        if not isinstance(last, dict) or _stage(last) is None:
+            return False
+        start, newest = _claim_number({"occurrence": last.get(FOLLOWED_FROM)}), _claim_number(last)
+        return start is not None and newest is not None and start <= occurrence < newest
 
     def claimed_occurrence(self) -> Occurrence | None:
         """The last claimed occurrence, rebuilt from `last_claimed` (None when it cannot be)."""
@@ -496,13 +532,15 @@ class CronTask:
         for c in self.claim_records():
             if _claim_number(c) == occurrence:
                 return True, _stage(c)
+        if self.known_done(occurrence):
+            return True, "done"
         return False, None
 
     def advance_claim(self, occurrence: int, step: str, *, final: bool = False) -> bool | None:
         """Move claim `occurrence` to `step` (to done with `final`) if it has not got that far:
         True when it moved (the caller takes the step), False when it was there already (another
-        process took it), None when the tasks do not follow that claim. An open claim that is done
-        is dropped from `open`."""
+        process took it, or the run is done: `known_done`), None when the tasks do not follow that
+        claim. An open claim that is done is dropped from `open`."""
         rank = _STAGE_RANK[step]
         stage = "done" if final else step
         last = self.last_claimed
@@ -518,7 +556,7 @@ class CronTask:
             return True
         earlier = last.get("open")
         if not isinstance(earlier, list):
-            return None
+            return False if self.known_done(occurrence) else None
         for i, c in enumerate(earlier):
             if isinstance(c, dict) and _claim_number(c) == occurrence:
                 current = _stage(c)
@@ -532,7 +570,7 @@ class CronTask:
                 if kept:
                     self.last_claimed["open"] = kept
                 return True
-        return None
+        return False if self.known_done(occurrence) else None
 
     def fingerprint(self) -> tuple[Any, ...]:
         """Every field `to_dict` writes, by value: equal fingerprints give an equal JSON line, so
@@ -1066,11 +1104,21 @@ class CronStore:
     def list(self, agent: str | None = None) -> list[CronTask]:
         return [t for t in self.read().tasks if agent is None or t.agent == agent]
 
-    def advance(self, task_id: str, occurrence: int, step: str, *, final: bool = False) -> bool | None:
+    def advance(
+        self,
+        task_id: str,
+        occurrence: int,
+        step: str,
+        *,
+        final: bool = False,
+        recorded: Callable[[], bool] | None = None,
+    ) -> bool | None:
         """`CronTask.advance_claim` under the lock, saved when it moved: whether this process takes
         `step` of run `occurrence` (True), another one took it (False), or the tasks do not follow
-        that run (None: a task removed, an earlier run already done, a claim made before progress
-        was kept), for the caller to decide as it did before."""
+        that run (None: a task removed, a run pushed out of the claims, a claim made before
+        progress was kept), for the caller to decide. `recorded()`, asked under the lock for a run
+        the tasks do not follow, says whether the run log already holds the step's record: then
+        it was taken (False)."""
         with self.lock():
             state = self.load()
             task = state.get(task_id)
@@ -1079,6 +1127,8 @@ class CronStore:
                 self.save(state, cache=True)
             else:
                 self.keep(state)
+            if moved is None and recorded is not None and recorded():
+                return False
             return moved
 
     def claim_progress(self, task_id: str, occurrence: int) -> tuple[bool, str | None]:

@@ -1,0 +1,375 @@
+"""Cron runs queued behind a slow turn when their server stops, a crons.json set aside at start, and
+the reason of a reply not delivered.
+
+1. A task firing every second into `--conversation default` while a slow turn holds that
+   conversation: its runs queue. The server is stopped (SIGTERM, then a restart; or kill -9 with a
+   `serve --standby` taking over). Before the fix two recovery paths of the server that took over
+   followed the same queued turns: `CronService.recover_outcomes` (turns a previous server did not
+   see end) and the scheduler's take-over of the runs the stopped scheduler claimed
+   (`Scheduler._submit_orphan` / `_resume_orphan`). Their only guard, the claim's progress in the
+   tasks (`CronTask.advance_claim`), answered "not followed" for a run dropped from the claims once
+   done (or pushed out of them, more than three open at once), and on that answer both wrote the
+   run's `outcome` and both POSTed its `--deliver` reply. Now one watcher per run and process
+   (`Scheduler._watch`), a run dropped from the claims once done is known done
+   (`last_claimed.followed_from`), and a run the tasks do not follow is recorded only when the run
+   log lacks its record, and delivered only by the process that recorded its outcome.
+2. A crons.json that cannot be parsed at start is set aside by the scheduler's first tick, which
+   then held no lease and slept until the next tick boundary (here `[cron] tick_s = 3600`): a task
+   added meanwhile did not fire. Now a change of crons.json wakes it (and a failed tick is retried
+   soon), so the lease is taken and the task fires.
+3. The server log said "reply to … not delivered: not delivered: the run cancelled".
+
+Real `appserver serve` processes (the echo model; `/slow N` holds the conversation), the real
+webhook channel and a loopback receiver of its replies, real crons.json and run logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cron.runner import TurnOutcome, deliver_reply
+from cron.schedule import ScheduleSpec
+from cron.store import CronStore, make_task
+from tests.support.cli import ROOT, CLIResult, cli_env, run_cli
+from tests.support.gateway import gateway_children, start_channel_server, write_config
+from tests.support.serve import start_serve
+from tests.support.wait import wait_for
+from tests.support.zygote_client import appserver_popen
+
+pytestmark = pytest.mark.timeout(150)
+
+SECRET = "s3cr3t-for-the-webhook-s22"
+TARGET = "webhook:home:kitchen"
+QUEUED = 4  # runs submitted behind the slow turn before the server is stopped (more than the 3 kept open)
+
+
+def _port() -> int:
+    """A free loopback port of the range these tests may use (22140-22199)."""
+    for port in range(22140, 22200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 22140-22199")
+
+
+class Receiver:
+    """The app receiving the webhook channel's replies: the body of every POST."""
+
+    def __init__(self) -> None:
+        self.posts: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's API
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with outer.lock:
+                    outer.posts.append(json.loads(body))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", _port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/replies"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def received(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return list(self.posts)
+
+
+class Procs:
+    """What a test starts (servers, their gateway children, clients): all ended at its end."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[Any]] = []
+        self.gateways: list[int] = []
+
+    def add(self, proc: subprocess.Popen[Any]) -> subprocess.Popen[Any]:
+        self.procs.append(proc)
+        return proc
+
+    def kill9(self, proc: subprocess.Popen[Any]) -> None:
+        """SIGKILL a server and its gateway child (orphaned, it would go on sending)."""
+        children = gateway_children(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def end(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                self.gateways += gateway_children(proc.pid)
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+        for pid in self.gateways:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture()
+def procs() -> Iterator[Procs]:
+    p = Procs()
+    try:
+        yield p
+    finally:
+        p.end()
+
+
+def _ok(home: Path, env: dict[str, str], *args: str) -> CLIResult:
+    r = run_cli(home, *args, env=env)
+    assert r.code == 0, (args, r.out, r.err)
+    return r
+
+
+def _records(home: Path, task_id: str) -> list[dict[str, Any]]:
+    path = home / "cron-runs" / f"{task_id}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _by_run(home: Path, task_id: str) -> dict[int, list[str]]:
+    runs: dict[int, list[str]] = {}
+    for r in _records(home, task_id):
+        if isinstance(r.get("occurrence"), int):
+            runs.setdefault(r["occurrence"], []).append(str(r["event"]))
+    return runs
+
+
+def _submitted(home: Path, task_id: str) -> int:
+    return sum("submitted" in events for events in _by_run(home, task_id).values())
+
+
+def _all_ended(home: Path, task_id: str, end: tuple[str, ...]) -> bool:
+    runs = _by_run(home, task_id)
+    return bool(runs) and all(any(e in events for e in end) for events in runs.values())
+
+
+def _hold_default(home: Path, env: dict[str, str], procs: Procs, out: Path) -> None:
+    """A slow turn (30 s) in the agent's default conversation, through the running server: the
+    cron turns submitted there queue behind it."""
+    with open(out, "wb") as f:
+        procs.add(
+            appserver_popen(
+                ["run", "--conversation", "default", "/slow 600"], env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT
+            )  # fmt: skip
+        )
+    wait_for(lambda: _running_turns(home) == 1, 30, "the slow turn to run")
+
+
+def _running_turns(home: Path) -> int:
+    with contextlib.suppress(sqlite3.Error):
+        conn = sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True)
+        try:
+            return int(conn.execute("SELECT COUNT(*) FROM turns WHERE status = 'running'").fetchone()[0])
+        finally:
+            conn.close()
+    return 0
+
+
+def _queue_runs(home: Path, env: dict[str, str], *deliver: str) -> str:
+    task_id = str(
+        _ok(home, env, "cron", "add", "--name", "q", "--agent", "assistant", "--every", "1s", "--exact",
+            "--conversation", "default", "--prompt", "queued", *deliver, "--json").json()["id"]
+    )  # fmt: skip
+    wait_for(lambda: _submitted(home, task_id) >= QUEUED, 30, f"{QUEUED} runs queued behind the slow turn")
+    return task_id
+
+
+def _once_each(home: Path, task_id: str, event: str | tuple[str, ...]) -> None:
+    events = (event,) if isinstance(event, str) else event
+    runs = _by_run(home, task_id)
+    twice = {n: e for n, e in runs.items() if sum(e.count(x) for x in events) != 1}
+    assert not twice, f"runs whose {'/'.join(events)} is not recorded exactly once: {twice}"
+
+
+def test_queued_runs_are_recorded_once_after_a_sigterm_and_restart(tmp_path: Path, procs: Procs) -> None:
+    home = tmp_path / "home"
+    env = cli_env(home)
+    first = start_serve(home, env=env)
+    procs.add(first.proc)
+    _hold_default(home, env, procs, tmp_path / "slow.out")
+    task_id = _queue_runs(home, env)
+    first.stop(signal.SIGTERM, timeout=30)
+    _ok(home, env, "cron", "disable", "q")
+    second = start_serve(home, env=env)
+    procs.add(second.proc)
+    wait_for(lambda: _all_ended(home, task_id, ("outcome", "missed")), 40, "every run's outcome")
+    time.sleep(2)  # a second record of the same run would come with the first
+    _once_each(home, task_id, ("outcome", "missed"))
+    assert sum(events.count("submitted") for events in _by_run(home, task_id).values()) >= QUEUED
+
+
+def test_queued_runs_are_recorded_and_delivered_once_when_a_standby_takes_over_after_kill9(
+    tmp_path: Path, procs: Procs
+) -> None:
+    """The default conversation is held by a turn waiting for an approval, which outlives its
+    server: the runs queue behind it, before and after the standby takes over, and go on being
+    claimed there, so the first ones are pushed out of the claims the tasks follow while both
+    recovery paths of the standby wait for them. Then the call is approved and they all run."""
+    receiver = Receiver()
+    try:
+        home = tmp_path / "home"
+        settings = {
+            "listen": f"127.0.0.1:{_port()}",
+            "secret_env": "WH_SECRET",
+            "reply_url": receiver.url,
+            "default_agent": "careful",
+        }
+        write_config(home, {"webhook": {"home": settings}}, ["webhook"])
+        env = cli_env(home, WH_SECRET=SECRET)
+        _ok(home, env, "agents", "create", "--name", "careful", "--tool", "clock=ask")
+        active = start_channel_server(home, env=env)
+        procs.add(active.proc)
+        active.wait_channels_ready()
+        standby_log = tmp_path / "standby.log"
+        with open(standby_log, "wb") as out:
+            standby = procs.add(
+                appserver_popen(
+                    ["serve", "--standby", "--listen", f"127.0.0.1:{_port()}"],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            )
+        wait_for(lambda: "appserver standby:" in standby_log.read_text(errors="replace"), 20, "the standby to wait")
+        paused = _ok(home, env, "run", "--agent", "careful", "--conversation", "default", "--json", "/call clock {}")
+        held = paused.json()
+        (call,) = [c["call_id"] for c in held["pending"]]
+        task_id = str(
+            _ok(home, env, "cron", "add", "--name", "q", "--agent", "careful", "--every", "1s", "--exact",
+                "--conversation", "default", "--prompt", "queued", "--deliver", TARGET, "--json").json()["id"]
+        )  # fmt: skip
+        wait_for(lambda: _submitted(home, task_id) >= 2, 30, "runs queued behind the paused turn")
+        procs.kill9(active.proc)
+        # the standby takes over and goes on claiming: the first runs are pushed out of the claims
+        wait_for(lambda: _submitted(home, task_id) >= 7, 40, "more runs queued, claimed by the standby")
+        _ok(home, env, "cron", "disable", "q")
+        approved = run_cli(
+            home, "run", "--agent", "careful", "--conversation", held["conversation_id"], "--approve", call, env=env
+        )
+        assert approved.code == 0, (approved.out, approved.err)
+        wait_for(
+            lambda: _all_ended(home, task_id, ("delivered", "delivery_failed", "missed")),
+            40,
+            "every run's reply to be sent (or said not sent)",
+        )
+        time.sleep(2)  # a second send of the same reply would come with the first
+        log = standby_log.read_text(errors="replace")
+        runs = _by_run(home, task_id)
+        _once_each(home, task_id, ("outcome", "missed"))
+        _once_each(home, task_id, ("delivered", "delivery_failed", "missed"))
+        delivered = [r for r in _records(home, task_id) if r["event"] == "delivered"]
+        assert len(delivered) >= 7, (runs, log[-3000:])
+        texts = Counter(str(p.get("text")) for p in receiver.received())
+        assert all(n == 1 for n in texts.values()), texts  # no reply POSTed twice
+        assert sum(texts.values()) == len(delivered), (texts, delivered)
+        assert "not delivered: not delivered" not in log
+        assert standby.poll() is None
+    finally:
+        receiver.server.shutdown()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{garbage", b'{"version": 1, "tasks": [', b"", b"\0" * 4096],
+    ids=["garbage", "truncated", "empty", "nul"],
+)
+def test_a_task_added_after_a_corrupt_crons_json_was_set_aside_fires(tmp_path: Path, content: bytes) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_text("[cron]\ntick_s = 3600\n")  # the backstop tick never comes
+    (home / "crons.json").write_bytes(content)
+    env = cli_env(home)
+    srv = start_serve(home, env=env)
+    try:
+        wait_for(lambda: list(home.glob("crons.json.corrupt-*")), 20, "crons.json to be set aside")
+        task_id = str(
+            _ok(home, env, "cron", "add", "--name", "after", "--agent", "assistant", "--every", "2s", "--exact",
+                "--prompt", "hi", "--json").json()["id"]
+        )  # fmt: skip
+        wait_for(
+            lambda: "outcome" in [r["event"] for r in _records(home, task_id)],
+            25,
+            "the task added after the set-aside to fire",
+        )
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            srv.stop()
+        srv.kill()
+
+
+def test_a_run_followed_to_done_is_not_taken_again(tmp_path: Path) -> None:
+    """The store's answer itself: a run dropped from the claims once done is known done (taken),
+    not "not followed" (which let a second process record and deliver it again); a run pushed out
+    of the claims undone stays "not followed"."""
+    store = CronStore(tmp_path)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    task = store.add(make_task(name="t", agent="a", schedule=ScheduleSpec("every", "1m", "UTC"), prompt="p", now=t0))
+    with store.lock():
+        state = store.load()
+        t = state.get(task.id)
+        assert t is not None
+        for i in range(6):  # runs 1-6 open at once: runs 1 and 2 pushed out of the three kept
+            t.claim(t0 + timedelta(minutes=i), t0 + timedelta(minutes=i), t0 + timedelta(minutes=i))
+        store.save(state)
+    assert store.advance(task.id, 2, "settled") is None  # pushed out: not followed
+    assert store.advance(task.id, 4, "settled", final=True) is True  # done: dropped from the claims
+    assert store.advance(task.id, 4, "settled") is False  # a second follower does not take it
+    assert store.advance(task.id, 4, "delivering") is False
+    assert store.claim_progress(task.id, 4) == (True, "done")
+    assert store.advance(task.id, 5, "settled") is True  # still open: followed as before
+    assert store.advance(task.id, 7, "settled") is None  # never claimed here
+
+
+def test_a_reply_not_delivered_is_said_once_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = CronStore(tmp_path)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    task = store.add(
+        make_task(name="t", agent="a", schedule=ScheduleSpec("every", "1m", "UTC"), prompt="p", now=t0, deliver=TARGET)
+    )
+    sent: list[str] = []
+
+    async def deliver(target: str, text: str) -> list[str]:  # the gateway: never reached here
+        sent.append(text)
+        return ["m1"]
+
+    with caplog.at_level(logging.WARNING, logger="appserver.cron"):
+        asyncio.run(deliver_reply(store, task.id, 1, "turn_1", TurnOutcome("cancelled", "stopped"), TARGET, deliver))
+    assert sent == []
+    record = [r for r in _records(tmp_path, task.id) if r["event"] == "delivery_failed"]
+    assert [r["error"] for r in record] == ["not delivered: the run cancelled"]
+    assert "not delivered: the run cancelled" in caplog.text
+    assert "not delivered: not delivered" not in caplog.text, caplog.text

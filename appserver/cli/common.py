@@ -28,6 +28,7 @@ from appserver.errors import KernelError
 from appserver.fsutil import CorruptStateFile
 from appserver.serverinfo import HomeStarting, find_live_server
 from appserver.store.base import StoreError
+from appserver.store.url import store_kind
 
 if TYPE_CHECKING:  # the kernel is imported by the commands that run it, not by `appserver --help`
     from appserver.server import Server
@@ -207,6 +208,21 @@ def run_or_fail(fn: Callable[[], T]) -> T:
 
 def get_config() -> Config:
     return run_or_fail(load_config)
+
+
+def prepare_store_schema(config: Config) -> None:
+    """A PostgreSQL store's schema made (on a new database) or brought up to date before a command
+    reads or writes one of its tables without opening the store (tokens, cron tasks): a new
+    database had no tables yet, and such a command failed on its first statement. SQLite: nothing
+    to do (those live in files of the home)."""
+    if store_kind(config.store.url) != "postgresql":
+        return
+    from appserver.store.select import make_store  # the driver, only for PostgreSQL
+
+    store = make_store(config)
+    prepare = getattr(store, "prepare_schema", None)
+    if prepare is not None:
+        run_or_fail(lambda: asyncio.run(prepare()))
 
 
 def live_server_or_fail(server_json: Path) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import click
 
 from appserver.cli import safetext
-from appserver.cli.common import MAX_COUNT, Count, get_config
+from appserver.cli.common import MAX_COUNT, Count, get_config, prepare_store_schema
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile, StateFileRefused
@@ -217,6 +217,7 @@ def _config() -> Config:
 
 
 def _store(cfg: Config) -> CronStore:
+    prepare_store_schema(cfg)  # a new PostgreSQL database: its tables first
     store = cron_store_for(cfg.home, cfg.store.url)
     for path in store.corrupt_files():
         click.echo(

@@ -20,7 +20,7 @@ from appserver.auth import (
     parse_agents,
     token_store_for,
 )
-from appserver.cli.common import fail, get_config, with_server
+from appserver.cli.common import fail, get_config, prepare_store_schema, with_server
 from appserver.cli.safetext import visible
 from appserver.fsutil import CorruptStateFile, set_aside_notice
 from appserver.ids import AGENT_ID_PREFIX
@@ -34,6 +34,7 @@ def _store() -> TokenStore:
     config = get_config()  # a config error: one line, exit 2
     for path in sorted(config.home.glob("auth/tokens.json.corrupt-*")):
         click.echo(f"warning: {visible(set_aside_notice(config.home, path))}", err=True)
+    prepare_store_schema(config)  # a new PostgreSQL database: its tables first
     return token_store_for(config.home, config.store.url)
 
 

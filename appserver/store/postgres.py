@@ -475,21 +475,7 @@ class PostgresStore(Store):
         """Connect (a first, direct connection says clearly why it cannot), migrate, start the pool."""
         if self._pool is not None:
             return
-        try:
-            conn = await psycopg.AsyncConnection.connect(
-                self.url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, int(self.connect_timeout_s))
-            )
-        except (psycopg.Error, OSError, ValueError) as exc:
-            raise self._error("cannot connect (check [store] url / --store, and that the server runs)", exc) from None
-        try:
-            self.fresh = await migrate(conn) == 0
-            await check_schema(conn)
-        except (SchemaTooNew, SchemaDamaged) as exc:
-            raise StoreOpenError(f"PostgreSQL store {self.shown_url}: {exc}") from None
-        except psycopg.Error as exc:
-            raise self._error("cannot prepare the schema", exc) from None
-        finally:
-            await conn.close()
+        await self.prepare_schema()
         pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
             self.url,
             connection_class=psycopg.AsyncConnection[DictRow],
@@ -507,6 +493,26 @@ class PostgresStore(Store):
             await pool.close()
             raise self._error("cannot open the connection pool", exc) from None
         self._pool = pool
+
+    async def prepare_schema(self) -> None:
+        """Bring the database to this code's schema (creating it on a new database) on a direct
+        connection of its own: what `open` does first, and what a command that reads or writes
+        one table of it without the store (tokens, cron tasks) does before its first statement."""
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                self.url, autocommit=True, row_factory=dict_row, connect_timeout=max(1, int(self.connect_timeout_s))
+            )
+        except (psycopg.Error, OSError, ValueError) as exc:
+            raise self._error("cannot connect (check [store] url / --store, and that the server runs)", exc) from None
+        try:
+            self.fresh = await migrate(conn) == 0
+            await check_schema(conn)
+        except (SchemaTooNew, SchemaDamaged) as exc:
+            raise StoreOpenError(f"PostgreSQL store {self.shown_url}: {exc}") from None
+        except psycopg.Error as exc:
+            raise self._error("cannot prepare the schema", exc) from None
+        finally:
+            await conn.close()
 
     async def _configure(self, conn: Conn) -> None:
         """Every pooled connection (writes, reads, a CLI command's) waits at most `lock_timeout_s`

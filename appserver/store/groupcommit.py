@@ -40,6 +40,20 @@ LOCKED_TRY_S = 0.05
 _BUSY = (5, 6)  # SQLITE_BUSY, SQLITE_LOCKED (the low byte of an extended code)
 
 
+class StoreFull(StoreUnavailable, sqlite3.OperationalError):
+    """The disk holding the SQLite file is full (SQLITE_FULL): nothing of the write stayed; the
+    store is unavailable until there is room (HTTP 503 `store_unavailable`), not broken."""
+
+
+SQLITE_FULL = 13
+
+
+def is_full(exc: BaseException) -> bool:
+    """`exc` is SQLite's "database or disk is full"."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) and isinstance(code, int) and code & 0xFF == SQLITE_FULL
+
+
 class StoreLocked(StoreUnavailable, sqlite3.OperationalError):
     """Another process holds the SQLite file's write lock past LOCK_WAIT_S: the store is
     unavailable (HTTP 503 `store_unavailable`), and still SQLite's own OperationalError to code
@@ -52,6 +66,14 @@ def is_locked(exc: BaseException) -> bool:
     if isinstance(exc, sqlite3.OperationalError) and isinstance(code, int):
         return code & 0xFF in _BUSY
     return isinstance(exc, sqlite3.OperationalError) and "database is locked" in str(exc)
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    """ROLLBACK, unless SQLite ended the transaction itself: a full disk (SQLITE_FULL), an I/O
+    error or an interrupt rolls the whole transaction back, and a ROLLBACK then would fail with
+    "no transaction is active", hiding why."""
+    if db.in_transaction:
+        db.execute("ROLLBACK")
 
 
 class GroupCommit:
@@ -78,6 +100,7 @@ class GroupCommit:
         self._failed = failed
         self._group: list[tuple[Job, asyncio.Future[None]]] = []
         self._unwatched: set[asyncio.Future[None]] = set()  # deferred: a failure is logged, not raised
+        self._on_failure: dict[asyncio.Future[None], Callable[[BaseException], None]] = {}  # of deferred ones
         self._handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened = 0.0  # loop time the open group was scheduled to commit
@@ -101,14 +124,29 @@ class GroupCommit:
         self._begin(db)
         try:
             yield db
+            db.execute("COMMIT")
         except BaseException as exc:
-            db.execute("ROLLBACK")
-            self._failed(exc)
+            with suppress(sqlite3.Error):
+                _rollback(db)
+            error = self._as_store_error(exc)
+            self._failed(error if error is not None else exc)
+            if error is not exc and error is not None:
+                raise error from exc
             raise
-        db.execute("COMMIT")
         self._committed()
 
-    def submit(self, job: Job, *, defer: bool = False) -> asyncio.Future[None]:
+    def _as_store_error(self, exc: BaseException | None) -> BaseException | None:
+        """A full disk as StoreFull (503 `store_unavailable`, saying so), every other error as it is."""
+        if exc is None or isinstance(exc, StoreUnavailable) or not is_full(exc):
+            return exc
+        return StoreFull(
+            f"the disk holding {self._name} is full: nothing of this request was written; "
+            "free some space (the server goes on once there is room)"
+        )
+
+    def submit(
+        self, job: Job, *, defer: bool = False, on_failure: Callable[[BaseException], None] | None = None
+    ) -> asyncio.Future[None]:
         """Queue `job` for the next group transaction; the future settles once it is committed.
 
         `defer`: nobody waits for it, so let the next write join it rather than commit it alone
@@ -116,7 +154,8 @@ class GroupCommit:
         failure is logged when the group commits, not by a done callback, which would cost a loop
         callback per write). Two passes at least: a turn that starts in this pass may run up to its
         model call and overlap the accept that joins this write with that call
-        (ConversationRuntime.enqueue `overlap`).
+        (ConversationRuntime.enqueue `overlap`). `on_failure`: told the error of a deferred job
+        that did not commit (nobody else is).
         """
         loop = asyncio.get_running_loop()
         if self._handle is not None and self._loop is not loop:
@@ -126,6 +165,8 @@ class GroupCommit:
         self._loop = loop
         if defer:
             self._unwatched.add(fut)
+            if on_failure is not None:
+                self._on_failure[fut] = on_failure
             if self._handle is None:
                 self._handle = loop.call_soon(self._flush_next_pass)
             return fut
@@ -181,24 +222,28 @@ class GroupCommit:
             try:
                 errors = self._run_all(db, jobs)
                 if len(jobs) == 1 and errors[0] is not None:
-                    db.execute("ROLLBACK")  # a lone job is the whole transaction
+                    _rollback(db)  # a lone job is the whole transaction
                 else:
                     db.execute("COMMIT")
                     self._committed()
             except BaseException:
                 with suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
+                    _rollback(db)
                 raise
         except Exception as exc:
             errors = [exc] * len(jobs)
+        errors = [self._as_store_error(e) for e in errors]
         for failure in {id(e): e for e in errors if e is not None}.values():
             self._failed(failure)
         unwatched = self._unwatched
         for (_, fut), err in zip(jobs, errors, strict=True):
             if unwatched and fut in unwatched:
                 unwatched.discard(fut)
+                hook = self._on_failure.pop(fut, None) if self._on_failure else None
                 if err is not None:
                     log.error("a queued write failed: %s", err)
+                    if hook is not None:
+                        hook(err)
                 fut.set_result(None)  # nobody waits for it: the failure is logged above
                 continue
             if fut.cancelled() or fut.get_loop().is_closed():
@@ -243,7 +288,7 @@ class GroupCommit:
         except Exception as exc:
             if len(jobs) == 1:
                 return [exc]
-            db.execute("ROLLBACK")  # undo the whole group, then again with one savepoint per job
+            _rollback(db)  # undo the whole group, then again with one savepoint per job
             self._begin(db)
         else:
             return [None] * len(jobs)
@@ -253,6 +298,8 @@ class GroupCommit:
             try:
                 job(db)
             except Exception as exc:
+                if not db.in_transaction:
+                    raise  # SQLite rolled the whole transaction back (a full disk): every job fails with it
                 db.execute("ROLLBACK TO turn_commit")
                 errors.append(exc)
             else:

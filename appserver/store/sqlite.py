@@ -113,6 +113,7 @@ def _process(pid: int) -> str:
 
 OPEN_LOCK_TIMEOUT_S = 30.0  # another process opening or closing the store this long: refused
 CLOSE_LOCK_TIMEOUT_S = 5.0  # at close, past this the connection closes without the lock
+UNSAVED_MAX = 1024  # conversations whose queued insert failed, kept for their next accept
 
 
 @contextmanager
@@ -154,6 +155,10 @@ class SQLiteStore(Store):
         # The single writer: grouped turn commits and plain transactions, in order (groupcommit.py).
         self._writes = GroupCommit(self._writer, self._committed, self.note_failure, name=f"the store {self.path}")
         self.damage: str | None = None  # what SQLite found damaged while the server runs
+        # Conversations whose queued insert (create_conversation) did not commit (a full disk, the
+        # file locked by another process): the kernel holds them already, so the next accept in
+        # one writes them first (`_accept_turn`) rather than failing as if they had been deleted.
+        self._unsaved: dict[str, ConversationRecord] = {}
         self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
         # Set by `serve --accept-data-loss`: open a store whose WAL was damaged or that is behind
@@ -432,7 +437,9 @@ class SQLiteStore(Store):
         conv.created_at = conv.created_at or now
         conv.updated_at = now
         if copy_messages is None:
-            self._writes.submit(lambda tx: self._insert_conversation(tx, conv), defer=True)
+            self._writes.submit(
+                lambda tx: self._insert_conversation(tx, conv), defer=True, on_failure=lambda _: self._not_saved(conv)
+            )
             return conv
         with self._tx() as tx:
             self._insert_conversation(tx, conv)
@@ -488,6 +495,9 @@ class SQLiteStore(Store):
             )
         if row is not None:
             return conversation_record(row), False
+        unsaved = self._unsaved_like(conv.id, conv.agent_id if conv.is_default else None)
+        if unsaved is not None and not copy_messages and not messages:
+            return unsaved, False  # made already; its row comes with its next accept
         await self.create_conversation(conv, copy_messages=copy_messages)
         if messages:
             await self.append_messages(conv.id, messages)
@@ -496,14 +506,27 @@ class SQLiteStore(Store):
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         self._writes.settle()
         row = self._row("SELECT * FROM conversations WHERE id=?", (conversation_id,), "in the conversations")
-        return conversation_record(row) if row else None
+        return conversation_record(row) if row else self._unsaved_like(conversation_id, None)
 
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
         self._writes.settle()
         row = self._row(
             "SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,), "in the conversations"
         )
-        return conversation_record(row) if row else None
+        return conversation_record(row) if row else self._unsaved_like(None, agent_id)
+
+    def _unsaved_like(self, conversation_id: str | None, default_of: str | None) -> ConversationRecord | None:
+        """A conversation made here whose queued insert did not commit (`_unsaved`): by id, or the
+        default one of agent `default_of`. Shown as it was made: the kernel holds it already."""
+        if not self._unsaved:
+            return None
+        if conversation_id is not None and conversation_id in self._unsaved:
+            return self._unsaved[conversation_id]
+        if default_of is not None:
+            for conv in self._unsaved.values():
+                if conv.is_default and conv.agent_id == default_of:
+                    return conv
+        return None
 
     async def list_conversations(
         self,
@@ -656,9 +679,19 @@ class SQLiteStore(Store):
         now = time.time()
         turn.created_at = turn.created_at or now
         await self._writes.submit(lambda tx: self._accept_turn(tx, turn, idempotency_scope, now))
+        if self._unsaved:
+            self._unsaved.pop(turn.conversation_id, None)  # committed with this turn, if it was not before
         return turn
 
+    def _not_saved(self, conv: ConversationRecord) -> None:
+        self._unsaved[conv.id] = conv
+        while len(self._unsaved) > UNSAVED_MAX:  # oldest first: a bound on what repeated failures keep
+            del self._unsaved[next(iter(self._unsaved))]
+
     def _accept_turn(self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
+        unsaved = self._unsaved.get(turn.conversation_id) if self._unsaved else None
+        if unsaved is not None and not tx.execute("SELECT 1 FROM conversations WHERE id=?", (unsaved.id,)).fetchone():
+            self._insert_conversation(tx, unsaved)  # commits with this turn, or not at all
         try:
             self._insert_turn(tx, turn, idempotency_scope, now)
         except sqlite3.IntegrityError as exc:

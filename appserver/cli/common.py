@@ -233,9 +233,23 @@ def live_server_or_fail(server_json: Path) -> dict[str, Any] | None:
         fail(f"{exc}; try again in a moment", 3)
 
 
+OUTPUT_PIECE = 32 * 1024  # characters per write of a long output (see print_json)
+
+
 def print_json(value: Any) -> None:
-    """`--json` output: the exact values, with DEL and C1 controls as `\\u` escapes (as JSON does C0)."""
-    click.echo(json_text(json.dumps(value, indent=2, ensure_ascii=False, default=str)))
+    """`--json` output: the exact values, with DEL and C1 controls as `\\u` escapes (as JSON does C0).
+
+    Written in pieces: one write of a big text into a pipe whose reader left midway (`| head -1`)
+    returns short, and Python reports it done, so the command went on and exited 0; the next
+    piece's write fails with EPIPE, which ends it the way a plain listing ends (exit 141)."""
+    echo_long(json_text(json.dumps(value, indent=2, ensure_ascii=False, default=str)))
+
+
+def echo_long(text: str) -> None:
+    """`click.echo(text)` for a text that may be long (a `--json` listing), in pieces: see print_json."""
+    for start in range(0, len(text), OUTPUT_PIECE):
+        click.echo(text[start : start + OUTPUT_PIECE], nl=False)
+    click.echo()
 
 
 def with_server(fn: Callable[[Server], Awaitable[T]], *, config: Config | None = None) -> T:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import click
 
 from appserver.cli import safetext
-from appserver.cli.common import MAX_COUNT, Count, get_config, prepare_store_schema
+from appserver.cli.common import MAX_COUNT, Count, echo_long, get_config, prepare_store_schema
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile, StateFileRefused
@@ -444,7 +444,7 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
         click.echo(f"warning: cron task {exact(bad.id)} is invalid and not scheduled: {visible(bad.reason)}", err=True)
     names = _names_of(cfg) if tasks else {}
     if as_json:
-        click.echo(json.dumps([_task_json(t, names) for t in tasks]))
+        echo_long(json.dumps([_task_json(t, names) for t in tasks]))
         return
     if not tasks:
         click.echo("no cron tasks")
@@ -633,7 +633,7 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
         )
     records = found.records
     if as_json:
-        click.echo(json.dumps(records))
+        echo_long(json.dumps(records))
         return
     if not records:
         click.echo(f"no runs yet for {exact(name)}")

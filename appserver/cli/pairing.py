@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 import click
 
 from appserver.cli.channels import Refused, _errors, _gateway_db
-from appserver.cli.common import get_config
+from appserver.cli.common import echo_long, get_config
 from appserver.cli.safetext import exact
 from gateway.pairing import Pairing, PairingCode, PairingError
 
@@ -41,7 +41,7 @@ def list_cmd(as_json: bool) -> None:
     with _pairing(create=False) as conn:
         pending = Pairing(conn).pending() if conn is not None else []
     if as_json:
-        click.echo(json.dumps([p.to_json() for p in pending], indent=2))
+        echo_long(json.dumps([p.to_json() for p in pending], indent=2))
         return
     if not pending:
         click.echo("No pending pairing codes.")
@@ -104,7 +104,7 @@ def approved_cmd(as_json: bool) -> None:
     with _pairing(create=False) as conn:
         rows = Pairing(conn).approved_senders() if conn is not None else []
     if as_json:
-        click.echo(json.dumps([{"channel": c, "account": a, "sender": s, "approved_at": t} for c, a, s, t in rows]))
+        echo_long(json.dumps([{"channel": c, "account": a, "sender": s, "approved_at": t} for c, a, s, t in rows]))
         return
     for c, a, s, t in rows:
         click.echo(f"{c}:{a}  {exact(s)}  approved {_ago(t)}")

@@ -20,7 +20,7 @@ from appserver.auth import (
     parse_agents,
     token_store_for,
 )
-from appserver.cli.common import fail, get_config, prepare_store_schema, with_server
+from appserver.cli.common import echo_long, fail, get_config, prepare_store_schema, with_server
 from appserver.cli.safetext import visible
 from appserver.fsutil import CorruptStateFile, set_aside_notice
 from appserver.ids import AGENT_ID_PREFIX
@@ -194,7 +194,7 @@ def list_cmd(as_json: bool) -> None:
     except (RuntimeError, CorruptStateFile) as exc:
         fail(_one_line(exc), 1)
     if as_json:
-        click.echo(json.dumps([r.public() for r in records]))
+        echo_long(json.dumps([r.public() for r in records]))
         return
     if not records:
         click.echo("no tokens (create one with `appserver token create`)")

@@ -33,7 +33,7 @@ from appserver.providers.base import (
     Usage,
     error_from_status,
 )
-from appserver.providers.jsontext import loads_event
+from appserver.providers.jsontext import loads, loads_event
 from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
@@ -41,12 +41,14 @@ from appserver.providers.upstream import (
     AnswerBudget,
     as_dict,
     as_str,
+    check_answer_status,
     check_extra_headers,
     decoded_body,
     default_client,
+    describe_json,
     endpoint_url,
     key_for_header,
-    read_error_response,
+    read_answer,
     request_timeout,
     transport_error,
     unsendable_error,
@@ -58,6 +60,10 @@ THINKING_MIN_BUDGET = 1024
 # reasoning_effort → thinking budget. "none"/"minimal"-style values that are absent disable it.
 THINKING_BUDGETS: dict[str, int] = {"low": 2048, "medium": 8192, "high": 24576}
 REPLAYED_BLOCK_TYPES = frozenset({"thinking", "redacted_thinking"})
+_NOT_A_STREAM_MAX = 64 * 1024  # what is read of a JSON answer that came instead of the stream
+# The content blocks this parser reads; any other type (server_tool_use, web_search_tool_result, a
+# type added later) is skipped whole: its start, its deltas of any kind and its stop.
+KNOWN_BLOCK_TYPES = frozenset({"text", "thinking", "redacted_thinking", "tool_use"})
 
 _STOP: dict[str, FinishReason] = {
     "end_turn": "stop",
@@ -85,6 +91,17 @@ _ERROR_STATUS: dict[str, int] = {
 
 def map_stop_reason(raw: Any) -> FinishReason:
     return _STOP.get(raw, "unknown") if isinstance(raw, str) else "unknown"
+
+
+def block_index(obj: dict[str, Any]) -> int | None:
+    """A block event's `index`: an integer (JSON `true` is none), None when absent or null, and a
+    protocol error for anything else (a list or object would not even serve as a key)."""
+    idx = obj.get("index")
+    if idx is None or (isinstance(idx, int) and not isinstance(idx, bool)):
+        return idx
+    raise ProviderError(
+        "protocol", f"{as_str(obj.get('type')) or 'an event'} with an index that is not an integer", body=obj
+    )
 
 
 # ---------------------------------------------------------------- response parsing
@@ -173,9 +190,9 @@ class AnthropicStreamParser:
                 self._usage[key] = val  # message_delta counts are cumulative
 
     def _block_start(self, obj: dict[str, Any], out: list[ProviderChunk]) -> None:
-        idx = obj.get("index")
+        idx = block_index(obj)
         cb = obj.get("content_block")
-        if not isinstance(idx, int) or not isinstance(cb, dict):
+        if idx is None or not isinstance(cb, dict):
             raise ProviderError("protocol", "content_block_start without index or block", body=obj)
         btype = str(cb.get("type", ""))
         block = _Block(type=btype)
@@ -194,7 +211,7 @@ class AnthropicStreamParser:
             block.tool_index = self._tools
             self._tools += 1
             block.tool_input = cb.get("input")
-            call_id, name = str(cb.get("id", "")), str(cb.get("name", ""))
+            call_id, name = as_str(cb.get("id")), as_str(cb.get("name"))
             self._budget.count(call_id)
             self._budget.count(name)
             out.append(ToolCallStart(block.tool_index, call_id, name))
@@ -215,13 +232,16 @@ class AnthropicStreamParser:
         delta = obj.get("delta")
         if not isinstance(delta, dict):
             return
-        block = self._blocks.get(obj.get("index"))  # type: ignore[arg-type]
+        idx = block_index(obj)
+        block = None if idx is None else self._blocks.get(idx)
         dtype = delta.get("type")
         if block is None:
             if dtype == "text_delta":  # lenient: text needs no block bookkeeping
                 block = _Block(type="text")
             else:
                 raise ProviderError("protocol", f"{dtype} for a block never started", body=obj)
+        elif block.type not in KNOWN_BLOCK_TYPES:
+            return  # a block this parser skips: so are its deltas, whatever they carry
         if dtype == "text_delta":
             self._text(block, delta.get("text"), out)
         elif dtype == "thinking_delta":
@@ -241,7 +261,8 @@ class AnthropicStreamParser:
         # citations_delta and unknown deltas carry nothing the loop uses.
 
     def _block_stop(self, obj: dict[str, Any], out: list[ProviderChunk]) -> None:
-        block = self._blocks.pop(obj.get("index"), None)  # type: ignore[arg-type]
+        idx = block_index(obj)
+        block = None if idx is None else self._blocks.pop(idx, None)
         if block is not None:
             self._close_block(block, out)
 
@@ -531,8 +552,10 @@ class AnthropicProvider:
                 headers=self.build_headers(),
                 timeout=request_timeout(self.cfg),
             ) as resp:
-                if resp.status_code >= 400:
-                    raise await read_error_response(resp)
+                await check_answer_status(resp, self.cfg, self.url)
+                ctype = resp.headers.get("content-type", "").lower()
+                if "json" in ctype and "event-stream" not in ctype:
+                    raise await self._not_a_stream(resp)
                 # The answer as a whole is bounded too (a model looping without max_tokens): its
                 # content is counted event by event, and the stream closed once it passes the limit.
                 parser = AnthropicStreamParser(self.name, self.cfg.answer_max_bytes)
@@ -545,7 +568,10 @@ class AnthropicProvider:
                     for chunk in parser.feed_data(ev.data):
                         yield chunk
                 if parser.events == 0:
-                    raise ProviderError("protocol", "upstream answered 200 without any event")
+                    what = ctype[:80] or "no Content-Type"
+                    raise ProviderError(
+                        "protocol", f"upstream answered HTTP {resp.status_code} ({what}) without any event"
+                    )
                 parser.check_ended()
                 for chunk in parser.finish():
                     yield chunk
@@ -553,6 +579,30 @@ class AnthropicProvider:
             raise transport_error(exc) from exc
         except UnicodeEncodeError as exc:  # a header or URL the checks missed: no internal error
             raise unsendable_error(self.cfg, exc) from None
+
+    async def _not_a_stream(self, resp: httpx.Response) -> ProviderError:
+        """The error for a 2xx JSON answer to a streamed request: the error it holds, classified
+        (a proxy that answers errors with 200), or a protocol error saying what came instead. At
+        most 64 KiB of it is read (as of an error answer): it is not an answer either way."""
+        status = resp.status_code
+        try:
+            obj = loads(await read_answer(resp, min(self.cfg.answer_max_bytes, _NOT_A_STREAM_MAX)))
+        except ValueError as exc:
+            return ProviderError("protocol", f"upstream answered HTTP {status} with malformed JSON: {exc}")
+        except ProviderError:  # larger than that
+            return ProviderError(
+                "protocol", f"upstream answered HTTP {status} with a large JSON body, not the event stream asked for"
+            )
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and err:
+            etype = as_str(err.get("type"))
+            message = as_str(err.get("message")) or etype or "upstream error"
+            return error_from_status(_ERROR_STATUS.get(etype, 500), message, body=obj)
+        return ProviderError(
+            "protocol",
+            f"upstream answered HTTP {status} with {describe_json(obj)}, not the event stream asked for "
+            "(the Messages API streams with `stream: true`)",
+        )
 
     async def aclose(self) -> None:
         if self._owns_http and self._http is not None:

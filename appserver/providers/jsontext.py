@@ -32,8 +32,13 @@ def without_lone_surrogates(value: Any) -> Any:
 
 
 def loads_exact(data: str | bytes) -> Any:
-    """The standard parser (every digit of a long integer kept), its strings made safe."""
-    return without_lone_surrogates(json.loads(data))
+    """The standard parser (every digit of a long integer kept), its strings made safe. JSON nested
+    deeper than Python's recursion allows (an upstream's arrays in arrays) is malformed here too:
+    ValueError, as for any JSON that cannot be read, never a RecursionError."""
+    try:
+        return without_lone_surrogates(json.loads(data))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def loads(data: str | bytes) -> Any:

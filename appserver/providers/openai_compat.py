@@ -11,6 +11,7 @@ The provider never retries: the agent loop owns that decision (retry.py).
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -48,14 +49,15 @@ from appserver.providers.upstream import (
     AnswerBudget,
     as_dict,
     as_str,
+    check_answer_status,
     check_extra_headers,
     decoded_body,
     default_client,
+    describe_json,
     endpoint_url,
     error_message_from_body,
     key_for_header,
     read_answer,
-    read_error_response,
     request_timeout,
     transport_error,
     unsendable_error,
@@ -103,7 +105,9 @@ def parse_usage(raw: Any) -> Usage | None:
 
     def num(d: Any, key: str) -> int:
         v = d.get(key) if isinstance(d, dict) else None
-        return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+        if isinstance(v, float):
+            return int(v) if math.isfinite(v) else 0  # NaN, Infinity, 1e400: no count
+        return v if isinstance(v, int) and not isinstance(v, bool) else 0
 
     return Usage(
         input_tokens=num(raw, "prompt_tokens"),
@@ -301,6 +305,13 @@ class OpenAIStreamParser:
             finish = "tool_calls"  # Ollama reports "stop" for tool-call answers
         out.append(Done(finish))
         return out
+
+
+def no_event_error(status: int, ctype: bytes) -> ProviderError:
+    """The error of a 2xx answer whose body held no server-sent event at all (an empty body, an
+    HTML page): it names the status and the content type that came."""
+    what = ctype.decode("latin-1")[:80] if ctype else "no Content-Type"
+    return ProviderError("protocol", f"upstream answered HTTP {status} ({what}) without any event")
 
 
 def joined(chunks: list[ProviderChunk]) -> list[ProviderChunk]:
@@ -545,12 +556,12 @@ class OpenAICompatProvider:
             else:
                 opened = client.stream("POST", self.url, content=content, headers=headers, timeout=timeout)
             async with opened as answer:
-                if answer.status_code >= 400:
-                    raise await read_error_response(answer)
+                await check_answer_status(answer, self.cfg, self.url)
                 ctype, encoding = _content_headers(raw_headers(answer))
                 if b"json" in ctype and b"event-stream" not in ctype:
                     # The server ignored `stream: true` and answered one completion object.
-                    for chunk in self._whole_completion(await read_answer(answer, self.cfg.answer_max_bytes)):
+                    raw = await read_answer(answer, self.cfg.answer_max_bytes)
+                    for chunk in self._whole_completion(raw, answer.status_code):
                         yield chunk
                     return
                 # The answer as a whole is bounded too (a model looping without max_tokens): its
@@ -580,7 +591,7 @@ class OpenAICompatProvider:
                     for chunk in parser.feed_data(ev.data):
                         yield chunk
                 if parser.events == 0:
-                    raise ProviderError("protocol", "upstream answered 200 without any event")
+                    raise no_event_error(answer.status_code, ctype)
                 parser.check_ended()
                 for chunk in parser.finish():
                     yield chunk
@@ -590,21 +601,37 @@ class OpenAICompatProvider:
             raise unsendable_error(self.cfg, exc) from None
 
     @staticmethod
-    def _whole_completion(raw: bytes) -> list[ProviderChunk]:
+    def _whole_completion(raw: bytes, status: int = 200) -> list[ProviderChunk]:
         try:
             obj = loads(raw)
         except ValueError as exc:
             raise ProviderError("protocol", f"upstream sent malformed JSON: {exc}") from None
         if not isinstance(obj, dict):
-            raise ProviderError("protocol", "upstream answer is not a JSON object")
+            raise ProviderError(
+                "protocol", f"upstream answered HTTP {status} with {describe_json(obj)}, not a completion"
+            )
+        if obj.get("error"):
+            OpenAIStreamParser().feed_chunk(obj)  # raises the error it holds
         choices = obj.get("choices")
+        answered = False
         if isinstance(choices, list):
             for choice in choices:
-                msg = choice.get("message") if isinstance(choice, dict) else None
+                if not isinstance(choice, dict):
+                    continue
+                msg = choice.get("message")
+                if isinstance(msg if isinstance(msg, dict) else choice.get("delta"), dict):
+                    answered = answered or choice.get("index", 0) in (0, None)
                 if isinstance(msg, dict) and isinstance(msg.get("tool_calls"), list):
                     for i, tc in enumerate(msg["tool_calls"]):
                         if isinstance(tc, dict):
                             tc.setdefault("index", i)
+        if not answered:
+            # A 200 that is no completion (a model list, a proxy's own JSON): never an empty answer.
+            raise ProviderError(
+                "protocol",
+                f"upstream answered HTTP {status} with {describe_json(obj)}, not a chat completion "
+                "(no choice with a message)",
+            )
         parser = OpenAIStreamParser()
         out = parser.feed_chunk(obj)
         out.extend(parser.finish())

@@ -6,11 +6,12 @@ Kept apart from any one provider so that a new kind imports the plumbing, not a 
 
 from __future__ import annotations
 
+import re
 import sys
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
@@ -272,6 +273,84 @@ async def read_error_response(resp: httpx.Response | LeanResponse) -> ProviderEr
         body = text
     message = error_message_from_body(body, f"upstream answered HTTP {resp.status_code}")
     return error_from_status(resp.status_code, message, body=body, retry_after_s=parse_retry_after(resp.headers))
+
+
+async def check_answer_status(response: httpx.Response | LeanResponse, cfg: ProviderConfig, url: str) -> None:
+    """Raise the ProviderError of an answer that is not a 2xx: an error answer (4xx, 5xx) classified
+    by `read_error_response`; a redirect (3xx), which the providers never follow (the request would
+    go, with its key, wherever the upstream says), or any other status, as a protocol error naming
+    the status and the redirect's Location, so that the operator can fix `base_url`."""
+    status = response.status_code
+    if 200 <= status < 300:
+        return
+    if status >= 400:
+        raise await read_error_response(response)
+    where = f"[providers.{cfg.name}] base_url" if cfg.name else "the provider's base_url"
+    if 300 <= status < 400:
+        location = header_text(response, b"location")
+        if location:
+            target = redirect_target(location, url)
+            message = (
+                f"the upstream redirected ({status} to {target}): redirects are not followed, "
+                f"set {where} to where it points"
+            )
+        else:
+            message = (
+                f"the upstream answered HTTP {status}, a redirect without a Location "
+                f"(redirects are not followed): check {where}"
+            )
+    else:
+        message = f"the upstream answered HTTP {status}, which is not a model answer: check {where}"
+    raise ProviderError("protocol", message, status=status)
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_HEADER_TEXT_MAX = 300
+
+
+def header_text(response: httpx.Response | LeanResponse, name: bytes) -> str:
+    """A response header's value (the first one) as text fit for a message: control characters as
+    `?`, at most 300 characters; "" when absent."""
+    for key, value in raw_headers(response):
+        if key.lower() == name:
+            text = _UNPRINTABLE.sub("?", value.decode("latin-1").strip())
+            return text if len(text) <= _HEADER_TEXT_MAX else text[: _HEADER_TEXT_MAX - 1] + "…"
+    return ""
+
+
+def redirect_target(location: str, url: str) -> str:
+    """A Location resolved against the request's URL without its user, password and query (so that
+    a relative one says where it points, and no credential of `base_url` is copied into it)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+        return urljoin(urlunsplit((parts.scheme, netloc, parts.path, "", "")), location)
+    except ValueError:
+        return location
+
+
+_JSON_TYPES = {
+    list: "a JSON array",
+    str: "a JSON string",
+    int: "a JSON number",
+    float: "a JSON number",
+    bool: "JSON true/false",
+}
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def describe_json(value: Any) -> str:
+    """What a JSON answer that is not the expected one holds, in a few words for an error message:
+    its `object`/`type` when it says one, and its first keys."""
+    if not isinstance(value, dict):
+        return _JSON_TYPES.get(type(value), "JSON null")
+    said = [f"{k} {_short(value[k])!r}" for k in ("object", "type") if isinstance(value.get(k), str)]
+    keys = ", ".join(_short(str(k)) for k in list(value)[:8]) + (", …" if len(value) > 8 else "")
+    return "a JSON object" + (f" with {' and '.join(said)}" if said else "") + (f" (keys: {keys})" if keys else " ({})")
 
 
 def key_for_header(cfg: ProviderConfig) -> str | None:

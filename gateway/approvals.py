@@ -2,9 +2,11 @@
 
 When a channel turn pauses for an `ask` tool, the chat gets a prompt naming the tool and its
 arguments (literally, in a code block, long runs of padding as counts; long ones cut in the
-middle, saying so), answered with `/approve ID` / `/deny ID` (or a plugin's buttons, which send
-the same). Only the sender who started the turn or an admin may answer. The prompt is updated
-when the call is decided here, elsewhere (CLI, desktop) or times out.
+middle, saying so; for `shell`, the command is never cut to fit the other arguments: it is shown
+whole, or said to be too long to judge from the prompt), answered with `/approve ID` /
+`/deny ID` (or a plugin's buttons, which send the same). Only the sender who started the turn
+or an admin may answer. The prompt is updated when the call is decided here, elsewhere (CLI,
+desktop) or times out.
 """
 
 from __future__ import annotations
@@ -72,12 +74,73 @@ class Prompt:
         # count (`compact`): as padding they pushed the end of a command out of sight.
         args = self.arguments if self.arguments.strip() else "{}"
         shown, hidden = cut_middle(args)
-        cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
         name = visible(self.name.replace("`", "'"))
-        head = f"🔐 The agent wants to use `{name}` with these arguments{cut}:\n```\n{literal(shown)}\n```"
+        command = shell_command(self.name, args) if hidden else None
+        if command is not None:  # never cut inside the command: it is what the approver decides on
+            head = _shell_head(name, args, *command)
+        else:
+            cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
+            head = f"🔐 The agent wants to use `{name}` with these arguments{cut}:\n```\n{literal(shown)}\n```"
         if self.decided:
             return f"{head}\n{self.decided}"
         return f"{head}\nReply /approve {self.short_id} or /deny {self.short_id}"
+
+
+# A shell command up to this long (as shown: `compact`) is shown whole; the prompt stays within the
+# smallest platform's message (Discord's 2,000 characters).
+COMMAND_SHOWN = 1200
+COMMAND_HEAD = 800
+COMMAND_TAIL = 350
+OTHER_KEYS_SHOWN = 5
+
+
+def shell_command(name: str, arguments: str) -> tuple[str, dict[str, object]] | None:
+    """The command a `shell` call runs and its other arguments, or None when `arguments` are not an
+    object with a string `command` (or repeat a key: the server refuses such a call unrun)."""
+    if name != "shell":
+        return None
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        found = dict(items)
+        if len(found) != len(items):
+            raise ValueError("a repeated key")
+        return found
+
+    try:
+        parsed = json.loads(arguments, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("command"), str):
+        return None
+    return parsed.pop("command"), parsed
+
+
+def _shell_head(name: str, args: str, command: str, others: dict[str, object]) -> str:
+    """A `shell` prompt whose arguments are too long to show whole: the command it runs shown by
+    itself, whole (as it runs: line breaks as line breaks), and if even the command is too long for
+    a chat message, cut in the middle with a warning that the call cannot be judged from it."""
+    shown, hidden = cut_middle(command, COMMAND_SHOWN, COMMAND_HEAD, COMMAND_TAIL)
+    if hidden:
+        lead = (
+            f"🔐 The agent wants to use `{name}` with a command of {len(command):,} characters, too long to show "
+            f"whole here ({hidden:,} characters not shown, at the …). ⚠️ It cannot be judged from this "
+            "prompt: deny it, or read the whole call (`appserver conversations history`) before approving"
+        )
+    else:
+        lead = (
+            f"🔐 The agent wants to use `{name}` to run this command (shown whole; its arguments are "
+            f"{len(args):,} characters long)"
+        )
+    notes = []
+    timeout = others.pop("timeout_s", None)
+    if timeout is not None:
+        notes.append(f"timeout_s: {code_span(json.dumps(timeout, ensure_ascii=False))}")
+    if others:
+        keys = ", ".join(code_span(k) for k in list(others)[:OTHER_KEYS_SHOWN])
+        more = f" and {len(others) - OTHER_KEYS_SHOWN:,} more" if len(others) > OTHER_KEYS_SHOWN else ""
+        notes.append(f"also given, not used by the tool: {keys}{more}")
+    extra = f"\n({'; '.join(notes)})" if notes else ""
+    return f"{lead}:\n```\n{literal(shown)}\n```{extra}"
 
 
 RUN_SHOWN = 8  # a run of this many identical whitespace (or hidden) characters, or combining marks, is counted
@@ -164,16 +227,18 @@ def _cut_at(shown: Compacted, k: int) -> int:
     return cut
 
 
-def cut_middle(text: str) -> tuple[str, int]:
+def cut_middle(
+    text: str, limit: int = ARGS_SHOWN, head_at: int = ARGS_HEAD, tail_at: int = ARGS_TAIL
+) -> tuple[str, int]:
     """`text` as shown (`compact`), or its start and end around " … " when that is longer than
     `ARGS_SHOWN`, and how many characters of `text` were left out (a marker's run counts as its
     length). The end of a command is where the danger tends to be, so the end shows at least
     `ARGS_TAIL` characters and padding cannot push it out of sight."""
     shown = compact(text)
-    if len(shown.text) <= ARGS_SHOWN:
+    if len(shown.text) <= limit:
         return shown.text, 0
-    head = _cut_at(shown, ARGS_HEAD)
-    tail = _cut_at(shown, len(shown.text) - ARGS_TAIL)
+    head = _cut_at(shown, head_at)
+    tail = _cut_at(shown, len(shown.text) - tail_at)
     if tail <= head:  # one marker spans both cuts: a little over the limit, nothing left out
         return shown.text, 0
     return f"{shown.text[:head]} … {shown.text[tail:]}", sum(shown.weight[head:tail])

@@ -204,7 +204,7 @@ def test_approval_prompt_shows_a_tool_call_exactly(served: tuple[Path, dict[str,
         if other is not None and other.poll() is None:
             other.kill()
             other.wait()
-    shown = r'{"cmd":\x09"rm -rf ~/important \u202e\u2066txt.gol\u2069"}'
+    shown = r'{"cmd": "rm -rf ~/important \u202e\u2066txt.gol\u2069"}'  # the canonical form of what runs
     assert f"clock({shown}) wants to run" in prompt, repr(prompt)
     assert_no_foreign_controls(chat.raw)
     for ch in ("\u202e", "\u2066", "\u2069"):

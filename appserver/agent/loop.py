@@ -44,7 +44,7 @@ from appserver.agent.events import (
     TurnEvent,
     UsageUpdated,
 )
-from appserver.agent.tools import Tool, ToolContext, ToolOutput, ToolRegistry, parse_arguments
+from appserver.agent.tools import Tool, ToolContext, ToolOutput, ToolRegistry, canonical_arguments, parse_arguments
 from appserver.config import Config
 from appserver.logredact import provider_error_redactor
 from appserver.providers.base import (
@@ -547,10 +547,15 @@ class AgentLoop:
                 self._result(work, call_id, name, ToolOutput(msg, True), emit, status="denied")
                 continue
             try:
-                args = parse_arguments(arguments)
+                args = parse_arguments(arguments)  # a repeated key is refused here: nothing runs, nobody is asked
             except ValueError as exc:
                 self._result(work, call_id, name, ToolOutput(f"Invalid arguments for {name}: {exc}", True), emit)
                 continue
+            # From here on the call is its canonical form (what runs, written so that it reads as
+            # what runs): in the history (what the provider is sent back), in the pending call
+            # (approval requests of every front end) and in the turn's snapshot (its reducer
+            # writes the block's arguments the same way when the call is pending or running).
+            arguments = call["arguments"] = canonical_arguments(args)
             if policy == "ask":
                 timeout = self.config.limits.approval_timeout_s
                 work.pending.append(
@@ -657,7 +662,7 @@ def resolution_text(p: PendingCall, config: Config) -> str:
         return p.output or ""
     if p.status == "denied":
         who = f" by {p.decided_by}" if p.decided_by else ""
-        reason = f" Reason: {p.reason}" if p.reason else ""
+        reason = f" Reason: {shown_reason(p.reason)}" if p.reason else ""
         return f"The user denied this call to {p.name}{who}; it was not executed.{reason}"
     if p.status == "expired":
         if p.kind == "approval":
@@ -669,6 +674,17 @@ def resolution_text(p: PendingCall, config: Config) -> str:
     if p.status == "cancelled":
         return p.reason or f"The call to {p.name} was cancelled before it ran."
     return p.reason or f"The call to {p.name} has no result."
+
+
+DENY_REASON_MAX = 4096  # characters of a deny reason the model is sent (and the history keeps)
+
+
+def shown_reason(reason: str) -> str:
+    """A person's deny reason as the model gets it: at most DENY_REASON_MAX characters, with a note
+    saying how much was left out (a 3 MB reason was stored and sent on every later request)."""
+    if len(reason) <= DENY_REASON_MAX:
+        return reason
+    return f"{reason[:DENY_REASON_MAX]}… [reason cut: {len(reason) - DENY_REASON_MAX:,} more characters not shown]"
 
 
 def _drop_tool_choice(work: TurnWork) -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+import unicodedata
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -18,6 +19,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from appserver.config import Config
+from appserver.logredact import ENV_SECRET_NAMES
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
 from appserver.store.records import AgentRecord
@@ -29,6 +31,7 @@ from appserver.values import value
 TOOL_OWNER_ENV = "APPSERVER_TOOL_OWNER"
 TOOL_HOME_ENV = "APPSERVER_TOOL_HOME"
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 
 
 @value
@@ -157,13 +160,17 @@ class _BoundedOutput(asyncio.SubprocessProtocol):
     """The combined output of a shell command, read as it comes and never paused: the first `cap`
     bytes are kept, the rest only counted, so a command that floods its output neither grows the
     server's memory nor blocks on a full pipe (it runs to its end, or to its timeout).
-    `finished` is done once the process has exited and its output pipe is closed."""
+    `finished` is done once the process has exited and its output pipe is closed; `exited` once
+    the process has exited, `closed` once the pipe is closed (a process the command left behind
+    may hold it open after the command ended)."""
 
     def __init__(self, cap: int, loop: asyncio.AbstractEventLoop) -> None:
         self.cap = cap
         self.kept = bytearray()
         self.total = 0
         self.finished: asyncio.Future[None] = loop.create_future()
+        self.exited: asyncio.Future[None] = loop.create_future()  # the group leader (the guard) exited
+        self.closed: asyncio.Future[None] = loop.create_future()  # the output pipe was closed
 
     def pipe_data_received(self, fd: int, data: bytes) -> None:
         self.total += len(data)
@@ -175,11 +182,35 @@ class _BoundedOutput(asyncio.SubprocessProtocol):
         if not self.finished.done():
             self.finished.set_result(None)
 
+    def process_exited(self) -> None:
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
     def text(self) -> str:
-        text = bytes(self.kept).decode("utf-8", "replace")
-        if self.total > len(self.kept):
-            text += f"\n[output truncated: {self.total} bytes, showing the first {len(self.kept)}]"
-        return text
+        kept = bytes(self.kept)
+        if self.total > len(kept):
+            # the cap cut the output: drop a multi-byte character it cut in two (never a U+FFFD
+            # at the end that the command did not write); a lead byte and its continuation bytes
+            # stay only when they are all there
+            kept = _whole_characters(kept)
+            text = kept.decode("utf-8", "replace")
+            text += f"\n[output truncated: {self.total} bytes, showing the first {len(kept)}]"
+            return text
+        return kept.decode("utf-8", "replace")
+
+
+def _whole_characters(data: bytes) -> bytes:
+    """`data` without a UTF-8 sequence cut off at its end (at most 3 bytes go)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # not a continuation byte: ASCII or the lead byte of the last sequence
+            need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+            return data[:-back] if need > back else data
+    return data
 
 
 def _kill_group(pid: int | None) -> None:
@@ -189,6 +220,53 @@ def _kill_group(pid: int | None) -> None:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _signal(pid: int | None, sig: int) -> None:
+    if pid is None:
+        return
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+PIPE_GRACE_S = 1.0  # after the command's shell exited, how long its output pipe may take to close
+
+
+async def _wait(future: asyncio.Future[None], timeout: float) -> bool:
+    """Wait (bounded, never cancelling `future`) until it is done; whether it is."""
+    if not future.done():
+        await asyncio.wait({future}, timeout=timeout)
+    return future.done()
+
+
+def tool_environment(config: Config, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a tool command gets: the server's, without the secrets the server knows it
+    holds (defence in depth: the command still runs as the server's user and can read what that
+    user can, docs/security.md): each provider's `api_key_env`, the well-known key and token names
+    (`logredact.ENV_SECRET_NAMES`, `APPSERVER_TOKEN` among them), the variables the channels' secret
+    references name (`token_env = "…"`), the store URL given by environment (it may hold the
+    database password) and `PGPASSWORD`. The tool's owner and home are added (`reap_orphaned_tools`)."""
+    env = dict(os.environ if environ is None else environ)
+    for name in secret_env_names(config):
+        env.pop(name, None)
+    env[TOOL_OWNER_ENV] = identity()
+    env[TOOL_HOME_ENV] = str(config.home)
+    return env
+
+
+def secret_env_names(config: Config) -> set[str]:
+    """The names of the environment variables that hold a secret the server knows of."""
+    names = set(ENV_SECRET_NAMES)
+    names.update(p.api_key_env for p in config.providers.values() if p.api_key_env)
+    for accounts in config.channels.accounts.values():
+        for account in accounts.values():
+            for ref in account.secret_refs.values():
+                if ref.get("env"):
+                    names.add(ref["env"])
+    names.update(("APPSERVER_STORE__URL", "PGPASSWORD"))
+    return names
 
 
 async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
@@ -221,19 +299,26 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
         stdin=asyncio.subprocess.DEVNULL,
         start_new_session=True,  # its own process group: killed whole on timeout, cancel or reap
         preexec_fn=_die_with_server(),
-        env={**os.environ, TOOL_OWNER_ENV: identity(), TOOL_HOME_ENV: str(ctx.config.home)},
+        env=tool_environment(ctx.config),
     )
+    guard = transport.get_pid()
     timed_out = False
     try:
-        await asyncio.wait({out.finished}, timeout=timeout)
-        timed_out = not out.finished.done()
-    finally:  # timed out or cancelled: the whole group goes, and nothing here waits unbounded
-        if not out.finished.done():
-            _kill_group(transport.get_pid())
-            # the output drains until the pipe closes; one held open by a process that left the
-            # group (setsid) is closed on our side below instead of waited for
-            await asyncio.wait({out.finished}, timeout=KILL_GRACE_S)
-        transport.close()  # kills the leader if it still runs, closes the pipes
+        # The call ends when the command's shell exits (the guard then kills what it left running
+        # and exits with its status), not when the output pipe closes: a background child that
+        # holds the pipe made a finished command wait for its whole timeout.
+        timed_out = not await _wait(out.exited, timeout)
+        if not timed_out:
+            await _wait(out.closed, PIPE_GRACE_S)
+    finally:  # timed out or cancelled: everything the command started goes, nothing waits unbounded
+        if not out.exited.done():
+            # the guard kills every descendant, also one that left the group (setsid); SIGKILL for
+            # the group is the backstop when it does not exit in time
+            _signal(guard, signal.SIGTERM)
+            await _wait(out.exited, KILL_GRACE_S)
+            _kill_group(guard)
+            await _wait(out.closed, PIPE_GRACE_S)
+        transport.close()  # kills the leader if it still runs, closes the pipes (one still held open too)
     if timed_out:
         note = f"command timed out after {timeout:g} s and was killed"
         return ToolOutput(f"{note}; its output until then:\n{out.text()}" if out.total else note, is_error=True)
@@ -243,18 +328,53 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     return ToolOutput(out.text())
 
 
-# The tool's process-group leader: runs the command in a child shell and, when told the server
-# died (SIGTERM from PR_SET_PDEATHSIG), kills the whole group at once, so nothing the command
-# started in the background goes on making side effects until the next start. `wait` returns the
-# command's status. What leaves the group (setsid) is killed by the next server's reap.
-_GROUP_GUARD = 'trap "trap - TERM; kill -KILL 0" TERM; /bin/sh -c "$1" & wait $!'
+# The tool's process-group leader (the guard), a child subreaper (PR_SET_CHILD_SUBREAPER, set by
+# `_die_with_server`): every process the command starts stays its descendant, also one that left
+# the group and the session (`setsid`) or cleared its environment (`env -i`), since an orphan is
+# handed to the nearest subreaper, not to init. It runs the command in a child shell and waits for
+# that shell; then `k` kills every descendant left (what the command put in the background) and it
+# exits with the command's status. On SIGTERM (the server's timeout or cancel, or PR_SET_PDEATHSIG
+# when the server died) it does the same and exits 143, ignoring further SIGTERMs meanwhile (the
+# kernel sends the parent-death signal again as each of the dying server's threads exits).
+# `k` finds descendants with one `awk` over /proc/*/stat (its children, other than the awk itself,
+# whose parent it is since their own parent died) in rounds: each round's kills hand their
+# children to the guard for the next. The awk reads each file with getline, which skips a process
+# that ended meanwhile (as awk's own input a file that cannot be opened ends the whole scan: the
+# dying server's own entry ended it). Without awk it reads /proc in the shell (slower). What it
+# cannot see (no /proc) is left to the process-group kill of a timeout and to the next server's
+# `reap_orphaned_tools`; so is what outlives a guard killed with SIGKILL (docs/security.md).
+_GROUP_GUARD = r"""k() {
+  n=0
+  while [ $n -lt 50 ]; do
+    n=$((n+1))
+    if command -v awk >/dev/null 2>&1; then
+      c=$(awk -v g=$$ 'BEGIN { if ((getline l < "/proc/self/stat") > 0) { me = l; sub(/ .*/, "", me) }
+        for (i = 1; i < ARGC; i++) if ((getline l < ARGV[i]) > 0) { close(ARGV[i]); p = l; sub(/ .*/, "", p)
+          sub(/.*\) /, "", l); split(l, a, " "); if (a[2] == g && a[1] != "Z" && p != me) printf " %s", p } }' \
+        /proc/[0-9]*/stat 2>/dev/null)
+    else
+      c=
+      for f in /proc/[0-9]*/stat; do
+        { read -r l <"$f"; } 2>/dev/null || continue
+        set -- ${l##*) }
+        [ "$2" = $$ ] && [ "$1" != Z ] && { p=${f#/proc/}; c="$c ${p%/stat}"; }
+      done
+    fi
+    [ -n "$c" ] || return 0
+    kill -KILL $c 2>/dev/null
+    sleep 0.01
+  done
+}
+trap 'trap "" TERM; k; exit 143' TERM
+/bin/sh -c "$1" & wait $!; s=$?; k; exit $s"""
 
 
 def _die_with_server() -> Callable[[], None] | None:
-    """On Linux, a preexec_fn that has the kernel signal the tool's group leader when the server
-    dies (PR_SET_PDEATHSIG: SIGTERM, which `_GROUP_GUARD` turns into SIGKILL for its whole process
-    group), so a server killed with kill -9 leaves nothing of the command running. What escaped the
-    group is killed by the next server (`reap_orphaned_tools`)."""
+    """On Linux, a preexec_fn that makes the tool's group leader a child subreaper (what the command
+    leaves behind stays its descendant) and has the kernel signal it when the server dies
+    (PR_SET_PDEATHSIG: SIGTERM, on which `_GROUP_GUARD` kills every descendant), so a server killed
+    with kill -9 leaves nothing of the command running. What still escaped (the guard itself
+    killed with SIGKILL) is killed by the next server (`reap_orphaned_tools`)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -264,6 +384,13 @@ def _die_with_server() -> Callable[[], None] | None:
     server = os.getpid()
 
     def preexec() -> None:  # in the child, between fork and exec: no locks, no allocation to speak of
+        prctl(
+            ctypes.c_int(PR_SET_CHILD_SUBREAPER),
+            ctypes.c_ulong(1),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        )
         prctl(
             ctypes.c_int(PR_SET_PDEATHSIG),
             ctypes.c_ulong(signal.SIGTERM),
@@ -342,12 +469,78 @@ def builtin_tools() -> list[Tool]:
     return [CLOCK, SHELL]
 
 
+class _Refused(ValueError):
+    """Arguments that parse as JSON but would run as something other than what they show."""
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, item in pairs:
+        if key in found:
+            shown = key if len(key) <= 40 else key[:40] + "…"
+            raise _Refused(f"arguments must not repeat a key: {shown!r} is given more than once")
+        found[key] = item
+    return found
+
+
+def _number(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise _Refused(f"arguments must hold finite numbers, not {text[:40]!r}")
+    return number
+
+
+def _constant(name: str) -> Any:
+    raise _Refused(f"arguments must be standard JSON: {name} is not a JSON value")
+
+
 def parse_arguments(arguments: str) -> dict[str, Any]:
-    """Parse tool-call arguments; raise ValueError with a model-readable message."""
+    """Parse tool-call arguments; raise ValueError with a model-readable message.
+
+    Stricter than `json.loads`, so that what an approver is shown is what runs: a key repeated in
+    an object (at any depth) is refused (json.loads kept the last one, and a prompt showing the
+    raw text showed the first), and so are NaN, Infinity and numbers too large to be finite."""
     try:
-        value = json.loads(arguments or "{}")
+        value = json.loads(arguments or "{}", object_pairs_hook=_object, parse_float=_number, parse_constant=_constant)
+    except _Refused as exc:
+        raise ValueError(str(exc)) from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"arguments are not valid JSON ({exc.msg} at position {exc.pos})") from None
+    except RecursionError:
+        raise ValueError("arguments are nested too deeply") from None
     if not isinstance(value, dict):
         raise ValueError("arguments must be a JSON object")
     return value
+
+
+_NOT_ASCII = re.compile(r"[^\x20-\x7e]")
+
+
+def _visible_char(match: re.Match[str]) -> str:
+    char = match.group()
+    if unicodedata.category(char) not in ("Cc", "Cf", "Zl", "Zp", "Cs"):
+        return char
+    code = ord(char)
+    if code > 0xFFFF:  # as JSON writes it: a surrogate pair
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"
+
+
+def canonical_arguments(args: dict[str, Any]) -> str:
+    """Parsed arguments as the server announces, stores and runs them: JSON with every character
+    as itself (no `\\u0045` for an `E`: an approver reads what runs), except those that render as
+    nothing or reorder the text around them (controls, format characters such as bidi overrides,
+    line and paragraph separators, lone surrogates), written as `\\uXXXX` escapes, and what JSON
+    must escape (quote, backslash, control characters)."""
+    text = json.dumps(args, ensure_ascii=False)
+    return _NOT_ASCII.sub(_visible_char, text)
+
+
+def announced_arguments(arguments: str) -> str | None:
+    """The canonical form (`canonical_arguments`) of a server tool call's arguments text, or None
+    when they are refused (`parse_arguments`): such a call never runs and is never announced."""
+    try:
+        return canonical_arguments(parse_arguments(arguments))
+    except ValueError:
+        return None

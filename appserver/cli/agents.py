@@ -11,11 +11,27 @@ from appserver.agent_admin import parse_params, parse_tool_policies
 from appserver.cli.common import get_config, print_json, with_server
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config
+from appserver.errors import InvalidInput
 from appserver.fsutil import CorruptStateFile
 from appserver.server import Server
 from appserver.store.records import AgentRecord
 from cron.store import CronStoreError, CronTask, utcnow
 from cron.stores import cron_store_for
+
+
+def _tool_policies(specs: tuple[str, ...]) -> dict[str, str]:
+    """The `--tool` options as policies; one tool given two different policies (`--tool
+    shell=allow --tool shell=deny`) is refused (exit 2) rather than the last one silently winning."""
+    policies = parse_tool_policies(specs)
+    given: dict[str, str] = {}
+    for spec in specs:
+        name, _, policy = (part.strip() for part in spec.partition("="))
+        if given.setdefault(name, policy) != policy:
+            raise InvalidInput(
+                f"conflicting --tool options for {name!r}: {given[name]} and {policy}; give one policy per tool",
+                param="tool",
+            )
+    return policies
 
 
 def _show(agent: AgentRecord) -> None:
@@ -66,7 +82,7 @@ def create_agent(
     """Create an agent: a model, a system prompt, tool policies and parameters."""
 
     async def go(s: Server) -> tuple[AgentRecord, list[AgentRecord]]:
-        made = await s.agents.create(name, model, system, parse_tool_policies(tools), parse_params(params))
+        made = await s.agents.create(name, model, system, _tool_policies(tools), parse_params(params))
         return made, await _namesakes(s, made)
 
     agent, namesakes = with_server(go)
@@ -124,7 +140,7 @@ def update_agent(
 
     async def go(s: Server) -> tuple[AgentRecord, list[AgentRecord]]:
         rec = await s.agents.update(
-            agent, name=name, model=model, system=system, tools=parse_tool_policies(tools), params=parse_params(params)
+            agent, name=name, model=model, system=system, tools=_tool_policies(tools), params=parse_params(params)
         )
         return rec, await _namesakes(s, rec) if name is not None else []
 

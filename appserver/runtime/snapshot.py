@@ -26,6 +26,7 @@ from appserver.agent.events import (
     TurnEvent,
     UsageUpdated,
 )
+from appserver.agent.tools import announced_arguments
 from appserver.runtime.latest import Latest, Quiet
 from appserver.runtime.types import TERMINAL_STATUSES, Phase, SnapshotStatus, StopReason, TerminalStatus
 from appserver.store.records import MessageRecord, PendingCall
@@ -195,6 +196,8 @@ class TurnController:
             block = self._calls.get(event.call_id)
             if block is None:
                 return
+            if block.status == "streaming" and block.executor == "server" and event.status in ANNOUNCED:
+                _announce(block)
             block.status = event.status
             if event.output is not None:
                 block.output = event.output
@@ -243,7 +246,7 @@ class TurnController:
             self._bump()
 
     def set_pending(self, pending: list[PendingCall]) -> None:
-        self.pending = [p.to_dict() for p in pending if p.status == "pending"]
+        self.pending = [_announced_pending(p.to_dict()) for p in pending if p.status == "pending"]
         self._bump()
         self._settle.publish(self.revision, version=self.revision)
 
@@ -455,7 +458,32 @@ class TurnController:
             block = self._calls.get(p.call_id)
             if block is not None and p.status == "pending":
                 block.status = "pending_approval" if p.kind == "approval" else "awaiting_client"
+                if p.kind == "approval":
+                    _announce(block)
         self._cached = None
+
+
+# A server tool call's arguments are shown as the canonical form of what runs (agent/tools.py
+# `canonical_arguments`, as the loop stores them) once the call is announced: asked for approval or
+# run. While they stream they are the model's text; a call refused as invalid keeps that text.
+ANNOUNCED = ("pending_approval", "running")
+
+
+def _announce(block: _Block) -> None:
+    text = block.parts.text()
+    shown = announced_arguments(text)
+    if shown is not None and shown != text:
+        block.parts = TextParts(shown)
+
+
+def _announced_pending(p: dict[str, Any]) -> dict[str, Any]:
+    """A pending approval as announced: its arguments in canonical form (also of a call a server
+    before this one stored as the model wrote it)."""
+    if p.get("kind") == "approval" and isinstance(p.get("arguments"), str):
+        shown = announced_arguments(p["arguments"])
+        if shown is not None:
+            p["arguments"] = shown
+    return p
 
 
 def _with_revision(snap: TurnSnapshot, revision: int) -> TurnSnapshot:

@@ -20,6 +20,11 @@ from appserver.config import Config, ConfigError
 log = logging.getLogger("appserver.auth")
 
 HELLO_TIMEOUT_S = 5.0
+# A capability token is 47 characters; anything far longer is no token.
+TOKEN_MAX_CHARS = 8192
+# A JWT carries its claims (groups, roles): 16 KiB, as common header limits, and well within the
+# edge's 64 KiB head; verifying it is linear in its length.
+JWT_MAX_CHARS = 16384
 REVOCATION_POLL_S = 0.5  # how often a live WebSocket's capability token is re-checked
 _TOKEN68 = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
 
@@ -110,7 +115,7 @@ class Authenticator:
         if self.mode != "token" or self.tokens is None or not isinstance(token, str):
             return None
         tok = _hello_token(token)
-        if not tok or len(tok) > 8192 or not _TOKEN68.match(tok):
+        if not tok or len(tok) > TOKEN_MAX_CHARS or not _TOKEN68.match(tok):
             return None
         try:
             self.tokens.verify(tok)
@@ -120,7 +125,9 @@ class Authenticator:
         return None
 
     def verify_token(self, token: str, *, since: float | None = None) -> Principal:
-        if not token or len(token) > 8192 or not _TOKEN68.match(token):
+        if self.mode == "jwt":
+            return self._verify_jwt(token)
+        if not token or len(token) > TOKEN_MAX_CHARS or not _TOKEN68.match(token):
             raise unauthorized("invalid_api_key", "malformed bearer token")
         if self.mode == "token":
             assert self.tokens is not None
@@ -129,17 +136,26 @@ class Authenticator:
                 log.info("rejected capability token %s", fingerprint(token))
                 raise unauthorized("invalid_api_key", "invalid, expired or revoked token")
             return p
-        if self.mode == "jwt":
-            assert self.jwt is not None
-            try:
-                return self.jwt.verify(token)
-            except AuthError as exc:
-                log.info("rejected JWT %s: %s", fingerprint(token), exc.message)
-                raise
-            except Exception:  # a claim the checks did not foresee: refused, and loudly, never a 500
-                log.exception("JWT %s could not be verified", fingerprint(token))
-                raise unauthorized("invalid_token", "the JWT could not be verified") from None
         return Principal.local()
+
+    def _verify_jwt(self, token: str) -> Principal:
+        assert self.jwt is not None
+        if len(token) > JWT_MAX_CHARS:
+            raise unauthorized(
+                "invalid_token",
+                f"the JWT has {len(token)} characters, more than the limit of {JWT_MAX_CHARS} "
+                "(docs/security.md, auth mode jwt): issue it with fewer claims",
+            )
+        if not token or not _TOKEN68.match(token):
+            raise unauthorized("invalid_token", "malformed bearer token: not a JWT")
+        try:
+            return self.jwt.verify(token)
+        except AuthError as exc:
+            log.info("rejected JWT %s: %s", fingerprint(token), exc.message)
+            raise
+        except Exception:  # a claim the checks did not foresee: refused, and loudly, never a 500
+            log.exception("JWT %s could not be verified", fingerprint(token))
+            raise unauthorized("invalid_token", "the JWT could not be verified") from None
 
 
 def _hello_token(token: str) -> str:

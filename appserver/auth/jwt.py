@@ -21,6 +21,9 @@ log = logging.getLogger("appserver.auth")
 
 HS_MIN_SECRET_BYTES = 32
 MAX_JWT_LIFETIME_S = 36500 * 86400.0  # an `exp` further ahead is refused, as a token's lifetime is
+EXP_CLAIM_MESSAGE = (
+    f"JWT claim 'exp' must be a NumericDate (a number of seconds) at most {MAX_JWT_LIFETIME_S // 86400:.0f} days ahead"
+)
 _HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
 _RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 _EC_ALGS = frozenset({"ES256", "ES384", "ES512"})
@@ -157,6 +160,9 @@ class JwtVerifier:
                 options={"require": required, "verify_signature": True},
             )
         except jwt.ExpiredSignatureError:
+            # PyJWT reads `exp: true` as 1 (1970): no expiry, a claim of the wrong type.
+            if not _numeric_date_within(_unverified_claim(token, "exp"), math.inf):
+                raise unauthorized("invalid_token", EXP_CLAIM_MESSAGE) from None
             raise unauthorized("token_expired", "JWT has expired") from None
         except jwt.ImmatureSignatureError:
             raise unauthorized("invalid_token", "JWT is not valid yet (nbf/iat in the future)") from None
@@ -176,9 +182,7 @@ class JwtVerifier:
             raise unauthorized("invalid_token", "JWT carries an audience and this server expects none")
         # PyJWT reads `true` as 1 and "1796…" as a number; and an exp centuries ahead never ends.
         if not _numeric_date_within(claims.get("exp"), time.time() + MAX_JWT_LIFETIME_S):
-            raise unauthorized(
-                "invalid_token", f"JWT exp must be a NumericDate at most {MAX_JWT_LIFETIME_S // 86400:.0f} days ahead"
-            )
+            raise unauthorized("invalid_token", EXP_CLAIM_MESSAGE)
         agents: frozenset[str] | None = None
         if "agents" in claims:
             agents = _claim_set(claims["agents"], "agents")
@@ -203,6 +207,17 @@ class JwtVerifier:
             expires_at=float(claims["exp"]),
             claims=claims,
         )
+
+
+def _unverified_claim(token: str, claim: str) -> Any:
+    """A claim of a JWT whose signature was checked already (PyJWT checks it before the claims)."""
+    import jwt
+
+    try:
+        payload = jwt.decode(token, options={"verify_signature": False})
+    except (jwt.InvalidTokenError, ValueError, TypeError, OverflowError):
+        return None
+    return payload.get(claim) if isinstance(payload, dict) else None
 
 
 def _numeric_date_within(value: Any, latest: float) -> bool:

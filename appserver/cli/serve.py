@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 import uvicorn
+from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
 
 from appserver.auth import Authenticator
 from appserver.channelconfig import parse_enabled
@@ -38,6 +39,7 @@ from appserver.security.edge import (
     AcceptErrorThrottle,
     EdgeLimits,
     EdgeWebSocketProtocol,
+    accept_backlog,
     fd_limit,
     protocol_class,
     raise_fd_limit,
@@ -336,13 +338,29 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     tls = bool(config.server.tls_cert and config.server.tls_key)
     edge = EdgeLimits.from_config(config.limits)
     proxies = parse_trusted_proxies(config.server.trusted_proxies)
+    # With a certificate, the edge does the TLS handshake itself, on a plain listener: so a
+    # connection is counted by the cap from its accept and its handshake is timed
+    # (edge.TlsAcceptProtocol), where uvicorn's TLS listener showed it to the edge only once the
+    # handshake was done. The context is made as uvicorn would make it.
+    tls_context: ssl.SSLContext | None = None
+    if config.server.tls_cert and config.server.tls_key:
+        tls_context = create_ssl_context(
+            certfile=config.server.tls_cert,
+            keyfile=config.server.tls_key,
+            password=None,
+            ssl_version=SSL_PROTOCOL_VERSION,
+            cert_reqs=ssl.CERT_NONE,
+            ca_certs=None,
+            ciphers=None,
+        )
     uv_config = uvicorn.Config(
         app,
         host=host,
         port=port,
         # httptools, explicitly, with the edge limits (head cap, head/body/idle timeouts,
         # connection cap at accept): appserver/security/edge.py. Never "auto".
-        http=protocol_class(edge),
+        http=protocol_class(edge, tls_context),
+        backlog=accept_backlog(edge.max_connections),  # a burst of connects never reaches the fd limit
         ws=EdgeWebSocketProtocol,  # its handshake refusals carry x-request-id too
         timeout_keep_alive=max(1, math.ceil(edge.keepalive_timeout_s)),  # the protocol uses the exact value
         # Forwarding headers only from the configured proxies (none by default), so a client cannot
@@ -360,8 +378,7 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
         ws_per_message_deflate=config.server.ws_compression,
         ws_ping_interval=config.limits.ws_ping_interval_s or None,
         ws_ping_timeout=pong_wait(config.limits.ws_ping_interval_s, config.limits.ws_ping_timeout_s),
-        ssl_certfile=config.server.tls_cert if tls else None,
-        ssl_keyfile=config.server.tls_key if tls else None,
+        # no ssl_certfile/ssl_keyfile: the edge's protocol does TLS (tls_context above)
     )
     install_redactor(redactor_from_config(config, authenticator.secrets()))
     install_request_ids()

@@ -19,7 +19,9 @@ connection and before any auth work:
   of it, nor its WebSocket's `hello`, carried a valid credential: the guard says when one does,
   `asgi.PROVE`), when that is fair (`fair_slots.SlotGate`), so one client trickling heads, or
   sending refused requests on keep-alive connections, or holding un-greeted WebSockets, cannot hold
-  every slot.
+  every slot;
+* under TLS, the same from the accept, before the handshake, which must be done within
+  `head_timeout_s` (`TlsAcceptProtocol`: the edge does the handshake itself).
 
 Pipelining (several requests on a connection before their replies) keeps replies in order:
 
@@ -39,6 +41,7 @@ hot loop once descriptors do run out) to one line per interval.
 from __future__ import annotations
 
 import asyncio
+import asyncio.sslproto as sslproto
 import contextlib
 import contextvars
 import fcntl
@@ -46,6 +49,7 @@ import json
 import logging
 import resource
 import socket
+import ssl
 import struct
 import sys
 import termios
@@ -150,6 +154,19 @@ def connection_cap(configured: int, nofile: int | None = None) -> int:
     return max(8, n * 3 // 4 - 32)
 
 
+def accept_backlog(max_connections: int, nofile: int | None = None) -> int:
+    """The listen backlog for a server capped at `max_connections`. asyncio takes it also as how
+    many connections to accept in one go, each a descriptor before any protocol (and so the cap)
+    sees it: a burst of 300 connects at a cap of 160 under an fd limit of 256 reached the limit.
+    The loop takes about three passes to show an accepted connection to its protocol, and accepts
+    again in each: at most a quarter of the descriptors the cap leaves free is accepted in one go
+    (uvicorn's 2048 where there are plenty, or where the cap is at or above the fd limit anyway)."""
+    n = fd_limit() if nofile is None else nofile
+    if max_connections >= n:
+        return 2048
+    return max(16, min(2048, (n - max_connections) // 4))
+
+
 @dataclass(frozen=True, slots=True)
 class EdgeLimits:
     head_max_bytes: int
@@ -163,6 +180,8 @@ class EdgeLimits:
     # the connections that may give up their slot at the cap, and the throttle of that notice
     slots: SlotGate = field(default_factory=SlotGate, compare=False)
     evictions: LogThrottle = field(default_factory=LogThrottle, compare=False)
+    # TLS connections accepted whose handshake is not done (`TlsAcceptProtocol`): counted by the cap
+    handshakes: set[Any] = field(default_factory=set, compare=False)
 
     @classmethod
     def from_config(cls, limits: LimitsConfig) -> EdgeLimits:
@@ -493,6 +512,13 @@ def _close_delimited(cycle: RequestResponseCycle) -> None:
 _UNBOUNDED_LENGTH = 1 << 62
 
 
+def peer_group(transport: asyncio.BaseTransport) -> str:
+    """The `client_group` of a connection's peer."""
+    peer = transport.get_extra_info("peername")
+    host = peer[0] if isinstance(peer, tuple) and peer and isinstance(peer[0], str) else None
+    return client_group(host)
+
+
 class EdgeSlot:
     """A connection's place in the `SlotGate` until it authenticates (`prove`, called by the guard
     through the `asgi.PROVE` scope extension); it follows the connection from HTTP to WebSocket."""
@@ -547,17 +573,17 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._upgrade_early: bytearray | None = None  # an upgrade waits for replies; what came after it
         self._body_flow: _BodyFlow  # set by connection_made, before any byte is parsed
         self._slot: EdgeSlot  # set by connection_made: evictable at the cap until it authenticates
+        # under TLS, the socket's protocol, which admitted the connection at its accept
+        self._tls_accept: TlsAcceptProtocol | None = None
 
     # ── connection ────────────────────────────────────────────────────────────────────────────
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        peer = transport.get_extra_info("peername")
-        host = peer[0] if isinstance(peer, tuple) and peer and isinstance(peer[0], str) else None
-        group = client_group(host)
-        slots = self.limits.slots
-        # Evicted connections are still in `connections` until their `connection_lost`, a loop pass
-        # later; their slots are free already.
-        if len(self.connections) - slots.leaving >= self.limits.max_connections and not self._made_room(group):
+        if self._tls_accept is not None:  # a TLS handshake done: admitted at its accept already
+            self._begin(transport, self._tls_accept.handshake_done())
+            return
+        group = peer_group(transport)
+        if self._at_cap(group):
             self._refused = True
             self.transport = transport
             data, _ = raw_error(
@@ -569,19 +595,38 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             )
             transport.write(data)
             transport.close()
-            emit, held = self.limits.refusals.allow()
-            if emit:
-                more = f" ({held} more since the last notice)" if held else ""
-                log.warning(
-                    "connection limit %d reached: refusing new connections with 503%s",
-                    self.limits.max_connections,
-                    more,
-                )
             return
+        self._begin(transport, EdgeSlot(self.limits.slots, self, group))
+
+    def _at_cap(self, group: str) -> bool:
+        """Whether a connection accepted now must be refused: the cap is reached (TLS connections
+        still in their handshake count, `TlsAcceptProtocol`) and no connection that never
+        authenticated gave up its slot to it (`_made_room`); the refusal is logged, at most once per
+        interval."""
+        limits = self.limits
+        # Evicted connections are still in `connections` (or `handshakes`) until their
+        # `connection_lost`, a loop pass later; their slots are free already.
+        open_now = len(self.connections) + len(limits.handshakes) - limits.slots.leaving
+        if open_now < limits.max_connections or self._made_room(group):
+            return False
+        emit, held = limits.refusals.allow()
+        if emit:
+            more = f" ({held} more since the last notice)" if held else ""
+            log.warning(
+                "connection limit %d reached: refusing new connections with 503 (under TLS: closed at accept)%s",
+                limits.max_connections,
+                more,
+            )
+        return True
+
+    def _begin(self, transport: asyncio.Transport, slot: EdgeSlot) -> None:
+        """Serve an admitted connection (its TLS handshake done, if any); `slot` is its place in the
+        `SlotGate`, evictable until it authenticates."""
         super().connection_made(transport)
         self.transport = PassWrites(transport, self.loop, self.limits.send_timeout_s)  # type: ignore[assignment]
         self.flow = self._body_flow = _BodyFlow(transport, self._body_wanted)
-        self._slot = EdgeSlot(slots, self, group)
+        slot.conn = self
+        self._slot = slot
         # uvicorn arms its keep-alive timer only after a response; a fresh connection gets it too.
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
@@ -1054,9 +1099,107 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         return rate > 0 and over > 0 and self._body_bytes < rate * over
 
 
-def protocol_class(limits: EdgeLimits) -> type[EdgeHttpProtocol]:
-    """The protocol class uvicorn instantiates per connection, bound to these limits."""
-    return type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits})
+class TlsAcceptProtocol(asyncio.BufferedProtocol):
+    """The protocol of a TLS connection's socket, from its accept: counted by the cap and timed
+    from then on, its TLS done by asyncio's TLS protocol (`sslproto.SSLProtocol`, the one
+    `create_server(ssl=…)` and `start_tls` use) under it, and then its `EdgeHttpProtocol`.
+
+    With `create_server(ssl=…)` the edge saw a connection only once its handshake was done: one
+    that never sent a ClientHello was neither counted by the cap nor timed (asyncio's 60 s handshake
+    timeout only), and a few hundred ran the server out of descriptors, every client locked out. So
+    the listener is plain TCP and this protocol, made at accept, checks the cap as the HTTP protocol
+    does (`EdgeLimits.handshakes` counts it; at the cap, when no connection that never
+    authenticated gives up its slot, it is closed at once: no 503 can be written before a
+    handshake), takes an evictable place in the `SlotGate`, and starts the TLS protocol at once,
+    with `head_timeout_s` for the handshake. It stays the socket's protocol, passing every call to
+    the TLS protocol (which passes the decrypted bytes to the HTTP protocol): so it hears when the
+    socket is gone before the handshake is done, which the TLS protocol tells nobody. (`start_tls`
+    would do the same from a task a loop pass later, and uvloop reads a new socket whatever its
+    protocol asked: the ClientHello went to the wrong protocol.) The HTTP protocol's
+    `connection_made`, once the handshake is done, takes over the place (`_tls_accept`)."""
+
+    limits: ClassVar[EdgeLimits]
+    http_class: ClassVar[type[EdgeHttpProtocol]]
+    tls: ClassVar[ssl.SSLContext]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.http = self.http_class(*args, **kwargs)  # uvicorn's arguments (config, server_state, …)
+        self.raw: asyncio.Transport | None = None
+        self.ssl: asyncio.BufferedProtocol | None = None
+        self.slot: EdgeSlot | None = None  # while the handshake is under way
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        raw = cast(asyncio.Transport, transport)
+        group = peer_group(raw)
+        if self.http._at_cap(group):
+            raw.abort()
+            return
+        self.raw = raw
+        self.limits.handshakes.add(self)
+        self.slot = EdgeSlot(self.limits.slots, self, group)
+        self.http._tls_accept = self
+        # (no waiter: the HTTP protocol's connection_made says the handshake is done; typeshed
+        # wants one, and an int timeout)
+        self.ssl = tls = cast(Any, sslproto.SSLProtocol)(
+            self.http.loop,
+            self.http,
+            self.tls,
+            None,
+            server_side=True,
+            ssl_handshake_timeout=self.limits.head_timeout_s,
+        )
+        tls.connection_made(raw)
+
+    def handshake_done(self) -> EdgeSlot:
+        """The HTTP protocol's connection begins (`EdgeHttpProtocol.connection_made`): its place."""
+        slot = cast(EdgeSlot, self.slot)
+        self.slot = None
+        self.limits.handshakes.discard(self)
+        return slot
+
+    def evict(self, reason: str) -> None:
+        """Give up the place of a connection still in its handshake (`SlotGate.make_room`)."""
+        if self.raw is not None:
+            self.raw.abort()  # connection_lost frees it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.ssl is not None:
+            self.ssl.connection_lost(exc)  # the HTTP protocol's own, if its connection began
+        if self.slot is not None:  # the handshake was not done: failed, timed out, evicted, or gone
+            self.limits.handshakes.discard(self)
+            self.slot.gone()
+            self.slot = None
+        self.raw = self.ssl = None
+        self.http._tls_accept = None
+
+    # the socket's calls, for the TLS protocol
+
+    def get_buffer(self, sizehint: int) -> Any:
+        return cast(asyncio.BufferedProtocol, self.ssl).get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        cast(asyncio.BufferedProtocol, self.ssl).buffer_updated(nbytes)
+
+    def eof_received(self) -> bool | None:
+        return cast(asyncio.BufferedProtocol, self.ssl).eof_received()
+
+    def pause_writing(self) -> None:
+        if self.ssl is not None:
+            self.ssl.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.ssl is not None:
+            self.ssl.resume_writing()
+
+
+def protocol_class(limits: EdgeLimits, tls: ssl.SSLContext | None = None) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn instantiates per connection, bound to these limits; with `tls`,
+    the listener is plain TCP and the edge does the handshake (`TlsAcceptProtocol`): give uvicorn
+    no certificate then."""
+    http = type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits})
+    if tls is None:
+        return http
+    return type("BoundTlsAcceptProtocol", (TlsAcceptProtocol,), {"limits": limits, "http_class": http, "tls": tls})
 
 
 WS_SHUTDOWN_DRAIN_S = 2.0  # how long a stop waits for a WebSocket client to take its close

@@ -15,10 +15,12 @@ What the app sees in `scope["state"]` (Starlette: `request.state` / `websocket.s
   * `auth_pending`: True on a WebSocket upgraded without credentials (token/jwt mode); the
     protocol layer must authenticate the `hello` frame before doing anything else;
   * `authenticate_hello`: (WebSocket only) `fn(token) -> Principal`, raises `AuthError`. It checks
-    the token, requires the `ws` scope, moves the socket's connection slot from its address to the
-    credential (`AuthError` 429 `too_many_connections` when the credential's are all taken: the
-    protocol closes with 4429), stores the principal, clears `auth_pending` and re-arms the
-    expiry timer. Without it within `Authenticator.hello_timeout_s` the guard closes with 4401.
+    the token, requires the `ws` scope, moves the socket from its address's sockets waiting for
+    their hello (`limits.PendingSockets`) to a slot of the credential (`AuthError` 429
+    `too_many_connections` when the credential's are all taken: the protocol closes with 4429),
+    stores the principal, clears `auth_pending` and re-arms the expiry timer. Without it within
+    `Authenticator.hello_timeout_s`, or when newer sockets of its address took its place, the
+    guard closes with 4401.
 
 Refused WebSocket upgrades get a real HTTP response (403/401/421/400) through the
 `websocket.http.response` extension when the server offers it, else a close before accept
@@ -44,7 +46,7 @@ from appserver.security.authentication import (
 )
 from appserver.security.headers import guarded_headers
 from appserver.security.hostcheck import HostCheck
-from appserver.security.limits import BodyLimit, ClientSlots, SlotHold, slot_key
+from appserver.security.limits import BodyLimit, ClientSlots, PendingSockets, SlotHold, slot_key
 from appserver.security.origin import OriginCheck, cors_headers, is_preflight, preflight
 from appserver.security.refusals import refuse_ws, send_http_error
 from appserver.security.ws_session import run_ws
@@ -97,6 +99,7 @@ class SecurityGuard:
         self.authentication = Authentication(authenticator, public_paths, path_scopes)
         self.body = BodyLimit(int(config.limits.body_max_bytes))
         self.slots = ClientSlots(int(config.limits.connections_per_client))
+        self.pending = PendingSockets(int(config.limits.connections_per_client))
         self.frame_max = int(config.limits.ws_frame_max_bytes)
         self.hello_timeout_s = float(authenticator.hello_timeout_s)
 
@@ -132,7 +135,11 @@ class SecurityGuard:
             if kind == "http":
                 self.body.check_length(hdrs)
             client = slot_key(scope, principal)
-            self.slots.check(client)
+            # A WebSocket that will authenticate in `hello` is never refused for its address's
+            # unauthenticated sockets: it waits among them (limits.PendingSockets), not in the slots.
+            waiting = kind == "websocket" and pending
+            if not waiting:
+                self.slots.check(client)
         except Exception as exc:
             if isinstance(exc, Refusal):
                 r = exc
@@ -157,7 +164,7 @@ class SecurityGuard:
         # of five (appserver/http/sse.py).
         state[BODY_SEND] = server_send
         scope["state"] = state
-        hold = SlotHold(self.slots, client)
+        hold = SlotHold(self.slots, client, self.pending if waiting else None)
         hold.acquire()
         try:
             if kind == "http":

@@ -4,6 +4,10 @@ and the streamed body size (`[limits] body_max_bytes`) and concurrent requests p
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+
 from appserver.auth.principal import Principal
 from appserver.security.asgi import CLOSE, Refusal, Scope
 from appserver.security.headers import Headers
@@ -46,6 +50,8 @@ def client_key(scope: Scope) -> str | None:
     return str(client[0])
 
 
+log = logging.getLogger("appserver.guard")
+
 TOO_MANY_CONNECTIONS = "too_many_connections"
 
 HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
@@ -54,7 +60,8 @@ HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
 def slot_key(scope: Scope, principal: Principal | None) -> str | None:
     """Whose slots a request takes: an authenticated credential's own (so connections nobody
     authenticated, all from one address on a local server, cannot use up a token's), else its
-    address. Health probes take none: they must answer while a client floods the server."""
+    address. Health probes take none: they must answer while a client floods the server. (A
+    WebSocket still waiting for its `hello` takes none of these: `PendingSockets`.)"""
     if scope["type"] == "http" and scope.get("path") in HEALTH_PATHS:
         return None
     if principal is not None and principal.kind in ("token", "jwt"):
@@ -87,31 +94,117 @@ class ClientSlots:
             self._active.pop(client, None)
 
 
+class PendingSockets:
+    """WebSockets upgraded without a credential that have not authenticated by `hello` yet, per
+    client address, oldest first.
+
+    They take none of their address's `connections_per_client` slots: 256 such sockets from one
+    address (reopened as the hello timeout closed them) held every slot of it, and a browser-style
+    client of the same address (every client on one host, or behind one proxy), which can only
+    authenticate in `hello`, got 429 at its upgrade for as long as that went on. They have a bucket
+    of their own instead, of the same size per address (so memory stays bounded as before), and a
+    newcomer is never refused by it: at the bound the oldest waiting socket of the address gives up
+    its place (closed 4401 `authentication timeout`). A client that sends its `hello` right after
+    the upgrade keeps its socket unless that many newer sockets of its address arrive in between.
+    """
+
+    NOTICE_EVERY_S = 10.0
+
+    def __init__(self, per_client: int) -> None:
+        self.per_client = per_client if per_client > 0 else DEFAULT_PENDING_PER_CLIENT
+        self._waiting: dict[str | None, dict[SlotHold, None]] = {}
+        self._noticed = -self.NOTICE_EVERY_S
+        self._unnoticed = 0
+
+    def admit(self, client: str | None, hold: SlotHold) -> None:
+        waiting = self._waiting.setdefault(client, {})
+        while len(waiting) >= self.per_client:
+            oldest = next(iter(waiting))
+            del waiting[oldest]
+            oldest.evicted()
+            self._notice(client)
+        waiting[hold] = None
+
+    def _notice(self, client: str | None) -> None:
+        """One warning per interval (each eviction closes quietly: a client reopening its sockets
+        would fill the log)."""
+        self._unnoticed += 1
+        now = time.monotonic()
+        if now - self._noticed >= self.NOTICE_EVERY_S:
+            log.warning(
+                "%d WebSocket(s) waiting for their hello closed (4401) to admit newer ones "
+                "([limits] connections_per_client = %d such per address), latest from %s",
+                self._unnoticed,
+                self.per_client,
+                client,
+            )
+            self._noticed, self._unnoticed = now, 0
+
+    def leave(self, client: str | None, hold: SlotHold) -> None:
+        waiting = self._waiting.get(client)
+        if waiting is None:
+            return
+        waiting.pop(hold, None)
+        if not waiting:
+            del self._waiting[client]
+
+    def count(self, client: str | None) -> int:
+        return len(self._waiting.get(client, ()))
+
+
+# The bound of `PendingSockets` per address when `connections_per_client` is 0 (off).
+DEFAULT_PENDING_PER_CLIENT = 256
+
+
 class SlotHold:
     """The one slot a request or WebSocket holds, and whose it is. A WebSocket upgraded without
-    credentials holds its address's slot until `hello` authenticates it; then `move` takes the
-    credential's slot instead (refused like an over-cap upgrade when that is full) and gives the
-    address's back, so the cap of a credential counts its hello-authenticated sockets too."""
+    credentials holds a place among its address's `PendingSockets` (`pending`) until `hello`
+    authenticates it; then `move` takes the credential's slot instead (refused like an over-cap
+    upgrade when that is full) and gives the place back, so the cap of a credential counts its
+    hello-authenticated sockets too. A pending socket may lose its place to a newer one
+    (`evicted`): `on_evict` (its session's) closes it."""
 
-    def __init__(self, slots: ClientSlots, key: str | None) -> None:
+    def __init__(self, slots: ClientSlots, key: str | None, pending: PendingSockets | None = None) -> None:
         self.slots = slots
         self.key = key
+        self.pending = pending
         self.released = False
+        self.lost = False  # evicted from `pending`
+        self.on_evict: Callable[[], None] | None = None
 
     def acquire(self) -> None:
-        self.slots.acquire(self.key)
+        if self.pending is not None:
+            self.pending.admit(self.key, self)
+        else:
+            self.slots.acquire(self.key)
 
     def move(self, key: str | None) -> None:
         """Hold `key`'s slot instead of the current one; raises the 429 `Refusal` (holding the
         current one still) when `key`'s slots are all taken."""
-        if key == self.key or self.released:
+        if self.released or self.lost or (key == self.key and self.pending is None):
             return
         self.slots.check(key)
         self.slots.acquire(key)  # nothing awaits between the check and the take
-        self.slots.release(self.key)
+        self._give_back()
         self.key = key
+
+    def evicted(self) -> None:
+        """`PendingSockets` took this socket's place for a newer one (it is no longer counted)."""
+        self.lost = True
+        self.pending = None
+        if self.on_evict is not None:
+            self.on_evict()
+
+    def _give_back(self) -> None:
+        if self.lost:
+            return
+        if self.pending is not None:
+            self.pending.leave(self.key, self)
+            self.pending = None
+        else:
+            self.slots.release(self.key)
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.slots.release(self.key)
+            self._give_back()

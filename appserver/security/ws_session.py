@@ -29,6 +29,9 @@ log = logging.getLogger("appserver.guard")
 WS_CLOSE_AUTH = 4401  # credential missing/expired on a live socket (4000-4999: application codes)
 WS_CLOSE_TOO_BIG = 1009
 CLOSE_SEND_TIMEOUT_S = 5.0
+# A socket waiting for its hello that gave up its place to a newer one (limits.PendingSockets).
+EVICTED_WHY = "newer sockets of this address are waiting for their hello"
+EVICTED_REASON = "authentication timeout: " + EVICTED_WHY  # a close reason: at most 123 bytes
 
 
 class ClientGone(OSError):
@@ -69,6 +72,11 @@ class WsSession:
         self._watcher: asyncio.Task[None] | None = None
         # the hello's token whose read `settle_hello` waited for: (token, since or its failure)
         self._hello_ready: tuple[object, float | AuthError] | None = None
+        # a newer socket of its address took its place while it waited for its hello (`evict`)
+        self.evicted = False
+        self._evicting: asyncio.Task[None] | None = None
+        if hold is not None and hold.pending is not None:
+            hold.on_evict = self.evict
 
     def ensure_watch(self) -> None:
         """Run the deadline watcher if there is a deadline (or a revocable credential) and it is
@@ -88,9 +96,20 @@ class WsSession:
         except (asyncio.CancelledError, TimeoutError):
             pass
 
+    def evict(self) -> None:
+        """Closed (4401) to make room for a newer socket of its address still waiting for its hello
+        (`limits.PendingSockets`): it waited longest without authenticating."""
+        self.evicted = True
+        if not self.closed:
+            self._evicting = asyncio.get_running_loop().create_task(
+                self.close(WS_CLOSE_AUTH, EVICTED_REASON, logged=False)  # PendingSockets logs, throttled
+            )
+
     def authenticate_hello(self, token: str | None) -> Principal:
         if self.closed:
             raise AuthError(401, "connection_closed", "the connection is closed")
+        if self.evicted:
+            raise AuthError(401, "auth_timeout", "authentication timeout: " + EVICTED_WHY)
         if self.state.get("auth_pending") and self.hello_deadline is not None and time.time() > self.hello_deadline:
             raise AuthError(401, "auth_timeout", "authentication window elapsed")
         ready, self._hello_ready = self._hello_ready, None
@@ -177,7 +196,7 @@ class WsSession:
         await self._send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
         await self._send({"type": "websocket.http.response.body", "body": body})
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, code: int, reason: str, *, logged: bool = True) -> None:
         """Close on the app's behalf (expiry, timeout, oversized frame); the app then sees a
         disconnect on receive and `ClientGone` on send."""
         async with self.lock:
@@ -187,7 +206,8 @@ class WsSession:
             self.closed_by_guard = (code, reason)
             self.changed.set()
             msg: Message = {"type": "websocket.close", "code": code, "reason": reason}
-            log.info("closing websocket %s: %s", code, reason)
+            if logged:
+                log.info("closing websocket %s: %s", code, reason)
             try:
                 await asyncio.wait_for(self._send(msg), CLOSE_SEND_TIMEOUT_S)
             except (OSError, RuntimeError, TimeoutError) as exc:

@@ -105,6 +105,9 @@ def render(
     return 0 if snapshot.status in ("completed", "awaiting") else 1
 
 
+IDEMPOTENCY_KEY_MAX = 256  # as the protocol takes it (ws/frames.py SubmitInput)
+
+
 @click.command("run")
 @click.option("--agent", default="assistant", show_default=True, help="Agent id or name.")
 @click.option("--conversation", default="default", show_default=True, help="new, default or a conversation id.")
@@ -151,6 +154,12 @@ def run_command(
         fail("nothing to send: give TEXT (or --approve/--deny CALL_ID)", 2)
     if reason is not None and not deny:
         fail("--reason goes with --deny CALL_ID (it is the reason the call was denied)", 2)
+    if idempotency_key is not None:
+        # as the server takes it over the protocol (`submit_input.idempotency_key`), also in-process
+        if not idempotency_key or len(idempotency_key) > IDEMPOTENCY_KEY_MAX:
+            fail(f"--idempotency-key takes 1 to {IDEMPOTENCY_KEY_MAX} characters (got {len(idempotency_key)})", 2)
+        if any(c < " " or c == "\x7f" for c in idempotency_key):
+            fail("--idempotency-key must not hold control characters", 2)
     remote: tuple[str, Callable[[], str | None] | None] | None = None
     if url is not None:
         # another server (or this home's, named): its home is not read, nothing runs in-process

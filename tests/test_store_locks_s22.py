@@ -177,8 +177,10 @@ def test_a_locked_sqlite_file_is_a_prompt_503_and_readyz_answers(tmp_path: Path)
             assert r.headers.get("retry-after"), r.headers
             message = r.json()["error"]["message"]
             assert "locked by another process" in message and "the agent's turn failed" not in message, message
-            assert took < 10, took
-        assert ready.get("status") == 503 and ready["took"] < 4, ready
+            assert took < 15, took
+        # asked while the first write waits (the loop with it, at most 5 s): answered from the
+        # state that write found, at once after it
+        assert ready.get("status") == 503 and ready["took"] < 9, ready
         r, _ = _chat(sp, "after")
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "echo: after", r.text
         deadline = time.monotonic() + 15  # once its cached answer is old enough

@@ -28,12 +28,14 @@ GROUP_WINDOW_S = 0.005
 GROUP_MAX_JOBS = 512
 
 # Every wait has a timeout, and this one blocks the event loop (SQLite's calls are synchronous):
-# a write waits this long for the file's write lock another process holds (another program's
-# transaction, `BEGIN EXCLUSIVE` in an `sqlite3` shell) before it fails with StoreUnavailable
-# (HTTP 503 `store_unavailable`). Other writers of the file (a CLI command of this home) hold the
-# lock for milliseconds; a lock held longer is someone else's doing and gets a clear error, not a
-# server that stalls 10 s per queued write.
-LOCK_WAIT_S = 2.0
+# a write waits this long for the file's write lock another process holds before it fails with
+# StoreUnavailable (HTTP 503 `store_unavailable`). A CLI command of this home usually holds it for
+# milliseconds, but one that changes much at once (`agents delete` of an agent with 200,000
+# conversations: 5-7 s) holds it for seconds, and 2 s turned such a command into a run of 503s
+# for requests that used to wait; a lock held past this is someone else's doing (another
+# program's transaction, `BEGIN EXCLUSIVE` in an `sqlite3` shell) and gets a clear error, not a
+# server that stalls 10 s per queued write (LOCKED_TRY_S).
+LOCK_WAIT_S = 5.0
 # Once a write found the file locked, the next ones only try (this long) until one gets through:
 # the writes queued behind it fail at once instead of waiting LOCK_WAIT_S each.
 LOCKED_TRY_S = 0.05

@@ -384,6 +384,10 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
                 "or move it away to start a new, empty store"
             )
         check_wal_index(db, accept_loss)
+    # The recorded position before the messages are counted: a server running on this store
+    # records newer positions as it goes (its checkpointer), and one recorded after the count (a
+    # quick_check of a big file takes seconds) read as a store behind its position, a false alarm.
+    recorded = read_position(db)
     try:
         conn = _ro_connect(db)
     except sqlite3.Error as exc:
@@ -411,7 +415,6 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
             f"{db} holds no appserver data (no schema version: another program's database, or an interrupted "
             "first start): move it away or delete it to start a new, empty store"
         )
-    recorded = read_position(db)
     if recorded is not None and seq < recorded:
         if not accept_loss:
             kept = keep_copy(db, f"behind-{seq}-of-{recorded}")

@@ -31,6 +31,7 @@ from plugins.contract import Target
 
 log = logging.getLogger("gateway.chatops")
 
+PERSON_MAX = 200  # characters of a clicker's display name sent as `on_behalf_of` (the server keeps 100)
 PAIRING_POLL_S = 1.0
 PROMPT_EVERY_S = 60.0
 PROMPT_SHOWN_WAIT_S = 10.0
@@ -393,7 +394,7 @@ class ChatOps:
             self._refused.put(asked, True)
             return NOT_YOURS
         decision = "approve" if command.name == "approve" else "deny"
-        person = str(entry.payload.get("sender_name") or entry.sender)
+        person = str(entry.payload.get("sender_name") or entry.sender)[:PERSON_MAX]
         ack = await self.link.request(
             {
                 "type": "approval_response",

@@ -209,6 +209,25 @@ def test_an_album_split_over_two_batches_is_one_turn(srv: ChannelServer, tg: Fak
     assert tg.acked(last)
 
 
+def test_an_album_past_a_full_batch_is_one_turn(srv: ChannelServer, tg: FakeTelegram) -> None:
+    """A backlog (after downtime): 98 updates, then a 3-photo album. getUpdates answers at most 100,
+    so the album's last part lay beyond the first batch, and polling again at the same offset only
+    answered the same batch: two turns (a re-attack found it). The batch is now handed over up to
+    the album, and the next poll starts at it."""
+    photos = [_jpeg(18), _jpeg(19), _jpeg(20)]
+    senders = range(7240, 7254)  # 14 chats of 7 messages: 98 updates before the album
+    with tg.together():
+        for i in range(7):
+            for user in senders:
+                tg.dm(f"backlog {i}", user_id=user)
+        _album(tg, 7231, "album-7231", photos, "backlog album")
+    _one_reply(tg, 7231, "backlog album")
+    [turn] = _turns(srv, "backlog album")
+    assert _images(turn) == photos
+    for user in senders:  # and every message of the backlog is answered
+        tg.wait_for_text(user, "echo: backlog 6", timeout=60)
+
+
 def test_an_albums_caption_on_a_later_part_still_makes_one_turn(srv: ChannelServer, tg: FakeTelegram) -> None:
     """The caption may sit on any part; the album is one turn, and a text after it another."""
     with tg.together():

@@ -287,7 +287,9 @@ class ApprovalResponse(_ClientFrame):
     decisions: list[ApprovalDecision] = Field(min_length=1)
     # The person the client answers for (a chat gateway: who pressed the button). Recorded as
     # `<person> (via <client>)`: the client vouches for it, and the record says which client did.
-    on_behalf_of: Text | None = None
+    # A display name as a platform gives it: controls (a NUL too) become spaces when it is recorded
+    # (routes.py `_person`), never a refused answer.
+    on_behalf_of: str | None = Field(default=None, max_length=4096)
 
 
 class Cancel(_ClientFrame):

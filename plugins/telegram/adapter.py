@@ -292,7 +292,13 @@ class TelegramAdapter:
                 unreadable = set()
             self._sent_offset = max(self._sent_offset, offset)
             delay = BACKOFF_MIN_S
-            if self._state != "running" and self._refused is None:
+            if self._refused is not None:
+                # getUpdates is a call with the same token: Telegram's 401 is the token's (revoked
+                # in BotFather), never one method's, so a poll that succeeds proves it works again
+                # (one refused send left the account in `error` for as long as the bot was idle)
+                self._refused = None
+                self._log.info("%s: Telegram takes the bot token again", self._where)
+            if self._state != "running":
                 self._report("running", None)
             if not updates and not unreadable:
                 continue
@@ -335,6 +341,13 @@ class TelegramAdapter:
         over whole; the other chats wait that long (about a second) for it."""
         if not any(self._new_part(u) for u in updates if u.update_id >= self._offset):
             return updates
+        if len(updates) >= GETUPDATES_LIMIT:
+            # A full batch (a backlog): the album's other parts may lie beyond it, and polling again
+            # at this offset answers the same batch. Hand over what precedes the album's first part;
+            # the next poll then starts at the album, with room for all of it.
+            first = next(i for i, u in enumerate(updates) if u.update_id >= self._offset and self._new_part(u))
+            if first > 0:
+                return updates[:first]
         loop = asyncio.get_running_loop()
         start = last_part = loop.time()
         merged = {u.update_id: u for u in updates}

@@ -295,6 +295,31 @@ async def test_a_timed_out_command_s_escaped_process_is_killed_too(tmp_path: Pat
         _kill_leftovers("30.2211", "30.2212", "30.2213")
 
 
+async def test_a_chain_deeper_than_the_guards_rounds_is_killed_too(tmp_path: Path) -> None:
+    """70 nested subshells left running by a command that returns at once (a re-attack): the
+    guard kills a level per round, and the levels past its rounds outlived the call, handed to
+    init. The process group is killed after the guard too."""
+    ctx = _ctx(tmp_path)
+    marker = "31.5151"
+    nest = f"f() {{ if [ $1 -gt 0 ]; then (f $(($1-1))) & wait; else exec sleep {marker}; fi; }}"
+    command = f"{nest}; f 70 & sleep 1; echo started"
+    try:
+        out = await asyncio.wait_for(SHELL.run({"command": command, "timeout_s": 20}, ctx), 60)
+        assert (out.is_error, out.text) == (False, "started\n"), out
+        assert _gone(marker, 10), "the deepest level of the chain outlived the call"
+    finally:
+        _kill_leftovers(marker)
+
+
+def test_the_canonical_form_escapes_what_renders_as_nothing_or_as_a_false_space() -> None:
+    from appserver.agent.tools import canonical_arguments
+
+    shown = canonical_arguments({"command": "a\u034fb \u3164 \u2800 rm\u2003-rf x\u00a0y é 😀", "k\u3164": 1})
+    for escaped in ("\\u034f", "\\u3164", "\\u2800", "\\u2003", "\\u00a0"):
+        assert escaped in shown, (escaped, shown)
+    assert "é 😀" in shown and json.loads(shown)["command"].startswith("a\u034fb")
+
+
 def test_a_server_killed_with_kill_9_leaves_no_escaped_process(tmp_path: Path) -> None:
     home = tmp_path / "home"
     _agent(home, "sh", "allow")

@@ -318,6 +318,11 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
             await _wait(out.exited, KILL_GRACE_S)
             _kill_group(guard)
             await _wait(out.closed, PIPE_GRACE_S)
+        else:
+            # the guard killed what the command left, a round per level: a chain deeper than its
+            # rounds (a re-attack nested 70 subshells) kept its lower levels; those still in the
+            # group go now (the group's id stays taken while it has members)
+            _kill_group(guard)
         transport.close()  # kills the leader if it still runs, closes the pipes (one still held open too)
     if timed_out:
         note = f"command timed out after {timeout:g} s and was killed"
@@ -345,7 +350,7 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
 # `reap_orphaned_tools`; so is what outlives a guard killed with SIGKILL (docs/security.md).
 _GROUP_GUARD = r"""k() {
   n=0
-  while [ $n -lt 50 ]; do
+  while [ $n -lt 200 ]; do
     n=$((n+1))
     if command -v awk >/dev/null 2>&1; then
       c=$(awk -v g=$$ 'BEGIN { if ((getline l < "/proc/self/stat") > 0) { me = l; sub(/ .*/, "", me) }
@@ -516,9 +521,16 @@ def parse_arguments(arguments: str) -> dict[str, Any]:
 _NOT_ASCII = re.compile(r"[^\x20-\x7e]")
 
 
+# Not of an escaped category, yet rendered as nothing (fillers, joiners; as gateway/approvals.py
+# INVISIBLE) or as a blank that is no space (U+2800): escaped like them.
+RENDERED_AS_NOTHING = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0\u2800")
+
+
 def _visible_char(match: re.Match[str]) -> str:
     char = match.group()
-    if unicodedata.category(char) not in ("Cc", "Cf", "Zl", "Zp", "Cs"):
+    # controls, format characters (bidi, zero-width), separators, lone surrogates, and spaces
+    # other than the space itself (U+00A0, U+2003, U+3000…: `rm\u2003-rf` reads as `rm -rf`)
+    if unicodedata.category(char) not in ("Cc", "Cf", "Zl", "Zp", "Cs", "Zs") and char not in RENDERED_AS_NOTHING:
         return char
     code = ord(char)
     if code > 0xFFFF:  # as JSON writes it: a surrogate pair
@@ -530,9 +542,10 @@ def _visible_char(match: re.Match[str]) -> str:
 def canonical_arguments(args: dict[str, Any]) -> str:
     """Parsed arguments as the server announces, stores and runs them: JSON with every character
     as itself (no `\\u0045` for an `E`: an approver reads what runs), except those that render as
-    nothing or reorder the text around them (controls, format characters such as bidi overrides,
-    line and paragraph separators, lone surrogates), written as `\\uXXXX` escapes, and what JSON
-    must escape (quote, backslash, control characters)."""
+    nothing, as a space that is not one, or reorder the text around them (controls, format
+    characters such as bidi overrides, line and paragraph separators, spaces other than U+0020,
+    fillers, lone surrogates), written as `\\uXXXX` escapes, and what JSON must escape (quote,
+    backslash, control characters)."""
     text = json.dumps(args, ensure_ascii=False)
     return _NOT_ASCII.sub(_visible_char, text)
 

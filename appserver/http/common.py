@@ -675,15 +675,22 @@ async def start_turn(
         raise from_kernel(exc) from None
 
 
-async def until_credential_ends(request: Request, work: Awaitable[T]) -> T:
+def until_credential_ends(request: Request, work: Awaitable[T]) -> Awaitable[T]:
     """`work` (the reads and writes that place a request's input: finding or making its
     conversation), cancelled once the request's credential ends (credential_end.py) and answered
     with its 401: the store may keep them waiting for many seconds (a lock, an outage). The poll
     starts only after REVOCATION_POLL_S: most requests are placed long before, and never pay for it.
+    A credential that cannot end (auth mode none): `work` itself, no wrapper on the hot path.
     The accept itself is watched by `start_turn` (given the request), which never cancels it."""
     check = credential_check(request)
+    if check is None:
+        return work
+    return _until_ended(check, work)
+
+
+async def _until_ended(check: CredentialCheck, work: Awaitable[T]) -> T:
     me = asyncio.current_task()
-    if check is None or me is None:
+    if me is None:
         return await work
     ended: ApiError | None = None
     poller: asyncio.Task[None] | None = None

@@ -215,13 +215,13 @@ def test_an_album_past_a_full_batch_is_one_turn(srv: ChannelServer, tg: FakeTele
     answered the same batch: two turns (a re-attack found it). The batch is now handed over up to
     the album, and the next poll starts at it."""
     photos = [_jpeg(18), _jpeg(19), _jpeg(20)]
-    senders = range(7240, 7254)  # 14 chats of 7 messages: 98 updates before the album
+    senders = range(7600, 7614)  # 14 chats of 7 messages: 98 updates before the album (ids no other test uses)
     with tg.together():
         for i in range(7):
             for user in senders:
                 tg.dm(f"backlog {i}", user_id=user)
-        _album(tg, 7231, "album-7231", photos, "backlog album")
-    _one_reply(tg, 7231, "backlog album")
+        _album(tg, 7620, "album-7620", photos, "backlog album")
+    _one_reply(tg, 7620, "backlog album")
     [turn] = _turns(srv, "backlog album")
     assert _images(turn) == photos
     for user in senders:  # and every message of the backlog is answered

@@ -38,6 +38,7 @@ __all__ = [
     "OnMessage",
     "ReportState",
     "Target",
+    "TokenRefusal",
     "image_budget",
     "is_grapheme_boundary",
     "number_setting",
@@ -225,6 +226,40 @@ class AdapterContext:
     # server's frame limit (`image_budget`): pick the largest size a platform offers within it (a
     # Telegram photo), and do not fetch a bigger one; the gateway names it as too big instead.
     max_image_bytes: Callable[[], int] = _default_image_budget
+
+
+class TokenRefusal:
+    """While a platform refuses an account's token on its calls (revoked while the adapter runs):
+    the account is `error`, naming the token, from the first refused call until one succeeds again.
+    The same bookkeeping for every adapter whose token can be revoked under it (Slack, Telegram,
+    Discord); each says what a refusal is and when its account runs."""
+
+    def __init__(self, report: ReportState, log: logging.Logger, where: str, platform: str) -> None:
+        self._report = report
+        self._log = log
+        self._where = where
+        self._platform = platform
+        self.reason: str | None = None
+
+    def refused(self, reason: str) -> None:
+        """A call was refused for the token: `error` with `reason` (logged once per reason)."""
+        if self.reason != reason:
+            self._log.error("%s", reason)
+        self.reason = reason
+        self._report("error", reason)
+
+    def accepted(self) -> bool:
+        """A call with the token succeeded: True when that ends a refusal (the caller then says
+        `running`, if its account runs)."""
+        if self.reason is None:
+            return False
+        self.reason = None
+        self._log.info("%s: %s takes the token again", self._where, self._platform)
+        return True
+
+    def connected(self) -> tuple[AccountState, str | None]:
+        """What an account whose connection is up is: `running`, or `error` while its token is refused."""
+        return ("running", None) if self.reason is None else ("error", self.reason)
 
 
 @runtime_checkable

@@ -71,6 +71,7 @@ from plugins.contract import (
     InboundMessage,
     Limits,
     Target,
+    TokenRefusal,
     env_seconds,
 )
 from plugins.discord.format import to_discord
@@ -166,8 +167,7 @@ class _Client(discord.Client):
         await self._adapter._on_ready()
 
     async def on_resumed(self) -> None:
-        refused = self._adapter._refused
-        self._adapter._report(*(("running", None) if refused is None else ("error", refused)))
+        self._adapter._report(*self._adapter._refusal.connected())
         self._adapter._start_catch_up(only_held=True)
 
     async def on_disconnect(self) -> None:
@@ -227,7 +227,8 @@ class DiscordAdapter:
         self._ready: asyncio.Event = asyncio.Event()
         self._state: AccountState = "stopped"
         self._fatal: str | None = None
-        self._refused: str | None = None  # why Discord refused the token on a REST call (state `error`)
+        # the token refused on a REST call (state `error` until a call succeeds again)
+        self._refusal = TokenRefusal(self._report, self._log, self._where, "Discord")
         self._prompts: dict[tuple[str, str], str] = {}  # (channel, message id) of a prompt -> short id
         self._state_path = Path(context.data_dir) / STATE_FILE
         self._state_writable = True  # False while the saved file exists but cannot be read: never clobber it
@@ -383,23 +384,16 @@ class DiscordAdapter:
             result = await _call(op, awaitable)
         except _TokenRefused as exc:
             source = self.account.secret_sources.get("token") or "token_env / token_file"
-            reason = f"{self._where}: Discord refused the token ({source}): {exc.reason}"
-            if self._refused != reason:
-                self._log.error("%s", reason)
-            self._refused = reason
-            self._report("error", reason)
+            self._refusal.refused(f"{self._where}: Discord refused the token ({source}): {exc.reason}")
             raise
-        if self._refused is not None:
-            self._refused = None
-            self._log.info("%s: Discord takes the token again", self._where)
-            if self._ready.is_set():
-                self._report("running", None)
+        if self._refusal.accepted() and self._ready.is_set():
+            self._report("running", None)
         return result
 
     async def _on_ready(self) -> None:
         """A new session (first connect, or a re-IDENTIFY): running, then catch up on what was missed."""
         self._ready.set()
-        self._report(*(("running", None) if self._refused is None else ("error", self._refused)))
+        self._report(*self._refusal.connected())
         self._start_catch_up()
 
     def _on_session_start(self) -> None:

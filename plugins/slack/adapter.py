@@ -72,6 +72,7 @@ from plugins.contract import (
     InboundMessage,
     Limits,
     Target,
+    TokenRefusal,
     shorten,
 )
 from plugins.inorder import ChatOrder
@@ -269,7 +270,8 @@ class SlackAdapter:
         self.bot_id: str | None = None
         self._state: AccountState = "stopped"
         self._fatal: str | None = None
-        self._refused: str | None = None  # why the bot token was refused while running (state `error`)
+        # the bot token refused while running (state `error` until a call succeeds again)
+        self._refusal = TokenRefusal(self._report, self._log, self._where, "Slack")
         self._prompts: dict[tuple[str, str], str] = {}  # (channel, ts) of a prompt with buttons -> short id
         # Per-chat arrival order. A later message waits for an earlier one's files at most this long
         # (counted from its own arrival), so its acknowledgement still goes out within Slack's 3 s.
@@ -372,7 +374,7 @@ class SlackAdapter:
         while True:
             await asyncio.sleep(WATCH_S)
             if await client.is_connected():
-                if self._state != "running" and self._refused is None:
+                if self._state != "running" and self._refusal.reason is None:
                     self._report("running", None)
                 delay = BACKOFF_MIN_S
                 down_since = None
@@ -395,7 +397,7 @@ class SlackAdapter:
                     await asyncio.wait_for(client.connect(), CONNECT_TIMEOUT_S)  # type: ignore[no-untyped-call]
                     if await client.is_connected():
                         self._log.info("%s: reconnected", self._where)
-                        self._report(*(("running", None) if self._refused is None else ("error", self._refused)))
+                        self._report(*self._refusal.connected())
                 except SlackApiError as exc:
                     error = _error_code(exc)
                     if error in AUTH_ERRORS:
@@ -615,11 +617,8 @@ class SlackAdapter:
             raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a timeout, a dropped connection: it may have been performed
             raise DeliveryError(f"slack {method}: {type(exc).__name__}: {exc}", uncertain=True) from None
-        if self._refused is not None:  # Slack takes the bot token again: it was not revoked after all
-            self._refused = None
-            self._log.info("%s: Slack accepts the bot token again", self._where)
-            if self._socket is not None and await self._socket.is_connected():
-                self._report("running", None)
+        if self._refusal.accepted() and self._socket is not None and await self._socket.is_connected():
+            self._report("running", None)  # it was not revoked after all
         return result
 
     def _bot_token_refused(self, method: str, error: str) -> None:
@@ -627,11 +626,9 @@ class SlackAdapter:
         sent any more, so the account is in `error` naming the token, as when start() is refused,
         until a call succeeds again (the socket, on the app-level token, stays up: what comes in is
         still recorded)."""
-        reason = f"{self._where}: Slack refused the bot token (bot_token_env / bot_token_file): {error} (on {method})"
-        if self._refused != reason:
-            self._log.error("%s", reason)
-        self._refused = reason
-        self._report("error", reason)
+        self._refusal.refused(
+            f"{self._where}: Slack refused the bot token (bot_token_env / bot_token_file): {error} (on {method})"
+        )
 
     async def send(self, target: Target, text: str) -> list[str]:
         """`chat.postMessage` (in `target.thread` when set); returns the message's ts."""

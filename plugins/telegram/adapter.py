@@ -69,6 +69,7 @@ from plugins.contract import (
     InboundMessage,
     Limits,
     Target,
+    TokenRefusal,
 )
 from plugins.statefile import atomic_write_text, move_aside
 from plugins.telegram.format import plain, to_html
@@ -138,7 +139,8 @@ class TelegramAdapter:
         self._offset = 0  # the first update id not yet acknowledged by the gateway
         self._sent_offset = 0  # the offset Telegram is known to have received
         self._state: AccountState = "stopped"
-        self._refused: str | None = None  # why Telegram refused the token on a send (state `error`)
+        # the token refused on a send (state `error` until a call, a poll included, succeeds again)
+        self._refusal = TokenRefusal(self._report, self._log, self._where, "Telegram")
         self._formatted: OrderedDict[str, str] = OrderedDict()  # HTML we produced -> its Markdown
         self._background: set[asyncio.Task[Any]] = set()
         # `<chat>:<message id>` of album parts recorded under their album's first message -> that one
@@ -292,12 +294,10 @@ class TelegramAdapter:
                 unreadable = set()
             self._sent_offset = max(self._sent_offset, offset)
             delay = BACKOFF_MIN_S
-            if self._refused is not None:
-                # getUpdates is a call with the same token: Telegram's 401 is the token's (revoked
-                # in BotFather), never one method's, so a poll that succeeds proves it works again
-                # (one refused send left the account in `error` for as long as the bot was idle)
-                self._refused = None
-                self._log.info("%s: Telegram takes the bot token again", self._where)
+            # getUpdates is a call with the same token: Telegram's 401 is the token's (revoked in
+            # BotFather), never one method's, so a poll that succeeds proves it works again (one
+            # refused send left the account in `error` for as long as the bot was idle)
+            self._refusal.accepted()
             if self._state != "running":
                 self._report("running", None)
             if not updates and not unreadable:
@@ -852,16 +852,10 @@ class TelegramAdapter:
                 if isinstance(cause, TelegramError)
                 else f"{self._where}: Telegram refused the bot token: {self._scrub(exc.reason)}"
             )
-            if self._refused != reason:
-                self._log.error("%s", reason)
-            self._refused = reason
-            self._report("error", reason)
+            self._refusal.refused(reason)
             raise
-        if self._refused is not None:
-            self._refused = None
-            self._log.info("%s: Telegram takes the bot token again", self._where)
-            if self.is_running:
-                self._report("running", None)
+        if self._refusal.accepted() and self.is_running:
+            self._report("running", None)
         return result
 
     async def typing(self, target: Target) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import socket
 import sqlite3
 import threading
 import time
@@ -108,6 +109,14 @@ def _post(port: int, payload: dict[str, Any], secret: str = SECRET, ts: int | No
     stamp = str(ts if ts is not None else int(time.time()))
     headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: stamp, SIGNATURE_HEADER: sign(secret, stamp, body)}
     return httpx.post(f"http://127.0.0.1:{port}/", content=body, headers=headers, timeout=10)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return False
+    return True
 
 
 def _check_showing(srv: ChannelServer, fragment: str, timeout: float = 30) -> dict[str, Any]:
@@ -291,7 +300,9 @@ def test_a_command_leaves_a_corrupt_ledger_the_running_gateway_holds_in_place(tm
         assert asyncio.run(_ws_pairing_list(srv.url)) == {"code": "ledger_unavailable", "held": True}
         os.kill(srv.gateway_pid(), signal.SIGKILL)  # the next gateway moves it aside, loudly
         wait_for(lambda: bool(list(channels.glob("gateway.db.corrupt-*"))), timeout=60, what="the ledger moved aside")
+        # /readyz caches its checks for half a second: "running" may still be the killed child's
         _check_showing(srv, "webhook:main running", timeout=60)
+        wait_for(lambda: _listening(port), timeout=60, what="the next gateway's webhook listener")
         assert _post(port, {"id": "a2", "chat": "c", "sender": "s", "text": "again"}).status_code == 202
         wait_for(lambda: store_turns(home, 'message_id="a2"') == 1, timeout=30, what="a turn on the new ledger")
         assert run_cli(home, "pairing", "list", env=env).code == 0

@@ -538,3 +538,24 @@ async def test_the_catch_up_state_is_written_at_most_once_a_second_off_the_loop_
     await adapter.stop()  # never started: stop still writes what is noted
     assert json.loads(state.read_text())[GENERAL]["last"] == "300000000000000400"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last_seen.json"]  # no temporary left
+
+
+async def test_a_token_reset_while_running_names_the_refusal_once_and_ends_when_it_works(
+    fake: FakeDiscord, running: tuple[DiscordAdapter, StandIn]
+) -> None:
+    """Discord's own message for a 401 is "401: Unauthorized": the reason shown (channels status,
+    /readyz, the ledger) said "discord send: 401 401: Unauthorized" (found by an outside test)."""
+    adapter, gw = running
+    dm = Target(fake.dm_channel("958"))
+    token = fake.token
+    fake.token = "reset.in.the.portal"
+    try:
+        with pytest.raises(DeliveryError) as err:
+            await adapter.send(dm, "hi")
+    finally:
+        fake.token = token
+    assert err.value.permanent and err.value.reason == "discord send: 401: Unauthorized", err.value.reason
+    state, reason = gw.states[-1]
+    assert state == "error" and reason is not None and reason.count("401") == 1, gw.states[-1]
+    await adapter.send(dm, "hi again")
+    assert gw.states[-1] == ("running", None), gw.states[-1]

@@ -1116,22 +1116,32 @@ async def _call(op: str, awaitable: Any) -> Any:
     except discord.RateLimited as exc:
         raise DeliveryError(f"discord {op}: rate limited", retry_after=_bounded(exc.retry_after)) from None
     except discord.Forbidden as exc:
-        raise DeliveryError(f"discord {op}: 403 {exc.text or 'Forbidden'}", permanent=True) from None
+        raise DeliveryError(f"discord {op}: {_said(403, exc.text, 'Forbidden')}", permanent=True) from None
     except discord.NotFound as exc:
-        raise DeliveryError(f"discord {op}: 404 {exc.text or 'Not Found'}", permanent=True) from None
+        raise DeliveryError(f"discord {op}: {_said(404, exc.text, 'Not Found')}", permanent=True) from None
     except discord.HTTPException as exc:
         if exc.status == 429:
             retry = exc.response.headers.get("Retry-After") if exc.response is not None else None
-            raise DeliveryError(f"discord {op}: 429 {exc.text}", retry_after=_bounded(retry)) from None
+            raise DeliveryError(
+                f"discord {op}: {_said(429, exc.text, 'Too Many Requests')}", retry_after=_bounded(retry)
+            ) from None
         if exc.status == 401:  # the token was reset in the developer portal (or is wrong)
-            raise _TokenRefused(f"discord {op}: 401 {exc.text or 'Unauthorized'}", permanent=True) from None
+            raise _TokenRefused(f"discord {op}: {_said(401, exc.text, 'Unauthorized')}", permanent=True) from None
         if 400 <= exc.status < 500:
-            raise DeliveryError(f"discord {op}: {exc.status} {exc.text}", permanent=True) from None
-        raise DeliveryError(f"discord {op}: {exc.status} {exc.text}") from None
+            raise DeliveryError(f"discord {op}: {_said(exc.status, exc.text)}", permanent=True) from None
+        raise DeliveryError(f"discord {op}: {_said(exc.status, exc.text)}") from None
     except aiohttp.ClientConnectorError as exc:  # never connected: the request was not sent
         raise DeliveryError(f"discord {op}: {type(exc).__name__}: {exc}") from None
     except (TimeoutError, OSError, aiohttp.ClientError) as exc:  # the request may have been performed
         raise DeliveryError(f"discord {op}: {type(exc).__name__}: {exc}", uncertain=True) from None
+
+
+def _said(status: int, text: str | None, default: str = "") -> str:
+    """The status and what Discord said, once: its message for a 401 is itself "401: Unauthorized"."""
+    said = (text or default).strip()
+    if said == str(status) or said.startswith(f"{status}:"):
+        return said
+    return f"{status} {said}".rstrip()
 
 
 def _bounded(value: Any) -> float:

@@ -63,6 +63,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 LEDGER_STATES = ("received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed")
 READYZ_TIMEOUT_S = 2.0
+# A last failure's reason in `status`: in the table (after its age), and in --json (an error answer's
+# excerpt is at most 200 characters of the receiver's; a server's refusal may be longer)
+FAILURE_CELL_CHARS = 100
+FAILURE_JSON_CHARS = 1000
 # How long an edit of config.toml waits for another command's edit (`config.toml.lock`) to end
 CONFIG_LOCK_TIMEOUT_S = 10.0
 
@@ -924,9 +928,41 @@ def _gateway_db(home: Path, *, create: bool) -> Iterator[sqlite3.Connection | No
         conn.close()
 
 
-def _account_rows(config: Config, rows: list[AccountStatus]) -> list[dict[str, Any]]:
+def _trimmed(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _last_failures(conn: sqlite3.Connection) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per account, its most recent failed ledger row: why (the reason the gateway recorded, such as
+    `delivery failed: reply_url answered 404: …`), when, and which message. Read from the rows as
+    they are (the failures counter alone never said why)."""
+    rows = conn.execute(
+        # SQLite takes the bare columns from the row that holds the MAX
+        "SELECT channel, account, message_id, reason, MAX(updated_at) FROM ledger"
+        " WHERE state='failed' GROUP BY channel, account"
+    ).fetchall()
+    return {
+        (channel, account): {
+            "at": at,
+            "message_id": message_id,
+            "reason": _trimmed(reason or "no reason recorded", FAILURE_JSON_CHARS),
+        }
+        for channel, account, message_id, reason, at in rows
+    }
+
+
+def _failure_cell(failure: dict[str, Any] | None, now: float) -> str:
+    """`5m ago: <reason>`, cut to FAILURE_CELL_CHARS (the table escapes its controls)."""
+    if failure is None:
+        return "-"
+    return _trimmed(f"{_ago(failure['at'], now)}: {failure['reason']}", FAILURE_CELL_CHARS)
+
+
+def _account_rows(
+    config: Config, rows: list[AccountStatus], failures: Mapping[tuple[str, str], dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Every configured account (with its row, or never started) and every row of an account no
-    longer configured."""
+    longer configured, each with its last failure (None when it has none)."""
     by_key = {(r.channel, r.account): r for r in rows}
     configured = [(ch, name) for ch, accounts in sorted(config.channels.accounts.items()) for name in sorted(accounts)]
     others = sorted(k for k in by_key if k not in set(configured))
@@ -957,6 +993,7 @@ def _account_rows(config: Config, rows: list[AccountStatus]) -> list[dict[str, A
                 failures=0,
                 updated_at=None,
             )
+        item["last_failure"] = failures.get((ch, name))
         out.append(item)
     return out
 
@@ -965,14 +1002,16 @@ def _account_rows(config: Config, rows: list[AccountStatus]) -> list[dict[str, A
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_errors
 def status_cmd(as_json: bool) -> None:
-    """Per account: state, last inbound and outbound, counters; the ledger by state; the live server's view."""
+    """Per account: state, last inbound and outbound, counters, the last failure and why; the ledger
+    by state; the live server's view."""
     config = get_config()
     now = time.time()
     db_path = default_path(config.home)
     with _gateway_db(config.home, create=False) as conn:
         rows = StatusBoard(conn).all() if conn is not None else []
         counts = Ledger(conn).counts() if conn is not None else {}
-    accounts = _account_rows(config, rows)
+        failures = _last_failures(conn) if conn is not None else {}
+    accounts = _account_rows(config, rows, failures)
     ledger = {s: counts.get(s, 0) for s in LEDGER_STATES} | {s: n for s, n in counts.items() if s not in LEDGER_STATES}
     live = read_live_server(config.server_json)
     server = _live_channels(str(live.get("url"))) if live is not None and live.get("url") else None
@@ -992,7 +1031,21 @@ def status_cmd(as_json: bool) -> None:
     else:
         click.echo(f"gateway.db: {db_path} does not exist yet (no gateway has run on this home)")
     if accounts:
-        table = [["CHANNEL", "ACCOUNT", "STATE", "LAST IN", "LAST OUT", "IN", "TURNS", "REPLIES", "FAILURES", "REASON"]]
+        table = [
+            [
+                "CHANNEL",
+                "ACCOUNT",
+                "STATE",
+                "LAST IN",
+                "LAST OUT",
+                "IN",
+                "TURNS",
+                "REPLIES",
+                "FAILURES",
+                "REASON",
+                "LAST FAILURE",
+            ]
+        ]
         for a in accounts:
             notes = [a["reason"]] if a["reason"] else []
             if a["settings_error"] and a["settings_error"] not in (a["reason"] or ""):
@@ -1011,6 +1064,7 @@ def status_cmd(as_json: bool) -> None:
                     _ago(a["last_outbound"], now) if started else "-",
                     *(str(a[k]) if started else "-" for k in ("messages_in", "turns", "replies", "failures")),
                     "; ".join(notes) or "-",
+                    _failure_cell(a["last_failure"], now),
                 ]
             )
         click.echo(_table(table))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import hashlib
+import heapq
 import json
 import math
 import re
@@ -67,6 +69,10 @@ MAX_RETRY_AFTER_S = 300.0  # a receiver's Retry-After beyond this (or "inf") is 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 _TIMESTAMP_RE = re.compile(r"[0-9]{1,12}")
 MAX_LENGTH_DIGITS = 18  # a Content-Length longer than this is beyond any body limit
+# Signed requests remembered (while their timestamp is within tolerance_s) to tell a replay from a
+# fresh one: about 4 MiB at most; only validly signed requests are added, so only the secret's holder
+# can fill it, and past this many within the window the soonest to expire is forgotten first.
+SEEN_SIGNATURES_MAX = 16_384
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,45 @@ class _Server(uvicorn.Server):
         yield
 
 
+class SeenSignatures:
+    """The signed requests seen while they can still be replayed, by a digest of what the signature
+    covers (the timestamp and the raw body: a header spelled another way is the same request).
+
+    A replay of a captured request passes the signature and timestamp checks until `tolerance_s`
+    has passed, but proves nothing: only a request signed for the first time shows that its sender
+    holds the secret. Memory is bounded: an entry goes once its timestamp leaves the window, and
+    past `capacity` entries the one expiring soonest (the oldest of a tie) goes first."""
+
+    def __init__(self, tolerance_s: float, capacity: int = SEEN_SIGNATURES_MAX) -> None:
+        self._tolerance_s = tolerance_s
+        self._capacity = capacity
+        self._expiry: dict[bytes, float] = {}
+        self._heap: list[tuple[float, int, bytes]] = []  # (expiry, arrival, digest), soonest first
+        self._arrivals = 0
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def first_use(self, timestamp: str, body: bytes, now: float | None = None) -> bool:
+        """Whether this signed request is new (and remember it); False for a replay."""
+        now = time.time() if now is None else now
+        self._forget(now)
+        digest = hashlib.sha256(timestamp.encode("ascii") + b"." + body).digest()
+        if digest in self._expiry:
+            return False
+        expiry = int(timestamp) + self._tolerance_s  # past this, the timestamp check refuses it
+        self._expiry[digest] = expiry
+        self._arrivals += 1  # of two expiring together, the older goes first
+        heapq.heappush(self._heap, (expiry, self._arrivals, digest))
+        self._forget(now)
+        return True
+
+    def _forget(self, now: float) -> None:
+        while self._heap and (self._heap[0][0] < now or len(self._heap) > self._capacity):
+            _, _, digest = heapq.heappop(self._heap)
+            del self._expiry[digest]
+
+
 class _BadRequest(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -147,6 +192,7 @@ class WebhookAdapter:
         self._stopping = False
         self._last_refusal_log = -float("inf")
         self._refusals_held_back = 0
+        self._seen = SeenSignatures(self.settings.tolerance_s)
 
     # lifecycle
 
@@ -246,7 +292,11 @@ class WebhookAdapter:
         try:
             body = await self._read_body(request)
             self._check_signature(request, body)
-            _mark_authenticated(request.scope)  # the edge keeps this connection's slot from now on
+            if self._seen.first_use(request.headers[TIMESTAMP_HEADER], body):
+                # the edge keeps this connection's slot from now on; a replay (served all the same:
+                # the ledger drops a repeated id) earns it nothing, or one captured request could
+                # pin every slot for tolerance_s
+                _mark_authenticated(request.scope)
             message = self._parse(body, request.headers[TIMESTAMP_HEADER])
         except _BadRequest as exc:
             if exc.status == 401:
@@ -477,7 +527,8 @@ def _retry_after(headers: httpx.Headers) -> float | None:
 
 
 def _mark_authenticated(scope: Scope) -> None:
-    """Tell the listener's edge this connection sent a validly signed request (never evicted)."""
+    """Tell the listener's edge this connection sent a validly signed request, signed for the first
+    time (never evicted)."""
     marker = (scope.get("extensions") or {}).get(AUTHENTICATED_EXTENSION)
     if isinstance(marker, dict) and callable(marker.get("mark")):
         marker["mark"]()

@@ -20,7 +20,8 @@ signed sender out for as long as they stayed open. This protocol adds, per liste
   newcomer's own address once it has waited EVICTION_GRACE_S, so a local user filling 127.0.0.1's
   share with idle connections does not lock out a signed sender from 127.0.0.1. The adapter marks
   a verified request through the ASGI scope extension `AUTHENTICATED_EXTENSION`; such a connection
-  is never evicted.
+  is never evicted. It marks only a request signed for the first time: a replay of a captured one
+  (valid until `tolerance_s` passes) proves nothing, and once earned every slot that way.
 * quiet closes: a refused client that is gone already is closed without a traceback, and refusals
   are logged once per REFUSAL_LOG_EVERY_S, never per connection.
 
@@ -53,8 +54,9 @@ REFUSAL_LOG_EVERY_S = 10.0
 # a connection held idle or trickling is that old, and a burst of connects does not evict its own
 # fresh ones. (Same as the server's edge, appserver/security/fair_slots.py.)
 EVICTION_GRACE_S = 1.0
-# The ASGI scope extension through which the adapter marks a request whose signature it verified:
-# `scope["extensions"][AUTHENTICATED_EXTENSION]["mark"]()`. Such a connection is never evicted.
+# The ASGI scope extension through which the adapter marks a request whose signature it verified
+# and had not seen before: `scope["extensions"][AUTHENTICATED_EXTENSION]["mark"]()`. Such a
+# connection is never evicted.
 AUTHENTICATED_EXTENSION = "webhook.authenticated"
 
 

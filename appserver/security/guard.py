@@ -157,6 +157,7 @@ class SecurityGuard:
         state = dict(scope.get("state") or {})
         state["principal"] = principal
         state["auth_pending"] = pending
+        state["hello_timeout_s"] = self.hello_timeout_s  # every WebSocket owes its hello within it
         # For a request that waits: its credential may end meanwhile (http/credential_end.py).
         state["authenticator"] = self.authenticator
         # The server's own `send`, for a streamed body once its head went out through the whole

@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from appserver import __name__ as _pkg
 from appserver import strictjson
-from appserver.auth import AuthError, Principal, conversation_namespace, namespace_allows, namespace_of
+from appserver.auth import HELLO_TIMEOUT_S, AuthError, Principal, conversation_namespace, namespace_allows, namespace_of
 from appserver.channels import LedgerUnavailable, PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
 from appserver.http.conversation_match import name_ids
@@ -207,9 +207,18 @@ class Endpoint:
         sender = asyncio.get_running_loop().create_task(conn.run_sender(), name=f"ws-send:{conn.id}")
         reader = asyncio.get_running_loop().create_task(self._read(websocket, conn), name=f"ws-read:{conn.id}")
         closing = asyncio.get_running_loop().create_task(conn.closing.wait())
+        # A socket authenticated at the upgrade (or in auth mode `none`) has no authentication
+        # window (the guard's): it still owes its hello, or it held a connection slot for good
+        # (256 local sockets that never said hello locked every local client out).
+        overdue = None
+        if not state.get("auth_pending"):
+            hello_timeout_s = float(state.get("hello_timeout_s") or HELLO_TIMEOUT_S)
+            overdue = asyncio.get_running_loop().call_later(hello_timeout_s, _hello_overdue, conn, hello_timeout_s)
         try:
             await asyncio.wait({reader, closing, sender}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            if overdue is not None:
+                overdue.cancel()
             reader.cancel()
             closing.cancel()
             await self.hub.disconnect(conn)
@@ -718,6 +727,11 @@ def _conversation_ref(value: str, expected: str = "give a conversation id") -> s
     if not ref:
         raise FrameError("bad_frame", f"conversation: {expected}", "conversation")
     return ref
+
+
+def _hello_overdue(conn: Connection, hello_timeout_s: float) -> None:
+    if not conn.greeted:
+        conn.kill(F.CLOSE_AUTH, f"hello timeout: no hello within {hello_timeout_s:g} s", flush=True)
 
 
 def _bearer(value: str | None) -> str | None:

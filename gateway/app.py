@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from gateway.commands import bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.intake import Intake
-from gateway.ledger import Entry, Ledger, Receipt, UpdateKey
+from gateway.ledger import Entry, Ledger, Receipt, UpdateKey, prune_settled, retention_s
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
 from gateway.recent import Recent
@@ -62,6 +63,7 @@ ROUTE_METADATA_MAX = 2000
 SUBMIT_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 NOTICE_EVERY_S = 600.0
 STATUS_FLUSH_S = 1.0
+PRUNE_EVERY_S = 3600.0  # settled ledger rows past their retention are deleted at start, then hourly
 MAX_HELD = 5  # messages kept per sender while their pairing is pending
 KEPT_BEHIND_APPROVAL = "dm: kept behind the messages the sender's approval releases"
 # A stranger's command (`/pair`, `/approve CODE`, `/new`, …) is not kept for the first turn: it was
@@ -130,6 +132,7 @@ class Gateway:
         for runner in self.runners.values():
             self._spawn(runner.run())
         self._spawn(self._flush_status_forever())
+        self._spawn(self._prune_forever())
         self._spawn(self.chatops.watch_pairings())
         waits = [asyncio.wait_for(r.ready.wait(), ready_timeout) for r in self.runners.values()]
         for result in await asyncio.gather(*waits, return_exceptions=True):
@@ -206,6 +209,18 @@ class Gateway:
             await asyncio.sleep(STATUS_FLUSH_S)
             if self._dirty:
                 self._save_status()
+
+    async def _prune_forever(self) -> None:
+        """Keep gateway.db from growing for ever: settled rows past their retention go (ledger.py)."""
+        while True:
+            try:
+                pruned = await prune_settled(self.ledger, time.time() - retention_s())
+            except sqlite3.Error as exc:
+                log.warning("could not prune the ledger (tried again in %g s): %s", PRUNE_EVERY_S, exc)
+            else:
+                if pruned:
+                    log.info("pruned %d settled ledger row(s) older than the retention period", pruned)
+            await asyncio.sleep(PRUNE_EVERY_S)
 
     # ---------------------------------------------------------------- inbound, per chat in order
 

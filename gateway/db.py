@@ -146,6 +146,12 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE approval_prompts ADD COLUMN arguments TEXT;
         """,
     ),
+    (
+        8,
+        """
+        CREATE INDEX ledger_chat ON ledger(channel, account, chat);
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

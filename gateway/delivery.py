@@ -37,15 +37,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.delivery")
 T = TypeVar("T")
 
-# A transient failure (a 5xx the platform answered, a dropped connection) is retried for about a
-# minute: a platform's brief outage (tens of seconds) costs a late reply, not a lost one.
+# A transient failure (a 5xx the platform answered, a dropped connection, no answer in time) is
+# retried for about a minute: a platform's brief outage (tens of seconds) costs a late reply, not a
+# lost one. The minute is wall-clock from the first attempt, the attempts included: a target that
+# never answers spends its whole send deadline in each attempt (15 s for a webhook), and counting
+# only the sleeps kept one such reply, and its chat's later replies behind it, for three minutes.
+# No retry is made once TRANSIENT_BUDGET_S have passed; at most TRANSIENT_ATTEMPTS in any case.
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 TRANSIENT_ATTEMPTS = len(BACKOFF_S) + 1
 TRANSIENT_BUDGET_S = sum(BACKOFF_S)
 # A platform's "wait" answer (429/503 with retry_after) is retried after the longer of its wait and
 # the transient backoff step, and given up only after this many such answers that together waited
 # at least TRANSIENT_BUDGET_S: a short or zero retry_after retries like a transient error (about a
-# minute, 8 attempts), a long one is honoured in full (5 answers of 300 s: 20 minutes).
+# minute, 8 attempts), a long one is honoured in full (5 answers of 300 s: 20 minutes). The time
+# spent waiting on such answers does not count against the transient minute.
 RATE_LIMIT_ATTEMPTS = 5
 NO_REPLY = "(no reply)"
 MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) is read as this
@@ -125,11 +130,13 @@ class Outbox:
         limiter: ChatRateLimiter,
         sleep: Callable[[float], Awaitable[None]],
         wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.adapter = adapter
         self.limiter = limiter
         self._sleep = sleep
         self._wall = wall  # epoch seconds: a lookup asks the platform for messages since a time
+        self._clock = clock  # the transient budget's time (monotonic)
         # What went wrong last and whether a call is out right now: a caller that gives up (cron's
         # delivery) says what happened, and whether the call it cut off may have been performed.
         self.last_error: str | None = None
@@ -335,9 +342,10 @@ class Outbox:
             finally:
                 self.in_flight = False
 
-        began = time.monotonic()
+        began = self._clock()
         failures = 0  # of either kind: the backoff step
         waited = 0.0  # seconds of waiting this call imposed after its failures
+        asked = 0.0  # ...of which after the platform's "wait" answers: outside the transient minute
         limited = 0  # "wait" answers (RetryAfter)
         while True:
             try:
@@ -351,18 +359,20 @@ class Outbox:
                 if limited >= RATE_LIMIT_ATTEMPTS and waited >= TRANSIENT_BUDGET_S:
                     raise DeliveryFailed(
                         f"rate limited: the platform kept asking to wait ({exc.seconds:g} s)"
-                        + _over(tries, time.monotonic() - began, exc.__cause__)
+                        + _over(tries, self._clock() - began, exc.__cause__)
                     ) from exc
                 wait = max(exc.seconds, BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
                 if wait > exc.seconds:
                     self.limiter.retry_after(chat, wait)  # the chat waits the longer of the two
                 failures += 1
                 waited += wait
+                asked += wait
                 log.warning("send to %s was asked to wait; retrying in %g s", chat, wait)
             except DeliveryError as exc:
                 failures += 1
-                if exc.permanent or failures >= TRANSIENT_ATTEMPTS:
-                    raise DeliveryFailed(exc.reason + _over(tries, time.monotonic() - began)) from exc
+                elapsed = self._clock() - began
+                if exc.permanent or failures >= TRANSIENT_ATTEMPTS or elapsed - asked >= TRANSIENT_BUDGET_S:
+                    raise DeliveryFailed(exc.reason + _over(tries, elapsed)) from exc
                 backoff = BACKOFF_S[min(failures - 1, len(BACKOFF_S) - 1)]
                 log.warning("send to %s failed (%s); retrying in %g s", chat, exc.reason, backoff)
                 waited += backoff

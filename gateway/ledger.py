@@ -17,12 +17,19 @@ States, each move one committed transaction::
 per-chat order survives a restart. Beside the state, a reply's progress is noted as it goes out: the
 platform ids of the parts sent (`note_sent`) and, before each new part's send, that it is being
 attempted (`note_sending`), so a restart knows a part may exist although its id was never noted.
+
+Settled rows (`delivered`, `failed`, `denied`) are deleted `RETENTION_S` after they settled
+(`prune_settled`, run by the gateway at start and hourly), so the file does not grow for ever.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import itertools
 import json
+import math
+import os
 import re
 import sqlite3
 import time
@@ -43,6 +50,27 @@ _DECIDED: dict[Decision, State] = {"allow": "allowed", "deny": "denied", "pair":
 IDEMPOTENCY_KEY_MAX = 256
 _KEY_CONTROL = re.compile("[\x00-\x1f\x7f]")
 DIGEST_MARK = "h:"  # the id part of a digest key starts with it; no natural key's id part does
+
+# A settled row is kept this long after it settled, then deleted. Its only later use is to recognise
+# the same update arriving again (no second turn), and no platform redelivers that late: Telegram
+# keeps an unacknowledged update 24 h, Slack retries an event within the hour, Discord's catch-up
+# reads after the newest message it recorded (plugins/discord: last_seen.json, not the ledger), and
+# a captured webhook request replays only within `tolerance_s` (at most a day); a webhook sender
+# that retries an `id` after a month gets a second turn. A positive number of days in
+# APPSERVER_GATEWAY_LEDGER_RETENTION_DAYS overrides it (no [channels] key: docs/channels.md).
+RETENTION_DAYS_ENV = "APPSERVER_GATEWAY_LEDGER_RETENTION_DAYS"
+RETENTION_S = 30 * 86400.0
+SETTLED: tuple[State, ...] = ("delivered", "failed", "denied")
+PRUNE_SCAN = 500  # rows looked at per prune transaction: a few milliseconds of the gateway's loop
+
+
+def retention_s() -> float:
+    """`RETENTION_S`, or the environment's number of days when it is a positive number."""
+    try:
+        days = float(os.environ.get(RETENTION_DAYS_ENV, ""))
+    except ValueError:
+        return RETENTION_S
+    return days * 86400.0 if 0 < days < math.inf else RETENTION_S
 
 
 class LedgerStateError(Exception):
@@ -343,6 +371,42 @@ class Ledger:
         rows = self._conn.execute("SELECT state, COUNT(*) FROM ledger GROUP BY state").fetchall()
         return {state: n for state, n in rows}
 
+    def last_failures(self) -> dict[tuple[str, str], tuple[str, str | None, float]]:
+        """Per (channel, account), its most recent `failed` row: (message id, reason, when)."""
+        rows = self._conn.execute(
+            # SQLite takes the bare columns from the row that holds the MAX
+            "SELECT channel, account, message_id, reason, MAX(updated_at) FROM ledger"
+            " WHERE state='failed' GROUP BY channel, account"
+        ).fetchall()
+        return {(channel, account): (message_id, reason, at) for channel, account, message_id, reason, at in rows}
+
+    def prune(self, before: float, *, after: int = 0, scan: int = PRUNE_SCAN) -> tuple[int, int | None]:
+        """Delete the rows that settled before `before` (epoch seconds) among the `scan` rows after
+        id `after`, in one short transaction. Returns how many went and the id to go on after (None:
+        the rest are newer). Kept whatever their age: a row not settled, the newest row of each chat
+        (what makes it a chat the account "has heard from": `channeltool.reachable`), and the rows of
+        a batch while any of its messages is not settled (`batch_of` reads them together)."""
+        rows = self._conn.execute(
+            "SELECT id, received_at FROM ledger WHERE id > ? ORDER BY id LIMIT ?", (after, scan)
+        ).fetchall()
+        old = [row_id for row_id, _ in itertools.takewhile(lambda r: r[1] < before, rows)]
+        done = len(old) < len(rows) or len(rows) < scan
+        if not old:
+            return 0, None
+        settled = ",".join("?" * len(SETTLED))
+        with transaction(self._conn, durable=False) as c:
+            cur = c.execute(
+                f"DELETE FROM ledger WHERE id IN ({','.join('?' * len(old))}) AND state IN ({settled})"
+                " AND updated_at < ?"
+                " AND id < (SELECT MAX(n.id) FROM ledger n"
+                "  WHERE n.channel=ledger.channel AND n.account=ledger.account AND n.chat=ledger.chat)"
+                " AND (batch IS NULL OR NOT EXISTS (SELECT 1 FROM ledger b WHERE b.channel=ledger.channel"
+                f"  AND b.account=ledger.account AND b.batch=ledger.batch AND b.state NOT IN ({settled})))",
+                (*old, *SETTLED, before, *SETTLED),
+            )
+            deleted = cur.rowcount
+        return deleted, None if done else old[-1]
+
     def _in_state(self, state: State) -> list[Entry]:
         rows = self._conn.execute(f"SELECT {_COLUMNS} FROM ledger WHERE state=? ORDER BY id", (state,)).fetchall()
         return [_entry(r) for r in rows]
@@ -413,3 +477,17 @@ def _sending(raw: str | None) -> tuple[str, float] | None:
         return str(mark["part"]), float(mark["at"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+async def prune_settled(ledger: Ledger, before: float) -> int:
+    """Delete every row `Ledger.prune` may that settled before `before`, a short transaction at a
+    time with the event loop let go in between (the gateway's messages are never held up long).
+    Returns how many rows went; a database error is raised (the next pass tries again)."""
+    total, after = 0, 0
+    while True:
+        deleted, cursor = ledger.prune(before, after=after)
+        total += deleted
+        if cursor is None:
+            return total
+        after = cursor
+        await asyncio.sleep(0)

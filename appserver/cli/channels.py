@@ -932,22 +932,17 @@ def _trimmed(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _last_failures(conn: sqlite3.Connection) -> dict[tuple[str, str], dict[str, Any]]:
+def _last_failures(ledger: Ledger) -> dict[tuple[str, str], dict[str, Any]]:
     """Per account, its most recent failed ledger row: why (the reason the gateway recorded, such as
-    `delivery failed: reply_url answered 404: …`), when, and which message. Read from the rows as
-    they are (the failures counter alone never said why)."""
-    rows = conn.execute(
-        # SQLite takes the bare columns from the row that holds the MAX
-        "SELECT channel, account, message_id, reason, MAX(updated_at) FROM ledger"
-        " WHERE state='failed' GROUP BY channel, account"
-    ).fetchall()
+    `delivery failed: reply_url answered 404: …`), when, and which message (the failures counter
+    alone never said why)."""
     return {
-        (channel, account): {
+        key: {
             "at": at,
             "message_id": message_id,
             "reason": _trimmed(reason or "no reason recorded", FAILURE_JSON_CHARS),
         }
-        for channel, account, message_id, reason, at in rows
+        for key, (message_id, reason, at) in ledger.last_failures().items()
     }
 
 
@@ -1010,7 +1005,7 @@ def status_cmd(as_json: bool) -> None:
     with _gateway_db(config.home, create=False) as conn:
         rows = StatusBoard(conn).all() if conn is not None else []
         counts = Ledger(conn).counts() if conn is not None else {}
-        failures = _last_failures(conn) if conn is not None else {}
+        failures = _last_failures(Ledger(conn)) if conn is not None else {}
     accounts = _account_rows(config, rows, failures)
     ledger = {s: counts.get(s, 0) for s in LEDGER_STATES} | {s: n for s, n in counts.items() if s not in LEDGER_STATES}
     live = read_live_server(config.server_json)

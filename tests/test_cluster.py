@@ -20,6 +20,7 @@ import openai
 import psycopg
 import pytest
 
+from appserver.providers.echo import SLOW_WORD_INTERVAL_S
 from tests.openai_schema import sse_payloads
 from tests.support.cli import cli_env, run_cli
 from tests.support.pg import require_postgres, temp_database, url_for
@@ -370,6 +371,19 @@ def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_
                 sp.kill()
 
 
+SLOW_WORDS = 100  # A's turn: 5 s of model output (the echo model's /slow)
+
+
+def _sessions_of(url: str, role: str) -> list[int]:
+    """The cluster sessions (not the pool's connections) the role `role` has in the database."""
+    with psycopg.connect(url, autocommit=True) as c:
+        rows = c.execute(
+            "SELECT pid FROM pg_stat_activity WHERE usename = %s AND application_name LIKE 'appserver serve inst_%%'",
+            (role,),
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
 @pytest.mark.parametrize("cut", ["every connection", "its session only"])
 def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path, cut: str) -> None:
     """A (on a role of its own) loses its connections and cannot reconnect for longer than 2.5
@@ -395,7 +409,9 @@ def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path,
                 async def go() -> None:
                     ws = await WS.open(a.url)
                     conv = await _create(ws)
-                    running = await _submit(ws, conv, "/slow 100")
+                    running = await _submit(ws, conv, f"/slow {SLOW_WORDS}")
+                    # when A's model has streamed every word (A then ends its turn, or would)
+                    streamed_at = time.monotonic() + SLOW_WORDS * SLOW_WORD_INTERVAL_S
                     await ws.expect(lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15)
                     with psycopg.connect(url, autocommit=True) as c:
                         c.execute(f"ALTER ROLE {role} CONNECTION LIMIT 0")
@@ -417,12 +433,21 @@ def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path,
                     finally:
                         with psycopg.connect(url, autocommit=True) as c:
                             c.execute(f"ALTER ROLE {role} CONNECTION LIMIT -1")
-                    await asyncio.sleep(2)  # back: it learns it was judged gone, and stays fenced
+                    # back: it learns it was judged gone, and stays fenced (its session is back
+                    # within a few of its 0.2 s retries; 2 s at most, as a fixed wait did)
+                    back_by = time.monotonic() + 2
+                    while not _sessions_of(url, role) and time.monotonic() < back_by:
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(min(0.5, max(0.0, back_by - time.monotonic())))
                     await _until_refused(on_a, conv)
-                    await asyncio.sleep(6)  # A's turn has ended by now
+                    # A's turn has ended by now (its model done for 2 s: any write of it has come)
+                    await asyncio.sleep(max(0.0, streamed_at + 2 - time.monotonic()))
                     rows = _turns(url, conv)
                     assert [(r["id"], r["status"]) for r in rows] == [(running["turn_id"], "interrupted")], rows
                     assert len(_instances(url)) == 1  # A did not put its row back
+                    # Read what A sent meanwhile: a client that stopped reading at its queue limit would
+                    # not see A's close frame, and its close would wait out its 10 s close_timeout.
+                    await ws.drain()
                     await ws.close()
                     await on_a.close()
 

@@ -21,7 +21,16 @@ from typing import Any
 from gateway.access import AccessPolicy, DmPolicy, PolicyError
 from gateway.debounce import DebounceError, DebounceSettings
 from gateway.status import AccountStatus
-from plugins.contract import Account, AccountError, AccountState, Adapter, AdapterContext, OnMessage, image_budget
+from plugins.contract import (
+    Account,
+    AccountError,
+    AccountState,
+    Adapter,
+    AdapterContext,
+    OnMessage,
+    check_keys,
+    image_budget,
+)
 from plugins.loader import PluginError, load_plugin
 
 log = logging.getLogger("gateway.accounts")
@@ -203,6 +212,7 @@ class AccountRunner:
                 AccessPolicy.from_settings(self.spec.settings)  # bad policies are configuration errors
                 DebounceSettings.from_settings(self.spec.settings)
                 adapter = self._create()
+                self._check_keys(adapter)
                 self.adapter = adapter
                 await adapter.start()
             except (AccountError, PluginError, PolicyError, DebounceError) as exc:
@@ -229,6 +239,20 @@ class AccountRunner:
             await self._stop_adapter()
             await self._backoff("the adapter stopped running", backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    def _check_keys(self, adapter: Adapter) -> None:
+        """Refuse a key the plugin did not declare (`settings_keys`, plugins/contract.py) before the
+        adapter starts. A plugin that declares none may read any key, so none is refused for it."""
+        declared = getattr(adapter, "settings_keys", None)
+        if declared is None:
+            return
+        try:
+            keys = frozenset(declared) if not isinstance(declared, str) else None
+        except TypeError:  # not iterable, or unhashable items
+            keys = None
+        if keys is None or not all(isinstance(k, str) for k in keys):
+            raise AccountError(f"the {self.spec.channel} plugin's settings_keys must be a collection of strings")
+        check_keys(self.spec.settings, keys, error=AccountError)
 
     def _alive(self, adapter: Adapter) -> bool:
         try:

@@ -11,10 +11,11 @@ only.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -31,6 +32,7 @@ __all__ = [
     "ChatType",
     "CreateAdapter",
     "DeliveryError",
+    "GATEWAY_SETTINGS",
     "IMAGE_FRAME_RESERVE",
     "IMAGE_MAX_BYTES",
     "InboundMessage",
@@ -39,6 +41,7 @@ __all__ = [
     "ReportState",
     "Target",
     "TokenRefusal",
+    "check_keys",
     "image_budget",
     "is_grapheme_boundary",
     "number_setting",
@@ -47,6 +50,26 @@ __all__ = [
 
 ChatType = Literal["dm", "group"]
 AccountState = Literal["starting", "running", "backoff", "conflict", "stopped", "error"]
+
+# The keys of an account's table that the gateway reads for every channel (docs/channels.md): access,
+# debounce, routing and delivery. A plugin's own keys come on top (`check_keys`).
+GATEWAY_SETTINGS = frozenset(
+    {
+        "default_agent",
+        "chat_rate",
+        "stream",
+        "tool_status",
+        "dm_policy",
+        "group_policy",
+        "allow",
+        "admins",
+        "unpaired",
+        "deny_notice",
+        "debounce_ms",
+        "max_wait_ms",
+        "max_items",
+    }
+)
 
 # The most the gateway passes on to the model per image, whatever the server's frame limit.
 IMAGE_MAX_BYTES = 5 << 20
@@ -170,6 +193,23 @@ def number_setting(
     return float(value)
 
 
+def check_keys(settings: Mapping[str, Any], own: Collection[str], *, error: type[Exception] = ValueError) -> None:
+    """Refuse with `error` every key of `settings` that is neither the gateway's (`GATEWAY_SETTINGS`)
+    nor in `own` (the plugin's), naming it and the key it probably meant: a misspelt `dm_polcy`
+    would otherwise leave the account running with the default policy its owner meant to change.
+    Secret references (`<name>_env`, `<name>_file`) are the gateway's to resolve and pass."""
+    known = GATEWAY_SETTINGS | frozenset(own)
+    unknown = sorted(str(k) for k in settings if k not in known and not str(k).endswith(("_env", "_file")))
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        folded = key.lower().replace("-", "_")
+        close = [folded] if folded in known else difflib.get_close_matches(folded, sorted(known), n=1)
+        named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise error(f"unknown setting{'s' if len(named) > 1 else ''} {', '.join(named)}")
+
+
 class DeliveryError(Exception):
     """A send, edit or reaction the platform refused.
 
@@ -266,7 +306,11 @@ class TokenRefusal:
 class Adapter(Protocol):
     """Required part of an adapter. Optional attribute `authenticated_senders` (default False): True
     when every inbound message is authenticated by the integration itself (a signed webhook), so
-    direct messages default to `dm_policy = "open"` instead of pairing. Optional methods, looked up
+    direct messages default to `dm_policy = "open"` instead of pairing. Optional attribute
+    `settings_keys` (default None): the keys of an account's table the plugin reads, besides the
+    gateway's (`GATEWAY_SETTINGS`) and its secret references; when given, an account with any other
+    key does not start (state `error` naming the key, `check_keys`). Without it the gateway cannot
+    tell a misspelt key from one the plugin reads, so it refuses none. Optional methods, looked up
     with `getattr`:
     `edit(target, message_id, text) -> None` (when `limits.can_edit`),
     `react(target, message_id, emoji) -> None` (when `limits.can_react`),

@@ -87,11 +87,11 @@ def test_add_then_remove_round_trip_keeps_the_file(home: Path) -> None:
         "--set",
         "stream=false",
         "--set",
-        "max_len=4000",
+        "max_body_bytes=4000",
         "--set",
-        'chat_id="12345"',
+        'deny_notice="12345"',
         "--set",
-        'tags=["a", "b"]',
+        'admins=["a", "b"]',
         "--secret",
         "secret=env:WEBHOOK_SECRET",
         "--secret",
@@ -109,9 +109,9 @@ def test_add_then_remove_round_trip_keeps_the_file(home: Path) -> None:
         "default_agent": "assistant",
         "chat_rate": 2.5,
         "stream": False,
-        "max_len": 4000,
-        "chat_id": "12345",
-        "tags": ["a", "b"],
+        "max_body_bytes": 4000,
+        "deny_notice": "12345",
+        "admins": ["a", "b"],
     }
     assert account.secret_refs == {"secret": {"env": "WEBHOOK_SECRET"}, "signing": {"file": "secrets/webhook.key"}}
 

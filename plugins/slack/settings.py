@@ -11,11 +11,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from plugins.contract import check_keys
+
 DEFAULT_API_URL = "https://slack.com"
+
+# The keys this plugin reads; with the gateway's (plugins.contract.GATEWAY_SETTINGS) the only ones
+# an account may have, so a misspelt one is refused instead of silently ignored.
+SETTINGS = frozenset({"api_url"})
 
 
 def check_settings(settings: Mapping[str, Any]) -> None:
-    """Raise ValueError (one line, naming the setting) when a setting cannot work."""
+    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown."""
+    check_keys(settings, SETTINGS)
     api_url = settings.get("api_url", DEFAULT_API_URL)
     if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
         raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")

@@ -12,15 +12,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from plugins.contract import number_setting
+from plugins.contract import check_keys, number_setting
 
 DEFAULT_API_URL = "https://api.telegram.org"
 DEFAULT_POLL_TIMEOUT = 30
 MAX_POLL_TIMEOUT = 50  # Telegram holds a long poll at most this long
 
+# The keys this plugin reads; with the gateway's (plugins.contract.GATEWAY_SETTINGS) the only ones
+# an account may have, so a misspelt one is refused instead of silently ignored.
+SETTINGS = frozenset({"api_url", "poll_timeout", "edited", "mode"})
+
 
 def check_settings(settings: Mapping[str, Any]) -> None:
-    """Raise ValueError (one line, naming the setting) when a setting cannot work."""
+    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown."""
+    check_keys(settings, SETTINGS)
     api_url = settings.get("api_url", DEFAULT_API_URL)
     if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
         raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from plugins.contract import number_setting
+from plugins.contract import check_keys, number_setting
 
 DEFAULT_LISTEN = "127.0.0.1:8788"
 DEFAULT_MAX_BODY = 1024 * 1024
@@ -23,9 +23,16 @@ DEFAULT_MAX_CONNECTIONS = 64  # connections open at once to one account's listen
 DEFAULT_CONNECTIONS_PER_CLIENT = 16  # of those, from one client address (an IPv6 /64)
 MAX_CONNECTIONS_LIMIT = 4096  # each is a file descriptor of the gateway process
 
+# The keys this plugin reads; with the gateway's (plugins.contract.GATEWAY_SETTINGS) the only ones
+# an account may have, so a misspelt one is refused instead of silently ignored.
+SETTINGS = frozenset(
+    {"listen", "path", "reply_url", "max_body_bytes", "tolerance_s", "max_connections", "connections_per_client"}
+)
+
 
 def check_settings(settings: Mapping[str, Any]) -> None:
-    """Raise ValueError (one line, naming the setting) when a setting cannot work."""
+    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown."""
+    check_keys(settings, SETTINGS)
     listen = settings.get("listen", DEFAULT_LISTEN)
     if not isinstance(listen, str):
         raise ValueError("listen must be a string host:port")

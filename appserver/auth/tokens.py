@@ -261,22 +261,103 @@ class TokenRecord:
 
     @classmethod
     def from_json(cls, d: Any) -> TokenRecord:
+        """One entry of tokens.json (or a row of the tokens table), every field of its own type.
+        Nothing is converted: read as text, `"id": null` became a token "None" that `revoke None`
+        matched, `"agents": [5]` admitted an agent named "5" and `"expires_at": true` expired in
+        1970. ValueError names the field; the caller names the entry and the file."""
         if not isinstance(d, dict):
-            raise ValueError("token entry is not an object")
-        h = d["hash"]
-        if not isinstance(h, str) or not re.fullmatch(r"[0-9a-f]{64}", h):
-            raise ValueError("token hash is not a sha256 hex digest")
+            raise ValueError(f"not an object but {_json_kind(d)}")
+        h = _field(d, "hash")
+        if not re.fullmatch(r"[0-9a-f]{64}", h):
+            raise ValueError("field 'hash' is not a sha256 hex digest")
         agents = d.get("agents")
-        exp = d.get("expires_at")
+        if agents is not None:
+            agents = _strings(agents, "'agents' must be a list of agent ids or names, or null")
+        scopes = _strings(d.get("scopes"), "'scopes' must be a list of scopes")
+        try:
+            scope_set = parse_scopes(scopes)
+        except ValueError as exc:
+            raise ValueError(f"field 'scopes': {exc}") from None
         return cls(
-            id=str(d["id"]),
-            name=str(d["name"]),
+            id=_field(d, "id"),
+            name=_field(d, "name"),
             hash=h,
-            agents=tuple(str(a) for a in agents) if agents is not None else None,
-            scopes=tuple(sorted(parse_scopes(d.get("scopes") or []))),
-            created_at=float(d.get("created_at") or 0.0),
-            expires_at=float(exp) if exp is not None else None,
+            agents=tuple(agents) if agents is not None else None,
+            scopes=tuple(sorted(scope_set)),
+            # absent in files of older versions: the epoch, as it always was read
+            created_at=_number(d, "created_at") or 0.0,
+            expires_at=_number(d, "expires_at"),
         )
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in words, for an error that must not quote a whole damaged file."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, str):
+        return f"the string {shown(value, 40)}"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _strings(value: Any, rule: str) -> list[str]:
+    """A list of strings, else ValueError saying `rule` and what is there instead."""
+    if not isinstance(value, list):
+        raise ValueError(f"field {rule}, not {_json_kind(value)}")
+    for item in value:
+        if not isinstance(item, str):
+            raise ValueError(f"field {rule}, not a list holding {_json_kind(item)}")
+    return value
+
+
+def _field(d: dict[str, Any], key: str) -> str:
+    """A required text field: present, a string and not empty."""
+    if key not in d:
+        raise ValueError(f"field {key!r} is missing")
+    value = d[key]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"field {key!r} must be a non-empty string, not {_json_kind(value)}")
+    return value
+
+
+def _number(d: dict[str, Any], key: str) -> float | None:
+    """An optional time: a JSON number (not true/false, which Python counts as 1 and 0) or null.
+    NaN and an expiry no clock can show stay numbers (`is_expired` and `token list` deal with them)."""
+    value = d.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"field {key!r} must be a number of seconds since the epoch or null, not {_json_kind(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer too large for a float: no time
+        raise ValueError(f"field {key!r} is out of range: {shown(str(value), 40)}") from None
+
+
+def _parse_entries(entries: list[Any]) -> list[TokenRecord]:
+    """Every entry, or ValueError naming the first bad one (its place and, when it has one, its
+    id) and its field. Two entries with one id are damage too (ids are random: one was copied):
+    `revoke ID` removes the first, and the copy would go on admitting the token it revoked."""
+    records: list[TokenRecord] = []
+    ids: set[str] = set()
+    for n, entry in enumerate(entries):
+        try:
+            rec = TokenRecord.from_json(entry)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{_entry_name(n, entry)}: {exc}") from None
+        if rec.id in ids:
+            raise ValueError(f"{_entry_name(n, entry)}: an earlier token has the same id")
+        ids.add(rec.id)
+        records.append(rec)
+    return records
+
+
+def _entry_name(n: int, entry: Any) -> str:
+    tid = entry.get("id") if isinstance(entry, dict) else None
+    return f"token #{n + 1}" + (f" ({shown(tid, 70)})" if isinstance(tid, str) and tid else "")
 
 
 class TokenStore:
@@ -301,7 +382,7 @@ class TokenStore:
         self._check_version(data)
         if not isinstance(data, dict) or not isinstance(data.get("tokens"), list):
             raise ValueError("expected an object with a 'tokens' list")
-        return [TokenRecord.from_json(t) for t in data["tokens"]]
+        return _parse_entries(data["tokens"])
 
     def _check_version(self, data: Any) -> None:
         """A newer format is refused and left alone: read as version 1, its unknown fields would be

@@ -36,11 +36,13 @@ def _tool_policies(specs: tuple[str, ...]) -> dict[str, str]:
 
 def _show(agent: AgentRecord) -> None:
     """Names, ids and settings as stored (any client of the server may have written them) are
-    shown exactly; the system prompt is the operator's own text and is printed as written."""
+    shown exactly. The system prompt keeps its lines and tabs, but its other controls are shown
+    as escapes like every stored text: whoever wrote it, an ESC or OSC in it must not act on the
+    terminal of the person who looks at the agent."""
     click.echo(f"{exact(agent.name)}  ({exact(agent.id)})")
     click.echo(f"  model:  {exact(agent.model)}")
     if agent.system:
-        click.echo(f"  system: {agent.system}")
+        click.echo(f"  system: {visible(agent.system)}")
     if agent.tools:
         click.echo("  tools:  " + ", ".join(f"{exact(k)}={exact(v)}" for k, v in sorted(agent.tools.items())))
     if agent.params:
@@ -102,9 +104,9 @@ def _note_namesakes(agent: AgentRecord, namesakes: list[AgentRecord]) -> None:
         ids = ", ".join(exact(a.id) for a in namesakes)
         name, agent_id = exact(agent.name), exact(agent.id)
         click.echo(
-            f"warning: {ids} {'is' if len(namesakes) == 1 else 'are'} also named {agent.name!r}, so that name is "
+            f"warning: {ids} {'is' if len(namesakes) == 1 else 'are'} also named '{name}', so that name is "
             f"now ambiguous: --agent {name} (run, chat, cron, conversations) and the OpenAI model "
-            f"{agent.name!r} fail until you give an id instead ({agent_id} for this one) or rename one "
+            f"'{name}' fail until you give an id instead ({agent_id} for this one) or rename one "
             f"(appserver agents update {agent_id} --name NEW)",
             err=True,
         )

@@ -41,7 +41,15 @@ from typing import Any
 
 import click
 
-from appserver.cli.common import exit_stdout_closed, fail, get_config, live_server_or_fail, stdout_closed
+from appserver.cli.common import (
+    exit_stdout_closed,
+    fail,
+    get_config,
+    live_server_or_fail,
+    not_utf8,
+    shown_raw,
+    stdout_closed,
+)
 from appserver.cli.run import USAGE_ERRORS, reconnect_wait_option, server_url_source, token_hint
 from appserver.cli.safetext import exact, visible
 from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
@@ -160,7 +168,10 @@ class LineEditor:
 
     At a terminal, CR is Enter and Ctrl-D on an empty line leaves. From a pipe (no `echo`) a line
     ends at LF (or CRLF): a CR inside a line is part of its text, and only the end of the input
-    ends it (a Ctrl-D byte there is no key: it is dropped like the other controls).
+    ends it (a Ctrl-D byte there is no key: it is dropped like the other controls). A NUL byte
+    from a pipe is kept in its line, and bytes that are not UTF-8 are kept as what Python calls
+    them (lone surrogates, shown as U+FFFD when echoed): such a line is refused whole
+    (`unsendable`), never sent with its bytes dropped or replaced.
 
     An escape sequence is ESC and one character (Alt-x), `ESC O` and one character (SS3), or
     `ESC [`, parameter and intermediate bytes and a final byte (CSI). It is abandoned at the first
@@ -176,7 +187,7 @@ class LineEditor:
         self.screen, self.echo = screen, echo
         self.buf: list[str] = []
         self.visible = False
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
         self._pending = ""
         self._esc = ""
         self._esc_read_at: float | None = None  # when a read that ended in ESC came (a terminal)
@@ -209,7 +220,7 @@ class LineEditor:
     @property
     def display(self) -> str:
         """The line as echoed (a tab as one space, so Backspace rubs out what it shows)."""
-        return self.text.replace("\t", " ")
+        return _echoed(self.text.replace("\t", " "))
 
     def take(self) -> tuple[str, str] | None:
         """Apply pending keys up to the next finished line (`("line", text)`) or `("eof", "")`."""
@@ -253,6 +264,8 @@ class LineEditor:
                 while n and self.buf[n - 1] not in " \t":
                     n -= 1
                 self._rub(len(self.buf) - n)
+            elif ch == "\x00" and not self.echo:  # from a pipe: kept, so the line is refused, not changed
+                self.buf.append(ch)
             elif ch == "\r" or is_text(ch):  # (a CR here is from a pipe: text, unless LF follows)
                 self.buf.append(ch)
                 self._show(" " if ch == "\t" else ch)
@@ -291,7 +304,30 @@ class LineEditor:
 
     def _show(self, text: str) -> None:
         if self.visible and self.echo:
-            self.screen.write(text)
+            self.screen.write(_echoed(text))
+
+
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte the UTF-8 decoder could not read (surrogateescape)
+
+
+def _echoed(text: str) -> str:
+    """Text typed as the terminal shows it: a byte that is not UTF-8 as U+FFFD (the line is
+    refused at Enter; written as it is, the surrogate would end the session)."""
+    return _NOT_UTF8.sub("\ufffd", text)
+
+
+def typed(text: str) -> str:
+    """A line read from a pipe, shown after its prompt: controls as escapes (`visible`), and a
+    byte that is not UTF-8 as the byte it is (`\\xff`), as the error refusing the line shows it."""
+    return visible(_NOT_UTF8.sub(lambda m: f"\\x{ord(m.group()) - 0xDC00:02x}", text))
+
+
+def unsendable(text: str) -> str | None:
+    """Why a line read from the input cannot be sent as it is, else None: bytes that are not UTF-8
+    (text is sent exactly; replaced, it would be another text) or a NUL byte (which a PostgreSQL
+    store cannot keep, and which a terminal could not have typed into a line)."""
+    problems = [p for p, bad in (("is not valid UTF-8", not_utf8(text)), ("holds a NUL byte", "\x00" in text)) if bad]
+    return " and ".join(problems) or None
 
 
 class Renderer:
@@ -589,7 +625,7 @@ class Chat:
                     self.held.append(text)
             else:
                 if not self.editor.echo:  # piped: nothing was echoed; show the line after its prompt
-                    self.screen.write(visible(text) + "\n")  # (a CR in it is text, not a control)
+                    self.screen.write(typed(text) + "\n")  # (a CR in it is text, not a control)
                 await self.line(text)
         await self.drain()
 
@@ -599,7 +635,7 @@ class Chat:
             if self.held:
                 text = self.held.pop(0)
                 self.screen.fresh_line()
-                self.screen.write(PROMPT + visible(text) + "\n")
+                self.screen.write(PROMPT + typed(text) + "\n")
                 await self.line(text)
             elif self.eof:
                 if self.client.gone:  # the input ended as the connection did: that is no success
@@ -614,6 +650,11 @@ class Chat:
     async def line(self, text: str) -> None:
         """A line entered at the prompt: a client command, or input for the model."""
         self.editor.visible = False
+        problem = unsendable(text)
+        if problem is not None:  # as a line too long: refused, not sent; piped, exit 1 at the end
+            self.refusals += 1
+            self.screen.line(f"error: the line {shown_raw(text)} {problem}; it was not sent")
+            return
         cmd = text.strip()
         if not cmd:
             return
@@ -724,7 +765,7 @@ class Chat:
     def at_approval(self, text: str) -> None:
         """A line entered at the approval prompt: its answer, or a command."""
         if not self.editor.echo and text.strip() in ("/cancel", "/quit", "/exit"):
-            self.screen.write(visible(text) + "\n")  # piped: shown after its prompt, as an answer is
+            self.screen.write(typed(text) + "\n")  # piped: shown after its prompt, as an answer is
         if text.strip() == "/cancel":  # cancels the turn, like Ctrl-C; the call is not answered
             self.on_interrupt()
         elif text.strip() in ("/quit", "/exit"):  # leaves; the call is not answered
@@ -738,7 +779,7 @@ class Chat:
         self.editor.visible = False
         self.editor.buf = list(self.stash)
         if not self.editor.echo:  # piped: nothing was echoed; show the answer after its prompt
-            self.screen.write(visible(text) + "\n")
+            self.screen.write(typed(text) + "\n")
         decision = "approve" if text.strip().lower() in ("y", "yes") else "deny"
 
         def report(ack: dict[str, Any]) -> str | None:

@@ -34,6 +34,7 @@ from cron.schedule import (
     due_time,
     get_zone,
     local_zone_name,
+    next_occurrence,
     normalize_cron,
     parse_duration,
     upcoming,
@@ -48,6 +49,7 @@ from cron.store import (
     CronTask,
     make_task,
     utcnow,
+    validate_prompt,
 )
 from cron.stores import cron_store_for
 
@@ -221,7 +223,7 @@ def _store(cfg: Config) -> CronStore:
     store = cron_store_for(cfg.home, cfg.store.url)
     for path in store.corrupt_files():
         click.echo(
-            f"warning: {path} was set aside as unreadable; its tasks are not active "
+            f"warning: {visible(str(path))} was set aside as unreadable; its tasks are not active "
             "(fix and move it back to crons.json, or delete it)",
             err=True,
         )
@@ -253,8 +255,50 @@ def _owner(t: CronTask) -> str:
     return "operator" if t.namespace is None else t.namespace
 
 
+def task_problem(t: CronTask) -> str | None:
+    """Why a task crons.json holds cannot run, else None. `add` and the `schedule` tool never
+    make such a task (make_task refuses it), but a hand edit or another version can: an empty
+    name, agent or prompt, a prompt that is no text, or a schedule the scheduler cannot compute
+    (the check is its own: `next_occurrence`, which fails such a task when it comes due)."""
+    for key in ("name", "agent", "prompt"):
+        if not getattr(t, key).strip():
+            return f"its {key} is empty"
+    try:
+        validate_prompt(t.prompt)
+    except ScheduleError as exc:
+        return str(exc)
+    try:
+        next_occurrence(t.schedule, utcnow(), t.created_at)
+    except ScheduleError as exc:
+        return f"invalid schedule: {exc}"
+    return None
+
+
+def _state(t: CronTask, problem: str | None) -> str:
+    return "invalid" if problem is not None else t.state
+
+
+def _named(t: CronTask) -> str:
+    """A task in a line: its name (when it has one) and id, exactly."""
+    return f"{exact(t.name)} ({exact(t.id)})" if t.name.strip() else exact(t.id)
+
+
+def _refuse_invalid(t: CronTask, doing: str) -> None:
+    """`run` and `enable` of a task that cannot run: one line naming it and why (exit 1), before
+    anything is claimed or written, instead of a run that fails or a task enabled to fail."""
+    problem = task_problem(t)
+    if problem is not None:
+        raise _OneLineError(
+            f"cron task {_named(t)} is invalid and cannot {doing}: {problem}; "
+            f"remove it (appserver cron remove {exact(t.id)}) and add it again"
+        )
+
+
 def _task_json(t: CronTask, names: dict[str, str] | None = None) -> dict[str, Any]:
-    out = {**t.to_dict(), "namespace": t.namespace, "owner": _owner(t), "state": t.state}
+    problem = task_problem(t)
+    out = {**t.to_dict(), "namespace": t.namespace, "owner": _owner(t), "state": _state(t, problem)}
+    if problem is not None:
+        out["problem"] = problem
     if names and t.agent in names:
         out["agent_name"] = names[t.agent]
     return out
@@ -442,6 +486,13 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
     tasks = [t for t in state.tasks if agent_id is None or t.agent == agent_id]
     for bad in state.invalid:
         click.echo(f"warning: cron task {exact(bad.id)} is invalid and not scheduled: {visible(bad.reason)}", err=True)
+    problems = {t.id: task_problem(t) for t in tasks}
+    for t in tasks:
+        if problems[t.id] is not None:
+            click.echo(
+                f"warning: cron task {_named(t)} is invalid and cannot run: {visible(problems[t.id])}",
+                err=True,
+            )
     names = _names_of(cfg) if tasks else {}
     if as_json:
         echo_long(json.dumps([_task_json(t, names) for t in tasks]))
@@ -459,9 +510,9 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
                 exact(_owner(t)),
                 exact(_schedule_text(t)),
                 _local(t.next_due_at if t.enabled else None, t.schedule.tz),
-                t.state,
+                _state(t, problems[t.id]),
                 str(t.occurrence),
-                exact((t.last_error or "")[:60]),
+                exact((problems[t.id] or t.last_error or "")[:60]),
             ]
         )
     click.echo(_table(rows))
@@ -481,6 +532,7 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         click.echo(json.dumps(_task_json(task, names)))
         return
     tz = task.schedule.tz
+    problem = task_problem(task)
     agent_text = f"{names[task.agent]} ({task.agent})" if task.agent in names else task.agent
     # crons.json is also written by the agent's schedule tool: names, ids and targets are shown
     # exactly, the prompt and the error as text, and no value can act on the terminal.
@@ -490,7 +542,8 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         ("agent", exact(agent_text)),
         ("owner", exact(_owner(task))),
         ("schedule", exact(_schedule_text(task))),
-        ("state", task.state),
+        ("state", _state(task, problem)),
+        *([("problem", visible(problem))] if problem is not None else []),
         ("next scheduled", _local(task.next_fire_at, tz)),
         ("next run (with jitter)", _local(task.next_due_at, tz)),
         ("conversation", exact(task.conversation)),
@@ -511,7 +564,9 @@ def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
     cfg = _config()
     store, which = _store(cfg), _agent_filter(cfg, agent)
     if enabled:
-        _check_task_agent(cfg, _read_to_change(store).find(ref, which))
+        task = _read_to_change(store).find(ref, which)
+        _refuse_invalid(task, "be enabled")
+        _check_task_agent(cfg, task)
     return store.set_enabled(ref, enabled, agent=which)
 
 
@@ -545,6 +600,7 @@ def _runnable(task: str, agent: str | None) -> None:
     token of a task the `schedule` tool made: exit 2)."""
     cfg = _config()
     found = _store(cfg).read().find(task, _agent_filter(cfg, agent))
+    _refuse_invalid(found, "run")
     _check_task_agent(cfg, found)
     if found.namespace is not None:
         credentials = TokenCredentials.for_home(cfg.home, cfg.store.url)

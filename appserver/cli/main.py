@@ -61,12 +61,32 @@ def main(home: str | None, debug: bool) -> None:
     """A self-hosted agent app server."""
     # Whatever this process creates under the home (store, WAL, state files) is the owner's alone.
     os.umask(0o077)
-    if home:
+    if home is not None:
+        _check_home(home)
         os.environ["APPSERVER_HOME"] = home
-    elif not_utf8(env_home := os.environ.get("APPSERVER_HOME", "")):  # as an argument would be
-        fail(f"$APPSERVER_HOME ({shown_raw(env_home)}) is not valid UTF-8: give the home as UTF-8 text", 2)
+    else:
+        _check_env_home(os.environ.get("APPSERVER_HOME", ""))
     if debug:
         os.environ[DEBUG_ENV] = "1"
+
+
+def _check_home(home: str) -> None:
+    """An empty or blank --home is refused (exit 2): `--home "$UNSET"` ran on ~/.appserver, and a
+    blank one would be a directory named by spaces in the working directory."""
+    if not home.strip():
+        what = "empty" if not home else "blank"
+        fail(f"--home is {what}: give the home directory, or leave --home out for the default", 2)
+
+
+def _check_env_home(env_home: str) -> None:
+    """$APPSERVER_HOME as the home. Empty means unset (the default home), as for other variables
+    naming a directory (XDG_CONFIG_HOME) and as config.default_home reads it: `APPSERVER_HOME=`
+    is how a shell clears it for one command. Blank (only spaces) is no way to say either, and is
+    refused like a blank --home; not UTF-8 is refused as an argument would be."""
+    if env_home and not env_home.strip():
+        fail("$APPSERVER_HOME is blank: set it to the home directory, or unset it for the default", 2)
+    if not_utf8(env_home):
+        fail(f"$APPSERVER_HOME ({shown_raw(env_home)}) is not valid UTF-8: give the home as UTF-8 text", 2)
 
 
 def run() -> None:

@@ -21,7 +21,7 @@ from appserver.auth import (
     token_store_for,
 )
 from appserver.cli.common import echo_long, fail, get_config, prepare_store_schema, with_server
-from appserver.cli.safetext import visible
+from appserver.cli.safetext import exact, visible
 from appserver.fsutil import CorruptStateFile, set_aside_notice
 from appserver.ids import AGENT_ID_PREFIX
 
@@ -83,9 +83,17 @@ def _when(ts: float | None) -> str:
         return "out of range (far future)" if ts > 0 else "out of range (far past)"
 
 
+def _agents_cell(rec: TokenRecord) -> str:
+    """The agents a token admits, each shown exactly: `--agents` takes any text, and tokens.json
+    (or the tokens table) may have been written by hand or by another version."""
+    return ",".join(exact(a) for a in rec.agents) if rec.agents is not None else "*"
+
+
 def _describe(rec: TokenRecord) -> str:
-    agents = ",".join(rec.agents) if rec.agents is not None else "*"
-    return f"id={rec.id} name={rec.name} agents={agents} scopes={','.join(rec.scopes)} expires={_when(rec.expires_at)}"
+    return (
+        f"id={exact(rec.id)} name={exact(rec.name)} agents={_agents_cell(rec)} scopes={','.join(rec.scopes)} "
+        f"expires={_when(rec.expires_at)}"
+    )
 
 
 def _one_line(exc: BaseException) -> str:
@@ -104,7 +112,7 @@ def _check_agents(wanted: frozenset[str]) -> None:
         fail(f"--agents: no agent with id {', '.join(unknown_ids)}", 2)
     for name in sorted(a for a in wanted if not a.startswith(AGENT_ID_PREFIX) and a not in names):
         click.echo(
-            f"warning: --agents: no agent is named {name!r} now; the token admits one that carries "
+            f"warning: --agents: no agent is named '{exact(name)}' now; the token admits one that carries "
             "that name later (a typo admits nothing)",
             err=True,
         )
@@ -207,9 +215,9 @@ def list_cmd(as_json: bool) -> None:
             expires += " (expired)"
         rows.append(
             (
-                r.id,
-                r.name,
-                ",".join(r.agents) if r.agents is not None else "*",
+                exact(r.id),
+                exact(r.name),
+                _agents_cell(r),
                 ",".join(r.scopes),
                 expires,
                 "sha256:" + r.hash[:12],
@@ -230,7 +238,7 @@ def revoke_cmd(id_or_name: str, as_json: bool) -> None:
     try:
         rec = store.revoke(id_or_name)
     except KeyError:  # exit 2, as `agents show` and `cron show` exit for an id they do not know
-        fail(f"no token with id or name {id_or_name!r}", 2)
+        fail(f"no token with id or name '{exact(id_or_name)}'", 2)
     except (RuntimeError, CorruptStateFile) as exc:
         fail(_one_line(exc), 1)
     if as_json:

@@ -1,18 +1,26 @@
 """server.json: written while `serve` runs, so CLI processes on the same home find (and never race) it.
 
-`serve.lock` beside it is held (flock) by the one `serve` that owns the home, for its whole life.
-The operating system drops the lock when that process dies, even on `kill -9`, so checking the lock
-and server.json's process identity (pid + start time; a reused pid is dead) together means two
+`serve.lock` beside it is held (flock) by the one process that runs turns on the home: `serve`, for
+its whole life, or an in-process `appserver run` (no server running) for its turn. The operating
+system drops the lock when that process dies, even on `kill -9`, so checking the lock and
+server.json's process identity (pid + start time; a reused pid is dead) together means two
 processes never run turns on one home, and a standby (`serve --standby`) knows when to take over.
+While held, the lock file names its holder (command, pid, identity), so a refusal can say who.
+
+server.json also records the store the server uses (`store`: its URL without the password), so
+CLI commands on the home act on that store, not on the one config.toml names (cli/common.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
+import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +33,7 @@ from appserver.fsutil import (
 )
 from appserver.procid import identity, identity_alive
 from appserver.readiness import CheckResult
+from appserver.store.url import redact_url
 
 log = logging.getLogger("appserver.serverinfo")
 
@@ -40,6 +49,14 @@ def write_server_json(path: Path, url: str, auth_mode: str, **extra: Any) -> dic
     }
     atomic_write_json(path, info)
     return info
+
+
+def store_record(url: str) -> dict[str, Any]:
+    """What server.json says about the server's store: its URL without a password (`url`; empty:
+    the SQLite file of the home), and whether that is the whole URL (`complete`: nothing was
+    withheld, so a CLI command may connect with it)."""
+    shown = redact_url(url.strip())
+    return {"url": shown, "complete": shown == url.strip()}
 
 
 def read_live_server(path: Path) -> dict[str, Any] | None:
@@ -153,9 +170,10 @@ class HomeLock:
     def held(self) -> bool:
         return self._fd is not None
 
-    def try_acquire(self, patience_s: float = PROBE_PATIENCE_S) -> bool:
+    def try_acquire(self, patience_s: float = PROBE_PATIENCE_S, holder: str | None = None) -> bool:
         """Take the lock; False when another process holds it. Retries for `patience_s`, so a CLI
-        process probing the lock for a moment (`held_elsewhere`) never turns a server away."""
+        process probing the lock for a moment (`held_elsewhere`) never turns a server away.
+        `holder` (the command, e.g. "appserver run") is written into the file while it is held."""
         if self._fd is not None:
             return True
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +194,8 @@ class HomeLock:
             os.close(fd)
             raise
         self._fd = fd
+        if holder is not None:
+            _write_holder(fd, holder)
         return True
 
     def held_elsewhere(self) -> bool:
@@ -195,12 +215,57 @@ class HomeLock:
     def release(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):  # still held: the next holder never finds our name
+                os.ftruncate(fd, 0)
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
 
+HOLDER_MAX_BYTES = 4096
+IN_PROCESS_RUN = "appserver run"  # the holder an in-process `appserver run` writes
+
+
+def _write_holder(fd: int, command: str) -> None:
+    """Name this process in the lock file it holds (best effort: a lock file that is no regular
+    file, or a full disk, only makes refusals less specific)."""
+    data = json.dumps({"command": command, "pid": os.getpid(), "identity": identity(), "since": time.time()})
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data.encode(), 0)
+
+
+def lock_holder(lock_path: Path) -> dict[str, Any] | None:
+    """The live process the lock file names as its holder (`command`, `pid`), or None: none named
+    (an older appserver, `store copy`), or the one named is gone."""
+    try:
+        info = json.loads(read_state_bytes(lock_path, HOLDER_MAX_BYTES).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # missing, no regular file, too large, not JSON
+        return None
+    if not isinstance(info, dict) or not identity_alive(str(info.get("identity") or "")):
+        return None
+    return info
+
+
+def holder_text(holder: dict[str, Any]) -> str:
+    """`appserver run` (pid 123), for messages."""
+    return f"`{holder.get('command')}` (pid {holder.get('pid')})"
+
+
 class HomeStarting(Exception):
     """A server holds this home but has not published server.json yet."""
+
+
+class HomeBusy(HomeStarting):
+    """An in-process `appserver run` holds this home (runs a turn without a server)."""
+
+
+def busy_text(server_json: Path, holder: dict[str, Any]) -> str:
+    """Why this home is busy without a server: an in-process run holds it."""
+    return (
+        f"{holder_text(holder)} is running a turn in-process on this home ({server_json.parent}), without a "
+        "server: wait for it to end (or stop it)"
+    )
 
 
 def find_live_server(server_json: Path, wait_s: float = 20.0) -> dict[str, Any] | None:
@@ -212,6 +277,9 @@ def find_live_server(server_json: Path, wait_s: float = 20.0) -> dict[str, Any] 
         live = read_live_server(server_json)
         if live is not None or not lock.held_elsewhere():
             return live
+        holder = lock_holder(lock.path)
+        if holder is not None and holder.get("command") == IN_PROCESS_RUN:
+            raise HomeBusy(busy_text(server_json, holder))  # it may run for minutes: say so now
         if time.monotonic() >= deadline:
             raise HomeStarting(_not_published(server_json, lock.path, wait_s))
         time.sleep(0.05)
@@ -247,14 +315,52 @@ def home_lock_path(server_json: Path) -> Path:
     return server_json.with_name("serve.lock")
 
 
-def claim_home(server_json: Path) -> tuple[HomeLock | None, dict[str, Any] | None]:
+def claim_home(server_json: Path, holder: str | None = None) -> tuple[HomeLock | None, dict[str, Any] | None]:
     """(lock, None) when this process may serve the home, else (None, the live server's info or
-    None while another `serve` is still starting). The caller holds the lock until it exits."""
+    None while another `serve` is still starting or an in-process run holds it: `lock_holder`).
+    The caller holds the lock until it exits; `holder` names it in the lock file."""
     lock = HomeLock(home_lock_path(server_json))
-    if not lock.try_acquire():
+    if not lock.try_acquire(holder=holder):
         return None, read_live_server(server_json)
     live = read_live_server(server_json)  # a live server that predates serve.lock still owns it
     if live is not None:
         lock.release()
         return None, live
     return lock, None
+
+
+def claim_for_turns(
+    server_json: Path,
+    busy_wait_s: float,
+    on_busy: Callable[[dict[str, Any]], None],
+    start_wait_s: float = 20.0,
+) -> tuple[dict[str, Any] | None, HomeLock | None]:
+    """For a command that runs turns in-process when no server runs (`appserver run`): (the live
+    server's info, None) to go through it, or (None, the home's lock, held) to run here as `serve`
+    would (so a `serve` started meanwhile is refused, and a second in-process run waits). Waits while
+    another in-process run holds the home (up to `busy_wait_s`; `on_busy` is told once), or a server
+    starts (up to `start_wait_s`); then HomeBusy / HomeStarting."""
+    lock = HomeLock(home_lock_path(server_json))
+    start = time.monotonic()
+    told = False
+    while True:
+        live = read_live_server(server_json)
+        if live is not None:
+            return live, None
+        if lock.try_acquire(holder=IN_PROCESS_RUN):
+            live = read_live_server(server_json)  # a live server that predates serve.lock still owns it
+            if live is None:
+                return None, lock
+            lock.release()
+            return live, None
+        holder = lock_holder(lock.path)
+        waited = time.monotonic() - start
+        if holder is not None and holder.get("command") == IN_PROCESS_RUN:
+            if waited >= busy_wait_s:
+                raise HomeBusy(f"{busy_text(server_json, holder)}; waited {busy_wait_s:g} s")
+            if not told:
+                told = True
+                on_busy(holder)
+        elif waited >= start_wait_s:
+            raise HomeStarting(_not_published(server_json, lock.path, start_wait_s))
+        time.sleep(0.05)

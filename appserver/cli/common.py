@@ -26,9 +26,9 @@ from appserver.cli.safetext import json_text, visible
 from appserver.config import Config, ConfigError, load_config
 from appserver.errors import KernelError
 from appserver.fsutil import CorruptStateFile
-from appserver.serverinfo import HomeStarting, find_live_server
+from appserver.serverinfo import HomeStarting, find_live_server, read_live_server
 from appserver.store.base import StoreError
-from appserver.store.url import store_kind
+from appserver.store.url import redact_url, store_kind
 
 if TYPE_CHECKING:  # the kernel is imported by the commands that run it, not by `appserver --help`
     from appserver.server import Server
@@ -168,6 +168,9 @@ def explain(exc: BaseException) -> str | None:
     """One line for an error the operator can fix, or None for one they cannot (a bug)."""
     if isinstance(exc, (ConfigError, CorruptStateFile, StoreError, HomeStarting, StartupError)):
         return " ".join(str(exc).split())
+    if isinstance(exc, TimeoutError) and exc.errno is None:
+        # asyncio's wait_for/timeout: an OSError since Python 3.11, but no file's and no errno's
+        return f"timed out{': ' + ' '.join(str(exc).split()) if str(exc) else ''} (a wait did not end in time)"
     if isinstance(exc, ssl.SSLError):
         return (
             f"TLS certificate or key unusable: {exc.reason or exc}; "
@@ -206,8 +209,62 @@ def run_or_fail(fn: Callable[[], T]) -> T:
         fail(message, 2)
 
 
-def get_config() -> Config:
-    return run_or_fail(load_config)
+def get_config(*, follow_server: bool = True) -> Config:
+    """The home's config; with `follow_server` (every command but `serve`), its store is the one
+    the live server of the home uses (see `follow_server_store`)."""
+    config = run_or_fail(load_config)
+    if follow_server:
+        follow_server_store(config)
+    return config
+
+
+# Commands that never open the home's store (they go through the server, or edit config.toml and
+# gateway files): a store they cannot follow is no reason to refuse them. `store copy` refuses a
+# live home itself.
+STORE_FREE_COMMANDS = frozenset({"run", "chat", "serve", "channels", "pairing", "store"})
+
+
+def follow_server_store(config: Config) -> None:
+    """Act on the store the live server of this home uses, not on the one config.toml names: a
+    server started with `serve --store URL` (or another APPSERVER_STORE__URL) keeps agents, tokens
+    and cron tasks there, and a CLI command writing the home's other store was silently lost.
+
+    server.json records that URL without its password. When nothing was withheld (SQLite, or a
+    PostgreSQL URL with no password: trust, peer or .pgpass auth) the command follows it; else a
+    command that opens the store is refused with one line saying how to point it there."""
+    live = run_or_fail(lambda: read_live_server(config.server_json))
+    record = (live or {}).get("store")
+    if live is None or not isinstance(record, dict):
+        return  # no server, or an older one that does not say: config.toml's store
+    theirs = str(record.get("url") or "")
+    if redact_url(config.store.url.strip()) == theirs:
+        return
+    if record.get("complete") is True:
+        config.store.url = theirs
+        return
+    if _command_names() & STORE_FREE_COMMANDS:
+        return
+    fail(
+        f"the server running on this home ({live.get('url')}, pid {live.get('pid')}) uses the store "
+        f"{_store_text(theirs, config)}, but this command would use {_store_text(config.store.url, config)}; "
+        "server.json keeps that URL without its password, so point this command at the same store: set "
+        "APPSERVER_STORE__URL to its full URL (or [store] url in config.toml)",
+        2,
+    )
+
+
+def _store_text(url: str, config: Config) -> str:
+    return redact_url(url.strip()) if url.strip() else f"the SQLite file {config.db_path}"
+
+
+def _command_names() -> set[str]:
+    """The running subcommand's top-level name (`agents` of `appserver agents create`), as a set."""
+    ctx = click.get_current_context(silent=True)
+    names: list[str] = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    return {names[-1]} if names else set()
 
 
 def prepare_store_schema(config: Config) -> None:

@@ -1,28 +1,83 @@
-"""`appserver run`: one turn, in-process, or through the live server's /ws protocol when one owns this home."""
+"""`appserver run`: one turn, in-process, or through the live server's /ws protocol when one owns this home.
+
+In-process, `run` owns the home for the turn as `serve` does (serve.lock, serverinfo.claim_for_turns):
+a `serve` started meanwhile is refused, naming it, and a second in-process `run` waits for it.
+Ctrl-C cancels the turn wherever it runs; SIGTERM/SIGHUP end the command (in-process the turn ends
+with it, settled as interrupted; through a server it goes on there). Exit 128 + the signal's number.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import shlex
+import signal
 import sys
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
-from appserver.cli.common import fail, get_config, live_server_or_fail, print_json, with_server
+from appserver.cli.common import fail, get_config, print_json, with_server
 from appserver.cli.safetext import exact, visible
 from appserver.errors import InvalidInput, NotAwaiting
 from appserver.runtime import Decision, SubmitRequest, TurnSnapshot, max_steps_note
 from appserver.server import Server
-from appserver.serverinfo import read_live_server
+from appserver.serverinfo import HomeBusy, HomeLock, HomeStarting, claim_for_turns, holder_text, read_live_server
 
 T = TypeVar("T")
 
 OPEN_TIMEOUT_S = 10.0  # for the connection and then for the server's welcome (each)
+CANCEL_WAIT_S = 3.0  # how long a Ctrl-C waits for the server to confirm the cancel before leaving
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Interrupted(Exception):
+    """The command was stopped by a signal; `what` says what became of the turn."""
+
+    def __init__(self, signum: int, what: str) -> None:
+        super().__init__(what)
+        self.signum, self.what = signum, what
+
+
+class TurnNotSettled(Exception):
+    """The turn did not settle within --timeout (a TimeoutError of our own: asyncio's is an
+    OSError, which the CLI's error handling would take for a file's)."""
+
+
+async def until_signal(work: Awaitable[T], on_signal: Callable[[int], Awaitable[str]]) -> T:
+    """Await `work` in this task; SIGINT, SIGTERM or SIGHUP cancels it, then `on_signal(signum)`
+    (which cancels the turn or not, and says so) runs and Interrupted is raised. A second signal
+    meanwhile is ignored: the turn is being ended already."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    got: list[int] = []
+
+    def stop(signum: int) -> None:
+        if not got:
+            got.append(signum)
+            task.cancel()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if not got:
+                raise
+            task.uncancel()
+        raise Interrupted(got[0], await on_signal(got[0]))
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
 
 
 class Seconds(click.ParamType[float]):
@@ -154,6 +209,8 @@ def run_command(
         fail("nothing to send: give TEXT (or --approve/--deny CALL_ID)", 2)
     if reason is not None and not deny:
         fail("--reason goes with --deny CALL_ID (it is the reason the call was denied)", 2)
+    if not conversation.strip():  # in-process it ran in `default`; a server refused it in pydantic's words
+        fail("--conversation is empty: give new, default or a conversation id", 2)
     if idempotency_key is not None:
         # as the server takes it over the protocol (`submit_input.idempotency_key`), also in-process
         if not idempotency_key or len(idempotency_key) > IDEMPOTENCY_KEY_MAX:
@@ -161,6 +218,7 @@ def run_command(
         if any(c < " " or c == "\x7f" for c in idempotency_key):
             fail("--idempotency-key must not hold control characters", 2)
     remote: tuple[str, Callable[[], str | None] | None] | None = None
+    lock: HomeLock | None = None
     if url is not None:
         # another server (or this home's, named): its home is not read, nothing runs in-process
         from appserver.client import ConnectError, check_url
@@ -172,12 +230,12 @@ def run_command(
         remote = (url, None)
     else:
         config = get_config()
-        live = live_server_or_fail(config.server_json)
+        live, lock = own_home_or_server(config.server_json, timeout)
         if live is not None:
             # a server owns this home: run the turn through its WebSocket protocol (never beside it)
             remote = (str(live.get("url")), server_url_source(config.server_json))
     if remote is not None:
-        snap, conversation_id = run_remote(
+        snap, conversation_id = run_remote_or_fail(
             remote[0],
             agent,
             conversation,
@@ -195,8 +253,20 @@ def run_command(
         sys.exit(render(snap, conversation_id, as_json, agent, url))
 
     steps: int | None = None
+    running: list[tuple[str, str]] = []  # (conversation, turn) once known: what a Ctrl-C cancels
+
+    async def ended_by(s: Server, signum: int) -> str:
+        """In-process: Ctrl-C cancels the turn; SIGTERM/SIGHUP leave it to the close that follows,
+        which settles it as interrupted (as a stopping server does). Either way it ends here."""
+        if signum == signal.SIGINT and running:
+            if await s.kernel.cancel(*running[-1]):
+                return "the turn was cancelled"
+        return "the turn was interrupted" if running else "no turn was started"
 
     async def go(s: Server) -> tuple[TurnSnapshot, str]:
+        return await until_signal(turn(s), lambda signum: ended_by(s, signum))
+
+    async def turn(s: Server) -> tuple[TurnSnapshot, str]:
         if answering:
             rec = await s.kernel.resolve_agent(agent)
             conv = await s.kernel.resolve_conversation(rec, conversation, create=False)
@@ -204,6 +274,7 @@ def run_command(
             if turn is None:
                 raise NotAwaiting(f"conversation {conv.id} has no turn waiting for an answer")
             handle = await s.kernel.handle_for(turn)
+            running.append((conv.id, turn.id))
             before = handle.controller.revision
             decisions = [Decision(c, "approve", decided_by="cli") for c in approve]
             decisions += [Decision(c, "deny", reason=reason, decided_by="cli") for c in deny]
@@ -211,7 +282,7 @@ def run_command(
             refused = [r for r in results if not r["accepted"]]
             if refused:
                 raise InvalidInput("; ".join(r["message"] for r in refused))
-            snap = await handle.wait_settled(timeout, after_revision=before)
+            snap = await settled(handle.wait_settled(timeout, after_revision=before))
             await limit_of(s, snap)
             return snap, conv.id
         assert text is not None
@@ -224,7 +295,8 @@ def run_command(
                 source={"client": "cli"},
             )
         )
-        snap = await sub.wait(timeout)
+        running.append((sub.conversation_id, sub.turn_id))
+        snap = await settled(sub.wait(timeout))
         await limit_of(s, snap)
         return snap, sub.conversation_id
 
@@ -237,9 +309,49 @@ def run_command(
 
     try:
         snap, conversation_id = with_server(go, config=config)
-    except TimeoutError:
+    except TurnNotSettled:
         fail(f"the turn did not settle within {timeout:g} s", 1)
+    except Interrupted as exc:
+        fail(f"interrupted by {signal_name(exc.signum)}: {exc.what}", 128 + exc.signum)
+    except KeyboardInterrupt:  # a Ctrl-C before the turn was under way (opening the store)
+        fail("interrupted by SIGINT: no turn was started", 128 + signal.SIGINT)
+    finally:
+        if lock is not None:
+            lock.release()
     sys.exit(render(snap, conversation_id, as_json, agent, steps=steps))
+
+
+async def settled(wait: Awaitable[TurnSnapshot]) -> TurnSnapshot:
+    """The settled snapshot; a timeout as TurnNotSettled (see there)."""
+    try:
+        return await wait
+    except TimeoutError:
+        raise TurnNotSettled from None
+
+
+def own_home_or_server(server_json: Path, wait_s: float) -> tuple[dict[str, Any] | None, HomeLock | None]:
+    """The live server to run the turn through, or this home's lock, held, to run it in-process;
+    another in-process run's turn is waited for (up to `wait_s`, the turn's --timeout)."""
+
+    def waiting(holder: dict[str, Any]) -> None:
+        click.echo(f"[waiting: {holder_text(holder)} is running a turn in-process on this home]", err=True)
+
+    try:
+        return claim_for_turns(server_json, wait_s, waiting)
+    except HomeBusy as exc:
+        fail(str(exc), 3)
+    except HomeStarting as exc:
+        fail(f"{exc}; try again in a moment", 3)
+
+
+def run_remote_or_fail(*args: Any, **kwargs: Any) -> tuple[TurnSnapshot, str]:
+    """`run_remote`, a signal's end as one line and exit 128 + its number."""
+    try:
+        return run_remote(*args, **kwargs)
+    except Interrupted as exc:
+        fail(f"interrupted by {signal_name(exc.signum)}: {exc.what}", 128 + exc.signum)
+    except KeyboardInterrupt:
+        fail("interrupted by SIGINT", 128 + signal.SIGINT)
 
 
 def step_limit(param: Any, default: int) -> int | None:
@@ -388,7 +500,32 @@ def run_remote(
         if frame.get("type") == "turn_updated" and isinstance(snap, dict):
             teller.see(snap)
 
+    running: list[tuple[str, str]] = []  # (conversation, turn) once known: what a Ctrl-C cancels
+    clients: list[Any] = []
+
+    async def ended_by(signum: int) -> str:
+        """Through a server, only Ctrl-C cancels the turn (as chat's first Ctrl-C does); SIGTERM and
+        SIGHUP leave it running there: the command ends, not the turn."""
+        if not running or not clients:
+            return "no turn was started"
+        conv_id, turn_id = running[-1]
+        if signum != signal.SIGINT:
+            return f"the turn goes on on the server (`appserver conversations history {conv_id}` shows it)"
+        frame = {"type": "cancel", "conversation": conv_id, "turn_id": turn_id}
+        try:
+            ack = await asyncio.wait_for(clients[0].request(frame), CANCEL_WAIT_S)
+        except Exception:  # noqa: BLE001 - not confirmed (the server is gone, or slow): say so, leave anyway
+            return f"the server did not confirm the cancel of turn {turn_id}"
+        return "the turn was cancelled" if ack.get("cancelled") else "the turn had ended already"
+
     async def go() -> tuple[TurnSnapshot, str]:
+        try:
+            return await until_signal(exchange(), ended_by)
+        finally:
+            if clients:
+                await clients[0].close()
+
+    async def exchange() -> tuple[TurnSnapshot, str]:
         client = await ProtocolClient.connect(
             url,
             token=token,
@@ -398,37 +535,35 @@ def run_remote(
             reconnect_s=reconnect_wait,
             url_source=url_source,
         )
-        try:
-            if approve or deny:
-                state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
-                conv_id = state["conversation"]["id"]
-                active = state.get("active_turn")
-                if state["state"] != "awaiting" or not active:
-                    raise ProtocolError("not_awaiting", f"conversation {conv_id} has no turn waiting for an answer")
-                decisions: list[dict[str, str | None]] = [{"call_id": c, "decision": "approve"} for c in approve]
-                decisions += [{"call_id": c, "decision": "deny", "reason": reason} for c in deny]
-                ack = await client.request(
-                    {"type": "approval_response", "conversation": conv_id, "decisions": decisions}
+        clients.append(client)
+        if approve or deny:
+            state = await client.request({"type": "subscribe", "conversation": conversation, "agent": agent})
+            conv_id = state["conversation"]["id"]
+            active = state.get("active_turn")
+            if state["state"] != "awaiting" or not active:
+                raise ProtocolError("not_awaiting", f"conversation {conv_id} has no turn waiting for an answer")
+            running.append((conv_id, active["turn_id"]))
+            decisions: list[dict[str, str | None]] = [{"call_id": c, "decision": "approve"} for c in approve]
+            decisions += [{"call_id": c, "decision": "deny", "reason": reason} for c in deny]
+            ack = await client.request({"type": "approval_response", "conversation": conv_id, "decisions": decisions})
+            refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
+            if refused:
+                raise ProtocolError(
+                    refused[0].get("error") or "invalid_request", "; ".join(r.get("message", "") for r in refused)
                 )
-                refused = [r for r in ack.get("results") or [] if not r.get("accepted")]
-                if refused:
-                    raise ProtocolError(
-                        refused[0].get("error") or "invalid_request", "; ".join(r.get("message", "") for r in refused)
-                    )
-                snap = await wait_answered(client, active, {*approve, *deny}, timeout, on_frame)
-                return snapshot_from_dict(snap), conv_id
-            assert text is not None
-            # a key of our own makes re-sending the input after a reconnect safe (it never runs twice)
-            extra: dict[str, Any] = {
-                "source": {"client": "cli"},
-                "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}",
-            }
-            ack = await client.submit(agent, text, conversation, **extra)
-            await tell_waiting(client, ack)
-            snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
-            return snapshot_from_dict(snap), ack["conversation_id"]
-        finally:
-            await client.close()
+            snap = await wait_answered(client, active, {*approve, *deny}, timeout, on_frame)
+            return snapshot_from_dict(snap), conv_id
+        assert text is not None
+        # a key of our own makes re-sending the input after a reconnect safe (it never runs twice)
+        extra: dict[str, Any] = {
+            "source": {"client": "cli"},
+            "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}",
+        }
+        ack = await client.submit(agent, text, conversation, **extra)
+        running.append((ack["conversation_id"], ack["turn_id"]))
+        await tell_waiting(client, ack)
+        snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
+        return snapshot_from_dict(snap), ack["conversation_id"]
 
     return call_server(go, url, timeout, token_how)
 

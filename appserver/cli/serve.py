@@ -50,7 +50,11 @@ from appserver.serverinfo import (
     HomeLock,
     ServerJsonKeeper,
     claim_home,
+    holder_text,
+    home_lock_path,
+    lock_holder,
     remove_server_json,
+    store_record,
     write_server_json,
 )
 from appserver.services import Services, build_services
@@ -194,9 +198,18 @@ def build_asgi(
     return SecurityGuard(build_app(server, services, stopping=stopping), config, authenticator), authenticator
 
 
+SERVE = "appserver serve"  # how serve names itself in the home's lock file (serverinfo.lock_holder)
+
+
 def refusal(config: Config, live: dict[str, Any] | None) -> str:
     """Why this `serve` may not run now, and what to do instead."""
     hint = "stop it first, or run `appserver serve --standby` to wait and take over when it stops"
+    holder = lock_holder(home_lock_path(config.server_json)) if live is None else None
+    if holder is not None and holder.get("command") != SERVE:  # an in-process `appserver run`
+        return (
+            f"{holder_text(holder)} is running a turn in-process on this home ({config.home}); wait for it "
+            "to end (or stop it), or run `appserver serve --standby` to start as soon as it ends"
+        )
     if live is None:
         return f"another `appserver serve` is starting on this home ({config.home}); {hint}"
     return f"a server already runs on this home: {live.get('url')} (pid {live.get('pid')}); {hint}"
@@ -222,7 +235,7 @@ async def wait_for_home(config: Config) -> HomeLock | None:
         while True:
             # In a thread: the probe waits up to half a second for a lock a CLI process holds for a
             # moment (serverinfo.HomeLock), and a blocked loop would not hear a stop meanwhile.
-            lock, live = await asyncio.to_thread(claim_home, config.server_json)
+            lock, live = await asyncio.to_thread(claim_home, config.server_json, SERVE)
             if stop.is_set():  # told to stop while probing: never take over on the way out
                 if lock is not None:
                     lock.release()
@@ -234,7 +247,7 @@ async def wait_for_home(config: Config) -> HomeLock | None:
             holder = (live or {}).get("identity")
             if holder != shown:
                 shown = holder
-                who = f"{live.get('url')} (pid {live.get('pid')})" if live else "another `serve` (starting)"
+                who = f"{live.get('url')} (pid {live.get('pid')})" if live else _starting_holder(config)
                 click.echo(f"appserver standby: {who} holds {config.home}; checking every {interval:g} s")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
@@ -244,6 +257,14 @@ async def wait_for_home(config: Config) -> HomeLock | None:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _starting_holder(config: Config) -> str:
+    """Who holds the home while no server.json names a server: an in-process run, or a `serve` starting."""
+    holder = lock_holder(home_lock_path(config.server_json))
+    if holder is not None and holder.get("command") != SERVE:
+        return f"{holder_text(holder)} (a turn in-process)"
+    return "another `serve` (starting)"
 
 
 async def serve_async(
@@ -405,7 +426,9 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     bound_port = uv.servers[0].sockets[0].getsockname()[1] if uv.servers and uv.servers[0].sockets else port
     url = url_for(host, bound_port, tls)
     try:
-        info = write_server_json(config.server_json, url, config.auth.mode, home=str(config.home))
+        info = write_server_json(
+            config.server_json, url, config.auth.mode, home=str(config.home), store=store_record(config.store.url)
+        )
     except OSError:  # e.g. a full disk: stop cleanly, then report it in one line
         uv.should_exit = True
         await task
@@ -494,7 +517,7 @@ def serve_command(
     store_url: str | None,
 ) -> None:
     """Run the server (one per home; see --standby)."""
-    config = get_config()
+    config = get_config(follow_server=False)  # its own store: what it says (and writes to server.json)
     if store_url is not None:
         config.store.url = store_url
     if auth_mode:
@@ -519,7 +542,7 @@ def serve_command(
     except (ValueError, ConfigError) as exc:
         fail(str(exc), 2)
     host, port = addr.host, addr.port
-    lock, live = claim_home(config.server_json)
+    lock, live = claim_home(config.server_json, SERVE)
     if lock is None and not standby:
         fail(refusal(config, live), 3)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

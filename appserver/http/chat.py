@@ -454,9 +454,15 @@ def tool_names(server: Server, agent: AgentRecord, client: list[ToolSpec]) -> se
     return {t.name for t in server.tools.offered(agent)} | {t.name for t in client}
 
 
-def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
-    """A request's tool_choice, checked against the tools a call offers, in the Chat Completions
-    shape the providers take (Responses shapes are converted). None: not given."""
+def own_tool_names(server: Server, agent: AgentRecord, client: list[ToolSpec]) -> set[str]:
+    """The agent's own tools a model call is offered: those no client tool of the request shadows."""
+    return {t.name for t in server.tools.offered(agent)} - {t.name for t in client}
+
+
+def tool_choice_of(value: Any, names: set[str], agent: AgentRecord, own: set[str] | None = None) -> Any:
+    """A request's tool_choice, checked against the tools a call offers (`own`: those of them that
+    are the agent's own), in the Chat Completions shape the providers take (Responses shapes are
+    converted). None: not given."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -499,7 +505,7 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
             )
         return {"type": "function", "function": {"name": name}}
     if kind == "mcp" and value.get("server_label") in (agent.id, agent.name):
-        return "required" if names else None
+        return required_own(sorted(own or ()), agent)
     if kind == "allowed_tools":
         spec, listed = allowed_tools_of(value)
         picked = []
@@ -519,6 +525,22 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord) -> Any:
         "tool_choice",
         code="unsupported_tool",
     )
+
+
+def required_own(own: list[str], agent: AgentRecord) -> dict[str, Any]:
+    """An `mcp` choice naming this agent and no tool: one of the agent's own tools must be called,
+    never a client function (which "required" over every offered tool would let the model pick)."""
+    if not own:
+        raise bad_request(
+            f"Invalid 'tool_choice': MCP server {agent.id} offers no tools of its own on this request "
+            "(none, or every one shadowed by a client tool of the same name)",
+            "tool_choice",
+            code="invalid_tool_choice",
+        )
+    if len(own) == 1:  # one tool: the plain function choice, which every provider takes
+        return {"type": "function", "function": {"name": own[0]}}
+    tools = [{"type": "function", "function": {"name": n}} for n in own]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": tools}}
 
 
 def allowed_tools_of(value: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -787,7 +809,9 @@ class ChatCompletions:
         options = sampling_options(body, max_key=("max_tokens", "max_completion_tokens"))
         if legacy:
             options["parallel_tool_calls"] = False  # a legacy reply holds one function_call
-        choice = tool_choice_of(raw_choice, tool_names(self.server, agent, tools), agent)
+        choice = tool_choice_of(
+            raw_choice, tool_names(self.server, agent, tools), agent, own_tool_names(self.server, agent, tools)
+        )
         if choice is not None:
             options["tool_choice"] = choice
         if instructions:
@@ -962,14 +986,14 @@ class _Ctx:
                 raise turn_cancelled(snap)  # an empty `stop` would read as the agent's whole reply
             if snap.stop_reason == "max_steps":
                 text = f"{text}\n\n{self.steps_note}" if text else self.steps_note
-            calls = tool_calls_of(snap) if snap.status == "awaiting" else []
+            calls = self.shown(tool_calls_of(snap)) if snap.status == "awaiting" else []
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": text if (text or not (calls or refusal)) else None,
                 "refusal": refusal or None,
                 "annotations": [],
             }
-            if calls and self.legacy:  # the deprecated shape: one call, no id (a `function` message answers it)
+            if calls and self.legacy:  # the deprecated shape: no id (a `function` message answers it)
                 message["function_call"] = dict(calls[0]["function"])
             elif calls:
                 message["tool_calls"] = calls
@@ -1006,6 +1030,12 @@ class _Ctx:
             log.warning("could not record the history point of conversation %s: %s", self.run.conversation_id, exc)
         except Exception:
             log.exception("could not record the history point of conversation %s", self.run.conversation_id)
+
+    def shown(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The open calls the reply shows: all, or with the deprecated `functions` the first only
+        (a legacy message holds one `function_call`; the next comes back once it is answered). The
+        history point holds the same, so the client's answer continues this conversation."""
+        return calls[:1] if self.legacy else calls
 
     def finish(self, snap: TurnSnapshot) -> str:
         reason = finish_of(snap)
@@ -1146,7 +1176,7 @@ class _Ctx:
                 if last.stop_reason == "max_steps":
                     yield self.chunk({"content": f"\n\n{self.steps_note}" if any_text else self.steps_note})
                     any_text = True
-                calls = tool_calls_of(last) if last.status == "awaiting" else []
+                calls = self.shown(tool_calls_of(last)) if last.status == "awaiting" else []
                 if not (any_text or any_refusal or calls or call_index):
                     yield self.chunk({"content": ""})  # an empty reply: content "", as non-stream
                 for c in calls:  # calls made before this request (not streamed above)

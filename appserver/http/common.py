@@ -525,7 +525,7 @@ async def pending_call_ids(server: Server, conversation_id: str) -> list[str]:
 
 async def named_answers(server: Server, conversation_id: str, decisions: list[Decision]) -> list[Decision]:
     """Legacy `function` results answer a call by its function's name (the legacy API shows no
-    call id): each becomes an answer to the one waiting call of that name."""
+    call id): each becomes an answer to the first waiting call of that name (the one shown)."""
     if not any(legacy_name(d.call_id) for d in decisions):
         return decisions
     awaiting = await server.kernel.awaiting(conversation_id)

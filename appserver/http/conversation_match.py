@@ -377,7 +377,8 @@ class Paused:
 
 
 # The id a legacy assistant `function_call` (which has none) is known by: a `function` message
-# answers it by the function's name (one such call per assistant message, as the legacy API made).
+# answers it by the function's name. A legacy reply shows one call (the model may have made several:
+# they come back one at a time, the first open one first).
 LEGACY_CALL_ID = "call_function_"
 
 
@@ -387,12 +388,13 @@ def legacy_name(call_id: str) -> str | None:
 
 
 def by_name(call_id: str, calls: list[tuple[str, str]]) -> str:
-    """The id of the one open call (id, name) a legacy answer names, or `call_id` as it is."""
+    """The id of the call (id, name) a legacy answer names: the first of that name, which is the
+    one a legacy reply showed (calls come back one at a time, in order); else `call_id` as it is."""
     name = legacy_name(call_id)
     if name is None or any(cid == call_id for cid, _ in calls):
         return call_id
     named = [cid for cid, n in calls if n == name]
-    return named[0] if len(named) == 1 else call_id
+    return named[0] if named else call_id
 
 
 def repeats_answer(p: PendingCall | None, d: Decision) -> bool:
@@ -437,7 +439,8 @@ class ConversationMatcher:
     retry, two tabs, a double click) would otherwise all queue into one conversation, each answered
     after the others' input. So the request that continues a head *claims* it, synchronously after
     its last look at the store, until its turn is queued (`release`); a conversation that is claimed
-    or has a turn running or queued has moved past that point, and the others fork from it. New
+    or has a turn running or queued has moved past that point, and the others fork from it (input
+    queued behind a turn paused for answers has not: answers to that turn continue it). New
     conversations (seeded, forked) are claimed from birth: their point is recorded before their
     turn is queued."""
 
@@ -447,12 +450,30 @@ class ConversationMatcher:
         # one matcher serves the chat and responses routes (both match on the same history points)
         self.claims: set[str] = set()
 
-    def free(self, conversation_id: str) -> bool:
+    def free(self, conversation_id: str, *, answering: bool = False) -> bool:
         """Nothing is on its way into this conversation: unclaimed, no turn running or queued (a
-        turn paused for answers is at its head: the answers continue it)."""
+        turn paused for answers is at its head: the answers continue it). `answering`: the request
+        answers tool calls; input queued behind a paused turn has not run, so the paused turn is
+        still the head and its answers continue it (the queued input runs after)."""
         if conversation_id in self.claims:
             return False
-        return not self.server.kernel.in_flight(conversation_id)
+        kernel = self.server.kernel
+        if not kernel.in_flight(conversation_id):
+            return True
+        rt = kernel.runtimes.get(conversation_id)
+        return answering and rt is not None and rt.awaiting_turn is not None
+
+    async def moving_elsewhere(self, conversation_id: str, *, answering: bool = False) -> bool:
+        """Another server of a cluster runs a turn of this conversation or holds one queued: it
+        moves past its stored head there. `answering`: as `free`, input queued there behind a turn
+        paused for answers has not moved it."""
+        if not await self.server.kernel.in_flight_elsewhere(conversation_id):
+            return False
+        if not answering:
+            return True
+        turns = await self.store.list_turns(conversation_id, statuses=("queued", "running", "awaiting"))
+        statuses = {t.status for t in turns}
+        return "running" in statuses or "awaiting" not in statuses
 
     def claim(self, conversation_id: str) -> None:
         self.claims.add(conversation_id)
@@ -750,9 +771,10 @@ class ConversationMatcher:
                 continue
             candidates.append(point)
             head = await self.store.last_message_id(point.conversation_id)
-            if head != point.last_message_id or await self.server.kernel.in_flight_elsewhere(point.conversation_id):
+            moving = await self.moving_elsewhere(point.conversation_id, answering=answers is not None)
+            if head != point.last_message_id or moving:
                 continue
-            if self.free(point.conversation_id):  # no await between check and claim
+            if self.free(point.conversation_id, answering=answers is not None):  # no await between check and claim
                 self.claim(point.conversation_id)
                 return Placement(point.conversation_id, "prefix", claimed=True)
         if candidates:

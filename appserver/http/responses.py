@@ -35,6 +35,7 @@ from appserver.http.chat import (
     new_content,
     no_images,
     number_options,
+    own_tool_names,
     parts_of,
     schema_fields,
     shared_param_types,
@@ -261,9 +262,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
             # every message item of the input, not only the new one: content is required (OpenAI)
-            content = fields.required(item, "content", f"{where}.content")
-            if not isinstance(content, str | list):
-                raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
+            content = message_content(item, where)
             text, images, media, ordered = parts_of(content, where, media=role == "user")
             if images and role != "user":
                 raise no_images(where, role, "input", "input_image")
@@ -419,6 +418,15 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
 INSTRUCTION_ROLES = ("system", "developer")
 
 
+def message_content(item: dict[str, Any], where: str) -> str | list[Any]:
+    """A message item's `content`, which OpenAI requires, as a string or an array of parts: a
+    message without it (or with null) is refused naming it, never taken as empty text."""
+    content = fields.required(item, "content", f"{where}.content")
+    if not isinstance(content, str | list):
+        raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
+    return content
+
+
 def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] | None]:
     """(the text for the model, the value the Response object echoes). A string, or (as a Response
     object shows instructions) an array of system/developer messages, echoed as messages."""
@@ -439,7 +447,7 @@ def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] 
                 "instructions",
             )
         fields.one_of(item.get("role"), f"{where}.role", INSTRUCTION_ROLES, nullable=False)
-        text, images = content_of(item.get("content"), where)
+        text, images = content_of(message_content(item, where), where)
         if images:
             raise no_images(where, "instructions", "instructions", "input_image")
         texts.append(text)
@@ -1133,7 +1141,12 @@ class Responses:
         instructions, shown_instructions = instructions_of(body.get("instructions"))
         specs, shown_tools = function_tools(body.get("tools"), agent)
         options = response_options(body)
-        choice = tool_choice_of(body.get("tool_choice"), tool_names(self.server, agent, specs), agent)
+        choice = tool_choice_of(
+            body.get("tool_choice"),
+            tool_names(self.server, agent, specs),
+            agent,
+            own_tool_names(self.server, agent, specs),
+        )
         if choice is not None:
             options["tool_choice"] = choice
         # system/developer messages of `input` instruct the model as `instructions` does (after it):
@@ -1399,10 +1412,11 @@ class Responses:
                 )
                 return Placement(fork, "fork", claimed=True)
             head = await store.last_message_id(rec.conversation_id)
-            at_head = head == rec.last_message_id and not await self.server.kernel.in_flight_elsewhere(
-                rec.conversation_id
+            answering = answers is not None
+            at_head = head == rec.last_message_id and not await self.matcher.moving_elsewhere(
+                rec.conversation_id, answering=answering
             )  # another server of a cluster runs a turn of it: that request continues it, this one forks
-            if at_head and self.matcher.free(rec.conversation_id):  # no await between check and claim
+            if at_head and self.matcher.free(rec.conversation_id, answering=answering):  # no await in between
                 self.matcher.claim(rec.conversation_id)
                 return Placement(rec.conversation_id, "previous_response", claimed=True)
             # an older response, or one whose conversation another request is already continuing

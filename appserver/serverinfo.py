@@ -18,11 +18,13 @@ import fcntl
 import json
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from appserver.fsutil import (
     SERVER_JSON_MAX_BYTES,
@@ -64,6 +66,14 @@ def read_live_server(path: Path) -> dict[str, Any] | None:
     One too large to be a server's is damaged, so ignored as garbage is (`serve` replaces it); one that
     is no regular file or a link to nothing raises StateFileRefused: a FIFO would block every command
     forever, and a file on an unmounted disk may name a live server."""
+    info = _named_alive(path)
+    if info is None or HomeLock(home_lock_path(path)).held_elsewhere():
+        return info
+    return _answering(info)
+
+
+def _named_alive(path: Path) -> dict[str, Any] | None:
+    """server.json when the process it names (pid and start time) is alive."""
     try:
         info = json.loads(read_state_bytes(path, SERVER_JSON_MAX_BYTES).decode("utf-8"))
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, RecursionError):
@@ -74,6 +84,42 @@ def read_live_server(path: Path) -> dict[str, Any] | None:
     if not isinstance(info, dict) or not identity_alive(str(info.get("identity") or "")):
         return None
     return info
+
+
+def _answering(info: dict[str, Any]) -> dict[str, Any] | None:
+    """`info` of a process that holds no `serve.lock`: a live server that predates the lock answers at
+    its URL; when nothing does, the file is stale and its process another one that got the dead
+    server's pid and start time (a reboot, pid 1 in a container)."""
+    if _answers(info.get("url")):
+        return info
+    log.info("ignoring a stale server.json: nobody holds the home and %s does not answer", info.get("url"))
+    return None
+
+
+def _predating_lock(path: Path) -> dict[str, Any] | None:
+    """With the home's lock held here: a live server of the home that predates `serve.lock`."""
+    info = _named_alive(path)
+    return None if info is None else _answering(info)
+
+
+PROBE_CONNECT_S = 1.0
+
+
+def _answers(url: object) -> bool:
+    """Whether something accepts a connection at the server's URL (a live server that predates
+    `serve.lock` does, and holds no lock)."""
+    try:
+        parts = urlsplit(str(url))
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return False
+    if not host:
+        return False
+    try:
+        socket.create_connection((host, port), timeout=PROBE_CONNECT_S).close()
+    except OSError:
+        return False
+    return True
 
 
 def remove_server_json(path: Path) -> None:
@@ -322,7 +368,7 @@ def claim_home(server_json: Path, holder: str | None = None) -> tuple[HomeLock |
     lock = HomeLock(home_lock_path(server_json))
     if not lock.try_acquire(holder=holder):
         return None, read_live_server(server_json)
-    live = read_live_server(server_json)  # a live server that predates serve.lock still owns it
+    live = _predating_lock(server_json)  # a live server that predates serve.lock still owns it
     if live is not None:
         lock.release()
         return None, live
@@ -348,7 +394,7 @@ def claim_for_turns(
         if live is not None:
             return live, None
         if lock.try_acquire(holder=IN_PROCESS_RUN):
-            live = read_live_server(server_json)  # a live server that predates serve.lock still owns it
+            live = _predating_lock(server_json)  # a live server that predates serve.lock still owns it
             if live is None:
                 return None, lock
             lock.release()

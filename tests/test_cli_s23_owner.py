@@ -72,11 +72,21 @@ def test_a_store_with_a_password_is_refused_not_guessed(tmp_path: Path) -> None:
     """The server's URL holds a password, which server.json does not keep: a command that opens the
     store is refused with one line naming both stores and how to point it there; `run` and `chat`
     (through the server) are not. The server is this test process, as server.json names it."""
-    from appserver.serverinfo import store_record, write_server_json
+    from appserver.serverinfo import HomeLock, home_lock_path, store_record, write_server_json
 
     home = tmp_path / "home"
     assert run_cli(home, "agents", "list").code == 0  # the home, its SQLite store
-    write_server_json(home / "server.json", "http://127.0.0.1:1", "none", store=store_record(UNREACHABLE_PG))
+    server_json = home / "server.json"
+    lock = HomeLock(home_lock_path(server_json))  # held as a server holds it (nothing answers at its URL)
+    assert lock.try_acquire(holder="appserver serve")
+    try:
+        write_server_json(server_json, "http://127.0.0.1:1", "none", store=store_record(UNREACHABLE_PG))
+        _refused_as_another_store(home)
+    finally:
+        lock.release()
+
+
+def _refused_as_another_store(home: Path) -> None:
     for args in (
         ("agents", "create", "--name", "nope"),
         ("token", "list"),
@@ -168,3 +178,27 @@ def test_timeout_and_empty_conversation_read_the_same_with_or_without_a_server(t
     assert in_process == through, (in_process, through)
     assert in_process[0] == (1, "error: the turn did not settle within 3 s\n")
     assert in_process[1] == (2, "error: --conversation is empty: give new, default or a conversation id\n")
+
+
+def test_an_in_process_cron_run_takes_the_home_like_run(tmp_path: Path) -> None:
+    """`cron run` with no server runs its turn in this process, so it takes the home as `run` does:
+    behind an in-process run's turn it waits (it ran beside it, or failed), then runs."""
+    home = tmp_path / "home"
+    added = run_cli(home, "cron", "add", "--name", "t", "--agent", "assistant", "--every", "1h", "--prompt", "hi")
+    assert added.code == 0, added.err
+    first = _start_run(home, "/slow 100000")
+    try:
+        wait_for(lambda: "running" in _turn_statuses(home), 20, "the in-process run's turn")
+        cron = appserver_popen(
+            ["cron", "run", "t", "--timeout", "60"], env=cli_env(home), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert cron.stderr is not None
+        assert cron.stderr.readline().startswith(f"[waiting: `appserver run` (pid {first.pid})")
+        first.send_signal(signal.SIGINT)
+        out, err = cron.communicate(timeout=30)
+        assert cron.returncode == 0 and "run #1 of t: completed" in out, (out, err)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.communicate()

@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from appserver.cli.common import fail, get_config, live_server_or_fail, print_json
+from appserver.cli.common import fail, get_config, print_json
+from appserver.cli.run import own_home_or_server
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config
 from appserver.errors import Conflict, KernelError
@@ -55,7 +56,8 @@ def agent_names(config: Config) -> dict[str, str]:
 def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
     """Run TASK now: through the live server when one owns the home, else in this process."""
     config = get_config()
-    live = live_server_or_fail(config.server_json)
+    # the home's lock, held while this process runs the turn, as `appserver run` and `serve` hold it
+    live, _lock = own_home_or_server(config.server_json, timeout)
     if live is not None:
         # a server owns this home: it runs the turn (the `cron_run` frame), never this process
         report(run_remote(config, str(live.get("url")), task, agent, timeout), as_json)

@@ -418,20 +418,25 @@ class ApprovalBoard:
             except TimeoutError:
                 pass
 
-    def find(self, account: str, chat: str, ref: str | None) -> Prompt | None | list[Prompt]:
+    def find(self, account: str, chat: str, ref: str | None, thread: str | None = None) -> Prompt | None | list[Prompt]:
         """The open prompt in this chat that `ref` names, case-insensitively: by the ID the prompt
         shows (its short id) or its whole call id, nothing shorter (any suffix would let `/approve 1`
-        answer whichever call happens to end in 1); the only open one when `ref` is None; a list when
-        several match."""
-        open_here = [
-            p for p in self.prompts.values() if p.account == account and p.target.chat == chat and p.decided is None
-        ]
+        answer whichever call happens to end in 1); when `ref` is None, the only open one of this
+        `thread` (a bare `/approve` typed in another thread or forum topic answered a prompt its
+        sender could not see from there); a list when several match."""
+        open_here = self.open_in_chat(account, chat)
         if ref is None:
-            return open_here[0] if len(open_here) == 1 else (open_here or None)
+            in_thread = [p for p in open_here if (p.target.thread or None) == (thread or None)]
+            return in_thread[0] if len(in_thread) == 1 else (in_thread or None)
         hits = [p for p in open_here if _names(p, ref)]
         if not hits:
             return None
         return hits[0] if len(hits) == 1 else hits
+
+    def open_in_chat(self, account: str, chat: str) -> list[Prompt]:
+        """The open prompts of a chat, in every thread of it."""
+        prompts = self.prompts.values()
+        return [p for p in prompts if p.account == account and p.target.chat == chat and p.decided is None]
 
     def forget_turn(self, turn_id: str) -> None:
         for call_id in [c for c, p in self.prompts.items() if p.turn_id == turn_id]:

@@ -373,16 +373,19 @@ class ChatOps:
         second of a double click, a prompt decided meanwhile) gets no answer in the chat: the prompt
         shows (or is about to show) its decision, and the platform's own answer to the click is neutral."""
         pressed = bool(entry.payload.get("pressed"))
-        found = self.approvals.find(runner.spec.ref, entry.chat, command.args[0] if command.args else None)
-        if found is None and command.args:
-            found = await self._announced(runner, entry.chat, command.args[0])
+        ref = command.args[0] if command.args else None
+        found = self.approvals.find(runner.spec.ref, entry.chat, ref, thread=entry.thread)
+        if found is None and ref is not None:
+            found = await self._announced(runner, entry.chat, ref)
         if found is None:
             if pressed:
                 log.info("%s: a click on an answered approval prompt in %s; ignored", runner.spec.ref, entry.chat)
                 return ""
-            return "No request waiting for an answer here" + (
-                f" with ID {code_span(command.args[0])}." if command.args else "."
-            )
+            elsewhere = self.approvals.open_in_chat(runner.spec.ref, entry.chat) if ref is None else []
+            if elsewhere:  # in another thread or topic: named by its ID, it is answered from here too
+                ids = ", ".join(code_span(p.short_id) for p in elsewhere)
+                return f"No request waiting for an answer in this thread; in other threads of this chat: {ids}."
+            return "No request waiting for an answer here" + (f" with ID {code_span(ref)}." if ref else ".")
         if isinstance(found, list):
             return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
         prompt = found

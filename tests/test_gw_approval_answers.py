@@ -57,3 +57,20 @@ def test_a_member_is_refused_once_and_the_starter_answers_without_a_mention(srv:
     chat.wait_for_text("team", lambda t: t.startswith("clock -> "), timeout=15)
     time.sleep(0.3)
     assert sum(NOT_YOURS in m.text for m in chat.messages("team")) == 1
+
+
+def test_a_bare_approve_answers_only_the_prompt_of_its_own_thread(srv: ChannelServer, chat: FakeChat) -> None:
+    """A bare `/approve` typed in another thread (a Slack thread, a Telegram forum topic) approved
+    the chat's only open prompt, which its sender could not see from there, and said nothing where
+    it was typed (found by an outside test). It answers its own thread's prompt; elsewhere it names
+    the IDs that wait in the chat's other threads (`/approve ID` answers them from anywhere)."""
+    chat.inject("team", "/call clock {}", sender="ann", chat_type="group", mentions_bot=True, thread="t1")
+    prompt = chat.wait_for_text("team", lambda t: t.startswith("🔐") and "clock" in t, timeout=15, thread="t1")
+    short = re.search(r"/approve (\w+)", prompt.text)
+    assert short, prompt.text
+    chat.inject("team", "/approve", sender="ann", chat_type="group", mentions_bot=True, thread="t2")
+    told = chat.wait_for_text("team", lambda t: "No request waiting" in t, timeout=15, thread="t2")
+    assert "in this thread" in told.text and short.group(1) in told.text, told.text
+    assert not any("Approved" in m.text for m in chat.messages("team", "t1"))
+    chat.inject("team", "/approve", sender="ann", sender_name="Ann", chat_type="group", mentions_bot=True, thread="t1")
+    chat.wait_for_text("team", lambda t: t.startswith("🔐") and "✅ Approved by `Ann`" in t, timeout=15, thread="t1")

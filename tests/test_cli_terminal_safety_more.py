@@ -160,7 +160,7 @@ def test_agents_show_names_from_the_store_exactly_but_the_system_prompt_as_writt
     assert_shown(listed.out)
     shown = ok(home, "agents", "show", made["id"])
     assert_shown(shown.out)
-    assert "system: line one\n\tline two" in shown.out  # the operator's own text, not escaped
+    assert "system: line one\n\tline two" in shown.out  # newline and tab kept; only controls escaped
     assert ok(home, "agents", "show", made["id"], "--json").json()["name"] == EVIL
     deleted = ok(home, "agents", "delete", made["id"])
     assert_shown(deleted.out)

@@ -235,6 +235,9 @@ def test_copy_holds_the_serve_lock_and_refuses_a_live_server(tmp_path: Path, tar
     with serving(home):
         r = run_cli(home, "store", "copy", "--to", target)
         assert r.code == 3 and "stop it first" in r.err, (r.code, r.err)
+    # the database's schema (run alone, this test meets a database no earlier test prepared)
+    assert run_cli(home, "agents", "list", env=cli_env(home, APPSERVER_STORE__URL=target)).code == 0
+    truncate_all(target)  # ...and nothing in it: a first open seeds the default agent
     # hold the copy inside PostgreSQL (its LOCK TABLE waits for ours), so that it runs for a while
     with psycopg.connect(target) as blocker:
         blocker.execute("LOCK TABLE agents IN ACCESS EXCLUSIVE MODE")

@@ -4,7 +4,7 @@ namespace rule that decides which conversations a caller may see.
 One public face: front ends and the CLI import from `appserver.auth`, never from its modules.
 """
 
-from appserver.auth.authenticator import HELLO_TIMEOUT_S, REVOCATION_POLL_S, Authenticator
+from appserver.auth.authenticator import HELLO_GRACE_S, HELLO_TIMEOUT_S, REVOCATION_POLL_S, Authenticator
 from appserver.auth.errors import AuthError, TokensStale
 from appserver.auth.jwt import JwtVerifier
 from appserver.auth.namespaces import (
@@ -32,6 +32,7 @@ from appserver.auth.tokens import (
 __all__ = [
     "DEFAULT_TOKEN_SCOPES",
     "GATEWAY_TOKEN_NAME",
+    "HELLO_GRACE_S",
     "HELLO_TIMEOUT_S",
     "REVOCATION_POLL_S",
     "SCOPES",

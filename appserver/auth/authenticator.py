@@ -20,6 +20,10 @@ from appserver.config import Config, ConfigError
 log = logging.getLogger("appserver.auth")
 
 HELLO_TIMEOUT_S = 5.0
+# Past the hello window, before the close, once: after a stall of the event loop (a long GC, a VM
+# pause) its timer fires before the reader has taken a hello that waits in the socket, and the
+# client that sent it in time would be closed and blamed.
+HELLO_GRACE_S = 0.5
 # A capability token is 47 characters; anything far longer is no token.
 TOKEN_MAX_CHARS = 8192
 # A JWT carries its claims (groups, roles): 16 KiB, as common header limits, and well within the

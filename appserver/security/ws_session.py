@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from appserver.auth import REVOCATION_POLL_S, Authenticator, AuthError, Principal, TokensStale
+from appserver.auth import HELLO_GRACE_S, REVOCATION_POLL_S, Authenticator, AuthError, Principal, TokensStale
 from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send, prove
 from appserver.security.authentication import WS_SCOPE
 from appserver.security.limits import TOO_MANY_CONNECTIONS, SlotHold, slot_key
@@ -110,8 +110,6 @@ class WsSession:
             raise AuthError(401, "connection_closed", "the connection is closed")
         if self.evicted:
             raise AuthError(401, "auth_timeout", "authentication timeout: " + EVICTED_WHY)
-        if self.state.get("auth_pending") and self.hello_deadline is not None and time.time() > self.hello_deadline:
-            raise AuthError(401, "auth_timeout", "authentication window elapsed")
         ready, self._hello_ready = self._hello_ready, None
         settled = ready[1] if ready is not None and ready[0] == token else None
         try:
@@ -237,6 +235,7 @@ class WsSession:
     async def watch(self) -> None:
         """Close the socket when the hello window or the credential's lifetime runs out, or when
         its token is revoked (polled every REVOCATION_POLL_S: one `stat` shared by all sockets)."""
+        graced = False
         while not self.closed:
             if self.revoked(max_age_s=REVOCATION_POLL_S / 2):
                 await self.close(WS_CLOSE_AUTH, "credential revoked")
@@ -249,7 +248,10 @@ class WsSession:
             if nxt is not None:
                 deadline, reason = nxt
                 delay = deadline - time.time()
-                if delay <= 0:
+                if delay <= 0 and self.state.get("auth_pending") and not graced:
+                    # once more after HELLO_GRACE_S: a hello in the socket is read first (a stall)
+                    graced, delay = True, HELLO_GRACE_S
+                elif delay <= 0:
                     await self.close(WS_CLOSE_AUTH, reason)
                     return
             self.changed.clear()

@@ -20,7 +20,15 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from appserver import __name__ as _pkg
 from appserver import strictjson
-from appserver.auth import HELLO_TIMEOUT_S, AuthError, Principal, conversation_namespace, namespace_allows, namespace_of
+from appserver.auth import (
+    HELLO_GRACE_S,
+    HELLO_TIMEOUT_S,
+    AuthError,
+    Principal,
+    conversation_namespace,
+    namespace_allows,
+    namespace_of,
+)
 from appserver.channels import LedgerUnavailable, PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
 from appserver.http.conversation_match import name_ids
@@ -213,7 +221,8 @@ class Endpoint:
         overdue = None
         if not state.get("auth_pending"):
             hello_timeout_s = float(state.get("hello_timeout_s") or HELLO_TIMEOUT_S)
-            overdue = asyncio.get_running_loop().call_later(hello_timeout_s, _hello_overdue, conn, hello_timeout_s)
+            loop = asyncio.get_running_loop()
+            overdue = loop.call_later(hello_timeout_s, _hello_overdue, conn, hello_timeout_s, True)
         try:
             await asyncio.wait({reader, closing, sender}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -729,9 +738,14 @@ def _conversation_ref(value: str, expected: str = "give a conversation id") -> s
     return ref
 
 
-def _hello_overdue(conn: Connection, hello_timeout_s: float) -> None:
-    if not conn.greeted:
-        conn.kill(F.CLOSE_AUTH, f"hello timeout: no hello within {hello_timeout_s:g} s", flush=True)
+def _hello_overdue(conn: Connection, hello_timeout_s: float, first: bool) -> None:
+    """The hello window ran out: closed, after one more look HELLO_GRACE_S later (a stall)."""
+    if conn.greeted:
+        return
+    if first:
+        asyncio.get_running_loop().call_later(HELLO_GRACE_S, _hello_overdue, conn, hello_timeout_s, False)
+        return
+    conn.kill(F.CLOSE_AUTH, f"hello timeout: no hello within {hello_timeout_s:g} s", flush=True)
 
 
 def _bearer(value: str | None) -> str | None:

@@ -247,6 +247,27 @@ def test_scoped_token_openai_sdk(srv: TokenServer) -> None:
     assert {"a", "b"} <= {m.id for m in full.models.list()}
 
 
+async def test_an_admin_limited_to_some_agents_cannot_list_or_decide_pairings(srv: TokenServer) -> None:
+    """A pairing lets a chat sender reach every agent its channel account routes to: an admin token
+    limited with `--agents` approved a stranger onto an agent it may not use (found by an outside
+    test). Both pairing frames need an admin credential for every agent."""
+    limited = TokenStore(srv.sp.home).create(name="admin-of-a", scopes="admin,ws", agents="a")[1]
+    ws = await WS.open(srv.url, headers=bearer(limited), open_timeout=T)
+    try:
+        for frame in ({"type": "pairing_list"}, {"type": "pairing_decide", "code": "ABCDEFGH", "decision": "approve"}):
+            reply = await ws.request(frame, T)
+            assert reply["type"] == "error" and reply["code"] == "forbidden", (frame, reply)
+            assert "every agent" in reply["message"], reply
+    finally:
+        await ws.close()
+    ws = await WS.open(srv.url, headers=bearer(srv.full), open_timeout=T)
+    try:  # an admin for every agent is let through (no channels here: an empty list)
+        listed = await ws.request({"type": "pairing_list"}, T)
+        assert listed["type"] == "ack" and listed["results"] == [], listed
+    finally:
+        await ws.close()
+
+
 async def test_scoped_token_websocket(srv: TokenServer) -> None:
     ws = await WS.open(srv.url, headers=bearer(srv.scoped), open_timeout=T)
     try:

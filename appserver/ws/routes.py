@@ -393,6 +393,14 @@ class Endpoint:
         elif isinstance(frame, F.PairingList | F.PairingDecide):
             if conn.principal is None or not conn.principal.has_scope("admin"):
                 raise FrameError("forbidden", f"{frame.type} needs a credential with the 'admin' scope")
+            if conn.principal.agents is not None:
+                # A pairing lets a chat sender reach every agent its channel account routes to: a
+                # credential limited to some agents (`--agents`) could open the others to anyone.
+                raise FrameError(
+                    "forbidden",
+                    f"{frame.type} needs an admin credential for every agent; this one is limited to some "
+                    "(token --agents), and a pairing opens a channel account's agents to its sender",
+                )
             home = self.server.config.home
             try:
                 if isinstance(frame, F.PairingList):

@@ -14,6 +14,7 @@ import json
 import signal
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 
 from tests.support.cli import ROOT, cli_env, run_cli
@@ -147,6 +148,24 @@ def test_ctrl_c_cancels_the_in_process_turn_and_exits_130(tmp_path: Path) -> Non
         assert _turn_statuses(home)[-1] == status
 
 
+def test_a_second_signal_while_the_run_ends_changes_nothing(tmp_path: Path) -> None:
+    """A service stop and a Ctrl-C at once (SIGTERM, then SIGINT at once): the SIGINT landed while the
+    in-process server closed, raised KeyboardInterrupt there, and the run said "no turn was started"
+    with its turn left `running` (found by an outside test). The first signal decides; the turn is
+    settled."""
+    home = tmp_path / "home"
+    for gap in (0.002, 0.005, 0.01, 0.02):
+        proc = _start_run(home, "--conversation", "new", "/slow 100000")
+        wait_for(lambda: "running" in _turn_statuses(home) if (home / "appserver.db").exists() else False, 20, "a turn")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(gap)  # the SIGINT lands while the first one is acted on, or while the server closes
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 143, (out, err)
+        assert err.strip() == "error: interrupted by SIGTERM: the turn was interrupted", err
+        assert _turn_statuses(home)[-1] == "interrupted"
+
+
 def test_ctrl_c_through_a_server_cancels_the_turn_there(tmp_path: Path) -> None:
     home = tmp_path / "home"
     with serving(home):
@@ -202,3 +221,28 @@ def test_an_in_process_cron_run_takes_the_home_like_run(tmp_path: Path) -> None:
         if first.poll() is None:
             first.kill()
         first.communicate()
+
+
+def test_the_cli_keeps_its_own_password_for_the_servers_store(tmp_path: Path) -> None:
+    """The server reaches its database without a password in its URL (.pgpass, PGPASSWORD, trust)
+    and the CLI names the same database with one: the CLI's URL was replaced by the server's, and
+    the password the database needs was dropped (found by an outside test). Another store than the
+    server's is followed with a note."""
+    from appserver.serverinfo import HomeLock, home_lock_path, store_record, write_server_json
+
+    home = tmp_path / "home"
+    assert run_cli(home, "agents", "list").code == 0
+    server_json = home / "server.json"
+    lock = HomeLock(home_lock_path(server_json))
+    assert lock.try_acquire(holder="appserver serve")
+    try:
+        passwordless = "postgresql://someone@127.0.0.1:1/nowhere"
+        write_server_json(server_json, "http://127.0.0.1:1", "none", store=store_record(passwordless))
+        same = run_cli(home, "agents", "list", env=cli_env(home, APPSERVER_STORE__URL=UNREACHABLE_PG))
+        assert same.code != 0 and "postgresql://someone:***@127.0.0.1:1/nowhere" in same.err, same.err
+        assert "note:" not in same.err, same.err
+        other = run_cli(home, "agents", "list", env=cli_env(home, APPSERVER_STORE__URL=UNREACHABLE_PG + "2"))
+        assert other.err.startswith("note: the server running on this home uses the store " + passwordless), other.err
+        assert "postgresql://someone@127.0.0.1:1/nowhere:" in other.err, other.err  # it acted on the server's
+    finally:
+        lock.release()

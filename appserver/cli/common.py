@@ -28,7 +28,7 @@ from appserver.errors import KernelError
 from appserver.fsutil import CorruptStateFile
 from appserver.serverinfo import HomeStarting, find_live_server, read_live_server
 from appserver.store.base import StoreError
-from appserver.store.url import redact_url, store_kind
+from appserver.store.url import REDACTED, redact_url, store_kind
 
 if TYPE_CHECKING:  # the kernel is imported by the commands that run it, not by `appserver --help`
     from appserver.server import Server
@@ -99,18 +99,30 @@ def debug_enabled() -> bool:
 
 
 def _os_error(exc: OSError) -> str:
-    where = exc.filename or "(no file named)"
+    if exc.filename is None:
+        return _os_error_unnamed(exc)
+    where = exc.filename
     if exc.errno == errno.ENOSPC:
         return f"no space left on the device holding {where}: free some space there and start again"
     if exc.errno in (errno.EACCES, errno.EPERM):
         return f"permission denied: {where}: it must be readable and writable by the user running appserver"
     if exc.errno == errno.EROFS:
         return f"read-only file system: {where}: the home directory must be writable"
-    if exc.errno == errno.EPIPE and not exc.filename:
-        return f"broken pipe: what this command was writing to (a pipe or a connection) went away ({exc.strerror})"
     if exc.errno == errno.ENOENT:
         return f"no such file or directory: {where}"
     return f"{where}: {exc.strerror or exc}"
+
+
+def _os_error_unnamed(exc: OSError) -> str:
+    """An OSError that names no file (a library's bare errno, as OpenSSL's EINVAL was for an
+    encrypted TLS key): what the system said, and how to see where it came from."""
+    if exc.errno == errno.ENOSPC:
+        return "no space left on a device this command writes to: free some space there and start again"
+    if exc.errno == errno.EPIPE:
+        return f"broken pipe: what this command was writing to (a pipe or a connection) went away ({exc.strerror})"
+    name = errno.errorcode.get(exc.errno or 0)
+    said = f"{exc.strerror} ({name})" if exc.strerror and name else str(exc) or type(exc).__name__
+    return f"operating-system error: {said}; `appserver --debug …` shows where it happened"
 
 
 # The most items one --limit/--count may ask for: far more than anyone reads in a terminal, far below the
@@ -237,9 +249,16 @@ def follow_server_store(config: Config) -> None:
     if live is None or not isinstance(record, dict):
         return  # no server, or an older one that does not say: config.toml's store
     theirs = str(record.get("url") or "")
-    if redact_url(config.store.url.strip()) == theirs:
-        return
+    ours = config.store.url.strip()
+    if _without_password(redact_url(ours)) == _without_password(theirs):
+        return  # the same store: ours may carry the password the server got elsewhere (.pgpass, PGPASSWORD)
     if record.get("complete") is True:
+        if ours:
+            click.echo(
+                f"note: the server running on this home uses the store {_store_text(theirs, config)}; "
+                f"this command acts on it, not on {_store_text(ours, config)}",
+                err=True,
+            )
         config.store.url = theirs
         return
     if _command_names() & STORE_FREE_COMMANDS:
@@ -251,6 +270,11 @@ def follow_server_store(config: Config) -> None:
         "APPSERVER_STORE__URL to its full URL (or [store] url in config.toml)",
         2,
     )
+
+
+def _without_password(redacted: str) -> str:
+    """A redacted store URL with its (hidden) password left out, to compare two names of one store."""
+    return redacted.replace(f":{REDACTED}@", "@").replace(f"password={REDACTED}", "")
 
 
 def _store_text(url: str, config: Config) -> str:

@@ -50,7 +50,9 @@ class TurnNotSettled(Exception):
 async def until_signal(work: Awaitable[T], on_signal: Callable[[int], Awaitable[str]]) -> T:
     """Await `work` in this task; SIGINT, SIGTERM or SIGHUP cancels it, then `on_signal(signum)`
     (which cancels the turn or not, and says so) runs and Interrupted is raised. A second signal
-    meanwhile is ignored: the turn is being ended already."""
+    meanwhile is ignored: the turn is being ended already. So is any signal after, to the end of the
+    process: the in-process server is closing and settles the turn (Python's own SIGINT handler,
+    put back here, raised KeyboardInterrupt inside that close and left the turn `running`)."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
@@ -74,6 +76,7 @@ async def until_signal(work: Awaitable[T], on_signal: Callable[[int], Awaitable[
     finally:
         for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
+            signal.signal(signum, signal.SIG_IGN)  # to the end of the process: the command is ending
 
 
 def signal_name(signum: int) -> str:

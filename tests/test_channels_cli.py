@@ -588,8 +588,16 @@ def test_status_shows_the_live_check_and_an_unreachable_server(home: Path, ready
     code, out, _ = ch("disable", "webhook")
     assert code == 0 and f"A server is running at {readyz}" in out and "restarted" in out
 
-    write_server_json(home / "server.json", "http://127.0.0.1:9", "none")  # nothing listens there
-    code, out, err = ch("status")
+    # a server that holds the home but does not answer (stuck): nothing listens at its URL
+    from appserver.serverinfo import HomeLock, home_lock_path
+
+    write_server_json(home / "server.json", "http://127.0.0.1:9", "none")
+    lock = HomeLock(home_lock_path(home / "server.json"))
+    assert lock.try_acquire(holder="appserver serve")
+    try:
+        code, out, err = ch("status")
+    finally:
+        lock.release()
     assert code == 0, err
     assert "could not be read" in out and "last recorded" in out
     assert "webhook  main" in out

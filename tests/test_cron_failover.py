@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import threading
@@ -158,11 +159,12 @@ def test_server_json_of_a_reused_pid_is_dead_and_the_home_lock_is_exclusive(tmp_
     """A live pid whose start time differs (the pid was reused) does not hold the home; serve.lock
     admits one holder at a time."""
     server_json = tmp_path / "server.json"
-    write_server_json(server_json, "http://127.0.0.1:1", "none")
-    me = read_live_server(server_json)
-    assert me is not None and me["identity"] == identity()
-    lock, live = claim_home(server_json)  # lock free, but a live server.json still owns the home
-    assert lock is None and live is not None and live["pid"] == os.getpid()
+    with socket.create_server(("127.0.0.1", 0)) as answering:  # a server that predates serve.lock answers
+        write_server_json(server_json, f"http://127.0.0.1:{answering.getsockname()[1]}", "none")
+        me = read_live_server(server_json)
+        assert me is not None and me["identity"] == identity()
+        lock, live = claim_home(server_json)  # lock free, but a live server.json still owns the home
+        assert lock is None and live is not None and live["pid"] == os.getpid()
 
     start = process_start_ticks(os.getpid())
     assert start is not None

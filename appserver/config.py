@@ -170,6 +170,9 @@ class StoreConfig:
     # and run at all, before its request fails with 503 store_unavailable (docs/scale-out.md).
     lock_timeout_s: float = 10.0
     statement_timeout_s: float = 120.0
+    # PostgreSQL only: how long a connection to the database, or a wait for a pooled one, may take
+    # before the request fails with 503 store_unavailable (docs/scale-out.md).
+    connect_timeout_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -253,13 +256,14 @@ RULES: dict[str, Rule] = {
     "limits.min_free_disk_bytes": _NON_NEGATIVE,  # 0 = no free-space check
     "auth.mode": Rule(choices=("none", "token", "jwt")),
     "server.event_loop": Rule(choices=("auto", "uvloop", "asyncio")),
-    "auth.jwt_leeway_s": _NON_NEGATIVE,
+    "auth.jwt_leeway_s": Rule(ge=0, le=300),  # = auth/jwt.py MAX_JWT_LEEWAY_S (why: there)
     "cron.tick_s": Rule(gt=0, le=3600),  # and >= 0.1: see _check_value
     "cron.lease_ttl_s": Rule(ge=3, le=3600),
     "store.heartbeat_s": Rule(ge=0.1, le=60),
     "store.instance_timeout_s": Rule(ge=1, le=3600),
     "store.lock_timeout_s": Rule(ge=0.1, le=3600),
     "store.statement_timeout_s": Rule(ge=1, le=86400),
+    "store.connect_timeout_s": Rule(ge=1, le=3600),
     "providers.kind": Rule(choices=("openai", "anthropic")),
     "providers.transport": Rule(choices=("lean", "httpx")),
     "providers.timeout_s": _POSITIVE,

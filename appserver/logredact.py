@@ -29,6 +29,9 @@ MIN_SECRET_LEN = 8
 MAX_REMEMBERED = 1024
 
 _SECRET_FIELD = r"(?i)[\"'](?:token|access_token|api_key|apikey|secret|password|authorization)[\"']\s*:\s*"
+# A mask written by an earlier pattern (or an earlier pass over the same text) starts here: a value
+# pattern must not take it for a secret, or it masks the mask's first word (`[redacted`) again.
+_NOT_A_MASK = r"(?!\[redacted(?: sha256:[0-9a-f]{12})?\])"
 
 # Each pattern matches a secret; when it has a group named `s`, only that group is replaced.
 _PATTERNS: tuple[re.Pattern[str], ...] = (
@@ -44,7 +47,9 @@ _PATTERNS: tuple[re.Pattern[str], ...] = (
     re.compile(r"\bgh[pousr]_[A-Za-z0-9]{20,}"),
     re.compile(r"\b\d{6,12}:[A-Za-z0-9_-]{30,}"),
     # credentials in a URL query (the guard refuses them, but the access log already saw them)
-    re.compile(r"(?i)[?&;](?:token|access_token|api_key|apikey|api-key|key|jwt)=(?P<s>[^&;\s\"']+)"),
+    re.compile(
+        r"(?i)[?&;](?:token|access_token|api_key|apikey|api-key|key|jwt)=" + _NOT_A_MASK + r"(?P<s>[^&;\s\"']+)"
+    ),
     # an Authorization header's value under any scheme (`Token …`, `Key …`) or none (a raw key)
     re.compile(
         r"(?i)\b(?:proxy-)?authorization\s*[:=]\s*[\"']?(?>(?:[A-Za-z][A-Za-z0-9-]*\s+)?)"

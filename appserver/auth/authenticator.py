@@ -8,7 +8,9 @@ and the protocol layer call `authenticate(header)` / `authenticate_hello(token)`
 from __future__ import annotations
 
 import logging
+import math
 import re
+import time
 
 from appserver.auth.errors import AuthError, TokensStale, unauthorized
 from appserver.auth.jwt import JwtVerifier
@@ -30,6 +32,9 @@ TOKEN_MAX_CHARS = 8192
 # edge's 64 KiB head; verifying it is linear in its length.
 JWT_MAX_CHARS = 16384
 REVOCATION_POLL_S = 0.5  # how often a live WebSocket's capability token is re-checked
+# A JWT the checks did not foresee: its traceback is logged at most this often (any client can send
+# the same one again and again), one line otherwise.
+UNFORESEEN_TRACEBACK_EVERY_S = 60.0
 _TOKEN68 = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
 
 
@@ -47,6 +52,7 @@ class Authenticator:
             raise ConfigError(f"[auth] mode must be none, token or jwt; got {self.mode!r}")
         self.tokens: TokenStore | None = None
         self.jwt: JwtVerifier | None = None
+        self._traceback_logged_at = -math.inf
         if self.mode == "token":
             self.tokens = token_store or token_store_for(config.home, config.store.url)
             self.tokens.check()
@@ -157,9 +163,23 @@ class Authenticator:
         except AuthError as exc:
             log.info("rejected JWT %s: %s", fingerprint(token), exc.message)
             raise
-        except Exception:  # a claim the checks did not foresee: refused, and loudly, never a 500
-            log.exception("JWT %s could not be verified", fingerprint(token))
+        except Exception as exc:  # a claim the checks did not foresee: refused, and loudly, never a 500
+            self._log_unforeseen(token, exc)
             raise unauthorized("invalid_token", "the JWT could not be verified") from None
+
+    def _log_unforeseen(self, token: str, exc: Exception) -> None:
+        """An error line per such JWT; its traceback (a bug to report) at most every
+        UNFORESEEN_TRACEBACK_EVERY_S, so a client repeating it cannot fill the log with them."""
+        now = time.monotonic()
+        if now - self._traceback_logged_at >= UNFORESEEN_TRACEBACK_EVERY_S:
+            self._traceback_logged_at = now
+            log.error("JWT %s could not be verified", fingerprint(token), exc_info=exc)
+        else:
+            log.error(
+                "JWT %s could not be verified: %s (the traceback was logged earlier)",
+                fingerprint(token),
+                type(exc).__name__,
+            )
 
 
 def _hello_token(token: str) -> str:

@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
 import math
 import os
@@ -24,6 +27,15 @@ MAX_JWT_LIFETIME_S = 36500 * 86400.0  # an `exp` further ahead is refused, as a 
 EXP_CLAIM_MESSAGE = (
     f"JWT claim 'exp' must be a NumericDate (a number of seconds) at most {MAX_JWT_LIFETIME_S // 86400:.0f} days ahead"
 )
+NUMERIC_DATE_MESSAGE = "JWT claim {claim!r} must be a NumericDate (a finite number of seconds)"
+SUB_CLAIM_MESSAGE = "JWT claim 'sub' must be a non-empty string of printable characters (at most 256)"
+# Clock skew allowed on exp/nbf/iat. Synchronised clocks differ by well under a second, and 5 minutes
+# is the customary ceiling (Kerberos' default, most identity providers'); every JWT stays valid this
+# long past its `exp` (and a WebSocket opened with it stays open), so a larger one would turn expiry
+# into a suggestion. config.py RULES holds the same bound for config.toml.
+MAX_JWT_LEEWAY_S = 300.0
+# A key the server holds that PyJWT refuses while verifying: logged (one line) at most this often.
+KEY_PROBLEM_LOG_EVERY_S = 60.0
 _HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
 _RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 _EC_ALGS = frozenset({"ES256", "ES384", "ES512"})
@@ -52,8 +64,12 @@ class JwtVerifier:
         self.issuer = cfg.jwt_issuer
         self.audience = cfg.jwt_audience
         self.leeway = float(cfg.jwt_leeway_s)
-        if self.leeway < 0:
-            raise ConfigError("[auth] jwt_leeway_s must be ≥ 0")
+        if not 0 <= self.leeway <= MAX_JWT_LEEWAY_S:  # NaN fails too
+            raise ConfigError(
+                f"[auth] jwt_leeway_s must be between 0 and {MAX_JWT_LEEWAY_S:.0f} seconds; "
+                f"got {cfg.jwt_leeway_s} (a larger leeway keeps every JWT valid that long past its exp)"
+            )
+        self._key_problem_logged_at = -math.inf
         if cfg.jwt_secret_file and cfg.jwt_public_key_file:
             raise ConfigError(
                 "[auth] set either jwt_secret_file (HS256) or jwt_public_key_file (RS256/ES256), not both"
@@ -73,6 +89,7 @@ class JwtVerifier:
                     f"[auth] jwt_secret_file holds {len(secret)} bytes; HS256 needs a secret of at least "
                     f"{HS_MIN_SECRET_BYTES} bytes (e.g. `openssl rand -base64 48 > secret`)"
                 )
+            _refuse_key_as_secret(secret)
             self.key = secret
         elif cfg.jwt_public_key_file:
             from cryptography.hazmat.primitives.asymmetric import ec, rsa
@@ -174,10 +191,14 @@ class JwtVerifier:
             raise unauthorized("invalid_token", f"JWT lacks the required claim {exc.claim!r}") from None
         except jwt.InvalidSignatureError:
             raise unauthorized("invalid_token", "JWT signature is invalid") from None
-        except jwt.InvalidTokenError as exc:
-            raise unauthorized("invalid_token", f"invalid JWT: {type(exc).__name__}") from None
-        except (OverflowError, ValueError, TypeError) as exc:  # a claim PyJWT could not compare or convert
-            raise unauthorized("invalid_token", f"invalid JWT: {type(exc).__name__}") from None
+        except jwt.InvalidKeyError as exc:  # refused at start (_refuse_key_as_secret); never a traceback per request
+            self._log_key_problem(str(exc))
+            raise unauthorized(
+                "invalid_token", "the JWT could not be verified: the server's JWT key is unusable"
+            ) from None
+        except (jwt.InvalidTokenError, OverflowError, ValueError, TypeError) as exc:
+            # PyJWT's class names (DecodeError, InvalidSubjectError) say nothing to a client: a reason
+            raise unauthorized("invalid_token", refusal_reason(token, exc)) from None
         if self.audience is None and "aud" in claims:  # PyJWT lets an empty one through
             raise unauthorized("invalid_token", "JWT carries an audience and this server expects none")
         # PyJWT reads `true` as 1 and "1796…" as a number; and an exp centuries ahead never ends.
@@ -195,10 +216,7 @@ class JwtVerifier:
                 break
         sub = claims.get("sub")
         if not isinstance(sub, str) or not sub.strip() or len(sub) > 256 or not sub.isprintable():
-            raise unauthorized(
-                "invalid_token",
-                "JWT claim 'sub' must be a non-empty string of printable characters (at most 256)",
-            )
+            raise unauthorized("invalid_token", SUB_CLAIM_MESSAGE)
         return Principal(
             subject=f"jwt:{sub}",
             kind="jwt",
@@ -207,6 +225,75 @@ class JwtVerifier:
             expires_at=float(claims["exp"]),
             claims=claims,
         )
+
+    def _log_key_problem(self, detail: str) -> None:
+        """One line, at most every KEY_PROBLEM_LOG_EVERY_S: any client can make every request hit it."""
+        now = time.monotonic()
+        if now - self._key_problem_logged_at < KEY_PROBLEM_LOG_EVERY_S:
+            return
+        self._key_problem_logged_at = now
+        log.error(
+            "every JWT is refused: the configured key cannot verify %s (%s); fix [auth] jwt_secret_file "
+            "or jwt_public_key_file and restart (logged at most every %.0f s)",
+            "/".join(self.algorithms),
+            detail,
+            KEY_PROBLEM_LOG_EVERY_S,
+        )
+
+
+def _refuse_key_as_secret(secret: bytes) -> None:
+    """A PEM key or certificate (or an SSH key) given as the HMAC secret: PyJWT refuses it as one at
+    every verification (algorithm confusion), so every JWT would fail; refuse it at start instead."""
+    from jwt.algorithms import HMACAlgorithm
+    from jwt.exceptions import InvalidKeyError
+
+    try:
+        HMACAlgorithm(HMACAlgorithm.SHA256).prepare_key(secret)
+        pem = b"-----BEGIN " in secret
+    except InvalidKeyError:
+        pem = True
+    if pem:
+        raise ConfigError(
+            "[auth] jwt_secret_file holds a PEM key or certificate (or an SSH key), not an HMAC secret: "
+            "for HS256 give a random secret (`openssl rand -base64 48 > secret`); to verify RS256/ES256 "
+            "JWTs, give the issuer's public key as jwt_public_key_file instead"
+        )
+
+
+def refusal_reason(token: str, exc: Exception) -> str:
+    """Why PyJWT refused a JWT, in words (it raises DecodeError for a payload that is no JSON object
+    as for an `nbf` that is no number). Its signature was checked first unless the token is malformed."""
+    from jwt.exceptions import InvalidJTIError, InvalidSubjectError
+
+    if isinstance(exc, InvalidSubjectError):
+        return SUB_CLAIM_MESSAGE
+    if isinstance(exc, InvalidJTIError):
+        return "JWT claim 'jti' must be a string"
+    parts = token.split(".")
+    if len(parts) != 3:
+        return "malformed JWT: it must be three base64url parts joined by dots"
+    try:
+        _b64url(parts[2])
+    except ValueError:
+        return "malformed JWT: its signature is not base64url"
+    try:
+        payload = json.loads(_b64url(parts[1]))
+    except (ValueError, RecursionError):  # binascii.Error and JSONDecodeError are ValueErrors
+        return "malformed JWT: its payload is not base64url-encoded UTF-8 JSON, or is nested too deep"
+    if not isinstance(payload, dict):
+        return "JWT payload must be a JSON object of claims"
+    for claim in ("iat", "nbf", "exp"):
+        if claim in payload and not _numeric_date_within(payload[claim], math.inf):
+            return EXP_CLAIM_MESSAGE if claim == "exp" else NUMERIC_DATE_MESSAGE.format(claim=claim)
+    return "invalid JWT: its claims could not be checked"
+
+
+def _b64url(segment: str) -> bytes:
+    """A base64url segment of a JWT, unpadded as JWTs write it; ValueError when it is not one."""
+    try:
+        return base64.urlsafe_b64decode(segment + "=" * (-len(segment) % 4))
+    except (binascii.Error, ValueError):
+        raise ValueError("not base64url") from None
 
 
 def _unverified_claim(token: str, claim: str) -> Any:

@@ -17,12 +17,14 @@ import os
 import signal
 import socket
 import ssl
+import stat
 from collections.abc import Callable, Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import click
 import uvicorn
-from uvicorn.config import SSL_PROTOCOL_VERSION, create_ssl_context
+from uvicorn.config import SSL_PROTOCOL_VERSION
 
 from appserver.auth import Authenticator
 from appserver.channelconfig import parse_enabled
@@ -314,14 +316,118 @@ def check_port_free(host: str, port: int) -> None:
                 raise StartupError(f"cannot listen on {shown}: {hint}") from None
 
 
+TLS_HINT = "check --tls-cert/--tls-key ([server] tls_cert/tls_key)"
+TLS_UNUSABLE = "TLS certificate or key unusable"
+
+
+class _PassphraseAsked(Exception):
+    """OpenSSL asked for the key's pass phrase: the key file is encrypted."""
+
+
+def _refuse_passphrase() -> NoReturn:
+    """The password callback of load_cert_chain: without one, OpenSSL prompts on the terminal (a
+    start that hangs there) or fails with a bare EINVAL. A server never prompts."""
+    raise _PassphraseAsked
+
+
 def check_tls_files(cert: str, key: str) -> None:
     """A missing or unusable TLS file fails with one line before anything starts."""
-    for label, path in (("certificate", cert), ("key", key)):
-        if not os.path.isfile(path):
-            raise StartupError(
-                f"TLS {label} file not found: {path}; check --tls-cert/--tls-key ([server] tls_cert/tls_key)"
-            )
-    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)  # ssl.SSLError: explained
+    load_tls_context(cert, key)
+
+
+def load_tls_context(cert: str, key: str) -> ssl.SSLContext:
+    """The server's TLS context, made as uvicorn makes it (no client certificates); whatever is wrong
+    with either file is a StartupError whose one line names the file and what to do."""
+    cert_pem, key_pem = _tls_file("certificate", cert), _tls_file("key", key)
+    _check_cert_pem(cert, cert_pem)
+    _check_key_pem(key, key_pem)
+    context = ssl.SSLContext(SSL_PROTOCOL_VERSION)
+    try:
+        context.load_cert_chain(cert, key, _refuse_passphrase)
+    except _PassphraseAsked:
+        raise StartupError(_encrypted_key(key)) from None
+    except ssl.SSLError as exc:
+        raise StartupError(_tls_ssl_error(cert, key, exc)) from None
+    except OSError as exc:  # the file changed since it was read, or OpenSSL's own errno
+        raise StartupError(f"{TLS_UNUSABLE}: cannot load {cert} and {key}: {exc.strerror or exc}; {TLS_HINT}") from None
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _tls_file(label: str, path: str) -> bytes:
+    """The bytes of a TLS file: a StartupError when it is missing, not a regular file (a FIFO would
+    block the start, /dev/null reads empty) or unreadable."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise StartupError(f"TLS {label} file not found: {path}; {TLS_HINT}") from None
+    except OSError as exc:
+        raise StartupError(f"TLS {label} file {path}: {exc.strerror}; {TLS_HINT}") from None
+    if stat.S_ISDIR(mode):
+        raise StartupError(f"TLS {label} file {path} is a directory, not a PEM file; {TLS_HINT}")
+    if not stat.S_ISREG(mode):
+        raise StartupError(
+            f"TLS {label} file {path} is not a regular file (a device, a pipe or a socket): "
+            f"give the PEM file itself; {TLS_HINT}"
+        )
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise StartupError(
+            f"TLS {label} file {path} cannot be read ({exc.strerror}): it must be readable by the user "
+            f"running appserver; {TLS_HINT}"
+        ) from None
+
+
+def _check_cert_pem(path: str, pem: bytes) -> None:
+    if b"-----BEGIN" in pem and b"CERTIFICATE-----" in pem:
+        return
+    if b"PRIVATE KEY-----" in pem:
+        raise StartupError(
+            f"{TLS_UNUSABLE}: the certificate file {path} holds a private key and no certificate "
+            f"(--tls-cert and --tls-key swapped?); {TLS_HINT}"
+        )
+    raise StartupError(
+        f"{TLS_UNUSABLE}: the certificate file {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----); "
+        f"a DER one converts with `openssl x509 -inform der -in {path} -out cert.pem`; {TLS_HINT}"
+    )
+
+
+def _check_key_pem(path: str, pem: bytes) -> None:
+    if b"ENCRYPTED PRIVATE KEY-----" in pem or b"Proc-Type: 4,ENCRYPTED" in pem:
+        raise StartupError(_encrypted_key(path))
+    if b"-----BEGIN" in pem and b"PRIVATE KEY-----" in pem:
+        return
+    swapped = " (--tls-cert and --tls-key swapped?)" if b"CERTIFICATE-----" in pem else ""
+    raise StartupError(
+        f"{TLS_UNUSABLE}: the key file {path} holds no PEM private key (-----BEGIN PRIVATE KEY-----){swapped}; "
+        f"{TLS_HINT}"
+    )
+
+
+def _encrypted_key(path: str) -> str:
+    return (
+        f"{TLS_UNUSABLE}: the key file {path} is encrypted (protected by a pass phrase), and the server "
+        f"never asks for one: decrypt it once with `(umask 077; openssl pkey -in {path} -out {path}.plain)` "
+        "and give that file to --tls-key ([server] tls_key)"
+    )
+
+
+def _tls_ssl_error(cert: str, key: str, exc: ssl.SSLError) -> str:
+    """OpenSSL's refusal in words; "PEM lib" names no file, so the certificate is tried alone."""
+    if exc.reason == "KEY_VALUES_MISMATCH":
+        return (
+            f"{TLS_UNUSABLE}: the key in {key} does not belong to the certificate in {cert}: "
+            f"give the key the certificate was issued for; {TLS_HINT}"
+        )
+    if exc.reason is None or "PEM lib" in str(exc):
+        try:
+            ssl.SSLContext(SSL_PROTOCOL_VERSION).load_verify_locations(cafile=cert)
+            damaged = f"the key file {key}"
+        except (ssl.SSLError, OSError):
+            damaged = f"the certificate file {cert}"
+        return f"{TLS_UNUSABLE}: {damaged} is damaged (OpenSSL cannot parse its PEM); {TLS_HINT}"
+    return f"{TLS_UNUSABLE}: {exc.reason} ({cert}, {key}); {TLS_HINT}"
 
 
 async def _serve_locked(config: Config, host: str, port: int, *, accept_data_loss: bool = False) -> None:
@@ -362,18 +468,10 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     # With a certificate, the edge does the TLS handshake itself, on a plain listener: so a
     # connection is counted by the cap from its accept and its handshake is timed
     # (edge.TlsAcceptProtocol), where uvicorn's TLS listener showed it to the edge only once the
-    # handshake was done. The context is made as uvicorn would make it.
+    # handshake was done. The context is made as uvicorn would make it (load_tls_context).
     tls_context: ssl.SSLContext | None = None
     if config.server.tls_cert and config.server.tls_key:
-        tls_context = create_ssl_context(
-            certfile=config.server.tls_cert,
-            keyfile=config.server.tls_key,
-            password=None,
-            ssl_version=SSL_PROTOCOL_VERSION,
-            cert_reqs=ssl.CERT_NONE,
-            ca_certs=None,
-            ciphers=None,
-        )
+        tls_context = load_tls_context(config.server.tls_cert, config.server.tls_key)
     uv_config = uvicorn.Config(
         app,
         host=host,

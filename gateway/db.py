@@ -152,6 +152,13 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         CREATE INDEX ledger_chat ON ledger(channel, account, chat);
         """,
     ),
+    (
+        9,
+        """
+        ALTER TABLE account_status ADD COLUMN last_failure_at REAL;
+        ALTER TABLE account_status ADD COLUMN last_failure_reason TEXT;
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]

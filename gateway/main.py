@@ -23,6 +23,7 @@ from typing import Any
 from gateway.accounts import AccountSpec
 from gateway.app import Gateway
 from gateway.db import CorruptGatewayDB, SchemaTooNew, default_path
+from gateway.delivery import DeliveryFailed
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
 from gateway.stdio import COMMAND_MAX_LINE, ControlWriter, Overlong, read_command
@@ -226,5 +227,7 @@ async def _run_command(gateway: Gateway, command: dict[str, Any], control: Contr
             control.response(rid, {"ok": True, "remote_ids": ids})
         else:
             control.response(rid, {"ok": False, "error": f"unknown op {op!r}"})
+    except DeliveryFailed as exc:  # the platform's reason, as the ledger and `channels status` show it
+        control.response(rid, {"ok": False, "error": str(exc)})
     except Exception as exc:  # noqa: BLE001 - every command is answered, failures included
         control.response(rid, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})

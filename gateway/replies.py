@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from gateway.accounts import AccountRunner
 from gateway.delivery import ChatOrder, DeliveryFailed, Outboxes, ReplySink, reply_body, visible_text
 from gateway.ledger import Entry, Ledger, UpdateKey
 from gateway.link import ServerLink
+from gateway.status import StatusBoard
 from gateway.tool import TurnSends
 from plugins.contract import Target
 
@@ -84,6 +86,7 @@ class Replies:
         self.link = link
         self.outboxes = outboxes
         self.changed = changed  # the account counters moved: save them soon
+        self.board = StatusBoard(ledger.connection)  # the last failure of a send without a ledger row
         self.on_turn_done = on_turn_done
         self.order = ChatOrder()
         self.followers: dict[str, asyncio.Task[None]] = {}
@@ -261,16 +264,32 @@ class Replies:
         """Send `text` as a whole reply to `target` (cron `--deliver`); returns the ids. Given up
         after `give_up_s` (a platform may ask to wait minutes), before the caller stops waiting, so
         the caller's verdict is the outcome: nothing goes out after a `DeliveryFailed`."""
-        outbox = self.outboxes.of(runner)
-        sink = ReplySink(outbox, target, stream=False)
         try:
-            ids = await asyncio.wait_for(sink.finish(text), give_up_s)
-        except TimeoutError:
-            raise DeliveryFailed(outbox.gave_up(give_up_s)) from None
+            outbox = self.outboxes.of(runner)
+            sink = ReplySink(outbox, target, stream=False)
+            try:
+                ids = await asyncio.wait_for(sink.finish(text), give_up_s)
+            except TimeoutError:
+                raise DeliveryFailed(outbox.gave_up(give_up_s)) from None
+        except (DeliveryFailed, RuntimeError) as exc:  # RuntimeError: the account is not running
+            where = target.chat if target.thread is None else f"{target.chat}:{target.thread}"
+            self.send_failed(runner, f"cron delivery to {where} failed: {exc}")
+            raise
         runner.live.replies += 1
         runner.live.last_outbound = time.time()
         self.changed()
         return ids
+
+    def send_failed(self, runner: AccountRunner, reason: str) -> None:
+        """Count a failed send that no ledger row records (a cron delivery) in the account's
+        failures and keep `reason` as its last failure, so `channels status` shows it like a reply
+        that failed (whose reason the ledger keeps)."""
+        runner.live.failures += 1
+        try:
+            self.board.note_failure(runner.live.snapshot(), reason, time.time())
+        except sqlite3.Error as exc:  # the caller's verdict is the send's, not the bookkeeping's
+            log.warning("%s: could not record the failure in gateway.db: %s", runner.spec.ref, exc)
+        self.changed()
 
     async def context(self, turn_id: str) -> TurnContext | None:
         """The context of a turn this gateway follows; a frame can overtake the submit's ack, so

@@ -932,17 +932,24 @@ def _trimmed(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _last_failures(ledger: Ledger) -> dict[tuple[str, str], dict[str, Any]]:
-    """Per account, its most recent failed ledger row: why (the reason the gateway recorded, such as
+def _last_failures(ledger: Ledger, board: StatusBoard) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per account, its most recent failure: why (the reason the gateway recorded, such as
     `delivery failed: reply_url answered 404: …`), when, and which message (the failures counter
-    alone never said why)."""
+    alone never said why). The newer of the ledger's last `failed` row and the status row's last
+    failed send without a ledger row (a cron delivery: no message, `message_id` null)."""
+    found: dict[tuple[str, str], tuple[str | None, str | None, float]] = {
+        key: (None, reason, at) for key, (reason, at) in board.last_failures().items()
+    }
+    for key, (message_id, reason, at) in ledger.last_failures().items():
+        if key not in found or at >= found[key][2]:
+            found[key] = (message_id, reason, at)
     return {
         key: {
             "at": at,
             "message_id": message_id,
             "reason": _trimmed(reason or "no reason recorded", FAILURE_JSON_CHARS),
         }
-        for key, (message_id, reason, at) in ledger.last_failures().items()
+        for key, (message_id, reason, at) in found.items()
     }
 
 
@@ -1005,7 +1012,7 @@ def status_cmd(as_json: bool) -> None:
     with _gateway_db(config.home, create=False) as conn:
         rows = StatusBoard(conn).all() if conn is not None else []
         counts = Ledger(conn).counts() if conn is not None else {}
-        failures = _last_failures(Ledger(conn)) if conn is not None else {}
+        failures = _last_failures(Ledger(conn), StatusBoard(conn)) if conn is not None else {}
     accounts = _account_rows(config, rows, failures)
     ledger = {s: counts.get(s, 0) for s in LEDGER_STATES} | {s: n for s, n in counts.items() if s not in LEDGER_STATES}
     live = read_live_server(config.server_json)

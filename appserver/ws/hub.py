@@ -321,8 +321,16 @@ class ConversationWatch:
                 conn.send_encoded(frame)
 
     async def route_client_call(self, snap: TurnSnapshot, p: dict[str, Any]) -> None:
+        """Send a client call to the connection that supplied its tool. Closed as gone only when
+        that owner is known to be gone: a connection of this server that disconnected, or (one
+        server on its own store) a connection of the process before a restart. A call supplied by
+        an HTTP request, or by a connection of another server of a cluster, is its owner's: a
+        subscriber (or a submit) here never closes it."""
         owner = self.tool_owners.get(snap.turn_id)
-        if owner is not None and owner.alive and p["name"] in self.tool_names.get(snap.turn_id, set()):
+        if owner is None and snap.turn_id not in self.tool_owners:
+            if await self.left_to_its_owner(snap.turn_id):
+                return  # its owner answers it (or it expires after its timeout)
+        elif owner is not None and owner.alive and p["name"] in self.tool_names.get(snap.turn_id, set()):
             self.hub.client_calls[p["call_id"]] = (owner.id, self.conversation_id, p["name"])
             timeout = (
                 max(0.0, (p.get("expires_at") or 0) - time.time())
@@ -343,6 +351,20 @@ class ConversationWatch:
             return
         # Nobody connected executes this tool (its client disconnected, or the server restarted).
         await self.hub.answer_gone(self.conversation_id, p["call_id"], p["name"])
+
+    async def left_to_its_owner(self, turn_id: str) -> bool:
+        """Whether the client calls of turn `turn_id`, whose tools no connection of this server
+        supplied, stay open for their owner: an HTTP request's client (the turn's source names no
+        WebSocket connection; it answers with a later request), or a WebSocket connection that may
+        live on another server sharing the store (its server routes them). Only a connection of
+        this server's earlier process, on a store no other server shares, is known to be gone."""
+        turn = await self.hub.server.store.get_turn(turn_id)
+        if turn is None:
+            return True  # deleted with its conversation: nothing to close
+        source = turn.source if isinstance(turn.source, dict) else {}
+        if "connection" not in source:  # not submitted over the WebSocket
+            return True
+        return bool(getattr(self.hub.server.store, "shared", False))
 
     # ------------------------------------------------------------ subscribers
 

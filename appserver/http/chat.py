@@ -32,6 +32,7 @@ from appserver.http.common import (
     log,
     max_steps_note,
     named_answers,
+    new_blocks,
     principal_of,
     read_json,
     request_usage,
@@ -53,6 +54,8 @@ from appserver.http.conversation_match import (
     chain,
     check_call_ids,
     for_agent,
+    legacy_name,
+    legacy_round,
     merge_assistants,
     results_without_call,
     split_new_input,
@@ -307,6 +310,33 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
     return merge_assistants(items), instructions
 
 
+def refuse_stray_results(items: list[ViewItem], prefix: list[ViewItem], results: list[ViewItem]) -> None:
+    """400 `unknown_tool_call` for a tool message that answers no call of an assistant message
+    before it (placed before the message that made its call, say), and for a legacy `function`
+    answer that names another function than the call the last reply showed: dropped or matched
+    by name to a call the client was never shown, it would answer the wrong call or none."""
+    made: set[str] = set()
+    unmade: list[ViewItem] = []  # tool items whose call no assistant item before them made
+    for item in items:
+        if item.kind == "assistant":
+            made.update(c["id"] for c in item.calls)
+        elif item.kind == "tool" and item.call_id not in made:
+            unmade.append(item)
+    # of those, the ones a later assistant item makes the call of (one never made is left as before)
+    stray = [t.call_id or "" for t in unmade if t.call_id in made]
+    shown = {c["id"] for c in prefix[-1].calls} if prefix else set()
+    stray += [r.call_id or "" for r in results if legacy_name(r.call_id or "") is not None and r.call_id not in shown]
+    if stray:
+        named = [f"function {legacy_name(c)}" if legacy_name(c) is not None else c for c in stray]
+        raise bad_request(
+            f"the tool messages for {', '.join(dict.fromkeys(named))} answer no tool call of the assistant message "
+            "before them (a tool message follows the assistant message that made its call; a function message "
+            "names the function_call of the assistant message before it)",
+            "messages",
+            code="unknown_tool_call",
+        )
+
+
 # roles whose `content` OpenAI requires (an assistant's may be null or absent: tool calls only)
 CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
@@ -495,6 +525,14 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord, own: set[str
                 f"'tool_choice' names MCP server {value.get('server_label')!r}; this agent's label is {agent.id}",
                 "tool_choice",
                 code="unsupported_tool",
+            )
+        if kind == "mcp" and own is not None and name not in own:
+            # the server's own tools only (OpenAI refuses a name its MCP server lacks), never a client function
+            mine = ", ".join(sorted(own)) or "none"
+            raise bad_request(
+                f"Invalid 'tool_choice': MCP server {agent.id} has no tool {name!r} (its tools offered: {mine})",
+                "tool_choice",
+                code="invalid_tool_choice",
             )
         if not isinstance(name, str) or name not in names:
             offered = ", ".join(sorted(names)) or "none"
@@ -731,7 +769,7 @@ def calls_unanswered(call_ids: list[str]) -> ApiError:
 
 
 def blocks_after(snap: TurnSnapshot, run: TurnRun) -> list[dict[str, Any]]:
-    return list(snap.blocks[run.base_blocks :])
+    return [b for _, b in new_blocks(snap, run)]
 
 
 def render_text(blocks: list[dict[str, Any]], kind: str = "text", *, refusal: bool = False) -> str:
@@ -835,6 +873,7 @@ class ChatCompletions:
             raise bad_request(
                 "send tool results and a new user message in separate requests", "messages", code="mixed_input"
             )
+        refuse_stray_results(items, prefix, results)
         content = new_content(users)  # computed once: checked here, submitted below
         if users and blank_input(content):  # the kernel's rule, before anything is placed
             raise bad_request(
@@ -851,6 +890,8 @@ class ChatCompletions:
             if results
             else None
         )
+        if answers is not None and legacy:
+            answers.shown, answers.shown_results = legacy_round(prefix)
 
         idem, replay = await Idempotency.begin(self.server, request, principal, "chat.completions", body)
         if replay is not None:

@@ -429,6 +429,9 @@ class TurnRun:
     conversation_id: str
     handle: TurnHandle
     base_blocks: int = 0  # blocks before this request (a resumed turn shows only what follows)
+    # Characters of the last of those blocks (text or reasoning) shown before: a resumed turn's
+    # new text joins that block when the model's reply ended with text after its calls.
+    base_text: int = 0
     after_revision: int = -1
     resolved_calls: list[str] = field(default_factory=list)  # server calls answered by this request
     started: bool = True
@@ -567,6 +570,28 @@ def request_usage(usage: dict[str, int] | None, base: dict[str, int] | None = No
     return {k: max(0, int(u.get(k, 0) or 0) - int(b.get(k, 0) or 0)) for k in USAGE_KEYS}
 
 
+def shown_text(snap: TurnSnapshot) -> int:
+    """The length of the snapshot's last block when it is text or reasoning (else 0): what of it
+    was shown before the turn resumes (`TurnRun.base_text`)."""
+    last = snap.blocks[-1] if snap.blocks else None
+    return len(last["text"]) if last is not None and last["type"] in ("text", "reasoning") else 0
+
+
+def new_blocks(snap: TurnSnapshot, run: TurnRun) -> list[tuple[int, dict[str, Any]]]:
+    """(block index, block) of what the request's turn added: the blocks after `base_blocks`, led
+    by the text the resumed turn added to the last block before (`base_text`), when it did. A
+    reply that ends with text after its calls leaves a text block last; the snapshot joins the
+    resumed turn's first text to it, and the answer would otherwise show nothing of the reply."""
+    out: list[tuple[int, dict[str, Any]]] = []
+    if run.base_text and 0 < run.base_blocks <= len(snap.blocks):
+        i = run.base_blocks - 1
+        last = snap.blocks[i]
+        if last["type"] in ("text", "reasoning") and len(last["text"]) > run.base_text:
+            out.append((i, {**last, "text": last["text"][run.base_text :]}))
+    out.extend((i, snap.blocks[i]) for i in range(run.base_blocks, len(snap.blocks)))
+    return out
+
+
 async def start_turn(
     server: Server,
     agent: AgentRecord,
@@ -609,12 +634,14 @@ async def start_turn(
             given = {p.call_id: p for p in await server.store.list_pending(awaiting.id) if p.status != "pending"}
             decisions = [d for d in decisions if not already_given(given.get(d.call_id), d)]
             before = handle.controller.snapshot()
+            shown = shown_text(before)
             if not decisions:  # nothing new: the turn still waits for the rest, as it shows now
                 return TurnRun(
                     server,
                     conversation_id,
                     handle,
                     base_blocks=len(before.blocks),
+                    base_text=shown,
                     after_revision=before.revision - 1,
                     base_usage=dict(before.usage),
                 )
@@ -634,6 +661,7 @@ async def start_turn(
                 conversation_id,
                 handle,
                 base_blocks=len(before.blocks),
+                base_text=shown,
                 after_revision=before.revision,
                 resolved_calls=resolved,
                 base_usage=dict(before.usage),

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from appserver import fastjson
 from appserver.auth import namespace_allows
-from appserver.errors import AgentGone
+from appserver.errors import AgentGone, Conflict
 from appserver.http.errors import ApiError
 from appserver.runtime import Decision, new_id
+from appserver.runtime.cluster import OwnedElsewhere
 from appserver.runtime.kernel import NAMESPACE_DEFAULT_NAME, NAMESPACE_TAG_LEN, namespaced_id
 from appserver.store.base import AgentMissing
 from appserver.store.records import (
@@ -358,6 +359,10 @@ class Answers:
     options: dict[str, Any]
     param: str  # where a refusal points: messages | input
     given: list[Decision] = field(default_factory=list)  # the answers themselves (a fork checks them)
+    # Legacy `functions`: the calls the transcript's last legacy replies showed one at a time (the
+    # last one is the call answered now) and the results it gave the others (`legacy_round`).
+    shown: list[dict[str, str]] = field(default_factory=list)
+    shown_results: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -385,6 +390,54 @@ LEGACY_CALL_ID = "call_function_"
 def legacy_name(call_id: str) -> str | None:
     """The function a legacy `function` message answers (its id names it), else None."""
     return call_id[len(LEGACY_CALL_ID) :] if call_id.startswith(LEGACY_CALL_ID) else None
+
+
+def legacy_round(prefix: list[ViewItem]) -> tuple[list[dict[str, str]], list[str]]:
+    """The calls a legacy transcript's last replies showed one at a time, each answered by the
+    `function` message after it, up to its last reply (whose call the request answers now), and
+    the results of all but that last: ([call, ...], [result, ...]). Which of them were one model
+    message's calls only the store knows (`answer_shown`)."""
+    if not prefix or prefix[-1].kind != "assistant" or not _one_legacy_call(prefix[-1]):
+        return [], []
+    calls: list[dict[str, str]] = [prefix[-1].calls[0]]
+    results: list[str] = []
+    i = len(prefix) - 1
+    while i >= 2 and prefix[i - 1].kind == "tool" and _one_legacy_call(prefix[i - 2]):
+        if legacy_name(prefix[i - 1].call_id or "") != prefix[i - 2].calls[0]["name"]:
+            break
+        calls.insert(0, prefix[i - 2].calls[0])
+        results.insert(0, prefix[i - 1].text)
+        i -= 2
+    return calls, results
+
+
+def _one_legacy_call(item: ViewItem) -> bool:
+    return item.kind == "assistant" and len(item.calls) == 1 and legacy_name(item.calls[0]["id"]) is not None
+
+
+def answer_shown(paused: Paused, answers: Answers) -> None:
+    """A legacy reply shows one call of a model message; its answer comes back and the next call
+    is shown, until all are answered. A point past the first of them is still at that message
+    (the earlier answers wait with the paused turn, not in its history), so a fork from it (a
+    resent transcript) would find them all open: the transcript's answers to the calls shown
+    before the one answered now are written into it, as tool results, and the answer goes to the
+    next call, as where it was. Those calls are the first open calls that, in order, are the last
+    ones the transcript showed (name and arguments)."""
+    shown = answers.shown
+    for k in range(min(len(shown), len(paused.open_calls)), 1, -1):
+        first = paused.open_calls[:k]
+        if all(_same_call(a, b) for a, b in zip(first, shown[-k:], strict=True)):
+            results = answers.shown_results[len(shown) - k :]
+            for c, output in zip(first[:-1], results, strict=False):
+                paused.messages.append(MessageRecord(role="tool", content=output, tool_call_id=c["id"], name=c["name"]))
+            paused.open_calls = paused.open_calls[k - 1 :]
+            return
+
+
+def _same_call(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(
+        a["name"] == b["name"] and _canon_args(a.get("arguments") or "") == _canon_args(b.get("arguments") or "")
+    )
 
 
 def by_name(call_id: str, calls: list[tuple[str, str]]) -> str:
@@ -589,6 +642,7 @@ class ConversationMatcher:
         if not once and records:
             await self.store.append_messages(conv.id, records)
         if answers is not None and paused is not None:
+            await self._hold(conv.id)
             await self._write_paused(conv, paused, answers)
             await self.server.kernel.adopt(conv, paused=True)
             return None
@@ -596,6 +650,17 @@ class ConversationMatcher:
         # runtime loaded, with no lookups.
         await self.server.kernel.adopt(conv, history=None if copy else records)
         return None
+
+    async def _hold(self, conversation_id: str) -> None:
+        """This server takes the new conversation's lease before writing its paused turn: in a
+        cluster a turn's writes are its holder's alone (another server's would be refused)."""
+        try:
+            await self.server.kernel.hold(conversation_id)
+        except OwnedElsewhere:  # another request named this client-chosen id on another server just now
+            raise Conflict(
+                f"conversation {conversation_id} was taken up by another server while this request wrote it: "
+                "retry the request"
+            ) from None
 
     async def _write_paused(self, conv: ConversationRecord, paused: Paused, answers: Answers) -> None:
         """A turn of `conv` paused at the open calls, as the runtime leaves one (DESIGN §4.4)."""
@@ -858,6 +923,7 @@ class ConversationMatcher:
         else:
             later = [m for m in source if m.id is not None and m.id > last_message_id]
             messages, paused = split_paused(messages, answers)  # the tail is written again, paused
+            answer_shown(paused, answers)
             await self._carry_over(paused, answers, later, source_conversation)
         ids = [m.id for m in messages if m.id is not None]
         conv = await self._new(

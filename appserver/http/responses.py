@@ -54,6 +54,7 @@ from appserver.http.common import (
     json_response,
     keep_or_free,
     max_steps_note,
+    new_blocks,
     principal_of,
     read_json,
     request_usage,
@@ -721,7 +722,7 @@ def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = Non
             for i, b in enumerate(snap.blocks[: run.base_blocks])
             if b["type"] == "tool_call" and b["call_id"] in waiting and b["call_id"] not in run.resolved_calls
         )
-    out.extend((i, snap.blocks[i]) for i in range(run.base_blocks, len(snap.blocks)))
+    out.extend(new_blocks(snap, run))
     if steps_note and snap.stop_reason == "max_steps" and snap.status in TERMINAL_STATUSES:
         out.append((len(snap.blocks), {"type": "text", "text": steps_note}))
     return out
@@ -1305,22 +1306,34 @@ class Responses:
 
     async def _closed_calls(self, conversation_id: str, decisions: list[Decision]) -> None:
         """No turn of the conversation waits for answers: ones to calls its history already closed
-        (a turn the server's stop interrupted, or one cancelled, closes every call it left open)
-        are a 400 `already_resolved`, as on every other path, not "nothing waits" (409)."""
+        are a 400 `already_resolved`, as on every other path, not "nothing waits" (409), saying
+        what closed each (another request's answer, its deadline, or the end of its turn)."""
         wanted = {d.call_id for d in decisions}
         closed = {
-            m.tool_call_id
+            m.tool_call_id: m.turn_id
             for m in await self.server.store.list_messages(conversation_id)
             if m.role == "tool" and m.tool_call_id in wanted
         }
         if closed:
-            raise ApiError(
-                400,
-                f"call {', '.join(sorted(str(c) for c in closed))} can no longer be answered: its turn ended "
-                "(cancelled, failed, or interrupted by a server stop) and closed it",
-                code="already_resolved",
-                param="input",
-            )
+            why = [await self._why_closed(cid, turn_id) for cid, turn_id in sorted(closed.items())]
+            raise ApiError(400, "; ".join(why), code="already_resolved", param="input")
+
+    async def _why_closed(self, call_id: str, turn_id: str | None) -> str:
+        """Why call `call_id` of turn `turn_id` can no longer be answered."""
+        store = self.server.store
+        p = next((p for p in await store.list_pending(turn_id) if p.call_id == call_id), None) if turn_id else None
+        if p is not None and p.status in ("result", "approved", "denied"):
+            return f"call {call_id} can no longer be answered: another request answered it first"
+        if p is not None and p.status == "expired":
+            waited = f" after {p.expires_at - p.created_at:.0f} s" if p.expires_at and p.created_at else ""
+            return f"call {call_id} can no longer be answered: it expired unanswered{waited}"
+        turn = await store.get_turn(turn_id) if turn_id else None
+        how = {
+            "cancelled": "was cancelled",
+            "failed": "failed",
+            "interrupted": "was interrupted by a server stop",
+        }.get(turn.status if turn is not None else "", "ended (cancelled, failed, or interrupted by a server stop)")
+        return f"call {call_id} can no longer be answered: its turn {how} and closed it"
 
     async def _stored_item(self, agent: AgentRecord, ns: str | None, ref: str, prev_id: Any) -> dict[str, Any] | None:
         """The stored item an `item_reference` names: found in the response its id points back to

@@ -600,6 +600,19 @@ class Kernel:
         finally:
             del self._loading[conversation_id]
 
+    async def hold(self, conversation_id: str) -> None:
+        """Take the conversation's cluster lease before writing a turn of it outside its runtime (a
+        new conversation written paused at tool calls): a store of a cluster takes turn writes only
+        from the conversation's holder, and a refused one reads as this server judged gone.
+        OwnedElsewhere when another live server holds it; nothing to do without a cluster."""
+        self._check_not_fenced()
+        link = self._link
+        if link is None:
+            return
+        lease = await link.cluster.take(conversation_id)
+        if lease.holder is not None:
+            raise OwnedElsewhere(conversation_id, lease.holder)
+
     # ------------------------------------------------------------ the kernel call
 
     def _check_not_fenced(self) -> None:

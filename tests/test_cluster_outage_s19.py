@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +27,24 @@ from tests.support.serve import ServeProcess, start_serve
 pytestmark = pytest.mark.timeout(90)
 
 
-def _env(home: Path, url: str, heartbeat_s: float, instance_timeout_s: float) -> dict[str, str]:
+def _env(home: Path, url: str, heartbeat_s: float, instance_timeout_s: float, **more: str) -> dict[str, str]:
     return cli_env(
         home,
         APPSERVER_STORE__URL=url,
         APPSERVER_STORE__HEARTBEAT_S=str(heartbeat_s),
         APPSERVER_STORE__INSTANCE_TIMEOUT_S=str(instance_timeout_s),
+        **more,
     )
 
 
-def _start(tmp: Path, url: str, n: int, heartbeat_s: float, instance_timeout_s: float) -> list[ServeProcess]:
+def _start(
+    tmp: Path, url: str, n: int, heartbeat_s: float, instance_timeout_s: float, **more: str
+) -> list[ServeProcess]:
     nodes: list[ServeProcess] = []
     try:
         for i in range(n):
             home = tmp / f"node{i}"
-            nodes.append(start_serve(home, env=_env(home, url, heartbeat_s, instance_timeout_s)))
+            nodes.append(start_serve(home, env=_env(home, url, heartbeat_s, instance_timeout_s, **more)))
     except BaseException:
         for sp in nodes:
             sp.kill()
@@ -55,15 +60,15 @@ def _logs(nodes: list[ServeProcess]) -> str:
     )
 
 
-def _outage(url: str, seconds: float) -> None:
-    """The database refuses every connection and ends every session for `seconds` (PostgreSQL
-    itself keeps running: other tests use it)."""
+def _outage(url: str, seconds: float, until: Callable[[], bool] = lambda: False) -> None:
+    """The database refuses every connection and ends every session for `seconds`, or until
+    `until()` holds (PostgreSQL itself keeps running: other tests use it)."""
     db = url.rsplit("/", 1)[1]
     with psycopg.connect(url_for("postgres"), autocommit=True) as c:
         c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
         try:
             end = time.monotonic() + seconds
-            while time.monotonic() < end:
+            while time.monotonic() < end and not until():
                 c.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE datname = %s AND pid <> pg_backend_pid()",
@@ -94,15 +99,91 @@ def _all_ready(nodes: list[ServeProcess]) -> None:
         pytest.fail(f"{[(r.status_code, r.text[:200]) for r in ready]}\n{_logs(nodes)}", pytrace=False)
 
 
+@contextmanager
+def _sessions_kept_away(url: str) -> Iterator[psycopg.Connection[Any]]:
+    """Every session and pooled connection of the database ended, and each instance's lock taken by
+    a connection of the test's own (so the sessions cannot come back) before connections are
+    allowed again: the pools reconnect, the sessions not. Yields that connection; the locks go with it."""
+    db = url.rsplit("/", 1)[1]
+    locks = _query(url, "SELECT lock_key FROM instances")
+    with psycopg.connect(url, autocommit=True) as lingering:
+        lingering.execute("SET lock_timeout = '20s'")
+        with psycopg.connect(url_for("postgres"), autocommit=True) as c:
+            c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
+            try:
+                end = time.monotonic() + 1.0
+                while time.monotonic() < end:  # also a connection that was being opened as it began
+                    c.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
+                        (db, lingering.info.backend_pid),
+                    )
+                    time.sleep(0.1)
+                for (key,) in locks:  # waits for the ended sessions to let go of it
+                    lingering.execute("SELECT pg_advisory_lock(%s, %s)", (INSTANCE_LOCK_CLASS, key))
+            finally:
+                c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
+        yield lingering
+
+
+def _store_check(sp: ServeProcess) -> str:
+    """The detail of the `store` check of the server's /readyz ('' when it could not be read)."""
+    try:
+        body = httpx.get(sp.url + "/readyz", timeout=15).json()
+    except (httpx.HTTPError, ValueError):
+        return ""
+    return " ".join(str(c.get("detail", "")) for c in body.get("checks", []) if c.get("name") == "store")
+
+
+def _until_pools_back(nodes: list[ServeProcess], within: float = 40.0) -> None:
+    """Until each server's pool writes again while its session is still away: its /readyz probe
+    row is written, then refused for the lost session."""
+    deadline = time.monotonic() + within
+    waiting = list(nodes)
+    while waiting:
+        waiting = [sp for sp in waiting if "has lost its database session" not in _store_check(sp)]
+        if waiting and time.monotonic() > deadline:
+            pytest.fail(f"the pools did not come back: {[_store_check(sp) for sp in waiting]}\n{_logs(nodes)}")
+        time.sleep(0.2)
+
+
+def _until_heartbeats_stale(conn: psycopg.Connection[Any], age: float, within: float = 40.0) -> None:
+    """Until every instance's heartbeat is older than `age` s by the database's clock."""
+    deadline = time.monotonic() + within
+    while True:
+        row = conn.execute(
+            "SELECT extract(epoch from clock_timestamp()) - max(heartbeat_at), count(*) FROM instances"
+        ).fetchone()
+        if row is None or row[1] < 3 or row[0] > age:  # a server judged gone: the assertions say so
+            return
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+
+
+def _until_ready(nodes: list[ServeProcess], within: float = 30.0) -> None:
+    """Until every server answers /readyz 200 (its session back), or fail with what they say (at
+    once when one was judged gone: it never will)."""
+    deadline = time.monotonic() + within
+    while True:
+        ready = [httpx.get(sp.url + "/readyz", timeout=15) for sp in nodes]
+        if [r.status_code for r in ready] == [200] * len(nodes):
+            return
+        if time.monotonic() > deadline or any("was judged gone" in r.text for r in ready):
+            pytest.fail(f"{[(r.status_code, r.text[:300]) for r in ready]}\n{_logs(nodes)}", pytrace=False)
+        time.sleep(0.3)
+
+
 def test_an_outage_longer_than_the_instance_timeout_fences_no_server(tmp_path: Path) -> None:
     """Heartbeat 1 s, instance timeout 6 s, outages of 8 s: when the database is back every
     heartbeat is older than the timeout. Each server judges the others only once its own session
     is back, and their heartbeats from no earlier than that moment: nobody is judged gone.
 
-    The second outage ends with the servers' sessions kept away a few seconds longer than their
-    pools (their instance locks still held, as by sessions that linger in the database): before,
-    each server's sweep ran on its pool and judged the others gone by their stale heartbeats, and
-    every server was fenced."""
+    Then the servers' sessions are kept away (their instance locks held, as by sessions that linger
+    in the database) while their pools are back, until every heartbeat is older than the timeout:
+    before, each server's sweep ran on its pool and judged the others gone by their stale
+    heartbeats, and every server was fenced. The test waits for what it needs (each pool back, as
+    its /readyz write says; the heartbeats stale by the database's clock), not for fixed times: the
+    pool reconnects with a backoff of 1, 2, 4, 8 s, and a fixed wait ended before the pools were
+    back, so the sweep never ran while the sessions were away."""
     require_postgres()
     with temp_database("s19_long_outage") as url:
         nodes = _start(tmp_path, url, 3, 1.0, 6)
@@ -114,25 +195,10 @@ def test_an_outage_longer_than_the_instance_timeout_fences_no_server(tmp_path: P
             _all_ready(nodes)
             assert len(_query(url, "SELECT id FROM instances")) == 3
 
-            locks = _query(url, "SELECT lock_key FROM instances")
-            db = url.rsplit("/", 1)[1]
-            with psycopg.connect(url, autocommit=True) as lingering:
-                with psycopg.connect(url_for("postgres"), autocommit=True) as c:
-                    c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
-                    try:
-                        pid = lingering.info.backend_pid
-                        c.execute(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> %s",
-                            (db, pid),
-                        )
-                        for (key,) in locks:
-                            lingering.execute("SELECT pg_advisory_lock(%s, %s)", (INSTANCE_LOCK_CLASS, key))
-                        time.sleep(8.0)
-                    finally:
-                        c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
-                time.sleep(6.0)  # the pools are back (their reconnect backs off), the sessions not
-            time.sleep(3.0)
-            _all_ready(nodes)
+            with _sessions_kept_away(url) as lingering:
+                _until_pools_back(nodes)
+                _until_heartbeats_stale(lingering, 6.0 + 4.0)  # a few sweeps (1 s apart) past the timeout
+            _until_ready(nodes)
             assert len(_query(url, "SELECT id FROM instances")) == 3
             for sp in nodes:
                 reply = _chat(sp, "after")
@@ -153,7 +219,8 @@ def test_a_retry_after_an_outage_runs_the_request_its_key_did_not_answer(tmp_pat
     live A and every retry anywhere waited 120 s for a 409 idempotency_key_in_progress."""
     require_postgres()
     with temp_database("s19_idem_outage") as url:
-        nodes = _start(tmp_path, url, 2, 0.5, 30)
+        # A short connect timeout: the request waits for it once, for its turn's commit.
+        nodes = _start(tmp_path, url, 2, 0.5, 30, APPSERVER_STORE__CONNECT_TIMEOUT_S="2")
         a, b = nodes
         try:
             text = "/slow 30"  # 1.5 s of model output: it ends while the database is away
@@ -173,12 +240,13 @@ def test_a_retry_after_an_outage_runs_the_request_its_key_did_not_answer(tmp_pat
             while not _query(url, "SELECT 1 FROM turns WHERE status = 'running'"):
                 assert time.monotonic() < deadline, "the turn never started"
                 time.sleep(0.05)
-            # Without a connection for the pool's 10 s each, the turn's commit fails, then the key's release.
-            _outage(url, 23.0)
+            # Without a connection within the connect timeout the turn's commit fails, and the key's
+            # release is left for A to write once the database is back: the outage lasts until the answer.
+            _outage(url, 40.0, until=lambda: not sender.is_alive())
             sender.join(20)
             assert first.get("status") == 503, (first, _logs(nodes))
             assert "store_unavailable" in first["body"], first
-            deadline = time.monotonic() + 5  # A repairs after its next heartbeat
+            deadline = time.monotonic() + 20  # A repairs after its next heartbeat (once its pool is back)
             while _query(url, "SELECT 1 FROM turns WHERE status = 'running'") or _query(
                 url, "SELECT 1 FROM http_idempotency WHERE key = %s AND state = 'pending'", (key,)
             ):

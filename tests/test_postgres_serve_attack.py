@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.cli import cli_env
 from tests.support.pg import temp_database
 from tests.support.serve import ServeProcess, serving, start_serve
 
@@ -461,7 +462,9 @@ def test_a_server_cut_off_from_its_database_answers_503_and_readyz_in_time(tmp_p
         proxy = _CutProxy(parts.port or 5432)
         via = urlunsplit((parts.scheme, f"{parts.username}@127.0.0.1:{proxy.port}", parts.path, "", ""))
         try:
-            with serving(tmp_path / "h", "--store", via) as sp:
+            home = tmp_path / "h"
+            short = cli_env(home, APPSERVER_STORE__CONNECT_TIMEOUT_S="2")  # the 503 comes after it
+            with serving(home, "--store", via, env=short) as sp:
                 ok = _client(sp).chat.completions.create(model="assistant", messages=[{"role": "user", "content": "a"}])
                 assert ok.choices[0].message.content == "echo: a"
                 proxy.cut_off()

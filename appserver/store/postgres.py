@@ -88,7 +88,9 @@ Row = Mapping[str, Any]
 T = TypeVar("T")
 Job = Callable[[Conn], Awaitable[T]]
 
-CONNECT_TIMEOUT_S = 10.0
+# How long a connection to the database, or a wait for a pooled one, may take before its request
+# fails with 503 `store_unavailable`: a request in an outage waits for it once (see `unreachable`).
+CONNECT_TIMEOUT_S = 10.0  # [store] connect_timeout_s
 POOL_MAX = 10
 # Every wait has a timeout: a statement of the store's pooled connections (its writes, reads and the
 # CLI's) that waits this long for a lock another session holds (`LOCK TABLE`, a long migration by
@@ -159,6 +161,7 @@ class _LostAtCommit(Exception):
 
 LIVE_CONNECTION_WAIT_S = 5.0  # how long a group of writes looks for a connection the database has not ended
 COMMIT_STATUS_TRIES = 40  # 50 ms apart: the ended backend may still be finishing its commit
+LAST_CONNECTION_TRY_S = 0.1  # a write whose connect_timeout_s ran out in the queue still tries this long
 
 
 class _Writer:
@@ -167,12 +170,15 @@ class _Writer:
 
     def __init__(
         self,
-        connection: Callable[[], Any],
+        connection: Callable[[float | None], Any],
         timed_out: Callable[[BaseException], StoreUnavailable] = lambda exc: StoreUnavailable(str(exc)),
     ) -> None:
-        self._connection = connection  # () -> async context manager yielding a Conn
+        # (since) -> async context manager yielding a Conn; `since`: when the oldest job of the
+        # group was submitted (None: not for a group)
+        self._connection = connection
         self._timed_out = timed_out  # a statement's lock or statement timeout, as the error its group gets
-        self._queue: list[tuple[int, Job[Any], asyncio.Future[Any]]] = []
+        self._queue: list[tuple[int, Job[Any], asyncio.Future[Any], float]] = []  # (seq, job, fut, submitted at)
+        self._since: float | None = None  # when the oldest job of the group in flight was submitted
         self._submitted = 0  # sequence number of the last job submitted
         self._done = 0  # every job up to this number has committed or failed
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -185,7 +191,7 @@ class _Writer:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         self._submitted += 1
-        self._queue.append((self._submitted, job, fut))
+        self._queue.append((self._submitted, job, fut, time.monotonic()))
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._drain())
         return await fut
@@ -217,14 +223,15 @@ class _Writer:
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
-                live = [(job, fut) for _, job, fut in batch if not fut.done()]
+                live = [(job, fut) for _, job, fut, _ in batch if not fut.done()]
+                self._since = min((at for _, _, fut, at in batch if not fut.done()), default=None)
                 try:
                     if live:
                         await self._commit(live)
                 finally:
                     self._advance(batch[-1][0])
         except BaseException as exc:  # the loop is going away: nobody may wait forever
-            for _, _, fut in self._queue:
+            for _, _, fut, _ in self._queue:
                 if not fut.done():
                     fut.set_exception(StoreError(f"store writer stopped: {exc!r}"))
             if self._queue:
@@ -315,7 +322,7 @@ class _Writer:
         committing = False
         xid: int | None = None  # the transaction's id, to ask whether a COMMIT cut off took effect
         try:
-            async with self._connection() as conn, conn.pipeline() as pipeline:
+            async with self._connection(self._since) as conn, conn.pipeline() as pipeline:
                 try:
                     async with conn.transaction():
                         marker = await conn.execute("SELECT txid_current() AS xid")  # pipelined: no round trip
@@ -364,7 +371,7 @@ class _Writer:
             return None
         for _ in range(COMMIT_STATUS_TRIES):
             try:
-                async with self._connection() as conn:
+                async with self._connection(None) as conn:
                     cur = await conn.execute("SELECT txid_status(%s) AS status", (xid,))
                     row = await cur.fetchone()
                 status = row["status"] if row else None
@@ -461,6 +468,10 @@ class PostgresStore(Store):
         # whose end failed to commit (ended failed here), left running: turn id -> (error, revision).
         self._loose_keys: dict[tuple[str, str], float] = {}
         self._loose_turns: dict[str, tuple[str, int]] = {}
+        # When a wait for a pooled connection last got one, and when the last wait that got none
+        # (for all of connect_timeout_s, nobody else getting one meanwhile) began: see `unreachable`.
+        self._reached_at = time.monotonic()
+        self._unreached_at: float | None = None
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.shown_url!r})"
@@ -569,26 +580,39 @@ class PostgresStore(Store):
                     await pool.close()
 
     @asynccontextmanager
-    async def _writer_connection(self) -> AsyncIterator[Conn]:
+    async def _writer_connection(self, since: float | None = None) -> AsyncIterator[Conn]:
         """A pooled connection checked alive first (one round trip per group of writes): a
         connection the database ended (a restart, a failover, an idle reaper) is dropped and
         another taken, instead of failing a whole group of turn commits. Every pooled connection may
         be dead at once (a restart), and new ones ended as they come (a storm of terminated
-        sessions): it keeps trying for LIVE_CONNECTION_WAIT_S before the group fails."""
+        sessions): it keeps trying for LIVE_CONNECTION_WAIT_S before the group fails.
+
+        While the database is `unreachable`, a group submitted at `since` waits for a connection
+        only what is left of connect_timeout_s from then: the writes queued behind a group that
+        waited in vain (a draft's, say, then a turn's commit) do not each wait as long again."""
         deadline = time.monotonic() + LIVE_CONNECTION_WAIT_S
         tries = 0
         while True:
+            began = time.monotonic()
+            wait_s = self.connect_timeout_s
+            if since is not None and self.unreachable:
+                wait_s = max(LAST_CONNECTION_TRY_S, since + self.connect_timeout_s - began)
             try:
-                async with self.pool.connection() as conn:
+                async with self.pool.connection(timeout=wait_s) as conn:
                     try:
                         await AsyncConnectionPool.check_connection(conn)
                     except psycopg.Error:
                         pass  # returned broken: the pool discards it
                     else:
+                        self._reached_at = time.monotonic()
                         yield conn
                         return
             except PoolTimeout as exc:
-                raise StoreUnavailable(f"PostgreSQL store {self.shown_url}: no connection to write on: {exc}") from exc
+                self._unreached(began)
+                raise StoreUnavailable(
+                    f"PostgreSQL store {self.shown_url}: no connection to write on within {self.connect_timeout_s:g} s "
+                    f"([store] connect_timeout_s): {exc}"
+                ) from exc
             tries += 1
             if time.monotonic() >= deadline:
                 raise StoreUnavailable(
@@ -604,10 +628,13 @@ class PostgresStore(Store):
         await self._writes.settle()
         attempts = self.pool_max + 1  # every pooled connection may be dead (a restart)
         for attempt in range(attempts):
+            began = time.monotonic()
             try:
                 async with self.pool.connection() as conn:
                     try:
-                        return await run(conn)
+                        result = await run(conn)
+                        self._reached_at = time.monotonic()
+                        return result
                     except psycopg.DataError as exc:  # a NUL in an id looked up, say: nothing to find
                         raise _refused_value(exc) from exc
                     except TIMED_OUT as exc:  # a lock held elsewhere: 503, not a 500 (nor a wait without end)
@@ -618,8 +645,23 @@ class PostgresStore(Store):
                         if attempt == attempts - 1:
                             raise StoreUnavailable(f"the database ended every connection of the read: {exc}") from exc
             except PoolTimeout as exc:  # the database cannot be reached: 503 store_unavailable, not a 500
+                self._unreached(began)
                 raise StoreUnavailable(f"PostgreSQL store {self.shown_url}: no connection to read on: {exc}") from exc
         raise AssertionError("unreachable")
+
+    def _unreached(self, began: float) -> None:
+        """A wait for a pooled connection that began at `began` got none: the database is
+        unreachable, unless another wait got one meanwhile (a pool busy, not cut off)."""
+        if began >= self._reached_at:
+            self._unreached_at = began
+
+    @property
+    def unreachable(self) -> bool:
+        """The last wait for a pooled connection got none in connect_timeout_s, nobody has got one
+        since, and the pool holds none (its own reconnects found the database back)."""
+        if self._unreached_at is None or self._unreached_at < self._reached_at or self._pool is None:
+            return False
+        return not self._pool.get_stats().get("pool_available", 0)
 
     @property
     def pool(self) -> AsyncConnectionPool[Conn]:
@@ -1096,7 +1138,14 @@ class PostgresStore(Store):
                     "WHERE t.id = %s AND o.instance_id = %s",
                     (exc.turn_id, cluster.instance_id),
                 )
-                if held is None:  # its conversation is another server's now: so may all be
+                if held is None and await self._row(
+                    f"SELECT 1 AS here FROM instances i WHERE i.id = %(id)s AND {LIVE_SINCE}",
+                    {**cluster.params, "id": cluster.instance_id},
+                ):
+                    # This server is live by the others' judgement: nobody could take its leases, so
+                    # this one was never its (one refused write, never a reason to stop serving).
+                    log.warning("a write of turn %s was refused: its conversation is not this server's", exc.turn_id)
+                elif held is None:  # judged gone: its conversation is another server's now, so may all be
                     cluster.judged_gone()
                     # Judged gone just now, the kernel stopped the turns it ran (Kernel._taken_over):
                     # if this write was one of theirs, its cancel lands here, and the turn ends
@@ -1499,8 +1548,18 @@ class PostgresStore(Store):
         """Write a claimed key's end. One that fails (the database away) leaves the key pending
         under this live server, where every retry, on any server, would wait for it forever: it
         is remembered and released by `repair` once the database is back (a retry then runs the
-        request again, or follows its turn: `Idempotency.earlier`)."""
+        request again, or follows its turn: `Idempotency.earlier`).
+
+        While the database is `unreachable` the end is not tried: its request already waited
+        connect_timeout_s for a connection (its turn's commit), and a second wait, for the same
+        outcome, doubled the time to its 503."""
         try:
+            if self.unreachable:
+                raise StoreUnavailable(
+                    f"PostgreSQL store {self.shown_url}: the database could not be reached within "
+                    f"{self.connect_timeout_s:g} s ([store] connect_timeout_s), nor since: this request's "
+                    "Idempotency-Key is released once it is back"
+                )
             await self._write(job)
         except Exception:
             self._ended(k, claim)

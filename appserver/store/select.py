@@ -35,5 +35,6 @@ def make_store(config: Config, url: str | None = None) -> SQLiteStore | Postgres
     store.instance_timeout_s = max(config.store.instance_timeout_s, 3 * config.store.heartbeat_s)
     store.lock_timeout_s = config.store.lock_timeout_s
     store.statement_timeout_s = config.store.statement_timeout_s
+    store.connect_timeout_s = config.store.connect_timeout_s
     store.address = config.server.listen
     return store

@@ -311,3 +311,46 @@ async def test_an_instance_judged_gone_says_so_once_and_fails_readiness(
             await first.check_writable()
     finally:
         await first.close()
+
+
+async def test_one_turn_write_refused_for_a_lease_never_held_does_not_fence_a_live_server(pg_url: str) -> None:
+    """A turn written for a conversation whose lease another live server holds is refused
+    (TurnSettledElsewhere); the writer, which nobody judged gone, took that as proof it was judged
+    gone and fenced itself (every request 503 until a restart: found by an outside test through a
+    request that wrote a paused turn without the lease). A server judged gone still fences."""
+    import psycopg
+
+    from appserver.store.base import TurnSettledElsewhere
+    from appserver.store.records import AgentRecord, ConversationRecord, MessageRecord, TurnCommit, TurnRecord
+
+    first, second = PostgresStore(pg_url), PostgresStore(pg_url)
+    first.heartbeat_s = second.heartbeat_s = 0.2
+    await first.open()
+    await second.open()
+    try:
+        await first.claim_server()
+        await second.claim_server()
+        assert first.cluster is not None and second.cluster is not None
+        await first.create_agent(AgentRecord(id="agt_lease", name="lease"))
+        for conv in ("conv_lease_1", "conv_lease_2"):
+            await first.create_conversation(ConversationRecord(id=conv, agent_id="agt_lease"))
+            assert (await second.cluster.take(conv)).token is not None
+        commit = [MessageRecord(role="user", content="hi"), MessageRecord(role="assistant", content="echo: hi")]
+        await first.accept_turn(
+            TurnRecord(id="turn_lease_1", conversation_id="conv_lease_1", agent_id="agt_lease", status="running")
+        )
+        with pytest.raises(TurnSettledElsewhere):
+            await first.commit_turn("conv_lease_1", TurnCommit("turn_lease_1", "completed", "end_turn", commit))
+        assert not first.cluster.lost
+        await first.check_writable()  # still serving
+        with psycopg.connect(pg_url, autocommit=True) as db:  # what a survivor does to a gone instance
+            db.execute("DELETE FROM instances WHERE id = %s", (first.cluster.instance_id,))
+        await first.accept_turn(
+            TurnRecord(id="turn_lease_2", conversation_id="conv_lease_2", agent_id="agt_lease", status="running")
+        )
+        with pytest.raises(TurnSettledElsewhere):
+            await first.commit_turn("conv_lease_2", TurnCommit("turn_lease_2", "completed", "end_turn", commit))
+        assert first.cluster.lost
+    finally:
+        await first.close()
+        await second.close()

@@ -50,6 +50,17 @@ class KernelAdapter:
         )
         return submission.turn_id
 
+    async def withdraw(self, turn_id: str, why: str) -> bool:
+        """Drop a cron turn from its conversation's queue if it has not started (its task was
+        removed or disabled): whether it was dropped. A turn that runs is left to finish. (The
+        kernel words the dropped turn's error itself; the scheduler records `why`.)"""
+        turn = await self.store.get_turn(turn_id)
+        if turn is None or turn.status != "queued" or turn.started_at is not None:
+            return False
+        if self.kernel.active_turn(turn.conversation_id) == turn_id:
+            return False
+        return await self.kernel.cancel(turn.conversation_id, turn_id)
+
     async def claimed_turn(self, task: CronTask, occurrence: Occurrence) -> str | None:
         """The turn `occurrence` was submitted as (its idempotency key, in the scope the kernel
         keeps it), or None when it never reached the kernel. ClaimUnverifiable when the claim is

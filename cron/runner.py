@@ -19,7 +19,7 @@ from typing import Any
 
 from cron.envelope import build_envelope
 from cron.runlog import delivery_record, highest_occurrence, outcome_record
-from cron.store import CorruptStateFile, CronStore, CronStoreError, CronTask, Occurrence, utcnow
+from cron.store import MISSED_PREFIX, CorruptStateFile, CronStore, CronStoreError, CronTask, Occurrence, utcnow
 
 log = logging.getLogger("appserver.cron")
 
@@ -127,12 +127,12 @@ def _write_outcome(store: CronStore, task_id: str, occurrence: int, turn_id: str
 
 
 def _note_outcome(task: CronTask, occurrence: int, outcome: TurnOutcome, now: datetime) -> bool:
-    """A failed run becomes the task's visible error, a later good one clears it: whether the task
-    changed."""
+    """A failed run becomes the task's visible error, a later good one clears it (and a missed
+    occurrence's): whether the task changed."""
     if outcome.status in FAILED_STATUSES:
         task.set_error(f"run #{occurrence} {outcome.status}: {outcome.error or 'no detail'}", now)
         return True
-    if task.last_error and task.last_error.startswith("run #"):
+    if task.last_error and task.last_error.startswith(("run #", MISSED_PREFIX)):
         task.last_error, task.last_error_at = None, None
         return True
     return False
@@ -252,11 +252,14 @@ async def submit_claimed(
     fire_timeout_s: float = DEFAULT_FIRE_TIMEOUT_S,
     clock: Clock = utcnow,
     recovered: bool = False,
+    step: bool = True,
 ) -> tuple[str | None, str | None]:
     """Call `fire` for an occurrence that is already claimed, and log what happened: (turn id, None),
     or (None, the reason nothing was submitted). A failure is recorded (run log + task error) and
     not retried: the occurrence was claimed, so at most once. Never raises: a run-log or crons.json
-    failure after the fire is logged, never allowed to stop the other claimed runs of a tick."""
+    failure after the fire is logged, never allowed to stop the other claimed runs of a tick.
+    Without `step` the caller moves the claim to `submitted` itself (a tick does it for all its
+    runs in one save: `CronStore.advance_many`)."""
     try:
         turn_id = await asyncio.wait_for(fire(task, occurrence), timeout=fire_timeout_s)
     except Exception as exc:  # noqa: BLE001 — any kernel failure must be logged, not kill the loop
@@ -273,7 +276,8 @@ async def submit_claimed(
     # the record first, then the step (known cluster-wide from then on): a crash between the two
     # leaves the claim short of the run log, which a take-over brings up to it
     store.runlog.record(task.id, "submitted", occurrence=occurrence.number, turn_id=turn_id, **extra)
-    await take_step(store, task.id, occurrence.number, "submitted")
+    if step:
+        await take_step(store, task.id, occurrence.number, "submitted")
     return turn_id, None
 
 
@@ -414,7 +418,7 @@ async def _deliver_once(
         except TimeoutError:
             error = f"the gateway did not answer within {DELIVER_TIMEOUT_S:g} s; the reply may still arrive"
         except Exception as exc:  # noqa: BLE001 - a failed delivery is recorded, never raised into the loop
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            error = str(exc) or type(exc).__name__  # the reason, as the docs show it: no class name before it
         else:
             store.runlog.record(
                 task_id,

@@ -11,7 +11,16 @@ holder is judged dead, not at its next backstop tick); for each enabled task tha
 list the occurrences that came due, apply the task's misfire policy, and CLAIM what will run —
 advance `next_fire_at`, bump the run counter, record `last_claimed`, and save — before any turn is
 submitted. A crash after the claim therefore loses that occurrence instead of running it twice.
-Then, outside the lock, `fire(task, occurrence)` submits each claimed occurrence.
+Then, outside the lock, `fire(task, occurrence)` submits each claimed occurrence, and one save
+moves them all to `submitted` (one crons.json write per tick, not one per run: thirty tasks due
+together are all submitted within their second).
+
+Runs of a task never overlap: an occurrence due while the task's previous run (followed here) is
+still queued or running is skipped and recorded as `missed` ("skipped (previous run #N still
+running)"), so a run slower than its interval cannot pile turns up in its conversation's queue. A
+run of a task removed or disabled since is dropped from its queue if it has not started
+(`withdraw`); a started one finishes. A missed occurrence becomes the task's last error (a one-shot
+whose run was missed shows the state `missed`) and one warning in the log.
 
 The order is claim (saved), run-log records, submit. A save that fails fires and logs nothing (the
 next tick claims again); a run-log record that fails is kept and retried (cron.runlog.RunLog) while
@@ -71,6 +80,7 @@ from cron.runner import (
 )
 from cron.schedule import ScheduleError, due_time, next_occurrence, parse_duration
 from cron.store import (
+    MISSED_PREFIX,
     CorruptStateFile,
     CronFile,
     CronStore,
@@ -83,6 +93,9 @@ from cron.store import (
 from cron.stores import cron_store_for
 
 AgentNamesFn = Callable[[], Awaitable[dict[str, str]]]  # agent id -> name, read from the server's store
+# Drop a submitted turn from its conversation's queue if it has not started (turn id, why): whether
+# it was dropped. A started turn is left to finish.
+WithdrawFn = Callable[[str, str], Awaitable[bool]]
 
 log = logging.getLogger("appserver.cron")
 
@@ -149,6 +162,7 @@ def apply_misfire(
     max_lateness: timedelta,
     run_all_cap: int = RUN_ALL_CAP,
     catch_up_after: timedelta = timedelta(seconds=CATCH_UP_AFTER_S),
+    running_since: datetime | None = None,
 ) -> tuple[list[tuple[datetime, datetime, bool]], list[_Missed]]:
     """Split the (nominal, due) occurrences that came due, oldest first, into runs
     (nominal, due, catch_up) and misses. One tick sees several only after downtime (the scheduler
@@ -158,7 +172,9 @@ def apply_misfire(
     starts on time, a few ms past its due time, is on time, so `--max-lateness 0s` means "never
     late", not "never"); `run_once` runs only the most recent one, however late; `run_all` runs
     them all, keeping the most recent `run_all_cap`. Every run later than `catch_up_after` past its
-    due time fired after downtime and is labelled catch-up."""
+    due time fired after downtime and is labelled catch-up. `running_since`: since when the
+    scheduler has been running (holding the lease); an occurrence due after it was missed because
+    the scheduler fell behind, not because it was down, and its reason says so."""
 
     def run(o: tuple[datetime, datetime]) -> tuple[datetime, datetime, bool]:
         return (o[0], o[1], now - o[1] > catch_up_after)
@@ -179,29 +195,42 @@ def apply_misfire(
     on_time = [o for o in due if now - o[1] <= window]
     missed = []
     for n, d in due:
+        down = running_since is None or d < running_since
         if now - d > window:
-            missed.append(
-                (
-                    n,
-                    f"late by {(now - d).total_seconds():.0f} s (> max lateness {limit:g} s; "
-                    "misfire=skip): the scheduler was not running or could not keep up",
-                )
-            )
+            why = "the scheduler was not running" if down else "the scheduler could not keep up"
+            late = f"late by {(now - d).total_seconds():.0f} s (> max lateness {limit:g} s; misfire=skip)"
+            missed.append((n, f"{late}: {why}"))
         elif (n, d) != on_time[-1]:
-            missed.append(
-                (
-                    n,
-                    "skipped: after downtime only the most recent occurrence within the max "
-                    f"lateness of {limit:g} s runs (misfire=skip)",
-                )
-            )
+            missed.append((n, _coalesced_reason(limit, down)))
     return ([run(on_time[-1])] if on_time else []), missed
+
+
+def _coalesced_reason(limit: float, down: bool) -> str:
+    """Why an occurrence within the lateness window was skipped for a later one (misfire=skip):
+    after downtime, or because the scheduler fell behind while it ran."""
+    if down:
+        return (
+            "skipped: after downtime only the most recent occurrence within the max "
+            f"lateness of {limit:g} s runs (misfire=skip)"
+        )
+    return (
+        "skipped: a later occurrence came due before this one was started (the scheduler fell "
+        f"behind); only the most recent within the max lateness of {limit:g} s runs (misfire=skip)"
+    )
 
 
 @dataclass(slots=True)
 class _Planned:
     task: CronTask
     occurrence: Occurrence
+
+
+def _missed_error(missed: list[_Missed]) -> str:
+    """The task's last error for the occurrences a tick missed: the latest and its reason."""
+    nominal, reason = missed[-1]
+    when = nominal.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    more = f" (and {len(missed) - 1} earlier)" if len(missed) > 1 else ""
+    return f"{MISSED_PREFIX}the run scheduled for {when}{more}: {reason}"
 
 
 @dataclass(slots=True)
@@ -241,6 +270,7 @@ class Scheduler:
         credentials: CredentialCheck | None = None,
         agent_names: AgentNamesFn | None = None,
         before_recovered_delivery: Callable[[], Awaitable[None]] | None = None,
+        withdraw: WithdrawFn | None = None,
     ) -> None:
         if isinstance(home, CronStore):
             self.store = home
@@ -276,6 +306,19 @@ class Scheduler:
         # server waits until its channels run: its first tick comes before its gateway is up)
         self.before_recovered_delivery = before_recovered_delivery
         self._agent_name: dict[str, str] = {}  # agent id -> name, as read at the last tick
+        # A run of a task removed or disabled since it was submitted is dropped from its queue if
+        # it has not started (`withdraw`); (task id, run) -> its turn, of the runs followed here
+        self.withdraw = withdraw
+        self._turn_of: dict[tuple[str, int], str] = {}
+        self._withdrawing: list[tuple[tuple[str, int], str, str]] = []  # found by the tick: key, turn, why
+        self._withdrawn: dict[str, str] = {}  # turn id -> why it was dropped (its outcome's error)
+        # The runs a later occurrence was skipped behind (overlap), and the tasks whose overlap the
+        # log said: once, until one of the task's runs ends with nothing skipped behind it
+        self._overlap_noted: set[tuple[str, int]] = set()
+        self._overlap_said: set[str] = set()
+        # Since when this scheduler holds the lease: an occurrence due after it that is missed was
+        # missed while the scheduler ran (it fell behind), not during downtime
+        self._held_since: datetime | None = None
         # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
         # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
         self._orphans: list[tuple[CronTask, list[Occurrence]]] = []
@@ -354,6 +397,7 @@ class Scheduler:
         for task, claims in orphans:
             for occurrence in await asyncio.to_thread(self._orphan_occurrences, task, claims):
                 await self._submit_orphan(task, occurrence, report)
+        submitted: list[tuple[str, int, str]] = []
         for item in planned:
             turn_id, _ = await submit_claimed(
                 self.store,
@@ -362,11 +406,59 @@ class Scheduler:
                 self.fire,
                 fire_timeout_s=self.fire_timeout_s,
                 clock=self.clock,
+                step=False,
             )
             report.fired.append((item.task.id, item.occurrence.number, turn_id))
-            if turn_id is not None and self.await_outcome is not None:
-                self._watch(item.task.id, item.occurrence.number, turn_id, item.task.deliver)
+            if turn_id is not None:
+                submitted.append((item.task.id, item.occurrence.number, "submitted"))
+                if self.await_outcome is not None:
+                    self._watch(item.task.id, item.occurrence.number, turn_id, item.task.deliver)
+        await self._mark_submitted(submitted)
+        await self._withdraw_runs()
         return report
+
+    async def _mark_submitted(self, steps: list[tuple[str, int, str]]) -> None:
+        """Move the tick's submitted runs to `submitted` in one save (each is in the run log
+        already: a crash before this save leaves claims short of it, which a take-over brings up
+        to the run log or finds by the kernel's idempotency key, never submitting one twice)."""
+        if not steps:
+            return
+        try:
+            await asyncio.to_thread(self.store.advance_many, steps)
+        except (CorruptStateFile, CronStoreError, OSError) as exc:
+            log.warning("cron: could not record that %d run(s) were submitted: %s", len(steps), exc)
+
+    def _runs_to_withdraw(self, state: CronFile) -> list[tuple[tuple[str, int], str, str]]:
+        """The runs followed here whose task was removed or disabled since (key, turn, why): each
+        is dropped from its conversation's queue if it has not started (`_withdraw_runs`)."""
+        if self.withdraw is None or not self._turn_of:
+            return []
+        tasks = {t.id: t for t in state.tasks}
+        found = []
+        for key, turn_id in self._turn_of.items():
+            task = tasks.get(key[0])
+            if (task is None or not task.enabled) and turn_id not in self._withdrawn:
+                why = "the task was removed" if task is None else "the task was disabled"
+                found.append((key, turn_id, f"not started: {why} before this run began"))
+        return found
+
+    async def _withdraw_runs(self) -> None:
+        """Drop the queued runs of tasks removed or disabled (no model work for a task its owner
+        stopped); a run that already started finishes. Its outcome says why it was dropped."""
+        found, self._withdrawing = self._withdrawing, []
+        for (task_id, number), turn_id, why in found:
+            if self.withdraw is None or turn_id in self._withdrawn:
+                continue
+            self._withdrawn[turn_id] = why
+            try:
+                dropped = await asyncio.wait_for(self.withdraw(turn_id, why), self.fire_timeout_s)
+            except Exception as exc:  # noqa: BLE001 — the run then goes on; said, not raised into the loop
+                log.warning("cron: could not drop queued run #%d of task %s: %s", number, task_id, exc)
+                continue
+            if dropped:
+                log.info("cron: task %s run #%d (turn %s) dropped from its queue: %s", task_id, number, turn_id, why)
+            else:
+                self._withdrawn.pop(turn_id, None)  # it started: its outcome is its own
 
     async def _read_agent_names(self) -> None:
         """The agents' names, for credentials limited by name; on failure the last ones read stay
@@ -665,6 +757,7 @@ class Scheduler:
             self.lease_state,
             self._orphans,
             self._invalid,
+            self._held_since,
         )
         self._journal = {}
         try:
@@ -688,7 +781,15 @@ class Scheduler:
                 table.pop(task_id, None)
             else:
                 table[task_id] = value
-        (self.has_lease, self._next_due, self._renew_at, self.lease_state, self._orphans, self._invalid) = undo
+        (
+            self.has_lease,
+            self._next_due,
+            self._renew_at,
+            self.lease_state,
+            self._orphans,
+            self._invalid,
+            self._held_since,
+        ) = undo
         self._stamps_seen = None
         self._clock_back_unsaved = self._clock_back
         retry = now + timedelta(seconds=FAILED_TICK_RETRY_S)
@@ -708,6 +809,7 @@ class Scheduler:
         self.lease_state = None  # unknown until this tick reads the lease
         with self.store.lock():
             state = self.store.load()
+            self._withdrawing = self._runs_to_withdraw(state)
             had = self.lease.holds(state)
             previous = state.scheduler_owner
             self._invalid = state.invalid_problem()
@@ -715,6 +817,7 @@ class Scheduler:
                 if self.has_lease:
                     log.warning("cron: lost the scheduler lease; another process owns it now")
                 self.has_lease = report.has_lease = False
+                self._held_since = None
                 self._next_due = None
                 self._renew_at = math.inf
                 self.lease_state = self.lease.describe_holder(state)
@@ -725,6 +828,7 @@ class Scheduler:
                 return []
             if not self.has_lease:
                 log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
+                self._held_since = now
             if not had:
                 dead = self._dead_tokens(state, previous)
                 self._orphans = self._claimed_by(state, dead, shared=self.store.shared)
@@ -901,9 +1005,23 @@ class Scheduler:
                 ran_until.isoformat(),
             )
             due = [o for o in due if o[0] > ran_until]
-        fire, missed = apply_misfire(task.misfire, due, now, timedelta(seconds=task.max_lateness_s), self.run_all_cap)
+        fire, missed = apply_misfire(
+            task.misfire,
+            due,
+            now,
+            timedelta(seconds=task.max_lateness_s),
+            self.run_all_cap,
+            running_since=self._held_since,
+        )
         if skipped is not None:
             missed.insert(0, skipped)
+        self._warn_missed(task, missed)
+        overlapped: list[_Missed] = []
+        busy = self._running_run(task) if fire else None
+        if busy is not None:  # never a second run of the task queued behind one still going
+            overlapped = [(nominal, f"skipped (previous run #{busy} still running)") for nominal, _, _ in fire]
+            self._note_overlap(task, busy, fire[0][0])
+            fire = []
         if fire:
             gone = self.credential_problem(task)
             if gone is not None:  # never submit turns for a credential that is no more
@@ -915,6 +1033,9 @@ class Scheduler:
                 missed.extend((nominal, reason) for nominal, _, _ in fire)
                 fire = []
 
+        if missed:
+            task.set_error(_missed_error(missed), now)
+        missed += overlapped
         for nominal, reason in missed:
             logs.append((task.id, "missed", {"scheduled_for": nominal, "reason": reason}))
         report.missed += len(missed)
@@ -933,6 +1054,53 @@ class Scheduler:
         snapshot = dataclasses.replace(task)  # `fire` gets a copy, not the store's cached object
         planned.extend(_Planned(snapshot, occ) for occ in occurrences)
         return True
+
+    def _running_run(self, task: CronTask) -> int | None:
+        """The number of a run of `task` still queued or running (claimed or submitted, its
+        outcome not recorded yet) that this process follows, or None. Only runs followed here
+        count: a claim a stopped server left open is resolved by the take-over, never waited for."""
+        for claim in task.claim_records():
+            number = claim.get("occurrence")
+            if claim.get("progress") not in ("claimed", "submitted") or not isinstance(number, int):
+                continue
+            watcher = self._following.get((task.id, number))
+            if watcher is not None and not watcher.done():
+                return number
+        return None
+
+    def _note_overlap(self, task: CronTask, busy: int, nominal: datetime) -> None:
+        """Say once that occurrences of `task` are skipped behind its running runs (the run log
+        has each): again only after one of its runs ended with nothing skipped behind it."""
+        self._overlap_noted.add((task.id, busy))
+        if task.id in self._overlap_said:
+            return
+        self._overlap_said.add(task.id)
+        log.warning(
+            "cron: task %s (%s): run #%d is still running at the occurrence scheduled for %s; occurrences "
+            "that come due while a run of it is queued or running are skipped (each is recorded in the run "
+            "log; said again only after a run ends with none skipped)",
+            task.name,
+            task.id,
+            busy,
+            nominal.isoformat(),
+        )
+
+    @staticmethod
+    def _warn_missed(task: CronTask, missed: list[_Missed]) -> None:
+        """One warning line for the occurrences a tick found missed (never repeated: the next tick
+        starts after them)."""
+        if not missed:
+            return
+        nominal, reason = missed[-1]
+        more = f" and {len(missed) - 1} earlier occurrence(s)" if len(missed) > 1 else ""
+        log.warning(
+            "cron: task %s (%s) missed the occurrence scheduled for %s%s: %s",
+            task.name,
+            task.id,
+            nominal.isoformat(),
+            more,
+            reason,
+        )
 
     def _used_runs(self, task: CronTask) -> tuple[int, datetime | None]:
         """The highest run number of `task` already used and the latest scheduled time it ran: what
@@ -1085,7 +1253,7 @@ class Scheduler:
                 task_id,
                 occurrence,
                 turn_id,
-                self.await_outcome,
+                self._outcome,
                 timeout_s=self.outcome_timeout_s,
                 deliver_to=deliver_to,
                 deliver=self.deliver,
@@ -1093,13 +1261,28 @@ class Scheduler:
         t = asyncio.create_task(outcome)
         self._watchers.add(t)
         self._following[key] = t
+        self._turn_of[key] = turn_id
 
         def ended(done: asyncio.Task[TurnOutcome]) -> None:
             self._watchers.discard(done)
             if self._following.get(key) is done:
                 del self._following[key]
+                self._turn_of.pop(key, None)
+                if key not in self._overlap_noted:
+                    self._overlap_said.discard(task_id)
+                self._overlap_noted.discard(key)
+                self._withdrawn.pop(turn_id, None)
 
         t.add_done_callback(ended)
+
+    async def _outcome(self, turn_id: str) -> TurnOutcome:
+        """`await_outcome`; a run dropped from its queue (`_withdraw_runs`) says why in its error."""
+        assert self.await_outcome is not None
+        outcome = await self.await_outcome(turn_id)
+        why = self._withdrawn.get(turn_id)
+        if why is not None and outcome.status == "cancelled":
+            return dataclasses.replace(outcome, error=why)
+        return outcome
 
     async def _outcome_then_delivery(
         self,
@@ -1118,7 +1301,7 @@ class Scheduler:
             task_id,
             occurrence,
             turn_id,
-            self.await_outcome,
+            self._outcome,
             timeout_s=self.outcome_timeout_s,
             final=False,
         )

@@ -65,6 +65,7 @@ class CronService:
             agent_names=adapter.agent_names,
             # the reply of a run taken over from a server that stopped waits for the channels too
             before_recovered_delivery=self._channels_up,
+            withdraw=adapter.withdraw,
         )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

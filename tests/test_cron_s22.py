@@ -1,16 +1,19 @@
-"""Cron runs queued behind a slow turn when their server stops, a crons.json set aside at start, and
-the reason of a reply not delivered.
+"""Cron runs queued behind a held turn when their server stops, a crons.json set aside at start,
+and the reason of a reply not delivered.
 
-1. A task firing every second into `--conversation default` while a slow turn holds that
-   conversation: its runs queue. The server is stopped (SIGTERM, then a restart; or kill -9 with a
-   `serve --standby` taking over). Before the fix two recovery paths of the server that took over
-   followed the same queued turns: `CronService.recover_outcomes` (turns a previous server did not
-   see end) and the scheduler's take-over of the runs the stopped scheduler claimed
-   (`Scheduler._submit_orphan` / `_resume_orphan`). Their only guard, the claim's progress in the
-   tasks (`CronTask.advance_claim`), answered "not followed" for a run dropped from the claims once
-   done (or pushed out of them, more than three open at once), and on that answer both wrote the
-   run's `outcome` and both POSTed its `--deliver` reply. Now one watcher per run and process
-   (`Scheduler._watch`), a run dropped from the claims once done is known done
+1. A task's runs queue in `--conversation default` behind a turn waiting for an approval: its
+   scheduled run (a one-shot's, claimed under the scheduler's lease token), then runs started by
+   `cron run` (run now, which a run of the task still queued does not hold back; a scheduled
+   occurrence would be skipped). The server is stopped (SIGTERM, then a restart; or kill -9 with a
+   `serve --standby` taking over), and the runs queued on the server that took over push the first
+   ones out of the claims (more than three open at once). Before the fix two recovery paths of the
+   server that took over followed the same queued turns: `CronService.recover_outcomes` (turns a
+   previous server did not see end) and the scheduler's take-over of the runs the stopped scheduler
+   claimed (`Scheduler._submit_orphan` / `_resume_orphan`). Their only guard, the claim's progress
+   in the tasks (`CronTask.advance_claim`), answered "not followed" for a run dropped from the
+   claims once done (or pushed out of them, more than three open at once), and on that answer both
+   wrote the run's `outcome` and both POSTed its `--deliver` reply. Now one watcher per run and
+   process (`Scheduler._watch`), a run dropped from the claims once done is known done
    (`last_claimed.followed_from`), and a run the tasks do not follow is recorded only when the run
    log lacks its record, and delivered only by the process that recorded its outcome.
 2. A crons.json that cannot be parsed at start is set aside by the scheduler's first tick, which
@@ -19,8 +22,9 @@ the reason of a reply not delivered.
    soon), so the lease is taken and the task fires.
 3. The server log said "reply to … not delivered: not delivered: the run cancelled".
 
-Real `appserver serve` processes (the echo model; `/slow N` holds the conversation), the real
-webhook channel and a loopback receiver of its replies, real crons.json and run logs.
+Real `appserver serve` processes (the echo model; a call waiting for approval holds the
+conversation), the real webhook channel and a loopback receiver of its replies, real crons.json
+and run logs.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import logging
 import os
 import signal
 import socket
-import sqlite3
 import subprocess
 import threading
 import time
@@ -58,7 +61,7 @@ pytestmark = pytest.mark.timeout(150)
 
 SECRET = "s3cr3t-for-the-webhook-s22"
 TARGET = "webhook:home:kitchen"
-QUEUED = 4  # runs submitted behind the slow turn before the server is stopped (more than the 3 kept open)
+QUEUED = 4  # runs submitted behind the held turn after a restart (more than the 3 claims kept open)
 
 
 def _port() -> int:
@@ -176,35 +179,48 @@ def _all_ended(home: Path, task_id: str, end: tuple[str, ...]) -> bool:
     return bool(runs) and all(any(e in events for e in end) for events in runs.values())
 
 
-def _hold_default(home: Path, env: dict[str, str], procs: Procs, out: Path) -> None:
-    """A slow turn (30 s) in the agent's default conversation, through the running server: the
-    cron turns submitted there queue behind it."""
-    with open(out, "wb") as f:
+def _add_task(home: Path, env: dict[str, str], agent: str, *deliver: str) -> str:
+    """A one-shot task due in a second: its scheduled run (claimed by the scheduler, under its lease
+    token) queues behind the held conversation; its other runs are run-now's."""
+    return str(
+        _ok(home, env, "cron", "add", "--name", "q", "--agent", agent, "--in", "1s", "--conversation", "default",
+            "--prompt", "queued", *deliver, "--json").json()["id"]
+    )  # fmt: skip
+
+
+def _run_now(home: Path, env: dict[str, str], procs: Procs, task_id: str, count: int) -> None:
+    """`count` runs of the task submitted at once by `appserver cron run q` through the running
+    server (run now is not held back by a run of the task still queued): they queue behind the
+    turn that holds the default conversation. Each client waits for its turn in the background."""
+    target = _submitted(home, task_id) + count
+    for _ in range(count):
         procs.add(
             appserver_popen(
-                ["run", "--conversation", "default", "/slow 600"], env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT
+                ["cron", "run", "q"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )  # fmt: skip
         )
-    wait_for(lambda: _running_turns(home) == 1, 30, "the slow turn to run")
+    wait_for(lambda: _submitted(home, task_id) >= target, 30, f"{count} more runs queued behind the held turn")
 
 
-def _running_turns(home: Path) -> int:
-    with contextlib.suppress(sqlite3.Error):
-        conn = sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True)
-        try:
-            return int(conn.execute("SELECT COUNT(*) FROM turns WHERE status = 'running'").fetchone()[0])
-        finally:
-            conn.close()
-    return 0
+def _hold_for_approval(home: Path, env: dict[str, str]) -> tuple[str, str]:
+    """A turn of `careful` in the default conversation waiting for the approval of a call, which
+    outlives its server: (its conversation, the call). The cron turns submitted there queue."""
+    _ok(home, env, "agents", "create", "--name", "careful", "--tool", "clock=ask")
+    held = _ok(home, env, "run", "--agent", "careful", "--conversation", "default", "--json", "/call clock {}").json()
+    (call,) = [c["call_id"] for c in held["pending"]]
+    return str(held["conversation_id"]), str(call)
 
 
-def _queue_runs(home: Path, env: dict[str, str], *deliver: str) -> str:
-    task_id = str(
-        _ok(home, env, "cron", "add", "--name", "q", "--agent", "assistant", "--every", "1s", "--exact",
-            "--conversation", "default", "--prompt", "queued", *deliver, "--json").json()["id"]
-    )  # fmt: skip
-    wait_for(lambda: _submitted(home, task_id) >= QUEUED, 30, f"{QUEUED} runs queued behind the slow turn")
-    return task_id
+def _approve(home: Path, env: dict[str, str], held: tuple[str, str]) -> None:
+    approved = run_cli(home, "run", "--agent", "careful", "--conversation", held[0], "--approve", held[1], env=env)
+    assert approved.code == 0, (approved.out, approved.err)
+
+
+def _serves(home: Path, pid: int) -> bool:
+    """Does the server.json of the home name process `pid` (written once it serves)?"""
+    with contextlib.suppress(OSError, ValueError):
+        return bool(json.loads((home / "server.json").read_text()).get("pid") == pid)
+    return False
 
 
 def _once_each(home: Path, task_id: str, event: str | tuple[str, ...]) -> None:
@@ -215,20 +231,25 @@ def _once_each(home: Path, task_id: str, event: str | tuple[str, ...]) -> None:
 
 
 def test_queued_runs_are_recorded_once_after_a_sigterm_and_restart(tmp_path: Path, procs: Procs) -> None:
+    """The task's scheduled run queues behind a turn waiting for an approval; the server is
+    stopped, and the restarted one follows that run by both recovery paths while the runs queued
+    there push it out of the claims. Then the call is approved and they all run."""
     home = tmp_path / "home"
     env = cli_env(home)
     first = start_serve(home, env=env)
     procs.add(first.proc)
-    _hold_default(home, env, procs, tmp_path / "slow.out")
-    task_id = _queue_runs(home, env)
+    held = _hold_for_approval(home, env)
+    task_id = _add_task(home, env, "careful")
+    wait_for(lambda: _submitted(home, task_id) == 1, 30, "the scheduled run queued behind the held turn")
     first.stop(signal.SIGTERM, timeout=30)
-    _ok(home, env, "cron", "disable", "q")
     second = start_serve(home, env=env)
     procs.add(second.proc)
+    _run_now(home, env, procs, task_id, QUEUED)
+    _approve(home, env, held)
     wait_for(lambda: _all_ended(home, task_id, ("outcome", "missed")), 40, "every run's outcome")
     time.sleep(2)  # a second record of the same run would come with the first
     _once_each(home, task_id, ("outcome", "missed"))
-    assert sum(events.count("submitted") for events in _by_run(home, task_id).values()) >= QUEUED
+    assert _submitted(home, task_id) == 1 + QUEUED
 
 
 def test_queued_runs_are_recorded_and_delivered_once_when_a_standby_takes_over_after_kill9(
@@ -249,7 +270,6 @@ def test_queued_runs_are_recorded_and_delivered_once_when_a_standby_takes_over_a
         }
         write_config(home, {"webhook": {"home": settings}}, ["webhook"])
         env = cli_env(home, WH_SECRET=SECRET)
-        _ok(home, env, "agents", "create", "--name", "careful", "--tool", "clock=ask")
         active = start_channel_server(home, env=env)
         procs.add(active.proc)
         active.wait_channels_ready()
@@ -265,22 +285,15 @@ def test_queued_runs_are_recorded_and_delivered_once_when_a_standby_takes_over_a
                 )  # fmt: skip
             )
         wait_for(lambda: "appserver standby:" in standby_log.read_text(errors="replace"), 20, "the standby to wait")
-        paused = _ok(home, env, "run", "--agent", "careful", "--conversation", "default", "--json", "/call clock {}")
-        held = paused.json()
-        (call,) = [c["call_id"] for c in held["pending"]]
-        task_id = str(
-            _ok(home, env, "cron", "add", "--name", "q", "--agent", "careful", "--every", "1s", "--exact",
-                "--conversation", "default", "--prompt", "queued", "--deliver", TARGET, "--json").json()["id"]
-        )  # fmt: skip
-        wait_for(lambda: _submitted(home, task_id) >= 2, 30, "runs queued behind the paused turn")
+        held = _hold_for_approval(home, env)
+        task_id = _add_task(home, env, "careful", "--deliver", TARGET)
+        wait_for(lambda: _submitted(home, task_id) == 1, 30, "the scheduled run queued behind the held turn")
+        _run_now(home, env, procs, task_id, 1)
         procs.kill9(active.proc)
-        # the standby takes over and goes on claiming: the first runs are pushed out of the claims
-        wait_for(lambda: _submitted(home, task_id) >= 7, 40, "more runs queued, claimed by the standby")
-        _ok(home, env, "cron", "disable", "q")
-        approved = run_cli(
-            home, "run", "--agent", "careful", "--conversation", held["conversation_id"], "--approve", call, env=env
-        )
-        assert approved.code == 0, (approved.out, approved.err)
+        # the standby takes over; the runs queued there push the first ones out of the claims
+        wait_for(lambda: _serves(home, standby.pid), 40, "the standby to serve")
+        _run_now(home, env, procs, task_id, 5)
+        _approve(home, env, held)
         wait_for(
             lambda: _all_ended(home, task_id, ("delivered", "delivery_failed", "missed")),
             40,

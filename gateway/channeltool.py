@@ -39,6 +39,7 @@ class MessageChannel:
 
     async def run(self, ctx: TurnContext, call_id: str, frame: dict[str, Any]) -> None:
         spec = ctx.runner.spec
+        action = "call"
         try:
             call = parse_call(
                 str(frame.get("arguments") or "{}"),
@@ -47,6 +48,7 @@ class MessageChannel:
                 here=ctx.here,
                 reply_to=ctx.reply_to,
             )
+            action = call.action
             outbox = self.outboxes.of(ctx.runner)
             where = target_name(spec.channel, spec.name, call.target)
             if call.action in ("send", "reply"):
@@ -74,7 +76,11 @@ class MessageChannel:
             else:
                 await outbox.react(call.target, str(call.message_id), str(call.emoji))
                 result = f"reacted {call.emoji} to message {call.message_id}"
-        except (ToolRefusal, DeliveryFailed, RuntimeError) as exc:
+        except DeliveryFailed as exc:  # the platform refused: counted and shown in `channels status` too
+            self.replies.send_failed(ctx.runner, f"message_channel {action} failed: {exc}")
+            await self.answer(call_id, str(exc), True)
+            return
+        except (ToolRefusal, RuntimeError) as exc:
             await self.answer(call_id, str(exc), True)
             return
         await self.answer(call_id, result, False)

@@ -174,3 +174,21 @@ def test_an_empty_message_starts_no_turn(srv: ChannelServer, chat: FakeChat) -> 
 
     assert wait_for(reason, timeout=5, what="the ledger row") == "denied: empty message (no text and no files)"
     assert [m.text for m in chat.messages("empty")] == ["echo: after it"]
+
+
+def test_a_message_channel_send_the_platform_refuses_counts_in_status(srv: ChannelServer, chat: FakeChat) -> None:
+    """A failed `message_channel` send was told to the model only: `channels status` counted no
+    failure and showed no reason (cron deliveries, counted since, go the same way)."""
+    from tests.support.cli import run_cli
+
+    chat.inject("refusing", "hi bot")
+    chat.wait_for_text("refusing", "echo: hi bot", timeout=15)
+    before = run_cli(srv.home, "channels", "status", "--json").json()["accounts"][0]["failures"]
+    args = json.dumps({"action": "send", "target": "fakechat:main:refusing", "text": "blocked now"})
+    chat.fail_next("sendMessage", status=403)
+    chat.inject("tooling-refused", f"/call message_channel {args}")
+    final = chat.wait_for_text("tooling-refused", lambda t: "message_channel ->" in t, timeout=20)
+    assert "blocked" in final.text, final.text
+    status = run_cli(srv.home, "channels", "status", "--json").json()["accounts"][0]
+    assert status["failures"] == before + 1, status
+    assert "message_channel send failed" in status["last_failure"]["reason"], status

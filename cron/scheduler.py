@@ -1019,7 +1019,8 @@ class Scheduler:
         overlapped: list[_Missed] = []
         busy = self._running_run(task) if fire else None
         if busy is not None:  # never a second run of the task queued behind one still going
-            overlapped = [(nominal, f"skipped (previous run #{busy} still running)") for nominal, _, _ in fire]
+            why = f"skipped (previous run #{busy} still queued or running)"
+            overlapped = [(nominal, why) for nominal, _, _ in fire]
             self._note_overlap(task, busy, fire[0][0])
             fire = []
         if fire:
@@ -1033,9 +1034,9 @@ class Scheduler:
                 missed.extend((nominal, reason) for nominal, _, _ in fire)
                 fire = []
 
-        if missed:
-            task.set_error(_missed_error(missed), now)
         missed += overlapped
+        if missed:  # skips behind a run that does not end (queued behind a pending approval) show too
+            task.set_error(_missed_error(missed), now)
         for nominal, reason in missed:
             logs.append((task.id, "missed", {"scheduled_for": nominal, "reason": reason}))
         report.missed += len(missed)
@@ -1076,7 +1077,7 @@ class Scheduler:
             return
         self._overlap_said.add(task.id)
         log.warning(
-            "cron: task %s (%s): run #%d is still running at the occurrence scheduled for %s; occurrences "
+            "cron: task %s (%s): run #%d is still queued or running at the occurrence scheduled for %s; occurrences "
             "that come due while a run of it is queued or running are skipped (each is recorded in the run "
             "log; said again only after a run ends with none skipped)",
             task.name,

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appserver.auth import conversation_namespace, namespace_allows
+from appserver.errors import InvalidInput, KernelError, NotAwaiting
 from appserver.http import fields
 from appserver.http.chat import (
     REASONING_EFFORTS,
@@ -48,6 +49,8 @@ from appserver.http.chat import (
 from appserver.http.common import (
     Idempotency,
     TurnRun,
+    already_given,
+    answered_approvals,
     dumps,
     failed_answer,
     forget_answers_of,
@@ -60,6 +63,7 @@ from appserver.http.common import (
     request_usage,
     resolve_model,
     settle_or_cancel,
+    shown_text,
     start_turn,
     stream_replay,
     turn_error,
@@ -80,7 +84,7 @@ from appserver.http.conversation_match import (
     split_new_input,
     unanswered_calls,
 )
-from appserver.http.errors import ApiError, bad_request, turn_failure
+from appserver.http.errors import ApiError, bad_request, from_kernel, turn_failure
 from appserver.http.sse import SSEItem, SSEResponse
 from appserver.http.stopping import CODE as SHUTTING_DOWN
 from appserver.http.stopping import Stopping, shutting_down
@@ -1244,7 +1248,11 @@ class Responses:
                     self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added),
                 )
                 try:
-                    run = await start_turn(
+                    head = place
+                    resumed = await self._answer_head(head, prev_id, decisions)
+                    if resumed is None and await self._answered(head, prev_id, decisions):
+                        place = await self._fork_lost(agent, ns, head, prev_id, answers)
+                    run = resumed or await start_turn(
                         self.server,
                         agent,
                         place.conversation_id,
@@ -1303,6 +1311,77 @@ class Responses:
         if stream:
             return ctx.stream_response(request)
         return await ctx.complete(request)
+
+    async def _answer_head(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> TurnRun | None:
+        """The paused turn `place` continues (at `prev_id`), resumed with the answers it has not
+        yet (start_turn's answering, the check and the answer run here as one step). None when
+        there is nothing of it to do here: no such turn, nothing new, or the answer was refused
+        (start_turn then answers as ever), or another request answered the calls first. On one
+        server the claim makes that request fork; across the servers of a cluster each claim is
+        one server's, and the answer itself (all or none) decides which request continues."""
+        if place.how != "previous_response" or not decisions or prev_id is None:
+            return None
+        kernel = self.server.kernel
+        rec = await self.server.store.get_response(prev_id)
+        awaiting = await kernel.awaiting(place.conversation_id)
+        if rec is None or awaiting is None or awaiting.id != rec.turn_id:
+            return None
+        given = {p.call_id: p for p in await self.server.store.list_pending(awaiting.id) if p.status != "pending"}
+        fresh = [d for d in decisions if not already_given(given.get(d.call_id), d)]
+        if not fresh:
+            return None
+        handle = await kernel.handle_for(awaiting)
+        before = handle.controller.snapshot()
+        try:
+            results = await kernel.respond(place.conversation_id, fresh, whole=True)
+        except (InvalidInput, NotAwaiting):
+            # answers contradicting each other (start_turn refuses them in its words), or the turn
+            # resumed meanwhile (by another request's answers)
+            return None
+        except KernelError as exc:
+            raise from_kernel(exc) from None
+        if not all(r.get("accepted") for r in results):
+            return None  # nothing applied (all or none): answered meanwhile, or start_turn's refusal
+        return TurnRun(
+            self.server,
+            place.conversation_id,
+            handle,
+            base_blocks=len(before.blocks),
+            base_text=shown_text(before),
+            after_revision=before.revision,
+            resolved_calls=answered_approvals(before, given, fresh),
+            base_usage=dict(before.usage),
+        )
+
+    async def _answered(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> bool:
+        """Did other requests answer the calls `prev_id` asked (all of its round), so that its turn
+        moved on while `place` continued its conversation? Answering them again forks from
+        `prev_id`, as the second of two requests racing on one server does (docs/openai.md
+        "Racing requests")."""
+        if place.how != "previous_response" or not decisions:
+            return False
+        rec = await self.server.store.get_response(prev_id) if prev_id else None
+        if rec is None or rec.turn_id is None:
+            return False
+        calls = {p.call_id: p for p in await self.server.store.list_pending(rec.turn_id)}
+        answered = ("result", "approved", "denied")
+        return all(c.status != "pending" for c in calls.values()) and all(
+            d.call_id in calls and calls[d.call_id].status in answered for d in decisions
+        )
+
+    async def _fork_lost(
+        self, agent: AgentRecord, ns: str | None, head: Placement, prev_id: str | None, answers: Answers | None
+    ) -> Placement:
+        """The fork from `prev_id` a request answering its calls goes to once another request
+        continued its conversation first (see `_answered`); the head's claim is given up."""
+        self.matcher.release(head)
+        rec = await self.server.store.get_response(prev_id or "")
+        if rec is None:  # placed at it a moment ago: deleted since
+            raise ApiError(404, f"Previous response with id '{prev_id}' not found.", code="previous_response_not_found")
+        fork = await self.matcher.fork_at(
+            agent, ns, rec.conversation_id, rec.last_message_id, answers, while_pending=calls_pending_at(prev_id or "")
+        )
+        return Placement(fork, "fork", claimed=True)
 
     async def _closed_calls(self, conversation_id: str, decisions: list[Decision]) -> None:
         """No turn of the conversation waits for answers: ones to calls its history already closed

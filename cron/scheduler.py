@@ -225,6 +225,11 @@ class _Planned:
     occurrence: Occurrence
 
 
+# What a tick may change besides its journal (`_used`, `_fits`): kept before it plans, put back
+# when it fails (`Scheduler._claim_due`, `_undo_tick`). One list, so the two never drift apart.
+_TICK_STATE = ("has_lease", "_next_due", "_renew_at", "lease_state", "_orphans", "_invalid", "_held_since")
+
+
 def _missed_error(missed: list[_Missed]) -> str:
     """The task's last error for the occurrences a tick missed: the latest and its reason."""
     nominal, reason = missed[-1]
@@ -750,15 +755,7 @@ class Scheduler:
         a full disk, a read-only file) leaves no trace in memory: the next one plans again from
         what is on disk, so a run it could not claim is claimed then (late, or logged as missed
         by its misfire policy), never taken for done."""
-        undo = (
-            self.has_lease,
-            self._next_due,
-            self._renew_at,
-            self.lease_state,
-            self._orphans,
-            self._invalid,
-            self._held_since,
-        )
+        undo = tuple(getattr(self, name) for name in _TICK_STATE)
         self._journal = {}
         try:
             return self._claim_due_journaled(now, report)
@@ -781,15 +778,8 @@ class Scheduler:
                 table.pop(task_id, None)
             else:
                 table[task_id] = value
-        (
-            self.has_lease,
-            self._next_due,
-            self._renew_at,
-            self.lease_state,
-            self._orphans,
-            self._invalid,
-            self._held_since,
-        ) = undo
+        for name, value in zip(_TICK_STATE, undo, strict=True):
+            setattr(self, name, value)
         self._stamps_seen = None
         self._clock_back_unsaved = self._clock_back
         retry = now + timedelta(seconds=FAILED_TICK_RETRY_S)

@@ -38,7 +38,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.runtime import max_steps_note as steps_note
 from appserver.store.base import StoreUnavailable, StoreValueRefused
-from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall
+from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord
 
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
@@ -558,6 +558,42 @@ def answered_approvals(before: TurnSnapshot, given: dict[str, PendingCall], deci
     ]
 
 
+@dataclass
+class PausedTurn:
+    """A turn waiting for answers, as a request that answers it finds it: its handle, what it
+    showed (`before`, taken before the answers apply) and the answers it already has (`given`)."""
+
+    handle: TurnHandle
+    before: TurnSnapshot
+    given: dict[str, PendingCall]
+
+    @classmethod
+    async def load(cls, server: Server, awaiting: TurnRecord) -> PausedTurn:
+        handle = await server.kernel.handle_for(awaiting)
+        given = {p.call_id: p for p in await server.store.list_pending(awaiting.id) if p.status != "pending"}
+        return cls(handle, handle.controller.snapshot(), given)
+
+    def fresh(self, decisions: list[Decision]) -> list[Decision]:
+        """The answers that are new: a stateless client resends every answer it gave, and one this
+        turn already has (the same answer) is history, not new input."""
+        return [d for d in decisions if not already_given(self.given.get(d.call_id), d)]
+
+    def run(self, server: Server, conversation_id: str, applied: list[Decision], shown_before: bool = False) -> TurnRun:
+        """The request's view of the turn resumed by `applied`; `shown_before`: nothing was new,
+        and the answer shows the turn as it is now (it still waits for the rest)."""
+        before = self.before
+        return TurnRun(
+            server,
+            conversation_id,
+            self.handle,
+            base_blocks=len(before.blocks),
+            base_text=shown_text(before),
+            after_revision=before.revision - 1 if shown_before else before.revision,
+            resolved_calls=answered_approvals(before, self.given, applied) if applied else [],
+            base_usage=dict(before.usage),
+        )
+
+
 USAGE_KEYS = ("input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
 
 
@@ -628,23 +664,10 @@ async def start_turn(
                 raise ApiError(
                     409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting"
                 )
-            handle = await kernel.handle_for(awaiting)
-            # A stateless client resends every answer it gave: one this turn already has (the same
-            # answer) is history, not new input. Only the others are answers now.
-            given = {p.call_id: p for p in await server.store.list_pending(awaiting.id) if p.status != "pending"}
-            decisions = [d for d in decisions if not already_given(given.get(d.call_id), d)]
-            before = handle.controller.snapshot()
-            shown = shown_text(before)
+            paused = await PausedTurn.load(server, awaiting)
+            decisions = paused.fresh(decisions)
             if not decisions:  # nothing new: the turn still waits for the rest, as it shows now
-                return TurnRun(
-                    server,
-                    conversation_id,
-                    handle,
-                    base_blocks=len(before.blocks),
-                    base_text=shown,
-                    after_revision=before.revision - 1,
-                    base_usage=dict(before.usage),
-                )
+                return paused.run(server, conversation_id, [], shown_before=True)
             results = await kernel.respond(conversation_id, decisions, whole=True)  # one request: all or none
             refused = [r for r in results if not r.get("accepted")]
             if refused:
@@ -655,17 +678,7 @@ async def start_turn(
                     code={"unknown_call": "unknown_tool_call"}.get(str(refused[0].get("error")), "already_resolved"),
                     param=answers_param,  # the request's field that carries the answers
                 )
-            resolved = answered_approvals(before, given, decisions)
-            return TurnRun(
-                server,
-                conversation_id,
-                handle,
-                base_blocks=len(before.blocks),
-                base_text=shown,
-                after_revision=before.revision,
-                resolved_calls=resolved,
-                base_usage=dict(before.usage),
-            )
+            return paused.run(server, conversation_id, decisions)
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
         if while_pending is not None:

@@ -48,9 +48,8 @@ from appserver.http.chat import (
 )
 from appserver.http.common import (
     Idempotency,
+    PausedTurn,
     TurnRun,
-    already_given,
-    answered_approvals,
     dumps,
     failed_answer,
     forget_answers_of,
@@ -63,7 +62,6 @@ from appserver.http.common import (
     request_usage,
     resolve_model,
     settle_or_cancel,
-    shown_text,
     start_turn,
     stream_replay,
     turn_error,
@@ -1326,12 +1324,10 @@ class Responses:
         awaiting = await kernel.awaiting(place.conversation_id)
         if rec is None or awaiting is None or awaiting.id != rec.turn_id:
             return None
-        given = {p.call_id: p for p in await self.server.store.list_pending(awaiting.id) if p.status != "pending"}
-        fresh = [d for d in decisions if not already_given(given.get(d.call_id), d)]
+        paused = await PausedTurn.load(self.server, awaiting)
+        fresh = paused.fresh(decisions)
         if not fresh:
             return None
-        handle = await kernel.handle_for(awaiting)
-        before = handle.controller.snapshot()
         try:
             results = await kernel.respond(place.conversation_id, fresh, whole=True)
         except (InvalidInput, NotAwaiting):
@@ -1342,16 +1338,7 @@ class Responses:
             raise from_kernel(exc) from None
         if not all(r.get("accepted") for r in results):
             return None  # nothing applied (all or none): answered meanwhile, or start_turn's refusal
-        return TurnRun(
-            self.server,
-            place.conversation_id,
-            handle,
-            base_blocks=len(before.blocks),
-            base_text=shown_text(before),
-            after_revision=before.revision,
-            resolved_calls=answered_approvals(before, given, fresh),
-            base_usage=dict(before.usage),
-        )
+        return paused.run(self.server, place.conversation_id, fresh)
 
     async def _answered(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> bool:
         """Did other requests answer the calls `prev_id` asked (all of its round), so that its turn

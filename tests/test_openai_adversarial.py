@@ -363,7 +363,7 @@ def test_an_image_url_no_model_could_take_is_refused_where_it_arrives(http: http
 
 def test_a_conversation_object_without_an_id_is_refused_not_ignored(http: httpx.Client) -> None:
     r = http.post("/v1/responses", json={"model": "assistant", "input": "x", "conversation": {"idd": "conv_x"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "conversation", r.text  # was: a new conversation
+    assert r.status_code == 400 and r.json()["error"]["param"] == "conversation.id", r.text  # was: a new conversation
     validate("ErrorResponse", r.json())
 
 
@@ -669,7 +669,8 @@ def test_refusals_name_parts_and_fields_as_the_clients_api_does(http: httpx.Clie
         },
     )
     assert no_url.status_code == 400, no_url.text
-    assert "].image_url must be a string" in no_url.json()["error"]["message"], no_url.text
+    assert no_url.json()["error"]["param"] == "input[0].content[0].image_url", no_url.text
+    assert "image_url.url" not in no_url.json()["error"]["message"], no_url.text
     assistant_image = http.post(
         "/v1/responses",
         json={

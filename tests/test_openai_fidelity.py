@@ -1018,7 +1018,7 @@ def test_functions_and_tools_together_are_refused(http: httpx.Client) -> None:
     for extra, param in (
         ({"functions": [fn], "tools": [WEATHER]}, "functions"),
         ({"functions": [fn], "function_call": "auto", "tool_choice": "auto"}, "function_call"),
-        ({"functions": [fn], "function_call": {"nom": "f"}}, "function_call"),
+        ({"functions": [fn], "function_call": {"nom": "f"}}, "function_call.name"),
         ({"functions": "f"}, "functions"),
     ):
         r = http.post(

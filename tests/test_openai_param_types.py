@@ -133,7 +133,7 @@ RESPONSES_REFUSED = [
     ({"max_tool_calls": "3"}, "max_tool_calls"),
     ({"background": "x"}, "background"),
     ({"stream": True, "stream_options": []}, "stream_options"),
-    ({"instructions": ["x"]}, "instructions"),
+    ({"instructions": ["x"]}, "instructions[0]"),
     ({"instructions": [{"role": "user", "content": "x"}]}, "instructions[0].role"),
     ({"instructions": 5}, "instructions"),
     ({"tools": [{**RFN, "name": "a b"}]}, "tools[0].name"),
@@ -302,4 +302,4 @@ def test_a_legacy_function_call_and_function_message_are_a_tool_round(http: http
         "messages[1].function_call.arguments",
     )
     bad = [*msgs[:2], {"role": "function", "content": "r1"}]
-    refused(http.post("/v1/chat/completions", json={"model": "assistant", "messages": bad}), "messages")
+    refused(http.post("/v1/chat/completions", json={"model": "assistant", "messages": bad}), "messages[2].name")

@@ -103,6 +103,9 @@ ALLOWED_REFUSALS: dict[tuple[int, str], str] = {
     (400, "invalid_value"): "response format name not of a-z, A-Z, 0-9, _ and -, at most 64",
     # an assistant reply that makes two tool calls with one id: a result could not say which it answers
     (400, "duplicate_tool_call_id"): "repeated tool call ids in one reply",
+    # a top-level field the Responses API does not know (the schema does not close the object, but
+    # OpenAI refuses unknown parameters, and a dropped one would go unnoticed)
+    (400, "unknown_parameter"): "a top-level field CreateResponse does not have",
 }
 MAX_TOKENS = 10_000_000
 INT64 = (-(2**63), 2**63 - 1)
@@ -260,6 +263,21 @@ def valid_format_name(fmt: Any) -> None:
 VALID_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
+def top_level_fields(schema_name: str) -> set[str]:
+    """The properties a request schema (and the schemas it composes with allOf) names."""
+    schemas = document("openai-openapi.json")["components"]["schemas"]
+    found: set[str] = set()
+    pending = [schemas[schema_name]]
+    while pending:
+        node = pending.pop()
+        if "$ref" in node:
+            pending.append(schemas[node["$ref"].rsplit("/", 1)[-1]])
+            continue
+        found.update(node.get("properties", {}))
+        pending.extend(node.get("allOf", []))
+    return found
+
+
 def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     """The generated body, still schema-valid, without the parts listed in ALLOWED_REFUSALS, so
     that everything else in it (sampling, formats, client tools, metadata, images…) runs a turn."""
@@ -302,6 +320,8 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
                 del out[key]
         return out
     out.pop("prompt", None)  # a stored prompt template: refused (the server keeps none)
+    for name in set(out) - top_level_fields("CreateResponse"):  # unknown parameters are refused
+        del out[name]
     inp = out.get("input")
     if isinstance(inp, list):
         inp[:] = [

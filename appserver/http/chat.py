@@ -27,7 +27,6 @@ from appserver.http.common import (
     client_pending,
     dumps,
     failed_answer,
-    json_int,
     keep_or_free,
     log,
     max_steps_note,
@@ -134,6 +133,19 @@ IMAGE_DETAILS = ("auto", "low", "high")
 INPUT_IMAGE_DETAILS = ("low", "high", "auto", "original")
 
 
+def image_url_of(part: dict[str, Any], kind: str, at: str) -> tuple[str, Any]:
+    """(the url, the `image_url` value) of an image part: Chat's `image_url` is an object with a
+    `url` (a plain string is taken too), Responses' `input_image` has the url as a string. Absent
+    is `missing_required_parameter`, another type `invalid_type`, naming the path."""
+    image = fields.required(part, "image_url", f"{at}.image_url")
+    if kind == "image_url" and isinstance(image, dict):
+        return fields.required_string(image, "url", f"{at}.image_url.url"), image
+    if not isinstance(image, str):
+        expected = "an object" if kind == "image_url" else "a string"
+        raise fields.type_error(f"{at}.image_url", expected, image)
+    return image, image
+
+
 def parts_of(
     content: Any, where: str, *, media: bool = True
 ) -> tuple[str, list[str], list[dict[str, Any]], list[dict[str, Any]] | None]:
@@ -146,27 +158,22 @@ def parts_of(
     if isinstance(content, str):
         return content, [], [], None
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or an array of parts", f"{where}.content")
+        raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
     texts: list[str] = []
     images: list[str] = []
     media_parts: list[dict[str, Any]] = []
     ordered: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise bad_request(f"{where}.content[{j}] must be an object", f"{where}.content")
+        at = f"{where}.content[{j}]"
+        fields.obj(part, at, nullable=False)
         kind = part.get("type")
         if kind in ("text", "input_text", "output_text", "refusal"):
-            text = part.get("text", part.get("refusal"))
-            if not isinstance(text, str):
-                raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content")
+            key = "refusal" if kind == "refusal" and "text" not in part else "text"
+            text = fields.required_string(part, key, f"{at}.{key}")
             texts.append(text)
             ordered.append({"type": "text", "text": text})
         elif kind in ("image_url", "input_image"):
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, dict) else image
-            if not isinstance(url, str):
-                field = "image_url.url" if kind == "image_url" else "image_url"  # Responses: a string
-                raise bad_request(f"{where}.content[{j}].{field} must be a string", f"{where}.content")
+            url, image = image_url_of(part, kind, at)
             problem = image_url_problem(url)
             if problem is not None:
                 raise bad_request(f"{where}.content[{j}]: {problem}", f"{where}.content", code="invalid_image_url")
@@ -252,17 +259,23 @@ def check_media(server: Server, agent: AgentRecord, parts: list[dict[str, Any]],
 
 def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
     """(view items, system/developer texts) of a chat `messages` array."""
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty array", "messages")
+    if messages is None:
+        raise fields.missing("messages")
+    fields.array(messages, "messages", nullable=False)
+    if not messages:
+        raise ApiError(
+            400,
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+            code="empty_array",
+            param="messages",
+        )
     items: list[ViewItem] = []
     instructions: list[str] = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}", "messages")
+        fields.obj(m, where, nullable=False)
+        role = fields.one_of(fields.required(m, "role", f"{where}.role"), f"{where}.role", ROLES, nullable=False)
+        assert role is not None
         if role in CONTENT_REQUIRED:  # every message of the transcript, not only the new input
             content = fields.required(m, "content", f"{where}.content")
             if not isinstance(content, str | list):
@@ -286,9 +299,7 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             items.append(ViewItem("user", text, images, parts=media, content=ordered))
         elif role == "assistant":
             calls = []
-            raw_calls = m.get("tool_calls") or []
-            if not isinstance(raw_calls, list):
-                raise bad_request(f"{where}.tool_calls must be an array", "messages")
+            raw_calls = fields.array(m.get("tool_calls"), f"{where}.tool_calls") or []
             for k, c in enumerate(raw_calls):
                 call = history_call(c, f"{where}.tool_calls[{k}]")
                 if call is not None:
@@ -298,14 +309,11 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
                 calls.append(legacy)
             items.append(ViewItem("assistant", text, calls=calls))
         elif role == "tool":
-            call_id = m.get("tool_call_id")
-            if not isinstance(call_id, str):  # "" is schema-valid; as new input it matches no call
-                raise bad_request(f"{where}.tool_call_id is required for a tool message", "messages")
+            # "" is schema-valid; as new input it matches no call
+            call_id = fields.required_string(m, "tool_call_id", f"{where}.tool_call_id")
             items.append(ViewItem("tool", text, call_id=call_id))
         else:  # function: the legacy result of an assistant `function_call`, which it answers by name
-            name = m.get("name")
-            if not isinstance(name, str):  # "" is schema-valid, as a tool_call_id of "" is
-                raise bad_request(f"{where}.name is required for a function message", "messages")
+            name = fields.required_string(m, "name", f"{where}.name")  # "" is schema-valid, as a tool_call_id
             items.append(ViewItem("tool", text, call_id=LEGACY_CALL_ID + name))
     return merge_assistants(items), instructions
 
@@ -380,9 +388,8 @@ def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             raise bad_request(
                 f"use either '{newer}' or the deprecated '{older}', not both", older, code="conflicting_parameters"
             )
-    functions = body.get("functions")
-    if not isinstance(functions, list):
-        raise bad_request("'functions' must be an array of functions", "functions")
+    functions = fields.array(body.get("functions"), "functions", nullable=False)
+    assert functions is not None
     if not 1 <= len(functions) <= FUNCTIONS_MAX:  # OpenAI's minItems 1, maxItems 128
         raise ApiError(
             400,
@@ -396,30 +403,29 @@ def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
 def legacy_choice(call: Any) -> Any:
     """The deprecated `function_call` ("none", "auto" or {"name": …}) as a tool choice."""
     if isinstance(call, dict):
-        name = call.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request("'function_call' must be 'none', 'auto' or {\"name\": …}", "function_call")
+        name = fields.required_string(call, "name", "function_call.name")
+        if not name:
+            raise fields.missing("function_call.name")
         return {"type": "function", "function": {"name": name}}
-    if call is not None and call not in ("none", "auto"):
-        raise bad_request("'function_call' must be 'none', 'auto' or {\"name\": …}", "function_call")
-    return call
+    if call is not None and not isinstance(call, str):
+        raise fields.type_error("function_call", "one of 'none', 'auto' or an object", call)
+    return fields.one_of(call, "function_call", ("none", "auto"))
 
 
 def client_tools_of(tools: Any) -> list[ToolSpec]:
-    if tools is None:
+    if fields.array(tools, "tools") is None:
         return []
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be an array", "tools")
     out: list[ToolSpec] = []
     names: set[str] = set()
     for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") not in ("function", None) or not isinstance(fn, dict):
+        fields.obj(t, f"tools[{i}]", nullable=False)
+        fields.string(t.get("type"), f"tools[{i}].type")
+        if t.get("type") not in ("function", None):
             raise bad_request(f"tools[{i}]: only function tools are supported", "tools", code="unsupported_tool")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].function.name is required", "tools", code="invalid_function_name")
-        fields.function_name(name, f"tools[{i}].function.name")
+        at = f"tools[{i}].function"
+        fn = fields.obj(fields.required(t, "function", at), at, nullable=False)
+        assert fn is not None
+        name = fields.function_name(fields.required(fn, "name", f"{at}.name"), f"{at}.name")
         fields.string(fn.get("description"), f"tools[{i}].function.description")
         fields.boolean(fn.get("strict"), f"tools[{i}].function.strict")
         if "parameters" in fn:
@@ -456,7 +462,7 @@ def number_options(body: dict[str, Any], max_key: tuple[str, ...]) -> dict[str, 
         v = body.get(key)
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, int | float):
-                raise bad_request(f"'{key}' must be a number", key)
+                raise fields.type_error(key, "a number", v)
             if not low <= v <= high:
                 code = "decimal_below_min_value" if v < low else "decimal_above_max_value"
                 raise bad_request(f"Invalid '{key}': {v} is outside the range [{low:g}, {high:g}]", key, code=code)
@@ -464,9 +470,8 @@ def number_options(body: dict[str, Any], max_key: tuple[str, ...]) -> dict[str, 
     for key in max_key:
         v = body.get(key)
         if v is not None:
-            v = json_int(v)
-            if v is None:
-                raise bad_request(f"'{key}' must be a positive integer", key)
+            v = fields.integer(v, key, nullable=False)
+            assert v is not None
             if v < 1:
                 raise bad_request(f"'{key}' must be a positive integer", key, code="integer_below_min_value")
             if v > MAX_OUTPUT_TOKENS:
@@ -651,8 +656,9 @@ def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad_request("'stop' must be a string or an array of strings", "stop")
+        if not isinstance(stop, list):
+            raise fields.type_error("stop", "one of a string or array of strings", stop)
+        fields.strings(stop, "stop")
         if not 1 <= len(stop) <= STOP_MAX:  # OpenAI's StopConfiguration: minItems 1, maxItems 4
             raise ApiError(
                 400,
@@ -668,17 +674,13 @@ def sampling_options(body: dict[str, Any], *, max_key: tuple[str, ...]) -> dict[
         opts["response_format"] = body["response_format"]
     if fields.one_of(body.get("reasoning_effort"), "reasoning_effort", REASONING_EFFORTS) is not None:
         opts["reasoning_effort"] = body["reasoning_effort"]
-    if body.get("parallel_tool_calls") is not None:
-        if not isinstance(body["parallel_tool_calls"], bool):
-            raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if fields.boolean(body.get("parallel_tool_calls"), "parallel_tool_calls") is not None:
         opts["parallel_tool_calls"] = body["parallel_tool_calls"]
     return opts
 
 
 def user_and_metadata(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_request("'user' must be a string", "user")
+    user = fields.string(body.get("user"), "user")
     return fields.plain_text(user, "user"), dict(fields.metadata(body.get("metadata")) or {})
 
 

@@ -34,6 +34,14 @@ def required(container: dict[str, Any], name: str, param: str) -> Any:
     return container[name]
 
 
+def required_string(container: dict[str, Any], name: str, param: str) -> str:
+    """`container[name]`, a string OpenAI requires: absent is `missing_required_parameter`, null or
+    another JSON type `invalid_type`, both naming `param`."""
+    value = string(required(container, name, param), param, nullable=False)
+    assert value is not None
+    return value
+
+
 def boolean(value: Any, param: str, *, nullable: bool = True) -> bool | None:
     if value is None and nullable:
         return None
@@ -154,9 +162,10 @@ def strings(value: Any, param: str, values: tuple[str, ...] | None = None) -> li
 
 
 def function_name(value: Any, param: str) -> str:
-    """A function's name as OpenAI takes one: 1–64 of a-z, A-Z, 0-9, _ and -."""
-    if not isinstance(value, str) or not value:
-        raise ApiError(400, f"Missing required parameter: '{param}'.", code="invalid_function_name", param=param)
+    """A function's name as OpenAI takes one: 1–64 of a-z, A-Z, 0-9, _ and -. Another JSON type (null
+    too) is `invalid_type`; a string outside the pattern `invalid_function_name`."""
+    if not isinstance(value, str):
+        raise type_error(param, "a string", value)
     if not FUNCTION_NAME.fullmatch(value):
         raise ApiError(
             400,

@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
 
 from starlette.requests import Request
@@ -219,6 +220,7 @@ class ParsedInput:
 ECHOED_ITEMS = ("reasoning", "mcp_list_tools")
 # Server tool items count as an empty assistant item: they merge into the reply around them.
 SERVER_TOOL_ITEMS = ("mcp_call", "mcp_approval_request")
+INPUT_ROLES = ("user", "system", "developer", "assistant")
 SUPPORTED_ITEMS = (
     "message",
     "function_call",
@@ -252,18 +254,19 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
         )
         return out
     if not isinstance(value, list):
-        raise bad_request("'input' must be a string or a non-empty array of items", "input")
+        raise fields.type_error("input", "one of a string or array of input items", value)
     if not value:
         raise bad_request("'input' is empty: there is nothing to answer", "input", code="missing_input")
     for i, item in enumerate(value):
         where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an object", "input")
+        fields.obj(item, where, nullable=False)
+        fields.string(item.get("type"), f"{where}.type")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role must be user, system, developer or assistant", "input")
+            role = fields.one_of(
+                fields.required(item, "role", f"{where}.role"), f"{where}.role", INPUT_ROLES, nullable=False
+            )
+            assert role is not None
             # every message item of the input, not only the new one: content is required (OpenAI)
             content = message_content(item, where)
             text, images, media, ordered = parts_of(content, where, media=role == "user")
@@ -323,9 +326,11 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             )
             out.decisions.clear()
         elif kind == "function_call_output":
-            call_id, output = item.get("call_id"), item.get("output")
-            if not isinstance(call_id, str) or not call_id:
-                raise bad_request(f"{where}.call_id is required", "input", code="missing_call_id")
+            # call_id is optional and nullable in OpenAI's description, but answers nothing without it
+            call_id = fields.string(item.get("call_id"), f"{where}.call_id")
+            output = fields.required(item, "output", f"{where}.output")
+            if not call_id:
+                raise bad_request(f"{where}.call_id is required", f"{where}.call_id", code="missing_call_id")
             shown_output: str | list[dict[str, Any]] = output if isinstance(output, str) else ""
             if isinstance(output, list):
                 output, images, _, ordered = parts_of(output, where, media=False)
@@ -334,7 +339,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                 # the model gets the parts as one text; input_items lists each as sent
                 shown_output = [{"type": "input_text", "text": p["text"]} for p in ordered or () if p["type"] == "text"]
             if not isinstance(output, str):
-                raise bad_request(f"{where}.output must be a string", "input")
+                raise fields.type_error(f"{where}.output", "one of a string or array of content parts", output)
             out.items.append(ViewItem("tool", output, call_id=call_id))
             out.stored.append(
                 {
@@ -346,10 +351,11 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                 }
             )
         elif kind == "mcp_approval_response":
-            rid, approve = item.get("approval_request_id"), item.get("approve")
-            if not isinstance(rid, str) or not isinstance(approve, bool):
-                raise bad_request(f"{where}: an mcp_approval_response needs approval_request_id and approve", "input")
-            reason = item.get("reason") if isinstance(item.get("reason"), str) else None
+            rid = fields.required_string(item, "approval_request_id", f"{where}.approval_request_id")
+            approve = fields.boolean(fields.required(item, "approve", f"{where}.approve"), f"{where}.approve")
+            if approve is None:
+                raise fields.type_error(f"{where}.approve", "a boolean", None)
+            reason = fields.string(item.get("reason"), f"{where}.reason")
             call_id = rid[len("mcpr_") :] if rid.startswith("mcpr_") else rid
             out.items.append(ViewItem("approval", "approve" if approve else "deny"))
             out.decisions.append(Decision(call_id, "approve" if approve else "deny", reason=reason, decided_by="http"))
@@ -443,12 +449,9 @@ def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] 
     shown: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"instructions[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise bad_request(
-                f"Invalid '{where}': instructions given as an array must be messages "
-                '({"role": "system" or "developer", "content": …})',
-                "instructions",
-            )
+        fields.obj(item, where, nullable=False)
+        fields.one_of(item.get("type"), f"{where}.type", ("message",))
+        fields.required(item, "role", f"{where}.role")
         fields.one_of(item.get("role"), f"{where}.role", INSTRUCTION_ROLES, nullable=False)
         text, images = content_of(message_content(item, where), where)
         if images:
@@ -461,15 +464,15 @@ def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] 
 def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
     """Client function tools, and the `mcp` tool that names this agent: it declares nothing new
     (the agent's own tools run here) but lets clients such as the Agents SDK answer its approvals."""
-    if value is None:
+    if fields.array(value, "tools") is None:
         return [], []
-    if not isinstance(value, list):
-        raise bad_request("'tools' must be an array", "tools")
     specs: list[ToolSpec] = []
     names: set[str] = set()
     shown: list[dict[str, Any]] = []
     for i, t in enumerate(value):
-        if isinstance(t, dict) and t.get("type") == "mcp":
+        fields.obj(t, f"tools[{i}]", nullable=False)
+        fields.string(fields.required(t, "type", f"tools[{i}].type"), f"tools[{i}].type", nullable=False)
+        if t.get("type") == "mcp":
             label = t.get("server_label")
             if label not in (agent.id, agent.name):
                 raise bad_request(
@@ -496,16 +499,13 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
                 | {"server_label": agent.id}
             )
             continue
-        if not isinstance(t, dict) or t.get("type") != "function":
+        if t.get("type") != "function":
             raise bad_request(
                 f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)",
                 "tools",
                 code="unsupported_tool",
             )
-        name = t.get("name")
-        if not isinstance(name, str) or not name:
-            raise bad_request(f"tools[{i}].name is required", "tools", code="invalid_function_name")
-        fields.function_name(name, f"tools[{i}].name")
+        name = fields.function_name(fields.required(t, "name", f"tools[{i}].name"), f"tools[{i}].name")
         fields.obj(t.get("parameters"), f"tools[{i}].parameters")
         fields.string(t.get("description"), f"tools[{i}].description")
         fields.boolean(t.get("strict"), f"tools[{i}].strict")
@@ -533,6 +533,105 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
     return specs, shown
 
 
+# The top-level fields of OpenAI's Responses create request: the properties of `CreateResponse` and
+# of the schemas it composes (allOf) in OpenAI's API description (../shared/conformance; a test
+# checks this literal against it). Kept here, not read: the server never reads ../shared.
+RESPONSES_FIELDS = frozenset(
+    {
+        "background",
+        "context_management",
+        "conversation",
+        "include",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "max_tool_calls",
+        "metadata",
+        "model",
+        "moderation",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "prompt",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "reasoning",
+        "safety_identifier",
+        "service_tier",
+        "store",
+        "stream",
+        "stream_options",
+        "temperature",
+        "text",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "truncation",
+        "user",
+    }
+)
+# Fields the openai SDK's `responses.create` sends that that description predates (request-level
+# options OpenAI takes): accepted, type-checked, not acted on. `verbosity`: `responses.parse`
+# sends it at the top (a string, checked as `text.verbosity` is).
+SDK_ONLY_FIELDS = frozenset({"access_programs", "background_options", "image", "verbosity"})
+# Chat Completions fields the Responses API spells otherwise: where each one moved.
+MOVED_FIELDS = MappingProxyType(
+    {
+        "messages": "input",
+        "response_format": "text.format",
+        "max_tokens": "max_output_tokens",
+        "max_completion_tokens": "max_output_tokens",
+        "reasoning_effort": "reasoning.effort",
+    }
+)
+# Chat Completions fields the Responses API has no counterpart of.
+CHAT_ONLY_FIELDS = frozenset(
+    {
+        "audio",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "logprobs",
+        "modalities",
+        "n",
+        "prediction",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "web_search_options",
+    }
+)
+
+
+def refuse_unknown_fields(body: dict[str, Any]) -> None:
+    """A field the Responses API does not take is refused as OpenAI refuses it, never dropped: a
+    client using a Chat Completions spelling (`response_format`, `max_tokens`, `stop`) would get
+    no structured output, token cap or stop sequence without knowing. A Chat field is
+    `unsupported_parameter` (saying where it moved), any other `unknown_parameter`."""
+    for name in body:
+        if name in RESPONSES_FIELDS or name in SDK_ONLY_FIELDS:
+            continue
+        if name in MOVED_FIELDS:
+            raise ApiError(
+                400,
+                f"Unsupported parameter: '{name}'. In the Responses API, this parameter has moved to "
+                f"'{MOVED_FIELDS[name]}'.",
+                code="unsupported_parameter",
+                param=name,
+            )
+        if name in CHAT_ONLY_FIELDS:
+            raise ApiError(
+                400,
+                f"Unsupported parameter: '{name}'. The Responses API has no such parameter "
+                "(it is a Chat Completions parameter).",
+                code="unsupported_parameter",
+                param=name,
+            )
+        raise ApiError(400, f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name)
+
+
 TRUNCATION = ("auto", "disabled")
 INCLUDABLE = (
     "file_search_call.results",
@@ -552,6 +651,7 @@ TEXT_FORMATS = ("text", "json_schema", "json_object")
 def response_param_types(body: dict[str, Any]) -> bool:
     """Type checks of the fields not checked where they are used (OpenAI's types and enums; null
     where OpenAI allows it); returns `stream`. `background: true` stays unsupported."""
+    refuse_unknown_fields(body)
     shared_param_types(body, (*SERVICE_TIERS, "ultrafast"))
     stream = bool(fields.boolean(body.get("stream"), "stream"))
     if fields.boolean(body.get("background"), "background"):
@@ -570,6 +670,11 @@ def response_param_types(body: dict[str, Any]) -> bool:
     fields.one_of(body.get("truncation"), "truncation", TRUNCATION)
     fields.strings(body.get("include"), "include", INCLUDABLE)
     fields.integer(body.get("max_tool_calls"), "max_tool_calls", low=0)
+    fields.array(body.get("context_management"), "context_management")
+    fields.obj(body.get("moderation"), "moderation")
+    for name in ("prompt_cache_options", "access_programs", "background_options", "image"):
+        fields.obj(body.get(name), name)
+    fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
     text_of(body.get("text"))
     reasoning_of(body.get("reasoning"))
     return stream
@@ -1053,7 +1158,7 @@ class Responses:
         rec = await self._stored(request)  # an unknown id is a 404 whatever else the request asks
         stream = request.query_params.get("stream", "false").lower()
         if stream not in ("true", "false"):
-            raise bad_request("'stream' must be true or false", "stream")
+            raise bad_request("'stream' must be true or false", "stream", code="invalid_value")
         if stream == "true":
             # OpenAI streams a background response's events on retrieve; this server runs none
             # (`background` is refused): an empty event stream would look like success
@@ -1089,7 +1194,7 @@ class Responses:
         items = list(rec.input_items)
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise bad_request("'order' must be asc or desc", "order")
+            raise bad_request("'order' must be asc or desc", "order", code="invalid_value")
         if order == "desc":
             items.reverse()
         after = request.query_params.get("after")
@@ -1099,7 +1204,7 @@ class Responses:
         raw_limit = request.query_params.get("limit", "20")
         # ASCII digits only: int() also reads "١٠", " 5 " and "1_0"
         if not (raw_limit.isascii() and raw_limit.lstrip("-").isdigit()) or len(raw_limit) > 12:
-            raise bad_request("'limit' must be an integer", "limit")
+            raise bad_request("'limit' must be an integer", "limit", code="invalid_type")
         limit = int(raw_limit)
         if not 1 <= limit <= 100:
             raise bad_request(
@@ -1125,10 +1230,8 @@ class Responses:
         # a read, which may wait for the writer (a lock held elsewhere): a revoke meanwhile ends it
         agent, model_id = await until_credential_ends(request, resolve_model(self.server, principal, body.get("model")))
         stream = response_param_types(body)
-        store_flag = body.get("store")
+        store_flag = fields.boolean(body.get("store"), "store")
         store_flag = True if store_flag is None else store_flag
-        if not isinstance(store_flag, bool):
-            raise bad_request("'store' must be a boolean", "store")
         if body.get("input") is None:
             raise bad_request("'input' is required", "input", code="missing_input")
         if body.get("stream_options") is not None and not stream:
@@ -1160,15 +1263,12 @@ class Responses:
         user, metadata = user_and_metadata(body)
         conv_param = body.get("conversation")
         if isinstance(conv_param, dict):
-            conv_param = conv_param.get("id")
-            if not isinstance(conv_param, str):
-                raise bad_request("'conversation' as an object needs its 'id'", "conversation")
+            conv_param = fields.required_string(conv_param, "id", "conversation.id")
         if conv_param == "":  # names no conversation, as an unknown id does (not "start a new one")
             raise ApiError(
                 404, "Conversation with id '' not found.", code="conversation_not_found", param="conversation"
             )
-        if prev_id is not None and not isinstance(prev_id, str):
-            raise bad_request("'previous_response_id' must be a string", "previous_response_id")
+        fields.string(prev_id, "previous_response_id")
         if prev_id is not None and not prev_id.strip():  # names no response (not "none"), as a blank id
             raise ApiError(
                 404,
@@ -1177,7 +1277,7 @@ class Responses:
                 param="previous_response_id",
             )
         if conv_param is not None and not isinstance(conv_param, str):
-            raise bad_request("'conversation' must be a conversation id", "conversation")
+            raise fields.type_error("conversation", "one of a string or object", conv_param)
         if prev_id and conv_param:
             raise bad_request(
                 "use either previous_response_id or conversation, not both",

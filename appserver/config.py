@@ -115,6 +115,7 @@ class LimitsConfig:
     body_max_bytes: int = 20 * 1024 * 1024
     ws_frame_max_bytes: int = 4 * 1024 * 1024
     ws_outbound_max: int = 256
+    ws_outbound_max_bytes: int = 16 * 1024 * 1024  # bytes queued per WebSocket before a slow client is closed
     ws_ping_interval_s: float = 30.0
     ws_ping_timeout_s: float = 90.0
     ws_send_timeout_s: float = 30.0  # a WebSocket frame not accepted by the client within this is a slow consumer
@@ -230,6 +231,7 @@ RULES: dict[str, Rule] = {
     "limits.body_max_bytes": Rule(ge=1024),
     "limits.ws_frame_max_bytes": Rule(ge=1024),
     "limits.ws_outbound_max": _AT_LEAST_ONE,
+    "limits.ws_outbound_max_bytes": Rule(ge=1024),
     "limits.ws_ping_interval_s": _NON_NEGATIVE,  # 0 = no pings
     "limits.ws_ping_timeout_s": _NON_NEGATIVE,  # 0 = never close a silent peer
     "limits.ws_send_timeout_s": _POSITIVE,

@@ -4,7 +4,12 @@ The buffer holds already-encoded text frames in the order the server produced th
 coalesce latest-wins per turn (a newer snapshot of a turn replaces the queued older one and moves to
 the back), every other frame is kept. A buffer that grows past its bound, or a single send that does
 not complete in time, marks the client as unable to keep up: it is closed with a reason, and nobody
-else waits for it (fan-out only ever appends to buffers, it never awaits a socket).
+else waits for it (fan-out only ever appends to buffers, it never awaits a socket). The bound is
+in frames and in bytes (the memory the queued text holds): a 100-byte `get_history` answered by
+an 8 MiB page made frames a poor measure, 150 of them held 1.5 GB for one client that read nothing.
+One frame above the byte budget still goes when nothing is queued (a big history page), and the
+endpoint reads no further frame from a client while its buffer holds more than half the budget
+(`has_room`): its own requests wait for its downlink instead of piling up replies.
 
 A frame finds nothing queued ahead of it most of the time: then it is written to the socket at once
 (`write_frame`, which the edge's WebSocket protocol puts in the scope), framed by `text_frame`,
@@ -19,6 +24,7 @@ import asyncio
 import logging
 import re
 import secrets
+import sys
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -88,28 +94,38 @@ def _unsendable(text: str) -> str:
 
 
 class _Entry:
-    __slots__ = ("text", "turn_id", "dead")
+    __slots__ = ("text", "turn_id", "dead", "size")
 
     def __init__(self, text: str, turn_id: str | None) -> None:
         self.text = text
         self.turn_id = turn_id
         self.dead = False
+        self.size = sys.getsizeof(text)  # the memory the text holds (4 bytes a character for emoji)
 
 
 class Overflow(Exception):
     pass
 
 
-class Outbound:
-    """An ordered buffer of encoded frames with per-turn snapshot coalescing and a hard bound."""
+OUTBOUND_MAX_BYTES = 16 * 1024 * 1024  # `[limits] ws_outbound_max_bytes`'s default
 
-    def __init__(self, limit: int) -> None:
+
+class Outbound:
+    """An ordered buffer of encoded frames with per-turn snapshot coalescing and a hard bound, in
+    frames (`limit`) and in bytes (`max_bytes`; one frame above it is taken when nothing is queued)."""
+
+    def __init__(self, limit: int, max_bytes: int = OUTBOUND_MAX_BYTES) -> None:
         self.limit = max(1, limit)
+        self.max_bytes = max(1, max_bytes)
+        self.bytes = 0  # held by the queued frames now
+        self.peak_bytes = 0  # the most they ever held: what this client cost at worst
         self._entries: deque[_Entry] = deque()
         self._by_turn: dict[str, _Entry] = {}
         self._live = 0
         self._dead = 0  # replaced snapshots still in _entries (emptied: only their place is kept)
         self._ready = asyncio.Event()
+        self._roomy = asyncio.Event()  # set while `has_room`
+        self._roomy.set()
         self.closed = False
 
     def __len__(self) -> int:
@@ -120,39 +136,73 @@ class Outbound:
         """Nothing queued, dropped or not: a frame written past the queue now keeps its order."""
         return not self._entries and not self.closed
 
+    @property
+    def has_room(self) -> bool:
+        """At most half the byte budget queued: the client's next request may be read."""
+        return self.bytes <= self.max_bytes // 2
+
+    async def wait_for_room(self) -> None:
+        """Return once `has_room` (or the buffer is closed): backpressure on the client's requests."""
+        while not self.has_room and not self.closed:
+            self._roomy.clear()
+            await self._roomy.wait()
+
     def put(self, text: str) -> None:
         """Queue a frame that must never be dropped; raises Overflow when the buffer is full."""
         if self.closed:
             return
-        if self._live >= self.limit:
-            raise Overflow(f"outbound buffer full ({self.limit} frames): the client is not reading")
-        self._entries.append(_Entry(text, None))
-        self._live += 1
-        self._ready.set()
+        self._append(_Entry(text, None))
 
     def put_snapshot(self, turn_id: str, text: str) -> None:
         """Queue a turn snapshot; a queued older snapshot of the same turn is dropped (latest wins)."""
         if self.closed:
             return
+        entry = _Entry(text, turn_id)
         old = self._by_turn.get(turn_id)
         if old is not None and not old.dead:
             # Let go of the replaced text now, not when the writer reaches its place: a client
             # that does not read would otherwise hold every revision of a long reply until it is
             # closed (each one the whole text so far: hundreds of MB for a 400 KB reply).
+            self._check_bytes(entry.size - old.size, others=self._live - 1)
             old.dead = True
             old.text = ""
             self._live -= 1
             self._dead += 1
+            self._release(old.size)
             if self._dead > 64 and self._dead > self._live:
                 self._entries = deque(e for e in self._entries if not e.dead)
                 self._dead = 0
-        elif self._live >= self.limit:
+            self._take(entry)
+            return
+        self._append(entry)
+
+    def _append(self, entry: _Entry) -> None:
+        if self._live >= self.limit:
             raise Overflow(f"outbound buffer full ({self.limit} frames): the client is not reading")
-        entry = _Entry(text, turn_id)
-        self._by_turn[turn_id] = entry
+        self._check_bytes(entry.size, others=self._live)
+        self._take(entry)
+
+    def _check_bytes(self, growth: int, *, others: int) -> None:
+        """Overflow when `growth` more bytes pass the budget, unless no `others` frames are queued
+        (a frame bigger than the budget goes on its own)."""
+        if others and self.bytes + growth > self.max_bytes:
+            raise Overflow(f"outbound buffer full ({self.max_bytes} bytes): the client is not reading")
+
+    def _take(self, entry: _Entry) -> None:
+        if entry.turn_id is not None:
+            self._by_turn[entry.turn_id] = entry
         self._entries.append(entry)
         self._live += 1
+        self.bytes += entry.size
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        if not self.has_room:
+            self._roomy.clear()
         self._ready.set()
+
+    def _release(self, size: int) -> None:
+        self.bytes -= size
+        if self.has_room:
+            self._roomy.set()
 
     async def get(self) -> str:
         while True:
@@ -162,6 +212,7 @@ class Outbound:
                     self._dead -= 1
                     continue
                 self._live -= 1
+                self._release(entry.size)
                 if entry.turn_id is not None and self._by_turn.get(entry.turn_id) is entry:
                     del self._by_turn[entry.turn_id]
                 return entry.text
@@ -178,7 +229,9 @@ class Outbound:
             self._by_turn.clear()
             self._live = 0
             self._dead = 0
+            self.bytes = 0
         self._ready.set()
+        self._roomy.set()
 
 
 REVISIONS_KEPT = 256  # turns a connection remembers the last revision it was sent of (live turns it watched)
@@ -193,13 +246,14 @@ class Connection:
         *,
         outbound_max: int,
         send_timeout_s: float,
+        outbound_max_bytes: int = OUTBOUND_MAX_BYTES,
         write_frame: Callable[[bytes], bool] | None = None,
     ) -> None:
         self.id = f"wsc_{secrets.token_hex(6)}"
         self.principal: Principal | None = None
         self.client_name: str | None = None
         self.greeted = False
-        self.outbound = Outbound(outbound_max)
+        self.outbound = Outbound(outbound_max, outbound_max_bytes)
         self.send_timeout_s = send_timeout_s
         self._send_text = send_text
         self._write_frame = write_frame

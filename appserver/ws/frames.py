@@ -288,7 +288,7 @@ class ApprovalResponse(_ClientFrame):
     # The person the client answers for (a chat gateway: who pressed the button). Recorded as
     # `<person> (via <client>)`: the client vouches for it, and the record says which client did.
     # A display name as a platform gives it: controls (a NUL too) become spaces when it is recorded
-    # (routes.py `_person`), never a refused answer.
+    # (routes.py `_display_name`), never a refused answer.
     on_behalf_of: str | None = Field(default=None, max_length=4096)
 
 

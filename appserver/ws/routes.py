@@ -205,6 +205,7 @@ class Endpoint:
         conn = Connection(
             websocket.send_text,
             outbound_max=limits.ws_outbound_max,
+            outbound_max_bytes=limits.ws_outbound_max_bytes,
             send_timeout_s=limits.ws_send_timeout_s,
             write_frame=websocket.scope.get("extensions", {}).get(WRITE_FRAME),
         )
@@ -247,6 +248,9 @@ class Endpoint:
 
     async def _read(self, websocket: WebSocket, conn: Connection) -> None:
         while True:
+            # Backpressure: a client whose downlink is full sends no further request until it reads
+            # (150 `get_history` of 100 bytes each queued 150 pages of 8 MiB for a client reading none).
+            await conn.outbound.wait_for_room()
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":
                 return
@@ -367,8 +371,8 @@ class Endpoint:
             await self.on_submit(conn, frame)
         elif isinstance(frame, F.ApprovalResponse):
             conv = await self._conversation(conn, frame.conversation, None, with_agent=False)  # no `agent` field
-            who = conn.client_name or (conn.principal.subject if conn.principal else None) or conn.id
-            person = _person(frame.on_behalf_of)
+            who = conn.client_name or _display_name(conn.principal.subject if conn.principal else None) or conn.id
+            person = _display_name(frame.on_behalf_of)
             if person:
                 who = f"{person} (via {who})"
             decisions = [Decision(d.call_id, d.decision, reason=d.reason, decided_by=who) for d in frame.decisions]
@@ -446,7 +450,9 @@ class Endpoint:
                 raise AuthError(401, "auth_required", "this connection is not authenticated")
             conn.principal = authenticate(frame.token)
         conn.greeted = True
-        conn.client_name = (frame.client or "")[:64] or None
+        # Shown to other clients (`approval_resolved.decided_by`) and to the model (a denial's
+        # text): one line like `on_behalf_of`, never a "\nSYSTEM: …" or a bidi override.
+        conn.client_name = _display_name(frame.client) or None
         conn.send(
             {
                 "type": "welcome",
@@ -828,13 +834,14 @@ def ws_routes(server: Server, hub: Hub, cron: CronService | None = None) -> list
     return [WebSocketRoute("/ws", ws_endpoint)]
 
 
-PERSON_MAX_CHARS = 100  # `on_behalf_of` as recorded in `decided_by` (a display name, not a document)
+NAME_MAX_CHARS = 100  # `hello.client`, `on_behalf_of` as `decided_by` records them (display names)
 
 
-def _person(name: str | None) -> str:
-    """`approval_response.on_behalf_of` as `decided_by` records it: one line (whitespace and control
-    characters collapsed to single spaces), at most `PERSON_MAX_CHARS` characters."""
+def _display_name(name: str | None) -> str:
+    """A name a client gives (`hello.client`, `approval_response.on_behalf_of`) as other clients
+    and the model are shown it: one line (whitespace, control and format characters, bidi
+    overrides among them, collapsed to single spaces), at most `NAME_MAX_CHARS` characters."""
     if not name:
         return ""
     flat = " ".join("".join(" " if not c.isprintable() else c for c in name).split())
-    return flat[:PERSON_MAX_CHARS].rstrip()
+    return flat[:NAME_MAX_CHARS].rstrip()

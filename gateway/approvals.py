@@ -20,6 +20,7 @@ import unicodedata
 from dataclasses import dataclass, field
 
 from gateway.db import transaction
+from gateway.recent import Recent
 from plugins.contract import Target, is_grapheme_boundary
 
 SHORT_ID = 8
@@ -40,6 +41,9 @@ OUTCOME_LINES = {
 NO_LONGER_WAITING = (
     "⏹ No longer waiting for an answer (answered elsewhere, timed out or cancelled while the gateway was away)"
 )
+# A pressed prompt whose call no longer waits and whose outcome this process never saw (decided
+# before it started, say): its own message is edited to this, as the press names only the call's ID.
+PRESSED_GONE = "⏹ No longer waiting for an answer."
 NAME_SHOWN = 100  # a person's (or the server's) name in a decision line is cut here
 # Invisible but not of category Cf: fillers and joiners that render as nothing.
 INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u3164\uffa0")
@@ -303,6 +307,7 @@ class ApprovalBoard:
         self.prompts: dict[str, Prompt] = {}
         self._conn = conn
         self._change = asyncio.Event()  # set (and replaced) when a prompt is added or settled
+        self._outcomes: Recent[Prompt] = Recent(FORGET_POSTED_S)  # account:chat:short id -> decided prompt
         # A call decided while no gateway ran is never settled here: its row goes after a week.
         with transaction(conn, durable=False) as c:
             c.execute("DELETE FROM approval_prompts WHERE attempted_at < ?", ((now or time.time()) - FORGET_POSTED_S,))
@@ -370,6 +375,17 @@ class ApprovalBoard:
         with transaction(self._conn, durable=False) as c:
             c.execute("DELETE FROM approval_prompts WHERE call_id=?", (call_id,))
         self._changed()
+
+    def note_outcome(self, prompt: Prompt) -> None:
+        """Keep a decided prompt (for a week, in this process): a press on a copy of it the gateway
+        never recorded (a post whose answer was lost in a crash, then posted again) shows its decision."""
+        self._outcomes.put(_outcome_key(prompt.account, prompt.target.chat, prompt.short_id), prompt)
+
+    def outcome(self, account: str, chat: str, ref: str) -> Prompt | None:
+        """The decided prompt of this chat that `ref` names (as `find` matches it), if this process
+        decided or heard the decision of its call; else None."""
+        found = self._outcomes.get(_outcome_key(account, chat, ref.strip()[-SHORT_ID:]))
+        return found if found is not None and _names(found, ref) else None
 
     def add(self, prompt: Prompt) -> bool:
         """False when this call already has a prompt (a re-sent request after a reconnect)."""
@@ -441,6 +457,15 @@ class ApprovalBoard:
     def forget_turn(self, turn_id: str) -> None:
         for call_id in [c for c, p in self.prompts.items() if p.turn_id == turn_id]:
             del self.prompts[call_id]
+
+
+def pressed_gone_text(short_id: str) -> str:
+    """A pressed prompt whose call no longer waits, for which this process knows no outcome."""
+    return f"🔐 Approval request {code_span(short_id)}\n{PRESSED_GONE}"
+
+
+def _outcome_key(account: str, chat: str, short_id: str) -> str:
+    return f"{account}\n{chat}\n{short_id.lower()}"
 
 
 def _names(prompt: Prompt, ref: str) -> bool:

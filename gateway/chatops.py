@@ -18,7 +18,7 @@ from typing import Any
 
 from appserver.client import Closed, ProtocolError
 from gateway.accounts import AccountRunner
-from gateway.approvals import NO_LONGER_WAITING, OUTCOME_LINES, ApprovalBoard, Prompt, code_span
+from gateway.approvals import NO_LONGER_WAITING, OUTCOME_LINES, ApprovalBoard, Prompt, code_span, pressed_gone_text
 from gateway.commands import HELP, Command, bot_name, parse_command
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
@@ -370,8 +370,9 @@ class ChatOps:
 
     async def answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         """`/approve ID` or `/deny ID`, typed or clicked. A click that finds nothing waiting (the
-        second of a double click, a prompt decided meanwhile) gets no answer in the chat: the prompt
-        shows (or is about to show) its decision, and the platform's own answer to the click is neutral."""
+        second of a double click, a prompt decided meanwhile) gets no answer in the chat: the pressed
+        prompt is edited to its decision (`_settle_pressed`), and the platform's own answer to the
+        click is neutral."""
         pressed = bool(entry.payload.get("pressed"))
         ref = command.args[0] if command.args else None
         found = self.approvals.find(runner.spec.ref, entry.chat, ref, thread=entry.thread)
@@ -379,7 +380,9 @@ class ChatOps:
             found = await self._announced(runner, entry.chat, ref)
         if found is None:
             if pressed:
-                log.info("%s: a click on an answered approval prompt in %s; ignored", runner.spec.ref, entry.chat)
+                log.info("%s: a click on an answered approval prompt in %s", runner.spec.ref, entry.chat)
+                if ref is not None and self.approvals.remembered(runner.spec.ref, entry.chat, ref) is None:
+                    await self._settle_pressed(entry, runner, ref, None)
                 return ""
             elsewhere = self.approvals.open_in_chat(runner.spec.ref, entry.chat) if ref is None else []
             if elsewhere:  # in another thread or topic: named by its ID, it is answered from here too
@@ -409,10 +412,42 @@ class ChatOps:
         )
         result = (ack.get("results") or [{}])[0]
         if result.get("accepted") is False:
+            if pressed:
+                await self._settle_pressed(entry, runner, prompt.short_id, prompt)
             return "" if pressed else "That request was already answered."
         who = code_span(person)  # their name, shown literally
         await self.decided(prompt, f"{OUTCOME_LINES['approved' if decision == 'approve' else 'denied']} by {who}")
+        if pressed:
+            await self._settle_pressed(entry, runner, prompt.short_id, prompt)
         return ""
+
+    async def _settle_pressed(self, entry: Entry, runner: AccountRunner, ref: str, prompt: Prompt | None) -> None:
+        """A press on a prompt whose call no longer waits: the pressed message itself (the press
+        names it) is edited to the decision, without buttons, also when this gateway never recorded
+        that message as the call's prompt (a post whose answer was lost in a crash, posted again
+        after the restart: `decided` edits only the recorded one). The decision is the one this
+        process made or heard (else "no longer waiting"). Only a message pressed as an approval
+        prompt is edited (the press is its button's data), never an open prompt's, and a failed
+        edit only logs: the press is handled either way."""
+        message_id = _pressed_message(entry)
+        outbox = self.outboxes.of(runner)
+        if message_id is None or not outbox.can_edit:
+            return
+        if prompt is not None and prompt.decided is not None and message_id in prompt.message_ids:
+            return  # the recorded prompt: `decided` edited it
+        account = runner.spec.ref
+        if any(message_id in p.message_ids for p in self.approvals.open_in_chat(account, entry.chat)):
+            return  # a live prompt of another call (a button whose data names a call it does not show)
+        known = (
+            prompt
+            if prompt is not None and prompt.decided is not None
+            else self.approvals.outcome(account, entry.chat, ref)
+        )
+        text = known.text() if known is not None else pressed_gone_text(ref)
+        try:
+            await outbox.edit_prompt(Target(entry.chat, entry.thread), message_id, text, None)
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.warning("%s: could not update the pressed approval prompt %s: %s", account, message_id, exc)
 
     async def _announced(self, runner: AccountRunner, chat: str, ref: str) -> Prompt | None:
         """An answer to a prompt gateway.db remembers but whose request this process has not been
@@ -508,6 +543,7 @@ class ChatOps:
     async def decided(self, prompt: Prompt, line: str) -> None:
         """Show the decision on the prompt: edited in place where the platform can, else a line."""
         prompt.decided = line
+        self.approvals.note_outcome(prompt)
         runner = self.runners.get(prompt.account)
         if runner is None:
             return
@@ -525,6 +561,15 @@ class ChatOps:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
         finally:
             self.approvals.settled(prompt.call_id)
+
+
+def _pressed_message(entry: Entry) -> str | None:
+    """The id of the message whose button was pressed, as the adapter gives it (`reply_to`: Telegram's
+    `chat:id`, Slack's `channel:ts`, Discord's id), in the form its edits take (the last part)."""
+    reply_to = entry.payload.get("reply_to")
+    if not isinstance(reply_to, str) or not reply_to:
+        return None
+    return reply_to.rsplit(":", 1)[-1] or None
 
 
 def _outcome_in_snapshot(active: dict[str, Any] | None, prompt: Prompt) -> str | None:

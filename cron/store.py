@@ -19,9 +19,11 @@ task with an id already used is kept as invalid (the first stays in use). An
 unusable `scheduler_owner` is not: the lease record is the scheduler's, so it is read as no owner
 (with an error in the log) and a scheduler takes the lease over, with every task kept.
 
-One task that can be named (it has a string id) but not used (a non-finite or absurd number, a
-missing field) does not take the others down: it is kept in the file exactly as loaded
-(`CronFile.invalid`), skipped by the scheduler, and reported loudly until someone fixes it.
+One task that can be named (it has a string id) but not used (a field of the wrong type, a
+non-finite or absurd number, a time that is no ISO time, a missing or unknown field) does not take
+the others down: it is kept in the file exactly as loaded (`CronFile.invalid`), skipped by the
+scheduler, reported loudly until someone fixes it, and can be found (`CronTaskInvalid` names it to
+the caller: `cron show` shows it, `cron remove` removes it) like any other task.
 
 What is never moved aside: a crons.json that is no regular file (a FIFO would block every reader,
 a device never ends; moving either is not ours to do) or a symbolic link to nothing (its disk not
@@ -135,7 +137,9 @@ __all__ = [
     "CronStore",
     "CronStoreError",
     "CronTask",
+    "CronTaskInvalid",
     "CronTasksTooLarge",
+    "InvalidTask",
     "MISSED_PREFIX",
     "Occurrence",
     "OwnerRecord",
@@ -154,6 +158,15 @@ class CronLockTimeout(CronStoreError):
 
 class CronNotFound(CronStoreError):
     """No task matches the given id or name."""
+
+
+class CronTaskInvalid(CronStoreError):
+    """The task asked for is kept in crons.json but cannot be used (`entry` says why): it can be
+    shown and removed, not run, enabled or changed."""
+
+    def __init__(self, message: str, entry: InvalidTask) -> None:
+        super().__init__(message)
+        self.entry = entry
 
 
 class CronFileUnreadable(CronStoreError):
@@ -178,7 +191,10 @@ def _dt(value: Any, key: str) -> datetime | None:
         return None
     if not isinstance(value, str):
         raise ValueError(f"{key} must be an ISO time string")
-    dt = datetime.fromisoformat(value)
+    try:  # the parser's own message does not say which field held the text
+        dt = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"{key} must be an ISO time string, got {value[:40]!r}") from None
     if dt.tzinfo is None:
         raise ValueError(f"{key} must carry a UTC offset")
     return dt
@@ -349,6 +365,13 @@ class CronTask:
         tid = d["id"]
         if not _ID_RE.fullmatch(tid):
             raise ValueError(f"task {tid!r}: id must be 1-128 letters, digits, '.', '_' or '-'")
+        unknown = sorted(k for k in d if k not in _TASK_KEYS)
+        if unknown:  # a misspelt "enabled" would be dropped by the next write, the task left running
+            raise ValueError(f"task {tid}: unknown field(s) {', '.join(repr(k[:40]) for k in unknown[:3])}")
+        if not isinstance(d.get("conversation", "new"), str):
+            raise ValueError(f"task {tid}: conversation must be a string")
+        if d.get("last_error") is not None and not isinstance(d["last_error"], str):
+            raise ValueError(f"task {tid}: last_error must be a string or null")
         sched = d.get("schedule")
         if not isinstance(sched, dict):
             raise ValueError(f"task {tid}: schedule must be an object")
@@ -387,7 +410,7 @@ class CronTask:
             schedule=ScheduleSpec.from_dict(sched),
             prompt=d["prompt"],
             created_at=created,
-            conversation=str(d.get("conversation", "new")),
+            conversation=d.get("conversation", "new"),
             misfire=misfire,
             max_lateness_s=float(lateness),
             exact=d.get("exact", False),
@@ -397,7 +420,7 @@ class CronTask:
             next_due_at=_dt(d.get("next_due_at"), "next_due_at"),
             last_claimed=claimed,
             occurrence=occurrence,
-            last_error=d.get("last_error") if isinstance(d.get("last_error"), str) else None,
+            last_error=d.get("last_error"),
             last_error_at=_dt(d.get("last_error_at"), "last_error_at"),
             updated_at=_dt(d.get("updated_at"), "updated_at"),
             namespace=ns,
@@ -599,6 +622,8 @@ def _claim_number(claim: dict[str, Any]) -> int | None:
 
 
 _task_values = operator.attrgetter(*(f.name for f in dataclasses.fields(CronTask)))
+# The fields a task of crons.json may hold (`CronTask.to_dict` writes exactly these).
+_TASK_KEYS = frozenset(f.name for f in dataclasses.fields(CronTask))
 
 
 @dataclass(frozen=True, slots=True)
@@ -660,6 +685,14 @@ class InvalidTask:
 
     def owns_name(self, agent: str, name: str) -> bool:
         return self.raw.get("agent") == agent and self.raw.get("name") == name
+
+    def of_agent(self, agent: str | None) -> bool:
+        """Is it a task of `agent` (None: of any)?"""
+        return agent is None or self.raw.get("agent") == agent
+
+    def has_run_log(self) -> bool:
+        """Is its id one a run-log file may be named by (cron-runs/<id>.jsonl)?"""
+        return _ID_RE.fullmatch(self.id) is not None
 
 
 @dataclass(slots=True)
@@ -733,7 +766,7 @@ class CronFile:
         more = f" (and {len(self.invalid) - 3} more)" if len(self.invalid) > 3 else ""
         return (
             f"{len(self.invalid)} task(s) in the cron tasks are invalid and are not scheduled "
-            f"(left in place: fix or remove them): {shown}{more}"
+            f"(left in place: fix them, or remove them with appserver cron remove ID): {shown}{more}"
         )
 
     def find(self, ref: str, agent: str | None = None) -> CronTask:
@@ -745,12 +778,13 @@ class CronFile:
         if len(named) == 1:
             return named[0]
         if not named:
-            for bad in self.invalid:
-                if (bad.id == ref or bad.raw.get("name") == ref) and agent in (None, bad.raw.get("agent")):
-                    raise CronStoreError(
-                        f"cron task {ref!r} is invalid and not scheduled ({bad.reason}); "
-                        f"fix or delete it in {CRONS_FILE}"
-                    )
+            bad = self.find_invalid(ref, agent)
+            if bad is not None:
+                raise CronTaskInvalid(
+                    f"cron task {ref!r} is invalid and not scheduled ({bad.reason}); fix it in "
+                    f"{CRONS_FILE}, or remove it: appserver cron remove {bad.id}",
+                    bad,
+                )
             who = f" for agent {agent!r}" if agent else ""
             raise CronNotFound(f"no cron task {ref!r}{who}")
         agents = sorted({t.agent for t in named})
@@ -758,6 +792,19 @@ class CronFile:
             ids = ", ".join(t.id for t in named)
             raise CronStoreError(f"several tasks of agent {agents[0]!r} are named {ref!r} ({ids}); give the task id")
         raise CronStoreError(f"task name {ref!r} exists for several agents ({', '.join(agents)}); pass --agent")
+
+    def find_invalid(self, ref: str, agent: str | None = None) -> InvalidTask | None:
+        """The invalid task by id (the first of copies sharing it), else by name (an ambiguous
+        name is an error), narrowed by agent; None when there is none."""
+        mine = [bad for bad in self.invalid if bad.of_agent(agent)]
+        by_id = [bad for bad in mine if bad.id == ref]
+        if by_id:
+            return by_id[0]
+        named = [bad for bad in mine if bad.raw.get("name") == ref]
+        if len(named) > 1:
+            ids = ", ".join(bad.id for bad in named)
+            raise CronStoreError(f"several invalid tasks are named {ref!r} ({ids}); give the task id")
+        return named[0] if named else None
 
     def get(self, task_id: str) -> CronTask | None:
         return next((t for t in self.tasks if t.id == task_id), None)
@@ -785,6 +832,17 @@ def _check_loadable(task: CronTask, line: str) -> None:
             f"task {task.name} ({task.id}) would be written in a form {CRONS_FILE} cannot load back ({why}); "
             "nothing was written"
         ) from None
+
+
+def _id_in_use(state: CronFile, task_id: str) -> bool:
+    """Does a task crons.json still holds (valid or not) have this id?"""
+    return state.get(task_id) is not None or any(bad.id == task_id for bad in state.invalid)
+
+
+def plain_json(value: Any) -> Any:
+    """`value` (as loaded from crons.json) with NaN and the infinities, which are no JSON, as the
+    strings they were read as, so any JSON reader can read it."""
+    return json.loads(json.dumps(value, allow_nan=True), parse_constant=str)
 
 
 def _json_kind(value: Any) -> str:
@@ -1081,12 +1139,34 @@ class CronStore:
 
     def remove(self, ref: str, agent: str | None = None) -> CronTask:
         """Remove a task; its run log stays, ending with a `removed` record that keeps the task
-        (so `cron logs NAME` still finds it by name; a long prompt cut short: `removed_task`)."""
+        (so `cron logs NAME` still finds it by name; a long prompt cut short: `removed_task`).
+        An invalid task is refused (CronTaskInvalid): only `remove_any` (the operator's
+        `cron remove`) removes one, the `schedule` tool cannot tell whose it is."""
         with self.transaction() as state:
             task = state.find(ref, agent)
             state.tasks.remove(task)
         append_run(self.runs_dir, task.id, "removed", task=removed_task(task.to_dict()))
         return task
+
+    def remove_any(self, ref: str, agent: str | None = None) -> CronTask | InvalidTask:
+        """`remove`, and an invalid task too (`cron remove` always works): it leaves the file and
+        every other task is written back as it was. Its run log gets the `removed` record when its
+        id names one and no task left holds that id (a copy's id names another task's log)."""
+        removed: CronTask | InvalidTask
+        logged = True
+        with self.transaction() as state:
+            try:
+                task = state.find(ref, agent)
+                state.tasks.remove(task)
+                removed = task
+            except CronTaskInvalid as exc:
+                removed = exc.entry
+                state.invalid = [other for other in state.invalid if other is not removed]
+                logged = removed.has_run_log() and not _id_in_use(state, removed.id)
+        if logged:
+            kept = removed.to_dict() if isinstance(removed, CronTask) else plain_json(removed.raw)
+            append_run(self.runs_dir, removed.id, "removed", task=removed_task(kept))
+        return removed
 
     def set_enabled(
         self, ref: str, enabled: bool, *, agent: str | None = None, now: datetime | None = None

@@ -125,10 +125,13 @@ def test_a_task_with_an_unknown_schedule_kind_is_invalid_and_the_others_are_list
     data["tasks"][0]["schedule"]["kind"] = "weekly"
     (home / "crons.json").write_text(json.dumps(data))
     listed = run_cli(home, "cron", "list", "--json")
-    assert listed.code == 0 and [t["name"] for t in listed.json()] == ["b"], listed.err[:300]
+    assert listed.code == 0, listed.err[:300]
+    assert [t["name"] for t in listed.json() if t["state"] != "invalid"] == ["b"]
+    assert [t["name"] for t in listed.json() if t["state"] == "invalid"] == ["a"]
     assert "unknown schedule kind 'weekly'" in listed.err
-    shown = run_cli(home, "cron", "show", "a")
-    assert shown.code != 0 and "unknown schedule kind 'weekly'" in shown.err and "Traceback" not in shown.err
+    shown = run_cli(home, "cron", "show", "a")  # shown as invalid, with its reason
+    assert shown.code == 0 and "invalid" in shown.out and "unknown schedule kind 'weekly'" in shown.out, shown.err
+    assert "Traceback" not in shown.err
 
 
 def test_a_copied_task_with_the_same_id_is_invalid_and_the_file_stays(home: Path) -> None:
@@ -139,7 +142,9 @@ def test_a_copied_task_with_the_same_id_is_invalid_and_the_file_stays(home: Path
     assert isinstance(tasks, list)
     (home / "crons.json").write_text(json.dumps({**data, "tasks": [*tasks, {**tasks[0], "name": "copy"}]}))
     listed = run_cli(home, "cron", "list", "--json")
-    assert listed.code == 0 and [t["name"] for t in listed.json()] == ["a"], listed.err[:300]
+    assert listed.code == 0, listed.err[:300]
+    assert [t["name"] for t in listed.json() if t["state"] != "invalid"] == ["a"]
+    assert [t["name"] for t in listed.json() if t["state"] == "invalid"] == ["copy"]
     assert "a second task with the id" in listed.err
     assert CronStore(home).corrupt_files() == []
     added = run_cli(home, "cron", "add", "--name", "b", "--agent", "assistant", "--every", "1h", "--prompt", "y")

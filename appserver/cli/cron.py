@@ -47,7 +47,10 @@ from cron.store import (
     CronStore,
     CronStoreError,
     CronTask,
+    CronTaskInvalid,
+    InvalidTask,
     make_task,
+    plain_json,
     utcnow,
     validate_prompt,
 )
@@ -240,7 +243,10 @@ def _local(dt: datetime | None, tz: str) -> str:
 
 
 def _schedule_text(t: CronTask) -> str:
-    s = t.schedule
+    return _spec_text(t.schedule)
+
+
+def _spec_text(s: ScheduleSpec) -> str:
     return {
         "cron": f"cron {s.expr}",
         "every": f"every {s.expr}",
@@ -292,6 +298,87 @@ def _refuse_invalid(t: CronTask, doing: str) -> None:
             f"cron task {_named(t)} is invalid and cannot {doing}: {problem}; "
             f"remove it (appserver cron remove {exact(t.id)}) and add it again"
         )
+
+
+def _raw_text(value: Any) -> str:
+    """A value of an invalid task as text: a string as it is, anything else as its JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, allow_nan=True)
+
+
+def _raw_field(bad: InvalidTask, key: str) -> str:
+    """A field of an invalid task, exactly (`-` when it has none)."""
+    return exact(_raw_text(bad.raw[key])) if key in bad.raw else "-"
+
+
+def _raw_schedule(bad: InvalidTask) -> str:
+    """An invalid task's schedule as `list` shows a schedule, or exactly as stored."""
+    sched = bad.raw.get("schedule")
+    try:
+        return (
+            exact(_spec_text(ScheduleSpec.from_dict(sched))) if isinstance(sched, dict) else _raw_field(bad, "schedule")
+        )
+    except ValueError:
+        return _raw_field(bad, "schedule")
+
+
+def _raw_agent(bad: InvalidTask, names: dict[str, str]) -> str:
+    agent = bad.raw.get("agent")
+    return exact(names[agent]) if isinstance(agent, str) and agent in names else _raw_field(bad, "agent")
+
+
+def _raw_owner(bad: InvalidTask) -> str:
+    namespace = bad.raw.get("namespace")
+    return "operator" if namespace is None else exact(_raw_text(namespace))
+
+
+def _invalid_json(bad: InvalidTask, names: dict[str, str]) -> dict[str, Any]:
+    """An invalid task as `--json` gives it: its fields as stored (NaN and the infinities as
+    strings, which JSON has no other way to say), with `state` invalid and the `problem`."""
+    out = {**plain_json(bad.raw), "state": "invalid", "problem": bad.reason}
+    out.setdefault("namespace", None)
+    out["owner"] = "operator" if bad.raw.get("namespace") is None else _raw_text(bad.raw["namespace"])
+    agent = bad.raw.get("agent")
+    if isinstance(agent, str) and agent in names:
+        out["agent_name"] = names[agent]
+    return out
+
+
+def _invalid_row(bad: InvalidTask, names: dict[str, str]) -> list[str]:
+    """An invalid task's line of `cron list`: what it holds, exactly, and why it cannot run."""
+    return [
+        exact(bad.id),
+        _raw_field(bad, "name"),
+        _raw_agent(bad, names),
+        _raw_owner(bad),
+        _raw_schedule(bad),
+        "-",
+        "invalid",
+        _raw_field(bad, "occurrence") if "occurrence" in bad.raw else "0",
+        exact(bad.reason[:60]),
+    ]
+
+
+def _show_invalid(bad: InvalidTask, names: dict[str, str], as_json: bool) -> None:
+    """`cron show` of a task kept in crons.json that cannot be used: what it holds, and why."""
+    if as_json:
+        click.echo(json.dumps(_invalid_json(bad, names)))
+        return
+    fields = [
+        ("id", exact(bad.id)),
+        ("name", _raw_field(bad, "name")),
+        ("agent", _raw_agent(bad, names)),
+        ("owner", _raw_owner(bad)),
+        ("schedule", _raw_schedule(bad)),
+        ("state", "invalid"),
+        ("problem", visible(bad.reason)),
+        ("enabled", _raw_field(bad, "enabled")),
+        ("runs", _raw_field(bad, "occurrence")),
+        ("prompt", visible(_raw_text(bad.raw.get("prompt", "-")))),
+    ]
+    width = max(len(k) for k, _ in fields)
+    for k, v in fields:
+        click.echo(f"{k.ljust(width)}  {v}")
+    click.echo(f"fix it in crons.json, or remove it: appserver cron remove {exact(bad.id)}")
 
 
 def _task_json(t: CronTask, names: dict[str, str] | None = None) -> dict[str, Any]:
@@ -484,7 +571,8 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
     state = _store(cfg).read()
     agent_id = _agent_filter(cfg, agent)
     tasks = [t for t in state.tasks if agent_id is None or t.agent == agent_id]
-    for bad in state.invalid:
+    invalid = [bad for bad in state.invalid if bad.of_agent(agent_id)]
+    for bad in invalid:
         click.echo(f"warning: cron task {exact(bad.id)} is invalid and not scheduled: {visible(bad.reason)}", err=True)
     problems = {t.id: task_problem(t) for t in tasks}
     for t in tasks:
@@ -493,11 +581,11 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
                 f"warning: cron task {_named(t)} is invalid and cannot run: {visible(problems[t.id])}",
                 err=True,
             )
-    names = _names_of(cfg) if tasks else {}
+    names = _names_of(cfg) if tasks or invalid else {}
     if as_json:
-        echo_long(json.dumps([_task_json(t, names) for t in tasks]))
+        echo_long(json.dumps([_task_json(t, names) for t in tasks] + [_invalid_json(bad, names) for bad in invalid]))
         return
-    if not tasks:
+    if not tasks and not invalid:
         click.echo("no cron tasks")
         return
     rows = [["ID", "NAME", "AGENT", "OWNER", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
@@ -515,6 +603,7 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
                 exact((problems[t.id] or t.last_error or "")[:60]),
             ]
         )
+    rows += [_invalid_row(bad, names) for bad in invalid]  # kept in crons.json, never scheduled
     click.echo(_table(rows))
 
 
@@ -526,7 +615,11 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
 def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
     """Show one task (by id or name)."""
     cfg = _config()
-    task = _store(cfg).read().find(ref, _agent_filter(cfg, agent))
+    try:
+        task = _store(cfg).read().find(ref, _agent_filter(cfg, agent))
+    except CronTaskInvalid as exc:
+        _show_invalid(exc.entry, _names_of(cfg), as_json)
+        return
     names = _names_of(cfg)
     if as_json:
         click.echo(json.dumps(_task_json(task, names)))
@@ -637,9 +730,12 @@ def disable_cmd(ref: str, agent: str | None) -> None:
 @click.option("--agent", default=None)
 @_user_errors
 def remove_cmd(ref: str, agent: str | None) -> None:
-    """Remove a task (its run log stays in cron-runs/)."""
+    """Remove a task, an invalid one too (its run log stays in cron-runs/)."""
     cfg = _config()
-    t = _store(cfg).remove(ref, _agent_filter(cfg, agent))
+    t = _store(cfg).remove_any(ref, _agent_filter(cfg, agent))
+    if isinstance(t, InvalidTask):
+        click.echo(f"removed the invalid task {_raw_field(t, 'name')} ({exact(t.id)})")
+        return
     click.echo(f"removed {exact(t.name)} ({exact(t.id)}); its run log stays: appserver cron logs {exact(t.id)}")
 
 
@@ -674,6 +770,8 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
     try:
         task = store.read().find(ref, agent_id)
         task_id, name, tz = task.id, task.name, task.schedule.tz
+    except CronTaskInvalid as exc:  # its log is still its history
+        task_id, name, tz = exc.entry.id, _raw_text(exc.entry.raw.get("name", exc.entry.id)), "UTC"
     except CronNotFound:
         task_id, name, tz = _removed_task(store, ref, agent_id)
         click.echo(f"note: task {exact(name)} ({exact(task_id)}) was removed; its run log was kept", err=True)

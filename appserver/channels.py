@@ -27,7 +27,15 @@ from appserver.auth import GATEWAY_TOKEN_NAME, ReservedNameTaken, token_store_fo
 from appserver.channelconfig import AccountConfig
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
-from gateway.db import CorruptGatewayDB, CorruptGatewayDBInUse, SchemaTooNew, default_path, open_db
+from gateway.db import (
+    CorruptGatewayDB,
+    CorruptGatewayDBInUse,
+    LedgerFileRefused,
+    SchemaTooNew,
+    default_path,
+    ledger_exists,
+    open_db,
+)
 from gateway.pairing import Pairing, PairingError
 from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.supervisor import DELIVER_COMMAND_TIMEOUT_S, Credential, GatewaySupervisor
@@ -306,7 +314,7 @@ def _ledger(home: Path) -> Iterator[sqlite3.Connection]:
         conn = open_db(default_path(home))
     except CorruptGatewayDB as exc:
         raise LedgerUnavailable(f"{exc}; the gateway starts a new, empty ledger") from None
-    except (CorruptGatewayDBInUse, SchemaTooNew) as exc:
+    except (CorruptGatewayDBInUse, SchemaTooNew, LedgerFileRefused) as exc:  # each names its file
         raise LedgerUnavailable(str(exc)) from None
     except (sqlite3.Error, OSError) as exc:
         raise LedgerUnavailable(f"cannot open {default_path(home)}: {exc}") from None
@@ -317,9 +325,13 @@ def _ledger(home: Path) -> Iterator[sqlite3.Connection]:
 
 
 def pairing_pending(home: Path) -> list[dict[str, Any]]:
-    """Pending channel pairing codes (the `pairing_list` frame); gateway.db is read directly."""
-    if not default_path(home).exists():
-        return []
+    """Pending channel pairing codes (the `pairing_list` frame); gateway.db is read directly. A
+    link to nothing is no "no ledger yet" (an empty list would hide the codes on its disk)."""
+    try:
+        if not ledger_exists(default_path(home)):
+            return []
+    except LedgerFileRefused as exc:
+        raise LedgerUnavailable(str(exc)) from None
     with _ledger(home) as conn:
         return [p.to_json() for p in Pairing(conn).pending()]
 

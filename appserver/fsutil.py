@@ -126,6 +126,27 @@ def state_file_stat(path: Path) -> os.stat_result | None:
         return None
 
 
+# The files SQLite keeps beside a database (beside the file itself, for one reached through a link)
+SQLITE_SIDE_FILES = (("-wal", "write-ahead log"), ("-shm", "shared-memory index"), ("-journal", "rollback journal"))
+
+
+def check_sqlite_side_files(db: Path) -> None:
+    """Refuse, before SQLite opens `db`, a `-wal`, `-shm` or `-journal` beside it that is not a
+    regular file or is a symbolic link to nothing: SQLite would open the database read-only without
+    a word, its first write failing with "attempt to write a readonly database" naming no file (a
+    directory `-shm`), or create the link's target. StateFileRefused naming it; left in place."""
+    real = Path(os.path.realpath(db))
+    for suffix, role in SQLITE_SIDE_FILES:
+        side = real.with_name(real.name + suffix)
+        st = state_file_stat(side)
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise StateFileRefused(
+                side,
+                f"a {_kind(st.st_mode)}, not a regular file: SQLite keeps {real.name}'s {role} here and cannot "
+                "use this one; it was left in place (never moved aside): move it away, then start again",
+            )
+
+
 def open_state_file(path: Path) -> BinaryIO:
     """Open a state file for reading, only if it is a regular file (through symbolic links).
 

@@ -7,10 +7,12 @@ never emptied: the records in it may be the only trace of messages a person sent
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import sqlite3
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,6 +165,10 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
+# The files SQLite keeps beside the ledger (beside the file itself, for one reached through a link)
+SIDE_FILES = (("-wal", "write-ahead log"), ("-shm", "shared-memory index"), ("-journal", "rollback journal"))
+NEW_LEDGER_AFTER_REMOVAL = " (the gateway then starts a new, empty ledger)"
+
 
 class CorruptGatewayDB(Exception):
     """gateway.db could not be read as a database; it was moved aside to `moved_to`."""
@@ -194,11 +200,33 @@ class SchemaTooNew(Exception):
     """The file was written by a newer gateway; refuse rather than guess."""
 
 
+class LedgerFileRefused(OSError):
+    """gateway.db, or a file SQLite keeps beside it (`-wal`, `-shm`, `-journal`), that the gateway
+    will not use as it is: a symbolic link to nothing (an unmounted disk: never "not yet", never
+    replaced by a new, empty ledger), not a regular file, or one SQLite cannot write. Left in place,
+    never moved aside. An OSError naming the file, so every handler shows it as one line. (The
+    gateway's copy of appserver/fsutil.py's `StateFileRefused`: it imports nothing of the server's.)"""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        super().__init__(errno.EINVAL, problem, str(path))
+        self.path = Path(path)
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}"
+
+
 def default_path(home: Path | None = None) -> Path:
     """`$APPSERVER_HOME/channels/gateway.db` (home defaults to the environment, then ~/.appserver)."""
     if home is None:
         home = Path(os.environ.get("APPSERVER_HOME") or Path.home() / ".appserver")
     return home / "channels" / "gateway.db"
+
+
+def ledger_exists(path: Path) -> bool:
+    """Whether gateway.db exists. A symbolic link to nothing is not "no ledger yet" (its disk may
+    not be mounted): `LedgerFileRefused`, naming the link and its target."""
+    return _stat(path, NEW_LEDGER_AFTER_REMOVAL) is not None
 
 
 def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
@@ -207,16 +235,19 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
     disk raises its `sqlite3.Error` and stays where it is: moving a healthy ledger aside because
     another process held its lock would split the gateway's state in two. So does a corrupt one
     that a running gateway holds, when anyone but that gateway (`gateway=True`, holding
-    `gateway.lock`) opens it: `CorruptGatewayDBInUse`."""
+    `gateway.lock`) opens it: `CorruptGatewayDBInUse`. A link to nothing, a file that is no regular
+    file (itself or its `-wal`/`-shm`/`-journal`) or one SQLite can only read: `LedgerFileRefused`."""
     lock = None if gateway else Path(path).with_name("gateway.lock")
-    path = Path(os.path.realpath(path))  # a symlinked gateway.db: the file it names is the ledger
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = _ledger_file(Path(path))
     _create_whole(path)
     if path.is_file() and path.stat().st_size == 0:
         # SQLite opens an empty file as a new database, but a ledger never has 0 bytes (it is
         # created whole, above): this one was truncated, and its -wal may hold the rest.
         raise _move_aside(path, "the file is empty (0 bytes)", lock)
-    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    except sqlite3.OperationalError as exc:
+        raise _not_writable(path, exc) or exc from None
     damage: str | None = None
     try:
         conn.execute("PRAGMA busy_timeout = 5000")
@@ -227,9 +258,13 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
             damage = f"quick_check: {row[0] if row else 'no answer'}"
         else:
             _migrate(conn)
+            _check_writable(conn)
     except sqlite3.DatabaseError as exc:
         if not _corrupt(exc):
             conn.close()
+            refused = _not_writable(path, exc)
+            if refused is not None:
+                raise refused from None
             raise
         damage = str(exc)
     except BaseException:
@@ -240,6 +275,93 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
         raise _move_aside(path, damage, lock)
     os.chmod(path, 0o600)
     return conn
+
+
+def _ledger_file(path: Path) -> Path:
+    """The file the ledger is in: `path`, or the existing file its symbolic link names (on another
+    disk, say). Only the home's own `channels/` directory is made: never the directories a link
+    points into (a disk not mounted would get a new, empty ledger on the root file system)."""
+    _make_channels_dir(path.parent)
+    st = _stat(path, NEW_LEDGER_AFTER_REMOVAL)
+    if st is not None:
+        _check_regular(path, st, "the gateway keeps its ledger only in a regular file")
+    real = Path(os.path.realpath(path))
+    for suffix, role in SIDE_FILES:
+        side = real.with_name(real.name + suffix)
+        st = _stat(side)
+        if st is not None:  # SQLite would open the ledger read-only in silence, or fail naming no file
+            _check_regular(side, st, f"SQLite keeps {real.name}'s {role} here and cannot use this one")
+    return real
+
+
+def _make_channels_dir(folder: Path) -> None:
+    """`channels/` (0700); one that is a symbolic link to nothing is named as such."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:
+        _refuse_dangling(folder)
+        raise
+
+
+def _stat(path: Path, after_removal: str = "") -> os.stat_result | None:
+    """stat(2) through links; None when there is no file, `LedgerFileRefused` for a link to nothing."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        _refuse_dangling(path, after_removal)
+        return None
+
+
+def _refuse_dangling(path: Path, after_removal: str = "") -> None:
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link, or gone
+        return
+    raise LedgerFileRefused(
+        path,
+        f"a symbolic link to {target}, which does not exist: make the file it points to available "
+        f"(is its disk mounted?), or remove the link{after_removal}",
+    )
+
+
+def _check_regular(path: Path, st: os.stat_result, why: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise LedgerFileRefused(
+            path,
+            f"a {_kind(st.st_mode)}, not a regular file: {why}; it was left in place (never moved aside): "
+            "move it away, then start again",
+        )
+
+
+def _kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO (named pipe)"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def _check_writable(conn: sqlite3.Connection) -> None:
+    """SQLite opens a ledger it may not write read-only without a word; the first write (the
+    gateway's, seconds later, as a traceback) failed with "attempt to write a readonly database".
+    A write lock taken and dropped here makes that an error at open, naming the file."""
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute("ROLLBACK")
+
+
+def _not_writable(path: Path, exc: sqlite3.DatabaseError) -> LedgerFileRefused | None:
+    """SQLite's "read-only" and "cannot open" in the operator's terms, naming the file."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is None or code & 0xFF not in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN):
+        return None
+    return LedgerFileRefused(
+        path,
+        f"SQLite cannot open it for writing ({exc}): the file, its -wal and -shm beside it and its directory must be "
+        "writable by the user running appserver; it was left as it is",
+    )
 
 
 def _corrupt(exc: sqlite3.DatabaseError) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.accounts import AccountSpec
 from gateway.app import Gateway
-from gateway.db import CorruptGatewayDB, SchemaTooNew, default_path
+from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, default_path
 from gateway.delivery import DeliveryFailed
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
@@ -153,6 +153,11 @@ def _open_ledger(home: Path, control: ControlWriter) -> Ledger | None:
     except SchemaTooNew as exc:
         log.error("%s", exc)
         control.event("gateway_error", {"message": str(exc)})
+        return None
+    except LedgerFileRefused as exc:  # a link to nothing, a directory, read-only: left in place, named
+        message = f"the gateway does not start: {exc}"
+        log.error("%s", message)
+        control.event("gateway_error", {"message": message})
         return None
     except (sqlite3.Error, OSError) as exc:  # busy, read-only, a failing disk: left where it is
         message = f"cannot open {path}: {exc}"

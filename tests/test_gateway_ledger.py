@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.db import MIGRATIONS, CorruptGatewayDB, SchemaTooNew, default_path, open_db
+from gateway.db import MIGRATIONS, CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, default_path, open_db
 from gateway.ledger import Ledger, LedgerStateError, UpdateKey
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,23 +224,26 @@ def test_a_locked_ledger_is_an_error_and_stays_in_place(db_path: Path) -> None:
     reopened.close()
 
 
-def test_a_symlinked_ledger_is_created_and_opened_where_the_link_points(tmp_path: Path) -> None:
-    """gateway.db may be a symlink (to another disk); when its target does not exist yet, several
-    processes opening it at once all open that one target, and none sees it at 0 bytes."""
+def test_a_symlinked_ledger_is_opened_where_the_link_points_and_a_link_to_nothing_refused(tmp_path: Path) -> None:
+    """gateway.db may be a symlink to a ledger on another disk: several processes opening it at
+    once all open that one file. A link to nothing (the disk not mounted) is refused, naming the
+    link and its target, and nothing is created where it points."""
     channels = tmp_path / "channels"
     channels.mkdir()
     target = tmp_path / "elsewhere" / "ledger.db"
     target.parent.mkdir()
     link = channels / "gateway.db"
     link.symlink_to(target)
+    with pytest.raises(LedgerFileRefused, match="does not exist") as info:
+        open_db(link)
+    assert str(target) in str(info.value) and not target.exists()
+    open_db(target).close()  # the ledger, made where it will live (or moved there)
     code = "import sys; from gateway.db import open_db; open_db(__import__('pathlib').Path(sys.argv[1])).close()"
     for _ in range(3):
-        for f in target.parent.glob("ledger.db*"):
-            f.unlink()
         procs = [subprocess.Popen([sys.executable, "-c", code, str(link)], cwd=REPO) for _ in range(6)]
         assert [p.wait(30) for p in procs] == [0] * 6
         assert link.is_symlink() and target.stat().st_size > 0
-        assert not list(channels.glob("gateway.db.corrupt-*")) and not list(target.parent.glob("*.corrupt-*"))
+        assert not list(channels.glob("gateway.db*.corrupt-*")) and not list(target.parent.glob("*.corrupt-*"))
 
 
 def test_temporaries_of_dead_creators_are_removed_and_live_ones_kept(db_path: Path) -> None:

@@ -51,7 +51,15 @@ from appserver.config import Config, ConfigError, default_home, load_config
 from appserver.fsutil import atomic_write_text
 from appserver.serverinfo import read_live_server
 from gateway.access import AccessPolicy, PolicyError
-from gateway.db import CorruptGatewayDB, CorruptGatewayDBInUse, SchemaTooNew, default_path, open_db
+from gateway.db import (
+    CorruptGatewayDB,
+    CorruptGatewayDBInUse,
+    LedgerFileRefused,
+    SchemaTooNew,
+    default_path,
+    ledger_exists,
+    open_db,
+)
 from gateway.debounce import DebounceError, DebounceSettings
 from gateway.ledger import Ledger
 from gateway.routing import ROOT, Route, RouteKey, Router
@@ -98,7 +106,7 @@ def _errors(fn: F) -> F:
                 "the gateway starts a new, empty ledger and route table (routes must be added again)",
                 1,
             )
-        except CorruptGatewayDBInUse as exc:
+        except (CorruptGatewayDBInUse, LedgerFileRefused) as exc:
             fail(_one_line(exc), 1)
         except SchemaTooNew as exc:
             fail(f"{_one_line(exc)}: upgrade appserver to use it (the file was left untouched)", 1)
@@ -916,9 +924,10 @@ def _live_channels(url: str) -> dict[str, Any]:
 
 @contextmanager
 def _gateway_db(home: Path, *, create: bool) -> Iterator[sqlite3.Connection | None]:
-    """gateway.db opened (and migrated); None when it does not exist and `create` is false."""
+    """gateway.db opened (and migrated); None when it does not exist and `create` is false (a link
+    to nothing is no "does not exist yet": LedgerFileRefused, naming the link and its target)."""
     path = default_path(home)
-    if not create and not path.exists():
+    if not create and not ledger_exists(path):
         yield None
         return
     conn = open_db(path)

@@ -20,6 +20,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from appserver.fsutil import StateFileRefused, check_sqlite_side_files
 from appserver.procid import identity, identity_alive
 from appserver.store.agentcache import AgentCache, copy_agent
 from appserver.store.base import (
@@ -184,6 +185,10 @@ class SQLiteStore(Store):
     def _open_held(self) -> None:
         created = False
         if isinstance(self.path, Path):
+            try:
+                check_sqlite_side_files(self.path)
+            except StateFileRefused as exc:
+                raise StoreOpenError(str(exc)) from None
             check_store_writable(self.path)
             try:
                 if preflight(self.path, accept_loss=self.accept_data_loss):

@@ -22,6 +22,7 @@ from tests.support.gateway import (
     fakechat_home,
     store_turns,
 )
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,6 +190,12 @@ def test_a_message_channel_send_the_platform_refuses_counts_in_status(srv: Chann
     chat.inject("tooling-refused", f"/call message_channel {args}")
     final = chat.wait_for_text("tooling-refused", lambda t: "message_channel ->" in t, timeout=20)
     assert "blocked" in final.text, final.text
-    status = run_cli(srv.home, "channels", "status", "--json").json()["accounts"][0]
+
+    # the gateway flushes its counters about once a second: the status may lag the reply a moment
+    def counted() -> dict | None:
+        account = run_cli(srv.home, "channels", "status", "--json").json()["accounts"][0]
+        return account if account["failures"] > before else None
+
+    status = eventually(counted, timeout=10) or run_cli(srv.home, "channels", "status", "--json").json()["accounts"][0]
     assert status["failures"] == before + 1, status
     assert "message_channel send failed" in status["last_failure"]["reason"], status

@@ -19,10 +19,10 @@ from appserver.auth import conversation_namespace
 from appserver.http import fields
 from appserver.http.common import (
     NOT_ANSWERS,
-    AfterReply,
     Idempotency,
     JSONReply,
     TurnRun,
+    answer_paused,
     approval_pending,
     client_pending,
     dumps,
@@ -36,6 +36,7 @@ from appserver.http.common import (
     read_json,
     request_usage,
     resolve_model,
+    round_answered,
     settle_or_cancel,
     start_turn,
     stream_replay,
@@ -922,10 +923,14 @@ class ChatCompletions:
                 decisions = await until_credential_ends(
                     request, named_answers(self.server, place.conversation_id, given)
                 )
-                run = await start_turn(
+                target, resumed = await until_credential_ends(
+                    request, self._answer_point(agent, ns, place, decisions, answers, user, metadata)
+                )
+                place = target  # a fork when other requests answered the round first (released below)
+                run = resumed or await start_turn(
                     self.server,
                     agent,
-                    place.conversation_id,
+                    target.conversation_id,
                     content=content,
                     decisions=decisions,
                     client_tools=tools,
@@ -952,6 +957,32 @@ class ChatCompletions:
         if stream:
             return ctx.stream_response(include_usage, request)
         return await ctx.complete(request)
+
+    async def _answer_point(
+        self,
+        agent: AgentRecord,
+        ns: str | None,
+        place: Placement,
+        decisions: list[Decision],
+        answers: Answers | None,
+        user: str | None,
+        metadata: dict[str, Any],
+    ) -> tuple[Placement, TurnRun | None]:
+        """Answers placed at the head of a conversation paused at their calls: applied there (the
+        resumed turn), or, when other requests answered that round first (on another server of a
+        cluster, where this server's claim does not reach), a fork from the point to answer them
+        in, as the second of two racing on one server forks (docs/openai.md "Racing requests").
+        (place, None): start_turn answers, in `place`, as ever."""
+        turn = place.paused_turn
+        if turn is None or answers is None:
+            return place, None
+        resumed = await answer_paused(self.server, place.conversation_id, turn, decisions)
+        if resumed is not None or not await round_answered(self.server, turn, decisions):
+            return place, resumed
+        fork = await self.matcher.fork_lost(
+            agent, ns, place, answers, user=user, metadata=metadata, while_pending=calls_unanswered
+        )
+        return fork, None
 
 
 _MARK = "\x00text\x00"  # stands for the text while a text delta's frame is split around it
@@ -1059,17 +1090,21 @@ class _Ctx:
                 exc.headers.setdefault(HEADER, self.run.conversation_id)
             raise
         data = dumps(body)
+        await self.commit_point(snap, text, calls)
         if self.idem is not None:
             await keep_or_free(self.idem, snap, data, self.run.conversation_id)
-        return JSONReply(data, self.headers, AfterReply(self.record_point_after, snap, text, calls))
+        return JSONReply(data, self.headers)
 
-    async def record_point_after(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
-        """The history point, written once the reply is on the wire (off the latency path). It only
-        serves the client's next request; the SQLite store writes it without yielding, so it lands
-        before the server starts on that request."""
+    async def commit_point(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
+        """The reply's history point, committed before the reply (a stream's last chunk) goes out:
+        the client's next request, on this server or another of a cluster, after a kill -9 too,
+        finds it and continues this conversation (answers to the reply's calls resume its paused
+        turn). It is part of what the reply acknowledges. A store failing now does not take the
+        reply back (the turn is committed already): the reply goes out, one line is logged, and
+        the client's next request forks or starts a conversation seeded with its transcript."""
         try:
             await self.record_point(snap, text, calls)
-        except StoreUnavailable as exc:  # the database is away: one line (the next request forks)
+        except StoreUnavailable as exc:  # the database is away: one line
             log.warning("could not record the history point of conversation %s: %s", self.run.conversation_id, exc)
         except Exception:
             log.exception("could not record the history point of conversation %s", self.run.conversation_id)
@@ -1227,6 +1262,10 @@ class _Ctx:
                         call_index[c["id"]] = len(call_index)
                         fn = c["function"]
                         yield self.chunk(self.call_delta(call_index[c["id"]], c["id"], fn["name"], fn["arguments"]))
+                shown = render_text(blocks_after(last, self.run))
+                if last.stop_reason == "max_steps":
+                    shown = f"{shown}\n\n{self.steps_note}" if shown else self.steps_note
+                await self.commit_point(last, shown, calls)  # before the finish chunk and [DONE]
                 yield self.chunk({}, self.finish(last))
                 if include_usage:
                     yield dumps(
@@ -1241,10 +1280,6 @@ class _Ctx:
                     )
                 yield "[DONE]"
                 finished = last.status not in NOT_ANSWERS  # a cancelled turn's text frees the key
-                shown = render_text(blocks_after(last, self.run))
-                if last.stop_reason == "max_steps":
-                    shown = f"{shown}\n\n{self.steps_note}" if shown else self.steps_note
-                await self.record_point(last, shown, calls)
             finally:
                 metrics.active_streams.dec()
                 if watcher is not None:

@@ -12,13 +12,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from appserver import fastjson
 from appserver.auth import REVOCATION_POLL_S, Principal, namespace_of
-from appserver.errors import AgentGone, InvalidInput, KernelError
+from appserver.errors import AgentGone, InvalidInput, KernelError, NotAwaiting
 from appserver.http.bodies import json_bodies
 from appserver.http.conversation_match import HEADER, by_name, legacy_name, repeats_answer
 from appserver.http.credential_end import CredentialCheck, credential_check
@@ -594,6 +593,51 @@ class PausedTurn:
         )
 
 
+async def answer_paused(
+    server: Server, conversation_id: str, turn_id: str, decisions: list[Decision]
+) -> TurnRun | None:
+    """Paused turn `turn_id` (the one a request's point or previous response shows) resumed with
+    the answers it has not yet: start_turn's answering, the check and the answer as one step.
+    None when there is nothing of it to do here: the conversation waits on no such turn, nothing
+    is new, or the answer was refused (start_turn then answers as ever), or another request
+    answered the calls first. On one server the matcher's claim makes that request fork; across
+    the servers of a cluster each claim is one server's, and the answer itself (all or none)
+    decides which request continues (see `round_answered`)."""
+    kernel = server.kernel
+    awaiting = await kernel.awaiting(conversation_id)
+    if awaiting is None or awaiting.id != turn_id:
+        return None
+    paused = await PausedTurn.load(server, awaiting)
+    fresh = paused.fresh(decisions)
+    if not fresh:
+        return None
+    try:
+        results = await kernel.respond(conversation_id, fresh, whole=True)
+    except (InvalidInput, NotAwaiting):
+        # answers contradicting each other (start_turn refuses them in its words), or the turn
+        # resumed meanwhile (by another request's answers)
+        return None
+    except KernelError as exc:
+        raise from_kernel(exc) from None
+    if not all(r.get("accepted") for r in results):
+        return None  # nothing applied (all or none): answered meanwhile, or start_turn's refusal
+    return paused.run(server, conversation_id, fresh)
+
+
+async def round_answered(server: Server, turn_id: str, decisions: list[Decision]) -> bool:
+    """Did other requests answer every call of turn `turn_id`'s round, these answers' calls among
+    them, so that the turn moved on without this request? Answering them again forks from the
+    point before, as the second of two requests racing on one server does (docs/openai.md
+    "Racing requests")."""
+    if not decisions:
+        return False
+    calls = {p.call_id: p for p in await server.store.list_pending(turn_id)}
+    answered = ("result", "approved", "denied")
+    return all(c.status != "pending" for c in calls.values()) and all(
+        d.call_id in calls and calls[d.call_id].status in answered for d in decisions
+    )
+
+
 USAGE_KEYS = ("input_tokens", "output_tokens", "cached_tokens", "reasoning_tokens")
 
 
@@ -975,26 +1019,15 @@ def is_api_route(endpoint: object) -> bool:
     return bool(getattr(endpoint, _API_ROUTE, False))
 
 
-class AfterReply(BackgroundTask):
-    """`func(*args)` once the reply is sent: Starlette's `BackgroundTask` inspects `func` on every
-    request to learn whether it is a coroutine function; this one knows."""
-
-    def __init__(self, func: Callable[..., Awaitable[None]], *args: Any) -> None:  # no super().__init__
-        self.func = func
-        self.args = args  # type: ignore[assignment]
-        self.kwargs = {}  # type: ignore[assignment]
-        self.is_async = True
-
-
 class JSONReply(Response):
     """An `application/json` reply of already-encoded JSON, with the head Starlette's `Response`
     writes for it (the caller's headers, then content-length and content-type), built directly."""
 
     media_type = "application/json"
 
-    def __init__(self, data: str, headers: dict[str, str], background: BackgroundTask | None = None) -> None:
+    def __init__(self, data: str, headers: dict[str, str]) -> None:
         self.status_code = 200
-        self.background = background
+        self.background = None
         self.body = data.encode("utf-8")
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.raw_headers += [(b"content-length", b"%d" % len(self.body)), (b"content-type", b"application/json")]

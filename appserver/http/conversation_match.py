@@ -296,14 +296,20 @@ def _valid_tool_pairs(messages: list[MessageRecord]) -> list[MessageRecord]:
     return out
 
 
-def _calls_made_at(messages: list[MessageRecord]) -> list[tuple[str, str]]:
-    """(id, name) of the calls made by the last assistant message, past the tool results after it."""
+def _round_made_at(messages: list[MessageRecord]) -> MessageRecord | None:
+    """The last assistant message, past the tool results after it: the one that made the calls
+    open at the end of `messages` (None when there is none)."""
     i = len(messages) - 1
     while i >= 0 and messages[i].role == "tool":
         i -= 1
     if i < 0 or messages[i].role != "assistant":
-        return []
-    return [(c["id"], c["name"]) for c in messages[i].tool_calls]
+        return None
+    return messages[i]
+
+
+def _calls_of(message: MessageRecord | None) -> list[tuple[str, str]]:
+    """(id, name) of the calls `message` made."""
+    return [(c["id"], c["name"]) for c in message.tool_calls] if message is not None else []
 
 
 def open_call_ids(messages: list[MessageRecord]) -> list[str]:
@@ -346,6 +352,11 @@ class Placement:
     conversation_id: str
     how: str  # header | header_new | prefix | fork | new | previous_response | conversation
     claimed: bool = False  # this request holds the conversation's head claim (release it)
+    # A request answering calls placed at its conversation's head (how "prefix"): the last message
+    # of the point it continues, and the turn that made the calls there. Another request (on
+    # another server of a cluster) may answer them first; this one then forks there (`fork_lost`).
+    point_message: int | None = None
+    paused_turn: str | None = None
 
 
 @dataclass(slots=True)
@@ -828,8 +839,10 @@ class ConversationMatcher:
         h = chain(prefix)
         candidates = []
         points = await self.store.find_history_points(agent.id, h)
+        rounds: dict[str, str | None] = {}  # conversation → the turn that made the answered calls at its point
         if answers is not None and points:
-            points = await self._answerable(points, answers)
+            rounds = await self._answerable(points, answers)
+            points = [p for p in points if p.conversation_id in rounds]
         for point in points:
             found = await self.store.get_conversation(point.conversation_id)
             if found is None or not self.visible(found, agent, namespace):
@@ -841,7 +854,8 @@ class ConversationMatcher:
                 continue
             if self.free(point.conversation_id, answering=answers is not None):  # no await between check and claim
                 self.claim(point.conversation_id)
-                return Placement(point.conversation_id, "prefix", claimed=True)
+                turn = rounds.get(point.conversation_id)
+                return Placement(point.conversation_id, "prefix", True, point.last_message_id, turn)
         if candidates:
             src = candidates[0]
             conv_id = await self.fork_at(
@@ -859,36 +873,39 @@ class ConversationMatcher:
             conv = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
             place = Placement(conv.id, "new", claimed=True)
         try:
-            await self.record(agent.id, place.conversation_id, h)
+            # serves a retry of this request only (the reply records the point its next request needs)
+            await self.record(agent.id, place.conversation_id, h, wait=False)
         except BaseException:
             self.release(place)
             raise
         return place
 
-    async def _answerable(self, points: list[HistoryPoint], answers: Answers) -> list[HistoryPoint]:
-        """The points where the answered calls were made. The view leaves call ids out, so two
+    async def _answerable(self, points: list[HistoryPoint], answers: Answers) -> dict[str, str | None]:
+        """The points where the answered calls were made, by conversation (a conversation has one
+        point of a hash), with the turn that made them. The view leaves call ids out, so two
         histories whose turns made the same call (`f` with the same arguments, under other ids)
         share a point; answers to one conversation's calls belong there (or in a fork of it), never
         in another, which would refuse them as calls it never made. When no point made them (a
         history whose calls this server never issued, resent with other ids than one it seeded
         before), there is none: the history is seeded as a new conversation, paused at its own
         calls, and the answers answer those."""
-        fitting: list[HistoryPoint] = []
+        fitting: dict[str, str | None] = {}
         for point in points:
-            if _answers_fit(answers.call_ids, await self._calls_at(point)):
-                fitting.append(point)
+            made = await self._round_at(point)
+            if _answers_fit(answers.call_ids, _calls_of(made)):
+                fitting[point.conversation_id] = made.turn_id if made is not None else None
         return fitting
 
-    async def _calls_at(self, point: HistoryPoint) -> list[tuple[str, str]]:
-        """The calls made by the last assistant message at `point` (past the results after it): a
-        short read first, the long one only when the round's results fill it."""
+    async def _round_at(self, point: HistoryPoint) -> MessageRecord | None:
+        """The last assistant message at `point` (past the results after it), which made its calls:
+        a short read first, the long one only when the round's results fill it."""
         for limit in (CALL_TAIL_SHORT, CALL_TAIL_MAX):
             tail = await self.store.list_messages(
                 point.conversation_id, before_id=point.last_message_id + 1, limit=limit
             )
             if len(tail) < limit or any(m.role != "tool" for m in tail):
                 break
-        return _calls_made_at(tail)
+        return _round_made_at(tail)
 
     async def fork_at(
         self,
@@ -938,6 +955,35 @@ class ConversationMatcher:
             seed=seed,
         )
         return conv.id
+
+    async def fork_lost(
+        self,
+        agent: AgentRecord,
+        namespace: str | None,
+        head: Placement,
+        answers: Answers,
+        *,
+        user: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        while_pending: Callable[[list[str]], ApiError] = calls_open,
+    ) -> Placement:
+        """The fork a request answering the calls of `head`'s point goes to once another request
+        answered them first and continued the conversation (on another server of a cluster: see
+        common.round_answered), as the second of two racing on one server forks: from that point,
+        paused at the calls, to be answered there. The head's claim is given up."""
+        self.release(head)
+        assert head.point_message is not None  # set with `paused_turn`, which the caller checked
+        fork = await self.fork_at(
+            agent,
+            namespace,
+            head.conversation_id,
+            head.point_message,
+            answers,
+            user=user,
+            metadata=metadata,
+            while_pending=while_pending,
+        )
+        return Placement(fork, "fork", claimed=True)
 
     async def _carry_over(self, paused: Paused, answers: Answers, later: list[MessageRecord], source: str) -> None:
         """What the source conversation did with the calls open at the fork point goes into the
@@ -1021,9 +1067,16 @@ class ConversationMatcher:
             )
 
     async def record(
-        self, agent_id: str, conversation_id: str, prefix_hash: str, last_message_id: int | None = None
+        self,
+        agent_id: str,
+        conversation_id: str,
+        prefix_hash: str,
+        last_message_id: int | None = None,
+        *,
+        wait: bool = True,
     ) -> None:
         """A point at `last_message_id` (a turn's own newest message, when known), else at the
-        conversation's newest message now: read before a later turn can commit behind it."""
+        conversation's newest message now: read before a later turn can commit behind it.
+        Committed on return (a reply's point), unless `wait` is false (see Store.add_history_point)."""
         last = last_message_id if last_message_id is not None else await self.store.last_message_id(conversation_id)
-        await self.store.add_history_point(HistoryPoint(agent_id, prefix_hash, conversation_id, last))
+        await self.store.add_history_point(HistoryPoint(agent_id, prefix_hash, conversation_id, last), wait=wait)

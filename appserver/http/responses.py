@@ -23,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from appserver.auth import conversation_namespace, namespace_allows
-from appserver.errors import InvalidInput, KernelError, NotAwaiting
 from appserver.http import fields
 from appserver.http.chat import (
     REASONING_EFFORTS,
@@ -49,8 +48,8 @@ from appserver.http.chat import (
 )
 from appserver.http.common import (
     Idempotency,
-    PausedTurn,
     TurnRun,
+    answer_paused,
     dumps,
     failed_answer,
     forget_answers_of,
@@ -62,6 +61,7 @@ from appserver.http.common import (
     read_json,
     request_usage,
     resolve_model,
+    round_answered,
     settle_or_cancel,
     start_turn,
     stream_replay,
@@ -83,7 +83,7 @@ from appserver.http.conversation_match import (
     split_new_input,
     unanswered_calls,
 )
-from appserver.http.errors import ApiError, bad_request, from_kernel, turn_failure
+from appserver.http.errors import ApiError, bad_request, turn_failure
 from appserver.http.sse import SSEItem, SSEResponse
 from appserver.http.stopping import CODE as SHUTTING_DOWN
 from appserver.http.stopping import Stopping, shutting_down
@@ -1412,49 +1412,25 @@ class Responses:
 
     async def _answer_head(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> TurnRun | None:
         """The paused turn `place` continues (at `prev_id`), resumed with the answers it has not
-        yet (start_turn's answering, the check and the answer run here as one step). None when
-        there is nothing of it to do here: no such turn, nothing new, or the answer was refused
-        (start_turn then answers as ever), or another request answered the calls first. On one
-        server the claim makes that request fork; across the servers of a cluster each claim is
-        one server's, and the answer itself (all or none) decides which request continues."""
-        if place.how != "previous_response" or not decisions or prev_id is None:
-            return None
-        kernel = self.server.kernel
-        rec = await self.server.store.get_response(prev_id)
-        awaiting = await kernel.awaiting(place.conversation_id)
-        if rec is None or awaiting is None or awaiting.id != rec.turn_id:
-            return None
-        paused = await PausedTurn.load(self.server, awaiting)
-        fresh = paused.fresh(decisions)
-        if not fresh:
-            return None
-        try:
-            results = await kernel.respond(place.conversation_id, fresh, whole=True)
-        except (InvalidInput, NotAwaiting):
-            # answers contradicting each other (start_turn refuses them in its words), or the turn
-            # resumed meanwhile (by another request's answers)
-            return None
-        except KernelError as exc:
-            raise from_kernel(exc) from None
-        if not all(r.get("accepted") for r in results):
-            return None  # nothing applied (all or none): answered meanwhile, or start_turn's refusal
-        return paused.run(self.server, place.conversation_id, fresh)
+        yet (common.answer_paused); None when start_turn answers as ever, or another request
+        answered the calls first (see `_answered`)."""
+        turn_id = await self._paused_turn(place, prev_id, decisions)
+        return await answer_paused(self.server, place.conversation_id, turn_id, decisions) if turn_id else None
 
     async def _answered(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> bool:
         """Did other requests answer the calls `prev_id` asked (all of its round), so that its turn
         moved on while `place` continued its conversation? Answering them again forks from
         `prev_id`, as the second of two requests racing on one server does (docs/openai.md
         "Racing requests")."""
-        if place.how != "previous_response" or not decisions:
-            return False
-        rec = await self.server.store.get_response(prev_id) if prev_id else None
-        if rec is None or rec.turn_id is None:
-            return False
-        calls = {p.call_id: p for p in await self.server.store.list_pending(rec.turn_id)}
-        answered = ("result", "approved", "denied")
-        return all(c.status != "pending" for c in calls.values()) and all(
-            d.call_id in calls and calls[d.call_id].status in answered for d in decisions
-        )
+        turn_id = await self._paused_turn(place, prev_id, decisions)
+        return await round_answered(self.server, turn_id, decisions) if turn_id else False
+
+    async def _paused_turn(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> str | None:
+        """The turn of `prev_id`, which made the calls `decisions` answer, when `place` continues it."""
+        if place.how != "previous_response" or not decisions or prev_id is None:
+            return None
+        rec = await self.server.store.get_response(prev_id)
+        return rec.turn_id if rec is not None else None
 
     async def _fork_lost(
         self, agent: AgentRecord, ns: str | None, head: Placement, prev_id: str | None, answers: Answers | None

@@ -296,7 +296,9 @@ class Store(ABC):
         retry runs the request instead of waiting for a reply that will never be stored."""
 
     @abstractmethod
-    async def add_history_point(self, point: HistoryPoint) -> None: ...
+    async def add_history_point(self, point: HistoryPoint, *, wait: bool = True) -> None:
+        """Record a point; committed on return unless `wait` is false (a point that serves only a
+        retry of the request that placed it: the store may let it join a later group)."""
 
     @abstractmethod
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:

@@ -1622,7 +1622,8 @@ class PostgresStore(Store):
 
         return await self._write(job)
 
-    async def add_history_point(self, point: HistoryPoint) -> None:
+    async def add_history_point(self, point: HistoryPoint, *, wait: bool = True) -> None:
+        """Committed on return, `wait` or not (a round trip either way)."""
         created = point.created_at or time.time()
 
         async def job(conn: Conn) -> None:

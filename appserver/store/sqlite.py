@@ -1039,11 +1039,13 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             return tx.execute("DELETE FROM http_idempotency WHERE created_at < ?", (older_than,)).rowcount
 
-    async def add_history_point(self, point: HistoryPoint) -> None:
-        """Queued for the next group transaction (one per request in a transaction of its own was a
-        fifth of the server's time at concurrency 64), and not waited for: a point only serves a
-        later request, `find_history_points` commits queued writes first, and a point lost to a
-        crash only means that request starts a new conversation."""
+    async def add_history_point(self, point: HistoryPoint, *, wait: bool = True) -> None:
+        """Through the group transaction (one per request in a transaction of its own was a fifth
+        of the server's time at concurrency 64). A reply's point is waited for: the client's next
+        request, after a kill -9 or on another server of a cluster, must find it (it is part of what
+        the reply acknowledges). `wait=False` (the point a request's placement records, which
+        serves only its own retry): queued, not waited for; `find_history_points` commits queued
+        writes first, and a point lost to a crash only means that retry starts anew."""
         row = (
             point.agent_id,
             point.prefix_hash,
@@ -1062,7 +1064,10 @@ class SQLiteStore(Store):
                 row,
             )
 
-        self._writes.submit(write, defer=True)
+        if wait:
+            await self._writes.submit(write)
+        else:
+            self._writes.submit(write, defer=True)
 
     async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
         self._writes.settle()  # a point still queued is found too

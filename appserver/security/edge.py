@@ -7,7 +7,11 @@ connection and before any auth work:
 * a cap on the request line + headers (`head_max_bytes`, 431 beyond);
 * a head timeout: the head must be complete within `head_timeout_s` of its first byte (408);
 * a body-progress timeout: a body that stops arriving for `body_timeout_s` ends the request (408
-  if nothing was answered yet; the app sees a disconnect);
+  if nothing was answered yet; the app sees a disconnect), and so does one that, once it has taken
+  longer than that, averages under `body_min_rate_bytes_s` since it began;
+* caps on a chunked body's framing, which the guard's `body_max_bytes` (decoded bytes) never sees:
+  a chunk-size line (chunk extensions included) of at most `CHUNK_LINE_MAX_BYTES` (400), and at most
+  `body_wire_max` bytes on the wire for the whole body (413);
 * an idle timeout (`keepalive_timeout_s`) on a fresh connection before its first byte, as uvicorn
   already does between requests;
 * a send timeout (`send_timeout_s`): a client that takes no byte of a reply waiting for it (more
@@ -176,12 +180,20 @@ class EdgeLimits:
     keepalive_timeout_s: float
     max_connections: int
     send_timeout_s: float = 30.0
+    body_max_bytes: int = 20 * 1024 * 1024
     refusals: LogThrottle = field(default_factory=LogThrottle, compare=False)
     # the connections that may give up their slot at the cap, and the throttle of that notice
     slots: SlotGate = field(default_factory=SlotGate, compare=False)
     evictions: LogThrottle = field(default_factory=LogThrottle, compare=False)
     # TLS connections accepted whose handshake is not done (`TlsAcceptProtocol`): counted by the cap
     handshakes: set[Any] = field(default_factory=set, compare=False)
+
+    @property
+    def body_wire_max(self) -> int:
+        """The most bytes a chunked body may take on the wire, its framing included: the decoded
+        limit, as much again for framing (a chunk of ~10 bytes of data or more on average), and
+        one chunk-size line."""
+        return 2 * self.body_max_bytes + CHUNK_LINE_MAX_BYTES
 
     @classmethod
     def from_config(cls, limits: LimitsConfig) -> EdgeLimits:
@@ -193,6 +205,7 @@ class EdgeLimits:
             keepalive_timeout_s=float(limits.keepalive_timeout_s),
             max_connections=connection_cap(int(limits.max_connections)),
             send_timeout_s=float(limits.send_timeout_s),
+            body_max_bytes=int(limits.body_max_bytes),
             slots=SlotGate(grace_s=min(EVICTION_GRACE_S, float(limits.head_timeout_s) / 2)),
         )
 
@@ -241,6 +254,13 @@ WS_READ_WHILE_BLOCKED = 1 << 20
 # Deflate inflates at most ~1032×, so a slice holds at most a frame or two that inflate to the
 # frame limit.
 WS_INFLATE_SLICE = 4096
+
+# A chunk-size line, its chunk extensions included (Node.js allows 16 KiB of extensions): httptools
+# reports none of it, so a body of one endless extension decoded to 0 bytes, passed every size limit
+# and, arriving fast, the minimum rate too.
+CHUNK_LINE_MAX_BYTES = 16 * 1024
+# How often, at most, a body's average rate is judged once it is due (`_next_body_check`).
+BODY_RATE_TICK_S = 1.0
 
 # Where the parser is in the current message.
 IDLE, HEAD, BODY = 0, 1, 2
@@ -562,6 +582,10 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._last_data = 0.0
         self._body_clock = self._body_checked = 0.0  # when the body began (less time not read)
         self._body_bytes = 0
+        self._chunked = False  # the body being read is chunked
+        self._chunk_line: int | None = None  # bytes of the chunk-size line being read, if in one
+        self._body_wire = 0  # bytes of the chunked body on the wire so far (`_check_chunk_framing`)
+        self._head_ended = False  # a head ended in the read being parsed
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._refused = False
@@ -721,6 +745,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             self._keep_early(data)
             return
         self._unset_keepalive_if_required()
+        if self._phase == BODY and self._chunk_line is not None and not self._chunk_line_fits(data):
+            return
+        self._head_ended = False  # set by on_headers_complete, if a head ends in this read
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -762,10 +789,56 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._on_head_timeout)
         elif phase == BODY:
+            if self._chunked and not self._check_chunk_framing(data):
+                return
             self._last_data = self.loop.time()
             self._body_bytes += len(data)
             if self._body_timer is None:
                 self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._on_body_timeout)
+
+    def _chunk_line_fits(self, data: bytes) -> bool:
+        """Before a read is parsed, inside a chunk-size line that began in an earlier read: the
+        line ends at the read's first LF (it holds none: the parser ends it there, or fails), and
+        it may not grow past the cap; refused otherwise (False)."""
+        end = data.find(b"\n")
+        line = cast(int, self._chunk_line) + (len(data) if end < 0 else end)
+        if line <= CHUNK_LINE_MAX_BYTES:
+            return True
+        self._refuse_chunk_line()
+        return False
+
+    def _check_chunk_framing(self, data: bytes) -> bool:
+        """After a read was parsed inside a chunked body: count its wire bytes (all of it, except
+        in the read where the head ended, which is not counted at all: at most one read under) and
+        the chunk-size line it ends in, if any (what follows its last LF); refuse either past its
+        cap (False). A whole line between two LFs of one read is bounded by the read, and counts
+        towards the body's wire bytes."""
+        if not self._head_ended:
+            self._body_wire += len(data)
+        wire_max = self.limits.body_wire_max
+        if self._body_wire > wire_max:
+            self._close_with(
+                413,
+                "request_too_large",
+                f"the chunked request body exceeds {wire_max} bytes on the wire, its framing included "
+                "(twice [limits] body_max_bytes, plus one chunk-size line)",
+            )
+            return False
+        if self._chunk_line is not None:
+            last = data.rfind(b"\n")
+            self._chunk_line = self._chunk_line + len(data) if last < 0 else len(data) - last - 1
+            if self._chunk_line > CHUNK_LINE_MAX_BYTES:
+                self._refuse_chunk_line()
+                return False
+        return True
+
+    def _refuse_chunk_line(self) -> None:
+        self._close_with(
+            400,
+            "chunk_extension_too_long",
+            f"a chunk-size line of the request body (its chunk extensions included) exceeds "
+            f"{CHUNK_LINE_MAX_BYTES} bytes",
+        )
 
     def _head_bytes_in(self, data: bytes) -> int:
         """The bytes of `data` from the start of the head being parsed, which began inside it (after
@@ -839,8 +912,12 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if self.url[:1] != b"/":
             self._authority_from_target()
         self._phase = BODY
+        self._head_ended = True
         self._body_clock = self._body_checked = self.loop.time()
-        self._body_bytes = 0
+        self._body_bytes = self._body_wire = 0
+        # llhttp takes a request with any Transfer-Encoding only when its last coding is chunked
+        self._chunked = any(name == b"transfer-encoding" for name, _ in self.headers)
+        self._chunk_line = 0 if self._chunked else None
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -862,8 +939,19 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self.headers[:] = [(n, v) for n, v in self.headers if n != b"host"]
         self.headers.append((b"host", authority))
 
+    def on_chunk_header(self) -> None:
+        """A chunk-size line is complete (the last chunk's too: its trailers count with the head
+        towards `head_max_bytes`, and on the wire towards `body_wire_max`)."""
+        self._chunk_line = None
+
+    def on_chunk_complete(self) -> None:
+        """A chunk's data and its CRLF are in: the next chunk-size line begins."""
+        self._chunk_line = 0
+
     def on_message_complete(self) -> None:
         self._phase = IDLE
+        self._chunked = False
+        self._chunk_line = None
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -1063,6 +1151,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         )
 
     def _on_body_timeout(self) -> None:
+        """The body's check: a stall (no byte for `body_timeout_s`), or a trickle (`_too_slow`),
+        ends the request with 408; else the next check is armed (`_next_body_check`)."""
         self._body_timer = None
         if self._phase != BODY or self.transport.is_closing():
             return
@@ -1075,28 +1165,47 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if waiting:  # time the app is not reading counts neither as a stall nor against the rate
             self._body_clock += now - self._body_checked
         self._body_checked = now
-        if self._too_slow(now) and not waiting:
+        if waiting:
+            self._body_timer = self.loop.call_later(timeout, self._on_body_timeout)
+            return
+        quiet = now - self._last_data
+        if quiet >= timeout * 0.999:  # timers may fire a tick early
+            self._close_with(
+                408,
+                "request_timeout",
+                f"the request body stalled: no bytes for {timeout:g} s ([limits] body_timeout_s)",
+            )
+            return
+        if self._too_slow(now):
             rate = self.limits.body_min_rate
             self._close_with(
                 408,
                 "request_timeout",
-                f"the request body arrives slower than {rate} bytes/s ([limits] body_min_rate_bytes_s)",
+                f"the request body arrives slower than {rate} bytes/s on average ([limits] body_min_rate_bytes_s)",
             )
             return
-        quiet = now - self._last_data
-        if waiting or quiet < timeout:  # the app is not reading, or bytes came since: not stalled
-            self._body_timer = self.loop.call_later(timeout if waiting else timeout - quiet, self._on_body_timeout)
-            return
-        self._close_with(
-            408, "request_timeout", f"the request body stalled: no bytes for {timeout:g} s ([limits] body_timeout_s)"
-        )
+        self._body_timer = self.loop.call_later(self._next_body_check(now, quiet), self._on_body_timeout)
 
     def _too_slow(self, now: float) -> bool:
-        """A trickle (a byte just before every body timeout) would hold a slot forever: past the
-        first `body_timeout_s`, the body must average `body_min_rate` bytes a second."""
+        """A trickle (a byte just before every body timeout) would hold a slot forever: once the
+        body has taken `body_timeout_s`, it must average `body_min_rate` bytes a second since it
+        began (less the time the app was not reading)."""
         rate = self.limits.body_min_rate
-        over = now - self._body_clock - self.limits.body_timeout_s
-        return rate > 0 and over > 0 and self._body_bytes < rate * over
+        elapsed = now - self._body_clock
+        return rate > 0 and elapsed >= self.limits.body_timeout_s * 0.999 and self._body_bytes < rate * elapsed
+
+    def _next_body_check(self, now: float, quiet: float) -> float:
+        """Seconds until the body could be stalled (no byte since, for `body_timeout_s`) or, with
+        nothing more arriving, under its minimum average (judged from `body_timeout_s` on); the
+        latter at most once per `BODY_RATE_TICK_S`, so a body just above the rate wakes no loop
+        pass after pass, and a trickle is cut within a tick of falling under."""
+        timeout = self.limits.body_timeout_s
+        stall_in = timeout - quiet
+        rate = self.limits.body_min_rate
+        if rate <= 0:
+            return stall_in
+        rate_due = self._body_clock + max(timeout, self._body_bytes / rate)
+        return min(stall_in, max(rate_due - now, min(BODY_RATE_TICK_S, timeout / 4)))
 
 
 class TlsAcceptProtocol(asyncio.BufferedProtocol):

@@ -63,7 +63,7 @@ from appserver.http.conversation_match import (
     users_content,
 )
 from appserver.http.errors import ApiError, bad_request, error_body
-from appserver.http.sse import SSEResponse
+from appserver.http.sse import DirectWrites, SSEResponse
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.images import image_url_problem
 from appserver.providers.base import ToolSpec
@@ -1170,6 +1170,7 @@ class _Ctx:
         metrics = self.route.metrics
         self.include_usage = include_usage  # before the first chunk: the text frame is cut from one
         finished = False
+        direct = DirectWrites()  # frames the turn's task writes itself (the tap below)
 
         async def produce() -> AsyncIterator[str | None]:
             nonlocal finished
@@ -1187,7 +1188,37 @@ class _Ctx:
                 any_text = False
                 any_refusal = False
                 last: TurnSnapshot | None = None
-                async for snap in self.run.snapshots(self.keepalive, self.route.stopping):
+                me = asyncio.current_task()
+
+                def tap(index: int, kind: str, refusal: bool, text: str) -> bool:
+                    """A delta continuing block `index` (all of it shown before), while this stream
+                    waits: its chunk written at once (`DirectWrites.write_now`), as the loop below
+                    would write it; False leaves it to the loop."""
+                    if kind == "reasoning" and not self.reasoning:
+                        return True  # not shown: nothing to write
+                    done = sent.get(index)
+                    if done is None or stopping.stopped or stopping.ended(me):
+                        return False  # (a block's first piece goes the usual way: it may need "\n\n")
+                    write = direct.write_now
+                    if write is None:
+                        return False
+                    if kind == "text" and not refusal:  # the usual token: `chunk`'s own text frame
+                        head, tail = self._content_frame or self._split_content_frame()
+                        frame = head + dumps(text) + tail
+                    elif refusal:
+                        frame = self.chunk({"refusal": text})
+                    elif kind == "reasoning":
+                        frame = self.chunk({"reasoning_content": text})
+                    else:
+                        return False
+                    if not write(frame):
+                        return False
+                    sent[index] = done + len(text)
+                    return True
+
+                # The hand is only for blocks numbered as the controller numbers them (a new turn).
+                hand = tap if self.run.base_blocks == 0 else None
+                async for snap in self.run.snapshots(self.keepalive, self.route.stopping, hand):
                     if snap is None:
                         yield None
                         continue
@@ -1287,4 +1318,6 @@ class _Ctx:
                     stopping.forget(asyncio.current_task())
 
         on_close = stream_replay(self.idem, self.run.conversation_id, lambda: finished)
-        return SSEResponse(produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close)  # type: ignore[return-value]
+        return SSEResponse(  # type: ignore[return-value]
+            produce(), headers=self.headers, on_disconnect=self.run.cancel, on_close=on_close, direct=direct
+        )

@@ -34,7 +34,7 @@ from appserver.http.errors import (
 from appserver.http.requestid import current_request_id
 from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
-from appserver.runtime import TERMINAL_STATUSES, Decision, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
+from appserver.runtime import TERMINAL_STATUSES, Decision, DeltaTap, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.runtime import max_steps_note as steps_note
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord
@@ -443,12 +443,15 @@ class TurnRun:
         return self.handle.turn_id
 
     async def snapshots(
-        self, keepalive_s: float | None, stopping: Stopping | None = None
+        self, keepalive_s: float | None, stopping: Stopping | None = None, tap: DeltaTap | None = None
     ) -> AsyncIterator[TurnSnapshot | None]:
         """Newer snapshots (latest-wins), None when nothing changed for `keepalive_s`. With
         `stopping`, the server's stop ends the iteration early (the last snapshot yielded is not
         terminal then, and `stopping.stopped` is true), and so does the end of the request's
-        credential (`stopping.ended`, credential_end.py): the stream ends with its error event."""
+        credential (`stopping.ended`, credential_end.py): the stream ends with its error event.
+        With `tap` (and a keepalive): while the consumer waits, having shown all of the last
+        snapshot, the text deltas that only continue a block are offered to `tap` as the turn
+        applies them (`TurnController.next_snapshot_tapped`): the ones it shows yield nothing."""
         controller = self.handle.controller
         seen = self.after_revision
         quiet = Quiet(keepalive_s) if keepalive_s else None
@@ -464,6 +467,8 @@ class TurnRun:
                 try:
                     if quiet is None:
                         got = await controller.next_snapshot(seen)
+                    elif tap is not None:
+                        got, seen = await controller.next_snapshot_tapped(seen, quiet, tap)
                     else:
                         got = await controller.next_snapshot_or_quiet(seen, quiet)
                 except asyncio.CancelledError:

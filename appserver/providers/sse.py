@@ -52,6 +52,24 @@ class SSEDecoder:
         """Consume `chunk` (any size, split anywhere) and return the events it completed."""
         if not chunk:
             return []
+        if (
+            not self._buf
+            and self._started
+            and not self._has_data
+            and not self._skip_lf
+            and chunk.startswith(b"data: ")
+            and chunk.find(b"\n") == len(chunk) - 2
+            and chunk.endswith(b"\n\n")
+            and len(chunk) <= self._max
+            and b"\r" not in chunk
+        ):
+            # A read that is exactly one usual event (`data: …` and a blank line) with nothing
+            # pending, as a streamed token mostly arrives: what `_drain` makes of it, at once.
+            ev = SSEEvent(
+                chunk[6:-2].decode("utf-8", errors="replace"), self._event or "message", self._id, self._retry
+            )
+            self._event = ""
+            return [ev]
         self._buf += chunk
         if not self._started:
             if len(self._buf) < len(_BOM) and _BOM.startswith(bytes(self._buf)):

@@ -7,7 +7,7 @@ from appserver.ids import new_id
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.kernel import Kernel, SettledListener, Submission, SubmitRequest
 from appserver.runtime.latest import Quiet
-from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.runtime.snapshot import DeltaTap, TurnController, TurnSnapshot
 from appserver.runtime.types import (
     SETTLED_SNAPSHOT_STATUS,
     TERMINAL_STATUSES,
@@ -24,6 +24,7 @@ __all__ = [
     "SETTLED_SNAPSHOT_STATUS",
     "TERMINAL_STATUSES",
     "Decision",
+    "DeltaTap",
     "Kernel",
     "LifecycleState",
     "Phase",

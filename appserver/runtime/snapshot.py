@@ -8,7 +8,9 @@ skips revisions. Text blocks only grow while a turn runs: a delta is the new suf
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +34,25 @@ from appserver.runtime.types import TERMINAL_STATUSES, Phase, SnapshotStatus, St
 from appserver.store.records import MessageRecord, PendingCall
 from appserver.textparts import TextParts
 from appserver.values import value
+
+log = logging.getLogger("appserver.runtime.snapshot")
+
+# A consumer's synchronous hand for text deltas (`TurnController.next_snapshot_tapped`): called as
+# (block index, block type, refusal, the delta's text) while the text is appended; True = shown.
+DeltaTap = Callable[[int, str, bool, str], bool]
+
+
+class _Tap:
+    """One consumer waiting in `next_snapshot_tapped`: its hand, what wakes it, the revision it has
+    shown, and its keepalive clock."""
+
+    __slots__ = ("fn", "waiter", "seen", "quiet")
+
+    def __init__(self, fn: DeltaTap, waiter: asyncio.Future[None], seen: int, quiet: Quiet) -> None:
+        self.fn = fn
+        self.waiter = waiter
+        self.seen = seen
+        self.quiet = quiet
 
 
 @value
@@ -168,6 +189,7 @@ class TurnController:
         # Only the changes wait_settled cares about (paused with pending calls, finished): a
         # waiter for the outcome sleeps through every text delta.
         self._settle: Latest[int] = Latest(revision, revision)
+        self._taps: list[_Tap] = []  # consumers waiting with a hand for text deltas (next_snapshot_tapped)
 
     # ------------------------------------------------------------ reduce
 
@@ -175,11 +197,19 @@ class TurnController:
         if self.status in TERMINAL_STATUSES:
             return
         if isinstance(event, TextDelta):
-            self._append("text", event.text, event.refusal)
+            # A delta that only continues the last block, in the same phase, is offered to the
+            # tapped consumers (the usual streamed token): `_bump` with its block and text.
+            same = self.phase == "responding"
             self.phase = "responding"
+            if self._append("text", event.text, event.refusal) and same and self._taps:
+                self._bump(len(self._blocks) - 1, event.text)
+                return
         elif isinstance(event, ReasoningDelta):
-            self._append("reasoning", event.text)
+            same = self.phase == "reasoning"
             self.phase = "reasoning"
+            if self._append("reasoning", event.text) and same and self._taps:
+                self._bump(len(self._blocks) - 1, event.text)
+                return
         elif isinstance(event, ToolCallArgsDelta):
             block = self._calls.get(event.call_id)
             if block is None:
@@ -226,17 +256,54 @@ class TurnController:
             return
         self._bump()
 
-    def _append(self, kind: str, text: str, refusal: bool = False) -> None:
+    def _append(self, kind: str, text: str, refusal: bool = False) -> bool:
+        """True when `text` continued the last block, False when it began a new one."""
         last = self._blocks[-1] if self._blocks else None
         if last is not None and last.type == kind and last.refusal == refusal:
             last.parts.add(text)
-        else:
-            self._blocks.append(_Block(kind, TextParts(text), refusal=refusal))
+            return True
+        self._blocks.append(_Block(kind, TextParts(text), refusal=refusal))
+        return False
 
-    def _bump(self) -> None:
+    def _bump(self, index: int = -1, text: str = "") -> None:
+        """A new revision: consumers wake. `index` >= 0: the change is only `text` appended to that
+        block, which a tapped consumer may show at once (and then sleeps on)."""
         self.revision += 1
         self._cached = None
+        if self._taps:
+            self._offer(index, text)
         self._signal.publish(self.revision, version=self.revision)
+
+    def _offer(self, index: int, text: str) -> None:
+        """Offer the change just made to each tapped consumer: one that was caught up (had shown
+        the revision before) and shows the delta stays asleep; every other one wakes, and reads the
+        snapshot as an untapped consumer would."""
+        revision = self.revision
+        block = self._blocks[index] if index >= 0 else None
+        kept: list[_Tap] = []
+        for tap in self._taps:
+            waiter = tap.waiter
+            if waiter.done():
+                continue
+            shown = False
+            if block is not None and tap.seen == revision - 1:
+                try:
+                    shown = tap.fn(index, block.type, block.refusal, text)
+                except Exception:  # the consumer's own failure: it wakes and goes the usual way
+                    log.exception("a turn's delta tap failed")
+            if shown:
+                tap.seen = revision
+                tap.quiet.activity()
+                kept.append(tap)
+            else:
+                waiter.set_result(None)
+        self._taps = kept
+
+    def _wake_taps(self) -> None:
+        taps, self._taps = self._taps, []
+        for tap in taps:
+            if not tap.waiter.done():
+                tap.waiter.set_result(None)
 
     # ------------------------------------------------------------ lifecycle-driven changes
 
@@ -275,6 +342,8 @@ class TurnController:
         self.queue_position = 0  # an ended turn waits in no queue (also one dropped before it started)
         self.revision += 1
         self._cached = None
+        if self._taps:
+            self._wake_taps()
         self._signal.publish(self.revision, version=self.revision, final=True)
         self._settle.publish(self.revision, version=self.revision, final=True)
 
@@ -303,6 +372,8 @@ class TurnController:
         self.pending = [dict(p) for p in snap.pending]
         self._mirrored = self._cached = snap
         final = snap.terminal
+        if self._taps:
+            self._wake_taps()
         self._signal.publish(self.revision, version=self.revision, final=final)
         if snap.settled:
             self._settle.publish(self.revision, version=self.revision, final=final)
@@ -352,6 +423,37 @@ class TurnController:
         if await self._signal.wait_newer_or_quiet(seen_revision, quiet):
             return self.snapshot()
         return None
+
+    async def next_snapshot_tapped(
+        self, seen_revision: int, quiet: Quiet, tap: DeltaTap
+    ) -> tuple[TurnSnapshot | None, int]:
+        """As `next_snapshot_or_quiet`, for a consumer that can show a text delta synchronously:
+        while it waits caught up, each delta that only continues a block (the usual streamed token)
+        is handed to `tap` as it is applied, and one `tap` shows (returns True) does not wake it.
+        Any other change, a delta `tap` declines, or one it could not be offered (the consumer was
+        behind) wakes it, and it gets the snapshot. Returns (the snapshot, or None when `quiet`
+        fell due with nothing newer than shown, the revision shown so far)."""
+        if self.revision > seen_revision or self._mirrored is not None or self._signal.closed:
+            snap = await self.next_snapshot_or_quiet(seen_revision, quiet)
+            return snap, seen_revision if snap is None else snap.revision
+        if quiet.due:
+            quiet.due = False
+            return None, seen_revision
+        waiter = quiet.waiter = asyncio.get_running_loop().create_future()
+        entry = _Tap(tap, waiter, seen_revision, quiet)
+        self._taps.append(entry)
+        try:
+            await waiter
+        finally:
+            quiet.waiter = None
+            if entry in self._taps:  # woken by the clock, or cancelled: no hand left behind
+                self._taps.remove(entry)
+        if self.revision > entry.seen:
+            quiet.activity()
+            snap = self.snapshot()
+            return snap, snap.revision
+        quiet.due = False
+        return None, entry.seen
 
     async def wait_settled(self, timeout: float | None = None, *, after_revision: int = -1) -> TurnSnapshot:
         """Wait until the turn is terminal or awaiting an answer (at a revision > after_revision)."""

@@ -58,6 +58,7 @@ import struct
 import sys
 import termios
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -71,6 +72,7 @@ from websockets.protocol import State as WsState
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
+from appserver.http.sse import WRITE_BODY
 from appserver.security.asgi import PROVE
 from appserver.security.fair_slots import EVICTION_GRACE_S, Evictable, SlotGate, client_group
 from appserver.ws.connection import WRITE_FRAME
@@ -539,6 +541,40 @@ def peer_group(transport: asyncio.BaseTransport) -> str:
     return client_group(host)
 
 
+def body_writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
+    """The `WRITE_BODY` scope extension of a request: `write_body(piece)` writes a piece of its
+    streamed body now (a chunk of the chunked encoding), as the cycle's `send` would, if the
+    connection takes it as it is: the reply has begun, is chunked and not complete (so it is the
+    one on the wire), its client is there and flow control does not hold it. Asked for by an SSE
+    stream for each token (`appserver/http/sse.py`): a token costs no task switch of the stream's
+    and no pass of the loop. False: it did nothing (`send` is the way then). It holds the cycle
+    weakly: the scope that holds it makes no reference cycle with its request or connection."""
+    ref = weakref.ref(cycle)
+
+    def write_body(body: bytes) -> bool:
+        c = ref()
+        if (
+            c is None
+            or c.chunked_encoding is not True
+            or not c.response_started
+            or c.response_complete
+            or c.disconnected
+            or c.flow.write_paused
+        ):
+            return False
+        transport: Any = c.transport  # PassWrites, in serve
+        if transport.is_closing():
+            return False
+        data = b"%x\r\n%b\r\n" % (len(body), body)
+        if isinstance(transport, PassWrites):
+            transport.write_now(data)
+        else:
+            transport.write(data)
+        return True
+
+    return write_body
+
+
 class EdgeSlot:
     """A connection's place in the `SlotGate` until it authenticates (`prove`, called by the guard
     through the `asgi.PROVE` scope extension); it follows the connection from HTTP to WebSocket."""
@@ -965,6 +1001,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._running = cycle
         if cycle.scope["http_version"] == "1.0":
             _close_delimited(cycle)
+        scope = cast(dict[str, Any], cycle.scope)
+        extensions = scope.get("extensions")
+        if extensions is None:
+            extensions = scope["extensions"] = {}
+        extensions[WRITE_BODY] = body_writer(cycle)
         super()._start_asgi_task(cycle, app)
 
     def on_response_complete(self) -> None:

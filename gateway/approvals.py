@@ -17,7 +17,9 @@ import re
 import sqlite3
 import time
 import unicodedata
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gateway.db import transaction
 from gateway.recent import Recent
@@ -462,6 +464,65 @@ class ApprovalBoard:
 def pressed_gone_text(short_id: str) -> str:
     """A pressed prompt whose call no longer waits, for which this process knows no outcome."""
     return f"🔐 Approval request {code_span(short_id)}\n{PRESSED_GONE}"
+
+
+PRESSED_TEXT_KEPT = 8000  # characters of a pressed message's text kept with the press (a prompt is shorter)
+
+
+def pressed_message_of(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What the pressed message shows, from the press as the platform delivered it (`InboundMessage.raw`):
+    its text and its buttons' data, for `shows_prompt_of`. The platform fills it in, not the presser
+    (a modified client chooses only the message and the data). Telegram: `callback_query.message`;
+    Slack: `block_actions`' `message`. None when the press does not carry the message (Discord)."""
+    query = raw.get("callback_query")
+    if isinstance(query, Mapping):
+        message = query.get("message")
+        if not isinstance(message, Mapping):
+            return None
+        markup = message.get("reply_markup")
+        rows = markup.get("inline_keyboard") if isinstance(markup, Mapping) else None
+        buttons = [b.get("callback_data") for row in _list(rows) for b in _list(row) if isinstance(b, Mapping)]
+        return _shown(message.get("text") or message.get("caption"), buttons)
+    message = raw.get("message")
+    if raw.get("type") == "block_actions" and isinstance(message, Mapping):
+        blocks = [b for b in _list(message.get("blocks")) if isinstance(b, Mapping)]
+        texts = [message.get("text")] + [_dict(b.get("text")).get("text") for b in blocks if b.get("type") == "section"]
+        actions = [e for b in blocks if b.get("type") == "actions" for e in _list(b.get("elements"))]
+        buttons = [e.get("value") for e in actions if isinstance(e, Mapping)]
+        return _shown("\n".join(t for t in texts if isinstance(t, str)), buttons)
+    return None
+
+
+def shows_prompt_of(shown: object, ref: str) -> bool:
+    """Whether a pressed message (`pressed_message_of`) is an approval prompt of exactly the call `ref`
+    names: its text asks `Reply /approve <ref>` and it has approve/deny buttons, every one of them
+    for `ref`. A bot's ordinary answer has no such buttons, and a prompt of another call names another ID."""
+    if not isinstance(shown, Mapping) or not ref.strip():
+        return False
+    wanted = ref.strip().lower()
+    text, buttons = shown.get("text"), shown.get("buttons")
+    if not isinstance(text, str) or not isinstance(buttons, list):
+        return False
+    answers = [str(b).lower().partition(":") for b in buttons if str(b).lower().startswith(("approve:", "deny:"))]
+    if not answers or any(named != wanted for _, _, named in answers):
+        return False
+    return re.search(rf"Reply /approve {re.escape(wanted)}(?!\w)", text, re.IGNORECASE) is not None
+
+
+def _shown(text: object, buttons: list[Any]) -> dict[str, Any]:
+    kept = text[:PRESSED_TEXT_KEPT] if isinstance(text, str) else ""
+    return {
+        "text": kept.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),  # storable in SQLite
+        "buttons": [b for b in buttons if isinstance(b, str)],
+    }
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _dict(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 def _outcome_key(account: str, chat: str, short_id: str) -> str:

@@ -18,7 +18,15 @@ from typing import Any
 
 from appserver.client import Closed, ProtocolError
 from gateway.accounts import AccountRunner
-from gateway.approvals import NO_LONGER_WAITING, OUTCOME_LINES, ApprovalBoard, Prompt, code_span, pressed_gone_text
+from gateway.approvals import (
+    NO_LONGER_WAITING,
+    OUTCOME_LINES,
+    ApprovalBoard,
+    Prompt,
+    code_span,
+    pressed_gone_text,
+    shows_prompt_of,
+)
 from gateway.commands import HELP, Command, bot_name, parse_command
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
@@ -426,9 +434,10 @@ class ChatOps:
         names it) is edited to the decision, without buttons, also when this gateway never recorded
         that message as the call's prompt (a post whose answer was lost in a crash, posted again
         after the restart: `decided` edits only the recorded one). The decision is the one this
-        process made or heard (else "no longer waiting"). Only a message pressed as an approval
-        prompt is edited (the press is its button's data), never an open prompt's, and a failed
-        edit only logs: the press is handled either way."""
+        process made or heard (else "no longer waiting"). Only a message that is verifiably a prompt
+        of the call the press names is edited (`_prompt_of_call`): a modified client can send any
+        button data for any bot message. Never an open prompt's, and a failed edit only logs: the
+        press is handled either way."""
         message_id = _pressed_message(entry)
         outbox = self.outboxes.of(runner)
         if message_id is None or not outbox.can_edit:
@@ -443,11 +452,27 @@ class ChatOps:
             if prompt is not None and prompt.decided is not None
             else self.approvals.outcome(account, entry.chat, ref)
         )
+        if not self._prompt_of_call(entry, message_id, ref, [p for p in (prompt, known) if p is not None]):
+            log.info(
+                "%s: a press naming approval %s on message %s, no prompt of it: left as it is", account, ref, message_id
+            )
+            return
         text = known.text() if known is not None else pressed_gone_text(ref)
         try:
             await outbox.edit_prompt(Target(entry.chat, entry.thread), message_id, text, None)
         except (DeliveryFailed, RuntimeError) as exc:
             log.warning("%s: could not update the pressed approval prompt %s: %s", account, message_id, exc)
+
+    def _prompt_of_call(self, entry: Entry, message_id: str, ref: str, calls: list[Prompt]) -> bool:
+        """Whether the pressed message is a prompt of the call `ref` names: one recorded as that call's
+        prompt (`calls`: its prompt as this process knows it, and gateway.db's row), or, for a copy never
+        recorded, one whose own content as the platform delivered it with the press shows that call's
+        prompt (`shows_prompt_of`; Telegram and Slack deliver it, Discord does not)."""
+        for call in calls:
+            posted = self.approvals.posted(call.call_id)
+            if message_id in call.message_ids or (posted is not None and message_id in posted.message_ids):
+                return True
+        return shows_prompt_of(entry.payload.get("pressed_message"), ref)
 
     async def _announced(self, runner: AccountRunner, chat: str, ref: str) -> Prompt | None:
         """An answer to a prompt gateway.db remembers but whose request this process has not been

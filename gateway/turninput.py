@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from appserver.client import encode_frame
+from gateway.approvals import pressed_message_of
 from gateway.envelope import AGENT_NOTE, Envelope, render, timestamp
 from gateway.ledger import Entry
 from gateway.tool import SPEC as TOOL_SPEC
@@ -145,6 +146,8 @@ def payload_of(msg: InboundMessage, image_max: int = IMAGE_MAX_BYTES) -> dict[st
         "reply_to": msg.reply_to,
         "sender_is_bot": msg.sender_is_bot,
         "pressed": msg.pressed,
+        # what the pressed message shows, as the platform delivered it: proves it an approval prompt
+        "pressed_message": pressed_message_of(msg.raw) if msg.pressed else None,
         "ts": msg.ts,
         "attachments": [
             {"kind": a.kind, "name": clean(a.name), "mime": clean(a.mime), "size": a.size}

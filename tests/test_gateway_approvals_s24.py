@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -22,8 +23,9 @@ from tests.support.gateway import ChannelServer, channel_server, write_config
 pytestmark = pytest.mark.timeout(120)
 
 ANN = 6001
-ORPHAN_APPROVED, ORPHAN_PRESSED, UNKNOWN = 6101, 6102, 6103
-CHATS = (ORPHAN_APPROVED, ORPHAN_PRESSED, UNKNOWN)
+ORPHAN_APPROVED, ORPHAN_PRESSED, UNKNOWN, FORGED_ON_ANSWER, FORGED_OTHER_CALL = 6101, 6102, 6103, 6104, 6105
+CHATS = (ORPHAN_APPROVED, ORPHAN_PRESSED, UNKNOWN, FORGED_ON_ANSWER, FORGED_OTHER_CALL)
+LEFT_AS_IT_IS = "no prompt of it: left as it is"
 SLACK_CHANNEL = "C-orphan"
 
 
@@ -187,3 +189,96 @@ def test_on_slack_a_press_on_a_prompt_no_call_waits_for_loses_its_buttons(
     assert "No longer waiting for an answer" in edited.text, edited.text
     assert not any(b.get("type") == "actions" for b in edited.blocks), edited.blocks
     assert [m.ts for m in slack.messages(SLACK_CHANNEL)] == [posted["ts"]]
+
+
+def _forged_press(tg: FakeTelegram, chat: int, message_id: int, data: str, sender: dict[str, Any]) -> None:
+    """A callback query a modified client sends: any data for any bot message (the fake's `press`
+    refuses data no button of the message carries, as an honest client does). Telegram fills in
+    the message as it reads, so the gateway sees what the pressed message really shows."""
+    with tg._lock:
+        found = tg._bot_messages[(chat, message_id)]
+        update_id = tg._next_update_id
+        tg._next_update_id += 1
+        callback_id = f"{update_id}{message_id}66"
+        tg._callbacks[callback_id] = None
+        query = {"id": callback_id, "from": dict(sender), "message": tg._bot_message_json(found), "data": data}
+        tg._updates.append({"update_id": update_id, "callback_query": query | {"chat_instance": f"ci{chat}"}})
+    tg._notify()
+
+
+def _press_handled(srv: ChannelServer, tg: FakeTelegram, chat: int, message_id: int, ref: str) -> BotMessage:
+    """The message once the forged press naming `ref` was handled: left as it is (the gateway says
+    so), or edited (the bug)."""
+    said = f"a press naming approval {ref} on message {message_id}, {LEFT_AS_IT_IS}"
+
+    def handled() -> BotMessage | None:
+        message = tg.message(chat, message_id)
+        return message if message.edits or said in srv.log() else None
+
+    return tg.wait_for(handled, timeout=15, what=f"the forged press on message {message_id} handled")
+
+
+def test_a_forged_press_on_the_bots_ordinary_answer_leaves_it_unchanged(srv: ChannelServer, tg: FakeTelegram) -> None:
+    tg.dm("what time is it in words", user_id=FORGED_ON_ANSWER, first_name="Ann")
+    answer = tg.wait_for(lambda: next(iter(tg.messages(FORGED_ON_ANSWER)), None), timeout=20, what="the answer")
+    _forged_press(tg, FORGED_ON_ANSWER, answer.message_id, "deny:zzzzzzzz", tg.user(FORGED_ON_ANSWER, "Bob"))
+    after = _press_handled(srv, tg, FORGED_ON_ANSWER, answer.message_id, "zzzzzzzz")
+    assert after.history == [answer.text] and after.edits == 0, after.history
+    assert [m.message_id for m in tg.messages(FORGED_ON_ANSWER)] == [answer.message_id]  # nothing posted
+
+
+def test_a_forged_press_naming_another_call_leaves_a_prompt_unchanged(srv: ChannelServer, tg: FakeTelegram) -> None:
+    """Call X's unrecorded copy (live buttons for X) and X's recorded prompt (decided), each pressed
+    with the data of call Y, decided too: neither shows Y's decision."""
+    chat, ann = FORGED_OTHER_CALL, tg.user(FORGED_OTHER_CALL, "Ann")
+    orphan, x_id = _orphan_prompt(tg, chat)
+    tg.dm(f"/approve {x_id}", user_id=chat, first_name="Ann")
+    recorded = tg.wait_for(
+        lambda: next(
+            (m for m in tg.messages(chat) if m.message_id != orphan.message_id and "Approved" in m.text), None
+        ),
+        timeout=20,
+        what="call X's recorded prompt decided",
+    )
+    tg.dm("/call clock {}", user_id=chat, first_name="Ann")
+    y_prompt = tg.wait_for(
+        lambda: next((m for m in tg.messages(chat) if m.reply_markup and m.message_id != orphan.message_id), None),
+        timeout=20,
+        what="call Y's prompt",
+    )
+    y_id = re.search(r"/approve (\w+)", y_prompt.text).group(1)  # type: ignore[union-attr]
+    assert y_id != x_id
+    tg.press(chat, y_prompt.message_id, f"deny:{y_id}", sender=ann)
+    _settled(tg, chat, y_prompt.message_id)
+    orphan_before, recorded_before = tg.message(chat, orphan.message_id), tg.message(chat, recorded.message_id)
+
+    _forged_press(tg, chat, orphan.message_id, f"deny:{y_id}", ann)
+    after = _press_handled(srv, tg, chat, orphan.message_id, y_id)
+    assert after.history == orphan_before.history and after.reply_markup, after.history
+    _forged_press(tg, chat, recorded.message_id, f"approve:{y_id}", ann)
+    after = _press_handled(srv, tg, chat, recorded.message_id, y_id)
+    assert after.history == recorded_before.history, after.history
+    assert "Denied" not in after.text
+
+
+def test_on_slack_a_forged_click_on_a_bot_message_without_buttons_leaves_it_unchanged(
+    slack_srv: ChannelServer, slack: FakeSlack
+) -> None:
+    slack.add_channel(SLACK_CHANNEL)
+    posted = httpx.post(
+        f"{slack.url}/api/chat.postMessage",
+        json={"channel": SLACK_CHANNEL, "text": "The quarterly numbers are 42."},
+        headers={"Authorization": f"Bearer {slack.bot_token}"},
+        timeout=10,
+    ).json()
+    assert posted["ok"], posted
+    slack.click("U3", SLACK_CHANNEL, posted["ts"], "deny:zzzzzzzz", user_name="bob")
+    said = f"a press naming approval zzzzzzzz on message {posted['ts']}, {LEFT_AS_IT_IS}"
+
+    def updates() -> list[Any]:
+        return [c for c in slack.calls("chat.update", channel=SLACK_CHANNEL) if c.params.get("ts") == posted["ts"]]
+
+    slack.wait_for(lambda: said in slack_srv.log() or bool(updates()) or None, timeout=15, what="the click handled")
+    assert not updates()
+    shown = next(m for m in slack.messages(SLACK_CHANNEL) if m.ts == posted["ts"])
+    assert shown.text == "The quarterly numbers are 42.", shown.text

@@ -116,6 +116,7 @@ class LimitsConfig:
     ws_frame_max_bytes: int = 4 * 1024 * 1024
     ws_outbound_max: int = 256
     ws_outbound_max_bytes: int = 16 * 1024 * 1024  # bytes queued per WebSocket before a slow client is closed
+    ws_outbound_total_max_bytes: int = 256 * 1024 * 1024  # bytes all WebSockets hold unsent together (¼ per credential)
     ws_ping_interval_s: float = 30.0
     ws_ping_timeout_s: float = 90.0
     ws_send_timeout_s: float = 30.0  # a WebSocket frame not accepted by the client within this is a slow consumer
@@ -232,6 +233,7 @@ RULES: dict[str, Rule] = {
     "limits.ws_frame_max_bytes": Rule(ge=1024),
     "limits.ws_outbound_max": _AT_LEAST_ONE,
     "limits.ws_outbound_max_bytes": Rule(ge=1024),
+    "limits.ws_outbound_total_max_bytes": Rule(ge=1024),
     "limits.ws_ping_interval_s": _NON_NEGATIVE,  # 0 = no pings
     "limits.ws_ping_timeout_s": _NON_NEGATIVE,  # 0 = never close a silent peer
     "limits.ws_send_timeout_s": _POSITIVE,

@@ -7,6 +7,16 @@
 2. `hello.client` went raw into `decided_by` (`approval_resolved` to other clients, the denial text
    the model reads): newlines, ESC and bidi overrides included. It is now one line, as
    `on_behalf_of` is (docs/protocol.md).
+3. (a later outside test) The byte budget was per connection only, and a page the writer took
+   left the count while it sat unsent in the transport: 128 non-reading connections of one token,
+   5 `get_history` of an 8 MiB page each, made the server hold ~3 GB (~6 GB at 256 connections per
+   token, again per token). What a connection holds now counts its transport's unsent bytes, and
+   all connections together are bounded (`[limits] ws_outbound_total_max_bytes`, a quarter of it
+   per credential or address): the connection holding the most is evicted (4408) for a frame that
+   would pass it, and requests wait while it is over half full.
+4. The send timeout timed a frame from when the writer took it: a steady slow reader of two big
+   pages was closed 4408 while the second waited behind the first still draining. It now measures
+   the time the client took no byte.
 
 Real sockets against the app served by uvicorn with the edge's protocols (as `serve` runs it) in
 this test's loop, so that the connection's own
@@ -18,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import re
 import socket
 import weakref
@@ -31,6 +42,10 @@ import pytest
 import uvicorn
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
+from websockets.client import ClientProtocol
+from websockets.frames import Frame, Opcode
+from websockets.protocol import State
+from websockets.uri import parse_uri
 
 from appserver.auth import Authenticator
 from appserver.http.app import build_app
@@ -52,6 +67,7 @@ TURN_INPUT = "ab" * 200_000  # 400 KB in, 400 KB echoed: two turns make a 1.6 MB
 class Served:
     url: str
     services: Services
+    web: uvicorn.Server
 
 
 @pytest.fixture
@@ -93,7 +109,7 @@ async def serving(tmp_path: Path, **env: str) -> AsyncIterator[Served]:
     while not web.started:
         await asyncio.sleep(0.01)
     try:
-        yield Served(f"ws://127.0.0.1:{sock.getsockname()[1]}/ws", services)
+        yield Served(f"ws://127.0.0.1:{sock.getsockname()[1]}/ws", services, web)
     finally:
         web.should_exit = True
         await asyncio.wait_for(task, T)
@@ -116,8 +132,8 @@ async def until(ws: ClientConnection, kind: str, **match: Any) -> dict[str, Any]
             return frame
 
 
-async def hello(url: str, client: str = "test") -> tuple[ClientConnection, str]:
-    ws = await ws_connect(url, max_size=None, open_timeout=T, close_timeout=1)
+async def hello(url: str, client: str = "test", **connect: Any) -> tuple[ClientConnection, str]:
+    ws = await ws_connect(url, max_size=None, open_timeout=T, close_timeout=1, **connect)
     welcome = await rpc(ws, {"type": "hello", "protocol": 1, "client": client}, "hello")
     assert welcome["type"] == "welcome", welcome
     return ws, welcome["connection_id"]
@@ -280,3 +296,179 @@ async def test_on_behalf_of_via_a_hostile_client_name_is_one_line(served: Served
     denial = next(m["content"] for m in history["messages"] if m["role"] == "tool")
     assert "by Ann Lee (via gate way);" in denial, repr(denial)
     await deciding.close()
+
+
+# ── 3. what all connections hold is bounded together, transports included ─────────────────────────
+
+TOTAL = 8 * 1024 * 1024  # the servers' total budget below: a quarter (2 MiB) per address
+ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+@pytest.fixture
+async def served_total(tmp_path: Path) -> AsyncIterator[Served]:
+    """1 MiB per connection, 8 MiB for all of them together."""
+    async with serving(
+        tmp_path,
+        APPSERVER_LIMITS__WS_OUTBOUND_MAX_BYTES=str(BUDGET),
+        APPSERVER_LIMITS__WS_OUTBOUND_TOTAL_MAX_BYTES=str(TOTAL),
+    ) as srv:
+        yield srv
+
+
+def really_held(served: Served, conns: list[tuple[str, Connection]]) -> dict[str, int]:
+    """Bytes the server holds for its WebSocket clients per client address, read from the sockets'
+    transports (unsent) and the connections' queues, not from the budget's own count."""
+    held: dict[str, int] = {}
+    for protocol in list(served.web.server_state.connections):
+        transport = getattr(protocol, "transport", None)
+        client = getattr(protocol, "client", None)
+        if transport is not None and client:
+            held[client[0]] = held.get(client[0], 0) + transport.get_write_buffer_size()
+    for address, conn in conns:
+        held[address] = held.get(address, 0) + conn.outbound.bytes
+    return held
+
+
+async def test_many_connections_that_read_nothing_hold_no_more_than_the_total_budget(served_total: Served) -> None:
+    served = served_total
+    conv = await big_conversation(served.url)
+    hub = served.services.hub
+    clients: list[ClientConnection] = []
+    conns: list[tuple[str, Connection]] = []
+    for address in ADDRESSES:
+        for _ in range(6):
+            ws, conn_id = await hello(served.url, local_addr=(address, 0))
+            ws.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            ws.transport.pause_reading()  # never reads again
+            clients.append(ws)
+            conns.append((address, hub.connections[conn_id]))
+    for ws in clients:
+        for i in range(5):
+            await ws.send(
+                json.dumps({"type": "get_history", "conversation": conv, "limit": 1000, "request_id": str(i)})
+            )
+    page = 0
+    most_total = 0
+    most_group = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 4.0
+    while loop.time() < deadline:  # long enough for every request the server reads to be answered
+        held = really_held(served, conns)
+        most_total = max(most_total, sum(held.values()))
+        most_group = max(most_group, *held.values())
+        page = max([page, *(c.outbound.peak_bytes for _, c in conns)])
+        await asyncio.sleep(0.005)
+    assert page > BUDGET, page  # each reply is one page bigger than a connection's budget
+    assert most_total <= TOTAL + page, f"{len(conns)} non-reading connections held {most_total} bytes at once"
+    assert most_group <= TOTAL // 4 + page, most_group  # an address's share: a quarter
+    budget = hub.outbound_budget
+    assert budget.peak <= TOTAL + page, budget.peak  # the budget's own count says so too
+    closed = [c.close_request for _, c in conns if c.close_request is not None]
+    assert closed and all(code == CLOSE_SLOW_CONSUMER and "slow consumer" in why for code, why in closed), closed
+    for ws in clients:
+        ws.transport.abort()
+    while hub.connections and loop.time() < deadline + T:
+        await asyncio.sleep(0.01)
+    budget.sweep(now=math.inf)
+    assert budget.held == 0 and not budget.groups, (budget.held, budget.groups)  # nothing stays counted
+
+
+async def test_a_frame_past_the_total_evicts_the_heaviest_not_a_reading_subscriber() -> None:
+    from appserver.ws.connection import OutboundBudget
+
+    stuck = asyncio.Event()
+
+    async def never_sends(text: str) -> None:
+        await stuck.wait()
+
+    budget = OutboundBudget(4 * BUDGET, group_max_bytes=4 * BUDGET)
+    hog = Connection(never_sends, outbound_max=256, send_timeout_s=30, outbound_max_bytes=4 * BUDGET, budget=budget)
+    reader = Connection(never_sends, outbound_max=256, send_timeout_s=30, outbound_max_bytes=4 * BUDGET, budget=budget)
+    for i in range(3):
+        hog.send({"type": "history", "n": i, "pad": "h" * BUDGET})
+    reader.send({"type": "turn_updated", "pad": "s" * (BUDGET // 2)})
+    assert hog.alive and reader.alive and budget.held <= 4 * BUDGET
+    reader.send({"type": "turn_updated", "pad": "t" * (BUDGET // 2)})  # past the total: the hog goes
+    assert hog.close_request is not None and hog.close_request[0] == CLOSE_SLOW_CONSUMER, hog.close_request
+    assert reader.alive and len(reader.outbound) == 2
+    assert budget.held == reader.held and budget.evictions == 1
+
+
+# ── 4. the send timeout is the time the client took no byte ────────────────────────────────────────
+
+
+@pytest.fixture
+async def served_quick(tmp_path: Path) -> AsyncIterator[Served]:
+    """1 MiB per connection; a client that takes no byte for half a second is a slow consumer."""
+    async with serving(
+        tmp_path, APPSERVER_LIMITS__WS_OUTBOUND_MAX_BYTES=str(BUDGET), APPSERVER_LIMITS__WS_SEND_TIMEOUT_S="0.5"
+    ) as srv:
+        yield srv
+
+
+class TrickleReader:
+    """A WebSocket client on a plain socket with a small receive window that reads at most `chunk`
+    bytes per call of `read`: a steady slow reader whose pace the test sets, not a library's flow
+    control (websockets' resumes reading whenever its queue has room)."""
+
+    def __init__(self, url: str) -> None:
+        self.proto = ClientProtocol(parse_uri(url), max_size=None)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)  # before connecting: a small window
+        self.sock.setblocking(False)
+        self.url = url
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        port = int(self.url.split(":")[2].split("/")[0])
+        await asyncio.wait_for(loop.sock_connect(self.sock, ("127.0.0.1", port)), T)
+        self.proto.send_request(self.proto.connect())
+        await self.flush()
+        while self.proto.state is not State.OPEN:  # the handshake's response
+            data = await asyncio.wait_for(loop.sock_recv(self.sock, 65536), T)
+            assert data, "the server closed the connection"
+            self.proto.receive_data(data)
+        self.proto.events_received()
+
+    async def flush(self) -> None:
+        for data in self.proto.data_to_send():
+            await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(self.sock, data), T)
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        self.proto.send_text(json.dumps(frame).encode())
+        await self.flush()
+
+    async def read(self, chunk: int) -> list[dict[str, Any]]:
+        """One read of at most `chunk` bytes; the messages it completed."""
+        data = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(self.sock, chunk), T)
+        assert data, "the server closed the connection"
+        self.proto.receive_data(data)
+        events = self.proto.events_received()
+        await self.flush()  # pongs
+        return [json.loads(e.data) for e in events if isinstance(e, Frame) and e.opcode is Opcode.TEXT]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def test_a_steady_slow_reader_of_big_pages_is_not_closed(served_quick: Served) -> None:
+    served = served_quick
+    conv = await big_conversation(served.url)
+    client = TrickleReader(served.url)
+    await client.open()
+    try:
+        await client.send({"type": "hello", "protocol": 1, "client": "slow", "request_id": "hello"})
+        welcome: list[dict[str, Any]] = []
+        while not welcome:
+            welcome = [f for f in await client.read(65536) if f["type"] == "welcome"]
+        conn = served.services.hub.connections[welcome[0]["connection_id"]]
+        for rid in ("h1", "h2"):  # both asked at once: the second page waits behind the first
+            await client.send({"type": "get_history", "conversation": conv, "limit": 1000, "request_id": rid})
+        pages: list[str] = []
+        while len(pages) < 2 and conn.close_request is None:  # ~1 s a page: a small window every 10 ms
+            pages += [f["request_id"] for f in await client.read(16384) if f["type"] == "history"]
+            await asyncio.sleep(0.01)
+        assert conn.close_request is None, conn.close_request
+        assert pages == ["h1", "h2"]
+    finally:
+        client.close()

@@ -16,12 +16,25 @@ A frame finds nothing queued ahead of it most of the time: then it is written to
 with no task switch per frame and, for a snapshot fanned out to many, framed once for all of them.
 A socket that cannot take it now (flow control paused it, or compression frames each connection
 apart) leaves the frame to the queue and the writer task, as before.
+
+What a connection holds is more than its queue: the frame the writer task took and the bytes handed
+to the socket's transport and not yet sent (`unsent`, the edge's write buffer). A non-reading
+client's 8 MiB page left the queue at once and sat in the transport, uncounted, while a second one
+queued: both the byte budget and the backpressure count all three (`Connection.held`). And one
+connection's budget times 256 connections per credential times any number of credentials is no
+bound for a server: `OutboundBudget` bounds what all connections hold together, and what the
+connections of one credential (or address, as `connections_per_client` groups them) hold. A frame
+that would pass either closes the connection holding the most (4408, its backlog dropped: a
+client that reads nothing never gets to a close frame behind it), and while either is over half
+full, no further request of the clients concerned is read (backpressure, not a close).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import re
 import secrets
 import sys
@@ -107,6 +120,10 @@ class Overflow(Exception):
     pass
 
 
+def _nothing() -> int:
+    return 0
+
+
 OUTBOUND_MAX_BYTES = 16 * 1024 * 1024  # `[limits] ws_outbound_max_bytes`'s default
 
 
@@ -114,9 +131,14 @@ class Outbound:
     """An ordered buffer of encoded frames with per-turn snapshot coalescing and a hard bound, in
     frames (`limit`) and in bytes (`max_bytes`; one frame above it is taken when nothing is queued)."""
 
-    def __init__(self, limit: int, max_bytes: int = OUTBOUND_MAX_BYTES) -> None:
+    def __init__(
+        self, limit: int, max_bytes: int = OUTBOUND_MAX_BYTES, outside: Callable[[], int] | None = None
+    ) -> None:
         self.limit = max(1, limit)
         self.max_bytes = max(1, max_bytes)
+        # what the connection holds past the queue (the frame being sent, its transport's unsent
+        # bytes): the budget and `has_room` see it too
+        self.outside = outside or _nothing
         self.bytes = 0  # held by the queued frames now
         self.peak_bytes = 0  # the most they ever held: what this client cost at worst
         self._entries: deque[_Entry] = deque()
@@ -137,9 +159,14 @@ class Outbound:
         return not self._entries and not self.closed
 
     @property
+    def held(self) -> int:
+        """Bytes queued, and held past the queue (in flight, unsent in the transport)."""
+        return self.bytes + self.outside()
+
+    @property
     def has_room(self) -> bool:
-        """At most half the byte budget queued: the client's next request may be read."""
-        return self.bytes <= self.max_bytes // 2
+        """At most half the byte budget held: the client's next request may be read."""
+        return self.held <= self.max_bytes // 2
 
     async def wait_for_room(self) -> None:
         """Return once `has_room` (or the buffer is closed): backpressure on the client's requests."""
@@ -185,7 +212,7 @@ class Outbound:
     def _check_bytes(self, growth: int, *, others: int) -> None:
         """Overflow when `growth` more bytes pass the budget, unless no `others` frames are queued
         (a frame bigger than the budget goes on its own)."""
-        if others and self.bytes + growth > self.max_bytes:
+        if others and self.held + growth > self.max_bytes:
             raise Overflow(f"outbound buffer full ({self.max_bytes} bytes): the client is not reading")
 
     def _take(self, entry: _Entry) -> None:
@@ -195,7 +222,7 @@ class Outbound:
         self._live += 1
         self.bytes += entry.size
         self.peak_bytes = max(self.peak_bytes, self.bytes)
-        if not self.has_room:
+        if self.bytes > self.max_bytes // 2:
             self._roomy.clear()
         self._ready.set()
 
@@ -234,6 +261,127 @@ class Outbound:
         self._roomy.set()
 
 
+OUTBOUND_TOTAL_MAX_BYTES = 256 * 1024 * 1024  # `[limits] ws_outbound_total_max_bytes`'s default
+GROUP_SHARE = 4  # one credential's (or address's) connections together hold at most this share of the total
+SWEEP_EVERY_S = 0.01  # what transports hold is read again at most this often when a bound is near
+ROOM_POLL_FIRST_S = 0.005  # a held-back reader looks again after this, then twice as long each time…
+ROOM_POLL_MAX_S = 0.25  # …up to this: transports drain without telling anyone
+
+
+class Charge:
+    """What one connection holds of the server-wide budget (`OutboundBudget`). It outlives its
+    connection while the transport still holds bytes of it (a close waits behind them): `measure`
+    then reads the transport alone, and nothing here refers to the connection any more."""
+
+    __slots__ = ("group", "amount", "measure", "evict")
+
+    def __init__(self, group: str, measure: Callable[[], int], evict: Callable[[str], None]) -> None:
+        self.group = group
+        self.amount = 0  # as last measured
+        self.measure = measure
+        self.evict = evict  # close 4408 with this reason and drop what it holds
+
+
+class OutboundBudget:
+    """The bytes all WebSocket connections of a server hold for their clients (queued, being sent,
+    unsent in their transports), bounded in total (`max_bytes`) and per group (`group_max_bytes`:
+    a credential's connections, or an address's, as `connections_per_client` counts them).
+
+    Amounts are measured when their connection queues, sends or writes, and all of them again
+    (`sweep`) when a bound is near: a transport drains without telling anyone, so between two
+    measures an amount may be too high, never too low for long. A frame that would pass a bound
+    evicts the connection holding the most (in the group, or on the server) until it fits, the
+    asking one included; a frame alone is taken (over the bound by one frame at most)."""
+
+    def __init__(self, max_bytes: int = OUTBOUND_TOTAL_MAX_BYTES, group_max_bytes: int | None = None) -> None:
+        self.max_bytes = max(1, max_bytes)
+        self.group_max_bytes = max(1, group_max_bytes or self.max_bytes // GROUP_SHARE)
+        self.held = 0
+        self.peak = 0  # the most all connections held together, as measured
+        self.evictions = 0
+        self.groups: dict[str, int] = {}
+        self._holders: set[Charge] = set()  # charges holding anything
+        self._swept = -math.inf
+
+    def update(self, charge: Charge, amount: int) -> None:
+        """`charge` holds `amount` bytes now."""
+        growth = amount - charge.amount
+        if not growth:
+            return
+        charge.amount = amount
+        self.held += growth
+        self.peak = max(self.peak, self.held)
+        left = self.groups.get(charge.group, 0) + growth
+        if left > 0:
+            self.groups[charge.group] = left
+        else:
+            self.groups.pop(charge.group, None)
+        if amount > 0:
+            self._holders.add(charge)
+        else:
+            self._holders.discard(charge)
+
+    def regroup(self, charge: Charge, group: str) -> None:
+        """The connection's credential became known (its `hello`): its bytes count for that group."""
+        amount = charge.amount
+        self.update(charge, 0)
+        charge.group = group
+        self.update(charge, amount)
+
+    def measure(self, charge: Charge) -> None:
+        self.update(charge, max(0, charge.measure()))
+
+    def sweep(self, *, now: float | None = None) -> None:
+        """Measure every charge holding anything (at most every SWEEP_EVERY_S)."""
+        now = asyncio.get_running_loop().time() if now is None else now
+        if now - self._swept < SWEEP_EVERY_S:
+            return
+        self._swept = now
+        for charge in list(self._holders):
+            self.measure(charge)
+
+    def tight(self, group: str) -> bool:
+        """Over half the total, or half the group's share: requests of that group wait (backpressure)."""
+        return self.held > self.max_bytes // 2 or self.groups.get(group, 0) > self.group_max_bytes // 2
+
+    def _over(self, group: str, growth: int) -> str | None:
+        if self.groups.get(group, 0) + growth > self.group_max_bytes:
+            return group
+        if self.held + growth > self.max_bytes:
+            return ""
+        return None
+
+    def admit(self, charge: Charge, growth: int) -> bool:
+        """Make room for `growth` more bytes of `charge`'s connection: while they would pass a bound,
+        the connection holding the most (of the group over its share, else of the server) is
+        evicted. False: that was the asking one (evicted too)."""
+        over = self._over(charge.group, growth)
+        if over is None:
+            return True
+        self.sweep()
+        evicted: set[Charge] = set()
+        while (over := self._over(charge.group, growth)) is not None:
+            victim = max(
+                (c for c in self._holders if c not in evicted and (not over or c.group == over)),
+                key=lambda c: c.amount,
+                default=None,
+            )
+            if victim is None:
+                return True  # nothing else to let go of: a frame alone goes
+            evicted.add(victim)
+            self.evictions += 1
+            scope = "this credential's connections" if over else "the server's connections"
+            limit = self.group_max_bytes if over else self.max_bytes
+            victim.evict(f"slow consumer: {scope} hold over {limit} bytes not yet taken; this connection held the most")
+            self.measure(victim)
+            if victim is charge:
+                return False
+        return True
+
+    def release(self, charge: Charge) -> None:
+        self.update(charge, 0)
+
+
 REVISIONS_KEPT = 256  # turns a connection remembers the last revision it was sent of (live turns it watched)
 
 
@@ -248,16 +396,29 @@ class Connection:
         send_timeout_s: float,
         outbound_max_bytes: int = OUTBOUND_MAX_BYTES,
         write_frame: Callable[[bytes], bool] | None = None,
+        unsent: Callable[[], int] | None = None,
+        abort: Callable[[], None] | None = None,
+        budget: OutboundBudget | None = None,
+        address: str | None = None,
     ) -> None:
+        """`unsent`: the bytes the socket's transport holds not yet sent; `abort`: drop them and the
+        socket; `budget`: the server's (`OutboundBudget`), which this connection's bytes count in
+        (grouped by its credential once known, by its `address` until then)."""
         self.id = f"wsc_{secrets.token_hex(6)}"
-        self.principal: Principal | None = None
+        self._principal: Principal | None = None
         self.client_name: str | None = None
         self.greeted = False
-        self.outbound = Outbound(outbound_max, outbound_max_bytes)
+        self._unsent = unsent or _nothing
+        self._abort = abort
+        self._in_flight_bytes = 0  # the frame the writer task took, until the transport has it
+        self.outbound = Outbound(outbound_max, outbound_max_bytes, self._outside)
         self.send_timeout_s = send_timeout_s
         self._send_text = send_text
         self._write_frame = write_frame
         self._in_flight = False  # the writer task took a frame and has not finished sending it
+        self._address = address
+        self.budget = budget
+        self.charge = Charge(self._group(), self._held, self._evict) if budget is not None else None
         self.subscriptions: set[str] = set()
         # turn_id -> the revision of the last `turn_updated` of that turn sent here (queued or
         # written), so that none goes out twice or older (see `send_snapshot`); forgotten once the
@@ -270,6 +431,90 @@ class Connection:
     @property
     def alive(self) -> bool:
         return self.close_request is None
+
+    @property
+    def principal(self) -> Principal | None:
+        return self._principal
+
+    @principal.setter
+    def principal(self, principal: Principal | None) -> None:
+        self._principal = principal
+        if self.budget is not None and self.charge is not None:
+            self.budget.regroup(self.charge, self._group())
+
+    def _group(self) -> str:
+        """Whose share of the server's budget this connection's bytes take: its credential's, else
+        its address's (as `connections_per_client` groups connections: `security.limits.slot_key`)."""
+        p = self._principal
+        if p is not None and p.kind in ("token", "jwt"):
+            return f"{p.kind}:{p.subject}"
+        return f"address:{self._address}"
+
+    # ------------------------------------------------------------ what it holds
+
+    @property
+    def held(self) -> int:
+        """The bytes this connection holds for its client: queued, being sent, unsent in the transport."""
+        return self.outbound.bytes + self._outside()
+
+    def _held(self) -> int:
+        return self.held
+
+    def _outside(self) -> int:
+        return self._in_flight_bytes + self._unsent()
+
+    def _settle(self) -> None:
+        if self.budget is not None and self.charge is not None:
+            self.budget.measure(self.charge)
+
+    def _admit(self, size: int) -> bool:
+        """Room in the server's budget for a frame of `size` bytes (others may be evicted for it);
+        False: this connection was the one to go."""
+        if self.budget is None or self.charge is None:
+            return True
+        return self.budget.admit(self.charge, size)
+
+    def _evict(self, reason: str) -> None:
+        """Closed for the server's budget: its backlog is dropped at once, the transport's too (a
+        client that reads nothing would never reach a close frame written behind it)."""
+        self.kill(CLOSE_SLOW_CONSUMER, reason)
+        if self._abort is not None:
+            self._abort()
+
+    def detach(self) -> None:
+        """The endpoint is done: what the transport still holds keeps counting until it is sent or
+        dropped, and nothing in the budget refers to this connection any more."""
+        charge, budget = self.charge, self.budget
+        if charge is None or budget is None:
+            return
+        self.charge = None
+        charge.measure = self._unsent
+        charge.evict = _aborter(self._abort)
+        budget.measure(charge)
+
+    async def wait_for_room(self) -> None:
+        """Return once this client's next request may be read: its own bytes at most half its
+        budget, and (with a server budget) neither its group nor the server over half theirs.
+        Transports drain without telling anyone: looked at again, less often the longer it waits."""
+        pause = ROOM_POLL_FIRST_S
+        while not self.outbound.closed and not self._may_read():
+            if self.outbound.has_room:
+                await asyncio.sleep(pause)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(pause):
+                        await self.outbound.wait_for_room()
+            pause = min(pause * 2, ROOM_POLL_MAX_S)
+
+    def _may_read(self) -> bool:
+        budget, charge = self.budget, self.charge
+        if budget is not None and charge is not None:
+            budget.measure(charge)
+            if budget.tight(charge.group):
+                budget.sweep()
+                if budget.tight(charge.group):
+                    return False
+        return self.outbound.has_room
 
     # ------------------------------------------------------------ enqueue (never awaits)
 
@@ -293,12 +538,14 @@ class Connection:
 
     def send_encoded(self, text: str, frame: bytes | None = None) -> None:
         """`frame`: `text` already framed (`text_frame`), when one text goes to many connections."""
-        if self._write_now(text, frame):
+        if self.outbound.closed or not self._admit(sys.getsizeof(text)):
             return
-        try:
-            self.outbound.put(text)
-        except Overflow as exc:
-            self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+        if not self._write_now(text, frame):
+            try:
+                self.outbound.put(text)
+            except Overflow as exc:
+                self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+        self._settle()
 
     def send_snapshot(
         self, turn_id: str, text: str, frame: bytes | None = None, *, revision: int | None = None, final: bool = False
@@ -324,12 +571,14 @@ class Connection:
         return True
 
     def _put_snapshot(self, turn_id: str, text: str, frame: bytes | None) -> None:
-        if self._write_now(text, frame):
+        if self.outbound.closed or not self._admit(sys.getsizeof(text)):
             return
-        try:
-            self.outbound.put_snapshot(turn_id, text)
-        except Overflow as exc:
-            self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+        if not self._write_now(text, frame):
+            try:
+                self.outbound.put_snapshot(turn_id, text)
+            except Overflow as exc:
+                self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+        self._settle()
 
     def _write_now(self, text: str, frame: bytes | None) -> bool:
         """Write the frame to the socket now if nothing is queued ahead of it nor held by the writer
@@ -354,6 +603,7 @@ class Connection:
             self.close_request = (code, reason[:120])
         self.outbound.close(drop=not flush)
         self.closing.set()
+        self._settle()
 
     # ------------------------------------------------------------ the writer task
 
@@ -366,17 +616,13 @@ class Connection:
                     return
                 raise
             self._in_flight = True
+            self._in_flight_bytes = sys.getsizeof(text)  # out of the queue, not yet in the transport
             try:
-                async with asyncio.timeout(self.send_timeout_s):  # no task per frame, unlike wait_for
-                    try:
-                        await self._send_text(text)
-                    except UnicodeEncodeError:  # nothing was written: the frame failed, not the socket
-                        log.error("websocket %s: a frame could not be encoded as UTF-8; sent an error instead", self.id)
-                        await self._send_text(_unsendable(text))
+                await self._send_in_time(text)
             except TimeoutError:
                 self.kill(
                     CLOSE_SLOW_CONSUMER,
-                    f"slow consumer: a frame could not be delivered within {self.send_timeout_s:g} s",
+                    f"slow consumer: the client took no byte of its frames for {self.send_timeout_s:g} s",
                 )
                 return
             except Exception as exc:  # the socket is gone: the endpoint closes this connection
@@ -388,4 +634,61 @@ class Connection:
                 raise
             finally:
                 self._in_flight = False
+                self._in_flight_bytes = 0
+                self._settle()
             self.sent += 1
+
+    async def _send_in_time(self, text: str) -> None:
+        """Send one frame, timed by progress: `send_timeout_s` is how long the client may take no
+        byte, not how long a frame may wait behind earlier ones still draining (a steady 70 KB/s
+        reader of two 10 MB pages was closed once the second page had waited 30 s behind the first)."""
+        async with asyncio.timeout(self.send_timeout_s) as deadline:  # no task per frame, unlike wait_for
+            progress = _Progress(self._unsent, deadline, self.send_timeout_s) if self._unsent() > 0 else None
+            try:
+                try:
+                    await self._send_text(text)
+                except UnicodeEncodeError:  # nothing was written: the frame failed, not the socket
+                    log.error("websocket %s: a frame could not be encoded as UTF-8; sent an error instead", self.id)
+                    await self._send_text(_unsendable(text))
+            finally:
+                if progress is not None:
+                    progress.cancel()
+
+
+PROGRESS_CHECKS = 4  # how often a waiting send looks for progress, per send timeout
+
+
+class _Progress:
+    """Moves a waiting send's deadline on each time the transport's unsent bytes went down."""
+
+    __slots__ = ("_unsent", "_deadline", "_timeout_s", "_loop", "_last", "_handle")
+
+    def __init__(self, unsent: Callable[[], int], deadline: asyncio.Timeout, timeout_s: float) -> None:
+        self._unsent = unsent
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._last = unsent()
+        self._handle = self._loop.call_later(timeout_s / PROGRESS_CHECKS, self._check)
+
+    def _check(self) -> None:
+        if self._deadline.expired():
+            return
+        now = self._unsent()
+        if now < self._last:
+            self._deadline.reschedule(self._loop.time() + self._timeout_s)
+        self._last = now
+        self._handle = self._loop.call_later(self._timeout_s / PROGRESS_CHECKS, self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def _aborter(abort: Callable[[], None] | None) -> Callable[[str], None]:
+    """A detached charge's eviction: drop what its transport still holds."""
+
+    def evict(reason: str) -> None:
+        if abort is not None:
+            abort()
+
+    return evict

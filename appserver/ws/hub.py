@@ -26,7 +26,7 @@ from appserver.runtime import (
     Watch,
 )
 from appserver.store.records import PendingCall
-from appserver.ws.connection import Connection, encode, text_frame
+from appserver.ws.connection import Connection, OutboundBudget, encode, text_frame
 
 if TYPE_CHECKING:
     from appserver.server import Server
@@ -420,6 +420,8 @@ class Hub:
             str, tuple[str, str, str]
         ] = {}  # call_id -> (connection id, conversation id, tool name)
         self._lock = asyncio.Lock()
+        # what all connections hold for their clients, bounded together (`[limits] ws_outbound_total_max_bytes`)
+        self.outbound_budget = OutboundBudget(int(server.config.limits.ws_outbound_total_max_bytes))
 
     async def watch(self, conversation_id: str) -> ConversationWatch:
         w = self.watches.get(conversation_id)

@@ -202,12 +202,20 @@ class Endpoint:
     async def __call__(self, websocket: WebSocket) -> None:
         limits = self.server.config.limits
         await websocket.accept()
+        extensions = websocket.scope.get("extensions") or {}
+        write_frame = extensions.get(WRITE_FRAME)
+        transport = _transport_of(extensions)
+        client = websocket.scope.get("client")
         conn = Connection(
             websocket.send_text,
             outbound_max=limits.ws_outbound_max,
             outbound_max_bytes=limits.ws_outbound_max_bytes,
             send_timeout_s=limits.ws_send_timeout_s,
-            write_frame=websocket.scope.get("extensions", {}).get(WRITE_FRAME),
+            write_frame=write_frame,
+            unsent=transport.get_write_buffer_size if transport is not None else None,
+            abort=transport.abort if transport is not None else None,
+            budget=self.hub.outbound_budget,
+            address=str(client[0]) if client else None,
         )
         state = websocket.scope.get("state") or {}
         if not state.get("auth_pending"):
@@ -227,30 +235,44 @@ class Endpoint:
         try:
             await asyncio.wait({reader, closing, sender}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if overdue is not None:
-                overdue.cancel()
-            reader.cancel()
-            closing.cancel()
-            await self.hub.disconnect(conn)
-            request = conn.close_request
-            if request is not None:
-                # Let queued frames (an auth error, say) go out first, then close with the reason.
-                if not sender.done():
-                    await asyncio.wait({sender}, timeout=0.5)
-                sender.cancel()
-                try:
-                    await asyncio.wait_for(websocket.close(request[0], request[1]), CLOSE_WAIT_S)
-                except Exception as exc:  # the socket is gone or stuck: nothing more to say
-                    log.debug("close of %s failed: %r", conn.id, exc)
-            else:
-                sender.cancel()
-            await asyncio.gather(sender, reader, return_exceptions=True)
+            try:
+                await self._end(websocket, conn, reader, closing, sender, overdue)
+            finally:
+                conn.detach()  # what its transport still holds counts until it is sent or dropped
+
+    async def _end(
+        self,
+        websocket: WebSocket,
+        conn: Connection,
+        reader: asyncio.Task[None],
+        closing: asyncio.Task[Any],
+        sender: asyncio.Task[None],
+        overdue: asyncio.TimerHandle | None,
+    ) -> None:
+        if overdue is not None:
+            overdue.cancel()
+        reader.cancel()
+        closing.cancel()
+        await self.hub.disconnect(conn)
+        request = conn.close_request
+        if request is not None:
+            # Let queued frames (an auth error, say) go out first, then close with the reason.
+            if not sender.done():
+                await asyncio.wait({sender}, timeout=0.5)
+            sender.cancel()
+            try:
+                await asyncio.wait_for(websocket.close(request[0], request[1]), CLOSE_WAIT_S)
+            except Exception as exc:  # the socket is gone or stuck: nothing more to say
+                log.debug("close of %s failed: %r", conn.id, exc)
+        else:
+            sender.cancel()
+        await asyncio.gather(sender, reader, return_exceptions=True)
 
     async def _read(self, websocket: WebSocket, conn: Connection) -> None:
         while True:
             # Backpressure: a client whose downlink is full sends no further request until it reads
             # (150 `get_history` of 100 bytes each queued 150 pages of 8 MiB for a client reading none).
-            await conn.outbound.wait_for_room()
+            await conn.wait_for_room()
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":
                 return
@@ -750,6 +772,18 @@ def _conversation_ref(value: str, expected: str = "give a conversation id") -> s
     if not ref:
         raise FrameError("bad_frame", f"conversation: {expected}", "conversation")
     return ref
+
+
+def _transport_of(extensions: dict[str, Any]) -> Any | None:
+    """The socket's transport, found through the edge's scope extensions (methods of its WebSocket
+    protocol; the guard wraps `write_frame`, not `prove`): what it holds unsent counts in the
+    connection's budget, and a connection evicted for the server's budget is aborted through it.
+    None without the edge (a bare uvicorn): then only the queue is counted."""
+    for offered in extensions.values():
+        transport = getattr(getattr(offered, "__self__", None), "transport", None)
+        if hasattr(transport, "get_write_buffer_size") and hasattr(transport, "abort"):
+            return transport
+    return None
 
 
 def _hello_overdue(conn: Connection, hello_timeout_s: float, first: bool) -> None:

@@ -18,6 +18,11 @@ live holder is logged once per holder, and so is taking the lease.
 Every claim happens under the store lock and fires only what it claimed there, so a holder that was
 only slow, not dead, finds the lease gone and fires nothing. Every function here must be called
 with the store lock held; `LeaseHolder` does that.
+
+A server of a cluster also judges itself there, as the others judge a holder (`LeaseHolder.fenced`):
+once its own instance is judged gone (its row deleted by a survivor, its heartbeat stale, its
+session away), it takes no lease and claims no run, even one it holds. Its kernel runs nothing
+then, so every run it claimed would only fail and be lost to the healthy server that takes over.
 """
 
 from __future__ import annotations
@@ -125,6 +130,8 @@ class LeaseHolder:
     # the token of the live holder this process last said it waits for (said once per holder)
     waiting_for: str | None = None
     sightings: Sightings = field(default_factory=Sightings)
+    # this process's own server was judged fenced by the last claim (said once per fencing)
+    is_fenced: bool = False
 
     def __post_init__(self) -> None:
         # others judge our lease by at most MAX_LEASE_TTL_S: renewing less often would lose it
@@ -175,7 +182,10 @@ class LeaseHolder:
 
     def claim_in(self, state: CronFile) -> bool:
         """Verify or take the lease inside an open transaction; True when we hold it afterwards.
-        On a take-over `state.scheduler_owner` is replaced and the caller must save."""
+        On a take-over `state.scheduler_owner` is replaced and the caller must save. A fenced
+        server (`fenced`) neither takes nor keeps using the lease: False, and `state` unchanged."""
+        if self._note_fenced():
+            return False
         if self.holds(state):
             return True
         owner = state.scheduler_owner
@@ -202,6 +212,30 @@ class LeaseHolder:
         self.waiting_for = None
         state.scheduler_owner = self.record()
         return True
+
+    def fenced(self) -> bool:
+        """Is this process's own server judged gone by its cluster, or may it be at any moment (its
+        instance row deleted or not renewed, judged as the others judge a lease holder, with a
+        margin)? Asked by every claim under the store lock and again before every fire. Always
+        False outside a cluster (a home's crons.json; a CLI process)."""
+        me = self.store.instance_id
+        return me is not None and self.store.instance_alive(me) is False
+
+    def _note_fenced(self) -> bool:
+        """`fenced`, remembered in `is_fenced` and said once when it starts and once when it ends."""
+        fenced = self.fenced()
+        if fenced and not self.is_fenced:
+            log.error(
+                "cron: this server (%s) is judged gone by its cluster, or its database session is away: "
+                "its scheduler takes no lease and claims no run (a healthy server takes the due runs over)",
+                self.store.instance_id,
+            )
+        elif self.is_fenced and not fenced:
+            log.warning(
+                "cron: this server (%s) is live in its cluster again; its scheduler goes on", self.store.instance_id
+            )
+        self.is_fenced = fenced
+        return fenced
 
     def alive(self, owner: OwnerRecord) -> bool:
         """Could this holder still be running (its lease may not be taken)? The same judgement as
@@ -231,6 +265,11 @@ class LeaseHolder:
     def describe_holder(self, state: CronFile) -> str:
         """Who holds the lease, in words (for readiness and the log)."""
         owner = state.scheduler_owner
+        if self.is_fenced:
+            return (
+                f"this server ({self.store.instance_id}) is judged gone by its cluster, or its database session "
+                "is away: it takes no scheduler lease"
+            )
         if owner is None:
             return "nobody holds the scheduler lease"
         if self.holds(state):

@@ -8,7 +8,9 @@ claim of an occurrence commits before it fires (claim-before-fire), and the sche
 judge the holder's instance every second (`Scheduler._sleep`), and once it is gone, one of them
 takes the lease over at once (under the row lock). Run logs stay in each server's home; how far
 each open claim got (submitted, settled, delivered) is kept with the claim in the row, so the
-scheduler that takes over resolves only what the dead one left undone.
+scheduler that takes over resolves only what the dead one left undone. A server judges its own
+instance row too, before it claims the lease or a run and before it fires one: once it is judged
+gone (fenced), it claims nothing and leaves the due runs to a healthy server.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class PgCronStore(CronStore):
         self._sync = SyncConnection(url, lambda why: CronStoreError(f"cron: {why}"))
         self.shown = self._sync.shown
         self.liveness = dict(HEARTBEAT_GRACE)  # the server sets its own [store] timings
+        # How this server judges its own instance (`instance_alive` of its own id): as the others
+        # judge it, a heartbeat sooner, as the cluster fences itself (`Cluster.fenced`)
+        self.own_liveness = dict(HEARTBEAT_GRACE)
         self._mutex = self._sync.mutex
         self._held: tuple[str, int] | None = None  # (doc, version) of the row, while locked
         self._cached: tuple[int, CronFile] | None = None
@@ -132,6 +137,7 @@ class PgCronStore(CronStore):
     def join_cluster(self, instance_id: str, instance_timeout_s: float, heartbeat_s: float) -> None:
         super().join_cluster(instance_id, instance_timeout_s, heartbeat_s)
         self.liveness = {"timeout": instance_timeout_s, "grace": heartbeat_s * 2.5}
+        self.own_liveness = {**self.liveness, "timeout": max(heartbeat_s, instance_timeout_s - heartbeat_s)}
 
     def corrupt_files(self) -> list[Path]:
         return []
@@ -141,14 +147,18 @@ class PgCronStore(CronStore):
 
     def instance_alive(self, instance_id: str) -> bool | None:
         """Is the instance alive (LIVE, by the cluster's timings)? Asked under `lock()` by a claim,
-        and without it by a scheduler waiting for the lease (every second; `Scheduler._sleep`)."""
+        and without it by a scheduler waiting for the lease (every second; `Scheduler._sleep`).
+        Of this server's own instance (`LeaseHolder.fenced`), a heartbeat sooner than the others
+        judge it: it stops claiming before they may take its lease over. A row deleted by a
+        survivor (this server was judged gone) is never alive again."""
+        timings = self.own_liveness if instance_id == self.instance_id else self.liveness
         with self._mutex:
             try:
                 row = (
                     self._conn()
                     .execute(
                         f"SELECT 1 FROM instances i WHERE i.id = %(id)s AND {LIVE}",
-                        {**self.liveness, "id": instance_id},
+                        {**timings, "id": instance_id},
                     )
                     .fetchone()
                 )

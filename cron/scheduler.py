@@ -26,6 +26,11 @@ The order is claim (saved), run-log records, submit. A save that fails fires and
 next tick claims again); a run-log record that fails is kept and retried (cron.runlog.RunLog) while
 the run still fires, so no failure can lose a claimed run or fire it twice.
 
+A server of a cluster that is judged gone (fenced: `LeaseHolder.fenced`) runs no cron: its tick
+takes no lease and claims nothing, even with the lease in its name, and a run it claimed before
+it was found fenced is not fired (its kernel would refuse it, and the run would be lost as
+failed): the claim stays open for the server that takes the lease over, which adopts it.
+
 A scheduler that takes the lease over from a dead one resolves what that one claimed last: where
 the progress kept with the claim says it got (on one home, as far as the run log agrees: a reply
 still to send is sent, one that was being sent is recorded `delivery_failed`, never sent twice),
@@ -223,6 +228,7 @@ def _coalesced_reason(limit: float, down: bool) -> str:
 class _Planned:
     task: CronTask
     occurrence: Occurrence
+    adopted: bool = False  # a run a stopped scheduler claimed (resolved as such: `_submit_orphan`)
 
 
 # What a tick may change besides its journal (`_used`, `_fits`): kept before it plans, put back
@@ -327,6 +333,11 @@ class Scheduler:
         # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
         # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
         self._orphans: list[tuple[CronTask, list[Occurrence]]] = []
+        # Runs claimed (or adopted) here whose fire was held back because this server was found
+        # fenced after the claim: fired once it is live again and still held the lease throughout,
+        # else left to the server that took the lease over (it adopts them with the lease)
+        self._deferred: list[_Planned] = []
+        self._held_through = False  # the last tick found the lease held by this process already
         # task id -> (the highest run number used, the latest scheduled time run), by this process's
         # claims, else the run log's: a task rolled back by restoring an older crons.json neither
         # reuses a run number nor runs an occurrence again.
@@ -399,11 +410,19 @@ class Scheduler:
             await self._read_agent_names()
         planned = await asyncio.to_thread(self._claim_due, now, report)
         orphans, self._orphans = self._orphans, []
+        deferred = self._take_deferred()
         for task, claims in orphans:
             for occurrence in await asyncio.to_thread(self._orphan_occurrences, task, claims):
-                await self._submit_orphan(task, occurrence, report)
+                deferred.append(_Planned(task, occurrence, adopted=True))
         submitted: list[tuple[str, int, str]] = []
-        for item in planned:
+        held_back: list[_Planned] = []
+        for item in deferred + planned:
+            if held_back or await self._fenced_now():  # (every fire is after an await: judged again)
+                held_back.append(item)
+                continue
+            if item.adopted:
+                await self._submit_orphan(item.task, item.occurrence, report)
+                continue
             turn_id, _ = await submit_claimed(
                 self.store,
                 item.task,
@@ -419,8 +438,44 @@ class Scheduler:
                 if self.await_outcome is not None:
                     self._watch(item.task.id, item.occurrence.number, turn_id, item.task.deliver)
         await self._mark_submitted(submitted)
+        self._hold_back(held_back)
         await self._withdraw_runs()
         return report
+
+    async def _fenced_now(self) -> bool:
+        """Is this server fenced (judged gone by its cluster, or about to be) right now? Asked
+        before every fire: its kernel would refuse the run, which would then be lost as failed.
+        A database that cannot answer counts as fenced (the run waits: it is never lost)."""
+        if not self.store.instance_id:  # no cluster: nothing fences this process
+            return False
+        try:
+            return await asyncio.to_thread(self.lease.fenced)
+        except (CorruptStateFile, CronStoreError, OSError) as exc:
+            log.warning("cron: cannot tell whether this server is still live in its cluster: %s", exc)
+            return True
+
+    def _hold_back(self, items: list[_Planned]) -> None:
+        """Keep claimed runs this tick did not fire because this server was fenced: their claims
+        stay open, so whoever takes the lease over adopts and submits them (exactly once, by the
+        kernel's idempotency key); this process fires them itself if it is live again first."""
+        if not items:
+            return
+        self._deferred.extend(items)
+        log.warning(
+            "cron: this server is judged gone by its cluster, or its database session is away: %d claimed run(s) "
+            "(%s) are not fired now; they stay claimed for the server that takes the scheduler over",
+            len(items),
+            ", ".join(f"{i.task.id} #{i.occurrence.number}" for i in items),
+        )
+
+    def _take_deferred(self) -> list[_Planned]:
+        """The runs held back by a fence (`_hold_back`), to fire now: only when this process held
+        the lease throughout (a server that took it over meanwhile adopted and resolved them, so
+        they are dropped here); kept while this process holds no lease."""
+        if not self.has_lease or not self._deferred:
+            return []
+        deferred, self._deferred = self._deferred, []
+        return deferred if self._held_through else []
 
     async def _mark_submitted(self, steps: list[tuple[str, int, str]]) -> None:
         """Move the tick's submitted runs to `submitted` in one save (each is in the run log
@@ -803,10 +858,10 @@ class Scheduler:
             had = self.lease.holds(state)
             previous = state.scheduler_owner
             self._invalid = state.invalid_problem()
-            if not self.lease.claim_in(state):
-                if self.has_lease:
+            if not self.lease.claim_in(state):  # (a fenced server claims nothing: `LeaseHolder.fenced`)
+                if self.has_lease and not self.lease.is_fenced:
                     log.warning("cron: lost the scheduler lease; another process owns it now")
-                self.has_lease = report.has_lease = False
+                self.has_lease = report.has_lease = self._held_through = False
                 self._held_since = None
                 self._next_due = None
                 self._renew_at = math.inf
@@ -824,6 +879,7 @@ class Scheduler:
                 self._orphans = self._claimed_by(state, dead, shared=self.store.shared)
                 self._adopt(state, dead)
             self.has_lease = report.has_lease = True
+            self._held_through = had
             self._holder_seen = None
             changed = self.lease.renew_in(state) or not had
             self.lease_state = self.lease.describe_holder(state)

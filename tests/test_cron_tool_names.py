@@ -123,7 +123,9 @@ async def test_list_cuts_long_prompts(srv: Srv) -> None:
         conv, text = await call(a, "new", {"action": "create", "name": "wordy", "prompt": long_prompt, "in": "2h"})
         assert "created task wordy" in text, text
         _, text = await call(a, conv, {"action": "list"})
-        line = next(x for x in text.splitlines() if x.startswith("wordy ("))
+        # the task's line (the first line of a list alone also carries the tool's "schedule -> ")
+        line = next((x for x in text.splitlines() if x.removeprefix("schedule -> ").startswith("wordy (")), None)
+        assert line is not None, text
         assert "p" * 500 + "… (614 characters in all)" in line and "TAIL-NOT-SHOWN" not in line, line
         _, text = await call(a, conv, {"action": "cancel", "name": "wordy"})
         assert "cancelled task wordy" in text, text

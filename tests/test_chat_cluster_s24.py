@@ -4,11 +4,17 @@
    moment to two servers sharing one PostgreSQL store: each is answered, as on one server (the
    first applied continues the conversation, the other forks from the point before the answer;
    docs/openai.md "Racing requests"). Before, the second got 409 `not_awaiting` or "has no turn
-   waiting for an answer", or an empty 200 for the same answer.
+   waiting for an answer", or an empty 200 for the same answer. With the deprecated `functions`
+   (a `function` message answers its call by name) the loser still got 409 "has no turn waiting
+   for tool results" in some rounds: the name was looked up among the calls still waiting, none
+   once the other server had answered; it is now the call made at the transcript's point.
 2. A reply's history point is committed before the reply (a stream's finish chunk and [DONE])
    goes out. Before, it was written after the reply: a client's next request reaching another
    server at once, or the same server restarted after a kill -9, found no point, and its transcript
    (a tool result, or a plain continuation) started a new conversation while the original waited.
+3. A round answered in parts on the server that does not run the paused turn replies at once,
+   naming the calls still open, as on the server that runs it. Before, it hung: the owner publishes
+   no new snapshot for a partial answer, and the request waited for one.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from tests.support.serve import ServeProcess, serving, start_serve
 pytestmark = pytest.mark.timeout(90)
 
 F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+LEGACY_F = {"name": "f", "parameters": {"type": "object"}}
 ROUNDS = 4
 WAIT_S = 30.0  # every wait's bound; none is reached when the server works
+PARTIAL_WAIT_S = 10.0  # a partial answer's reply (it came in well under a second; it used to hang)
 POINTS_SQL = "SELECT count(*) FROM history_points WHERE conversation_id=?"
 
 
@@ -304,3 +312,142 @@ def test_a_reply_s_point_survives_a_kill_9_right_after_it(tmp_path: Path, stream
     finally:
         conn.close()
     assert {s for (s,) in turns} == {"completed"}  # the paused turn was answered, not left waiting
+
+
+# ------------------------------------------------------------------ legacy `functions`, racing
+
+
+def _legacy(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": "assistant", "messages": messages, "functions": [LEGACY_F]}
+
+
+def _legacy_result(output: str) -> dict[str, Any]:
+    return {"role": "function", "name": "f", "content": output}
+
+
+async def _legacy_paused(c: httpx.AsyncClient, base: str, n: int) -> tuple[list[dict[str, Any]], str]:
+    """A legacy chat turn of `base` paused at its `function_call`: the transcript and the
+    conversation. Its own arguments: a legacy answer names no call id, so a transcript the same as
+    another conversation's (one of the tests above left paused at `f {}`) could continue that one."""
+    asked = [{"role": "user", "content": f'/call f {{"round": {n}}}'}]
+    r = await c.post(base + "/chat/completions", json=_legacy(asked))
+    call = _message(r)["function_call"]
+    return [*asked, {"role": "assistant", "content": None, "function_call": call}], r.headers["x-conversation-id"]
+
+
+def _check_fork(cluster: Cluster, original: str, convs: list[str], outputs: tuple[str, ...]) -> None:
+    """One request continued `original`, the other forked from it; each holds its own answer."""
+    assert original in convs and len(set(convs)) == 2, convs
+    fork = next(cid for cid in convs if cid != original)
+    assert cluster.rows("SELECT forked_from FROM conversations WHERE id=%s", fork) == [(original,)]
+    for cid, out in zip(convs, outputs, strict=True):
+        results = cluster.rows("SELECT content FROM messages WHERE conversation_id=%s AND role='tool'", cid)
+        assert len(results) == 1 and out in results[0][0], (cid, results)
+        turns = cluster.rows("SELECT status FROM turns WHERE conversation_id=%s", cid)
+        assert {s for (s,) in turns} == {"completed"}, (cid, turns)
+
+
+async def test_legacy_function_answers_racing_on_two_servers_are_each_answered(cluster: Cluster) -> None:
+    """`function` messages (answering by name) sent to both servers at once, the same answer and
+    different ones, round after round: both 200, one continues, the other forks."""
+    async with httpx.AsyncClient(timeout=WAIT_S) as c:
+        for n in range(2 * ROUNDS):
+            outputs = ("LS", "LS") if n % 2 else (f"LA{n}", f"LB{n}")
+            transcript, original = await _legacy_paused(c, cluster.bases[n % 2], n)
+            sends = [
+                c.post(base + "/chat/completions", json=_legacy([*transcript, _legacy_result(out)]))
+                for base, out in zip(cluster.bases, outputs, strict=True)
+            ]
+            replies = await asyncio.gather(*sends)
+            assert [_message(r)["content"] for r in replies] == [f"f -> {out}" for out in outputs], n
+            _check_fork(cluster, original, [r.headers["x-conversation-id"] for r in replies], outputs)
+
+
+# ------------------------------------------------------------------ a round answered in parts elsewhere
+
+
+async def _three_calls(c: httpx.AsyncClient, base: str) -> tuple[list[dict[str, Any]], list[str], str]:
+    """A chat turn of `base` paused at three parallel calls of f: transcript, call ids, conversation."""
+    asked = [{"role": "user", "content": "/call f {}\n/call f {}\n/call f {}"}]
+    r = await c.post(base + "/chat/completions", json=_chat(asked))
+    calls = _message(r)["tool_calls"]
+    assert len(calls) == 3
+    transcript = [*asked, {"role": "assistant", "content": None, "tool_calls": calls}]
+    return transcript, [call["id"] for call in calls], r.headers["x-conversation-id"]
+
+
+async def _stream_calls(c: httpx.AsyncClient, base: str, body: dict[str, Any]) -> tuple[str, list[str], str]:
+    """A streamed reply: (conversation, the ids of the calls it shows, its finish reason)."""
+    ids: list[str] = []
+    finish = ""
+    async with c.stream("POST", base + "/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            ids += [tc["id"] for tc in choice["delta"].get("tool_calls") or [] if tc.get("id")]
+            finish = choice.get("finish_reason") or finish
+        return r.headers["x-conversation-id"], ids, finish
+
+
+@pytest.mark.parametrize("rest_on", [0, 1], ids=["rest_on_owner", "rest_on_other"])
+async def test_a_round_answered_in_parts_on_the_other_server_names_the_calls_still_open(
+    cluster: Cluster, rest_on: int
+) -> None:
+    """Three calls made on server 0; server 1 gets the transcript with one result, then with two
+    (the first resent, as stateless clients do), then a stream of the same: each reply names the
+    calls still open, at once. The last result, on either server, completes the turn."""
+    owner, other = cluster.bases
+    async with httpx.AsyncClient(timeout=PARTIAL_WAIT_S) as c:
+        transcript, ids, conv = await _three_calls(c, owner)
+        results = [_result(cid, f"r{i}") for i, cid in enumerate(ids)]
+        one = await c.post(other + "/chat/completions", json=_chat([*transcript, results[0]]))
+        assert [tc["id"] for tc in _message(one)["tool_calls"]] == ids[1:]
+        assert one.json()["choices"][0]["finish_reason"] == "tool_calls"
+        assert one.headers["x-conversation-id"] == conv
+        two = await c.post(other + "/chat/completions", json=_chat([*transcript, *results[:2]]))
+        assert [tc["id"] for tc in _message(two)["tool_calls"]] == ids[2:]
+        assert two.headers["x-conversation-id"] == conv
+        streamed = await _stream_calls(c, other, _chat([*transcript, *results[:2]]))  # nothing new: as it waits
+        assert streamed == (conv, ids[2:], "tool_calls")
+        rest = await c.post(cluster.bases[rest_on] + "/chat/completions", json=_chat([*transcript, *results]))
+        assert _message(rest)["content"] == "f -> r0\nf -> r1\nf -> r2"
+        assert rest.headers["x-conversation-id"] == conv
+    turns = cluster.rows("SELECT status FROM turns WHERE conversation_id=%s", conv)
+    assert {s for (s,) in turns} == {"completed"}, turns
+
+
+async def test_a_streamed_partial_answer_on_the_other_server_names_the_calls_still_open(cluster: Cluster) -> None:
+    owner, other = cluster.bases
+    async with httpx.AsyncClient(timeout=PARTIAL_WAIT_S) as c:
+        transcript, ids, conv = await _three_calls(c, owner)
+        results = [_result(cid, f"s{i}") for i, cid in enumerate(ids)]
+        assert await _stream_calls(c, other, _chat([*transcript, results[0]])) == (conv, ids[1:], "tool_calls")
+        rest = await c.post(owner + "/chat/completions", json=_chat([*transcript, *results]))
+        assert _message(rest)["content"] == "f -> s0\nf -> s1\nf -> s2"
+
+
+async def test_a_responses_partial_answer_on_the_other_server_names_the_call_still_open(cluster: Cluster) -> None:
+    """The same for Responses (its answers take the same path): the resent input with one output,
+    on the server that does not run the turn, lists the other call; the rest then completes it."""
+    owner, other = cluster.bases
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    asked = {"role": "user", "content": "/call f {}\n/call f {}"}
+    async with httpx.AsyncClient(timeout=PARTIAL_WAIT_S) as c:
+        r = await c.post(owner + "/responses", json={"model": "assistant", "input": [asked], "tools": [tool]})
+        assert r.status_code == 200, r.text
+        calls = [{k: o[k] for k in ("type", "call_id", "name", "arguments")} for o in r.json()["output"]]
+        assert [o["type"] for o in calls] == ["function_call", "function_call"]
+        outputs = [
+            {"type": "function_call_output", "call_id": o["call_id"], "output": f"o{i}"} for i, o in enumerate(calls)
+        ]
+        body = {"model": "assistant", "input": [asked, *calls, outputs[0]], "tools": [tool]}
+        part = await c.post(other + "/responses", json=body)
+        assert part.status_code == 200, part.text
+        assert [(o["type"], o.get("call_id")) for o in part.json()["output"]] == [
+            ("function_call", calls[1]["call_id"])
+        ]
+        rest = await c.post(other + "/responses", json={**body, "input": [asked, *calls, *outputs]})
+        assert rest.status_code == 200, rest.text
+        assert rest.json()["output"][-1]["content"][0]["text"] == "f -> o0\nf -> o1"

@@ -921,7 +921,7 @@ class ChatCompletions:
                         ),
                     )
                 decisions = await until_credential_ends(
-                    request, named_answers(self.server, place.conversation_id, given)
+                    request, named_answers(self.server, place, given, answers.shown if answers else [])
                 )
                 target, resumed = await until_credential_ends(
                     request, self._answer_point(agent, ns, place, decisions, answers, user, metadata)

@@ -19,7 +19,7 @@ from appserver import fastjson
 from appserver.auth import REVOCATION_POLL_S, Principal, namespace_of
 from appserver.errors import AgentGone, InvalidInput, KernelError, NotAwaiting
 from appserver.http.bodies import json_bodies
-from appserver.http.conversation_match import HEADER, by_name, legacy_name, repeats_answer
+from appserver.http.conversation_match import HEADER, Placement, answer_at_round, by_name, legacy_name, repeats_answer
 from appserver.http.credential_end import CredentialCheck, credential_check
 from appserver.http.credential_end import ended as credential_ended
 from appserver.http.errors import (
@@ -36,6 +36,7 @@ from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, DeltaTap, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.runtime import max_steps_note as steps_note
+from appserver.runtime.restore import controller_from_store
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord
 
@@ -530,11 +531,20 @@ async def pending_call_ids(server: Server, conversation_id: str) -> list[str]:
     return [p.call_id if p.kind == "client" else f"mcpr_{p.call_id}" for p in pending]
 
 
-async def named_answers(server: Server, conversation_id: str, decisions: list[Decision]) -> list[Decision]:
+async def named_answers(
+    server: Server, place: Placement, decisions: list[Decision], shown: list[dict[str, str]]
+) -> list[Decision]:
     """Legacy `function` results answer a call by its function's name (the legacy API shows no
-    call id): each becomes an answer to the first waiting call of that name (the one shown)."""
+    call id): each becomes an answer to the call the transcript showed, of the round made at the
+    point it continues (`answer_at_round`: `shown` are the calls its legacy replies showed), or,
+    placed elsewhere (a fork or a new conversation, paused at those calls), to the first waiting
+    call of that name. Not the point's first waiting call: once another request (on another server)
+    answered it, none waits, and the answer, naming no call, could not fork as a racing one does."""
     if not any(legacy_name(d.call_id) for d in decisions):
         return decisions
+    if place.round_calls:
+        return [dataclasses.replace(d, call_id=answer_at_round(d.call_id, place.round_calls, shown)) for d in decisions]
+    conversation_id = place.conversation_id
     awaiting = await server.kernel.awaiting(conversation_id)
     if awaiting is None:
         return decisions
@@ -582,10 +592,25 @@ class PausedTurn:
         turn already has (the same answer) is history, not new input."""
         return [d for d in decisions if not already_given(self.given.get(d.call_id), d)]
 
-    def run(self, server: Server, conversation_id: str, applied: list[Decision], shown_before: bool = False) -> TurnRun:
+    async def run(
+        self, server: Server, conversation_id: str, applied: list[Decision], shown_before: bool = False
+    ) -> TurnRun:
         """The request's view of the turn resumed by `applied`; `shown_before`: nothing was new,
         and the answer shows the turn as it is now (it still waits for the rest)."""
         before = self.before
+        still = await self.waiting_elsewhere(server)
+        if still is not None:  # nothing more to wait for: the reply shows the calls still open
+            snap = still.controller.snapshot()
+            return TurnRun(
+                server,
+                conversation_id,
+                still,
+                base_blocks=len(snap.blocks),
+                base_text=shown_text(snap),
+                after_revision=snap.revision - 1,
+                resolved_calls=answered_approvals(before, self.given, applied) if applied else [],
+                base_usage=dict(snap.usage),
+            )
         return TurnRun(
             server,
             conversation_id,
@@ -596,6 +621,24 @@ class PausedTurn:
             resolved_calls=answered_approvals(before, self.given, applied) if applied else [],
             base_usage=dict(before.usage),
         )
+
+    async def waiting_elsewhere(self, server: Server) -> TurnHandle | None:
+        """The turn as it waits now, read from the store, when another server of the cluster holds
+        it and a client call of its round is still open (the answers given left it waiting). That
+        server publishes no new snapshot of a turn that stays paused, so this server's mirror of it
+        shows neither the answers nor anything newer to wait for: a reply waiting for it never
+        came. None when this server holds the turn (its runtime shows the change) or the round was
+        answered whole (the turn resumes there, and the mirror follows it)."""
+        if server.kernel.holds(self.handle.conversation_id):
+            return None
+        turn = await server.store.get_turn(self.handle.turn_id)
+        if turn is None or turn.status != "awaiting":
+            return None
+        pending = await server.store.list_pending(turn.id)
+        if not any(p.status == "pending" and p.kind == "client" for p in pending):
+            return None
+        controller = await controller_from_store(server.store, turn, pending, follower=True)
+        return TurnHandle(turn.id, turn.conversation_id, controller)
 
 
 async def answer_paused(
@@ -626,7 +669,7 @@ async def answer_paused(
         raise from_kernel(exc) from None
     if not all(r.get("accepted") for r in results):
         return None  # nothing applied (all or none): answered meanwhile, or start_turn's refusal
-    return paused.run(server, conversation_id, fresh)
+    return await paused.run(server, conversation_id, fresh)
 
 
 async def round_answered(server: Server, turn_id: str, decisions: list[Decision]) -> bool:
@@ -716,7 +759,7 @@ async def start_turn(
             paused = await PausedTurn.load(server, awaiting)
             decisions = paused.fresh(decisions)
             if not decisions:  # nothing new: the turn still waits for the rest, as it shows now
-                return paused.run(server, conversation_id, [], shown_before=True)
+                return await paused.run(server, conversation_id, [], shown_before=True)
             results = await kernel.respond(conversation_id, decisions, whole=True)  # one request: all or none
             refused = [r for r in results if not r.get("accepted")]
             if refused:
@@ -727,7 +770,7 @@ async def start_turn(
                     code={"unknown_call": "unknown_tool_call"}.get(str(refused[0].get("error")), "already_resolved"),
                     param=answers_param,  # the request's field that carries the answers
                 )
-            return paused.run(server, conversation_id, decisions)
+            return await paused.run(server, conversation_id, decisions)
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
         if while_pending is not None:

@@ -357,6 +357,10 @@ class Placement:
     # another server of a cluster) may answer them first; this one then forks there (`fork_lost`).
     point_message: int | None = None
     paused_turn: str | None = None
+    # The calls made there ({id, name, arguments}, in order): a legacy `function` message, which
+    # names its call by the function only, answers one of these (`answer_at_round`), whatever
+    # another request (on another server) did with them since.
+    round_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -459,6 +463,22 @@ def by_name(call_id: str, calls: list[tuple[str, str]]) -> str:
         return call_id
     named = [cid for cid, n in calls if n == name]
     return named[0] if named else call_id
+
+
+def answer_at_round(call_id: str, made: list[dict[str, Any]], shown: list[dict[str, str]]) -> str:
+    """The id of the call of the round `made` (a point's calls) that a legacy answer (`call_id`
+    names its function) answers: the call the transcript showed last, its legacy replies having
+    shown the round's calls one at a time from the first (`shown`, see `legacy_round`); else the
+    first call of that name. Read from the history, not from the calls still waiting: an answer
+    racing another one (on another server) that was applied first still names its call, and forks
+    from the point like any other (`fork_lost`)."""
+    name = legacy_name(call_id)
+    if name is None:
+        return call_id
+    for k in range(min(len(shown), len(made)), 0, -1):
+        if made[k - 1]["name"] == name and all(_same_call(a, b) for a, b in zip(made[:k], shown[-k:], strict=True)):
+            return str(made[k - 1]["id"])
+    return by_name(call_id, [(c["id"], c["name"]) for c in made])
 
 
 def repeats_answer(p: PendingCall | None, d: Decision) -> bool:
@@ -839,7 +859,7 @@ class ConversationMatcher:
         h = chain(prefix)
         candidates = []
         points = await self.store.find_history_points(agent.id, h)
-        rounds: dict[str, str | None] = {}  # conversation → the turn that made the answered calls at its point
+        rounds: dict[str, MessageRecord | None] = {}  # conversation → the message that made the answered calls
         if answers is not None and points:
             rounds = await self._answerable(points, answers)
             points = [p for p in points if p.conversation_id in rounds]
@@ -854,8 +874,11 @@ class ConversationMatcher:
                 continue
             if self.free(point.conversation_id, answering=answers is not None):  # no await between check and claim
                 self.claim(point.conversation_id)
-                turn = rounds.get(point.conversation_id)
-                return Placement(point.conversation_id, "prefix", True, point.last_message_id, turn)
+                made = rounds.get(point.conversation_id)
+                if made is None:
+                    return Placement(point.conversation_id, "prefix", True, point.last_message_id)
+                calls = [dict(c) for c in made.tool_calls]
+                return Placement(point.conversation_id, "prefix", True, point.last_message_id, made.turn_id, calls)
         if candidates:
             src = candidates[0]
             conv_id = await self.fork_at(
@@ -880,20 +903,20 @@ class ConversationMatcher:
             raise
         return place
 
-    async def _answerable(self, points: list[HistoryPoint], answers: Answers) -> dict[str, str | None]:
+    async def _answerable(self, points: list[HistoryPoint], answers: Answers) -> dict[str, MessageRecord | None]:
         """The points where the answered calls were made, by conversation (a conversation has one
-        point of a hash), with the turn that made them. The view leaves call ids out, so two
+        point of a hash), with the message that made them. The view leaves call ids out, so two
         histories whose turns made the same call (`f` with the same arguments, under other ids)
         share a point; answers to one conversation's calls belong there (or in a fork of it), never
         in another, which would refuse them as calls it never made. When no point made them (a
         history whose calls this server never issued, resent with other ids than one it seeded
         before), there is none: the history is seeded as a new conversation, paused at its own
         calls, and the answers answer those."""
-        fitting: dict[str, str | None] = {}
+        fitting: dict[str, MessageRecord | None] = {}
         for point in points:
             made = await self._round_at(point)
             if _answers_fit(answers.call_ids, _calls_of(made)):
-                fitting[point.conversation_id] = made.turn_id if made is not None else None
+                fitting[point.conversation_id] = made
         return fitting
 
     async def _round_at(self, point: HistoryPoint) -> MessageRecord | None:

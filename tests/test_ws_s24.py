@@ -472,3 +472,37 @@ async def test_a_steady_slow_reader_of_big_pages_is_not_closed(served_quick: Ser
         assert pages == ["h1", "h2"]
     finally:
         client.close()
+
+
+async def test_the_unsent_bytes_of_a_closed_tls_transport_read_as_none(tmp_path: Path) -> None:
+    """asyncio's TLS transport drops its protocol when it closes, and `get_write_buffer_size`
+    then raises AttributeError: a WebSocket over TLS that ended measured its leftover bytes that
+    way at detach and failed with a traceback ('Exception in ASGI application')."""
+    import ssl
+
+    from appserver.ws.routes import _unsent_of
+    from tests.support.certs import self_signed
+
+    cert, key = self_signed(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    accepted: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
+
+    async def on_client(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set_result(writer)
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", 0, ssl=server_ctx)
+    port = server.sockets[0].getsockname()[1]
+    client_ctx = ssl.create_default_context(cafile=str(cert))
+    _, client = await asyncio.open_connection("127.0.0.1", port, ssl=client_ctx, server_hostname="127.0.0.1")
+    writer = await asyncio.wait_for(accepted, 10)
+    unsent = _unsent_of(writer.transport)
+    assert unsent() == 0
+    writer.transport.close()
+    writer.transport.close()  # closed again (as a connection's teardown may): it lets go of its protocol
+    with pytest.raises(AttributeError):  # what the transport itself does then
+        writer.transport.get_write_buffer_size()
+    assert unsent() == 0
+    client.close()
+    server.close()
+    await server.wait_closed()

@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -212,7 +213,7 @@ class Endpoint:
             outbound_max_bytes=limits.ws_outbound_max_bytes,
             send_timeout_s=limits.ws_send_timeout_s,
             write_frame=write_frame,
-            unsent=transport.get_write_buffer_size if transport is not None else None,
+            unsent=_unsent_of(transport) if transport is not None else None,
             abort=transport.abort if transport is not None else None,
             budget=self.hub.outbound_budget,
             address=str(client[0]) if client else None,
@@ -784,6 +785,19 @@ def _transport_of(extensions: dict[str, Any]) -> Any | None:
         if hasattr(transport, "get_write_buffer_size") and hasattr(transport, "abort"):
             return transport
     return None
+
+
+def _unsent_of(transport: Any) -> Callable[[], int]:
+    """The bytes `transport` holds unsent, 0 once it is gone: asyncio's TLS transport drops its
+    protocol when it closes, and asking it then raises (AttributeError) instead of answering 0."""
+
+    def unsent() -> int:
+        try:
+            return int(transport.get_write_buffer_size())
+        except (AttributeError, RuntimeError):
+            return 0
+
+    return unsent
 
 
 def _hello_overdue(conn: Connection, hello_timeout_s: float, first: bool) -> None:

@@ -1347,8 +1347,8 @@ class Responses:
                 )
                 try:
                     head = place
-                    resumed = await self._answer_head(head, prev_id, decisions)
-                    if resumed is None and await self._answered(head, prev_id, decisions):
+                    resumed, lost = await self._answer_head(head, prev_id, decisions)
+                    if lost:
                         place = await self._fork_lost(agent, ns, head, prev_id, answers)
                     run = resumed or await start_turn(
                         self.server,
@@ -1410,20 +1410,21 @@ class Responses:
             return ctx.stream_response(request)
         return await ctx.complete(request)
 
-    async def _answer_head(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> TurnRun | None:
+    async def _answer_head(
+        self, place: Placement, prev_id: str | None, decisions: list[Decision]
+    ) -> tuple[TurnRun | None, bool]:
         """The paused turn `place` continues (at `prev_id`), resumed with the answers it has not
-        yet (common.answer_paused); None when start_turn answers as ever, or another request
-        answered the calls first (see `_answered`)."""
+        yet (common.answer_paused): (the run, False). (None, True) when other requests answered
+        all of its round first, so that its turn moved on while `place` continued its conversation:
+        answering again forks from `prev_id`, as the second of two requests racing on one server
+        does (docs/openai.md "Racing requests"). (None, False): start_turn answers as ever."""
         turn_id = await self._paused_turn(place, prev_id, decisions)
-        return await answer_paused(self.server, place.conversation_id, turn_id, decisions) if turn_id else None
-
-    async def _answered(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> bool:
-        """Did other requests answer the calls `prev_id` asked (all of its round), so that its turn
-        moved on while `place` continued its conversation? Answering them again forks from
-        `prev_id`, as the second of two requests racing on one server does (docs/openai.md
-        "Racing requests")."""
-        turn_id = await self._paused_turn(place, prev_id, decisions)
-        return await round_answered(self.server, turn_id, decisions) if turn_id else False
+        if not turn_id:
+            return None, False
+        resumed = await answer_paused(self.server, place.conversation_id, turn_id, decisions)
+        if resumed is not None:
+            return resumed, False
+        return None, await round_answered(self.server, turn_id, decisions)
 
     async def _paused_turn(self, place: Placement, prev_id: str | None, decisions: list[Decision]) -> str | None:
         """The turn of `prev_id`, which made the calls `decisions` answer, when `place` continues it."""
@@ -1436,7 +1437,7 @@ class Responses:
         self, agent: AgentRecord, ns: str | None, head: Placement, prev_id: str | None, answers: Answers | None
     ) -> Placement:
         """The fork from `prev_id` a request answering its calls goes to once another request
-        continued its conversation first (see `_answered`); the head's claim is given up."""
+        continued its conversation first (see `_answer_head`); the head's claim is given up."""
         self.matcher.release(head)
         rec = await self.server.store.get_response(prev_id or "")
         if rec is None:  # placed at it a moment ago: deleted since

@@ -437,6 +437,10 @@ RESPONSES_ONLY = [
     ({"context_management": "x"}, "invalid_type", "context_management"),
     ({"image": "x"}, "invalid_type", "image"),
     ({"verbosity": "huge"}, "invalid_value", "verbosity"),
+    ({"text": {"format": {}}}, "missing_required_parameter", "text.format.type"),
+    ({"text": {"format": {"type": None}}}, "invalid_type", "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "missing_required_parameter", "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": None}}}, "invalid_type", "text.format.name"),
 ]
 CHAT_ONLY = [
     ({"stop": 5}, "invalid_type", "stop"),
@@ -453,6 +457,24 @@ CHAT_ONLY = [
         "messages[0].tool_calls",
     ),
     (messages({"role": "function", "content": "x"}), "missing_required_parameter", "messages[0].name"),
+    ({"response_format": {}}, "missing_required_parameter", "response_format.type"),
+    ({"response_format": {"type": None}}, "invalid_type", "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "missing_required_parameter", "response_format.json_schema"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "missing_required_parameter",
+        "response_format.json_schema.name",
+    ),
+    (
+        messages({"role": "assistant", "function_call": {"arguments": "{}"}}, {"role": "user", "content": "y"}),
+        "missing_required_parameter",
+        "messages[0].function_call.name",
+    ),
+    (
+        messages({"role": "assistant", "function_call": {"name": "f"}}, {"role": "user", "content": "y"}),
+        "missing_required_parameter",
+        "messages[0].function_call.arguments",
+    ),
 ]
 
 

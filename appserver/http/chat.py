@@ -373,8 +373,8 @@ def legacy_function_call(value: Any, where: str) -> dict[str, Any] | None:
     call = fields.obj(value, f"{where}.function_call")
     if call is None:
         return None
-    name = fields.string(call.get("name"), f"{where}.function_call.name", nullable=False)
-    args = fields.string(call.get("arguments"), f"{where}.function_call.arguments", nullable=False)
+    name = fields.required_string(call, "name", f"{where}.function_call.name")
+    args = fields.required_string(call, "arguments", f"{where}.function_call.arguments")
     return {"id": LEGACY_CALL_ID + str(name), "name": name, "arguments": args}
 
 
@@ -625,9 +625,11 @@ def response_format_of(value: Any, param: str = "response_format") -> dict[str, 
     fmt = fields.obj(value, param)
     if fmt is None:
         return None
-    fields.one_of(fmt.get("type"), f"{param}.type", RESPONSE_FORMATS, nullable=False)
+    fields.one_of(fields.required(fmt, "type", f"{param}.type"), f"{param}.type", RESPONSE_FORMATS, nullable=False)
     if fmt["type"] == "json_schema":
-        inner = fields.obj(fmt.get("json_schema"), f"{param}.json_schema", nullable=False)
+        inner = fields.obj(
+            fields.required(fmt, "json_schema", f"{param}.json_schema"), f"{param}.json_schema", nullable=False
+        )
         assert inner is not None
         schema_fields(inner, f"{param}.json_schema")
     return fmt
@@ -635,7 +637,7 @@ def response_format_of(value: Any, param: str = "response_format") -> dict[str, 
 
 def schema_fields(fmt: dict[str, Any], param: str) -> None:
     """name (required, a function-like name), schema (an object), strict, description."""
-    name = fields.string(fmt.get("name"), f"{param}.name", nullable=False)
+    name = fields.required_string(fmt, "name", f"{param}.name")
     if not fields.FUNCTION_NAME.fullmatch(name or ""):  # an upstream would refuse it after the turn began
         raise bad_request(
             f"Invalid '{param}.name': {name!r} does not match pattern. Expected a string that matches the pattern "

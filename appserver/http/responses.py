@@ -688,7 +688,9 @@ def text_of(value: Any) -> dict[str, Any]:
     fmt = fields.obj(text.get("format"), "text.format")
     shown: dict[str, Any] = {"format": {"type": "text"}}
     if fmt is not None:
-        fields.one_of(fmt.get("type"), "text.format.type", TEXT_FORMATS, nullable=False)
+        fields.one_of(
+            fields.required(fmt, "type", "text.format.type"), "text.format.type", TEXT_FORMATS, nullable=False
+        )
         if fmt["type"] == "json_schema":
             schema_fields(fmt, "text.format")
             if fmt.get("schema") is None:

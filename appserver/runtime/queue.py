@@ -29,7 +29,7 @@ from appserver.runtime.restore import controller_from_store, restart_revision
 from appserver.runtime.run import TurnRunner
 from appserver.runtime.settle import withdrawn
 from appserver.runtime.snapshot import TurnController
-from appserver.store.base import OpenLimitReached
+from appserver.store.base import DuplicateTurn, OpenLimitReached
 from appserver.store.records import AgentRecord, TurnRecord
 
 
@@ -67,6 +67,9 @@ class TurnQueue:
         self._cancel_ticket = -1  # an input cancelled by cancel_next while still being accepted
         # Turns of a cluster's accept here not queued yet: a pull meanwhile must not queue them too.
         self._arriving: set[str] = set()
+        # (scope, idempotency key) of inputs being accepted → the turn once its accept committed,
+        # None if it did not: a copy sent meanwhile waits for it instead of holding a place.
+        self._keyed: dict[tuple[str, str], asyncio.Future[TurnRecord | None]] = {}
         self.worker: asyncio.Task[None] | None = None
         self.closed = False  # see close()
         self.last_active = time.monotonic()
@@ -104,7 +107,33 @@ class TurnQueue:
         only after it, and the turn's own commit waits for it. Without an idempotency scope only
         (a duplicate must be found before anything runs). `agent`: the record the submitter read
         just now, which such a turn then runs with instead of reading it again.
+
+        A copy of an input whose accept is still committing (the same idempotency key, sent at
+        once by a client's resend or two relays) waits for that accept and gets its turn as a
+        duplicate: it neither holds a queue place nor is refused as over the limit.
         """
+        key = (idempotency_scope, record.idempotency_key) if idempotency_scope and record.idempotency_key else None
+        while key is not None and key in self._keyed:
+            earlier = await asyncio.shield(self._keyed[key])  # the copy's own cancel leaves the first alone
+            if earlier is not None:
+                raise DuplicateTurn(earlier)
+        if key is None:
+            return await self._admit(record, idempotency_scope, overlap, agent)
+        accepted: asyncio.Future[TurnRecord | None] = asyncio.get_running_loop().create_future()
+        self._keyed[key] = accepted
+        try:
+            admitted = await self._admit(record, idempotency_scope, overlap, agent)
+        except BaseException:
+            accepted.set_result(record if self.knows(record.id) else None)
+            raise
+        finally:
+            del self._keyed[key]
+        accepted.set_result(record)
+        return admitted
+
+    async def _admit(
+        self, record: TurnRecord, idempotency_scope: str | None, overlap: bool, agent: AgentRecord | None
+    ) -> tuple[TurnHandle, int]:
         waiting = len(self._items) + self.accepting
         limit = self._deps.config.limits.queue_max
         if waiting >= limit:

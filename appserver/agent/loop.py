@@ -440,14 +440,11 @@ class AgentLoop:
                             emit(TextDelta(chunk.text, refusal=True))
                     elif isinstance(chunk, ToolCallStart):
                         partial.shown = True
-                        call_id = chunk.id or f"call_{uuid.uuid4().hex[:20]}"
-                        if chunk.id and _call_id_taken(work, partial, chunk.id):
-                            # upstreams that number calls per reply (call_0 every time) would clash
-                            # with an earlier call of this conversation (one pending call per id)
-                            call_id = f"call_{uuid.uuid4().hex[:20]}"
-                        executor = "client" if chunk.name in client_names else "server"
-                        partial.calls[chunk.index] = StreamingCall(call_id, chunk.name, executor)
-                        emit(ToolCallStarted(call_id, chunk.name, executor))  # type: ignore[arg-type]
+                        call_id = _stored_call_id(work, partial, chunk.id)
+                        name = chunk.name.replace("\x00", "\ufffd")  # PostgreSQL text holds no NUL
+                        executor = "client" if name in client_names else "server"
+                        partial.calls[chunk.index] = StreamingCall(call_id, name, executor)
+                        emit(ToolCallStarted(call_id, name, executor))  # type: ignore[arg-type]
                     elif isinstance(chunk, ToolCallArgs):
                         call = partial.calls.get(chunk.index)
                         if call is None:
@@ -704,6 +701,16 @@ def _tool_message(work: TurnWork, call_id: str, name: str, text: str, is_error: 
         name=name,
         is_error=is_error,
     )
+
+
+def _stored_call_id(work: TurnWork, partial: StreamingAssistant, upstream_id: str | None) -> str:
+    """The id a streamed call is kept under: the upstream's, or a fresh one when it has none, when
+    it names an earlier call (upstreams that number calls per reply, call_0 every time, would clash
+    with one of this conversation: one pending call per id), or when it holds a NUL (PostgreSQL text
+    cannot hold one: the call's result row would never be stored, leaving the call unanswered)."""
+    if upstream_id and "\x00" not in upstream_id and not _call_id_taken(work, partial, upstream_id):
+        return upstream_id
+    return f"call_{uuid.uuid4().hex[:20]}"
 
 
 def _call_id_taken(work: TurnWork, partial: StreamingAssistant, call_id: str) -> bool:

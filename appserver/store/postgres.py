@@ -393,6 +393,14 @@ def _refused_value(exc: BaseException) -> BaseException:
     return exc
 
 
+def _nul_free(value: str | None) -> str | None:
+    """`value` with each NUL as U+FFFD, as `store copy` writes it: PostgreSQL text cannot hold a
+    NUL, and one in what a model streamed (its reasoning, a call's name or arguments) must never
+    fail a turn's commit. For the raw text columns of messages and pending_calls (JSON columns
+    hold a NUL escaped)."""
+    return value.replace("\x00", "\ufffd") if value and "\x00" in value else value
+
+
 # ------------------------------------------------------------------ row → record
 
 
@@ -958,10 +966,10 @@ class PostgresStore(Store):
                         m.role,
                         dump_json(m.content),
                         dump_json(m.tool_calls) if m.tool_calls else None,
-                        m.tool_call_id,
-                        m.name,
+                        _nul_free(m.tool_call_id),
+                        _nul_free(m.name),
                         m.is_error,
-                        m.reasoning,
+                        _nul_free(m.reasoning),
                         dump_json(m.provider_state) if m.provider_state is not None else None,
                         m.completion_status,
                         dump_json(m.source) if m.source is not None else None,
@@ -1263,16 +1271,16 @@ class PostgresStore(Store):
                 _INSERT_PENDING,
                 (
                     conversation_id,
-                    p.call_id,
+                    _nul_free(p.call_id),
                     p.turn_id,
-                    p.name,
-                    p.arguments,
+                    _nul_free(p.name),
+                    _nul_free(p.arguments),
                     p.kind,
                     p.status,
-                    p.output,
+                    _nul_free(p.output),
                     p.is_error,
-                    p.reason,
-                    p.decided_by,
+                    _nul_free(p.reason),
+                    _nul_free(p.decided_by),
                     p.created_at or now,
                     p.expires_at,
                 ),
@@ -1360,7 +1368,15 @@ class PostgresStore(Store):
                 conn,
                 "UPDATE pending_calls SET status=%s, output=%s, is_error=%s, reason=%s, decided_by=%s "
                 "WHERE conversation_id=%s AND call_id=%s AND status='pending'",
-                (status, output, is_error, reason, decided_by, conversation_id, call_id),
+                (
+                    status,
+                    _nul_free(output),
+                    is_error,
+                    _nul_free(reason),
+                    _nul_free(decided_by),
+                    conversation_id,
+                    call_id,
+                ),
             )
             return n == 1
 

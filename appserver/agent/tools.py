@@ -341,18 +341,27 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
 # exits with the command's status. On SIGTERM (the server's timeout or cancel, or PR_SET_PDEATHSIG
 # when the server died) it does the same and exits 143, ignoring further SIGTERMs meanwhile (the
 # kernel sends the parent-death signal again as each of the dying server's threads exits).
-# `k` finds descendants with one `awk` over /proc/*/stat (its children, other than the awk itself,
-# whose parent it is since their own parent died) in rounds: each round's kills hand their
-# children to the guard for the next. The awk reads each file with getline, which skips a process
-# that ended meanwhile (as awk's own input a file that cannot be opened ends the whole scan: the
-# dying server's own entry ended it). Without awk it reads /proc in the shell (slower). What it
-# cannot see (no /proc) is left to the process-group kill of a timeout and to the next server's
-# `reap_orphaned_tools`; so is what outlives a guard killed with SIGKILL (docs/security.md).
+# `k` kills the guard's children in rounds (each round's kills hand their children to it for the
+# next; the round's `sleep` reaps the dead) until it has none. It reads them from the kernel's list
+# (/proc/thread-self/children, read by the shell itself: no process of its own to skip) and stops
+# only when that list is empty: the list holds zombies until they are reaped and an orphan is put
+# on it as its parent dies, so an empty list means no descendant is left, also of a process that
+# keeps changing its pid (fork, setsid, the parent exits) which a scan of /proc/*/stat missed
+# between its two pids (the old one gone before its entry was read, the new one born after the
+# list of entries was taken). A kernel without that file (CONFIG_PROC_CHILDREN off) gets that scan:
+# one `awk` over /proc/*/stat (its children, other than the awk itself). The awk reads each file
+# with getline, which skips a process that ended meanwhile (as awk's own input a file that cannot
+# be opened ends the whole scan: the dying server's own entry ended it). Without awk it reads /proc
+# in the shell (slower). What it cannot see (no /proc, or a pid-hopper missed by the scan) is left
+# to the process-group kill and to the next server's `reap_orphaned_tools`; so is what outlives a
+# guard killed with SIGKILL (docs/security.md).
 _GROUP_GUARD = r"""k() {
   n=0
   while [ $n -lt 200 ]; do
     n=$((n+1))
-    if command -v awk >/dev/null 2>&1; then
+    if [ -r /proc/thread-self/children ]; then
+      c=; read -r c </proc/thread-self/children
+    elif command -v awk >/dev/null 2>&1; then
       c=$(awk -v g=$$ 'BEGIN { if ((getline l < "/proc/self/stat") > 0) { me = l; sub(/ .*/, "", me) }
         for (i = 1; i < ARGC; i++) if ((getline l < ARGV[i]) > 0) { close(ARGV[i]); p = l; sub(/ .*/, "", p)
           sub(/.*\) /, "", l); split(l, a, " "); if (a[2] == g && a[1] != "Z" && p != me) printf " %s", p } }' \

@@ -29,6 +29,12 @@ except ImportError:  # pragma: no cover - uvicorn[standard] brings it on every s
     httptools = None  # type: ignore[assignment]
 
 READ_BUFFER_MAX = 256 * 1024  # pause reading from the socket while this much is unconsumed
+# An answer's head (status line and header fields, interim 1xx heads included) is refused past
+# these: httpx's default transport lets h11 buffer at most 100 KiB of an incomplete head
+# (httpcore's MAX_INCOMPLETE_EVENT_SIZE), and http.client (urllib3, requests) refuses more than
+# 100 header fields. Past them the connection is dropped, and nothing more of the answer is read.
+HEAD_MAX_BYTES = 100 * 1024
+HEAD_MAX_FIELDS = 100
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
 _Key = tuple[str, str, int]
@@ -39,6 +45,15 @@ _EXPIRED = object()  # a waiter's result when its timer fired first
 
 class _StrayAnswer(Exception):
     """Raised in a parser callback to stop reading an answer nobody asked for."""
+
+
+class _TooManyHeaders(Exception):
+    """Raised in a parser callback to stop reading a head past `HEAD_MAX_FIELDS`."""
+
+
+class ResponseHeadTooLarge(httpx.RemoteProtocolError):
+    """An upstream's response head passed `HEAD_MAX_BYTES` or `HEAD_MAX_FIELDS`: a protocol
+    violation (the providers' `protocol` kind, not retried), not a network fault to retry."""
 
 
 class _Connection(asyncio.Protocol):
@@ -62,6 +77,7 @@ class _Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
+        self.head_bytes = 0  # bytes received while the head was incomplete
         self.headers_done = False
         self.complete = False
         self.until_close = False
@@ -79,6 +95,7 @@ class _Connection(asyncio.Protocol):
             # connection would read them as its answer, or wait for the rest of them.
             self.close()
             return
+        in_head = not self.headers_done
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:  # pragma: no cover - we never ask for an upgrade
@@ -86,9 +103,20 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             if self.error is None:  # else a callback stopped the parse and said why
                 self.error = httpx.RemoteProtocolError(f"malformed HTTP response: {exc}")
+        if in_head:
+            self._count_head(len(data))
         if self.error is not None and self.transport is not None:
             self.transport.close()
         self._wake()
+
+    def _count_head(self, size: int) -> None:
+        """Refuse a head still incomplete after `HEAD_MAX_BYTES`: checked after each read (at most
+        256 KiB), so the parser never holds more than that beyond the limit."""
+        self.head_bytes += size
+        if not self.headers_done and self.head_bytes > HEAD_MAX_BYTES and self.error is None:
+            self.error = ResponseHeadTooLarge(
+                f"the upstream's response head (status line and headers) is larger than {HEAD_MAX_BYTES} bytes"
+            )
 
     def eof_received(self) -> bool:
         self._end()
@@ -120,6 +148,9 @@ class _Connection(asyncio.Protocol):
         self.reason = status
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= HEAD_MAX_FIELDS:
+            self.error = ResponseHeadTooLarge(f"the upstream's response head has more than {HEAD_MAX_FIELDS} headers")
+            raise _TooManyHeaders  # stops the parse; data_received keeps self.error and closes
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -339,12 +370,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn = self._checkout(key) or await self._connect(key, timeouts.get("connect"))
             assert conn.transport is not None
             conn.transport.write(payload)
-            while not conn.headers_done:
-                if conn.error is not None:
-                    raise conn.error
-                if conn.lost:
-                    raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-                await conn.wait(timeouts.get("read"))
+            await self._head(conn, timeouts.get("read"))
         except BaseException:
             if conn is not None:
                 conn.close()
@@ -353,6 +379,19 @@ class LeanTransport(httpx.AsyncBaseTransport):
         return LeanResponse(
             conn.status, conn.headers, _ResponseBody(self, key, conn, timeouts.get("read")), conn.reason
         )
+
+    @staticmethod
+    async def _head(conn: _Connection, timeout: float | None) -> None:
+        """Until `conn`'s answer head is complete. The read timeout bounds the head as a whole, not
+        each piece of it: an upstream trickling header bytes must not hold the call forever."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not conn.headers_done:
+            if conn.error is not None:
+                raise conn.error
+            if conn.lost:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            await conn.wait(None if deadline is None else deadline - loop.time())
 
     def _checkout(self, key: _Key) -> _Connection | None:
         idle = self._idle.get(key)

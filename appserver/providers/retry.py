@@ -86,14 +86,20 @@ def parse_retry_after(headers: Mapping[str, str], *, now: float | None = None) -
     try:
         value = float(raw)
     except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(raw)
-        except (TypeError, ValueError, IndexError):
-            return None
+        return _seconds_until(raw, time.time() if now is None else now)
+    return value if value >= 0 and math.isfinite(value) else None
+
+
+def _seconds_until(raw: str, now: float) -> float | None:
+    """Seconds from `now` to the HTTP date `raw`, or None when it is no date a datetime can hold:
+    an upstream's year 10000000000 raised OverflowError, which failed the turn as an internal
+    error instead of leaving the retry to the default backoff."""
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
         if when is None:
             return None
         if when.tzinfo is None:
             when = when.replace(tzinfo=datetime.UTC)  # HTTP dates are GMT
-        current = time.time() if now is None else now
-        return max(0.0, when.timestamp() - current)
-    return value if value >= 0 and math.isfinite(value) else None
+        return max(0.0, when.timestamp() - now)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None

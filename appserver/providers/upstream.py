@@ -17,7 +17,13 @@ import httpx
 
 from appserver.config import ProviderConfig, api_key_problem, describe_char, header_text_problem
 from appserver.providers.base import ProviderError, error_from_status
-from appserver.providers.fasttransport import LeanClient, LeanResponse, lean_transport, raw_headers
+from appserver.providers.fasttransport import (
+    LeanClient,
+    LeanResponse,
+    ResponseHeadTooLarge,
+    lean_transport,
+    raw_headers,
+)
 from appserver.providers.jsontext import loads
 from appserver.providers.retry import parse_retry_after
 
@@ -396,6 +402,8 @@ def transport_error(exc: Exception) -> ProviderError:
         return ProviderError("timeout", f"upstream timed out: {type(exc).__name__}")
     if isinstance(exc, httpx.DecodingError):
         return ProviderError("protocol", f"cannot decode upstream body: {exc}")
+    if isinstance(exc, ResponseHeadTooLarge):  # an upstream that sends it will send it again
+        return ProviderError("protocol", f"upstream answer refused: {exc}")
     detail = str(exc) or type(exc).__name__
     return ProviderError("network", f"upstream connection failed: {detail}")
 
@@ -412,5 +420,6 @@ def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
 
 
 def request_timeout(cfg: ProviderConfig) -> httpx.Timeout:
-    """Read timeout is between bytes, so long generations are fine; connect fails fast."""
+    """Read timeout is between bytes, so long generations are fine (the lean transport also bounds
+    an answer's head as a whole by it); connect fails fast."""
     return httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)

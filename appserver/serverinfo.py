@@ -9,6 +9,12 @@ While held, the lock file names its holder (command, pid, identity), so a refusa
 
 server.json also records the store the server uses (`store`: its URL without the password), so
 CLI commands on the home act on that store, not on the one config.toml names (cli/common.py).
+
+It names its home too (`home_id`: the directory's device and inode), because a home copied while
+its server runs (`cp -a home home-copy`) carries the original's server.json, naming a live process
+whose URL answers: read in the copy, it describes no server of the copy (the copy's commands went
+to the original's server and store, and `serve` on the copy was refused). A home reached through a
+symlink, a bind mount or after `mv` is the same directory, so it still matches.
 """
 
 from __future__ import annotations
@@ -47,10 +53,36 @@ def write_server_json(path: Path, url: str, auth_mode: str, **extra: Any) -> dic
         "identity": identity(),
         "auth": auth_mode,
         "started_at": time.time(),
+        "home_id": home_id(path.parent),
         **extra,
     }
     atomic_write_json(path, info)
     return info
+
+
+def home_id(home: Path) -> dict[str, int]:
+    """The home directory's identity (device, inode): the same through a symlink or after `mv`,
+    another for a copy. A dict, not a tuple, so it reads back from JSON equal to what was written
+    (ServerJsonKeeper compares the two)."""
+    st = os.stat(home)
+    return {"dev": st.st_dev, "ino": st.st_ino}
+
+
+def _of_this_home(info: dict[str, Any], path: Path) -> bool:
+    """Whether server.json `info`, read at `path`, was written for the home it lies in, not copied
+    from another (a copy carries the original's file). One from before `home_id` is judged by the
+    `home` path it names (resolved); one naming neither is taken as this home's, as before."""
+    try:
+        here = os.stat(path.parent)
+        recorded = info.get("home_id")
+        if isinstance(recorded, dict):
+            return (recorded.get("dev"), recorded.get("ino")) == (here.st_dev, here.st_ino)
+        named = info.get("home")
+        if not isinstance(named, str) or not named:
+            return True
+        return os.path.samestat(os.stat(named), here)
+    except (OSError, ValueError):  # the named home is gone (or no path): not this one
+        return False
 
 
 def store_record(url: str) -> dict[str, Any]:
@@ -62,7 +94,8 @@ def store_record(url: str) -> dict[str, Any]:
 
 
 def read_live_server(path: Path) -> dict[str, Any] | None:
-    """The server.json of a live server on this home, or None (a stale file from a dead one is ignored).
+    """The server.json of a live server on this home, or None (a stale file from a dead one, or one
+    copied with the home from another, is ignored).
     One too large to be a server's is damaged, so ignored as garbage is (`serve` replaces it); one that
     is no regular file or a link to nothing raises StateFileRefused: a FIFO would block every command
     forever, and a file on an unmounted disk may name a live server."""
@@ -82,6 +115,9 @@ def _named_alive(path: Path) -> dict[str, Any] | None:
         log.warning("ignoring a damaged server.json: %s", exc)
         return None
     if not isinstance(info, dict) or not identity_alive(str(info.get("identity") or "")):
+        return None
+    if not _of_this_home(info, path):
+        log.info("ignoring a server.json copied from another home (%s): it names no server here", info.get("home"))
         return None
     return info
 
@@ -349,7 +385,12 @@ def _not_published(server_json: Path, lock: Path, wait_s: float) -> str:
             info = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             info = None
-        state = "names a process that is gone" if isinstance(info, dict) else "is damaged"
+        if not isinstance(info, dict):
+            state = "is damaged"
+        elif not _of_this_home(info, server_json):
+            state = "is a copy of another home's"
+        else:
+            state = "names a process that is gone"
     return (
         f"a server holds this home ({lock}) but {server_json} {state} after {wait_s:g} s: a server that "
         f"started within that time is still starting; a running one rewrites the file within "

@@ -12,6 +12,7 @@ import asyncio
 import errno
 import json
 import os
+import re
 import select
 import sqlite3
 import ssl
@@ -44,9 +45,44 @@ class StartupError(Exception):
 
 def fail(message: str, code: int = 1) -> NoReturn:
     """One error line and exit `code`; the message often carries a server's or a model's words, so
-    its controls are shown, not obeyed."""
-    click.echo(f"error: {visible(message)}", err=True)
+    its controls are shown, not obeyed, and often the argument it refuses, so a long one is shortened
+    (`short_values`)."""
+    click.echo(error_line(message), err=True)
     sys.exit(code)
+
+
+def error_line(message: str) -> str:
+    """`error: <message>` as every command prints it (see `fail`)."""
+    return f"error: {visible(short_values(message, sys.argv[1:]))}"
+
+
+QUOTED_MAX = 100  # characters of a user's value that an error line shows
+RUN_MAX = 1000  # a longer run without blanks in an error line is a value echoed whole, never prose
+
+
+def quoted(value: str, limit: int = QUOTED_MAX) -> str:
+    """A user's value as an error line shows it: repr-quoted, so an empty or blank one is seen, and
+    cut after `limit` characters, so a refused 100 KB argument is not 100 KB on stderr."""
+    if len(value) <= limit:
+        return repr(value)
+    shown = repr(value[:limit])
+    return f"{shown[:-1]}…{shown[-1]} ({len(value)} characters)"
+
+
+def short_values(message: str, args: Sequence[str]) -> str:
+    """`message` with each long command-line value it echoes (repr-quoted or bare; as given, upper-
+    or lower-cased, as the kernel's and the gateway's messages do) shown by `quoted`, and any other
+    run of more than RUN_MAX characters without a blank (a value echoed after another change) cut."""
+    for value in sorted(_long_values(args), key=len, reverse=True):
+        for form in (value, value.upper(), value.lower()):
+            message = message.replace(repr(form), quoted(form)).replace(form, quoted(form))
+    return re.sub(rf"\S{{{RUN_MAX + 1},}}", lambda m: quoted(m.group()), message)
+
+
+def _long_values(args: Sequence[str]) -> set[str]:
+    """The command-line values longer than QUOTED_MAX (an option's `--name=VALUE` too)."""
+    values = {arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg for arg in args}
+    return {value for value in values if len(value) > QUOTED_MAX}
 
 
 def not_utf8(text: str) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import click
 
 from appserver.cli import safetext
-from appserver.cli.common import MAX_COUNT, Count, echo_long, get_config, prepare_store_schema
+from appserver.cli.common import MAX_COUNT, Count, echo_long, error_line, get_config, prepare_store_schema
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile, StateFileRefused
@@ -168,7 +168,7 @@ class _OneLineError(click.ClickException):
     """`error: <one line>` and exit code 1, spelled like every other appserver command."""
 
     def show(self, file: Any = None) -> None:
-        click.echo(f"error: {visible(self.format_message())}", err=True)  # may quote crons.json or a server
+        click.echo(error_line(self.format_message()), err=True)  # may quote crons.json or a server
 
 
 class _NotFound(_OneLineError):

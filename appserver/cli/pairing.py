@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager
 import click
 
 from appserver.cli.channels import Refused, _errors, _gateway_db
-from appserver.cli.common import echo_long, get_config
+from appserver.cli.common import echo_long, get_config, quoted
 from appserver.cli.safetext import exact
 from gateway.pairing import Pairing, PairingCode, PairingError
 
@@ -124,5 +124,5 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
         assert conn is not None
         removed = Pairing(conn).revoke(sender, channel, account)
     if not removed:
-        raise Refused(f"{sender} is neither an approved nor a denied sender", 1)
+        raise Refused(f"{quoted(sender)} is neither an approved nor a denied sender", 1)
     click.echo(f"Revoked {sender} ({removed} account{'s' if removed != 1 else ''}).")

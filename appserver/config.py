@@ -25,6 +25,7 @@ from appserver.fsutil import (
     StateFileRefused,
     StateFileTooLarge,
     atomic_write_text,
+    dangling_home_link,
     ensure_private_dir,
     move_aside,
     read_state_bytes,
@@ -638,7 +639,11 @@ def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
 def load_config(home: Path | None = None, environ: dict[str, str] | None = None, *, create: bool = True) -> Config:
     """Read `home/config.toml` (written with commented defaults when the home has none) plus
     environment overrides, every value checked. `Config.source` says what was loaded."""
-    home = (home or default_home()).expanduser().resolve()
+    given = (home or default_home()).expanduser()
+    dangling = dangling_home_link(given)  # before resolve(), which would turn the link into its target
+    if dangling is not None:
+        raise ConfigError(str(dangling))
+    home = given.resolve()
     if home.exists() and not home.is_dir():
         raise ConfigError(
             f"the home {home} is not a directory: point APPSERVER_HOME (or --home) at a directory, "

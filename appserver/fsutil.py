@@ -101,17 +101,51 @@ def _check_regular(path: Path, st: os.stat_result) -> None:
         )
 
 
-def dangling_link(path: Path) -> StateFileRefused | None:
-    """The error for `path` when it is a symbolic link to nothing (its target's disk not mounted, a
-    restore that missed the target), else None: such a file is never read as missing, nor replaced."""
-    try:
-        target = os.readlink(path)
-    except OSError:  # not a link, or gone
+def _dangling_component(path: Path) -> tuple[Path, str] | None:
+    """The link and its target when `path`, or the nearest of its directories that is there, is a
+    symbolic link to nothing; else None (`path` exists, or is simply missing). Only the nearest
+    existing component counts: everything below it is missing because of it."""
+    for part in (path, *path.parents):
+        try:
+            st = os.lstat(part)
+        except FileNotFoundError:
+            continue  # missing: look at the directory it would be in
+        except OSError:
+            return None
+        if not stat.S_ISLNK(st.st_mode):
+            return None
+        try:
+            os.stat(part)
+            return None  # a link to something: `path` below it is simply missing
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return None
+        try:
+            return part, os.readlink(part)
+        except OSError:  # gone meanwhile
+            return None
+    return None
+
+
+def dangling_link(path: Path, what: str = "file") -> StateFileRefused | None:
+    """The error for `path` when it, or a directory on its way (`auth/`, the home itself), is a
+    symbolic link to nothing (its target's disk not mounted, a restore that missed the target), else
+    None: such a file is never read as missing, nor made anew where the link points. Names the link."""
+    found = _dangling_component(path)
+    if found is None:
         return None
+    link, target = found
+    if link == path:
+        return StateFileRefused(
+            path,
+            f"a symbolic link to {target}, which does not exist: make the {what} it points to available "
+            "(is its disk mounted?), or remove the link",
+        )
     return StateFileRefused(
-        path,
-        f"a symbolic link to {target}, which does not exist: make the file it points to available "
-        "(is its disk mounted?), or remove the link",
+        link,
+        f"a symbolic link to {target}, which does not exist, so {path} cannot be reached: make the "
+        "directory it points to available (is its disk mounted?), or remove the link",
     )
 
 
@@ -183,6 +217,31 @@ def read_state_bytes(path: Path, limit: int) -> bytes:
     if len(data) > limit:
         raise StateFileTooLarge(path, len(data), limit)
     return data
+
+
+# The directories appserver keeps in its home: each read as empty when it is missing
+HOME_DIRS = ("auth", "cron-runs", "channels", "workspaces")
+
+
+def dangling_home_link(home: Path) -> StateFileRefused | None:
+    """The error when the home (as given, before it is resolved), a directory on its way, or one of
+    its HOME_DIRS is a symbolic link to nothing, else None. Checked by every command before it reads
+    or makes anything: a home on a disk that is not mounted must never be made anew with the default
+    config (auth off), and an `auth/` there never read as "no tokens" (nor `cron-runs/` as no runs)."""
+    found = _dangling_component(home)
+    if found is not None:
+        link, target = found
+        where = "the home" if link == home else f"a directory on the way to the home {home}"
+        return StateFileRefused(
+            link,
+            f"{where} is a symbolic link to {target}, which does not exist: make the directory it points to "
+            "available (is its disk mounted?), or point APPSERVER_HOME (--home) elsewhere; nothing was made there",
+        )
+    for name in HOME_DIRS:
+        err = dangling_link(home / name, "directory")
+        if err is not None:
+            return err
+    return None
 
 
 def ensure_private_dir(path: Path) -> Path:
@@ -302,7 +361,13 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600, *, exclusive:
     so a file another process made meanwhile is never replaced); False when it did. Else True."""
     named = path
     path = _write_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a directory on the way is a link to nothing (or a file): say which
+        dangling = dangling_link(path)
+        if dangling is not None:
+            raise dangling from None
+        raise
     _sweep_before_write(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp", dir=path.parent)
     try:

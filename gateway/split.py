@@ -15,13 +15,18 @@ Rules, in order of preference for where a part ends:
    pathological run of marks) is cut inside, because the limit comes first. A cut is not made
    inside a Markdown link `[text](url)` (the link moves to the next part) unless that would leave
    a part under half the limit, and a word too long for any part is cut hard right away rather
-   than after a tiny head (`echo:` alone).
+   than after a tiny head (`echo:` alone). A cut that would leave a rest starting like a fence
+   (``` or ~~~) moves back to where it does not; when that is no cut worth a part and the run of
+   backticks (or tildes) is too long for the next part anyway (`echo: ` and 5,000 backticks), the
+   cut stays hard at the limit and its rest, which reads as a fence but is text, is sent as a part
+   of its own and never closed (a closer would make the platform show an empty code block, or the
+   closer as more backticks, in place of the text).
 
 Blank lines at a cut are dropped, and so is the space a line is cut at; nothing else is (a hard cut
 drops nothing: the parts joined give the line back). Every part is at most `limit` characters
-(measured in `str` length, as the platforms document theirs) and has balanced fences. The
-grapheme-cluster rules live in `plugins/graphemes.py` (re-exported by `plugins.contract`, so a
-plugin cuts text the same way).
+(measured in `str` length, as the platforms document theirs) and has balanced fences, save such a
+rest of a long run alone in its part. The grapheme-cluster rules live in `plugins/graphemes.py`
+(re-exported by `plugins.contract`, so a plugin cuts text the same way).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from plugins.contract import is_grapheme_boundary
 # A fence opener or closer (CommonMark): up to three spaces, then ``` or ~~~ (3 or more); the info
 # string after backticks holds no backtick (```` ```x``` ```` is inline code, no fence).
 _FENCE = re.compile(r"^ {0,3}(`{3,}(?=[^`]*$)|~{3,})(.*)$")
-_LINK = re.compile(r"!?\[[^\]\n]*\]\([^()\s]*\)")  # a Markdown link or image, kept whole by a cut
+_LINK_TAIL = re.compile(r"\([^()\s]*\)")  # the `(url)` of a Markdown link or image, kept whole by a cut
 MIN_LIMIT = 32
 # What one delivery outside a turn's own reply sends at most: a cron `--deliver` reply and a
 # `message_channel` send or reply (10 Telegram messages, about 20 on Discord). A longer text is cut
@@ -98,6 +103,9 @@ class _Line:
     # this text starts in it. Searching each rest again made a long line quadratic (1 MB: seconds).
     links: tuple[tuple[int, int], ...] | None = None
     offset: int = 0
+    # It starts with the rest of a run of backticks or tildes a hard cut went through: text, though
+    # it reads as a fence. It is a part of its own, never closed.
+    literal: bool = False
 
 
 def split_message(text: str, limit: int, fits: Callable[[str], bool] | None = None) -> list[str]:
@@ -125,7 +133,7 @@ def split_message(text: str, limit: int, fits: Callable[[str], bool] | None = No
             part, j, cut = _largest_fitting(lines, i, limit, fits)
         lines = cut
         if part.strip():  # a head of only indentation, cut off an over-long line, is not a part
-            parts.append(_closed(part, limit, fits))
+            parts.append(part if lines[i].literal else _closed(part, limit, fits))
         i = j
     return parts
 
@@ -135,9 +143,11 @@ def _next_part(lines: list[_Line], i: int, room: int) -> tuple[str, int, list[_L
     (an over-long line cut in two: a copy, so another room can be tried on the original)."""
     j = _cut(lines, i, room)
     if j == i:  # one line too long for any part: cut it, keep the rest for the next part
-        head, rest = _wrap(lines[i], room - _overhead(lines, i, i + 1))
+        head, rest = _wrap(lines[i], room - _overhead(lines, i, i + 1), alone=True)
         lines = [*lines[:i], head, rest, *lines[i + 1 :]]
         j = i + 1
+    elif lines[i].literal:
+        j = i + 1  # alone: a line after it would be read as the code of a block it opened
     elif j < len(lines) and len(lines[j].text) > room // 2:
         lines = list(lines)
         j = _fill(lines, i, j, room)
@@ -163,6 +173,7 @@ def _largest_fitting(
 
 _TICKS = re.compile(r"`{3,}")
 _FENCE_START = re.compile(r" {0,3}(```|~~~)")
+_RUN = re.compile(r" {0,3}(`+|~+)")
 
 
 def fences_on_own_lines(text: str) -> str:
@@ -413,17 +424,19 @@ def _fill(lines: list[_Line], i: int, j: int, limit: int) -> int:
     return j
 
 
-def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
+def _wrap(line: _Line, room: int, alone: bool = False) -> tuple[_Line, _Line]:
     """Cut an over-long content line at its last space within `room`, else at the last grapheme
     boundary within `room` (exactly at `room` only when one cluster is longer than that). Markdown
     links `[text](url)` are kept whole: a space inside one is no cut, and the start of a link is
     one, where it leaves a head of at least half the room. A space that would leave a shorter
     head before a word too long for any part is passed over: that word is cut hard anyway, so it
-    is cut here (`echo: ` alone would be a part)."""
+    is cut here (`echo: ` alone would be a part). `alone`: the head is a part of its own (not the
+    end of a part `_fill` fills), and the next part has as much room."""
     room = max(room, 1)
     text = line.text
+    literal = False
     indent = len(text) - len(text.lstrip(" "))
-    every = line.links if line.links is not None else tuple(m.span() for m in _LINK.finditer(text))
+    every = line.links if line.links is not None else _links(text)
     links = _links_near(every, line.offset, room)
     cut = text.rfind(" ", indent + 1, room + 1)  # never in the indentation: that would leave a blank head
     while cut > 0 and not (
@@ -451,14 +464,46 @@ def _wrap(line: _Line, room: int) -> tuple[_Line, _Line]:
         at = min(room, len(text))
         while at > indent and (lo <= at <= hi or _FENCE_START.match(text, at) or not is_grapheme_boundary(text, at)):
             at -= 1
-        if at > indent:
+        if alone and _run_too_long(line, at, room, indent, (lo, hi)):
+            head, rest, literal = text[:room], text[room:], True
+        elif at > indent:
             head, rest = text[:at], text[at:]
     fence = line.fence_before if line.fence_before == line.fence_after else None
     opener = _FENCE.match(text) if line.fence_before is None and line.fence_after is not None else None
     if opener and len(head) > opener.end(1) and rest.strip():
         fence = line.fence_after  # an opener longer than a part: the rest of its info string is code
     offset = line.offset + len(text) - len(rest)
-    return _Line(head, line.fence_before, fence), _Line(rest, fence, line.fence_after, every, offset)
+    return (
+        _Line(head, line.fence_before, fence, literal=line.literal),
+        _Line(rest, fence, line.fence_after, every, offset, literal),
+    )
+
+
+def _run_too_long(line: _Line, at: int, room: int, indent: int, heads: tuple[int, int]) -> bool:
+    """Whether to cut `line` hard at `room` though its rest starts like a fence, rather than at `at`,
+    the last cut before the run of fence characters whose rest does not (none when `at` is at most
+    `indent`). Yes when `at` leaves a head under half the room, no backtick follows the run on the
+    line, and the run is too long for a part starting before it to reach its last two characters:
+    then the rest of some cut inside it is a fence line whatever is done, and the tiny head would
+    only add a part (`echo` and `: ` + 5,000 backticks). Only for prose outside a fence (the rest
+    of an earlier such cut included): a fence line or code keeps the cut it had. `heads` is
+    `_fence_heads(line.text)`."""
+    text = line.text
+    if at > indent and at >= room // 2 or room >= len(text) or line.fence_before or line.fence_after:
+        return False
+    if not line.literal and _FENCE.match(text) or heads[0] <= room <= heads[1]:
+        return False
+    run = _RUN.match(text, room)
+    if run is None or len(run.group(1)) < 3 or not is_grapheme_boundary(text, room):
+        return False
+    if run.group(1)[0] == "`" and text.find("`", run.end()) >= 0:
+        return False  # a part that reaches that backtick is no fence line
+    start = run.start(1)
+    while start > 0 and text[start - 1] == run.group(1)[0]:
+        start -= 1
+    lead = text[max(start - 3, 0) : start]
+    before = start - (len(lead) - len(lead.rstrip(" "))) - 1  # the last start of a part that is no fence
+    return before < 0 or run.end() - 2 > before + room
 
 
 def _fence_heads(text: str) -> tuple[int, int]:
@@ -474,6 +519,31 @@ def _fence_heads(text: str) -> tuple[int, int]:
     while run_end < len(text) and text[run_end] == "`":
         run_end += 1
     return start.end(), text.find("`", run_end)
+
+
+def _links(text: str) -> tuple[tuple[int, int], ...]:
+    """The spans of the Markdown links and images `[text](url)` / `![alt](url)` in `text`, left to
+    right. A label runs to the first `]` after its `[` (no line break in it), so when no `(url)`
+    follows that `]`, no `[` before it starts a link either and the search goes on after it: a
+    pattern tried at each `[` of `[[[[…` read to the end of the line from each (40,000: 11 s)."""
+    out: list[tuple[int, int]] = []
+    newline = -1  # the first line break after `start` (len(text) when none)
+    start = text.find("[")
+    while start >= 0:
+        if newline <= start:
+            newline = text.find("\n", start + 1) % (len(text) + 1)
+        close = text.find("]", start + 1, newline)
+        if close < 0:
+            start = text.find("[", newline + 1)
+            continue
+        tail = _LINK_TAIL.match(text, close + 1)
+        if tail is None:
+            start = text.find("[", close + 1)
+            continue
+        bang = start > 0 and text[start - 1] == "!" and (not out or out[-1][1] < start)
+        out.append((start - bang, tail.end()))
+        start = text.find("[", tail.end())
+    return tuple(out)
 
 
 def _links_near(links: tuple[tuple[int, int], ...], offset: int, room: int) -> list[tuple[int, int]]:

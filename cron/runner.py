@@ -19,7 +19,16 @@ from typing import Any
 
 from cron.envelope import build_envelope
 from cron.runlog import delivery_record, highest_occurrence, outcome_record
-from cron.store import MISSED_PREFIX, CorruptStateFile, CronStore, CronStoreError, CronTask, Occurrence, utcnow
+from cron.store import (
+    MISSED_PREFIX,
+    CorruptStateFile,
+    CronFile,
+    CronStore,
+    CronStoreError,
+    CronTask,
+    Occurrence,
+    utcnow,
+)
 
 log = logging.getLogger("appserver.cron")
 
@@ -192,39 +201,33 @@ async def take_recorded_step(
     process took the step."""
     written = False
 
-    def locked() -> bool:
+    def locked(state: CronFile) -> tuple[bool, bool]:
+        """(taken, whether `state` changed), run under the store lock (`CronStore.combined`: the
+        records of outcomes ending together are written one by one, their steps saved at once)."""
         nonlocal written
-        with store.lock():
-            state = store.load()
-            task = state.get(task_id)
-            moved = None if task is None else task.advance_claim(occurrence, step, final=final)
-            if moved is None and (not unfollowed_ours or (recorded is not None and recorded())):
-                store.keep(state)  # not followed: the run log has it, or its owner writes it
-                return False
-            if moved is False and (recorded is None or not write_lost or recorded()):
-                store.keep(state)
-                return False
-            if moved is False:
-                log.warning(
-                    "cron: task %s run #%d is past %s, but the run log lacks its record (a server "
-                    "stopped between the two): it is written now",
-                    task_id,
-                    occurrence,
-                    step,
-                )
-            write()  # the record first ...
-            written = True
-            changed = bool(moved)
-            if task is not None and update is not None:
-                changed = update(task) or changed
-            if changed:
-                store.save(state, cache=True)  # ... then the claim's step (nothing of `state` is handed out)
-            else:
-                store.keep(state)
-            return True
+        task = state.get(task_id)
+        moved = None if task is None else task.advance_claim(occurrence, step, final=final)
+        if moved is None and (not unfollowed_ours or (recorded is not None and recorded())):
+            return False, False  # not followed: the run log has it, or its owner writes it
+        if moved is False and (recorded is None or not write_lost or recorded()):
+            return False, False
+        if moved is False:
+            log.warning(
+                "cron: task %s run #%d is past %s, but the run log lacks its record (a server "
+                "stopped between the two): it is written now",
+                task_id,
+                occurrence,
+                step,
+            )
+        write()  # the record first ...
+        written = True
+        changed = bool(moved)
+        if task is not None and update is not None:
+            changed = update(task) or changed
+        return True, changed  # ... then the claim's step, saved after it (nothing of `state` is handed out)
 
     try:
-        return await asyncio.to_thread(locked)
+        return await asyncio.to_thread(store.combined, locked)
     except (CorruptStateFile, CronStoreError, OSError) as exc:
         log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, exc)
         if not written:  # the store cannot answer now: taken by this process, as `take_step` does

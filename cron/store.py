@@ -2,7 +2,10 @@
 
 Every read-modify-write happens under `crons.json.lock` (a `filelock` with a timeout, so a stuck
 process produces an error instead of a hang) and every write is atomic (temp file, fsync, rename),
-so ten concurrent `appserver cron add` processes produce ten tasks and a valid file.
+so ten concurrent `appserver cron add` processes produce ten tasks and a valid file. The threads of
+one process take the lock one at a time before the file lock (the timeout is another process's
+doing, never this one's own), and the scheduler's steps that end together are saved at once
+(`CronStore.combined`).
 
 A file that cannot be understood is moved aside to `crons.json.corrupt-<timestamp>` by the first
 *writer* that finds it (a command that changes tasks, or the scheduler), and `CorruptStateFile` is
@@ -39,15 +42,19 @@ import json
 import logging
 import math
 import operator
+import os
 import re
 import secrets
+import threading
+import time
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypeVar, cast
+from weakref import WeakValueDictionary
 
 import filelock
 
@@ -856,11 +863,72 @@ def _json_kind(value: Any) -> str:
 # ---------------------------------------------------------------- the store
 
 
+class _Gate:
+    """This process's turn at one crons.json.lock. Its threads (the scheduler's outcomes, sent to
+    worker threads all at once when many runs end together) queue here, so only one of them at a
+    time waits for the file lock: that wait (`lock_timeout_s`) measures another process's hold,
+    never this process's own work, which each holder ends in its own time."""
+
+    __slots__ = ("__weakref__", "gave_up_at", "mutex", "owner")
+
+    def __init__(self) -> None:
+        self.mutex = threading.Lock()
+        self.owner: int | None = None  # the thread holding it (its re-entry holds it already)
+        self.gave_up_at = -math.inf  # monotonic time a holder last timed out on the file lock
+
+
+_R = TypeVar("_R")
+
+
+class _Job:
+    """One read-modify-write handed to `CronStore.combined`, and what came of it."""
+
+    __slots__ = ("done", "error", "result", "run")
+
+    def __init__(self, run: Callable[[CronFile], tuple[Any, bool]]) -> None:
+        self.run = run
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self.done = True
+
+
+def _flock_holder(path: Path) -> str | None:
+    """Which process holds the flock on `path`, as Linux's /proc/locks names it, for messages;
+    None when that cannot be told (another system, the file gone, a holder not seen from here)."""
+    try:
+        st = os.stat(path)
+        inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            pids = [row[4] for row in map(str.split, f) if row[1:2] == ["FLOCK"] and row[5:6] == [inode]]
+    except OSError:
+        return None
+    if not pids or not pids[0].isdigit() or int(pids[0]) <= 0:
+        return None
+    pid = int(pids[0])
+    if pid == os.getpid():
+        return f"this process (pid {pid}) outside its cron store"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read(400).replace(b"\0", b" ").decode("utf-8", "replace").strip()
+    except OSError:
+        command = ""
+    return f"process {pid}" + (f" ({short_error(command)[:120]})" if command else "")
+
+
 class CronStore:
     """crons.json under its lock. Use `transaction()` for read-modify-write, `read()` to look."""
 
     # Do servers with other homes (other run logs) share these tasks? (a cluster's database)
     shared = False
+    # The gate of each lock file, shared by every CronStore of it in this process (the scheduler's,
+    # each `schedule` tool call's): what it fronts, a file lock, is held by a process. Process-wide
+    # by nature; it holds no configuration, and a gate no store refers to any more is dropped.
+    _gates: ClassVar[WeakValueDictionary[str, _Gate]] = WeakValueDictionary()
+    _gates_guard: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, home: Path, *, lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S) -> None:
         self.home = Path(home)
@@ -875,23 +943,58 @@ class CronStore:
         self._lines: dict[str, tuple[tuple[Any, ...], str]] = {}
         self.instance_id: str | None = None  # this server's cluster instance (a database-backed store)
         self.runlog = RunLog(self.runs_dir)  # the scheduler's writer: never raises, retries
+        self._gate = self._gate_of(os.path.realpath(self.lock_path))
+        self._jobs: list[_Job] = []  # handed to `combined`, not yet run
+        self._jobs_guard = threading.Lock()
+
+    @classmethod
+    def _gate_of(cls, key: str) -> _Gate:
+        with cls._gates_guard:
+            gate = cls._gates.get(key)
+            if gate is None:
+                gate = cls._gates[key] = _Gate()
+            return gate
 
     @contextmanager
     def lock(self) -> Iterator[None]:
-        """Hold crons.json.lock; CronLockTimeout after `lock_timeout_s` rather than hanging."""
+        """Hold crons.json.lock; CronLockTimeout after `lock_timeout_s` rather than hanging. This
+        process's threads take it one at a time (`_Gate`), so the timeout is only ever another
+        process's doing; re-entered by the thread that holds it, it is held already."""
+        gate, me = self._gate, threading.get_ident()
+        if gate.owner == me:
+            yield
+            return
+        queued = time.monotonic()
+        with gate.mutex:
+            gate.owner = me
+            try:
+                if gate.gave_up_at > queued:  # queued behind a holder that timed out: so do we
+                    raise self._timed_out()
+                with self._file_lock(gate):
+                    yield
+            finally:
+                gate.owner = None
+
+    @contextmanager
+    def _file_lock(self, gate: _Gate) -> Iterator[None]:
         ensure_private_dir(self.home)
         lk = filelock.FileLock(str(self.lock_path), timeout=self.lock_timeout_s, mode=0o600)
         try:
             lk.acquire()
         except filelock.Timeout:
-            raise CronLockTimeout(
-                f"timed out after {self.lock_timeout_s:g} s waiting for {self.lock_path}; "
-                "another appserver process is holding it"
-            ) from None
+            gate.gave_up_at = time.monotonic()
+            raise self._timed_out() from None
         try:
             yield
         finally:
             lk.release()
+
+    def _timed_out(self) -> CronLockTimeout:
+        """The timeout, naming the holder when this system says who it is: never this process's
+        cron store (see `lock`), and not necessarily an appserver."""
+        holder = _flock_holder(self.lock_path) or "another process"
+        waited = f"timed out after {self.lock_timeout_s:g} s waiting for {self.lock_path}"
+        return CronLockTimeout(f"{waited}, held by {holder}")
 
     def signature(self) -> tuple[int, int, int] | None:
         """(inode, mtime, size) of crons.json now, None when there is none. Every atomic write
@@ -1191,6 +1294,66 @@ class CronStore:
     def list(self, agent: str | None = None) -> list[CronTask]:
         return [t for t in self.read().tasks if agent is None or t.agent == agent]
 
+    def combined(self, run: Callable[[CronFile], tuple[_R, bool]]) -> _R:
+        """`run(state)` under the lock: (its result, whether it changed `state`), saved when it did.
+        The jobs this process's threads hand in while one of them holds the lock run together, one
+        after another on one load, and are saved at once: a thousand runs ending in the same moment
+        rewrite crons.json a few dozen times, not a thousand (each write rewrites the whole file).
+        A job that raises gets its error, and nothing of its batch is saved: the jobs run before it
+        fail too (CronStoreError), those after it run in the next batch. The scheduler's only (the
+        state is cached, as by `save(cache=True)`)."""
+        job = _Job(run)
+        with self._jobs_guard:
+            self._jobs.append(job)
+        with self.lock():
+            while not job.done:
+                self._run_jobs()
+        if job.error is not None:
+            raise job.error
+        return cast(_R, job.result)
+
+    def _run_jobs(self) -> None:
+        """Run the jobs handed in so far on one load and save them at once (call with the lock held);
+        the jobs it leaves undone go back to be run next."""
+        with self._jobs_guard:
+            jobs, self._jobs = self._jobs, []
+        try:
+            self._run_batch(jobs)
+        finally:
+            left = [job for job in jobs if not job.done]
+            if left:
+                with self._jobs_guard:
+                    self._jobs[:0] = left
+
+    def _run_batch(self, jobs: Sequence[_Job]) -> None:
+        try:
+            state = self.load()
+        except Exception as exc:  # noqa: BLE001 - each job's own thread raises it
+            for job in jobs:
+                job.finish(exc)
+            return
+        changed = False
+        for i, job in enumerate(jobs):
+            try:
+                job.result, moved = job.run(state)
+            except Exception as exc:  # noqa: BLE001 - raised by the job's own thread, the batch unsaved
+                job.finish(exc)
+                for earlier in jobs[:i]:
+                    earlier.finish(CronStoreError(f"not saved: a change made with it failed: {exc}"))
+                return
+            changed = moved or changed
+        try:
+            if changed:
+                self.save(state, cache=True)
+            else:
+                self.keep(state)
+        except Exception as exc:  # noqa: BLE001 - each job's own thread raises it
+            for job in jobs:
+                job.finish(exc)
+            return
+        for job in jobs:
+            job.finish()
+
     def advance(
         self,
         task_id: str,
@@ -1200,23 +1363,21 @@ class CronStore:
         final: bool = False,
         recorded: Callable[[], bool] | None = None,
     ) -> bool | None:
-        """`CronTask.advance_claim` under the lock, saved when it moved: whether this process takes
-        `step` of run `occurrence` (True), another one took it (False), or the tasks do not follow
-        that run (None: a task removed, a run pushed out of the claims, a claim made before
-        progress was kept), for the caller to decide. `recorded()`, asked under the lock for a run
-        the tasks do not follow, says whether the run log already holds the step's record: then
-        it was taken (False)."""
-        with self.lock():
-            state = self.load()
+        """`CronTask.advance_claim` under the lock, saved when it moved (`combined`): whether this
+        process takes `step` of run `occurrence` (True), another one took it (False), or the tasks
+        do not follow that run (None: a task removed, a run pushed out of the claims, a claim made
+        before progress was kept), for the caller to decide. `recorded()`, asked under the lock for
+        a run the tasks do not follow, says whether the run log already holds the step's record:
+        then it was taken (False)."""
+
+        def run(state: CronFile) -> tuple[bool | None, bool]:
             task = state.get(task_id)
             moved = None if task is None else task.advance_claim(occurrence, step, final=final)
-            if moved:
-                self.save(state, cache=True)
-            else:
-                self.keep(state)
             if moved is None and recorded is not None and recorded():
-                return False
-            return moved
+                return False, False
+            return moved, bool(moved)
+
+        return self.combined(run)
 
     def advance_many(self, steps: Sequence[tuple[str, int, str]]) -> None:
         """Move each (task id, run, step) as `advance` does, all in one save: a tick that submitted

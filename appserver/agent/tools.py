@@ -22,7 +22,7 @@ from appserver.config import Config
 from appserver.logredact import ENV_SECRET_NAMES
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
-from appserver.store.records import AgentRecord
+from appserver.store.records import EVERY_TOOL, AgentRecord
 from appserver.values import value
 
 # Every tool process carries these in its environment (its children inherit them): which server
@@ -96,6 +96,8 @@ class ToolRegistry:
         if tool is None:
             return None
         configured = agent.tools.get(name)
+        if configured is None:
+            configured = agent.tools.get(EVERY_TOOL)  # damaged policies (store/records.py)
         if configured is None:
             return tool.default_policy if tool.enabled_by_default else None
         return configured

@@ -69,13 +69,16 @@ from appserver.store.records import (
 )
 from appserver.store.rows import (
     DRAFT_UPDATE,
+    OBJECT,
+    DamageLog,
     agent_record,
     conversation_record,
+    decode_json,
     dump_json,
     http_idempotency,
-    load_json,
     message_record,
     pending_call,
+    refuse,
     response_record,
     turn_record,
 )
@@ -451,6 +454,7 @@ class PostgresStore(Store):
     def __init__(self, url: str, *, pool_max: int = POOL_MAX, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         self.url = url
         self.shown_url = redact_url(url)  # the only form of the URL that may reach a log or an error
+        self._damaged_cells = DamageLog(f"PostgreSQL store {self.shown_url}")  # rows.py decode_json
         self.pool_max = pool_max
         self.connect_timeout_s = connect_timeout_s
         self.fresh = False  # True when open() created the schema (first use of this database)
@@ -786,14 +790,17 @@ class PostgresStore(Store):
 
     async def get_agent(self, agent_id: str) -> AgentRecord | None:
         row = await self._row("SELECT * FROM agents WHERE id=%s", (agent_id,))
-        return agent_record(row) if row else None
+        return agent_record(row, self._damaged_cells) if row else None
 
     async def find_agents(self, ref: str) -> list[AgentRecord]:
         rows = await self._rows("SELECT * FROM agents WHERE id=%s OR name=%s ORDER BY created_at, id", (ref, ref))
-        return [agent_record(r) for r in rows]
+        return [agent_record(r, self._damaged_cells) for r in rows]
 
     async def list_agents(self) -> list[AgentRecord]:
-        return [agent_record(r) for r in await self._rows("SELECT * FROM agents ORDER BY created_at, id")]
+        return [
+            agent_record(r, self._damaged_cells)
+            for r in await self._rows("SELECT * FROM agents ORDER BY created_at, id")
+        ]
 
     # ------------------------------------------------------------ conversations
 
@@ -872,18 +879,18 @@ class PostgresStore(Store):
             if there is None:
                 return conv, True
             if there is not _VANISHED:
-                return conversation_record(there), False
+                return conversation_record(there, self._damaged_cells), False
             # the row it clashed with was deleted before it could be read: try again
         await self._raise_if_agent_missing(conv.agent_id)  # deleted with its agent, again and again
         raise StoreError(f"conversation {conv.id} kept being created and deleted by others; try again")
 
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         row = await self._row("SELECT * FROM conversations WHERE id=%s", (conversation_id,))
-        return conversation_record(row) if row else None
+        return conversation_record(row, self._damaged_cells) if row else None
 
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
         row = await self._row("SELECT * FROM conversations WHERE agent_id=%s AND is_default", (agent_id,))
-        return conversation_record(row) if row else None
+        return conversation_record(row, self._damaged_cells) if row else None
 
     async def list_conversations(
         self,
@@ -899,7 +906,7 @@ class PostgresStore(Store):
             f"SELECT * FROM conversations{where} ORDER BY updated_at DESC, id LIMIT %s OFFSET %s",
             (*params, _limit(limit), max(offset, 0)),
         )
-        return [conversation_record(r) for r in rows]
+        return [conversation_record(r, self._damaged_cells) for r in rows]
 
     async def update_conversation(self, conv: ConversationRecord) -> None:
         async def job(conn: Conn) -> None:
@@ -923,7 +930,7 @@ class PostgresStore(Store):
                 "LIMIT %s) m ORDER BY id",
                 (conversation_id, before_id if before_id is not None else 2**62, _limit(limit)),
             )
-        return [message_record(r) for r in rows]
+        return [message_record(r, self._damaged_cells) for r in rows]
 
     async def history_page(
         self, conversation_id: str, *, before_id: int | None, limit: int, max_bytes: int
@@ -946,7 +953,7 @@ class PostgresStore(Store):
         if not ids:
             return [], False
         rows = await self._rows("SELECT * FROM messages WHERE id = ANY(%s) ORDER BY id", (ids,))
-        return [message_record(r) for r in rows], more
+        return [message_record(r, self._damaged_cells) for r in rows], more
 
     async def _insert_messages(
         self, conn: Conn, conversation_id: str, messages: list[MessageRecord], now: float
@@ -1048,7 +1055,7 @@ class PostgresStore(Store):
                     )
                     existing = await cur.fetchone()
                     if existing is not None:
-                        raise DuplicateTurn(turn_record(existing))
+                        raise DuplicateTurn(turn_record(existing, self._damaged_cells))
                 raise OpenLimitReached(len(rows))
             cur = await conn.execute("SELECT extract(epoch from clock_timestamp()) AS now")
             clock = await cur.fetchone()
@@ -1078,7 +1085,7 @@ class PostgresStore(Store):
                 )
                 existing = await cur.fetchone()
                 if existing is not None:
-                    raise DuplicateTurn(turn_record(existing))
+                    raise DuplicateTurn(turn_record(existing, self._damaged_cells))
                 # the key outlived its turn (deleted with its agent): it is this turn's now
                 await conn.execute(
                     "UPDATE idempotency_keys SET turn_id=%s, conversation_id=%s, created_at=%s "
@@ -1109,7 +1116,7 @@ class PostgresStore(Store):
             "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=%s AND k.key=%s",
             (scope, key),
         )
-        return turn_record(row) if row else None
+        return turn_record(row, self._damaged_cells) if row else None
 
     async def purge_idempotency(self, older_than: float) -> int:
         async def job(conn: Conn) -> int:
@@ -1322,7 +1329,7 @@ class PostgresStore(Store):
 
     async def get_turn(self, turn_id: str) -> TurnRecord | None:
         row = await self._row("SELECT * FROM turns WHERE id=%s", (turn_id,))
-        return turn_record(row) if row else None
+        return turn_record(row, self._damaged_cells) if row else None
 
     async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]:
         if statuses is None:
@@ -1332,11 +1339,11 @@ class PostgresStore(Store):
                 "SELECT * FROM turns WHERE conversation_id=%s AND status = ANY(%s) ORDER BY seq",
                 (conversation_id, list(statuses)),
             )
-        return [turn_record(r) for r in rows]
+        return [turn_record(r, self._damaged_cells) for r in rows]
 
     async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]:
         rows = await self._rows("SELECT * FROM turns WHERE status = ANY(%s) ORDER BY seq", (list(statuses),))
-        return [turn_record(r) for r in rows]
+        return [turn_record(r, self._damaged_cells) for r in rows]
 
     # ------------------------------------------------------------ pending calls
 
@@ -1426,7 +1433,7 @@ class PostgresStore(Store):
 
     async def get_response(self, response_id: str) -> ResponseRecord | None:
         row = await self._row("SELECT * FROM responses WHERE id=%s", (response_id,))
-        return response_record(row) if row else None
+        return response_record(row, self._damaged_cells) if row else None
 
     async def delete_response(self, response_id: str) -> bool:
         async def job(conn: Conn) -> bool:
@@ -1711,7 +1718,7 @@ class PostgresStore(Store):
                     present[table] = int(row["n"])
             cur = await conn.execute("SELECT doc FROM cron_state WHERE id = 1 FOR UPDATE")
             cron_row = await cur.fetchone()
-            held = load_json(str(cron_row["doc"]) or "{}", {}) if cron_row is not None else {}
+            held = decode_json(str(cron_row["doc"]) or "{}", OBJECT, refuse, "cron_state", 1, "doc") if cron_row else {}
             if isinstance(held, dict) and held.get("tasks"):
                 present["cron_state"] = len(held["tasks"])
             cur = await conn.execute("SELECT count(*) AS n FROM tokens")

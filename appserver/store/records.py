@@ -11,6 +11,12 @@ Policy = Literal["allow", "ask", "deny"]
 POLICIES: tuple[str, ...] = ("allow", "ask", "deny")
 
 
+# A policy key for every tool the agent's policies do not name. No command sets it (a policy names a
+# tool); an agent whose stored policies are damaged reads as {EVERY_TOOL: "deny"} (rows.py), so a
+# tool its lost policies denied is never let run by its default.
+EVERY_TOOL = "*"
+
+
 @dataclass(slots=True)
 class AgentRecord:
     id: str

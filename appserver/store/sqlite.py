@@ -339,7 +339,7 @@ class SQLiteStore(Store):
         if self.damage is None:
             self.damage = problem
             log.error(
-                "%s is damaged (%s): writes touching the damaged pages fail; stop the server and restore it "
+                "%s is damaged (%s): stop the server and restore it "
                 "from a backup (`sqlite3 %s .recover` can often save what is readable)",
                 self.path,
                 problem,
@@ -411,7 +411,8 @@ class SQLiteStore(Store):
 
     def _load_agents(self, db: sqlite3.Connection) -> Iterable[AgentRecord]:
         assert db is self.db  # the agent cache reads through this store's connection
-        return map(agent_record, self._rows("SELECT * FROM agents ORDER BY created_at, id", (), "in the agents"))
+        rows = self._rows("SELECT * FROM agents ORDER BY created_at, id", (), "in the agents")
+        return [agent_record(r, self._damaged) for r in rows]
 
     def _agents(self) -> dict[str, AgentRecord]:
         """The cached agents (agentcache.py)."""
@@ -499,7 +500,7 @@ class SQLiteStore(Store):
                 "in the conversations",
             )
         if row is not None:
-            return conversation_record(row), False
+            return conversation_record(row, self._damaged), False
         unsaved = self._unsaved_like(conv.id, conv.agent_id if conv.is_default else None)
         if unsaved is not None and not copy_messages and not messages:
             return unsaved, False  # made already; its row comes with its next accept
@@ -511,14 +512,14 @@ class SQLiteStore(Store):
     async def get_conversation(self, conversation_id: str) -> ConversationRecord | None:
         self._writes.settle()
         row = self._row("SELECT * FROM conversations WHERE id=?", (conversation_id,), "in the conversations")
-        return conversation_record(row) if row else self._unsaved_like(conversation_id, None)
+        return conversation_record(row, self._damaged) if row else self._unsaved_like(conversation_id, None)
 
     async def get_default_conversation(self, agent_id: str) -> ConversationRecord | None:
         self._writes.settle()
         row = self._row(
             "SELECT * FROM conversations WHERE agent_id=? AND is_default=1", (agent_id,), "in the conversations"
         )
-        return conversation_record(row) if row else self._unsaved_like(None, agent_id)
+        return conversation_record(row, self._damaged) if row else self._unsaved_like(None, agent_id)
 
     def _unsaved_like(self, conversation_id: str | None, default_of: str | None) -> ConversationRecord | None:
         """A conversation made here whose queued insert did not commit (`_unsaved`): by id, or the
@@ -549,7 +550,7 @@ class SQLiteStore(Store):
             (*params, limit, offset),
             "in the conversations",
         )
-        return [conversation_record(r) for r in rows]
+        return [conversation_record(r, self._damaged) for r in rows]
 
     async def update_conversation(self, conv: ConversationRecord) -> None:
         with self._tx() as tx:
@@ -576,7 +577,7 @@ class SQLiteStore(Store):
                 f"in conversation {conversation_id}",
             )
             rows.reverse()
-        return [message_record(r) for r in rows]
+        return [message_record(r, self._damaged) for r in rows]
 
     def _rows(self, sql: str, params: Sequence[Any] = (), where: str = "") -> list[Any]:
         """The rows of a read. Text that is not UTF-8 (bytes changed inside a page) is damage:
@@ -639,7 +640,7 @@ class SQLiteStore(Store):
         finally:
             cur.close()
         rows.reverse()
-        return [message_record(r) for r in rows], more
+        return [message_record(r, self._damaged) for r in rows], more
 
     @staticmethod
     def _insert_message(tx: sqlite3.Connection, conversation_id: str, m: MessageRecord, now: float) -> None:
@@ -715,7 +716,7 @@ class SQLiteStore(Store):
             if row is not None:
                 existing = tx.execute("SELECT * FROM turns WHERE id=?", (row["turn_id"],)).fetchone()
                 if existing is not None:
-                    raise DuplicateTurn(turn_record(existing))
+                    raise DuplicateTurn(turn_record(existing, self._damaged))
                 tx.execute(
                     "DELETE FROM idempotency_keys WHERE scope=? AND key=?", (idempotency_scope, turn.idempotency_key)
                 )
@@ -748,7 +749,7 @@ class SQLiteStore(Store):
             (scope, key),
             "in the turns",
         )
-        return turn_record(row) if row else None
+        return turn_record(row, self._damaged) if row else None
 
     async def purge_idempotency(self, older_than: float) -> int:
         with self._tx() as tx:
@@ -869,7 +870,7 @@ class SQLiteStore(Store):
 
     async def get_turn(self, turn_id: str) -> TurnRecord | None:
         row = self._row("SELECT * FROM turns WHERE id=?", (turn_id,), "in the turns")
-        return turn_record(row) if row else None
+        return turn_record(row, self._damaged) if row else None
 
     async def list_turns(self, conversation_id: str, *, statuses: Iterable[str] | None = None) -> list[TurnRecord]:
         if statuses is None:
@@ -883,14 +884,14 @@ class SQLiteStore(Store):
                 (conversation_id, *st),
                 "in the turns",
             )
-        return [turn_record(r) for r in rows]
+        return [turn_record(r, self._damaged) for r in rows]
 
     async def open_turns(self, statuses: Iterable[str] = ("queued", "running", "awaiting")) -> list[TurnRecord]:
         st = list(statuses)
         rows = self._rows(
             f"SELECT * FROM turns WHERE status IN ({','.join('?' * len(st))}) ORDER BY rowid", st, "in the turns"
         )
-        return [turn_record(r) for r in rows]
+        return [turn_record(r, self._damaged) for r in rows]
 
     # ------------------------------------------------------------ pending calls
 
@@ -967,7 +968,7 @@ class SQLiteStore(Store):
 
     async def get_response(self, response_id: str) -> ResponseRecord | None:
         row = self._row("SELECT * FROM responses WHERE id=?", (response_id,), "in the responses")
-        return response_record(row) if row else None
+        return response_record(row, self._damaged) if row else None
 
     async def delete_response(self, response_id: str) -> bool:
         with self._tx() as tx:

@@ -122,6 +122,7 @@ class LimitsConfig:
     ws_ping_timeout_s: float = 90.0
     ws_send_timeout_s: float = 30.0  # a WebSocket frame not accepted by the client within this is a slow consumer
     connections_per_client: int = 256
+    open_turns_per_client: int = 256  # WebSocket turns a credential holds open (queued, running, paused); 0 = no cap
     max_connections: int = 0  # open connections (HTTP + WebSocket) at once; 0 = from the fd limit (503 beyond)
     head_max_bytes: int = 64 * 1024  # request line + headers (431 beyond)
     head_timeout_s: float = 10.0  # a request head must arrive within this of its first byte (408)
@@ -239,6 +240,7 @@ RULES: dict[str, Rule] = {
     "limits.ws_ping_timeout_s": _NON_NEGATIVE,  # 0 = never close a silent peer
     "limits.ws_send_timeout_s": _POSITIVE,
     "limits.connections_per_client": _NON_NEGATIVE,  # 0 = no cap
+    "limits.open_turns_per_client": _NON_NEGATIVE,  # 0 = no cap
     "limits.max_connections": _NON_NEGATIVE,  # 0 = from the fd limit
     "limits.head_max_bytes": Rule(ge=1024, le=1 << 24),
     "limits.head_timeout_s": _POSITIVE,

@@ -43,6 +43,7 @@ NOT_PROVOKABLE = {
     "server_unavailable": "a fenced server of a cluster (tests/test_cluster.py provokes it)",
     "store_unavailable": "PostgreSQL ending every connection (tests/test_postgres_serve_attack.py provokes it)",
     "too_many_connections": "a hello over the credential's connection cap (tests/test_ws_fixes_s18.py provokes it)",
+    "too_many_open_turns": "a credential over its open-turn cap (tests/test_ws_turn_cap_s25.py provokes it)",
     "outcome_unknown": "a cluster holder that does not answer in time (tests/test_cluster_fixes_s18.py provokes it)",
     "ledger_unavailable": "a corrupt gateway.db a running gateway holds (tests/test_gateway_channels_e2e.py)",
 }

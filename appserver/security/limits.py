@@ -1,14 +1,17 @@
 """Size and concurrency limits the guard enforces on requests that reached the app: the declared
 and the streamed body size (`[limits] body_max_bytes`) and concurrent requests per client
-(`[limits] connections_per_client`). Head and connection limits are in edge.py."""
+(`[limits] connections_per_client`); and the turns a credential holds open over the WebSocket
+(`[limits] open_turns_per_client`, `OpenTurns`). Head and connection limits are in edge.py."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from appserver.auth.principal import Principal
+from appserver.auth.tokens import GATEWAY_ID_PREFIX, is_reserved_name
 from appserver.security.asgi import CLOSE, Refusal, Scope
 from appserver.security.headers import Headers
 
@@ -208,3 +211,90 @@ class SlotHold:
         if not self.released:
             self.released = True
             self._give_back()
+
+
+TOO_MANY_OPEN_TURNS = "too_many_open_turns"
+
+
+def open_turns_key(principal: Principal | None) -> str | None:
+    """Whose open turns a WebSocket's submit counts against: its credential's (kind and subject, as
+    `slot_key` groups them); None for callers that are not counted. The local owner of auth mode
+    `none` is the only caller of its server (no other credential to starve), and the channel
+    gateway submits for every chat sender of every account under its one credential, which only
+    the server mints (a `gwt_` id with a reserved name: `TokenStore.mint_gateway`; `token create`
+    refuses those names), so nobody else can present it."""
+    if principal is None or principal.kind not in ("token", "jwt"):
+        return None
+    if principal.kind == "token" and _is_channel_gateway(principal):
+        return None
+    return f"{principal.kind}:{principal.subject}"
+
+
+def _is_channel_gateway(principal: Principal) -> bool:
+    name = principal.subject.removeprefix("token:")
+    return (principal.token_id or "").startswith(GATEWAY_ID_PREFIX) and is_reserved_name(name)
+
+
+class OpenTurns:
+    """Turns each credential holds open on this server: accepted and not ended (queued, running,
+    or paused for an approval or a client tool's result), at most `per_client` (0 = no cap).
+
+    The WebSocket detaches turns from their socket (a disconnect never cancels one), so one
+    connection could start any number of them, each in a fresh conversation where `queue_max`
+    never bites, and slow every other credential. HTTP requests need no such count: a request
+    holds its `connections_per_client` slot while its turn runs, and a client that leaves cancels
+    it. A place is taken (`take`) before the submit, so submits racing on several sockets cannot
+    pass the cap together, then given back at once if nothing was accepted (`give_back`), or kept
+    (`hold`) until the turn ends, however it ends, also after its socket closed: exactly once."""
+
+    def __init__(self, per_client: int) -> None:
+        self.per_client = per_client
+        self._open: dict[str, int] = {}
+        self._holds: set[asyncio.Task[None]] = set()  # the event loop holds tasks only weakly
+
+    def take(self, key: str | None) -> bool:
+        """One place of `key`'s; False (nothing taken) when all are taken. Never awaits."""
+        if key is None or self.per_client <= 0:
+            return True
+        held = self._open.get(key, 0)
+        if held >= self.per_client:
+            return False
+        self._open[key] = held + 1
+        return True
+
+    def give_back(self, key: str | None) -> None:
+        if key is None or self.per_client <= 0:
+            return
+        left = self._open.get(key, 1) - 1
+        if left > 0:
+            self._open[key] = left
+        else:
+            self._open.pop(key, None)
+
+    def hold(self, key: str | None, ended: Callable[[], Awaitable[None]], name: str) -> None:
+        """Keep `key`'s place until `ended()` returns (the turn ended), raises or is cancelled."""
+        if key is None or self.per_client <= 0:
+            return
+        task = asyncio.get_running_loop().create_task(self._held(key, ended), name=name)
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
+
+    async def _held(self, key: str, ended: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await ended()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("watching an open turn of %s failed; its place is given back", key)
+        finally:
+            self.give_back(key)
+
+    def count(self, key: str | None) -> int:
+        return self._open.get(key, 0) if key is not None else 0
+
+    def refusal(self) -> str:
+        return (
+            f"this credential already holds {self.per_client} open turns on this server (queued, running or "
+            "waiting for an approval or a client tool's result), the limit of [limits] open_turns_per_client: "
+            "wait for one to end (or cancel one), then submit again"
+        )

@@ -12,9 +12,9 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.routing import BaseRoute, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -35,10 +35,12 @@ from appserver.errors import KernelError, NotFound
 from appserver.http.conversation_match import name_ids
 from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
-from appserver.runtime.kernel import NAMESPACE_DEFAULT_PREFIX
+from appserver.runtime.kernel import NAMESPACE_DEFAULT_PREFIX, Submission
+from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
+from appserver.security.limits import TOO_MANY_OPEN_TURNS, OpenTurns, open_turns_key
 from appserver.server import Server
 from appserver.store.base import StoreUnavailable, StoreValueRefused
-from appserver.store.records import AgentRecord, ConversationRecord
+from appserver.store.records import AgentRecord, ConversationRecord, TurnRecord
 from appserver.ws.connection import WRITE_FRAME, Connection
 from appserver.ws.hub import Hub
 from cron.runlog import read_runs
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
     from appserver.ws import frames as F
+    from cron.runner import RunNowResult
 else:
 
     class _Frames:
@@ -64,12 +67,15 @@ else:
     F = _Frames()
 
 log = logging.getLogger("appserver.ws")
+T = TypeVar("T")
 
 SERVER_NAME = f"{_pkg}/0.1"
 CLOSE_WAIT_S = 5.0
 # A namespaced credential's own "default" conversation has a derived id with a '~' (namespaced_id),
 # which only its namespace may create: nobody can create it ahead of its owner (squatting).
 OWNER_CACHE_MAX = 10_000  # conversation id -> (agent id, namespace); both never change
+# How often an open turn whose end was not seen is looked up in the store (`Endpoint._turn_ended`).
+OPEN_TURN_RECHECK_S = 60.0
 
 
 class FrameError(Exception):
@@ -199,6 +205,8 @@ class Endpoint:
         self.cron = cron  # the `cron_run` frame fires tasks through it
         self._owners: dict[str, tuple[str, str | None]] = {}  # conversation id -> (agent id, namespace)
         self.frame_limits = FrameLimits.from_max_messages(int(server.config.limits.max_messages))
+        # the turns each credential holds open (`[limits] open_turns_per_client`)
+        self.open_turns = OpenTurns(int(server.config.limits.open_turns_per_client))
 
     async def __call__(self, websocket: WebSocket) -> None:
         limits = self.server.config.limits
@@ -535,20 +543,36 @@ class Endpoint:
                     conn, frame.request_id, earlier.id, spec, handle, set(), handle.controller.queue_position, True
                 )
                 return
+        cap_key = open_turns_key(conn.principal)
+        if not self.open_turns.take(cap_key):
+            earlier = await self._keyed_earlier(agent, spec, key)
+            if earlier is None:
+                raise FrameError(TOO_MANY_OPEN_TURNS, self.open_turns.refusal())
+            handle = await self.server.kernel.handle_for(earlier)  # a resend runs nothing: answered
+            await self._acked(
+                conn,
+                frame.request_id,
+                earlier.id,
+                earlier.conversation_id,
+                handle,
+                set(),
+                handle.controller.queue_position,
+                True,
+            )
+            return
         source = dict(frame.source or {})
         source.setdefault("connection", conn.id)
-        sub = await self.server.kernel.submit(
-            SubmitRequest(
-                agent=agent.id,
-                input=content,
-                conversation=spec,
-                source=source,
-                idempotency_key=key,
-                client_tools=[ToolSpec(t.name, t.description, t.parameters, t.strict) for t in frame.client_tools],
-                conversation_fields=fields,
-                resolved=agent,
-            )
+        request = SubmitRequest(
+            agent=agent.id,
+            input=content,
+            conversation=spec,
+            source=source,
+            idempotency_key=key,
+            client_tools=[ToolSpec(t.name, t.description, t.parameters, t.strict) for t in frame.client_tools],
+            conversation_fields=fields,
+            resolved=agent,
         )
+        sub = await self._counted(cap_key, lambda: self._submit(request))
         if sub.duplicate and spec == "new" and ns is not None:
             # The key's turn was made in a conversation this credential may no longer see (a token
             # rotated under its name without `admin`, which sees every conversation): not shown.
@@ -569,6 +593,67 @@ class Endpoint:
             sub.queue_position,
             sub.duplicate,
         )
+
+    async def _submit(self, request: SubmitRequest) -> tuple[Submission, TurnHandle | None]:
+        sub = await self.server.kernel.submit(request)
+        return sub, None if sub.duplicate else sub.handle  # a duplicate accepted nothing new
+
+    async def _counted(self, cap_key: str | None, start: Callable[[], Awaitable[tuple[T, TurnHandle | None]]]) -> T:
+        """Run `start`, which accepts a turn (its handle) or none (None), with the place `cap_key`
+        took for it: kept until that turn ends, given back when nothing was accepted or `start`
+        failed. Shielded: a connection whose reader is cancelled meanwhile (its socket closed) must
+        leave neither an accepted turn without its place nor a place without its turn."""
+        if cap_key is None or self.open_turns.per_client <= 0:
+            return (await start())[0]
+
+        async def counted() -> T:
+            try:
+                result, handle = await start()
+            except BaseException:
+                self.open_turns.give_back(cap_key)
+                raise
+            if handle is None:
+                self.open_turns.give_back(cap_key)
+            else:
+                self.open_turns.hold(cap_key, lambda: self._turn_ended(handle), f"ws-open-turn:{handle.turn_id}")
+            return result
+
+        task = asyncio.get_running_loop().create_task(counted())
+        task.add_done_callback(_retrieve)  # its error is the caller's, unless the caller left
+        return await asyncio.shield(task)
+
+    async def _turn_ended(self, handle: TurnHandle) -> None:
+        """Return once the turn ended (completed, failed, cancelled, withdrawn from its queue, ended
+        with its deleted agent): its snapshot says so. A paused turn is still open. Should its end
+        never reach this handle (its runtime was dropped and loaded again), the store says so:
+        looked up every OPEN_TURN_RECHECK_S."""
+        controller = handle.controller
+        seen = -1
+        while True:
+            try:
+                snap = await controller.wait_settled(OPEN_TURN_RECHECK_S, after_revision=seen)
+            except TimeoutError:
+                if await self._turn_over(handle.turn_id):
+                    return
+                continue
+            if snap.terminal:
+                return
+            seen = snap.revision  # paused: wait for what comes after the pause
+
+    async def _turn_over(self, turn_id: str) -> bool:
+        try:
+            turn = await self.server.store.get_turn(turn_id)
+        except StoreUnavailable:
+            return False  # asked again at the next look
+        return turn is None or turn.status in SETTLED_SNAPSHOT_STATUS
+
+    async def _keyed_earlier(self, agent: AgentRecord, spec: str, key: str | None) -> TurnRecord | None:
+        """The turn an idempotency key already names (a resend of an accepted input), for a submit
+        over the open-turn cap: answered as the duplicate it is, not refused."""
+        if key is None:
+            return None
+        scope = _new_scope(agent.id) if spec == "new" else spec
+        return await self.server.store.lookup_idempotency(scope, key)
 
     async def _acked(
         self,
@@ -612,14 +697,16 @@ class Endpoint:
             owner = await self.server.store.get_agent(task.agent)
             if conn.principal.agents is not None and (owner is None or not self._allows(conn, owner)):
                 raise FrameError("forbidden", f"this credential may not use the agent of task {task.name!r}", "task")
-            result = await service.run_now(task.id, agent=task.agent)
+            cap_key = open_turns_key(conn.principal)  # the run's turn counts against the credential that asked
+            if not self.open_turns.take(cap_key):
+                raise FrameError(TOO_MANY_OPEN_TURNS, self.open_turns.refusal())
+            result, turn, handle = await self._counted(cap_key, lambda: self._fire(service, task.id, task.agent))
         except CronNotFound as exc:
             raise NotFound(str(exc), param="task") from None
         except CronStoreError as exc:
             raise FrameError("invalid_request", str(exc), "task") from None
         number = result.occurrence.number
-        turn = await self.server.store.get_turn(result.turn_id) if result.turn_id else None
-        if turn is None:
+        if turn is None or handle is None:
             last = await asyncio.to_thread(read_runs, store.runs_dir, task.id, limit=1)
             detail = (last[-1].get("error") if last else None) or "no detail"
             raise FrameError("fire_failed", f"run #{number} of {task.name} could not be submitted: {detail}", "task")
@@ -633,9 +720,18 @@ class Endpoint:
                 "results": [occurrence],
             }
         )
-        handle = await self.server.kernel.handle_for(turn)
         # the turn ended before the subscription: adopt_submission shows its result
         await self.hub.adopt_submission(conn, turn.conversation_id, handle, set(), False)
+
+    async def _fire(
+        self, service: CronService, task_id: str, agent_id: str
+    ) -> tuple[tuple[RunNowResult, TurnRecord | None, TurnHandle | None], TurnHandle | None]:
+        """Run a cron task now: (the run, its turn and handle, None when it could not be
+        submitted), and the handle again for `_counted`."""
+        result = await service.run_now(task_id, agent=agent_id)
+        turn = await self.server.store.get_turn(result.turn_id) if result.turn_id else None
+        handle = await self.server.kernel.handle_for(turn) if turn is not None else None
+        return (result, turn, handle), handle
 
     # ------------------------------------------------------------ access
 
@@ -745,6 +841,13 @@ class Endpoint:
         return await store.list_conversations(
             agent_id, limit=frame.limit, offset=frame.offset, agent_ids=agent_ids, namespace=ns
         )
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Read a finished task's outcome, so that an error nobody awaited any more is not logged as
+    "never retrieved" (the caller of a shielded submit that left)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _namespace(conn: Connection) -> str | None:

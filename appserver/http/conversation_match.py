@@ -396,6 +396,33 @@ class Paused:
     carried: dict[str, PendingCall] = field(default_factory=dict)
 
 
+@dataclass(slots=True, frozen=True)
+class ShownRound:
+    """What a response showed of the round of calls its turn waited on: the turn, and the calls it
+    still asked for. A response that answered part of a round (the rest left open) holds the other
+    calls' answers in its context, though they wait in the turn's state, not as messages: a fork
+    at it keeps them, as answering the rest there did (`_carry_over`), and names only the calls
+    it asked for as open. A response that made the calls asked for them all."""
+
+    turn_id: str
+    still_open: frozenset[str]  # raw call ids (an approval's without its `mcpr_`)
+
+    def answered(self, turn_id: str | None, call_id: str) -> bool:
+        """Call `call_id` of turn `turn_id`'s round had its answer when the response was made."""
+        return turn_id == self.turn_id and call_id not in self.still_open
+
+
+def asked_at(messages: list[MessageRecord], shown: ShownRound | None) -> list[str]:
+    """The calls open at the end of `messages` (`open_call_ids`) that the response the point is
+    (`shown`) still asked for; all of them when it asked for none of its round (never none, while
+    any is open: new input after them must be refused)."""
+    waiting = open_call_ids(messages)
+    made = _round_made_at(messages)
+    if shown is None or made is None:
+        return waiting
+    return [w for w in waiting if not shown.answered(made.turn_id, w.removeprefix("mcpr_"))] or waiting
+
+
 # The id a legacy assistant `function_call` (which has none) is known by: a `function` message
 # answers it by the function's name. A legacy reply shows one call (the model may have made several:
 # they come back one at a time, the first open one first).
@@ -942,9 +969,12 @@ class ConversationMatcher:
         metadata: dict[str, Any] | None = None,
         seed: list[ViewItem] | None = None,
         while_pending: Callable[[list[str]], ApiError] = calls_open,
+        shown: ShownRound | None = None,
     ) -> str:
         """A new conversation with the source's messages up to `last_message_id`, then `seed`'s;
         with `answers`, paused at the calls open there (checked before anything is written).
+        `shown`: the point is a response that answered part of its round: the answers it had stay
+        given in the fork (see ShownRound).
 
         Without `answers` (new user input) the point must have no call waiting for an answer: a
         client tool's call stays the client's, open in the fork unless the request answers it, and
@@ -957,14 +987,14 @@ class ConversationMatcher:
         messages = [m for m in source if m.id is not None and m.id <= last_message_id]
         paused: Paused | None = None
         if answers is None:
-            waiting = open_call_ids(messages)
+            waiting = asked_at(messages, shown)
             if waiting:
                 raise while_pending(waiting)
         else:
             later = [m for m in source if m.id is not None and m.id > last_message_id]
             messages, paused = split_paused(messages, answers)  # the tail is written again, paused
             answer_shown(paused, answers)
-            await self._carry_over(paused, answers, later, source_conversation)
+            await self._carry_over(paused, answers, later, source_conversation, shown)
         ids = [m.id for m in messages if m.id is not None]
         conv = await self._new(
             agent,
@@ -1008,7 +1038,14 @@ class ConversationMatcher:
         )
         return Placement(fork, "fork", claimed=True)
 
-    async def _carry_over(self, paused: Paused, answers: Answers, later: list[MessageRecord], source: str) -> None:
+    async def _carry_over(
+        self,
+        paused: Paused,
+        answers: Answers,
+        later: list[MessageRecord],
+        source: str,
+        shown: ShownRound | None = None,
+    ) -> None:
         """What the source conversation did with the calls open at the fork point goes into the
         fork (checked before anything is written); `later` is the source's messages after it.
 
@@ -1016,8 +1053,12 @@ class ConversationMatcher:
         it: a call run there keeps its result, a denied, expired or cancelled one its end, with who
         denied it and why (`Paused.carried`). A client tool's call is the client's to answer: open
         in the fork unless this request answers it, with whatever result it sends (nothing of the
-        server runs for it; a retry of a partial answer is asked for the rest again). An approval
-        resent for a call that ran there reuses the result instead of running again (`Paused.ran`),
+        server runs for it; a retry of a partial answer is asked for the rest again), except where
+        the fork point is a response that answered part of the round (`shown`): the client calls
+        answered by then keep their results, as that response's context holds them (answering
+        the rest there is what answering them after it did; another result for one of them is a
+        400 `already_resolved`, as at that response while it was its conversation's head). An
+        approval resent for a call that ran there reuses the result instead of running again (`Paused.ran`),
         one resent for a denied call keeps the denial's words (`Paused.decided`). A fork never decides an
         approval anew: one given otherwise (approving what a person denied, an expired or
         cancelled call) is a 400 `already_resolved`. An approved call with no result yet while the
@@ -1046,6 +1087,11 @@ class ConversationMatcher:
             if p is None or p.status == "pending" and not (running and d is not None and d.action == "approve"):
                 continue  # never asked here, or still open there and nobody answers it: open in the fork
             if p.kind == "client":
+                if p.status == "result" and shown is not None and shown.answered(turn_id, cid):
+                    if d is None:
+                        paused.carried[cid] = p  # answered before the response forked at: kept
+                    elif not repeats_answer(p, d):
+                        clashes.append(f"call {cid} was already answered ({p.status})")
                 continue  # nothing of the server ran for it: open, or this request's result, as sent
             if p.status == "pending" or (p.status in ("approved", "result") and cid not in results):
                 (busy if running else waiting).append(cid)

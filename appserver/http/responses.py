@@ -74,6 +74,7 @@ from appserver.http.conversation_match import (
     Answers,
     ConversationMatcher,
     Placement,
+    ShownRound,
     ViewItem,
     chain,
     check_call_ids,
@@ -680,6 +681,17 @@ def response_param_types(body: dict[str, Any]) -> bool:
     return stream
 
 
+INCLUDE_QUERY = re.compile(r"include(?:\[\d*\])?")  # include=, include[]= (the SDKs), include[0]=
+
+
+def check_include(request: Request) -> None:
+    """GET's `include` query parameter is an array of the values POST's `include` takes: one the API
+    does not know is refused as POST refuses it (400 `invalid_value`), not ignored."""
+    for key, value in request.query_params.multi_items():
+        if INCLUDE_QUERY.fullmatch(key):
+            fields.one_of(value, "include", INCLUDABLE, nullable=False)
+
+
 def text_of(value: Any) -> dict[str, Any]:
     """`text` as the Response object echoes it: format (text, json_schema, json_object), verbosity."""
     text = fields.obj(value, "text")
@@ -1158,6 +1170,7 @@ class Responses:
 
     async def get(self, request: Request) -> Response:
         rec = await self._stored(request)  # an unknown id is a 404 whatever else the request asks
+        check_include(request)
         stream = request.query_params.get("stream", "false").lower()
         if stream not in ("true", "false"):
             raise bad_request("'stream' must be true or false", "stream", code="invalid_value")
@@ -1193,6 +1206,7 @@ class Responses:
 
     async def input_items(self, request: Request) -> Response:
         rec = await self._stored(request)
+        check_include(request)
         items = list(rec.input_items)
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -1445,7 +1459,13 @@ class Responses:
         if rec is None:  # placed at it a moment ago: deleted since
             raise ApiError(404, f"Previous response with id '{prev_id}' not found.", code="previous_response_not_found")
         fork = await self.matcher.fork_at(
-            agent, ns, rec.conversation_id, rec.last_message_id, answers, while_pending=calls_pending_at(prev_id or "")
+            agent,
+            ns,
+            rec.conversation_id,
+            rec.last_message_id,
+            answers,
+            while_pending=calls_pending_at(prev_id or ""),
+            shown=shown_round(rec),
         )
         return Placement(fork, "fork", claimed=True)
 
@@ -1564,9 +1584,10 @@ class Responses:
             # New input after calls the response left open is refused (409 calls_pending) wherever
             # it would go: at the head by the paused turn itself (start_turn), in a fork by fork_at.
             refuse = calls_pending_at(prev_id)
+            shown = shown_round(rec)  # a response that answered part of a round: a fork keeps its answers
             if added:
                 fork = await self.matcher.fork_at(
-                    agent, ns, rec.conversation_id, rec.last_message_id, seed=added, while_pending=refuse
+                    agent, ns, rec.conversation_id, rec.last_message_id, seed=added, while_pending=refuse, shown=shown
                 )
                 return Placement(fork, "fork", claimed=True)
             head = await store.last_message_id(rec.conversation_id)
@@ -1580,7 +1601,7 @@ class Responses:
             # an older response, or one whose conversation another request is already continuing
             return Placement(
                 await self.matcher.fork_at(
-                    agent, ns, rec.conversation_id, rec.last_message_id, answers, while_pending=refuse
+                    agent, ns, rec.conversation_id, rec.last_message_id, answers, while_pending=refuse, shown=shown
                 ),
                 "fork",
                 claimed=True,
@@ -1608,12 +1629,16 @@ class Responses:
         return await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers, while_pending=calls_pending)
 
 
-def _call_ids(output: Any) -> set[str]:
-    """The call ids of the tool call items of a response's output (`mcp_`/`mcpr_` + call id, a
-    function call's `call_id`)."""
+CALL_ITEMS = ("function_call", "mcp_call", "mcp_approval_request")
+ASKING_ITEMS = ("function_call", "mcp_approval_request")  # the calls a response leaves to its client
+
+
+def _call_ids(output: Any, kinds: tuple[str, ...] = CALL_ITEMS) -> set[str]:
+    """The call ids of the tool call items (of `kinds`) of a response's output (`mcp_`/`mcpr_` +
+    call id, a function call's `call_id`)."""
     ids: set[str] = set()
     for item in output if isinstance(output, list) else []:
-        if not isinstance(item, dict):
+        if not isinstance(item, dict) or item.get("type") not in kinds:
             continue
         kind, item_id = item.get("type"), str(item.get("id") or "")
         if kind == "function_call" and isinstance(item.get("call_id"), str):
@@ -1623,6 +1648,15 @@ def _call_ids(output: Any) -> set[str]:
         elif kind == "mcp_approval_request" and item_id.startswith("mcpr_"):
             ids.add(item_id.removeprefix("mcpr_"))
     return ids
+
+
+def shown_round(rec: ResponseRecord) -> ShownRound | None:
+    """What `rec` showed of the round its turn waited on: the calls it still asked for. One that
+    answered part of a round lists only the rest, the others' answers being its context; a fork at
+    it keeps them (ShownRound). None when its turn is not known."""
+    if rec.turn_id is None:
+        return None
+    return ShownRound(rec.turn_id, frozenset(_call_ids(rec.body.get("output"), ASKING_ITEMS)))
 
 
 def ended_calls(rec: ResponseRecord, answers: Answers) -> None:

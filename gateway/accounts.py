@@ -157,8 +157,10 @@ class AccountRunner:
         environ: dict[str, str] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         image_budget: Callable[[], int] = image_budget,
+        on_secrets: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self.spec = spec
+        self._on_secrets = on_secrets  # the log's redaction learns each secret before the adapter has it
         self._image_budget = image_budget
         self.home = home
         self.adapter: Adapter | None = None
@@ -268,6 +270,8 @@ class AccountRunner:
     def _create(self) -> Adapter:
         create = load_plugin(self.spec.channel, self.home)
         secrets = resolve_secrets(self.spec, self.home, self._environ)
+        if self._on_secrets is not None:
+            self._on_secrets(secrets)
         sources = {
             name: f"environment variable {ref['env']}" if "env" in ref else f"file {ref.get('file')}"
             for name, ref in self.spec.secrets.items()

@@ -69,6 +69,7 @@ KEPT_BEHIND_APPROVAL = "dm: kept behind the messages the sender's approval relea
 # A stranger's command (`/pair`, `/approve CODE`, `/new`, …) is not kept for the first turn: it was
 # meant for the gateway, not the agent. The stranger still gets the pairing code.
 COMMAND_NOT_KEPT = "dm: pairing pending; a command is not kept for the first turn"
+NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -82,6 +83,7 @@ class Gateway:
         specs: list[AccountSpec],
         emit: EventSink,
         environ: dict[str, str] | None = None,
+        on_secrets: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self.home = home
         self.ledger = ledger
@@ -93,7 +95,13 @@ class Gateway:
         self.emit = emit
         self.runners = {
             s.ref: AccountRunner(
-                s, home, self.on_message, self._state_changed, environ=environ, image_budget=link.image_budget
+                s,
+                home,
+                self.on_message,
+                self._state_changed,
+                environ=environ,
+                image_budget=link.image_budget,
+                on_secrets=on_secrets,
             )
             for s in specs
         }
@@ -381,6 +389,13 @@ class Gateway:
         # The message that carries the turn's delivery is the batch's first (its id names the
         # batch), wherever it sorts: following another member delivered nothing at all.
         entry = next((e for e in entries if not e.is_batch_member), entries[0])
+        if not self.chatops.lets_in(entry, runner):
+            # allowed, then the sender's access was taken away (`pairing revoke`, out of `allow` and a
+            # restart) before the turn started: a debounced batch, or a row resumed after a restart
+            for e in entries:
+                self.ledger.mark_failed(e.key, NO_LONGER_LET_IN)
+            log.info("%s: not submitted: %s", entry.key, NO_LONGER_LET_IN)
+            return
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
         resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
         if resolution is None:

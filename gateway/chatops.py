@@ -48,6 +48,10 @@ PROMPT_SHOWN_WAIT_S = 10.0
 ANNOUNCE_WAIT_S = 45.0
 REFUSE_EVERY_S = 60.0  # a person pressing someone else's button again and again is refused once a minute
 NOT_YOURS = "Only the person who started this, or an admin, can answer it."
+# To a starter whose access was taken away (a revoked pairing, removed from `allow`) answering their
+# own prompt, and to anyone whose command was allowed before that and is handled after it.
+NOT_LET_IN = "You are no longer allowed to use this bot."
+NOT_LET_IN_ANSWER = "You are no longer allowed to use this bot, so you cannot answer this request."
 
 
 def by_conversation(entries: list[Entry]) -> list[list[Entry]]:
@@ -181,11 +185,33 @@ class ChatOps:
         prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
         if prompt is None:
             return
+        refusal = self._refusal(entry, runner, prompt)
+        if refusal:
+            await self.outboxes.say(runner, answer_target(entry), refusal)
+
+    def _refusal(self, entry: Entry, runner: AccountRunner, prompt: Prompt) -> str:
+        """Why `entry`'s sender cannot answer `prompt`, once a minute per person and prompt ("" within
+        the minute): the truth for its own starter, whom access no longer lets in, else NOT_YOURS."""
         asked = f"{runner.spec.ref}:{entry.chat}:{entry.sender}:{prompt.call_id}"
         if self._refused.get(asked):
-            return
+            return ""
         self._refused.put(asked, True)
-        await self.outboxes.say(runner, answer_target(entry), NOT_YOURS)
+        return NOT_LET_IN_ANSWER if entry.sender == prompt.starter and not self.lets_in(entry, runner) else NOT_YOURS
+
+    def lets_in(self, entry: Entry, runner: AccountRunner) -> bool:
+        """Whether the account's access lets `entry`'s sender in *now* (listed, paired, an admin, or
+        open to all), as if the message were addressed to the bot: an answer or a command is acted
+        on only for such a sender, also one allowed before a `pairing revoke` or a restart that took
+        them out of `allow`, and also where a group's mention rule has an exception for answers."""
+        key, p = entry.key, entry.payload
+        verdict, _reason = runner.policy.decide(
+            chat_type=str(p.get("chat_type") or ""),
+            sender=entry.sender,
+            sender_is_bot=bool(p.get("sender_is_bot")),
+            mentions_bot=True,
+            approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
+        )
+        return verdict == "allow"
 
     def _open_or_remembered(self, runner: AccountRunner, chat: str, ref: str) -> Prompt | None:
         """The open prompt `ref` names in this chat, or one gateway.db remembers whose request has
@@ -197,19 +223,27 @@ class ChatOps:
 
     def answers_own_prompt(self, entry: Entry, runner: AccountRunner) -> bool:
         """Whether `entry` is `/approve ID` or `/deny ID` naming an open prompt in its chat, from the
-        person who may answer it: in a group that counts only mentions, typing it without one is
-        still an answer (as the prompt says), not a message the bot ignores."""
+        person who may answer it and whom access still lets in: in a group that counts only
+        mentions, typing it without one is still an answer (as the prompt says), not a message the
+        bot ignores."""
         command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
         if command is None or command.name not in ("approve", "deny") or not command.args:
             return False
         prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
-        return prompt is not None and (entry.sender == prompt.starter or runner.policy.is_admin(entry.sender))
+        if prompt is None or not (entry.sender == prompt.starter or runner.policy.is_admin(entry.sender)):
+            return False
+        return self.lets_in(entry, runner)  # a starter whose access was taken away answers nothing
 
     async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
         resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
         conversation = resolution.conversation if resolution is not None else None
+        if not self.lets_in(entry, runner):  # allowed, then access was taken away before it was handled
+            log.info(
+                "%s: a /%s from %s, whom access no longer lets in: ignored", runner.spec.ref, command.name, entry.key
+            )
+            return NOT_LET_IN
         try:
             if command.name == "help":
                 return HELP
@@ -400,13 +434,11 @@ class ChatOps:
         if isinstance(found, list):
             return "Several requests are waiting; answer with the ID: " + ", ".join(p.short_id for p in found)
         prompt = found
-        if entry.sender != prompt.starter and not runner.policy.is_admin(entry.sender):
-            # a member let in, pressing someone else's button again and again, hears it once a minute too
-            asked = f"{runner.spec.ref}:{entry.chat}:{entry.sender}:{prompt.call_id}"
-            if self._refused.get(asked):
-                return ""
-            self._refused.put(asked, True)
-            return NOT_YOURS
+        may_answer = entry.sender == prompt.starter or runner.policy.is_admin(entry.sender)
+        if not may_answer or not self.lets_in(entry, runner):
+            # a member let in, pressing someone else's button again and again, hears it once a minute too;
+            # access is asked again: waiting for the server's announcement may have taken a while
+            return self._refusal(entry, runner, prompt)
         decision = "approve" if command.name == "approve" else "deny"
         person = str(entry.payload.get("sender_name") or entry.sender)[:PERSON_MAX]
         ack = await self.link.request(

@@ -26,6 +26,7 @@ from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, defaul
 from gateway.delivery import DeliveryFailed
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
+from gateway.redact import SecretMask, known_secrets
 from gateway.stdio import COMMAND_MAX_LINE, ControlWriter, Overlong, read_command
 
 log = logging.getLogger("gateway")
@@ -46,8 +47,10 @@ def main() -> int:
     control = ControlWriter.take_stdout()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per platform request floods the log
+    mask = SecretMask()  # before anything can log a secret: no account has resolved one yet
+    mask.install()
     try:
-        return asyncio.run(_main(control))
+        return asyncio.run(_main(control, mask))
     except KeyboardInterrupt:
         return EXIT_OK
 
@@ -59,7 +62,7 @@ async def _stdin() -> asyncio.StreamReader:
     return reader
 
 
-async def _main(control: ControlWriter) -> int:
+async def _main(control: ControlWriter, mask: SecretMask) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: None)  # the supervisor stops us through stdin
@@ -74,6 +77,11 @@ async def _main(control: ControlWriter) -> int:
     except (TimeoutError, ValueError, KeyError, TypeError) as exc:
         log.error("no valid start envelope on stdin: %s", exc)
         return EXIT_BAD_START
+    # Every account's secrets, before any plugin (or its library) can log one; an account resolves
+    # its own again at each start (a rotated file), and hands them over then too.
+    mask.add_all(known_secrets(specs, home, os.environ))
+    if isinstance(start.get("token"), str):
+        mask.add("gateway credential", start["token"])
 
     lock = await lock_ledger(home, control)  # held until this process exits
     if lock is None:
@@ -86,7 +94,7 @@ async def _main(control: ControlWriter) -> int:
     except Exception as exc:  # noqa: BLE001 - any failure to reach the server ends this start
         log.error("cannot reach the server at %s: %s", start.get("url"), exc)
         return EXIT_SERVER_GONE
-    gateway = Gateway(home, ledger, link, specs, control.event)
+    gateway = Gateway(home, ledger, link, specs, control.event, on_secrets=mask.add_all)
     try:
         await gateway.start()
         control.ready()

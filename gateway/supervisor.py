@@ -2,11 +2,11 @@
 
 It starts `python -m gateway`, gives it a credential of its own (minted per start by the server,
 sent on stdin with the start envelope — never argv — and revoked when that child ends), relays the
-child's stderr into the server log with a `gateway` prefix, reads only control lines from its
-stdout, answers commands within a timeout, and restarts the child after an unexpected exit with
-capped exponential backoff (1 s → 60 s, reset after 5 minutes of health); it pings the running
-child and kills one that stops answering (hung or stopped), which is then restarted. It never takes the
-server down. It knows the child only by its control lines (`gateway.stdio`).
+child's stderr into the server log with a `gateway` prefix (the accounts' secrets masked: `_redact`),
+reads only control lines from its stdout, answers commands within a timeout, and restarts the child
+after an unexpected exit with capped exponential backoff (1 s → 60 s, reset after 5 minutes of
+health); it pings the running child and kills one that stops answering (hung or stopped), which
+is then restarted. It never takes the server down. It knows the child only by its control lines (`gateway.stdio`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import itertools
 import json
 import logging
 import os
+import re
+import stat
 import sys
 import time
 from collections import deque
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from gateway.stdio import COMMAND_MAX_LINE, MAX_LINE, ControlLine, read_lines
 
@@ -45,6 +48,10 @@ STOP_GRACE_S = 5.0
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
 HEALTHY_RESET_S = 300.0
+# The relay's own redaction of the accounts' secrets (the child masks its log first): values shorter
+# than this would mangle ordinary text; a secret file is read up to this many bytes.
+SECRET_MIN_LEN = 8
+SECRET_FILE_MAX = 64 << 10
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -73,6 +80,14 @@ class CommandTooLarge(RuntimeError):
 class Credential:
     token: str | None  # None: the server needs none (auth mode `none`, loopback)
     revoke: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Secrets:
+    """The accounts' secrets as the relay looks for them: each form (as it is, URL-encoded) -> name."""
+
+    pattern: re.Pattern[str]
+    names: dict[str, str]
 
 
 @dataclass
@@ -131,6 +146,7 @@ class GatewaySupervisor:
         self._ready = asyncio.Event()
         self._first_outcome = asyncio.Event()
         self._stderr_tail: deque[str] = deque(maxlen=20)
+        self._secrets: Secrets | None = None  # the accounts' secrets, read at each child's start
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -219,6 +235,7 @@ class GatewaySupervisor:
         self.view.state, self.view.reason = "starting", None
         self._hung = None
         self._stderr_tail.clear()  # the last lines of this child, not of the one before
+        self._secrets = _secret_pattern(self._accounts, self._env, self.home)
         credential = self._credential()
         try:
             env = {**self._env, "APPSERVER_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
@@ -343,9 +360,11 @@ class GatewaySupervisor:
         if payload.get("type") == "account_state":
             ref = f"{payload.get('channel')}:{payload.get('account')}"
             if ref in self.view.accounts:
-                self.view.accounts[ref].update(state=payload.get("state"), reason=payload.get("reason"))
+                reason = payload.get("reason")
+                reason = self._redact(reason) if isinstance(reason, str) else reason
+                self.view.accounts[ref].update(state=payload.get("state"), reason=reason)
         elif payload.get("type") == "gateway_error":
-            log.error("gateway: %s", payload.get("message"))
+            log.error("gateway: %s", self._redact(str(payload.get("message"))))
 
     async def _relay_stderr(self, stderr: asyncio.StreamReader) -> None:
         while True:
@@ -355,17 +374,69 @@ class GatewaySupervisor:
                 continue
             if not line:
                 return
-            text = line.decode("utf-8", "replace").rstrip()
+            text = self._redact(line.decode("utf-8", "replace").rstrip())
             self._stderr_tail.append(text[:300])
             level = logging.ERROR if text.startswith(("ERROR", "CRITICAL", "Traceback")) else logging.INFO
             level = logging.WARNING if text.startswith("WARNING") else level
             child_log.log(level, "gateway| %s", text)
+
+    def _redact(self, text: str) -> str:
+        """`text` with each account secret the server can read replaced by `<name>`: a second line
+        of defence behind the child's own log filter (gateway/redact.py), for what reaches its
+        stderr past logging (a traceback `sys.excepthook` prints, a library's `print`)."""
+        secrets = self._secrets
+        if secrets is None:
+            return text
+        return secrets.pattern.sub(lambda m: f"<{secrets.names.get(m.group(0), 'secret')}>", text)
 
     def _fail_pending(self, reason: str) -> None:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(RuntimeError(reason))
         self._pending.clear()
+
+
+def _secret_pattern(accounts: list[dict[str, Any]], env: dict[str, str], home: Path) -> Secrets | None:
+    """A pattern matching every secret the accounts reference (`<name>_env` in the child's
+    environment, `<name>_file` read as the child reads it), as it is and URL-encoded, with each
+    form's secret name; None when there is none to look for. Read at each child's start, so a
+    rotated file is known; a reference that cannot be read is the child's error to report."""
+    forms: dict[str, str] = {}
+    for account in accounts:
+        for name, ref in (account.get("secrets") or {}).items():
+            value = env.get(ref["env"], "") if "env" in ref else _read_secret(home, str(ref.get("file") or ""))
+            value = value.strip()
+            if len(value) < SECRET_MIN_LEN:
+                continue
+            for form in (value, quote(value, safe=""), quote(value, safe=":/")):
+                forms.setdefault(form, str(name))
+    if not forms:
+        return None
+    pattern = re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+    return Secrets(pattern, forms)
+
+
+def _read_secret(home: Path, name: str) -> str:
+    """A secret file's text, or "" when it cannot be read: only a regular file, opened without
+    blocking (a FIFO must not stall the server's loop), at most SECRET_FILE_MAX bytes."""
+    if not name:
+        return ""
+    path = Path(name).expanduser()
+    path = path if path.is_absolute() else home / path
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before opening: opening a device may do something
+            return ""
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return os.read(fd, SECRET_FILE_MAX).decode("utf-8", "replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def _why(exc: BaseException) -> str:

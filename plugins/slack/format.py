@@ -22,11 +22,11 @@ patterns this replaced backtracked (4,000 backticks took a second, a heading lin
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+
+from plugins.markup import Pair, code_spans, links, paired
 
 _FENCE_RE = re.compile(r"^\s{0,3}(`{3,}|~{3,})")
-_TICKS_RE = re.compile(r"`+")
 # What follows a link's `[label]`: `(url)`, the URL's parentheses balanced one level deep.
 _LINK_TAIL_RE = re.compile(r"\(\s*((?:https?://|mailto:)[^\s()]*(?:\([^\s()]*\)[^\s()]*)*)\s*\)")
 _HEADING_RE = re.compile(r"\s{0,3}#{1,6}\s+")
@@ -36,25 +36,12 @@ _BOLD_MARK = "\x01"  # bold while italics are converted, `*` at the end
 _EMPTY_BLOCK = "```\n```"
 
 
-@dataclass(frozen=True)
-class _Pair:
-    """An inline markup that wraps text between two delimiters (`**bold**`). Both patterns are
-    zero-width, with the delimiter as group 1, so each is tried once per position: pairing them is
-    linear, where one pattern `delim(.+?)delim` searched the rest of the line from every opener
-    that nothing closes (`**a ` 10,000 times: seconds). As in plugins/telegram/format.py."""
-
-    delimiters: tuple[str, ...]  # a text without any is left as it is, unsearched
-    opener: re.Pattern[str]  # where a delimiter can open: the content starts right after it
-    closer: re.Pattern[str]  # where one can close: the content ends right before it
-    mark: str  # what stands for the delimiter on both sides in mrkdwn
-
-
 # `**bold**` / `__bold__` first (as a mark, so the italics do not take its `*`), then `*italic*`
 # (not inside words: 2*3*4 stays), then `~~strike~~`. Slack's own `_italic_` passes as it is.
 _PAIRS = (
-    _Pair(("**", "__"), re.compile(r"(?=(\*\*|__)\S)"), re.compile(r"(?<=\S)(?=(\*\*|__))"), _BOLD_MARK),
-    _Pair(("*",), re.compile(r"(?<![\w*])(?=(\*)[^\s*])"), re.compile(r"(?<=[^\s*])(?=(\*)(?![\w*]))"), "_"),
-    _Pair(("~~",), re.compile(r"(?=(~~)\S)"), re.compile(r"(?<=\S)(?=(~~))"), "~"),
+    (Pair(("**", "__"), re.compile(r"(?=(\*\*|__)\S)"), re.compile(r"(?<=\S)(?=(\*\*|__))")), _BOLD_MARK),
+    (Pair(("*",), re.compile(r"(?<![\w*])(?=(\*)[^\s*])"), re.compile(r"(?<=[^\s*])(?=(\*)(?![\w*]))")), "_"),
+    (Pair(("~~",), re.compile(r"(?=(~~)\S)"), re.compile(r"(?<=\S)(?=(~~))")), "~"),
 )
 
 
@@ -123,93 +110,27 @@ def _inline(text: str) -> str:
         saved.append(value)
         return f"\x00{len(saved) - 1}\x00"
 
-    text = _code_spans(text, lambda inner: keep(f"`{escape(inner)}`"))
-    text = _links(text, lambda label, url: keep(_link(url, label)))
+    text = code_spans(text, lambda _written, inner: keep(f"`{escape(inner)}`"))
+    text = "".join(_linked(text, lambda label, url: keep(_link(url, label))))
     text = escape(text)
-    for pair in _PAIRS:
-        text = _paired(text, pair)
+    for pair, mark in _PAIRS:
+        text = paired(text, pair, mark, mark)
     text = text.replace(_BOLD_MARK, "*")
     while _PLACEHOLDER_RE.search(text):  # a link's label may hold a code span
         text = _PLACEHOLDER_RE.sub(lambda m: saved[int(m.group(1))], text)
     return text
 
 
-def _code_spans(text: str, code: Callable[[str], str]) -> str:
-    """`text` with each code span replaced by what `code` makes of its content. CommonMark: the
-    next run of exactly as many backticks closes a run; a run nothing closes is literal, and the
-    one after it may open. Each run learns its closer in one pass from the end of the line."""
-    runs = [m.span() for m in _TICKS_RE.finditer(text)]
-    closer = [-1] * len(runs)  # the index of the next run as long, or -1
-    later: dict[int, int] = {}  # by length: the first run of that length after the one at hand
-    for k in range(len(runs) - 1, -1, -1):
-        size = runs[k][1] - runs[k][0]
-        closer[k] = later.get(size, -1)
-        later[size] = k
-    out: list[str] = []
-    done = k = 0  # the text up to `done` is in `out`; `k` is the next run that may open a span
-    while k < len(runs):
-        end = closer[k]
-        if end < 0:
-            k += 1
-            continue
-        out += [text[done : runs[k][0]], code(text[runs[k][1] : runs[end][0]])]
-        done, k = runs[end][1], end + 1
-    out.append(text[done:])
-    return "".join(out)
-
-
-def _links(text: str, link: Callable[[str, str], str]) -> str:
-    """`text` with each `[label](url)` / `![alt](url)` replaced by what `link` makes of its label
-    and URL. A label runs to the first `]` after its `[`, so when what follows that `]` is no
-    `(url)`, no `[` before it starts a link either: the search goes on after it (searching again
-    from each `[` of `[[[[…` made a line of them quadratic)."""
-    out: list[str] = []
+def _linked(text: str, link: Callable[[str, str], str]) -> Iterator[str]:
+    """`text` in pieces, each `[label](url)` / `![alt](url)` replaced by what `link` makes of its
+    label and URL (an image's `!` goes with it)."""
     done = 0
-    start = text.find("[")
-    while start >= 0:
-        close = text.find("]", start + 1)
-        if close < 0:
-            break
-        tail = _LINK_TAIL_RE.match(text, close + 1) if close > start + 1 else None
-        if tail is None:
-            start = text.find("[", close + 1)
-            continue
-        head = start - 1 if start > done and text[start - 1] == "!" else start  # an image's `!` goes too
-        out += [text[done:head], link(text[start + 1 : close], tail.group(1))]
+    for start, close, tail in links(text, _LINK_TAIL_RE):
+        head = start - 1 if start > done and text[start - 1] == "!" else start
+        yield text[done:head]
+        yield link(text[start + 1 : close], tail.group(1))
         done = tail.end()
-        start = text.find("[", done)
-    out.append(text[done:])
-    return "".join(out)
-
-
-def _paired(text: str, pair: _Pair) -> str:
-    """`text` with `pair`'s delimiters as its mark: from the leftmost opener to the first closer of
-    the same delimiter that leaves some content, then on after that closer (what `re.sub` of
-    `delim(?=\\S)(.+?)(?<=\\S)delim` did), with each closer list walked once."""
-    if not any(delimiter in text for delimiter in pair.delimiters):
-        return text
-    closers: dict[str, list[int]] = {}
-    for m in pair.closer.finditer(text):
-        closers.setdefault(m.group(1), []).append(m.start())
-    if not closers:
-        return text
-    walked = dict.fromkeys(closers, 0)  # by delimiter: the closers before this one are behind us
-    out: list[str] = []
-    done = 0
-    for m in pair.opener.finditer(text):
-        start, delim = m.start(), m.group(1)
-        ends = closers.get(delim, [])
-        k = walked.get(delim, 0)
-        while k < len(ends) and ends[k] <= start + len(delim):
-            k += 1
-        walked[delim] = k
-        if start < done or k == len(ends):
-            continue
-        end = ends[k]
-        out += [text[done:start], pair.mark, text[start + len(delim) : end], pair.mark]
-        done = end + len(delim)
-    out.append(text[done:])
-    return "".join(out)
+    yield text[done:]
 
 
 def _link(url: str, label: str) -> str:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+
+from plugins.markup import Pair, code_spans, links, paired
 
 # A fence line: up to three spaces and ``` or ~~~ (or more), then an info string without a backtick.
 _FENCE_RE = re.compile(r"\s{0,3}(`{3,}|~{3,})")
-_TICKS_RE = re.compile(r"`+")
 # What follows a link's `[label]`: `(url)`, the URL's parentheses balanced one level deep.
 _LINK_TAIL_RE = re.compile(r"\(\s*((?:https?://|tg://|mailto:)[^\s()]*(?:\([^\s()]*\)[^\s()]*)*)\s*\)")
 _HEADING_RE = re.compile(r"\s{0,3}#{1,6}\s+")
@@ -42,25 +42,13 @@ _PLACEHOLDER_RE = re.compile(r"\x00(\d+)\x00")
 _LANG_RE = re.compile(r"[A-Za-z0-9_+#.-]{1,32}")
 
 
-@dataclass(frozen=True)
-class _Pair:
-    """An inline markup that wraps text between two delimiters (`**bold**`). Both patterns are
-    zero-width, with the delimiter as group 1, so each is tried once per position: pairing them is
-    linear, where one pattern `delim(.+?)delim` searched the rest of the line from every opener
-    that nothing closes (`**a ` 10,000 times: seconds)."""
-
-    delimiters: tuple[str, ...]  # a text without any is left as it is, unsearched
-    opener: re.Pattern[str]  # where a delimiter can open: the content starts right after it
-    closer: re.Pattern[str]  # where one can close: the content ends right before it
-    tag: str
-
-
-# `**bold**` / `__bold__`, `~~strike~~`, `*italic*` / `_italic_` (not inside words: snake_case stays).
+# `**bold**` / `__bold__`, `~~strike~~`, `*italic*` / `_italic_` (not inside words: snake_case stays),
+# each with the tag it becomes.
 _PAIRS = (
-    _Pair(("**", "__"), re.compile(r"(?=(\*\*|__)\S)"), re.compile(r"(?<=\S)(?=(\*\*|__))"), "b"),
-    _Pair(("~~",), re.compile(r"(?=(~~)\S)"), re.compile(r"(?<=\S)(?=(~~))"), "s"),
-    _Pair(("*",), re.compile(r"(?<![\w*])(?=(\*)[^\s*])"), re.compile(r"(?<=[^\s*])(?=(\*)(?![\w*]))"), "i"),
-    _Pair(("_",), re.compile(r"(?<![\w_])(?=(_)[^\s_])"), re.compile(r"(?<=[^\s_])(?=(_)(?![\w_]))"), "i"),
+    (Pair(("**", "__"), re.compile(r"(?=(\*\*|__)\S)"), re.compile(r"(?<=\S)(?=(\*\*|__))")), "b"),
+    (Pair(("~~",), re.compile(r"(?=(~~)\S)"), re.compile(r"(?<=\S)(?=(~~))")), "s"),
+    (Pair(("*",), re.compile(r"(?<![\w*])(?=(\*)[^\s*])"), re.compile(r"(?<=[^\s*])(?=(\*)(?![\w*]))")), "i"),
+    (Pair(("_",), re.compile(r"(?<![\w_])(?=(_)[^\s_])"), re.compile(r"(?<=[^\s_])(?=(_)(?![\w_]))")), "i"),
 )
 
 
@@ -178,98 +166,30 @@ def _inline(text: str) -> str:
         url = _PLACEHOLDER_RE.sub(lambda p: source[int(p.group(1))], url)
         return keep(f'<a href="{escape(url)}">{escape(label)}</a>', label, raw)
 
-    text = _code_spans(text, code)
-    text = _links(text, link)
+    text = code_spans(text, code)
+    text = "".join(_linked(text, link))
     text = escape(text).replace("&quot;", '"')
-    for pair in _PAIRS:
-        text = _between_tags(text, pair)
+    for pair, tag in _PAIRS:
+        text = _between_tags(text, pair, tag)
     return _PLACEHOLDER_RE.sub(lambda m: atoms[int(m.group(1))], text)
 
 
-def _code_spans(text: str, code: Callable[[str, str], str]) -> str:
-    """`text` with each code span given to `code` (the span as written, its content). CommonMark:
-    the next run of exactly as many backticks closes a run; a run nothing closes is literal, and
-    the one after it may open. Each run learns its closer in one pass from the end of the line."""
-    runs = [m.span() for m in _TICKS_RE.finditer(text)]
-    closer = [-1] * len(runs)  # the index of the next run as long, or -1
-    later: dict[int, int] = {}  # by length: the first run of that length after the one at hand
-    for k in range(len(runs) - 1, -1, -1):
-        size = runs[k][1] - runs[k][0]
-        closer[k] = later.get(size, -1)
-        later[size] = k
-    out: list[str] = []
-    done = k = 0  # the text up to `done` is in `out`; `k` is the next run that may open a span
-    while k < len(runs):
-        end = closer[k]
-        if end < 0:
-            k += 1
-            continue
-        start, stop = runs[k][0], runs[end][1]
-        out += [text[done:start], code(text[start:stop], text[runs[k][1] : runs[end][0]])]
-        done, k = stop, end + 1
-    out.append(text[done:])
-    return "".join(out)
-
-
-def _links(text: str, link: Callable[[str, str, str], str]) -> str:
-    """`text` with each `[label](url)` given to `link` (label, URL, the link as written). A label
-    runs to the first `]` after its `[`, so when what follows that `]` is no `(url)`, no `[` before
-    it starts a link either: the search goes on after it (searching again from each `[` of
-    `[[[[…` made a line of them quadratic)."""
-    out: list[str] = []
+def _linked(text: str, link: Callable[[str, str, str], str]) -> Iterator[str]:
+    """`text` in pieces, each `[label](url)` given to `link` (label, URL, the link as written)."""
     done = 0
-    start = text.find("[")
-    while start >= 0:
-        close = text.find("]", start + 1)
-        if close < 0:
-            break
-        tail = _LINK_TAIL_RE.match(text, close + 1) if close > start + 1 else None
-        if tail is None:
-            start = text.find("[", close + 1)
-            continue
-        out += [text[done:start], link(text[start + 1 : close], tail.group(1), text[start : tail.end()])]
+    for start, close, tail in links(text, _LINK_TAIL_RE):
+        yield text[done:start]
+        yield link(text[start + 1 : close], tail.group(1), text[start : tail.end()])
         done = tail.end()
-        start = text.find("[", done)
-    out.append(text[done:])
-    return "".join(out)
+    yield text[done:]
 
 
-def _between_tags(text: str, pair: _Pair) -> str:
+def _between_tags(text: str, pair: Pair, tag: str) -> str:
     pieces = _TAG_SPLIT_RE.split(text)
     for n, piece in enumerate(pieces):
         if n % 2 == 0 and piece:
-            pieces[n] = _paired(piece, pair)
+            pieces[n] = paired(piece, pair, f"<{tag}>", f"</{tag}>")
     return "".join(pieces)
-
-
-def _paired(text: str, pair: _Pair) -> str:
-    """`text` with `pair`'s markup as tags: from the leftmost opener to the first closer of the same
-    delimiter that leaves some content, then on after that closer (what `re.sub` of
-    `delim(?=\\S)(.+?)(?<=\\S)delim` did), with each closer list walked once."""
-    if not any(delimiter in text for delimiter in pair.delimiters):
-        return text
-    closers: dict[str, list[int]] = {}
-    for m in pair.closer.finditer(text):
-        closers.setdefault(m.group(1), []).append(m.start())
-    if not closers:
-        return text
-    walked = dict.fromkeys(closers, 0)  # by delimiter: the closers before this one are behind us
-    out: list[str] = []
-    done = 0
-    for m in pair.opener.finditer(text):
-        start, delim = m.start(), m.group(1)
-        ends = closers.get(delim, [])
-        k = walked.get(delim, 0)
-        while k < len(ends) and ends[k] <= start + len(delim):
-            k += 1
-        walked[delim] = k
-        if start < done or k == len(ends):
-            continue
-        end = ends[k]
-        out += [text[done:start], f"<{pair.tag}>", text[start + len(delim) : end], f"</{pair.tag}>"]
-        done = end + len(delim)
-    out.append(text[done:])
-    return "".join(out)
 
 
 _STRIP_TAGS_RE = re.compile(r"<[^>]*>")

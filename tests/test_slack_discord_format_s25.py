@@ -186,3 +186,16 @@ def test_the_other_markup_is_as_it_was() -> None:
         "x <@U1> & <!here>": "x &lt;@U1&gt; &amp; &lt;!here&gt;",
     }
     assert {md: to_mrkdwn(md) for md in cases} == cases
+
+
+@pytest.mark.timeout(8)
+@pytest.mark.parametrize("hostile", ["<http://" * 50_000, "<@U1|" * 50_000, "<mailto:a|" * 50_000])
+def test_inbound_links_and_mentions_are_found_in_linear_time(hostile: str) -> None:
+    """An inbound text of raw `<http://` without a `>` (a bot's message) made each search run to
+    the end again: 16,000 characters took a second, 50,000 ten."""
+    from plugins.slack.adapter import _MENTION_RE, _SLACK_LINK_RE
+
+    assert _SLACK_LINK_RE.sub("L", hostile) == hostile
+    assert _MENTION_RE.findall(hostile) == []
+    assert _SLACK_LINK_RE.sub("L", "a <https://x.y|label> b") == "a L b"
+    assert _MENTION_RE.findall("hi <@U12|bob> and <@U34>") == ["U12", "U34"]

@@ -121,8 +121,10 @@ EMOJI_NAMES = {
     "🔥": "fire", "🎉": "tada", "❤️": "heart", "❤": "heart", "😂": "joy", "🙏": "pray", "👌": "ok_hand",
     "🤔": "thinking_face", "⚠️": "warning", "⚠": "warning", "🚀": "rocket", "💯": "100", "😊": "blush",
 }  # fmt: skip
-_SLACK_LINK_RE = re.compile(r"<((?:https?://|mailto:)[^|>]+)(?:\|([^>]*))?>")
-_MENTION_RE = re.compile(r"<@([A-Z0-9]+)(?:\|[^>]*)?>")  # a user mention, with or without its `|name`
+# Neither runs past a `<` (Slack sends a typed one as `&lt;`): a raw `<http://` repeated without a
+# `>` (a bot's message) made each search run to the end of the text again, quadratic in its length.
+_SLACK_LINK_RE = re.compile(r"<((?:https?://|mailto:)[^|<>]+)(?:\|([^<>]*))?>")
+_MENTION_RE = re.compile(r"<@([A-Z0-9]+)(?:\|[^<>]*)?>")  # a user mention, with or without its `|name`
 
 
 class _RetryDroppedConnections(AsyncConnectionErrorRetryHandler):

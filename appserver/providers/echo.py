@@ -27,6 +27,9 @@ SLOW_WORD_INTERVAL_S = 0.05
 SLOW_MAX_WORDS = 100_000
 _MAX_ARG_DIGITS = 9  # `/slow 999999999` is already capped at SLOW_MAX_WORDS
 _CALL = re.compile(r"^/call\s+([A-Za-z0-9_.\-]+)\s*(.*)$", re.DOTALL)
+# One `/call` per line: a line ends at \n or \r only (str.splitlines also ends one at U+2028 and
+# U+0085, which JSON arguments may hold raw in a string: the call was cut short).
+_LINES = re.compile(r"\r\n|\r|\n")
 # A message from a chat channel arrives wrapped in the gateway's envelope; echo answers its body,
 # so `/slow 30` typed in a chat works as it does everywhere else.
 _CHANNEL_MESSAGE = re.compile(r"<channel-message [^<>]*>([^<>]*)</channel-message>$")
@@ -76,7 +79,7 @@ class EchoProvider:
         users = [m for m in messages if m.role == "user"]
         text = _unwrap_channel_message(_said(users[-1]).strip()) if users else ""
 
-        calls = [_CALL.match(line.strip()) for line in text.splitlines() if line.strip().startswith("/call")]
+        calls = [_CALL.match(line.strip()) for line in _LINES.split(text) if line.strip().startswith("/call")]
         if text.startswith("/call") and all(calls):
             for index, match in enumerate(calls):
                 assert match is not None

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import Any
 
+from appserver.agentparams import AGENT_PARAMS, BadParam
 from appserver.config import Config
 from appserver.errors import InvalidInput, NotFound
 from appserver.ids import AGENT_ID_PREFIX
@@ -52,57 +52,6 @@ def parse_tool_policies(specs: list[str] | tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def _number(kind: type, low: float, high: float) -> Callable[[str, str], Any]:
-    def parse(key: str, raw: str) -> Any:
-        try:
-            value = kind(raw)
-        except ValueError:
-            raise InvalidInput(
-                f"invalid --param {key}={raw!r}: expected {'an integer' if kind is int else 'a number'}", param="param"
-            ) from None
-        if not low <= value <= high:
-            raise InvalidInput(f"invalid --param {key}={raw!r}: must be between {low:g} and {high:g}", param="param")
-        return value
-
-    return parse
-
-
-def _choice(*choices: str) -> Callable[[str, str], Any]:
-    def parse(key: str, raw: str) -> Any:
-        if raw not in choices:
-            raise InvalidInput(f"invalid --param {key}={raw!r}: use {', '.join(choices)}", param="param")
-        return raw
-
-    return parse
-
-
-def _text(key: str, raw: str) -> Any:
-    return raw
-
-
-def _flag(key: str, raw: str) -> Any:
-    value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(raw.lower())
-    if value is None:
-        raise InvalidInput(f"invalid --param {key}={raw!r}: use true or false", param="param")
-    return value
-
-
-# Per-agent parameters: provider sampling/length settings, context and loop limits, presentation.
-AGENT_PARAMS: dict[str, Callable[[str, str], Any]] = {
-    "temperature": _number(float, 0, 2),
-    "top_p": _number(float, 0, 1),
-    "max_tokens": _number(int, 1, 10_000_000),
-    "reasoning_effort": _choice("minimal", "low", "medium", "high"),
-    "stop": _text,
-    "context_window": _number(int, 512, 100_000_000),
-    "max_steps": _number(int, 1, 1_000),
-    "reasoning": _choice("shown", "hidden"),
-    "allow_overrides": _flag,
-    # OpenAI routes: leave system text out of the history hash (docs/openai.md, issue 13.15)
-    "match_ignores_system": _flag,
-}
-
-
 def parse_params(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Parse `KEY=VALUE` items; an empty value (`KEY=`) removes the parameter (stored as None)."""
     out: dict[str, Any] = {}
@@ -113,7 +62,13 @@ def parse_params(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
             raise InvalidInput(
                 f"invalid --param {spec!r}: use KEY=VALUE with KEY one of {', '.join(AGENT_PARAMS)}", param="param"
             )
-        out[key] = None if raw == "" else AGENT_PARAMS[key](key, raw)
+        if raw == "":
+            out[key] = None
+            continue
+        try:
+            out[key] = AGENT_PARAMS[key].parse(raw)
+        except BadParam as exc:
+            raise InvalidInput(f"invalid --param {key}={raw!r}: {exc}", param="param") from None
     return out
 
 

@@ -645,7 +645,10 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
     dangling = dangling_home_link(given)  # before resolve(), which would turn the link into its target
     if dangling is not None:
         raise ConfigError(str(dangling))
-    home = given.resolve()
+    try:
+        home = given.resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of links met meanwhile (pathlib says RuntimeError)
+        raise ConfigError(f"the home {given} cannot be reached: {exc}") from None
     if home.exists() and not home.is_dir():
         raise ConfigError(
             f"the home {home} is not a directory: point APPSERVER_HOME (or --home) at a directory, "

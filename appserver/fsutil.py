@@ -101,62 +101,81 @@ def _check_regular(path: Path, st: os.stat_result) -> None:
         )
 
 
-def _dangling_component(path: Path) -> tuple[Path, str] | None:
-    """The link and its target when `path`, or the nearest of its directories that is there, is a
-    symbolic link to nothing; else None (`path` exists, or is simply missing). Only the nearest
-    existing component counts: everything below it is missing because of it."""
+def _unreachable(exc: OSError) -> bool:
+    """Is this the error of a path that is not there, or that can never be reached (a loop of
+    symbolic links, ELOOP)? Either way the nearest component that is there tells why."""
+    return isinstance(exc, FileNotFoundError) or exc.errno == errno.ELOOP
+
+
+def _dangling_component(path: Path) -> tuple[Path, str, bool] | None:
+    """The link, its target, and whether it is a loop, when `path`, or the nearest of its
+    directories that is there, is a symbolic link to nothing or a loop of links (ELOOP: following
+    it never ends); else None (`path` exists, or is simply missing). Only the nearest existing
+    component counts: everything below it is missing (or unreachable) because of it."""
     for part in (path, *path.parents):
         try:
             st = os.lstat(part)
-        except FileNotFoundError:
-            continue  # missing: look at the directory it would be in
-        except OSError:
+        except OSError as exc:
+            if _unreachable(exc):
+                continue  # missing, or under a loop: look at the directory it would be in
             return None
         if not stat.S_ISLNK(st.st_mode):
             return None
         try:
             os.stat(part)
             return None  # a link to something: `path` below it is simply missing
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return None
+        except OSError as exc:
+            if not _unreachable(exc):
+                return None
+            loop = exc.errno == errno.ELOOP
         try:
-            return part, os.readlink(part)
+            return part, os.readlink(part), loop
         except OSError:  # gone meanwhile
             return None
     return None
 
 
+def _leads_nowhere(target: str, loop: bool) -> str:
+    """How a link that is broken is said: a loop, or a link to nothing."""
+    if loop:
+        return f"a symbolic link loop (it points to {target}, and following it never ends)"
+    return f"a symbolic link to {target}, which does not exist"
+
+
 def dangling_link(path: Path, what: str = "file") -> StateFileRefused | None:
     """The error for `path` when it, or a directory on its way (`auth/`, the home itself), is a
-    symbolic link to nothing (its target's disk not mounted, a restore that missed the target), else
-    None: such a file is never read as missing, nor made anew where the link points. Names the link."""
+    symbolic link to nothing (its target's disk not mounted, a restore that missed the target) or
+    a loop of links, else None: such a file is never read as missing, nor made anew where the link
+    points. Names the link."""
     found = _dangling_component(path)
     if found is None:
         return None
-    link, target = found
+    link, target, loop = found
+    code = errno.ELOOP if loop else errno.EINVAL
+    if loop:
+        fix = "point the link at what it should reach, or remove it"
+    elif link == path:
+        fix = f"make the {what} it points to available (is its disk mounted?), or remove the link"
+    else:
+        fix = "make the directory it points to available (is its disk mounted?), or remove the link"
     if link == path:
-        return StateFileRefused(
-            path,
-            f"a symbolic link to {target}, which does not exist: make the {what} it points to available "
-            "(is its disk mounted?), or remove the link",
-        )
-    return StateFileRefused(
-        link,
-        f"a symbolic link to {target}, which does not exist, so {path} cannot be reached: make the "
-        "directory it points to available (is its disk mounted?), or remove the link",
-    )
+        return StateFileRefused(path, f"{_leads_nowhere(target, loop)}: {fix}", code)
+    return StateFileRefused(link, f"{_leads_nowhere(target, loop)}, so {path} cannot be reached: {fix}", code)
 
 
 def state_file_stat(path: Path) -> os.stat_result | None:
-    """stat(2) through links; None when there is no file, StateFileRefused for a link to nothing."""
+    """stat(2) through links; None when there is no file, StateFileRefused for a link to nothing
+    or a loop of links."""
     try:
         return os.stat(path)
-    except FileNotFoundError:
+    except OSError as exc:
+        if not _unreachable(exc):
+            raise
         err = dangling_link(path)
         if err is not None:
             raise err from None
+        if not isinstance(exc, FileNotFoundError):
+            raise
         return None
 
 
@@ -193,7 +212,9 @@ def open_state_file(path: Path) -> BinaryIO:
     _check_regular(path, st)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except OSError as exc:
+        if not _unreachable(exc):
+            raise
         err = dangling_link(path)
         if err is not None:
             raise err from None
@@ -230,12 +251,16 @@ def dangling_home_link(home: Path) -> StateFileRefused | None:
     config (auth off), and an `auth/` there never read as "no tokens" (nor `cron-runs/` as no runs)."""
     found = _dangling_component(home)
     if found is not None:
-        link, target = found
+        link, target, loop = found
         where = "the home" if link == home else f"a directory on the way to the home {home}"
+        fix = "point the link at the directory it should reach"
+        if not loop:
+            fix = "make the directory it points to available (is its disk mounted?)"
         return StateFileRefused(
             link,
-            f"{where} is a symbolic link to {target}, which does not exist: make the directory it points to "
-            "available (is its disk mounted?), or point APPSERVER_HOME (--home) elsewhere; nothing was made there",
+            f"{where} is {_leads_nowhere(target, loop)}: {fix}, or point APPSERVER_HOME (--home) elsewhere; "
+            "nothing was made there",
+            errno.ELOOP if loop else errno.EINVAL,
         )
     for name in HOME_DIRS:
         err = dangling_link(home / name, "directory")
@@ -260,6 +285,13 @@ def ensure_private_dir(path: Path) -> Path:
             "or point APPSERVER_HOME (--home) at a directory",
             str(path),
         ) from None
+    except OSError as exc:  # under a loop of symbolic links (ELOOP): named, as a link to nothing is
+        if exc.errno != errno.ELOOP:
+            raise
+        loop = dangling_link(path, "directory")
+        if loop is not None:
+            raise loop from None
+        raise
     return path
 
 

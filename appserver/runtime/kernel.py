@@ -415,7 +415,9 @@ class Kernel:
         `finish_turn` like every turn; a commit that fails here fails the start."""
         history = await self.store.list_messages(turn.conversation_id)
         messages: list[MessageRecord] = []
-        if not turn.input_committed:
+        # a damaged input (rows.py `TurnRecord.damaged`) reads as its raw stored text: never the user's message
+        writes_input = not turn.input_committed and "input" not in turn.damaged
+        if writes_input:
             messages.append(
                 MessageRecord(role="user", content=turn.input.get("content", ""), turn_id=turn.id, source=turn.source)
             )
@@ -449,6 +451,7 @@ class Kernel:
             usage=turn.usage,
             revision=published,
             iteration=turn.iteration,
+            input_committed=turn.input_committed or writes_input,
         )
         shown = [m for m in history if m.turn_id == turn.id] + messages
         await self._settle_unheld(turn, TurnEnd("interrupted", "cancelled", error, commit), shown, published)

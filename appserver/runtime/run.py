@@ -24,7 +24,7 @@ from appserver.runtime.handle import TurnHandle
 from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
-from appserver.runtime.settle import TurnEnd, cancel_wins, deleted, halted, loop_end, store_failure
+from appserver.runtime.settle import TurnEnd, cancel_wins, damaged, deleted, halted, loop_end, store_failure
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import ConversationGone, StoreError, StoreUnavailable, TurnSettledElsewhere
 from appserver.store.integrity import damage_text, is_corruption
@@ -136,6 +136,9 @@ class TurnRunner:
             except StaleLease:
                 return
             await self.finish(record, controller, lease, deleted(self.gone))
+            return
+        if record.damaged:
+            await self._end_damaged(record, controller, lease, resumed=resume is not None)
             return
         work: TurnWork | None = None
         elsewhere: TurnSettledElsewhere | None = None
@@ -263,6 +266,30 @@ class TurnRunner:
         else:
             end = loop_end(record.id, work, outcome, controller.revision + 1)
         await finish_turn(deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease)
+
+    async def _end_damaged(
+        self, record: TurnRecord, controller: TurnController, lease: Lease, *, resumed: bool
+    ) -> None:
+        """End, never run, a turn read back with damaged input, client tools or options (rows.py
+        `TurnRecord.damaged`: the stand-ins would be the prompt, the client's tools, the
+        instructions): failed through `finish_turn`, naming what is damaged, nothing of those
+        values written. Whatever brings it here (requeued at a start or by a cluster take-over,
+        or resumed by an answer after a restart) ends it so."""
+        history: list[MessageRecord] = []
+        if resumed:  # its calls are closed in the history, as every stopped turn's are
+            try:
+                history = list(await self._history.read())
+            except Exception as exc:  # its calls stay open; the commit below says what the store does
+                self._deps.store.note_failure(exc)
+                log.error("turn %s: its history could not be read: %s", record.id, exc)
+        try:
+            self._lifecycle.settle(lease, pausing=False)
+        except StaleLease:
+            return
+        store = "the PostgreSQL database" if self._deps.config.store.url else "appserver.db"
+        end = damaged(record, history, controller.revision + 1, store)
+        log.error("turn %s failed: %s", record.id, (end.error or {}).get("message"))
+        await self.finish(record, controller, lease, end)
 
     async def _save_calls(self, record: TurnRecord, controller: TurnController, work: TurnWork) -> None:
         """Before a server tool acts on the world, make the turn's messages so far (the assistant

@@ -11,7 +11,7 @@ from appserver.agent.loop import LoopOutcome, TurnWork
 from appserver.runtime.types import StopReason
 from appserver.store.base import StoreUnavailable, TurnSettledElsewhere
 from appserver.store.groupcommit import is_locked
-from appserver.store.records import MessageRecord, TurnCommit, TurnStatus
+from appserver.store.records import MessageRecord, TurnCommit, TurnRecord, TurnStatus
 from appserver.values import value
 
 
@@ -54,6 +54,51 @@ def deleted(why: str) -> TurnEnd:
         "error",
         {"kind": "store", "message": f"{why}; nothing of the turn was saved", "retryable": False, "status": None},
     )
+
+
+# What each damaged column of a turn is to its reader (records.py TURN_RUN_COLUMNS)
+DAMAGED_WORDS = {"input": "input", "client_tools": "client tools", "options": "request options"}
+
+
+def damaged_text(record: TurnRecord, store: str) -> str:
+    """Why a turn with damaged stored columns (`TurnRecord.damaged`) was not run, naming them and
+    the turn's row, and what to do."""
+    words = [DAMAGED_WORDS.get(c, c) for c in record.damaged]
+    verb = "is" if words == ["input"] else "are"
+    return (
+        f"the turn was not run: its stored {' and '.join(words)} {verb} damaged (turns row {record.id!r}): "
+        f"restore {store} from a backup"
+    )
+
+
+def _ended_damaged(name: str) -> str:
+    return f"The turn ended before the call to {name} had a result: the turn's stored data is damaged."
+
+
+def damaged(record: TurnRecord, history: list[MessageRecord], revision: int, store: str) -> TurnEnd:
+    """A turn whose stored input, client tools or options are damaged never runs (the stand-ins it
+    reads with would send a raw JSON text as the prompt, or run on the server a call meant for the
+    client's tool of the same name): it ends failed, error kind `store`, writing nothing of them (a
+    queued turn's input stays out of the history). A paused one's calls in `history` each get a
+    result saying the turn ended, so the history stays valid for every provider."""
+    error = {"kind": "store", "message": damaged_text(record, store), "retryable": False, "status": None}
+    answered = {m.tool_call_id for m in history if m.role == "tool"}
+    closing: list[MessageRecord] = []
+    for m in history:
+        if m.role == "assistant" and m.turn_id == record.id:
+            closing.extend(close_unanswered(m, record.id, answered, _ended_damaged))
+    commit = TurnCommit(
+        record.id,
+        "failed",
+        "error",
+        closing,
+        error=error,
+        usage=dict(record.usage),
+        revision=revision,
+        iteration=record.iteration,
+        input_committed=record.input_committed,
+    )
+    return TurnEnd("failed", "error", error, commit)
 
 
 def withdrawn(turn_id: str, revision: int, why: str) -> TurnEnd:

@@ -148,6 +148,14 @@ class TurnRecord:
     created_at: float = 0.0
     started_at: float | None = None
     ended_at: float | None = None
+    # No column: which of TURN_RUN_COLUMNS were damaged when read (rows.py). Such a turn reads with
+    # stand-ins for them, to be shown; it never runs with them (runtime/run.py ends it failed).
+    damaged: tuple[str, ...] = field(default=(), metadata={"column": False})
+
+
+# The columns a turn runs with: its input (the user's message), the client's tools (a call to one runs
+# in the client, never on the server) and its request options (instructions among them).
+TURN_RUN_COLUMNS: tuple[str, ...] = ("input", "client_tools", "options")
 
 
 PendingKind = Literal["approval", "client"]

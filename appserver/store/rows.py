@@ -9,6 +9,11 @@ SQLite says so once and fails readiness, PostgreSQL logs each damaged cell once)
 as its fallback, so the agent, conversation or history that holds it stays usable until the store is
 restored. A converter given no `on_damage`
 refuses the row instead (DamagedCell). A column missing from a table is refused (DamagedTable).
+
+Two reads go further than the shape of the cell. An agent's params are checked key by key against
+the table the command that sets them uses (agentparams.py): a wrong value is damage, and that key
+reads as not set. A turn's input, client tools and options stand in only to be shown: the record
+names them (`TurnRecord.damaged`), and the runtime ends such a turn failed instead of running it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from functools import wraps
 from typing import Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
 from appserver import fastjson
+from appserver.agentparams import param_problem
 from appserver.store.base import StoreError
 from appserver.store.records import (
     EVERY_TOOL,
+    TURN_RUN_COLUMNS,
     AgentRecord,
     ConversationRecord,
     HttpIdempotency,
@@ -190,8 +197,8 @@ def decode_json(text: Any, shape: Shape, on_damage: OnDamage, table: str, row_id
 
 def _reads(table: str, record: type) -> Callable[[Callable[Concatenate[Row, P], R]], Callable[Concatenate[Row, P], R]]:
     """A converter of `table`'s rows into `record`s (whose fields are the columns): a column
-    missing from the row is DamagedTable, naming it."""
-    columns = tuple(f.name for f in fields(record))
+    missing from the row is DamagedTable, naming it (fields marked `column: False` are none)."""
+    columns = tuple(f.name for f in fields(record) if f.metadata.get("column", True))
 
     def wrap(convert: Callable[Concatenate[Row, P], R]) -> Callable[Concatenate[Row, P], R]:
         @wraps(convert)
@@ -226,10 +233,24 @@ def agent_record(row: Row, on_damage: OnDamage = refuse) -> AgentRecord:
         model=row["model"],
         system=row["system"],
         tools=decode_json(row["tools"], POLICIES, on_damage, "agents", rid, "tools"),
-        params=decode_json(row["params"], OBJECT, on_damage, "agents", rid, "params"),
+        params=checked_params(decode_json(row["params"], OBJECT, on_damage, "agents", rid, "params"), on_damage, rid),
         created_at=row["created_at"],
         updated_at=row["updated_at"],
     )
+
+
+def checked_params(params: dict[str, Any], on_damage: OnDamage, row_id: Any) -> dict[str, Any]:
+    """An agent's params with each value the command would refuse (agentparams.py) said to
+    `on_damage` and left out: that key reads as not set (the server's default applies, as before
+    it was set), while the others keep what was set (a max_tokens or max_steps limit stays)."""
+    kept: dict[str, Any] = {}
+    for key, value in params.items():
+        problem = param_problem(key, value)
+        if problem is None:
+            kept[key] = value
+        else:
+            on_damage(f"column 'params' of agents row {row_id!r} holds a wrong value for {key!r} ({problem})")
+    return kept
 
 
 @_reads("conversations", ConversationRecord)
@@ -286,7 +307,17 @@ def message_record(row: Row, on_damage: OnDamage = refuse) -> MessageRecord:
 
 @_reads("turns", TurnRecord)
 def turn_record(row: Row, on_damage: OnDamage = refuse) -> TurnRecord:
+    """A turn; `damaged` names its columns of TURN_RUN_COLUMNS that read as stand-ins."""
     rid = row["id"]
+    damaged: list[str] = []
+
+    def run_column(column: str, shape: Shape) -> Any:
+        def told(problem: str) -> None:
+            damaged.append(column)
+            on_damage(problem)
+
+        return decode_json(row[column], shape, told, "turns", rid, column)
+
     return TurnRecord(
         id=rid,
         conversation_id=row["conversation_id"],
@@ -296,10 +327,10 @@ def turn_record(row: Row, on_damage: OnDamage = refuse) -> TurnRecord:
         error=decode_json(row["error"], OBJECT_OR_NULL, on_damage, "turns", rid, "error"),
         idempotency_key=row["idempotency_key"],
         source=decode_json(row["source"], OBJECT_OR_NULL, on_damage, "turns", rid, "source"),
-        input=decode_json(row["input"], TURN_INPUT, on_damage, "turns", rid, "input"),
+        input=run_column("input", TURN_INPUT),
         input_committed=bool(row["input_committed"]),
-        client_tools=decode_json(row["client_tools"], TOOL_SPECS, on_damage, "turns", rid, "client_tools"),
-        options=decode_json(row["options"], OBJECT, on_damage, "turns", rid, "options"),
+        client_tools=run_column("client_tools", TOOL_SPECS),
+        options=run_column("options", OBJECT),
         owner=row["owner"],
         draft=decode_json(row["draft"], OBJECT_OR_NULL, on_damage, "turns", rid, "draft"),
         usage=decode_json(row["usage"], USAGE, on_damage, "turns", rid, "usage"),
@@ -308,6 +339,7 @@ def turn_record(row: Row, on_damage: OnDamage = refuse) -> TurnRecord:
         created_at=row["created_at"],
         started_at=row["started_at"],
         ended_at=row["ended_at"],
+        damaged=tuple(c for c in TURN_RUN_COLUMNS if c in damaged),
     )
 
 

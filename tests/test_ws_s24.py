@@ -216,7 +216,8 @@ async def test_a_client_that_reads_nothing_cannot_queue_many_big_histories(serve
         await asyncio.sleep(0.005)
     assert most_queued <= 1, f"{most_queued} history pages of ~1.6 MB queued for a client that reads nothing"
     assert conn.close_request is not None and conn.close_request[0] == CLOSE_SLOW_CONSUMER, conn.close_request
-    assert conn.outbound.peak_bytes <= max(BUDGET, page), conn.outbound.peak_bytes
+    # pages differ by their request_id (`h9` … `h149`): the one sampled alone may be a byte or two shorter
+    assert conn.outbound.peak_bytes <= max(BUDGET, page + 16), (conn.outbound.peak_bytes, page)
     assert conn.outbound.bytes == 0 and len(conn.outbound) == 0  # the queued frames were dropped
     ws.transport.abort()
     # nothing keeps the connection (and what it held) once its endpoint is done

@@ -207,6 +207,9 @@ class Endpoint:
         self.frame_limits = FrameLimits.from_max_messages(int(server.config.limits.max_messages))
         # the turns each credential holds open (`[limits] open_turns_per_client`)
         self.open_turns = OpenTurns(int(server.config.limits.open_turns_per_client))
+        # (idempotency scope, credential's key) -> the first of a submit's copies in flight: True
+        # once its turn is accepted (`_first_copy`)
+        self._flights: dict[tuple[str, str], asyncio.Future[bool]] = {}
 
     async def __call__(self, websocket: WebSocket) -> None:
         limits = self.server.config.limits
@@ -538,28 +541,56 @@ class Endpoint:
             # named is one turn: the "new" submit keyed it by agent, not by conversation.
             earlier = await self.server.store.lookup_idempotency(_new_scope(agent.id), key)
             if earlier is not None and earlier.conversation_id == spec:
-                handle = await self.server.kernel.handle_for(earlier)
-                await self._acked(
-                    conn, frame.request_id, earlier.id, spec, handle, set(), handle.controller.queue_position, True
-                )
+                await self._ack_earlier(conn, frame.request_id, earlier)
                 return
+        flight = (_new_scope(agent.id) if spec == "new" else spec, key) if key is not None else None
+        mine: asyncio.Future[bool] | None = None
+        while flight is not None and (mine := await self._first_copy(flight)) is None:
+            # a copy sent at the same time was accepted: its turn, neither a place nor a conversation
+            earlier = await self._keyed_earlier(agent, spec, key)
+            if earlier is not None:
+                await self._ack_earlier(conn, frame.request_id, earlier)
+                return
+        try:
+            got = await self._accept(conn, frame, agent, spec, key, content, fields)
+        except BaseException:
+            self._land(flight, mine, False)
+            raise
+        self._land(flight, mine, True)  # the key names a turn now: its copies ask for it
+        if isinstance(got, TurnRecord):
+            await self._ack_earlier(conn, frame.request_id, got)  # a resend over the cap runs nothing
+            return
+        if got.duplicate:
+            await self._may_show(conn, got.conversation_id)
+        await self._acked(
+            conn,
+            frame.request_id,
+            got.turn_id,
+            got.conversation_id,
+            got.handle,
+            set(names),
+            got.queue_position,
+            got.duplicate,
+        )
+
+    async def _accept(
+        self,
+        conn: Connection,
+        frame: F.SubmitInput,
+        agent: AgentRecord,
+        spec: str,
+        key: str | None,
+        content: str | list[dict[str, Any]],
+        fields: dict[str, Any],
+    ) -> Submission | TurnRecord:
+        """Submit with a place of the credential's open turns; over the cap, the turn the key
+        already names (a resend), else refused `too_many_open_turns`."""
         cap_key = open_turns_key(conn.principal)
         if not self.open_turns.take(cap_key):
             earlier = await self._keyed_earlier(agent, spec, key)
             if earlier is None:
                 raise FrameError(TOO_MANY_OPEN_TURNS, self.open_turns.refusal())
-            handle = await self.server.kernel.handle_for(earlier)  # a resend runs nothing: answered
-            await self._acked(
-                conn,
-                frame.request_id,
-                earlier.id,
-                earlier.conversation_id,
-                handle,
-                set(),
-                handle.controller.queue_position,
-                True,
-            )
-            return
+            return earlier
         source = dict(frame.source or {})
         source.setdefault("connection", conn.id)
         request = SubmitRequest(
@@ -572,27 +603,30 @@ class Endpoint:
             conversation_fields=fields,
             resolved=agent,
         )
-        sub = await self._counted(cap_key, lambda: self._submit(request))
-        if sub.duplicate and spec == "new" and ns is not None:
-            # The key's turn was made in a conversation this credential may no longer see (a token
-            # rotated under its name without `admin`, which sees every conversation): not shown.
-            conv = await self.server.store.get_conversation(sub.conversation_id)
-            if conv is None or not namespace_allows(ns, conv.namespace):
-                raise FrameError(
-                    "invalid_request",
-                    "this idempotency_key was used for a conversation this credential may not see; use another key",
-                    "idempotency_key",
-                )
-        await self._acked(
-            conn,
-            frame.request_id,
-            sub.turn_id,
-            sub.conversation_id,
-            sub.handle,
-            set(names),
-            sub.queue_position,
-            sub.duplicate,
-        )
+        return await self._counted(cap_key, lambda: self._submit(request))
+
+    async def _first_copy(self, flight: tuple[str, str]) -> asyncio.Future[bool] | None:
+        """Wait while copies of this input (one credential's, one conversation, one idempotency key,
+        on any socket) are submitted: None once one was accepted; else this submit goes first, and
+        its flight (resolved by `_land`) is returned. A copy that took a place or resolved "new"
+        before the first committed was refused `too_many_open_turns` or left an empty conversation.
+        Shielded: a copy whose socket closes leaves the first alone. The wait is the first's
+        submit, bounded as every submit is."""
+        while (ahead := self._flights.get(flight)) is not None:
+            if await asyncio.shield(ahead):
+                return None
+        mine: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._flights[flight] = mine  # nothing awaited since the look: one first per flight
+        return mine
+
+    def _land(self, flight: tuple[str, str] | None, mine: asyncio.Future[bool] | None, accepted: bool) -> None:
+        """The first copy's outcome: waiting copies ask for its turn, or (it failed) the next tries."""
+        if flight is None or mine is None:
+            return
+        if self._flights.get(flight) is mine:
+            del self._flights[flight]
+        if not mine.done():
+            mine.set_result(accepted)
 
     async def _submit(self, request: SubmitRequest) -> tuple[Submission, TurnHandle | None]:
         sub = await self.server.kernel.submit(request)
@@ -649,11 +683,36 @@ class Endpoint:
 
     async def _keyed_earlier(self, agent: AgentRecord, spec: str, key: str | None) -> TurnRecord | None:
         """The turn an idempotency key already names (a resend of an accepted input), for a submit
-        over the open-turn cap: answered as the duplicate it is, not refused."""
+        over the open-turn cap or a copy that waited for its first: answered as the duplicate it
+        is, neither refused nor submitted."""
         if key is None:
             return None
         scope = _new_scope(agent.id) if spec == "new" else spec
         return await self.server.store.lookup_idempotency(scope, key)
+
+    async def _ack_earlier(self, conn: Connection, rid: str | None, earlier: TurnRecord) -> None:
+        """Ack the turn a key named before this submit (`duplicate`), if this credential may see it."""
+        await self._may_show(conn, earlier.conversation_id)
+        handle = await self.server.kernel.handle_for(earlier)
+        await self._acked(
+            conn, rid, earlier.id, earlier.conversation_id, handle, set(), handle.controller.queue_position, True
+        )
+
+    async def _may_show(self, conn: Connection, conversation_id: str) -> None:
+        """Refuse a duplicate ack of a turn in a conversation this credential may not see: keys
+        belong to a credential's name, and a token rotated under it without `admin` (which sees
+        every conversation) keeps them. Every path that acks a duplicate asks this first (an ack
+        subscribes and shows the turn's snapshot)."""
+        ns = _namespace(conn)
+        if ns is None:
+            return
+        conv = await self.server.store.get_conversation(conversation_id)
+        if conv is None or not namespace_allows(ns, conv.namespace):
+            raise FrameError(
+                "invalid_request",
+                "this idempotency_key was used for a conversation this credential may not see; use another key",
+                "idempotency_key",
+            )
 
     async def _acked(
         self,

@@ -51,6 +51,7 @@ MOVED_HOPS = 3  # a pull is passed on to a conversation's new holder at most thi
 HOLDER_CHECK_S = 0.5  # a call to a holder looks this often whether it is still alive
 MOVED_WAIT_S = 45.0  # how long an answer follows a conversation that moves or whose holder died
 FOLLOW_EVERY_S = 5.0  # a follower renews its interest this often
+FOLLOW_ASK_S = 2.0  # a new watch waits this long at most for the holder to hear it is followed
 FOLLOW_TTL_S = 15.0  # and the holder forgets an interest not renewed for this long
 
 
@@ -350,11 +351,21 @@ class ClusterLink:
             self._told[conversation_id] = time.monotonic()
             self._spawn(self._say_following([conversation_id]))
 
-    async def _say_following(self, conversation_ids: list[str]) -> None:
+    async def _say_following(self, conversation_ids: list[str], *, answered: bool = False) -> None:
+        """Tell the holders; `answered`: wait (FOLLOW_ASK_S at most) for each to answer, so it
+        publishes the conversation's turns from then on (a holder that does not answer in time is
+        told again by the sweep, as before)."""
         await self.cluster.note_following(conversation_ids, FOLLOW_TTL_S)
         for conversation_id, holder in (await self.cluster.holders(conversation_ids)).items():
-            if holder != self.cluster.instance_id:
+            if holder == self.cluster.instance_id:
+                continue
+            if not answered:
                 await self.cluster.send(holder, "follow", {"conversation": conversation_id})
+                continue
+            try:
+                await self.cluster.call(holder, "follow", {"conversation": conversation_id}, timeout=FOLLOW_ASK_S)
+            except (ClusterError, PeerError) as exc:
+                log.info("instance %s did not answer that %s is followed here: %s", holder, conversation_id, exc)
 
     def _following(self) -> set[str]:
         return {m.handle.conversation_id for m in self.mirrors.values()} | set(self.watchers)
@@ -384,8 +395,13 @@ class ClusterLink:
         return handle
 
     async def watch(self, conversation_id: str, on_turn: Callable[[TurnHandle], None]) -> RemoteWatch:
+        """Follow a conversation another server holds. The holder is told, and has answered,
+        before this returns: told in the background, a turn it began right after (a subscriber's
+        next input) could end before it knew of this server, and was never published here."""
         view = RemoteWatch(self, conversation_id, on_turn)
-        self._follow_soon(conversation_id)
+        if conversation_id not in self._told:
+            self._told[conversation_id] = time.monotonic()
+            await self._say_following([conversation_id], answered=True)
         for turn in await self.kernel.store.list_turns(conversation_id, statuses=("queued", "running", "awaiting")):
             await self.mirror(turn)
         return view

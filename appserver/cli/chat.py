@@ -12,7 +12,8 @@ What a person sees, and why it is built this way:
 * `/help`, `/new`, `/cancel`, `/quit` are commands of this client, never sent to the model
   (`//text` sends `/text`).
 * A server stop or failover to a standby is ridden out: the protocol client reconnects, resubscribes
-  and resumes the turn on screen (see appserver/client/connection.py).
+  and resumes the turn on screen (see appserver/client/connection.py). Started while the home's
+  server stops, chat waits for it to exit and goes to the server that replaced it (run.connect_first).
 * A line is sent without stalling the session: while its ack is outstanding (a stalled server, a
   network that keeps the connection open but carries nothing), SIGTERM/SIGHUP, Ctrl-C and `/quit`
   act at once and lines typed meanwhile wait their turn behind it. A line the server does not
@@ -37,6 +38,7 @@ import time
 import unicodedata
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -50,7 +52,15 @@ from appserver.cli.common import (
     shown_raw,
     stdout_closed,
 )
-from appserver.cli.run import USAGE_ERRORS, reconnect_wait_option, server_url_source, token_hint
+from appserver.cli.run import (
+    USAGE_ERRORS,
+    HomeServer,
+    ServerGone,
+    connect_first,
+    reconnect_wait_option,
+    server_url_source,
+    token_hint,
+)
 from appserver.cli.safetext import exact, visible
 from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
 
@@ -67,6 +77,7 @@ TRAILING_SGR = re.compile(r"(\x1b\[[0-9;]*m)+$")
 SUBMIT_TIMEOUT = 30.0  # seconds a line waits for the server's ack before it is reported unconfirmed
 CLOSE_WAIT = 1.0  # seconds the connection's closing handshake may take when chat leaves
 STOP_GRACE = 0.5  # seconds a session has to end after SIGTERM/SIGHUP before its wait is cancelled
+TAKEOVER_WAIT_S = 2.0  # seconds chat looks for a server taking over one that stopped (a standby checks every second)
 
 Events = asyncio.Queue[tuple[str, Any]]
 
@@ -948,10 +959,12 @@ async def chat(
     show_reasoning: bool,
     reconnect_wait: float,
     url_source: Callable[[], str | None] | None,
+    home: HomeServer | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
-    client = await ProtocolClient.connect(
+    client = await connect_first(
         url,
+        home,
         token=token,
         client="appserver-chat",
         reconnect=reconnect_wait > 0,
@@ -1051,12 +1064,10 @@ def chat_command(
 ) -> None:
     """Chat with an agent through the running server (WebSocket protocol)."""
     url_source = None
+    home: HomeServer | None = None
     if url is None:
         server_json = get_config().server_json
-        live = live_server_or_fail(server_json)
-        if live is None:
-            fail("no server is running on this home: start `appserver serve` (or give --url)", 3)
-        url = str(live["url"])
+        url, home = home_server_or_fail(server_json)
         url_source = server_url_source(server_json)
     else:
         try:
@@ -1064,7 +1075,12 @@ def chat_command(
         except ConnectError as exc:
             fail(f"--url: {exc.message}", 2)
     try:
-        code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source))
+        try:
+            code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source, home))
+        except ServerGone:  # it stopped before taking anything: the server that replaced it, once
+            assert home is not None
+            url, _ = home_server_or_fail(home.server_json, stopped=url)
+            code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source))
     except ProtocolError as exc:  # ConnectError too: a refused upgrade (401/403 …), a bad URL
         fail(
             exc.message + token_hint(exc.code, "give --token or set APPSERVER_TOKEN"),
@@ -1077,3 +1093,16 @@ def chat_command(
             exit_stdout_closed()
         fail(f"cannot reach the server at {url}: {exc}", 1)
     sys.exit(code)
+
+
+def home_server_or_fail(server_json: Path, stopped: str | None = None) -> tuple[str, HomeServer]:
+    """The URL of this home's live server (waiting while one starts), and where to wait for its stop;
+    without one, exit 3. `stopped`: the URL of the server that stopped meanwhile, and one taking over
+    is looked for a while (TAKEOVER_WAIT_S)."""
+    deadline = time.monotonic() + (TAKEOVER_WAIT_S if stopped else 0.0)
+    while (live := live_server_or_fail(server_json)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if live is None:
+        gone = f" (the one at {visible(stopped)} stopped)" if stopped else ""
+        fail(f"no server is running on this home{gone}: start `appserver serve` (or give --url)", 3)
+    return str(live["url"]), HomeServer(server_json, str(live.get("identity") or ""))

@@ -2,6 +2,8 @@
 
 In-process, `run` owns the home for the turn as `serve` does (serve.lock, serverinfo.claim_for_turns):
 a `serve` started meanwhile is refused, naming it, and a second in-process `run` waits for it.
+A server that refuses the first connection because it is stopping is waited for (STOP_WAIT_S);
+then the turn runs through the server that replaced it, else in-process (`through_home_server`).
 Ctrl-C cancels the turn wherever it runs; SIGTERM/SIGHUP end the command (in-process the turn ends
 with it, settled as interrupted; through a server it goes on there). Exit 128 + the signal's number.
 """
@@ -9,14 +11,16 @@ with it, settled as interrupted; through a server it goes on there). Exit 128 + 
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import shlex
 import signal
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -27,11 +31,19 @@ from appserver.runtime import Decision, SubmitRequest, TurnSnapshot, max_steps_n
 from appserver.server import Server
 from appserver.serverinfo import HomeBusy, HomeLock, HomeStarting, claim_for_turns, holder_text, read_live_server
 
+if TYPE_CHECKING:
+    from appserver.client import ProtocolClient
+
 T = TypeVar("T")
 
 OPEN_TIMEOUT_S = 10.0  # for the connection and then for the server's welcome (each)
 CANCEL_WAIT_S = 3.0  # how long a Ctrl-C waits for the server to confirm the cancel before leaving
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long `run` and `chat` wait for this home's server to exit when it refuses their first
+# connection because it is stopping: its stop gives the requests in flight up to 8 s (serve's
+# GRACE_S + DRAIN_S), then settles the running turns; a margin on top.
+STOP_WAIT_S = 15.0
+STOP_POLL_S = 0.05  # how often that wait reads server.json
 
 
 class Interrupted(Exception):
@@ -220,26 +232,10 @@ def run_command(
             fail(f"--idempotency-key takes 1 to {IDEMPOTENCY_KEY_MAX} characters (got {len(idempotency_key)})", 2)
         if any(c < " " or c == "\x7f" for c in idempotency_key):
             fail("--idempotency-key must not hold control characters", 2)
-    remote: tuple[str, Callable[[], str | None] | None] | None = None
-    lock: HomeLock | None = None
-    if url is not None:
-        # another server (or this home's, named): its home is not read, nothing runs in-process
-        from appserver.client import ConnectError, check_url
 
-        try:
-            check_url(url)
-        except ConnectError as exc:
-            fail(f"--url: {exc.message}", 2)
-        remote = (url, None)
-    else:
-        config = get_config()
-        live, lock = own_home_or_server(config.server_json, timeout)
-        if live is not None:
-            # a server owns this home: run the turn through its WebSocket protocol (never beside it)
-            remote = (str(live.get("url")), server_url_source(config.server_json))
-    if remote is not None:
+    def remote_turn(server_url: str, url_source: Callable[[], str | None] | None, home: HomeServer | None) -> NoReturn:
         snap, conversation_id = run_remote_or_fail(
-            remote[0],
+            server_url,
             agent,
             conversation,
             text,
@@ -249,11 +245,25 @@ def run_command(
             idempotency_key,
             timeout,
             reconnect_wait=reconnect_wait,
-            url_source=remote[1],
+            url_source=url_source,
             token=token,
             token_how="give --token or set APPSERVER_TOKEN" if url is not None else "set APPSERVER_TOKEN",
+            home=home,
         )
         sys.exit(render(snap, conversation_id, as_json, agent, url))
+
+    if url is not None:
+        # another server (or this home's, named): its home is not read, nothing runs in-process
+        from appserver.client import ConnectError, check_url
+
+        try:
+            check_url(url)
+        except ConnectError as exc:
+            fail(f"--url: {exc.message}", 2)
+        remote_turn(url, None, None)
+    config = get_config()
+    # a server owns this home: the turn runs through its WebSocket protocol (never beside it)
+    lock: HomeLock | None = through_home_server(config.server_json, timeout, remote_turn)
 
     steps: int | None = None
     running: list[tuple[str, str]] = []  # (conversation, turn) once known: what a Ctrl-C cancels
@@ -345,6 +355,95 @@ def own_home_or_server(server_json: Path, wait_s: float) -> tuple[dict[str, Any]
         fail(str(exc), 3)
     except HomeStarting as exc:
         fail(f"{exc}; try again in a moment", 3)
+
+
+def through_home_server(
+    server_json: Path,
+    wait_s: float,
+    remote_turn: Callable[[str, Callable[[], str | None], HomeServer | None], NoReturn],
+) -> HomeLock:
+    """Run the turn through this home's live server (`remote_turn` exits), or return the home's lock,
+    held, to run it in-process. A server that refuses the first connection as it stops is waited for
+    once (`connect_first`); then the choice is made again: the server that replaced it (a restart, a
+    standby), else in-process, since the home is free. Nothing was sent, so nothing runs twice."""
+    home_wait = True
+    while True:
+        live, lock = own_home_or_server(server_json, wait_s)
+        if live is None:
+            assert lock is not None
+            return lock
+        home = HomeServer(server_json, str(live.get("identity") or "")) if home_wait else None
+        try:
+            remote_turn(str(live.get("url")), server_url_source(server_json), home)
+        except ServerGone:
+            home_wait = False
+            signals_as_at_start()
+
+
+def signals_as_at_start() -> None:
+    """The stop signals' default actions again: `until_signal` ignores them once its work is over,
+    as the command then ends, but after a server's stop the command goes on."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+@dataclass(frozen=True)
+class HomeServer:
+    """The server this home's server.json named (`identity`: its process), whose stop a refused first
+    connection waits for."""
+
+    server_json: Path
+    identity: str
+
+
+class ServerGone(Exception):
+    """This home's server stopped (or was replaced) before it took anything from this command: its
+    first connection was refused. The caller chooses anew where to go (`through_home_server`)."""
+
+
+def refused_while_stopping(exc: BaseException) -> bool:
+    """Whether opening the connection failed as a stopping server fails it: its listener is closed
+    (refused, or reset while queued), or a 503 `server_shutting_down`. Nothing was sent."""
+    from appserver.client import ConnectError
+
+    if isinstance(exc, ConnectError):
+        return exc.status == 503 and exc.code == "server_shutting_down"
+    return isinstance(exc, OSError) and exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET)
+
+
+async def connect_first(url: str, home: HomeServer | None, **options: Any) -> ProtocolClient:
+    """`ProtocolClient.connect(url, **options)` for `run` and `chat`. When this home's server (`home`)
+    refuses it as it stops, wait for that server to go (up to STOP_WAIT_S, said on stderr), then raise
+    ServerGone; one still there after that is the refusal, as before."""
+    from appserver.client import ProtocolClient, ProtocolError
+
+    try:
+        return await ProtocolClient.connect(url, **options)
+    except (OSError, ProtocolError) as exc:
+        if home is None or not refused_while_stopping(exc):
+            raise
+        click.echo(
+            f"[the server at {visible(url)} is stopping; waiting up to {STOP_WAIT_S:g} s for it to exit]", err=True
+        )
+        if await server_went(home, STOP_WAIT_S):
+            raise ServerGone(url) from None
+        raise
+
+
+async def server_went(home: HomeServer, wait_s: float) -> bool:
+    """True once server.json no longer names a live `home` server (its process ended, or another
+    server took over); False when it still does after `wait_s`. Polled on the loop, so a signal ends
+    the wait at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        live = read_live_server(home.server_json)
+        if live is None or live.get("identity") != home.identity:
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(STOP_POLL_S)
 
 
 def run_remote_or_fail(*args: Any, **kwargs: Any) -> tuple[TurnSnapshot, str]:
@@ -490,10 +589,12 @@ def run_remote(
     url_source: Callable[[], str | None] | None = None,
     token: str | None = None,
     token_how: str = "give --token or set APPSERVER_TOKEN",
+    home: HomeServer | None = None,
 ) -> tuple[TurnSnapshot, str]:
     """One turn (or the answers to a paused one) through a live server's /ws protocol; the outcome
-    is awaited across a failover (the client reconnects, possibly to a standby elsewhere)."""
-    from appserver.client import ProtocolClient, ProtocolError
+    is awaited across a failover (the client reconnects, possibly to a standby elsewhere). `home`:
+    the home's server, whose stop a refused first connection waits for (`connect_first`)."""
+    from appserver.client import ProtocolError
 
     teller = RetryTeller()
 
@@ -529,8 +630,9 @@ def run_remote(
                 await clients[0].close()
 
     async def exchange() -> tuple[TurnSnapshot, str]:
-        client = await ProtocolClient.connect(
+        client = await connect_first(
             url,
+            home,
             token=token,
             client="appserver-run",
             open_timeout=min(OPEN_TIMEOUT_S, timeout),  # a short --timeout bounds the wait for the welcome too

@@ -1,4 +1,4 @@
-"""`appserver serve`: Starlette + uvicorn, server.json while running, clean stop on SIGTERM.
+"""`appserver serve`: Starlette + uvicorn, server.json while running, clean stop on SIGTERM (SIGINT, SIGHUP).
 
 One server per home (one SQLite store, one in-process runtime per conversation): a second `serve`
 is refused, unless it is a `--standby`, which waits without a kernel and takes over (crash settle,
@@ -100,6 +100,15 @@ def _drop_cancelled(record: logging.LogRecord) -> bool:
     return not (text.startswith("Traceback") and text.endswith("CancelledError"))
 
 
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop the server, each the same clean way (a second one forces the stop).
+    SIGHUP is what a closed terminal or SSH session sends: there is no reload, and by default it
+    killed the server at once (requests cut, server.json left behind, nothing logged). Unless it is
+    ignored (`nohup appserver serve`): then it stays ignored, as asked."""
+    ignored_hup = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    return (signal.SIGINT, signal.SIGTERM) if ignored_hup else (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class _UvicornServer(uvicorn.Server):
     """uvicorn re-raises a captured SIGTERM after shutdown (exit status -15); we own the signals so
     a clean stop exits 0 and the `finally` that removes server.json always runs."""
@@ -107,12 +116,13 @@ class _UvicornServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal)
+        signals = stop_signals()
+        for sig in signals:
+            loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             yield
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in signals:
                 loop.remove_signal_handler(sig)
                 # The stop is under way (server.json goes, the loop closes, the interpreter ends):
                 # a signal from here on asks for what is already happening, and must not end the
@@ -170,7 +180,7 @@ class _UvicornServer(uvicorn.Server):
         if stopped:
             log.info("stopping: answered %d request(s) still waiting with 503 server_shutting_down", stopped)
 
-    def _on_signal(self) -> None:
+    def _on_signal(self, signum: int) -> None:
         if self._stopping:  # a second signal: stop now
             self.force_exit = self.should_exit = True
             # uvicorn then skips the lifespan shutdown, and its task, cancelled at exit, would be
@@ -178,6 +188,11 @@ class _UvicornServer(uvicorn.Server):
             logging.getLogger("uvicorn.error").addFilter(_drop_cancelled)
             return
         self._stopping = True
+        log.info(
+            "%s: stopping (requests in flight get %g s, then an error; a second signal stops at once)",
+            signal.Signals(signum).name,
+            GRACE_S,
+        )
         # Requests still running when the graceful wait ends are cancelled by uvicorn, which logs
         # each as "Exception in ASGI application" with a CancelledError traceback: the stop, not a fault.
         logging.getLogger("uvicorn.error").addFilter(_drop_cancelled)
@@ -228,7 +243,8 @@ async def wait_for_home(config: Config) -> HomeLock | None:
     when it dies, and server.json's process identity (a reused pid counts as dead)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    signals = stop_signals()
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     interval = standby_poll_s(config)
     shown: object = ()
@@ -257,7 +273,7 @@ async def wait_for_home(config: Config) -> HomeLock | None:
             except TimeoutError:
                 pass
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.remove_signal_handler(sig)
 
 

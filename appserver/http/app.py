@@ -14,11 +14,13 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Message, Receive, Scope, Send
 
 from appserver.http.bodies import JsonBodies
-from appserver.http.common import is_api_route
+from appserver.http.common import api_route_label, is_api_route
 from appserver.http.errors import error_response, new_request_id
+from appserver.http.metrics import Metrics
 from appserver.http.openai_routes import openai_routes
 from appserver.http.requestid import current_request_id
 from appserver.http.stopping import Stopping
+from appserver.security.guard import OPS_DETAIL
 from appserver.server import Server
 from appserver.services import Services
 from appserver.ws.routes import ws_routes
@@ -33,10 +35,20 @@ async def healthz(request: Request) -> JSONResponse:
 
 
 async def readyz(request: Request) -> JSONResponse:
-    """The server's named checks (appserver/readiness.py): 503 when one fails; warnings listed."""
+    """The server's named checks (appserver/readiness.py): 503 when one fails; warnings listed.
+    Their details (paths, free bytes, a database's address) only to whom may see them (`OPS_DETAIL`):
+    anyone else on the network gets each check's name and status."""
     server: Server = request.app.state.server
     ready, body = await server.readiness.report()
+    if not may_see_detail(request, server):
+        body = {"status": body["status"], "checks": [{k: c[k] for k in ("name", "status")} for c in body["checks"]]}
     return JSONResponse(body, status_code=200 if ready else 503)
+
+
+def may_see_detail(request: Request, server: Server) -> bool:
+    """The security guard's answer; without the guard (an app built alone), auth mode `none` only."""
+    state = request.scope.get("state") or {}
+    return bool(state.get(OPS_DETAIL, server.config.auth.mode == "none"))
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -68,6 +80,29 @@ async def server_error(request: Request, exc: Exception) -> Response:
     )
 
 
+class RefusalCounts:
+    """The security guard's refusals of requests to the OpenAI routes, counted as the routes count
+    their own answers (`appserver_http_requests_total`) under the route's fixed label; a path no
+    OpenAI route takes is not counted, so the labels stay bounded whatever paths clients send."""
+
+    def __init__(self, metrics: Metrics, routes: list[BaseRoute]) -> None:
+        self.metrics = metrics
+        self.routes = [
+            (r.path_regex, label)
+            for r in routes
+            if isinstance(r, Route) and (label := api_route_label(r.endpoint)) is not None
+        ]
+
+    def __call__(self, scope: Scope, status: int) -> None:
+        path = scope.get("path") or ""
+        if not path.startswith("/v1/") or scope.get("root_path"):
+            return
+        for regex, label in self.routes:
+            if regex.match(path):
+                self.metrics.observe_request(label, str(scope.get("method") or ""), status)
+                return
+
+
 class App:
     """The Starlette app, with the OpenAI API routes of a fixed path reached without its router.
 
@@ -78,9 +113,20 @@ class App:
     WebSockets and the lifespan go through Starlette as before.
     """
 
-    def __init__(self, starlette: Starlette, direct: dict[str, tuple[Endpoint, frozenset[str]]]) -> None:
+    def __init__(
+        self,
+        starlette: Starlette,
+        direct: dict[str, tuple[Endpoint, frozenset[str]]],
+        refusals: RefusalCounts | None = None,
+    ) -> None:
         self.starlette = starlette
         self.direct = direct
+        self.refusals = refusals
+
+    def count_refusal(self, scope: Scope, status: int) -> None:
+        """The security guard refused this request (guard.py): counted in the metrics."""
+        if self.refusals is not None:
+            self.refusals(scope, status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         hit = self.direct.get(scope["path"]) if scope["type"] == "http" and not scope.get("root_path") else None
@@ -144,4 +190,4 @@ def build_app(
         for r in routes
         if isinstance(r, Route) and r.path.startswith("/v1/") and "{" not in r.path and is_api_route(r.endpoint)
     }
-    return App(app, direct)
+    return App(app, direct, RefusalCounts(services.metrics, routes))

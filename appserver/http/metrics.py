@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from appserver.store.records import TurnRecord
 
 
+# The `method` label of appserver_http_requests_total: these as sent, any other as "other" (a request
+# the security guard refuses never met a route, and its method is whatever token the client sent).
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+OTHER_METHOD = "other"
+
+
 class Metrics:
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -67,6 +73,8 @@ class Metrics:
             self.turn_latency.observe(max(0.0, time.time() - record.started_at))
 
     def observe_request(self, route: str, method: str, status: int) -> None:
+        if method not in METHODS:
+            method = OTHER_METHOD
         key = (route, method, status)
         child = self._request_counts.get(key)
         if child is None:

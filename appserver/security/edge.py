@@ -1386,7 +1386,9 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                     response.headers["content-length"] = str(len(body))
                     response.body = body
                     peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
-                    log.info("[%s] websocket handshake from %s refused: %d %s", rid, peer, response.status_code, text)
+                    log.info(
+                        "[%s] websocket handshake from %s refused: %d %r", rid, peer, response.status_code, text[:200]
+                    )
             send_response(response)
 
         self.conn.send_response = stamped  # type: ignore[method-assign]

@@ -22,6 +22,13 @@ What the app sees in `scope["state"]` (Starlette: `request.state` / `websocket.s
     `Authenticator.hello_timeout_s`, or when newer sockets of its address took its place, the
     guard closes with 4401.
 
+Every refusal is logged, bounded (`RefusalLog`): any client can be refused as fast as it can send,
+so only the first lines of each interval are written, each path shortened, and the rest counted.
+An app with a `count_refusal(scope, status)` method (http/app.py: the metrics) hears of each HTTP
+refusal. `scope["state"][OPS_DETAIL]` says whether the request's credential may see operational
+detail (the checks' details in `/readyz`): one with the scope `/metrics` needs, offered even on a
+public path (never refused there), or any client in auth mode `none`.
+
 Refused WebSocket upgrades get a real HTTP response (403/401/421/400) through the
 `websocket.http.response` extension when the server offers it, else a close before accept
 (which servers turn into 403).
@@ -29,14 +36,16 @@ Refused WebSocket upgrades get a real HTTP response (403/401/421/400) through th
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
-from appserver.auth import Authenticator, TokensStale
+from appserver.auth import Authenticator, AuthError, Principal, TokensStale
 from appserver.config import Config, ConfigError
 from appserver.http.requestid import HEADER as REQUEST_ID_HEADER
 from appserver.http.requestid import begin_request, end_request
-from appserver.netaddr import BindRefused, check_bind_allowed, parse_listen
+from appserver.netaddr import BindRefused, check_bind_allowed, is_loopback, parse_listen
 from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send, prove
 from appserver.security.authentication import (
     DEFAULT_PATH_SCOPES,
@@ -44,7 +53,8 @@ from appserver.security.authentication import (
     Authentication,
     check_query,
 )
-from appserver.security.headers import guarded_headers
+from appserver.security.edge import LogThrottle
+from appserver.security.headers import Headers, guarded_headers, single
 from appserver.security.hostcheck import HostCheck
 from appserver.security.limits import BodyLimit, ClientSlots, PendingSockets, SlotHold, slot_key
 from appserver.security.origin import OriginCheck, cors_headers, is_preflight, preflight
@@ -57,6 +67,74 @@ _STAMPED = frozenset({"http.response.start", "websocket.accept", "websocket.http
 
 
 BODY_SEND = "body_send"
+OPS_DETAIL = "ops_detail"  # the `scope["state"]` key: may this request see operational detail?
+OPS_PATH = "/metrics"  # whose scope rule says who may (DEFAULT_PATH_SCOPES: `admin`)
+# The `scope["state"]` key set when the guard answered 413 to a body streamed over the limit while
+# the app ran: the app's own answer never went out (nor counts in the metrics: the guard's does).
+GUARD_ANSWERED = "guard_answered"
+
+# A refused request's path in the log: this many characters of it (a path may fill the 64 KiB head).
+PATH_SHOWN = 120
+REFUSALS_LOGGED = 10  # refusal lines written per interval; the rest are counted
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+CountRefusal = Callable[[Scope, int], None]
+
+
+def shown_path(path: str) -> str:
+    """A path as the log shows it: repr-escaped (no control character reaches the log), and
+    bounded: its first PATH_SHOWN characters and its length."""
+    if len(path) <= PATH_SHOWN:
+        return repr(path)
+    return f"{path[:PATH_SHOWN]!r}… ({len(path)} characters)"
+
+
+class RefusalLog:
+    """The guard's line per refused request, bounded in rate and size: any client can be refused
+    as fast as it sends (one 401 line per request with its 60 KiB path wrote ~5 MB/s of log). The
+    first `per_interval` refusals of each interval are logged; the others are counted, and the
+    count is logged once the interval is over (or at the stop)."""
+
+    def __init__(self, per_interval: int = REFUSALS_LOGGED, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self.per_interval = per_interval
+        self.window = LogThrottle(interval_s)  # lets one call per interval through: a new interval
+        self.logged = 0
+        self.held = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def refused(self, kind: str, path: str, status: int, code: str, why: str = "") -> None:
+        if self.window.allow()[0]:
+            self.flush()
+            self.logged = 0
+        if self.logged < self.per_interval:
+            self.logged += 1
+            log.info("refused %s %s: %d %s%s", kind, shown_path(path), status, code, why)
+            return
+        self.held += 1
+        if self._timer is None:
+            self._arm()
+
+    def _arm(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a direct call): the next interval's first refusal says it
+            return
+        # in a context of its own: the line is no request's (the one that armed it had its id set)
+        self._timer = loop.call_later(self.window.interval_s, self.flush, context=contextvars.Context())
+
+    def flush(self) -> None:
+        """Log how many refusals were not logged, if any."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.held:
+            log.info(
+                "%d more refused request(s) were not logged (at most %d are logged every %g s)",
+                self.held,
+                self.per_interval,
+                self.window.interval_s,
+            )
+            self.held = 0
 
 
 def _stamp_request_id(send: Send, rid: bytes) -> Send:
@@ -102,9 +180,15 @@ class SecurityGuard:
         self.pending = PendingSockets(int(config.limits.connections_per_client))
         self.frame_max = int(config.limits.ws_frame_max_bytes)
         self.hello_timeout_s = float(authenticator.hello_timeout_s)
+        self.refusals = RefusalLog()
+        self.count_refusal: CountRefusal | None = getattr(app, "count_refusal", None)
+        self.ops_scope = self.authentication.required_scope({"type": "http", "path": OPS_PATH})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
+        if kind == "lifespan":
+            await self.app(scope, self._flush_at_stop(receive), send)
+            return
         if kind not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
@@ -132,6 +216,9 @@ class SecurityGuard:
                 principal, pending = await self.authentication.authenticate_fresh(scope, hdrs, stale)
             if principal is not None:
                 prove(scope)  # the connection keeps its slot at the cap (edge.py)
+            # On a public path (no principal) a credential offered may still see the details.
+            shown = principal if principal is not None or kind != "http" else await self._offered(hdrs)
+            ops_detail = self._may_see_detail(shown) or _from_this_machine(scope)
             if kind == "http":
                 self.body.check_length(hdrs)
             client = slot_key(scope, principal)
@@ -143,11 +230,12 @@ class SecurityGuard:
         except Exception as exc:
             if isinstance(exc, Refusal):
                 r = exc
-                log.info("refused %s %r: %d %s", kind, scope.get("path", "?"), r.status, r.code)
+                self.refusals.refused(kind, scope.get("path", "?"), r.status, r.code)
             else:  # a check's own failure: still an error object with the request id, never a bare 500
-                log.exception("the guard's checks failed on %s %r", kind, scope.get("path", "?"))
+                log.exception("the guard's checks failed on %s %s", kind, shown_path(scope.get("path", "?")))
                 r = Refusal(500, "internal_error", "the server could not check this request")
             if kind == "http":
+                self._count(scope, r.status)
                 await send_http_error(send, r, cors_headers(origin))
             else:
                 await refuse_ws(scope, receive, send, r)
@@ -157,6 +245,7 @@ class SecurityGuard:
         state = dict(scope.get("state") or {})
         state["principal"] = principal
         state["auth_pending"] = pending
+        state[OPS_DETAIL] = ops_detail
         state["hello_timeout_s"] = self.hello_timeout_s  # every WebSocket owes its hello within it
         # For a request that waits: its credential may end meanwhile (http/credential_end.py).
         state["authenticator"] = self.authenticator
@@ -186,6 +275,41 @@ class SecurityGuard:
             # (a WebSocket authenticated by `hello` holds its credential's slot by now: that one)
             hold.release()
 
+    def _may_see_detail(self, principal: Principal | None) -> bool:
+        """The rule of `/metrics`: a credential with the scope its path needs (any in mode none)."""
+        return principal is not None and (self.ops_scope is None or principal.has_scope(self.ops_scope))
+
+    async def _offered(self, hdrs: Headers) -> Principal | None:
+        """The principal of the credential a request to a public path offers, None when it offers
+        none or one that is not valid: a probe is never refused for its credential."""
+        try:
+            authorization = single(hdrs, b"authorization", "invalid_authorization")
+            if authorization is None:
+                return None
+            try:
+                return self.authenticator.authenticate(authorization)
+            except TokensStale as stale:  # the token store reads its database first, off the loop
+                await stale.wait()
+                return self.authenticator.authenticate(authorization, since=stale.asked_at)
+        except (Refusal, AuthError, TokensStale):
+            return None
+
+    def _count(self, scope: Scope, status: int) -> None:
+        """Tell the app of an HTTP refusal (the metrics count those on the OpenAI routes)."""
+        if self.count_refusal is not None:
+            self.count_refusal(scope, status)
+
+    def _flush_at_stop(self, receive: Receive) -> Receive:
+        """The lifespan's `receive`, which logs the count of refusals not logged yet at the stop."""
+
+        async def received() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                self.refusals.flush()
+            return message
+
+        return received
+
     async def _run_http(self, scope: Scope, receive: Receive, send: Send, origin: str | None) -> None:
         """Run the app with CORS headers on its answer and its streamed body held to the limit."""
         limit = self.body.body_max
@@ -214,10 +338,13 @@ class SecurityGuard:
                 received += len(message.get("body") or b"")
                 if received > limit:
                     tripped = True
-                    log.info("refused http %r: 413 streamed body over limit", scope.get("path"))
+                    refusal = self.body.too_large()
+                    self.refusals.refused("http", scope.get("path", "?"), refusal.status, refusal.code, " (streamed)")
                     if not started:
                         started = True
-                        await send_http_error(send, self.body.too_large(), cors)
+                        scope["state"][GUARD_ANSWERED] = True
+                        self._count(scope, refusal.status)
+                        await send_http_error(send, refusal, cors)
                     return {"type": "http.disconnect"}
             return message
 
@@ -227,3 +354,11 @@ class SecurityGuard:
             if tripped:
                 return  # the app choked on the disconnect we injected; the client has its 413
             raise
+
+
+def _from_this_machine(scope: Scope) -> bool:
+    """A loopback peer: on the server's own machine, where the home's files (what the details
+    name) are there to read anyway, and where `appserver channels status` asks /readyz without a
+    credential. A stranger on the network is never one."""
+    client = scope.get("client")
+    return client is not None and is_loopback(str(client[0]))

@@ -216,9 +216,11 @@ class SecurityGuard:
                 principal, pending = await self.authentication.authenticate_fresh(scope, hdrs, stale)
             if principal is not None:
                 prove(scope)  # the connection keeps its slot at the cap (edge.py)
-            # On a public path (no principal) a credential offered may still see the details.
-            shown = principal if principal is not None or kind != "http" else await self._offered(hdrs)
-            ops_detail = self._may_see_detail(shown) or _from_this_machine(scope)
+            # On a public path (no principal) a credential offered, or a peer on this machine, may
+            # still see the details (only /readyz reads them: nothing more is done per request).
+            ops_detail = self._may_see_detail(principal)
+            if principal is None and kind == "http":
+                ops_detail = self._may_see_detail(await self._offered(hdrs)) or _from_this_machine(scope)
             if kind == "http":
                 self.body.check_length(hdrs)
             client = slot_key(scope, principal)

@@ -402,6 +402,34 @@ def home_lock_path(server_json: Path) -> Path:
     return server_json.with_name("serve.lock")
 
 
+def upgrade_refusal(server_json: Path) -> str | None:
+    """Why this process may not bring the home's SQLite store to a newer schema now, or None.
+    Another process using the home says no: a live server (an older version still running after
+    the user upgraded), or another holder of `serve.lock` (an in-process run). The home's owner
+    (this `serve`, or this in-process run) may; so may any command on a home nobody holds."""
+    me = identity()
+    live = read_live_server(server_json)
+    if live is not None and live.get("identity") != me:
+        return f"the server running on this home ({live.get('url')}, pid {live.get('pid')}) uses it"
+    holder = lock_holder(home_lock_path(server_json))
+    if holder is not None and holder.get("identity") != me:
+        return f"{holder_text(holder)} holds this home"
+    return None
+
+
+def serves_home(server_json: Path) -> bool:
+    """Whether this process is the home's `serve` (it holds `serve.lock`, not as an in-process
+    run): a shared PostgreSQL store's schema may be upgraded under live servers of other homes only
+    by a server starting (a rolling upgrade), never by a command. A lock held without a name (its
+    file could not be written, or an older appserver starting) may be this process's: taken as
+    serving unless a live server.json names another process."""
+    lock = home_lock_path(server_json)
+    holder = lock_holder(lock)
+    if holder is None:
+        return HomeLock(lock).held_elsewhere() and read_live_server(server_json) is None
+    return holder.get("identity") == identity() and holder.get("command") != IN_PROCESS_RUN
+
+
 def claim_home(server_json: Path, holder: str | None = None) -> tuple[HomeLock | None, dict[str, Any] | None]:
     """(lock, None) when this process may serve the home, else (None, the live server's info or
     None while another `serve` is still starting or an in-process run holds it: `lock_holder`).

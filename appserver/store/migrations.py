@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 
 MIGRATIONS: list[tuple[int, str]] = [
     (
@@ -186,9 +187,28 @@ class SchemaMismatch(Exception):
     """The store's recorded schema version is older than its tables: not something to upgrade."""
 
 
-def migrate(db: sqlite3.Connection) -> int:
+class SchemaUpgradeRefused(Exception):
+    """The store is older than this code, and a running server (or cluster) of the older version
+    uses it: not for this command to upgrade (see `upgrade_refused`)."""
+
+
+def upgrade_refused(current: int, known: int, why: str, advice: str) -> SchemaUpgradeRefused:
+    """One line: the store at `current` is older than this code (`known`) and `why` it is not
+    upgraded now. A command's upgrade under a live server of the older version gave that server
+    a schema it was never written for, and refused its own CLI and its restart ("newer than this
+    appserver"), all from a command meant only to read."""
+    return SchemaUpgradeRefused(
+        f"its schema (version {current}) is older than this appserver's ({known}), and {why}: a command "
+        f"other than `serve` does not upgrade a store in use; {advice} (until then the running version's "
+        "own commands work on it)"
+    )
+
+
+def migrate(db: sqlite3.Connection, before_upgrade: Callable[[int, int], None] | None = None) -> int:
     """Bring `db` (autocommit connection) to the newest schema, one transaction per migration;
-    returns the version it had (0: it had none)."""
+    returns the version it had (0: it had none). `before_upgrade(current, known)` is asked first
+    when an existing store is older than this code; it raises (SchemaUpgradeRefused) to leave the
+    store as it is."""
     db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
     current = db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0
     known = max(v for v, _ in MIGRATIONS)
@@ -196,6 +216,8 @@ def migrate(db: sqlite3.Connection) -> int:
         raise SchemaTooNew(
             f"database schema version {current} is newer than this appserver ({known}); upgrade appserver"
         )
+    if 0 < current < known and before_upgrade is not None:
+        before_upgrade(current, known)
     for version, script in MIGRATIONS:
         if version <= current:
             continue

@@ -52,9 +52,9 @@ from appserver.store.base import (
     TurnSettledElsewhere,
     conversations_where,
 )
-from appserver.store.cluster import LIVE_SINCE, Cluster, ClusterError
+from appserver.store.cluster import LIVE, LIVE_SINCE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
-from appserver.store.migrations import SchemaTooNew
+from appserver.store.migrations import SchemaTooNew, SchemaUpgradeRefused, upgrade_refused
 from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS, expected_columns
 from appserver.store.records import (
     AgentRecord,
@@ -469,6 +469,9 @@ class PostgresStore(Store):
         self.heartbeat_s = HEARTBEAT_S
         self.instance_timeout_s = INSTANCE_TIMEOUT_S
         self.address = ""  # host:port this server listens on, shown to the others
+        # Whether this process may upgrade an older schema that live servers use (make_store: only
+        # as its home's `serve`, a rolling upgrade; a command may not); None: always.
+        self.may_upgrade_live: Callable[[], bool] | None = None
         self.cluster: Cluster | None = None  # once claim_server joined the cluster (a serve)
         # HTTP Idempotency-Keys this process claimed and whose request still runs here: (scope, key)
         # -> the claim's created_at. A pending key of this process missing here is no longer worked
@@ -528,14 +531,33 @@ class PostgresStore(Store):
         except (psycopg.Error, OSError, ValueError) as exc:
             raise self._error("cannot connect (check [store] url / --store, and that the server runs)", exc) from None
         try:
-            self.fresh = await migrate(conn) == 0
+            self.fresh = await migrate(conn, self._before_upgrade) == 0
             await check_schema(conn)
-        except (SchemaTooNew, SchemaDamaged) as exc:
+        except (SchemaTooNew, SchemaDamaged, SchemaUpgradeRefused) as exc:
             raise StoreOpenError(f"PostgreSQL store {self.shown_url}: {exc}") from None
         except psycopg.Error as exc:
             raise self._error("cannot prepare the schema", exc) from None
         finally:
             await conn.close()
+
+    async def _before_upgrade(self, conn: Conn, current: int, known: int) -> None:
+        """An older schema that live servers use is upgraded by a server starting (a rolling
+        upgrade: the migrations are written for servers of the older version running beside it),
+        never as the side effect of a command (`agents list` of a newly installed CLI): that left
+        every running server on a schema it was not started with, and refused their restarts."""
+        if self.may_upgrade_live is None:
+            return
+        live = await _live_instances(conn, self.instance_timeout_s, self.heartbeat_s)
+        if not live or await asyncio.to_thread(self.may_upgrade_live):
+            return
+        shown = ", ".join(live[:3]) + (f" and {len(live) - 3} more" if len(live) > 3 else "")
+        raise upgrade_refused(
+            current,
+            known,
+            f"live servers of its cluster use it ({shown})",
+            "upgrade the servers (start this version's `appserver serve`, which upgrades the schema, then stop the "
+            "older ones), then run this command again",
+        )
 
     async def _configure(self, conn: Conn) -> None:
         """Every pooled connection (writes, reads, a CLI command's) waits at most `lock_timeout_s`
@@ -1832,11 +1854,12 @@ async def _insert_agent(conn: Conn, agent: AgentRecord) -> None:
     )
 
 
-async def migrate(conn: Conn) -> int:
+async def migrate(conn: Conn, before_upgrade: Callable[[Conn, int, int], Awaitable[None]] | None = None) -> int:
     """Bring the database to the newest schema; returns the version it had (0: none). A schema
     newer than this code raises SchemaTooNew; one that is not appserver's (another application's
     `schema_version`, or a recorded version whose tables are not there) raises SchemaDamaged,
-    before anything is written.
+    before anything is written. `before_upgrade(conn, current, known)` is asked first when an
+    existing schema is older than this code; it raises (SchemaUpgradeRefused) to leave it as it is.
 
     One transaction, under an advisory lock (so processes starting together migrate once, and
     only the one that created the schema finds the database new): the database is recognised, then
@@ -1860,12 +1883,30 @@ async def migrate(conn: Conn) -> int:
         if current:
             await _recognise(conn, current)
         due = [(version, script) for version, script in MIGRATIONS if version > current]
+        if due and current and before_upgrade is not None:
+            await before_upgrade(conn, current, known)
         if due and not current:
             await conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
         for version, script in due:
             await conn.execute(script)  # several statements: no parameters, so the simple query protocol
             await conn.execute("INSERT INTO schema_version(version) VALUES (%s)", (version,))
     return current
+
+
+async def _live_instances(conn: Conn, timeout_s: float, heartbeat_s: float) -> list[str]:
+    """The live servers of the cluster on this database (`host pid N at ADDRESS`), judged as a
+    server judges the others after its start (cluster.LIVE); none on a schema without `instances`."""
+    cur = await conn.execute("SELECT to_regclass('instances') IS NOT NULL AS here")
+    row = await cur.fetchone()
+    if not row or not row["here"]:
+        return []
+    cur = await conn.execute(
+        f"SELECT host, pid, address FROM instances i WHERE {LIVE} ORDER BY started_at, id",
+        {"timeout": timeout_s, "grace": heartbeat_s * 2.5},
+    )
+    return [
+        f"{r['host']} pid {r['pid']}" + (f" at {r['address']}" if r["address"] else "") for r in await cur.fetchall()
+    ]
 
 
 async def _turn_exists(conn: Conn, turn_id: str) -> bool:

@@ -2,12 +2,18 @@
 
 Empty: the SQLite file in the home (`Config.db_path`). `postgresql://…`: a PostgreSQL database,
 whose driver (psycopg) is imported only then, so `appserver --help` and SQLite homes never load it.
+
+Either store upgrades an older schema when opened, except under a live server of the older version
+(serverinfo.upgrade_refusal, serves_home): a read-only command of a newly installed CLI gave the
+running server a schema it was never written for, and locked out its own CLI and its restart.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
+from appserver.serverinfo import serves_home, upgrade_refusal
 from appserver.store.sqlite import SQLiteStore
 from appserver.store.url import store_kind
 
@@ -27,7 +33,9 @@ def make_store(config: Config, url: str | None = None) -> SQLiteStore | Postgres
     except ValueError as exc:
         raise ConfigError(f"[store] url: {exc}") from None
     if kind == "sqlite":
-        return SQLiteStore(config.db_path)
+        sqlite_store = SQLiteStore(config.db_path)
+        sqlite_store.upgrade_refusal = partial(upgrade_refusal, config.server_json)
+        return sqlite_store
     from appserver.store.postgres import PostgresStore  # the driver, only for a PostgreSQL store
 
     store = PostgresStore(url.strip())
@@ -37,4 +45,5 @@ def make_store(config: Config, url: str | None = None) -> SQLiteStore | Postgres
     store.statement_timeout_s = config.store.statement_timeout_s
     store.connect_timeout_s = config.store.connect_timeout_s
     store.address = config.server.listen
+    store.may_upgrade_live = partial(serves_home, config.server_json)
     return store

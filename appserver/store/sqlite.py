@@ -13,7 +13,7 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from appserver.store.integrity import (
     preflight,
     shm_lock_holders,
 )
-from appserver.store.migrations import SchemaMismatch, SchemaTooNew, migrate
+from appserver.store.migrations import SchemaMismatch, SchemaTooNew, SchemaUpgradeRefused, migrate, upgrade_refused
 from appserver.store.records import (
     AgentRecord,
     ConversationRecord,
@@ -168,6 +168,9 @@ class SQLiteStore(Store):
         self._write_probe = 0
         self._file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the file opened
         self._file_gone: str | None = None  # why writes are refused: the file was deleted or replaced
+        # Why an older schema may not be upgraded now (a live server of the home uses it), or None:
+        # asked only when one is due; make_store sets serverinfo.upgrade_refusal for the home.
+        self.upgrade_refusal: Callable[[], str | None] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -209,7 +212,7 @@ class SQLiteStore(Store):
                 self._db = None
                 db.close()
                 raise
-        except (SchemaTooNew, SchemaMismatch) as exc:
+        except (SchemaTooNew, SchemaMismatch, SchemaUpgradeRefused) as exc:
             raise StoreOpenError(f"{self.path}: {exc}") from None
         except sqlite3.Error as exc:
             raise self._open_error(exc) from None
@@ -356,7 +359,15 @@ class SQLiteStore(Store):
         return self._writes.transaction()
 
     def _migrate(self) -> None:
-        self.fresh = migrate(self.db) == 0
+        self.fresh = migrate(self.db, self._before_upgrade) == 0
+
+    def _before_upgrade(self, current: int, known: int) -> None:
+        """An older store is upgraded by the home's owner, never under a live server's feet."""
+        why = self.upgrade_refusal() if self.upgrade_refusal is not None else None
+        if why is not None:
+            raise upgrade_refused(
+                current, known, why, "stop it, then start this version's `appserver serve`, which upgrades the store"
+            )
 
     # ------------------------------------------------------------ agents
 

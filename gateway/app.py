@@ -35,7 +35,7 @@ from gateway.ledger import Entry, Ledger, Receipt, UpdateKey, prune_settled, ret
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
 from gateway.recent import Recent
-from gateway.replies import Replies, answer_target, chat_key
+from gateway.replies import NO_LONGER_LET_IN, Replies, answer_target, chat_key
 from gateway.routing import RouteKey, Router
 from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.status import StatusBoard
@@ -69,7 +69,6 @@ KEPT_BEHIND_APPROVAL = "dm: kept behind the messages the sender's approval relea
 # A stranger's command (`/pair`, `/approve CODE`, `/new`, …) is not kept for the first turn: it was
 # meant for the gateway, not the agent. The stranger still gets the pairing code.
 COMMAND_NOT_KEPT = "dm: pairing pending; a command is not kept for the first turn"
-NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
 
 EventSink = Callable[[str, dict[str, Any]], None]
 
@@ -106,7 +105,9 @@ class Gateway:
             for s in specs
         }
         self.outboxes = Outboxes()
-        self.replies = Replies(ledger, link, self.outboxes, self._changed, self._turn_done)
+        self.replies = Replies(
+            ledger, link, self.outboxes, self._changed, self._turn_done, lambda e, r: self.chatops.lets_in(e, r)
+        )
         self.chatops = ChatOps(
             ledger, self.router, self.pairing, link, self.outboxes, self.replies, self.runners, self._enqueue
         )
@@ -128,8 +129,9 @@ class Gateway:
     def _turn_done(self, turn_id: str) -> None:
         self.chatops.approvals.forget_turn(turn_id)
 
-    def _follow(self, entry: Entry, *, resumed: bool = False) -> None:
-        self.replies.follow(entry, self.runners.get(f"{entry.key.channel}:{entry.key.account}"), resumed=resumed)
+    def _follow(self, entry: Entry, *, resumed: bool = False, waited: bool = False) -> None:
+        runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
+        self.replies.follow(entry, runner, resumed=resumed, waited=waited)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -392,6 +394,7 @@ class Gateway:
         if not self.chatops.lets_in(entry, runner):
             # allowed, then the sender's access was taken away (`pairing revoke`, out of `allow` and a
             # restart) before the turn started: a debounced batch, or a row resumed after a restart
+            # (a turn the server queued is asked again as it starts: Replies.admits)
             for e in entries:
                 self.ledger.mark_failed(e.key, NO_LONGER_LET_IN)
             log.info("%s: not submitted: %s", entry.key, NO_LONGER_LET_IN)
@@ -450,9 +453,10 @@ class Gateway:
         entry = self.ledger.mark_submitted(entry.key, turn_id, conversation_id)
         runner.live.turns += 1
         self._dirty = True
-        if int(ack.get("queue_position") or 0) > 0:
+        waited = int(ack.get("queue_position") or 0) > 0
+        if waited:
             self._spawn(self._acknowledge_queued(runner, entries[-1]))
-        self._follow(entry)
+        self._follow(entry, waited=waited)
 
     async def _acknowledge_queued(self, runner: AccountRunner, entry: Entry) -> None:
         """A message that waits behind a running turn gets a reaction where the platform can."""

@@ -34,6 +34,9 @@ class MessageChannel:
         if frame.get("name") != TOOL_NAME or ctx is None:
             await self.answer(call_id, f"{frame.get('name')} is not available here", True)
             return
+        if not self.replies.admits(ctx):  # queued, and its sender was revoked meanwhile: being cancelled
+            await self.answer(call_id, "not sent: the person who sent this message may no longer use the bot", True)
+            return
         async with ctx.sends.lock:
             await self.run(ctx, call_id, frame)
 

@@ -140,6 +140,7 @@ class ChatOps:
                     if isinstance(notice, str) and notice.strip():
                         await self.outboxes.say(runner, target, notice)
                 self.pairing.mark_handled(decided.code)
+            await self.replies.refuse_queued()  # a revoke is seen only here: queued turns it ends never start
             await asyncio.sleep(PAIRING_POLL_S)
 
     def _release(self, decided: PairingCode) -> bool:
@@ -371,6 +372,8 @@ class ChatOps:
         ctx = await self.replies.context(str(frame.get("turn_id")))
         if ctx is None or ctx.conversation is None and not frame.get("conversation_id"):
             return  # not a turn this gateway started
+        if not self.replies.admits(ctx):
+            return  # queued, and its sender was revoked meanwhile: cancelled, nothing is shown
         spec = ctx.runner.spec
         prompt = Prompt(
             call_id=call_id,

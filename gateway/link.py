@@ -58,6 +58,9 @@ class ServerLink:
         self._reader: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.closed = asyncio.Event()
+        # Set by the child (gateway/redact.py): the accounts' secrets masked in what the gateway itself
+        # says to the server (a tool result quoting a platform's error that echoes a token)
+        self.redact: Callable[[Any], Any] | None = None
 
     @classmethod
     async def open(cls, url: str, token: str | None) -> ServerLink:
@@ -101,6 +104,9 @@ class ServerLink:
     # ---------------------------------------------------------------- requests
 
     async def request(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """Send `frame`, masked (`redact`) unless it is an input: a sender's words go as they were sent."""
+        if self.redact is not None and frame.get("type") != "submit_input":
+            frame = self.redact(frame)
         reply = await self.client.request(frame, timeout=REQUEST_TIMEOUT_S)
         if reply.get("type") == "error":
             raise ProtocolError(str(reply.get("code")), str(reply.get("message")), reply.get("param"))

@@ -26,7 +26,7 @@ from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, defaul
 from gateway.delivery import DeliveryFailed
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
-from gateway.redact import SecretMask, known_secrets
+from gateway.redact import SecretMask, known_secrets, mask_stored
 from gateway.stdio import COMMAND_MAX_LINE, ControlWriter, Overlong, read_command
 
 log = logging.getLogger("gateway")
@@ -44,10 +44,10 @@ EXIT_SERVER_GONE = 3
 
 
 def main() -> int:
-    control = ControlWriter.take_stdout()
+    mask = SecretMask()  # before anything can log or say a secret: no account has resolved one yet
+    control = ControlWriter.take_stdout(redact=mask.redact_all)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per platform request floods the log
-    mask = SecretMask()  # before anything can log a secret: no account has resolved one yet
     mask.install()
     try:
         return asyncio.run(_main(control, mask))
@@ -89,11 +89,13 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
     ledger = _open_ledger(home, control)
     if ledger is None:
         return EXIT_BAD_START
+    mask_stored(ledger.connection, mask)  # a platform's error quoting a token, saved as a reason
     try:
         link = await asyncio.wait_for(ServerLink.open(str(start["url"]), start.get("token")), CONNECT_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - any failure to reach the server ends this start
         log.error("cannot reach the server at %s: %s", start.get("url"), exc)
         return EXIT_SERVER_GONE
+    link.redact = mask.redact_all
     gateway = Gateway(home, ledger, link, specs, control.event, on_secrets=mask.add_all)
     try:
         await gateway.start()

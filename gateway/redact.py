@@ -7,6 +7,12 @@ supervisor copies the child's stderr into the server log. So `SecretMask` sits o
 handlers before any plugin starts and replaces every configured secret of every account (bot and
 app tokens, signing secrets: each `<name>_env` / `<name>_file` reference) in each record's final
 message, traceback and stack text with `<name>` (`/bot<token>/getMe`). It never logs a secret.
+
+A platform's error also becomes a *reason* (Slack's `invalid_auth (Authorization: Bearer xoxb-…)`,
+a Discord 400 echoing `Authorization: Bot …`): an account's state, a failed row. The same mask is
+applied where such text leaves the child's memory, once for every writer: gateway.db's reason
+columns (`mask_stored`), the control lines to the supervisor and the frames to the server
+(`redact_all`, given to `ControlWriter` and `ServerLink`).
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sqlite3
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, quote_plus
 
 from gateway.accounts import AccountSpec, resolve_secrets
@@ -24,6 +32,10 @@ from plugins.contract import AccountError
 
 # A shorter value would mangle ordinary text wherever it occurs; a platform's token is far longer.
 MIN_SECRET_LEN = 8
+# The gateway.db columns whose text may quote a platform's answer: an account's state reason, a
+# message's decision or failure reason (`delivery failed: slack chat.postMessage: …`), the last
+# failed send of an account. A payload is the sender's own words and a reply the agent's: left as they are.
+MASKED_COLUMNS = (("ledger", "reason"), ("account_status", "reason"), ("account_status", "last_failure_reason"))
 
 
 def secret_forms(secret: str) -> set[str]:
@@ -75,6 +87,16 @@ class SecretMask(logging.Filter):
             return text
         return regex.sub(lambda m: masks.get(m.group(0), "<secret>"), text)
 
+    def redact_all(self, value: Any) -> Any:
+        """`value` (a frame, a control line's payload) with every string in it redacted, keys too."""
+        if isinstance(value, str):
+            return self.redact(value)
+        if isinstance(value, Mapping):
+            return {self.redact_all(k): self.redact_all(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.redact_all(v) for v in value]
+        return value
+
     def filter(self, record: logging.LogRecord) -> bool:
         try:
             message = record.getMessage()
@@ -112,3 +134,28 @@ def known_secrets(specs: Iterable[AccountSpec], home: Path, environ: Mapping[str
             if value:
                 found.append((name, value))
     return found
+
+
+def account_mask(specs: Iterable[AccountSpec], home: Path, environ: Mapping[str, str]) -> SecretMask:
+    """A mask of every secret of `specs` that resolves now (for a reader of gateway.db, such as
+    `channels status`, whose rows an older gateway wrote unmasked)."""
+    mask = SecretMask()
+    mask.add_all(known_secrets(specs, home, environ))
+    return mask
+
+
+def mask_stored(conn: sqlite3.Connection, mask: SecretMask) -> None:
+    """Mask every text written to a `MASKED_COLUMNS` column through `conn`, whoever writes it (the
+    ledger, the status board, a future writer): one temporary trigger per column and statement
+    (INSERT, UPDATE, an upsert's update), this connection's only, rewrites the new value with the
+    mask as it stands then (an account hands over its secrets at each start) in the same
+    transaction, so no reader ever sees a secret there. The rewrite fires no trigger again: its
+    value no longer differs from its mask (and `recursive_triggers` is off)."""
+    conn.create_function("gateway_mask", 1, lambda v: mask.redact(v) if isinstance(v, str) else v)
+    for table, column in MASKED_COLUMNS:
+        for event, when in (("insert", "INSERT"), ("update", f"UPDATE OF {column}")):
+            conn.execute(
+                f"CREATE TEMP TRIGGER IF NOT EXISTS mask_{table}_{column}_{event} AFTER {when} ON main.{table}"
+                f" WHEN NEW.{column} IS NOT gateway_mask(NEW.{column})"
+                f" BEGIN UPDATE {table} SET {column} = gateway_mask(NEW.{column}) WHERE rowid = NEW.rowid; END"
+            )

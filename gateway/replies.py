@@ -8,6 +8,10 @@ attempted first: after the restart it is looked up or deduped where the platform
 again only where it allows neither (see `ReplySink.on_attempt`). Replies to one chat go out in their
 messages' order
 (`ChatOrder`); the typing indicator runs while a turn does.
+
+A turn the server queued behind another one is asked about again as it starts (`admits`), and every
+second while it waits (`refuse_queued`): one whose sender access no longer lets in (a `pairing
+revoke` meanwhile) is cancelled and answered with nothing, its rows failed with `NO_LONGER_LET_IN`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ TYPING_EVERY_S = 4.0
 # each waiter outlasts the one it waits for, so the run log records the real outcome.
 DELIVER_GIVE_UP_S = 90.0
 CONTEXT_WAIT_S = 5.0  # how long a tool call or approval may wait for its turn's submit to be acked
+# Why a message's turn was not started (a debounced batch) or was cancelled as it left the server's
+# queue (a message queued behind a running turn): its sender was let in when it came, no longer.
+NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
+
+LetsIn = Callable[[Entry, AccountRunner], bool]
+
+
+class NotLetIn(Exception):
+    """A queued turn's sender is no longer let in: it is cancelled, nothing is delivered."""
 
 
 @dataclass
@@ -52,6 +65,8 @@ class TurnContext:
     starter: str
     conversation: str | None
     sends: TurnSends = field(default_factory=TurnSends)
+    waited: bool = False  # the server queued it behind another turn: access is asked again as it starts
+    admitted: bool | None = None  # that answer, once given (False: cancelled, never answered)
 
 
 def answer_target(entry: Entry) -> Target:
@@ -81,8 +96,10 @@ class Replies:
         outboxes: Outboxes,
         changed: Callable[[], None],
         on_turn_done: Callable[[str], None],
+        lets_in: LetsIn,
     ) -> None:
         self.ledger = ledger
+        self.lets_in = lets_in  # whether access lets a message's sender in now (ChatOps.lets_in)
         self.link = link
         self.outboxes = outboxes
         self.changed = changed  # the account counters moved: save them soon
@@ -113,7 +130,11 @@ class Replies:
             if ctx.runner.spec.ref == account and ctx.here.chat == chat and ctx.here.thread == thread
         ]
 
-    def follow(self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False) -> None:
+    def follow(
+        self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False, waited: bool = False
+    ) -> None:
+        """Follow `entry`'s turn and deliver its reply; `waited`: the submit's ack put it in the
+        server's queue (access is then asked again as it starts)."""
         if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:
             return  # a batch's reply is delivered through its first message
         if runner is None:
@@ -121,7 +142,13 @@ class Replies:
             return
         turn_id = entry.turn_id
         ctx = self.turns[turn_id] = TurnContext(
-            runner, entry.key, Target(entry.chat, entry.thread), entry.key.message_id, entry.sender, entry.conversation
+            runner,
+            entry.key,
+            Target(entry.chat, entry.thread),
+            entry.key.message_id,
+            entry.sender,
+            entry.conversation,
+            waited=waited,
         )
         waiter = self._registered.pop(turn_id, None)
         if waiter is not None and not waiter.done():
@@ -129,6 +156,55 @@ class Replies:
         task = asyncio.ensure_future(self._deliver(entry, runner, turn_id, resumed))
         self.followers[turn_id] = task
         task.add_done_callback(lambda _t: self._turn_done(turn_id))
+
+    def admits(self, ctx: TurnContext) -> bool:
+        """Whether `ctx`'s turn may go on and be answered. A turn that started at once was asked just
+        before its submit (`Gateway._submit_batch`); one the server queued is asked again, once, as
+        it leaves the queue: at its first snapshot out of it, or its first approval request or tool
+        call, whichever the gateway sees first."""
+        if ctx.waited and ctx.admitted is None:
+            ctx.admitted = self._still_let_in(ctx)
+            if not ctx.admitted:
+                log.info("%s: cancelled as it left the queue: %s", ctx.key, NO_LONGER_LET_IN)
+        return ctx.admitted is not False
+
+    def _still_let_in(self, ctx: TurnContext) -> bool:
+        entry = self.ledger.get(ctx.key)
+        return entry is not None and self.lets_in(entry, ctx.runner)
+
+    async def refuse_queued(self) -> None:
+        """Cancel each turn still waiting in the server's queue whose sender access no longer lets
+        in (a `pairing revoke` reaches the gateway only through gateway.db: asked every second by
+        `ChatOps.watch_pairings`), so it never starts; its follower then fails its rows."""
+        for turn_id, ctx in list(self.turns.items()):
+            if ctx.waited and ctx.admitted is None and not self._still_let_in(ctx):
+                ctx.admitted = False
+                log.info("%s: cancelled in the queue: %s", ctx.key, NO_LONGER_LET_IN)
+                await self._cancel(ctx, turn_id)
+
+    async def _cancel(self, ctx: TurnContext, turn_id: str) -> None:
+        """The protocol's `cancel` naming the turn (never another one that runs by then)."""
+        if ctx.conversation is None:
+            return
+        try:
+            await self.link.request({"type": "cancel", "conversation": ctx.conversation, "turn_id": turn_id})
+        except (ProtocolError, Closed, TimeoutError) as exc:  # its reply is still never delivered
+            log.warning("%s: could not cancel %s: %s", ctx.key, turn_id, exc)
+
+    async def _check_start(self, ctx: TurnContext | None, turn_id: str, snap: dict[str, Any]) -> None:
+        """Raise NotLetIn (after cancelling the turn, unless it ended) for a queued turn whose sender
+        access no longer lets in, as soon as a snapshot shows it out of the queue."""
+        if ctx is None:
+            return
+        if snap.get("status") not in TERMINAL and snap.get("phase") == "queued":
+            ctx.waited = ctx.waited or int(snap.get("queue_position") or 0) > 0  # resumed: seen waiting
+            if ctx.admitted is not False:
+                return
+        elif self.admits(ctx):
+            return
+        if snap.get("status") not in TERMINAL:
+            await self._cancel(ctx, turn_id)
+        raise NotLetIn
 
     def _turn_done(self, turn_id: str) -> None:
         self.followers.pop(turn_id, None)
@@ -172,6 +248,10 @@ class Replies:
                     self.ledger.mark_delivered(member.key, ids)
             runner.live.replies += 1
             runner.live.last_outbound = time.time()
+        except NotLetIn:  # as a batch never submitted for it: nothing said, the rows say why
+            for member in self.ledger.batch_of(entry):
+                if member.state in ("submitted", "finished"):
+                    self.ledger.mark_failed(member.key, NO_LONGER_LET_IN)
         except DeliveryFailed as exc:
             log.error("%s: reply not delivered: %s", entry.key, exc)
             for member in self.ledger.batch_of(entry):
@@ -204,8 +284,10 @@ class Replies:
         tool_status: bool,
         resumed: bool,
     ) -> str:
-        """Follow the turn to its end, growing the reply in place; returns the final text."""
+        """Follow the turn to its end, growing the reply in place; returns the final text. Raises
+        NotLetIn for a queued turn whose sender access no longer lets in when it starts."""
         follower = self.link.follow(turn_id)
+        ctx = self.turns.get(turn_id)
         if resumed and entry.conversation:
             recovered = await self._recover(entry.conversation, turn_id)
             if recovered is not None:
@@ -214,6 +296,7 @@ class Replies:
         loop = asyncio.get_running_loop()
         while True:
             snap = await follower.next()
+            await self._check_start(ctx, turn_id, snap)
             if snap.get("status") in TERMINAL:
                 return final_text(snap, shown)
             if before is not None and not before.is_set():
@@ -227,9 +310,11 @@ class Replies:
                     snap = await asyncio.wait_for(follower.next(), remaining)
                 except TimeoutError:
                     break
+                await self._check_start(ctx, turn_id, snap)
                 if snap.get("status") in TERMINAL:
                     return final_text(snap, shown)
             snap = follower.latest or snap
+            await self._check_start(ctx, turn_id, snap)
             try:
                 ids = await sink.show(visible_text(snap, tool_status=tool_status))
             except DeliveryFailed as exc:

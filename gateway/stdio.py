@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
@@ -54,25 +54,28 @@ class ControlLine:
 class ControlWriter:
     """Writes control lines to the one stream that reaches the supervisor. Thread-safe."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, redact: Callable[[Any], Any] | None = None) -> None:
         self._out = stream
         self._lock = threading.Lock()
+        # The accounts' secrets masked in every payload (gateway/redact.py), before it is cut: an
+        # account's reason or an error may quote a platform's answer echoing a token.
+        self._redact = redact
 
     @classmethod
-    def take_stdout(cls) -> ControlWriter:
+    def take_stdout(cls, redact: Callable[[Any], Any] | None = None) -> ControlWriter:
         """Keep the real stdout for control lines and send everything else written to it to
         stderr. Call once, before any plugin is imported."""
         sys.stdout.flush()
         private = os.dup(1)  # not inheritable: a subprocess never gets the control pipe
         os.dup2(2, 1)
         sys.stdout = sys.stderr
-        return cls(os.fdopen(private, "w", encoding="ascii", buffering=1))
+        return cls(os.fdopen(private, "w", encoding="ascii", buffering=1), redact)
 
     def ready(self) -> None:
         self._write(READY)
 
     def response(self, request_id: str, payload: Mapping[str, Any]) -> None:
-        line = f"{RESPONSE} {_dump({**_clip(payload), 'id': request_id})}"
+        line = f"{RESPONSE} {_dump({**self._clean(payload), 'id': request_id})}"
         if len(line) > MAX_LINE:  # the supervisor would drop it and wait for nothing: say so instead
             log.error(
                 "the answer to command %s is %d bytes, over the control line limit; answering an error",
@@ -84,7 +87,7 @@ class ControlWriter:
         self._write(line)
 
     def event(self, event_type: str, payload: Mapping[str, Any]) -> None:
-        line = f"{EVENT} {_dump({**_clip(payload), 'type': event_type})}"
+        line = f"{EVENT} {_dump({**self._clean(payload), 'type': event_type})}"
         if len(line) > MAX_LINE:
             log.error("dropped a %s event of %d bytes, over the control line limit", event_type, len(line))
             return
@@ -92,6 +95,9 @@ class ControlWriter:
 
     def close(self) -> None:
         self._out.close()
+
+    def _clean(self, payload: Mapping[str, Any]) -> Any:
+        return _clip(self._redact(payload) if self._redact is not None else payload)
 
     def _write(self, line: str) -> None:
         with self._lock:

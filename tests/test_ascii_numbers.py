@@ -235,7 +235,7 @@ async def _no_message(msg: InboundMessage) -> None:
 async def test_a_webhook_content_length_of_many_digits_is_413_not_a_crash(tmp_path: Path, declared: str) -> None:
     """uvicorn's parser refuses such a header today; the adapter's own check must not depend on it."""
     ctx = AdapterContext(_no_message, lambda state, reason: None, tmp_path, logging.getLogger("test.webhook"))
-    adapter = create_webhook(Account("webhook", "hooks", {"listen": "127.0.0.1:0"}, {"secret": "s"}), ctx)
+    adapter = create_webhook(Account("webhook", "hooks", {"listen": "127.0.0.1:0"}, {"secret": "s" * 16}), ctx)
     assert isinstance(adapter, WebhookAdapter)
 
     async def receive() -> dict[str, object]:

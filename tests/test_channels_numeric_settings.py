@@ -90,7 +90,11 @@ async def test_an_account_with_such_a_number_does_not_start(
 
     spec = AccountSpec(channel, "main", dict(settings), {"secret": {"env": "NONE"}} if channel == "webhook" else {})
     runner = AccountRunner(
-        spec, tmp_path, on_message, lambda r: states.append((r.live.state, r.live.reason)), {"NONE": "s3cret"}
+        spec,
+        tmp_path,
+        on_message,
+        lambda r: states.append((r.live.state, r.live.reason)),
+        {"NONE": "s3cret-numeric-settings"},
     )
     await asyncio.wait_for(runner.run(), 10.0)
     state, reason = states[-1]

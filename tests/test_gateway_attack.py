@@ -477,7 +477,7 @@ async def test_webhook_a_lost_answer_or_a_kill_in_flight_resends_with_the_same_i
     key = _ledger_row(ledger, "webhook", "w-1", "home", "the answer")
     with _receiver() as (port, got), DropProxy(port) as proxy:
         settings = {"listen": "127.0.0.1:0", "reply_url": f"{proxy.url}/reply"}
-        account = Account("webhook", "main", settings, {"secret": "s3cret"})
+        account = Account("webhook", "main", settings, {"secret": "s3cret-for-attack-tests"})
         adapter = WebhookAdapter(account, _context(tmp_path))
         if crash:
             proxy.lose("/reply", mode="hang")

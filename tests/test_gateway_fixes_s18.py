@@ -37,7 +37,7 @@ from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
-SECRET = "s3cret-for-s18"
+SECRET = "s3cret-for-s18-webhook"
 ACCOUNT = "main"
 PREFIX = f"webhook:{ACCOUNT}:"
 

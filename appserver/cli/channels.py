@@ -27,7 +27,7 @@ import tomllib
 import types
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime
 from datetime import time as dtime
 from pathlib import Path
@@ -51,6 +51,7 @@ from appserver.config import Config, ConfigError, default_home, load_config
 from appserver.fsutil import atomic_write_text
 from appserver.serverinfo import read_live_server
 from gateway.access import AccessPolicy, PolicyError
+from gateway.accounts import AccountSpec
 from gateway.db import (
     CorruptGatewayDB,
     CorruptGatewayDBInUse,
@@ -62,6 +63,7 @@ from gateway.db import (
 )
 from gateway.debounce import DebounceError, DebounceSettings
 from gateway.ledger import Ledger
+from gateway.redact import SecretMask, account_mask
 from gateway.routing import ROOT, Route, RouteKey, Router
 from gateway.status import AccountStatus, StatusBoard
 from plugins.loader import FIRST_PARTY, Manifest, discover
@@ -941,7 +943,15 @@ def _trimmed(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _last_failures(ledger: Ledger, board: StatusBoard) -> dict[tuple[str, str], dict[str, Any]]:
+def _secret_mask(config: Config) -> SecretMask:
+    """The configured accounts' secrets this command can read (their files, its environment): a
+    platform's error quoting a token, saved as a reason by a gateway before that was masked, is
+    shown masked too."""
+    accounts = (a for by_name in config.channels.accounts.values() for a in by_name.values())
+    return account_mask((AccountSpec.from_json(a.to_json()) for a in accounts), config.home, os.environ)
+
+
+def _last_failures(ledger: Ledger, board: StatusBoard, mask: SecretMask) -> dict[tuple[str, str], dict[str, Any]]:
     """Per account, its most recent failure: why (the reason the gateway recorded, such as
     `delivery failed: reply_url answered 404: …`), when, and which message (the failures counter
     alone never said why). The newer of the ledger's last `failed` row and the status row's last
@@ -956,7 +966,7 @@ def _last_failures(ledger: Ledger, board: StatusBoard) -> dict[tuple[str, str], 
         key: {
             "at": at,
             "message_id": message_id,
-            "reason": _trimmed(reason or "no reason recorded", FAILURE_JSON_CHARS),
+            "reason": _trimmed(mask.redact(reason or "no reason recorded"), FAILURE_JSON_CHARS),
         }
         for key, (message_id, reason, at) in found.items()
     }
@@ -1018,10 +1028,12 @@ def status_cmd(as_json: bool) -> None:
     config = get_config()
     now = time.time()
     db_path = default_path(config.home)
+    mask = _secret_mask(config)
     with _gateway_db(config.home, create=False) as conn:
         rows = StatusBoard(conn).all() if conn is not None else []
         counts = Ledger(conn).counts() if conn is not None else {}
-        failures = _last_failures(Ledger(conn), StatusBoard(conn)) if conn is not None else {}
+        failures = _last_failures(Ledger(conn), StatusBoard(conn), mask) if conn is not None else {}
+    rows = [replace(r, reason=mask.redact(r.reason)) if r.reason else r for r in rows]
     accounts = _account_rows(config, rows, failures)
     ledger = {s: counts.get(s, 0) for s in LEDGER_STATES} | {s: n for s, n in counts.items() if s not in LEDGER_STATES}
     live = read_live_server(config.server_json)

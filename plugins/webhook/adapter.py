@@ -64,6 +64,9 @@ SEND_DEADLINE_ENV = "APPSERVER_WEBHOOK_SEND_DEADLINE_S"
 ERROR_EXCERPT_BYTES = 1024
 ERROR_EXCERPT_WAIT_S = 2.0
 MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_name
+# A shorter shared secret can be guessed (and, under 8 characters, is not masked in the gateway's
+# logs and reasons): `openssl rand -hex 16` gives 32.
+MIN_SECRET_CHARS = 16
 BODY_TIMEOUT_S = 10.0  # a body must arrive within this (a slow sender holds a buffer and a slot)
 MAX_RETRY_AFTER_S = 300.0  # a receiver's Retry-After beyond this (or "inf") is read as this
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
@@ -97,6 +100,11 @@ class WebhookSettings:
         secret = account.secrets.get("secret")
         if not secret:
             raise AccountError(f"{where}: no secret; set secret_env (an environment variable) or secret_file")
+        if len(secret) < MIN_SECRET_CHARS:
+            raise AccountError(
+                f"{where}: the secret is {len(secret)} characters, fewer than {MIN_SECRET_CHARS}: anyone could guess "
+                "it and sign messages; use a random one, such as the output of `openssl rand -hex 16`"
+            )
         try:
             check_settings(s)
         except ValueError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,7 +185,18 @@ def test_a_message_channel_send_the_platform_refuses_counts_in_status(srv: Chann
 
     chat.inject("refusing", "hi bot")
     chat.wait_for_text("refusing", "echo: hi bot", timeout=15)
-    before = run_cli(srv.home, "channels", "status", "--json").json()["accounts"][0]["failures"]
+
+    def failures() -> int:
+        return int(run_cli(srv.home, "channels", "status", "--json").json()["accounts"][0]["failures"])
+
+    # an earlier test's failure may still be on its way (the counters are flushed about once a
+    # second): counted from when two reads 1.2 s apart agree
+    before, seen = failures(), -1
+    for _ in range(8):
+        if before == seen:
+            break
+        time.sleep(1.2)
+        before, seen = failures(), before
     args = json.dumps({"action": "send", "target": "fakechat:main:refusing", "text": "blocked now"})
     chat.fail_next("sendMessage", status=403)
     chat.inject("tooling-refused", f"/call message_channel {args}")

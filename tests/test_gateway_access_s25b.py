@@ -102,15 +102,15 @@ def test_a_revoked_senders_turn_queued_behind_their_paused_one_is_cancelled_as_i
     env = cli_env(home, SLACK_BOT=slack.bot_token, SLACK_APP=slack.app_token)
     with channel_server(home, "--channels", "slack", env=env):
         slack.inject_dm("U2", "hi", channel="D2")
-        code = re.search(r"approve (\w{8})", slack.wait_for_text("D2", lambda t: "pairing code" in t, 15).text)
+        code = re.search(r"approve (\w{8})", slack.wait_for_text("D2", lambda t: "pairing code" in t, 30).text)
         assert code and run_cli(home, "pairing", "approve", code.group(1)).code == 0
-        slack.wait_for_text("D2", lambda t: "approved" in t, 15)
+        slack.wait_for_text("D2", lambda t: "approved" in t, 30)
         ts = slack.inject_mention("U2", "<@UBOT> /call clock {}", channel="C1")
         prompt = slack.wait_for_text("C1", lambda t: t.startswith("🔐"), 15, thread_ts=ts)
         short = re.search(r"/approve (\w+)", prompt.text)
         assert short, prompt.text
         second = slack.inject_mention("U2", "<@UBOT> second from bob", channel="C1", thread_ts=ts)
-        wait_for(lambda: (_row(home, second) or ("",))[0] == "submitted", 15, "the second message queued")
+        wait_for(lambda: (_row(home, second) or ("",))[0] == "submitted", 30, "the second message queued")
 
         assert run_cli(home, "pairing", "revoke", "U2").code == 0
         slack.click("UADM", "C1", prompt.ts, f"approve:{short.group(1)}", user_name="admin")  # the queue moves on
@@ -140,21 +140,21 @@ def test_a_turn_still_queued_when_its_sender_is_revoked_is_cancelled_within_a_se
     with channel_server(home, "--channels", "discord", env=cli_env(home, DTOK=discord.token)):
         discord.inject_dm("601", "hi")
         dm = discord.dm_channel("601")
-        code = re.search(r"approve (\w{8})", discord.wait_for_text(dm, lambda t: "pairing code" in t, 15).content)
+        code = re.search(r"approve (\w{8})", discord.wait_for_text(dm, lambda t: "pairing code" in t, 30).content)
         assert code and run_cli(home, "pairing", "approve", code.group(1)).code == 0
-        discord.wait_for_text(dm, lambda t: "approved" in t, 15)
+        discord.wait_for_text(dm, lambda t: "approved" in t, 30)
         discord.inject_guild_message("601", "/call clock {}", channel=GUILD_CHANNEL, mention=True)
-        prompt = discord.wait_for_text(GUILD_CHANNEL, lambda t: t.startswith("🔐"), 15)
+        prompt = discord.wait_for_text(GUILD_CHANNEL, lambda t: t.startswith("🔐"), 30)
         short = re.search(r"/approve (\w+)", prompt.content)
         assert short, prompt.content
         second = discord.inject_guild_message("601", "second from bob", channel=GUILD_CHANNEL, mention=True)
-        wait_for(lambda: (_row(home, second) or ("",))[0] == "submitted", 15, "the second message queued")
+        wait_for(lambda: (_row(home, second) or ("",))[0] == "submitted", 30, "the second message queued")
 
         assert run_cli(home, "pairing", "revoke", "601").code == 0
         # nobody answers the paused call: the queued turn is cancelled while it still waits
         assert _settled(home, second) == ("failed", NO_LONGER_LET_IN)
         discord.click("999", GUILD_CHANNEL, prompt.id, f"approve:{short.group(1)}")
-        discord.wait_for_text(GUILD_CHANNEL, lambda t: t.startswith("clock -> "), 15)
+        discord.wait_for_text(GUILD_CHANNEL, lambda t: t.startswith("clock -> "), 30)
         time.sleep(0.5)
         texts = [m.content for m in discord.messages(GUILD_CHANNEL)]
         assert not any("second from bob" in t for t in texts), texts
@@ -193,7 +193,7 @@ def test_a_slack_error_quoting_the_bot_token_is_saved_and_shown_masked(tmp_path:
         fake.fail_next("auth.test", f"invalid_auth (Authorization: Bearer {SLACK_BOT})", count=1000)
         env = cli_env(home, SLACK_BOT=SLACK_BOT, SLACK_APP=SLACK_APP)
         with channel_server(home, "--channels", "slack", env=env, ready=False):
-            wait_for(lambda: "auth.test failed" in _account_reason(home, "slack"), 15, "the backoff reason saved")
+            wait_for(lambda: "auth.test failed" in _account_reason(home, "slack"), 30, "the backoff reason saved")
             dump, shown = _dump(home), _status(home, env)
     assert "Bearer <bot_token>" in dump, _account_reason(home, "slack")
     assert SLACK_BOT not in dump and SLACK_BOT[:20] not in dump
@@ -226,8 +226,8 @@ def test_a_discord_error_quoting_the_token_never_reaches_gateway_db_or_status(tm
         write_config(home, {"discord": {"main": settings}}, ["discord"])
         env = cli_env(home, DTOK=DISCORD_TOKEN)
         with channel_server(home, "--channels", "discord", env=env, ready=False) as srv:
-            backoff = wait_for(lambda: "Invalid header" in (r := _account_reason(home, "discord")) and r, 15, "backoff")
-            srv.wait_channels_ready(15)
+            backoff = wait_for(lambda: "Invalid header" in (r := _account_reason(home, "discord")) and r, 30, "backoff")
+            srv.wait_channels_ready(30)
             mid = fake.inject_dm("601", "hello there")
             state, reason = _settled(home, mid)
             dump, shown = _dump(home), _status(home, env)
@@ -262,7 +262,7 @@ def test_a_webhook_secret_shorter_than_16_characters_is_refused_at_start(tmp_pat
     write_config(home, {"webhook": {"hooks": settings}}, ["webhook"])
     env = cli_env(home, WH_SECRET="hunter2")
     with channel_server(home, env=env, ready=False) as srv:
-        check = wait_for(lambda: "webhook:hooks error" in (c := srv.channels_check())["detail"] and c, 15, "the error")
+        check = wait_for(lambda: "webhook:hooks error" in (c := srv.channels_check())["detail"] and c, 30, "the error")
         shown = run_cli(home, "channels", "status", env=env).out
     assert "webhook account 'hooks'" in check["detail"] and "openssl rand -hex 16" in check["detail"], check
     assert "fewer than 16" in check["detail"], check

@@ -140,7 +140,10 @@ class ChatOps:
                     if isinstance(notice, str) and notice.strip():
                         await self.outboxes.say(runner, target, notice)
                 self.pairing.mark_handled(decided.code)
-            await self.replies.refuse_queued()  # a revoke is seen only here: queued turns it ends never start
+            try:
+                await self.replies.refuse_queued()  # a revoke is seen only here: queued turns it ends never start
+            except Exception:  # the approvals above must go on: the next look tries again
+                log.exception("could not look for queued turns of senders no longer let in")
             await asyncio.sleep(PAIRING_POLL_S)
 
     def _release(self, decided: PairingCode) -> bool:

@@ -64,8 +64,9 @@ async def _stdin() -> asyncio.StreamReader:
 
 async def _main(control: ControlWriter, mask: SecretMask) -> int:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: None)  # the supervisor stops us through stdin
+    # the supervisor stops us through stdin; a closed terminal sends SIGHUP to serve's whole group
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, lambda: None)
     stdin = await _stdin()
     try:
         line = await asyncio.wait_for(stdin.readline(), START_TIMEOUT_S)

@@ -12,9 +12,13 @@ real signals, real `appserver run` / `chat` processes, SQLite on disk.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import socket
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -157,3 +161,44 @@ def test_chat_started_while_the_server_stops_goes_to_the_standby_that_takes_over
     finally:
         sp.kill()
         standby.kill()
+
+
+def test_sighup_to_the_terminals_process_group_stops_the_gateway_child_cleanly(tmp_path: Path) -> None:
+    """A closed terminal sends SIGHUP to serve's whole process group, the gateway child included:
+    the child died of it (exit -1, restarted, its accounts never stopped) while serve drained."""
+    home = tmp_path / "home"
+    env = cli_env(home, WEBHOOK_SECRET="0123456789abcdef0123456789abcdef")
+    added = run_cli(
+        home, "channels", "add", "webhook", "home", "--set", f"listen=127.0.0.1:{free_port()}",
+        "--set", "default_agent=assistant", "--secret", "secret=env:WEBHOOK_SECRET",
+        "--set", "reply_url=http://127.0.0.1:9/agent-reply", "--enable", env=env,
+    )  # fmt: skip
+    assert added.code == 0, added.err
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "appserver", "serve", "--listen", "127.0.0.1:0", "--channels", "webhook"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+    )
+    try:
+
+        def channels_ready() -> bool:
+            try:
+                base = json.loads((home / "server.json").read_text())["url"]
+                body = httpx.get(base + "/readyz", timeout=2).json()
+            except (OSError, ValueError, KeyError, httpx.HTTPError):
+                return False
+            return any(c["name"] == "channels" and c["status"] == "ok" for c in body.get("checks", []))
+
+        wait_for(channels_ready, 20, "the webhook account running")
+        os.killpg(proc.pid, signal.SIGHUP)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 0, err[-2000:]
+    assert "exited with code -1" not in err and "restarting" not in err, err[-2000:]
+    assert "webhook:home: stopped" in err, err[-2000:]

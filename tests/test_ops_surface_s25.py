@@ -147,6 +147,10 @@ def test_readyz_keeps_its_details_for_this_machine(token_server: tuple[ServeProc
     assert r.status_code == 200
     details = {c["name"]: c.get("detail", "") for c in r.json()["checks"]}
     assert "bytes free" in details["store"] and str(sp.home.resolve()) in details["cron"], details
+    # a front end on this machine passing a stranger's request on says so: no details for it
+    for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+        proxied = httpx.get(sp.url + "/readyz", headers={header: "for=192.0.2.9"}, timeout=T)
+        assert proxied.status_code == 200 and "bytes free" not in proxied.text, proxied.text
 
 
 def test_readyz_in_auth_mode_none_keeps_its_details(tmp_path: Path) -> None:

@@ -107,6 +107,65 @@ class LogThrottle:
         return True, held
 
 
+REFUSALS_LOGGED = 10  # refusal lines written per interval; the rest are counted
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+class RefusalLines:
+    """Log lines of refusals, bounded in rate: any client can be refused as fast as it sends (one
+    line per bad WebSocket handshake wrote ~360 KiB/s of log). The first `per_interval` lines of
+    each interval are logged; the others are counted, and the count is logged once the interval
+    is over (or at `flush`). One per layer and server (the guard's, the edge's `EdgeLimits`)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        per_interval: int = REFUSALS_LOGGED,
+        interval_s: float = REFUSAL_LOG_INTERVAL_S,
+    ) -> None:
+        self.logger = logger
+        self.per_interval = per_interval
+        self.window = LogThrottle(interval_s)  # lets one call per interval through: a new interval
+        self.logged = 0
+        self.held = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def line(self, level: int, msg: str, *args: object, logger: logging.Logger | None = None) -> None:
+        """Log this refusal's line (on `logger`, else this one's) if the interval allows, else count it."""
+        if self.window.allow()[0]:
+            self.flush()
+            self.logged = 0
+        if self.logged < self.per_interval:
+            self.logged += 1
+            (logger or self.logger).log(level, msg, *args)
+            return
+        self.held += 1
+        if self._timer is None:
+            self._arm()
+
+    def _arm(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a direct call): the next interval's first refusal says it
+            return
+        # in a context of its own: the line is no request's (the one that armed it had its id set)
+        self._timer = loop.call_later(self.window.interval_s, self.flush, context=contextvars.Context())
+
+    def flush(self) -> None:
+        """Log how many refusals were not logged, if any."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.held:
+            self.logger.info(
+                "%d more refused request(s) were not logged (at most %d are logged every %g s)",
+                self.held,
+                self.per_interval,
+                self.window.interval_s,
+            )
+            self.held = 0
+
+
 class AcceptErrorThrottle(logging.Filter):
     """On the `asyncio` logger: asyncio logs EMFILE on accept once per pending connection, every
     retry (92 MB of log in 30 s was measured), and each retry scheduled then fails with a traceback
@@ -184,6 +243,8 @@ class EdgeLimits:
     send_timeout_s: float = 30.0
     body_max_bytes: int = 20 * 1024 * 1024
     refusals: LogThrottle = field(default_factory=LogThrottle, compare=False)
+    # the lines of the refusals the edge answers itself (bad heads, bad WebSocket handshakes)
+    refusal_lines: RefusalLines = field(default_factory=lambda: RefusalLines(log), compare=False)
     # the connections that may give up their slot at the cap, and the throttle of that notice
     slots: SlotGate = field(default_factory=SlotGate, compare=False)
     evictions: LogThrottle = field(default_factory=LogThrottle, compare=False)
@@ -607,9 +668,12 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; `protocol_class` binds the limits."""
 
     limits: ClassVar[EdgeLimits]
+    ws_class: ClassVar[type[EdgeWebSocketProtocol] | None] = None  # EdgeWebSocketProtocol bound to them
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.ws_class is not None and self.ws_protocol_class is EdgeWebSocketProtocol:
+            self.ws_protocol_class = self.ws_class  # its refusal lines share the limits' bound
         self.timeout_keep_alive = self.limits.keepalive_timeout_s  # type: ignore[assignment]
         self._phase = IDLE
         self._head_raw = 0  # bytes of the current head in the reads that ended inside it
@@ -808,7 +872,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                     "read the replies, or open another connection",
                 )
             else:
-                self.logger.warning("Invalid HTTP request received.")
+                self.limits.refusal_lines.line(logging.WARNING, "Invalid HTTP request received.", logger=self.logger)
                 self.send_400_response("Invalid HTTP request received.")
             return
         phase = self._phase
@@ -903,6 +967,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                 ws.take_slot(slot)
             else:  # not ours (a test's bare uvicorn): nothing would ever free the slot
                 slot.gone()
+
+    def shutdown(self) -> None:
+        # the server stops: the count of the refusal lines not logged yet, which its timer would say
+        self.limits.refusal_lines.flush()
+        super().shutdown()
 
     def send_400_response(self, msg: str) -> None:
         if self.transport.is_closing():
@@ -1104,7 +1173,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         """Write the refusal and close."""
         data, rid = raw_error(status, code, message)
         self.transport.write(data)
-        log.info("[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
+        self.limits.refusal_lines.line(logging.INFO, "[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
         self._linger_close()
 
     def _behind_a_reply(self) -> bool:
@@ -1346,7 +1415,8 @@ def protocol_class(limits: EdgeLimits, tls: ssl.SSLContext | None = None) -> typ
     """The protocol class uvicorn instantiates per connection, bound to these limits; with `tls`,
     the listener is plain TCP and the edge does the handshake (`TlsAcceptProtocol`): give uvicorn
     no certificate then."""
-    http = type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits})
+    ws = type("BoundEdgeWebSocketProtocol", (EdgeWebSocketProtocol,), {"refusal_lines": limits.refusal_lines})
+    http = type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits, "ws_class": ws})
     if tls is None:
         return http
     return type("BoundTlsAcceptProtocol", (TlsAcceptProtocol,), {"limits": limits, "http_class": http, "tls": tls})
@@ -1359,7 +1429,10 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol (the one "auto" picks) whose own handshake refusals (a bad
     `Sec-WebSocket-Version`, a missing `Sec-WebSocket-Key`, a 500 before accept) carry an
     `x-request-id` and the OpenAI error JSON like every other answer. Responses the app made
-    (accepts, the guard's refusals) already carry their id and are left alone."""
+    (accepts, the guard's refusals) already carry their id and are left alone. Their log lines
+    are bounded by `refusal_lines` (`protocol_class` binds the server's)."""
+
+    refusal_lines: ClassVar[RefusalLines | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -1386,12 +1459,19 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                     response.headers["content-length"] = str(len(body))
                     response.body = body
                     peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
-                    log.info(
+                    self._log_refusal(
                         "[%s] websocket handshake from %s refused: %d %r", rid, peer, response.status_code, text[:200]
                     )
             send_response(response)
 
         self.conn.send_response = stamped  # type: ignore[method-assign]
+
+    def _log_refusal(self, msg: str, *args: object) -> None:
+        """A refused handshake's line: bounded by the server's limits, when `protocol_class` bound them."""
+        if self.refusal_lines is None:
+            log.info(msg, *args)
+        else:
+            self.refusal_lines.line(logging.INFO, msg, *args)
 
     async def send(self, message: Any) -> None:
         transport = self.transport

@@ -36,8 +36,6 @@ Refused WebSocket upgrades get a real HTTP response (403/401/421/400) through th
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
@@ -53,7 +51,7 @@ from appserver.security.authentication import (
     Authentication,
     check_query,
 )
-from appserver.security.edge import LogThrottle
+from appserver.security.edge import REFUSAL_LOG_INTERVAL_S, REFUSALS_LOGGED, RefusalLines
 from appserver.security.headers import Headers, guarded_headers, single
 from appserver.security.hostcheck import HostCheck
 from appserver.security.limits import BodyLimit, ClientSlots, PendingSockets, SlotHold, slot_key
@@ -75,8 +73,6 @@ GUARD_ANSWERED = "guard_answered"
 
 # A refused request's path in the log: this many characters of it (a path may fill the 64 KiB head).
 PATH_SHOWN = 120
-REFUSALS_LOGGED = 10  # refusal lines written per interval; the rest are counted
-REFUSAL_LOG_INTERVAL_S = 10.0
 
 CountRefusal = Callable[[Scope, int], None]
 
@@ -89,52 +85,15 @@ def shown_path(path: str) -> str:
     return f"{path[:PATH_SHOWN]!r}… ({len(path)} characters)"
 
 
-class RefusalLog:
-    """The guard's line per refused request, bounded in rate and size: any client can be refused
-    as fast as it sends (one 401 line per request with its 60 KiB path wrote ~5 MB/s of log). The
-    first `per_interval` refusals of each interval are logged; the others are counted, and the
-    count is logged once the interval is over (or at the stop)."""
+class RefusalLog(RefusalLines):
+    """The guard's line per refused request, bounded in rate and size (`RefusalLines`): one 401
+    line per request with its 60 KiB path wrote ~5 MB/s of log."""
 
     def __init__(self, per_interval: int = REFUSALS_LOGGED, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
-        self.per_interval = per_interval
-        self.window = LogThrottle(interval_s)  # lets one call per interval through: a new interval
-        self.logged = 0
-        self.held = 0
-        self._timer: asyncio.TimerHandle | None = None
+        super().__init__(log, per_interval, interval_s)
 
     def refused(self, kind: str, path: str, status: int, code: str, why: str = "") -> None:
-        if self.window.allow()[0]:
-            self.flush()
-            self.logged = 0
-        if self.logged < self.per_interval:
-            self.logged += 1
-            log.info("refused %s %s: %d %s%s", kind, shown_path(path), status, code, why)
-            return
-        self.held += 1
-        if self._timer is None:
-            self._arm()
-
-    def _arm(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a direct call): the next interval's first refusal says it
-            return
-        # in a context of its own: the line is no request's (the one that armed it had its id set)
-        self._timer = loop.call_later(self.window.interval_s, self.flush, context=contextvars.Context())
-
-    def flush(self) -> None:
-        """Log how many refusals were not logged, if any."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self.held:
-            log.info(
-                "%d more refused request(s) were not logged (at most %d are logged every %g s)",
-                self.held,
-                self.per_interval,
-                self.window.interval_s,
-            )
-            self.held = 0
+        self.line(logging.INFO, "refused %s %s: %d %s%s", kind, shown_path(path), status, code, why)
 
 
 def _stamp_request_id(send: Send, rid: bytes) -> Send:
@@ -358,9 +317,16 @@ class SecurityGuard:
             raise
 
 
+_FORWARDED = (b"forwarded", b"x-forwarded-for", b"x-real-ip")
+
+
 def _from_this_machine(scope: Scope) -> bool:
-    """A loopback peer: on the server's own machine, where the home's files (what the details
-    name) are there to read anyway, and where `appserver channels status` asks /readyz without a
-    credential. A stranger on the network is never one."""
+    """A loopback peer that forwards nothing: on the server's own machine, where the home's files
+    (what the details name) are there to read anyway, and where `appserver channels status` asks
+    /readyz without a credential. A request a front end on this machine passes on says whose it
+    is in one of these headers, and is nobody's here (docs/security.md: a forwarder that adds
+    none makes every request look local)."""
     client = scope.get("client")
-    return client is not None and is_loopback(str(client[0]))
+    if client is None or not is_loopback(str(client[0])):
+        return False
+    return not any(bytes(name).lower() in _FORWARDED for name, _ in scope.get("headers") or ())

@@ -44,8 +44,8 @@ def parse_command(text: str, me: str | None = None) -> Command | None:
     """The command in `text`, or None. `me` is this bot's username: `@me /cmd` and `/cmd@me` are
     commands; `/cmd@someone_else` is not (nor `/cmd@x` when `me` is unknown)."""
     stripped = _without_mention(text.strip(), me)
-    if not stripped.startswith("/") or len(stripped) < 2:
-        return None
+    if not stripped.startswith("/") or len(stripped) < 2 or stripped[1].isspace():
+        return None  # "/ help me write…" is text for the agent, not `/help`
     head, *args = stripped[1:].split()
     name, at, addressee = head.partition("@")
     if at and (me is None or addressee.lower() != me.lower()):

@@ -19,6 +19,7 @@ from typing import Literal
 from gateway.db import transaction
 
 ROOT = "__root__"
+ROUTE_PART_MAX = 200  # platform chat and thread ids are far shorter
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,24 @@ class RouteKey:
 
     @classmethod
     def parse(cls, text: str) -> RouteKey:
-        """Read `channel:account:chat[:thread]`."""
+        """Read `channel:account:chat[:thread]` (a stored key: as it was written)."""
         parts = text.split(":")
         if len(parts) not in (3, 4):
             raise ValueError(f"a route key is channel:account:chat[:thread], not {text!r}")
         return cls(*parts)
+
+    @classmethod
+    def typed(cls, text: str) -> RouteKey:
+        """Read a key as an operator typed it: spaces around a part are dropped (as for `allow`
+        ids); a part with a space inside, or longer than any platform's id, could never match a
+        message, so it is refused rather than kept as a route that never answers."""
+        parts = [part.strip() for part in text.split(":")]
+        for part in parts:
+            if any(ch.isspace() for ch in part):
+                raise ValueError(f"route key parts are platform ids, without spaces: {part!r}")
+            if len(part) > ROUTE_PART_MAX:
+                raise ValueError(f"a route key part is at most {ROUTE_PART_MAX} characters (a platform id)")
+        return cls.parse(":".join(parts))
 
     @classmethod
     def of(cls, channel: str, account: str, chat: str, thread: str | None) -> RouteKey:

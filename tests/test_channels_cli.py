@@ -23,7 +23,7 @@ from appserver.config import load_config
 from appserver.serverinfo import write_server_json
 from gateway.db import default_path, open_db
 from gateway.ledger import Ledger, UpdateKey
-from gateway.routing import Router
+from gateway.routing import RouteKey, Router
 from gateway.status import AccountStatus, StatusBoard
 from tests.support.cli import ROOT, run_cli
 
@@ -444,12 +444,30 @@ def test_route_add_list_remove(home: Path) -> None:
         "webhook:a b:c",
         "telegram:main:1\n2",  # a newline would split the route's line in `route list`
         "webhook:main:chat:t\x00",
+        "slack:main:C01 23",  # a platform id has no space inside: such a route would never match
+        "slack:main:" + "C" * 201,
     ],
 )
 def test_bad_route_key_is_exit_2(home: Path, key: str) -> None:
     code, _, err = ch("route", "add", key, "assistant")
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert not default_path(home).exists()  # nothing written, not even an empty database
+
+
+def test_spaces_around_route_key_parts_are_dropped(home: Path) -> None:
+    """`'slack:main:C0123ABCD '` was kept with its space and never matched a message."""
+    assert ch("route", "add", " slack:main:C0123ABCD ", "assistant")[0] == 0
+    assert ch("route", "add", "slack: main :C9\t: 17.5 ", "assistant")[0] == 0
+    conn = open_db(default_path(home))
+    try:
+        Router(conn).add(RouteKey.parse("slack:main:C7 "), "assistant", None)  # as an older version kept it
+        keys = [str(r.key) for r in Router(conn).routes("slack", "main")]
+    finally:
+        conn.close()
+    assert keys == ["slack:main:C0123ABCD:__root__", "slack:main:C7 :__root__", "slack:main:C9:17.5"]
+    code, out, _ = ch("route", "remove", "slack:main:C7 :__root__")  # as `route list` shows it
+    assert code == 0 and out == "Removed the route at slack:main:C7 :__root__.\n", out
+    assert ch("route", "remove", "slack:main:C0123ABCD  ")[0] == 0
 
 
 def test_route_add_refuses_an_agent_that_does_not_exist(home: Path) -> None:

@@ -92,6 +92,10 @@ def test_a_long_name_is_cut_and_an_empty_one_still_shows() -> None:
         ("@mybotty /cancel", "mybot", None),
         ("/cancel", None, Command("cancel", ())),
         ("@mybot hello /cancel", "mybot", None),
+        # a slash and a space is text for the agent: "/ help me…" is not /help
+        ("/ help me write a poem", None, None),
+        ("/\nstatus of the shed project", None, None),
+        ("@mybot / new idea: a shed", "mybot", None),
     ],
 )
 def test_commands_are_this_bots_only(text: str, me: str | None, expected: Command | None) -> None:

@@ -1125,7 +1125,7 @@ def route_group() -> None:
 
 def _parse_key(text: str) -> RouteKey:
     try:
-        key = RouteKey.parse(text)
+        key = RouteKey.typed(text)
     except ValueError as exc:
         message = _one_line(exc)
         if "channel:account:chat" not in message:
@@ -1207,6 +1207,19 @@ def _require_agent(config: Config, agent: str) -> None:
     run_or_fail(check)  # a store that cannot be opened is one line too
 
 
+def _remove_route(router: Router, key: RouteKey, text: str) -> RouteKey | None:
+    """The key removed: as typed (spaces around parts dropped), else exactly as written, since an
+    older version kept keys with such spaces and `route list` shows them so."""
+    try:
+        literal = RouteKey.parse(text)
+    except ValueError:
+        literal = key
+    for candidate in dict.fromkeys((key, literal)):
+        if router.remove(candidate):
+            return candidate
+    return None
+
+
 @route_group.command("remove")
 @click.argument("key")
 @_errors
@@ -1215,8 +1228,10 @@ def route_remove_cmd(key: str) -> None:
     route_key = _parse_key(key)
     config = get_config()
     with _gateway_db(config.home, create=False) as conn:
-        if conn is None or not Router(conn).remove(route_key):
-            raise Refused(f"no route at {route_key}")
+        removed = _remove_route(Router(conn), route_key, key) if conn is not None else None
+    if removed is None:
+        raise Refused(f"no route at {route_key}")
+    route_key = removed
     click.echo(f"Removed the route at {route_key}.")
 
 

@@ -78,7 +78,8 @@ def _amount(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n} bytes"
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for an error line."""
     if stat.S_ISDIR(mode):
         return "directory"
     if stat.S_ISFIFO(mode):
@@ -96,7 +97,7 @@ def _check_regular(path: Path, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise StateFileRefused(
             path,
-            f"a {_kind(st.st_mode)}, not a regular file: appserver reads its state only from regular files "
+            f"a {file_kind(st.st_mode)}, not a regular file: appserver reads its state only from regular files "
             "and left this one in place (never moved aside): replace it with the file, or remove it",
         )
 
@@ -195,7 +196,7 @@ def check_sqlite_side_files(db: Path) -> None:
         if st is not None and not stat.S_ISREG(st.st_mode):
             raise StateFileRefused(
                 side,
-                f"a {_kind(st.st_mode)}, not a regular file: SQLite keeps {real.name}'s {role} here and cannot "
+                f"a {file_kind(st.st_mode)}, not a regular file: SQLite keeps {real.name}'s {role} here and cannot "
                 "use this one; it was left in place (never moved aside): move it away, then start again",
             )
 

@@ -35,6 +35,23 @@ def test_empty_database_is_refused_not_reset(home: Path) -> None:
     assert r.code == 0 and [a["name"] for a in r.json()] == ["assistant"]
 
 
+@pytest.mark.parametrize("kind", ["fifo", "/dev/null", "/dev/zero"])
+def test_a_database_that_is_not_a_regular_file_is_named_so(home: Path, kind: str) -> None:
+    """A FIFO or a link to a device in the store's place was called "empty (0 bytes)" with advice to
+    delete it and start a new store; it is named for what it is, and left in place."""
+    assert run_cli(home, "agents", "list").code == 0
+    db = home / "appserver.db"
+    db.unlink()
+    if kind == "fifo":
+        os.mkfifo(db)
+    else:
+        db.symlink_to(kind)
+    what = "FIFO (named pipe)" if kind == "fifo" else "character device"
+    for line in (one_error_line(run_cli(home, "agents", "list")), one_error_line(serve_refused(home))):
+        assert f"appserver.db is a {what}, not a store" in line and "left in place" in line, line
+    assert db.is_symlink() if kind != "fifo" else db.is_fifo()
+
+
 def test_damaged_or_foreign_database_is_one_line(home: Path) -> None:
     assert run_cli(home, "agents", "list").code == 0
     db = home / "appserver.db"

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from appserver.fsutil import (
     StateFileRefused,
     StateFileTooLarge,
     atomic_write_json,
+    file_kind,
     fsync_dir,
     move_aside,
     read_state_bytes,
@@ -365,9 +367,15 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
             )
         position_path(db).unlink(missing_ok=True)  # a store that held nothing: nothing to lose
         return True
-    if db.is_dir():
+    st = db.stat()
+    if stat.S_ISDIR(st.st_mode):
         raise StoreOpenError(f"{db} is a directory, not a store: move it away")
-    size = db.stat().st_size
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreOpenError(
+            f"{db} is a {file_kind(st.st_mode)}, not a store (a store is a regular file); it was left in place: "
+            "put the store back, or move this away to start a new, empty store"
+        )
+    size = st.st_size
     if size == 0:
         raise StoreOpenError(
             f"{db} is empty (0 bytes), not a store: restore it from a backup, or delete it to start a new, empty store"

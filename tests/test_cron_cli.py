@@ -153,3 +153,37 @@ def test_a_task_whose_agent_was_deleted_is_not_enabled_again(tmp_path: Path) -> 
     assert again.code == 2 and "was deleted" in again.err and again.err.count("\n") == 1, (again.code, again.err)
     shown = json.loads(run_cli(home, "cron", "show", task_id, "--json", env=env).out)
     assert shown["enabled"] is False
+
+
+@pytest.mark.parametrize(("misfire", "runs"), [("skip", 1), ("run_once", 1), ("run_all", 10)])
+def test_preview_shows_times_that_came_due_while_no_scheduler_ran_as_the_policy_treats_them(
+    home: Path, misfire: str, runs: int
+) -> None:
+    """`preview` listed times already past as "the next fire times" (and `list` a past next run)
+    after a server was down; they are shown as the misfire policy will treat them."""
+    from datetime import timedelta
+
+    from cron.store import CronFile
+
+    now = datetime.now(UTC)
+    task = make_task(name="often", agent="agt_1", schedule=ScheduleSpec("every", "1m", "UTC"), prompt="p",
+                     now=now - timedelta(hours=2), misfire=misfire, max_lateness_s=120, exact=True)  # fmt: skip
+    store = CronStore(home)
+    with store.lock():
+        store.save(CronFile(tasks=[task]))
+    code, out, err = cron("preview", "often", "--count", "3", "--json")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert [s["overdue"] for s in shown] == [True] * runs + [False] * 3, shown
+    for s in shown[runs:]:
+        assert datetime.fromisoformat(s["fires_at"]) > now  # the upcoming ones are all to come
+    for s in shown[:runs]:
+        assert datetime.fromisoformat(s["fires_at"]) <= datetime.now(UTC)
+    code, out, _ = cron("preview", "often", "--count", "3")
+    lines = out.splitlines()
+    assert code == 0 and "came due while no scheduler ran" in lines[0] and f"misfire={misfire}" in lines[0]
+    assert sum("(overdue" in line for line in lines) == runs and len(lines) == 1 + runs + 3
+    code, out, _ = cron("list")
+    assert code == 0 and "(overdue)" in out.splitlines()[1]
+    code, out, _ = cron("show", "often")
+    assert code == 0 and "(overdue)" in out

@@ -589,6 +589,7 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
         click.echo("no cron tasks")
         return
     rows = [["ID", "NAME", "AGENT", "OWNER", "SCHEDULE", "NEXT RUN", "STATE", "RUNS", "LAST ERROR"]]
+    now = utcnow()
     for t in tasks:  # each cell one line, exactly as stored (crons.json is the schedule tool's too)
         rows.append(
             [
@@ -597,7 +598,7 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
                 exact(names.get(t.agent, t.agent)),
                 exact(_owner(t)),
                 exact(_schedule_text(t)),
-                _local(t.next_due_at if t.enabled else None, t.schedule.tz),
+                _next_run(t, now),
                 _state(t, problems[t.id]),
                 str(t.occurrence),
                 exact((problems[t.id] or t.last_error or "")[:60]),
@@ -605,6 +606,19 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
         )
     rows += [_invalid_row(bad, names) for bad in invalid]  # kept in crons.json, never scheduled
     click.echo(_table(rows))
+
+
+def _next_run(task: CronTask, now: datetime) -> str:
+    """The next run as `list` shows it; one already past came due while no scheduler ran (a
+    running one fires on time), and `preview` says what the misfire policy will do with it."""
+    if not task.enabled:
+        return "-"
+    text = _local(task.next_due_at, task.schedule.tz)
+    overdue = task.next_due_at is not None and now - task.next_due_at > timedelta(seconds=OVERDUE_AFTER_S)
+    return text + " (overdue)" if overdue else text
+
+
+OVERDUE_AFTER_S = 2.0  # a running scheduler starts a run within this of its due time
 
 
 @cron_group.command("show")
@@ -638,7 +652,7 @@ def show_cmd(ref: str, agent: str | None, as_json: bool) -> None:
         ("state", _state(task, problem)),
         *([("problem", visible(problem))] if problem is not None else []),
         ("next scheduled", _local(task.next_fire_at, tz)),
-        ("next run (with jitter)", _local(task.next_due_at, tz)),
+        ("next run (with jitter)", _next_run(task, utcnow()) if task.enabled else _local(task.next_due_at, tz)),
         ("conversation", exact(task.conversation)),
         ("misfire", f"{task.misfire} (max lateness {task.max_lateness_s:g}s)"),
         ("exact", "yes" if task.exact else "no"),
@@ -806,29 +820,69 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
 @_user_errors
 def preview_cmd(ref: str, agent: str | None, count: int, as_json: bool) -> None:
     """The next fire times in the task's timezone: when each fires (jitter applied, as `add`
-    and `list` show it) and, when different, the scheduled time it stands for."""
+    and `list` show it) and, when different, the scheduled time it stands for. Times that came
+    due while no scheduler ran are shown as the task's misfire policy will treat them: the ones
+    that still run, marked overdue, and a count of those that will be recorded as missed."""
     cfg = _config()
     task = _store(cfg).read().find(ref, _agent_filter(cfg, agent))
     now = utcnow()
     start = min(now, task.next_fire_at) if task.next_fire_at else now
-    times = upcoming(task.schedule, start - _EPS, task.created_at, count)
-    out = []
-    for nominal in times:
-        due = due_time(
-            task.schedule,
-            nominal,
-            task_id=task.id,
-            created_at=task.created_at,
-            exact=task.exact,
-        )
-        out.append({"scheduled_for": nominal.isoformat(), "fires_at": due.isoformat()})
+    overdue, scanned_all = _overdue(task, start, now)
+    if not scanned_all:  # a dense schedule long overdue: the policy looks only at the recent end
+        recent = max(overdue[-1], now - timedelta(seconds=max(task.max_lateness_s, RECENT_S)))
+        tail, _ = _overdue(task, recent, now)
+        overdue = overdue[:1] + tail  # the first for "since when"
+    runs, missed = _misfired(task, overdue, now)
+    after = overdue[-1] if overdue else start - _EPS
+    times = runs + upcoming(task.schedule, after, task.created_at, count)
+    fires = [(nominal, _due(task, nominal), nominal in runs) for nominal in times]
     if as_json:
+        out = [{"scheduled_for": n.isoformat(), "fires_at": d.isoformat(), "overdue": o} for n, d, o in fires]
         click.echo(json.dumps(out))
         return
-    if not out:
+    if missed:
+        more = "" if scanned_all else " or more"
+        click.echo(
+            f"{missed}{more} past fire time(s) since {_local(overdue[0], task.schedule.tz)} came due while no "
+            f"scheduler ran: a server records them as missed (misfire={task.misfire})"
+        )
+    if not fires:
         click.echo(f"{exact(task.name)} has no upcoming runs")
-    for nominal, o in zip(times, out, strict=True):
-        click.echo(_fire_line(datetime.fromisoformat(o["fires_at"]), nominal, task.schedule.tz))
+    for nominal, due, late in fires:
+        mark = "  (overdue: fires as soon as a server runs it)" if late else ""
+        click.echo(_fire_line(due, nominal, task.schedule.tz) + mark)
+
+
+OVERDUE_SCAN = 10_000  # past fire times `preview` counts (a 1 s task down for hours has more)
+RECENT_S = 3600.0  # beyond that count, the last hour is what the misfire policy is shown for
+
+
+def _due(task: CronTask, nominal: datetime) -> datetime:
+    return due_time(task.schedule, nominal, task_id=task.id, created_at=task.created_at, exact=task.exact)
+
+
+def _overdue(task: CronTask, start: datetime, now: datetime) -> tuple[list[datetime], bool]:
+    """Nominal fire times from `start` whose due time has passed (oldest first), at most
+    OVERDUE_SCAN of them; and whether that is all of them."""
+    found: list[datetime] = []
+    cur = start - _EPS
+    while len(found) < OVERDUE_SCAN:
+        nominal = next_occurrence(task.schedule, cur, task.created_at)
+        if nominal is None or _due(task, nominal) > now:
+            return found, True
+        found.append(nominal)
+        cur = nominal
+    return found, False
+
+
+def _misfired(task: CronTask, overdue: list[datetime], now: datetime) -> tuple[list[datetime], int]:
+    """What the scheduler's misfire policy does with `overdue` when it next ticks: the nominal
+    times it still runs, and how many it records as missed."""
+    from cron.scheduler import apply_misfire  # the scheduler's own rule; imported only here
+
+    pairs = [(nominal, _due(task, nominal)) for nominal in overdue]
+    runs, missed = apply_misfire(task.misfire, pairs, now, timedelta(seconds=task.max_lateness_s))
+    return [nominal for nominal, _, _ in runs], len(missed)
 
 
 _EPS = timedelta(microseconds=1)

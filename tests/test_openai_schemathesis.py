@@ -103,9 +103,10 @@ ALLOWED_REFUSALS: dict[tuple[int, str], str] = {
     (400, "invalid_value"): "response format name not of a-z, A-Z, 0-9, _ and -, at most 64",
     # an assistant reply that makes two tool calls with one id: a result could not say which it answers
     (400, "duplicate_tool_call_id"): "repeated tool call ids in one reply",
-    # a top-level field the Responses API does not know (the schema does not close the object, but
-    # OpenAI refuses unknown parameters, and a dropped one would go unnoticed)
-    (400, "unknown_parameter"): "a top-level field CreateResponse does not have",
+    # a field the Responses API does not know, top-level or in a nested object (`reasoning.x`,
+    # `text.format.x`; the schema does not close the objects, but OpenAI refuses unknown
+    # parameters, and a dropped one would go unnoticed)
+    (400, "unknown_parameter"): "a field CreateResponse (or an object in it) does not have",
 }
 MAX_TOKENS = 10_000_000
 INT64 = (-(2**63), 2**63 - 1)
@@ -278,6 +279,60 @@ def top_level_fields(schema_name: str) -> set[str]:
     return found
 
 
+# The nested objects of CreateResponse whose unknown keys the server refuses, and their schemas.
+CLOSED_OBJECTS = {
+    "reasoning": "Reasoning",
+    "text": "ResponseTextParam",
+    "stream_options": "ResponseStreamOptions",
+    "prompt_cache_options": "PromptCacheOptionsParam",
+    "moderation": "ModerationParam",
+    "conversation": "ConversationParam-2",
+}
+
+
+def schema_keys(schema_name: str) -> set[str]:
+    """The properties a schema names (through $ref, allOf, anyOf, oneOf)."""
+    schemas = document("openai-openapi.json")["components"]["schemas"]
+    found: set[str] = set()
+    pending = [schemas[schema_name]]
+    while pending:
+        node = pending.pop()
+        if "$ref" in node:
+            pending.append(schemas[node["$ref"].rsplit("/", 1)[-1]])
+            continue
+        found.update(node.get("properties", {}))
+        for key in ("allOf", "anyOf", "oneOf"):
+            pending.extend(node.get(key, []))
+    return found
+
+
+def format_keys(kind: Any) -> set[str]:
+    """The keys of a `text.format` of type `kind` (each format's own schema)."""
+    schemas = document("openai-openapi.json")["components"]["schemas"]
+    for ref in schemas["TextResponseFormatConfiguration"]["oneOf"]:
+        name = ref["$ref"].rsplit("/", 1)[-1]
+        if kind in (schemas[name]["properties"]["type"].get("enum") or []):
+            return schema_keys(name)
+    return {"type"}
+
+
+def close_objects(out: dict[str, Any]) -> None:
+    """Drop the keys of nested objects their schemas do not name (the generator adds some)."""
+
+    def close(value: Any, keys: set[str]) -> None:
+        if isinstance(value, dict):
+            for key in set(value) - keys:
+                del value[key]
+
+    for name, schema_name in CLOSED_OBJECTS.items():
+        close(out.get(name), schema_keys(schema_name))
+    text = out.get("text")
+    if isinstance(text, dict) and isinstance(text.get("format"), dict):
+        close(text["format"], format_keys(text["format"].get("type")))
+    for entry in out.get("context_management") or []:
+        close(entry, schema_keys("ContextManagementParam"))
+
+
 def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     """The generated body, still schema-valid, without the parts listed in ALLOWED_REFUSALS, so
     that everything else in it (sampling, formats, client tools, metadata, images…) runs a turn."""
@@ -322,6 +377,7 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
     out.pop("prompt", None)  # a stored prompt template: refused (the server keeps none)
     for name in set(out) - top_level_fields("CreateResponse"):  # unknown parameters are refused
         del out[name]
+    close_objects(out)  # in nested objects too
     inp = out.get("input")
     if isinstance(inp, list):
         inp[:] = [

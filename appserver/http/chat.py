@@ -77,6 +77,9 @@ if TYPE_CHECKING:
     from appserver.server import Server
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# roles whose messages may carry an optional `name` (a function message's is required; a tool
+# message has none in OpenAI's description)
+NAMED_ROLES = ("system", "developer", "user", "assistant")
 # max_steps: the server's loop was stopped before the reply was done, like a token limit (DESIGN §13)
 FINISH = {
     "end_turn": "stop",
@@ -167,7 +170,7 @@ def parts_of(
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         fields.obj(part, at, nullable=False)
-        kind = part.get("type")
+        kind = fields.required_string(part, "type", f"{at}.type")
         if kind in ("text", "input_text", "output_text", "refusal"):
             key = "refusal" if kind == "refusal" and "text" not in part else "text"
             text = fields.required_string(part, key, f"{at}.{key}")
@@ -277,6 +280,10 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
         fields.obj(m, where, nullable=False)
         role = fields.one_of(fields.required(m, "role", f"{where}.role"), f"{where}.role", ROLES, nullable=False)
         assert role is not None
+        if role in NAMED_ROLES:  # an optional participant name (not passed on): a string, as OpenAI types it
+            fields.string(m.get("name"), f"{where}.name")
+        if role == "assistant":
+            fields.string(m.get("refusal"), f"{where}.refusal")
         if role in CONTENT_REQUIRED:  # every message of the transcript, not only the new input
             content = fields.required(m, "content", f"{where}.content")
             if not isinstance(content, str | list):
@@ -433,7 +440,7 @@ def client_tools_of(tools: Any) -> list[ToolSpec]:
             fields.obj(fn["parameters"], f"tools[{i}].function.parameters", nullable=False)
         if name in names:
             raise bad_request(
-                f"tools[{i}]: a second function named {name!r}; function names must be unique",
+                f"tools[{i}]: a second function named {fields.shown(name)}; function names must be unique",
                 "tools",
                 code="duplicate_function_name",
             )
@@ -504,7 +511,7 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord, own: set[str
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
             raise bad_request(
-                f"Invalid 'tool_choice': {value!r}; use none, auto, required or a function",
+                f"Invalid 'tool_choice': {fields.shown(value)}; use none, auto, required or a function",
                 "tool_choice",
                 code="invalid_tool_choice",
             )
@@ -515,41 +522,47 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord, own: set[str
         return value
     if not isinstance(value, dict):
         raise bad_request("'tool_choice' must be a string or an object", "tool_choice", code="invalid_tool_choice")
-    kind = value.get("type")
-    if kind == "function" or (kind == "mcp" and isinstance(value.get("name"), str)):
-        fn = value.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else value.get("name")
-        if not isinstance(name, str) or not name:
+    kind = fields.required_string(value, "type", "tool_choice.type")
+    name: str | None = None
+    if kind in ("function", "mcp"):
+        fn = fields.obj(value.get("function"), "tool_choice.function") if kind == "function" else None
+        at = "tool_choice.function.name" if fn is not None else "tool_choice.name"
+        name = fields.string((fn if fn is not None else value).get("name"), at)
+    if kind == "mcp":
+        label = fields.required_string(value, "server_label", "tool_choice.server_label")
+        if label not in (agent.id, agent.name):
+            raise bad_request(
+                f"'tool_choice' names MCP server {fields.shown(label)}; this agent's label is {agent.id}",
+                "tool_choice",
+                code="unsupported_tool",
+            )
+        if name is None:
+            return required_own(sorted(own or ()), agent)
+    if kind in ("function", "mcp"):
+        if not name:
             raise bad_request(
                 "Invalid 'tool_choice': a function choice needs the function's name "
                 '({"type": "function", "function": {"name": …}}, or on /v1/responses {"type": "function", "name": …})',
                 "tool_choice",
                 code="missing_required_parameter",
             )
-        if kind == "mcp" and value.get("server_label") not in (agent.id, agent.name):
-            raise bad_request(
-                f"'tool_choice' names MCP server {value.get('server_label')!r}; this agent's label is {agent.id}",
-                "tool_choice",
-                code="unsupported_tool",
-            )
         if kind == "mcp" and own is not None and name not in own:
             # the server's own tools only (OpenAI refuses a name its MCP server lacks), never a client function
             mine = ", ".join(sorted(own)) or "none"
             raise bad_request(
-                f"Invalid 'tool_choice': MCP server {agent.id} has no tool {name!r} (its tools offered: {mine})",
+                f"Invalid 'tool_choice': MCP server {agent.id} has no tool {fields.shown(name)} "
+                f"(its tools offered: {mine})",
                 "tool_choice",
                 code="invalid_tool_choice",
             )
-        if not isinstance(name, str) or name not in names:
+        if name not in names:
             offered = ", ".join(sorted(names)) or "none"
             raise bad_request(
-                f"Invalid 'tool_choice': function {name!r} is not among the tools offered ({offered})",
+                f"Invalid 'tool_choice': function {fields.shown(name)} is not among the tools offered ({offered})",
                 "tool_choice",
                 code="invalid_tool_choice",
             )
         return {"type": "function", "function": {"name": name}}
-    if kind == "mcp" and value.get("server_label") in (agent.id, agent.name):
-        return required_own(sorted(own or ()), agent)
     if kind == "allowed_tools":
         spec, listed = allowed_tools_of(value)
         picked = []
@@ -558,14 +571,15 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord, own: set[str
             name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
             if not isinstance(name, str) or name not in names:
                 raise bad_request(
-                    f"Invalid 'tool_choice': allowed tool {name!r} is not among the tools offered",
+                    f"Invalid 'tool_choice': allowed tool {fields.shown(name)} is not among the tools offered",
                     "tool_choice",
                     code="invalid_tool_choice",
                 )
             picked.append({"type": "function", "function": {"name": name}})
         return {"type": "allowed_tools", "allowed_tools": {"mode": spec["mode"], "tools": picked}}
     raise bad_request(
-        f"unsupported 'tool_choice' type {kind!r}: only function tools (and this agent's own, as mcp) can be chosen",
+        f"unsupported 'tool_choice' type {fields.shown(kind)}: only function tools (and this agent's own, as mcp) "
+        "can be chosen",
         "tool_choice",
         code="unsupported_tool",
     )
@@ -640,8 +654,8 @@ def schema_fields(fmt: dict[str, Any], param: str) -> None:
     name = fields.required_string(fmt, "name", f"{param}.name")
     if not fields.FUNCTION_NAME.fullmatch(name or ""):  # an upstream would refuse it after the turn began
         raise bad_request(
-            f"Invalid '{param}.name': {name!r} does not match pattern. Expected a string that matches the pattern "
-            "'^[a-zA-Z0-9_-]{1,64}$'.",
+            f"Invalid '{param}.name': {fields.shown(name)} does not match pattern. Expected a string that matches "
+            "the pattern '^[a-zA-Z0-9_-]{1,64}$'.",
             f"{param}.name",
             code="invalid_value",
         )
@@ -727,7 +741,7 @@ def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
     for key in ("frequency_penalty", "presence_penalty"):
         fields.number(body.get(key), key, low=-2.0, high=2.0)
     fields.integer(body.get("seed"), "seed")
-    fields.obj(body.get("logit_bias"), "logit_bias")
+    fields.logit_bias(body.get("logit_bias"))
     fields.strings(body.get("modalities"), "modalities", ("text", "audio"))
     fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
     if body.get("functions") is None and body.get("function_call") is not None:

@@ -5,13 +5,29 @@ allows null; with `nullable=False` a null is refused like any other wrong type."
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Collection
 from typing import Any
 
 from appserver.http.common import json_int, json_type
 from appserver.http.errors import ApiError
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+SHOWN_MAX = 200  # characters of a client's value an error message quotes
+
+
+def shown(value: Any) -> str:
+    """A client's value as an error message quotes it: a string in single quotes, as OpenAI's
+    messages quote one ('bogus'), anything else as its JSON text (null, true, 5, {"a": 1}), never
+    Python's spelling of it (None, True, {'a': 1}). Long values are cut."""
+    text = f"'{value}'" if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= SHOWN_MAX else f"{text[:SHOWN_MAX]}…"
+
+
+def listed(values: Collection[str]) -> str:
+    """Allowed string values as a message lists them: 'a', 'b', 'c'."""
+    return ", ".join(shown(v) for v in values)
 
 
 def type_error(param: str, expected: str, value: Any) -> ApiError:
@@ -25,6 +41,21 @@ def type_error(param: str, expected: str, value: Any) -> ApiError:
 
 def missing(param: str) -> ApiError:
     return ApiError(400, f"Missing required parameter: '{param}'.", code="missing_required_parameter", param=param)
+
+
+def unknown(param: str) -> ApiError:
+    """A field the object does not have in OpenAI's description, refused as OpenAI refuses one."""
+    return ApiError(400, f"Unknown parameter: '{param}'.", code="unknown_parameter", param=param)
+
+
+def known_keys(value: dict[str, Any], param: str, keys: Collection[str]) -> dict[str, Any]:
+    """`value` (the object at `param`), whose every key is one of `keys`: another is a 400
+    `unknown_parameter` naming `param.key`, as an unknown top-level field is, never dropped (a
+    misspelt option would otherwise silently do nothing)."""
+    for key in value:
+        if key not in keys:
+            raise unknown(f"{param}.{key}")
+    return value
 
 
 def required(container: dict[str, Any], name: str, param: str) -> Any:
@@ -83,11 +114,11 @@ def one_of(value: Any, param: str, values: tuple[str, ...], *, nullable: bool = 
     if value is None and nullable:
         return None
     if not isinstance(value, str):
-        raise type_error(param, f"one of {', '.join(repr(v) for v in values)}", value)
+        raise type_error(param, f"one of {listed(values)}", value)
     if value not in values:
         raise ApiError(
             400,
-            f"Invalid value for '{param}': {value!r}. Supported values are: {', '.join(repr(v) for v in values)}.",
+            f"Invalid value for '{param}': {shown(value)}. Supported values are: {listed(values)}.",
             code="invalid_value",
             param=param,
         )
@@ -169,7 +200,7 @@ def function_name(value: Any, param: str) -> str:
     if not FUNCTION_NAME.fullmatch(value):
         raise ApiError(
             400,
-            f"Invalid '{param}': {value!r} does not match pattern. Expected a string that matches the pattern "
+            f"Invalid '{param}': {shown(value)} does not match pattern. Expected a string that matches the pattern "
             "'^[a-zA-Z0-9_-]{1,64}$'.",
             code="invalid_function_name",
             param=param,
@@ -207,3 +238,29 @@ def metadata(value: Any, param: str = "metadata") -> dict[str, str] | None:
             )
         string(v, f"{param}.{key}", max_length=METADATA_VALUE_LENGTH, nullable=False)
     return pairs
+
+
+TOKEN_ID = re.compile(r"[0-9]+")
+LOGIT_BIAS_MAX = 100  # OpenAI's documented range of a bias: -100 to 100
+
+
+def logit_bias(value: Any, param: str = "logit_bias") -> dict[str, int] | None:
+    """An object mapping token ids (non-negative integers, written as JSON object keys: strings of
+    ASCII digits) to integer biases from -100 to 100, as OpenAI takes it, or null. A key that is no
+    token id is `invalid_value` naming the object (as OpenAI names it: "Invalid key in
+    'logit_bias'"); a bias of another type `invalid_type`, one outside the range
+    `integer_below_min_value` / `integer_above_max_value`, both naming `logit_bias.<token id>`."""
+    biases = obj(value, param)
+    if biases is None:
+        return None
+    for key, bias in biases.items():
+        if not TOKEN_ID.fullmatch(key):
+            raise ApiError(
+                400,
+                f"Invalid key in '{param}': {shown(key)}. Keys must be token ids: non-negative integers "
+                "(strings of digits).",
+                code="invalid_value",
+                param=param,
+            )
+        integer(bias, f"{param}.{key}", low=-LOGIT_BIAS_MAX, high=LOGIT_BIAS_MAX, nullable=False)
+    return biases

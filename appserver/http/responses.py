@@ -14,7 +14,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
@@ -261,8 +261,8 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
     for i, item in enumerate(value):
         where = f"input[{i}]"
         fields.obj(item, where, nullable=False)
-        fields.string(item.get("type"), f"{where}.type")
-        kind = item.get("type") or ("message" if "role" in item else None)
+        # an item without a type is a message (OpenAI's EasyInputMessage): its role is then required
+        kind = fields.string(item.get("type"), f"{where}.type") or "message"
         if kind == "message":
             role = fields.one_of(
                 fields.required(item, "role", f"{where}.role"), f"{where}.role", INPUT_ROLES, nullable=False
@@ -377,13 +377,14 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
             continue
         elif kind == "item_reference":
             raise bad_request(
-                f"{where}: item_reference {item.get('id')!r} names no item stored on this server",
+                f"{where}: item_reference {fields.shown(item.get('id'))} names no item stored on this server",
                 "input",
                 code="item_not_found",
             )
         else:
             raise bad_request(
-                f"{where}: unsupported input item type {kind!r}; this server takes {', '.join(SUPPORTED_ITEMS)}",
+                f"{where}: unsupported input item type {fields.shown(kind)}; "
+                f"this server takes {', '.join(SUPPORTED_ITEMS)}",
                 "input",
                 code="unsupported_item_type",
             )
@@ -415,7 +416,8 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
             found = await lookup(ref) if ref else None
             if found is None:
                 raise bad_request(
-                    f"input[{i}]: item_reference {ref!r} names no item stored on this server (for this model)",
+                    f"input[{i}]: item_reference {fields.shown(ref)} names no item stored on this server "
+                    "(for this model)",
                     "input",
                     code="item_not_found",
                 )
@@ -477,8 +479,8 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
             label = t.get("server_label")
             if label not in (agent.id, agent.name):
                 raise bad_request(
-                    f"tools[{i}]: MCP server {label!r} is not this agent; "
-                    f"its own tools run here under server_label {agent.id!r}",
+                    f"tools[{i}]: MCP server {fields.shown(label)} is not this agent; "
+                    f"its own tools run here under server_label {fields.shown(agent.id)}",
                     "tools",
                     code="unsupported_tool",
                 )
@@ -512,7 +514,7 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
         fields.boolean(t.get("strict"), f"tools[{i}].strict")
         if name in names:
             raise bad_request(
-                f"tools[{i}]: a second function named {name!r}; function names must be unique",
+                f"tools[{i}]: a second function named {fields.shown(name)}; function names must be unique",
                 "tools",
                 code="duplicate_function_name",
             )
@@ -647,6 +649,35 @@ INCLUDABLE = (
 REASONING_SUMMARIES = ("auto", "concise", "detailed")
 REASONING_CONTEXTS = ("auto", "current_turn", "all_turns")
 TEXT_FORMATS = ("text", "json_schema", "json_object")
+# The keys of the request's nested objects, as OpenAI's API description has them (`Reasoning`,
+# `ResponseTextParam`, the `TextResponseFormatConfiguration` formats, `ResponseStreamOptions`, the
+# `ToolChoiceParam` objects this server takes, `ConversationParam`, `ModerationParam`,
+# `ContextManagementParam`; `PromptCacheOptionsParam` with the keys the openai SDK adds to it): any
+# other key is refused as an unknown top-level field is, never dropped.
+REASONING_KEYS = ("effort", "summary", "generate_summary", "context", "mode")
+TEXT_KEYS = ("format", "verbosity")
+FORMAT_KEYS = MappingProxyType(
+    {
+        "text": ("type",),
+        "json_object": ("type",),
+        "json_schema": ("type", "name", "schema", "description", "strict"),
+    }
+)
+STREAM_OPTION_KEYS = ("include_obfuscation",)
+CHOICE_KEYS = MappingProxyType(
+    {
+        "function": ("type", "name"),
+        "mcp": ("type", "server_label", "name"),
+        "allowed_tools": ("type", "mode", "tools"),
+    }
+)
+CONVERSATION_KEYS = ("id",)
+MODERATION_KEYS = ("model", "policy")
+CONTEXT_MANAGEMENT_KEYS = ("type", "compact_threshold")
+COMPACT_THRESHOLD_MIN = 1000
+PROMPT_CACHE_KEYS = ("ttl", "mode", "prewarm", "comparison_response_id")
+PROMPT_CACHE_TTLS = ("30m", "12h")
+PROMPT_CACHE_MODES = ("implicit", "explicit")
 
 
 def response_param_types(body: dict[str, Any]) -> bool:
@@ -665,20 +696,72 @@ def response_param_types(body: dict[str, Any]) -> bool:
             code="unsupported_parameter",
         )
     stream_options = fields.obj(body.get("stream_options"), "stream_options")
-    if stream_options is not None and "include_obfuscation" in stream_options:
-        fields.boolean(stream_options["include_obfuscation"], "stream_options.include_obfuscation", nullable=False)
+    if stream_options is not None:
+        fields.known_keys(stream_options, "stream_options", STREAM_OPTION_KEYS)
+        if "include_obfuscation" in stream_options:
+            fields.boolean(stream_options["include_obfuscation"], "stream_options.include_obfuscation", nullable=False)
     fields.boolean(body.get("parallel_tool_calls"), "parallel_tool_calls")
     fields.one_of(body.get("truncation"), "truncation", TRUNCATION)
     fields.strings(body.get("include"), "include", INCLUDABLE)
     fields.integer(body.get("max_tool_calls"), "max_tool_calls", low=0)
-    fields.array(body.get("context_management"), "context_management")
-    fields.obj(body.get("moderation"), "moderation")
-    for name in ("prompt_cache_options", "access_programs", "background_options", "image"):
+    context_management_of(body.get("context_management"))
+    moderation_of(body.get("moderation"))
+    prompt_cache_options_of(body.get("prompt_cache_options"))
+    for name in ("access_programs", "background_options", "image"):  # the SDK's; OpenAI's document has none
         fields.obj(body.get(name), name)
     fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):
+        fields.required_string(conversation, "id", "conversation.id")  # a misspelt id is named as missing
+        fields.known_keys(conversation, "conversation", CONVERSATION_KEYS)
+    choice_keys(body.get("tool_choice"))
     text_of(body.get("text"))
     reasoning_of(body.get("reasoning"))
     return stream
+
+
+def choice_keys(value: Any) -> None:
+    """A `tool_choice` object holds only the keys of its type's shape in the Responses API (the
+    function's name beside `type`, not Chat's nested `function`); the values are checked by
+    `tool_choice_of`, which knows the tools."""
+    if isinstance(value, dict) and isinstance(value.get("type"), str) and value["type"] in CHOICE_KEYS:
+        fields.known_keys(value, "tool_choice", CHOICE_KEYS[value["type"]])
+
+
+def context_management_of(value: Any) -> None:
+    """`context_management`: entries of a `type` (a string) and a `compact_threshold` (an integer
+    of at least 1000, or null). Accepted, not used."""
+    entries = fields.array(value, "context_management")
+    for i, entry in enumerate(entries or []):
+        at = f"context_management[{i}]"
+        fields.obj(entry, at, nullable=False)
+        fields.known_keys(entry, at, CONTEXT_MANAGEMENT_KEYS)
+        fields.required_string(entry, "type", f"{at}.type")
+        fields.integer(entry.get("compact_threshold"), f"{at}.compact_threshold", low=COMPACT_THRESHOLD_MIN)
+
+
+def moderation_of(value: Any) -> None:
+    """`moderation`: a `model` (a string, required) and a `policy` (an object or null). Accepted,
+    not used."""
+    moderation = fields.obj(value, "moderation")
+    if moderation is not None:
+        fields.known_keys(moderation, "moderation", MODERATION_KEYS)
+        fields.required_string(moderation, "model", "moderation.model")
+        fields.obj(moderation.get("policy"), "moderation.policy")
+
+
+def prompt_cache_options_of(value: Any) -> None:
+    """`prompt_cache_options`: `ttl`, `mode`, `prewarm`, `comparison_response_id`. Accepted, not used."""
+    options = fields.obj(value, "prompt_cache_options")
+    if options is None:
+        return
+    fields.known_keys(options, "prompt_cache_options", PROMPT_CACHE_KEYS)
+    for key, values in (("ttl", PROMPT_CACHE_TTLS), ("mode", PROMPT_CACHE_MODES)):
+        if key in options:  # not nullable in OpenAI's description
+            fields.one_of(options[key], f"prompt_cache_options.{key}", values, nullable=False)
+    if "prewarm" in options:
+        fields.boolean(options["prewarm"], "prompt_cache_options.prewarm", nullable=False)
+    fields.string(options.get("comparison_response_id"), "prompt_cache_options.comparison_response_id")
 
 
 INCLUDE_QUERY = re.compile(r"include(?:\[\d*\])?")  # include=, include[]= (the SDKs), include[0]=
@@ -697,12 +780,14 @@ def text_of(value: Any) -> dict[str, Any]:
     text = fields.obj(value, "text")
     if text is None:
         return {"format": {"type": "text"}}
+    fields.known_keys(text, "text", TEXT_KEYS)
     fmt = fields.obj(text.get("format"), "text.format")
     shown: dict[str, Any] = {"format": {"type": "text"}}
     if fmt is not None:
         fields.one_of(
             fields.required(fmt, "type", "text.format.type"), "text.format.type", TEXT_FORMATS, nullable=False
         )
+        fields.known_keys(fmt, "text.format", FORMAT_KEYS[fmt["type"]])
         if fmt["type"] == "json_schema":
             schema_fields(fmt, "text.format")
             if fmt.get("schema") is None:
@@ -730,6 +815,7 @@ def reasoning_of(value: Any) -> dict[str, Any]:
     reasoning = fields.obj(value, "reasoning")
     if reasoning is None:
         return {"effort": None, "summary": None}
+    fields.known_keys(reasoning, "reasoning", REASONING_KEYS)
     effort = fields.one_of(reasoning.get("effort"), "reasoning.effort", REASONING_EFFORTS)
     summary = fields.one_of(reasoning.get("summary"), "reasoning.summary", REASONING_SUMMARIES)
     fields.one_of(reasoning.get("generate_summary"), "reasoning.generate_summary", REASONING_SUMMARIES)
@@ -882,10 +968,19 @@ def text_part(b: dict[str, Any], text: str) -> dict[str, Any]:
 
 
 def item_for(
-    shape: Shape, turn_id: str, index: int, b: dict[str, Any], *, final: bool, cut: bool = False
+    shape: Shape,
+    turn_id: str,
+    index: int,
+    b: dict[str, Any],
+    *,
+    final: bool,
+    cut: bool = False,
+    approvals: Collection[str] = (),
 ) -> dict[str, Any] | None:
     """`cut`: the response did not complete (cancelled, incomplete, failed): its finished message
-    and reasoning items are `incomplete`, not `completed`."""
+    and reasoning items are `incomplete`, not `completed`. `approvals`: the agent tool calls that
+    went through an approval request: their `mcp_call` names it (`approval_request_id`, the
+    `mcpr_…` id the client answered), any other has null there."""
     tag = f"{shape.id.removeprefix('resp_')}{index:04d}"  # points back to the response (item_reference)
     done = "incomplete" if cut else "completed"
     if b["type"] == "text":
@@ -946,7 +1041,7 @@ def item_for(
             if failed
             else None,
             "status": status,
-            "approval_request_id": None,
+            "approval_request_id": f"mcpr_{b['call_id']}" if b["call_id"] in approvals else None,
         }
     return None  # compaction blocks are not output
 
@@ -1091,8 +1186,13 @@ class Responses:
         steps_note = max_steps_note(self.server, agent)
         if run is not None:
             blocks = output_blocks(snap, run, steps_note)
+            # every call its turn asked approval for (an approval request a stopped stream showed too)
+            asked = {p.call_id for p in await store.list_pending(turn.id) if p.kind == "approval"}
+            approvals = asked | set(run.resolved_calls)
             output = [
-                i for i in (item_for(shape, turn.id, n, b, final=True, cut=cut) for n, b in blocks) if i is not None
+                i
+                for i in (item_for(shape, turn.id, n, b, final=True, cut=cut, approvals=approvals) for n, b in blocks)
+                if i is not None
             ]
         else:
             output = list(rec.body.get("output") or [])
@@ -1724,7 +1824,8 @@ class _Run:
         if cut is None:
             cut = final_status(snap) != "completed"
         items = [
-            (closed or {}).get(i) or item_for(self.shape, self.run.turn_id, i, b, final=True, cut=cut)
+            (closed or {}).get(i)
+            or item_for(self.shape, self.run.turn_id, i, b, final=True, cut=cut, approvals=self.run.resolved_calls)
             for i, b in output_blocks(snap, self.run, self.steps_note)
         ]
         return [i for i in items if i is not None]
@@ -2028,8 +2129,9 @@ class _Run:
             return events, True
         # tool calls
         status = b.get("status")
+        approvals = self.run.resolved_calls  # the calls this request's approvals (or its round's) let run
         if b.get("executor") == "client":
-            item = item_for(shape, self.run.turn_id, bi, b, final=False)
+            item = item_for(shape, self.run.turn_id, bi, b, final=False, approvals=approvals)
             assert item is not None
             if not st["added"]:
                 events.append(ev("response.output_item.added", output_index=idx, item=item))
@@ -2059,7 +2161,7 @@ class _Run:
                     ev(
                         "response.output_item.done",
                         output_index=idx,
-                        item=item_for(shape, self.run.turn_id, bi, b, final=True, cut=cut),
+                        item=item_for(shape, self.run.turn_id, bi, b, final=True, cut=cut, approvals=approvals),
                     )
                 )
                 st["done"] = True
@@ -2069,12 +2171,12 @@ class _Run:
         if status == "streaming" and not closed:
             return events, False  # a server call is shown once its policy is known
         if status == "pending_approval":
-            item = item_for(shape, self.run.turn_id, bi, b, final=True)
+            item = item_for(shape, self.run.turn_id, bi, b, final=True, approvals=approvals)
             events.append(ev("response.output_item.added", output_index=idx, item=item))
             events.append(ev("response.output_item.done", output_index=idx, item=item))
             st["added"] = st["done"] = True
             return events, True
-        item = item_for(shape, self.run.turn_id, bi, b, final=False)
+        item = item_for(shape, self.run.turn_id, bi, b, final=False, approvals=approvals)
         assert item is not None
         if not st["added"]:
             args = b.get("arguments") or ""
@@ -2095,7 +2197,7 @@ class _Run:
                 ev(
                     "response.output_item.done",
                     output_index=idx,
-                    item=item_for(shape, self.run.turn_id, bi, b, final=True),
+                    item=item_for(shape, self.run.turn_id, bi, b, final=True, approvals=approvals),
                 )
             )
             st["done"] = True
@@ -2111,8 +2213,10 @@ class _Run:
         shape = self.shape
         events: list[tuple[str, str]] = []
         running = b.get("status") == "running"
+        # an approval not shown yet was never asked (its request is stored when the turn pauses)
+        approvals = self.run.resolved_calls
         ended = dict(b, status="failed", output=(stopped_text if running else not_run_text)(str(b["name"])))
-        item = item_for(shape, self.run.turn_id, bi, ended, final=False)
+        item = item_for(shape, self.run.turn_id, bi, ended, final=False, approvals=approvals)
         assert item is not None
         if not st["added"]:
             args = b.get("arguments") or ""
@@ -2122,7 +2226,7 @@ class _Run:
             if running:
                 events.append(ev("response.mcp_call.in_progress", output_index=idx, item_id=item["id"]))
             st["added"] = True
-        final = item_for(shape, self.run.turn_id, bi, ended, final=True)
+        final = item_for(shape, self.run.turn_id, bi, ended, final=True, approvals=approvals)
         events.append(ev("response.mcp_call.failed", item_id=item["id"], output_index=idx))
         events.append(ev("response.output_item.done", output_index=idx, item=final))
         st["final"] = final

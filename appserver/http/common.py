@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from appserver import fastjson
-from appserver.auth import REVOCATION_POLL_S, Principal, namespace_of
+from appserver.auth import REVOCATION_POLL_S, Principal, conversation_namespace, namespace_allows, namespace_of
 from appserver.errors import AgentGone, InvalidInput, KernelError, NotAwaiting
 from appserver.http.bodies import json_bodies
 from appserver.http.conversation_match import HEADER, Placement, answer_at_round, by_name, legacy_name, repeats_answer
@@ -242,12 +242,44 @@ def canonical_hash(route: str, body: dict[str, Any]) -> str:
     return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def hidden_key() -> ApiError:
+    """A key whose earlier request went into a conversation the caller may not see: refused, as the
+    WebSocket refuses such a key. Keys belong to a credential's name, and a token rotated under it
+    without `admin` (or limited to other agents) keeps them; neither the stored answer nor its
+    conversation id may reach it, and nothing runs (a retry gets this again)."""
+    return ApiError(
+        409,
+        "this Idempotency-Key was used for a conversation this credential may not see; use another key",
+        code="idempotency_key_reused",
+        param="Idempotency-Key",
+    )
+
+
+async def may_see(server: Server, principal: Principal, conversation_id: str) -> bool:
+    """Whether `principal` may see the conversation a key's earlier request used: its namespace
+    (`namespace_allows`) and its agent. `admin` and the local owner see every conversation, also
+    one deleted since; anyone else sees only one that still exists."""
+    ns = conversation_namespace(principal)
+    if ns is None and principal.agents is None:
+        return True
+    conv = await server.store.get_conversation(conversation_id)
+    if conv is None:
+        return ns is None
+    if not namespace_allows(ns, conv.namespace):
+        return False
+    if principal.agents is None:
+        return True
+    agent = await server.store.get_agent(conv.agent_id)
+    return agent is not None and principal.allows_agent(agent.id, agent.name)
+
+
 @dataclass(slots=True)
 class Idempotency:
     server: Server
     scope: str
     key: str
     body_hash: str
+    principal: Principal | None = None  # who asks: a turn the key names must be one it may see
 
     @classmethod
     async def begin(
@@ -277,7 +309,7 @@ class Idempotency:
         while True:
             existing = await store.claim_http_idempotency(HttpIdempotency(scope, key, body_hash))
             if existing is None:
-                return cls(server, scope, key, body_hash), None
+                return cls(server, scope, key, body_hash, principal), None
             if existing.body_hash != body_hash:
                 raise ApiError(
                     409,
@@ -286,6 +318,8 @@ class Idempotency:
                     param="Idempotency-Key",
                 )
             if existing.state == "done":
+                if existing.conversation_id and not await may_see(server, principal, existing.conversation_id):
+                    raise hidden_key()
                 answered = answered_response(existing)
                 if answered is not None and answered[1]:
                     kept = await store.get_response(answered[0])
@@ -331,6 +365,8 @@ class Idempotency:
             # Its server died while it ran (it is settled as interrupted once that is noticed):
             # not the answer either. A queued turn of a dead server still runs elsewhere: followed.
             return None, None
+        if self.principal is not None and not await may_see(self.server, self.principal, turn.conversation_id):
+            raise hidden_key()  # never followed (its claim, taken by this request, is dropped by the caller)
         return TurnRun(self.server, turn.conversation_id, await self.server.kernel.handle_for(turn)), None
 
     async def finish(self, status: int, content_type: str, body: str, conversation_id: str | None) -> None:

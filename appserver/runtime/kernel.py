@@ -75,6 +75,11 @@ def namespaced_id(name: str, namespace: str, agent_id: str | None = None) -> str
 log = logging.getLogger("appserver.kernel")
 
 IDEMPOTENCY_TTL_S = 48 * 3600
+# A `SubmitRequest.options` entry: whose open-turn place (the WebSocket's `[limits]
+# open_turns_per_client`) the turn holds. Stored with the turn (never shown, never sent to a model),
+# so that a restarted server counts the turns still open against their credentials again
+# (`Kernel.open_at_start`).
+COUNTED_FOR = "counted_for"
 DELETED_AGENT_CHECK_S = 1.0  # how soon turns held here end after another process deleted their agent
 
 SettledListener = Callable[[TurnRecord, TurnSnapshot], None]
@@ -149,6 +154,8 @@ class Kernel:
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
         self._trim_after_time = 0.0
+        # (whose place, handle) of the counted turns this server took up open at start
+        self._open_at_start: list[tuple[str, TurnHandle]] = []
 
     # ------------------------------------------------------------ start / stop
 
@@ -197,12 +204,27 @@ class Kernel:
         if serve:
             for turn in await self.store.open_turns(["awaiting"]):
                 try:
-                    await self.runtime(turn.conversation_id)
+                    rt = await self.runtime(turn.conversation_id)
                 except OwnedElsewhere:
-                    pass  # paused in a runtime another server holds
+                    continue  # paused in a runtime another server holds
+                self._note_open(turn, rt)
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
             if self._link is not None:
                 self._link.start()
+
+    def _note_open(self, turn: TurnRecord, rt: ConversationRuntime) -> None:
+        """Remember a turn this start took up open (queued again, or paused) that holds a place of
+        a credential's open turns (`COUNTED_FOR`): the WebSocket endpoint counts it again."""
+        counted = turn.options.get(COUNTED_FOR)
+        handle = rt.handles.get(turn.id)
+        if isinstance(counted, str) and counted and handle is not None:
+            self._open_at_start.append((counted, handle))
+
+    def open_at_start(self) -> list[tuple[str, TurnHandle]]:
+        """(whose place, handle) of each turn holding an open-turn place that this server took up
+        at its start (paused, or queued again); handed over once, then forgotten."""
+        found, self._open_at_start = self._open_at_start, []
+        return found
 
     @property
     def stopping(self) -> bool:
@@ -339,6 +361,7 @@ class Kernel:
                 elif requeue:
                     rt = await self.runtime(turn.conversation_id)
                     rt.queue.requeue(turn)
+                    self._note_open(turn, rt)
                 continue
             await self._settle_interrupted(turn)
             settled += 1
@@ -693,6 +716,35 @@ class Kernel:
             conv = await self.resolve_conversation(agent, spec, fields=req.conversation_fields)
             conv_id = conv.id
             rt = None
+        if spec != "new":
+            return await self._submit_into(req, agent, content, key, spec, conv, conv_id, rt)
+        # A conversation made for this submit alone: should no turn of it land there (a copy of a
+        # keyed input accepted at once by another server, a failure), it is removed again, never
+        # left empty (docs/protocol.md: copies sent at once leave no conversation of their own).
+        try:
+            sub = await self._submit_into(req, agent, content, key, spec, conv, conv_id, rt)
+        except asyncio.CancelledError:
+            self.keep_until_done(asyncio.get_running_loop().create_task(self._discard_unused(conv_id)))
+            raise
+        except Exception:
+            await self._discard_unused(conv_id)
+            raise
+        if sub.duplicate:
+            await self._discard_unused(conv_id)
+        return sub
+
+    async def _submit_into(
+        self,
+        req: SubmitRequest,
+        agent: AgentRecord,
+        content: str | list[dict[str, Any]],
+        key: str | None,
+        spec: str,
+        conv: ConversationRecord | None,
+        conv_id: str,
+        rt: ConversationRuntime | None,
+    ) -> Submission:
+        """The accept of `submit`, into the conversation it found or made (`conv_id`)."""
         scope = (req.idempotency_scope or (f"new:{agent.id}" if spec == "new" else conv_id)) if key else None
         if key and spec != "new" and not req.idempotency_scope:
             earlier = await self.store.lookup_idempotency(scope, key)  # type: ignore[arg-type]
@@ -731,6 +783,26 @@ class Kernel:
             self._check_not_fenced()
             raise
         return Submission(record.id, conv_id, agent.id, position, False, handle)
+
+    async def _discard_unused(self, conversation_id: str) -> None:
+        """Remove a conversation `submit` made ("new") into which no turn landed: only while it is
+        still empty (the store checks, atomically with the delete) and its runtime here holds
+        nothing; its runtime is unloaded (in a cluster its lease let go). Its id was never given
+        out, so nobody else uses it. A failure is logged: the conversation stays, empty, as before."""
+        rt = self.runtimes.get(conversation_id)
+        if rt is not None and not rt.idle:
+            return  # an accept landed after all (the commit came before a cancel): it runs
+        try:
+            removed = await self.store.discard_empty_conversation(conversation_id)
+        except Exception as exc:
+            log.warning("could not remove conversation %s, left empty by its submit: %r", conversation_id, exc)
+            return
+        if not removed:
+            return
+        rt = self.runtimes.get(conversation_id)
+        if rt is not None:
+            self._drop(conversation_id)
+            await rt.shutdown()
 
     async def _gone(self, agent: AgentRecord, conversation_id: str) -> NotFound:
         """The accept found the conversation gone: deleted, or its agent (and with it the

@@ -245,7 +245,9 @@ class OpenTurns:
     holds its `connections_per_client` slot while its turn runs, and a client that leaves cancels
     it. A place is taken (`take`) before the submit, so submits racing on several sockets cannot
     pass the cap together, then given back at once if nothing was accepted (`give_back`), or kept
-    (`hold`) until the turn ends, however it ends, also after its socket closed: exactly once."""
+    (`hold`) until the turn ends, however it ends, also after its socket closed: exactly once. A
+    restart forgets nothing: each turn records whose place it holds (`Kernel.COUNTED_FOR`), and
+    the turns a restarted server takes up open are counted again (`restore`)."""
 
     def __init__(self, per_client: int) -> None:
         self.per_client = per_client
@@ -270,6 +272,15 @@ class OpenTurns:
             self._open[key] = left
         else:
             self._open.pop(key, None)
+
+    def restore(self, key: str, ended: Callable[[], Awaitable[None]], name: str) -> None:
+        """Count a turn an earlier process of this server accepted for `key` and this one took up
+        still open (a restart): its place is taken whatever the count (the cap may have been
+        lowered meanwhile), then held like any until the turn ends."""
+        if self.per_client <= 0:
+            return
+        self._open[key] = self._open.get(key, 0) + 1
+        self.hold(key, ended, name)
 
     def hold(self, key: str | None, ended: Callable[[], Awaitable[None]], name: str) -> None:
         """Keep `key`'s place until `ended()` returns (the turn ended), raises or is cancelled."""

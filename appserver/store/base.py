@@ -192,6 +192,11 @@ class Store(ABC):
 
     @abstractmethod
     async def update_conversation(self, conv: ConversationRecord) -> None: ...
+    @abstractmethod
+    async def discard_empty_conversation(self, conversation_id: str) -> bool:
+        """Delete the conversation if it holds no turn and no message, in one step against every
+        writer (an accept committing at once makes it not empty, never a turn deleted with it);
+        True when it was deleted. For a conversation a submit made and no turn landed in."""
 
     # messages
     @abstractmethod

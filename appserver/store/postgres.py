@@ -930,6 +930,25 @@ class PostgresStore(Store):
         )
         return [conversation_record(r, self._damaged_cells) for r in rows]
 
+    async def discard_empty_conversation(self, conversation_id: str) -> bool:
+        """The row is locked first (FOR UPDATE): an accept into it, which takes a key-share lock
+        on it for its foreign key, either committed before (the delete's read sees its turn) or
+        waits and then fails on the gone row; never a turn deleted with it (ON DELETE CASCADE)."""
+
+        async def job(conn: Conn) -> bool:
+            cur = await conn.execute("SELECT 1 AS found FROM conversations WHERE id=%s FOR UPDATE", (conversation_id,))
+            if await cur.fetchone() is None:
+                return False
+            deleted = await _count(
+                conn,
+                "DELETE FROM conversations WHERE id=%s AND NOT EXISTS (SELECT 1 FROM turns WHERE conversation_id=%s) "
+                "AND NOT EXISTS (SELECT 1 FROM messages WHERE conversation_id=%s)",
+                (conversation_id, conversation_id, conversation_id),
+            )
+            return deleted > 0
+
+        return await self._write(job)
+
     async def update_conversation(self, conv: ConversationRecord) -> None:
         async def job(conn: Conn) -> None:
             await conn.execute(

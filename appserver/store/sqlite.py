@@ -563,6 +563,20 @@ class SQLiteStore(Store):
         )
         return [conversation_record(r, self._damaged) for r in rows]
 
+    async def discard_empty_conversation(self, conversation_id: str) -> bool:
+        """After whatever is queued (a deferred insert of the conversation, an accept into it)."""
+        if self._unsaved and self._unsaved.pop(conversation_id, None) is not None:
+            return True  # its insert failed and no accept carried it (that pops it): nothing stored
+        with self._tx() as tx:
+            return (
+                tx.execute(
+                    "DELETE FROM conversations WHERE id=? AND NOT EXISTS (SELECT 1 FROM turns WHERE conversation_id=?) "
+                    "AND NOT EXISTS (SELECT 1 FROM messages WHERE conversation_id=?)",
+                    (conversation_id, conversation_id, conversation_id),
+                ).rowcount
+                > 0
+            )
+
     async def update_conversation(self, conv: ConversationRecord) -> None:
         with self._tx() as tx:
             tx.execute(

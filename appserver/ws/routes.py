@@ -14,6 +14,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.routing import BaseRoute, WebSocketRoute
@@ -35,7 +36,7 @@ from appserver.errors import KernelError, NotFound
 from appserver.http.conversation_match import name_ids
 from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
-from appserver.runtime.kernel import NAMESPACE_DEFAULT_PREFIX, Submission
+from appserver.runtime.kernel import COUNTED_FOR, NAMESPACE_DEFAULT_PREFIX, Submission
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
 from appserver.security.limits import TOO_MANY_OPEN_TURNS, OpenTurns, open_turns_key
 from appserver.server import Server
@@ -207,6 +208,7 @@ class Endpoint:
         self.frame_limits = FrameLimits.from_max_messages(int(server.config.limits.max_messages))
         # the turns each credential holds open (`[limits] open_turns_per_client`)
         self.open_turns = OpenTurns(int(server.config.limits.open_turns_per_client))
+        self._restored = False  # the turns open at the server's start are counted (`_count_restored`)
         # (idempotency scope, credential's key) -> the first of a submit's copies in flight: True
         # once its turn is accepted (`_first_copy`)
         self._flights: dict[tuple[str, str], asyncio.Future[bool]] = {}
@@ -586,6 +588,7 @@ class Endpoint:
         """Submit with a place of the credential's open turns; over the cap, the turn the key
         already names (a resend), else refused `too_many_open_turns`."""
         cap_key = open_turns_key(conn.principal)
+        self._count_restored()
         if not self.open_turns.take(cap_key):
             earlier = await self._keyed_earlier(agent, spec, key)
             if earlier is None:
@@ -600,10 +603,25 @@ class Endpoint:
             source=source,
             idempotency_key=key,
             client_tools=[ToolSpec(t.name, t.description, t.parameters, t.strict) for t in frame.client_tools],
+            # whose place it holds, stored with the turn: a restart counts it again
+            options={COUNTED_FOR: cap_key} if cap_key is not None else {},
             conversation_fields=fields,
             resolved=agent,
         )
         return await self._counted(cap_key, lambda: self._submit(request))
+
+    def _count_restored(self) -> None:
+        """Before the first place is taken: count the turns this server took up open at its start
+        (paused for an answer, queued again) against the credentials that submitted them, each
+        until it ends. The count lives in memory; a restart would otherwise forget it, and each
+        restart let a credential open `open_turns_per_client` more. Never awaits."""
+        if self._restored:
+            return
+        self._restored = True
+        for cap_key, handle in self.server.kernel.open_at_start():
+            if handle.controller.snapshot().terminal:
+                continue  # ended since the start
+            self.open_turns.restore(cap_key, partial(self._turn_ended, handle), f"ws-open-turn:{handle.turn_id}")
 
     async def _first_copy(self, flight: tuple[str, str]) -> asyncio.Future[bool] | None:
         """Wait while copies of this input (one credential's, one conversation, one idempotency key,
@@ -757,6 +775,7 @@ class Endpoint:
             if conn.principal.agents is not None and (owner is None or not self._allows(conn, owner)):
                 raise FrameError("forbidden", f"this credential may not use the agent of task {task.name!r}", "task")
             cap_key = open_turns_key(conn.principal)  # the run's turn counts against the credential that asked
+            self._count_restored()
             if not self.open_turns.take(cap_key):
                 raise FrameError(TOO_MANY_OPEN_TURNS, self.open_turns.refusal())
             result, turn, handle = await self._counted(cap_key, lambda: self._fire(service, task.id, task.agent))

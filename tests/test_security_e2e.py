@@ -322,7 +322,9 @@ def test_token_server_output_has_no_token(srv: TokenServer) -> None:
         assert c.get("/v1/models", headers=bearer(revoked)).status_code == 401
         assert c.get(f"/v1/models?token={srv.scoped}").status_code == 401
     out = serve_output(srv.sp)
-    assert fingerprint(revoked) in out  # the rejection was logged, by fingerprint
+    # the rejection was logged, by fingerprint, unless the refusal lines of this module's earlier
+    # attacks had used up the 10 of these 10 s: then it is in the count of the rest
+    assert fingerprint(revoked) in out or "were not logged" in out
     for tok in (revoked, srv.scoped, srv.full, srv.http_only):
         assert tok not in out
         assert tok.removeprefix("aps_") not in out

@@ -3,6 +3,11 @@
 Nothing here knows about HTTP or WebSocket framing: the security middleware (`appserver.security`)
 and the protocol layer call `authenticate(header)` / `authenticate_hello(token)` and get a
 `Principal` or a typed `AuthError` carrying the status and the OpenAI error code to answer with.
+
+A credential it looked at and refused is a `CredentialRejected`, naming it by fingerprint. It logs
+none of them itself: any client can send made-up credentials as fast as it can, so the guard logs
+each refusal within its bounded refusal lines (`appserver.security.refusals.RefusalLog`), the
+fingerprint in it.
 """
 
 from __future__ import annotations
@@ -33,9 +38,19 @@ TOKEN_MAX_CHARS = 8192
 JWT_MAX_CHARS = 16384
 REVOCATION_POLL_S = 0.5  # how often a live WebSocket's capability token is re-checked
 # A JWT the checks did not foresee: its traceback is logged at most this often (any client can send
-# the same one again and again), one line otherwise.
+# the same one again and again); otherwise its refusal is the guard's bounded line.
 UNFORESEEN_TRACEBACK_EVERY_S = 60.0
 _TOKEN68 = re.compile(r"^[A-Za-z0-9\-._~+/]+=*$")
+
+
+class CredentialRejected(AuthError):
+    """A credential that was checked and refused (unknown, expired, revoked, a JWT that fails a
+    check). `credential` names it for the log without showing it (`capability token sha256:…`,
+    `JWT sha256:…`); the caller logs it, bounded, among its refusals."""
+
+    def __init__(self, status: int, code: str, message: str, credential: str) -> None:
+        super().__init__(status, code, message)
+        self.credential = credential
 
 
 class Authenticator:
@@ -143,8 +158,12 @@ class Authenticator:
             assert self.tokens is not None
             p = self.tokens.verify(token) if since is None else self.tokens.verify(token, since=since)
             if p is None:
-                log.info("rejected capability token %s", fingerprint(token))
-                raise unauthorized("invalid_api_key", "invalid, expired or revoked token")
+                raise CredentialRejected(
+                    401,
+                    "invalid_api_key",
+                    "invalid, expired or revoked token",
+                    f"capability token {fingerprint(token)}",
+                )
             return p
         return Principal.local()
 
@@ -161,24 +180,24 @@ class Authenticator:
         try:
             return self.jwt.verify(token)
         except AuthError as exc:
-            log.info("rejected JWT %s: %s", fingerprint(token), exc.message)
-            raise
+            raise CredentialRejected(exc.status, exc.code, exc.message, f"JWT {fingerprint(token)}") from None
         except Exception as exc:  # a claim the checks did not foresee: refused, and loudly, never a 500
             self._log_unforeseen(token, exc)
-            raise unauthorized("invalid_token", "the JWT could not be verified") from None
+            raise CredentialRejected(
+                401, "invalid_token", "the JWT could not be verified", f"JWT {fingerprint(token)}"
+            ) from None
 
     def _log_unforeseen(self, token: str, exc: Exception) -> None:
-        """An error line per such JWT; its traceback (a bug to report) at most every
-        UNFORESEEN_TRACEBACK_EVERY_S, so a client repeating it cannot fill the log with them."""
+        """Its traceback (a bug to report) at most every UNFORESEEN_TRACEBACK_EVERY_S, so a client
+        repeating such a JWT cannot fill the log with them; each refusal is the guard's line."""
         now = time.monotonic()
         if now - self._traceback_logged_at >= UNFORESEEN_TRACEBACK_EVERY_S:
             self._traceback_logged_at = now
-            log.error("JWT %s could not be verified", fingerprint(token), exc_info=exc)
-        else:
             log.error(
-                "JWT %s could not be verified: %s (the traceback was logged earlier)",
+                "JWT %s could not be verified (its traceback is logged at most every %.0f s)",
                 fingerprint(token),
-                type(exc).__name__,
+                UNFORESEEN_TRACEBACK_EVERY_S,
+                exc_info=exc,
             )
 
 

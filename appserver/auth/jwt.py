@@ -36,6 +36,9 @@ SUB_CLAIM_MESSAGE = "JWT claim 'sub' must be a non-empty string of printable cha
 MAX_JWT_LEEWAY_S = 300.0
 # A key the server holds that PyJWT refuses while verifying: logged (one line) at most this often.
 KEY_PROBLEM_LOG_EVERY_S = 60.0
+# Of a refused header's `alg`, the error message quotes this many characters of its repr: it is the
+# client's text, of any length (an 11,500-character one went whole into each answer and log line).
+ALG_SHOWN = 40
 _HS_ALGS = frozenset({"HS256", "HS384", "HS512"})
 _RSA_ALGS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512"})
 _EC_ALGS = frozenset({"ES256", "ES384", "ES512"})
@@ -161,7 +164,7 @@ class JwtVerifier:
         if not isinstance(alg, str) or alg not in self.algorithms:
             raise unauthorized(
                 "invalid_token",
-                f"JWT algorithm {alg!r} is not allowed (pinned: {', '.join(self.algorithms)})",
+                f"JWT algorithm {shown_alg(alg)} is not allowed (pinned: {', '.join(self.algorithms)})",
             )
         # `sub` is the caller's identity: its conversation namespace (`jwt:jwt:SUB`). Without it
         # every such JWT would share one namespace, and so each other's conversations.
@@ -258,6 +261,15 @@ def _refuse_key_as_secret(secret: bytes) -> None:
             "for HS256 give a random secret (`openssl rand -base64 48 > secret`); to verify RS256/ES256 "
             "JWTs, give the issuer's public key as jwt_public_key_file instead"
         )
+
+
+def shown_alg(alg: object) -> str:
+    """A header's `alg` as an error message quotes it: repr-escaped (no control character), its
+    first ALG_SHOWN characters and its length when longer."""
+    text = repr(alg)
+    if len(text) <= ALG_SHOWN:
+        return text
+    return f"{text[:ALG_SHOWN]}… ({len(text)} characters)"
 
 
 def refusal_reason(token: str, exc: Exception) -> str:

@@ -21,6 +21,7 @@ from appserver.netaddr import is_loopback
 from appserver.security.asgi import BEARER_CHALLENGE, Refusal, Scope
 from appserver.security.headers import Headers, single
 from appserver.security.memo import Memo
+from appserver.security.refusals import rejection_why
 
 PUBLIC_PATHS: frozenset[str] = frozenset({"/healthz", "/readyz"})
 DEFAULT_PATH_SCOPES: Mapping[str, str] = {"/v1": "openai", "/admin": "admin", "/metrics": "admin"}
@@ -112,6 +113,15 @@ class Authentication:
             ) from None
 
 
+class CredentialRefusal(Refusal):
+    """A refusal the authenticator answered: `why` is what the guard's refusal line adds (the
+    rejected credential's fingerprint and the reason, bounded; `refusals.rejection_why`)."""
+
+    def __init__(self, exc: AuthError) -> None:
+        headers = [BEARER_CHALLENGE] if exc.status == 401 else [RETRY_AFTER] if exc.status == 503 else []
+        super().__init__(exc.status, exc.code, exc.message, headers)
+        self.why = rejection_why(exc)
+
+
 def _refusal(exc: AuthError) -> Refusal:
-    headers = [BEARER_CHALLENGE] if exc.status == 401 else [RETRY_AFTER] if exc.status == 503 else []
-    return Refusal(exc.status, exc.code, exc.message, headers)
+    return CredentialRefusal(exc)

@@ -22,8 +22,12 @@ What the app sees in `scope["state"]` (Starlette: `request.state` / `websocket.s
     `Authenticator.hello_timeout_s`, or when newer sockets of its address took its place, the
     guard closes with 4401.
 
-Every refusal is logged, bounded (`RefusalLog`): any client can be refused as fast as it can send,
-so only the first lines of each interval are written, each path shortened, and the rest counted.
+Every refusal is logged, bounded (`refusals.RefusalLog`): any client can be refused as fast as it
+can send, so only the first lines of each interval are written, each path shortened, and the rest
+counted. The guard's one `RefusalLog` takes every line a client without a valid credential can
+cause: its refused requests (with the fingerprint of a credential the authenticator rejected), a
+rejected credential offered on a public path, and the hello refusals and closes of WebSockets that
+never authenticated (ws_session.py); the Authenticator logs no rejection itself.
 An app with a `count_refusal(scope, status)` method (http/app.py: the metrics) hears of each HTTP
 refusal. `scope["state"][OPS_DETAIL]` says whether the request's credential may see operational
 detail (the checks' details in `/readyz`): one with the scope `/metrics` needs, offered even on a
@@ -40,6 +44,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 
 from appserver.auth import Authenticator, AuthError, Principal, TokensStale
+from appserver.auth.authenticator import CredentialRejected
 from appserver.config import Config, ConfigError
 from appserver.http.requestid import HEADER as REQUEST_ID_HEADER
 from appserver.http.requestid import begin_request, end_request
@@ -49,14 +54,14 @@ from appserver.security.authentication import (
     DEFAULT_PATH_SCOPES,
     PUBLIC_PATHS,
     Authentication,
+    CredentialRefusal,
     check_query,
 )
-from appserver.security.edge import REFUSAL_LOG_INTERVAL_S, REFUSALS_LOGGED, RefusalLines
 from appserver.security.headers import Headers, guarded_headers, single
 from appserver.security.hostcheck import HostCheck
 from appserver.security.limits import BodyLimit, ClientSlots, PendingSockets, SlotHold, slot_key
 from appserver.security.origin import OriginCheck, cors_headers, is_preflight, preflight
-from appserver.security.refusals import refuse_ws, send_http_error
+from appserver.security.refusals import RefusalLog, refuse_ws, send_http_error, shown_path
 from appserver.security.ws_session import run_ws
 
 log = logging.getLogger("appserver.guard")
@@ -71,29 +76,7 @@ OPS_PATH = "/metrics"  # whose scope rule says who may (DEFAULT_PATH_SCOPES: `ad
 # the app ran: the app's own answer never went out (nor counts in the metrics: the guard's does).
 GUARD_ANSWERED = "guard_answered"
 
-# A refused request's path in the log: this many characters of it (a path may fill the 64 KiB head).
-PATH_SHOWN = 120
-
 CountRefusal = Callable[[Scope, int], None]
-
-
-def shown_path(path: str) -> str:
-    """A path as the log shows it: repr-escaped (no control character reaches the log), and
-    bounded: its first PATH_SHOWN characters and its length."""
-    if len(path) <= PATH_SHOWN:
-        return repr(path)
-    return f"{path[:PATH_SHOWN]!r}… ({len(path)} characters)"
-
-
-class RefusalLog(RefusalLines):
-    """The guard's line per refused request, bounded in rate and size (`RefusalLines`): one 401
-    line per request with its 60 KiB path wrote ~5 MB/s of log."""
-
-    def __init__(self, per_interval: int = REFUSALS_LOGGED, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
-        super().__init__(log, per_interval, interval_s)
-
-    def refused(self, kind: str, path: str, status: int, code: str, why: str = "") -> None:
-        self.line(logging.INFO, "refused %s %s: %d %s%s", kind, shown_path(path), status, code, why)
 
 
 def _stamp_request_id(send: Send, rid: bytes) -> Send:
@@ -179,7 +162,8 @@ class SecurityGuard:
             # still see the details (only /readyz reads them: nothing more is done per request).
             ops_detail = self._may_see_detail(principal)
             if principal is None and kind == "http":
-                ops_detail = self._may_see_detail(await self._offered(hdrs)) or _from_this_machine(scope)
+                offered = await self._offered(hdrs, scope.get("path", "?"))
+                ops_detail = self._may_see_detail(offered) or _from_this_machine(scope)
             if kind == "http":
                 self.body.check_length(hdrs)
             client = slot_key(scope, principal)
@@ -191,7 +175,8 @@ class SecurityGuard:
         except Exception as exc:
             if isinstance(exc, Refusal):
                 r = exc
-                self.refusals.refused(kind, scope.get("path", "?"), r.status, r.code)
+                why = r.why if isinstance(r, CredentialRefusal) else ""
+                self.refusals.refused(kind, scope.get("path", "?"), r.status, r.code, why)
             else:  # a check's own failure: still an error object with the request id, never a bare 500
                 log.exception("the guard's checks failed on %s %s", kind, shown_path(scope.get("path", "?")))
                 r = Refusal(500, "internal_error", "the server could not check this request")
@@ -231,6 +216,7 @@ class SecurityGuard:
                     self.hello_timeout_s,
                     self.frame_max,
                     hold,
+                    refusals=self.refusals,
                 )
         finally:
             # (a WebSocket authenticated by `hello` holds its credential's slot by now: that one)
@@ -240,9 +226,10 @@ class SecurityGuard:
         """The rule of `/metrics`: a credential with the scope its path needs (any in mode none)."""
         return principal is not None and (self.ops_scope is None or principal.has_scope(self.ops_scope))
 
-    async def _offered(self, hdrs: Headers) -> Principal | None:
+    async def _offered(self, hdrs: Headers, path: str) -> Principal | None:
         """The principal of the credential a request to a public path offers, None when it offers
-        none or one that is not valid: a probe is never refused for its credential."""
+        none or one that is not valid: a probe is never refused for its credential (one the
+        authenticator rejected is logged among the refusals, bounded: any client can offer one)."""
         try:
             authorization = single(hdrs, b"authorization", "invalid_authorization")
             if authorization is None:
@@ -252,7 +239,11 @@ class SecurityGuard:
             except TokensStale as stale:  # the token store reads its database first, off the loop
                 await stale.wait()
                 return self.authenticator.authenticate(authorization, since=stale.asked_at)
-        except (Refusal, AuthError, TokensStale):
+        except AuthError as exc:
+            if isinstance(exc, CredentialRejected):
+                self.refusals.ignored(path, exc)
+            return None
+        except (Refusal, TokensStale):
             return None
 
     def _count(self, scope: Scope, status: int) -> None:

@@ -7,6 +7,11 @@ hello's token from memory (auth/pgtokens.py: a token it does not know, records t
 session has already waited for its read of the database when the frame arrived (`settle_hello`,
 off the event loop, bounded), so that call answers from memory: never a database read on the
 loop, never a 500 (503 `store_unavailable` when the database did not answer).
+
+A socket that never authenticated is any client's: its refused hello and its close (the hello
+window ran out, an oversized frame, the protocol's close after a refused hello) are logged through
+the guard's `RefusalLog` (bounded, shared with the guard's other refusals), one line per socket;
+the closes of authenticated sockets (expired, revoked) are logged as they are.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from appserver.auth import HELLO_GRACE_S, REVOCATION_POLL_S, Authenticator, Auth
 from appserver.security.asgi import ASGIApp, Message, Receive, Refusal, Scope, Send, prove
 from appserver.security.authentication import WS_SCOPE
 from appserver.security.limits import TOO_MANY_CONNECTIONS, SlotHold, slot_key
-from appserver.security.refusals import error_json
-from appserver.ws.connection import WRITE_FRAME
+from appserver.security.refusals import RefusalLog, error_json, rejection_why
+from appserver.ws.connection import WRITE_FRAME, close_reason
 
 log = logging.getLogger("appserver.guard")
 
@@ -52,8 +57,12 @@ class WsSession:
         http_refusals: bool = False,
         hold: SlotHold | None = None,
         scope: Scope | None = None,
+        refusals: RefusalLog | None = None,
     ) -> None:
         self.state = state
+        # the guard's, shared by all its refusal lines (one of its own only when run without a guard)
+        self.refusals = refusals if refusals is not None else RefusalLog()
+        self.refusal_logged = False  # its refused hello was logged: its close says nothing new
         # The connection slot the socket holds (guard.py): its address's until `hello` names a
         # credential, then the credential's (`[limits] connections_per_client` is per credential).
         self.hold = hold
@@ -106,6 +115,15 @@ class WsSession:
             )
 
     def authenticate_hello(self, token: str | None) -> Principal:
+        """`_authenticate_hello`, its refusal logged among the guard's refusals (bounded)."""
+        try:
+            return self._authenticate_hello(token)
+        except AuthError as exc:
+            self.refusals.refused("websocket", self.path, exc.status, exc.code, " in hello" + rejection_why(exc))
+            self.refusal_logged = True
+            raise
+
+    def _authenticate_hello(self, token: str | None) -> Principal:
         if self.closed:
             raise AuthError(401, "connection_closed", "the connection is closed")
         if self.evicted:
@@ -177,9 +195,18 @@ class WsSession:
             if t == "websocket.accept":
                 self.accepted = True
             elif t in ("websocket.close", "websocket.http.response.start"):
+                if t == "websocket.close" and not self.closed:
+                    self._log_close(int(message.get("code") or 1000), str(message.get("reason") or ""))
                 self.closed = True
                 self.changed.set()
             await self._send(message)
+
+    def _log_close(self, code: int, reason: str) -> None:
+        """The app's close of a socket that never authenticated, as a refusal (the protocol logs
+        the closes of others): unless its refused hello was logged already."""
+        if self.state.get("auth_pending") and not self.refusal_logged:
+            self.refusals.closed(self.path, code, reason)
+            self.refusal_logged = True
 
     async def _refuse_upgrade(self) -> None:
         """The app closed before accepting (no WebSocket endpoint at this path): answer with an
@@ -201,10 +228,13 @@ class WsSession:
             if self.closed:
                 return
             self.closed = True
+            reason = close_reason(reason)
             self.closed_by_guard = (code, reason)
             self.changed.set()
             msg: Message = {"type": "websocket.close", "code": code, "reason": reason}
-            if logged:
+            if logged and self.state.get("auth_pending"):
+                self.refusals.closed(self.path, code, reason)  # any client's: bounded
+            elif logged:
                 log.info("closing websocket %s: %s", code, reason)
             try:
                 await asyncio.wait_for(self._send(msg), CLOSE_SEND_TIMEOUT_S)
@@ -271,9 +301,12 @@ async def run_ws(
     hello_timeout_s: float,
     frame_max: int,
     hold: SlotHold | None = None,
+    *,
+    refusals: RefusalLog | None = None,
 ) -> None:
     """Run the app on a WebSocket under its session: frame size, revocation, hello and expiry;
-    `hold` is the socket's connection slot, which a `hello` that authenticates it moves."""
+    `hold` is the socket's connection slot, which a `hello` that authenticates it moves;
+    `refusals` the guard's refusal lines, which log what a socket that never authenticated causes."""
     pending = bool(state.get("auth_pending"))
     session = WsSession(
         state,
@@ -284,6 +317,7 @@ async def run_ws(
         http_refusals="websocket.http.response" in (scope.get("extensions") or {}),
         hold=hold,
         scope=scope,
+        refusals=refusals,
     )
     state["authenticate_hello"] = session.authenticate_hello
 

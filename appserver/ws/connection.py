@@ -24,20 +24,24 @@ queued: both the byte budget and the backpressure count all three (`Connection.h
 connection's budget times 256 connections per credential times any number of credentials is no
 bound for a server: `OutboundBudget` bounds what all connections hold together, and what the
 connections of one credential (or address, as `connections_per_client` groups them) hold. A frame
-that would pass either closes the connection holding the most (4408, its backlog dropped: a
-client that reads nothing never gets to a close frame behind it), and while either is over half
-full, no further request of the clients concerned is read (backpressure, not a close).
+that would pass either closes the connection whose client has taken no byte for the longest (4408,
+its backlog dropped: a client that reads nothing never gets to a close frame behind it), and
+while either is over half full, no further request is read from the clients concerned that hold
+more than READ_ALLOWANCE themselves (backpressure, not a close): a client holding next to nothing
+(a new one's `hello`, one that keeps up) is never held back by others that do not read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import math
 import re
 import secrets
 import sys
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -266,6 +270,10 @@ GROUP_SHARE = 4  # one credential's (or address's) connections together hold at 
 SWEEP_EVERY_S = 0.01  # what transports hold is read again at most this often when a bound is near
 ROOM_POLL_FIRST_S = 0.005  # a held-back reader looks again after this, then twice as long each time…
 ROOM_POLL_MAX_S = 0.25  # …up to this: transports drain without telling anyone
+# A connection holding at most this (about what a socket its client reads holds: WS_UNSENT_MAX)
+# has its next frame read however full its group or the server is: the budget stays bounded by
+# evicting those that take nothing (`OutboundBudget.admit`), not by starving those that keep up.
+READ_ALLOWANCE = 64 * 1024
 
 
 class Charge:
@@ -273,11 +281,14 @@ class Charge:
     connection while the transport still holds bytes of it (a close waits behind them): `measure`
     then reads the transport alone, and nothing here refers to the connection any more."""
 
-    __slots__ = ("group", "amount", "measure", "evict")
+    __slots__ = ("group", "amount", "since", "measure", "evict")
 
     def __init__(self, group: str, measure: Callable[[], int], evict: Callable[[str], None]) -> None:
         self.group = group
         self.amount = 0  # as last measured
+        # since when it has held bytes of which its client took none, as measured: the budget
+        # evicts the longest stalled first (`OutboundBudget.admit`)
+        self.since = 0.0
         self.measure = measure
         self.evict = evict  # close 4408 with this reason and drop what it holds
 
@@ -290,8 +301,10 @@ class OutboundBudget:
     Amounts are measured when their connection queues, sends or writes, and all of them again
     (`sweep`) when a bound is near: a transport drains without telling anyone, so between two
     measures an amount may be too high, never too low for long. A frame that would pass a bound
-    evicts the connection holding the most (in the group, or on the server) until it fits, the
-    asking one included; a frame alone is taken (over the bound by one frame at most)."""
+    evicts, until it fits, the connection (in the group, or on the server; the asking one
+    included) whose client has taken no byte for the longest: not the one holding the most, which
+    was a client that reads everything and is sent big replies, while subscribers that read
+    nothing stayed. A frame alone is taken (over the bound by one frame at most)."""
 
     def __init__(self, max_bytes: int = OUTBOUND_TOTAL_MAX_BYTES, group_max_bytes: int | None = None) -> None:
         self.max_bytes = max(1, max_bytes)
@@ -303,11 +316,14 @@ class OutboundBudget:
         self._holders: set[Charge] = set()  # charges holding anything
         self._swept = -math.inf
 
-    def update(self, charge: Charge, amount: int) -> None:
-        """`charge` holds `amount` bytes now."""
+    def update(self, charge: Charge, amount: int, *, progress: bool = False) -> None:
+        """`charge` holds `amount` bytes now; `progress`: a fall since the last measure is bytes its
+        client took (not frames its connection dropped or replaced itself)."""
         growth = amount - charge.amount
         if not growth:
             return
+        if amount > 0 and (charge.amount <= 0 or (progress and growth < 0)):
+            charge.since = time.monotonic()
         charge.amount = amount
         self.held += growth
         self.peak = max(self.peak, self.held)
@@ -323,13 +339,16 @@ class OutboundBudget:
 
     def regroup(self, charge: Charge, group: str) -> None:
         """The connection's credential became known (its `hello`): its bytes count for that group."""
-        amount = charge.amount
+        amount, since = charge.amount, charge.since
         self.update(charge, 0)
         charge.group = group
         self.update(charge, amount)
+        charge.since = since
 
-    def measure(self, charge: Charge) -> None:
-        self.update(charge, max(0, charge.measure()))
+    def measure(self, charge: Charge, *, progress: bool = True) -> None:
+        """Measure what `charge` holds; `progress`: False right after its connection queued,
+        replaced or handed on frames itself, where a fall is none of its client's doing."""
+        self.update(charge, max(0, charge.measure()), progress=progress)
 
     def sweep(self, *, now: float | None = None) -> None:
         """Measure every charge holding anything (at most every SWEEP_EVERY_S)."""
@@ -353,26 +372,43 @@ class OutboundBudget:
 
     def admit(self, charge: Charge, growth: int) -> bool:
         """Make room for `growth` more bytes of `charge`'s connection: while they would pass a bound,
-        the connection holding the most (of the group over its share, else of the server) is
-        evicted. False: that was the asking one (evicted too)."""
+        the connection whose client has taken no byte for the longest (of the group over its share,
+        else of the server; the one holding more of two as long) is evicted. Each is measured again
+        before it goes: one whose client took bytes since its last measure moves back in line.
+        False: the asking one went (evicted too)."""
         over = self._over(charge.group, growth)
         if over is None:
             return True
         self.sweep()
         evicted: set[Charge] = set()
+        looked: set[Charge] = set()  # measured in this call: their `since` is current
+        line: list[tuple[float, int, int, Charge]] = []  # the candidates, longest stalled first
+        scope: str | None = None
         while (over := self._over(charge.group, growth)) is not None:
-            victim = max(
-                (c for c in self._holders if c not in evicted and (not over or c.group == over)),
-                key=lambda c: c.amount,
-                default=None,
-            )
-            if victim is None:
+            if over != scope:
+                scope = over
+                line = [
+                    (c.since, -c.amount, id(c), c)
+                    for c in self._holders
+                    if c not in evicted and (not over or c.group == over)
+                ]
+                heapq.heapify(line)
+            if not line:
                 return True  # nothing else to let go of: a frame alone goes
+            victim = heapq.heappop(line)[3]
+            if victim.amount <= 0:
+                continue
+            if victim not in looked:
+                looked.add(victim)
+                self.measure(victim)
+                if victim.amount > 0:
+                    heapq.heappush(line, (victim.since, -victim.amount, id(victim), victim))
+                continue
             evicted.add(victim)
             self.evictions += 1
-            scope = "this credential's connections" if over else "the server's connections"
+            whose = "this credential's connections" if over else "the server's connections"
             limit = self.group_max_bytes if over else self.max_bytes
-            victim.evict(f"slow consumer: {scope} hold over {limit} bytes not yet taken; this connection held the most")
+            victim.evict(f"slow consumer: {whose} hold over {limit} bytes not yet taken; this one stalled longest")
             self.measure(victim)
             if victim is charge:
                 return False
@@ -464,8 +500,9 @@ class Connection:
         return self._in_flight_bytes + self._unsent()
 
     def _settle(self) -> None:
+        """Measure what it holds after a change of its own (a frame queued, replaced, handed on)."""
         if self.budget is not None and self.charge is not None:
-            self.budget.measure(self.charge)
+            self.budget.measure(self.charge, progress=False)
 
     def _admit(self, size: int) -> bool:
         """Room in the server's budget for a frame of `size` bytes (others may be evicted for it);
@@ -490,12 +527,13 @@ class Connection:
         self.charge = None
         charge.measure = self._unsent
         charge.evict = _aborter(self._abort)
-        budget.measure(charge)
+        budget.measure(charge, progress=False)
 
     async def wait_for_room(self) -> None:
         """Return once this client's next request may be read: its own bytes at most half its
-        budget, and (with a server budget) neither its group nor the server over half theirs.
-        Transports drain without telling anyone: looked at again, less often the longer it waits."""
+        budget, and (with a server budget) neither its group nor the server over half theirs, or
+        it holds at most READ_ALLOWANCE itself. Transports drain without telling anyone: looked
+        at again, less often the longer it waits."""
         pause = ROOM_POLL_FIRST_S
         while not self.outbound.closed and not self._may_read():
             if self.outbound.has_room:
@@ -510,7 +548,10 @@ class Connection:
         budget, charge = self.budget, self.charge
         if budget is not None and charge is not None:
             budget.measure(charge)
-            if budget.tight(charge.group):
+            # Others' bytes hold back only a connection holding some itself: 40 local clients that
+            # read nothing held every new local client's `hello` unread until it was closed 4401,
+            # and every request of clients that keep up, for the 30 s until they were closed.
+            if charge.amount > READ_ALLOWANCE and budget.tight(charge.group):
                 budget.sweep()
                 if budget.tight(charge.group):
                     return False
@@ -599,8 +640,12 @@ class Connection:
     def kill(self, code: int, reason: str, *, flush: bool = False) -> None:
         """Ask the endpoint to close this connection (idempotent); `flush` lets queued frames go first."""
         if self.close_request is None:
-            log.info("closing websocket %s: %s %s", self.id, code, reason)
-            self.close_request = (code, reason[:120])
+            reason = close_reason(reason)
+            # A connection that never authenticated is any client's: the guard logs its close
+            # among its bounded refusals (security/ws_session.py), not here once per socket.
+            level = logging.INFO if self._principal is not None else logging.DEBUG
+            log.log(level, "closing websocket %s: %s %s", self.id, code, reason)
+            self.close_request = (code, reason)
         self.outbound.close(drop=not flush)
         self.closing.set()
         self._settle()
@@ -653,6 +698,17 @@ class Connection:
             finally:
                 if progress is not None:
                     progress.cancel()
+
+
+CLOSE_REASON_MAX_BYTES = 123  # RFC 6455 §5.5: a control frame's 125 bytes, less the code's 2
+
+
+def close_reason(reason: str) -> str:
+    """A close reason that fits its frame (`Connection.kill`): cut to CLOSE_REASON_MAX_BYTES of
+    UTF-8, never inside a character. Cut by characters, "é"×120 (240 bytes) made the close fail
+    and the client saw 1006 instead of 4401."""
+    data = reason.encode("utf-8", "replace")  # (a lone surrogate, which cannot go out: `?`)
+    return data[:CLOSE_REASON_MAX_BYTES].decode("utf-8", "ignore")  # a cut character's bytes: dropped
 
 
 PROGRESS_CHECKS = 4  # how often a waiting send looks for progress, per send timeout

@@ -286,6 +286,8 @@ class Endpoint:
         while True:
             # Backpressure: a client whose downlink is full sends no further request until it reads
             # (150 `get_history` of 100 bytes each queued 150 pages of 8 MiB for a client reading none).
+            # Never for others' bytes alone: a connection holding next to nothing (before its
+            # `hello`, say) is read, so the hello deadline only runs while the server reads.
             await conn.wait_for_room()
             message = await websocket.receive()
             if message["type"] == "websocket.disconnect":

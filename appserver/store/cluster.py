@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from appserver.ids import new_id
+from appserver.store.base import StoreUnavailable
 
 if TYPE_CHECKING:  # the driver is imported only by a server that joins a cluster (a PostgreSQL store)
     import psycopg
@@ -595,6 +596,10 @@ class Cluster:
                             msg.get("from"),
                             exc,
                         )
+                elif isinstance(exc, StoreUnavailable):
+                    # the database ended a session (a restart, a terminated backend): the periodic
+                    # pull makes up for this request; one line, not a traceback
+                    log.warning("cluster: request %s from %s failed: %s", msg.get("op"), msg.get("from"), exc)
                 else:
                     log.exception("cluster: request %s from %s failed", msg.get("op"), msg.get("from"))
         else:

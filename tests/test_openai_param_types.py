@@ -140,7 +140,7 @@ RESPONSES_REFUSED = [
     ({"tools": [{**RFN, "parameters": "x"}]}, "tools[0].parameters"),
     ({"tools": [RFN], "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
     ({"tools": [RFN], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
-    ({"tools": [RFN], "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": [RFN], "tool_choice": {"type": "function"}}, "tool_choice.name"),
     ({"top_logprobs": -1}, "top_logprobs"),
     ({"service_tier": "bogus"}, "service_tier"),
     ({"metadata": {"k": ["v"]}}, "metadata.k"),
@@ -160,7 +160,7 @@ def test_responses_fields_of_the_wrong_type_are_a_400_naming_them(
 def test_background_true_stays_unsupported_and_a_function_choice_without_a_name_says_so(http: httpx.Client) -> None:
     err = refused(respond(http, background=True), "background")
     assert err["code"] == "unsupported_parameter"
-    err = refused(chat(http, tools=[FN], tool_choice={"type": "function"}), "tool_choice")
+    err = refused(chat(http, tools=[FN], tool_choice={"type": "function"}), "tool_choice.function")
     assert "name" in err["message"] and "None" not in err["message"], err
     err = refused(respond(http, input=""), "input")
     assert err["code"] == "missing_input"

@@ -264,10 +264,10 @@ def test_values_in_messages_are_shown_as_json(http: httpx.Client) -> None:
             tools=[FN],
             tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function"}]}},
         ),
-        "invalid_tool_choice",
-        "tool_choice",
+        "missing_required_parameter",
+        "tool_choice.allowed_tools.tools[0].function",
     )
-    assert "allowed tool null" in err["message"], err
+    assert "'tool_choice.allowed_tools.tools[0].function'" in err["message"], err
     err = refused(respond(http, input=[{"type": "web_search_call"}]), "unsupported_item_type", "input")
     assert "type 'web_search_call'" in err["message"], err
 

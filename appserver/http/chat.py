@@ -413,7 +413,7 @@ def legacy_choice(call: Any) -> Any:
     if isinstance(call, dict):
         name = fields.required_string(call, "name", "function_call.name")
         if not name:
-            raise fields.missing("function_call.name")
+            raise empty_name("function_call.name", "a function")
         return {"type": "function", "function": {"name": name}}
     if call is not None and not isinstance(call, str):
         raise fields.type_error("function_call", "one of 'none', 'auto' or an object", call)
@@ -502,10 +502,17 @@ def own_tool_names(server: Server, agent: AgentRecord, client: list[ToolSpec]) -
     return {t.name for t in server.tools.offered(agent)} - {t.name for t in client}
 
 
-def tool_choice_of(value: Any, names: set[str], agent: AgentRecord, own: set[str] | None = None) -> Any:
+CHOOSABLE = "only function tools (and this agent's own, as mcp) can be chosen"
+
+
+def tool_choice_of(
+    value: Any, names: set[str], agent: AgentRecord, own: set[str] | None = None, *, nested: bool = False
+) -> Any:
     """A request's tool_choice, checked against the tools a call offers (`own`: those of them that
     are the agent's own), in the Chat Completions shape the providers take (Responses shapes are
-    converted). None: not given."""
+    converted). None: not given. `nested`: the route's function choice holds its name under
+    `function` (Chat Completions), so a choice with neither names `tool_choice.function` as missing
+    (Responses: `tool_choice.name`)."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -523,88 +530,118 @@ def tool_choice_of(value: Any, names: set[str], agent: AgentRecord, own: set[str
     if not isinstance(value, dict):
         raise bad_request("'tool_choice' must be a string or an object", "tool_choice", code="invalid_tool_choice")
     kind = fields.required_string(value, "type", "tool_choice.type")
-    name: str | None = None
-    if kind in ("function", "mcp"):
-        fn = fields.obj(value.get("function"), "tool_choice.function") if kind == "function" else None
-        at = "tool_choice.function.name" if fn is not None else "tool_choice.name"
-        name = fields.string((fn if fn is not None else value).get("name"), at)
-    if kind == "mcp":
-        label = fields.required_string(value, "server_label", "tool_choice.server_label")
-        if label not in (agent.id, agent.name):
-            raise bad_request(
-                f"'tool_choice' names MCP server {fields.shown(label)}; this agent's label is {agent.id}",
-                "tool_choice",
-                code="unsupported_tool",
-            )
-        if name is None:
-            return required_own(sorted(own or ()), agent)
-    if kind in ("function", "mcp"):
-        if not name:
-            raise bad_request(
-                "Invalid 'tool_choice': a function choice needs the function's name "
-                '({"type": "function", "function": {"name": …}}, or on /v1/responses {"type": "function", "name": …})',
-                "tool_choice",
-                code="missing_required_parameter",
-            )
-        if kind == "mcp" and own is not None and name not in own:
-            # the server's own tools only (OpenAI refuses a name its MCP server lacks), never a client function
-            mine = ", ".join(sorted(own)) or "none"
-            raise bad_request(
-                f"Invalid 'tool_choice': MCP server {agent.id} has no tool {fields.shown(name)} "
-                f"(its tools offered: {mine})",
-                "tool_choice",
-                code="invalid_tool_choice",
-            )
-        if name not in names:
-            offered = ", ".join(sorted(names)) or "none"
-            raise bad_request(
-                f"Invalid 'tool_choice': function {fields.shown(name)} is not among the tools offered ({offered})",
-                "tool_choice",
-                code="invalid_tool_choice",
-            )
-        return {"type": "function", "function": {"name": name}}
+    mine = own or set()
     if kind == "allowed_tools":
-        spec, listed = allowed_tools_of(value)
-        picked = []
-        for t in listed:
-            fn = t.get("function") if isinstance(t, dict) else None
-            name = fn.get("name") if isinstance(fn, dict) else t.get("name") if isinstance(t, dict) else None
-            if not isinstance(name, str) or name not in names:
-                raise bad_request(
-                    f"Invalid 'tool_choice': allowed tool {fields.shown(name)} is not among the tools offered",
-                    "tool_choice",
-                    code="invalid_tool_choice",
-                )
-            picked.append({"type": "function", "function": {"name": name}})
-        return {"type": "allowed_tools", "allowed_tools": {"mode": spec["mode"], "tools": picked}}
-    raise bad_request(
-        f"unsupported 'tool_choice' type {fields.shown(kind)}: only function tools (and this agent's own, as mcp) "
-        "can be chosen",
-        "tool_choice",
-        code="unsupported_tool",
-    )
-
-
-def required_own(own: list[str], agent: AgentRecord) -> dict[str, Any]:
-    """An `mcp` choice naming this agent and no tool: one of the agent's own tools must be called,
-    never a client function (which "required" over every offered tool would let the model pick)."""
-    if not own:
-        raise bad_request(
-            f"Invalid 'tool_choice': MCP server {agent.id} offers no tools of its own on this request "
-            "(none, or every one shadowed by a client tool of the same name)",
-            "tool_choice",
-            code="invalid_tool_choice",
-        )
-    if len(own) == 1:  # one tool: the plain function choice, which every provider takes
-        return {"type": "function", "function": {"name": own[0]}}
-    tools = [{"type": "function", "function": {"name": n}} for n in own]
+        spec, listed, where = allowed_tools_of(value)
+        picked: list[str] = []
+        for i, t in enumerate(listed):
+            at = f"{where}.tools[{i}]"
+            entry_kind = fields.required_string(t, "type", f"{at}.type")
+            picked += [n for n in chosen_tools(t, at, entry_kind, names, agent, mine, nested=nested) if n not in picked]
+        tools = [{"type": "function", "function": {"name": n}} for n in picked]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": spec["mode"], "tools": tools}}
+    picked = chosen_tools(value, "tool_choice", kind, names, agent, mine, nested=nested)
+    if len(picked) == 1:  # one tool: the plain function choice, which every provider takes
+        return {"type": "function", "function": {"name": picked[0]}}
+    # an mcp choice without a name: one of the agent's own tools must be called, never a client
+    # function (which "required" over every offered tool would let the model pick)
+    tools = [{"type": "function", "function": {"name": n}} for n in picked]
     return {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": tools}}
 
 
-def allowed_tools_of(value: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the object holding `mode` and `tools`, the listed tools) of an allowed_tools choice: Chat
-    Completions nests them under `allowed_tools`, Responses puts them beside `type`. Both are
-    required; the list names at least one tool."""
+def chosen_tools(
+    value: dict[str, Any], at: str, kind: str, names: set[str], agent: AgentRecord, own: set[str], *, nested: bool
+) -> list[str]:
+    """The functions a choice of type `kind` picks, `value` being the choice (`at` "tool_choice") or
+    one tool of an allowed_tools choice (`at` "tool_choice.tools[i]"), both checked alike: a
+    function by its name among `names`; an `mcp` one naming this agent (id or name), by its name
+    among `own`, or without one every tool of `own`; another type is `unsupported_tool`."""
+    if kind == "function":
+        name = function_choice_name(value, at, nested=nested)
+        if name not in names:
+            offered = ", ".join(sorted(names)) or "none"
+            raise bad_request(
+                f"Invalid '{at}': function {fields.shown(name)} is not among the tools offered ({offered})",
+                "tool_choice",
+                code="invalid_tool_choice",
+            )
+        return [name]
+    if kind != "mcp":
+        raise bad_request(
+            f"unsupported '{at}' type {fields.shown(kind)}: {CHOOSABLE}", "tool_choice", code="unsupported_tool"
+        )
+    label = fields.required_string(value, "server_label", f"{at}.server_label")
+    if label not in (agent.id, agent.name):
+        raise bad_request(
+            f"'{at}' names MCP server {fields.shown(label)}; this agent's label is {agent.id} "
+            f"(or its name, {fields.shown(agent.name)})",
+            "tool_choice",
+            code="unsupported_tool",
+        )
+    mcp_name = fields.string(value.get("name"), f"{at}.name")  # optional: any of the agent's tools
+    if mcp_name is None:
+        if not own:
+            raise bad_request(
+                f"Invalid '{at}': MCP server {label} offers no tools of its own on this request "
+                "(none, or every one shadowed by a client tool of the same name)",
+                "tool_choice",
+                code="invalid_tool_choice",
+            )
+        return sorted(own)
+    if not mcp_name:
+        raise empty_name(f"{at}.name", "an mcp")
+    if mcp_name not in own:
+        # the server's own tools only (OpenAI refuses a name its MCP server lacks), never a client function
+        mine = ", ".join(sorted(own)) or "none"
+        raise bad_request(
+            f"Invalid '{at}': MCP server {label} has no tool {fields.shown(mcp_name)} (its tools offered: {mine})",
+            "tool_choice",
+            code="invalid_tool_choice",
+        )
+    return [mcp_name]
+
+
+def function_choice_name(value: dict[str, Any], at: str, *, nested: bool) -> str:
+    """The name a function choice at `at` names: Chat's `function.name`, or Responses' `name` beside
+    `type` (each route takes both). Left out: `missing_required_parameter` naming the route's own
+    field (`at.function` on Chat, `at.name` on Responses); null or another type `invalid_type` and
+    `""` `invalid_value`, naming the field, as every required string of a request is checked."""
+    if "function" in value:
+        fn = fields.obj(value["function"], f"{at}.function", nullable=False)
+        assert fn is not None
+        param = f"{at}.function.name"
+        name = fields.required_string(fn, "name", param)
+    else:
+        param = f"{at}.name" if "name" in value or not nested else f"{at}.function"
+        if "name" not in value:
+            shape = '{"type": "function", "function": {"name": …}}' if nested else '{"type": "function", "name": …}'
+            raise ApiError(
+                400,
+                f"Missing required parameter: '{param}' (a function choice names its function: {shape}).",
+                code="missing_required_parameter",
+                param=param,
+            )
+        name = fields.required_string(value, "name", param)
+    if not name:
+        raise empty_name(param, "a function")
+    return name
+
+
+def empty_name(param: str, kind: str) -> ApiError:
+    """A tool's name given as "": a name no tool has (never taken as "no name")."""
+    return ApiError(
+        400,
+        f"Invalid '{param}': an empty string; {kind} choice names one of the tools offered.",
+        code="invalid_value",
+        param=param,
+    )
+
+
+def allowed_tools_of(value: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+    """(the object holding `mode` and `tools`, the listed tools, the path of that object) of an
+    allowed_tools choice: Chat Completions nests them under `allowed_tools`, Responses puts them
+    beside `type`. Both are required; the list names at least one tool, each an object with a
+    `type` (checked by `chosen_tools` as a choice of its type)."""
     nested = "allowed_tools" in value
     spec = fields.obj(value.get("allowed_tools"), "tool_choice.allowed_tools", nullable=False) if nested else value
     assert spec is not None
@@ -627,7 +664,7 @@ def allowed_tools_of(value: dict[str, Any]) -> tuple[dict[str, Any], list[dict[s
         )
     for i, t in enumerate(listed):
         fields.obj(t, f"{where}.tools[{i}]", nullable=False)
-    return spec, listed
+    return spec, listed, where
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -867,7 +904,11 @@ class ChatCompletions:
         if legacy:
             options["parallel_tool_calls"] = False  # a legacy reply holds one function_call
         choice = tool_choice_of(
-            raw_choice, tool_names(self.server, agent, tools), agent, own_tool_names(self.server, agent, tools)
+            raw_choice,
+            tool_names(self.server, agent, tools),
+            agent,
+            own_tool_names(self.server, agent, tools),
+            nested=True,
         )
         if choice is not None:
             options["tool_choice"] = choice

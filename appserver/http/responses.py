@@ -163,7 +163,24 @@ def shape_of(body: dict[str, Any], agent: AgentRecord) -> Shape:
         prompt_cache_key=body.get("prompt_cache_key"),
         shown_instructions=body.get("instructions"),
         service_tier=str(body.get("service_tier") or "default"),
+        label=label_of(body.get("tools"), body.get("tool_choice")),
     )
+
+
+def label_of(tools: Any, choice: Any) -> str | None:
+    """The `server_label` a request (or the Response object echoing it) named this agent by: its
+    `mcp` tool's, else its `mcp` tool_choice's (or an `mcp` tool's of an allowed_tools choice);
+    None when it named none (items then carry the id). Each was checked to name this agent when
+    the request came."""
+    named = [*(tools if isinstance(tools, list) else []), choice]
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        nested = choice.get("allowed_tools")
+        listed = (nested if isinstance(nested, dict) else choice).get("tools")
+        named += listed if isinstance(listed, list) else []
+    for value in named:
+        if isinstance(value, dict) and value.get("type") == "mcp" and isinstance(value.get("server_label"), str):
+            return str(value["server_label"])
+    return None
 
 
 def _id(prefix: str) -> str:
@@ -193,7 +210,7 @@ def shown_choice(value: Any) -> Any:
     if isinstance(value, dict) and value.get("type") == "mcp" and isinstance(value.get("server_label"), str):
         return {k: v for k, v in value.items() if k in ("type", "server_label", "name")}
     if isinstance(value, dict) and value.get("type") == "allowed_tools":  # checked by tool_choice_of
-        spec, listed = allowed_tools_of(value)
+        spec, listed, _ = allowed_tools_of(value)
         return {"type": "allowed_tools", "mode": spec["mode"], "tools": [shown_allowed(t) for t in listed]}
     return "auto"
 
@@ -480,7 +497,8 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
             if label not in (agent.id, agent.name):
                 raise bad_request(
                     f"tools[{i}]: MCP server {fields.shown(label)} is not this agent; "
-                    f"its own tools run here under server_label {fields.shown(agent.id)}",
+                    f"its own tools run here under server_label {fields.shown(agent.id)} (or its name, "
+                    f"{fields.shown(agent.name)})",
                     "tools",
                     code="unsupported_tool",
                 )
@@ -499,7 +517,6 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
                         "headers",
                     )
                 }
-                | {"server_label": agent.id}
             )
             continue
         if t.get("type") != "function":
@@ -910,6 +927,13 @@ class Shape:
     prompt_cache_key: str | None = None
     shown_instructions: str | list[dict[str, Any]] | None = None
     service_tier: str = "default"
+    # the `server_label` the request named this agent by (its id or its name): its server tool
+    # items carry it, as a client (the Agents SDK) finds the MCP tool they belong to by it
+    label: str | None = None
+
+    @property
+    def server_label(self) -> str:
+        return self.label or self.agent.id
 
 
 def output_blocks(snap: TurnSnapshot, run: TurnRun, steps_note: str | None = None) -> list[tuple[int, dict[str, Any]]]:
@@ -1017,7 +1041,7 @@ def item_for(
             return {
                 "id": f"mcpr_{b['call_id']}",
                 "type": "mcp_approval_request",
-                "server_label": shape.agent.id,
+                "server_label": shape.server_label,
                 "name": b["name"],
                 "arguments": b["arguments"],
             }
@@ -1030,7 +1054,7 @@ def item_for(
         return {
             "id": f"mcp_{b['call_id']}",
             "type": "mcp_call",
-            "server_label": shape.agent.id,
+            "server_label": shape.server_label,
             "name": b["name"],
             "arguments": b["arguments"] if final else "",
             "output": b.get("output") if final and not failed else None,
@@ -1515,6 +1539,7 @@ class Responses:
             safety_identifier=body.get("safety_identifier"),
             prompt_cache_key=body.get("prompt_cache_key"),
             shown_instructions=shown_instructions,
+            label=label_of(shown_tools, body.get("tool_choice")),
         )
         # A history point is the hash of the whole transcript a client holds: only a request that sent
         # the whole history has it. With previous_response_id or conversation the input is only the

@@ -365,6 +365,9 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
             valid_format_name(fmt.get("json_schema"))
         if out.get("n") not in (None, 1):
             out["n"] = 1
+        bias = out.get("logit_bias")
+        if isinstance(bias, dict):  # token ids of digits, biases -100..100 (said in words only): as OpenAI
+            out["logit_bias"] = {k: max(-100, min(100, v)) for k, v in bias.items() if k.isascii() and k.isdigit()}
         keep_function_tools(out, lambda t: t["function"].get("name"))
         # the deprecated `functions` / `function_call` are served (test_openai_fidelity checks them);
         # generated beside `tools`, or with names OpenAI refuses, they are refused as OpenAI does

@@ -479,7 +479,8 @@ async def _serve_locked(config: Config, host: str, port: int, *, accept_data_los
     _, gen1, _ = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_EVERY, gen1, FULL_COLLECTION_EVERY)
     tls = bool(config.server.tls_cert and config.server.tls_key)
-    edge = EdgeLimits.from_config(config.limits)
+    # One refusal limit for the server: the edge's lines share the guard's (docs/security.md)
+    edge = EdgeLimits.from_config(config.limits, refusal_lines=app.refusals)
     proxies = parse_trusted_proxies(config.server.trusted_proxies)
     # With a certificate, the edge does the TLS handshake itself, on a plain listener: so a
     # connection is counted by the cap from its accept and its handshake is timed

@@ -109,13 +109,18 @@ class LogThrottle:
 
 REFUSALS_LOGGED = 10  # refusal lines written per interval; the rest are counted
 REFUSAL_LOG_INTERVAL_S = 10.0
+# A client's text in a refusal line (a path, a header quoted by an error): this many characters of
+# it (`refusals.shown`).
+TEXT_SHOWN = 120
 
 
 class RefusalLines:
     """Log lines of refusals, bounded in rate: any client can be refused as fast as it sends (one
     line per bad WebSocket handshake wrote ~360 KiB/s of log). The first `per_interval` lines of
     each interval are logged; the others are counted, and the count is logged once the interval
-    is over (or at `flush`). One per layer and server (the guard's, the edge's `EdgeLimits`)."""
+    is over (or at `flush`). One per server: `serve` hands the guard's (`refusals.RefusalLog`) to
+    the edge (`EdgeLimits.from_config`), so the edge's lines and the guard's share the limit (two
+    limits let a mixed flood write twice the lines)."""
 
     def __init__(
         self,
@@ -243,7 +248,8 @@ class EdgeLimits:
     send_timeout_s: float = 30.0
     body_max_bytes: int = 20 * 1024 * 1024
     refusals: LogThrottle = field(default_factory=LogThrottle, compare=False)
-    # the lines of the refusals the edge answers itself (bad heads, bad WebSocket handshakes)
+    # the lines of the refusals the edge answers itself (bad heads, bad WebSocket handshakes) and of
+    # what connections that never authenticated do (`EdgeSlot.say`): the guard's, in `serve`
     refusal_lines: RefusalLines = field(default_factory=lambda: RefusalLines(log), compare=False)
     # the connections that may give up their slot at the cap, and the throttle of that notice
     slots: SlotGate = field(default_factory=SlotGate, compare=False)
@@ -259,7 +265,9 @@ class EdgeLimits:
         return 2 * self.body_max_bytes + CHUNK_LINE_MAX_BYTES
 
     @classmethod
-    def from_config(cls, limits: LimitsConfig) -> EdgeLimits:
+    def from_config(cls, limits: LimitsConfig, refusal_lines: RefusalLines | None = None) -> EdgeLimits:
+        """The limits of `[limits]`; `refusal_lines`: the server's one refusal limit (the guard's),
+        else one of the edge's own."""
         return cls(
             head_max_bytes=int(limits.head_max_bytes),
             head_timeout_s=float(limits.head_timeout_s),
@@ -270,6 +278,7 @@ class EdgeLimits:
             send_timeout_s=float(limits.send_timeout_s),
             body_max_bytes=int(limits.body_max_bytes),
             slots=SlotGate(grace_s=min(EVICTION_GRACE_S, float(limits.head_timeout_s) / 2)),
+            refusal_lines=refusal_lines if refusal_lines is not None else RefusalLines(log),
         )
 
 
@@ -369,6 +378,7 @@ class PassWrites:
         "_mark",
         "_since",
         "_under",
+        "slot",
     )
 
     def __init__(self, raw: asyncio.Transport, loop: asyncio.AbstractEventLoop, send_timeout_s: float = 0.0) -> None:
@@ -385,6 +395,8 @@ class PassWrites:
         # Under TLS (asyncio's), the socket's own transport: a reply written at once is encrypted
         # straight into its buffer, which the TLS transport's size does not count.
         self._under: asyncio.Transport | None = getattr(getattr(raw, "_ssl_protocol", None), "_transport", None)
+        # the connection's place (`EdgeHttpProtocol._begin`): its abort is logged by `EdgeSlot.say`
+        self.slot: EdgeSlot | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         held = self._held
@@ -488,7 +500,9 @@ class PassWrites:
             self._mark, self._since = taken, now
         elif now - self._since >= self.send_timeout_s * 0.999:  # timers may fire a tick early
             peer = self.raw.get_extra_info("peername")
-            log.info(
+            say = self.slot.say if self.slot is not None else log.log
+            say(
+                logging.INFO,
                 "%s took no byte of its reply for %g s ([limits] send_timeout_s), %d bytes unsent: "
                 "aborting the connection",
                 f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client",
@@ -638,14 +652,19 @@ def body_writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
 
 class EdgeSlot:
     """A connection's place in the `SlotGate` until it authenticates (`prove`, called by the guard
-    through the `asgi.PROVE` scope extension); it follows the connection from HTTP to WebSocket."""
+    through the `asgi.PROVE` scope extension); it follows the connection from HTTP to WebSocket.
 
-    __slots__ = ("gate", "conn", "unproven")
+    And how the edge logs what the connection does (`say`): until it authenticated, any client can
+    make it happen on as many connections as it opens, so through the server's refusal limit."""
 
-    def __init__(self, gate: SlotGate, conn: Evictable, group: str) -> None:
+    __slots__ = ("gate", "conn", "unproven", "authenticated", "lines")
+
+    def __init__(self, gate: SlotGate, conn: Evictable, group: str, lines: RefusalLines) -> None:
         self.gate = gate
         self.conn: Evictable | None = conn
-        self.unproven = True
+        self.unproven = True  # evictable: not authenticated, nor evicted or gone
+        self.authenticated = False
+        self.lines = lines
         gate.admitted(self, group)
 
     def evict(self, reason: str) -> None:
@@ -656,7 +675,17 @@ class EdgeSlot:
     def prove(self) -> None:
         if self.unproven:
             self.unproven = False
+            self.authenticated = True
             self.gate.proven(self)
+
+    def say(self, level: int, msg: str, *args: object) -> None:
+        """Log a line about this connection (its parts a client chose, bounded by the caller): as
+        it is once a request or `hello` of it authenticated, else as a refusal line (bounded in
+        rate, `RefusalLines`)."""
+        if self.authenticated:
+            log.log(level, msg, *args)
+        else:
+            self.lines.line(level, msg, *args, logger=log)
 
     def gone(self) -> None:
         self.unproven = False
@@ -720,7 +749,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             transport.write(data)
             transport.close()
             return
-        self._begin(transport, EdgeSlot(self.limits.slots, self, group))
+        self._begin(transport, EdgeSlot(self.limits.slots, self, group, self.limits.refusal_lines))
 
     def _at_cap(self, group: str) -> bool:
         """Whether a connection accepted now must be refused: the cap is reached (TLS connections
@@ -747,7 +776,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         """Serve an admitted connection (its TLS handshake done, if any); `slot` is its place in the
         `SlotGate`, evictable until it authenticates."""
         super().connection_made(transport)
-        self.transport = PassWrites(transport, self.loop, self.limits.send_timeout_s)  # type: ignore[assignment]
+        writes = PassWrites(transport, self.loop, self.limits.send_timeout_s)
+        writes.slot = slot
+        self.transport = writes  # type: ignore[assignment]
         self.flow = self._body_flow = _BodyFlow(transport, self._body_wanted)
         slot.conn = self
         self._slot = slot
@@ -872,7 +903,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                     "read the replies, or open another connection",
                 )
             else:
-                self.limits.refusal_lines.line(logging.WARNING, "Invalid HTTP request received.", logger=self.logger)
+                self._refusal_line(logging.WARNING, "Invalid HTTP request received.", logger=self.logger)
                 self.send_400_response("Invalid HTTP request received.")
             return
         phase = self._phase
@@ -961,12 +992,11 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         limit_unsent(self.transport)
         super().handle_websocket_upgrade()
         slot = self._slot
-        if slot.unproven:  # upgraded without a credential: evictable until its `hello` authenticates
-            ws = self.transport.get_protocol()
-            if isinstance(ws, EdgeWebSocketProtocol):
-                ws.take_slot(slot)
-            else:  # not ours (a test's bare uvicorn): nothing would ever free the slot
-                slot.gone()
+        ws = self.transport.get_protocol()
+        if isinstance(ws, EdgeWebSocketProtocol):
+            ws.take_slot(slot)  # evictable until its `hello` authenticates, if it has not yet
+        elif slot.unproven:  # not ours (a test's bare uvicorn): nothing would ever free the slot
+            slot.gone()
 
     def shutdown(self) -> None:
         # the server stops: the count of the refusal lines not logged yet, which its timer would say
@@ -1130,7 +1160,12 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         early = cast(bytearray, self._upgrade_early)
         early += data
         if len(early) > UPGRADE_EARLY_MAX_BYTES:
-            log.info("%s sent %d bytes before the answer to its WebSocket upgrade: closing", self._peer(), len(early))
+            self._refusal_line(
+                logging.INFO,
+                "%s sent %d bytes before the answer to its WebSocket upgrade: closing",
+                self._peer(),
+                len(early),
+            )
             self._hang_up()
             return
         self.flow.pause_reading()  # an app's `receive` resumes it; what comes is kept
@@ -1166,14 +1201,16 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if free:
             self._answer(status, code, message)
         else:
-            log.info("%s from %s: closing a connection whose response had started", message, self._peer())
+            self._refusal_line(
+                logging.INFO, "%s from %s: closing a connection whose response had started", message, self._peer()
+            )
             self._hang_up()
 
     def _answer(self, status: int, code: str, message: str) -> None:
         """Write the refusal and close."""
         data, rid = raw_error(status, code, message)
         self.transport.write(data)
-        self.limits.refusal_lines.line(logging.INFO, "[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
+        self._refusal_line(logging.INFO, "[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
         self._linger_close()
 
     def _behind_a_reply(self) -> bool:
@@ -1203,7 +1240,13 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         if self._held_refusal is None or self.transport.is_closing():
             return
         _, _, message = self._held_refusal
-        log.info("%s from %s: closing, a reply before it did not finish within %g s", message, self._peer(), wait_s)
+        self._refusal_line(
+            logging.INFO,
+            "%s from %s: closing, a reply before it did not finish within %g s",
+            message,
+            self._peer(),
+            wait_s,
+        )
         self._hang_up()
 
     def _hang_up(self) -> None:
@@ -1239,6 +1282,17 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+
+    def _refusal_line(self, level: int, msg: str, *args: object, logger: logging.Logger = log) -> None:
+        """The line of a request or connection the edge refuses or cuts: any client can be refused as
+        fast as it sends, so through the server's refusal limit (its parts a client chose, bounded by
+        the caller: here only the peer's address, counts and the edge's own messages)."""
+        self.limits.refusal_lines.line(level, msg, *args, logger=logger)
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn's, unbounded: one WARNING per request asking for any upgrade but WebSocket (h2c…),
+        # which any client can send as fast as it likes. A refusal line instead.
+        self._refusal_line(logging.WARNING, "Unsupported upgrade request.", logger=self.logger)
 
     def _refuse_head(self) -> None:
         self._close_with(
@@ -1355,7 +1409,7 @@ class TlsAcceptProtocol(asyncio.BufferedProtocol):
             return
         self.raw = raw
         self.limits.handshakes.add(self)
-        self.slot = EdgeSlot(self.limits.slots, self, group)
+        self.slot = EdgeSlot(self.limits.slots, self, group, self.limits.refusal_lines)
         self.http._tls_accept = self
         # (no waiter: the HTTP protocol's connection_made says the handshake is done; typeshed
         # wants one, and an int timeout)
@@ -1437,6 +1491,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slot: EdgeSlot | None = None  # upgraded without a credential: evictable until `hello`
+        self._origin: EdgeSlot | None = None  # the connection's place, evictable or not: its lines (_say)
         self._writes_blocked = False  # over the high-water mark: see pause_writing
         self._inflates = bool(self.config.ws_per_message_deflate)  # see _feed
         self._unfed = bytearray()  # read from the socket, not yet given to the parser (_feed)
@@ -1458,20 +1513,34 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                     response.headers["content-type"] = "application/json"
                     response.headers["content-length"] = str(len(body))
                     response.body = body
-                    peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
                     self._log_refusal(
-                        "[%s] websocket handshake from %s refused: %d %r", rid, peer, response.status_code, text[:200]
+                        "[%s] websocket handshake from %s refused: %d %r",
+                        rid,
+                        self._peer(),
+                        response.status_code,
+                        text[:TEXT_SHOWN],  # it may quote the client's header
                     )
             send_response(response)
 
         self.conn.send_response = stamped  # type: ignore[method-assign]
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
 
     def _log_refusal(self, msg: str, *args: object) -> None:
         """A refused handshake's line: bounded by the server's limits, when `protocol_class` bound them."""
         if self.refusal_lines is None:
             log.info(msg, *args)
         else:
-            self.refusal_lines.line(logging.INFO, msg, *args)
+            self.refusal_lines.line(logging.INFO, msg, *args, logger=log)
+
+    def _say(self, msg: str, *args: object) -> None:
+        """A line about this socket (`EdgeSlot.say`: through the refusal limit until its `hello`, or
+        a request before the upgrade, authenticated); a refusal line when it came with no slot."""
+        if self._origin is not None:
+            self._origin.say(logging.INFO, msg, *args)
+        else:
+            self._log_refusal(msg, *args)
 
     async def send(self, message: Any) -> None:
         transport = self.transport
@@ -1568,8 +1637,12 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             self.transport.pause_reading()
 
     def take_slot(self, slot: EdgeSlot) -> None:
-        """The HTTP connection this socket was upgraded from had not authenticated: its slot is
-        this socket's now, evictable at the cap until the guard proves it (`hello`)."""
+        """The place of the HTTP connection this socket was upgraded from; when that had not
+        authenticated, its slot is this socket's now, evictable at the cap until the guard proves
+        it (`hello`)."""
+        self._origin = slot
+        if not slot.unproven:  # authenticated (or on its way out): nothing to evict
+            return
         if self.transport is None or self.transport.is_closing():  # refused handshake, or gone already
             slot.gone()
             return
@@ -1603,9 +1676,9 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def _drop_if_stuck(self) -> None:
         if self in self.connections and self.transport is not None:
-            log.info(
+            self._say(
                 "websocket from %s took nothing for %g s after the server's close: dropped",
-                self.client,
+                self._peer(),
                 WS_SHUTDOWN_DRAIN_S,
             )
             self.transport.abort()
@@ -1613,7 +1686,8 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     def send_receive_event_to_app(self) -> None:
         # A text message that is not UTF-8 is the client's fault, closed with 1007; uvicorn logged
         # each one as an ERROR with a traceback, so any client could fill the log (and stall a
-        # server whose stderr is a pipe read slower than that). One INFO line instead.
+        # server whose stderr is a pipe read slower than that). One INFO line instead, through the
+        # refusal limit until the socket authenticated (`_say`): one per socket is unbounded too.
         if self.curr_msg_data_type == "text" and not self.close_sent:
             data = self.frames[0] if len(self.frames) == 1 else b"".join(self.frames)
             self.frames = [data]  # joined once: uvicorn's own path below takes it as it is
@@ -1622,8 +1696,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                     data.decode()
                 except UnicodeDecodeError:
                     self.frames = []
-                    peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
-                    log.info("websocket from %s sent a text message that is not UTF-8: closing (1007)", peer)
+                    self._say("websocket from %s sent a text message that is not UTF-8: closing (1007)", self._peer())
                     self.conn.send_close(1007)
                     self.handle_parser_exception()
                     return

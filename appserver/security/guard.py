@@ -27,7 +27,9 @@ can send, so only the first lines of each interval are written, each path shorte
 counted. The guard's one `RefusalLog` takes every line a client without a valid credential can
 cause: its refused requests (with the fingerprint of a credential the authenticator rejected), a
 rejected credential offered on a public path, and the hello refusals and closes of WebSockets that
-never authenticated (ws_session.py); the Authenticator logs no rejection itself.
+never authenticated (ws_session.py); the Authenticator logs no rejection itself. `serve` hands the
+same one to the edge (`EdgeLimits.from_config`), for the lines of its own refusals and of
+connections that never authenticated: one limit for the server.
 An app with a `count_refusal(scope, status)` method (http/app.py: the metrics) hears of each HTTP
 refusal. `scope["state"][OPS_DETAIL]` says whether the request's credential may see operational
 detail (the checks' details in `/readyz`): one with the scope `/metrics` needs, offered even on a

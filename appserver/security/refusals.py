@@ -3,9 +3,11 @@ HTTP, or over the WebSocket upgrade when the server can answer it with HTTP, els
 
 And how it is logged (`RefusalLog`): any client can be refused as fast as it sends, so every line
 a client without a valid credential can cause (a refused request, a credential the authenticator
-rejected, the close of a socket that never authenticated) goes through the guard's one `RefusalLog`,
-which writes the first 10 of every 10 s and counts the rest, and every part of such a line the
-client chose is repr-escaped and cut (`shown`).
+rejected, the close of a socket that never authenticated, and the edge's lines: its own refusals
+and what connections that never authenticated do, `edge.EdgeSlot.say`) goes through the guard's
+one `RefusalLog`, which `serve` hands the edge too (`EdgeLimits.from_config`): it writes the first
+10 of every 10 s and counts the rest, and every part of such a line the client chose is
+repr-escaped and cut (`shown`).
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ from appserver.auth import AuthError
 from appserver.auth.authenticator import CredentialRejected
 from appserver.http.errors import error_body
 from appserver.security.asgi import Receive, Refusal, Scope, Send
-from appserver.security.edge import REFUSAL_LOG_INTERVAL_S, REFUSALS_LOGGED, RefusalLines
+from appserver.security.edge import REFUSAL_LOG_INTERVAL_S, REFUSALS_LOGGED, TEXT_SHOWN, RefusalLines
 
 log = logging.getLogger("appserver.guard")
 
 WS_CLOSE_POLICY = 1008
 CONNECT_TIMEOUT_S = 5.0
 # A client's text in a refusal line (a path, an error message quoting its credential's header):
-# this many characters of it (a path may fill the 64 KiB head).
-PATH_SHOWN = 120
+# this many characters of it (a path may fill the 64 KiB head); the edge's lines cut theirs so too.
+PATH_SHOWN = TEXT_SHOWN
 
 
 def shown(text: str, limit: int = PATH_SHOWN) -> str:
@@ -54,7 +56,8 @@ class RefusalLog(RefusalLines):
     """The guard's lines of refusals, bounded in rate and size (`RefusalLines`): one 401 line per
     request with its 60 KiB path wrote ~5 MB/s of log; one `rejected capability token` line per
     made-up token, and an 11 KB one per JWT with an 11,500-character `alg`, came on top of it.
-    One per guard: its requests, its credentials and its WebSockets share the 10 lines per 10 s."""
+    One per server: the guard's requests, credentials and WebSockets, and the edge's lines (`serve`
+    hands it this one), share the 10 lines per 10 s."""
 
     def __init__(self, per_interval: int = REFUSALS_LOGGED, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
         super().__init__(log, per_interval, interval_s)

@@ -15,7 +15,8 @@ A conversation's runtime lives in the one server holding its lease (`Cluster.tak
   turns nobody elsewhere follows cost nothing. A mirror that heard nothing for a while reads the
   store.
 - **Failover:** a sweep takes the conversations whose holder is gone and runs what they left
-  (`Kernel.catch_up`), and pulls turns queued here that no notification announced.
+  (`Kernel.catch_up`), and pulls turns queued here that no notification announced; the turns
+  holding a credential's open-turn place move their count along (`Kernel.review_counts`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class KernelSide(Protocol):
     def active_turn(self, conversation_id: str) -> str | None: ...
 
     async def catch_up(self, conversation_id: str) -> None: ...
+
+    async def review_counts(self) -> None: ...
 
     async def respond(
         self, conversation_id: str, decisions: list[Decision], *, here: bool = False, whole: bool = False
@@ -571,6 +574,7 @@ class ClusterLink:
                 await self.kernel.catch_up(conversation_id)
             except OwnedElsewhere:
                 pass
+        await self.kernel.review_counts()  # the open-turn count of what moved between servers
         now = time.monotonic()
         following = self._following()
         for conversation_id in list(self._told):

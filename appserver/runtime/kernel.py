@@ -30,6 +30,7 @@ from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store, restart_revision
 from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped, withdrawn
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
+from appserver.runtime.types import TERMINAL_STATUSES
 from appserver.runtime.watch import Watch
 from appserver.store.base import AgentMissing, ConversationGone, DuplicateTurn, Store, TurnSettledElsewhere
 from appserver.store.cluster import Cluster
@@ -77,12 +78,21 @@ log = logging.getLogger("appserver.kernel")
 IDEMPOTENCY_TTL_S = 48 * 3600
 # A `SubmitRequest.options` entry: whose open-turn place (the WebSocket's `[limits]
 # open_turns_per_client`) the turn holds. Stored with the turn (never shown, never sent to a model),
-# so that a restarted server counts the turns still open against their credentials again
-# (`Kernel.open_at_start`).
+# so that a server taking it up later (a restart, a cluster server taking over a dead one's) counts
+# it against that credential again (`Kernel.count_open_turns`).
 COUNTED_FOR = "counted_for"
+# Stored beside it by `submit`: the server (its owner id) whose endpoint counts the turn from its
+# accept on. Another server taking the turn up counts it only once that one is gone.
+COUNTED_AT = "counted_at"
 DELETED_AGENT_CHECK_S = 1.0  # how soon turns held here end after another process deleted their agent
 
 SettledListener = Callable[[TurnRecord, TurnSnapshot], None]
+# The open-turn count (`Kernel.count_open_turns`): count a turn for a credential, watching its
+# handle until it ends (a second call for one turn watches the newer handle, counted once);
+# let a turn's place go (the turn moved to another server).
+CountOpen = Callable[[str, TurnHandle], None]
+LetGo = Callable[[str], None]
+UNCOUNTED_PRUNE_AT = 64  # turns noted before a count was registered: ended ones are dropped from here on
 
 
 def interrupted_text(name: str) -> str:
@@ -154,8 +164,15 @@ class Kernel:
         # When the next trim scan may run (see _trim_idle): runtimes loaded, or a monotonic time.
         self._trim_after_count = 0
         self._trim_after_time = 0.0
-        # (whose place, handle) of the counted turns this server took up open at start
-        self._open_at_start: list[tuple[str, TurnHandle]] = []
+        # The open-turn count (`count_open_turns`), and what it is told of: taken up before it was
+        # registered (turn id -> credential, handle); held here but counted by the live server that
+        # accepted them (turn id -> credential, that server, handle); counted here while no live
+        # server holds them (turn id -> conversation id). Each holds open turns only.
+        self._counter: tuple[CountOpen, LetGo] | None = None
+        self._uncounted: dict[str, tuple[str, TurnHandle]] = {}
+        self._uncounted_prune_at = UNCOUNTED_PRUNE_AT
+        self._counted_elsewhere: dict[str, tuple[str, str, TurnHandle]] = {}
+        self._counted_unheld: dict[str, str] = {}
 
     # ------------------------------------------------------------ start / stop
 
@@ -204,27 +221,148 @@ class Kernel:
         if serve:
             for turn in await self.store.open_turns(["awaiting"]):
                 try:
-                    rt = await self.runtime(turn.conversation_id)
+                    await self.runtime(turn.conversation_id)  # loading it counts it (`_took_up`)
                 except OwnedElsewhere:
-                    continue  # paused in a runtime another server holds
-                self._note_open(turn, rt)
+                    pass  # paused in a runtime another server holds
+            if self._link is not None:
+                await self._count_unheld()
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
             if self._link is not None:
                 self._link.start()
 
-    def _note_open(self, turn: TurnRecord, rt: ConversationRuntime) -> None:
-        """Remember a turn this start took up open (queued again, or paused) that holds a place of
-        a credential's open turns (`COUNTED_FOR`): the WebSocket endpoint counts it again."""
-        counted = turn.options.get(COUNTED_FOR)
-        handle = rt.handles.get(turn.id)
-        if isinstance(counted, str) and counted and handle is not None:
-            self._open_at_start.append((counted, handle))
+    # ------------------------------------------------------------ the open-turn count
 
-    def open_at_start(self) -> list[tuple[str, TurnHandle]]:
-        """(whose place, handle) of each turn holding an open-turn place that this server took up
-        at its start (paused, or queued again); handed over once, then forgotten."""
-        found, self._open_at_start = self._open_at_start, []
-        return found
+    def count_open_turns(self, count: CountOpen, let_go: LetGo) -> None:
+        """Register the open-turn count (the WebSocket endpoint's `[limits] open_turns_per_client`).
+        It is told of each open turn holding a place (`COUNTED_FOR`) that this server takes up
+        (queued again, adopted paused: at its start, a catch-up, a take-over) or finds open at its
+        start in no live server's hands, unless the server that accepted it counts it (this one, or
+        another that lives): `count(credential, handle)`; and of each such turn that moves to
+        another server: `let_go(turn id)`. What was taken up before is handed over now."""
+        self._counter = (count, let_go)
+        found, self._uncounted = self._uncounted, {}
+        for cap_key, handle in found.values():
+            if handle.controller.status not in TERMINAL_STATUSES:
+                count(cap_key, handle)
+
+    def _count(self, cap_key: str, handle: TurnHandle) -> None:
+        if self._counter is not None:
+            self._counter[0](cap_key, handle)
+            return
+        # Kept for the count to come; bounded by the turns still open (ended ones are dropped
+        # whenever the notes have doubled since the last look).
+        self._uncounted[handle.turn_id] = (cap_key, handle)
+        if len(self._uncounted) >= self._uncounted_prune_at:
+            self._uncounted = {
+                t: e for t, e in self._uncounted.items() if e[1].controller.status not in TERMINAL_STATUSES
+            }
+            self._uncounted_prune_at = max(UNCOUNTED_PRUNE_AT, 2 * len(self._uncounted))
+
+    def _let_go(self, turn_id: str) -> None:
+        """The turn moved to another server: this one counts it no more (that one does)."""
+        self._counted_elsewhere.pop(turn_id, None)
+        self._counted_unheld.pop(turn_id, None)
+        if self._counter is not None:
+            self._counter[1](turn_id)
+        else:
+            self._uncounted.pop(turn_id, None)
+
+    async def _took_up(self, turn: TurnRecord, handle: TurnHandle | None) -> None:
+        """A turn this server took up open (queued again, adopted paused) holding a place: counted
+        against its credential, on this handle, unless the server that accepted it counts it: this
+        one (its own submit, counted since), or another that lives (`review_counts` looks again)."""
+        cap_key = turn.options.get(COUNTED_FOR)
+        if not isinstance(cap_key, str) or not cap_key or handle is None:
+            return
+        at = turn.options.get(COUNTED_AT)
+        if at == self.owner:
+            return
+        if self._counted_unheld.pop(turn.id, None) is None and self._link is not None:
+            if isinstance(at, str) and at and await self._alive_or_unknown(at):
+                self._counted_elsewhere[turn.id] = (cap_key, at, handle)
+                return
+        self._counted_elsewhere.pop(turn.id, None)
+        self._count(cap_key, handle)  # (counted already when found unheld: it watches this handle now)
+
+    async def _alive_or_unknown(self, owner: str) -> bool:
+        """`_counting`, or True when the store cannot say now: the turn is counted here once a
+        later sweep finds that server gone (`review_counts`)."""
+        try:
+            return await self._counting(owner)
+        except Exception as exc:
+            log.warning("could not tell whether server %s lives (asked again at the next sweep): %r", owner, exc)
+            return True
+
+    async def _counting(self, server: str) -> bool:
+        """Does the cluster server `server` live to count (or hold) a turn? Judged strictly: a
+        killed server, whose database session ended, is gone at once, though its heartbeat (and
+        its leases) outlive it for a few seconds."""
+        if server == self.owner:
+            return True
+        assert self._link is not None
+        return await self._link.cluster.owner_alive(server, strict=True)
+
+    async def _count_unheld(self) -> None:
+        """At a start in a cluster: count the open turns holding a place that no live server holds
+        or counts. A server killed just before keeps its leases (and looks alive by its heartbeat)
+        for a few seconds, so neither the sweep nor this start could take its turns up yet, and no
+        sweep ever takes up a paused turn; each counts here until it ends, this server takes it up
+        (`_took_up`), or another live server does (`review_counts`)."""
+        link = self._link
+        assert link is not None
+        found = [
+            t
+            for t in await self.store.open_turns(["queued", "running", "awaiting"])
+            if isinstance(t.options.get(COUNTED_FOR), str) and not self.holds(t.conversation_id)
+        ]
+        if not found:
+            return
+        holders = await link.cluster.holders(sorted({t.conversation_id for t in found}))
+        alive: dict[str, bool] = {}
+        for turn in found:
+            at = turn.options.get(COUNTED_AT)
+            holder = holders.get(turn.conversation_id)
+            live = False
+            for server in (at, holder):
+                if isinstance(server, str) and server and server != self.owner:
+                    if server not in alive:
+                        alive[server] = await self._counting(server)
+                    live = live or alive[server]
+            if live:
+                continue  # counted by the server that accepted it, or by the one that holds it
+            controller = TurnController(turn.id, turn.conversation_id, turn.agent_id)
+            self._counted_unheld[turn.id] = turn.conversation_id
+            self._count(str(turn.options[COUNTED_FOR]), TurnHandle(turn.id, turn.conversation_id, controller))
+
+    async def review_counts(self) -> None:
+        """Each cluster sweep: a turn held here that a live server counted is counted here once
+        that server is gone; one counted here while no live server held it is let go once another
+        live server holds its conversation (which counts it). Ended ones are forgotten."""
+        link = self._link
+        if link is None:
+            return
+        elsewhere = self._counted_elsewhere
+        for turn_id, (_, _, handle) in list(elsewhere.items()):
+            if handle.controller.status in TERMINAL_STATUSES:
+                del elsewhere[turn_id]
+        alive: dict[str, bool] = {}
+        for turn_id, (cap_key, at, handle) in list(elsewhere.items()):
+            if at not in alive:
+                alive[at] = await self._counting(at)
+            if not alive[at] and elsewhere.pop(turn_id, None) is not None:
+                self._count(cap_key, handle)
+        unheld = self._counted_unheld
+        if not unheld:
+            return
+        holders = await link.cluster.holders(sorted(set(unheld.values())))
+        for turn_id, conversation_id in list(unheld.items()):
+            holder = holders.get(conversation_id)
+            if holder is None or holder == self.owner:
+                continue
+            if holder not in alive:
+                alive[holder] = await self._counting(holder)
+            if alive[holder] and unheld.get(turn_id) == conversation_id:
+                self._let_go(turn_id)
 
     @property
     def stopping(self) -> bool:
@@ -360,8 +498,8 @@ class Kernel:
                     await self._settle_withdrawn(turn)
                 elif requeue:
                     rt = await self.runtime(turn.conversation_id)
-                    rt.queue.requeue(turn)
-                    self._note_open(turn, rt)
+                    if rt.queue.requeue(turn):
+                        await self._took_up(turn, rt.handles.get(turn.id))
                 continue
             await self._settle_interrupted(turn)
             settled += 1
@@ -398,7 +536,8 @@ class Kernel:
             elif not rt.queue.closed and self.runtimes.get(rt.conversation_id, rt) is rt:
                 # (an HTTP input too: its client's retry, sent to this server before the dead
                 # one was judged gone, may already follow it by its Idempotency-Key)
-                rt.queue.requeue(turn)
+                if rt.queue.requeue(turn):
+                    await self._took_up(turn, rt.handles.get(turn.id))
 
     async def _settle_unheld(
         self, turn: TurnRecord, end: TurnEnd, shown: list[MessageRecord] | None = None, revision: int | None = None
@@ -613,6 +752,9 @@ class Kernel:
                     link.cluster.release(conversation_id)
                 raise
             self.runtimes[conversation_id] = rt
+            paused = rt.awaiting_turn
+            if paused is not None and not fresh:
+                await self._took_up(paused, rt.handles.get(paused.id))  # adopted paused
             if len(self.runtimes) > self.config.limits.idle_runtimes_max and (
                 len(self.runtimes) > self._trim_after_count or time.monotonic() >= self._trim_after_time
             ):
@@ -684,8 +826,9 @@ class Kernel:
                 worker.cancel()
                 self._cancelling.add(worker)  # the loop holds a task only weakly
                 worker.add_done_callback(self._cancelling.discard)
-            if link is not None:
-                for handle in list(rt.handles.values()):
+            for handle in list(rt.handles.values()):
+                self._let_go(handle.turn_id)  # another server counts it now, if any does
+                if link is not None:
                     link.follow_elsewhere(handle)
 
     async def submit(self, req: SubmitRequest) -> Submission:
@@ -769,6 +912,8 @@ class Kernel:
             client_tools=[t.to_record() for t in req.client_tools] if req.client_tools else [],
             options=dict(req.options),
         )
+        if COUNTED_FOR in record.options:
+            record.options[COUNTED_AT] = self.owner  # this server's endpoint counts it
         try:
             if rt is None:
                 assert holder is not None and self._link is not None

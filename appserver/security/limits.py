@@ -247,12 +247,15 @@ class OpenTurns:
     pass the cap together, then given back at once if nothing was accepted (`give_back`), or kept
     (`hold`) until the turn ends, however it ends, also after its socket closed: exactly once. A
     restart forgets nothing: each turn records whose place it holds (`Kernel.COUNTED_FOR`), and
-    the turns a restarted server takes up open are counted again (`restore`)."""
+    the turns a server takes up open that no live server counts (a restart's, a dead cluster
+    server's) are counted here (`restore`), once each, until they end or move away (`let_go`)."""
 
     def __init__(self, per_client: int) -> None:
         self.per_client = per_client
         self._open: dict[str, int] = {}
         self._holds: set[asyncio.Task[None]] = set()  # the event loop holds tasks only weakly
+        # turn id -> (key, the task watching it) of each turn counted by `restore`
+        self._restored: dict[str, tuple[str, asyncio.Task[None]]] = {}
 
     def take(self, key: str | None) -> bool:
         """One place of `key`'s; False (nothing taken) when all are taken. Never awaits."""
@@ -273,14 +276,50 @@ class OpenTurns:
         else:
             self._open.pop(key, None)
 
-    def restore(self, key: str, ended: Callable[[], Awaitable[None]], name: str) -> None:
-        """Count a turn an earlier process of this server accepted for `key` and this one took up
-        still open (a restart): its place is taken whatever the count (the cap may have been
-        lowered meanwhile), then held like any until the turn ends."""
+    def restore(self, key: str, turn_id: str, ended: Callable[[], Awaitable[None]], name: str) -> None:
+        """Count a turn accepted for `key` by a server that counts it no more (an earlier process
+        of this one, a dead server of the cluster) and taken up here still open: its place is
+        taken whatever the count (the cap may have been lowered meanwhile), then held until
+        `ended()` returns. Once per turn: told of it again (taken up anew, its handle changed),
+        the count stays and the newer `ended` is watched. Never awaits."""
         if self.per_client <= 0:
             return
-        self._open[key] = self._open.get(key, 0) + 1
-        self.hold(key, ended, name)
+        known = self._restored.get(turn_id)
+        if known is None:
+            self._open[key] = self._open.get(key, 0) + 1
+        else:
+            key = known[0]
+            known[1].cancel()  # its place is kept, watched by the new task
+        task = asyncio.get_running_loop().create_task(self._held_restored(key, turn_id, ended), name=name)
+        self._restored[turn_id] = (key, task)
+        self._holds.add(task)
+        task.add_done_callback(self._holds.discard)
+
+    async def _held_restored(self, key: str, turn_id: str, ended: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await ended()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("watching an open turn of %s failed; its place is given back", key)
+        finally:
+            self._forget_restored(turn_id)
+
+    def _forget_restored(self, turn_id: str) -> None:
+        """Give back the place of a restored turn, unless a newer task watches it now (or it was
+        given back already): only the current task's end counts."""
+        known = self._restored.get(turn_id)
+        if known is not None and known[1] is asyncio.current_task():
+            del self._restored[turn_id]
+            self.give_back(known[0])
+
+    def let_go(self, turn_id: str) -> None:
+        """A restored turn moved to another server, which counts it: its place here comes back
+        now. Nothing for a turn not counted by `restore`. Never awaits."""
+        known = self._restored.pop(turn_id, None)
+        if known is not None:
+            known[1].cancel()
+            self.give_back(known[0])
 
     def hold(self, key: str | None, ended: Callable[[], Awaitable[None]], name: str) -> None:
         """Keep `key`'s place until `ended()` returns (the turn ended), raises or is cancelled."""

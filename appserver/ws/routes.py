@@ -613,17 +613,23 @@ class Endpoint:
         return await self._counted(cap_key, lambda: self._submit(request))
 
     def _count_restored(self) -> None:
-        """Before the first place is taken: count the turns this server took up open at its start
-        (paused for an answer, queued again) against the credentials that submitted them, each
-        until it ends. The count lives in memory; a restart would otherwise forget it, and each
-        restart let a credential open `open_turns_per_client` more. Never awaits."""
+        """Before the first place is taken: have the kernel count here, against the credentials
+        that submitted them, each open turn it takes up (paused for an answer, queued again: at the
+        server's start, a catch-up, a take-over of a dead cluster server's) or finds open in no
+        live server's hands, which no live server counts; those of its start are handed over now,
+        later ones as they come. The count lives in memory; a restart would otherwise forget it,
+        and each restart let a credential open `open_turns_per_client` more. Never awaits."""
         if self._restored:
             return
         self._restored = True
-        for cap_key, handle in self.server.kernel.open_at_start():
-            if handle.controller.snapshot().terminal:
-                continue  # ended since the start
-            self.open_turns.restore(cap_key, partial(self._turn_ended, handle), f"ws-open-turn:{handle.turn_id}")
+        self.server.kernel.count_open_turns(self._count_taken_up, self.open_turns.let_go)
+
+    def _count_taken_up(self, cap_key: str, handle: TurnHandle) -> None:
+        """Count a turn the kernel took up (`_count_restored`) until it ends; once per turn."""
+        if handle.controller.snapshot().terminal:
+            return  # ended since
+        name = f"ws-open-turn:{handle.turn_id}"
+        self.open_turns.restore(cap_key, handle.turn_id, partial(self._turn_ended, handle), name)
 
     async def _first_copy(self, flight: tuple[str, str]) -> asyncio.Future[bool] | None:
         """Wait while copies of this input (one credential's, one conversation, one idempotency key,

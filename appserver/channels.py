@@ -238,7 +238,9 @@ class ChannelService:
                 return CheckResult("ok", elsewhere)
             return CheckResult("fail", "the gateway is starting")
         ok, detail = self.supervisor.readiness()
-        return CheckResult("ok" if ok else "fail", "; ".join(filter(None, [_describe(detail), elsewhere])))
+        live = {ref: {"state": a.get("state"), "reason": a.get("reason")} for ref, a in detail["accounts"].items()}
+        words = "; ".join(filter(None, [_describe(detail), elsewhere]))
+        return CheckResult("ok" if ok else "fail", words, {"gateway": detail["gateway"], "accounts": live})
 
     async def deliver(self, target: str, text: str) -> list[str]:
         """Send `text` to `channel:account:chat[:thread]` through the gateway (cron `--deliver`).

@@ -25,11 +25,16 @@ CHECK_TIMEOUT_S = 5.0  # a check that does not answer by then fails (a probe mus
 class CheckResult:
     status: str  # ok | warn | fail
     detail: str = ""
+    # what a tool reads besides the words (the channels check: each account's live state, which
+    # `appserver channels status` shows over the last one the gateway recorded); a detail too
+    data: dict[str, Any] | None = None
 
     def to_dict(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = {"name": name, "status": self.status}
         if self.detail:
             out["detail"] = self.detail
+        if self.data:
+            out["data"] = self.data
         return out
 
 

@@ -22,7 +22,7 @@ import stat
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,22 +54,22 @@ SECRET_MIN_LEN = 8
 SECRET_FILE_MAX = 64 << 10
 
 
-def _env_seconds(name: str, default: float) -> float:
+def _env_seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     """A positive number of seconds from the environment; the default when unset or not one."""
     try:
-        value = float(os.environ.get(name, ""))
+        value = float(environ.get(name, ""))
     except ValueError:
         return default
     return value if 0 < value < float("inf") else default
 
 
-BACKOFF_MIN_S = _env_seconds("APPSERVER_GATEWAY_RESTART_BACKOFF_S", BACKOFF_MIN_S)
 # A running child is pinged every PING_INTERVAL_S; no answer within PING_TIMEOUT_S makes readiness
 # `unresponsive`, and HUNG_KILL_S without an answered ping kills it (then the usual restart). A
-# stopped (SIGSTOP) or wedged child otherwise looked healthy forever. Overridable like the backoff.
-PING_INTERVAL_S = _env_seconds("APPSERVER_GATEWAY_PING_INTERVAL_S", 10.0)
-PING_TIMEOUT_S = _env_seconds("APPSERVER_GATEWAY_PING_TIMEOUT_S", 10.0)
-HUNG_KILL_S = _env_seconds("APPSERVER_GATEWAY_HUNG_KILL_S", 60.0)
+# stopped (SIGSTOP) or wedged child otherwise looked healthy forever. Overridable like the backoff:
+# each read from the supervisor's environment when it is made, not when this module is imported.
+PING_INTERVAL_S = 10.0
+PING_TIMEOUT_S = 10.0
+HUNG_KILL_S = 60.0
 
 
 class CommandTooLarge(RuntimeError):
@@ -113,12 +113,15 @@ class GatewaySupervisor:
         env: dict[str, str] | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
         stop_grace: float = STOP_GRACE_S,
-        backoff_min: float = BACKOFF_MIN_S,
+        backoff_min: float | None = None,
         backoff_max: float = BACKOFF_MAX_S,
-        ping_interval: float = PING_INTERVAL_S,
-        ping_timeout: float = PING_TIMEOUT_S,
-        hung_kill: float = HUNG_KILL_S,
+        ping_interval: float | None = None,
+        ping_timeout: float | None = None,
+        hung_kill: float | None = None,
     ) -> None:
+        def knob(given: float | None, name: str, default: float) -> float:
+            return given if given is not None else _env_seconds(self._env, name, default)
+
         self.home = home
         self.view = ChildView()
         self.view.accounts = {
@@ -132,11 +135,11 @@ class GatewaySupervisor:
         self._env = dict(os.environ if env is None else env)
         self._ready_timeout = ready_timeout
         self._stop_grace = stop_grace
-        self._backoff_min = backoff_min
+        self._backoff_min = knob(backoff_min, "APPSERVER_GATEWAY_RESTART_BACKOFF_S", BACKOFF_MIN_S)
         self._backoff_max = backoff_max
-        self._ping_interval = ping_interval
-        self._ping_timeout = ping_timeout
-        self._hung_kill = hung_kill
+        self._ping_interval = knob(ping_interval, "APPSERVER_GATEWAY_PING_INTERVAL_S", PING_INTERVAL_S)
+        self._ping_timeout = knob(ping_timeout, "APPSERVER_GATEWAY_PING_TIMEOUT_S", PING_TIMEOUT_S)
+        self._hung_kill = knob(hung_kill, "APPSERVER_GATEWAY_HUNG_KILL_S", HUNG_KILL_S)
         self._hung: str | None = None  # why the watchdog killed the current child
         self._proc: asyncio.subprocess.Process | None = None
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}

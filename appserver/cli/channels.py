@@ -920,7 +920,10 @@ def _live_channels(url: str) -> dict[str, Any]:
     out["ready"] = body.get("status") == "ready"
     for check in body.get("checks") or []:
         if isinstance(check, dict) and check.get("name") == "channels":
-            out["channels"] = {"status": check.get("status"), "detail": check.get("detail", "")}
+            data = check.get("data")
+            live = data.get("accounts") if isinstance(data, dict) else None
+            live = live if isinstance(live, dict) else {}
+            out["channels"] = {"status": check.get("status"), "detail": check.get("detail", ""), "accounts": live}
     return out
 
 
@@ -1019,6 +1022,20 @@ def _account_rows(
     return out
 
 
+def _show_live_states(accounts: list[dict[str, Any]], live: Mapping[str, Any], mask: SecretMask) -> None:
+    """The running gateway's state of each account over the one gateway.db last recorded: the
+    child records its own, so a child that was killed (or hangs) left `running` there while the
+    server restarts it. The recorded state stays beside it (`recorded_state`, `recorded_reason`)."""
+    for item in accounts:
+        now = live.get(f"{item['channel']}:{item['account']}")
+        if not isinstance(now, dict) or not isinstance(now.get("state"), str) or now["state"] == item["state"]:
+            continue
+        reason = now.get("reason") if isinstance(now.get("reason"), str) else None
+        item["recorded_state"], item["recorded_reason"] = item["state"], item["reason"]
+        item["state"], item["reason"] = now["state"], mask.redact(reason) if reason else None
+        item["started"] = True
+
+
 @channels_group.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_errors
@@ -1038,6 +1055,8 @@ def status_cmd(as_json: bool) -> None:
     ledger = {s: counts.get(s, 0) for s in LEDGER_STATES} | {s: n for s, n in counts.items() if s not in LEDGER_STATES}
     live = read_live_server(config.server_json)
     server = _live_channels(str(live.get("url"))) if live is not None and live.get("url") else None
+    if server is not None and server["channels"] is not None:
+        _show_live_states(accounts, server["channels"]["accounts"], mask)
     if as_json:
         print_json(
             {

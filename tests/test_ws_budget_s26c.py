@@ -8,7 +8,7 @@
    the budget stays bounded by evicting the ones that take nothing.
 2. The budget evicted the connection holding the most: a client that read everything (and got
    big replies) was closed 4408 while eight subscribers that read nothing stayed. It now evicts
-   the connection whose client has taken no byte for the longest.
+   the connection whose client took the fewest bytes of late (tests/test_ws_budget_s26g.py).
 
 Real sockets against the app served by uvicorn with the edge's protocols, in this test's loop (as
 tests/test_ws_s24.py does), with budgets of a few MiB; the clients offer no compression, as `serve`
@@ -197,24 +197,39 @@ async def test_non_reading_subscribers_are_evicted_not_the_client_that_reads(tmp
         await writer.close()
 
 
-async def test_the_budget_evicts_the_connection_stalled_longest_not_the_biggest() -> None:
+async def test_the_budget_evicts_the_connection_that_took_nothing_not_the_biggest() -> None:
+    """(Session 26g: the order is by what each client took of late, tests/test_ws_budget_s26g.py;
+    this one's `big` was a client that never took a byte either, evicted then as stalled less long.)"""
     stuck = asyncio.Event()
 
     async def never_sends(text: str) -> None:
         await stuck.wait()
 
     budget = OutboundBudget(4 * BUDGET, group_max_bytes=4 * BUDGET)
+    waiting = [0]  # what `big`'s socket holds unsent: its client takes it slowly
 
-    def conn() -> Connection:
+    def write_frame(frame: bytes) -> bool:
+        waiting[0] += len(frame)
+        return True
+
+    def conn(*, reads: bool = False) -> Connection:
         return Connection(
-            never_sends, outbound_max=256, send_timeout_s=30, outbound_max_bytes=4 * BUDGET, budget=budget
+            never_sends,
+            outbound_max=256,
+            send_timeout_s=30,
+            outbound_max_bytes=4 * BUDGET,
+            budget=budget,
+            write_frame=write_frame if reads else None,
+            unsent=(lambda: waiting[0]) if reads else None,
         )
 
-    stalled, big = conn(), conn()
+    stalled, big = conn(), conn(reads=True)
     stalled.send({"type": "history", "pad": "s" * BUDGET})  # first, and never taken
     await asyncio.sleep(0.02)
     for i in range(3):
         big.send({"type": "history", "n": i, "pad": "b" * (BUDGET * 4 // 5)})  # more, but later
+        waiting[0] -= BUDGET // 8  # …and taken, bit by bit
+        budget.sweep(now=asyncio.get_running_loop().time() + i)
     assert big.held > stalled.held
     asker = conn()
     asker.send({"type": "history", "pad": "a" * BUDGET})  # past the total: one has to go

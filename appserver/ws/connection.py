@@ -24,8 +24,8 @@ queued: both the byte budget and the backpressure count all three (`Connection.h
 connection's budget times 256 connections per credential times any number of credentials is no
 bound for a server: `OutboundBudget` bounds what all connections hold together, and what the
 connections of one credential (or address, as `connections_per_client` groups them) hold. A frame
-that would pass either closes the connection whose client has taken no byte for the longest (4408,
-its backlog dropped: a client that reads nothing never gets to a close frame behind it), and
+that would pass either closes the connection whose client took the fewest bytes of late (4408, its
+backlog dropped: a client that reads nothing never gets to a close frame behind it), and
 while either is over half full, no further request is read from the clients concerned that hold
 more than READ_ALLOWANCE themselves (backpressure, not a close): a client holding next to nothing
 (a new one's `hello`, one that keeps up) is never held back by others that do not read.
@@ -276,21 +276,52 @@ ROOM_POLL_MAX_S = 0.25  # …up to this: transports drain without telling anyone
 READ_ALLOWANCE = 64 * 1024
 
 
+# What a client took of late is a rate of bytes decaying with this time constant: a client that
+# keeps reading holds a rate about its speed (between the window-sized steps in which a socket
+# drains, a second or more apart for a slow one), one that stopped falls by e every TAKEN_TAU_S.
+# What the transport holds shows those steps as they come; the kernel's unacknowledged bytes
+# (SIOCOUTQ) would show no finer ones (the client's TCP acknowledges what its window lets in, and
+# the window opens in the same steps), for a system call per look.
+TAKEN_TAU_S = 10.0
+
+
 class Charge:
-    """What one connection holds of the server-wide budget (`OutboundBudget`). It outlives its
-    connection while the transport still holds bytes of it (a close waits behind them): `measure`
-    then reads the transport alone, and nothing here refers to the connection any more."""
+    """What one connection holds of the server-wide budget (`OutboundBudget`), and how fast its
+    client took bytes of late. It outlives its connection while the transport still holds bytes of
+    it (a close waits behind them): `measure` then reads the transport alone, and nothing here
+    refers to the connection any more."""
 
-    __slots__ = ("group", "amount", "since", "measure", "evict")
+    __slots__ = ("group", "amount", "score", "taken", "since", "measure", "evict")
 
-    def __init__(self, group: str, measure: Callable[[], int], evict: Callable[[str], None]) -> None:
+    def __init__(
+        self, group: str, measure: Callable[[int | None], tuple[int, int]], evict: Callable[[str], None]
+    ) -> None:
         self.group = group
         self.amount = 0  # as last measured
-        # since when it has held bytes of which its client took none, as measured: the budget
-        # evicts the longest stalled first (`OutboundBudget.admit`)
+        # ln(the decaying rate of bytes its client took, at its last credit) + that time / TAKEN_TAU_S:
+        # ordering charges by it orders them by their rates at any one moment, and it changes only
+        # when a client takes bytes (no per-charge work as time passes). -inf: took nothing yet.
+        self.score = -math.inf
+        # bytes its client took not yet in `score` (a measure of each frame adds them; only one
+        # that knows the time folds them in), and when the first of them was seen taken
+        self.taken = 0
         self.since = 0.0
+        # (bytes held now, bytes its client took since the last call); its argument: None right
+        # after the connection wrote to its socket what a fall cannot be told apart from
+        # (`Connection._look`), else 0
         self.measure = measure
         self.evict = evict  # close 4408 with this reason and drop what it holds
+
+    def fold(self, now: float) -> None:
+        """Add the bytes taken since `since` to the rate, as if taken evenly over that time: a
+        look long after bytes left sees no burst, a look every few ms sees each step as it comes."""
+        span = (now - self.since) / TAKEN_TAU_S
+        gain = self.taken / TAKEN_TAU_S
+        if span > 1e-9:
+            gain *= -math.expm1(-span) / span
+        rate = math.exp(self.score - now / TAKEN_TAU_S) if self.score > -math.inf else 0.0
+        self.score = math.log(rate + gain) + now / TAKEN_TAU_S
+        self.taken = 0
 
 
 class OutboundBudget:
@@ -300,11 +331,17 @@ class OutboundBudget:
 
     Amounts are measured when their connection queues, sends or writes, and all of them again
     (`sweep`) when a bound is near: a transport drains without telling anyone, so between two
-    measures an amount may be too high, never too low for long. A frame that would pass a bound
-    evicts, until it fits, the connection (in the group, or on the server; the asking one
-    included) whose client has taken no byte for the longest: not the one holding the most, which
-    was a client that reads everything and is sent big replies, while subscribers that read
-    nothing stayed. A frame alone is taken (over the bound by one frame at most)."""
+    measures an amount may be too high, never too low for long. What left a transport other than
+    by its connection's doing (a fall, and what the kernel took of a write at once: the socket
+    takes only what the client's window lets through) is bytes its client took (`Charge.fold`).
+
+    A frame that would pass a bound evicts, until it fits, the connection (in the group, or on the
+    server; the asking one included) whose client took the fewest bytes of late (`Charge.score`):
+    first those that took none (the one holding more first), then the slowest takers. Not the one
+    holding the most, which was a client that reads everything and is sent big replies; and not
+    the one stalled longest, since a reader's transport drains in window-sized steps about a
+    second apart, and every connection opened since its last step looked younger than it. A frame
+    alone is taken (over the bound by one frame at most)."""
 
     def __init__(self, max_bytes: int = OUTBOUND_TOTAL_MAX_BYTES, group_max_bytes: int | None = None) -> None:
         self.max_bytes = max(1, max_bytes)
@@ -316,39 +353,50 @@ class OutboundBudget:
         self._holders: set[Charge] = set()  # charges holding anything
         self._swept = -math.inf
 
-    def update(self, charge: Charge, amount: int, *, progress: bool = False) -> None:
-        """`charge` holds `amount` bytes now; `progress`: a fall since the last measure is bytes its
-        client took (not frames its connection dropped or replaced itself)."""
+    def update(self, charge: Charge, amount: int, taken: int = 0, now: float | None = None) -> None:
+        """`charge` holds `amount` bytes now, and its client took `taken` since the last measure;
+        `now` (time.monotonic), when known: its score is brought up to date. The measure of a frame
+        to a client that keeps up (whose bytes the socket takes at once) adds to a sum, no more."""
+        if amount > 0 >= charge.amount:  # it begins to hold bytes (a burst, a big reply)
+            now = time.monotonic() if now is None else now
+            if charge.taken:
+                charge.fold(now)  # what it took before, over the time it took it: not this burst's
+        if taken > 0:
+            if not charge.taken:
+                charge.since = time.monotonic() if now is None else now
+            charge.taken += taken
+        if now is not None and charge.taken:
+            charge.fold(now)
         growth = amount - charge.amount
         if not growth:
             return
-        if amount > 0 and (charge.amount <= 0 or (progress and growth < 0)):
-            charge.since = time.monotonic()
         charge.amount = amount
         self.held += growth
         self.peak = max(self.peak, self.held)
-        left = self.groups.get(charge.group, 0) + growth
-        if left > 0:
-            self.groups[charge.group] = left
-        else:
-            self.groups.pop(charge.group, None)
+        self._add(charge.group, growth)
         if amount > 0:
             self._holders.add(charge)
         else:
             self._holders.discard(charge)
 
+    def _add(self, group: str, growth: int) -> None:
+        left = self.groups.get(group, 0) + growth
+        if left > 0:
+            self.groups[group] = left
+        else:
+            self.groups.pop(group, None)
+
     def regroup(self, charge: Charge, group: str) -> None:
         """The connection's credential became known (its `hello`): its bytes count for that group."""
-        amount, since = charge.amount, charge.since
-        self.update(charge, 0)
+        self._add(charge.group, -charge.amount)
         charge.group = group
-        self.update(charge, amount)
-        charge.since = since
+        self._add(group, charge.amount)
 
-    def measure(self, charge: Charge, *, progress: bool = True) -> None:
-        """Measure what `charge` holds; `progress`: False right after its connection queued,
-        replaced or handed on frames itself, where a fall is none of its client's doing."""
-        self.update(charge, max(0, charge.measure()), progress=progress)
+    def measure(self, charge: Charge, *, progress: bool = True, now: float | None = None) -> None:
+        """Measure what `charge` holds; `progress`: False right after its connection wrote to its
+        socket itself, where a fall is none of its client's doing."""
+        amount, taken = charge.measure(0 if progress else None)
+        self.update(charge, max(0, amount), taken, now)
 
     def sweep(self, *, now: float | None = None) -> None:
         """Measure every charge holding anything (at most every SWEEP_EVERY_S)."""
@@ -356,8 +404,9 @@ class OutboundBudget:
         if now - self._swept < SWEEP_EVERY_S:
             return
         self._swept = now
+        seen = time.monotonic()
         for charge in list(self._holders):
-            self.measure(charge)
+            self.measure(charge, now=seen)
 
     def tight(self, group: str) -> bool:
         """Over half the total, or half the group's share: requests of that group wait (backpressure)."""
@@ -372,8 +421,8 @@ class OutboundBudget:
 
     def admit(self, charge: Charge, growth: int) -> bool:
         """Make room for `growth` more bytes of `charge`'s connection: while they would pass a bound,
-        the connection whose client has taken no byte for the longest (of the group over its share,
-        else of the server; the one holding more of two as long) is evicted. Each is measured again
+        the connection whose client took the fewest bytes of late (of the group over its share,
+        else of the server; of two equal, the one holding more) is evicted. Each is measured again
         before it goes: one whose client took bytes since its last measure moves back in line.
         False: the asking one went (evicted too)."""
         over = self._over(charge.group, growth)
@@ -381,14 +430,15 @@ class OutboundBudget:
             return True
         self.sweep()
         evicted: set[Charge] = set()
-        looked: set[Charge] = set()  # measured in this call: their `since` is current
-        line: list[tuple[float, int, int, Charge]] = []  # the candidates, longest stalled first
+        looked: set[Charge] = set()  # measured in this call: their score is current
+        line: list[tuple[float, int, int, Charge]] = []  # the candidates, the least taking first
         scope: str | None = None
+        now = time.monotonic()
         while (over := self._over(charge.group, growth)) is not None:
             if over != scope:
                 scope = over
                 line = [
-                    (c.since, -c.amount, id(c), c)
+                    (c.score, -c.amount, id(c), c)
                     for c in self._holders
                     if c not in evicted and (not over or c.group == over)
                 ]
@@ -400,16 +450,16 @@ class OutboundBudget:
                 continue
             if victim not in looked:
                 looked.add(victim)
-                self.measure(victim)
+                self.measure(victim, now=now)
                 if victim.amount > 0:
-                    heapq.heappush(line, (victim.since, -victim.amount, id(victim), victim))
+                    heapq.heappush(line, (victim.score, -victim.amount, id(victim), victim))
                 continue
             evicted.add(victim)
             self.evictions += 1
             whose = "this credential's connections" if over else "the server's connections"
             limit = self.group_max_bytes if over else self.max_bytes
-            victim.evict(f"slow consumer: {whose} hold over {limit} bytes not yet taken; this one stalled longest")
-            self.measure(victim)
+            victim.evict(f"slow consumer: {whose} hold over {limit} bytes not yet taken; this one took least lately")
+            self.measure(victim, progress=False)  # (what its abort dropped is not taken)
             if victim is charge:
                 return False
         return True
@@ -447,6 +497,7 @@ class Connection:
         self._unsent = unsent or _nothing
         self._abort = abort
         self._in_flight_bytes = 0  # the frame the writer task took, until the transport has it
+        self._mark = 0  # what the transport held unsent at the last measure (`_look`)
         self.outbound = Outbound(outbound_max, outbound_max_bytes, self._outside)
         self.send_timeout_s = send_timeout_s
         self._send_text = send_text
@@ -454,7 +505,7 @@ class Connection:
         self._in_flight = False  # the writer task took a frame and has not finished sending it
         self._address = address
         self.budget = budget
-        self.charge = Charge(self._group(), self._held, self._evict) if budget is not None else None
+        self.charge = Charge(self._group(), self._look, self._evict) if budget is not None else None
         self.subscriptions: set[str] = set()
         # turn_id -> the revision of the last `turn_updated` of that turn sent here (queued or
         # written), so that none goes out twice or older (see `send_snapshot`); forgotten once the
@@ -493,16 +544,35 @@ class Connection:
         """The bytes this connection holds for its client: queued, being sent, unsent in the transport."""
         return self.outbound.bytes + self._outside()
 
-    def _held(self) -> int:
-        return self.held
-
     def _outside(self) -> int:
         return self._in_flight_bytes + self._unsent()
 
-    def _settle(self) -> None:
-        """Measure what it holds after a change of its own (a frame queued, replaced, handed on)."""
-        if self.budget is not None and self.charge is not None:
-            self.budget.measure(self.charge, progress=False)
+    def _look(self, written: int | None = 0) -> tuple[int, int]:
+        """The budget's measure (`Charge.measure`): what it holds, and what its client took since
+        the last look: what left the transport (its queue changes by this connection's doing
+        alone), the `written` bytes this connection wrote to it since included (what the kernel
+        took of them at once, the client took: the socket takes only what its window lets in).
+        None: it wrote what cannot be told apart from a fall (the writer task's frame, through
+        the WebSocket protocol, of a size only that knows): no fall is counted."""
+        unsent = self._unsent()
+        fell = 0 if written is None else self._mark + written - unsent
+        self._mark = unsent
+        return self.outbound.bytes + self._in_flight_bytes + unsent, fell if fell > 0 else 0
+
+    def _settle(self, written: int | None = 0) -> None:
+        """Measure what it holds after a change of its own: a frame queued, replaced, or `written`
+        to the transport (`_look`)."""
+        budget, charge = self.budget, self.charge
+        if budget is not None and charge is not None:
+            held, taken = self._look(written)
+            budget.update(charge, held, taken)
+
+    def _before_send(self) -> None:
+        """What the client took before the writer task sends a frame is counted first: after it,
+        a fall can no longer be told from the frame's own growth (`_settle(None)`). Nothing can
+        have fallen from an empty transport: then no look."""
+        if self._mark:
+            self._settle()
 
     def _admit(self, size: int) -> bool:
         """Room in the server's budget for a frame of `size` bytes (others may be evicted for it);
@@ -525,9 +595,9 @@ class Connection:
         if charge is None or budget is None:
             return
         self.charge = None
-        charge.measure = self._unsent
+        charge.measure = _transport_look(self._unsent, self._mark)
         charge.evict = _aborter(self._abort)
-        budget.measure(charge, progress=False)
+        budget.measure(charge)
 
     async def wait_for_room(self) -> None:
         """Return once this client's next request may be read: its own bytes at most half its
@@ -581,11 +651,13 @@ class Connection:
         """`frame`: `text` already framed (`text_frame`), when one text goes to many connections."""
         if self.outbound.closed or not self._admit(sys.getsizeof(text)):
             return
-        if not self._write_now(text, frame):
-            try:
-                self.outbound.put(text)
-            except Overflow as exc:
-                self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+        if (written := self._write_now(text, frame)) is not None:
+            self._settle(written)
+            return
+        try:
+            self.outbound.put(text)
+        except Overflow as exc:
+            self.kill(CLOSE_SLOW_CONSUMER, str(exc))
         self._settle()
 
     def send_snapshot(
@@ -614,28 +686,30 @@ class Connection:
     def _put_snapshot(self, turn_id: str, text: str, frame: bytes | None) -> None:
         if self.outbound.closed or not self._admit(sys.getsizeof(text)):
             return
-        if not self._write_now(text, frame):
-            try:
-                self.outbound.put_snapshot(turn_id, text)
-            except Overflow as exc:
-                self.kill(CLOSE_SLOW_CONSUMER, str(exc))
+        if (written := self._write_now(text, frame)) is not None:
+            self._settle(written)
+            return
+        try:
+            self.outbound.put_snapshot(turn_id, text)
+        except Overflow as exc:
+            self.kill(CLOSE_SLOW_CONSUMER, str(exc))
         self._settle()
 
-    def _write_now(self, text: str, frame: bytes | None) -> bool:
+    def _write_now(self, text: str, frame: bytes | None) -> int | None:
         """Write the frame to the socket now if nothing is queued ahead of it nor held by the writer
         task (a frame it took while the socket was paused: the socket may take frames again before
-        the task has run) and the socket takes it as it is."""
+        the task has run) and the socket takes it as it is: the bytes written, else None."""
         if self._write_frame is None or self._in_flight or not self.outbound.empty or self.close_request is not None:
-            return False
+            return None
         if frame is None:
             try:
                 frame = text_frame(text.encode())
             except UnicodeEncodeError:  # the writer task sends an error in its place
-                return False
+                return None
         if not self._write_frame(frame):
-            return False
+            return None
         self.sent += 1
-        return True
+        return len(frame)
 
     def kill(self, code: int, reason: str, *, flush: bool = False) -> None:
         """Ask the endpoint to close this connection (idempotent); `flush` lets queued frames go first."""
@@ -662,6 +736,7 @@ class Connection:
                 raise
             self._in_flight = True
             self._in_flight_bytes = sys.getsizeof(text)  # out of the queue, not yet in the transport
+            self._before_send()
             try:
                 await self._send_in_time(text)
             except TimeoutError:
@@ -680,7 +755,7 @@ class Connection:
             finally:
                 self._in_flight = False
                 self._in_flight_bytes = 0
-                self._settle()
+                self._settle(None)
             self.sent += 1
 
     async def _send_in_time(self, text: str) -> None:
@@ -738,6 +813,20 @@ class _Progress:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+def _transport_look(unsent: Callable[[], int], mark: int) -> Callable[[int | None], tuple[int, int]]:
+    """A detached charge's measure (`Connection._look`, the transport alone: nothing writes to it)."""
+    last = mark
+
+    def look(written: int | None) -> tuple[int, int]:
+        nonlocal last
+        now = unsent()
+        fell = 0 if written is None else last - now
+        last = now
+        return now, fell if fell > 0 else 0
+
+    return look
 
 
 def _aborter(abort: Callable[[], None] | None) -> Callable[[str], None]:

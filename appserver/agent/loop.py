@@ -64,7 +64,7 @@ from appserver.providers.base import (
 from appserver.providers.registry import ProviderRegistry
 from appserver.providers.retry import RetryPolicy, retry_delay_ms
 from appserver.store.records import AgentRecord, MessageRecord, PendingCall
-from appserver.textparts import TextParts
+from appserver.textparts import TextParts, map_big_allocations
 from appserver.values import value
 
 # Chunks handled before the loop yields to the event loop once (each costs some microseconds).
@@ -185,6 +185,9 @@ class AgentLoop:
         # What an upstream says in an error reaches clients (`Retrying`, the failed turn) and the
         # store: secrets it echoes (the API key of a 401, a base_url query) are redacted first.
         self._redactor = provider_error_redactor(config)
+        # A reply may be as long as answer_max_bytes (64 MiB): its copies must not stay with the
+        # process once freed (textparts.py).
+        map_big_allocations()
 
     # ------------------------------------------------------------ entry points
 

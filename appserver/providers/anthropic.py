@@ -110,7 +110,7 @@ def block_index(obj: dict[str, Any]) -> int | None:
 @dataclass(slots=True)
 class _Block:
     type: str
-    text: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # a thinking block's deltas (its replay state); text is not kept
     signature: list[str] = field(default_factory=list)
     data: str = ""
     tool_index: int = -1
@@ -217,9 +217,10 @@ class AnthropicStreamParser:
             out.append(ToolCallStart(block.tool_index, call_id, name))
 
     def _text(self, block: _Block, text: Any, out: list[ProviderChunk]) -> None:
+        # Not kept in the block: only a thinking block's text is needed again (its replay state);
+        # a text block's deltas held here were a second copy of a runaway answer.
         if isinstance(text, str) and text:
             self._budget.count(text)
-            block.text.append(text)
             out.append(Text(text))
 
     def _thinking(self, block: _Block, text: Any, out: list[ProviderChunk]) -> None:

@@ -31,7 +31,7 @@ def without_lone_surrogates(value: Any) -> Any:
     return value
 
 
-def loads_exact(data: str | bytes) -> Any:
+def loads_exact(data: str | bytes | bytearray) -> Any:
     """The standard parser (every digit of a long integer kept), its strings made safe. JSON nested
     deeper than Python's recursion allows (an upstream's arrays in arrays) is malformed here too:
     ValueError, as for any JSON that cannot be read, never a RecursionError."""
@@ -41,7 +41,7 @@ def loads_exact(data: str | bytes) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
-def loads(data: str | bytes) -> Any:
+def loads(data: str | bytes | bytearray) -> Any:
     """orjson, else the standard parser made safe; ValueError on malformed JSON, as json.loads."""
     try:
         return orjson.loads(data)

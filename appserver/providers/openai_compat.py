@@ -314,24 +314,52 @@ def no_event_error(status: int, ctype: bytes) -> ProviderError:
     return ProviderError("protocol", f"upstream answered HTTP {status} ({what}) without any event")
 
 
+def _delta_text(chunk: ProviderChunk) -> str | None:
+    """The text of a delta `joined` may merge (text, reasoning, a call's arguments), else None."""
+    if isinstance(chunk, Text | Reasoning):
+        return chunk.text
+    if isinstance(chunk, ToolCallArgs):
+        return chunk.delta
+    return None
+
+
+def _same_run(first: ProviderChunk, chunk: ProviderChunk) -> bool:
+    if type(first) is not type(chunk):
+        return False
+    return not isinstance(first, ToolCallArgs) or first.index == chunk.index  # type: ignore[union-attr]
+
+
+def _with_text(first: ProviderChunk, text: str) -> ProviderChunk:
+    if isinstance(first, ToolCallArgs):
+        return ToolCallArgs(first.index, text)
+    return Reasoning(text) if isinstance(first, Reasoning) else Text(text)
+
+
 def joined(chunks: list[ProviderChunk]) -> list[ProviderChunk]:
     """Adjacent text (reasoning, one call's arguments) deltas as one: the events of one network
     read reach the turn together, so no one could see the states between them, and each delta
-    costs a snapshot revision."""
+    costs a snapshot revision. A run's pieces are joined once: adding them one by one copied the
+    run so far at every delta (quadratic in the size of a read)."""
     if len(chunks) < 2:
         return chunks
     out: list[ProviderChunk] = []
+    run: list[str] = []  # the texts of the delta `out[-1]` begins, while it is one
+
+    def close_run() -> None:
+        if len(run) > 1:
+            out[-1] = _with_text(out[-1], "".join(run))
+        run.clear()
+
     for chunk in chunks:
-        last = out[-1] if out else None
-        kind = type(chunk)
-        if last is not None and type(last) is kind:
-            if kind is Text or kind is Reasoning:
-                out[-1] = kind(last.text + chunk.text)  # type: ignore[union-attr]
-                continue
-            if kind is ToolCallArgs and last.index == chunk.index:  # type: ignore[union-attr]
-                out[-1] = ToolCallArgs(chunk.index, last.delta + chunk.delta)  # type: ignore[union-attr]
-                continue
+        text = _delta_text(chunk)
+        if text is not None and run and _same_run(out[-1], chunk):
+            run.append(text)
+            continue
+        close_run()
         out.append(chunk)
+        if text is not None:
+            run.append(text)
+    close_run()
     return out
 
 
@@ -601,7 +629,7 @@ class OpenAICompatProvider:
             raise unsendable_error(self.cfg, exc) from None
 
     @staticmethod
-    def _whole_completion(raw: bytes, status: int = 200) -> list[ProviderChunk]:
+    def _whole_completion(raw: bytes | bytearray, status: int = 200) -> list[ProviderChunk]:
         try:
             obj = loads(raw)
         except ValueError as exc:

@@ -195,15 +195,16 @@ def _zlib_decoder(wbits: int, first: bytes) -> Any:
     return zlib.decompressobj(wbits)
 
 
-async def read_answer(response: LeanResponse | httpx.Response, limit: int) -> bytes:
+async def read_answer(response: LeanResponse | httpx.Response, limit: int) -> bytearray:
     """The whole decoded body; ProviderError once it passes `limit` (a runaway or hostile upstream
-    must not fill the server's memory)."""
+    must not fill the server's memory). The buffer itself, not a `bytes` copy of it: the JSON
+    parsers read either, and an answer near the limit was held twice."""
     out = bytearray()
     async for part in decoded_body(response):
         out += part
         if len(out) > limit:
             raise ProviderError("protocol", f"upstream answer is larger than {limit} bytes")
-    return bytes(out)
+    return out
 
 
 def endpoint_url(base_url: str, path: str, *, unless_ends: str = "") -> str:

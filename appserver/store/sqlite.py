@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import orjson
 from filelock import FileLock, Timeout
 
 from appserver.fsutil import StateFileRefused, check_sqlite_side_files
@@ -71,10 +72,68 @@ from appserver.store.rows import (
     stored_size,
     turn_record,
 )
+from appserver.textparts import release_freed_memory
 
 log = logging.getLogger("appserver.store")
 
 _DRAFT_UPDATE = DRAFT_UPDATE.replace("%s", "?")  # the shared statement in SQLite's placeholders
+
+# A message or draft whose text passes this many characters is written the big way (`_Bound`): a
+# runaway answer (answer_max_bytes, 64 MiB by default) was held 8 times over while it was stored.
+BIG_TEXT = 1024 * 1024
+# A big draft is written again only once its text grew by a quarter: each draft rewrites the whole
+# text, so one every half second made a long answer's drafts quadratic (a 64 MiB answer wrote GBs).
+BIG_DRAFT_GROWTH = 4  # grown by 1/4
+BIG_DRAFTS_MAX = 256  # turns whose last big draft size is kept
+_MESSAGE_COLUMNS = (
+    "conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, name, is_error, reasoning, "
+    "provider_state, completion_status, source, created_at, meta"
+)
+_MESSAGE_INSERT = f"INSERT INTO messages({_MESSAGE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+# The big way: text given as UTF-8 bytes and cast, and the last `?` says whether to insert at all;
+# run again with nothing to insert, the statement drops the copy SQLite keeps of what it was bound
+# (sqlite3's statement cache keeps a statement's bindings until the next run: 64 MiB, for good).
+_BIG_MESSAGE_INSERT = (
+    f"INSERT INTO messages({_MESSAGE_COLUMNS}) "
+    "SELECT ?,?,?,?,CAST(? AS TEXT),CAST(? AS TEXT),?,?,?,CAST(? AS TEXT),?,?,?,?,? WHERE ?"
+)
+_BIG_MESSAGE_RELEASE = (None,) * 15 + (0,)
+_BIG_DRAFT_UPDATE = _DRAFT_UPDATE.replace("draft=?", "draft=CAST(? AS TEXT)")
+_BIG_DRAFT_RELEASE = (None, "")  # no turn has the id ""
+
+
+class _Bound:
+    """A big text value made only as SQLite binds it (sqlite3 calls `__conform__` then), as UTF-8
+    bytes that the statement casts to TEXT. So the encoded copy lives while SQLite copies it, not
+    through the whole write, and no `str` of it gets a UTF-8 copy of its own for the bind:
+    SQLite's copy and the row it builds are then the only ones (a JSON `str` made beforehand was a
+    third, its UTF-8 form a fourth). `json`: the value as JSON (what `dump_json` writes), else a
+    `str` as it is."""
+
+    __slots__ = ("value", "json")
+
+    def __init__(self, value: Any, *, json: bool = True) -> None:
+        self.value = value
+        self.json = json
+
+    def __conform__(self, protocol: object) -> bytes | str:
+        if not self.json:
+            return self.value.encode("utf-8")  # type: ignore[no-any-return]
+        try:
+            return orjson.dumps(self.value)  # = dump_json's text (fastjson), encoded
+        except TypeError:  # what orjson refuses: dump_json's own fallback
+            return dump_json(self.value)
+
+
+def _text_size(value: Any) -> int:
+    """About how many characters the strings in `value` hold (a message's content, calls, text)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_size(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_size(v) for v in value)
+    return 0
 
 
 def _replace_bad_utf8(raw: bytes) -> str:
@@ -160,6 +219,8 @@ class SQLiteStore(Store):
         # file locked by another process): the kernel holds them already, so the next accept in
         # one writes them first (`_accept_turn`) rather than failing as if they had been deleted.
         self._unsaved: dict[str, ConversationRecord] = {}
+        # The text size of the last big draft written per running turn (BIG_DRAFT_GROWTH).
+        self._big_drafts: dict[str, int] = {}
         self._checkpointer: Checkpointer | None = None
         self.owner = identity()  # this process: stamped on the HTTP idempotency keys it claims
         # Set by `serve --accept-data-loss`: open a store whose WAL was damaged or that is behind
@@ -671,29 +732,30 @@ class SQLiteStore(Store):
     def _insert_message(tx: sqlite3.Connection, conversation_id: str, m: MessageRecord, now: float) -> None:
         m.conversation_id = conversation_id
         m.created_at = m.created_at or now
-        cur = tx.execute(
-            "INSERT INTO messages(conversation_id, turn_id, iteration, role, content, tool_calls, tool_call_id, "
-            "name, is_error, reasoning, provider_state, completion_status, source, created_at, meta) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                conversation_id,
-                m.turn_id,
-                m.iteration,
-                m.role,
-                dump_json(m.content),
-                dump_json(m.tool_calls) if m.tool_calls else None,
-                m.tool_call_id,
-                m.name,
-                int(m.is_error),
-                m.reasoning,
-                dump_json(m.provider_state) if m.provider_state is not None else None,
-                m.completion_status,
-                dump_json(m.source) if m.source is not None else None,
-                m.created_at,
-                dump_json(m.meta) if m.meta else None,
-            ),
+        big = _text_size(m.content) + _text_size(m.tool_calls) + _text_size(m.reasoning) >= BIG_TEXT
+        values = (
+            conversation_id,
+            m.turn_id,
+            m.iteration,
+            m.role,
+            _Bound(m.content) if big else dump_json(m.content),
+            (_Bound(m.tool_calls) if big else dump_json(m.tool_calls)) if m.tool_calls else None,
+            m.tool_call_id,
+            m.name,
+            int(m.is_error),
+            _Bound(m.reasoning, json=False) if big and m.reasoning else m.reasoning,
+            dump_json(m.provider_state) if m.provider_state is not None else None,
+            m.completion_status,
+            dump_json(m.source) if m.source is not None else None,
+            m.created_at,
+            dump_json(m.meta) if m.meta else None,
         )
-        m.id = cur.lastrowid
+        if not big:
+            m.id = tx.execute(_MESSAGE_INSERT, values).lastrowid
+            return
+        release_freed_memory()
+        m.id = tx.execute(_BIG_MESSAGE_INSERT, (*values, 1)).lastrowid
+        tx.execute(_BIG_MESSAGE_INSERT, _BIG_MESSAGE_RELEASE)
 
     async def append_messages(self, conversation_id: str, messages: list[MessageRecord]) -> None:
         now = time.time()
@@ -790,16 +852,36 @@ class SQLiteStore(Store):
 
     async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None:
         """In the next group transaction (hundreds of streaming turns each checkpoint twice a
-        second); a draft that arrives after its turn ended changes nothing."""
-        text = dump_json(draft)
+        second); a draft that arrives after its turn ended changes nothing. A big one (BIG_TEXT)
+        is written only once it grew by a quarter since the last (BIG_DRAFT_GROWTH), the big way
+        (`_Bound`, then SQLite's copy dropped)."""
+        size = _text_size(draft.get("text"))
+        if size < BIG_TEXT:
+            text = dump_json(draft)
 
-        def write(tx: sqlite3.Connection) -> None:
-            tx.execute(_DRAFT_UPDATE, (text, turn_id))
+            def write(tx: sqlite3.Connection) -> None:
+                tx.execute(_DRAFT_UPDATE, (text, turn_id))
 
-        await self._writes.submit(write)
+            await self._writes.submit(write)
+            return
+        last = self._big_drafts.get(turn_id)
+        if last is not None and last <= size < last + last // BIG_DRAFT_GROWTH:
+            return
+        self._big_drafts.pop(turn_id, None)
+        self._big_drafts[turn_id] = size
+        while len(self._big_drafts) > BIG_DRAFTS_MAX:  # oldest first (a turn that never committed here)
+            del self._big_drafts[next(iter(self._big_drafts))]
+
+        def write_big(tx: sqlite3.Connection) -> None:
+            release_freed_memory()
+            tx.execute(_BIG_DRAFT_UPDATE, (_Bound(draft), turn_id))
+            tx.execute(_BIG_DRAFT_UPDATE, _BIG_DRAFT_RELEASE)
+
+        await self._writes.submit(write_big)
 
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
         """One turn's rows, atomically, in the next group transaction (groupcommit.py)."""
+        self._big_drafts.pop(commit.turn_id, None)  # the commit clears the draft
         await self._writes.submit(lambda tx: self._commit_turn(tx, conversation_id, commit))
 
     async def checkpoint_turn(
@@ -813,6 +895,7 @@ class SQLiteStore(Store):
     ) -> None:
         """Committed before this returns (queued writes first): a tool may act right after."""
         now = time.time()
+        self._big_drafts.pop(turn_id, None)  # the draft is cleared: the next one starts anew
         with self._tx() as tx:
             try:
                 for m in messages:

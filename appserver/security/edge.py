@@ -1178,6 +1178,15 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self.flow.resume_reading()  # paused while the upgrade waited; the WebSocket reads now
         if rest:
             cast(asyncio.Protocol, self.transport.get_protocol()).data_received(rest)
+        self._handed_over()
+
+    def _handed_over(self) -> None:
+        """This protocol's part ends at the upgrade: the socket's protocol is the WebSocket's now,
+        and this one's `connection_lost` never comes. Its parser and flow control call back into
+        it: reference cycles that kept every WebSocket's upgrade request (its protocol, scope and
+        slot) until a full collection, which the server makes rare (cli/serve.py)."""
+        self._body_flow.release()
+        self.parser = None  # type: ignore[assignment]  # as uvicorn's connection_lost does
 
     # ── refusals ──────────────────────────────────────────────────────────────────────────────
 
@@ -1734,3 +1743,15 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         if release is not None:
             release()
         super().connection_lost(exc)
+        # The stamping `send_response` and the scope's extensions (bound methods) refer back to this
+        # protocol: reference cycles that kept each closed socket (its scope, the app's connection,
+        # what they reference) until a full collection, which the server makes rare (cli/serve.py):
+        # ~0.5 KB per WebSocket never given back. The app, if it still runs, holds what it took.
+        vars(self.conn).pop("send_response", None)
+        # websockets' parser is a generator of its protocol's: one waiting for an end of stream
+        # that uvicorn never feeds it (`eof_received`) holds the protocol for good. Nothing is
+        # parsed after the socket is gone.
+        self.conn.parser.close()
+        extensions = getattr(self, "scope", {}).get("extensions") or {}  # no scope: refused handshake
+        extensions.pop(WRITE_FRAME, None)
+        extensions.pop(PROVE, None)

@@ -361,3 +361,9 @@ async def run_ws(
         await app(scope, guarded_receive, session.send)
     finally:
         await session.stop_watch()
+        # Both refer back to the session, which refers to them: reference cycles that kept every
+        # closed socket's session (its scope, hold, principal) until a full collection, which the
+        # server makes rare (cli/serve.py).
+        state.pop("authenticate_hello", None)
+        if hold is not None:
+            hold.on_evict = None

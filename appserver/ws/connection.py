@@ -591,6 +591,10 @@ class Connection:
     def detach(self) -> None:
         """The endpoint is done: what the transport still holds keeps counting until it is sent or
         dropped, and nothing in the budget refers to this connection any more."""
+        # Its queue measured what it holds past it through a method of this connection: a cycle
+        # that kept every closed connection (its socket's protocol, scope, session) until a full
+        # collection, which the server makes rare (cli/serve.py). Nothing is in flight any more.
+        self.outbound.outside = self._unsent
         charge, budget = self.charge, self.budget
         if charge is None or budget is None:
             return

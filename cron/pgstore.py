@@ -116,7 +116,7 @@ class PgCronStore(CronStore):
     def save(self, state: CronFile, *, cache: bool = False, user_edit: bool = False) -> None:
         if self._held is None:
             raise CronStoreError("cron: save() outside lock()")
-        text = self.checked_render(state, user_edit=user_edit)  # the file store's limits hold here too
+        text = self.checked_render(state, user_edit=user_edit).decode("utf-8")  # the file store's limits hold here too
         row = (
             self._conn()
             .execute("UPDATE cron_state SET doc = %s, version = version + 1 WHERE id = 1 RETURNING version", (text,))

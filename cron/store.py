@@ -940,7 +940,7 @@ class CronStore:
         # that moment; every atomic write makes a new inode, so a match means nobody else wrote
         self._cache: tuple[tuple[int, int, int], CronFile] | None = None
         # task id -> (fingerprint, JSON line) of the last save: unchanged tasks are not re-encoded
-        self._lines: dict[str, tuple[tuple[Any, ...], str]] = {}
+        self._lines: dict[str, tuple[tuple[Any, ...], bytes]] = {}
         self.instance_id: str | None = None  # this server's cluster instance (a database-backed store)
         self.runlog = RunLog(self.runs_dir)  # the scheduler's writer: never raises, retries
         self._gate = self._gate_of(os.path.realpath(self.lock_path))
@@ -1082,8 +1082,7 @@ class CronStore:
         that it hands out, since the next loader will mutate those objects. A file too large to be
         read back is never written (`user_edit`: a user's add or change, held to the room the
         scheduler's bookkeeping needs; see `checked_render`): CronTasksTooLarge, file unchanged."""
-        data = self.checked_render(state, user_edit=user_edit).encode("utf-8")
-        atomic_write_bytes(self.path, data)
+        atomic_write_bytes(self.path, self.checked_render(state, user_edit=user_edit))
         self._cache = None
         if cache:
             self.keep(state)
@@ -1096,15 +1095,15 @@ class CronStore:
             return 0
         return 0 if st is None else st.st_size
 
-    def checked_render(self, state: CronFile, *, user_edit: bool = False) -> str:
-        """`render(state)`, refused (CronTasksTooLarge) when it is more than crons.json is read
+    def checked_render(self, state: CronFile, *, user_edit: bool = False) -> bytes:
+        """`render_bytes(state)`, refused (CronTasksTooLarge) when it is more than crons.json is read
         with (CRONS_MAX_BYTES: a larger file would be set aside as corrupt, every task stopped).
         With `user_edit` (`add`, `enable`, `disable`) a text that grows the stored one is also refused
         when it leaves less than the scheduler's bookkeeping room below that limit, so the
         scheduler's own writes (which are not so held) always fit; one that does not grow it
         (a removal, or a change in place) always passes."""
-        text = self.render(state)
-        size = len(text.encode("utf-8"))
+        data = self.render_bytes(state)
+        size = len(data)
         if size > CRONS_MAX_BYTES:
             raise CronTasksTooLarge(
                 f"the cron tasks would take {size} bytes, more than the {CRONS_MAX_BYTES // MIB} MiB "
@@ -1118,21 +1117,24 @@ class CronStore:
                     f"({CRONS_MAX_BYTES // MIB} MiB, less room kept for the scheduler's bookkeeping of "
                     f"{len(state.tasks)} task(s)); nothing was written: remove tasks or shorten their prompts"
                 )
-        return text
+        return data
 
     def render(self, state: CronFile) -> str:
         """crons.json's text for `state`."""
+        return self.render_bytes(state).decode("utf-8")
+
+    def render_bytes(self, state: CronFile) -> bytes:
+        """crons.json's bytes for `state`, joined from each task's line already in UTF-8: one task
+        whose text is outside Latin-1 (an emoji in an error) would otherwise widen the whole
+        file's text to four bytes a character before its encoding (a 64 MiB file: ~1 GB copied)."""
         state.version = FORMAT_VERSION
         owner = None if state.scheduler_owner is None else state.scheduler_owner.to_dict()
         lines = self._encode_tasks(state.tasks)
-        lines += [json.dumps(bad.raw, allow_nan=True, **_COMPACT) for bad in state.invalid]  # as loaded
-        tasks = ",\n    ".join(lines)
-        return (
-            "{\n"
-            f'  "version": {state.version},\n'
-            f'  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n'
-            f'  "tasks": [' + (f"\n    {tasks}\n  " if tasks else "") + "]\n}\n"
-        )
+        lines += [json.dumps(bad.raw, allow_nan=True, **_COMPACT).encode("utf-8") for bad in state.invalid]
+        head = f'{{\n  "version": {state.version},\n  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n  "tasks": ['
+        if not lines:
+            return head.encode("utf-8") + b"]\n}\n"
+        return b"".join((head.encode("utf-8"), b"\n    ", b",\n    ".join(lines), b"\n  ]\n}\n"))
 
     def join_cluster(self, instance_id: str, instance_timeout_s: float, heartbeat_s: float) -> None:
         """This store's scheduler is a server of a cluster: its lease is stamped `instance_id`,
@@ -1146,8 +1148,8 @@ class CronStore:
         """Is this cluster instance alive? None: this store cannot tell (a file in one home)."""
         return None
 
-    def _encode_tasks(self, tasks: list[CronTask]) -> list[str]:
-        """One JSON line per task, reusing the last save's line of every task whose fingerprint
+    def _encode_tasks(self, tasks: list[CronTask]) -> list[bytes]:
+        """One JSON line per task (in UTF-8), reusing the last save's line of every task whose fingerprint
         is unchanged (a tick that fires a few of ten thousand tasks encodes only those)."""
         previous, lines = self._lines, {}
         out = []
@@ -1157,8 +1159,9 @@ class CronStore:
             if hit is not None and hit[0] == key:
                 line = hit[1]
             else:
-                line = json.dumps(t.to_dict(), **_COMPACT)
-                _check_loadable(t, line)
+                text = json.dumps(t.to_dict(), **_COMPACT)
+                _check_loadable(t, text)
+                line = text.encode("utf-8")
             lines[t.id] = (key, line)
             out.append(line)
         self._lines = lines

@@ -100,11 +100,11 @@ def fill(home: Path, target: int) -> bytes:
         state = store.load()
         while True:
             state.tasks.append(task(f"big{len(state.tasks)}", big))
-            if len(store.render(state).encode()) > target - 100_000:
+            if len(store.render_bytes(state)) > target - 100_000:
                 state.tasks.pop()
                 break
         state.tasks.append(task("filler", "x"))
-        state.tasks[-1].prompt = "x" * (1 + target - len(store.render(state).encode()))
+        state.tasks[-1].prompt = "x" * (1 + target - len(store.render_bytes(state)))
         store.save(state)
     data = (home / "crons.json").read_bytes()
     assert len(data) == target, (len(data), target)

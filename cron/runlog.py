@@ -96,11 +96,20 @@ def removed_task(task: dict[str, Any]) -> dict[str, Any]:
     return {**task, "prompt": prompt[: REMOVED_PROMPT_CHARS - 1] + "…", "prompt_chars": len(prompt)}
 
 
+def utf8_json(value: Any, **dumps: Any) -> bytes:
+    """`value` as JSON in UTF-8, non-ASCII text kept as it is unless a lone surrogate (kept from a
+    hand-written escape) makes that impossible: then everything is escaped, nothing lost."""
+    try:
+        return json.dumps(value, ensure_ascii=False, **dumps).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value, ensure_ascii=True, **dumps).encode("ascii")
+
+
 def write_record(runs_dir: Path, record: dict[str, Any]) -> None:
     """Append one record with a single O_APPEND write, so concurrent writers never interleave. A
     log whose last line was cut short (a full disk) gets a line break first: the torn line stays
     unreadable on its own instead of swallowing this record too."""
-    line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    line = utf8_json(record) + b"\n"
     ensure_private_dir(runs_dir)
     path = run_log_path(runs_dir, str(record["task_id"]))
     state_file_stat(path)  # a link to nothing (an unmounted disk) is refused, never created anew

@@ -70,7 +70,7 @@ from appserver.fsutil import (
     read_state_bytes,
     state_file_stat,
 )
-from cron.runlog import MAX_RUN_NUMBER, RunLog, append_run, removed_task
+from cron.runlog import MAX_RUN_NUMBER, RunLog, append_run, removed_task, utf8_json
 from cron.schedule import MAX_DURATION_S, ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
 
 log = logging.getLogger("appserver.cron")
@@ -366,6 +366,12 @@ class CronTask:
         the scheduler cannot compute with would stall it. ValueError names the task and field."""
         if not isinstance(d, dict):
             raise ValueError("task must be an object")
+        lone = lone_surrogate_in(d)
+        if lone is not None:  # valid JSON (an escape), but no text: UTF-8 could not write the task back
+            raise ValueError(
+                f"{lone} holds a lone surrogate, which is not text and cannot be written in UTF-8: "
+                "remove it or write the character it was meant to be"
+            )
         for key in ("id", "name", "agent", "prompt"):
             if not isinstance(d.get(key), str):
                 raise ValueError(f"task.{key} must be a string")
@@ -1130,7 +1136,7 @@ class CronStore:
         state.version = FORMAT_VERSION
         owner = None if state.scheduler_owner is None else state.scheduler_owner.to_dict()
         lines = self._encode_tasks(state.tasks)
-        lines += [json.dumps(bad.raw, allow_nan=True, **_COMPACT).encode("utf-8") for bad in state.invalid]
+        lines += [utf8_json(bad.raw, allow_nan=True, separators=_COMPACT["separators"]) for bad in state.invalid]
         head = f'{{\n  "version": {state.version},\n  "scheduler_owner": {json.dumps(owner, **_COMPACT)},\n  "tasks": ['
         if not lines:
             return head.encode("utf-8") + b"]\n}\n"
@@ -1424,6 +1430,26 @@ def validate_name(name: str) -> str:
 
 
 _LONE_SURROGATE_RE = re.compile("[\ud800-\udfff]")  # in a str every surrogate is a lone one
+
+
+def lone_surrogate_in(value: Any, where: str = "task") -> str | None:
+    """Where a loaded JSON value (`where.key[i]…`) holds a lone surrogate (from a `\\udc80` escape a
+    hand edit wrote), in a key or a string; None when it holds none."""
+    if isinstance(value, str):
+        return where if _LONE_SURROGATE_RE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if _LONE_SURROGATE_RE.search(str(key)):
+                return f"a key of {where}"
+            found = lone_surrogate_in(item, f"{where}.{key}")
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate_in(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def validate_prompt(prompt: str) -> str:

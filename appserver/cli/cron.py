@@ -147,6 +147,14 @@ def _check_agent(cfg: Config, agent: str) -> str:
     return _agents().resolve(cfg, agent)
 
 
+def _is_agent(cfg: Config, agent: str) -> bool:
+    try:
+        _check_agent(cfg, agent)
+    except (LookupError, ValueError):
+        return False
+    return True
+
+
 def _names_of(cfg: Config) -> dict[str, str]:
     return _agents().names(cfg)
 
@@ -572,6 +580,8 @@ def list_cmd(agent: str | None, as_json: bool) -> None:
     agent_id = _agent_filter(cfg, agent)
     tasks = [t for t in state.tasks if agent_id is None or t.agent == agent_id]
     invalid = [bad for bad in state.invalid if bad.of_agent(agent_id)]
+    if agent is not None and not tasks and not invalid and not _is_agent(cfg, agent):
+        raise _NotFound(f"no agent {exact(agent)}, and no cron task of an agent by that id")  # a typo, not "none"
     for bad in invalid:
         click.echo(f"warning: cron task {exact(bad.id)} is invalid and not scheduled: {visible(bad.reason)}", err=True)
     problems = {t.id: task_problem(t) for t in tasks}

@@ -365,6 +365,9 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
             valid_format_name(fmt.get("json_schema"))
         if out.get("n") not in (None, 1):
             out["n"] = 1
+        out.pop("audio", None)  # this server answers with text only: audio output is refused, never dropped
+        if isinstance(out.get("modalities"), list):
+            out["modalities"] = [m for m in out["modalities"] if m != "audio"]
         bias = out.get("logit_bias")
         if isinstance(bias, dict):  # token ids of digits, biases -100..100 (said in words only): as OpenAI
             out["logit_bias"] = {k: max(-100, min(100, v)) for k, v in bias.items() if k.isascii() and k.isdigit()}

@@ -92,6 +92,47 @@ CUT_SHORT: dict[str, tuple[str, str]] = {
     "content_filter": ("content_filter", "the provider's content filter stopped the reply"),
 }
 REQUEST_SHAPE_KEYS = ("response_format", "tool_choice", "parallel_tool_calls")
+# Turn options by which the request that started a turn narrows the agent's own tools for it (an
+# `mcp` tool's allowed_tools and require_approval on /v1/responses), never widens them: the names
+# of the only tools offered (absent: every one the agent's policies offer), and the names of tools
+# asked about before each call even where the agent's policy is `allow`.
+OFFERED_TOOLS = "agent_tools_offered"
+ASKED_TOOLS = "agent_tools_asked"
+
+
+def provider_params(agent: AgentRecord, options: dict[str, Any]) -> dict[str, Any]:
+    """The sampling and shape options a model call of `agent` is sent: the agent's params, and the
+    request's where the agent lets them win (`allow_overrides`). The Responses route echoes these
+    (what the model got), not what the request asked for."""
+    params: dict[str, Any] = {k: agent.params.get(k) for k in PROVIDER_OPTION_KEYS if agent.params.get(k) is not None}
+    overridable = PROVIDER_OPTION_KEYS if agent.params.get("allow_overrides", True) else REQUEST_SHAPE_KEYS
+    params.update({k: options[k] for k in overridable if options.get(k) is not None})
+    if isinstance(params.get("stop"), str):
+        params["stop"] = [params["stop"]]
+    return params
+
+
+def turn_offers(options: dict[str, Any], name: str) -> bool:
+    """Whether a turn of `options` may offer the agent's tool `name` (its OFFERED_TOOLS, when it
+    has them, list it; a value that is no list offers none: narrowing fails closed)."""
+    if OFFERED_TOOLS not in options:
+        return True
+    offered = options[OFFERED_TOOLS]
+    return isinstance(offered, list) and name in offered
+
+
+def narrowed_policy(options: dict[str, Any], name: str, policy: str | None) -> str | None:
+    """The policy of the agent's tool `name` (`policy`: the agent's) in a turn of `options`: None
+    (not offered, never run) for a tool outside the turn's OFFERED_TOOLS, `ask` for an `allow`ed
+    one among its ASKED_TOOLS; the agent's own otherwise (an `ask` or `deny` is never loosened)."""
+    if policy is None or policy == "deny":
+        return policy
+    if not turn_offers(options, name):
+        return None
+    asked = options.get(ASKED_TOOLS)
+    if policy == "allow" and isinstance(asked, list) and name in asked:
+        return "ask"
+    return policy
 
 
 @dataclass(slots=True)
@@ -270,18 +311,14 @@ class AgentLoop:
             messages.append(ChatMessage("system", text))
         for m in view:
             messages.append(work.to_chat(m))
-        params: dict[str, Any] = {
-            k: work.agent.params.get(k) for k in PROVIDER_OPTION_KEYS if work.agent.params.get(k) is not None
-        }
-        overridable = PROVIDER_OPTION_KEYS if work.agent.params.get("allow_overrides", True) else REQUEST_SHAPE_KEYS
-        params.update({k: work.options[k] for k in overridable if work.options.get(k) is not None})
-        if isinstance(params.get("stop"), str):
-            params["stop"] = [params["stop"]]
+        params = provider_params(work.agent, work.options)
         # a client tool shadows the agent's own tool of that name (it is the one executed: _stream_step)
         client_names = {t.name for t in work.client_tools}
-        tools = [t.spec() for t in self.tools.offered(work.agent) if t.name not in client_names] + list(
-            work.client_tools
-        )
+        tools = [
+            t.spec()
+            for t in self.tools.offered(work.agent)
+            if t.name not in client_names and turn_offers(work.options, t.name)
+        ] + list(work.client_tools)
         return ProviderRequest(model=model, messages=messages, tools=tools, **params)
 
     def budget(self, work: TurnWork, provider: Any, model: str) -> Budget | None:
@@ -536,10 +573,15 @@ class AgentLoop:
                 )
                 emit(ToolCallStatus(call_id, "awaiting_client"))
                 continue
-            policy = self.tools.policy(work.agent, name)
+            own = self.tools.policy(work.agent, name)
+            policy = narrowed_policy(work.options, name, own)
             tool = self.tools.get(name)
             if tool is None or policy is None:
-                msg = f"Tool {name!r} is not available to this agent."
+                msg = (
+                    f"Tool {name!r} is not among the tools this request allows; it was not executed."
+                    if own is not None
+                    else f"Tool {name!r} is not available to this agent."
+                )
                 self._result(work, call_id, name, ToolOutput(msg, True), emit)
                 continue
             if policy == "deny":
@@ -616,7 +658,7 @@ class AgentLoop:
                 # policy NOW decides whether the tool may run at all (`work.agent` is read from the
                 # store when a paused turn resumes): a tool switched to `deny`, or taken from the
                 # agent, while the call waited does not run, approved or not.
-                policy = self.tools.policy(work.agent, p.name)
+                policy = narrowed_policy(work.options, p.name, self.tools.policy(work.agent, p.name))
                 if tool is not None and policy == "deny":
                     msg = (
                         f"The call to {p.name} was refused: the agent's policy denies this tool "

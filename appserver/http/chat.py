@@ -66,7 +66,7 @@ from appserver.http.errors import ApiError, bad_request, error_body
 from appserver.http.sse import DirectWrites, SSEResponse
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.images import image_url_problem
-from appserver.providers.base import ToolSpec
+from appserver.providers.base import ToolSpec, structured_format
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
 from appserver.runtime.kernel import blank_input as kernel_blank_input  # the kernel's submit rule
 from appserver.store.base import StoreUnavailable
@@ -258,6 +258,27 @@ def check_media(server: Server, agent: AgentRecord, parts: list[dict[str, Any]],
             f"unsupported content part '{part['type']}': agent {agent.name} runs on {agent.model}, which takes {takes}",
             param,
             code="unsupported_content_part",
+        )
+
+
+def check_format(server: Server, agent: AgentRecord, response_format: dict[str, Any] | None, param: str) -> None:
+    """Refuse (400 `unsupported_parameter`) structured output the agent's provider cannot give: the
+    anthropic kind's Messages API has no response format, and free text in its place would reach
+    a client expecting JSON. Before the turn starts (the provider refuses it too, once it runs)."""
+    fmt = structured_format(response_format)
+    if fmt is None:
+        return
+    try:
+        kind = server.providers.resolve(agent.model)[0].kind
+    except Exception:  # a misconfigured provider fails the turn with its own error
+        return
+    if kind == "anthropic":
+        raise bad_request(
+            f"Unsupported parameter: '{param}' of type '{fmt}': agent {agent.name} runs on {agent.model}, an "
+            "anthropic-kind provider, whose Messages API has no structured output; ask for JSON in the "
+            "instructions instead, or use an agent on an openai-kind provider",
+            param,
+            code="unsupported_parameter",
         )
 
 
@@ -779,11 +800,28 @@ def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
         fields.number(body.get(key), key, low=-2.0, high=2.0)
     fields.integer(body.get("seed"), "seed")
     fields.logit_bias(body.get("logit_bias"))
-    fields.strings(body.get("modalities"), "modalities", ("text", "audio"))
+    refuse_audio_output(fields.strings(body.get("modalities"), "modalities", ("text", "audio")), body.get("audio"))
     fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
     if body.get("functions") is None and body.get("function_call") is not None:
         legacy_choice(body["function_call"])  # typed even without `functions` (legacy_tools checks it with them)
     return stream, bool(include_usage)
+
+
+def refuse_audio_output(modalities: list[str] | None, audio: Any) -> None:
+    """Spoken answers (`modalities` with "audio", an `audio` output setting) are refused, never
+    answered with text alone as if they had been heard: this server answers with text only."""
+    if modalities and "audio" in modalities:
+        raise bad_request(
+            "Unsupported value: 'modalities' includes 'audio': this server answers with text only (use [\"text\"])",
+            "modalities",
+            code="unsupported_value",
+        )
+    if audio is not None:
+        raise bad_request(
+            "Unsupported parameter: 'audio': this server answers with text only, never with audio",
+            "audio",
+            code="unsupported_parameter",
+        )
 
 
 def turn_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
@@ -944,6 +982,7 @@ class ChatCompletions:
             raise calls_unanswered(unanswered)
         # every user message's parts, the history's too (seeded into a new conversation, they reach the model)
         check_media(self.server, agent, [p for u in items if u.kind == "user" for p in u.parts], "messages")
+        check_format(self.server, agent, options.get("response_format"), "response_format")
         given = [Decision(r.call_id or "", "result", output=r.text) for r in results]
         answers = (
             Answers([d.call_id for d in given], turn_tools(tools), options, "messages", given=given)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 from starlette.requests import Request
 from starlette.responses import Response
 
+from appserver.agent.loop import ASKED_TOOLS, OFFERED_TOOLS, provider_params
+from appserver.agent.tools import Tool
 from appserver.auth import conversation_namespace, namespace_allows
 from appserver.http import fields
 from appserver.http.chat import (
@@ -30,6 +32,7 @@ from appserver.http.chat import (
     VERBOSITY,
     allowed_tools_of,
     blank_input,
+    check_format,
     check_media,
     content_of,
     join_texts,
@@ -250,6 +253,98 @@ SUPPORTED_ITEMS = (
 )
 
 
+# The keys of each input item type this server takes, as OpenAI's API description has them
+# (`EasyInputMessage`, `InputMessage` and `OutputMessage` for a message, `FunctionToolCall`,
+# `FunctionCallOutputItemParam`, `MCPApprovalResponse` — whose `request_id` its description requires
+# —, `MCPApprovalRequest`, `MCPToolCall`, `ReasoningItem`, `MCPListTools`, `ItemReferenceParam`; a
+# function call's `async`: the openai SDK's, newer than that description):
+# every key of this server's own output items among them, so that items a client resends
+# (`input += response.output`, input_items) pass. Another key is a 400 `unknown_parameter` naming
+# its path (`input[0].foo`), never dropped.
+ITEM_KEYS = MappingProxyType(
+    {
+        "message": ("type", "role", "content", "status", "id", "phase"),
+        "function_call": ("type", "id", "call_id", "name", "arguments", "status", "namespace", "caller", "async"),
+        "function_call_output": ("type", "id", "call_id", "output", "status", "name", "namespace", "caller"),
+        "mcp_approval_response": ("type", "id", "approval_request_id", "approve", "reason", "request_id"),
+        "mcp_approval_request": ("type", "id", "server_label", "name", "arguments"),
+        "mcp_call": (
+            "type",
+            "id",
+            "server_label",
+            "name",
+            "arguments",
+            "output",
+            "error",
+            "status",
+            "approval_request_id",
+        ),
+        "reasoning": ("type", "id", "summary", "content", "encrypted_content", "status"),
+        "mcp_list_tools": ("type", "id", "server_label", "tools", "error"),
+        "item_reference": ("type", "id"),
+    }
+)
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+MCP_CALL_STATUSES = (*ITEM_STATUSES, "calling", "failed")
+MESSAGE_PHASES = ("commentary", "final_answer")
+# The keys of each content part type (`InputTextContent`, `InputImageContent`, `InputFileContent`,
+# `OutputTextContent`, `RefusalContent`; the Chat Completions parts this route takes as well).
+PART_KEYS = MappingProxyType(
+    {
+        "input_text": ("type", "text", "prompt_cache_breakpoint"),
+        "input_image": ("type", "image_url", "file_id", "detail", "prompt_cache_breakpoint"),
+        "input_file": ("type", "file_id", "filename", "file_data", "file_url", "detail", "prompt_cache_breakpoint"),
+        "output_text": ("type", "text", "annotations", "logprobs"),
+        "refusal": ("type", "refusal"),
+        "text": ("type", "text"),
+        "image_url": ("type", "image_url"),
+        "file": ("type", "file"),
+        "input_audio": ("type", "input_audio"),
+    }
+)
+FILE_DETAILS = ("auto", "low", "high")
+CACHE_BREAKPOINT_MODES = ("explicit",)
+
+
+def item_keys(item: dict[str, Any], where: str, kind: str) -> None:
+    """An input item of type `kind` (one of ITEM_KEYS) holds only that type's keys, its `status`
+    (and a message's `phase`) one of OpenAI's values and its `id` a string, each named by its path
+    when not. Its content parts (a message's `content`, a function_call_output's `output`) are
+    checked by `part_keys`."""
+    fields.known_keys(item, where, ITEM_KEYS[kind])
+    fields.string(item.get("id"), f"{where}.id")
+    statuses = MCP_CALL_STATUSES if kind == "mcp_call" else ITEM_STATUSES
+    if kind in ("message", "function_call", "function_call_output", "reasoning", "mcp_call"):
+        fields.one_of(item.get("status"), f"{where}.status", statuses)
+    if kind == "message":
+        fields.one_of(item.get("phase"), f"{where}.phase", MESSAGE_PHASES)
+        part_keys(item.get("content"), f"{where}.content")
+    elif kind == "function_call_output":
+        part_keys(item.get("output"), f"{where}.output")
+
+
+def part_keys(parts: Any, where: str) -> None:
+    """Each content part of `parts` (when an array; `parts_of` checks the rest) holds only its
+    type's keys (PART_KEYS; an unknown type is refused by `parts_of`), with the values OpenAI takes
+    for those `parts_of` leaves unread (an input_file's `detail`, `prompt_cache_breakpoint`, an
+    output_text's `annotations` and `logprobs`)."""
+    for j, part in enumerate(parts if isinstance(parts, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind not in PART_KEYS:
+            continue
+        at = f"{where}[{j}]"
+        fields.known_keys(part, at, PART_KEYS[kind])
+        if kind == "input_file":
+            fields.one_of(part.get("detail"), f"{at}.detail", FILE_DETAILS)
+        for key in ("annotations", "logprobs"):
+            fields.array(part.get(key), f"{at}.{key}")
+        breakpoint_ = fields.obj(part.get("prompt_cache_breakpoint"), f"{at}.prompt_cache_breakpoint")
+        if breakpoint_ is not None:
+            fields.known_keys(breakpoint_, f"{at}.prompt_cache_breakpoint", ("mode",))
+            mode = fields.required(breakpoint_, "mode", f"{at}.prompt_cache_breakpoint.mode")
+            fields.one_of(mode, f"{at}.prompt_cache_breakpoint.mode", CACHE_BREAKPOINT_MODES, nullable=False)
+
+
 def parse_input(value: Any, response_id: str = "") -> ParsedInput:
     """`response_id`: the response these inputs belong to; their stored ids point back to it (so an
     `item_reference` to one can be resolved)."""
@@ -280,6 +375,8 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
         fields.obj(item, where, nullable=False)
         # an item without a type is a message (OpenAI's EasyInputMessage): its role is then required
         kind = fields.string(item.get("type"), f"{where}.type") or "message"
+        if kind in ITEM_KEYS:
+            item_keys(item, where, kind)
         if kind == "message":
             role = fields.one_of(
                 fields.required(item, "role", f"{where}.role"), f"{where}.role", INPUT_ROLES, nullable=False
@@ -428,6 +525,7 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
     out: list[Any] = []
     for i, item in enumerate(value):
         if isinstance(item, dict) and item.get("type") == "item_reference":
+            fields.known_keys(item, f"input[{i}]", ITEM_KEYS["item_reference"])
             where = f"input[{i}].id"
             ref = fields.string(fields.required(item, "id", where), where, nullable=False)
             found = await lookup(ref) if ref else None
@@ -481,57 +579,87 @@ def instructions_of(value: Any) -> tuple[str | None, str | list[dict[str, Any]] 
     return "\n\n".join(t for t in texts if t), shown
 
 
+# The keys of the tools this server takes, as OpenAI's API description has them (`FunctionTool`,
+# `MCPTool`, `MCPToolFilter`, the approval filter; a function's `async`: the openai SDK's, newer than
+# that description): another key is a 400 `unknown_parameter` naming its path
+# (`tools[0].paramters`, a Chat-style nested `tools[0].function`), never dropped.
+FUNCTION_TOOL_KEYS = (
+    "type",
+    "name",
+    "description",
+    "parameters",
+    "strict",
+    "output_schema",
+    "defer_loading",
+    "allowed_callers",
+    "async",
+)
+MCP_TOOL_KEYS = (
+    "type",
+    "server_label",
+    "server_url",
+    "connector_id",
+    "tunnel_id",
+    "authorization",
+    "server_description",
+    "headers",
+    "allowed_tools",
+    "allowed_callers",
+    "require_approval",
+    "defer_loading",
+)
+MCP_SHOWN_KEYS = tuple(k for k in MCP_TOOL_KEYS if k != "authorization")  # a token is never echoed
+MCP_FILTER_KEYS = ("tool_names", "read_only")
+APPROVAL_SETTINGS = ("always", "never")
+MCP_CONNECTORS = (
+    "connector_dropbox",
+    "connector_gmail",
+    "connector_googlecalendar",
+    "connector_googledrive",
+    "connector_microsoftteams",
+    "connector_outlookcalendar",
+    "connector_outlookemail",
+    "connector_sharepoint",
+)
+TUNNEL_ID = re.compile(r"tunnel_[a-z0-9]{32}")
+TOOL_CALLERS = ("direct", "programmatic")
+
+
 def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list[dict[str, Any]]]:
     """Client function tools, and the `mcp` tool that names this agent: it declares nothing new
-    (the agent's own tools run here) but lets clients such as the Agents SDK answer its approvals."""
+    (the agent's own tools run here) but lets clients such as the Agents SDK answer its approvals,
+    and narrows the agent's tools for the turn (`agent_tool_scope`)."""
     if fields.array(value, "tools") is None:
         return [], []
     specs: list[ToolSpec] = []
     names: set[str] = set()
     shown: list[dict[str, Any]] = []
     for i, t in enumerate(value):
-        fields.obj(t, f"tools[{i}]", nullable=False)
-        fields.string(fields.required(t, "type", f"tools[{i}].type"), f"tools[{i}].type", nullable=False)
+        at = f"tools[{i}]"
+        fields.obj(t, at, nullable=False)
+        fields.string(fields.required(t, "type", f"{at}.type"), f"{at}.type", nullable=False)
         if t.get("type") == "mcp":
-            label = t.get("server_label")
-            if label not in (agent.id, agent.name):
-                raise bad_request(
-                    f"tools[{i}]: MCP server {fields.shown(label)} is not this agent; "
-                    f"its own tools run here under server_label {fields.shown(agent.id)} (or its name, "
-                    f"{fields.shown(agent.name)})",
-                    "tools",
-                    code="unsupported_tool",
-                )
-            shown.append(
-                {
-                    k: v
-                    for k, v in t.items()
-                    if k
-                    in (
-                        "type",
-                        "server_label",
-                        "server_url",
-                        "server_description",
-                        "require_approval",
-                        "allowed_tools",
-                        "headers",
-                    )
-                }
-            )
+            shown.append(mcp_tool(t, at, agent))
             continue
         if t.get("type") != "function":
             raise bad_request(
-                f"tools[{i}]: only function tools are supported (the agent's own tools run on the server)",
+                f"{at}: only function tools are supported (the agent's own tools run on the server)",
                 "tools",
                 code="unsupported_tool",
             )
-        name = fields.function_name(fields.required(t, "name", f"tools[{i}].name"), f"tools[{i}].name")
-        fields.obj(t.get("parameters"), f"tools[{i}].parameters")
-        fields.string(t.get("description"), f"tools[{i}].description")
-        fields.boolean(t.get("strict"), f"tools[{i}].strict")
+        fields.known_keys(t, at, FUNCTION_TOOL_KEYS)
+        name = fields.function_name(fields.required(t, "name", f"{at}.name"), f"{at}.name")
+        fields.obj(t.get("parameters"), f"{at}.parameters")
+        fields.string(t.get("description"), f"{at}.description")
+        fields.boolean(t.get("strict"), f"{at}.strict")
+        fields.obj(t.get("output_schema"), f"{at}.output_schema")
+        for key in ("defer_loading", "async"):
+            if key in t:
+                fields.boolean(t[key], f"{at}.{key}", nullable=False)
+        fields.strings(t.get("allowed_callers"), f"{at}.allowed_callers", TOOL_CALLERS)
         if name in names:
             raise bad_request(
-                f"tools[{i}]: a second function named {fields.shown(name)}; function names must be unique",
+                f"{at}: a second function named {fields.shown(name)}; function names must be unique",
                 "tools",
                 code="duplicate_function_name",
             )
@@ -551,6 +679,124 @@ def function_tools(value: Any, agent: AgentRecord) -> tuple[list[ToolSpec], list
             }
         )
     return specs, shown
+
+
+def mcp_tool(t: dict[str, Any], at: str, agent: AgentRecord) -> dict[str, Any]:
+    """An `mcp` tool (at `at`) as the Response object echoes it, each field checked against
+    OpenAI's `MCPTool` (a wrong type `invalid_type`, a value outside an enum or pattern
+    `invalid_value`, an unknown key `unknown_parameter`, each naming its path): an invalid value
+    echoed would make the Response fail OpenAI's schema. It must name this agent."""
+    fields.known_keys(t, at, MCP_TOOL_KEYS)
+    label = fields.required_string(t, "server_label", f"{at}.server_label")
+    for key in ("server_url", "authorization", "server_description"):
+        if key in t:
+            fields.string(t[key], f"{at}.{key}", nullable=False)
+    if "connector_id" in t:
+        fields.one_of(t["connector_id"], f"{at}.connector_id", MCP_CONNECTORS, nullable=False)
+    if "tunnel_id" in t:
+        tunnel = fields.string(t["tunnel_id"], f"{at}.tunnel_id", nullable=False)
+        if not TUNNEL_ID.fullmatch(tunnel or ""):
+            raise ApiError(
+                400,
+                f"Invalid '{at}.tunnel_id': {fields.shown(tunnel)} does not match pattern. Expected a string that "
+                "matches the pattern '^tunnel_[a-z0-9]{32}$'.",
+                code="invalid_value",
+                param=f"{at}.tunnel_id",
+            )
+    if "defer_loading" in t:
+        fields.boolean(t["defer_loading"], f"{at}.defer_loading", nullable=False)
+    headers = fields.obj(t.get("headers"), f"{at}.headers")
+    for key, v in (headers or {}).items():
+        fields.string(v, f"{at}.headers.{key}", nullable=False)
+    callers = fields.strings(t.get("allowed_callers"), f"{at}.allowed_callers", TOOL_CALLERS)
+    if callers == []:
+        raise ApiError(
+            400,
+            f"Invalid '{at}.allowed_callers': empty array. Expected an array with minimum length 1, but got an "
+            "empty array instead.",
+            code="empty_array",
+            param=f"{at}.allowed_callers",
+        )
+    allowed = t.get("allowed_tools")
+    if isinstance(allowed, dict):
+        mcp_filter(allowed, f"{at}.allowed_tools")
+    elif allowed is not None and not isinstance(allowed, list):
+        raise fields.type_error(f"{at}.allowed_tools", "one of an array of strings or an object", allowed)
+    fields.strings(allowed if isinstance(allowed, list) else None, f"{at}.allowed_tools")
+    approval = t.get("require_approval")
+    if isinstance(approval, dict):
+        fields.known_keys(approval, f"{at}.require_approval", APPROVAL_SETTINGS)
+        for key in APPROVAL_SETTINGS:
+            if key in approval:
+                mcp_filter(approval[key], f"{at}.require_approval.{key}")
+    elif approval is not None and not isinstance(approval, str):
+        raise fields.type_error(f"{at}.require_approval", "one of 'always', 'never' or an object", approval)
+    fields.one_of(approval if isinstance(approval, str) else None, f"{at}.require_approval", APPROVAL_SETTINGS)
+    if label not in (agent.id, agent.name):
+        raise bad_request(
+            f"{at}: MCP server {fields.shown(label)} is not this agent; "
+            f"its own tools run here under server_label {fields.shown(agent.id)} (or its name, "
+            f"{fields.shown(agent.name)})",
+            "tools",
+            code="unsupported_tool",
+        )
+    return {k: v for k, v in t.items() if k in MCP_SHOWN_KEYS}
+
+
+def mcp_filter(value: Any, at: str) -> dict[str, Any]:
+    """An `MCPToolFilter` (allowed_tools, or a require_approval's always/never): `tool_names`, an
+    array of strings, and `read_only`, a boolean; neither null."""
+    flt = fields.obj(value, at, nullable=False)
+    assert flt is not None
+    fields.known_keys(flt, at, MCP_FILTER_KEYS)
+    if "tool_names" in flt:
+        fields.array(flt["tool_names"], f"{at}.tool_names", nullable=False)
+        fields.strings(flt["tool_names"], f"{at}.tool_names")
+    if "read_only" in flt:
+        fields.boolean(flt["read_only"], f"{at}.read_only", nullable=False)
+    return flt
+
+
+def filter_takes(flt: Any, tool: Tool) -> bool:
+    """Whether an MCP tool filter (checked: `mcp_filter`; a list is allowed_tools' array of names)
+    takes `tool`: its name among `tool_names`, and its `read_only` (the tool's own declaration:
+    clock is read-only, shell and schedule are not) the filter's, where the filter gives each."""
+    if isinstance(flt, list):
+        return tool.name in flt
+    if not isinstance(flt, dict):
+        return False
+    named = flt.get("tool_names")
+    return (named is None or tool.name in named) and flt.get("read_only") in (None, tool.read_only)
+
+
+def agent_tool_scope(offered: list[Tool], mcp: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """The turn options (loop.OFFERED_TOOLS, loop.ASKED_TOOLS) by which the request's `mcp` tools
+    naming this agent narrow the agent's `offered` tools: only those an `allowed_tools` takes are
+    offered (every one when a tool gives none), and those `require_approval` asks for (`always`,
+    or its `always` filter) are asked about before each call even where the agent's policy is
+    `allow`. `never` loosens nothing: the agent's `ask` is its owner's, and stays."""
+    if not mcp:
+        return {}
+    allowed: set[str] = set()
+    asked: set[str] = set()
+    every = False
+    for t in mcp:
+        flt = t.get("allowed_tools")
+        every = every or flt is None
+        taken = [tool for tool in offered if flt is None or filter_takes(flt, tool)]
+        allowed.update(tool.name for tool in taken)
+        approval = t.get("require_approval")
+        asked.update(
+            tool.name
+            for tool in taken
+            if approval == "always" or (isinstance(approval, dict) and filter_takes(approval.get("always"), tool))
+        )
+    scope: dict[str, list[str]] = {}
+    if not every:
+        scope[OFFERED_TOOLS] = sorted(allowed)
+    if asked:
+        scope[ASKED_TOOLS] = sorted(asked)
+    return scope
 
 
 # The top-level fields of OpenAI's Responses create request: the properties of `CreateResponse` and
@@ -1387,11 +1633,13 @@ class Responses:
         instructions, shown_instructions = instructions_of(body.get("instructions"))
         specs, shown_tools = function_tools(body.get("tools"), agent)
         options = response_options(body)
+        scope = agent_tool_scope(self.server.tools.offered(agent), [t for t in shown_tools if t["type"] == "mcp"])
+        options.update(scope)
+        # an agent tool its mcp tool's allowed_tools leaves out is not offered: no choice names it
+        own = own_tool_names(self.server, agent, specs)
+        hidden = own - set(scope.get(OFFERED_TOOLS, own))
         choice = tool_choice_of(
-            body.get("tool_choice"),
-            tool_names(self.server, agent, specs),
-            agent,
-            own_tool_names(self.server, agent, specs),
+            body.get("tool_choice"), tool_names(self.server, agent, specs) - hidden, agent, own - hidden
         )
         if choice is not None:
             options["tool_choice"] = choice
@@ -1466,6 +1714,7 @@ class Responses:
         # every user message's parts, the history's too: a part seeded into a conversation reaches
         # the model as much as the new input's
         check_media(self.server, agent, [p for u in items if u.kind == "user" for p in u.parts], "input")
+        check_format(self.server, agent, options.get("response_format"), "text.format")
         answers = (
             Answers([d.call_id for d in decisions], turn_tools(specs), options, "input", given=decisions)
             if decisions and not users
@@ -1513,6 +1762,8 @@ class Responses:
             raise
         finally:
             self.matcher.release(place)  # the turn is queued: the runtime now shows it
+        # the sampling the turn's model calls get (the agent's params, the request's where they may win)
+        sent = provider_params(agent, await self._turn_options(run, options, bool(decisions)))
         shape = Shape(
             id=response_id,
             model=model_id,
@@ -1523,15 +1774,15 @@ class Responses:
             previous_response_id=prev_id,
             store=store_flag,
             metadata={str(k): str(v) for k, v in metadata.items()},
-            temperature=float(options.get("temperature", 1.0)),
-            top_p=float(options.get("top_p", 1.0)),
-            max_output_tokens=options.get("max_tokens"),
+            temperature=float(sent.get("temperature", 1.0)),
+            top_p=float(sent.get("top_p", 1.0)),
+            max_output_tokens=sent.get("max_tokens"),
             parallel_tool_calls=bool(options.get("parallel_tool_calls", True)),
             tool_choice=shown_choice(body.get("tool_choice")),
             conversation=run.conversation_id if conv_param else None,
             reasoning=show_reasoning(agent),
             text=text_of(body.get("text")),
-            reasoning_params=reasoning_of(body.get("reasoning")),
+            reasoning_params=dict(reasoning_of(body.get("reasoning")), effort=sent.get("reasoning_effort")),
             truncation=body.get("truncation") or "disabled",
             max_tool_calls=fields.integer(body.get("max_tool_calls"), "max_tool_calls"),
             top_logprobs=fields.integer(body.get("top_logprobs"), "top_logprobs") or 0,
@@ -1550,6 +1801,12 @@ class Responses:
         if stream:
             return ctx.stream_response(request)
         return await ctx.complete(request)
+
+    async def _turn_options(self, run: TurnRun, options: dict[str, Any], resumed: bool) -> dict[str, Any]:
+        """The options the turn's model calls get: this request's for a turn it started; a paused
+        turn it resumed with answers keeps those of the request that started it."""
+        turn = await self.server.store.get_turn(run.turn_id) if resumed else None
+        return turn.options if turn is not None else options
 
     async def _answer_head(
         self, place: Placement, prev_id: str | None, decisions: list[Decision]

@@ -32,6 +32,7 @@ from appserver.providers.base import (
     ToolSpec,
     Usage,
     error_from_status,
+    structured_format,
 )
 from appserver.providers.jsontext import loads, loads_event
 from appserver.providers.sse import SSEDecoder
@@ -58,7 +59,12 @@ ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_MAX_TOKENS = 8192
 THINKING_MIN_BUDGET = 1024
 # reasoning_effort → thinking budget. "none"/"minimal"-style values that are absent disable it.
-THINKING_BUDGETS: dict[str, int] = {"low": 2048, "medium": 8192, "high": 24576}
+# Without a max_tokens the call gets the budget plus DEFAULT_MAX_TOKENS for the answer: `max` needs
+# 57344, within the 64K output tokens of current Claude models.
+THINKING_BUDGETS: dict[str, int] = {"low": 2048, "medium": 8192, "high": 24576, "xhigh": 32768, "max": 49152}
+# What a placeholder first user message says when the context would open with the assistant (a
+# client's transcript that starts with a greeting): the API wants the user first.
+OPENING_USER_TEXT = "(start of the conversation)"
 REPLAYED_BLOCK_TYPES = frozenset({"thinking", "redacted_thinking"})
 _NOT_A_STREAM_MAX = 64 * 1024  # what is read of a JSON answer that came instead of the stream
 # The content blocks this parser reads; any other type (server_tool_use, web_search_tool_result, a
@@ -346,15 +352,21 @@ def _image_block(part: dict[str, Any]) -> dict[str, Any] | None:
     return {"type": "image", "source": {"type": "url", "url": url}}
 
 
+def visible(text: Any) -> bool:
+    """Whether `text` may be a text block: the API refuses empty ones and those of whitespace only
+    ("text content blocks must contain non-whitespace text"), so such text is left out, never sent."""
+    return isinstance(text, str) and text.strip() != ""
+
+
 def _content_blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Neutral content → Anthropic blocks; empty text blocks are rejected upstream, so dropped."""
+    """Neutral content → Anthropic blocks; blank text (refused upstream) is dropped."""
     if isinstance(content, str):
-        return [{"type": "text", "text": content}] if content else []
+        return [{"type": "text", "text": content}] if visible(content) else []
     blocks: list[dict[str, Any]] = []
     for part in content:
         kind = part.get("type")
         if kind == "text":
-            if part.get("text"):
+            if visible(part.get("text")):
                 blocks.append({"type": "text", "text": part["text"]})
         elif kind in ("image_url", "image"):
             if kind == "image" and isinstance(part.get("source"), dict):
@@ -373,12 +385,32 @@ def _content_blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]
     return blocks
 
 
+def _user_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages`, opening with a placeholder user message when they would open with the assistant
+    (the API refuses that): a transcript that starts with a greeting, or whose first user message
+    was blank and so dropped. The assistant's words stay in the context."""
+    if messages and messages[0]["role"] == "assistant":
+        messages.insert(0, {"role": "user", "content": [{"type": "text", "text": OPENING_USER_TEXT}]})
+    return messages
+
+
 def _tool_input(arguments: str) -> dict[str, Any]:
     try:
         value = json.loads(arguments) if arguments else {}
     except ValueError:
         return {}  # e.g. cut by max_tokens; the API only accepts an object
     return value if isinstance(value, dict) else {}
+
+
+def thinking_budget(effort: str | None, max_tokens: int | None) -> tuple[int, int]:
+    """(thinking budget, max_tokens) for a reasoning effort. Without a max_tokens the call gets the
+    effort's whole budget plus DEFAULT_MAX_TOKENS for the answer; a max_tokens that was set holds
+    thinking and answer together (the API wants budget < max_tokens), so the budget is at most
+    half of it, and thinking is off below THINKING_MIN_BUDGET."""
+    budget = THINKING_BUDGETS.get(effort or "", 0)
+    if max_tokens is None:
+        return budget, budget + DEFAULT_MAX_TOKENS
+    return min(budget, max_tokens // 2), max_tokens
 
 
 class AnthropicProvider:
@@ -408,7 +440,10 @@ class AnthropicProvider:
 
     def build_messages(self, messages: list[ChatMessage]) -> tuple[str, list[dict[str, Any]]]:
         """(system text, Messages API messages). Consecutive same-role messages are merged, which
-        also puts consecutive tool results into one user message as the API requires."""
+        also puts consecutive tool results into one user message as the API requires. Blank text
+        (a reply of only "\n\n", a client's whitespace message) is left out, as the API refuses
+        it: a message left with nothing is dropped, its neighbours merged, and the context still
+        opens with the user (`_user_first`)."""
         system: list[str] = []
         out: list[dict[str, Any]] = []
         for msg in messages:
@@ -423,16 +458,17 @@ class AnthropicProvider:
                     "type": "tool_result",
                     "tool_use_id": msg.tool_call_id or "",
                 }
-                if msg.text():
+                if visible(msg.text()):  # a blank result is sent without content (it must still answer its call)
                     result["content"] = msg.text()
                 blocks = [result]
             elif msg.role == "assistant":
                 role = "assistant"
+                text = msg.text()
                 # A thinking-only message would be empty once the API strips old thinking: skip it.
-                replay = msg.text() or msg.tool_calls
+                replay = visible(text) or msg.tool_calls
                 blocks = [dict(b) for b in self.replay_blocks(msg)] if replay else []
-                if msg.text():
-                    blocks.append({"type": "text", "text": msg.text()})
+                if visible(text):
+                    blocks.append({"type": "text", "text": text})
                 for tc in msg.tool_calls:
                     blocks.append(
                         {
@@ -451,12 +487,12 @@ class AnthropicProvider:
                 out[-1]["content"].extend(blocks)
             else:
                 out.append({"role": role, "content": blocks})
-        return "\n\n".join(system), out
+        return "\n\n".join(system), _user_first(out)
 
     def build_body(self, request: ProviderRequest) -> dict[str, Any]:
         """The exact JSON body sent upstream (public so tests and logs can inspect it)."""
         system, messages = self.build_messages(request.messages)
-        max_tokens = request.max_tokens or DEFAULT_MAX_TOKENS
+        budget, max_tokens = thinking_budget(request.reasoning_effort, request.max_tokens or None)
         body: dict[str, Any] = {
             "model": request.model,
             "max_tokens": max_tokens,
@@ -465,10 +501,6 @@ class AnthropicProvider:
         }
         if system:
             body["system"] = system
-        budget = THINKING_BUDGETS.get(request.reasoning_effort or "", 0)
-        if budget and request.max_tokens is None:
-            body["max_tokens"] = max_tokens = max(max_tokens, budget + DEFAULT_MAX_TOKENS)
-        budget = min(budget, max_tokens // 2)  # the API requires budget < max_tokens
         thinking = budget >= THINKING_MIN_BUDGET
         if thinking:
             body["thinking"] = {"type": "enabled", "budget_tokens": budget}
@@ -488,7 +520,8 @@ class AnthropicProvider:
                     choice["disable_parallel_tool_use"] = True
             if choice is not None:
                 body["tool_choice"] = choice
-        # response_format has no Messages API equivalent; it is not sent.
+        # response_format has no Messages API equivalent: `stream` refuses a structured one (json_schema,
+        # json_object) before any call, and `text` is what the API answers anyway.
         body.update(request.extra)
         return body
 
@@ -543,6 +576,13 @@ class AnthropicProvider:
 
     async def stream(self, request: ProviderRequest) -> AsyncIterator[ProviderChunk]:
         """Yield chunks ending with exactly one Done; raise ProviderError on any failure."""
+        refused = structured_format(request.response_format)
+        if refused is not None:  # never dropped: the client would take free text for its JSON
+            raise ProviderError(
+                "invalid_request",
+                f"a '{refused}' response format is not supported by provider {self.name!r} (anthropic kind): "
+                "the Messages API has no structured output parameter",
+            )
         body = self.build_body(request)
         client = self._client()
         try:

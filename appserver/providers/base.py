@@ -143,6 +143,15 @@ class ProviderRequest:
     purpose: Literal["turn", "compaction"] = "turn"  # never sent: what the call is for (echo reads it)
 
 
+def structured_format(response_format: dict[str, Any] | None) -> str | None:
+    """The type of a structured-output `response_format` (json_schema, json_object): a provider
+    that cannot follow one refuses it, never drops it. None for none or `text` (plain answers)."""
+    if not isinstance(response_format, dict):
+        return None
+    kind = response_format.get("type")
+    return None if kind == "text" else str(kind)
+
+
 # ---------------------------------------------------------------- errors
 
 ErrorKind = Literal[

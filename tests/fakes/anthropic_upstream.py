@@ -109,3 +109,56 @@ def text_answer(text: str, stop_reason: str = "end_turn") -> list[dict[str, Any]
 def anthropic_error(etype: str, message: str) -> dict[str, Any]:
     """An Anthropic error body (also the payload of an `error` stream event)."""
     return {"type": "error", "error": {"type": etype, "message": message}}
+
+
+def _text_problem(text: Any) -> str | None:
+    if not isinstance(text, str) or text == "":
+        return "messages: text content blocks must be non-empty"
+    if text.isspace():
+        return "messages: text content blocks must contain non-whitespace text"
+    return None
+
+
+def _content_problem(content: Any) -> str | None:
+    """The first rule a message's (or a tool_result's) content breaks, as the API words it."""
+    if isinstance(content, str):
+        return _text_problem(content)
+    for block in content if isinstance(content, list) else []:
+        if not isinstance(block, dict):
+            continue
+        if block.get("type") == "text":
+            problem = _text_problem(block.get("text"))
+        elif block.get("type") == "tool_result" and "content" in block:
+            problem = _content_problem(block["content"])
+        else:
+            problem = None
+        if problem is not None:
+            return problem
+    return None
+
+
+def messages_problem(body: Any) -> str | None:
+    """The first rule of the real Messages API that a request body breaks (its 400 message), else
+    None: messages non-empty, opening with the user, no message without content, no text block
+    empty or of whitespace only (a string content or a tool_result's too), a thinking budget of at
+    least 1024 and below max_tokens."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not messages:
+        return "messages: at least one message is required"
+    if messages[0].get("role") != "user":
+        return 'messages: first message must use the "user" role'
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if content == [] or content is None:
+            return f"messages.{i}: all messages must have non-empty content"
+        problem = _content_problem(content)
+        if problem is not None:
+            return problem
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or budget < 1024:
+            return "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"
+        if budget >= body.get("max_tokens", 0):
+            return "`max_tokens` must be greater than `thinking.budget_tokens`"
+    return None

@@ -12,6 +12,9 @@ messages' order
 A turn the server queued behind another one is asked about again as it starts (`admits`), and every
 second while it waits (`refuse_queued`): one whose sender access no longer lets in (a `pairing
 revoke` meanwhile) is cancelled and answered with nothing, its rows failed with `NO_LONGER_LET_IN`.
+So is every turn a restarted gateway picks back up before any of its reply was noted: whether it was
+queued, and whether it started before the revoke, is not known then (a restarted server starts a
+queued turn at once, before the gateway is back), so it is asked again as the gateway sees it.
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ class TurnContext:
     starter: str
     conversation: str | None
     sends: TurnSends = field(default_factory=TurnSends)
-    waited: bool = False  # the server queued it behind another turn: access is asked again as it starts
+    # the server queued it behind another turn, or a restart picked it back up before any of its reply
+    # was noted: access is asked again as it starts (or, when it started meanwhile, as it is seen)
+    waited: bool = False
     admitted: bool | None = None  # that answer, once given (False: cancelled, never answered)
 
 
@@ -79,13 +84,26 @@ def chat_key(entry: Entry) -> str:
     return f"{entry.key.channel}:{entry.key.account}:{entry.chat}:{entry.thread or ''}"
 
 
+def unproven(entry: Entry) -> bool:
+    """Whether a turn picked back up after a restart may not have been let in as it started: it is
+    not finished and nothing of its reply was noted (sent, being sent, or its text: each is noted
+    only after the turn was let in, `_check_start`). Such a turn, queued or not before the restart,
+    is asked again as the gateway sees it: the revoke (or the `allow` edit) may have come while it
+    waited, and a restarted server starts a queued turn before the gateway is back to ask."""
+    return entry.state == "submitted" and not entry.remote_ids and entry.sending is None and not entry.reply
+
+
 def final_text(snapshot: dict[str, Any], shown: str) -> str:
-    """The reply's last text: a turn that ended without its text (interrupted by a crash, failed
-    mid-stream) keeps what the chat already showed, followed by the one-line reason."""
+    """The reply's last text. A turn that ended without all of its text (interrupted by a crash,
+    failed or cancelled mid-stream) keeps what the chat already showed, followed by the one-line
+    reason: the server's saved text is taken only where it extends that (a killed server's is its
+    last draft, which lags the stream by up to a second; a text that differs otherwise is not what
+    the person read). A completed turn's text is the reply, whatever was shown on the way."""
     final = visible_text(snapshot, tool_status=False)
-    if shown and not reply_body(snapshot) and snapshot.get("status") in ("failed", "cancelled"):
-        return f"{shown}\n\n{final}"
-    return final
+    if not shown or snapshot.get("status") not in ("failed", "cancelled") or reply_body(snapshot).startswith(shown):
+        return final
+    reason = visible_text({**snapshot, "blocks": []}, tool_status=False)
+    return f"{shown}\n\n{reason}"
 
 
 class Replies:
@@ -134,13 +152,15 @@ class Replies:
         self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False, waited: bool = False
     ) -> None:
         """Follow `entry`'s turn and deliver its reply; `waited`: the submit's ack put it in the
-        server's queue (access is then asked again as it starts)."""
+        server's queue (access is then asked again as it starts). A `resumed` turn nothing of whose
+        reply was noted yet is asked again too (`unproven`)."""
         if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:
             return  # a batch's reply is delivered through its first message
         if runner is None:
             log.error("%s: the account is no longer configured; its reply cannot be delivered", entry.key)
             return
         turn_id = entry.turn_id
+        waited = waited or (resumed and unproven(entry))
         ctx = self.turns[turn_id] = TurnContext(
             runner,
             entry.key,
@@ -159,9 +179,10 @@ class Replies:
 
     def admits(self, ctx: TurnContext) -> bool:
         """Whether `ctx`'s turn may go on and be answered. A turn that started at once was asked just
-        before its submit (`Gateway._submit_batch`); one the server queued is asked again, once, as
-        it leaves the queue: at its first snapshot out of it, or its first approval request or tool
-        call, whichever the gateway sees first."""
+        before its submit (`Gateway._submit_batch`); one the server queued, or one a restart picked
+        back up before any of its reply was noted (`unproven`), is asked again, once, as it leaves
+        the queue or is first seen out of it (running, or ended while the gateway was away): at its
+        first such snapshot, or its first approval request or tool call, whichever comes first."""
         if ctx.waited and ctx.admitted is None:
             ctx.admitted = self._still_let_in(ctx)
             if not ctx.admitted:

@@ -110,9 +110,11 @@ def test_frames_that_inflate_to_the_limit_are_inflated_one_at_a_time(sp: ServePr
     watcher.start()
     s = upgraded(port)
     try:
+        reader = FrameReader(s)  # after hello: before it, a message inflating past 64 KiB is refused (1009)
+        s.sendall(compressed_text_frame(b'{"type": "hello", "protocol": 1, "request_id": "h"}'))
+        assert b'"welcome"' in reader.next_message()
         s.sendall(frame * FRAMES)  # ~250 KB: one or two socket reads on the server
         answers = 0
-        reader = FrameReader(s)
         deadline = time.monotonic() + 60
         while answers < FRAMES and time.monotonic() < deadline:
             answers += b'"bomb"' in reader.next_message()

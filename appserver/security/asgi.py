@@ -28,6 +28,22 @@ def prove(scope: Scope) -> None:
             done()
 
 
+# A scope extension the edge puts on every WebSocket: the app calls it once the socket's `hello` is
+# accepted, with whose share of the server's inbound budget its big frames take (a credential's,
+# else an address's). Until then the edge reads only small messages, one at a time (ws_inbound.py).
+GREETED = "appserver.greeted"
+
+
+def greeted(scope: Scope, group: str) -> None:
+    """Tell the edge that the WebSocket behind `scope` said a `hello` that was accepted: the
+    limits before `hello` end, and its big frames count in `group`'s share of the inbound budget."""
+    extensions = scope.get("extensions")
+    if extensions:
+        done = extensions.get(GREETED)
+        if done is not None:
+            done(group)
+
+
 class Refusal(Exception):
     """A check refused the request: answered as an OpenAI error (refusals.py), never reaching the app."""
 

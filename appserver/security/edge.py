@@ -59,6 +59,7 @@ import sys
 import termios
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, cast
@@ -67,14 +68,16 @@ import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.frames import Frame
 from websockets.http11 import Response as WsResponse
 from websockets.protocol import State as WsState
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
 from appserver.http.sse import WRITE_BODY
-from appserver.security.asgi import PROVE
+from appserver.security.asgi import GREETED, PROVE
 from appserver.security.fair_slots import EVICTION_GRACE_S, Evictable, SlotGate, client_group
+from appserver.security.ws_inbound import OP_BINARY, OP_TEXT, PREHELLO_MESSAGE_MAX, InboundBudget, frame_head
 from appserver.ws.connection import WRITE_FRAME
 
 if TYPE_CHECKING:
@@ -256,6 +259,8 @@ class EdgeLimits:
     evictions: LogThrottle = field(default_factory=LogThrottle, compare=False)
     # TLS connections accepted whose handshake is not done (`TlsAcceptProtocol`): counted by the cap
     handshakes: set[Any] = field(default_factory=set, compare=False)
+    # big WebSocket frames read and not yet taken by the app, all connections together (ws_inbound.py)
+    inbound: InboundBudget = field(default_factory=InboundBudget, compare=False)
 
     @property
     def body_wire_max(self) -> int:
@@ -279,6 +284,7 @@ class EdgeLimits:
             body_max_bytes=int(limits.body_max_bytes),
             slots=SlotGate(grace_s=min(EVICTION_GRACE_S, float(limits.head_timeout_s) / 2)),
             refusal_lines=refusal_lines if refusal_lines is not None else RefusalLines(log),
+            inbound=InboundBudget.for_frames(int(limits.ws_frame_max_bytes)),
         )
 
 
@@ -322,10 +328,13 @@ UPGRADE_EARLY_MAX_BYTES = HIGH_WATER_LIMIT
 WS_UNSENT_MAX = 64 * 1024
 # What a WebSocket client may send while it leaves the server's writes untaken (its pongs, ...).
 WS_READ_WHILE_BLOCKED = 1 << 20
-# With permessage-deflate: bytes of a read given to the parser at a time (EdgeWebSocketProtocol._feed).
+# With permessage-deflate: bytes of a read given to the parser at a time (EdgeWebSocketProtocol._feedable).
 # Deflate inflates at most ~1032×, so a slice holds at most a frame or two that inflate to the
 # frame limit.
 WS_INFLATE_SLICE = 4096
+# What a WebSocket may have read and not given to its parser (`_unfed`): a read (256 KiB) comes only
+# while it may be fed or while a frame head is incomplete, so this is a safety net, never reached.
+WS_UNFED_MAX = 1 << 20
 
 # A chunk-size line, its chunk extensions included (Node.js allows 16 KiB of extensions): httptools
 # reports none of it, so a body of one endless extension decoded to 0 bytes, passed every size limit
@@ -1478,7 +1487,11 @@ def protocol_class(limits: EdgeLimits, tls: ssl.SSLContext | None = None) -> typ
     """The protocol class uvicorn instantiates per connection, bound to these limits; with `tls`,
     the listener is plain TCP and the edge does the handshake (`TlsAcceptProtocol`): give uvicorn
     no certificate then."""
-    ws = type("BoundEdgeWebSocketProtocol", (EdgeWebSocketProtocol,), {"refusal_lines": limits.refusal_lines})
+    ws = type(
+        "BoundEdgeWebSocketProtocol",
+        (EdgeWebSocketProtocol,),
+        {"refusal_lines": limits.refusal_lines, "inbound": limits.inbound},
+    )
     http = type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits, "ws_class": ws})
     if tls is None:
         return http
@@ -1496,15 +1509,32 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     are bounded by `refusal_lines` (`protocol_class` binds the server's)."""
 
     refusal_lines: ClassVar[RefusalLines | None] = None
+    inbound: ClassVar[InboundBudget | None] = None  # the server's (`protocol_class` binds it)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slot: EdgeSlot | None = None  # upgraded without a credential: evictable until `hello`
         self._origin: EdgeSlot | None = None  # the connection's place, evictable or not: its lines (_say)
         self._writes_blocked = False  # over the high-water mark: see pause_writing
-        self._inflates = bool(self.config.ws_per_message_deflate)  # see _feed
-        self._unfed = bytearray()  # read from the socket, not yet given to the parser (_feed)
+        self._inflates = bool(self.config.ws_per_message_deflate)  # see _feedable
+        self._unfed = bytearray()  # read from the socket, not yet given to the parser (_pump)
         self._read_while_blocked = 0  # bytes read from the client since then
+        # ── what is read, and when (`_pump`) ──
+        # The frame limit (`ws_max_size`); before `hello` the parser's is PREHELLO_MESSAGE_MAX.
+        self._message_max: int | None = self.conn.max_message_size
+        if self._message_max is None or self._message_max > PREHELLO_MESSAGE_MAX:
+            self.conn.max_message_size = PREHELLO_MESSAGE_MAX
+        self._greeted = False  # the app accepted its `hello` (`_greet`)
+        self._group = ""  # whose share of the inbound budget its big frames take (given with the hello)
+        self._handling = False  # before `hello`: the app took a message and has not asked for the next
+        self._frame_left = 0  # payload bytes of the frame being fed that the parser has not had yet
+        self._frame_first = 0  # that frame's first byte (FIN, RSV bits, opcode)
+        self._compressed = False  # the message being fed is compressed (RSV1 on its first frame)
+        self._message_reserved = 0  # inbound budget reserved for the message being fed
+        self._reserved: deque[int] = deque()  # …for each message fed whole, until the app takes it
+        self._wanted = 0  # what it waits for, while it waits for the budget (`_waiting`)
+        self._granted = 0  # what the budget gave it while it waited, for the frame head next in `_unfed`
+        self._waiting = False
         send_response = self.conn.send_response
 
         def stamped(response: WsResponse) -> None:
@@ -1536,20 +1566,20 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     def _peer(self) -> str:
         return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
 
-    def _log_refusal(self, msg: str, *args: object) -> None:
+    def _log_refusal(self, msg: str, *args: object, level: int = logging.INFO) -> None:
         """A refused handshake's line: bounded by the server's limits, when `protocol_class` bound them."""
         if self.refusal_lines is None:
-            log.info(msg, *args)
+            log.log(level, msg, *args)
         else:
-            self.refusal_lines.line(logging.INFO, msg, *args, logger=log)
+            self.refusal_lines.line(level, msg, *args, logger=log)
 
-    def _say(self, msg: str, *args: object) -> None:
+    def _say(self, msg: str, *args: object, level: int = logging.INFO) -> None:
         """A line about this socket (`EdgeSlot.say`: through the refusal limit until its `hello`, or
         a request before the upgrade, authenticated); a refusal line when it came with no slot."""
         if self._origin is not None:
-            self._origin.say(logging.INFO, msg, *args)
+            self._origin.say(level, msg, *args)
         else:
-            self._log_refusal(msg, *args)
+            self._log_refusal(msg, *args, level=level)
 
     async def send(self, message: Any) -> None:
         transport = self.transport
@@ -1574,6 +1604,8 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         finally:
             if lift:
                 self.writable.clear()  # still paused: resume_writing sets it
+        if message["type"] in ("websocket.accept", "websocket.close"):
+            self._pump()  # what came before the 101 may go to the parser now; after a close, its answer
         if self.initial_response is not None and self.close_sent and not self.handshake_complete:
             # A refusal answered over HTTP (the `websocket.http.response` extension, which the
             # guard uses: a 403 for a foreign Origin, …) is the handshake's end, as an accept or a
@@ -1602,48 +1634,194 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._writes_blocked = False
         if isinstance(self.transport, PassWrites):
             self.transport.watch_open = False  # open and draining: ws_send_timeout_s and pings again
-        if not self.read_paused and not self._unfed and not self.transport.is_closing():
-            self.transport.resume_reading()  # not while a message waits for the app (uvicorn's pause)
+        self._pump()  # reads again, unless a message waits for the app (uvicorn's pause) or more
+
+    def _over_blocked(self) -> bool:
+        return self._writes_blocked and self._read_while_blocked > WS_READ_WHILE_BLOCKED
+
+    # ── what is read from the client, and when ───────────────────────────────────────────────
+    # uvicorn hands every byte read to its parser at once and pauses only once a whole message
+    # waits for the app: a socket read and assembled any frame up to the frame limit (4 MiB),
+    # before its `hello` too, and every frame of a read was parsed whatever the app had taken.
+    # Here the bytes read go to the parser only as far as they may (`_feedable`, which follows the
+    # frames' heads): before the handshake's 101 nothing (the parser would judge frames of a
+    # connection not yet open: an unmasked one escaped as an AssertionError, an asyncio traceback
+    # per connection); before `hello`, one message of at most PREHELLO_MESSAGE_MAX, and the next
+    # once the app has handled it; after it, a big frame once the server's inbound budget has room
+    # for it (security/ws_inbound.py). What may not go yet waits in `_unfed`, and the socket is not
+    # read meanwhile: the client's further frames wait in TCP.
+    # With permessage-deflate, a read goes to the parser a slice at a time: uvicorn inflated every
+    # frame of a read before its pause took effect, and one 256 KiB read of 4 KB frames that each
+    # inflate to just under the frame limit queued ~250 MB for the app (a compression bomb).
 
     def data_received(self, data: bytes) -> None:
-        if self._writes_blocked:
-            self._read_while_blocked += len(data)
-        if self._inflates:
-            self._unfed += data
-            self._feed()
-        else:
-            super().data_received(data)
-        self._hold_reads_if_over()
+        try:
+            if not self.handshake_initiated:  # the upgrade request, replayed by the HTTP protocol
+                if not self.transport.is_closing():
+                    super().data_received(data)
+                return
+            if self._writes_blocked:
+                self._read_while_blocked += len(data)
+            if self.transport.is_closing():
+                return
+            if self._unfed or not self._may_feed():
+                self._unfed += data
+                if len(self._unfed) > WS_UNFED_MAX:
+                    self._drop("sent %d bytes the server could not take yet", len(self._unfed))
+                    return
+            else:
+                n = self._feedable(data)
+                if n < len(data):
+                    self._unfed += memoryview(data)[n:]
+                if n:
+                    super().data_received(data if n == len(data) else data[:n])
+            self._pump()
+        except Exception as exc:  # never asyncio's fatal-error traceback, which any client could cause
+            self._broken(exc)
 
     async def receive(self) -> Any:
-        message = await super().receive()  # resumes reading once the app took the queued message
-        if self._unfed:
-            self._feed()  # what the last read brought past the message just taken
-        self._hold_reads_if_over()  # …but not past the budget of a client that leaves writes untaken
+        # (uvicorn's, which resumed reading whenever the queue was empty)
+        self._handling = False  # it asks for the next message: it is done with the one before
+        self._pump()
+        message = await self.queue.get()
+        if message["type"] == "websocket.receive":
+            self._handling = True
+            if self._reserved:
+                self._release(self._reserved.popleft())
+        if self.read_paused and self.queue.empty():
+            self.read_paused = False
+        self._pump()
         return message
 
-    # ── permessage-deflate ───────────────────────────────────────────────────────────────────
-    # uvicorn inflates every frame of a socket read before its pause takes effect: one 256 KiB
-    # read of 4 KB frames that each inflate to just under the frame limit queued ~250 MB for the
-    # app (a compression bomb: ~1000× the bytes sent). With compression on, a read is fed to the
-    # parser in small slices, and feeding stops while a message waits for the app, as reading
-    # does: at most about one slice's worth of frames is inflated ahead of the app.
+    def _may_feed(self) -> bool:
+        """Whether the parser may be given more now."""
+        if not self.handshake_complete or self.initial_response is not None or self.transport.is_closing():
+            return False  # before the 101 (or refused)
+        if self.close_sent:
+            return True  # its close is awaited, and uvicorn drops what comes before it
+        return not (self.read_paused or self._waiting or (self._handling and not self._greeted))
 
-    def _feed(self) -> None:
-        while self._unfed and not self.read_paused and not self.transport.is_closing():
-            piece = bytes(self._unfed[:WS_INFLATE_SLICE])
-            del self._unfed[:WS_INFLATE_SLICE]
-            super().data_received(piece)
-        if self._unfed and self.read_paused:
-            self.transport.pause_reading()  # (uvicorn paused it already: kept so for what is unfed)
+    def _pump(self) -> None:
+        """Feed the parser what it may take now (`_feedable`), then read on, or hold the reads."""
+        try:
+            while self._unfed and self._may_feed():
+                n = self._feedable(self._unfed)
+                if n == 0:
+                    break
+                piece = bytes(self._unfed[:n])
+                del self._unfed[:n]
+                super().data_received(piece)
+            if self.transport.is_closing():
+                self._unfed.clear()
+                return
+            if not self._may_feed() or self._over_blocked():
+                self.transport.pause_reading()
+            else:  # nothing waits to be fed, or only a frame head that is not complete yet
+                self.transport.resume_reading()
+        except Exception as exc:
+            self._broken(exc)
 
-    def _hold_reads_if_over(self) -> None:
-        if (
-            self._writes_blocked
-            and self._read_while_blocked > WS_READ_WHILE_BLOCKED
-            and not self.transport.is_closing()
-        ):
-            self.transport.pause_reading()
+    def _feedable(self, buf: bytes | bytearray) -> int:
+        """How many bytes at the start of `buf` go to the parser now, following the frames' heads;
+        they must then be fed (the frames walked are counted as fed). All of them, or up to a head
+        not complete yet, or one that must wait for the inbound budget; before `hello`, up to the
+        end of the first message; with permessage-deflate, about a slice (`WS_INFLATE_SLICE`)."""
+        n, end = 0, len(buf)
+        stop = min(end, WS_INFLATE_SLICE) if self._inflates else end
+        while n < stop:
+            if self._frame_left:
+                step = min(self._frame_left, stop - n)
+                n += step
+                self._frame_left -= step
+                if not self._frame_left and self._frame_ends_message() and not self._greeted:
+                    return n  # before `hello`, one message at a time
+                continue
+            head = frame_head(buf, n)
+            if head is None:
+                return n
+            size, length, first = head
+            limit = self.conn.max_message_size
+            if limit is not None and length > limit:
+                return n + size  # the parser refuses it at its head (1009), its payload unread
+            if (first & 0x0F) in (OP_TEXT, OP_BINARY) and not self._begin_message(length, first):
+                return n  # waits for the budget
+            n += size
+            self._frame_left, self._frame_first = length, first
+            if not length and self._frame_ends_message() and not self._greeted:
+                return n
+        return n
+
+    def _begin_message(self, length: int, first: int) -> bool:
+        """A text or binary frame begins a message: reserve what it may take of the inbound budget
+        (after `hello`; nothing for a small one). False: it must wait for the budget."""
+        self._compressed = bool(first & 0x40)
+        budget = self.inbound
+        need = 0
+        if budget is not None and self._greeted and not self.close_sent:
+            frame_max = self._message_max or length
+            need = budget.need(length, fin=bool(first & 0x80), compressed=self._compressed, frame_max=frame_max)
+        if need and self._granted:  # it waited, and the budget reserved it
+            need, self._granted = self._granted, 0
+        elif need and budget is not None and not budget.reserve(self._on_granted, self._group, need):
+            self._waiting, self._wanted = True, need
+            return False
+        self._message_reserved += need  # (a message begun inside another fails at the parser: kept till the end)
+        return True
+
+    def _frame_ends_message(self) -> bool:
+        """The frame just walked ends a message (a data frame with FIN): the app gets it once it
+        is parsed, and what it reserved is given back once the app takes it (`receive`)."""
+        first = self._frame_first
+        if first & 0x0F > OP_BINARY or not first & 0x80:
+            return False  # a control frame, or fragments follow
+        self._reserved.append(self._message_reserved)
+        self._message_reserved = 0
+        return True
+
+    def _on_granted(self) -> None:
+        """The inbound budget took what this connection waited for: feed on (in a pass of its own)."""
+        self._granted, self._waiting = self._wanted, False
+        self.loop.call_soon(self._pump, context=contextvars.Context())
+
+    def _release(self, n: int) -> None:
+        if n and self.inbound is not None:
+            self.inbound.release(self._group, n)
+
+    def _greet(self, group: str) -> None:
+        """The app accepted its `hello` (`asgi.greeted`): the limits before it end, and its big
+        frames take `group`'s share of the inbound budget. Read on at the app's next `receive`."""
+        self._greeted, self._group = True, group
+        self.conn.max_message_size = self._message_max
+
+    def _drop(self, why: str, *args: object) -> None:
+        """Abort the connection, with a line saying `why` (the edge's own words, and `args`)."""
+        self._unfed.clear()
+        self._say("websocket from %s " + why + ": dropped", self._peer(), *args, level=logging.WARNING)
+        self.transport.abort()
+
+    def _broken(self, exc: Exception) -> None:
+        """What a client sent made the protocol fail (a bug, never the client's fault): one bounded
+        line and the connection dropped, never asyncio's traceback for each connection."""
+        self._drop("broke the server's reading of its frames (%s)", repr(exc)[:TEXT_SHOWN])
+
+    def handle_parser_exception(self) -> None:
+        close = self.conn.close_sent
+        failed = self.conn.parser_exc
+        if failed is not None:
+            code, reason = (close.code, close.reason) if close is not None else (1006, str(failed))
+            self._say(
+                "websocket from %s sent an invalid frame%s (%s): closing (%d)",
+                self._peer(),
+                "" if self._greeted else " before its hello",
+                reason[:TEXT_SHOWN],
+                code,
+            )
+        if close is None:  # not open (uvicorn asserted it was, and the AssertionError escaped)
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": 1006})
+            self.close_sent = True
+            self.transport.close()
+            return
+        super().handle_parser_exception()
 
     def take_slot(self, slot: EdgeSlot) -> None:
         """The place of the HTTP connection this socket was upgraded from; when that had not
@@ -1675,6 +1853,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         if scope is not None:
             scope["extensions"][WRITE_FRAME] = self.write_frame
             scope["extensions"][PROVE] = self._prove
+            scope["extensions"][GREETED] = self._greet
 
     def shutdown(self) -> None:
         super().shutdown()  # the close (1012) is written and the transport asked to close
@@ -1691,6 +1870,23 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                 WS_SHUTDOWN_DRAIN_S,
             )
             self.transport.abort()
+
+    # websockets' parser keeps the last frame it parsed (a local of its generator) until it parses
+    # the next: each socket held its last message's payload (up to 4 MiB; 250 sockets, ~700 MB)
+    # for as long as its client sent nothing more, after the app had long taken it. uvicorn has
+    # taken the payload once these return (joined, decoded or queued): the frame lets it go.
+
+    def handle_text(self, event: Frame) -> None:
+        super().handle_text(event)
+        event.data = b""
+
+    def handle_bytes(self, event: Frame) -> None:
+        super().handle_bytes(event)
+        event.data = b""
+
+    def handle_cont(self, event: Frame) -> None:
+        super().handle_cont(event)
+        event.data = b""
 
     def send_receive_event_to_app(self) -> None:
         # A text message that is not UTF-8 is the client's fault, closed with 1007; uvicorn logged
@@ -1739,6 +1935,13 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._slot is not None:
             self._slot.gone()
+        self._unfed = bytearray()
+        if self.inbound is not None:  # what it held of the inbound budget, and its place in the queue
+            self.inbound.cancel(self._on_granted)
+            held = sum(self._reserved) + self._message_reserved + self._granted
+            self._reserved.clear()
+            self._message_reserved = self._granted = 0
+            self._release(held)
         release = getattr(self.transport, "release", None)  # PassWrites: its send timeout's timer
         if release is not None:
             release()
@@ -1755,3 +1958,4 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         extensions = getattr(self, "scope", {}).get("extensions") or {}  # no scope: refused handshake
         extensions.pop(WRITE_FRAME, None)
         extensions.pop(PROVE, None)
+        extensions.pop(GREETED, None)

@@ -537,6 +537,12 @@ class Connection:
             return f"{p.kind}:{p.subject}"
         return f"address:{self._address}"
 
+    @property
+    def group(self) -> str:
+        """Whose share of the server's budgets this connection takes (`_group`): the edge's inbound
+        budget groups its big frames by it too (`security.asgi.greeted`)."""
+        return self._group()
+
     # ------------------------------------------------------------ what it holds
 
     @property

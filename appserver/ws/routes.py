@@ -38,6 +38,7 @@ from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.runtime.kernel import COUNTED_FOR, NAMESPACE_DEFAULT_PREFIX, Submission
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
+from appserver.security.asgi import greeted
 from appserver.security.limits import TOO_MANY_OPEN_TURNS, OpenTurns, open_turns_key
 from appserver.server import Server
 from appserver.store.base import StoreUnavailable, StoreValueRefused
@@ -347,6 +348,11 @@ class Endpoint:
                         "message": f"{type(exc).__name__}: the server could not handle this frame",
                     }
                 )
+            # Nothing of the frame is kept while the next one is awaited: every socket held its last
+            # message (up to the 4 MiB frame limit) and its parse for as long as its client sent
+            # nothing more, outside the edge's inbound budget (250 sockets held ~1 GB so).
+            del message
+            text = frame = request_id = None
             if not conn.alive:
                 return
 
@@ -488,6 +494,8 @@ class Endpoint:
                 raise AuthError(401, "auth_required", "this connection is not authenticated")
             conn.principal = authenticate(frame.token)
         conn.greeted = True
+        # the edge reads this socket under the limits after `hello` from its next frame on
+        greeted(websocket.scope, conn.group)
         # Shown to other clients (`approval_resolved.decided_by`) and to the model (a denial's
         # text): one line like `on_behalf_of`, never a "\nSYSTEM: …" or a bidi override.
         conn.client_name = _display_name(frame.client) or None

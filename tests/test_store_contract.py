@@ -773,6 +773,18 @@ async def test_resolve_pending_first_answer_wins_and_overdue(store: AnyStore) ->
 # ------------------------------------------------------------------ OpenAI HTTP surface
 
 
+async def test_deleting_an_agent_deletes_its_stored_responses(store: AnyStore) -> None:
+    """Its conversations cascade away; its responses (no foreign key) went nowhere, unreachable."""
+    await _agent_and_conversation(store)
+    await _agent_and_conversation(store, conv="conv_2", agent="agt_2")
+    for i, (agent, conv) in enumerate([("agt_1", "conv_1"), ("agt_1", "conv_1"), ("agt_2", "conv_2")]):
+        await store.save_response(ResponseRecord(id=f"resp_{i}", agent_id=agent, conversation_id=conv, body={"i": i}))
+    await store.save_response(ResponseRecord(id="resp_old", agent_id="agt_gone", conversation_id="c", body={}))
+    assert await store.delete_agent("agt_1") is True
+    assert [await store.get_response(f"resp_{i}") is None for i in range(3)] == [True, True, False]
+    assert await store.get_response("resp_old") is None  # an orphan an older version left
+
+
 async def test_responses_save_replace_get_delete(store: AnyStore) -> None:
     body = {"id": "resp_1", "object": "response", "output": [{"b": 1, "a": 2}]}
     r = ResponseRecord(

@@ -51,6 +51,10 @@ QUALIFIED_ID_RE = re.compile(CONVERSATION_ID_RE.pattern[:-1] + "~[0-9a-f]{" + st
 EMPTY_HASH = hashlib.sha256(b"appserver-history-v1").hexdigest()
 CALL_TAIL_MAX = 512  # messages read back from a point to find the calls open there (its results, then them)
 CALL_TAIL_SHORT = 16  # the first read (most rounds have fewer results)
+# Points of one history a request looks at (`by_prefix`): the newest recorded among the caller's
+# own conversations of the agent. A client that opens every request with the same few messages
+# forks a conversation each time, all at that point; the lookup reads these few, not them all.
+PREFIX_CANDIDATES = 16
 
 
 def name_ids(ref: str, namespace: str | None) -> list[str]:
@@ -877,27 +881,29 @@ class ConversationMatcher:
         """`answers`: the new input answers tool calls; a fork or a new conversation is then made
         paused at them (a resent finished tool round forks and is answered; a history whose calls
         this server never issued is seeded and answered). `while_pending`: the route's refusal of
-        new input at a point whose calls wait for answers (a fork never takes it: `fork_at`)."""
+        new input at a point whose calls wait for answers (a fork never takes it: `fork_at`).
+
+        The candidates are the `PREFIX_CANDIDATES` points of the history most recently recorded in
+        conversations the caller sees (`visible`, decided in the store's read), most recently
+        active first: the first still at that point and free is continued, else the first is
+        forked from. Each reply records its conversation's point as it is made, so the one a client
+        goes on with is among them unless as many others of the caller's reached that history since."""
         if not prefix:
             if answers is not None:  # results with no call before them: refused, nothing written
                 split_paused([], answers)
             conv = await self._new(agent, namespace, user=user, metadata=metadata)
             return Placement(conv.id, "new", claimed=True)
         h = chain(prefix)
-        candidates = []
-        points = await self.store.find_history_points(agent.id, h)
+        points = await self.store.find_history_points(agent.id, h, namespace=namespace, limit=PREFIX_CANDIDATES)
         rounds: dict[str, MessageRecord | None] = {}  # conversation → the message that made the answered calls
         if answers is not None and points:
             rounds = await self._answerable(points, answers)
             points = [p for p in points if p.conversation_id in rounds]
+        heads = await self.store.last_message_ids([p.conversation_id for p in points])
         for point in points:
-            found = await self.store.get_conversation(point.conversation_id)
-            if found is None or not self.visible(found, agent, namespace):
-                continue
-            candidates.append(point)
-            head = await self.store.last_message_id(point.conversation_id)
-            moving = await self.moving_elsewhere(point.conversation_id, answering=answers is not None)
-            if head != point.last_message_id or moving:
+            if heads[point.conversation_id] != point.last_message_id:
+                continue  # moved past it: only forked from
+            if await self.moving_elsewhere(point.conversation_id, answering=answers is not None):
                 continue
             if self.free(point.conversation_id, answering=answers is not None):  # no await between check and claim
                 self.claim(point.conversation_id)
@@ -906,8 +912,8 @@ class ConversationMatcher:
                     return Placement(point.conversation_id, "prefix", True, point.last_message_id)
                 calls = [dict(c) for c in made.tool_calls]
                 return Placement(point.conversation_id, "prefix", True, point.last_message_id, made.turn_id, calls)
-        if candidates:
-            src = candidates[0]
+        if points:
+            src = points[0]
             conv_id = await self.fork_at(
                 agent,
                 namespace,

@@ -19,7 +19,7 @@ from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.history import History
-from appserver.runtime.lifecycle import TurnLifecycle, wait_left_pause
+from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.queue import TurnQueue
 from appserver.runtime.run import TurnRunner
@@ -126,26 +126,32 @@ class ConversationRuntime:
     # ------------------------------------------------------------ cancel
 
     async def cancel(self, *, shutdown: bool = False) -> bool:
-        """Stop the running turn, or close the paused one. True only when the turn will end
-        cancelled; False when nothing ran or its outcome was already decided (being saved)."""
+        """Stop the running turn, close the paused one, or cancel the one about to start: the one
+        door every front end's cancel comes through (Kernel.cancel). True only when the turn will
+        end cancelled, and then only once that is saved with the turn (`TurnRunner.save_cancel`):
+        acknowledged = committed, so a crash right after still ends it cancelled. False when
+        nothing ran or its outcome was already decided (being saved). `shutdown`: the server's
+        stop, which saves nothing (its turns end interrupted)."""
         if shutdown:
             self.queue.close()
         state = self.lifecycle.state
+        lease: Lease | None = None
         if state in ("active", "cancelling"):
             lease = self.lifecycle.request_cancel()
-            if lease is None:
-                return False
-            self._runner.cancel_loop(self.queue.worker)
-            if not shutdown:
-                await wait_left_pause(lease)  # a turn just taken out of its pause: see Lease.left_pause
-            return True
-        if shutdown:
+            if lease is not None:
+                self._runner.cancel_loop(self.queue.worker)
+            if lease is None or shutdown:
+                return lease is not None
+        elif shutdown:
             return False
-        if state == "awaiting":
-            return await self._answers.cancel()
-        if state == "idle":
-            return self.queue.cancel_next()
-        return False
+        elif state == "awaiting":
+            lease = self._answers.cancel()
+        elif state == "idle":
+            return await self.queue.cancel_next()
+        if lease is None:
+            return False
+        await self._runner.save_cancel(lease.turn_id, lease)
+        return True
 
     @property
     def holds_turns(self) -> bool:

@@ -84,8 +84,6 @@ async def finish_turn(
             controller.settle_calls(commit.messages)
             if seat is not None:
                 seat.history.extend(commit.messages)
-    if lease is not None:
-        lease.left_pause.set()  # committed (or failed for good): a cancel waiting for it may answer
     # From here on nothing awaits: no other task sees the turn half settled.
     record.status = end.status
     if end.status == "awaiting" and commit is not None and lease is not None and seat is not None:
@@ -94,8 +92,8 @@ async def finish_turn(
         seat.lifecycle.pause(lease)
         seat.answers.paused(record, commit.pending)
         settled(record, controller.snapshot())
-        if lease.cancel_event.is_set():
-            seat.answers.take(record, None)  # a cancel accepted while the pause was being saved
+        if lease.cancel_event.is_set():  # a cancel accepted while the pause was being saved
+            seat.answers.take(record, None).client_cancel = lease.client_cancel
         return Finished(end, failure)
     controller.finish(SETTLED_SNAPSHOT_STATUS[end.status], end.stop_reason, end.error)
     if lease is not None and seat is not None:

@@ -28,7 +28,7 @@ from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import finish_turn
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store, restart_revision
-from appserver.runtime.settle import TurnEnd, close_unanswered, server_stopped, withdrawn
+from appserver.runtime.settle import TurnEnd, cancelled_results, close_unanswered, server_stopped, withdrawn
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import TERMINAL_STATUSES
 from appserver.runtime.watch import Watch
@@ -40,6 +40,7 @@ from appserver.store.records import (
     MessageRecord,
     TurnCommit,
     TurnRecord,
+    TurnStatus,
 )
 
 NAMESPACE_DEFAULT_NAME = "conv_default"
@@ -488,7 +489,9 @@ class Kernel:
         self._trim_after_time = time.monotonic() + 1.0
 
     async def settle_crashed(self, *, requeue: bool) -> int:
-        """Close turns left `running` by a process that died (kill -9, power loss) as interrupted."""
+        """Close turns left `running` by a process that died (kill -9, power loss) as interrupted,
+        or cancelled when a cancel of one was acknowledged (`_settle_left`); queue the queued ones
+        again (`requeue`: a server's start), a cancelled one to end so as the worker begins it."""
         settled = 0
         for turn in await self.store.open_turns(["running", "queued"]):
             if turn.owner and turn.owner != self.owner and identity_alive(turn.owner):
@@ -501,7 +504,7 @@ class Kernel:
                     if rt.queue.requeue(turn):
                         await self._took_up(turn, rt.handles.get(turn.id))
                 continue
-            await self._settle_interrupted(turn)
+            await self._settle_left(turn)
             settled += 1
         return settled
 
@@ -532,7 +535,7 @@ class Kernel:
                         "turn %s runs on live instance %s, which no longer holds its conversation", turn.id, turn.owner
                     )
                     continue
-                await self._settle_interrupted(turn)
+                await self._settle_left(turn)
             elif not rt.queue.closed and self.runtimes.get(rt.conversation_id, rt) is rt:
                 # (an HTTP input too: its client's retry, sent to this server before the dead
                 # one was judged gone, may already follow it by its Idempotency-Key)
@@ -571,11 +574,16 @@ class Kernel:
             turn.conversation_id,
         )
 
-    async def _settle_interrupted(self, turn: TurnRecord) -> None:
+    async def _settle_left(self, turn: TurnRecord) -> None:
         """Close a turn a dead process left running: interrupted, keeping its input and the text
-        it checkpointed, each dangling call given a result ("outcome unknown"). Ends in
-        `finish_turn` like every turn; a commit that fails here fails the start."""
+        it checkpointed, each dangling call given a result ("outcome unknown"). A turn whose
+        cancel was acknowledged (`TurnRecord.cancel_ack`, saved before the acknowledgement) ends
+        cancelled instead, as promised: its text kept as cancelled text, each dangling call's
+        result saying what became of it (`cancelled_results`: never run, stopped, answered).
+        Ends in `finish_turn` like every turn; a commit that fails here fails the start."""
         history = await self.store.list_messages(turn.conversation_id)
+        ack = turn.cancel_ack
+        pending = {p.call_id: p for p in await self.store.list_pending(turn.id)} if ack is not None else {}
         messages: list[MessageRecord] = []
         # a damaged input (rows.py `TurnRecord.damaged`) reads as its raw stored text: never the user's message
         writes_input = not turn.input_committed and "input" not in turn.damaged
@@ -587,7 +595,11 @@ class Kernel:
         answered = {m.tool_call_id for m in history if m.role == "tool"}
         for m in history:
             if m.role == "assistant" and m.turn_id == turn.id:
-                messages.extend(close_unanswered(m, turn.id, answered, interrupted_text))
+                if ack is None:
+                    messages.extend(close_unanswered(m, turn.id, answered, interrupted_text))
+                else:
+                    messages.extend(cancelled_results(m, turn.id, answered, ack, pending, self.config))
+        status: TurnStatus = "interrupted" if ack is None else "cancelled"
         if text:
             messages.append(
                 MessageRecord(
@@ -595,10 +607,10 @@ class Kernel:
                     content=text,
                     turn_id=turn.id,
                     iteration=turn.iteration,
-                    completion_status="interrupted",
+                    completion_status=status,
                 )
             )
-        error = server_stopped()
+        error = server_stopped() if ack is None else None
         # Its snapshot shows what history keeps (was: no blocks, wiping a client's partial reply),
         # at a restart revision (restore.py `restart_revision`, the clock): above any the dead
         # process published and never stored, so a client that saw them takes this end. Stored as
@@ -606,7 +618,7 @@ class Kernel:
         published = restart_revision(turn)
         commit = TurnCommit(
             turn.id,
-            "interrupted",
+            status,
             "cancelled",
             messages,
             error=error,
@@ -616,11 +628,12 @@ class Kernel:
             input_committed=turn.input_committed or writes_input,
         )
         shown = [m for m in history if m.turn_id == turn.id] + messages
-        await self._settle_unheld(turn, TurnEnd("interrupted", "cancelled", error, commit), shown, published)
+        await self._settle_unheld(turn, TurnEnd(status, "cancelled", error, commit), shown, published)
         log.warning(
-            "turn %s of conversation %s was interrupted by a stop; kept %d characters of its text",
+            "turn %s of conversation %s was %s; kept %d characters of its text",
             turn.id,
             turn.conversation_id,
+            "interrupted by a stop" if ack is None else "cancelled before a stop (its cancel was acknowledged)",
             len(text),
         )
 

@@ -20,25 +20,10 @@ class Lease:
     cancel_event: asyncio.Event = field(default_factory=asyncio.Event)
     # The turn's outcome is decided and being saved (see TurnLifecycle.settle): a cancel is too late.
     final: bool = False
-    # Set once the store no longer shows the turn paused (runtime/run.py marks a resumed turn
-    # running first): from then on a crash settles it as interrupted and never resumes it. A cancel
-    # of a turn taken out of its pause waits for this before it is acknowledged, so a kill -9 right
-    # after the acknowledgement cannot resume the turn and run a call the cancel stopped.
-    left_pause: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-LEAVE_WAIT_S = 5.0  # how long a cancel waits for its turn to leave its pause in the store
-
-
-async def wait_left_pause(lease: Lease) -> None:
-    """Until the store no longer shows `lease`'s turn paused (`Lease.left_pause`), or LEAVE_WAIT_S:
-    a store that cannot write now does not hold a cancel's answer for ever (the turn then fails
-    with the store's error, and a crash meanwhile is what the store allows)."""
-    if not lease.left_pause.is_set():
-        try:
-            await asyncio.wait_for(lease.left_pause.wait(), LEAVE_WAIT_S)
-        except TimeoutError:
-            pass
+    # The cancel came from a client (acknowledged `cancelled`: true, and saved with the turn for a
+    # restart, `Store.record_cancel`), not from the server's stop: the turn ends cancelled even
+    # when the server stops before it settled.
+    client_cancel: bool = False
 
 
 class TurnLifecycle:
@@ -72,8 +57,6 @@ class TurnLifecycle:
         elif self._state != "idle":
             raise RuntimeError(f"cannot begin a turn while {self._state}")
         lease = Lease(next(self._ids), turn_id)
-        if self._state == "idle":  # a new turn: never paused, nothing to leave
-            lease.left_pause.set()
         self._lease = lease
         self._awaiting_turn = None
         self._state = "active"

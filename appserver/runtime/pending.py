@@ -15,17 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from appserver.agent.events import ToolCallStatus
-from appserver.agent.loop import TurnWork, resolution_text
+from appserver.agent.loop import TurnWork
 from appserver.errors import InvalidInput, NotAwaiting
 from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.history import History
-from appserver.runtime.lifecycle import Lease, TurnLifecycle, wait_left_pause
+from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.restore import controller_from_store
+from appserver.runtime.settle import CANCELLED_UNANSWERED, answered_result
 from appserver.store.records import MessageRecord, PendingCall, TurnRecord
-
-CANCELLED_UNANSWERED = "The turn was cancelled before this call was answered; it was not executed."
 
 
 @dataclass(slots=True)
@@ -81,6 +80,11 @@ class PendingAnswers:
         self._lifecycle.restore_awaiting(turn.id)
         self._board.remember(TurnHandle(turn.id, self._conversation_id, controller))
         self._awaiting = turn
+        if turn.cancel_ack is not None:
+            # A cancel of it was acknowledged before a crash: it ends cancelled, as it would have
+            # then (the worker closes its calls), never resumed.
+            self.take(turn, None).client_cancel = True
+            return
         await self.expire_overdue()
         if self._lifecycle.state == "awaiting" and self._resume is None:
             await self._maybe_resume()
@@ -204,18 +208,14 @@ class PendingAnswers:
 
     # ------------------------------------------------------------ cancel
 
-    async def cancel(self) -> bool:
-        """Close the paused turn (the worker gives each call its one result). False when none."""
+    def cancel(self) -> Lease | None:
+        """Take the paused turn to close it (the worker gives each call its one result): its lease,
+        or None when none is paused. The caller saves the cancel before acknowledging it
+        (`TurnRunner.save_cancel`), which answers the open calls in the store: an answer that comes
+        after hears so, and a crash after leaves the turn to end cancelled, never resumed."""
         if self._lifecycle.state != "awaiting" or self._awaiting is None:
-            return False
-        turn = self._awaiting
-        lease = self.take(turn, None)
-        # The open calls are answered now, so an answer that comes after this hears so.
-        await self._cancel_open_calls(turn.id)
-        # Calls answered before the cancel (an approval) stay answered in the store until the turn
-        # leaves its pause there: a crash before that would resume it and run them.
-        await wait_left_pause(lease)
-        return True
+            return None
+        return self.take(self._awaiting, None)
 
     def abandon(self) -> None:
         """The conversation is gone from the store: hand the paused turn to the worker to end it,
@@ -241,14 +241,7 @@ class PendingAnswers:
         for p in await self._deps.store.list_pending(record.id):
             if p.call_id in answered:
                 continue
-            if p.status == "approved":
-                text, is_error = (
-                    f"The call to {p.name} was approved, but the turn was cancelled before it ran; "
-                    "it was not executed.",
-                    True,
-                )
-            else:
-                text, is_error = resolution_text(p, self._deps.config), p.status != "result" or p.is_error
+            text, is_error = answered_result(p, self._deps.config)
             emit(
                 ToolCallStatus(
                     p.call_id,

@@ -65,6 +65,7 @@ class TurnQueue:
         self._accepting: set[int] = set()  # tickets of inputs whose accept has not returned yet
         self._accepted = asyncio.Event()  # set whenever one of them returns (the worker may go on)
         self._cancel_ticket = -1  # an input cancelled by cancel_next while still being accepted
+        self._cancelled_turns: dict[int, str] = {}  # its turn, once accepted, for cancel_next to save
         # Turns of a cluster's accept here not queued yet: a pull meanwhile must not queue them too.
         self._arriving: set[str] = set()
         # (scope, idempotency key) of inputs being accepted → the turn once its accept committed,
@@ -260,6 +261,8 @@ class TurnQueue:
             while at > 0 and items[at - 1].ticket > ticket:
                 at -= 1
         cancelled = ticket == self._cancel_ticket  # cancelled as the next to run while it was accepted
+        if cancelled:
+            self._cancelled_turns[ticket] = record.id
         items.insert(at, Queued(record, handle, ticket=ticket, cancelled=cancelled))
         self._board.remember(handle)  # queued first: a live turn, so no trim of the board drops it
         if placed is not None and at < len(items) - 1:
@@ -289,7 +292,8 @@ class TurnQueue:
             queue_position=at + 1,
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
-        items.insert(at, Queued(record, handle))
+        # a cancel of it acknowledged before a crash: it ends cancelled as the worker begins it
+        items.insert(at, Queued(record, handle, cancelled=record.cancel_ack is not None))
         self._board.remember(handle)
         if at < len(items) - 1:
             self._renumber()
@@ -299,16 +303,28 @@ class TurnQueue:
 
     # ------------------------------------------------------------ leaving the queue early
 
-    def cancel_next(self) -> bool:
+    async def cancel_next(self) -> bool:
         """Cancel the turn about to start (acknowledged as running): it ends cancelled when the
         worker begins it, also when its accept has not returned yet (it goes before the queued
-        ones). False when nothing is queued."""
+        ones). Returns once the cancel is saved with the turn (`TurnRunner.save_cancel`), after
+        its accept. False when nothing is queued."""
         if self._accepting and (not self._items or min(self._accepting) < self._items[0].ticket):
-            self._cancel_ticket = min(self._accepting)
+            ticket = self._cancel_ticket = min(self._accepting)
+            try:
+                while ticket in self._accepting:  # its row exists once the accept returned
+                    self._accepted.clear()
+                    await self._accepted.wait()
+                turn_id = self._cancelled_turns.get(ticket)
+                if turn_id is not None:  # (else its accept failed: nothing to save, nothing runs)
+                    await self._runner.save_cancel(turn_id)
+            finally:
+                self._cancelled_turns.pop(ticket, None)
             return True
         if not self._items:
             return False
-        self._items[0].cancelled = True
+        item = self._items[0]
+        item.cancelled = True
+        await self._runner.save_cancel(item.record.id, accepting=item.accepting)
         return True
 
     async def withdraw(self, turn_id: str, why: str) -> bool:

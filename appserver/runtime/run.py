@@ -24,7 +24,17 @@ from appserver.runtime.handle import TurnHandle
 from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
-from appserver.runtime.settle import TurnEnd, cancel_wins, damaged, deleted, halted, loop_end, store_failure
+from appserver.runtime.settle import (
+    CANCELLED_UNANSWERED,
+    TurnEnd,
+    cancel_ack,
+    cancel_wins,
+    damaged,
+    deleted,
+    halted,
+    loop_end,
+    store_failure,
+)
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import ConversationGone, StoreError, StoreUnavailable, TurnSettledElsewhere
 from appserver.store.integrity import damage_text, is_corruption
@@ -84,6 +94,14 @@ class TurnRunner:
         # unreferenced one may be collected mid-write).
         self._draft_writes: set[asyncio.Task[None]] = set()
         self._draft_failed = ""  # the turn whose failed draft was already logged as a warning
+        # The segment the agent loop runs now (under `_work_lease`), its overlapped accept, and
+        # whether its calls are being saved before its tools run: what a cancel saves
+        # (`save_cancel`). Cleared when the loop returns: the work holds this runner (its
+        # callbacks), a cycle that must not outlive the turn.
+        self._work: TurnWork | None = None
+        self._work_lease: Lease | None = None
+        self._work_accepting: asyncio.Task[None] | None = None
+        self._saving_calls = False
         # Why this conversation no longer exists in the store (its agent was deleted by another
         # process), once known: every turn it still holds ends failed at once, nothing written.
         self.gone: str | None = None
@@ -94,6 +112,32 @@ class TurnRunner:
         if self._loop_running and not self._loop_cancelled and worker is not None:
             self._loop_cancelled = True
             worker.cancel()
+
+    async def save_cancel(
+        self, turn_id: str, lease: Lease | None = None, accepting: asyncio.Task[None] | None = None
+    ) -> None:
+        """Save a cancel just accepted for turn `turn_id` with the turn (`Store.record_cancel`), before
+        it is acknowledged: a crash from then on leaves the turn to end cancelled at the next start,
+        as it ends here (acknowledged = committed). `lease`: the turn's, when it runs or its pause is
+        being closed; what its running segment did so far is taken now, before any await (which
+        calls began, its text: `cancel_ack`). `accepting`: its overlapped accept, waited for first
+        (the turn's row exists once it committed)."""
+        work: TurnWork | None = None
+        draft: dict[str, Any] | None = None
+        if lease is not None:
+            lease.client_cancel = True
+            if self._work_lease is lease:
+                work, accepting = self._work, self._work_accepting
+                handle = self._board.handles.get(turn_id)
+                # (while its calls are being saved the stored draft is cleared, its text moving to
+                # the history: saved again, that text would be kept twice)
+                if work is not None and handle is not None and not self._saving_calls:
+                    draft = handle.controller.draft(self._draft_base)
+        ack = cancel_ack(work)
+        await accept_failure(accepting)  # never accepted: nothing to save (nothing of it is written)
+        await self._deps.store.record_cancel(
+            turn_id, ack, reason=CANCELLED_UNANSWERED, draft=draft if draft and draft["text"] else None
+        )
 
     async def finish(
         self, record: TurnRecord, controller: TurnController, lease: Lease | None, end: TurnEnd
@@ -121,8 +165,9 @@ class TurnRunner:
         controller = handle.controller
         if resume is None:
             lease = lifecycle.begin(record.id)
-            if cancelled:
+            if cancelled:  # by a client (or so acknowledged before a restart: TurnQueue.requeue)
                 lifecycle.request_cancel()
+                lease.client_cancel = True
             controller.set_queue_position(0)
         else:
             lease = resume.lease
@@ -142,13 +187,14 @@ class TurnRunner:
             return
         work: TurnWork | None = None
         elsewhere: TurnSettledElsewhere | None = None
+        self._work_lease, self._work_accepting = lease, accepting
         try:
             if resume is not None or (record.status != "running" and not lease.cancel_event.is_set()):
                 # A resumed turn leaves its pause in the store first, even when a cancel already
-                # came (`Lease.left_pause`): a crash from here on settles it, never resumes it.
+                # came: a crash from here on settles it (cancelled, when the cancel was saved
+                # with it: `save_cancel`), never resumes it.
                 record.status = "running"
                 await deps.store.mark_turn_running(record.id, deps.owner, controller.revision)
-                lease.left_pause.set()
                 lifecycle.check(lease)
             history = await self._history.read()
             lifecycle.check(lease)
@@ -178,6 +224,7 @@ class TurnRunner:
             if accepting is not None:
                 work.before_effects = partial(require_accepted, accepting)
             work.before_tools = partial(self._save_calls, record, controller)
+            self._work = work
 
             def emit(event: Any) -> None:
                 lifecycle.check(lease)
@@ -186,7 +233,7 @@ class TurnRunner:
             if lease.cancel_event.is_set():  # cancelled before it ran: nothing may run now
                 if resume is not None:
                     await self._answers.close_calls(record, work, emit)
-                outcome = halted(self._stopping())
+                outcome = halted(self._stopping() and not lease.client_cancel)
             else:
                 drafts = self._schedule_draft(lease, controller, record.id, -1)
                 self._loop_running = True  # from here a cancel cancels the worker (see cancel_loop)
@@ -195,7 +242,7 @@ class TurnRunner:
                 except asyncio.CancelledError:
                     if not self._loop_cancelled:
                         raise  # the worker itself is being torn down
-                    outcome = halted(self._stopping())
+                    outcome = halted(self._stopping() and not lease.client_cancel)
                 finally:
                     self._loop_running = False
                     if self._loop_cancelled:
@@ -236,6 +283,8 @@ class TurnRunner:
             outcome = LoopOutcome(
                 "failed", "error", {"kind": "internal", "message": why, "retryable": False, "status": None}
             )
+        finally:
+            self._work = self._work_lease = self._work_accepting = None
         if work is None:
             work = TurnWork(agent=None, conversation_id=self._conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]
             if not record.input_committed:
@@ -305,6 +354,7 @@ class TurnRunner:
                 self._conversation_id, record.id, messages, iteration=work.iteration, usage=dict(work.usage)
             )
         )
+        self._saving_calls = True
         try:
             await asyncio.shield(write)
         except asyncio.CancelledError:
@@ -312,6 +362,8 @@ class TurnRunner:
             if not write.cancelled() and write.exception() is None:
                 self._saved(record, work, controller, messages)
             raise
+        finally:
+            self._saving_calls = False
         self._saved(record, work, controller, messages)
 
     def _saved(

@@ -7,12 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 from typing import Any, cast
 
-from appserver.agent.loop import LoopOutcome, TurnWork
+from appserver.agent.loop import LoopOutcome, TurnWork, resolution_text
+from appserver.config import Config
 from appserver.runtime.types import StopReason
 from appserver.store.base import StoreUnavailable, TurnSettledElsewhere
 from appserver.store.groupcommit import is_locked
-from appserver.store.records import MessageRecord, TurnCommit, TurnRecord, TurnStatus
+from appserver.store.records import MessageRecord, PendingCall, TurnCommit, TurnRecord, TurnStatus
 from appserver.values import value
+
+CANCELLED_UNANSWERED = "The turn was cancelled before this call was answered; it was not executed."
 
 
 @value
@@ -243,4 +246,82 @@ def settle_messages(work: TurnWork, completion_status: str) -> list[MessageRecor
         out.append(m)
         out.extend(close_unanswered(m, work.turn_id, answered, stopped_text, started))
     # Results that were produced for calls of this turn stay after their call, in order.
+    return out
+
+
+def cancel_ack(work: TurnWork | None) -> dict[str, Any]:
+    """What a cancel acknowledged for a turn saves with it (`TurnRecord.cancel_ack`), taken as the
+    cancel is accepted: the calls whose tool had begun to run in `work` (the running segment, None
+    when none runs), and those of them that had returned a result not saved yet. A restart after a
+    crash closes the turn's calls from it as this server would have (`cancelled_results`)."""
+    if work is None:
+        return {"started": [], "ran": []}
+    returned = {m.tool_call_id for m in work.new_messages if m.role == "tool"}
+    return {"started": sorted(work.started_calls - returned), "ran": sorted(work.started_calls & returned)}
+
+
+def answered_result(p: PendingCall, config: Config) -> tuple[str, bool]:
+    """The one result (text, is_error) of a paused turn's call when the turn was cancelled before
+    the call ran: the answer it got (approved: that it never ran), or that it was cancelled."""
+    if p.status == "approved":
+        text = f"The call to {p.name} was approved, but the turn was cancelled before it ran; it was not executed."
+        return text, True
+    if p.status == "pending":
+        return CANCELLED_UNANSWERED, True
+    return resolution_text(p, config), p.status != "result" or p.is_error
+
+
+def ran_unsaved_text(name: str) -> str:
+    return (
+        f"The call to {name} returned, but the turn was cancelled and the server stopped before its result was saved."
+    )
+
+
+def cancelled_results(
+    assistant: MessageRecord,
+    turn_id: str,
+    answered: set[str | None],
+    ack: dict[str, Any],
+    pending: dict[str, PendingCall],
+    config: Config,
+) -> list[MessageRecord]:
+    """A result for each call of `assistant` not in `answered` (which it extends), for a turn whose
+    cancel was acknowledged (`ack`, its `TurnRecord.cancel_ack`) before its server died: what that
+    server would have written. A call a person or the client answered, or that was never answered,
+    says so (`pending`: the turn's pending calls by id); one whose tool began that it was stopped,
+    or that it returned unsaved; any other that it was not executed. Never "outcome unknown": the
+    cancel stopped the turn before the crash did."""
+    started, ran = ack.get("started"), ack.get("ran")
+    began: set[Any] | None = None  # a damaged ack no longer says which calls began: each may have
+    returned: set[Any] = set()
+    if isinstance(started, list) and isinstance(ran, list):
+        began, returned = set(started), set(ran)
+    out: list[MessageRecord] = []
+    for c in assistant.tool_calls if assistant.role == "assistant" else ():
+        call_id, name = c["id"], c["name"]
+        if call_id in answered:
+            continue
+        answered.add(call_id)
+        p = pending.get(call_id)
+        if p is not None and p.status != "approved":
+            text, is_error = answered_result(p, config)  # never run: denied, expired, answered by the client
+        elif call_id in returned:
+            text, is_error = ran_unsaved_text(name), True
+        elif began is None or call_id in began:
+            text, is_error = stopped_text(name), True
+        elif p is not None:
+            text, is_error = answered_result(p, config)
+        else:
+            text, is_error = not_run_text(name), True
+        out.append(
+            MessageRecord(
+                role="tool",
+                content=text,
+                turn_id=turn_id,
+                iteration=assistant.iteration,
+                tool_call_id=call_id,
+                name=name,
+                is_error=is_error,
+            )
+        )
     return out

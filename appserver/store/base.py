@@ -226,6 +226,15 @@ class Store(ABC):
     @abstractmethod
     async def save_draft(self, turn_id: str, draft: dict[str, Any]) -> None: ...
     @abstractmethod
+    async def record_cancel(
+        self, turn_id: str, cancel_ack: dict[str, Any], *, reason: str, draft: dict[str, Any] | None = None
+    ) -> bool:
+        """A cancel of an open turn, saved before it is acknowledged (`TurnRecord.cancel_ack`), in
+        one transaction with its calls still pending answered `cancelled` (`reason`) and, when
+        given, the turn's `draft` (its text then): a restart after a crash ends the turn
+        cancelled. False when the turn is settled (or not accepted yet): nothing written."""
+
+    @abstractmethod
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None: ...
     @abstractmethod
     async def checkpoint_turn(
@@ -271,6 +280,11 @@ class Store(ABC):
     @abstractmethod
     async def last_message_id(self, conversation_id: str) -> int: ...
     @abstractmethod
+    async def last_message_ids(self, conversation_ids: Collection[str]) -> dict[str, int]:
+        """`last_message_id` of each conversation (0: no message), in one read: the heads of a
+        prefix match's candidates, not a round trip each."""
+
+    @abstractmethod
     async def save_response(self, response: ResponseRecord) -> None: ...
     @abstractmethod
     async def get_response(self, response_id: str) -> ResponseRecord | None: ...
@@ -306,8 +320,12 @@ class Store(ABC):
         retry of the request that placed it: the store may let it join a later group)."""
 
     @abstractmethod
-    async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
-        """Points with that hash, most recently active conversation first."""
+    async def find_history_points(
+        self, agent_id: str, prefix_hash: str, *, namespace: str | None = None, limit: int = 100
+    ) -> list[HistoryPoint]:
+        """Points with that hash of the agent's conversations that `namespace` owns (None: every
+        namespace's, as admin and the local owner see them): the `limit` most recently recorded,
+        most recently active conversation first (`history_points_read`)."""
 
 
 def conversations_where(
@@ -330,3 +348,30 @@ def conversations_where(
         clauses.append(f"namespace = {mark}")
         params.append(namespace)
     return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+# Run as an agent is deleted. Stored responses have no foreign key to their conversation: without
+# this, a deleted agent's responses (bodies and inputs, the user's text) stayed on disk, unreachable
+# through the API. Orphans an older version left go with the next deletion of any agent.
+DELETE_ORPHAN_RESPONSES = "DELETE FROM responses WHERE agent_id NOT IN (SELECT id FROM agents)"
+
+
+def history_points_read(
+    mark: str, agent_id: str, prefix_hash: str, namespace: str | None, limit: int
+) -> tuple[str, list[Any]]:
+    """`find_history_points`' query and its parameters (`mark`: the driver's placeholder). Many
+    conversations reach one history (every request of a client that opens with the same few
+    messages forks another), and the points table only grows with them: the newest `limit`
+    points come off an index on (agent, hash[, owner], time), so a lookup never walks the points
+    of the other conversations, the caller's or another credential's. The join checks the
+    conversation's agent and owner again (`ConversationMatcher.visible`)."""
+    owned = f" AND namespace = {mark}" if namespace is not None else ""
+    seen = f" AND c.namespace = {mark}" if namespace is not None else ""
+    owner = [namespace] if namespace is not None else []
+    query = (
+        "SELECT p.agent_id, p.prefix_hash, p.conversation_id, p.last_message_id, p.created_at FROM ("
+        f"SELECT * FROM history_points WHERE agent_id = {mark} AND prefix_hash = {mark}{owned} "
+        f"ORDER BY created_at DESC LIMIT {mark}) p JOIN conversations c ON c.id = p.conversation_id "
+        f"WHERE c.agent_id = {mark}{seen} ORDER BY c.updated_at DESC, p.created_at DESC"
+    )
+    return query, [agent_id, prefix_hash, *owner, limit, agent_id, *owner]

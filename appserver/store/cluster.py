@@ -59,15 +59,19 @@ LOCK_HELD = (
     f"AND l.classid = {INSTANCE_LOCK_CLASS} AND l.objid = i.lock_key::oid)"
 )
 LIVE = f"(i.heartbeat_at >= {NOW} - %(timeout)s AND (i.heartbeat_at >= {NOW} - %(grace)s OR {LOCK_HELD}))"
-# How a server of the cluster judges the others (`Cluster.params`): as LIVE, but each heartbeat
-# counts from no earlier than `back`, the database time this server's own session came back
-# (after an outage every heartbeat is stale: each instance gets a full timeout from then to renew
-# its own), and nobody is judged at all while this server's session is away (`back` in the future).
-BEAT = "GREATEST(i.heartbeat_at, %(back)s)"
-LIVE_SINCE = f"({BEAT} >= {NOW} - %(timeout)s AND ({BEAT} >= {NOW} - %(grace)s OR {LOCK_HELD}))"
-# `back` while this server's session is away: every heartbeat counts as fresh (1e15 s is some
-# 30 million years ahead, and exact in a double).
+# `back` while this server cannot judge (its session away, its own heartbeat overdue): every
+# heartbeat counts as fresh (1e15 s is some 30 million years ahead, and exact in a double).
 AWAY = 1e15
+# How a server of the cluster judges the others (`Cluster.params`): as LIVE, but each heartbeat
+# counts from no earlier than `back`, the database time this server's own heartbeat was renewed
+# after a gap (its session lost, or the database hung: after an outage every heartbeat is stale,
+# and each instance gets a full timeout from then to renew its own), and nobody is judged at all
+# while it cannot judge (`back` in the future). `until`: the database time after which the
+# statement judges nobody either. A statement sent while this server's heartbeat was fresh may be
+# held up on its way (a database that hangs answers everything that waited at once when it comes
+# back, before any heartbeat is renewed): run late, it would find every heartbeat stale.
+BEAT = f"GREATEST(i.heartbeat_at, %(back)s, CASE WHEN {NOW} > %(until)s THEN {AWAY:.0f}::float8 ELSE 0 END)"
+LIVE_SINCE = f"({BEAT} >= {NOW} - %(timeout)s AND ({BEAT} >= {NOW} - %(grace)s OR {LOCK_HELD}))"
 
 
 class Database(Protocol):
@@ -136,7 +140,9 @@ class Cluster:
         self._up_since: float | None = None  # when the session was (re)connected
         self._down_since: float | None = None  # when it was lost, while it is
         self._beat_ok = time.monotonic()  # when the heartbeat was last renewed (or the session taken)
-        # The database time the session came back after it was lost (0: never lost), AWAY while it is.
+        self._beat_db = 0.0  # the database time of that renewal
+        # The database time the heartbeat was renewed after a gap (the session lost, the database
+        # hung; 0: never), from which the others' heartbeats count.
         self._back_at = 0.0
         self.on_lost: Callable[[], None] | None = None  # the kernel: stop what runs here
         # The store's repairs (writes an outage made fail), run after a heartbeat renewed.
@@ -145,20 +151,49 @@ class Cluster:
         self._said_unserved = False  # a request from a peer refused while fenced was logged
 
     @property
+    def trust_s(self) -> float:
+        """How long after its own heartbeat's last renewal this server still judges the others.
+        Half the timeout: the others' heartbeats, renewed a heartbeat apart, look at most this much
+        older than they are when a stall of the whole database ends, still short of the timeout."""
+        return self.instance_timeout_s / 2
+
+    @property
     def params(self) -> dict[str, float]:
         """How the others are judged (the parameters of LIVE_SINCE). While this instance's own
-        session is away, not at all: everyone counts as live (its pool may reach the database
-        before its session does, and its sweep would judge by heartbeats nobody could renew).
-        Once it is back, each heartbeat counts from no earlier than that moment (`back`): after an
-        outage of the whole database longer than the timeout every heartbeat is stale, and the
-        first server back judged all the others gone (each of them fenced) before their sessions
-        were back too. And until it has been back for a few heartbeats, only by the timeout: the
-        others' sessions (and locks) come back after it."""
+        session is away, or its own heartbeat was not renewed for `trust_s` (the database hangs,
+        or is too slow to answer it, or this process was stopped), not at all: everyone counts as
+        live (its pool may reach the database before its session does, and its sweep would judge by
+        heartbeats nobody could renew). So neither does a statement that runs later than `trust_s`
+        after that renewal (`until`: sent before a hang, run when it ends). Once its heartbeat is
+        renewed after such a gap, each heartbeat counts from no earlier than that moment (`back`):
+        after an outage of the whole database longer than the timeout every heartbeat is stale, and
+        the first server back judged all the others gone (each of them fenced) before their
+        sessions were back too. And until it has been back for a few heartbeats, only by the
+        timeout: the others' sessions (and locks) come back after it."""
         grace = self.heartbeat_s * 2.5
-        settled = self._up_since is not None and time.monotonic() - self._up_since >= grace + self.heartbeat_s
-        back = self._back_at if self._up_since is not None else AWAY
+        now = time.monotonic()
+        settled = self._up_since is not None and now - self._up_since >= grace + self.heartbeat_s
+        away = self._up_since is None or now - self._beat_ok > self.trust_s
         timeout = self.instance_timeout_s
-        return {"timeout": timeout, "grace": grace if settled else timeout, "back": back}
+        return {
+            "timeout": timeout,
+            "grace": grace if settled else timeout,
+            "back": AWAY if away else self._back_at,
+            "until": self._beat_db + self.trust_s,
+        }
+
+    def _renewed(self, at: float) -> None:
+        """This instance's heartbeat was renewed at database time `at`. After a gap longer than
+        `trust_s` (by either clock: the database hung or was away, or this process was stopped),
+        the others' heartbeats count from then on (`back`), and the lock-free grace waits a few
+        heartbeats again: a stall of the whole database kept them from renewing theirs too, and
+        the first server whose heartbeat goes through (its connection released a moment before the
+        others') judged every other one gone."""
+        now = time.monotonic()
+        if max(at - self._beat_db, now - self._beat_ok) > self.trust_s:
+            self._back_at = at
+            self._up_since = now
+        self._beat_db = at
 
     @property
     def fenced(self) -> bool:
@@ -171,6 +206,35 @@ class Cluster:
             return True
         # its heartbeat not renewed (a session that hangs): judged gone at the timeout, lock or not
         return now - self._beat_ok > self.instance_timeout_s - self.heartbeat_s
+
+    def answering(self, since: float) -> bool:
+        """Has the database renewed this server's heartbeat since `since` (monotonic), or not yet
+        been given 2.5 heartbeats to?"""
+        return self._beat_ok >= since or time.monotonic() - since <= self.heartbeat_s * 2.5
+
+    async def answered(self, work: Awaitable[T], what: str) -> T:
+        """`work` (a read: safe to give up), given up with StoreUnavailable once the database has
+        answered neither it nor this server's heartbeat for 2.5 heartbeats. A database that hangs
+        (its connections open, nothing answered) is ended by no statement_timeout, which it
+        enforces itself: a request waited as long as the hang lasted. Given up, `work` is
+        cancelled and ends in the background (psycopg tries to cancel the statement, then closes
+        its connection)."""
+        task = asyncio.ensure_future(work)
+        began = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=min(0.5, self.heartbeat_s))
+                if done:
+                    return task.result()
+                if not self.answering(began):
+                    raise StoreUnavailable(
+                        f"{what}: the database answered neither it nor this server's heartbeat for "
+                        f"{time.monotonic() - began:.1f} s (it hangs, or cannot be reached)"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+                task.add_done_callback(_retrieved)
 
     # ------------------------------------------------------------ membership
 
@@ -207,19 +271,25 @@ class Cluster:
                 # and took its conversations over, and a row put back would make it live again
                 # beside them (two servers running one conversation).
                 cur = await conn.execute(
-                    f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING id", (self.instance_id,)
+                    f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING heartbeat_at",
+                    (self.instance_id,),
                 )
-                if await cur.fetchone() is None or not await self._leases_still_held(conn):
+                row = await cur.fetchone()
+                if row is None or not await self._leases_still_held(conn):
                     self.judged_gone()
                 cur = await conn.execute(f"SELECT {NOW} AS now")
                 now = await cur.fetchone()
                 self._back_at = float(now["now"]) if now else AWAY
+                if row is not None:
+                    self._beat_db = float(row["heartbeat_at"])
             else:
-                await conn.execute(
+                cur = await conn.execute(
                     "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
-                    f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW})",
+                    f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW}) RETURNING heartbeat_at",
                     (self.instance_id, socket.gethostname(), os.getpid(), self.address, self.lock_key),
                 )
+                row = await cur.fetchone()
+                self._beat_db = float(row["heartbeat_at"]) if row else 0.0
             await conn.execute(f"LISTEN {channel_of(self.instance_id)}")
             await conn.execute(f"LISTEN {TURNS_CHANNEL}")
         except BaseException:
@@ -256,9 +326,13 @@ class Cluster:
                     late = time.monotonic() - self._beat_ok > self.heartbeat_s * 2.5
                     beat_at = time.monotonic()
                     cur = await conn.execute(
-                        f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING id", (self.instance_id,)
+                        f"UPDATE instances SET heartbeat_at = {NOW} WHERE id = %s RETURNING heartbeat_at",
+                        (self.instance_id,),
                     )
-                    if await cur.fetchone() is None or (late and not await self._leases_still_held(conn)):
+                    row = await cur.fetchone()
+                    if row is not None:
+                        self._renewed(float(row["heartbeat_at"]))
+                    if row is None or (late and not await self._leases_still_held(conn)):
                         self.judged_gone()
                     self._beat_ok = time.monotonic()
                     await self._count_peers(conn)
@@ -366,12 +440,13 @@ class Cluster:
 
     async def forget_gone(self) -> list[str]:
         """Delete the rows of gone instances (one survivor wins each); returns their ids. None while
-        this server's own session is away (see `params`)."""
-        if self._up_since is None:
+        this server cannot judge (its session away, its heartbeat overdue: see `params`)."""
+        params = self.params
+        if params["back"] == AWAY:
             return []
         rows = await self.store._rows(
             f"DELETE FROM instances i WHERE NOT {LIVE_SINCE} AND i.id <> %(me)s RETURNING id",
-            {**self.params, "me": self.instance_id},
+            {**params, "me": self.instance_id},
         )
         return [r["id"] for r in rows]
 
@@ -444,10 +519,12 @@ class Cluster:
         return str(holder["instance_id"]) if holder is not None else "another instance"
 
     async def orphaned_conversations(self) -> list[str]:
-        """Conversations with queued or running turns whose lease no live instance holds."""
+        """Conversations with queued or running turns whose lease no live instance holds, or a paused
+        turn whose cancel was acknowledged (`turns.cancel_ack`: taken up, it ends cancelled)."""
         rows = await self.store._rows(
             f"WITH live AS (SELECT id FROM instances i WHERE {LIVE_SINCE}) "
-            "SELECT DISTINCT t.conversation_id FROM turns t WHERE t.status IN ('queued', 'running') "
+            "SELECT DISTINCT t.conversation_id FROM turns t WHERE (t.status IN ('queued', 'running') "
+            "OR (t.status = 'awaiting' AND t.cancel_ack IS NOT NULL)) "
             "AND NOT EXISTS (SELECT 1 FROM conversation_owners o WHERE o.conversation_id = t.conversation_id "
             "AND o.instance_id IN (SELECT id FROM live))",
             self.params,
@@ -624,6 +701,12 @@ class Cluster:
     async def purge_mail(self) -> None:
         await self.store._row(f"DELETE FROM cluster_mail WHERE created_at < {NOW} - %s RETURNING 1", (MAIL_TTL_S,))
         await self.store._row(f"DELETE FROM conversation_followers WHERE until < {NOW} RETURNING 1")
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A task given up on: its outcome is nobody's (read, so asyncio does not log it as lost)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def describe(exc: BaseException) -> dict[str, Any]:

@@ -176,6 +176,28 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX conversations_namespace ON conversations(namespace, updated_at);
         """,
     ),
+    (
+        6,
+        """
+        -- A cancel acknowledged for an open turn, saved before the acknowledgement: a restart
+        -- after a crash ends that turn cancelled, not interrupted (runtime/settle.py `cancel_ack`).
+        ALTER TABLE turns ADD COLUMN cancel_ack TEXT;
+        """,
+    ),
+    (
+        7,
+        """
+        -- A history point keeps its conversation's owner, so a prefix match reads the newest few
+        -- points of the caller's own (or, for admin, of everyone's) in one indexed read, however
+        -- many other conversations reached the same history (store/base.py `history_points_read`).
+        ALTER TABLE history_points ADD COLUMN namespace TEXT;
+        UPDATE history_points SET namespace = (
+            SELECT c.namespace FROM conversations c WHERE c.id = history_points.conversation_id
+        );
+        CREATE INDEX history_points_recent ON history_points(agent_id, prefix_hash, created_at);
+        CREATE INDEX history_points_owner ON history_points(agent_id, prefix_hash, namespace, created_at);
+        """,
+    ),
 ]
 
 

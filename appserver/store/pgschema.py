@@ -28,6 +28,9 @@ same observable behaviour:
   tokens, auth/pgtokens.py).
 - Version 4: `turns.revision` is a BIGINT (SQLite's INTEGER holds 64 bits already): a turn a
   restart or a takeover goes on with counts from a clock revision (runtime/restore.py).
+- Version 5 (SQLite's 6): `turns.cancel_ack`, a cancel acknowledged before the turn settled.
+- Version 6 (SQLite's 7): `history_points.namespace`, its conversation's owner, and the indexes a
+  prefix match reads the newest points of one history by (store/base.py `history_points_read`).
 """
 
 from __future__ import annotations
@@ -265,6 +268,26 @@ MIGRATIONS: list[tuple[int, str]] = [
         -- A turn another process held goes on from a clock revision (microseconds since 1970,
         -- runtime/restore.py), stored as it is published: 64 bits, as SQLite's INTEGER.
         ALTER TABLE turns ALTER COLUMN revision TYPE BIGINT;
+        """,
+    ),
+    (
+        5,
+        """
+        -- A cancel acknowledged for an open turn, saved before the acknowledgement: a restart
+        -- after a crash ends that turn cancelled, not interrupted (runtime/settle.py `cancel_ack`).
+        ALTER TABLE turns ADD COLUMN cancel_ack TEXT;
+        """,
+    ),
+    (
+        6,
+        """
+        -- A history point keeps its conversation's owner, so a prefix match reads the newest few
+        -- points of the caller's own (or, for admin, of everyone's) in one indexed read, however
+        -- many other conversations reached the same history (store/base.py `history_points_read`).
+        ALTER TABLE history_points ADD COLUMN namespace TEXT;
+        UPDATE history_points p SET namespace = c.namespace FROM conversations c WHERE c.id = p.conversation_id;
+        CREATE INDEX history_points_recent ON history_points(agent_id, prefix_hash, created_at);
+        CREATE INDEX history_points_owner ON history_points(agent_id, prefix_hash, namespace, created_at);
         """,
     ),
 ]

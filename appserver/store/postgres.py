@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import socket
 import sqlite3
 import time
@@ -41,6 +42,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from appserver.procid import identity, identity_alive
 from appserver.store.base import (
+    DELETE_ORPHAN_RESPONSES,
     AgentMissing,
     ConversationGone,
     DuplicateTurn,
@@ -51,8 +53,9 @@ from appserver.store.base import (
     StoreValueRefused,
     TurnSettledElsewhere,
     conversations_where,
+    history_points_read,
 )
-from appserver.store.cluster import LIVE, LIVE_SINCE, Cluster, ClusterError
+from appserver.store.cluster import AWAY, LIVE, LIVE_SINCE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
 from appserver.store.migrations import SchemaTooNew, SchemaUpgradeRefused, upgrade_refused
 from appserver.store.pgschema import DATA_TABLES, MIGRATION_LOCK, MIGRATIONS, expected_columns
@@ -95,6 +98,10 @@ Job = Callable[[Conn], Awaitable[T]]
 # fails with 503 `store_unavailable`: a request in an outage waits for it once (see `unreachable`).
 CONNECT_TIMEOUT_S = 10.0  # [store] connect_timeout_s
 POOL_MAX = 10
+# A write that got no pooled connection for this long tries a new one of its own (`_connection_within`),
+# which may take this long at least to connect.
+POOL_SLICE_S = 0.5
+FRESH_CONNECT_S = 1.0
 # Every wait has a timeout: a statement of the store's pooled connections (its writes, reads and the
 # CLI's) that waits this long for a lock another session holds (`LOCK TABLE`, a long migration by
 # hand, a stuck transaction) fails, and its request with it: 503 `store_unavailable`, nothing of it
@@ -505,7 +512,13 @@ class PostgresStore(Store):
         pool: AsyncConnectionPool[Conn] = AsyncConnectionPool(
             self.url,
             connection_class=psycopg.AsyncConnection[DictRow],
-            kwargs={"autocommit": True, "row_factory": dict_row},
+            # its reconnects too give up after connect_timeout_s (psycopg's default is 130 s: after a
+            # network that dropped everything, the pool's attempts made meanwhile held it that long)
+            kwargs={
+                "autocommit": True,
+                "row_factory": dict_row,
+                "connect_timeout": max(1, int(self.connect_timeout_s)),
+            },
             min_size=1,
             max_size=self.pool_max,
             open=False,
@@ -632,7 +645,7 @@ class PostgresStore(Store):
             if since is not None and self.unreachable:
                 wait_s = max(LAST_CONNECTION_TRY_S, since + self.connect_timeout_s - began)
             try:
-                async with self.pool.connection(timeout=wait_s) as conn:
+                async with self._connection_within(wait_s) as conn:
                     try:
                         await AsyncConnectionPool.check_connection(conn)
                     except psycopg.Error:
@@ -656,7 +669,61 @@ class PostgresStore(Store):
             if tries > self.pool_max:  # the pool's connections are all new and still dying: pause
                 await asyncio.sleep(0.05)
 
+    @asynccontextmanager
+    async def _connection_within(self, wait_s: float) -> AsyncIterator[Conn]:
+        """A pooled connection within `wait_s`, or else a new one of the writer's own (configured as
+        the pool's, closed after use), tried whenever the pool had none for POOL_SLICE_S: after an
+        outage the pool reconnects on a backoff of its own (1, 2, 4, 8 s apart), and a write that
+        waited for it alone failed although the database was back (a turn's commit: its whole
+        answer lost). The writer runs one group at a time, so this opens one connection at most.
+        PoolTimeout when neither came within `wait_s` (a new one is tried at least once)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                pooled = await self.pool.getconn(timeout=max(0.01, min(POOL_SLICE_S, deadline - time.monotonic())))
+            except PoolTimeout:
+                pass
+            else:
+                try:
+                    async with pooled:
+                        yield pooled
+                finally:
+                    await self.pool.putconn(pooled)
+                return
+            fresh = await self._fresh_connection(max(FRESH_CONNECT_S, deadline - time.monotonic()))
+            if fresh is not None:
+                async with fresh:  # closed on leaving
+                    yield fresh
+                return
+            if time.monotonic() >= deadline:
+                raise PoolTimeout(f"couldn't get a connection after {wait_s:.2f} sec")
+
+    async def _fresh_connection(self, wait_s: float) -> Conn | None:
+        """A new connection, configured as the pool's, when the database lets one be made within
+        `wait_s`; None when it does not (refused, or no answer)."""
+        try:
+            async with asyncio.timeout(wait_s):
+                conn = await psycopg.AsyncConnection.connect(
+                    self.url, autocommit=True, row_factory=dict_row, connect_timeout=max(2, round(wait_s))
+                )
+                try:
+                    await self._configure(conn)
+                except BaseException:
+                    await conn.close()
+                    raise
+        except (psycopg.Error, OSError):  # OSError: TimeoutError too
+            return None
+        return conn
+
     async def _read(self, run: Callable[[Conn], Awaitable[T]]) -> T:
+        """`_read_pooled`; on a server of a cluster, given up with 503 `store_unavailable` once the
+        database answers neither it nor the heartbeat (it hangs: `Cluster.answered`)."""
+        cluster = self.cluster
+        if cluster is None:
+            return await self._read_pooled(run)
+        return await cluster.answered(self._read_pooled(run), f"PostgreSQL store {self.shown_url}: a read")
+
+    async def _read_pooled(self, run: Callable[[Conn], Awaitable[T]]) -> T:
         """`run` on a pooled connection, and again on another while the database had ended the one
         taken (reads are safe to repeat; see `_writer_connection` for writes)."""
         await self._writes.settle()
@@ -803,7 +870,9 @@ class PostgresStore(Store):
     async def delete_agent(self, agent_id: str) -> bool:
         async def job(conn: Conn) -> bool:
             await conn.execute("DELETE FROM turns WHERE agent_id=%s", (agent_id,))
-            return await _count(conn, "DELETE FROM agents WHERE id=%s", (agent_id,)) > 0
+            deleted = await _count(conn, "DELETE FROM agents WHERE id=%s", (agent_id,)) > 0
+            await conn.execute(DELETE_ORPHAN_RESPONSES)
+            return deleted
 
         return await self._write(job)
 
@@ -1250,6 +1319,37 @@ class PostgresStore(Store):
 
         await self._write(job)
 
+    async def record_cancel(
+        self, turn_id: str, cancel_ack: dict[str, Any], *, reason: str, draft: dict[str, Any] | None = None
+    ) -> bool:
+        """Fenced as `mark_turn_running`: an open turn whose conversation another server of the
+        cluster holds now is refused (TurnSettledElsewhere), never marked from here."""
+        mark, text = dump_json(cancel_ack), dump_json(draft) if draft is not None else None
+
+        async def job(conn: Conn) -> bool:
+            held, held_args = self._lease_held()
+            cur = await conn.execute(
+                "UPDATE turns SET cancel_ack=%s, draft=COALESCE(%s, draft) "
+                f"WHERE id=%s AND status IN ('queued', 'running', 'awaiting'){held} RETURNING id",
+                (mark, text, turn_id, *held_args),
+            )
+            if await cur.fetchone() is None:
+                if held:
+                    still = await conn.execute(
+                        "SELECT 1 FROM turns WHERE id=%s AND status IN ('queued', 'running', 'awaiting')", (turn_id,)
+                    )
+                    if await still.fetchone() is not None:
+                        raise TurnSettledElsewhere(turn_id)
+                return False
+            await conn.execute(
+                "UPDATE pending_calls SET status='cancelled', is_error=TRUE, reason=%s "
+                "WHERE turn_id=%s AND status='pending'",
+                (_nul_free(reason), turn_id),
+            )
+            return True
+
+        return await self._turn_write(job)
+
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
         """One turn's rows, atomically, in the next group transaction."""
 
@@ -1444,6 +1544,18 @@ class PostgresStore(Store):
         row = await self._row("SELECT MAX(id) AS id FROM messages WHERE conversation_id=%s", (conversation_id,))
         return int(row["id"] or 0) if row else 0
 
+    async def last_message_ids(self, conversation_ids: Collection[str]) -> dict[str, int]:
+        ids = list(dict.fromkeys(conversation_ids))
+        heads = dict.fromkeys(ids, 0)
+        if ids:
+            rows = await self._rows(
+                "SELECT conversation_id, MAX(id) AS id FROM messages WHERE conversation_id = ANY(%s) "
+                "GROUP BY conversation_id",
+                (ids,),
+            )
+            heads.update((r["conversation_id"], int(r["id"] or 0)) for r in rows)
+        return heads
+
     async def save_response(self, response: ResponseRecord) -> None:
         response.created_at = response.created_at or time.time()
 
@@ -1494,7 +1606,7 @@ class PostgresStore(Store):
             judged = (
                 cluster.params
                 if cluster is not None
-                else {"timeout": self.instance_timeout_s, "grace": self.heartbeat_s * 2.5, "back": 0.0}
+                else {"timeout": self.instance_timeout_s, "grace": self.heartbeat_s * 2.5, "back": 0.0, "until": AWAY}
             )
             cur = await conn.execute(
                 f"SELECT 1 AS ok FROM instances i WHERE i.id = %(id)s AND {LIVE_SINCE}", {**judged, "id": owner}
@@ -1692,9 +1804,10 @@ class PostgresStore(Store):
 
         async def job(conn: Conn) -> None:
             # Only while the conversation exists: one deleted since (with its agent) needs no point.
+            # With its owner, which a lookup's index holds (`history_points_read`).
             await conn.execute(
-                "INSERT INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at) "
-                "SELECT %s,%s,%s,%s,%s WHERE EXISTS (SELECT 1 FROM conversations WHERE id=%s) "
+                "INSERT INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at, "
+                "namespace) SELECT %s,%s,%s,%s,%s, namespace FROM conversations WHERE id=%s "
                 "ON CONFLICT (agent_id, prefix_hash, conversation_id) DO UPDATE SET "
                 "last_message_id=EXCLUDED.last_message_id, created_at=EXCLUDED.created_at",
                 (
@@ -1709,12 +1822,11 @@ class PostgresStore(Store):
 
         await self._write(job)
 
-    async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
-        rows = await self._rows(
-            "SELECT p.* FROM history_points p JOIN conversations c ON c.id = p.conversation_id "
-            "WHERE p.agent_id=%s AND p.prefix_hash=%s ORDER BY c.updated_at DESC, p.created_at DESC",
-            (agent_id, prefix_hash),
-        )
+    async def find_history_points(
+        self, agent_id: str, prefix_hash: str, *, namespace: str | None = None, limit: int = 100
+    ) -> list[HistoryPoint]:
+        query, params = history_points_read("%s", agent_id, prefix_hash, namespace, limit)
+        rows = await self._rows(query, tuple(params))
         return [
             HistoryPoint(r["agent_id"], r["prefix_hash"], r["conversation_id"], r["last_message_id"], r["created_at"])
             for r in rows
@@ -1841,19 +1953,71 @@ async def _copy_table(conn: Conn, source: sqlite3.Connection, table: str, replac
         sql.Identifier(table), sql.SQL(", ").join(map(sql.Identifier, columns))
     )
     n = 0
-    async with conn.cursor().copy(copy_sql) as copy:
-        for *row, row_id in source.execute(select):
-            values = []
-            for i, v in enumerate(row):
-                if i in booleans and v is not None:
-                    v = bool(v)
-                elif isinstance(v, str) and "\x00" in v:
-                    v = v.replace("\x00", "\ufffd")
-                    replaced.setdefault(f"{table}.{columns[i]}", []).append(str(row_id))
-                values.append(v)
-            await copy.write_row(tuple(values))
-            n += 1
+    blob: tuple[object, str] | None = None  # (row id, column) of a BLOB found: refused after the COPY
+    try:
+        async with conn.cursor().copy(copy_sql) as copy:
+            for *row, row_id in source.execute(select):
+                values = []
+                for i, v in enumerate(row):
+                    if i in booleans and v is not None:
+                        v = bool(v)
+                    elif isinstance(v, str) and "\x00" in v:
+                        v = v.replace("\x00", "\ufffd")
+                        replaced.setdefault(f"{table}.{columns[i]}", []).append(str(row_id))
+                    elif isinstance(v, bytes):  # no column of appserver's holds binary data
+                        blob = (row_id, columns[i])
+                    values.append(v)
+                if blob is not None:
+                    break
+                await copy.write_row(tuple(values))
+                n += 1
+    except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
+        raise _copy_refused(table, _refused_row(source, table, key, exc), _pg_reason(exc)) from None
+    if blob is not None:
+        row = f"the row with {key} {blob[0]}"
+        raise _copy_refused(table, row, f"its column {blob[1]} holds binary data (a BLOB), where appserver keeps text")
     return n
+
+
+def _refused_row(source: sqlite3.Connection, table: str, key: str, exc: psycopg.Error) -> str:
+    """Which SQLite row PostgreSQL refused: the COPY's line (a value of the wrong type), or the rows
+    holding the key a foreign key found missing (a message of a conversation that is gone)."""
+    line = re.search(r"\bline (\d+)", exc.diag.context or "")
+    if line:
+        found = source.execute(
+            f'SELECT "{key}" FROM "{table}" ORDER BY rowid LIMIT 1 OFFSET ?', (int(line.group(1)) - 1,)
+        ).fetchone()
+        return f"the row with {key} {found[0]}" if found else f"its row {line.group(1)}"
+    missing = re.search(r"Key \((\w+)\)=\((.*)\) is not present", exc.diag.message_detail or "")
+    if missing and missing.group(1) in {r[1] for r in source.execute(f'PRAGMA table_info("{table}")')}:
+        ids = [
+            str(r[0])
+            for r in source.execute(
+                f'SELECT "{key}" FROM "{table}" WHERE "{missing.group(1)}" = ? ORDER BY rowid LIMIT 6',
+                (missing.group(2),),
+            )
+        ]
+        if len(ids) == 1:
+            return f"the row with {key} {ids[0]}"
+        if ids:
+            return f"the rows with {key} " + ", ".join(ids[:5]) + (" and more" if len(ids) > 5 else "")
+    return "a row"
+
+
+def _copy_refused(table: str, row: str, why: str) -> StoreError:
+    """The copy refused for a damaged SQLite row, naming it: nothing was copied (the transaction is
+    rolled back), and the operator knows what to repair."""
+    return StoreError(
+        f"the SQLite table {table} cannot be copied: {row}: {why}; nothing was copied: repair or delete that row "
+        "in the SQLite store (or restore the store from a backup), then copy again"
+    )
+
+
+def _pg_reason(exc: psycopg.Error) -> str:
+    """PostgreSQL's reason, with its detail (the missing key), on one line."""
+    reason = (exc.diag.message_primary or str(exc)).strip()
+    detail = (exc.diag.message_detail or "").strip()
+    return " ".join(f"{reason} ({detail})".split()) if detail else " ".join(reason.split())
 
 
 async def _insert_agent(conn: Conn, agent: AgentRecord) -> None:

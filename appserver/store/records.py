@@ -148,6 +148,11 @@ class TurnRecord:
     created_at: float = 0.0
     started_at: float | None = None
     ended_at: float | None = None
+    # A cancel acknowledged to a client while the turn was open (`cancelled`: true), saved before
+    # the acknowledgement so that a restart ends the turn cancelled too (runtime/settle.py
+    # `cancel_ack`): the calls whose tool had begun (`started`), and those of them that had
+    # returned a result not saved yet (`ran`). None: no cancel was acknowledged.
+    cancel_ack: dict[str, Any] | None = None
     # No column: which of TURN_RUN_COLUMNS were damaged when read (rows.py). Such a turn reads with
     # stand-ins for them, to be shown; it never runs with them (runtime/run.py ends it failed).
     damaged: tuple[str, ...] = field(default=(), metadata={"column": False})

@@ -149,6 +149,9 @@ class Shape:
 
 OBJECT = Shape("an object", lambda v: isinstance(v, dict), _empty_dict, _empty_dict)
 OBJECT_OR_NULL = Shape("an object or null", lambda v: v is None or isinstance(v, dict))
+# A damaged cancel acknowledgement still says a cancel was acknowledged (which calls had begun is
+# then unknown): the turn ends cancelled all the same.
+CANCEL_ACK = Shape("an object or null", lambda v: v is None or isinstance(v, dict), _none, _empty_dict)
 # Damaged policies deny every tool: read as empty, each tool would get its default, and one the lost
 # policies denied (a plugin's tool allowed by default) would run.
 POLICIES = Shape("an object of tool policies", _policies, _empty_dict, lambda _text: {EVERY_TOOL: "deny"})
@@ -339,6 +342,7 @@ def turn_record(row: Row, on_damage: OnDamage = refuse) -> TurnRecord:
         created_at=row["created_at"],
         started_at=row["started_at"],
         ended_at=row["ended_at"],
+        cancel_ack=decode_json(row["cancel_ack"], CANCEL_ACK, on_damage, "turns", rid, "cancel_ack"),
         damaged=tuple(c for c in TURN_RUN_COLUMNS if c in damaged),
     )
 

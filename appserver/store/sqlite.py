@@ -25,12 +25,14 @@ from appserver.fsutil import StateFileRefused, check_sqlite_side_files
 from appserver.procid import identity, identity_alive
 from appserver.store.agentcache import AgentCache, copy_agent
 from appserver.store.base import (
+    DELETE_ORPHAN_RESPONSES,
     ConversationGone,
     DuplicateTurn,
     Store,
     StoreError,
     StoreFileGone,
     conversations_where,
+    history_points_read,
 )
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
 from appserver.store.groupcommit import GroupCommit
@@ -479,6 +481,7 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             tx.execute("DELETE FROM turns WHERE agent_id=?", (agent_id,))
             cur = tx.execute("DELETE FROM agents WHERE id=?", (agent_id,))
+            tx.execute(DELETE_ORPHAN_RESPONSES)
             return cur.rowcount > 0
 
     def _load_agents(self, db: sqlite3.Connection) -> Iterable[AgentRecord]:
@@ -879,6 +882,31 @@ class SQLiteStore(Store):
 
         await self._writes.submit(write_big)
 
+    async def record_cancel(
+        self, turn_id: str, cancel_ack: dict[str, Any], *, reason: str, draft: dict[str, Any] | None = None
+    ) -> bool:
+        """Committed before this returns (queued writes first: a draft saved earlier lands before)."""
+        with self._tx() as tx:
+            marked = tx.execute(
+                "UPDATE turns SET cancel_ack=? WHERE id=? AND status IN ('queued', 'running', 'awaiting')",
+                (dump_json(cancel_ack), turn_id),
+            ).rowcount
+            if not marked:
+                return False
+            tx.execute(
+                "UPDATE pending_calls SET status='cancelled', is_error=1, reason=? "
+                "WHERE turn_id=? AND status='pending'",
+                (reason, turn_id),
+            )
+            if draft is not None:
+                self._big_drafts.pop(turn_id, None)
+                if _text_size(draft.get("text")) < BIG_TEXT:
+                    tx.execute(_DRAFT_UPDATE, (dump_json(draft), turn_id))
+                else:
+                    tx.execute(_BIG_DRAFT_UPDATE, (_Bound(draft), turn_id))
+                    tx.execute(_BIG_DRAFT_UPDATE, _BIG_DRAFT_RELEASE)
+            return True
+
     async def commit_turn(self, conversation_id: str, commit: TurnCommit) -> None:
         """One turn's rows, atomically, in the next group transaction (groupcommit.py)."""
         self._big_drafts.pop(commit.turn_id, None)  # the commit clears the draft
@@ -1052,6 +1080,19 @@ class SQLiteStore(Store):
         row = self.db.execute("SELECT MAX(id) FROM messages WHERE conversation_id=?", (conversation_id,)).fetchone()
         return int(row[0] or 0)
 
+    async def last_message_ids(self, conversation_ids: Collection[str]) -> dict[str, int]:
+        ids = list(dict.fromkeys(conversation_ids))
+        heads = dict.fromkeys(ids, 0)
+        for at in range(0, len(ids), 500):  # well under SQLite's bound on parameters
+            part = ids[at : at + 500]
+            rows = self.db.execute(
+                "SELECT conversation_id, MAX(id) FROM messages WHERE conversation_id IN "
+                f"({','.join('?' * len(part))}) GROUP BY conversation_id",
+                part,
+            ).fetchall()
+            heads.update((r[0], int(r[1] or 0)) for r in rows)
+        return heads
+
     async def save_response(self, response: ResponseRecord) -> None:
         response.created_at = response.created_at or time.time()
         with self._tx() as tx:
@@ -1166,10 +1207,11 @@ class SQLiteStore(Store):
 
         def write(tx: sqlite3.Connection) -> None:
             # Only while the conversation exists: one deleted since (with its agent, from the CLI)
-            # needs no point, and the insert would fail its foreign key.
+            # needs no point, and the insert would fail its foreign key. With its owner, which a
+            # lookup's index holds (`history_points_read`).
             tx.execute(
                 "INSERT OR REPLACE INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, "
-                "created_at) SELECT ?,?,?,?,? WHERE EXISTS (SELECT 1 FROM conversations WHERE id=?)",
+                "created_at, namespace) SELECT ?,?,?,?,?, namespace FROM conversations WHERE id=?",
                 row,
             )
 
@@ -1178,13 +1220,11 @@ class SQLiteStore(Store):
         else:
             self._writes.submit(write, defer=True)
 
-    async def find_history_points(self, agent_id: str, prefix_hash: str) -> list[HistoryPoint]:
+    async def find_history_points(
+        self, agent_id: str, prefix_hash: str, *, namespace: str | None = None, limit: int = 100
+    ) -> list[HistoryPoint]:
         self._writes.settle()  # a point still queued is found too
-        rows = self.db.execute(
-            "SELECT p.* FROM history_points p JOIN conversations c ON c.id = p.conversation_id "
-            "WHERE p.agent_id=? AND p.prefix_hash=? ORDER BY c.updated_at DESC, p.created_at DESC",
-            (agent_id, prefix_hash),
-        ).fetchall()
+        rows = self.db.execute(*history_points_read("?", agent_id, prefix_hash, namespace, limit)).fetchall()
         return [
             HistoryPoint(r["agent_id"], r["prefix_hash"], r["conversation_id"], r["last_message_id"], r["created_at"])
             for r in rows

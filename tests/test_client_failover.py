@@ -130,7 +130,7 @@ def test_run_prints_the_truthful_outcome_after_kill9_failover(
     kept = assistant_messages(home)
     assert len(kept) == 1 and kept[0]["completion_status"] == "interrupted", kept
     assert out.strip() == kept[0]["content"].strip() != "", (out, kept)  # the text the store kept
-    assert out.startswith("w1 w2") and "w40" not in out, out
+    assert out.startswith("w1") and "w40" not in out, out  # a draft of one word may be all it kept
 
 
 def test_run_gives_up_with_a_clear_error_when_no_server_returns(tmp_path: Path) -> None:

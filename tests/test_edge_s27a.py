@@ -56,7 +56,13 @@ class Served:
 
 @asynccontextmanager
 async def serving(
-    tmp_path: Path, *, inbound: InboundBudget | None = None, rcvbuf: int = 0, deflate: bool = False
+    tmp_path: Path,
+    *,
+    inbound: InboundBudget | None = None,
+    rcvbuf: int = 0,
+    deflate: bool = False,
+    message_read_s: float | None = None,
+    ping: tuple[float, float] | None = None,
 ) -> AsyncIterator[Served]:
     """The app behind the guard and the edge (one refusal limit for both, as `serve` has it);
     `rcvbuf`: the listener's receive buffer (its connections take it), so that what the server
@@ -70,6 +76,8 @@ async def serving(
     limits = EdgeLimits.from_config(server.config.limits, refusal_lines=app.refusals)
     if inbound is not None:
         limits = dataclasses.replace(limits, inbound=inbound)
+    if message_read_s is not None:
+        limits = dataclasses.replace(limits, ws_message_read_s=message_read_s)
     sock = socket.socket()
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -81,6 +89,8 @@ async def serving(
         ws=EdgeWebSocketProtocol,
         ws_max_size=server.config.limits.ws_frame_max_bytes,
         ws_per_message_deflate=deflate,
+        ws_ping_interval=ping[0] if ping else 20.0,
+        ws_ping_timeout=ping[1] if ping else 20.0,
         log_config=None,
         lifespan="off",
         timeout_graceful_shutdown=1,

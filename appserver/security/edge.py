@@ -59,6 +59,7 @@ import sys
 import termios
 import time
 import weakref
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,16 +69,28 @@ import httptools
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.extensions.permessage_deflate import PerMessageDeflate
 from websockets.frames import Frame
 from websockets.http11 import Response as WsResponse
 from websockets.protocol import State as WsState
+from websockets.utils import apply_mask
 
 from appserver.config import LimitsConfig
 from appserver.http.errors import error_body, new_request_id
 from appserver.http.sse import WRITE_BODY
 from appserver.security.asgi import GREETED, PROVE
 from appserver.security.fair_slots import EVICTION_GRACE_S, Evictable, SlotGate, client_group
-from appserver.security.ws_inbound import OP_BINARY, OP_TEXT, PREHELLO_MESSAGE_MAX, InboundBudget, frame_head
+from appserver.security.ws_inbound import (
+    INBOUND_FREE,
+    INBOUND_MESSAGE_READ_S,
+    INFLATE_RATIO,
+    OP_BINARY,
+    OP_TEXT,
+    PREHELLO_MESSAGE_MAX,
+    InboundBudget,
+    frame_head,
+    inflated_within,
+)
 from appserver.ws.connection import WRITE_FRAME
 
 if TYPE_CHECKING:
@@ -261,6 +274,8 @@ class EdgeLimits:
     handshakes: set[Any] = field(default_factory=set, compare=False)
     # big WebSocket frames read and not yet taken by the app, all connections together (ws_inbound.py)
     inbound: InboundBudget = field(default_factory=InboundBudget, compare=False)
+    # how long a WebSocket message holding some of `inbound` may take to arrive whole (ws_inbound.py)
+    ws_message_read_s: float = INBOUND_MESSAGE_READ_S
 
     @property
     def body_wire_max(self) -> int:
@@ -1490,7 +1505,7 @@ def protocol_class(limits: EdgeLimits, tls: ssl.SSLContext | None = None) -> typ
     ws = type(
         "BoundEdgeWebSocketProtocol",
         (EdgeWebSocketProtocol,),
-        {"refusal_lines": limits.refusal_lines, "inbound": limits.inbound},
+        {"refusal_lines": limits.refusal_lines, "inbound": limits.inbound, "message_read_s": limits.ws_message_read_s},
     )
     http = type("BoundEdgeHttpProtocol", (EdgeHttpProtocol,), {"limits": limits, "ws_class": ws})
     if tls is None:
@@ -1510,6 +1525,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
 
     refusal_lines: ClassVar[RefusalLines | None] = None
     inbound: ClassVar[InboundBudget | None] = None  # the server's (`protocol_class` binds it)
+    message_read_s: ClassVar[float] = INBOUND_MESSAGE_READ_S  # (`protocol_class` binds the server's)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -1535,6 +1551,8 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._wanted = 0  # what it waits for, while it waits for the budget (`_waiting`)
         self._granted = 0  # what the budget gave it while it waited, for the frame head next in `_unfed`
         self._waiting = False
+        self._read_timer: asyncio.TimerHandle | None = None  # the message holding a reservation (`_message_too_slow`)
+        self._pong_overdue = False  # its keepalive ping timed out while it waited for the budget
         send_response = self.conn.send_response
 
         def stamped(response: WsResponse) -> None:
@@ -1743,21 +1761,54 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             limit = self.conn.max_message_size
             if limit is not None and length > limit:
                 return n + size  # the parser refuses it at its head (1009), its payload unread
-            if (first & 0x0F) in (OP_TEXT, OP_BINARY) and not self._begin_message(length, first):
-                return n  # waits for the budget
+            if (first & 0x0F) in (OP_TEXT, OP_BINARY):
+                small = self._small_compressed(buf, n, size, length, first)
+                if small is None:
+                    return n  # what comes before it is parsed first, or its payload is not all here
+                if not self._begin_message(length, first, small=small):
+                    return n  # waits for the budget
             n += size
             self._frame_left, self._frame_first = length, first
             if not length and self._frame_ends_message() and not self._greeted:
                 return n
         return n
 
-    def _begin_message(self, length: int, first: int) -> bool:
+    def _small_compressed(self, buf: bytes | bytearray, at: int, size: int, length: int, first: int) -> bool | None:
+        """Whether the compressed message whose only frame begins at `buf[at]` (its head `size`
+        bytes) inflates to at most INBOUND_FREE, so that it never waits for the budget: inflated
+        once ahead on a copy of the decoder, once what comes before it is parsed (None until then,
+        or until its whole payload is read). False for any other frame, or when in doubt."""
+        if (
+            first & 0xC0 != 0xC0  # not compressed, or fragments follow
+            or length > INBOUND_FREE
+            or length * INFLATE_RATIO <= INBOUND_FREE  # small whatever it inflates to
+            or self.inbound is None
+            or not self._greeted
+            or self.close_sent
+        ):
+            return False
+        deflate = next((e for e in self.conn.extensions if isinstance(e, PerMessageDeflate)), None)
+        if deflate is None:
+            return False
+        if at or len(buf) < at + size + length:
+            return None  # the decoder must have had what comes before; the payload must be here
+        payload = bytes(buf[at + size : at + size + length])
+        if buf[at + 1] & 0x80:
+            payload = apply_mask(payload, bytes(buf[at + size - 4 : at + size]))
+        if deflate.remote_no_context_takeover:
+            decoder = zlib.decompressobj(wbits=-deflate.remote_max_window_bits)
+        else:
+            decoder = deflate.decoder.copy()
+        return inflated_within(decoder, payload, INBOUND_FREE)
+
+    def _begin_message(self, length: int, first: int, *, small: bool = False) -> bool:
         """A text or binary frame begins a message: reserve what it may take of the inbound budget
-        (after `hello`; nothing for a small one). False: it must wait for the budget."""
+        (after `hello`; nothing for a small one, nor a compressed one that inflates to a small one:
+        `small`). False: it must wait for the budget."""
         self._compressed = bool(first & 0x40)
         budget = self.inbound
         need = 0
-        if budget is not None and self._greeted and not self.close_sent:
+        if budget is not None and self._greeted and not self.close_sent and not small:
             frame_max = self._message_max or length
             need = budget.need(length, fin=bool(first & 0x80), compressed=self._compressed, frame_max=frame_max)
         if need and self._granted:  # it waited, and the budget reserved it
@@ -1766,7 +1817,45 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             self._waiting, self._wanted = True, need
             return False
         self._message_reserved += need  # (a message begun inside another fails at the parser: kept till the end)
+        if need and self._read_timer is None:
+            self._read_timer = self.loop.call_later(self.message_read_s, self._message_too_slow)
         return True
+
+    def _message_too_slow(self) -> None:
+        """The message holding a reservation did not arrive whole in `message_read_s`: close (1009:
+        too big for the link it came on).
+        Else a client trickling a fragmented message (a byte a second, answering pings) held its
+        reservation for good, and enough of them the whole budget."""
+        self._read_timer = None
+        if not self._message_reserved or self.close_sent or self.transport.is_closing():
+            return
+        if self._unfed and not self._may_feed():  # the server holds its bytes (the app has not taken
+            self._read_timer = self.loop.call_later(self.message_read_s, self._message_too_slow)  # the last one)
+            return
+        self._say(
+            "websocket from %s sent less than a message in %g s while it held %d bytes of the inbound "
+            "budget: closing (1009)",
+            self._peer(),
+            self.message_read_s,
+            self._message_reserved,
+        )
+        self.conn.send_close(1009, f"message not received whole within {self.message_read_s:g} s")
+        self.handle_parser_exception()
+
+    def _stop_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def keepalive_timeout(self) -> None:
+        # A connection the server stopped reading for the budget has its pong behind the frame it
+        # does not read yet (in TCP): it was closed 1011 for the server's own pause. Its ping's
+        # timeout starts anew once it reads again (`_on_granted`).
+        if self._waiting:
+            self.pong_timer = None
+            self._pong_overdue = True
+            return
+        super().keepalive_timeout()
 
     def _frame_ends_message(self) -> bool:
         """The frame just walked ends a message (a data frame with FIN): the app gets it once it
@@ -1776,11 +1865,15 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             return False  # a control frame, or fragments follow
         self._reserved.append(self._message_reserved)
         self._message_reserved = 0
+        self._stop_read_timer()  # all of it is read: the app's pace is not the client's
         return True
 
     def _on_granted(self) -> None:
         """The inbound budget took what this connection waited for: feed on (in a pass of its own)."""
         self._granted, self._waiting = self._wanted, False
+        if self._pong_overdue and self.ping_timeout is not None and not self.close_sent:
+            self._pong_overdue = False  # its pong may come now: as long to wait for it as for any
+            self.pong_timer = self.loop.call_later(self.ping_timeout, self.keepalive_timeout)
         self.loop.call_soon(self._pump, context=contextvars.Context())
 
     def _release(self, n: int) -> None:
@@ -1936,6 +2029,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._slot is not None:
             self._slot.gone()
         self._unfed = bytearray()
+        self._stop_read_timer()
         if self.inbound is not None:  # what it held of the inbound budget, and its place in the queue
             self.inbound.cancel(self._on_granted)
             held = sum(self._reserved) + self._message_reserved + self._granted

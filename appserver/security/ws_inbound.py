@@ -15,13 +15,23 @@ WebSocket protocol (edge.py `EdgeWebSocketProtocol`) reads frame heads itself (`
   once the server-wide `InboundBudget` has room for it: all connections together hold at most
   `INBOUND_TOTAL_MAX` bytes of such frames read and not yet taken by the app, one credential's
   connections a quarter of it. A connection that must wait reads nothing until it may (its client
-  waits in TCP); smaller frames (every chat message, every `hello`) never wait.
+  waits in TCP); smaller frames (every chat message, every `hello`) never wait. A compressed frame
+  counts by what it inflates to: one of at most `INBOUND_FREE` on the wire is inflated once ahead
+  (`inflated_within`, on a copy of the decoder) and never waits when that is small.
+* a message that holds a reservation must be read whole within `INBOUND_MESSAGE_READ_S` of taking
+  it, or its connection is closed (1009): 64 sockets each starting a fragmented message and adding
+  a byte a second held the whole budget for good, and a victim's big frame was never read.
+  While a connection waits for the budget its unanswered keepalive ping does not close it (its pong
+  waits in TCP behind the frame the server will not read yet): the ping's timeout starts anew once
+  it reads again.
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Callable
+from typing import Any
 
 # Before its `hello` is accepted a socket's messages are at most this (a hello is a few hundred
 # bytes; a JWT in it a few KB): bigger ones close it with 1009.
@@ -35,7 +45,22 @@ GROUP_SHARE = 4  # a credential's (or an address's) connections hold at most 1/G
 # How much a permessage-deflate payload may inflate to, at most (deflate's own bound, ~1032x).
 INFLATE_RATIO = 1032
 
+# How long a message holding a reservation may take to arrive whole, from when the reservation is
+# taken (waiting for it does not count): a 4 MiB frame over a 1 Mbit/s link takes ~35 s.
+INBOUND_MESSAGE_READ_S = 60.0
+
 OP_CONT, OP_TEXT, OP_BINARY = 0x0, 0x1, 0x2
+
+
+def inflated_within(decoder: Any, payload: bytes, cap: int) -> bool:
+    """Whether a whole compressed message (`payload`, unmasked: one frame with FIN) inflates to at
+    most `cap` bytes, found by inflating at most `cap + 1` of it with `decoder` (a copy of the
+    connection's, or a fresh one: the connection's own is left as it is). Any doubt: False."""
+    try:
+        inflated = decoder.decompress(payload + b"\x00\x00\xff\xff", cap + 1)
+        return len(inflated) <= cap and not decoder.unconsumed_tail
+    except zlib.error:
+        return False
 
 
 def frame_head(buf: bytes | bytearray | memoryview, at: int = 0) -> tuple[int, int, int] | None:

@@ -49,6 +49,9 @@ TURNS_CHANNEL = "appserver_turns"
 NOTIFY_MAX = 7000  # bytes of payload sent inline; PostgreSQL allows a little under 8,000
 MAIL_TTL_S = 300.0
 CALL_TIMEOUT_S = 10.0
+# A read is given up after 2.5 heartbeats unanswered, never sooner than this: with short heartbeats
+# on a busy host, a round trip and the heartbeat can both be late without the database hanging.
+READ_WAIT_MIN_S = 5.0
 # A notification needs no durability (a lost one is made up for by the store, which the others
 # read when they hear nothing): its transaction does not wait for the WAL to reach the disk.
 NO_FLUSH = "set_config('synchronous_commit', 'off', true)"
@@ -209,12 +212,13 @@ class Cluster:
 
     def answering(self, since: float) -> bool:
         """Has the database renewed this server's heartbeat since `since` (monotonic), or not yet
-        been given 2.5 heartbeats to?"""
-        return self._beat_ok >= since or time.monotonic() - since <= self.heartbeat_s * 2.5
+        been given 2.5 heartbeats (at least READ_WAIT_MIN_S) to?"""
+        waited = time.monotonic() - since
+        return self._beat_ok >= since or waited <= max(self.heartbeat_s * 2.5, READ_WAIT_MIN_S)
 
     async def answered(self, work: Awaitable[T], what: str) -> T:
         """`work` (a read: safe to give up), given up with StoreUnavailable once the database has
-        answered neither it nor this server's heartbeat for 2.5 heartbeats. A database that hangs
+        answered neither it nor this server's heartbeat for 2.5 heartbeats (at least 5 s). A database that hangs
         (its connections open, nothing answered) is ended by no statement_timeout, which it
         enforces itself: a request waited as long as the hang lasted. Given up, `work` is
         cancelled and ends in the background (psycopg tries to cancel the statement, then closes

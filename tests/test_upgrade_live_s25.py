@@ -154,19 +154,36 @@ def _wait_server_json(home: Path, proc: subprocess.Popen[str], timeout: float = 
     pytest.fail("the older serve wrote no server.json in time")
 
 
+def _tree_newest(tree: Path) -> int:
+    """The newest SQLite migration of an older tree (one commit may have added several)."""
+    probe = "from appserver.store.migrations import MIGRATIONS; print(MIGRATIONS[-1][0])"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
 def test_the_new_cli_leaves_a_live_older_server_its_schema(tmp_path: Path) -> None:
     tree = _older_tree(tmp_path / "older")
+    older = _tree_newest(tree)
+    assert older < NEWEST
     home = tmp_path / "home"
     code, out = _older_cli(tree, home, "agents", "list")  # the older appserver makes the home
     assert code == 0, out
-    assert _sqlite_version(home) == NEWEST - 1
+    assert _sqlite_version(home) == older
     server = _older(
         tree, home, "serve", "--listen", "127.0.0.1:0", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         _wait_server_json(home, server)
         _refused_naming(run_cli(home, "agents", "list"), server.pid)
-        assert _sqlite_version(home) == NEWEST - 1
+        assert _sqlite_version(home) == older
         code, out = _older_cli(tree, home, "agents", "list")  # the older version's own CLI still works
         assert code == 0 and "assistant" in out, out
     finally:

@@ -290,20 +290,12 @@ class OpenTurns:
         else:
             key = known[0]
             known[1].cancel()  # its place is kept, watched by the new task
-        task = asyncio.get_running_loop().create_task(self._held_restored(key, turn_id, ended), name=name)
+        task = asyncio.get_running_loop().create_task(
+            self._watch(key, ended, lambda: self._forget_restored(turn_id)), name=name
+        )
         self._restored[turn_id] = (key, task)
         self._holds.add(task)
         task.add_done_callback(self._holds.discard)
-
-    async def _held_restored(self, key: str, turn_id: str, ended: Callable[[], Awaitable[None]]) -> None:
-        try:
-            await ended()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("watching an open turn of %s failed; its place is given back", key)
-        finally:
-            self._forget_restored(turn_id)
 
     def _forget_restored(self, turn_id: str) -> None:
         """Give back the place of a restored turn, unless a newer task watches it now (or it was
@@ -325,11 +317,12 @@ class OpenTurns:
         """Keep `key`'s place until `ended()` returns (the turn ended), raises or is cancelled."""
         if key is None or self.per_client <= 0:
             return
-        task = asyncio.get_running_loop().create_task(self._held(key, ended), name=name)
+        task = asyncio.get_running_loop().create_task(self._watch(key, ended, lambda: self.give_back(key)), name=name)
         self._holds.add(task)
         task.add_done_callback(self._holds.discard)
 
-    async def _held(self, key: str, ended: Callable[[], Awaitable[None]]) -> None:
+    async def _watch(self, key: str, ended: Callable[[], Awaitable[None]], release: Callable[[], None]) -> None:
+        """Wait for a turn's end (`ended()` returns, raises or is cancelled), then `release` its place."""
         try:
             await ended()
         except asyncio.CancelledError:
@@ -337,7 +330,7 @@ class OpenTurns:
         except Exception:
             log.exception("watching an open turn of %s failed; its place is given back", key)
         finally:
-            self.give_back(key)
+            release()
 
     def count(self, key: str | None) -> int:
         return self._open.get(key, 0) if key is not None else 0

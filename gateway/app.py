@@ -413,8 +413,17 @@ class Gateway:
             await self._notice(runner, entry, "This chat is not connected to an agent yet.")
             return
         attempt = 0
+        tried = False  # a submit (or the conversation it needed) was attempted: time passed since the check
         first = False  # the conversation was opened for this message: the agent gets the note first
         while True:
+            if tried and not self.chatops.lets_in(entry, runner):
+                # revoked while the submit was being retried (the server unreachable, its store locked):
+                # asked again before each resubmit, so a long outage does not keep the row going either
+                for e in entries:
+                    self.ledger.mark_failed(e.key, NO_LONGER_LET_IN)
+                log.info("%s: not submitted again: %s", entry.key, NO_LONGER_LET_IN)
+                return
+            tried = True
             try:
                 conversation = resolution.conversation
                 if conversation is None:
@@ -453,10 +462,15 @@ class Gateway:
         entry = self.ledger.mark_submitted(entry.key, turn_id, conversation_id)
         runner.live.turns += 1
         self._dirty = True
-        waited = int(ack.get("queue_position") or 0) > 0
-        if waited:
+        if int(ack.get("queue_position") or 0) > 0:
             self._spawn(self._acknowledge_queued(runner, entries[-1]))
-        self._follow(entry, waited=waited)
+        # Access is asked again as the turn is first seen (its ack here, then its first snapshot, tool
+        # call or approval request: `Replies.admits`), queued or not: a revoke made while the submit
+        # was on its way (a stalled server, a retry) is not answered. Refused: cancelled on the server
+        # before anything reaches the chat, its rows failed with NO_LONGER_LET_IN.
+        self._follow(entry, waited=True)
+        if entry.turn_id is not None:
+            await self.replies.refuse_if_not_let_in(entry.turn_id)
 
     async def _acknowledge_queued(self, runner: AccountRunner, entry: Entry) -> None:
         """A message that waits behind a running turn gets a reaction where the platform can."""

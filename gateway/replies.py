@@ -9,9 +9,11 @@ again only where it allows neither (see `ReplySink.on_attempt`). Replies to one 
 messages' order
 (`ChatOrder`); the typing indicator runs while a turn does.
 
-A turn the server queued behind another one is asked about again as it starts (`admits`), and every
-second while it waits (`refuse_queued`): one whose sender access no longer lets in (a `pairing
-revoke` meanwhile) is cancelled and answered with nothing, its rows failed with `NO_LONGER_LET_IN`.
+Every turn is asked about again as its submit is acked (`refuse_if_not_let_in`), as it is first seen
+out of the server's queue (`admits`), and every second until then (`refuse_queued`): one whose sender
+access no longer lets in (a `pairing revoke` while it waited in the queue, or while its submit was on
+its way to a stalled server) is cancelled and answered with nothing, its rows failed with
+`NO_LONGER_LET_IN`.
 So is every turn a restarted gateway picks back up before any of its reply was noted: whether it was
 queued, and whether it started before the revoke, is not known then (a restarted server starts a
 queued turn at once, before the gateway is back), so it is asked again as the gateway sees it.
@@ -68,8 +70,8 @@ class TurnContext:
     starter: str
     conversation: str | None
     sends: TurnSends = field(default_factory=TurnSends)
-    # the server queued it behind another turn, or a restart picked it back up before any of its reply
-    # was noted: access is asked again as it starts (or, when it started meanwhile, as it is seen)
+    # not let in since its submit went out (every turn this gateway submits; a resumed one before any
+    # of its reply was noted): access is asked again as it starts (or, when it started meanwhile, as it is seen)
     waited: bool = False
     admitted: bool | None = None  # that answer, once given (False: cancelled, never answered)
 
@@ -151,9 +153,9 @@ class Replies:
     def follow(
         self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False, waited: bool = False
     ) -> None:
-        """Follow `entry`'s turn and deliver its reply; `waited`: the submit's ack put it in the
-        server's queue (access is then asked again as it starts). A `resumed` turn nothing of whose
-        reply was noted yet is asked again too (`unproven`)."""
+        """Follow `entry`'s turn and deliver its reply; `waited`: access was asked before its submit
+        went out, so it is asked again as the turn starts. A `resumed` turn nothing of whose reply was
+        noted yet is asked again too (`unproven`)."""
         if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:
             return  # a batch's reply is delivered through its first message
         if runner is None:
@@ -178,11 +180,12 @@ class Replies:
         task.add_done_callback(lambda _t: self._turn_done(turn_id))
 
     def admits(self, ctx: TurnContext) -> bool:
-        """Whether `ctx`'s turn may go on and be answered. A turn that started at once was asked just
-        before its submit (`Gateway._submit_batch`); one the server queued, or one a restart picked
-        back up before any of its reply was noted (`unproven`), is asked again, once, as it leaves
-        the queue or is first seen out of it (running, or ended while the gateway was away): at its
-        first such snapshot, or its first approval request or tool call, whichever comes first."""
+        """Whether `ctx`'s turn may go on and be answered. A turn is asked before its submit
+        (`Gateway._submit_batch`) and as it is acked; one this gateway submitted (a submit can wait
+        on a stalled server, and the server may queue it), or one a restart picked back up before any
+        of its reply was noted (`unproven`), is asked again, once, as it leaves the queue or is first
+        seen out of it (running, or ended while the gateway was away): at its first such snapshot,
+        or its first approval request or tool call, whichever comes first."""
         if ctx.waited and ctx.admitted is None:
             ctx.admitted = self._still_let_in(ctx)
             if not ctx.admitted:
@@ -194,14 +197,21 @@ class Replies:
         return entry is not None and self.lets_in(entry, ctx.runner)
 
     async def refuse_queued(self) -> None:
-        """Cancel each turn still waiting in the server's queue whose sender access no longer lets
-        in (a `pairing revoke` reaches the gateway only through gateway.db: asked every second by
-        `ChatOps.watch_pairings`), so it never starts; its follower then fails its rows."""
-        for turn_id, ctx in list(self.turns.items()):
-            if ctx.waited and ctx.admitted is None and not self._still_let_in(ctx):
-                ctx.admitted = False
-                log.info("%s: cancelled in the queue: %s", ctx.key, NO_LONGER_LET_IN)
-                await self._cancel(ctx, turn_id)
+        """Cancel each turn not yet let in (still waiting in the server's queue, or not seen to start)
+        whose sender access no longer lets in (a `pairing revoke` reaches the gateway only through
+        gateway.db: asked every second by `ChatOps.watch_pairings`), so it never starts; its follower
+        then fails its rows."""
+        for turn_id in list(self.turns):
+            await self.refuse_if_not_let_in(turn_id)
+
+    async def refuse_if_not_let_in(self, turn_id: str) -> None:
+        """Cancel `turn_id` if it was not let in yet (`admits`) and access no longer lets its sender
+        in: its follower then fails its rows and delivers nothing. Also asked as a submit is acked."""
+        ctx = self.turns.get(turn_id)
+        if ctx is not None and ctx.waited and ctx.admitted is None and not self._still_let_in(ctx):
+            ctx.admitted = False
+            log.info("%s: cancelled before it was answered: %s", ctx.key, NO_LONGER_LET_IN)
+            await self._cancel(ctx, turn_id)
 
     async def _cancel(self, ctx: TurnContext, turn_id: str) -> None:
         """The protocol's `cancel` naming the turn (never another one that runs by then)."""
@@ -250,6 +260,9 @@ class Replies:
             if entry.sending is not None:  # a part was being sent when the gateway stopped
                 sink.attempted[entry.sending[0]] = entry.sending[1]
             text = entry.reply
+            ctx = self.turns.get(turn_id)
+            if entry.state == "submitted" and ctx is not None and ctx.admitted is False:
+                raise NotLetIn  # cancelled already (refuse_if_not_let_in): not even a typing indicator
             if entry.state == "submitted":
                 typing = asyncio.ensure_future(self._keep_typing(runner, target))
                 try:

@@ -212,6 +212,24 @@ def default_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".appserver"
 
 
+# The settings that name a file, in config.toml or their APPSERVER_<SECTION>__<KEY> variable: a
+# relative path is the home's (the directory of config.toml), never the working directory's, so a
+# server reads the same files wherever it is started from (docs/configuration.md, "Paths").
+FILE_KEYS = (
+    ("server", "tls_cert"),
+    ("server", "tls_key"),
+    ("auth", "jwt_secret_file"),
+    ("auth", "jwt_public_key_file"),
+)
+
+
+def home_file(home: Path, value: str) -> Path:
+    """The file a setting names: `~` expanded, and a relative path taken from `home`. (The
+    gateway resolves a channel account's `<secret>_file` the same way: gateway/accounts.py.)"""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else home / path
+
+
 # ── validation: types from the dataclasses, ranges and choices from RULES ─────────────────────
 
 _SECTIONS: dict[type, str] = {
@@ -756,6 +774,17 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
             f"({cfg.store.instance_timeout_s:g}) must be at least 3 heartbeats (3 × heartbeat_s = "
             f"{3 * cfg.store.heartbeat_s:g}): a server is judged gone only after several missed heartbeats"
         )
+    for section, key in FILE_KEYS:
+        target = getattr(cfg, section)
+        value = getattr(target, key)
+        if value:
+            try:
+                setattr(target, key, str(home_file(home, value)))
+            except RuntimeError:  # `~name` of no user (pathlib cannot expand it)
+                raise ConfigError(
+                    f"{_origin_of(environ, path, section, key)}: [{section}] {key} = {value!r}: "
+                    "its ~ names no user of this system; give the path itself"
+                ) from None
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: [server] tls_cert and tls_key go together (set both or neither)")
     for prov in cfg.providers.values():

@@ -78,6 +78,39 @@ def _amount(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else f"{n} bytes"
 
 
+def os_error_line(exc: OSError) -> str | None:
+    """One line for an OSError reading or writing a named file (a full disk, a quota, a file size
+    limit, permissions, a read-only file system): what, where and what to do, as every command and
+    the server's log and error frames say it. None for an error that names no file (a connection's,
+    a library's bare errno): the caller says those its own way."""
+    where = exc.filename
+    if where is None or exc.errno is None:
+        return None
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on the device holding {where}: free some space there and try again"
+    if exc.errno == errno.EDQUOT:
+        return f"disk quota exceeded on the device holding {where}: free some space or raise the quota, and try again"
+    if exc.errno == errno.EFBIG and not isinstance(exc, StateFileRefused):
+        return (
+            f"{where} could not be written: file too large for the file system or this process's file "
+            "size limit (ulimit -f); raise the limit and try again"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied: {where}: it must be readable and writable by the user running appserver"
+    if exc.errno == errno.EROFS:
+        return f"read-only file system: {where}: the home directory must be writable"
+    if exc.errno == errno.ENOENT:
+        return f"no such file or directory: {where}"
+    return f"{where}: {exc.strerror or exc}"
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception for a log line: a file's OSError as `os_error_line` says it, anything else as
+    its message ("[Errno 28] No space left on device: '…'" was how a full disk read)."""
+    said = os_error_line(exc) if isinstance(exc, OSError) else None
+    return said if said is not None else str(exc) or type(exc).__name__
+
+
 def file_kind(mode: int) -> str:
     """What a file that is not a regular file is, for an error line."""
     if stat.S_ISDIR(mode):

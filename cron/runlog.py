@@ -265,7 +265,10 @@ class RunLogRead:
                 f"the run log {self.path} cannot be read: none of its {len(self.unreadable)} line(s) "
                 f"is a run-log record (line {shown}); fix or delete the file"
             )
-        return f"{self.path}: skipped {len(self.unreadable)} unreadable line(s) of the run log (line {shown})"
+        return (
+            f"{self.path}: skipped {len(self.unreadable)} unreadable line(s) of the run log (line {shown}): "
+            "cut short, or no run-log record (a hand edit, damage)"
+        )
 
 
 def read_run_log(runs_dir: Path, task_id: str, *, limit: int | None = None) -> RunLogRead:
@@ -303,7 +306,8 @@ def read_runs(runs_dir: Path, task_id: str, *, limit: int | None = None) -> list
 
 
 def _parse_lines(raw: bytes) -> tuple[list[dict[str, Any]], list[int]]:
-    """(the records, the numbers of the non-blank lines that are no JSON object)."""
+    """(the records, the numbers of the non-blank lines that are no record: not a JSON object, or
+    one whose fields are not what a record holds, `is_record`)."""
     out: list[dict[str, Any]] = []
     bad: list[int] = []
     for n, line in enumerate(raw.splitlines(), 1):
@@ -314,11 +318,40 @@ def _parse_lines(raw: bytes) -> tuple[list[dict[str, Any]], list[int]]:
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             bad.append(n)
             continue
-        if isinstance(rec, dict):
+        if is_record(rec):
             out.append(rec)
-        else:  # valid JSON, but no record (`42`, `[1]`): as unreadable as torn JSON
+        else:  # valid JSON, but no record (`42`, `{"event": 1}`): as unreadable as torn JSON
             bad.append(n)
     return out, bad
+
+
+# The fields a reader of the run log uses, and what each must be when it is there (null is none):
+# text, flags, the list of a delivery's message ids, the task a `removed` record keeps.
+_TEXT_FIELDS = ("at", "task_id", "scheduled_for", "turn_id", "status", "target", "reason", "error", "by")
+_FLAG_FIELDS = ("manual", "catch_up", "recovered")
+
+
+def is_record(rec: Any) -> bool:
+    """Is this parsed line a run-log record? A JSON object with `event` text, a run number (when it
+    has one) that is a whole number a run can have (0 to MAX_RUN_NUMBER: never `1e999`, `1.5`, `"x"`
+    or `true`), and the other fields a reader uses of their type: what appserver writes. Anything
+    else (a hand edit, damage, another program's line) is skipped as unreadable and reported by
+    the reader, never shown as a run or counted as one."""
+    if not isinstance(rec, dict):
+        return False
+    event = rec.get("event")
+    if not isinstance(event, str) or not event.strip():
+        return False
+    if rec.get("occurrence") is not None and _number(rec) is None:
+        return False
+    if any(rec.get(k) is not None and not isinstance(rec[k], str) for k in _TEXT_FIELDS):
+        return False
+    if any(rec.get(k) is not None and not isinstance(rec[k], bool) for k in _FLAG_FIELDS):
+        return False
+    if rec.get("remote_ids") is not None and not isinstance(rec["remote_ids"], list):
+        return False
+    task = rec.get("task")
+    return task is None or isinstance(task, dict)
 
 
 def _tail(path: Path, max_bytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
@@ -522,7 +555,7 @@ def _mark_lost(records: list[dict[str, Any]]) -> None:
     (which may still be in flight)."""
     settled = {_number(r) for r in records if r.get("event") in ("submitted", "fire_failed")} - {None}
     # a `fired` record whose run number is no whole number (`1e999`, "x": a hand edit, damage) is
-    # shown as written, but it names no run, so no run is said to be lost by it
+    # skipped by the reader (`is_record`); one read otherwise names no run, so no run is lost by it
     fired = [r for r in records if r.get("event") == "fired" and _number(r) is not None]
     for r in fired[:-1]:
         if _number(r) not in settled:

@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from appserver.fsutil import error_text
 from cron.envelope import build_envelope
 from cron.runlog import delivery_record, highest_occurrence, outcome_record
 from cron.store import (
@@ -167,7 +168,7 @@ async def take_step(
     try:
         moved = await asyncio.to_thread(store.advance, task_id, occurrence, step, final=final, recorded=recorded)
     except (CronStoreError, OSError) as exc:
-        log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, exc)
+        log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, error_text(exc))
         return True
     return moved is True or (moved is None and unfollowed_ours)
 
@@ -229,7 +230,7 @@ async def take_recorded_step(
     try:
         return await asyncio.to_thread(store.combined, locked)
     except (CorruptStateFile, CronStoreError, OSError) as exc:
-        log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, exc)
+        log.warning("cron: could not record that task %s run #%d is %s: %s", task_id, occurrence, step, error_text(exc))
         if not written:  # the store cannot answer now: taken by this process, as `take_step` does
             await asyncio.to_thread(write)
         return True
@@ -273,7 +274,12 @@ async def submit_claimed(
         try:
             await asyncio.to_thread(_record_fire_failure, store, task.id, occurrence.number, message, clock())
         except (CronStoreError, OSError) as exc2:
-            log.error("cron: could not record the failure of task %s run #%d: %s", task.id, occurrence.number, exc2)
+            log.error(
+                "cron: could not record the failure of task %s run #%d: %s",
+                task.id,
+                occurrence.number,
+                error_text(exc2),
+            )
         return None, message
     extra = {"recovered": True} if recovered else {}  # a claim a dead scheduler left, submitted now
     # the record first, then the step (known cluster-wide from then on): a crash between the two

@@ -52,6 +52,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from appserver.fsutil import error_text
 from cron.credentials import CredentialCheck, TokenCredentials
 from cron.lease import DEFAULT_LEASE_TTL_S, MAX_LEASE_TTL_S, LeaseHolder
 from cron.runlog import (
@@ -486,7 +487,7 @@ class Scheduler:
         try:
             await asyncio.to_thread(self.store.advance_many, steps)
         except (CorruptStateFile, CronStoreError, OSError) as exc:
-            log.warning("cron: could not record that %d run(s) were submitted: %s", len(steps), exc)
+            log.warning("cron: could not record that %d run(s) were submitted: %s", len(steps), error_text(exc))
 
     def _runs_to_withdraw(self, state: CronFile) -> list[tuple[tuple[str, int], str, str]]:
         """The runs followed here whose task was removed or disabled since (key, turn, why): each
@@ -1585,6 +1586,13 @@ class Scheduler:
                 await asyncio.wait_for(asyncio.to_thread(self.lease.release), timeout=timeout_s)
             except (TimeoutError, CronStoreError, CorruptStateFile) as exc:
                 log.warning("cron: could not release the scheduler lease: %s", exc)
+            except OSError as exc:  # crons.json not written (a full disk, a quota, read-only): one line
+                log.warning(
+                    "cron: could not release the scheduler lease: %s; another process takes it over once it "
+                    "expires (%g s)",
+                    error_text(exc),
+                    self.lease.ttl_s,
+                )
             self.has_lease = False
         await asyncio.to_thread(self.store.runlog.close)
         await asyncio.to_thread(self.store.close)

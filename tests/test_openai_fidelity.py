@@ -1054,14 +1054,21 @@ def test_a_function_tools_strict_reaches_the_model(http: httpx.Client, fake: Fak
     assert r.status_code == 200, r.text
     assert "strict" not in weather_sent(fake)  # not sent: the upstream's default
 
-    # kept with the paused turn: the step after the answer offers the tool the same way
+    # the step after an answer offers the tools of the answering request (its own model call, as on
+    # OpenAI: session 28), strict as it sends them
     fake.script(one_call_sse("call_st1", "get_weather", "{}"))
-    waiting = http.post(
-        "/v1/responses", json={"model": "remote", "input": "weather?", "tools": [{**WEATHER_R, "strict": True}]}
-    ).json()
+    waiting = http.post("/v1/responses", json={"model": "remote", "input": "weather?", "tools": [WEATHER_R]}).json()
     assert [o["type"] for o in waiting["output"]] == ["function_call"], waiting
     answer = {"type": "function_call_output", "call_id": "call_st1", "output": "sunny"}
-    r = http.post("/v1/responses", json={"model": "remote", "previous_response_id": waiting["id"], "input": [answer]})
+    r = http.post(
+        "/v1/responses",
+        json={
+            "model": "remote",
+            "previous_response_id": waiting["id"],
+            "input": [answer],
+            "tools": [{**WEATHER_R, "strict": True}],
+        },
+    )
     assert r.status_code == 200, r.text
     assert weather_sent(fake)["strict"] is True
 

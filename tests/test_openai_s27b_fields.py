@@ -416,9 +416,10 @@ def test_an_agent_that_keeps_its_sampling_echoes_its_reasoning_effort(env: Env, 
     assert body["reasoning"]["effort"] == "low" and body["temperature"] == 0.2
 
 
-def test_a_request_resuming_a_turn_echoes_the_sampling_the_turn_keeps(env: Env, client: openai.OpenAI) -> None:
-    """Answers resume a paused turn, whose model calls keep the sampling of the request that
-    started it: the answering request's Response says so, not OpenAI's defaults."""
+def test_a_request_resuming_a_turn_echoes_the_sampling_its_own_calls_get(env: Env, client: openai.OpenAI) -> None:
+    """Answers resume a paused turn, whose model calls after them get the sampling of the
+    answering request (session 28: every request is its own model call, as on OpenAI; they kept
+    the first request's): the agent's own where it gives none, and its Response says so."""
     tag = uuid.uuid4().hex
     first = client.responses.create(
         model="asker", input=f"CALL clock {{}} {tag}", temperature=0.6, max_output_tokens=55
@@ -428,6 +429,6 @@ def test_a_request_resuming_a_turn_echoes_the_sampling_the_turn_keeps(env: Env, 
     done = client.responses.create(model="asker", previous_response_id=first.id, input=[answer])
     assert done.output_text.startswith("done: ")
     sent = env.sent(tag)
-    assert [upstream_sampling(s) for s in sent] == [(0.6, 0.3, 55)] * 2
-    assert (done.temperature, done.top_p, done.max_output_tokens) == (0.6, 0.3, 55)
-    assert sampling(client.responses.retrieve(done.id).model_dump(mode="json")) == (0.6, 0.3, 55)
+    assert [upstream_sampling(s) for s in sent] == [(0.6, 0.3, 55), (0.2, 0.3, 77)]
+    assert (done.temperature, done.top_p, done.max_output_tokens) == (0.2, 0.3, 77)
+    assert sampling(client.responses.retrieve(done.id).model_dump(mode="json")) == (0.2, 0.3, 77)

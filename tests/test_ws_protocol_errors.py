@@ -46,6 +46,7 @@ NOT_PROVOKABLE = {
     "too_many_open_turns": "a credential over its open-turn cap (tests/test_ws_turn_cap_s25.py provokes it)",
     "outcome_unknown": "a cluster holder that does not answer in time (tests/test_cluster_fixes_s18.py provokes it)",
     "ledger_unavailable": "a corrupt gateway.db a running gateway holds (tests/test_gateway_channels_e2e.py)",
+    "storage_error": "a state file the disk refuses to write (tests/test_cron_s28j.py provokes it)",
 }
 LOOKUP = {"name": "lookup", "description": "a client tool", "parameters": {"type": "object", "properties": {}}}
 

@@ -217,13 +217,26 @@ def estimate_lead(
 
 
 def anchor_basis(
-    request: ProviderRequest, lead: int, tools_estimate: Callable[[Sequence[ToolSpec]], int]
+    request: ProviderRequest,
+    lead: int,
+    tools_estimate: Callable[[Sequence[ToolSpec]], int],
+    view: Sequence[MessageRecord] = (),
 ) -> dict[str, Any]:
     """What an assistant reply records (meta `context_basis`) beside the provider's count of the
     request that produced it (`context_tokens`), so that a later estimate can tell whether that
-    count still describes the same request: the model that counted, and the estimate of the lead.
+    count still describes the same request: the model that counted, the estimate of the lead, and
+    how many system messages the view (`view`, before the reply) showed when there were any (a
+    turn whose request carried its own leaves out those the conversation keeps).
     Only recorded for a request sent as the history says (see `estimate_request`)."""
-    return {"model": request.model, "lead": estimate_lead(request, lead, tools_estimate)}
+    basis: dict[str, Any] = {"model": request.model, "lead": estimate_lead(request, lead, tools_estimate)}
+    shown = _system_count(view)
+    if shown:
+        basis["system"] = shown
+    return basis
+
+
+def _system_count(messages: Sequence[MessageRecord]) -> int:
+    return sum(1 for m in messages if m.role in PINNED_ROLES)
 
 
 def estimate_request(
@@ -238,11 +251,11 @@ def estimate_request(
     A count is usable only when it describes the messages before it as they are sent now: the reply
     recorded a `context_basis` (it is not recorded when the request was clipped, as a clipped
     request is never sent again), it was counted by the same model (another tokenizer counts
-    differently), and it was not kept by a compaction (measured with the old, longer context). A
-    changed system prompt, instructions or tools are corrected by the difference of their
-    estimates."""
+    differently), it was not kept by a compaction (measured with the old, longer context), and the
+    view shows as many system messages before it as it was counted with. A changed system prompt,
+    instructions or tools are corrected by the difference of their estimates."""
     lead = len(request.messages) - len(view)  # system prompt and instructions come first
-    first = 1 + int(view[0].meta.get("kept", 0)) if view and view[0].role == "compaction" else 0
+    first = _after_kept(view)
     for i in range(len(view) - 1, first - 1, -1):
         if view[i].role != "assistant":
             continue
@@ -250,6 +263,8 @@ def estimate_request(
         basis = view[i].meta.get("context_basis")
         if not measured or not isinstance(basis, dict) or basis.get("model") != request.model:
             continue
+        if basis.get("system", 0) != _system_count(view[:i]):
+            continue  # counted with other system messages in view (shown to one turn, not to another)
         after = sum(estimate_message(m) for m in request.messages[lead + i + 1 :])
         lead_now = estimate_lead(request, lead, tools_estimate)
         return max(0, int(measured) + lead_now - int(basis.get("lead") or 0)) + after
@@ -275,21 +290,84 @@ def to_chat_message(m: MessageRecord) -> ChatMessage:
     return ChatMessage(m.role, m.content)
 
 
+# Roles a compaction never folds: `system` messages (a Responses request's system/developer
+# input, kept in the conversation) stay verbatim, in the view ahead of the summary when older than
+# what it kept, and are not counted in its `kept`. So the view is the same whether a turn sees the
+# system messages or not (agent/loop.py `turn_view` leaves them out for some): counted, a `kept`
+# made without them would keep fewer messages in a view with them.
+PINNED_ROLES = ("system",)
+
+
 def context_view(messages: Sequence[MessageRecord]) -> list[MessageRecord]:
-    """What the provider sees of a history: the last compaction, the messages it kept, the rest."""
+    """What the provider sees of a history: the system messages older than what the last
+    compaction kept, that compaction, the messages it kept, the rest; each round's tool results
+    in the order of its calls (`in_call_order`)."""
     for c in range(len(messages) - 1, -1, -1):
         if messages[c].role != "compaction":
             continue
         kept = int(messages[c].meta.get("kept", 0))
         before: list[MessageRecord] = []
+        counted = 0
         i = c - 1
-        while len(before) < kept and i >= 0:
-            if messages[i].role != "compaction":
-                before.append(messages[i])
+        while counted < kept and i >= 0:
+            m = messages[i]
+            if m.role != "compaction":
+                before.append(m)
+                counted += m.role not in PINNED_ROLES
+            i -= 1
+        while i >= 0 and messages[i].role in PINNED_ROLES:  # sent just before the kept part: with it
+            before.append(messages[i])
             i -= 1
         before.reverse()
-        return [messages[c], *before, *messages[c + 1 :]]
-    return list(messages)
+        pinned = [m for m in messages[: i + 1] if m.role in PINNED_ROLES]
+        return in_call_order([*pinned, messages[c], *before, *messages[c + 1 :]])
+    return in_call_order(list(messages))
+
+
+def in_call_order(view: list[MessageRecord]) -> list[MessageRecord]:
+    """`view` with each run of tool results that follows an assistant message with tool calls in
+    the order of those calls (the history holds them in the order they finished: a server tool's
+    result before the client's answer to an earlier call). Some OpenAI-compatible servers and chat
+    templates match results to calls by position. A result that answers none of that message's
+    calls keeps its place. The same records, permuted (`view` itself when nothing moves): every
+    request and every estimate is built from this view, one request message per record."""
+    out = view
+    n = len(view)
+    i = 0
+    while i < n:
+        m = view[i]
+        i += 1
+        if m.role != "assistant" or len(m.tool_calls) < 2:
+            continue
+        start = i
+        while i < n and view[i].role == "tool":
+            i += 1
+        if i - start < 2:
+            continue
+        order = {c.get("id"): k for k, c in enumerate(m.tool_calls)}
+        slots = [j for j in range(start, i) if view[j].tool_call_id in order]
+        ranked = sorted(slots, key=lambda j: order[view[j].tool_call_id])  # stable: repeats keep theirs
+        if ranked == slots:
+            continue
+        if out is view:
+            out = list(view)
+        for j, k in zip(slots, ranked, strict=True):
+            out[j] = view[k]
+    return out
+
+
+def _after_kept(view: Sequence[MessageRecord]) -> int:
+    """Index in `view` (a `context_view`) of the first message after its compaction's kept part (0
+    when it has no compaction): measured counts before it were made with the older context."""
+    c = next((i for i, m in enumerate(view) if m.role == "compaction"), None)
+    if c is None:
+        return 0
+    kept = int(view[c].meta.get("kept", 0))
+    i = c + 1
+    while kept > 0 and i < len(view):
+        kept -= view[i].role not in PINNED_ROLES
+        i += 1
+    return i
 
 
 def choose_cut(view: Sequence[MessageRecord], sizes: Sequence[int], keep_tokens: int) -> int | None:
@@ -487,15 +565,18 @@ async def compact(
     (its measured count against our estimate of the same messages): sizes are scaled by it."""
     scale = max(1.0, scale)
     sizes = [math.ceil(estimate_message(to_chat_message(m)) * scale) for m in view]
-    room = budget.limit - math.ceil(lead_tokens * scale) - summary_room(budget)
+    # system messages are never folded (PINNED_ROLES): they stay beside the lead, wherever the cut
+    pinned = sum(size for m, size in zip(view, sizes, strict=True) if m.role in PINNED_ROLES)
+    sizes = [0 if m.role in PINNED_ROLES else size for m, size in zip(view, sizes, strict=True)]
+    room = budget.limit - math.ceil(lead_tokens * scale) - pinned - summary_room(budget)
     keep_tokens = max(0, min(budget.limit * 2 // 5, room))
     cut = choose_cut(view, sizes, keep_tokens)
-    if cut is None:
-        return None
+    folded = [m for m in view[: cut or 0] if m.role not in PINNED_ROLES]
+    if cut is None or all(m.role == "compaction" for m in folded):
+        return None  # nothing to fold, or only the last summary (folding it alone gains nothing)
     emit(PhaseChanged("compacting"))
-    folded = list(view[:cut])
     summary = await summarize(provider, model, folded, budget)
-    kept = sum(1 for m in view[cut:] if m.role != "compaction")
+    kept = sum(1 for m in view[cut:] if m.role != "compaction" and m.role not in PINNED_ROLES)
     message = MessageRecord(
         role="compaction",
         content=summary,

@@ -98,6 +98,16 @@ REQUEST_SHAPE_KEYS = ("response_format", "tool_choice", "parallel_tool_calls")
 # asked about before each call even where the agent's policy is `allow`.
 OFFERED_TOOLS = "agent_tools_offered"
 ASKED_TOOLS = "agent_tools_asked"
+# Turn option of a request that carries its whole transcript (every chat completion; a Responses
+# request without previous_response_id or conversation): its own system/developer text instructs
+# the turn (`instructions`), so the system messages the conversation keeps stay out of its model
+# view (`turn_view`), which would otherwise show a stateless client's resent prompt twice.
+OWN_SYSTEM = "own_system"
+# Turn option written with a request's answers to a paused turn (runtime/pending.py): the iteration
+# the turn paused at. The turn's options are then that request's (`TurnSettings`), its tool_choice
+# for the first model call after its answers; a turn resumed without them (answers from the
+# WebSocket protocol, calls that expired) makes that call with `auto` (`_drop_tool_choice`).
+ANSWERED_AT = "answered_at"
 
 
 def provider_params(agent: AgentRecord, options: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +120,20 @@ def provider_params(agent: AgentRecord, options: dict[str, Any]) -> dict[str, An
     if isinstance(params.get("stop"), str):
         params["stop"] = [params["stop"]]
     return params
+
+
+def model_call_params(providers: ProviderRegistry, agent: AgentRecord, options: dict[str, Any]) -> dict[str, Any]:
+    """`provider_params` as the agent's provider sends them: a provider that leaves some out or
+    changes them (anthropic: no temperature with thinking, no effort without a thinking budget)
+    says so by its `sent_params`, the rule its request body is built by. What the Responses route
+    echoes as used."""
+    params = provider_params(agent, options)
+    try:
+        provider, _ = providers.resolve(agent.model)
+    except Exception:  # a misconfigured provider fails the turn with its own error
+        return params
+    adjust = getattr(provider, "sent_params", None)
+    return adjust(params) if callable(adjust) else params
 
 
 def turn_offers(options: dict[str, Any], name: str) -> bool:
@@ -188,6 +212,16 @@ class TurnWork:
     before_tools: Callable[[TurnWork], Awaitable[None]] | None = None
 
 
+def turn_view(work: TurnWork) -> list[MessageRecord]:
+    """What the model sees of the turn's conversation (context.context_view), every model call
+    and estimate alike: without its system messages for a turn whose request carried its own
+    (OWN_SYSTEM), so each request message after the lead is one record of this view."""
+    messages = [*work.history, *work.new_messages]
+    if work.options.get(OWN_SYSTEM):
+        messages = [m for m in messages if m.role != "system"]
+    return context_view(messages)
+
+
 @dataclass(slots=True)
 class LoopOutcome:
     status: str  # completed | awaiting | failed
@@ -235,7 +269,10 @@ class AgentLoop:
     async def run(self, work: TurnWork, emit: Emit, resolutions: list[PendingCall] | None = None) -> LoopOutcome:
         """Run (or resume) a turn until a final stop reason."""
         if resolutions:
-            _drop_tool_choice(work)  # it was the first call of the request that started the turn
+            if work.options.get(ANSWERED_AT) != work.iteration:
+                # it was the first call of the request that started the turn (a request that
+                # answered the calls brought its own options for the calls after its answers: kept)
+                _drop_tool_choice(work)
             emit(PhaseChanged("acting"))
             await self._apply_resolutions(work, resolutions, emit)
         max_steps = int(work.agent.params.get("max_steps") or self.config.limits.max_steps)
@@ -300,7 +337,7 @@ class AgentLoop:
 
     def build_request(self, work: TurnWork, model: str, view: list[MessageRecord] | None = None) -> ProviderRequest:
         if view is None:
-            view = context_view([*work.history, *work.new_messages])
+            view = turn_view(work)
         messages: list[ChatMessage] = []
         if work.agent.system:
             messages.append(ChatMessage("system", work.agent.system))
@@ -361,7 +398,7 @@ class AgentLoop:
         fails the turn at once (ContextDoesNotFit): nothing folded could make room. `refused` is the
         size (estimate_request of the request alone) and error of a request the provider refused as
         too long: the request built now must be smaller, or the turn fails at once with why."""
-        view = context_view([*work.history, *work.new_messages])
+        view = turn_view(work)
         request = self.build_request(work, model, view)
         real = self.budget(work, provider, model)
         budget = forced or real
@@ -399,7 +436,7 @@ class AgentLoop:
                 estimate,
                 budget.window,
             )
-            view = context_view([*work.history, *work.new_messages])
+            view = turn_view(work)
             request = self.build_request(work, model, view)
             estimate = self.estimate(request, view)
             done.message.meta["tokens_after"] = estimate
@@ -434,7 +471,7 @@ class AgentLoop:
         raise cannot_shrink(budget, lead_tokens, max(0, size - lead_tokens), error.message, error.status)
 
     def _basis(self, request: ProviderRequest, view: list[MessageRecord]) -> dict[str, Any]:
-        return anchor_basis(request, len(request.messages) - len(view), self._tool_estimates)
+        return anchor_basis(request, len(request.messages) - len(view), self._tool_estimates, view)
 
     async def _stream_step(self, work: TurnWork, emit: Emit) -> str:
         provider, model = self.providers.resolve(work.agent.model)
@@ -511,7 +548,7 @@ class AgentLoop:
                     if request is not None:  # None: the provider refused a summary while compacting
                         refused = (estimate_request(request, [], self._tool_estimates), exc)
                         if estimate is None:  # no window applied, so it was not needed until now
-                            estimate = self.estimate(request, context_view([*work.history, *work.new_messages]))
+                            estimate = self.estimate(request, turn_view(work))
                     estimate = estimate or 0
                     log.warning(
                         "turn %s: %s says the context is too long (estimate %d tokens); compacting and retrying",

@@ -18,7 +18,7 @@ from typing import Any
 
 from appserver.auth.errors import unauthorized
 from appserver.auth.principal import SCOPES, Principal
-from appserver.config import AuthConfig, ConfigError
+from appserver.config import AuthConfig, ConfigError, home_file
 
 log = logging.getLogger("appserver.auth")
 
@@ -130,9 +130,9 @@ class JwtVerifier:
 
     @staticmethod
     def _read_file(name: str, base_dir: Path | None, key: str) -> bytes:
-        path = Path(name).expanduser()
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
+        # load_config already made a relative path the home's (config.home_file); an AuthConfig
+        # made otherwise is resolved here the same way
+        path = home_file(base_dir, name) if base_dir is not None else Path(name).expanduser()
         try:
             data = path.read_bytes()
         except OSError as exc:

@@ -26,7 +26,7 @@ import click
 from appserver.cli.safetext import json_text, visible
 from appserver.config import Config, ConfigError, load_config
 from appserver.errors import KernelError
-from appserver.fsutil import CorruptStateFile
+from appserver.fsutil import CorruptStateFile, os_error_line
 from appserver.serverinfo import HomeStarting, find_live_server, read_live_server
 from appserver.store.base import StoreError
 from appserver.store.url import REDACTED, redact_url, store_kind
@@ -135,18 +135,12 @@ def debug_enabled() -> bool:
 
 
 def _os_error(exc: OSError) -> str:
-    if exc.filename is None:
-        return _os_error_unnamed(exc)
-    where = exc.filename
-    if exc.errno == errno.ENOSPC:
-        return f"no space left on the device holding {where}: free some space there and start again"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return f"permission denied: {where}: it must be readable and writable by the user running appserver"
-    if exc.errno == errno.EROFS:
-        return f"read-only file system: {where}: the home directory must be writable"
-    if exc.errno == errno.ENOENT:
-        return f"no such file or directory: {where}"
-    return f"{where}: {exc.strerror or exc}"
+    named = os_error_line(exc)  # the server's log and error frames say a file's error the same way
+    if named is not None:
+        return named
+    if exc.filename is not None:  # a file's error without an errno (`OSError("…", path)`)
+        return f"{exc.filename}: {exc.strerror or exc}"
+    return _os_error_unnamed(exc)
 
 
 def _os_error_unnamed(exc: OSError) -> str:

@@ -85,4 +85,6 @@ def history(conversation_id: str, limit: int | None, as_json: bool) -> None:
             continue
         calls = "".join(f"\n  -> {exact(c['name'])}({exact(c['arguments'])}) [{exact(c['id'])}]" for c in m.tool_calls)
         refused = " [refusal]" if isinstance(m.meta.get("refusal"), str) else ""
-        click.echo(f"{visible(m.role)}{visible(marker)}{refused}: {visible(m.text())}{calls}")
+        # a kept system/developer message shows as what it is (never as a user or assistant message)
+        role = "developer" if m.role == "system" and m.meta.get("role") == "developer" else m.role
+        click.echo(f"{visible(role)}{visible(marker)}{refused}: {visible(m.text())}{calls}")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from pathlib import Path
 
 import click
 
 from appserver.cli.common import DEBUG_ENV, fail, not_utf8, refuse_non_utf8_args, run_or_fail, shown_raw
 from appserver.cli.lazy import LazyCommand, LazyGroup
+from appserver.config import default_home
 
 # Each command imports its own dependencies (uvicorn, the kernel) only when it runs (see cli/lazy.py).
 COMMANDS = {
@@ -66,6 +68,7 @@ def main(home: str | None, debug: bool) -> None:
         os.environ["APPSERVER_HOME"] = home
     else:
         _check_env_home(os.environ.get("APPSERVER_HOME", ""))
+    _check_resolved_home("--home" if home is not None else "$APPSERVER_HOME")
     if debug:
         os.environ[DEBUG_ENV] = "1"
 
@@ -87,6 +90,35 @@ def _check_env_home(env_home: str) -> None:
         fail("$APPSERVER_HOME is blank: set it to the home directory, or unset it for the default", 2)
     if not_utf8(env_home):
         fail(f"$APPSERVER_HOME ({shown_raw(env_home)}) is not valid UTF-8: give the home as UTF-8 text", 2)
+
+
+def _check_resolved_home(option: str) -> None:
+    """The home as load_config will use it (absolute, links followed) must be UTF-8 too, checked
+    before anything is made there: a relative home in a working directory whose path is not UTF-8,
+    the default home under such a $HOME, or a link to such a place, was a traceback at the first
+    encode (after appserver.db and config.toml were made). Refused here, one line and exit code 2,
+    as a --home that is not UTF-8 is. A home that cannot be reached is load_config's to say."""
+    given = os.environ.get("APPSERVER_HOME", "")
+    try:
+        resolved = default_home().resolve()
+    except (OSError, RuntimeError):  # no working directory, no $HOME, a loop of links
+        return
+    if not not_utf8(str(resolved)):
+        return
+    if not given and not_utf8(str(Path.home())):
+        why = "the default home is $HOME/.appserver, and $HOME is not UTF-8"
+    elif given.startswith("~") and not_utf8(str(Path(given).expanduser())):
+        why = f"{option} {given!r} starts with ~, and $HOME is not UTF-8"
+    elif given and not Path(given).is_absolute() and not_utf8(os.getcwd()):
+        why = f"{option} {given!r} is relative to the current directory, whose path is not UTF-8"
+    else:
+        shown = repr(given) if given else "~/.appserver (the default)"
+        why = f"{option if given else 'the home'} {shown} is a symbolic link, or under one, that leads there"
+    fail(
+        f"the home {shown_raw(str(resolved))} is not valid UTF-8 ({why}): give the home as a path "
+        "whose absolute form is UTF-8 text (--home or $APPSERVER_HOME)",
+        2,
+    )
 
 
 def run() -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from appserver.agent.loop import OWN_SYSTEM
 from appserver.auth import conversation_namespace
 from appserver.http import fields
 from appserver.http.common import (
@@ -23,6 +24,7 @@ from appserver.http.common import (
     JSONReply,
     TurnRun,
     answer_paused,
+    answer_settings,
     approval_pending,
     client_pending,
     dumps,
@@ -70,7 +72,7 @@ from appserver.providers.base import ToolSpec, structured_format
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnSnapshot
 from appserver.runtime.kernel import blank_input as kernel_blank_input  # the kernel's submit rule
 from appserver.store.base import StoreUnavailable
-from appserver.store.records import AgentRecord
+from appserver.store.records import AgentRecord, TurnSettings
 
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
@@ -140,7 +142,19 @@ INPUT_IMAGE_DETAILS = ("low", "high", "auto", "original")
 def image_url_of(part: dict[str, Any], kind: str, at: str) -> tuple[str, Any]:
     """(the url, the `image_url` value) of an image part: Chat's `image_url` is an object with a
     `url` (a plain string is taken too), Responses' `input_image` has the url as a string. Absent
-    is `missing_required_parameter`, another type `invalid_type`, naming the path."""
+    is `missing_required_parameter`, another type `invalid_type`, naming the path. An
+    `input_image` may name an uploaded file (`file_id`, its `image_url` then null or absent, as
+    OpenAI's schema allows): refused by name (`unsupported_value`), as this server has no Files
+    API to read it from."""
+    if kind == "input_image" and fields.string(part.get("file_id"), f"{at}.file_id") is not None:
+        raise ApiError(
+            400,
+            f"Invalid '{at}.file_id': images given by file_id are not supported: this server has no "
+            "Files API (uploaded files cannot be read from it); send the image in image_url, as an "
+            "https URL or a data: URL (data:image/png;base64,…)",
+            code="unsupported_value",
+            param=f"{at}.file_id",
+        )
     image = fields.required(part, "image_url", f"{at}.image_url")
     if kind == "image_url" and isinstance(image, dict):
         return fields.required_string(image, "url", f"{at}.image_url.url"), image
@@ -952,6 +966,9 @@ class ChatCompletions:
             options["tool_choice"] = choice
         if instructions:
             options["instructions"] = instructions
+        # the request carries its whole transcript (its system messages instruct this turn): the
+        # system messages the conversation keeps (a Responses request's) stay out of its view
+        options[OWN_SYSTEM] = True
         user, metadata = user_and_metadata(body)
         prefix, new = split_new_input(items)
         users = [i for i in new if i.kind == "user"]
@@ -1020,7 +1037,10 @@ class ChatCompletions:
                     request, named_answers(self.server, place, given, answers.shown if answers else [])
                 )
                 target, resumed = await until_credential_ends(
-                    request, self._answer_point(agent, ns, place, decisions, answers, user, metadata)
+                    request,
+                    self._answer_point(
+                        agent, ns, place, decisions, answers, user, metadata, answer_settings(options, tools)
+                    ),
                 )
                 place = target  # a fork when other requests answered the round first (released below)
                 run = resumed or await start_turn(
@@ -1063,16 +1083,18 @@ class ChatCompletions:
         answers: Answers | None,
         user: str | None,
         metadata: dict[str, Any],
+        settings: TurnSettings,
     ) -> tuple[Placement, TurnRun | None]:
         """Answers placed at the head of a conversation paused at their calls: applied there (the
-        resumed turn), or, when other requests answered that round first (on another server of a
+        resumed turn, its model calls from then on with the request's `settings`), or, when other
+        requests answered that round first (on another server of a
         cluster, where this server's claim does not reach), a fork from the point to answer them
         in, as the second of two racing on one server forks (docs/openai.md "Racing requests").
         (place, None): start_turn answers, in `place`, as ever."""
         turn = place.paused_turn
         if turn is None or answers is None:
             return place, None
-        resumed = await answer_paused(self.server, place.conversation_id, turn, decisions)
+        resumed = await answer_paused(self.server, place.conversation_id, turn, decisions, settings)
         if resumed is not None or not await round_answered(self.server, turn, decisions):
             return place, resumed
         fork = await self.matcher.fork_lost(

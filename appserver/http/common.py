@@ -39,7 +39,7 @@ from appserver.runtime import max_steps_note as steps_note
 from appserver.runtime.restore import controller_from_store
 from appserver.security.guard import GUARD_ANSWERED
 from appserver.store.base import StoreUnavailable, StoreValueRefused
-from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord
+from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord, TurnSettings
 
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
@@ -678,11 +678,25 @@ class PausedTurn:
         return TurnHandle(turn.id, turn.conversation_id, controller)
 
 
+def answer_settings(options: dict[str, Any], client_tools: Sequence[Any]) -> TurnSettings:
+    """What a request answering a paused turn brings for the turn's model calls after its answers
+    (OpenAI's rule: every request is its own model call, with its own parameters): its options
+    (sampling, max tokens, format, tool_choice, parallel_tool_calls, reasoning effort,
+    instructions, the agent tool scope) and client tools (`ToolSpec`s), in place of those of the
+    request that started the turn (`Kernel.respond`)."""
+    return TurnSettings(dict(options), [t.to_record() for t in client_tools])
+
+
 async def answer_paused(
-    server: Server, conversation_id: str, turn_id: str, decisions: list[Decision]
+    server: Server,
+    conversation_id: str,
+    turn_id: str,
+    decisions: list[Decision],
+    settings: TurnSettings | None = None,
 ) -> TurnRun | None:
     """Paused turn `turn_id` (the one a request's point or previous response shows) resumed with
-    the answers it has not yet: start_turn's answering, the check and the answer as one step.
+    the answers it has not yet, and the request's `settings` for its model calls after them
+    (`answer_settings`): start_turn's answering, the check and the answer as one step.
     None when there is nothing of it to do here: the conversation waits on no such turn, nothing
     is new, or the answer was refused (start_turn then answers as ever), or another request
     answered the calls first. On one server the matcher's claim makes that request fork; across
@@ -697,7 +711,7 @@ async def answer_paused(
     if not fresh:
         return None
     try:
-        results = await kernel.respond(conversation_id, fresh, whole=True)
+        results = await kernel.respond(conversation_id, fresh, whole=True, settings=settings)
     except (InvalidInput, NotAwaiting):
         # answers contradicting each other (start_turn refuses them in its words), or the turn
         # resumed meanwhile (by another request's answers)
@@ -767,18 +781,23 @@ async def start_turn(
     client_tools: list[Any],
     options: dict[str, Any],
     source: dict[str, Any],
+    system: list[dict[str, str]] | None = None,
     overlap_accept: bool = False,
     while_pending: Callable[[list[str]], ApiError] | None = None,
     idempotency: tuple[str, str] | None = None,
     answers_param: str = "input",
     request: Request | None = None,
 ) -> TurnRun:
-    """`overlap_accept`: the caller answers only once the turn settled (see SubmitRequest).
+    """`system`: system/developer messages the conversation keeps with the new input, before its
+    user message ([{"role", "text"}]: a Responses request's input items; SubmitRequest.system).
+    `overlap_accept`: the caller answers only once the turn settled (see SubmitRequest).
     `request`: the HTTP request whose credential may end while its input waits to be accepted
     (the store slow or locked): see `_accept_watched`.
     `while_pending`: the error for new input while the conversation waits for answers to calls
     (their client-visible ids); HTTP answers at once instead of queueing (DESIGN §13).
-    `answers_param`: the field that carried the answers, named by a refusal of them."""
+    `answers_param`: the field that carried the answers, named by a refusal of them.
+    `options`, `client_tools`: the new turn's; with `decisions`, the paused turn's from its answers on
+    (`answer_settings`)."""
     kernel = server.kernel
     try:
         if decisions:
@@ -797,7 +816,9 @@ async def start_turn(
             decisions = paused.fresh(decisions)
             if not decisions:  # nothing new: the turn still waits for the rest, as it shows now
                 return await paused.run(server, conversation_id, [], shown_before=True)
-            results = await kernel.respond(conversation_id, decisions, whole=True)  # one request: all or none
+            # one request: all or none; its options and client tools are those of the model calls after them
+            settings = answer_settings(options, client_tools)
+            results = await kernel.respond(conversation_id, decisions, whole=True, settings=settings)
             refused = [r for r in results if not r.get("accepted")]
             if refused:
                 raise ApiError(
@@ -819,6 +840,7 @@ async def start_turn(
             SubmitRequest(
                 agent=agent.id,
                 input=content,
+                system=list(system or ()),
                 conversation=conversation_id,
                 source=source,
                 client_tools=client_tools,

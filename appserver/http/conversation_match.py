@@ -81,6 +81,9 @@ class ViewItem:
     # user: every content part in the order sent (text, image_url with its detail, file, audio), as
     # providers take them; None for plain string content
     content: list[dict[str, Any]] | None = None
+    # system: the role it was sent with (`system` / `developer`) when the conversation keeps it (a
+    # Responses input item: `seed_records`); None for a chat message's, which instructs its turn only
+    role: str | None = None
 
     def key(self) -> list[Any]:
         if self.kind == "assistant":
@@ -196,6 +199,7 @@ def merge_assistants(items: list[ViewItem]) -> list[ViewItem]:
                     item.call_id,
                     list(item.parts),
                     None if item.content is None else list(item.content),
+                    item.role,
                 )
             )
     return out
@@ -257,12 +261,23 @@ def split_new_input(items: list[ViewItem]) -> tuple[list[ViewItem], list[ViewIte
     return items[: last + 1], items[last + 1 :]
 
 
+def system_record(item: ViewItem) -> MessageRecord:
+    """The message a kept system/developer item (`ViewItem.role`) is in a conversation."""
+    meta = {"role": "developer"} if item.role == "developer" else {}
+    return MessageRecord(role="system", content=item.text, source={"kind": "http_seed"}, meta=meta)
+
+
 def seed_records(items: list[ViewItem]) -> list[MessageRecord]:
-    """Messages that reproduce a client-sent transcript in a new conversation (system text is per turn)."""
+    """Messages that reproduce a client-sent transcript in a new conversation. System text is kept
+    in its place when it is a Responses input item (`ViewItem.role`), as the conversation keeps
+    those of each turn's input; a chat request's instructs its turn only."""
     names: dict[str, str] = {}
     out: list[MessageRecord] = []
     for item in items:
-        if item.kind == "user":
+        if item.kind == "system":
+            if item.role is not None and item.text:
+                out.append(system_record(item))
+        elif item.kind == "user":
             out.append(MessageRecord(role="user", content=user_content(item), source={"kind": "http_seed"}))
         elif item.kind == "assistant":
             calls = []
@@ -278,10 +293,15 @@ def seed_records(items: list[ViewItem]) -> list[MessageRecord]:
 
 
 def _valid_tool_pairs(messages: list[MessageRecord]) -> list[MessageRecord]:
-    """Drop tool results without a call and give calls without a result a synthetic one."""
+    """Drop tool results without a call and give calls without a result a synthetic one. A system
+    message among a call's results goes after them: nothing comes between a call and its result."""
     out: list[MessageRecord] = []
     open_calls: dict[str, str] = {}
+    held: list[MessageRecord] = []  # system messages sent while calls were open
     for m in messages:
+        if m.role == "system" and open_calls:
+            held.append(m)
+            continue
         if m.role == "tool":
             if m.tool_call_id in open_calls:
                 open_calls.pop(m.tool_call_id)
@@ -294,10 +314,12 @@ def _valid_tool_pairs(messages: list[MessageRecord]) -> list[MessageRecord]:
                 )
             )
         open_calls = {}
+        out.extend(held)
+        held = []
         out.append(m)
         if m.role == "assistant":
             open_calls = {c["id"]: c["name"] for c in m.tool_calls}
-    return out
+    return out + held
 
 
 def _round_made_at(messages: list[MessageRecord]) -> MessageRecord | None:
@@ -801,20 +823,24 @@ class ConversationMatcher:
         user: str | None,
         metadata: dict[str, Any] | None,
         answers: Answers | None = None,
+        *,
+        seed: list[ViewItem] | None = None,
     ) -> Placement:
-        """The conversation an `X-Conversation-Id` names. Admin and the local owner (`namespace`
+        """The conversation an `X-Conversation-Id` names. A conversation made for it is seeded with
+        `seed` (default `prefix`: the history the request sent). Admin and the local owner (`namespace`
         None) use the name as the id. A namespaced credential's name is its own: `NAME` is the
         conversation `NAME~<tag>` of its namespace (`namespaced_id`), so two credentials' equal
         names are two conversations and neither learns whether the other uses a name; a
         conversation it made under the bare name before names were qualified is still found under
         it. The `NAME~<tag>` id the answer echoes, sent back, is that same conversation (never
         qualified twice); nobody creates an id with a '~' but its namespace."""
+        seed = prefix if seed is None else seed
         value = value.strip()
         keyword = value.lower()
         if keyword == "default":  # this credential's default conversation, never an id named so
             return await self._default(agent, namespace)
         if keyword == "new":  # a conversation of its own, whatever the history says
-            made = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
+            made = await self._new(agent, namespace, seed=seed, user=user, metadata=metadata, answers=answers)
             return Placement(made.id, "header_new", claimed=True)
         qualified = QUALIFIED_ID_RE.match(value)
         if not qualified and not CONVERSATION_ID_RE.match(value):
@@ -851,7 +877,7 @@ class ConversationMatcher:
             # others) create it once; the rest find that one, as if they had come after it, and
             # are refused like any other when it is another agent's or credential's.
             conv, created = await self._new_or_there(
-                agent, namespace, conv_id=conv_id, seed=prefix, user=user, metadata=metadata, answers=answers
+                agent, namespace, conv_id=conv_id, seed=seed, user=user, metadata=metadata, answers=answers
             )
             if created:
                 return Placement(conv_id, "header_new", claimed=True)
@@ -877,8 +903,10 @@ class ConversationMatcher:
         answers: Answers | None = None,
         *,
         while_pending: Callable[[list[str]], ApiError] = calls_open,
+        seed: list[ViewItem] | None = None,
     ) -> Placement:
-        """`answers`: the new input answers tool calls; a fork or a new conversation is then made
+        """`seed`: what a new conversation for it is seeded with (default `prefix`, which is hashed).
+        `answers`: the new input answers tool calls; a fork or a new conversation is then made
         paused at them (a resent finished tool round forks and is answered; a history whose calls
         this server never issued is seeded and answered). `while_pending`: the route's refusal of
         new input at a point whose calls wait for answers (a fork never takes it: `fork_at`).
@@ -926,7 +954,9 @@ class ConversationMatcher:
             )
             place = Placement(conv_id, "fork", claimed=True)
         else:
-            conv = await self._new(agent, namespace, seed=prefix, user=user, metadata=metadata, answers=answers)
+            conv = await self._new(
+                agent, namespace, seed=prefix if seed is None else seed, user=user, metadata=metadata, answers=answers
+            )
             place = Placement(conv.id, "new", claimed=True)
         try:
             # serves a retry of this request only (the reply records the point its next request needs)

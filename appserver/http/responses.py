@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 from starlette.requests import Request
 from starlette.responses import Response
 
-from appserver.agent.loop import ASKED_TOOLS, OFFERED_TOOLS, provider_params
+from appserver.agent.loop import ASKED_TOOLS, OFFERED_TOOLS, OWN_SYSTEM, model_call_params
 from appserver.agent.tools import Tool
 from appserver.auth import conversation_namespace, namespace_allows
 from appserver.http import fields
@@ -53,6 +53,7 @@ from appserver.http.common import (
     Idempotency,
     TurnRun,
     answer_paused,
+    answer_settings,
     dumps,
     failed_answer,
     forget_answers_of,
@@ -94,7 +95,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnapshot
 from appserver.runtime.settle import not_run_text, stopped_text
-from appserver.store.records import AgentRecord, ResponseRecord
+from appserver.store.records import AgentRecord, ResponseRecord, TurnSettings
 
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
@@ -412,7 +413,7 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                     {"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts}
                 )
             else:
-                out.items.append(ViewItem("system", text))
+                out.items.append(ViewItem("system", text, role=role))  # kept in the conversation
                 out.stored.append(
                     {
                         "id": item_id("msg"),
@@ -1643,11 +1644,6 @@ class Responses:
         )
         if choice is not None:
             options["tool_choice"] = choice
-        # system/developer messages of `input` instruct the model as `instructions` does (after it):
-        # per turn, as a chat request's system messages do
-        told = [i.text for i in parsed.items if i.kind == "system" and i.text]
-        if instructions or told:
-            options["instructions"] = ([instructions] if instructions else []) + told
         user, metadata = user_and_metadata(body)
         conv_param = body.get("conversation")
         if isinstance(conv_param, dict):
@@ -1673,13 +1669,31 @@ class Responses:
                 code="conflicting_parameters",
             )
 
+        whole = merge_assistants(parsed.items)  # system items kept, whatever the agent matches on
         items = merge_assistants(for_agent(parsed.items, agent))
         check_call_ids(items, "input")
         prefix, new = split_new_input(items)
-        added = history_to_add(prefix) if prev_id or conv_param else []
+        whole_prefix, whole_new = split_new_input(whole)
+        stateful = bool(prev_id or conv_param)  # continues server state: not the whole transcript
+        added = history_to_add(whole_prefix) if stateful else []
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
         decisions = [Decision(r.call_id or "", "result", output=r.text) for r in results] + parsed.decisions
+        # System/developer items of `input` are kept in the conversation, in their place: those of
+        # the new input with its turn (before its user message), those of earlier input seeded
+        # with it (`added`, a new conversation's history). A request continuing server state sees
+        # them there, and those the conversation kept before. One that sends its whole transcript
+        # (neither previous_response_id nor conversation) has them instruct its turn after
+        # `instructions`, as a chat request's do, and sees none the conversation kept (OWN_SYSTEM);
+        # so does one answering calls (its answers resume a turn, no new one keeps them).
+        kept_system = [i for i in whole_new if i.kind == "system" and i.text] if users else []
+        if stateful and users and not added:  # earlier system items with nothing else to add: the turn's
+            kept_system = [i for i in whole_prefix if i.kind == "system" and i.text] + kept_system
+        told = [] if stateful and users else [i.text for i in parsed.items if i.kind == "system" and i.text]
+        if instructions or told:
+            options["instructions"] = ([instructions] if instructions else []) + told
+        if not stateful:
+            options[OWN_SYSTEM] = True
         if not users and not decisions:
             raise bad_request(
                 "the input has no new user message, function_call_output or mcp_approval_response",
@@ -1732,11 +1746,13 @@ class Responses:
             else:
                 place = await until_credential_ends(  # a credential revoked while the store keeps it waiting: 401
                     request,
-                    self._place(agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added),
+                    self._place(
+                        agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added, whole_prefix
+                    ),
                 )
                 try:
                     head = place
-                    resumed, lost = await self._answer_head(head, prev_id, decisions)
+                    resumed, lost = await self._answer_head(head, prev_id, decisions, answer_settings(options, specs))
                     if lost:
                         place = await self._fork_lost(agent, ns, head, prev_id, answers)
                     run = resumed or await start_turn(
@@ -1744,6 +1760,7 @@ class Responses:
                         agent,
                         place.conversation_id,
                         content=content,
+                        system=[{"role": i.role or "system", "text": i.text} for i in kept_system],
                         decisions=decisions,
                         client_tools=specs,
                         options=options,
@@ -1762,8 +1779,9 @@ class Responses:
             raise
         finally:
             self.matcher.release(place)  # the turn is queued: the runtime now shows it
-        # the sampling the turn's model calls get (the agent's params, the request's where they may win)
-        sent = provider_params(agent, await self._turn_options(run, options, bool(decisions)))
+        # the sampling the turn's model calls get (the agent's params, the request's where they may
+        # win), as its provider sends them
+        sent = model_call_params(self.server.providers, agent, await self._turn_options(run, options, bool(decisions)))
         shape = Shape(
             id=response_id,
             model=model_id,
@@ -1803,23 +1821,26 @@ class Responses:
         return await ctx.complete(request)
 
     async def _turn_options(self, run: TurnRun, options: dict[str, Any], resumed: bool) -> dict[str, Any]:
-        """The options the turn's model calls get: this request's for a turn it started; a paused
-        turn it resumed with answers keeps those of the request that started it."""
+        """The options the turn's model calls get: this request's for a turn it started; for a
+        paused turn it answered, the turn's as stored, which its answers replaced with this
+        request's (`answer_settings`; the kernel keeps only its own entries), or which it left
+        unchanged when it brought nothing new to answer."""
         turn = await self.server.store.get_turn(run.turn_id) if resumed else None
         return turn.options if turn is not None else options
 
     async def _answer_head(
-        self, place: Placement, prev_id: str | None, decisions: list[Decision]
+        self, place: Placement, prev_id: str | None, decisions: list[Decision], settings: TurnSettings
     ) -> tuple[TurnRun | None, bool]:
         """The paused turn `place` continues (at `prev_id`), resumed with the answers it has not
-        yet (common.answer_paused): (the run, False). (None, True) when other requests answered
+        yet and the request's `settings` for its model calls after them (common.answer_paused):
+        (the run, False). (None, True) when other requests answered
         all of its round first, so that its turn moved on while `place` continued its conversation:
         answering again forks from `prev_id`, as the second of two requests racing on one server
         does (docs/openai.md "Racing requests"). (None, False): start_turn answers as ever."""
         turn_id = await self._paused_turn(place, prev_id, decisions)
         if not turn_id:
             return None, False
-        resumed = await answer_paused(self.server, place.conversation_id, turn_id, decisions)
+        resumed = await answer_paused(self.server, place.conversation_id, turn_id, decisions, settings)
         if resumed is not None:
             return resumed, False
         return None, await round_answered(self.server, turn_id, decisions)
@@ -1933,9 +1954,12 @@ class Responses:
         metadata: dict[str, Any],
         answers: Answers | None = None,
         added: list[ViewItem] | None = None,
+        seed: list[ViewItem] | None = None,
     ) -> Placement:
         """`added`: messages of `input` before its new input, with previous_response_id: they go
-        after the previous response's context, in a conversation forked from it."""
+        after the previous response's context, in a conversation forked from it. `seed`: the
+        history a new conversation for a whole transcript is seeded with (`prefix`, which is
+        matched, may leave its system items out: `match_ignores_system`)."""
         store = self.server.store
         if prev_id:
             rec = await store.get_response(prev_id)
@@ -2007,8 +2031,10 @@ class Responses:
             return Placement(conv.id, "conversation")
         header = request.headers.get(HEADER)
         if header:
-            return await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers)
-        return await self.matcher.by_prefix(agent, ns, prefix, user, metadata, answers, while_pending=calls_pending)
+            return await self.matcher.by_header(agent, ns, header, prefix, user, metadata, answers, seed=seed)
+        return await self.matcher.by_prefix(
+            agent, ns, prefix, user, metadata, answers, while_pending=calls_pending, seed=seed
+        )
 
 
 CALL_ITEMS = ("function_call", "mcp_call", "mcp_approval_request")
@@ -2061,10 +2087,11 @@ def ended_calls(rec: ResponseRecord, answers: Answers) -> None:
 
 def history_to_add(prefix: list[ViewItem]) -> list[ViewItem]:
     """What of `input` before its new input must reach the model after a previous response (or a
-    conversation): its user messages and assistant text with the calls and results around them.
-    A prefix of only function calls (some clients resend the calls they answer) repeats what the
-    previous response holds: nothing to add. System text is not history (it instructs the turn)."""
-    history = [i for i in prefix if i.kind in ("user", "assistant", "tool")]
+    conversation): its user messages and assistant text with the calls and results around them,
+    and its system/developer messages in their place (the conversation keeps them). A prefix of
+    only function calls (some clients resend the calls they answer) repeats what the previous
+    response holds: nothing to add."""
+    history = [i for i in prefix if i.kind in ("user", "assistant", "tool") or i.kind == "system" and i.text]
     if any(i.kind == "user" or (i.kind == "assistant" and i.text.strip()) for i in history):
         return history
     return []

@@ -413,6 +413,30 @@ def thinking_budget(effort: str | None, max_tokens: int | None) -> tuple[int, in
     return min(budget, max_tokens // 2), max_tokens
 
 
+# With thinking on, the API rejects a temperature, and a top_p below this.
+THINKING_TOP_P_MIN = 0.95
+
+
+def sent_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The sampling params of a call (loop.provider_params: temperature, top_p, max_tokens,
+    reasoning_effort, …) as the request body carries them: the one rule `build_body` and what the
+    Responses route echoes as used (loop.model_call_params) both follow. An effort that gives no
+    thinking budget of at least THINKING_MIN_BUDGET (one with no budget, or a max_tokens too small
+    for it: `thinking_budget`) leaves thinking off, as if none were asked for. With thinking on,
+    a temperature and a top_p below THINKING_TOP_P_MIN are left out (the API refuses them):
+    dropped rather than failing the call."""
+    out = {k: v for k, v in params.items() if v is not None}
+    budget, _ = thinking_budget(out.get("reasoning_effort"), out.get("max_tokens") or None)
+    if budget < THINKING_MIN_BUDGET:
+        out.pop("reasoning_effort", None)
+        return out
+    out.pop("temperature", None)
+    top_p = out.get("top_p")
+    if isinstance(top_p, int | float) and top_p < THINKING_TOP_P_MIN:
+        out.pop("top_p")
+    return out
+
+
 class AnthropicProvider:
     """Streams from `{base_url}/v1/messages`; one instance per configured provider."""
 
@@ -489,10 +513,23 @@ class AnthropicProvider:
                 out.append({"role": role, "content": blocks})
         return "\n\n".join(system), _user_first(out)
 
+    @staticmethod
+    def sent_params(params: dict[str, Any]) -> dict[str, Any]:
+        """`sent_params`: the call's params as this provider sends them (loop.model_call_params)."""
+        return sent_params(params)
+
     def build_body(self, request: ProviderRequest) -> dict[str, Any]:
         """The exact JSON body sent upstream (public so tests and logs can inspect it)."""
         system, messages = self.build_messages(request.messages)
-        budget, max_tokens = thinking_budget(request.reasoning_effort, request.max_tokens or None)
+        sent = sent_params(
+            {
+                "temperature": request.temperature,
+                "top_p": request.top_p,
+                "max_tokens": request.max_tokens,
+                "reasoning_effort": request.reasoning_effort,
+            }
+        )
+        budget, max_tokens = thinking_budget(sent.get("reasoning_effort"), request.max_tokens or None)
         body: dict[str, Any] = {
             "model": request.model,
             "max_tokens": max_tokens,
@@ -504,11 +541,11 @@ class AnthropicProvider:
         thinking = budget >= THINKING_MIN_BUDGET
         if thinking:
             body["thinking"] = {"type": "enabled", "budget_tokens": budget}
-        # With thinking the API rejects temperature and top_p below 0.95; drop rather than fail.
-        if request.temperature is not None and not thinking:
-            body["temperature"] = request.temperature
-        if request.top_p is not None and (not thinking or request.top_p >= 0.95):
-            body["top_p"] = request.top_p
+        # With thinking the API rejects temperature and top_p below 0.95: `sent_params` left them out.
+        if "temperature" in sent:
+            body["temperature"] = sent["temperature"]
+        if "top_p" in sent:
+            body["top_p"] = sent["top_p"]
         if request.stop:
             body["stop_sequences"] = list(request.stop)
         if request.tools:

@@ -39,7 +39,7 @@ from appserver.runtime.types import TERMINAL_STATUSES, LifecycleState
 from appserver.runtime.watch import Watch
 from appserver.store.base import OpenLimitReached, Store, StoreUnavailable
 from appserver.store.cluster import CALL_TIMEOUT_S, Cluster, ClusterError, PeerError
-from appserver.store.records import TurnRecord
+from appserver.store.records import TurnRecord, TurnSettings
 
 log = logging.getLogger("appserver.cluster")
 
@@ -76,7 +76,13 @@ class KernelSide(Protocol):
     async def review_counts(self) -> None: ...
 
     async def respond(
-        self, conversation_id: str, decisions: list[Decision], *, here: bool = False, whole: bool = False
+        self,
+        conversation_id: str,
+        decisions: list[Decision],
+        *,
+        here: bool = False,
+        whole: bool = False,
+        settings: TurnSettings | None = None,
     ) -> list[dict[str, Any]]: ...
 
     async def cancel(
@@ -204,6 +210,7 @@ class ClusterLink:
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         cluster.handle(self.on_message, self.on_notice)
+        cluster.on_more_peers = self._more_peers
 
     def start(self) -> None:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="cluster-sweep")
@@ -226,11 +233,14 @@ class ClusterLink:
         return True
 
     def _mark_followed(self, conversation_id: str) -> None:
-        fresh = not self.followed(conversation_id)
+        """Another server follows the conversation (it said so: a follow, a pull, a renewal, or
+        the database's `conversation_followers`). Its turns running here are published from now
+        on, whatever this server's count of peers says: that is renewed only at its heartbeat, and
+        a server that joined since follows before it is counted (a publisher not started then
+        was never started, and its stream heard nothing until the turn ended)."""
         self._followed[conversation_id] = time.monotonic() + FOLLOW_TTL_S
-        if fresh:  # turns already running start to be published now
-            for handle in self.kernel.live_handles(conversation_id):
-                self.on_local_turn(handle)
+        for handle in self.kernel.live_handles(conversation_id):
+            self._start_publishing(handle)
 
     def on_local_turn(self, handle: TurnHandle) -> None:
         """A turn became visible in a runtime held here: tell the watches opened here while
@@ -238,7 +248,12 @@ class ClusterLink:
         another server follows the conversation."""
         if handle.conversation_id in self.watchers:
             self._tell(handle)
-        if handle.turn_id in self._publishers or not self.cluster.peers or not self.followed(handle.conversation_id):
+        self._start_publishing(handle)
+
+    def _start_publishing(self, handle: TurnHandle) -> None:
+        """Publish the turn's snapshots while it runs, if another server follows its conversation
+        and nothing publishes them yet."""
+        if handle.turn_id in self._publishers or not self.followed(handle.conversation_id):
             return
         if handle.controller.status in TERMINAL_STATUSES:
             return
@@ -272,7 +287,7 @@ class ClusterLink:
         self.publish(snapshot)
 
     def publish(self, snap: TurnSnapshot) -> None:
-        if not self.cluster.peers or self._sent.get(snap.turn_id, -1) >= snap.revision:
+        if self._sent.get(snap.turn_id, -1) >= snap.revision:
             return
         if not self.followed(snap.conversation_id):
             return
@@ -507,6 +522,26 @@ class ClusterLink:
         if self.cluster.peers and await self.cluster.followed_elsewhere(conversation_id):
             self._mark_followed(conversation_id)
 
+    def _more_peers(self) -> None:
+        """The heartbeat counts more servers than before: one that joined may follow (it told the
+        database) a conversation this server took while it counted nobody (`taken` looked for no
+        follower then); its running turns are published from now on."""
+        self._spawn(self._publish_followed())
+
+    async def _publish_followed(self) -> None:
+        try:
+            for conversation_id in self.cluster.held():
+                if self.followed(conversation_id):
+                    continue
+                handles = self.kernel.live_handles(conversation_id)
+                if any(h.controller.status not in TERMINAL_STATUSES for h in handles):
+                    if await self.cluster.followed_elsewhere(conversation_id):
+                        self._mark_followed(conversation_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the follower's renewal (every FOLLOW_EVERY_S) tells this server again
+            log.warning("cluster: could not look for followers of the turns running here: %s", exc)
+
     async def _follow(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
         if self.kernel.holds(conversation_id):
             self._mark_followed(conversation_id)
@@ -524,7 +559,15 @@ class ClusterLink:
 
     async def _respond(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
         decisions = [Decision(**d) for d in args.get("decisions") or []]
-        results = await self.kernel.respond(conversation_id, decisions, here=True, whole=args.get("whole") is True)
+        given = args.get("settings")
+        settings = (
+            TurnSettings(dict(given.get("options") or {}), list(given.get("client_tools") or []))
+            if isinstance(given, dict)
+            else None
+        )
+        results = await self.kernel.respond(
+            conversation_id, decisions, here=True, whole=args.get("whole") is True, settings=settings
+        )
         return {"results": results}
 
     async def _cancel(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -604,6 +647,9 @@ class ClusterLink:
         controller = mirror.handle.controller
         if turn.status in ("running", "awaiting"):
             mirror.started = True
+        if turn.status == "running" and controller.status == "running":
+            await self._show_draft(turn, controller)
+            return
         if turn.status in ("queued", "running") or turn.status == controller.status:
             return
         built = await controller_from_store(store, turn, await store.list_pending(turn.id), follower=True)
@@ -612,14 +658,53 @@ class ClusterLink:
         if controller.status in TERMINAL_STATUSES:
             self.mirrors.pop(turn_id, None)
 
+    async def _show_draft(self, turn: TurnRecord, controller: TurnController) -> None:
+        """A running turn whose holder's snapshots do not reach this server (none for `STALE_S`:
+        lost, or not published yet): its draft, the text the holder checkpoints in the store every
+        `draft_interval_s`, when it is newer than what the mirror shows and only adds to it (the
+        holder's next snapshot takes over from there). The clients here see the reply grow in
+        steps of a few seconds at worst, not nothing until the turn ends."""
+        seen = turn.draft.get("revision") if isinstance(turn.draft, dict) else None
+        if not isinstance(seen, int) or isinstance(seen, bool) or seen <= controller.revision:
+            return
+        built = (await controller_from_store(self.kernel.store, turn, [], follower=True)).snapshot()
+        shown = controller.snapshot()
+        if controller.status != "running" or seen <= controller.revision or not _adds_to(shown, built):
+            return  # (a snapshot of the holder came meanwhile, or the draft shows the turn otherwise)
+        phase = built.phase if built.phase != "queued" else shown.phase
+        controller.mirror(replace(built, revision=seen, phase=phase, usage=built.usage or shown.usage))
+
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
 
-def decisions_args(decisions: list[Decision], *, whole: bool = False) -> dict[str, Any]:
-    return {"decisions": [asdict(d) for d in decisions], "whole": whole}
+def _adds_to(shown: TurnSnapshot, built: TurnSnapshot) -> bool:
+    """Does `built` show all that `shown` does and more: each block in its place (a text only
+    grown, a call the same call), and new text or blocks after? A stream here numbers the blocks
+    and the characters it has sent: a snapshot that moved or shortened one would garble it."""
+    if len(built.blocks) < len(shown.blocks) or built.blocks == shown.blocks:
+        return False
+    for old, new in zip(shown.blocks, built.blocks, strict=False):
+        if old["type"] != new["type"] or bool(old.get("refusal")) != bool(new.get("refusal")):
+            return False
+        if old["type"] == "tool_call":
+            if old.get("call_id") != new.get("call_id"):
+                return False
+        elif not str(new.get("text", "")).startswith(str(old.get("text", ""))):
+            return False
+    return True
+
+
+def decisions_args(
+    decisions: list[Decision], *, whole: bool = False, settings: TurnSettings | None = None
+) -> dict[str, Any]:
+    """The `respond` call's arguments; `settings`: the answering request's options and client tools."""
+    args: dict[str, Any] = {"decisions": [asdict(d) for d in decisions], "whole": whole}
+    if settings is not None:
+        args["settings"] = {"options": settings.options, "client_tools": settings.client_tools}
+    return args
 
 
 def _again(exc: PeerError) -> Exception:

@@ -23,7 +23,7 @@ from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
 from appserver.runtime.queue import TurnQueue
 from appserver.runtime.run import TurnRunner
-from appserver.store.records import MessageRecord, TurnRecord
+from appserver.store.records import MessageRecord, TurnRecord, TurnSettings
 
 
 class _BackRef:
@@ -117,21 +117,30 @@ class ConversationRuntime:
 
     # ------------------------------------------------------------ answers to pending calls
 
-    async def respond(self, decisions: list[Decision], *, whole: bool = False) -> list[dict[str, Any]]:
-        return await self._answers.respond(decisions, whole=whole)
+    async def respond(
+        self,
+        decisions: list[Decision],
+        *,
+        whole: bool = False,
+        settings: TurnSettings | None = None,
+        keep: tuple[str, ...] = (),
+    ) -> list[dict[str, Any]]:
+        return await self._answers.respond(decisions, whole=whole, settings=settings, keep=keep)
 
     async def expire_overdue(self) -> None:
         await self._answers.expire_overdue()
 
     # ------------------------------------------------------------ cancel
 
-    async def cancel(self, *, shutdown: bool = False) -> bool:
+    async def cancel(self, *, shutdown: bool = False, client_left: bool = False) -> bool:
         """Stop the running turn, close the paused one, or cancel the one about to start: the one
         door every front end's cancel comes through (Kernel.cancel). True only when the turn will
         end cancelled, and then only once that is saved with the turn (`TurnRunner.save_cancel`):
         acknowledged = committed, so a crash right after still ends it cancelled. False when
         nothing ran or its outcome was already decided (being saved). `shutdown`: the server's
-        stop, which saves nothing (its turns end interrupted)."""
+        stop, which saves nothing (its turns end interrupted). `client_left`: the running turn's
+        HTTP client went away (no client named the cancel): a turn stopped only so, before it
+        showed or did anything, leaves nothing in the history (`Lease.left_only`)."""
         if shutdown:
             self.queue.close()
         state = self.lifecycle.state
@@ -139,6 +148,8 @@ class ConversationRuntime:
         if state in ("active", "cancelling"):
             lease = self.lifecycle.request_cancel()
             if lease is not None:
+                if not shutdown:  # the first cancel to stop it says; a later one named by a client keeps all
+                    lease.left_only = client_left and (state == "active" or lease.left_only)
                 self._runner.cancel_loop(self.queue.worker)
             if lease is None or shutdown:
                 return lease is not None

@@ -28,11 +28,28 @@ from appserver.runtime.deps import RuntimeDeps
 from appserver.runtime.finish import finish_turn
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store, restart_revision
-from appserver.runtime.settle import TurnEnd, cancelled_results, close_unanswered, server_stopped, withdrawn
+from appserver.runtime.settle import (
+    INPUT_SYSTEM_ROLES,
+    LEFT_UNSEEN,
+    TurnEnd,
+    acked_unseen,
+    cancelled_results,
+    close_unanswered,
+    input_messages,
+    server_stopped,
+    withdrawn,
+)
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import TERMINAL_STATUSES
 from appserver.runtime.watch import Watch
-from appserver.store.base import AgentMissing, ConversationGone, DuplicateTurn, Store, TurnSettledElsewhere
+from appserver.store.base import (
+    AgentMissing,
+    ConversationGone,
+    DuplicateTurn,
+    Store,
+    StoreUnavailable,
+    TurnSettledElsewhere,
+)
 from appserver.store.cluster import Cluster
 from appserver.store.records import (
     AgentRecord,
@@ -40,6 +57,7 @@ from appserver.store.records import (
     MessageRecord,
     TurnCommit,
     TurnRecord,
+    TurnSettings,
     TurnStatus,
 )
 
@@ -109,6 +127,9 @@ class SubmitRequest:
     agent: str  # agent id or name
     input: str | list[dict[str, Any]]
     conversation: str = "default"  # default | new | <id>
+    # System/developer messages sent with the input ([{"role": "system" | "developer", "text": …}],
+    # a Responses request's): kept in the conversation before the user message (settle.input_messages).
+    system: list[dict[str, str]] = field(default_factory=list)
     source: dict[str, Any] | None = None
     idempotency_key: str | None = None
     # Where the key is unique: the conversation (or `new:<agent>`) unless the caller names a scope
@@ -387,6 +408,8 @@ class Kernel:
             await asyncio.sleep(min(DELETED_AGENT_CHECK_S, interval))
             try:
                 await self.end_deleted_agents_turns()
+            except StoreUnavailable as exc:  # the database is away: one line a try, no traceback
+                log.warning("the check for deleted agents skipped: %s", exc)
             except Exception:
                 log.exception("the check for deleted agents failed")
             if time.monotonic() < next_full:
@@ -400,6 +423,8 @@ class Kernel:
                     except OwnedElsewhere:
                         continue  # its holder expires it
                     await rt.expire_overdue()
+            except StoreUnavailable as exc:
+                log.warning("runtime sweep skipped: %s", exc)
             except Exception:
                 log.exception("runtime sweep failed")
 
@@ -574,6 +599,20 @@ class Kernel:
             turn.conversation_id,
         )
 
+    async def _settle_left_unseen(self, turn: TurnRecord) -> None:
+        """Withdraw a turn a dead process left running whose cancel it acknowledged as its client's
+        leaving before the turn showed or did anything (`settle.acked_unseen`): cancelled, error
+        kind `withdrawn`, nothing of it written, as that process would have ended it."""
+        revision = restart_revision(turn)
+        end = withdrawn(turn.id, revision, LEFT_UNSEEN, usage=turn.usage, iteration=turn.iteration)
+        await self._settle_unheld(turn, end, revision=revision)
+        log.warning(
+            "dropped turn %s of conversation %s, cancelled before a stop: %s",
+            turn.id,
+            turn.conversation_id,
+            LEFT_UNSEEN,
+        )
+
     async def _settle_left(self, turn: TurnRecord) -> None:
         """Close a turn a dead process left running: interrupted, keeping its input and the text
         it checkpointed, each dangling call given a result ("outcome unknown"). A turn whose
@@ -582,15 +621,16 @@ class Kernel:
         result saying what became of it (`cancelled_results`: never run, stopped, answered).
         Ends in `finish_turn` like every turn; a commit that fails here fails the start."""
         history = await self.store.list_messages(turn.conversation_id)
+        if acked_unseen(turn, history):  # its client left before it showed anything: dropped, as it would have been
+            await self._settle_left_unseen(turn)
+            return
         ack = turn.cancel_ack
         pending = {p.call_id: p for p in await self.store.list_pending(turn.id)} if ack is not None else {}
         messages: list[MessageRecord] = []
         # a damaged input (rows.py `TurnRecord.damaged`) reads as its raw stored text: never the user's message
         writes_input = not turn.input_committed and "input" not in turn.damaged
         if writes_input:
-            messages.append(
-                MessageRecord(role="user", content=turn.input.get("content", ""), turn_id=turn.id, source=turn.source)
-            )
+            messages.extend(input_messages(turn))
         text = (turn.draft or {}).get("text") or ""
         answered = {m.tool_call_id for m in history if m.role == "tool"}
         for m in history:
@@ -857,6 +897,8 @@ class Kernel:
         elif all(blank_text_part(part) for part in content):
             # parts with no text to read and no image or file: as empty as "" (HTTP: missing_input)
             raise InvalidInput("input is empty: its parts hold no text, image or file", param="input")
+        if any(m.get("role") not in INPUT_SYSTEM_ROLES or not isinstance(m.get("text"), str) for m in req.system):
+            raise InvalidInput("system messages are {role: system | developer, text: string}", param="input")
         key = req.idempotency_key or None
         spec = (req.conversation or "default").strip()
         if key and (spec == "new" or req.idempotency_scope):
@@ -921,7 +963,7 @@ class Kernel:
             agent_id=agent.id,
             idempotency_key=key,
             source=req.source,
-            input={"content": content},
+            input={"content": content, "system": [dict(m) for m in req.system]} if req.system else {"content": content},
             client_tools=[t.to_record() for t in req.client_tools] if req.client_tools else [],
             options=dict(req.options),
         )
@@ -978,20 +1020,30 @@ class Kernel:
         return Submission(turn.id, turn.conversation_id, turn.agent_id, handle.controller.queue_position, True, handle)
 
     async def respond(
-        self, conversation_id: str, decisions: list[Decision], *, here: bool = False, whole: bool = False
+        self,
+        conversation_id: str,
+        decisions: list[Decision],
+        *,
+        here: bool = False,
+        whole: bool = False,
+        settings: TurnSettings | None = None,
     ) -> list[dict[str, Any]]:
         """Answer pending calls of the conversation's paused turn (on the server that holds it;
         `here`: asked by another server, so never passed on). `whole`: all of them or none
-        (see PendingAnswers.respond)."""
+        (see PendingAnswers.respond). `settings`: the options and client tools of the request that
+        answers (an OpenAI-surface request is its own model call), which the turn's model calls
+        after the answers get: stored with the answers, over the turn's own but for the entries
+        the kernel keeps with it (its open-turn count). None (the WebSocket protocol's answers,
+        which bring none): the turn keeps its options."""
         try:
             rt = await self.runtime(conversation_id)
         except OwnedElsewhere as elsewhere:
             if here or self._link is None:
                 raise
-            args = decisions_args(decisions, whole=whole)
+            args = decisions_args(decisions, whole=whole, settings=settings)
             got = await self._link.call_holder(conversation_id, elsewhere.holder, "respond", args)
             return list(got.get("results") or [])
-        return await rt.respond(decisions, whole=whole)
+        return await rt.respond(decisions, whole=whole, settings=settings, keep=(COUNTED_FOR, COUNTED_AT))
 
     def keep_until_done(self, task: asyncio.Future[Any]) -> None:
         """Hold a reference to `task` (a cancel its caller stopped waiting for) until it ends: the
@@ -1004,7 +1056,9 @@ class Kernel:
     ) -> bool:
         """Cancel the conversation's current turn. With `turn_id`, only that turn: cancelled if it
         is the current one, or dropped from the queue if it has not started (DESIGN §13), saying
-        why: its client went away (`client_left`), or a cancel named it."""
+        why: its client went away (`client_left`), or a cancel named it. A running turn stopped
+        only because its client went away, before it showed or did anything, is dropped too
+        (`ConversationRuntime.cancel`)."""
         try:
             rt = await self.runtime(conversation_id)
         except OwnedElsewhere as elsewhere:
@@ -1014,7 +1068,7 @@ class Kernel:
             got = await self._link.call_holder(conversation_id, elsewhere.holder, "cancel", args)
             return bool(got.get("cancelled"))
         if turn_id is None or rt.lifecycle.turn_id == turn_id:
-            return await rt.cancel()
+            return await rt.cancel(client_left=client_left and turn_id is not None)
         why = "the client went away before this input started" if client_left else "a cancel named it before it started"
         if await rt.withdraw(turn_id, why):
             log.info("dropped queued turn %s of conversation %s: %s", turn_id, conversation_id, why)

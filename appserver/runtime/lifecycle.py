@@ -24,6 +24,10 @@ class Lease:
     # restart, `Store.record_cancel`), not from the server's stop: the turn ends cancelled even
     # when the server stops before it settled.
     client_cancel: bool = False
+    # Every cancel accepted for it came from its HTTP client going away (`Kernel.cancel`
+    # `client_left`), none from a client naming it: if the turn showed and did nothing, its input
+    # is withdrawn as a queued one's is (`settle.left_unseen`).
+    left_only: bool = False
 
 
 class TurnLifecycle:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appserver.agent.events import ToolCallStatus
-from appserver.agent.loop import TurnWork
+from appserver.agent.loop import ANSWERED_AT, TurnWork
 from appserver.errors import InvalidInput, NotAwaiting
 from appserver.runtime.board import TurnBoard
 from appserver.runtime.deps import RuntimeDeps
@@ -24,7 +24,7 @@ from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.restore import controller_from_store
 from appserver.runtime.settle import CANCELLED_UNANSWERED, answered_result
-from appserver.store.records import MessageRecord, PendingCall, TurnRecord
+from appserver.store.records import MessageRecord, PendingCall, TurnRecord, TurnSettings
 
 
 @dataclass(slots=True)
@@ -98,15 +98,27 @@ class PendingAnswers:
 
     # ------------------------------------------------------------ answers
 
-    async def respond(self, decisions: list[Decision], *, whole: bool = False) -> list[dict[str, Any]]:
+    async def respond(
+        self,
+        decisions: list[Decision],
+        *,
+        whole: bool = False,
+        settings: TurnSettings | None = None,
+        keep: tuple[str, ...] = (),
+    ) -> list[dict[str, Any]]:
         """Answer pending calls; one result per distinct call. Every decision is checked before any
         is written, so a malformed one (a wrong kind, an unknown action, two different answers to
         one call) refuses them all. `whole` (one HTTP request): a call that is unknown or already
-        answered refuses them all too, instead of the others being applied."""
+        answered refuses them all too, instead of the others being applied. `settings`: the
+        answering request's options and client tools, for the turn's model calls after its
+        answers: they replace the turn's with each answer written (`Store.resolve_pending`), but
+        for the turn's own entries named by `keep` (the kernel's, never a request's)."""
         async with self._answering:  # two inputs answering at once are checked and written in turn
-            return await self._respond(decisions, whole)
+            return await self._respond(decisions, whole, settings, keep)
 
-    async def _respond(self, decisions: list[Decision], whole: bool) -> list[dict[str, Any]]:
+    async def _respond(
+        self, decisions: list[Decision], whole: bool, settings: TurnSettings | None, keep: tuple[str, ...]
+    ) -> list[dict[str, Any]]:
         if self._lifecycle.state != "awaiting" or self._awaiting is None:
             raise NotAwaiting(f"conversation {self._conversation_id} has no turn waiting for an answer")
         turn = self._awaiting
@@ -147,6 +159,9 @@ class PendingAnswers:
         if whole and refused:
             return refused
         results = list(refused)
+        # a turn read back damaged ends failed when it would run (run.py): its values stay as read
+        settings = turn_settings(turn, settings, keep) if settings is not None and not turn.damaged else None
+        replaced = False
         for d, p in ready:
             status = {"approve": "approved", "deny": "denied", "result": "result"}[d.action]
             output, is_error = d.output, d.is_error
@@ -165,13 +180,17 @@ class PendingAnswers:
                 is_error=is_error,
                 reason=reason,
                 decided_by=decided_by,
+                settings=settings,
             )
             if won:
+                replaced = settings is not None
                 shown = "approved" if d.action == "approve" else status
                 results.append({"call_id": d.call_id, "accepted": True, "status": shown})
             else:
                 current = await store.get_pending(self._conversation_id, d.call_id)
                 results.append(_already(d.call_id, current.status if current else None))
+        if replaced and settings is not None:  # as the store now holds them (a load reads the same)
+            turn.options, turn.client_tools = settings.options, settings.client_tools
         await self._maybe_resume()
         return results
 
@@ -305,6 +324,17 @@ class PendingAnswers:
             await self._maybe_resume()
 
 
+def turn_settings(turn: TurnRecord, settings: TurnSettings, keep: tuple[str, ...]) -> TurnSettings:
+    """The options and client tools paused turn `turn` runs with once a request's answers bring
+    `settings`: the request's, with the turn's own entries named by `keep`, and marked as brought
+    with the answers to the calls it paused at (loop.ANSWERED_AT: the request's tool_choice is
+    then its first model call's)."""
+    options = {k: v for k, v in settings.options.items() if k not in keep and k != ANSWERED_AT}
+    options.update({k: turn.options[k] for k in keep if k in turn.options})
+    options[ANSWERED_AT] = turn.iteration
+    return TurnSettings(options, [dict(t) for t in settings.client_tools])
+
+
 def _already(call_id: str, status: str | None) -> dict[str, Any]:
     return {
         "call_id": call_id,
@@ -315,4 +345,4 @@ def _already(call_id: str, status: str | None) -> dict[str, Any]:
     }
 
 
-__all__ = ["CANCELLED_UNANSWERED", "PendingAnswers", "Resume"]
+__all__ = ["CANCELLED_UNANSWERED", "PendingAnswers", "Resume", "turn_settings"]

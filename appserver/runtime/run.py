@@ -26,14 +26,18 @@ from appserver.runtime.lifecycle import Lease, StaleLease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers, Resume
 from appserver.runtime.settle import (
     CANCELLED_UNANSWERED,
+    LEFT_UNSEEN,
     TurnEnd,
     cancel_ack,
     cancel_wins,
     damaged,
     deleted,
     halted,
+    input_messages,
+    left_unseen,
     loop_end,
     store_failure,
+    withdrawn,
 )
 from appserver.runtime.snapshot import TurnController
 from appserver.store.base import ConversationGone, StoreError, StoreUnavailable, TurnSettledElsewhere
@@ -124,6 +128,7 @@ class TurnRunner:
         (the turn's row exists once it committed)."""
         work: TurnWork | None = None
         draft: dict[str, Any] | None = None
+        unseen = False
         if lease is not None:
             lease.client_cancel = True
             if self._work_lease is lease:
@@ -133,7 +138,15 @@ class TurnRunner:
                 # the history: saved again, that text would be kept twice)
                 if work is not None and handle is not None and not self._saving_calls:
                     draft = handle.controller.draft(self._draft_base)
+                unseen = (
+                    lease.left_only
+                    and handle is not None
+                    and not self._saving_calls
+                    and left_unseen(work, handle.controller.snapshot().blocks)
+                )
         ack = cancel_ack(work)
+        if unseen:
+            ack["withdraw"] = True  # a restart withdraws its input too (kernel `_settle_left`)
         await accept_failure(accepting)  # never accepted: nothing to save (nothing of it is written)
         await self._deps.store.record_cancel(
             turn_id, ack, reason=CANCELLED_UNANSWERED, draft=draft if draft and draft["text"] else None
@@ -216,11 +229,7 @@ class TurnRunner:
                 usage=dict(record.usage),
             )
             if not record.input_committed:
-                work.new_messages.append(
-                    MessageRecord(
-                        role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source
-                    )
-                )
+                work.new_messages.extend(input_messages(record))
             if accepting is not None:
                 work.before_effects = partial(require_accepted, accepting)
             work.before_tools = partial(self._save_calls, record, controller)
@@ -288,11 +297,7 @@ class TurnRunner:
         if work is None:
             work = TurnWork(agent=None, conversation_id=self._conversation_id, turn_id=record.id, history=[])  # type: ignore[arg-type]
             if not record.input_committed:
-                work.new_messages.append(
-                    MessageRecord(
-                        role="user", content=record.input.get("content", ""), turn_id=record.id, source=record.source
-                    )
-                )
+                work.new_messages.extend(input_messages(record))
         # The outcome is decided here, with no await since the loop returned: a cancel accepted
         # until now wins (the ack said so), any later one is refused.
         try:
@@ -312,6 +317,17 @@ class TurnRunner:
             # Never accepted, so never acknowledged nor visible: nothing of it may be written.
             log.error("turn %s could not be accepted: %s", record.id, not_accepted)
             end = store_failure(not_accepted)
+        elif (
+            outcome.status == "cancelled"
+            and lease.left_only
+            and resume is None
+            and not record.input_committed
+            and left_unseen(work, controller.snapshot().blocks)
+        ):
+            # Its HTTP client left before it showed or did anything: nothing of it is kept, as of
+            # an input withdrawn from the queue (the client's retry adds the input once).
+            log.info("withdrew turn %s of conversation %s: %s", record.id, self._conversation_id, LEFT_UNSEEN)
+            end = withdrawn(record.id, controller.revision + 1, LEFT_UNSEEN, usage=work.usage, iteration=work.iteration)
         else:
             end = loop_end(record.id, work, outcome, controller.revision + 1)
         await finish_turn(deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease)

@@ -4,7 +4,7 @@ and the messages a turn that stopped early keeps. Pure functions; `finish_turn`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from typing import Any, cast
 
 from appserver.agent.loop import LoopOutcome, TurnWork, resolution_text
@@ -27,6 +27,27 @@ class TurnEnd:
     stop_reason: StopReason
     error: dict[str, Any] | None = None
     commit: TurnCommit | None = None
+
+
+# The system/developer messages a turn's input carries (`TurnRecord.input["system"]`, from a
+# Responses request's input: [{"role": "system" | "developer", "text": …}]), written before its
+# user message.
+INPUT_SYSTEM_ROLES = ("system", "developer")
+
+
+def input_messages(turn: TurnRecord) -> list[MessageRecord]:
+    """The messages a turn's input writes into its conversation: the system/developer messages sent
+    with it (a developer one is a `system` message with meta role `developer`), then its user
+    message. The one place that makes them: the worker (run.py) and the crash settle (kernel.py)."""
+    out: list[MessageRecord] = []
+    system = turn.input.get("system")
+    for s in system if isinstance(system, list) else ():
+        if not isinstance(s, dict) or not isinstance(s.get("text"), str) or s.get("role") not in INPUT_SYSTEM_ROLES:
+            continue
+        meta = {"role": "developer"} if s["role"] == "developer" else {}
+        out.append(MessageRecord(role="system", content=s["text"], turn_id=turn.id, source=turn.source, meta=meta))
+    out.append(MessageRecord(role="user", content=turn.input.get("content", ""), turn_id=turn.id, source=turn.source))
+    return out
 
 
 def store_failure(reason: object) -> TurnEnd:
@@ -104,12 +125,58 @@ def damaged(record: TurnRecord, history: list[MessageRecord], revision: int, sto
     return TurnEnd("failed", "error", error, commit)
 
 
-def withdrawn(turn_id: str, revision: int, why: str) -> TurnEnd:
-    """An input dropped before it started (its client went away): closed as cancelled, error kind
-    `withdrawn`, nothing of it written to the history."""
+def withdrawn(
+    turn_id: str, revision: int, why: str, *, usage: dict[str, int] | None = None, iteration: int = 0
+) -> TurnEnd:
+    """An input dropped before it started or showed anything (its client went away): closed as
+    cancelled, error kind `withdrawn`, nothing of it written to the history. `usage`, `iteration`:
+    of a turn that began (its model call cut short)."""
     error = {"kind": "withdrawn", "message": f"{why}; it was dropped", "retryable": False, "status": None}
-    commit = TurnCommit(turn_id, "cancelled", "cancelled", [], error=error, revision=revision, input_committed=False)
+    commit = TurnCommit(
+        turn_id,
+        "cancelled",
+        "cancelled",
+        [],
+        error=error,
+        usage=dict(usage or {}),
+        revision=revision,
+        iteration=iteration,
+        input_committed=False,
+    )
     return TurnEnd("cancelled", "cancelled", error, commit)
+
+
+# Why a running turn's input was withdrawn (`left_unseen`): the error of its end, and its log line.
+LEFT_UNSEEN = "its client went away before the turn showed or did anything"
+
+
+def left_unseen(work: TurnWork | None, blocks: Sequence[dict[str, Any]]) -> bool:
+    """A running turn stopped because its HTTP client went away showed and did nothing yet: no
+    text or reasoning published (`blocks`, its snapshot's, hold no text, no tool call and no
+    compaction), no call begun, nothing of it checkpointed (its new messages are its input alone,
+    and no message of it is in the history `work` read). Such a turn leaves nothing in the history
+    (`withdrawn`), as an input withdrawn from the queue: its client never saw it taken in, and its
+    retry adds the input again. `work` None: the loop never began."""
+    if any(b.get("type") not in ("text", "reasoning") or b.get("text") for b in blocks):
+        return False
+    if work is None:
+        return True
+    if work.started_calls or any(m.turn_id == work.turn_id for m in work.history):
+        return False
+    return all(m.role in ("user", "system") and m.turn_id == work.turn_id for m in work.new_messages)
+
+
+def acked_unseen(turn: TurnRecord, history: Sequence[MessageRecord]) -> bool:
+    """A turn a dead server left running whose cancel it acknowledged as its client's leaving
+    before the turn showed or did anything (`cancel_ack` `withdraw`, saved by `save_cancel` when
+    `left_unseen`): nothing of it stored since (its input not committed, no draft text, no message
+    of it in `history`), so the restart withdraws it as that server would have."""
+    ack = turn.cancel_ack
+    if not isinstance(ack, dict) or ack.get("withdraw") is not True or turn.input_committed:
+        return False
+    if (turn.draft or {}).get("text"):
+        return False
+    return not any(m.turn_id == turn.id for m in history)
 
 
 def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) -> TurnEnd:

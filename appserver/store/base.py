@@ -20,6 +20,7 @@ from appserver.store.records import (
     ResponseRecord,
     TurnCommit,
     TurnRecord,
+    TurnSettings,
 )
 
 
@@ -272,7 +273,13 @@ class Store(ABC):
         is_error: bool = False,
         reason: str | None = None,
         decided_by: str | None = None,
-    ) -> bool: ...
+        settings: TurnSettings | None = None,
+    ) -> bool:
+        """Answer one pending call. First answer wins: returns False when it was already answered.
+        `settings` (a request answering the call brings them): the options and client tools its
+        paused turn's model calls get from now on, written over the turn's in the same
+        transaction as the answer, when the answer is written."""
+
     @abstractmethod
     async def overdue_pending(self, now: float) -> list[PendingCall]: ...
 

@@ -131,6 +131,7 @@ class Cluster:
         self.instance_id = new_id("inst")
         self.lock_key = secrets.randbelow(2**31 - 2) + 1
         self.peers = 0  # live instances besides this one, as of the last heartbeat
+        self.on_more_peers: Callable[[], None] | None = None  # the kernel: the count rose (one joined)
         self._session: Conn | None = None
         self._task: asyncio.Task[None] | None = None
         self._calls: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -307,7 +308,9 @@ class Cluster:
     async def _count_peers(self, conn: Conn) -> None:
         cur = await conn.execute(f"SELECT count(*) AS n FROM instances i WHERE {LIVE_SINCE}", self.params)
         row = await cur.fetchone()
-        self.peers = max(0, int(row["n"]) - 1) if row else 0
+        before, self.peers = self.peers, max(0, int(row["n"]) - 1) if row else 0
+        if self.peers > before and self.on_more_peers is not None:
+            self.on_more_peers()
 
     async def _run(self) -> None:
         """Listen; renew the heartbeat; take the session again when the database ended it."""
@@ -490,6 +493,10 @@ class Cluster:
                 return lease
         raise ClusterError(f"could not take or find the owner of conversation {conversation_id}")
 
+    def held(self) -> list[str]:
+        """The conversations whose lease this instance took and has not let go."""
+        return list(self._held)
+
     def release(self, conversation_id: str) -> None:
         """Let go of a conversation whose runtime this instance dropped (in the background): the
         lease of its latest take, by its token, so a later take's is never deleted."""
@@ -626,10 +633,11 @@ class Cluster:
         raise PeerError(str(error.get("kind", "error")), str(error.get("message", "the peer failed")), error)
 
     def publish_turn(self, conversation_id: str, turn_id: str, revision: int, body: str) -> None:
-        """Tell every instance of a turn's newest snapshot (only when there are others)."""
-        if self.peers:
-            head = f"{conversation_id} {turn_id} {revision} "
-            self._spawn(self._notify(TURNS_CHANNEL, body, head=head, mail_id="turn:" + turn_id))
+        """Tell every instance of a turn's newest snapshot. The caller publishes only the turns of
+        a conversation another server follows (it said so): not gated on `peers`, which is counted
+        only at each heartbeat, so a server that joined since is not counted yet."""
+        head = f"{conversation_id} {turn_id} {revision} "
+        self._spawn(self._notify(TURNS_CHANNEL, body, head=head, mail_id="turn:" + turn_id))
 
     # ------------------------------------------------------------ incoming
 

@@ -69,6 +69,7 @@ from appserver.store.records import (
     ResponseRecord,
     TurnCommit,
     TurnRecord,
+    TurnSettings,
 )
 from appserver.store.rows import (
     DRAFT_UPDATE,
@@ -1508,8 +1509,10 @@ class PostgresStore(Store):
         is_error: bool = False,
         reason: str | None = None,
         decided_by: str | None = None,
+        settings: TurnSettings | None = None,
     ) -> bool:
-        """Answer one pending call. First answer wins: returns False when it was already answered."""
+        """Answer one pending call. First answer wins: returns False when it was already answered.
+        `settings`: written over its paused turn's options and client tools with the answer."""
 
         async def job(conn: Conn) -> bool:
             n = await _count(
@@ -1526,6 +1529,12 @@ class PostgresStore(Store):
                     call_id,
                 ),
             )
+            if n == 1 and settings is not None:
+                await conn.execute(
+                    "UPDATE turns SET options=%s, client_tools=%s WHERE status='awaiting' AND id="
+                    "(SELECT turn_id FROM pending_calls WHERE conversation_id=%s AND call_id=%s)",
+                    (dump_json(settings.options), dump_json(settings.client_tools), conversation_id, call_id),
+                )
             return n == 1
 
         return await self._write(job)
@@ -1954,25 +1963,33 @@ async def _copy_table(conn: Conn, source: sqlite3.Connection, table: str, replac
     )
     n = 0
     blob: tuple[object, str] | None = None  # (row id, column) of a BLOB found: refused after the COPY
+    undecodable = False  # a text value SQLite cannot decode as UTF-8: refused after the COPY, naming its row
     try:
         async with conn.cursor().copy(copy_sql) as copy:
-            for *row, row_id in source.execute(select):
-                values = []
-                for i, v in enumerate(row):
-                    if i in booleans and v is not None:
-                        v = bool(v)
-                    elif isinstance(v, str) and "\x00" in v:
-                        v = v.replace("\x00", "\ufffd")
-                        replaced.setdefault(f"{table}.{columns[i]}", []).append(str(row_id))
-                    elif isinstance(v, bytes):  # no column of appserver's holds binary data
-                        blob = (row_id, columns[i])
-                    values.append(v)
-                if blob is not None:
-                    break
-                await copy.write_row(tuple(values))
-                n += 1
+            try:
+                for *row, row_id in source.execute(select):
+                    values = []
+                    for i, v in enumerate(row):
+                        if i in booleans and v is not None:
+                            v = bool(v)
+                        elif isinstance(v, str) and "\x00" in v:
+                            v = v.replace("\x00", "\ufffd")
+                            replaced.setdefault(f"{table}.{columns[i]}", []).append(str(row_id))
+                        elif isinstance(v, bytes):  # no column of appserver's holds binary data
+                            blob = (row_id, columns[i])
+                        values.append(v)
+                    if blob is not None:
+                        break
+                    await copy.write_row(tuple(values))
+                    n += 1
+            except sqlite3.OperationalError as exc:  # raised by the fetch, which names no row
+                if "UTF-8" not in str(exc):
+                    raise
+                undecodable = True
     except (psycopg.errors.DataError, psycopg.errors.IntegrityError) as exc:
         raise _copy_refused(table, _refused_row(source, table, key, exc), _pg_reason(exc)) from None
+    if undecodable:
+        raise _copy_refused(table, *_undecodable_row(source, table, columns, key))
     if blob is not None:
         row = f"the row with {key} {blob[0]}"
         raise _copy_refused(table, row, f"its column {blob[1]} holds binary data (a BLOB), where appserver keeps text")
@@ -2002,6 +2019,27 @@ def _refused_row(source: sqlite3.Connection, table: str, key: str, exc: psycopg.
         if ids:
             return f"the rows with {key} " + ", ".join(ids[:5]) + (" and more" if len(ids) > 5 else "")
     return "a row"
+
+
+def _undecodable_row(source: sqlite3.Connection, table: str, columns: list[str], key: str) -> tuple[str, str]:
+    """(the row, why) of the first value of `table` that is not UTF-8, found by reading every value
+    as its bytes (sqlite3's decode error names the column and the text, never the row)."""
+    as_bytes = ", ".join(f'CAST("{c}" AS BLOB)' for c in columns)
+    query = f'SELECT CAST("{key}" AS BLOB), {as_bytes} FROM "{table}" ORDER BY rowid'
+    for raw_key, *values in source.execute(query):
+        for column, value in zip(columns, values, strict=True):
+            if not isinstance(value, bytes):
+                continue
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                shown = raw_key.decode("utf-8", "backslashreplace") if isinstance(raw_key, bytes) else raw_key
+                return (
+                    f"the row with {key} {shown}",
+                    f"its column {column} holds text that is not UTF-8 (byte {value[bad.start]:#04x} at offset "
+                    f"{bad.start})",
+                )
+    return "a row", "a text value is not UTF-8"
 
 
 def _copy_refused(table: str, row: str, why: str) -> StoreError:

@@ -123,6 +123,8 @@ class MessageRecord:
             out["meta"] = {
                 k: self.meta[k] for k in ("kept", "folded", "tokens_before", "tokens_after", "window") if k in self.meta
             }
+        elif self.role == "system" and self.meta.get("role") == "developer":
+            out["meta"] = {"role": "developer"}  # a developer message (Responses input), kept as system
         return out  # provider_state is never part of a client view
 
 
@@ -161,6 +163,18 @@ class TurnRecord:
 # The columns a turn runs with: its input (the user's message), the client's tools (a call to one runs
 # in the client, never on the server) and its request options (instructions among them).
 TURN_RUN_COLUMNS: tuple[str, ...] = ("input", "client_tools", "options")
+
+
+@dataclass(slots=True)
+class TurnSettings:
+    """What a request answering a paused turn brings for the turn's model calls after its answers
+    (on the OpenAI surfaces every request is its own model call, with its own parameters): its
+    options and client tools. They replace the turn's (`TurnRecord.options`, `.client_tools`) in
+    the transaction that writes its answer (`Store.resolve_pending`), so whoever resumes the turn
+    (this server, one after a restart, another of a cluster) runs its calls with them."""
+
+    options: dict[str, Any]
+    client_tools: list[dict[str, Any]]
 
 
 PendingKind = Literal["approval", "client"]

@@ -61,6 +61,7 @@ from appserver.store.records import (
     ResponseRecord,
     TurnCommit,
     TurnRecord,
+    TurnSettings,
 )
 from appserver.store.rows import (
     DRAFT_UPDATE,
@@ -1055,15 +1056,24 @@ class SQLiteStore(Store):
         is_error: bool = False,
         reason: str | None = None,
         decided_by: str | None = None,
+        settings: TurnSettings | None = None,
     ) -> bool:
-        """Answer one pending call. First answer wins: returns False when it was already answered."""
+        """Answer one pending call. First answer wins: returns False when it was already answered.
+        `settings`: written over its paused turn's options and client tools with the answer."""
         with self._tx() as tx:
             cur = tx.execute(
                 "UPDATE pending_calls SET status=?, output=?, is_error=?, reason=?, decided_by=? "
                 "WHERE conversation_id=? AND call_id=? AND status='pending'",
                 (status, output, int(is_error), reason, decided_by, conversation_id, call_id),
             )
-            return cur.rowcount == 1
+            won = cur.rowcount == 1
+            if won and settings is not None:
+                tx.execute(
+                    "UPDATE turns SET options=?, client_tools=? WHERE status='awaiting' AND id="
+                    "(SELECT turn_id FROM pending_calls WHERE conversation_id=? AND call_id=?)",
+                    (dump_json(settings.options), dump_json(settings.client_tools), conversation_id, call_id),
+                )
+            return won
 
     async def overdue_pending(self, now: float) -> list[PendingCall]:
         rows = self._rows(

@@ -199,7 +199,7 @@ class MessageView(BaseModel):
     reasoning: str | None = None
     refusal: str | None = None  # the part of the content (its end) that is the model's refusal
     source: dict[str, Any] | None = None
-    meta: dict[str, Any] | None = None  # a compaction's numbers
+    meta: dict[str, Any] | None = None  # a compaction's numbers; a developer message's {"role": "developer"}
 
 
 # ───────────────────────────────────────────────────────────── client → server

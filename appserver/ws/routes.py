@@ -33,6 +33,7 @@ from appserver.auth import (
 )
 from appserver.channels import LedgerUnavailable, PairingRefused, pairing_decide, pairing_pending
 from appserver.errors import KernelError, NotFound
+from appserver.fsutil import os_error_line
 from appserver.http.conversation_match import name_ids
 from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
@@ -338,16 +339,21 @@ class Endpoint:
                 log.warning("ws frame failed: %s", exc)
                 conn.send({"type": "error", "request_id": request_id, "code": "store_unavailable", "message": str(exc)})
             except Exception as exc:
-                log.exception("ws frame failed")
-                self.server.store.note_failure(exc)  # the store's damage shows in /readyz
-                conn.send(
-                    {
-                        "type": "error",
-                        "request_id": request_id,
-                        "code": "internal_error",
-                        "message": f"{type(exc).__name__}: the server could not handle this frame",
-                    }
-                )
+                said = os_error_line(exc) if isinstance(exc, OSError) else None
+                if said is not None:  # a file of the home the disk refused (full, a quota, read-only): no bug
+                    log.error("ws frame failed: %s", said)
+                    conn.send({"type": "error", "request_id": request_id, "code": "storage_error", "message": said})
+                else:
+                    log.exception("ws frame failed")
+                    self.server.store.note_failure(exc)  # the store's damage shows in /readyz
+                    conn.send(
+                        {
+                            "type": "error",
+                            "request_id": request_id,
+                            "code": "internal_error",
+                            "message": f"{type(exc).__name__}: the server could not handle this frame",
+                        }
+                    )
             # Nothing of the frame is kept while the next one is awaited: every socket held its last
             # message (up to the 4 MiB frame limit) and its parse for as long as its client sent
             # nothing more, outside the edge's inbound budget (250 sockets held ~1 GB so).

@@ -274,7 +274,7 @@ class EdgeLimits:
     handshakes: set[Any] = field(default_factory=set, compare=False)
     # big WebSocket frames read and not yet taken by the app, all connections together (ws_inbound.py)
     inbound: InboundBudget = field(default_factory=InboundBudget, compare=False)
-    # how long a WebSocket message holding some of `inbound` may take to arrive whole (ws_inbound.py)
+    # how long a WebSocket message may hold some of `inbound` until the app takes it (ws_inbound.py)
     ws_message_read_s: float = INBOUND_MESSAGE_READ_S
 
     @property
@@ -347,6 +347,11 @@ WS_READ_WHILE_BLOCKED = 1 << 20
 # Deflate inflates at most ~1032×, so a slice holds at most a frame or two that inflate to the
 # frame limit.
 WS_INFLATE_SLICE = 4096
+# What a WebSocket's messages may bring its app (inflated) before the app's next `receive` lets the
+# event loop run others (EdgeWebSocketProtocol.receive): 64 frames of 4 KB that each inflated to
+# 4 MiB, in one socket read, were inflated and handled in one task step (~1.4 s), and every other
+# client of the server waited for it.
+WS_STEP_BYTES = 1 << 20
 # What a WebSocket may have read and not given to its parser (`_unfed`): a read (256 KiB) comes only
 # while it may be fed or while a frame head is incomplete, so this is a safety net, never reached.
 WS_UNFED_MAX = 1 << 20
@@ -1547,11 +1552,17 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._frame_first = 0  # that frame's first byte (FIN, RSV bits, opcode)
         self._compressed = False  # the message being fed is compressed (RSV1 on its first frame)
         self._message_reserved = 0  # inbound budget reserved for the message being fed
-        self._reserved: deque[int] = deque()  # …for each message fed whole, until the app takes it
+        self._message_since = 0.0  # …since when
+        # (bytes, since) of the inbound budget for each message fed whole: until the parser has
+        # given it to uvicorn (`_ended`: its real size is known then), then until the app takes it
+        self._ended: deque[tuple[int, float]] = deque()
+        self._reserved: deque[tuple[int, float]] = deque()
         self._wanted = 0  # what it waits for, while it waits for the budget (`_waiting`)
         self._granted = 0  # what the budget gave it while it waited, for the frame head next in `_unfed`
+        self._granted_since = 0.0
         self._waiting = False
-        self._read_timer: asyncio.TimerHandle | None = None  # the message holding a reservation (`_message_too_slow`)
+        self._read_timer: asyncio.TimerHandle | None = None  # the oldest reservation it holds (`_held_too_long`)
+        self._handed = 0  # bytes of messages given to the app since its `receive` last let others run
         self._pong_overdue = False  # its keepalive ping timed out while it waited for the budget
         send_response = self.conn.send_response
 
@@ -1700,12 +1711,22 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     async def receive(self) -> Any:
         # (uvicorn's, which resumed reading whenever the queue was empty)
         self._handling = False  # it asks for the next message: it is done with the one before
+        if self._handed >= WS_STEP_BYTES:
+            # A message waiting in the queue is taken without a pause, and taking it parses (and
+            # inflates) the next: the app's read loop handled every message of a read in one
+            # step. Past WS_STEP_BYTES the others run first.
+            self._handed = 0
+            await asyncio.sleep(0)
         self._pump()
+        if self.queue.empty():
+            self._handed = 0  # the get below waits: the others run
         message = await self.queue.get()
         if message["type"] == "websocket.receive":
             self._handling = True
             if self._reserved:
-                self._release(self._reserved.popleft())
+                self._release(self._reserved.popleft()[0])
+                if self._read_timer is not None and self._oldest_hold() is None:
+                    self._stop_read_timer()  # it holds nothing now
         if self.read_paused and self.queue.empty():
             self.read_paused = False
         self._pump()
@@ -1813,34 +1834,107 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             need = budget.need(length, fin=bool(first & 0x80), compressed=self._compressed, frame_max=frame_max)
         if need and self._granted:  # it waited, and the budget reserved it
             need, self._granted = self._granted, 0
+            since = self._granted_since
         elif need and budget is not None and not budget.reserve(self._on_granted, self._group, need):
             self._waiting, self._wanted = True, need
             return False
+        else:
+            since = self.loop.time()
+        if need and not self._message_reserved:
+            self._message_since = since
         self._message_reserved += need  # (a message begun inside another fails at the parser: kept till the end)
-        if need and self._read_timer is None:
-            self._read_timer = self.loop.call_later(self.message_read_s, self._message_too_slow)
+        if need:
+            self._watch_held()
         return True
 
-    def _message_too_slow(self) -> None:
-        """The message holding a reservation did not arrive whole in `message_read_s`: close (1009:
-        too big for the link it came on).
-        Else a client trickling a fragmented message (a byte a second, answering pings) held its
-        reservation for good, and enough of them the whole budget."""
+    # ── how long a connection may hold part of the inbound budget ───────────────────────────
+    # Each reservation is given back once the app has taken its message, and must be within
+    # `message_read_s` of when it was taken (waiting for it does not count), whatever holds it up:
+    # its client sending the message slowly, or the app not taking it, which it does not while the
+    # client leaves what it was sent unread (ws/connection.py `wait_for_room`). Bounded only until
+    # the message was whole, four credentials' sockets whose clients read their downlink slowly each
+    # held a whole message of two small frames (4 MiB reserved at the first: fragments followed),
+    # untaken, for good: the whole budget, and another credential's big frame waited for ever.
+
+    def _oldest_hold(self) -> float | None:
+        """Since when it holds its oldest reservation (None: it holds none)."""
+        held = [since for n, since in self._reserved if n] + [since for n, since in self._ended if n]
+        if self._message_reserved:
+            held.append(self._message_since)
+        if self._granted:
+            held.append(self._granted_since)
+        return min(held) if held else None
+
+    def _watch_held(self) -> None:
+        """Arm the timer for its oldest reservation, unless it is armed (it re-arms itself)."""
+        if self._read_timer is not None:
+            return
+        since = self._oldest_hold()
+        if since is not None:
+            delay = max(0.0, since + self.message_read_s - self.loop.time())
+            self._read_timer = self.loop.call_later(delay, self._held_too_long)
+
+    def _held_too_long(self) -> None:
+        """The oldest reservation it holds is `message_read_s` old: close (1009: too big for the
+        link it came on, or for the pace its client reads at); one that is closing already gives
+        back what it holds now."""
         self._read_timer = None
-        if not self._message_reserved or self.close_sent or self.transport.is_closing():
+        since = self._oldest_hold()
+        if since is None:
             return
-        if self._unfed and not self._may_feed():  # the server holds its bytes (the app has not taken
-            self._read_timer = self.loop.call_later(self.message_read_s, self._message_too_slow)  # the last one)
+        if self.loop.time() < since + self.message_read_s * 0.999:  # (timers may fire a tick early)
+            self._watch_held()
             return
-        self._say(
-            "websocket from %s sent less than a message in %g s while it held %d bytes of the inbound "
-            "budget: closing (1009)",
-            self._peer(),
-            self.message_read_s,
-            self._message_reserved,
+        held = self._held_bytes()
+        if not self.close_sent and not self.transport.is_closing():
+            # the client's own pace (a message not sent whole), or the server's (a message it does
+            # not take, or read on: it waits for its client to read what it was sent)
+            sending = self._message_reserved and self._message_since <= since
+            slow = sending and self._may_feed() and not self._over_blocked()
+            self._say(
+                "websocket from %s "
+                + (
+                    "sent less than a message in %g s"
+                    if slow
+                    else "had a message the server did not take in %g s (it reads no more of a client "
+                    "that leaves what it was sent unread)"
+                )
+                + " while it held %d bytes of the inbound budget: closing (1009)",
+                self._peer(),
+                self.message_read_s,
+                held,
+            )
+            reason = "not received whole" if slow else "not handled"
+            self.conn.send_close(1009, f"message {reason} within {self.message_read_s:g} s")
+            self.handle_parser_exception()
+        self._let_go()
+
+    def _held_bytes(self) -> int:
+        """What it holds of the inbound budget."""
+        return (
+            sum(n for n, _ in self._reserved) + sum(n for n, _ in self._ended) + self._message_reserved + self._granted
         )
-        self.conn.send_close(1009, f"message not received whole within {self.message_read_s:g} s")
-        self.handle_parser_exception()
+
+    def _let_go(self) -> None:
+        """Its server's close is sent: what it holds of the inbound budget goes back now, with the
+        messages the app has not taken (never handled now: the app finds the disconnect next),
+        whenever its transport ends (a client that does not read keeps it open until the send
+        timeout, and one that takes a byte now and then, longer)."""
+        kept = []
+        while not self.queue.empty():
+            message = self.queue.get_nowait()
+            if message["type"] != "websocket.receive":
+                kept.append(message)
+        for message in kept:
+            self.queue.put_nowait(message)
+        if self._waiting and self.inbound is not None:
+            self.inbound.cancel(self._on_granted)
+            self._waiting = False
+        held = self._held_bytes()
+        self._reserved.clear()
+        self._ended.clear()
+        self._message_reserved = self._granted = 0
+        self._release(held)
 
     def _stop_read_timer(self) -> None:
         if self._read_timer is not None:
@@ -1859,18 +1953,20 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
 
     def _frame_ends_message(self) -> bool:
         """The frame just walked ends a message (a data frame with FIN): the app gets it once it
-        is parsed, and what it reserved is given back once the app takes it (`receive`)."""
+        is parsed (what it reserved shrinks to its size then: `send_receive_event_to_app`), and
+        what it holds is given back once the app takes it (`receive`)."""
         first = self._frame_first
         if first & 0x0F > OP_BINARY or not first & 0x80:
             return False  # a control frame, or fragments follow
-        self._reserved.append(self._message_reserved)
+        self._ended.append((self._message_reserved, self._message_since))
         self._message_reserved = 0
-        self._stop_read_timer()  # all of it is read: the app's pace is not the client's
         return True
 
     def _on_granted(self) -> None:
         """The inbound budget took what this connection waited for: feed on (in a pass of its own)."""
         self._granted, self._waiting = self._wanted, False
+        self._granted_since = self.loop.time()
+        self._watch_held()
         if self._pong_overdue and self.ping_timeout is not None and not self.close_sent:
             self._pong_overdue = False  # its pong may come now: as long to wait for it as for any
             self.pong_timer = self.loop.call_later(self.ping_timeout, self.keepalive_timeout)
@@ -1982,6 +2078,15 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         event.data = b""
 
     def send_receive_event_to_app(self) -> None:
+        # A whole message: what its first frame reserved (the frame limit, when fragments followed;
+        # what it might inflate to, when compressed) shrinks to its size, or to nothing when that is
+        # small, as a small unfragmented message reserves: four credentials' sockets whose app did
+        # not take their two-frame messages of 100 bytes held 4 MiB each.
+        size = sum(map(len, self.frames))
+        self._handed += size
+        reserved, since = self._ended.popleft() if self._ended else (0, 0.0)
+        keep = min(reserved, size) if size > INBOUND_FREE else 0
+        self._release(reserved - keep)
         # A text message that is not UTF-8 is the client's fault, closed with 1007; uvicorn logged
         # each one as an ERROR with a traceback, so any client could fill the log (and stall a
         # server whose stderr is a pipe read slower than that). One INFO line instead, through the
@@ -1994,10 +2099,15 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                     data.decode()
                 except UnicodeDecodeError:
                     self.frames = []
+                    self._release(keep)
                     self._say("websocket from %s sent a text message that is not UTF-8: closing (1007)", self._peer())
                     self.conn.send_close(1007)
                     self.handle_parser_exception()
                     return
+        if self.close_sent:
+            self._release(keep)  # uvicorn drops it
+        else:
+            self._reserved.append((keep, since))
         super().send_receive_event_to_app()
 
     def write_frame(self, frame: bytes) -> bool:
@@ -2032,8 +2142,9 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._stop_read_timer()
         if self.inbound is not None:  # what it held of the inbound budget, and its place in the queue
             self.inbound.cancel(self._on_granted)
-            held = sum(self._reserved) + self._message_reserved + self._granted
+            held = self._held_bytes()
             self._reserved.clear()
+            self._ended.clear()
             self._message_reserved = self._granted = 0
             self._release(held)
         release = getattr(self.transport, "release", None)  # PassWrites: its send timeout's timer

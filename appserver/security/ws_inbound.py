@@ -18,9 +18,14 @@ WebSocket protocol (edge.py `EdgeWebSocketProtocol`) reads frame heads itself (`
   waits in TCP); smaller frames (every chat message, every `hello`) never wait. A compressed frame
   counts by what it inflates to: one of at most `INBOUND_FREE` on the wire is inflated once ahead
   (`inflated_within`, on a copy of the decoder) and never waits when that is small.
-* a message that holds a reservation must be read whole within `INBOUND_MESSAGE_READ_S` of taking
-  it, or its connection is closed (1009): 64 sockets each starting a fragmented message and adding
-  a byte a second held the whole budget for good, and a victim's big frame was never read.
+* once a message is whole its reservation shrinks to its size (to nothing when that is at most
+  `INBOUND_FREE`, as a small unfragmented message reserves), and what it still holds is given back
+  when the app takes it; a reservation must be given back within `INBOUND_MESSAGE_READ_S` of taking
+  it, whether the message is slow to arrive or the app does not take it (the app reads no request
+  of a client that leaves what it was sent unread), or its connection is closed (1009): 64 sockets
+  each starting a fragmented message and adding a byte a second held the whole budget for good, and
+  so did four credentials' sockets each holding a whole two-frame message of 100 bytes (4 MiB
+  reserved) that the app did not take while their clients read slowly.
   While a connection waits for the budget its unanswered keepalive ping does not close it (its pong
   waits in TCP behind the frame the server will not read yet): the ping's timeout starts anew once
   it reads again.
@@ -45,8 +50,8 @@ GROUP_SHARE = 4  # a credential's (or an address's) connections hold at most 1/G
 # How much a permessage-deflate payload may inflate to, at most (deflate's own bound, ~1032x).
 INFLATE_RATIO = 1032
 
-# How long a message holding a reservation may take to arrive whole, from when the reservation is
-# taken (waiting for it does not count): a 4 MiB frame over a 1 Mbit/s link takes ~35 s.
+# How long a message may hold a reservation, from when it is taken (waiting for it does not count)
+# until the app takes the message: a 4 MiB frame over a 1 Mbit/s link takes ~35 s to arrive.
 INBOUND_MESSAGE_READ_S = 60.0
 
 OP_CONT, OP_TEXT, OP_BINARY = 0x0, 0x1, 0x2
@@ -95,9 +100,10 @@ class InboundBudget:
     reserved to be read, and not yet taken by the app), bounded in total (`max_bytes`) and per
     group (`group_max_bytes`: a credential's connections, as `connections_per_client` counts them).
 
-    A connection reserves a frame's size at its head (`reserve`), before reading its payload, and
-    gives it back once the app has taken the message (`release`); one that finds no room waits
-    (its `granted` is called once it has the bytes), in order of arrival, but one whose own group is
+    A connection reserves a frame's size at its head (`reserve`), before reading its payload, gives
+    back what the message did not need once it is whole, and the rest once the app has taken it
+    (`release`); one that finds no room waits (its `granted` is called once it has the bytes): the
+    group holding least goes first, each group's in order of arrival, and one whose own group is
     full lets the others pass. Reserving whole frames up front never deadlocks: whoever holds bytes
     can finish its frame whatever the others do."""
 
@@ -166,12 +172,24 @@ class InboundBudget:
 
     def _grant(self) -> None:
         self._queue_on_total = False
-        for granted, (group, n) in list(self._waiting.items()):
-            if self.held + n > self.max_bytes:
-                self._queue_on_total = True  # first come first served on the total
+        while self._waiting:
+            # The next: of the groups with room in their share, the one holding least, and its first
+            # come. In order of arrival alone, a credential's many sockets queued behind its own
+            # holders took every reservation given back, wave after wave (each held up to
+            # `INBOUND_MESSAGE_READ_S`), ahead of another credential's one frame.
+            best: tuple[int, int, Callable[[], None], str, int] | None = None
+            for i, (granted, (group, n)) in enumerate(self._waiting.items()):
+                holds = self.groups.get(group, 0)
+                if holds + n > self.group_max_bytes:
+                    continue  # its own group is full: those of other groups go first
+                if best is None or holds < best[0]:
+                    best = (holds, i, granted, group, n)
+            if best is None:
                 return
-            if self.groups.get(group, 0) + n > self.group_max_bytes:
-                continue  # its own group is full: those of other groups go first
+            _, _, granted, group, n = best
+            if self.held + n > self.max_bytes:
+                self._queue_on_total = True  # it goes first once there is room: newcomers queue too
+                return
             del self._waiting[granted]
             self._take(group, n)
             granted()

@@ -708,10 +708,10 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         try:
             if convert(disable_cron, bool, None, from_env=True):
                 cfg.cron.enabled = False
-        except Invalid as bad:
+        except Invalid:
             raise ConfigError(
-                f"APPSERVER_DISABLE_CRON={disable_cron!r}: must be 1, true, yes or on (0, false, no or off leave "
-                f"cron on; {bad.expected})"
+                f"APPSERVER_DISABLE_CRON={disable_cron!r}: must be 1, true, yes or on to turn cron off, "
+                "or 0, false, no or off to leave it on"
             ) from None
     if "APPSERVER_CRON_TICK_S" in environ:
         _apply_section(cfg.cron, {"tick_s": environ["APPSERVER_CRON_TICK_S"]}, "cron", tick_origin, from_env=True)

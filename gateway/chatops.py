@@ -52,6 +52,12 @@ NOT_YOURS = "Only the person who started this, or an admin, can answer it."
 # own prompt, and to anyone whose command was allowed before that and is handled after it.
 NOT_LET_IN = "You are no longer allowed to use this bot."
 NOT_LET_IN_ANSWER = "You are no longer allowed to use this bot, so you cannot answer this request."
+# To a sender whose pairing was approved; the second when nothing routes the chat to an agent.
+APPROVED = "✅ You're approved. Your messages are on their way to the assistant."
+APPROVED_UNROUTED = (
+    "✅ You're approved, but this chat is not connected to an agent yet: nothing you write here is "
+    "answered until the owner connects it."
+)
 
 
 def by_conversation(entries: list[Entry]) -> list[list[Entry]]:
@@ -130,9 +136,7 @@ class ChatOps:
                 elif decided.status == "approved":
                     if not self._release(decided):
                         continue  # revoked meanwhile: handled as `revoked` at the next look
-                    await self.outboxes.say(
-                        runner, target, "✅ You're approved. Your messages are on their way to the assistant."
-                    )
+                    await self.outboxes.say(runner, target, self._approved_notice(decided, runner))
                 else:
                     for entry in held:
                         self.ledger.refuse(entry.key, f"pairing {decided.code} denied")
@@ -145,6 +149,17 @@ class ChatOps:
             except Exception:  # the approvals above must go on: the next look tries again
                 log.exception("could not look for queued turns of senders no longer let in")
             await asyncio.sleep(PAIRING_POLL_S)
+
+    def _approved_notice(self, decided: PairingCode, runner: AccountRunner) -> str:
+        """What an approved sender is told: that their messages go to the agent, unless nothing
+        routes the chat (no route, no `default_agent`), when none will answer them."""
+        try:
+            key = RouteKey.of(decided.channel, decided.account, decided.chat, None)
+        except ValueError:  # a chat id no route can name: no route either
+            return APPROVED_UNROUTED
+        if self.router.resolve(key, runner.settings.get("default_agent")) is None:
+            return APPROVED_UNROUTED
+        return APPROVED
 
     def _release(self, decided: PairingCode) -> bool:
         """Release an approved sender's kept messages as one turn per conversation, re-checking the

@@ -127,7 +127,8 @@ class _Mirror:
 
 def _started(snap: TurnSnapshot) -> bool:
     """Does this snapshot (of the holder) show the turn begun: out of phase `queued`, paused or
-    ended, or at queue position 0 (the holder numbers the turns waiting in its queue from 1)?"""
+    ended, or at queue position 0 (the holder numbers a turn waiting behind another from 1, and
+    shows 0 only for one it begins now)?"""
     return snap.status != "running" or snap.phase != "queued" or snap.queue_position == 0
 
 
@@ -441,12 +442,14 @@ class ClusterLink:
                 f"conversation {record.conversation_id} has {full.open_turns - 1} inputs queued (limit {limit}); "
                 "try again later"
             ) from None
-        waiting = len(earlier) + 1
+        # Its queue position, as the holder numbers it: the turns it waits behind (the one running
+        # or paused there, the queued ones accepted before it); 0 when the conversation is idle.
+        waiting = len(earlier)
         controller = TurnController(
             record.id, record.conversation_id, record.agent_id, phase="queued", queue_position=waiting
         )
         handle = TurnHandle(record.id, record.conversation_id, controller)
-        self._track(handle)
+        self._track(handle, started=False)  # not begun until the holder pulls it, whatever its position
         self._tell(handle)
         try:
             await self.cluster.send(holder, "pull", {"conversation": record.conversation_id, "hops": 0})

@@ -283,13 +283,15 @@ class TurnQueue:
         at = next((i for i, q in enumerate(items) if q.record.created_at > record.created_at), len(items))
         # Another process (the dead one, the server that accepted it) may have shown it, at queue
         # positions it never stored: it goes on from a restart revision (restore.py), above them.
+        # Its position: the turns ahead of it; 0 at the head of an idle queue, which begins it now
+        # (unless an input being accepted here may go first: that one counts).
         controller = TurnController(
             record.id,
             self._conversation_id,
             record.agent_id,
             revision=restart_revision(record),
             phase="queued",
-            queue_position=at + 1,
+            queue_position=at + (1 if self._lifecycle.busy or self._accepting else 0),
         )
         handle = TurnHandle(record.id, self._conversation_id, controller)
         # a cancel of it acknowledged before a crash: it ends cancelled as the worker begins it

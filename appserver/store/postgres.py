@@ -1136,9 +1136,11 @@ class PostgresStore(Store):
         other accept of the conversation (a transaction-scoped advisory lock), refused with
         OpenLimitReached when it already has `open_limit` queued or running turns (the queue
         bound, cluster-wide), stamped with the database's clock (acceptance order, whichever
-        host accepted). Returns the ids of the conversation's queued turns accepted before it,
-        in order: the holder runs those first. `start_if_free`: the holder, idle, runs it at once
-        when nothing is open: it is accepted as running (no second write to mark it so)."""
+        host accepted). Returns the ids of the turns it waits behind, in order: the one running
+        or paused for answers (if any), then the conversation's queued turns accepted before it,
+        which the holder runs first; their count is its queue position. `start_if_free`: the
+        holder, idle, runs it at once when nothing is open: it is accepted as running (no second
+        write to mark it so)."""
 
         async def job(conn: Conn) -> list[str]:
             await conn.execute(
@@ -1152,11 +1154,12 @@ class PostgresStore(Store):
                 if await cur.fetchone() is None:
                     raise TurnSettledElsewhere(turn.id)
             cur = await conn.execute(
-                "SELECT id, status FROM turns WHERE conversation_id = %s AND status IN ('queued', 'running') "
-                "ORDER BY seq",
+                "SELECT id, status FROM turns WHERE conversation_id = %s "
+                "AND status IN ('queued', 'running', 'awaiting') ORDER BY seq",
                 (turn.conversation_id,),
             )
-            rows = await cur.fetchall()
+            found = await cur.fetchall()
+            rows = [r for r in found if r["status"] != "awaiting"]  # open: a paused turn holds no place
             if len(rows) >= open_limit:
                 if turn.idempotency_key and idempotency_scope:  # a retry of an accepted input is no new input
                     cur = await conn.execute(
@@ -1174,7 +1177,10 @@ class PostgresStore(Store):
             if start_if_free and not rows:
                 turn.status, turn.started_at = "running", turn.created_at
             await self._insert_turn(conn, turn, idempotency_scope, turn.created_at)
-            return [r["id"] for r in rows if r["status"] == "queued"]
+            # ahead of it: the turn running or paused for answers, then the queued ones by acceptance
+            return [r["id"] for r in found if r["status"] != "queued"] + [
+                r["id"] for r in found if r["status"] == "queued"
+            ]
 
         try:
             return await self._turn_write(job)

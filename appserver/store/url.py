@@ -10,7 +10,7 @@ nothing of appserver, so the config can check a URL without loading a driver.
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 REDACTED = "***"
@@ -68,7 +68,12 @@ def redact_url(url: str) -> str:
             query = urlencode([(k, REDACTED if k.lower() in _SECRET_PARAMS else v) for k, v in pairs], safe="*")
     # keyword/value text pasted into the host or path (`postgresql://h password=x`) is not shown either
     netloc, path, fragment = _redact_keywords(netloc), _redact_keywords(parts.path), _redact_keywords(parts.fragment)
-    return urlunsplit((parts.scheme, netloc, path, query, fragment))
+    if (netloc, path, query, fragment) == (parts.netloc, parts.path, parts.query, parts.fragment) and all(
+        c.isprintable() for c in url
+    ):
+        return url  # nothing to hide: as given (urlunsplit would show `sqlite:///x` as `sqlite:/x`)
+    # rebuilt by hand: urlunsplit drops the `//` of a URL without a host (`postgresql:///db?password=x`)
+    return f"{parts.scheme}://{netloc}{path}" + (f"?{query}" if query else "") + (f"#{fragment}" if fragment else "")
 
 
 def url_secrets(url: str) -> list[str]:

@@ -6,10 +6,19 @@ the manifest's `id`), then add an account to config.toml:
     [channels.echo_room.accounts.main]
     inbox = "/tmp/room/inbox.txt"     # optional; default <data_dir>/inbox.txt
     outbox = "/tmp/room/outbox.txt"   # optional; default <data_dir>/outbox.txt
+    default_agent = "assistant"       # the agent that answers; without one (or a route) nothing does
+    dm_policy = "open"                # anyone who writes in the room; see below for the default
+
+and start the server with the channel: `appserver serve --channels echo_room`.
 
 Each line appended to the inbox is one message (`name: text` sets the sender, else the sender is
 `you`); each reply is appended to the outbox as `[chat] text`. Try it with
 `echo "ann: hello" >> /tmp/room/inbox.txt` and `tail -f /tmp/room/outbox.txt`.
+
+Without the `dm_policy` line the account keeps the default, `pairing`: a sender's first message is
+answered with a pairing code instead (`[room] Hi! ... Your pairing code is ABCD-EFGH ...`; the
+pending codes are in `appserver pairing list`); once you run `appserver pairing approve ABCD-EFGH`,
+the messages they wrote meanwhile are answered (docs/channels.md, "Pairing").
 
 The contract (`plugins.contract`) in five points, each marked below with CONTRACT:
 1. the module defines `create_adapter(account, context) -> Adapter`;

@@ -317,6 +317,8 @@ async def test_an_approval_button_is_acknowledged_and_handed_over(
     await fake.wait_for_async(lambda: key in gw.ledger, 5, "the press")
     press = gw.ledger[key]
     assert (press.text, press.sender, press.chat, press.mentions_bot) == ("/approve ab12cd34", "509", GENERAL, True)
+    # acknowledged once recorded (tests/test_discord_s28r.py): the callback follows the commit
+    await fake.wait_for_async(lambda: [i for i, _ in fake.interaction_callbacks() if i == iid], 5, "the callback")
     assert [b.get("type") for i, b in fake.interaction_callbacks() if i == iid] == [6]
     await adapter.edit(Target(GENERAL), mid, "🔐 shell?\nApproved by Bo")
     [decided] = [m for m in fake.messages(GENERAL) if m.id == mid]

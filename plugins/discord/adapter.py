@@ -31,9 +31,15 @@ has instead of posting a second one. Rate limits are discord.py's (it sleeps out
 the global flag included); only when it gives up (`max_ratelimit_timeout` exceeded) does a 429 become
 `DeliveryError(retry_after=…)`. 403/404 are permanent failures with Discord's reason.
 
-Approvals are a message with two buttons (`approve:<id>` / `deny:<id>`); a press is acknowledged at
-once (interaction callback type 6, deferred update) and handed over as `/approve <id>` or `/deny <id>`
-from the presser; the gateway then edits the prompt, which drops the buttons.
+Approvals are a message with two buttons (`approve:<id>` / `deny:<id>`); a press is handed over as
+`/approve <id>` or `/deny <id>` from the presser and acknowledged (interaction callback type 6,
+deferred update) only once the gateway's ledger has committed it, as Slack's envelopes are: a crash
+in between leaves Discord showing "This interaction failed", so the person presses again, never a
+press Discord took that the gateway lost. Discord wants the answer within 3 s: a press waits for the
+channel's earlier messages at most `PRESS_WAIT_S` (then is recorded ahead of one still downloading
+an image), and one whose record is still not through at `PRESS_ACK_S` is acknowledged anyway and
+recorded after. A press that cannot be recorded is answered with a note, seen only by the presser,
+to press again. The gateway then edits the prompt, which drops the buttons.
 
 The connection is discord.py's: it heartbeats, RESUMEs after a drop and re-IDENTIFYs after an
 invalid session. Its events drive the reported state (`running` on READY/RESUMED, `backoff` on a
@@ -105,6 +111,13 @@ REIDENTIFY_WAIT_S = 5.0
 GUILD_READY_TIMEOUT_S = 0.5
 REIDENTIFY_WAIT_ENV = "APPSERVER_DISCORD_REIDENTIFY_WAIT_S"
 GUILD_READY_TIMEOUT_ENV = "APPSERVER_DISCORD_GUILD_READY_TIMEOUT_S"
+# Discord wants an interaction answered within 3 s of the press. A press waits for the channel's
+# earlier messages (one may still be downloading an image) at most `PRESS_WAIT_S`, then is recorded
+# ahead of them: acknowledged after the record, it is never lost to a crash. One whose record is still
+# not through at `PRESS_ACK_S` (a slow ledger) is acknowledged anyway, so Discord does not fail it.
+PRESS_WAIT_S = 2.0
+PRESS_ACK_S = 2.5
+PRESS_NOT_RECORDED = "⚠️ Your press could not be recorded. Please press the button again."
 
 
 # What a person wrote (a message, a reply); every other type is a notice Discord makes (a channel
@@ -645,7 +658,8 @@ class DiscordAdapter:
         return Attachment(kind="image", name=a.filename, mime=mime, size=len(data), data=data)
 
     async def _on_interaction(self, interaction: discord.Interaction) -> None:
-        """A press on an approval button: acknowledged at once, handed over as `/approve ID` or `/deny ID`."""
+        """A press on an approval button, handed over as `/approve ID` or `/deny ID` and acknowledged
+        once recorded (`_PressAnswer`). Any other interaction (this bot offers none) is not answered."""
         if interaction.type != discord.InteractionType.component:
             return
         data: dict[str, Any] = dict(interaction.data or {})
@@ -656,11 +670,11 @@ class DiscordAdapter:
         channel_id = interaction.channel_id
         if channel_id is None:
             return
-        with self._order.ticket(channel_id) as ticket:  # in line with the channel's messages
-            try:
-                await interaction.response.defer()  # type 6: deferred update, the gateway edits the prompt next
-            except discord.HTTPException as exc:
-                self._log.warning("%s: could not acknowledge interaction %s: %s", self._where, interaction.id, exc)
+        ticket = self._order.ticket(channel_id)  # in line with the channel's messages: before the first await
+        answer = _PressAnswer(interaction, self._log, self._where)
+        # Discord fails a press not answered within 3 s: acknowledged at `PRESS_ACK_S` if not recorded by then
+        late = asyncio.get_running_loop().call_later(PRESS_ACK_S, answer.defer_late)
+        try:
             channel = interaction.channel
             thread: str | None = None
             chat = str(channel_id)
@@ -682,12 +696,31 @@ class DiscordAdapter:
                 ts=interaction.created_at.timestamp(),
                 pressed=True,
                 raw={"interaction_id": str(interaction.id), "custom_id": custom_id},
+                ack=answer.defer,  # called by the gateway once its ledger committed the press
             )
-            await ticket.wait()
+            try:
+                await asyncio.wait_for(ticket.wait(), PRESS_WAIT_S)
+            except TimeoutError:
+                self._log.warning(
+                    "%s: channel %s: an earlier message is still being read after %g s; button press %s is "
+                    "recorded first (Discord wants an answer within 3 s)",
+                    self._where,
+                    channel_id,
+                    PRESS_WAIT_S,
+                    interaction.id,
+                )
             try:
                 await self.context.on_message(msg)
-            except Exception as exc:  # noqa: BLE001 - the person can press again
+            except Exception as exc:  # noqa: BLE001 - not recorded: the person is told to press again
+                late.cancel()
                 self._log.error("%s: button press %s not recorded (%s)", self._where, interaction.id, exc)
+                await answer.not_recorded()
+                return
+            late.cancel()
+            await answer.defer()  # `on_message` returned: committed (also when the ack was not called)
+        finally:
+            late.cancel()
+            ticket.release()
 
     # ------------------------------------------------------------------ catch-up
 
@@ -1104,6 +1137,62 @@ def _is_dm(adapter: DiscordAdapter, target: Target) -> bool:
             return isinstance(cached, discord.DMChannel | discord.GroupChannel)
     entry = adapter._seen.get(str(target.thread or target.chat))
     return entry is not None and entry.get("chat_type") == "dm"
+
+
+class _PressAnswer:
+    """Discord's answer to one button press: the deferred update (type 6) once the press is recorded,
+    or at `PRESS_ACK_S` when the record is slower than that; sent once, whoever asks first. A press
+    that could not be recorded gets, instead, a note only the presser sees (a followup when it was
+    acknowledged already): never silence while the prompt still waits."""
+
+    def __init__(self, interaction: discord.Interaction, log: Any, where: str) -> None:
+        self._interaction = interaction
+        self._log = log
+        self._where = where
+        self._deferred: asyncio.Task[bool] | None = None
+
+    async def defer(self) -> None:
+        """Acknowledge the press (the gateway's `ack`): never raises, a failure is logged."""
+        await self._defer_once()
+
+    def defer_late(self) -> None:
+        """`PRESS_ACK_S` after the press and not recorded yet: acknowledged before Discord fails it."""
+        if self._deferred is None:
+            self._log.warning(
+                "%s: button press %s not recorded within %g s; acknowledged before it is",
+                self._where,
+                self._interaction.id,
+                PRESS_ACK_S,
+            )
+            self._defer_once()
+
+    def _defer_once(self) -> asyncio.Task[bool]:
+        if self._deferred is None:
+            self._deferred = asyncio.ensure_future(self._send_defer())
+        return self._deferred
+
+    async def _send_defer(self) -> bool:
+        try:
+            await self._interaction.response.defer()  # type 6: deferred update, the gateway edits the prompt
+        except (discord.HTTPException, discord.InteractionResponded, OSError, aiohttp.ClientError) as exc:
+            self._log.warning("%s: could not acknowledge interaction %s: %s", self._where, self._interaction.id, exc)
+            return False
+        return True
+
+    async def not_recorded(self) -> None:
+        """Tell the presser the press was not taken: the answer itself (Discord shows no failure, the
+        note says to press again), or a followup when the press was acknowledged already."""
+        interaction = self._interaction
+        try:
+            if self._deferred is None:
+                await interaction.response.send_message(PRESS_NOT_RECORDED, ephemeral=True)
+            else:
+                await self._deferred
+                await interaction.followup.send(PRESS_NOT_RECORDED, ephemeral=True)
+        except (discord.HTTPException, discord.InteractionResponded, OSError, aiohttp.ClientError) as exc:
+            self._log.warning(
+                "%s: could not tell the presser of interaction %s to press again: %s", self._where, interaction.id, exc
+            )
 
 
 class _TokenRefused(DeliveryError):

@@ -7,7 +7,8 @@ size the provider itself reported for the newest reply in the view whose request
 view is sent now (see `estimate_request`), plus a character estimate of what came after — and,
 when it would pass the window minus a reserve, folds the oldest part of the view into a new summary
 written by the same provider. Cuts never fall between a tool call and its
-result: a kept part never starts with a `tool` message.
+result: a kept part never starts with a `tool` message. System messages a conversation keeps stay
+verbatim beside the lead while they fit (`pinned_cap`); beyond it the oldest are folded too.
 """
 
 from __future__ import annotations
@@ -290,38 +291,62 @@ def to_chat_message(m: MessageRecord) -> ChatMessage:
     return ChatMessage(m.role, m.content)
 
 
-# Roles a compaction never folds: `system` messages (a Responses request's system/developer
-# input, kept in the conversation) stay verbatim, in the view ahead of the summary when older than
-# what it kept, and are not counted in its `kept`. So the view is the same whether a turn sees the
-# system messages or not (agent/loop.py `turn_view` leaves them out for some): counted, a `kept`
-# made without them would keep fewer messages in a view with them.
+# Roles a compaction folds only when they no longer fit: `system` messages (a Responses request's
+# system/developer input, kept in the conversation) stay verbatim while they fit (`pinned_cap`), in
+# the view ahead of the summary when older than what it kept, and are never counted in its `kept`.
+# So the view is the same whether a turn sees the system messages or not (agent/loop.py `turn_view`
+# leaves them out for some): counted, a `kept` made without them would keep fewer messages in a
+# view with them. Those a compaction folds are always the oldest: its meta `system_folded` is how
+# many of the history's system messages, counted from its start, the summaries hold so far.
 PINNED_ROLES = ("system",)
+
+
+def pinned_cap(budget: Budget, lead_tokens: int) -> int:
+    """The most the system messages a conversation keeps may take of a request and stay verbatim:
+    half of what the budget leaves beside the lead. Beyond it a compaction folds the oldest into
+    its summary (a turn's own, new ones excepted), so kept messages never leave too little room
+    for the rest of the conversation, however many turns sent them."""
+    return max(0, budget.limit - lead_tokens) // 2
 
 
 def context_view(messages: Sequence[MessageRecord]) -> list[MessageRecord]:
     """What the provider sees of a history: the system messages older than what the last
-    compaction kept, that compaction, the messages it kept, the rest; each round's tool results
-    in the order of its calls (`in_call_order`)."""
+    compaction kept (but those summaries folded: its `system_folded`), that compaction, the
+    messages it kept, the rest; each round's tool results in the order of its calls
+    (`in_call_order`)."""
     for c in range(len(messages) - 1, -1, -1):
         if messages[c].role != "compaction":
             continue
         kept = int(messages[c].meta.get("kept", 0))
+        gone = _folded_system(messages, c, int(messages[c].meta.get("system_folded", 0) or 0))
         before: list[MessageRecord] = []
         counted = 0
         i = c - 1
         while counted < kept and i >= 0:
             m = messages[i]
-            if m.role != "compaction":
+            if m.role != "compaction" and i not in gone:
                 before.append(m)
                 counted += m.role not in PINNED_ROLES
             i -= 1
         while i >= 0 and messages[i].role in PINNED_ROLES:  # sent just before the kept part: with it
-            before.append(messages[i])
+            if i not in gone:
+                before.append(messages[i])
             i -= 1
         before.reverse()
-        pinned = [m for m in messages[: i + 1] if m.role in PINNED_ROLES]
+        pinned = [m for j, m in enumerate(messages[: i + 1]) if m.role in PINNED_ROLES and j not in gone]
         return in_call_order([*pinned, messages[c], *before, *messages[c + 1 :]])
     return in_call_order(list(messages))
+
+
+def _folded_system(messages: Sequence[MessageRecord], end: int, count: int) -> set[int]:
+    """Indices of the first `count` system messages of `messages[:end]`: those folded into summaries."""
+    gone: set[int] = set()
+    j = 0
+    while len(gone) < count and j < end:
+        if messages[j].role in PINNED_ROLES:
+            gone.add(j)
+        j += 1
+    return gone
 
 
 def in_call_order(view: list[MessageRecord]) -> list[MessageRecord]:
@@ -411,7 +436,8 @@ def transcript(messages: Sequence[MessageRecord], max_chars: int) -> str:
                 if isinstance(m.content, list)
                 else 0
             )
-            body = f"[{m.role.capitalize()}]\n{m.text()}" + (f"\n[{images} image(s)]" if images else "")
+            role = "developer" if m.role == "system" and m.meta.get("role") == "developer" else m.role
+            body = f"[{role.capitalize()}]\n{m.text()}" + (f"\n[{images} image(s)]" if images else "")
         lines.append(clip(body, max_chars))
     return "\n\n".join(lines)
 
@@ -555,35 +581,62 @@ async def compact(
     emit: Callable[[TurnEvent], None],
     lead_tokens: int = 0,
     scale: float = 1.0,
+    own: Sequence[MessageRecord] = (),
 ) -> Compaction | None:
     """Fold the oldest part of `view` into a summary; None when nothing can be folded.
 
     The kept part is sized from what the request has left beside its lead (`lead_tokens`: system
-    prompt, instructions, tools, response schema) and the summary: at most 40 % of the budget, and
-    when the lead leaves less, less — down to the newest message (never cut from its tool call).
+    prompt, instructions, tools, response schema), the system messages that stay and the summary:
+    at most 40 % of the budget, and when the lead leaves less, less — down to the newest message
+    (never cut from its tool call). System messages stay verbatim wherever the cut while they fit
+    `pinned_cap` — `own` (the turn's new ones, its request's input, not kept yet) always, then the
+    newest first — and the older ones are folded into the summary with the rest (`system_folded`).
     `scale` (at least 1) is how much denser than our estimate the provider counted this request
     (its measured count against our estimate of the same messages): sizes are scaled by it."""
     scale = max(1.0, scale)
     sizes = [math.ceil(estimate_message(to_chat_message(m)) * scale) for m in view]
-    # system messages are never folded (PINNED_ROLES): they stay beside the lead, wherever the cut
-    pinned = sum(size for m, size in zip(view, sizes, strict=True) if m.role in PINNED_ROLES)
+    lead = math.ceil(lead_tokens * scale)
+    system = [i for i, m in enumerate(view) if m.role in PINNED_ROLES]
+    stay = {i for i in system if any(view[i] is m for m in own)}
+    pinned = sum(sizes[i] for i in stay)
+    cap = pinned_cap(budget, lead)
+    for i in reversed(system):
+        if i in stay:
+            continue
+        if pinned + sizes[i] > cap:
+            break  # this one and every older one are folded
+        stay.add(i)
+        pinned += sizes[i]
+    unpinned = {i for i in system if i not in stay}
+    # the system messages are not in the cut's reckoning: those that stay are beside the lead
+    # wherever the cut, those that go are folded wherever they are
     sizes = [0 if m.role in PINNED_ROLES else size for m, size in zip(view, sizes, strict=True)]
-    room = budget.limit - math.ceil(lead_tokens * scale) - pinned - summary_room(budget)
+    room = budget.limit - lead - pinned - summary_room(budget)
     keep_tokens = max(0, min(budget.limit * 2 // 5, room))
     cut = choose_cut(view, sizes, keep_tokens)
-    folded = [m for m in view[: cut or 0] if m.role not in PINNED_ROLES]
-    if cut is None or all(m.role == "compaction" for m in folded):
+    if cut is None and unpinned:  # nothing else to fold: the system messages that go (and the last summary)
+        cut = 0
+        while cut < len(view) and view[cut].role in (*PINNED_ROLES, "compaction"):
+            cut += 1
+    folded = [
+        m for i, m in enumerate(view) if i in unpinned or (cut is not None and i < cut and m.role not in PINNED_ROLES)
+    ]
+    if cut is None or not folded or (not unpinned and all(m.role == "compaction" for m in folded)):
         return None  # nothing to fold, or only the last summary (folding it alone gains nothing)
     emit(PhaseChanged("compacting"))
     summary = await summarize(provider, model, folded, budget)
     kept = sum(1 for m in view[cut:] if m.role != "compaction" and m.role not in PINNED_ROLES)
-    message = MessageRecord(
-        role="compaction",
-        content=summary,
-        turn_id=turn_id,
-        iteration=iteration,
-        meta={"kept": kept, "folded": len(folded), "tokens_before": tokens_before, "window": budget.window},
-    )
+    meta: dict[str, Any] = {
+        "kept": kept,
+        "folded": len(folded),
+        "tokens_before": tokens_before,
+        "window": budget.window,
+    }
+    earlier = next((m for m in view if m.role == "compaction"), None)
+    system_folded = len(unpinned) + (int(earlier.meta.get("system_folded", 0) or 0) if earlier is not None else 0)
+    if system_folded:
+        meta["system_folded"] = system_folded
+    message = MessageRecord(role="compaction", content=summary, turn_id=turn_id, iteration=iteration, meta=meta)
     emit(Compacted(summary, len(folded)))
     return Compaction(message, len(folded), tokens_before)
 
@@ -607,14 +660,36 @@ def lead_too_large(budget: Budget, lead: int) -> ContextDoesNotFit:
     )
 
 
-def cannot_shrink(budget: Budget, lead: int, rest: int, refusal: str, status: int | None) -> ContextDoesNotFit:
-    """The error of an upstream's refusal that folding and clipping cannot answer with a smaller request."""
+def own_system_too_large(budget: Budget, lead: int, own: int) -> ContextDoesNotFit:
+    """The turn's own new system/developer messages (its request's input) cannot fit beside the lead:
+    refused before anything is sent (the turn keeps none of them: runtime/settle.py `loop_end`)."""
+    return ContextDoesNotFit(
+        f"The system/developer messages of this request's input come to about {own} tokens; beside about "
+        f"{lead} tokens of system prompt, instructions and tool definitions that is more than the "
+        f"{budget.limit} tokens the model's context window of {budget.window} leaves beside the "
+        f"{budget.reserve} kept for the reply. Nothing was sent to the model and the conversation does not "
+        "keep them: shorten them, lower max_tokens or use a model with a larger context window."
+    )
+
+
+def cannot_shrink(
+    budget: Budget, lead: int, rest: int, refusal: str, status: int | None, system: int = 0
+) -> ContextDoesNotFit:
+    """The error of an upstream's refusal that folding and clipping cannot answer with a smaller
+    request. `system`: what of `rest` the system/developer messages the conversation keeps take."""
     if lead * 2 >= budget.limit:
         why = (
             f"the system prompt, instructions and tool definitions take about {lead} of the {budget.limit} "
             f"tokens the model's context window of {budget.window} leaves beside the {budget.reserve} kept for "
             "the reply. Shorten them, offer fewer tools, lower max_tokens or use a model with a larger "
             "context window."
+        )
+    elif system:
+        why = (
+            f"beside about {lead} tokens of system prompt, instructions and tool definitions, the "
+            f"system/developer messages the conversation keeps take about {system} and the newest messages "
+            f"(never folded) about {max(0, rest - system)} of the {budget.limit} tokens the model's context "
+            f"window of {budget.window} leaves beside the {budget.reserve} kept for the reply."
         )
     else:
         why = (

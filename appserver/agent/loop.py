@@ -26,9 +26,11 @@ from appserver.agent.context import (
     compact,
     context_view,
     estimate_lead,
+    estimate_message,
     estimate_request,
     lead_too_large,
     overflow_budget,
+    own_system_too_large,
     to_chat_message,
     window_for,
 )
@@ -415,6 +417,18 @@ class AgentLoop:
         scale = estimate / pure if pure else 1.0
         if real is not None and lead_tokens * min(1.0, scale) > real.limit:
             raise lead_too_large(real, math.ceil(lead_tokens * min(1.0, scale)))
+        # The turn's own new system/developer messages (its request's input, not kept yet) are never
+        # folded (context.compact): when they cannot fit beside the lead, nothing can make room.
+        # (A turn whose request carried its own transcript has them in its instructions: the lead.)
+        own = [
+            m
+            for m in work.new_messages
+            if m.role == "system" and m.turn_id == work.turn_id and not work.options.get(OWN_SYSTEM)
+        ]
+        own_tokens = sum(estimate_message(work.to_chat(m)) for m in own)
+        if real is not None and own_tokens and (lead_tokens + own_tokens) * min(1.0, scale) > real.limit:
+            ratio = min(1.0, scale)
+            raise own_system_too_large(real, math.ceil(lead_tokens * ratio), math.ceil(own_tokens * ratio))
         done = await compact(
             provider,
             model,
@@ -426,6 +440,7 @@ class AgentLoop:
             emit,
             lead_tokens=lead_tokens,
             scale=scale,
+            own=own,
         )
         if done is not None:
             work.new_messages.append(done.message)
@@ -467,8 +482,9 @@ class AgentLoop:
         if size < refused[0]:
             return
         lead_tokens = estimate_lead(request, lead, self._tool_estimates)
+        system = sum(estimate_message(m) for m in request.messages[lead:] if m.role == "system")
         error = refused[1]
-        raise cannot_shrink(budget, lead_tokens, max(0, size - lead_tokens), error.message, error.status)
+        raise cannot_shrink(budget, lead_tokens, max(0, size - lead_tokens), error.message, error.status, system)
 
     def _basis(self, request: ProviderRequest, view: list[MessageRecord]) -> dict[str, Any]:
         return anchor_basis(request, len(request.messages) - len(view), self._tool_estimates, view)

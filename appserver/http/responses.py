@@ -117,6 +117,33 @@ CUT_SHORT = (
 ON_ITS_WAY = ("queued", "running")
 
 
+# A response whose turn was withdrawn (settle.withdrawn, error kind `withdrawn`: its client went
+# away before the turn showed or did anything, or a stop cut its request off before it started) is
+# stored `cancelled` with this error (code from Response.error's closed enum, the specific one in
+# brackets, as every other) and continues nothing: its input was never taken into the conversation.
+WITHDRAWN = "input_withdrawn"
+
+
+def withdrawn_error(error: dict[str, Any]) -> dict[str, Any]:
+    """Response.error of a withdrawn turn of `error` (its turn error, which says why)."""
+    why = str(error.get("message") or "its client went away before the turn showed or did anything")
+    return {
+        "code": "server_error",
+        "message": f"The input of this response was withdrawn ({why}): the conversation does not hold it, and "
+        f"no response can continue from this one; send the input again after the response before it. [{WITHDRAWN}]",
+    }
+
+
+def is_withdrawn(rec: ResponseRecord) -> bool:
+    """`rec` is the stored response of a withdrawn turn (`withdrawn_error`)."""
+    error = rec.body.get("error")
+    return (
+        rec.body.get("status") == "cancelled"
+        and isinstance(error, dict)
+        and str(error.get("message") or "").endswith(f"[{WITHDRAWN}]")
+    )
+
+
 def cut_short(rec: ResponseRecord) -> ResponseRecord:
     """`rec` as failed, as a server stop's stream ends: its turn was interrupted by a crash."""
     body = dict(rec.body, status="failed", error={"code": "server_error", "message": CUT_SHORT})
@@ -413,7 +440,9 @@ def parse_input(value: Any, response_id: str = "") -> ParsedInput:
                     {"id": item_id("msg"), "type": "message", "role": "user", "status": "completed", "content": parts}
                 )
             else:
-                out.items.append(ViewItem("system", text, role=role))  # kept in the conversation
+                # kept in the conversation, and instructs a turn, only with visible text: a blank
+                # one is no message (an anthropic upstream refuses blank system text), only listed
+                out.items.append(ViewItem("system", text if text.strip() else "", role=role))
                 out.stored.append(
                     {
                         "id": item_id("msg"),
@@ -1354,6 +1383,8 @@ def response_body(
             else "server_error"
         )
         error = {"code": code, "message": f"{failed.message} [{failed.code}]"}
+    elif snap is not None and snap.status == "cancelled" and (snap.error or {}).get("kind") == "withdrawn":
+        error = withdrawn_error(snap.error or {})  # why its input is nowhere in the conversation
     if status == "incomplete":
         # OpenAI's schema allows only max_output_tokens and content_filter here; a max_steps stop
         # says what happened in the text block output_blocks adds (docs/openai.md).
@@ -1942,6 +1973,16 @@ class Responses:
                         return dict(item)
         return None
 
+    async def _withdrawn(self, rec: ResponseRecord) -> bool:
+        """`rec` is a withdrawn turn's response: stored so (`is_withdrawn`), or stored `cancelled`
+        before its turn's end was known (a stream that gave up waiting) by a turn withdrawn."""
+        if is_withdrawn(rec):
+            return True
+        if rec.body.get("status") != "cancelled" or rec.turn_id is None:
+            return False
+        turn = await self.server.store.get_turn(rec.turn_id)
+        return turn is not None and turn.status == "cancelled" and (turn.error or {}).get("kind") == "withdrawn"
+
     async def _place(
         self,
         agent: AgentRecord,
@@ -1977,6 +2018,17 @@ class Responses:
                     param="previous_response_id",
                 )
             rec = await self.as_ended(rec)
+            if await self._withdrawn(rec):
+                raise bad_request(
+                    f"Previous response with id '{prev_id}' was withdrawn: its input was dropped before the "
+                    "conversation took it in (its client went away before anything was shown, or a server stop "
+                    "cut its request off before it started), so nothing can continue from it. Continue from the "
+                    "response before it"
+                    + (f" ('{rec.previous_response_id}')" if rec.previous_response_id else "")
+                    + ", sending that input again.",
+                    "previous_response_id",
+                    code="previous_response_withdrawn",
+                )
             if answers is not None:
                 ended_calls(rec, answers)
             if rec.body.get("status") == "in_progress":

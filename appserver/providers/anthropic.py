@@ -473,7 +473,7 @@ class AnthropicProvider:
         for msg in messages:
             blocks: list[dict[str, Any]]
             if msg.role == "system":
-                if msg.text():
+                if visible(msg.text()):  # blank system text is refused as a blank text block is
                     system.append(msg.text())
                 continue
             if msg.role == "tool":

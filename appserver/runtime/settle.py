@@ -190,6 +190,11 @@ def loop_end(turn_id: str, work: TurnWork, outcome: LoopOutcome, revision: int) 
         messages = settle_messages(
             work, "interrupted" if status == "interrupted" else "cancelled" if status == "cancelled" else "incomplete"
         )
+    if status == "failed" and (error or {}).get("kind") == "context_overflow":
+        # Too long for the model: the conversation does not keep the system/developer messages of
+        # its input (not yet kept: a turn checkpointed before a tool ran already keeps them). Kept,
+        # they would make every later turn as long; its user message stays, as a failed turn's does.
+        messages = [m for m in messages if not (m.role == "system" and m.turn_id == turn_id)]
     if stop_reason == "end_turn" and messages:
         last = next((m for m in reversed(messages) if m.role == "assistant"), None)
         if last is not None and last.tool_calls:

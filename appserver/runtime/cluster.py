@@ -156,11 +156,18 @@ class RemoteWatch(Watch):
         what the holder's lifecycle knows, so every server shows the same state and active turn."""
         cid = self._conversation_id
         link = self._link
-        mirrored = [(m.handle, m.started) for m in link.mirrors.values() if m.handle.conversation_id == cid]
         local: list[tuple[TurnHandle, bool]] = []
         if link.kernel.holds(cid):
             active = link.kernel.active_turn(cid)
-            local = [(h, h.turn_id == active) for h in link.kernel.live_handles(cid)]
+            # a turn mirrored here before this server took the conversation is shown by its
+            # mirror, which follows the handle here from then on (`ClusterLink.hand_over`)
+            local = [(link.handed.get(h.turn_id, h), h.turn_id == active) for h in link.kernel.live_handles(cid)]
+        ids = {h.turn_id for h, _ in local}
+        mirrored = [
+            (m.handle, m.started)
+            for m in link.mirrors.values()
+            if m.handle.conversation_id == cid and m.handle.turn_id not in ids  # one turn, counted once
+        ]
         return [*mirrored, *local]
 
     @property
@@ -201,6 +208,8 @@ class ClusterLink:
         self.kernel = kernel
         self.cluster = cluster
         self.mirrors: dict[str, _Mirror] = {}
+        # turn id -> the mirror of a turn this server took over, following its handle here
+        self.handed: dict[str, TurnHandle] = {}
         self.watchers: dict[str, list[Callable[[TurnHandle], None]]] = {}
         self._sent: dict[str, int] = {}  # turn id -> the newest revision published
         self._followed: dict[str, float] = {}  # conversation id -> until when another server follows it
@@ -246,10 +255,43 @@ class ClusterLink:
     def on_local_turn(self, handle: TurnHandle) -> None:
         """A turn became visible in a runtime held here: tell the watches opened here while
         another server held the conversation, and publish its snapshots while it runs when
-        another server follows the conversation."""
+        another server follows the conversation. A turn mirrored here until now (this server took
+        the conversation over) is shown by its mirror, which follows this handle from now on."""
+        self.hand_over(handle)
         if handle.conversation_id in self.watchers:
-            self._tell(handle)
+            self._tell(self.handed.get(handle.turn_id, handle))
         self._start_publishing(handle)
+
+    def adopt(self, conversation_id: str) -> None:
+        """This server now holds the conversation (it took it over, or loaded it): each mirror of a
+        turn its runtime here shows follows that turn's handle here (`hand_over`)."""
+        for handle in self.kernel.live_handles(conversation_id):
+            self.hand_over(handle)
+
+    def hand_over(self, handle: TurnHandle) -> None:
+        """The turn a mirror here stands for runs (or waits) in this server's runtime now. The
+        clients that hold the mirror (a submitter, an HTTP stream, WebSocket watchers) keep it:
+        from now on it takes every snapshot of `handle`, renumbered never to go back a revision,
+        and it leaves `mirrors` (no store reads, no count twice). Before, it heard nothing more
+        until the turn's end, and its stream got the whole reply in one piece at the end."""
+        mirror = self.mirrors.get(handle.turn_id)
+        if mirror is None or mirror.handle.controller is handle.controller:
+            return  # (a handle of a runtime dropped here is itself the mirror: `follow_elsewhere`)
+        del self.mirrors[handle.turn_id]
+        self.handed[handle.turn_id] = mirror.handle
+        self._spawn(self._forward(handle, mirror.handle))
+
+    async def _forward(self, source: TurnHandle, target: TurnHandle) -> None:
+        try:
+            controller = target.controller
+            seen = -1
+            while controller.status not in TERMINAL_STATUSES:
+                snap = await source.controller.next_snapshot(seen)
+                seen = snap.revision
+                controller.mirror(replace(snap, revision=max(snap.revision, controller.revision + 1)))
+        finally:
+            if self.handed.get(source.turn_id) is target:
+                del self.handed[source.turn_id]
 
     def _start_publishing(self, handle: TurnHandle) -> None:
         """Publish the turn's snapshots while it runs, if another server follows its conversation

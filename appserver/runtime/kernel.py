@@ -805,6 +805,8 @@ class Kernel:
                     link.cluster.release(conversation_id)
                 raise
             self.runtimes[conversation_id] = rt
+            if link is not None:
+                link.adopt(conversation_id)  # the turns mirrored here follow their handles here
             paused = rt.awaiting_turn
             if paused is not None and not fresh:
                 await self._took_up(paused, rt.handles.get(paused.id))  # adopted paused

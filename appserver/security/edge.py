@@ -81,6 +81,8 @@ from appserver.http.sse import WRITE_BODY
 from appserver.security.asgi import GREETED, PROVE
 from appserver.security.fair_slots import EVICTION_GRACE_S, Evictable, SlotGate, client_group
 from appserver.security.ws_inbound import (
+    DRAIN_CHECK_S,
+    DRAIN_RATE_MIN,
     INBOUND_FREE,
     INBOUND_MESSAGE_READ_S,
     INFLATE_RATIO,
@@ -546,6 +548,10 @@ class PassWrites:
             return
         tick = self.send_timeout_s / SEND_CHECKS
         self._watch = self._loop.call_later(min(tick, self._since + self.send_timeout_s - now), self._check)
+
+    def taken(self) -> int:
+        """Bytes the client has taken (`_taken`): how fast it reads (EdgeWebSocketProtocol `_drained`)."""
+        return self._taken()
 
     def _taken(self) -> int:
         """Bytes the client has taken: handed over, less what the transport still holds and what
@@ -1564,6 +1570,13 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._read_timer: asyncio.TimerHandle | None = None  # the oldest reservation it holds (`_held_too_long`)
         self._handed = 0  # bytes of messages given to the app since its `receive` last let others run
         self._pong_overdue = False  # its keepalive ping timed out while it waited for the budget
+        self._frame_gated = False  # the frame being fed inflates only once the inflate gate lets it
+        self._gate_wait = False  # it waits for the inflate gate (`_inflate_admitted`)
+        self._gate_pass = False  # the gate let it through: its next gated frame inflates
+        # Time its reservations are not charged for (`_clock`): the server held it back while its
+        # downlink, full, drained at DRAIN_RATE_MIN or more; (when, bytes taken) at the last look.
+        self._excused = 0.0
+        self._drain_at: tuple[float, int] | None = None
         send_response = self.conn.send_response
 
         def stamped(response: WsResponse) -> None:
@@ -1738,7 +1751,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             return False  # before the 101 (or refused)
         if self.close_sent:
             return True  # its close is awaited, and uvicorn drops what comes before it
-        return not (self.read_paused or self._waiting or (self._handling and not self._greeted))
+        return not (self.read_paused or self._waiting or self._gate_wait or (self._handling and not self._greeted))
 
     def _pump(self) -> None:
         """Feed the parser what it may take now (`_feedable`), then read on, or hold the reads."""
@@ -1770,6 +1783,12 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         while n < stop:
             if self._frame_left:
                 step = min(self._frame_left, stop - n)
+                if step == self._frame_left and self._frame_gated:  # its last byte inflates it
+                    if not self._inflate_admitted():
+                        step -= 1  # all but that byte: the parser waits for it
+                        self._frame_left -= step
+                        return n + step
+                    self._frame_gated = False
                 n += step
                 self._frame_left -= step
                 if not self._frame_left and self._frame_ends_message() and not self._greeted:
@@ -1782,6 +1801,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             limit = self.conn.max_message_size
             if limit is not None and length > limit:
                 return n + size  # the parser refuses it at its head (1009), its payload unread
+            small: bool | None = False
             if (first & 0x0F) in (OP_TEXT, OP_BINARY):
                 small = self._small_compressed(buf, n, size, length, first)
                 if small is None:
@@ -1790,9 +1810,40 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
                     return n  # waits for the budget
             n += size
             self._frame_left, self._frame_first = length, first
+            self._frame_gated = (
+                (first & 0x0F) <= OP_BINARY
+                and self._compressed
+                and not small
+                and self._greeted
+                and self.inbound is not None
+                and length * INFLATE_RATIO > INBOUND_FREE
+            )
             if not length and self._frame_ends_message() and not self._greeted:
                 return n
         return n
+
+    # ── inflating, server-wide ───────────────────────────────────────────────────────────────
+    # WS_STEP_BYTES bounds what one socket inflates in a step, but every ready socket ran its step
+    # in the same event-loop iteration: 64 sockets each inflating a 4 KB frame to 4 MiB (~40 ms)
+    # made every iteration ~1.5 s long, and /healthz (a few iterations) waited 10-14 s. A compressed
+    # frame that may inflate past INBOUND_FREE (and is not known to stay under it) is given its last
+    # byte, which inflates it, only once the server's inflate gate (`InboundBudget.inflates`) lets it:
+    # one per iteration, the others in order of arrival, reading nothing meanwhile (their reservations
+    # still bounded in time: `_held_too_long`).
+
+    def _inflate_admitted(self) -> bool:
+        if self._gate_pass:
+            self._gate_pass = False
+            return True
+        if self.inbound is None or self.close_sent or self.inbound.inflates.admit(self._on_inflate):
+            return True
+        self._gate_wait = True
+        return False
+
+    def _on_inflate(self) -> None:
+        """The inflate gate lets its frame through now (this iteration's one): feed on at once."""
+        self._gate_wait, self._gate_pass = False, True
+        self._pump()
 
     def _small_compressed(self, buf: bytes | bytearray, at: int, size: int, length: int, first: int) -> bool | None:
         """Whether the compressed message whose only frame begins at `buf[at]` (its head `size`
@@ -1839,7 +1890,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             self._waiting, self._wanted = True, need
             return False
         else:
-            since = self.loop.time()
+            since = self._clock()
         if need and not self._message_reserved:
             self._message_since = since
         self._message_reserved += need  # (a message begun inside another fails at the parser: kept till the end)
@@ -1855,6 +1906,33 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     # the message was whole, four credentials' sockets whose clients read their downlink slowly each
     # held a whole message of two small frames (4 MiB reserved at the first: fragments followed),
     # untaken, for good: the whole budget, and another credential's big frame waited for ever.
+    # Its clock (`_clock`) does not run while the server holds it back behind its full downlink and
+    # that downlink drains at DRAIN_RATE_MIN or more (`_drained`): a client on a 1 Mbit/s link that
+    # read its 8 MiB page steadily (~67 s) was closed for the server's own pause, and lost page and
+    # upload. One that leaves its downlink unread, or trickles it, is charged as before.
+
+    def _clock(self) -> float:
+        """The time its reservations are charged by: the loop's, less what it was excused."""
+        return self.loop.time() - self._excused
+
+    def _drain_check_s(self) -> float:
+        return min(DRAIN_CHECK_S, self.message_read_s / 4)
+
+    def _drained(self) -> None:
+        """Since the last look: excuse the time when the server held it back (a message waits for
+        the app, or it is not read while its downlink is full), its downlink still full, and the
+        client took at least DRAIN_RATE_MIN a second of it."""
+        taken = getattr(self.transport, "taken", None)
+        if taken is None:
+            return
+        now, got = self.loop.time(), int(taken())
+        last, self._drain_at = self._drain_at, (now, got)
+        if last is None or now <= last[0]:
+            return
+        held_back = self.read_paused or self._over_blocked() or bool(self._reserved) or bool(self._ended)
+        busy = self._writes_blocked or self.transport.get_write_buffer_size() > 0
+        if held_back and busy and got - last[1] >= DRAIN_RATE_MIN * (now - last[0]):
+            self._excused += now - last[0]
 
     def _oldest_hold(self) -> float | None:
         """Since when it holds its oldest reservation (None: it holds none)."""
@@ -1871,8 +1949,10 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         since = self._oldest_hold()
         if since is not None:
-            delay = max(0.0, since + self.message_read_s - self.loop.time())
-            self._read_timer = self.loop.call_later(delay, self._held_too_long)
+            if self._drain_at is None:
+                self._drained()  # the first look: from now on
+            delay = max(0.0, since + self.message_read_s - self._clock())
+            self._read_timer = self.loop.call_later(min(delay, self._drain_check_s()), self._held_too_long)
 
     def _held_too_long(self) -> None:
         """The oldest reservation it holds is `message_read_s` old: close (1009: too big for the
@@ -1881,8 +1961,10 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._read_timer = None
         since = self._oldest_hold()
         if since is None:
+            self._drain_at = None
             return
-        if self.loop.time() < since + self.message_read_s * 0.999:  # (timers may fire a tick early)
+        self._drained()
+        if self._clock() < since + self.message_read_s * 0.999:  # (timers may fire a tick early)
             self._watch_held()
             return
         held = self._held_bytes()
@@ -1930,6 +2012,9 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._waiting and self.inbound is not None:
             self.inbound.cancel(self._on_granted)
             self._waiting = False
+        if self._gate_wait and self.inbound is not None:
+            self.inbound.inflates.cancel(self._on_inflate)
+            self._gate_wait = False
         held = self._held_bytes()
         self._reserved.clear()
         self._ended.clear()
@@ -1937,6 +2022,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._release(held)
 
     def _stop_read_timer(self) -> None:
+        self._drain_at = None
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
@@ -1965,7 +2051,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
     def _on_granted(self) -> None:
         """The inbound budget took what this connection waited for: feed on (in a pass of its own)."""
         self._granted, self._waiting = self._wanted, False
-        self._granted_since = self.loop.time()
+        self._granted_since = self._clock()
         self._watch_held()
         if self._pong_overdue and self.ping_timeout is not None and not self.close_sent:
             self._pong_overdue = False  # its pong may come now: as long to wait for it as for any
@@ -2142,6 +2228,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._stop_read_timer()
         if self.inbound is not None:  # what it held of the inbound budget, and its place in the queue
             self.inbound.cancel(self._on_granted)
+            self.inbound.inflates.cancel(self._on_inflate)
             held = self._held_bytes()
             self._reserved.clear()
             self._ended.clear()

@@ -28,11 +28,17 @@ WebSocket protocol (edge.py `EdgeWebSocketProtocol`) reads frame heads itself (`
   reserved) that the app did not take while their clients read slowly.
   While a connection waits for the budget its unanswered keepalive ping does not close it (its pong
   waits in TCP behind the frame the server will not read yet): the ping's timeout starts anew once
-  it reads again.
+  it reads again. Nor does that clock run while the server holds the connection back behind its
+  full downlink and its client takes that downlink at `DRAIN_RATE_MIN` or more (a slow link read
+  steadily); a client that leaves it unread, or trickles it, is charged.
+* with permessage-deflate, a frame that may inflate past `INBOUND_FREE` is inflated only once the
+  server's `InflateGate` lets it: one per event-loop iteration, server-wide.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import struct
 import zlib
 from collections.abc import Callable
@@ -53,8 +59,16 @@ INFLATE_RATIO = 1032
 # How long a message may hold a reservation, from when it is taken (waiting for it does not count)
 # until the app takes the message: a 4 MiB frame over a 1 Mbit/s link takes ~35 s to arrive.
 INBOUND_MESSAGE_READ_S = 60.0
+# …except while the server holds the connection back behind its full downlink and that downlink
+# drains at this many bytes a second or more, measured every DRAIN_CHECK_S (a real slow link: an
+# 8 MiB page takes ~67 s at 1 Mbit/s). A client that leaves it unread, or trickles it, is charged.
+DRAIN_RATE_MIN = 64 * 1024
+DRAIN_CHECK_S = 2.0
 
 OP_CONT, OP_TEXT, OP_BINARY = 0x0, 0x1, 0x2
+# Compressed frames that may inflate past INBOUND_FREE inflated per event-loop iteration, server-wide
+# (`InflateGate`).
+INFLATES_PER_ITERATION = 1
 
 
 def inflated_within(decoder: Any, payload: bytes, cap: int) -> bool:
@@ -95,6 +109,48 @@ def frame_head(buf: bytes | bytearray | memoryview, at: int = 0) -> tuple[int, i
     return size, length, first
 
 
+class InflateGate:
+    """Inflating big compressed frames, server-wide: at most `per_iteration` of them per event-loop
+    iteration; the others wait their turn in order of arrival, one let through per iteration
+    (`granted` called, in a pass of its own). Each socket inflated at most one such frame per step,
+    but every step of every ready socket ran in the same iteration: 64 sockets each inflating 4 MiB
+    (~40 ms) took ~1.5 s per iteration, and /healthz, which needs a few, waited 10-14 s."""
+
+    def __init__(self, per_iteration: int = INFLATES_PER_ITERATION) -> None:
+        self.per_iteration = max(1, per_iteration)
+        self.used = 0  # let through in this iteration
+        self.waits = 0  # frames that had to wait their turn
+        self._waiting: dict[Callable[[], None], None] = {}
+        self._reset: asyncio.Handle | None = None
+
+    def admit(self, granted: Callable[[], None]) -> bool:
+        """Inflate now (True), or queue `granted` to be called once it may (False)."""
+        if self._waiting or self.used >= self.per_iteration:
+            if granted not in self._waiting:
+                self.waits += 1
+                self._waiting[granted] = None
+            return False
+        self._take()
+        return True
+
+    def cancel(self, granted: Callable[[], None]) -> None:
+        """A waiting connection is gone (or no longer waits): forget it."""
+        self._waiting.pop(granted, None)
+
+    def _take(self) -> None:
+        self.used += 1
+        if self._reset is None:  # the next iteration starts afresh (call_soon: not this one)
+            self._reset = asyncio.get_running_loop().call_soon(self._next, context=contextvars.Context())
+
+    def _next(self) -> None:
+        self._reset, self.used = None, 0
+        while self._waiting and self.used < self.per_iteration:
+            granted = next(iter(self._waiting))
+            del self._waiting[granted]
+            self._take()
+            granted()
+
+
 class InboundBudget:
     """Bytes of big inbound frames that all WebSocket connections of a server hold (read, or
     reserved to be read, and not yet taken by the app), bounded in total (`max_bytes`) and per
@@ -117,6 +173,7 @@ class InboundBudget:
         # connections waiting, in order of arrival: their `granted` -> (group, bytes)
         self._waiting: dict[Callable[[], None], tuple[str, int]] = {}
         self._queue_on_total = False  # a waiter is held back by the total: newcomers queue behind it
+        self.inflates = InflateGate()  # the server's inflating of big compressed frames
 
     @classmethod
     def for_frames(cls, frame_max: int, max_bytes: int = INBOUND_TOTAL_MAX) -> InboundBudget:

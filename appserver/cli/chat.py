@@ -44,6 +44,7 @@ from typing import Any
 import click
 
 from appserver.cli.common import (
+    cancel_until_done,
     exit_stdout_closed,
     fail,
     get_config,
@@ -54,6 +55,8 @@ from appserver.cli.common import (
 )
 from appserver.cli.run import (
     USAGE_ERRORS,
+    WORK_STOP_POLL_S,
+    WORK_STOP_WAIT_S,
     HomeServer,
     ServerGone,
     connect_first,
@@ -982,9 +985,15 @@ async def chat(
     keys: Keys | None = None
     session: Chat | None = None
     signalled: list[int] = []
-    leaving: list[bool] = []  # the session is over: only tidying up is left
-    main = asyncio.current_task()
-    assert main is not None
+    # The session runs as a task of its own (`work`), stopped by cancelling it until it ends: a
+    # signal cancelled this task once, and Python 3.11's `asyncio.wait_for` drops a cancel that
+    # lands as its inner awaitable completes (the server's reply to `subscribe` arriving with a
+    # SIGHUP): chat went on into a session on a terminal that was gone (cli/common.py).
+    stop_work: asyncio.Future[None] = loop.create_future()
+
+    def stop_now() -> None:
+        if not stop_work.done():
+            stop_work.set_result(None)
 
     def stopped(signum: int) -> None:
         """SIGTERM or SIGHUP (the terminal closed, `kill`): give the terminal its modes back at
@@ -1002,14 +1011,16 @@ async def chat(
             events.put_nowait(("signal", signum))
             # a session that awaits a request inline (`/new`) handles no event until it returns:
             # stop that wait if the session has not ended by then
-            loop.call_later(STOP_GRACE, lambda: None if leaving else main.cancel())
+            loop.call_later(STOP_GRACE, stop_now)
         else:  # still connecting: stop that
-            main.cancel()
+            stop_now()
 
     stop_signals = (signal.SIGTERM, signal.SIGHUP)
     for signum in stop_signals:
         loop.add_signal_handler(signum, stopped, signum)
-    try:
+
+    async def work() -> int:
+        nonlocal conversation, keys, session
         if conversation == "new":  # as `appserver run --conversation new`
             created = await client.request({"type": "create_conversation", "agent": agent})
             conversation = created["conversation"]["id"]
@@ -1029,12 +1040,20 @@ async def chat(
             events,
         )
         return await session.run(state.get("active_turn"))
-    except asyncio.CancelledError:
-        if signalled:
+
+    try:
+        job = loop.create_task(work())
+        try:
+            await asyncio.wait((job, stop_work), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # chat's own cancel (Ctrl-C while connecting): the session ends with it
+            job.cancel()
+            raise
+        if not job.done():  # a signal, and the session did not end by itself in time
+            await cancel_until_done(job, WORK_STOP_WAIT_S, WORK_STOP_POLL_S)
+        if signalled and (not job.done() or job.cancelled()):
             return 128 + signalled[0]
-        raise
+        return job.result()
     finally:
-        leaving.append(True)
         loop.remove_signal_handler(signal.SIGINT)
         if keys is not None:
             try:

@@ -380,3 +380,15 @@ def with_server(fn: Callable[[Server], Awaitable[T]], *, config: Config | None =
         return run_or_fail(lambda: asyncio.run(runner()))
     except KernelError as exc:
         fail(exc.message, 2 if exc.http_status in (400, 404, 409) else 1)
+
+
+async def cancel_until_done(task: asyncio.Future[Any], wait_s: float, poll_s: float) -> bool:
+    """Cancel `task`, and again every `poll_s` while it has not ended, for at most `wait_s`; True
+    when it ended. Once is not enough: Python 3.11's `asyncio.wait_for` drops a cancel that lands as
+    its inner awaitable completes (a server's reply arriving with the signal), and the task goes on."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait((task,), timeout=poll_s)
+    return task.done()

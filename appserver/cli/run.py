@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from appserver.cli.common import fail, get_config, print_json, with_server
+from appserver.cli.common import cancel_until_done, fail, get_config, print_json, with_server
 from appserver.cli.safetext import exact, visible
 from appserver.errors import InvalidInput, NotAwaiting
 from appserver.runtime import Decision, SubmitRequest, TurnSnapshot, max_steps_note
@@ -39,6 +39,8 @@ T = TypeVar("T")
 OPEN_TIMEOUT_S = 10.0  # for the connection and then for the server's welcome (each)
 CANCEL_WAIT_S = 3.0  # how long a Ctrl-C waits for the server to confirm the cancel before leaving
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+WORK_STOP_WAIT_S = 5.0  # how long a stop signal waits for the cancelled work to end (then leaves anyway)
+WORK_STOP_POLL_S = 0.05  # how often it cancels the work again meanwhile
 # How long `run` and `chat` wait for this home's server to exit when it refuses their first
 # connection because it is stopping: its stop gives the requests in flight up to 8 s (serve's
 # GRACE_S + DRAIN_S), then settles the running turns; a margin on top.
@@ -60,35 +62,49 @@ class TurnNotSettled(Exception):
 
 
 async def until_signal(work: Awaitable[T], on_signal: Callable[[int], Awaitable[str]]) -> T:
-    """Await `work` in this task; SIGINT, SIGTERM or SIGHUP cancels it, then `on_signal(signum)`
-    (which cancels the turn or not, and says so) runs and Interrupted is raised. A second signal
-    meanwhile is ignored: the turn is being ended already. So is any signal after, to the end of the
-    process: the in-process server is closing and settles the turn (Python's own SIGINT handler,
-    put back here, raised KeyboardInterrupt inside that close and left the turn `running`)."""
+    """Await `work`; SIGINT, SIGTERM or SIGHUP cancels it, then `on_signal(signum)` (which cancels
+    the turn or not, and says so) runs and Interrupted is raised. A second signal meanwhile is
+    ignored: the turn is being ended already. So is any signal after, to the end of the process:
+    the in-process server is closing and settles the turn (Python's own SIGINT handler, put back
+    here, raised KeyboardInterrupt inside that close and left the turn `running`).
+
+    `work` runs as a task of its own and the signal is a future this task waits for beside it: a
+    signal cancelled this task instead, and Python 3.11's `asyncio.wait_for` drops a cancel that
+    lands as its inner awaitable completes (the server's reply to the submit arriving with the
+    Ctrl-C): the work went on waiting for the turn, every later signal ignored (found by a flaky
+    test). The work's cancel is sent again until it ends, for at most WORK_STOP_WAIT_S."""
     loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    got: list[int] = []
+    job = asyncio.ensure_future(work)
+    job.add_done_callback(_retrieved)
+    signalled: asyncio.Future[int] = loop.create_future()
 
     def stop(signum: int) -> None:
-        if not got:
-            got.append(signum)
-            task.cancel()
+        if not signalled.done():
+            signalled.set_result(signum)
 
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop, signum)
     try:
         try:
-            return await work
-        except asyncio.CancelledError:
-            if not got:
-                raise
-            task.uncancel()
-        raise Interrupted(got[0], await on_signal(got[0]))
+            await asyncio.wait((job, signalled), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this command's own cancel: the work ends with it
+            job.cancel()
+            raise
+        if job.done():  # it ended first (or with the signal): what it came to stands
+            return job.result()
+        got = signalled.result()
+        await cancel_until_done(job, WORK_STOP_WAIT_S, WORK_STOP_POLL_S)  # again and again: see above
+        raise Interrupted(got, await on_signal(got))
     finally:
         for signum in STOP_SIGNALS:
             loop.remove_signal_handler(signum)
             signal.signal(signum, signal.SIG_IGN)  # to the end of the process: the command is ending
+
+
+def _retrieved(job: asyncio.Future[Any]) -> None:
+    """The work's exception is read (a cancelled or interrupted work's is not news)."""
+    if not job.cancelled():
+        job.exception()
 
 
 def signal_name(signum: int) -> str:

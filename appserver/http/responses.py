@@ -1827,7 +1827,8 @@ class Responses:
             top_p=float(sent.get("top_p", 1.0)),
             max_output_tokens=sent.get("max_tokens"),
             parallel_tool_calls=bool(options.get("parallel_tool_calls", True)),
-            tool_choice=shown_choice(body.get("tool_choice")),
+            # a forced choice the provider cannot send (anthropic with thinking) goes as `auto`
+            tool_choice="auto" if sent.get("tool_choice") == "auto" else shown_choice(body.get("tool_choice")),
             conversation=run.conversation_id if conv_param else None,
             reasoning=show_reasoning(agent),
             text=text_of(body.get("text")),

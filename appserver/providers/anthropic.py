@@ -422,11 +422,13 @@ def sent_params(params: dict[str, Any]) -> dict[str, Any]:
     reasoning_effort, …) as the request body carries them: the one rule `build_body` and what the
     Responses route echoes as used (loop.model_call_params) both follow. An effort that gives no
     thinking budget of at least THINKING_MIN_BUDGET (one with no budget, or a max_tokens too small
-    for it: `thinking_budget`) leaves thinking off, as if none were asked for. With thinking on,
-    a temperature and a top_p below THINKING_TOP_P_MIN are left out (the API refuses them):
-    dropped rather than failing the call."""
+    for it: `thinking_budget`) leaves thinking off, as if none were asked for. `max_tokens` is
+    the one sent: without a limit, DEFAULT_MAX_TOKENS (plus the thinking budget). With thinking
+    on, a temperature and a top_p below THINKING_TOP_P_MIN are left out and a tool_choice that
+    forces tool use (`required`, a function) is `auto` (the API refuses them): changed rather
+    than failing the call."""
     out = {k: v for k, v in params.items() if v is not None}
-    budget, _ = thinking_budget(out.get("reasoning_effort"), out.get("max_tokens") or None)
+    budget, out["max_tokens"] = thinking_budget(out.get("reasoning_effort"), out.get("max_tokens") or None)
     if budget < THINKING_MIN_BUDGET:
         out.pop("reasoning_effort", None)
         return out
@@ -434,7 +436,29 @@ def sent_params(params: dict[str, Any]) -> dict[str, Any]:
     top_p = out.get("top_p")
     if isinstance(top_p, int | float) and top_p < THINKING_TOP_P_MIN:
         out.pop("top_p")
+    if (anthropic_tool_choice(out.get("tool_choice")) or {}).get("type") in ("any", "tool"):
+        out["tool_choice"] = "auto"
     return out
+
+
+def anthropic_tool_choice(choice: Any) -> dict[str, Any] | None:
+    """OpenAI-style tool_choice → Anthropic's (None: not sent, the API's auto). An explicit `auto`
+    is sent as such: what `sent_params` makes of a forced choice with thinking on."""
+    if choice is None:
+        return None
+    if choice == "auto":
+        return {"type": "auto"}
+    if choice == "none":
+        return {"type": "none"}
+    if choice == "required":
+        return {"type": "any"}
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return {"type": "tool", "name": fn["name"]}
+        if choice.get("type") in ("auto", "any", "tool", "none"):
+            return dict(choice)
+    return None
 
 
 class AnthropicProvider:
@@ -527,12 +551,13 @@ class AnthropicProvider:
                 "top_p": request.top_p,
                 "max_tokens": request.max_tokens,
                 "reasoning_effort": request.reasoning_effort,
+                "tool_choice": request.tool_choice,
             }
         )
-        budget, max_tokens = thinking_budget(sent.get("reasoning_effort"), request.max_tokens or None)
+        budget, _ = thinking_budget(sent.get("reasoning_effort"), request.max_tokens or None)
         body: dict[str, Any] = {
             "model": request.model,
-            "max_tokens": max_tokens,
+            "max_tokens": sent["max_tokens"],
             "messages": messages,
             "stream": True,
         }
@@ -541,7 +566,8 @@ class AnthropicProvider:
         thinking = budget >= THINKING_MIN_BUDGET
         if thinking:
             body["thinking"] = {"type": "enabled", "budget_tokens": budget}
-        # With thinking the API rejects temperature and top_p below 0.95: `sent_params` left them out.
+        # With thinking the API rejects temperature, top_p below 0.95 and forced tool use:
+        # `sent_params` left them out (the choice is `auto`).
         if "temperature" in sent:
             body["temperature"] = sent["temperature"]
         if "top_p" in sent:
@@ -550,7 +576,7 @@ class AnthropicProvider:
             body["stop_sequences"] = list(request.stop)
         if request.tools:
             body["tools"] = [self._tool(t) for t in request.tools]
-            choice = self._tool_choice(request.tool_choice, thinking)
+            choice = anthropic_tool_choice(sent.get("tool_choice"))
             if request.parallel_tool_calls is False:
                 choice = dict(choice or {"type": "auto"})
                 if choice.get("type") != "none":
@@ -568,28 +594,6 @@ class AnthropicProvider:
         if tool.description:
             out["description"] = tool.description
         return out
-
-    @staticmethod
-    def _tool_choice(choice: Any, thinking: bool) -> dict[str, Any] | None:
-        """OpenAI-style tool_choice → Anthropic's; forced tool use is not allowed with thinking."""
-        out: dict[str, Any] | None
-        if choice is None or choice == "auto":
-            return None
-        if choice == "none":
-            return {"type": "none"}
-        if choice == "required":
-            out = {"type": "any"}
-        elif isinstance(choice, dict):
-            fn = choice.get("function")
-            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-                out = {"type": "tool", "name": fn["name"]}
-            elif choice.get("type") in ("auto", "any", "tool", "none"):
-                out = dict(choice)
-            else:
-                return None
-        else:
-            return None
-        return {"type": "auto"} if thinking and out.get("type") in ("any", "tool") else out
 
     def build_headers(self) -> dict[str, str]:
         headers = {

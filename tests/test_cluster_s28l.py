@@ -38,7 +38,7 @@ from appserver.store.postgres import PostgresStore
 from appserver.store.records import ConversationRecord, TurnRecord
 from tests.support.cli import cli_env
 from tests.support.pg import require_postgres, temp_database
-from tests.support.serve import ServeProcess, start_serve
+from tests.support.serve import ServeProcess, start_serve_at, stop_all
 from tests.support.wait import wait_for, wait_until
 from tests.support.ws import WS
 from tests.test_cluster_s27h import _proxies
@@ -64,22 +64,7 @@ def _serve(home: Path, port: int, url: str, **env: str) -> ServeProcess:
 
 def _listen(home: Path, port: int, env: dict[str, str]) -> ServeProcess:
     """`serve` on `port`, or the next ones of 33100-33199 while one is taken (a client's own port)."""
-    while True:
-        try:
-            return start_serve(home, "--listen", f"127.0.0.1:{port}", env=env)
-        except RuntimeError as exc:
-            if "already in use" not in str(exc) or port >= 33199:
-                raise
-            port += 6
-
-
-def _stop(*servers: ServeProcess) -> None:
-    for sp in servers:
-        try:
-            sp.stop(timeout=15)
-        except Exception:
-            pass
-        sp.kill()
+    return start_serve_at(home, port, env, last=33199, step=6)
 
 
 def _early(times: list[float], before_end_s: float = 2.0) -> int:
@@ -124,7 +109,7 @@ async def test_a_stream_through_a_server_that_just_joined_shows_the_reply_as_it_
         # The reply grows while the turn runs (8 s): before, it came in one chunk at its end.
         assert _early(arrivals) >= 5, arrivals
     finally:
-        _stop(*([b] if b else []), a)
+        stop_all(*([b] if b else []), a)
 
 
 async def test_a_subscriber_on_a_server_that_just_joined_sees_a_running_turn_grow(db: str, tmp_path: Path) -> None:
@@ -170,7 +155,7 @@ async def test_a_subscriber_on_a_server_that_just_joined_sees_a_running_turn_gro
     finally:
         if viewer is not None:
             await viewer.close()
-        _stop(*([b] if b else []), a)
+        stop_all(*([b] if b else []), a)
 
 
 async def test_a_mirror_that_hears_nothing_shows_the_stored_draft_of_a_running_turn(db: str, tmp_path: Path) -> None:

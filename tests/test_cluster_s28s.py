@@ -26,7 +26,7 @@ import pytest
 from tests.fakes.openai_upstream import FakeOpenAI, RecordedRequest, Reply, chunk, cut, one_call_sse, openai_sse
 from tests.support.cli import cli_env, run_cli
 from tests.support.pg import require_postgres, temp_database
-from tests.support.serve import ServeProcess, start_serve
+from tests.support.serve import ServeProcess, start_serve_at, stop_all
 from tests.support.ws import WS
 
 pytestmark = pytest.mark.timeout(150)
@@ -44,23 +44,7 @@ def db() -> Iterator[str]:
 
 def _serve(home: Path, port: int, url: str) -> ServeProcess:
     """`serve` on `port`, or the next ones of 37000-37199 while one is taken."""
-    env = cli_env(home, APPSERVER_STORE__URL=url)
-    while True:
-        try:
-            return start_serve(home, "--listen", f"127.0.0.1:{port}", env=env)
-        except RuntimeError as exc:
-            if "already in use" not in str(exc) or port >= 37190:
-                raise
-            port += 9
-
-
-def _stop(*servers: ServeProcess) -> None:
-    for sp in servers:
-        try:
-            sp.stop(timeout=15)
-        except Exception:
-            pass
-        sp.kill()
+    return start_serve_at(home, port, cli_env(home, APPSERVER_STORE__URL=url), last=37190, step=9)
 
 
 def _early(times: list[float], before_end_s: float = 1.0) -> int:
@@ -119,7 +103,7 @@ async def test_a_stream_queued_through_b_shows_its_reply_as_it_grows_after_b_tak
         # as the words come (50 ms apart), not from the draft B read every 2 s (3 or 4 pieces)
         assert _early(arrivals) >= 20, arrivals
     finally:
-        _stop(b, a)
+        stop_all(b, a)
 
 
 async def test_the_new_holder_counts_each_queued_turn_once(db: str, tmp_path: Path) -> None:
@@ -164,7 +148,7 @@ async def test_the_new_holder_counts_each_queued_turn_once(db: str, tmp_path: Pa
             await ws.close()
             await owner.close()
     finally:
-        _stop(b, a)
+        stop_all(b, a)
 
 
 # ------------------------------------------------------------------ a paused turn answered through B
@@ -252,4 +236,4 @@ async def test_a_paused_turn_answered_through_b_after_the_holder_died_streams_as
             # as the upstream streams it (31 pieces over ~4.5 s), not in one delta at the end
             assert len(arrivals) >= 10 and _early(arrivals) >= 5, arrivals
         finally:
-            _stop(b, a)
+            stop_all(b, a)

@@ -33,7 +33,7 @@ import pytest
 from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.gateway import channel_server
 from tests.support.pg import require_postgres, temp_database
-from tests.support.serve import ServeProcess, start_serve
+from tests.support.serve import ServeProcess, start_serve_at, stop_all
 from tests.support.ws import WS
 
 T = 30.0
@@ -52,23 +52,7 @@ def pg() -> Iterator[str]:
 
 def _listen(home: Path, port: int, url: str) -> ServeProcess:
     """`serve` on `port`, or the next ones of 35000-35099 while one is taken."""
-    env = cli_env(home, APPSERVER_STORE__URL=url)
-    while True:
-        try:
-            return start_serve(home, "--listen", f"127.0.0.1:{port}", env=env)
-        except RuntimeError as exc:
-            if "already in use" not in str(exc) or port >= 35099:
-                raise
-            port += 7
-
-
-def _stop(*servers: ServeProcess) -> None:
-    for sp in servers:
-        try:
-            sp.stop(timeout=15)
-        except Exception:
-            pass
-        sp.kill()
+    return start_serve_at(home, port, cli_env(home, APPSERVER_STORE__URL=url), last=35099, step=7)
 
 
 def _submit(conv: str, text: str, agent: str = "assistant") -> dict[str, Any]:
@@ -123,7 +107,7 @@ async def test_an_input_for_an_idle_conversation_another_server_holds_waits_behi
         assert r.code == 0, r.err
         assert "queued behind" not in r.err, r.err
     finally:
-        _stop(b, a)
+        stop_all(b, a)
 
 
 async def test_the_turns_ahead_are_counted_alike_on_every_server(pg: str, tmp_path: Path) -> None:
@@ -166,7 +150,7 @@ async def test_the_turns_ahead_are_counted_alike_on_every_server(pg: str, tmp_pa
         for ws in (on_a, on_b):
             if ws is not None:
                 await ws.close()
-        _stop(b, a)
+        stop_all(b, a)
 
 
 # ------------------------------------------------------------------ 2. the echo_room example, as its docstring says

@@ -127,6 +127,28 @@ def start_serve(home: Path, *extra: str, env: dict[str, str] | None = None, time
     raise RuntimeError("serve did not write server.json in time")
 
 
+def start_serve_at(home: Path, port: int, env: dict[str, str], *, last: int, step: int) -> ServeProcess:
+    """`serve` on a fixed port (a cluster member is reached at its listen address), or on the next
+    ones (`step` apart, up to `last`) while one is taken: another test's client may hold it."""
+    while True:
+        try:
+            return start_serve(home, "--listen", f"127.0.0.1:{port}", env=env)
+        except RuntimeError as exc:
+            if "already in use" not in str(exc) or port >= last:
+                raise
+            port += step
+
+
+def stop_all(*servers: ServeProcess) -> None:
+    """Stop each server (SIGTERM, then SIGKILL if it hangs or is already gone)."""
+    for sp in servers:
+        try:
+            sp.stop(timeout=15)
+        except Exception:
+            pass
+        sp.kill()
+
+
 @contextmanager
 def serving(
     home: Path,

@@ -185,15 +185,12 @@ def test_a_top_level_mcp_choice_of_another_server_stays_refused(http: httpx.Clie
     refused(chat(http, tools=[FN], tool_choice=choice), "unsupported_tool", "tool_choice")
 
 
-def _sent_choice(env: Env) -> Any:
+def _sent_choice(env: Env) -> tuple[Any, list[str]]:
+    """The first model call's tool_choice and the (sorted) names of the tools it offers: an
+    allowed_tools choice is sent as the listed tools only, with `auto` or `required` (session 29)."""
     sent = [r.json for r in env.fake.requests if r.json and "messages" in r.json]
     assert sent, env.fake.requests
-    return sent[0].get("tool_choice")
-
-
-def _names(choice: Any) -> list[str]:
-    assert choice["type"] == "allowed_tools", choice
-    return [t["function"]["name"] for t in choice["allowed_tools"]["tools"]]
+    return sent[0].get("tool_choice"), sorted(t["function"]["name"] for t in sent[0].get("tools", []))
 
 
 @pytest.mark.parametrize("label", ["id", "name"])
@@ -201,15 +198,13 @@ def test_an_mcp_entry_naming_this_agent_allows_its_own_tools(env: Env, http: htt
     server = env.ids["remote"] if label == "id" else "remote"
     env.fake.requests.clear()
     body = ok(respond(http, "remote", tools=[RFN], tool_choice=allowed({"type": "mcp", "server_label": server})))
-    choice = _sent_choice(env)
-    assert choice["allowed_tools"]["mode"] == "required" and sorted(_names(choice)) == ["clock", "schedule"]
+    assert _sent_choice(env) == ("required", ["clock", "schedule"])
     assert body["tool_choice"] == allowed({"type": "mcp", "server_label": server})  # echoed as sent
 
     env.fake.requests.clear()
     mixed = allowed({"type": "mcp", "server_label": server, "name": "clock"}, {"type": "function", "name": "f"})
     ok(respond(http, "remote", tools=[RFN], tool_choice={**mixed, "mode": "auto"}))
-    choice = _sent_choice(env)
-    assert choice["allowed_tools"]["mode"] == "auto" and _names(choice) == ["clock", "f"], choice
+    assert _sent_choice(env) == ("auto", ["clock", "f"])
 
     env.fake.requests.clear()  # Chat's shape, both kinds of entry, a tool listed twice once
     nested = chat_allowed(
@@ -218,7 +213,7 @@ def test_an_mcp_entry_naming_this_agent_allows_its_own_tools(env: Env, http: htt
         {"type": "function", "function": {"name": "clock"}},
     )
     ok(chat(http, "remote", tools=[FN], tool_choice=nested), "CreateChatCompletionResponse")
-    assert _names(_sent_choice(env)) == ["f", "clock", "schedule"]
+    assert _sent_choice(env) == ("required", ["clock", "f", "schedule"])
 
 
 def test_the_testers_spec_example_entry_runs_on_the_echo_agent(env: Env, http: httpx.Client) -> None:

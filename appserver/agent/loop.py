@@ -135,7 +135,44 @@ def model_call_params(providers: ProviderRegistry, agent: AgentRecord, options: 
     except Exception:  # a misconfigured provider fails the turn with its own error
         return params
     adjust = getattr(provider, "sent_params", None)
-    return adjust(params) if callable(adjust) else params
+    if not callable(adjust):
+        return params
+    spec = allowed_spec(params.get("tool_choice"))
+    if spec is None:
+        sent: dict[str, Any] = adjust(params)
+        return sent
+    # the provider is sent the choice's plain form (`plain_choice`): what it makes of that is
+    # the mode it gets (a forced one it cannot send is `auto`)
+    sent = adjust({**params, "tool_choice": plain_choice(spec.get("mode"), allowed_names(spec))})
+    mode = "auto" if sent.get("tool_choice") == "auto" else spec.get("mode")
+    sent["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {**spec, "mode": mode}}
+    return sent
+
+
+def allowed_spec(choice: Any) -> dict[str, Any] | None:
+    """The `{mode, tools}` of an allowed_tools tool_choice (http/chat.tool_choice_of's shape), else None."""
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        spec = choice.get("allowed_tools")
+        return spec if isinstance(spec, dict) else None
+    return None
+
+
+def allowed_names(spec: dict[str, Any]) -> list[str]:
+    """The functions an allowed_tools choice lists."""
+    fns = [t.get("function") for t in spec.get("tools") or [] if isinstance(t, dict)]
+    return [fn["name"] for fn in fns if isinstance(fn, dict) and isinstance(fn.get("name"), str)]
+
+
+def plain_choice(mode: Any, names: list[str]) -> Any:
+    """An allowed_tools choice of `mode` over the tools `names`, once the call offers only those:
+    `auto`, or `required` (one tool: that function), which every provider takes. Upstreams that
+    know no allowed_tools (Anthropic's, most OpenAI-compatible servers) would otherwise offer every
+    tool, or refuse the call."""
+    if mode != "required":
+        return "auto"
+    if len(names) == 1:
+        return {"type": "function", "function": {"name": names[0]}}
+    return "required"
 
 
 def turn_offers(options: dict[str, Any], name: str) -> bool:
@@ -358,6 +395,12 @@ class AgentLoop:
             for t in self.tools.offered(work.agent)
             if t.name not in client_names and turn_offers(work.options, t.name)
         ] + list(work.client_tools)
+        spec = allowed_spec(params.get("tool_choice"))
+        if spec is not None:
+            names = allowed_names(spec)
+            tools = [t for t in tools if t.name in names]
+            # none of them offered any more (the agent's tools changed): a call without tools
+            params["tool_choice"] = plain_choice(spec.get("mode"), [t.name for t in tools]) if tools else None
         return ProviderRequest(model=model, messages=messages, tools=tools, **params)
 
     def budget(self, work: TurnWork, provider: Any, model: str) -> Budget | None:

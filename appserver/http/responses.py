@@ -246,6 +246,19 @@ def shown_choice(value: Any) -> Any:
     return "auto"
 
 
+def echoed_choice(asked: Any, sent: Any) -> Any:
+    """tool_choice as the Response object echoes it: the request's (`shown_choice`), unless the
+    provider could not send it as forced (anthropic with thinking: `auto`, an allowed_tools choice
+    of mode `auto`; loop.model_call_params)."""
+    shown = shown_choice(asked)
+    if sent == "auto":
+        return "auto"
+    sent_mode = sent.get("allowed_tools", {}).get("mode") if isinstance(sent, dict) else None
+    if sent_mode == "auto" and isinstance(shown, dict):
+        return {**shown, "mode": "auto"} if shown.get("type") == "allowed_tools" else "auto"
+    return shown
+
+
 def shown_allowed(tool: dict[str, Any]) -> dict[str, Any]:
     """One tool of an allowed_tools choice as a Response object lists it (Responses shape)."""
     fn = tool.get("function")
@@ -1828,7 +1841,7 @@ class Responses:
             max_output_tokens=sent.get("max_tokens"),
             parallel_tool_calls=bool(options.get("parallel_tool_calls", True)),
             # a forced choice the provider cannot send (anthropic with thinking) goes as `auto`
-            tool_choice="auto" if sent.get("tool_choice") == "auto" else shown_choice(body.get("tool_choice")),
+            tool_choice=echoed_choice(body.get("tool_choice"), sent.get("tool_choice")),
             conversation=run.conversation_id if conv_param else None,
             reasoning=show_reasoning(agent),
             text=text_of(body.get("text")),

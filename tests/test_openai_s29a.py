@@ -149,3 +149,42 @@ def test_chat_completions_allowed_tools_offers_only_the_listed_tools(env: Env, c
     assert r.choices[0].message.content == "anth: ok"
     sent = env.sent(t)
     assert offered(sent) == ["b"] and sent["tool_choice"] == {"type": "auto"}
+
+
+def test_with_thinking_an_mcp_choice_without_a_name_is_echoed_as_allowed_tools_auto(
+    env: Env, client: openai.OpenAI
+) -> None:
+    """Not a bare `auto`, which would tell the client its own tool `a` had been on offer."""
+    t = tag()
+    asked = {"type": "mcp", "server_label": "claude"}
+    r = client.responses.create(
+        model="claude",
+        input=f"hi {t}",
+        tools=[fn("a")],  # type: ignore[list-item]
+        tool_choice=asked,  # type: ignore[typeddict-item]
+        reasoning={"effort": "low"},
+    )
+    assert r.status == "completed", r.error
+    sent = env.sent(t)
+    assert "a" not in offered(sent) and sent["tool_choice"] == {"type": "auto"}
+    want = {"type": "allowed_tools", "mode": "auto", "tools": [asked]}
+    for shown in (r.tool_choice, client.responses.retrieve(r.id).tool_choice):
+        assert shown.model_dump(exclude_none=True) == want  # type: ignore[union-attr]
+
+
+def test_a_responses_allowed_tools_entry_is_named_by_its_name(env: Env, client: openai.OpenAI) -> None:
+    """An entry is a tool definition (other keys allowed, OpenAI's spec): a Chat-shaped `function`
+    beside its `name` used to pick that other tool (`b`) instead of the one named (`a`)."""
+    t = tag()
+    entry = {"type": "function", "name": "a", "function": {"name": "b"}}
+    r = client.responses.create(
+        model="claude",
+        input=f"hi {t}",
+        tools=[fn("a"), fn("b")],  # type: ignore[list-item]
+        tool_choice={"type": "allowed_tools", "mode": "required", "tools": [entry]},  # type: ignore[arg-type]
+    )
+    assert r.status == "completed", r.error
+    sent = env.sent(t)
+    assert offered(sent) == ["a"] and sent["tool_choice"] == {"type": "tool", "name": "a"}
+    shown = r.tool_choice.model_dump(exclude_none=True)  # type: ignore[union-attr]
+    assert [x["name"] for x in shown["tools"]] == ["a"]

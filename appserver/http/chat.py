@@ -640,8 +640,10 @@ def function_choice_name(value: dict[str, Any], at: str, *, nested: bool) -> str
     """The name a function choice at `at` names: Chat's `function.name`, or Responses' `name` beside
     `type` (each route takes both). Left out: `missing_required_parameter` naming the route's own
     field (`at.function` on Chat, `at.name` on Responses); null or another type `invalid_type` and
-    `""` `invalid_value`, naming the field, as every required string of a request is checked."""
-    if "function" in value:
+    `""` `invalid_value`, naming the field, as every required string of a request is checked.
+    Where both are given, the route's own shape names the tool (an allowed_tools entry is a tool
+    definition that may carry other keys: a Responses one's `name` is its name)."""
+    if "function" in value and (nested or "name" not in value):
         fn = fields.obj(value["function"], f"{at}.function", nullable=False)
         assert fn is not None
         param = f"{at}.function.name"

@@ -254,15 +254,18 @@ def echoed_choice(asked: Any, sent: Any) -> Any:
     if sent == "auto":
         return "auto"
     sent_mode = sent.get("allowed_tools", {}).get("mode") if isinstance(sent, dict) else None
-    if sent_mode == "auto" and isinstance(shown, dict):
-        return {**shown, "mode": "auto"} if shown.get("type") == "allowed_tools" else "auto"
-    return shown
+    if sent_mode != "auto" or not isinstance(shown, dict):
+        return shown
+    if shown.get("type") == "allowed_tools":
+        return {**shown, "mode": "auto"}
+    # an `mcp` choice without a name: the agent's own tools only, not forced
+    return {"type": "allowed_tools", "mode": "auto", "tools": [shown]}
 
 
 def shown_allowed(tool: dict[str, Any]) -> dict[str, Any]:
     """One tool of an allowed_tools choice as a Response object lists it (Responses shape)."""
     fn = tool.get("function")
-    if isinstance(fn, dict) and isinstance(fn.get("name"), str):  # the Chat Completions shape
+    if "name" not in tool and isinstance(fn, dict) and isinstance(fn.get("name"), str):  # Chat's shape
         return {"type": "function", "name": fn["name"]}
     return dict(tool)
 

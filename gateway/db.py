@@ -168,6 +168,7 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 # The files SQLite keeps beside the ledger (beside the file itself, for one reached through a link)
 SIDE_FILES = (("-wal", "write-ahead log"), ("-shm", "shared-memory index"), ("-journal", "rollback journal"))
 NEW_LEDGER_AFTER_REMOVAL = " (the gateway then starts a new, empty ledger)"
+EXIT_LEDGER_GONE = 4  # the gateway's exit code when its open ledger file was deleted under it
 
 
 class CorruptGatewayDB(Exception):
@@ -196,6 +197,13 @@ class CorruptGatewayDBInUse(Exception):
         self.holder = holder
 
 
+class _LedgerConnection(sqlite3.Connection):
+    """A connection that remembers the file it opened (path, device, inode), so a write can tell
+    that file was deleted or replaced under it (`_check_still_there`). None: not watched."""
+
+    opened: tuple[Path, int, int] | None = None
+
+
 class SchemaTooNew(Exception):
     """The file was written by a newer gateway; refuse rather than guess."""
 
@@ -216,6 +224,21 @@ class LedgerFileRefused(OSError):
         return f"{self.path}: {self.problem}"
 
 
+class LedgerMissingInUse(LedgerFileRefused):
+    """gateway.db is missing (deleted), but a running gateway holds `channels/gateway.lock`: it
+    still writes to the deleted file, so a new, empty ledger made here would be one it never reads
+    (a stranger's pairing code that `pairing list` never shows). Nothing is created."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(
+            path,
+            f"the file is missing, but the running gateway ({holder}) still has the deleted ledger open: "
+            "nothing was created; restart the server (or kill its gateway child, which the server restarts), "
+            "which starts a new, empty ledger (what the deleted one held is lost)",
+        )
+        self.holder = holder
+
+
 def default_path(home: Path | None = None) -> Path:
     """`$APPSERVER_HOME/channels/gateway.db` (home defaults to the environment, then ~/.appserver)."""
     if home is None:
@@ -225,8 +248,12 @@ def default_path(home: Path | None = None) -> Path:
 
 def ledger_exists(path: Path) -> bool:
     """Whether gateway.db exists. A symbolic link to nothing is not "no ledger yet" (its disk may
-    not be mounted): `LedgerFileRefused`, naming the link and its target."""
-    return _stat(path, NEW_LEDGER_AFTER_REMOVAL) is not None
+    not be mounted): `LedgerFileRefused`, naming the link and its target. Nor is a file deleted
+    under a running gateway (`LedgerMissingInUse`): it still holds everything, in the deleted file."""
+    if _stat(path, NEW_LEDGER_AFTER_REMOVAL) is not None:
+        return True
+    _refuse_missing_in_use(path, path.with_name("gateway.lock"))
+    return False
 
 
 def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
@@ -235,17 +262,27 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
     disk raises its `sqlite3.Error` and stays where it is: moving a healthy ledger aside because
     another process held its lock would split the gateway's state in two. So does a corrupt one
     that a running gateway holds, when anyone but that gateway (`gateway=True`, holding
-    `gateway.lock`) opens it: `CorruptGatewayDBInUse`. A link to nothing, a file that is no regular
-    file (itself or its `-wal`/`-shm`/`-journal`) or one SQLite can only read: `LedgerFileRefused`."""
+    `gateway.lock`) opens it: `CorruptGatewayDBInUse`; and a missing one it holds open, deleted:
+    `LedgerMissingInUse`, never a new, empty ledger beside it. A link to nothing, a file that is no
+    regular file (itself or its `-wal`/`-shm`/`-journal`) or one SQLite can only read:
+    `LedgerFileRefused`. The gateway's own connection is watched: see `transaction`."""
     lock = None if gateway else Path(path).with_name("gateway.lock")
     path = _ledger_file(Path(path))
+    if not os.path.lexists(path):
+        if lock is not None:
+            _refuse_missing_in_use(path, lock)
+        else:
+            log.info(  # a loss under a running gateway was logged as an error when it ended
+                "%s does not exist: starting a new, empty ledger (a first start, or the old one was moved or deleted)",
+                path,
+            )
     _create_whole(path)
     if path.is_file() and path.stat().st_size == 0:
         # SQLite opens an empty file as a new database, but a ledger never has 0 bytes (it is
         # created whole, above): this one was truncated, and its -wal may hold the rest.
         raise _move_aside(path, "the file is empty (0 bytes)", lock)
     try:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, factory=_LedgerConnection)
     except sqlite3.OperationalError as exc:
         raise _not_writable(path, exc) or exc from None
     damage: str | None = None
@@ -274,7 +311,71 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
         conn.close()
         raise _move_aside(path, damage, lock)
     os.chmod(path, 0o600)
+    if gateway:
+        st = os.stat(path)
+        conn.opened = (path, st.st_dev, st.st_ino)
     return conn
+
+
+def _refuse_missing_in_use(path: Path, lock: Path) -> None:
+    """`LedgerMissingInUse` when a running gateway holds `lock` (the ledger at `path` is missing)."""
+    holder = _lock_holder(lock)
+    if holder is not None:
+        raise LedgerMissingInUse(path, holder)
+
+
+def _lock_holder(lock: Path) -> str | None:
+    """Who holds `lock` (flock), in words; None when nobody does (or there is no lock file)."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder_name(fd)
+        return None
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _holder_name(fd: int) -> str:
+    pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    return f"pid {pid}" if pid.isdigit() else "a gateway process"
+
+
+def _check_still_there(conn: sqlite3.Connection) -> None:
+    """End the gateway when the file its connection opened is no longer at its path (deleted, or
+    replaced by another): every write would go to a file no command reads (a stranger's pairing
+    code that `pairing list` never shows). One stat(2) per write transaction (microseconds); reads
+    are not checked. The process exits at once (`EXIT_LEDGER_GONE`), before the write begins: not
+    an exception, which the gateway's loops catch to keep its channels running, nor a shutdown that
+    writes more. An update not recorded is not acknowledged, so its platform delivers it again to
+    the gateway the supervisor restarts, on a new ledger at the path."""
+    opened = getattr(conn, "opened", None)
+    if opened is None:
+        return
+    path, dev, ino = opened
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        what = "deleted"
+    except OSError:  # unreadable for a moment: SQLite's own error says more
+        return
+    else:
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            return
+        what = "replaced by another file"
+    log.error(
+        "%s was %s while the gateway had it open: exiting (code %d) to restart on a new ledger; what the old "
+        "file held (history, routes, approvals, pairing codes) is lost unless it is put back, the server stopped",
+        path,
+        what,
+        EXIT_LEDGER_GONE,
+    )
+    logging.shutdown()  # flushes the log before the abrupt exit
+    os._exit(EXIT_LEDGER_GONE)
 
 
 def _ledger_file(path: Path) -> Path:
@@ -428,7 +529,9 @@ def transaction(conn: sqlite3.Connection, *, durable: bool = True) -> Iterator[s
     `durable` commits with an fsync (`synchronous = FULL`): the write survives a power loss. Without
     it (`NORMAL`, in WAL) the commit survives the process being killed but may be rolled back by a
     power loss, at a fortieth of the cost; the ledger uses that for the steps after receipt, whose
-    loss only repeats a step (an idempotent submit, or a reply sent again)."""
+    loss only repeats a step (an idempotent submit, or a reply sent again). The gateway's own
+    connection first checks its file is still the one at the path (`_check_still_there`)."""
+    _check_still_there(conn)
     conn.execute(f"PRAGMA synchronous = {'FULL' if durable else 'NORMAL'}")
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -484,8 +587,7 @@ def _move_aside(path: Path, reason: str, lock: Path | None) -> CorruptGatewayDB 
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-            holder = f"pid {pid}" if pid.isdigit() else "a gateway process"
+            holder = _holder_name(fd)
             log.error("gateway.db is corrupt (%s); the running gateway (%s) holds it: left in place", reason, holder)
             return CorruptGatewayDBInUse(path, reason, holder)
         return _moved(path, reason)

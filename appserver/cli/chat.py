@@ -37,7 +37,7 @@ import threading
 import time
 import unicodedata
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +58,15 @@ from appserver.cli.run import (
     WORK_STOP_POLL_S,
     WORK_STOP_WAIT_S,
     HomeServer,
+    Interrupted,
     ServerGone,
     connect_first,
     reconnect_wait_option,
     server_url_source,
+    signal_name,
+    signals_as_at_start,
     token_hint,
+    until_signal,
 )
 from appserver.cli.safetext import exact, visible
 from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
@@ -965,14 +969,16 @@ async def chat(
     home: HomeServer | None = None,
 ) -> int:
     loop = asyncio.get_running_loop()
-    client = await connect_first(
-        url,
-        home,
-        token=token,
-        client="appserver-chat",
-        reconnect=reconnect_wait > 0,
-        reconnect_s=reconnect_wait,
-        url_source=url_source,
+    client = await connect_or_interrupted(
+        connect_first(
+            url,
+            home,
+            token=token,
+            client="appserver-chat",
+            reconnect=reconnect_wait > 0,
+            reconnect_s=reconnect_wait,
+            url_source=url_source,
+        )
     )
     events: Events = asyncio.Queue()
 
@@ -1071,6 +1077,25 @@ async def chat(
                 transport.abort()
 
 
+async def connect_or_interrupted(connecting: Awaitable[ProtocolClient]) -> ProtocolClient:
+    """The first connection, which a stop signal ends as it ends `appserver run`'s (Interrupted: one
+    error line, 128 + the signal), not with click's "Aborted!". The signals' usual actions come back
+    after (until_signal leaves them ignored), for the session to install its own."""
+
+    async def nothing_started(signum: int) -> str:
+        return "no turn was started"
+
+    try:
+        client = await until_signal(connecting, nothing_started)
+    except Interrupted:
+        raise
+    except BaseException:
+        signals_as_at_start()
+        raise
+    signals_as_at_start()
+    return client
+
+
 @click.command("chat")
 @click.option("--agent", default="assistant", show_default=True, help="Agent id or name.")
 @click.option("--conversation", default="default", show_default=True, help="default, new, or a conversation id.")
@@ -1100,6 +1125,10 @@ def chat_command(
             assert home is not None
             url, _ = home_server_or_fail(home.server_json, stopped=url)
             code = asyncio.run(chat(url, agent, conversation, token, show_reasoning, reconnect_wait, url_source))
+    except Interrupted as exc:  # a stop signal while connecting, as `appserver run` reports it
+        fail(f"interrupted by {signal_name(exc.signum)}: {exc.what}", 128 + exc.signum)
+    except KeyboardInterrupt:  # a Ctrl-C before the session took it over (subscribing)
+        fail("interrupted by SIGINT: no turn was started", 128 + signal.SIGINT)
     except ProtocolError as exc:  # ConnectError too: a refused upgrade (401/403 …), a bad URL
         fail(
             exc.message + token_hint(exc.code, "give --token or set APPSERVER_TOKEN"),

@@ -325,6 +325,8 @@ def run_command(
             )
         )
         running.append((sub.conversation_id, sub.turn_id))
+        if sub.duplicate:  # as through a server (tell_waiting): the earlier input's turn, not this text's
+            tell_duplicate(sub.turn_id)
         snap = await settled(sub.wait(timeout))
         await limit_of(s, snap)
         return snap, sub.conversation_id
@@ -565,15 +567,18 @@ def tell_connection(frame: dict[str, Any]) -> None:
         click.echo(f"[reconnected to {visible(data.get('url'))} after {visible(data.get('after_s'))} s]", err=True)
 
 
+def tell_duplicate(turn_id: Any) -> None:
+    """One stderr line when an earlier input had the same idempotency key: its turn is what is shown,
+    not a reply to the text given now (in-process or through a server alike)."""
+    click.echo(f"[an input with this idempotency key was sent before: following its turn {visible(turn_id)}]", err=True)
+
+
 async def tell_waiting(client: Any, ack: dict[str, Any]) -> None:
     """One stderr line when the input will not run at once, instead of silence until it does: an
     earlier input with the same key (its turn is followed), or turns ahead of it, one of them maybe
     waiting for an approval (which only an answer or its timeout ends)."""
     if ack.get("duplicate"):
-        click.echo(
-            f"[an input with this idempotency key was sent before: following its turn {visible(ack.get('turn_id'))}]",
-            err=True,
-        )
+        tell_duplicate(ack.get("turn_id"))
         return
     ahead = ack.get("queue_position")
     if not isinstance(ahead, int) or ahead <= 0:

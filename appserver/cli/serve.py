@@ -21,6 +21,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import click
 import uvicorn
@@ -232,15 +233,22 @@ def refusal(config: Config, live: dict[str, Any] | None) -> str:
     return f"a server already runs on this home: {live.get('url')} (pid {live.get('pid')}); {hint}"
 
 
+# After a takeover, the --listen address still in use is waited for this long (checked every
+# TAKEOVER_BIND_POLL_S) before the start fails: the dying holder's socket may linger a moment.
+TAKEOVER_BIND_WAIT_S = 30.0
+TAKEOVER_BIND_POLL_S = 0.5
+
+
 def standby_poll_s(config: Config) -> float:
     """A standby checks the holder every cron tick, and at least once a second."""
     return max(0.05, min(config.cron.tick_s, 1.0))
 
 
-async def wait_for_home(config: Config) -> HomeLock | None:
+async def wait_for_home(config: Config, host: str = "", port: int = 0) -> HomeLock | None:
     """Standby: no kernel, no socket, no turns; poll until the home is free and hold it (None when
     stopped by a signal while waiting). The holder is judged by serve.lock, which the OS releases
-    when it dies, and server.json's process identity (a reused pid counts as dead)."""
+    when it dies, and server.json's process identity (a reused pid counts as dead). Its --listen
+    address (HOST:PORT) held by another program is warned about while waiting, not at the takeover."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = stop_signals()
@@ -248,6 +256,7 @@ async def wait_for_home(config: Config) -> HomeLock | None:
         loop.add_signal_handler(sig, stop.set)
     interval = standby_poll_s(config)
     shown: object = ()
+    warned = False
     gc.enable()  # a standby may wait for hours: collect as usual meanwhile (cli/main.py `run`)
     try:
         while True:
@@ -267,6 +276,10 @@ async def wait_for_home(config: Config) -> HomeLock | None:
                 shown = holder
                 who = f"{live.get('url')} (pid {live.get('pid')})" if live else _starting_holder(config)
                 click.echo(f"appserver standby: {who} holds {config.home}; checking every {interval:g} s")
+            held = listen_held_by_another(live, host, port)
+            if held and not warned:
+                warn_listen_held(live or {}, host, port)
+            warned = held
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)
                 return None
@@ -275,6 +288,33 @@ async def wait_for_home(config: Config) -> HomeLock | None:
     finally:
         for sig in signals:
             loop.remove_signal_handler(sig)
+
+
+def listen_held_by_another(live: dict[str, Any] | None, host: str, port: int) -> bool:
+    """Whether the standby's --listen address is in use by something other than the home's server
+    (whose own address a standby may share: it takes it over). Unknown while no server.json names
+    the holder (a `serve` starting, an in-process run): not judged then."""
+    if live is None or port == 0:
+        return False
+    try:
+        if urlsplit(str(live.get("url") or "")).port == port:
+            return False
+    except ValueError:
+        pass
+    return address_in_use(host, port)
+
+
+def warn_listen_held(live: dict[str, Any], host: str, port: int) -> None:
+    """The wrong setting said while waiting: at the takeover the start would fail on it, leaving the home
+    with no server."""
+    log.warning(
+        "standby: %s (--listen) is in use by another program, not this home's server (%s, pid %s); "
+        "unless it is freed, taking over will fail after %g s: stop that program or pick another --listen",
+        shown_address(host, port),
+        live.get("url"),
+        live.get("pid"),
+        TAKEOVER_BIND_WAIT_S,
+    )
 
 
 def _starting_holder(config: Config) -> str:
@@ -290,8 +330,11 @@ async def serve_async(
 ) -> None:
     """Serve while holding the home lock; without one (standby), wait for it first."""
     if lock is None:
-        lock = await wait_for_home(config)
+        lock = await wait_for_home(config, host, port)
         if lock is None:
+            return
+        if not await wait_for_address(host, port):
+            lock.release()
             return
     try:
         await _serve_locked(config, host, port, accept_data_loss=accept_data_loss)
@@ -299,16 +342,17 @@ async def serve_async(
         lock.release()
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Fail with one line when HOST:PORT cannot be bound (uvicorn would print a traceback). Binds
-    and releases each address the host resolves to, as uvicorn is about to."""
+def shown_address(host: str, port: int) -> str:
+    """HOST:PORT as the error lines show it (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why HOST:PORT cannot be bound now (None: it can). Binds and releases each address the host
+    resolves to, as uvicorn is about to; a name that does not resolve is a socket.gaierror."""
     if port == 0:
-        return
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise StartupError(f"cannot listen on {shown}: {exc.strerror}; check --listen ([server] listen)") from None
+        return None
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
@@ -317,19 +361,66 @@ def check_port_free(host: str, port: int) -> None:
             try:
                 probe.bind(sockaddr)
             except OSError as exc:
-                hint = {
-                    errno.EADDRINUSE: (
-                        "the address is already in use (another server?); "
-                        "stop it, or pick another port with --listen HOST:PORT"
-                    ),
-                    errno.EACCES: (
-                        "permission denied (ports below 1024 need privileges); pick a port >= 1024 with --listen"
-                    ),
-                    errno.EADDRNOTAVAIL: (
-                        "the address does not belong to this machine; check --listen ([server] listen)"
-                    ),
-                }.get(exc.errno or 0, f"{exc.strerror}; check --listen ([server] listen)")
-                raise StartupError(f"cannot listen on {shown}: {hint}") from None
+                return exc
+    return None
+
+
+def address_in_use(host: str, port: int) -> bool:
+    """Whether something listens on HOST:PORT now (a name that does not resolve: no)."""
+    try:
+        exc = bind_error(host, port)
+    except socket.gaierror:
+        return False
+    return exc is not None and exc.errno == errno.EADDRINUSE
+
+
+async def wait_for_address(host: str, port: int) -> bool:
+    """After a takeover: the --listen address still in use (the dying holder's socket lingering, or
+    a program that holds it) is waited for, up to TAKEOVER_BIND_WAIT_S, before the start fails on
+    it. False: stopped by a signal meanwhile (as a standby waiting for the home is)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TAKEOVER_BIND_WAIT_S
+    if not address_in_use(host, port):
+        return True
+    log.warning(
+        "standby: %s (--listen) is still in use; waiting up to %g s for it to be freed",
+        shown_address(host, port),
+        TAKEOVER_BIND_WAIT_S,
+    )
+    stop = asyncio.Event()
+    signals = stop_signals()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while loop.time() < deadline and address_in_use(host, port):
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=TAKEOVER_BIND_POLL_S)
+                return False
+            except TimeoutError:
+                pass
+        return True
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail with one line when HOST:PORT cannot be bound (uvicorn would print a traceback)."""
+    shown = shown_address(host, port)
+    try:
+        exc = bind_error(host, port)
+    except socket.gaierror as gai:
+        raise StartupError(f"cannot listen on {shown}: {gai.strerror}; check --listen ([server] listen)") from None
+    if exc is None:
+        return
+    hint = {
+        errno.EADDRINUSE: (
+            "the address is already in use (another server?); stop it, or pick another port with --listen HOST:PORT"
+        ),
+        errno.EACCES: "permission denied (ports below 1024 need privileges); pick a port >= 1024 with --listen",
+        errno.EADDRNOTAVAIL: "the address does not belong to this machine; check --listen ([server] listen)",
+    }.get(exc.errno or 0, f"{exc.strerror}; check --listen ([server] listen)")
+    raise StartupError(f"cannot listen on {shown}: {hint}")
 
 
 TLS_HINT = "check --tls-cert/--tls-key ([server] tls_cert/tls_key)"

@@ -17,13 +17,13 @@ import re
 import sqlite3
 import time
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.db import transaction
 from gateway.recent import Recent
-from plugins.contract import Target, is_grapheme_boundary
+from plugins.contract import Target, is_grapheme_boundary, shorten
 
 SHORT_ID = 8
 FORGET_POSTED_S = 7 * 24 * 3600.0  # a remembered prompt post older than this is dropped at start
@@ -71,29 +71,139 @@ class Prompt:
     def short_id(self) -> str:
         return self.call_id[-SHORT_ID:]
 
-    def text(self) -> str:
+    def text(self, room: Room | None = None) -> str:
         """The prompt as Markdown. The arguments are the model's: shown literally in a code block no
         text can close (rendered as Markdown, Discord hid `||…||` as a spoiler and `[x](url)` behind
-        its label), and a cut says so outside the block, where the model cannot forge it."""
+        its label), and a cut says so outside the block, where the model cannot forge it. In `room`
+        (the chat's limit, measured as the platform counts the posted text: escapes and `\\u200b`s
+        included) the shown arguments are cut in the middle until the whole prompt fits, so neither
+        the end of a command nor the last line (`Reply /approve ID`, or the decision) is cut off."""
         # Literally, whitespace included (`printf "a    b"` must read as what will run), except that
         # long runs of one whitespace or hidden character, and of combining marks, are shown as a
         # count (`compact`): as padding they pushed the end of a command out of sight.
         args = self.arguments if self.arguments.strip() else "{}"
-        shown, hidden = cut_middle(args)
         name = visible(self.name.replace("`", "'"))
-        command = shell_command(self.name, args) if hidden else None
-        if command is not None:  # never cut inside the command: it is what the approver decides on
-            head = _shell_head(name, args, *command)
+        last = self.decided or f"Reply /approve {self.short_id} or /deny {self.short_id}"
+        shown, hidden = cut_middle(args)
+        if not hidden:
+            whole = f"{_args_head(name, args, shown, 0)}\n{last}"
+            if _fits(whole, room):
+                return whole
+        command = shell_command(self.name, args)
+        if command is not None:  # never cut inside the command only to fit the others: it is what is decided on
+            build, most = _shell_builder(name, args, *command), COMMAND_SHOWN
         else:
-            cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
-            head = f"🔐 The agent wants to use `{name}` with these arguments{cut}:\n```\n{literal(shown)}\n```"
-        if self.decided:
-            return f"{head}\n{self.decided}"
-        return f"{head}\nReply /approve {self.short_id} or /deny {self.short_id}"
+            build, most = _args_builder(name, args), ARGS_SHOWN
+        fitted = _largest_fitting(build, last, most, room)
+        if fitted is not None:
+            return fitted
+        return _squeezed(args, self.name, last, room)
 
 
-# A shell command up to this long (as shown: `compact`) is shown whole; the prompt stays within the
-# smallest platform's message (Discord's 2,000 characters).
+@dataclass(frozen=True)
+class Room:
+    """How long a prompt may be in one chat, counted as the platform counts the posted message
+    (`measure` of the Markdown prompt): Slack's section holds 3,000 characters of mrkdwn, where an
+    `&` is `&amp;`; Discord takes 2,000; Telegram 4,096 UTF-16 units."""
+
+    limit: int
+    measure: Callable[[str], int]
+
+
+def room_of(adapter: object) -> Room | None:
+    """The adapter's room for a prompt: its `prompt_max_length` and `prompt_length` when it has them,
+    else its message limit (`limits.max_length`) over its own `measure` of its `format`; None when
+    it says neither (the prompt is then only held to its own sizes)."""
+    limit = getattr(adapter, "prompt_max_length", None)
+    measure = getattr(adapter, "prompt_length", None)
+    if isinstance(limit, int) and callable(measure):
+        return Room(limit, measure)
+    limits = getattr(adapter, "limits", None)
+    fallback = getattr(limits, "max_length", None)
+    format_ = getattr(adapter, "format", None)
+    if not isinstance(fallback, int) or not callable(format_):
+        return None
+    count = getattr(adapter, "measure", None) or len
+    return Room(fallback, lambda text: int(count(format_(text))))
+
+
+def _fits(text: str, room: Room | None) -> bool:
+    return room is None or room.measure(text) <= room.limit
+
+
+Builder = Callable[[int], str]  # a prompt's head with at most this many characters of arguments shown
+LEAST_SHOWN = 24  # below this many characters of a command the prompt says it is too long to show at all
+
+
+def _largest_fitting(build: Builder, last: str, most: int, room: Room | None) -> str | None:
+    """The head `build` makes with the largest budget (at most `most`) whose prompt fits `room`, with
+    `last` as its last line; None when not even `LEAST_SHOWN` characters fit. A bisection: a longer
+    budget shows more, and the prompt is measured after the platform's escapes, not guessed."""
+    whole = f"{build(most)}\n{last}"
+    if _fits(whole, room):
+        return whole
+    low, high = LEAST_SHOWN, most - 1
+    best: str | None = None
+    while low <= high:
+        middle = (low + high) // 2
+        text = f"{build(middle)}\n{last}"
+        if _fits(text, room):
+            best, low = text, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def _args_head(name: str, args: str, shown: str, hidden: int) -> str:
+    cut = f" ({hidden:,} of {len(args):,} characters not shown, at the …)" if hidden else ""
+    return f"🔐 The agent wants to use `{name}` with these arguments{cut}:\n```\n{literal(shown)}\n```"
+
+
+def _args_builder(name: str, args: str) -> Builder:
+    def build(budget: int) -> str:
+        head, tail = _shares(budget, ARGS_SHOWN, ARGS_HEAD, ARGS_TAIL)
+        return _args_head(name, args, *cut_middle(args, budget, head, tail))
+
+    return build
+
+
+def _shell_builder(name: str, args: str, command: str, others: dict[str, object]) -> Builder:
+    def build(budget: int) -> str:
+        return _shell_head(name, args, command, dict(others), budget)
+
+    return build
+
+
+def _shares(budget: int, shown: int, head: int, tail: int) -> tuple[int, int]:
+    """Where a `budget` smaller than `shown` cuts: the head and the tail in the same proportion."""
+    return budget * head // shown, budget * tail // shown
+
+
+def _squeezed(args: str, name: str, last: str, room: Room | None) -> str:
+    """A prompt in which not even the least of the arguments fits (a long name, a long decision
+    line): no arguments at all, saying so; the last line cut at its end only when that too is too
+    long (a decision's name: the `/approve` line is short)."""
+    lead = (
+        f"🔐 The agent wants to use {code_span(name)} with arguments of {len(args):,} characters, too long to"
+        " show here. ⚠️ It cannot be judged from this prompt: deny it, or read the whole call"
+        " (`appserver conversations history`) before approving"
+    )
+    text = f"{lead}\n{last}"
+    if _fits(text, room):
+        return text
+    low, high, best = 0, len(last) - 1, f"{lead}\n…"
+    while low <= high:
+        middle = (low + high) // 2
+        candidate = f"{lead}\n{shorten(last, middle)}"
+        if _fits(candidate, room):
+            best, low = candidate, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+# A shell command up to this long (as shown: `compact`) is shown whole when the prompt, as the platform
+# renders it, fits its chat (`Room`); else less of its middle is shown, until it fits.
 COMMAND_SHOWN = 1200
 COMMAND_HEAD = 800
 COMMAND_TAIL = 350
@@ -121,11 +231,12 @@ def shell_command(name: str, arguments: str) -> tuple[str, dict[str, object]] | 
     return parsed.pop("command"), parsed
 
 
-def _shell_head(name: str, args: str, command: str, others: dict[str, object]) -> str:
+def _shell_head(name: str, args: str, command: str, others: dict[str, object], budget: int = COMMAND_SHOWN) -> str:
     """A `shell` prompt whose arguments are too long to show whole: the command it runs shown by
     itself, whole (as it runs: line breaks as line breaks), and if even the command is too long for
-    a chat message, cut in the middle with a warning that the call cannot be judged from it."""
-    shown, hidden = cut_middle(command, COMMAND_SHOWN, COMMAND_HEAD, COMMAND_TAIL)
+    a chat message (`budget` characters as shown), cut in the middle with a warning that the call
+    cannot be judged from it."""
+    shown, hidden = cut_middle(command, budget, *_shares(budget, COMMAND_SHOWN, COMMAND_HEAD, COMMAND_TAIL))
     if hidden:
         lead = (
             f"🔐 The agent wants to use `{name}` with a command of {len(command):,} characters, too long to show "
@@ -441,10 +552,13 @@ class ApprovalBoard:
         shows (its short id) or its whole call id, nothing shorter (any suffix would let `/approve 1`
         answer whichever call happens to end in 1); when `ref` is None, the only open one of this
         `thread` (a bare `/approve` typed in another thread or forum topic answered a prompt its
-        sender could not see from there); a list when several match."""
+        sender could not see from there), among the prompts that were posted (one whose post failed
+        or is still in flight was never seen: a bare answer approved a call nobody was shown); a
+        list when several match."""
         open_here = self.open_in_chat(account, chat)
         if ref is None:
-            in_thread = [p for p in open_here if (p.target.thread or None) == (thread or None)]
+            here = [p for p in open_here if (p.target.thread or None) == (thread or None)]
+            in_thread = [p for p in here if p.message_ids]
             return in_thread[0] if len(in_thread) == 1 else (in_thread or None)
         hits = [p for p in open_here if _names(p, ref)]
         if not hits:

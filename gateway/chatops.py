@@ -25,6 +25,7 @@ from gateway.approvals import (
     Prompt,
     code_span,
     pressed_gone_text,
+    room_of,
     shows_prompt_of,
 )
 from gateway.commands import HELP, Command, bot_name, parse_command
@@ -46,6 +47,7 @@ PROMPT_SHOWN_WAIT_S = 10.0
 # A click (or `/approve ID`) on a prompt gateway.db remembers whose request the server has not
 # announced again yet (the gateway just started or reconnected) waits this long for it.
 ANNOUNCE_WAIT_S = 45.0
+FAILURE_SHOWN = 200  # characters of the reason a prompt could not be posted, in the notice saying so
 REFUSE_EVERY_S = 60.0  # a person pressing someone else's button again and again is refused once a minute
 NOT_YOURS = "Only the person who started this, or an admin, can answer it."
 # To a starter whose access was taken away (a revoked pairing, removed from `allow`) answering their
@@ -409,8 +411,22 @@ class ChatOps:
             await self.show_prompt(prompt, ctx.runner)
         except Exception as exc:  # noqa: BLE001 - a prompt that cannot be shown leaves the CLI to answer
             log.warning("%s: could not show the approval prompt: %s", spec.ref, exc)
+            await self._prompt_failed(prompt, ctx.runner, str(exc))
         finally:
             prompt.shown.set()
+
+    async def _prompt_failed(self, prompt: Prompt, runner: AccountRunner, reason: str) -> None:
+        """A prompt the platform refused (or never answered): the chat hears that a request waits
+        that it was not shown (it saw only "waiting for approval"), and `channels status` counts the
+        failure. A bare `/approve` does not answer it (`ApprovalBoard.find`): nobody saw what it runs."""
+        self.replies.send_failed(runner, f"approval prompt {prompt.short_id} not shown: {reason}")
+        ref = code_span(prompt.short_id)
+        notice = (
+            f"⚠️ An approval request ({ref}, for {code_span(prompt.name)}) could not be shown here:"
+            f" {code_span(reason[:FAILURE_SHOWN])}. Deny it with /deny {prompt.short_id}, or read the whole call"
+            f" (`appserver conversations history`) before approving it with /approve {prompt.short_id}."
+        )
+        await self.outboxes.say(runner, prompt.target, notice)
 
     async def show_prompt(self, prompt: Prompt, runner: AccountRunner) -> None:
         """Post the prompt through the outbox, like every send, and only once: a prompt posted
@@ -427,7 +443,8 @@ class ChatOps:
             self.approvals.note_attempt(prompt, key, time.time())
         else:
             key, since = earlier.key, earlier.attempted_at
-        sent = await outbox.prompt(replace(prompt.target, key=key), prompt.text(), prompt.short_id, since=since)
+        text = prompt.text(room_of(outbox.adapter))
+        sent = await outbox.prompt(replace(prompt.target, key=key), text, prompt.short_id, since=since)
         prompt.message_ids = list(sent.ids)
         self.approvals.note_shown(prompt.call_id, prompt.message_ids)
 
@@ -447,7 +464,8 @@ class ChatOps:
                 if ref is not None and self.approvals.remembered(runner.spec.ref, entry.chat, ref) is None:
                     await self._settle_pressed(entry, runner, ref, None)
                 return ""
-            elsewhere = self.approvals.open_in_chat(runner.spec.ref, entry.chat) if ref is None else []
+            open_here = self.approvals.open_in_chat(runner.spec.ref, entry.chat) if ref is None else []
+            elsewhere = [p for p in open_here if p.message_ids]  # one never shown is not offered
             if elsewhere:  # in another thread or topic: named by its ID, it is answered from here too
                 ids = ", ".join(code_span(p.short_id) for p in elsewhere)
                 return f"No request waiting for an answer in this thread; in other threads of this chat: {ids}."
@@ -510,7 +528,7 @@ class ChatOps:
                 "%s: a press naming approval %s on message %s, no prompt of it: left as it is", account, ref, message_id
             )
             return
-        text = known.text() if known is not None else pressed_gone_text(ref)
+        text = known.text(room_of(outbox.adapter)) if known is not None else pressed_gone_text(ref)
         try:
             await outbox.edit_prompt(Target(entry.chat, entry.thread), message_id, text, None)
         except (DeliveryFailed, RuntimeError) as exc:
@@ -632,7 +650,8 @@ class ChatOps:
         try:
             outbox = self.outboxes.of(runner)
             if outbox.can_edit and prompt.message_ids:
-                await outbox.edit_prompt(prompt.target, prompt.message_ids[0], prompt.text(), None)
+                text = prompt.text(room_of(outbox.adapter))
+                await outbox.edit_prompt(prompt.target, prompt.message_ids[0], text, None)
             else:
                 await outbox.send(prompt.target, f"{code_span(prompt.name)}: {line}")
         except (DeliveryFailed, RuntimeError) as exc:

@@ -87,6 +87,7 @@ from plugins.statefile import atomic_write_text, move_aside
 
 CHANNEL = "discord"
 MAX_LENGTH = 1990  # Discord refuses content over 2,000 characters; a margin for the status line
+CONTENT_MAX = 2000  # Discord's own limit: an approval prompt (no status line) is fitted to it
 FETCH_TIMEOUT_S = 10.0
 ORDER_MARGIN_S = 2.0  # how much longer than a download a later message of the channel waits for it
 READY_TIMEOUT_S = 30.0
@@ -212,6 +213,7 @@ class DiscordAdapter:
     """One Discord bot (one token)."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+    prompt_max_length = CONTENT_MAX
     # Discord itself answers a repeated send with the same nonce with the message it already has
     # (`enforce_nonce`, for a few minutes): the gateway may repeat a send whose outcome is unknown.
     dedupes_sends = True
@@ -1074,6 +1076,12 @@ class DiscordAdapter:
 
     def format(self, text: str) -> str:
         return to_discord(text)
+
+    @staticmethod
+    def prompt_length(text: str) -> int:
+        """An approval prompt's Markdown as posted (`to_discord`), in UTF-16 units: never fewer than
+        Discord counts, so a prompt (pending or decided) is never refused as too long."""
+        return len(to_discord(text).encode("utf-16-le")) // 2
 
     async def prompt_approval(self, target: Target, text: str, short_id: str) -> list[str]:
         """The prompt with Approve / Deny buttons; a press comes back as `/approve ID` / `/deny ID`."""

@@ -248,6 +248,7 @@ class SlackAdapter:
     """One Slack app (bot token + app-level token) in Socket Mode."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+    prompt_max_length = SECTION_MAX  # an approval prompt is one section (`_prompt_blocks`)
 
     def __init__(self, account: Account, context: AdapterContext) -> None:
         self.account = account
@@ -749,6 +750,12 @@ class SlackAdapter:
     def format(self, text: str) -> str:
         return to_mrkdwn(text)
 
+    @staticmethod
+    def prompt_length(text: str) -> int:
+        """An approval prompt's Markdown as its section counts it: mrkdwn, every `&` five characters
+        (`&amp;`), so the gateway fits the prompt, not `_prompt_blocks` by cutting its end."""
+        return len(to_mrkdwn(text))
+
     async def prompt_approval(self, target: Target, text: str, short_id: str) -> list[str]:
         """The approval prompt as Block Kit: its text and Approve / Deny buttons whose clicks come
         back as `/approve <short_id>` / `/deny <short_id>` from the person who clicked."""
@@ -770,7 +777,8 @@ class SlackAdapter:
 
 
 def _prompt_blocks(text: str, short_id: str | None) -> list[dict[str, Any]]:
-    """A section with the (already formatted) text; with buttons while `short_id` is pending."""
+    """A section with the (already formatted) text; with buttons while `short_id` is pending. The
+    gateway fits a prompt to the section (`prompt_length`); the cut here only guards the limit."""
     shown = shorten(text, SECTION_MAX)
     blocks: list[dict[str, Any]] = [
         {"type": "section", "text": {"type": "mrkdwn", "text": shown or escape(" "), "verbatim": True}}

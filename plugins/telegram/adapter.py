@@ -115,6 +115,7 @@ class TelegramAdapter:
     """One bot token: a long-polling loop for updates, a `Bot` for sends."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+    prompt_max_length = TELEGRAM_MAX_TEXT
 
     def __init__(self, account: Account, context: AdapterContext) -> None:
         self.account = account
@@ -758,6 +759,12 @@ class TelegramAdapter:
         not counted, `&amp;` one character), in UTF-16 code units (an emoji is two). Counting the
         HTML source would split a reply full of `&`, `<`, `>` into several times the messages."""
         return utf16_len(plain(text))
+
+    @staticmethod
+    def prompt_length(text: str) -> int:
+        """An approval prompt's Markdown as Telegram counts it once formatted (`measure` of `to_html`):
+        its escapes of hidden characters made a prompt longer than Telegram takes."""
+        return utf16_len(plain(to_html(text)))
 
     def format(self, text: str) -> str:
         """The reply's Markdown as Telegram HTML (remembered, so a refused one can go out as plain text)."""

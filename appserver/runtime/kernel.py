@@ -177,6 +177,9 @@ class Kernel:
         self._deps = RuntimeDeps(store, config, agent_loop, self.owner, self._turn_settled)
         self.runtimes: dict[str, ConversationRuntime] = {}
         self._settled_listeners: list[SettledListener] = []
+        # called once this server learns it was judged gone (`_taken_over`): the WebSocket hub
+        # tells its clients, whose subscriptions here would otherwise hear nothing more
+        self._gone_listeners: list[Callable[[], None]] = []
         self._loading: dict[str, asyncio.Future[ConversationRuntime]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._stopping = False
@@ -838,6 +841,17 @@ class Kernel:
 
     # ------------------------------------------------------------ the kernel call
 
+    def refuse_if_fenced(self) -> None:
+        """Unavailable (`server_unavailable`) when this server may serve nothing from its view of a
+        conversation: a front end asks it before it answers from a view it keeps (a WebSocket
+        subscription's), which a server judged gone no longer updates."""
+        self._check_not_fenced()
+
+    def on_judged_gone(self, listener: Callable[[], None]) -> None:
+        """Call `listener` once this server learns it was judged gone (after its turns moved to
+        mirrors, so what its clients still follow reads its end from the store)."""
+        self._gone_listeners.append(listener)
+
     def _check_not_fenced(self) -> None:
         """A cluster member judged gone by the others runs nothing more: they took its
         conversations over, and a runtime still loaded here would run a second copy of one. A
@@ -885,6 +899,11 @@ class Kernel:
                 self._let_go(handle.turn_id)  # another server counts it now, if any does
                 if link is not None:
                     link.follow_elsewhere(handle)
+        for listener in list(self._gone_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("a listener for this server being judged gone failed")
 
     async def submit(self, req: SubmitRequest) -> Submission:
         self._check_not_fenced()

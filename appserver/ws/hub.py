@@ -42,6 +42,10 @@ PACE_POLL_S = 0.002
 # read the database before that write). How long the store is read for them, first how often.
 CLOSING_WAIT_S = 10.0
 CLOSING_POLL_S = 0.02
+# A server judged gone by its cluster closes its sockets once the turns they follow here ended
+# (docs/protocol.md, close codes): 1012, as a server that stops, so clients reconnect elsewhere.
+CLOSE_JUDGED_GONE = 1012
+JUDGED_GONE_REASON = "server_unavailable: this server was judged gone by its cluster; reconnect to another server"
 
 
 class Shown:
@@ -399,6 +403,22 @@ def resolved_status(stored: str | None) -> str:
     return "approved" if stored == "result" else stored
 
 
+def gone_error(conversation_id: str) -> dict[str, Any]:
+    """What a subscriber of a server judged gone is told of each conversation it subscribed to:
+    no more of it reaches this server; subscribe through another one."""
+    return {
+        "type": "error",
+        "request_id": None,
+        "code": "server_unavailable",
+        "conversation_id": conversation_id,
+        "param": "conversation",
+        "message": (
+            f"this server was judged gone by the others of its cluster and hears nothing more of conversation "
+            f"{conversation_id}: subscribe to it through another server (this one needs a restart)"
+        ),
+    }
+
+
 def approval_request(snap: TurnSnapshot, p: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "approval_request",
@@ -422,6 +442,8 @@ class Hub:
         self._lock = asyncio.Lock()
         # what all connections hold for their clients, bounded together (`[limits] ws_outbound_total_max_bytes`)
         self.outbound_budget = OutboundBudget(int(server.config.limits.ws_outbound_total_max_bytes))
+        self._farewells: set[asyncio.Task[None]] = set()  # closes after followed turns (`judged_gone`)
+        server.kernel.on_judged_gone(self.judged_gone)
 
     async def watch(self, conversation_id: str) -> ConversationWatch:
         w = self.watches.get(conversation_id)
@@ -461,7 +483,15 @@ class Hub:
     async def subscribe(
         self, conn: Connection, conversation_id: str, conversation: dict[str, Any], request_id: str | None
     ) -> None:
+        # A watch kept here (another subscriber's) is no view of the conversation once this server
+        # is fenced: judged gone, it hears nothing of the turns the survivor runs.
+        self.server.kernel.refuse_if_fenced()
         w = await self.watch(conversation_id)
+        try:
+            self.server.kernel.refuse_if_fenced()  # fenced while the runtime loaded
+        except Exception:
+            self.maybe_release(w)  # not kept for nobody
+            raise
         w.subscribers[conn.id] = conn
         conn.subscriptions.add(conversation_id)
         # All synchronous from here: the state frame is queued before any later turn_updated.
@@ -495,6 +525,47 @@ class Hub:
             told.conns.discard(conn.id)
         self.maybe_release(w)
         return True
+
+    # ------------------------------------------------------------ judged gone
+
+    def judged_gone(self) -> None:
+        """This server was judged gone by its cluster (the kernel's `on_judged_gone`): nothing
+        more of its conversations reaches it, so every connection is told. A subscription with no
+        turn still followed here gets `server_unavailable` at once and ends; the turns still
+        followed deliver their end (read from the store), then the connection is closed
+        (CLOSE_JUDGED_GONE) after a `server_unavailable` for each subscription left."""
+        loop = asyncio.get_running_loop()
+        for conn in list(self.connections.values()):
+            if not conn.alive:
+                continue
+            following: list[asyncio.Task[None]] = []
+            for conversation_id in sorted(conn.subscriptions):
+                tasks = self._followed(conversation_id)
+                if tasks:
+                    following.extend(tasks)
+                else:
+                    conn.send(gone_error(conversation_id))
+                    self.unsubscribe(conn, conversation_id)
+            task = loop.create_task(self._farewell(conn, following), name=f"ws-gone:{conn.id}")
+            self._farewells.add(task)
+            task.add_done_callback(self._farewells.discard)
+
+    def _followed(self, conversation_id: str) -> list[asyncio.Task[None]]:
+        """The follower tasks of the conversation's turns still live here (mirrors now)."""
+        w = self.watches.get(conversation_id)
+        if w is None:
+            return []
+        return [task for _, task in w.followers.values() if not task.done()]
+
+    async def _farewell(self, conn: Connection, following: list[asyncio.Task[None]]) -> None:
+        """Close `conn` once the turns it followed here delivered their end."""
+        if following:
+            await asyncio.wait(following)
+        if not conn.alive:
+            return
+        for conversation_id in sorted(conn.subscriptions):
+            conn.send(gone_error(conversation_id))
+        conn.kill(CLOSE_JUDGED_GONE, JUDGED_GONE_REASON, flush=True)
 
     async def disconnect(self, conn: Connection) -> None:
         """A disconnect never cancels a turn; its client tool calls get a readable error."""

@@ -390,6 +390,7 @@ class Endpoint:
             conn.send(w.state_frame(conn, _view(conv), rid))
             self.hub.maybe_release(w)
         elif isinstance(frame, F.GetHistory):
+            self.server.kernel.refuse_if_fenced()  # as subscribe: a server judged gone serves no conversation
             conv = await self._conversation(conn, frame.conversation, frame.agent)
             messages, more = await self.server.store.history_page(
                 conv.id, before_id=frame.before, limit=frame.limit, max_bytes=HISTORY_PAGE_BYTES

@@ -1569,21 +1569,24 @@ class Responses:
                 log.warning("could not index item %s of response %s: %r", item_id, rec.id, exc)
 
     async def _stored(self, request: Request) -> ResponseRecord:
+        """The response the path names, for a caller it is for. Whose it is is read first without
+        its body (`get_response_owner`): another credential's response is refused as fast as an
+        unknown id, so the time of the 404 tells neither that it exists nor how large it is."""
         rid = request.path_params["response_id"]
-        rec = await self.server.store.get_response(rid)
+        store = self.server.store
         principal = principal_of(request)
-        conv = await self.server.store.get_conversation(rec.conversation_id) if rec is not None else None
+        not_found = ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
+        owner = await store.get_response_owner(rid)
+        conv = await store.get_conversation(owner.conversation_id) if owner is not None else None
         # a stored response belongs to its conversation's namespace (the one rule: namespace_allows)
-        if (
-            rec is None
-            or not rec.stored
-            or conv is None
-            or not namespace_allows(conversation_namespace(principal), conv.namespace)
-        ):
-            raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
-        agent = await self.server.store.get_agent(rec.agent_id)
+        if owner is None or conv is None or not namespace_allows(conversation_namespace(principal), conv.namespace):
+            raise not_found
+        agent = await store.get_agent(owner.agent_id)
         if agent is None or not principal.allows_agent(agent.id, agent.name):
-            raise ApiError(404, f"No response found with id '{rid}'.", code="response_not_found", param="response_id")
+            raise not_found
+        rec = await store.get_response(rid)
+        if rec is None or not rec.stored:  # an item index, a response kept with store false, or deleted since
+            raise not_found
         return await self.as_ended(rec)
 
     async def get(self, request: Request) -> Response:
@@ -1969,17 +1972,16 @@ class Responses:
         called = f"mcp_{ref.removeprefix('mcpr_')}" if ref.startswith("mcpr_") else None
         seen = 0
         rid = prev_id if isinstance(prev_id, str) else None
-        while rid and seen < 50:
+        while rid and seen < 50:  # the chain's links, read without bodies (get_response_owner)
             candidates.append(rid)
-            rec = await store.get_response(rid)
-            rid = rec.previous_response_id if rec is not None else None
+            link = await store.get_response_owner(rid)
+            rid = link.previous_response_id if link is not None else None
             seen += 1
         for rid in candidates:
+            if not await self._visible_response(rid, agent, ns):
+                continue  # another credential's: its body is never read
             rec = await store.get_response(rid)
             if rec is None or not rec.stored or rec.agent_id != agent.id:
-                continue
-            conv = await store.get_conversation(rec.conversation_id)
-            if conv is None or not self.matcher.visible(conv, agent, ns):
                 continue
             for item in [*rec.input_items, *(rec.body.get("output") or [])]:
                 if isinstance(item, dict) and item.get("id") == ref:
@@ -1989,6 +1991,15 @@ class Responses:
                     if isinstance(item, dict) and item.get("id") == called and item.get("type") == "mcp_call":
                         return dict(item)
         return None
+
+    async def _visible_response(self, rid: str, agent: AgentRecord, ns: str | None) -> bool:
+        """Response `rid` is in a conversation of `agent` namespace `ns` sees: checked on a read
+        without its body, before the body is read (a refusal takes as long whatever it refuses)."""
+        owner = await self.server.store.get_response_owner(rid)
+        if owner is None:
+            return False
+        conv = await self.server.store.get_conversation(owner.conversation_id)
+        return conv is not None and self.matcher.visible(conv, agent, ns)
 
     async def _withdrawn(self, rec: ResponseRecord) -> bool:
         """`rec` is a withdrawn turn's response: stored so (`is_withdrawn`), or stored `cancelled`
@@ -2020,13 +2031,11 @@ class Responses:
         matched, may leave its system items out: `match_ignores_system`)."""
         store = self.server.store
         if prev_id:
-            rec = await store.get_response(prev_id)
-            prev_conv = await store.get_conversation(rec.conversation_id) if rec is not None else None
+            # whose it is first (`_visible_response`): another credential's body is never read
+            visible = await self._visible_response(prev_id, agent, ns)
+            rec = await store.get_response(prev_id) if visible else None
             if (
-                rec is None
-                or not rec.stored  # an item index (item_index_id), or a response kept with store false
-                or prev_conv is None
-                or not self.matcher.visible(prev_conv, agent, ns)
+                rec is None or not rec.stored  # an item index (item_index_id), or a response kept with store false
             ):
                 raise ApiError(
                     404,

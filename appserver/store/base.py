@@ -17,6 +17,7 @@ from appserver.store.records import (
     HttpIdempotency,
     MessageRecord,
     PendingCall,
+    ResponseOwner,
     ResponseRecord,
     TurnCommit,
     TurnRecord,
@@ -295,6 +296,11 @@ class Store(ABC):
     async def save_response(self, response: ResponseRecord) -> None: ...
     @abstractmethod
     async def get_response(self, response_id: str) -> ResponseRecord | None: ...
+    @abstractmethod
+    async def get_response_owner(self, response_id: str) -> ResponseOwner | None:
+        """Whose response `response_id` is (its agent and conversation), without reading its body:
+        what an ownership check reads before `get_response`, for the caller it allows only."""
+
     @abstractmethod
     async def delete_response(self, response_id: str) -> bool: ...
     @abstractmethod

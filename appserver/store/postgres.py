@@ -66,6 +66,7 @@ from appserver.store.records import (
     HttpIdempotency,
     MessageRecord,
     PendingCall,
+    ResponseOwner,
     ResponseRecord,
     TurnCommit,
     TurnRecord,
@@ -74,6 +75,7 @@ from appserver.store.records import (
 from appserver.store.rows import (
     DRAFT_UPDATE,
     OBJECT,
+    RESPONSE_OWNER_COLUMNS,
     DamageLog,
     agent_record,
     conversation_record,
@@ -83,6 +85,7 @@ from appserver.store.rows import (
     message_record,
     pending_call,
     refuse,
+    response_owner,
     response_record,
     turn_record,
 )
@@ -1602,6 +1605,10 @@ class PostgresStore(Store):
     async def get_response(self, response_id: str) -> ResponseRecord | None:
         row = await self._row("SELECT * FROM responses WHERE id=%s", (response_id,))
         return response_record(row, self._damaged_cells) if row else None
+
+    async def get_response_owner(self, response_id: str) -> ResponseOwner | None:
+        row = await self._row(f"SELECT {RESPONSE_OWNER_COLUMNS} FROM responses WHERE id=%s", (response_id,))
+        return response_owner(row) if row else None
 
     async def delete_response(self, response_id: str) -> bool:
         async def job(conn: Conn) -> bool:

@@ -241,6 +241,18 @@ class ResponseRecord:
     created_at: float = 0.0
 
 
+@dataclass(slots=True, frozen=True)
+class ResponseOwner:
+    """Whose a stored response is, read without its body or input items: a caller it is not
+    for is refused before those are read, so the time a refusal takes does not tell whether
+    (or how large) another credential's response is."""
+
+    id: str
+    agent_id: str
+    conversation_id: str
+    previous_response_id: str | None = None
+
+
 @dataclass(slots=True)
 class HttpIdempotency:
     """An `Idempotency-Key` seen on an HTTP POST: the body hash and, once done, the stored reply."""

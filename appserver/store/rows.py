@@ -36,6 +36,7 @@ from appserver.store.records import (
     HttpIdempotency,
     MessageRecord,
     PendingCall,
+    ResponseOwner,
     ResponseRecord,
     TurnRecord,
 )
@@ -381,6 +382,20 @@ def response_record(row: Row, on_damage: OnDamage = refuse) -> ResponseRecord:
         input_items=decode_json(row["input_items"], OBJECTS, on_damage, "responses", rid, "input_items"),
         stored=bool(row["stored"]),
         created_at=row["created_at"],
+    )
+
+
+# The columns before `body` in the row: SQLite reads a later one through the body's overflow pages
+RESPONSE_OWNER_COLUMNS = "id, agent_id, conversation_id, previous_response_id"
+
+
+@_reads("responses", ResponseOwner)
+def response_owner(row: Row) -> ResponseOwner:
+    return ResponseOwner(
+        id=row["id"],
+        agent_id=row["agent_id"],
+        conversation_id=row["conversation_id"],
+        previous_response_id=row["previous_response_id"],
     )
 
 

@@ -58,6 +58,7 @@ from appserver.store.records import (
     HttpIdempotency,
     MessageRecord,
     PendingCall,
+    ResponseOwner,
     ResponseRecord,
     TurnCommit,
     TurnRecord,
@@ -65,12 +66,14 @@ from appserver.store.records import (
 )
 from appserver.store.rows import (
     DRAFT_UPDATE,
+    RESPONSE_OWNER_COLUMNS,
     agent_record,
     conversation_record,
     dump_json,
     http_idempotency,
     message_record,
     pending_call,
+    response_owner,
     response_record,
     stored_size,
     turn_record,
@@ -1128,6 +1131,12 @@ class SQLiteStore(Store):
     async def get_response(self, response_id: str) -> ResponseRecord | None:
         row = self._row("SELECT * FROM responses WHERE id=?", (response_id,), "in the responses")
         return response_record(row, self._damaged) if row else None
+
+    async def get_response_owner(self, response_id: str) -> ResponseOwner | None:
+        row = self._row(
+            f"SELECT {RESPONSE_OWNER_COLUMNS} FROM responses WHERE id=?", (response_id,), "in the responses"
+        )
+        return response_owner(row) if row else None
 
     async def delete_response(self, response_id: str) -> bool:
         with self._tx() as tx:

@@ -17,7 +17,9 @@ together are all submitted within their second).
 
 Runs of a task never overlap: an occurrence due while the task's previous run (followed here) is
 still queued or running is skipped and recorded as `missed` ("skipped (previous run #N still
-running)"), so a run slower than its interval cannot pile turns up in its conversation's queue. A
+running)"), so a run slower than its interval cannot pile turns up in its conversation's queue; a
+`run_all` catch-up's runs, all claimed in one tick, are submitted one after another, each once the
+one before it has its outcome (`_start_in_turn`), and count as queued until then. A
 run of a task removed or disabled since is dropped from its queue if it has not started
 (`withdraw`); a started one finishes. A missed occurrence becomes the task's last error (a one-shot
 whose run was missed shows the state `missed`) and one warning in the log.
@@ -79,6 +81,7 @@ from cron.runner import (
     follow_outcome,
     not_delivered_text,
     run_task_now,
+    settle,
     submit_claimed,
     take_recorded_step,
     take_step,
@@ -105,7 +108,7 @@ WithdrawFn = Callable[[str, str], Awaitable[bool]]
 
 log = logging.getLogger("appserver.cron")
 
-RUN_ALL_CAP = 10  # run_all fires at most this many catch-up runs per task per tick
+RUN_ALL_CAP = 10  # run_all claims at most this many catch-up runs per task per tick (run one after another)
 MAX_ENUMERATE = 1000  # missed occurrences listed one by one before the rest are summarised
 CATCH_UP_AFTER_S = 2.0  # a run this late past its due time fires after downtime: "catch-up"
 WATCH_S = 0.25  # how often the sleeping scheduler looks whether crons.json changed
@@ -305,6 +308,9 @@ class Scheduler:
         self.has_lease = False
         self.started_at = utcnow()  # real time, as run-log records are stamped
         self._watchers: set[asyncio.Task[TurnOutcome]] = set()
+        # A run_all catch-up's claimed runs waiting for the run before them (`_start_in_turn`)
+        self._chains: set[asyncio.Task[None]] = set()
+        self._in_turn: set[tuple[str, int]] = set()
         # (task id, run number) -> the watcher that records its outcome and sends its reply: one
         # per run in this process, whichever path (a fire, a take-over, a restart's recovery) asks
         self._following: dict[tuple[str, int], asyncio.Task[TurnOutcome]] = {}
@@ -417,9 +423,13 @@ class Scheduler:
                 deferred.append(_Planned(task, occurrence, adopted=True))
         submitted: list[tuple[str, int, str]] = []
         held_back: list[_Planned] = []
+        in_turn: dict[str, list[_Planned]] = {}  # task id -> its runs that wait for the one before
         for item in deferred + planned:
             if held_back or await self._fenced_now():  # (every fire is after an await: judged again)
                 held_back.append(item)
+                continue
+            if self._waits_turn(item.task.id, in_turn):
+                in_turn.setdefault(item.task.id, []).append(item)
                 continue
             if item.adopted:
                 await self._submit_orphan(item.task, item.occurrence, report)
@@ -440,8 +450,88 @@ class Scheduler:
                     self._watch(item.task.id, item.occurrence.number, turn_id, item.task.deliver)
         await self._mark_submitted(submitted)
         self._hold_back(held_back)
+        for items in in_turn.values():
+            self._start_in_turn(items)
         await self._withdraw_runs()
         return report
+
+    # ------------------------------------------------------------ catch-ups, one after another
+
+    def _waits_turn(self, task_id: str, in_turn: dict[str, list[_Planned]]) -> bool:
+        """Does a claimed run of `task_id` wait for the task's run before it to end? Runs of one
+        task never overlap: a `run_all` catch-up claims several runs in one tick (so each is
+        claimed, logged and adopted by a take-over exactly once), and submits them one after
+        another; so does a take-over with the runs it adopts. Without outcomes followed here
+        (`await_outcome`) nothing can tell when a run ends, so they are all submitted at once."""
+        if self.await_outcome is None:
+            return False
+        return task_id in in_turn or self._follows_run_of(task_id)
+
+    def _follows_run_of(self, task_id: str, below: int | None = None) -> bool:
+        """Is a run of `task_id` (numbered below `below`) followed here and not ended yet?"""
+        return any(
+            key[0] == task_id and (below is None or key[1] < below) and not watcher.done()
+            for key, watcher in self._following.items()
+        )
+
+    def _start_in_turn(self, items: list[_Planned]) -> None:
+        """Submit a task's claimed runs one after another, each once the one before it ended
+        (outside the tick: other tasks' runs fire on time meanwhile). Until submitted they count as
+        queued (`_running_run`), so an occurrence due meanwhile is skipped, never run beside them."""
+        keys = {(i.task.id, i.occurrence.number) for i in items}
+        self._in_turn |= keys
+        chain = asyncio.create_task(self._submit_in_turn(items))
+        self._chains.add(chain)
+
+        def ended(done: asyncio.Task[None]) -> None:
+            self._chains.discard(done)
+            self._in_turn -= keys
+
+        chain.add_done_callback(ended)
+
+    async def _submit_in_turn(self, items: list[_Planned]) -> None:
+        """Each run once the task's run before it ended; held back when this server is fenced
+        (`_hold_back`: the claims stay open for a take-over), settled as cancelled when its task was
+        removed or disabled meanwhile (it never started). A stop leaves the rest claimed: the
+        scheduler that takes the lease over adopts and submits them (`_submit_orphan`)."""
+        for n, item in enumerate(items):
+            task, occ = item.task, item.occurrence
+            while self._follows_run_of(task.id, below=occ.number):
+                running = [w for k, w in self._following.items() if k[0] == task.id and k[1] < occ.number]
+                await asyncio.wait(running)
+            if await self._fenced_now():
+                self._in_turn -= {(i.task.id, i.occurrence.number) for i in items[n:]}
+                self._hold_back(items[n:])
+                return
+            if item.adopted:  # a stopped scheduler's claim: resolved as such, submitted only if never
+                await self._submit_orphan(task, occ, TickReport())
+                self._in_turn.discard((task.id, occ.number))
+                continue
+            why = await asyncio.to_thread(self._stopped_why, task.id)
+            if why is not None:
+                log.info("cron: task %s run #%d not submitted: %s", task.id, occ.number, why)
+                await settle(self.store, task.id, occ.number, None, TurnOutcome("cancelled", error=why), final=True)
+                self._in_turn.discard((task.id, occ.number))
+                continue
+            turn_id, _ = await submit_claimed(
+                self.store, task, occ, self.fire, fire_timeout_s=self.fire_timeout_s, clock=self.clock
+            )
+            if turn_id is not None and self.await_outcome is not None:
+                self._watch(task.id, occ.number, turn_id, task.deliver)
+            self._in_turn.discard((task.id, occ.number))
+
+    def _stopped_why(self, task_id: str) -> str | None:
+        """Why a run of `task_id` waiting for its turn is not to start (removed or disabled since
+        it was claimed), or None. Blocking file I/O."""
+        try:
+            task = self.store.read().get(task_id)
+        except (CorruptStateFile, CronStoreError, OSError):
+            return None  # cannot tell: the run goes on, as one submitted before would have
+        if task is None:
+            return "not started: the task was removed before this run began"
+        if not task.enabled:
+            return "not started: the task was disabled before this run began"
+        return None
 
     async def _fenced_now(self) -> bool:
         """Is this server fenced (judged gone by its cluster, or about to be) right now? Asked
@@ -1111,6 +1201,8 @@ class Scheduler:
             number = claim.get("occurrence")
             if claim.get("progress") not in ("claimed", "submitted") or not isinstance(number, int):
                 continue
+            if (task.id, number) in self._in_turn:  # claimed, waiting for the run before it
+                return number
             watcher = self._following.get((task.id, number))
             if watcher is not None and not watcher.done():
                 return number
@@ -1397,9 +1489,11 @@ class Scheduler:
         return ended
 
     async def wait_outcomes(self, timeout_s: float) -> None:
-        """Wait (bounded) for outcome watchers; used by tests and a graceful stop."""
-        if self._watchers:
-            await asyncio.wait(set(self._watchers), timeout=timeout_s)
+        """Wait (bounded) for outcome watchers, and runs waiting for their turn; used by tests
+        and a graceful stop."""
+        deadline = time.monotonic() + timeout_s
+        while (pending := self._watchers | self._chains) and (left := deadline - time.monotonic()) > 0:
+            await asyncio.wait(pending, timeout=left)
 
     # ------------------------------------------------------------ run now
 
@@ -1576,7 +1670,10 @@ class Scheduler:
             await self.close()
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Release the lease (so another process need not wait for our death) and cancel watchers."""
+        """Release the lease (so another process need not wait for our death) and cancel watchers
+        (runs still waiting for their turn stay claimed: the next scheduler adopts them)."""
+        for chain in list(self._chains):
+            chain.cancel()
         for t in list(self._watchers):
             t.cancel()
         if self._watchers:

@@ -121,7 +121,9 @@ _STAGE_RANK = {stage: rank for rank, stage in enumerate(PROGRESS_STAGES)}
 # The earlier claims of a task kept while they are open (not done), newest first: a take-over
 # resolves them, and a recovering server finds how far they got. A claim pushed out (more than this
 # many of one task open at once) is resolved as before this was kept (by the run log and the key).
-OPEN_CLAIMS_KEPT = 3
+# A `run_all` catch-up claims up to its cap (cron.scheduler.RUN_ALL_CAP, 10) in one tick, submitted
+# one after another, and a run before them may still be open: all are kept.
+OPEN_CLAIMS_KEPT = 12
 # `last_claimed["followed_from"]`: the lowest run number from which on the tasks follow every run
 # until it is done. A run at or above it, below the last claim and no longer among the claims, was
 # dropped because it is done (only a run pushed out by OPEN_CLAIMS_KEPT leaves the claims undone,

@@ -50,7 +50,7 @@ import pytest
 
 from cron.runner import TurnOutcome, deliver_reply
 from cron.schedule import ScheduleSpec
-from cron.store import CronStore, make_task
+from cron.store import OPEN_CLAIMS_KEPT, CronStore, make_task
 from tests.support.cli import ROOT, CLIResult, cli_env, run_cli
 from tests.support.gateway import gateway_children, start_channel_server, write_config
 from tests.support.serve import start_serve
@@ -355,7 +355,7 @@ def test_a_run_followed_to_done_is_not_taken_again(tmp_path: Path) -> None:
         state = store.load()
         t = state.get(task.id)
         assert t is not None
-        for i in range(6):  # runs 1-6 open at once: runs 1 and 2 pushed out of the three kept
+        for i in range(OPEN_CLAIMS_KEPT + 3):  # runs 1 and 2 (and 3) pushed out of those kept
             t.claim(t0 + timedelta(minutes=i), t0 + timedelta(minutes=i), t0 + timedelta(minutes=i))
         store.save(state)
     assert store.advance(task.id, 2, "settled") is None  # pushed out: not followed
@@ -364,7 +364,7 @@ def test_a_run_followed_to_done_is_not_taken_again(tmp_path: Path) -> None:
     assert store.advance(task.id, 4, "delivering") is False
     assert store.claim_progress(task.id, 4) == (True, "done")
     assert store.advance(task.id, 5, "settled") is True  # still open: followed as before
-    assert store.advance(task.id, 7, "settled") is None  # never claimed here
+    assert store.advance(task.id, OPEN_CLAIMS_KEPT + 4, "settled") is None  # never claimed here
 
 
 def test_a_reply_not_delivered_is_said_once_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -158,8 +158,10 @@ class AccountRunner:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         image_budget: Callable[[], int] = image_budget,
         on_secrets: Callable[[dict[str, str]], None] | None = None,
+        move_chat: Callable[[str, str, str, str], Awaitable[None]] | None = None,
     ) -> None:
         self.spec = spec
+        self._move_chat = move_chat  # (channel, account, old chat, new chat): the gateway's re-pointing
         self._on_secrets = on_secrets  # the log's redaction learns each secret before the adapter has it
         self._image_budget = image_budget
         self.home = home
@@ -285,8 +287,14 @@ class AccountRunner:
             data_dir=data_dir,
             log=logging.getLogger(f"gateway.{self.spec.channel}.{self.spec.name}"),
             max_image_bytes=self._image_budget,
+            move_chat=self._chat_moved,
         )
         return create(account, context)
+
+    async def _chat_moved(self, old: str, new: str) -> None:
+        """The adapter's `move_chat`: this account's chat `old` is `new` from now on."""
+        if self._move_chat is not None:
+            await self._move_chat(self.spec.channel, self.spec.name, old, new)
 
     async def stop(self) -> None:
         self._stopping = True

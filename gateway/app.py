@@ -101,6 +101,7 @@ class Gateway:
                 environ=environ,
                 image_budget=link.image_budget,
                 on_secrets=on_secrets,
+                move_chat=self._move_chat,
             )
             for s in specs
         }
@@ -250,6 +251,10 @@ class Gateway:
             runner.live.last_inbound = time.time()
             self._dirty = True
             self._enqueue(entry)
+
+    async def _move_chat(self, channel: str, account: str, old: str, new: str) -> None:
+        """An adapter learned that a chat has a new id for good (ChatOps.move_chat)."""
+        await self.chatops.move_chat(channel, account, clean(old), clean(new))
 
     def _enqueue(self, entry: Entry) -> None:
         key_of_chat = chat_key(entry)

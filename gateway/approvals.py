@@ -18,7 +18,7 @@ import sqlite3
 import time
 import unicodedata
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.db import transaction
@@ -570,9 +570,36 @@ class ApprovalBoard:
         prompts = self.prompts.values()
         return [p for p in prompts if p.account == account and p.target.chat == chat and p.decided is None]
 
+    def move_chat(self, account: str, old: str, new: str) -> int:
+        """The prompts of chat `old` (of `account`, `channel:account`) now belong to chat `new`
+        (gateway.db's rows were moved with `move_prompt_rows`): an answer from there finds them. Their
+        posts stay in the old chat (`in_old_chat`). Returns how many were moved."""
+        moved = [p for p in self.prompts.values() if p.account == account and p.target.chat == old]
+        for prompt in moved:
+            prompt.target = replace(prompt.target, chat=new)
+            prompt.message_ids = in_old_chat(prompt.message_ids, old)
+        return len(moved)
+
     def forget_turn(self, turn_id: str) -> None:
         for call_id in [c for c, p in self.prompts.items() if p.turn_id == turn_id]:
             del self.prompts[call_id]
+
+
+def move_prompt_rows(c: sqlite3.Connection, account: str, old: str, new: str) -> int:
+    """Inside the caller's transaction (`Ledger.move_chat`): the remembered prompts of chat `old` (of
+    `account`, `channel:account`) belong to chat `new`, for a gateway that starts later; their posts
+    stay in the old chat (`in_old_chat`). Returns how many."""
+    rows = c.execute("SELECT call_id, message_ids FROM approval_prompts WHERE account=? AND chat=?", (account, old))
+    moved = [(new, json.dumps(in_old_chat(json.loads(ids or "[]"), old)), call) for call, ids in rows.fetchall()]
+    c.executemany("UPDATE approval_prompts SET chat=?, message_ids=? WHERE call_id=?", moved)
+    return len(moved)
+
+
+def in_old_chat(message_ids: list[str], old: str) -> list[str]:
+    """The ids of a prompt's post made in chat `old` before the chat got a new id, as `<old>:<id>`
+    (the form of an inbound message's id, which names its chat): the message is still there, and
+    its bare number would name another message in the new chat. An id naming its chat stays."""
+    return [i if ":" in str(i) else f"{old}:{i}" for i in map(str, message_ids)]
 
 
 def pressed_gone_text(short_id: str) -> str:

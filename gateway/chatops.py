@@ -255,6 +255,21 @@ class ChatOps:
             return False
         return self.lets_in(entry, runner)  # a starter whose access was taken away answers nothing
 
+    async def move_chat(self, channel: str, account: str, old: str, new: str) -> None:
+        """A chat has a new id for good (an adapter's `move_chat`: a Telegram group upgraded to a
+        supergroup): its routes, bound conversations and waiting approval prompts follow it, in
+        gateway.db (one transaction) and in the prompts this process shows, so the chat goes on
+        with its history and a pending request is answerable from the new id."""
+        if old == new:
+            return
+        moved = self.ledger.move_chat(channel, account, old, new)
+        shown = self.approvals.move_chat(f"{channel}:{account}", old, new)
+        if moved or shown:
+            log.info(
+                "%s:%s: chat %s is now %s: moved %d route(s), %d conversation(s), %d approval prompt(s)",
+                channel, account, old, new, moved.routes, moved.conversations, max(moved.prompts, shown),
+            )  # fmt: skip
+
     async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
         """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)

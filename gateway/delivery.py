@@ -64,6 +64,18 @@ class DeliveryFailed(Exception):
     """A reply or send that could not be delivered, with the platform's reason."""
 
 
+class EditRefused(DeliveryFailed):
+    """The platform answered that it will not do this edit (the message deleted, too old, not
+    editable: a permanent `DeliveryError`): only then does a reply's final text go out as a new
+    message."""
+
+
+class EditUncertain(DeliveryFailed):
+    """An edit given up after an attempt that may have been performed (no answer in time, a dropped
+    connection): it most likely landed, and an edit repeats harmlessly, so it is never replaced by a
+    new message."""
+
+
 class SendUncertain(DeliveryFailed):
     """A send that may have reached the chat, on a platform that can neither dedupe nor be asked:
     not repeated, so the chat shows it at most once."""
@@ -296,9 +308,33 @@ class Outbox:
         return [str(i) for i in found] if found else None
 
     async def edit(self, target: Target, message_id: str, text: str) -> None:
+        """Edit a message, retried like every call (an edit repeats harmlessly). Given up, it raises
+        `EditRefused` when the platform will not edit that message, `EditUncertain` when an attempt
+        may have been performed, else `DeliveryFailed`."""
         formatted = self.format(text)
         edit = getattr(self.adapter, "edit")  # noqa: B009 - optional method of the contract
-        await self._call(target.chat, lambda: edit(target, message_id, formatted))  # an edit repeats harmlessly
+        uncertain = False
+
+        async def attempt() -> None:
+            nonlocal uncertain
+            try:
+                await edit(target, message_id, formatted)
+            except TimeoutError:  # a plugin's own timeout: the edit may have been performed
+                uncertain = True
+                raise
+            except DeliveryError as exc:
+                uncertain = uncertain or exc.uncertain
+                raise
+
+        try:
+            await self._call(target.chat, attempt)
+        except DeliveryFailed as exc:
+            if uncertain:
+                raise EditUncertain(str(exc)) from exc
+            cause = exc.__cause__
+            if isinstance(cause, DeliveryError) and cause.permanent and cause.retry_after is None:
+                raise EditRefused(str(exc)) from cause
+            raise
 
     async def edit_prompt(self, target: Target, message_id: str, text: str, short_id: str | None) -> None:
         """Edit an approval prompt: with its buttons while `short_id` is pending, without them once
@@ -477,7 +513,10 @@ class ReplySink:
             # The reply shrank (a status line went away): blank the surplus rather than leave stale text.
             for part in self.parts[len(chunks) :]:
                 if part.text != "…":
-                    await self.outbox.edit(self.target, part.message_id, "…")
+                    try:
+                        await self.outbox.edit(self.target, part.message_id, "…")
+                    except EditUncertain as exc:  # most likely blanked: not a reason to fail the reply
+                        log.warning("%s: blanking %s may not have landed (%s)", self.target.chat, part.message_id, exc)
                     part.text = "…"
 
     async def _edit(self, i: int, chunk: str, final: bool) -> None:
@@ -486,11 +525,21 @@ class ReplySink:
             return
         try:
             await self.outbox.edit(self.target, part.message_id, chunk)
+        except EditUncertain as exc:
+            if not final:
+                raise
+            # Retried by the outbox with backoff, and an attempt may have been performed: an edit is
+            # idempotent and most likely landed (a slow platform applies it, then answers late), so
+            # the message stays as it is; posting the text anew would show the reply twice.
+            log.warning("%s: the final edit of %s may not have landed (%s)", self.target.chat, part.message_id, exc)
+            part.text = None
+            return
         except DeliveryFailed:
             if not final:
                 raise
-            # The platform will not edit this message (too old, deleted): the final text goes out as
-            # a new message rather than leave the chat with a partial reply.
+            # The platform will not edit this message (EditRefused: too old, deleted), or refused
+            # every attempt without performing one: the final text goes out as a new message rather
+            # than leave the chat with a partial reply.
             sent = await self._post(f"{i}:new", chunk)
             part.message_id = sent.ids[0] if sent.ids else part.message_id
             self._sent()

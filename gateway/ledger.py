@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from gateway.approvals import move_prompt_rows
 from gateway.db import open_db, transaction
+from gateway.routing import move_chat_keys
 
 State = Literal["received", "allowed", "denied", "held", "submitted", "finished", "delivered", "failed"]
 Decision = Literal["allow", "deny", "pair"]
@@ -155,6 +157,18 @@ class Entry:
     def is_batch_member(self) -> bool:
         """In a batch but not its first message (the first one carries the turn's delivery)."""
         return self.batch is not None and self.batch != self.key.message_id
+
+
+@dataclass(frozen=True)
+class ChatMove:
+    """What `Ledger.move_chat` re-pointed from a chat's old id to its new one."""
+
+    routes: int
+    conversations: int
+    prompts: int
+
+    def __bool__(self) -> bool:
+        return bool(self.routes or self.conversations or self.prompts)
 
 
 class Ledger:
@@ -331,6 +345,18 @@ class Ledger:
     def mark_failed(self, key: UpdateKey, reason: str) -> Entry:
         """Give up on this update with a reason shown by `channels status`; never silent."""
         return self._move(key, ("allowed", "submitted", "finished"), "failed", reason=reason)
+
+    def move_chat(self, channel: str, account: str, old: str, new: str) -> ChatMove:
+        """The platform gave chat `old` the id `new` for good (a Telegram group upgraded to a
+        supergroup): what gateway.db keeps under the chat (its routes, the conversations bound to it
+        and its threads, its waiting approval prompts) moves to the new id in one durable
+        transaction, so the chat's history, agent and pending answers follow it. Ledger rows stay
+        as received (their keys hold the old id); sender access is per sender, unaffected. Moving
+        again finds nothing left under the old id: a no-op."""
+        with transaction(self._conn, durable=True) as c:
+            routes, conversations = move_chat_keys(c, channel, account, old, new)
+            prompts = move_prompt_rows(c, f"{channel}:{account}", old, new)
+        return ChatMove(routes, conversations, prompts)
 
     def get(self, key: UpdateKey) -> Entry | None:
         row = self._conn.execute(

@@ -163,3 +163,23 @@ class Router:
     def _bound(self, key: RouteKey) -> str | None:
         row = self._conn.execute("SELECT conversation FROM route_conversations WHERE key=?", (str(key),)).fetchone()
         return row[0] if row else None
+
+
+def move_chat_keys(c: sqlite3.Connection, channel: str, account: str, old: str, new: str) -> tuple[int, int]:
+    """Re-key the routes and bound conversations of chat `old` (its root and every thread) to chat
+    `new`, inside the caller's transaction (`Ledger.move_chat`): the chat keeps its agent and its
+    history under its new platform id. A key the new chat already has stays (it was set knowing the
+    new id); the old one it would replace is dropped. Returns (routes moved, conversations moved)."""
+    before, after = f"{channel}:{account}:{old}:", f"{channel}:{account}:{new}:"
+    moved = []
+    for table in ("routes", "route_conversations"):
+        c.execute(
+            f"DELETE FROM {table} WHERE substr(key, 1, ?) = ? AND ? || substr(key, ?) IN (SELECT key FROM {table})",
+            (len(before), before, after, len(before) + 1),
+        )
+        cur = c.execute(
+            f"UPDATE {table} SET key = ? || substr(key, ?) WHERE substr(key, 1, ?) = ?",
+            (after, len(before) + 1, len(before), before),
+        )
+        moved.append(cur.rowcount)
+    return moved[0], moved[1]

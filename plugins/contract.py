@@ -37,6 +37,7 @@ __all__ = [
     "IMAGE_MAX_BYTES",
     "InboundMessage",
     "Limits",
+    "MoveChat",
     "OnMessage",
     "ReportState",
     "Target",
@@ -252,6 +253,13 @@ class Account:
 
 OnMessage = Callable[[InboundMessage], Awaitable[None]]
 ReportState = Callable[[AccountState, str | None], None]
+# (old chat id, new chat id): the platform moved a chat to a new id for good (a Telegram group
+# upgraded to a supergroup). Idempotent: a move already made, or of a chat it keeps nothing for, is a no-op.
+MoveChat = Callable[[str, str], Awaitable[None]]
+
+
+async def _keep_chats(old: str, new: str) -> None:
+    """The `move_chat` of a context built without a gateway (a plugin's own tests): nothing to move."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +274,11 @@ class AdapterContext:
     # server's frame limit (`image_budget`): pick the largest size a platform offers within it (a
     # Telegram photo), and do not fetch a bigger one; the gateway names it as too big instead.
     max_image_bytes: Callable[[], int] = _default_image_budget
+    # A chat got a new id on the platform: the gateway re-points what it keeps under the old one (the
+    # conversation bound to it, routes, waiting approval prompts) to the new one, durably, in one
+    # transaction; the ids it keeps of messages posted in the old chat become `<old>:<id>` (they stay
+    # there). The adapter itself sends to the new id from then on. Returns once committed.
+    move_chat: MoveChat = _keep_chats
 
 
 class TokenRefusal:

@@ -148,6 +148,8 @@ class TelegramAdapter:
         self._albums_path = Path(context.data_dir) / ALBUMS_FILE
         self._album_parts: OrderedDict[str, str] = self._load_album_parts()
         self._albums_lock = asyncio.Lock()
+        # groups upgraded to supergroups, old chat id -> new: sends for the old id go to the new one
+        self._moved_chats: dict[int, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -451,6 +453,8 @@ class TelegramAdapter:
         parts, messages, suffix = self._messages_of(parts)
         if not messages:
             return None
+        if await self._migration(messages[0]):
+            return None
         loop = asyncio.get_running_loop()
         budget = min(deadline, loop.time() + FETCH_BUDGET_S)
         found = await asyncio.gather(*(self._attachments(m, budget) for m in messages), return_exceptions=True)
@@ -471,6 +475,18 @@ class TelegramAdapter:
             return None  # a service message (joined, pinned, topic created, …), a sticker without an emoji
         mentions = any(self._mentions_me(m) for m in messages)
         return self._message(parts, passed, messages, suffix, text, attachments, mentions)
+
+    async def _migration(self, message: Message) -> bool:
+        """Whether `message` is the service message of a group upgraded to a supergroup: in the old
+        chat it names the new id (`migrate_to_chat_id`), in the new one the old id
+        (`migrate_from_chat_id`). Either one is enough to follow the chat there (`_chat_moved`)."""
+        if message.migrate_to_chat_id:
+            await self._chat_moved(message.chat.id, message.migrate_to_chat_id)
+            return True
+        if message.migrate_from_chat_id:
+            await self._chat_moved(message.migrate_from_chat_id, message.chat.id)
+            return True
+        return False
 
     def _salvage(self, parts: Sequence[Update], passed: set[int]) -> InboundMessage | None:
         """What can be read of a message whose reading failed unexpectedly (`_inbound` raised): its
@@ -786,7 +802,7 @@ class TelegramAdapter:
 
     async def send(self, target: Target, text: str) -> list[str]:
         message = await self._send(target, text)
-        return [str(message.message_id)]
+        return [_sent_id(target, message)]
 
     async def prompt_approval(self, target: Target, text: str, short_id: str) -> list[str]:
         """The approval prompt with Approve / Deny buttons; a press comes back as /approve or /deny."""
@@ -799,7 +815,7 @@ class TelegramAdapter:
             ]
         )
         message = await self._send(target, self.format(text), keyboard)
-        return [str(message.message_id)]
+        return [_sent_id(target, message)]
 
     async def _send(self, target: Target, html: str, markup: InlineKeyboardMarkup | None = None) -> Message:
         bot = self._require_bot()
@@ -812,26 +828,33 @@ class TelegramAdapter:
                 reply = ReplyParameters(message_id=reply_id, allow_sending_without_reply=True)
 
         async def go(text: str, parse_mode: str | None) -> Message:
-            return await bot.send_message(
+            return await self._in_chat(
                 chat_id,
-                text,
-                parse_mode=parse_mode,
-                message_thread_id=thread,
-                reply_parameters=reply,
-                reply_markup=markup,
+                lambda chat: bot.send_message(
+                    chat,
+                    text,
+                    parse_mode=parse_mode,
+                    message_thread_id=thread,
+                    reply_parameters=reply if chat == chat_id else None,  # its id is the old chat's
+                    reply_markup=markup,
+                ),
             )
 
         return await self._formatted_call(html, go)
 
     async def edit(self, target: Target, message_id: str, text: str) -> None:
         bot = self._require_bot()
-        chat_id = _chat_id(target.chat)
+        chat_id = _message_chat(message_id) or _chat_id(target.chat)  # where the message is
         mid = _message_id(message_id)
         if mid is None:
             raise DeliveryError(f"not a Telegram message id: {message_id!r}", permanent=True)
 
         async def go(body: str, parse_mode: str | None) -> Any:
-            return await bot.edit_message_text(body, chat_id=chat_id, message_id=mid, parse_mode=parse_mode)
+            return await self._in_chat(
+                chat_id,
+                lambda chat: bot.edit_message_text(body, chat_id=chat, message_id=mid, parse_mode=parse_mode),
+                follow=False,
+            )
 
         try:
             await self._formatted_call(text, go)
@@ -867,8 +890,11 @@ class TelegramAdapter:
 
     async def typing(self, target: Target) -> None:
         bot = self._require_bot()
+        thread = _int_or_none(target.thread)
         await self._delivered(
-            bot.send_chat_action(_chat_id(target.chat), "typing", message_thread_id=_int_or_none(target.thread))
+            self._in_chat(
+                _chat_id(target.chat), lambda chat: bot.send_chat_action(chat, "typing", message_thread_id=thread)
+            )
         )
 
     async def react(self, target: Target, message_id: str, emoji: str) -> None:
@@ -876,7 +902,47 @@ class TelegramAdapter:
         mid = _message_id(message_id)
         if mid is None:
             raise DeliveryError(f"not a Telegram message id: {message_id!r}", permanent=True)
-        await self._delivered(bot.set_message_reaction(_chat_id(target.chat), mid, reaction=emoji))
+        await self._delivered(
+            self._in_chat(
+                _message_chat(message_id) or _chat_id(target.chat),
+                lambda chat: bot.set_message_reaction(chat, mid, reaction=emoji),
+                follow=False,  # the message is the old chat's: its id means another one in the new chat
+            )
+        )
+
+    async def _in_chat(self, chat_id: int, call: Callable[[int], Awaitable[T]], *, follow: bool = True) -> T:
+        """`call(chat id)`, for a chat whose group may have become a supergroup, with a new id: Telegram
+        refuses a call for the old id (ChatMigrated, naming the new one; nothing was done) and the
+        gateway is told (`_chat_moved`). With `follow` (a send: nothing in it is the old chat's) the
+        call goes where the chat lives now, made again there once when refused; without it (about a
+        message of the old chat, whose id means another message in the new one) the refusal stands."""
+        if follow:
+            chat_id = self._moved_chats.get(chat_id, chat_id)
+        try:
+            return await call(chat_id)
+        except ChatMigrated as exc:
+            new_id = int(exc.new_chat_id)
+            if new_id == chat_id:
+                raise
+            await self._chat_moved(chat_id, new_id)
+            if not follow:
+                raise
+            return await call(new_id)
+
+    async def _chat_moved(self, old: int, new: int) -> None:
+        """Telegram said group `old` is now supergroup `new` (a refused call, or the service message in
+        either chat, whichever came first): calls for `old` go to `new` from now on, and the gateway
+        moves what it keeps under `old` (conversation, routes, waiting prompts) to `new`, once per
+        process. When the gateway could not, the next call for `old` tries again."""
+        if old == new or self._moved_chats.get(old) == new:
+            return
+        self._moved_chats[old] = new
+        self._log.info("%s: group %s became supergroup %s; following it there", self._where, old, new)
+        try:
+            await self.context.move_chat(str(old), str(new))
+        except Exception:
+            self._moved_chats.pop(old, None)
+            self._log.exception("%s: the gateway could not move chat %s to %s", self._where, old, new)
 
 
 class _NotModified(DeliveryError):
@@ -1027,6 +1093,22 @@ def _message_id(value: str) -> int | None:
         return None
     number = parts[1] if len(parts) > 1 else parts[0]
     return int(number) if _ID_RE.fullmatch(number) else None
+
+
+def _message_chat(value: str) -> int | None:
+    """The chat of a message id that names it (`"<chat>:42"`: an inbound message's, or one we posted
+    where its chat went, `_sent_id`); None for a bare id (the target's chat is the message's)."""
+    parts = value.split(":")
+    return int(parts[0]) if len(parts) > 1 and _CHAT_ID_RE.fullmatch(parts[0]) else None
+
+
+def _sent_id(target: Target, message: Message) -> str:
+    """The id the gateway keeps of a message we posted: bare in the target's chat; `"<chat>:<id>"`
+    when it went to the supergroup the target's group became, so its edits go there and never to the
+    old chat's message of the same number (`edit`)."""
+    if str(message.chat_id) == target.chat:
+        return str(message.message_id)
+    return f"{message.chat_id}:{message.message_id}"
 
 
 def _cut(text: str, limit: int = 40) -> str:

@@ -60,6 +60,7 @@ from appserver.http.conversation_match import (
     legacy_round,
     merge_assistants,
     results_without_call,
+    split_after_results,
     split_new_input,
     unanswered_calls,
     users_content,
@@ -972,7 +973,8 @@ class ChatCompletions:
         # system messages the conversation keeps (a Responses request's) stay out of its view
         options[OWN_SYSTEM] = True
         user, metadata = user_and_metadata(body)
-        prefix, new = split_new_input(items)
+        # the request sends its whole transcript: a tool round before its new user message is history
+        prefix, new = split_after_results(*split_new_input(items))
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
         if not users and not results:

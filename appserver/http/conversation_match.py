@@ -261,6 +261,25 @@ def split_new_input(items: list[ViewItem]) -> tuple[list[ViewItem], list[ViewIte
     return items[: last + 1], items[last + 1 :]
 
 
+def split_after_results(prefix: list[ViewItem], new: list[ViewItem]) -> tuple[list[ViewItem], list[ViewItem]]:
+    """A whole transcript's split (`split_new_input`) when its new input holds tool results and
+    then user input: the results answer calls made before them, so that tool round is history
+    (prefix up to and including the last result) and the user input after it is the new input, as
+    OpenAI reads such a transcript (a client that ran a tool itself and stopped there, a few-shot
+    history). Kept as given, for the route to refuse as a mix: user input before a result, or a
+    result answering no call made before it."""
+    results = [n for n, item in enumerate(new) if item.kind == "tool"]
+    if not results:
+        return prefix, new
+    last = results[-1]
+    if any(i.kind == "user" for i in new[:last]) or not any(i.kind == "user" for i in new[last + 1 :]):
+        return prefix, new
+    history = prefix + new[: last + 1]
+    if results_without_call(history):
+        return prefix, new
+    return history, new[last + 1 :]
+
+
 def system_record(item: ViewItem) -> MessageRecord:
     """The message a kept system/developer item (`ViewItem.role`) is in a conversation."""
     meta = {"role": "developer"} if item.role == "developer" else {}

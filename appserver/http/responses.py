@@ -85,6 +85,7 @@ from appserver.http.conversation_match import (
     for_agent,
     merge_assistants,
     name_ids,
+    split_after_results,
     split_new_input,
     unanswered_calls,
 )
@@ -1725,6 +1726,9 @@ class Responses:
         prefix, new = split_new_input(items)
         whole_prefix, whole_new = split_new_input(whole)
         stateful = bool(prev_id or conv_param)  # continues server state: not the whole transcript
+        if not stateful and not parsed.decisions:  # a whole transcript's tool round before new user input
+            prefix, new = split_after_results(prefix, new)  # is history, not answers (OpenAI reads it so)
+            whole_prefix, whole_new = split_after_results(whole_prefix, whole_new)
         added = history_to_add(whole_prefix) if stateful else []
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]

@@ -17,8 +17,11 @@ A bot token in a public workspace is an open door to an agent that may run tools
 - `chat_type` is `dm` or `group` (plugins/contract.py); anything else a plugin sends is decided as a
   group, so a pairing code is never posted in a chat that is not known to be private.
 
-Messages from bots (the bot's own included) never get through. Every decision carries its reason,
-which the ledger records.
+Messages from bots (the bot's own included) never get through. A message posted as a chat (Telegram:
+an anonymous group admin, who is the group acting, or a post sent as a channel) is no bot's: its
+sender is `chat:<chat id>` (`CHAT_SENDER_PREFIX`), which `allow` and `admins` can name; such a sender
+can never pair, and its refusal in a group has a reason of its own (`POSTED_AS_CHAT`), which the
+gateway answers with a short notice. Every decision carries its reason, which the ledger records.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ DM_POLICIES: tuple[DmPolicy, ...] = ("open", "allowlist", "pairing", "disabled")
 GROUP_POLICIES: tuple[GroupPolicy, ...] = ("open", "allowlist", "mention")
 
 NOT_MENTIONED = "group: the bot was not mentioned"
+CHAT_SENDER_PREFIX = "chat:"  # a sender that is a chat posting as itself: `chat:<chat id>`
+POSTED_AS_CHAT = (
+    "group: posted as a chat (an anonymous admin or a channel), which is not on the allowlist and cannot pair"
+)
 
 
 class PolicyError(ValueError):
@@ -90,10 +97,11 @@ class AccessPolicy:
     def _decide_group(self, sender: str, mentions_bot: bool, approved: bool) -> tuple[Verdict, str]:
         """Which messages count (`group_policy`), then who may use the bot at all (`dm_policy`)."""
         listed = self.listed(sender, approved)
+        as_chat = sender.startswith(CHAT_SENDER_PREFIX)
         if self.group == "allowlist":
             if listed:
                 return "allow", "group: sender on the allowlist"
-            return "deny", "group: sender not on the allowlist"
+            return "deny", POSTED_AS_CHAT if as_chat else "group: sender not on the allowlist"
         if self.group == "mention" and not mentions_bot:
             return "deny", NOT_MENTIONED
         counted = "open" if self.group == "open" else "the bot was mentioned"
@@ -101,6 +109,8 @@ class AccessPolicy:
             return "allow", f"group: {counted}"
         if listed:
             return "allow", f"group: {counted}, " + ("approved sender" if approved else "sender on the allowlist")
+        if as_chat:
+            return "deny", POSTED_AS_CHAT
         return "deny", (
             f"group: sender is neither on the allowlist nor paired (dm_policy {self.dm}); "
             "a stranger pairs in a direct message, never in a group"

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from appserver.client import Closed, ProtocolError
+from gateway.access import POSTED_AS_CHAT
 from gateway.accounts import AccountRunner
 from gateway.approvals import (
     NO_LONGER_WAITING,
@@ -54,6 +55,12 @@ NOT_YOURS = "Only the person who started this, or an admin, can answer it."
 # own prompt, and to anyone whose command was allowed before that and is handled after it.
 NOT_LET_IN = "You are no longer allowed to use this bot."
 NOT_LET_IN_ANSWER = "You are no longer allowed to use this bot, so you cannot answer this request."
+# To a group whose anonymous admin (or a channel posting there) addressed the bot; once per 10 minutes
+AS_CHAT_EVERY_S = 600.0
+AS_CHAT_NOTICE = (
+    "I can't answer messages posted anonymously or as a channel: I only answer people the owner lets in, "
+    "by their own account. Post as yourself, or ask the owner to add {sender} to allow."
+)
 # To a sender whose pairing was approved; the second when nothing routes the chat to an agent.
 APPROVED = "✅ You're approved. Your messages are on their way to the assistant."
 APPROVED_UNROUTED = (
@@ -94,10 +101,16 @@ class ChatOps:
         self.approvals = ApprovalBoard(ledger.connection)
         self._prompted: Recent[str] = Recent(PROMPT_EVERY_S)  # sender -> what they were told lately
         self._refused: Recent[bool] = Recent(REFUSE_EVERY_S)  # account:chat:sender:call -> refused lately
+        self._told_as_chat: Recent[bool] = Recent(AS_CHAT_EVERY_S)  # account:chat:sender -> told lately
         self._reconciling = asyncio.Lock()
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
         """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
+        answer = self._answer_refusal(entry, runner)
+        if answer is not None:  # a press or `/approve ID` on a prompt: the refusal, never a new code
+            if answer:
+                await self.outboxes.say(runner, answer_target(entry), answer)
+            return
         key = entry.key
         code, _new = self.pairing.code_for(
             key.channel, key.account, entry.sender, entry.payload.get("sender_name"), entry.chat
@@ -198,17 +211,36 @@ class ChatOps:
         `/approve ID` naming it) still gets the documented short refusal: the presser is someone access
         does not let in, and otherwise hears nothing (a button's own answer is neutral). Once a minute
         per person and prompt, so pressing again and again does not flood the chat."""
-        if entry.payload.get("sender_is_bot"):
+        if entry.reason == POSTED_AS_CHAT:
+            await self._posted_as_chat(entry, runner)
             return
-        command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
-        if command is None or command.name not in ("approve", "deny") or not command.args:
-            return
-        prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
-        if prompt is None:
-            return
-        refusal = self._refusal(entry, runner, prompt)
+        refusal = self._answer_refusal(entry, runner)
         if refusal:
             await self.outboxes.say(runner, answer_target(entry), refusal)
+
+    def _answer_refusal(self, entry: Entry, runner: AccountRunner) -> str | None:
+        """None when `entry` answers no prompt waiting in its chat; else the refusal to say ("" when
+        said within the minute)."""
+        if entry.payload.get("sender_is_bot"):
+            return None
+        command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
+        if command is None or command.name not in ("approve", "deny") or not command.args:
+            return None
+        prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
+        if prompt is None:
+            return None
+        return self._refusal(entry, runner, prompt)
+
+    async def _posted_as_chat(self, entry: Entry, runner: AccountRunner) -> None:
+        """An anonymous admin or a channel addressed the bot where a person would be answered: say
+        why nothing comes (they cannot pair), once per 10 minutes per chat and sender."""
+        if runner.policy.silent or not entry.payload.get("mentions_bot"):
+            return
+        told = f"{runner.spec.ref}:{entry.chat}:{entry.sender}"
+        if self._told_as_chat.get(told):
+            return
+        self._told_as_chat.put(told, True)
+        await self.outboxes.say(runner, answer_target(entry), AS_CHAT_NOTICE.format(sender=entry.sender))
 
     def _refusal(self, entry: Entry, runner: AccountRunner, prompt: Prompt) -> str:
         """Why `entry`'s sender cannot answer `prompt`, once a minute per person and prompt ("" within

@@ -36,6 +36,7 @@ import httpx
 from telegram import (
     Bot,
     CallbackQuery,
+    Chat,
     InlineKeyboardButton,
     InlineKeyboardMarkup,
     Message,
@@ -85,6 +86,8 @@ BACKOFF_MAX_S = 30.0
 ALLOWED_UPDATES = ["message", "edited_message", "callback_query", "my_chat_member"]
 APPROVE_PREFIX = "approve:"
 DENY_PREFIX = "deny:"
+# The sender of a message posted as a chat (gateway/access.py CHAT_SENDER_PREFIX): `chat:<chat id>`
+CHAT_SENDER_PREFIX = "chat:"
 _REMEMBERED_FORMATS = 512
 # Photos are downloaded while the poll loop waits, so every chat of the bot waits for them: a
 # message's photos (an album's all together) get this long in all, and all the photos of one
@@ -544,6 +547,7 @@ class TelegramAdapter:
         message = messages[0]  # an album's first: its id is the key, the others are noted under it
         sender = message.from_user
         chat = message.chat
+        as_chat = message.sender_chat  # an anonymous admin (the group itself) or a channel posting
         thread = str(message.message_thread_id) if message.is_topic_message and message.message_thread_id else None
         reply = message.reply_to_message
         if reply is not None and thread is not None and reply.message_id == message.message_thread_id:
@@ -562,14 +566,15 @@ class TelegramAdapter:
             account=self.account.name,
             chat=str(chat.id),
             chat_type="dm" if chat.type == "private" else "group",
-            sender=str(sender.id) if sender is not None else str(chat.id),
+            sender=_sender_id(sender, as_chat, chat),
             message_id=key,
             text=text,
             thread=thread,
-            sender_name=_name(sender) if sender is not None else chat.title,
+            sender_name=as_chat.title if as_chat is not None else _name(sender) if sender is not None else chat.title,
             mentions_bot=replies_to_bot or mentions,
             reply_to=f"{chat.id}:{reply.message_id}" if reply is not None else None,
-            sender_is_bot=bool(sender is not None and sender.is_bot),
+            # Posted as a chat, `from` is a placeholder bot (GroupAnonymousBot, Channel_Bot): not a bot's message
+            sender_is_bot=bool(as_chat is None and sender is not None and sender.is_bot),
             ts=message.date.timestamp() if message.date else None,
             attachments=tuple(attachments),
             raw=raw,
@@ -1043,7 +1048,39 @@ def _text_of(message: Message) -> str:
     if text:
         return text
     sticker = message.sticker
-    return (sticker.emoji or "") if sticker is not None else ""
+    if sticker is not None:
+        return sticker.emoji or ""
+    return _described(message)
+
+
+def _sender_id(sender: User | None, as_chat: Chat | None, chat: Chat) -> str:
+    """Who wrote it, as `allow` and `admins` name them: a user's id, or `chat:<id>` for a message
+    posted as a chat (an anonymous group admin is the group acting, `chat:<the group's id>`; a post
+    sent as a channel, or forwarded from a linked channel, is that channel)."""
+    if as_chat is not None:
+        return f"{CHAT_SENDER_PREFIX}{as_chat.id}"
+    return str(sender.id) if sender is not None else str(chat.id)
+
+
+def _described(message: Message) -> str:
+    """A short text for a message that has no text but says something the agent can act on (a
+    location, a venue, a contact, a die, a poll); "" for anything else. A contact's phone number is
+    passed on: the person chose to send it to the bot."""
+    venue, location, contact, dice, poll = message.venue, message.location, message.contact, message.dice, message.poll
+    if venue is not None:  # a venue carries its location too: described once, as the venue
+        where = venue.location
+        return f"[venue: {venue.title}, {venue.address} ({where.latitude}, {where.longitude})]"
+    if location is not None:
+        return f"[location: {location.latitude}, {location.longitude}]"
+    if contact is not None:
+        name = " ".join(n for n in (contact.first_name, contact.last_name) if n)
+        return f"[contact: {name}, {contact.phone_number}]"
+    if dice is not None:
+        return f"[dice {dice.emoji}: {dice.value}]"
+    if poll is not None:
+        options = " / ".join(o.text for o in poll.options)
+        return f"[poll: {poll.question} ({options})]"
+    return ""
 
 
 def _has_media(message: Message) -> bool:

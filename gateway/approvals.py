@@ -142,11 +142,16 @@ def _largest_fitting(build: Builder, last: str, most: int, room: Room | None) ->
     whole = f"{build(most)}\n{last}"
     if _fits(whole, room):
         return whole
-    low, high = LEAST_SHOWN, most - 1
+    return _bisect_fitting(LEAST_SHOWN, most - 1, lambda n: f"{build(n)}\n{last}", room)
+
+
+def _bisect_fitting(low: int, high: int, make: Callable[[int], str], room: Room | None) -> str | None:
+    """`make(n)` for the largest n in [low, high] whose text fits `room` (a longer n makes a longer
+    text: a bisection); None when not even `make(low)` fits."""
     best: str | None = None
     while low <= high:
         middle = (low + high) // 2
-        text = f"{build(middle)}\n{last}"
+        text = make(middle)
         if _fits(text, room):
             best, low = text, middle + 1
         else:
@@ -191,15 +196,7 @@ def _squeezed(args: str, name: str, last: str, room: Room | None) -> str:
     text = f"{lead}\n{last}"
     if _fits(text, room):
         return text
-    low, high, best = 0, len(last) - 1, f"{lead}\n…"
-    while low <= high:
-        middle = (low + high) // 2
-        candidate = f"{lead}\n{shorten(last, middle)}"
-        if _fits(candidate, room):
-            best, low = candidate, middle + 1
-        else:
-            high = middle - 1
-    return best
+    return _bisect_fitting(0, len(last) - 1, lambda n: f"{lead}\n{shorten(last, n)}", room) or f"{lead}\n…"
 
 
 # A shell command up to this long (as shown: `compact`) is shown whole when the prompt, as the platform

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -27,8 +26,7 @@ from tests.fakes.anthropic_upstream import (
     text_answer,
 )
 from tests.fakes.openai_upstream import RecordedRequest, Reply
-from tests.support.cli import cli_env, run_cli
-from tests.support.serve import ServeProcess, serving
+from tests.support.serve import ServeProcess, serving_provider
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,15 +64,8 @@ class Env:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with FakeAnthropic() as anth:
         anth.responder = anthropic_model
-        home: Path = tmp_path_factory.mktemp("s28w") / "home"
-        home.mkdir()
-        (home / "config.toml").write_text(
-            f'[providers.anth]\nkind = "anthropic"\nbase_url = "{anth.base_url}"\napi_key_env = ""\nmax_attempts = 1\n'
-        )
-        cli = cli_env(home)
-        made = run_cli(home, "agents", "create", "--name", "claude", "--model", "anth:claude-fake", env=cli)
-        assert made.code == 0, made.err
-        with serving(home, env=cli) as sp:
+        home = tmp_path_factory.mktemp("s28w") / "home"
+        with serving_provider(home, "anthropic", anth.base_url, {"claude": "claude-fake"}) as sp:
             yield Env(sp, anth)
 
 

@@ -14,15 +14,13 @@ import asyncio
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from tests.fakes.openai_upstream import FakeOpenAI, RecordedRequest, Reply, chunk, one_call_sse, openai_sse
-from tests.support.cli import cli_env, run_cli
-from tests.support.serve import ServeProcess, serving
+from tests.support.serve import ServeProcess, serving_provider
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,15 +68,8 @@ def shape(m: dict[str, Any]) -> tuple[str, str]:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     with FakeOpenAI() as fake:
         fake.responder = upstream_model
-        home: Path = tmp_path_factory.mktemp("s29x") / "home"
-        home.mkdir()
-        (home / "config.toml").write_text(
-            f'[providers.fake]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n'
-        )
-        cli = cli_env(home)
-        made = run_cli(home, "agents", "create", "--name", "remote", "--model", "fake:m", "--json", env=cli)
-        assert made.code == 0, made.err
-        with serving(home, env=cli) as sp:
+        home = tmp_path_factory.mktemp("s29x") / "home"
+        with serving_provider(home, "openai", fake.base_url, {"remote": "m"}) as sp:
             yield Env(sp, fake)
 
 

@@ -15,7 +15,7 @@ from typing import IO
 
 import httpx
 
-from tests.support.cli import ROOT, cli_env
+from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.net import SSL
 from tests.support.zygote_client import appserver_popen
 
@@ -170,6 +170,22 @@ def serving(
             except subprocess.TimeoutExpired:
                 pass
         sp.kill()
+
+
+@contextmanager
+def serving_provider(home: Path, kind: str, base_url: str, agents: dict[str, str]) -> Iterator[ServeProcess]:
+    """`serving` a new `home` whose one provider `up` (of `kind`, at `base_url`: a loopback fake,
+    no key, one attempt) serves `agents` (name → model, as `up:MODEL`)."""
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(
+        f'[providers.up]\nkind = "{kind}"\nbase_url = "{base_url}"\napi_key_env = ""\nmax_attempts = 1\n'
+    )
+    env = cli_env(home)
+    for name, model in agents.items():
+        made = run_cli(home, "agents", "create", "--name", name, "--model", f"up:{model}", env=env)
+        assert made.code == 0, made.err
+    with serving(home, env=env) as sp:
+        yield sp
 
 
 def wait_http(url: str, timeout: float = 10) -> httpx.Response:

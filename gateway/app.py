@@ -19,6 +19,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from gateway.access import NOT_MENTIONED
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.channeltool import MessageChannel
 from gateway.chatops import ChatOps
-from gateway.commands import bot_name, for_another_bot, parse_command
+from gateway.commands import Command, bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.intake import Intake
@@ -317,9 +318,7 @@ class Gateway:
             if waiting:
                 await self._submit_batch(waiting)
         if command is not None:
-            answer = await self.chatops.command(entry, runner, command)
-            ids = await self.outboxes.say(runner, answer_target(entry), answer) if answer else []
-            self.ledger.mark_command(entry.key, f"command /{command.name}", ids)
+            await self._run_command(entry, runner, command)
             return
         if media or not settings.enabled:
             await self._submit_batch([entry])
@@ -327,6 +326,37 @@ class Gateway:
         full = buffers.add(entry, settings)
         if full:
             await self._submit_batch(full)
+
+    async def _run_command(self, entry: Entry, runner: AccountRunner, command: Command) -> None:
+        """A chat command's effect at most once, its answer at least once under one key
+        (`cmd:<ledger key>`). Taken is written down durably before the effect, the answer before it
+        is sent; a restart that finds the command taken sends the answer it wrote down again under
+        that key (deduped or looked up where the platform can), or, when the crash came before the
+        answer was written, says so: a second `/cancel` would stop the turn that started after the
+        first, a second `/new` drop the conversation begun since (docs/channels.md, "Commands in the chat")."""
+        since: float | None = None
+        if not entry.command_taken:
+            entry = self.ledger.take_command(entry.key, command_answer_key(entry), time.time())
+            answer = await self.chatops.command(entry, runner, command)
+            self.ledger.note_command_answer(entry.key, answer)
+        else:
+            since = entry.sending[1] if entry.sending is not None else None
+            answer = entry.reply if entry.reply is not None else command_interrupted(command)
+            log.info("%s: /%s was taken before a restart: not run again", entry.key, command.name)
+        ids = await self._say_keyed(runner, entry, answer, since) if answer else []
+        self.ledger.mark_command(entry.key, f"command /{command.name}", ids)
+
+    async def _say_keyed(self, runner: AccountRunner, entry: Entry, text: str, since: float | None) -> list[str]:
+        """A command's answer, sent as `Outboxes.say` does (never raises) but under its stable key:
+        `since` (a restart's resend) has the platform dedupe it or look it up instead of posting twice."""
+        target = replace(answer_target(entry), key=command_answer_key(entry))
+        try:
+            sent = await self.outboxes.of(runner).send_part(target, text, since=since)
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.warning("%s: could not tell %s: %s", runner.spec.ref, target.chat, exc)
+            return []
+        runner.live.last_outbound = time.time()
+        return sent.ids
 
     def _decide(self, entry: Entry, runner: AccountRunner) -> Entry:
         """The account's access policy (gateway/access.py), recorded with its reason."""
@@ -386,6 +416,9 @@ class Gateway:
         """Submit one message, or a debounced batch of one sender's messages, as one turn."""
         if not entries:
             return
+        # Read again: a message held by debounce may have moved with its chat since (a Telegram group
+        # upgraded to a supergroup: Ledger.move_chat); it is routed as the chat is now, not by its old id.
+        entries = [self.ledger.get(e.key) or e for e in entries]
         entry = entries[0]
         runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
         if runner is None:
@@ -442,6 +475,9 @@ class Gateway:
                 ack = await self.link.submit(frame)
                 break
             except ProtocolError as exc:
+                if exc.code == "conversation_not_found" and resolution.pinned:
+                    await self._pin_not_found(runner, entry, entries, route_key, resolution.agent)
+                    return
                 if exc.code == "conversation_not_found" and resolution.conversation is not None:
                     self.router.forget(route_key)  # deleted on the server: start a fresh one
                     resolution = self.router.resolve(route_key, runner.settings.get("default_agent")) or resolution
@@ -476,6 +512,30 @@ class Gateway:
         self._follow(entry, waited=True)
         if entry.turn_id is not None:
             await self.replies.refuse_if_not_let_in(entry.turn_id)
+
+    async def _pin_not_found(
+        self, runner: AccountRunner, entry: Entry, entries: list[Entry], route_key: RouteKey, agent: str
+    ) -> None:
+        """The operator pinned this chat to a conversation the server does not find for the route's
+        agent (deleted since, or never its own): fail the message and say so, rather than open a new
+        conversation the operator did not choose and that `route list` would never show."""
+        route = self.router.get(route_key)
+        pin = route.conversation if route is not None else None
+        reason = (
+            f"the route {route_key} is pinned to conversation {pin}, which the server does not find"
+            f" for agent {agent}; fix the route with `appserver channels route add`"
+        )
+        for e in entries:
+            self.ledger.mark_failed(e.key, reason)
+        runner.live.failures += 1
+        log.warning("%s: not submitted: %s", entry.key, reason)
+        await self._notice(
+            runner,
+            entry,
+            f"⚠ This chat is pinned by the operator to conversation {pin}, which no longer exists;"
+            " ask the operator to fix the route.",
+            force=True,
+        )
 
     async def _acknowledge_queued(self, runner: AccountRunner, entry: Entry) -> None:
         """A message that waits behind a running turn gets a reaction where the platform can."""
@@ -519,3 +579,17 @@ class Gateway:
 def _latest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return max(known) if known else None
+
+
+def command_answer_key(entry: Entry) -> str:
+    """The key a command's answer goes out under (`Target.key`): one per inbound command, so a
+    resend after a restart is the same message to a platform or receiver that dedupes by it."""
+    return f"cmd:{entry.idempotency_key}"
+
+
+def command_interrupted(command: Command) -> str:
+    """Said instead of running a command again whose answer a restart lost (docs/channels.md)."""
+    return (
+        f"⚠️ The gateway restarted while /{command.name} was being handled; it is not run again, so it may or"
+        " may not have taken effect. /status shows where things stand."
+    )

@@ -289,17 +289,21 @@ class ChatOps:
 
     async def move_chat(self, channel: str, account: str, old: str, new: str) -> None:
         """A chat has a new id for good (an adapter's `move_chat`: a Telegram group upgraded to a
-        supergroup): its routes, bound conversations and waiting approval prompts follow it, in
-        gateway.db (one transaction) and in the prompts this process shows, so the chat goes on
-        with its history and a pending request is answerable from the new id."""
+        supergroup): its routes, bound conversations, waiting approval prompts and messages not
+        submitted yet follow it, in gateway.db (one transaction) and in the prompts this process
+        shows, so the chat goes on with its history and a pending request is answerable from the
+        new id. A message held in memory (a debounce buffer) is read again from its row as it is
+        submitted (`Gateway._submit_batch`), so it too goes where the chat is now."""
         if old == new:
             return
         moved = self.ledger.move_chat(channel, account, old, new)
         shown = self.approvals.move_chat(f"{channel}:{account}", old, new)
         if moved or shown:
             log.info(
-                "%s:%s: chat %s is now %s: moved %d route(s), %d conversation(s), %d approval prompt(s)",
+                "%s:%s: chat %s is now %s: moved %d route(s), %d conversation(s), %d approval prompt(s),"
+                " %d waiting message(s)",
                 channel, account, old, new, moved.routes, moved.conversations, max(moved.prompts, shown),
+                moved.messages,
             )  # fmt: skip
 
     async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
@@ -512,6 +516,9 @@ class ChatOps:
                     await self._settle_pressed(entry, runner, ref, None)
                 return ""
             open_here = self.approvals.open_in_chat(runner.spec.ref, entry.chat) if ref is None else []
+            unshown = [p for p in open_here if not p.message_ids and p.shown.is_set()]  # its post failed
+            if unshown:  # a bare /approve does not answer it (nobody saw what it runs), but it waits
+                return unshown_waiting(unshown)
             elsewhere = [p for p in open_here if p.message_ids]  # one never shown is not offered
             if elsewhere:  # in another thread or topic: named by its ID, it is answered from here too
                 ids = ", ".join(code_span(p.short_id) for p in elsewhere)
@@ -705,6 +712,17 @@ class ChatOps:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
         finally:
             self.approvals.settled(prompt.call_id)
+
+
+def unshown_waiting(prompts: list[Prompt]) -> str:
+    """A bare `/approve` or `/deny` while only requests whose prompt could not be shown wait: they
+    are named, with how to answer one (by its ID, after reading the call)."""
+    named = ", ".join(f"{code_span(p.short_id)} (for {code_span(p.name)})" for p in prompts)
+    first = prompts[0].short_id
+    return (
+        f"A request is waiting here whose prompt could not be shown: {named}. Answer it by its ID:"
+        f" /approve {first} or /deny {first} (`appserver conversations history` shows the whole call)."
+    )
 
 
 def _pressed_message(entry: Entry) -> str | None:

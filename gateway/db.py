@@ -13,6 +13,7 @@ import logging
 import os
 import sqlite3
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -169,6 +170,7 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 SIDE_FILES = (("-wal", "write-ahead log"), ("-shm", "shared-memory index"), ("-journal", "rollback journal"))
 NEW_LEDGER_AFTER_REMOVAL = " (the gateway then starts a new, empty ledger)"
 EXIT_LEDGER_GONE = 4  # the gateway's exit code when its open ledger file was deleted under it
+ORPHAN_LOCK_WAIT_S = 2.0  # how long a command waits for another one setting a gone file's -wal aside
 
 
 class CorruptGatewayDB(Exception):
@@ -199,9 +201,12 @@ class CorruptGatewayDBInUse(Exception):
 
 class _LedgerConnection(sqlite3.Connection):
     """A connection that remembers the file it opened (path, device, inode), so a write can tell
-    that file was deleted or replaced under it (`_check_still_there`). None: not watched."""
+    that file was deleted or replaced under it (`_check_still_there`). None: not watched. And the
+    `-wal`/`-shm` it uses (same triple), which are the old file's once it is gone: set aside then,
+    never replayed by SQLite onto the file now at the path."""
 
     opened: tuple[Path, int, int] | None = None
+    sidecars: tuple[tuple[Path, int, int], ...] = ()
 
 
 class SchemaTooNew(Exception):
@@ -269,13 +274,7 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
     lock = None if gateway else Path(path).with_name("gateway.lock")
     path = _ledger_file(Path(path))
     if not os.path.lexists(path):
-        if lock is not None:
-            _refuse_missing_in_use(path, lock)
-        else:
-            log.info(  # a loss under a running gateway was logged as an error when it ended
-                "%s does not exist: starting a new, empty ledger (a first start, or the old one was moved or deleted)",
-                path,
-            )
+        _begin_new_ledger(path, lock)
     _create_whole(path)
     if path.is_file() and path.stat().st_size == 0:
         # SQLite opens an empty file as a new database, but a ledger never has 0 bytes (it is
@@ -312,9 +311,103 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
         raise _move_aside(path, damage, lock)
     os.chmod(path, 0o600)
     if gateway:
-        st = os.stat(path)
-        conn.opened = (path, st.st_dev, st.st_ino)
+        _watch(conn, path)
     return conn
+
+
+def _watch(conn: _LedgerConnection, path: Path) -> None:
+    """Remember the file the gateway's connection opened and the -wal/-shm it uses (both exist
+    once WAL mode is on and the file was read, as it was above), for `_check_still_there`."""
+    st = os.stat(path)
+    conn.opened = (path, st.st_dev, st.st_ino)
+    sidecars = []
+    for side in _sidecars(path)[:2]:
+        try:
+            side_st = os.stat(side)
+        except FileNotFoundError:
+            continue
+        sidecars.append((side, side_st.st_dev, side_st.st_ino))
+    conn.sidecars = tuple(sidecars)
+
+
+def _begin_new_ledger(path: Path, lock: Path | None) -> None:
+    """gateway.db is missing. A command (`lock`: gateway.lock) refuses while a running gateway still
+    has the deleted file open (`LedgerMissingInUse`). A `-wal`/`-shm`/`-journal` left beside the
+    missing file belongs to the file that is gone (deleted or moved away, its gateway killed):
+    SQLite would replay its writes onto the new ledger (old rows in a "new, empty" ledger, or a
+    mix of two files), so it is set aside first, loudly, and the new ledger is made meanwhile
+    under gateway.lock (a second opener then finds the file, never the new ledger's own -wal)."""
+    if lock is None:  # the gateway, which holds gateway.lock
+        _set_aside_orphans(path)
+        log.info(  # a loss under a running gateway was logged as an error when it ended
+            "%s does not exist: starting a new, empty ledger (a first start, or the old one was moved or deleted)",
+            path,
+        )
+        return
+    _refuse_missing_in_use(path, lock)
+    if not any(os.path.lexists(side) for side in _sidecars(path)):
+        return
+    with _holding_lock(path, lock):
+        if not os.path.lexists(path):
+            _set_aside_orphans(path)
+            _create_whole(path)
+
+
+@contextmanager
+def _holding_lock(path: Path, lock: Path) -> Iterator[None]:
+    """Hold gateway.lock (flock) for a moment, as the gateway does; another command holding it is
+    waited for (`ORPHAN_LOCK_WAIT_S`), a gateway is named (`LedgerMissingInUse`). No lock file: no
+    gateway ever ran here, nothing to take."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + ORPHAN_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LedgerMissingInUse(path, _holder_name(fd)) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _set_aside_orphans(path: Path) -> None:
+    """Rename each `-wal`/`-shm`/`-journal` beside the missing `path` to
+    `<name>.orphaned-<UTC timestamp>` (kept: it may hold the gone file's last writes)."""
+    for side in _sidecars(path):
+        if os.path.lexists(path):  # another opener made the new ledger meanwhile: its own files
+            return
+        moved_to = _rename_orphan(side)
+        if moved_to is not None:
+            log.error(
+                "%s does not exist, but %s was left beside it (the write-ahead state of a file deleted or replaced): "
+                "moved aside to %s, so SQLite does not replay it onto the new, empty ledger",
+                path,
+                side.name,
+                moved_to,
+            )
+
+
+def _rename_orphan(side: Path) -> Path | None:
+    """`side` renamed to `<name>.orphaned-<UTC timestamp>` (never over a file); None if it is gone."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    moved_to = side.with_name(f"{side.name}.orphaned-{stamp}")
+    n = 1
+    while os.path.lexists(moved_to):
+        moved_to = side.with_name(f"{side.name}.orphaned-{stamp}-{n}")
+        n += 1
+    try:
+        os.rename(side, moved_to)
+    except FileNotFoundError:
+        return None
+    return moved_to
 
 
 def _refuse_missing_in_use(path: Path, lock: Path) -> None:
@@ -374,8 +467,26 @@ def _check_still_there(conn: sqlite3.Connection) -> None:
         what,
         EXIT_LEDGER_GONE,
     )
+    _set_aside_own_sidecars(getattr(conn, "sidecars", ()))
     logging.shutdown()  # flushes the log before the abrupt exit
     os._exit(EXIT_LEDGER_GONE)
+
+
+def _set_aside_own_sidecars(sidecars: tuple[tuple[Path, int, int], ...]) -> None:
+    """The -wal/-shm at the path that are still the ones the gateway's connection used hold the
+    gone file's writes: set aside (`<name>.orphaned-<timestamp>`), so the restarted gateway's SQLite
+    never replays them onto the file now at the path (a restored backup undone, a deleted ledger
+    back in a "new, empty" one). Another file there (a restored -wal of its own) is left alone."""
+    for side, dev, ino in sidecars:
+        try:
+            st = os.stat(side)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            continue
+        moved_to = _rename_orphan(side)
+        if moved_to is not None:
+            log.error("%s belonged to the file that is gone: moved aside to %s", side, moved_to)
 
 
 def _ledger_file(path: Path) -> Path:

@@ -19,8 +19,10 @@ once: an uncertain send is not repeated and the reply fails with the reason, log
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -58,6 +60,7 @@ MAX_RETRY_AFTER_S = 300.0  # a platform's retry_after beyond this (or infinite) 
 # connection dropped): a lookup that finds nothing sooner than this after it began looks once more
 # then, before the part is sent again.
 LOOKUP_SETTLE_S = 3.0
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 class DeliveryFailed(Exception):
@@ -128,6 +131,27 @@ def visible_text(snapshot: dict[str, Any], *, tool_status: bool = True) -> str:
     return "\n\n".join(lines)
 
 
+def encodable(text: str) -> str:
+    """`text` with every lone surrogate (U+D800-U+DFFF, e.g. a tool's `"\\ud800"`) as U+FFFD and
+    every split pair joined: no platform can encode half a character, and the failure was taken for
+    a transient one and retried for a minute, holding the chat's later replies."""
+    if not _SURROGATE_RE.search(text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def plugin_failure(exc: Exception) -> DeliveryError:
+    """A plugin's exception other than `DeliveryError`, as one. Transient (retried), except what
+    building the request raises (bad text or arguments: `UnicodeError`, `ValueError`, `TypeError`),
+    which every retry would raise again: permanent at once. A `JSONDecodeError` is a platform's
+    unreadable answer (an HTML error page from a proxy), which a retry may well not see again."""
+    reason = f"{type(exc).__name__}: {exc}"
+    never = isinstance(exc, UnicodeError | TypeError) or (
+        isinstance(exc, ValueError) and not isinstance(exc, json.JSONDecodeError)
+    )
+    return DeliveryError(reason, permanent=never)
+
+
 def _short(text: str, limit: int = 200) -> str:
     return shorten(" ".join(text.split()), limit)
 
@@ -158,6 +182,7 @@ class Outbox:
         """The platform's form of `text`. A code fence opening or closing mid-line is first moved to
         a line of its own, for every send and edit, however short: the formatters read fences by
         line, and a short reply with one (`Here it is: ```python`) showed stray backticks."""
+        text = encodable(text)
         if "```" in text:
             text = fences_on_own_lines(text)
         fmt = getattr(self.adapter, "format", None)
@@ -195,6 +220,7 @@ class Outbox:
 
         Within this call, an uncertain failure is retried only where that cannot post twice; on a
         platform that can neither dedupe nor be asked it raises `SendUncertain` at once."""
+        text = encodable(text)  # `prompt_approval` gets it unformatted
         formatted = self.format(text)
         with_buttons = getattr(self.adapter, "prompt_approval", None) if buttons is not None else None
         resend = self.resend
@@ -240,7 +266,7 @@ class Outbox:
             except TimeoutError as exc:  # a plugin's own timeout: the request may have been performed
                 error = DeliveryError(f"TimeoutError: {exc}", uncertain=True)
             except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: transient, never lost
-                error = DeliveryError(f"{type(exc).__name__}: {exc}")
+                error = plugin_failure(exc)
             if error.uncertain:
                 if resend is None:
                     log.error(
@@ -309,8 +335,8 @@ class Outbox:
 
     async def edit(self, target: Target, message_id: str, text: str) -> None:
         """Edit a message, retried like every call (an edit repeats harmlessly). Given up, it raises
-        `EditRefused` when the platform will not edit that message, `EditUncertain` when an attempt
-        may have been performed, else `DeliveryFailed`."""
+        `EditRefused` when the platform will not edit that message (its last answer), else
+        `EditUncertain` when an attempt may have been performed, else `DeliveryFailed`."""
         formatted = self.format(text)
         edit = getattr(self.adapter, "edit")  # noqa: B009 - optional method of the contract
         uncertain = False
@@ -329,11 +355,13 @@ class Outbox:
         try:
             await self._call(target.chat, attempt)
         except DeliveryFailed as exc:
-            if uncertain:
-                raise EditUncertain(str(exc)) from exc
+            # A refusal for good decides, even after an attempt that may have landed: the message is
+            # gone (deleted by the user meanwhile) or can no longer be edited, so nothing shows the text.
             cause = exc.__cause__
             if isinstance(cause, DeliveryError) and cause.permanent and cause.retry_after is None:
                 raise EditRefused(str(exc)) from cause
+            if uncertain:
+                raise EditUncertain(str(exc)) from exc
             raise
 
     async def edit_prompt(self, target: Target, message_id: str, text: str, short_id: str | None) -> None:
@@ -373,8 +401,9 @@ class Outbox:
                 self.last_error = str(exc)
                 raise
             except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: transient, never lost
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                raise DeliveryError(self.last_error) from exc
+                error = plugin_failure(exc)
+                self.last_error = error.reason
+                raise error from exc
             finally:
                 self.in_flight = False
 

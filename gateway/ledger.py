@@ -17,6 +17,9 @@ States, each move one committed transaction::
 per-chat order survives a restart. Beside the state, a reply's progress is noted as it goes out: the
 platform ids of the parts sent (`note_sent`) and, before each new part's send, that it is being
 attempted (`note_sending`), so a restart knows a part may exist although its id was never noted.
+A chat command the gateway answers itself stays `allowed` while it runs: `take_command` notes it
+taken (durably, before its effect) and `note_command_answer` keeps its answer before it is sent, so
+a restart resends that answer under the same key and never runs the command a second time.
 
 Settled rows (`delivered`, `failed`, `denied`) are deleted `RETENTION_S` after they settled
 (`prune_settled`, run by the gateway at start and hourly), so the file does not grow for ever.
@@ -154,6 +157,11 @@ class Entry:
         return self.key.idempotency_key
 
     @property
+    def command_taken(self) -> bool:
+        """An allowed row whose command already took (or began to take) effect: `take_command`."""
+        return self.state == "allowed" and self.sending is not None
+
+    @property
     def is_batch_member(self) -> bool:
         """In a batch but not its first message (the first one carries the turn's delivery)."""
         return self.batch is not None and self.batch != self.key.message_id
@@ -166,9 +174,10 @@ class ChatMove:
     routes: int
     conversations: int
     prompts: int
+    messages: int = 0  # not submitted yet: `_move_waiting_rows`
 
     def __bool__(self) -> bool:
-        return bool(self.routes or self.conversations or self.prompts)
+        return bool(self.routes or self.conversations or self.prompts or self.messages)
 
 
 class Ledger:
@@ -277,6 +286,29 @@ class Ledger:
         ).fetchall()
         return [_entry(r) for r in rows]
 
+    def take_command(self, key: UpdateKey, answer_key: str, at: float) -> Entry:
+        """An allowed chat command is about to take effect: written down durably first (in
+        `sending`, as the key its answer goes out under and when), so a restart never runs it again
+        (a second `/cancel` would stop the turn that started after the first; `Entry.command_taken`)."""
+        mark = json.dumps({"part": answer_key, "at": at})
+        with transaction(self._conn, durable=True) as c:
+            c.execute(
+                "UPDATE ledger SET sending=?, updated_at=? WHERE channel=? AND account=? AND message_id=?"
+                " AND state='allowed' AND sending IS NULL",
+                (mark, self._clock(), key.channel, key.account, key.message_id),
+            )
+        return self._require(key)
+
+    def note_command_answer(self, key: UpdateKey, answer: str) -> None:
+        """A taken command's answer (in `reply`), before it is sent: a restart sends this same text
+        under the same key (deduped where the platform can) instead of running the command again."""
+        with transaction(self._conn, durable=False) as c:
+            c.execute(
+                "UPDATE ledger SET reply=?, updated_at=? WHERE channel=? AND account=? AND message_id=?"
+                " AND state='allowed'",
+                (answer, self._clock(), key.channel, key.account, key.message_id),
+            )
+
     def mark_command(self, key: UpdateKey, reason: str, remote_ids: Sequence[str | int] = ()) -> Entry:
         """A chat command the gateway answered itself (no turn): done, with the answer's ids."""
         ids = json.dumps([str(i) for i in remote_ids])
@@ -350,13 +382,16 @@ class Ledger:
         """The platform gave chat `old` the id `new` for good (a Telegram group upgraded to a
         supergroup): what gateway.db keeps under the chat (its routes, the conversations bound to it
         and its threads, its waiting approval prompts) moves to the new id in one durable
-        transaction, so the chat's history, agent and pending answers follow it. Ledger rows stay
-        as received (their keys hold the old id); sender access is per sender, unaffected. Moving
-        again finds nothing left under the old id: a no-op."""
+        transaction, so the chat's history, agent and pending answers follow it. The messages of
+        the chat not submitted yet (waiting their turn, held by debounce) move too
+        (`_move_waiting_rows`), so they are routed as the chat now is; the others keep the id their
+        reply went to (their message ids hold it too); sender access is per sender, unaffected.
+        Moving again finds nothing left under the old id: a no-op."""
         with transaction(self._conn, durable=True) as c:
             routes, conversations = move_chat_keys(c, channel, account, old, new)
             prompts = move_prompt_rows(c, f"{channel}:{account}", old, new)
-        return ChatMove(routes, conversations, prompts)
+            waiting = _move_waiting_rows(c, channel, account, old, new)
+        return ChatMove(routes, conversations, prompts, waiting)
 
     def get(self, key: UpdateKey) -> Entry | None:
         row = self._conn.execute(
@@ -465,6 +500,24 @@ class Ledger:
         if not moved:
             raise LedgerStateError(f"{key}: cannot move from {entry.state} to {target}")
         return entry
+
+
+# A message not submitted yet: its chat is still only where it is to be answered (`_move_waiting_rows`).
+_WAITING: tuple[State, ...] = ("received", "allowed", "held")
+
+
+def _move_waiting_rows(c: sqlite3.Connection, channel: str, account: str, old: str, new: str) -> int:
+    """Re-point the not yet submitted messages of chat `old` (queued, held by debounce or pairing)
+    to chat `new`, inside `Ledger.move_chat`'s transaction: the gateway reads the chat of a message
+    from its row when it submits it, so a message sent before the move is routed as the chat is now
+    (its agent, its conversation, its approval policy), never by a route left behind under the old
+    id or the default agent. Their keys keep the old id: it names the message on the platform."""
+    marks = ",".join("?" * len(_WAITING))
+    cur = c.execute(
+        f"UPDATE ledger SET chat=? WHERE channel=? AND account=? AND chat=? AND state IN ({marks})",
+        (new, channel, account, old, *_WAITING),
+    )
+    return cur.rowcount
 
 
 _COLUMNS = (

@@ -49,11 +49,14 @@ class RouteKey:
 
     @classmethod
     def typed(cls, text: str) -> RouteKey:
-        """Read a key as an operator typed it: spaces around a part are dropped (as for `allow`
-        ids); a part with a space inside, or longer than any platform's id, could never match a
-        message, so it is refused rather than kept as a route that never answers."""
-        parts = [part.strip() for part in text.split(":")]
+        """Read a key as an operator typed it. A part with whitespace (around it or inside), a
+        control character, or longer than any platform's id could never match a message, so it is
+        refused rather than kept as a route that never answers; it is not stripped either, which
+        wrote the route for another chat (`' kit '` for `kit`) without a word."""
+        parts = text.split(":")
         for part in parts:
+            if part != part.strip():
+                raise ValueError(f"a route key part must not begin or end with whitespace: {part!r}")
             if any(ch.isspace() for ch in part):
                 raise ValueError(f"route key parts are platform ids, without spaces: {part!r}")
             if len(part) > ROUTE_PART_MAX:
@@ -134,7 +137,9 @@ class Router:
         bound = self._bound(key)
         own = self.get(key)
         if own is not None:
-            return Resolution(key, own.agent, bound or own.conversation, "route", pinned=own.conversation is not None)
+            if own.conversation is not None:  # the operator's pin: no binding replaces it (not even a stale one)
+                return Resolution(key, own.agent, own.conversation, "route", pinned=True)
+            return Resolution(key, own.agent, bound, "route")
         if key.thread != ROOT:
             chat = self.get(key.root)
             if chat is not None:

@@ -396,13 +396,26 @@ def create_agents(*names: str) -> None:
         assert res.exit_code == 0, res.output
 
 
+def helper_conversation() -> str:
+    """A conversation of agent `helper` (a pin must name one of the route agent's)."""
+    from appserver.cli.common import with_server
+    from appserver.store.records import ConversationRecord
+
+    async def go(s: Any) -> str:
+        agent = await s.kernel.resolve_agent("helper")
+        return (await s.store.create_conversation(ConversationRecord(id="conv_1", agent_id=agent.id))).id
+
+    return with_server(go)
+
+
 def test_route_add_list_remove(home: Path) -> None:
     create_agents("helper", "other")
     code, out, err = ch("route", "add", "webhook:main:chat1", "assistant")
     assert code == 0, out
     assert "webhook:main:chat1:__root__ -> assistant" in out
     assert "no account webhook:main" in err  # a warning, the route is kept
-    assert ch("route", "add", "webhook:main:chat1:t9", "helper", "--conversation", "conv_1")[0] == 0
+    conv_1 = helper_conversation()
+    assert ch("route", "add", "webhook:main:chat1:t9", "helper", "--conversation", conv_1)[0] == 0
     assert ch("route", "add", "webhook:other:chat2", "assistant")[0] == 0
     code, out, _ = ch("route", "add", "webhook:main:chat1", "other")
     assert code == 0 and "replaced the route to assistant" in out
@@ -414,7 +427,7 @@ def test_route_add_list_remove(home: Path) -> None:
         conn.close()
     assert [(str(r.key), r.agent, r.conversation) for r in routes] == [
         ("webhook:main:chat1:__root__", "other", None),
-        ("webhook:main:chat1:t9", "helper", "conv_1"),
+        ("webhook:main:chat1:t9", "helper", conv_1),
     ]
 
     code, out, _ = ch("route", "list", "webhook", "main", "--json")
@@ -423,7 +436,7 @@ def test_route_add_list_remove(home: Path) -> None:
         ("webhook:main:chat1:t9", "helper", "t9"),
     ]
     code, out, _ = ch("route", "list")
-    assert code == 0 and "webhook:other:chat2:__root__" in out and "conv_1" in out
+    assert code == 0 and "webhook:other:chat2:__root__" in out and conv_1 in out
 
     assert ch("route", "remove", "webhook:main:chat1:__root__")[0] == 0
     code, _, err = ch("route", "remove", "webhook:main:chat1")
@@ -454,10 +467,13 @@ def test_bad_route_key_is_exit_2(home: Path, key: str) -> None:
     assert not default_path(home).exists()  # nothing written, not even an empty database
 
 
-def test_spaces_around_route_key_parts_are_dropped(home: Path) -> None:
-    """`'slack:main:C0123ABCD '` was kept with its space and never matched a message."""
-    assert ch("route", "add", " slack:main:C0123ABCD ", "assistant")[0] == 0
-    assert ch("route", "add", "slack: main :C9\t: 17.5 ", "assistant")[0] == 0
+def test_spaces_around_route_key_parts_are_refused(home: Path) -> None:
+    """`'slack:main:C0123ABCD '` was kept with its space and never matched a message; then (session
+    29) stripping it routed a webhook chat `" kit "` to `kit`'s agent: refused, as the webhook does."""
+    assert ch("route", "add", " slack:main:C0123ABCD ", "assistant")[0] == 2
+    assert ch("route", "add", "slack: main :C9\t: 17.5 ", "assistant")[0] == 2
+    assert ch("route", "add", "slack:main:C0123ABCD", "assistant")[0] == 0
+    assert ch("route", "add", "slack:main:C9:17.5", "assistant")[0] == 0
     conn = open_db(default_path(home))
     try:
         Router(conn).add(RouteKey.parse("slack:main:C7 "), "assistant", None)  # as an older version kept it
@@ -467,7 +483,8 @@ def test_spaces_around_route_key_parts_are_dropped(home: Path) -> None:
     assert keys == ["slack:main:C0123ABCD:__root__", "slack:main:C7 :__root__", "slack:main:C9:17.5"]
     code, out, _ = ch("route", "remove", "slack:main:C7 :__root__")  # as `route list` shows it
     assert code == 0 and out == "Removed the route at slack:main:C7 :__root__.\n", out
-    assert ch("route", "remove", "slack:main:C0123ABCD  ")[0] == 0
+    assert ch("route", "remove", "slack:main:C0123ABCD  ")[0] != 0  # no route with those spaces
+    assert ch("route", "remove", "slack:main:C0123ABCD")[0] == 0
 
 
 def test_route_add_refuses_an_agent_that_does_not_exist(home: Path) -> None:

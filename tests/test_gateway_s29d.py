@@ -32,10 +32,15 @@ class SlowEdits(FakeTelegram):
     `slow` is set (a slow Bot API)."""
 
     slow = False
+    slow_then_gone = False  # once: this edit answers late, and the message is then deleted
 
     async def _handle(self, request: Request) -> Response:
         response = await super()._handle(request)
-        if request.path_params["method"] == "editMessageText" and self.slow:
+        gone = request.path_params["method"] == "editMessageText" and self.slow_then_gone
+        if gone:
+            self.slow_then_gone = False
+            self.fail_next("editMessageText", 400, description="Bad Request: message to edit not found")
+        if request.path_params["method"] == "editMessageText" and (self.slow or gone):
             deadline = time.monotonic() + CLIENT_READ_TIMEOUT_S + 2
             while time.monotonic() < deadline and not self._closing:
                 await asyncio.sleep(0.05)
@@ -126,3 +131,17 @@ async def test_a_final_edit_not_modified_is_success(tg: SlowEdits, adapter: Adap
     await reply.finish("Working on it. Done.")
     assert [m.text for m in tg.messages(chat)] == ["Working on it"]  # the fake was told it is unchanged
     assert len(tg.calls("sendMessage")) == 1
+
+
+async def test_a_final_edit_answered_late_then_refused_posts_the_text_anew(tg: SlowEdits, adapter: Adapter) -> None:
+    """Session 29 re-attack: the earlier doubtful attempt made a later refusal (the user deleted the
+    message meanwhile) read as "may have landed": the chat was left with no answer at all."""
+    chat = tg.chat(804)
+    reply = sink(adapter, chat)
+    await reply.show("Working on it")
+    tg.slow_then_gone = True
+    ids = await reply.finish("Working on it. Done.")
+    assert len(tg.calls("editMessageText")) == 2  # the late one, then the refusal
+    assert [m.text for m in tg.messages(chat)][-1] == "Working on it. Done."
+    assert len(tg.calls("sendMessage")) == 2
+    assert ids == [str(tg.messages(chat)[-1].message_id)]

@@ -177,7 +177,8 @@ def test_slack_a_prompt_that_cannot_be_posted_is_said_counted_and_not_approved_b
     assert short, notice.text
     assert not any(_slack_buttons(m) for m in slack.messages("D-fail"))
     slack.inject_dm("U1", "/approve", channel="D-fail")
-    slack.wait_for_text("D-fail", lambda t: t.startswith("No request waiting for an answer here"), timeout=20)
+    waiting = "A request is waiting here whose prompt could not be shown"  # named, not approved
+    slack.wait_for_text("D-fail", lambda t: t.startswith(waiting), timeout=20)
     assert not any("clock ->" in m.text or "Approved" in m.text for m in slack.messages("D-fail"))
 
     def counted() -> dict[str, Any] | None:

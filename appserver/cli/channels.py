@@ -1189,6 +1189,8 @@ def route_add_cmd(key: str, agent: str, conversation: str | None) -> None:
         raise Refused("--conversation must not be empty", 2)
     config = get_config()
     _require_agent(config, agent.strip())
+    if conversation is not None:
+        _require_conversation(config, agent.strip(), conversation.strip())
     with _gateway_db(config.home, create=True) as conn:
         assert conn is not None
         router = Router(conn)
@@ -1226,6 +1228,39 @@ def _require_agent(config: Config, agent: str) -> None:
     run_or_fail(check)  # a store that cannot be opened is one line too
 
 
+def _require_conversation(config: Config, agent: str, conversation: str) -> None:
+    """Refuse a pin to a conversation the server would not continue for `agent` (unknown, or
+    another agent's), before anything is written: the gateway does not replace an operator's pin,
+    so such a route would only fail each message."""
+    import asyncio
+
+    from appserver.server import Server  # the kernel: imported only when needed
+
+    async def owner() -> tuple[str, str | None]:
+        server = Server(config)
+        await server.open()
+        try:
+            agent_id = (await server.kernel.resolve_agent(agent)).id
+            record = await server.store.get_conversation(conversation)
+            return agent_id, record.agent_id if record is not None else None
+        finally:
+            await server.close()
+
+    agent_id, found = run_or_fail(lambda: asyncio.run(owner()))
+    if found is None:
+        raise Refused(
+            f"no conversation {exact(conversation)}: a pinned route must name an existing conversation of"
+            f" {exact(agent)} (see `appserver conversations list --agent {exact(agent)}`); nothing written",
+            2,
+        )
+    if found != agent_id:
+        raise Refused(
+            f"conversation {exact(conversation)} belongs to agent {exact(found)}, not {exact(agent)}: a pinned"
+            " route must name a conversation of its own agent; nothing written",
+            2,
+        )
+
+
 def _remove_route(router: Router, key: RouteKey, text: str) -> RouteKey | None:
     """The key removed: as typed (spaces around parts dropped), else exactly as written, since an
     older version kept keys with such spaces and `route list` shows them so."""
@@ -1244,7 +1279,15 @@ def _remove_route(router: Router, key: RouteKey, text: str) -> RouteKey | None:
 @_errors
 def route_remove_cmd(key: str) -> None:
     """Remove the route at KEY (channel:account:chat[:thread])."""
-    route_key = _parse_key(key)
+    try:
+        route_key = _parse_key(key)
+    except Refused:
+        # a key an older version kept with spaces around a part, as `route list` shows it
+        try:
+            route_key = RouteKey.parse(key)
+        except ValueError:
+            raise Refused(f"bad route key {key!r}: a route key is channel:account:chat[:thread]", 2) from None
+        _check_scope(route_key.channel, route_key.account, f"bad route key {key!r}: ")
     config = get_config()
     with _gateway_db(config.home, create=False) as conn:
         removed = _remove_route(Router(conn), route_key, key) if conn is not None else None

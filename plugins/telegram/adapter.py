@@ -564,7 +564,7 @@ class TelegramAdapter:
         return InboundMessage(
             channel=CHANNEL,
             account=self.account.name,
-            chat=str(chat.id),
+            chat=self._chat_now(chat.id),
             chat_type="dm" if chat.type == "private" else "group",
             sender=_sender_id(sender, as_chat, chat),
             message_id=key,
@@ -671,7 +671,7 @@ class TelegramAdapter:
         return InboundMessage(
             channel=CHANNEL,
             account=self.account.name,
-            chat=str(chat.id),
+            chat=self._chat_now(chat.id),
             chat_type="dm" if chat.type == "private" else "group",
             sender=str(sender.id),
             message_id=f"cb:{query.id}",
@@ -933,6 +933,12 @@ class TelegramAdapter:
             if not follow:
                 raise
             return await call(new_id)
+
+    def _chat_now(self, chat_id: int) -> str:
+        """The id the gateway knows chat `chat_id` by: the supergroup's for a message of a group that
+        became one (`_chat_moved`), delivered late or held back by Telegram, so it is routed and
+        answered as the chat is now. Its message id keeps the old chat's id: it names that message."""
+        return str(self._moved_chats.get(chat_id, chat_id))
 
     async def _chat_moved(self, old: int, new: int) -> None:
         """Telegram said group `old` is now supergroup `new` (a refused call, or the service message in

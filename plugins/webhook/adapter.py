@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.routing import ROUTE_PART_MAX
 from plugins.contract import (
     Account,
     AccountError,
@@ -63,7 +64,7 @@ SEND_DEADLINE_S = 15.0
 SEND_DEADLINE_ENV = "APPSERVER_WEBHOOK_SEND_DEADLINE_S"
 ERROR_EXCERPT_BYTES = 1024
 ERROR_EXCERPT_WAIT_S = 2.0
-MAX_FIELD = 1024  # characters in id, chat, sender, thread, reply_to, sender_name
+MAX_FIELD = 1024  # characters in id, sender, reply_to, sender_name (chat and thread: ROUTE_PART_MAX)
 # A shorter shared secret can be guessed (and, under 8 characters, is not masked in the gateway's
 # logs and reasons): `openssl rand -hex 16` gives 32.
 MIN_SECRET_CHARS = 16
@@ -389,14 +390,15 @@ class WebhookAdapter:
         if not isinstance(mentions_bot, bool):
             raise _BadRequest(400, "mentions_bot must be true or false")
         text = data.get("text")
-        if not isinstance(text, str) or not text:
-            raise _BadRequest(400, "text must be a non-empty string")
+        if not isinstance(text, str) or not text.strip():
+            # blank text makes no turn: a 202 for it was an acceptance nothing ever answered
+            raise _BadRequest(400, "text must be a non-empty string, not only whitespace")
         return InboundMessage(
             channel=self.account.channel,
             account=self.account.name,
             chat=_field(data, "chat", key_part=True),
             chat_type=chat_type,
-            sender=_field(data, "sender"),
+            sender=_field(data, "sender", id_like=True),
             message_id=_field(data, "id"),
             text=text,
             thread=_field(data, "thread", optional=True, key_part=True),
@@ -460,20 +462,29 @@ class WebhookAdapter:
         raise DeliveryError(reason, permanent=True)
 
 
-def _field(data: Mapping[str, Any], name: str, *, optional: bool = False, key_part: bool = False) -> Any:
-    """A string field: non-empty, at most MAX_FIELD characters, without ':' when it is part of a
-    route key (chat, thread). None when optional and absent or null."""
+def _field(
+    data: Mapping[str, Any], name: str, *, optional: bool = False, key_part: bool = False, id_like: bool = False
+) -> Any:
+    """A string field: non-empty, at most MAX_FIELD characters. An id the owner may type into config
+    (`id_like`: sender; chat and thread, which are also route key parts) holds no control character
+    and no whitespace at either end: the route CLI and `allow` lists take such an id as typed, so
+    `" kit "` could never match a route or an allow entry. A route key part (chat, thread) also holds
+    no ':' and is at most ROUTE_PART_MAX characters, like a route key's part. None when optional
+    and absent or null."""
     value = data.get(name)
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value:
         raise _BadRequest(400, f"{name} must be a non-empty string" + (" or null" if optional else ""))
-    if len(value) > MAX_FIELD:
-        raise _BadRequest(400, f"{name} is longer than {MAX_FIELD} characters")
+    limit = ROUTE_PART_MAX if key_part else MAX_FIELD
+    if len(value) > limit:
+        raise _BadRequest(400, f"{name} is longer than {limit} characters")
     if key_part and ":" in value:
         raise _BadRequest(400, f"{name} must not contain ':'")
-    if key_part and any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in value):
+    if (key_part or id_like) and any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in value):
         raise _BadRequest(400, f"{name} must not contain control characters")
+    if (key_part or id_like) and value != value.strip():
+        raise _BadRequest(400, f"{name} must not begin or end with whitespace")
     if key_part and value == "__root__":
         raise _BadRequest(400, f"{name} '__root__' is reserved (it names a chat's main line)")
     return value

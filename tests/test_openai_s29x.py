@@ -191,6 +191,37 @@ def test_still_refused_when_ambiguous(env: Env, client: openai.OpenAI) -> None:
     assert exc.value.code == "tool_calls_unanswered"
 
 
+def test_a_call_answered_twice_differently_in_the_history_round_is_refused(env: Env, client: openai.OpenAI) -> None:
+    """Re-attack: the model saw only the first of two different results for one call (200); the same
+    results as answers are refused invalid_input, and so are they now as history."""
+    t = tag()
+    call = {"type": "function_call", "call_id": "c_dup", "name": "lookup", "arguments": "{}"}
+    outputs = [{"type": "function_call_output", "call_id": "c_dup", "output": o} for o in ("one", "two")]
+    before = len(env.fake.requests)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(
+            model="remote",
+            input=[{"role": "user", "content": f"call {t}"}, call, *outputs, {"role": "user", "content": "next"}],  # type: ignore[list-item]
+            tools=[LOOKUP],  # type: ignore[list-item]
+        )
+    assert (exc.value.code, exc.value.param) == ("invalid_input", "input")
+    assigned = {"id": "c_dup", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model="remote",
+            messages=[
+                {"role": "user", "content": f"call {t}"},
+                {"role": "assistant", "tool_calls": [assigned]},  # type: ignore[list-item]
+                {"role": "tool", "tool_call_id": "c_dup", "content": "one"},
+                {"role": "tool", "tool_call_id": "c_dup", "content": "two"},
+                {"role": "user", "content": "next"},
+            ],
+            tools=[CHAT_LOOKUP],  # type: ignore[list-item]
+        )
+    assert (exc.value.code, exc.value.param) == ("invalid_input", "messages")
+    assert len(env.fake.requests) == before  # nothing reached the model
+
+
 def test_agents_sdk_stop_on_first_tool_then_user(env: Env) -> None:
     agents = pytest.importorskip("agents")
     t = tag()

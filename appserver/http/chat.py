@@ -974,7 +974,7 @@ class ChatCompletions:
         options[OWN_SYSTEM] = True
         user, metadata = user_and_metadata(body)
         # the request sends its whole transcript: a tool round before its new user message is history
-        prefix, new = split_after_results(*split_new_input(items))
+        prefix, new = split_after_results(*split_new_input(items), "messages")
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]
         if not users and not results:

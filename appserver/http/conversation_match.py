@@ -261,7 +261,9 @@ def split_new_input(items: list[ViewItem]) -> tuple[list[ViewItem], list[ViewIte
     return items[: last + 1], items[last + 1 :]
 
 
-def split_after_results(prefix: list[ViewItem], new: list[ViewItem]) -> tuple[list[ViewItem], list[ViewItem]]:
+def split_after_results(
+    prefix: list[ViewItem], new: list[ViewItem], param: str
+) -> tuple[list[ViewItem], list[ViewItem]]:
     """A whole transcript's split (`split_new_input`) when its new input holds tool results and
     then user input: the results answer calls made before them, so that tool round is history
     (prefix up to and including the last result) and the user input after it is the new input, as
@@ -277,7 +279,25 @@ def split_after_results(prefix: list[ViewItem], new: list[ViewItem]) -> tuple[li
     history = prefix + new[: last + 1]
     if results_without_call(history):
         return prefix, new
+    check_answered_once(new[: last + 1], param)
     return history, new[last + 1 :]
+
+
+def check_answered_once(items: list[ViewItem], param: str) -> None:
+    """400 `invalid_input` for a call the items answer twice, differently (as the answers of a
+    paused turn are refused): the model would see only one of them."""
+    given: dict[str, str | None] = {}
+    for item in items:
+        if item.kind != "tool" or item.call_id is None:
+            continue
+        if item.call_id in given and given[item.call_id] != item.text:
+            raise ApiError(
+                400,
+                f"{param}: call {item.call_id} is answered twice in this input, differently",
+                code="invalid_input",
+                param=param,
+            )
+        given[item.call_id] = item.text
 
 
 def system_record(item: ViewItem) -> MessageRecord:

@@ -1727,8 +1727,8 @@ class Responses:
         whole_prefix, whole_new = split_new_input(whole)
         stateful = bool(prev_id or conv_param)  # continues server state: not the whole transcript
         if not stateful and not parsed.decisions:  # a whole transcript's tool round before new user input
-            prefix, new = split_after_results(prefix, new)  # is history, not answers (OpenAI reads it so)
-            whole_prefix, whole_new = split_after_results(whole_prefix, whole_new)
+            prefix, new = split_after_results(prefix, new, "input")  # is history, not answers (OpenAI reads it so)
+            whole_prefix, whole_new = split_after_results(whole_prefix, whole_new, "input")
         added = history_to_add(whole_prefix) if stateful else []
         users = [i for i in new if i.kind == "user"]
         results = [i for i in new if i.kind == "tool"]

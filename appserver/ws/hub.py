@@ -443,6 +443,7 @@ class Hub:
         # what all connections hold for their clients, bounded together (`[limits] ws_outbound_total_max_bytes`)
         self.outbound_budget = OutboundBudget(int(server.config.limits.ws_outbound_total_max_bytes))
         self._farewells: set[asyncio.Task[None]] = set()  # closes after followed turns (`judged_gone`)
+        self._gone = False  # judged gone by its cluster: new connections are closed at once
         server.kernel.on_judged_gone(self.judged_gone)
 
     async def watch(self, conversation_id: str) -> ConversationWatch:
@@ -468,6 +469,8 @@ class Hub:
 
     def register(self, conn: Connection) -> None:
         self.connections[conn.id] = conn
+        if self._gone:  # judged gone: nothing this server could answer from would ever change again
+            conn.kill(CLOSE_JUDGED_GONE, JUDGED_GONE_REASON)
 
     def broadcast_event(self, name: str, data: dict[str, Any]) -> int:
         """An `event` frame to every authenticated connection; returns how many were told."""
@@ -534,6 +537,7 @@ class Hub:
         turn still followed here gets `server_unavailable` at once and ends; the turns still
         followed deliver their end (read from the store), then the connection is closed
         (CLOSE_JUDGED_GONE) after a `server_unavailable` for each subscription left."""
+        self._gone = True
         loop = asyncio.get_running_loop()
         for conn in list(self.connections.values()):
             if not conn.alive:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.db import transaction
+from plugins.contract import ROUTE_PART_MAX
 
 ROOT = "__root__"
-ROUTE_PART_MAX = 200  # platform chat and thread ids are far shorter
 
 
 @dataclass(frozen=True)

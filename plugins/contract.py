@@ -72,6 +72,9 @@ GATEWAY_SETTINGS = frozenset(
     }
 )
 
+# The longest chat or thread id a route key can name (gateway/routing.py): a plugin that takes ids
+# from its callers (webhook) refuses longer ones rather than accept a chat no route can reach.
+ROUTE_PART_MAX = 200
 # The most the gateway passes on to the model per image, whatever the server's frame limit.
 IMAGE_MAX_BYTES = 5 << 20
 # What a turn's frame needs besides its images: the envelope with the text (a caption, a message),

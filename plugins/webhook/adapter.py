@@ -30,8 +30,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.routing import ROUTE_PART_MAX
 from plugins.contract import (
+    ROUTE_PART_MAX,
     Account,
     AccountError,
     AdapterContext,

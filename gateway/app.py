@@ -450,6 +450,11 @@ class Gateway:
             )
             await self._notice(runner, entry, "This chat is not connected to an agent yet.")
             return
+        if resolution.pinned and is_conversation_keyword(resolution.conversation):
+            # `new`/`default` name no conversation but make one (or take the agent's default): a pin
+            # the server would never refuse, though it is no conversation the operator could list
+            await self._pin_not_found(runner, entry, entries, route_key, resolution.agent)
+            return
         attempt = 0
         tried = False  # a submit (or the conversation it needed) was attempted: time passed since the check
         first = False  # the conversation was opened for this message: the agent gets the note first
@@ -593,3 +598,9 @@ def command_interrupted(command: Command) -> str:
         f"⚠️ The gateway restarted while /{command.name} was being handled; it is not run again, so it may or"
         " may not have taken effect. /status shows where things stand."
     )
+
+
+def is_conversation_keyword(conversation: str | None) -> bool:
+    """Whether a route's pin is one of the words the server reads as "make one" or "the agent's
+    default" (in any case, spaces around it: as the server reads them) rather than a conversation."""
+    return conversation is not None and conversation.strip().lower() in ("new", "default")

@@ -111,6 +111,22 @@ def test_a_pin_the_server_does_not_find_fails_the_message_and_stays(srv: Channel
     assert last is not None and "pinned to conversation conv_gone" in last["reason"], last
 
 
+@pytest.mark.parametrize("pin", ["new", " Default "])
+def test_a_pin_to_a_keyword_is_no_conversation(srv: ChannelServer, chat: FakeChat, pin: str) -> None:
+    """Re-attack: a pin `new` (route add took it before this session's check) opened a new
+    conversation for every message, and `default` took the agent's default: refused as not found."""
+    where = f"kw{len(pin)}"
+    conn = open_db(default_path(srv.home))
+    try:
+        Router(conn).add(RouteKey("fakechat", "main", where), "assistant", pin)
+    finally:
+        conn.close()
+    chat.inject(where, "hello there")
+    notice = chat.wait_for_text(where, lambda t: "pinned" in t or "echo:" in t, timeout=15).text
+    assert "pinned by the operator to conversation" in notice, notice
+    assert not any(m.text.startswith("echo:") for m in chat.messages(where))
+
+
 def test_a_pinned_route_resolves_to_its_pin_over_a_stale_binding(tmp_path: Path) -> None:
     """A gateway.db from before this fix may hold a binding the gateway made on a pinned key."""
     conn = open_db(default_path(tmp_path))

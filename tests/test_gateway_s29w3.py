@@ -209,6 +209,9 @@ def test_whitespace_only_text_is_400_and_the_id_can_be_sent_again(hook: Hook) ->
     [
         ("chat", " kit ", "whitespace"),
         ("chat", "kit\u2003", "whitespace"),
+        ("chat", "living room", "whitespace"),  # re-attack: accepted, answered, never routable
+        ("chat", "a\u00a0b", "whitespace"),
+        ("thread", "a\u3000b", "whitespace"),
         ("thread", " t1", "whitespace"),
         ("sender", "ann\n", "control"),
         ("sender", " ann", "whitespace"),

@@ -469,8 +469,8 @@ def _field(
     (`id_like`: sender; chat and thread, which are also route key parts) holds no control character
     and no whitespace at either end: the route CLI and `allow` lists take such an id as typed, so
     `" kit "` could never match a route or an allow entry. A route key part (chat, thread) also holds
-    no ':' and is at most ROUTE_PART_MAX characters, like a route key's part. None when optional
-    and absent or null."""
+    no ':' and no whitespace at all, and is at most ROUTE_PART_MAX characters, like a route key's
+    part. None when optional and absent or null."""
     value = data.get(name)
     if value is None and optional:
         return None
@@ -483,7 +483,9 @@ def _field(
         raise _BadRequest(400, f"{name} must not contain ':'")
     if (key_part or id_like) and any(ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0 for ch in value):
         raise _BadRequest(400, f"{name} must not contain control characters")
-    if (key_part or id_like) and value != value.strip():
+    if key_part and any(ch.isspace() for ch in value):  # a route key part has none (gateway/routing.py)
+        raise _BadRequest(400, f"{name} must not contain whitespace (a route key could never name it)")
+    if id_like and value != value.strip():
         raise _BadRequest(400, f"{name} must not begin or end with whitespace")
     if key_part and value == "__root__":
         raise _BadRequest(400, f"{name} '__root__' is reserved (it names a chat's main line)")

@@ -237,7 +237,16 @@ class _Planned:
 
 # What a tick may change besides its journal (`_used`, `_fits`): kept before it plans, put back
 # when it fails (`Scheduler._claim_due`, `_undo_tick`). One list, so the two never drift apart.
-_TICK_STATE = ("has_lease", "_next_due", "_renew_at", "lease_state", "_orphans", "_invalid", "_held_since")
+_TICK_STATE = (
+    "has_lease",
+    "_next_due",
+    "_renew_at",
+    "lease_state",
+    "_orphans",
+    "_adopting",
+    "_invalid",
+    "_held_since",
+)
 
 
 def _missed_error(missed: list[_Missed]) -> str:
@@ -340,6 +349,9 @@ class Scheduler:
         # Occurrences a dead scheduler claimed (the lease was taken over from it this tick): each is
         # submitted now unless it reached the kernel (the idempotency key makes that exactly once).
         self._orphans: list[tuple[CronTask, list[Occurrence]]] = []
+        # (task id, run number) of those claims while the take-over tick plans (outcomes followed
+        # here only): resolved right after it, the ones never submitted count as queued meanwhile
+        self._adopting: frozenset[tuple[str, int]] = frozenset()
         # Runs claimed (or adopted) here whose fire was held back because this server was found
         # fenced after the claim: fired once it is live again and still held the lease throughout,
         # else left to the server that took the lease over (it adopts them with the lease)
@@ -416,7 +428,7 @@ class Scheduler:
         if self.credentials is not None and self.agent_names is not None:
             await self._read_agent_names()
         planned = await asyncio.to_thread(self._claim_due, now, report)
-        orphans, self._orphans = self._orphans, []
+        orphans, self._orphans, self._adopting = self._orphans, [], frozenset()
         deferred = self._take_deferred()
         for task, claims in orphans:
             for occurrence in await asyncio.to_thread(self._orphan_occurrences, task, claims):
@@ -968,6 +980,8 @@ class Scheduler:
             if not had:
                 dead = self._dead_tokens(state, previous)
                 self._orphans = self._claimed_by(state, dead, shared=self.store.shared)
+                if self.await_outcome is not None:
+                    self._adopting = frozenset((t.id, o.number) for t, claims in self._orphans for o in claims)
                 self._adopt(state, dead)
             self.has_lease = report.has_lease = True
             self._held_through = had
@@ -1196,12 +1210,17 @@ class Scheduler:
     def _running_run(self, task: CronTask) -> int | None:
         """The number of a run of `task` still queued or running (claimed or submitted, its
         outcome not recorded yet) that this process follows, or None. Only runs followed here
-        count: a claim a stopped server left open is resolved by the take-over, never waited for."""
+        count: a claim a stopped server left open is resolved by the take-over, never waited for;
+        but one it never submitted (a catch-up's run waiting its turn), adopted by this tick, counts
+        while the tick plans: the take-over submits it right after, so an occurrence due now would
+        run behind it, where without the stop it would be skipped."""
         for claim in task.claim_records():
             number = claim.get("occurrence")
             if claim.get("progress") not in ("claimed", "submitted") or not isinstance(number, int):
                 continue
             if (task.id, number) in self._in_turn:  # claimed, waiting for the run before it
+                return number
+            if claim.get("progress") == "claimed" and (task.id, number) in self._adopting:
                 return number
             watcher = self._following.get((task.id, number))
             if watcher is not None and not watcher.done():

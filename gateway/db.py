@@ -244,6 +244,22 @@ class LedgerMissingInUse(LedgerFileRefused):
         self.holder = holder
 
 
+class LedgerReplacedInUse(LedgerFileRefused):
+    """gateway.db is another file (a backup renamed over it) than the one the running gateway opened
+    (its identity, recorded in `channels/gateway.opened`): the `-wal`/`-shm` at the path are still the
+    old file's, and SQLite would replay them into this one (a silent mix of two ledgers). Refused
+    before SQLite touches anything; the gateway exits at its next write and restarts on the file."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(
+            path,
+            f"the file was replaced while the running gateway ({holder}) still has the old one open: "
+            "nothing was read or written; restart the server (or kill its gateway child, which the server "
+            "restarts) to use the new file",
+        )
+        self.holder = holder
+
+
 def default_path(home: Path | None = None) -> Path:
     """`$APPSERVER_HOME/channels/gateway.db` (home defaults to the environment, then ~/.appserver)."""
     if home is None:
@@ -275,6 +291,8 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
     path = _ledger_file(Path(path))
     if not os.path.lexists(path):
         _begin_new_ledger(path, lock)
+    elif lock is not None:
+        _refuse_replaced_in_use(path, lock)
     _create_whole(path)
     if path.is_file() and path.stat().st_size == 0:
         # SQLite opens an empty file as a new database, but a ledger never has 0 bytes (it is
@@ -434,8 +452,78 @@ def _lock_holder(lock: Path) -> str | None:
 
 
 def _holder_name(fd: int) -> str:
-    pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    return f"pid {pid}" if pid.isdigit() else "a gateway process"
+    pid = lock_pid(fd)
+    return f"pid {pid}" if pid is not None else "a gateway process"
+
+
+def lock_pid(fd: int) -> str | None:
+    """The pid the gateway holding gateway.lock wrote in it (its first line)."""
+    first = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n", 1)[0].strip()
+    return first if first.isdigit() else None
+
+
+def opened_record(lock: Path) -> Path:
+    """`channels/gateway.opened`: "<pid> <st_dev> <st_ino>" of the ledger file the gateway with that
+    pid opened. Beside gateway.lock, which keeps only the pid (people and scripts read it)."""
+    return lock.with_name("gateway.opened")
+
+
+def record_opened_ledger(lock: Path, conn: sqlite3.Connection) -> None:
+    """Record (atomically: a temporary file renamed over it) the identity of the file the gateway's
+    connection opened, so a command can tell, without opening it with SQLite, that the file now at
+    the path is another one (`LedgerReplacedInUse`). Called by the gateway holding `lock`."""
+    opened = getattr(conn, "opened", None)
+    if opened is None:
+        return
+    _, dev, ino = opened
+    record = opened_record(lock)
+    tmp = record.with_name(f"{record.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, f"{os.getpid()} {dev} {ino}\n".encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, record)
+    except OSError as exc:  # commands then cannot tell a replaced file: logged, the gateway runs on
+        log.warning("could not record the ledger's identity in %s: %s", record, exc)
+
+
+def _recorded_ledger(lock: Path, holder_pid: str | None) -> tuple[int, int] | None:
+    """The (device, inode) the gateway with `holder_pid` recorded; None when there is no record,
+    or it is another (earlier) gateway's, or not whole."""
+    try:
+        words = opened_record(lock).read_text(encoding="ascii", errors="replace").split()
+    except OSError:
+        return None
+    if len(words) != 3 or not all(w.isdigit() for w in words) or words[0] != holder_pid:
+        return None
+    return int(words[1]), int(words[2])
+
+
+def _refuse_replaced_in_use(path: Path, lock: Path) -> None:
+    """`LedgerReplacedInUse` when the file at `path` is not the one the gateway holding `lock`
+    opened. Checked before SQLite opens it: it would use the old file's -wal/-shm with it."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # no lock file: no gateway ever ran here
+        return
+    try:
+        recorded = _recorded_ledger(lock, lock_pid(fd))
+        if recorded is None:
+            return
+        try:
+            st = os.stat(path)
+        except OSError:  # gone meanwhile: SQLite's own error (or the next open) says more
+            return
+        if (st.st_dev, st.st_ino) == recorded:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LedgerReplacedInUse(path, _holder_name(fd)) from None
+    finally:
+        os.close(fd)  # releases the lock, if we took it (no gateway runs: the record is stale)
 
 
 def _check_still_there(conn: sqlite3.Connection) -> None:

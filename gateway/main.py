@@ -22,7 +22,7 @@ from typing import Any
 
 from gateway.accounts import AccountSpec
 from gateway.app import Gateway
-from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, default_path
+from gateway.db import CorruptGatewayDB, LedgerFileRefused, SchemaTooNew, default_path, record_opened_ledger
 from gateway.delivery import DeliveryFailed
 from gateway.ledger import Ledger
 from gateway.link import ServerLink
@@ -90,6 +90,7 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
     ledger = _open_ledger(home, control)
     if ledger is None:
         return EXIT_BAD_START
+    record_opened_ledger(default_path(home).with_name("gateway.lock"), ledger.connection)  # see LedgerReplacedInUse
     mask_stored(ledger.connection, mask)  # a platform's error quoting a token, saved as a reason
     try:
         link = await asyncio.wait_for(ServerLink.open(str(start["url"]), start.get("token")), CONNECT_TIMEOUT_S)

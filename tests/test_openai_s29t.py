@@ -194,3 +194,26 @@ def test_response_owner_is_read_without_the_body_sqlite(tmp_path: Path) -> None:
 def test_response_owner_is_read_without_the_body_postgres() -> None:
     with temp_database("s29t") as url:
         asyncio.run(_owner_read(PostgresStore(url)))
+
+
+def test_an_item_of_an_id_alone_is_an_item_reference(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """OpenAI's ItemReferenceParam has an optional `type`: `{"id": …}` alone is a reference (found by
+    schemathesis: it was refused as a message without `role`). One with more keys stays a message."""
+    home = tmp_path_factory.mktemp("s29t_ref") / "home"
+    home.mkdir()
+    with serving(home, env=cli_env(home)) as sp, httpx.Client(base_url=sp.url, timeout=30) as http:
+        first = http.post("/v1/responses", json={"model": "assistant", "input": "hello"})
+        assert first.status_code == 200, first.text
+        item = next(o["id"] for o in first.json()["output"] if o["type"] == "message")
+        for ref in ({"id": item}, {"id": item, "type": None}):
+            r = http.post(
+                "/v1/responses", json={"model": "assistant", "input": [ref, {"role": "user", "content": "again"}]}
+            )
+            assert r.status_code == 200, r.text
+        unknown = http.post(
+            "/v1/responses", json={"model": "assistant", "input": [{"id": ""}, {"role": "user", "content": "again"}]}
+        )
+        assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "item_not_found", unknown.text
+        message = http.post("/v1/responses", json={"model": "assistant", "input": [{"id": "m", "content": "x"}]})
+        assert message.status_code == 400, message.text
+        assert message.json()["error"]["param"] == "input[0].role", message.text

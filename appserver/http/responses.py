@@ -567,11 +567,11 @@ def _input_part(part: dict[str, Any]) -> dict[str, Any]:
 async def resolve_references(value: Any, lookup: Any) -> Any:
     """`input` with every `item_reference` replaced by the stored item it names (400 when none is):
     `lookup(id)` returns the item or None."""
-    if not isinstance(value, list) or not any(isinstance(i, dict) and i.get("type") == "item_reference" for i in value):
+    if not isinstance(value, list) or not any(is_reference(i) for i in value):
         return value
     out: list[Any] = []
     for i, item in enumerate(value):
-        if isinstance(item, dict) and item.get("type") == "item_reference":
+        if is_reference(item):
             fields.known_keys(item, f"input[{i}]", ITEM_KEYS["item_reference"])
             where = f"input[{i}].id"
             ref = fields.string(fields.required(item, "id", where), where, nullable=False)
@@ -587,6 +587,17 @@ async def resolve_references(value: Any, lookup: Any) -> Any:
         else:
             out.append(item)
     return out
+
+
+def is_reference(item: Any) -> bool:
+    """An `item_reference` input item: so typed, or (OpenAI's ItemReferenceParam, whose `type` is
+    optional) an object of an `id` alone (with a null `type`); one with more keys is read as the
+    message it would be without its role, and refused for that."""
+    if not isinstance(item, dict):
+        return False
+    if item.get("type") == "item_reference":
+        return True
+    return "id" in item and item.get("type") is None and set(item) <= {"id", "type"}
 
 
 INSTRUCTION_ROLES = ("system", "developer")

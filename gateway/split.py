@@ -22,6 +22,11 @@ Rules, in order of preference for where a part ends:
    of its own and never closed (a closer would make the platform show an empty code block, or the
    closer as more backticks, in place of the text).
 
+Inline spans a cut goes through outside code (`||spoiler||`, `**bold**`, `__underline__`,
+`~~strike~~`, `` `code` ``) are closed at the end of the part and reopened at the start of the next,
+in order, within the limit: on Discord an unclosed `||` is text, which showed a long spoiler in the
+clear. Only a span its text closes in the same paragraph counts; a lone marker is left alone.
+
 Blank lines at a cut are dropped, and so is the space a line is cut at; nothing else is (a hard cut
 drops nothing: the parts joined give the line back). Every part is at most `limit` characters
 (measured in `str` length, as the platforms document theirs) and has balanced fences, save such a
@@ -121,6 +126,35 @@ def split_message(text: str, limit: int, fits: Callable[[str], bool] | None = No
         return [text] if text.strip() else []
     if "```" in text:
         text = fences_on_own_lines(text)
+    parts = _split(text, limit, fits)
+    reserve = 0
+    for _ in range(6):  # room for the markers that balance the inline spans a cut goes through
+        balanced = _balanced_spans(text, parts)
+        if balanced is None or balanced == parts:
+            return parts
+        if all(len(part) <= limit and (fits is None or fits(part)) for part in balanced):
+            return balanced
+        reserve = max(2 * reserve, _added(parts, balanced), 8)
+        if limit - reserve < MIN_LIMIT:
+            break
+        parts = _split(text, limit - reserve, _padded(fits, reserve))
+    return parts  # no room for the markers: the limit comes first
+
+
+def _padded(fits: Callable[[str], bool] | None, reserve: int) -> Callable[[str], bool] | None:
+    """`fits` with room left for `reserve` more characters (the markers a part may get)."""
+    if fits is None:
+        return None
+    platform_fits = fits
+    return lambda part: platform_fits(part + "." * reserve)
+
+
+def _added(parts: list[str], balanced: list[str]) -> int:
+    return max(len(b) - len(p) for p, b in zip(parts, balanced, strict=True))
+
+
+def _split(text: str, limit: int, fits: Callable[[str], bool] | None) -> list[str]:
+    """The parts of `text` (fences on their own lines), code fences balanced."""
     lines = _annotate(text.split("\n"), limit)
     parts: list[str] = []
     i = 0
@@ -569,3 +603,122 @@ def _word_end(text: str, start: int, links: list[tuple[int, int]]) -> int:
     while end >= 0 and not _outside(links, end):
         end = text.find(" ", end + 1)
     return len(text) if end < 0 else end
+
+
+# Inline spans a cut may go through: `||spoiler||`, `**bold**`, `__underline__`, `~~strike~~` (runs
+# of exactly two) and code spans (a backtick run closed by the next run as long). A backslash before
+# a run escapes it.
+_SPAN_RUN = re.compile(r"\\?(?:`+|\|+|\*+|_+|~+)")
+_PAIRED = frozenset({"||", "**", "__", "~~"})
+_FLANKED = frozenset({"**", "__", "~~"})  # a delimiter only next to text on its inner side
+
+
+@dataclass(frozen=True)
+class _Run:
+    start: int
+    end: int
+    text: str
+
+
+def _span_runs(text: str) -> list[_Run | None]:
+    """The candidate runs of `text` outside code fences, in order; None between paragraphs (a blank
+    line, or a fence: inline spans never cross one)."""
+    out: list[_Run | None] = []
+    fence: str | None = None
+    offset = 0
+    for line in text.split("\n"):
+        m = _FENCE.match(line)
+        if fence is not None or m or not line.strip():
+            if m and fence is None:
+                fence = line
+            elif m and fence is not None and _closes(fence, m):
+                fence = None
+            out.append(None)
+        else:
+            out += [_Run(offset + r.start(), offset + r.end(), r.group(0)) for r in _SPAN_RUN.finditer(line)]
+        offset += len(line) + 1
+    return out
+
+
+def _span_pairs(text: str, runs: list[_Run | None]) -> list[tuple[int, int, str]]:
+    """The paired spans among `runs` (indexes of opener and closer, and the marker), each within one
+    paragraph. An opener nothing closes is text, and so is everything inside a code span."""
+    closers = _code_closers(runs)
+    pairs: list[tuple[int, int, str]] = []
+    stack: list[tuple[int, str]] = []
+    k = 0
+    while k < len(runs):
+        run = runs[k]
+        if run is None:
+            stack = []  # left open at a paragraph's end: never markup
+        elif run.text[0] == "`" and closers[k] >= 0:
+            pairs.append((k, closers[k], run.text))
+            k = closers[k]
+        elif run.text in _PAIRED:
+            _pair_marker(text, run, k, stack, pairs)
+        k += 1
+    return sorted(pairs)
+
+
+def _code_closers(runs: list[_Run | None]) -> list[int]:
+    """For each run, the next run in its paragraph that would close a code span it opens (the same
+    backticks, a backslash before them being code), or -1: found from the end, in linear time."""
+    out = [-1] * len(runs)
+    later: dict[str, int] = {}
+    for k in range(len(runs) - 1, -1, -1):
+        run = runs[k]
+        if run is None:
+            later = {}
+            continue
+        out[k] = later.get(run.text, -1)
+        later[run.text.lstrip("\\")] = k
+    return out
+
+
+def _pair_marker(text: str, run: _Run, k: int, stack: list[tuple[int, str]], pairs: list[tuple[int, int, str]]) -> None:
+    """Close the span `run` ends (markers opened inside it and left open are text), or open one.
+    `**`, `__` and `~~` close only after text and open only before it (`a ** b` is text)."""
+    opened = [marker for _, marker in stack]
+    if run.text in opened and not (run.text in _FLANKED and text[run.start - 1 : run.start].isspace()):
+        at = len(opened) - 1 - opened[::-1].index(run.text)
+        pairs.append((stack[at][0], k, run.text))
+        del stack[at:]
+    elif not (run.text in _FLANKED and text[run.end : run.end + 1].isspace()):
+        if run.text in opened:  # `**a **b**`: the nearer opener pairs (at most one of each is open)
+            del stack[opened.index(run.text)]
+        stack.append((k, run.text))
+
+
+def _balanced_spans(text: str, parts: list[str]) -> list[str] | None:
+    """`parts` with each inline span a cut goes through closed at the end of its part and reopened
+    (in the same order) at the start of the next: an unclosed `||` or `**` shows as text on the
+    platforms, so most of a spoiler was shown in the clear. None when the parts' runs are not the
+    text's (a hard cut through a run): they are left as they are."""
+    original = _span_runs(text)
+    pairs = _span_pairs(text, original)
+    if len(parts) < 2 or not pairs:
+        return parts
+    joined = "\n".join(parts)
+    ends = [len(part) for part in parts]
+    for q in range(1, len(ends)):
+        ends[q] += ends[q - 1] + 1
+    cut_runs = [run for run in _span_runs(joined) if run is not None]
+    if [run.text for run in cut_runs] != [run.text for run in original if run is not None]:
+        return None
+    index = [k for k, run in enumerate(original) if run is not None]  # a run of the text → its place in cut_runs
+    place = {k: n for n, k in enumerate(index)}
+    part_of = [bisect.bisect_left(ends, run.start) for run in cut_runs]
+    openers: list[list[str]] = [[] for _ in parts]  # reopened at the start of each part
+    for start, end, marker in pairs:
+        for q in range(part_of[place[start]], part_of[place[end]]):
+            openers[q + 1].append(marker)
+    return [_wrapped(part, openers[q], openers[q + 1] if q + 1 < len(parts) else []) for q, part in enumerate(parts)]
+
+
+def _wrapped(part: str, reopen: list[str], close: list[str]) -> str:
+    """`part` with the spans open before it reopened after its indentation and those open after it
+    closed before its trailing whitespace."""
+    body = part.lstrip()
+    lead = part[: len(part) - len(body)]
+    core = body.rstrip()
+    return f"{lead}{''.join(reopen)}{core}{''.join(reversed(close))}{body[len(core) :]}"

@@ -28,10 +28,11 @@ in order, within the limit: on Discord an unclosed `||` is text, which showed a 
 clear. Only a span its text closes in the same paragraph counts; a lone marker is left alone.
 
 Blank lines at a cut are dropped, and so is the space a line is cut at; nothing else is (a hard cut
-drops nothing: the parts joined give the line back). Every part is at most `limit` characters
-(measured in `str` length, as the platforms document theirs) and has balanced fences, save such a
-rest of a long run alone in its part. The grapheme-cluster rules live in `plugins/graphemes.py`
-(re-exported by `plugins.contract`, so a plugin cuts text the same way).
+drops nothing: the parts joined, less the markers added around a span, give the line back). Every
+part is at most `limit` characters (measured in `str` length, as the platforms document theirs)
+and has balanced fences, save such a rest of a long run alone in its part. The grapheme-cluster
+rules live in `plugins/graphemes.py` (re-exported by `plugins.contract`, so a plugin cuts text the
+same way).
 """
 
 from __future__ import annotations

@@ -219,14 +219,18 @@ class ChatOps:
             await self.outboxes.say(runner, answer_target(entry), refusal)
 
     def _answer_refusal(self, entry: Entry, runner: AccountRunner) -> str | None:
-        """None when `entry` answers no prompt waiting in its chat; else the refusal to say ("" when
-        said within the minute)."""
+        """None when `entry` answers no prompt waiting in its chat (`/approve ID`, or a bare
+        `/approve` where one waits); else the refusal to say ("" when said within the minute)."""
         if entry.payload.get("sender_is_bot"):
             return None
         command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
-        if command is None or command.name not in ("approve", "deny") or not command.args:
+        if command is None or command.name not in ("approve", "deny"):
             return None
-        prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
+        if command.args:
+            prompt = self._open_or_remembered(runner, entry.chat, command.args[0])
+        else:  # a bare one answers the prompt waiting here (its sender's, when several wait)
+            here = self.approvals.open_in_chat(runner.spec.ref, entry.chat)
+            prompt = next((p for p in here if p.starter == entry.sender), here[0] if here else None)
         if prompt is None:
             return None
         return self._refusal(entry, runner, prompt)

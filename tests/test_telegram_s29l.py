@@ -206,3 +206,22 @@ def test_a_revoked_starter_answering_a_prompt_in_a_dm_is_told_so_not_given_a_cod
     tg.inject(BOB, "me again", sender=bob)  # a new plain message: a new code, as documented
     again = tg.wait_for_text(BOB, lambda t: bool(CODE.search(t)) and t != first.text, timeout=20)
     assert CODE.search(again.text)
+
+
+def test_a_revoked_starters_bare_deny_in_a_dm_is_told_so(srv: ChannelServer, tg: RawTelegram) -> None:
+    """Re-attack: a bare `/deny` (or `/approve`), which answers the prompt waiting there, got the
+    pairing path, not the refusal `/approve ID` gets."""
+    carol_id = 703
+    carol = tg.user(carol_id, "Carol", "carol")
+    tg.inject(carol_id, "hi", sender=carol)
+    first = tg.wait_for_text(carol_id, lambda t: bool(CODE.search(t)), timeout=20)
+    code = CODE.search(first.text)
+    assert code is not None
+    assert run_cli(srv.home, "pairing", "approve", code.group(0).replace("-", "")).code == 0
+    tg.wait_for_text(carol_id, "echo: hi", timeout=20)
+    tg.inject(carol_id, "/call clock {}", sender=carol)
+    prompt = tg.wait_for_text(carol_id, lambda t: t.startswith("🔐"), timeout=20)
+    assert run_cli(srv.home, "pairing", "revoke", str(carol_id)).code == 0
+    tg.inject(carol_id, "/deny", sender=carol)
+    tg.wait_for_text(carol_id, NOT_LET_IN_ANSWER, timeout=20)
+    assert "❌" not in tg.message(carol_id, prompt.message_id).text  # the call stays pending

@@ -1071,7 +1071,10 @@ def status_cmd(as_json: bool) -> None:
     if db_path.exists():
         click.echo(f"gateway.db: {db_path}")
     else:
-        click.echo(f"gateway.db: {db_path} does not exist yet (no gateway has run on this home)")
+        click.echo(
+            f"gateway.db: {db_path} does not exist yet (no gateway has run on this home, or its"
+            " ledger was deleted and a gateway is starting a new one)"
+        )
     if accounts:
         table = [
             [

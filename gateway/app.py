@@ -236,8 +236,9 @@ class Gateway:
 
     # ---------------------------------------------------------------- inbound, per chat in order
 
-    async def on_message(self, msg: InboundMessage) -> None:
-        """The adapters' callback: record first (committed), then ack, then process in order."""
+    async def on_message(self, msg: InboundMessage) -> bool:
+        """The adapters' callback: record first (committed), then ack, then process in order.
+        Whether the message was recorded now (False: its id was recorded before)."""
         runner = self.runners.get(f"{msg.channel}:{msg.account}")
         if runner is None:
             raise ValueError(f"message for an unknown account {msg.channel}:{msg.account}")
@@ -252,6 +253,7 @@ class Gateway:
             runner.live.last_inbound = time.time()
             self._dirty = True
             self._enqueue(entry)
+        return created
 
     async def _move_chat(self, channel: str, account: str, old: str, new: str) -> None:
         """An adapter learned that a chat has a new id for good (ChatOps.move_chat)."""

@@ -254,7 +254,9 @@ class Account:
     secret_sources: Mapping[str, str] = field(default_factory=dict)
 
 
-OnMessage = Callable[[InboundMessage], Awaitable[None]]
+# Returns whether the message was recorded now (False: a repeat of an id recorded before, not
+# processed again; None from an older gateway: not said). A plugin may tell its sender so.
+OnMessage = Callable[[InboundMessage], Awaitable[bool | None]]
 ReportState = Callable[[AccountState, str | None], None]
 # (old chat id, new chat id): the platform moved a chat to a new id for good (a Telegram group
 # upgraded to a supergroup). Idempotent: a move already made, or of a chat it keeps nothing for, is a no-op.

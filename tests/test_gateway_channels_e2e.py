@@ -184,8 +184,9 @@ def _webhook_signed_in_signed_out_once_per_delivery_id(tmp_path: Path, receiver:
         assert reply["chat"] == "kitchen" and reply["text"] == "echo: are the lights off?", reply
         assert reply["reply_to"] == "evt-1"
         assert reply["id"] == "webhook:main:evt-1:0"  # stable across resends: the receiver can dedupe
-        # The same delivery id again (the sender retried): accepted, no second turn, no second reply.
-        assert _post(port, message).status_code == 202
+        # The same delivery id again (the sender retried): accepted as a duplicate (200), no second
+        # turn, no second reply.
+        assert _post(port, message).status_code == 200
         time.sleep(1.0)
         assert store_turns(srv.home, 'message_id="evt-1"') == 1
         assert len(receiver.posts) == 1

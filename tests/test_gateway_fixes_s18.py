@@ -199,8 +199,9 @@ def test_an_id_the_server_would_refuse_as_a_key_still_makes_exactly_one_turn(
     rows = hook.answered(chat, 1)
     assert [(r[0], r[1]) for r in rows if r[1] == "failed"] == [], rows
     wait_for(lambda: store_turns(hook.srv.home, text) == 1, timeout=20, what="the turn")
-    # The sender retries the same delivery: recognised, no second turn.
-    assert hook.post({"id": message_id, "chat": chat, "sender": "ann", "text": text}).status_code == 202
+    # The sender retries the same delivery: recognised (200, duplicate), no second turn.
+    again = hook.post({"id": message_id, "chat": chat, "sender": "ann", "text": text})
+    assert again.status_code == 200 and again.json()["duplicate"] is True, again.text
     time.sleep(0.5)
     assert store_turns(hook.srv.home, text) == 1
     assert len(hook.rows(chat)) == 1

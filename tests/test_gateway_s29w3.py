@@ -198,7 +198,20 @@ def test_whitespace_only_text_is_400_and_the_id_can_be_sent_again(hook: Hook) ->
     assert hook.rows("ws") == []  # nothing recorded
     assert hook.post({"id": "ws-1", "chat": "ws", "sender": "ann", "text": "now with text"}).status_code == 202
     wait_for(lambda: hook.receiver.of("ws") or None, timeout=20, what="the reply to the corrected message")
-    assert [r[1] for r in hook.rows("ws")] == ["delivered"]
+    # the ledger says delivered once the receiver's answer is back (it records the post before answering)
+    wait_for(lambda: [r[1] for r in hook.rows("ws")] == ["delivered"] or None, timeout=20, what="delivered")
+
+
+def test_a_used_id_is_answered_as_a_duplicate_not_as_accepted(hook: Hook) -> None:
+    """Re-attack: the same `id` in another chat with other text got the same 202 as a first message
+    and vanished; now 200 with `duplicate`, and nothing is done again."""
+    first = hook.post({"id": "dup-1", "chat": "dupa", "sender": "ann", "text": "first"})
+    assert first.status_code == 202 and "duplicate" not in first.json(), first.text
+    wait_for(lambda: hook.receiver.of("dupa") or None, timeout=20, what="the reply to the first")
+    again = hook.post({"id": "dup-1", "chat": "dupb", "sender": "ann", "text": "another message"})
+    assert again.status_code == 200, again.text
+    assert again.json() == {"accepted": True, "duplicate": True, "id": "dup-1"}
+    assert hook.rows("dupb") == []
 
 
 # ----------------------------------------------------------------------------- 3: route keys

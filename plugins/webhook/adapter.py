@@ -3,7 +3,8 @@
 Inbound: `POST <path>` with a JSON message, signed (see `signing`). The signature and its timestamp
 are checked on the raw bytes before anything is parsed; a bad or stale one is 401 and reaches
 nothing. A good message goes to the gateway (`on_message` returns once the ledger committed it, and
-the ledger drops a repeated `id`), then the sender gets 202; if the gateway cannot take it, 503 so
+the ledger drops a repeated `id`), then the sender gets 202 (200 with `duplicate` for a repeated
+`id`); if the gateway cannot take it, 503 so
 the sender retries. Outbound: `send` POSTs the reply as JSON to `reply_url`, signed the same way.
 """
 
@@ -312,12 +313,14 @@ class WebhookAdapter:
                 self._note_refusal(exc.message)
             return _error(exc.status, exc.message)
         try:
-            await self.context.on_message(message)
+            created = await self.context.on_message(message)
         except Exception as exc:
             self.context.log.error(
                 "webhook account '%s': delivery %r not recorded: %r", self.account.name, message.message_id, exc
             )
             return _error(503, "not recorded; retry later", headers={"Retry-After": "5"})
+        if created is False:  # a repeat of an id recorded before: nothing is done again
+            return JSONResponse({"accepted": True, "duplicate": True, "id": message.message_id}, status_code=200)
         return JSONResponse({"accepted": True, "id": message.message_id}, status_code=202)
 
     def _note_refusal(self, reason: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from plugins.loader import move_aside
+from plugins.loader import atomic_write_text, move_aside
 
 log = logging.getLogger("gateway.db")
 
@@ -415,17 +415,10 @@ def _set_aside_orphans(path: Path) -> None:
 
 def _rename_orphan(side: Path) -> Path | None:
     """`side` renamed to `<name>.orphaned-<UTC timestamp>` (never over a file); None if it is gone."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    moved_to = side.with_name(f"{side.name}.orphaned-{stamp}")
-    n = 1
-    while os.path.lexists(moved_to):
-        moved_to = side.with_name(f"{side.name}.orphaned-{stamp}-{n}")
-        n += 1
     try:
-        os.rename(side, moved_to)
+        return move_aside(side, "orphaned")
     except FileNotFoundError:
         return None
-    return moved_to
 
 
 def _refuse_missing_in_use(path: Path, lock: Path) -> None:
@@ -469,7 +462,7 @@ def opened_record(lock: Path) -> Path:
 
 
 def record_opened_ledger(lock: Path, conn: sqlite3.Connection) -> None:
-    """Record (atomically: a temporary file renamed over it) the identity of the file the gateway's
+    """Record (atomically: `atomic_write_text`) the identity of the file the gateway's
     connection opened, so a command can tell, without opening it with SQLite, that the file now at
     the path is another one (`LedgerReplacedInUse`). Called by the gateway holding `lock`."""
     opened = getattr(conn, "opened", None)
@@ -477,14 +470,8 @@ def record_opened_ledger(lock: Path, conn: sqlite3.Connection) -> None:
         return
     _, dev, ino = opened
     record = opened_record(lock)
-    tmp = record.with_name(f"{record.name}.tmp-{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, f"{os.getpid()} {dev} {ino}\n".encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, record)
+        atomic_write_text(record, f"{os.getpid()} {dev} {ino}\n")
     except OSError as exc:  # commands then cannot tell a replaced file: logged, the gateway runs on
         log.warning("could not record the ledger's identity in %s: %s", record, exc)
 

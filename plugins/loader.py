@@ -29,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from plugins.contract import CreateAdapter
+from plugins.statefile import atomic_write_text as atomic_write_text  # the gateway's small records
 from plugins.statefile import move_aside as move_aside  # the gateway sets gateway.db aside with it
 
 log = logging.getLogger(__name__)

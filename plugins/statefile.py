@@ -14,15 +14,15 @@ import time
 from pathlib import Path
 
 
-def move_aside(path: Path) -> Path:
-    """Rename a file that cannot be read to `<name>.corrupt-<UTC timestamp>` (never over an
+def move_aside(path: Path, label: str = "corrupt") -> Path:
+    """Rename a file that cannot be read to `<name>.<label>-<UTC timestamp>` (never over an
     existing file) and return the new path; its content is kept, never emptied (the gateway's
-    database is set aside the same way)."""
+    database is set aside the same way, and the write-ahead files a gone ledger left, `orphaned`)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    moved_to = path.with_name(f"{path.name}.corrupt-{stamp}")
+    moved_to = path.with_name(f"{path.name}.{label}-{stamp}")
     n = 1
-    while moved_to.exists():
-        moved_to = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    while os.path.lexists(moved_to):
+        moved_to = path.with_name(f"{path.name}.{label}-{stamp}-{n}")
         n += 1
     os.replace(path, moved_to)
     return moved_to

@@ -86,6 +86,9 @@ CHANNEL = "slack"
 MAX_LENGTH = 3900
 SECTION_MAX = 3000  # Block Kit: a section's text
 FETCH_TIMEOUT_S = 2.0  # files are fetched before the ack, which Slack wants within 3 s
+# Slack serves private files from its own hosts (files.slack.com, files-edu.slack.com,
+# <org>.enterprise.slack.com, …): the bot token goes to https on these, and to the api_url's origin.
+SLACK_FILE_DOMAIN = "slack.com"
 ORDER_MARGIN_S = 0.5  # how much longer than a download a later message of the chat waits for it
 CONNECT_TIMEOUT_S = 15.0
 API_TIMEOUT_S = 15.0  # a Web API call without an answer by then fails (a post is then looked up)
@@ -264,6 +267,8 @@ class SlackAdapter:
         if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
             api_url = DEFAULT_API_URL  # refused at start (the error above)
         self._api_url = api_url.rstrip("/")
+        # files there get the bot token too: a self-hosted Slack, the loopback fake in tests
+        self._api_origin = _origin_of(self._api_url)
         self._web: AsyncWebClient | None = None
         self._socket: SocketModeClient | None = None
         self._files: httpx.AsyncClient | None = None
@@ -528,6 +533,11 @@ class SlackAdapter:
         url = f.get("url_private_download") or f.get("url_private")
         if not mime.startswith("image/") or not isinstance(url, str):
             return Attachment(kind="file", name=name, mime=mime, size=size)
+        # The URL comes with the event: one elsewhere (an external file, or anyone's host) would get
+        # the bot token. Not fetched; named like any file that could not be had.
+        if f.get("is_external") or not self._is_file_url(url):
+            self._log.warning("%s: file %s is external or not on a Slack file host: not fetched", self._where, name)
+            return Attachment(kind="file", name=name, mime=mime, size=size)
         # An image travels to the server base64-encoded in the turn's frame: one bigger than the
         # gateway's budget (from the server's frame limit) is not fetched, and is named as too big.
         limit = self.context.max_image_bytes()
@@ -549,7 +559,9 @@ class SlackAdapter:
         """A private file, fetched with the bot token (`files:read`); None when it cannot be had in
         time. One bigger than `limit` is read only to just past it (the caller sees it is too big)."""
         if self._files is None:
-            self._files = httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True)
+            self._files = httpx.AsyncClient(
+                timeout=FETCH_TIMEOUT_S, follow_redirects=True, event_hooks={"request": [self._only_file_hosts]}
+            )
         try:
             async with self._files.stream("GET", url, headers={"Authorization": f"Bearer {self._bot_token}"}) as r:
                 if r.status_code != 200 or "text/html" in r.headers.get("content-type", ""):
@@ -566,6 +578,25 @@ class SlackAdapter:
         except httpx.HTTPError as exc:
             self._log.warning("%s: file fetch failed: %s", self._where, exc)
             return None
+
+    def _is_file_url(self, url: str | httpx.URL) -> bool:
+        """Whether the bot token may go to `url`: https on `slack.com` or a `*.slack.com` host (default
+        port), or the configured `api_url`'s origin. Parsed by httpx, as the request will be, so
+        `https://files.slack.com@other.test/` is other.test's."""
+        origin = _origin_of(url)
+        if origin is None:
+            return False
+        if origin == self._api_origin:
+            return True
+        scheme, host, port = origin
+        on_slack = host == SLACK_FILE_DOMAIN or host.endswith("." + SLACK_FILE_DOMAIN)
+        return scheme == "https" and port is None and on_slack
+
+    async def _only_file_hosts(self, request: httpx.Request) -> None:
+        """Run before every request of the file client, redirects included: a redirect away from
+        Slack's file hosts is not followed (httpx drops the token on it; this fetches nothing there)."""
+        if not self._is_file_url(request.url):
+            raise httpx.RequestError(f"a redirect to {request.url.host} (not a Slack file host)", request=request)
 
     def _action_message(self, payload: Mapping[str, Any]) -> InboundMessage | None:
         """A click on an approval button, as the `/approve ID` or `/deny ID` its clicker would type."""
@@ -867,6 +898,15 @@ def _chat_of(req: SocketModeRequest) -> str:
     if req.type == "interactive":
         return str(_dict(payload.get("container")).get("channel_id") or _dict(payload.get("channel")).get("id") or "")
     return ""
+
+
+def _origin_of(url: str | httpx.URL) -> tuple[str, str, int | None] | None:
+    """(scheme, host, port) as httpx parses `url` (None: unparsable, it then matches nothing)."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return None
+    return (parsed.scheme, parsed.host, parsed.port)
 
 
 def _dict(value: Any) -> dict[str, Any]:

@@ -200,12 +200,15 @@ class CorruptGatewayDBInUse(Exception):
 
 
 class _LedgerConnection(sqlite3.Connection):
-    """A connection that remembers the file it opened (path, device, inode), so a write can tell
-    that file was deleted or replaced under it (`_check_still_there`). None: not watched. And the
-    `-wal`/`-shm` it uses (same triple), which are the old file's once it is gone: set aside then,
-    never replayed by SQLite onto the file now at the path."""
+    """A connection that remembers the file it opened (the path it was asked for, gateway.db, with
+    the device and inode of the file that path led to), so a write can tell that the path no longer
+    leads to it: deleted, replaced, or a symbolic link re-pointed (`_check_still_there`). None: not
+    watched. `opened_file`: that file's own path (the link's target). And the `-wal`/`-shm` it uses
+    (same triple), beside that file: set aside once that file is gone from there, never replayed
+    by SQLite onto the file now at its path."""
 
     opened: tuple[Path, int, int] | None = None
+    opened_file: Path | None = None
     sidecars: tuple[tuple[Path, int, int], ...] = ()
 
 
@@ -269,9 +272,10 @@ def default_path(home: Path | None = None) -> Path:
 
 def ledger_exists(path: Path) -> bool:
     """Whether gateway.db exists. A symbolic link to nothing is not "no ledger yet" (its disk may
-    not be mounted): `LedgerFileRefused`, naming the link and its target. Nor is a file deleted
-    under a running gateway (`LedgerMissingInUse`): it still holds everything, in the deleted file."""
-    if _stat(path, NEW_LEDGER_AFTER_REMOVAL) is not None:
+    not be mounted): `LedgerFileRefused`, naming the link and its target, unless the file it named
+    was moved aside as corrupt (`_ledger_stat`). Nor is a file deleted under a running gateway
+    (`LedgerMissingInUse`): it still holds everything, in the deleted file."""
+    if _ledger_stat(path) is not None:
         return True
     _refuse_missing_in_use(path, path.with_name("gateway.lock"))
     return False
@@ -288,7 +292,8 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
     regular file (itself or its `-wal`/`-shm`/`-journal`) or one SQLite can only read:
     `LedgerFileRefused`. The gateway's own connection is watched: see `transaction`."""
     lock = None if gateway else Path(path).with_name("gateway.lock")
-    path = _ledger_file(Path(path))
+    asked = Path(path).absolute()  # gateway.db, perhaps a link: what a command opens is where it leads then
+    path = _ledger_file(asked)
     if not os.path.lexists(path):
         _begin_new_ledger(path, lock)
     elif lock is not None:
@@ -329,17 +334,20 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
         raise _move_aside(path, damage, lock)
     os.chmod(path, 0o600)
     if gateway:
-        _watch(conn, path)
+        _watch(conn, asked, path)
     return conn
 
 
-def _watch(conn: _LedgerConnection, path: Path) -> None:
-    """Remember the file the gateway's connection opened and the -wal/-shm it uses (both exist
-    once WAL mode is on and the file was read, as it was above), for `_check_still_there`."""
-    st = os.stat(path)
-    conn.opened = (path, st.st_dev, st.st_ino)
+def _watch(conn: _LedgerConnection, asked: Path, file: Path) -> None:
+    """Remember the file the gateway's connection opened (`file`, which `asked` led to) and the
+    -wal/-shm it uses (both exist once WAL mode is on and the file was read, as it was above), for
+    `_check_still_there`. The path kept is `asked`, not the link's target: a command resolves the
+    link again each time it opens the ledger, so the gateway's check must too."""
+    st = os.stat(file)
+    conn.opened = (asked, st.st_dev, st.st_ino)
+    conn.opened_file = file
     sidecars = []
-    for side in _sidecars(path)[:2]:
+    for side in _sidecars(file)[:2]:
         try:
             side_st = os.stat(side)
         except FileNotFoundError:
@@ -514,13 +522,15 @@ def _refuse_replaced_in_use(path: Path, lock: Path) -> None:
 
 
 def _check_still_there(conn: sqlite3.Connection) -> None:
-    """End the gateway when the file its connection opened is no longer at its path (deleted, or
-    replaced by another): every write would go to a file no command reads (a stranger's pairing
-    code that `pairing list` never shows). One stat(2) per write transaction (microseconds); reads
-    are not checked. The process exits at once (`EXIT_LEDGER_GONE`), before the write begins: not
-    an exception, which the gateway's loops catch to keep its channels running, nor a shutdown that
-    writes more. An update not recorded is not acknowledged, so its platform delivers it again to
-    the gateway the supervisor restarts, on a new ledger at the path."""
+    """End the gateway when its path (gateway.db) no longer leads to the file its connection
+    opened (deleted, replaced by another, or a symbolic link re-pointed at another): every write
+    would go to a file no command reads (a stranger's pairing code that `pairing list` never shows).
+    The stat(2) follows the link as it is now, as a command's open does (`_refuse_replaced_in_use`):
+    one per write transaction (microseconds); reads are not checked. The process exits at once
+    (`EXIT_LEDGER_GONE`), before the write begins: not an exception, which the gateway's loops catch
+    to keep its channels running, nor a shutdown that writes more. An update not recorded is not
+    acknowledged, so its platform delivers it again to the gateway the supervisor restarts, on the
+    file now at the path."""
     opened = getattr(conn, "opened", None)
     if opened is None:
         return
@@ -538,13 +548,36 @@ def _check_still_there(conn: sqlite3.Connection) -> None:
     log.error(
         "%s was %s while the gateway had it open: exiting (code %d) to restart on a new ledger; what the old "
         "file held (history, routes, approvals, pairing codes) is lost unless it is put back, the server stopped",
-        path,
+        _described(path),
         what,
         EXIT_LEDGER_GONE,
     )
-    _set_aside_own_sidecars(getattr(conn, "sidecars", ()))
+    opened_file = getattr(conn, "opened_file", None)
+    if opened_file is not None and _is_file(opened_file, dev, ino):
+        # only a link was re-pointed: the file it led to is still at its own path, with its own
+        # -wal/-shm beside it (its last writes), which SQLite never opens with another file
+        log.error("%s, the file it led to, is still there with its -wal and -shm: left as it is", opened_file)
+    else:
+        _set_aside_own_sidecars(getattr(conn, "sidecars", ()))
     logging.shutdown()  # flushes the log before the abrupt exit
     os._exit(EXIT_LEDGER_GONE)
+
+
+def _described(path: Path) -> str:
+    """`path`, and where it leads now when it is a symbolic link."""
+    try:
+        return f"{path} (a symbolic link, now to {os.readlink(path)})"
+    except OSError:  # not a link, or gone
+        return str(path)
+
+
+def _is_file(path: Path, dev: int, ino: int) -> bool:
+    """Whether `path` is (still) the file with this device and inode."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
 
 
 def _set_aside_own_sidecars(sidecars: tuple[tuple[Path, int, int], ...]) -> None:
@@ -566,10 +599,11 @@ def _set_aside_own_sidecars(sidecars: tuple[tuple[Path, int, int], ...]) -> None
 
 def _ledger_file(path: Path) -> Path:
     """The file the ledger is in: `path`, or the existing file its symbolic link names (on another
-    disk, say). Only the home's own `channels/` directory is made: never the directories a link
-    points into (a disk not mounted would get a new, empty ledger on the root file system)."""
+    disk, say; where it will be made, when a corrupt one was moved aside from there). Only the home's
+    own `channels/` directory is made: never the directories a link points into (a disk not mounted
+    would get a new, empty ledger on the root file system)."""
     _make_channels_dir(path.parent)
-    st = _stat(path, NEW_LEDGER_AFTER_REMOVAL)
+    st = _ledger_stat(path)
     if st is not None:
         _check_regular(path, st, "the gateway keeps its ledger only in a regular file")
     real = Path(os.path.realpath(path))
@@ -590,12 +624,38 @@ def _make_channels_dir(folder: Path) -> None:
         raise
 
 
-def _stat(path: Path, after_removal: str = "") -> os.stat_result | None:
+def _ledger_stat(path: Path) -> os.stat_result | None:
+    """stat(2) of gateway.db through links; None when there is no ledger yet. A link to nothing is
+    refused (`_refuse_dangling`: its disk may not be mounted), except one whose target was moved
+    aside here as corrupt (`<target>.corrupt-<timestamp>` beside where it was, in a directory that
+    is there): that is where the new, empty ledger is made, as for a gateway.db that is no link."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        if not _target_moved_aside(path):
+            _refuse_dangling(path, NEW_LEDGER_AFTER_REMOVAL)
+        return None
+
+
+def _target_moved_aside(path: Path) -> bool:
+    """Whether `path` is a link whose missing target has a `.corrupt-*` file of ours beside it (an
+    unmounted disk's mount point shows neither: the file set aside is on that disk)."""
+    if not os.path.islink(path):
+        return False
+    target = Path(os.path.realpath(path))
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return False
+    return any(name.startswith(f"{target.name}.corrupt-") for name in names)
+
+
+def _stat(path: Path) -> os.stat_result | None:
     """stat(2) through links; None when there is no file, `LedgerFileRefused` for a link to nothing."""
     try:
         return os.stat(path)
     except FileNotFoundError:
-        _refuse_dangling(path, after_removal)
+        _refuse_dangling(path)
         return None
 
 
@@ -782,6 +842,8 @@ def _move_aside(path: Path, reason: str, lock: Path | None) -> CorruptGatewayDB 
 
 
 def _moved(path: Path, reason: str) -> CorruptGatewayDB:
+    """`path` is the ledger's own file (a link's target): set aside beside itself, so a link to it
+    then leads to where the new ledger is made (`_ledger_stat`), never dangling for good."""
     moved_to = move_aside(path)
     for suffix in ("-wal", "-shm"):
         side = path.with_name(path.name + suffix)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from datetime import date, datetime
 from datetime import time as dtime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import click
@@ -67,6 +67,10 @@ from gateway.redact import SecretMask, account_mask
 from gateway.routing import ROOT, Route, RouteKey, Router
 from gateway.status import AccountStatus, StatusBoard
 from plugins.loader import FIRST_PARTY, Manifest, discover
+
+if TYPE_CHECKING:  # the kernel is imported by the commands that use it, not by `appserver --help`
+    from appserver.server import Server
+    from appserver.store import ConversationRecord
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -1036,6 +1040,58 @@ def _show_live_states(accounts: list[dict[str, Any]], live: Mapping[str, Any], m
         item["started"] = True
 
 
+def _pin_hints(
+    config: Config, pins: list[Route], failures: Mapping[tuple[str, str], dict[str, Any]]
+) -> dict[tuple[str, str], str]:
+    """Per account whose last failure names one of its pinned routes and that pin (the gateway's
+    `… is pinned to conversation ID, which the server does not find …`): why the gateway cannot use
+    it, read from the store. The server answers a conversation outside the gateway's namespace (a
+    pin made before auth mode became `token`) as not found, so that no credential learns it exists,
+    and the gateway cannot tell it from a deleted one; this command, on the operator's side, can.
+    Nothing when the store cannot be read: the rest of `status` works without it."""
+    import asyncio
+
+    from appserver.cli.common import explain
+    from appserver.errors import KernelError
+    from appserver.server import Server  # the kernel: imported only when a pin failed
+
+    suspects: dict[tuple[str, str], Route] = {}
+    for route in pins:
+        account = (route.key.channel, route.key.account)
+        reason = str((failures.get(account) or {}).get("reason") or "")
+        if route.conversation and str(route.key) in reason and route.conversation in reason:
+            suspects[account] = route
+    if not suspects:
+        return {}
+    namespace = _gateway_namespace(config)
+
+    async def look_up() -> dict[tuple[str, str], str]:
+        server = Server(config)
+        await server.open()
+        try:
+            hints: dict[tuple[str, str], str] = {}
+            for account, route in suspects.items():
+                assert route.conversation is not None
+                try:
+                    agent_id, found = await _pin_candidates(server, route.agent, route.conversation, namespace)
+                except KernelError as exc:  # the route's agent is gone or ambiguous: its own line says so
+                    hints[account] = f"the route {route.key}: {exc}"
+                    continue
+                problem = _pin_problem(route.agent, agent_id, route.conversation, namespace, found)
+                if problem is not None:
+                    hints[account] = f"the route {route.key}: {problem}; fix it with `appserver channels route add`"
+            return hints
+        finally:
+            await server.close()
+
+    try:
+        return asyncio.run(look_up())
+    except Exception as exc:
+        if explain(exc) is None:
+            raise
+        return {}
+
+
 @channels_group.command("status")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_errors
@@ -1050,6 +1106,9 @@ def status_cmd(as_json: bool) -> None:
         rows = StatusBoard(conn).all() if conn is not None else []
         counts = Ledger(conn).counts() if conn is not None else {}
         failures = _last_failures(Ledger(conn), StatusBoard(conn), mask) if conn is not None else {}
+        pins = [r for r in Router(conn).routes() if r.conversation is not None] if conn is not None else []
+    for account, hint in _pin_hints(config, pins, failures).items():
+        failures[account]["hint"] = hint
     rows = [replace(r, reason=mask.redact(r.reason)) if r.reason else r for r in rows]
     accounts = _account_rows(config, rows, failures)
     ledger = {s: counts.get(s, 0) for s in LEDGER_STATES} | {s: n for s, n in counts.items() if s not in LEDGER_STATES}
@@ -1113,6 +1172,9 @@ def status_cmd(as_json: bool) -> None:
                 ]
             )
         click.echo(_table(table))
+        for a in accounts:
+            if a["last_failure"] is not None and a["last_failure"].get("hint"):
+                click.echo(f"hint: {visible(a['last_failure']['hint'])}")
     else:
         click.echo("No channel accounts configured (add one with `appserver channels add CHANNEL NAME`).")
     if any(counts.values()):
@@ -1232,36 +1294,99 @@ def _require_agent(config: Config, agent: str) -> None:
 
 
 def _require_conversation(config: Config, agent: str, conversation: str) -> None:
-    """Refuse a pin to a conversation the server would not continue for `agent` (unknown, or
-    another agent's), before anything is written: the gateway does not replace an operator's pin,
-    so such a route would only fail each message."""
+    """Refuse a pin to a conversation the gateway could not continue for `agent` (unknown, another
+    agent's, or outside its credential's namespace), before anything is written: the gateway does
+    not replace an operator's pin, so such a route would only fail each message."""
     import asyncio
 
     from appserver.server import Server  # the kernel: imported only when needed
 
-    async def owner() -> tuple[str, str | None]:
+    namespace = _gateway_namespace(config)
+
+    async def look_up() -> tuple[str, list[ConversationRecord]]:
         server = Server(config)
         await server.open()
         try:
-            agent_id = (await server.kernel.resolve_agent(agent)).id
-            record = await server.store.get_conversation(conversation)
-            return agent_id, record.agent_id if record is not None else None
+            return await _pin_candidates(server, agent, conversation, namespace)
         finally:
             await server.close()
 
-    agent_id, found = run_or_fail(lambda: asyncio.run(owner()))
-    if found is None:
-        raise Refused(
-            f"no conversation {exact(conversation)}: a pinned route must name an existing conversation of"
-            f" {exact(agent)} (see `appserver conversations list --agent {exact(agent)}`); nothing written",
-            2,
+    agent_id, found = run_or_fail(lambda: asyncio.run(look_up()))
+    problem = _pin_problem(agent, agent_id, conversation, namespace, found)
+    if problem is not None:
+        raise Refused(f"{problem}; nothing written", 2)
+
+
+def _gateway_namespace(config: Config) -> str | None:
+    """The conversation namespace of the gateway's credential, derived as the server derives it
+    (docs/security.md, "Conversation namespaces"). In auth mode `token` the gateway holds a token
+    named `gateway` (`gateway@…` on a database several servers share) with the `ws` scope only
+    (appserver/channels.py `mint_credential`): it sees only the conversations it made. In mode
+    `none` it connects as the local owner, who sees them all (None); mode `jwt` runs no gateway.
+    The mode is config.toml's or, when stricter, the running server's (`serve --auth token`): a pin
+    must work for the gateway running now and for the one the next start runs."""
+    live = read_live_server(config.server_json)
+    if config.auth.mode != "token" and (live is None or live.get("auth") != "token"):
+        return None
+    from appserver.auth import Principal, conversation_namespace
+    from appserver.channels import gateway_token_name
+
+    # as TokenRecord.principal() gives it for the gateway's own token (its subject `token:<name>`)
+    gateway = Principal(subject=f"token:{gateway_token_name(config)}", kind="token", scopes=frozenset({"ws"}))
+    return conversation_namespace(gateway)
+
+
+async def _pin_candidates(
+    server: Server, agent: str, conversation: str, namespace: str | None
+) -> tuple[str, list[ConversationRecord]]:
+    """The id of `agent` and the conversations a pin may name for a caller of `namespace`: the ids
+    the WebSocket `submit_input` tries for it (`name_ids`: a bare name is first the caller's own
+    `NAME~<tag>`), those that exist."""
+    from appserver.http.conversation_match import name_ids
+
+    agent_id = (await server.kernel.resolve_agent(agent)).id
+    found = []
+    for cid in name_ids(conversation, namespace):
+        record = await server.store.get_conversation(cid)
+        if record is not None:
+            found.append(record)
+    return agent_id, found
+
+
+def _pin_problem(
+    agent: str, agent_id: str, conversation: str, namespace: str | None, found: list[ConversationRecord]
+) -> str | None:
+    """Why the gateway (of `namespace`) could not continue `conversation` for `agent`, or None when
+    it can: the rule the server applies (`namespace_allows`, then the agent). The server answers
+    `conversation_not_found` alike for all three, so that a credential learns nothing of another
+    namespace: only the operator, who reads the store, can be told which it is."""
+    from appserver.auth import namespace_allows
+
+    usable = [c for c in found if namespace_allows(namespace, c.namespace)]
+    if any(c.agent_id == agent_id for c in usable):
+        return None
+    if usable:
+        return (
+            f"conversation {exact(conversation)} belongs to agent {exact(usable[0].agent_id)}, not {exact(agent)}:"
+            " a pinned route must name a conversation of its own agent"
         )
-    if found != agent_id:
-        raise Refused(
-            f"conversation {exact(conversation)} belongs to agent {exact(found)}, not {exact(agent)}: a pinned"
-            " route must name a conversation of its own agent; nothing written",
-            2,
+    if found:
+        owner = found[0].namespace
+        whose = (
+            "has no owner (made by the CLI, cron, an admin credential or in auth mode none)"
+            if owner is None
+            else f"belongs to the credential namespace {exact(owner)}"
         )
+        return (
+            f"conversation {exact(conversation)} {whose}, and in auth mode token the channel gateway may use only"
+            f" the conversations of its own credential ({exact(namespace or '')}), as any token may"
+            ' (docs/security.md, "Conversation namespaces"): pin a conversation the gateway opened for a chat,'
+            " or leave out --conversation"
+        )
+    return (
+        f"no conversation {exact(conversation)}: a pinned route must name an existing conversation of"
+        f" {exact(agent)} (see `appserver conversations list --agent {exact(agent)}`)"
+    )
 
 
 def _remove_route(router: Router, key: RouteKey, text: str) -> RouteKey | None:

@@ -4,6 +4,11 @@ Every end goes through `finish_turn` with its typed `TurnEnd` (runtime/settle.py
 loop's end, an accept that failed, a withdrawn queued input, a cancelled paused turn, and the
 kernel's crash settle of a turn no runtime holds. A commit that fails ends the turn failed (a
 store failure) and still settles and publishes it; the `Finished` outcome says so.
+
+One exception: a commit (or a start) refused because the turn ended elsewhere (`TurnSettledElsewhere`:
+another server of the cluster committed its end first, as a server judged gone mid-commit does
+when it goes on) publishes the end the store holds, read back, never a failure of a turn that
+ended: its clients would send again an input that did run (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable
 from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.pending import PendingAnswers
+from appserver.runtime.restore import controller_from_store
 from appserver.runtime.settle import TurnEnd, store_failure
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
@@ -38,10 +44,15 @@ class Seat:
 @value
 class Finished:
     """How a turn ended: `end` is what was published (a store failure when the commit failed,
-    and then `commit_error` is why)."""
+    and then `commit_error` is why). `elsewhere`: the turn had ended elsewhere (the commit was
+    refused, `commit_error`), and `end` is the end the store holds, published instead.
+    `published` is False when nothing was (a turn no runtime holds, that another server holds
+    open now: that server ends it)."""
 
     end: TurnEnd
     commit_error: Exception | None = None
+    elsewhere: bool = False
+    published: bool = True
 
 
 async def finish_turn(
@@ -53,10 +64,13 @@ async def finish_turn(
     *,
     seat: Seat | None = None,
     lease: Lease | None = None,
+    refused: TurnSettledElsewhere | None = None,
 ) -> Finished:
     """Commit `end`, settle the turn (record, lifecycle, the settle listeners) and publish its
     terminal or awaiting snapshot. `seat` is None for a turn no runtime holds (crash settle);
-    `lease` is None for one that holds no lifecycle (a queued turn withdrawn before it began)."""
+    `lease` is None for one that holds no lifecycle (a queued turn withdrawn before it began).
+    `refused`: the turn's start was refused so (run.py), and `end` says the store failure; a
+    commit refused so is handled alike (`_ended_elsewhere`)."""
     commit = end.commit
     failure: Exception | None = None
     if commit is not None:
@@ -73,6 +87,8 @@ async def finish_turn(
             end = store_failure(exc)
             if seat is not None:
                 seat.history.drop()
+            if isinstance(exc, TurnSettledElsewhere):
+                refused = exc
         else:
             record.input_committed = record.input_committed or commit.input_committed
             record.iteration = commit.iteration
@@ -84,6 +100,10 @@ async def finish_turn(
             controller.settle_calls(commit.messages)
             if seat is not None:
                 seat.history.extend(commit.messages)
+    if refused is not None:
+        elsewhere = await _ended_elsewhere(store, settled, record, controller, refused, seat=seat, lease=lease)
+        if elsewhere is not None:
+            return elsewhere
     # From here on nothing awaits: no other task sees the turn half settled.
     record.status = end.status
     if end.status == "awaiting" and commit is not None and lease is not None and seat is not None:
@@ -100,6 +120,61 @@ async def finish_turn(
         seat.lifecycle.finish(lease)
     settled(record, controller.snapshot())
     return Finished(end, failure)
+
+
+async def _ended_elsewhere(
+    store: Store,
+    settled: Callable[[TurnRecord, TurnSnapshot], None],
+    record: TurnRecord,
+    controller: TurnController,
+    refused: TurnSettledElsewhere,
+    *,
+    seat: Seat | None,
+    lease: Lease | None,
+) -> Finished | None:
+    """The turn's end (or start) was refused: read how the store holds it. Ended (another server
+    committed its end first): that end is settled and published, at a revision above any this
+    controller showed. Still open, the turn is another server's: a turn no runtime holds here
+    publishes nothing (its holder ends it, and a mirror here reads that end); one a runtime here
+    holds returns None, and ends failed `taken_over` as before (its clients must hear an end).
+    None too when the store cannot be read (a turn no runtime holds then fails its take-over,
+    which the next sweep makes again)."""
+    rebuilt: TurnController | None = None
+    stored_ids: list[int] = []
+    try:
+        stored = await store.get_turn(record.id)
+        if stored is not None and stored.status in SETTLED_SNAPSHOT_STATUS:
+            rebuilt = await controller_from_store(store, stored, [])
+            messages = await store.list_messages(record.conversation_id)
+            stored_ids = [m.id for m in messages if m.turn_id == record.id and m.id is not None]
+    except Exception as exc:
+        log.warning("turn %s: how it ended elsewhere could not be read: %s", record.id, exc)
+        if seat is None:
+            return Finished(store_failure(exc), exc, published=False)
+        return None
+    if stored is None or rebuilt is None:
+        if seat is None:
+            log.warning("turn %s is held by another server, which ends it: %s", record.id, refused)
+            return Finished(store_failure(refused), refused, published=False)
+        return None
+    # From here on nothing awaits: no other task sees the turn half settled.
+    snap = rebuilt.snapshot()
+    controller.mirror(snap)  # never below a revision shown here (a terminal one is always taken)
+    if stored_ids:
+        controller.last_message_id = max(stored_ids)
+    record.status = stored.status
+    record.stop_reason = stored.stop_reason
+    record.error = stored.error
+    record.usage = dict(stored.usage)
+    record.iteration = stored.iteration
+    record.input_committed = stored.input_committed
+    if seat is not None:
+        seat.history.drop()  # the other server wrote the turn's messages: read them again
+        if lease is not None:
+            seat.lifecycle.finish(lease)
+    settled(record, controller.snapshot())
+    log.warning("turn %s had ended elsewhere (%s): its stored end is published", record.id, stored.status)
+    return Finished(TurnEnd(stored.status, snap.stop_reason or "end_turn", stored.error), refused, elsewhere=True)
 
 
 __all__ = ["Finished", "Seat", "finish_turn"]

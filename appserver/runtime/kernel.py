@@ -572,18 +572,23 @@ class Kernel:
 
     async def _settle_unheld(
         self, turn: TurnRecord, end: TurnEnd, shown: list[MessageRecord] | None = None, revision: int | None = None
-    ) -> None:
+    ) -> bool:
         """End a turn no runtime holds through `finish_turn`, like every turn: a controller of its
         own, holding `shown` (the turn's messages, kept and new), publishes the settled snapshot at
         `revision` (default: the stored one + 1), the one `end` stores; a commit that fails here
-        fails the start."""
+        fails the start (or the take-over). False when the turn had ended elsewhere meanwhile (a
+        server judged gone committed its end after this one read it open): the stored end is
+        published instead (`finish_turn`), and the take-over goes on with the next turn."""
         published = revision if revision is not None else turn.revision + 1
         controller = TurnController(turn.id, turn.conversation_id, turn.agent_id, revision=published - 1)
         if shown:
             controller.load_messages(shown)
         finished = await finish_turn(self.store, self._turn_settled, turn, controller, end)
+        if finished.elsewhere:
+            return False
         if finished.commit_error is not None:
             raise finished.commit_error
+        return True
 
     async def _settle_withdrawn(self, turn: TurnRecord) -> None:
         """Drop a queued input whose only answer was the reply to the HTTP request that sent it:
@@ -591,11 +596,12 @@ class Kernel:
         (as when a client leaves before its input starts; DESIGN §13)."""
         # A restart revision (restore.py): a dead process showed its queue positions, never stored.
         revision = restart_revision(turn)
-        await self._settle_unheld(
+        if not await self._settle_unheld(
             turn,
             withdrawn(turn.id, revision, "its HTTP request was cut off by a stop before it started"),
             revision=revision,
-        )
+        ):
+            return
         log.warning(
             "dropped queued turn %s of conversation %s: its HTTP request ended with the process",
             turn.id,
@@ -608,7 +614,8 @@ class Kernel:
         kind `withdrawn`, nothing of it written, as that process would have ended it."""
         revision = restart_revision(turn)
         end = withdrawn(turn.id, revision, LEFT_UNSEEN, usage=turn.usage, iteration=turn.iteration)
-        await self._settle_unheld(turn, end, revision=revision)
+        if not await self._settle_unheld(turn, end, revision=revision):
+            return
         log.warning(
             "dropped turn %s of conversation %s, cancelled before a stop: %s",
             turn.id,
@@ -671,7 +678,8 @@ class Kernel:
             input_committed=turn.input_committed or writes_input,
         )
         shown = [m for m in history if m.turn_id == turn.id] + messages
-        await self._settle_unheld(turn, TurnEnd(status, "cancelled", error, commit), shown, published)
+        if not await self._settle_unheld(turn, TurnEnd(status, "cancelled", error, commit), shown, published):
+            return
         log.warning(
             "turn %s of conversation %s was %s; kept %d characters of its text",
             turn.id,

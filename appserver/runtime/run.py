@@ -309,10 +309,11 @@ class TurnRunner:
         except StaleLease:
             return
         not_accepted = await accept_failure(accepting)
+        refused: TurnSettledElsewhere | None = None
         if self.gone is not None:
             end = deleted(self.gone)
         elif elsewhere is not None:
-            end = store_failure(elsewhere)
+            end, refused = store_failure(elsewhere), elsewhere  # ended elsewhere: finish_turn publishes that end
         elif not_accepted is not None:
             # Never accepted, so never acknowledged nor visible: nothing of it may be written.
             log.error("turn %s could not be accepted: %s", record.id, not_accepted)
@@ -330,7 +331,9 @@ class TurnRunner:
             end = withdrawn(record.id, controller.revision + 1, LEFT_UNSEEN, usage=work.usage, iteration=work.iteration)
         else:
             end = loop_end(record.id, work, outcome, controller.revision + 1)
-        await finish_turn(deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease)
+        await finish_turn(
+            deps.store, deps.settled, record, controller, end, seat=self._seat, lease=lease, refused=refused
+        )
 
     async def _end_damaged(
         self, record: TurnRecord, controller: TurnController, lease: Lease, *, resumed: bool

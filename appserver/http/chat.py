@@ -1182,7 +1182,7 @@ class _Ctx:
                 raise turn_cancelled(snap)  # an empty `stop` would read as the agent's whole reply
             if snap.stop_reason == "max_steps":
                 text = f"{text}\n\n{self.steps_note}" if text else self.steps_note
-            calls = self.shown(tool_calls_of(snap)) if snap.status == "awaiting" else []
+            calls = self.reply_calls(snap)
             message: dict[str, Any] = {
                 "role": "assistant",
                 "content": text if (text or not (calls or refusal)) else None,
@@ -1230,6 +1230,26 @@ class _Ctx:
             log.warning("could not record the history point of conversation %s: %s", self.run.conversation_id, exc)
         except Exception:
             log.exception("could not record the history point of conversation %s", self.run.conversation_id)
+
+    def reply_calls(self, snap: TurnSnapshot) -> list[dict[str, Any]]:
+        """The client calls the reply shows, the same in a stream and non-stream: those its turn
+        waits for; of a reply that ended otherwise (the token limit or the content filter cut it
+        off mid-call), the calls the model began in it, their arguments as far as they came, as
+        OpenAI returns them. The turn ended and closed those: an answer to one is a 400
+        `already_resolved` (`refuse_closed_calls`)."""
+        if snap.status == "awaiting":
+            return self.shown(tool_calls_of(snap))
+        return self.shown(
+            [
+                {
+                    "id": b["call_id"],
+                    "type": "function",
+                    "function": {"name": b["name"], "arguments": b.get("arguments") or ""},
+                }
+                for b in blocks_after(snap, self.run)
+                if b["type"] == "tool_call" and b.get("executor") == "client"
+            ]
+        )
 
     def shown(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The open calls the reply shows: all, or with the deprecated `functions` the first only
@@ -1395,7 +1415,8 @@ class _Ctx:
                     err = await turn_error(self.server, self.agent.id, last.error)
                     yield dumps(error_body(err.status, err.message, code=err.code))
                     yield "[DONE]"
-                    finished = True
+                    # not `finished`: a failed or interrupted turn is no answer (NOT_ANSWERS), its
+                    # key is freed and a retry runs anew, as the non-stream answer and Responses do
                     return
                 if last.status == "cancelled" and not (
                     render_text(blocks_after(last, self.run)) or render_text(blocks_after(last, self.run), refusal=True)
@@ -1407,7 +1428,7 @@ class _Ctx:
                 if last.stop_reason == "max_steps":
                     yield self.chunk({"content": f"\n\n{self.steps_note}" if any_text else self.steps_note})
                     any_text = True
-                calls = self.shown(tool_calls_of(last)) if last.status == "awaiting" else []
+                calls = self.reply_calls(last)
                 if not (any_text or any_refusal or calls or call_index):
                     yield self.chunk({"content": ""})  # an empty reply: content "", as non-stream
                 for c in calls:  # calls made before this request (not streamed above)

@@ -771,6 +771,48 @@ def new_blocks(snap: TurnSnapshot, run: TurnRun) -> list[tuple[int, dict[str, An
     return out
 
 
+async def refuse_closed_calls(server: Server, conversation_id: str, decisions: list[Decision], param: str) -> None:
+    """No turn of the conversation waits for answers: ones to calls its history already closed
+    are a 400 `already_resolved` on every route (chat and Responses alike), not "nothing waits"
+    (409), saying what closed each (another request's answer, its deadline, or the end of its turn:
+    a call the token limit cut off, say, which the reply showed)."""
+    wanted = {d.call_id for d in decisions}
+    closed = {
+        m.tool_call_id: m.turn_id
+        for m in await server.store.list_messages(conversation_id)
+        if m.role == "tool" and m.tool_call_id in wanted
+    }
+    if closed:
+        why = [await why_closed(server, cid, turn_id) for cid, turn_id in sorted(closed.items())]
+        raise ApiError(400, "; ".join(why), code="already_resolved", param=param)
+
+
+async def why_closed(server: Server, call_id: str, turn_id: str | None) -> str:
+    """Why call `call_id` of turn `turn_id` can no longer be answered."""
+    store = server.store
+    p = next((p for p in await store.list_pending(turn_id) if p.call_id == call_id), None) if turn_id else None
+    if p is not None and p.status in ("result", "approved", "denied"):
+        return f"call {call_id} can no longer be answered: another request answered it first"
+    if p is not None and p.status == "expired":
+        waited = f" after {p.expires_at - p.created_at:.0f} s" if p.expires_at and p.created_at else ""
+        return f"call {call_id} can no longer be answered: it expired unanswered{waited}"
+    turn = await store.get_turn(turn_id) if turn_id else None
+    cut = {"max_tokens": "the token limit", "content_filter": "the content filter"}.get(
+        (turn.stop_reason or "") if turn is not None else ""
+    )
+    if turn is not None and turn.status == "completed" and cut is not None:
+        return (
+            f"call {call_id} can no longer be answered: {cut} cut the reply off before the call was complete; "
+            "its turn ended and closed it (it never ran)"
+        )
+    how = {
+        "cancelled": "was cancelled",
+        "failed": "failed",
+        "interrupted": "was interrupted by a server stop",
+    }.get(turn.status if turn is not None else "", "ended (cancelled, failed, or interrupted by a server stop)")
+    return f"call {call_id} can no longer be answered: its turn {how} and closed it"
+
+
 async def start_turn(
     server: Server,
     agent: AgentRecord,
@@ -809,6 +851,7 @@ async def start_turn(
                 )
             awaiting = await kernel.awaiting(conversation_id)
             if awaiting is None:
+                await refuse_closed_calls(server, conversation_id, decisions, answers_param)
                 raise ApiError(
                     409, "this conversation has no turn waiting for tool results or approvals", code="not_awaiting"
                 )

@@ -1305,8 +1305,8 @@ def item_for(
     cut: bool = False,
     approvals: Collection[str] = (),
 ) -> dict[str, Any] | None:
-    """`cut`: the response did not complete (cancelled, incomplete, failed): its finished message
-    and reasoning items are `incomplete`, not `completed`. `approvals`: the agent tool calls that
+    """`cut`: the item is `incomplete`, not `completed` (`item_cut`: the one the response's early
+    end cut off, or a client call of such a response). `approvals`: the agent tool calls that
     went through an approval request: their `mcp_call` names it (`approval_request_id`, the
     `mcpr_…` id the client answered), any other has null there."""
     tag = f"{shape.id.removeprefix('resp_')}{index:04d}"  # points back to the response (item_reference)
@@ -1338,7 +1338,7 @@ def item_for(
                 "name": b["name"],
                 "arguments": b["arguments"] if final else "",
                 # a call of a response that did not complete (cut off by the token limit, say)
-                # can never be answered: incomplete, not completed
+                # can never be answered: incomplete, not completed (item_cut)
                 "status": done if final else "in_progress",
             }
         if b.get("status") == "pending_approval":
@@ -1372,6 +1372,18 @@ def item_for(
             "approval_request_id": f"mcpr_{b['call_id']}" if b["call_id"] in approvals else None,
         }
     return None  # compaction blocks are not output
+
+
+def item_cut(ended: bool, pos: int, count: int, b: dict[str, Any]) -> bool:
+    """Whether the item of block `b`, at `pos` of the response's `count` output blocks, is
+    `incomplete`: of a response that `ended` without completing (the token limit, max_steps, the
+    content filter, a cancel, a failure), the last one (being written when it stopped, or the
+    max_steps note), and every client call, which can never be answered now. An item finished
+    before that stays `completed`, as its `response.output_item.done` said when it streamed: the
+    stream, the final response and `GET` agree on every item's status."""
+    if not ended:
+        return False
+    return pos + 1 == count or (b["type"] == "tool_call" and b.get("executor") == "client")
 
 
 def usage_of(snap: TurnSnapshot | None, base: dict[str, int] | None = None) -> dict[str, Any]:
@@ -1519,11 +1531,11 @@ class Responses:
             # every call its turn asked approval for (an approval request a stopped stream showed too)
             asked = {p.call_id for p in await store.list_pending(turn.id) if p.kind == "approval"}
             approvals = asked | set(run.resolved_calls)
-            output = [
-                i
-                for i in (item_for(shape, turn.id, n, b, final=True, cut=cut, approvals=approvals) for n, b in blocks)
-                if i is not None
-            ]
+            items = (
+                item_for(shape, turn.id, n, b, final=True, cut=item_cut(cut, pos, len(blocks), b), approvals=approvals)
+                for pos, (n, b) in enumerate(blocks)
+            )
+            output = [i for i in items if i is not None]
         else:
             output = list(rec.body.get("output") or [])
         failed = await turn_error(self.server, agent.id, snap.error) if failed_answer(snap) else None
@@ -1815,29 +1827,26 @@ class Responses:
                         agent, ns, request, prev_id, conv_param, prefix, user, metadata, answers, added, whole_prefix
                     ),
                 )
-                try:
-                    head = place
-                    resumed, lost = await self._answer_head(head, prev_id, decisions, answer_settings(options, specs))
-                    if lost:
-                        place = await self._fork_lost(agent, ns, head, prev_id, answers)
-                    run = resumed or await start_turn(
-                        self.server,
-                        agent,
-                        place.conversation_id,
-                        content=content,
-                        system=[{"role": i.role or "system", "text": i.text} for i in kept_system],
-                        decisions=decisions,
-                        client_tools=specs,
-                        options=options,
-                        source={"kind": "openai_responses"},
-                        while_pending=calls_pending,
-                        idempotency=key,
-                        request=request,  # a credential revoked while the accept waits ends it (401)
-                    )
-                except ApiError as exc:
-                    if exc.code == "not_awaiting" and decisions:
-                        await self._closed_calls(place.conversation_id, decisions)
-                    raise
+                head = place
+                resumed, lost = await self._answer_head(head, prev_id, decisions, answer_settings(options, specs))
+                if lost:
+                    place = await self._fork_lost(agent, ns, head, prev_id, answers)
+                # answers to calls the conversation's history closed: a 400 `already_resolved`
+                # (`refuse_closed_calls`), as on chat
+                run = resumed or await start_turn(
+                    self.server,
+                    agent,
+                    place.conversation_id,
+                    content=content,
+                    system=[{"role": i.role or "system", "text": i.text} for i in kept_system],
+                    decisions=decisions,
+                    client_tools=specs,
+                    options=options,
+                    source={"kind": "openai_responses"},
+                    while_pending=calls_pending,
+                    idempotency=key,
+                    request=request,  # a credential revoked while the accept waits ends it (401)
+                )
         except BaseException:
             if idem is not None:
                 await idem.abandon()
@@ -1937,37 +1946,6 @@ class Responses:
             shown=shown_round(rec),
         )
         return Placement(fork, "fork", claimed=True)
-
-    async def _closed_calls(self, conversation_id: str, decisions: list[Decision]) -> None:
-        """No turn of the conversation waits for answers: ones to calls its history already closed
-        are a 400 `already_resolved`, as on every other path, not "nothing waits" (409), saying
-        what closed each (another request's answer, its deadline, or the end of its turn)."""
-        wanted = {d.call_id for d in decisions}
-        closed = {
-            m.tool_call_id: m.turn_id
-            for m in await self.server.store.list_messages(conversation_id)
-            if m.role == "tool" and m.tool_call_id in wanted
-        }
-        if closed:
-            why = [await self._why_closed(cid, turn_id) for cid, turn_id in sorted(closed.items())]
-            raise ApiError(400, "; ".join(why), code="already_resolved", param="input")
-
-    async def _why_closed(self, call_id: str, turn_id: str | None) -> str:
-        """Why call `call_id` of turn `turn_id` can no longer be answered."""
-        store = self.server.store
-        p = next((p for p in await store.list_pending(turn_id) if p.call_id == call_id), None) if turn_id else None
-        if p is not None and p.status in ("result", "approved", "denied"):
-            return f"call {call_id} can no longer be answered: another request answered it first"
-        if p is not None and p.status == "expired":
-            waited = f" after {p.expires_at - p.created_at:.0f} s" if p.expires_at and p.created_at else ""
-            return f"call {call_id} can no longer be answered: it expired unanswered{waited}"
-        turn = await store.get_turn(turn_id) if turn_id else None
-        how = {
-            "cancelled": "was cancelled",
-            "failed": "failed",
-            "interrupted": "was interrupted by a server stop",
-        }.get(turn.status if turn is not None else "", "ended (cancelled, failed, or interrupted by a server stop)")
-        return f"call {call_id} can no longer be answered: its turn {how} and closed it"
 
     async def _stored_item(self, agent: AgentRecord, ns: str | None, ref: str, prev_id: Any) -> dict[str, Any] | None:
         """The stored item an `item_reference` names: found in the response its id points back to
@@ -2225,10 +2203,19 @@ class _Run:
         must show as its events did (the server's stop closed calls the snapshot shows unfinished)."""
         if cut is None:
             cut = final_status(snap) != "completed"
+        blocks = output_blocks(snap, self.run, self.steps_note)
         items = [
             (closed or {}).get(i)
-            or item_for(self.shape, self.run.turn_id, i, b, final=True, cut=cut, approvals=self.run.resolved_calls)
-            for i, b in output_blocks(snap, self.run, self.steps_note)
+            or item_for(
+                self.shape,
+                self.run.turn_id,
+                i,
+                b,
+                final=True,
+                cut=item_cut(cut, pos, len(blocks), b),
+                approvals=self.run.resolved_calls,
+            )
+            for pos, (i, b) in enumerate(blocks)
         ]
         return [i for i in items if i is not None]
 
@@ -2364,15 +2351,30 @@ class _Run:
                     nonlocal out_index
                     out: list[tuple[str, str]] = []
                     blocks = output_blocks(snap, self.run, self.steps_note)
+                    if cut is None:  # the response did not complete (known once its turn ended)
+                        cut = snap.status in TERMINAL_STATUSES and final_status(snap) != "completed"
                     for pos, (bi, b) in enumerate(blocks):
                         st = states.get(bi)
                         if st is None:
                             st = states[bi] = {"added": False, "sent": 0, "done": False, "index": None, "kind": None}
                         if st["done"]:
                             continue
-                        closed = settled or pos + 1 < len(blocks)
+                        # An item is closed once a later one follows it (finished: `completed`, as
+                        # the final response says too), the last one only with the response's
+                        # outcome; a client call always then (`item_cut`: incomplete when the
+                        # response did not complete, which no block of it says before).
+                        client_call = b["type"] == "tool_call" and b.get("executor") == "client"
+                        closed = settled or (pos + 1 < len(blocks) and not client_call)
                         events, progressed = self._advance(
-                            snap, bi, b, st, closed, out_index, ev, cut=cut, stopped=stopped
+                            snap,
+                            bi,
+                            b,
+                            st,
+                            closed,
+                            out_index,
+                            ev,
+                            cut=item_cut(cut, pos, len(blocks), b),
+                            stopped=stopped,
                         )
                         out.extend(events)
                         if st.get("counted") is None and st["added"]:
@@ -2473,11 +2475,11 @@ class _Run:
         out_index: int,
         ev: Any,
         *,
-        cut: bool | None = None,
+        cut: bool,
         stopped: bool = False,
     ) -> tuple[list[tuple[str, str]], bool]:
         """Events that bring one output item up to date; marks st['done'] when its item is finished.
-        `cut`: the response did not complete (default: as the snapshot's status says). `stopped`:
+        `cut`: the item, once closed, is `incomplete` (`item_cut`). `stopped`:
         the server's stop ends the stream while the turn runs (`closed` then too): an agent tool
         call without its result is closed as the stop leaves it (`st['final']`, the item the body
         shows)."""
@@ -2490,8 +2492,6 @@ class _Run:
         if st["index"] is None and not st["added"]:
             st["index"] = out_index
         idx = st["index"]
-        if cut is None:
-            cut = snap.status in TERMINAL_STATUSES and final_status(snap) != "completed"
         if kind in ("text", "reasoning"):
             item = item_for(shape, self.run.turn_id, bi, b, final=False)
             assert item is not None
@@ -2549,7 +2549,7 @@ class _Run:
                     )
                 )
                 st["sent"] = len(args)
-            if status != "streaming" or closed:
+            if closed:
                 events.append(
                     ev(
                         "response.function_call_arguments.done",

@@ -143,6 +143,7 @@ __all__ = [
     "CronFileUnreadable",
     "CronLockTimeout",
     "CronNotFound",
+    "CronRefused",
     "CronStore",
     "CronStoreError",
     "CronTask",
@@ -176,6 +177,12 @@ class CronTaskInvalid(CronStoreError):
     def __init__(self, message: str, entry: InvalidTask) -> None:
         super().__init__(message)
         self.entry = entry
+
+
+class CronRefused(CronStoreError):
+    """What was asked is refused as such (a name in use, a cap of the `schedule` tool reached):
+    the asker's to change; the message names nothing of the server (no path, no other owner's
+    tasks), so it may be shown to whoever asked."""
 
 
 class CronFileUnreadable(CronStoreError):
@@ -1217,12 +1224,22 @@ class CronStore:
 
     # ------------------------------------------------------------ task operations
 
-    def add(self, task: CronTask, *, max_in_namespace: int | None = None) -> CronTask:
+    def add(
+        self,
+        task: CronTask,
+        *,
+        max_in_namespace: int | None = None,
+        max_namespace_bytes: int | None = None,
+        max_tool_bytes: int | None = None,
+    ) -> CronTask:
         """Insert a task; a duplicate name for the same agent and namespace is refused and nothing
         is written. Names are scoped to (agent, namespace): another agent's or another credential
-        namespace's tasks neither collide with nor show through this one. `max_in_namespace`
-        (the `schedule` tool's cap) refuses a task when its namespace already holds that many,
-        counted under the lock so concurrent creations cannot pass it together."""
+        namespace's tasks neither collide with nor show through this one. The `schedule` tool's
+        caps, counted under the lock so concurrent creations cannot pass them together (CronRefused,
+        nothing written): `max_in_namespace` tasks in the task's namespace; `max_namespace_bytes` of
+        crons.json for them, and `max_tool_bytes` for every namespaced task (all the tool made), each
+        task charged its line and the bookkeeping room kept for it (`charged_bytes`), so the tool's
+        tasks together never crowd the operator's `cron add` out of the file."""
         with self.lock():
             state = self.load()
             if max_in_namespace is not None:
@@ -1231,10 +1248,15 @@ class CronStore:
                 )
                 if held >= max_in_namespace:
                     self.keep(state)
-                    raise CronStoreError(
+                    raise CronRefused(
                         f"there are already {held} scheduled tasks of this owner, the most allowed "
                         f"({max_in_namespace}); cancel some first"
                     )
+            if max_namespace_bytes is not None or max_tool_bytes is not None:
+                problem = self._budget_problem(state, task, max_namespace_bytes, max_tool_bytes)
+                if problem is not None:
+                    self.keep(state)
+                    raise CronRefused(problem)
             if any(
                 t.agent == task.agent and t.name == task.name and t.namespace == task.namespace for t in state.tasks
             ) or any(
@@ -1242,7 +1264,7 @@ class CronStore:
                 for bad in state.invalid
             ):
                 self.keep(state)
-                raise CronStoreError(f"agent {task.agent!r} already has a cron task named {task.name!r}")
+                raise CronRefused(f"agent {task.agent!r} already has a cron task named {task.name!r}")
             state.tasks.append(task)
             try:
                 self.save(state, user_edit=True)
@@ -1250,6 +1272,33 @@ class CronStore:
                 self._lines.pop(task.id, None)
                 raise
         return task
+
+    def _budget_problem(
+        self, state: CronFile, task: CronTask, namespace_max: int | None, tool_max: int | None
+    ) -> str | None:
+        """Why `task` may not join `state` under the `schedule` tool's byte caps, or None. The text
+        says only what the task's own namespace holds and may hold: nothing of other namespaces'
+        tasks, nor where the file is."""
+        cost = charged_bytes(utf8_json(task.to_dict(), separators=_COMPACT["separators"]))
+        own = tool = 0
+        for t, line in zip(state.tasks, self._encode_tasks(state.tasks), strict=True):
+            own += charged_bytes(line) if t.namespace == task.namespace else 0
+            tool += charged_bytes(line) if t.namespace is not None else 0
+        for bad in state.invalid:
+            line = utf8_json(bad.raw, allow_nan=True, separators=_COMPACT["separators"])
+            own += charged_bytes(line) if bad.raw.get("namespace") == task.namespace else 0
+            tool += charged_bytes(line) if bad.raw.get("namespace") is not None else 0
+        if namespace_max is not None and own + cost > namespace_max:
+            return (
+                f"the scheduled tasks of this owner would take {own + cost} bytes with this one ({cost}), "
+                f"more than the {namespace_max} allowed; cancel some or shorten the prompt"
+            )
+        if tool_max is not None and tool + cost > tool_max:
+            return (
+                "the tasks scheduled through this tool on this server leave no room for this one now; "
+                f"this owner's take {own} bytes: cancel some, or ask the operator"
+            )
+        return None
 
     def remove(self, ref: str, agent: str | None = None) -> CronTask:
         """Remove a task; its run log stays, ending with a `removed` record that keeps the task
@@ -1469,6 +1518,12 @@ def validate_prompt(prompt: str) -> str:
             f"prompt too long: {size} bytes in UTF-8, at most {MAX_PROMPT_BYTES} ({MAX_PROMPT_BYTES // MIB} MiB)"
         )
     return prompt
+
+
+def charged_bytes(line: bytes) -> int:
+    """What a task whose line in crons.json is `line` may come to take of the file: the line and the
+    room kept for the scheduler's bookkeeping of it (claims, counters, its last error)."""
+    return len(line) + BOOKKEEPING_TASK_BYTES
 
 
 def user_limit(tasks: int) -> int:

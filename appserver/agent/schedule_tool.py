@@ -19,23 +19,34 @@ cancels, whoever's conversation it runs in. A credential's turn lists and cancel
 namespace's tasks; an unowned one (admin, local), which sees every conversation, sees every task
 the tool made. A model cannot flood the scheduler either:
 at most MAX_TASKS_PER_NAMESPACE tasks per namespace, and a recurring one at most once a minute.
+Nor fill crons.json, which every namespace and the operator share (and which every run rewrites):
+a prompt holds at most TOOL_PROMPT_MAX_BYTES, a namespace's tasks at most NAMESPACE_MAX_BYTES of
+the file, and all the tool's tasks together at most TOOL_TASKS_MAX_BYTES, a quarter of what the
+file is read with, so the operator's `cron add` keeps the rest. A refusal names only the caller's
+own tasks; a fault of the file itself (too large, locked, unreadable) is told without its path,
+which the server log has.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from appserver.agent.tools import Tool, ToolContext, ToolOutput, shown_zone, zone_named
 from appserver.auth import namespace_allows
+from appserver.fsutil import CRONS_MAX_BYTES, CorruptStateFile
 from appserver.store.base import Store
 from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron, parse_duration
 from cron.store import (
     UNOWNED_TOOL_NAMESPACE,
     CronNotFound,
+    CronRefused,
     CronStore,
     CronStoreError,
     CronTask,
+    CronTaskInvalid,
+    CronTasksTooLarge,
     make_task,
     utcnow,
 )
@@ -45,6 +56,14 @@ KINDS = ("cron", "every", "at", "in")
 _UNKNOWN = "\x00unknown"  # the caller's namespace when it cannot be read: only this conversation
 MAX_TASKS_PER_NAMESPACE = 100  # tasks one namespace may hold through the tool (the CLI is not capped)
 MIN_EVERY_S = 60  # the shortest `every` the tool accepts (a cron expression fires once a minute at most)
+# A scheduled prompt is an instruction, not a document (`cron add` takes up to 1 MiB).
+TOOL_PROMPT_MAX_BYTES = 16 * 1024
+# What one namespace's tasks may take of crons.json through the tool, and all the tool's tasks
+# together, each task counted with the bookkeeping room kept for it (cron.store.charged_bytes).
+NAMESPACE_MAX_BYTES = 512 * 1024
+TOOL_TASKS_MAX_BYTES = CRONS_MAX_BYTES // 4
+
+log = logging.getLogger("appserver.cron")
 
 
 def _stored_namespace(ns: str | None) -> str | None:
@@ -112,22 +131,34 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
         raise ScheduleError(
             f"every {expr!r} is too often: a task made by this tool repeats at most once a minute (every 60s or more)"
         )
+    prompt = str(args.get("prompt") or "")
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if size > TOOL_PROMPT_MAX_BYTES:
+        raise ScheduleError(
+            f"prompt too long: {size} bytes in UTF-8, at most {TOOL_PROMPT_MAX_BYTES} "
+            f"({TOOL_PROMPT_MAX_BYTES // 1024} KiB) for a task made by this tool"
+        )
     task = make_task(
         name=str(args.get("name") or ""),
         agent=ctx.agent.id,
         schedule=ScheduleSpec(kind, expr, tz),
-        prompt=str(args.get("prompt") or ""),
+        prompt=prompt,
         now=utcnow(),
         conversation=conversation,
         misfire=str(args.get("misfire") or "skip"),
         namespace=_stored_namespace(ns),
     )
-    store.add(task, max_in_namespace=MAX_TASKS_PER_NAMESPACE)
+    store.add(
+        task,
+        max_in_namespace=MAX_TASKS_PER_NAMESPACE,
+        max_namespace_bytes=NAMESPACE_MAX_BYTES,
+        max_tool_bytes=TOOL_TASKS_MAX_BYTES,
+    )
     when = task.next_fire_at.isoformat(timespec="minutes") if task.next_fire_at else "never"
     return f"created task {task.name} ({task.id}); next run {when}"
 
 
-LISTED_PROMPT_CHARS = 500  # a prompt may be 1 MiB: a list of many would flood the model's context
+LISTED_PROMPT_CHARS = 500  # a prompt may be 16 KiB (1 MiB, made before): a list of many would flood the context
 
 
 def _listed_prompt(prompt: str) -> str:
@@ -172,16 +203,28 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
                 raise CronNotFound(f"no cron task {ref!r}")  # another's is as if it did not exist
             if len(found) > 1:
                 ids = ", ".join(t.id for t in found)
-                raise CronStoreError(f"several of your tasks are named {ref!r} ({ids}); cancel one by its id")
+                raise CronRefused(f"several of your tasks are named {ref!r} ({ids}); cancel one by its id")
             task = await asyncio.to_thread(store.remove, found[0].id, ctx.agent.id)
             text = f"cancelled task {task.name} ({task.id})"
         else:
             return ToolOutput("action must be create, list or cancel", is_error=True)
-    except (ScheduleError, CronNotFound, CronStoreError, ValueError, LookupError) as exc:
+    except (ScheduleError, CronNotFound, CronRefused, CronTaskInvalid, ValueError, LookupError) as exc:
         return ToolOutput(f"schedule {action} failed: {exc}", is_error=True)
+    except (CronStoreError, CorruptStateFile) as exc:
+        return ToolOutput(f"schedule {action} failed: {_store_fault(exc)}", is_error=True)
     finally:
         await asyncio.to_thread(store.close)
     return ToolOutput(text)
+
+
+def _store_fault(exc: Exception) -> str:
+    """What the model (and the client) are told of a fault of crons.json itself: whether anything
+    was written, never the file's path nor how much other namespaces' tasks take (the server log
+    has the whole message, as the operator's `cron` commands show it)."""
+    log.warning("schedule tool: %s", exc)
+    if isinstance(exc, CronTasksTooLarge):
+        return "the server's scheduled tasks leave no room for this one now; nothing was written"
+    return "the server's scheduled tasks cannot be read or written now (see the server log); nothing was written"
 
 
 def schedule_tool(conversations: Store) -> Tool:

@@ -9,13 +9,15 @@ from __future__ import annotations
 import re
 import sys
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
-from appserver.config import ProviderConfig, api_key_problem, describe_char, header_text_problem
+from appserver.config import Config, ProviderConfig, api_key_problem, describe_char, header_text_problem
+from appserver.logredact import SecretRedactor, provider_secrets
 from appserver.providers.base import ProviderError, error_from_status
 from appserver.providers.fasttransport import (
     LeanClient,
@@ -45,8 +47,22 @@ def as_str(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+def clip(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, `…` where it was cut. A cut never keeps part of a word:
+    the run of non-space characters it falls in is dropped whole, so a secret there (a key, a
+    token, in any encoding) is either kept whole, for the redactor (which matches whole secrets
+    only), or not at all; never a prefix of it that no redactor would recognise."""
+    if len(text) <= limit:
+        return text
+    kept = text[: limit - 1]
+    if not text[limit - 1].isspace():
+        kept = re.sub(r"\S+\Z", "", kept)  # the cut fell inside a word: drop the word
+    return kept.rstrip() + "…"
+
+
 def error_message_from_body(body: Any, fallback: str) -> str:
-    """Pull a human message out of the error shapes upstreams use (OpenAI, Ollama, FastAPI...)."""
+    """Pull a human message out of the error shapes upstreams use (OpenAI, Ollama, FastAPI...); a
+    text body is clipped (`clip`) to 500 characters, or the fallback when nothing of it is left."""
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict):
@@ -60,7 +76,8 @@ def error_message_from_body(body: Any, fallback: str) -> str:
             if isinstance(val, str) and val:
                 return val
     if isinstance(body, str) and body.strip():
-        return body.strip()[:500]
+        said = clip(body.strip(), 500)
+        return said if said != "…" else fallback
     return fallback
 
 
@@ -79,7 +96,7 @@ def content_codings(encoding: bytes) -> list[bytes]:
         if not coding or coding == b"identity":
             continue
         if coding not in _ZLIB_WBITS:
-            name = coding.decode("latin-1")[:40]
+            name = clip(coding.decode("latin-1"), 40)
             raise httpx.DecodingError(
                 f"the upstream answered with content-encoding {name!r}, which was not offered "
                 f"(Accept-Encoding: {ACCEPT_ENCODING})"
@@ -120,7 +137,7 @@ async def decoded_body(response: LeanResponse | httpx.Response) -> AsyncIterator
                 for piece in _through(stages, i + 1, rest):
                     yield piece
     except zlib.error as exc:
-        raise httpx.DecodingError(f"cannot decode the {encoding.decode('latin-1')[:80]} body: {exc}") from None
+        raise httpx.DecodingError(f"cannot decode the {clip(encoding.decode('latin-1'), 80)} body: {exc}") from None
 
 
 def _through(stages: list[_Inflater], i: int, data: bytes) -> Iterator[bytes]:
@@ -262,8 +279,19 @@ def answer_too_large(provider: str, limit: int) -> ProviderError:
     )
 
 
-async def read_error_response(resp: httpx.Response | LeanResponse) -> ProviderError:
-    """Turn a non-2xx upstream answer into a classified ProviderError (Retry-After honoured)."""
+def sent_secrets_redactor(cfg: ProviderConfig) -> Callable[[str], str]:
+    """What masks the secrets this provider sends upstream (its API key, its headers' values, what
+    its `base_url` carries: `logredact.provider_secrets`) in every form an upstream may quote them,
+    as the agent loop's redactor does. An error answer is redacted with it whole, before any part of
+    it is cut for a message: a cut copy of a secret is no longer one the loop could recognise."""
+    return SecretRedactor(secrets=provider_secrets(Config(home=Path(), providers={cfg.name: cfg}))).redact
+
+
+async def read_error_response(
+    resp: httpx.Response | LeanResponse, redact: Callable[[str], str] | None = None
+) -> ProviderError:
+    """Turn a non-2xx upstream answer into a classified ProviderError (Retry-After honoured); its
+    text redacted with `redact` (`sent_secrets_redactor`) before it is parsed or clipped."""
     raw = bytearray()
     try:
         async for part in decoded_body(resp):
@@ -273,6 +301,8 @@ async def read_error_response(resp: httpx.Response | LeanResponse) -> ProviderEr
     except httpx.HTTPError:
         pass  # the status alone still classifies the failure
     text = raw.decode("utf-8", errors="replace")
+    if redact is not None:
+        text = redact(text)
     body: Any
     try:
         body = loads(text) if text.strip() else None  # lone surrogates as U+FFFD (jsontext.py)
@@ -290,11 +320,12 @@ async def check_answer_status(response: httpx.Response | LeanResponse, cfg: Prov
     status = response.status_code
     if 200 <= status < 300:
         return
+    redact = sent_secrets_redactor(cfg)  # what the upstream says is redacted whole, before it is clipped
     if status >= 400:
-        raise await read_error_response(response)
+        raise await read_error_response(response, redact)
     where = f"[providers.{cfg.name}] base_url" if cfg.name else "the provider's base_url"
     if 300 <= status < 400:
-        location = header_text(response, b"location")
+        location = header_text(response, b"location", redact)
         if location:
             target = redirect_target(location, url)
             message = (
@@ -315,13 +346,15 @@ _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _HEADER_TEXT_MAX = 300
 
 
-def header_text(response: httpx.Response | LeanResponse, name: bytes) -> str:
+def header_text(
+    response: httpx.Response | LeanResponse, name: bytes, redact: Callable[[str], str] | None = None
+) -> str:
     """A response header's value (the first one) as text fit for a message: control characters as
-    `?`, at most 300 characters; "" when absent."""
+    `?`, redacted whole with `redact`, then clipped to 300 characters (`clip`); "" when absent."""
     for key, value in raw_headers(response):
         if key.lower() == name:
             text = _UNPRINTABLE.sub("?", value.decode("latin-1").strip())
-            return text if len(text) <= _HEADER_TEXT_MAX else text[: _HEADER_TEXT_MAX - 1] + "…"
+            return clip(text if redact is None else redact(text), _HEADER_TEXT_MAX)
     return ""
 
 
@@ -347,7 +380,7 @@ _JSON_TYPES = {
 
 
 def _short(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return clip(text, limit)
 
 
 def describe_json(value: Any) -> str:

@@ -44,6 +44,7 @@ from appserver.providers.upstream import (
     as_str,
     check_answer_status,
     check_extra_headers,
+    clip,
     decoded_body,
     default_client,
     describe_json,
@@ -650,7 +651,7 @@ class AnthropicProvider:
                     for chunk in parser.feed_data(ev.data):
                         yield chunk
                 if parser.events == 0:
-                    what = ctype[:80] or "no Content-Type"
+                    what = clip(ctype, 80) or "no Content-Type"
                     raise ProviderError(
                         "protocol", f"upstream answered HTTP {resp.status_code} ({what}) without any event"
                     )

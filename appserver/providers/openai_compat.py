@@ -51,6 +51,7 @@ from appserver.providers.upstream import (
     as_str,
     check_answer_status,
     check_extra_headers,
+    clip,
     decoded_body,
     default_client,
     describe_json,
@@ -310,7 +311,7 @@ class OpenAIStreamParser:
 def no_event_error(status: int, ctype: bytes) -> ProviderError:
     """The error of a 2xx answer whose body held no server-sent event at all (an empty body, an
     HTML page): it names the status and the content type that came."""
-    what = ctype.decode("latin-1")[:80] if ctype else "no Content-Type"
+    what = clip(ctype.decode("latin-1"), 80) if ctype else "no Content-Type"
     return ProviderError("protocol", f"upstream answered HTTP {status} ({what}) without any event")
 
 

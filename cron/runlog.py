@@ -4,9 +4,12 @@ Events: `fired` (written when the occurrence is claimed, before the turn is subm
 (the turn id), `fire_failed`, `missed` (with its reason), `outcome` (the turn's end), `delivered`
 and `delivery_failed` (where a `--deliver` reply went, or why it did not), `error`
 (a visible task failure such as an invalid expression), `removed` (the task was removed; the record
-keeps the task, so its log can still be found by name). A `fired` line without a later `submitted`
-or `fire_failed` line is an occurrence claimed by a process that died before submitting it: it is
-never fired again (at most once), and the reader marks it `lost` so it is not silently missing.
+keeps the task, so its log can still be found by name). A `fired` line that no later `submitted`,
+`fire_failed`, `outcome` or `missed` line settles is a run not submitted yet: `queued` while the
+scheduler that runs now has it in hand (a `run_all` catch-up's runs wait for their turn),
+`unresolved` while its claim waits for the scheduler that takes the lease over, else `lost` (its
+process died before submitting it: it is never fired again, at most once), so it is not silently
+missing (`read_run_log`, `ClaimsInHand`).
 
 The scheduler writes through `RunLog`, which never raises: a record the disk refuses (full, a
 directory in the way) is logged loudly, kept in memory and retried (in order, per task) at the next
@@ -271,11 +274,41 @@ class RunLogRead:
         )
 
 
-def read_run_log(runs_dir: Path, task_id: str, *, limit: int | None = None) -> RunLogRead:
+@dataclass(frozen=True, slots=True)
+class ClaimsInHand:
+    """What the tasks (crons.json), read just before the run log, say of a task's claimed runs, so
+    a reader tells a run still to be submitted from one lost: a `run_all` catch-up claims all its
+    runs at once and submits them one after another, so several runs may wait at once."""
+
+    live: str | None  # the lease token of the scheduler running now (None: none runs)
+    open: dict[int, str | None]  # run number -> the lease token holding its claim, of claims not done
+    counter: int | None  # the task's run counter then (None: unknown, a removed task)
+
+    def state(self, number: int, by: Any) -> str | None:
+        """What became of claimed run `number` (its `fired` record's `by`) that no record settles:
+        `queued` (the running scheduler has it in hand: it waits for the run before it, or is being
+        submitted), `unresolved` (claimed by a scheduler that stopped: the one that takes the lease
+        over resolves it), `lost` (nobody will submit it), or None (claimed after the tasks were
+        read: not known yet)."""
+        if self.counter is not None and number > self.counter:
+            return None
+        holder = self.open.get(number, by) if number in self.open else by
+        if self.live is not None and holder == self.live:
+            return "queued"
+        if number in self.open and isinstance(holder, str):
+            return "unresolved"
+        return "lost"
+
+
+def read_run_log(
+    runs_dir: Path, task_id: str, *, limit: int | None = None, claims: ClaimsInHand | None = None
+) -> RunLogRead:
     """The records of a task's run log, oldest first (the last `limit` of them), with the lines
     that could not be read; a missing log has neither. Logs nothing: the caller reports. Of a log
     over READ_MAX_BYTES only the end is read (`skipped` says how much was not). A log that is no
-    regular file or a link to nothing raises StateFileRefused: an unknown history, never "no runs"."""
+    regular file or a link to nothing raises StateFileRefused: an unknown history, never "no runs".
+    A claimed run no record settles is marked by what `claims` says of it (`queued`, `unresolved`,
+    `lost`); without `claims`, every such run but the newest is marked `lost`."""
     path = run_log_path(runs_dir, task_id)
     try:
         f = open_state_file(path)
@@ -291,7 +324,7 @@ def read_run_log(runs_dir: Path, task_id: str, *, limit: int | None = None) -> R
             return RunLogRead(path, [], [1], start)
         raw = raw.partition(b"\n")[2]  # the first line is cut
     out, bad = _parse_lines(raw)
-    _mark_lost(out)
+    _mark_lost(out, claims)
     return RunLogRead(path, out[-limit:] if limit else out, bad, start)
 
 
@@ -550,16 +583,25 @@ def _skip_ws(text: str, pos: int) -> int:
     return pos if found is None else found.end()
 
 
-def _mark_lost(records: list[dict[str, Any]]) -> None:
-    """Flag `fired` records whose submission never got recorded, except the newest per task
-    (which may still be in flight)."""
-    settled = {_number(r) for r in records if r.get("event") in ("submitted", "fire_failed")} - {None}
+def _mark_lost(records: list[dict[str, Any]], claims: ClaimsInHand | None = None) -> None:
+    """Flag the `fired` records no record settles (submitted, failed to submit, ended: a run of a
+    removed or disabled task cancelled before its turn, or recorded as missed) by what `claims`
+    says became of each; without it, and for a run now (which no scheduler claimed), each but the
+    newest (which may still be in flight) as lost."""
+    settled = {_number(r) for r in records if r.get("event") in SETTLING_EVENTS} - {None}
     # a `fired` record whose run number is no whole number (`1e999`, "x": a hand edit, damage) is
     # skipped by the reader (`is_record`); one read otherwise names no run, so no run is lost by it
     fired = [r for r in records if r.get("event") == "fired" and _number(r) is not None]
-    for r in fired[:-1]:
-        if _number(r) not in settled:
-            r["lost"] = True
+    for i, r in enumerate(fired):
+        number = _number(r)
+        if number is None or number in settled:
+            continue
+        if claims is None or not isinstance(r.get("by"), str):  # (a run now: no scheduler claimed it)
+            state = "lost" if i < len(fired) - 1 else None
+        else:
+            state = claims.state(number, r.get("by"))
+        if state is not None:
+            r[state] = True
 
 
 def _number(record: dict[str, Any]) -> int | None:

@@ -154,9 +154,10 @@ def normalize_cron(expr: str) -> str:
     """Collapse whitespace, expand @macros, insist on exactly five fields, and refuse what croniter
     accepts but a schedule must not mean: `R` (a random value, drawn anew whenever the expression
     is parsed, so every restart and every host would fire at another time) and reversed ranges
-    such as `5-1` (croniter wraps them around; standard cron refuses them). A range of one value
-    such as `5-5` is written as that value: croniter 7 reads it as the whole field (`0 0 3-3 * *`
-    would fire every day), standard cron as the value."""
+    such as `5-1` (croniter wraps them around; standard cron refuses them), and the day fields
+    croniter misreads together (`_check_days`). A range of one value such as `5-5` is written as
+    that value: croniter 7 reads it as the whole field (`0 0 3-3 * *` would fire every day),
+    standard cron as the value."""
     e = " ".join(expr.split())
     e = _MACROS.get(e.lower(), e)
     fields = e.split(" ")
@@ -168,7 +169,37 @@ def normalize_cron(expr: str) -> str:
     e = " ".join(fields)
     if not croniter.is_valid(e):
         raise ScheduleError(f"invalid cron expression {shown(expr)}")
+    _check_days(expr, fields[2], fields[4])
     return e
+
+
+_ANY_DAY = ("*", "?")
+
+
+def _check_days(expr: str, dom: str, dow: str) -> None:
+    """Refuse a day-of-week given as the nth or the last weekday of the month (`MON#2`, `L5`)
+    beside a day-of-month that is not `*`, and a day-of-month given as the weekday nearest a day
+    (`15W`) beside a day-of-week that is not `*`. Standard cron fires on a day either field
+    matches (`0 0 13 * MON` on the 13th and on Mondays), but croniter then reads one field alone
+    (`0 0 13 * MON#2`: second Mondays, never the 13th), or both together (`0 0 13 * L5`: never)."""
+    where = f"invalid cron expression {shown(expr)}"
+    if dom not in _ANY_DAY:
+        for item in dow.split(","):
+            if "#" in item or "l" in item.lower():  # (no day name holds an L)
+                what = "an nth weekday of the month" if "#" in item else "a last weekday of the month"
+                raise ScheduleError(
+                    f"{where}: day-of-week {shown(item, 40)} ({what}) cannot be combined with a day-of-month "
+                    f"({shown(dom, 40)}): it would not fire on a day either field matches, as cron does; write * "
+                    "for the day-of-month, or make a second task for it"
+                )
+    if dow not in _ANY_DAY:
+        for item in dom.split(","):
+            if "w" in item.lower():
+                raise ScheduleError(
+                    f"{where}: day-of-month {shown(item, 40)} (the weekday nearest a day) cannot be combined with "
+                    f"a day-of-week ({shown(dow, 40)}): it would not fire on a day either field matches, as cron "
+                    "does; write * for the day-of-week, or make a second task for it"
+                )
 
 
 def _check_field(expr: str, index: int, text: str) -> str:

@@ -25,8 +25,10 @@ run of a task removed or disabled since is dropped from its queue if it has not 
 whose run was missed shows the state `missed`) and one warning in the log.
 
 The order is claim (saved), run-log records, submit. A save that fails fires and logs nothing (the
-next tick claims again); a run-log record that fails is kept and retried (cron.runlog.RunLog) while
-the run still fires, so no failure can lose a claimed run or fire it twice.
+next tick claims again, FAILED_TICK_RETRY_S later: a failure that lasts is retried, never spun on,
+and what the failed ticks found, a missed occurrence, is said once, by the tick that saves it); a
+run-log record that fails is kept and retried (cron.runlog.RunLog) while the run still fires, so no
+failure can lose a claimed run or fire it twice.
 
 A server of a cluster that is judged gone (fenced: `LeaseHolder.fenced`) runs no cron: its tick
 takes no lease and claims nothing, even with the lease in its name, and a run it claimed before
@@ -364,6 +366,11 @@ class Scheduler:
         # While a tick plans: what `_used` and `_fits` held before it changed them (_ABSENT: no
         # entry), so a tick whose save fails leaves no trace in memory (see `_undo_tick`)
         self._journal: dict[tuple[str, str], Any] | None = None
+        # While a tick plans: the log lines it has to say, said once its claim is saved (`_say`)
+        self._said: list[tuple[int, str, tuple[Any, ...]]] | None = None
+        # Monotonic time before which the loop does not tick again after a tick that failed: a
+        # failure that lasts (a full disk, a read-only crons.json) is retried, never spun on
+        self._retry_at = 0.0
         self._last_tick: datetime | None = None
         # The clock went back since the last tick: every recurring task's next time is checked
         self._clock_back = False
@@ -915,14 +922,29 @@ class Scheduler:
         by its misfire policy), never taken for done."""
         undo = tuple(getattr(self, name) for name in _TICK_STATE)
         self._journal = {}
+        said: list[tuple[int, str, tuple[Any, ...]]] = []
+        self._said = said
         try:
             return self._claim_due_journaled(now, report)
         except BaseException:
             if self._journal is not None:  # (None: it failed after its save; what it planned holds)
                 self._undo_tick(undo, now)
+                said.clear()  # planned, never saved: the tick that saves it says it, once
             raise
         finally:
             self._journal = None
+            self._said = None
+            for level, text, args in said:
+                log.log(level, text, *args)
+
+    def _say(self, level: int, text: str, *args: Any) -> None:
+        """Log a line of a tick's planning (a missed occurrence, a rolled-back counter, …) once the
+        tick's claim is saved, with its run-log records: a tick whose save fails (a full disk) and
+        each of its retries would otherwise say it again, every FAILED_TICK_RETRY_S."""
+        if self._said is None:
+            log.log(level, text, *args)
+        else:
+            self._said.append((level, text, args))
 
     def _undo_tick(self, undo: tuple[Any, ...], now: datetime) -> None:
         """Forget what a failed tick planned: the run numbers and times it claimed (`_used`), the
@@ -963,7 +985,7 @@ class Scheduler:
             self._invalid = state.invalid_problem()
             if not self.lease.claim_in(state):  # (a fenced server claims nothing: `LeaseHolder.fenced`)
                 if self.has_lease and not self.lease.is_fenced:
-                    log.warning("cron: lost the scheduler lease; another process owns it now")
+                    self._say(logging.WARNING, "cron: lost the scheduler lease; another process owns it now")
                 self.has_lease = report.has_lease = self._held_through = False
                 self._held_since = None
                 self._next_due = None
@@ -975,7 +997,7 @@ class Scheduler:
                 self._seen = self.store.signature()
                 return []
             if not self.has_lease:
-                log.info("cron: this process now runs the scheduler (pid %s)", self.lease.pid)
+                self._say(logging.INFO, "cron: this process now runs the scheduler (pid %s)", self.lease.pid)
                 self._held_since = now
             if not had:
                 dead = self._dead_tokens(state, previous)
@@ -1071,7 +1093,8 @@ class Scheduler:
         if expected is None or nominal <= expected:
             self._remember("fits", task.id, (nominal, now))
             return False
-        log.warning(
+        self._say(
+            logging.WARNING,
             "cron: task %s (%s): its next run was set for %s, but its schedule's next occurrence from now "
             "(%s) is %s: the clock was ahead by about %s when it was set (last stamped %s) and has been "
             "put back; rescheduled from now (run numbers go on from #%d)",
@@ -1134,7 +1157,8 @@ class Scheduler:
             return self._fail(task, exc, now, logs, report)
         used, ran_until = self._used_runs(task)
         if ran_until is not None and ran_until > now + timedelta(seconds=CLOCK_SLACK_S):
-            log.warning(
+            self._say(
+                logging.WARNING,
                 "cron: task %s (%s): the run log shows a run scheduled for %s, later than now (%s): the clock "
                 "was ahead when it was claimed and has been put back; the schedule goes on from now (run "
                 "numbers go on from #%d)",
@@ -1147,7 +1171,8 @@ class Scheduler:
             ran_until = None
             self._remember("used", task.id, (used, None))
         if ran_until is not None and due and due[0][0] <= ran_until:  # a rolled-back schedule: not rerun
-            log.warning(
+            self._say(
+                logging.WARNING,
                 "cron: task %s (%s): the tasks say it is due from %s, but the run log shows it ran up to %s "
                 "(was an older copy of the tasks restored?); those occurrences are not run again",
                 task.name,
@@ -1181,7 +1206,7 @@ class Scheduler:
                     f"not run: {gone}; the task is kept (it runs again once a live token of that name "
                     "may use its agent; `appserver cron remove` deletes it)"
                 )
-                log.error("cron: task %s (%s) run skipped: %s", task.name, task.id, reason)
+                self._say(logging.ERROR, "cron: task %s (%s) run skipped: %s", task.name, task.id, reason)
                 missed.extend((nominal, reason) for nominal, _, _ in fire)
                 fire = []
 
@@ -1244,15 +1269,15 @@ class Scheduler:
             nominal.isoformat(),
         )
 
-    @staticmethod
-    def _warn_missed(task: CronTask, missed: list[_Missed]) -> None:
+    def _warn_missed(self, task: CronTask, missed: list[_Missed]) -> None:
         """One warning line for the occurrences a tick found missed (never repeated: the next tick
-        starts after them)."""
+        starts after them; a tick whose save fails says nothing, `_say`)."""
         if not missed:
             return
         nominal, reason = missed[-1]
         more = f" and {len(missed) - 1} earlier occurrence(s)" if len(missed) > 1 else ""
-        log.warning(
+        self._say(
+            logging.WARNING,
             "cron: task %s (%s) missed the occurrence scheduled for %s%s: %s",
             task.name,
             task.id,
@@ -1272,12 +1297,13 @@ class Scheduler:
             try:
                 found = used_runs(self.store.runs_dir, task.id)
             except (OSError, ValueError) as exc:
-                log.warning("cron: could not read the run log of task %s: %s", task.id, exc)
+                self._say(logging.WARNING, "cron: could not read the run log of task %s: %s", task.id, exc)
                 found = (0, None)
             self._remember("used", task.id, found)
         used = found[0]
         if used > task.occurrence:
-            log.warning(
+            self._say(
+                logging.WARNING,
                 "cron: task %s (%s): its run counter in the tasks (%d) is behind the runs already made "
                 "(#%d; was an older copy of the tasks restored?); the next run is #%d",
                 task.name,
@@ -1353,12 +1379,11 @@ class Scheduler:
         self._note_error(task, logs, report)
         return True
 
-    @staticmethod
-    def _note_error(task: CronTask, logs: list[tuple[str, str, dict[str, Any]]], report: TickReport) -> None:
+    def _note_error(self, task: CronTask, logs: list[tuple[str, str, dict[str, Any]]], report: TickReport) -> None:
         if task.next_fire_at is None and task.last_error:
             logs.append((task.id, "error", {"error": task.last_error}))
             report.errors.append(f"{task.id}: {task.last_error}")
-            log.error("cron: task %s (%s): %s", task.name, task.id, task.last_error)
+            self._say(logging.ERROR, "cron: task %s (%s): %s", task.name, task.id, task.last_error)
 
     # ------------------------------------------------------------ outcomes
 
@@ -1553,6 +1578,13 @@ class Scheduler:
             wake = max(wake, self._last_tick + timedelta(seconds=gap))
         return wake
 
+    def failed_tick_pause_s(self) -> float:
+        """How long the loop waits after a tick that failed before it ticks again, whatever else
+        is due meanwhile (the lease's renewal above all: a tick that could not save restores the
+        renewal time it found, already past): FAILED_TICK_RETRY_S, or the backstop tick when that
+        is shorter. A failure that lasts costs one tick per pause, not a spinning loop."""
+        return min(FAILED_TICK_RETRY_S, self.tick_s)
+
     def changed_elsewhere(self) -> bool:
         """Did another process write crons.json since our last tick? (Our own writes, such as an
         outcome recorded by a watcher, are recognised by the store's cached signature.)"""
@@ -1601,10 +1633,18 @@ class Scheduler:
         aside as corrupt, a store that could not answer; the change, a `cron add`, lets the tick
         take the lease), or, without the lease, when the holder the last tick saw is judged gone
         (`holder_gone`, every LEASE_CHECK_S): the tick then takes the lease over. Measured on the
-        wall clock, so a suspended machine ticks as soon as it resumes."""
+        wall clock, so a suspended machine ticks as soon as it resumes. After a tick that failed,
+        nothing but a stop ends the sleep before `failed_tick_pause_s` has passed."""
         wake = self.next_wake()
         while not stop.is_set():
             self.alive_at = time.monotonic()
+            held_off = self._retry_at - time.monotonic()
+            if held_off > 0:  # the last tick failed: nothing (a renewal due, a change) ticks before its pause
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=min(held_off, self.watch_s))
+                except TimeoutError:
+                    pass
+                continue
             left = (wake - self.clock()).total_seconds()
             if left <= 0 or (self.has_lease and time.monotonic() >= self._renew_at):  # tick, or renew
                 return
@@ -1674,6 +1714,8 @@ class Scheduler:
                     log.exception("cron: tick failed")
                     self._tick_error = f"tick failed: {type(exc).__name__}: {exc}"
                     await self._note_seen()
+                failed = self._tick_error is not None
+                self._retry_at = time.monotonic() + self.failed_tick_pause_s() if failed else 0.0
                 try:
                     self._log_problem()
                     await self._sleep(stop)

@@ -27,7 +27,8 @@ from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile, StateFileRefused
 from cron.credentials import TokenCredentials
-from cron.runlog import find_removed, read_run_log
+from cron.lease import LeaseHolder
+from cron.runlog import ClaimsInHand, find_removed, read_run_log
 from cron.schedule import (
     ScheduleError,
     ScheduleSpec,
@@ -791,15 +792,18 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
     cfg = _config()
     store = _store(cfg)
     agent_id = _agent_filter(cfg, agent)
+    state = store.read()  # (before the run log: a run claimed after this is not judged)
+    found_task: CronTask | None = None
     try:
-        task = store.read().find(ref, agent_id)
+        found_task = task = state.find(ref, agent_id)
         task_id, name, tz = task.id, task.name, task.schedule.tz
     except CronTaskInvalid as exc:  # its log is still its history
         task_id, name, tz = exc.entry.id, _raw_text(exc.entry.raw.get("name", exc.entry.id)), "UTC"
     except CronNotFound:
         task_id, name, tz = _removed_task(store, ref, agent_id)
         click.echo(f"note: task {exact(name)} ({exact(task_id)}) was removed; its run log was kept", err=True)
-    found = read_run_log(store.runs_dir, task_id, limit=limit)
+    claims = _claims_in_hand(store, state, found_task)
+    found = read_run_log(store.runs_dir, task_id, limit=limit, claims=claims)
     problem = found.problem()
     if found.unusable:  # a log nothing could be read from is an unknown history, never "no runs"
         raise _OneLineError(str(problem))
@@ -818,6 +822,22 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
         return
     for r in records:
         click.echo(_log_line(r, tz))
+
+
+def _claims_in_hand(store: CronStore, state: CronFile, task: CronTask | None) -> ClaimsInHand:
+    """What the tasks say of `task`'s claimed runs (None: a removed or invalid task, whose claims
+    they no longer hold) and which scheduler runs now, judged as a scheduler judges the lease's
+    holder: a run waiting for its turn in a live `run_all` catch-up is queued, not lost."""
+    owner = state.scheduler_owner
+    live = owner.token if owner is not None and LeaseHolder(store, started_at=utcnow()).alive(owner) else None
+    if task is None:
+        return ClaimsInHand(live, {}, None)
+    open_claims: dict[int, str | None] = {}
+    for claim in task.claim_records():
+        number, by = claim.get("occurrence"), claim.get("by")
+        if isinstance(number, int) and not isinstance(number, bool) and claim.get("progress") != "done":
+            open_claims[number] = by if isinstance(by, str) else None
+    return ClaimsInHand(live, open_claims, task.occurrence)
 
 
 @cron_group.command("preview")
@@ -916,6 +936,17 @@ def _recovered(record: dict[str, Any]) -> str:
     return " (recovered: claimed by a scheduler that stopped)" if record.get("recovered") else ""
 
 
+def _pending(record: dict[str, Any]) -> str:
+    """What became of a claimed run no record settles yet (`ClaimsInHand.state`), else ""."""
+    if record.get("lost"):
+        return "  LOST: the process died before submitting it"
+    if record.get("queued"):
+        return "  queued: not submitted yet (the running scheduler submits it in turn)"
+    if record.get("unresolved"):
+        return "  not submitted yet: its scheduler stopped; the server that takes the scheduler over resolves it"
+    return ""
+
+
 def _log_line(r: dict[str, Any], tz: str) -> str:
     """One run-log record as a line. Its values come from the run log (the model's and the
     channels' error words among them): ids and targets shown exactly, errors as text."""
@@ -937,8 +968,7 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
     head = f"{when('at')}  {ev:<11}"
     if ev == "fired":
         kind = " (run now)" if r.get("manual") else " (catch-up)" if r.get("catch_up") else ""
-        lost = "  LOST: the process died before submitting it" if r.get("lost") else ""
-        return f"{head} #{n} scheduled for {when('scheduled_for')}{kind}{lost}{_recovered(r)}"
+        return f"{head} #{n} scheduled for {when('scheduled_for')}{kind}{_pending(r)}{_recovered(r)}"
     if ev == "submitted":
         return f"{head} #{n} turn {field('turn_id')}{_recovered(r)}"
     if ev == "outcome":

@@ -850,13 +850,19 @@ async def test_orphaned_http_idempotency_keys_are_released_or_taken_over(store: 
     await store.claim_http_idempotency(HttpIdempotency("s", "mine", "h"))
     await store.claim_http_idempotency(HttpIdempotency("s", "dead-2", "h-old", owner=DEAD_OWNER))
 
-    # a claim of a pending key whose claimant is gone takes it over
-    assert await store.claim_http_idempotency(HttpIdempotency("s", "dead-2", "h-new")) is None
+    # a pending key whose claimant is gone is taken over by a repeat of its request only: another
+    # body gets the entry (the caller's 409 idempotency_key_reused), which keeps its body
+    refused = await store.claim_http_idempotency(HttpIdempotency("s", "dead-2", "h-new"))
+    assert refused is not None and (refused.owner, refused.body_hash) == (DEAD_OWNER, "h-old")
+    assert await store.claim_http_idempotency(HttpIdempotency("s", "dead-2", "h-old")) is None
     taken = await store.get_http_idempotency("s", "dead-2")
-    assert taken is not None and (taken.owner, taken.body_hash, taken.state) == (store.owner, "h-new", "pending")
+    assert taken is not None and (taken.owner, taken.body_hash, taken.state) == (store.owner, "h-old", "pending")
 
     assert await store.release_orphaned_http_idempotency() == 1  # "dead" only: done keys and ours stay
-    assert await store.get_http_idempotency("s", "dead") is None
+    released = await store.get_http_idempotency("s", "dead")  # kept with its body, nobody's
+    assert released is not None and (released.owner, released.body_hash, released.state) == (None, "h", "pending")
+    assert await store.claim_http_idempotency(HttpIdempotency("s", "dead", "h-other")) is not None
+    assert await store.claim_http_idempotency(HttpIdempotency("s", "dead", "h")) is None
     assert await store.get_http_idempotency("s", "dead-done") is not None
     assert await store.get_http_idempotency("s", "mine") is not None
     assert await store.release_orphaned_http_idempotency() == 0
@@ -903,7 +909,8 @@ async def test_postgres_never_releases_a_claim_stamped_by_another_host(
         await s.claim_http_idempotency(HttpIdempotency("s", "here", "h", owner=f"{DEAD_OWNER}@{s.host}"))
         assert await s.release_orphaned_http_idempotency() == 1
         assert await s.get_http_idempotency("s", "elsewhere") is not None
-        assert await s.get_http_idempotency("s", "here") is None
+        here = await s.get_http_idempotency("s", "here")
+        assert here is not None and here.owner is None  # released: kept with its body, nobody's
         # nor is such a pending key taken over by a claim
         existing = await s.claim_http_idempotency(HttpIdempotency("s", "elsewhere", "h2"))
         assert existing is not None and existing.owner == f"{DEAD_OWNER}@another-host"

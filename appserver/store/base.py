@@ -305,7 +305,9 @@ class Store(ABC):
     async def delete_response(self, response_id: str) -> bool: ...
     @abstractmethod
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
-        """Insert a pending key; if the key exists already return the existing entry instead."""
+        """Insert a pending key; if the key exists already return the existing entry instead. A
+        pending key nobody works on (its claimant gone, or released) is taken over, but only by a
+        request with its body hash: another body gets the entry (the caller's 409)."""
 
     @abstractmethod
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None: ...
@@ -324,8 +326,10 @@ class Store(ABC):
     async def purge_http_idempotency(self, older_than: float) -> int: ...
     @abstractmethod
     async def release_orphaned_http_idempotency(self) -> int:
-        """Drop pending keys whose claiming process is gone (a server killed mid-request), so a
-        retry runs the request instead of waiting for a reply that will never be stored."""
+        """Release pending keys whose claiming process is gone (a server killed mid-request): owner
+        NULL, so a retry runs the request (or follows its turn) instead of waiting for a reply that
+        will never be stored. Not deleted: the key keeps its body's hash, and a request with another
+        body is still refused (`claim_http_idempotency`)."""
 
     @abstractmethod
     async def add_history_point(self, point: HistoryPoint, *, wait: bool = True) -> None:
@@ -377,14 +381,30 @@ def history_points_read(
     messages forks another), and the points table only grows with them: the newest `limit`
     points come off an index on (agent, hash[, owner], time), so a lookup never walks the points
     of the other conversations, the caller's or another credential's. The join checks the
-    conversation's agent and owner again (`ConversationMatcher.visible`)."""
-    owned = f" AND namespace = {mark}" if namespace is not None else ""
-    seen = f" AND c.namespace = {mark}" if namespace is not None else ""
-    owner = [namespace] if namespace is not None else []
+    conversation's agent and owner again (`ConversationMatcher.visible`).
+
+    A point without an owner (namespace NULL: one an older server wrote after the upgrade's
+    migration filled the column in, during a rolling upgrade) is its conversation's: read in a
+    second indexed branch, (agent, hash, NULL, time), that checks its conversation's owner. Such
+    points are only ever written by an older server: with none, that branch is one index probe."""
+    if namespace is None:
+        query = (
+            "SELECT p.agent_id, p.prefix_hash, p.conversation_id, p.last_message_id, p.created_at FROM ("
+            f"SELECT * FROM history_points WHERE agent_id = {mark} AND prefix_hash = {mark} "
+            f"ORDER BY created_at DESC LIMIT {mark}) p JOIN conversations c ON c.id = p.conversation_id "
+            f"WHERE c.agent_id = {mark} ORDER BY c.updated_at DESC, p.created_at DESC"
+        )
+        return query, [agent_id, prefix_hash, limit, agent_id]
+    columns = "h.agent_id, h.prefix_hash, h.conversation_id, h.last_message_id, h.created_at"
     query = (
         "SELECT p.agent_id, p.prefix_hash, p.conversation_id, p.last_message_id, p.created_at FROM ("
-        f"SELECT * FROM history_points WHERE agent_id = {mark} AND prefix_hash = {mark}{owned} "
+        f"SELECT * FROM (SELECT {columns} FROM history_points h WHERE h.agent_id = {mark} "
+        f"AND h.prefix_hash = {mark} AND h.namespace = {mark} ORDER BY h.created_at DESC LIMIT {mark}) owned "
+        f"UNION ALL SELECT * FROM (SELECT {columns} FROM history_points h JOIN conversations o "
+        f"ON o.id = h.conversation_id WHERE h.agent_id = {mark} AND h.prefix_hash = {mark} "
+        f"AND h.namespace IS NULL AND o.namespace = {mark} ORDER BY h.created_at DESC LIMIT {mark}) unowned "
         f"ORDER BY created_at DESC LIMIT {mark}) p JOIN conversations c ON c.id = p.conversation_id "
-        f"WHERE c.agent_id = {mark}{seen} ORDER BY c.updated_at DESC, p.created_at DESC"
+        f"WHERE c.agent_id = {mark} AND c.namespace = {mark} ORDER BY c.updated_at DESC, p.created_at DESC"
     )
-    return query, [agent_id, prefix_hash, *owner, limit, agent_id, *owner]
+    branch = [agent_id, prefix_hash, namespace, limit]
+    return query, [*branch, *branch, limit, agent_id, namespace]

@@ -125,6 +125,14 @@ HEARTBEAT_S = 2.0  # [store] heartbeat_s: how often a server renews its instance
 INSTANCE_TIMEOUT_S = 30.0  # [store] instance_timeout_s: a server silent this long is gone
 # A turn still open: a write of its state (a checkpoint, its end) never changes a settled one.
 NOT_SETTLED = "status NOT IN ('completed', 'cancelled', 'failed', 'interrupted')"
+# A pending key nobody works on any more whose request may have an answer (its claimant died
+# mid-request, or its stored answer could not be written) is released, not deleted: it keeps its
+# body's hash, so only a repeat of its request takes it over (`claim_http_idempotency`). Deleted,
+# another body could claim it and follow the turn its request left under the key (http/common.py
+# `Idempotency.earlier`): the other request's reply. One whose request ended in an error (its
+# release could not be written) is deleted, as that release would have.
+RELEASE_HTTP_KEY = "UPDATE http_idempotency SET owner=NULL WHERE scope=%s AND key=%s AND state='pending'"
+DROP_HTTP_KEY = "DELETE FROM http_idempotency WHERE scope=%s AND key=%s AND state='pending'"
 LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
 
 
@@ -493,6 +501,9 @@ class PostgresStore(Store):
         # stored answer, or the release) failed, left pending (scope, key) -> created_at; turns
         # whose end failed to commit (ended failed here), left running: turn id -> (error, revision).
         self._loose_keys: dict[tuple[str, str], float] = {}
+        # Those of them whose lost end was a stored answer (their turn completed): `repair` releases
+        # them (RELEASE_HTTP_KEY) rather than deleting them, as they stay their request's.
+        self._loose_answers: set[tuple[str, str]] = set()
         self._loose_turns: dict[str, tuple[str, int]] = {}
         # When a wait for a pooled connection last got one, and when the last wait that got none
         # (for all of connect_timeout_s, nobody else getting one meanwhile) began: see `unreachable`.
@@ -1641,7 +1652,10 @@ class PostgresStore(Store):
 
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
         """A pending key whose claimant died is taken over (the retry runs the request), and so is
-        one this process claimed but no longer works on (its end could not be written: an outage)."""
+        one this process claimed but no longer works on (its end could not be written: an outage),
+        or one released (owner NULL: `release_orphaned_http_idempotency`, `repair`). Only by a
+        repeat of its request: one with another body gets the key's entry (409 from the caller),
+        never the claim, whose turn `Idempotency.earlier` would follow (the other request's)."""
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
         k = (entry.scope, entry.key)
@@ -1662,9 +1676,14 @@ class PostgresStore(Store):
             )
             row = await cur.fetchone()
             if row is not None:
-                if row["state"] != "pending":
+                if row["state"] != "pending" or row["body_hash"] != entry.body_hash:
                     return http_idempotency(row)
-                if row["owner"] == self.owner and self._claimed.get(k) != row["created_at"]:
+                if row["owner"] is None:
+                    log.warning(
+                        "Idempotency-Key %r was released (its request never ended): this repeat takes it over",
+                        entry.key,
+                    )
+                elif row["owner"] == self.owner and self._claimed.get(k) != row["created_at"]:
                     log.warning(
                         "Idempotency-Key %r: its earlier request here ended but its end could not be written "
                         "(the database was away): this request takes it over",
@@ -1697,14 +1716,17 @@ class PostgresStore(Store):
                 del self._claimed[k]
             if entry.owner == self.owner:
                 self._loose_keys[k] = entry.created_at
+                self._loose_answers.discard(k)
             raise
 
     async def release_orphaned_http_idempotency(self) -> int:
         async def job(conn: Conn) -> int:
-            cur = await conn.execute("SELECT scope, key, owner FROM http_idempotency WHERE state='pending' FOR UPDATE")
+            cur = await conn.execute(
+                "SELECT scope, key, owner FROM http_idempotency WHERE state='pending' AND owner IS NOT NULL FOR UPDATE"
+            )
             gone = [(r["scope"], r["key"]) for r in await cur.fetchall() if await self._orphaned(conn, r["owner"])]
             for scope, key in gone:
-                await conn.execute("DELETE FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
+                await conn.execute(RELEASE_HTTP_KEY, (scope, key))
             return len(gone)
 
         return await self._write(job)
@@ -1726,7 +1748,7 @@ class PostgresStore(Store):
                 (status_code, content_type, body, conversation_id, scope, key),
             )
 
-        await self._end_write(job, (scope, key), claim)
+        await self._end_write(job, (scope, key), claim, answered=True)
 
     async def drop_http_idempotency(self, scope: str, key: str) -> None:
         claim = self._claimed.get((scope, key))
@@ -1742,11 +1764,15 @@ class PostgresStore(Store):
         if claim is not None and self._claimed.get(k) == claim:
             del self._claimed[k]
 
-    async def _end_write(self, job: Job[None], k: tuple[str, str], claim: float | None) -> None:
+    async def _end_write(
+        self, job: Job[None], k: tuple[str, str], claim: float | None, *, answered: bool = False
+    ) -> None:
         """Write a claimed key's end. One that fails (the database away) leaves the key pending
         under this live server, where every retry, on any server, would wait for it forever: it
         is remembered and released by `repair` once the database is back (a retry then runs the
-        request again, or follows its turn: `Idempotency.earlier`).
+        request again, or follows its turn: `Idempotency.earlier`). An `answered` end (a stored
+        answer: its turn completed) is released for a repeat of its request only, not deleted
+        (RELEASE_HTTP_KEY); a release after an error is deleted, as it would have been.
 
         While the database is `unreachable` the end is not tried: its request already waited
         connect_timeout_s for a connection (its turn's commit), and a second wait, for the same
@@ -1763,6 +1789,10 @@ class PostgresStore(Store):
             self._ended(k, claim)
             if claim is not None:
                 self._loose_keys[k] = claim
+                if answered:
+                    self._loose_answers.add(k)
+                else:
+                    self._loose_answers.discard(k)
             raise
 
     async def repair(self) -> None:
@@ -1770,6 +1800,7 @@ class PostgresStore(Store):
         key released only while still pending under this claim, each turn settled failed only
         while it still runs under this server. Run by the cluster after each heartbeat."""
         keys = dict(self._loose_keys)
+        answers = set(self._loose_answers)
         turns = dict(self._loose_turns)
         if not keys and not turns:
             return
@@ -1779,12 +1810,8 @@ class PostgresStore(Store):
         async def job(conn: Conn) -> tuple[int, int]:
             released = settled = 0
             for (scope, key), created_at in keys.items():
-                released += await _count(
-                    conn,
-                    "DELETE FROM http_idempotency WHERE scope=%s AND key=%s AND state='pending' AND owner=%s "
-                    "AND created_at=%s",
-                    (scope, key, owner, created_at),
-                )
+                end = RELEASE_HTTP_KEY if (scope, key) in answers else DROP_HTTP_KEY
+                released += await _count(conn, end + " AND owner=%s AND created_at=%s", (scope, key, owner, created_at))
             for turn_id, (error, revision) in turns.items():
                 settled += await _count(
                     conn,
@@ -1798,6 +1825,7 @@ class PostgresStore(Store):
         for k, created_at in keys.items():
             if self._loose_keys.get(k) == created_at:
                 del self._loose_keys[k]
+                self._loose_answers.discard(k)
         for turn_id in turns:
             self._loose_turns.pop(turn_id, None)
         if released or settled:
@@ -1826,12 +1854,14 @@ class PostgresStore(Store):
 
         async def job(conn: Conn) -> None:
             # Only while the conversation exists: one deleted since (with its agent) needs no point.
-            # With its owner, which a lookup's index holds (`history_points_read`).
+            # With its owner, which a lookup's index holds (`history_points_read`); also over a
+            # point an older server wrote without it (rolling upgrade).
             await conn.execute(
                 "INSERT INTO history_points(agent_id, prefix_hash, conversation_id, last_message_id, created_at, "
                 "namespace) SELECT %s,%s,%s,%s,%s, namespace FROM conversations WHERE id=%s "
                 "ON CONFLICT (agent_id, prefix_hash, conversation_id) DO UPDATE SET "
-                "last_message_id=EXCLUDED.last_message_id, created_at=EXCLUDED.created_at",
+                "last_message_id=EXCLUDED.last_message_id, created_at=EXCLUDED.created_at, "
+                "namespace=EXCLUDED.namespace",
                 (
                     point.agent_id,
                     point.prefix_hash,

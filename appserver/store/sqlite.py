@@ -1147,7 +1147,10 @@ class SQLiteStore(Store):
         return owner != self.owner and not identity_alive(owner)
 
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
-        """A pending key whose claimant died is taken over (the retry runs the request)."""
+        """A pending key whose claimant died (or released: owner NULL) is taken over by a repeat
+        of its request, which runs it again or follows its turn. One with another body gets the
+        key's entry (409 from the caller), never the claim: `Idempotency.earlier` would follow the
+        turn the key's request left, and answer it with the other request's reply."""
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
         with self._tx() as tx:
@@ -1155,7 +1158,7 @@ class SQLiteStore(Store):
                 "SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)
             ).fetchone()
             if row is not None:
-                if row["state"] != "pending" or not self._orphaned(row["owner"]):
+                if row["state"] != "pending" or row["body_hash"] != entry.body_hash or not self._orphaned(row["owner"]):
                     return http_idempotency(row)
                 log.warning(
                     "Idempotency-Key %r was claimed by a process that is gone (%s): this request takes it over",
@@ -1170,10 +1173,14 @@ class SQLiteStore(Store):
         return None
 
     async def release_orphaned_http_idempotency(self) -> int:
+        """Released, not deleted: the key keeps its body's hash, so only a repeat of its request
+        takes it over (`claim_http_idempotency`)."""
         with self._tx() as tx:
-            rows = tx.execute("SELECT scope, key, owner FROM http_idempotency WHERE state='pending'").fetchall()
+            rows = tx.execute(
+                "SELECT scope, key, owner FROM http_idempotency WHERE state='pending' AND owner IS NOT NULL"
+            ).fetchall()
             gone = [(r["scope"], r["key"]) for r in rows if self._orphaned(r["owner"])]
-            tx.executemany("DELETE FROM http_idempotency WHERE scope=? AND key=?", gone)
+            tx.executemany("UPDATE http_idempotency SET owner=NULL WHERE scope=? AND key=? AND state='pending'", gone)
         return len(gone)
 
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:

@@ -49,10 +49,12 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import websockets
+from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.frames import CloseCode
 
 from appserver.client.auth import TokenSource, auth_headers, check_url, default_token
 from appserver.client.buffer import DEFAULT_LIMIT, FrameBuffer
@@ -121,6 +123,57 @@ def resendable(frame: dict[str, Any]) -> bool:
     return frame.get("type") in RESENDABLE
 
 
+class _Connection(ClientConnection):
+    """websockets' client connection whose keepalive takes the server's bytes, while they arrive,
+    as a sign of life: the server answers a ping behind what it is already sending (an 8 MiB
+    `get_history` page takes two minutes at 64 KiB/s), and the library closed (1011) a server
+    that was sending it a page steadily, and lost the page. A server that sends no byte for
+    `ping_timeout` while a ping waits for its pong is closed as before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.received = 0  # bytes read from the server so far
+
+    def data_received(self, data: bytes) -> None:
+        self.received += len(data)
+        super().data_received(data)
+
+    async def keepalive(self) -> None:
+        """websockets' own loop (a ping every `ping_interval`, less the last latency), waiting for
+        each pong as `_pong` does."""
+        assert self.ping_interval is not None
+        latency = 0.0
+        try:
+            while True:
+                await asyncio.sleep(self.ping_interval - latency)
+                pong = await self.ping()
+                if self.ping_timeout is None:
+                    continue
+                answered = await self._pong(pong, self.ping_timeout)
+                if answered is None:
+                    async with self.send_context():  # (waits until the connection is lost, which cancels this)
+                        self.protocol.fail(CloseCode.INTERNAL_ERROR, "keepalive ping timeout")
+                    return
+                latency = answered
+        except Exception:
+            self.logger.error("keepalive ping failed", exc_info=True)
+
+    async def _pong(self, pong: Awaitable[float], timeout: float) -> float | None:
+        """The pong's latency; None once the server has sent no byte for `timeout` (since the
+        ping, or since the last bytes that came before its pong)."""
+        waiter = asyncio.ensure_future(pong)
+        seen, since = self.received, self.loop.time()
+        while True:
+            left = since + timeout - self.loop.time()
+            if left <= 0:
+                return None
+            done, _ = await asyncio.wait((waiter,), timeout=min(left, timeout / 4))
+            if done:
+                return waiter.result()
+            if self.received > seen:
+                seen, since = self.received, self.loop.time()
+
+
 @dataclass
 class _Pending:
     frame: dict[str, Any]
@@ -187,6 +240,11 @@ ENDED = 1 << 63  # noted in `_seen` for a turn whose terminal snapshot was deliv
 
 
 class ProtocolClient:
+    # websockets' keepalive (`_Connection`): a ping every PING_INTERVAL_S; closed (1011) when the
+    # server sends nothing for PING_TIMEOUT_S while its pong is awaited
+    PING_INTERVAL_S: ClassVar[float] = 20.0
+    PING_TIMEOUT_S: ClassVar[float] = 60.0
+
     def __init__(
         self,
         url: str,
@@ -312,8 +370,9 @@ class ProtocolClient:
                 additional_headers=headers,
                 open_timeout=self._open_timeout,
                 max_size=None,
-                ping_interval=20,
-                ping_timeout=60,
+                ping_interval=self.PING_INTERVAL_S,
+                ping_timeout=self.PING_TIMEOUT_S,
+                create_connection=_Connection,
             )
         except InvalidStatus as exc:
             raise _refused(url, exc.response.status_code, bytes(exc.response.body or b"")) from None

@@ -553,6 +553,11 @@ class PassWrites:
         """Bytes the client has taken (`_taken`): how fast it reads (EdgeWebSocketProtocol `_drained`)."""
         return self._taken()
 
+    def written(self) -> int:
+        """Bytes written so far, held ones included: where in the stream the next write starts, so
+        that `taken` tells when the client has had a write (EdgeWebSocketProtocol `_pong_deferred`)."""
+        return self.sent + sum(map(len, self._held or ()))
+
     def _taken(self) -> int:
         """Bytes the client has taken: handed over, less what the transport still holds and what
         the kernel holds unacknowledged (Linux; elsewhere what left the transport)."""
@@ -1570,6 +1575,12 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._read_timer: asyncio.TimerHandle | None = None  # the oldest reservation it holds (`_held_too_long`)
         self._handed = 0  # bytes of messages given to the app since its `receive` last let others run
         self._pong_overdue = False  # its keepalive ping timed out while it waited for the budget
+        # A keepalive ping written behind bytes the client had not taken yet (`_pong_deferred`): where
+        # it ends in the stream (0: it was behind nothing), when the client last took bytes ahead of
+        # it and how many it had taken then, and when it was seen taken itself.
+        self._ping_end = 0
+        self._ping_progress = (0.0, 0)
+        self._ping_reached: float | None = None
         self._frame_gated = False  # the frame being fed inflates only once the inflate gate lets it
         self._gate_wait = False  # it waits for the inflate gate (`_inflate_admitted`)
         self._gate_pass = False  # the gate let it through: its next gated frame inflates
@@ -2027,6 +2038,46 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
             self._read_timer.cancel()
             self._read_timer = None
 
+    # ── a keepalive ping behind what the client is still taking ─────────────────────────────────
+    # uvicorn times a ping's pong from when the ping is written; written behind a big frame (an 8 MiB
+    # `get_history` page) it waits in the transport until the client has taken that frame: a client
+    # reading the page steadily at 73 KiB/s got it whole, then the ping, then the close 1011, and
+    # lost the page it had read. Such a ping is timed from when the client has taken it; until then,
+    # a client that takes no byte for `ping_timeout` is closed as a silent one is.
+
+    def send_keepalive_ping(self) -> None:
+        transport = self.transport
+        ahead = transport.written() - transport.taken() if isinstance(transport, PassWrites) else 0
+        super().send_keepalive_ping()
+        self._ping_end, self._ping_reached = 0, None
+        if ahead > 0 and self.pong_timer is not None and self.ping_timeout and isinstance(transport, PassWrites):
+            self._ping_end = transport.written()
+            self._ping_progress = (self.loop.time(), transport.taken())
+            self.pong_timer.cancel()
+            self.pong_timer = self.loop.call_later(self.ping_timeout / SEND_CHECKS, self.keepalive_timeout)
+
+    def _pong_deferred(self) -> bool:
+        """Whether the pong of a ping written behind untaken bytes is not due yet: `ping_timeout`
+        after the client took the ping, or, while it has not, after it last took a byte ahead of
+        it. True: the next look is armed (as `pong_timer`, which a pong cancels)."""
+        transport, timeout = self.transport, self.ping_timeout
+        if not self._ping_end or not timeout or not isinstance(transport, PassWrites) or transport.is_closing():
+            return False
+        now, taken = self.loop.time(), transport.taken()
+        if taken >= self._ping_end:
+            if self._ping_reached is None:
+                self._ping_reached = now  # seen now: it got there since the last look
+            due = self._ping_reached + timeout
+        else:
+            since, before = self._ping_progress
+            if taken > before:
+                self._ping_progress = since, before = now, taken
+            due = since + timeout
+        if now >= due - timeout * 0.001:  # (timers may fire a tick early)
+            return False
+        self.pong_timer = self.loop.call_later(min(timeout / SEND_CHECKS, due - now), self.keepalive_timeout)
+        return True
+
     def keepalive_timeout(self) -> None:
         # A connection the server stopped reading for the budget has its pong behind the frame it
         # does not read yet (in TCP): it was closed 1011 for the server's own pause. Its ping's
@@ -2034,6 +2085,8 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         if self._waiting:
             self.pong_timer = None
             self._pong_overdue = True
+            return
+        if self._pong_deferred():
             return
         super().keepalive_timeout()
 
@@ -2055,6 +2108,7 @@ class EdgeWebSocketProtocol(WebSocketsSansIOProtocol):
         self._watch_held()
         if self._pong_overdue and self.ping_timeout is not None and not self.close_sent:
             self._pong_overdue = False  # its pong may come now: as long to wait for it as for any
+            self._ping_end = 0  # (timed from now, wherever the ping is)
             self.pong_timer = self.loop.call_later(self.ping_timeout, self.keepalive_timeout)
         self.loop.call_soon(self._pump, context=contextvars.Context())
 

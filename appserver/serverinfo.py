@@ -350,11 +350,22 @@ def busy_text(server_json: Path, holder: dict[str, Any]) -> str:
     )
 
 
-def find_live_server(server_json: Path, wait_s: float = 20.0) -> dict[str, Any] | None:
+STARTING_QUIET_S = 1.0  # a wait for a starting server up to this long is not worth a word (`on_starting`)
+
+OnStarting = Callable[[dict[str, Any] | None], None]
+
+
+def find_live_server(
+    server_json: Path, wait_s: float = 20.0, on_starting: OnStarting | None = None
+) -> dict[str, Any] | None:
     """The live server of this home, waiting while one is still starting (it holds `serve.lock`
-    but has not written server.json), so a CLI command never runs turns beside it. None: no server."""
+    but has not written server.json), so a CLI command never runs turns beside it. None: no server.
+    `on_starting(holder)` is told once when that wait lasts longer than STARTING_QUIET_S (`holder`:
+    the starting process as `lock_holder` names it, or None), so that the command can say why it
+    is silent."""
     lock = HomeLock(home_lock_path(server_json))
-    deadline = time.monotonic() + wait_s
+    start = time.monotonic()
+    told = False
     while True:
         live = read_live_server(server_json)
         if live is not None or not lock.held_elsewhere():
@@ -362,8 +373,12 @@ def find_live_server(server_json: Path, wait_s: float = 20.0) -> dict[str, Any] 
         holder = lock_holder(lock.path)
         if holder is not None and holder.get("command") == IN_PROCESS_RUN:
             raise HomeBusy(busy_text(server_json, holder))  # it may run for minutes: say so now
-        if time.monotonic() >= deadline:
+        waited = time.monotonic() - start
+        if waited >= wait_s:
             raise HomeStarting(_not_published(server_json, lock.path, wait_s))
+        if on_starting is not None and not told and waited >= STARTING_QUIET_S:
+            told = True
+            on_starting(holder)
         time.sleep(0.05)
 
 
@@ -449,15 +464,17 @@ def claim_for_turns(
     busy_wait_s: float,
     on_busy: Callable[[dict[str, Any]], None],
     start_wait_s: float = 20.0,
+    on_starting: OnStarting | None = None,
 ) -> tuple[dict[str, Any] | None, HomeLock | None]:
     """For a command that runs turns in-process when no server runs (`appserver run`): (the live
     server's info, None) to go through it, or (None, the home's lock, held) to run here as `serve`
     would (so a `serve` started meanwhile is refused, and a second in-process run waits). Waits while
     another in-process run holds the home (up to `busy_wait_s`; `on_busy` is told once), or a server
-    starts (up to `start_wait_s`); then HomeBusy / HomeStarting."""
+    starts (up to `start_wait_s`; `on_starting` is told once, as `find_live_server` tells it); then
+    HomeBusy / HomeStarting."""
     lock = HomeLock(home_lock_path(server_json))
     start = time.monotonic()
-    told = False
+    told = told_starting = False
     while True:
         live = read_live_server(server_json)
         if live is not None:
@@ -478,4 +495,7 @@ def claim_for_turns(
                 on_busy(holder)
         elif waited >= start_wait_s:
             raise HomeStarting(_not_published(server_json, lock.path, start_wait_s))
+        elif on_starting is not None and not told_starting and waited >= STARTING_QUIET_S:
+            told_starting = True
+            on_starting(holder)
         time.sleep(0.05)

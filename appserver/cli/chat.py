@@ -48,12 +48,12 @@ from appserver.cli.common import (
     exit_stdout_closed,
     fail,
     get_config,
-    live_server_or_fail,
     not_utf8,
     shown_raw,
     stdout_closed,
 )
 from appserver.cli.run import (
+    START_WAIT_S,
     USAGE_ERRORS,
     WORK_STOP_POLL_S,
     WORK_STOP_WAIT_S,
@@ -65,11 +65,14 @@ from appserver.cli.run import (
     server_url_source,
     signal_name,
     signals_as_at_start,
+    signals_end_the_wait,
+    tell_starting,
     token_hint,
     until_signal,
 )
 from appserver.cli.safetext import exact, visible
 from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
+from appserver.serverinfo import HomeStarting, find_live_server
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 ERASE_LINE = "\r\x1b[K"
@@ -1148,9 +1151,19 @@ def home_server_or_fail(server_json: Path, stopped: str | None = None) -> tuple[
     without one, exit 3. `stopped`: the URL of the server that stopped meanwhile, and one taking over
     is looked for a while (TAKEOVER_WAIT_S)."""
     deadline = time.monotonic() + (TAKEOVER_WAIT_S if stopped else 0.0)
-    while (live := live_server_or_fail(server_json)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    with signals_end_the_wait():  # a stop signal meanwhile: one error line and 128 + it, as later
+        while (live := starting_or_live(server_json)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
     if live is None:
         gone = f" (the one at {visible(stopped)} stopped)" if stopped else ""
         fail(f"no server is running on this home{gone}: start `appserver serve` (or give --url)", 3)
     return str(live["url"]), HomeServer(server_json, str(live.get("identity") or ""))
+
+
+def starting_or_live(server_json: Path) -> dict[str, Any] | None:
+    """The live server of this home, waited for (and the wait said) while one starts; exit 3 when
+    it does not say where it listens in time."""
+    try:
+        return find_live_server(server_json, START_WAIT_S, tell_starting(START_WAIT_S))
+    except HomeStarting as exc:
+        fail(f"{exc}; try again in a moment", 3)

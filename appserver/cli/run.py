@@ -11,13 +11,14 @@ with it, settled as interrupted; through a server it goes on there). Exit 128 + 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import math
 import shlex
 import signal
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -46,6 +47,7 @@ WORK_STOP_POLL_S = 0.05  # how often it cancels the work again meanwhile
 # GRACE_S + DRAIN_S), then settles the running turns; a margin on top.
 STOP_WAIT_S = 15.0
 STOP_POLL_S = 0.05  # how often that wait reads server.json
+START_WAIT_S = 20.0  # how long `run` and `chat` wait for this home's server to say where it listens as it starts
 
 
 class Interrupted(Exception):
@@ -109,6 +111,48 @@ def _retrieved(job: asyncio.Future[Any]) -> None:
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def signals_end_the_wait(what: str = "no turn was started") -> Iterator[None]:
+    """Around a wait outside an event loop (for this home's server while it starts, for another
+    in-process run's turn): SIGINT, SIGTERM and SIGHUP end the command as `until_signal` ends a
+    turn's work, with one error line (`interrupted by SIGINT: no turn was started`) and exit 128 +
+    the signal. Python's own handling printed click's "Aborted!" (exit 1) for a Ctrl-C there, and
+    SIGTERM/SIGHUP killed the process without a word. After the first signal all three are ignored
+    (the command is ending); without one, the handlers from before are put back."""
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if stopped:
+            return
+        stopped.append(signum)
+        for each in STOP_SIGNALS:
+            signal.signal(each, signal.SIG_IGN)
+        raise Interrupted(signum, what)
+
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
+    try:
+        yield
+    except Interrupted as exc:
+        fail(f"interrupted by {signal_name(exc.signum)}: {exc.what}", 128 + exc.signum)
+    finally:
+        if not stopped:
+            for signum, handler in before.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def tell_starting(wait_s: float) -> Callable[[dict[str, Any] | None], None]:
+    """The one stderr line of a command that waits (longer than a moment) for this home's server
+    while it starts: it holds the home but has not said where it listens yet (`find_live_server`)."""
+
+    def tell(holder: dict[str, Any] | None) -> None:
+        who = f": {holder_text(holder)}" if holder is not None else ""
+        click.echo(f"[waiting up to {wait_s:g} s for the server starting on this home{who}]", err=True)
+
+    return tell
 
 
 class Seconds(click.ParamType[float]):
@@ -368,7 +412,8 @@ def own_home_or_server(server_json: Path, wait_s: float) -> tuple[dict[str, Any]
         click.echo(f"[waiting: {holder_text(holder)} is running a turn in-process on this home]", err=True)
 
     try:
-        return claim_for_turns(server_json, wait_s, waiting)
+        with signals_end_the_wait():
+            return claim_for_turns(server_json, wait_s, waiting, START_WAIT_S, tell_starting(START_WAIT_S))
     except HomeBusy as exc:
         fail(str(exc), 3)
     except HomeStarting as exc:

@@ -353,8 +353,11 @@ class ConversationWatch:
                 }
             )
             return
-        # Nobody connected executes this tool (its client disconnected, or the server restarted).
-        await self.hub.answer_gone(self.conversation_id, p["call_id"], p["name"])
+        # Nobody connected executes this tool. Known here (its owner is a connection of this
+        # process): the request was never sent, so the tool did not run. Not known (a restart): the
+        # process before may have sent it, so the tool may have acted.
+        maybe_sent = snap.turn_id not in self.tool_owners
+        await self.hub.answer_gone(self.conversation_id, p["call_id"], p["name"], maybe_sent=maybe_sent)
 
     async def left_to_its_owner(self, turn_id: str) -> bool:
         """Whether the client calls of turn `turn_id`, whose tools no connection of this server
@@ -586,12 +589,22 @@ class Hub:
                 del self.client_calls[call_id]
                 await self.answer_gone(conv_id, call_id, name)
 
-    async def answer_gone(self, conversation_id: str, call_id: str, name: str) -> None:
-        text = (
-            f"The client that runs the tool {name} disconnected before returning a result, so the outcome is"
-            " unknown: the tool may have acted before the client disconnected. Check whether it did before"
-            " retrying the call."
-        )
+    async def answer_gone(self, conversation_id: str, call_id: str, name: str, *, maybe_sent: bool = True) -> None:
+        """Close client call `call_id` whose client is gone, with an error result the model reads.
+        `maybe_sent`: its tool_call_request may have reached the client (the tool may have acted);
+        False when it was never sent to anyone (the client left before the call was made): the tool
+        certainly did not run, and the model must not be told to check whether it did."""
+        if maybe_sent:
+            text = (
+                f"The client that runs the tool {name} disconnected before returning a result, so the outcome"
+                " is unknown: the tool may have acted before the client disconnected. Check whether it did"
+                " before retrying the call."
+            )
+        else:
+            text = (
+                f"The tool {name} was not executed: the client that supplies it is gone (it left before this"
+                " call was made), so the call was never sent to it and the tool did not run."
+            )
         try:
             await self.server.kernel.respond(
                 conversation_id, [Decision(call_id, "result", output=text, is_error=True, decided_by="server")]

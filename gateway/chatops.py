@@ -748,7 +748,7 @@ def _outcome_in_snapshot(active: dict[str, Any] | None, prompt: Prompt) -> str |
         if block.get("type") != "tool_call" or block.get("call_id") != prompt.call_id:
             continue
         status = block.get("status")
-        if status in ("running", "completed"):
+        if status in ("approved", "running", "completed"):  # approved: answered, waiting on a sibling call
             return OUTCOME_LINES["approved"]
         if status == "denied":
             return OUTCOME_LINES["denied"]

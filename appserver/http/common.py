@@ -37,6 +37,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, DeltaTap, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.runtime import max_steps_note as steps_note
 from appserver.runtime.restore import controller_from_store
+from appserver.runtime.snapshot import answered_unrun
 from appserver.security.guard import GUARD_ANSWERED
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord, TurnSettings
@@ -605,7 +606,10 @@ def answered_approvals(before: TurnSnapshot, given: dict[str, PendingCall], deci
         b["call_id"]
         for b in before.blocks
         if b["type"] == "tool_call"
-        and (b["call_id"] in now or (b["call_id"] in earlier and b.get("status") in ("pending_approval", "streaming")))
+        and (
+            b["call_id"] in now
+            or (b["call_id"] in earlier and (b.get("status") in ("pending_approval", "streaming") or answered_unrun(b)))
+        )
     ]
 
 

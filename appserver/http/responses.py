@@ -96,6 +96,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnapshot
 from appserver.runtime.settle import not_run_text, stopped_text
+from appserver.runtime.snapshot import answered_unrun
 from appserver.store.records import AgentRecord, ResponseRecord, TurnSettings
 
 if TYPE_CHECKING:
@@ -1285,7 +1286,9 @@ def _answered_unrun(snap: TurnSnapshot, b: dict[str, Any]) -> bool:
     """An answered approval whose call has not run yet (the turn still waits for other answers, or
     is just resuming): neither an open request any more nor an `mcp_call` with a result yet. It is
     shown once it ran, by the response that resumed the turn."""
-    return snap.status not in TERMINAL_STATUSES and b.get("status") in ("pending_approval", "streaming")
+    return snap.status not in TERMINAL_STATUSES and (
+        b.get("status") in ("pending_approval", "streaming") or answered_unrun(b)
+    )
 
 
 def text_part(b: dict[str, Any], text: str) -> dict[str, Any]:

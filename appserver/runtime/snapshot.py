@@ -314,6 +314,7 @@ class TurnController:
 
     def set_pending(self, pending: list[PendingCall]) -> None:
         self.pending = [_announced_pending(p.to_dict()) for p in pending if p.status == "pending"]
+        self._mark_answered_blocks(pending)
         self._bump()
         self._settle.publish(self.revision, version=self.revision)
 
@@ -563,6 +564,44 @@ class TurnController:
                 if p.kind == "approval":
                     _announce(block)
         self._cached = None
+
+    def _mark_answered_blocks(self, pending: list[PendingCall]) -> None:
+        """A call answered while its turn still waits for another one (answers come one at a time)
+        leaves `pending`: its block says how it was answered at once, as `pending` does, not only
+        once the turn resumes. An approval shows `approved`, `denied` or `expired` with no output
+        yet (what it returns comes when the turn runs it, or closes it); a client call's result is
+        its output already (`completed`, or `failed` for an error result), as the turn will
+        commit it. A cancelled call is left to the cancel, which closes it with its result."""
+        for p in pending:
+            block = self._calls.get(p.call_id)
+            if block is None or block.output is not None or block.status not in WAITING:
+                continue
+            if p.kind == "client" and p.status == "result":
+                block.status = "failed" if p.is_error else "completed"
+                block.output = p.output or ""
+                block.is_error = p.is_error
+            elif p.status in ANSWERED_STATUS:
+                block.status = ANSWERED_STATUS[p.status]
+                if p.kind == "approval":
+                    _announce(block)
+            else:
+                continue
+            self._cached = None
+
+
+# The statuses of a call's block while it waits for its answer (`streaming`: as rebuilt from the
+# store, before `mark_pending_blocks`).
+WAITING = ("streaming", "pending_approval", "awaiting_client")
+# A pending call's answer (store status) → its block's status until the turn resumes. "result" on
+# an approval: approved in the conversation this one was forked from, its result reused there.
+ANSWERED_STATUS = {"approved": "approved", "result": "approved", "denied": "denied", "expired": "expired"}
+
+
+def answered_unrun(block: dict[str, Any]) -> bool:
+    """A rendered tool_call block of a call that was answered but has not run or been closed yet
+    (its turn waits for other answers, or is just resuming): `approved`, `denied` or `expired`
+    with no output."""
+    return block.get("status") in ("approved", "denied", "expired") and block.get("output") is None
 
 
 # A server tool call's arguments are shown as the canonical form of what runs (agent/tools.py

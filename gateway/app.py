@@ -20,6 +20,7 @@ import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,14 @@ from gateway.ledger import Entry, Ledger, Receipt, UpdateKey, prune_settled, ret
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
 from gateway.recent import Recent
-from gateway.replies import NO_LONGER_LET_IN, Replies, answer_target, chat_key
+from gateway.replies import (
+    NO_LONGER_LET_IN,
+    Replies,
+    answer_target,
+    chat_key,
+    ledger_retry_delay,
+    write_until_done,
+)
 from gateway.routing import RouteKey, Router
 from gateway.split import DELIVER_MAX_CHARS, cap_text
 from gateway.status import StatusBoard
@@ -145,7 +153,7 @@ class Gateway:
             self._spawn(runner.run())
         self._spawn(self._flush_status_forever())
         self._spawn(self._prune_forever())
-        self._spawn(self.chatops.watch_pairings())
+        self._spawn(self._keep_running("acting on pairing decisions", self.chatops.watch_pairings))
         waits = [asyncio.wait_for(r.ready.wait(), ready_timeout) for r in self.runners.values()]
         for result in await asyncio.gather(*waits, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, TimeoutError):
@@ -166,8 +174,30 @@ class Gateway:
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        """Forget a background task; an error that ended it is logged here, with its traceback (it was
+        "Task exception was never retrieved", at some garbage collection, if at all)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("a background task of the gateway failed: %r", exc, exc_info=exc)
+
+    async def _keep_running(self, what: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run a loop meant to last as long as the gateway (`ChatOps.watch_pairings`); one ended by an
+        error (gateway.db busy past its timeout, or full, as it acts on a decision) is logged and run
+        again after a bounded backoff, instead of never acting on an approval again."""
+        failures = 0
+        while True:
+            try:
+                await run()
+                return
+            except Exception:  # noqa: BLE001 - whatever ended it, the loop is needed
+                failures += 1
+                delay = ledger_retry_delay(failures)
+                log.exception("%s stopped on an error; started again in %g s", what, delay)
+                await asyncio.sleep(delay)
 
     def _resume(self) -> None:
         for entry in self.ledger.in_flight() + self.ledger.to_deliver():
@@ -212,15 +242,26 @@ class Gateway:
     def statuses(self) -> list[dict[str, Any]]:
         return [r.live.snapshot().to_json() for r in self.runners.values()]
 
-    def _save_status(self) -> None:
+    def _save_status(self) -> bool:
+        """Write the live counters and states to gateway.db. False when it refused (busy past its
+        timeout, the disk full): logged, and still to save (the flush loop tries again)."""
+        try:
+            self.board.save([r.live.snapshot() for r in self.runners.values()])
+        except sqlite3.Error as exc:
+            self._dirty = True
+            log.error("could not save the accounts' status to gateway.db (tried again shortly): %s", exc)
+            return False
         self._dirty = False
-        self.board.save([r.live.snapshot() for r in self.runners.values()])
+        return True
 
     async def _flush_status_forever(self) -> None:
+        """Save the status every second it changed; after a failed save, again after a bounded
+        backoff, for as long as the gateway runs (it used to end on the first "database is locked")."""
+        failures = 0
         while True:
-            await asyncio.sleep(STATUS_FLUSH_S)
+            await asyncio.sleep(ledger_retry_delay(failures) if failures else STATUS_FLUSH_S)
             if self._dirty:
-                self._save_status()
+                failures = 0 if self._save_status() else failures + 1
 
     async def _prune_forever(self) -> None:
         """Keep gateway.db from growing for ever: settled rows past their retention go (ledger.py)."""
@@ -302,7 +343,7 @@ class Gateway:
         if entry is None or runner is None:
             return
         if entry.state == "received":
-            entry = self._decide(entry, runner)
+            entry = await write_until_done(f"{key}: the access decision", partial(self._decide, entry, runner))
             if (entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL) or entry.reason == COMMAND_NOT_KEPT:
                 await self.chatops.pairing_prompt(entry, runner)
             elif entry.state == "denied":
@@ -337,16 +378,21 @@ class Gateway:
         answer was written, says so: a second `/cancel` would stop the turn that started after the
         first, a second `/new` drop the conversation begun since (docs/channels.md, "Commands in the chat")."""
         since: float | None = None
+        key = entry.key
         if not entry.command_taken:
-            entry = self.ledger.take_command(entry.key, command_answer_key(entry), time.time())
+            taking = partial(self.ledger.take_command, key, command_answer_key(entry), time.time())
+            entry = await write_until_done(f"{key}: /{command.name} taken", taking)
             answer = await self.chatops.command(entry, runner, command)
-            self.ledger.note_command_answer(entry.key, answer)
+            await write_until_done(
+                f"{key}: /{command.name}'s answer", partial(self.ledger.note_command_answer, key, answer)
+            )
         else:
             since = entry.sending[1] if entry.sending is not None else None
             answer = entry.reply if entry.reply is not None else command_interrupted(command)
             log.info("%s: /%s was taken before a restart: not run again", entry.key, command.name)
         ids = await self._say_keyed(runner, entry, answer, since) if answer else []
-        self.ledger.mark_command(entry.key, f"command /{command.name}", ids)
+        answered = partial(self.ledger.mark_command, key, f"command /{command.name}", ids)
+        await write_until_done(f"{key}: /{command.name} answered", answered)
 
     async def _say_keyed(self, runner: AccountRunner, entry: Entry, text: str, since: float | None) -> list[str]:
         """A command's answer, sent as `Outboxes.say` does (never raises) but under its stable key:
@@ -504,10 +550,9 @@ class Gateway:
             attempt += 1
             await asyncio.sleep(delay)
         turn_id, conversation_id = str(ack["turn_id"]), str(ack["conversation_id"])
-        for e in entries:
-            if e.key != entry.key:
-                self.ledger.mark_submitted(e.key, turn_id, conversation_id)
-        entry = self.ledger.mark_submitted(entry.key, turn_id, conversation_id)
+        # Retried until written: a row left `allowed` has no follower, and its reply waited for a restart.
+        submitted = partial(self._record_submitted, entries, entry, turn_id, conversation_id)
+        entry = await write_until_done(f"{entry.key}: the turn's submit", submitted)
         runner.live.turns += 1
         self._dirty = True
         if int(ack.get("queue_position") or 0) > 0:
@@ -520,6 +565,14 @@ class Gateway:
         if entry.turn_id is not None:
             await self.replies.refuse_if_not_let_in(entry.turn_id)
 
+    def _record_submitted(self, entries: list[Entry], entry: Entry, turn_id: str, conversation_id: str) -> Entry:
+        """The server accepted `turn_id` for `entries` (whose reply goes out through `entry`). Safe to
+        run again: a row already submitted under this turn is left as it is."""
+        for e in entries:
+            if e.key != entry.key:
+                self.ledger.mark_submitted(e.key, turn_id, conversation_id)
+        return self.ledger.mark_submitted(entry.key, turn_id, conversation_id)
+
     async def _pin_not_found(
         self, runner: AccountRunner, entry: Entry, entries: list[Entry], route_key: RouteKey, agent: str
     ) -> None:
@@ -530,7 +583,8 @@ class Gateway:
         pin = route.conversation if route is not None else None
         reason = (
             f"the route {route_key} is pinned to conversation {pin}, which the server does not find"
-            f" for agent {agent}; fix the route with `appserver channels route add`"
+            f" for agent {agent} (deleted, another agent's, or, in auth mode token, not the gateway's own:"
+            " `appserver channels status` says which); fix the route with `appserver channels route add`"
         )
         for e in entries:
             self.ledger.mark_failed(e.key, reason)

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from appserver.client import Closed, ProtocolError
@@ -35,7 +36,7 @@ from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, REVOKED_UNRELEASED, Pairing, PairingCode
 from gateway.recent import Recent
-from gateway.replies import Replies, answer_target
+from gateway.replies import Replies, answer_target, write_until_done
 from gateway.routing import RouteKey, Router
 from plugins.contract import Target
 
@@ -158,7 +159,10 @@ class ChatOps:
                     notice = runner.settings.get("deny_notice")
                     if isinstance(notice, str) and notice.strip():
                         await self.outboxes.say(runner, target, notice)
-                self.pairing.mark_handled(decided.code)
+                # its notice is out: a failed write here would send it again at the next look
+                await write_until_done(
+                    f"pairing {decided.code}: handled", partial(self.pairing.mark_handled, decided.code)
+                )
             try:
                 await self.replies.refuse_queued()  # a revoke is seen only here: queued turns it ends never start
             except Exception:  # the approvals above must go on: the next look tries again

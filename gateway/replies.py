@@ -17,6 +17,12 @@ its way to a stalled server) is cancelled and answered with nothing, its rows fa
 So is every turn a restarted gateway picks back up before any of its reply was noted: whether it was
 queued, and whether it started before the revoke, is not known then (a restarted server starts a
 queued turn at once, before the gateway is back), so it is asked again as the gateway sees it.
+
+A write to gateway.db that fails while a reply goes out (another process holds its write lock past
+the busy timeout, the disk is full) is tried again until it goes through (`write_until_done`), each
+failure logged as an error: a note of the reply's progress before the sink's next platform call
+(`ReplyNotes`), its `delivered` before the chat's next reply. Given up, the row stayed `finished` with
+the chat holding the reply, and the next restart sent it again, after the replies that came since.
 """
 
 from __future__ import annotations
@@ -25,9 +31,10 @@ import asyncio
 import logging
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from appserver.client import TERMINAL, Closed, ProtocolError
 from gateway.accounts import AccountRunner
@@ -39,6 +46,7 @@ from gateway.tool import TurnSends
 from plugins.contract import Target
 
 log = logging.getLogger("gateway.replies")
+T = TypeVar("T")
 
 FIRST_SEND_GRACE_S = 0.3
 TYPING_EVERY_S = 4.0
@@ -52,7 +60,83 @@ CONTEXT_WAIT_S = 5.0  # how long a tool call or approval may wait for its turn's
 # queue (a message queued behind a running turn): its sender was let in when it came, no longer.
 NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
 
+# A ledger write that gateway.db refuses while the gateway runs (busy past its 5 s timeout, the disk
+# full) is tried again after these pauses, the last one repeated until it goes through: what it
+# records (a reply's ids, its `delivered`, a turn's submit) is what keeps a restart from doing again
+# what was done, so it is never given up (`write_until_done`).
+LEDGER_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+
 LetsIn = Callable[[Entry, AccountRunner], bool]
+
+
+def ledger_retry_delay(failures: int) -> float:
+    """The pause after the `failures`-th failed write in a row (1 or more): `LEDGER_RETRY_S`, bounded."""
+    return LEDGER_RETRY_S[min(max(failures, 1), len(LEDGER_RETRY_S)) - 1]
+
+
+async def write_until_done(what: str, write: Callable[[], T]) -> T:
+    """`write()` (ledger transactions safe to run again), tried again with a bounded backoff while
+    gateway.db refuses it, each failure logged as an error naming `what`: the bookkeeping of something
+    already done (a reply in the chat, a turn on the server) is never dropped, nor its task ended by it."""
+    failures = 0
+    while True:
+        try:
+            result = write()
+        except sqlite3.Error as exc:
+            failures += 1
+            delay = ledger_retry_delay(failures)
+            log.error("%s: gateway.db refused the write (%s); trying again in %g s", what, exc, delay)
+            await asyncio.sleep(delay)
+            continue
+        if failures:
+            log.warning("%s: written to gateway.db after %d failed attempt(s)", what, failures)
+        return result
+
+
+class LedgerBehind(Exception):
+    """A note of a reply's progress could not be written yet (`ReplyNotes`): raised out of the sink
+    before its next platform call, so nothing more reaches the chat than the ledger knows of."""
+
+
+class ReplyNotes:
+    """A sink's notes of one reply's progress (`on_attempt` before a part goes out, `on_sent` after),
+    written as they come. One that gateway.db refuses is kept and `LedgerBehind` raised out of the sink;
+    `run` then writes it (retrying) and runs the sink's step again, which goes on where it stopped (a
+    part already sent is kept, one not yet sent goes out now). A restart thus finds every part that
+    reached the chat, or the one whose send was in flight, instead of sending it again."""
+
+    def __init__(self, ledger: Ledger, key: UpdateKey) -> None:
+        self.ledger = ledger
+        self.key = key
+        self._pending: list[Callable[[], None]] = []
+
+    def attempt(self, part: str, at: float) -> None:
+        self._write(partial(self.ledger.note_sending, self.key, part, at))
+
+    def sent(self, ids: list[str]) -> None:
+        self._write(partial(self.ledger.note_sent, self.key, list(ids), None))
+
+    def _write(self, write: Callable[[], None]) -> None:
+        if not self._pending:
+            try:
+                write()
+                return
+            except sqlite3.Error as exc:
+                what = "gateway.db refused a note of the reply's progress"
+                log.error("%s: %s (%s); nothing more is sent until it is written", self.key, what, exc)
+        self._pending.append(write)
+        raise LedgerBehind(str(self.key))
+
+    async def run(self, step: Callable[[], Awaitable[T]]) -> T:
+        """Run a sink step (`show`, `finish`) until it ends with its notes written."""
+        while True:
+            try:
+                return await step()
+            except LedgerBehind:
+                while self._pending:
+                    await write_until_done(f"{self.key}: the reply's progress", self._pending[0])
+                    self._pending.pop(0)
+                log.warning("%s: the reply's progress is noted now; the reply goes on", self.key)
 
 
 class NotLetIn(Exception):
@@ -177,7 +261,7 @@ class Replies:
             waiter.set_result(ctx)
         task = asyncio.ensure_future(self._deliver(entry, runner, turn_id, resumed))
         self.followers[turn_id] = task
-        task.add_done_callback(lambda _t: self._turn_done(turn_id))
+        task.add_done_callback(lambda t: self._follower_done(turn_id, t))
 
     def admits(self, ctx: TurnContext) -> bool:
         """Whether `ctx`'s turn may go on and be answered. A turn is asked before its submit
@@ -237,6 +321,13 @@ class Replies:
             await self._cancel(ctx, turn_id)
         raise NotLetIn
 
+    def _follower_done(self, turn_id: str, task: asyncio.Task[None]) -> None:
+        """Forget the turn; an error that ended its follower is logged here, with its traceback (it
+        was "Task exception was never retrieved", at some garbage collection, if at all)."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("following turn %s failed; its reply was left as the ledger says", turn_id, exc_info=exc)
+        self._turn_done(turn_id)
+
     def _turn_done(self, turn_id: str) -> None:
         self.followers.pop(turn_id, None)
         self.turns.pop(turn_id, None)
@@ -254,8 +345,9 @@ class Replies:
             tool_status = bool(runner.settings.get("tool_status", True))
             sink = ReplySink.resumed(outbox, target, entry.remote_ids, stream=stream)
             key = entry.key
-            sink.on_sent = lambda ids: self.ledger.note_sent(key, ids, None)
-            sink.on_attempt = lambda part, at: self.ledger.note_sending(key, part, at)
+            notes = ReplyNotes(self.ledger, key)
+            sink.on_sent = notes.sent
+            sink.on_attempt = notes.attempt
             sink.key = str(key)
             if entry.sending is not None:  # a part was being sent when the gateway stopped
                 sink.attempted[entry.sending[0]] = entry.sending[1]
@@ -266,36 +358,46 @@ class Replies:
             if entry.state == "submitted":
                 typing = asyncio.ensure_future(self._keep_typing(runner, target))
                 try:
-                    text = await self._run_sink(entry, sink, turn_id, before, tool_status, resumed)
+                    text = await self._run_sink(entry, sink, turn_id, before, tool_status, resumed, notes)
                 finally:
                     typing.cancel()
-                entry = self.ledger.mark_finished(entry.key, text)
+                entry = await write_until_done(
+                    f"{key}: the reply's final text", partial(self.ledger.mark_finished, key, text)
+                )
             if before is not None:
                 await before.wait()
             await asyncio.sleep(sink.final_due())
-            ids = await sink.finish(text or "")
-            self.ledger.mark_delivered(entry.key, ids)
-            for member in self.ledger.batch_of(entry)[1:]:  # the other messages of a debounced batch
-                if member.state == "submitted":
-                    member = self.ledger.mark_finished(member.key, text or "")
-                if member.state == "finished":
-                    self.ledger.mark_delivered(member.key, ids)
+            whole = text or ""
+            ids = await notes.run(partial(sink.finish, whole))
+            await write_until_done(f"{key}: the reply's delivery", partial(self._record_delivered, entry, whole, ids))
             runner.live.replies += 1
             runner.live.last_outbound = time.time()
         except NotLetIn:  # as a batch never submitted for it: nothing said, the rows say why
-            for member in self.ledger.batch_of(entry):
-                if member.state in ("submitted", "finished"):
-                    self.ledger.mark_failed(member.key, NO_LONGER_LET_IN)
+            await write_until_done(f"{entry.key}: not let in", partial(self._record_failed, entry, NO_LONGER_LET_IN))
         except DeliveryFailed as exc:
             log.error("%s: reply not delivered: %s", entry.key, exc)
-            for member in self.ledger.batch_of(entry):
-                if member.state in ("submitted", "finished"):
-                    self.ledger.mark_failed(member.key, f"delivery failed: {exc}")
+            failure = partial(self._record_failed, entry, f"delivery failed: {exc}")
+            await write_until_done(f"{entry.key}: the reply's failure", failure)
             runner.live.failures += 1
         finally:
             self.changed()
             self.link.unfollow(turn_id)
             self.order.release(chat_key(entry), mine)
+
+    def _record_delivered(self, entry: Entry, text: str, ids: list[str]) -> None:
+        """`entry`'s reply (and its debounced batch's: one reply for all) is in the chat as `ids`.
+        Each row is moved from where it stands, so running this again after a failure is safe."""
+        for member in self.ledger.batch_of(entry):
+            if member.state == "submitted" and member.key != entry.key:
+                member = self.ledger.mark_finished(member.key, text)
+            if member.state == "finished":
+                self.ledger.mark_delivered(member.key, ids)
+
+    def _record_failed(self, entry: Entry, reason: str) -> None:
+        """`entry`'s rows (its batch's) that were not settled are failed with `reason`; safe to run again."""
+        for member in self.ledger.batch_of(entry):
+            if member.state in ("submitted", "finished"):
+                self.ledger.mark_failed(member.key, reason)
 
     async def _keep_typing(self, runner: AccountRunner, target: Target) -> None:
         """The platform's typing indicator while the turn runs (it fades after ~5 s: renew it)."""
@@ -317,6 +419,7 @@ class Replies:
         before: asyncio.Event | None,
         tool_status: bool,
         resumed: bool,
+        notes: ReplyNotes,
     ) -> str:
         """Follow the turn to its end, growing the reply in place; returns the final text. Raises
         NotLetIn for a queued turn whose sender access no longer lets in when it starts."""
@@ -350,14 +453,15 @@ class Replies:
             snap = follower.latest or snap
             await self._check_start(ctx, turn_id, snap)
             try:
-                ids = await sink.show(visible_text(snap, tool_status=tool_status))
+                ids = await notes.run(partial(sink.show, visible_text(snap, tool_status=tool_status)))
             except DeliveryFailed as exc:
                 log.warning("%s: a streaming edit failed (%s); the final text will still be sent", entry.key, exc)
                 continue
             body = reply_body(snap)
             if body and body != shown:
                 shown = body
-                self.ledger.note_sent(entry.key, ids, shown)  # after on_sent: the text too
+                text_so_far = partial(self.ledger.note_sent, entry.key, ids, shown)  # after on_sent: the text too
+                await write_until_done(f"{entry.key}: the reply's text so far", text_so_far)
 
     async def _recover(self, conversation: str, turn_id: str) -> dict[str, Any] | None:
         while True:

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("appserver.http")
 T = TypeVar("T")
 
-IDEMPOTENCY_TTL_S = 48 * 3600
 IDEMPOTENCY_WAIT_S = 120.0
 DISCONNECT_WATCH_DELAY_S = 0.05  # a client gone sooner is noticed this much later
 
@@ -304,8 +303,7 @@ class Idempotency:
             )
         body_hash = canonical_hash(route, body)
         scope = namespace_of(principal)
-        store = server.store
-        await store.purge_http_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+        store = server.store  # an expired key is no key: the claim replaces it (store/base.py IDEMPOTENCY_TTL_S)
         deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
         while True:
             existing = await store.claim_http_idempotency(HttpIdempotency(scope, key, body_hash))
@@ -350,16 +348,30 @@ class Idempotency:
         the same transaction as its accept, so a retry finds it even when this claim was lost."""
         return f"http:{self.scope}"
 
+    @property
+    def turn_key(self) -> str:
+        """The kernel's key for the turn this request starts: the key and the request's body
+        hash. So a key's turn is followed only by a repeat of the request that started it: another
+        body under the key (its claim gone: dropped after an error, or expired) runs anew, never
+        gets that turn's reply. The separator is a control character, which no client key holds."""
+        return f"{self.key}\x1f{self.body_hash}"
+
     async def earlier(self) -> tuple[TurnRun | None, tuple[str, str] | None]:
         """What an earlier attempt with this key left: (its turn to follow, None) when that turn is
         still the answer — queued, running, paused or completed: a server killed before the reply
         was stored released the claim, but the turn ran or runs on; else (None, the (key, scope)
         the new turn is to be accepted under). A cancelled, failed or interrupted earlier turn (the
         client went away, the model failed, the server died while it ran) is not the answer: the
-        request runs again, without the kernel key its first turn still holds."""
-        turn = await self.server.store.lookup_idempotency(self.turn_scope, self.key)
+        request runs again, without the kernel key its first turn still holds. Keys older than
+        IDEMPOTENCY_TTL_S name no turn (the store ignores them, purged or not)."""
+        store = self.server.store
+        turn = await store.lookup_idempotency(self.turn_scope, self.turn_key)
         if turn is None:
-            return None, (self.key, self.turn_scope)
+            # a turn an older server (a rolling upgrade) accepted under the key alone, for at most
+            # the key's 48 h
+            turn = await store.lookup_idempotency(self.turn_scope, self.key)
+        if turn is None:
+            return None, (self.turn_key, self.turn_scope)
         if turn.status not in ("queued", "running", "awaiting", "completed"):
             return None, None  # cancelled, failed, or interrupted by a crash: the request runs again
         if turn.status == "running" and not await self.server.kernel.owner_alive(turn.owner, strict=True):

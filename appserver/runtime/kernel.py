@@ -42,6 +42,7 @@ from appserver.runtime.settle import (
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import TERMINAL_STATUSES
 from appserver.runtime.watch import Watch
+from appserver.store.base import IDEMPOTENCY_TTL_S as IDEMPOTENCY_TTL_S  # the store's: an expired key never matches
 from appserver.store.base import (
     AgentMissing,
     ConversationGone,
@@ -94,7 +95,8 @@ def namespaced_id(name: str, namespace: str, agent_id: str | None = None) -> str
 
 log = logging.getLogger("appserver.kernel")
 
-IDEMPOTENCY_TTL_S = 48 * 3600
+# How often a running server removes expired idempotency keys (both tables): their rows only.
+IDEMPOTENCY_PURGE_EVERY_S = 3600.0
 # A `SubmitRequest.options` entry: whose open-turn place (the WebSocket's `[limits]
 # open_turns_per_client`) the turn holds. Stored with the turn (never shown, never sent to a model),
 # so that a server taking it up later (a restart, a cluster server taking over a dead one's) counts
@@ -236,7 +238,7 @@ class Kernel:
             await self._link.sweep_once()  # takes what gone servers left: settled, requeued
         else:
             await self.settle_crashed(requeue=serve)
-        await self.store.purge_idempotency(time.time() - IDEMPOTENCY_TTL_S)
+        await self.purge_expired_keys()
         released = await self.store.release_orphaned_http_idempotency()
         if released:
             log.warning(
@@ -404,9 +406,11 @@ class Kernel:
 
     async def _sweep(self) -> None:
         """Evict idle runtimes; expire approvals of conversations not in memory; each second, end
-        the turns of conversations whose agent another process deleted."""
+        the turns of conversations whose agent another process deleted; each hour, remove expired
+        idempotency keys."""
         interval = max(0.5, min(self.config.limits.idle_evict_s / 2, 30.0))
         next_full = time.monotonic() + interval
+        next_purge = time.monotonic() + IDEMPOTENCY_PURGE_EVERY_S  # the start purged
         while True:
             await asyncio.sleep(min(DELETED_AGENT_CHECK_S, interval))
             try:
@@ -430,6 +434,22 @@ class Kernel:
                 log.warning("runtime sweep skipped: %s", exc)
             except Exception:
                 log.exception("runtime sweep failed")
+            if time.monotonic() >= next_purge:
+                next_purge = time.monotonic() + IDEMPOTENCY_PURGE_EVERY_S
+                try:
+                    await self.purge_expired_keys()
+                except StoreUnavailable as exc:
+                    log.warning("the purge of expired idempotency keys skipped: %s", exc)
+                except Exception:
+                    log.exception("the purge of expired idempotency keys failed")
+
+    async def purge_expired_keys(self) -> None:
+        """Housekeeping: remove the rows of expired idempotency keys (turns' and HTTP requests').
+        No key older than IDEMPOTENCY_TTL_S matches, removed or not (store/base.py): this only
+        keeps the tables from growing on a server that runs for weeks."""
+        older_than = time.time() - IDEMPOTENCY_TTL_S
+        await self.store.purge_idempotency(older_than)
+        await self.store.purge_http_idempotency(older_than)
 
     async def end_deleted_agents_turns(self) -> int:
         """`appserver agents delete` runs in a process of its own and deletes the agent's

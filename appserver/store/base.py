@@ -5,6 +5,7 @@ No SQLite-only semantics leak through: callers see records, not rows or connecti
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
@@ -23,6 +24,17 @@ from appserver.store.records import (
     TurnRecord,
     TurnSettings,
 )
+
+# How long an idempotency key (a turn's: `idempotency_keys`; an HTTP request's: `http_idempotency`)
+# names what its first use did (docs/openai.md, docs/protocol.md). An older key is no key, whether
+# or not a purge removed it yet: no lookup, accept or claim matches it, and a new use of it takes
+# its row over. The purges (`purge_idempotency`, `purge_http_idempotency`) are housekeeping only.
+IDEMPOTENCY_TTL_S = 48 * 3600
+
+
+def idempotency_cutoff(now: float | None = None) -> float:
+    """Keys created before this time are expired."""
+    return (time.time() if now is None else now) - IDEMPOTENCY_TTL_S
 
 
 class StoreError(Exception):
@@ -218,9 +230,14 @@ class Store(ABC):
 
     # turns
     @abstractmethod
-    async def accept_turn(self, turn: TurnRecord, idempotency_scope: str | None = None) -> TurnRecord: ...
+    async def accept_turn(self, turn: TurnRecord, idempotency_scope: str | None = None) -> TurnRecord:
+        """Record an accepted input. Its key already names a turn in `scope`: DuplicateTurn, unless
+        the key is expired (IDEMPOTENCY_TTL_S), which this turn then takes over in the same commit."""
+
     @abstractmethod
-    async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None: ...
+    async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
+        """The turn a key of `scope` names, unless the key is older than IDEMPOTENCY_TTL_S."""
+
     @abstractmethod
     async def purge_idempotency(self, older_than: float) -> int: ...
     @abstractmethod
@@ -307,7 +324,8 @@ class Store(ABC):
     async def claim_http_idempotency(self, entry: HttpIdempotency) -> HttpIdempotency | None:
         """Insert a pending key; if the key exists already return the existing entry instead. A
         pending key nobody works on (its claimant gone, or released) is taken over, but only by a
-        request with its body hash: another body gets the entry (the caller's 409)."""
+        request with its body hash: another body gets the entry (the caller's 409). An expired key
+        (IDEMPOTENCY_TTL_S) is no entry: the claim replaces it, whatever its state or body."""
 
     @abstractmethod
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None: ...

@@ -54,6 +54,7 @@ from appserver.store.base import (
     TurnSettledElsewhere,
     conversations_where,
     history_points_read,
+    idempotency_cutoff,
 )
 from appserver.store.cluster import AWAY, LIVE, LIVE_SINCE, Cluster, ClusterError
 from appserver.store.integrity import StoreOpenError
@@ -133,6 +134,11 @@ NOT_SETTLED = "status NOT IN ('completed', 'cancelled', 'failed', 'interrupted')
 # release could not be written) is deleted, as that release would have.
 RELEASE_HTTP_KEY = "UPDATE http_idempotency SET owner=NULL WHERE scope=%s AND key=%s AND state='pending'"
 DROP_HTTP_KEY = "DELETE FROM http_idempotency WHERE scope=%s AND key=%s AND state='pending'"
+# A claim that takes a key's row over (ON CONFLICT DO UPDATE): the row is the new request's, pending.
+RESET_HTTP_KEY = (
+    "body_hash=EXCLUDED.body_hash, state='pending', status_code=NULL, content_type=NULL, body=NULL, "
+    "conversation_id=NULL, created_at=EXCLUDED.created_at, owner=EXCLUDED.owner"
+)
 LOST_CONNECTION_RETRIES = 3  # a group of writes whose connection was lost before COMMIT runs again
 
 
@@ -1178,8 +1184,8 @@ class PostgresStore(Store):
                 if turn.idempotency_key and idempotency_scope:  # a retry of an accepted input is no new input
                     cur = await conn.execute(
                         "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id "
-                        "WHERE k.scope=%s AND k.key=%s",
-                        (idempotency_scope, turn.idempotency_key),
+                        "WHERE k.scope=%s AND k.key=%s AND k.created_at >= %s",
+                        (idempotency_scope, turn.idempotency_key, idempotency_cutoff()),
                     )
                     existing = await cur.fetchone()
                     if existing is not None:
@@ -1203,11 +1209,14 @@ class PostgresStore(Store):
 
     async def _insert_turn(self, conn: Conn, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
         if turn.idempotency_key and idempotency_scope:
-            # ON CONFLICT: a concurrent claim of the same key (another process) waits for it, then loses.
+            # ON CONFLICT: a concurrent claim of the same key (another process) waits for it, then
+            # loses; an expired key (a purge has not removed it yet) is this turn's, in this commit.
             cur = await conn.execute(
                 "INSERT INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) "
-                "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (scope, key) DO NOTHING RETURNING turn_id",
-                (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now),
+                "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (scope, key) DO UPDATE SET turn_id=EXCLUDED.turn_id, "
+                "conversation_id=EXCLUDED.conversation_id, created_at=EXCLUDED.created_at "
+                "WHERE idempotency_keys.created_at < %s RETURNING turn_id",
+                (idempotency_scope, turn.idempotency_key, turn.id, turn.conversation_id, now, idempotency_cutoff(now)),
             )
             if await cur.fetchone() is None:
                 cur = await conn.execute(
@@ -1244,8 +1253,9 @@ class PostgresStore(Store):
 
     async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
         row = await self._row(
-            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=%s AND k.key=%s",
-            (scope, key),
+            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id "
+            "WHERE k.scope=%s AND k.key=%s AND k.created_at >= %s",
+            (scope, key, idempotency_cutoff()),
         )
         return turn_record(row, self._damaged_cells) if row else None
 
@@ -1655,7 +1665,8 @@ class PostgresStore(Store):
         one this process claimed but no longer works on (its end could not be written: an outage),
         or one released (owner NULL: `release_orphaned_http_idempotency`, `repair`). Only by a
         repeat of its request: one with another body gets the key's entry (409 from the caller),
-        never the claim, whose turn `Idempotency.earlier` would follow (the other request's)."""
+        never the claim, whose turn `Idempotency.earlier` would follow (the other request's). An
+        expired key is replaced, whatever it holds, in the insert that claims it."""
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
         k = (entry.scope, entry.key)
@@ -1665,8 +1676,9 @@ class PostgresStore(Store):
             # the request that made it are seen in the order they were made.
             cur = await conn.execute(
                 "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) "
-                "VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO NOTHING RETURNING 1",
-                (entry.scope, entry.key, entry.body_hash, entry.created_at, entry.owner),
+                f"VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO UPDATE SET {RESET_HTTP_KEY} "
+                "WHERE http_idempotency.created_at < %s RETURNING 1",
+                (entry.scope, entry.key, entry.body_hash, entry.created_at, entry.owner, idempotency_cutoff()),
             )
             if await cur.fetchone() is not None:
                 self._claimed[k] = entry.created_at
@@ -1699,9 +1711,7 @@ class PostgresStore(Store):
                     )
             await conn.execute(
                 "INSERT INTO http_idempotency(scope, key, body_hash, state, created_at, owner) "
-                "VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO UPDATE SET "
-                "body_hash=EXCLUDED.body_hash, state='pending', status_code=NULL, content_type=NULL, body=NULL, "
-                "conversation_id=NULL, created_at=EXCLUDED.created_at, owner=EXCLUDED.owner",
+                f"VALUES (%s,%s,%s,'pending',%s,%s) ON CONFLICT (scope, key) DO UPDATE SET {RESET_HTTP_KEY}",
                 (entry.scope, entry.key, entry.body_hash, entry.created_at, entry.owner),
             )
             self._claimed[k] = entry.created_at
@@ -1732,7 +1742,10 @@ class PostgresStore(Store):
         return await self._write(job)
 
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
-        row = await self._row("SELECT * FROM http_idempotency WHERE scope=%s AND key=%s", (scope, key))
+        row = await self._row(
+            "SELECT * FROM http_idempotency WHERE scope=%s AND key=%s AND created_at >= %s",
+            (scope, key, idempotency_cutoff()),
+        )
         return http_idempotency(row) if row else None
 
     async def finish_http_idempotency(

@@ -33,6 +33,7 @@ from appserver.store.base import (
     StoreFileGone,
     conversations_where,
     history_points_read,
+    idempotency_cutoff,
 )
 from appserver.store.checkpointer import WAL_BACKSTOP_PAGES, Checkpointer
 from appserver.store.groupcommit import GroupCommit
@@ -804,11 +805,14 @@ class SQLiteStore(Store):
     def _insert_turn(self, tx: sqlite3.Connection, turn: TurnRecord, idempotency_scope: str | None, now: float) -> None:
         if turn.idempotency_key and idempotency_scope:
             row = tx.execute(
-                "SELECT turn_id FROM idempotency_keys WHERE scope=? AND key=?",
+                "SELECT turn_id, created_at FROM idempotency_keys WHERE scope=? AND key=?",
                 (idempotency_scope, turn.idempotency_key),
             ).fetchone()
             if row is not None:
-                existing = tx.execute("SELECT * FROM turns WHERE id=?", (row["turn_id"],)).fetchone()
+                # an expired key (a purge has not removed it yet) is this turn's now, as is one
+                # that outlived its turn (deleted with its agent)
+                live = row["created_at"] >= idempotency_cutoff(now)
+                existing = tx.execute("SELECT * FROM turns WHERE id=?", (row["turn_id"],)).fetchone() if live else None
                 if existing is not None:
                     raise DuplicateTurn(turn_record(existing, self._damaged))
                 tx.execute(
@@ -839,8 +843,9 @@ class SQLiteStore(Store):
 
     async def lookup_idempotency(self, scope: str, key: str) -> TurnRecord | None:
         row = self._row(
-            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id WHERE k.scope=? AND k.key=?",
-            (scope, key),
+            "SELECT t.* FROM idempotency_keys k JOIN turns t ON t.id = k.turn_id "
+            "WHERE k.scope=? AND k.key=? AND k.created_at >= ?",
+            (scope, key, idempotency_cutoff()),
             "in the turns",
         )
         return turn_record(row, self._damaged) if row else None
@@ -1150,14 +1155,17 @@ class SQLiteStore(Store):
         """A pending key whose claimant died (or released: owner NULL) is taken over by a repeat
         of its request, which runs it again or follows its turn. One with another body gets the
         key's entry (409 from the caller), never the claim: `Idempotency.earlier` would follow the
-        turn the key's request left, and answer it with the other request's reply."""
+        turn the key's request left, and answer it with the other request's reply. An expired key
+        is replaced, whatever it holds."""
         entry.created_at = entry.created_at or time.time()
         entry.owner = entry.owner or self.owner
         with self._tx() as tx:
             row = tx.execute(
                 "SELECT * FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key)
             ).fetchone()
-            if row is not None:
+            if row is not None and row["created_at"] < idempotency_cutoff():
+                tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (entry.scope, entry.key))
+            elif row is not None:
                 if row["state"] != "pending" or row["body_hash"] != entry.body_hash or not self._orphaned(row["owner"]):
                     return http_idempotency(row)
                 log.warning(
@@ -1185,7 +1193,9 @@ class SQLiteStore(Store):
 
     async def get_http_idempotency(self, scope: str, key: str) -> HttpIdempotency | None:
         row = self._row(
-            "SELECT * FROM http_idempotency WHERE scope=? AND key=?", (scope, key), "in the idempotency keys"
+            "SELECT * FROM http_idempotency WHERE scope=? AND key=? AND created_at >= ?",
+            (scope, key, idempotency_cutoff()),
+            "in the idempotency keys",
         )
         return http_idempotency(row) if row else None
 

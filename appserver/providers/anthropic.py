@@ -48,6 +48,7 @@ from appserver.providers.upstream import (
     decoded_body,
     default_client,
     describe_json,
+    drain_rest,
     endpoint_url,
     key_for_header,
     read_answer,
@@ -140,6 +141,7 @@ class AnthropicStreamParser:
         self._tools = 0
         self._stop: str | None = None
         self._usage: dict[str, int] = {}
+        self._answered = False  # text came: the answer is not empty
         self.events = 0
         self.saw_stop = False
 
@@ -227,6 +229,7 @@ class AnthropicStreamParser:
         # Not kept in the block: only a thinking block's text is needed again (its replay state);
         # a text block's deltas held here were a second copy of a runaway answer.
         if isinstance(text, str) and text:
+            self._answered = True
             self._budget.count(text)
             out.append(Text(text))
 
@@ -300,6 +303,9 @@ class AnthropicStreamParser:
 
     def finish(self) -> list[ProviderChunk]:
         """End of stream: close blocks left open, then state, usage and exactly one Done."""
+        if self._stop == "tool_use" and not self._tools and not self._answered:
+            # Never an empty answer: the call came in a block this parser does not read.
+            raise ProviderError("protocol", "upstream stopped for tool_use but sent no tool_use block and no text")
         out: list[ProviderChunk] = []
         for idx in sorted(self._blocks):
             self._close_block(self._blocks[idx], out)
@@ -643,13 +649,21 @@ class AnthropicProvider:
                 # content is counted event by event, and the stream closed once it passes the limit.
                 parser = AnthropicStreamParser(self.name, self.cfg.answer_max_bytes)
                 dec = SSEDecoder(self.cfg.answer_max_bytes)
-                async for part in decoded_body(resp):
+                parts = decoded_body(resp)
+                async for part in parts:
                     for ev in dec.feed(part):
                         for chunk in parser.feed_data(ev.data):
                             yield chunk
-                for ev in dec.close():
-                    for chunk in parser.feed_data(ev.data):
-                        yield chunk
+                    if parser.saw_stop:
+                        # The answer ends at message_stop: an upstream that holds the body open
+                        # after it (pings, a stalled proxy) must not hold the answer, or fail it.
+                        break
+                if parser.saw_stop:
+                    await drain_rest(parts)
+                else:
+                    for ev in dec.close():
+                        for chunk in parser.feed_data(ev.data):
+                            yield chunk
                 if parser.events == 0:
                     what = clip(ctype, 80) or "no Content-Type"
                     raise ProviderError(

@@ -340,20 +340,59 @@ def is_context_overflow(message: str, body: Any = None) -> bool:
     return True
 
 
+# "The account has no credit left", which waiting does not fix (never retried). Codes are looked
+# for in the error's own `code`, `type` or `status`; wordings in its own message, whole. Nothing
+# broader: an ordinary per-minute limit names quotas and billing too (Azure's "Please go here:
+# https://aka.ms/oai/quotaincrease", OpenAI's free tier "Visit https://platform.openai.com/account/billing
+# to add a payment method", Gemini's "Resource has been exhausted (e.g. check quota)").
+QUOTA_CODES = (
+    "insufficient_quota",  # OpenAI, Azure, DeepSeek…: error.code and error.type
+    "billing_hard_limit_reached",  # OpenAI: the organization's spending limit
+    "billing_error",  # Anthropic: error.type (HTTP 402)
+)
+_QUOTA_WORDINGS = (
+    "insufficient_quota",  # the code, as a proxy writes it into its own message
+    "you exceeded your current quota",  # OpenAI's insufficient_quota message
+    "credit balance is too low",  # Anthropic
+    "insufficient credits",  # OpenRouter (402)
+)
+# A 429 that says outright it is a rate limit: retried even when its message names a quota.
+RATE_LIMIT_CODES = (
+    "rate_limit_exceeded",  # OpenAI, Groq: error.code
+    "rate_limit_error",  # Anthropic: error.type
+    "resource_exhausted",  # Gemini: error.status (its per-minute limit, whatever the message says)
+    "requests",  # OpenAI: error.type of a requests-per-minute limit
+    "tokens",  # OpenAI: error.type of a tokens-per-minute limit
+)
+
+
+def is_out_of_quota(message: str, body: Any = None, *, retry_after_s: float | None = None) -> bool:
+    """Whether an upstream's error says the account has no credit or quota left (not a limit per
+    minute, which passes): an OpenAI-style `insufficient_quota` code, or else its wording, unless
+    the error is a rate limit by its code or says when to retry (`Retry-After`)."""
+    codes, messages = _error_fields(body)
+    if any(c in QUOTA_CODES for c in codes):
+        return True
+    if retry_after_s is not None or any(c in RATE_LIMIT_CODES for c in codes):
+        return False
+    text = (message or "").lower()
+    return any(w in m for m in (*messages, text) for w in _QUOTA_WORDINGS)
+
+
 def error_from_status(
     status: int, message: str, *, body: Any = None, retry_after_s: float | None = None
 ) -> ProviderError:
-    """Classify an upstream HTTP status (+ body) into a ProviderError kind."""
-    text = (message or "").lower()
-    body_text = str(body).lower() if body is not None else ""
-    blob = text + " " + body_text
+    """Classify an upstream HTTP status (+ body) into a ProviderError kind. A 429 is a rate limit
+    (retried, after its Retry-After) unless the error's code or wording says the quota is gone."""
     kind: ErrorKind
-    if status not in (401, 403, 429) and is_context_overflow(message, body):
+    if status not in (401, 402, 403, 429) and is_context_overflow(message, body):
         kind = "context_overflow"
     elif status == 429:
-        kind = "quota" if any(k in blob for k in ("insufficient_quota", "quota", "billing")) else "rate_limit"
+        kind = "quota" if is_out_of_quota(message, body, retry_after_s=retry_after_s) else "rate_limit"
+    elif status == 402:  # Payment Required: Anthropic's billing_error, OpenRouter's "insufficient credits"
+        kind = "quota"
     elif status in (401, 403):
-        kind = "quota" if "insufficient_quota" in blob else "auth"
+        kind = "quota" if is_out_of_quota(message, body) else "auth"
     elif status == 404:
         kind = "not_found"
     elif status in (408, 409) or status >= 500:

@@ -55,6 +55,7 @@ from appserver.providers.upstream import (
     decoded_body,
     default_client,
     describe_json,
+    drain_rest,
     endpoint_url,
     error_message_from_body,
     key_for_header,
@@ -100,6 +101,20 @@ class _Call:
     any_args: bool = False
 
 
+def _arguments_text(args: Any, budget: AnswerBudget) -> str:
+    """A call delta's `arguments` as text (a server that sends them as a JSON object: encoded),
+    charged to the answer's budget; "" for none."""
+    if isinstance(args, dict | list):
+        text = json.dumps(args, ensure_ascii=False)
+    elif isinstance(args, str):
+        text = args
+    else:
+        return ""
+    if text:
+        budget.count(text)
+    return text
+
+
 def parse_usage(raw: Any) -> Usage | None:
     if not isinstance(raw, dict):
         return None
@@ -134,6 +149,8 @@ class OpenAIStreamParser:
         self._calls: list[_Call] = []
         self._by_key: dict[int, _Call] = {}
         self._by_id: dict[str, _Call] = {}  # calls by their id, for servers that send no index
+        self._legacy: _Call | None = None  # the call of a legacy `function_call` answer (one at most)
+        self._answered = False  # text or a refusal came: the answer is not empty
         self._finish: str | None = None
         self._usage: Usage | None = None
         self.events = 0
@@ -185,10 +202,12 @@ class OpenAIStreamParser:
             "reasoning_content" not in delta
             and "reasoning" not in delta
             and "tool_calls" not in delta
+            and "function_call" not in delta
             and not delta.get("refusal")
         ):
             content = delta.get("content")  # the usual delta: text only, in fewer steps
             if content and type(content) is str:
+                self._answered = True
                 self._budget.count(content)
                 out.extend(self._think.feed(content))
                 return
@@ -201,24 +220,35 @@ class OpenAIStreamParser:
             out.append(Reasoning(reasoning))
         content = delta.get("content")
         if isinstance(content, str) and content:
+            self._answered = True
             self._budget.count(content)
             out.extend(self._think.feed(content))
         elif isinstance(content, list):  # a few servers stream content parts
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    self._answered = self._answered or part["text"] != ""
                     self._budget.count(part["text"])
                     out.extend(self._think.feed(part["text"]))
         refusal = delta.get("refusal")  # OpenAI: the model declined (structured outputs, safety)
         tool_calls = delta.get("tool_calls")
-        if (isinstance(refusal, str) and refusal) or (isinstance(tool_calls, list) and tool_calls):
+        # The legacy shape (OpenAI's `functions` API, still sent by some servers): one call, no id.
+        function_call = delta.get("function_call")
+        if (
+            (isinstance(refusal, str) and refusal)
+            or (isinstance(tool_calls, list) and tool_calls)
+            or (isinstance(function_call, dict) and function_call)
+        ):
             out.extend(self._think.settle())  # text held back at the start comes before them
         if isinstance(refusal, str) and refusal:
+            self._answered = True
             self._budget.count(refusal)
             out.append(Refusal(refusal))
         if isinstance(tool_calls, list):
             for tc in tool_calls:
                 if isinstance(tc, dict):
                     self._tool_delta(tc, out)
+        if isinstance(function_call, dict) and function_call:
+            self._function_call_delta(function_call, out)
 
     def _slot(self, tc: dict[str, Any], call_id: str, name: str) -> _Call:
         wire = tc.get("index")
@@ -241,18 +271,28 @@ class OpenAIStreamParser:
         self._by_key[key] = slot
         return slot
 
+    def _function_call_delta(self, fn: dict[str, Any], out: list[ProviderChunk]) -> None:
+        """A legacy `function_call` delta: the answer's one call, under an id made here (the
+        format has none), streamed as a `tool_calls` call is."""
+        slot = self._legacy
+        if slot is None:
+            self._budget.charge(ITEM_BYTES)
+            slot = self._legacy = _Call(index=len(self._calls))
+            self._calls.append(slot)
+            slot.id = f"call_{uuid.uuid4().hex[:24]}"
+            self._budget.count(slot.id)
+        self._fill(slot, "", as_str(fn.get("name")), _arguments_text(fn.get("arguments"), self._budget), out)
+
     def _tool_delta(self, tc: dict[str, Any], out: list[ProviderChunk]) -> None:
         fn = as_dict(tc.get("function"))
         call_id = as_str(tc.get("id"))
         name = as_str(fn.get("name"))
-        args = fn.get("arguments")
-        if isinstance(args, dict | list):
-            args = json.dumps(args, ensure_ascii=False)
-        elif not isinstance(args, str):
-            args = ""
-        if args:
-            self._budget.count(args)
-        slot = self._slot(tc, call_id, name)
+        args = _arguments_text(fn.get("arguments"), self._budget)
+        self._fill(self._slot(tc, call_id, name), call_id, name, args, out)
+
+    def _fill(self, slot: _Call, call_id: str, name: str, args: str, out: list[ProviderChunk]) -> None:
+        """One delta of a call (its id, name, a piece of its arguments), started once it has an
+        id and a name; arguments that came before that are held until then."""
         if call_id and not slot.id:
             self._budget.count(call_id)
             slot.id = call_id
@@ -299,9 +339,16 @@ class OpenAIStreamParser:
                 self._start(slot, out)
             if not slot.any_args:
                 out.append(ToolCallArgs(slot.index, "{}"))  # "" is not valid JSON arguments
+        finish = map_finish_reason(self._finish)
+        if finish == "tool_calls" and not self._calls and not self._answered:
+            # Never an empty answer: the call came in a shape this parser does not read.
+            raise ProviderError(
+                "protocol",
+                f"upstream finished with finish_reason {clip(str(self._finish), 40)!r} but sent no tool call "
+                "(neither `tool_calls` nor `function_call`) and no text",
+            )
         if self._usage is not None:
             out.append(self._usage)
-        finish = map_finish_reason(self._finish)
         if finish == "stop" and self._calls:
             finish = "tool_calls"  # Ollama reports "stop" for tool-call answers
         out.append(Done(finish))
@@ -599,26 +646,34 @@ class OpenAICompatProvider:
                 dec = SSEDecoder(self.cfg.answer_max_bytes)
                 # Undecoded bytes need no decoder layers (the body arrives as the transport read it).
                 identity = encoding in (b"", b"identity")
-                parts = answer.stream if identity else decoded_body(answer)
-                async for part in parts:  # type: ignore[union-attr]
+                parts = aiter(answer.stream if identity else decoded_body(answer))  # type: ignore[arg-type]
+                async for part in parts:
                     events = dec.feed(part)
                     if len(events) == 1:
                         for chunk in parser.feed_data(events[0].data):
                             yield chunk
-                        continue
-                    got: list[ProviderChunk] = []
-                    try:
-                        for ev in events:
-                            got.extend(parser.feed_data(ev.data))
-                    except ProviderError:
-                        for chunk in joined(got):  # what came before an error event still counts
+                    else:
+                        got: list[ProviderChunk] = []
+                        try:
+                            for ev in events:
+                                got.extend(parser.feed_data(ev.data))
+                        except ProviderError:
+                            for chunk in joined(got):  # what came before an error event still counts
+                                yield chunk
+                            raise
+                        for chunk in joined(got):
                             yield chunk
-                        raise
-                    for chunk in joined(got):
-                        yield chunk
-                for ev in dec.close():
-                    for chunk in parser.feed_data(ev.data):
-                        yield chunk
+                    if parser.saw_done:
+                        # The answer ends at [DONE], as the OpenAI SDK reads it: an upstream that
+                        # holds the body open after it (keep-alive comments, a stalled proxy) must
+                        # not hold the answer, or fail it at the read timeout.
+                        break
+                if parser.saw_done:
+                    await drain_rest(parts)
+                else:
+                    for ev in dec.close():
+                        for chunk in parser.feed_data(ev.data):
+                            yield chunk
                 if parser.events == 0:
                     raise no_event_error(answer.status_code, ctype)
                 parser.check_ended()

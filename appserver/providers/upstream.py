@@ -6,6 +6,7 @@ Kept apart from any one provider so that a new kind imports the plumbing, not a 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import zlib
@@ -62,7 +63,10 @@ def clip(text: str, limit: int) -> str:
 
 def error_message_from_body(body: Any, fallback: str) -> str:
     """Pull a human message out of the error shapes upstreams use (OpenAI, Ollama, FastAPI...); a
-    text body is clipped (`clip`) to 500 characters, or the fallback when nothing of it is left."""
+    text body is clipped (`clip`) to 500 characters, or the fallback when nothing of it is left. A
+    list of errors (Gemini's `[{"error": {...}}]`) is read by its first."""
+    if isinstance(body, list) and body and isinstance(body[0], dict):
+        body = body[0]
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict):
@@ -222,6 +226,25 @@ async def read_answer(response: LeanResponse | httpx.Response, limit: int) -> by
         if len(out) > limit:
             raise ProviderError("protocol", f"upstream answer is larger than {limit} bytes")
     return out
+
+
+# How long the rest of a body is read after the answer's own end (`[DONE]`, `message_stop`), as the
+# OpenAI SDK does: a body read to its end lets the connection serve the next call; one the upstream
+# holds open past this (a proxy that keeps the stream, keep-alive comments) is dropped, never pooled.
+DRAIN_AFTER_END_S = 0.1
+
+
+async def drain_rest(parts: AsyncIterator[bytes], limit_s: float = DRAIN_AFTER_END_S) -> None:
+    """Read and drop what is left of a body whose answer already ended, for at most `limit_s`. The
+    answer does not wait on the upstream: a body that has not ended by then is left unread, and
+    its connection is closed when the response is (neither transport pools an unfinished body).
+    A fault of the transport here is no fault of the answer, which is whole."""
+    try:
+        async with asyncio.timeout(limit_s):
+            async for _ in parts:
+                await asyncio.sleep(0)  # pieces ready at once (a decoder's) must not outrun the limit
+    except (TimeoutError, httpx.HTTPError):
+        pass
 
 
 def endpoint_url(base_url: str, path: str, *, unless_ends: str = "") -> str:

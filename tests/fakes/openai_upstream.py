@@ -14,6 +14,7 @@ guarantees are exercised over a socket. Every request is recorded for assertions
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -36,6 +37,13 @@ class Reply:
     initial_delay_s: float = 0.0  # pause before the status line (timeouts)
     drop_after: int | None = None  # abort the connection after this many body bytes
     chunked: bool = True
+    # Hold the body open this long after its last piece before ending it (a proxy that keeps the
+    # stream after `[DONE]`), sending `hold_beat` as a chunk every `hold_beat_s` meanwhile (`: keep-alive`
+    # comments). The hold ends early when the client closes the connection or writes on it; how it
+    # ended is recorded in `FakeUpstream.holds` ("client_closed", "client_wrote", "ran_out").
+    hold_s: float = 0.0
+    hold_beat: bytes = b""
+    hold_beat_s: float = 0.05
 
 
 @dataclass(slots=True)
@@ -73,6 +81,7 @@ class FakeUpstream:
         self._lock = threading.Lock()
         self._replies: deque[Reply] = deque()
         self.requests: list[RecordedRequest] = []
+        self.holds: list[str] = []  # how each held body ended (Reply.hold_s)
         # Answers requests when nothing is scripted: a model that computes its reply from the request.
         self.responder: Callable[[RecordedRequest], Reply] | None = None
         self._server: ThreadingHTTPServer | None = None
@@ -129,6 +138,8 @@ class FakeUpstream:
         delay_s: float = 0.0,
         initial_delay_s: float = 0.0,
         drop_after: int | None = None,
+        hold_s: float = 0.0,
+        hold_beat: bytes = b"",
     ) -> Reply:
         """Queue a reply. `body` as bytes/str is cut at `splits`; a sequence is sent as given."""
         if isinstance(body, str):
@@ -142,6 +153,8 @@ class FakeUpstream:
             delay_s=delay_s,
             initial_delay_s=initial_delay_s,
             drop_after=drop_after,
+            hold_s=hold_s,
+            hold_beat=hold_beat,
         )
         with self._lock:
             self._replies.append(reply)
@@ -176,6 +189,17 @@ class FakeUpstream:
     def _record(self, req: RecordedRequest) -> None:
         with self._lock:
             self.requests.append(req)
+
+    def clear(self) -> None:
+        """Forget the replies still queued, the requests recorded and the holds (one test's leftovers)."""
+        with self._lock:
+            self._replies.clear()
+            self.requests.clear()
+            self.holds.clear()
+
+    def _held(self, outcome: str) -> None:
+        with self._lock:
+            self.holds.append(outcome)
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -253,8 +277,34 @@ def _make_handler(fake: FakeUpstream) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return
+            if reply.hold_s and not self._hold(reply):
+                return
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
+
+        def _hold(self, reply: Reply) -> bool:
+            """Keep the body open (Reply.hold_s); False when the client ended the hold first."""
+            deadline = time.monotonic() + reply.hold_s
+            while (left := deadline - time.monotonic()) > 0:
+                ready, _, _ = select.select([self.connection], [], [], min(left, reply.hold_beat_s))
+                if ready:  # the client closed, or sent a request on a connection whose answer never ended
+                    try:
+                        wrote = bool(self.connection.recv(1, socket.MSG_PEEK))
+                    except OSError:
+                        wrote = False
+                    fake._held("client_wrote" if wrote else "client_closed")
+                    self.close_connection = True
+                    return False
+                if reply.hold_beat:
+                    try:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(reply.hold_beat), reply.hold_beat))
+                        self.wfile.flush()
+                    except OSError:
+                        fake._held("client_closed")
+                        self.close_connection = True
+                        return False
+            fake._held("ran_out")
+            return True
 
     return Handler
 

@@ -276,3 +276,59 @@ def test_a_tool_call_finish_without_any_call_is_an_error_not_an_empty_answer(
     assert failed.value.status_code == 502, failed.value
     assert "function_call" in str(failed.value.body), failed.value.body
     assert len(ups.oa.requests) == 1  # a protocol error: not retried
+
+
+# ---------------------------------------------------------------- re-attack: what the narrowing missed
+
+
+def test_an_account_without_active_billing_is_a_quota_error_not_retried(ups: Upstreams, client: openai.OpenAI) -> None:
+    """OpenAI's `billing_not_active` (a 429) was retried as a rate limit and told the user to wait."""
+    ups.oa.fail(
+        429,
+        openai_error(
+            "Your account is not active, please check your billing details on our website.",
+            type="billing_not_active",
+            code="billing_not_active",
+        ),
+    )
+    with pytest.raises(openai.RateLimitError) as quota:
+        client.chat.completions.create(model="oa", messages=[{"role": "user", "content": "hi"}])
+    assert isinstance(quota.value.body, dict) and quota.value.body.get("code") == "insufficient_quota"
+    assert len(ups.oa.requests) == 1  # never retried
+
+
+def test_anthropics_credit_balance_400_is_a_quota_error(ups: Upstreams, client: openai.OpenAI) -> None:
+    """Anthropic says "credit balance is too low" with a 400: it was `upstream_invalid_request`
+    ("the request's own fault")."""
+    ups.an.fail(
+        400,
+        {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "Your credit balance is too low to access the Anthropic API. Please go to Plans & Billing.",
+            },
+        },
+    )
+    with pytest.raises(openai.APIStatusError) as quota:
+        client.chat.completions.create(model="an", messages=[{"role": "user", "content": "hi"}])
+    assert isinstance(quota.value.body, dict) and quota.value.body.get("code") == "insufficient_quota", quota.value.body
+    assert "credit balance is too low" in str(quota.value.body)
+    assert len(ups.an.requests) == 1
+
+
+def test_a_tool_finish_with_only_an_inline_think_block_is_an_error(ups: Upstreams, client: openai.OpenAI) -> None:
+    """`<think>…</think>` content (Ollama, llama.cpp with R1/Qwen3) is reasoning, not an answer: a
+    `tool_calls` finish with it and no call was an empty `stop` answer."""
+    body = [chunk(role="assistant", content="<think>I should call the clock"), chunk(content=" tool</think>")]
+    ups.oa.script(openai_sse([*body, chunk(finish_reason="tool_calls")]))
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.chat.completions.create(model="oa", messages=[{"role": "user", "content": "time?"}], tools=[WEATHER])
+    assert failed.value.status_code == 502, failed.value
+    ups.oa.script(
+        openai_sse([chunk(role="assistant", content="<think>x</think>It is noon."), chunk(finish_reason="tool_calls")])
+    )
+    answer = client.chat.completions.create(
+        model="oa", messages=[{"role": "user", "content": "time?"}], tools=[WEATHER]
+    )
+    assert answer.choices[0].message.content == "It is noon."  # answer text with a tool finish stays an answer

@@ -349,11 +349,12 @@ QUOTA_CODES = (
     "insufficient_quota",  # OpenAI, Azure, DeepSeek…: error.code and error.type
     "billing_hard_limit_reached",  # OpenAI: the organization's spending limit
     "billing_error",  # Anthropic: error.type (HTTP 402)
+    "billing_not_active",  # OpenAI: an account with no active billing (HTTP 429)
 )
 _QUOTA_WORDINGS = (
     "insufficient_quota",  # the code, as a proxy writes it into its own message
     "you exceeded your current quota",  # OpenAI's insufficient_quota message
-    "credit balance is too low",  # Anthropic
+    "credit balance is too low",  # Anthropic (sent as a 400 invalid_request_error)
     "insufficient credits",  # OpenRouter (402)
 )
 # A 429 that says outright it is a rate limit: retried even when its message names a quota.
@@ -397,6 +398,8 @@ def error_from_status(
         kind = "not_found"
     elif status in (408, 409) or status >= 500:
         kind = "server"
+    elif status == 400 and is_out_of_quota(message, body):  # Anthropic's "credit balance is too low"
+        kind = "quota"
     else:
         kind = "invalid_request"
     return ProviderError(

@@ -150,7 +150,7 @@ class OpenAIStreamParser:
         self._by_key: dict[int, _Call] = {}
         self._by_id: dict[str, _Call] = {}  # calls by their id, for servers that send no index
         self._legacy: _Call | None = None  # the call of a legacy `function_call` answer (one at most)
-        self._answered = False  # text or a refusal came: the answer is not empty
+        self._refused = False  # a refusal came: with answer text (`ThinkSplitter.texted`), no empty answer
         self._finish: str | None = None
         self._usage: Usage | None = None
         self.events = 0
@@ -207,7 +207,6 @@ class OpenAIStreamParser:
         ):
             content = delta.get("content")  # the usual delta: text only, in fewer steps
             if content and type(content) is str:
-                self._answered = True
                 self._budget.count(content)
                 out.extend(self._think.feed(content))
                 return
@@ -220,13 +219,11 @@ class OpenAIStreamParser:
             out.append(Reasoning(reasoning))
         content = delta.get("content")
         if isinstance(content, str) and content:
-            self._answered = True
             self._budget.count(content)
             out.extend(self._think.feed(content))
         elif isinstance(content, list):  # a few servers stream content parts
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    self._answered = self._answered or part["text"] != ""
                     self._budget.count(part["text"])
                     out.extend(self._think.feed(part["text"]))
         refusal = delta.get("refusal")  # OpenAI: the model declined (structured outputs, safety)
@@ -240,7 +237,7 @@ class OpenAIStreamParser:
         ):
             out.extend(self._think.settle())  # text held back at the start comes before them
         if isinstance(refusal, str) and refusal:
-            self._answered = True
+            self._refused = True
             self._budget.count(refusal)
             out.append(Refusal(refusal))
         if isinstance(tool_calls, list):
@@ -340,7 +337,8 @@ class OpenAIStreamParser:
             if not slot.any_args:
                 out.append(ToolCallArgs(slot.index, "{}"))  # "" is not valid JSON arguments
         finish = map_finish_reason(self._finish)
-        if finish == "tool_calls" and not self._calls and not self._answered:
+        # answer text, not what the think splitter took as reasoning (`<think>…</think>` alone)
+        if finish == "tool_calls" and not self._calls and not (self._think.texted or self._refused):
             # Never an empty answer: the call came in a shape this parser does not read.
             raise ProviderError(
                 "protocol",

@@ -34,7 +34,7 @@ class ThinkSplitter:
     `start`: only whitespace so far, a think block may open; `inside`: reasoning until the close
     tag; `answer`: everything is text."""
 
-    __slots__ = ("_open", "_close", "_state", "_pending", "_strip_ws")
+    __slots__ = ("_open", "_close", "_state", "_pending", "_strip_ws", "texted")
 
     def __init__(self, open_tag: str = OPEN_TAG, close_tag: str = CLOSE_TAG) -> None:
         self._open = open_tag
@@ -43,6 +43,7 @@ class ThinkSplitter:
         self._pending = ""  # held back: leading whitespace, or what may still become a tag
         # Models put blank lines after `</think>` (and after `<think>`); they are layout, not content.
         self._strip_ws = False
+        self.texted = False  # some answer text came out (not only reasoning, nor only whitespace)
 
     @property
     def inside(self) -> bool:
@@ -104,4 +105,8 @@ class ThinkSplitter:
             self._strip_ws = False
         if not text:
             return
-        out.append(Reasoning(text) if self._state == "inside" else Text(text))
+        if self._state == "inside":
+            out.append(Reasoning(text))
+        else:
+            self.texted = True
+            out.append(Text(text))

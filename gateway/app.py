@@ -28,7 +28,7 @@ from appserver.client import Closed, ProtocolError
 from gateway.access import NOT_MENTIONED
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.channeltool import MessageChannel
-from gateway.chatops import ChatOps
+from gateway.chatops import DROPPED_BY_CANCEL, ChatOps
 from gateway.commands import Command, bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
@@ -356,12 +356,17 @@ class Gateway:
         command = parse_command(str(entry.payload.get("text") or ""), bot_name(runner.adapter))
         media = bool(entry.payload.get("images") or entry.payload.get("attachments"))
         settings = runner.debounce
-        if command is not None or media or not settings.enabled:
+        unsent: list[Entry] = []
+        if command is not None and command.name == "cancel":
+            # the sender's messages held by debounce are what `/cancel` drops first: never submitted
+            # (a secret pasted by mistake never reaches the agent); `_run_command` fails their rows
+            unsent = buffers.take(entry.sender)
+        elif command is not None or media or not settings.enabled:
             waiting = buffers.take(entry.sender)  # a command or media flushes the sender's buffer first
             if waiting:
                 await self._submit_batch(waiting)
         if command is not None:
-            await self._run_command(entry, runner, command)
+            await self._run_command(entry, runner, command, unsent)
             return
         if media or not settings.enabled:
             await self._submit_batch([entry])
@@ -370,19 +375,26 @@ class Gateway:
         if full:
             await self._submit_batch(full)
 
-    async def _run_command(self, entry: Entry, runner: AccountRunner, command: Command) -> None:
+    async def _run_command(
+        self, entry: Entry, runner: AccountRunner, command: Command, unsent: list[Entry] | None = None
+    ) -> None:
         """A chat command's effect at most once, its answer at least once under one key
         (`cmd:<ledger key>`). Taken is written down durably before the effect, the answer before it
         is sent; a restart that finds the command taken sends the answer it wrote down again under
         that key (deduped or looked up where the platform can), or, when the crash came before the
         answer was written, says so: a second `/cancel` would stop the turn that started after the
-        first, a second `/new` drop the conversation begun since (docs/channels.md, "Commands in the chat")."""
+        first, a second `/new` drop the conversation begun since (docs/channels.md, "Commands in the chat").
+        `unsent`: a `/cancel`'s sender's messages held by debounce, dropped (failed) here, also when
+        the `/cancel` was taken before a restart: they came before it, so they were its to drop."""
         since: float | None = None
         key = entry.key
-        if not entry.command_taken:
+        taken = entry.command_taken
+        if not taken:
             taking = partial(self.ledger.take_command, key, command_answer_key(entry), time.time())
             entry = await write_until_done(f"{key}: /{command.name} taken", taking)
-            answer = await self.chatops.command(entry, runner, command)
+        dropped = await write_until_done(f"{key}: /{command.name} drops", partial(self._drop_unsent, unsent or []))
+        if not taken:
+            answer = await self.chatops.command(entry, runner, command, dropped=dropped)
             await write_until_done(
                 f"{key}: /{command.name}'s answer", partial(self.ledger.note_command_answer, key, answer)
             )
@@ -393,6 +405,20 @@ class Gateway:
         ids = await self._say_keyed(runner, entry, answer, since) if answer else []
         answered = partial(self.ledger.mark_command, key, f"command /{command.name}", ids)
         await write_until_done(f"{key}: /{command.name} answered", answered)
+
+    def _drop_unsent(self, unsent: list[Entry]) -> int:
+        """Fail the messages `/cancel` drops before they were submitted; how many were still waiting.
+        Safe to run again (a row already failed is left as it is)."""
+        dropped = 0
+        for waiting in unsent:
+            now = self.ledger.get(waiting.key)
+            if now is not None and now.state == "allowed":
+                now = self.ledger.mark_failed(waiting.key, DROPPED_BY_CANCEL)
+            if now is not None and now.state == "failed" and now.reason == DROPPED_BY_CANCEL:
+                dropped += 1
+        if dropped:
+            log.info("%s: /cancel dropped %d message(s) held by debounce", unsent[0].key, dropped)
+        return dropped
 
     async def _say_keyed(self, runner: AccountRunner, entry: Entry, text: str, since: float | None) -> list[str]:
         """A command's answer, sent as `Outboxes.say` does (never raises) but under its stable key:

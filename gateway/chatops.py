@@ -68,6 +68,11 @@ APPROVED_UNROUTED = (
     "✅ You're approved, but this chat is not connected to an agent yet: nothing you write here is "
     "answered until the owner connects it."
 )
+# Why a message never became (or never started) a turn: its sender's `/cancel` dropped it while it
+# waited (held by debounce: never submitted; queued on the server: withdrawn before it started).
+DROPPED_BY_CANCEL = "dropped by the sender's /cancel before it was submitted"
+WITHDRAWN_BY_CANCEL = "withdrawn by /cancel before its turn started"
+NOT_YOURS_TO_CANCEL = "Only the person who started the running reply, or an admin, can cancel it."
 
 
 def by_conversation(entries: list[Entry]) -> list[list[Entry]]:
@@ -314,8 +319,9 @@ class ChatOps:
                 moved.messages,
             )  # fmt: skip
 
-    async def command(self, entry: Entry, runner: AccountRunner, command: Command) -> str:
-        """The gateway's answer to a chat command (gateway/commands.py); never a turn."""
+    async def command(self, entry: Entry, runner: AccountRunner, command: Command, *, dropped: int = 0) -> str:
+        """The gateway's answer to a chat command (gateway/commands.py); never a turn. `dropped`: how
+        many of a `/cancel`'s sender's messages held by debounce the caller dropped (`Gateway._run_command`)."""
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
         resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
         conversation = resolution.conversation if resolution is not None else None
@@ -338,20 +344,19 @@ class ChatOps:
                 self.router.forget(route_key)
                 # A reply still being written goes on (it may be someone else's, whom /new must not
                 # silence), but stays within reach: /cancel and /status here still find it.
-                if conversation is not None and await self.running_turn(conversation) is not None:
-                    return (
-                        "🆕 Your next message starts a new conversation. The reply still being written in the"
-                        " previous one goes on: /cancel stops it."
+                active = await self.active_turn(conversation) if conversation is not None else None
+                if active is not None:
+                    turn_id, paused = active
+                    return "🆕 Your next message starts a new conversation. " + self._left_behind(
+                        entry, runner, turn_id, paused
                     )
                 return "🆕 Your next message starts a new conversation."
             if command.name == "cancel":
-                return await self.cancel(entry, runner, conversation)
+                return await self.cancel(entry, runner, conversation, dropped)
             if command.name == "status":
                 text = await self.status_text(resolution.agent if resolution else None, conversation)
-                earlier = await self.earlier_running(entry, runner, conversation)
-                if earlier:
-                    shown = ", ".join(f"{turn_id} in conversation {conv}" for conv, turn_id in earlier)
-                    text += f" Still writing a reply from before /new: {shown} (/cancel stops it)."
+                for conv, turn_id, paused in await self._earlier_active(entry, runner, conversation):
+                    text += " " + self._earlier_line(entry, runner, conv, turn_id, paused)
                 return text
             if command.name == "pair":
                 if not runner.policy.is_admin(entry.sender):
@@ -371,59 +376,113 @@ class ChatOps:
         except (ProtocolError, Closed, TimeoutError) as exc:
             return f"⚠ The server did not answer: {exc}"
 
-    async def cancel(self, entry: Entry, runner: AccountRunner, conversation: str | None) -> str:
-        """`/cancel`: the running turn of the chat's conversation; when none runs there, the turns
-        this chat started in a conversation it left with `/new` that still run (nobody could stop
-        them from the chat otherwise). Each only by the person who started it, or an admin."""
+    async def cancel(self, entry: Entry, runner: AccountRunner, conversation: str | None, dropped: int = 0) -> str:
+        """`/cancel`: what its sender may stop that the agent has not finished. First what has not
+        started: their messages held by debounce (`dropped` by the caller: never submitted) and the
+        chat's turns still queued on the server (withdrawn: a `cancel` naming a turn that has not
+        started drops it, nothing of it written to the history; queued first, as stopping the
+        running turn would start the next). Then the running turn of the chat's conversation; when
+        none runs there, the turns this chat started in a conversation it left with `/new` that still
+        run (nobody could stop them from the chat otherwise). A turn only by the person who started
+        it, or an admin: a message waiting behind someone's turn gives no say over it."""
+        active: dict[str, str | None] = {}
+
+        async def running_in(conv: str) -> str | None:
+            if conv not in active:
+                active[conv] = await self.running_turn(conv)
+            return active[conv]
+
+        for turn_id, ctx in self.replies.turns_in(runner.spec.ref, entry.chat, entry.thread):
+            if ctx.conversation is None or not self._may_cancel(entry, runner, turn_id):
+                continue
+            if await running_in(ctx.conversation) != turn_id:
+                dropped += await self.replies.withdraw(turn_id, WITHDRAWN_BY_CANCEL)
         targets: list[tuple[str, str]] = []
         if conversation is not None:
-            running = await self.running_turn(conversation)
+            running = await running_in(conversation)
             if running is not None:
                 targets.append((conversation, running))
         earlier = False
         if not targets:
             targets = await self.earlier_running(entry, runner, conversation)
             earlier = bool(targets)
-        if not targets:
-            return "Nothing is running."
-        allowed = [
-            (conv, turn_id)
-            for conv, turn_id in targets
-            if self.replies.starter_of(turn_id) == entry.sender or runner.policy.is_admin(entry.sender)
-        ]
-        if not allowed:
-            return "Only the person who started the running reply, or an admin, can cancel it."
+        allowed = [(conv, turn_id) for conv, turn_id in targets if self._may_cancel(entry, runner, turn_id)]
         cancelled = 0
         for conv, turn_id in allowed:
             # naming the turn: if it ended meanwhile, the next one (someone else's) runs on
             ack = await self.link.request({"type": "cancel", "conversation": conv, "turn_id": turn_id})
             cancelled += bool(ack.get("cancelled"))
-        if not cancelled:
-            return "Nothing is running."
-        return "⏹ Cancelled the reply from before /new." if earlier else "⏹ Cancelled."
+        if cancelled:
+            said = "⏹ Cancelled the reply from before /new." if earlier else "⏹ Cancelled."
+        elif targets and not allowed:
+            said = NOT_YOURS_TO_CANCEL
+        else:
+            said = "" if dropped else "Nothing is running."
+        return f"{said} {_dropped_line(dropped)}".strip() if dropped else said
+
+    def _may_cancel(self, entry: Entry, runner: AccountRunner, turn_id: str) -> bool:
+        """Whether `entry`'s sender may cancel `turn_id`: the person who started it, or an admin."""
+        return self.replies.starter_of(turn_id) == entry.sender or runner.policy.is_admin(entry.sender)
+
+    def _left_behind(self, entry: Entry, runner: AccountRunner, turn_id: str, paused: bool) -> str:
+        """What `/new` says of the reply it leaves behind in the previous conversation (it goes on),
+        and who can stop it: "/cancel stops it" only to someone whose `/cancel` would."""
+        if paused:
+            waits = self._approval_ref(turn_id)
+            said = f"The reply in the previous one waits for an approval{waits} and goes on once it is answered"
+        else:
+            said = "The reply still being written in the previous one goes on"
+        if self._may_cancel(entry, runner, turn_id):
+            return f"{said}: /cancel stops it."
+        return f"{said}: {_WHO_CANCELS}."
+
+    def _earlier_line(self, entry: Entry, runner: AccountRunner, conv: str, turn_id: str, paused: bool) -> str:
+        """What `/status` says of a turn from before `/new` that still runs or waits for an approval."""
+        what = "A reply from before /new waits for an approval" if paused else "Still writing a reply from before /new"
+        who = "/cancel stops it" if self._may_cancel(entry, runner, turn_id) else _WHO_CANCELS
+        return f"{what}: {turn_id} in conversation {conv}{self._approval_ref(turn_id)} ({who})."
+
+    def _approval_ref(self, turn_id: str) -> str:
+        """The open approval requests of `turn_id`, as ` (request `ID`)`, or ""."""
+        waiting = [p for p in self.approvals.prompts.values() if p.turn_id == turn_id and p.decided is None]
+        return f" (request {', '.join(code_span(p.short_id) for p in waiting)})" if waiting else ""
 
     async def earlier_running(
         self, entry: Entry, runner: AccountRunner, conversation: str | None
     ) -> list[tuple[str, str]]:
         """(conversation, turn id) of each turn started in this chat (and thread) in another
         conversation than its current one (left with `/new`) that still runs, oldest first."""
-        found: list[tuple[str, str]] = []
+        return [(conv, turn_id) for conv, turn_id, _paused in await self._earlier_active(entry, runner, conversation)]
+
+    async def _earlier_active(
+        self, entry: Entry, runner: AccountRunner, conversation: str | None
+    ) -> list[tuple[str, str, bool]]:
+        """`earlier_running`, each with whether it is paused for an approval."""
+        found: list[tuple[str, str, bool]] = []
         for turn_id, ctx in self.replies.turns_in(runner.spec.ref, entry.chat, entry.thread):
             if ctx.conversation is None or ctx.conversation == conversation:
                 continue
-            if (ctx.conversation, turn_id) in found:
+            if any(conv == ctx.conversation and turn == turn_id for conv, turn, _ in found):
                 continue
-            if await self.running_turn(ctx.conversation) == turn_id:
-                found.append((ctx.conversation, turn_id))
+            active = await self.active_turn(ctx.conversation)
+            if active is not None and active[0] == turn_id:
+                found.append((ctx.conversation, turn_id, active[1]))
         return found
 
     async def running_turn(self, conversation: str) -> str | None:
         """The id of the conversation's running turn: `cancel` stops that one, so only its starter
         may ask (having a message queued behind it is no claim on it)."""
+        active = await self.active_turn(conversation)
+        return active[0] if active is not None else None
+
+    async def active_turn(self, conversation: str) -> tuple[str, bool] | None:
+        """The conversation's running turn (or one paused for an approval), and whether it is paused."""
         state = await self.link.request({"type": "subscribe", "conversation": conversation})
         active = state.get("active_turn") or {}
         turn_id = active.get("turn_id")
-        return str(turn_id) if turn_id else None
+        if not turn_id:
+            return None
+        return str(turn_id), active.get("status") == "awaiting" or state.get("state") == "awaiting"
 
     async def status_text(self, agent: str | None, conversation: str | None) -> str:
         if agent is None:
@@ -720,6 +779,16 @@ class ChatOps:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
         finally:
             self.approvals.settled(prompt.call_id)
+
+
+_WHO_CANCELS = "only the person who started it, or an admin, can cancel it"
+
+
+def _dropped_line(count: int) -> str:
+    """What `/cancel` says of the waiting messages it dropped (held by debounce, queued on the server)."""
+    if count == 1:
+        return "Dropped 1 waiting message before its turn started: the agent never gets it."
+    return f"Dropped {count} waiting messages before their turn started: the agent never gets them."
 
 
 def unshown_waiting(prompts: list[Prompt]) -> str:

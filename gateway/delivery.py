@@ -616,22 +616,24 @@ class ReplySink:
 
 
 class ChatOrder:
-    """Replies to one chat go out in the order their messages arrived: each sink waits for the
-    previous sink of its chat to finish before its first send."""
+    """Replies under one key go out in the order their messages arrived: each sink waits for the
+    previous sink of its key to finish before its first send. The gateway's key is a conversation
+    of a chat and thread (`gateway.replies.order_key`), so a reply of the conversation a chat left
+    with `/new` (paused for an approval, maybe for minutes) never holds back the new one's."""
 
     def __init__(self) -> None:
         self._tail: dict[str, asyncio.Event] = {}
 
-    def ticket(self, chat_key: str) -> tuple[asyncio.Event | None, asyncio.Event]:
-        before = self._tail.get(chat_key)
+    def ticket(self, key: str) -> tuple[asyncio.Event | None, asyncio.Event]:
+        before = self._tail.get(key)
         mine = asyncio.Event()
-        self._tail[chat_key] = mine
+        self._tail[key] = mine
         return before, mine
 
-    def release(self, chat_key: str, mine: asyncio.Event) -> None:
+    def release(self, key: str, mine: asyncio.Event) -> None:
         mine.set()
-        if self._tail.get(chat_key) is mine:
-            del self._tail[chat_key]
+        if self._tail.get(key) is mine:
+            del self._tail[key]
 
 
 class Outboxes:

@@ -5,9 +5,13 @@ edit per second, the end never held back long), the final text is written to the
 is delivered, and the platform ids are noted as each part goes out, so a restart continues the same
 reply instead of sending it again. A part whose send was in flight at the crash was noted as
 attempted first: after the restart it is looked up or deduped where the platform allows, and sent
-again only where it allows neither (see `ReplySink.on_attempt`). Replies to one chat go out in their
-messages' order
-(`ChatOrder`); the typing indicator runs while a turn does.
+again only where it allows neither (see `ReplySink.on_attempt`). Replies of one conversation in a
+chat go out in their messages' order (`ChatOrder`, keyed by `order_key`); a chat's other
+conversation (the one it left with `/new`, whose turn may wait ten minutes for an approval) holds
+none of them back. The typing indicator runs while a turn does.
+
+A turn `/cancel` took out of the server's queue before it started (`withdraw`) is answered with
+nothing: its rows are failed with the reason `/cancel` gave.
 
 Every turn is asked about again as its submit is acked (`refuse_if_not_let_in`), as it is first seen
 out of the server's queue (`admits`), and every second until then (`refuse_queued`): one whose sender
@@ -143,6 +147,15 @@ class NotLetIn(Exception):
     """A queued turn's sender is no longer let in: it is cancelled, nothing is delivered."""
 
 
+class Withdrawn(Exception):
+    """A queued turn `/cancel` took out of the server's queue before it started: nothing is
+    delivered (not even "Cancelled"), its rows are failed with the reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass
 class TurnContext:
     """A turn this gateway submitted and follows: where it came from and who started it."""
@@ -158,6 +171,8 @@ class TurnContext:
     # of its reply was noted): access is asked again as it starts (or, when it started meanwhile, as it is seen)
     waited: bool = False
     admitted: bool | None = None  # that answer, once given (False: cancelled, never answered)
+    left_queue: bool = False  # a snapshot showed it started (or ended): no longer one `withdraw` takes
+    withdrawn: str | None = None  # why `/cancel` is taking it out of the queue (`Replies.withdraw`)
 
 
 def answer_target(entry: Entry) -> Target:
@@ -168,6 +183,14 @@ def answer_target(entry: Entry) -> Target:
 
 def chat_key(entry: Entry) -> str:
     return f"{entry.key.channel}:{entry.key.account}:{entry.chat}:{entry.thread or ''}"
+
+
+def order_key(entry: Entry) -> str:
+    """What a reply keeps its place in (`ChatOrder`): its chat and thread, and its conversation. The
+    turns of one conversation run one after another, so their replies keep their messages' order;
+    after `/new` the previous conversation's reply (paused for an approval, it may wait ten minutes)
+    does not hold back the new conversation's."""
+    return f"{chat_key(entry)}:{entry.conversation or ''}"
 
 
 def unproven(entry: Entry) -> bool:
@@ -306,11 +329,34 @@ class Replies:
         except (ProtocolError, Closed, TimeoutError) as exc:  # its reply is still never delivered
             log.warning("%s: could not cancel %s: %s", ctx.key, turn_id, exc)
 
+    async def withdraw(self, turn_id: str, reason: str) -> int:
+        """Take `turn_id` out of the server's queue before it starts (`/cancel`): the protocol's
+        `cancel` naming it drops a turn that has not started (docs/protocol.md), and its follower then
+        delivers nothing and fails its rows with `reason`. Returns how many messages it carried (a
+        debounced batch is one turn); 0 when it is no turn this gateway follows, was seen to start,
+        or the server no longer had it (ended meanwhile)."""
+        ctx = self.turns.get(turn_id)
+        if ctx is None or ctx.left_queue or ctx.conversation is None:
+            return 0
+        ctx.withdrawn = reason  # before the request: its terminal snapshot can overtake the ack
+        try:
+            ack = await self.link.request({"type": "cancel", "conversation": ctx.conversation, "turn_id": turn_id})
+        except BaseException:
+            ctx.withdrawn = None
+            raise
+        if not ack.get("cancelled"):
+            ctx.withdrawn = None
+            return 0
+        entry = self.ledger.get(ctx.key)
+        return len(self.ledger.batch_of(entry)) if entry is not None else 1
+
     async def _check_start(self, ctx: TurnContext | None, turn_id: str, snap: dict[str, Any]) -> None:
         """Raise NotLetIn (after cancelling the turn, unless it ended) for a queued turn whose sender
         access no longer lets in, as soon as a snapshot shows it out of the queue."""
         if ctx is None:
             return
+        if snap.get("status") in TERMINAL or snap.get("phase") != "queued":
+            ctx.left_queue = True
         if snap.get("status") not in TERMINAL and snap.get("phase") == "queued":
             ctx.waited = ctx.waited or int(snap.get("queue_position") or 0) > 0  # resumed: seen waiting
             if ctx.admitted is not False:
@@ -335,7 +381,8 @@ class Replies:
 
     async def _deliver(self, entry: Entry, runner: AccountRunner, turn_id: str, resumed: bool) -> None:
         target = answer_target(entry)
-        before, mine = self.order.ticket(chat_key(entry))
+        place = order_key(entry)
+        before, mine = self.order.ticket(place)
         try:
             await runner.ready.wait()
             while runner.adapter is None or not runner.adapter.is_running:
@@ -374,6 +421,8 @@ class Replies:
             runner.live.last_outbound = time.time()
         except NotLetIn:  # as a batch never submitted for it: nothing said, the rows say why
             await write_until_done(f"{entry.key}: not let in", partial(self._record_failed, entry, NO_LONGER_LET_IN))
+        except Withdrawn as dropped:  # `/cancel` took it out of the queue, and its answer said so
+            await write_until_done(f"{entry.key}: withdrawn", partial(self._record_failed, entry, dropped.reason))
         except DeliveryFailed as exc:
             log.error("%s: reply not delivered: %s", entry.key, exc)
             failure = partial(self._record_failed, entry, f"delivery failed: {exc}")
@@ -382,7 +431,7 @@ class Replies:
         finally:
             self.changed()
             self.link.unfollow(turn_id)
-            self.order.release(chat_key(entry), mine)
+            self.order.release(place, mine)
 
     def _record_delivered(self, entry: Entry, text: str, ids: list[str]) -> None:
         """`entry`'s reply (and its debounced batch's: one reply for all) is in the chat as `ids`.
@@ -435,7 +484,7 @@ class Replies:
             snap = await follower.next()
             await self._check_start(ctx, turn_id, snap)
             if snap.get("status") in TERMINAL:
-                return final_text(snap, shown)
+                return self._ended(ctx, snap, shown, sink)
             if before is not None and not before.is_set():
                 continue  # the previous reply in this chat is still going out
             # Pace the edits (~1/s), taking the newest snapshot when the time comes; the end of the
@@ -449,7 +498,7 @@ class Replies:
                     break
                 await self._check_start(ctx, turn_id, snap)
                 if snap.get("status") in TERMINAL:
-                    return final_text(snap, shown)
+                    return self._ended(ctx, snap, shown, sink)
             snap = follower.latest or snap
             await self._check_start(ctx, turn_id, snap)
             try:
@@ -462,6 +511,14 @@ class Replies:
                 shown = body
                 text_so_far = partial(self.ledger.note_sent, entry.key, ids, shown)  # after on_sent: the text too
                 await write_until_done(f"{entry.key}: the reply's text so far", text_so_far)
+
+    @staticmethod
+    def _ended(ctx: TurnContext | None, snap: dict[str, Any], shown: str, sink: ReplySink) -> str:
+        """The final text of a turn that ended; `Withdrawn` for one `/cancel` took out of the queue
+        (nothing of it was shown: a turn that started in the meantime keeps its reply, cut short)."""
+        if ctx is not None and ctx.withdrawn is not None and snap.get("status") == "cancelled" and not sink.ids:
+            raise Withdrawn(ctx.withdrawn)
+        return final_text(snap, shown)
 
     async def _recover(self, conversation: str, turn_id: str) -> dict[str, Any] | None:
         while True:

@@ -26,8 +26,6 @@ from tests.support.gateway import ChannelServer, channel_server, write_config
 
 pytestmark = pytest.mark.timeout(120)
 
-TELEGRAM_PORT = 51010
-SERVER_PORT = 51011
 UNPINNED_USER = 77  # its pin to an unowned conversation is refused; later pinned to the gateway's own
 PINNED_EARLIER_USER = 78  # pinned in auth mode none, before the mode became token
 
@@ -47,7 +45,7 @@ def _route(home: Path, key: str) -> tuple[str | None, str | None]:
 
 @pytest.fixture(scope="module")
 def tg() -> Iterator[FakeTelegram]:
-    with FakeTelegram(port=TELEGRAM_PORT) as fake:
+    with FakeTelegram() as fake:
         yield fake
 
 
@@ -73,7 +71,7 @@ def cli_conversation(tmp_path_factory: pytest.TempPathFactory, tg: FakeTelegram)
 def srv(cli_conversation: tuple[Path, str], tg: FakeTelegram) -> Iterator[ChannelServer]:
     home, _ = cli_conversation
     env = cli_env(home, TG_TOKEN=tg.token)
-    with channel_server(home, "--channels", "telegram", "--listen", f"127.0.0.1:{SERVER_PORT}", env=env) as server:
+    with channel_server(home, "--channels", "telegram", env=env) as server:
         yield server
 
 

@@ -94,15 +94,18 @@ def test_only_the_starter_or_an_admin_may_cancel_in_a_group(srv: ChannelServer, 
 
 
 def test_a_queued_message_gives_no_right_to_cancel_the_running_turn(srv: ChannelServer, chat: FakeChat) -> None:
-    """Bob's message waits behind Alice's running turn: his /cancel is refused (it would stop hers),
-    hers stops it, and then his turn runs."""
+    """Bob's message waits behind Alice's running turn: his /cancel is refused (it would stop hers)
+    and withdraws only his own waiting message; hers stops her turn, and then his next one runs."""
     chat.inject("team-queue", "/slow 400", sender="alice", chat_type="group")
     chat.wait_for(lambda: chat.messages("team-queue") or None, timeout=15, what="Alice's reply to start")
     queued = chat.inject("team-queue", "me too", sender="bob", chat_type="group")
     wait_for(lambda: _ledger_state(srv, queued) == "submitted", 15, "Bob's turn to be queued")
     chat.inject("team-queue", "/cancel", sender="bob", chat_type="group")
-    chat.wait_for_text("team-queue", lambda t: "Only the person who started" in t, timeout=15)
+    refused = chat.wait_for_text("team-queue", lambda t: "Only the person who started" in t, timeout=15)
+    assert "Dropped 1 waiting message" in refused.text, refused.text  # his own, withdrawn before it ran
     assert not any("⏹ Cancelled." in m.text for m in chat.messages("team-queue"))
+    again = chat.inject("team-queue", "me too", sender="bob", chat_type="group")
+    wait_for(lambda: _ledger_state(srv, again) == "submitted", 15, "Bob's next turn to be queued")
     chat.inject("team-queue", "/cancel", sender="alice", chat_type="group")
     chat.wait_for_text("team-queue", "⏹ Cancelled.", timeout=15)
     chat.wait_for_text("team-queue", "echo: me too", timeout=15)  # Bob's turn was not the one cancelled

@@ -107,8 +107,8 @@ def served(tmp_path: Path, receiver: Receiver) -> Iterator[tuple[ChannelServer, 
         yield srv, port
 
 
-def _post(port: int, message_id: str, text: str) -> None:
-    body = json.dumps({"id": message_id, "chat": CHAT, "sender": "ann", "text": text}).encode()
+def _post(port: int, message_id: str, text: str, sender: str = "ann") -> None:
+    body = json.dumps({"id": message_id, "chat": CHAT, "sender": sender, "text": text}).encode()
     stamp = str(int(time.time()))
     headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: stamp, SIGNATURE_HEADER: sign(SECRET, stamp, body)}
     answer = httpx.post(f"http://127.0.0.1:{port}/", content=body, headers=headers, timeout=10)
@@ -130,7 +130,8 @@ def test_a_cancel_whose_answer_was_in_flight_at_kill9_is_not_run_again_and_answe
     srv, port = served
     _post(port, "A", "/call clock {}")
     wait_for(lambda: any("/approve" in p["text"] for p in receiver.answers_to("A")), 30, "turn A's approval prompt")
-    _post(port, "B", "/call clock {}")  # queued behind A in the chat's conversation
+    # queued behind A in the chat's conversation; Bob's, so Ann's /cancel does not withdraw it
+    _post(port, "B", "/call clock {}", sender="bob")
     wait_for(lambda: _state(srv.home, "B") == "submitted", 30, "turn B accepted (queued)")
 
     receiver.hanging.set()

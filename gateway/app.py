@@ -498,7 +498,8 @@ class Gateway:
         if runner is None:
             return
         if len(entries) > 1 and entry.batch is None:
-            self.ledger.assign_batch([e.key for e in entries])
+            batch = partial(self.ledger.assign_batch, [e.key for e in entries])
+            await write_until_done(f"{entry.key}: the debounced batch", batch)
             entries = [e for e in self.ledger.batch_of(self.ledger.get(entry.key) or entry) if e.state == "allowed"]
         # The message that carries the turn's delivery is the batch's first (its id names the
         # batch), wherever it sorts: following another member delivered nothing at all.
@@ -507,15 +508,13 @@ class Gateway:
             # allowed, then the sender's access was taken away (`pairing revoke`, out of `allow` and a
             # restart) before the turn started: a debounced batch, or a row resumed after a restart
             # (a turn the server queued is asked again as it starts: Replies.admits)
-            for e in entries:
-                self.ledger.mark_failed(e.key, NO_LONGER_LET_IN)
+            await self._fail_all(entries, NO_LONGER_LET_IN)
             log.info("%s: not submitted: %s", entry.key, NO_LONGER_LET_IN)
             return
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
         resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
         if resolution is None:
-            for e in entries:
-                self.ledger.mark_failed(e.key, "no route for this chat and no default_agent")
+            await self._fail_all(entries, "no route for this chat and no default_agent")
             runner.live.failures += 1
             log.warning(
                 "%s: no route for %s and no default_agent; add one with `appserver channels route add`",
@@ -536,8 +535,7 @@ class Gateway:
             if tried and not self.chatops.lets_in(entry, runner):
                 # revoked while the submit was being retried (the server unreachable, its store locked):
                 # asked again before each resubmit, so a long outage does not keep the row going either
-                for e in entries:
-                    self.ledger.mark_failed(e.key, NO_LONGER_LET_IN)
+                await self._fail_all(entries, NO_LONGER_LET_IN)
                 log.info("%s: not submitted again: %s", entry.key, NO_LONGER_LET_IN)
                 return
             tried = True
@@ -547,7 +545,8 @@ class Gateway:
                     conversation = await self.link.create_conversation(
                         resolution.agent, f"{route_key}", {"channel_route": str(route_key)[:ROUTE_METADATA_MAX]}
                     )
-                    self.router.bind(route_key, conversation)
+                    bind = partial(self.router.bind, route_key, conversation)
+                    await write_until_done(f"{entry.key}: the chat's new conversation {conversation}", bind)
                     resolution = self.router.resolve(route_key, runner.settings.get("default_agent")) or resolution
                     first = True
                 frame = submit_frame(entries, resolution.agent, conversation, first, self.link.max_frame_bytes)
@@ -558,13 +557,13 @@ class Gateway:
                     await self._pin_not_found(runner, entry, entries, route_key, resolution.agent)
                     return
                 if exc.code == "conversation_not_found" and resolution.conversation is not None:
-                    self.router.forget(route_key)  # deleted on the server: start a fresh one
+                    # deleted on the server: start a fresh one
+                    await write_until_done(f"{entry.key}: forget {route_key}", partial(self.router.forget, route_key))
                     resolution = self.router.resolve(route_key, runner.settings.get("default_agent")) or resolution
                     resolution = type(resolution)(resolution.key, resolution.agent, None, resolution.source)
                     continue
                 if exc.code in PERMANENT_CODES:
-                    for e in entries:
-                        self.ledger.mark_failed(e.key, f"the server refused the message: {exc.code}: {exc}")
+                    await self._fail_all(entries, f"the server refused the message: {exc.code}: {exc}")
                     runner.live.failures += 1
                     await self._notice(runner, entry, f"⚠ Could not start a turn: {exc}", force=True)
                     return
@@ -591,6 +590,12 @@ class Gateway:
         if entry.turn_id is not None:
             await self.replies.refuse_if_not_let_in(entry.turn_id)
 
+    async def _fail_all(self, entries: list[Entry], reason: str) -> None:
+        """Fail `entries` (not submitted), retried while gateway.db refuses it: a row left `allowed` has
+        no follower, and was submitted at the next restart, after the chat's later messages."""
+        for e in entries:
+            await write_until_done(f"{e.key}: failed", partial(self.ledger.mark_failed, e.key, reason))
+
     def _record_submitted(self, entries: list[Entry], entry: Entry, turn_id: str, conversation_id: str) -> Entry:
         """The server accepted `turn_id` for `entries` (whose reply goes out through `entry`). Safe to
         run again: a row already submitted under this turn is left as it is."""
@@ -612,8 +617,7 @@ class Gateway:
             f" for agent {agent} (deleted, another agent's, or, in auth mode token, not the gateway's own:"
             " `appserver channels status` says which); fix the route with `appserver channels route add`"
         )
-        for e in entries:
-            self.ledger.mark_failed(e.key, reason)
+        await self._fail_all(entries, reason)
         runner.live.failures += 1
         log.warning("%s: not submitted: %s", entry.key, reason)
         await self._notice(

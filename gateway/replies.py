@@ -80,13 +80,15 @@ def ledger_retry_delay(failures: int) -> float:
 
 async def write_until_done(what: str, write: Callable[[], T]) -> T:
     """`write()` (ledger transactions safe to run again), tried again with a bounded backoff while
-    gateway.db refuses it, each failure logged as an error naming `what`: the bookkeeping of something
-    already done (a reply in the chat, a turn on the server) is never dropped, nor its task ended by it."""
+    gateway.db refuses it (`sqlite3.OperationalError`: busy past its timeout, locked, the disk full or
+    failing), each failure logged as an error naming `what`: the bookkeeping of something already done
+    (a reply in the chat, a turn on the server) is never dropped, nor its task ended by it. Any other
+    error (a closed connection at shutdown, a constraint) is raised: no wait makes it pass."""
     failures = 0
     while True:
         try:
             result = write()
-        except sqlite3.Error as exc:
+        except sqlite3.OperationalError as exc:  # busy, locked, full, I/O: what passes (not a bug, a closed file)
             failures += 1
             delay = ledger_retry_delay(failures)
             log.error("%s: gateway.db refused the write (%s); trying again in %g s", what, exc, delay)
@@ -125,7 +127,7 @@ class ReplyNotes:
             try:
                 write()
                 return
-            except sqlite3.Error as exc:
+            except sqlite3.OperationalError as exc:
                 what = "gateway.db refused a note of the reply's progress"
                 log.error("%s: %s (%s); nothing more is sent until it is written", self.key, what, exc)
         self._pending.append(write)

@@ -19,6 +19,7 @@ reads the answer), or while an account change waits to be saved.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -193,3 +194,33 @@ def test_pairing_decisions_are_acted_on_after_a_locked_ledger(tmp_path: Path) ->
         assert approved.code == 0, approved.err
         tg.wait_for_text(USER, "echo: hello", 60)  # the kept message is the first turn
         assert "never retrieved" not in srv.log()
+
+
+def test_a_new_chats_conversation_bound_while_the_ledger_is_locked_is_answered_in_order(tmp_path: Path) -> None:
+    """The server made a new chat's conversation while gateway.db was locked: binding it to the chat
+    failed, the message was left `allowed` with no follower and unanswered, the next message was
+    answered in another new conversation, and a restart answered the first one last."""
+    with FakeTelegram(port=_port()) as tg, _server(tmp_path, tg, _port()) as srv:
+        db = default_path(srv.home)
+        server_db = sqlite3.connect(srv.home / "appserver.db", isolation_level=None, check_same_thread=False)
+        holder = sqlite3.connect(db, isolation_level=None)
+        try:
+            server_db.execute("BEGIN IMMEDIATE")  # the conversation's creation waits for it
+            tg.dm("first", user_id=USER)
+            wait_for(lambda: _states(db).get("first") == "allowed", 30, "the first message let in")
+            holder.execute("BEGIN IMMEDIATE")
+            server_db.execute("ROLLBACK")  # the conversation is made now; its binding finds the lock
+            eventually(lambda: "gateway.db refused the write" in srv.log(), HOLD_MAX_S, interval=0.2)
+        finally:
+            for conn in (server_db, holder):
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                conn.close()
+        tg.wait_for_text(USER, "echo: first", 60)
+        tg.dm("second", user_id=USER)
+        tg.wait_for_text(USER, "echo: second", 60)
+        assert [m.text for m in tg.messages(USER)] == ["echo: first", "echo: second"]
+        conversations = run_cli(srv.home, "conversations", "list", "--json")
+        assert conversations.code == 0, conversations.err
+        assert len(json.loads(conversations.out)) == 1, conversations.out  # both in the chat's one conversation
+        assert "processing a message failed" not in srv.log()

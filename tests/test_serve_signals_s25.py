@@ -181,6 +181,9 @@ def test_sighup_to_the_terminals_process_group_stops_the_gateway_child_cleanly(t
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own group, as a terminal's foreground job
+        # as from a terminal: a test run started under nohup would pass on SIGHUP ignored, which
+        # serve keeps (a server started with nohup is meant to outlive its terminal)
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     try:
 

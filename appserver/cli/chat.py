@@ -362,6 +362,14 @@ class Renderer:
         self.shown: dict[tuple[str, int], str] = {}
         self.tool_status: dict[str, str] = {}
         self.kind: str | None = None
+        # Called once before a snapshot's first output: an open approval prompt is taken off its
+        # line first (`Chat.render`), so what the snapshot says goes above it, not after it.
+        self.before_output: Callable[[], None] | None = None
+
+    def _output(self) -> None:
+        if self.before_output is not None:
+            clear, self.before_output = self.before_output, None
+            clear()
 
     def snapshot(self, snap: dict[str, Any]) -> None:
         s = self.screen
@@ -387,6 +395,7 @@ class Renderer:
                     new = new[:-1]  # perhaps half a CRLF (a line end): decided with the next snapshot
                     if not new:
                         continue
+                self._output()
                 if self.kind != kind or not shown:
                     s.fresh_line()
                     if kind == "reasoning":
@@ -408,6 +417,7 @@ class Renderer:
                 if block.get("output") is not None:
                     output = str(block["output"]).replace("\r\n", " ").replace("\n", " ")[:120]
                     line = f"[{name} {exact(status)}: {exact(output)}]"
+                self._output()
                 s.line(s.dim(line))
                 self.kind = None
 
@@ -513,6 +523,28 @@ class Chat:
         """The call exactly as it is: no control, newline or bidi override may hide or reorder it."""
         call = f"{exact(frame['name'])}({exact(frame['arguments'])})"
         return f"{self.screen.dim('[' + exact(frame['call_id']) + ']')} {call} wants to run. approve? [y/N] "
+
+    def render(self, snap: dict[str, Any]) -> None:
+        """A snapshot's news; while an approval prompt is open (a call of its step answered, by this
+        client or another, while this one asks of the next), above the prompt, which is drawn again."""
+        if not (self.editor.visible and self.asking is not None):
+            self.renderer.snapshot(snap)
+            return
+        cleared = False
+
+        def clear() -> None:
+            nonlocal cleared
+            self.screen.erase_line()
+            cleared = True
+
+        self.renderer.before_output = clear
+        try:
+            self.renderer.snapshot(snap)
+        finally:
+            self.renderer.before_output = None
+        if cleared:
+            typed = self.editor.display if self.editor.echo else ""
+            self.screen.write(self.approval_prompt(self.asking) + typed)
 
     def notice(self, text: str) -> None:
         """A line of information that must not tear the line being typed."""
@@ -914,7 +946,7 @@ class Chat:
                 ):  # settled (answered, expired, cancelled): how, approval_resolved says next
                     self.remember_unexplained(self.asking["call_id"])
                     self.withdraw(None)
-            self.renderer.snapshot(snap)
+            self.render(snap)
             if snap["status"] in TERMINAL:
                 self.renderer.end(snap)
                 self.turns_failed += did_not_complete(snap)

@@ -57,6 +57,17 @@ _DURATION_RE = re.compile(r"(\d+)\s*([smhd])", re.ASCII)
 # More digits than this is beyond MAX_DURATION_S in any unit, and past a few thousand int() itself
 # refuses with Python's own message: a longer number is refused here, in words, before int().
 MAX_NUMBER_DIGITS = 12
+# The longest cron expression read, whitespace collapsed. Every value of every field listed one by
+# one (`0,1,…,59 0,1,…,23 1,2,…,31 jan,…,dec sun,…,sat`) is 391 characters, and a field lists each
+# of its values once at most (`_check_field`), so no expression that means something reaches it.
+# A longer one is refused before croniter reads it: croniter's cost grows with the text (a 480 KB
+# list took seconds at every fire, in every `cron list`), and the scheduler parses it each time.
+MAX_CRON_CHARS = 512
+# The longest `every`/`in` duration or `at` time a new task may have: `36500d`, `1d23h59m59s`,
+# `2026-12-01 08:00:00.000000+05:30` are far shorter, so a longer text (twenty thousand leading
+# zeros, which still read as a small number) is refused when the task is made. (Reading one costs
+# little, unlike a long cron expression: a task that already has one keeps working.)
+MAX_TIME_CHARS = 64
 
 
 class ScheduleError(ValueError):
@@ -88,9 +99,16 @@ class ScheduleSpec:
         return self.kind in ("cron", "every")
 
     def describe(self) -> str:
+        expr = shown_expr(self.expr)
         if self.kind == "cron":
-            return f"cron '{self.expr}' ({self.tz})"
-        return f"{self.kind} {self.expr}" + ("" if self.kind == "every" else f" ({self.tz})")
+            return f"cron '{expr}' ({self.tz})"
+        return f"{self.kind} {expr}" + ("" if self.kind == "every" else f" ({self.tz})")
+
+
+def shown_expr(expr: str) -> str:
+    """A schedule's expression as a line shows it: whole, unless it is longer than any the
+    scheduler reads (MAX_CRON_CHARS: a hand edit, an older version's task), then its start and length."""
+    return expr if len(expr) <= MAX_CRON_CHARS else f"{expr[:60]}… ({len(expr)} characters)"
 
 
 # ---------------------------------------------------------------- parsing helpers
@@ -157,8 +175,14 @@ def normalize_cron(expr: str) -> str:
     such as `5-1` (croniter wraps them around; standard cron refuses them), and the day fields
     croniter misreads together (`_check_days`). A range of one value such as `5-5` is written as
     that value: croniter 7 reads it as the whole field (`0 0 3-3 * *` would fire every day),
-    standard cron as the value."""
+    standard cron as the value. A value listed again in a field (`1,1`) is dropped; the whole
+    expression is at most MAX_CRON_CHARS long (checked first, before anything parses it)."""
     e = " ".join(expr.split())
+    if len(e) > MAX_CRON_CHARS:
+        raise ScheduleError(
+            f"invalid cron expression {shown(expr, 40)}: {len(e)} characters, at most {MAX_CRON_CHARS} (no "
+            "schedule needs more: list a value once, write a range such as 1-5 or a step such as */15)"
+        )
     e = _MACROS.get(e.lower(), e)
     fields = e.split(" ")
     if len(fields) != 5:
@@ -167,10 +191,42 @@ def normalize_cron(expr: str) -> str:
         )
     fields = [_check_field(expr, index, text) for index, text in enumerate(fields)]
     e = " ".join(fields)
-    if not croniter.is_valid(e):
-        raise ScheduleError(f"invalid cron expression {shown(expr)}")
+    try:
+        croniter.expand(e)
+    except CroniterError:
+        raise ScheduleError(f"invalid cron expression {shown(expr)}{_croniter_problem(fields)}") from None
     _check_days(expr, fields[2], fields[4])
     return e
+
+
+_CRONITER_EXPR = re.compile(r"\[[^\]]*\]\s*")  # croniter's messages repeat the expression in brackets
+
+
+def _croniter_problem(fields: list[str]) -> str:
+    """Why croniter refuses an expression, in words (": day-of-month field '5L': …"): the first
+    field it refuses alone (the others `*`), with croniter's own reason when it gives one beyond
+    "is not acceptable"; "" when no field alone is refused."""
+    for index, text in enumerate(fields):
+        probe = ["*"] * 5
+        probe[index] = text
+        try:
+            croniter.expand(" ".join(probe))
+        except CroniterError as exc:
+            return f": {_FIELDS[index]} field {shown(text, 40)}: {_croniter_reason(index, str(exc))}"
+    return ""
+
+
+def _croniter_reason(index: int, message: str) -> str:
+    """croniter's reason for refusing a field, without the expression it repeats."""
+    lo, hi = _BOUNDS[index]
+    if message.endswith("out of range"):
+        return f"a value out of range (the field takes {lo}-{7 if index == 4 else hi})"
+    reason = message.split(" Cron: ", 1)[0]  # (the unsupported-syntax message then quotes the expression)
+    reason = _CRONITER_EXPR.sub("", reason, count=1).strip().rstrip(".")
+    reason = re.sub(r" in field \d+", "", reason)
+    if reason in ("", "is not acceptable"):
+        return "not a value, range, step or list cron can read"
+    return reason
 
 
 _ANY_DAY = ("*", "?")
@@ -203,10 +259,18 @@ def _check_days(expr: str, dom: str, dow: str) -> None:
 
 
 def _check_field(expr: str, index: int, text: str) -> str:
-    """Refuse random values and reversed ranges in one field (the rest is croniter's to judge);
-    the field with each range of one value (`5-5`, `mon-mon`, `1-1/3`) written as that value."""
+    """Refuse random values, reversed ranges and a list longer than the field has values in one
+    field (the rest is croniter's to judge); the field with each item once (`1,1` is `1`) and each
+    range of one value (`5-5`, `mon-mon`, `1-1/3`) written as that value."""
     where = f"invalid cron expression {shown(expr)}: {_FIELDS[index]} field {shown(text, 40)}"
-    items = text.split(",")
+    items = list(dict.fromkeys(item.strip() for item in text.split(",")))  # `1,1`: the value once
+    lo, hi = _BOUNDS[index]
+    values = hi - lo + 1 + (index == 4)  # (day 7 is Sunday too)
+    if len(items) > values:
+        raise ScheduleError(
+            f"{where}: {len(items)} items in its list, more than the {values} values the field has; "
+            "list each value once, or write a range"
+        )
     for pos, item in enumerate(items):
         base = item.split("/", 1)[0].strip()
         if base.upper() == "R" or base.upper().startswith("R("):
@@ -410,7 +474,14 @@ def first_occurrence(spec: ScheduleSpec, created_at: datetime) -> datetime | Non
 
 def validate_new(spec: ScheduleSpec, now: datetime) -> datetime:
     """Everything `add` must refuse: bad syntax, unknown zone, zero interval, a time already past,
-    an expression that never fires. Returns the first occurrence."""
+    an expression that never fires, a duration or time longer than MAX_TIME_CHARS (a cron
+    expression longer than MAX_CRON_CHARS is refused by `normalize_cron`). Returns the first occurrence."""
+    if spec.kind != "cron" and len(spec.expr) > MAX_TIME_CHARS:
+        what = "time" if spec.kind == "at" else "interval" if spec.kind == "every" else "duration"
+        example = "YYYY-MM-DD HH:MM" if spec.kind == "at" else "e.g. 30m or 1h30m"
+        raise ScheduleError(
+            f"invalid {what} {shown(spec.expr)}: {len(spec.expr)} characters, at most {MAX_TIME_CHARS} ({example})"
+        )
     _validate_expr(spec)
     if spec.kind == "at":
         when = parse_at(spec.expr, spec.tz)

@@ -40,7 +40,10 @@ the progress kept with the claim says it got (on one home, as far as the run log
 still to send is sent, one that was being sent is recorded `delivery_failed`, never sent twice),
 else by the run log (durable: it names the turn), else by the kernel's idempotency key; when none
 can tell (the key may have been purged, `ClaimUnverifiable`) the run is recorded as missed, never
-refired.
+refired. One that never reached the kernel is submitted, unless its task was disabled or removed
+since: then it ends `cancelled`, not started, as a waiting run does (a task removed or disabled
+while no scheduler ran had such runs cancelled by `cron remove`/`disable` itself, since a removed
+task's claims are gone with it: `CronStore._cancel_waiting_runs`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ from cron.runner import (
 from cron.schedule import ScheduleError, due_time, next_occurrence, parse_duration
 from cron.store import (
     MISSED_PREFIX,
+    NOT_STARTED_DISABLED,
+    NOT_STARTED_REMOVED,
     CorruptStateFile,
     CronFile,
     CronStore,
@@ -547,9 +552,9 @@ class Scheduler:
         except (CorruptStateFile, CronStoreError, OSError):
             return None  # cannot tell: the run goes on, as one submitted before would have
         if task is None:
-            return "not started: the task was removed before this run began"
+            return NOT_STARTED_REMOVED
         if not task.enabled:
-            return "not started: the task was disabled before this run began"
+            return NOT_STARTED_DISABLED
         return None
 
     async def _fenced_now(self) -> bool:
@@ -608,8 +613,7 @@ class Scheduler:
         for key, turn_id in self._turn_of.items():
             task = tasks.get(key[0])
             if (task is None or not task.enabled) and turn_id not in self._withdrawn:
-                why = "the task was removed" if task is None else "the task was disabled"
-                found.append((key, turn_id, f"not started: {why} before this run began"))
+                found.append((key, turn_id, NOT_STARTED_REMOVED if task is None else NOT_STARTED_DISABLED))
         return found
 
     async def _withdraw_runs(self) -> None:
@@ -741,9 +745,10 @@ class Scheduler:
         agrees), so a reply the stopped server was sending, or had still to send, is never silently
         dropped; else settled when the run log says what became of it; else found by the kernel's
         idempotency key (the run log completed, the run then taken up where its claim says it
-        got); submitted only when the kernel can say it never got it; recorded as missed when
-        nobody can tell any more. Never submitted twice; its outcome recorded and its reply sent
-        only when nobody did (`take_step`)."""
+        got); submitted only when the kernel can say it never got it (and its task is still there
+        and enabled: else it ends `cancelled`, not started); recorded as missed when nobody can
+        tell any more. Never submitted twice; its outcome recorded and its reply sent only when
+        nobody did (`take_step`)."""
         number = occurrence.number
         resume, followed, stage, turn_id, settled = await self._orphan_stage(task, number)
         if resume and stage is not None:
@@ -773,6 +778,17 @@ class Scheduler:
                 await self._resume_orphan(task, occurrence, stage, turn_id)
             elif self.await_outcome is not None:
                 self._watch(task.id, number, turn_id, task.deliver, before_delivery=self.before_recovered_delivery)
+            return
+        stopped = await asyncio.to_thread(self._stopped_why, task.id)
+        if stopped is not None:  # its task was removed or disabled since: the run never starts
+            log.info(
+                "cron: run #%d of task %s, claimed by a scheduler that stopped before submitting it, is not "
+                "submitted: %s",
+                number,
+                task.id,
+                stopped,
+            )
+            await settle(self.store, task.id, number, None, TurnOutcome("cancelled", error=stopped), final=True)
             return
         log.warning(
             "cron: run #%d of task %s was claimed by a scheduler that stopped before submitting it; submitting it now",

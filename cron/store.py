@@ -70,7 +70,7 @@ from appserver.fsutil import (
     read_state_bytes,
     state_file_stat,
 )
-from cron.runlog import MAX_RUN_NUMBER, RunLog, append_run, removed_task, utf8_json
+from cron.runlog import MAX_RUN_NUMBER, RunLog, append_run, removed_task, settled_record, utf8_json
 from cron.schedule import MAX_DURATION_S, ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
 
 log = logging.getLogger("appserver.cron")
@@ -136,6 +136,10 @@ _OPEN_KEYS = ("occurrence", "scheduled_for", "due_at", "fired_at", "manual", "ca
 # admin, CLI, cron conversations): the tool sees and cancels these, never the operator's CLI tasks
 # (namespace None) of the same agent.
 UNOWNED_TOOL_NAMESPACE = "schedule-tool:unowned"
+# The outcome error of a claimed run that never started because its task was removed or disabled
+# first: whoever stops it says the same (the scheduler holding it, or `remove`/`disable` itself).
+NOT_STARTED_REMOVED = "not started: the task was removed before this run began"
+NOT_STARTED_DISABLED = "not started: the task was disabled before this run began"
 
 __all__ = [
     "CorruptStateFile",
@@ -153,6 +157,8 @@ __all__ = [
     "MISSED_PREFIX",
     "Occurrence",
     "OwnerRecord",
+    "NOT_STARTED_DISABLED",
+    "NOT_STARTED_REMOVED",
     "UNOWNED_TOOL_NAMESPACE",
     "make_task",
 ]
@@ -1300,18 +1306,24 @@ class CronStore:
             )
         return None
 
-    def remove(self, ref: str, agent: str | None = None) -> CronTask:
+    def remove(
+        self, ref: str, agent: str | None = None, *, scheduler_alive: Callable[[OwnerRecord], bool] | None = None
+    ) -> CronTask:
         """Remove a task; its run log stays, ending with a `removed` record that keeps the task
         (so `cron logs NAME` still finds it by name; a long prompt cut short: `removed_task`).
-        An invalid task is refused (CronTaskInvalid): only `remove_any` (the operator's
-        `cron remove`) removes one, the `schedule` tool cannot tell whose it is."""
+        With `scheduler_alive`, its runs still waiting for a scheduler that stopped are cancelled
+        (`_cancel_waiting_runs`). An invalid task is refused (CronTaskInvalid): only `remove_any`
+        (the operator's `cron remove`) removes one, the `schedule` tool cannot tell whose it is."""
         with self.transaction() as state:
             task = state.find(ref, agent)
+            self._cancel_waiting_runs(state, task, NOT_STARTED_REMOVED, scheduler_alive)
             state.tasks.remove(task)
         append_run(self.runs_dir, task.id, "removed", task=removed_task(task.to_dict()))
         return task
 
-    def remove_any(self, ref: str, agent: str | None = None) -> CronTask | InvalidTask:
+    def remove_any(
+        self, ref: str, agent: str | None = None, *, scheduler_alive: Callable[[OwnerRecord], bool] | None = None
+    ) -> CronTask | InvalidTask:
         """`remove`, and an invalid task too (`cron remove` always works): it leaves the file and
         every other task is written back as it was. Its run log gets the `removed` record when its
         id names one and no task left holds that id (a copy's id names another task's log)."""
@@ -1320,6 +1332,7 @@ class CronStore:
         with self.transaction() as state:
             try:
                 task = state.find(ref, agent)
+                self._cancel_waiting_runs(state, task, NOT_STARTED_REMOVED, scheduler_alive)
                 state.tasks.remove(task)
                 removed = task
             except CronTaskInvalid as exc:
@@ -1332,16 +1345,26 @@ class CronStore:
         return removed
 
     def set_enabled(
-        self, ref: str, enabled: bool, *, agent: str | None = None, now: datetime | None = None
+        self,
+        ref: str,
+        enabled: bool,
+        *,
+        agent: str | None = None,
+        now: datetime | None = None,
+        scheduler_alive: Callable[[OwnerRecord], bool] | None = None,
     ) -> CronTask:
-        """Disable keeps the task; enable recomputes a recurring task's next time from now, so the
-        occurrences that passed while it was disabled are not treated as misfires."""
+        """Disable keeps the task (with `scheduler_alive`, its runs still waiting for a scheduler
+        that stopped are cancelled: `_cancel_waiting_runs`); enable recomputes a recurring task's
+        next time from now, so the occurrences that passed while it was disabled are not treated
+        as misfires."""
         now = now or utcnow()
         with self.transaction(user_edit=True) as state:
             task = state.find(ref, agent)
             was = task.enabled
             task.enabled = enabled
             task.updated_at = now
+            if not enabled:
+                self._cancel_waiting_runs(state, task, NOT_STARTED_DISABLED, scheduler_alive, now)
             if enabled and not was:
                 if task.schedule.recurring or task.last_error:
                     task.last_error = None
@@ -1353,6 +1376,60 @@ class CronStore:
 
     def list(self, agent: str | None = None) -> list[CronTask]:
         return [t for t in self.read().tasks if agent is None or t.agent == agent]
+
+    def _cancel_waiting_runs(
+        self,
+        state: CronFile,
+        task: CronTask,
+        why: str,
+        scheduler_alive: Callable[[OwnerRecord], bool] | None,
+        now: datetime | None = None,
+    ) -> None:
+        """Record as cancelled (`why`) the runs of `task` that were claimed, never submitted, and
+        that no running scheduler has in hand: claimed by one that stopped (a `run_all` catch-up's
+        runs waiting their turn when it was killed). The scheduler that takes the lease over would
+        submit them, and their task's owner has just removed or disabled it; once the task is
+        removed its claims are gone, and nothing else would ever settle them. `scheduler_alive`
+        judges the lease's holder as a scheduler does (`cron.lease.LeaseHolder.alive`, which
+        builds on this module: handed in); without it nothing is cancelled here. Called by
+        `remove` and `disable` under the lock, so a scheduler takes such a claim over (stamping it
+        with its own lease: `Scheduler._adopt`) either before, and is left it (it cancels it
+        itself), or after, and finds it settled. Each outcome is written before the claim moves
+        on or the task goes, as every outcome is (a failed save leaves it cancelled, never
+        submitted). A run the run log shows submitted is left to its turn. (One whose scheduler was
+        killed in the instant between the kernel's accepting it and its `submitted` record cannot
+        be told from one never submitted: it is recorded cancelled, its turn runs.) Not on a
+        cluster's database: this home's run log is not every server's, so only the scheduler that
+        takes over, asking the kernel, can tell whether a dead server submitted its claim."""
+        if self.shared or scheduler_alive is None:
+            return
+        waiting = {
+            number: claim["by"]
+            for claim in task.claim_records()
+            if _stage(claim) == "claimed"
+            and isinstance(claim.get("by"), str)
+            and (number := _claim_number(claim)) is not None
+        }
+        if not waiting:
+            return
+        owner = state.scheduler_owner
+        live = owner.token if owner is not None and scheduler_alive(owner) else None
+        cancelled: list[int] = []
+        for number in sorted(n for n, by in waiting.items() if by != live):  # oldest first, as they would run
+            try:
+                if settled_record(self.runs_dir, task.id, number) is not None:
+                    continue
+                append_run(
+                    self.runs_dir, task.id, "outcome", occurrence=number, turn_id=None, status="cancelled", error=why
+                )
+            except (OSError, ValueError) as exc:  # left as it was (a disabled task's: the next scheduler cancels it)
+                log.warning("cron: could not record that task %s run #%d is cancelled: %s", task.id, number, exc)
+                continue
+            task.advance_claim(number, "settled", final=True)
+            cancelled.append(number)
+        if cancelled:
+            log.info("cron: task %s run(s) %s cancelled: %s", task.id, ", ".join(f"#{n}" for n in cancelled), why)
+            task.set_error(f"run #{max(cancelled)} cancelled: {why}", now or utcnow())
 
     def combined(self, run: Callable[[CronFile], tuple[_R, bool]]) -> _R:
         """`run(state)` under the lock: (its result, whether it changed `state`), saved when it did.

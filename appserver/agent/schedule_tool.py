@@ -37,7 +37,8 @@ from appserver.agent.tools import Tool, ToolContext, ToolOutput, shown_zone, zon
 from appserver.auth import namespace_allows
 from appserver.fsutil import CRONS_MAX_BYTES, CorruptStateFile
 from appserver.store.base import Store
-from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron, parse_duration
+from cron.lease import LeaseHolder
+from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron, parse_duration, shown_expr
 from cron.store import (
     UNOWNED_TOOL_NAMESPACE,
     CronNotFound,
@@ -171,7 +172,7 @@ def _list(tasks: list[CronTask]) -> str:
     if not tasks:
         return "no scheduled tasks"
     return "\n".join(
-        f"{t.name} ({t.id}): {t.schedule.kind} {t.schedule.expr} [{t.schedule.tz}] {t.state}; "
+        f"{t.name} ({t.id}): {t.schedule.kind} {shown_expr(t.schedule.expr)} [{t.schedule.tz}] {t.state}; "
         f"next {t.next_fire_at.isoformat(timespec='minutes') if t.next_fire_at else '-'}; "
         f"prompt: {_listed_prompt(t.prompt)}"
         for t in tasks
@@ -204,7 +205,9 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
             if len(found) > 1:
                 ids = ", ".join(t.id for t in found)
                 raise CronRefused(f"several of your tasks are named {ref!r} ({ids}); cancel one by its id")
-            task = await asyncio.to_thread(store.remove, found[0].id, ctx.agent.id)
+            # (a run of it left waiting by a scheduler that stopped is cancelled, as `cron remove` does)
+            alive = LeaseHolder(store, started_at=utcnow()).alive
+            task = await asyncio.to_thread(store.remove, found[0].id, ctx.agent.id, scheduler_alive=alive)
             text = f"cancelled task {task.name} ({task.id})"
         else:
             return ToolOutput("action must be create, list or cancel", is_error=True)

@@ -38,6 +38,7 @@ from cron.schedule import (
     next_occurrence,
     normalize_cron,
     parse_duration,
+    shown_expr,
     upcoming,
 )
 from cron.store import (
@@ -50,6 +51,7 @@ from cron.store import (
     CronTask,
     CronTaskInvalid,
     InvalidTask,
+    OwnerRecord,
     make_task,
     plain_json,
     utcnow,
@@ -256,12 +258,7 @@ def _schedule_text(t: CronTask) -> str:
 
 
 def _spec_text(s: ScheduleSpec) -> str:
-    return {
-        "cron": f"cron {s.expr}",
-        "every": f"every {s.expr}",
-        "at": f"at {s.expr}",
-        "in": f"in {s.expr}",
-    }[s.kind] + ("" if s.kind == "every" else f" [{s.tz}]")
+    return f"{s.kind} {shown_expr(s.expr)}" + ("" if s.kind == "every" else f" [{s.tz}]")
 
 
 def _owner(t: CronTask) -> str:
@@ -685,7 +682,14 @@ def _toggle(ref: str, agent: str | None, enabled: bool) -> CronTask:
         task = _read_to_change(store).find(ref, which)
         _refuse_invalid(task, "be enabled")
         _check_task_agent(cfg, task)
-    return store.set_enabled(ref, enabled, agent=which)
+    return store.set_enabled(ref, enabled, agent=which, scheduler_alive=_scheduler_alive(store))
+
+
+def _scheduler_alive(store: CronStore) -> Callable[[OwnerRecord], bool]:
+    """Whether the lease's holder may still run, judged as a scheduler judges it: `remove` and
+    `disable` cancel the waiting runs of a scheduler that stopped, never those of a running one
+    (it cancels them itself), and `logs` tells the runs it has in hand from the ones nobody has."""
+    return LeaseHolder(store, started_at=utcnow()).alive
 
 
 def _read_to_change(store: CronStore) -> CronFile:
@@ -757,7 +761,8 @@ def disable_cmd(ref: str, agent: str | None) -> None:
 def remove_cmd(ref: str, agent: str | None) -> None:
     """Remove a task, an invalid one too (its run log stays in cron-runs/)."""
     cfg = _config()
-    t = _store(cfg).remove_any(ref, _agent_filter(cfg, agent))
+    store = _store(cfg)
+    t = store.remove_any(ref, _agent_filter(cfg, agent), scheduler_alive=_scheduler_alive(store))
     if isinstance(t, InvalidTask):
         click.echo(f"removed the invalid task {_raw_field(t, 'name')} ({exact(t.id)})")
         return
@@ -829,7 +834,7 @@ def _claims_in_hand(store: CronStore, state: CronFile, task: CronTask | None) ->
     they no longer hold) and which scheduler runs now, judged as a scheduler judges the lease's
     holder: a run waiting for its turn in a live `run_all` catch-up is queued, not lost."""
     owner = state.scheduler_owner
-    live = owner.token if owner is not None and LeaseHolder(store, started_at=utcnow()).alive(owner) else None
+    live = owner.token if owner is not None and _scheduler_alive(store)(owner) else None
     if task is None:
         return ClaimsInHand(live, {}, None)
     open_claims: dict[int, str | None] = {}

@@ -28,7 +28,7 @@ from appserver.client import Closed, ProtocolError
 from gateway.access import NOT_MENTIONED
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.channeltool import MessageChannel
-from gateway.chatops import DROPPED_BY_CANCEL, ChatOps
+from gateway.chatops import DROPPED_BY_CANCEL, WITHDRAWN_BY_CANCEL, ChatOps
 from gateway.commands import Command, bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
@@ -139,9 +139,11 @@ class Gateway:
     def _turn_done(self, turn_id: str) -> None:
         self.chatops.approvals.forget_turn(turn_id)
 
-    def _follow(self, entry: Entry, *, resumed: bool = False, waited: bool = False) -> None:
+    def _follow(
+        self, entry: Entry, *, resumed: bool = False, waited: bool = False, maybe_withdrawn: str | None = None
+    ) -> None:
         runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
-        self.replies.follow(entry, runner, resumed=resumed, waited=waited)
+        self.replies.follow(entry, runner, resumed=resumed, waited=waited, maybe_withdrawn=maybe_withdrawn)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -200,12 +202,40 @@ class Gateway:
                 await asyncio.sleep(delay)
 
     def _resume(self) -> None:
-        for entry in self.ledger.in_flight() + self.ledger.to_deliver():
+        cancels = [e for e in self.ledger.to_submit() if e.command_taken and self._is_cancel(e)]
+        for entry in self.ledger.in_flight():
+            self._follow(entry, resumed=True, maybe_withdrawn=self._withdrawn_by(entry, cancels))
+        for entry in self.ledger.to_deliver():
             self._follow(entry, resumed=True)
         # In arrival order across both states: a crash between deciding m1, m2 and m3 left m3
         # `received` and the others `allowed`, and m3 first made it the batch's first message.
         for entry in sorted(self.ledger.to_decide() + self.ledger.to_submit(), key=lambda e: e.seq):
             self._enqueue(entry)
+
+    def _is_cancel(self, entry: Entry) -> bool:
+        runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
+        text = str(entry.payload.get("text") or "")
+        command = parse_command(text, bot_name(runner.adapter) if runner is not None else None)
+        return command is not None and command.name == "cancel"
+
+    def _withdrawn_by(self, entry: Entry, cancels: list[Entry]) -> str | None:
+        """Why `entry`'s turn, still `submitted`, may have been withdrawn before the restart: a `/cancel`
+        that may stop it came after it in its chat and was taken (its effect may have been had, its
+        answer never noted), so it withdrew the turn if it had not started; the server then keeps no
+        trace of it and never reports it again. Its rows then end failed with that reason and no
+        reply, as they would have had the gateway lived (`Replies._ended`); None when no such one."""
+        runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
+        for cancel in cancels:
+            same_chat = (cancel.key.channel, cancel.key.account, cancel.chat, cancel.thread) == (
+                entry.key.channel,
+                entry.key.account,
+                entry.chat,
+                entry.thread,
+            )
+            may = cancel.sender == entry.sender or (runner is not None and runner.policy.is_admin(cancel.sender))
+            if same_chat and cancel.seq > entry.seq and may:
+                return WITHDRAWN_BY_CANCEL
+        return None
 
     # ---------------------------------------------------------------- status
 

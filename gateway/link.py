@@ -39,6 +39,12 @@ class TurnFollower:
             self.latest = snapshot
             self._changed.set()
 
+    async def arrived(self) -> None:
+        """Until a first snapshot is here (`next` still returns it)."""
+        while self.latest is None:
+            self._changed.clear()
+            await self._changed.wait()
+
     async def next(self) -> dict[str, Any]:
         while self.latest is None or int(self.latest.get("revision", -1)) <= self._seen:
             self._changed.clear()
@@ -141,7 +147,12 @@ class ServerLink:
 
     async def recover(self, conversation: str, turn_id: str) -> dict[str, Any] | None:
         """After a gateway restart: subscribe and find where a turn stands. Returns its terminal
-        snapshot when it already ended, else None (its snapshots will arrive live)."""
+        snapshot when it already ended, else None (its snapshots will arrive live: it runs, or it may
+        still wait in the queue). A turn that is not active, has nothing in the history and cannot be
+        waiting (no input is queued) ended without a trace: a `cancel` withdrew it before it started
+        (docs/protocol.md: nothing of it is written, and no snapshot of it comes again), or the server
+        no longer knows it; it is answered `untraced` (`is_untraced`), which the caller confirms by
+        asking again, as one seen in the moment between leaving the queue and starting looks the same."""
         state = await self.request({"type": "subscribe", "conversation": conversation})
         active = state.get("active_turn")
         if active and active.get("turn_id") == turn_id:
@@ -151,13 +162,15 @@ class ServerLink:
         messages = list(history.get("messages") or [])
         mine = [m for m in messages if m.get("turn_id") == turn_id]
         busy = state.get("state") != "idle" or int(state.get("queued") or 0) > 0
-        if busy and all(m.get("role") == "user" for m in mine):
-            return None  # queued behind the active turn: it will run and report live
         agent = str((state.get("conversation") or {}).get("agent_id") or "")
+        if not mine:
+            # waiting in the queue only while some input is (`queued` counts those behind the active turn)
+            waiting = int(state.get("queued") or 0) > 0
+            return None if waiting else _ended_unknown(turn_id, conversation, agent)
+        if busy and all(m.get("role") == "user" for m in mine):
+            return None  # its input is in, it ends as the conversation goes on: it reports live
         snap = settled_from_history(turn_id, conversation, agent, messages, revision=1_000_000)
-        if snap is None:
-            return None if busy else _ended_unknown(turn_id, conversation, agent)
-        return dict(snap)
+        return dict(snap) if snap is not None else _ended_unknown(turn_id, conversation, agent)
 
     # ---------------------------------------------------------------- the reader
 
@@ -198,8 +211,15 @@ class ServerLink:
             self._unclaimed.popitem(last=False)
 
 
+def is_untraced(snapshot: dict[str, Any]) -> bool:
+    """A snapshot `recover` made up for a turn the server shows no trace of (`_ended_unknown`)."""
+    return bool(snapshot.get("untraced"))
+
+
 def _ended_unknown(turn_id: str, conversation: str, agent: str) -> dict[str, Any]:
+    """A turn that ended without anything of it in the history, or that the server no longer knows."""
     return {
+        "untraced": True,
         "turn_id": turn_id,
         "conversation_id": conversation,
         "agent_id": agent,

@@ -44,7 +44,7 @@ from appserver.client import TERMINAL, Closed, ProtocolError
 from gateway.accounts import AccountRunner
 from gateway.delivery import ChatOrder, DeliveryFailed, Outboxes, ReplySink, reply_body, visible_text
 from gateway.ledger import Entry, Ledger, UpdateKey
-from gateway.link import ServerLink
+from gateway.link import ServerLink, TurnFollower, is_untraced
 from gateway.status import StatusBoard
 from gateway.tool import TurnSends
 from plugins.contract import Target
@@ -60,6 +60,11 @@ TYPING_EVERY_S = 4.0
 # each waiter outlasts the one it waits for, so the run log records the real outcome.
 DELIVER_GIVE_UP_S = 90.0
 CONTEXT_WAIT_S = 5.0  # how long a tool call or approval may wait for its turn's submit to be acked
+# A turn picked back up after a restart that no snapshot has shown yet is asked about again this
+# often (`Replies._first_snapshot`): a turn withdrawn from the queue before the restart never
+# reports again, and its follower holds its conversation's replies (`ChatOrder`) until it ends.
+RECOVER_AGAIN_S = 2.0
+RECOVER_AGAIN_MAX_S = 15.0  # while it may still wait in the queue (a turn ahead may wait for an approval)
 # Why a message's turn was not started (a debounced batch) or was cancelled as it left the server's
 # queue (a message queued behind a running turn): its sender was let in when it came, no longer.
 NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
@@ -175,6 +180,9 @@ class TurnContext:
     admitted: bool | None = None  # that answer, once given (False: cancelled, never answered)
     left_queue: bool = False  # a snapshot showed it started (or ended): no longer one `withdraw` takes
     withdrawn: str | None = None  # why `/cancel` is taking it out of the queue (`Replies.withdraw`)
+    # why it was likely withdrawn before a restart (a `/cancel` that may stop it was taken after it):
+    # the reason its rows end with if the server shows no trace of it (`Replies._ended`)
+    maybe_withdrawn: str | None = None
 
 
 def answer_target(entry: Entry) -> Target:
@@ -260,11 +268,19 @@ class Replies:
         ]
 
     def follow(
-        self, entry: Entry, runner: AccountRunner | None, *, resumed: bool = False, waited: bool = False
+        self,
+        entry: Entry,
+        runner: AccountRunner | None,
+        *,
+        resumed: bool = False,
+        waited: bool = False,
+        maybe_withdrawn: str | None = None,
     ) -> None:
         """Follow `entry`'s turn and deliver its reply; `waited`: access was asked before its submit
         went out, so it is asked again as the turn starts. A `resumed` turn nothing of whose reply was
-        noted yet is asked again too (`unproven`)."""
+        noted yet is asked again too (`unproven`). `maybe_withdrawn`: a resumed turn's reason to fail
+        with, unanswered, when the server shows no trace of it (a `/cancel` taken after it before the
+        restart withdrew it: `Gateway._resume`)."""
         if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:
             return  # a batch's reply is delivered through its first message
         if runner is None:
@@ -280,6 +296,7 @@ class Replies:
             entry.sender,
             entry.conversation,
             waited=waited,
+            maybe_withdrawn=maybe_withdrawn,
         )
         waiter = self._registered.pop(turn_id, None)
         if waiter is not None and not waiter.done():
@@ -477,9 +494,7 @@ class Replies:
         follower = self.link.follow(turn_id)
         ctx = self.turns.get(turn_id)
         if resumed and entry.conversation:
-            recovered = await self._recover(entry.conversation, turn_id)
-            if recovered is not None:
-                follower.offer(recovered)
+            await self._first_snapshot(follower, entry.conversation, turn_id)
         shown = entry.reply or ""  # the reply's text as last shown: kept if the turn ends without its text
         loop = asyncio.get_running_loop()
         while True:
@@ -514,12 +529,42 @@ class Replies:
                 text_so_far = partial(self.ledger.note_sent, entry.key, ids, shown)  # after on_sent: the text too
                 await write_until_done(f"{entry.key}: the reply's text so far", text_so_far)
 
+    async def _first_snapshot(self, follower: TurnFollower, conversation: str, turn_id: str) -> None:
+        """A resumed turn's first snapshot, offered to `follower`: where the server shows it stands
+        (`ServerLink.recover`), else the first that comes live, asked again after `RECOVER_AGAIN_S`,
+        then less often (up to `RECOVER_AGAIN_MAX_S`), until one does. A turn withdrawn from the
+        queue while the gateway was down (or one the server no longer knows) never sends one: it
+        ends once two answers in a row, the later one with no snapshot of it in between, show no
+        trace of it (`is_untraced`); the first alone could be the moment between its leaving the
+        queue and starting, after which it reports live. The conversation's later replies wait for
+        its end (`ChatOrder`): it comes once no input waits in the conversation's queue."""
+        untraced = False
+        pause = RECOVER_AGAIN_S
+        while follower.latest is None:
+            recovered = await self._recover(conversation, turn_id)
+            if recovered is not None and (untraced or not is_untraced(recovered)):
+                follower.offer(recovered)
+                return
+            untraced = recovered is not None
+            if untraced:
+                pause = RECOVER_AGAIN_S  # confirmed soon
+            try:
+                await asyncio.wait_for(follower.arrived(), pause)
+            except TimeoutError:
+                pause = min(pause * 2, RECOVER_AGAIN_MAX_S)  # it may wait long in the queue: asked less often
+
     @staticmethod
     def _ended(ctx: TurnContext | None, snap: dict[str, Any], shown: str, sink: ReplySink) -> str:
         """The final text of a turn that ended; `Withdrawn` for one `/cancel` took out of the queue
-        (nothing of it was shown: a turn that started in the meantime keeps its reply, cut short)."""
-        if ctx is not None and ctx.withdrawn is not None and snap.get("status") == "cancelled" and not sink.ids:
-            raise Withdrawn(ctx.withdrawn)
+        (nothing of it was shown: a turn that started in the meantime keeps its reply, cut short),
+        also for one the server shows no trace of after a restart that a `/cancel` taken before it
+        may have withdrawn (`maybe_withdrawn`)."""
+        if ctx is not None and not sink.ids:
+            if ctx.withdrawn is not None and snap.get("status") == "cancelled":
+                raise Withdrawn(ctx.withdrawn)
+            withdrawn = is_untraced(snap) or (snap.get("error") or {}).get("kind") == "withdrawn"
+            if ctx.maybe_withdrawn is not None and withdrawn:
+                raise Withdrawn(ctx.maybe_withdrawn)
         return final_text(snap, shown)
 
     async def _recover(self, conversation: str, turn_id: str) -> dict[str, Any] | None:

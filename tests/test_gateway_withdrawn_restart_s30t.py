@@ -1,0 +1,112 @@
+"""A turn `/cancel` withdrew just before the gateway was killed still ends after the restart (session 30).
+
+`/cancel` withdraws the sender's turn queued on the server (the server drops it: nothing of it is
+written, no snapshot of it ever comes again), and the gateway fails its row as its follower sees the
+end. Killed in between (gateway.db held by another process, so the row stayed `submitted`), the
+restarted gateway picked the turn back up, found it neither active nor in the history while the
+conversation was busy, took it for queued and waited for snapshots that never came: the row stayed
+`submitted` forever, and its follower kept the conversation's order ticket, so no later reply of the
+conversation reached the chat. Now a resumed turn the server shows no trace of ends (asked again to be
+sure), its row failed with the withdraw reason and no reply, and the later reply arrives.
+Real `appserver serve` with the fakechat channel; gateway.db locked and the gateway killed for real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.db import default_path
+from gateway.ledger import Ledger, UpdateKey
+from tests.fakes.fakechat import FakeChat
+from tests.support.gateway import channel_server, fakechat_home
+from tests.support.wait import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+WITHDRAWN = "withdrawn by /cancel before its turn started"
+
+
+@pytest.fixture(scope="module")
+def chat() -> Iterator[FakeChat]:
+    with FakeChat() as fake:
+        yield fake
+
+
+def _entry(home: Path, message_id: str) -> tuple[str | None, str | None, str | None]:
+    """(state, reason, turn id) of an inbound message's ledger row."""
+    ledger = Ledger.open(default_path(home))
+    try:
+        entry = ledger.get(UpdateKey("fakechat", "main", message_id))
+        return (entry.state, entry.reason, entry.turn_id) if entry is not None else (None, None, None)
+    finally:
+        ledger.close()
+
+
+def _turn_status(home: Path, turn_id: str) -> str | None:
+    conn = sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT status FROM turns WHERE id=?", (turn_id,)).fetchone()
+        return str(row[0]) if row else None
+    finally:
+        conn.close()
+
+
+def _in_history(home: Path, word: str) -> int:
+    conn = sqlite3.connect(f"file:{home / 'appserver.db'}?mode=ro", uri=True)
+    try:
+        return sum(word in content for (content,) in conn.execute("SELECT content FROM messages"))
+    finally:
+        conn.close()
+
+
+def test_turn_withdrawn_before_a_kill_ends_and_the_next_reply_arrives(tmp_path: Path, chat: FakeChat) -> None:
+    # a group: Alice's /cancel withdraws her queued turn but may not stop Bob's running one, so the
+    # conversation is still busy when the gateway comes back (a turn not in the history then looked queued)
+    home = fakechat_home(tmp_path / "home", chat, group_policy="open")
+    room = "room"
+    with channel_server(home) as srv:
+        first_pid = srv.gateway_pid()
+        chat.inject(room, "/slow 500", sender="bob", chat_type="group")  # about 25 s of words
+        chat.wait_for(lambda: chat.messages(room) or None, timeout=15, what="Bob's reply to start")
+        secret = chat.inject(room, "my password is SECRET-w-1", sender="alice", chat_type="group")
+        wait_for(lambda: _entry(srv.home, secret)[0] == "submitted", 15, "the secret to be queued on the server")
+        turn_id = _entry(srv.home, secret)[2]
+        assert turn_id is not None
+
+        lock = sqlite3.connect(str(default_path(srv.home)), timeout=30, isolation_level=None)
+        try:
+            cancel = chat.inject(room, "/cancel", sender="alice", chat_type="group")
+            # hold gateway.db as soon as /cancel is taken: the withdraw reaches the server, its row cannot be written
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                row = lock.execute("SELECT sending FROM ledger WHERE message_id=?", (cancel,)).fetchone()
+                if row and row[0]:
+                    break
+            lock.execute("BEGIN IMMEDIATE")
+            wait_for(lambda: _turn_status(srv.home, turn_id) == "cancelled", 15, "the server to drop the turn")
+            state = lock.execute("SELECT state FROM ledger WHERE message_id=?", (secret,)).fetchone()
+            assert state == ("submitted",), f"the window was missed: {state}"
+            os.kill(first_pid, signal.SIGKILL)
+        finally:
+            if lock.in_transaction:
+                lock.execute("ROLLBACK")
+            lock.close()
+
+        wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
+        # the withdrawn turn's row ends (its follower does not wait forever), failed and unanswered
+        wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 30, "the withdrawn turn's row to end")
+        assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
+        # and the conversation's later replies are not held behind it
+        chat.inject(room, "after restart", sender="alice", chat_type="group")
+        chat.wait_for_text(room, "echo: after restart", timeout=60)
+        texts = [m.text for m in chat.messages(room)]
+        assert not any("SECRET" in t for t in texts)
+        assert not any("interrupted" in t for t in texts), texts  # nothing said for the withdrawn turn
+        assert _in_history(srv.home, "SECRET-w-1") == 0

@@ -362,22 +362,27 @@ class Idempotency:
         was stored released the claim, but the turn ran or runs on; else (None, the (key, scope)
         the new turn is to be accepted under). A cancelled, failed or interrupted earlier turn (the
         client went away, the model failed, the server died while it ran) is not the answer: the
-        request runs again, without the kernel key its first turn still holds. Keys older than
-        IDEMPOTENCY_TTL_S name no turn (the store ignores them, purged or not)."""
+        request runs again, and its new turn takes the key (`forget_idempotency`: only this claim's
+        holder gets here), so a repeat after a second crash follows the new turn instead of running
+        the request a third time. Keys older than IDEMPOTENCY_TTL_S name no turn (the store ignores
+        them, purged or not)."""
         store = self.server.store
-        turn = await store.lookup_idempotency(self.turn_scope, self.turn_key)
+        named = self.turn_key
+        turn = await store.lookup_idempotency(self.turn_scope, named)
         if turn is None:
             # a turn an older server (a rolling upgrade) accepted under the key alone, for at most
             # the key's 48 h
-            turn = await store.lookup_idempotency(self.turn_scope, self.key)
+            named = self.key
+            turn = await store.lookup_idempotency(self.turn_scope, named)
         if turn is None:
             return None, (self.turn_key, self.turn_scope)
-        if turn.status not in ("queued", "running", "awaiting", "completed"):
-            return None, None  # cancelled, failed, or interrupted by a crash: the request runs again
-        if turn.status == "running" and not await self.server.kernel.owner_alive(turn.owner, strict=True):
-            # Its server died while it ran (it is settled as interrupted once that is noticed):
-            # not the answer either. A queued turn of a dead server still runs elsewhere: followed.
-            return None, None
+        gone = turn.status == "running" and not await self.server.kernel.owner_alive(turn.owner, strict=True)
+        # Cancelled, failed, or interrupted by a crash; or running on a server that died (settled as
+        # interrupted once that is noticed; a queued turn of a dead server still runs elsewhere):
+        # not the answer, the request runs again.
+        if turn.status not in ("queued", "running", "awaiting", "completed") or gone:
+            await store.forget_idempotency(self.turn_scope, named, turn.id)
+            return None, (self.turn_key, self.turn_scope)
         if self.principal is not None and not await may_see(self.server, self.principal, turn.conversation_id):
             raise hidden_key()  # never followed (its claim, taken by this request, is dropped by the caller)
         return TurnRun(self.server, turn.conversation_id, await self.server.kernel.handle_for(turn)), None

@@ -239,6 +239,11 @@ class Store(ABC):
         """The turn a key of `scope` names, unless the key is older than IDEMPOTENCY_TTL_S."""
 
     @abstractmethod
+    async def forget_idempotency(self, scope: str, key: str, turn_id: str) -> None:
+        """Drop the key of `scope` if it still names `turn_id` (a turn that is no answer: the
+        request runs again, and its new turn takes the key, so a later repeat follows that one)."""
+
+    @abstractmethod
     async def purge_idempotency(self, older_than: float) -> int: ...
     @abstractmethod
     async def mark_turn_running(self, turn_id: str, owner: str, revision: int) -> None: ...

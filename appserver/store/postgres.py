@@ -1259,6 +1259,13 @@ class PostgresStore(Store):
         )
         return turn_record(row, self._damaged_cells) if row else None
 
+    async def forget_idempotency(self, scope: str, key: str, turn_id: str) -> None:
+        async def job(conn: Conn) -> int:
+            sql = "DELETE FROM idempotency_keys WHERE scope=%s AND key=%s AND turn_id=%s"
+            return await _count(conn, sql, (scope, key, turn_id))
+
+        await self._write(job)
+
     async def purge_idempotency(self, older_than: float) -> int:
         async def job(conn: Conn) -> int:
             return await _count(conn, "DELETE FROM idempotency_keys WHERE created_at < %s", (older_than,))

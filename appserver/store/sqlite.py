@@ -850,6 +850,10 @@ class SQLiteStore(Store):
         )
         return turn_record(row, self._damaged) if row else None
 
+    async def forget_idempotency(self, scope: str, key: str, turn_id: str) -> None:
+        with self._tx() as tx:
+            tx.execute("DELETE FROM idempotency_keys WHERE scope=? AND key=? AND turn_id=?", (scope, key, turn_id))
+
     async def purge_idempotency(self, older_than: float) -> int:
         with self._tx() as tx:
             return tx.execute("DELETE FROM idempotency_keys WHERE created_at < ?", (older_than,)).rowcount

@@ -203,7 +203,10 @@ class Gateway:
 
     def _resume(self) -> None:
         cancels = [e for e in self.ledger.to_submit() if e.command_taken and self._is_cancel(e)]
-        for entry in self.ledger.in_flight():
+        in_flight = self.ledger.in_flight()
+        if in_flight:  # and those answered since (a second restart: the first one's notice ended them)
+            cancels += self.ledger.answered_since(min(e.seq for e in in_flight), "command /cancel")
+        for entry in in_flight:
             self._follow(entry, resumed=True, maybe_withdrawn=self._withdrawn_by(entry, cancels))
         for entry in self.ledger.to_deliver():
             self._follow(entry, resumed=True)

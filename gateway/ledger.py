@@ -412,6 +412,15 @@ class Ledger:
         """Accepted turns whose outcome is not recorded yet: watch them, never submit again."""
         return self._in_state("submitted")
 
+    def answered_since(self, seq: int, reason: str) -> list[Entry]:
+        """Chat commands answered (`mark_command` with `reason`, e.g. `command /cancel`) after the
+        row `seq`, oldest first: what a restart asks of a turn still `submitted` before them (a
+        `/cancel` that withdrew it, whose own answer went out before the gateway died again)."""
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE state='delivered' AND reason=? AND id>? ORDER BY id", (reason, seq)
+        ).fetchall()
+        return [_entry(r) for r in rows]
+
     def to_deliver(self) -> list[Entry]:
         """Turns that finished but whose reply was not recorded as delivered."""
         return self._in_state("finished")

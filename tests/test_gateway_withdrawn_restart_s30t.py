@@ -25,7 +25,7 @@ import pytest
 from gateway.db import default_path
 from gateway.ledger import Ledger, UpdateKey
 from tests.fakes.fakechat import FakeChat
-from tests.support.gateway import channel_server, fakechat_home
+from tests.support.gateway import ChannelServer, channel_server, fakechat_home
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -66,39 +66,46 @@ def _in_history(home: Path, word: str) -> int:
         conn.close()
 
 
+def _withdraw_then_kill(srv: ChannelServer, chat: FakeChat, room: str, text: str) -> tuple[str, int]:
+    """Bob runs a long turn; Alice's `text` queues behind it and her /cancel withdraws it on the server,
+    gateway.db held so its row cannot say so; the gateway is killed then. (her message id, the old pid)"""
+    first_pid = srv.gateway_pid()
+    chat.inject(room, "/slow 500", sender="bob", chat_type="group")  # about 25 s of words
+    chat.wait_for(lambda: chat.messages(room) or None, timeout=15, what="Bob's reply to start")
+    secret = chat.inject(room, text, sender="alice", chat_type="group")
+    wait_for(lambda: _entry(srv.home, secret)[0] == "submitted", 15, "the secret to be queued on the server")
+    turn_id = _entry(srv.home, secret)[2]
+    assert turn_id is not None
+
+    lock = sqlite3.connect(str(default_path(srv.home)), timeout=30, isolation_level=None)
+    try:
+        cancel = chat.inject(room, "/cancel", sender="alice", chat_type="group")
+        # hold gateway.db as soon as /cancel is taken: the withdraw reaches the server, its row cannot be written
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            row = lock.execute("SELECT sending FROM ledger WHERE message_id=?", (cancel,)).fetchone()
+            if row and row[0]:
+                break
+        lock.execute("BEGIN IMMEDIATE")
+        wait_for(lambda: _turn_status(srv.home, turn_id) == "cancelled", 15, "the server to drop the turn")
+        state = lock.execute("SELECT state FROM ledger WHERE message_id=?", (secret,)).fetchone()
+        assert state == ("submitted",), f"the window was missed: {state}"
+        os.kill(first_pid, signal.SIGKILL)
+    finally:
+        if lock.in_transaction:
+            lock.execute("ROLLBACK")
+        lock.close()
+
+    return secret, first_pid
+
+
 def test_turn_withdrawn_before_a_kill_ends_and_the_next_reply_arrives(tmp_path: Path, chat: FakeChat) -> None:
     # a group: Alice's /cancel withdraws her queued turn but may not stop Bob's running one, so the
     # conversation is still busy when the gateway comes back (a turn not in the history then looked queued)
     home = fakechat_home(tmp_path / "home", chat, group_policy="open")
     room = "room"
     with channel_server(home) as srv:
-        first_pid = srv.gateway_pid()
-        chat.inject(room, "/slow 500", sender="bob", chat_type="group")  # about 25 s of words
-        chat.wait_for(lambda: chat.messages(room) or None, timeout=15, what="Bob's reply to start")
-        secret = chat.inject(room, "my password is SECRET-w-1", sender="alice", chat_type="group")
-        wait_for(lambda: _entry(srv.home, secret)[0] == "submitted", 15, "the secret to be queued on the server")
-        turn_id = _entry(srv.home, secret)[2]
-        assert turn_id is not None
-
-        lock = sqlite3.connect(str(default_path(srv.home)), timeout=30, isolation_level=None)
-        try:
-            cancel = chat.inject(room, "/cancel", sender="alice", chat_type="group")
-            # hold gateway.db as soon as /cancel is taken: the withdraw reaches the server, its row cannot be written
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                row = lock.execute("SELECT sending FROM ledger WHERE message_id=?", (cancel,)).fetchone()
-                if row and row[0]:
-                    break
-            lock.execute("BEGIN IMMEDIATE")
-            wait_for(lambda: _turn_status(srv.home, turn_id) == "cancelled", 15, "the server to drop the turn")
-            state = lock.execute("SELECT state FROM ledger WHERE message_id=?", (secret,)).fetchone()
-            assert state == ("submitted",), f"the window was missed: {state}"
-            os.kill(first_pid, signal.SIGKILL)
-        finally:
-            if lock.in_transaction:
-                lock.execute("ROLLBACK")
-            lock.close()
-
+        secret, first_pid = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-1")
         wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
         # the withdrawn turn's row ends (its follower does not wait forever), failed and unanswered
         wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 30, "the withdrawn turn's row to end")
@@ -110,3 +117,26 @@ def test_turn_withdrawn_before_a_kill_ends_and_the_next_reply_arrives(tmp_path: 
         assert not any("SECRET" in t for t in texts)
         assert not any("interrupted" in t for t in texts), texts  # nothing said for the withdrawn turn
         assert _in_history(srv.home, "SECRET-w-1") == 0
+
+
+def test_a_turn_withdrawn_before_two_kills_in_a_row_still_ends_withdrawn(tmp_path: Path, chat: FakeChat) -> None:
+    """The first restart's notice ended the /cancel's own row; at the second restart only that row said
+    the turn was withdrawn, and the turn was told "interrupted" (the server never stopped)."""
+    home = fakechat_home(tmp_path / "home", chat, group_policy="open")
+    room = "room2"
+    with channel_server(home) as srv:
+        secret, first_pid = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-2")
+        wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
+        # something queued keeps the withdrawn turn's follower waiting (nothing ends while the queue is not empty)
+        queued = chat.inject(room, "/slow 60", sender="carol", chat_type="group")
+        wait_for(lambda: _entry(srv.home, queued)[0] == "submitted", 30, "Carol's message to be queued")
+        assert _entry(srv.home, secret)[0] == "submitted"
+        second_pid = srv.gateway_pid()
+        os.kill(second_pid, signal.SIGKILL)
+        wait_for(lambda: srv.gateway_pid() != second_pid, 60, "the supervisor to restart the gateway again")
+        wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 120, "the withdrawn turn's row to end")
+        assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
+        chat.wait_for_text(room, lambda t: t.endswith(" w60"), timeout=120)  # Carol's turn ran and was answered
+        texts = [m.text for m in chat.messages(room)]
+        assert not any("SECRET" in t for t in texts)
+        assert not any("interrupted (the server stopped" in t for t in texts), texts

@@ -206,10 +206,11 @@ class Gateway:
         in_flight = self.ledger.in_flight()
         if in_flight:  # and those answered since (a second restart: the first one's notice ended them)
             cancels += self.ledger.answered_since(min(e.seq for e in in_flight), "command /cancel")
-        for entry in in_flight:
-            self._follow(entry, resumed=True, maybe_withdrawn=self._withdrawn_by(entry, cancels))
-        for entry in self.ledger.to_deliver():
-            self._follow(entry, resumed=True)
+        # Followed in arrival order across both states: each takes its conversation's reply ticket as
+        # it starts, and an earlier message's finished reply went out after a later one's running turn.
+        for entry in sorted(in_flight + self.ledger.to_deliver(), key=lambda e: e.seq):
+            withdrawn = self._withdrawn_by(entry, cancels) if entry.state == "submitted" else None
+            self._follow(entry, resumed=True, maybe_withdrawn=withdrawn)
         # In arrival order across both states: a crash between deciding m1, m2 and m3 left m3
         # `received` and the others `allowed`, and m3 first made it the batch's first message.
         for entry in sorted(self.ledger.to_decide() + self.ledger.to_submit(), key=lambda e: e.seq):

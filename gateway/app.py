@@ -35,7 +35,7 @@ from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.intake import Intake
 from gateway.ledger import Entry, Ledger, Receipt, UpdateKey, prune_settled, retention_s
 from gateway.link import ServerLink
-from gateway.pairing import EXPIRED_UNAPPROVED, Pairing
+from gateway.pairing import EXPIRED_UNAPPROVED, TOO_MANY_PENDING, Pairing
 from gateway.recent import Recent
 from gateway.replies import (
     NO_LONGER_LET_IN,
@@ -378,7 +378,10 @@ class Gateway:
             return
         if entry.state == "received":
             entry = await write_until_done(f"{key}: the access decision", partial(self._decide, entry, runner))
-            if (entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL) or entry.reason == COMMAND_NOT_KEPT:
+            if (entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL) or entry.reason in (
+                COMMAND_NOT_KEPT,
+                TOO_MANY_PENDING,
+            ):
                 await self.chatops.pairing_prompt(entry, runner)
             elif entry.state == "denied":
                 await self.chatops.refuse_answer(entry, runner)  # a refused approval answer still hears why
@@ -505,6 +508,12 @@ class Gateway:
             verdict, reason = "deny", f"dm: pairing pending and {MAX_HELD} messages already kept"
         elif verdict == "pair" and command:
             verdict, reason = "deny", COMMAND_NOT_KEPT
+        elif verdict == "pair":
+            # kept only for a code: with every slot taken the stranger is told to try later, and a
+            # message kept then would wait for no code (and be refused later as "expired")
+            code, _new = self.pairing.code_for(key.channel, key.account, entry.sender, p.get("sender_name"), entry.chat)
+            if code is None:
+                verdict, reason = "deny", TOO_MANY_PENDING
         return self.ledger.decide(key, verdict, reason)
 
     def _kept(self, channel: str, account: str, sender: str) -> list[Entry]:

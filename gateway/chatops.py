@@ -34,7 +34,14 @@ from gateway.commands import HELP, Command, bot_name, parse_command
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
-from gateway.pairing import EXPIRED_UNAPPROVED, REVOKED_UNRELEASED, Pairing, PairingCode
+from gateway.pairing import (
+    EXPIRED_UNAPPROVED,
+    REVOKED_UNRELEASED,
+    TOO_MANY_PENDING,
+    Pairing,
+    PairingCode,
+    shown_id,
+)
 from gateway.recent import Recent
 from gateway.replies import Replies, answer_target, write_until_done
 from gateway.routing import RouteKey, Router
@@ -118,9 +125,11 @@ class ChatOps:
                 await self.outboxes.say(runner, answer_target(entry), answer)
             return
         key = entry.key
-        code, _new = self.pairing.code_for(
-            key.channel, key.account, entry.sender, entry.payload.get("sender_name"), entry.chat
-        )
+        code: PairingCode | None = None
+        if entry.reason != TOO_MANY_PENDING:  # refused for want of a slot: "try later", even if one freed since
+            code, _new = self.pairing.code_for(
+                key.channel, key.account, entry.sender, entry.payload.get("sender_name"), entry.chat
+            )
         if runner.policy.silent:
             return
         asked = f"{key.channel}:{key.account}:{entry.sender}"
@@ -370,11 +379,19 @@ class ChatOps:
                 ]
                 if not pending:
                     return "No pending pairing requests."
-                lines = [f"{p.code}  {code_span(p.sender_name or p.sender)}" for p in pending]
+                lines = [self._pending_line(p) for p in pending]
                 return "Pending pairing requests (approve with: appserver pairing approve CODE):\n" + "\n".join(lines)
             return await self.answer_approval(entry, runner, command)
         except (ProtocolError, Closed, TimeoutError) as exc:
             return f"⚠ The server did not answer: {exc}"
+
+    @staticmethod
+    def _pending_line(p: PairingCode) -> str:
+        """A `/pair` line: the code, the sender's id exactly (hidden characters escaped, never cut: two
+        senders called `alice` differ there) and the name they gave, if any."""
+        sender = "`" + shown_id(p.sender).replace("`", "\\x60") + "`"
+        named = f" {code_span(p.sender_name)}" if p.sender_name and p.sender_name != p.sender else ""
+        return f"{p.code}  {sender}{named}"
 
     async def cancel(self, entry: Entry, runner: AccountRunner, conversation: str | None, dropped: int = 0) -> str:
         """`/cancel`: what its sender may stop that the agent has not finished. First what has not

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import time
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -27,6 +28,9 @@ CODE_TTL_S = 3600.0
 MAX_PENDING = 3
 EXPIRED_UNAPPROVED = "pairing code expired before it was approved"  # why its kept messages are refused
 REVOKED_UNRELEASED = "pairing revoked before its kept messages were released"
+# Why a stranger's message is refused when every pairing slot is taken: they are told to try again
+# later, and no code exists to keep it for (it is never `held`).
+TOO_MANY_PENDING = f"dm: too many pending pairings ({MAX_PENDING}); told to try again later"
 
 Status = Literal["pending", "approved", "denied", "expired", "revoked"]
 
@@ -75,6 +79,41 @@ def _row(row: tuple[object, ...]) -> PairingCode:
 
 def new_code() -> str:
     return "".join(secrets.choice(ALPHABET) for _ in range(CODE_LENGTH))
+
+
+# What shows as nothing, a plain space or another order (the CLI's appserver/cli/safetext.py `exact`
+# escapes the same; the gateway may not import the CLI): controls, format characters (zero-width
+# space and joiners, BOM, soft hyphen, bidi), separators, surrogates, unassigned, private use.
+_HIDDEN_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs", "Cn", "Co"))
+_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u2800\u3164\uffa0")
+
+
+def _hidden(char: str) -> bool:
+    category = unicodedata.category(char)
+    return (
+        category in _HIDDEN_CATEGORIES
+        or (category == "Zs" and char != " ")
+        or char in _INVISIBLE
+        or "\ufe00" <= char <= "\ufe0f"  # variation selectors
+        or "\U000e0100" <= char <= "\U000e01ef"
+    )
+
+
+def shown_id(sender: str) -> str:
+    """A sender id as the owner reads it (the `/pair` listing): each hidden character as its escape
+    (`alice\\u200b`) and each backslash doubled, as `appserver pairing list` shows it, so two senders
+    never look alike. `alice` and `alice` with a zero-width space were one name, and one's approval
+    could pass for the other's."""
+    shown = []
+    for char in sender.replace("\\", "\\\\"):
+        code = ord(char)
+        if not _hidden(char):
+            shown.append(char)
+        elif code < 0x100:
+            shown.append(f"\\x{code:02x}")
+        else:
+            shown.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
+    return "".join(shown)
 
 
 def normalize(code: str) -> str:
@@ -191,6 +230,23 @@ class Pairing:
             "SELECT channel, account, sender, approved_at FROM approved_senders ORDER BY channel, account, sender"
         ).fetchall()
         return [(str(a), str(b), str(c), float(d)) for a, b, c, d in rows]
+
+    def revocable(self, channel: str | None = None, account: str | None = None) -> list[tuple[str, str, str, str]]:
+        """(channel, account, sender, "approved" or "denied") of every sender `revoke` would reset,
+        of every account or of one."""
+        where = "1=1"
+        args: list[object] = []
+        if channel is not None:
+            where, args = where + " AND channel=?", [*args, channel]
+        if account is not None:
+            where, args = where + " AND account=?", [*args, account]
+        rows = self._conn.execute(
+            f"SELECT channel, account, sender, 'approved' FROM approved_senders WHERE {where}"
+            f" UNION SELECT channel, account, sender, 'denied' FROM pairing_codes WHERE {where} AND status='denied'"
+            " ORDER BY 1, 2, 3",
+            [*args, *args],
+        ).fetchall()
+        return [(str(c), str(a), str(s), str(how)) for c, a, s, how in rows]
 
     def revoke(self, sender: str, channel: str | None = None, account: str | None = None) -> int:
         """Reset a sender's pairing (of every account, or of one): an approval is removed, and a

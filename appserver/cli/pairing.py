@@ -7,6 +7,7 @@ gateway acts on a decision within about a second (tells the sender, releases the
 from __future__ import annotations
 
 import json
+import shlex
 import sqlite3
 import time
 from contextlib import AbstractContextManager
@@ -15,7 +16,7 @@ import click
 
 from appserver.cli.channels import Refused, _errors, _gateway_db
 from appserver.cli.common import echo_long, get_config, quoted
-from appserver.cli.safetext import exact
+from appserver.cli.safetext import exact, exact_id, typed_id, unseen
 from gateway.pairing import Pairing, PairingCode, PairingError
 
 
@@ -54,7 +55,7 @@ def list_cmd(as_json: bool) -> None:
                 p.code,
                 p.channel,
                 p.account,
-                exact(p.sender),  # what a chat platform says of a stranger: never a terminal control
+                exact_id(p.sender),  # what a chat platform says of a stranger: never a control, nothing hidden
                 exact(p.sender_name or "-"),
                 _ago(p.created_at),
                 f"{left // 60}m",
@@ -81,7 +82,7 @@ def approve_cmd(code: str) -> None:
     """Let the sender of CODE talk to the agent; the messages they sent meanwhile are answered."""
     p = _decide(code, True)
     click.echo(
-        f"Approved {exact(p.sender)}"
+        f"Approved {exact_id(p.sender)}"
         + (f" ({exact(p.sender_name)})" if p.sender_name else "")
         + f" on {p.channel}:{p.account}."
     )
@@ -93,7 +94,7 @@ def approve_cmd(code: str) -> None:
 def deny_cmd(code: str) -> None:
     """Refuse the sender of CODE; they hear nothing more (unless the account has a deny_notice)."""
     p = _decide(code, False)
-    click.echo(f"Denied {exact(p.sender)} on {p.channel}:{p.account}.")
+    click.echo(f"Denied {exact_id(p.sender)} on {p.channel}:{p.account}.")
 
 
 @pairing_group.command("approved")
@@ -107,7 +108,7 @@ def approved_cmd(as_json: bool) -> None:
         echo_long(json.dumps([{"channel": c, "account": a, "sender": s, "approved_at": t} for c, a, s, t in rows]))
         return
     for c, a, s, t in rows:
-        click.echo(f"{c}:{a}  {exact(s)}  approved {_ago(t)}")
+        click.echo(f"{c}:{a}  {exact_id(s)}  approved {_ago(t)}")
     if not rows:
         click.echo("No approved senders.")
 
@@ -119,10 +120,39 @@ def approved_cmd(as_json: bool) -> None:
 @_errors
 def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
     """Reset SENDER's pairing: an approval is removed, a denial forgotten (their next message
-    needs a new pairing)."""
+    needs a new pairing). SENDER as `pairing approved` shows it (`alice\\u200b` is alice with a
+    zero-width space; a backslash shown doubled) or as the id itself."""
     with _pairing() as conn:
         assert conn is not None
-        removed = Pairing(conn).revoke(sender, channel, account)
+        pairing = Pairing(conn)
+        target = _target(sender, {s for _, _, s, _ in pairing.revocable(channel, account)})
+        removed = pairing.revoke(target, channel, account)
+        alike = _look_alikes(target, pairing.revocable(channel, account))
     if not removed:
-        raise Refused(f"{quoted(sender)} is neither an approved nor a denied sender", 1)
-    click.echo(f"Revoked {sender} ({removed} account{'s' if removed != 1 else ''}).")
+        note = f". {_alike_note(target, alike)}" if alike else ""
+        raise Refused(f"{quoted(sender)} is neither an approved nor a denied sender{note}", 1)
+    click.echo(f"Revoked {exact_id(target)} ({removed} account{'s' if removed != 1 else ''}).")
+    if alike:
+        click.echo(_alike_note(target, alike))
+
+
+def _target(given: str, known: set[str]) -> str:
+    """The sender SENDER names: the id its shown form reads back to, else the id as typed (an id
+    from `--json`, or one with a backslash that starts no escape)."""
+    typed = typed_id(given)
+    return typed if typed in known or given not in known else given
+
+
+def _look_alikes(target: str, rows: list[tuple[str, str, str, str]]) -> list[tuple[str, str, str, str]]:
+    """Senders still approved or denied that differ from `target` only by what does not show (a
+    zero-width space, a no-break space): printed raw they pass for the same person."""
+    return [row for row in rows if row[2] != target and unseen(row[2]) == unseen(target)]
+
+
+def _alike_note(target: str, alike: list[tuple[str, str, str, str]]) -> str:
+    shown = ", ".join(f"{exact_id(s)} ({how} on {c}:{a})" for c, a, s, how in alike)
+    hint = shlex.quote(exact_id(alike[0][2]))
+    return (
+        f"Not revoked, differing from {exact_id(target)} only by invisible characters: {shown}."
+        f" Revoke one with: appserver pairing revoke {hint}"
+    )

@@ -9,23 +9,60 @@ form everywhere, and no longer a control. Only what the client adds itself (its 
 erase-line) stays a control.
 
 `exact` is for what a person must read exactly as it is (a tool call's name and arguments at an
-approval prompt, ids): newlines and tabs are escaped too, and the Unicode bidi controls that can
-make text read in another order than it is (overrides, embeddings, isolates, marks).
+approval prompt, ids): newlines and tabs are escaped too, and every character that shows as nothing
+or as a plain space, or makes text read in another order than it is: format characters (zero-width
+space and joiners, word joiner, BOM, soft hyphen, the bidi overrides, embeddings, isolates and marks,
+tags), line and paragraph separators, spaces other than U+0020, fillers. `alice` and `alice\\u200b`
+(a zero-width space after it) are two senders; printed raw they were one name.
+
+`exact_id` is for an id a person may type back (`appserver pairing revoke SENDER`): `exact` with each
+backslash doubled, so the shown form names one id, which `typed_id` reads back.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 
 # C0 controls but \t and \n, DEL, C1: what a terminal acts on instead of showing.
 _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")  # and lone surrogates: not printable
-# The same and \t, \n, and the bidi formatting characters (ALM, LRM, RLM, LRE…RLO, LRI…PDI).
-_EXACT = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+# Every character but printable ASCII: only these can be hidden (`_hidden` decides).
+_NOT_PLAIN = re.compile("[^\x20-\x7e]")
+# Controls (Cc), format characters (Cf: zero-width, joiners, BOM, soft hyphen, bidi, tags), line and
+# paragraph separators, surrogates, unassigned and private-use code points: none shows as itself.
+_HIDDEN_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs", "Cn", "Co"))
+# Shown as nothing (or blank) although of another category: combining grapheme joiner, Hangul and
+# Khmer fillers, the blank Braille pattern, and the variation selectors.
+_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u2800\u3164\uffa0")
+_TYPED_ESCAPE = re.compile(r"\\(\\|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
+
+
+def _hidden(char: str) -> bool:
+    """Whether `char` can pass for something it is not: nothing, a plain space, another order."""
+    category = unicodedata.category(char)
+    return (
+        category in _HIDDEN_CATEGORIES
+        or (category == "Zs" and char != " ")  # no-break, em, thin, ideographic… spaces
+        or char in _INVISIBLE
+        or "\ufe00" <= char <= "\ufe0f"
+        or "\U000e0100" <= char <= "\U000e01ef"
+    )
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def _escaped(match: re.Match[str]) -> str:
-    code = ord(match.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    return _escape(match.group())
+
+
+def _escaped_if_hidden(match: re.Match[str]) -> str:
+    char = match.group()
+    return _escape(char) if _hidden(char) else char
 
 
 def visible(value: object) -> str:
@@ -35,9 +72,37 @@ def visible(value: object) -> str:
 
 
 def exact(value: object) -> str:
-    """`value` as one line to be read exactly: every control, newline, tab and bidi control shown
-    as an escape, so nothing can hide, reorder or move what is around it."""
-    return _EXACT.sub(_escaped, str(value))
+    """`value` as one line to be read exactly: every control, newline, tab, bidi control, invisible
+    character and unusual space shown as an escape, so nothing can hide, reorder or move what is
+    around it, and two different values never print the same (but for a backslash: `exact_id`)."""
+    return _NOT_PLAIN.sub(_escaped_if_hidden, str(value))
+
+
+def exact_id(value: str) -> str:
+    """An id as `exact` shows it, each backslash doubled: an id holding the six characters
+    `\\u200b` prints as `\\\\u200b`, one holding a zero-width space as `\\u200b`, and `typed_id`
+    reads either back to its id."""
+    return exact(value.replace("\\", "\\\\"))
+
+
+def typed_id(text: str) -> str:
+    """The id `exact_id` showed as `text`: `\\\\` is a backslash, `\\xNN`, `\\uNNNN` and `\\UNNNNNNNN`
+    the character; any other backslash stays as it is (an id typed as it is, with no escape)."""
+
+    def char(match: re.Match[str]) -> str:
+        escape = match.group(1)
+        if escape == "\\":
+            return "\\"
+        code = int(escape[1:], 16)
+        return chr(code) if code <= 0x10FFFF else match.group()  # beyond Unicode: not an escape
+
+    return _TYPED_ESCAPE.sub(char, text)
+
+
+def unseen(value: str) -> str:
+    """`value` as a reader sees it printed raw: hidden characters gone, every space a plain one.
+    Two ids with the same `unseen` differ only by what nobody can see (look-alikes)."""
+    return "".join(" " if unicodedata.category(c) == "Zs" else "" if _hidden(c) else c for c in value)
 
 
 def json_text(text: str) -> str:

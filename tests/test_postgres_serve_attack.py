@@ -322,7 +322,7 @@ def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -
     interrupted, queued ones run, acked keys replay the same answer, one turn each."""
     with temp_database("atk_kill9") as url:
         home = tmp_path / "h"
-        acked: list[tuple[str, str, str]] = []  # (key, content, answer)
+        acked: list[tuple[dict[str, str], str, str]] = []  # (headers with the key, content, answer)
         sp = start_serve(home, "--store", url)
         try:
 
@@ -344,7 +344,7 @@ def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -
                         r = await acl.chat.completions.create(
                             model="assistant", messages=[{"role": "user", "content": content}], extra_headers=hdr
                         )
-                        acked.append((hdr["Idempotency-Key"], content, r.choices[0].message.content or ""))
+                        acked.append((hdr, content, r.choices[0].message.content or ""))
                     except openai.APIError:
                         pass
 
@@ -371,11 +371,11 @@ def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -
                 time.sleep(0.1)
             assert not {"queued", "running"} & set(_statuses(url)), _statuses(url)
             cl = _client(sp2)
-            for key, content, answer in acked[:10]:
+            for headers, content, answer in acked[:10]:  # the same request: its key and conversation header
                 again = cl.chat.completions.with_raw_response.create(
                     model="assistant",
                     messages=[{"role": "user", "content": content}],
-                    extra_headers={"Idempotency-Key": key},
+                    extra_headers=headers,
                 )
                 if again.status_code == 200 and again.headers.get("idempotent-replayed") == "true":
                     assert again.parse().choices[0].message.content == answer

@@ -1018,7 +1018,9 @@ class ChatCompletions:
             return replay
         place: Placement | None = None
         try:
-            earlier, key = await idem.earlier() if idem is not None and users else (None, None)
+            # A request answering calls follows the turn its answers resumed (its key is filed under
+            # it: `keep_answers_key`), from after those calls.
+            earlier, key = await idem.earlier([d.call_id for d in given]) if idem is not None else (None, None)
             if earlier is not None:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
@@ -1043,7 +1045,7 @@ class ChatCompletions:
                 target, resumed = await until_credential_ends(
                     request,
                     self._answer_point(
-                        agent, ns, place, decisions, answers, user, metadata, answer_settings(options, tools)
+                        agent, ns, place, decisions, answers, user, metadata, answer_settings(options, tools), key
                     ),
                 )
                 place = target  # a fork when other requests answered the round first (released below)
@@ -1088,6 +1090,7 @@ class ChatCompletions:
         user: str | None,
         metadata: dict[str, Any],
         settings: TurnSettings,
+        idempotency: tuple[str, str] | None = None,
     ) -> tuple[Placement, TurnRun | None]:
         """Answers placed at the head of a conversation paused at their calls: applied there (the
         resumed turn, its model calls from then on with the request's `settings`), or, when other
@@ -1098,7 +1101,7 @@ class ChatCompletions:
         turn = place.paused_turn
         if turn is None or answers is None:
             return place, None
-        resumed = await answer_paused(self.server, place.conversation_id, turn, decisions, settings)
+        resumed = await answer_paused(self.server, place.conversation_id, turn, decisions, settings, idempotency)
         if resumed is not None or not await round_answered(self.server, turn, decisions):
             return place, resumed
         fork = await self.matcher.fork_lost(

@@ -235,10 +235,15 @@ def _canon_numbers(value: Any) -> Any:
     return value
 
 
-def canonical_hash(route: str, body: dict[str, Any]) -> str:
+def canonical_hash(route: str, body: dict[str, Any], pinned: str | None = None) -> str:
     """Hash of (route, body) that ignores key order, whitespace, escapes and number spelling
-    (1, 1.0, 1e0): equal JSON, equal hash."""
-    canon = json.dumps([route, _canon_numbers(body)], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    (1, 1.0, 1e0): equal JSON, equal hash. `pinned`: the conversation the request's
+    X-Conversation-Id names, part of the request (the same body sent to another conversation is
+    another request); without it the hash is the one servers made before it counted."""
+    parts: list[Any] = [route, _canon_numbers(body)]
+    if pinned is not None:
+        parts.append({HEADER: pinned})
+    canon = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -301,7 +306,7 @@ class Idempotency:
                 code="invalid_idempotency_key",
                 param="Idempotency-Key",
             )
-        body_hash = canonical_hash(route, body)
+        body_hash = canonical_hash(route, body, request.headers.get(HEADER) or None)
         scope = namespace_of(principal)
         store = server.store  # an expired key is no key: the claim replaces it (store/base.py IDEMPOTENCY_TTL_S)
         deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
@@ -312,7 +317,7 @@ class Idempotency:
             if existing.body_hash != body_hash:
                 raise ApiError(
                     409,
-                    "this Idempotency-Key was already used with a different request body",
+                    "this Idempotency-Key was already used with a different request body (or X-Conversation-Id)",
                     code="idempotency_key_reused",
                     param="Idempotency-Key",
                 )
@@ -356,7 +361,9 @@ class Idempotency:
         gets that turn's reply. The separator is a control character, which no client key holds."""
         return f"{self.key}\x1f{self.body_hash}"
 
-    async def earlier(self) -> tuple[TurnRun | None, tuple[str, str] | None]:
+    async def earlier(
+        self, answered: Sequence[str] = (), approvals: Sequence[str] = ()
+    ) -> tuple[TurnRun | None, tuple[str, str] | None]:
         """What an earlier attempt with this key left: (its turn to follow, None) when that turn is
         still the answer — queued, running, paused or completed: a server killed before the reply
         was stored released the claim, but the turn ran or runs on; else (None, the (key, scope)
@@ -365,7 +372,11 @@ class Idempotency:
         request runs again, and its new turn takes the key (`forget_idempotency`: only this claim's
         holder gets here), so a repeat after a second crash follows the new turn instead of running
         the request a third time. Keys older than IDEMPOTENCY_TTL_S name no turn (the store ignores
-        them, purged or not)."""
+        them, purged or not).
+
+        `answered`: the ids of the calls the request answers (`approvals`: those of them it
+        approved or denied): its turn is the paused one it resumed (`keep_answers_key`), and it
+        follows what came after those calls."""
         store = self.server.store
         named = self.turn_key
         turn = await store.lookup_idempotency(self.turn_scope, named)
@@ -374,6 +385,11 @@ class Idempotency:
             # the key's 48 h
             named = self.key
             turn = await store.lookup_idempotency(self.turn_scope, named)
+        if turn is not None and not http_turn(turn):
+            # The scope is a conversation's id to a WebSocket submit: a conversation named like it
+            # holds that credential's WebSocket keys (the local owner's are unprefixed). Never this
+            # key's turn, and never forgotten by it.
+            turn = None
         if turn is None:
             return None, (self.turn_key, self.turn_scope)
         gone = turn.status == "running" and not await self.server.kernel.owner_alive(turn.owner, strict=True)
@@ -385,7 +401,19 @@ class Idempotency:
             return None, (self.turn_key, self.turn_scope)
         if self.principal is not None and not await may_see(self.server, self.principal, turn.conversation_id):
             raise hidden_key()  # never followed (its claim, taken by this request, is dropped by the caller)
-        return TurnRun(self.server, turn.conversation_id, await self.server.kernel.handle_for(turn)), None
+        handle = await self.server.kernel.handle_for(turn)
+        if not answered:
+            return TurnRun(self.server, turn.conversation_id, handle), None
+        base = after_calls(handle.controller.snapshot().blocks, answered)
+        return TurnRun(
+            self.server, turn.conversation_id, handle, base_blocks=base, resolved_calls=list(approvals)
+        ), None
+
+    async def note_start(self, response_id: str, conversation_id: str) -> None:
+        """A stream told its client the id of the response it makes: kept with the pending key, so
+        that deleting that response forgets it even when this request never ends (a crash)."""
+        body = fastjson.dumps({"object": "response", "id": response_id, "store": True})
+        await self.server.store.note_http_idempotency(self.scope, self.key, "application/json", body, conversation_id)
 
     async def finish(self, status: int, content_type: str, body: str, conversation_id: str | None) -> None:
         await self.server.store.finish_http_idempotency(
@@ -394,6 +422,42 @@ class Idempotency:
 
     async def abandon(self) -> None:
         await self.server.store.drop_http_idempotency(self.scope, self.key)
+
+
+HTTP_SOURCES = ("openai_chat", "openai_responses")
+
+
+def http_turn(turn: TurnRecord) -> bool:
+    """A turn an OpenAI-surface request started. A WebSocket submit's source always names its
+    connection (whatever kind its client wrote there)."""
+    source = turn.source or {}
+    return source.get("kind") in HTTP_SOURCES and "connection" not in source
+
+
+def after_calls(blocks: Sequence[dict[str, Any]], answered: Sequence[str]) -> int:
+    """The index after the last of a turn's calls that `answered` names (a legacy `function`
+    answer names its function): where the reply of the request that answered them starts; 0
+    when the turn shows none of them."""
+    names = {n for n in map(legacy_name, answered) if n}
+    at = [
+        i
+        for i, b in enumerate(blocks)
+        if b["type"] == "tool_call" and (b.get("call_id") in answered or b.get("name") in names)
+    ]
+    return max(at) + 1 if at else 0
+
+
+async def keep_answers_key(server: Server, idempotency: tuple[str, str] | None, run: TurnRun) -> None:
+    """A request whose answers resumed a paused turn started none: its key (the kernel's, as
+    `Idempotency.earlier` gave it) is filed under the turn it resumed, so a repeat after a crash
+    follows that turn instead of answering the calls again in a fork. Best effort: the answers
+    are applied, and the reply goes out whether or not the key was kept."""
+    if idempotency is None:
+        return
+    try:
+        await server.store.remember_idempotency(idempotency[1], idempotency[0], run.turn_id, run.conversation_id)
+    except Exception as exc:
+        log.warning("could not keep Idempotency-Key of the answers to turn %s: %r", run.turn_id, exc)
 
 
 def answered_response(entry: HttpIdempotency) -> tuple[str, bool] | None:
@@ -714,6 +778,7 @@ async def answer_paused(
     turn_id: str,
     decisions: list[Decision],
     settings: TurnSettings | None = None,
+    idempotency: tuple[str, str] | None = None,
 ) -> TurnRun | None:
     """Paused turn `turn_id` (the one a request's point or previous response shows) resumed with
     the answers it has not yet, and the request's `settings` for its model calls after them
@@ -741,7 +806,9 @@ async def answer_paused(
         raise from_kernel(exc) from None
     if not all(r.get("accepted") for r in results):
         return None  # nothing applied (all or none): answered meanwhile, or start_turn's refusal
-    return await paused.run(server, conversation_id, fresh)
+    run = await paused.run(server, conversation_id, fresh)
+    await keep_answers_key(server, idempotency, run)
+    return run
 
 
 async def round_answered(server: Server, turn_id: str, decisions: list[Decision]) -> bool:
@@ -892,7 +959,9 @@ async def start_turn(
                     code={"unknown_call": "unknown_tool_call"}.get(str(refused[0].get("error")), "already_resolved"),
                     param=answers_param,  # the request's field that carries the answers
                 )
-            return await paused.run(server, conversation_id, decisions)
+            run = await paused.run(server, conversation_id, decisions)
+            await keep_answers_key(server, idempotency, run)
+            return run
         if not content:
             raise ApiError(400, "there is no new user input to answer", code="missing_input", param="messages")
         if while_pending is not None:

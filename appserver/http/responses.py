@@ -1820,7 +1820,15 @@ class Responses:
             return replay
         place: Placement | None = None
         try:
-            earlier, key = await idem.earlier() if idem is not None and users else (None, None)
+            # A request answering calls follows the turn its answers resumed (its key is filed under
+            # it: `keep_answers_key`), from after those calls.
+            earlier, key = (
+                await idem.earlier(
+                    [d.call_id for d in decisions], [d.call_id for d in decisions if d.action in ("approve", "deny")]
+                )
+                if idem is not None
+                else (None, None)
+            )
             if earlier is not None:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
@@ -1831,7 +1839,7 @@ class Responses:
                     ),
                 )
                 head = place
-                resumed, lost = await self._answer_head(head, prev_id, decisions, answer_settings(options, specs))
+                resumed, lost = await self._answer_head(head, prev_id, decisions, answer_settings(options, specs), key)
                 if lost:
                     place = await self._fork_lost(agent, ns, head, prev_id, answers)
                 # answers to calls the conversation's history closed: a 400 `already_resolved`
@@ -1907,7 +1915,12 @@ class Responses:
         return turn.options if turn is not None else options
 
     async def _answer_head(
-        self, place: Placement, prev_id: str | None, decisions: list[Decision], settings: TurnSettings
+        self,
+        place: Placement,
+        prev_id: str | None,
+        decisions: list[Decision],
+        settings: TurnSettings,
+        idempotency: tuple[str, str] | None = None,
     ) -> tuple[TurnRun | None, bool]:
         """The paused turn `place` continues (at `prev_id`), resumed with the answers it has not
         yet and the request's `settings` for its model calls after them (common.answer_paused):
@@ -1918,7 +1931,7 @@ class Responses:
         turn_id = await self._paused_turn(place, prev_id, decisions)
         if not turn_id:
             return None, False
-        resumed = await answer_paused(self.server, place.conversation_id, turn_id, decisions, settings)
+        resumed = await answer_paused(self.server, place.conversation_id, turn_id, decisions, settings, idempotency)
         if resumed is not None:
             return resumed, False
         return None, await round_answered(self.server, turn_id, decisions)
@@ -2273,6 +2286,17 @@ class _Run:
             return False
         return True
 
+    async def note_start(self) -> None:
+        """The key (if any) learns the id its stream is about to tell the client, so that deleting
+        that response forgets the key's answer even when the server is killed before the stream
+        ends (`forget_answers_of`). Best effort within KEEP_TIMEOUT_S, as the response's own keep."""
+        if self.idem is None:
+            return
+        try:
+            await asyncio.wait_for(self.idem.note_start(self.shape.id, self.run.conversation_id), KEEP_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("could not note response %s with its Idempotency-Key: %r", self.shape.id, exc)
+
     async def client_gone(self) -> None:
         """A stream's client left: cancel the turn, then keep the response as the turn ended
         (cancelled, or whatever it reached first), or as cancelled if it does not settle in time."""
@@ -2338,6 +2362,8 @@ class _Run:
                     # answers it as its turn ended: `as_ended`). Best effort, like keep_unfinished.
                     self.route.live.add(shape.id)
                     self.kept_in_progress = await self.keep_unfinished(created)
+                    if self.kept_in_progress:
+                        await self.note_start()
                 announced = True
                 yield ev("response.created", response=created)
                 yield ev(

@@ -244,6 +244,12 @@ class Store(ABC):
         request runs again, and its new turn takes the key, so a later repeat follows that one)."""
 
     @abstractmethod
+    async def remember_idempotency(self, scope: str, key: str, turn_id: str, conversation_id: str) -> None:
+        """File the key of `scope` under turn `turn_id`, which it did not start (a request that
+        answered the turn's calls resumed it): a repeat after a crash follows that turn. Replaces
+        whatever the key named."""
+
+    @abstractmethod
     async def purge_idempotency(self, older_than: float) -> int: ...
     @abstractmethod
     async def mark_turn_running(self, turn_id: str, owner: str, revision: int) -> None: ...
@@ -341,9 +347,18 @@ class Store(ABC):
     @abstractmethod
     async def drop_http_idempotency(self, scope: str, key: str) -> None: ...
     @abstractmethod
+    async def note_http_idempotency(
+        self, scope: str, key: str, content_type: str, body: str, conversation_id: str | None
+    ) -> None:
+        """While the key is still pending: what its request already told its client (a stream's
+        `response.created`), kept with the claim, which stays pending. Deleting that response finds
+        it (`answered_http_idempotency`) even when the request never ends (its server killed)."""
+
+    @abstractmethod
     async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
-        """The done keys whose stored answer went into `conversation_id`: deleting a response
-        finds the replays that would serve it again."""
+        """The keys whose stored answer went into `conversation_id`, done ones and pending ones
+        with a noted start (`note_http_idempotency`): deleting a response finds the replays that
+        would serve it again, and the repeats that would follow its turn."""
 
     @abstractmethod
     async def purge_http_idempotency(self, older_than: float) -> int: ...

@@ -1266,6 +1266,17 @@ class PostgresStore(Store):
 
         await self._write(job)
 
+    async def remember_idempotency(self, scope: str, key: str, turn_id: str, conversation_id: str) -> None:
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "INSERT INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) "
+                "VALUES (%s,%s,%s,%s,%s) ON CONFLICT (scope, key) DO UPDATE SET turn_id=EXCLUDED.turn_id, "
+                "conversation_id=EXCLUDED.conversation_id, created_at=EXCLUDED.created_at",
+                (scope, key, turn_id, conversation_id, time.time()),
+            )
+
+        await self._write(job)
+
     async def purge_idempotency(self, older_than: float) -> int:
         async def job(conn: Conn) -> int:
             return await _count(conn, "DELETE FROM idempotency_keys WHERE created_at < %s", (older_than,))
@@ -1856,9 +1867,22 @@ class PostgresStore(Store):
                 settled,
             )
 
+    async def note_http_idempotency(
+        self, scope: str, key: str, content_type: str, body: str, conversation_id: str | None
+    ) -> None:
+        async def job(conn: Conn) -> None:
+            await conn.execute(
+                "UPDATE http_idempotency SET content_type=%s, body=%s, conversation_id=%s "
+                "WHERE scope=%s AND key=%s AND state='pending'",
+                (content_type, body, conversation_id, scope, key),
+            )
+
+        await self._write(job)
+
     async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
         rows = await self._rows(
-            "SELECT * FROM http_idempotency WHERE conversation_id=%s AND state='done'", (conversation_id,)
+            "SELECT * FROM http_idempotency WHERE conversation_id=%s AND (state='done' OR body IS NOT NULL)",
+            (conversation_id,),
         )
         return [http_idempotency(r) for r in rows]
 

@@ -854,6 +854,14 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             tx.execute("DELETE FROM idempotency_keys WHERE scope=? AND key=? AND turn_id=?", (scope, key, turn_id))
 
+    async def remember_idempotency(self, scope: str, key: str, turn_id: str, conversation_id: str) -> None:
+        with self._tx() as tx:
+            tx.execute(
+                "INSERT OR REPLACE INTO idempotency_keys(scope, key, turn_id, conversation_id, created_at) "
+                "VALUES (?,?,?,?,?)",
+                (scope, key, turn_id, conversation_id, time.time()),
+            )
+
     async def purge_idempotency(self, older_than: float) -> int:
         with self._tx() as tx:
             return tx.execute("DELETE FROM idempotency_keys WHERE created_at < ?", (older_than,)).rowcount
@@ -1217,9 +1225,19 @@ class SQLiteStore(Store):
         with self._tx() as tx:
             tx.execute("DELETE FROM http_idempotency WHERE scope=? AND key=?", (scope, key))
 
+    async def note_http_idempotency(
+        self, scope: str, key: str, content_type: str, body: str, conversation_id: str | None
+    ) -> None:
+        with self._tx() as tx:
+            tx.execute(
+                "UPDATE http_idempotency SET content_type=?, body=?, conversation_id=? "
+                "WHERE scope=? AND key=? AND state='pending'",
+                (content_type, body, conversation_id, scope, key),
+            )
+
     async def answered_http_idempotency(self, conversation_id: str) -> list[HttpIdempotency]:
         rows = self._rows(
-            "SELECT * FROM http_idempotency WHERE conversation_id=? AND state='done'",
+            "SELECT * FROM http_idempotency WHERE conversation_id=? AND (state='done' OR body IS NOT NULL)",
             (conversation_id,),
             "in the idempotency keys",
         )

@@ -540,7 +540,11 @@ class Endpoint:
         # Idempotency keys belong to the credential: another credential's key never matches (it
         # would hand over that credential's turn and subscribe to its conversation). Admin
         # credentials see every conversation, but their keys are still their own.
-        key = frame.idempotency_key or None
+        if frame.idempotency_key == "":  # a mistake, not "no key": two copies would run twice
+            raise FrameError(
+                "bad_frame", "idempotency_key: give 1 to 256 characters, or leave it out", "idempotency_key"
+            )
+        key = frame.idempotency_key
         scope = _key_scope(conn)
         if key is not None and scope is not None:
             key = f"{scope}\x1f{key}"

@@ -39,6 +39,7 @@ from appserver.providers.sse import SSEDecoder
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
     ITEM_BYTES,
+    AfterFinish,
     AnswerBudget,
     as_dict,
     as_str,
@@ -50,6 +51,7 @@ from appserver.providers.upstream import (
     describe_json,
     drain_rest,
     endpoint_url,
+    finish_grace_s,
     key_for_header,
     read_answer,
     request_timeout,
@@ -144,6 +146,12 @@ class AnthropicStreamParser:
         self._answered = False  # text came: the answer is not empty
         self.events = 0
         self.saw_stop = False
+
+    @property
+    def finished(self) -> bool:
+        """A stop_reason came: what may still follow is `message_stop` (providers/upstream.py
+        `AfterFinish`)."""
+        return self._stop is not None
 
     def feed_data(self, data: str) -> list[ProviderChunk]:
         if self.saw_stop:
@@ -650,17 +658,28 @@ class AnthropicProvider:
                 parser = AnthropicStreamParser(self.name, self.cfg.answer_max_bytes)
                 dec = SSEDecoder(self.cfg.answer_max_bytes)
                 parts = decoded_body(resp)
-                async for part in parts:
-                    for ev in dec.feed(part):
-                        for chunk in parser.feed_data(ev.data):
-                            yield chunk
-                    if parser.saw_stop:
+                source: AsyncIterator[bytes] = parts
+                after: AfterFinish | None = None  # the rest of the body once the stop_reason came
+                while True:
+                    async for part in source:
+                        for ev in dec.feed(part):
+                            for chunk in parser.feed_data(ev.data):
+                                yield chunk
                         # The answer ends at message_stop: an upstream that holds the body open
                         # after it (pings, a stalled proxy) must not hold the answer, or fail it.
+                        # After a stop_reason the rest is read within a short grace, not the
+                        # read timeout.
+                        if parser.saw_stop or (after is None and parser.finished):
+                            break
+                    else:
+                        break  # the body ended (or went quiet after the stop_reason)
+                    if parser.saw_stop:
                         break
+                    after = AfterFinish(parts, finish_grace_s(self.cfg))
+                    source = after.pieces(lambda: parser.events)
                 if parser.saw_stop:
                     await drain_rest(parts)
-                else:
+                elif after is None or not after.quiet:  # a line cut by the quiet end is not dispatched
                     for ev in dec.close():
                         for chunk in parser.feed_data(ev.data):
                             yield chunk

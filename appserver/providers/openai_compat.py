@@ -46,6 +46,7 @@ from appserver.providers.think import ThinkSplitter
 from appserver.providers.upstream import (
     ACCEPT_ENCODING,
     ITEM_BYTES,
+    AfterFinish,
     AnswerBudget,
     as_dict,
     as_str,
@@ -58,6 +59,7 @@ from appserver.providers.upstream import (
     drain_rest,
     endpoint_url,
     error_message_from_body,
+    finish_grace_s,
     key_for_header,
     read_answer,
     request_timeout,
@@ -86,6 +88,49 @@ _FINISH: dict[str, FinishReason] = {
 def map_finish_reason(raw: Any) -> FinishReason:
     """Upstream finish reason → base.FinishReason (unknown values stay visible as "unknown")."""
     return _FINISH.get(raw, "unknown") if isinstance(raw, str) else "unknown"
+
+
+# The `type` of a flat error chunk (vLLM's ErrorResponse, OpenAI's error types) → its HTTP status,
+# for a chunk whose `code` says none.
+_FLAT_ERROR_STATUS: dict[str, int] = {
+    "BadRequestError": 400,
+    "invalid_request_error": 400,
+    "AuthenticationError": 401,
+    "authentication_error": 401,
+    "PermissionDeniedError": 403,
+    "NotFoundError": 404,
+    "not_found_error": 404,
+    "RateLimitError": 429,
+    "rate_limit_error": 429,
+    "InternalServerError": 500,
+    "server_error": 500,
+}
+
+
+def _http_status(value: Any) -> int | None:
+    """`value` as an HTTP error status (an int, or its digits as text), or None."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) == 3:
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 400 <= value <= 599:
+        return value
+    return None
+
+
+def flat_error(obj: dict[str, Any]) -> ProviderError | None:
+    """The error a stream chunk without an `error` object holds: vLLM's flat ErrorResponse
+    (`{"object": "error", "message", "type", "code": 400}`) or FastChat's (`{"text", "error_code":
+    40303}`, its code the HTTP status and two more digits), both sent in a 200 stream and followed
+    by `[DONE]`; None for any other chunk (the caller asks only of chunks without `choices`).
+    Classified from its status as an error answer is."""
+    if obj.get("object") == "error":
+        status = _http_status(obj.get("code")) or _FLAT_ERROR_STATUS.get(as_str(obj.get("type")), 500)
+        return error_from_status(status, error_message_from_body(obj, "upstream error"), body=obj)
+    code = obj.get("error_code")
+    if isinstance(code, int) and not isinstance(code, bool) and code != 0:
+        status = _http_status(code) or _http_status(code // 100 if code >= 10000 else None) or 500
+        message = as_str(obj.get("text")) or error_message_from_body(obj, f"upstream error {code}")
+        return error_from_status(status, message, body=obj)
+    return None
 
 
 # ---------------------------------------------------------------- response parsing
@@ -153,8 +198,15 @@ class OpenAIStreamParser:
         self._refused = False  # a refusal came: with answer text (`ThinkSplitter.texted`), no empty answer
         self._finish: str | None = None
         self._usage: Usage | None = None
+        self._answered = False  # a chunk held choice 0: the stream carried an answer, however empty
         self.events = 0
         self.saw_done = False
+
+    @property
+    def finished(self) -> bool:
+        """A finish reason came: what may still follow is usage and `[DONE]` (providers/upstream.py
+        `AfterFinish`)."""
+        return self._finish is not None
 
     def feed_data(self, data: str) -> list[ProviderChunk]:
         """One SSE `data:` payload."""
@@ -178,6 +230,10 @@ class OpenAIStreamParser:
             status = err.get("code") if isinstance(err, dict) else None
             status = status if isinstance(status, int) and 400 <= status <= 599 else 500
             raise error_from_status(status, error_message_from_body(obj, "upstream error"), body=obj)
+        if "choices" not in obj:
+            flat = flat_error(obj)
+            if flat is not None:
+                raise flat
         out: list[ProviderChunk] = []
         raw_usage = obj.get("usage")
         if raw_usage is not None:
@@ -190,6 +246,7 @@ class OpenAIStreamParser:
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) not in (0, None):
                 continue  # n > 1 is not supported; choice 0 is the answer
+            self._answered = True
             delta = choice.get("delta")
             self._delta(delta if isinstance(delta, dict) else as_dict(choice.get("message")), out)
             fr = choice.get("finish_reason")
@@ -319,10 +376,17 @@ class OpenAIStreamParser:
     def check_ended(self) -> None:
         """A stream that stops with neither a finish reason nor `[DONE]` was cut off (a proxy or
         the server closed it between two events): its answer is incomplete and must not be
-        reported as finished. A stream that sent `[DONE]`, or a finish reason, ended as it meant to."""
+        reported as finished. A stream that sent a finish reason, or `[DONE]` after a choice, ended
+        as it meant to."""
         if not self.saw_done and self._finish is None:
             raise ProviderError(
                 "network", "upstream stream ended before the answer did (no finish_reason and no [DONE])"
+            )
+        if not self._answered and self._finish is None:
+            # `[DONE]` after no choice at all (only usage, metadata, an error shape not read here):
+            # no answer came, and an empty one must not pass for it.
+            raise ProviderError(
+                "protocol", "upstream ended its stream with [DONE] but sent no choice (no answer and no finish_reason)"
             )
 
     def finish(self) -> list[ProviderChunk]:
@@ -645,30 +709,40 @@ class OpenAICompatProvider:
                 # Undecoded bytes need no decoder layers (the body arrives as the transport read it).
                 identity = encoding in (b"", b"identity")
                 parts = aiter(answer.stream if identity else decoded_body(answer))  # type: ignore[arg-type]
-                async for part in parts:
-                    events = dec.feed(part)
-                    if len(events) == 1:
-                        for chunk in parser.feed_data(events[0].data):
-                            yield chunk
-                    else:
-                        got: list[ProviderChunk] = []
-                        try:
-                            for ev in events:
-                                got.extend(parser.feed_data(ev.data))
-                        except ProviderError:
-                            for chunk in joined(got):  # what came before an error event still counts
+                source: AsyncIterator[bytes] = parts
+                after: AfterFinish | None = None  # the rest of the body once the finish reason came
+                while True:
+                    async for part in source:
+                        events = dec.feed(part)
+                        if len(events) == 1:
+                            for chunk in parser.feed_data(events[0].data):
                                 yield chunk
-                            raise
-                        for chunk in joined(got):
-                            yield chunk
-                    if parser.saw_done:
+                        else:
+                            got: list[ProviderChunk] = []
+                            try:
+                                for ev in events:
+                                    got.extend(parser.feed_data(ev.data))
+                            except ProviderError:
+                                for chunk in joined(got):  # what came before an error event still counts
+                                    yield chunk
+                                raise
+                            for chunk in joined(got):
+                                yield chunk
                         # The answer ends at [DONE], as the OpenAI SDK reads it: an upstream that
                         # holds the body open after it (keep-alive comments, a stalled proxy) must
-                        # not hold the answer, or fail it at the read timeout.
+                        # not hold the answer, or fail it at the read timeout. After a finish
+                        # reason the rest is read within a short grace, not the read timeout.
+                        if parser.saw_done or (after is None and parser.finished):
+                            break
+                    else:
+                        break  # the body ended (or went quiet after the finish reason)
+                    if parser.saw_done:
                         break
+                    after = AfterFinish(parts, finish_grace_s(self.cfg))
+                    source = after.pieces(lambda: parser.events)
                 if parser.saw_done:
                     await drain_rest(parts)
-                else:
+                elif after is None or not after.quiet:  # a line cut by the quiet end is not dispatched
                     for ev in dec.close():
                         for chunk in parser.feed_data(ev.data):
                             yield chunk
@@ -694,6 +768,9 @@ class OpenAICompatProvider:
             )
         if obj.get("error"):
             OpenAIStreamParser().feed_chunk(obj)  # raises the error it holds
+        flat = flat_error(obj) if "choices" not in obj else None
+        if flat is not None:
+            raise flat
         choices = obj.get("choices")
         answered = False
         if isinstance(choices, list):

@@ -247,6 +247,56 @@ async def drain_rest(parts: AsyncIterator[bytes], limit_s: float = DRAIN_AFTER_E
         pass
 
 
+# How long a body may go without an event once its answer has a finish reason (`finish_reason`,
+# Anthropic's `stop_reason`) but not its end (`[DONE]`, `message_stop`). What may still come is a
+# usage chunk and the end, which upstreams send in the same write as the finish or milliseconds
+# after it; 5 s leaves a loaded proxy room, and an upstream that stalls there costs the answer a
+# few seconds instead of failing it at `timeout_s` (300 s by default).
+FINISH_GRACE_S = 5.0
+
+
+def finish_grace_s(cfg: ProviderConfig) -> float:
+    """`FINISH_GRACE_S`, or half of the provider's read timeout if that is less: the grace must run
+    out before the read timeout would fail the finished answer."""
+    return min(FINISH_GRACE_S, cfg.timeout_s / 2)
+
+
+class AfterFinish:
+    """The rest of a streamed body whose answer already has its finish reason: its pieces until
+    the body ends, or until `grace_s` pass without a new event (`events()`, the parser's count; a
+    comment or part of a line does not count). A body that goes quiet there ends as one that
+    closed would (`quiet` then says so): the answer is whole, and is not held until the read
+    timeout fails it. A new event restarts the grace (an upstream that repeats its finish reason
+    on every chunk still streams its whole answer)."""
+
+    __slots__ = ("_parts", "_grace_s", "quiet")
+
+    def __init__(self, parts: AsyncIterator[bytes], grace_s: float) -> None:
+        self._parts = parts
+        self._grace_s = grace_s
+        self.quiet = False
+
+    async def pieces(self, events: Callable[[], int]) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        seen = events()
+        deadline = loop.time() + self._grace_s
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    part = await anext(self._parts, None)
+            except TimeoutError:
+                # The read was cancelled mid-body: its connection is closed with the response,
+                # never pooled (as `drain_rest` leaves it).
+                self.quiet = True
+                return
+            if part is None:
+                return
+            yield part
+            if events() != seen:
+                seen = events()
+                deadline = loop.time() + self._grace_s
+
+
 def endpoint_url(base_url: str, path: str, *, unless_ends: str = "") -> str:
     """`path` appended to `base_url`'s path, before any query string (`?api-version=…`, `?api-key=…`
     for gateways that take them) and without a doubled slash; `unless_ends` is a path suffix the

@@ -42,8 +42,8 @@ SHOWN = (
     r"\x9b2Jc1",
     r"x\x0dOVERWRITE\x08!",
 )
-# The client's own styling: dim, reset, erase to the end of the line.
-OWN = re.compile(rb"\x1b\[(2|0)m|\x1b\[K")
+# The client's own styling: dim, reset, erase to the end of the line, bracketed paste on and off.
+OWN = re.compile(rb"\x1b\[(2|0)m|\x1b\[K|\x1b\[\?2004[hl]")
 C1 = re.compile(rb"\xc2[\x80-\x9f]")  # U+0080..U+009F in UTF-8
 
 

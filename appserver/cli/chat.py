@@ -10,7 +10,11 @@ What a person sees, and why it is built this way:
   client answers (`approval_resolved`). Ctrl-C cancels the running turn at once, at that prompt
   too, without answering the approval; a second Ctrl-C exits.
 * `/help`, `/new`, `/cancel`, `/quit` are commands of this client, never sent to the model
-  (`//text` sends `/text`).
+  (`//text` sends `/text`). `/cancel` and Ctrl-C cancel the turn on screen by its id: at an idle
+  prompt there is none, and nothing is sent (a cancel naming no turn would stop another client's).
+* A paste (bracketed paste) is one input however many lines it holds, sent by the Enter after it,
+  never a command. A prompt and the line typed after it are erased and drawn again whole when they
+  wrap over several rows of the terminal.
 * A server stop or failover to a standby is ridden out: the protocol client reconnects, resubscribes
   and resumes the turn on screen (see appserver/client/connection.py). Started while the home's
   server stops, chat waits for it to exit and goes to the server that replaced it (run.connect_first).
@@ -84,6 +88,9 @@ COMMANDS = (
     ("/quit", "leave (or Ctrl-D)"),
 )
 TRAILING_SGR = re.compile(r"(\x1b\[[0-9;]*m)+$")
+SGR = re.compile(r"\x1b\[[0-9;]*m")
+PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"  # bracketed paste: a paste arrives between the two marks below
+PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
 SUBMIT_TIMEOUT = 30.0  # seconds a line waits for the server's ack before it is reported unconfirmed
 CLOSE_WAIT = 1.0  # seconds the connection's closing handshake may take when chat leaves
 STOP_GRACE = 0.5  # seconds a session has to end after SIGTERM/SIGHUP before its wait is cancelled
@@ -96,7 +103,8 @@ class Keys:
     """Key bytes from stdin on a daemon thread (a blocked read never keeps the process alive).
 
     On a terminal, cbreak mode: no kernel echo and no line buffering, so nothing typed lands in the
-    middle of a reply; ISIG stays on, so Ctrl-C still arrives at once as SIGINT."""
+    middle of a reply; ISIG stays on, so Ctrl-C still arrives at once as SIGINT. Bracketed paste is
+    on meanwhile (a paste comes marked, `LineEditor`), and off again with the modes (`restore`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, events: Events, cbreak: bool) -> None:
         self.fd = sys.stdin.fileno()
@@ -109,6 +117,7 @@ class Keys:
             mode[6][termios.VMIN] = 1
             mode[6][termios.VTIME] = 0
             termios.tcsetattr(self.fd, termios.TCSADRAIN, mode)
+            os.write(sys.stdout.fileno(), PASTE_ON.encode())
         self.loop, self.events = loop, events
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -126,9 +135,14 @@ class Keys:
                 return
 
     def restore(self) -> None:
+        """The terminal as it was: its modes, and no bracketed paste (a shell left with it on would
+        get the marks of the next paste as typed text)."""
         if self.saved is not None:
-            termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
-            self.saved = None
+            saved, self.saved = self.saved, None
+            try:
+                os.write(sys.stdout.fileno(), PASTE_OFF.encode())
+            finally:
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, saved)
 
 
 class Screen:
@@ -155,10 +169,23 @@ class Screen:
     def dim(self, text: str) -> str:
         return f"{DIM}{text}{RESET}" if self.color and text else text
 
-    def erase_line(self) -> None:
-        """Remove the line being typed (a prompt) so a notice or the next prompt replaces it."""
+    def columns(self) -> int:
+        """The terminal's width now (0: not known). Asked at each use rather than kept, so a resized
+        terminal is followed without a SIGWINCH handler."""
+        if not self.ansi:
+            return 0
+        try:
+            return os.get_terminal_size(sys.stdout.fileno()).columns
+        except (OSError, ValueError):
+            return 0
+
+    def erase_line(self, shown: str = "") -> None:
+        """Remove the line being typed (a prompt) so a notice or the next prompt replaces it.
+        `shown`: what that line holds (the prompt and the keys echoed), written from the start of
+        a row: the terminal may have wrapped it over several rows, all of which go."""
         if self.ansi:
-            self.write(ERASE_LINE)
+            row, _ = cursor_after(shown, self.columns())
+            self.write(f"\r\x1b[{row}A\x1b[J" if row else ERASE_LINE)
             self.col0 = True
         else:
             self.fresh_line()
@@ -181,6 +208,23 @@ def cell_width(ch: str) -> int:
     return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
 
 
+def cursor_after(text: str, columns: int) -> tuple[int, int]:
+    """Where the cursor is (row, column) once `text` is written from the start of a row of a
+    terminal `columns` wide (0: not known, nothing wraps). A column equal to the width is the end
+    of a full row, where the terminal waits to wrap until the next character; a wide character
+    that does not fit goes to the next row whole. Our styling (SGR) takes no room."""
+    row = col = 0
+    for ch in SGR.sub("", text):
+        if ch == "\n":
+            row, col = row + 1, 0
+            continue
+        width = cell_width(ch)
+        if columns > 0 and col + width > columns:
+            row, col = row + 1, 0
+        col += width
+    return row, col
+
+
 class LineEditor:
     """The line being typed. Text keys, Backspace, Ctrl-U, Ctrl-W, Enter, Ctrl-D; escape
     sequences (arrows, function keys) are swallowed, other controls dropped (`is_text`). Keys are
@@ -200,7 +244,16 @@ class LineEditor:
     and in a CSI anything outside 0x20-0x7E), which is then taken as itself: a LF still ends the
     line, so a stray ESC never merges lines nor eats the next one. At a terminal an ESC that ends
     a read is the Escape key alone (dropped), unless the next read comes within `ESC_WAIT` seconds
-    and begins with `[` or `O` (an arrow key split across reads)."""
+    and begins with `[` or `O` (an arrow key split across reads).
+
+    A paste at a terminal (bracketed paste: between `PASTE_START` and `PASTE_END`) is text of the
+    line: its line ends (CR, LF, CRLF) stay in the line as newlines and its controls are dropped,
+    so a paste of several lines is one input, sent by the Enter after it. A line holding pasted
+    text is taken as `("pasted", text)`: input for the model, never a chat command.
+
+    Echoed, the line may wrap over several rows of the terminal (or hold pasted newlines): keys
+    that remove text then draw the whole line again (`prompt`: what precedes it on screen), as
+    `\\b` does not go back to the row above."""
 
     ESC_WAIT = 0.05
 
@@ -213,6 +266,9 @@ class LineEditor:
         self._esc = ""
         self._esc_read_at: float | None = None  # when a read that ended in ESC came (a terminal)
         self._last = ""
+        self.prompt = ""  # the prompt the typed keys follow on screen (set as it is drawn)
+        self._paste = False  # between the marks of a paste
+        self._pasted = False  # the line holds pasted text
         self._ended = False  # the input ended: "eof" once what is pending is taken
         self._eof_said = False
 
@@ -243,8 +299,37 @@ class LineEditor:
         """The line as echoed (a tab as one space, so Backspace rubs out what it shows)."""
         return _echoed(self.text.replace("\t", " "))
 
+    @property
+    def shown(self) -> str:
+        """What the prompt's rows hold on screen: the prompt and the keys echoed after it (nothing
+        while no prompt is shown)."""
+        if not self.visible:
+            return ""
+        return self.prompt + (self.display if self.echo else "")
+
+    def set_aside(self) -> tuple[str, bool]:
+        """Take the line typed so far off the editor (an approval prompt asks meanwhile): its text,
+        and whether it holds pasted text (`put_back`)."""
+        kept = (self.text, self._pasted)
+        self.buf, self._pasted = [], False
+        return kept
+
+    def put_back(self, kept: tuple[str, bool]) -> None:
+        self.buf, self._pasted = list(kept[0]), kept[1]
+
+    def discard(self) -> None:
+        """Drop the line being typed (Ctrl-C), a paste in progress with it."""
+        self.buf, self._paste, self._pasted = [], False, False
+
+    def _line(self) -> tuple[str, str]:
+        line, pasted = self.text, self._pasted
+        self.buf, self._pasted = [], False
+        self._show("\n")
+        return ("pasted" if pasted else "line", line)
+
     def take(self) -> tuple[str, str] | None:
-        """Apply pending keys up to the next finished line (`("line", text)`) or `("eof", "")`."""
+        """Apply pending keys up to the next finished line (`("line", text)`, `("pasted", text)`
+        when it holds pasted text) or `("eof", "")`."""
         while self._pending:
             ch, self._pending = self._pending[0], self._pending[1:]
             last, self._last = self._last, ch
@@ -257,19 +342,27 @@ class LineEditor:
                         continue  # CSI or SS3: more follows
                     if self._esc[1] == "[" and ch < "@":
                         continue  # a CSI's parameter or intermediate byte
+                    if self.echo and self._esc in (PASTE_START, PASTE_END):
+                        self._paste = self._esc == PASTE_START
                     self._esc = ""  # its last character
                     continue
             if ch == "\x1b":
                 self._esc = ch
+            elif self._paste:
+                self._pasted = True
+                if ch == "\n" and last == "\r":
+                    continue  # a CRLF: one newline
+                if ch in "\r\n" or is_text(ch):
+                    text = "\n" if ch == "\r" else ch
+                    self.buf.append(text)
+                    self._show(" " if ch == "\t" else text)
             elif ch == "\n" or (ch == "\r" and self.echo):
                 if ch == "\n" and last == "\r":
                     if self.echo:
                         continue  # CRLF: one Enter
                     if self.buf and self.buf[-1] == "\r":
                         self.buf.pop()  # a CRLF line end
-                line, self.buf = self.text, []
-                self._show("\n")
-                return ("line", line)
+                return self._line()
             elif ch == "\x04" and self.echo:
                 if not self.buf:
                     return ("eof", "")
@@ -293,9 +386,7 @@ class LineEditor:
         if self._ended and not self._eof_said:
             self._esc = ""
             if self.buf:  # an unfinished last line (a CR at its end is text: no LF follows it)
-                line, self.buf = self.text, []
-                self._show("\n")
-                return ("line", line)
+                return self._line()
             self._eof_said = True
             return ("eof", "")
         return None
@@ -304,14 +395,37 @@ class LineEditor:
         """Remove the last `count` characters, and what they took on screen."""
         if count <= 0:
             return
+        before = self.shown
         removed, self.buf = self.buf[-count:], self.buf[:-count]
+        self._pasted = self._pasted and bool(self.buf)  # all rubbed out: what is typed next is typed
+        if not self._one_row(before):
+            self._redraw(before)
+            return
         width = sum(cell_width(c) for c in removed)
         self._show("\b" * width + " " * width + "\b" * width)
+
+    def _one_row(self, shown: str) -> bool:
+        """Whether `shown` (the prompt and the keys echoed) is on one row with the cursor inside
+        it, where `\\b` can rub out the end of it (at the end of a full row terminals differ)."""
+        columns = self.screen.columns()
+        row, col = cursor_after(shown, columns)
+        return row == 0 and (columns == 0 or col < columns)
+
+    def _redraw(self, before: str) -> None:
+        """Draw the prompt and the line again over `before`, what its rows held."""
+        if self.visible and self.echo:
+            self.screen.erase_line(before)
+            self.screen.write(self.prompt + self.display)
 
     def _rub_last(self) -> None:
         """Backspace: one character. A zero-width one (a combining mark, ZWJ) changed the cell
         before it: that cell is drawn again without it."""
+        before = self.shown
         ch = self.buf.pop()
+        self._pasted = self._pasted and bool(self.buf)
+        if not self._one_row(before):
+            self._redraw(before)
+            return
         if cell_width(ch):
             self._show("\b" * cell_width(ch) + " " * cell_width(ch) + "\b" * cell_width(ch))
             return
@@ -490,8 +604,8 @@ class Chat:
         # heard how (the server sends `approval_resolved` after that snapshot): the outcome is
         # shown when it arrives, never guessed.
         self.unexplained: dict[str, None] = {}
-        self.stash = ""
-        self.held: list[str] = []
+        self.stash: tuple[str, bool] = ("", False)  # the line typed before an approval prompt (set_aside)
+        self.held: list[tuple[str, bool]] = []  # lines typed meanwhile, each with whether it holds pasted text
         self.eof = False
         self.exit_code: int | None = None
         self.turns_failed = 0  # with input from a pipe, the exit code says whether any turn failed or was interrupted
@@ -516,8 +630,17 @@ class Chat:
 
     def prompt(self) -> None:
         self.screen.fresh_line()
-        self.screen.write(PROMPT + (self.editor.display if self.editor.echo else ""))
+        self.show_prompt(PROMPT)
+
+    def show_prompt(self, prompt: str) -> None:
+        """`prompt` and the keys typed so far, from the start of a row."""
+        self.editor.prompt = prompt
+        self.screen.write(prompt + (self.editor.display if self.editor.echo else ""))
         self.editor.visible = True
+
+    def erase_prompt(self) -> None:
+        """Take the prompt and what is typed after it off the screen, every row of it."""
+        self.screen.erase_line(self.editor.shown)
 
     def approval_prompt(self, frame: dict[str, Any]) -> str:
         """The call exactly as it is: no control, newline or bidi override may hide or reorder it."""
@@ -534,7 +657,7 @@ class Chat:
 
         def clear() -> None:
             nonlocal cleared
-            self.screen.erase_line()
+            self.erase_prompt()
             cleared = True
 
         self.renderer.before_output = clear
@@ -543,16 +666,14 @@ class Chat:
         finally:
             self.renderer.before_output = None
         if cleared:
-            typed = self.editor.display if self.editor.echo else ""
-            self.screen.write(self.approval_prompt(self.asking) + typed)
+            self.show_prompt(self.approval_prompt(self.asking))
 
     def notice(self, text: str) -> None:
         """A line of information that must not tear the line being typed."""
         if self.editor.visible:
-            self.screen.erase_line()
+            self.erase_prompt()
             self.screen.line(text)
-            typed = self.editor.display if self.editor.echo else ""
-            self.screen.write((self.approval_prompt(self.asking) if self.asking else PROMPT) + typed)
+            self.show_prompt(self.approval_prompt(self.asking) if self.asking else PROMPT)
         else:
             self.screen.line(text)
 
@@ -659,37 +780,39 @@ class Chat:
             self.editor.end()
         while self.exit_code is None and (event := self.editor.take()) is not None:
             kind, text = event
+            pasted = kind == "pasted"
+            command = "" if pasted else text.strip()  # a line holding pasted text is never a command
             if kind == "eof":  # Ctrl-D on an empty line: leave once nothing runs (at an approval: deny)
                 self.eof = True
                 if self.asking is not None:
                     self.answer("")
             elif self.asking is not None:
-                self.at_approval(text)
-            elif self.busy and not self.editor.echo and text.strip() != "/cancel":
+                self.at_approval(text, pasted)
+            elif self.busy and not self.editor.echo and command != "/cancel":
                 # piped: a script's lines run in order, its /quit too (acting now dropped the replies
                 # of the lines before it); its /cancel acts now, on the reply streaming
-                self.held.append(text)
+                self.held.append((text, pasted))
             elif self.busy:  # a reply is streaming (or a line awaits its ack): commands act now, other lines wait
-                if text.strip() == "/cancel":
+                if command == "/cancel":
                     self.cancel()
-                elif text.strip() in ("/quit", "/exit"):
+                elif command in ("/quit", "/exit"):
                     self.leave()
                 else:
-                    self.held.append(text)
+                    self.held.append((text, pasted))
             else:
                 if not self.editor.echo:  # piped: nothing was echoed; show the line after its prompt
                     self.screen.write(typed(text) + "\n")  # (a CR in it is text, not a control)
-                await self.line(text)
+                await self.line(text, pasted)
         await self.drain()
 
     async def drain(self) -> None:
         """Between turns: run the lines typed meanwhile, then leave (stdin ended) or prompt."""
         while not self.busy and self.asking is None and self.exit_code is None:
             if self.held:
-                text = self.held.pop(0)
+                text, pasted = self.held.pop(0)
                 self.screen.fresh_line()
                 self.screen.write(PROMPT + typed(text) + "\n")
-                await self.line(text)
+                await self.line(text, pasted)
             elif self.eof:
                 if self.client.gone:  # the input ended as the connection did: that is no success
                     self.gone(self.client.closed_message())
@@ -700,8 +823,9 @@ class Chat:
                     self.prompt()
                 return
 
-    async def line(self, text: str) -> None:
-        """A line entered at the prompt: a client command, or input for the model."""
+    async def line(self, text: str, pasted: bool = False) -> None:
+        """A line entered at the prompt: a client command, or input for the model (always, when it
+        holds pasted text: sent exactly as it is)."""
         self.editor.visible = False
         problem = unsendable(text)
         if problem is not None:  # as a line too long: refused, not sent; piped, exit 1 at the end
@@ -710,6 +834,9 @@ class Chat:
             return
         cmd = text.strip()
         if not cmd:
+            return
+        if pasted:
+            self.submit(text)
             return
         if cmd in ("/quit", "/exit"):
             self.leave()
@@ -721,20 +848,11 @@ class Chat:
             ):
                 self.screen.line(f"  {name:<8} {what}")
             return
-        if cmd == "/cancel" and not self.editor.echo:  # piped: done before the next line is sent
-            try:
-                ack = await self.client.request(self.cancel_frame())
-            except ProtocolError as exc:
-                self.refused(exc)
-                return
-            if not ack.get("cancelled"):
-                self.screen.line(self.screen.dim("[nothing to cancel]"))
-            return
         if cmd == "/cancel":
-            self.background(
-                self.cancel_frame(),
-                lambda ack: None if ack.get("cancelled") else "[nothing to cancel]",
-            )
+            # Nothing of this client runs or is on screen (a /cancel then acts as it is typed, in
+            # on_keys). A cancel naming no turn would stop whatever turn of the conversation runs,
+            # another client's that this screen never showed: nothing is sent.
+            self.screen.line(self.screen.dim("[nothing to cancel]"))
             return
         if cmd == "/new":
             try:
@@ -815,13 +933,14 @@ class Chat:
             "else type it again"
         )
 
-    def at_approval(self, text: str) -> None:
-        """A line entered at the approval prompt: its answer, or a command."""
-        if not self.editor.echo and text.strip() in ("/cancel", "/quit", "/exit"):
+    def at_approval(self, text: str, pasted: bool = False) -> None:
+        """A line entered at the approval prompt: its answer, or a command (never one holding pasted text)."""
+        command = "" if pasted else text.strip()
+        if not self.editor.echo and command in ("/cancel", "/quit", "/exit"):
             self.screen.write(typed(text) + "\n")  # piped: shown after its prompt, as an answer is
-        if text.strip() == "/cancel":  # cancels the turn, like Ctrl-C; the call is not answered
+        if command == "/cancel":  # cancels the turn, like Ctrl-C; the call is not answered
             self.on_interrupt()
-        elif text.strip() in ("/quit", "/exit"):  # leaves; the call is not answered
+        elif command in ("/quit", "/exit"):  # leaves; the call is not answered
             self.leave()
         else:
             self.answer(text)
@@ -830,7 +949,7 @@ class Chat:
         frame, self.asking = self.asking, None
         assert frame is not None
         self.editor.visible = False
-        self.editor.buf = list(self.stash)
+        self.editor.put_back(self.stash)
         if not self.editor.echo:  # piped: nothing was echoed; show the answer after its prompt
             self.screen.write(typed(text) + "\n")
         decision = "approve" if text.strip().lower() in ("y", "yes") else "deny"
@@ -857,14 +976,13 @@ class Chat:
 
     def ask(self, frame: dict[str, Any]) -> None:
         self.asking = frame
-        self.stash, self.editor.buf = self.editor.text, []
+        self.stash = self.editor.set_aside()
         self.screen.fresh_line()
-        self.screen.write(self.approval_prompt(frame))
-        self.editor.visible = True
+        self.show_prompt(self.approval_prompt(frame))
         if not self.editor.echo and self.held:  # a script on stdin answers in order (its /quit
             # leaves, as typed at the prompt); a person at a terminal never approves with keys typed
             # before the prompt
-            self.at_approval(self.held.pop(0))
+            self.at_approval(*self.held.pop(0))
         elif self.eof:  # stdin ended: nobody here can answer
             self.screen.write("(no input left: deny)")
             self.answer("")
@@ -872,9 +990,10 @@ class Chat:
     def withdraw(self, why: str | None) -> None:
         """Take the approval prompt off the screen: somebody else answered, it expired, or the
         turn was cancelled. `why` None: not known yet (`approval_resolved` will say)."""
-        self.screen.erase_line()
+        self.erase_prompt()
         self.asking = None
-        self.editor.visible, self.editor.buf = False, list(self.stash)
+        self.editor.visible = False
+        self.editor.put_back(self.stash)
         if why is not None:
             self.screen.line(self.screen.dim(why))
         self.next_approval()
@@ -889,23 +1008,19 @@ class Chat:
             self.ask(self.approvals.pop(0))
 
     def cancel(self) -> None:
+        """Cancel the turn on screen, named (never the one queued behind it, nor a turn of another
+        client that this screen does not show)."""
         self.cancelling = True
-        if self.turn is None and self.sending is not None:
+        if self.turn is None:
             return  # the turn is not known yet: cancelled once the server confirms the line (`submitted`)
-        self.background(self.cancel_frame(), lambda ack: None)
-
-    def cancel_frame(self) -> dict[str, Any]:
-        """A cancel of the turn on screen, if one is (never of the one queued behind it)."""
-        frame: dict[str, Any] = {"type": "cancel", "conversation": self.conv_id}
-        if self.turn is not None:
-            frame["turn_id"] = self.turn
-        return frame
+        self.background({"type": "cancel", "conversation": self.conv_id, "turn_id": self.turn}, lambda ack: None)
 
     def on_interrupt(self) -> None:
         if self.asking is not None:  # cancel at once; the approval is not answered
-            self.screen.erase_line()
+            self.erase_prompt()
             self.asking, self.approvals = None, []
-            self.editor.visible, self.editor.buf = False, list(self.stash)
+            self.editor.visible = False
+            self.editor.put_back(self.stash)
             self.screen.line("^C cancelling (Ctrl-C again to exit)")
             self.cancel()
         elif self.turn is not None or self.sending is not None:  # a reply runs, or a line awaits its ack
@@ -916,7 +1031,7 @@ class Chat:
             self.renderer.kind = None
             self.cancel()
         elif self.editor.buf:
-            self.editor.buf = []
+            self.editor.discard()
             self.screen.write("^C\n")
             self.prompt()
         else:
@@ -954,7 +1069,7 @@ class Chat:
         elif kind == "approval_request" and frame.get("conversation_id") == self.conv_id:
             if self.turn is None:  # a turn of this conversation needs an answer: show it
                 if self.editor.visible:
-                    self.screen.erase_line()
+                    self.erase_prompt()
                 self.follow(frame["turn_id"])
             if self.asking is not None and self.asking["call_id"] == frame["call_id"]:
                 return  # asked again after a reconnect: already on screen

@@ -51,6 +51,7 @@ SLOW_FILES_FIRST = (
     "test_cron_failover_s20.py",
     "test_edge_send_timeout.py",
     "test_cron_fixes_s18.py",
+    "test_cron_fixes_s18_b.py",
     "test_cli_s23_owner.py",
     "test_edge_pipelining.py",
     "test_cron_s22.py",

@@ -42,9 +42,11 @@ BOMBS = 6  # per socket
 
 
 def _bomber(port: int, token: str, done: list[int], lock: threading.Lock, ready: threading.Barrier) -> None:
-    """BOMBS frames of ~4 KB on the wire that each inflate to just under the frame limit, sent in one
-    write once every bomber is greeted; each answer counted in `done` as it arrives."""
-    filler = "a" * (4 * MiB - 200)
+    """BOMBS frames of ~1 KB on the wire that each inflate to 1 MiB (far past the 64 KiB the inflate
+    gate lets through freely, and one WS_STEP_BYTES step: before the fix, every ready bomber finished
+    one in each loop iteration), sent in one write once every bomber is greeted; each answer counted
+    in `done` as it arrives."""
+    filler = "a" * (MiB - 200)
     with connect(port) as s:
         s.settimeout(12 * T)
         s.sendall(upgrade(port, token, deflate=True) + hello())

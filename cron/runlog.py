@@ -14,32 +14,70 @@ missing (`read_run_log`, `ClaimsInHand`).
 The scheduler writes through `RunLog`, which never raises: a record the disk refuses (full, a
 directory in the way) is logged loudly, kept in memory and retried (in order, per task) at the next
 write or tick, so a run-log failure can never stop a claimed run from firing.
+
+Retention: a log is kept under RUN_LOG_MAX_BYTES. The write that would pass it first drops the
+oldest records of runs that ended (down to RUN_LOG_TRIM_TO_BYTES), writing the log anew (temporary
+file, fsync, rename: a kill at any instant leaves the old log or the new one, whole). What recovery
+and numbering read is never dropped: every record of a run no `outcome`, `fire_failed` or `missed`
+record ended (a claim not yet submitted, a turn whose outcome is not recorded), the newest
+`removed` record, the record naming the highest run number and the newest scheduled `fired` one
+(`_trim_plan`). Every writer appends under the log's flock and writes to the file the path names
+once it holds it (`_open_locked`), so a record is never appended to a log a trim just replaced.
+The log of a removed task goes REMOVED_LOG_RETENTION_S after its removal (`prune_removed_logs`).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
 import re
 import stat
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from appserver.fsutil import MIB, StateFileRefused, ensure_private_dir, open_state_file, state_file_stat
+from appserver.fsutil import (
+    MIB,
+    StateFileRefused,
+    atomic_write_bytes,
+    ensure_private_dir,
+    error_text,
+    open_state_file,
+    remove_stale_temporaries,
+    state_file_stat,
+)
 
 log = logging.getLogger("appserver.cron")
 
 EVENTS = ("fired", "submitted", "fire_failed", "missed", "outcome", "delivered", "delivery_failed", "error", "removed")
 TAIL_BYTES = 64 * 1024  # how much of a log's end the start-up and removed-task scans read
-# How much of a log's end `cron logs` reads: a log is never purged and may hold years of runs; its
-# newest records are what is asked for, and memory must not grow with the file (or a link to
-# /dev/zero). Scans for one record read the whole file a line at a time instead.
+# How much of a log's end `cron logs` reads: a log written by an older version (never trimmed) may
+# hold years of runs; its newest records are what is asked for, and memory must not grow with the
+# file (or a link to /dev/zero). Scans for one record read the whole file a line at a time instead.
 READ_MAX_BYTES = 16 * MIB
+# The size a task's log is kept under. A run writes about 800 bytes (fired, submitted, outcome), so
+# a trim (down to RUN_LOG_TRIM_TO_BYTES) keeps the last ~2,000 runs: 33 hours of a task run every
+# minute, 80 days of an hourly one. A namespace's 100 tool-made tasks hold at most ~200 MiB, however
+# long they run; a fraction of READ_MAX_BYTES, so `cron logs` always reads a trimmed log whole. The
+# trim rewrites ~1.5 MiB once per ~650 runs, not at every write.
+RUN_LOG_MAX_BYTES = 2 * MIB
+RUN_LOG_TRIM_TO_BYTES = RUN_LOG_MAX_BYTES * 3 // 4
+# The records that end a run: once one is written the run's records may be trimmed away.
+ENDING_EVENTS = ("outcome", "fire_failed", "missed")
+# How long a writer waits for another one's hold of a log (an append takes microseconds, a trim of
+# an older version's huge log seconds) before its write fails (RunLog keeps the record to retry).
+LOG_LOCK_WAIT_S = 30.0
+# The log of a removed task is deleted this long after its removal (and its last write), as the
+# gateway's settled ledger rows are: `cron logs` of a task removed a month ago finds nothing.
+REMOVED_LOG_RETENTION_S = 30 * 86400.0
 MAX_LINE_BYTES = 1 * MIB  # a longer "line" (a sparse file of zeros) is skipped, never held whole
 # Records are kept small, so the scans that read a log's end see many of them: a string in a record
 # (an error text, …) is cut to MAX_FIELD_CHARS, and the task a `removed` record keeps has its prompt
@@ -108,27 +146,174 @@ def utf8_json(value: Any, **dumps: Any) -> bytes:
         return json.dumps(value, ensure_ascii=True, **dumps).encode("ascii")
 
 
-def write_record(runs_dir: Path, record: dict[str, Any]) -> None:
-    """Append one record with a single O_APPEND write, so concurrent writers never interleave. A
+def write_record(runs_dir: Path, record: dict[str, Any], *, max_bytes: int = RUN_LOG_MAX_BYTES) -> None:
+    """Append one record with a single O_APPEND write under the log's flock, so concurrent writers
+    never interleave; one that would take the log past `max_bytes` trims it first (`_trim`). A
     log whose last line was cut short (a full disk) gets a line break first: the torn line stays
     unreadable on its own instead of swallowing this record too."""
     line = utf8_json(record) + b"\n"
     ensure_private_dir(runs_dir)
     path = run_log_path(runs_dir, str(record["task_id"]))
     state_file_stat(path)  # a link to nothing (an unmounted disk) is refused, never created anew
-    # non-blocking: a FIFO in the log's place must fail the write, not hang the scheduler
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o600)
+    fd = _open_locked(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StateFileRefused(path, "not a regular file: a run log must be one; replace it with the log")
-        size = st.st_size
+        size = os.fstat(fd).st_size
+        if size + len(line) > max_bytes and _trim(fd, path, size, line, max_bytes):
+            return
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
         if os.write(fd, line) != len(line):
             raise OSError(f"short write to the run log of task {record['task_id']}")
     finally:
+        os.close(fd)  # (releases the flock)
+
+
+def _open_locked(path: Path) -> int:
+    """The log open for appending, under its exclusive flock, and still the file `path` names: a
+    writer that waited while another trimmed the log (renamed a new one into place) or deleted it
+    opens the file there now, so no record goes into a file nobody reads again."""
+    deadline = time.monotonic() + LOG_LOCK_WAIT_S
+    while True:
+        # non-blocking: a FIFO in the log's place must fail the write, not hang the scheduler
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StateFileRefused(path, "not a regular file: a run log must be one; replace it with the log")
+            _flock(fd, path, deadline)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is not None and (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
+
+
+def _flock(fd: int, path: Path, deadline: float) -> None:
+    """Take the exclusive flock of an open log, waiting until `deadline` (monotonic) at most."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise OSError(
+                    errno.EWOULDBLOCK, f"held by another process for over {LOG_LOCK_WAIT_S:g} s", str(path)
+                ) from None
+            time.sleep(0.005)
+
+
+def _trim(fd: int, path: Path, size: int, line: bytes, max_bytes: int) -> bool:
+    """Write the log anew (atomically) as what `_trim_plan` keeps of it followed by `line`, the
+    caller holding its flock; False when nothing can go (`line` is then appended as usual) or the
+    new log could not be written (said once: the log stays whole, the record is appended to it)."""
+    keep = max(0, max_bytes * 3 // 4 - len(line))  # (RUN_LOG_TRIM_TO_BYTES for the default cap)
+    plan = _trim_plan(fd, size, size - keep)
+    if plan is None:
+        return False
+    cut, pinned = plan
+    parts = [os.pread(fd, length, offset) for offset, length in pinned]
+    parts = [p if p.endswith(b"\n") else p + b"\n" for p in parts]
+    tail = os.pread(fd, size - cut, cut) if cut < size else b""
+    data = b"".join(parts) + tail
+    if data and not data.endswith(b"\n"):
+        data += b"\n"
+    try:
+        atomic_write_bytes(path, data + line)
+    except OSError as exc:
+        log.warning(
+            "cron: could not trim the run log %s (%s); the record is appended to it as it is", path, error_text(exc)
+        )
+        return False
+    if len(data) + len(line) > max_bytes:
+        log.warning(
+            "cron: the run log %s holds %d bytes of runs not ended yet (or the records numbering needs): it "
+            "stays above its %d-byte bound until they end",
+            path,
+            len(data) + len(line),
+            max_bytes,
+        )
+    return True
+
+
+def _trim_plan(fd: int, size: int, keep_from: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """What a trim keeps of a log of `size` bytes: (the offset from which on everything is kept: the
+    first line at or after `keep_from` that is not one of the last records of a run begun before it,
+    so no run is kept without its start; the (offset, length) of the lines before it that are kept
+    too), or None when every line before that offset must be kept. Kept: each record of a run that
+    no ENDING_EVENTS record ended (it may be claimed and not submitted, or submitted with its
+    outcome not recorded: recovery resolves it by these records), the newest `removed` record (how
+    `cron logs NAME` finds a removed task), the newest record naming the highest run number and the
+    newest scheduled `fired` record (`used_runs`: a restored older crons.json neither reuses a run
+    number nor runs an occurrence again). Read a line at a time (an older version's log may be far
+    larger than memory should hold)."""
+    open_runs: dict[int, list[tuple[int, int]]] = {}
+    marks: dict[str, tuple[int, int]] = {}
+    highest = -1
+    begun: deque[int] = deque(maxlen=64)  # the runs of the last records before `keep_from`
+    cut: int | None = None
+    cut_found = False
+    offset = 0
+    with os.fdopen(os.dup(fd), "rb") as f:
+        f.seek(0)
+        while offset < size:
+            start = offset
+            line = f.readline(min(MAX_LINE_BYTES, size - offset))
+            if not line:
+                break
+            offset += len(line)
+            rec: dict[str, Any] | None = None
+            if not line.endswith(b"\n") and len(line) == MAX_LINE_BYTES:  # no record: skipped whole
+                while offset < size and line and not line.endswith(b"\n"):
+                    line = f.readline(min(MAX_LINE_BYTES, size - offset))
+                    offset += len(line)
+            else:
+                rec = _trim_record(line)
+            n = None if rec is None else _number(rec)
+            if start < keep_from:
+                if n is not None:
+                    begun.append(n)
+            elif not cut_found:
+                if n is not None and n in begun:  # the end of a run begun before: goes with it if it ended
+                    cut = offset
+                else:
+                    cut, cut_found = start, True
+            if rec is None:
+                continue
+            span, event = (start, len(line)), rec.get("event")
+            if event == "removed":
+                marks["removed"] = span
+            if n is None:
+                continue
+            if event in ENDING_EVENTS:
+                open_runs.pop(n, None)
+            elif event in ("fired", "submitted") or n in open_runs:
+                open_runs.setdefault(n, []).append(span)
+            if n >= highest:
+                highest, marks["highest"] = n, span
+            if event == "fired" and not rec.get("manual") and not rec.get("recovered"):
+                marks["scheduled"] = span
+    if cut is None or not cut_found:  # (every line from `keep_from` on ends a run begun before)
+        cut = size
+    pinned = sorted({s for spans in open_runs.values() for s in spans} | set(marks.values()))
+    pinned = [s for s in pinned if s[0] < cut]
+    if sum(length for _, length in pinned) >= cut:
+        return None
+    return cut, pinned
+
+
+def _trim_record(line: bytes) -> dict[str, Any] | None:
+    """The record of a line as far as a trim needs it (its event text, its run number read by
+    `_number`), else None; quicker than `is_record` (an older version's log may be huge)."""
+    try:
+        rec = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("event"), str) else None
 
 
 def append_run(runs_dir: Path, task_id: str, event: str, **fields: Any) -> dict[str, Any]:
@@ -149,6 +334,7 @@ class RunLog:
         self._backlog: list[dict[str, Any]] = []
         self._error: str | None = None
         self._mutex = threading.Lock()  # the scheduler writes from the loop and from worker threads
+        self.max_bytes = RUN_LOG_MAX_BYTES  # each log's bound (`write_record`)
         # A command that ends right after its run (`cron run` in-process) cannot retry: it reports
         # what was not written once, at its end (`unwritten`), instead of a line per record
         self.retries = True
@@ -163,7 +349,7 @@ class RunLog:
                 self._keep(record, None)
                 return record
             try:
-                write_record(self.runs_dir, record)
+                write_record(self.runs_dir, record, max_bytes=self.max_bytes)
             except (OSError, ValueError) as exc:
                 self._keep(record, exc)
         return record
@@ -229,7 +415,7 @@ class RunLog:
             task_id = str(record["task_id"])
             if task_id not in failed:
                 try:
-                    write_record(self.runs_dir, record)
+                    write_record(self.runs_dir, record, max_bytes=self.max_bytes)
                     continue
                 except (OSError, ValueError) as exc:
                     self._error = f"{type(exc).__name__}: {exc}"
@@ -438,7 +624,8 @@ def _at(record: dict[str, Any]) -> datetime:
 
 def find_removed(runs_dir: Path, ref: str) -> list[dict[str, Any]]:
     """The tasks (as kept by their `removed` record) whose id or name is `ref`, newest removal
-    last. A removed task's log stays in cron-runs/<task id>.jsonl."""
+    last. A removed task's log stays in cron-runs/<task id>.jsonl for REMOVED_LOG_RETENTION_S
+    (`prune_removed_logs`)."""
     if not runs_dir.is_dir():
         return []
     try:
@@ -456,6 +643,78 @@ def find_removed(runs_dir: Path, ref: str) -> list[dict[str, Any]]:
         elif isinstance(task, dict) and task.get("name") == ref:
             found.append((at, task))
     return [task for _, task in sorted(found, key=lambda x: x[0])]
+
+
+def prune_removed_logs(
+    runs_dir: Path, live: set[str], now: datetime, *, max_age_s: float = REMOVED_LOG_RETENTION_S
+) -> list[Path]:
+    """Delete the logs of removed tasks whose removal (their newest `removed` record) and last
+    write are both more than `max_age_s` before `now`, and the temporaries of trims that were killed
+    (`remove_stale_temporaries`). A log whose id a task in `live` (the ids crons.json holds) has is
+    kept, as is one with no `removed` record (its tasks file was lost: the log is the history, and
+    the floor of the run numbers if an older copy is restored). Deleted under the log's flock, so a
+    record appended meanwhile (a removed task's run ending late) keeps it. Returns what went."""
+    if not runs_dir.is_dir():
+        return []
+    cutoff = now.timestamp() - max_age_s
+    gone: list[Path] = []
+    try:
+        entries = list(os.scandir(runs_dir))
+    except OSError as exc:
+        log.warning("cron: cannot list the run logs in %s: %s", runs_dir, error_text(exc))
+        return gone
+    trimmed = {e.name[1:].split(".jsonl.")[0] for e in entries if e.name.startswith(".") and ".jsonl." in e.name}
+    for name in sorted(trimmed):
+        try:
+            remove_stale_temporaries(run_log_path(runs_dir, name))
+        except ValueError:
+            continue
+    for entry in sorted(entries, key=lambda e: e.name):
+        if not entry.name.endswith(".jsonl") or entry.name.startswith(".") or entry.name[:-6] in live:
+            continue
+        path = Path(entry.path)
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_mtime > cutoff:
+            continue
+        removed = _removal(path)
+        at = aware_time(removed.get("at")) if removed is not None else None
+        if at is None or at.timestamp() > cutoff:
+            continue
+        try:
+            if _delete_unchanged(path, st):
+                gone.append(path)
+        except OSError as exc:
+            log.warning("cron: could not delete the run log %s of a removed task: %s", path, error_text(exc))
+    if gone:
+        log.info(
+            "cron: deleted the run logs of %d task(s) removed more than %g days ago: %s",
+            len(gone),
+            max_age_s / 86400,
+            ", ".join(p.name for p in gone),
+        )
+    return gone
+
+
+def _delete_unchanged(path: Path, seen: os.stat_result) -> bool:
+    """Unlink `path` under its flock if it is still the file `seen` describes, unwritten since."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        _flock(fd, path, time.monotonic() + LOG_LOCK_WAIT_S)
+        st = os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (
+            seen.st_dev,
+            seen.st_ino,
+            seen.st_size,
+            seen.st_mtime_ns,
+        ):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _removal(path: Path) -> dict[str, Any] | None:

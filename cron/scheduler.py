@@ -66,6 +66,7 @@ from cron.runlog import (
     aware_time,
     delivery_record,
     has_fired,
+    prune_removed_logs,
     settled_record,
     unrecorded_turns,
     unsettled_claims,
@@ -136,6 +137,9 @@ FAILED_TICK_RETRY_S = 2.0
 # A time this far ahead of the clock was set by a clock that was ahead (or has since been put back):
 # a scheduled run is never claimed early and a one-shot at most ONESHOT_JITTER_EARLY_S early.
 CLOCK_SLACK_S = 120.0
+# The logs of tasks removed more than REMOVED_LOG_RETENTION_S ago are deleted at the first tick, then
+# this often (`prune_removed_logs`), as the gateway prunes its settled ledger rows
+PRUNE_LOGS_EVERY_S = 3600.0
 
 
 def _claimed_at(task: CronTask) -> datetime | None:
@@ -401,6 +405,7 @@ class Scheduler:
         self._holder_seen: OwnerRecord | None = None
         self._holder_check_at = 0.0
         self.alive_at = time.monotonic()  # the loop's own heartbeat, for readiness
+        self._pruned_at: float | None = None  # monotonic time of the last `_prune_logs`
 
     @classmethod
     def from_config(cls, cfg: Any, *, fire: FireFn, **kwargs: Any) -> Scheduler:
@@ -477,7 +482,27 @@ class Scheduler:
         for items in in_turn.values():
             self._start_in_turn(items)
         await self._withdraw_runs()
+        await self._prune_logs()
         return report
+
+    async def _prune_logs(self) -> None:
+        """Delete the run logs of tasks removed long ago (`prune_removed_logs`), at the first tick
+        and then every PRUNE_LOGS_EVERY_S; never fails the tick (a failure is logged, tried again
+        then). The ids crons.json holds are read first: a task it holds keeps its log. Judged by the
+        wall clock, as the records' times and the files' are written (not the injected clock)."""
+        if self._pruned_at is not None and time.monotonic() - self._pruned_at < PRUNE_LOGS_EVERY_S:
+            return
+        self._pruned_at = time.monotonic()
+
+        def prune() -> None:
+            state = self.store.read()
+            live = {t.id for t in state.tasks} | {bad.id for bad in state.invalid}
+            prune_removed_logs(self.store.runs_dir, live, datetime.now(UTC))
+
+        try:
+            await asyncio.to_thread(prune)
+        except (CorruptStateFile, CronStoreError, OSError) as exc:
+            log.warning("cron: could not prune the run logs of removed tasks: %s", error_text(exc))
 
     # ------------------------------------------------------------ catch-ups, one after another
 

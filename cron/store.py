@@ -750,7 +750,9 @@ class CronFile:
         version = d.get("version")
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError("version must be an integer")
-        tasks = d.get("tasks", [])
+        if "tasks" not in d:  # every write has it (`[]` when empty): a file without it lost them
+            raise ValueError('tasks is missing (an empty file still says "tasks": [])')
+        tasks = d["tasks"]
         if not isinstance(tasks, list):
             raise ValueError("tasks must be a list")
         # The lease record is the scheduler's, not the user's data: an unusable one is read as no
@@ -1309,8 +1311,9 @@ class CronStore:
     def remove(
         self, ref: str, agent: str | None = None, *, scheduler_alive: Callable[[OwnerRecord], bool] | None = None
     ) -> CronTask:
-        """Remove a task; its run log stays, ending with a `removed` record that keeps the task
-        (so `cron logs NAME` still finds it by name; a long prompt cut short: `removed_task`).
+        """Remove a task; its run log stays (30 days: `REMOVED_LOG_RETENTION_S`), ending with a
+        `removed` record that keeps the task (so `cron logs NAME` still finds it by name; a long
+        prompt cut short: `removed_task`).
         With `scheduler_alive`, its runs still waiting for a scheduler that stopped are cancelled
         (`_cancel_waiting_runs`). An invalid task is refused (CronTaskInvalid): only `remove_any`
         (the operator's `cron remove`) removes one, the `schedule` tool cannot tell whose it is."""

@@ -766,7 +766,7 @@ def remove_cmd(ref: str, agent: str | None) -> None:
     if isinstance(t, InvalidTask):
         click.echo(f"removed the invalid task {_raw_field(t, 'name')} ({exact(t.id)})")
         return
-    click.echo(f"removed {exact(t.name)} ({exact(t.id)}); its run log stays: appserver cron logs {exact(t.id)}")
+    click.echo(f"removed {exact(t.name)} ({exact(t.id)}); its run log stays 30 days: appserver cron logs {exact(t.id)}")
 
 
 @cron_group.command("run")
@@ -793,7 +793,7 @@ def run_cmd(task: str, agent: str | None, timeout: str, as_json: bool) -> None:
 @_user_errors
 def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
     """Show the run log: fires, submissions, outcomes, deliveries, misses and errors. A removed task's
-    log is kept (cron-runs/<task id>.jsonl) and found by its id or name."""
+    log is kept 30 days (cron-runs/<task id>.jsonl) and found by its id or name."""
     cfg = _config()
     store = _store(cfg)
     agent_id = _agent_filter(cfg, agent)
@@ -806,7 +806,7 @@ def logs_cmd(ref: str, agent: str | None, limit: int, as_json: bool) -> None:
         task_id, name, tz = exc.entry.id, _raw_text(exc.entry.raw.get("name", exc.entry.id)), "UTC"
     except CronNotFound:
         task_id, name, tz = _removed_task(store, ref, agent_id)
-        click.echo(f"note: task {exact(name)} ({exact(task_id)}) was removed; its run log was kept", err=True)
+        click.echo(f"note: task {exact(name)} ({exact(task_id)}) was removed; its run log is kept 30 days", err=True)
     claims = _claims_in_hand(store, state, found_task)
     found = read_run_log(store.runs_dir, task_id, limit=limit, claims=claims)
     problem = found.problem()

@@ -1635,8 +1635,12 @@ class Responses:
 
     async def delete(self, request: Request) -> Response:
         rec = await self._stored(request)
-        await self.server.store.delete_response(rec.id)
+        deleted = await self.server.store.delete_response(rec.id)
         await forget_answers_of(self.server, rec.conversation_id, rec.id)
+        if not deleted:  # another DELETE (on this server or another) took it since it was read
+            raise ApiError(
+                404, f"No response found with id '{rec.id}'.", code="response_not_found", param="response_id"
+            )
         return json_response({"id": rec.id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:

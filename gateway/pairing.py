@@ -15,11 +15,11 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import time
-import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from appserver.client.hidden import escape, hidden
 from gateway.db import transaction
 
 ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
@@ -81,39 +81,12 @@ def new_code() -> str:
     return "".join(secrets.choice(ALPHABET) for _ in range(CODE_LENGTH))
 
 
-# What shows as nothing, a plain space or another order (the CLI's appserver/cli/safetext.py `exact`
-# escapes the same; the gateway may not import the CLI): controls, format characters (zero-width
-# space and joiners, BOM, soft hyphen, bidi), separators, surrogates, unassigned, private use.
-_HIDDEN_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs", "Cn", "Co"))
-_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u2800\u3164\uffa0")
-
-
-def _hidden(char: str) -> bool:
-    category = unicodedata.category(char)
-    return (
-        category in _HIDDEN_CATEGORIES
-        or (category == "Zs" and char != " ")
-        or char in _INVISIBLE
-        or "\ufe00" <= char <= "\ufe0f"  # variation selectors
-        or "\U000e0100" <= char <= "\U000e01ef"
-    )
-
-
 def shown_id(sender: str) -> str:
     """A sender id as the owner reads it (the `/pair` listing): each hidden character as its escape
     (`alice\\u200b`) and each backslash doubled, as `appserver pairing list` shows it, so two senders
     never look alike. `alice` and `alice` with a zero-width space were one name, and one's approval
     could pass for the other's."""
-    shown = []
-    for char in sender.replace("\\", "\\\\"):
-        code = ord(char)
-        if not _hidden(char):
-            shown.append(char)
-        elif code < 0x100:
-            shown.append(f"\\x{code:02x}")
-        else:
-            shown.append(f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}")
-    return "".join(shown)
+    return "".join(escape(c) if hidden(c) else c for c in sender.replace("\\", "\\\\"))
 
 
 def normalize(code: str) -> str:

@@ -24,36 +24,14 @@ from __future__ import annotations
 import re
 import unicodedata
 
+from appserver.client.hidden import escape as _escape
+from appserver.client.hidden import hidden as _hidden
+
 # C0 controls but \t and \n, DEL, C1: what a terminal acts on instead of showing.
 _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")  # and lone surrogates: not printable
 # Every character but printable ASCII: only these can be hidden (`_hidden` decides).
 _NOT_PLAIN = re.compile("[^\x20-\x7e]")
-# Controls (Cc), format characters (Cf: zero-width, joiners, BOM, soft hyphen, bidi, tags), line and
-# paragraph separators, surrogates, unassigned and private-use code points: none shows as itself.
-_HIDDEN_CATEGORIES = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs", "Cn", "Co"))
-# Shown as nothing (or blank) although of another category: combining grapheme joiner, Hangul and
-# Khmer fillers, the blank Braille pattern, and the variation selectors.
-_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u2800\u3164\uffa0")
 _TYPED_ESCAPE = re.compile(r"\\(\\|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
-
-
-def _hidden(char: str) -> bool:
-    """Whether `char` can pass for something it is not: nothing, a plain space, another order."""
-    category = unicodedata.category(char)
-    return (
-        category in _HIDDEN_CATEGORIES
-        or (category == "Zs" and char != " ")  # no-break, em, thin, ideographic… spaces
-        or char in _INVISIBLE
-        or "\ufe00" <= char <= "\ufe0f"
-        or "\U000e0100" <= char <= "\U000e01ef"
-    )
-
-
-def _escape(char: str) -> str:
-    code = ord(char)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def _escaped(match: re.Match[str]) -> str:

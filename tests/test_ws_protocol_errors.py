@@ -156,6 +156,7 @@ async def _provoke_token_server(srv: Srv) -> set[str]:
     await ws.request({"type": "cancel", "conversation": conv}, T)
     # not_awaiting: an answer for a conversation with nothing paused
     idle = (await ws.request({"type": "create_conversation", "agent": "assistant"}, T))["conversation"]["id"]
+    assert await error(ws, {"type": "get_turn", "conversation": idle, "turn_id": "turn_nope"}) == "turn_not_found"
     assert (
         await error(
             ws,

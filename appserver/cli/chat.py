@@ -75,7 +75,7 @@ from appserver.cli.run import (
     until_signal,
 )
 from appserver.cli.safetext import exact, visible
-from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url
+from appserver.client import TERMINAL, ConnectError, ProtocolClient, ProtocolError, check_url, shown_url
 from appserver.serverinfo import HomeStarting, find_live_server
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -1285,11 +1285,11 @@ def chat_command(
             2 if exc.code in USAGE_ERRORS else 1,
         )
     except TimeoutError:  # before OSError, of which it is a kind
-        fail(f"the server at {url} did not answer in time", 1)
+        fail(f"the server at {shown_url(url)} did not answer in time", 1)
     except OSError as exc:
         if stdout_closed(exc):  # `appserver chat | head -1`: the reader left, the server did not
             exit_stdout_closed()
-        fail(f"cannot reach the server at {url}: {exc}", 1)
+        fail(f"cannot reach the server at {shown_url(url)}: {exc}", 1)
     sys.exit(code)
 
 

@@ -769,7 +769,7 @@ def call_server(
     go: Callable[[], Coroutine[Any, Any, T]], url: str, timeout: float, token_how: str = "set APPSERVER_TOKEN"
 ) -> T:
     """Run one protocol exchange with the live server; every failure is a one-line CLI error."""
-    from appserver.client import ProtocolError
+    from appserver.client import ProtocolError, shown_url
 
     try:
         return asyncio.run(go())
@@ -778,7 +778,7 @@ def call_server(
     except ProtocolError as exc:
         fail(exc.message + token_hint(exc.code, token_how), 2 if exc.code in USAGE_ERRORS else 1)
     except OSError as exc:
-        fail(f"cannot reach the server at {url}: {exc}", 1)
+        fail(f"cannot reach the server at {shown_url(url)}: {exc}", 1)
 
 
 def token_hint(code: str, how: str) -> str:

@@ -17,7 +17,7 @@ network failures are `OSError`.
 from __future__ import annotations
 
 from appserver.client import frames
-from appserver.client.auth import TokenSource, check_url, ws_url
+from appserver.client.auth import TokenSource, check_url, shown_url, ws_url
 from appserver.client.buffer import FrameBuffer
 from appserver.client.connection import ProtocolClient, encode_frame, resendable
 from appserver.client.errors import Closed, ConnectError, ProtocolError
@@ -42,5 +42,6 @@ __all__ = [
     "lost_snapshot",
     "resendable",
     "settled_from_history",
+    "shown_url",
     "ws_url",
 ]

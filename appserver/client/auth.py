@@ -18,6 +18,28 @@ TokenSource = str | Callable[[], str | None] | None
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")  # what a bearer token can be, in a header
 
 
+_USERINFO = re.compile(r"(//)([^/?#]*)@")  # greedy: a password may hold an @ of its own
+
+
+def shown_url(url: str) -> str:
+    """`url` for an error line or a log: a password in its user part (or a user part that is
+    one word: it may be a token) and each value of its query written `***`, as `appserver serve`
+    writes a store URL. Also for a URL no parser takes (`https://alice:pw@[::1`), which is
+    echoed in the error that says so."""
+
+    def user(m: re.Match[str]) -> str:
+        name, colon, _ = m.group(2).partition(":")
+        return f"{m.group(1)}{name}:***@" if colon else f"{m.group(1)}***@"
+
+    shown = _USERINFO.sub(user, url, count=1)
+    head, mark, rest = shown.partition("?")
+    if not mark:
+        return shown
+    query, hashmark, fragment = rest.partition("#")
+    items = [f"{item.partition('=')[0]}=***" if "=" in item else "***" for item in query.split("&") if item]
+    return f"{head}?{'&'.join(items)}{hashmark}{fragment}"
+
+
 def ws_url(base: str) -> str:
     """The `/ws` URL of a server given by its base URL (http(s) or ws(s), with or without `/ws`)."""
     base = base.rstrip("/")
@@ -33,7 +55,7 @@ def check_url(base: str) -> str:
     url = ws_url(base.strip())
 
     def bad(why: str) -> ConnectError:
-        return ConnectError("invalid_url", f"invalid server URL {base!r}: {why}", fatal=True)
+        return ConnectError("invalid_url", f"invalid server URL {shown_url(base)!r}: {why}", fatal=True)
 
     try:
         parts = urlsplit(url)

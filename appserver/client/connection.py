@@ -15,7 +15,11 @@ asking `url_source()` each time where the server now is (the CLI re-reads server
 listen elsewhere). Then it says hello, re-subscribes to its conversations and resumes the turns it
 was following: the active turn's snapshot is replayed as `turn_updated`; a followed turn that ended
 meanwhile (e.g. settled as interrupted by the standby) gets a terminal snapshot rebuilt from the
-committed history (`resume.py`), so a caller waiting for an outcome always gets a truthful one.
+committed history (`resume.py`), and one the history does not settle (still queued, or withdrawn
+from the queue, which leaves no message) is asked for by id (`get_turn`): its current snapshot, or
+the `lost` one when the server has no record of it. So a caller waiting for an outcome always gets
+a truthful one. (A server without `get_turn` leaves a turn unsettled while inputs are queued, as
+before: they may hold it.)
 On one connection (across its reconnects), a `turn_updated` whose revision is not higher than the
 last one delivered for that turn is not delivered (to `frames()`, `next_frame()`, `wait_turn()`):
 revisions of a turn strictly increase, also across a server's restart or a failover, so it is an
@@ -47,7 +51,7 @@ import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -56,7 +60,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 from websockets.frames import CloseCode
 
-from appserver.client.auth import TokenSource, auth_headers, check_url, default_token
+from appserver.client.auth import TokenSource, auth_headers, check_url, default_token, shown_url
 from appserver.client.buffer import DEFAULT_LIMIT, FrameBuffer
 from appserver.client.errors import Closed, ConnectError, ProtocolError
 from appserver.client.frames import PROTOCOL_VERSION, TERMINAL, ClientFrame
@@ -79,6 +83,7 @@ RESENDABLE = frozenset(
         "subscribe",
         "unsubscribe",
         "get_history",
+        "get_turn",
         "list_agents",
         "list_conversations",
         "ping",
@@ -223,7 +228,7 @@ def _too_deep(raw: str | bytes, frame: dict[str, Any]) -> bool:
     return False
 
 
-def _revision(snap: dict[str, Any]) -> int:
+def _revision(snap: Mapping[str, Any]) -> int:
     """A snapshot's revision; -1 (before any) when it is missing or no integer."""
     value = snap.get("revision", -1)
     return value if isinstance(value, int) and not isinstance(value, bool) else -1
@@ -317,17 +322,19 @@ class ProtocolClient:
             await ws.close()
             raise ConnectError(
                 "welcome_timeout",
-                f"the server at {url} accepted the WebSocket connection but sent no welcome within "
+                f"the server at {shown_url(url)} accepted the WebSocket connection but sent no welcome within "
                 f"{open_timeout:g} s (it may be overloaded or stuck, or not an appserver)",
             ) from None
         except ConnectionClosed as exc:
             raise Closed(
-                "connection_closed", f"the server at {url} closed the connection before its welcome ({_closed(exc)})"
+                "connection_closed",
+                f"the server at {shown_url(url)} closed the connection before its welcome ({_closed(exc)})",
             ) from None
         except ValueError:
             await ws.close()
             raise ConnectError(
-                "handshake_failed", f"the server at {url} answered hello with something other than a protocol frame"
+                "handshake_failed",
+                f"the server at {shown_url(url)} answered hello with something other than a protocol frame",
             ) from None
         except BaseException:
             await ws.close()
@@ -377,13 +384,16 @@ class ProtocolClient:
         except InvalidStatus as exc:
             raise _refused(url, exc.response.status_code, bytes(exc.response.body or b"")) from None
         except InvalidURI as exc:
-            raise ConnectError("invalid_url", f"invalid server URL {url!r}: {exc.msg}", fatal=True) from None
+            raise ConnectError("invalid_url", f"invalid server URL {shown_url(url)!r}: {exc.msg}", fatal=True) from None
         except TimeoutError:
             raise ConnectError(
-                "connect_timeout", f"the server at {url} did not accept a connection within {self._open_timeout:g} s"
+                "connect_timeout",
+                f"the server at {shown_url(url)} did not accept a connection within {self._open_timeout:g} s",
             ) from None
         except (InvalidHandshake, ConnectionClosed) as exc:
-            raise ConnectError("handshake_failed", f"no WebSocket server answered at {target}: {exc}") from None
+            raise ConnectError(
+                "handshake_failed", f"no WebSocket server answered at {shown_url(target)}: {exc}"
+            ) from None
 
     async def _call(self, ws: Any, frame: dict[str, Any], out: list[dict[str, Any]]) -> dict[str, Any]:
         """One request on a connection nobody else reads yet (handshakes); other frames go to `out`."""
@@ -472,7 +482,8 @@ class ProtocolClient:
                 "type": "event",
                 "name": "connection_lost",
                 "local": True,
-                "data": {"code": code, "reason": reason, "url": self.url, "reconnect_s": self._reconnect_s},
+                # shown, never a secret of the URL (`client.url` is the URL itself)
+                "data": {"code": code, "reason": reason, "url": shown_url(self.url), "reconnect_s": self._reconnect_s},
             }
         )
         delay, last, fatal = BACKOFF_FIRST_S, f"{code} {reason}".strip(), False
@@ -503,7 +514,7 @@ class ProtocolClient:
                         "type": "event",
                         "name": "reconnected",
                         "local": True,
-                        "data": {"url": url, "after_s": round(time.monotonic() - start, 3)},
+                        "data": {"url": shown_url(url), "after_s": round(time.monotonic() - start, 3)},
                     }
                 )
                 for frame in out:
@@ -526,7 +537,7 @@ class ProtocolClient:
                 await ws.close()
             await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, BACKOFF_MAX_S)
-        lost = f"lost the server at {self.url} ({code} {reason}".strip() + ")"
+        lost = f"lost the server at {shown_url(self.url)} ({code} {reason}".strip() + ")"
         if fatal:
             self.close_reason = f"{lost} and it refused to reconnect: {last}"
         else:
@@ -576,13 +587,39 @@ class ProtocolClient:
             agent_id = (state.get("conversation") or {}).get("agent_id") or self._subscribed.get(conv_id) or ""
             for turn_id in missing:
                 followed = self._turns[turn_id]
-                snap = settled_from_history(turn_id, conv_id, agent_id, messages, followed.revision + 1)
-                if snap is None and (state.get("queued") or 0) > 0:
-                    continue  # still queued: its snapshots follow on this subscription
+                revision = followed.revision + 1
+                snap: Mapping[str, Any] | None = settled_from_history(turn_id, conv_id, agent_id, messages, revision)
                 if snap is None:
-                    snap = lost_snapshot(turn_id, conv_id, agent_id, followed.revision + 1)
+                    try:
+                        snap = await self._turn_now(ws, conv_id, turn_id, out)
+                    except ProtocolError as exc:
+                        if exc.code != "turn_not_found":
+                            raise  # (the store, the cluster: this reconnect is tried again)
+                        snap = lost_snapshot(turn_id, conv_id, agent_id, revision)
+                if snap is None and (state.get("queued") or 0) > 0:
+                    # a server without `get_turn`: still queued, its snapshots follow on this subscription
+                    continue
+                if snap is None:
+                    snap = lost_snapshot(turn_id, conv_id, agent_id, revision)
+                elif snap.get("status") in TERMINAL and _revision(snap) < revision:
+                    # the outcome is news whatever its number: never dropped as an old view (`_saw`)
+                    snap = {**snap, "revision": revision}
                 out.append({"type": "turn_updated", "snapshot": snap})
         return welcome
+
+    async def _turn_now(self, ws: Any, conv_id: str, turn_id: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """A followed turn the history does not settle, as the server knows it now (`get_turn`): its
+        current snapshot (queued or running: followed on; ended: its outcome, also that of a turn
+        withdrawn from the queue, which left no message). None from a server without `get_turn`
+        (the caller guesses as before it); `ProtocolError` `turn_not_found`: no record of it."""
+        try:
+            reply = await self._call(ws, {"type": "get_turn", "conversation": conv_id, "turn_id": turn_id}, out)
+        except ProtocolError as exc:
+            if exc.code == "unknown_type":
+                return None
+            raise
+        snap = reply.get("snapshot")
+        return snap if isinstance(snap, dict) and snap.get("turn_id") == turn_id else None
 
     async def _history_with(
         self, ws: Any, conv_id: str, turns: set[str], out: list[dict[str, Any]]
@@ -841,7 +878,9 @@ def _refused(url: str, status: int, body: bytes) -> ConnectError:
         what = "refused the connection"
     else:
         what = "refused the WebSocket connection"
-    return ConnectError(code, f"the server at {url} {what} ({detail})", status=status, fatal=status in (401, 403))
+    return ConnectError(
+        code, f"the server at {shown_url(url)} {what} ({detail})", status=status, fatal=status in (401, 403)
+    )
 
 
 def _consume(future: asyncio.Future[dict[str, Any]]) -> None:

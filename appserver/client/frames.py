@@ -161,6 +161,13 @@ class Cancel(TypedDict):
     request_id: NotRequired[str]
 
 
+class GetTurn(TypedDict):
+    type: Literal["get_turn"]
+    conversation: str
+    turn_id: str
+    request_id: NotRequired[str]
+
+
 class ToolResult(TypedDict):
     type: Literal["tool_result"]
     call_id: str
@@ -204,6 +211,7 @@ ClientFrame = (
     | SubmitInput
     | ApprovalResponse
     | Cancel
+    | GetTurn
     | ToolResult
     | Ping
     | CronRun
@@ -237,6 +245,14 @@ class Ack(TypedDict, total=False):
 
 class TurnUpdated(TypedDict):
     type: Literal["turn_updated"]
+    snapshot: Snapshot
+    request_id: NotRequired[str | None]
+
+
+class Turn(TypedDict):
+    """The reply to `get_turn`."""
+
+    type: Literal["turn"]
     snapshot: Snapshot
     request_id: NotRequired[str | None]
 
@@ -332,6 +348,7 @@ ServerFrame = (
     Welcome
     | Ack
     | TurnUpdated
+    | Turn
     | ApprovalRequest
     | ApprovalResolved
     | ToolCallRequest

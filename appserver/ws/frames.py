@@ -301,6 +301,15 @@ class Cancel(_ClientFrame):
     turn_id: Text | None = Field(default=None, min_length=1)
 
 
+class GetTurn(_ClientFrame):
+    """One turn's current snapshot by id: how a client that followed a turn learns its outcome
+    after a reconnect, also one that left nothing in the history (withdrawn from the queue)."""
+
+    type: Literal["get_turn"]
+    conversation: Text = Field(min_length=1)
+    turn_id: Text = Field(min_length=1)
+
+
 class ToolResult(_ClientFrame):
     type: Literal["tool_result"]
     call_id: Text = Field(min_length=1)
@@ -346,6 +355,7 @@ ClientFrame = Annotated[
     | SubmitInput
     | ApprovalResponse
     | Cancel
+    | GetTurn
     | ToolResult
     | Ping
     | CronRun
@@ -382,6 +392,13 @@ class Ack(_Frame):
 
 class TurnUpdated(_Frame):
     type: Literal["turn_updated"]
+    snapshot: Snapshot
+
+
+class Turn(_Frame):
+    """The reply to `get_turn`: the turn's current snapshot, as `turn_updated` would carry it."""
+
+    type: Literal["turn"]
     snapshot: Snapshot
 
 
@@ -462,6 +479,7 @@ ServerFrame = Annotated[
     Welcome
     | Ack
     | TurnUpdated
+    | Turn
     | ApprovalRequest
     | ApprovalResolved
     | ToolCallRequest

@@ -433,6 +433,11 @@ class Endpoint:
             conv = await self._conversation(conn, frame.conversation, None, with_agent=False)  # no `agent` field
             cancelled = await self.server.kernel.cancel(conv.id, frame.turn_id)
             conn.send({"type": "ack", "request_id": rid, "conversation_id": conv.id, "cancelled": cancelled})
+        elif isinstance(frame, F.GetTurn):
+            self.server.kernel.refuse_if_fenced()  # as get_history
+            conv = await self._conversation(conn, frame.conversation, None, with_agent=False)  # no `agent` field
+            snapshot = await self._turn_snapshot(conv.id, frame.turn_id)
+            conn.send({"type": "turn", "request_id": rid, "snapshot": snapshot})
         elif isinstance(frame, F.ToolResult):
             results = await self.hub.tool_result(conn, frame.call_id, frame.output, frame.is_error)
             if not results or not results[0].get("accepted"):
@@ -469,6 +474,17 @@ class Endpoint:
             conn.send({"type": "ack", "request_id": rid, "results": results})
         else:  # pragma: no cover - parse_client_frame only yields known frames
             raise FrameError("unknown_type", f"unhandled frame {frame.type}")
+
+    async def _turn_snapshot(self, conversation_id: str, turn_id: str) -> dict[str, Any]:
+        """The current snapshot of a turn of a conversation the caller may see (`get_turn`): the
+        live one while it is open here, else rebuilt from the store (which keeps a turn withdrawn
+        from the queue, and a turn another server of a cluster runs). A turn of another
+        conversation is as unknown as one that never was."""
+        turn = await self.server.store.get_turn(turn_id)
+        if turn is None or turn.conversation_id != conversation_id:
+            raise FrameError("turn_not_found", f"no turn {turn_id!r} in conversation {conversation_id}", "turn_id")
+        handle = await self.server.kernel.handle_for(turn)
+        return handle.controller.snapshot().to_dict()
 
     async def on_hello(self, websocket: WebSocket, conn: Connection, frame: F.Hello) -> None:
         if conn.greeted:

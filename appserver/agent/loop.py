@@ -275,6 +275,9 @@ class Resolution:
     call: PendingCall
 
 
+WAIT_SHOWN_S = 1.0  # a writer that waited this long for its resource's lock says so in its result
+
+
 class KeyedLocks:
     """Writers that touch the same resource (e.g. an agent's workspace) run one at a time."""
 
@@ -689,6 +692,10 @@ class AgentLoop:
             except ValueError as exc:
                 self._result(work, call_id, name, ToolOutput(f"Invalid arguments for {name}: {exc}", True), emit)
                 continue
+            problem = tool.check(args) if tool.check is not None else None
+            if problem is not None:  # a call that can only fail is answered now, never put to a person
+                self._result(work, call_id, name, ToolOutput(f"Invalid arguments for {name}: {problem}", True), emit)
+                continue
             # From here on the call is its canonical form (what runs, written so that it reads as
             # what runs): in the history (what the provider is sent back), in the pending call
             # (approval requests of every front end) and in the turn's snapshot (its reducer
@@ -728,8 +735,18 @@ class AgentLoop:
             try:
                 if tool.read_only or tool.resource_key is None:
                     return await tool.run(args, ctx)
-                async with self._locks.get(tool.resource_key(args, ctx)):
-                    return await tool.run(args, ctx)
+                key = tool.resource_key(args, ctx)
+                asked = time.monotonic()
+                async with self._locks.get(key):
+                    waited = time.monotonic() - asked
+                    out = await tool.run(args, ctx)
+                if waited < WAIT_SHOWN_S:
+                    return out
+                # writers of one resource (an agent's shell calls, in all its conversations) run one
+                # at a time and a call's own timeout counts from its start: the wait is told
+                note = f"[it waited {waited:.0f} s before running, until another call using {key} had ended]"
+                text = out.text if not out.text or out.text.endswith("\n") else out.text + "\n"
+                return ToolOutput(text + note, out.is_error)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a tool bug is the model's information, not a crashed turn

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import json
 import math
 import os
@@ -65,6 +66,8 @@ class Tool:
     enabled_by_default: bool = True  # False: offered only when the agent names it in its policies
     read_only: bool = True  # read-only tools run together; writers are serialised per resource key
     resource_key: Callable[[dict[str, Any], ToolContext], str] | None = None
+    # why arguments that parse would be refused unrun (None: they would run); asked before approval
+    check: Callable[[dict[str, Any]], str | None] | None = None
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
@@ -247,10 +250,16 @@ def tool_environment(config: Config, environ: dict[str, str] | None = None) -> d
     """The environment a tool command gets: the server's, without the secrets the server knows it
     holds (defence in depth: the command still runs as the server's user and can read what that
     user can, docs/security.md): each provider's `api_key_env`, the well-known key and token names
-    (`logredact.ENV_SECRET_NAMES`, `APPSERVER_TOKEN` among them), the variables the channels' secret
-    references name (`token_env = "…"`), the store URL given by environment (it may hold the
-    database password) and `PGPASSWORD`. The tool's owner and home are added (`reap_orphaned_tools`)."""
-    env = dict(os.environ if environ is None else environ)
+    (`logredact.ENV_SECRET_NAMES`), the variables the channels' secret references name
+    (`token_env = "…"`) and `PGPASSWORD`; and without every `APPSERVER_*` variable, which configure
+    the server, not the command: a provider's `base_url` or `headers` (credentials in them), the
+    store URL (its password), `APPSERVER_TOKEN`, `APPSERVER_HOME` (with it the server's own CLI
+    acts as the server's owner). The tool's owner and home are added (`reap_orphaned_tools`)."""
+    env = {
+        name: text
+        for name, text in (os.environ if environ is None else environ).items()
+        if not name.startswith("APPSERVER_")
+    }
     for name in secret_env_names(config):
         env.pop(name, None)
     env[TOOL_OWNER_ENV] = identity()
@@ -271,53 +280,108 @@ def secret_env_names(config: Config) -> set[str]:
     return names
 
 
-async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
+# Linux's MAX_ARG_STRLEN (32 pages of at least 4 KiB) bounds one argument of exec, its NUL included:
+# a longer command cannot be handed to /bin/sh -c, so it is refused before anyone is asked about it.
+SHELL_COMMAND_MAX_BYTES = 128 * 1024 - 1
+
+
+def shell_arguments_problem(args: dict[str, Any]) -> str | None:
+    """Why the shell tool would refuse these arguments without running anything, or None. The agent
+    loop asks this before a call is put to a person for approval: a call that can only fail is
+    answered at once, not asked about."""
     command = args.get("command")
     if not isinstance(command, str) or not command.strip():
-        return ToolOutput("shell needs a non-empty string argument 'command'", is_error=True)
-    limits = ctx.config.limits
+        return "shell needs a non-empty string argument 'command'"
+    if "\0" in command:
+        return "'command' must not contain a NUL character (U+0000): a shell command cannot hold one"
+    try:
+        size = len(os.fsencode(command))
+    except UnicodeEncodeError:
+        return "'command' must be text: it holds a lone surrogate (a \\udXXX escape without its pair)"
+    if size > SHELL_COMMAND_MAX_BYTES:
+        return (
+            f"'command' is {size} bytes (UTF-8), over the {SHELL_COMMAND_MAX_BYTES} a process argument may "
+            "hold; write long content to a file in smaller commands (e.g. appending with >>), then run it"
+        )
     asked = args.get("timeout_s")
     if asked is not None and (
-        isinstance(asked, bool) or not isinstance(asked, (int, float)) or not math.isfinite(asked) or asked <= 0
-    ):  # checked before anything runs: a NaN or negative timeout killed the command at once
-        return ToolOutput(f"'timeout_s' must be a positive number of seconds, got {asked!r}", is_error=True)
-    timeout = min(float(asked or limits.shell_timeout_s), limits.shell_timeout_s)
+        isinstance(asked, bool)
+        or not isinstance(asked, (int, float))
+        or (isinstance(asked, float) and not math.isfinite(asked))  # an int is exact: 10**400 is no float
+        or asked <= 0
+    ):  # a NaN or negative timeout killed the command at once, a huge integer failed converting to float
+        shown = repr(asked) if len(repr(asked)) <= 40 else repr(asked)[:40] + "…"
+        return f"'timeout_s' must be a positive number of seconds, got {shown}"
+    return None
+
+
+async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
+    problem = shell_arguments_problem(args)  # checked again: an approved call's arguments too
+    if problem is not None:
+        return ToolOutput(problem, is_error=True)
+    command: str = args["command"]
+    limits = ctx.config.limits
+    asked = args.get("timeout_s")
+    timeout = limits.shell_timeout_s if asked is None or asked >= limits.shell_timeout_s else float(asked)
     workspace = ctx.workspace
     workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
     loop = asyncio.get_running_loop()
     # A protocol of our own rather than Process.communicate(): its reader stops reading past its
     # buffer limit, and a command killed then never shows EOF, so the kill's wait never ended (and
     # the agent's workspace lock stayed held); and communicate() kept every byte until the end.
-    transport, out = await loop.subprocess_exec(
-        lambda: _BoundedOutput(limits.shell_output_max_bytes, loop),
-        "/bin/sh",
-        "-c",
-        _GROUP_GUARD,
-        "appserver-tool",
-        command,
-        cwd=workspace,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        stdin=asyncio.subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: killed whole on timeout, cancel or reap
-        preexec_fn=_die_with_server(),
-        env=tool_environment(ctx.config),
-    )
+    try:
+        transport, out = await loop.subprocess_exec(
+            lambda: _BoundedOutput(limits.shell_output_max_bytes, loop),
+            "/bin/sh",
+            "-c",
+            _GROUP_GUARD,
+            "appserver-tool",
+            command,
+            cwd=workspace,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: killed whole on timeout, cancel or reap
+            preexec_fn=_die_with_server(),
+            env=tool_environment(ctx.config),
+        )
+    except OSError as exc:
+        if exc.errno != errno.E2BIG:
+            raise
+        # the command fits one argument, but with the environment it is over the kernel's total
+        return ToolOutput(
+            f"the command ({len(os.fsencode(command))} bytes) and the server's environment together are "
+            "too large for the kernel to start a process; use a shorter command",
+            is_error=True,
+        )
     guard = transport.get_pid()
     timed_out = False
+    resumed = False
     try:
         # The call ends when the command's shell exits (the guard then kills what it left running
         # and exits with its status), not when the output pipe closes: a background child that
         # holds the pipe made a finished command wait for its whole timeout.
         timed_out = not await _wait(out.exited, timeout)
+        if timed_out and _stopped(guard):
+            # the command stopped its guard (`kill -STOP $PPID`): it could not see the command end.
+            # Continued, it ends the call as it would have (killing what was left) when the command
+            # has ended; otherwise the timeout's kill follows.
+            resumed = True
+            _signal(guard, signal.SIGCONT)
+            timed_out = not await _wait(out.exited, PIPE_GRACE_S)
         if not timed_out:
             await _wait(out.closed, PIPE_GRACE_S)
     finally:  # timed out or cancelled: everything the command started goes, nothing waits unbounded
         if not out.exited.done():
-            # the guard kills every descendant, also one that left the group (setsid); SIGKILL for
-            # the group is the backstop when it does not exit in time
+            # the guard kills every descendant, also one that left the group (setsid); SIGCONT runs
+            # a guard the command stopped (a stopped guard kept its SIGTERM pending until the group
+            # kill, and what had left the group outlived it). SIGKILL for the group is the
+            # backstop when it does not exit in time, after the server killed the guard's
+            # descendants itself (a command that stops the guard again and again).
             _signal(guard, signal.SIGTERM)
-            await _wait(out.exited, KILL_GRACE_S)
+            _signal(guard, signal.SIGCONT)
+            if not await _wait(out.exited, KILL_GRACE_S):
+                await _kill_descendants(guard)
             _kill_group(guard)
             await _wait(out.closed, PIPE_GRACE_S)
         else:
@@ -328,11 +392,58 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
         transport.close()  # kills the leader if it still runs, closes the pipes (one still held open too)
     if timed_out:
         note = f"command timed out after {timeout:g} s and was killed"
+        if resumed:
+            note += " (it had stopped the tool's guard process, which was continued and then ended it)"
         return ToolOutput(f"{note}; its output until then:\n{out.text()}" if out.total else note, is_error=True)
     code = transport.get_returncode()
+    text = out.text()
+    if resumed:  # truthful as far as known: the command ended while the guard was stopped
+        text += (
+            f"\n[the command stopped the tool's guard process (SIGSTOP); it was continued after "
+            f"{timeout:g} s and the call ended then]"
+        )
     if code:
-        return ToolOutput(f"exit code {code}\n{out.text()}", is_error=True)
-    return ToolOutput(out.text())
+        return ToolOutput(f"exit code {code}\n{text}", is_error=True)
+    return ToolOutput(text)
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP and the like), as /proc shows it."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b") ", 1)[1][:1] == b"T"
+    except (OSError, IndexError):
+        return False
+
+
+async def _kill_descendants(guard: int | None) -> None:
+    """Kill the descendants of a guard that does not run its own kill (stopped again and again by
+    the command): as the guard's `k`, in rounds over its children (a subreaper, it is handed the
+    children of each one killed), skipping the zombies it cannot reap while stopped."""
+    if guard is None:
+        return
+    for _ in range(200):
+        try:
+            with open(f"/proc/{guard}/task/{guard}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+        except (OSError, ValueError):
+            return  # gone, or no such list: the group kill and reap_orphaned_tools remain
+        alive = [pid for pid in children if not _zombie(pid)]
+        if not alive:
+            return
+        for pid in alive:
+            _signal(pid, signal.SIGKILL)
+        await asyncio.sleep(0.01)  # the killed die, their children are handed to the guard
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b") ", 1)[1][:1] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # gone
 
 
 # The tool's process-group leader (the guard), a child subreaper (PR_SET_CHILD_SUBREAPER, set by
@@ -478,6 +589,7 @@ SHELL = Tool(
     enabled_by_default=False,
     read_only=False,
     resource_key=lambda args, ctx: f"workspace:{ctx.agent.id}",
+    check=shell_arguments_problem,
 )
 
 

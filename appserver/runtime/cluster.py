@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from appserver import errors
 from appserver.config import Config
+from appserver.ids import new_id
 from appserver.runtime.handle import Decision, TurnHandle
 from appserver.runtime.restore import controller_from_store
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
@@ -92,7 +93,8 @@ class KernelSide(Protocol):
 
 class OutcomeUnknown(errors.KernelError):
     """A request passed on to the server holding the conversation (an answer to a pending call, a
-    cancel) got no reply in time while that server still lives: it may apply it later, or not.
+    cancel) got no reply in time while that server still lives: it is still passed on (to that
+    server, or to whoever takes the conversation over if it is judged gone), and run once.
     Sent again, an answer finds its call `already_resolved` if it was applied meanwhile."""
 
     code = "outcome_unknown"
@@ -100,6 +102,32 @@ class OutcomeUnknown(errors.KernelError):
 
 
 _WHAT = {"respond": "answer", "cancel": "cancel"}
+_SETTLED = {"approve": "approved", "deny": "denied", "result": "result"}  # a decision as its call stores it
+
+
+class _Passing:
+    """A request (an answer, a cancel) being passed on to a conversation's holder: to whom now,
+    under which key (the holder runs a key once), and each (holder, key) a copy went out to."""
+
+    __slots__ = ("holder", "key", "sent")
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+        self.key = new_id("ans")
+        self.sent: set[tuple[str, str]] = set()
+
+    def went(self) -> None:
+        self.sent.add((self.holder, self.key))
+
+    def earlier(self, *, here: bool) -> bool:
+        """May a run other than the current one have applied it: a copy that went out to another
+        holder or under another key (`here`: the current run is this server's own, so any copy)?"""
+        return any(here or sent != (self.holder, self.key) for sent in self.sent)
+
+
+def _accepted(d: dict[str, Any]) -> dict[str, Any]:
+    status = "approved" if d.get("action") == "approve" else _SETTLED.get(str(d.get("action")))
+    return {"call_id": d.get("call_id"), "accepted": True, "status": status}
 
 
 class OwnedElsewhere(Exception):
@@ -502,37 +530,96 @@ class ClusterLink:
     async def call_holder(self, conversation_id: str, holder: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """Run `op` on the server holding the conversation, following it when it moved (to
         another server, or here); when the holder is gone, this server takes the conversation
-        and runs it here, unless yet another server took it first, which is then asked."""
-        deadline = time.monotonic() + MOVED_WAIT_S
+        and runs it here, unless yet another server took it first, which is then asked.
+
+        The caller waits CALL_TIMEOUT_S for the outcome while the holder lives (up to
+        MOVED_WAIT_S while the conversation is being taken over), then gets OutcomeUnknown; the
+        request is still passed on in the background, to the holder or, once it is judged gone,
+        to whoever takes the conversation over (this server included), until it is run: a client
+        told not to send it again never waits in vain. Every copy carries one key, which the
+        holder runs once."""
+        passing = _Passing(holder)
+        task = asyncio.ensure_future(self._deliver(conversation_id, passing, op, args))
+        began = time.monotonic()
+        try:
+            wait = CALL_TIMEOUT_S
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if done:
+                    return task.result()
+                if time.monotonic() - began >= MOVED_WAIT_S or await self._lives(passing.holder):
+                    break
+                wait = HOLDER_CHECK_S  # its holder is gone: the conversation is being taken over
+        except BaseException:
+            task.cancel()
+            raise
+        self._spawn(self._finish_later(task, conversation_id, op))
+        raise OutcomeUnknown(
+            f"the server running conversation {conversation_id} did not answer within {CALL_TIMEOUT_S:.0f} s; "
+            f"this {_WHAT.get(op, op)} is still being passed on to it (or to the server that takes the "
+            "conversation over if it is gone), which applies it once: do not send it again, follow the "
+            "conversation (subscribe) for the outcome"
+        )
+
+    async def _lives(self, holder: str) -> bool:
+        """Is `holder` alive (its session holds its lock)? A database that cannot say: as if it were."""
+        try:
+            return await self.cluster.owner_alive(holder, strict=True)
+        except Exception:
+            return True
+
+    async def _deliver(self, conversation_id: str, passing: _Passing, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """`call_holder`'s work: until the request is run, or refused, by the holder of the day.
+        Once a copy went out, the database's failures are waited out, not raised: that copy may
+        be run, and the outcome the client is told must be the one that holds."""
+        deadline = time.monotonic() + self.cluster.instance_timeout_s + MOVED_WAIT_S
         while time.monotonic() < deadline:
             try:
-                return await self._call_while_alive(holder, op, {"conversation": conversation_id, **args})
-            except PeerError as exc:
-                if exc.kind == "OwnedElsewhere" and exc.data.get("holder"):
-                    holder = str(exc.data["holder"])
-                    continue
-                raise _again(exc) from None
-            except ClusterError:
-                if await self.cluster.owner_alive(holder, strict=True):
-                    # It got the request and may still carry it out (a server stopped for a while
-                    # and resumed applies what it was sent): the outcome is unknown, not failed.
-                    raise OutcomeUnknown(
-                        f"the server running conversation {conversation_id} did not answer within "
-                        f"{CALL_TIMEOUT_S:.0f} s; it may still apply this {_WHAT.get(op, op)}: do not send it again, "
-                        "follow the conversation (subscribe) for the outcome"
-                    ) from None
-            try:
-                return await self._here(conversation_id, op, args)
-            except OwnedElsewhere as moved:
-                if moved.holder == holder:  # dead, but not yet past the grace the others give it
-                    await asyncio.sleep(HOLDER_CHECK_S)
-                holder = moved.holder  # or another server took it over first: ask that one
+                try:
+                    got = await self._call_while_alive(passing, op, {"conversation": conversation_id, **args})
+                    return await self._own_answers(conversation_id, op, args, got, passing.earlier(here=False))
+                except PeerError as exc:
+                    if exc.kind == "OwnedElsewhere" and exc.data.get("holder"):
+                        passing.holder = str(exc.data["holder"])
+                        continue
+                    if exc.kind == "NotAwaiting" and passing.earlier(here=False):
+                        own = await self._all_own(conversation_id, op, args)
+                        if own is not None:
+                            return own
+                    if exc.kind == "StoreUnavailable" and op == "respond":
+                        # its database failed that run (a session ended): run it again, under a new
+                        # key; what that run wrote is recognised as this answer's own
+                        passing.key = new_id("ans")
+                        await asyncio.sleep(HOLDER_CHECK_S)
+                        continue
+                    raise _again(exc) from None
+                except ClusterError:
+                    pass  # no reply: the holder's session is gone, or it does not answer
+                if await self.cluster.owner_alive(passing.holder, strict=True):
+                    continue  # it lives: the same request again (it runs it once)
+                try:
+                    got = await self._here(conversation_id, op, args)
+                    return await self._own_answers(conversation_id, op, args, got, passing.earlier(here=True))
+                except OwnedElsewhere as moved:
+                    if moved.holder == passing.holder:  # dead, but not yet past the grace the others give it
+                        await asyncio.sleep(HOLDER_CHECK_S)
+                    passing.holder = moved.holder  # or another server took it over first: ask that one
+                except errors.NotAwaiting:
+                    own = await self._all_own(conversation_id, op, args) if passing.earlier(here=True) else None
+                    if own is None:
+                        raise
+                    return own
+            except StoreUnavailable:
+                if not passing.sent:
+                    raise  # nothing went out: the client may send it again
+                await asyncio.sleep(HOLDER_CHECK_S)
         raise errors.KernelError(f"conversation {conversation_id} kept moving between servers; try again")
 
-    async def _call_while_alive(self, holder: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    async def _call_while_alive(self, passing: _Passing, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """`Cluster.call`, given up as soon as the holder's database session is gone (a killed
         server never answers: no need to wait for the whole timeout)."""
-        call = asyncio.ensure_future(self.cluster.call(holder, op, args))
+        holder = passing.holder
+        call = asyncio.ensure_future(self.cluster.call(holder, op, args, key=passing.key, on_sent=passing.went))
         try:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=HOLDER_CHECK_S)
@@ -543,6 +630,56 @@ class ClusterLink:
         finally:
             if not call.done():
                 call.cancel()
+
+    async def _own_answers(
+        self, conversation_id: str, op: str, args: dict[str, Any], got: dict[str, Any], earlier: bool
+    ) -> dict[str, Any]:
+        """`got`, with each call it found `already_resolved` by this very answer accepted: an
+        earlier run of it (`earlier`: a copy that went to another holder, or under another key)
+        may have applied it before its reply was lost. Recognised by the stored decision and who
+        decided, as this answer gives them."""
+        if op != "respond" or not earlier:
+            return got
+        decisions = {str(d.get("call_id")): d for d in args.get("decisions") or []}
+        results: list[dict[str, Any]] = []
+        for r in got.get("results") or []:
+            d = decisions.get(str(r.get("call_id")))
+            if r.get("error") == "already_resolved" and d is not None and await self._answered_so(conversation_id, d):
+                r = _accepted(d)
+            results.append(r)
+        return {**got, "results": results}
+
+    async def _all_own(self, conversation_id: str, op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """The results of an answer whose turn has left its pause, when this answer's own earlier
+        run is what resumed it (every call settled as it says); else None."""
+        decisions = list({str(d.get("call_id")): d for d in args.get("decisions") or []}.values())
+        if op != "respond" or not decisions:
+            return None
+        for d in decisions:
+            if not await self._answered_so(conversation_id, d):
+                return None
+        return {"results": [_accepted(d) for d in decisions]}
+
+    async def _answered_so(self, conversation_id: str, d: dict[str, Any]) -> bool:
+        p = await self.kernel.store.get_pending(conversation_id, str(d.get("call_id")))
+        action = d.get("action")
+        if p is None or p.status != _SETTLED.get(str(action)) or p.decided_by != d.get("decided_by"):
+            return False
+        return action != "result" or (p.output == d.get("output") and p.is_error == bool(d.get("is_error")))
+
+    async def _finish_later(self, task: asyncio.Future[dict[str, Any]], conversation_id: str, op: str) -> None:
+        """A request whose caller was told OutcomeUnknown, followed to its end (logged)."""
+        what = _WHAT.get(op, op)
+        try:
+            await task
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "cluster: the %s for conversation %s passed on late was not applied: %s", what, conversation_id, exc
+            )
+            return
+        log.info("cluster: the %s for conversation %s passed on late went through", what, conversation_id)
 
     async def _here(self, conversation_id: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
         handler = self._ops().get(op)

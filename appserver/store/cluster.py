@@ -27,6 +27,7 @@ import os
 import secrets
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -49,6 +50,11 @@ TURNS_CHANNEL = "appserver_turns"
 NOTIFY_MAX = 7000  # bytes of payload sent inline; PostgreSQL allows a little under 8,000
 MAIL_TTL_S = 300.0
 CALL_TIMEOUT_S = 10.0
+# A call with a key is sent again this often until its reply comes: a notification is lost while
+# the peer's session (its LISTEN) or this server's is being taken again. The peer runs each key once.
+RESEND_S = 1.0
+SERVED_TTL_S = 300.0  # how long a peer remembers the reply to a key it ran
+SERVED_MAX = 4096  # and at most this many of them
 # A read is given up after 2.5 heartbeats unanswered, never sooner than this: with short heartbeats
 # on a busy host, a round trip and the heartbeat can both be late without the database hanging.
 READ_WAIT_MIN_S = 5.0
@@ -153,6 +159,8 @@ class Cluster:
         self.after_beat: Callable[[], Awaitable[None]] | None = None
         self._repairing: asyncio.Task[None] | None = None
         self._said_unserved = False  # a request from a peer refused while fenced was logged
+        # key of a call run here -> (when, its reply): a repeat of the key gets that reply, never a second run
+        self._served: OrderedDict[str, tuple[float, asyncio.Future[dict[str, Any]]]] = OrderedDict()
 
     @property
     def trust_s(self) -> float:
@@ -611,17 +619,41 @@ class Cluster:
         await self._notify(channel_of(instance_id), body)
 
     async def call(
-        self, instance_id: str, op: str, args: dict[str, Any], timeout: float = CALL_TIMEOUT_S
+        self,
+        instance_id: str,
+        op: str,
+        args: dict[str, Any],
+        timeout: float = CALL_TIMEOUT_S,
+        *,
+        key: str | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
         """A request answered by the peer within `timeout`; raises PeerError with the peer's error,
-        ClusterError when no answer came."""
+        ClusterError when no answer came. `key`: the request's identity, the same for every call
+        that passes it on again: the peer runs a key once and answers each repeat with that run's
+        reply, so the request is sent again every RESEND_S until a reply comes (a notification
+        is lost when a session is taken again: the request, or the reply). `on_sent`: told once
+        the request went out (it may be run from then on)."""
         req = new_id("req")
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._calls[req] = fut
         try:
-            body = json.dumps({"op": op, "args": args, "from": self.instance_id, "req": req})
-            await self._notify(channel_of(instance_id), body)
+            message: dict[str, Any] = {"op": op, "args": args, "from": self.instance_id, "req": req}
+            if key is not None:
+                message["key"] = key
+            body = json.dumps(message)
+            channel = channel_of(instance_id)
+            await self._notify(channel, body, mail_id="req:" + req)
+            if on_sent is not None:
+                on_sent()
             async with asyncio.timeout(timeout):
+                while key is not None and not fut.done():
+                    await asyncio.wait({fut}, timeout=RESEND_S)
+                    if not fut.done():
+                        try:
+                            await self._notify(channel, body, mail_id="req:" + req)
+                        except Exception as exc:  # sent again at the next round
+                            log.debug("cluster: could not send %s to %s again: %s", op, instance_id, exc)
                 reply = await fut
         except TimeoutError:
             raise ClusterError(f"instance {instance_id} did not answer {op} within {timeout:.0f} s") from None
@@ -667,6 +699,44 @@ class Cluster:
         if self._on_message is None:
             return
         req = msg.get("req")
+        key = msg.get("key")
+        if isinstance(key, str) and key and req is not None:
+            reply = {**await self._serve_once(key, msg), "reply": req}
+        else:
+            reply = await self._serve(msg)
+        if req is not None and msg.get("from"):
+            try:
+                await self._notify(channel_of(str(msg["from"])), json.dumps(reply))
+            except Exception:
+                log.exception("cluster: could not answer %s", msg.get("from"))
+
+    async def _serve_once(self, key: str, msg: dict[str, Any]) -> dict[str, Any]:
+        """The reply to a keyed request: run once (the first copy that arrives), and that reply
+        again for each repeat, also one that arrives while the run goes on."""
+        now = time.monotonic()
+        while self._served:
+            oldest, (at, _) = next(iter(self._served.items()))
+            if len(self._served) < SERVED_MAX and now - at < SERVED_TTL_S:
+                break
+            del self._served[oldest]
+        entry = self._served.get(key)
+        if entry is not None:
+            return await asyncio.shield(entry[1])
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._served[key] = (now, fut)
+        try:
+            reply = await self._serve(msg)
+        except BaseException:  # cancelled (this server stops): a repeat may run it
+            self._served.pop(key, None)
+            fut.cancel()
+            raise
+        fut.set_result(reply)
+        return reply
+
+    async def _serve(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Run a peer's request: the reply to send (its result, or its error described)."""
+        assert self._on_message is not None
+        req = msg.get("req")
         try:
             result = await self._on_message(str(msg.get("op")), dict(msg.get("args") or {}))
             reply: dict[str, Any] = {"reply": req, "ok": True, "result": result or {}}
@@ -694,11 +764,7 @@ class Cluster:
         else:
             if not self.fenced:
                 self._said_unserved = False
-        if req is not None and msg.get("from"):
-            try:
-                await self._notify(channel_of(str(msg["from"])), json.dumps(reply))
-            except Exception:
-                log.exception("cluster: could not answer %s", msg.get("from"))
+        return reply
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

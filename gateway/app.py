@@ -225,8 +225,9 @@ class Gateway:
     def _withdrawn_by(self, entry: Entry, cancels: list[Entry]) -> str | None:
         """Why `entry`'s turn, still `submitted`, may have been withdrawn before the restart: a `/cancel`
         that may stop it came after it in its chat and was taken (its effect may have been had, its
-        answer never noted), so it withdrew the turn if it had not started; the server then keeps no
-        trace of it and never reports it again. Its rows then end failed with that reason and no
+        answer never noted), so it withdrew the turn if it had not started; the server then writes
+        nothing of it to the history and never reports it again, but shows it withdrawn when asked by
+        id (`get_turn`, `Replies._first_snapshot`). Its rows then end failed with that reason and no
         reply, as they would have had the gateway lived (`Replies._ended`); None when no such one."""
         runner = self.runners.get(f"{entry.key.channel}:{entry.key.account}")
         for cancel in cancels:

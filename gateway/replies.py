@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from appserver.client import TERMINAL, Closed, ProtocolError
+from appserver.client import TERMINAL, Closed, ProtocolError, lost_snapshot
 from gateway.accounts import AccountRunner
 from gateway.delivery import ChatOrder, DeliveryFailed, Outboxes, ReplySink, reply_body, visible_text
 from gateway.ledger import Entry, Ledger, UpdateKey
@@ -61,8 +61,9 @@ TYPING_EVERY_S = 4.0
 DELIVER_GIVE_UP_S = 90.0
 CONTEXT_WAIT_S = 5.0  # how long a tool call or approval may wait for its turn's submit to be acked
 # A turn picked back up after a restart that no snapshot has shown yet is asked about again this
-# often (`Replies._first_snapshot`): a turn withdrawn from the queue before the restart never
-# reports again, and its follower holds its conversation's replies (`ChatOrder`) until it ends.
+# often (`Replies._first_snapshot`) by a server without `get_turn`: a turn withdrawn from the queue
+# before the restart never reports again, and its follower holds its conversation's replies
+# (`ChatOrder`) until it ends.
 RECOVER_AGAIN_S = 2.0
 RECOVER_AGAIN_MAX_S = 15.0  # while it may still wait in the queue (a turn ahead may wait for an approval)
 # Why a message's turn was not started (a debounced batch) or was cancelled as it left the server's
@@ -181,7 +182,7 @@ class TurnContext:
     left_queue: bool = False  # a snapshot showed it started (or ended): no longer one `withdraw` takes
     withdrawn: str | None = None  # why `/cancel` is taking it out of the queue (`Replies.withdraw`)
     # why it was likely withdrawn before a restart (a `/cancel` that may stop it was taken after it):
-    # the reason its rows end with if the server shows no trace of it (`Replies._ended`)
+    # the reason its rows end with if the server shows it withdrawn, or no trace of it (`Replies._ended`)
     maybe_withdrawn: str | None = None
 
 
@@ -223,6 +224,17 @@ def final_text(snapshot: dict[str, Any], shown: str) -> str:
         return final
     reason = visible_text({**snapshot, "blocks": []}, tool_status=False)
     return f"{shown}\n\n{reason}"
+
+
+def _gone(turn_id: str, code: str) -> dict[str, Any]:
+    """The outcome of a resumed turn whose conversation the server no longer shows this gateway."""
+    return {
+        "turn_id": turn_id,
+        "status": "failed",
+        "revision": 1 << 30,
+        "blocks": [],
+        "error": {"message": f"the conversation is gone ({code})"},
+    }
 
 
 class Replies:
@@ -279,8 +291,8 @@ class Replies:
         """Follow `entry`'s turn and deliver its reply; `waited`: access was asked before its submit
         went out, so it is asked again as the turn starts. A `resumed` turn nothing of whose reply was
         noted yet is asked again too (`unproven`). `maybe_withdrawn`: a resumed turn's reason to fail
-        with, unanswered, when the server shows no trace of it (a `/cancel` taken after it before the
-        restart withdrew it: `Gateway._resume`)."""
+        with, unanswered, when the server shows it withdrawn (`get_turn`; a server without it: no
+        trace of it), as a `/cancel` taken after it before the restart did (`Gateway._resume`)."""
         if entry.turn_id is None or entry.turn_id in self.followers or entry.is_batch_member:
             return  # a batch's reply is delivered through its first message
         if runner is None:
@@ -531,18 +543,34 @@ class Replies:
 
     async def _first_snapshot(self, follower: TurnFollower, conversation: str, turn_id: str) -> None:
         """A resumed turn's first snapshot, offered to `follower`: where the server shows it stands
-        (`ServerLink.recover`), else the first that comes live, asked again after `RECOVER_AGAIN_S`,
-        then less often (up to `RECOVER_AGAIN_MAX_S`), until one does. A turn withdrawn from the
-        queue while the gateway was down (or one the server no longer knows) never sends one: it
-        ends once two answers in a row, the later one with no snapshot of it in between, show no
-        trace of it (`is_untraced`); the first alone could be the moment between its leaving the
-        queue and starting, after which it reports live. The conversation's later replies wait for
-        its end (`ChatOrder`): it comes once no input waits in the conversation's queue."""
+        (`ServerLink.recover`: active, or settled by the history), else as the server knows it by id
+        (`get_turn`, after the subscribe so that no later snapshot is missed): queued or running, it
+        is followed on; ended, also withdrawn from the queue while the gateway was down (which left
+        nothing in the history), that is its outcome, at once.
+        A server without `get_turn` is asked again after `RECOVER_AGAIN_S`, then less often (up to
+        `RECOVER_AGAIN_MAX_S`), until a snapshot comes. A turn withdrawn from the queue (or one the
+        server no longer knows) never sends one there: it ends once two answers in a row, the later
+        one with no snapshot of it in between, show no trace of it (`is_untraced`); the first alone
+        could be the moment between its leaving the queue and starting, after which it reports live.
+        The conversation's later replies wait for its end (`ChatOrder`): there it comes only once no
+        input waits in the conversation's queue."""
         untraced = False
         pause = RECOVER_AGAIN_S
+        look_up = True
         while follower.latest is None:
             recovered = await self._recover(conversation, turn_id)
-            if recovered is not None and (untraced or not is_untraced(recovered)):
+            if recovered is not None and not is_untraced(recovered):
+                follower.offer(recovered)  # settled by the history (or the conversation is gone)
+                return
+            if follower.latest is not None:
+                return  # the active turn: `recover` offered it
+            if look_up:
+                now = await self._turn_now(conversation, turn_id)
+                if now is not None:
+                    follower.offer(now)
+                    return
+                look_up = False  # a server without `get_turn`: guessed from the history and the queue
+            if recovered is not None and untraced:
                 follower.offer(recovered)
                 return
             untraced = recovered is not None
@@ -553,12 +581,35 @@ class Replies:
             except TimeoutError:
                 pause = min(pause * 2, RECOVER_AGAIN_MAX_S)  # it may wait long in the queue: asked less often
 
+    async def _turn_now(self, conversation: str, turn_id: str) -> dict[str, Any] | None:
+        """`turn_id` as the server knows it now (`get_turn`): its current snapshot, whatever its state
+        (a turn withdrawn from the queue: `cancelled`, `error.kind` `withdrawn`); the `lost` outcome
+        when it has no record of it. None from a server without `get_turn` (or an answer that is not
+        this turn's snapshot): the caller guesses from the history and the queue, as before it."""
+        while True:
+            try:
+                reply = await self.link.request({"type": "get_turn", "conversation": conversation, "turn_id": turn_id})
+            except ProtocolError as exc:
+                if exc.code == "unknown_type":
+                    return None
+                if exc.code == "turn_not_found":
+                    return dict(lost_snapshot(turn_id, conversation, "", 1 << 30))
+                if exc.code in ("conversation_not_found", "forbidden"):
+                    return _gone(turn_id, exc.code)
+                log.warning("looking up %s failed (%s); retrying", turn_id, exc)
+            except (Closed, TimeoutError) as exc:
+                log.warning("looking up %s failed (%s); retrying", turn_id, exc)
+            else:
+                snap = reply.get("snapshot")
+                return snap if isinstance(snap, dict) and snap.get("turn_id") == turn_id else None
+            await asyncio.sleep(1.0)
+
     @staticmethod
     def _ended(ctx: TurnContext | None, snap: dict[str, Any], shown: str, sink: ReplySink) -> str:
         """The final text of a turn that ended; `Withdrawn` for one `/cancel` took out of the queue
         (nothing of it was shown: a turn that started in the meantime keeps its reply, cut short),
-        also for one the server shows no trace of after a restart that a `/cancel` taken before it
-        may have withdrawn (`maybe_withdrawn`)."""
+        also for one a `/cancel` taken before a restart may have withdrawn (`maybe_withdrawn`) that
+        the server shows withdrawn (`get_turn`) or, a server without `get_turn`, no trace of."""
         if ctx is not None and not sink.ids:
             if ctx.withdrawn is not None and snap.get("status") == "cancelled":
                 raise Withdrawn(ctx.withdrawn)
@@ -573,13 +624,7 @@ class Replies:
                 return await self.link.recover(conversation, turn_id)
             except ProtocolError as exc:
                 if exc.code in ("conversation_not_found", "forbidden"):
-                    return {
-                        "turn_id": turn_id,
-                        "status": "failed",
-                        "revision": 1 << 30,
-                        "blocks": [],
-                        "error": {"message": f"the conversation is gone ({exc.code})"},
-                    }
+                    return _gone(turn_id, exc.code)
                 log.warning("recovering %s failed (%s); retrying", turn_id, exc)
             except (Closed, TimeoutError) as exc:
                 log.warning("recovering %s failed (%s); retrying", turn_id, exc)

@@ -924,6 +924,12 @@ def turn_cancelled(snap: TurnSnapshot) -> ApiError:
     return ApiError(409, why, code="turn_cancelled", headers={"x-should-retry": "false"})
 
 
+def ends_reply(snap: TurnSnapshot) -> bool:
+    """A pause a chat reply ends at: client tool calls end the request; an approval waits for a
+    WebSocket client (or the timeout). A repeat after a crash ends where its first reply did."""
+    return bool(client_pending(snap))
+
+
 def tool_calls_of(snap: TurnSnapshot) -> list[dict[str, Any]]:
     return [
         {"id": p["call_id"], "type": "function", "function": {"name": p["name"], "arguments": p["arguments"] or ""}}
@@ -1020,7 +1026,9 @@ class ChatCompletions:
         try:
             # A request answering calls follows the turn its answers resumed (its key is filed under
             # it: `keep_answers_key`), from after those calls.
-            earlier, key = await idem.earlier([d.call_id for d in given]) if idem is not None else (None, None)
+            earlier, key = (
+                await idem.earlier([d.call_id for d in given], ends=ends_reply) if idem is not None else (None, None)
+            )
             if earlier is not None:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
@@ -1148,8 +1156,7 @@ class _Ctx:
     def settled(self, snap: TurnSnapshot) -> bool:
         if snap.status in TERMINAL_STATUSES:
             return True
-        # a client tool call ends the request; an approval waits for a WebSocket client (or the timeout)
-        return snap.status == "awaiting" and bool(client_pending(snap)) and snap.revision > self.run.after_revision
+        return snap.status == "awaiting" and ends_reply(snap) and snap.revision > self.run.after_revision
 
     async def record_point(self, snap: TurnSnapshot, text: str, calls: list[dict[str, Any]]) -> None:
         if failed_answer(snap):

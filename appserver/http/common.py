@@ -37,7 +37,7 @@ from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, DeltaTap, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.runtime import max_steps_note as steps_note
 from appserver.runtime.restore import controller_from_store
-from appserver.runtime.snapshot import answered_unrun
+from appserver.runtime.snapshot import TurnController, answered_unrun
 from appserver.security.guard import GUARD_ANSWERED
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord, TurnSettings
@@ -278,6 +278,11 @@ async def may_see(server: Server, principal: Principal, conversation_id: str) ->
     return agent is not None and principal.allows_agent(agent.id, agent.name)
 
 
+def any_pause(snap: TurnSnapshot) -> bool:
+    """A reply that ends at every pause of its turn (Responses: client calls and approvals alike)."""
+    return True
+
+
 @dataclass(slots=True)
 class Idempotency:
     server: Server
@@ -362,7 +367,10 @@ class Idempotency:
         return f"{self.key}\x1f{self.body_hash}"
 
     async def earlier(
-        self, answered: Sequence[str] = (), approvals: Sequence[str] = ()
+        self,
+        answered: Sequence[str] = (),
+        approvals: Sequence[str] = (),
+        ends: Callable[[TurnSnapshot], bool] = any_pause,
     ) -> tuple[TurnRun | None, tuple[str, str] | None]:
         """What an earlier attempt with this key left: (its turn to follow, None) when that turn is
         still the answer — queued, running, paused or completed: a server killed before the reply
@@ -376,7 +384,9 @@ class Idempotency:
 
         `answered`: the ids of the calls the request answers (`approvals`: those of them it
         approved or denied): its turn is the paused one it resumed (`keep_answers_key`), and it
-        follows what came after those calls."""
+        follows what came after those calls. Its reply ends where the first one did: at the turn's
+        first pause after its start that `ends` (the route's rule for the pauses a reply ends at),
+        shown as it was then when the turn has moved on since (`past_pause`)."""
         store = self.server.store
         named = self.turn_key
         turn = await store.lookup_idempotency(self.turn_scope, named)
@@ -402,11 +412,21 @@ class Idempotency:
         if self.principal is not None and not await may_see(self.server, self.principal, turn.conversation_id):
             raise hidden_key()  # never followed (its claim, taken by this request, is dropped by the caller)
         handle = await self.server.kernel.handle_for(turn)
-        if not answered:
-            return TurnRun(self.server, turn.conversation_id, handle), None
-        base = after_calls(handle.controller.snapshot().blocks, answered)
+        blocks = handle.controller.snapshot().blocks
+        base = after_calls(blocks, answered) if answered else 0
+        if answered and not base:  # the turn shows none of the calls: followed as it is
+            return TurnRun(self.server, turn.conversation_id, handle, resolved_calls=list(approvals)), None
+        then = await past_pause(self.server, turn, blocks[base - 1]["call_id"] if base else None, ends)
+        if then is not None:
+            handle = then
+            base = after_calls(then.controller.snapshot().blocks, answered) if answered else 0
         return TurnRun(
-            self.server, turn.conversation_id, handle, base_blocks=base, resolved_calls=list(approvals)
+            self.server,
+            turn.conversation_id,
+            handle,
+            base_blocks=base,
+            resolved_calls=list(approvals),
+            moved_on=then is not None,
         ), None
 
     async def note_start(self, response_id: str, conversation_id: str) -> None:
@@ -458,6 +478,60 @@ async def keep_answers_key(server: Server, idempotency: tuple[str, str] | None, 
         await server.store.remember_idempotency(idempotency[1], idempotency[0], run.turn_id, run.conversation_id)
     except Exception as exc:
         log.warning("could not keep Idempotency-Key of the answers to turn %s: %r", run.turn_id, exc)
+
+
+async def past_pause(
+    server: Server, turn: TurnRecord, after_call: str | None, ends: Callable[[TurnSnapshot], bool]
+) -> TurnHandle | None:
+    """The turn as it was at its first pause after call `after_call` (None: after its start) that
+    `ends`, rebuilt from the store, when the turn has moved on since (another request answered
+    that pause): what a reply that started there showed, for it ended at that pause. None when the
+    turn has not paused there yet, or still waits there: its live handle shows that.
+
+    A pause is a round (one assistant message) with calls the turn waited for (its pending calls:
+    client calls, approvals); the round's server calls ran before it, so their results are shown."""
+    store = server.store
+    waited = {p.call_id: p for p in await store.list_pending(turn.id)}
+    if not waited:
+        return None
+    messages = [m for m in await store.list_messages(turn.conversation_id) if m.turn_id == turn.id]
+    start = 0
+    if after_call is not None:
+        start = next(
+            (
+                i + 1
+                for i, m in enumerate(messages)
+                if m.role == "assistant" and any(c.get("id") == after_call for c in m.tool_calls)
+            ),
+            len(messages),
+        )
+    for j in range(start, len(messages)):
+        asked = [waited[c["id"]] for c in messages[j].tool_calls if c.get("id") in waited]
+        if messages[j].role != "assistant" or not asked:
+            continue
+        shown = messages[: j + 1]
+        for m in messages[j + 1 :]:
+            if m.role != "tool":
+                break
+            if m.tool_call_id not in waited:  # a server call of the round: it ran before the pause
+                shown.append(m)
+        pending = [
+            dataclasses.replace(p, status="pending", output=None, is_error=False, reason=None, decided_by=None)
+            for p in asked
+        ]
+        controller = TurnController(turn.id, turn.conversation_id, turn.agent_id)
+        controller.load_messages(shown)
+        controller.usage = dict(turn.usage)
+        controller.last_message_id = shown[-1].id  # the reply's history point: the pause
+        controller.mark_pending_blocks(pending)
+        approval = any(p.kind == "approval" for p in pending)
+        controller.pause("requires_approval" if approval else "requires_client_tool", pending)
+        if not ends(controller.snapshot()):
+            continue  # a pause this route's reply waits through (chat: an approval)
+        if all(p.status == "pending" for p in asked):
+            return None  # still waiting there
+        return TurnHandle(turn.id, turn.conversation_id, controller)
+    return None
 
 
 def answered_response(entry: HttpIdempotency) -> tuple[str, bool] | None:
@@ -557,6 +631,9 @@ class TurnRun:
     # The turn's usage when this request resumed it (its earlier model calls, which the responses
     # of the earlier requests reported): this request reports only what it adds (`request_usage`).
     base_usage: dict[str, int] = field(default_factory=dict)
+    # A repeat's view of the turn as it paused (`past_pause`): the turn has moved on, and nothing
+    # the repeat does (its client leaving) cancels it.
+    moved_on: bool = False
 
     @property
     def turn_id(self) -> str:
@@ -620,6 +697,8 @@ class TurnRun:
     async def cancel(self) -> None:
         """The client went away: cancel this turn if it is the conversation's current one, or drop
         it from the queue if it has not started (nobody is left to read its answer)."""
+        if self.moved_on:
+            return
         try:
             await self.server.kernel.cancel(self.conversation_id, self.turn_id, client_left=True)
         except StoreUnavailable as exc:

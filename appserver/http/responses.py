@@ -2209,6 +2209,7 @@ class _Run:
         self.keepalive = float(self.server.config.limits.sse_keepalive_s)
         self.steps_note = max_steps_note(self.server, shape.agent)
         self.kept_in_progress = False  # the stream stored its response as in progress (response.created)
+        self.noted = False  # the key (if any) names the response (`note_start`)
 
     def settled(self, snap: TurnSnapshot) -> bool:
         return snap.status in TERMINAL_STATUSES or (
@@ -2263,6 +2264,11 @@ class _Run:
         store = self.server.store
         if self.kept_in_progress and await store.get_response(self.shape.id) is None:
             return  # deleted (DELETE /v1/responses/{id}) while its stream ran: it stays deleted
+        if not self.noted:
+            # Before the response is stored, never after: a kill between the two writes then
+            # leaves a key a DELETE of the response finds (stream or not).
+            await self.note_start()
+            self.noted = True
         rec = ResponseRecord(
             id=self.shape.id,
             agent_id=self.shape.agent.id,
@@ -2291,9 +2297,11 @@ class _Run:
         return True
 
     async def note_start(self) -> None:
-        """The key (if any) learns the id its stream is about to tell the client, so that deleting
-        that response forgets the key's answer even when the server is killed before the stream
-        ends (`forget_answers_of`). Best effort within KEEP_TIMEOUT_S, as the response's own keep."""
+        """The key (if any) learns the id of the response before it is first stored, so that
+        deleting that response forgets the key's answer even when the server is killed before the
+        key's answer is stored (a stream's end, or a non-stream reply's: `forget_answers_of`). A
+        keyed request's one extra write; none without a key. Best effort within KEEP_TIMEOUT_S,
+        as the response's own keep."""
         if self.idem is None:
             return
         try:
@@ -2366,8 +2374,6 @@ class _Run:
                     # answers it as its turn ended: `as_ended`). Best effort, like keep_unfinished.
                     self.route.live.add(shape.id)
                     self.kept_in_progress = await self.keep_unfinished(created)
-                    if self.kept_in_progress:
-                        await self.note_start()
                 announced = True
                 yield ev("response.created", response=created)
                 yield ev(

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from appserver.client.hidden import escape, hidden
+from appserver.client.hidden import shown
 from gateway.db import transaction
 
 ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
@@ -85,8 +85,8 @@ def shown_id(sender: str) -> str:
     """A sender id as the owner reads it (the `/pair` listing): each hidden character as its escape
     (`alice\\u200b`) and each backslash doubled, as `appserver pairing list` shows it, so two senders
     never look alike. `alice` and `alice` with a zero-width space were one name, and one's approval
-    could pass for the other's."""
-    return "".join(escape(c) if hidden(c) else c for c in sender.replace("\\", "\\\\"))
+    could pass for the other's. (An id not in NFC shows its marks escaped: `jose\\u0301`, not `josé`.)"""
+    return shown(sender.replace("\\", "\\\\"))
 
 
 def normalize(code: str) -> str:

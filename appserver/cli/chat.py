@@ -91,6 +91,10 @@ TRAILING_SGR = re.compile(r"(\x1b\[[0-9;]*m)+$")
 SGR = re.compile(r"\x1b\[[0-9;]*m")
 PASTE_ON, PASTE_OFF = "\x1b[?2004h", "\x1b[?2004l"  # bracketed paste: a paste arrives between the two marks below
 PASTE_START, PASTE_END = "\x1b[200~", "\x1b[201~"
+# Marks `LineEditor.add` puts between reads for `take`, in order with the keys. Lone surrogates the
+# UTF-8 decoder never yields (its surrogateescape gives only U+DC80-U+DCFF), so never a key.
+_ESC_TIMED_OUT = "\ud800"  # the read before ended in ESC, and this one came too late to continue it
+_QUIET = "\ud801"  # this read came `PASTE_QUIET` seconds or more after the one before it
 SUBMIT_TIMEOUT = 30.0  # seconds a line waits for the server's ack before it is reported unconfirmed
 CLOSE_WAIT = 1.0  # seconds the connection's closing handshake may take when chat leaves
 STOP_GRACE = 0.5  # seconds a session has to end after SIGTERM/SIGHUP before its wait is cancelled
@@ -244,18 +248,26 @@ class LineEditor:
     and in a CSI anything outside 0x20-0x7E), which is then taken as itself: a LF still ends the
     line, so a stray ESC never merges lines nor eats the next one. At a terminal an ESC that ends
     a read is the Escape key alone (dropped), unless the next read comes within `ESC_WAIT` seconds
-    and begins with `[` or `O` (an arrow key split across reads).
+    and begins with `[` or `O` (an arrow key split across reads); but while a paste is open an ESC
+    is never the Escape key (the rest of its end marker comes however late), and an Escape key
+    followed, however late, by the rest of `PASTE_START` was the start of a paste (nobody types
+    `[200~` after Escape): a marker split across reads on a slow link is still the marker.
 
     A paste at a terminal (bracketed paste: between `PASTE_START` and `PASTE_END`) is text of the
     line: its line ends (CR, LF, CRLF) stay in the line as newlines and its controls are dropped,
     so a paste of several lines is one input, sent by the Enter after it. A line holding pasted
-    text is taken as `("pasted", text)`: input for the model, never a chat command.
+    text is taken as `("pasted", text)`: input for the model, never a chat command. Ctrl-C
+    (`discard`) drops the rest of a paste still arriving, up to its end marker.
 
     Echoed, the line may wrap over several rows of the terminal (or hold pasted newlines): keys
     that remove text then draw the whole line again (`prompt`: what precedes it on screen), as
     `\\b` does not go back to the row above."""
 
     ESC_WAIT = 0.05
+    # A paste dropped at Ctrl-C whose end marker has not come after this many seconds without
+    # input: the terminal dropped it (a kernel flushes unread input at Ctrl-C), so what comes next
+    # is typed. A terminal writes a paste at once: such a pause is a person, not the paste.
+    PASTE_QUIET = 1.0
 
     def __init__(self, screen: Screen, echo: bool) -> None:
         self.screen, self.echo = screen, echo
@@ -265,10 +277,13 @@ class LineEditor:
         self._pending = ""
         self._esc = ""
         self._esc_read_at: float | None = None  # when a read that ended in ESC came (a terminal)
+        self._esc_alone = False  # `_esc` began with an ESC whose wait timed out: the paste start, or the Escape key
+        self._read_at: float | None = None  # when the last read came (a terminal)
         self._last = ""
         self.prompt = ""  # the prompt the typed keys follow on screen (set as it is drawn)
         self._paste = False  # between the marks of a paste
         self._pasted = False  # the line holds pasted text
+        self._drop = False  # the open paste is dropped up to its end (Ctrl-C)
         self._ended = False  # the input ended: "eof" once what is pending is taken
         self._eof_said = False
 
@@ -277,12 +292,14 @@ class LineEditor:
         text = self._decoder.decode(data)
         if self.echo:
             now = time.monotonic() if read_at is None else read_at
+            if self._read_at is not None and now - self._read_at >= self.PASTE_QUIET:
+                text = _QUIET + text
             if self._esc_read_at is not None and (
                 now - self._esc_read_at > self.ESC_WAIT or not text.startswith(("[", "O"))
             ):
-                text = "\x00" + text  # the last read's ESC was the Escape key alone: a control
-                # after it abandons it (and is dropped itself), so this read's keys are their own
+                text = _ESC_TIMED_OUT + text  # the last read's ESC may be the Escape key alone (`take`)
             self._esc_read_at = now if text.endswith("\x1b") else None
+            self._read_at = now
         self._pending += text
 
     def end(self) -> None:
@@ -317,9 +334,20 @@ class LineEditor:
     def put_back(self, kept: tuple[str, bool]) -> None:
         self.buf, self._pasted = list(kept[0]), kept[1]
 
+    @property
+    def pasting(self) -> bool:
+        """A paste is arriving (Ctrl-C drops it, rather than leave at an empty prompt): open, and
+        not one already dropped whose end marker is overdue (`PASTE_QUIET`)."""
+        if not self._paste:
+            return False
+        quiet = self._read_at is not None and time.monotonic() - self._read_at >= self.PASTE_QUIET
+        return not (self._drop and quiet)
+
     def discard(self) -> None:
-        """Drop the line being typed (Ctrl-C), a paste in progress with it."""
-        self.buf, self._paste, self._pasted = [], False, False
+        """Drop the line being typed (Ctrl-C), and the rest of a paste still arriving up to its end
+        marker: its lines were never typed, so they never run as lines or commands."""
+        self.buf, self._pasted = [], False
+        self._drop = self._paste
 
     def _line(self) -> tuple[str, str]:
         line, pasted = self.text, self._pasted
@@ -332,8 +360,23 @@ class LineEditor:
         when it holds pasted text) or `("eof", "")`."""
         while self._pending:
             ch, self._pending = self._pending[0], self._pending[1:]
+            if ch == _ESC_TIMED_OUT:
+                # an ESC alone ending the read before, too long ago: the Escape key, unless a paste
+                # is open (the rest of its end marker is still to come) or the paste start follows
+                self._esc_alone = self._esc == "\x1b" and not self._paste
+                continue
+            if ch == _QUIET:
+                if self._drop:  # the dropped paste's end marker was lost: what comes now is typed
+                    self._paste = self._drop = self._esc_alone = False
+                    self._esc = ""
+                continue
             last, self._last = self._last, ch
             if self._esc:
+                if self._esc_alone and not PASTE_START.startswith(self._esc + ch):
+                    # it was the Escape key: what followed it is typed (this character too)
+                    self._pending = self._esc[1:] + ch + self._pending
+                    self._esc, self._esc_alone, self._last = "", False, last
+                    continue
                 if not " " <= ch <= "~":
                     self._esc = ""  # abandoned: this character is taken as itself, below
                 else:
@@ -342,12 +385,16 @@ class LineEditor:
                         continue  # CSI or SS3: more follows
                     if self._esc[1] == "[" and ch < "@":
                         continue  # a CSI's parameter or intermediate byte
-                    if self.echo and self._esc in (PASTE_START, PASTE_END):
-                        self._paste = self._esc == PASTE_START
-                    self._esc = ""  # its last character
+                    if self.echo and self._esc == PASTE_START:
+                        self._paste = True
+                    elif self.echo and self._esc == PASTE_END:
+                        self._paste = self._drop = False
+                    self._esc, self._esc_alone = "", False  # its last character
                     continue
             if ch == "\x1b":
                 self._esc = ch
+            elif self._paste and self._drop:
+                continue  # the rest of a paste dropped at Ctrl-C
             elif self._paste:
                 self._pasted = True
                 if ch == "\n" and last == "\r":
@@ -384,7 +431,7 @@ class LineEditor:
                 self.buf.append(ch)
                 self._show(" " if ch == "\t" else ch)
         if self._ended and not self._eof_said:
-            self._esc = ""
+            self._esc, self._esc_alone = "", False
             if self.buf:  # an unfinished last line (a CR at its end is text: no LF follows it)
                 return self._line()
             self._eof_said = True
@@ -1030,7 +1077,7 @@ class Chat:
             self.screen.line("^C cancelling (Ctrl-C again to exit)")
             self.renderer.kind = None
             self.cancel()
-        elif self.editor.buf:
+        elif self.editor.buf or self.editor.pasting:
             self.editor.discard()
             self.screen.write("^C\n")
             self.prompt()

@@ -121,7 +121,8 @@ def approved_cmd(as_json: bool) -> None:
 def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
     """Reset SENDER's pairing: an approval is removed, a denial forgotten (their next message
     needs a new pairing). SENDER as `pairing approved` shows it (`alice\\u200b` is alice with a
-    zero-width space; a backslash shown doubled) or as the id itself."""
+    zero-width space, `jose\\u0301` josé written as e and a combining accent; a backslash shown
+    doubled) or as the id itself."""
     with _pairing() as conn:
         assert conn is not None
         pairing = Pairing(conn)
@@ -145,7 +146,8 @@ def _target(given: str, known: set[str]) -> str:
 
 def _look_alikes(target: str, rows: list[tuple[str, str, str, str]]) -> list[tuple[str, str, str, str]]:
     """Senders still approved or denied that differ from `target` only by what does not show (a
-    zero-width space, a no-break space): printed raw they pass for the same person."""
+    zero-width space, a no-break space) or by Unicode normalization (`jose\\u0301` and `josé`):
+    printed raw they pass for the same person."""
     return [row for row in rows if row[2] != target and unseen(row[2]) == unseen(target)]
 
 
@@ -153,6 +155,7 @@ def _alike_note(target: str, alike: list[tuple[str, str, str, str]]) -> str:
     shown = ", ".join(f"{exact_id(s)} ({how} on {c}:{a})" for c, a, s, how in alike)
     hint = shlex.quote(exact_id(alike[0][2]))
     return (
-        f"Not revoked, differing from {exact_id(target)} only by invisible characters: {shown}."
+        f"Not revoked, differing from {exact_id(target)} only by invisible characters or by the"
+        f" Unicode form of the same letters: {shown}."
         f" Revoke one with: appserver pairing revoke {hint}"
     )

@@ -13,7 +13,9 @@ approval prompt, ids): newlines and tabs are escaped too, and every character th
 or as a plain space, or makes text read in another order than it is: format characters (zero-width
 space and joiners, word joiner, BOM, soft hyphen, the bidi overrides, embeddings, isolates and marks,
 tags), line and paragraph separators, spaces other than U+0020, fillers. `alice` and `alice\\u200b`
-(a zero-width space after it) are two senders; printed raw they were one name.
+(a zero-width space after it) are two senders; printed raw they were one name. A text not in NFC
+shows its marks (and the few other characters NFC changes) escaped: `jose\\u0301` is not `josé`,
+which prints as it is (`appserver.client.hidden`).
 
 `exact_id` is for an id a person may type back (`appserver pairing revoke SENDER`): `exact` with each
 backslash doubled, so the shown form names one id, which `typed_id` reads back.
@@ -26,21 +28,15 @@ import unicodedata
 
 from appserver.client.hidden import escape as _escape
 from appserver.client.hidden import hidden as _hidden
+from appserver.client.hidden import shown as _shown
 
 # C0 controls but \t and \n, DEL, C1: what a terminal acts on instead of showing.
 _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")  # and lone surrogates: not printable
-# Every character but printable ASCII: only these can be hidden (`_hidden` decides).
-_NOT_PLAIN = re.compile("[^\x20-\x7e]")
 _TYPED_ESCAPE = re.compile(r"\\(\\|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8})")
 
 
 def _escaped(match: re.Match[str]) -> str:
     return _escape(match.group())
-
-
-def _escaped_if_hidden(match: re.Match[str]) -> str:
-    char = match.group()
-    return _escape(char) if _hidden(char) else char
 
 
 def visible(value: object) -> str:
@@ -52,8 +48,9 @@ def visible(value: object) -> str:
 def exact(value: object) -> str:
     """`value` as one line to be read exactly: every control, newline, tab, bidi control, invisible
     character and unusual space shown as an escape, so nothing can hide, reorder or move what is
-    around it, and two different values never print the same (but for a backslash: `exact_id`)."""
-    return _NOT_PLAIN.sub(_escaped_if_hidden, str(value))
+    around it, and two different values never print the same (but for a backslash: `exact_id`;
+    `jose\\u0301`, not in NFC, is not shown as the NFC `josé`)."""
+    return _shown(str(value))
 
 
 def exact_id(value: str) -> str:
@@ -78,9 +75,11 @@ def typed_id(text: str) -> str:
 
 
 def unseen(value: str) -> str:
-    """`value` as a reader sees it printed raw: hidden characters gone, every space a plain one.
-    Two ids with the same `unseen` differ only by what nobody can see (look-alikes)."""
-    return "".join(" " if unicodedata.category(c) == "Zs" else "" if _hidden(c) else c for c in value)
+    """`value` as a reader sees it printed raw: hidden characters gone, every space a plain one,
+    in NFC (`jose\\u0301` and `josé` print the same). Two ids with the same `unseen` differ
+    only by what nobody can see (look-alikes)."""
+    seen = "".join(" " if unicodedata.category(c) == "Zs" else "" if _hidden(c) else c for c in value)
+    return unicodedata.normalize("NFC", seen)
 
 
 def json_text(text: str) -> str:

@@ -157,7 +157,8 @@ def test_cli_commands_on_a_cluster_store_leave_the_servers_turns_alone(cluster: 
             r = await asyncio.to_thread(run_cli, cli_home, *args, env=env)
             assert r.code == 0, (args, r.err)
             assert "interrupted" not in r.err and "taken over" not in r.err, (args, r.err)
-        assert [t["status"] for t in _turns(url, conv)] == ["running"], _turns(url, conv)
+        # still running, or (a loaded machine runs the commands slowly) completed on its own: never settled by them
+        assert [t["status"] for t in _turns(url, conv)] in (["running"], ["completed"]), _turns(url, conv)
         turns_before, convs_before = _count(url, "turns"), _count(url, "conversations")
         r = await asyncio.to_thread(run_cli, cli_home, "run", "--conversation", conv, "hello from the cli", env=env)
         assert r.code == 2, (r.code, r.out, r.err)

@@ -20,9 +20,11 @@ Environment overrides work as for every key: `APPSERVER_CHANNELS__ENABLED=webhoo
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 CHANNEL_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
@@ -159,3 +161,37 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
             raise ChannelConfigError(f"{head} chat_rate must be positive, got {value!r}")
         settings[key] = value
     return AccountConfig(channel=channel, name=name, settings=settings, secret_refs=refs)
+
+
+def shared_secrets(accounts: Iterable[AccountConfig], home: Path) -> dict[str, tuple[str, str]]:
+    """The accounts that reference the same token as an earlier account of their channel (the same
+    `<name>_env` variable, or the same `<name>_file` path, relative ones under `home`): ref -> (that
+    earlier account's name, why). One bot token polled by two accounts fought itself forever (Telegram:
+    409 Conflict); the first account keeps the token, a later one is refused. Only tokens (`token`,
+    `*_token`: a bot's identity) count: a shared signing secret or password is a choice, not a clash."""
+    first: dict[tuple[str, str, str, str], str] = {}
+    out: dict[str, tuple[str, str]] = {}
+    for account in accounts:
+        for secret, ref in sorted(account.secret_refs.items()):
+            if not is_identity_secret(secret):
+                continue
+            kind, value = next(iter(ref.items()))
+            if kind == "file":
+                path = Path(value).expanduser()
+                value = os.path.normpath(path if path.is_absolute() else home / path)
+            owner = first.setdefault((account.channel, secret, kind, value), account.name)
+            if owner != account.name and account.ref not in out:
+                what = f"environment variable {value}" if kind == "env" else f"file {value}"
+                out[account.ref] = (
+                    owner,
+                    (
+                        f"{secret}_{kind}: the same {what} as account {account.channel}:{owner}; two accounts of "
+                        "one channel cannot share a token (two pollers of one bot token fight: 409 Conflict)"
+                    ),
+                )
+    return out
+
+
+def is_identity_secret(name: str) -> bool:
+    """A secret that names one bot on its platform (`token`, `bot_token`, `app_token`, …)."""
+    return name == "token" or name.endswith("_token")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appserver.auth import GATEWAY_TOKEN_NAME, ReservedNameTaken, token_store_for
-from appserver.channelconfig import AccountConfig
+from appserver.channelconfig import AccountConfig, shared_secrets
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
 from gateway.db import (
@@ -117,6 +117,8 @@ class ChannelService:
         self.config = config
         self.readiness = readiness
         self.accounts = config.channels.enabled_accounts()
+        # an account using another's secret runs in state `error` saying so (not a 409 loop)
+        self.refused = {ref: why for ref, (_owner, why) in shared_secrets(self.accounts, config.home).items()}
         # Several servers on one database: each account runs in the gateway of the one server
         # holding its lease (`Cluster.take_channel`); `elsewhere` names the holders of the others.
         self._cluster = cluster
@@ -165,6 +167,8 @@ class ChannelService:
                     channel,
                     self.config.config_path,
                 )
+        for ref, why in self.refused.items():
+            log.error("channels: %s is not started: %s", ref, why)
         try:
             mint_credential(self.config).revoke()  # fail early and clearly on a mode that cannot work
         except ChannelsUnavailable as exc:
@@ -181,7 +185,9 @@ class ChannelService:
         self.supervisor = GatewaySupervisor(
             home=self.config.home,
             url=lambda: url,
-            accounts=[a.to_json() for a in accounts],
+            accounts=[
+                a.to_json() | ({"problem": self.refused[a.ref]} if a.ref in self.refused else {}) for a in accounts
+            ],
             credential=lambda: mint_credential(self.config),
         )
         log.info("channels: starting the gateway for %s", ", ".join(a.ref for a in accounts) or "no accounts")

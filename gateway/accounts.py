@@ -3,7 +3,8 @@
 `AccountRunner.run` keeps the adapter alive: a configuration problem (missing secret, a plugin that
 will not load, a token the platform refuses) is state `error` with the reason and no retry loop; any
 other failure, or an adapter that stops running on its own, is `backoff` and a restart after 1 s,
-doubling to 60 s, reset after 5 minutes of health.
+doubling to 60 s, reset after 5 minutes of health. An adapter whose `start()` has not returned after
+START_TIMEOUT_S is stopped and backs off the same way (it stayed `starting` forever).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ BACKOFF_MAX_S = 60.0
 HEALTHY_RESET_S = 300.0
 WATCH_INTERVAL_S = 1.0
 STOP_TIMEOUT_S = 5.0
+# How long an adapter's start() may take (a platform login, a listener bound): above the worst case of
+# a first-party start on a slow network (Telegram's getMe: 10 s to connect, 15 s to read). The child
+# goes READY after its own 25 s wait for the accounts (gateway/app.py); the account is `backoff` at this.
+# A test may shorten it with APPSERVER_GATEWAY_START_TIMEOUT_S in the child's environment.
+START_TIMEOUT_S = 30.0
 SECRET_FILE_MAX = 64 << 10  # bytes; a token is far smaller, so a bigger file is a mistake
 
 
@@ -51,10 +57,18 @@ class AccountSpec:
     name: str
     settings: dict[str, Any]
     secrets: dict[str, dict[str, str]]
+    problem: str | None = None  # the server refused the account (e.g. a token another account has)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AccountSpec:
-        return cls(str(d["channel"]), str(d["name"]), dict(d.get("settings") or {}), dict(d.get("secrets") or {}))
+        problem = d.get("problem")
+        return cls(
+            str(d["channel"]),
+            str(d["name"]),
+            dict(d.get("settings") or {}),
+            dict(d.get("secrets") or {}),
+            str(problem) if problem else None,
+        )
 
     @property
     def ref(self) -> str:
@@ -147,6 +161,18 @@ class LiveStatus:
 StateListener = Callable[["AccountRunner"], None]
 
 
+class StartTimeout(Exception):
+    """The adapter's start() did not return in time: a failed start, backed off and retried."""
+
+
+def _start_timeout(environ: dict[str, str]) -> float:
+    try:
+        value = float(environ.get("APPSERVER_GATEWAY_START_TIMEOUT_S", ""))
+    except ValueError:
+        return START_TIMEOUT_S
+    return value if 0 < value < float("inf") else START_TIMEOUT_S
+
+
 class AccountRunner:
     def __init__(
         self,
@@ -170,6 +196,7 @@ class AccountRunner:
         self._on_message = on_message
         self._on_state = on_state
         self._environ = dict(os.environ) if environ is None else environ
+        self._start_timeout = _start_timeout(self._environ)
         self._sleep = sleep
         self._stopping = False
         self.ready = asyncio.Event()
@@ -213,12 +240,14 @@ class AccountRunner:
             self.report("starting")
             started = time.monotonic()
             try:
+                if self.spec.problem:
+                    raise AccountError(self.spec.problem)
                 AccessPolicy.from_settings(self.spec.settings)  # bad policies are configuration errors
                 DebounceSettings.from_settings(self.spec.settings)
                 adapter = self._create()
                 self._check_keys(adapter)
                 self.adapter = adapter
-                await adapter.start()
+                await self._start_adapter(adapter)
             except (AccountError, PluginError, PolicyError, DebounceError) as exc:
                 self.report("error", str(exc))
                 self.ready.set()
@@ -226,9 +255,18 @@ class AccountRunner:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a plugin may fail any way; it must not kill the gateway
-                log.exception("%s: the adapter failed to start", self.spec.ref)
+                if isinstance(exc, StartTimeout):
+                    log.error("%s: %s", self.spec.ref, exc)
+                    why = str(exc)
+                else:
+                    log.exception("%s: the adapter failed to start", self.spec.ref)
+                    why = f"start failed: {type(exc).__name__}: {exc}"
                 await self._stop_adapter()  # it may hold what it opened before failing (a socket, a poller)
-                await self._backoff(f"start failed: {type(exc).__name__}: {exc}", backoff)
+                if self._stopping:  # stop() came while start() ran: it has said `stopped`
+                    return
+                if isinstance(exc, StartTimeout):
+                    self.ready.set()  # it had its time: the child need not wait for this account longer
+                await self._backoff(why, backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
             if self.live.state == "starting":
@@ -243,6 +281,23 @@ class AccountRunner:
             await self._stop_adapter()
             await self._backoff("the adapter stopped running", backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _start_adapter(self, adapter: Adapter) -> None:
+        """`adapter.start()`, or StartTimeout once it has taken `_start_timeout` seconds (then it is
+        cancelled, waited for at most STOP_TIMEOUT_S: a plugin may ignore the cancellation)."""
+        task = asyncio.ensure_future(adapter.start())
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self._start_timeout)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task in done:
+            task.result()
+            return
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: never "never retrieved"
+        task.cancel()
+        await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
+        raise StartTimeout(f"start() did not return within {self._start_timeout:g} s")
 
     def _check_keys(self, adapter: Adapter) -> None:
         """Refuse a key the plugin did not declare (`settings_keys`, plugins/contract.py) before the

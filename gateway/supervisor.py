@@ -52,6 +52,16 @@ HEALTHY_RESET_S = 300.0
 # than this would mangle ordinary text; a secret file is read up to this many bytes.
 SECRET_MIN_LEN = 8
 SECRET_FILE_MAX = 64 << 10
+# The relay of the child's stderr runs on the server's event loop: a plugin writing lines as fast as
+# the pipe takes them made every request wait behind it and grew the server log by megabytes a
+# second. At most STDERR_LINES_PER_S lines are logged (bursts of STDERR_BURST); past that, lines are
+# read in chunks, dropped and counted until half the burst has come back, then one summary line says
+# how many went. The pipe is always read, so the child never blocks on it. The relay yields to the
+# loop after STDERR_BATCH lines or chunks.
+STDERR_LINES_PER_S = 200.0
+STDERR_BURST = 500.0
+STDERR_BATCH = 64
+STDERR_CHUNK = 64 << 10
 
 
 def _env_seconds(environ: Mapping[str, str], name: str, default: float) -> float:
@@ -370,18 +380,58 @@ class GatewaySupervisor:
             log.error("gateway: %s", self._redact(str(payload.get("message"))))
 
     async def _relay_stderr(self, stderr: asyncio.StreamReader) -> None:
+        """Log the child's stderr lines, redacted, within the rate bound (STDERR_LINES_PER_S)."""
+        budget = _LineBudget(STDERR_LINES_PER_S, STDERR_BURST)
+        suppressed = 0
+        since = 0.0  # when the current run of dropped lines began
+        partial = False  # the last dropped chunk ended inside a line: its rest is dropped too
+        done = 0
         while True:
+            done += 1
+            if done % STDERR_BATCH == 0:
+                await asyncio.sleep(0)  # a buffered read returns at once: let the server answer
+            now = time.monotonic()
+            if suppressed and not budget.refilled(now):
+                chunk = await stderr.read(STDERR_CHUNK)
+                if not chunk:
+                    self._suppressed(suppressed, now - since)
+                    return
+                suppressed += chunk.count(b"\n")
+                partial = not chunk.endswith(b"\n")
+                continue
             try:
                 line = await stderr.readline()
             except (ValueError, asyncio.LimitOverrunError):
                 continue
             if not line:
+                if suppressed:
+                    self._suppressed(suppressed, time.monotonic() - since)
                 return
+            if partial:  # the rest of a line its dropped chunk began
+                partial = False
+                suppressed += 1
+                continue
+            if not budget.take(now):
+                if not suppressed:
+                    since = now
+                suppressed += 1
+                continue
+            if suppressed:
+                self._suppressed(suppressed, now - since)
+                suppressed = 0
             text = self._redact(line.decode("utf-8", "replace").rstrip())
             self._stderr_tail.append(text[:300])
             level = logging.ERROR if text.startswith(("ERROR", "CRITICAL", "Traceback")) else logging.INFO
             level = logging.WARNING if text.startswith("WARNING") else level
             child_log.log(level, "gateway| %s", text)
+
+    def _suppressed(self, count: int, seconds: float) -> None:
+        log.warning(
+            "gateway: %d stderr lines suppressed in the last %.1f s (more than %g lines/s)",
+            count,
+            seconds,
+            STDERR_LINES_PER_S,
+        )
 
     def _redact(self, text: str) -> str:
         """`text` with each account secret the server can read replaced by `<name>`: a second line
@@ -397,6 +447,32 @@ class GatewaySupervisor:
             if not future.done():
                 future.set_exception(RuntimeError(reason))
         self._pending.clear()
+
+
+class _LineBudget:
+    """A token bucket of log lines: `rate` a second, at most `burst` saved up."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens = burst
+        self.at = time.monotonic()
+
+    def _fill(self, now: float) -> None:
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+
+    def take(self, now: float) -> bool:
+        self._fill(now)
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+    def refilled(self, now: float) -> bool:
+        """Half the burst is back: dropping ends (so a steady flood gives runs of lines, not one
+        summary line per line logged)."""
+        self._fill(now)
+        return self.tokens >= self.burst / 2
 
 
 def _secret_pattern(accounts: list[dict[str, Any]], env: dict[str, str], home: Path) -> Secrets | None:

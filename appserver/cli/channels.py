@@ -40,10 +40,12 @@ import filelock
 from appserver.channelconfig import (
     ACCOUNT_NAME,
     CHANNEL_ID,
+    AccountConfig,
     ChannelConfigError,
     ChannelsConfig,
     check_account,
     load_channels,
+    shared_secrets,
 )
 from appserver.cli.common import fail, get_config, print_json, run_or_fail
 from appserver.cli.safetext import exact, visible
@@ -613,6 +615,15 @@ def _settings_problem(channel: str, settings: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _account_problem(account: AccountConfig, shared: Mapping[str, tuple[str, str]]) -> str | None:
+    """Why the gateway would not run this account: its settings, else a token an earlier account of
+    its channel already uses (`shared_secrets`). None when neither."""
+    problem = _settings_problem(account.channel, account.settings)
+    if problem is None and account.ref in shared:
+        problem = shared[account.ref][1]
+    return problem
+
+
 # ── the group ───────────────────────────────────────────────────────────────────────────────────
 
 
@@ -629,6 +640,7 @@ def list_cmd(as_json: bool) -> None:
     config = get_config()
     known = _known_channels(config.home)
     channels = config.channels
+    shared = shared_secrets([a for by_name in channels.accounts.values() for a in by_name.values()], config.home)
     for cid in [*channels.enabled, *channels.accounts]:
         if cid not in known:
             known[cid] = _Channel(cid, "unknown", "not first-party and no user plugin", None)
@@ -644,7 +656,13 @@ def list_cmd(as_json: bool) -> None:
             "account_errors": {
                 name: problem
                 for name, account in sorted(channels.accounts.get(c.id, {}).items())
-                if (problem := _settings_problem(c.id, account.settings)) is not None
+                if (problem := _account_problem(account, shared)) is not None
+            },
+            # accounts refused for using an earlier account's token: name -> that account's name
+            "shared_token": {
+                name: shared[account.ref][0]
+                for name, account in sorted(channels.accounts.get(c.id, {}).items())
+                if account.ref in shared
             },
         }
         for c in sorted(known.values(), key=lambda c: c.id)
@@ -657,8 +675,10 @@ def list_cmd(as_json: bool) -> None:
         problems = [r["error"]] if r["error"] else []
         if r["kind"] == "plugin" and problems:
             problems = ["broken (below)"]
-        if r["account_errors"]:
-            problems.append("bad settings: " + ", ".join(r["account_errors"]) + " (below)")
+        bad = [name for name in r["account_errors"] if name not in r["shared_token"]]
+        if bad:
+            problems.append("bad settings: " + ", ".join(bad) + " (below)")
+        problems += [f"{name} uses {owner}'s token (below)" for name, owner in r["shared_token"].items()]
         table.append(
             [
                 r["id"],
@@ -714,6 +734,10 @@ def add_cmd(channel: str, account: str, settings: tuple[str, ...], secrets: tupl
     if problem is not None:
         raise Refused(f"channels add: [channels.{channel}.accounts.{account}] {problem}; nothing written", 2)
     config = get_config()
+    others = [a for name, a in config.channels.accounts.get(channel, {}).items() if name != account]
+    shared = shared_secrets([*others, checked], config.home).get(checked.ref)
+    if shared is not None:
+        raise Refused(f"channels add: [channels.{channel}.accounts.{account}] {shared[1]}; nothing written", 2)
     found = _require_known(config.home, channel)
     with _ConfigFile.editing(config.config_path) as file:
         if account in _file_accounts(file.data, channel):
@@ -993,6 +1017,7 @@ def _account_rows(
     longer configured, each with its last failure (None when it has none)."""
     by_key = {(r.channel, r.account): r for r in rows}
     configured = [(ch, name) for ch, accounts in sorted(config.channels.accounts.items()) for name in sorted(accounts)]
+    shared = shared_secrets([a for by_name in config.channels.accounts.values() for a in by_name.values()], config.home)
     others = sorted(k for k in by_key if k not in set(configured))
     out: list[dict[str, Any]] = []
     for ch, name in [*configured, *others]:
@@ -1004,7 +1029,7 @@ def _account_rows(
             "enabled": ch in config.channels.enabled,
             "started": row is not None,
             "settings_error": (
-                _settings_problem(ch, config.channels.accounts[ch][name].settings) if (ch, name) in configured else None
+                _account_problem(config.channels.accounts[ch][name], shared) if (ch, name) in configured else None
             ),
         }
         if row is not None:

@@ -276,7 +276,8 @@ class TelegramAdapter:
                         await bot.delete_webhook(drop_pending_updates=False)
                 self._report(
                     "conflict",
-                    f"409 Conflict: another poller (or a webhook) uses this bot token; retrying in {delay:g} s",
+                    "409 Conflict: another poller of this bot token (another account of this gateway, another "
+                    f"process, or a webhook); retrying in {delay:g} s",
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, BACKOFF_MAX_S)

@@ -101,7 +101,8 @@ class ListConversations(TypedDict):
     type: Literal["list_conversations"]
     agent: NotRequired[str | None]
     limit: NotRequired[int]
-    offset: NotRequired[int]
+    offset: NotRequired[int]  # at most 10,000; page further with `after`
+    after: NotRequired[str]  # the `next` of the page before
     request_id: NotRequired[str]
 
 
@@ -309,6 +310,8 @@ class Agents(TypedDict):
 class Conversations(TypedDict):
     type: Literal["conversations"]
     conversations: list[dict[str, Any]]
+    has_more: NotRequired[bool]
+    next: NotRequired[str | None]  # the `after` of the following page, while `has_more`
     request_id: NotRequired[str | None]
 
 

@@ -197,12 +197,16 @@ class Store(ABC):
         *,
         limit: int = 100,
         offset: int = 0,
+        after: tuple[float, str] | None = None,
         agent_ids: Collection[str] | None = None,
         namespace: str | None = None,
     ) -> list[ConversationRecord]:
-        """Newest first. `agent_ids` (when given) and `namespace` (when given: only conversations
-        owned by it) narrow the list in the query, so a credential that sees few of many
-        conversations costs one indexed read, not a walk over every conversation."""
+        """Newest first (updated_at, then id). `agent_ids` (when given) and `namespace` (when
+        given: only conversations owned by it) narrow the list in the query, so a credential that
+        sees few of many conversations costs one indexed read, not a walk over every conversation.
+        `after` (the updated_at and id of the last conversation of the page before) starts the page
+        right after it: a seek, what the page costs wherever it is. `offset` skips index entries
+        only (`conversation_page_ids`), still one per conversation skipped."""
 
     @abstractmethod
     async def update_conversation(self, conv: ConversationRecord) -> None: ...
@@ -384,10 +388,18 @@ class Store(ABC):
 
 
 def conversations_where(
-    mark: str, agent_id: str | None, agent_ids: Collection[str] | None, namespace: str | None
+    mark: str,
+    agent_id: str | None,
+    agent_ids: Collection[str] | None,
+    namespace: str | None,
+    *,
+    unindexed_in: bool = False,
 ) -> tuple[str, list[Any]]:
     """The WHERE clause (empty, or starting with " WHERE") and its parameters for
-    `list_conversations`; `mark` is the driver's placeholder ("?" or "%s")."""
+    `list_conversations`; `mark` is the driver's placeholder ("?" or "%s"). `unindexed_in`
+    (SQLite): the agents' IN only filters what an index in the list's order hands out. SQLite
+    otherwise reads an IN on an index's first column range by range, out of order, and sorts every
+    row of those agents in a temp B-tree for each page."""
     clauses: list[str] = []
     params: list[Any] = []
     if agent_id is not None:
@@ -397,12 +409,40 @@ def conversations_where(
         if not agent_ids:
             clauses.append("0 = 1")
         else:
-            clauses.append(f"agent_id IN ({', '.join([mark] * len(agent_ids))})")
+            column = "+agent_id" if unindexed_in else "agent_id"
+            clauses.append(f"{column} IN ({', '.join([mark] * len(agent_ids))})")
             params.extend(sorted(agent_ids))
     if namespace is not None:
         clauses.append(f"namespace = {mark}")
         params.append(namespace)
     return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
+
+
+def conversation_page_ids(
+    mark: str,
+    agent_id: str | None,
+    agent_ids: Collection[str] | None,
+    namespace: str | None,
+    *,
+    limit: int | None,
+    offset: int,
+    after: tuple[float, str] | None,
+    key: str = "id",
+    unindexed_in: bool = False,
+) -> tuple[str, list[Any]]:
+    """The query for the keys (column `key`: id, or SQLite's rowid) of a `list_conversations`
+    page, and its parameters. It reads keys only, off an index in the list's whole order that
+    holds the columns it filters by (conversations_namespace_recent and the others of the
+    schema): the conversations skipped to reach the page (`offset`) cost an index entry each, and
+    their rows (up to 17 KB: title and metadata) are never read. `SELECT *` with an OFFSET read
+    every one of them, and sorted them when the index lacked id. `after` is a seek: `updated_at
+    <= u` is the index range, the rest sorts out the few of that same time."""
+    where, params = conversations_where(mark, agent_id, agent_ids, namespace, unindexed_in=unindexed_in)
+    if after is not None:
+        where += (" AND " if where else " WHERE ") + f"updated_at <= {mark} AND (updated_at < {mark} OR id > {mark})"
+        params.extend([after[0], after[0], after[1]])
+    query = f"SELECT {key} FROM conversations{where} ORDER BY updated_at DESC, id LIMIT {mark} OFFSET {mark}"
+    return query, [*params, limit, offset]
 
 
 # Run as an agent is deleted. Stored responses have no foreign key to their conversation: without

@@ -198,6 +198,21 @@ MIGRATIONS: list[tuple[int, str]] = [
         CREATE INDEX history_points_owner ON history_points(agent_id, prefix_hash, namespace, created_at);
         """,
     ),
+    (
+        8,
+        """
+        -- A page of conversations reads its own index entries and rows only, wherever it is: one
+        -- index in the list's whole order (updated_at DESC, id) for each filter (owner, owner and
+        -- agent, agent, none), holding the agent the owner's and everyone's are filtered by. The
+        -- page's ids come off the index alone, so rows skipped to reach it are never read (5's
+        -- index lacked id: every row before the page was read and sorted, store/base.py
+        -- `conversation_page_ids`).
+        CREATE INDEX conversations_namespace_recent ON conversations(namespace, updated_at DESC, id, agent_id);
+        CREATE INDEX conversations_namespace_agent ON conversations(namespace, agent_id, updated_at DESC, id);
+        CREATE INDEX conversations_agent_recent ON conversations(agent_id, updated_at DESC, id);
+        CREATE INDEX conversations_recent ON conversations(updated_at DESC, id, agent_id);
+        """,
+    ),
 ]
 
 

@@ -31,6 +31,10 @@ same observable behaviour:
 - Version 5 (SQLite's 6): `turns.cancel_ack`, a cancel acknowledged before the turn settled.
 - Version 6 (SQLite's 7): `history_points.namespace`, its conversation's owner, and the indexes a
   prefix match reads the newest points of one history by (store/base.py `history_points_read`).
+- Version 7 (SQLite's 8): `conversations_namespace_agent`, a credential's conversations of one
+  agent in the list's order. SQLite's 8 adds three more that the tables here had from version 1 and 3
+  (in the list's order, with id: `conversations_agent`, `conversations_recent`,
+  `conversations_namespace`).
 """
 
 from __future__ import annotations
@@ -288,6 +292,15 @@ MIGRATIONS: list[tuple[int, str]] = [
         UPDATE history_points p SET namespace = c.namespace FROM conversations c WHERE c.id = p.conversation_id;
         CREATE INDEX history_points_recent ON history_points(agent_id, prefix_hash, created_at);
         CREATE INDEX history_points_owner ON history_points(agent_id, prefix_hash, namespace, created_at);
+        """,
+    ),
+    (
+        7,
+        """
+        -- A credential's page of one agent's conversations comes off one index in the list's order
+        -- (store/base.py `conversation_page_ids`), however many conversations of its other agents
+        -- it holds: 3's index (namespace, updated_at DESC, id) walked past every one of those.
+        CREATE INDEX conversations_namespace_agent ON conversations(namespace, agent_id, updated_at DESC, id);
         """,
     ),
 ]

@@ -52,7 +52,7 @@ from appserver.store.base import (
     StoreUnavailable,
     StoreValueRefused,
     TurnSettledElsewhere,
-    conversations_where,
+    conversation_page_ids,
     history_points_read,
     idempotency_cutoff,
 )
@@ -1010,13 +1010,18 @@ class PostgresStore(Store):
         *,
         limit: int = 100,
         offset: int = 0,
+        after: tuple[float, str] | None = None,
         agent_ids: Collection[str] | None = None,
         namespace: str | None = None,
     ) -> list[ConversationRecord]:
-        where, params = conversations_where("%s", agent_id, agent_ids, namespace)
+        """The page's ids off an index in the list's order (`conversation_page_ids`: no row
+        before the page is fetched, whatever the offset), then its rows, in one snapshot."""
+        page, params = conversation_page_ids(
+            "%s", agent_id, agent_ids, namespace, limit=_limit(limit), offset=max(offset, 0), after=after
+        )
         rows = await self._rows(
-            f"SELECT * FROM conversations{where} ORDER BY updated_at DESC, id LIMIT %s OFFSET %s",
-            (*params, _limit(limit), max(offset, 0)),
+            f"SELECT c.* FROM ({page}) p JOIN conversations c ON c.id = p.id ORDER BY c.updated_at DESC, c.id",
+            tuple(params),
         )
         return [conversation_record(r, self._damaged_cells) for r in rows]
 

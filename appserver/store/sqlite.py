@@ -31,7 +31,7 @@ from appserver.store.base import (
     Store,
     StoreError,
     StoreFileGone,
-    conversations_where,
+    conversation_page_ids,
     history_points_read,
     idempotency_cutoff,
 )
@@ -146,6 +146,22 @@ def _text_size(value: Any) -> int:
 def _replace_bad_utf8(raw: bytes) -> str:
     """The text_factory of a read that met damaged text: U+FFFD for each byte that is no UTF-8."""
     return raw.decode("utf-8", "replace")
+
+
+def conversation_page_query(
+    agent_id: str | None,
+    agent_ids: Collection[str] | None,
+    namespace: str | None,
+    *,
+    limit: int,
+    offset: int,
+    after: tuple[float, str] | None,
+) -> tuple[str, list[Any]]:
+    """The read of a `list_conversations` page's rowids (base.py `conversation_page_ids`): a
+    covering index of migration 8 serves it in order, with no temp B-tree."""
+    return conversation_page_ids(
+        "?", agent_id, agent_ids, namespace, limit=limit, offset=offset, after=after, key="rowid", unindexed_in=True
+    )
 
 
 def _argv(pid: int) -> list[str]:
@@ -620,17 +636,24 @@ class SQLiteStore(Store):
         *,
         limit: int = 100,
         offset: int = 0,
+        after: tuple[float, str] | None = None,
         agent_ids: Collection[str] | None = None,
         namespace: str | None = None,
     ) -> list[ConversationRecord]:
+        """The page's rowids off an index alone (`conversation_page_query`), then its rows by
+        rowid: no row before the page is read, whatever the offset."""
         self._writes.settle()
-        where, params = conversations_where("?", agent_id, agent_ids, namespace)
+        query, params = conversation_page_query(agent_id, agent_ids, namespace, limit=limit, offset=offset, after=after)
+        keys = [r[0] for r in self._rows(query, params, "in the conversations")]
+        if not keys:
+            return []
         rows = self._rows(
-            f"SELECT * FROM conversations{where} ORDER BY updated_at DESC, id LIMIT ? OFFSET ?",
-            (*params, limit, offset),
+            "SELECT rowid AS page_key, * FROM conversations WHERE rowid IN (SELECT value FROM json_each(?))",
+            (orjson.dumps(keys).decode(),),
             "in the conversations",
         )
-        return [conversation_record(r, self._damaged) for r in rows]
+        by_key = {r["page_key"]: r for r in rows}
+        return [conversation_record(by_key[k], self._damaged) for k in keys if k in by_key]
 
     async def discard_empty_conversation(self, conversation_id: str) -> bool:
         """After whatever is queued (a deferred insert of the conversation, an accept into it)."""

@@ -10,10 +10,12 @@ is not the protocol number 1.
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 from pydantic import ValidationError as ValidationError  # what `client_frame` raises (ws/routes.py)
 
 from appserver.http.fields import FUNCTION_NAME
@@ -216,11 +218,70 @@ class ListAgents(_ClientFrame):
     type: Literal["list_agents"]
 
 
+# The most conversations `offset` skips. Each one skipped still costs an index entry, read on the
+# event loop; a client pages further with `after` (keyset paging: a seek, what the first page costs).
+MAX_LIST_OFFSET = 10_000
+_CURSOR_MAX_CHARS = 512
+
+
+def page_cursor(updated_at: float, conversation_id: str) -> str:
+    """The opaque `next` of a `conversations` page: where its last conversation is in the list's
+    order (updated_at, id). Floats survive JSON exactly (repr), so the seek lands on that row."""
+    raw = json.dumps([updated_at, conversation_id], ensure_ascii=False).encode("utf-8")
+    return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
+
+
+def read_cursor(cursor: str) -> tuple[float, str]:
+    """The (updated_at, id) a `page_cursor` holds; ValueError for anything else."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        value = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        value = None
+    if (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], int | float)
+        and not isinstance(value[0], bool)
+        and math.isfinite(value[0])
+        and isinstance(value[1], str)
+        and "\x00" not in value[1]
+    ):
+        return float(value[0]), value[1]
+    raise ValueError("not a cursor this server gave: send the `next` of the page before as it is")
+
+
 class ListConversations(_ClientFrame):
+    """`offset` is capped (`MAX_LIST_OFFSET`); `after`, the `next` of the page before, reaches any
+    page at the cost of the first."""
+
     type: Literal["list_conversations"]
     agent: Text | None = None
     limit: int = Field(default=100, ge=1, le=1000, strict=True)
     offset: int = Field(default=0, ge=0, strict=True)
+    after: str | None = Field(default=None, max_length=_CURSOR_MAX_CHARS)
+
+    @field_validator("offset")
+    @classmethod
+    def _offset_capped(cls, value: int) -> int:
+        if value > MAX_LIST_OFFSET:
+            raise ValueError(
+                f"at most {MAX_LIST_OFFSET}; page on with `after` (the `next` of the page before) instead of an offset"
+            )
+        return value
+
+    @field_validator("after")
+    @classmethod
+    def _after_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_cursor(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_way_to_page(self) -> ListConversations:
+        if self.after is not None and self.offset:
+            raise ValueError("give `after` or `offset`, not both: `after` is where the page starts")
+        return self
 
 
 TITLE_MAX_CHARS = 1000
@@ -447,8 +508,12 @@ class Agents(_Frame):
 
 
 class Conversations(_Frame):
+    """`next` (when `has_more`): the `after` of the following page."""
+
     type: Literal["conversations"]
     conversations: list[ConversationView]
+    has_more: bool
+    next: str | None
 
 
 class History(_Frame):

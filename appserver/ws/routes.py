@@ -378,7 +378,13 @@ class Endpoint:
             conn.send({"type": "agents", "request_id": rid, "agents": agents})
         elif isinstance(frame, F.ListConversations):
             convs = await self._list_conversations(conn, frame)
-            conn.send({"type": "conversations", "request_id": rid, "conversations": [_view(c) for c in convs]})
+            more = len(convs) > frame.limit
+            del convs[frame.limit :]
+            reply: dict[str, Any] = {"type": "conversations", "request_id": rid}
+            reply["conversations"] = [_view(c) for c in convs]
+            reply["has_more"] = more
+            reply["next"] = F.page_cursor(convs[-1].updated_at, convs[-1].id) if more else None
+            conn.send(reply)
         elif isinstance(frame, F.CreateConversation):
             agent = await self._agent(conn, frame.agent)
             fields: dict[str, Any] = {"metadata": frame.metadata or {}, "namespace": _namespace(conn)}
@@ -951,7 +957,8 @@ class Endpoint:
 
     async def _list_conversations(self, conn: Connection, frame: F.ListConversations) -> list[ConversationRecord]:
         """The page of conversations this credential may see (its agents, its namespace), newest
-        first; `offset` counts visible conversations only."""
+        first, and one more when there is one (`has_more`); `offset` counts visible conversations
+        only, `after` starts the page after the one its cursor names."""
         agent_id = (await self._agent(conn, frame.agent)).id if frame.agent else None
         ns = _namespace(conn)
         store = self.server.store
@@ -959,8 +966,9 @@ class Endpoint:
         agent_ids = None
         if conn.principal.agents is not None:
             agent_ids = {a.id for a in await store.agents_to_read() if self._allows(conn, a)}
+        after = F.read_cursor(frame.after) if frame.after is not None else None
         return await store.list_conversations(
-            agent_id, limit=frame.limit, offset=frame.offset, agent_ids=agent_ids, namespace=ns
+            agent_id, limit=frame.limit + 1, offset=frame.offset, after=after, agent_ids=agent_ids, namespace=ns
         )
 
 

@@ -242,6 +242,7 @@ async def test_a_key_whose_claim_was_lost_never_follows_a_turn_the_caller_may_no
             conversation="new",
             idempotency_key=key,
             idempotency_scope=f"http:{scope}",  # as the OpenAI routes file it
+            source={"kind": "openai_chat"},  # an HTTP request's turn (a key never follows a WebSocket one)
         )
         sub = await server.kernel.submit(request)
         assert (await sub.wait(T)).status == "completed"

@@ -1,11 +1,10 @@
 """The composition root's product: the long-lived services `serve` builds around one `Server`.
-
 Typed fields, not a string-keyed bag: `serve` builds them once (`build_services`) and hands each
 front end only what it uses — the OpenAI routes get `metrics`, the WebSocket routes the `hub` and
-`cron` (the `cron_run` frame), serve's signal handler the `hub` (it tells clients it is stopping).
-`running()` runs the background services for the app's lifespan; a service that has a readiness
-check registers it with `Server.readiness` while it runs. `channels` runs the gateway supervisor
-when channels are enabled.
+`cron` (the `cron_run` frame), both the open-turn `places` they count in together, serve's signal
+handler the `hub` (it tells clients it is stopping). `running()` runs the background services for
+the app's lifespan; a service that has a readiness check registers it with `Server.readiness` while
+it runs. `channels` runs the gateway supervisor when channels are enabled.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 from appserver.channels import ChannelService
 from appserver.http.metrics import Metrics
+from appserver.security.limits import TurnPlaces
 from appserver.server import Server
 from appserver.ws.hub import Hub
 from cron.service import CronService, cron_background
@@ -27,6 +27,7 @@ class Services:
     metrics: Metrics
     cron: CronService
     channels: ChannelService
+    places: TurnPlaces  # the open-turn count the OpenAI routes and the WebSocket share
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -43,4 +44,5 @@ def build_services(server: Server) -> Services:
         metrics=Metrics(server),
         cron=CronService(server, deliver=channels.deliver if channels.enabled else None),
         channels=channels,
+        places=TurnPlaces(server),
     )

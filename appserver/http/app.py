@@ -174,8 +174,8 @@ def build_app(
             await server.close()
 
     routes: list[BaseRoute] = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]
-    routes.extend(openai_routes(server, services.metrics, stopping))
-    routes.extend(ws_routes(server, services.hub, services.cron))
+    routes.extend(openai_routes(server, services.metrics, stopping, services.places))
+    routes.extend(ws_routes(server, services.hub, services.cron, services.places))
     routes.extend(extra_routes or [])
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error, Exception: server_error}

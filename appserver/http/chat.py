@@ -23,6 +23,7 @@ from appserver.http.common import (
     Idempotency,
     JSONReply,
     TurnRun,
+    TurnSeat,
     answer_paused,
     answer_settings,
     approval_pending,
@@ -77,7 +78,8 @@ from appserver.store.records import AgentRecord, TurnSettings
 
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
-    from appserver.server import Server
+    from appserver.security.limits import TurnPlaces
+from appserver.server import Server
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # roles whose messages may carry an optional `name` (a function message's is required; a tool
@@ -942,10 +944,16 @@ def tool_calls_of(snap: TurnSnapshot) -> list[dict[str, Any]]:
 
 class ChatCompletions:
     def __init__(
-        self, server: Server, metrics: Metrics, matcher: ConversationMatcher, stopping: Stopping | None = None
+        self,
+        server: Server,
+        metrics: Metrics,
+        matcher: ConversationMatcher,
+        places: TurnPlaces,
+        stopping: Stopping | None = None,
     ) -> None:
         self.server = server
         self.metrics = metrics
+        self.places = places  # the open-turn count the WebSocket's turns take places in too
         self.matcher = matcher
         self.stopping = stopping or Stopping()  # the server's stop ends a waiting stream with an error
 
@@ -1023,6 +1031,7 @@ class ChatCompletions:
         if replay is not None:
             return replay
         place: Placement | None = None
+        seat = TurnSeat(self.places, principal)  # the turn's open-turn place, held until it ends
         try:
             # A request answering calls follows the turn its answers resumed (its key is filed under
             # it: `keep_answers_key`), from after those calls.
@@ -1032,6 +1041,7 @@ class ChatCompletions:
             if earlier is not None:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
+                seat.take(options, answering=not users)  # past the cap: 429 before anything is written
                 ns = conversation_namespace(principal)
                 header = request.headers.get(HEADER)
                 # Placing the input reads (and may write) the store, which may keep it waiting
@@ -1057,6 +1067,8 @@ class ChatCompletions:
                     ),
                 )
                 place = target  # a fork when other requests answered the round first (released below)
+                if resumed is None and decisions:
+                    await seat.check_answering(self.server, target)
                 run = resumed or await start_turn(
                     self.server,
                     agent,
@@ -1072,7 +1084,9 @@ class ChatCompletions:
                     idempotency=key,
                     request=request,  # a credential revoked while the accept waits ends it (401)
                 )
+                seat.settle(run)
         except BaseException:
+            seat.settle(None)
             if idem is not None:
                 await idem.abandon()
             raise

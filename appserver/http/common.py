@@ -36,9 +36,11 @@ from appserver.http.sse import line_safe
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.runtime import TERMINAL_STATUSES, Decision, DeltaTap, Quiet, SubmitRequest, TurnHandle, TurnSnapshot
 from appserver.runtime import max_steps_note as steps_note
+from appserver.runtime.kernel import COUNTED_FOR
 from appserver.runtime.restore import controller_from_store
 from appserver.runtime.snapshot import TurnController, answered_unrun
 from appserver.security.guard import GUARD_ANSWERED
+from appserver.security.limits import TOO_MANY_OPEN_TURNS, TurnPlaces, open_turns_key
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, HttpIdempotency, PendingCall, TurnRecord, TurnSettings
 
@@ -705,6 +707,83 @@ class TurnRun:
             log.warning("could not cancel turn %s after a disconnect: %s", self.turn_id, exc)
         except Exception:
             log.exception("could not cancel turn %s after a disconnect", self.turn_id)
+
+
+# Placements (`Placement.how`) of a conversation a request wrote just now: answers placed there
+# resume the turn written paused with it, which holds no open-turn place yet.
+WRITTEN_NOW = frozenset({"new", "fork", "header_new"})
+
+
+class TurnSeat:
+    """The open-turn place (`[limits] open_turns_per_client`, in the count the WebSocket's turns
+    take too: `TurnPlaces`) an HTTP request takes for its turn, held from the accept until the
+    turn ends, however late: a reply with client tool calls or an approval request returns while
+    its turn stays open, paused, holding no `connections_per_client` slot.
+
+    Taken before anything is written (`take`): a request with new input past the cap is refused
+    429 `too_many_open_turns`. One answering calls may need no place (the paused turn it resumes
+    holds one), so it goes on without one when all are taken; should its answers go to a turn
+    written paused just now (a fork, a new conversation), that turn is ended before it runs and
+    the request refused the same way (`check_answering`). `settle` keeps the place with the turn
+    the request ended up with, or gives it back."""
+
+    def __init__(self, places: TurnPlaces, principal: Principal) -> None:
+        self.places = places
+        self.key = open_turns_key(principal)
+        self.taken = False
+
+    @property
+    def counted(self) -> bool:
+        return self.key is not None and self.places.open_turns.per_client > 0
+
+    def refusal(self) -> ApiError:
+        # a place frees when a turn ends (a paused one: answered, cancelled or timed out), not in
+        # the seconds an SDK's retries wait
+        return ApiError(
+            429,
+            self.places.open_turns.refusal(),
+            code=TOO_MANY_OPEN_TURNS,
+            headers={"x-should-retry": "false"},
+        )
+
+    def take(self, options: dict[str, Any], *, answering: bool) -> None:
+        """Take a place before the request writes anything; `options` (the turn's) then name its
+        credential (`COUNTED_FOR`: a restart counts the turn again). Never awaits."""
+        self.places.count_restored()
+        if not self.counted:
+            return
+        if self.places.open_turns.take(self.key):
+            self.taken = True
+            options[COUNTED_FOR] = self.key
+        elif not answering:
+            raise self.refusal()
+
+    async def check_answering(self, server: Server, place: Placement) -> None:
+        """Before answers are applied in `place` by a request holding no place (all were taken):
+        refused when the turn they resume was written paused just now, for them (it would be an
+        open turn past the cap); ended first, so that nothing of it stays open."""
+        if self.taken or not self.counted or place.how not in WRITTEN_NOW:
+            return
+        awaiting = await server.kernel.awaiting(place.conversation_id)
+        if awaiting is None or self.places.open_turns.holds(awaiting.id):
+            return
+        try:
+            await server.kernel.cancel(place.conversation_id, awaiting.id, client_left=True)
+        except Exception:
+            log.exception("could not end turn %s refused for the open-turn cap", awaiting.id)
+        raise self.refusal()
+
+    def settle(self, run: TurnRun | None) -> None:
+        """The request placed its input: `run` (None: it failed). The place taken is held by the
+        turn until it ends, or given back when nothing new needs it (no turn, or one that holds a
+        place already: a paused turn answered, an idempotent repeat's). Never awaits."""
+        if not self.taken:
+            return
+        self.taken = False
+        if run is None or run.moved_on or self.places.open_turns.holds(run.turn_id):
+            self.places.open_turns.give_back(self.key)
+        else:
+            self.places.hold(self.key, run.handle)
 
 
 def max_steps_note(server: Server, agent: AgentRecord) -> str:

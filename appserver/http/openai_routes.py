@@ -21,17 +21,22 @@ from appserver.http.errors import ApiError
 from appserver.http.metrics import Metrics
 from appserver.http.responses import Responses
 from appserver.http.stopping import Stopping
+from appserver.security.limits import TurnPlaces
 from appserver.server import Server
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]  # api_route answers each
 
 
-def openai_routes(server: Server, metrics: Metrics, stopping: Stopping | None = None) -> list[BaseRoute]:
-    """`stopping`: the server's stop answers what still waits with an OpenAI error (stopping.py)."""
+def openai_routes(
+    server: Server, metrics: Metrics, stopping: Stopping | None = None, places: TurnPlaces | None = None
+) -> list[BaseRoute]:
+    """`stopping`: the server's stop answers what still waits with an OpenAI error (stopping.py).
+    `places`: the open-turn count shared with the WebSocket endpoint (`Services.places`)."""
     stopping = stopping or Stopping()
+    places = places or TurnPlaces(server)
     matcher = ConversationMatcher(server)  # one for both routes: they match on the same history points
-    chat = ChatCompletions(server, metrics, matcher, stopping)
-    responses = Responses(server, metrics, matcher, stopping)
+    chat = ChatCompletions(server, metrics, matcher, places, stopping)
+    responses = Responses(server, metrics, matcher, places, stopping)
 
     async def list_models(request: Request) -> Response:
         agents = await server.store.list_agents()

@@ -52,6 +52,7 @@ from appserver.http.chat import (
 from appserver.http.common import (
     Idempotency,
     TurnRun,
+    TurnSeat,
     answer_paused,
     answer_settings,
     dumps,
@@ -101,7 +102,8 @@ from appserver.store.records import AgentRecord, ResponseRecord, TurnSettings
 
 if TYPE_CHECKING:
     from appserver.http.metrics import Metrics
-    from appserver.server import Server
+    from appserver.security.limits import TurnPlaces
+from appserver.server import Server
 
 log = logging.getLogger("appserver.http.responses")
 
@@ -1488,10 +1490,16 @@ def final_status(snap: TurnSnapshot) -> str:
 
 class Responses:
     def __init__(
-        self, server: Server, metrics: Metrics, matcher: ConversationMatcher, stopping: Stopping | None = None
+        self,
+        server: Server,
+        metrics: Metrics,
+        matcher: ConversationMatcher,
+        places: TurnPlaces,
+        stopping: Stopping | None = None,
     ) -> None:
         self.server = server
         self.metrics = metrics
+        self.places = places  # the open-turn count the WebSocket's turns take places in too
         self.matcher = matcher
         self.stopping = stopping or Stopping()  # the server's stop ends a waiting stream with an error
         # ids of the responses whose stream in this process stored them in progress and will store
@@ -1823,6 +1831,7 @@ class Responses:
         if replay is not None:
             return replay
         place: Placement | None = None
+        seat = TurnSeat(self.places, principal)  # the turn's open-turn place, held until it ends
         try:
             # A request answering calls follows the turn its answers resumed (its key is filed under
             # it: `keep_answers_key`), from after those calls.
@@ -1836,6 +1845,7 @@ class Responses:
             if earlier is not None:
                 run = earlier  # this key's turn, accepted before the server stopped: follow it
             else:
+                seat.take(options, answering=not users)  # past the cap: 429 before anything is written
                 place = await until_credential_ends(  # a credential revoked while the store keeps it waiting: 401
                     request,
                     self._place(
@@ -1846,6 +1856,8 @@ class Responses:
                 resumed, lost = await self._answer_head(head, prev_id, decisions, answer_settings(options, specs), key)
                 if lost:
                     place = await self._fork_lost(agent, ns, head, prev_id, answers)
+                if resumed is None and decisions:
+                    await seat.check_answering(self.server, place)
                 # answers to calls the conversation's history closed: a 400 `already_resolved`
                 # (`refuse_closed_calls`), as on chat
                 run = resumed or await start_turn(
@@ -1862,7 +1874,9 @@ class Responses:
                     idempotency=key,
                     request=request,  # a credential revoked while the accept waits ends it (401)
                 )
+                seat.settle(run)
         except BaseException:
+            seat.settle(None)
             if idem is not None:
                 await idem.abandon()
             raise

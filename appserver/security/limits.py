@@ -1,7 +1,8 @@
 """Size and concurrency limits the guard enforces on requests that reached the app: the declared
 and the streamed body size (`[limits] body_max_bytes`) and concurrent requests per client
-(`[limits] connections_per_client`); and the turns a credential holds open over the WebSocket
-(`[limits] open_turns_per_client`, `OpenTurns`). Head and connection limits are in edge.py."""
+(`[limits] connections_per_client`); and the turns a credential holds open, through the WebSocket
+and HTTP alike (`[limits] open_turns_per_client`, `OpenTurns`, shared by a server's front ends as
+its `TurnPlaces`, made once by `build_services`). Head and connection limits are in edge.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 from appserver.auth.principal import Principal
 from appserver.auth.tokens import GATEWAY_ID_PREFIX, is_reserved_name
+from appserver.runtime import SETTLED_SNAPSHOT_STATUS, TurnHandle
 from appserver.security.asgi import CLOSE, Refusal, Scope
 from appserver.security.headers import Headers
+from appserver.store.base import StoreUnavailable
+
+if TYPE_CHECKING:
+    from appserver.server import Server
 
 
 class BodyLimit:
@@ -217,12 +225,12 @@ TOO_MANY_OPEN_TURNS = "too_many_open_turns"
 
 
 def open_turns_key(principal: Principal | None) -> str | None:
-    """Whose open turns a WebSocket's submit counts against: its credential's (kind and subject, as
-    `slot_key` groups them); None for callers that are not counted. The local owner of auth mode
-    `none` is the only caller of its server (no other credential to starve), and the channel
-    gateway submits for every chat sender of every account under its one credential, which only
-    the server mints (a `gwt_` id with a reserved name: `TokenStore.mint_gateway`; `token create`
-    refuses those names), so nobody else can present it."""
+    """Whose open turns a WebSocket's submit or an HTTP request's turn counts against: its
+    credential's (kind and subject, as `slot_key` groups them); None for callers that are not
+    counted. The local owner of auth mode `none` is the only caller of its server (no other
+    credential to starve), and the channel gateway submits for every chat sender of every account
+    under its one credential, which only the server mints (a `gwt_` id with a reserved name:
+    `TokenStore.mint_gateway`; `token create` refuses those names), so nobody else can present it."""
     if principal is None or principal.kind not in ("token", "jwt"):
         return None
     if principal.kind == "token" and _is_channel_gateway(principal):
@@ -241,9 +249,11 @@ class OpenTurns:
 
     The WebSocket detaches turns from their socket (a disconnect never cancels one), so one
     connection could start any number of them, each in a fresh conversation where `queue_max`
-    never bites, and slow every other credential. HTTP requests need no such count: a request
-    holds its `connections_per_client` slot while its turn runs, and a client that leaves cancels
-    it. A place is taken (`take`) before the submit, so submits racing on several sockets cannot
+    never bites, and slow every other credential. HTTP turns count in the same places: a reply
+    with client tool calls or an approval request returns while its turn stays open, paused (for
+    `client_tool_timeout_s`, `approval_timeout_s`), holding no `connections_per_client` slot, so
+    requests forking an old response into fresh conversations could pin any number of them
+    (`TurnPlaces`). A place is taken (`take`) before the submit, so submits racing on several sockets cannot
     pass the cap together, then given back at once if nothing was accepted (`give_back`), or kept
     (`hold`) until the turn ends, however it ends, also after its socket closed: exactly once. A
     restart forgets nothing: each turn records whose place it holds (`Kernel.COUNTED_FOR`), and
@@ -254,6 +264,7 @@ class OpenTurns:
         self.per_client = per_client
         self._open: dict[str, int] = {}
         self._holds: set[asyncio.Task[None]] = set()  # the event loop holds tasks only weakly
+        self._held: dict[str, str] = {}  # turn id -> key of each turn `hold` keeps a place for
         # turn id -> (key, the task watching it) of each turn counted by `restore`
         self._restored: dict[str, tuple[str, asyncio.Task[None]]] = {}
 
@@ -313,13 +324,30 @@ class OpenTurns:
             known[1].cancel()
             self.give_back(known[0])
 
-    def hold(self, key: str | None, ended: Callable[[], Awaitable[None]], name: str) -> None:
-        """Keep `key`'s place until `ended()` returns (the turn ended), raises or is cancelled."""
+    def hold(
+        self, key: str | None, ended: Callable[[], Awaitable[None]], name: str, turn_id: str | None = None
+    ) -> None:
+        """Keep `key`'s place until `ended()` returns (the turn ended), raises or is cancelled.
+        `turn_id`: the turn it is kept for (`holds` knows it then)."""
         if key is None or self.per_client <= 0:
             return
-        task = asyncio.get_running_loop().create_task(self._watch(key, ended, lambda: self.give_back(key)), name=name)
+        if turn_id is not None:
+            self._held[turn_id] = key
+        task = asyncio.get_running_loop().create_task(
+            self._watch(key, ended, partial(self._held_ends, key, turn_id)), name=name
+        )
         self._holds.add(task)
         task.add_done_callback(self._holds.discard)
+
+    def _held_ends(self, key: str, turn_id: str | None) -> None:
+        if turn_id is not None:
+            self._held.pop(turn_id, None)
+        self.give_back(key)
+
+    def holds(self, turn_id: str) -> bool:
+        """Does turn `turn_id` hold a place already (kept by `hold` or `restore`)? A request that
+        answers a paused turn takes none of its own for it."""
+        return turn_id in self._held or turn_id in self._restored
 
     async def _watch(self, key: str, ended: Callable[[], Awaitable[None]], release: Callable[[], None]) -> None:
         """Wait for a turn's end (`ended()` returns, raises or is cancelled), then `release` its place."""
@@ -341,3 +369,68 @@ class OpenTurns:
             "waiting for an approval or a client tool's result), the limit of [limits] open_turns_per_client: "
             "wait for one to end (or cancel one), then submit again"
         )
+
+
+# How often an open turn whose end was not seen is looked up in the store (`TurnPlaces.turn_ended`).
+OPEN_TURN_RECHECK_S = 60.0
+
+
+class TurnPlaces:
+    """The open-turn count of one server (`[limits] open_turns_per_client`), which its WebSocket
+    endpoint and its HTTP routes share (`Services.places`): a credential's turns count in one
+    `OpenTurns` whichever front end started them. It also registers the count with the kernel
+    (`count_restored`), once, before the first place is taken by either, and watches each turn
+    holding a place until it ends (`turn_ended`)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.open_turns = OpenTurns(int(server.config.limits.open_turns_per_client))
+        self._restored = False  # the turns open at the server's start are counted (`count_restored`)
+
+    def count_restored(self) -> None:
+        """Before the first place is taken: have the kernel count here, against the credentials
+        that submitted them, each open turn it takes up (paused for an answer, queued again: at the
+        server's start, a catch-up, a take-over of a dead cluster server's) or finds open in no
+        live server's hands, which no live server counts; those of its start are handed over now,
+        later ones as they come. The count lives in memory; a restart would otherwise forget it,
+        and each restart let a credential open `open_turns_per_client` more. Never awaits."""
+        if self._restored:
+            return
+        self._restored = True
+        self.server.kernel.count_open_turns(self._count_taken_up, self.open_turns.let_go)
+
+    def _count_taken_up(self, cap_key: str, handle: TurnHandle) -> None:
+        """Count a turn the kernel took up (`count_restored`) until it ends; once per turn."""
+        if handle.controller.snapshot().terminal:
+            return  # ended since
+        name = f"open-turn:{handle.turn_id}"
+        self.open_turns.restore(cap_key, handle.turn_id, partial(self.turn_ended, handle), name)
+
+    def hold(self, cap_key: str | None, handle: TurnHandle) -> None:
+        """Keep the place `cap_key` took for the turn of `handle` until that turn ends."""
+        self.open_turns.hold(cap_key, partial(self.turn_ended, handle), f"open-turn:{handle.turn_id}", handle.turn_id)
+
+    async def turn_ended(self, handle: TurnHandle) -> None:
+        """Return once the turn ended (completed, failed, cancelled, withdrawn from its queue, ended
+        with its deleted agent): its snapshot says so. A paused turn is still open. Should its end
+        never reach this handle (its runtime was dropped and loaded again), the store says so:
+        looked up every OPEN_TURN_RECHECK_S."""
+        controller = handle.controller
+        seen = -1
+        while True:
+            try:
+                snap = await controller.wait_settled(OPEN_TURN_RECHECK_S, after_revision=seen)
+            except TimeoutError:
+                if await self._turn_over(handle.turn_id):
+                    return
+                continue
+            if snap.terminal:
+                return
+            seen = snap.revision  # paused: wait for what comes after the pause
+
+    async def _turn_over(self, turn_id: str) -> bool:
+        try:
+            turn = await self.server.store.get_turn(turn_id)
+        except StoreUnavailable:
+            return False  # asked again at the next look
+        return turn is None or turn.status in SETTLED_SNAPSHOT_STATUS

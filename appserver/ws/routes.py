@@ -14,7 +14,6 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.routing import BaseRoute, WebSocketRoute
@@ -38,9 +37,8 @@ from appserver.http.conversation_match import name_ids
 from appserver.providers.base import ToolSpec
 from appserver.runtime import Decision, SubmitRequest, TurnHandle
 from appserver.runtime.kernel import COUNTED_FOR, NAMESPACE_DEFAULT_PREFIX, Submission
-from appserver.runtime.types import SETTLED_SNAPSHOT_STATUS
 from appserver.security.asgi import greeted
-from appserver.security.limits import TOO_MANY_OPEN_TURNS, OpenTurns, open_turns_key
+from appserver.security.limits import TOO_MANY_OPEN_TURNS, TurnPlaces, open_turns_key
 from appserver.server import Server
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, ConversationRecord, TurnRecord
@@ -77,8 +75,6 @@ CLOSE_WAIT_S = 5.0
 # A namespaced credential's own "default" conversation has a derived id with a '~' (namespaced_id),
 # which only its namespace may create: nobody can create it ahead of its owner (squatting).
 OWNER_CACHE_MAX = 10_000  # conversation id -> (agent id, namespace); both never change
-# How often an open turn whose end was not seen is looked up in the store (`Endpoint._turn_ended`).
-OPEN_TURN_RECHECK_S = 60.0
 
 
 class FrameError(Exception):
@@ -202,15 +198,17 @@ def parse_client_frame(text: str | None, limits: FrameLimits = FrameLimits()) ->
 
 
 class Endpoint:
-    def __init__(self, server: Server, hub: Hub, cron: CronService | None = None) -> None:
+    def __init__(
+        self, server: Server, hub: Hub, cron: CronService | None = None, places: TurnPlaces | None = None
+    ) -> None:
         self.server = server
         self.hub = hub  # serve's signal handler holds it too: it tells clients the server is stopping
         self.cron = cron  # the `cron_run` frame fires tasks through it
         self._owners: dict[str, tuple[str, str | None]] = {}  # conversation id -> (agent id, namespace)
         self.frame_limits = FrameLimits.from_max_messages(int(server.config.limits.max_messages))
-        # the turns each credential holds open (`[limits] open_turns_per_client`)
-        self.open_turns = OpenTurns(int(server.config.limits.open_turns_per_client))
-        self._restored = False  # the turns open at the server's start are counted (`_count_restored`)
+        # the turns each credential holds open (`[limits] open_turns_per_client`), with the HTTP routes
+        self.places = places or TurnPlaces(server)
+        self.open_turns = self.places.open_turns
         # (idempotency scope, credential's key) -> the first of a submit's copies in flight: True
         # once its turn is accepted (`_first_copy`)
         self._flights: dict[tuple[str, str], asyncio.Future[bool]] = {}
@@ -654,23 +652,9 @@ class Endpoint:
         return await self._counted(cap_key, lambda: self._submit(request))
 
     def _count_restored(self) -> None:
-        """Before the first place is taken: have the kernel count here, against the credentials
-        that submitted them, each open turn it takes up (paused for an answer, queued again: at the
-        server's start, a catch-up, a take-over of a dead cluster server's) or finds open in no
-        live server's hands, which no live server counts; those of its start are handed over now,
-        later ones as they come. The count lives in memory; a restart would otherwise forget it,
-        and each restart let a credential open `open_turns_per_client` more. Never awaits."""
-        if self._restored:
-            return
-        self._restored = True
-        self.server.kernel.count_open_turns(self._count_taken_up, self.open_turns.let_go)
-
-    def _count_taken_up(self, cap_key: str, handle: TurnHandle) -> None:
-        """Count a turn the kernel took up (`_count_restored`) until it ends; once per turn."""
-        if handle.controller.snapshot().terminal:
-            return  # ended since
-        name = f"ws-open-turn:{handle.turn_id}"
-        self.open_turns.restore(cap_key, handle.turn_id, partial(self._turn_ended, handle), name)
+        """Before the first place is taken: the turns the kernel takes up open are counted
+        (`TurnPlaces.count_restored`). Never awaits."""
+        self.places.count_restored()
 
     async def _first_copy(self, flight: tuple[str, str]) -> asyncio.Future[bool] | None:
         """Wait while copies of this input (one credential's, one conversation, one idempotency key,
@@ -716,37 +700,12 @@ class Endpoint:
             if handle is None:
                 self.open_turns.give_back(cap_key)
             else:
-                self.open_turns.hold(cap_key, lambda: self._turn_ended(handle), f"ws-open-turn:{handle.turn_id}")
+                self.places.hold(cap_key, handle)
             return result
 
         task = asyncio.get_running_loop().create_task(counted())
         task.add_done_callback(_retrieve)  # its error is the caller's, unless the caller left
         return await asyncio.shield(task)
-
-    async def _turn_ended(self, handle: TurnHandle) -> None:
-        """Return once the turn ended (completed, failed, cancelled, withdrawn from its queue, ended
-        with its deleted agent): its snapshot says so. A paused turn is still open. Should its end
-        never reach this handle (its runtime was dropped and loaded again), the store says so:
-        looked up every OPEN_TURN_RECHECK_S."""
-        controller = handle.controller
-        seen = -1
-        while True:
-            try:
-                snap = await controller.wait_settled(OPEN_TURN_RECHECK_S, after_revision=seen)
-            except TimeoutError:
-                if await self._turn_over(handle.turn_id):
-                    return
-                continue
-            if snap.terminal:
-                return
-            seen = snap.revision  # paused: wait for what comes after the pause
-
-    async def _turn_over(self, turn_id: str) -> bool:
-        try:
-            turn = await self.server.store.get_turn(turn_id)
-        except StoreUnavailable:
-            return False  # asked again at the next look
-        return turn is None or turn.status in SETTLED_SNAPSHOT_STATUS
 
     async def _keyed_earlier(self, agent: AgentRecord, spec: str, key: str | None) -> TurnRecord | None:
         """The turn an idempotency key already names (a resend of an accepted input), for a submit
@@ -1105,8 +1064,10 @@ def _look_for_request_id(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def ws_routes(server: Server, hub: Hub, cron: CronService | None = None) -> list[BaseRoute]:
-    endpoint = Endpoint(server, hub, cron)
+def ws_routes(
+    server: Server, hub: Hub, cron: CronService | None = None, places: TurnPlaces | None = None
+) -> list[BaseRoute]:
+    endpoint = Endpoint(server, hub, cron, places)
 
     async def ws_endpoint(websocket: WebSocket) -> None:
         await endpoint(websocket)

@@ -122,7 +122,7 @@ class LimitsConfig:
     ws_ping_timeout_s: float = 90.0
     ws_send_timeout_s: float = 30.0  # a WebSocket frame not accepted by the client within this is a slow consumer
     connections_per_client: int = 256
-    open_turns_per_client: int = 256  # turns a credential holds open, WebSocket and HTTP (queued, running, paused); 0 = no cap
+    open_turns_per_client: int = 256  # turns a credential holds open over WebSocket and HTTP (paused too); 0 = no cap
     max_connections: int = 0  # open connections (HTTP + WebSocket) at once; 0 = from the fd limit (503 beyond)
     head_max_bytes: int = 64 * 1024  # request line + headers (431 beyond)
     head_timeout_s: float = 10.0  # a request head must arrive within this of its first byte (408)

@@ -15,6 +15,7 @@ pages end inside a group and the order's tie-break (id) is exercised.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import sqlite3
 from collections.abc import Iterator
@@ -172,6 +173,11 @@ async def test_an_offset_past_the_cap_is_a_bad_frame_that_points_at_the_cursor(w
 
         forged = await ws.request({"type": "list_conversations", "after": "not-a-cursor"}, T)
         assert forged["type"] == "error" and forged["code"] == "bad_frame" and forged["param"] == "after", forged
+        # a number no float holds, an escaped lone surrogate: refused with the request's id, never an internal error
+        for raw in (b"[" + b"9" * 320 + b', "a"]', b'[1e12, "\\ud800"]'):
+            cursor = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+            bad = await ws.request({"type": "list_conversations", "after": cursor}, T)
+            assert bad["type"] == "error" and bad["code"] == "bad_frame" and bad["param"] == "after", bad
         both = await ws.request({"type": "list_conversations", "offset": 5, "after": at_cap["next"]}, T)
         assert both["type"] == "error" and both["code"] == "bad_frame", both
         assert (await ws.request({"type": "ping"}, T))["type"] == "pong"  # the connection goes on
@@ -220,6 +226,8 @@ async def test_a_page_reads_an_index_in_the_lists_order_and_only_its_own_rows(wo
                 )
             ordered = [p for s, p in zip(read, plans, strict=True) if "ORDER BY" in s]
             assert ordered and all(any("COVERING INDEX" in step for step in p) for p in ordered), (call, plans)
+            if call == {"agent_ids": {agent_ids[0]}}:  # one agent is a seek on its index, not a walk of all
+                assert any(step.startswith("SEARCH") and "agent_id=?" in step for p in ordered for step in p), plans
             if call == {"namespace": world.ns}:
                 assert [c.id for c in got] == _ordered(copy, " WHERE namespace = ?", (world.ns,))[9_000:9_051]
         page = await store.list_conversations(namespace=world.ns, limit=5, offset=9_000)

@@ -392,14 +392,13 @@ def conversations_where(
     agent_id: str | None,
     agent_ids: Collection[str] | None,
     namespace: str | None,
-    *,
-    unindexed_in: bool = False,
 ) -> tuple[str, list[Any]]:
     """The WHERE clause (empty, or starting with " WHERE") and its parameters for
-    `list_conversations`; `mark` is the driver's placeholder ("?" or "%s"). `unindexed_in`
-    (SQLite): the agents' IN only filters what an index in the list's order hands out. SQLite
-    otherwise reads an IN on an index's first column range by range, out of order, and sorts every
-    row of those agents in a temp B-tree for each page."""
+    `list_conversations`; `mark` is the driver's placeholder ("?" or "%s"). One agent of a
+    credential limited to some is an equality, which an index in the list's order serves; an IN of
+    several reads each agent's range and sorts what they hold (the caller's own conversations,
+    never the others': filtering an index in the list's order instead walked every conversation of
+    the store before the page of an agent with few)."""
     clauses: list[str] = []
     params: list[Any] = []
     if agent_id is not None:
@@ -409,8 +408,10 @@ def conversations_where(
         if not agent_ids:
             clauses.append("0 = 1")
         else:
-            column = "+agent_id" if unindexed_in else "agent_id"
-            clauses.append(f"{column} IN ({', '.join([mark] * len(agent_ids))})")
+            if len(agent_ids) == 1:
+                clauses.append(f"agent_id = {mark}")
+            else:
+                clauses.append(f"agent_id IN ({', '.join([mark] * len(agent_ids))})")
             params.extend(sorted(agent_ids))
     if namespace is not None:
         clauses.append(f"namespace = {mark}")
@@ -428,7 +429,6 @@ def conversation_page_ids(
     offset: int,
     after: tuple[float, str] | None,
     key: str = "id",
-    unindexed_in: bool = False,
 ) -> tuple[str, list[Any]]:
     """The query for the keys (column `key`: id, or SQLite's rowid) of a `list_conversations`
     page, and its parameters. It reads keys only, off an index in the list's whole order that
@@ -437,7 +437,7 @@ def conversation_page_ids(
     their rows (up to 17 KB: title and metadata) are never read. `SELECT *` with an OFFSET read
     every one of them, and sorted them when the index lacked id. `after` is a seek: `updated_at
     <= u` is the index range, the rest sorts out the few of that same time."""
-    where, params = conversations_where(mark, agent_id, agent_ids, namespace, unindexed_in=unindexed_in)
+    where, params = conversations_where(mark, agent_id, agent_ids, namespace)
     if after is not None:
         where += (" AND " if where else " WHERE ") + f"updated_at <= {mark} AND (updated_at < {mark} OR id > {mark})"
         params.extend([after[0], after[0], after[1]])

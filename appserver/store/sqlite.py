@@ -160,7 +160,7 @@ def conversation_page_query(
     """The read of a `list_conversations` page's rowids (base.py `conversation_page_ids`): a
     covering index of migration 8 serves it in order, with no temp B-tree."""
     return conversation_page_ids(
-        "?", agent_id, agent_ids, namespace, limit=limit, offset=offset, after=after, key="rowid", unindexed_in=True
+        "?", agent_id, agent_ids, namespace, limit=limit, offset=offset, after=after, key="rowid"
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
@@ -231,6 +232,17 @@ def page_cursor(updated_at: float, conversation_id: str) -> str:
     return base64.urlsafe_b64encode(raw).decode("ascii").rstrip("=")
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _finite(number: float) -> bool:
+    """A finite number a float holds: an integer of hundreds of digits is none (math.isfinite raises)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
 def read_cursor(cursor: str) -> tuple[float, str]:
     """The (updated_at, id) a `page_cursor` holds; ValueError for anything else."""
     try:
@@ -243,9 +255,10 @@ def read_cursor(cursor: str) -> tuple[float, str]:
         and len(value) == 2
         and isinstance(value[0], int | float)
         and not isinstance(value[0], bool)
-        and math.isfinite(value[0])
+        and _finite(value[0])
         and isinstance(value[1], str)
         and "\x00" not in value[1]
+        and not _LONE_SURROGATE.search(value[1])  # (a JSON escape of one: no text to bind)
     ):
         return float(value[0]), value[1]
     raise ValueError("not a cursor this server gave: send the `next` of the page before as it is")

@@ -52,6 +52,8 @@ SLOW_FILES_FIRST = (
     "test_edge_send_timeout.py",
     "test_cron_fixes_s18.py",
     "test_cron_fixes_s18_b.py",
+    "test_gateway_turn_lookup_s31g.py",
+    "test_cluster_answers_s31i.py",
     "test_cli_s23_owner.py",
     "test_edge_pipelining.py",
     "test_cron_s22.py",

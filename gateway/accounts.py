@@ -4,7 +4,7 @@
 will not load, a token the platform refuses) is state `error` with the reason and no retry loop; any
 other failure, or an adapter that stops running on its own, is `backoff` and a restart after 1 s,
 doubling to 60 s, reset after 5 minutes of health. An adapter whose `start()` has not returned after
-START_TIMEOUT_S is stopped and backs off the same way (it stayed `starting` forever).
+ADAPTER_START_TIMEOUT_S is stopped and backs off the same way (it stayed `starting` forever).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ STOP_TIMEOUT_S = 5.0
 # a first-party start on a slow network (Telegram's getMe: 10 s to connect, 15 s to read). The child
 # goes READY after its own 25 s wait for the accounts (gateway/app.py); the account is `backoff` at this.
 # A test may shorten it with APPSERVER_GATEWAY_START_TIMEOUT_S in the child's environment.
-START_TIMEOUT_S = 30.0
+ADAPTER_START_TIMEOUT_S = 30.0
 SECRET_FILE_MAX = 64 << 10  # bytes; a token is far smaller, so a bigger file is a mistake
 
 
@@ -169,8 +169,8 @@ def _start_timeout(environ: dict[str, str]) -> float:
     try:
         value = float(environ.get("APPSERVER_GATEWAY_START_TIMEOUT_S", ""))
     except ValueError:
-        return START_TIMEOUT_S
-    return value if 0 < value < float("inf") else START_TIMEOUT_S
+        return ADAPTER_START_TIMEOUT_S
+    return value if 0 < value < float("inf") else ADAPTER_START_TIMEOUT_S
 
 
 class AccountRunner:

@@ -31,7 +31,8 @@ from gateway.stdio import COMMAND_MAX_LINE, ControlWriter, Overlong, read_comman
 
 log = logging.getLogger("gateway")
 
-START_TIMEOUT_S = 30.0
+# how long the child waits for the supervisor's start envelope on stdin
+START_ENVELOPE_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 25.0
 # One gateway process per gateway.db. A child orphaned by a killed server (or one a standby took
 # over from) is still stopping for a few seconds (STOP_TIMEOUT_S per account) after its stdin closed:
@@ -69,7 +70,7 @@ async def _main(control: ControlWriter, mask: SecretMask) -> int:
         loop.add_signal_handler(sig, lambda: None)
     stdin = await _stdin()
     try:
-        line = await asyncio.wait_for(stdin.readline(), START_TIMEOUT_S)
+        line = await asyncio.wait_for(stdin.readline(), START_ENVELOPE_TIMEOUT_S)
         start = json.loads(line)
         if not isinstance(start, dict) or start.get("op") != "start":
             raise ValueError("the first line must be the start envelope")

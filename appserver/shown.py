@@ -11,4 +11,14 @@ def shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
-__all__ = ["shown"]
+# An error message is a sentence or two, a relayed upstream error a few kilobytes: one that quotes a
+# client's megabyte (an id, a name) is cut here, at the one place each front end builds its errors.
+MESSAGE_MAX = 4096
+
+
+def capped_message(message: str, limit: int = MESSAGE_MAX) -> str:
+    """`message` as an error object or frame carries it: whole, or its head and its length."""
+    return message if len(message) <= limit else f"{message[:limit]}… ({len(message)} characters)"
+
+
+__all__ = ["MESSAGE_MAX", "capped_message", "shown"]

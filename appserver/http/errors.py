@@ -8,6 +8,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from appserver.errors import AgentGone, KernelError
+from appserver.shown import capped_message
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -54,7 +55,7 @@ class ApiError(Exception):
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
+            "message": capped_message(message),
             "type": ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
             "param": param,
             "code": code,

@@ -40,6 +40,7 @@ from appserver.runtime.kernel import COUNTED_FOR, NAMESPACE_DEFAULT_PREFIX, Subm
 from appserver.security.asgi import greeted
 from appserver.security.limits import TOO_MANY_OPEN_TURNS, TurnPlaces, open_turns_key
 from appserver.server import Server
+from appserver.shown import capped_message, shown
 from appserver.store.base import StoreUnavailable, StoreValueRefused
 from appserver.store.records import AgentRecord, ConversationRecord, TurnRecord
 from appserver.ws.connection import WRITE_FRAME, Connection
@@ -303,27 +304,11 @@ class Endpoint:
                     request_id = _peek_request_id(text)
                 if exc.code == "unknown_type" and not conn.greeted:
                     exc = FrameError("hello_required", "send hello first")  # any frame but hello, before it
-                conn.send(
-                    {
-                        "type": "error",
-                        "request_id": request_id,
-                        "code": exc.code,
-                        "message": exc.message,
-                        "param": exc.param,
-                    }
-                )
+                conn.send(_error(request_id, exc.code, exc.message, exc.param))
             except KernelError as exc:
-                conn.send(
-                    {
-                        "type": "error",
-                        "request_id": request_id,
-                        "code": exc.code,
-                        "message": exc.message,
-                        "param": exc.param,
-                    }
-                )
+                conn.send(_error(request_id, exc.code, exc.message, exc.param))
             except AuthError as exc:
-                conn.send({"type": "error", "request_id": request_id, "code": exc.code, "message": exc.message})
+                conn.send(_error(request_id, exc.code, exc.message))
                 # neither a credential over its connection cap (429 at an upgrade) nor a token store
                 # that could not answer (503) is an authentication failure
                 code = {429: F.CLOSE_TOO_MANY, 503: F.CLOSE_TRY_AGAIN}.get(exc.status, F.CLOSE_AUTH)
@@ -332,15 +317,15 @@ class Endpoint:
             except (WebSocketDisconnect, asyncio.CancelledError):
                 raise
             except StoreValueRefused as exc:  # the client's value (a NUL the database cannot hold)
-                conn.send({"type": "error", "request_id": request_id, "code": "bad_frame", "message": str(exc)})
+                conn.send(_error(request_id, "bad_frame", str(exc)))
             except StoreUnavailable as exc:  # the database's doing (a restart, a terminated session)
                 log.warning("ws frame failed: %s", exc)
-                conn.send({"type": "error", "request_id": request_id, "code": "store_unavailable", "message": str(exc)})
+                conn.send(_error(request_id, "store_unavailable", str(exc)))
             except Exception as exc:
                 said = os_error_line(exc) if isinstance(exc, OSError) else None
                 if said is not None:  # a file of the home the disk refused (full, a quota, read-only): no bug
                     log.error("ws frame failed: %s", said)
-                    conn.send({"type": "error", "request_id": request_id, "code": "storage_error", "message": said})
+                    conn.send(_error(request_id, "storage_error", said))
                 else:
                     log.exception("ws frame failed")
                     self.server.store.note_failure(exc)  # the store's damage shows in /readyz
@@ -486,7 +471,7 @@ class Endpoint:
         conversation is as unknown as one that never was."""
         turn = await self.server.store.get_turn(turn_id)
         if turn is None or turn.conversation_id != conversation_id:
-            raise FrameError("turn_not_found", f"no turn {turn_id!r} in conversation {conversation_id}", "turn_id")
+            raise FrameError("turn_not_found", f"no turn {shown(turn_id)} in conversation {conversation_id}", "turn_id")
         handle = await self.server.kernel.handle_for(turn)
         return handle.controller.snapshot().to_dict()
 
@@ -828,7 +813,7 @@ class Endpoint:
     async def _agent(self, conn: Connection, ref: str) -> AgentRecord:
         agent = await self.server.kernel.resolve_agent(ref)
         if not self._allows(conn, agent):
-            raise FrameError("forbidden", f"this credential may not use agent {ref!r}", "agent")
+            raise FrameError("forbidden", f"this credential may not use agent {shown(ref)}", "agent")
         return agent
 
     async def _conversation(
@@ -1016,10 +1001,16 @@ def _new_scope(agent_id: str) -> str:
     return f"new:{agent_id}"
 
 
+def _error(request_id: Any, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """An `error` frame answering a request: its message cut to a bounded size (it may quote the
+    client's own values)."""
+    return {"type": "error", "request_id": request_id, "code": code, "message": capped_message(message), "param": param}
+
+
 def _not_found(ref: str, agent: AgentRecord | None = None) -> NotFound:
     """Unknown, not this credential's and (with `agent`) another agent's look the same."""
     of = f" for agent {agent.name}" if agent is not None else ""
-    return NotFound(f"unknown conversation {ref!r}{of}", code="conversation_not_found", param="conversation")
+    return NotFound(f"unknown conversation {shown(ref)}{of}", code="conversation_not_found", param="conversation")
 
 
 def _view(conv: ConversationRecord) -> dict[str, Any]:

@@ -18,26 +18,34 @@ TokenSource = str | Callable[[], str | None] | None
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")  # what a bearer token can be, in a header
 
 
-_USERINFO = re.compile(r"(//)([^/?#]*)@")  # greedy: a password may hold an @ of its own
+# A user part runs from the `//` (the start, for a URL without one: `alice:pw@host`) to the LAST @: a
+# password pasted unencoded may hold an @, a /, a ? or a # of its own (`alice:s3/cr?t#@host`),
+# which would otherwise end it early and show it whole. (An @ further on, in a path or a query,
+# makes more of the URL masked than needed, never less.)
+_USERINFO = re.compile(r"^([^@]*?//)?(.*)@", re.DOTALL)
 
 
 def shown_url(url: str) -> str:
     """`url` for an error line or a log: a password in its user part (or a user part that is
-    one word: it may be a token) and each value of its query written `***`, as `appserver serve`
-    writes a store URL. Also for a URL no parser takes (`https://alice:pw@[::1`), which is
-    echoed in the error that says so."""
+    one word: it may be a token) and each value of its query and of its fragment written `***`
+    (`#access_token=…` is one), as `appserver serve` writes a store URL. Also for a URL no parser
+    takes (`https://alice:pw@[::1`, a password holding `/`), which is echoed in the error that
+    says so."""
 
     def user(m: re.Match[str]) -> str:
+        start = m.group(1) or ""
         name, colon, _ = m.group(2).partition(":")
-        return f"{m.group(1)}{name}:***@" if colon else f"{m.group(1)}***@"
+        return f"{start}{name}:***@" if colon else f"{start}***@"
 
     shown = _USERINFO.sub(user, url, count=1)
-    head, mark, rest = shown.partition("?")
-    if not mark:
-        return shown
-    query, hashmark, fragment = rest.partition("#")
-    items = [f"{item.partition('=')[0]}=***" if "=" in item else "***" for item in query.split("&") if item]
-    return f"{head}?{'&'.join(items)}{hashmark}{fragment}"
+    rest, hashmark, fragment = shown.partition("#")
+    head, mark, query = rest.partition("?")
+    return f"{head}{mark}{_masked_values(query)}{hashmark}{_masked_values(fragment)}"
+
+
+def _masked_values(params: str) -> str:
+    """`a=1&b` as `a=***&***`: the names of a query's (or fragment's) parameters, none of their values."""
+    return "&".join(f"{item.partition('=')[0]}=***" if "=" in item else "***" for item in params.split("&") if item)
 
 
 def ws_url(base: str) -> str:
@@ -57,18 +65,40 @@ def check_url(base: str) -> str:
     def bad(why: str) -> ConnectError:
         return ConnectError("invalid_url", f"invalid server URL {shown_url(base)!r}: {why}", fatal=True)
 
+    # Said in our own words: a parser's message quotes the part it could not read, which may be a
+    # password (`Port could not be cast to integer value as 's3cr3t'` for `alice:s3cr3t/pw@host`).
+    if _USERINFO.search(url) is not None:
+        raise bad("credentials do not go in the URL; give a token")
+    if "#" in url:
+        raise bad("a fragment (the part from #) does not go in a server URL")
     try:
         parts = urlsplit(url)
+    except ValueError:
+        raise bad(_unreadable_host(url)) from None
+    try:
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0-65535
-    except ValueError as exc:
-        raise bad(str(exc)) from None
+    except ValueError:
+        raise bad(_bad_port(parts.netloc)) from None
     if parts.scheme not in ("ws", "wss"):
         raise bad("it must start with http://, https://, ws:// or wss://")
     if not parts.hostname:
         raise bad("it names no host")
-    if parts.username is not None or parts.password is not None:
-        raise bad("credentials do not go in the URL; give a token")
     return url
+
+
+def _unreadable_host(url: str) -> str:
+    """Why urlsplit refused `url`, in our words (its own message may quote the host)."""
+    if "[" in url or "]" in url:
+        return "Invalid IPv6 URL (an IPv6 address is written in brackets: ws://[::1]:8770)"
+    return "its host cannot be read"
+
+
+def _bad_port(netloc: str) -> str:
+    """Why the port of `netloc` is refused, in our words (urllib's message quotes the port)."""
+    port = netloc.rpartition("]")[2].rpartition(":")[2]
+    if port.isascii() and port.isdigit():
+        return "Port out of range 0-65535"
+    return "its port is not a number from 0 to 65535"
 
 
 def default_token(token: TokenSource) -> TokenSource:

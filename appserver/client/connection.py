@@ -17,9 +17,11 @@ was following: the active turn's snapshot is replayed as `turn_updated`; a follo
 meanwhile (e.g. settled as interrupted by the standby) gets a terminal snapshot rebuilt from the
 committed history (`resume.py`), and one the history does not settle (still queued, or withdrawn
 from the queue, which leaves no message) is asked for by id (`get_turn`): its current snapshot, or
-the `lost` one when the server has no record of it. So a caller waiting for an outcome always gets
-a truthful one. (A server without `get_turn` leaves a turn unsettled while inputs are queued, as
-before: they may hold it.)
+the `lost` one when the server has no record of it; so is each followed turn of a conversation the
+server will not subscribe it to again (deleted meanwhile): its outcome, else `lost` saying why. A
+`store_unavailable`, `server_unavailable` or `outcome_unknown` answer is no refusal: the reconnect is
+tried again. So a caller waiting for an outcome always gets a truthful one. (A server without
+`get_turn` leaves a turn unsettled while inputs are queued, as before: they may hold it.)
 On one connection (across its reconnects), a `turn_updated` whose revision is not higher than the
 last one delivered for that turn is not delivered (to `frames()`, `next_frame()`, `wait_turn()`):
 revisions of a turn strictly increase, also across a server's restart or a failover, so it is an
@@ -57,13 +59,13 @@ from typing import Any, ClassVar
 
 import websockets
 from websockets.asyncio.client import ClientConnection
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidProxy, InvalidStatus, InvalidURI
 from websockets.frames import CloseCode
 
 from appserver.client.auth import TokenSource, auth_headers, check_url, default_token, shown_url
 from appserver.client.buffer import DEFAULT_LIMIT, FrameBuffer
 from appserver.client.errors import Closed, ConnectError, ProtocolError
-from appserver.client.frames import PROTOCOL_VERSION, TERMINAL, ClientFrame
+from appserver.client.frames import PROTOCOL_VERSION, TERMINAL, ClientFrame, Snapshot
 from appserver.client.resume import lost_snapshot, settled_from_history
 
 RECONNECT_CODES = frozenset({1001, 1006, 1011, 1012, 1013, 1014})  # stop, death, restart, overload
@@ -78,6 +80,9 @@ FATAL_CODES = frozenset(
         "forbidden",
     }
 )
+# Codes that say "not now", not "no": a reconnect whose resubscribe or resume hits one is tried again
+# (docs/protocol.md: the store, a server of a cluster that lost its database or was judged gone).
+TRANSIENT_CODES = frozenset({"store_unavailable", "server_unavailable", "outcome_unknown"})
 RESENDABLE = frozenset(
     {
         "subscribe",
@@ -226,6 +231,24 @@ def _too_deep(raw: str | bytes, frame: dict[str, Any]) -> bool:
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
     return False
+
+
+def _unfollowable_snapshot(turn_id: str, conversation_id: str, agent_id: str, revision: int, why: str) -> Snapshot:
+    """The outcome the client reports for a followed turn it can no longer follow: after a
+    reconnect the server refused to subscribe it to the turn's conversation again (`why`), and did
+    not give the turn's own outcome either. `failed`, `error.kind` `lost`, as a turn the server has
+    no record of (`lost_snapshot`), with a message saying what happened."""
+    snap = lost_snapshot(turn_id, conversation_id, agent_id, revision)
+    snap["error"] = {
+        "kind": "lost",
+        "message": (
+            "the client can no longer follow this turn: after the reconnect the server refused to "
+            f"subscribe to its conversation again ({why}); its outcome is unknown"
+        ),
+        "retryable": False,
+        "status": None,
+    }
+    return snap
 
 
 def _revision(snap: Mapping[str, Any]) -> int:
@@ -385,6 +408,10 @@ class ProtocolClient:
             raise _refused(url, exc.response.status_code, bytes(exc.response.body or b"")) from None
         except InvalidURI as exc:
             raise ConnectError("invalid_url", f"invalid server URL {shown_url(url)!r}: {exc.msg}", fatal=True) from None
+        except InvalidProxy as exc:  # (its own text quotes the proxy URL whole, password and all)
+            raise ConnectError(
+                "invalid_proxy", f"invalid proxy URL {shown_url(exc.proxy)!r} in the environment: {exc.msg}", fatal=True
+            ) from None
         except TimeoutError:
             raise ConnectError(
                 "connect_timeout",
@@ -557,21 +584,15 @@ class ProtocolClient:
     async def _rehandshake(self, ws: Any, out: list[dict[str, Any]]) -> dict[str, Any]:
         """hello, then re-subscribe and resume every followed turn; frames to deliver go to `out`."""
         welcome = await self._call(ws, self._hello(), out)
+        refused: list[str] = []  # forgotten only once this reconnect holds (a retry starts over)
         for conv_id in list(self._subscribed):
             try:
                 state = await self._call(ws, {"type": "subscribe", "conversation": conv_id}, out)
             except ProtocolError as exc:
-                if exc.code in FATAL_CODES:
-                    raise
-                self._forget(conv_id)
-                out.append(
-                    {
-                        "type": "error",
-                        "code": exc.code,
-                        "message": f"could not resubscribe to {conv_id} after reconnecting: {exc.message}",
-                        "local": True,
-                    }
-                )
+                if exc.code in FATAL_CODES or exc.code in TRANSIENT_CODES:
+                    raise  # (transient: this reconnect is tried again)
+                await self._settle_unfollowable(ws, conv_id, exc, out)
+                refused.append(conv_id)
                 continue
             active = state.get("active_turn")
             if active:
@@ -605,7 +626,41 @@ class ProtocolClient:
                     # the outcome is news whatever its number: never dropped as an old view (`_saw`)
                     snap = {**snap, "revision": revision}
                 out.append({"type": "turn_updated", "snapshot": snap})
+        for conv_id in refused:
+            self._forget(conv_id)
         return welcome
+
+    async def _settle_unfollowable(
+        self, ws: Any, conv_id: str, refusal: ProtocolError, out: list[dict[str, Any]]
+    ) -> None:
+        """The outcome of each followed turn of a conversation the server would not subscribe this
+        client to again (`conversation_not_found`: its agent was deleted meanwhile, say): no more
+        snapshot of them would come, and a caller waiting for one would wait forever. The turn's
+        own terminal snapshot when the server still gives it (`get_turn`), else a `failed` one
+        (`error.kind` `lost`) saying why; then the local `error` frame naming the conversation."""
+        why = f"{refusal.code}: {refusal.message}"
+        agent_id = self._subscribed.get(conv_id) or ""
+        for turn_id, followed in [(t, f) for t, f in self._turns.items() if f.conversation_id == conv_id]:
+            revision = followed.revision + 1
+            snap: Mapping[str, Any] | None = None
+            try:
+                snap = await self._turn_now(ws, conv_id, turn_id, out)
+            except ProtocolError as exc:
+                if exc.code in FATAL_CODES or exc.code in TRANSIENT_CODES:
+                    raise
+            if snap is None or snap.get("status") not in TERMINAL:
+                snap = _unfollowable_snapshot(turn_id, conv_id, agent_id, revision, why)
+            elif _revision(snap) < revision:
+                snap = {**snap, "revision": revision}  # the outcome is news whatever its number (`_saw`)
+            out.append({"type": "turn_updated", "snapshot": snap})
+        out.append(
+            {
+                "type": "error",
+                "code": refusal.code,
+                "message": f"could not resubscribe to {conv_id} after reconnecting: {refusal.message}",
+                "local": True,
+            }
+        )
 
     async def _turn_now(self, ws: Any, conv_id: str, turn_id: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
         """A followed turn the history does not settle, as the server knows it now (`get_turn`): its

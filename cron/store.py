@@ -70,6 +70,7 @@ from appserver.fsutil import (
     read_state_bytes,
     state_file_stat,
 )
+from appserver.shown import shown
 from cron.runlog import MAX_RUN_NUMBER, RunLog, append_run, removed_task, settled_record, utf8_json
 from cron.schedule import MAX_DURATION_S, ScheduleError, ScheduleSpec, due_time, next_occurrence, validate_new
 
@@ -304,7 +305,7 @@ def _finite_in(value: Any, low: float, high: float) -> bool:
 def check_lateness(value: Any) -> float:
     """A max lateness in seconds: finite, 0 … 100 years (ScheduleError otherwise)."""
     if not _finite_in(value, 0, MAX_DURATION_S):
-        raise ScheduleError(f"max lateness must be a number of seconds from 0 to {MAX_DURATION_S}, got {value!r}")
+        raise ScheduleError(f"max lateness must be a number of seconds from 0 to {MAX_DURATION_S}, got {shown(value)}")
     return float(value)
 
 
@@ -392,7 +393,7 @@ class CronTask:
                 raise ValueError(f"task.{key} must be a string")
         tid = d["id"]
         if not _ID_RE.fullmatch(tid):
-            raise ValueError(f"task {tid!r}: id must be 1-128 letters, digits, '.', '_' or '-'")
+            raise ValueError(f"task {shown(tid)}: id must be 1-128 letters, digits, '.', '_' or '-'")
         unknown = sorted(k for k in d if k not in _TASK_KEYS)
         if unknown:  # a misspelt "enabled" would be dropped by the next write, the task left running
             raise ValueError(f"task {tid}: unknown field(s) {', '.join(repr(k[:40]) for k in unknown[:3])}")
@@ -773,7 +774,7 @@ class CronFile:
             if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
                 raise ValueError("every task must be an object with a string id")
             if raw["id"] in seen:  # a hand edit that copied a task: the first one stays in use
-                invalid.append(InvalidTask(raw, f"a second task with the id {raw['id']!r}; give it another id"))
+                invalid.append(InvalidTask(raw, f"a second task with the id {shown(raw['id'])}; give it another id"))
                 continue
             seen.add(raw["id"])
             try:
@@ -811,17 +812,19 @@ class CronFile:
             bad = self.find_invalid(ref, agent)
             if bad is not None:
                 raise CronTaskInvalid(
-                    f"cron task {ref!r} is invalid and not scheduled ({bad.reason}); fix it in "
+                    f"cron task {shown(ref)} is invalid and not scheduled ({bad.reason}); fix it in "
                     f"{CRONS_FILE}, or remove it: appserver cron remove {bad.id}",
                     bad,
                 )
-            who = f" for agent {agent!r}" if agent else ""
-            raise CronNotFound(f"no cron task {ref!r}{who}")
+            who = f" for agent {shown(agent)}" if agent else ""
+            raise CronNotFound(f"no cron task {shown(ref)}{who}")
         agents = sorted({t.agent for t in named})
         if len(agents) == 1:
             ids = ", ".join(t.id for t in named)
-            raise CronStoreError(f"several tasks of agent {agents[0]!r} are named {ref!r} ({ids}); give the task id")
-        raise CronStoreError(f"task name {ref!r} exists for several agents ({', '.join(agents)}); pass --agent")
+            raise CronStoreError(
+                f"several tasks of agent {shown(agents[0])} are named {shown(ref)} ({ids}); give the task id"
+            )
+        raise CronStoreError(f"task name {shown(ref)} exists for several agents ({', '.join(agents)}); pass --agent")
 
     def find_invalid(self, ref: str, agent: str | None = None) -> InvalidTask | None:
         """The invalid task by id (the first of copies sharing it), else by name (an ambiguous
@@ -833,7 +836,7 @@ class CronFile:
         named = [bad for bad in mine if bad.raw.get("name") == ref]
         if len(named) > 1:
             ids = ", ".join(bad.id for bad in named)
-            raise CronStoreError(f"several invalid tasks are named {ref!r} ({ids}); give the task id")
+            raise CronStoreError(f"several invalid tasks are named {shown(ref)} ({ids}); give the task id")
         return named[0] if named else None
 
     def get(self, task_id: str) -> CronTask | None:
@@ -1272,7 +1275,7 @@ class CronStore:
                 for bad in state.invalid
             ):
                 self.keep(state)
-                raise CronRefused(f"agent {task.agent!r} already has a cron task named {task.name!r}")
+                raise CronRefused(f"agent {shown(task.agent)} already has a cron task named {shown(task.name)}")
             state.tasks.append(task)
             try:
                 self.save(state, user_edit=True)
@@ -1552,11 +1555,11 @@ _TASK_ID_SHAPE = re.compile(r"cron_[0-9a-f]{12}")  # what new_task_id makes
 def validate_name(name: str) -> str:
     if not _NAME_RE.fullmatch(name):
         raise ScheduleError(
-            f"invalid task name {name!r}: 1-64 characters, letters, digits, '.', '_' or '-', "
+            f"invalid task name {shown(name)}: 1-64 characters, letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
         )
     if _TASK_ID_SHAPE.fullmatch(name):  # commands take an id or a name: this one could be either
-        raise ScheduleError(f"invalid task name {name!r}: it has the shape of a task id (cron_ and 12 hex digits)")
+        raise ScheduleError(f"invalid task name {shown(name)}: it has the shape of a task id (cron_ and 12 hex digits)")
     return name
 
 
@@ -1621,11 +1624,11 @@ def validate_deliver(target: str | None) -> str | None:
     parts = target.split(":")
     if len(parts) not in (3, 4) or not all(parts) or not all(_TARGET_PART_RE.fullmatch(p) for p in parts[:2]):
         raise ScheduleError(
-            f"invalid deliver target {target!r}: use channel:account:chat or channel:account:chat:thread "
+            f"invalid deliver target {shown(target)}: use channel:account:chat or channel:account:chat:thread "
             "(no part empty, none with a ':')"
         )
     if any(_unfit_char(c) for c in target):  # no chat is named so: the channels refuse such ids
-        raise ScheduleError(f"invalid deliver target {target!r}: a control character or a lone surrogate in it")
+        raise ScheduleError(f"invalid deliver target {shown(target)}: a control character or a lone surrogate in it")
     return target
 
 
@@ -1637,7 +1640,7 @@ def validate_conversation(conv: str) -> str:
     if conv in ("new", "default"):
         return conv
     if not conv or len(conv) > 200 or any(c.isspace() for c in conv):
-        raise ScheduleError(f"invalid conversation {conv!r}: use new, default or a conversation id")
+        raise ScheduleError(f"invalid conversation {shown(conv)}: use new, default or a conversation id")
     return conv
 
 
@@ -1673,7 +1676,7 @@ def make_task(
         raise ScheduleError("prompt must not be empty")
     validate_prompt(prompt)
     if misfire not in MISFIRE_POLICIES:
-        raise ScheduleError(f"invalid misfire policy {misfire!r}: use skip, run_once or run_all")
+        raise ScheduleError(f"invalid misfire policy {shown(misfire)}: use skip, run_once or run_all")
     max_lateness_s = check_lateness(max_lateness_s)
     first = validate_new(schedule, now)
     tid = task_id or new_task_id()

@@ -36,6 +36,7 @@ from typing import Any
 from appserver.agent.tools import Tool, ToolContext, ToolOutput, shown_zone, zone_named
 from appserver.auth import namespace_allows
 from appserver.fsutil import CRONS_MAX_BYTES, CorruptStateFile
+from appserver.shown import shown
 from appserver.store.base import Store
 from cron.lease import LeaseHolder
 from cron.schedule import ScheduleError, ScheduleSpec, get_zone, normalize_cron, parse_duration, shown_expr
@@ -97,14 +98,14 @@ async def _create_target_problem(store: Store, ctx: ToolContext, ns: str | None,
     if ns is not None:
         if await _target_allowed(store, ctx, ns, target):
             return None
-        return f"conversation {target!r} is not one this conversation's owner may use"
+        return f"conversation {shown(target)} is not one this conversation's owner may use"
     if target in ("new", "default") or target == ctx.conversation_id:
         return None
     conv = await store.get_conversation(target)
     if conv is None:
-        return f"unknown conversation {target!r}"
+        return f"unknown conversation {shown(target)}"
     if conv.agent_id != ctx.agent.id:
-        return f"conversation {target!r} belongs to another agent"
+        return f"conversation {shown(target)} belongs to another agent"
     return None
 
 
@@ -130,7 +131,8 @@ def _create(store: CronStore, args: dict[str, Any], ctx: ToolContext, conversati
     expr = normalize_cron(str(expr)) if kind == "cron" else str(expr).strip()
     if kind == "every" and parse_duration(expr).total_seconds() < MIN_EVERY_S:
         raise ScheduleError(
-            f"every {expr!r} is too often: a task made by this tool repeats at most once a minute (every 60s or more)"
+            f"every {shown(expr)} is too often: a task made by this tool repeats at most once a minute "
+            "(every 60s or more)"
         )
     prompt = str(args.get("prompt") or "")
     size = len(prompt.encode("utf-8", "surrogatepass"))
@@ -201,10 +203,10 @@ async def _schedule(conversations: Store, args: dict[str, Any], ctx: ToolContext
             mine = _visible_tasks(ns, await asyncio.to_thread(store.list, ctx.agent.id))
             found = [t for t in mine if t.id == ref] or [t for t in mine if t.name == ref]
             if not found:
-                raise CronNotFound(f"no cron task {ref!r}")  # another's is as if it did not exist
+                raise CronNotFound(f"no cron task {shown(ref)}")  # another's is as if it did not exist
             if len(found) > 1:
                 ids = ", ".join(t.id for t in found)
-                raise CronRefused(f"several of your tasks are named {ref!r} ({ids}); cancel one by its id")
+                raise CronRefused(f"several of your tasks are named {shown(ref)} ({ids}); cancel one by its id")
             # (a run of it left waiting by a scheduler that stopped is cancelled, as `cron remove` does)
             alive = LeaseHolder(store, started_at=utcnow()).alive
             task = await asyncio.to_thread(store.remove, found[0].id, ctx.agent.id, scheduler_alive=alive)

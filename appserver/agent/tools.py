@@ -6,10 +6,12 @@ import asyncio
 import ctypes
 import errno
 import json
+import logging
 import math
 import os
 import re
 import signal
+import stat
 import sys
 import unicodedata
 from collections.abc import Awaitable, Callable
@@ -20,6 +22,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from appserver.config import Config
+from appserver.fsutil import dangling_link, error_text, file_kind
 from appserver.logredact import ENV_SECRET_NAMES
 from appserver.procid import identity, identity_alive
 from appserver.providers.base import ToolSpec
@@ -33,6 +36,8 @@ TOOL_OWNER_ENV = "APPSERVER_TOOL_OWNER"
 TOOL_HOME_ENV = "APPSERVER_TOOL_HOME"
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+
+log = logging.getLogger("appserver.agent")
 
 
 @value
@@ -324,7 +329,9 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     asked = args.get("timeout_s")
     timeout = limits.shell_timeout_s if asked is None or asked >= limits.shell_timeout_s else float(asked)
     workspace = ctx.workspace
-    workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
+    problem = workspace_problem(workspace)
+    if problem is not None:
+        return _unusable_workspace(ctx, problem)
     loop = asyncio.get_running_loop()
     # A protocol of our own rather than Process.communicate(): its reader stops reading past its
     # buffer limit, and a command killed then never shows EOF, so the kill's wait never ended (and
@@ -346,6 +353,8 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
             env=tool_environment(ctx.config),
         )
     except OSError as exc:
+        if exc.filename == str(workspace):  # it went (or lost its access) since it was checked: chdir failed
+            return _unusable_workspace(ctx, workspace_problem(workspace) or error_text(exc))
         if exc.errno != errno.E2BIG:
             raise
         # the command fits one argument, but with the environment it is over the kernel's total
@@ -405,6 +414,51 @@ async def _shell(args: dict[str, Any], ctx: ToolContext) -> ToolOutput:
     if code:
         return ToolOutput(f"exit code {code}\n{text}", is_error=True)
     return ToolOutput(text)
+
+
+def workspace_problem(workspace: Path) -> str | None:
+    """Why a command cannot run in the agent's workspace (made 0700 when missing), or None. Said
+    plainly, naming the path at fault: a link to nothing (its disk not mounted) or a loop of links,
+    the workspace's or `workspaces/`'s, with its target, and nothing made where it points; a file
+    in the place of either; one the server's user cannot enter. mkdir alone said "File exists" of a
+    path that, from the user's side, does not exist."""
+    dangling = dangling_link(workspace, "directory")
+    if dangling is not None:
+        return str(dangling)
+    try:
+        workspace.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        dangling = dangling_link(workspace, "directory")  # it may have become one meanwhile
+        if dangling is not None:
+            return str(dangling)
+        return _not_a_directory(workspace) or error_text(exc)
+    if not os.access(workspace, os.X_OK):
+        return f"permission denied: {workspace}: the server's user cannot enter it; give that user access to it"
+    return None
+
+
+def _not_a_directory(workspace: Path) -> str | None:
+    """The line for `workspaces/` or the workspace when either is there but is no directory."""
+    for path in (workspace.parent, workspace):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return None
+        if stat.S_ISDIR(mode):
+            continue
+        kind = "regular file" if stat.S_ISREG(mode) else file_kind(mode)
+        what = f"a {kind}"
+        if os.path.islink(path):
+            what = f"a symbolic link to {os.readlink(path)}, which is {what}"
+        held = "" if path == workspace else f", so {workspace} cannot be made in it"
+        return f"{path}: {what}, not a directory{held}: move it away (the next call makes an empty workspace)"
+    return None
+
+
+def _unusable_workspace(ctx: ToolContext, problem: str) -> ToolOutput:
+    """The call's result (and a log line for the operator) when the workspace cannot be used."""
+    log.warning("shell tool of agent %s: its workspace cannot be used: %s", ctx.agent.id, problem)
+    return ToolOutput(f"the agent's workspace cannot be used, so nothing was run: {problem}", is_error=True)
 
 
 def _stopped(pid: int | None) -> bool:

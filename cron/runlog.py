@@ -54,6 +54,7 @@ from appserver.fsutil import (
     remove_stale_temporaries,
     state_file_stat,
 )
+from appserver.shown import shown
 
 log = logging.getLogger("appserver.cron")
 
@@ -102,7 +103,7 @@ SETTLING_EVENTS = ("submitted", "fire_failed", "outcome", "missed")
 
 def run_log_path(runs_dir: Path, task_id: str) -> Path:
     if not task_id or "/" in task_id or task_id.startswith("."):
-        raise ValueError(f"bad task id {task_id!r}")
+        raise ValueError(f"bad task id {shown(task_id)}")
     return runs_dir / f"{task_id}.jsonl"
 
 

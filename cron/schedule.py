@@ -327,13 +327,13 @@ def parse_at(text: str, tz: str) -> datetime:
     try:
         naive = datetime.fromisoformat(written)
     except ValueError as exc:
-        raise ScheduleError(f"invalid time {text!r}: {_at_problem(written, str(exc))}") from None
+        raise ScheduleError(f"invalid time {shown(text)}: {_at_problem(written, str(exc))}") from None
     try:
         if naive.tzinfo is not None:
             return naive.astimezone(UTC)
         return wall_to_instants(naive, get_zone(tz), both_passes=False)[0]
     except OverflowError:
-        raise ScheduleError(f"invalid time {text!r}: outside the dates a schedule can use") from None
+        raise ScheduleError(f"invalid time {shown(text)}: outside the dates a schedule can use") from None
 
 
 _AT_DATE = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})")
@@ -402,7 +402,7 @@ def wall_to_instants(wall: datetime, tz: ZoneInfo, *, both_passes: bool) -> list
 
 def _validate_expr(spec: ScheduleSpec) -> None:
     if spec.kind not in KINDS:
-        raise ScheduleError(f"unknown schedule kind {spec.kind!r}")
+        raise ScheduleError(f"unknown schedule kind {shown(spec.kind)}")
     get_zone(spec.tz)
     if spec.kind == "cron":
         normalize_cron(spec.expr)
@@ -426,7 +426,7 @@ def _next_cron(expr: str, tz: ZoneInfo, after: datetime) -> datetime:
     try:
         it = croniter(norm, wall - timedelta(seconds=1), day_or=True)
     except (CroniterBadCronError, CroniterError) as exc:
-        raise ScheduleError(f"invalid cron expression {expr!r}: {exc}") from None
+        raise ScheduleError(f"invalid cron expression {shown(expr)}: {exc}") from None
     pending: list[datetime] = []  # second-pass instants seen so far (wildcard jobs only)
     for _ in range(MAX_LOOKAHEAD):
         try:
@@ -444,7 +444,7 @@ def _next_cron(expr: str, tz: ZoneInfo, after: datetime) -> datetime:
             return min(primary, pending[0]) if pending else primary
     if pending:
         return pending[0]
-    raise ScheduleError(f"cron expression {expr!r} never fires")
+    raise ScheduleError(f"cron expression {shown(expr)} never fires")
 
 
 def next_occurrence(spec: ScheduleSpec, after: datetime, created_at: datetime) -> datetime | None:
@@ -487,7 +487,7 @@ def validate_new(spec: ScheduleSpec, now: datetime) -> datetime:
         when = parse_at(spec.expr, spec.tz)
         if when <= now:
             local = when.astimezone(get_zone(spec.tz))
-            raise ScheduleError(f"time {spec.expr!r} ({local.isoformat()}) is in the past")
+            raise ScheduleError(f"time {shown(spec.expr)} ({local.isoformat()}) is in the past")
     first = first_occurrence(spec, now)
     if first is None:
         raise ScheduleError(f"schedule {spec.describe()} has no future occurrence")

@@ -13,6 +13,7 @@ from typing import Any
 from appserver.channels import READINESS_CHECK as CHANNELS_CHECK
 from appserver.readiness import CheckResult
 from appserver.server import Server
+from appserver.shown import shown
 from cron.adapter import KernelAdapter
 from cron.runner import DeliverFn, RunNowResult, TurnOutcome, deliver_reply, settle
 from cron.scheduler import Scheduler
@@ -226,12 +227,12 @@ class CronService:
         record = await self.server.store.get_agent(task.agent)
         if record is None:
             raise CronNotFound(
-                f"task {task.name!r} ({task.id}) cannot run: its agent {task.agent} was deleted; remove the task "
+                f"task {shown(task.name)} ({task.id}) cannot run: its agent {task.agent} was deleted; remove the task "
                 f"(appserver cron remove {task.id}) or add a new one for an existing agent"
             )
         gone = await asyncio.to_thread(self.scheduler.credential_problem, task, record.name)
         if gone is not None:  # as `appserver cron run` in-process refuses it
-            raise CronNotFound(f"task {task.name!r} ({task.id}) cannot run: {gone}")
+            raise CronNotFound(f"task {shown(task.name)} ({task.id}) cannot run: {gone}")
         return await self.scheduler.run_now(task.id, agent=task.agent)
 
     async def stop(self) -> None:

@@ -65,6 +65,7 @@ from appserver.providers.base import (
 )
 from appserver.providers.registry import ProviderRegistry
 from appserver.providers.retry import RetryPolicy, retry_delay_ms
+from appserver.shown import shown
 from appserver.store.records import AgentRecord, MessageRecord, PendingCall
 from appserver.textparts import TextParts, map_big_allocations
 from appserver.values import value
@@ -677,9 +678,9 @@ class AgentLoop:
             tool = self.tools.get(name)
             if tool is None or policy is None:
                 msg = (
-                    f"Tool {name!r} is not among the tools this request allows; it was not executed."
+                    f"Tool {shown(name)} is not among the tools this request allows; it was not executed."
                     if own is not None
-                    else f"Tool {name!r} is not available to this agent."
+                    else f"Tool {shown(name)} is not available to this agent."
                 )
                 self._result(work, call_id, name, ToolOutput(msg, True), emit)
                 continue
@@ -781,7 +782,7 @@ class AgentLoop:
                     continue
                 if tool is not None and policy not in ("allow", "ask"):
                     msg = (
-                        f"Tool {p.name!r} is no longer available to this agent (changed while the call "
+                        f"Tool {shown(p.name)} is no longer available to this agent (changed while the call "
                         "waited for approval); it was not executed."
                     )
                     self._result(work, p.call_id, p.name, ToolOutput(msg, True), emit)
@@ -795,7 +796,7 @@ class AgentLoop:
                     continue
                 if tool is None:
                     self._result(
-                        work, p.call_id, p.name, ToolOutput(f"Tool {p.name!r} is no longer available.", True), emit
+                        work, p.call_id, p.name, ToolOutput(f"Tool {shown(p.name)} is no longer available.", True), emit
                     )
                     continue
                 runnable.append(({"id": p.call_id, "name": p.name}, tool, args))

@@ -61,7 +61,9 @@ def test_acknowledged_cancels_of_paused_and_running_turns_hold_across_a_kill_9_o
     require_postgres()
     with temp_database("cancel27f") as url:
         home = tmp_path / "home"
-        env = cli_env(home, APPSERVER_STORE__URL=url)
+        # heartbeats of 0.5 s: the restarted server takes the killed one's turns over in under 2 s
+        # (3.5 heartbeats up, the killed one's heartbeat 2.5 old), not 7 s (the instance timeout stays 30 s)
+        env = cli_env(home, APPSERVER_STORE__URL=url, APPSERVER_STORE__HEARTBEAT_S="0.5")
         made = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=env)
         assert made.code == 0, made.err
         sp = start_serve(home, env=env)

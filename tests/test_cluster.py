@@ -329,7 +329,7 @@ def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_
             async def go() -> None:
                 a = await WS.open(nodes[0].url)
                 conv = await _create(a)
-                running = await _submit(a, conv, "/slow 120")
+                running = await _submit(a, conv, "/slow 60")  # 3 s of output: it runs when A stops
                 await a.expect(lambda f: f["type"] == "turn_updated" and f["snapshot"]["blocks"], timeout=15)
                 nodes[0].proc.send_signal(signal.SIGSTOP)
                 try:
@@ -339,13 +339,15 @@ def test_an_instance_judged_gone_while_stopped_runs_and_writes_nothing_more(tmp_
                         await asyncio.sleep(0.1)
                 finally:
                     nodes[0].proc.send_signal(signal.SIGCONT)
-                # A's turn goes on to its end (6 s in all) and tries to write it
+                    resumed_at = time.monotonic()
+                # A's turn goes on to its end (3 s in all) and tries to write it
                 on_a = openai.AsyncOpenAI(base_url=nodes[0].url + "/v1", api_key="x", max_retries=0, timeout=30)
                 await _until_refused(on_a, conv)
                 async with httpx.AsyncClient() as http:
                     assert (await http.get(nodes[0].url + "/readyz")).status_code == 503
                     assert (await http.get(nodes[1].url + "/readyz")).status_code == 200
-                await asyncio.sleep(7)  # A's turn has ended by now
+                # A's turn has ended by now: 5 s since A resumed (its whole 3 s turn and 2 s more)
+                await asyncio.sleep(max(0.0, resumed_at + 5 - time.monotonic()))
                 on_b = openai.AsyncOpenAI(base_url=nodes[1].url + "/v1", api_key="x", max_retries=0, timeout=30)
                 reply = await on_b.chat.completions.create(
                     model="assistant",
@@ -466,6 +468,20 @@ def test_an_instance_cut_off_from_the_database_comes_back_fenced(tmp_path: Path,
                 c.execute(f"DROP ROLE {role}")
 
 
+def _until_all_ready(nodes: list[ServeProcess], within: float = 20.0) -> None:
+    """Until every server answers /readyz 200 (its session back); fails at once when one says it
+    was judged gone (a fenced server never is ready again), or after `within` s."""
+    deadline = time.monotonic() + within
+    while True:
+        ready = [httpx.get(sp.url + "/readyz", timeout=10) for sp in nodes]
+        if all(r.status_code == 200 for r in ready):
+            return
+        assert time.monotonic() < deadline and not any("judged gone" in r.text for r in ready), [
+            (r.status_code, r.text[:300]) for r in ready
+        ]
+        time.sleep(0.1)
+
+
 def test_an_outage_of_the_whole_database_fences_no_server(tmp_path: Path) -> None:
     """The database refuses every connection for longer than 2.5 heartbeats (a restart), three
     times: every heartbeat is stale and no lock held when it is back, and the first server back
@@ -482,9 +498,7 @@ def test_an_outage_of_the_whole_database_fences_no_server(tmp_path: Path) -> Non
                     c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (db,))
                     time.sleep(1.5)
                     c.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
-                time.sleep(2)
-                for sp in nodes:
-                    assert httpx.get(sp.url + "/readyz", timeout=10).status_code == 200, sp.url
+                _until_all_ready(nodes)
                 assert len(_instances(url)) == 3
             for sp in nodes:
                 reply = httpx.post(

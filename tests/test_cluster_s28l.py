@@ -49,6 +49,9 @@ pytestmark = pytest.mark.timeout(120)
 # counts nobody, open for the whole test (at the default 2 s it is open for up to 2 s).
 SLOW_BEAT = {"APPSERVER_STORE__HEARTBEAT_S": "10", "APPSERVER_STORE__INSTANCE_TIMEOUT_S": "60"}
 WORDS = 160  # `/slow 160`: 160 words, 50 ms apart (8 s)
+# The turn streamed through B starts once B is up (the one B's subscriber watches began before B
+# started: it keeps 8 s, B's start-up taking part of it): 100 words (5 s), 60 of them 2 s before the end.
+STREAMED_WORDS = 100
 
 
 @pytest.fixture
@@ -94,7 +97,7 @@ async def test_a_stream_through_a_server_that_just_joined_shows_the_reply_as_it_
                 json={
                     "model": "assistant",
                     "stream": True,
-                    "messages": [{"role": "user", "content": f"/slow {WORDS}"}],
+                    "messages": [{"role": "user", "content": f"/slow {STREAMED_WORDS}"}],
                 },
             ) as stream:
                 assert stream.status_code == 200
@@ -105,8 +108,8 @@ async def test_a_stream_through_a_server_that_just_joined_shows_the_reply_as_it_
                     if piece:
                         arrivals.append(time.monotonic() - began)
                         text += piece
-        assert text == " ".join(f"w{i}" for i in range(1, WORDS + 1))
-        # The reply grows while the turn runs (8 s): before, it came in one chunk at its end.
+        assert text == " ".join(f"w{i}" for i in range(1, STREAMED_WORDS + 1))
+        # The reply grows while the turn runs (5 s): before, it came in one chunk at its end.
         assert _early(arrivals) >= 5, arrivals
     finally:
         stop_all(*([b] if b else []), a)

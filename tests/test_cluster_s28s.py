@@ -32,7 +32,7 @@ from tests.support.ws import WS
 pytestmark = pytest.mark.timeout(150)
 
 T = 60.0
-WORDS = 120  # `/slow 120`: 120 words, 50 ms apart (6 s)
+WORDS = 80  # `/slow 80`: 80 words, 50 ms apart (4 s): some 60 of them a second before the last
 
 
 @pytest.fixture
@@ -42,9 +42,15 @@ def db() -> Iterator[str]:
         yield url
 
 
+# A killed holder is judged gone once its lock is free and its heartbeat older than 2.5 heartbeats:
+# 1.25 s at 0.5 s heartbeats (5 s at the default 2 s). The instance timeout (a live server's
+# heartbeat missed) stays the default 30 s: nothing here stops a live server.
+FAST_BEAT = {"APPSERVER_STORE__HEARTBEAT_S": "0.5"}
+
+
 def _serve(home: Path, port: int, url: str) -> ServeProcess:
     """`serve` on `port`, or the next ones of 37000-37199 while one is taken."""
-    return start_serve_at(home, port, cli_env(home, APPSERVER_STORE__URL=url), last=37190, step=9)
+    return start_serve_at(home, port, cli_env(home, APPSERVER_STORE__URL=url, **FAST_BEAT), last=37190, step=9)
 
 
 def _early(times: list[float], before_end_s: float = 1.0) -> int:
@@ -120,8 +126,8 @@ async def test_the_new_holder_counts_each_queued_turn_once(db: str, tmp_path: Pa
             await asyncio.sleep(1)
             state = await ws.request({"type": "subscribe", "conversation": conv}, T)  # B follows A's turns
             assert state["queued"] == 0, state
-            one = await ws.request(
-                {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "/slow 300"}, T
+            one = await ws.request(  # 5 s of output: the poll below (0.2 s apart) sees it run
+                {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "/slow 100"}, T
             )
             two = await ws.request(
                 {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "last"}, T

@@ -13,6 +13,7 @@ and end to end through `appserver serve --channels discord` with kill -9 of the 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -257,6 +258,16 @@ def _ask_for_approval(fake: Fake, channel: str, user: str) -> tuple[BotMessage, 
     return shown, short.group(1)
 
 
+def _catch_up_point_saved(srv: ChannelServer, channel: str) -> bool:
+    """The adapter's state file (plugins/discord/adapter.py STATE_FILE) holds where `channel`'s catch-up starts."""
+    path = srv.home / "channels" / "discord" / "data" / "main" / "last_seen.json"
+    try:
+        seen = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return int((seen.get(channel) or {}).get("last") or 0) > 0
+
+
 def _kill_at_callback(fake: Fake, pid: int) -> list[float]:
     """kill -9 the gateway child the moment the fake receives the first interaction callback."""
     killed: list[float] = []
@@ -299,7 +310,8 @@ def test_kill_9_at_the_callback_of_a_press_behind_a_slow_download_still_applies_
 ) -> None:
     fake = efake
     shown, short = _ask_for_approval(fake, SLOW, "812")
-    time.sleep(1.5)  # the channel's catch-up point is saved (at most once a second)
+    # the channel's catch-up point is saved (at most once a second)
+    fake.wait_for(lambda: _catch_up_point_saved(srv, SLOW) or None, 10, "the channel's catch-up point saved")
     pid = srv.gateway_pid()
     fake.slow_attachments(8.0)
     try:

@@ -24,7 +24,9 @@ from tests.fakes.telegram_api import FakeTelegram
 
 pytestmark = pytest.mark.timeout(60)
 
-CLIENT_READ_TIMEOUT_S = 15.0  # the adapter's python-telegram-bot read timeout
+# The adapter's Bot API call timeout (15 s in plugins/telegram/adapter.py), shortened for the adapter
+# under test through its environment knob: the fake still answers only 2 s after the client gave up.
+CLIENT_READ_TIMEOUT_S = 3.0
 
 
 class SlowEdits(FakeTelegram):
@@ -54,7 +56,9 @@ def tg() -> Iterator[SlowEdits]:
 
 
 @pytest.fixture
-async def adapter(tg: SlowEdits, tmp_path: Path) -> AsyncIterator[Adapter]:
+async def adapter(tg: SlowEdits, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Adapter]:
+    monkeypatch.setenv("APPSERVER_TELEGRAM_API_TIMEOUT_S", str(CLIENT_READ_TIMEOUT_S))
+
     async def on_message(msg: InboundMessage) -> None:
         pass
 

@@ -74,11 +74,13 @@ def _try_withdraw_then_kill(srv: ChannelServer, chat: FakeChat, room: str) -> tu
     so, and the gateway is killed then. (secret, Carol's, Dave's message ids, the old pid); None when
     the gateway wrote the withdrawn row before the lock was taken (a loaded machine)."""
     first_pid = srv.gateway_pid()
-    chat.inject(room, "/slow 200", sender="bob", chat_type="group")  # about 10 s of words
+    # about 7 s of words: ten times what the scenario takes up to the kill on a quiet machine (~0.7 s)
+    chat.inject(room, "/slow 140", sender="bob", chat_type="group")
     chat.wait_for(lambda: chat.messages(room) or None, timeout=15, what="Bob's reply to start")
     secret = chat.inject(room, "my password is SECRET-g-1", sender="alice", chat_type="group")
     secret_turn = _queued(srv, secret)
-    carol = chat.inject(room, "/slow 200", sender="carol", chat_type="group")
+    # about 6 s of words: her reply shows (its first word) while Dave's turn still waits behind hers
+    carol = chat.inject(room, "/slow 120", sender="carol", chat_type="group")
     _queued(srv, carol)
     dave = chat.inject(room, "hello from dave", sender="dave", chat_type="group")
     _queued(srv, dave)
@@ -135,7 +137,7 @@ def test_a_withdrawn_turn_in_doubt_ends_at_once_and_the_next_reply_streams_while
         assert (shown, dave_status) == (True, "queued")
         assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
         chat.wait_for_text(room, "echo: hello from dave", timeout=60)  # the rest of the queue is answered
-        chat.wait_for_text(room, lambda t: t.endswith(" w200") and t.startswith("w1 "), timeout=5)
+        chat.wait_for_text(room, lambda t: t.endswith(" w120") and t.startswith("w1 "), timeout=5)
         texts = [m.text for m in chat.messages(room)]
         assert not any("SECRET" in t for t in texts), texts
         assert not any("interrupted" in t for t in texts), texts  # nothing said for the withdrawn turn

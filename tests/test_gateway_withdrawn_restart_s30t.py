@@ -67,21 +67,27 @@ def _in_history(home: Path, word: str) -> int:
         conn.close()
 
 
-def _withdraw_then_kill(srv: ChannelServer, chat: FakeChat, room: str, text: str) -> tuple[str, int, str]:
-    """Bob runs a long turn; Alice's `text` queues behind it and her /cancel withdraws it on the server,
+def _withdraw_then_kill(
+    srv: ChannelServer, chat: FakeChat, room: str, text: str, bob_words: int
+) -> tuple[str, int, str]:
+    """Bob runs a long turn (`/slow bob_words`, 0.05 s a word: about ten times what the scenario up to
+    the restarted gateway's verdict takes on a quiet machine, ~1-1.6 s, so the conversation stays busy
+    through it); Alice's `text` queues behind it and her /cancel withdraws it on the server,
     gateway.db held so its row cannot say so; the gateway is killed then. (her message id, the old pid,
     the room). The lock is taken by polling for the /cancel's `sending` mark: on a loaded machine the
     gateway can write the withdrawn row first, and then the scenario runs again in a new room."""
     for attempt in range(4):
-        done = _try_withdraw_then_kill(srv, chat, f"{room}-{attempt}", text)
+        done = _try_withdraw_then_kill(srv, chat, f"{room}-{attempt}", text, bob_words)
         if done is not None:
             return done
     raise AssertionError("the window between the withdraw and its row was missed four times")
 
 
-def _try_withdraw_then_kill(srv: ChannelServer, chat: FakeChat, room: str, text: str) -> tuple[str, int, str] | None:
+def _try_withdraw_then_kill(
+    srv: ChannelServer, chat: FakeChat, room: str, text: str, bob_words: int
+) -> tuple[str, int, str] | None:
     first_pid = srv.gateway_pid()
-    chat.inject(room, "/slow 500", sender="bob", chat_type="group")  # about 25 s of words
+    chat.inject(room, f"/slow {bob_words}", sender="bob", chat_type="group")
     chat.wait_for(lambda: chat.messages(room) or None, timeout=15, what="Bob's reply to start")
     secret = chat.inject(room, text, sender="alice", chat_type="group")
     wait_for(lambda: _entry(srv.home, secret)[0] == "submitted", 15, "the secret to be queued on the server")
@@ -117,7 +123,7 @@ def test_turn_withdrawn_before_a_kill_ends_and_the_next_reply_arrives(tmp_path: 
     home = fakechat_home(tmp_path / "home", chat, group_policy="open")
     room = "room"
     with channel_server(home) as srv:
-        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-1")
+        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-1", 240)  # 12 s
         wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
         # the withdrawn turn's row ends (its follower does not wait forever), failed and unanswered
         wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 30, "the withdrawn turn's row to end")
@@ -137,19 +143,19 @@ def test_a_turn_withdrawn_before_two_kills_in_a_row_still_ends_withdrawn(tmp_pat
     home = fakechat_home(tmp_path / "home", chat, group_policy="open")
     room = "room2"
     with channel_server(home) as srv:
-        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-2")
+        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-2", 340)  # 17 s
         wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
         # Something queued: against a server without `get_turn` the withdrawn turn's follower waits while
         # the queue is not empty, and the second kill finds its row still `submitted`; this server says
         # at once that the turn was withdrawn, so the row may have ended already. Either way it ends so.
-        queued = chat.inject(room, "/slow 60", sender="carol", chat_type="group")
+        queued = chat.inject(room, "/slow 20", sender="carol", chat_type="group")
         wait_for(lambda: _entry(srv.home, queued)[0] == "submitted", 30, "Carol's message to be queued")
         second_pid = srv.gateway_pid()
         os.kill(second_pid, signal.SIGKILL)
         wait_for(lambda: srv.gateway_pid() != second_pid, 60, "the supervisor to restart the gateway again")
         wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 120, "the withdrawn turn's row to end")
         assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
-        chat.wait_for_text(room, lambda t: t.endswith(" w60"), timeout=120)  # Carol's turn ran and was answered
+        chat.wait_for_text(room, lambda t: t.endswith(" w20"), timeout=120)  # Carol's turn ran and was answered
         texts = [m.text for m in chat.messages(room)]
         assert not any("SECRET" in t for t in texts)
         assert not any("interrupted (the server stopped" in t for t in texts), texts

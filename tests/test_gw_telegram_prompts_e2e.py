@@ -117,10 +117,10 @@ def test_a_mention_before_a_command_is_a_command(srv: ChannelServer, tg: FakeTel
 def test_a_command_for_another_bot_does_not_stop_our_reply(srv: ChannelServer, tg: FakeTelegram) -> None:
     """In a chat where every message counts (a DM here, an open group alike), `/cancel@otherbot` is
     addressed to another bot: it neither cancels our turn nor reaches our agent."""
-    tg.dm("/slow 200", user_id=5200)  # 10 s of words
+    tg.dm("/slow 100", user_id=5200)  # 5 s of words: the /cancel@other below comes well inside them
     tg.wait_for(lambda: tg.messages(5200) or None, timeout=20, what="the slow reply starting")
     tg.dm("/cancel@some_other_bot", user_id=5200)
-    words = " ".join(f"w{i}" for i in range(1, 201))
+    words = " ".join(f"w{i}" for i in range(1, 101))
     tg.wait_for_text(5200, words, timeout=40)  # the reply ran to its end
     assert not any("Cancelled" in m.text for m in tg.messages(5200)), [m.text for m in tg.messages(5200)]
     assert store_turns(srv.home, "/cancel@some_other_bot") == 0

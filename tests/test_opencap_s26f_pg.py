@@ -37,7 +37,11 @@ from tests.support.ws import WS
 
 pytestmark = pytest.mark.timeout(120)
 
-T = 30.0  # a request to a conversation a killed server held waits until it is judged gone (~7 s)
+T = 30.0  # a request to a conversation a killed server held waits until it is judged gone (~2 s)
+# A server that starts, or survives, takes a killed one's work over once it has been up for 3.5
+# heartbeats and the killed one's heartbeat is 2.5 heartbeats old: 7 s at the default 2 s heartbeat,
+# under 2 s at 0.5 s (the instance timeout, for a server that stops answering, stays 30 s).
+FAST_BEAT = {"APPSERVER_STORE__HEARTBEAT_S": "0.5"}
 CAP = 3
 ASK = "/call clock {}"
 SLOW = "/slow 1000"  # 50 s: open until cancelled
@@ -49,7 +53,7 @@ def pg(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], str]]:
     require_postgres()
     with temp_database("opencapf") as url:
         home = tmp_path / "home"
-        env = cli_env(home, APPSERVER_STORE__URL=url, APPSERVER_LIMITS__OPEN_TURNS_PER_CLIENT=str(CAP))
+        env = cli_env(home, APPSERVER_STORE__URL=url, APPSERVER_LIMITS__OPEN_TURNS_PER_CLIENT=str(CAP), **FAST_BEAT)
         r = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=env)
         assert r.code == 0, r.err
         yield home, env, url

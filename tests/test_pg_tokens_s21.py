@@ -101,7 +101,9 @@ def test_a_lost_database_session_never_fails_a_token_request(tmp_path: Path, pg_
     with serving(home, env=_env(home, pg_url)) as sp:
         token = _token(tmp_path, pg_url, "survivor")
         assert httpx.get(sp.url + "/v1/models", headers=_bearer(token), timeout=20).status_code == 200
-        for _ in range(3):
+        # twice: on the pool's first connections, then on those it made again after the first
+        # round's ends (a third round met connections made the same way as the second's)
+        for _ in range(2):
             assert _terminate_sessions(pg_url) >= 1
             time.sleep(1.3)  # past the token cache's second
             r = httpx.get(sp.url + "/v1/models", headers=_bearer(token), timeout=20)

@@ -27,6 +27,13 @@ openai = pytest.importorskip("openai")
 psycopg = pytest.importorskip("psycopg")
 
 
+def _beat(home: Path) -> dict[str, str]:
+    """The environment of a server restarted after a kill -9: a server that starts takes the killed
+    one's work over once it has been up for 3.5 heartbeats and the killed one's heartbeat is 2.5 old:
+    7 s at the default 2 s heartbeat, under 2 s at 0.5 s (the instance timeout stays 30 s)."""
+    return cli_env(home, APPSERVER_STORE__HEARTBEAT_S="0.5")
+
+
 def _client(sp: ServeProcess, timeout: float = 10) -> openai.OpenAI:
     return openai.OpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
 
@@ -94,13 +101,13 @@ def test_idempotency_key_after_a_drop_and_kill9_gives_one_turn(tmp_path: Path) -
         home = tmp_path / "h"
         key = {"Idempotency-Key": "once-" + uuid.uuid4().hex}
         msgs = [{"role": "user", "content": "hello once"}]
-        with serving(home, "--store", url) as sp:
+        with serving(home, "--store", url, env=_beat(home)) as sp:
             _drop_connection_once(url, "http_idempotency", "NEW.state = 'done'")
             _client(sp).chat.completions.create(model="assistant", messages=msgs, extra_headers=key)
             with psycopg.connect(url) as c:
                 assert c.execute("SELECT nextval('attack_armed')").fetchone()[0] > 1  # the drop did happen
             sp.stop(signal.SIGKILL)
-        with serving(home, "--store", url) as sp:
+        with serving(home, "--store", url, env=_beat(home)) as sp:
             again = _client(sp).chat.completions.create(model="assistant", messages=msgs, extra_headers=key)
             assert again.choices[0].message.content == "echo: hello once"
         assert len(_turns_with_input(url, "hello once")) == 1, _turns_with_input(url, "hello once")
@@ -111,7 +118,7 @@ def test_queued_turn_and_its_key_after_kill9_give_one_turn(tmp_path: Path) -> No
         home = tmp_path / "h"
         key = {"Idempotency-Key": "q-" + uuid.uuid4().hex}
         content = "queued behind a slow one"
-        with serving(home, "--store", url) as sp:
+        with serving(home, "--store", url, env=_beat(home)) as sp:
             cl = _client(sp)
             first = cl.chat.completions.with_raw_response.create(
                 model="assistant", messages=[{"role": "user", "content": "hi"}]
@@ -143,7 +150,7 @@ def test_queued_turn_and_its_key_after_kill9_give_one_turn(tmp_path: Path) -> No
 
             asyncio.run(load())
             sp.proc.wait(10)
-        with serving(home, "--store", url) as sp:
+        with serving(home, "--store", url, env=_beat(home)) as sp:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and "completed" not in [s for _, s in _turns_with_input(url, content)]:
                 time.sleep(0.1)  # a cluster's server runs it (a retry sent elsewhere may follow it)
@@ -323,7 +330,7 @@ def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -
     with temp_database("atk_kill9") as url:
         home = tmp_path / "h"
         acked: list[tuple[dict[str, str], str, str]] = []  # (headers with the key, content, answer)
-        sp = start_serve(home, "--store", url)
+        sp = start_serve(home, "--store", url, env=_beat(home))
         try:
 
             async def load() -> None:
@@ -362,7 +369,7 @@ def test_kill9_mid_load_loses_no_acked_turn_and_restarts_clean(tmp_path: Path) -
         for _, content, answer in acked:
             assert [s for _, s in _turns_with_input(url, content)] == ["completed"], content
             assert answer.startswith("echo: m") or answer.startswith("w1")
-        with serving(home, "--store", url) as sp2:
+        with serving(home, "--store", url, env=_beat(home)) as sp2:
             _ready(sp2)
             # the queued turns run one after another per conversation (two `/slow 3` in each shared
             # one): a generous bound, as a loaded machine runs them slower

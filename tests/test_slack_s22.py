@@ -16,6 +16,7 @@ gateway child, the real slack_sdk clients against the loopback fake (tests/fakes
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -95,6 +96,16 @@ def _user_turns(home: Path, chat: str) -> list[str]:
     return found
 
 
+def _prompt_ts_noted(home: Path, ts: str) -> bool:
+    """The approval prompt posted as `ts` is noted in gateway.db (`approval_prompts.message_ids`)."""
+    conn = sqlite3.connect(f"file:{home / 'channels' / 'gateway.db'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT message_ids FROM approval_prompts").fetchall()
+    finally:
+        conn.close()
+    return any(ts in json.loads(ids) for (ids,) in rows)
+
+
 def _kill9(srv: ChannelServer) -> None:
     children = gateway_children(srv.proc.pid)
     srv.kill()
@@ -117,7 +128,8 @@ def test_a_click_slack_held_while_the_server_restarted_is_applied(tmp_path: Path
             prompt, short = _prompt(slack, "D-click")
             wait_for(lambda: "D-click" in (home / "channels" / "gateway.db").read_bytes().decode("latin-1")
                      or None, 10, "the prompt remembered")  # fmt: skip
-            time.sleep(1.0)  # its ts is noted in gateway.db right after the post returned
+            # its ts is noted in gateway.db right after the post returned
+            wait_for(lambda: _prompt_ts_noted(home, prompt.ts), 10, "the prompt's ts noted")
             _kill9(srv)
         # The click waits at Slack while nothing is connected; Slack delivers it as soon as the new
         # gateway's socket is up, before the server has re-sent the pending approval request.

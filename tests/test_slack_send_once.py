@@ -155,7 +155,10 @@ async def test_a_post_slack_performs_after_the_first_lookup_is_found_by_the_seco
     slack.add_channel("D-queued")
     slack.hold_answers("chat.postMessage", 2 * LATE_S, channel="D-queued", perform_after=LATE_S)
     ids = await outbox(adapter).send(Target("D-queued", key="k:queued"), "hello")
-    await asyncio.sleep(2 * LATE_S)  # whatever Slack still had queued is performed by now
+    # whatever Slack still had queued is performed by now: the held post was performed LATE_S after it
+    # arrived and is answered 2 * LATE_S after it; send() returned at the second look, LOOKUP_SETTLE_S
+    # (3 s) after the post began, so LATE_S more is past both (a post again would be performed at once)
+    await asyncio.sleep(LATE_S)
     [message] = slack.messages("D-queued")
     assert ids == [message.ts] and message.text == "hello"
     [post] = slack.calls("chat.postMessage", channel="D-queued")

@@ -87,7 +87,8 @@ def _user_turns(url: str, content: str) -> list[str]:
 def test_a_postgres_lock_held_elsewhere_is_a_prompt_503_and_a_cli_error(tmp_path: Path) -> None:
     with temp_database("locks_s22") as url:
         home = tmp_path / "h"
-        env = cli_env(home, APPSERVER_STORE__URL=url)
+        # a lock timeout of 3 s (10 s by default): still far from HOLD_S, which the old code waited
+        env = cli_env(home, APPSERVER_STORE__URL=url, APPSERVER_STORE__LOCK_TIMEOUT_S="3")
         with serving(home, env=env) as sp:
             r, _ = _chat(sp, "before")
             assert r.status_code == 200, r.text

@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -73,6 +72,7 @@ from plugins.contract import (
     Limits,
     Target,
     TokenRefusal,
+    env_seconds,
     shorten,
 )
 from plugins.inorder import ChatOrder
@@ -240,11 +240,7 @@ def _envelope_id(raw: str) -> str | None:
 
 def api_timeout() -> float:
     """`API_TIMEOUT_S`, or a positive number of seconds from `APPSERVER_SLACK_API_TIMEOUT_S`."""
-    try:
-        value = float(os.environ.get(API_TIMEOUT_ENV, ""))
-    except ValueError:
-        return API_TIMEOUT_S
-    return value if math.isfinite(value) and value > 0 else API_TIMEOUT_S
+    return env_seconds(API_TIMEOUT_ENV, API_TIMEOUT_S)
 
 
 class SlackAdapter:

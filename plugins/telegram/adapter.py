@@ -71,6 +71,7 @@ from plugins.contract import (
     Limits,
     Target,
     TokenRefusal,
+    env_seconds,
 )
 from plugins.statefile import atomic_write_text, move_aside
 from plugins.telegram.format import plain, to_html
@@ -82,6 +83,10 @@ CHANNEL = "telegram"
 TELEGRAM_MAX_TEXT = 4096  # Telegram's limit: UTF-16 units of the text it shows (after entity parsing)
 MAX_LENGTH = TELEGRAM_MAX_TEXT - 96  # where replies are split (`measure`), a margin below Telegram's limit
 BACKOFF_MIN_S = 0.5
+# A Bot API call (not the long poll) without an answer by then fails (a send is then looked up).
+# Tests against a loopback fake shorten it through the environment (a positive number of seconds).
+API_TIMEOUT_S = 15.0
+API_TIMEOUT_ENV = "APPSERVER_TELEGRAM_API_TIMEOUT_S"
 BACKOFF_MAX_S = 30.0
 ALLOWED_UPDATES = ["message", "edited_message", "callback_query", "my_chat_member"]
 APPROVE_PREFIX = "approve:"
@@ -174,7 +179,10 @@ class TelegramAdapter:
         if not token:
             raise AccountError(f"{self._where}: no bot token; set token_env (an environment variable) or token_file")
         self._token = token
-        request = HTTPXRequest(connection_pool_size=16, read_timeout=15.0, write_timeout=15.0, connect_timeout=10.0)
+        api_timeout = env_seconds(API_TIMEOUT_ENV, API_TIMEOUT_S)
+        request = HTTPXRequest(
+            connection_pool_size=16, read_timeout=api_timeout, write_timeout=api_timeout, connect_timeout=10.0
+        )
         polling = HTTPXRequest(connection_pool_size=2, read_timeout=10.0, connect_timeout=10.0)
         self._requests = (request, polling)
         self._bot = Bot(

@@ -1032,6 +1032,8 @@ class ChatCompletions:
             return replay
         place: Placement | None = None
         seat = TurnSeat(self.places, principal)  # the turn's open-turn place, held until it ends
+        if answers is not None:  # a fork or seeded history paused for them: past the cap, refused unwritten
+            answers.before_write = seat.admit_written
         try:
             # A request answering calls follows the turn its answers resumed (its key is filed under
             # it: `keep_answers_key`), from after those calls.
@@ -1067,8 +1069,6 @@ class ChatCompletions:
                     ),
                 )
                 place = target  # a fork when other requests answered the round first (released below)
-                if resumed is None and decisions:
-                    await seat.check_answering(self.server, target)
                 run = resumed or await start_turn(
                     self.server,
                     agent,

@@ -709,11 +709,6 @@ class TurnRun:
             log.exception("could not cancel turn %s after a disconnect", self.turn_id)
 
 
-# Placements (`Placement.how`) of a conversation a request wrote just now: answers placed there
-# resume the turn written paused with it, which holds no open-turn place yet.
-WRITTEN_NOW = frozenset({"new", "fork", "header_new"})
-
-
 class TurnSeat:
     """The open-turn place (`[limits] open_turns_per_client`, in the count the WebSocket's turns
     take too: `TurnPlaces`) an HTTP request takes for its turn, held from the accept until the
@@ -722,10 +717,11 @@ class TurnSeat:
 
     Taken before anything is written (`take`): a request with new input past the cap is refused
     429 `too_many_open_turns`. One answering calls may need no place (the paused turn it resumes
-    holds one), so it goes on without one when all are taken; should its answers go to a turn
-    written paused just now (a fork, a new conversation), that turn is ended before it runs and
-    the request refused the same way (`check_answering`). `settle` keeps the place with the turn
-    the request ended up with, or gives it back."""
+    holds one), so it goes on without one when all are taken; should its answers need a turn
+    written paused for them (a fork, a seeded history), it is refused the same way just before
+    that conversation would be written (`admit_written`, the matcher's `Answers.before_write`),
+    nothing written. `settle` keeps the place with the turn the request ended up with, or gives
+    it back."""
 
     def __init__(self, places: TurnPlaces, principal: Principal) -> None:
         self.places = places
@@ -758,20 +754,13 @@ class TurnSeat:
         elif not answering:
             raise self.refusal()
 
-    async def check_answering(self, server: Server, place: Placement) -> None:
-        """Before answers are applied in `place` by a request holding no place (all were taken):
-        refused when the turn they resume was written paused just now, for them (it would be an
-        open turn past the cap); ended first, so that nothing of it stays open."""
-        if self.taken or not self.counted or place.how not in WRITTEN_NOW:
-            return
-        awaiting = await server.kernel.awaiting(place.conversation_id)
-        if awaiting is None or self.places.open_turns.holds(awaiting.id):
-            return
-        try:
-            await server.kernel.cancel(place.conversation_id, awaiting.id, client_left=True)
-        except Exception:
-            log.exception("could not end turn %s refused for the open-turn cap", awaiting.id)
-        raise self.refusal()
+    def admit_written(self) -> None:
+        """Just before a conversation paused at the calls this request answers is written for
+        them (a fork, a seeded history): its turn would be open past the cap when the request
+        holds no place (all were taken), so it is refused 429 then, with nothing written (no
+        conversation, no turn for a refused request to leave behind). Never awaits."""
+        if not self.taken and self.counted:
+            raise self.refusal()
 
     def settle(self, run: TurnRun | None) -> None:
         """The request placed its input: `run` (None: it failed). The place taken is held by the

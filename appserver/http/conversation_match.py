@@ -443,6 +443,10 @@ class Answers:
     # last one is the call answered now) and the results it gave the others (`legacy_round`).
     shown: list[dict[str, str]] = field(default_factory=list)
     shown_results: list[str] = field(default_factory=list)
+    # Called just before a conversation paused at the answered calls is written for them (its
+    # checks passed): raises to refuse the request with nothing written (the open-turn cap:
+    # common.TurnSeat.admit_written).
+    before_write: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)
@@ -712,6 +716,8 @@ class ConversationMatcher:
         records: list[MessageRecord] = seed_records(seed) if seed else []
         if answers is not None and paused is None:
             records, paused = split_paused(records, answers)  # refuses before anything is written
+        if answers is not None and answers.before_write is not None:
+            answers.before_write()  # a turn paused for them is about to be written: the last refusal
         conv = ConversationRecord(
             id=conv_id or new_id("conv"),
             agent_id=agent.id,

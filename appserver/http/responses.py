@@ -1832,6 +1832,8 @@ class Responses:
             return replay
         place: Placement | None = None
         seat = TurnSeat(self.places, principal)  # the turn's open-turn place, held until it ends
+        if answers is not None:  # a fork or seeded history paused for them: past the cap, refused unwritten
+            answers.before_write = seat.admit_written
         try:
             # A request answering calls follows the turn its answers resumed (its key is filed under
             # it: `keep_answers_key`), from after those calls.
@@ -1856,8 +1858,6 @@ class Responses:
                 resumed, lost = await self._answer_head(head, prev_id, decisions, answer_settings(options, specs), key)
                 if lost:
                     place = await self._fork_lost(agent, ns, head, prev_id, answers)
-                if resumed is None and decisions:
-                    await seat.check_answering(self.server, place)
                 # answers to calls the conversation's history closed: a 400 `already_resolved`
                 # (`refuse_closed_calls`), as on chat
                 run = resumed or await start_turn(

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from plugins.contract import env_seconds
 from plugins.loader import atomic_write_text, move_aside
 
 log = logging.getLogger("gateway.db")
@@ -170,6 +171,10 @@ SCHEMA_VERSION = MIGRATIONS[-1][0]
 SIDE_FILES = (("-wal", "write-ahead log"), ("-shm", "shared-memory index"), ("-journal", "rollback journal"))
 NEW_LEDGER_AFTER_REMOVAL = " (the gateway then starts a new, empty ledger)"
 EXIT_LEDGER_GONE = 4  # the gateway's exit code when its open ledger file was deleted under it
+# How long a write waits for another process's write lock (a backup tool, an `sqlite3` shell) before
+# it is refused and tried again later; a test shortens it through the environment.
+BUSY_TIMEOUT_S = 5.0
+BUSY_TIMEOUT_ENV = "APPSERVER_GATEWAY_DB_BUSY_TIMEOUT_S"
 ORPHAN_LOCK_WAIT_S = 2.0  # how long a command waits for another one setting a gone file's -wal aside
 
 
@@ -309,7 +314,7 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
         raise _not_writable(path, exc) or exc from None
     damage: str | None = None
     try:
-        conn.execute("PRAGMA busy_timeout = 5000")
+        conn.execute(f"PRAGMA busy_timeout = {round(env_seconds(BUSY_TIMEOUT_ENV, BUSY_TIMEOUT_S) * 1000)}")
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         row = conn.execute("PRAGMA quick_check").fetchone()

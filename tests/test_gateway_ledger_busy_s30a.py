@@ -1,4 +1,4 @@
-"""Another process holds gateway.db's write lock past the gateway's 5 s busy timeout (a backup tool,
+"""Another process holds gateway.db's write lock past the gateway's busy timeout (a backup tool,
 an `sqlite3` shell) while the gateway has bookkeeping to write: the write is tried again until it
 goes through, nothing that writes it dies.
 
@@ -40,8 +40,11 @@ from tests.support.wait import eventually, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
+# gateway.db's busy timeout for the gateway under test (5 s unless set): how long each write waits
+# for the lock before it is refused and tried again.
+BUSY_TIMEOUT_S = 1.0
 # The lock is held until the gateway logs that the write under test was refused (each attempt waits
-# out the 5 s busy timeout, and the pairing watch's own writes take turns with it), at most this long.
+# out the busy timeout, and the pairing watch's own writes take turns with it), at most this long.
 HOLD_MAX_S = 40.0
 NOTE_REFUSED = "gateway.db refused a note of the reply's progress"
 FLUSH_REFUSED = "could not save the accounts' status to gateway.db"
@@ -75,7 +78,12 @@ def _home(tmp_path: Path, tg: FakeTelegram, dm_policy: str) -> Path:
 @contextmanager
 def _server(tmp_path: Path, tg: FakeTelegram, port: int, dm_policy: str = "open") -> Iterator[ChannelServer]:
     home = _home(tmp_path, tg, dm_policy)
-    env = cli_env(home, TG_TOKEN=tg.token, APPSERVER_GATEWAY_RESTART_BACKOFF_S="0.2")
+    env = cli_env(
+        home,
+        TG_TOKEN=tg.token,
+        APPSERVER_GATEWAY_RESTART_BACKOFF_S="0.2",
+        APPSERVER_GATEWAY_DB_BUSY_TIMEOUT_S=str(BUSY_TIMEOUT_S),
+    )
     with channel_server(home, "--channels", "telegram", "--listen", f"127.0.0.1:{port}", env=env) as srv:
         yield srv
 

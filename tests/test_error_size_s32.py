@@ -6,11 +6,13 @@ surface builds its error objects in one place too. Real `appserver serve`, a raw
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.support.serve import ServeProcess
+from tests.support.cli import cli_env, run_cli
+from tests.support.serve import ServeProcess, serving
 from tests.support.ws import WS
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,3 +61,31 @@ def test_openai_error_objects_quote_a_huge_value_cut_short(serve: ServeProcess) 
         r = http.post("/v1/responses", json={"model": "assistant", "input": "hi", "previous_response_id": BIG})
         assert 400 <= r.status_code < 500, r.status_code
         assert len(r.json()["error"]["message"]) <= BOUND
+
+
+def test_an_approval_answer_for_unknown_huge_call_ids_is_answered_without_quoting_them_twice(home: Path) -> None:
+    """Each refused decision of an `approval_response` says why in its result: the message quoted
+    the (up to 1.9 MB) call id whole beside the `call_id` field, an ack twice the request's size."""
+    assert run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=cli_env(home)).code == 0
+
+    async def go(url: str) -> None:
+        ws = await WS.open(url)
+        try:
+            ack = await ws.request(
+                {"type": "submit_input", "agent": "careful", "conversation": "new", "input": "/call clock {}"}
+            )
+            conv = str(ack["conversation_id"])
+            await ws.expect(lambda f: f.get("type") == "approval_request", 20)
+            ids = ["a" * 1_000_000, "b" * 1_000_000]
+            decisions = [{"call_id": ids[0], "decision": "approve"}, {"call_id": ids[1], "decision": "deny"}]
+            reply = await ws.request({"type": "approval_response", "conversation": conv, "decisions": decisions}, 30)
+            assert reply["type"] == "ack", str(reply)[:300]
+            assert [r["call_id"] for r in reply["results"]] == ids  # the client's own ids, to match them
+            for result in reply["results"]:
+                assert result["accepted"] is False
+                assert len(result["message"]) <= BOUND, len(result["message"])
+        finally:
+            await ws.close()
+
+    with serving(home) as sp:
+        asyncio.run(go(sp.url))

@@ -21,8 +21,10 @@ _HEADER_SAFE = re.compile(r"[\x21-\x7e]+")  # what a bearer token can be, in a h
 # A user part runs from the `//` (the start, for a URL without one: `alice:pw@host`) to the LAST @: a
 # password pasted unencoded may hold an @, a /, a ? or a # of its own (`alice:s3/cr?t#@host`),
 # which would otherwise end it early and show it whole. (An @ further on, in a path or a query,
-# makes more of the URL masked than needed, never less.)
-_USERINFO = re.compile(r"^([^@]*?//)?(.*)@", re.DOTALL)
+# makes more of the URL masked than needed, never less.) The two characters NFKC makes an @ of
+# (U+FE6B, U+FF20) end it too: urllib reads them so, and quotes the whole part when refusing them.
+_AT = "@\ufe6b\uff20"
+_USERINFO = re.compile(rf"^([^{_AT}]*?//)?(.*)[{_AT}]", re.DOTALL)
 
 
 def shown_url(url: str) -> str:

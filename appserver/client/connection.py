@@ -48,6 +48,7 @@ as the server measures them (`encode_frame`).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import itertools
 import json
 import re
@@ -61,6 +62,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidProxy, InvalidStatus, InvalidURI
 from websockets.frames import CloseCode
+from websockets.proxy import get_proxy, parse_proxy
+from websockets.uri import parse_uri
 
 from appserver.client.auth import TokenSource, auth_headers, check_url, default_token, shown_url
 from appserver.client.buffer import DEFAULT_LIMIT, FrameBuffer
@@ -394,9 +397,11 @@ class ProtocolClient:
         """A connection to `url`; what is not a network error (OSError) is `ConnectError`."""
         target = check_url(url)
         headers = auth_headers(self._token)
+        proxy = _environment_proxy(target)
         try:
             return await websockets.connect(
                 target,
+                proxy=proxy,
                 additional_headers=headers,
                 open_timeout=self._open_timeout,
                 max_size=None,
@@ -408,10 +413,6 @@ class ProtocolClient:
             raise _refused(url, exc.response.status_code, bytes(exc.response.body or b"")) from None
         except InvalidURI as exc:
             raise ConnectError("invalid_url", f"invalid server URL {shown_url(url)!r}: {exc.msg}", fatal=True) from None
-        except InvalidProxy as exc:  # (its own text quotes the proxy URL whole, password and all)
-            raise ConnectError(
-                "invalid_proxy", f"invalid proxy URL {shown_url(exc.proxy)!r} in the environment: {exc.msg}", fatal=True
-            ) from None
         except TimeoutError:
             raise ConnectError(
                 "connect_timeout",
@@ -912,6 +913,30 @@ class ProtocolClient:
                     return snap
 
         return await asyncio.wait_for(go(), timeout) if timeout else await go()
+
+
+def _environment_proxy(target: str) -> str | None:
+    """The proxy the environment names for `target` (websockets' own choice), checked here: a URL
+    it cannot read is a `ConnectError` in our words, its password masked (urllib's message quotes
+    the whole user part; a bad port or host was a traceback), as is a SOCKS proxy without the
+    package it needs."""
+    proxy = get_proxy(parse_uri(target))
+    if proxy is None:
+        return None
+
+    def bad(why: str) -> ConnectError:
+        said = f"invalid proxy URL {shown_url(proxy)!r} in the environment: {why}"
+        return ConnectError("invalid_proxy", said, fatal=True)
+
+    try:
+        parsed = parse_proxy(proxy)
+    except InvalidProxy as exc:  # (its own text quotes the proxy URL whole, password and all)
+        raise bad(exc.msg) from None
+    except ValueError:
+        raise bad("its host or port cannot be read") from None
+    if parsed.scheme.startswith("socks") and importlib.util.find_spec("python_socks") is None:
+        raise bad("a SOCKS proxy needs the python-socks package, which is not installed")
+    return proxy
 
 
 def _refused(url: str, status: int, body: bytes) -> ConnectError:

@@ -24,7 +24,7 @@ from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.restore import controller_from_store
 from appserver.runtime.settle import CANCELLED_UNANSWERED, answered_result
-from appserver.shown import shown
+from appserver.shown import clipped
 from appserver.store.records import MessageRecord, PendingCall, TurnRecord, TurnSettings
 
 
@@ -132,7 +132,7 @@ class PendingAnswers:
             if seen is None:
                 distinct[d.call_id] = d
             elif (seen.action, seen.output or "", seen.is_error) != (d.action, d.output or "", d.is_error):
-                raise InvalidInput(f"call {shown(d.call_id)} is answered twice in this input, differently")
+                raise InvalidInput(f"call {clipped(d.call_id)} is answered twice in this input, differently")
         refused: list[dict[str, Any]] = []
         ready: list[tuple[Decision, PendingCall]] = []
         for d in distinct.values():
@@ -143,16 +143,16 @@ class PendingAnswers:
                         "call_id": d.call_id,
                         "accepted": False,
                         "error": "unknown_call",
-                        "message": f"no pending call {shown(d.call_id)} in this conversation",
+                        "message": f"no pending call {clipped(d.call_id)} in this conversation",
                     }
                 )
                 continue
             if d.action in ("approve", "deny") and p.kind != "approval":
                 raise InvalidInput(
-                    f"call {shown(d.call_id)} is a client tool call: answer it with a tool result, not an approval"
+                    f"call {clipped(d.call_id)} is a client tool call: answer it with a tool result, not an approval"
                 )
             if d.action == "result" and p.kind != "client":
-                raise InvalidInput(f"call {shown(d.call_id)} needs an approval decision, not a tool result")
+                raise InvalidInput(f"call {clipped(d.call_id)} needs an approval decision, not a tool result")
             if whole and p.status != "pending":
                 refused.append(_already(d.call_id, p.status))
                 continue
@@ -342,7 +342,7 @@ def _already(call_id: str, status: str | None) -> dict[str, Any]:
         "accepted": False,
         "error": "already_resolved",
         "status": status,
-        "message": f"call {shown(call_id)} was already answered ({status or 'gone'})",
+        "message": f"call {clipped(call_id)} was already answered ({status or 'gone'})",
     }
 
 

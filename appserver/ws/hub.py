@@ -25,7 +25,7 @@ from appserver.runtime import (
     TurnSnapshot,
     Watch,
 )
-from appserver.shown import shown
+from appserver.shown import clipped
 from appserver.store.records import PendingCall
 from appserver.ws.connection import Connection, OutboundBudget, encode, text_frame
 
@@ -723,7 +723,7 @@ class Hub:
                         "accepted": False,
                         "error": "already_resolved",
                         "status": p.status,
-                        "message": f"call {shown(call_id)} was already answered ({p.status})",
+                        "message": f"call {clipped(call_id)} was already answered ({p.status})",
                     }
                 )
             return results
@@ -736,7 +736,7 @@ class Hub:
                     "call_id": call_id,
                     "accepted": False,
                     "error": "unknown_call",
-                    "message": f"no tool call {shown(call_id)} is waiting for this connection",
+                    "message": f"no tool call {clipped(call_id)} is waiting for this connection",
                 }
             ]
         del self.client_calls[call_id]
@@ -746,7 +746,7 @@ class Hub:
                 "accepted": False,
                 "error": "unknown_call",
                 "message": (
-                    f"tool call {shown(call_id)} is no longer waiting for a result: "
+                    f"tool call {clipped(call_id)} is no longer waiting for a result: "
                     "it timed out or its turn ended or was cancelled"
                 ),
             }

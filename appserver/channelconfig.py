@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appserver.configcheck import NO_SUCH_USER, AmbiguousName, NoSuchUser, expand_user, fold_name
+
 CHANNEL_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
 ACCOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -109,9 +111,12 @@ def load_channels(file_table: Any, env_table: Any, path: str, env_origin: Callab
         where = path if channel in file_table else env_origin("channels", channel)
         if not CHANNEL_ID.fullmatch(channel):
             raise ChannelConfigError(f"{where}: [channels.{channel}]: not a channel id ([a-z0-9][a-z0-9_-]*)")
-        tables = [(file_table.get(channel, {}), path), (env_table.get(channel, {}), env_origin("channels", channel))]
+        tables = [
+            (file_table.get(channel, {}), path, False),
+            (env_table.get(channel, {}), env_origin("channels", channel), True),
+        ]
         merged: dict[str, dict[str, Any]] = {}
-        for table, origin in tables:
+        for table, origin, from_env in tables:
             if not isinstance(table, dict) or set(table) - {"accounts"}:
                 raise ChannelConfigError(
                     f"{origin}: [channels.{channel}] holds only accounts: [channels.{channel}.accounts.NAME]"
@@ -119,12 +124,43 @@ def load_channels(file_table: Any, env_table: Any, path: str, env_origin: Callab
             accounts = table.get("accounts", {})
             if not isinstance(accounts, dict) or not all(isinstance(v, dict) for v in accounts.values()):
                 raise ChannelConfigError(f"{origin}: [channels.{channel}.accounts.NAME] must be tables")
+            if from_env:  # the environment's names and keys are lower-cased: the file's spelling
+                accounts = _fold_env_accounts(channel, accounts, merged, origin, path)
             for name, settings in accounts.items():
                 merged.setdefault(name, {}).update(settings)
         cfg.accounts[channel] = {
             name: check_account(channel, name, settings, where) for name, settings in merged.items()
         }
     return cfg
+
+
+def _fold_env_accounts(
+    channel: str, accounts: dict[str, Any], file_accounts: dict[str, dict[str, Any]], origin: str, path: str
+) -> dict[str, dict[str, Any]]:
+    """The environment's accounts of `channel` under the names and keys config.toml spells them
+    (`…__ACCOUNTS__MAIN__CHATID` sets `[channels.telegram.accounts.Main] chatId`): a variable's
+    name is not case-sensitive, and it was silently a second account or a second key. An account
+    or key only in the environment is in lower case; two in the file that differ only in case
+    cannot be told apart and are refused."""
+    out: dict[str, dict[str, Any]] = {}
+    for env_name, settings in accounts.items():
+        name = _folded(env_name, file_accounts, f"{origin}__ACCOUNTS__{env_name.upper()}", f"{path}: accounts")
+        known_keys = file_accounts.get(name, {})
+        out[name] = {
+            _folded(key, known_keys, f"{origin}__ACCOUNTS__{env_name.upper()}__{key.upper()}", f"{path}: keys"): value
+            for key, value in settings.items()
+        }
+    return out
+
+
+def _folded(env_name: str, known: Iterable[str], variable: str, what: str) -> str:
+    try:
+        return fold_name(env_name, known)
+    except AmbiguousName as exc:
+        raise ChannelConfigError(
+            f"{variable}: {what} {exc} differ only in case, and an environment variable's name is not "
+            "case-sensitive: rename one of them"
+        ) from None
 
 
 def check_account(channel: str, name: str, table: dict[str, Any], where: str) -> AccountConfig:
@@ -146,6 +182,11 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
                 raise ChannelConfigError(f"{head} {key} must be a non-empty string")
             if kind == "env" and not ENV_NAME.fullmatch(value):
                 raise ChannelConfigError(f"{head} {key} must name an environment variable, got {value!r}")
+            if kind == "file":
+                try:
+                    expand_user(value)
+                except NoSuchUser:  # the gateway would never read it (and pathlib's error was a traceback)
+                    raise ChannelConfigError(f"{head} {key} = {value!r}: {NO_SUCH_USER}") from None
             if secret in refs:
                 raise ChannelConfigError(f"{head}: give {secret}_env or {secret}_file, not both")
             refs[secret] = {kind: value}
@@ -177,7 +218,10 @@ def shared_secrets(accounts: Iterable[AccountConfig], home: Path) -> dict[str, t
                 continue
             kind, value = next(iter(ref.items()))
             if kind == "file":
-                path = Path(value).expanduser()
+                try:
+                    path = expand_user(value)
+                except NoSuchUser:  # check_account refuses it; an account made otherwise is compared as written
+                    path = Path(value)
                 value = os.path.normpath(path if path.is_absolute() else home / path)
             owner = first.setdefault((account.channel, secret, kind, value), account.name)
             if owner != account.name and account.ref not in out:

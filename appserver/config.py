@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from appserver.channelconfig import ChannelConfigError, ChannelsConfig, load_channels
-from appserver.configcheck import Invalid, Rule, convert
+from appserver.configcheck import (
+    NO_SUCH_USER,
+    AmbiguousName,
+    Invalid,
+    NoSuchUser,
+    Rule,
+    convert,
+    expand_user,
+    fold_name,
+)
 from appserver.fsutil import (
     CONFIG_MAX_BYTES,
     StateFileRefused,
@@ -208,8 +217,31 @@ class Config:
 
 
 def default_home() -> Path:
+    """$APPSERVER_HOME (its ~ expanded when it can be), else ~/.appserver. A `~user` of no user is
+    left as written: load_config refuses it in one line (expanded_home), never a traceback here."""
     env = os.environ.get("APPSERVER_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".appserver"
+    if env:
+        try:
+            return expand_user(env)
+        except NoSuchUser:
+            return Path(env)
+    try:
+        return Path.home() / ".appserver"
+    except RuntimeError:  # no $HOME and no user entry: load_config says so
+        return Path("~/.appserver")
+
+
+def expanded_home(given: Path | None = None) -> Path:
+    """The home `given` (else default_home()) with its ~ expanded; ConfigError, one line, when the
+    ~ names no user of this system (or there is no home directory for a bare ~)."""
+    home = given or default_home()
+    try:
+        return expand_user(home)
+    except NoSuchUser:
+        text = str(home)
+        bare = text.split("/")[0] == "~"
+        why = "$HOME is not set, so its ~ names no directory; give the path itself" if bare else NO_SUCH_USER
+        raise ConfigError(f"the home {text!r} (--home or APPSERVER_HOME): {why}") from None
 
 
 # The settings that name a file, in config.toml or their APPSERVER_<SECTION>__<KEY> variable: a
@@ -225,8 +257,9 @@ FILE_KEYS = (
 
 def home_file(home: Path, value: str) -> Path:
     """The file a setting names: `~` expanded, and a relative path taken from `home`. (The
-    gateway resolves a channel account's `<secret>_file` the same way: gateway/accounts.py.)"""
-    path = Path(value).expanduser()
+    gateway resolves a channel account's `<secret>_file` the same way: gateway/accounts.py.)
+    NoSuchUser when its `~user` names no user: the caller names the setting."""
+    path = expand_user(value)
     return path if path.is_absolute() else home / path
 
 
@@ -493,6 +526,11 @@ OTHER_ENV = frozenset(
         "APPSERVER_DISCORD_REIDENTIFY_WAIT_S",
         "APPSERVER_DISCORD_GUILD_READY_TIMEOUT_S",
         "APPSERVER_SLACK_API_TIMEOUT_S",
+        "APPSERVER_TELEGRAM_API_TIMEOUT_S",
+        "APPSERVER_GATEWAY_DB_BUSY_TIMEOUT_S",
+        "APPSERVER_GATEWAY_START_TIMEOUT_S",
+        "APPSERVER_GATEWAY_LEDGER_RETENTION_DAYS",
+        "APPSERVER_WEBHOOK_SEND_DEADLINE_S",
     }
 )
 SECTION_NAMES = ("server", "limits", "auth", "cron", "store", "channels", "providers")
@@ -513,6 +551,8 @@ def _stray_env_problem(name: str) -> str | None:
     """Why the variable `name` (APPSERVER_ and no `__`) looks like a mistyped setting, or None."""
     if name in OTHER_ENV:
         return None
+    if name.upper() in OTHER_ENV:  # read by its exact name: `APPSERVER_Disable_Cron` would be ignored
+        return f"{name}: not read; did you mean {name.upper()}? (these variables are written in capitals)"
     rest = name[len("APPSERVER_") :].lower()
     for section in SECTION_NAMES:
         if rest.startswith(section + "_"):
@@ -530,23 +570,69 @@ def _stray_env_problem(name: str) -> str | None:
 
 
 def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """The APPSERVER_<SECTION>__<KEY> variables as a tree, every part lower-cased: the parts are
+    not case-sensitive, so two variables that differ only in case name one setting and are refused
+    (which one won depended on the order of the environment). The prefix is written in capitals."""
     out: dict[str, Any] = {}
-    for name, value in environ.items():
+    seen: dict[tuple[str, ...], str] = {}
+    for name in sorted(environ):
         if not name.startswith("APPSERVER_"):
+            if name[: len("APPSERVER_")].upper() == "APPSERVER_":
+                raise ConfigError(
+                    f"{name}: not read; the prefix is written in capitals: APPSERVER_{name[len('APPSERVER_') :]}"
+                )
             continue
         if "__" not in name:
             problem = _stray_env_problem(name)
             if problem is not None:
                 raise ConfigError(problem)
             continue
-        path = [p.lower() for p in name[len("APPSERVER_") :].split("__")]
+        path = tuple(p.lower() for p in name[len("APPSERVER_") :].split("__"))
+        other = seen.setdefault(path, name)
+        if other != name:
+            raise ConfigError(
+                f"{other} and {name} both set {'.'.join(path)} (the parts of an APPSERVER_ variable's name "
+                "are not case-sensitive): unset one of them"
+            )
         cur = out
         for part in path[:-1]:
             nxt = cur.setdefault(part, {})
             if not isinstance(nxt, dict):
                 raise ConfigError(f"{name}: conflicts with another APPSERVER_ variable for [{'.'.join(path[:-1])}]")
             cur = nxt
-        cur[path[-1]] = value
+        cur[path[-1]] = environ[name]
+    return out
+
+
+def _refuse_aliases(environ: dict[str, str], env: dict[str, Any]) -> None:
+    """APPSERVER_CRON_TICK_S and APPSERVER_DISABLE_CRON name what APPSERVER_CRON__TICK_S and
+    APPSERVER_CRON__ENABLED do: given both, one was silently dropped; refused, naming both."""
+    cron = env.get("cron")
+    cron = cron if isinstance(cron, dict) else {}
+    for alias, key, set_ in (
+        ("APPSERVER_CRON_TICK_S", "tick_s", "APPSERVER_CRON_TICK_S" in environ),
+        ("APPSERVER_DISABLE_CRON", "enabled", bool(environ.get("APPSERVER_DISABLE_CRON", "").strip())),
+    ):
+        if set_ and key in cron:
+            other = next(n for n in sorted(environ) if n.upper() == _env_name("cron", key))
+            raise ConfigError(f"{alias} and {other} both set [cron] {key}: unset one of them")
+
+
+def _fold_env_providers(env_provs: dict[str, Any], known: list[str], path: Path) -> dict[str, Any]:
+    """The environment's providers keyed by the names config.toml (or the built-ins) gives them:
+    `APPSERVER_PROVIDERS__MYPROV__BASE_URL` overrides `[providers.MyProv]`; it was a second provider
+    `myprov` beside it, and MyProv kept the file's value. A provider only in the environment is
+    named in lower case. Two names in the file that differ only in case cannot be told apart."""
+    out: dict[str, Any] = {}
+    for env_name, table in env_provs.items():
+        try:
+            out[fold_name(env_name, known)] = table
+        except AmbiguousName as exc:
+            variables = ", ".join(_env_names(table, "providers", env_name)) if isinstance(table, dict) else ""
+            raise ConfigError(
+                f"{variables or _env_name('providers', env_name)}: {path} has the providers {exc}, which differ "
+                "only in case, and an environment variable's name is not case-sensitive: rename one of them"
+            ) from None
     return out
 
 
@@ -569,7 +655,7 @@ def _env_names(tree: dict[str, Any], *prefix: str) -> list[str]:
 def _origin_of(environ: dict[str, str], path: Path, section: str, key: str) -> str:
     """The variable that set `section.key` when one did, else the file."""
     name = _env_name(section, key)
-    return name if name in environ else str(path)
+    return next((n for n in sorted(environ) if n.upper() == name), str(path))
 
 
 def builtin_providers() -> dict[str, ProviderConfig]:
@@ -659,7 +745,7 @@ def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
 def load_config(home: Path | None = None, environ: dict[str, str] | None = None, *, create: bool = True) -> Config:
     """Read `home/config.toml` (written with commented defaults when the home has none) plus
     environment overrides, every value checked. `Config.source` says what was loaded."""
-    given = (home or default_home()).expanduser()
+    given = expanded_home(home)
     dangling = dangling_home_link(given)  # before resolve(), which would turn the link into its target
     if dangling is not None:
         raise ConfigError(str(dangling))
@@ -678,6 +764,7 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
     path = home / "config.toml"
     data, source = _read_config_file(path, create)
     env = _env_overrides(environ)
+    _refuse_aliases(environ, env)
     overridden = _env_names(env)
     if overridden:
         source += f"; environment overrides: {', '.join(sorted(overridden))}"
@@ -720,6 +807,7 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
     env_provs = env.pop("providers", {}) or {}
     if not isinstance(file_provs, dict) or not isinstance(env_provs, dict):
         raise ConfigError(f"{path}: [providers] must be a table of [providers.NAME] tables")
+    env_provs = _fold_env_providers(env_provs, [*file_provs, *cfg.providers], path)
     for name in [*file_provs, *(n for n in env_provs if n not in file_provs)]:
         raw_file, raw_env = file_provs.get(name, {}), env_provs.get(name, {})
         for raw, where in ((raw_file, str(path)), (raw_env, _env_name("providers", name))):
@@ -780,10 +868,9 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         if value:
             try:
                 setattr(target, key, str(home_file(home, value)))
-            except RuntimeError:  # `~name` of no user (pathlib cannot expand it)
+            except NoSuchUser:  # `~name` of no user (pathlib cannot expand it)
                 raise ConfigError(
-                    f"{_origin_of(environ, path, section, key)}: [{section}] {key} = {value!r}: "
-                    "its ~ names no user of this system; give the path itself"
+                    f"{_origin_of(environ, path, section, key)}: [{section}] {key} = {value!r}: {NO_SUCH_USER}"
                 ) from None
     if bool(cfg.server.tls_cert) != bool(cfg.server.tls_key):
         raise ConfigError(f"{path}: [server] tls_cert and tls_key go together (set both or neither)")

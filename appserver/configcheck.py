@@ -14,7 +14,9 @@ import math
 import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -142,6 +144,8 @@ def _parse_env(text: str, base: Any, expected: str) -> Any:
             return json.loads(text)  # a table from the environment is a JSON object
         except json.JSONDecodeError:
             raise Invalid(expected + " (from the environment: a JSON object)") from None
+        except RecursionError:  # arrays or objects nested thousands deep: no setting needs them
+            raise Invalid(expected + " (from the environment: a JSON object; this one is nested too deeply)") from None
     return text
 
 
@@ -194,3 +198,41 @@ def _check_rule(value: Any, rule: Rule, expected: str) -> None:
             or (rule.le is not None and v > rule.le)
         ):
             raise Invalid(expected)
+
+
+# ── names and paths shared by config.py and channelconfig.py ──────────────────────────────────
+
+NO_SUCH_USER = "its ~ names no user of this system; give the path itself"
+
+
+class NoSuchUser(ValueError):
+    """A path's `~user` names no user (or `~` no home directory): pathlib raises RuntimeError."""
+
+
+def expand_user(value: str | Path) -> Path:
+    """`Path(value).expanduser()`, or NoSuchUser: pathlib's RuntimeError ("Could not determine home
+    directory") is no operator error, and escaped as a traceback. The caller names the setting and
+    says NO_SUCH_USER, as `[server] tls_cert` does."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        raise NoSuchUser(NO_SUCH_USER) from None
+
+
+class AmbiguousName(ValueError):
+    """Several names of a table differ only in case, so an environment variable cannot pick one."""
+
+    def __init__(self, candidates: list[str]) -> None:
+        super().__init__(", ".join(repr(c) for c in candidates))
+        self.candidates = candidates
+
+
+def fold_name(env_name: str, known: Iterable[str]) -> str:
+    """The name among `known` (a table's names from config.toml, built-in ones) that `env_name`
+    means: an environment variable's parts are not case-sensitive (`APPSERVER_PROVIDERS__MYPROV__…`
+    is `[providers.MyProv]`), so the one known name equal to it ignoring case; `env_name` itself
+    when none is (a new table). AmbiguousName when two known names differ only in case."""
+    matches = sorted({k for k in known if k.lower() == env_name.lower()})
+    if len(matches) > 1:
+        raise AmbiguousName(matches)
+    return matches[0] if matches else env_name

@@ -49,9 +49,10 @@ from appserver.channelconfig import (
 )
 from appserver.cli.common import fail, get_config, print_json, run_or_fail
 from appserver.cli.safetext import exact, visible
-from appserver.config import Config, ConfigError, default_home, load_config
+from appserver.config import Config, ConfigError, expanded_home, load_config
 from appserver.fsutil import atomic_write_text
 from appserver.serverinfo import read_live_server
+from appserver.shown import shown
 from gateway.access import AccessPolicy, PolicyError
 from gateway.accounts import AccountSpec
 from gateway.db import (
@@ -85,6 +86,9 @@ FAILURE_CELL_CHARS = 100
 FAILURE_JSON_CHARS = 1000
 # How long an edit of config.toml waits for another command's edit (`config.toml.lock`) to end
 CONFIG_LOCK_TIMEOUT_S = 10.0
+# How deep a `--set` value's arrays and inline tables may nest: no channel setting needs more, and
+# a value nested hundreds deep was a RecursionError traceback (in tomllib, or writing it back).
+SET_MAX_DEPTH = 32
 
 
 class Refused(Exception):
@@ -299,13 +303,34 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
-def _parse_literal(text: str) -> Any:
-    """`--set` value: a TOML literal when it is exactly one (`8080`, `true`, `["a"]`, `"quoted"`), else the text."""
+def _parse_literal(text: str, given: str) -> Any:
+    """`--set` value: a TOML literal when it is exactly one (`8080`, `true`, `["a"]`, `"quoted"`), else the text.
+    Arrays or inline tables nested hundreds deep (tomllib: RecursionError) are a usage error."""
     try:
         doc = tomllib.loads(f"v = {text}")
     except tomllib.TOMLDecodeError:
         return text
-    return doc["v"] if list(doc) == ["v"] else text
+    except RecursionError:
+        doc = None
+    if doc is not None and list(doc) != ["v"]:
+        return text
+    if doc is None or _nesting_depth(doc["v"]) > SET_MAX_DEPTH:
+        raise Refused(
+            f"{given}: the value nests arrays or inline tables more than {SET_MAX_DEPTH} deep; nothing written", 2
+        )
+    return doc["v"]
+
+
+def _nesting_depth(value: Any) -> int:
+    """How deep `value`'s lists and dicts nest (a scalar: 0), counted without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, dict)):
+            depth += 1
+            deepest = max(deepest, depth)
+            stack.extend((v, depth) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _env_origin(*parts: str) -> str:
@@ -366,6 +391,8 @@ class _ConfigFile:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise Refused(f"{path} is not valid TOML ({exc}); fix it first") from None
+        except RecursionError:  # load_config sets such a file aside; one read here first says so too
+            raise Refused(f"{path} is not valid TOML (nested too deeply); fix it first", 2) from None
         return cls(path, text, data)
 
     def check(self, text: str) -> tuple[dict[str, Any], ChannelsConfig]:
@@ -376,6 +403,10 @@ class _ConfigFile:
             raise Refused(
                 f"the edited {self.path} would not be valid TOML ({exc}); [channels] is probably written as "
                 "dotted keys or an inline table there: edit it by hand; nothing written"
+            ) from None
+        except RecursionError:  # a --set value nested just short of what one literal could take
+            raise Refused(
+                f"the edited {self.path} would be nested too deeply to read back; nothing written", 2
             ) from None
         try:
             channels = load_channels(data.get("channels", {}), {}, str(self.path), _env_origin)
@@ -787,7 +818,7 @@ def _account_table(settings: tuple[str, ...], secrets: tuple[str, ...]) -> dict[
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
             raise Refused(f"--set {item!r}: write KEY=VALUE", 2)
-        put(key.strip(), _parse_literal(raw), f"--set {item!r}")
+        put(key.strip(), _parse_literal(raw, f"--set {shown(item)}"), f"--set {item!r}")
     for item in secrets:
         name, eq, ref = item.partition("=")
         kind, colon, where = ref.partition(":")
@@ -806,7 +837,7 @@ def _account_table(settings: tuple[str, ...], secrets: tuple[str, ...]) -> dict[
 @_errors
 def remove_cmd(channel: str, account: str) -> None:
     """Remove an account's [channels.CHANNEL.accounts.ACCOUNT] table from config.toml."""
-    home = default_home().expanduser().resolve()
+    home = expanded_home().resolve()
     config: Config | None = None
     problem: str | None = None
     try:  # a config that does not load (an inline secret, say) can still lose the account at fault
@@ -828,6 +859,8 @@ def remove_cmd(channel: str, account: str) -> None:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise Refused(f"the edited {file.path} would not be valid TOML ({exc}); nothing changed") from None
+        except RecursionError:
+            raise Refused(f"the edited {file.path} would be nested too deeply to read back; nothing changed") from None
         if account in _file_accounts(data, channel):
             raise Refused(
                 f"account {channel}:{account} is also defined outside its [channels.{channel}.accounts.{account}] "

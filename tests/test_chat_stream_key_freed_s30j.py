@@ -198,7 +198,7 @@ async def test_a_chat_stream_ended_by_turn_interrupted_frees_its_key(tmp_path: P
             model="assistant", messages=[{"role": "user", "content": "hello"}]
         )
         conv = held.headers["x-conversation-id"]  # A runs this conversation's turns
-        text = "/slow 200"  # 10 s: still running on A when A is killed
+        text = "/slow 100"  # 5 s: still running on A when A is killed (and run whole again by the retry)
         seen = Streamed()
         streaming = asyncio.create_task(_stream(on_b, text, "interrupted-key", conv, seen))
         await _until(lambda: len(seen.text) > 5 or streaming.done(), "the stream through B showed no text")
@@ -210,6 +210,6 @@ async def test_a_chat_stream_ended_by_turn_interrupted_frees_its_key(tmp_path: P
         # before: the `turn_interrupted` stream, replayed
         assert again.headers.get("idempotent-replayed") is None, dict(again.headers)
         assert again.error is None and again.finish == "stop", again.error
-        assert again.text == " ".join(f"w{i}" for i in range(1, 201))
+        assert again.text == " ".join(f"w{i}" for i in range(1, 101))
     finally:
         stop_all(b, a)

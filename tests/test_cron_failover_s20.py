@@ -147,7 +147,7 @@ def test_kill_9_of_the_lease_holder_moves_cron_to_a_survivor_well_before_the_nex
                 nodes.append(start_serve(home, env=_env(home, url)))
             alive = list(nodes)
             _wait("no server took the scheduler lease", lambda: _holder(url), 20, nodes)
-            add = run_cli(admin, "cron", "add", "--name", "often", "--agent", "assistant", "--every", "2s",
+            add = run_cli(admin, "cron", "add", "--name", "often", "--agent", "assistant", "--every", "1s",
                           "--exact", "--prompt", "tick tock", "--json", env=_env(admin, url))  # fmt: skip
             assert add.code == 0, add.err
             _wait("the holder never fired the task", lambda: len(_cron_turns(url)) >= 2, 20, nodes)

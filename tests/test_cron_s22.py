@@ -330,7 +330,7 @@ def test_a_task_added_after_a_corrupt_crons_json_was_set_aside_fires(tmp_path: P
     try:
         wait_for(lambda: list(home.glob("crons.json.corrupt-*")), 20, "crons.json to be set aside")
         task_id = str(
-            _ok(home, env, "cron", "add", "--name", "after", "--agent", "assistant", "--every", "2s", "--exact",
+            _ok(home, env, "cron", "add", "--name", "after", "--agent", "assistant", "--every", "1s", "--exact",
                 "--prompt", "hi", "--json").json()["id"]
         )  # fmt: skip
         wait_for(

@@ -232,6 +232,11 @@ async def _client(i: int, trial: int, client: openai.AsyncOpenAI, book: Book, rn
 
 
 def check_acks(sp: ServeProcess, db: sqlite3.Connection, book: Book) -> list[str]:
+    with httpx.Client(base_url=sp.url, timeout=10) as http:  # one client: no new TLS context per request
+        return _check_acks(http, db, book)
+
+
+def _check_acks(http: httpx.Client, db: sqlite3.Connection, book: Book) -> list[str]:
     problems = []
     for a in book.acks:
         turns = turns_with_input(db, a.text_in, a.conversation)
@@ -241,7 +246,7 @@ def check_acks(sp: ServeProcess, db: sqlite3.Connection, book: Book) -> list[str
         if a.text_out not in replies_of(db, turns[0][0]):
             problems.append(f"{a.kind} {a.text_in!r}: reply {a.text_out!r} not stored: {replies_of(db, turns[0][0])}")
         if a.response_id:
-            got = httpx.get(f"{sp.url}/v1/responses/{a.response_id}", timeout=10)
+            got = http.get(f"/v1/responses/{a.response_id}")
             if got.status_code != 200 or got.json()["status"] != "completed":
                 problems.append(f"{a.kind} {a.response_id}: acknowledged, GET {got.status_code} {got.text[:200]}")
     return problems
@@ -250,13 +255,18 @@ def check_acks(sp: ServeProcess, db: sqlite3.Connection, book: Book) -> list[str
 def check_keys(sp: ServeProcess, db: sqlite3.Connection, book: Book) -> list[str]:
     """Every key sent is retried: an acknowledged one answers the same again, and every key's
     input ran exactly once, acknowledged or not."""
+    with httpx.Client(base_url=sp.url, timeout=30) as http:  # one client: no new TLS context per request
+        return _check_keys(http, db, book)
+
+
+def _check_keys(http: httpx.Client, db: sqlite3.Connection, book: Book) -> list[str]:
     problems = []
     acked = {a.key: a for a in book.acks if a.key}
     for key, (text, stream) in book.keys.items():
         body: dict[str, Any] = {"model": "assistant", "messages": [{"role": "user", "content": text}]}
         if stream:
             body["stream"] = True  # as the SDK sent it (it leaves `stream` out otherwise)
-        r = httpx.post(f"{sp.url}/v1/chat/completions", json=body, headers={"Idempotency-Key": key}, timeout=30)
+        r = http.post("/v1/chat/completions", json=body, headers={"Idempotency-Key": key})
         if r.status_code != 200:
             problems.append(f"retry of {key}: {r.status_code} {r.text[:200]}")
             continue

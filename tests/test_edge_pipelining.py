@@ -15,6 +15,7 @@ on the held-refusal change found, each through a real `appserver serve` over raw
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -358,13 +359,14 @@ def test_a_client_closing_early_disconnects_the_running_request(tight: ServeProc
     app stops and the client's slot is free (the running one used to stream into the closed socket
     forever, and every later request from the client got 429 too_many_connections)."""
     second, wait_s = BEHIND[behind]
-    for _ in range(SLOTS):
-        with connect(tight) as s:
+    with contextlib.ExitStack() as open_now:  # every slot at once, so that one wait serves them all
+        for _ in range(SLOTS):
+            s = open_now.enter_context(connect(tight))
             conn = Conn(s)
             s.sendall(chat("/slow 100000", stream=True) + second)
             while b"data: " not in conn.buf:  # the stream is flowing
                 conn._more()
-            time.sleep(wait_s)
+        time.sleep(wait_s)
     status, body = _probe(tight, within=5)
     assert status == 200, body
 

@@ -48,8 +48,10 @@ AGENT_SYSTEM = "You are the recording agent."
 
 
 def answer(req: RecordedRequest) -> Reply:
-    """The fake OpenAI-compatible model: "ok", slowly for an input marked SLOW (a kill lands meanwhile)."""
-    slow = b"SLOW" in req.body
+    """The fake OpenAI-compatible model: "ok", slowly for a newest message marked SLOW (a kill lands
+    meanwhile). Only the newest: a later turn whose history holds the SLOW turn is answered at once."""
+    messages = (req.json or {}).get("messages") or [{}]
+    slow = "SLOW" in str(messages[-1].get("content"))
     body = openai_sse([chunk(role="assistant", content="ok"), chunk(finish_reason="stop")])
     return Reply(pieces=[body], initial_delay_s=30 if slow else 0)
 

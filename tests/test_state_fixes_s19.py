@@ -119,7 +119,7 @@ def test_a_recurring_task_through_a_refused_write_logs_every_occurrence(tiny_fs:
     env = cli_env(home, APPSERVER_CRON_TICK_S="1")
     assert run_cli(home, "agents", "list", env=env).code == 0
     r = run_cli(
-        home, "cron", "add", "--name", "rep", "--agent", "assistant", "--every", "2s", "--exact",
+        home, "cron", "add", "--name", "rep", "--agent", "assistant", "--every", "1s", "--exact",
         "--prompt", "tick", env=env,
     )  # fmt: skip
     assert r.code == 0, r.err
@@ -127,7 +127,7 @@ def test_a_recurring_task_through_a_refused_write_logs_every_occurrence(tiny_fs:
     with serving(home, env=env) as sp:
         _wait("the first runs", lambda: sum(r["event"] == "fired" for r in _runs(home, task_id)) >= 2)
         filler = _fill(tiny_fs)
-        time.sleep(8)  # about four occurrences come due while nothing can be written
+        time.sleep(4)  # about four occurrences (one a second) come due while nothing can be written
         filler.unlink()
         before = max(int(r["occurrence"]) for r in _runs(home, task_id) if r["event"] == "fired")  # type: ignore[call-overload]
         _wait(

@@ -36,9 +36,9 @@ from tests.test_edge_s27a2 import Client
 pytestmark = pytest.mark.timeout(120)
 
 T = 30.0  # every blocking read's bound
-PING_INTERVAL_S, PING_TIMEOUT_S = "0.5", "4.0"  # uvicorn waits 3.5 s for a pong (cli/serve.py `pong_wait`)
+PING_INTERVAL_S, PING_TIMEOUT_S = "0.25", "2.0"  # uvicorn waits 1.75 s for a pong (cli/serve.py `pong_wait`)
 PAGE_INPUT = "y" * 600_000  # echoed by the default agent: a history page of ~1.2 MB
-RATE = 150_000  # bytes a second: the page takes ~8 s, over twice the pong's wait
+RATE = 300_000  # bytes a second: the page takes ~4 s, over twice the pong's wait
 # A paced reader's receive buffer: what its kernel took and it has not read yet is at most that
 # (the server counts it taken), a fraction of a second at RATE.
 PACED_RCVBUF = 16 * 1024
@@ -189,7 +189,7 @@ def _stop_reading(port: int, conversation: str) -> list[tuple[str, object]]:
     s, greeted = _greeted(port, rcvbuf=4096)
     with s:
         s.sendall(_text({"type": "get_history", "request_id": "page", "conversation": conversation}))
-        time.sleep(2 * float(PING_TIMEOUT_S))  # past the pong's wait, well within the send timeout (30 s)
+        time.sleep(3 * float(PING_TIMEOUT_S))  # past the pong's wait, well within the send timeout (30 s)
         client = Paced(s, greeted.buf, rate=10 * RATE)
         got: list[tuple[str, object]] = []
         while not got or got[-1][0] != "close":
@@ -206,8 +206,8 @@ def test_a_client_that_stops_reading_is_still_closed_by_its_keepalive(server: Se
 
 
 class QuickPings(ProtocolClient):
-    PING_INTERVAL_S = 0.5
-    PING_TIMEOUT_S = 2.0
+    PING_INTERVAL_S = 0.25
+    PING_TIMEOUT_S = 1.0
 
 
 @asynccontextmanager
@@ -250,7 +250,7 @@ async def slow_link(port: int, rate: float) -> AsyncIterator[int]:
 async def test_the_client_library_does_not_close_a_server_sending_it_a_big_page_steadily(
     server: ServeProcess, conversation: str
 ) -> None:
-    """Its pings are answered behind the page (~8 s here, its pong timeout 2 s): the page, then
+    """Its pings are answered behind the page (~4 s here, its pong timeout 1 s): the page, then
     a request's answer, on the same connection."""
     async with slow_link(_port(server), RATE) as port:
         client = await QuickPings.connect(f"http://127.0.0.1:{port}", open_timeout=T)

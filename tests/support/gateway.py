@@ -22,6 +22,7 @@ import httpx
 
 from tests.fakes.fakechat import FakeChat
 from tests.support.cli import ROOT, cli_env
+from tests.support.net import SSL
 from tests.support.zygote_client import appserver_popen
 
 PLUGIN = ROOT / "tests" / "fakes" / "fakechat_plugin"
@@ -70,7 +71,7 @@ class ChannelServer:
         return self.log_path.read_text(errors="replace")
 
     def readyz(self) -> dict[str, Any]:
-        body: dict[str, Any] = httpx.get(self.url + "/readyz", timeout=5).json()
+        body: dict[str, Any] = httpx.get(self.url + "/readyz", timeout=5, verify=SSL).json()
         return body
 
     def channels_check(self) -> dict[str, Any]:

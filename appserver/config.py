@@ -577,7 +577,7 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
     seen: dict[tuple[str, ...], str] = {}
     for name in sorted(environ):
         if not name.startswith("APPSERVER_"):
-            if name[: len("APPSERVER_")].upper() == "APPSERVER_":
+            if name[: len("APPSERVER_")].upper() == "APPSERVER_" and _would_be_read(name.upper()):
                 raise ConfigError(
                     f"{name}: not read; the prefix is written in capitals: APPSERVER_{name[len('APPSERVER_') :]}"
                 )
@@ -602,6 +602,12 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
             cur = nxt
         cur[path[-1]] = environ[name]
     return out
+
+
+def _would_be_read(name: str) -> bool:
+    """`name` (in capitals) is a setting or a variable the server reads, or a typo of one: written
+    with a lower-case prefix it is a mistake to refuse, any other `appserver_…` is somebody else's."""
+    return "__" in name or name in OTHER_ENV or _stray_env_problem(name) is not None
 
 
 def _refuse_aliases(environ: dict[str, str], env: dict[str, Any]) -> None:

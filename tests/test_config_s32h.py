@@ -109,6 +109,8 @@ def test_both_spellings_of_the_cron_tick_are_refused(tmp_path: Path) -> None:
 def test_a_lower_case_prefix_is_refused_not_ignored(tmp_path: Path) -> None:
     home = _home(tmp_path)
     _refused(run_cli(home, "agents", "list", env=cli_env(home, appserver_auth__mode="token")), "appserver_auth__mode")
+    # somebody else's variable that only begins like ours is none of the server's business
+    assert run_cli(home, "agents", "list", env=cli_env(home, appserver_helper_url="x")).code == 0
 
 
 def test_a_variable_for_two_providers_that_differ_only_in_case_is_refused(tmp_path: Path) -> None:

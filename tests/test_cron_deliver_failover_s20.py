@@ -1,7 +1,7 @@
 """A cron run's reply is delivered once across a failover of the scheduler lease.
 
 Real `serve` processes on one PostgreSQL database, each with a home (and a run log) of its own,
-the real webhook channel and a loopback receiver of its replies. A `--deliver` task fires every second;
+the real webhook channel and a loopback receiver of its replies. A `--deliver` task fires every 2 s;
 the server holding the scheduler lease (and the channel account) is killed with SIGKILL right
 after it delivered a reply. The server that takes the lease over must not deliver that run again
 (before the fix it did, after every failover: its own run log did not know the run was done), and
@@ -204,7 +204,7 @@ def test_a_delivered_reply_is_not_delivered_again_after_the_holder_is_killed(
             b = start_channel_server(homes[1], env=_env(homes[1], url))
             nodes.append(b)
 
-            add = run_cli(homes[0], "cron", "add", "--name", "dl", "--agent", "assistant", "--every", "1s", "--exact",
+            add = run_cli(homes[0], "cron", "add", "--name", "dl", "--agent", "assistant", "--every", "2s", "--exact",
                           "--prompt", "say dl", "--deliver", TARGET, "--json", env=_env(homes[0], url))  # fmt: skip
             assert add.code == 0, add.err
             task_id = str(add.json()["id"])

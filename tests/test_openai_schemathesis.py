@@ -366,6 +366,7 @@ def aim(op_id: str, body: dict[str, Any], tally: Tally) -> dict[str, Any]:
         if out.get("n") not in (None, 1):
             out["n"] = 1
         out.pop("audio", None)  # this server answers with text only: audio output is refused, never dropped
+        out.pop("web_search_options", None)  # this server does no web search: refused, never dropped
         if isinstance(out.get("modalities"), list):
             out["modalities"] = [m for m in out["modalities"] if m != "audio"]
         bias = out.get("logit_bias")

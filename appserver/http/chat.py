@@ -780,6 +780,9 @@ def user_and_metadata(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]
 
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
 VERBOSITY = ("low", "medium", "high")
+MODERATION_KEYS = ("model", "policy")
+SEARCH_CONTEXT_SIZES = ("low", "medium", "high")
+LOCATION_KEYS = ("country", "region", "city", "timezone")
 
 
 def shared_param_types(body: dict[str, Any], service_tiers: tuple[str, ...] = SERVICE_TIERS) -> None:
@@ -823,7 +826,81 @@ def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
     fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
     if body.get("functions") is None and body.get("function_call") is not None:
         legacy_choice(body["function_call"])  # typed even without `functions` (legacy_tools checks it with them)
+    prediction_of(body.get("prediction"))
+    moderation_of(body.get("moderation"), refuse_unknown_keys=False)
+    refuse_web_search(body.get("web_search_options"))
     return stream, bool(include_usage)
+
+
+def empty_array(param: str) -> ApiError:
+    """OpenAI's refusal of an empty array where its description asks for one entry at least."""
+    return ApiError(
+        400,
+        f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+        code="empty_array",
+        param=param,
+    )
+
+
+def prediction_of(value: Any) -> None:
+    """`prediction` (Predicted Outputs: a speed-up, never a change to the answer): `type`
+    "content" and a `content` that is a string or text parts. Accepted, not used; other keys are
+    accepted, as chat accepts unknown nested keys."""
+    prediction = fields.obj(value, "prediction")
+    if prediction is None:
+        return
+    fields.one_of(
+        fields.required(prediction, "type", "prediction.type"), "prediction.type", ("content",), nullable=False
+    )
+    content = fields.required(prediction, "content", "prediction.content")
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise fields.type_error("prediction.content", "one of a string or array of objects", content)
+    if not content:
+        raise empty_array("prediction.content")
+    for i, part in enumerate(content):
+        at = f"prediction.content[{i}]"
+        fields.obj(part, at, nullable=False)
+        fields.one_of(fields.required(part, "type", f"{at}.type"), f"{at}.type", ("text",), nullable=False)
+        fields.string(fields.required(part, "text", f"{at}.text"), f"{at}.text", nullable=False)
+
+
+def moderation_of(value: Any, *, refuse_unknown_keys: bool = True) -> None:
+    """`moderation`: a `model` (a string, required) and a `policy` (an object or null). Accepted,
+    not used (both routes). Another key is refused on Responses, accepted on chat, as each route
+    treats unknown nested keys."""
+    moderation = fields.obj(value, "moderation")
+    if moderation is not None:
+        if refuse_unknown_keys:
+            fields.known_keys(moderation, "moderation", MODERATION_KEYS)
+        fields.required_string(moderation, "model", "moderation.model")
+        fields.obj(moderation.get("policy"), "moderation.policy")
+
+
+def refuse_web_search(value: Any) -> None:
+    """`web_search_options` asks for a web search before the answer, which this server never
+    does: typed as OpenAI types it, then refused (400 `unsupported_parameter`) as hosted tools
+    are, never dropped (the answer would read as searched when it was not)."""
+    options = fields.obj(value, "web_search_options")
+    if options is None:
+        return
+    fields.one_of(options.get("search_context_size"), "web_search_options.search_context_size", SEARCH_CONTEXT_SIZES)
+    location = fields.obj(options.get("user_location"), "web_search_options.user_location")
+    if location is not None:
+        at = "web_search_options.user_location"
+        fields.one_of(fields.required(location, "type", f"{at}.type"), f"{at}.type", ("approximate",), nullable=False)
+        approximate = fields.required(location, "approximate", f"{at}.approximate")
+        fields.obj(approximate, f"{at}.approximate", nullable=False)
+        for key in LOCATION_KEYS:
+            if key in approximate:
+                fields.string(approximate[key], f"{at}.approximate.{key}")
+    raise bad_request(
+        "Unsupported parameter: 'web_search_options': this server does no web search (its agents answer with "
+        "their own tools only); leave it out",
+        "web_search_options",
+        code="unsupported_parameter",
+    )
 
 
 def refuse_audio_output(modalities: list[str] | None, audio: Any) -> None:

@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from appserver.agent.loop import ASKED_TOOLS, OFFERED_TOOLS, OWN_SYSTEM, model_call_params
 from appserver.agent.tools import Tool
-from appserver.auth import conversation_namespace, namespace_allows
+from appserver.auth import Principal, conversation_namespace, namespace_allows
 from appserver.http import fields
 from appserver.http.chat import (
     REASONING_EFFORTS,
@@ -35,7 +35,9 @@ from appserver.http.chat import (
     check_format,
     check_media,
     content_of,
+    empty_array,
     join_texts,
+    moderation_of,
     new_content,
     no_images,
     number_options,
@@ -53,6 +55,7 @@ from appserver.http.common import (
     Idempotency,
     TurnRun,
     TurnSeat,
+    advertised_ids,
     answer_paused,
     answer_settings,
     dumps,
@@ -996,7 +999,6 @@ CHOICE_KEYS = MappingProxyType(
     }
 )
 CONVERSATION_KEYS = ("id",)
-MODERATION_KEYS = ("model", "policy")
 CONTEXT_MANAGEMENT_KEYS = ("type", "compact_threshold")
 COMPACT_THRESHOLD_MIN = 1000
 PROMPT_CACHE_KEYS = ("ttl", "mode", "prewarm", "comparison_response_id")
@@ -1056,22 +1058,14 @@ def context_management_of(value: Any) -> None:
     """`context_management`: entries of a `type` (a string) and a `compact_threshold` (an integer
     of at least 1000, or null). Accepted, not used."""
     entries = fields.array(value, "context_management")
+    if entries == []:
+        raise empty_array("context_management")
     for i, entry in enumerate(entries or []):
         at = f"context_management[{i}]"
         fields.obj(entry, at, nullable=False)
         fields.known_keys(entry, at, CONTEXT_MANAGEMENT_KEYS)
         fields.required_string(entry, "type", f"{at}.type")
         fields.integer(entry.get("compact_threshold"), f"{at}.compact_threshold", low=COMPACT_THRESHOLD_MIN)
-
-
-def moderation_of(value: Any) -> None:
-    """`moderation`: a `model` (a string, required) and a `policy` (an object or null). Accepted,
-    not used."""
-    moderation = fields.obj(value, "moderation")
-    if moderation is not None:
-        fields.known_keys(moderation, "moderation", MODERATION_KEYS)
-        fields.required_string(moderation, "model", "moderation.model")
-        fields.obj(moderation.get("policy"), "moderation.policy")
 
 
 def prompt_cache_options_of(value: Any) -> None:
@@ -2028,6 +2022,62 @@ class Responses:
         conv = await self.server.store.get_conversation(owner.conversation_id)
         return conv is not None and self.matcher.visible(conv, agent, ns)
 
+    async def _readable_response(self, rid: str, ns: str | None, principal: Principal) -> bool:
+        """Response `rid` is one this caller may GET (its namespace, an agent its credential may
+        use), of whichever agent: previous_response_id continues any of them, as on OpenAI, where
+        any model continues any response (an Agents SDK handoff). Checked without its body, before
+        the body is read (a refusal takes as long whatever it refuses)."""
+        store = self.server.store
+        owner = await store.get_response_owner(rid)
+        conv = await store.get_conversation(owner.conversation_id) if owner is not None else None
+        if conv is None or not namespace_allows(ns, conv.namespace):
+            return False
+        source = await store.get_agent(conv.agent_id)
+        return source is not None and principal.allows_agent(source.id, source.name)
+
+    async def _model_of(self, agent_id: str) -> str:
+        """The id GET /v1/models advertises for agent `agent_id` (the `model` that reaches it)."""
+        agents = await self.server.store.agents_to_read()
+        return advertised_ids(agents).get(agent_id, agent_id)
+
+    async def _refuse_foreign_approvals(self, rec: ResponseRecord, answers: Answers | None) -> None:
+        """Answers to another agent's response that asks for approvals are refused (400): its
+        calls are that agent's tools, run under that agent's policy; only the agent that asked
+        may run or deny them (a fork answering its client calls alone would leave them open to
+        this agent). Tool results (a handoff's function_call_output) are the client's and go on."""
+        if answers is None:
+            return  # new input after open calls: 409 calls_pending, as for the agent's own fork
+        asks = _call_ids(rec.body.get("output"), ("mcp_approval_request",))
+        if not asks and all(d.action == "result" for d in answers.given):
+            return
+        model = await self._model_of(rec.agent_id)
+        raise bad_request(
+            f"Previous response with id '{rec.id}' is of model '{model}', and its approval requests are that "
+            f"model's to answer (its tools run under its policy): send the mcp_approval_response items with model "
+            f"'{model}', then continue from that response with this model.",
+            "input",
+            code="unsupported_input",
+        )
+
+    async def _refuse_other_agents(
+        self, agent_id: str, conv_param: str, agent: AgentRecord, principal: Principal
+    ) -> None:
+        """A conversation of another agent the caller may use is a 400 naming that agent's model (a
+        conversation is continued by its own agent, DESIGN §5), and saying how to hand it over:
+        previous_response_id forks its history for this agent. One it may not use stays a 404."""
+        source = await self.server.store.get_agent(agent_id)
+        if source is None or not principal.allows_agent(source.id, source.name):
+            return
+        model, own = await self._model_of(source.id), await self._model_of(agent.id)
+        raise bad_request(
+            f"Conversation with id '{conv_param}' belongs to model '{model}': a conversation is continued by its "
+            f"own model. Send model '{model}' with it; or, to hand it to model '{own}', continue from its last "
+            "response with previous_response_id (its history is forked into a new conversation of that model), "
+            "or send the history as input without 'conversation'.",
+            "conversation",
+            code="conversation_model_mismatch",
+        )
+
     async def _withdrawn(self, rec: ResponseRecord) -> bool:
         """`rec` is a withdrawn turn's response: stored so (`is_withdrawn`), or stored `cancelled`
         before its turn's end was known (a stream that gave up waiting) by a turn withdrawn."""
@@ -2057,10 +2107,11 @@ class Responses:
         history a new conversation for a whole transcript is seeded with (`prefix`, which is
         matched, may leave its system items out: `match_ignores_system`)."""
         store = self.server.store
+        principal = principal_of(request)
         if prev_id:
-            # whose it is first (`_visible_response`): another credential's body is never read
-            visible = await self._visible_response(prev_id, agent, ns)
-            rec = await store.get_response(prev_id) if visible else None
+            # whose it is first (`_readable_response`): another credential's body is never read
+            readable = await self._readable_response(prev_id, ns, principal)
+            rec = await store.get_response(prev_id) if readable else None
             if (
                 rec is None or not rec.stored  # an item index (item_index_id), or a response kept with store false
             ):
@@ -2096,6 +2147,19 @@ class Responses:
             # it would go: at the head by the paused turn itself (start_turn), in a fork by fork_at.
             refuse = calls_pending_at(prev_id)
             shown = shown_round(rec)  # a response that answered part of a round: a fork keeps its answers
+            if rec.agent_id != agent.id:  # a handoff: another agent's response, continued by this one
+                await self._refuse_foreign_approvals(rec, answers)
+                fork = await self.matcher.fork_at(
+                    agent,
+                    ns,
+                    rec.conversation_id,
+                    rec.last_message_id,
+                    answers,
+                    seed=added or None,
+                    while_pending=refuse,
+                    shown=shown,
+                )
+                return Placement(fork, "fork", claimed=True)
             if added:
                 fork = await self.matcher.fork_at(
                     agent, ns, rec.conversation_id, rec.last_message_id, seed=added, while_pending=refuse, shown=shown
@@ -2120,12 +2184,16 @@ class Responses:
         if conv_param:
             if conv_param.strip().lower() == "default":  # this credential's own, as X-Conversation-Id
                 return Placement((await self.server.kernel.default_conversation(agent, ns)).id, "conversation")
-            conv = None
+            conv = foreign = None
             for cid in name_ids(conv_param.strip(), ns):  # a name reads as X-Conversation-Id reads it
                 found = await store.get_conversation(cid)
                 if found is not None and self.matcher.visible(found, agent, ns):
                     conv = found
                     break
+                if found is not None and foreign is None and namespace_allows(ns, found.namespace):
+                    foreign = found  # this caller's, of another agent
+            if conv is None and foreign is not None:
+                await self._refuse_other_agents(foreign.agent_id, conv_param, agent, principal)
             if conv is None:
                 raise ApiError(
                     404,

@@ -117,9 +117,25 @@ class _Proxy:
         return urlunsplit((parts.scheme, f"{user}@127.0.0.1:{self.port}", parts.path, parts.query, parts.fragment))
 
     def close(self) -> None:
-        self._set("cut")
+        """Every connection ended and every task of the proxy's loop finished before the loop is
+        closed: a task left pending is destroyed when collected, in whatever test runs then, whose
+        log it fails ("Task was destroyed but it is pending!")."""
+
+        async def shutdown() -> None:
+            self.mode = "cut"
+            self._flowing.set()
+            for w in list(self._writers):
+                w.transport.abort()
+            self._writers.clear()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
 
 @contextmanager

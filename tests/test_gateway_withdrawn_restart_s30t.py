@@ -123,7 +123,7 @@ def test_turn_withdrawn_before_a_kill_ends_and_the_next_reply_arrives(tmp_path: 
     home = fakechat_home(tmp_path / "home", chat, group_policy="open")
     room = "room"
     with channel_server(home) as srv:
-        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-1", 240)  # 12 s
+        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-1", 500)  # 25 s
         wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
         # the withdrawn turn's row ends (its follower does not wait forever), failed and unanswered
         wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 30, "the withdrawn turn's row to end")
@@ -143,7 +143,7 @@ def test_a_turn_withdrawn_before_two_kills_in_a_row_still_ends_withdrawn(tmp_pat
     home = fakechat_home(tmp_path / "home", chat, group_policy="open")
     room = "room2"
     with channel_server(home) as srv:
-        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-2", 340)  # 17 s
+        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-2", 500)  # 25 s
         wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
         # Something queued: against a server without `get_turn` the withdrawn turn's follower waits while
         # the queue is not empty, and the second kill finds its row still `submitted`; this server says

@@ -672,10 +672,18 @@ def run_remote(
 
     running: list[tuple[str, str]] = []  # (conversation, turn) once known: what a Ctrl-C cancels
     clients: list[Any] = []
+    # The submit in flight, a task of its own: a stop signal cancels the exchange (again and again,
+    # until it ends), never the wait for the ack, so a turn the server took is known by its ack
+    # (and a Ctrl-C cancels it) rather than said not started while it runs on.
+    submitting: list[asyncio.Future[dict[str, Any]]] = []
 
     async def ended_by(signum: int) -> str:
         """Through a server, only Ctrl-C cancels the turn (as chat's first Ctrl-C does); SIGTERM and
         SIGHUP leave it running there: the command ends, not the turn."""
+        if not running and submitting:
+            said = await _submit_outcome(submitting[-1], running)
+            if said is not None:
+                return said
         if not running or not clients:
             return "no turn was started"
         conv_id, turn_id = running[-1]
@@ -730,13 +738,32 @@ def run_remote(
             "source": {"client": "cli"},
             "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}",
         }
-        ack = await client.submit(agent, text, conversation, **extra)
+        submitting.append(asyncio.ensure_future(client.submit(agent, text, conversation, **extra)))
+        ack = await asyncio.shield(submitting[-1])
         running.append((ack["conversation_id"], ack["turn_id"]))
         await tell_waiting(client, ack)
         snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
         return snapshot_from_dict(snap), ack["conversation_id"]
 
     return call_server(go, url, timeout, token_how)
+
+
+async def _submit_outcome(submitted: asyncio.Future[dict[str, Any]], running: list[tuple[str, str]]) -> str | None:
+    """A stop signal came while the submit waited for its ack: the ack, awaited a little longer,
+    names the turn (added to `running`; None returned); a refusal means no turn; no ack in time is
+    said as it is (the server may have taken the input)."""
+    try:
+        ack = await asyncio.wait_for(asyncio.shield(submitted), CANCEL_WAIT_S)
+    except TimeoutError:
+        submitted.cancel()
+        return (
+            "the server did not confirm the input in time, so a turn may have started there "
+            "(`appserver conversations list` shows it)"
+        )
+    except Exception:  # noqa: BLE001 - refused, or the connection went: nothing was taken
+        return "no turn was started"
+    running.append((ack["conversation_id"], ack["turn_id"]))
+    return None
 
 
 async def wait_answered(

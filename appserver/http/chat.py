@@ -305,12 +305,7 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
         raise fields.missing("messages")
     fields.array(messages, "messages", nullable=False)
     if not messages:
-        raise ApiError(
-            400,
-            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty array instead.",
-            code="empty_array",
-            param="messages",
-        )
+        raise fields.empty_array("messages")
     items: list[ViewItem] = []
     instructions: list[str] = []
     for i, m in enumerate(messages):
@@ -327,13 +322,7 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             if not isinstance(content, str | list):
                 raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
         if m.get("content") == []:  # OpenAI's content arrays have minItems 1
-            raise ApiError(
-                400,
-                f"Invalid '{where}.content': empty array. Expected an array with minimum length 1, "
-                "but got an empty array instead.",
-                code="empty_array",
-                param=f"{where}.content",
-            )
+            raise fields.empty_array(f"{where}.content")
         text, images, media, ordered = parts_of(m.get("content"), where, media=role == "user")
         if images and role != "user":
             raise no_images(where, role, "messages")
@@ -832,16 +821,6 @@ def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(include_usage)
 
 
-def empty_array(param: str) -> ApiError:
-    """OpenAI's refusal of an empty array where its description asks for one entry at least."""
-    return ApiError(
-        400,
-        f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an empty array instead.",
-        code="empty_array",
-        param=param,
-    )
-
-
 def prediction_of(value: Any) -> None:
     """`prediction` (Predicted Outputs: a speed-up, never a change to the answer): `type`
     "content" and a `content` that is a string or text parts. Accepted, not used; other keys are
@@ -858,7 +837,7 @@ def prediction_of(value: Any) -> None:
     if not isinstance(content, list):
         raise fields.type_error("prediction.content", "one of a string or array of objects", content)
     if not content:
-        raise empty_array("prediction.content")
+        raise fields.empty_array("prediction.content")
     for i, part in enumerate(content):
         at = f"prediction.content[{i}]"
         fields.obj(part, at, nullable=False)

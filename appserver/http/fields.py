@@ -39,6 +39,16 @@ def type_error(param: str, expected: str, value: Any) -> ApiError:
     )
 
 
+def empty_array(param: str) -> ApiError:
+    """OpenAI's refusal of an empty array where its description asks for one entry at least."""
+    return ApiError(
+        400,
+        f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+        code="empty_array",
+        param=param,
+    )
+
+
 def missing(param: str) -> ApiError:
     return ApiError(400, f"Missing required parameter: '{param}'.", code="missing_required_parameter", param=param)
 

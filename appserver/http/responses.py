@@ -35,7 +35,6 @@ from appserver.http.chat import (
     check_format,
     check_media,
     content_of,
-    empty_array,
     join_texts,
     moderation_of,
     new_content,
@@ -774,13 +773,7 @@ def mcp_tool(t: dict[str, Any], at: str, agent: AgentRecord) -> dict[str, Any]:
         fields.string(v, f"{at}.headers.{key}", nullable=False)
     callers = fields.strings(t.get("allowed_callers"), f"{at}.allowed_callers", TOOL_CALLERS)
     if callers == []:
-        raise ApiError(
-            400,
-            f"Invalid '{at}.allowed_callers': empty array. Expected an array with minimum length 1, but got an "
-            "empty array instead.",
-            code="empty_array",
-            param=f"{at}.allowed_callers",
-        )
+        raise fields.empty_array(f"{at}.allowed_callers")
     allowed = t.get("allowed_tools")
     if isinstance(allowed, dict):
         mcp_filter(allowed, f"{at}.allowed_tools")
@@ -1059,7 +1052,7 @@ def context_management_of(value: Any) -> None:
     of at least 1000, or null). Accepted, not used."""
     entries = fields.array(value, "context_management")
     if entries == []:
-        raise empty_array("context_management")
+        raise fields.empty_array("context_management")
     for i, entry in enumerate(entries or []):
         at = f"context_management[{i}]"
         fields.obj(entry, at, nullable=False)

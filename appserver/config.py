@@ -594,12 +594,17 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
                 f"{other} and {name} both set {'.'.join(path)} (the parts of an APPSERVER_ variable's name "
                 "are not case-sensitive): unset one of them"
             )
+        for other_path, other_name in seen.items():  # a whole table and a key of it: one would be lost
+            shorter = min(len(path), len(other_path))
+            if other_path != path and other_path[:shorter] == path[:shorter]:
+                table = ".".join(path[:shorter])
+                raise ConfigError(
+                    f"{other_name} and {name} both set [{table}] (one the whole table, the other a key of it): "
+                    "unset one of them"
+                )
         cur = out
         for part in path[:-1]:
-            nxt = cur.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"{name}: conflicts with another APPSERVER_ variable for [{'.'.join(path[:-1])}]")
-            cur = nxt
+            cur = cur.setdefault(part, {})
         cur[path[-1]] = environ[name]
     return out
 

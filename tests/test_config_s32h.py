@@ -172,3 +172,12 @@ def test_channels_add_with_a_deeply_nested_set_value_is_a_usage_error(tmp_path: 
     r = run_cli(home, "channels", "add", "webhook", "g", "--set", f"secret_env={value}")
     _refused(r, "--set", "deep")
     assert not (home / "config.toml").exists() or "[channels" not in (home / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("table_var", ["APPSERVER_PROVIDERS__myprov__headers", "APPSERVER_PROVIDERS__MYPROV__HEADERS"])
+def test_a_table_and_a_key_of_it_from_two_variables_are_refused_naming_both(tmp_path: Path, table_var: str) -> None:
+    """Whichever case each is written in: the table variable silently replaced the key's (its name
+    sorted after the other's), the key still listed among the overrides."""
+    home = _home(tmp_path, '[providers.MyProv]\nbase_url = "http://127.0.0.1:9/v1"\n')
+    env = cli_env(home, APPSERVER_PROVIDERS__MYPROV__HEADERS__X_KEY="k1", **{table_var: '{"X-Other": "v"}'})
+    _refused(run_cli(home, "agents", "list", env=env), "APPSERVER_PROVIDERS__MYPROV__HEADERS__X_KEY", table_var)

@@ -9,6 +9,7 @@ the test lets them go: right after the SIGINT, or after the command ended."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import sqlite3
@@ -37,6 +38,7 @@ class AckHolder:
         self.client_writes = 0
         self.released = threading.Event()
         self.held = threading.Event()
+        self.sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -46,13 +48,17 @@ class AckHolder:
             except OSError:
                 return
             server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=10)
+            self.sockets += [client, server]
             threading.Thread(target=self._up, args=(client, server), daemon=True).start()
             threading.Thread(target=self._down, args=(server, client), daemon=True).start()
 
     def _up(self, client: socket.socket, server: socket.socket) -> None:
         while data := _recv(client):
             self.client_writes += 1
-            server.sendall(data)
+            try:
+                server.sendall(data)
+            except OSError:
+                break
         server.close()
 
     def _down(self, server: socket.socket, client: socket.socket) -> None:
@@ -60,11 +66,22 @@ class AckHolder:
             if self.client_writes >= 3 and not self.released.is_set():
                 self.held.set()
                 self.released.wait(30)
-            client.sendall(data)
+            try:
+                client.sendall(data)
+            except OSError:  # dropped meanwhile
+                break
         client.close()
 
     def release(self) -> None:
         self.released.set()
+
+    def drop(self) -> None:
+        """The connection cut before the held bytes get through (a network cut, a server killed
+        right after it committed the turn)."""
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
     def close(self) -> None:
         self.released.set()
@@ -83,13 +100,15 @@ def _turn_statuses(home: Path) -> list[str]:
         return [row[0] for row in db.execute("SELECT status FROM turns ORDER BY rowid")]
 
 
-def _interrupted_before_the_ack(home: Path, url: str, *, ack_after_exit: bool) -> tuple[int, str]:
+def _interrupted_before_the_ack(home: Path, url: str, *, ack_after_exit: bool, drop: bool = False) -> tuple[int, str]:
     """`run` started through the proxy, SIGINT once the server runs its turn and the ack is held;
-    the ack let go at once, or only after the command ended. (exit code, stderr)"""
+    the ack let go at once, or only after the command ended, or the connection cut. (exit code,
+    stderr)"""
     proxy = AckHolder(int(url.rsplit(":", 1)[1]))
     try:
         proc = appserver_popen(
-            ["run", "--url", f"http://127.0.0.1:{proxy.port}", "--conversation", "new", "/slow 100000"],
+            ["run", "--url", f"http://127.0.0.1:{proxy.port}", "--reconnect-wait", "0", "--conversation", "new"]
+            + ["/slow 100000"],
             env=cli_env(home),
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -99,7 +118,9 @@ def _interrupted_before_the_ack(home: Path, url: str, *, ack_after_exit: bool) -
         wait_for(lambda: "running" in _turn_statuses(home), 20, "the server to take the input")
         assert proxy.held.wait(10), "the ack was not held"
         proc.send_signal(signal.SIGINT)
-        if not ack_after_exit:
+        if drop:
+            proxy.drop()
+        elif not ack_after_exit:
             proxy.release()
         _, err = proc.communicate(timeout=30)
         return proc.returncode, err
@@ -124,3 +145,13 @@ def test_ctrl_c_whose_ack_never_comes_says_a_turn_may_have_started(tmp_path: Pat
         assert "no turn was started" not in err, err
         assert "did not confirm the input in time, so a turn may have started there" in err, err
         assert _turn_statuses(home) == ["running"]  # as said: it runs on there
+
+
+def test_ctrl_c_whose_connection_is_cut_before_the_ack_says_a_turn_may_have_started(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with serving(home) as sp:
+        code, err = _interrupted_before_the_ack(home, sp.url, ack_after_exit=True, drop=True)
+        assert code == 130, err
+        assert "no turn was started" not in err, err
+        assert "the connection was lost before the server confirmed the input, so a turn may have started" in err, err
+        assert _turn_statuses(home) == ["running"]

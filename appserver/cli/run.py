@@ -750,20 +750,24 @@ def run_remote(
 
 async def _submit_outcome(submitted: asyncio.Future[dict[str, Any]], running: list[tuple[str, str]]) -> str | None:
     """A stop signal came while the submit waited for its ack: the ack, awaited a little longer,
-    names the turn (added to `running`; None returned); a refusal means no turn; no ack in time is
-    said as it is (the server may have taken the input)."""
+    names the turn (added to `running`; None returned); a refusal means no turn; no ack in time, or
+    a connection lost before it, is said as it is (the server may have taken the input)."""
+    from appserver.client import Closed, ProtocolError
+
     try:
         ack = await asyncio.wait_for(asyncio.shield(submitted), CANCEL_WAIT_S)
     except TimeoutError:
         submitted.cancel()
-        return (
-            "the server did not confirm the input in time, so a turn may have started there "
-            "(`appserver conversations list` shows it)"
-        )
-    except Exception:  # noqa: BLE001 - refused, or the connection went: nothing was taken
+        return f"the server did not confirm the input in time, so {MAY_HAVE_STARTED}"
+    except Closed:  # the connection went before the ack: the server may have taken the input
+        return f"the connection was lost before the server confirmed the input, so {MAY_HAVE_STARTED}"
+    except ProtocolError:  # the server refused it: nothing was taken
         return "no turn was started"
     running.append((ack["conversation_id"], ack["turn_id"]))
     return None
+
+
+MAY_HAVE_STARTED = "a turn may have started there (`appserver conversations list` shows it)"
 
 
 async def wait_answered(

@@ -70,12 +70,13 @@ def _in_history(home: Path, word: str) -> int:
 def _withdraw_then_kill(
     srv: ChannelServer, chat: FakeChat, room: str, text: str, bob_words: int
 ) -> tuple[str, int, str]:
-    """Bob runs a long turn (`/slow bob_words`, 0.05 s a word: about ten times what the scenario up to
-    the restarted gateway's verdict takes on a quiet machine, ~1-1.6 s, so the conversation stays busy
-    through it); Alice's `text` queues behind it and her /cancel withdraws it on the server,
-    gateway.db held so its row cannot say so; the gateway is killed then. (her message id, the old pid,
-    the room). The lock is taken by polling for the /cancel's `sending` mark: on a loaded machine the
-    gateway can write the withdrawn row first, and then the scenario runs again in a new room."""
+    """Bob runs a long turn (`/slow bob_words`, 0.05 s a word: many times what the scenario up to the
+    restarted gateway's verdict takes on a quiet machine, ~1-1.6 s, and a loaded one needs more than
+    12 s, so the conversation stays busy through it); Alice's `text` queues behind it and her
+    /cancel withdraws it on the server, gateway.db held so its row cannot say so; the gateway is
+    killed then. (her message id, the old pid, the room). The lock is taken by polling for the
+    /cancel's `sending` mark: on a loaded machine the gateway can write the withdrawn row first, and
+    then the scenario runs again in a new room."""
     for attempt in range(4):
         done = _try_withdraw_then_kill(srv, chat, f"{room}-{attempt}", text, bob_words)
         if done is not None:

@@ -17,7 +17,7 @@ serve: $(STAMP)
 	$(VENV)/bin/appserver serve $(if $(LISTEN),--listen $(LISTEN))
 
 test: $(STAMP)
-	$(PY) -m pytest -x -q -n 8 --dist loadfile
+	$(PY) -m pytest -x -q -n 6 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check appserver cron gateway plugins tests bench examples

@@ -32,7 +32,7 @@ for _name, _value in FAST_WAITS.items():
     os.environ.setdefault(_name, _value)
 
 
-# `make test` runs files on 8 xdist workers (--dist loadfile), so one long file bounds the wall time
+# `make test` runs files on 6 xdist workers (--dist loadfile), so one long file bounds the wall time
 # when it starts last. These files (real `serve` processes, kill -9, restarts) take longest; they are
 # handed out first, longest first, and the quick files fill in around them. Only the order changes.
 # (Every file of at least 12 s in a full run's junit times, longest first; a new slow file joins it.)

@@ -26,6 +26,7 @@ from gateway.approvals import (
     ApprovalBoard,
     Prompt,
     code_span,
+    in_old_chat,
     pressed_gone_text,
     room_of,
     shows_prompt_of,
@@ -579,8 +580,12 @@ class ChatOps:
         else:
             key, since = earlier.key, earlier.attempted_at
         text = prompt.text(room_of(outbox.adapter))
+        posted_in = prompt.target.chat
         sent = await outbox.prompt(replace(prompt.target, key=key), text, prompt.short_id, since=since)
-        prompt.message_ids = list(sent.ids)
+        # The chat got a new id while the post was in flight (`move_chat`): its bare ids name
+        # messages of the chat it was posted in, as the ids moved with the prompt do.
+        moved = prompt.target.chat != posted_in
+        prompt.message_ids = in_old_chat(sent.ids, posted_in) if moved else list(sent.ids)
         self.approvals.note_shown(prompt.call_id, prompt.message_ids)
 
     async def answer_approval(self, entry: Entry, runner: AccountRunner, command: Command) -> str:

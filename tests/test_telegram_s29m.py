@@ -9,18 +9,23 @@ Bot API, extended here so that a group can be upgraded: calls for the old id are
 * The supergroup goes on with the group's conversation (its history) and its operator route.
 * An approval prompt waiting when the group was upgraded is answered from the supergroup (was "No
   request waiting", and the turn stayed stuck).
+* A prompt whose post was in flight when the gateway learned of the upgrade keeps naming its message
+  in the old chat (its decided edit went to the supergroup's message of the same number).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.requests import Request
+from starlette.responses import Response
 
 from gateway.approvals import ApprovalBoard, Prompt
 from gateway.ledger import Ledger
@@ -35,6 +40,7 @@ pytestmark = pytest.mark.timeout(120)
 ANN = 500
 GROUP, SUPERGROUP = -555, -100555  # a conversation with its history, upgraded while a reply runs
 ASKING, ASKING_SUPER = -556, -100556  # an approval prompt waits when the group is upgraded
+RACING, RACING_SUPER = -557, -100557  # upgraded while the prompt's post is in flight
 MIGRATED_CALLS = ("sendMessage", "editMessageText", "sendChatAction", "setMessageReaction")
 
 
@@ -44,6 +50,9 @@ class UpgradingTelegram(FakeTelegram):
     def __init__(self) -> None:
         super().__init__()
         self.upgraded: dict[int, int] = {}  # old chat id -> the supergroup's
+        # (chat, until): the next prompt post to `chat` waits until `until()` (polled on the fake's
+        # loop, which serves getUpdates meanwhile), is then performed there, and the chat upgraded
+        self.hold_prompt: tuple[int, Callable[[], bool]] | None = None
 
     def upgrade(self, old: int, new: int) -> None:
         """From now on calls for `old` are refused, naming `new` (Telegram's ChatMigrated)."""
@@ -70,6 +79,21 @@ class UpgradingTelegram(FakeTelegram):
             self._next_update_id += 1
         self._notify()
         return update_id
+
+    async def _handle(self, request: Request) -> Response:
+        held = self.hold_prompt
+        if held is None or request.path_params["method"] != "sendMessage":
+            return await super()._handle(request)
+        params = await self._params(request)
+        if str(params.get("chat_id")) != str(held[0]) or not params.get("reply_markup"):
+            return await super()._handle(request)
+        self.hold_prompt = None
+        deadline = time.monotonic() + 20
+        while not held[1]() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # getUpdates goes on meanwhile
+        answer = await super()._handle(request)
+        self.upgrade(held[0], RACING_SUPER)
+        return answer
 
     def _dispatch(self, method: str, p: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
@@ -103,7 +127,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory, tg: UpgradingTelegram) -> Iter
     write_config(home, {"telegram": {"main": settings}}, ["telegram"])
     created = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask")
     assert created.code == 0, created.err
-    for chat, agent in ((GROUP, "assistant"), (ASKING, "careful")):
+    for chat, agent in ((GROUP, "assistant"), (ASKING, "careful"), (RACING, "careful")):
         routed = run_cli(home, "channels", "route", "add", f"telegram:main:{chat}", agent)
         assert routed.code == 0, routed.err
     with channel_server(home, "--channels", "telegram", env=cli_env(home, TG_TOKEN=tg.token)) as server:
@@ -172,6 +196,34 @@ def test_a_waiting_approval_prompt_is_answered_from_the_supergroup(srv: ChannelS
     ours = {m.message_id for m in tg.messages(ASKING_SUPER)}
     edited = {int(c.params["message_id"]) for c in tg.calls("editMessageText", chat_id=ASKING_SUPER)}
     assert edited <= ours, (edited, ours)
+
+
+def test_a_prompt_posted_while_the_group_is_upgraded_keeps_its_message_in_the_old_chat(
+    srv: ChannelServer, tg: UpgradingTelegram
+) -> None:
+    ann = tg.user(ANN, "Ann", "ann")
+    moved = f"chat {RACING} is now {RACING_SUPER}"
+    told: list[int] = []
+
+    def learned_the_upgrade() -> bool:
+        if not told:  # Telegram tells while the post is in flight
+            told.append(tg.service_messages(RACING, RACING_SUPER, ann))
+        return moved in srv.log()
+
+    tg.hold_prompt = (RACING, learned_the_upgrade)
+    tg.inject(RACING, "/call clock {}", kind="group", sender=ann)
+    prompt: BotMessage = tg.wait_for(
+        lambda: next((m for m in tg.messages(RACING) if m.reply_markup), None), timeout=25, what="the prompt"
+    )
+    assert learned_the_upgrade(), "the gateway never heard of the upgrade while the prompt was posted"
+    found = re.search(r"/approve (\w+)", prompt.text)
+    assert found, prompt.text
+    tg.inject(RACING_SUPER, f"/approve {found.group(1)}", kind="supergroup", sender=ann)
+    tg.wait_for_text(RACING_SUPER, lambda t: t.startswith("clock -> "), timeout=30)
+    edits = tg.wait_for(lambda: tg.calls("editMessageText", chat_id=RACING) or None, 20, "the prompt's decided edit")
+    assert [int(c.params["message_id"]) for c in edits] == [prompt.message_id]
+    elsewhere = [c.params for c in tg.calls("editMessageText", chat_id=RACING_SUPER)]
+    assert not elsewhere, f"the prompt's edit went to the supergroup: {elsewhere}"
 
 
 def test_moving_a_chat_in_gateway_db_keeps_threads_and_the_new_ids_own_keys(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 OPEN_TIMEOUT_S = 10.0  # for the connection and then for the server's welcome (each)
 CANCEL_WAIT_S = 3.0  # how long a Ctrl-C waits for the server to confirm the cancel before leaving
+ACK_WAIT_S = 30.0  # how long a submit waits for the server to confirm the input (or --timeout, if shorter)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WORK_STOP_WAIT_S = 5.0  # how long a stop signal waits for the cancelled work to end (then leaves anyway)
 WORK_STOP_POLL_S = 0.05  # how often it cancels the work again meanwhile
@@ -56,6 +57,15 @@ class Interrupted(Exception):
     def __init__(self, signum: int, what: str) -> None:
         super().__init__(what)
         self.signum, self.what = signum, what
+
+
+class InputNotConfirmed(Exception):
+    """The server never confirmed the submitted input (no ack within `waited` seconds): it may
+    have taken it and started a turn, or not."""
+
+    def __init__(self, waited: float) -> None:
+        super().__init__(f"no ack within {waited:g} s")
+        self.waited = waited
 
 
 class TurnNotSettled(Exception):
@@ -738,8 +748,13 @@ def run_remote(
             "source": {"client": "cli"},
             "idempotency_key": idempotency_key or f"run-{uuid.uuid4().hex}",
         }
-        submitting.append(asyncio.ensure_future(client.submit(agent, text, conversation, **extra)))
-        ack = await asyncio.shield(submitting[-1])
+        frame = {"type": "submit_input", "agent": agent, "conversation": conversation, "input": text, **extra}
+        ack_wait = min(ACK_WAIT_S, timeout)  # --timeout bounds the wait for the ack too
+        submitting.append(asyncio.ensure_future(client.request(frame, timeout=ack_wait)))
+        try:
+            ack = await asyncio.shield(submitting[-1])
+        except TimeoutError:
+            raise InputNotConfirmed(ack_wait) from None
         running.append((ack["conversation_id"], ack["turn_id"]))
         await tell_waiting(client, ack)
         snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
@@ -804,6 +819,8 @@ def call_server(
 
     try:
         return asyncio.run(go())
+    except InputNotConfirmed as exc:
+        fail(f"the server did not confirm the input within {exc.waited:g} s, so {MAY_HAVE_STARTED}", 1)
     except TimeoutError:
         fail(f"the turn did not settle within {timeout:g} s", 1)
     except ProtocolError as exc:

@@ -34,15 +34,28 @@ def shown_url(url: str) -> str:
     takes (`https://alice:pw@[::1`, a password holding `/`), which is echoed in the error that
     says so."""
 
-    def user(m: re.Match[str]) -> str:
-        start = m.group(1) or ""
-        name, colon, _ = m.group(2).partition(":")
-        return f"{start}{name}:***@" if colon else f"{start}***@"
+    found = _USERINFO.search(url)
+    if found is None:
+        head, mark, query, hashmark, fragment = _query_and_fragment(url)
+        return f"{head}{mark}{_masked_values(query)}{hashmark}{_masked_values(fragment)}"
+    start = found.group(1) or ""
+    name, colon, _ = found.group(2).partition(":")
+    user = f"{start}{name}:***@" if colon else f"{start}***@"
+    after = url[found.end() :]
+    if any(c in found.group(2) for c in "?#"):
+        # The @ may be in a query or a fragment (`/ws?key=ab@cd…`): what follows it is then part of a
+        # value, masked as one (for a password holding a ? or a #, the host goes masked too).
+        rest, hashmark, fragment = after.partition("#")
+        return f"{user}{_masked_values(rest)}{hashmark}{_masked_values(fragment)}"
+    head, mark, query, hashmark, fragment = _query_and_fragment(after)
+    return f"{user}{head}{mark}{_masked_values(query)}{hashmark}{_masked_values(fragment)}"
 
-    shown = _USERINFO.sub(user, url, count=1)
-    rest, hashmark, fragment = shown.partition("#")
+
+def _query_and_fragment(url: str) -> tuple[str, str, str, str, str]:
+    """`url` as (before the query, "?", query, "#", fragment), the marks empty where absent."""
+    rest, hashmark, fragment = url.partition("#")
     head, mark, query = rest.partition("?")
-    return f"{head}{mark}{_masked_values(query)}{hashmark}{_masked_values(fragment)}"
+    return head, mark, query, hashmark, fragment
 
 
 def _masked_values(params: str) -> str:
@@ -52,12 +65,13 @@ def _masked_values(params: str) -> str:
 
 def ws_url(base: str) -> str:
     """The `/ws` URL of a server given by its base URL (http(s) or ws(s), with or without `/ws`)."""
+    base, mark, query = base.partition("?")  # `/ws` goes on the path, before a query
     base = base.rstrip("/")
     if base.startswith("https://"):
         base = "wss://" + base[len("https://") :]
     elif base.startswith("http://"):
         base = "ws://" + base[len("http://") :]
-    return base if base.endswith("/ws") else base + "/ws"
+    return (base if base.endswith("/ws") else base + "/ws") + mark + query
 
 
 def check_url(base: str) -> str:

@@ -226,11 +226,14 @@ def fences_on_own_lines(text: str) -> str:
       at least as long (```` ```x``` ````: inline, it stays); one left unpaired opens a code block
       only when a later line closes it, else it is literal backticks and stays (a lone `` ``````
       `` was made a fence the split then closed: an empty code block in place of the text);
-    - inside a backtick fence, the first run at least as long as its opener closes it, in mid-line
-      too; shorter runs, and anything inside a tilde fence, are code;
-    - a piece that would read as a fence on a line of its own when it is none (prose after a closer
-      that starts with `~~~`, or with backticks nothing closes) keeps its line whole: that closer
-      is code, and an opener after such prose literal.
+    - inside a backtick fence, a run at least as long as its opener closes it in mid-line only at
+      the end of its line (`print(x)```` → `print(x)` and ```` ``` ````): one with more after it
+      (`FENCE = "```"`, `echo "```" >> README.md`) is code, as are shorter runs and anything inside
+      a tilde fence. Taking the first such run for a closer ended the block there, and the code
+      after it was shown as prose and the prose after the real closer as code;
+    - an opener after prose that would read as a fence on a line of its own when it is none
+      (```` ```` a ```py ```` when nothing closes the ```` ```` ````) keeps its line whole: that
+      opener is literal.
     """
     lines = text.split("\n")
     closers = _Closers(lines)
@@ -258,7 +261,7 @@ class _Closers:
     def __init__(self, lines: list[str]) -> None:
         self.last: list[int] = []  # by length: the last line that closes a fence that long, or -1
         for k in range(len(lines) - 1, -1, -1):
-            for low, high in self._closes(lines[k], k):
+            for low, high in self._closes(lines[k]):
                 if high >= len(self.last):
                     self.last += [-1] * (high + 1 - len(self.last))
                 for n in range(low, high + 1):
@@ -269,39 +272,25 @@ class _Closers:
         """Whether a line after line `k` closes a backtick fence of `n`."""
         return n < len(self.last) and self.last[n] > k
 
-    def _closes(self, line: str, k: int) -> list[tuple[int, int]]:
+    @staticmethod
+    def _closes(line: str) -> list[tuple[int, int]]:
         """The lengths of the backtick fences `line` closes, as ranges (what `_line_pieces` does)."""
         m = _FENCE.match(line)
         if m:
             return [(3, len(m.group(1)))] if m.group(1)[0] == "`" and not m.group(2).strip() else []
-        if "```" not in line:
-            return []
-        runs = list(_TICKS.finditer(line))
-        out, low = [], 3
-        for q, run in enumerate(runs):  # a fence from `low` to this run's length closes at it
-            if run.end() - run.start() >= low:
-                if not _tail_is_a_fence(line, runs, q, k, self):
-                    out.append((low, run.end() - run.start()))
-                low = run.end() - run.start() + 1
-        return out
+        run = _closing_run(line)
+        return [(3, run.end() - run.start())] if run else []
 
 
-def _tail_is_a_fence(line: str, runs: list[re.Match[str]], q: int, k: int, closers: _Closers) -> bool:
-    """Whether the text after the closing run `runs[q]` (of line `k`) would read as a fence on a line
-    of its own when it is none: it starts (after up to three spaces) with `~~~`, or with the line's
-    last run of backticks and nothing closes that."""
-    at = runs[q].end()
-    spaces = 0
-    while at + spaces < len(line) and spaces < 4 and line[at + spaces] == " ":
-        spaces += 1
-    if spaces > 3:
-        return False
-    start = at + spaces
-    if line.startswith("~~~", start):
-        return True
-    if q + 1 < len(runs) and runs[q + 1].start() == start and line.find("`", runs[q + 1].end()) < 0:
-        return not closers.after(runs[q + 1].end() - start, k)
-    return False
+def _closing_run(line: str) -> re.Match[str] | None:
+    """The run of 3 or more backticks that ends `line` (only whitespace after it): the one run in
+    mid-line that can close a backtick fence (`print(x)````). A run with more after it on its line
+    (`FENCE = "```"`) is code the agent quotes, not the end of its block."""
+    end = len(line.rstrip())
+    start = end
+    while start > 0 and line[start - 1] == "`":
+        start -= 1
+    return _TICKS.match(line, start, end)
 
 
 def _line_pieces(line: str, fence: str | None, k: int, closers: _Closers) -> tuple[list[str], str | None]:
@@ -316,10 +305,8 @@ def _line_pieces(line: str, fence: str | None, k: int, closers: _Closers) -> tup
     q = 0
     while q < len(runs):
         run = runs[q].group(0)
-        if fence is not None:  # inside: the first run at least as long closes the fence
-            if len(run) >= len(fence):
-                if _tail_is_a_fence(line, runs, q, k, closers):
-                    return [line], fence  # (only when all of the line is code)
+        if fence is not None:  # inside: a run at least as long closes the fence at the line's end only
+            if len(run) >= len(fence) and not line[runs[q].end() :].strip():
                 pieces += [line[start : runs[q].start()], run]
                 fence, start = None, runs[q].end()
             q += 1

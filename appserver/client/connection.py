@@ -13,12 +13,13 @@ Reconnect (`reconnect=True`): when the server stops (1012) or dies (1006), a sta
 (docs/protocol.md), so the client retries with capped backoff for at most `reconnect_s` seconds,
 asking `url_source()` each time where the server now is (the CLI re-reads server.json: a standby may
 listen elsewhere). Then it says hello, re-subscribes to its conversations and resumes the turns it
-was following: the active turn's snapshot is replayed as `turn_updated`; a followed turn that ended
-meanwhile (e.g. settled as interrupted by the standby) gets a terminal snapshot rebuilt from the
-committed history (`resume.py`), and one the history does not settle (still queued, or withdrawn
-from the queue, which leaves no message) is asked for by id (`get_turn`): its current snapshot, or
-the `lost` one when the server has no record of it; so is each followed turn of a conversation the
-server will not subscribe it to again (deleted meanwhile): its outcome, else `lost` saying why. A
+was following: the active turn's snapshot is replayed as `turn_updated`; every other followed turn
+(still queued, ended meanwhile, e.g. settled as interrupted by the standby, or withdrawn from the
+queue) is asked for by id (`get_turn`): its current snapshot, for an ended one the server's own
+outcome. Only a turn `get_turn` does not answer for (no record of it, or a server without
+`get_turn`) gets a terminal snapshot rebuilt from the committed history (`resume.py`), else the
+`lost` one; so is each followed turn of a conversation the server will not subscribe it to again
+(deleted meanwhile) asked for: its outcome, else `lost` saying why. A
 `store_unavailable`, `server_unavailable` or `outcome_unknown` answer is no refusal: the reconnect is
 tried again. So a caller waiting for an outcome always gets a truthful one. (A server without
 `get_turn` leaves a turn unsettled while inputs are queued, as before: they may hold it.)
@@ -31,9 +32,12 @@ when the input is sent again with its idempotency key, would be two). A frame ne
 64 levels, like one that is no JSON, is ignored.
 Callers see two local frames, `{"type": "event", "name": "connection_lost" | "reconnected",
 "local": true, …}` (clients ignore event names they do not know). Requests in flight are re-sent
-when that is safe and fail with `Closed` otherwise. Without a server after `reconnect_s`, `frames()`
-ends and requests raise `Closed` with the reason; a server that refuses the credential (401/403 at
-the upgrade) ends it at once, since retrying cannot help.
+when that is safe (`resendable`: a `cancel` only when it names its turn) and fail with `Closed`
+`connection_lost` otherwise. A re-sent `approval_response` whose first send was applied reports
+the caller's own answer as accepted, marked `resent` (`own_answers`), not as `already_resolved`.
+Without a server after `reconnect_s`, `frames()` ends and requests raise `Closed` with the reason;
+a server that refuses the credential (401/403 at the upgrade) ends it at once, since retrying
+cannot help.
 
 Opening: a network failure is `OSError`; a bad URL or an upgrade the server refuses with an HTTP
 status is `ConnectError` (a `ProtocolError`), in one line (`the server at … refused the token (401
@@ -130,10 +134,43 @@ def _closed(exc: ConnectionClosed) -> str:
 
 
 def resendable(frame: dict[str, Any]) -> bool:
-    """Whether sending `frame` twice does no harm (an input only with a key on a known conversation)."""
-    if frame.get("type") == "submit_input":
+    """Whether sending `frame` twice does no harm (an input only with a key on a known conversation).
+    A `cancel` only when it names its turn: one without `turn_id` that was applied before the
+    connection dropped would, sent again, stop the next turn (another client's input, say); it
+    fails with `Closed` `connection_lost` ("may or may not have been applied") as other frames do."""
+    kind = frame.get("type")
+    if kind == "submit_input":
         return bool(frame.get("idempotency_key")) and frame.get("conversation") not in (None, "new")
-    return frame.get("type") in RESENDABLE
+    if kind == "cancel":
+        return bool(frame.get("turn_id"))
+    return kind in RESENDABLE
+
+
+# The status a call settled by each decision of an `approval_response` has (docs/protocol.md).
+DECISION_STATUS = {"approve": "approved", "deny": "denied"}
+
+
+def own_answers(sent: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply to an `approval_response` the client sent again after a reconnect, each call
+    found `already_resolved` with the very status this frame's decision gives reported as
+    accepted (`accepted: true`, `resent: true`, no `error`): the first send was applied before the
+    connection dropped, and the caller's own answer is no loss. (Another client's identical answer
+    first cannot be told apart; either way the call is settled as the caller said.) A different
+    status stays `already_resolved`: somebody else answered first."""
+    if sent.get("type") != "approval_response" or not isinstance(reply.get("results"), list):
+        return reply
+    decisions = {d.get("call_id"): d.get("decision") for d in sent.get("decisions") or [] if isinstance(d, dict)}
+    results: list[Any] = []
+    for r in reply["results"]:
+        if (
+            isinstance(r, dict)
+            and r.get("error") == "already_resolved"
+            and r.get("status") is not None
+            and r.get("status") == DECISION_STATUS.get(str(decisions.get(r.get("call_id"))))
+        ):
+            r = {"call_id": r.get("call_id"), "accepted": True, "status": r["status"], "resent": True}
+        results.append(r)
+    return {**reply, "results": results}
 
 
 class _Connection(ClientConnection):
@@ -192,6 +229,7 @@ class _Pending:
     frame: dict[str, Any]
     future: asyncio.Future[dict[str, Any]]
     sent: bool = False
+    resent: bool = False  # sent again after a reconnect: its first send may have been applied
 
 
 def server_frame(raw: str | bytes) -> dict[str, Any] | None:
@@ -557,6 +595,7 @@ class ProtocolClient:
                                     p.future.set_exception(exc)
                                 continue
                             await ws.send(text)
+                            p.resent = True
                 except ConnectionClosed:
                     pass  # dropped again at once: the reader sees it and starts over
                 self._connected.set()
@@ -603,33 +642,47 @@ class ProtocolClient:
                 for t, f in self._turns.items()
                 if f.conversation_id == conv_id and (not active or active.get("turn_id") != t)
             ]
-            if not missing:
-                continue
-            messages = await self._history_with(ws, conv_id, set(missing), out)
-            agent_id = (state.get("conversation") or {}).get("agent_id") or self._subscribed.get(conv_id) or ""
-            for turn_id in missing:
-                followed = self._turns[turn_id]
-                revision = followed.revision + 1
-                snap: Mapping[str, Any] | None = settled_from_history(turn_id, conv_id, agent_id, messages, revision)
-                if snap is None:
-                    try:
-                        snap = await self._turn_now(ws, conv_id, turn_id, out)
-                    except ProtocolError as exc:
-                        if exc.code != "turn_not_found":
-                            raise  # (the store, the cluster: this reconnect is tried again)
-                        snap = lost_snapshot(turn_id, conv_id, agent_id, revision)
-                if snap is None and (state.get("queued") or 0) > 0:
-                    # a server without `get_turn`: still queued, its snapshots follow on this subscription
-                    continue
-                if snap is None:
-                    snap = lost_snapshot(turn_id, conv_id, agent_id, revision)
-                elif snap.get("status") in TERMINAL and _revision(snap) < revision:
-                    # the outcome is news whatever its number: never dropped as an old view (`_saw`)
-                    snap = {**snap, "revision": revision}
-                out.append({"type": "turn_updated", "snapshot": snap})
+            if missing:
+                await self._resume_missing(ws, conv_id, state, missing, out)
         for conv_id in refused:
             self._forget(conv_id)
         return welcome
+
+    async def _resume_missing(
+        self, ws: Any, conv_id: str, state: dict[str, Any], missing: list[str], out: list[dict[str, Any]]
+    ) -> None:
+        """The snapshot of each followed turn of `conv_id` that is not its active one. The server's
+        own (`get_turn`) first: an ended turn's snapshot is its outcome (docs/protocol.md
+        "Reconnect"), status, stop reason and error as they are (a cancelled turn, a retryable
+        429, a `max_tokens` stop), which the history cannot tell. Only a turn `get_turn` does not
+        answer for (a server without it, or with no record: `turn_not_found`) is rebuilt from the
+        committed history; with none there either it is `lost`, or followed on when the server
+        without `get_turn` still holds queued inputs (they may hold it)."""
+        now: dict[str, Mapping[str, Any] | None] = {}
+        unknown: set[str] = set()  # turns the server has no record of
+        for turn_id in missing:
+            try:
+                now[turn_id] = await self._turn_now(ws, conv_id, turn_id, out)
+            except ProtocolError as exc:
+                if exc.code != "turn_not_found":
+                    raise  # (the store, the cluster: this reconnect is tried again)
+                now[turn_id] = None
+                unknown.add(turn_id)
+        guess = {t for t, snap in now.items() if snap is None}
+        messages = await self._history_with(ws, conv_id, guess, out) if guess else []
+        agent_id = (state.get("conversation") or {}).get("agent_id") or self._subscribed.get(conv_id) or ""
+        for turn_id in missing:
+            revision = self._turns[turn_id].revision + 1
+            snap = now[turn_id] or settled_from_history(turn_id, conv_id, agent_id, messages, revision)
+            if snap is None and turn_id not in unknown and (state.get("queued") or 0) > 0:
+                # a server without `get_turn`: still queued, its snapshots follow on this subscription
+                continue
+            if snap is None:
+                snap = lost_snapshot(turn_id, conv_id, agent_id, revision)
+            elif snap.get("status") in TERMINAL and _revision(snap) < revision:
+                # the outcome is news whatever its number: never dropped as an old view (`_saw`)
+                snap = {**snap, "revision": revision}
+            out.append({"type": "turn_updated", "snapshot": snap})
 
     async def _settle_unfollowable(
         self, ws: Any, conv_id: str, refusal: ProtocolError, out: list[dict[str, Any]]
@@ -664,10 +717,10 @@ class ProtocolClient:
         )
 
     async def _turn_now(self, ws: Any, conv_id: str, turn_id: str, out: list[dict[str, Any]]) -> dict[str, Any] | None:
-        """A followed turn the history does not settle, as the server knows it now (`get_turn`): its
-        current snapshot (queued or running: followed on; ended: its outcome, also that of a turn
-        withdrawn from the queue, which left no message). None from a server without `get_turn`
-        (the caller guesses as before it); `ProtocolError` `turn_not_found`: no record of it."""
+        """A followed turn as the server knows it now (`get_turn`): its current snapshot (queued or
+        running: followed on; ended: its outcome, also that of a turn withdrawn from the queue,
+        which left no message). None from a server without `get_turn` (the caller guesses from the
+        history, as before it); `ProtocolError` `turn_not_found`: no record of it."""
         try:
             reply = await self._call(ws, {"type": "get_turn", "conversation": conv_id, "turn_id": turn_id}, out)
         except ProtocolError as exc:
@@ -840,7 +893,10 @@ class ProtocolClient:
         await self._send_raw(dict(frame))
 
     async def request(self, frame: ClientFrame | dict[str, Any], *, timeout: float | None = 30.0) -> dict[str, Any]:
-        """Send a frame and wait for its reply (matched by request_id); `error` raises ProtocolError."""
+        """Send a frame and wait for its reply (matched by request_id); `error` raises ProtocolError.
+        A frame in flight when the connection drops is sent again only when that is safe
+        (`resendable`), else fails with `Closed` `connection_lost`; an `approval_response` sent
+        again reports each call its first send settled as accepted, marked `resent` (`own_answers`)."""
         rid = str(frame.get("request_id") or f"r{next(self._ids)}")
         sent: dict[str, Any] = {**frame, "request_id": rid}
         if self._gone:
@@ -861,7 +917,7 @@ class ProtocolClient:
             self._pending.pop(rid, None)
         if reply.get("type") == "error":
             raise ProtocolError(reply.get("code", "error"), reply.get("message", ""), reply.get("param"))
-        return reply
+        return own_answers(sent, reply) if pending.resent else reply
 
     # ------------------------------------------------------------ receiving
 

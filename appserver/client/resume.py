@@ -1,8 +1,10 @@
 """Outcomes of turns that ended while the client was disconnected, rebuilt from stored history.
 
 After a reconnect a followed turn may no longer be active (a standby settled it as interrupted, or
-it finished meanwhile). A caller waiting for its outcome must still get a truthful terminal
-snapshot, so the client rebuilds one from the committed messages and claims only what they show.
+it finished meanwhile). Its outcome is what the server answers to `get_turn`; when the server
+cannot answer (no record of the turn, or a server without `get_turn`), a caller waiting for it must
+still get a truthful terminal snapshot, so the client rebuilds one from the committed messages and
+claims only what they show.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ httpx's default transport (httpcore + h11 + anyio) costs about 0.85 ms of CPU pe
 call — more than the rest of a request's path through the server. This transport keeps httpx's
 client layer (headers, cookies, content decoding, exceptions, proxies) and replaces only the wire:
 one write per request, C parsing, idle connections reused. URLs that env proxies cover still go
-through httpx's own proxy transports (they are mounted ahead of this one). Without httptools,
-`lean_transport()` returns None and httpx's default transport is used.
+through httpx's own proxy transports (`env_proxy_mounts`, mounted ahead of this one). Without
+httptools, `lean_transport()` returns None and httpx's default transport is used.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+from httpx._utils import get_environment_proxies
 
 try:
     import httptools
@@ -570,6 +571,18 @@ class _LeanPost:
     ) -> None:
         if self.response is not None:
             await self.response.aclose()
+
+
+def env_proxy_mounts(limits: httpx.Limits) -> dict[str, httpx.AsyncBaseTransport | None]:
+    """The mounts httpx makes for the environment's proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY; a
+    NO_PROXY host as None, which routes to the client's own transport), read by httpx's own helper.
+    httpx reads them only for a client given no transport (`allow_env_proxies = trust_env and
+    transport is None`), so a client on the lean transport is given them. Each proxy transport is
+    httpx's, with its default TLS verification (certifi, or SSL_CERT_FILE / SSL_CERT_DIR)."""
+    return {
+        pattern: None if proxy is None else httpx.AsyncHTTPTransport(proxy=proxy, limits=limits)
+        for pattern, proxy in get_environment_proxies().items()
+    }
 
 
 def lean_transport(max_connections: int = 1000) -> LeanTransport | None:

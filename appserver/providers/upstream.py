@@ -24,6 +24,7 @@ from appserver.providers.fasttransport import (
     LeanClient,
     LeanResponse,
     ResponseHeadTooLarge,
+    env_proxy_mounts,
     lean_transport,
     raw_headers,
 )
@@ -517,13 +518,20 @@ def transport_error(exc: Exception) -> ProviderError:
 
 def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
     """One pooled keep-alive client per provider, on the lean transport (providers/fasttransport.py)
-    unless the provider's config asks for httpx's own (`transport = "httpx"`)."""
+    unless the provider's config asks for httpx's own (`transport = "httpx"`). Either way the
+    environment's proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY) apply as httpx reads them,
+    when the client is made."""
     # At most `max_connections` calls in flight (httpx's default was 100: the 101st concurrent
     # stream waited for a whole generation); the others wait for a slot up to the read timeout.
     limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections)
     if cfg.transport == "httpx":
         return httpx.AsyncClient(timeout=request_timeout(cfg), limits=limits)
-    return LeanClient(timeout=request_timeout(cfg), limits=limits, transport=lean_transport(cfg.max_connections))
+    lean = lean_transport(cfg.max_connections)
+    if lean is None:  # httpx's default transport: httpx mounts the env proxies itself
+        return LeanClient(timeout=request_timeout(cfg), limits=limits)
+    # A URL an env proxy covers goes through httpx's proxy transport; the others (NO_PROXY's hosts
+    # among them) through the lean one. Which it is, is settled once per URL (`LeanClient._route`).
+    return LeanClient(timeout=request_timeout(cfg), limits=limits, transport=lean, mounts=env_proxy_mounts(limits))
 
 
 def request_timeout(cfg: ProviderConfig) -> httpx.Timeout:

@@ -17,8 +17,10 @@ whose last message is newer than the newest one recorded: first written to durin
 Live messages of a channel being caught up (from READY on: discord.py hands messages over before
 `on_ready`) wait until its catch-up has handed the older ones over, at most `CATCH_UP_WAIT_S`, so the
 channel keeps Discord's order; a channel with a live message waiting is caught up next, and other
-channels are not held up. A message both fetched and live (or replayed) is handed over once. The
-bot's own messages are skipped; other bots'
+channels are not held up. A channel whose fetch fails (a 5xx, a 429 longer than discord.py waits) is
+fetched again after a bounded backoff, and its saved position stays before what is not fetched yet
+(`gap`) whatever is recorded meanwhile. A message both fetched and live (or replayed) is handed over
+once. The bot's own messages are skipped; other bots'
 are handed over marked `sender_is_bot` (the gateway never lets them through). A mention of the bot's
 managed role (`<@&role>`, `tags.bot_id` the bot) is a mention of the bot. System notices
 (message types other than a default message and a reply: a rename, a pin, a thread started) are
@@ -97,6 +99,13 @@ CATCH_UP_LIMIT = 500  # per channel and reconnect
 # A live message of a channel whose catch-up is pending waits at most this long (from the channel's
 # first waiting message) for the catch-up to hand the older messages over, then goes ahead.
 CATCH_UP_WAIT_S = 30.0
+# A channel whose catch-up fetch failed (a 5xx through discord.py's retries, a 429 longer than it
+# waits) is fetched again after this, doubling up to the most (or after Discord's `retry_after`).
+CATCH_UP_RETRY_S = 2.0
+CATCH_UP_RETRY_MAX_S = 60.0
+# A channel discord.py does not know (a thread it never saw created) whose lookup failed is asked
+# again after these pauses, all within `FETCH_TIMEOUT_S` of the first try.
+LOOKUP_RETRY_S = (0.5, 1.5)
 HANDED_KEPT = 4096  # ids of messages recently handed over, so a message fetched and also live goes once
 NONCE_LENGTH = 25  # Discord's limit for a string nonce
 NONCE_WINDOW_S = 120.0  # Discord enforces a nonce "for a few minutes": taken as two
@@ -118,6 +127,10 @@ GUILD_READY_TIMEOUT_ENV = "APPSERVER_DISCORD_GUILD_READY_TIMEOUT_S"
 # not through at `PRESS_ACK_S` (a slow ledger) is acknowledged anyway, so Discord does not fail it.
 PRESS_WAIT_S = 2.0
 PRESS_ACK_S = 2.5
+# Past Discord's window an acknowledgement is useless: one still failing or rate limited then is
+# given up (at least `PRESS_ACK_MIN_S` after it began), so the press's effect does not wait on it.
+PRESS_WINDOW_S = 3.0
+PRESS_ACK_MIN_S = 0.5
 PRESS_NOT_RECORDED = "⚠️ Your press could not be recorded. Please press the button again."
 
 
@@ -198,7 +211,7 @@ class _Gate:
     """A channel whose catch-up has not handed its messages over yet, and the live messages of the
     channel waiting for that (each a future of its ticket, in arrival order)."""
 
-    __slots__ = ("entry", "again", "waiters", "running", "opened", "timer")
+    __slots__ = ("entry", "again", "waiters", "running", "opened", "timer", "failures", "retry")
 
     def __init__(self, entry: dict[str, Any] | None) -> None:
         self.entry = entry  # where the catch-up starts; None: not known yet whether it is caught up
@@ -207,6 +220,8 @@ class _Gate:
         self.running = False  # being fetched now
         self.opened = False  # its live messages no longer wait (caught up, or waited long enough)
         self.timer: asyncio.TimerHandle | None = None
+        self.failures = 0  # fetches of it that failed in a row
+        self.retry: asyncio.TimerHandle | None = None  # a failed fetch, tried again when this fires
 
 
 class DiscordAdapter:
@@ -258,6 +273,7 @@ class DiscordAdapter:
         self._gates: dict[int, _Gate] = {}
         self._urgent: dict[int, None] = {}  # gated channels with a live message waiting: caught up first
         self._planning = False
+        self._unplaced: set[int] = set()  # channels whose lookup failed: their place is a guess
         self._handed: dict[int, None] = {}  # the last `HANDED_KEPT` message ids handed over, oldest first
         self.bot_user_id: int | None = None
         # Per-channel arrival order; a later message waits for an earlier one's attachments at most
@@ -375,6 +391,8 @@ class DiscordAdapter:
         gates, self._gates = self._gates, {}
         self._urgent.clear()
         for channel_id, gate in gates.items():  # nothing waits on for a catch-up that will not come
+            if gate.retry is not None:
+                gate.retry.cancel()
             self._open_gate(channel_id, gate)
         await self._flush_seen()
 
@@ -441,7 +459,7 @@ class DiscordAdapter:
         message waiting first."""
         if only_held:
             for key, entry in list(self._seen.items()):
-                if entry.get("failed"):
+                if entry.get("failed") or entry.get("gap"):
                     self._plan(int(key), entry)
         else:
             for key, entry in list(self._seen.items()):  # also when READY's hook did not run
@@ -571,7 +589,8 @@ class DiscordAdapter:
         if isinstance(channel, discord.Thread):
             return str(channel.parent_id), str(channel.id), "group"
         if isinstance(channel, discord.PartialMessageable):
-            return _where_of(self._seen.get(str(channel.id))) or await self._place(channel.id)
+            saved = None if channel.id in self._unplaced else _where_of(self._seen.get(str(channel.id)))
+            return saved or await self._place(channel.id)
         guild_id = message.guild.id if message.guild else getattr(channel, "guild_id", None)
         if guild_id is None:
             return str(channel.id), None, "dm"
@@ -781,6 +800,11 @@ class DiscordAdapter:
                 out[key] |= {"chat": where[0], "thread": where[1], "chat_type": where[2]}
             if failed:
                 out[key]["failed"] = failed
+            gap = entry.get("gap")
+            if isinstance(gap, str) and _snowflake(gap):
+                out[key]["gap"] = gap
+            elif gap is not None:
+                dropped += 1
         if dropped or unplaced:
             problems = [
                 f"{dropped} channel(s) or message id(s) that are not Discord ids" if dropped else "",
@@ -859,9 +883,18 @@ class DiscordAdapter:
 
     def _note_seen(self, channel_id: int, message_id: int, msg: InboundMessage, *, recorded: bool = True) -> None:
         """Remember where the catch-up of a channel starts: after the newest recorded message, but
-        never past a message that could not be recorded (kept in `failed` until it is)."""
+        never past a message that could not be recorded (kept in `failed` until it is), nor past
+        messages its pending catch-up has not fetched yet (`gap`, its start, kept until it has: a
+        live message recorded meanwhile moved `last` past them, and a restart then never fetched
+        them). A place only guessed (its lookup failed) is not saved as the channel's."""
         key = str(channel_id)
         old = self._seen.get(key) or {"last": "0"}
+        place = {"chat": msg.chat, "thread": msg.thread, "chat_type": msg.chat_type}
+        if channel_id in self._unplaced:
+            known = _where_of(old)
+            if known is None:
+                return  # nothing to save it under yet: looked up again with its next message
+            place = dict(zip(("chat", "thread", "chat_type"), known, strict=True))
         failed = {n for n in map(_snowflake_int, old.get("failed") or []) if n is not None}
         last = _snowflake_int(old.get("last")) or 0
         if recorded:
@@ -869,48 +902,106 @@ class DiscordAdapter:
             last = max(last, message_id)
         else:
             failed.add(message_id)
-        entry: dict[str, Any] = {"last": str(last), "chat": msg.chat, "thread": msg.thread, "chat_type": msg.chat_type}
+        entry: dict[str, Any] = {"last": str(last), **place}
         if failed:
             entry["failed"] = [str(i) for i in sorted(failed)]
+        gap = self._pending_gap(channel_id, old)
+        if gap is not None:
+            entry["gap"] = str(gap)
         if entry == old:
             return
         self._seen[key] = entry
         self._seen_changed()
 
+    def _pending_gap(self, channel_id: int, old: dict[str, Any]) -> int | None:
+        """Where the channel's messages not fetched yet begin: a gap saved before, or the start of
+        its catch-up while one is planned (failed, or not run yet); None when there is none."""
+        saved = _snowflake_int(old.get("gap"))
+        gate = self._gates.get(channel_id)
+        planned = _catch_up_start(gate.entry) if gate is not None and gate.entry is not None else None
+        starts = [n for n in (saved, planned) if n is not None]
+        return min(starts) if starts else None
+
     async def _catch_up_all(self) -> None:
         """Catch the planned channels up one after the other, a channel with a live message waiting
-        first; each channel's gate opens once its messages are handed over (or its fetch failed)."""
+        first; each channel's gate opens once its messages are handed over. A channel whose fetch
+        failed keeps its gate (its live messages wait at most `CATCH_UP_WAIT_S` in all) and is
+        fetched again later (`_retry_later`): the others are not held up by it meanwhile."""
         while (channel_id := self._next_to_catch_up()) is not None:
             gate = self._gates[channel_id]
+            assert gate.entry is not None
+            start = _catch_up_start(gate.entry)
             gate.running = True
             try:
-                assert gate.entry is not None
                 await self._catch_up_channel(channel_id, gate.entry)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - one channel that cannot be read does not stop the rest
+            except (discord.Forbidden, discord.NotFound) as exc:  # for good: trying again changes nothing
                 self._log.warning("%s: catch-up of channel %s failed: %s", self._where, channel_id, exc)
+                gate.again = None
+            except Exception as exc:  # noqa: BLE001 - one channel that cannot be read does not stop the rest
+                gate.again = None  # its entry, the older one, still starts before whatever came since
+                self._retry_later(channel_id, gate, exc)
+                continue
             finally:
                 gate.running = False
-                if gate.again is not None and self._gates.get(channel_id) is gate:
-                    # a new session came meanwhile: what was written before it is fetched too, and
-                    # the channel's live messages keep waiting for that
-                    gate.entry, gate.again, gate.opened = gate.again, None, False
-                    if gate.waiters:
-                        self._urgent[channel_id] = None
-                else:
-                    if self._gates.get(channel_id) is gate:
-                        del self._gates[channel_id]
-                    self._open_gate(channel_id, gate)
+            gate.failures = 0
+            self._gap_closed(channel_id, start)
+            if gate.again is not None and self._gates.get(channel_id) is gate:
+                # a new session came meanwhile: what was written before it is fetched too, and
+                # the channel's live messages keep waiting for that
+                gate.entry, gate.again, gate.opened = gate.again, None, False
+                if gate.waiters:
+                    self._urgent[channel_id] = None
+            else:
+                if self._gates.get(channel_id) is gate:
+                    del self._gates[channel_id]
+                self._open_gate(channel_id, gate)
+
+    def _retry_later(self, channel_id: int, gate: _Gate, exc: Exception) -> None:
+        """A failed fetch: tried again after a bounded backoff (or Discord's `retry_after`). Its gate
+        stays planned, so the channel's saved position keeps the start of what is not fetched yet
+        (`_note_seen`) however many live messages are recorded meanwhile."""
+        gate.failures += 1
+        delay = min(CATCH_UP_RETRY_S * 2 ** (gate.failures - 1), CATCH_UP_RETRY_MAX_S)
+        delay = max(delay, _retry_after(exc))
+        self._log.warning(
+            "%s: catch-up of channel %s failed (%s: %s); trying again in %g s",
+            self._where,
+            channel_id,
+            type(exc).__name__,
+            exc,
+            delay,
+        )
+        gate.retry = asyncio.get_running_loop().call_later(delay, self._retry_due, channel_id, gate)
+
+    def _retry_due(self, channel_id: int, gate: _Gate) -> None:
+        gate.retry = None
+        if self._gates.get(channel_id) is not gate or self._client is None:
+            return
+        if gate.waiters:
+            self._urgent[channel_id] = None
+        if self._catch_up is None or self._catch_up.done():
+            self._catch_up = asyncio.create_task(self._catch_up_all(), name=f"discord-catchup-{self.account.name}")
+
+    def _gap_closed(self, channel_id: int, start: int) -> None:
+        """The channel is fetched from `start` on: a saved gap from there (or later) is no more."""
+        key = str(channel_id)
+        entry = self._seen.get(key)
+        gap = _snowflake_int(entry.get("gap")) if entry is not None else None
+        if entry is None or gap is None or gap < start:
+            return
+        self._seen[key] = {k: v for k, v in entry.items() if k != "gap"}
+        self._seen_changed()
 
     def _next_to_catch_up(self) -> int | None:
         while self._urgent:
             channel_id = next(iter(self._urgent))
             del self._urgent[channel_id]
             gate = self._gates.get(channel_id)
-            if gate is not None and gate.entry is not None and not gate.running:
+            if gate is not None and _due(gate):
                 return channel_id
-        return next((c for c, g in self._gates.items() if g.entry is not None and not g.running), None)
+        return next((c for c, g in self._gates.items() if _due(g)), None)
 
     def _unseen_with_news(self) -> list[tuple[str, dict[str, Any]]]:
         """Server channels and active threads never seen whose last message is newer than the newest
@@ -946,8 +1037,7 @@ class DiscordAdapter:
             entry = {**entry, **dict(zip(("chat", "thread", "chat_type"), await self._place(channel_id), strict=True))}
         channel = client.get_partial_messageable(channel_id)
         count = 0
-        failed = [n for n in map(_snowflake_int, entry.get("failed") or []) if n is not None]
-        after = discord.Object(id=min(failed) - 1 if failed else _snowflake_int(entry.get("last")) or 0)
+        after = discord.Object(id=_catch_up_start(entry))
         async for message in channel.history(limit=CATCH_UP_LIMIT, after=after, oldest_first=True):
             if self.bot_user_id is not None and message.author.id == self.bot_user_id:
                 continue
@@ -963,17 +1053,43 @@ class DiscordAdapter:
         client = self._client
         channel: Any = client.get_channel(channel_id) if client is not None else None
         if channel is None and client is not None:
-            try:
-                channel = await asyncio.wait_for(client.fetch_channel(channel_id), FETCH_TIMEOUT_S)
-            except (TimeoutError, discord.HTTPException, discord.InvalidData, OSError) as exc:
-                self._log.warning(
-                    "%s: could not look channel %s up (%s); taken as a group", self._where, channel_id, exc
-                )
+            channel = await self._look_up(client, channel_id)
         if isinstance(channel, discord.DMChannel | discord.GroupChannel):
             return str(channel_id), None, "dm"
         if isinstance(channel, discord.Thread):
             return str(channel.parent_id), str(channel_id), "group"
         return str(channel_id), None, "group"
+
+    async def _look_up(self, client: discord.Client, channel_id: int) -> Any:
+        """The channel as Discord describes it, asked again after a failure that may pass (a 5xx, a
+        429, a timeout) within `FETCH_TIMEOUT_S` in all; None when it is not known. A channel whose
+        lookup failed is noted `_unplaced`: its guessed place is neither saved nor trusted, so its
+        next message asks again (a thread taken for a chat of its own escaped its parent's route)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FETCH_TIMEOUT_S
+        pauses = iter(LOOKUP_RETRY_S)
+        while True:
+            try:
+                channel = await asyncio.wait_for(client.fetch_channel(channel_id), deadline - loop.time())
+            except (TimeoutError, discord.HTTPException, discord.InvalidData, OSError) as exc:
+                pause = next(pauses, None)
+                transient = not isinstance(exc, discord.NotFound | discord.Forbidden | discord.InvalidData)
+                again = transient and pause is not None and loop.time() + pause < deadline
+                self._log.warning(
+                    "%s: could not look channel %s up (%s: %s); %s",
+                    self._where,
+                    channel_id,
+                    type(exc).__name__,
+                    exc,
+                    f"asking again in {pause:g} s" if again else "taken as a group for now",
+                )
+                if not again:
+                    self._unplaced.add(channel_id)
+                    return None
+                await asyncio.sleep(pause or 0.0)
+                continue
+            self._unplaced.discard(channel_id)
+            return channel
 
     # ------------------------------------------------------------------ outbound
 
@@ -1123,6 +1239,31 @@ def _where_of(entry: Any) -> tuple[str, str | None, str] | None:
     return str(chat), thread, str(chat_type)
 
 
+def _catch_up_start(entry: dict[str, Any]) -> int:
+    """The id a channel's catch-up fetches after: before its oldest message not recorded, else
+    before its unfetched gap, else after its newest recorded one, whichever is earliest."""
+    failed = [n for n in map(_snowflake_int, entry.get("failed") or []) if n is not None]
+    starts = [min(failed) - 1 if failed else _snowflake_int(entry.get("last")) or 0]
+    gap = _snowflake_int(entry.get("gap"))
+    if gap is not None:
+        starts.append(gap)
+    return min(starts)
+
+
+def _due(gate: _Gate) -> bool:
+    """A planned channel that can be fetched now (not being fetched, not waiting to try again)."""
+    return gate.entry is not None and not gate.running and gate.retry is None
+
+
+def _retry_after(exc: BaseException) -> float:
+    """The wait Discord asked for with a 429 (that discord.py gave up sleeping out), else 0."""
+    if isinstance(exc, discord.RateLimited):
+        return _bounded(exc.retry_after)
+    if isinstance(exc, discord.HTTPException) and exc.status == 429 and exc.response is not None:
+        return _bounded(exc.response.headers.get("Retry-After"))
+    return 0.0
+
+
 def _message_id(value: str) -> int:
     """A message id to edit or react to; a permanent DeliveryError when it is no Discord id."""
     number = _snowflake_int(value)
@@ -1151,13 +1292,17 @@ class _PressAnswer:
     """Discord's answer to one button press: the deferred update (type 6) once the press is recorded,
     or at `PRESS_ACK_S` when the record is slower than that; sent once, whoever asks first. A press
     that could not be recorded gets, instead, a note only the presser sees (a followup when it was
-    acknowledged already): never silence while the prompt still waits."""
+    acknowledged already): never silence while the prompt still waits. The acknowledgement is given
+    up at the end of Discord's window (`PRESS_WINDOW_S` from the press): discord.py would otherwise
+    retry a 5xx or sleep out a 429 for up to 30 s, and the gateway applies the press (and the
+    channel's next messages wait) only once `defer` returns."""
 
     def __init__(self, interaction: discord.Interaction, log: Any, where: str) -> None:
         self._interaction = interaction
         self._log = log
         self._where = where
         self._deferred: asyncio.Task[bool] | None = None
+        self._window_ends = asyncio.get_running_loop().time() + PRESS_WINDOW_S
 
     async def defer(self) -> None:
         """Acknowledge the press (the gateway's `ack`): never raises, a failure is logged."""
@@ -1180,10 +1325,25 @@ class _PressAnswer:
         return self._deferred
 
     async def _send_defer(self) -> bool:
+        bound = max(self._window_ends - asyncio.get_running_loop().time(), PRESS_ACK_MIN_S)
         try:
-            await self._interaction.response.defer()  # type 6: deferred update, the gateway edits the prompt
-        except (discord.HTTPException, discord.InteractionResponded, OSError, aiohttp.ClientError) as exc:
-            self._log.warning("%s: could not acknowledge interaction %s: %s", self._where, self._interaction.id, exc)
+            # type 6: deferred update, the gateway edits the prompt
+            await asyncio.wait_for(self._interaction.response.defer(), bound)
+        except (
+            TimeoutError,
+            discord.HTTPException,
+            discord.InteractionResponded,
+            OSError,
+            aiohttp.ClientError,
+        ) as exc:
+            self._log.warning(
+                "%s: could not acknowledge interaction %s within Discord's %g s: %s: %s",
+                self._where,
+                self._interaction.id,
+                PRESS_WINDOW_S,
+                type(exc).__name__,
+                exc,
+            )
             return False
         return True
 

@@ -38,8 +38,8 @@ message id sets `message_reference` + `referenced_message`; `thread=` a thread i
 `add_thread`), `add_attachment` (`slow_attachments(s)` answers the bytes only after `s` seconds),
 `click` (an INTERACTION_CREATE for a button); inspection with
 `messages(channel)` (what the bot posted, with every edit), `calls()`, `interaction_callbacks()`,
-`identifies` / `resumes` / `connections`; `fail_next`, `forbid`, `delay_next_post` (the POST is recorded,
-its answer held back: a kill -9 lands between the platform's accept and the ledger write).
+`identifies` / `resumes` / `connections`; `fail_next` (`clear_failures`), `forbid`, `delay_next_post` (the
+POST is recorded, its answer held back: a kill -9 lands between the platform's accept and the ledger write).
 """
 
 from __future__ import annotations
@@ -376,6 +376,14 @@ class FakeDiscord(LoopbackServer):
         (429: with `retry_after` and the global flag)."""
         with self._lock:
             self._failures.setdefault(kind, []).append(_Failure(status, retry_after, is_global, count))
+
+    def clear_failures(self, kind: str | None = None) -> None:
+        """Forget the failures `fail_next` queued for `kind` (every kind when None) not used up yet."""
+        with self._lock:
+            if kind is None:
+                self._failures.clear()
+            else:
+                self._failures.pop(kind, None)
 
     def forbid(self, channel: str, value: bool = True) -> None:
         """Sends and edits in `channel` answer 403 Missing Permissions."""

@@ -6,7 +6,9 @@ session LISTENs for the cluster's notifications and renews the row's heartbeat e
 `heartbeat_s`. An instance is **gone** when its heartbeat is older than `instance_timeout_s`, or
 when its lock is free (the session ended: PostgreSQL frees it at once when a killed process's
 socket closes) and its heartbeat is older than a grace of 2.5 heartbeats (so a server whose session
-the database dropped and that takes it again at once is not judged gone meanwhile).
+the database dropped and that takes it again at once is not judged gone meanwhile). Both are the
+instance's own, recorded in its row: servers whose `[store]` timings differ judge each other each
+by the timings it promised (and fences itself by, `Cluster.fenced`), never by their own.
 
 A conversation's runtime lives in one instance at a time: loading it takes the conversation's
 lease (`conversation_owners`), which another instance can take only once the holder is gone or
@@ -67,6 +69,8 @@ LOCK_HELD = (
     "EXISTS (SELECT 1 FROM pg_locks l WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 "
     f"AND l.classid = {INSTANCE_LOCK_CLASS} AND l.objid = i.lock_key::oid)"
 )
+# By the judge's timings alone: for a schema before the instances recorded theirs (`_live_instances`
+# asks before migrating) and cron's lease (cron/pgstore.py).
 LIVE = f"(i.heartbeat_at >= {NOW} - %(timeout)s AND (i.heartbeat_at >= {NOW} - %(grace)s OR {LOCK_HELD}))"
 # `back` while this server cannot judge (its session away, its own heartbeat overdue): every
 # heartbeat counts as fresh (1e15 s is some 30 million years ahead, and exact in a double).
@@ -80,7 +84,12 @@ AWAY = 1e15
 # held up on its way (a database that hangs answers everything that waited at once when it comes
 # back, before any heartbeat is renewed): run late, it would find every heartbeat stale.
 BEAT = f"GREATEST(i.heartbeat_at, %(back)s, CASE WHEN {NOW} > %(until)s THEN {AWAY:.0f}::float8 ELSE 0 END)"
-LIVE_SINCE = f"({BEAT} >= {NOW} - %(timeout)s AND ({BEAT} >= {NOW} - %(grace)s OR {LOCK_HELD}))"
+# Each instance by its own timeout and grace, those its row recorded (a row of an older version has
+# none: by the judge's, `timeout` and `grace`). A server that judges by the timeout alone for now
+# (`grace` no shorter than `timeout`: just back, see `Cluster.params`) gives each its own timeout.
+OWN_TIMEOUT = "COALESCE(i.instance_timeout_s, %(timeout)s)"
+OWN_GRACE = f"CASE WHEN %(grace)s >= %(timeout)s THEN {OWN_TIMEOUT} ELSE COALESCE(i.heartbeat_s * 2.5, %(grace)s) END"
+LIVE_SINCE = f"({BEAT} >= {NOW} - {OWN_TIMEOUT} AND ({BEAT} >= {NOW} - {OWN_GRACE} OR {LOCK_HELD}))"
 
 
 class Database(Protocol):
@@ -171,7 +180,8 @@ class Cluster:
 
     @property
     def params(self) -> dict[str, float]:
-        """How the others are judged (the parameters of LIVE_SINCE). While this instance's own
+        """How the others are judged (the parameters of LIVE_SINCE: `timeout` and `grace` are this
+        server's, for a row that recorded none of its own). While this instance's own
         session is away, or its own heartbeat was not renewed for `trust_s` (the database hangs,
         or is too slow to answer it, or this process was stopped), not at all: everyone counts as
         live (its pool may reach the database before its session does, and its sweep would judge by
@@ -290,16 +300,27 @@ class Cluster:
                 row = await cur.fetchone()
                 if row is None or not await self._leases_still_held(conn):
                     self.judged_gone()
-                cur = await conn.execute(f"SELECT {NOW} AS now")
-                now = await cur.fetchone()
-                self._back_at = float(now["now"]) if now else AWAY
                 if row is not None:
-                    self._beat_db = float(row["heartbeat_at"])
+                    # The others' heartbeats count from now (`back`) only after a gap that matters
+                    # (`_renewed`): taken again after every short loss (a database that keeps ending
+                    # sessions), a killed server was never judged gone. The lock-free grace waits a
+                    # few heartbeats again after any (`_up_since`, below): the others' sessions, ended
+                    # with this one (a restart of the database), come back after it.
+                    self._renewed(float(row["heartbeat_at"]))
             else:
                 cur = await conn.execute(
-                    "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
-                    f"VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW}) RETURNING heartbeat_at",
-                    (self.instance_id, socket.gethostname(), os.getpid(), self.address, self.lock_key),
+                    "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at, "
+                    f"heartbeat_s, instance_timeout_s) VALUES (%s, %s, %s, %s, %s, {NOW}, {NOW}, %s, %s) "
+                    "RETURNING heartbeat_at",
+                    (
+                        self.instance_id,
+                        socket.gethostname(),
+                        os.getpid(),
+                        self.address,
+                        self.lock_key,
+                        self.heartbeat_s,
+                        self.instance_timeout_s,
+                    ),
                 )
                 row = await cur.fetchone()
                 self._beat_db = float(row["heartbeat_at"]) if row else 0.0
@@ -402,13 +423,14 @@ class Cluster:
         self.lost = True
         if self.on_lost is not None:
             self.on_lost()
+        # The timings its row recorded, which the others judge it by (`LIVE_SINCE`).
         log.error(
             "cluster: instance %s was judged gone by another server (its heartbeat stopped for longer than "
-            "%.0f s, or its database session for %.0f s); its conversations were taken over and it runs "
+            "%g s, or its database session for %g s); its conversations were taken over and it runs "
             "nothing more: restart it",
             self.instance_id,
             self.instance_timeout_s,
-            self.params["grace"],
+            self.heartbeat_s * 2.5,
         )
 
     async def stop(self) -> None:

@@ -35,6 +35,8 @@ same observable behaviour:
   agent in the list's order. SQLite's 8 adds three more that the tables here had from version 1 and 3
   (in the list's order, with id: `conversations_agent`, `conversations_recent`,
   `conversations_namespace`).
+- Version 8: `instances.heartbeat_s` and `instances.instance_timeout_s`, the timings each server
+  is judged by (NULL: a row of an older version, judged by the judging server's own).
 """
 
 from __future__ import annotations
@@ -301,6 +303,16 @@ MIGRATIONS: list[tuple[int, str]] = [
         -- (store/base.py `conversation_page_ids`), however many conversations of its other agents
         -- it holds: 3's index (namespace, updated_at DESC, id) walked past every one of those.
         CREATE INDEX conversations_namespace_agent ON conversations(namespace, agent_id, updated_at DESC, id);
+        """,
+    ),
+    (
+        8,
+        """
+        -- Each server records the timings it keeps (cluster.py `LIVE_SINCE`): the others judge it by
+        -- its own heartbeat period and timeout, not theirs, so servers with different `[store]`
+        -- timings never judge a healthy one gone. NULL in a row an older version wrote.
+        ALTER TABLE instances ADD COLUMN heartbeat_s DOUBLE PRECISION;
+        ALTER TABLE instances ADD COLUMN instance_timeout_s DOUBLE PRECISION;
         """,
     ),
 ]

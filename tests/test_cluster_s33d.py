@@ -1,0 +1,135 @@
+"""Liveness of a PostgreSQL cluster, with real PostgreSQL and real `serve` processes.
+
+- Servers whose `[store]` timings differ: each is judged by the heartbeat period and timeout it
+  recorded in its row. A server with a short timeout (1.5 s) judged a healthy peer that renews its
+  heartbeat every 2.5 s gone by its own timeout, and that peer was fenced (503) with its turns
+  interrupted; a peer left at the defaults did the same to one with a long heartbeat.
+- A killed server is judged gone within its timeout while the survivor's database session keeps
+  being ended: each re-take of the session restarted the clock of how long the others had been
+  silent, and the dead server was never taken over.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from tests.support.cli import cli_env
+from tests.support.pg import temp_database, url_for
+from tests.support.serve import ServeProcess, start_serve
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _serve(tmp: Path, name: str, url: str, heartbeat_s: float, instance_timeout_s: float) -> ServeProcess:
+    home = tmp / name
+    env = cli_env(
+        home,
+        APPSERVER_STORE__URL=url,
+        APPSERVER_STORE__HEARTBEAT_S=str(heartbeat_s),
+        APPSERVER_STORE__INSTANCE_TIMEOUT_S=str(instance_timeout_s),
+    )
+    return start_serve(home, env=env)
+
+
+@contextmanager
+def _nodes() -> Iterator[list[ServeProcess]]:
+    nodes: list[ServeProcess] = []
+    try:
+        yield nodes
+    finally:
+        for sp in nodes:
+            sp.kill()
+
+
+def _log(sp: ServeProcess) -> str:
+    return sp.proc.stderr.so_far() if sp.proc.stderr is not None else ""  # type: ignore[attr-defined]
+
+
+def _query(url: str, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as c:
+        cur = c.execute(query, args)
+        return cur.fetchall() if cur.description else []
+
+
+def _until(check: Callable[[], bool], within: float) -> bool:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _ready(sp: ServeProcess) -> int:
+    return httpx.get(sp.url + "/readyz", timeout=10).status_code
+
+
+def test_each_server_is_judged_by_the_timings_it_recorded(tmp_path: Path) -> None:
+    with temp_database("s33d_mixed") as url, _nodes() as nodes:
+        slow = _serve(tmp_path, "slow", url, 2.5, 10)  # its heartbeat is older than the other's timeout
+        nodes.append(slow)
+        quick = _serve(tmp_path, "quick", url, 0.3, 1.5)
+        nodes.append(quick)
+        # The quick server judges every second, and the slow one's heartbeat is up to 2.75 s old.
+        end = time.monotonic() + 8
+        while time.monotonic() < end:
+            assert _ready(slow) == 200, _log(slow)
+            time.sleep(0.5)
+        assert len(_query(url, "SELECT id FROM instances")) == 2
+        assert "judged gone" not in _log(slow)
+        rows = _query(url, "SELECT heartbeat_s, instance_timeout_s FROM instances ORDER BY started_at")
+        assert rows == [(2.5, 10.0), (0.3, 1.5)]
+
+        # A row an older version wrote (no timings of its own) is judged by the judge's own: gone
+        # for the quick server once its heartbeat is 1.5 s old (the slow one would wait 10 s).
+        _query(
+            url,
+            "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
+            "VALUES ('inst_older', 'h', 1, '', 4242, extract(epoch from now()), extract(epoch from now()) - 2)",
+        )
+        assert _until(lambda: not _query(url, "SELECT 1 FROM instances WHERE id = 'inst_older'"), 6)
+
+
+def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_ended(tmp_path: Path) -> None:
+    with temp_database("s33d_term") as url, _nodes() as nodes:
+        survivor = _serve(tmp_path, "survivor", url, 0.5, 4)
+        nodes.append(survivor)
+        doomed = _serve(tmp_path, "doomed", url, 0.5, 4)
+        nodes.append(doomed)
+        (dead,) = _query(url, "SELECT id FROM instances ORDER BY started_at DESC LIMIT 1")[0]
+        db = url.rsplit("/", 1)[1]
+        stop = threading.Event()
+
+        def end_sessions() -> None:
+            """Every 1.5 s (less than the few heartbeats the lock-free grace waits after a re-take),
+            the survivor's cluster session is ended; it takes it again at once."""
+            with psycopg.connect(url_for("postgres"), autocommit=True) as c:
+                while not stop.wait(1.5):
+                    c.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = %s AND application_name LIKE 'appserver serve inst_%%'",
+                        (db,),
+                    )
+
+        ender = threading.Thread(target=end_sessions, daemon=True)
+        ender.start()
+        try:
+            time.sleep(2)
+            doomed.kill()
+            # within its timeout (4 s) plus a sweep and a session re-take
+            gone = _until(lambda: not _query(url, "SELECT 1 FROM instances WHERE id = %s", (dead,)), 8)
+        finally:
+            stop.set()
+            ender.join(10)
+        assert gone, _log(survivor)
+        assert _until(lambda: _ready(survivor) == 200, 10), _log(survivor)
+        assert "judged gone" not in _log(survivor)

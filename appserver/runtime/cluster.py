@@ -55,6 +55,8 @@ MOVED_WAIT_S = 45.0  # how long an answer follows a conversation that moves or w
 FOLLOW_EVERY_S = 5.0  # a follower renews its interest this often
 FOLLOW_ASK_S = 2.0  # a new watch waits this long at most for the holder to hear it is followed
 FOLLOW_TTL_S = 15.0  # and the holder forgets an interest not renewed for this long
+ANSWERS_REMEMBERED = 4096  # calls settled here by an answer passed on, with that answer's key
+ANSWERED_ASK_S = 2.0  # how long an answer waits for a holder to say which answer settled a call
 
 
 class KernelSide(Protocol):
@@ -123,6 +125,10 @@ class _Passing:
         """May a run other than the current one have applied it: a copy that went out to another
         holder or under another key (`here`: the current run is this server's own, so any copy)?"""
         return any(here or sent != (self.holder, self.key) for sent in self.sent)
+
+    def keys(self) -> set[str]:
+        """Every key it was run under: its runs' own, whatever another answer was run under."""
+        return {key for _, key in self.sent} | {self.key}
 
 
 def _accepted(d: dict[str, Any]) -> dict[str, Any]:
@@ -245,6 +251,8 @@ class ClusterLink:
         self._publishers: dict[str, asyncio.Task[None]] = {}
         # turns whose end was applied here lately: a repeated notice of it is no new turn
         self._ended: OrderedDict[str, None] = OrderedDict()
+        # (conversation id, call id) -> the key of the answer passed on that settled the call here
+        self._answer_keys: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         cluster.handle(self.on_message, self.on_notice)
@@ -577,13 +585,13 @@ class ClusterLink:
             try:
                 try:
                     got = await self._call_while_alive(passing, op, {"conversation": conversation_id, **args})
-                    return await self._own_answers(conversation_id, op, args, got, passing.earlier(here=False))
+                    return await self._own_answers(conversation_id, op, args, got, passing, here=False)
                 except PeerError as exc:
                     if exc.kind == "OwnedElsewhere" and exc.data.get("holder"):
                         passing.holder = str(exc.data["holder"])
                         continue
                     if exc.kind == "NotAwaiting" and passing.earlier(here=False):
-                        own = await self._all_own(conversation_id, op, args)
+                        own = await self._all_own(conversation_id, op, args, passing, here=False)
                         if own is not None:
                             return own
                     if exc.kind == "StoreUnavailable" and op == "respond":
@@ -598,14 +606,14 @@ class ClusterLink:
                 if await self.cluster.owner_alive(passing.holder, strict=True):
                     continue  # it lives: the same request again (it runs it once)
                 try:
-                    got = await self._here(conversation_id, op, args)
-                    return await self._own_answers(conversation_id, op, args, got, passing.earlier(here=True))
+                    got = await self._here(conversation_id, op, {**args, "answer": passing.key})
+                    return await self._own_answers(conversation_id, op, args, got, passing, here=True)
                 except OwnedElsewhere as moved:
                     if moved.holder == passing.holder:  # dead, but not yet past the grace the others give it
                         await asyncio.sleep(HOLDER_CHECK_S)
                     passing.holder = moved.holder  # or another server took it over first: ask that one
                 except errors.NotAwaiting:
-                    own = await self._all_own(conversation_id, op, args) if passing.earlier(here=True) else None
+                    own = await self._all_own(conversation_id, op, args, passing, here=True)
                     if own is None:
                         raise
                     return own
@@ -619,7 +627,8 @@ class ClusterLink:
         """`Cluster.call`, given up as soon as the holder's database session is gone (a killed
         server never answers: no need to wait for the whole timeout)."""
         holder = passing.holder
-        call = asyncio.ensure_future(self.cluster.call(holder, op, args, key=passing.key, on_sent=passing.went))
+        keyed = {**args, "answer": passing.key}  # the holder notes which answer settled a call
+        call = asyncio.ensure_future(self.cluster.call(holder, op, keyed, key=passing.key, on_sent=passing.went))
         try:
             while True:
                 done, _ = await asyncio.wait({call}, timeout=HOLDER_CHECK_S)
@@ -632,40 +641,95 @@ class ClusterLink:
                 call.cancel()
 
     async def _own_answers(
-        self, conversation_id: str, op: str, args: dict[str, Any], got: dict[str, Any], earlier: bool
+        self,
+        conversation_id: str,
+        op: str,
+        args: dict[str, Any],
+        got: dict[str, Any],
+        passing: _Passing,
+        *,
+        here: bool,
     ) -> dict[str, Any]:
         """`got`, with each call it found `already_resolved` by this very answer accepted: an
-        earlier run of it (`earlier`: a copy that went to another holder, or under another key)
-        may have applied it before its reply was lost. Recognised by the stored decision and who
-        decided, as this answer gives them."""
-        if op != "respond" or not earlier:
+        earlier run of it (a copy that went to another holder, or under another key; `here`: the
+        current run is this server's own) may have applied it before its reply was lost."""
+        if op != "respond" or not passing.earlier(here=here):
             return got
         decisions = {str(d.get("call_id")): d for d in args.get("decisions") or []}
+        refused = [str(r.get("call_id")) for r in got.get("results") or [] if r.get("error") == "already_resolved"]
+        settled_by = await self._settled_by(conversation_id, refused, None if here else passing.holder)
         results: list[dict[str, Any]] = []
         for r in got.get("results") or []:
             d = decisions.get(str(r.get("call_id")))
-            if r.get("error") == "already_resolved" and d is not None and await self._answered_so(conversation_id, d):
+            if (
+                r.get("error") == "already_resolved"
+                and d is not None
+                and await self._answered_so(conversation_id, d, settled_by.get(str(d.get("call_id"))), passing)
+            ):
                 r = _accepted(d)
             results.append(r)
         return {**got, "results": results}
 
-    async def _all_own(self, conversation_id: str, op: str, args: dict[str, Any]) -> dict[str, Any] | None:
+    async def _all_own(
+        self, conversation_id: str, op: str, args: dict[str, Any], passing: _Passing, *, here: bool
+    ) -> dict[str, Any] | None:
         """The results of an answer whose turn has left its pause, when this answer's own earlier
         run is what resumed it (every call settled as it says); else None."""
         decisions = list({str(d.get("call_id")): d for d in args.get("decisions") or []}.values())
-        if op != "respond" or not decisions:
+        if op != "respond" or not decisions or not passing.earlier(here=here):
             return None
+        calls = [str(d.get("call_id")) for d in decisions]
+        settled_by = await self._settled_by(conversation_id, calls, None if here else passing.holder)
         for d in decisions:
-            if not await self._answered_so(conversation_id, d):
+            if not await self._answered_so(conversation_id, d, settled_by.get(str(d.get("call_id"))), passing):
                 return None
         return {"results": [_accepted(d) for d in decisions]}
 
-    async def _answered_so(self, conversation_id: str, d: dict[str, Any]) -> bool:
+    async def _answered_so(
+        self, conversation_id: str, d: dict[str, Any], settled_by: str | None, passing: _Passing
+    ) -> bool:
+        """Did this very answer settle the call? Not when the holder names another answer as the
+        one that did (a client of the same name answering alike through another server). When
+        none is named (the run that settled it was on a holder gone since, or failed after its
+        write), the stored decision and who decided, as this answer gives them, tell."""
+        if settled_by is not None and settled_by not in passing.keys():
+            return False
         p = await self.kernel.store.get_pending(conversation_id, str(d.get("call_id")))
         action = d.get("action")
         if p is None or p.status != _SETTLED.get(str(action)) or p.decided_by != d.get("decided_by"):
             return False
         return action != "result" or (p.output == d.get("output") and p.is_error == bool(d.get("is_error")))
+
+    async def _settled_by(self, conversation_id: str, call_ids: list[str], holder: str | None) -> dict[str, str]:
+        """The key of the answer that settled each call, as the server holding the conversation
+        noted it (`holder` None: this server); those it did not note are left out."""
+        if not call_ids:
+            return {}
+        if holder is None or holder == self.cluster.instance_id:
+            return self._noted_answers(conversation_id, call_ids)
+        try:
+            got = await self.cluster.call(
+                holder, "answered", {"conversation": conversation_id, "calls": call_ids}, ANSWERED_ASK_S
+            )
+        except Exception as exc:  # (a holder that cannot say names none)
+            log.debug("cluster: instance %s did not say which answers settled %s: %s", holder, call_ids, exc)
+            return {}
+        keys = got.get("keys")
+        return {str(c): str(k) for c, k in keys.items()} if isinstance(keys, dict) else {}
+
+    def _noted_answers(self, conversation_id: str, call_ids: list[str]) -> dict[str, str]:
+        noted = ((c, self._answer_keys.get((conversation_id, c))) for c in call_ids)
+        return {c: key for c, key in noted if key is not None}
+
+    def _note_answer(self, conversation_id: str, results: list[dict[str, Any]], key: Any) -> None:
+        """Remember which answer passed on (its key) settled each call it won here."""
+        if not isinstance(key, str):
+            return
+        for r in results:
+            if r.get("accepted") is True:
+                self._answer_keys[(conversation_id, str(r.get("call_id")))] = key
+        while len(self._answer_keys) > ANSWERS_REMEMBERED:
+            self._answer_keys.popitem(last=False)
 
     async def _finish_later(self, task: asyncio.Future[dict[str, Any]], conversation_id: str, op: str) -> None:
         """A request whose caller was told OutcomeUnknown, followed to its end (logged)."""
@@ -697,7 +761,13 @@ class ClusterLink:
         return await handler(conversation_id, args)
 
     def _ops(self) -> dict[str, Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]]:
-        return {"pull": self._pull, "respond": self._respond, "cancel": self._cancel, "follow": self._follow}
+        return {
+            "pull": self._pull,
+            "respond": self._respond,
+            "cancel": self._cancel,
+            "follow": self._follow,
+            "answered": self._answered,
+        }
 
     async def taken(self, conversation_id: str) -> None:
         """This server just took the conversation: if another follows it, publish from the start."""
@@ -750,7 +820,16 @@ class ClusterLink:
         results = await self.kernel.respond(
             conversation_id, decisions, here=True, whole=args.get("whole") is True, settings=settings
         )
+        self._note_answer(conversation_id, results, args.get("answer"))
         return {"results": results}
+
+    async def _answered(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Which answers passed on settled these calls here: a copy of another answer, refused, asks
+        (`_settled_by`) before it takes the call's settlement for its own."""
+        calls = args.get("calls")
+        return {
+            "keys": self._noted_answers(conversation_id, [str(c) for c in calls] if isinstance(calls, list) else [])
+        }
 
     async def _cancel(self, conversation_id: str, args: dict[str, Any]) -> dict[str, Any]:
         turn_id = args.get("turn_id")

@@ -11,6 +11,7 @@ from appserver.errors import InvalidInput, NotFound
 from appserver.ids import AGENT_ID_PREFIX
 from appserver.providers.registry import ModelStringError, parse_model
 from appserver.runtime import Kernel, new_id
+from appserver.shown import shown
 from appserver.store.records import POLICIES, AgentRecord
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
@@ -28,12 +29,13 @@ def validate_model(model: str, config: Config) -> str:
 def validate_name(name: str) -> str:
     if not NAME_RE.match(name or ""):
         raise InvalidInput(
-            f"invalid agent name {name!r}: letters, digits, '_', '-', '.', at most 64 characters", param="name"
+            f"invalid agent name {shown(name)}: letters, digits, '_', '-', '.', at most 64 characters", param="name"
         )
     if name.startswith(AGENT_ID_PREFIX):
         # A token or JWT limited to an agent id would also admit an agent named like that id.
         raise InvalidInput(
-            f"invalid agent name {name!r}: names starting with {AGENT_ID_PREFIX!r} are kept for agent ids", param="name"
+            f"invalid agent name {shown(name)}: names starting with {AGENT_ID_PREFIX!r} are kept for agent ids",
+            param="name",
         )
     return name
 
@@ -45,9 +47,11 @@ def parse_tool_policies(specs: list[str] | tuple[str, ...]) -> dict[str, str]:
         name, sep, policy = spec.partition("=")
         name, policy = name.strip(), policy.strip()
         if not sep or not TOOL_RE.match(name):
-            raise InvalidInput(f"invalid --tool {spec!r}: use NAME=allow|ask|deny", param="tool")
+            raise InvalidInput(f"invalid --tool {shown(spec)}: use NAME=allow|ask|deny", param="tool")
         if policy not in POLICIES:
-            raise InvalidInput(f"invalid policy {policy!r} for tool {name!r}: use allow, ask or deny", param="tool")
+            raise InvalidInput(
+                f"invalid policy {shown(policy)} for tool {name!r}: use allow, ask or deny", param="tool"
+            )
         out[name] = policy
     return out
 
@@ -60,7 +64,7 @@ def parse_params(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
         key, raw = key.strip(), raw.strip()
         if not sep or key not in AGENT_PARAMS:
             raise InvalidInput(
-                f"invalid --param {spec!r}: use KEY=VALUE with KEY one of {', '.join(AGENT_PARAMS)}", param="param"
+                f"invalid --param {shown(spec)}: use KEY=VALUE with KEY one of {', '.join(AGENT_PARAMS)}", param="param"
             )
         if raw == "":
             out[key] = None
@@ -68,7 +72,7 @@ def parse_params(specs: list[str] | tuple[str, ...]) -> dict[str, Any]:
         try:
             out[key] = AGENT_PARAMS[key].parse(raw)
         except BadParam as exc:
-            raise InvalidInput(f"invalid --param {key}={raw!r}: {exc}", param="param") from None
+            raise InvalidInput(f"invalid --param {key}={shown(raw)}: {exc}", param="param") from None
     return out
 
 
@@ -144,5 +148,5 @@ class Agents:
     async def delete(self, ref: str) -> AgentRecord:
         agent = await self.get(ref)
         if not await self.store.delete_agent(agent.id):
-            raise NotFound(f"unknown agent {ref!r}", code="agent_not_found")
+            raise NotFound(f"unknown agent {shown(ref)}", code="agent_not_found")
         return agent

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from appserver.configcheck import NO_SUCH_USER, AmbiguousName, NoSuchUser, expand_user, fold_name
+from appserver.shown import shown
 
 CHANNEL_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
 ACCOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -78,18 +79,20 @@ def parse_enabled(value: Any, where: str, *, text: bool = True) -> list[str]:
     `--channels`) one comma-separated string. In config.toml a string is refused: TOML has lists."""
     if isinstance(value, str) and not text:
         raise ChannelConfigError(
-            f"{where}: [channels] enabled must be a list of channel ids (enabled = [{value!r}]), "
-            f"got the string {value!r}"
+            f"{where}: [channels] enabled must be a list of channel ids (enabled = [{shown(value)}]), "
+            f"got the string {shown(value)}"
         )
     items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
-        raise ChannelConfigError(f"{where}: [channels] enabled must be a list of channel ids, got {value!r}")
+        raise ChannelConfigError(f"{where}: [channels] enabled must be a list of channel ids, got {shown(value)}")
     out: list[str] = []
     for v in items:
         if not v:
             continue
         if not CHANNEL_ID.fullmatch(v):
-            raise ChannelConfigError(f"{where}: [channels] enabled: {v!r} is not a channel id ([a-z0-9][a-z0-9_-]*)")
+            raise ChannelConfigError(
+                f"{where}: [channels] enabled: {shown(v)} is not a channel id ([a-z0-9][a-z0-9_-]*)"
+            )
         if v not in out:
             out.append(v)
     return out
@@ -181,12 +184,12 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
             if not isinstance(value, str) or not value:
                 raise ChannelConfigError(f"{head} {key} must be a non-empty string")
             if kind == "env" and not ENV_NAME.fullmatch(value):
-                raise ChannelConfigError(f"{head} {key} must name an environment variable, got {value!r}")
+                raise ChannelConfigError(f"{head} {key} must name an environment variable, got {shown(value)}")
             if kind == "file":
                 try:
                     expand_user(value)
                 except NoSuchUser:  # the gateway would never read it (and pathlib's error was a traceback)
-                    raise ChannelConfigError(f"{head} {key} = {value!r}: {NO_SUCH_USER}") from None
+                    raise ChannelConfigError(f"{head} {key} = {shown(value)}: {NO_SUCH_USER}") from None
             if secret in refs:
                 raise ChannelConfigError(f"{head}: give {secret}_env or {secret}_file, not both")
             refs[secret] = {kind: value}
@@ -197,9 +200,9 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
             )
         expected = GATEWAY_KEYS.get(key)
         if expected is not None and (not isinstance(value, expected) or isinstance(value, bool) != (expected is bool)):
-            raise ChannelConfigError(f"{head} {key} has the wrong type: {value!r}")
+            raise ChannelConfigError(f"{head} {key} has the wrong type: {shown(value)}")
         if key == "chat_rate" and not value > 0:
-            raise ChannelConfigError(f"{head} chat_rate must be positive, got {value!r}")
+            raise ChannelConfigError(f"{head} chat_rate must be positive, got {shown(value)}")
         settings[key] = value
     return AccountConfig(channel=channel, name=name, settings=settings, secret_refs=refs)
 

@@ -27,6 +27,7 @@ from appserver.auth import GATEWAY_TOKEN_NAME, ReservedNameTaken, token_store_fo
 from appserver.channelconfig import AccountConfig, shared_secrets
 from appserver.config import Config
 from appserver.readiness import CheckResult, Readiness
+from appserver.shown import shown
 from gateway.db import (
     CorruptGatewayDB,
     CorruptGatewayDBInUse,
@@ -275,7 +276,7 @@ class ChannelService:
         """The running gateway that can deliver to `target`, once it runs."""
         parts = target.split(":")
         if len(parts) < 3:
-            raise RuntimeError(f"invalid target {target!r}: use channel:account:chat[:thread]")
+            raise RuntimeError(f"invalid target {shown(target)}: use channel:account:chat[:thread]")
         channel, ref = parts[0], f"{parts[0]}:{parts[1]}"
         if not self.enabled:
             raise RuntimeError("channels are not enabled in this server")

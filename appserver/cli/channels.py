@@ -563,11 +563,11 @@ def _known_channels(home: Path) -> dict[str, _Channel]:
 
 def _require_known(home: Path, channel: str) -> _Channel:
     if not CHANNEL_ID.fullmatch(channel):
-        raise Refused(f"{channel!r} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
+        raise Refused(f"{shown(channel)} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
     known = _known_channels(home)
     if channel not in known:
         raise Refused(
-            f"unknown channel {channel!r}: known channels are {', '.join(known)} "
+            f"unknown channel {shown(channel)}: known channels are {', '.join(known)} "
             f"(a user plugin lives in {home / 'channels' / channel / 'channel.json'})",
             2,
         )
@@ -753,9 +753,9 @@ def list_cmd(as_json: bool) -> None:
 def add_cmd(channel: str, account: str, settings: tuple[str, ...], secrets: tuple[str, ...], enable: bool) -> None:
     """Add an account: append a [channels.CHANNEL.accounts.ACCOUNT] table to config.toml."""
     if not CHANNEL_ID.fullmatch(channel):
-        raise Refused(f"{channel!r} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
+        raise Refused(f"{shown(channel)} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
     if not ACCOUNT_NAME.fullmatch(account):
-        raise Refused(f"{account!r} is not an account name (letters, digits, '_' or '-', at most 64)", 2)
+        raise Refused(f"{shown(account)} is not an account name (letters, digits, '_' or '-', at most 64)", 2)
     table = _account_table(settings, secrets)
     try:  # the arguments first: an inline secret is refused before anything is read
         checked = check_account(channel, account, table, "channels add")
@@ -790,7 +790,7 @@ def add_cmd(channel: str, account: str, settings: tuple[str, ...], secrets: tupl
         if not isinstance(written, dict) or set(written) != set(table):
             raise Refused(f"the edited {file.path} would not hold the account as given; nothing written")
         if enable and channel not in loaded.enabled:
-            raise Refused(f"could not add {channel!r} to [channels] enabled in {file.path}; nothing written")
+            raise Refused(f"could not add {shown(channel)} to [channels] enabled in {file.path}; nothing written")
         file.write(text)
     click.echo(f"Added account {channel}:{account} to {file.path}.")
     _warn_if_broken(found)
@@ -817,17 +817,19 @@ def _account_table(settings: tuple[str, ...], secrets: tuple[str, ...]) -> dict[
     for item in settings:
         key, eq, raw = item.partition("=")
         if not eq or not key.strip():
-            raise Refused(f"--set {item!r}: write KEY=VALUE", 2)
-        put(key.strip(), _parse_literal(raw, f"--set {shown(item)}"), f"--set {item!r}")
+            raise Refused(f"--set {shown(item)}: write KEY=VALUE", 2)
+        put(key.strip(), _parse_literal(raw, f"--set {shown(item)}"), f"--set {shown(item)}")
     for item in secrets:
         name, eq, ref = item.partition("=")
         kind, colon, where = ref.partition(":")
         name = name.strip()
         if not eq or not name or not colon or kind not in ("env", "file") or not where:
-            raise Refused(f"--secret {item!r}: write NAME=env:VARIABLE or NAME=file:PATH", 2)
+            raise Refused(f"--secret {shown(item)}: write NAME=env:VARIABLE or NAME=file:PATH", 2)
         if name.endswith(("_env", "_file")):
-            raise Refused(f"--secret {item!r}: give the secret's name without _env/_file (e.g. token=env:BOT_TOKEN)", 2)
-        put(f"{name}_{kind}", where, f"--secret {item!r}")
+            raise Refused(
+                f"--secret {shown(item)}: give the secret's name without _env/_file (e.g. token=env:BOT_TOKEN)", 2
+            )
+        put(f"{name}_{kind}", where, f"--secret {shown(item)}")
     return table
 
 
@@ -900,7 +902,7 @@ def enable_cmd(channel: str) -> None:
 def disable_cmd(channel: str) -> None:
     """Remove CHANNEL from [channels] enabled in config.toml."""
     if not CHANNEL_ID.fullmatch(channel):
-        raise Refused(f"{channel!r} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
+        raise Refused(f"{shown(channel)} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
     _edit_enabled(get_config(), channel, add=False)
 
 
@@ -1271,17 +1273,17 @@ def _parse_key(text: str) -> RouteKey:
     except ValueError as exc:
         message = _one_line(exc)
         if "channel:account:chat" not in message:
-            message = f"bad route key {text!r}: {message}; a route key is channel:account:chat[:thread]"
+            message = f"bad route key {shown(text)}: {message}; a route key is channel:account:chat[:thread]"
         raise Refused(message, 2) from None
-    _check_scope(key.channel, key.account, f"bad route key {text!r}: ")
+    _check_scope(key.channel, key.account, f"bad route key {shown(text)}: ")
     return key
 
 
 def _check_scope(channel: str | None, account: str | None, head: str = "") -> None:
     if channel is not None and not CHANNEL_ID.fullmatch(channel):
-        raise Refused(f"{head}{channel!r} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
+        raise Refused(f"{head}{shown(channel)} is not a channel id (lowercase letters, digits, '_' and '-')", 2)
     if account is not None and not ACCOUNT_NAME.fullmatch(account):
-        raise Refused(f"{head}{account!r} is not an account name (letters, digits, '_' or '-', at most 64)", 2)
+        raise Refused(f"{head}{shown(account)} is not an account name (letters, digits, '_' or '-', at most 64)", 2)
 
 
 def _route_json(route: Route) -> dict[str, Any]:
@@ -1472,8 +1474,8 @@ def route_remove_cmd(key: str) -> None:
         try:
             route_key = RouteKey.parse(key)
         except ValueError:
-            raise Refused(f"bad route key {key!r}: a route key is channel:account:chat[:thread]", 2) from None
-        _check_scope(route_key.channel, route_key.account, f"bad route key {key!r}: ")
+            raise Refused(f"bad route key {shown(key)}: a route key is channel:account:chat[:thread]", 2) from None
+        _check_scope(route_key.channel, route_key.account, f"bad route key {shown(key)}: ")
     config = get_config()
     with _gateway_db(config.home, create=False) as conn:
         removed = _remove_route(Router(conn), route_key, key) if conn is not None else None

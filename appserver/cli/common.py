@@ -73,10 +73,34 @@ def short_values(message: str, args: Sequence[str]) -> str:
     """`message` with each long command-line value it echoes (repr-quoted or bare; as given, upper-
     or lower-cased, as the kernel's and the gateway's messages do) shown by `quoted`, and any other
     run of more than RUN_MAX characters without a blank (a value echoed after another change) cut."""
+    message = _cut_in_value(message, args)
     for value in sorted(_long_values(args), key=len, reverse=True):
         for form in (value, value.upper(), value.lower()):
             message = message.replace(repr(form), quoted(form)).replace(form, quoted(form))
     return re.sub(rf"\S{{{RUN_MAX + 1},}}", lambda m: quoted(m.group()), message)
+
+
+# The mark a server puts where it cut a message at its cap (`appserver.shown.capped_message`).
+CAPPED = re.compile(r"(?P<head>.*)… \(\d+ characters\)", re.DOTALL)
+
+
+def _cut_in_value(message: str, args: Sequence[str]) -> str:
+    """A server's message that its cap cut inside a long command-line value it quoted whole (an
+    older server's): that value shown by `quoted`, with its own length, and the cut said in words;
+    else the cut text was quoted again as a run, with the message's length after the run's."""
+    capped = CAPPED.fullmatch(message)
+    if capped is None:
+        return message
+    head = capped["head"]
+    for value in sorted(_long_values(args), key=len, reverse=True):
+        for form in (value, value.upper(), value.lower()):
+            for text in (repr(form), form):
+                start = head.find(text[:QUOTED_MAX])
+                while start >= 0:
+                    if text.startswith(head[start:]):
+                        return f"{head[:start]}{quoted(form)} (the rest of the message was cut)"
+                    start = head.find(text[:QUOTED_MAX], start + 1)
+    return message
 
 
 def _long_values(args: Sequence[str]) -> set[str]:

@@ -14,6 +14,7 @@ from appserver.cli.common import MAX_COUNT, Count, print_json, with_server
 from appserver.cli.safetext import exact, visible
 from appserver.errors import NotFound
 from appserver.server import Server
+from appserver.shown import shown
 
 
 @click.group("conversations")
@@ -46,7 +47,7 @@ def list_conversations(agent: str, limit: int, as_json: bool) -> None:
 async def _conversation(s: Server, conversation_id: str):  # type: ignore[no-untyped-def]
     conv = await s.store.get_conversation(conversation_id)
     if conv is None:
-        raise NotFound(f"unknown conversation {conversation_id!r}")
+        raise NotFound(f"unknown conversation {shown(conversation_id)}")
     return conv
 
 

@@ -26,6 +26,7 @@ from appserver.cli.common import MAX_COUNT, Count, echo_long, error_line, get_co
 from appserver.cli.safetext import exact, visible
 from appserver.config import Config, ConfigError
 from appserver.fsutil import CorruptStateFile, StateFileRefused
+from appserver.shown import shown
 from cron.credentials import TokenCredentials
 from cron.lease import LeaseHolder
 from cron.runlog import ClaimsInHand, find_removed, read_run_log
@@ -123,13 +124,13 @@ def _store_conversation(cfg: Config, agent_id: str, conversation: str) -> None:
         try:
             conv = await store.get_conversation(conversation)
             if conv is None:
-                return f"unknown conversation {conversation!r}"
+                return f"unknown conversation {shown(conversation)}"
             if conv.agent_id == agent_id:
                 return None
             owner, task_agent = await store.get_agent(conv.agent_id), await store.get_agent(agent_id)
             owner_name = owner.name if owner else conv.agent_id
             task_name = task_agent.name if task_agent else agent_id
-            return f"conversation {conversation!r} belongs to agent {owner_name}, not to {task_name}"
+            return f"conversation {shown(conversation)} belongs to agent {owner_name}, not to {task_name}"
         finally:
             await store.close()
 
@@ -202,9 +203,9 @@ def _seconds(option: str, text: str, low: float, high: float) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise _OneLineError(f"{option} must be a number of seconds, got {text!r}") from None
+        raise _OneLineError(f"{option} must be a number of seconds, got {shown(text)}") from None
     if not math.isfinite(value) or not low <= value <= high:
-        raise _OneLineError(f"{option} must be a number of seconds from {low:g} to {high:g}, got {text!r}")
+        raise _OneLineError(f"{option} must be a number of seconds from {low:g} to {high:g}, got {shown(text)}")
     return value
 
 
@@ -514,7 +515,7 @@ def add_cmd(
         store.add(task)
     except CronStoreError:
         if any(t.name == task.name for t in store.list(agent_id)):  # say it by name, not id
-            raise _OneLineError(f"agent {agent!r} already has a cron task named {name!r}") from None
+            raise _OneLineError(f"agent {shown(agent)} already has a cron task named {shown(name)}") from None
         raise
     names = _names_of(cfg)
     if not cfg.cron.enabled:
@@ -530,9 +531,9 @@ def add_cmd(
             if task.next_due_at is None or task.next_fire_at is None
             else _fire_line(task.next_due_at, task.next_fire_at, task.schedule.tz)
         )
-        shown = safetext.exact  # `exact` is the --exact flag here
-        agent_name = shown(names.get(task.agent, task.agent))
-        click.echo(f"added cron task {shown(task.name)} ({shown(task.id)}) for agent {agent_name}; next run {nxt}")
+        plain = safetext.exact  # `exact` is the --exact flag here
+        agent_name = plain(names.get(task.agent, task.agent))
+        click.echo(f"added cron task {plain(task.name)} ({plain(task.id)}) for agent {agent_name}; next run {nxt}")
 
 
 def _check_targets(cfg: Config, task: CronTask) -> None:
@@ -555,7 +556,7 @@ def _check_deliver(cfg: Config, target: str) -> None:
     if account not in accounts:
         known = ", ".join(f"{c}:{a}" for c, named in sorted(cfg.channels.accounts.items()) for a in sorted(named))
         raise _UnknownTarget(
-            f"--deliver {target!r}: no channel account {channel}:{account} is configured "
+            f"--deliver {shown(target)}: no channel account {channel}:{account} is configured "
             f"([channels.{channel}.accounts.{account}] in config.toml); "
             + (f"configured: {known}" if known else "none is configured")
         )
@@ -928,9 +929,9 @@ def _removed_task(store: CronStore, ref: str, agent: str | None) -> tuple[str, s
     found = [t for t in find_removed(store.runs_dir, ref) if agent is None or t.get("agent") in (None, agent)]
     ids = sorted({str(t.get("id")) for t in found})
     if not found:
-        raise CronNotFound(f"no cron task {ref!r}, and no run log of a removed task by that name")
+        raise CronNotFound(f"no cron task {shown(ref)}, and no run log of a removed task by that name")
     if len(ids) > 1:
-        raise CronStoreError(f"several removed tasks were named {ref!r} ({', '.join(ids)}); give the task id")
+        raise CronStoreError(f"several removed tasks were named {shown(ref)} ({', '.join(ids)}); give the task id")
     task = found[-1]
     schedule = task.get("schedule")
     tz = schedule.get("tz") if isinstance(schedule, dict) else None

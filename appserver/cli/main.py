@@ -12,6 +12,7 @@ import click
 from appserver.cli.common import DEBUG_ENV, fail, not_utf8, refuse_non_utf8_args, run_or_fail, shown_raw
 from appserver.cli.lazy import LazyCommand, LazyGroup
 from appserver.config import default_home
+from appserver.shown import shown
 
 # Each command imports its own dependencies (uvicorn, the kernel) only when it runs (see cli/lazy.py).
 COMMANDS = {
@@ -108,12 +109,12 @@ def _check_resolved_home(option: str) -> None:
     if not given and not_utf8(str(Path.home())):
         why = "the default home is $HOME/.appserver, and $HOME is not UTF-8"
     elif given.startswith("~") and not_utf8(str(Path(given).expanduser())):
-        why = f"{option} {given!r} starts with ~, and $HOME is not UTF-8"
+        why = f"{option} {shown(given)} starts with ~, and $HOME is not UTF-8"
     elif given and not Path(given).is_absolute() and not_utf8(os.getcwd()):
-        why = f"{option} {given!r} is relative to the current directory, whose path is not UTF-8"
+        why = f"{option} {shown(given)} is relative to the current directory, whose path is not UTF-8"
     else:
-        shown = repr(given) if given else "~/.appserver (the default)"
-        why = f"{option if given else 'the home'} {shown} is a symbolic link, or under one, that leads there"
+        named = shown(given) if given else "~/.appserver (the default)"
+        why = f"{option if given else 'the home'} {named} is a symbolic link, or under one, that leads there"
     fail(
         f"the home {shown_raw(str(resolved))} is not valid UTF-8 ({why}): give the home as a path "
         "whose absolute form is UTF-8 text (--home or $APPSERVER_HOME)",

@@ -31,6 +31,7 @@ from appserver.errors import InvalidInput, NotAwaiting
 from appserver.runtime import Decision, SubmitRequest, TurnSnapshot, max_steps_note
 from appserver.server import Server
 from appserver.serverinfo import HomeBusy, HomeLock, HomeStarting, claim_for_turns, holder_text, read_live_server
+from appserver.shown import shown
 
 if TYPE_CHECKING:
     from appserver.client import ProtocolClient
@@ -178,9 +179,9 @@ class Seconds(click.ParamType[float]):
         try:
             seconds = float(value)
         except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+            self.fail(f"{shown(value)} is not a number of seconds", param, ctx)
         if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not self.zero):
-            self.fail(f"{value!r}: give a finite number of seconds {'≥ 0' if self.zero else '> 0'}", param, ctx)
+            self.fail(f"{shown(value)}: give a finite number of seconds {'≥ 0' if self.zero else '> 0'}", param, ctx)
         return seconds
 
 

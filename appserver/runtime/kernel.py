@@ -42,6 +42,7 @@ from appserver.runtime.settle import (
 from appserver.runtime.snapshot import TurnController, TurnSnapshot
 from appserver.runtime.types import TERMINAL_STATUSES
 from appserver.runtime.watch import Watch
+from appserver.shown import shown
 from appserver.store.base import IDEMPOTENCY_TTL_S as IDEMPOTENCY_TTL_S  # the store's: an expired key never matches
 from appserver.store.base import (
     AgentMissing,
@@ -720,9 +721,9 @@ class Kernel:
         if len(found) == 1:
             return found[0]
         if not found:
-            raise NotFound(f"unknown agent {ref!r}", code="agent_not_found", param="agent")
+            raise NotFound(f"unknown agent {shown(ref)}", code="agent_not_found", param="agent")
         raise InvalidInput(
-            f"agent name {ref!r} is ambiguous; use one of the ids {', '.join(a.id for a in found)}",
+            f"agent name {shown(ref)} is ambiguous; use one of the ids {', '.join(a.id for a in found)}",
             code="agent_ambiguous",
             param="agent",
         )
@@ -745,7 +746,7 @@ class Kernel:
                     ConversationRecord(id=cid, agent_id=agent.id, title="default", namespace=namespace)
                 )
         if conv.agent_id != agent.id or conv.namespace != namespace:  # pragma: no cover - ids are derived
-            raise NotFound(f"unknown conversation {cid!r}", code="conversation_not_found", param="conversation")
+            raise NotFound(f"unknown conversation {shown(cid)}", code="conversation_not_found", param="conversation")
         return conv
 
     async def resolve_conversation(
@@ -776,7 +777,7 @@ class Kernel:
         conv = await self.store.get_conversation(spec)
         if conv is None or conv.agent_id != agent.id:
             raise NotFound(
-                f"unknown conversation {spec!r} for agent {agent.name}",
+                f"unknown conversation {shown(spec)} for agent {agent.name}",
                 code="conversation_not_found",
                 param="conversation",
             )
@@ -815,7 +816,7 @@ class Kernel:
             if conv is None or conv.id != conversation_id:
                 conv = await self.store.get_conversation(conversation_id)
             if conv is None:
-                raise NotFound(f"unknown conversation {conversation_id!r}", code="conversation_not_found")
+                raise NotFound(f"unknown conversation {shown(conversation_id)}", code="conversation_not_found")
             link = self._link
             if link is not None:
                 lease = await link.cluster.take(conversation_id)
@@ -1059,7 +1060,7 @@ class Kernel:
         if await self.store.get_agent(agent.id) is None:
             return AgentGone(f"agent {agent.name!r} was deleted while the input was accepted", param="agent")
         return NotFound(
-            f"conversation {conversation_id!r} was deleted while the input was accepted",
+            f"conversation {shown(conversation_id)} was deleted while the input was accepted",
             code="conversation_not_found",
             param="conversation",
         )
@@ -1229,7 +1230,7 @@ class Kernel:
     async def turn_snapshot(self, turn_id: str) -> TurnSnapshot:
         turn = await self.store.get_turn(turn_id)
         if turn is None:
-            raise NotFound(f"unknown turn {turn_id!r}", code="turn_not_found")
+            raise NotFound(f"unknown turn {shown(turn_id)}", code="turn_not_found")
         return (await self.handle_for(turn)).controller.snapshot()
 
     def on_settled(self, listener: SettledListener) -> Callable[[], None]:

@@ -24,7 +24,7 @@ from appserver.runtime.history import History
 from appserver.runtime.lifecycle import Lease, TurnLifecycle
 from appserver.runtime.restore import controller_from_store
 from appserver.runtime.settle import CANCELLED_UNANSWERED, answered_result
-from appserver.shown import clipped
+from appserver.shown import clipped, shown
 from appserver.store.records import MessageRecord, PendingCall, TurnRecord, TurnSettings
 
 
@@ -127,7 +127,7 @@ class PendingAnswers:
         distinct: dict[str, Decision] = {}
         for d in decisions:
             if d.action not in ("approve", "deny", "result"):
-                raise InvalidInput(f"unknown decision {d.action!r}: use approve, deny or a tool result")
+                raise InvalidInput(f"unknown decision {shown(d.action)}: use approve, deny or a tool result")
             seen = distinct.get(d.call_id)
             if seen is None:
                 distinct[d.call_id] = d

@@ -43,9 +43,11 @@ Opening: a network failure is `OSError`; a bad URL or an upgrade the server refu
 status is `ConnectError` (a `ProtocolError`), in one line (`the server at … refused the token (401
 invalid_api_key: …)`), and so is a server that takes the connection but sends no welcome in time
 (`welcome_timeout`: not the turn's timeout, not a refused connection); one that closes it before
-its welcome is `Closed`. A frame bigger than the server takes (its welcome's `max_frame_bytes`, else
-4 MiB) is refused before it is sent (`ProtocolError` `frame_too_large`): sent, it would end the
-connection. Frames are sent as UTF-8 JSON (non-ASCII text unescaped) and measured in those bytes,
+its welcome is `Closed`. A proxy of the environment that does not open the tunnel (an HTTP error
+to the CONNECT, no HTTP, the connection closed) is `ConnectError` `proxy_failed`, saying so of the
+proxy (its URL masked), not of the server. A frame bigger than the server takes (its welcome's
+`max_frame_bytes`, else 4 MiB) is refused before it is sent (`ProtocolError` `frame_too_large`):
+sent, it would end the connection. Frames are sent as UTF-8 JSON (non-ASCII text unescaped) and measured in those bytes,
 as the server measures them (`encode_frame`).
 """
 
@@ -56,18 +58,29 @@ import importlib.util
 import itertools
 import json
 import re
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, ClassVar
 
-import websockets
-from websockets.asyncio.client import ClientConnection
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidProxy, InvalidStatus, InvalidURI
+from websockets.asyncio.client import ClientConnection, HTTPProxyConnection
+from websockets.asyncio.client import connect as library_connect
+from websockets.exceptions import (
+    ConnectionClosed,
+    InvalidHandshake,
+    InvalidProxy,
+    InvalidProxyMessage,
+    InvalidProxyStatus,
+    InvalidStatus,
+    InvalidURI,
+    ProxyError,
+)
 from websockets.frames import CloseCode
 from websockets.proxy import get_proxy, parse_proxy
-from websockets.uri import parse_uri
+from websockets.uri import WebSocketURI, parse_uri
 
 from appserver.client.auth import TokenSource, auth_headers, check_url, default_token, shown_url
 from appserver.client.buffer import DEFAULT_LIMIT, FrameBuffer
@@ -437,7 +450,7 @@ class ProtocolClient:
         headers = auth_headers(self._token)
         proxy = _environment_proxy(target)
         try:
-            return await websockets.connect(
+            return await _Connect(
                 target,
                 proxy=proxy,
                 additional_headers=headers,
@@ -456,6 +469,8 @@ class ProtocolClient:
                 "connect_timeout",
                 f"the server at {shown_url(url)} did not accept a connection within {self._open_timeout:g} s",
             ) from None
+        except ProxyError as exc:  # (an InvalidHandshake, but the proxy's, not the server's)
+            raise _proxy_failed(proxy or "", target, exc) from None
         except (InvalidHandshake, ConnectionClosed) as exc:
             raise ConnectError(
                 "handshake_failed", f"no WebSocket server answered at {shown_url(target)}: {exc}"
@@ -993,6 +1008,95 @@ def _environment_proxy(target: str) -> str | None:
     if parsed.scheme.startswith("socks") and importlib.util.find_spec("python_socks") is None:
         raise bad("a SOCKS proxy needs the python-socks package, which is not installed")
     return proxy
+
+
+class _ProxyTunnel(HTTPProxyConnection):
+    """websockets' CONNECT to an HTTP proxy, told of the end of the stream once and settling its
+    answer once. The library's fed its reader the end twice when the proxy closed the connection
+    (`eof_received`, then `connection_lost`): the second raised `EOFError` inside a loop callback,
+    which asyncio printed as a traceback. A connection lost before an answer is `InvalidProxyMessage`
+    (the library's left the answer pending when the loss came without an error)."""
+
+    def run_parser(self) -> None:
+        if not self.response.done():
+            super().run_parser()
+
+    def eof_received(self) -> None:
+        if not self.reader.eof:
+            super().eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.reader.eof:
+            self.reader.feed_eof()
+        if not self.response.done():
+            lost = InvalidProxyMessage("the proxy closed the connection")
+            lost.__cause__ = exc if exc is not None else EOFError("the proxy closed the connection")
+            self.response.set_exception(lost)
+
+
+class _Connect(library_connect):
+    """websockets' `connect`, through an HTTP(S) proxy by way of `_ProxyTunnel`, as the library's
+    own `create_connection` goes through one (the proxy over TLS for https://, then the server's
+    TLS inside the tunnel for wss://). Directly, or through a SOCKS proxy, it is the library's."""
+
+    async def create_connection(self) -> ClientConnection:
+        proxy = parse_proxy(self.proxy) if isinstance(self.proxy, str) else None
+        if proxy is None or not proxy.scheme.startswith("http") or self.connection_kwargs:
+            return await super().create_connection()  # (no loop arguments are passed: `_open`)
+        ws_uri = parse_uri(self.uri)
+        loop = asyncio.get_running_loop()
+        transport, tunnel = await loop.create_connection(
+            lambda: _ProxyTunnel(ws_uri, proxy, self.user_agent_header),
+            proxy.host,
+            proxy.port,
+            ssl=True if proxy.scheme == "https" else None,
+        )
+        try:
+            await tunnel.response
+        except BaseException:
+            transport.close()
+            raise
+        return await self._upgrade_in(transport, ws_uri)
+
+    async def _upgrade_in(self, transport: asyncio.Transport, ws_uri: WebSocketURI) -> ClientConnection:
+        """The WebSocket connection over the proxy's tunnel `transport` (TLS inside it for wss://)."""
+        connection = self.protocol_factory(ws_uri)
+        transport.set_protocol(connection)
+        if ws_uri.secure:
+            tls = await asyncio.get_running_loop().start_tls(
+                transport, connection, ssl.create_default_context(), server_hostname=ws_uri.host
+            )
+            assert tls is not None
+            transport = tls
+        connection.connection_made(transport)
+        return connection
+
+
+def _proxy_failed(proxy: str, target: str, exc: ProxyError) -> ConnectError:
+    """The proxy's failure to open the tunnel to the server, said of the proxy (its URL masked):
+    what it answered the CONNECT with, as the status's standard phrase (its own reason phrase is
+    any text it likes, a request header echoed say), or that it closed the connection. A 407 is
+    fatal: the credentials the environment gives it are what it refuses, and will refuse again."""
+    uri = parse_uri(target)
+    where = f"the proxy {shown_url(proxy)} (from the environment)"
+    connect = f"the CONNECT to {uri.host}:{uri.port}"
+    if isinstance(exc, InvalidProxyStatus):
+        status = exc.response.status_code
+        said = f"{where} answered {connect} with HTTP {status} {_phrase(status)}"
+        return ConnectError("proxy_failed", said, fatal=status == 407)
+    if isinstance(exc, InvalidProxyMessage) and isinstance(exc.__cause__, (EOFError, OSError)):
+        return ConnectError("proxy_failed", f"{where} closed the connection before answering {connect}")
+    if isinstance(exc, InvalidProxyMessage):
+        return ConnectError("proxy_failed", f"{where} answered {connect} with something other than HTTP")
+    return ConnectError("proxy_failed", f"{where} did not open a connection to {uri.host}:{uri.port} ({exc})")
+
+
+def _phrase(status: int) -> str:
+    """The standard reason phrase of an HTTP status."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "(a status HTTP does not define)"
 
 
 def _refused(url: str, status: int, body: bytes) -> ConnectError:

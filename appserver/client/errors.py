@@ -27,7 +27,9 @@ class ConnectError(ProtocolError):
       else `http_<status>`;
     * `handshake_failed`: what answered is not a WebSocket server (or not a protocol server);
       `connect_timeout`: no WebSocket connection in time; `welcome_timeout`: the connection was
-      taken but hello got no welcome in time.
+      taken but hello got no welcome in time;
+    * `proxy_failed`: the environment's proxy did not open the tunnel to the server (it answered the
+      CONNECT with an HTTP error, fatal for a 407, or with no HTTP, or closed the connection).
 
     `fatal`: trying again cannot help (401/403: the credential or the URL is refused; a bad URL),
     so a reconnecting client gives up at once instead of retrying until its deadline."""

@@ -42,3 +42,16 @@ def test_the_cli_error_line_for_such_a_url_keeps_the_value_hidden(tmp_path: Path
     result = run_cli(tmp_path / "home", "run", "--url", f"http://127.0.0.1:9/ws?key=ab@{SECRET}", "hi", timeout=30)
     assert result.code != 0
     assert "SECRET" not in result.err + result.out, result.err
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"https://h.example/ws?token={SECRET}&next=mailto:me@x.com",
+        f"https://{SECRET}@h.example:8443/ws?next=a@b",
+        f"http://x/?token={SECRET}&u=a:b@c",
+        f"http://x/#access_token={SECRET}&x=mailto:me@x",
+    ],
+)
+def test_a_colon_and_a_later_at_never_show_the_query_or_a_token_before_them(url: str) -> None:
+    assert "SECRET" not in shown_url(url), shown_url(url)

@@ -40,6 +40,10 @@ def shown_url(url: str) -> str:
         return f"{head}{mark}{_masked_values(query)}{hashmark}{_masked_values(fragment)}"
     start = found.group(1) or ""
     name, colon, _ = found.group(2).partition(":")
+    if any(c in name for c in "/?#" + _AT):
+        # not a user name: a host and a path or a query (`h/ws?token=…&next=mailto:me@x`), or a
+        # token before another @ (`TOKEN@host/?next=a@b`): none of it is shown
+        name, colon = "***", ""
     user = f"{start}{name}:***@" if colon else f"{start}***@"
     after = url[found.end() :]
     if any(c in found.group(2) for c in "?#"):

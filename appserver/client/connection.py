@@ -119,6 +119,7 @@ RESENDABLE = frozenset(
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.1, 2.0
 HISTORY_LIMIT = 500
 HISTORY_PAGES = 20  # pages read back at most to rebuild the turns a reconnect finds ended
+PIPELINED = 64  # requests a reconnect sends before reading their replies (`_call_all`)
 # The biggest frame a server takes when its welcome does not say (docs/protocol.md: 4 MiB); a
 # bigger one would end the connection (1009), so the client refuses to send it.
 DEFAULT_MAX_FRAME_BYTES = 4 * 1024 * 1024
@@ -492,6 +493,38 @@ class ProtocolClient:
             self._note_reply(frame, reply)
             return reply
 
+    async def _call_all(
+        self, ws: Any, frames: list[dict[str, Any]], out: list[dict[str, Any]]
+    ) -> list[dict[str, Any] | ProtocolError]:
+        """`_call` for many requests at once: each batch of up to PIPELINED is sent before its
+        replies are read, so a reconnect following hundreds of turns costs a few round trips, not
+        one per turn. A request's `error` is its item (a ProtocolError), not raised."""
+        results: list[dict[str, Any] | ProtocolError] = []
+        for start in range(0, len(frames), PIPELINED):
+            batch = frames[start : start + PIPELINED]
+            rids = [f"h{next(self._ids)}" for _ in batch]
+            for rid, frame in zip(rids, batch, strict=True):
+                await ws.send(encode_frame({**frame, "request_id": rid})[0])
+            replies: dict[str, dict[str, Any]] = {}
+            while len(replies) < len(rids):
+                reply = server_frame(await ws.recv())
+                if reply is None:
+                    continue
+                answered = reply.get("request_id")
+                if not isinstance(answered, str) or answered not in rids or answered in replies:
+                    out.append(reply)
+                    continue
+                replies[answered] = reply
+            for rid, frame in zip(rids, batch, strict=True):
+                reply = replies[rid]
+                if reply.get("type") == "error":
+                    code, message = reply.get("code", "error"), reply.get("message", "")
+                    results.append(ProtocolError(code, message, reply.get("param")))
+                else:
+                    self._note_reply(frame, reply)
+                    results.append(reply)
+        return results
+
     async def _run(self) -> None:
         """Read frames; when the connection ends, reconnect if asked and allowed, else finish."""
         try:
@@ -666,38 +699,44 @@ class ProtocolClient:
     async def _resume_missing(
         self, ws: Any, conv_id: str, state: dict[str, Any], missing: list[str], out: list[dict[str, Any]]
     ) -> None:
-        """The snapshot of each followed turn of `conv_id` that is not its active one. The server's
-        own (`get_turn`) first: an ended turn's snapshot is its outcome (docs/protocol.md
-        "Reconnect"), status, stop reason and error as they are (a cancelled turn, a retryable
-        429, a `max_tokens` stop), which the history cannot tell. Only a turn `get_turn` does not
-        answer for (a server without it, or with no record: `turn_not_found`) is rebuilt from the
-        committed history; with none there either it is `lost`, or followed on when the server
-        without `get_turn` still holds queued inputs (they may hold it)."""
-        now: dict[str, Mapping[str, Any] | None] = {}
-        unknown: set[str] = set()  # turns the server has no record of
-        for turn_id in missing:
-            try:
-                now[turn_id] = await self._turn_now(ws, conv_id, turn_id, out)
-            except ProtocolError as exc:
-                if exc.code != "turn_not_found":
-                    raise  # (the store, the cluster: this reconnect is tried again)
-                now[turn_id] = None
-                unknown.add(turn_id)
-        guess = {t for t, snap in now.items() if snap is None}
-        messages = await self._history_with(ws, conv_id, guess, out) if guess else []
+        """The snapshot of each followed turn of `conv_id` that is not its active one. A turn the
+        committed history shows completed is rebuilt from it (`resume.py`: its status and text are
+        the server's; the stop reason is taken for `end_turn`). Every other one is asked for by id
+        (`get_turn`, pipelined: `_call_all`): an ended turn's snapshot is its outcome
+        (docs/protocol.md "Reconnect"), which the history cannot tell for a cancelled turn or a
+        retryable 429. One `get_turn` does not answer for (a server without it, or with no record:
+        `turn_not_found`) keeps the history's guess; with none there either it is `lost`, or
+        followed on when the server without `get_turn` still holds queued inputs (they may hold it)."""
+        messages = await self._history_with(ws, conv_id, set(missing), out)
         agent_id = (state.get("conversation") or {}).get("agent_id") or self._subscribed.get(conv_id) or ""
+        revisions = {t: self._turns[t].revision + 1 for t in missing}
+        guessed = {t: settled_from_history(t, conv_id, agent_id, messages, revisions[t]) for t in missing}
+        ask = [t for t in missing if (g := guessed[t]) is None or g.get("status") != "completed"]
+        now: dict[str, Mapping[str, Any]] = {}
+        unknown: set[str] = set()  # turns the server has no record of
+        asks = [{"type": "get_turn", "conversation": conv_id, "turn_id": t} for t in ask]
+        for turn_id, reply in zip(ask, await self._call_all(ws, asks, out), strict=True):
+            if isinstance(reply, ProtocolError):
+                if reply.code == "turn_not_found":
+                    unknown.add(turn_id)
+                elif reply.code != "unknown_type":  # (a server without get_turn: the history's guess)
+                    raise reply  # (the store, the cluster: this reconnect is tried again)
+                continue
+            snap = reply.get("snapshot")
+            if isinstance(snap, dict) and snap.get("turn_id") == turn_id:
+                now[turn_id] = snap
         for turn_id in missing:
-            revision = self._turns[turn_id].revision + 1
-            snap = now[turn_id] or settled_from_history(turn_id, conv_id, agent_id, messages, revision)
-            if snap is None and turn_id not in unknown and (state.get("queued") or 0) > 0:
+            revision = revisions[turn_id]
+            found = now.get(turn_id) or guessed[turn_id]
+            if found is None and turn_id not in unknown and (state.get("queued") or 0) > 0:
                 # a server without `get_turn`: still queued, its snapshots follow on this subscription
                 continue
-            if snap is None:
-                snap = lost_snapshot(turn_id, conv_id, agent_id, revision)
-            elif snap.get("status") in TERMINAL and _revision(snap) < revision:
+            if found is None:
+                found = lost_snapshot(turn_id, conv_id, agent_id, revision)
+            elif found.get("status") in TERMINAL and _revision(found) < revision:
                 # the outcome is news whatever its number: never dropped as an old view (`_saw`)
-                snap = {**snap, "revision": revision}
-            out.append({"type": "turn_updated", "snapshot": snap})
+                found = {**found, "revision": revision}
+            out.append({"type": "turn_updated", "snapshot": found})
 
     async def _settle_unfollowable(
         self, ws: Any, conv_id: str, refusal: ProtocolError, out: list[dict[str, Any]]

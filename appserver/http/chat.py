@@ -447,6 +447,20 @@ def legacy_choice(call: Any) -> Any:
     return fields.one_of(call, "function_call", ("none", "auto"))
 
 
+def refuse_choice_without_functions(choice: Any) -> None:
+    """A legacy `function_call` without `functions`, typed (`legacy_choice`): "none" and "auto" ask
+    for nothing (clients send them as defaults), but {"name": …} forces a call of a function the
+    request does not give, refused as OpenAI refuses it ("'function_call' is only allowed when
+    'functions' are specified"), as a `tool_choice` naming no offered tool is, never dropped."""
+    if isinstance(choice, dict):
+        raise bad_request(
+            "Invalid 'function_call': 'function_call' naming a function is only allowed when 'functions' are "
+            f"specified (it names {fields.shown(choice['function']['name'])})",
+            "function_call",
+            code="invalid_tool_choice",
+        )
+
+
 def client_tools_of(tools: Any) -> list[ToolSpec]:
     if fields.array(tools, "tools") is None:
         return []
@@ -770,6 +784,8 @@ def user_and_metadata(body: dict[str, Any]) -> tuple[str | None, dict[str, Any]]
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "fast")
 VERBOSITY = ("low", "medium", "high")
 MODERATION_KEYS = ("model", "policy")
+MODERATION_POLICY_KEYS = ("input", "output")
+MODERATION_MODES = ("score", "block")
 SEARCH_CONTEXT_SIZES = ("low", "medium", "high")
 LOCATION_KEYS = ("country", "region", "city", "timezone")
 
@@ -814,7 +830,7 @@ def chat_param_types(body: dict[str, Any]) -> tuple[bool, bool]:
     refuse_audio_output(fields.strings(body.get("modalities"), "modalities", ("text", "audio")), body.get("audio"))
     fields.one_of(body.get("verbosity"), "verbosity", VERBOSITY)
     if body.get("functions") is None and body.get("function_call") is not None:
-        legacy_choice(body["function_call"])  # typed even without `functions` (legacy_tools checks it with them)
+        refuse_choice_without_functions(legacy_choice(body["function_call"]))  # with them: legacy_tools
     prediction_of(body.get("prediction"))
     moderation_of(body.get("moderation"), refuse_unknown_keys=False)
     refuse_web_search(body.get("web_search_options"))
@@ -846,15 +862,43 @@ def prediction_of(value: Any) -> None:
 
 
 def moderation_of(value: Any, *, refuse_unknown_keys: bool = True) -> None:
-    """`moderation`: a `model` (a string, required) and a `policy` (an object or null). Accepted,
-    not used (both routes). Another key is refused on Responses, accepted on chat, as each route
-    treats unknown nested keys."""
+    """`moderation`: a `model` (a string, required) and a `policy` (an object or null), typed down to
+    each `mode` as OpenAI's `ModerationParam` types it. Accepted, not used (both routes): this server
+    runs no moderation. Another key is refused on Responses, accepted on chat, as each route treats
+    unknown nested keys."""
     moderation = fields.obj(value, "moderation")
-    if moderation is not None:
-        if refuse_unknown_keys:
-            fields.known_keys(moderation, "moderation", MODERATION_KEYS)
-        fields.required_string(moderation, "model", "moderation.model")
-        fields.obj(moderation.get("policy"), "moderation.policy")
+    if moderation is None:
+        return
+    if refuse_unknown_keys:
+        fields.known_keys(moderation, "moderation", MODERATION_KEYS)
+    fields.required_string(moderation, "model", "moderation.model")
+    policy = fields.obj(moderation.get("policy"), "moderation.policy")
+    if policy is None:
+        return
+    if refuse_unknown_keys:
+        fields.known_keys(policy, "moderation.policy", MODERATION_POLICY_KEYS)
+    for side in MODERATION_POLICY_KEYS:
+        moderation_config_of(policy.get(side), f"moderation.policy.{side}", refuse_unknown_keys=refuse_unknown_keys)
+
+
+def moderation_config_of(value: Any, at: str, *, refuse_unknown_keys: bool) -> None:
+    """A policy's `input` / `output` (`ModerationConfigParam`, or null): its required `mode` one of
+    `score` / `block`. `block` asks for flagged text to be stopped, which a server that runs no
+    moderation cannot do: refused (400 `unsupported_value`), never dropped, so nobody counts on a
+    block that never happens. `score` asks only for scores, which simply do not come."""
+    config = fields.obj(value, at)
+    if config is None:
+        return
+    if refuse_unknown_keys:
+        fields.known_keys(config, at, ("mode",))
+    mode = fields.one_of(fields.required(config, "mode", f"{at}.mode"), f"{at}.mode", MODERATION_MODES, nullable=False)
+    if mode == "block":
+        raise bad_request(
+            f"Unsupported value: '{at}.mode' 'block': this server runs no moderation, so it cannot block "
+            "flagged text; leave the policy out (or use 'score', which is accepted and gives no scores)",
+            f"{at}.mode",
+            code="unsupported_value",
+        )
 
 
 def refuse_web_search(value: Any) -> None:

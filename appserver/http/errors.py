@@ -8,7 +8,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from appserver.errors import AgentGone, KernelError
-from appserver.shown import capped_message
+from appserver.shown import capped_message, clipped
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -52,12 +52,19 @@ class ApiError(Exception):
             self.headers.setdefault("x-should-retry", "false")
 
 
+# A `param` is a field's path (`input[0].content[1].text`): one that holds a client's key (an
+# unknown one, a `logit_bias` token id) is cut as a message is, so a megabyte key is no megabyte param.
+PARAM_MAX = 256
+
+
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """The error object every OpenAI route answers with: its message and its `param` capped, so a
+    client's megabyte never comes back whole (nor into a log that keeps error bodies)."""
     return {
         "error": {
             "message": capped_message(message),
             "type": ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            "param": param,
+            "param": None if param is None else clipped(param, PARAM_MAX),
             "code": code,
         }
     }

@@ -98,6 +98,7 @@ from appserver.http.stopping import CODE as SHUTTING_DOWN
 from appserver.http.stopping import Stopping, shutting_down
 from appserver.providers.base import ToolSpec
 from appserver.runtime import TERMINAL_STATUSES, Decision, TurnHandle, TurnSnapshot
+from appserver.runtime.kernel import NAMESPACE_DEFAULT_NAME
 from appserver.runtime.settle import not_run_text, stopped_text
 from appserver.runtime.snapshot import answered_unrun
 from appserver.store.records import AgentRecord, ResponseRecord, TurnSettings
@@ -2081,6 +2082,33 @@ class Responses:
         turn = await self.server.store.get_turn(rec.turn_id)
         return turn is not None and turn.status == "cancelled" and (turn.error or {}).get("kind") == "withdrawn"
 
+    async def _refuse_other_header(
+        self, request: Request, agent: AgentRecord, ns: str | None, conversation_id: str, named_by: str
+    ) -> None:
+        """An `X-Conversation-Id` sent beside `previous_response_id` or `conversation` must name the
+        conversation that one names (`conversation_id`), never be dropped for it: a client pinning one
+        conversation would otherwise write into another without a word. Another (or `new`) is a 400
+        `conflicting_parameters`, as previous_response_id with conversation is."""
+        header = (request.headers.get(HEADER) or "").strip()
+        if not header or await self._header_names(header, agent, ns, conversation_id):
+            return
+        raise bad_request(
+            f"{HEADER} {fields.shown(header)} names another conversation than {named_by} does: send one of them, "
+            "or the same conversation in both",
+            HEADER,
+            code="conflicting_parameters",
+        )
+
+    async def _header_names(self, header: str, agent: AgentRecord, ns: str | None, conversation_id: str) -> bool:
+        """Whether `X-Conversation-Id: header` names `conversation_id`, as `by_header` reads it
+        (`default`, a name of this credential's, an id), without making anything: `new` names none."""
+        keyword = header.lower()
+        if keyword == "new":
+            return False
+        if keyword == "default" or (ns is not None and header == NAMESPACE_DEFAULT_NAME):
+            return (await self.server.kernel.default_conversation(agent, ns)).id == conversation_id
+        return conversation_id in name_ids(header, ns)
+
     async def _place(
         self,
         agent: AgentRecord,
@@ -2114,6 +2142,7 @@ class Responses:
                     code="previous_response_not_found",
                     param="previous_response_id",
                 )
+            await self._refuse_other_header(request, agent, ns, rec.conversation_id, "previous_response_id")
             rec = await self.as_ended(rec)
             if await self._withdrawn(rec):
                 raise bad_request(
@@ -2176,7 +2205,9 @@ class Responses:
             )
         if conv_param:
             if conv_param.strip().lower() == "default":  # this credential's own, as X-Conversation-Id
-                return Placement((await self.server.kernel.default_conversation(agent, ns)).id, "conversation")
+                default = (await self.server.kernel.default_conversation(agent, ns)).id
+                await self._refuse_other_header(request, agent, ns, default, "conversation")
+                return Placement(default, "conversation")
             conv = foreign = None
             for cid in name_ids(conv_param.strip(), ns):  # a name reads as X-Conversation-Id reads it
                 found = await store.get_conversation(cid)
@@ -2194,6 +2225,7 @@ class Responses:
                     code="conversation_not_found",
                     param="conversation",
                 )
+            await self._refuse_other_header(request, agent, ns, conv.id, "conversation")
             return Placement(conv.id, "conversation")
         header = request.headers.get(HEADER)
         if header:

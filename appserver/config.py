@@ -7,6 +7,7 @@ Every key is documented in docs/configuration.md. Environment variables override
 from __future__ import annotations
 
 import calendar
+import codecs
 import os
 import re
 import time
@@ -28,6 +29,7 @@ from appserver.configcheck import (
     convert,
     expand_user,
     fold_name,
+    not_utf8_problem,
 )
 from appserver.fsutil import (
     CONFIG_MAX_BYTES,
@@ -491,6 +493,8 @@ def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[
     hints = typing.get_type_hints(cls)
     known = [f.name for f in fields(obj) if f.name != "name"]
     for key, value in data.items():
+        if from_env:
+            _refuse_extra_name_parts(value, hints.get(key), where, key, origin(key))
         if key not in known:
             raise ConfigError(f"{origin(key)}: unknown key {key!r} in [{where}]; known keys: {', '.join(known)}")
         try:
@@ -501,6 +505,26 @@ def _apply_section(obj: Any, data: dict[str, Any], where: str, origin: Callable[
         if problem is not None:
             raise ConfigError(f"{origin(key)}: [{where}] {key}: {problem}")
         setattr(obj, key, converted)
+
+
+def _refuse_extra_name_parts(value: Any, hint: Any, where: str, key: str, variable: str) -> None:
+    """Refuses the variables below `variable` (`APPSERVER_LIMITS__QUEUE_MAX__X`) that have more name
+    parts than the setting has levels (one more for a table, such as headers; none otherwise),
+    naming them: their tree was reported as the value of `variable`, which nobody had set."""
+    if not isinstance(value, dict):
+        return
+    table = typing.get_origin(hint) is dict
+    extra = {k: v for k, v in value.items() if isinstance(v, dict)} if table else value
+    if not extra:
+        return
+    names = ", ".join(f"{variable}__{n.removeprefix('APPSERVER_')}" for n in sorted(_env_names(extra)))
+    if hint is None:
+        what = f"{key!r} is no key of [{where}]"
+    elif table:
+        what = f"[{where}] {key} takes one name part after {variable} (a key of the table), not more"
+    else:
+        what = f"[{where}] {key} has no sub-keys: set {variable} itself"
+    raise ConfigError(f"{names}: a name part too many: {what}")
 
 
 # The APPSERVER_ variables read besides the APPSERVER_<SECTION>__<KEY> ones (docs/configuration.md),
@@ -587,7 +611,13 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
             if problem is not None:
                 raise ConfigError(problem)
             continue
-        path = tuple(p.lower() for p in name[len("APPSERVER_") :].split("__"))
+        parts = name[len("APPSERVER_") :].split("__")
+        if "" in parts:
+            raise ConfigError(_empty_name_part(name, parts))
+        problem = not_utf8_problem(environ[name])
+        if problem is not None:  # would pass as text and fail where it is first encoded (a traceback)
+            raise ConfigError(f"{name}: its value {problem}")
+        path = tuple(p.lower() for p in parts)
         other = seen.setdefault(path, name)
         if other != name:
             raise ConfigError(
@@ -607,6 +637,18 @@ def _env_overrides(environ: dict[str, str]) -> dict[str, Any]:
             cur = cur.setdefault(part, {})
         cur[path[-1]] = environ[name]
     return out
+
+
+def _empty_name_part(name: str, parts: list[str]) -> str:
+    """The refusal of a variable whose name has an empty part (`APPSERVER_LIMITS____QUEUE_MAX`): it
+    was reported under the name its parts make without it, a variable that is not set."""
+    meant = [p for p in parts if p]
+    flat = len(meant) == 2 and meant[0].lower() in _SECTIONS.values() and meant[0].lower() != "providers"
+    hint = f"; did you mean APPSERVER_{'__'.join(meant)}?" if flat else ""
+    return (
+        f"{name}: a part of its name is empty (four underscores in a row, or two at an end): the parts "
+        f"after APPSERVER_ must be non-empty, as in APPSERVER_<SECTION>__<KEY>{hint}"
+    )
 
 
 def _would_be_read(name: str) -> bool:
@@ -735,13 +777,13 @@ def _read_config_file(path: Path, create: bool) -> tuple[dict[str, Any], str]:
         ) from None
     except StateFileRefused as exc:  # a FIFO, a device, a directory: never read, never moved
         raise ConfigError(str(exc)) from None
-    if not raw.strip():
+    if not raw.removeprefix(codecs.BOM_UTF8).strip():  # a byte-order mark alone is no config either
         raise ConfigError(
             f"{path} is empty ({len(raw)} bytes), which is not a valid config: restore it from a backup, "
             "or delete it to have a default one written (a file of comments only means all defaults)"
         )
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        data = tomllib.loads(raw.decode("utf-8-sig"))  # a leading byte-order mark: Windows editors write one
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as exc:
         # (RecursionError: arrays or inline tables nested thousands deep, which no config needs)
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
@@ -837,10 +879,10 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
             )
         prov = cfg.providers.get(name) or ProviderConfig(name=name)
         if name not in cfg.providers:
+            kind_variable = _env_name("providers", name, "kind")
+            _refuse_extra_name_parts(raw_env.get("kind"), str, f"providers.{name}", "kind", kind_variable)
             kind_origin, kind = (
-                (_env_name("providers", name, "kind"), raw_env["kind"])
-                if "kind" in raw_env
-                else (str(path), raw_file.get("kind", prov.kind))
+                (kind_variable, raw_env["kind"]) if "kind" in raw_env else (str(path), raw_file.get("kind", prov.kind))
             )
             if kind not in ("openai", "anthropic"):
                 raise ConfigError(
@@ -853,6 +895,10 @@ def load_config(home: Path | None = None, environ: dict[str, str] | None = None,
         _apply_section(prov, raw_file, f"providers.{name}", in_file, from_env=False)
         _apply_section(prov, raw_env, f"providers.{name}", _env_origin("providers", name), from_env=True)
         cfg.providers[name] = prov
+    env_channels = env.get("channels")
+    if isinstance(env_channels, dict):
+        enabled = _env_name("channels", "enabled")
+        _refuse_extra_name_parts(env_channels.get("enabled"), list[str], "channels", "enabled", enabled)
     try:
         cfg.channels = load_channels(data.pop("channels", {}), env.pop("channels", {}), str(path), _env_name)
     except ChannelConfigError as exc:

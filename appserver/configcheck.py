@@ -200,6 +200,21 @@ def _check_rule(value: Any, rule: Rule, expected: str) -> None:
             raise Invalid(expected)
 
 
+def not_utf8_problem(text: str) -> str | None:
+    """Why `text` cannot be encoded as UTF-8, completing "the value …"; None when it can. A byte of
+    the environment that is not UTF-8 reaches Python as a lone surrogate (U+DC80-U+DCFF), which
+    passed as text and failed with a traceback wherever it was first encoded (a URL quoted for the
+    log, a database's connection string). Names the byte and its position, never the text: it may
+    hold a secret."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"the byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate U+{code:04X}"
+        return f"holds {what} at position {exc.start + 1}, which is not UTF-8: set it again as UTF-8 text"
+    return None
+
+
 # ── names and paths shared by config.py and channelconfig.py ──────────────────────────────────
 
 NO_SUCH_USER = "its ~ names no user of this system; give the path itself"

@@ -55,4 +55,18 @@ def test_run_waits_for_the_ack_no_longer_than_its_timeout_and_says_a_turn_may_ha
     assert "did not confirm the input within 2 s" in result.err, result.err
     assert "a turn may have started there" in result.err, result.err
     assert "did not settle" not in result.err, result.err
+    assert "conversations list" not in result.err, result.err  # it lists this home's server, not --url's
     assert took < 25, f"waited {took:.1f} s for an ack with --timeout 2"
+
+
+def test_channels_add_edits_a_config_toml_saved_with_a_byte_order_mark(tmp_path: Path) -> None:
+    """load_config reads a config.toml with a UTF-8 byte-order mark (Windows editors write one);
+    `channels add` refused it as "not valid TOML"."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "config.toml").write_bytes(b'\xef\xbb\xbf[server]\r\nlisten = "127.0.0.1:8770"\r\n')
+    added = run_cli(home, "channels", "add", "telegram", "main", "--secret", "token=env:TG_TOKEN")
+    assert added.code == 0, added.err
+    listed = run_cli(home, "channels", "list")
+    assert listed.code == 0 and "telegram" in listed.out, (listed.out, listed.err)
+    assert not list(home.glob("config.toml.corrupt-*"))

@@ -382,7 +382,7 @@ class _ConfigFile:
     @classmethod
     def read(cls, path: Path) -> _ConfigFile:
         try:
-            text = path.read_bytes().decode("utf-8")
+            text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark, as load_config reads one
         except FileNotFoundError:
             text = ""
         except UnicodeDecodeError as exc:
@@ -419,7 +419,7 @@ class _ConfigFile:
         something that does not take the lock (an editor) refuses the write."""
         target = self.path.resolve()
         try:
-            current = target.read_bytes().decode("utf-8", "replace")
+            current = target.read_bytes().decode("utf-8-sig", "replace")
             mode = target.stat().st_mode & 0o777
         except FileNotFoundError:
             current, mode = "", 0o600

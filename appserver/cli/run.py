@@ -64,9 +64,9 @@ class InputNotConfirmed(Exception):
     """The server never confirmed the submitted input (no ack within `waited` seconds): it may
     have taken it and started a turn, or not."""
 
-    def __init__(self, waited: float) -> None:
+    def __init__(self, waited: float, may_have_started: str) -> None:
         super().__init__(f"no ack within {waited:g} s")
-        self.waited = waited
+        self.waited, self.may_have_started = waited, may_have_started
 
 
 class TurnNotSettled(Exception):
@@ -674,6 +674,8 @@ def run_remote(
     from appserver.client import ProtocolError
 
     teller = RetryTeller()
+    # this home's server (found through server.json) is the one `conversations list` reads
+    may_have_started = MAY_HAVE_STARTED + (LISTED_HERE if url_source is not None else "")
 
     async def on_frame(frame: dict[str, Any]) -> None:
         tell_connection(frame)
@@ -692,7 +694,7 @@ def run_remote(
         """Through a server, only Ctrl-C cancels the turn (as chat's first Ctrl-C does); SIGTERM and
         SIGHUP leave it running there: the command ends, not the turn."""
         if not running and submitting:
-            said = await _submit_outcome(submitting[-1], running)
+            said = await _submit_outcome(submitting[-1], running, may_have_started)
             if said is not None:
                 return said
         if not running or not clients:
@@ -755,7 +757,7 @@ def run_remote(
         try:
             ack = await asyncio.shield(submitting[-1])
         except TimeoutError:
-            raise InputNotConfirmed(ack_wait) from None
+            raise InputNotConfirmed(ack_wait, may_have_started) from None
         running.append((ack["conversation_id"], ack["turn_id"]))
         await tell_waiting(client, ack)
         snap = await client.wait_turn(ack["turn_id"], timeout=timeout, on_frame=on_frame)
@@ -764,7 +766,9 @@ def run_remote(
     return call_server(go, url, timeout, token_how)
 
 
-async def _submit_outcome(submitted: asyncio.Future[dict[str, Any]], running: list[tuple[str, str]]) -> str | None:
+async def _submit_outcome(
+    submitted: asyncio.Future[dict[str, Any]], running: list[tuple[str, str]], may_have_started: str
+) -> str | None:
     """A stop signal came while the submit waited for its ack: the ack, awaited a little longer,
     names the turn (added to `running`; None returned); a refusal means no turn; no ack in time, or
     a connection lost before it, is said as it is (the server may have taken the input)."""
@@ -774,16 +778,18 @@ async def _submit_outcome(submitted: asyncio.Future[dict[str, Any]], running: li
         ack = await asyncio.wait_for(asyncio.shield(submitted), CANCEL_WAIT_S)
     except TimeoutError:
         submitted.cancel()
-        return f"the server did not confirm the input in time, so {MAY_HAVE_STARTED}"
+        return f"the server did not confirm the input in time, so {may_have_started}"
     except Closed:  # the connection went before the ack: the server may have taken the input
-        return f"the connection was lost before the server confirmed the input, so {MAY_HAVE_STARTED}"
+        return f"the connection was lost before the server confirmed the input, so {may_have_started}"
     except ProtocolError:  # the server refused it: nothing was taken
         return "no turn was started"
     running.append((ack["conversation_id"], ack["turn_id"]))
     return None
 
 
-MAY_HAVE_STARTED = "a turn may have started there (`appserver conversations list` shows it)"
+MAY_HAVE_STARTED = "a turn may have started there"
+# what lists this home's server's conversations (`conversations list` reads no --url)
+LISTED_HERE = " (`appserver conversations list` shows it)"
 
 
 async def wait_answered(
@@ -821,7 +827,7 @@ def call_server(
     try:
         return asyncio.run(go())
     except InputNotConfirmed as exc:
-        fail(f"the server did not confirm the input within {exc.waited:g} s, so {MAY_HAVE_STARTED}", 1)
+        fail(f"the server did not confirm the input within {exc.waited:g} s, so {exc.may_have_started}", 1)
     except TimeoutError:
         fail(f"the turn did not settle within {timeout:g} s", 1)
     except ProtocolError as exc:

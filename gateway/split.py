@@ -233,7 +233,8 @@ def fences_on_own_lines(text: str) -> str:
       after it was shown as prose and the prose after the real closer as code;
     - an opener after prose that would read as a fence on a line of its own when it is none
       (```` ```` a ```py ```` when nothing closes the ```` ```` ````) keeps its line whole: that
-      opener is literal.
+      opener is literal. So does a closer after code that would (```` ``` ``` ````: its piece
+      ```` ``` ```` closed the block, and the closer moved after it opened one around the prose).
     """
     lines = text.split("\n")
     closers = _Closers(lines)
@@ -279,7 +280,7 @@ class _Closers:
         if m:
             return [(3, len(m.group(1)))] if m.group(1)[0] == "`" and not m.group(2).strip() else []
         run = _closing_run(line)
-        return [(3, run.end() - run.start())] if run else []
+        return [(3, run.end() - run.start())] if run and not _reads_as_fence(line[: run.start()]) else []
 
 
 def _closing_run(line: str) -> re.Match[str] | None:
@@ -291,6 +292,12 @@ def _closing_run(line: str) -> re.Match[str] | None:
     while start > 0 and line[start - 1] == "`":
         start -= 1
     return _TICKS.match(line, start, end)
+
+
+def _reads_as_fence(text: str) -> bool:
+    """Whether `text`, the piece of a line before a mid-line fence, would read as a fence line on
+    its own: the line is then kept whole, its run literal (the piece would open or close a block)."""
+    return bool(_FENCE_START.match(text) and _FENCE.match(text))
 
 
 def _line_pieces(line: str, fence: str | None, k: int, closers: _Closers) -> tuple[list[str], str | None]:
@@ -306,8 +313,9 @@ def _line_pieces(line: str, fence: str | None, k: int, closers: _Closers) -> tup
     while q < len(runs):
         run = runs[q].group(0)
         if fence is not None:  # inside: a run at least as long closes the fence at the line's end only
-            if len(run) >= len(fence) and not line[runs[q].end() :].strip():
-                pieces += [line[start : runs[q].start()], run]
+            before = line[start : runs[q].start()]
+            if len(run) >= len(fence) and not line[runs[q].end() :].strip() and not _reads_as_fence(before):
+                pieces += [before, run]
                 fence, start = None, runs[q].end()
             q += 1
             continue
@@ -318,7 +326,7 @@ def _line_pieces(line: str, fence: str | None, k: int, closers: _Closers) -> tup
             q += 1
             continue
         before = line[start : runs[q].start()]
-        if not closers.after(len(run), k) or (_FENCE_START.match(before) and _FENCE.match(before)):
+        if not closers.after(len(run), k) or _reads_as_fence(before):
             q += 1  # nothing closes it, or the prose before it would be a fence: literal backticks
             continue
         rest = line[runs[q].end() :]

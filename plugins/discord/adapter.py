@@ -17,7 +17,8 @@ whose last message is newer than the newest one recorded: first written to durin
 Live messages of a channel being caught up (from READY on: discord.py hands messages over before
 `on_ready`) wait until its catch-up has handed the older ones over, at most `CATCH_UP_WAIT_S`, so the
 channel keeps Discord's order; a channel with a live message waiting is caught up next, and other
-channels are not held up. A channel whose fetch fails (a 5xx, a 429 longer than discord.py waits) is
+channels are not held up. A channel whose fetch fails (a 5xx, a 429 longer than discord.py waits) or
+does not answer within `CATCH_UP_FETCH_S` (discord.py sleeping out a 429 or retrying a 5xx) is
 fetched again after a bounded backoff, and its saved position stays before what is not fetched yet
 (`gap`) whatever is recorded meanwhile. A message both fetched and live (or replayed) is handed over
 once. The bot's own messages are skipped; other bots'
@@ -59,7 +60,7 @@ import contextlib
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,10 @@ CATCH_UP_WAIT_S = 30.0
 # waits) is fetched again after this, doubling up to the most (or after Discord's `retry_after`).
 CATCH_UP_RETRY_S = 2.0
 CATCH_UP_RETRY_MAX_S = 60.0
+# Each page of a catch-up fetch is waited for at most this long: discord.py sleeps out a 429 (up to
+# `MAX_RATELIMIT_WAIT_S`, five times) and retries a 5xx for ~25 s, and meanwhile every other channel's
+# catch-up would wait behind it. One that runs out is fetched again later (`CATCH_UP_RETRY_S`).
+CATCH_UP_FETCH_S = 5.0
 # A channel discord.py does not know (a thread it never saw created) whose lookup failed is asked
 # again after these pauses, all within `FETCH_TIMEOUT_S` of the first try.
 LOOKUP_RETRY_S = (0.5, 1.5)
@@ -1038,7 +1043,8 @@ class DiscordAdapter:
         channel = client.get_partial_messageable(channel_id)
         count = 0
         after = discord.Object(id=_catch_up_start(entry))
-        async for message in channel.history(limit=CATCH_UP_LIMIT, after=after, oldest_first=True):
+        messages = channel.history(limit=CATCH_UP_LIMIT, after=after, oldest_first=True)
+        while (message := await _next_within(messages, CATCH_UP_FETCH_S)) is not None:
             if self.bot_user_id is not None and message.author.id == self.bot_user_id:
                 continue
             count += 1
@@ -1253,6 +1259,15 @@ def _catch_up_start(entry: dict[str, Any]) -> int:
 def _due(gate: _Gate) -> bool:
     """A planned channel that can be fetched now (not being fetched, not waiting to try again)."""
     return gate.entry is not None and not gate.running and gate.retry is None
+
+
+async def _next_within(messages: AsyncIterator[discord.Message], seconds: float) -> discord.Message | None:
+    """The next message of a history (None at its end), its page waited for at most `seconds`: a
+    `TimeoutError` then, so the caller moves on instead of waiting out discord.py's own retries."""
+    try:
+        return await asyncio.wait_for(anext(messages, None), seconds)
+    except TimeoutError:
+        raise TimeoutError(f"no answer within {seconds:g} s") from None
 
 
 def _retry_after(exc: BaseException) -> float:

@@ -13,6 +13,8 @@ quotes, lists, headings, masked links), so the agent's text passes through. What
   code. Each ``` in a block's code gets a zero-width space (U+200B) before its third backtick, as
   on Slack, and the block's own fences of more than three backticks are written as three (Discord
   knows no longer ones: the extra backticks showed as code).
+- a `~~~` block's fences: Discord knows none, so its code showed as Markdown (`a*b*c` in italics).
+  They are written as ``` (the language kept), as on Slack and Telegram.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ _FENCE_RE = re.compile(r"\s{0,3}(`{3,}|~{3,})")
 
 
 def to_discord(text: str) -> str:
-    """The agent's Markdown as Discord text: unchanged but for control characters, CR LF and the
-    backticks of a code block that would end it early."""
+    """The agent's Markdown as Discord text: unchanged but for control characters, CR LF, the
+    backticks of a code block that would end it early and the fences Discord does not know."""
     text = _CONTROL_RE.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
-    return _code_kept_in_blocks(text) if "```" in text else text
+    return _code_kept_in_blocks(text) if "```" in text or "~~~" in text else text
 
 
 def _code_kept_in_blocks(text: str) -> str:
@@ -64,11 +66,13 @@ def _closes(line: str, marker: str) -> bool:
 
 
 def _three_backticks(line: str, marker: str | None) -> str:
-    """A fence line of backticks with its run written as three (Discord's only fence)."""
-    if marker is None or marker[0] != "`":
+    """A fence line with its run (backticks or tildes) written as three backticks, Discord's only
+    fence. A tilde opener's info string may hold backticks (CommonMark): they are dropped, as after
+    ``` they would make the line no fence."""
+    if marker is None:
         return line
-    run = line.index("`")
+    run = line.index(marker[0])
     end = run
-    while end < len(line) and line[end] == "`":
+    while end < len(line) and line[end] == marker[0]:
         end += 1
-    return f"{line[:run]}```{line[end:]}"
+    return f"{line[:run]}```{line[end:].replace('`', '')}"

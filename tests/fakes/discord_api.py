@@ -371,11 +371,13 @@ class FakeDiscord(LoopbackServer):
     # ------------------------------------------------------------------ test side: failures
 
     def fail_next(self, kind: str, *, status: int = 429, retry_after: float = 1.0, is_global: bool = False,
-                  count: int = 1) -> None:  # fmt: skip
+                  count: int = 1, channel: str | None = None) -> None:  # fmt: skip
         """The next `count` REST calls of `kind` ("POST messages", "PATCH messages", …) fail with `status`
-        (429: with `retry_after` and the global flag)."""
+        (429: with `retry_after` and the global flag); with `channel`, only calls in that channel
+        (`clear_failures(f"{kind} in {channel}")`)."""
+        key = kind if channel is None else f"{kind} in {channel}"
         with self._lock:
-            self._failures.setdefault(kind, []).append(_Failure(status, retry_after, is_global, count))
+            self._failures.setdefault(key, []).append(_Failure(status, retry_after, is_global, count))
 
     def clear_failures(self, kind: str | None = None) -> None:
         """Forget the failures `fail_next` queued for `kind` (every kind when None) not used up yet."""
@@ -680,7 +682,8 @@ class FakeDiscord(LoopbackServer):
         auth = request.headers.get("authorization", "")
         if auth != f"Bot {self.token}" and parts[0] != "interactions":
             return 401, {"message": "401: Unauthorized", "code": 0}, None, 0.0
-        failure = self._take_failure(kind)
+        in_channel = self._take_failure(f"{kind} in {parts[1]}") if parts[0] == "channels" and len(parts) > 1 else None
+        failure = in_channel or self._take_failure(kind)
         if failure is not None:
             if failure.status == 429:
                 headers = {"X-RateLimit-Global": "true"} if failure.is_global else {}

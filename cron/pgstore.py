@@ -23,11 +23,14 @@ from typing import Any
 
 import psycopg
 
-from appserver.store.cluster import LIVE
+from appserver.store.cluster import AWAY, LIVE, LIVE_SINCE
 from appserver.store.pgsync import SyncConnection
 from cron.store import DEFAULT_LOCK_TIMEOUT_S, CronFile, CronLockTimeout, CronStore, CronStoreError
 
 HEARTBEAT_GRACE = {"timeout": 30.0, "grace": 5.0}  # the cluster's defaults (see `instance_alive`)
+# LIVE_SINCE's clock with each heartbeat counted as recorded (no `back`, no `until`): while this
+# server's own heartbeat is stale it is fenced (`LeaseHolder.fenced`) and takes no lease to judge.
+AS_RECORDED = {"back": 0.0, "until": AWAY}
 
 
 class PgCronStore(CronStore):
@@ -146,18 +149,23 @@ class PgCronStore(CronStore):
         return None
 
     def instance_alive(self, instance_id: str) -> bool | None:
-        """Is the instance alive (LIVE, by the cluster's timings)? Asked under `lock()` by a claim,
-        and without it by a scheduler waiting for the lease (every second; `Scheduler._sleep`).
-        Of this server's own instance (`LeaseHolder.fenced`), a heartbeat sooner than the others
-        judge it: it stops claiming before they may take its lease over. A row deleted by a
-        survivor (this server was judged gone) is never alive again."""
-        timings = self.own_liveness if instance_id == self.instance_id else self.liveness
+        """Is the instance alive? Asked under `lock()` by a claim, and without it by a scheduler
+        waiting for the lease (every second; `Scheduler._sleep`). Another instance by the timings
+        its row recorded (LIVE_SINCE, as the cluster judges it; this server's for a row without
+        them): judged by this server's own, a short timeout took the lease from a healthy server
+        with a longer heartbeat. Of this server's own instance (`LeaseHolder.fenced`), a heartbeat
+        sooner than the others judge it: it stops claiming before they may take its lease over.
+        A row deleted by a survivor (this server was judged gone) is never alive again."""
+        if instance_id == self.instance_id:
+            live, timings = LIVE, self.own_liveness
+        else:
+            live, timings = LIVE_SINCE, {**self.liveness, **AS_RECORDED}
         with self._mutex:
             try:
                 row = (
                     self._conn()
                     .execute(
-                        f"SELECT 1 FROM instances i WHERE i.id = %(id)s AND {LIVE}",
+                        f"SELECT 1 FROM instances i WHERE i.id = %(id)s AND {live}",
                         {**timings, "id": instance_id},
                     )
                     .fetchone()

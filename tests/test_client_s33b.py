@@ -16,7 +16,8 @@ connection at a chosen moment while the server runs on, and a second client stra
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -149,13 +150,24 @@ def _outcome(snap: dict[str, Any]) -> tuple[Any, ...]:
     return snap["status"], snap["stop_reason"], snap["error"]
 
 
+@asynccontextmanager
+async def _clients(server: ServeProcess, **options: Any) -> AsyncIterator[tuple[Proxy, ProtocolClient, ProtocolClient]]:
+    """The library through a proxy that can drop its connection, and a second client connected directly."""
+    proxy = Proxy(_port(server))
+    await proxy.start()
+    lib = await ProtocolClient.connect(proxy.url, reconnect=True, reconnect_s=T, **options)
+    direct = await ProtocolClient.connect(server.url)
+    try:
+        yield proxy, lib, direct
+    finally:
+        await lib.close()
+        await direct.close()
+        await proxy.close()
+
+
 def test_a_turn_that_ended_while_disconnected_gets_the_servers_outcome(server: ServeProcess) -> None:
     async def go() -> None:
-        proxy = Proxy(_port(server))
-        await proxy.start()
-        lib = await ProtocolClient.connect(proxy.url, reconnect=True, reconnect_s=T)
-        direct = await ProtocolClient.connect(server.url)
-        try:
+        async with _clients(server) as (proxy, lib, direct):
             slow = await lib.submit("careful", "/slow 400", conversation="new")
             conv = slow["conversation_id"]
             limited = await lib.submit("careful", "/error 429", conversation=conv)
@@ -183,21 +195,13 @@ def test_a_turn_that_ended_while_disconnected_gets_the_servers_outcome(server: S
             error = (await _turn(direct, conv, limited["turn_id"]))["error"]
             assert (error["kind"], error["status"], error["retryable"]) == ("rate_limit", 429, True), error
             assert (await _turn(direct, conv, paused["turn_id"]))["status"] == "cancelled"
-        finally:
-            await lib.close()
-            await direct.close()
-            await proxy.close()
 
     asyncio.run(go())
 
 
 def test_a_cancel_without_turn_id_is_not_sent_again_after_a_reconnect(server: ServeProcess) -> None:
     async def go() -> None:
-        proxy = Proxy(_port(server))
-        await proxy.start()
-        lib = await ProtocolClient.connect(proxy.url, reconnect=True, reconnect_s=T)
-        direct = await ProtocolClient.connect(server.url)
-        try:
+        async with _clients(server) as (proxy, lib, direct):
             mine = await lib.submit("careful", "/slow 400", conversation="new")
             conv = mine["conversation_id"]
             other = await direct.submit("careful", "/slow 400 another client's input", conversation=conv)
@@ -215,21 +219,13 @@ def test_a_cancel_without_turn_id_is_not_sent_again_after_a_reconnect(server: Se
             assert (await _turn(direct, conv, mine["turn_id"]))["status"] == "cancelled"
             assert (await _turn(direct, conv, other["turn_id"]))["status"] == "running"  # the next turn runs on
             await direct.request({"type": "cancel", "conversation": conv, "turn_id": other["turn_id"]}, timeout=T)
-        finally:
-            await lib.close()
-            await direct.close()
-            await proxy.close()
 
     asyncio.run(go())
 
 
 def test_a_resent_approval_answer_that_was_applied_is_reported_as_accepted(server: ServeProcess) -> None:
     async def go() -> None:
-        proxy = Proxy(_port(server))
-        await proxy.start()
-        lib = await ProtocolClient.connect(proxy.url, reconnect=True, reconnect_s=T, client="desk")
-        direct = await ProtocolClient.connect(server.url)
-        try:
+        async with _clients(server, client="desk") as (proxy, lib, direct):
             ack = await lib.submit("careful", "/call clock {}", conversation="new")
             conv = ack["conversation_id"]
             paused = await lib.wait_turn(ack["turn_id"], settled=True, timeout=T)
@@ -251,10 +247,6 @@ def test_a_resent_approval_answer_that_was_applied_is_reported_as_accepted(serve
             assert lib.reconnects == 1
             done = await _turn(direct, conv, ack["turn_id"])
             assert "denied" in str(done["blocks"]), done
-        finally:
-            await lib.close()
-            await direct.close()
-            await proxy.close()
 
     asyncio.run(go())
 

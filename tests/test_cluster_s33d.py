@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,36 +21,10 @@ import httpx
 import psycopg
 import pytest
 
-from tests.support.cli import cli_env
 from tests.support.pg import temp_database, url_for
-from tests.support.serve import ServeProcess, start_serve
+from tests.support.serve import ServeProcess, killed_at_exit, log_so_far, serve_with_timings
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _serve(tmp: Path, name: str, url: str, heartbeat_s: float, instance_timeout_s: float) -> ServeProcess:
-    home = tmp / name
-    env = cli_env(
-        home,
-        APPSERVER_STORE__URL=url,
-        APPSERVER_STORE__HEARTBEAT_S=str(heartbeat_s),
-        APPSERVER_STORE__INSTANCE_TIMEOUT_S=str(instance_timeout_s),
-    )
-    return start_serve(home, env=env)
-
-
-@contextmanager
-def _nodes() -> Iterator[list[ServeProcess]]:
-    nodes: list[ServeProcess] = []
-    try:
-        yield nodes
-    finally:
-        for sp in nodes:
-            sp.kill()
-
-
-def _log(sp: ServeProcess) -> str:
-    return sp.proc.stderr.so_far() if sp.proc.stderr is not None else ""  # type: ignore[attr-defined]
 
 
 def _query(url: str, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -74,18 +47,18 @@ def _ready(sp: ServeProcess) -> int:
 
 
 def test_each_server_is_judged_by_the_timings_it_recorded(tmp_path: Path) -> None:
-    with temp_database("s33d_mixed") as url, _nodes() as nodes:
-        slow = _serve(tmp_path, "slow", url, 2.5, 10)  # its heartbeat is older than the other's timeout
+    with temp_database("s33d_mixed") as url, killed_at_exit() as nodes:
+        slow = serve_with_timings(tmp_path / "slow", url, 2.5, 10)  # its heartbeat is older than the other's timeout
         nodes.append(slow)
-        quick = _serve(tmp_path, "quick", url, 0.3, 1.5)
+        quick = serve_with_timings(tmp_path / "quick", url, 0.3, 1.5)
         nodes.append(quick)
         # The quick server judges every second, and the slow one's heartbeat is up to 2.75 s old.
         end = time.monotonic() + 8
         while time.monotonic() < end:
-            assert _ready(slow) == 200, _log(slow)
+            assert _ready(slow) == 200, log_so_far(slow)
             time.sleep(0.5)
         assert len(_query(url, "SELECT id FROM instances")) == 2
-        assert "judged gone" not in _log(slow)
+        assert "judged gone" not in log_so_far(slow)
         rows = _query(url, "SELECT heartbeat_s, instance_timeout_s FROM instances ORDER BY started_at")
         assert rows == [(2.5, 10.0), (0.3, 1.5)]
 
@@ -100,10 +73,10 @@ def test_each_server_is_judged_by_the_timings_it_recorded(tmp_path: Path) -> Non
 
 
 def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_ended(tmp_path: Path) -> None:
-    with temp_database("s33d_term") as url, _nodes() as nodes:
-        survivor = _serve(tmp_path, "survivor", url, 0.5, 4)
+    with temp_database("s33d_term") as url, killed_at_exit() as nodes:
+        survivor = serve_with_timings(tmp_path / "survivor", url, 0.5, 4)
         nodes.append(survivor)
-        doomed = _serve(tmp_path, "doomed", url, 0.5, 4)
+        doomed = serve_with_timings(tmp_path / "doomed", url, 0.5, 4)
         nodes.append(doomed)
         (dead,) = _query(url, "SELECT id FROM instances ORDER BY started_at DESC LIMIT 1")[0]
         db = url.rsplit("/", 1)[1]
@@ -130,6 +103,6 @@ def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_
         finally:
             stop.set()
             ender.join(10)
-        assert gone, _log(survivor)
-        assert _until(lambda: _ready(survivor) == 200, 10), _log(survivor)
-        assert "judged gone" not in _log(survivor)
+        assert gone, log_so_far(survivor)
+        assert _until(lambda: _ready(survivor) == 200, 10), log_so_far(survivor)
+        assert "judged gone" not in log_so_far(survivor)

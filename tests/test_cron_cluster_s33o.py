@@ -9,43 +9,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from tests.support.cli import cli_env
 from tests.support.pg import temp_database
-from tests.support.serve import ServeProcess, start_serve
+from tests.support.serve import killed_at_exit, log_so_far, serve_with_timings
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _serve(tmp: Path, name: str, url: str, heartbeat_s: float, instance_timeout_s: float) -> ServeProcess:
-    home = tmp / name
-    env = cli_env(
-        home,
-        APPSERVER_STORE__URL=url,
-        APPSERVER_STORE__HEARTBEAT_S=str(heartbeat_s),
-        APPSERVER_STORE__INSTANCE_TIMEOUT_S=str(instance_timeout_s),
-    )
-    return start_serve(home, env=env)
-
-
-@contextmanager
-def _nodes() -> Iterator[list[ServeProcess]]:
-    nodes: list[ServeProcess] = []
-    try:
-        yield nodes
-    finally:
-        for sp in nodes:
-            sp.kill()
-
-
-def _log(sp: ServeProcess) -> str:
-    return sp.proc.stderr.so_far() if sp.proc.stderr is not None else ""  # type: ignore[attr-defined]
 
 
 def _holder(url: str) -> str | None:
@@ -72,18 +45,18 @@ def _until(check: Callable[[], bool], within: float) -> bool:
 
 
 def test_a_slow_healthy_holder_keeps_the_scheduler_lease_beside_a_quick_server(tmp_path: Path) -> None:
-    with temp_database("cron_s33o_mixed") as url, _nodes() as nodes:
-        slow = _serve(tmp_path, "slow", url, 2.5, 10)  # its heartbeat is older than the other's timeout
+    with temp_database("cron_s33o_mixed") as url, killed_at_exit() as nodes:
+        slow = serve_with_timings(tmp_path / "slow", url, 2.5, 10)  # its heartbeat is older than the other's timeout
         nodes.append(slow)
         slow_id = _newest_instance(url)
-        assert _until(lambda: _holder(url) == slow_id, 10), _log(slow)
-        quick = _serve(tmp_path, "quick", url, 0.3, 1.5)
+        assert _until(lambda: _holder(url) == slow_id, 10), log_so_far(slow)
+        quick = serve_with_timings(tmp_path / "quick", url, 0.3, 1.5)
         nodes.append(quick)
         # The quick server judges the holder every second, and the slow one's heartbeat is up to
         # 2.75 s old: four of the quick server's timeouts, several of the slow one's heartbeats.
         end = time.monotonic() + 6
         while time.monotonic() < end:
-            assert _holder(url) == slow_id, _log(quick)
+            assert _holder(url) == slow_id, log_so_far(quick)
             time.sleep(0.25)
-        assert "taking over the scheduler lease" not in _log(quick)
-        assert "lost the scheduler lease" not in _log(slow)
+        assert "taking over the scheduler lease" not in log_so_far(quick)
+        assert "lost the scheduler lease" not in log_so_far(slow)

@@ -139,6 +139,33 @@ def start_serve_at(home: Path, port: int, env: dict[str, str], *, last: int, ste
             port += step
 
 
+def serve_with_timings(home: Path, url: str, heartbeat_s: float, instance_timeout_s: float) -> ServeProcess:
+    """`serve` of `home` on the PostgreSQL database `url`, with cluster timings of its own."""
+    env = cli_env(
+        home,
+        APPSERVER_STORE__URL=url,
+        APPSERVER_STORE__HEARTBEAT_S=str(heartbeat_s),
+        APPSERVER_STORE__INSTANCE_TIMEOUT_S=str(instance_timeout_s),
+    )
+    return start_serve(home, env=env)
+
+
+@contextmanager
+def killed_at_exit() -> Iterator[list[ServeProcess]]:
+    """A list to put servers in; each is killed when the block ends."""
+    nodes: list[ServeProcess] = []
+    try:
+        yield nodes
+    finally:
+        for sp in nodes:
+            sp.kill()
+
+
+def log_so_far(sp: ServeProcess) -> str:
+    """What a `start_serve` server has written to stderr so far."""
+    return sp.proc.stderr.so_far() if sp.proc.stderr is not None else ""  # type: ignore[attr-defined]
+
+
 def stop_all(*servers: ServeProcess) -> None:
     """Stop each server (SIGTERM, then SIGKILL if it hangs or is already gone)."""
     for sp in servers:

@@ -47,6 +47,7 @@ SLOW_FILES_FIRST = (
     "test_cluster_s28s.py",
     "test_cluster_s33d.py",
     "test_cluster_s33e.py",
+    "test_cluster_s33p.py",
     "test_state_fixes_s19.py",
     "test_gw_telegram_prompts_e2e.py",
     "test_gateway_fixes_s18.py",

@@ -146,6 +146,9 @@ class Cluster:
         self.instance_id = new_id("inst")
         self.lock_key = secrets.randbelow(2**31 - 2) + 1
         self.peers = 0  # live instances besides this one, as of the last heartbeat
+        # The shortest timeout this server judges a live instance by (its own, or a peer's that
+        # recorded a shorter one), as of the last heartbeat: it bounds `trust_s`.
+        self._shortest_timeout_s = instance_timeout_s
         self.on_more_peers: Callable[[], None] | None = None  # the kernel: the count rose (one joined)
         self._session: Conn | None = None
         self._task: asyncio.Task[None] | None = None
@@ -174,9 +177,20 @@ class Cluster:
     @property
     def trust_s(self) -> float:
         """How long after its own heartbeat's last renewal this server still judges the others.
-        Half the timeout: the others' heartbeats, renewed a heartbeat apart, look at most this much
-        older than they are when a stall of the whole database ends, still short of the timeout."""
-        return self.instance_timeout_s / 2
+        Half the shortest timeout it judges anyone by (its own, or a live peer's recorded one): the
+        others' heartbeats, renewed at most a third of their timeout apart, look at most this much
+        older than they are when a stall of the whole database ends, still short of their timeout.
+        Half its own alone was 15 s at the defaults, and a stall of a few seconds made a peer with a
+        1.5 s timeout look gone to it: judged by its own blindness."""
+        return min(self.instance_timeout_s, self._shortest_timeout_s) / 2
+
+    @property
+    def beat_s(self) -> float:
+        """How often this server renews its heartbeat: its own period, or more often beside a peer
+        with a shorter timeout. A renewal is how it knows it still sees the database: renewed less
+        often than `trust_s`, it would stop judging between renewals (a dead quick peer never
+        judged gone); a third of the shortest timeout, as `[store]` allows at the most."""
+        return min(self.heartbeat_s, self.trust_s * 2 / 3)
 
     @property
     def params(self) -> dict[str, float]:
@@ -335,9 +349,14 @@ class Cluster:
         await self._count_peers(conn)
 
     async def _count_peers(self, conn: Conn) -> None:
-        cur = await conn.execute(f"SELECT count(*) AS n FROM instances i WHERE {LIVE_SINCE}", self.params)
+        """Count the live peers, and note the shortest timeout among the live rows (`trust_s`)."""
+        cur = await conn.execute(
+            f"SELECT count(*) AS n, min({OWN_TIMEOUT}) AS shortest FROM instances i WHERE {LIVE_SINCE}", self.params
+        )
         row = await cur.fetchone()
         before, self.peers = self.peers, max(0, int(row["n"]) - 1) if row else 0
+        shortest = row["shortest"] if row else None
+        self._shortest_timeout_s = float(shortest) if shortest is not None else self.instance_timeout_s
         if self.peers > before and self.on_more_peers is not None:
             self.on_more_peers()
 
@@ -355,9 +374,9 @@ class Cluster:
                     if not self.lost:
                         log.warning("cluster: the database ended this instance's session; taken again")
                     continue
-                async for note in conn.notifies(timeout=min(0.25, self.heartbeat_s)):
+                async for note in conn.notifies(timeout=min(0.25, self.beat_s)):
                     self._dispatch(note.channel, note.payload)
-                if time.monotonic() - beat_at >= self.heartbeat_s:
+                if time.monotonic() - beat_at >= self.beat_s:
                     # Late (the process was stopped, or starved): others may have judged it gone.
                     late = time.monotonic() - self._beat_ok > self.heartbeat_s * 2.5
                     beat_at = time.monotonic()

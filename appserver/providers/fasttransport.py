@@ -4,8 +4,8 @@ parser, and a keep-alive pool.
 httpx's default transport (httpcore + h11 + anyio) costs about 0.85 ms of CPU per streamed model
 call — more than the rest of a request's path through the server. This transport keeps httpx's
 client layer (headers, cookies, content decoding, exceptions, proxies) and replaces only the wire:
-one write per request, C parsing, idle connections reused. URLs that env proxies cover still go
-through httpx's own proxy transports (`env_proxy_mounts`, mounted ahead of this one). Without
+one write per request, C parsing, idle connections reused. A URL an env proxy covers still goes
+through httpx's own proxy transport (`env_proxy_mounts`, mounted ahead of this one). Without
 httptools, `lean_transport()` returns None and httpx's default transport is used.
 """
 
@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
-from httpx._utils import get_environment_proxies
+from httpx._utils import URLPattern, get_environment_proxies
 
 try:
     import httptools
@@ -573,16 +574,71 @@ class _LeanPost:
             await self.response.aclose()
 
 
-def env_proxy_mounts(limits: httpx.Limits) -> dict[str, httpx.AsyncBaseTransport | None]:
-    """The mounts httpx makes for the environment's proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY; a
-    NO_PROXY host as None, which routes to the client's own transport), read by httpx's own helper.
-    httpx reads them only for a client given no transport (`allow_env_proxies = trust_env and
-    transport is None`), so a client on the lean transport is given them. Each proxy transport is
-    httpx's, with its default TLS verification (certifi, or SSL_CERT_FILE / SSL_CERT_DIR)."""
-    return {
-        pattern: None if proxy is None else httpx.AsyncHTTPTransport(proxy=proxy, limits=limits)
-        for pattern, proxy in get_environment_proxies().items()
-    }
+class EnvProxy(NamedTuple):
+    """An environment proxy: the variable that names it (as set: `HTTP_PROXY`, `https_proxy`...)
+    and its URL."""
+
+    variable: str
+    url: str
+
+
+class UnusableProxy(Exception):
+    """The environment proxy that covers a URL cannot be used: httpx cannot build its transport."""
+
+    def __init__(self, proxy: EnvProxy, reason: str) -> None:
+        super().__init__(reason)
+        self.proxy = proxy
+        self.reason = reason
+
+
+def env_proxy_for(url: httpx.URL) -> EnvProxy | None:
+    """The environment proxy httpx would send `url` through, or None (direct), decided as httpx's
+    client decides it: the patterns `get_environment_proxies` reads (HTTP_PROXY, HTTPS_PROXY,
+    ALL_PROXY; a NO_PROXY host as None), the most specific first, the first that matches wins.
+    An entry httpx cannot read as a pattern (`NO_PROXY=[::1]`, `é.com`) matches no URL, so it is
+    skipped: httpx's own client refuses to be made at all, which failed every model call."""
+    patterns: list[tuple[URLPattern, str | None]] = []
+    for key, proxy in get_environment_proxies().items():
+        try:
+            patterns.append((URLPattern(key), proxy))
+        except (ValueError, httpx.InvalidURL):
+            continue
+    patterns.sort(key=lambda entry: entry[0].priority)  # httpx's order (a stable sort, as its own)
+    for pattern, proxy in patterns:
+        if pattern.matches(url):
+            return None if proxy is None else EnvProxy(_proxy_variable(pattern.scheme or "all"), proxy)
+    return None
+
+
+def _proxy_variable(scheme: str) -> str:
+    """The variable urllib read `scheme`'s proxy from: the lower-case one when set (it wins there)."""
+    lower = f"{scheme}_proxy"
+    return lower if os.environ.get(lower) else lower.upper()
+
+
+def env_proxy_mounts(base_url: str, limits: httpx.Limits) -> dict[str, httpx.AsyncBaseTransport]:
+    """The mount for `base_url` when an environment proxy covers it (`env_proxy_for`), else none:
+    httpx reads the environment's proxies only for a client given no transport (`allow_env_proxies
+    = trust_env and transport is None`), so a client on the lean transport is given this. The proxy
+    transport is httpx's, with its default TLS verification (certifi, or SSL_CERT_FILE /
+    SSL_CERT_DIR), and only the proxy that applies is built: one that cannot be (SOCKS without
+    socksio, a URL httpx cannot read) is `UnusableProxy` for the URLs it covers, and nothing to
+    the others. A `base_url` httpx cannot read gets no mount (its call is refused as before)."""
+    try:
+        target = httpx.URL(base_url)
+    except httpx.InvalidURL:
+        return {}
+    proxy = env_proxy_for(target)
+    if proxy is None:
+        return {}
+    try:
+        transport = httpx.AsyncHTTPTransport(proxy=proxy.url, limits=limits)
+    except ImportError:  # httpx's only one here: a socks5:// proxy without the socksio package
+        needs = "a SOCKS proxy needs the socksio package (httpx[socks]), which is not installed"
+        raise UnusableProxy(proxy, needs) from None
+    except (ValueError, httpx.InvalidURL) as exc:  # httpx quotes a URL with its password masked
+        raise UnusableProxy(proxy, f"httpx cannot use it: {exc}") from None
+    return {f"{target.scheme}://{target.netloc.decode('ascii')}": transport}
 
 
 def lean_transport(max_connections: int = 1000) -> LeanTransport | None:

@@ -17,6 +17,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
+from appserver.client.auth import shown_url
 from appserver.config import Config, ProviderConfig, api_key_problem, describe_char, header_text_problem
 from appserver.logredact import SecretRedactor, provider_secrets
 from appserver.providers.base import ProviderError, error_from_status
@@ -24,6 +25,7 @@ from appserver.providers.fasttransport import (
     LeanClient,
     LeanResponse,
     ResponseHeadTooLarge,
+    UnusableProxy,
     env_proxy_mounts,
     lean_transport,
     raw_headers,
@@ -520,18 +522,30 @@ def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
     """One pooled keep-alive client per provider, on the lean transport (providers/fasttransport.py)
     unless the provider's config asks for httpx's own (`transport = "httpx"`). Either way the
     environment's proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY) apply as httpx reads them,
-    when the client is made."""
+    when the client is made. On the lean transport only the proxy that covers `base_url` is built:
+    an unusable one is this provider's error (`unusable_proxy`), and one that covers other URLs,
+    or an entry httpx cannot read, no error at all."""
     # At most `max_connections` calls in flight (httpx's default was 100: the 101st concurrent
     # stream waited for a whole generation); the others wait for a slot up to the read timeout.
     limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections)
     if cfg.transport == "httpx":
         return httpx.AsyncClient(timeout=request_timeout(cfg), limits=limits)
-    lean = lean_transport(cfg.max_connections)
-    if lean is None:  # httpx's default transport: httpx mounts the env proxies itself
-        return LeanClient(timeout=request_timeout(cfg), limits=limits)
-    # A URL an env proxy covers goes through httpx's proxy transport; the others (NO_PROXY's hosts
-    # among them) through the lean one. Which it is, is settled once per URL (`LeanClient._route`).
-    return LeanClient(timeout=request_timeout(cfg), limits=limits, transport=lean, mounts=env_proxy_mounts(limits))
+    try:
+        mounts = env_proxy_mounts(cfg.base_url, limits)
+    except UnusableProxy as exc:
+        raise unusable_proxy(exc) from None
+    # httpx's default transport when httptools is missing (given here, so httpx does not build
+    # every env proxy itself). A URL the env proxy covers goes through its mount; the others
+    # (NO_PROXY's hosts among them) through the lean one, settled once per URL (`LeanClient._route`).
+    wire = lean_transport(cfg.max_connections) or httpx.AsyncHTTPTransport(limits=limits)
+    return LeanClient(timeout=request_timeout(cfg), limits=limits, transport=wire, mounts=mounts)
+
+
+def unusable_proxy(exc: UnusableProxy) -> ProviderError:
+    """The proxy the environment names for this provider cannot be used: said of the variable and
+    the proxy (its password masked), not of the upstream. `network`, as a proxy that does not answer."""
+    said = f"cannot use the proxy {exc.proxy.variable} names ({shown_url(exc.proxy.url)}) for this provider"
+    return ProviderError("network", f"{said}: {exc.reason}")
 
 
 def request_timeout(cfg: ProviderConfig) -> httpx.Timeout:

@@ -13,37 +13,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import httpx
 import psycopg
 import pytest
 
-from tests.support.pg import temp_database, url_for
-from tests.support.serve import ServeProcess, killed_at_exit, log_so_far, serve_with_timings
+from tests.support.pg import query, temp_database, url_for
+from tests.support.serve import killed_at_exit, log_so_far, ready_status, serve_with_timings
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _query(url: str, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    with psycopg.connect(url, autocommit=True) as c:
-        cur = c.execute(query, args)
-        return cur.fetchall() if cur.description else []
-
-
-def _until(check: Callable[[], bool], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _ready(sp: ServeProcess) -> int:
-    return httpx.get(sp.url + "/readyz", timeout=10).status_code
 
 
 def test_each_server_is_judged_by_the_timings_it_recorded(tmp_path: Path) -> None:
@@ -55,21 +34,21 @@ def test_each_server_is_judged_by_the_timings_it_recorded(tmp_path: Path) -> Non
         # The quick server judges every second, and the slow one's heartbeat is up to 2.75 s old.
         end = time.monotonic() + 8
         while time.monotonic() < end:
-            assert _ready(slow) == 200, log_so_far(slow)
+            assert ready_status(slow) == 200, log_so_far(slow)
             time.sleep(0.5)
-        assert len(_query(url, "SELECT id FROM instances")) == 2
+        assert len(query(url, "SELECT id FROM instances")) == 2
         assert "judged gone" not in log_so_far(slow)
-        rows = _query(url, "SELECT heartbeat_s, instance_timeout_s FROM instances ORDER BY started_at")
+        rows = query(url, "SELECT heartbeat_s, instance_timeout_s FROM instances ORDER BY started_at")
         assert rows == [(2.5, 10.0), (0.3, 1.5)]
 
         # A row an older version wrote (no timings of its own) is judged by the judge's own: gone
         # for the quick server once its heartbeat is 1.5 s old (the slow one would wait 10 s).
-        _query(
+        query(
             url,
             "INSERT INTO instances(id, host, pid, address, lock_key, started_at, heartbeat_at) "
             "VALUES ('inst_older', 'h', 1, '', 4242, extract(epoch from now()), extract(epoch from now()) - 2)",
         )
-        assert _until(lambda: not _query(url, "SELECT 1 FROM instances WHERE id = 'inst_older'"), 6)
+        assert eventually(lambda: not query(url, "SELECT 1 FROM instances WHERE id = 'inst_older'"), 6)
 
 
 def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_ended(tmp_path: Path) -> None:
@@ -78,7 +57,7 @@ def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_
         nodes.append(survivor)
         doomed = serve_with_timings(tmp_path / "doomed", url, 0.5, 4)
         nodes.append(doomed)
-        (dead,) = _query(url, "SELECT id FROM instances ORDER BY started_at DESC LIMIT 1")[0]
+        (dead,) = query(url, "SELECT id FROM instances ORDER BY started_at DESC LIMIT 1")[0]
         db = url.rsplit("/", 1)[1]
         stop = threading.Event()
 
@@ -99,10 +78,10 @@ def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_
             time.sleep(2)
             doomed.kill()
             # within its timeout (4 s) plus a sweep and a session re-take
-            gone = _until(lambda: not _query(url, "SELECT 1 FROM instances WHERE id = %s", (dead,)), 8)
+            gone = eventually(lambda: not query(url, "SELECT 1 FROM instances WHERE id = %s", (dead,)), 8)
         finally:
             stop.set()
             ender.join(10)
         assert gone, log_so_far(survivor)
-        assert _until(lambda: _ready(survivor) == 200, 10), log_so_far(survivor)
+        assert eventually(lambda: ready_status(survivor) == 200, 10), log_so_far(survivor)
         assert "judged gone" not in log_so_far(survivor)

@@ -14,17 +14,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
-import psycopg
 import pytest
 
-from tests.support.pg import ADMIN_URL, temp_database
-from tests.support.serve import ServeProcess, killed_at_exit, log_so_far, serve_with_timings
+from tests.support.pg import ADMIN_URL, query, temp_database
+from tests.support.serve import killed_at_exit, log_so_far, ready_status, serve_with_timings
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,25 +86,6 @@ class _FreezableProxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
-def _query(url: str, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    with psycopg.connect(url, autocommit=True) as c:
-        cur = c.execute(query, args)
-        return cur.fetchall() if cur.description else []
-
-
-def _until(check: Callable[[], bool], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _ready(sp: ServeProcess) -> int:
-    return httpx.get(sp.url + "/readyz", timeout=10).status_code
-
-
 def test_a_hang_of_the_whole_database_fences_no_quick_peer_and_a_dead_one_is_still_judged_gone(
     tmp_path: Path,
 ) -> None:
@@ -118,7 +96,7 @@ def test_a_hang_of_the_whole_database_fences_no_quick_peer_and_a_dead_one_is_sti
             nodes.append(slow)
             quick = serve_with_timings(tmp_path / "quick", quick_proxy.url(url), 0.3, 1.5)
             nodes.append(quick)
-            ids = [r[0] for r in _query(url, "SELECT id FROM instances ORDER BY started_at")]
+            ids = [r[0] for r in query(url, "SELECT id FROM instances ORDER BY started_at")]
             assert len(ids) == 2
             time.sleep(1.5)  # each has seen the other at a heartbeat
             slow_proxy.freeze()
@@ -127,18 +105,18 @@ def test_a_hang_of_the_whole_database_fences_no_quick_peer_and_a_dead_one_is_sti
             slow_proxy.thaw()  # the slow one's connections come back a moment first
             time.sleep(0.5)
             quick_proxy.thaw()
-            assert _until(lambda: _ready(slow) == 200 and _ready(quick) == 200, 10), log_so_far(quick)
+            assert eventually(lambda: ready_status(slow) == 200 and ready_status(quick) == 200, 10), log_so_far(quick)
             time.sleep(3)  # the slow one's sweeps after the hang
-            assert sorted(r[0] for r in _query(url, "SELECT id FROM instances")) == sorted(ids), log_so_far(slow)
+            assert sorted(r[0] for r in query(url, "SELECT id FROM instances")) == sorted(ids), log_so_far(slow)
             assert "is gone" not in log_so_far(slow), log_so_far(slow)
             assert "judged gone" not in log_so_far(quick), log_so_far(quick)
-            assert _ready(quick) == 200, log_so_far(quick)
+            assert ready_status(quick) == 200, log_so_far(quick)
 
             # A quick peer that really stops is judged gone by the slow one within its own timeout
             # (1.5 s) and a few heartbeats, though the slow one renews its own only every second.
             quick.kill()
-            assert _until(lambda: len(_query(url, "SELECT id FROM instances")) == 1, 5), log_so_far(slow)
-            assert _ready(slow) == 200, log_so_far(slow)
+            assert eventually(lambda: len(query(url, "SELECT id FROM instances")) == 1, 5), log_so_far(slow)
+            assert ready_status(slow) == 200, log_so_far(slow)
     finally:
         slow_proxy.close()
         quick_proxy.close()

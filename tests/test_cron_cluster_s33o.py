@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -17,6 +16,7 @@ import pytest
 
 from tests.support.pg import temp_database
 from tests.support.serve import killed_at_exit, log_so_far, serve_with_timings
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,21 +35,12 @@ def _newest_instance(url: str) -> str:
     return str(row[0])
 
 
-def _until(check: Callable[[], bool], within: float) -> bool:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_a_slow_healthy_holder_keeps_the_scheduler_lease_beside_a_quick_server(tmp_path: Path) -> None:
     with temp_database("cron_s33o_mixed") as url, killed_at_exit() as nodes:
         slow = serve_with_timings(tmp_path / "slow", url, 2.5, 10)  # its heartbeat is older than the other's timeout
         nodes.append(slow)
         slow_id = _newest_instance(url)
-        assert _until(lambda: _holder(url) == slow_id, 10), log_so_far(slow)
+        assert eventually(lambda: _holder(url) == slow_id, 10), log_so_far(slow)
         quick = serve_with_timings(tmp_path / "quick", url, 0.3, 1.5)
         nodes.append(quick)
         # The quick server judges the holder every second, and the slow one's heartbeat is up to

@@ -12,6 +12,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -80,3 +81,12 @@ def truncate_all(url: str) -> None:
         exists = conn.execute("SELECT to_regclass('agents') IS NOT NULL").fetchone()
         if exists and exists[0]:
             conn.execute(f"TRUNCATE {', '.join(DATA_TABLES)} RESTART IDENTITY CASCADE")
+
+
+def query(url: str, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """`sql` on its own autocommit connection to `url`: its rows (none for a statement)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as c:
+        cur = c.execute(sql, args)
+        return cur.fetchall() if cur.description else []

@@ -161,6 +161,11 @@ def killed_at_exit() -> Iterator[list[ServeProcess]]:
             sp.kill()
 
 
+def ready_status(sp: ServeProcess) -> int:
+    """The status of the server's /readyz (200: it serves)."""
+    return httpx.get(sp.url + "/readyz", timeout=10, verify=SSL).status_code
+
+
 def log_so_far(sp: ServeProcess) -> str:
     """What a `start_serve` server has written to stderr so far."""
     return sp.proc.stderr.so_far() if sp.proc.stderr is not None else ""  # type: ignore[attr-defined]

@@ -280,8 +280,8 @@ async def test_a_no_proxy_entry_httpx_cannot_read_leaves_the_proxy_that_applies(
             "socksio",
             marks=pytest.mark.skipif(HAS_SOCKSIO, reason="socksio is installed: the SOCKS proxy can be built"),
         ),
-        ("HTTP_PROXY", "ftp://alice:s3cret@127.0.0.1:9", "Unknown scheme"),
-        ("http_proxy", "http://alice:s3cret@h:notaport", "Invalid port"),
+        ("HTTP_PROXY", "ftp://alice:s3cret@127.0.0.1:9", "its scheme must be http, https, socks5 or socks5h"),
+        ("http_proxy", "http://alice:s3cret@h:notaport", "its host or port"),
     ],
 )
 async def test_an_unusable_proxy_that_covers_the_upstream_is_a_provider_error_naming_it(
@@ -295,3 +295,33 @@ async def test_an_unusable_proxy_that_covers_the_upstream_is_a_provider_error_na
     assert failed.value.kind == "network"
     assert f"the proxy {name} names" in said and why in said
     assert "alice" in said and "s3cret" not in said
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        f"ftp://TOKENX@{DEAD}",  # httpx's message quoted the URL, a one-word user part whole
+        "http://alice:SECRET/PW@127.0.0.1:9",  # httpx took the password's head for the port and quoted it
+        f"socks4://TOKENX@{DEAD}",
+    ],
+)
+@pytest.mark.parametrize("transport", ["lean", "httpx"])
+async def test_an_unusable_proxy_is_refused_without_quoting_its_secret(
+    value: str, transport: str, fake: FakeOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", value)
+    with pytest.raises(ProviderError) as failed:  # (httpx's own transport: a ValueError, a 500)
+        await call(provider_for(fake.base_url, transport))
+    assert failed.value.kind == "network"
+    assert "TOKENX" not in str(failed.value) and "SECRET" not in str(failed.value), str(failed.value)
+
+
+async def test_a_base_url_with_a_long_fragment_is_routed_as_the_url_called(
+    fake: FakeOpenAI, proxy: CountingProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fragment is never sent, and the route is the called URL's (httpx could not read the
+    whole base_url, over 64 KiB, and the lean client then called the upstream direct)."""
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    fake.script(ANSWER)
+    assert await call(provider_for(fake.base_url + "#" + "a" * 70_000)) == "pong"
+    assert proxy.seen == [f"POST {fake.base_url}/chat/completions"]

@@ -616,6 +616,14 @@ def _proxy_variable(scheme: str) -> str:
     return lower if os.environ.get(lower) else lower.upper()
 
 
+def _unusable_reason(url: str) -> str:
+    """Why httpx cannot use the proxy URL `url`, without quoting any of it."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in ("http", "https", "socks5", "socks5h"):
+        return "its scheme must be http, https, socks5 or socks5h"
+    return "httpx cannot read it as a URL (its host or port)"
+
+
 def env_proxy_mounts(base_url: str, limits: httpx.Limits) -> dict[str, httpx.AsyncBaseTransport]:
     """The mount for `base_url` when an environment proxy covers it (`env_proxy_for`), else none:
     httpx reads the environment's proxies only for a client given no transport (`allow_env_proxies
@@ -624,8 +632,8 @@ def env_proxy_mounts(base_url: str, limits: httpx.Limits) -> dict[str, httpx.Asy
     SSL_CERT_DIR), and only the proxy that applies is built: one that cannot be (SOCKS without
     socksio, a URL httpx cannot read) is `UnusableProxy` for the URLs it covers, and nothing to
     the others. A `base_url` httpx cannot read gets no mount (its call is refused as before)."""
-    try:
-        target = httpx.URL(base_url)
+    try:  # the URL called: a fragment is never sent (`upstream.endpoint_url` drops it)
+        target = httpx.URL(base_url.partition("#")[0])
     except httpx.InvalidURL:
         return {}
     proxy = env_proxy_for(target)
@@ -636,8 +644,10 @@ def env_proxy_mounts(base_url: str, limits: httpx.Limits) -> dict[str, httpx.Asy
     except ImportError:  # httpx's only one here: a socks5:// proxy without the socksio package
         needs = "a SOCKS proxy needs the socksio package (httpx[socks]), which is not installed"
         raise UnusableProxy(proxy, needs) from None
-    except (ValueError, httpx.InvalidURL) as exc:  # httpx quotes a URL with its password masked
-        raise UnusableProxy(proxy, f"httpx cannot use it: {exc}") from None
+    except (ValueError, httpx.InvalidURL):
+        # in our words: httpx's quote the URL, and a token as its user (`ftp://TOKEN@host`) or the
+        # head of a password holding a / (taken for the port) would be shown to the API's callers
+        raise UnusableProxy(proxy, _unusable_reason(proxy.url)) from None
     return {f"{target.scheme}://{target.netloc.decode('ascii')}": transport}
 
 

@@ -529,7 +529,14 @@ def default_client(cfg: ProviderConfig) -> httpx.AsyncClient:
     # stream waited for a whole generation); the others wait for a slot up to the read timeout.
     limits = httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections)
     if cfg.transport == "httpx":
-        return httpx.AsyncClient(timeout=request_timeout(cfg), limits=limits)
+        try:  # httpx builds every environment proxy here, the ones for other hosts too
+            return httpx.AsyncClient(timeout=request_timeout(cfg), limits=limits)
+        except (ImportError, ValueError, httpx.InvalidURL):
+            raise ProviderError(
+                "network",
+                "httpx cannot use a proxy the environment names (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY or NO_PROXY):"
+                ' fix it, or use transport = "lean", which builds only the proxy that covers base_url',
+            ) from None
     try:
         mounts = env_proxy_mounts(cfg.base_url, limits)
     except UnusableProxy as exc:

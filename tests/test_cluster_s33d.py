@@ -85,3 +85,21 @@ def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_
         assert gone, log_so_far(survivor)
         assert eventually(lambda: ready_status(survivor) == 200, 10), log_so_far(survivor)
         assert "judged gone" not in log_so_far(survivor)
+
+
+def test_a_peer_at_the_shortest_timings_is_judged_gone_when_killed(tmp_path: Path) -> None:
+    """Beside a peer at the shortest timings `[store]` allows (0.1 s / 1 s), a default server renews
+    its heartbeat within a third of that timeout: its beats landed on a 0.25 s listening grid, later
+    than the half-timeout it trusts its own view for, so every renewal read as a return after a gap
+    and the killed peer was never judged gone."""
+    with temp_database("s33d_shortest") as url, killed_at_exit() as nodes:
+        steady = serve_with_timings(tmp_path / "steady", url, 2, 30)
+        nodes.append(steady)
+        quick = serve_with_timings(tmp_path / "quick", url, 0.1, 1)
+        nodes.append(quick)
+        (dead,) = query(url, "SELECT id FROM instances ORDER BY started_at DESC LIMIT 1")[0]
+        time.sleep(3)  # the steady server has counted the quick one (its heartbeat, 2 s)
+        quick.kill()
+        gone = eventually(lambda: not query(url, "SELECT 1 FROM instances WHERE id = %s", (dead,)), 8)
+        assert gone, log_so_far(steady)
+        assert ready_status(steady) == 200

@@ -374,7 +374,12 @@ class Cluster:
                     if not self.lost:
                         log.warning("cluster: the database ended this instance's session; taken again")
                     continue
-                async for note in conn.notifies(timeout=min(0.25, self.beat_s)):
+                # Listened to until the next beat is due, not on a fixed grid: beside a peer at the
+                # shortest timings (0.1 s / 1 s) a beat landing on the next 0.25 s step came later
+                # than `trust_s`, and every renewal then read as a return after a gap (`_renewed`):
+                # nobody was ever judged gone.
+                due = beat_at + self.beat_s - time.monotonic()
+                async for note in conn.notifies(timeout=max(0.005, min(0.25, due))):
                     self._dispatch(note.channel, note.payload)
                 if time.monotonic() - beat_at >= self.beat_s:
                     # Late (the process was stopped, or starved): others may have judged it gone.

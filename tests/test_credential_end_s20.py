@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import pytest
 from tests.support.cli import cli_env, run_cli
 from tests.support.serve import ServeProcess, serving
 from tests.support.state import token_home
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,15 +46,23 @@ def _token(home: Path, env: dict[str, str], name: str) -> str:
     return str(made.json()["token"])
 
 
-def _revoke_after(home: Path, env: dict[str, str], name: str, delay_s: float) -> threading.Thread:
+def _revoke_when(home: Path, env: dict[str, str], name: str, ready: Callable[[], bool]) -> threading.Thread:
+    """Revoke `name` once `ready()` (the turn is under way: a fixed delay revoked it before a loaded
+    machine had even sent the request, which then got a plain 401)."""
+
     def revoke() -> None:
-        time.sleep(delay_s)
+        assert eventually(ready, 30), "the turn never got under way"
         r = run_cli(home, "token", "revoke", name, env=env)
         assert r.code == 0, r.err
 
     t = threading.Thread(target=revoke)
     t.start()
     return t
+
+
+def _conversations(home: Path, env: dict[str, str]) -> int:
+    listed = run_cli(home, "conversations", "list", "--json", env=env)
+    return len(json.loads(listed.out)) if listed.code == 0 else 0
 
 
 def _turn_status(home: Path, env: dict[str, str], conversation: str) -> list[str]:
@@ -67,7 +76,8 @@ def test_a_chat_stream_ends_with_an_error_once_its_token_is_revoked(
 ) -> None:
     sp, home, env = srv
     token = _token(home, env, "victim")
-    revoker = _revoke_after(home, env, "victim", 1.0)
+    streaming = threading.Event()
+    revoker = _revoke_when(home, env, "victim", streaming.is_set)
     lines: list[str] = []
     started = time.monotonic()
     with httpx.stream(
@@ -79,6 +89,7 @@ def test_a_chat_stream_ends_with_an_error_once_its_token_is_revoked(
     ) as r:
         assert r.status_code == 200
         conversation = r.headers["x-conversation-id"]
+        streaming.set()
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     revoker.join()
     took = time.monotonic() - started
@@ -99,8 +110,8 @@ def test_a_responses_stream_ends_with_an_error_event_once_its_token_is_revoked(
     sp, home, env = srv
     token = _token(home, env, "victim2")
     client = openai.OpenAI(base_url=sp.url + "/v1", api_key=token, max_retries=0)
-    revoker = _revoke_after(home, env, "victim2", 1.0)
     events: list[Any] = []
+    revoker = _revoke_when(home, env, "victim2", lambda: any(e.type == "response.output_text.delta" for e in events))
     for event in client.responses.create(model="assistant", input=SLOW, stream=True):
         events.append(event)
     revoker.join()
@@ -121,7 +132,8 @@ def test_a_non_stream_request_answers_401_once_its_token_is_revoked(
 ) -> None:
     sp, home, env = srv
     token = _token(home, env, "victim3")
-    revoker = _revoke_after(home, env, "victim3", 1.5)
+    before = _conversations(home, env)
+    revoker = _revoke_when(home, env, "victim3", lambda: _conversations(home, env) > before)
     started = time.monotonic()
     r = httpx.post(
         sp.url + "/v1/chat/completions",

@@ -13,6 +13,7 @@ import pytest
 
 from tests.support import zygote_client
 from tests.support.cli import FAST_WAITS, ROOT, CLIResult, run_cli
+from tests.support.net import share_default_ssl_context
 from tests.support.serve import ServeProcess, serving
 
 # Most of the suite's time is `appserver` subprocesses, and most of a subprocess's start is imports.
@@ -25,6 +26,10 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # and the server: the suite forks its CLI calls and `serve` processes from a zygote that imported
 # them once per worker (tests/support/zygote.py); bench/ keeps starting real interpreters.
 zygote_client.enabled = True
+
+# Every httpx client the tests make (openai.OpenAI(), httpx.get, polling loops) used to read the CA
+# bundle into a new SSL context, ~25-50 ms of CPU each; they share one made the same way.
+share_default_ssl_context()
 
 # The platform waits the loopback fakes need not pay (tests/support/cli.py), for in-process adapters
 # as for the `serve` subprocesses (whose environment is built from this one).

@@ -4,9 +4,13 @@ the tests' HTTP calls share, and a scripted raw HTTP/1.1 server for client-side 
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import socket
+import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 
@@ -14,6 +18,32 @@ import httpx
 # reads the CA bundle (~50 ms of CPU each time). Helpers and polling loops pass this one, made the
 # same way once: what they verify is unchanged (and on plain http:// it is never used).
 SSL = httpx.create_ssl_context()
+
+
+def share_default_ssl_context() -> None:
+    """Let every httpx client of this process that verifies as by default (no `verify=`, no `cert=`)
+    share one context made that way, as if each had been given `verify=SSL`: the suite makes thousands
+    of clients (top-level httpx calls, `openai.OpenAI()`, polling loops), each reading the CA bundle.
+
+    Keyed by the variables httpx reads (SSL_CERT_FILE / SSL_CERT_DIR), so a test that sets one gets
+    a context that trusts what it names. httpcore sets a context's ALPN on every connection from the
+    client's http2 flag; nothing in the suite uses HTTP/2, so the shared context's ALPN never varies."""
+    import httpx._transports.default as transports
+
+    made = transports.create_ssl_context
+
+    @functools.lru_cache(maxsize=8)
+    def default_context(trust_env: bool, cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+        return made(verify=True, cert=None, trust_env=trust_env)
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+        if verify is not True or cert is not None:
+            return made(verify=verify, cert=cert, trust_env=trust_env)
+        if not trust_env:
+            return default_context(False, None, None)
+        return default_context(True, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+    transports.create_ssl_context = create_ssl_context  # type: ignore[assignment]
 
 
 def free_port() -> int:

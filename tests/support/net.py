@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import os
 import socket
 import ssl
@@ -24,14 +25,20 @@ def share_default_ssl_context() -> None:
     """Let every httpx client of this process that verifies as by default (no `verify=`, no `cert=`)
     share one context made that way, as if each had been given `verify=SSL`: the suite makes thousands
     of clients (top-level httpx calls, `openai.OpenAI()`, polling loops), each reading the CA bundle.
+    The same for httpx2, the fork the `openai` SDK's clients are built on.
 
-    Keyed by the variables httpx reads (SSL_CERT_FILE / SSL_CERT_DIR), so a test that sets one gets
-    a context that trusts what it names. httpcore sets a context's ALPN on every connection from the
+    Keyed by the variables both read (SSL_CERT_FILE / SSL_CERT_DIR), so a test that sets one gets a
+    context that trusts what it names. httpcore sets a context's ALPN on every connection from the
     client's http2 flag; nothing in the suite uses HTTP/2, so the shared context's ALPN never varies."""
-    import httpx._transports.default as transports
+    for name in ("httpx._transports.default", "httpx2._transports.default"):
+        try:
+            transports = importlib.import_module(name)
+        except ImportError:
+            continue
+        transports.create_ssl_context = _shared_default(transports.create_ssl_context)
 
-    made = transports.create_ssl_context
 
+def _shared_default(made: Callable[..., ssl.SSLContext]) -> Callable[..., ssl.SSLContext]:
     @functools.lru_cache(maxsize=8)
     def default_context(trust_env: bool, cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
         return made(verify=True, cert=None, trust_env=trust_env)
@@ -43,7 +50,7 @@ def share_default_ssl_context() -> None:
             return default_context(False, None, None)
         return default_context(True, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
 
-    transports.create_ssl_context = create_ssl_context  # type: ignore[assignment]
+    return create_ssl_context
 
 
 def free_port() -> int:

@@ -19,13 +19,14 @@ import pytest
 
 from plugins.discord import MAX_LENGTH, nonce_for
 from tests.fakes.discord_api import BotMessage, FakeDiscord
-from tests.support.cli import cli_env, run_cli
+from tests.support.cli import run_cli
 from tests.support.concurrent import run_concurrently
-from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
+from tests.support.gateway import ChannelServer, discord_server, store_turns
 
 pytestmark = pytest.mark.timeout(120)
 
 GENERAL = "300000000000000001"
+APPROVALS = "300000000000000002"  # routed to `careful` (clock=ask)
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +38,7 @@ def fake() -> Iterator[FakeDiscord]:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, fake: FakeDiscord) -> Iterator[ChannelServer]:
     home = tmp_path_factory.mktemp("discord") / "home"
-    settings = {"api_url": fake.api_url, "gateway_url": fake.gateway_url, "token_env": "DISCORD_BOT_TOKEN",
-                "dm_policy": "open", "default_agent": "assistant"}  # fmt: skip
-    write_config(home, {"discord": {"main": settings}}, ["discord"])
-    created = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask")
-    assert created.code == 0, created.err
-    fake.add_text_channel("300000000000000002", "approvals")
-    routed = run_cli(home, "channels", "route", "add", "discord:main:300000000000000002", "careful")
-    assert routed.code == 0, routed.err
-    env = cli_env(home, DISCORD_BOT_TOKEN=fake.token)
-    with channel_server(home, "--channels", "discord", env=env) as server:
+    with discord_server(home, fake, {APPROVALS: "approvals"}, careful_in=APPROVALS) as server:
         yield server
 
 
@@ -95,7 +87,7 @@ def test_429_retry_after_is_honoured(srv: ChannelServer, fake: FakeDiscord) -> N
 
 
 def test_an_approval_is_answered_by_a_button(srv: ChannelServer, fake: FakeDiscord) -> None:
-    channel = "300000000000000002"
+    channel = APPROVALS
     fake.inject_guild_message("605", "/call clock {}", channel=channel, mention=True)
 
     def prompt() -> BotMessage | None:
@@ -220,14 +212,8 @@ REFUSALS = ("bad token", "no message content intent")
 
 def _refused(tmp_path: Path, case: str) -> None:
     with FakeDiscord(message_content=case == "bad token") as f:
-        home = tmp_path / "home"
-        settings = {"api_url": f.api_url, "gateway_url": f.gateway_url, "token_env": "DISCORD_BOT_TOKEN",
-                    "dm_policy": "open", "default_agent": "assistant"}  # fmt: skip
-        write_config(home, {"discord": {"main": settings}}, ["discord"])
         token = "not-the-token" if case == "bad token" else f.token
-        with channel_server(
-            home, "--channels", "discord", env=cli_env(home, DISCORD_BOT_TOKEN=token), ready=False
-        ) as srv:
+        with discord_server(tmp_path / "home", f, token=token, ready=False) as srv:
             # The gateway creates gateway.db before it starts accounts; `channels status` is polled after
             # that (a status racing the gateway's first migration reports the half-made file as corrupt).
             f.wait_for(lambda: "discord:main: starting" in srv.log() or None, timeout=30, what="the account start")

@@ -22,8 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fakes.discord_api import BotMessage, FakeDiscord
-from tests.support.cli import cli_env, run_cli
-from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
+from tests.support.gateway import ChannelServer, discord_server, store_turns
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,16 +39,7 @@ def fake() -> Iterator[FakeDiscord]:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, fake: FakeDiscord) -> Iterator[ChannelServer]:
     home = tmp_path_factory.mktemp("discord_s33a") / "home"
-    settings = {"api_url": fake.api_url, "gateway_url": fake.gateway_url, "token_env": "DISCORD_BOT_TOKEN",
-                "dm_policy": "open", "default_agent": "assistant"}  # fmt: skip
-    write_config(home, {"discord": {"main": settings}}, ["discord"])
-    created = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask")
-    assert created.code == 0, created.err
-    fake.add_text_channel(APPROVALS, "approvals")
-    routed = run_cli(home, "channels", "route", "add", f"discord:main:{APPROVALS}", "careful")
-    assert routed.code == 0, routed.err
-    env = cli_env(home, DISCORD_BOT_TOKEN=fake.token)
-    with channel_server(home, "--channels", "discord", env=env) as server:
+    with discord_server(home, fake, {APPROVALS: "approvals"}, careful_in=APPROVALS) as server:
         yield server
 
 

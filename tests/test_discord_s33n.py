@@ -19,8 +19,7 @@ import pytest
 from gateway.split import fences_on_own_lines
 from plugins.discord.format import to_discord
 from tests.fakes.discord_api import FakeDiscord
-from tests.support.cli import cli_env
-from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
+from tests.support.gateway import ChannelServer, discord_server, store_turns
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,12 +36,7 @@ def fake() -> Iterator[FakeDiscord]:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, fake: FakeDiscord) -> Iterator[ChannelServer]:
     home = tmp_path_factory.mktemp("discord_s33n") / "home"
-    settings = {"api_url": fake.api_url, "gateway_url": fake.gateway_url, "token_env": "DISCORD_BOT_TOKEN",
-                "dm_policy": "open", "default_agent": "assistant"}  # fmt: skip
-    write_config(home, {"discord": {"main": settings}}, ["discord"])
-    fake.add_text_channel(FAILING, "failing")
-    fake.add_text_channel(HEALTHY, "healthy")
-    with channel_server(home, "--channels", "discord", env=cli_env(home, DISCORD_BOT_TOKEN=fake.token)) as server:
+    with discord_server(home, fake, {FAILING: "failing", HEALTHY: "healthy"}) as server:
         yield server
 
 

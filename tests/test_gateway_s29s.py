@@ -17,8 +17,7 @@ import pytest
 from gateway.split import split_message
 from plugins.discord import MAX_LENGTH
 from tests.fakes.discord_api import FakeDiscord
-from tests.support.cli import cli_env
-from tests.support.gateway import channel_server, write_config
+from tests.support.gateway import discord_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,11 +106,8 @@ def fake() -> Iterator[FakeDiscord]:
 
 def test_a_long_spoiler_stays_hidden_on_discord(tmp_path: pytest.TempPathFactory, fake: FakeDiscord) -> None:
     home = tmp_path / "home"  # type: ignore[operator]
-    settings = {"api_url": fake.api_url, "gateway_url": fake.gateway_url, "token_env": "DISCORD_BOT_TOKEN",
-                "dm_policy": "open", "default_agent": "assistant"}  # fmt: skip
-    write_config(home, {"discord": {"main": settings}}, ["discord"])
     text = "||" + words("secret", 400) + "||"
-    with channel_server(home, "--channels", "discord", env=cli_env(home, DISCORD_BOT_TOKEN=fake.token)):
+    with discord_server(home, fake):
         fake.inject_dm("701", text)
         dm = fake.dm_channel("701")
         fake.wait_for_text(dm, lambda t: "secret399||" in t, timeout=60)

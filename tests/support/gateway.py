@@ -20,8 +20,9 @@ from typing import Any
 
 import httpx
 
+from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.fakechat import FakeChat
-from tests.support.cli import ROOT, cli_env
+from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.net import SSL
 from tests.support.zygote_client import appserver_popen
 
@@ -180,6 +181,33 @@ def channel_server(
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@contextmanager
+def discord_server(
+    home: Path,
+    fake: FakeDiscord,
+    channels: dict[str, str] | None = None,
+    careful_in: str | None = None,
+    token: str | None = None,
+    ready: bool = True,
+) -> Iterator[ChannelServer]:
+    """A server on the `discord:main` account of `fake` (open DMs, the `assistant` agent) with the
+    text `channels` (id: name) added; with `careful_in`, that channel is routed to a `careful` agent
+    whose clock tool asks for approval. `token` replaces the fake's own."""
+    settings = {"api_url": fake.api_url, "gateway_url": fake.gateway_url, "token_env": "DISCORD_BOT_TOKEN",
+                "dm_policy": "open", "default_agent": "assistant"}  # fmt: skip
+    write_config(home, {"discord": {"main": settings}}, ["discord"])
+    for channel, name in (channels or {}).items():
+        fake.add_text_channel(channel, name)
+    if careful_in is not None:
+        created = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask")
+        assert created.code == 0, created.err
+        routed = run_cli(home, "channels", "route", "add", f"discord:main:{careful_in}", "careful")
+        assert routed.code == 0, routed.err
+    env = cli_env(home, DISCORD_BOT_TOKEN=fake.token if token is None else token)
+    with channel_server(home, "--channels", "discord", env=env, ready=ready) as server:
+        yield server
 
 
 def fakechat_home(home: Path, chat: FakeChat, **settings: Any) -> Path:

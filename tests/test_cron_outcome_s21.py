@@ -10,9 +10,11 @@ lacks (left by an older server) gets it from the server that takes over.
 
 The crash is a real SIGKILL of a scheduler process, at each of its durable writes in turn (a
 `crons.json` save, a run-log append; found by a Python audit hook, nothing of the scheduler is
-replaced); the server that takes over is a real `Scheduler` with a fake kernel and gateway, as in
-the other cron tests. On a PostgreSQL store (the same runner, the tasks in the database, a run log
-per server) the kill comes before each run-log append.
+replaced; each such process is a fork of a helper that imported the scheduler once, `Forks`, not
+a new interpreter paying the imports again at each kill point); the server that takes over is a
+real `Scheduler` with a fake kernel and gateway, as in the other cron tests. On a PostgreSQL store
+(the same runner, the tasks in the database, a run log per server) the kill comes before each
+run-log append.
 
 Also: `cron.runlog.delivery_record` (the take-over's question "was this run's reply recorded?"),
 read backward to the run's `fired` record instead of reading the whole log.
@@ -23,8 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -157,16 +163,107 @@ def _add_task(store: CronStore, deliver: str | None) -> CronTask:
     )
 
 
-def _run_killed(home: Path, url: str, kill_at: int, outside: Path) -> int:
-    proc = subprocess.run(
-        [sys.executable, "-c", SCHEDULER_SCRIPT, str(home), url, FIRED_AT.isoformat(), str(kill_at), str(outside)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=60,
-        capture_output=True,
-    )
-    assert proc.returncode in (0, -9), proc.stderr.decode(errors="replace")
-    return proc.returncode
+# `python -c SCHEDULER_SCRIPT ARGS` without a new interpreter's start and imports (~0.25 CPU-s, each
+# of ~30 kill points): a helper imports what the script imports once, then per request (a JSON line:
+# the arguments, the file for the child's output) forks a child that runs the script as `-c` does
+# (its `__main__`, its `sys.argv`, its end through the interpreter's own exit: an uncaught exception
+# prints a traceback and exits 1) and replies with the child's pid, then its exit code (negative: the
+# signal that killed it, as in `subprocess`). The helper holds no scheduler, store or connection.
+FORK_SERVER = r"""
+import json, os, sys
+
+import cron.runner, cron.scheduler, cron.stores  # what SCHEDULER_SCRIPT imports
+
+try:
+    import cron.pgstore  # the PostgreSQL store and its driver
+except ImportError:
+    pass
+
+script = compile(sys.argv[1], "<string>", "exec")
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        sys.exit(0)
+    args, output = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        break
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+
+null = os.open(os.devnull, os.O_RDONLY)
+out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+os.dup2(null, 0)
+os.dup2(out, 1)
+os.dup2(out, 2)
+os.close(null)
+os.close(out)
+sys.argv = ["-c", *args]
+del json, line, args, output, pid, null, out
+exec(script, {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+class Forks:
+    """The scheduler processes to kill, forked by one FORK_SERVER of this module."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", FORK_SERVER, SCHEDULER_SCRIPT],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self.buffer = b""
+
+    def _line(self, deadline: float) -> int:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError("the forked scheduler did not end in time")
+            data = os.read(fd, 4096)
+            assert data, f"the fork server ended (exit code {self.proc.wait()})"
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return int(line)
+
+    def run(self, args: list[str], output: Path, timeout: float) -> tuple[int, str]:
+        """(exit code, output) of SCHEDULER_SCRIPT run with `args` in a forked child."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps([args, str(output)]).encode() + b"\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = self._line(deadline)
+        try:
+            code = self._line(deadline)
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            raise
+        return code, output.read_text(errors="replace")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[Forks]:
+    server = Forks()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _run_killed(forks: Forks, home: Path, url: str, kill_at: int, outside: Path) -> int:
+    args = [str(home), url, FIRED_AT.isoformat(), str(kill_at), str(outside)]
+    code, output = forks.run(args, outside.parent / "scheduler.out", timeout=60)
+    assert code in (0, -9), output
+    return code
 
 
 async def _take_over(store: CronStore, fakes: Outside) -> None:
@@ -211,7 +308,7 @@ def _check_once(events: list[str], sent: list[str], deliver: str | None, where: 
 
 @pytest.mark.parametrize("deliver", [TARGET, None], ids=["deliver", "no-deliver"])
 async def test_a_kill_at_any_write_of_a_run_leaves_its_outcome_recorded_once(
-    tmp_path: Path, deliver: str | None
+    tmp_path: Path, deliver: str | None, forks: Forks
 ) -> None:
     """One home: the run log of the killed scheduler is the run log of the one that takes over."""
     for kill_at in range(1, MAX_WRITES + 1):
@@ -219,7 +316,7 @@ async def test_a_kill_at_any_write_of_a_run_leaves_its_outcome_recorded_once(
         home, outside = base / "home", base / "outside"
         outside.mkdir(parents=True)
         task = _add_task(CronStore(home), deliver)
-        code = _run_killed(home, "", kill_at, outside)
+        code = _run_killed(forks, home, "", kill_at, outside)
         store = CronStore(home)
         fakes = Outside(outside)
         if code == -9:
@@ -238,7 +335,7 @@ async def test_a_kill_at_any_write_of_a_run_leaves_its_outcome_recorded_once(
 
 @pytest.mark.parametrize("deliver", [TARGET, None], ids=["deliver", "no-deliver"])
 async def test_on_a_postgresql_store_a_kill_before_any_run_log_write_leaves_the_outcome_recorded_once(
-    tmp_path: Path, deliver: str | None
+    tmp_path: Path, deliver: str | None, forks: Forks
 ) -> None:
     """A cluster's database holds the tasks, each server has a run log of its own: the killed
     server's and the survivor's logs together hold the run's outcome once."""
@@ -259,7 +356,7 @@ async def test_on_a_postgresql_store_a_kill_before_any_run_log_write_leaves_the_
             first = cron_store_for(dead, url)
             task = _add_task(first, deliver)
             first.close()
-            code = _run_killed(dead, url, kill_at, outside)
+            code = _run_killed(forks, dead, url, kill_at, outside)
             fakes = Outside(outside)
             if code == -9:
                 await _take_over(cron_store_for(survivor, url), fakes)

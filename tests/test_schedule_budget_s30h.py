@@ -133,10 +133,18 @@ async def test_a_full_file_is_refused_without_its_path_or_size(srv: Srv) -> None
     # The operator's own tasks (as `cron add` makes them) fill the file up to its user limit.
     big = "\x01" * MAX_PROMPT_BYTES  # 6 MiB in JSON
     tasks = [operator_task(f"big{i}", big) for i in range(10)]
-    replace_tasks(srv.home, tasks)
-    room = user_limit(12) - 1000 - (srv.home / "crons.json").stat().st_size  # 12: with the filler and the new one
-    replace_tasks(srv.home, [*tasks, operator_task("filler", "\x01" * ((room - 1000) // 6))])
+    store = CronStore(srv.home)
+    with store.lock():  # as replace_tasks, but one save: the server's scheduler reads 64 MiB once
+        state = store.load()
+        state.tasks[:] = tasks
+        size = len(store.render_bytes(state))  # the size crons.json would have with these tasks
+        room = user_limit(12) - 1000 - size  # 12: with the filler and the new one
+        state.tasks.append(operator_task("filler", "\x01" * ((room - 1000) // 6)))
+        store.save(state, cache=True)  # kept: the clean-up below parses 64 MiB again only if it changed
     text = await schedule(srv, srv.alice, {"action": "create", "name": "small", "in": "2h", "prompt": "hello " * 1000})
     assert "failed" in text and "nothing was written" in text, text
     tells_nothing_of_the_server(srv, text)
-    replace_tasks(srv.home, [])
+    with store.lock():
+        state = store.load()
+        state.tasks.clear()
+        store.save(state)

@@ -16,7 +16,6 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,10 +23,12 @@ from pathlib import Path
 import pytest
 
 from appserver.config import FILE_KEYS, load_config
+from tests.support import zygote_client
 from tests.support.certs import self_signed
 from tests.support.cli import ROOT, cli_env, run_cli
 from tests.support.pg import ADMIN_URL, require_postgres, url_for
 from tests.support.serve import start_serve
+from tests.support.zygote_client import appserver_popen
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,17 +50,30 @@ COMMANDS = [
 
 
 def _appserver(args: list[str], *, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """The real executable's entry (`python -m appserver`) in `cwd` with exactly `env`'s home variables."""
-    return subprocess.run(
-        [sys.executable, "-m", "appserver", *args],
+    """The real executable's entry (`python -m appserver`) in `cwd` with exactly `env`'s home variables:
+    a fork of the worker's zygote (as run_cli's are: `appserver/__main__.py` run as `-m` runs it, in
+    `cwd` with `env`; the home checks read $HOME, $APPSERVER_HOME and the working directory when
+    the command runs), or a new interpreter, which needs the repository on its path, when a fork
+    cannot stand in for one. 32 new interpreters were ~10 CPU-s."""
+    if not zygote_client._can_fork(env):
+        env = {**env, "PYTHONPATH": str(ROOT)}
+    with appserver_popen(
+        list(args),
         cwd=cwd,
-        env={**env, "PYTHONPATH": str(ROOT)},
+        env=env,
         stdin=subprocess.DEVNULL,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         errors="replace",
-        timeout=60,
-    )
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _refused(r: subprocess.CompletedProcess[str], why: str) -> None:

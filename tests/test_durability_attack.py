@@ -33,6 +33,7 @@ import pytest
 import websockets
 
 from tests.support.cli import ROOT, cli_env, run_cli
+from tests.support.net import SSL
 from tests.support.serve import ServeProcess
 from tests.support.ws import ws_url
 from tests.support.zygote_client import appserver_popen
@@ -112,20 +113,29 @@ def open_turns(db: sqlite3.Connection) -> list[tuple[str, str]]:
     return db.execute("SELECT id, status FROM turns WHERE status IN ('running', 'queued')").fetchall()
 
 
-def turns_with_input(db: sqlite3.Connection, text: str, conversation: str | None = None) -> list[tuple[str, str]]:
-    sql = (
-        "SELECT t.id, t.status FROM turns t JOIN messages m ON m.turn_id = t.id WHERE m.role = 'user' AND m.content = ?"
-    )
-    args: tuple[str, ...] = (json.dumps(text),)
-    if conversation is not None:
-        sql += " AND t.conversation_id = ?"
-        args += (conversation,)
-    return db.execute(sql, args).fetchall()
+class Stored:
+    """The turns whose user input is a text (in a conversation), and a turn's replies, from one read
+    of the store. Asked of SQLite per acknowledgement, each scanned the whole messages table (it
+    has no index on content or turn_id), for hundreds of acknowledgements. The same rows, read once
+    the store no longer changes under the check (after the restart settled, after the retries)."""
 
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.inputs: dict[str, list[tuple[str, str, str]]] = {}
+        for tid, status, conv, content in db.execute(
+            "SELECT t.id, t.status, t.conversation_id, m.content FROM turns t JOIN messages m ON m.turn_id = t.id "
+            "WHERE m.role = 'user'"
+        ):
+            self.inputs.setdefault(content, []).append((tid, status, conv))
+        self.replies: dict[str, list[str]] = {}
+        for tid, content in db.execute("SELECT turn_id, content FROM messages WHERE role = 'assistant' ORDER BY id"):
+            self.replies.setdefault(tid, []).append(content)
 
-def replies_of(db: sqlite3.Connection, turn_id: str) -> list[Any]:
-    rows = db.execute("SELECT content FROM messages WHERE turn_id = ? AND role = 'assistant' ORDER BY id", (turn_id,))
-    return [json.loads(r[0]) for r in rows]
+    def turns_with_input(self, text: str, conversation: str | None = None) -> list[tuple[str, str]]:
+        rows = self.inputs.get(json.dumps(text), [])
+        return [(tid, status) for tid, status, conv in rows if conversation is None or conv == conversation]
+
+    def replies_of(self, turn_id: str) -> list[Any]:
+        return [json.loads(c) for c in self.replies.get(turn_id, [])]
 
 
 @dataclass
@@ -149,7 +159,14 @@ class Book:
 
 
 def sdk(sp: ServeProcess) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=sp.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    # the SDK's own httpx client (its limits and timeouts), with the suite's SSL context
+    return openai.AsyncOpenAI(
+        base_url=sp.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=30,
+        http_client=openai.DefaultAsyncHttpxClient(verify=SSL),
+    )
 
 
 def error_object(response: httpx.Response) -> dict[str, Any]:
@@ -232,19 +249,22 @@ async def _client(i: int, trial: int, client: openai.AsyncOpenAI, book: Book, rn
 
 
 def check_acks(sp: ServeProcess, db: sqlite3.Connection, book: Book) -> list[str]:
-    with httpx.Client(base_url=sp.url, timeout=10) as http:  # one client: no new TLS context per request
+    with httpx.Client(base_url=sp.url, timeout=10, verify=SSL) as http:  # one client: one TLS context
         return _check_acks(http, db, book)
 
 
 def _check_acks(http: httpx.Client, db: sqlite3.Connection, book: Book) -> list[str]:
     problems = []
+    stored = Stored(db)
     for a in book.acks:
-        turns = turns_with_input(db, a.text_in, a.conversation)
+        turns = stored.turns_with_input(a.text_in, a.conversation)
         if [s for _, s in turns] != ["completed"]:
             problems.append(f"{a.kind} {a.text_in!r} in {a.conversation}: acknowledged, stored as {turns}")
             continue
-        if a.text_out not in replies_of(db, turns[0][0]):
-            problems.append(f"{a.kind} {a.text_in!r}: reply {a.text_out!r} not stored: {replies_of(db, turns[0][0])}")
+        if a.text_out not in stored.replies_of(turns[0][0]):
+            problems.append(
+                f"{a.kind} {a.text_in!r}: reply {a.text_out!r} not stored: {stored.replies_of(turns[0][0])}"
+            )
         if a.response_id:
             got = http.get(f"/v1/responses/{a.response_id}")
             if got.status_code != 200 or got.json()["status"] != "completed":
@@ -255,13 +275,14 @@ def _check_acks(http: httpx.Client, db: sqlite3.Connection, book: Book) -> list[
 def check_keys(sp: ServeProcess, db: sqlite3.Connection, book: Book) -> list[str]:
     """Every key sent is retried: an acknowledged one answers the same again, and every key's
     input ran exactly once, acknowledged or not."""
-    with httpx.Client(base_url=sp.url, timeout=30) as http:  # one client: no new TLS context per request
+    with httpx.Client(base_url=sp.url, timeout=30, verify=SSL) as http:  # one client: one TLS context
         return _check_keys(http, db, book)
 
 
 def _check_keys(http: httpx.Client, db: sqlite3.Connection, book: Book) -> list[str]:
     problems = []
     acked = {a.key: a for a in book.acks if a.key}
+    answered: list[tuple[str, str, Ack | None]] = []
     for key, (text, stream) in book.keys.items():
         body: dict[str, Any] = {"model": "assistant", "messages": [{"role": "user", "content": text}]}
         if stream:
@@ -279,7 +300,12 @@ def _check_keys(http: httpx.Client, db: sqlite3.Connection, book: Book) -> list[
             text_again = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
             if text_again != a.text_out:
                 problems.append(f"retry of acknowledged stream {key}: {text_again!r} != {a.text_out!r}")
-        ran = sorted(s for _, s in turns_with_input(db, text))
+        answered.append((key, text, a))
+    # what each key's input ran as, once every retry has been answered (each retry touches only
+    # its own key's input)
+    stored = Stored(db)
+    for key, text, a in answered:
+        ran = sorted(s for _, s in stored.turns_with_input(text))
         # An attempt the kill interrupted is no answer, so the retry runs it (docs/openai.md); an
         # acknowledged one is the answer: it ran once, completed.
         if ran.count("completed") != 1 or set(ran) - {"completed", "interrupted"} or (a and ran != ["completed"]):
@@ -457,11 +483,12 @@ async def test_writes_failing_inside_big_groups_fail_only_their_own_requests(tmp
     assert len(ws_turns) >= 8
     with restarted(home, log) as (_, db):
         lost = []
+        stored = Stored(db)
         for a in acks:
             if a.kind == "victim":
                 continue  # deleted on purpose, with its agent
-            turns = turns_with_input(db, a.text_in, a.conversation)
-            if [s for _, s in turns] != ["completed"] or a.text_out not in replies_of(db, turns[0][0]):
+            turns = stored.turns_with_input(a.text_in, a.conversation)
+            if [s for _, s in turns] != ["completed"] or a.text_out not in stored.replies_of(turns[0][0]):
                 lost.append((a.text_in, turns))
         assert not lost, f"{len(lost)} acknowledged replies of the other agent lost: {lost[:10]}"
         for key, turn_ids in ws_turns.items():
@@ -598,10 +625,11 @@ async def test_streams_cut_by_kill9_keep_their_input_and_settle_consistently(tmp
     started = [s for s in streams if "text" in s and not s.get("final")]
     assert started
     with restarted(home, log) as (_, db):
+        stored = Stored(db)
         for s in started:
-            turns = turns_with_input(db, s["prompt"], s["conversation"])
+            turns = stored.turns_with_input(s["prompt"], s["conversation"])
             assert [st for _, st in turns] == ["interrupted"], (s, turns)
-            kept = "".join(t for t in replies_of(db, turns[0][0]) if isinstance(t, str))
+            kept = "".join(t for t in stored.replies_of(turns[0][0]) if isinstance(t, str))
             assert s["text"].startswith(kept) or kept.startswith(s["text"]), (s, kept)
 
 
@@ -626,7 +654,7 @@ async def test_a_responses_stream_cut_by_kill9_can_be_found_by_its_announced_id(
         sp.kill()
     assert announced
     with restarted(home, log) as (sp2, _):
-        got = httpx.get(f"{sp2.url}/v1/responses/{announced[0]}", timeout=10)
+        got = httpx.get(f"{sp2.url}/v1/responses/{announced[0]}", timeout=10, verify=SSL)
     assert got.status_code == 200, got.text
     body = got.json()
     assert body["status"] == "failed" and body["error"]["code"] == "server_error", body

@@ -20,7 +20,8 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+import tomllib
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -75,7 +76,8 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/replies"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # polled every 0.05 s for the shutdown (the default 0.5 s is what each test's end would wait)
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def up(self) -> None:
         with self.lock:
@@ -141,9 +143,12 @@ class Servers:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.gateways: list[int] = []
 
-    def channel_server(self, home: Path) -> ChannelServer:
+    def channel_server(self, home: Path, while_it_starts: Callable[[], object] = lambda: None) -> ChannelServer:
+        """A server of the home with its channels running; `while_it_starts` is called once it holds
+        the home, while its channels start."""
         srv = start_channel_server(home, env=_env(home))
         self.procs.append(srv.proc)
+        while_it_starts()
         srv.wait_channels_ready()
         self.gateways.append(srv.gateway_pid())
         return srv
@@ -158,16 +163,13 @@ class Servers:
                 os.kill(pid, signal.SIGKILL)
 
     def end(self) -> None:
+        """SIGKILL the servers still running (the test's checks are done: a graceful stop would only
+        cost the teardown its gateway's shutdown), then every gateway child seen."""
         for proc in self.procs:
             if proc.poll() is None:
-                children = gateway_children(proc.pid)
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
-                self.gateways += children
+                self.gateways += gateway_children(proc.pid)
+                proc.kill()
+                proc.wait(10)
         for pid in self.gateways:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -182,10 +184,12 @@ def servers() -> Iterator[Servers]:
         s.end()
 
 
-def _reply_in_flight(home: Path, receiver: Receiver, servers: Servers) -> tuple[ChannelServer, str]:
+def _reply_in_flight(
+    home: Path, receiver: Receiver, servers: Servers, while_it_starts: Callable[[], object] = lambda: None
+) -> tuple[ChannelServer, str]:
     """A server whose cron run's reply is being sent (the receiver refuses it, the gateway keeps
     trying): its outcome is recorded and its claim is at `delivering`."""
-    srv = servers.channel_server(home)
+    srv = servers.channel_server(home, while_it_starts)
     task_id = str(
         _ok(home, "cron", "add", "--name", "dl", "--agent", "assistant", "--in", "1s", "--exact",
             "--prompt", "say dl", "--deliver", TARGET, "--json").json()["id"]
@@ -234,12 +238,22 @@ def test_a_reply_in_flight_at_sigterm_is_recorded_delivery_failed_after_a_restar
 def test_a_standby_that_takes_the_home_over_records_the_reply_in_flight(
     home: Path, receiver: Receiver, servers: Servers, tmp_path: Path
 ) -> None:
-    srv, task_id = _reply_in_flight(home, receiver, servers)
     log_path = tmp_path / "standby.log"
-    with open(log_path, "wb") as out:
-        standby = appserver_popen(["serve", "--standby", "--listen", f"127.0.0.1:{free_port()}"],
-                                  env=_env(home), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    servers.procs.append(standby)
+
+    webhook = tomllib.loads((home / "config.toml").read_text())["channels"]["webhook"]["accounts"]["home"]
+    port = free_port()
+    while f":{port}" in webhook["listen"]:  # chosen before the webhook channel listens: not its port
+        port = free_port()
+
+    def start_standby() -> None:
+        """Once the first server holds the home: the standby comes up while the run's reply is
+        put in flight, and is waiting before that server is killed."""
+        with open(log_path, "wb") as out:
+            standby = appserver_popen(["serve", "--standby", "--listen", f"127.0.0.1:{port}"],
+                                      env=_env(home), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        servers.procs.append(standby)
+
+    srv, task_id = _reply_in_flight(home, receiver, servers, start_standby)
     wait_for(lambda: "appserver standby:" in log_path.read_text(errors="replace"), 20, "the standby to wait")
     servers.kill9(srv.proc)
     receiver.up()

@@ -64,9 +64,10 @@ TARGET = "webhook:home:kitchen"
 QUEUED = 4  # runs submitted behind the held turn after a restart (more than the 3 claims kept open)
 
 
-def _port() -> int:
-    """A free loopback port of the range these tests may use (22140-22199)."""
-    for port in range(22140, 22200):
+def _port(*taken: int) -> int:
+    """A free loopback port of the range these tests may use (22140-22199), other than `taken`
+    (ports chosen for a listener not bound yet)."""
+    for port in (p for p in range(22140, 22200) if p not in taken):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -98,7 +99,8 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", _port()), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/replies"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # polled every 0.05 s for the shutdown (the default 0.5 s is what each test's end would wait)
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def received(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -126,15 +128,13 @@ class Procs:
                 os.kill(pid, signal.SIGKILL)
 
     def end(self) -> None:
+        """SIGKILL what is still running (its checks are done: a graceful stop would only cost the
+        teardown its gateway's shutdown), then every gateway child seen."""
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 self.gateways += gateway_children(proc.pid)
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+                proc.kill()
+                proc.wait(10)
         for pid in self.gateways:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -262,33 +262,37 @@ def test_queued_runs_are_recorded_and_delivered_once_when_a_standby_takes_over_a
     receiver = Receiver()
     try:
         home = tmp_path / "home"
+        webhook_port = _port()
         settings = {
-            "listen": f"127.0.0.1:{_port()}",
+            "listen": f"127.0.0.1:{webhook_port}",
             "secret_env": "WH_SECRET",
             "reply_url": receiver.url,
             "default_agent": "careful",
+            "chat_rate": 50,  # the seven replies go out at once, not one a second (a second send too)
         }
         write_config(home, {"webhook": {"home": settings}}, ["webhook"])
         env = cli_env(home, WH_SECRET=SECRET)
         active = start_channel_server(home, env=env)
         procs.add(active.proc)
-        active.wait_channels_ready()
+        # The standby starts once the active server holds the home, and comes up while the active
+        # one's channels start and the runs queue; it is waiting before the active one is killed.
         standby_log = tmp_path / "standby.log"
         with open(standby_log, "wb") as out:
             standby = procs.add(
                 appserver_popen(
-                    ["serve", "--standby", "--listen", f"127.0.0.1:{_port()}"],
+                    ["serve", "--standby", "--listen", f"127.0.0.1:{_port(webhook_port)}"],
                     env=env,
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )  # fmt: skip
             )
-        wait_for(lambda: "appserver standby:" in standby_log.read_text(errors="replace"), 20, "the standby to wait")
+        active.wait_channels_ready()
         held = _hold_for_approval(home, env)
         task_id = _add_task(home, env, "careful", "--deliver", TARGET)
         wait_for(lambda: _submitted(home, task_id) == 1, 30, "the scheduled run queued behind the held turn")
         _run_now(home, env, procs, task_id, 1)
+        wait_for(lambda: "appserver standby:" in standby_log.read_text(errors="replace"), 20, "the standby to wait")
         procs.kill9(active.proc)
         # the standby takes over; the runs queued there push the first ones out of the claims
         wait_for(lambda: _serves(home, standby.pid), 40, "the standby to serve")

@@ -20,18 +20,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from appserver.auth import token_store_for
 from appserver.security.limits import OpenTurns
 from tests.support.cli import cli_env, run_cli
-from tests.support.pg import require_postgres, temp_database
+from tests.support.pg import ADMIN_URL, require_postgres, temp_database, url_for
 from tests.support.serve import ServeProcess, serving, start_serve
 from tests.support.ws import WS
 
@@ -47,16 +50,39 @@ ASK = "/call clock {}"
 SLOW = "/slow 1000"  # 50 s: open until cancelled
 
 
-@pytest.fixture
-def pg(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], str]]:
-    """A home on a database of its own with the agent `careful`, its env, and the database URL."""
+def _env(home: Path, url: str) -> dict[str, str]:
+    return cli_env(home, APPSERVER_STORE__URL=url, APPSERVER_LIMITS__OPEN_TURNS_PER_CLIENT=str(CAP), **FAST_BEAT)
+
+
+@pytest.fixture(scope="module")
+def pg_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A database migrated once, with the agent `careful` (made by the CLI, as a test's home would
+    be), and that home's config.toml: each test's database is a copy of it (CREATE DATABASE …
+    TEMPLATE), which spares every test the schema's migrations. Nothing stays connected to it."""
     require_postgres()
-    with temp_database("opencapf") as url:
-        home = tmp_path / "home"
-        env = cli_env(home, APPSERVER_STORE__URL=url, APPSERVER_LIMITS__OPEN_TURNS_PER_CLIENT=str(CAP), **FAST_BEAT)
-        r = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=env)
+    with temp_database("opencapt") as url:
+        home = tmp_path_factory.mktemp("opencap-template") / "home"
+        r = run_cli(home, "agents", "create", "--name", "careful", "--tool", "clock=ask", env=_env(home, url))
         assert r.code == 0, r.err
-        yield home, env, url
+        yield urlsplit(url).path.lstrip("/"), (home / "config.toml").read_text()
+
+
+@pytest.fixture
+def pg(tmp_path: Path, pg_template: tuple[str, str]) -> Iterator[tuple[Path, dict[str, str], str]]:
+    """A home on a database of its own with the agent `careful`, its env, and the database URL."""
+    template, config = pg_template
+    name = f"appserver_test_opencapf_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template)))
+    try:
+        home = tmp_path / "home"
+        home.mkdir()
+        (home / "config.toml").write_text(config)
+        url = url_for(name)
+        yield home, _env(home, url), url
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 def _tokens(home: Path, url: str) -> tuple[str, str]:
@@ -148,7 +174,7 @@ async def test_a_restart_counts_the_turns_still_open(
         sp.kill()
     assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
 
-    with serving(home, "--auth", "token", env=env) as sp:
+    with serving(home, "--auth", "token", env=env, graceful=False) as sp:  # SIGKILLed at the end
         ws = await _open(sp, me)
         try:
             await _refused(ws)  # the three turns still open hold the three places
@@ -215,7 +241,7 @@ async def test_a_survivor_counts_what_it_takes_over_not_what_a_live_server_count
     env_b = {**env, "APPSERVER_HOME": str(home_b)}
     a = start_serve(home, "--auth", "token", env=env)
     try:
-        with serving(home_b, "--auth", "token", env=env_b) as b:
+        with serving(home_b, "--auth", "token", env=env_b, graceful=False) as b:
             by_other = await _open(b, other)
             head = await _ack(by_other, _submit(SLOW))  # B holds its conversation
             await by_other.close()

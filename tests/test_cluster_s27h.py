@@ -249,19 +249,21 @@ def test_a_hang_of_the_whole_database_longer_than_the_timeout_fences_nobody() ->
 
 
 async def _after_outage(url: str, proxy: _Proxy) -> None:
-    store = PostgresStore(proxy.url(url), connect_timeout_s=2.0)
+    store = PostgresStore(proxy.url(url), connect_timeout_s=1.0)
     await store.open()
     try:
         assert await store.check_writable()
         proxy.cut()
+        cut_at = time.monotonic()
         with pytest.raises(StoreUnavailable):  # found no connection: the pool reconnects on a backoff
             await store.check_writable()
-        # Its attempts (about 0, 1, 3 and 7 s after the first failure) all fail; the next comes
-        # about 15 s after. A write made while the database is still away, and the database back
-        # before that write's connect_timeout_s ran out: it is written.
-        await asyncio.sleep(6.0)
+        # Its attempts (about 0, 1 and 3 s after the first failure, as the cut is found) all fail;
+        # the next comes about 7 s after (6.3 s at the earliest: 10 % jitter). A write made in that
+        # gap while the database is still away, and the database back before that write's
+        # connect_timeout_s (1 s) ran out, well before the pool's next attempt: it is written.
+        await asyncio.sleep(max(0.0, cut_at + 3.6 - time.monotonic()))
         write = asyncio.ensure_future(store.check_writable())
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.4)
         proxy.up()
         assert await write
         assert await store.check_writable()  # and the next one
@@ -271,7 +273,7 @@ async def _after_outage(url: str, proxy: _Proxy) -> None:
 
 def test_a_write_made_as_the_database_comes_back_is_written_while_the_pool_still_reconnects() -> None:
     """Before, the write waited for the pool alone, whose next reconnect came after the write's
-    connect_timeout_s: `no connection to write on within 2 s ([store] connect_timeout_s)`."""
+    connect_timeout_s: `no connection to write on within 1 s ([store] connect_timeout_s)`."""
     require_postgres()
     with temp_database("s27h_pool_backoff") as url, _proxies(url, 1) as (proxy,):
         asyncio.run(_after_outage(url, proxy))

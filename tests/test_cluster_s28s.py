@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
 from tests.fakes.openai_upstream import FakeOpenAI, RecordedRequest, Reply, chunk, cut, one_call_sse, openai_sse
 from tests.support.cli import cli_env, run_cli
+from tests.support.net import SSL
 from tests.support.pg import require_postgres, temp_database
 from tests.support.serve import ServeProcess, start_serve_at, stop_all
 from tests.support.ws import WS
@@ -43,9 +45,10 @@ def db() -> Iterator[str]:
 
 
 # A killed holder is judged gone once its lock is free and its heartbeat older than 2.5 heartbeats:
-# 1.25 s at 0.5 s heartbeats (5 s at the default 2 s). The instance timeout (a live server's
-# heartbeat missed) stays the default 30 s: nothing here stops a live server.
-FAST_BEAT = {"APPSERVER_STORE__HEARTBEAT_S": "0.5"}
+# 0.625 s at 0.25 s heartbeats (5 s at the default 2 s). The instance timeout (a live server's
+# heartbeat missed) stays the default 30 s: nothing here stops a live server, and a live server
+# holds its lock (a late heartbeat of a loaded one is no reason to judge it gone).
+FAST_BEAT = {"APPSERVER_STORE__HEARTBEAT_S": "0.25"}
 
 
 def _serve(home: Path, port: int, url: str) -> ServeProcess:
@@ -58,12 +61,47 @@ def _early(times: list[float], before_end_s: float = 1.0) -> int:
     return sum(1 for t in times if t <= times[-1] - before_end_s)
 
 
-async def _chat_stream(url: str, conv: str, text: str) -> tuple[str, list[float], str | None]:
+def _beat_since_joined(url: str, holder: ServeProcess, joined: ServeProcess) -> float | None:
+    """`holder`'s last heartbeat renewal, if it came after `joined`'s row was written."""
+    with psycopg.connect(url, autocommit=True) as c:
+        row = c.execute(
+            "SELECT h.heartbeat_at FROM instances h, instances j "
+            "WHERE h.pid = %s AND j.pid = %s AND h.heartbeat_at > j.started_at",
+            (holder.proc.pid, joined.proc.pid),
+        ).fetchone()
+    return float(row[0]) if row else None
+
+
+async def _running_beside(url: str, owner: WS, turn_id: str, a: ServeProcess, b: ServeProcess) -> None:
+    """`turn_id` runs on A (its first words came), and A has counted B among its peers (it renewed
+    its heartbeat after B joined, which counts them, and then again): what a wait of a few
+    heartbeats made sure of."""
+    await owner.expect(
+        lambda f: (
+            f["type"] == "turn_updated"
+            and f["snapshot"]["turn_id"] == turn_id
+            and any(k["type"] == "text" and k.get("text") for k in f["snapshot"]["blocks"])
+        ),
+        T,
+    )
+    beats: set[float] = set()
+    deadline = time.monotonic() + T
+    while len(beats) < 2:
+        assert time.monotonic() < deadline, "A did not renew its heartbeat after B joined"
+        beat = await asyncio.to_thread(_beat_since_joined, url, a, b)
+        if beat is not None:
+            beats.add(beat)
+        await asyncio.sleep(0.1)
+
+
+async def _chat_stream(
+    url: str, conv: str, text: str, opened: asyncio.Event | None = None
+) -> tuple[str, list[float], str | None]:
     began = time.monotonic()
     arrivals: list[float] = []
     content = ""
     finish: str | None = None
-    async with httpx.AsyncClient(timeout=T * 2) as http:
+    async with httpx.AsyncClient(timeout=T * 2, verify=SSL) as http:
         async with http.stream(
             "POST",
             url + "/v1/chat/completions",
@@ -71,6 +109,8 @@ async def _chat_stream(url: str, conv: str, text: str) -> tuple[str, list[float]
             json={"model": "assistant", "stream": True, "messages": [{"role": "user", "content": text}]},
         ) as stream:
             assert stream.status_code == 200
+            if opened is not None:
+                opened.set()  # the input was accepted (through B: queued behind A's turn)
             async for line in stream.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
@@ -97,9 +137,11 @@ async def test_a_stream_queued_through_b_shows_its_reply_as_it_grows_after_b_tak
                 {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "/slow 1000"}, T
             )
             conv = first["conversation_id"]
-            await asyncio.sleep(1)
-            queued = asyncio.ensure_future(_chat_stream(b.url, conv, f"/slow {WORDS}"))
-            await asyncio.sleep(1.5)  # accepted through B, queued behind A's turn
+            await _running_beside(db, owner, first["turn_id"], a, b)
+            opened = asyncio.Event()
+            queued = asyncio.ensure_future(_chat_stream(b.url, conv, f"/slow {WORDS}", opened))
+            await asyncio.wait_for(opened.wait(), T)  # accepted through B, queued behind A's turn
+            await asyncio.sleep(0.2)  # (its stream waiting on B's mirror of it)
             a.kill()
             text, arrivals, finish = await asyncio.wait_for(queued, T)
         finally:
@@ -123,11 +165,11 @@ async def test_the_new_holder_counts_each_queued_turn_once(db: str, tmp_path: Pa
                 {"type": "submit_input", "agent": "assistant", "conversation": "new", "input": "/slow 1000"}, T
             )
             conv = first["conversation_id"]
-            await asyncio.sleep(1)
+            await _running_beside(db, owner, first["turn_id"], a, b)
             state = await ws.request({"type": "subscribe", "conversation": conv}, T)  # B follows A's turns
             assert state["queued"] == 0, state
-            one = await ws.request(  # 5 s of output: the poll below (0.2 s apart) sees it run
-                {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "/slow 100"}, T
+            one = await ws.request(  # 3 s of output: the poll below (0.2 s apart) sees it run
+                {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "/slow 60"}, T
             )
             two = await ws.request(
                 {"type": "submit_input", "agent": "assistant", "conversation": conv, "input": "last"}, T
@@ -164,13 +206,13 @@ AFTER = "after" + "".join(f" a{i}" for i in range(1, 31))
 
 def _model(req: RecordedRequest) -> Reply:
     messages = req.json["messages"]
-    if messages[-1]["role"] == "tool":  # the answer: 31 pieces, 0.15 s apart
+    if messages[-1]["role"] == "tool":  # the answer: 31 pieces, 0.1 s apart
         sse = openai_sse(
             [chunk(role="assistant", content="after")]
             + [chunk(content=f" a{i}") for i in range(1, 31)]
             + [chunk(finish_reason="stop")]
         )
-        return Reply(pieces=cut(sse, chunk_size=150), delay_s=0.15)
+        return Reply(pieces=cut(sse, chunk_size=150), delay_s=0.1)
     return Reply(pieces=[one_call_sse("call_" + uuid.uuid4().hex[:10], "lookup", '{"q":"x"}')])
 
 
@@ -205,7 +247,7 @@ async def test_a_paused_turn_answered_through_b_after_the_holder_died_streams_as
                     "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
                 }
             ]
-            async with httpx.AsyncClient(timeout=T * 2) as http:
+            async with httpx.AsyncClient(timeout=T * 2, verify=SSL) as http:
                 r = await http.post(
                     a.url + "/v1/responses",
                     json={"model": "gpt", "input": "call it", "tools": tools, "tool_choice": "required"},
@@ -239,7 +281,7 @@ async def test_a_paused_turn_answered_through_b_after_the_holder_died_streams_as
                             final = event["response"]
             assert final is not None and final["status"] == "completed", final
             assert text == AFTER
-            # as the upstream streams it (31 pieces over ~4.5 s), not in one delta at the end
+            # as the upstream streams it (31 pieces over ~3 s), not in one delta at the end
             assert len(arrivals) >= 10 and _early(arrivals) >= 5, arrivals
         finally:
             stop_all(b, a)

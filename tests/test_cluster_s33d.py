@@ -31,8 +31,10 @@ def test_each_server_is_judged_by_the_timings_it_recorded(tmp_path: Path) -> Non
         nodes.append(slow)
         quick = serve_with_timings(tmp_path / "quick", url, 0.3, 1.5)
         nodes.append(quick)
-        # The quick server judges every second, and the slow one's heartbeat is up to 2.75 s old.
-        end = time.monotonic() + 8
+        # The quick server judges every second, and the slow one's heartbeat is up to 2.75 s old:
+        # watched for two of the slow one's heartbeat periods (its first, before it counted the
+        # quick one and renews more often beside it, among them).
+        end = time.monotonic() + 5
         while time.monotonic() < end:
             assert ready_status(slow) == 200, log_so_far(slow)
             time.sleep(0.5)
@@ -60,6 +62,7 @@ def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_
         (dead,) = query(url, "SELECT id FROM instances ORDER BY started_at DESC LIMIT 1")[0]
         db = url.rsplit("/", 1)[1]
         stop = threading.Event()
+        ended_once = threading.Event()
 
         def end_sessions() -> None:
             """Every 1.5 s (less than the few heartbeats the lock-free grace waits after a re-take),
@@ -71,11 +74,12 @@ def test_a_killed_server_is_judged_gone_while_the_survivors_session_keeps_being_
                         "WHERE datname = %s AND application_name LIKE 'appserver serve inst_%%'",
                         (db,),
                     )
+                    ended_once.set()
 
         ender = threading.Thread(target=end_sessions, daemon=True)
         ender.start()
         try:
-            time.sleep(2)
+            assert ended_once.wait(10), "the sessions were never ended"  # (1.5 s after the start)
             doomed.kill()
             # within its timeout (4 s) plus a sweep and a session re-take
             gone = eventually(lambda: not query(url, "SELECT 1 FROM instances WHERE id = %s", (dead,)), 8)
@@ -98,8 +102,31 @@ def test_a_peer_at_the_shortest_timings_is_judged_gone_when_killed(tmp_path: Pat
         quick = serve_with_timings(tmp_path / "quick", url, 0.1, 1)
         nodes.append(quick)
         (dead,) = query(url, "SELECT id FROM instances ORDER BY started_at DESC LIMIT 1")[0]
-        time.sleep(3)  # the steady server has counted the quick one (its heartbeat, 2 s)
+        # the steady server has counted the quick one: it does so as it renews its heartbeat (every
+        # 2 s), and then renews it again (within a third of the quick one's timeout, at once)
+        _renewed_twice_since_joined(url, dead)
         quick.kill()
         gone = eventually(lambda: not query(url, "SELECT 1 FROM instances WHERE id = %s", (dead,)), 8)
         assert gone, log_so_far(steady)
         assert ready_status(steady) == 200
+
+
+def _renewed_twice_since_joined(url: str, joined: str) -> None:
+    """Wait until every other server renewed its heartbeat twice since `joined`'s row was written:
+    the first renewal counts the peers (the new one among them), the second comes after that count."""
+    seen: dict[str, set[float]] = {}
+    deadline = time.monotonic() + 20
+    with psycopg.connect(url, autocommit=True) as c:
+        while True:
+            rows = c.execute(
+                "SELECT i.id, i.heartbeat_at FROM instances i, instances j "
+                "WHERE j.id = %s AND i.id <> j.id AND i.heartbeat_at > j.started_at",
+                (joined,),
+            ).fetchall()
+            for rid, beat in rows:
+                seen.setdefault(rid, set()).add(beat)
+            others = {r[0] for r in c.execute("SELECT id FROM instances WHERE id <> %s", (joined,)).fetchall()}
+            if others and all(len(seen.get(o, ())) >= 2 for o in others):
+                return
+            assert time.monotonic() < deadline, f"the others did not renew their heartbeats twice: {seen}"
+            time.sleep(0.05)

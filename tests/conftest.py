@@ -43,8 +43,10 @@ for _name, _value in FAST_WAITS.items():
 # (Every file of at least 12 s in a full run's junit times, longest first; a new slow file joins it.)
 SLOW_FILES_FIRST = (
     "test_cluster.py",
+    "test_cluster_b.py",
     "test_gateway_withdrawn_restart_s30t.py",
     "test_cluster_fixes_s18.py",
+    "test_cluster_fixes_s18_b.py",
     "test_kernel_memory.py",
     "test_cluster_outage_s19.py",
     "test_postgres_serve_attack.py",

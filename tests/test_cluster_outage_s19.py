@@ -19,10 +19,11 @@ import pytest
 
 from appserver.store import AgentRecord, ConversationRecord, SQLiteStore
 from appserver.store.cluster import INSTANCE_LOCK_CLASS
-from appserver.store.postgres import PostgresStore
+from appserver.store.postgres import FIRST_AGENT_LOCK, PostgresStore
 from tests.support.cli import cli_env
 from tests.support.pg import require_postgres, temp_database, url_for
 from tests.support.serve import ServeProcess, start_serve
+from tests.support.wait import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -278,6 +279,20 @@ def test_a_retry_after_an_outage_runs_the_request_its_key_did_not_answer(tmp_pat
                 sp.kill()
 
 
+def _waits_for_first_agent_lock(url: str) -> bool:
+    """A session of the database waits for the first-agent lock (a server starting, at its
+    first-agent check, behind the copy that holds it)."""
+    key = FIRST_AGENT_LOCK & 0xFFFFFFFFFFFFFFFF
+    return bool(
+        _query(
+            url,
+            "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND database = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database()) AND classid = %s AND objid = %s",
+            (key >> 32, key & 0xFFFFFFFF),
+        )
+    )
+
+
 class _PausedSource:
     """The SQLite connection `store copy` reads, pausing the copy (its PostgreSQL transaction
     open, the agents copied) when it first reads the table named by `at`."""
@@ -343,7 +358,9 @@ def test_store_copy_while_a_server_starts_on_the_database_leaves_one_assistant(t
         try:
             assert paused.reached.wait(20), copied
             starter.start()
-            time.sleep(2.0)  # the server is at its first-agent check by now
+            # the server is at its first-agent check: waiting for the lock the copy holds (at most
+            # 10 s, then on as before: the assertions say what the server did)
+            eventually(lambda: _waits_for_first_agent_lock(url), 10)
             paused.go.set()
             copier.join(30)
             starter.join(45)

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from tests.test_cron_recover_delivery import Receiver
 pytestmark = pytest.mark.timeout(120)
 
 SECRET = "s3cr3t-for-the-webhook"
-HOLD_S = 3.0  # how long the child is kept from starting: longer than the cron run takes
+HOLD_S = 1.5  # how long the child is still kept from starting once the run ended and the others failed
 
 
 @pytest.fixture()
@@ -64,12 +65,18 @@ def events(home: Path, task_id: str) -> list[str]:
     return [str(r["event"]) for r in records(home, task_id)]
 
 
-def add_due_task(home: Path, name: str, target: str, env: dict[str, str]) -> str:
-    """A one-shot task due a second from now: it fires at the first tick of the next server."""
+def add_due_task(home: Path, name: str, target: str, env: dict[str, str]) -> tuple[str, datetime]:
+    """A one-shot task due a second from now: it fires at the first tick of the next server started
+    once it is due (`wait_until_due`). Its id and when it is due."""
     r = run_cli(home, "cron", "add", "--name", name, "--agent", "assistant", "--in", "1s", "--exact",
                 "--misfire", "run_once", "--prompt", f"say {name}", "--deliver", target, "--json", env=env)  # fmt: skip
     assert r.code == 0, (r.out, r.err)
-    return str(r.json()["id"])
+    return str(r.json()["id"]), datetime.fromisoformat(r.json()["next_due_at"])
+
+
+def wait_until_due(*due: datetime) -> None:
+    """Until every one of these times has passed (by the clock the server reads too)."""
+    wait_for(lambda: datetime.now(UTC) > max(due), 10, "the tasks to be due")
 
 
 def test_a_reply_of_a_run_fired_at_start_waits_for_the_starting_gateway(tmp_path: Path, receiver: Receiver) -> None:
@@ -82,11 +89,11 @@ def test_a_reply_of_a_run_fired_at_start_waits_for_the_starting_gateway(tmp_path
         home, {"webhook": {"main": settings, "nobody": settings}, "telegram": telegram}, ["webhook", "telegram"]
     )
     env = cli_env(home, WH_SECRET=SECRET)
-    kept = add_due_task(home, "kept", "webhook:main:kitchen", env)
-    unknown = add_due_task(home, "unknown", "webhook:nobody:hall", env)
-    disabled = add_due_task(home, "disabled", "telegram:main:den", env)
+    kept, kept_due = add_due_task(home, "kept", "webhook:main:kitchen", env)
+    unknown, unknown_due = add_due_task(home, "unknown", "webhook:nobody:hall", env)
+    disabled, disabled_due = add_due_task(home, "disabled", "telegram:main:den", env)
     write_config(home, {"webhook": {"main": settings}, "telegram": telegram}, ["webhook"])
-    time.sleep(1.5)  # all three are due before the server starts
+    wait_until_due(kept_due, unknown_due, disabled_due)  # all three are due before the server starts
 
     with gateway_held_back(home) as let_go, channel_server(home, env=env, ready=False) as srv:
         # The run ends while the child waits for its lock; the targets it can never reach fail at once.
@@ -112,8 +119,8 @@ def test_a_gateway_that_does_not_come_up_fails_the_delivery_after_a_bounded_wait
     settings = {"listen": f"127.0.0.1:{free_port()}", "secret_env": "WH_SECRET", "reply_url": "http://127.0.0.1:9/"}
     write_config(home, {"webhook": {"main": settings}}, ["webhook"])
     env = cli_env(home, WH_SECRET=SECRET)
-    task_id = add_due_task(home, "late", "webhook:main:kitchen", env)
-    time.sleep(1.5)
+    task_id, due = add_due_task(home, "late", "webhook:main:kitchen", env)
+    wait_until_due(due)
     with gateway_held_back(home), channel_server(home, env=env, ready=False):
         wait_for(lambda: "outcome" in events(home, task_id), 20, "the run's outcome")
         ended = time.monotonic()

@@ -20,7 +20,7 @@ from cron.store import CronStore, OwnerRecord
 from tests.support.cli import cli_env, run_cli
 from tests.support.serve import start_serve
 from tests.support.state import check, wait_ready
-from tests.support.wait import wait_for
+from tests.support.wait import eventually, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +58,7 @@ def run_log(home: Path, task_id: str) -> list[dict[str, Any]]:
 def test_a_foreign_lease_is_respected_while_renewed_and_taken_once_it_expires(home: Path) -> None:
     env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
     task_id = add_soon_task(home, env)
-    ttl = 6.0
+    ttl = 4.5  # the task is due within its first second: over two seconds of ticks with the lease live
     renewed = datetime.now(UTC)
     with CronStore(home).transaction() as state:  # the other host's server, alive a moment ago
         state.scheduler_owner = foreign(renewed, ttl)
@@ -74,8 +74,10 @@ def test_a_foreign_lease_is_respected_while_renewed_and_taken_once_it_expires(ho
         assert [r["event"] for r in run_log(home, task_id)] == ["fired", "submitted", "outcome"]
         owner = CronStore(home).read().scheduler_owner
         assert owner is not None and owner.pid == sp.proc.pid and owner.renewed_at is not None
-        time.sleep(1.6)  # readiness results are cached for 1.5 s
-        assert check(wait_ready(sp.url, 200), "cron") == {"name": "cron", "status": "ok"}
+        # readiness results are cached for 1.5 s: polled until a fresh one no longer names the other host
+        held = {"name": "cron", "status": "ok"}
+        eventually(lambda: check(wait_ready(sp.url, 200), "cron") == held, 10, interval=0.1)
+        assert check(wait_ready(sp.url, 200), "cron") == held
     finally:
         sp.kill()
 
@@ -189,7 +191,7 @@ def test_a_real_server_takes_over_a_foreign_lease_renewed_in_the_far_future(home
     env = cli_env(home, APPSERVER_CRON_TICK_S="0.3")
     task_id = add_soon_task(home, env)
     with CronStore(home).transaction() as state:  # a hand edit, or a host whose clock ran away
-        state.scheduler_owner = foreign(datetime(9999, 12, 31, tzinfo=UTC), 2.0)
+        state.scheduler_owner = foreign(datetime(9999, 12, 31, tzinfo=UTC), 1.0)
     log_text = serve_until_fired(home, env, task_id, "outcome")
     assert log_text.count("waiting for the scheduler lease held by pid 4242") == 1, log_text[-3000:]
     assert log_text.count("in the future; it is counted from now") == 1, log_text[-3000:]

@@ -28,7 +28,7 @@ from starlette.requests import Request
 
 from plugins.contract import Account, AdapterContext, InboundMessage, Target
 from plugins.discord import DiscordAdapter, create_adapter
-from plugins.discord.adapter import PRESS_NOT_RECORDED
+from plugins.discord.adapter import PRESS_NOT_RECORDED, PRESS_WAIT_S
 from tests.fakes.discord_api import BotMessage, FakeDiscord
 from tests.support.cli import cli_env, run_cli
 from tests.support.gateway import ChannelServer, channel_server, write_config
@@ -150,7 +150,8 @@ async def test_a_press_behind_a_slow_download_is_recorded_and_answered_within_3_
 ) -> None:
     adapter, ledger = running
     mid = await _prompt(adapter, "bb22")
-    fake.slow_attachments(6.0)
+    # a download that outlasts both the press's wait for it (PRESS_WAIT_S) and Discord's 3 s
+    fake.slow_attachments(PRESS_WAIT_S + 2.5)
     image = fake.add_attachment("p.png", PNG)
     looked = fake.inject_guild_message("802", "look at this", mention=True, attachments=[image])
     await asyncio.sleep(0.3)  # the download has begun and holds the channel's line

@@ -177,21 +177,31 @@ def _album(tg: FakeTelegram, chat: int, group: str, photos: list[bytes], caption
     ]
 
 
-def _one_reply(tg: FakeTelegram, chat: int, fragment: str) -> str:
+def _answered_after(tg: FakeTelegram, chat: int) -> Injected:
+    """A text in `chat` and its answer. A chat's turns are answered in the order its messages came
+    (gateway/app.py, per-chat worker): any reply to an earlier message is in the chat before it."""
+    after = tg.dm(f"a text after it in {chat}", user_id=chat)
+    tg.wait_for_text(chat, f"echo: a text after it in {chat}", timeout=20)
+    return after
+
+
+def _one_reply(tg: FakeTelegram, chat: int, fragment: str) -> tuple[str, Injected]:
+    """The album's one reply; then a text (returned), whose answer comes after any other part's reply."""
     reply = tg.wait_for_text(chat, lambda t: fragment in t, timeout=20)
-    time.sleep(1.5)  # the other parts' replies, if any, come right after
-    assert _texts(tg, chat) == [reply.text], _texts(tg, chat)
-    return reply.text
+    after = _answered_after(tg, chat)  # the other parts' replies, if any, came before its answer
+    assert _texts(tg, chat) == [reply.text, f"echo: a text after it in {chat}"], _texts(tg, chat)
+    return reply.text, after
 
 
 def test_an_album_in_one_batch_is_one_turn_with_every_photo(srv: ChannelServer, tg: FakeTelegram) -> None:
     photos = [_jpeg(10), _jpeg(11), _jpeg(12)]
     with tg.together():
         parts = _album(tg, 7221, "album-7221", photos, "what do these have in common?")
-    _one_reply(tg, 7221, "what do these have in common?")
+    _, after = _one_reply(tg, 7221, "what do these have in common?")
     [turn] = _turns(srv, "what do these have in common?")
     assert _images(turn) == photos
-    assert _ledger(srv, 7221) == [f"7221:{parts[0].message_id}"]  # the first message stands for the album
+    # the first message stands for the album (the other row is the text sent after it)
+    assert _ledger(srv, 7221) == [f"7221:{parts[0].message_id}", f"7221:{after.message_id}"]
     assert all(tg.acked(p) for p in parts)
 
 
@@ -202,10 +212,10 @@ def test_an_album_split_over_two_batches_is_one_turn(srv: ChannelServer, tg: Fak
     wait_for(lambda: tg.deliveries(first[1]) >= 1, 10, "the first two parts delivered")
     time.sleep(0.3)
     last = tg.dm(None, photo=photos[2], user_id=7222, media_group="album-7222")  # type: ignore[arg-type]
-    _one_reply(tg, 7222, "split album")
+    _, after = _one_reply(tg, 7222, "split album")
     [turn] = _turns(srv, "split album")
     assert _images(turn) == photos
-    assert _ledger(srv, 7222) == [f"7222:{first[0].message_id}"]
+    assert _ledger(srv, 7222) == [f"7222:{first[0].message_id}", f"7222:{after.message_id}"]
     assert tg.acked(last)
 
 
@@ -312,7 +322,7 @@ def test_a_sticker_comes_as_its_emoji_and_one_without_is_ignored(srv: ChannelSer
     bare = tg.dm(None, user_id=7241, sticker="")  # type: ignore[arg-type]
     thumbs = tg.dm(None, user_id=7241, sticker="👍")  # type: ignore[arg-type]
     tg.wait_for_text(7241, "echo: 👍", timeout=20)
-    time.sleep(1.0)
-    assert _texts(tg, 7241) == ["echo: 👍"]
+    after = _answered_after(tg, 7241)  # a reply to the bare sticker, if any, came before its answer
+    assert _texts(tg, 7241) == ["echo: 👍", "echo: a text after it in 7241"]
     assert tg.acked(bare) and tg.acked(thumbs)
-    assert _ledger(srv, 7241) == [f"7241:{thumbs.message_id}"]
+    assert _ledger(srv, 7241) == [f"7241:{thumbs.message_id}", f"7241:{after.message_id}"]

@@ -32,7 +32,7 @@ from plugins.webhook.edge import HEAD_TIMEOUT_S
 from plugins.webhook.settings import DEFAULT_CONNECTIONS_PER_CLIENT
 from tests.support.cli import cli_env
 from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
-from tests.support.net import free_port
+from tests.support.net import SSL, free_port
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -120,7 +120,7 @@ class Hook:
             TIMESTAMP_HEADER: stamp,
             SIGNATURE_HEADER: sign(SECRET, stamp, body),
         }
-        with httpx.Client(transport=httpx.HTTPTransport(local_address=source), timeout=10) as client:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=source, verify=SSL), timeout=10) as client:
             return client.post(f"http://127.0.0.1:{self.port}/", content=body, headers=headers)
 
     def rows(self, chat: str) -> list[tuple[str, str, str | None, str | None]]:

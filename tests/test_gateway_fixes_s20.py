@@ -267,6 +267,29 @@ def _account_status(home: Path) -> dict[str, Any]:
     return dict(account)
 
 
+def _saved_row(home: Path) -> dict[str, Any]:
+    """The account's row in gateway.db as the gateway last saved it (what `channels status` shows),
+    read directly: waiting on it costs no CLI process per look."""
+    if not default_path(home).exists():
+        return {}
+    conn = sqlite3.connect(f"file:{default_path(home)}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        row = conn.execute("SELECT * FROM account_status WHERE channel='telegram'").fetchone()
+    except sqlite3.OperationalError:  # the gateway is creating it
+        return {}
+    finally:
+        conn.close()
+    return dict(row) if row is not None else {}
+
+
+def _saved_running_since(home: Path, since: float) -> bool:
+    """Whether gateway.db holds the account's row as saved by a child that went `running` after
+    `since` (a new child's first save: the one that wrote zeros and `never` over the counters)."""
+    row = _saved_row(home)
+    return row.get("state") == "running" and float(row["updated_at"]) > since
+
+
 def test_last_inbound_outbound_and_counters_survive_gateway_restarts(tmp_path: Path) -> None:
     with FakeTelegram() as tg:
         home = tmp_path / "home"
@@ -275,6 +298,7 @@ def test_last_inbound_outbound_and_counters_survive_gateway_restarts(tmp_path: P
         with channel_server(home, "--channels", "telegram", env=env) as srv:
             tg.dm("before the restart", user_id=5300)
             tg.wait_for_text(5300, "echo: before the restart", timeout=20)
+            wait_for(lambda: _saved_row(home).get("replies", 0) >= 1, 10, "the reply counted in gateway.db")
             saved = wait_for(
                 lambda: (s := _account_status(home))["last_outbound"] is not None and s["replies"] >= 1 and s,
                 10,
@@ -282,8 +306,9 @@ def test_last_inbound_outbound_and_counters_survive_gateway_restarts(tmp_path: P
             )
         assert saved["messages_in"] == 1 and saved["turns"] == 1, saved
         # a server restart (SIGTERM, then serve again)
+        restarted = time.time()
         with channel_server(home, "--channels", "telegram", env=env) as srv:
-            time.sleep(1.5)  # a save or two of the new child
+            wait_for(lambda: _saved_running_since(home, restarted), 10, "the new child's first save")
             after = _account_status(home)
             assert after["state"] == "running", after
             assert after["last_inbound"] == pytest.approx(saved["last_inbound"], abs=0.01), after
@@ -297,10 +322,11 @@ def test_last_inbound_outbound_and_counters_survive_gateway_restarts(tmp_path: P
             first = srv.gateway_pid()
             tg.dm("just before the kill", user_id=5301)
             tg.wait_for_text(5301, "echo: just before the kill", timeout=20)
+            killed = time.time()
             os.kill(first, signal.SIGKILL)
             wait_for(lambda: [p for p in gateway_children(srv.proc.pid) if p != first], 30, "a new gateway child")
             srv.wait_channels_ready()
-            time.sleep(1.5)
+            wait_for(lambda: _saved_running_since(home, killed), 10, "the new child's first save")
             again = _account_status(home)
             assert again["last_inbound"] is not None and again["last_inbound"] >= after["last_inbound"], again
             # saves come once a second, so the reply just before the kill may not be in the last one:
@@ -310,6 +336,7 @@ def test_last_inbound_outbound_and_counters_survive_gateway_restarts(tmp_path: P
             # and the new child goes on from there: its own reply shows within a save or two
             tg.dm("after the kill", user_id=5302)
             tg.wait_for_text(5302, "echo: after the kill", timeout=20)
+            wait_for(lambda: (_saved_row(home).get("last_outbound") or 0) > saved["last_outbound"], 10, "its save")
             wait_for(
                 lambda: (_account_status(home)["last_outbound"] or 0) > saved["last_outbound"],
                 10,

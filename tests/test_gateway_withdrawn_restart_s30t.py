@@ -26,6 +26,7 @@ import pytest
 from gateway.db import default_path
 from gateway.ledger import Ledger, UpdateKey
 from tests.fakes.fakechat import FakeChat
+from tests.support.cli import cli_env
 from tests.support.gateway import ChannelServer, channel_server, fakechat_home
 from tests.support.wait import wait_for
 
@@ -38,6 +39,21 @@ WITHDRAWN = "withdrawn by /cancel before its turn started"
 def chat() -> Iterator[FakeChat]:
     with FakeChat() as fake:
         yield fake
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory, chat: FakeChat) -> Iterator[ChannelServer]:
+    """One server for the file: each test kills its gateway child (the supervisor restarts it) in a
+    room of its own, with a secret of its own.
+    A group: Alice's /cancel withdraws her queued turn but may not stop Bob's running one, so the
+    conversation is still busy when the gateway comes back (a turn not in the history then looked queued)."""
+    home = fakechat_home(tmp_path_factory.mktemp("withdrawn") / "home", chat, group_policy="open")
+    # While the test holds gateway.db, each of the gateway's writes (Bob's reply noted as it streams,
+    # the status flush) blocks its loop for the busy timeout before it is refused and tried again: at
+    # the default 5 s a few of them kept the /cancel's withdraw from reaching the server within the
+    # test's 15 s on a loaded machine. Refused all the same, sooner: the rows stay unwritten.
+    with channel_server(home, env=cli_env(home, APPSERVER_GATEWAY_DB_BUSY_TIMEOUT_S="1")) as server:
+        yield server
 
 
 def _entry(home: Path, message_id: str) -> tuple[str | None, str | None, str | None]:
@@ -118,45 +134,49 @@ def _try_withdraw_then_kill(
     return secret, first_pid, room
 
 
-def test_turn_withdrawn_before_a_kill_ends_and_the_next_reply_arrives(tmp_path: Path, chat: FakeChat) -> None:
-    # a group: Alice's /cancel withdraws her queued turn but may not stop Bob's running one, so the
-    # conversation is still busy when the gateway comes back (a turn not in the history then looked queued)
-    home = fakechat_home(tmp_path / "home", chat, group_policy="open")
+def _end_bobs_turn(chat: FakeChat, room: str) -> None:
+    """Bob's `/cancel` of his long turn once the verdict on the withdrawn one is in: it kept the
+    conversation busy through the restart as it had to, and the later reply the test waits for would
+    otherwise queue behind the rest of its 25 s. The withdrawn turn's row and order ticket are the
+    later reply's business either way (were the cancel refused, his turn would simply run out)."""
+    chat.inject(room, "/cancel", sender="bob", chat_type="group")
+
+
+def test_turn_withdrawn_before_a_kill_ends_and_the_next_reply_arrives(srv: ChannelServer, chat: FakeChat) -> None:
     room = "room"
-    with channel_server(home) as srv:
-        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-1", 500)  # 25 s
-        wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
-        # the withdrawn turn's row ends (its follower does not wait forever), failed and unanswered
-        wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 30, "the withdrawn turn's row to end")
-        assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
-        # and the conversation's later replies are not held behind it
-        chat.inject(room, "after restart", sender="alice", chat_type="group")
-        chat.wait_for_text(room, "echo: after restart", timeout=60)
-        texts = [m.text for m in chat.messages(room)]
-        assert not any("SECRET" in t for t in texts)
-        assert not any("interrupted" in t for t in texts), texts  # nothing said for the withdrawn turn
-        assert _in_history(srv.home, "SECRET-w-1") == 0
+    secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-1", 500)  # 25 s
+    wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
+    # the withdrawn turn's row ends (its follower does not wait forever), failed and unanswered
+    wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 30, "the withdrawn turn's row to end")
+    assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
+    _end_bobs_turn(chat, room)
+    # and the conversation's later replies are not held behind it
+    chat.inject(room, "after restart", sender="alice", chat_type="group")
+    chat.wait_for_text(room, "echo: after restart", timeout=60)
+    texts = [m.text for m in chat.messages(room)]
+    assert not any("SECRET" in t for t in texts)
+    assert not any("interrupted" in t for t in texts), texts  # nothing said for the withdrawn turn
+    assert _in_history(srv.home, "SECRET-w-1") == 0
 
 
-def test_a_turn_withdrawn_before_two_kills_in_a_row_still_ends_withdrawn(tmp_path: Path, chat: FakeChat) -> None:
+def test_a_turn_withdrawn_before_two_kills_in_a_row_still_ends_withdrawn(srv: ChannelServer, chat: FakeChat) -> None:
     """The first restart's notice ended the /cancel's own row; at the second restart only that row said
     the turn was withdrawn, and the turn was told "interrupted" (the server never stopped)."""
-    home = fakechat_home(tmp_path / "home", chat, group_policy="open")
     room = "room2"
-    with channel_server(home) as srv:
-        secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-2", 500)  # 25 s
-        wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
-        # Something queued: against a server without `get_turn` the withdrawn turn's follower waits while
-        # the queue is not empty, and the second kill finds its row still `submitted`; this server says
-        # at once that the turn was withdrawn, so the row may have ended already. Either way it ends so.
-        queued = chat.inject(room, "/slow 20", sender="carol", chat_type="group")
-        wait_for(lambda: _entry(srv.home, queued)[0] == "submitted", 30, "Carol's message to be queued")
-        second_pid = srv.gateway_pid()
-        os.kill(second_pid, signal.SIGKILL)
-        wait_for(lambda: srv.gateway_pid() != second_pid, 60, "the supervisor to restart the gateway again")
-        wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 120, "the withdrawn turn's row to end")
-        assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
-        chat.wait_for_text(room, lambda t: t.endswith(" w20"), timeout=120)  # Carol's turn ran and was answered
-        texts = [m.text for m in chat.messages(room)]
-        assert not any("SECRET" in t for t in texts)
-        assert not any("interrupted (the server stopped" in t for t in texts), texts
+    secret, first_pid, room = _withdraw_then_kill(srv, chat, room, "my password is SECRET-w-2", 500)  # 25 s
+    wait_for(lambda: srv.gateway_pid() != first_pid, 60, "the supervisor to restart the gateway")
+    # Something queued: against a server without `get_turn` the withdrawn turn's follower waits while
+    # the queue is not empty, and the second kill finds its row still `submitted`; this server says
+    # at once that the turn was withdrawn, so the row may have ended already. Either way it ends so.
+    queued = chat.inject(room, "/slow 20", sender="carol", chat_type="group")
+    wait_for(lambda: _entry(srv.home, queued)[0] == "submitted", 30, "Carol's message to be queued")
+    second_pid = srv.gateway_pid()
+    os.kill(second_pid, signal.SIGKILL)
+    wait_for(lambda: srv.gateway_pid() != second_pid, 60, "the supervisor to restart the gateway again")
+    wait_for(lambda: _entry(srv.home, secret)[0] == "failed", 120, "the withdrawn turn's row to end")
+    assert _entry(srv.home, secret)[:2] == ("failed", WITHDRAWN)
+    _end_bobs_turn(chat, room)
+    chat.wait_for_text(room, lambda t: t.endswith(" w20"), timeout=120)  # Carol's turn ran and was answered
+    texts = [m.text for m in chat.messages(room)]
+    assert not any("SECRET" in t for t in texts)
+    assert not any("interrupted (the server stopped" in t for t in texts), texts

@@ -29,15 +29,21 @@ from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(150)
 
-APPROVAL_TIMEOUT_S = 6  # shorter than the watchdog's kill (SIGSTOP + 1 s pings + HUNG_KILL_S)
+# In the first SIGSTOP test the call must time out while the child is stopped, before the watchdog
+# kills it: the SIGSTOP comes at least 1 s after the call started (the prompt posted, then a pause),
+# the kill at least HUNG_KILL_S after the last answered ping, which came at most a ping interval
+# before the SIGSTOP, so the timeout comes at least 1 + HUNG_KILL_S - PING_INTERVAL_S -
+# APPROVAL_TIMEOUT_S = 1 s before the kill. A desktop's answer (the second SIGSTOP test) comes well
+# within APPROVAL_TIMEOUT_S.
+APPROVAL_TIMEOUT_S = 4
 FAST_WATCHDOG = {
-    "APPSERVER_GATEWAY_PING_INTERVAL_S": "1",
+    "APPSERVER_GATEWAY_PING_INTERVAL_S": "0.5",
     "APPSERVER_GATEWAY_PING_TIMEOUT_S": "1",
-    "APPSERVER_GATEWAY_HUNG_KILL_S": "7",
+    "APPSERVER_GATEWAY_HUNG_KILL_S": "4.5",
     "APPSERVER_LIMITS__APPROVAL_TIMEOUT_S": str(APPROVAL_TIMEOUT_S),
-    # gateway/supervisor.py reads the three above at import, which the test zygote (tests/support/
-    # zygote_client.py) did long ago: a variable of the PYTHON family makes `serve` a fresh interpreter.
-    "PYTHON_FRESH_INTERPRETER": "1",
+    # gateway/supervisor.py reads the three above from the environment as the supervisor is made (no
+    # longer at import), so `serve` forked from the test zygote honours them: no fresh interpreter.
+    # Were they ignored (60 s to a kill), the SIGSTOP tests' 40 s wait for the restart would fail.
 }
 GROUP = -100777
 ADMIN = 9001

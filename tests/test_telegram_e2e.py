@@ -1,7 +1,7 @@
 """The `telegram` channel end to end: a real `appserver serve --channels telegram`, its gateway child
 running the plugin with the real python-telegram-bot, and the loopback fake Bot API
 (tests/fakes/telegram_api.py). One server serves the tests that break nothing (each in chats of its
-own); each kill -9 test starts its own."""
+own); the kill -9 tests share another, each in a chat of its own."""
 
 from __future__ import annotations
 
@@ -221,7 +221,9 @@ def _status(srv: ChannelServer) -> dict[str, Any]:
 # Each kill comes from one of the fake's crash hooks, which run on the fake's loop at their step (never
 # after it, in a worker thread: there the kill once lagged ~100 ms behind the delivery on a loaded
 # machine, the dying child had meanwhile put the reply's sendMessage on the wire, and the restarted one
-# sent it again). Each test runs its own server.
+# sent it again). The tests share one server and fake of their own (`killed`): each kills the child
+# the one before restarted, in a chat of its own, and `_after_the_restart` waits for that test's
+# restarted child to have delivered, so the next starts from a running one.
 
 
 class _KillOnce:
@@ -267,73 +269,86 @@ def _after_the_restart(srv: ChannelServer, tg: FakeTelegram, sent: Injected, fir
     return entry
 
 
-def test_kill_9_after_the_update_was_delivered_answers_once(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChannelServer, FakeTelegram]]:
+    """The kill -9 tests' server and fake: apart from `srv`, which no test kills."""
+    with FakeTelegram() as tg:
+        home = _home(tmp_path_factory.mktemp("telegram-kill"), tg)
+        with channel_server(home, "--channels", "telegram", env=cli_env(home, TG_TOKEN=tg.token)) as srv:
+            yield srv, tg
+
+
+def _running_child(srv: ChannelServer) -> int:
+    """The gateway child once its account polls again (after the previous test's kill and restart)."""
+    srv.wait_channels_ready()
+    return srv.gateway_pid()
+
+
+def test_kill_9_after_the_update_was_delivered_answers_once(killed: tuple[ChannelServer, FakeTelegram]) -> None:
     """Killed with getUpdates' answer on the wire, unread: Telegram delivers the update again and the
     restarted child answers it, once."""
-    with FakeTelegram() as tg:
-        home = _home(tmp_path, tg)
-        with channel_server(home, "--channels", "telegram", env=cli_env(home, TG_TOKEN=tg.token)) as srv:
-            first = srv.gateway_pid()
-            kill = _KillOnce(first)
-            tg.on_delivery = lambda ids: kill()  # just before the answer is written
-            try:
-                sent = tg.dm("once please", user_id=4800)
-                _after_the_restart(srv, tg, sent, first, kill)
-            finally:
-                tg.on_delivery = None
-            assert [m.text for m in tg.messages(4800)] == ["echo: once please"]
-            assert tg.deliveries(sent) == 2  # to the killed child, then to the restarted one
+    srv, tg = killed
+    first = _running_child(srv)
+    kill = _KillOnce(first)
+    tg.on_delivery = lambda ids: kill()  # just before the answer is written
+    try:
+        sent = tg.dm("once please", user_id=4800)
+        _after_the_restart(srv, tg, sent, first, kill)
+    finally:
+        tg.on_delivery = None
+    assert [m.text for m in tg.messages(4800)] == ["echo: once please"]
+    assert tg.deliveries(sent) == 2  # to the killed child, then to the restarted one
 
 
-def test_kill_9_after_the_update_was_recorded_and_acknowledged_answers_once(tmp_path: Path) -> None:
+def test_kill_9_after_the_update_was_recorded_and_acknowledged_answers_once(
+    killed: tuple[ChannelServer, FakeTelegram],
+) -> None:
     """Killed as the offset that acknowledges the update reaches Telegram (the ledger committed the
     update first): it is never delivered again, so the restarted child resumes it from the ledger alone."""
-    with FakeTelegram() as tg:
-        home = _home(tmp_path, tg)
-        with channel_server(home, "--channels", "telegram", env=cli_env(home, TG_TOKEN=tg.token)) as srv:
-            first = srv.gateway_pid()
-            kill = _KillOnce(first)
-            delivered: list[int] = []
+    srv, tg = killed
+    first = _running_child(srv)
+    kill = _KillOnce(first)
+    delivered: list[int] = []
 
-            def on_request(method: str, params: dict[str, Any]) -> None:
-                if method == "getUpdates" and delivered and int(params.get("offset") or 0) > delivered[0]:
-                    kill()  # the fake still acts on the call: the offset is acknowledged
+    def on_request(method: str, params: dict[str, Any]) -> None:
+        if method == "getUpdates" and delivered and int(params.get("offset") or 0) > delivered[0]:
+            kill()  # the fake still acts on the call: the offset is acknowledged
 
-            tg.on_delivery = delivered.extend
-            tg.on_request = on_request
-            try:
-                sent = tg.dm("once again", user_id=4801)
-                _after_the_restart(srv, tg, sent, first, kill)
-            finally:
-                tg.on_delivery = tg.on_request = None
-            assert [m.text for m in tg.messages(4801)] == ["echo: once again"]
-            assert tg.deliveries(sent) == 1
+    tg.on_delivery = delivered.extend
+    tg.on_request = on_request
+    try:
+        sent = tg.dm("once again", user_id=4801)
+        _after_the_restart(srv, tg, sent, first, kill)
+    finally:
+        tg.on_delivery = tg.on_request = None
+    assert [m.text for m in tg.messages(4801)] == ["echo: once again"]
+    assert tg.deliveries(sent) == 1
 
 
-def test_kill_9_between_a_performed_send_and_the_ledger_noting_it_repeats_that_send_once(tmp_path: Path) -> None:
+def test_kill_9_between_a_performed_send_and_the_ledger_noting_it_repeats_that_send_once(
+    killed: tuple[ChannelServer, FakeTelegram],
+) -> None:
     """The one window no design closes (docs/channels.md, "Exactly once"): Telegram performed the reply's
     sendMessage and the child died before it read the answer, so the ledger never noted the message.
     sendMessage takes no idempotency key and a bot cannot read a chat back, so the restarted child sends
     that part again: the chat shows it twice (never more) and the turn is still one."""
-    with FakeTelegram() as tg:
-        home = _home(tmp_path, tg)
-        with channel_server(home, "--channels", "telegram", env=cli_env(home, TG_TOKEN=tg.token)) as srv:
-            first = srv.gateway_pid()
-            kill = _KillOnce(first)
+    srv, tg = killed
+    first = _running_child(srv)
+    kill = _KillOnce(first)
 
-            def on_answer(call: Call) -> None:
-                if call.method == "sendMessage" and call.chat_id == 4802 and call.status == 200:
-                    kill()  # the message is in the chat; its id never reaches the child
+    def on_answer(call: Call) -> None:
+        if call.method == "sendMessage" and call.chat_id == 4802 and call.status == 200:
+            kill()  # the message is in the chat; its id never reaches the child
 
-            tg.on_answer = on_answer
-            try:
-                sent = tg.dm("the window", user_id=4802)
-                entry = _after_the_restart(srv, tg, sent, first, kill)
-            finally:
-                tg.on_answer = None
-            time.sleep(0.5)
-            texts = [m.text for m in tg.messages(4802)]
-            # the dying child's send (the final text, or a first streamed part of it), then the restart's
-            assert len(texts) == 2 and texts[1] == "echo: the window", texts
-            assert texts[1].startswith(texts[0]), texts
-            assert entry.remote_ids == (str(tg.messages(4802)[1].message_id),)
+    tg.on_answer = on_answer
+    try:
+        sent = tg.dm("the window", user_id=4802)
+        entry = _after_the_restart(srv, tg, sent, first, kill)
+    finally:
+        tg.on_answer = None
+    time.sleep(0.5)
+    texts = [m.text for m in tg.messages(4802)]
+    # the dying child's send (the final text, or a first streamed part of it), then the restart's
+    assert len(texts) == 2 and texts[1] == "echo: the window", texts
+    assert texts[1].startswith(texts[0]), texts
+    assert entry.remote_ids == (str(tg.messages(4802)[1].message_id),)

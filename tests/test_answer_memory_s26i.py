@@ -144,7 +144,7 @@ def home(up: EndlessUpstream, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env(home: Path) -> dict[str, str]:
-    return cli_env(home, APPSERVER_LIMITS__DRAFT_INTERVAL_S="0.05", APPSERVER_LIMITS__IDLE_EVICT_S="1")
+    return cli_env(home, APPSERVER_LIMITS__DRAFT_INTERVAL_S="0.05", APPSERVER_LIMITS__IDLE_EVICT_S="0.1")
 
 
 @pytest.fixture
@@ -197,11 +197,12 @@ def test_a_runaway_answer_costs_a_few_times_the_cap(srv: ServeProcess, model: st
     cap_mib = CAP / 1024 / 1024
     # Measured: about 4.2 times (was 8 to 11); the bound leaves room for the process's own noise.
     assert grown <= 5 * cap_mib, f"peak RSS grew by {grown:.0f} MiB for a {cap_mib:.0f} MiB answer"
-    # Once its conversation is evicted (idle_evict_s = 1 here), the memory goes back: nothing else
-    # holds the reply (SQLite's statements kept their last big binding; glibc, the freed copies).
+    # Once its conversation is evicted (idle_evict_s = 0.1 here, swept every 0.5 s), the memory
+    # goes back: nothing else holds the reply (SQLite's statements kept their last big binding;
+    # glibc, the freed copies).
     deadline = time.monotonic() + 30
     while _status_mib(pid, "VmRSS") - before > cap_mib and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.05)
     left = _status_mib(pid, "VmRSS") - before
     assert left <= cap_mib, f"{left:.0f} MiB more than before the turn stayed resident"
 

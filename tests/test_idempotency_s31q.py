@@ -20,6 +20,7 @@ killed.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sqlite3
 import uuid
@@ -73,11 +74,13 @@ def two_calls(req: RecordedRequest) -> Reply:
     return Reply(pieces=[openai_sse([*chunks, chunk(finish_reason=finish)])])
 
 
-@pytest.fixture
-def upstream_home(tmp_path: Path) -> Iterator[Path]:
+@pytest.fixture(scope="module")
+def upstream_template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A home with agent `two` on the fake upstream, made once (the upstream answers each request
+    from its own messages alone); each test runs on a copy of it."""
     with FakeOpenAI() as fake:
         fake.responder = two_calls
-        home = tmp_path / "home"
+        home = tmp_path_factory.mktemp("s31q") / "home"
         home.mkdir()
         (home / "config.toml").write_text(
             f'[providers.up]\nkind = "openai"\nbase_url = "{fake.base_url}"\napi_key_env = ""\nmax_attempts = 1\n'
@@ -85,6 +88,15 @@ def upstream_home(tmp_path: Path) -> Iterator[Path]:
         made = run_cli(home, "agents", "create", "--name", "two", "--model", "up:m", env=cli_env(home))
         assert made.code == 0, made.err
         yield home
+
+
+@pytest.fixture
+def upstream_home(upstream_template: Path, tmp_path: Path) -> Path:
+    """A fresh home of this test's own: the template as `agents create` left it (no process has
+    it open), so its database holds the agent and no turn yet."""
+    home = tmp_path / "home"
+    shutil.copytree(upstream_template, home)
+    return home
 
 
 def _chat_reply(r: httpx.Response, stream: bool) -> tuple[str, list[str], str]:

@@ -88,6 +88,23 @@ def test_a_store_with_a_password_is_refused_not_guessed(tmp_path: Path) -> None:
 
 
 def _refused_as_another_store(home: Path) -> None:
+    # `run` finds the server's listener closed with server.json still naming it, so it waits for a
+    # stopping server to go (run.py STOP_WAIT_S, 15 s) before it says it cannot reach it: started
+    # first, it waits while the other commands are checked.
+    through = _start_run(home, "--reconnect-wait", "0", "hi")
+    try:
+        _refused_commands(home)
+        pointed = run_cli(home, "agents", "list", env=cli_env(home, APPSERVER_STORE__URL=UNREACHABLE_PG))
+        assert "the server running on this home" not in pointed.err  # the same store: it tries that one
+        out, err = through.communicate(timeout=60)
+    finally:
+        if through.poll() is None:
+            through.kill()
+            through.communicate()
+    assert through.returncode == 1 and "cannot reach the server at http://127.0.0.1:1" in err, (out, err)
+
+
+def _refused_commands(home: Path) -> None:
     for args in (
         ("agents", "create", "--name", "nope"),
         ("token", "list"),
@@ -100,10 +117,6 @@ def _refused_as_another_store(home: Path) -> None:
         assert line.startswith("error: the server running on this home") and "\n" not in line, line
         assert "postgresql://someone:***@127.0.0.1:1/nowhere" in line and "APPSERVER_STORE__URL" in line, line
         assert str(home / "appserver.db") in line, line
-    through = run_cli(home, "run", "--reconnect-wait", "0", "hi")
-    assert through.code == 1 and "cannot reach the server at http://127.0.0.1:1" in through.err, through.err
-    pointed = run_cli(home, "agents", "list", env=cli_env(home, APPSERVER_STORE__URL=UNREACHABLE_PG))
-    assert "the server running on this home" not in pointed.err  # the same store: it tries that one
 
 
 def test_serve_is_refused_while_an_in_process_run_owns_the_home(tmp_path: Path) -> None:

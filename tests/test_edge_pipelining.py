@@ -33,7 +33,6 @@ from tests.test_edge_pipelined_refusals import (
     HEALTHZ,
     OVERSIZED,
     QUICK,
-    TIMEOUT_S,
     T,
     Wire,
     assert_refusal,
@@ -43,6 +42,11 @@ from tests.test_edge_pipelined_refusals import (
 )
 
 pytestmark = pytest.mark.timeout(90)
+
+# head_timeout_s and body_timeout_s of these servers (test_edge_pipelined_refusals' are 2 s): the
+# tests here that sit out a timeout sit out this one.
+TIMEOUT_S = 1.0
+OVER_TIMEOUT = 30  # echo's `/slow 30`: a reply that takes about 1.5 s, over TIMEOUT_S
 
 
 def _home(parent: Path) -> Path:
@@ -277,16 +281,17 @@ SECOND = json.dumps({"model": "a", "messages": [{"role": "user", "content": "sec
 
 
 def test_a_queued_expect_request_has_the_whole_body_timeout_after_its_100_continue(srv: ServeProcess) -> None:
-    """Request 1 takes ~3 s (over body_timeout_s); request 2 (`Expect: 100-continue`) is queued behind
-    it, gets its 100 Continue after reply 1 and sends its body 1.5 s later, within body_timeout_s:
-    answered (the time it spent queued used to count: 408 "no bytes for 2 s" 1.5 s after the 100)."""
+    """Request 1 takes ~1.5 s (over body_timeout_s, 1 s); request 2 (`Expect: 100-continue`) is queued
+    behind it, gets its 100 Continue after reply 1 and sends its body 0.5 s later, within
+    body_timeout_s: answered (the time it spent queued used to count: 408 "no bytes for 1 s" at
+    once after the 100)."""
     with connect(srv) as s:
         conn = Conn(s)
-        s.sendall(chat("/slow 60") + _expect_head(SECOND))
+        s.sendall(chat(f"/slow {OVER_TIMEOUT}") + _expect_head(SECOND))
         status, _, body = conn.response()
-        assert_slow_reply(status, body, 60)
+        assert_slow_reply(status, body, OVER_TIMEOUT)
         assert conn.head()[0] == 100
-        time.sleep(TIMEOUT_S * 0.75)
+        time.sleep(TIMEOUT_S * 0.5)
         s.sendall(SECOND)
         status, _, body = conn.response()
         assert status == 200, body
@@ -297,9 +302,9 @@ def test_a_body_that_never_follows_its_100_continue_still_times_out(srv: ServePr
     """The clock starts at the 100 Continue, and then runs: no body, 408 about body_timeout_s later."""
     with connect(srv) as s:
         conn = Conn(s)
-        s.sendall(chat("/slow 60") + _expect_head(SECOND))
+        s.sendall(chat(f"/slow {OVER_TIMEOUT}") + _expect_head(SECOND))
         status, _, body = conn.response()
-        assert_slow_reply(status, body, 60)
+        assert_slow_reply(status, body, OVER_TIMEOUT)
         assert conn.head()[0] == 100
         started = time.monotonic()
         assert_refusal(conn, 408, "request_timeout", "body_timeout_s")

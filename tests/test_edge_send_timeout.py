@@ -35,7 +35,10 @@ from tests.support.certs import self_signed
 
 pytestmark = pytest.mark.timeout(120)
 
-SEND_S = 1.0  # the send timeout of these servers
+SEND_S = 0.5  # the send timeout of these servers
+# The slow reader's servers': loopback's TCP reopens a 64 KiB receive window a whole segment (~64 KiB)
+# at a time, so at ~160 KB/s its bytes are taken in steps of ~0.4 s or more, too close to 0.5 s.
+SLOW_READER_SEND_S = 1.0
 CUT_WITHIN = SEND_S * 1.25 + 2.0  # checked every quarter of it; slack for a loaded machine
 BIG = 16 << 20  # more than loopback's socket buffers hold (a few MB): the rest waits in the transport
 CHUNK = 64 * 1024
@@ -114,16 +117,16 @@ class _Lines(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Callable[[str], Edge]]:
-    """One edge server per kind, started when first asked: its event loop (`serve`'s `[server]
-    event_loop`), "+tls" for one with a certificate."""
-    started: dict[str, tuple[Edge, threading.Thread]] = {}
+def servers() -> Iterator[Callable[..., Edge]]:
+    """One edge server per kind and send timeout, started when first asked: its event loop
+    (`serve`'s `[server] event_loop`), "+tls" for one with a certificate."""
+    started: dict[tuple[str, float], tuple[Edge, threading.Thread]] = {}
     logger = logging.getLogger("appserver.edge")
     level = logger.level
     logger.setLevel(logging.INFO)
 
-    def get(kind: str) -> Edge:
-        if kind not in started:
+    def get(kind: str, send_s: float = SEND_S) -> Edge:
+        if (kind, send_s) not in started:
             loop, _, tls = kind.partition("+")
             if loop == "uvloop":
                 pytest.importorskip("uvloop")
@@ -138,7 +141,7 @@ def servers() -> Iterator[Callable[[str], Edge]]:
                 body_min_rate=0,
                 keepalive_timeout_s=60,  # so that nothing here is the idle timeout's doing
                 max_connections=100,
-                send_timeout_s=SEND_S,
+                send_timeout_s=send_s,
             )
             edge = Edge(port=0, server=None, loop=None)  # type: ignore[arg-type]
             bound = protocol_class(limits)
@@ -171,8 +174,8 @@ def servers() -> Iterator[Callable[[str], Edge]]:
             edge.loop = edge.server.servers[0].get_loop()
             handler = _Lines(edge.log)
             logger.addHandler(handler)
-            started[kind] = (edge, thread)
-        return started[kind][0]
+            started[kind, send_s] = (edge, thread)
+        return started[kind, send_s][0]
 
     try:
         yield get
@@ -278,11 +281,11 @@ def test_a_stream_the_client_stops_reading_is_disconnected(servers: Callable[[st
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "asyncio+tls"])
-def test_a_slow_reader_is_not_cut(servers: Callable[[str], Edge], loop: str) -> None:
+def test_a_slow_reader_is_not_cut(servers: Callable[..., Edge], loop: str) -> None:
     """The same 16 MiB reply to a client that takes 16 KiB every 100 ms (~160 KB/s) for three send
     timeouts: megabytes stay in the transport the whole time, but bytes keep leaving, so it is
     never cut; it then reads the rest, every byte in order."""
-    edge = servers(loop)
+    edge = servers(loop, SLOW_READER_SEND_S)
     settled(edge)
     before = len(edge.log)
     s = request(edge, "/big", rcvbuf=64 * 1024)
@@ -290,7 +293,7 @@ def test_a_slow_reader_is_not_cut(servers: Callable[[str], Edge], loop: str) -> 
         wait_until(lambda: "/big: written" in edge.events, 5)
         edge.events.remove("/big: written")
         got = bytearray()
-        until = time.monotonic() + 3 * SEND_S
+        until = time.monotonic() + 3 * SLOW_READER_SEND_S
         while time.monotonic() < until:
             chunk = s.recv(16 * 1024)
             assert chunk, "cut off"

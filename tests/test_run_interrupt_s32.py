@@ -5,7 +5,11 @@ input (its turn runs), the ack is on its way. An ack that comes while the comman
 
 Real parts: `appserver serve`, `appserver run --url` through a loopback TCP proxy that holds the
 server's bytes once the client has sent its submit (its third write: upgrade, hello, submit), until
-the test lets them go: right after the SIGINT, or after the command ended."""
+the test lets them go: right after the SIGINT, or never (the client's close frame, sent once the
+command has given up on the ack, cuts the connection, as a link that lost the ack would end: the
+command then ends at once instead of waiting out its WebSocket close timeout, 10 s, for a close
+reply held behind the ack). Each side's end is passed on at once (a shutdown, not only a close, which
+another thread's pending recv on the socket would hold back)."""
 
 from __future__ import annotations
 
@@ -31,8 +35,9 @@ class AckHolder:
     """One connection at a time, passed on both ways; the server's bytes are held once the client
     has written three times, until `release()`."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, *, cut_on_close: bool = False) -> None:
         self.upstream_port = upstream_port
+        self.cut_on_close = cut_on_close  # the client's close frame while bytes are held ends the connection
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.client_writes = 0
@@ -59,7 +64,10 @@ class AckHolder:
                 server.sendall(data)
             except OSError:
                 break
-        server.close()
+            if self.cut_on_close and self.held.is_set() and data[:1] == b"\x88":  # a (masked) close frame
+                self.drop()  # the held bytes, the ack among them, never reach the client
+                return
+        _end(server)
 
     def _down(self, server: socket.socket, client: socket.socket) -> None:
         while data := _recv(server):
@@ -70,7 +78,7 @@ class AckHolder:
                 client.sendall(data)
             except OSError:  # dropped meanwhile
                 break
-        client.close()
+        _end(client)
 
     def release(self) -> None:
         self.released.set()
@@ -88,6 +96,13 @@ class AckHolder:
         self.listener.close()
 
 
+def _end(sock: socket.socket) -> None:
+    """The peer sees the end at once: a close alone waits for the other thread's recv on it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
 def _recv(sock: socket.socket) -> bytes:
     try:
         return sock.recv(65536)
@@ -102,9 +117,9 @@ def _turn_statuses(home: Path) -> list[str]:
 
 def _interrupted_before_the_ack(home: Path, url: str, *, ack_after_exit: bool, drop: bool = False) -> tuple[int, str]:
     """`run` started through the proxy, SIGINT once the server runs its turn and the ack is held;
-    the ack let go at once, or only after the command ended, or the connection cut. (exit code,
-    stderr)"""
-    proxy = AckHolder(int(url.rsplit(":", 1)[1]))
+    the ack let go at once, or never (`ack_after_exit`: the connection cut once the command closes
+    it, having given up on the ack), or the connection cut at once (`drop`). (exit code, stderr)"""
+    proxy = AckHolder(int(url.rsplit(":", 1)[1]), cut_on_close=ack_after_exit and not drop)
     try:
         proc = appserver_popen(
             ["run", "--url", f"http://127.0.0.1:{proxy.port}", "--reconnect-wait", "0", "--conversation", "new"]

@@ -83,13 +83,13 @@ def _fill(fs: Path) -> Path:
 
 def test_a_run_due_while_crons_json_cannot_be_written_fires_once_there_is_room(tiny_fs: Path) -> None:
     home = tiny_fs / "home"
-    # A 1 s backstop tick: the old code's next tick after the disk recovered came at once, and
+    # A 0.5 s backstop tick: the old code's next tick after the disk recovered came at once, and
     # took the run for done (its in-memory claim survived the failed save) instead of firing it.
-    env = cli_env(home, APPSERVER_CRON_TICK_S="1")
+    env = cli_env(home, APPSERVER_CRON_TICK_S="0.5")
     assert run_cli(home, "agents", "list", env=env).code == 0
     with serving(home, env=env) as sp:
         r = run_cli(
-            home, "cron", "add", "--name", "rem", "--agent", "assistant", "--in", "4s", "--exact",
+            home, "cron", "add", "--name", "rem", "--agent", "assistant", "--in", "3s", "--exact",
             "--prompt", "remind me", "--conversation", "default", env=env,
         )  # fmt: skip
         assert r.code == 0, r.err
@@ -99,7 +99,7 @@ def test_a_run_due_while_crons_json_cannot_be_written_fires_once_there_is_room(t
             stderr = sp.proc.stderr
             assert stderr is not None
             _wait("the refused tick", lambda: "tick skipped" in stderr.so_far(), timeout=20)  # type: ignore[attr-defined]
-            time.sleep(2.5)  # several ticks refused
+            time.sleep(2.5)  # several ticks refused, and the run over 2 s late (cron CATCH_UP_AFTER_S)
             assert not any(r["event"] == "submitted" for r in _runs(home, task_id))
         finally:
             filler.unlink()
@@ -127,7 +127,7 @@ def test_a_recurring_task_through_a_refused_write_logs_every_occurrence(tiny_fs:
     with serving(home, env=env) as sp:
         _wait("the first runs", lambda: sum(r["event"] == "fired" for r in _runs(home, task_id)) >= 2)
         filler = _fill(tiny_fs)
-        time.sleep(4)  # about four occurrences (one a second) come due while nothing can be written
+        time.sleep(3)  # about three occurrences (one a second) come due while nothing can be written
         filler.unlink()
         before = max(int(r["occurrence"]) for r in _runs(home, task_id) if r["event"] == "fired")  # type: ignore[call-overload]
         _wait(

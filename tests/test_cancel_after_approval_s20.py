@@ -90,10 +90,15 @@ def test_an_acknowledged_cancel_survives_a_kill_9_right_after_it(tmp_path: Path)
     env = cli_env(home)
     made = run_cli(home, "agents", "create", "--name", "ops", "--tool", "shell=ask", env=env)
     assert made.code == 0, made.err
-    command = json.dumps({"command": f"echo $PPID >> {ran}"})
-    restarted: list[int] = []
+    # each round's call writes its round and the pid of the server that runs it: the command's
+    # shell runs under the tool's guard shell (appserver/agent/tools.py _GROUP_GUARD), whose parent
+    # is the server ($PPID alone named the guard: the checks below could never fail)
+    commands = [
+        json.dumps({"command": f"echo {i}:$(cut -d' ' -f4 /proc/$PPID/stat) >> {ran}"}) for i in range(KILL_ROUNDS)
+    ]
+    servers: list[int] = []  # round i raced (and was killed) in servers[i]; servers[i + 1:] came after
 
-    async def one_round(url: str) -> tuple[str, bool]:
+    async def one_round(url: str, command: str) -> tuple[str, bool]:
         a, b, c = await WS.open(url), await WS.open(url), await WS.open(url)
         try:
             conv = (await a.request({"type": "create_conversation", "agent": "ops"}))["conversation"]["id"]
@@ -116,32 +121,45 @@ def test_an_acknowledged_cancel_survives_a_kill_9_right_after_it(tmp_path: Path)
     async def settled(url: str, conv: str) -> str:
         ws = await WS.open(url)
         try:
-            for _ in range(100):
+            for _ in range(500):  # 10 s, as before, looked at more often
                 history = await ws.request({"type": "get_history", "conversation": conv})
                 tools = [m for m in history["messages"] if m["role"] == "tool"]
                 if tools:
                     return str(tools[-1]["content"])
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.02)
             return ""
         finally:
             await ws.close()
 
-    for _ in range(KILL_ROUNDS):
-        sp = start_serve(home, env=env)
-        try:
-            conv, cancelled = asyncio.run(one_round(sp.url))
-        finally:
-            sp.proc.kill()  # kill -9 right after both acknowledgements
-            sp.proc.wait(10)
-        sp = start_serve(home, env=env)
-        try:
-            restarted.append(sp.proc.pid)
+    def ran_in() -> dict[int, set[str]]:
+        """The pids each round's call ran in."""
+        found: dict[int, set[str]] = {}
+        for line in ran.read_text().split() if ran.exists() else []:
+            i, pid = line.split(":")
+            found.setdefault(int(i), set()).add(pid)
+        return found
+
+    # The server restarted after round i's kill settles round i, then is the server round i+1 races
+    # in (and is killed in): one start per round instead of two. Round i's call may have run in
+    # servers[i] before the kill; it must never run in any later process.
+    sp = start_serve(home, env=env)
+    try:
+        for i in range(KILL_ROUNDS):
+            servers.append(sp.proc.pid)
+            try:
+                conv, cancelled = asyncio.run(one_round(sp.url, commands[i]))
+            finally:
+                sp.proc.kill()  # kill -9 right after both acknowledgements
+                sp.proc.wait(10)
+            sp = start_serve(home, env=env)
             result = asyncio.run(settled(sp.url, conv))
             assert result, "the call never got its result"
-        finally:
-            sp.stop()
-        if cancelled:
-            pids = ran.read_text().split() if ran.exists() else []
-            assert str(sp.proc.pid) not in pids, (result, pids)  # the cancel held across the crash
-    pids = ran.read_text().split() if ran.exists() else []
-    assert not set(pids) & {str(p) for p in restarted}, pids
+            if cancelled:
+                pids = ran_in().get(i, set())
+                assert str(sp.proc.pid) not in pids, (result, pids)  # the cancel held across the crash
+    finally:
+        servers.append(sp.proc.pid)
+        sp.stop()
+    for i, pids in ran_in().items():
+        assert pids <= {str(p) for p in servers}, (i, pids, servers)  # the pids named are the servers'
+        assert not pids & {str(p) for p in servers[i + 1 :]}, (i, pids, servers)  # never in a later process

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 
 SECRET = "s3cret-for-tests"
 
+
 SPOOF_PLUGIN = """
 import asyncio, os, sys
 from plugins.contract import Limits

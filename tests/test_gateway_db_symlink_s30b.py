@@ -80,7 +80,7 @@ def test_a_link_repointed_at_a_backup_restarts_the_gateway_on_it(tmp_path: Path)
 
             tg.dm("two", user_id=7502)  # the gateway's next write notices the link leads elsewhere
             wait_for(lambda: "exited with code 4" in srv.log(), 30, "the gateway to notice and exit")
-            srv.wait_channels_ready()
+            srv.wait_channels_ready(restarts=1)  # the restarted gateway's
             assert srv.gateway_pid() != first
             tg.wait_for_text(7502, "echo: two", 30)
 
@@ -133,8 +133,7 @@ def test_a_corrupt_target_found_by_the_gateway_at_start_is_replaced_by_a_new_led
         home = _home(tmp_path, tg)
         env = cli_env(home, TG_TOKEN=tg.token, APPSERVER_GATEWAY_RESTART_BACKOFF_S="0.2")
         link = _link_ledger(home, target)
-        with channel_server(home, "--channels", "telegram", env=env, ready=False) as srv:
-            srv.wait_channels_ready()
+        with channel_server(home, "--channels", "telegram", env=env):
             tg.dm("hello", user_id=7504)
             tg.wait_for_text(7504, "echo: hello", 30)
             moved = [p for p in store.iterdir() if p.name.startswith("a.db.corrupt-")]

@@ -8,17 +8,19 @@ real `appserver serve --channels slack`, a fast watchdog and a short approval ti
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
-import time
+import sqlite3
 from collections.abc import Iterator
 
 import pytest
 
+from gateway.db import default_path
 from tests.fakes.slack_api import FakeSlack, SlackMessage
 from tests.support.cli import cli_env, run_cli
-from tests.support.gateway import ChannelServer, channel_server, write_config
+from tests.support.gateway import READY_LINE, ChannelServer, channel_server, write_config
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(150)
@@ -71,6 +73,19 @@ def _prompt(slack: FakeSlack, channel: str) -> tuple[SlackMessage, str]:
     return prompt, short.group(1)
 
 
+def _noted(srv: ChannelServer, ts: str) -> bool:
+    """Whether gateway.db holds `ts` among an approval prompt's message ids."""
+    try:
+        conn = sqlite3.connect(f"file:{default_path(srv.home)}?mode=ro", uri=True)  # reads the -wal too
+        try:
+            rows = conn.execute("SELECT message_ids FROM approval_prompts").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError:  # busy for a moment
+        return False
+    return any(ts in json.loads(ids or "[]") for (ids,) in rows)
+
+
 def _now(slack: FakeSlack, channel: str, ts: str) -> SlackMessage:
     return next(m for m in slack.messages(channel) if m.ts == ts)
 
@@ -89,8 +104,10 @@ def test_the_clickers_name_is_shown_literally(srv: ChannelServer, slack: FakeSla
 def test_a_prompt_that_timed_out_while_the_gateway_hung_loses_its_buttons(srv: ChannelServer, slack: FakeSlack) -> None:
     slack.inject_dm("U8", "/call clock {}", channel="D-hung")
     prompt, _short = _prompt(slack, "D-hung")
-    time.sleep(1.0)  # the prompt's ts is noted in gateway.db after its post returned
+    # the prompt's ts is noted in gateway.db after its post returned: hang the gateway once it is
+    wait_for(lambda: _noted(srv, prompt.ts), 20, "the prompt's ts noted in gateway.db")
     pid = srv.gateway_pid()
+    readies = srv.log().count(READY_LINE)
     os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: srv.gateway_pid() != pid or None, 40, "the watchdog's restart")
@@ -99,7 +116,7 @@ def test_a_prompt_that_timed_out_while_the_gateway_hung_loses_its_buttons(srv: C
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass  # killed by the watchdog, as it should be
-    srv.wait_channels_ready(30)
+    srv.wait_channels_ready(restarts=readies)  # the restarted gateway's
 
     def settled() -> SlackMessage | None:
         m = _now(slack, "D-hung", prompt.ts)

@@ -27,6 +27,8 @@ from tests.support.net import SSL
 from tests.support.zygote_client import appserver_popen
 
 PLUGIN = ROOT / "tests" / "fakes" / "fakechat_plugin"
+# What the server logs when its gateway child is up (gateway/supervisor.py).
+READY_LINE = "gateway: ready (pid"
 
 
 def toml_value(value: Any) -> str:
@@ -81,17 +83,27 @@ class ChannelServer:
                 return dict(check)
         raise AssertionError(f"no channels check in /readyz: {self.readyz()}")
 
-    def wait_channels_ready(self, timeout: float = 30) -> None:
+    def wait_channels_ready(self, timeout: float = 30, restarts: int = 0) -> None:
+        """The channels check of /readyz passing. While the gateway starts, the server's log is
+        read for the gateway's ready line (its `restarts`+1-th) first: a file read per poll, not a
+        /readyz request (and the server's answer) every few milliseconds. A line that never comes
+        (another log format, no gateway) only leaves /readyz to decide, as before."""
         deadline = time.monotonic() + timeout
+        while self.log().count(READY_LINE) <= restarts and self.proc.poll() is None:
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         last: Any = None
-        while time.monotonic() < deadline:
+        while True:
             try:
                 last = self.channels_check()
                 if last["status"] == "ok":
                     return
             except (httpx.HTTPError, AssertionError) as exc:
                 last = exc
-            time.sleep(0.02)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         raise AssertionError(f"channels not ready in {timeout} s: {last}\n{self.log()[-3000:]}")
 
     def gateway_pid(self, timeout: float = 30) -> int:

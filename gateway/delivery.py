@@ -257,10 +257,15 @@ class Outbox:
                 )
             if started is None:
                 started = self._wall()
+            # A repeat within the platform's dedupe window of an attempt before this call (a restart
+            # after a crash in flight) is answered with that attempt's message if it was performed,
+            # showing its text, maybe not this one (a reply's first part sent as "⏸ waiting for
+            # approval", repeated as the final reply): `found`, so the caller edits it to this text.
+            repeated = since is not None and resend == "dedupe" and not past_window
             try:
                 if buttons is not None and callable(with_buttons):
-                    return Sent(list(await with_buttons(target, text, buttons)))
-                return Sent(await self.adapter.send(target, formatted))
+                    return Sent(list(await with_buttons(target, text, buttons)), found=repeated)
+                return Sent(await self.adapter.send(target, formatted), found=repeated)
             except DeliveryError as exc:
                 error = exc
             except TimeoutError as exc:  # a plugin's own timeout: the request may have been performed

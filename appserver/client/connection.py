@@ -950,8 +950,18 @@ class ProtocolClient:
         """Send a frame and wait for its reply (matched by request_id); `error` raises ProtocolError.
         A frame in flight when the connection drops is sent again only when that is safe
         (`resendable`), else fails with `Closed` `connection_lost`; an `approval_response` sent
-        again reports each call its first send settled as accepted, marked `resent` (`own_answers`)."""
-        rid = str(frame.get("request_id") or f"r{next(self._ids)}")
+        again reports each call its first send settled as accepted, marked `resent` (`own_answers`).
+        Replies are matched by request_id: a caller's id still waiting for its reply is refused
+        (ValueError), and the client's own ids skip the ones callers have in flight."""
+        given = frame.get("request_id")
+        if given:
+            rid = str(given)
+            if rid in self._pending:
+                raise ValueError(f"request_id {rid!r} is already waiting for its reply on this connection")
+        else:
+            rid = f"r{next(self._ids)}"
+            while rid in self._pending:
+                rid = f"r{next(self._ids)}"
         sent: dict[str, Any] = {**frame, "request_id": rid}
         if self._gone:
             raise Closed("connection_closed", self.closed_message())

@@ -595,8 +595,11 @@ class ReplySink:
             self._tried_here.add(key)
             if self.on_attempt is not None:
                 self.on_attempt(key, self.attempted[key])
-        elif key in self._tried_here and self.outbox.resend != "lookup":
+        elif key in self._tried_here and self.outbox.resend is None:
             since = None  # this process saw every earlier attempt fail for certain (an uncertain one is doubtful)
+        # Where the platform dedupes, an attempt of this process that failed "for certain" is repeated
+        # as one from before a restart: a platform can perform a post and still answer an error (a
+        # 5xx), and its deduped repeat then shows that attempt's text, not this one (edited to it).
         try:
             return await self.outbox.send_part(replace(self.target, key=key), chunk, since=since)
         except SendUncertain:

@@ -542,12 +542,13 @@ class Replies:
                 await write_until_done(f"{entry.key}: the reply's text so far", text_so_far)
 
     async def _first_snapshot(self, follower: TurnFollower, conversation: str, turn_id: str) -> None:
-        """A resumed turn's first snapshot, offered to `follower`: where the server shows it stands
-        (`ServerLink.recover`: active, or settled by the history), else as the server knows it by id
-        (`get_turn`, after the subscribe so that no later snapshot is missed): queued or running, it
-        is followed on; ended, also withdrawn from the queue while the gateway was down (which left
-        nothing in the history), that is its outcome, at once.
-        A server without `get_turn` is asked again after `RECOVER_AGAIN_S`, then less often (up to
+        """A resumed turn's first snapshot, offered to `follower`: the active turn where the server
+        shows it so (`ServerLink.recover`), else as the server knows it by id (`get_turn`, after the
+        subscribe so that no later snapshot is missed): queued or running, it is followed on; ended,
+        also withdrawn from the queue while the gateway was down (which left nothing in the history),
+        or cancelled at a tool call (which the history shows only as "ended, outcome unknown"), that
+        is its outcome, at once. A server without `get_turn`: settled by the history, that is the
+        outcome; else it is asked again after `RECOVER_AGAIN_S`, then less often (up to
         `RECOVER_AGAIN_MAX_S`), until a snapshot comes. A turn withdrawn from the queue (or one the
         server no longer knows) never sends one there: it ends once two answers in a row, the later
         one with no snapshot of it in between, show no trace of it (`is_untraced`); the first alone
@@ -559,19 +560,19 @@ class Replies:
         look_up = True
         while follower.latest is None:
             recovered = await self._recover(conversation, turn_id)
-            if recovered is not None and not is_untraced(recovered):
-                follower.offer(recovered)  # settled by the history (or the conversation is gone)
-                return
             if follower.latest is not None:
                 return  # the active turn: `recover` offered it
             if look_up:
+                # asked also for a turn the history shows settled: the history keeps no outcome of a
+                # turn that ended at a tool result (cancelled while the gateway was down), which it
+                # can only guess as "failed, unknown", shown as a server stop
                 now = await self._turn_now(conversation, turn_id)
                 if now is not None:
                     follower.offer(now)
                     return
                 look_up = False  # a server without `get_turn`: guessed from the history and the queue
-            if recovered is not None and untraced:
-                follower.offer(recovered)
+            if recovered is not None and (untraced or not is_untraced(recovered)):
+                follower.offer(recovered)  # settled by the history (or the conversation is gone)
                 return
             untraced = recovered is not None
             if untraced:

@@ -287,6 +287,30 @@ class Outbox:
 
         return await self._call(target.chat, attempt)
 
+    async def find_left(self, target: Target, since: float) -> list[str] | None:
+        """The message an earlier attempt at `target.key` (begun at `since`, before a restart) left
+        in the chat, where the platform can tell without posting anything new that would stay: looked
+        up ("lookup"), or repeated as "…" under the key within the dedupe window ("dedupe"), which
+        answers that message if it was performed; None where it cannot tell or it is not there. A
+        dedupe repeat of an attempt that never landed posts a "…" of its own (`_blank_left`)."""
+        resend = self.resend
+        if target.key is None or resend is None:
+            return None
+        if resend == "dedupe":
+            if self._wall() - since >= self._dedupe_window():
+                return None  # a repeat would post anew, and the text to look for is unknown
+            return (await self.send_part(target, "…", since=since)).ids or None
+
+        async def lookup() -> list[str] | None:
+            found = await self._find(target, since, False)
+            settle = since + LOOKUP_SETTLE_S - self._wall()
+            if not found and settle > 0:
+                await self._sleep(settle)
+                found = await self._find(target, since, False)
+            return found
+
+        return await self._call(target.chat, lookup)
+
     def _dedupe_window(self) -> float:
         """How long the platform dedupes a repeated key (`dedupe_window_s`; unbounded when not said)."""
         window = getattr(self.adapter, "dedupe_window_s", None)
@@ -552,6 +576,45 @@ class ReplySink:
                     except EditUncertain as exc:  # most likely blanked: not a reason to fail the reply
                         log.warning("%s: blanking %s may not have landed (%s)", self.target.chat, part.message_id, exc)
                     part.text = "…"
+        if self.outbox.can_edit and final:
+            await self._blank_left()
+
+    async def _blank_left(self) -> None:
+        """A part noted as attempted whose id was never noted (its post was in flight at a crash),
+        past the parts the final reply occupies, is never posted again, so nothing else finds it: it
+        would keep its text for good (a "⏸ waiting for approval" line). Where the platform can tell,
+        it is found and blanked like any surplus part; where it cannot, it is left as it is.
+
+        On a platform that dedupes, the repeat that finds it posts a "…" of its own when the attempt
+        never landed (killed before it went out). That is accepted: it is the chat the reply leaves
+        without a crash (the part posted, then blanked to "…" when the reply shrank), while skipping
+        would leave a stale line for good whenever the attempt did land."""
+        if self.key is None:
+            return
+        prefix = f"{self.key}:"
+        left: list[tuple[int, str, float]] = []
+        for key, since in self.attempted.items():
+            index = key[len(prefix) :] if key.startswith(prefix) else ""
+            if index.isdigit() and int(index) >= len(self.parts) and key not in self._doubtful:
+                left.append((int(index), key, since))
+        for _, key, since in sorted(left):
+            try:
+                found = await self.outbox.find_left(replace(self.target, key=key), since)
+                if not found:
+                    log.info(
+                        "%s: part %s of a shrunk reply is not in the chat, or cannot be found", self.target.chat, key
+                    )
+                    continue
+                for message_id in found:
+                    try:
+                        await self.outbox.edit(self.target, message_id, "…")
+                    except EditUncertain as exc:  # most likely blanked, as any surplus part
+                        log.warning("%s: blanking %s may not have landed (%s)", self.target.chat, message_id, exc)
+            except DeliveryFailed as exc:  # a leftover of a reply that is whole: not a reason to fail it
+                log.warning("%s: cannot blank part %s of a shrunk reply (%s)", self.target.chat, key, exc)
+                continue
+            self.parts.extend(_Part(message_id, "…") for message_id in found)
+            self._sent()
 
     async def _edit(self, i: int, chunk: str, final: bool) -> None:
         part = self.parts[i]

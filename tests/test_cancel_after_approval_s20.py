@@ -161,5 +161,7 @@ def test_an_acknowledged_cancel_survives_a_kill_9_right_after_it(tmp_path: Path)
         servers.append(sp.proc.pid)
         sp.stop()
     for i, pids in ran_in().items():
-        assert pids <= {str(p) for p in servers}, (i, pids, servers)  # the pids named are the servers'
+        # the pids named are the servers' ("": the guard was already gone, killed with its server as
+        # the call started: that is round i's own server, which the kill was racing)
+        assert pids - {""} <= {str(p) for p in servers}, (i, pids, servers)
         assert not pids & {str(p) for p in servers[i + 1 :]}, (i, pids, servers)  # never in a later process

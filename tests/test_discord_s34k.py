@@ -14,16 +14,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from starlette.requests import Request
 
-from appserver.client import ProtocolClient
 from tests.fakes.discord_api import FakeDiscord
-from tests.support.gateway import ChannelServer, discord_server
+from tests.support.gateway import ChannelServer, discord_server, end_pending_turn
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -63,41 +61,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory, fake: Fake) -> Iterator[Channe
         yield server
 
 
-async def _approve_and_wait_for_the_end(srv: ChannelServer, agent: str) -> None:
-    """Approve the one pending call of `agent` over the protocol, as the CLI or a desktop app does,
-    and wait until its conversation is idle again (the turn ended)."""
-    client = await ProtocolClient.connect(srv.url, token="", client="desktop")
-    try:
-        deadline = time.monotonic() + 30
-        found: tuple[str, str] | None = None
-        while found is None:
-            assert time.monotonic() < deadline, "no pending approval found"
-            convs = await client.request({"type": "list_conversations", "agent": agent})
-            for conv in convs["conversations"]:
-                state = await client.request({"type": "subscribe", "conversation": conv["id"]})
-                for pending in state.get("pending_approvals") or []:
-                    found = (conv["id"], str(pending["call_id"]))
-            if found is None:
-                await asyncio.sleep(0.05)
-        conversation, call_id = found
-        ack: dict[str, Any] = await client.request(
-            {
-                "type": "approval_response",
-                "conversation": conversation,
-                "decisions": [{"call_id": call_id, "decision": "approve"}],
-            }  # fmt: skip
-        )
-        assert (ack.get("results") or [{}])[0].get("accepted") is True, ack
-        while True:
-            state = await client.request({"type": "subscribe", "conversation": conversation})
-            if state.get("state") == "idle" and not state.get("active_turn"):
-                return
-            assert time.monotonic() < deadline, f"the turn did not end: {state}"
-            await asyncio.sleep(0.05)
-    finally:
-        await client.close()
-
-
 def test_a_reply_part_cut_short_by_a_kill_shows_the_final_reply_after_the_restart(
     srv: ChannelServer, fake: Fake
 ) -> None:
@@ -115,7 +78,7 @@ def test_a_reply_part_cut_short_by_a_kill_shows_the_final_reply_after_the_restar
         fake.wait_for(lambda: first, 30, "the reply's first post")
         shown = next(m for m in fake.messages(APPROVALS) if m.id == first[0])
         assert "clock" in shown.content, shown.content
-        asyncio.run(_approve_and_wait_for_the_end(srv, "careful"))
+        asyncio.run(end_pending_turn(srv, "careful", "approve"))
     finally:
         fake.on_reply_post = None
         fake.release()

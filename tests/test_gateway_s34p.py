@@ -14,15 +14,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-from appserver.client import ProtocolClient
 from tests.fakes.discord_api import FakeDiscord
-from tests.support.gateway import ChannelServer, discord_server
+from tests.support.gateway import ChannelServer, discord_server, end_pending_turn
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,34 +39,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory, fake: FakeDiscord) -> Iterator
         yield server
 
 
-async def _cancel_and_wait_for_the_end(srv: ChannelServer, agent: str) -> None:
-    """Cancel the turn of `agent` that waits for an approval over the protocol, as a desktop app
-    does, and wait until its conversation is idle again (the turn ended)."""
-    client = await ProtocolClient.connect(srv.url, token="", client="desktop")
-    try:
-        deadline = time.monotonic() + 30
-        conversation: str | None = None
-        while conversation is None:
-            assert time.monotonic() < deadline, "no pending approval found"
-            convs = await client.request({"type": "list_conversations", "agent": agent})
-            for conv in convs["conversations"]:
-                state = await client.request({"type": "subscribe", "conversation": conv["id"]})
-                if state.get("pending_approvals"):
-                    conversation = conv["id"]
-            if conversation is None:
-                await asyncio.sleep(0.05)
-        ack: dict[str, Any] = await client.request({"type": "cancel", "conversation": conversation})
-        assert ack.get("type") != "error", ack
-        while True:
-            state = await client.request({"type": "subscribe", "conversation": conversation})
-            if state.get("state") == "idle" and not state.get("active_turn"):
-                return
-            assert time.monotonic() < deadline, f"the turn did not end: {state}"
-            await asyncio.sleep(0.05)
-    finally:
-        await client.close()
-
-
 def test_a_turn_cancelled_while_the_gateway_was_down_reads_cancelled(srv: ChannelServer, fake: FakeDiscord) -> None:
     pid = srv.gateway_pid()
     fake.inject_guild_message("821", "/call clock {}", channel=APPROVALS, mention=True)
@@ -77,7 +46,7 @@ def test_a_turn_cancelled_while_the_gateway_was_down_reads_cancelled(srv: Channe
     fake.hold()  # the restarted gateway connects only once released: the turn ends before it looks
     try:
         os.kill(pid, signal.SIGKILL)
-        asyncio.run(_cancel_and_wait_for_the_end(srv, "careful"))
+        asyncio.run(end_pending_turn(srv, "careful", "cancel"))
     finally:
         fake.release()
     fake.wait_for(lambda: srv.gateway_pid() != pid or None, 20, "the restarted gateway child")

@@ -6,6 +6,7 @@ chatty gateway never blocks on a full pipe.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from appserver.client import ProtocolClient
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.fakechat import FakeChat
 from tests.support.cli import ROOT, cli_env, run_cli
@@ -251,3 +253,40 @@ def _text(content: str) -> str:
     if isinstance(value, list):
         return "".join(str(p.get("text") or "") for p in value if isinstance(p, dict))
     return content
+
+
+async def end_pending_turn(srv: ChannelServer, agent: str, how: str) -> None:
+    """End the turn of `agent` that waits for an approval over the protocol, as a desktop app or the
+    CLI does (`how`: "approve" its call, or "cancel" the turn), and wait until its conversation is
+    idle again (the turn ended)."""
+    client = await ProtocolClient.connect(srv.url, token="", client="desktop")
+    try:
+        deadline = time.monotonic() + 30
+        found: tuple[str, str] | None = None
+        while found is None:
+            assert time.monotonic() < deadline, "no pending approval found"
+            convs = await client.request({"type": "list_conversations", "agent": agent})
+            for conv in convs["conversations"]:
+                state = await client.request({"type": "subscribe", "conversation": conv["id"]})
+                for pending in state.get("pending_approvals") or []:
+                    found = (conv["id"], str(pending["call_id"]))
+            if found is None:
+                await asyncio.sleep(0.05)
+        conversation, call_id = found
+        if how == "approve":
+            decisions = [{"call_id": call_id, "decision": "approve"}]
+            ack = await client.request(
+                {"type": "approval_response", "conversation": conversation, "decisions": decisions}
+            )
+            assert (ack.get("results") or [{}])[0].get("accepted") is True, ack
+        else:
+            ack = await client.request({"type": "cancel", "conversation": conversation})
+            assert ack.get("type") != "error", ack
+        while True:
+            state = await client.request({"type": "subscribe", "conversation": conversation})
+            if state.get("state") == "idle" and not state.get("active_turn"):
+                return
+            assert time.monotonic() < deadline, f"the turn did not end: {state}"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.close()

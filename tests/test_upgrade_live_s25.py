@@ -54,11 +54,21 @@ def _undo(script: str) -> list[str]:
             undo.append(f"ALTER TABLE {m[1]} DROP COLUMN {m[2]}")
         elif re.match(r"ALTER TABLE \w+ ALTER COLUMN \w+ TYPE", text):
             continue  # applying it again to the new type changes nothing
+        elif m := re.match(r"DROP INDEX (\w+)", text):
+            undo.append(_created(m[1]))
         elif re.match(r"UPDATE \w+ ", text):
             continue  # the backfill of a column the same migration adds: taken back with the column
         else:
             pytest.fail(f"_undo does not know how to take back {text!r}")
     return undo[::-1]
+
+
+def _created(index: str) -> str:
+    """The statement an earlier migration created `index` with: what takes back its drop."""
+    for _, script in MIGRATIONS[:-1]:
+        if m := re.search(rf"CREATE (?:UNIQUE )?INDEX {index} ON [^;]+", script):
+            return m[0]
+    pytest.fail(f"_undo finds no migration that created {index}")
 
 
 def _sqlite_version(home: Path) -> int:

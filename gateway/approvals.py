@@ -476,6 +476,16 @@ class ApprovalBoard:
             found.append(prompt)
         return found
 
+    def cut_off(self, prompt: Prompt) -> Posted | None:
+        """The post of a prompt this process did not take up (rebuilt by `leftovers`: its call was
+        decided while no gateway ran) whose outcome is unknown: attempted, its id never noted (a crash
+        while it was in flight). None for any other prompt: one of this process went through its own
+        send, whose outcome it knows."""
+        if prompt.message_ids or self.prompts.get(prompt.call_id) is prompt:
+            return None
+        posted = self.posted(prompt.call_id)
+        return posted if posted is not None and not posted.message_ids else None
+
     def note_shown(self, call_id: str, message_ids: list[str]) -> None:
         with transaction(self._conn, durable=False) as c:
             c.execute("UPDATE approval_prompts SET message_ids=? WHERE call_id=?", (json.dumps(message_ids), call_id))

@@ -32,7 +32,7 @@ from gateway.approvals import (
     shows_prompt_of,
 )
 from gateway.commands import HELP, Command, bot_name, parse_command
-from gateway.delivery import DeliveryFailed, Outboxes
+from gateway.delivery import DeliveryFailed, Outbox, Outboxes
 from gateway.ledger import Entry, Ledger
 from gateway.link import ServerLink
 from gateway.pairing import (
@@ -792,15 +792,38 @@ class ChatOps:
             pass
         try:
             outbox = self.outboxes.of(runner)
-            if outbox.can_edit and prompt.message_ids:
+            shown_in = prompt.message_ids or await self._find_cut_off(prompt, outbox)
+            if outbox.can_edit and shown_in:
                 text = prompt.text(room_of(outbox.adapter))
-                await outbox.edit_prompt(prompt.target, prompt.message_ids[0], text, None)
+                await outbox.edit_prompt(prompt.target, shown_in[0], text, None)
             else:
                 await outbox.send(prompt.target, f"{code_span(prompt.name)}: {line}")
         except (DeliveryFailed, RuntimeError) as exc:
             log.warning("%s: could not update the approval prompt: %s", prompt.account, exc)
         finally:
             self.approvals.settled(prompt.call_id)
+
+    async def _find_cut_off(self, prompt: Prompt, outbox: Outbox) -> list[str]:
+        """The post of a prompt decided while no gateway ran whose id a crash kept from being noted
+        (it was in flight at a kill -9): found where the platform can tell (`Outbox.find_left`:
+        Discord's nonce repeat, or past its window a look for the prompt's text; Slack's lookup by
+        the key), so the decision is edited into it, rather than posted as a line beside a prompt
+        whose buttons would stay live for good. Within Discord's window, a post that never landed is
+        answered by a "…" of the repeat's own, which then shows the decided prompt: the chat a prompt
+        posted and decided without a crash leaves. Elsewhere (Telegram), or not found: [] (a line)."""
+        posted = self.approvals.cut_off(prompt)
+        if posted is None or not outbox.can_edit:
+            return []
+        pending = replace(prompt, decided=None).text(room_of(outbox.adapter))  # as it was posted
+        try:
+            found = await outbox.find_left(replace(prompt.target, key=posted.key), posted.attempted_at, pending)
+        except DeliveryFailed as exc:
+            log.warning(
+                "%s: cannot look for the prompt of %s cut off by a crash: %s", prompt.account, prompt.call_id, exc
+            )
+            return []
+        prompt.message_ids = list(found or [])  # a press on it later is known as this call's
+        return prompt.message_ids
 
 
 _WHO_CANCELS = "only the person who started it, or an admin, can cancel it"

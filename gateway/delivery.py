@@ -287,19 +287,24 @@ class Outbox:
 
         return await self._call(target.chat, attempt)
 
-    async def find_left(self, target: Target, since: float) -> list[str] | None:
+    async def find_left(self, target: Target, since: float, text: str | None = None) -> list[str] | None:
         """The message an earlier attempt at `target.key` (begun at `since`, before a restart) left
         in the chat, where the platform can tell without posting anything new that would stay: looked
         up ("lookup"), or repeated as "…" under the key within the dedupe window ("dedupe"), which
-        answers that message if it was performed; None where it cannot tell or it is not there. A
-        dedupe repeat of an attempt that never landed posts a "…" of its own (`_blank_left`)."""
+        answers that message if it was performed; past the window, looked for by `text`, what that
+        attempt posted, when the caller knows it (`find_posted`). None where it cannot tell or it is
+        not there. A dedupe repeat of an attempt that never landed posts a "…" of its own
+        (`_blank_left`, `ChatOps.decided`)."""
         resend = self.resend
         if target.key is None or resend is None:
             return None
         if resend == "dedupe":
-            if self._wall() - since >= self._dedupe_window():
+            if self._wall() - since < self._dedupe_window():
+                return (await self.send_part(target, "…", since=since)).ids or None
+            if text is None:
                 return None  # a repeat would post anew, and the text to look for is unknown
-            return (await self.send_part(target, "…", since=since)).ids or None
+            formatted = self.format(text)
+            return await self._call(target.chat, lambda: self._look_posted(target, since, formatted))
 
         async def lookup() -> list[str] | None:
             found = await self._find(target, since, False)
@@ -318,20 +323,29 @@ class Outbox:
             return float(window)
         return math.inf
 
+    async def _look_posted(self, target: Target, since: float, text: str) -> list[str] | None:
+        """The message the adapter's `find_posted` finds for this part (its key, or `text` as
+        posted) since `since`; None without one, when it is not there, or when it cannot tell."""
+        find = getattr(self.adapter, "find_posted", None)
+        if not callable(find):
+            return None
+        try:
+            found = await find(target, since, text)
+        except DeliveryError as exc:
+            log.warning("%s: cannot look up part %s (%s)", target.chat, target.key, exc.reason)
+            return None
+        if not found:
+            return None
+        log.info("%s: the message %s was sent before (%s); reusing it", target.chat, target.key, found)
+        return [str(i) for i in found]
+
     async def _find_posted(self, target: Target, since: float, text: str) -> list[str] | None:
         """A repeat past the platform's dedupe window (Discord's nonce holds a few minutes) would post
         again: the adapter's `find_posted` looks for the message first; without one, or when it
         cannot tell, the part is sent again, with a warning (as on a platform that cannot dedupe)."""
-        find = getattr(self.adapter, "find_posted", None)
-        if callable(find):
-            try:
-                found = await find(target, since, text)
-            except DeliveryError as exc:
-                log.warning("%s: cannot look up part %s (%s)", target.chat, target.key, exc.reason)
-            else:
-                if found:
-                    log.info("%s: the message %s was sent before (%s); reusing it", target.chat, target.key, found)
-                    return [str(i) for i in found]
+        found = await self._look_posted(target, since, text)
+        if found:
+            return found
         log.warning(
             "%s: sending part %s again %.0f s after an attempt that may have reached the chat: past the"
             " platform's dedupe window (%g s), so it may show twice",

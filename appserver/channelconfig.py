@@ -14,6 +14,9 @@ default_agent = "assistant"
 An account's table is handed to its plugin as written, except that secret references are kept
 apart: `token_env = "X"` / `token_file = "path"` are resolved in the gateway child, so a secret never
 passes through the server's config or logs. A secret written inline is refused here, naming the key.
+Only a secret is given by reference: one to a gateway setting (`dm_policy_env`, `allow_file`), like
+an id list written as a string, is the account's `problem` (state `error`, never run with defaults);
+a name the plugin reads no secret by is refused by its `check_settings` and by the gateway child.
 Environment overrides work as for every key: `APPSERVER_CHANNELS__ENABLED=webhook,telegram`,
 `APPSERVER_CHANNELS__WEBHOOK__ACCOUNTS__MAIN__REPLY_URL=…`.
 """
@@ -23,12 +26,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from appserver.configcheck import NO_SUCH_USER, AmbiguousName, NoSuchUser, expand_user, fold_name
 from appserver.shown import shown
+from plugins.contract import is_secret_ref, secret_ref_problem
 
 CHANNEL_ID = re.compile(r"[a-z0-9][a-z0-9_-]*")
 ACCOUNT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -43,6 +47,10 @@ GATEWAY_KEYS: dict[str, type | tuple[type, ...]] = {
     "tool_status": bool,  # one compact status line while tools run (default true)
     "stream": bool,  # grow replies by edits where the platform can (default true)
 }
+# The gateway's settings that are lists of sender ids. TOML has lists, so a string there is refused
+# (`allow = "U1 U2"` was one id); the environment has only strings, so an override's value is split
+# at commas (`…__ALLOW=U1,U2`), as documented.
+ID_LIST_KEYS = frozenset({"allow", "admins"})
 
 
 class ChannelConfigError(ValueError):
@@ -55,10 +63,18 @@ class AccountConfig:
     name: str
     settings: dict[str, Any]  # the table minus secret references
     secret_refs: dict[str, dict[str, str]]  # secret name -> {"env": VAR} or {"file": path}
+    # Why the gateway must not run this account, found at load (`account_problem`); it is then in
+    # state `error` with this reason while the others run. None when nothing was found.
+    problem: str | None = None
 
     @property
     def ref(self) -> str:
         return f"{self.channel}:{self.name}"
+
+    @property
+    def ref_keys(self) -> list[str]:
+        """The secret references as written in the table (`token_env`, `secret_file`)."""
+        return [f"{secret}_{kind}" for secret, ref in self.secret_refs.items() for kind in ref]
 
     def to_json(self) -> dict[str, Any]:
         """What the supervisor hands the gateway child (references, never secret values)."""
@@ -129,6 +145,7 @@ def load_channels(file_table: Any, env_table: Any, path: str, env_origin: Callab
                 raise ChannelConfigError(f"{origin}: [channels.{channel}.accounts.NAME] must be tables")
             if from_env:  # the environment's names and keys are lower-cased: the file's spelling
                 accounts = _fold_env_accounts(channel, accounts, merged, origin, path)
+                accounts = {name: _env_id_lists(settings) for name, settings in accounts.items()}
             for name, settings in accounts.items():
                 merged.setdefault(name, {}).update(settings)
         cfg.accounts[channel] = {
@@ -156,6 +173,17 @@ def _fold_env_accounts(
     return out
 
 
+def _env_id_lists(settings: dict[str, Any]) -> dict[str, Any]:
+    """An environment override's settings with each id list (`ID_LIST_KEYS`) as a list: a variable
+    holds a string, and `…__ALLOW=U1,U2` is the documented way to give two ids there."""
+    return {
+        key: [v.strip() for v in value.split(",") if v.strip()]
+        if key in ID_LIST_KEYS and isinstance(value, str)
+        else value
+        for key, value in settings.items()
+    }
+
+
 def _folded(env_name: str, known: Iterable[str], variable: str, what: str) -> str:
     try:
         return fold_name(env_name, known)
@@ -179,7 +207,7 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
                 f"{head} {key}: secrets are never written inline; "
                 f'use {folded}_env = "VARIABLE" or {folded}_file = "path"'
             )
-        if key.endswith(("_env", "_file")):
+        if is_secret_ref(key):
             secret, kind = key.rsplit("_", 1)
             if not isinstance(value, str) or not value:
                 raise ChannelConfigError(f"{head} {key} must be a non-empty string")
@@ -204,7 +232,26 @@ def check_account(channel: str, name: str, table: dict[str, Any], where: str) ->
         if key == "chat_rate" and not value > 0:
             raise ChannelConfigError(f"{head} chat_rate must be positive, got {shown(value)}")
         settings[key] = value
-    return AccountConfig(channel=channel, name=name, settings=settings, secret_refs=refs)
+    account = AccountConfig(channel=channel, name=name, settings=settings, secret_refs=refs)
+    problem = account_problem(account)
+    return account if problem is None else replace(account, problem=problem)
+
+
+def account_problem(account: AccountConfig) -> str | None:
+    """Why the gateway must not run `account`, as far as can be told without its plugin, in one line;
+    None when nothing is wrong. A secret reference to a gateway setting (`dm_policy_env`,
+    `allow_file`): a setting is never read from one, so the account ran with the default policy. An
+    id list written as a string (`allow = "U1 U2"`): it was one id. A plugin's own settings and
+    secrets are its `check_settings`'s (and the gateway's, at start) to check."""
+    problems = [p for key in sorted(account.ref_keys) if (p := secret_ref_problem(key, (), None)) is not None]
+    for key in sorted(ID_LIST_KEYS & account.settings.keys()):
+        value = account.settings[key]
+        if isinstance(value, str):
+            problems.append(
+                f'{key} must be a list of sender ids, such as {key} = ["U123", "U456"], got the string '
+                f"{shown(value)}: a string is not split into ids"
+            )
+    return "; ".join(problems) or None
 
 
 def shared_secrets(accounts: Iterable[AccountConfig], home: Path) -> dict[str, tuple[str, str]]:

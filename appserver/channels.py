@@ -118,8 +118,10 @@ class ChannelService:
         self.config = config
         self.readiness = readiness
         self.accounts = config.channels.enabled_accounts()
-        # an account using another's secret runs in state `error` saying so (not a 409 loop)
+        # an account using another's secret runs in state `error` saying so (not a 409 loop), and so
+        # does one with a problem found at load (`AccountConfig.problem`): never with defaults
         self.refused = {ref: why for ref, (_owner, why) in shared_secrets(self.accounts, config.home).items()}
+        self.refused |= {a.ref: a.problem for a in self.accounts if a.problem is not None}
         # Several servers on one database: each account runs in the gateway of the one server
         # holding its lease (`Cluster.take_channel`); `elsewhere` names the holders of the others.
         self._cluster = cluster

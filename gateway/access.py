@@ -11,9 +11,10 @@ A bot token in a public workspace is an open door to an agent that may run tools
   A group message also needs a sender `dm_policy` lets in: otherwise a stranger could add the bot to
   a group of their own and talk to it past pairing. Nobody gets a pairing code in a group (it would
   be posted to everyone there); a stranger pairs in a DM.
-- `allow` / `admins`: sender ids; `"*"` in `allow` lets everyone through. Both also accept a
-  comma-separated string, which is how an environment override arrives
-  (`APPSERVER_CHANNELS__TELEGRAM__ACCOUNTS__MAIN__ALLOW=123,456`). Ids are stripped either way.
+- `allow` / `admins`: sender ids; `"*"` in `allow` lets everyone through (in `admins` it is refused:
+  it made nobody an admin). Both also accept a comma-separated string here; the config hands over
+  lists (appserver/channelconfig.py refuses a string in config.toml and splits an environment
+  override, `APPSERVER_CHANNELS__TELEGRAM__ACCOUNTS__MAIN__ALLOW=123,456`). Ids are stripped either way.
 - `chat_type` is `dm` or `group` (plugins/contract.py); anything else a plugin sends is decided as a
   group, so a pairing code is never posted in a chat that is not known to be private.
 
@@ -67,8 +68,13 @@ class AccessPolicy:
         unpaired = settings.get("unpaired", "code")
         if unpaired not in ("code", "silent"):
             raise PolicyError(f"unpaired must be 'code' or 'silent', got {unpaired!r}")
-        return cls(dm, group, _ids(settings.get("allow"), "allow"), _ids(settings.get("admins"), "admins"),
-                   unpaired == "silent")  # fmt: skip
+        admins = _ids(settings.get("admins"), "admins")
+        if "*" in admins:  # it made nobody an admin, without a word
+            raise PolicyError(
+                'admins takes sender ids only, got "*": the wildcard "*" means everyone in allow '
+                '(allow = ["*"]), never in admins; name each admin by their id'
+            )
+        return cls(dm, group, _ids(settings.get("allow"), "allow"), admins, unpaired == "silent")
 
     def is_admin(self, sender: str) -> bool:
         return sender in self.admins

@@ -30,6 +30,7 @@ from plugins.contract import (
     AdapterContext,
     OnMessage,
     check_keys,
+    check_secret_refs,
     image_budget,
 )
 from plugins.loader import PluginError, load_plugin
@@ -300,18 +301,30 @@ class AccountRunner:
         raise StartTimeout(f"start() did not return within {self._start_timeout:g} s")
 
     def _check_keys(self, adapter: Adapter) -> None:
-        """Refuse a key the plugin did not declare (`settings_keys`, plugins/contract.py) before the
-        adapter starts. A plugin that declares none may read any key, so none is refused for it."""
-        declared = getattr(adapter, "settings_keys", None)
+        """Refuse, before the adapter starts, a key the plugin did not declare (`settings_keys`,
+        plugins/contract.py) and a secret reference (`<name>_env`, `<name>_file`) to a name that is
+        no secret it reads (`secret_keys`), or to a setting. A plugin that declares no keys may read
+        any, so none is refused for it; a setting is never read from a reference, whatever it declares."""
+        keys = self._declared(adapter, "settings_keys")
+        secrets = self._declared(adapter, "secret_keys")
+        refs = [f"{name}_{kind}" for name, ref in self.spec.secrets.items() for kind in ref]
+        if keys is None:
+            check_secret_refs(refs, (), secrets, error=AccountError)
+        else:
+            check_keys(self.spec.settings, keys, secrets=secrets, refs=refs, error=AccountError)
+
+    def _declared(self, adapter: Adapter, attribute: str) -> frozenset[str] | None:
+        """The adapter's optional collection of names `attribute` (None when it has none)."""
+        declared = getattr(adapter, attribute, None)
         if declared is None:
-            return
+            return None
         try:
             keys = frozenset(declared) if not isinstance(declared, str) else None
         except TypeError:  # not iterable, or unhashable items
             keys = None
         if keys is None or not all(isinstance(k, str) for k in keys):
-            raise AccountError(f"the {self.spec.channel} plugin's settings_keys must be a collection of strings")
-        check_keys(self.spec.settings, keys, error=AccountError)
+            raise AccountError(f"the {self.spec.channel} plugin's {attribute} must be a collection of strings")
+        return keys
 
     def _alive(self, adapter: Adapter) -> bool:
         try:

@@ -43,9 +43,12 @@ __all__ = [
     "Target",
     "TokenRefusal",
     "check_keys",
+    "check_secret_refs",
     "image_budget",
     "is_grapheme_boundary",
+    "is_secret_ref",
     "number_setting",
+    "secret_ref_problem",
     "shorten",
 ]
 
@@ -71,6 +74,10 @@ GATEWAY_SETTINGS = frozenset(
         "max_items",
     }
 )
+
+# How a secret is given in an account's table: by reference, `<name>_env` (an environment variable)
+# or `<name>_file` (a file). Only the names a plugin declares as secrets may be given so.
+SECRET_REF_SUFFIXES = ("_env", "_file")
 
 # The longest chat or thread id a route key can name (gateway/routing.py): a plugin that takes ids
 # from its callers (webhook) refuses longer ones rather than accept a chat no route can reach.
@@ -197,13 +204,22 @@ def number_setting(
     return float(value)
 
 
-def check_keys(settings: Mapping[str, Any], own: Collection[str], *, error: type[Exception] = ValueError) -> None:
+def check_keys(
+    settings: Mapping[str, Any],
+    own: Collection[str],
+    *,
+    secrets: Collection[str] | None = None,
+    refs: Collection[str] = (),
+    error: type[Exception] = ValueError,
+) -> None:
     """Refuse with `error` every key of `settings` that is neither the gateway's (`GATEWAY_SETTINGS`)
     nor in `own` (the plugin's), naming it and the key it probably meant: a misspelt `dm_polcy`
     would otherwise leave the account running with the default policy its owner meant to change.
-    Secret references (`<name>_env`, `<name>_file`) are the gateway's to resolve and pass."""
+    Secret references, `refs` (the `<name>_env` / `<name>_file` keys the gateway took out of the
+    table) and any such key still in `settings`, are checked by `check_secret_refs`."""
+    check_secret_refs([*refs, *(str(k) for k in settings if is_secret_ref(str(k)))], own, secrets, error=error)
     known = GATEWAY_SETTINGS | frozenset(own)
-    unknown = sorted(str(k) for k in settings if k not in known and not str(k).endswith(("_env", "_file")))
+    unknown = sorted(str(k) for k in settings if k not in known and not is_secret_ref(str(k)))
     if not unknown:
         return
     named = []
@@ -212,6 +228,46 @@ def check_keys(settings: Mapping[str, Any], own: Collection[str], *, error: type
         close = [folded] if folded in known else difflib.get_close_matches(folded, sorted(known), n=1)
         named.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
     raise error(f"unknown setting{'s' if len(named) > 1 else ''} {', '.join(named)}")
+
+
+def is_secret_ref(key: str) -> bool:
+    """`key` is written the way a secret is given: `<name>_env` or `<name>_file`."""
+    return key.endswith(SECRET_REF_SUFFIXES)
+
+
+def check_secret_refs(
+    refs: Collection[str],
+    own: Collection[str],
+    secrets: Collection[str] | None,
+    *,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Refuse with `error` each secret reference (`<name>_env`, `<name>_file`, as written) whose
+    name is not a secret the plugin reads: one of `secrets`, its declared secrets (None: it declares
+    none, so only a reference to a setting, the gateway's or one of `own`, is refused). The
+    gateway reads a reference only as a secret: `dm_policy_env = "DMP"` or `allow_file = "…"` was
+    accepted and the account ran with the default policy and an empty allowlist."""
+    problems = [p for ref in sorted(set(refs)) if (p := secret_ref_problem(ref, own, secrets)) is not None]
+    if problems:
+        raise error("; ".join(problems))
+
+
+def secret_ref_problem(ref: str, own: Collection[str], secrets: Collection[str] | None) -> str | None:
+    """Why the reference `ref` names no secret (see `check_secret_refs`), in one line; None when it
+    names one, or may (`secrets` None and not a setting)."""
+    name, _, kind = ref.rpartition("_")
+    if secrets is not None and name in secrets:
+        return None
+    source = "an environment variable" if kind == "env" else "a file"
+    itself = f"write the value itself: {name} = …"
+    if name in GATEWAY_SETTINGS or name in own:
+        return f"{ref}: {name} is a setting, not a secret, and is never read from {source}; {itself}"
+    if secrets is None:
+        return None
+    listed = ", ".join(sorted(secrets)) or "none"
+    close = difflib.get_close_matches(name, sorted(secrets), n=1)
+    hint = f" (did you mean {close[0]}_{kind}?)" if close else ""
+    return f"{ref}: {name} is not a secret of this channel (its secrets: {listed}){hint}; if it is a setting, {itself}"
 
 
 class DeliveryError(Exception):
@@ -328,8 +384,12 @@ class Adapter(Protocol):
     `settings_keys` (default None): the keys of an account's table the plugin reads, besides the
     gateway's (`GATEWAY_SETTINGS`) and its secret references; when given, an account with any other
     key does not start (state `error` naming the key, `check_keys`). Without it the gateway cannot
-    tell a misspelt key from one the plugin reads, so it refuses none. Optional methods, looked up
-    with `getattr`:
+    tell a misspelt key from one the plugin reads, so it refuses none. Optional attribute
+    `secret_keys` (default None): the names of the secrets it reads from `Account.secrets`; when
+    given, an account that gives any other name by reference (`<name>_env`, `<name>_file`) does not
+    start (`check_secret_refs`). A reference to a setting (`dm_policy_env`, or one of
+    `settings_keys`) is refused either way: settings are never read from a reference. Optional
+    methods, looked up with `getattr`:
     `edit(target, message_id, text) -> None` (when `limits.can_edit`),
     `react(target, message_id, emoji) -> None` (when `limits.can_react`),
     `measure(text) -> int` (how the platform counts `max_length`, when not in characters),

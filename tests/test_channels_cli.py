@@ -93,9 +93,7 @@ def test_add_then_remove_round_trip_keeps_the_file(home: Path) -> None:
         "--set",
         'admins=["a", "b"]',
         "--secret",
-        "secret=env:WEBHOOK_SECRET",
-        "--secret",
-        "signing=file:secrets/webhook.key",
+        "secret=file:secrets/webhook.key",
     )
     assert code == 0, err
     assert "Added account webhook:main" in out and "not enabled" in out
@@ -113,7 +111,7 @@ def test_add_then_remove_round_trip_keeps_the_file(home: Path) -> None:
         "deny_notice": "12345",
         "admins": ["a", "b"],
     }
-    assert account.secret_refs == {"secret": {"env": "WEBHOOK_SECRET"}, "signing": {"file": "secrets/webhook.key"}}
+    assert account.secret_refs == {"secret": {"file": "secrets/webhook.key"}}
 
     code, out, err = ch("remove", "webhook", "main")
     assert code == 0, err

@@ -25,7 +25,7 @@ import sqlite3
 import time
 import tomllib
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import date, datetime
@@ -596,7 +596,7 @@ def _env_overrides_enabled() -> bool:
 
 
 @functools.cache
-def _plugin_check(channel: str) -> Callable[[Mapping[str, Any]], None] | None:
+def _plugin_check(channel: str) -> Callable[[Mapping[str, Any], Collection[str]], None] | None:
     """A first-party plugin's own `check_settings`, from its `settings.py` (standard library only),
     loaded by path so that the platform library (slack_sdk, discord.py, …) is not imported here.
     None when the plugin has no such file."""
@@ -622,10 +622,11 @@ def _plugin_check(channel: str) -> Callable[[Mapping[str, Any]], None] | None:
     return None
 
 
-def _settings_problem(channel: str, settings: Mapping[str, Any]) -> str | None:
+def _settings_problem(channel: str, settings: Mapping[str, Any], refs: Collection[str] = ()) -> str | None:
     """Why the gateway would refuse this account's settings when it starts it (state `error`), by the
     gateway's own checks: the access policy, the debounce, and the first-party plugin's
-    `check_settings`. None when they pass."""
+    `check_settings` (which also refuses a secret reference in `refs` to a name it reads no secret
+    by). None when they pass."""
     try:
         AccessPolicy.from_settings(settings)
         DebounceSettings.from_settings(settings)
@@ -638,7 +639,7 @@ def _settings_problem(channel: str, settings: Mapping[str, Any]) -> str | None:
     if check is None:
         return None
     try:
-        check(settings)
+        check(settings, refs)
     except ValueError as exc:
         return _one_line(exc)
     except Exception as exc:  # noqa: BLE001
@@ -647,9 +648,9 @@ def _settings_problem(channel: str, settings: Mapping[str, Any]) -> str | None:
 
 
 def _account_problem(account: AccountConfig, shared: Mapping[str, tuple[str, str]]) -> str | None:
-    """Why the gateway would not run this account: its settings, else a token an earlier account of
-    its channel already uses (`shared_secrets`). None when neither."""
-    problem = _settings_problem(account.channel, account.settings)
+    """Why the gateway would not run this account: a problem found at load, its settings, else a
+    token an earlier account of its channel already uses (`shared_secrets`). None when none."""
+    problem = account.problem or _settings_problem(account.channel, account.settings, account.ref_keys)
     if problem is None and account.ref in shared:
         problem = shared[account.ref][1]
     return problem
@@ -761,7 +762,8 @@ def add_cmd(channel: str, account: str, settings: tuple[str, ...], secrets: tupl
         checked = check_account(channel, account, table, "channels add")
     except ChannelConfigError as exc:
         raise Refused(_one_line(exc), 2) from None
-    problem = _settings_problem(channel, checked.settings)  # what the gateway would refuse at start
+    # what the gateway would refuse at start
+    problem = checked.problem or _settings_problem(channel, checked.settings, checked.ref_keys)
     if problem is not None:
         raise Refused(f"channels add: [channels.{channel}.accounts.{account}] {problem}; nothing written", 2)
     config = get_config()

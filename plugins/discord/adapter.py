@@ -84,7 +84,7 @@ from plugins.contract import (
     env_seconds,
 )
 from plugins.discord.format import to_discord
-from plugins.discord.settings import DEFAULT_API_URL, DEFAULT_GATEWAY_URL, check_settings
+from plugins.discord.settings import DEFAULT_API_URL, DEFAULT_GATEWAY_URL, SECRETS, check_settings
 from plugins.inorder import ChatOrder, Ticket
 from plugins.statefile import atomic_write_text, move_aside
 
@@ -233,6 +233,7 @@ class DiscordAdapter:
     """One Discord bot (one token)."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+    secret_keys = SECRETS  # a reference to any other name is refused (plugins/contract.py)
     prompt_max_length = CONTENT_MAX
     # Discord itself answers a repeated send with the same nonce with the message it already has
     # (`enforce_nonce`, for a few minutes): the gateway may repeat a send whose outcome is unknown.

@@ -8,7 +8,7 @@ are the gateway's to check.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from plugins.contract import check_keys
@@ -20,10 +20,15 @@ DEFAULT_GATEWAY_URL = "wss://gateway.discord.gg/"
 # an account may have, so a misspelt one is refused instead of silently ignored.
 SETTINGS = frozenset({"api_url", "gateway_url"})
 
+# The secrets this plugin reads (the bot token): the only names an account may give
+# by reference (`<name>_env`, `<name>_file`); any other such key is refused instead of ignored.
+SECRETS = frozenset({"token"})
 
-def check_settings(settings: Mapping[str, Any]) -> None:
-    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown."""
-    check_keys(settings, SETTINGS)
+
+def check_settings(settings: Mapping[str, Any], refs: Collection[str] = ()) -> None:
+    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown, or
+    when one of `refs` (the account's `<name>_env` / `<name>_file` keys) names no secret it reads."""
+    check_keys(settings, SETTINGS, secrets=SECRETS, refs=refs)
     api_url = settings.get("api_url", DEFAULT_API_URL)
     if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
         raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")

@@ -77,7 +77,7 @@ from plugins.contract import (
 )
 from plugins.inorder import ChatOrder
 from plugins.slack.format import escape, to_mrkdwn
-from plugins.slack.settings import DEFAULT_API_URL, check_settings
+from plugins.slack.settings import DEFAULT_API_URL, SECRETS, check_settings
 
 CHANNEL = "slack"
 # Slack truncates a message's text at 40,000 characters but recommends at most 4,000 (longer texts
@@ -247,6 +247,7 @@ class SlackAdapter:
     """One Slack app (bot token + app-level token) in Socket Mode."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+    secret_keys = SECRETS  # a reference to any other name is refused (plugins/contract.py)
     prompt_max_length = SECTION_MAX  # an approval prompt is one section (`_prompt_blocks`)
 
     def __init__(self, account: Account, context: AdapterContext) -> None:

@@ -8,7 +8,7 @@ the gateway's to check.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from plugins.contract import check_keys
@@ -19,10 +19,16 @@ DEFAULT_API_URL = "https://slack.com"
 # an account may have, so a misspelt one is refused instead of silently ignored.
 SETTINGS = frozenset({"api_url"})
 
+# The secrets this plugin reads (the bot token, xoxb-…, and the app-level token, xapp-…): the only
+# names an account may give by reference (`<name>_env`, `<name>_file`); any other such key is
+# refused instead of ignored.
+SECRETS = frozenset({"bot_token", "app_token"})
 
-def check_settings(settings: Mapping[str, Any]) -> None:
-    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown."""
-    check_keys(settings, SETTINGS)
+
+def check_settings(settings: Mapping[str, Any], refs: Collection[str] = ()) -> None:
+    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown, or
+    when one of `refs` (the account's `<name>_env` / `<name>_file` keys) names no secret it reads."""
+    check_keys(settings, SETTINGS, secrets=SECRETS, refs=refs)
     api_url = settings.get("api_url", DEFAULT_API_URL)
     if not isinstance(api_url, str) or not api_url.startswith(("http://", "https://")):
         raise ValueError(f"api_url must be an http:// or https:// URL, got {api_url!r}")

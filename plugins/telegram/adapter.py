@@ -75,7 +75,7 @@ from plugins.contract import (
 )
 from plugins.statefile import atomic_write_text, move_aside
 from plugins.telegram.format import plain, to_html
-from plugins.telegram.settings import DEFAULT_API_URL, DEFAULT_POLL_TIMEOUT, check_settings
+from plugins.telegram.settings import DEFAULT_API_URL, DEFAULT_POLL_TIMEOUT, SECRETS, check_settings
 
 T = TypeVar("T")
 
@@ -123,6 +123,7 @@ class TelegramAdapter:
     """One bot token: a long-polling loop for updates, a `Bot` for sends."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=True, can_react=True, edits_per_second=1.0)
+    secret_keys = SECRETS  # a reference to any other name is refused (plugins/contract.py)
     prompt_max_length = TELEGRAM_MAX_TEXT
 
     def __init__(self, account: Account, context: AdapterContext) -> None:

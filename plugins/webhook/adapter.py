@@ -49,6 +49,7 @@ from plugins.webhook.settings import (
     DEFAULT_MAX_BODY,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TOLERANCE_S,
+    SECRETS,
     check_settings,
     parse_listen,
 )
@@ -184,6 +185,7 @@ class WebhookAdapter:
     """One webhook account: its own listener for inbound messages and a client for replies."""
 
     limits = Limits(max_length=MAX_LENGTH, can_edit=False)
+    secret_keys = SECRETS  # a reference to any other name is refused (plugins/contract.py)
     # A reply's `id` is its part's key, the same when it is sent again: the receiver dedupes on it
     # (documented), so the gateway may repeat a send whose outcome is unknown.
     dedupes_sends = True

@@ -9,7 +9,7 @@ the adapter's to check.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from plugins.contract import check_keys, number_setting
@@ -29,10 +29,15 @@ SETTINGS = frozenset(
     {"listen", "path", "reply_url", "max_body_bytes", "tolerance_s", "max_connections", "connections_per_client"}
 )
 
+# The secrets this plugin reads (the shared signing secret): the only names an account may give
+# by reference (`<name>_env`, `<name>_file`); any other such key is refused instead of ignored.
+SECRETS = frozenset({"secret"})
 
-def check_settings(settings: Mapping[str, Any]) -> None:
-    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown."""
-    check_keys(settings, SETTINGS)
+
+def check_settings(settings: Mapping[str, Any], refs: Collection[str] = ()) -> None:
+    """Raise ValueError (one line, naming the setting) when a setting cannot work or is unknown, or
+    when one of `refs` (the account's `<name>_env` / `<name>_file` keys) names no secret it reads."""
+    check_keys(settings, SETTINGS, secrets=SECRETS, refs=refs)
     listen = settings.get("listen", DEFAULT_LISTEN)
     if not isinstance(listen, str):
         raise ValueError("listen must be a string host:port")

@@ -1,10 +1,11 @@
 """The chat as a place to steer: pairing prompts and decisions, commands, approvals (issue 16).
 
 `pairing_prompt` answers an unknown sender (their code, or "try later"; once per burst);
-`watch_pairings` acts on the owner's decisions within a second (tell the sender, release the kept
-messages as one turn per chat and thread); `command` answers `/new`, `/cancel`, `/status`, `/help`, `/pair`,
-`/approve`, `/deny` without a turn; `on_approval` shows an approval prompt for a paused turn and
-keeps it up to date, whoever answers.
+`watch_pairings` ends a revoked sender's queued turns as soon as gateway.db changes, and acts on
+the owner's decisions within a second (release the kept messages as one turn per chat and thread,
+then tell the sender without holding up the next look); `command` answers `/new`, `/cancel`,
+`/status`, `/help`, `/pair`, `/approve`, `/deny` without a turn; `on_approval` shows an approval
+prompt for a paused turn and keeps it up to date, whoever answers.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ from plugins.contract import Target
 log = logging.getLogger("gateway.chatops")
 
 PERSON_MAX = 200  # characters of a clicker's display name sent as `on_behalf_of` (the server keeps 100)
+# gateway.db's `data_version` is asked this often (ten microseconds) while the gateway follows a turn
+# a revoke may have to end: a revoke is acted on within it. With none, less often (an idle gateway
+# wakes four times a second; `pairing revoke` waits at most that long). Approvals, denials and
+# expiries are looked at every PAIRING_POLL_S.
+PAIRING_LOOK_S = 0.05
+PAIRING_IDLE_LOOK_S = 0.25
 PAIRING_POLL_S = 1.0
 PROMPT_EVERY_S = 60.0
 PROMPT_SHOWN_WAIT_S = 10.0
@@ -117,6 +124,8 @@ class ChatOps:
         self._refused: Recent[bool] = Recent(REFUSE_EVERY_S)  # account:chat:sender:call -> refused lately
         self._told_as_chat: Recent[bool] = Recent(AS_CHAT_EVERY_S)  # account:chat:sender -> told lately
         self._reconciling = asyncio.Lock()
+        self._notices: dict[str, asyncio.Task[None]] = {}  # account:chat -> its last pairing notice on its way
+        self._notifying: set[str] = set()  # codes whose notice is on its way (handled once it is out)
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
         """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
@@ -149,40 +158,110 @@ class ChatOps:
         await self.outboxes.say(runner, answer_target(entry), text)
 
     async def watch_pairings(self) -> None:
-        """Act on approvals and denials (from the CLI or elsewhere) within a second, live."""
-        while True:
-            for decided in self.pairing.decided_unhandled():
-                runner = self.runners.get(f"{decided.channel}:{decided.account}")
-                if runner is None or runner.adapter is None or not runner.adapter.is_running:
-                    continue  # not configured or not running here: act on it once it runs
-                held = self.ledger.held(decided.channel, decided.account, decided.sender)
-                target = Target(decided.chat)
-                if decided.status == "expired":
-                    # never approved in time: what it kept can never be released (a later code
-                    # keeps the messages written after this one expired)
-                    self._refuse_kept(held, decided.expires_at, EXPIRED_UNAPPROVED)
-                elif decided.status == "revoked":
-                    # approved, then revoked before it was acted on: revoke wins, the stranger hears nothing
-                    self._refuse_kept(held, decided.expires_at, REVOKED_UNRELEASED)
-                elif decided.status == "approved":
-                    if not self._release(decided):
-                        continue  # revoked meanwhile: handled as `revoked` at the next look
-                    await self.outboxes.say(runner, target, self._approved_notice(decided, runner))
-                else:
-                    for entry in held:
-                        self.ledger.refuse(entry.key, f"pairing {decided.code} denied")
-                    notice = runner.settings.get("deny_notice")
-                    if isinstance(notice, str) and notice.strip():
-                        await self.outboxes.say(runner, target, notice)
-                # its notice is out: a failed write here would send it again at the next look
+        """Act on the owner's revokes (from the CLI or elsewhere) as soon as gateway.db shows a change
+        (`Pairing.data_version`, asked every `PAIRING_LOOK_S` while a turn is followed), and on their
+        decisions every `PAIRING_POLL_S`: a message its sender writes in that second after an
+        approval still joins the kept ones as one turn (docs/channels.md, "Pairing"), and a code
+        expires with time."""
+        loop = asyncio.get_running_loop()
+        seen: int | None = None
+        due = 0.0
+        try:
+            while True:
+                version = self.pairing.data_version()
+                if loop.time() >= due:
+                    seen, due = version, loop.time() + PAIRING_POLL_S
+                    await self._act_on_pairings()
+                elif version != seen:
+                    seen = version
+                    await self._enforce_revokes()
+                await asyncio.sleep(PAIRING_LOOK_S if self.replies.turns else PAIRING_IDLE_LOOK_S)
+        except asyncio.CancelledError:  # the gateway stops: a notice not out yet is sent at the next start
+            for task in list(self._notices.values()):
+                task.cancel()
+            raise
+
+    async def _enforce_revokes(self) -> None:
+        """End the queued turns of senders access no longer lets in (a revoke), then note in
+        gateway.db that every revoke counted before was acted on (`Pairing.mark_applied`: what
+        `pairing revoke` waits for)."""
+        made, applied = self.pairing.changes()
+        try:
+            await self.replies.refuse_queued()  # a revoke is seen only here: queued turns it ends never start
+        except Exception:  # the decisions must go on: the next look tries again
+            log.exception("could not look for queued turns of senders no longer let in")
+            return  # not acted on: a waiting `pairing revoke` is not told it was
+        if made > applied:
+            await write_until_done("pairing revokes: applied", partial(self.pairing.mark_applied, made))
+
+    async def _act_on_pairings(self) -> None:
+        """A full look: revokes first (`_enforce_revokes`), then each decision not acted on yet.
+        Nothing here waits on a chat: each notice goes out on its own (`_notify`)."""
+        await self._enforce_revokes()
+        for decided in self.pairing.decided_unhandled():
+            if decided.code in self._notifying:
+                continue  # acted on, its notice on its way: handled once it is out
+            runner = self.runners.get(f"{decided.channel}:{decided.account}")
+            if runner is None or runner.adapter is None or not runner.adapter.is_running:
+                continue  # not configured or not running here: act on it once it runs
+            acted, notice = self._act_on_decision(decided, runner)
+            if not acted:
+                continue  # revoked meanwhile: handled as `revoked` at the next look
+            if notice is None:
                 await write_until_done(
                     f"pairing {decided.code}: handled", partial(self.pairing.mark_handled, decided.code)
                 )
-            try:
-                await self.replies.refuse_queued()  # a revoke is seen only here: queued turns it ends never start
-            except Exception:  # the approvals above must go on: the next look tries again
-                log.exception("could not look for queued turns of senders no longer let in")
-            await asyncio.sleep(PAIRING_POLL_S)
+            else:
+                self._notify(runner, decided, notice)
+
+    def _act_on_decision(self, decided: PairingCode, runner: AccountRunner) -> tuple[bool, str | None]:
+        """Release or refuse what `decided` kept; returns whether it was acted on (not an approval
+        revoked meanwhile) and what to tell its sender (None: nothing)."""
+        held = self.ledger.held(decided.channel, decided.account, decided.sender)
+        if decided.status == "expired":
+            # never approved in time: what it kept can never be released (a later code keeps the
+            # messages written after this one expired)
+            self._refuse_kept(held, decided.expires_at, EXPIRED_UNAPPROVED)
+            return True, None
+        if decided.status == "revoked":
+            # approved, then revoked before it was acted on: revoke wins, the stranger hears nothing
+            self._refuse_kept(held, decided.expires_at, REVOKED_UNRELEASED)
+            return True, None
+        if decided.status == "approved":
+            released = self._release(decided)
+            return released, self._approved_notice(decided, runner) if released else None
+        for entry in held:
+            self.ledger.refuse(entry.key, f"pairing {decided.code} denied")
+        notice = runner.settings.get("deny_notice")
+        return True, notice if isinstance(notice, str) and notice.strip() else None
+
+    def _notify(self, runner: AccountRunner, decided: PairingCode, text: str) -> None:
+        """Tell `decided`'s sender in a task of its own, after the notices before it in the same chat,
+        then mark the decision handled. A notice that waits out a rate limit or a slow platform (the
+        outbox's budget, about a minute) holds up no look at the pairings, so no revoke either; while
+        it is on its way the decision is skipped, so it is sent once (a gateway stopped before it went
+        out sends it at its next start, as before)."""
+        chat = f"{runner.spec.ref}:{decided.chat}"
+        self._notifying.add(decided.code)
+        task = asyncio.ensure_future(self._tell(self._notices.get(chat), runner, decided, text))
+        self._notices[chat] = task
+        task.add_done_callback(partial(self._told, chat, decided.code))
+
+    async def _tell(
+        self, before: asyncio.Task[None] | None, runner: AccountRunner, decided: PairingCode, text: str
+    ) -> None:
+        if before is not None:
+            await asyncio.wait({before})  # the chat's earlier notice first (its failure is its own)
+        await self.outboxes.say(runner, Target(decided.chat), text)
+        # its notice is out: a failed write here would send it again at the next look
+        await write_until_done(f"pairing {decided.code}: handled", partial(self.pairing.mark_handled, decided.code))
+
+    def _told(self, chat: str, code: str, task: asyncio.Task[None]) -> None:
+        self._notifying.discard(code)
+        if self._notices.get(chat) is task:
+            del self._notices[chat]
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("the notice of pairing %s failed; it is tried again at the next look", code, exc_info=exc)
 
     def _approved_notice(self, decided: PairingCode, runner: AccountRunner) -> str:
         """What an approved sender is told: that their messages go to the agent, unless nothing

@@ -163,6 +163,17 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
         ALTER TABLE account_status ADD COLUMN last_failure_reason TEXT;
         """,
     ),
+    (
+        10,
+        """
+        CREATE TABLE pairing_revokes (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            made INTEGER NOT NULL,
+            applied INTEGER NOT NULL
+        );
+        INSERT INTO pairing_revokes (id, made, applied) VALUES (1, 0, 0);
+        """,
+    ),
 )
 
 SCHEMA_VERSION = MIGRATIONS[-1][0]
@@ -432,6 +443,11 @@ def _rename_orphan(side: Path) -> Path | None:
         return move_aside(side, "orphaned")
     except FileNotFoundError:
         return None
+
+
+def gateway_running(path: Path) -> bool:
+    """Whether a gateway runs on the ledger at `path` now: it holds `gateway.lock` beside it."""
+    return _lock_holder(Path(path).with_name("gateway.lock")) is not None
 
 
 def _refuse_missing_in_use(path: Path, lock: Path) -> None:

@@ -5,9 +5,13 @@ given again to the same sender while it is valid; an account has at most three p
 fourth sender is told to try later). The owner answers with `appserver pairing approve CODE` (or
 deny), which works on gateway.db whether or not a server runs; a running gateway notices the
 decision within a second (`decided_unhandled`), tells the sender, and releases the messages it
-held. Approved senders persist until `appserver pairing revoke`; so do denied ones (a denied
-sender gets no new code). An expired code's kept messages are refused, and so are those of an
-approval revoked before the gateway released them (the code is then `revoked`: revoke wins).
+held. A revoke it notices within a tenth of a second (it asks `PRAGMA data_version` many times a
+second: `data_version`) and ends the revoked sender's queued turns; revokes are counted
+(`pairing_revokes.made`), the gateway writes up to which one it acted (`applied`), and `pairing
+revoke` waits for that (`changes`). Approved senders persist until `appserver pairing revoke`; so do
+denied ones (a denied sender gets no new code). An expired code's kept messages are refused, and so
+are those of an approval revoked before the gateway released them (the code is then `revoked`:
+revoke wins).
 """
 
 from __future__ import annotations
@@ -177,6 +181,24 @@ class Pairing:
         with transaction(self._conn) as c:
             c.execute("UPDATE pairing_codes SET handled=1 WHERE code=?", (code,))
 
+    def data_version(self) -> int:
+        """SQLite's `PRAGMA data_version` of this connection: it moves only when another connection
+        (an owner's `pairing` command) commits to gateway.db. Asking it costs microseconds and
+        touches no page, so the gateway asks it often and looks at the pairings only when it moved."""
+        return int(self._conn.execute("PRAGMA data_version").fetchone()[0])
+
+    def mark_applied(self, made: int) -> None:
+        """The gateway acted on every revoke up to the `made`-th (the queued turns of senders no
+        longer let in are ended): what `appserver pairing revoke` waits for."""
+        with transaction(self._conn, durable=False) as c:  # lost at a power cut: a command waits in vain
+            c.execute("UPDATE pairing_revokes SET applied=MAX(applied, ?)", (made,))
+
+    def changes(self) -> tuple[int, int]:
+        """(made, applied): how many revokes gateway.db has counted, and up to which one the running
+        gateway acted on them."""
+        row = self._conn.execute("SELECT made, applied FROM pairing_revokes").fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
     # ---------------------------------------------------------------- the owner's side
 
     def get(self, code: str) -> PairingCode | None:
@@ -249,6 +271,7 @@ class Pairing:
                 f"UPDATE pairing_codes SET status='revoked', {ended} WHERE {where} AND status='approved' AND handled=0",
                 [now, *args],
             )
+            c.execute("UPDATE pairing_revokes SET made=made+1")  # what `changes` counts
             return approvals + len(denied)
 
     def _decide(self, code: str, status: Status) -> PairingCode:

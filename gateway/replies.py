@@ -14,10 +14,10 @@ A turn `/cancel` took out of the server's queue before it started (`withdraw`) i
 nothing: its rows are failed with the reason `/cancel` gave.
 
 Every turn is asked about again as its submit is acked (`refuse_if_not_let_in`), as it is first seen
-out of the server's queue (`admits`), and every second until then (`refuse_queued`): one whose sender
-access no longer lets in (a `pairing revoke` while it waited in the queue, or while its submit was on
-its way to a stalled server) is cancelled and answered with nothing, its rows failed with
-`NO_LONGER_LET_IN`.
+out of the server's queue (`admits`), and at each change of gateway.db until then (`refuse_queued`):
+one whose sender access no longer lets in (a `pairing revoke` while it waited in the queue, or while
+its submit was on its way to a stalled server) is cancelled and answered with nothing, its rows failed
+with `NO_LONGER_LET_IN` (`NO_LONGER_LET_IN_AS_STARTED` when the gateway saw it start first).
 So is every turn a restarted gateway picks back up before any of its reply was noted: whether it was
 queued, and whether it started before the revoke, is not known then (a restarted server starts a
 queued turn at once, before the gateway is back), so it is asked again as the gateway sees it.
@@ -69,6 +69,9 @@ RECOVER_AGAIN_MAX_S = 15.0  # while it may still wait in the queue (a turn ahead
 # Why a message's turn was not started (a debounced batch) or was cancelled as it left the server's
 # queue (a message queued behind a running turn): its sender was let in when it came, no longer.
 NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
+# ...and why one is cancelled that this gateway saw start (the revoke came as it left the queue):
+# the agent may have read the message (the history keeps it), nothing of it is delivered.
+NO_LONGER_LET_IN_AS_STARTED = "the sender's access was taken away as the turn started"
 
 # A ledger write that gateway.db refuses while the gateway runs (busy past its 5 s timeout, the disk
 # full) is tried again after these pauses, the last one repeated until it goes through: what it
@@ -152,7 +155,12 @@ class ReplyNotes:
 
 
 class NotLetIn(Exception):
-    """A queued turn's sender is no longer let in: it is cancelled, nothing is delivered."""
+    """A queued turn's sender is no longer let in: it is cancelled, nothing is delivered, its rows
+    fail with `reason`."""
+
+    def __init__(self, reason: str = NO_LONGER_LET_IN) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Withdrawn(Exception):
@@ -184,6 +192,7 @@ class TurnContext:
     # why it was likely withdrawn before a restart (a `/cancel` that may stop it was taken after it):
     # the reason its rows end with if the server shows it withdrawn, or no trace of it (`Replies._ended`)
     maybe_withdrawn: str | None = None
+    resumed: bool = False  # picked back up after a restart: whether it started before the revoke is not known
 
 
 def answer_target(entry: Entry) -> Target:
@@ -224,6 +233,17 @@ def final_text(snapshot: dict[str, Any], shown: str) -> str:
         return final
     reason = visible_text({**snapshot, "blocks": []}, tool_status=False)
     return f"{shown}\n\n{reason}"
+
+
+def _refused_reason(ctx: TurnContext, snap: dict[str, Any]) -> str:
+    """Why a turn refused at `snap` fails: before it started when the server dropped it from the
+    queue (`withdrawn`); as it started when this gateway saw it leave the queue (the revoke lost the
+    race with its start); before it started, as ever, for one picked back up after a restart."""
+    if snap.get("status") in TERMINAL:
+        started = (snap.get("error") or {}).get("kind") != "withdrawn" and not is_untraced(snap)
+    else:
+        started = snap.get("phase") != "queued"
+    return NO_LONGER_LET_IN_AS_STARTED if started and not ctx.resumed else NO_LONGER_LET_IN
 
 
 def _gone(turn_id: str, code: str) -> dict[str, Any]:
@@ -309,6 +329,7 @@ class Replies:
             entry.conversation,
             waited=waited,
             maybe_withdrawn=maybe_withdrawn,
+            resumed=resumed,
         )
         waiter = self._registered.pop(turn_id, None)
         if waiter is not None and not waiter.done():
@@ -327,7 +348,7 @@ class Replies:
         if ctx.waited and ctx.admitted is None:
             ctx.admitted = self._still_let_in(ctx)
             if not ctx.admitted:
-                log.info("%s: cancelled as it left the queue: %s", ctx.key, NO_LONGER_LET_IN)
+                log.info("%s: cancelled as it left the queue: the sender's access was taken away", ctx.key)
         return ctx.admitted is not False
 
     def _still_let_in(self, ctx: TurnContext) -> bool:
@@ -337,8 +358,8 @@ class Replies:
     async def refuse_queued(self) -> None:
         """Cancel each turn not yet let in (still waiting in the server's queue, or not seen to start)
         whose sender access no longer lets in (a `pairing revoke` reaches the gateway only through
-        gateway.db: asked every second by `ChatOps.watch_pairings`), so it never starts; its follower
-        then fails its rows."""
+        gateway.db: asked by `ChatOps.watch_pairings` as soon as it changes), so it never starts; its
+        follower then fails its rows."""
         for turn_id in list(self.turns):
             await self.refuse_if_not_let_in(turn_id)
 
@@ -396,7 +417,7 @@ class Replies:
             return
         if snap.get("status") not in TERMINAL:
             await self._cancel(ctx, turn_id)
-        raise NotLetIn
+        raise NotLetIn(_refused_reason(ctx, snap))
 
     def _follower_done(self, turn_id: str, task: asyncio.Task[None]) -> None:
         """Forget the turn; an error that ended its follower is logged here, with its traceback (it
@@ -450,8 +471,8 @@ class Replies:
             await write_until_done(f"{key}: the reply's delivery", partial(self._record_delivered, entry, whole, ids))
             runner.live.replies += 1
             runner.live.last_outbound = time.time()
-        except NotLetIn:  # as a batch never submitted for it: nothing said, the rows say why
-            await write_until_done(f"{entry.key}: not let in", partial(self._record_failed, entry, NO_LONGER_LET_IN))
+        except NotLetIn as refused:  # as a batch never submitted for it: nothing said, the rows say why
+            await write_until_done(f"{entry.key}: not let in", partial(self._record_failed, entry, refused.reason))
         except Withdrawn as dropped:  # `/cancel` took it out of the queue, and its answer said so
             await write_until_done(f"{entry.key}: withdrawn", partial(self._record_failed, entry, dropped.reason))
         except DeliveryFailed as exc:

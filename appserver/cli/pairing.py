@@ -1,7 +1,9 @@
 """`appserver pairing list|approve|deny|revoke|approved`: the owner's side of channel pairing.
 
 It works on `$APPSERVER_HOME/channels/gateway.db` directly, whether or not a server runs; a running
-gateway acts on a decision within about a second (tells the sender, releases the messages it kept).
+gateway acts on a decision within about a second (tells the sender, releases the messages it kept)
+and on a revoke within a tenth of a second (ends the sender's turns queued on the server), which
+`revoke` waits for, a few seconds at most (`_await_gateway`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import click
 from appserver.cli.channels import Refused, _errors, _gateway_db
 from appserver.cli.common import echo_long, get_config, quoted
 from appserver.cli.safetext import exact, exact_id, typed_id, unseen
+from gateway.db import default_path, gateway_running
 from gateway.pairing import Pairing, PairingCode, PairingError
+
+APPLIED_WAIT_S = 5.0  # how long `revoke` waits for a running gateway to act on it
+APPLIED_LOOK_S = 0.02
 
 
 def _ago(t: float) -> str:
@@ -64,6 +70,29 @@ def list_cmd(as_json: bool) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+def _await_gateway(conn: sqlite3.Connection) -> None:
+    """With a gateway running on this home, wait (at most `APPLIED_WAIT_S`) until it says it acted on
+    the change just written (`Pairing.changes`): once `revoke` returns, the sender's turns queued on
+    the server are withdrawn, so ending the turn ahead of them from another client starts none of
+    them. A gateway that does not answer is said, not failed: gateway.db holds the change, and the
+    gateway acts on it when it next looks."""
+    if not gateway_running(default_path(get_config().home)):
+        return
+    pairing = Pairing(conn)
+    made, applied = pairing.changes()
+    deadline = time.monotonic() + APPLIED_WAIT_S
+    while applied < made:
+        if time.monotonic() >= deadline:
+            click.echo(
+                f"warning: the running gateway has not acted on the revoke within {APPLIED_WAIT_S:g} s;"
+                " gateway.db holds it and the gateway acts on it when it next looks",
+                err=True,
+            )
+            return
+        time.sleep(APPLIED_LOOK_S)
+        applied = pairing.changes()[1]
 
 
 def _decide(code: str, approve: bool) -> PairingCode:
@@ -129,6 +158,8 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
         target = _target(sender, {s for _, _, s, _ in pairing.revocable(channel, account)})
         removed = pairing.revoke(target, channel, account)
         alike = _look_alikes(target, pairing.revocable(channel, account))
+        if removed:
+            _await_gateway(conn)
     if not removed:
         note = f". {_alike_note(target, alike)}" if alike else ""
         raise Refused(f"{quoted(sender)} is neither an approved nor a denied sender{note}", 1)

@@ -9,7 +9,8 @@
 
 Every step reads and writes the ledger, so a restart resumes each row where it stood: undecided
 rows are decided, allowed rows submitted again under the same key (the server makes that one
-turn), accepted turns followed (never submitted again), finished replies delivered once.
+turn), accepted turns followed (never submitted again), finished replies delivered once, and a
+notice still owed for a decision or a failure (a pairing code, "⚠ Could not start a turn") said.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from appserver.client import Closed, ProtocolError
-from gateway.access import NOT_MENTIONED
+from gateway.access import NOT_MENTIONED, POSTED_AS_CHAT
 from gateway.accounts import AccountRunner, AccountSpec
 from gateway.channeltool import MessageChannel
 from gateway.chatops import DROPPED_BY_CANCEL, WITHDRAWN_BY_CANCEL, ChatOps
@@ -33,7 +34,7 @@ from gateway.commands import Command, bot_name, for_another_bot, parse_command
 from gateway.debounce import Buffers
 from gateway.delivery import DeliveryFailed, Outboxes
 from gateway.intake import Intake
-from gateway.ledger import Entry, Ledger, Receipt, UpdateKey, prune_settled, retention_s
+from gateway.ledger import Entry, Ledger, Receipt, UpdateKey, notice_key, prune_settled, retention_s
 from gateway.link import ServerLink
 from gateway.pairing import EXPIRED_UNAPPROVED, TOO_MANY_PENDING, Pairing
 from gateway.recent import Recent
@@ -211,9 +212,11 @@ class Gateway:
         for entry in sorted(in_flight + self.ledger.to_deliver(), key=lambda e: e.seq):
             withdrawn = self._withdrawn_by(entry, cancels) if entry.state == "submitted" else None
             self._follow(entry, resumed=True, maybe_withdrawn=withdrawn)
-        # In arrival order across both states: a crash between deciding m1, m2 and m3 left m3
-        # `received` and the others `allowed`, and m3 first made it the batch's first message.
-        for entry in sorted(self.ledger.to_decide() + self.ledger.to_submit(), key=lambda e: e.seq):
+        # In arrival order across these states: a crash between deciding m1, m2 and m3 left m3
+        # `received` and the others `allowed`, and m3 first made it the batch's first message. A
+        # notice still owed (`to_tell`) goes out in its chat's order too.
+        waiting = self.ledger.to_decide() + self.ledger.to_submit() + self.ledger.to_tell()
+        for entry in sorted(waiting, key=lambda e: e.seq):
             self._enqueue(entry)
 
     def _is_cancel(self, entry: Entry) -> bool:
@@ -379,13 +382,9 @@ class Gateway:
             return
         if entry.state == "received":
             entry = await write_until_done(f"{key}: the access decision", partial(self._decide, entry, runner))
-            if (entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL) or entry.reason in (
-                COMMAND_NOT_KEPT,
-                TOO_MANY_PENDING,
-            ):
-                await self.chatops.pairing_prompt(entry, runner)
-            elif entry.state == "denied":
-                await self.chatops.refuse_answer(entry, runner)  # a refused approval answer still hears why
+            await self._tell_decision(entry, runner, resumed=False)
+        elif entry.owes_notice:  # decided (or failed) before a restart, its notice not out yet
+            await self._tell_decision(entry, runner, resumed=True)
         if entry.state != "allowed":
             return
         if entry.batch is not None:  # a batch written down before a crash: submit it as it was
@@ -444,6 +443,27 @@ class Gateway:
         answered = partial(self.ledger.mark_command, key, f"command /{command.name}", ids)
         await write_until_done(f"{key}: /{command.name} answered", answered)
 
+    async def _tell_decision(self, entry: Entry, runner: AccountRunner, *, resumed: bool) -> None:
+        """Say what follows `entry`'s decision or failure, then note it said (`Ledger.told`): a
+        stranger's pairing code (or "try later"), a refused answer's reason, a failed submit's
+        notice. `resumed`: owed from before a restart; a pairing code is then said only while it is
+        still valid (not expired, approved or denied meanwhile), a refusal or a failure as it was."""
+        if entry.state == "failed":
+            if entry.reply:
+                since = entry.sending[1] if resumed and entry.sending is not None else None
+                await self._say_keyed(runner, entry, entry.reply, since, key=notice_key(entry.key))
+        elif tells_pairing(entry):
+            if not resumed or entry.reason == TOO_MANY_PENDING or self._code_still_valid(entry):
+                await self.chatops.pairing_prompt(entry, runner)
+        elif entry.state == "denied":
+            await self.chatops.refuse_answer(entry, runner)  # a refused approval answer still hears why
+        if entry.owes_notice:
+            await write_until_done(f"{entry.key}: its notice said", partial(self.ledger.told, entry.key))
+
+    def _code_still_valid(self, entry: Entry) -> bool:
+        key = entry.key
+        return self.pairing.has_pending(key.channel, key.account, entry.sender)
+
     def _drop_unsent(self, unsent: list[Entry]) -> int:
         """Fail the messages `/cancel` drops before they were submitted; how many were still waiting.
         Safe to run again (a row already failed is left as it is)."""
@@ -458,10 +478,13 @@ class Gateway:
             log.info("%s: /cancel dropped %d message(s) held by debounce", unsent[0].key, dropped)
         return dropped
 
-    async def _say_keyed(self, runner: AccountRunner, entry: Entry, text: str, since: float | None) -> list[str]:
-        """A command's answer, sent as `Outboxes.say` does (never raises) but under its stable key:
-        `since` (a restart's resend) has the platform dedupe it or look it up instead of posting twice."""
-        target = replace(answer_target(entry), key=command_answer_key(entry))
+    async def _say_keyed(
+        self, runner: AccountRunner, entry: Entry, text: str, since: float | None, *, key: str | None = None
+    ) -> list[str]:
+        """A command's answer (or, with `key`, another line answering `entry`), sent as `Outboxes.say`
+        does (never raises) but under its stable key: `since` (a restart's resend) has the platform
+        dedupe it or look it up instead of posting twice."""
+        target = replace(answer_target(entry), key=key or command_answer_key(entry))
         try:
             sent = await self.outboxes.of(runner).send_part(target, text, since=since)
         except (DeliveryFailed, RuntimeError) as exc:
@@ -496,7 +519,8 @@ class Gateway:
             mentions_bot=bool(p.get("mentions_bot")),
             approved=self.pairing.is_approved(key.channel, key.account, entry.sender),
         )
-        command = parse_command(str(p.get("text") or ""), bot_name(runner.adapter)) is not None
+        parsed = parse_command(str(p.get("text") or ""), bot_name(runner.adapter))
+        command = parsed is not None
         if verdict == "deny" and reason == NOT_MENTIONED and self.chatops.answers_own_prompt(entry, runner):
             verdict, reason = "allow", "group: an answer to the sender's own approval prompt"
         if verdict == "allow" and not command and self.ledger.held(key.channel, key.account, entry.sender):
@@ -515,7 +539,13 @@ class Gateway:
             code, _new = self.pairing.code_for(key.channel, key.account, entry.sender, p.get("sender_name"), entry.chat)
             if code is None:
                 verdict, reason = "deny", TOO_MANY_PENDING
-        return self.ledger.decide(key, verdict, reason)
+        if verdict == "pair" or reason in (COMMAND_NOT_KEPT, TOO_MANY_PENDING):
+            notice = not runner.policy.silent  # the code, or "try later"
+        else:  # a refused answer to an approval prompt, or a post as the chat addressing the bot: told why
+            answers = parsed is not None and parsed.name in ("approve", "deny") and not p.get("sender_is_bot")
+            as_chat = reason == POSTED_AS_CHAT and bool(p.get("mentions_bot")) and not runner.policy.silent
+            notice = verdict == "deny" and (answers or as_chat)
+        return self.ledger.decide(key, verdict, reason, notice=notice)
 
     def _kept(self, channel: str, account: str, sender: str) -> list[Entry]:
         """The sender's messages kept for their pending code. Kept messages with no valid code left
@@ -558,14 +588,13 @@ class Gateway:
         route_key = RouteKey.of(entry.key.channel, entry.key.account, entry.chat, entry.thread)
         resolution = self.router.resolve(route_key, runner.settings.get("default_agent"))
         if resolution is None:
-            await self._fail_all(entries, "no route for this chat and no default_agent")
-            runner.live.failures += 1
             log.warning(
                 "%s: no route for %s and no default_agent; add one with `appserver channels route add`",
                 entry.key,
                 route_key,
             )
-            await self._notice(runner, entry, "This chat is not connected to an agent yet.")
+            unrouted = "This chat is not connected to an agent yet."
+            await self._fail_telling(runner, entries, "no route for this chat and no default_agent", unrouted)
             return
         if resolution.pinned and is_conversation_keyword(resolution.conversation):
             # `new`/`default` name no conversation but make one (or take the agent's default): a pin
@@ -607,9 +636,8 @@ class Gateway:
                     resolution = type(resolution)(resolution.key, resolution.agent, None, resolution.source)
                     continue
                 if exc.code in PERMANENT_CODES:
-                    await self._fail_all(entries, f"the server refused the message: {exc.code}: {exc}")
-                    runner.live.failures += 1
-                    await self._notice(runner, entry, f"⚠ Could not start a turn: {exc}", force=True)
+                    refused = f"the server refused the message: {exc.code}: {exc}"
+                    await self._fail_telling(runner, entries, refused, f"⚠ Could not start a turn: {exc}", force=True)
                     return
                 delay = SUBMIT_BACKOFF_S[min(attempt, len(SUBMIT_BACKOFF_S) - 1)]
                 log.warning("%s: submit failed (%s); retrying in %g s", entry.key, exc, delay)
@@ -634,11 +662,31 @@ class Gateway:
         if entry.turn_id is not None:
             await self.replies.refuse_if_not_let_in(entry.turn_id)
 
-    async def _fail_all(self, entries: list[Entry], reason: str) -> None:
+    async def _fail_all(self, entries: list[Entry], reason: str, *, notice: tuple[Entry, str] | None = None) -> None:
         """Fail `entries` (not submitted), retried while gateway.db refuses it: a row left `allowed` has
-        no follower, and was submitted at the next restart, after the chat's later messages."""
+        no follower, and was submitted at the next restart, after the chat's later messages.
+        `notice`: the entry that carries the chat's notice of it, and its text (owed with the failure)."""
         for e in entries:
-            await write_until_done(f"{e.key}: failed", partial(self.ledger.mark_failed, e.key, reason))
+            text = notice[1] if notice is not None and notice[0].key == e.key else None
+            await write_until_done(f"{e.key}: failed", partial(self.ledger.mark_failed, e.key, reason, notice=text))
+
+    async def _fail_telling(
+        self, runner: AccountRunner, entries: list[Entry], reason: str, text: str, *, force: bool = False
+    ) -> None:
+        """Fail `entries` and tell their chat `text`, at most once per chat per 10 minutes unless
+        `force`. The notice is owed with the failure and said under its own key (`_tell_decision`),
+        so a restart before it went out says it then instead of never."""
+        entry = next((e for e in entries if not e.is_batch_member), entries[0])
+        key_of_chat = chat_key(entry)
+        tell = force or not self._notices.get(key_of_chat)
+        if tell:
+            self._notices.put(key_of_chat, True)
+        await self._fail_all(entries, reason, notice=(entry, text) if tell else None)
+        runner.live.failures += 1
+        self._dirty = True
+        failed = self.ledger.get(entry.key)
+        if failed is not None and failed.owes_notice:
+            await self._tell_decision(failed, runner, resumed=False)
 
     def _record_submitted(self, entries: list[Entry], entry: Entry, turn_id: str, conversation_id: str) -> Entry:
         """The server accepted `turn_id` for `entries` (whose reply goes out through `entry`). Safe to
@@ -661,16 +709,12 @@ class Gateway:
             f" for agent {agent} (deleted, another agent's, or, in auth mode token, not the gateway's own:"
             " `appserver channels status` says which); fix the route with `appserver channels route add`"
         )
-        await self._fail_all(entries, reason)
-        runner.live.failures += 1
         log.warning("%s: not submitted: %s", entry.key, reason)
-        await self._notice(
-            runner,
-            entry,
+        notice = (
             f"⚠ This chat is pinned by the operator to conversation {pin}, which no longer exists;"
-            " ask the operator to fix the route.",
-            force=True,
+            " ask the operator to fix the route."
         )
+        await self._fail_telling(runner, entries, reason, notice, force=True)
 
     async def _acknowledge_queued(self, runner: AccountRunner, entry: Entry) -> None:
         """A message that waits behind a running turn gets a reaction where the platform can."""
@@ -681,17 +725,6 @@ class Gateway:
             await self.outboxes.of(runner).react(Target(entry.chat, entry.thread), entry.key.message_id, "👀")
         except (DeliveryFailed, RuntimeError) as exc:
             log.info("%s: could not mark the message as queued: %s", entry.key, exc)
-
-    async def _notice(self, runner: AccountRunner, entry: Entry, text: str, *, force: bool = False) -> None:
-        """A short line to the chat, at most one per chat per 10 minutes unless `force`."""
-        key_of_chat = chat_key(entry)
-        if not force and self._notices.get(key_of_chat):
-            return
-        self._notices.put(key_of_chat, True)
-        try:
-            await self.outboxes.of(runner).send(answer_target(entry), text)
-        except (DeliveryFailed, RuntimeError) as exc:
-            log.warning("%s: could not send a notice: %s", entry.key, exc)
 
     # ---------------------------------------------------------------- commands from the supervisor
 
@@ -714,6 +747,13 @@ class Gateway:
 def _latest(*times: float | None) -> float | None:
     known = [t for t in times if t is not None]
     return max(known) if known else None
+
+
+def tells_pairing(entry: Entry) -> bool:
+    """Whether what follows `entry`'s decision is a pairing answer (`ChatOps.pairing_prompt`: the
+    code, or "try later"): a stranger's message kept for a code, or refused while one is pending."""
+    kept = entry.state == "held" and entry.reason != KEPT_BEHIND_APPROVAL
+    return kept or entry.reason in (COMMAND_NOT_KEPT, TOO_MANY_PENDING)
 
 
 def command_answer_key(entry: Entry) -> str:

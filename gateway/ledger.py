@@ -20,6 +20,10 @@ attempted (`note_sending`), so a restart knows a part may exist although its id 
 A chat command the gateway answers itself stays `allowed` while it runs: `take_command` notes it
 taken (durably, before its effect) and `note_command_answer` keeps its answer before it is sent, so
 a restart resends that answer under the same key and never runs the command a second time.
+A notice that follows a decision or a failure (a stranger's pairing code, a refused answer to an
+approval prompt, "⚠ Could not start a turn") is owed in the same column, written with the decision
+(`decide(..., notice=True)`, `mark_failed(..., notice=text)`) and cleared once it went out (`told`):
+a restart says what `to_tell` still finds (`Entry.owes_notice`), under the key `notice_key`.
 
 Settled rows (`delivered`, `failed`, `denied`) are deleted `RETENTION_S` after they settled
 (`prune_settled`, run by the gateway at start and hourly), so the file does not grow for ever.
@@ -55,6 +59,9 @@ _DECIDED: dict[Decision, State] = {"allow": "allowed", "deny": "denied", "pair":
 IDEMPOTENCY_KEY_MAX = 256
 _KEY_CONTROL = re.compile("[\x00-\x1f\x7f]")
 DIGEST_MARK = "h:"  # the id part of a digest key starts with it; no natural key's id part does
+NOTICE_MARK = "notice:"  # the key a decision's or a failure's notice goes out under starts with it
+# The states a row owes its notice in: the notice follows the decision or the failure that set it.
+_TELLING: tuple[str, ...] = ("held", "denied", "failed")
 
 # A settled row is kept this long after it settled, then deleted. Its only later use is to recognise
 # the same update arriving again (no second turn), and no platform redelivers that late: Telegram
@@ -162,6 +169,11 @@ class Entry:
         return self.state == "allowed" and self.sending is not None
 
     @property
+    def owes_notice(self) -> bool:
+        """A held, denied or failed row whose notice (`notice_key`) has not gone out yet."""
+        return self.state in _TELLING and self.sending is not None and self.sending[0] == notice_key(self.key)
+
+    @property
     def is_batch_member(self) -> bool:
         """In a batch but not its first message (the first one carries the turn's delivery)."""
         return self.batch is not None and self.batch != self.key.message_id
@@ -235,13 +247,19 @@ class Ledger:
             out.append((entry, new))
         return out
 
-    def decide(self, key: UpdateKey, decision: Decision, reason: str) -> Entry:
-        """Record the access decision (allow, deny, or pair: held until the sender is approved)."""
-        return self._move(key, ("received",), _DECIDED[decision], decision=decision, reason=reason)
+    def decide(self, key: UpdateKey, decision: Decision, reason: str, *, notice: bool = False) -> Entry:
+        """Record the access decision (allow, deny, or pair: held until the sender is approved).
+        `notice`: a notice to the sender follows (their pairing code, a refusal), owed from this same
+        write on, so a crash before it went out does not lose it (`to_tell`)."""
+        if not notice:
+            return self._move(key, ("received",), _DECIDED[decision], decision=decision, reason=reason)
+        owed = self._notice_mark(key)
+        return self._move(key, ("received",), _DECIDED[decision], decision=decision, reason=reason, sending=owed)
 
     def release(self, key: UpdateKey, reason: str) -> Entry:
-        """A held message's sender was approved: it becomes submittable."""
-        return self._move(key, ("held",), "allowed", decision="allow", reason=reason)
+        """A held message's sender was approved: it becomes submittable (a pairing code still owed
+        is no longer worth saying)."""
+        return self._move(key, ("held",), "allowed", decision="allow", reason=reason, sending=None)
 
     def release_held(
         self, channel: str, account: str, sender: str, reason: str, still_allowed: Callable[[], bool]
@@ -257,7 +275,7 @@ class Ledger:
                 (channel, account, sender),
             ).fetchall()
             c.execute(
-                "UPDATE ledger SET state='allowed', decision='allow', reason=?, updated_at=?"
+                "UPDATE ledger SET state='allowed', decision='allow', reason=?, updated_at=?, sending=NULL"
                 " WHERE state='held' AND channel=? AND account=? AND sender=?",
                 (reason, self._clock(), channel, account, sender),
             )
@@ -315,8 +333,30 @@ class Ledger:
         return self._move(key, ("allowed",), "delivered", reason=reason, remote_ids=ids)
 
     def refuse(self, key: UpdateKey, reason: str) -> Entry:
-        """A held message whose sender's pairing was denied: denied, with the reason."""
-        return self._move(key, ("held",), "denied", decision="deny", reason=reason)
+        """A held message whose sender's pairing was denied (or expired): denied, with the reason; a
+        pairing code still owed is no longer worth saying."""
+        return self._move(key, ("held",), "denied", decision="deny", reason=reason, sending=None)
+
+    def told(self, key: UpdateKey) -> None:
+        """The notice `key` owed went out (or was given up, logged): a restart does not say it again."""
+        with transaction(self._conn, durable=False) as c:
+            c.execute(
+                f"UPDATE ledger SET sending=NULL, updated_at=? WHERE channel=? AND account=? AND message_id=?"
+                f" AND state IN ({','.join('?' * len(_TELLING))}) AND sending IS NOT NULL",
+                (self._clock(), key.channel, key.account, key.message_id, *_TELLING),
+            )
+
+    def to_tell(self) -> list[Entry]:
+        """Rows whose notice was owed when the gateway stopped (`Entry.owes_notice`), oldest first."""
+        rows = self._conn.execute(
+            f"SELECT {_COLUMNS} FROM ledger WHERE state IN ({','.join('?' * len(_TELLING))})"
+            " AND sending IS NOT NULL ORDER BY id",
+            _TELLING,
+        ).fetchall()
+        return [e for e in map(_entry, rows) if e.owes_notice]
+
+    def _notice_mark(self, key: UpdateKey) -> str:
+        return json.dumps({"part": notice_key(key), "at": self._clock()})
 
     def held(self, channel: str, account: str, sender: str) -> list[Entry]:
         """Messages kept while `sender`'s pairing is pending, oldest first."""
@@ -374,9 +414,13 @@ class Ledger:
         ids = json.dumps([str(i) for i in remote_ids])
         return self._move(key, ("finished",), "delivered", remote_ids=ids)
 
-    def mark_failed(self, key: UpdateKey, reason: str) -> Entry:
-        """Give up on this update with a reason shown by `channels status`; never silent."""
-        return self._move(key, ("allowed", "submitted", "finished"), "failed", reason=reason)
+    def mark_failed(self, key: UpdateKey, reason: str, *, notice: str | None = None) -> Entry:
+        """Give up on this update with a reason shown by `channels status`; never silent. `notice`:
+        what the chat is told of it, kept (in `reply`) and owed from this same write on (`to_tell`)."""
+        sources: tuple[State, ...] = ("allowed", "submitted", "finished")
+        if notice is None:
+            return self._move(key, sources, "failed", reason=reason)
+        return self._move(key, sources, "failed", reason=reason, reply=notice, sending=self._notice_mark(key))
 
     def move_chat(self, channel: str, account: str, old: str, new: str) -> ChatMove:
         """The platform gave chat `old` the id `new` for good (a Telegram group upgraded to a
@@ -487,7 +531,7 @@ class Ledger:
             raise LedgerStateError(f"{key} is not in the ledger")
         return entry
 
-    def _move(self, key: UpdateKey, sources: tuple[State, ...], target: State, **fields: str) -> Entry:
+    def _move(self, key: UpdateKey, sources: tuple[State, ...], target: State, **fields: str | None) -> Entry:
         sets = "".join(f", {name}=?" for name in fields)
         marks = ",".join("?" * len(sources))
         with transaction(self._conn, durable=False) as c:
@@ -509,6 +553,12 @@ class Ledger:
         if not moved:
             raise LedgerStateError(f"{key}: cannot move from {entry.state} to {target}")
         return entry
+
+
+def notice_key(key: UpdateKey) -> str:
+    """The key a row's owed notice goes out under (`Target.key`): the same at a restart's resend, so
+    a platform that dedupes or can be asked does not show it twice."""
+    return f"{NOTICE_MARK}{key.idempotency_key}"
 
 
 # A message not submitted yet: its chat is still only where it is to be answered (`_move_waiting_rows`).

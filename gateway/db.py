@@ -2,7 +2,8 @@
 
 Ledger, routes, pairing and approval prompts live in `$APPSERVER_HOME/channels/gateway.db` (DESIGN §13). A file
 that is not a readable database is renamed to `gateway.db.corrupt-<timestamp>` with a loud error and
-never emptied: the records in it may be the only trace of messages a person sent.
+never emptied: the records in it may be the only trace of messages a person sent. So is one whose
+write-ahead log is damaged (`_wal_damage`): SQLite would drop the log's commits without a word.
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from appserver.sqlitewal import (
+    WAL_HEADER,
+    WalIndexUnreadable,
+    attached_elsewhere,
+    inspect_wal,
+    open_read_only,
+    wal_header_problem,
+)
 from plugins.contract import env_seconds
 from plugins.loader import atomic_write_text, move_aside
 
@@ -319,6 +328,9 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
         # SQLite opens an empty file as a new database, but a ledger never has 0 bytes (it is
         # created whole, above): this one was truncated, and its -wal may hold the rest.
         raise _move_aside(path, "the file is empty (0 bytes)", lock)
+    wal_damage = _wal_damage(path)
+    if wal_damage is not None:
+        raise _move_aside(path, wal_damage, lock)
     try:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, factory=_LedgerConnection)
     except sqlite3.OperationalError as exc:
@@ -352,6 +364,53 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
     if gateway:
         _watch(conn, asked, path)
     return conn
+
+
+def _wal_damage(path: Path) -> str | None:
+    """What is wrong with the ledger's `-wal`, when SQLite would drop changes committed in it
+    without a word (its header damaged or cut short: the whole log; a bad frame: the commits after
+    it), then overwrite it; None when it is sound, empty or absent, or when a connection has the
+    ledger open (its index is the one in use: nothing is recovered, nothing dropped). Judged
+    before a writer opens the ledger; its frames through a read-only connection (`inspect_wal`)."""
+    wal = path.with_name(path.name + "-wal")
+    try:
+        size = wal.stat().st_size
+    except OSError:  # none (or unreadable: SQLite's open refuses it, naming the file)
+        return None
+    if size == 0 or attached_elsewhere(path):
+        return None
+    try:
+        with open(wal, "rb") as f:
+            problem = wal_header_problem(f.read(WAL_HEADER))
+    except OSError:  # removed by another process's last connection (checkpointed), or unreadable: as above
+        return None
+    if problem is None:
+        return _wal_commits_dropped(path, wal)
+    if attached_elsewhere(path):  # another process opened it meanwhile (and may have been writing the header)
+        return None
+    return f"its write-ahead log {wal.name} ({size} bytes) {problem}: SQLite would drop every change in it"
+
+
+def _wal_commits_dropped(path: Path, wal: Path) -> str | None:
+    """The committed transactions SQLite would drop from a WAL with a sound header (a frame that
+    fails its checksum ends what it recovers), in words; None when it keeps every one."""
+    try:
+        conn = open_read_only(path, timeout=env_seconds(BUSY_TIMEOUT_ENV, BUSY_TIMEOUT_S))
+        try:
+            report = inspect_wal(path, conn)
+        finally:
+            conn.close()  # read-only: the WAL is neither checkpointed nor removed
+    except WalIndexUnreadable:
+        log.warning("could not read the write-ahead log index of %s; its write-ahead log was not checked", path)
+        return None
+    except (sqlite3.Error, OSError):  # busy, unreadable, or the file itself damaged: the writer's open says which
+        return None
+    if report is None or not report.lost_commits or attached_elsewhere(path):
+        return None  # (a connection that opened meanwhile may have changed what was read)
+    return (
+        f"its write-ahead log {wal.name} is damaged: SQLite would keep {report.recovered} of its "
+        f"{report.frames} frames and drop {report.lost_commits} committed transaction(s) after them"
+    )
 
 
 def _watch(conn: _LedgerConnection, asked: Path, file: Path) -> None:
@@ -866,9 +925,16 @@ def _moved(path: Path, reason: str) -> CorruptGatewayDB:
     """`path` is the ledger's own file (a link's target): set aside beside itself, so a link to it
     then leads to where the new ledger is made (`_ledger_stat`), never dangling for good."""
     moved_to = move_aside(path)
+    sides = []
     for suffix in ("-wal", "-shm"):
         side = path.with_name(path.name + suffix)
         if side.exists():
             os.replace(side, moved_to.with_name(moved_to.name + suffix))
-    log.error("gateway.db is corrupt (%s): moved aside to %s; a new ledger starts empty", reason, moved_to)
+            sides.append(moved_to.name + suffix)
+    log.error(
+        "gateway.db is corrupt (%s): moved aside to %s%s; a new ledger starts empty",
+        reason,
+        moved_to,
+        f" (with {' and '.join(sides)} beside it)" if sides else "",
+    )
     return CorruptGatewayDB(path, moved_to, reason)

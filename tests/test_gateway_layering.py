@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 
 GATEWAY = Path(__file__).resolve().parents[1] / "gateway"
-ALLOWED = ("appserver.client",)  # plugins.contract / plugins.loader are outside appserver and cron
+# plugins.contract / plugins.loader are outside appserver and cron; appserver.sqlitewal is the
+# stdlib-only WAL check gateway.db shares with the store (tests/test_import_rules.py)
+ALLOWED = ("appserver.client", "appserver.sqlitewal")
 
 
 def imported_modules(path: Path) -> set[str]:

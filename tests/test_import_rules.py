@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("appserver", "cron", "gateway", "plugins")
 # What the gateway child and the plugins may use of the rest: the protocol client (gateway) and the
 # plugin contract and loader (gateway), the contract alone (plugins).
-GATEWAY_MAY_IMPORT = ("gateway", "appserver.client", "plugins.contract", "plugins.loader")
+# appserver.sqlitewal: the stdlib-only WAL check the store and gateway.db share (one copy, not two).
+GATEWAY_MAY_IMPORT = ("gateway", "appserver.client", "appserver.sqlitewal", "plugins.contract", "plugins.loader")
 PLUGINS_MAY_IMPORT = ("plugins",)
 # cron's data (crons.json, schedules, the run log, the lease) is below the runtime: the `schedule`
 # tool uses it; cron's scheduler and its kernel adapter are a front end.

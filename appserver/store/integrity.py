@@ -6,10 +6,11 @@ store never looks like a real one). An empty, truncated, foreign or damaged file
 A write-ahead log damaged after a crash (a bad byte, a torn sector) makes SQLite drop every frame
 from the first bad one on, committed transactions included, without an error. Before the writer
 connection opens (its first write or its close would overwrite or delete the WAL), `inspect_wal`
-lets SQLite recover read-only, reads how many frames it kept (`mxFrame`, in the wal-index header
-of the `-shm` file) and looks for commit frames of the current WAL generation after that point:
-each is a committed transaction SQLite is about to discard. A normal crash leaves none (at most an
-uncommitted tail), so this never refuses a store that a kill -9 left behind.
+(appserver/sqlitewal.py, which the gateway's gateway.db uses too) lets SQLite recover read-only,
+reads how many frames it kept (`mxFrame`, in the wal-index header of the `-shm` file) and looks for
+commit frames of the current WAL generation after that point: each is a committed transaction
+SQLite is about to discard. A normal crash leaves none (at most an uncommitted tail), so this never
+refuses a store that a kill -9 left behind.
 
 A second, independent record: `<db>.position` holds the highest message rowid ever issued
 (`sqlite_sequence`, which only grows), written by the checkpointer after a checkpoint has made it
@@ -30,9 +31,7 @@ import stat
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
 from appserver.fsutil import (
     POSITION_MAX_BYTES,
@@ -44,15 +43,25 @@ from appserver.fsutil import (
     move_aside,
     read_state_bytes,
 )
+from appserver.sqlitewal import (
+    FRAME_HEADER,
+    SHM_VERSION,
+    WAL_HEADER,
+    WalIndexUnreadable,
+    WalReport,
+    attached_elsewhere,
+    open_read_only,
+    shm_path,
+    wal_header_problem,
+    wal_path,
+)
+from appserver.sqlitewal import inspect_wal as _inspect_wal
+from appserver.sqlitewal import shm_lock_holders as shm_lock_holders  # store/sqlite.py's import
 from appserver.store.base import StoreError
 
 log = logging.getLogger("appserver.store")
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
-WAL_MAGICS = (0x377F0682, 0x377F0683)  # little-endian / big-endian checksums
-WAL_HEADER = 32
-FRAME_HEADER = 24
-SHM_VERSION = 3007000
 ACCEPT_HINT = "appserver serve --accept-data-loss"
 # A store up to this size is checked page by page (`PRAGMA quick_check`, well under a second) at
 # every start: damaged pages were found only when a request touched them, each one failing while
@@ -65,129 +74,18 @@ class StoreOpenError(StoreError):
     """The store file cannot be used as it is; the message says what happened and what to do."""
 
 
-@dataclass(frozen=True, slots=True)
-class WalReport:
-    frames: int  # whole frames in the file
-    recovered: int  # frames SQLite uses (the rest it discards)
-    lost_commits: int  # committed transactions among the discarded frames
-
-
-def _beside_file(db: Path, suffix: str) -> Path:
-    """SQLite keeps `-wal` and `-shm` beside the database file itself: for a store reached through
-    a symbolic link (on another disk, say), beside the link's target, not the link."""
-    real = Path(os.path.realpath(db)) if db.is_symlink() else db
-    return real.with_name(real.name + suffix)
-
-
-def wal_path(db: Path) -> Path:
-    return _beside_file(db, "-wal")
-
-
 def position_path(db: Path) -> Path:
     return db.with_name(db.name + ".position")
 
 
-def _ro_connect(db: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"file:{quote(str(db))}?mode=ro", uri=True, isolation_level=None, timeout=10.0)
-
-
-def _header_checksum_ok(header: bytes, magic: int) -> bool:
-    """SQLite's WAL checksum over the first 24 header bytes, compared with bytes 24..32."""
-    words = struct.unpack(("<" if magic == WAL_MAGICS[0] else ">") + "6I", header[:24])
-    s0 = s1 = 0
-    for i in range(0, 6, 2):
-        s0 = (s0 + words[i] + s1) & 0xFFFFFFFF
-        s1 = (s1 + words[i + 1] + s0) & 0xFFFFFFFF
-    return (s0, s1) == struct.unpack(">2I", header[24:32])
-
-
-def _recovered_frames(db: Path, conn: sqlite3.Connection, salt: bytes) -> int | None:
-    """mxFrame from the wal-index header (two identical 48-byte copies at the start of -shm),
-    read after `conn` made SQLite recover the WAL. None when it cannot be read reliably."""
-    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # a read: SQLite recovers the WAL
-    try:
-        with open(shm_path(db), "rb") as f:
-            head = f.read(96)
-    except OSError:
-        return None
-    if len(head) < 96 or head[:48] != head[48:96]:
-        return None
-    version, _unused, _change, is_init = struct.unpack_from("=IIIB", head, 0)
-    if version != SHM_VERSION or not is_init:
-        return None
-    if head[32:40] != salt:  # the index describes another WAL generation: SQLite ignored this one
-        return 0
-    return int(struct.unpack_from("=I", head, 16)[0])
-
-
-def shm_lock_holders(db: Path) -> set[int]:
-    """The processes (pids) holding a lock on `db`'s `-shm` file: each SQLite connection to the
-    store holds one while it is open (read from /proc/locks; empty where there is none)."""
-    try:
-        st = os.stat(shm_path(db))
-        text = Path("/proc/locks").read_text()
-    except OSError:
-        return set()  # no -shm: nobody attached (or no /proc: checked as if first)
-    holders: set[int] = set()
-    for line in text.splitlines():
-        fields = line.split()
-        for n, token in enumerate(fields):
-            parts = token.split(":")
-            if len(parts) == 3 and parts[2].isdigit() and int(parts[2]) == st.st_ino:
-                try:
-                    if (int(parts[0], 16), int(parts[1], 16)) == (os.major(st.st_dev), os.minor(st.st_dev)):
-                        holders.add(int(fields[n - 1]) if n and fields[n - 1].lstrip("-").isdigit() else -1)
-                except ValueError:
-                    pass
-    return holders
-
-
-def attached_elsewhere(db: Path) -> bool:
-    """Whether some connection (another process, or another one of ours) has `db` open: each
-    holds a lock on its `-shm` file. Then no recovery happens at our open (the WAL index in use
-    is authoritative and nothing is discarded), and we must not open and close the `-shm` file
-    ourselves: closing any descriptor of a file drops this process's POSIX locks on it."""
-    return bool(shm_lock_holders(db))
-
-
 def inspect_wal(db: Path, conn: sqlite3.Connection) -> WalReport | None:
-    """What SQLite will keep of `db`'s WAL (None: no WAL, or nothing to judge). Call with `conn`
-    (read-only, just opened) being the only connection: its first read runs the recovery."""
-    wal = wal_path(db)
+    """What SQLite will keep of `db`'s WAL (appserver/sqlitewal.py's `inspect_wal`); None also
+    when its index could not be read (logged: the WAL was not checked)."""
     try:
-        size = wal.stat().st_size
-        with open(wal, "rb") as f:
-            header = f.read(WAL_HEADER)
-            if len(header) < WAL_HEADER:
-                return None
-            magic, _version, page_size = struct.unpack(">3I", header[:12])
-            if magic not in WAL_MAGICS or page_size < 512 or page_size > 65536 or page_size & (page_size - 1):
-                return None
-            frame_size = FRAME_HEADER + page_size
-            frames = (size - WAL_HEADER) // frame_size
-            if frames <= 0:
-                return None
-            salt = header[16:24]
-            recovered = _recovered_frames(db, conn, salt) if _header_checksum_ok(header, magic) else 0
-            if recovered is None:
-                log.warning("could not read the WAL index of %s; the WAL was not checked", db)
-                return None
-            lost = 0
-            for i in range(recovered, frames):
-                f.seek(WAL_HEADER + i * frame_size)
-                frame = f.read(FRAME_HEADER)
-                if len(frame) < FRAME_HEADER:
-                    break
-                _page, commit = struct.unpack(">2I", frame[:8])
-                if commit and frame[8:16] == salt:  # a commit frame of this WAL generation
-                    lost += 1
-    except FileNotFoundError:
+        return _inspect_wal(db, conn)
+    except WalIndexUnreadable:
+        log.warning("could not read the WAL index of %s; the WAL was not checked", db)
         return None
-    return WalReport(frames, recovered, lost)
-
-
-def shm_path(db: Path) -> Path:
-    return _beside_file(db, "-shm")
 
 
 def wal_index_claim(db: Path) -> tuple[int, int, bytes] | None:
@@ -221,13 +119,9 @@ def _wal_header_problem(wal: Path, salt: bytes) -> str | None:
     WAL whose header is damaged, and starts a new one: every frame in it would be dropped."""
     with open(wal, "rb") as f:
         header = f.read(WAL_HEADER)
-    if len(header) < WAL_HEADER:
-        return "has a header cut short"
-    magic = struct.unpack(">I", header[:4])[0]
-    if magic not in WAL_MAGICS:
-        return "has a damaged header (not a WAL's magic number)"
-    if not _header_checksum_ok(header, magic):
-        return "has a damaged header (checksum)"
+    problem = wal_header_problem(header)
+    if problem is not None:
+        return problem
     if header[16:24] != salt:
         return "has the header of another WAL generation than its index"
     return None
@@ -397,7 +291,7 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
     # quick_check of a big file takes seconds) read as a store behind its position, a false alarm.
     recorded = read_position(db)
     try:
-        conn = _ro_connect(db)
+        conn = open_read_only(db)
     except sqlite3.Error as exc:
         raise open_error(db, exc) from None
     try:
@@ -478,7 +372,7 @@ def background_check(db: Path, on_damage: Callable[[str], None]) -> None:
     """`quick_check` of a store too big to check before the start, on a connection of its own
     (this is a thread's body): damage found goes to `on_damage`."""
     try:
-        conn = _ro_connect(db)
+        conn = open_read_only(db)
         try:
             problem = quick_check(conn)
         finally:

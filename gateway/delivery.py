@@ -79,6 +79,12 @@ class EditUncertain(DeliveryFailed):
     new message."""
 
 
+class SendRefused(DeliveryFailed):
+    """A send the platform refused on every attempt with an answer that says it did nothing (a 4xx
+    refusal for good, a "wait" answer): the part is not in the chat, so nothing is looked up or
+    blanked for it later (a Discord nonce repeat of it would post a new message)."""
+
+
 class SendUncertain(DeliveryFailed):
     """A send that may have reached the chat, on a platform that can neither dedupe nor be asked:
     not repeated, so the chat shows it at most once."""
@@ -138,6 +144,13 @@ def encodable(text: str) -> str:
     if not _SURROGATE_RE.search(text):
         return text
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+def refused_for_certain(error: DeliveryError) -> bool:
+    """Whether the platform's answer says it did not perform the call: a refusal for good (a 4xx: no
+    permission, a bad request) or a "wait" answer (rate limited). A 5xx is not: a platform can
+    perform a post and still answer one."""
+    return not error.uncertain and (error.permanent or error.retry_after is not None)
 
 
 def plugin_failure(exc: Exception) -> DeliveryError:
@@ -231,9 +244,10 @@ class Outbox:
         started: float | None = None
 
         past_window = False  # the dedupe window was found passed (and looked past) in this call
+        refused = True  # every attempt of this call so far was refused without being performed
 
         async def attempt() -> Sent:
-            nonlocal doubt, doubted_here, started, past_window
+            nonlocal doubt, doubted_here, started, past_window, refused
             if doubt is not None and resend == "lookup":
                 found = await self._find(target, doubt, doubted_here)
                 settle = doubt + LOOKUP_SETTLE_S - self._wall()
@@ -272,6 +286,7 @@ class Outbox:
                 error = DeliveryError(f"TimeoutError: {exc}", uncertain=True)
             except Exception as exc:  # noqa: BLE001 - a plugin may fail any way: transient, never lost
                 error = plugin_failure(exc)
+            refused = refused and refused_for_certain(error)
             if error.uncertain:
                 if resend is None:
                     log.error(
@@ -285,7 +300,14 @@ class Outbox:
                 doubted_here = True
             raise error
 
-        return await self._call(target.chat, attempt)
+        try:
+            return await self._call(target.chat, attempt)
+        except SendUncertain:
+            raise
+        except DeliveryFailed as exc:
+            if refused and started is not None:
+                raise SendRefused(str(exc)) from exc.__cause__
+            raise
 
     async def find_left(self, target: Target, since: float, text: str | None = None) -> list[str] | None:
         """The message an earlier attempt at `target.key` (begun at `since`, before a restart) left
@@ -534,6 +556,9 @@ class ReplySink:
     _last: float = -1e9
     _doubtful: set[str] = field(default_factory=set)  # parts that may be in the chat: never sent again
     _tried_here: set[str] = field(default_factory=set)  # parts first attempted by this process
+    # Parts first attempted by this process whose every attempt the platform refused without
+    # performing it (`SendRefused`): not in the chat, so never looked up or blanked (`_blank_left`).
+    _refused: set[str] = field(default_factory=set)
 
     @classmethod
     def resumed(cls, outbox: Outbox, target: Target, remote_ids: tuple[str, ...], **kw: Any) -> ReplySink:
@@ -585,13 +610,23 @@ class ReplySink:
             # The reply shrank (a status line went away): blank the surplus rather than leave stale text.
             for part in self.parts[len(chunks) :]:
                 if part.text != "…":
-                    try:
-                        await self.outbox.edit(self.target, part.message_id, "…")
-                    except EditUncertain as exc:  # most likely blanked: not a reason to fail the reply
-                        log.warning("%s: blanking %s may not have landed (%s)", self.target.chat, part.message_id, exc)
+                    await self._blank(part.message_id)
                     part.text = "…"
         if self.outbox.can_edit and final:
             await self._blank_left()
+
+    async def _blank(self, message_id: str) -> None:
+        """Blank a message past the parts the final reply occupies. One that cannot be blanked (a
+        moderator deleted it, too old to edit, the platform kept failing) is left as it is: the
+        reply's final text is whole without it, so that is no reason to fail the reply."""
+        try:
+            await self.outbox.edit(self.target, message_id, "…")
+        except EditUncertain as exc:  # most likely blanked
+            log.warning("%s: blanking %s may not have landed (%s)", self.target.chat, message_id, exc)
+        except DeliveryFailed as exc:  # EditRefused (deleted, no longer editable), or it kept failing
+            log.warning(
+                "%s: cannot blank %s past the end of the reply (%s); left as it is", self.target.chat, message_id, exc
+            )
 
     async def _blank_left(self) -> None:
         """A part noted as attempted whose id was never noted (its post was in flight at a crash),
@@ -602,14 +637,18 @@ class ReplySink:
         On a platform that dedupes, the repeat that finds it posts a "…" of its own when the attempt
         never landed (killed before it went out). That is accepted: it is the chat the reply leaves
         without a crash (the part posted, then blanked to "…" when the reply shrank), while skipping
-        would leave a stale line for good whenever the attempt did land."""
+        would leave a stale line for good whenever the attempt did land. The same holds for a part
+        this process saw fail in a way that may have been performed (a 5xx on every attempt); a part
+        it saw refused for certain (`_refused`: a 4xx, a "wait" answer) is not in the chat and is
+        skipped, since a repeat would post a "…" where nothing was cut off."""
         if self.key is None:
             return
         prefix = f"{self.key}:"
         left: list[tuple[int, str, float]] = []
         for key, since in self.attempted.items():
             index = key[len(prefix) :] if key.startswith(prefix) else ""
-            if index.isdigit() and int(index) >= len(self.parts) and key not in self._doubtful:
+            skip = key in self._doubtful or key in self._refused
+            if index.isdigit() and int(index) >= len(self.parts) and not skip:
                 left.append((int(index), key, since))
         for _, key, since in sorted(left):
             try:
@@ -620,10 +659,7 @@ class ReplySink:
                     )
                     continue
                 for message_id in found:
-                    try:
-                        await self.outbox.edit(self.target, message_id, "…")
-                    except EditUncertain as exc:  # most likely blanked, as any surplus part
-                        log.warning("%s: blanking %s may not have landed (%s)", self.target.chat, message_id, exc)
+                    await self._blank(message_id)
             except DeliveryFailed as exc:  # a leftover of a reply that is whole: not a reason to fail it
                 log.warning("%s: cannot blank part %s of a shrunk reply (%s)", self.target.chat, key, exc)
                 continue
@@ -667,18 +703,27 @@ class ReplySink:
         if key in self._doubtful:
             raise SendUncertain(f"part {key} may already be in the chat; not sent again")
         since = self.attempted.get(key)
+        unsent = since is None or key in self._refused  # every earlier attempt (all here) refused for certain
         if since is None:
             self.attempted[key] = self.wall()
             self._tried_here.add(key)
             if self.on_attempt is not None:
                 self.on_attempt(key, self.attempted[key])
-        elif key in self._tried_here and self.outbox.resend is None:
-            since = None  # this process saw every earlier attempt fail for certain (an uncertain one is doubtful)
-        # Where the platform dedupes, an attempt of this process that failed "for certain" is repeated
-        # as one from before a restart: a platform can perform a post and still answer an error (a
-        # 5xx), and its deduped repeat then shows that attempt's text, not this one (edited to it).
+        elif unsent or (key in self._tried_here and self.outbox.resend is None):
+            # This process saw every earlier attempt refused, or (where nothing can tell) fail, for
+            # certain: nothing to find (an uncertain failure is doubtful).
+            since = None
+        # Where the platform dedupes or can be asked, an attempt of this process that failed without
+        # saying it did nothing (a 5xx) is repeated as one from before a restart: a platform can
+        # perform a post and still answer an error, and its deduped repeat then shows that attempt's
+        # text, not this one (edited to it).
+        self._refused.discard(key)  # back only if the platform refuses this attempt too, for certain
         try:
             return await self.outbox.send_part(replace(self.target, key=key), chunk, since=since)
+        except SendRefused:
+            if unsent:
+                self._refused.add(key)
+            raise
         except SendUncertain:
             self._doubtful.add(key)
             raise

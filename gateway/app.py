@@ -448,15 +448,15 @@ class Gateway:
         stranger's pairing code (or "try later"), a refused answer's reason, a failed submit's
         notice. `resumed`: owed from before a restart; a pairing code is then said only while it is
         still valid (not expired, approved or denied meanwhile), a refusal or a failure as it was."""
+        since = entry.sending[1] if resumed and entry.sending is not None else None
         if entry.state == "failed":
             if entry.reply:
-                since = entry.sending[1] if resumed and entry.sending is not None else None
                 await self._say_keyed(runner, entry, entry.reply, since, key=notice_key(entry.key))
         elif tells_pairing(entry):
             if not resumed or entry.reason == TOO_MANY_PENDING or self._code_still_valid(entry):
-                await self.chatops.pairing_prompt(entry, runner)
+                await self.chatops.pairing_prompt(entry, runner, since)
         elif entry.state == "denied":
-            await self.chatops.refuse_answer(entry, runner)  # a refused approval answer still hears why
+            await self.chatops.refuse_answer(entry, runner, since)  # a refused approval answer still hears why
         if entry.owes_notice:
             await write_until_done(f"{entry.key}: its notice said", partial(self.ledger.told, entry.key))
 
@@ -485,13 +485,7 @@ class Gateway:
         does (never raises) but under its stable key: `since` (a restart's resend) has the platform
         dedupe it or look it up instead of posting twice."""
         target = replace(answer_target(entry), key=key or command_answer_key(entry))
-        try:
-            sent = await self.outboxes.of(runner).send_part(target, text, since=since)
-        except (DeliveryFailed, RuntimeError) as exc:
-            log.warning("%s: could not tell %s: %s", runner.spec.ref, target.chat, exc)
-            return []
-        runner.live.last_outbound = time.time()
-        return sent.ids
+        return await self.outboxes.say_once(runner, target, text, since)
 
     def _decide(self, entry: Entry, runner: AccountRunner) -> Entry:
         """The account's access policy (gateway/access.py), recorded with its reason."""

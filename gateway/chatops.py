@@ -34,7 +34,7 @@ from gateway.approvals import (
 )
 from gateway.commands import HELP, Command, bot_name, parse_command
 from gateway.delivery import DeliveryFailed, Outbox, Outboxes
-from gateway.ledger import Entry, Ledger
+from gateway.ledger import Entry, Ledger, notice_key
 from gateway.link import ServerLink
 from gateway.pairing import (
     EXPIRED_UNAPPROVED,
@@ -127,12 +127,13 @@ class ChatOps:
         self._notices: dict[str, asyncio.Task[None]] = {}  # account:chat -> its last pairing notice on its way
         self._notifying: set[str] = set()  # codes whose notice is on its way (handled once it is out)
 
-    async def pairing_prompt(self, entry: Entry, runner: AccountRunner) -> None:
-        """Tell an unknown sender how to get through: their code, or "try later" (not when silent)."""
+    async def pairing_prompt(self, entry: Entry, runner: AccountRunner, since: float | None = None) -> None:
+        """Tell an unknown sender how to get through: their code, or "try later" (not when silent).
+        Said under the entry's notice key (`since`: owed from before a restart, `Outboxes.say_once`)."""
         answer = self._answer_refusal(entry, runner)
         if answer is not None:  # a press or `/approve ID` on a prompt: the refusal, never a new code
             if answer:
-                await self.outboxes.say(runner, answer_target(entry), answer)
+                await self._say_owed(runner, entry, answer, since)
             return
         key = entry.key
         code: PairingCode | None = None
@@ -155,7 +156,12 @@ class ChatOps:
                 f"Hi! This assistant only talks to people its owner has approved. Your pairing code is {pretty} "
                 f"(valid for an hour). Ask the owner to run: appserver pairing approve {code.code}"
             )
-        await self.outboxes.say(runner, answer_target(entry), text)
+        await self._say_owed(runner, entry, text, since)
+
+    async def _say_owed(self, runner: AccountRunner, entry: Entry, text: str, since: float | None) -> None:
+        """A notice `entry`'s decision owes (`Entry.owes_notice`), said under its key, once where the
+        platform can dedupe or look up (a restart's repeat, `since`)."""
+        await self.outboxes.say_once(runner, replace(answer_target(entry), key=notice_key(entry.key)), text, since)
 
     async def watch_pairings(self) -> None:
         """Act on the owner's revokes (from the CLI or elsewhere) as soon as gateway.db shows a change
@@ -304,17 +310,17 @@ class ChatOps:
             if entry.updated_at <= until:
                 self.ledger.refuse(entry.key, reason)
 
-    async def refuse_answer(self, entry: Entry, runner: AccountRunner) -> None:
+    async def refuse_answer(self, entry: Entry, runner: AccountRunner, since: float | None = None) -> None:
         """A refused message that answers an approval prompt waiting in its chat (a button press, or
         `/approve ID` naming it) still gets the documented short refusal: the presser is someone access
         does not let in, and otherwise hears nothing (a button's own answer is neutral). Once a minute
         per person and prompt, so pressing again and again does not flood the chat."""
         if entry.reason == POSTED_AS_CHAT:
-            await self._posted_as_chat(entry, runner)
+            await self._posted_as_chat(entry, runner, since)
             return
         refusal = self._answer_refusal(entry, runner)
         if refusal:
-            await self.outboxes.say(runner, answer_target(entry), refusal)
+            await self._say_owed(runner, entry, refusal, since)
 
     def _answer_refusal(self, entry: Entry, runner: AccountRunner) -> str | None:
         """None when `entry` answers no prompt waiting in its chat (`/approve ID`, or a bare
@@ -333,7 +339,7 @@ class ChatOps:
             return None
         return self._refusal(entry, runner, prompt)
 
-    async def _posted_as_chat(self, entry: Entry, runner: AccountRunner) -> None:
+    async def _posted_as_chat(self, entry: Entry, runner: AccountRunner, since: float | None) -> None:
         """An anonymous admin or a channel addressed the bot where a person would be answered: say
         why nothing comes (they cannot pair), once per 10 minutes per chat and sender."""
         if runner.policy.silent or not entry.payload.get("mentions_bot"):
@@ -342,7 +348,7 @@ class ChatOps:
         if self._told_as_chat.get(told):
             return
         self._told_as_chat.put(told, True)
-        await self.outboxes.say(runner, answer_target(entry), AS_CHAT_NOTICE.format(sender=entry.sender))
+        await self._say_owed(runner, entry, AS_CHAT_NOTICE.format(sender=entry.sender), since)
 
     def _refusal(self, entry: Entry, runner: AccountRunner, prompt: Prompt) -> str:
         """Why `entry`'s sender cannot answer `prompt`, once a minute per person and prompt ("" within

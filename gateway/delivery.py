@@ -791,3 +791,15 @@ class Outboxes:
         except (DeliveryFailed, RuntimeError) as exc:
             log.warning("%s: could not tell %s: %s", runner.spec.ref, target.chat, exc)
             return []
+
+    async def say_once(self, runner: AccountRunner, target: Target, text: str, since: float | None) -> list[str]:
+        """`say` under `target.key`, for a line the ledger owes (a command's answer, a notice): a
+        restart's repeat (`since`, when it was first owed) is deduped or looked up where the platform
+        can, instead of posted twice. Never raises."""
+        try:
+            sent = await self.of(runner).send_part(target, text, since=since)
+        except (DeliveryFailed, RuntimeError) as exc:
+            log.warning("%s: could not tell %s: %s", runner.spec.ref, target.chat, exc)
+            return []
+        runner.live.last_outbound = time.time()
+        return sent.ids

@@ -205,12 +205,14 @@ def discord_server(
     careful_in: str | None = None,
     token: str | None = None,
     ready: bool = True,
+    **overrides: Any,
 ) -> Iterator[ChannelServer]:
     """A server on the `discord:main` account of `fake` (open DMs, the `assistant` agent) with the
     text `channels` (id: name) added; with `careful_in`, that channel is routed to a `careful` agent
-    whose clock tool asks for approval. `token` replaces the fake's own."""
+    whose clock tool asks for approval. `token` replaces the fake's own; `overrides` the account's
+    settings (`dm_policy="pairing"`)."""
     settings = {"api_url": fake.api_url, "gateway_url": fake.gateway_url, "token_env": "DISCORD_BOT_TOKEN",
-                "dm_policy": "open", "default_agent": "assistant"}  # fmt: skip
+                "dm_policy": "open", "default_agent": "assistant", **overrides}  # fmt: skip
     write_config(home, {"discord": {"main": settings}}, ["discord"])
     for channel, name in (channels or {}).items():
         fake.add_text_channel(channel, name)

@@ -109,9 +109,15 @@ async def until_signal(work: Awaitable[T], on_signal: Callable[[int], Awaitable[
         await cancel_until_done(job, WORK_STOP_WAIT_S, WORK_STOP_POLL_S)  # again and again: see above
         raise Interrupted(got, await on_signal(got))
     finally:
-        for signum in STOP_SIGNALS:
-            loop.remove_signal_handler(signum)
-            signal.signal(signum, signal.SIG_IGN)  # to the end of the process: the command is ending
+        for signum in STOP_SIGNALS:  # to the end of the process: the command is ending
+            try:
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, signal.SIG_IGN)
+            except KeyboardInterrupt:
+                # asyncio puts Python's own SIGINT handler back before SIG_IGN replaces it: a Ctrl-C
+                # in that moment (a stop and a Ctrl-C a few ms apart) raised here, and the command
+                # said "no turn was started" of a turn it had interrupted. Ignored like any other.
+                signal.signal(signum, signal.SIG_IGN)
 
 
 def _retrieved(job: asyncio.Future[Any]) -> None:

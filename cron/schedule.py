@@ -144,11 +144,16 @@ def get_zone(name: str) -> ZoneInfo:
 
 
 def local_zone_name() -> str:
-    """The machine's IANA zone name (TZ, /etc/localtime, /etc/timezone), else UTC."""
-    candidates: list[str] = []
+    """The machine's IANA zone name: TZ when set, else /etc/localtime's or /etc/timezone's, else
+    UTC. A TZ that names no IANA zone (a POSIX rule such as `CET-1CEST,M3.5.0,M10.5.0/3`, which the
+    C library follows) is a ScheduleError asking for --tz: the system's zone would be another one
+    than this process's local time, and a task would fire hours off without a word."""
     tz_env = os.environ.get("TZ", "").lstrip(":")
     if tz_env:
-        candidates.append(tz_env)
+        named = _tz_env_zone(tz_env)
+        if named is not None:
+            return named
+    candidates: list[str] = []
     try:
         target = os.path.realpath("/etc/localtime")
         if "zoneinfo/" in target:
@@ -166,6 +171,26 @@ def local_zone_name() -> str:
         except ScheduleError:
             continue
     return "UTC"
+
+
+def _tz_env_zone(value: str) -> str | None:
+    """The IANA zone a TZ value names: a zone name, or a zoneinfo file's path; None for a path to
+    /etc/localtime itself (`TZ=:/etc/localtime`: the system's zone, found as without TZ). Anything
+    else is a ScheduleError: never quietly another zone than the one the process runs in."""
+    name = value
+    if value.startswith("/"):
+        target = os.path.realpath(value)
+        if target == os.path.realpath("/etc/localtime"):
+            return None
+        name = target.split("zoneinfo/", 1)[1] if "zoneinfo/" in target else ""
+    try:
+        get_zone(name)
+    except ScheduleError:
+        raise ScheduleError(
+            f"TZ={shown(value, 64)} names no IANA timezone (a POSIX TZ rule or an unknown zone), so "
+            "this machine's timezone cannot be told: give --tz with an IANA name such as Europe/Paris"
+        ) from None
+    return name
 
 
 def normalize_cron(expr: str) -> str:

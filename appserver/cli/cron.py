@@ -47,6 +47,7 @@ from cron.store import (
     CronFile,
     CronFileUnreadable,
     CronNotFound,
+    CronRefused,
     CronStore,
     CronStoreError,
     CronTask,
@@ -436,7 +437,12 @@ def cron_group() -> None:
 @click.option("--name", required=True, help="Task name, unique per agent.")
 @click.option("--agent", required=True, help="Agent that runs the prompt.")
 @click.option("--cron", "cron_expr", default=None, help="5-field cron expression, e.g. '0 8 * * 1-5'.")
-@click.option("--tz", default=None, help="IANA timezone for --cron/--at (default: this machine's).")
+@click.option(
+    "--tz",
+    default=None,
+    help="IANA timezone for --cron/--at (default: this machine's, from TZ or /etc/localtime; a TZ that names "
+    "no IANA zone, such as a POSIX rule, is refused: give --tz).",
+)
 @click.option("--every", default=None, help="Fixed interval, e.g. 30m, 2h, 1d.")
 @click.option("--at", default=None, help="One-shot wall time 'YYYY-MM-DD HH:MM' in --tz.")
 @click.option("--in", "in_", default=None, help="One-shot after a delay, e.g. 2h.")
@@ -513,10 +519,9 @@ def add_cmd(
     store = _store(cfg)
     try:
         store.add(task)
-    except CronStoreError:
-        if any(t.name == task.name for t in store.list(agent_id)):  # say it by name, not id
-            raise _OneLineError(f"agent {shown(agent)} already has a cron task named {shown(name)}") from None
-        raise
+    except CronRefused:  # (without caps, `add` refuses only a name in use) said by the agent's name, not id
+        # nothing read again: after a lock timeout that would wait for the lock a second time
+        raise _OneLineError(f"agent {shown(agent)} already has a cron task named {shown(name)}") from None
     names = _names_of(cfg)
     if not cfg.cron.enabled:
         click.echo(
@@ -774,14 +779,25 @@ def remove_cmd(ref: str, agent: str | None) -> None:
 @click.argument("task")
 @click.option("--agent", default=None, help="Agent of the task, when names repeat across agents.")
 @click.option("--timeout", default="600", show_default=True, help="Seconds to wait for the turn (up to 7 days).")
+@click.option(
+    "--reconnect-wait",
+    default="30",
+    show_default=True,
+    help="Through a server: seconds to wait for it (or a standby taking over) after the connection drops (0: do "
+    "not wait), as `appserver run` waits.",
+)
 @click.option("--json", "as_json", is_flag=True)
-def run_cmd(task: str, agent: str | None, timeout: str, as_json: bool) -> None:
-    """Run TASK now (works without the scheduler lease; through the server when one runs)."""
+def run_cmd(task: str, agent: str | None, timeout: str, reconnect_wait: str, as_json: bool) -> None:
+    """Run TASK now (works without the scheduler lease; through the server when one runs). Exit 0
+    when its turn completed (or waits for an approval), else 1: also for `unknown`, a run that
+    started but whose outcome was not seen (--timeout passed, or the server was lost for longer
+    than --reconnect-wait); `cron logs` shows its outcome later, and running it again is a second run."""
     from appserver.cli.cron_run import run_now
 
     seconds = _seconds("--timeout", timeout, 0.001, MAX_RUN_TIMEOUT_S)
+    reconnect_s = _seconds("--reconnect-wait", reconnect_wait, 0, MAX_RUN_TIMEOUT_S)
     _runnable(task, agent)
-    run_now(task, agent, seconds, as_json)
+    run_now(task, agent, seconds, as_json, reconnect_s)
 
 
 @cron_group.command("logs")
@@ -955,7 +971,9 @@ def _pending(record: dict[str, Any]) -> str:
 
 def _log_line(r: dict[str, Any], tz: str) -> str:
     """One run-log record as a line. Its values come from the run log (the model's and the
-    channels' error words among them): ids and targets shown exactly, errors as text."""
+    channels' error words among them): ids and targets shown exactly, errors as text. A field a
+    record lacks (a run cancelled before it had a turn: `turn_id` null) is left out or shown as
+    `-`, never as "None"."""
 
     def when(key: str) -> str:
         v = r.get(key)
@@ -967,8 +985,14 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
             return exact(v)
 
     def field(key: str) -> str:
-        return exact(r.get(key))
+        v = r.get(key)
+        return "-" if v is None else exact(v)
 
+    def text(key: str) -> str:
+        v = r.get(key)
+        return "" if v is None else visible(v)
+
+    turn = f" turn {field('turn_id')}" if r.get("turn_id") is not None else ""
     ev = exact(r.get("event", "?"))
     n = field("occurrence")
     head = f"{when('at')}  {ev:<11}"
@@ -976,20 +1000,20 @@ def _log_line(r: dict[str, Any], tz: str) -> str:
         kind = " (run now)" if r.get("manual") else " (catch-up)" if r.get("catch_up") else ""
         return f"{head} #{n} scheduled for {when('scheduled_for')}{kind}{_pending(r)}{_recovered(r)}"
     if ev == "submitted":
-        return f"{head} #{n} turn {field('turn_id')}{_recovered(r)}"
+        return f"{head} #{n}{turn}{_recovered(r)}"
     if ev == "outcome":
         err = f": {visible(r['error'])}" if r.get("error") else ""
-        return f"{head} #{n} turn {field('turn_id')} {field('status')}{err}"
+        return f"{head} #{n}{turn} {field('status')}{err}"
     if ev == "missed":
-        return f"{head} scheduled for {when('scheduled_for')}: {visible(r.get('reason'))}"
+        return f"{head} scheduled for {when('scheduled_for')}: {text('reason')}"
     if ev == "fire_failed":
-        return f"{head} #{n} {visible(r.get('error'))}"
+        return f"{head} #{n} {text('error')}"
     if ev == "delivered":
         ids = r.get("remote_ids")
         shown = ", ".join(exact(i) for i in ids) if isinstance(ids, list) and ids else "none reported"
-        return f"{head} #{n} turn {field('turn_id')} to {field('target')} (message ids: {shown})"
+        return f"{head} #{n}{turn} to {field('target')} (message ids: {shown})"
     if ev == "delivery_failed":
-        return f"{head} #{n} to {field('target')}: {visible(r.get('error'))}"
+        return f"{head} #{n} to {field('target')}: {text('error')}"
     if ev == "removed":
         return f"{head} the task was removed"
-    return f"{head} {visible(r.get('error', ''))}"
+    return f"{head} {text('error')}"

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import shlex
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -19,6 +21,9 @@ from cron.adapter import KernelAdapter
 from cron.runner import run_task_now
 from cron.store import CorruptStateFile, CronNotFound, CronStoreError
 from cron.stores import cron_store_for
+
+if TYPE_CHECKING:
+    from appserver.client import ProtocolClient
 
 
 def validate_agent(config: Config, agent: str) -> str:
@@ -53,14 +58,14 @@ def agent_names(config: Config) -> dict[str, str]:
     return asyncio.run(go())
 
 
-def run_now(task: str, agent: str | None, timeout: float, as_json: bool) -> None:
+def run_now(task: str, agent: str | None, timeout: float, as_json: bool, reconnect_wait: float = 30.0) -> None:
     """Run TASK now: through the live server when one owns the home, else in this process."""
     config = get_config()
     # the home's lock, held while this process runs the turn, as `appserver run` and `serve` hold it
     live, _lock = own_home_or_server(config.server_json, timeout)
     if live is not None:
         # a server owns this home: it runs the turn (the `cron_run` frame), never this process
-        report(run_remote(config, str(live.get("url")), task, agent, timeout), as_json)
+        report(run_remote(config, str(live.get("url")), task, agent, timeout, reconnect_wait), as_json)
     agent_id = validate_agent(config, agent) if agent else None
 
     async def go() -> dict[str, Any]:
@@ -140,23 +145,42 @@ def report(out: dict[str, Any], as_json: bool) -> None:
     sys.exit(0 if out["outcome"] in ("completed", "awaiting") else 1)
 
 
-def run_remote(config: Config, url: str, task: str, agent: str | None, timeout: float) -> dict[str, Any]:
-    """Ask the live server to fire TASK (`cron_run` frame, admin scope) and follow the turn."""
-    from appserver.cli.run import call_server
+def run_remote(
+    config: Config, url: str, task: str, agent: str | None, timeout: float, reconnect_wait: float = 30.0
+) -> dict[str, Any]:
+    """Ask the live server to fire TASK (`cron_run` frame, admin scope) and follow the turn. A
+    connection lost after the ack is regained as `appserver run` regains it (the client's reconnect
+    for `reconnect_wait` seconds, to the server server.json names then); a turn with no outcome in
+    time, or followed no more, is the `unknown` outcome of that run, said with its number and turn
+    (as in-process): it started, and running the task again to retry it would run it twice."""
+    from appserver.cli.run import ACK_WAIT_S, InputNotConfirmed, call_server, server_url_source
     from appserver.client import ProtocolClient
 
-    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
-        client = await ProtocolClient.connect(url, client="appserver-cron-run")
+    logs = f"`appserver cron logs {shlex.join([task, *(['--agent', agent] if agent else [])])}`"
+    hint = f"{logs} shows its outcome; do not run it again to retry it"
+
+    async def go() -> tuple[dict[str, Any], Followed]:
+        client = await ProtocolClient.connect(
+            url,
+            client="appserver-cron-run",
+            reconnect=reconnect_wait > 0,
+            reconnect_s=reconnect_wait,
+            url_source=server_url_source(config.server_json),
+        )
         try:
             frame: dict[str, Any] = {"type": "cron_run", "task": task}
             if agent:
                 frame["agent"] = agent
-            ack = await client.request(frame)
-            return ack, await client.wait_turn(ack["turn_id"], timeout=timeout)
+            ack_wait = min(ACK_WAIT_S, timeout)  # --timeout bounds the wait for the ack too
+            try:
+                ack = await client.request(frame, timeout=ack_wait)
+            except TimeoutError:
+                raise InputNotConfirmed(ack_wait, f"a run may have started there ({logs} shows it)") from None
+            return ack, await follow(client, ack["turn_id"], timeout, hint)
         finally:
             await client.close()
 
-    ack, snap = call_server(go, url, timeout)
+    ack, followed = call_server(go, url, timeout)
     occurrence = dict((ack.get("results") or [{}])[0])
     task_id = str(occurrence.get("task_id"))
     stored = cron_store_for(config.home, config.store.url).read().get(task_id)
@@ -164,8 +188,44 @@ def run_remote(config: Config, url: str, task: str, agent: str | None, timeout: 
         "task": stored.to_dict() if stored else {"id": task_id, "name": occurrence.get("task_name")},
         "occurrence": {k: v for k, v in occurrence.items() if k not in ("task_id", "task_name", "agent_id")},
         "turn_id": ack["turn_id"],
-        "outcome": snap["status"],
-        "error": (snap.get("error") or {}).get("message") if snap["status"] != "completed" else None,
-        "snapshot": snap,
+        "outcome": followed.status,
+        "error": followed.error,
+        "snapshot": followed.snapshot,
         "server": url,
     }
+
+
+@dataclass(frozen=True)
+class Followed:
+    """What following a run's turn came to: its status (`unknown` when no outcome was seen), the
+    error said with it, and the last snapshot of the turn seen (None: none)."""
+
+    status: str
+    error: str | None
+    snapshot: dict[str, Any] | None
+
+
+async def follow(client: ProtocolClient, turn_id: str, timeout: float, hint: str) -> Followed:
+    """The turn's settled snapshot; else `unknown` saying why: no outcome within `timeout`, or the
+    connection gone for good (the client reconnects meanwhile, saying so on stderr as `run` does)."""
+    from appserver.cli.run import tell_connection
+    from appserver.client import ProtocolError
+
+    seen: list[dict[str, Any]] = []
+
+    async def on_frame(frame: dict[str, Any]) -> None:
+        tell_connection(frame)
+        snap = frame.get("snapshot")
+        if frame.get("type") == "turn_updated" and isinstance(snap, dict) and snap.get("turn_id") == turn_id:
+            seen[:] = [snap]  # the last one only: a long turn sends thousands, each with the text so far
+
+    try:
+        snap = await client.wait_turn(turn_id, timeout=timeout, on_frame=on_frame)
+    except TimeoutError:
+        why = f"no outcome within {timeout:g} s; the run goes on in the server"
+    except (ProtocolError, OSError):  # gone for good: no server came back within the reconnect wait
+        why = f"{client.closed_message()}; the run may go on, and the server on this home records its outcome"
+    else:
+        failed = snap["status"] != "completed"
+        return Followed(snap["status"], (snap.get("error") or {}).get("message") if failed else None, snap)
+    return Followed("unknown", f"{why} ({hint})", seen[-1] if seen else None)

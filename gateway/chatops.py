@@ -126,6 +126,7 @@ class ChatOps:
         self._reconciling = asyncio.Lock()
         self._notices: dict[str, asyncio.Task[None]] = {}  # account:chat -> its last pairing notice on its way
         self._notifying: set[str] = set()  # codes whose notice is on its way (handled once it is out)
+        self._started_at = time.time()  # a decision older than this process may have been told by the last
 
     async def pairing_prompt(self, entry: Entry, runner: AccountRunner, since: float | None = None) -> None:
         """Tell an unknown sender how to get through: their code, or "try later" (not when silent).
@@ -258,7 +259,12 @@ class ChatOps:
     ) -> None:
         if before is not None:
             await asyncio.wait({before})  # the chat's earlier notice first (its failure is its own)
-        await self.outboxes.say(runner, Target(decided.chat), text)
+        # Under a key of its own: a notice the gateway before a restart may have sent (its decision
+        # is older than this process) is deduped or looked up where the platform can, not said twice.
+        decided_at = decided.decided_at
+        since = decided_at if decided_at is not None and decided_at < self._started_at else None
+        target = Target(decided.chat, key=f"{runner.spec.ref}:pairing:{decided.code}")
+        await self.outboxes.say_once(runner, target, text, since)
         # its notice is out: a failed write here would send it again at the next look
         await write_until_done(f"pairing {decided.code}: handled", partial(self.pairing.mark_handled, decided.code))
 

@@ -251,7 +251,26 @@ def account_problem(account: AccountConfig) -> str | None:
                 f'{key} must be a list of sender ids, such as {key} = ["U123", "U456"], got the string '
                 f"{shown(value)}: a string is not split into ids"
             )
+        elif isinstance(value, list) and (odd := next((i for i in value if _not_one_id(account.channel, i)), None)):
+            problems.append(
+                f"{key}: {shown(str(odd))} is not one sender id (it holds a bracket, a double quote or, on "
+                f'{account.channel}, a space): write one id per list item, such as {key} = ["U123", "U456"] (in '
+                f"an environment override, ids separated by commas: …__{key.upper()}=U123,U456)"
+            )
     return "; ".join(problems) or None
+
+
+# Characters no sender id of any channel holds: a list or a quoted id written where one id belongs
+# (`…__ADMINS='["111","222"]'` in the environment was the two "ids" `["111"` and `"222"]`).
+_NOT_IN_IDS = re.compile(r'[\[\]"]')
+# The chat platforms' ids are single words (a webhook's are the integrator's own strings).
+_WORD_IDS = frozenset({"telegram", "slack", "discord"})
+
+
+def _not_one_id(channel: str, item: object) -> bool:
+    """Whether a list item of `allow`/`admins` is evidently not one sender id (it never matched)."""
+    text = str(item).strip()
+    return bool(_NOT_IN_IDS.search(text)) or (channel in _WORD_IDS and any(c.isspace() for c in text))
 
 
 def shared_secrets(accounts: Iterable[AccountConfig], home: Path) -> dict[str, tuple[str, str]]:

@@ -21,11 +21,14 @@ from pathlib import Path
 
 from appserver.sqlitewal import (
     WAL_HEADER,
+    WalIndex,
     WalIndexUnreadable,
     attached_elsewhere,
     inspect_wal,
     open_read_only,
+    read_wal_index,
     wal_header_problem,
+    wal_index_problem,
 )
 from plugins.contract import env_seconds
 from plugins.loader import atomic_write_text, move_aside
@@ -368,36 +371,49 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
 
 def _wal_damage(path: Path) -> str | None:
     """What is wrong with the ledger's `-wal`, when SQLite would drop changes committed in it
-    without a word (its header damaged or cut short: the whole log; a bad frame: the commits after
+    without a word (its header damaged or cut short: the whole log; missing, cut short or re-headed
+    although the crash-time index says it held committed frames; a bad frame: the commits after
     it), then overwrite it; None when it is sound, empty or absent, or when a connection has the
-    ledger open (its index is the one in use: nothing is recovered, nothing dropped). Judged
-    before a writer opens the ledger; its frames through a read-only connection (`inspect_wal`)."""
+    ledger open (its index is the one in use: nothing is recovered, nothing dropped). Judged before
+    a writer opens the ledger: the crash-time index (`-shm`) is read first, since the first
+    connection recovers the WAL and rewrites it; the frames through a read-only one (`inspect_wal`)."""
+    if attached_elsewhere(path):
+        return None
     wal = path.with_name(path.name + "-wal")
+    index = read_wal_index(path)
     try:
         size = wal.stat().st_size
-    except OSError:  # none (or unreadable: SQLite's open refuses it, naming the file)
-        return None
-    if size == 0 or attached_elsewhere(path):
-        return None
-    try:
         with open(wal, "rb") as f:
-            problem = wal_header_problem(f.read(WAL_HEADER))
-    except OSError:  # removed by another process's last connection (checkpointed), or unreadable: as above
-        return None
+            problem = wal_header_problem(f.read(WAL_HEADER)) if size else None
+    except OSError:  # none, removed by another process's last connection (checkpointed), or unreadable
+        size, problem = None, None
     if problem is None:
-        return _wal_commits_dropped(path, wal)
-    if attached_elsewhere(path):  # another process opened it meanwhile (and may have been writing the header)
-        return None
-    return f"its write-ahead log {wal.name} ({size} bytes) {problem}: SQLite would drop every change in it"
+        lost = wal_index_problem(path, index)
+        if lost is None:
+            return _wal_commits_dropped(path, wal, index) if size else None
+        problem = (
+            f"{lost[0]}, but its index ({path.name}-shm) says it held {index.pending if index else 0} committed "
+            "frame(s) not yet in the ledger: SQLite would drop them"
+        )
+        return _unless_attached(path, f"its write-ahead log {wal.name} {problem}")
+    return _unless_attached(
+        path, f"its write-ahead log {wal.name} ({size} bytes) {problem}: SQLite would drop every change in it"
+    )
 
 
-def _wal_commits_dropped(path: Path, wal: Path) -> str | None:
+def _unless_attached(path: Path, damage: str) -> str | None:
+    """`damage`, unless another process opened the ledger meanwhile (and may have been writing)."""
+    return None if attached_elsewhere(path) else damage
+
+
+def _wal_commits_dropped(path: Path, wal: Path, index: WalIndex | None) -> str | None:
     """The committed transactions SQLite would drop from a WAL with a sound header (a frame that
-    fails its checksum ends what it recovers), in words; None when it keeps every one."""
+    fails its checksum ends what it recovers), judged against the crash-time `index`, in words;
+    None when it keeps every one."""
     try:
         conn = open_read_only(path, timeout=env_seconds(BUSY_TIMEOUT_ENV, BUSY_TIMEOUT_S))
         try:
-            report = inspect_wal(path, conn)
+            report = inspect_wal(path, conn, index)
         finally:
             conn.close()  # read-only: the WAL is neither checkpointed nor removed
     except WalIndexUnreadable:
@@ -407,9 +423,10 @@ def _wal_commits_dropped(path: Path, wal: Path) -> str | None:
         return None
     if report is None or not report.lost_commits or attached_elsewhere(path):
         return None  # (a connection that opened meanwhile may have changed what was read)
+    said = "" if report.indexed is None else f" (its index says {report.indexed} were committed)"
     return (
         f"its write-ahead log {wal.name} is damaged: SQLite would keep {report.recovered} of its "
-        f"{report.frames} frames and drop {report.lost_commits} committed transaction(s) after them"
+        f"{report.frames} frames{said} and drop {report.lost_commits} committed transaction(s) after them"
     )
 
 
@@ -689,7 +706,7 @@ def _ledger_file(path: Path) -> Path:
     real = Path(os.path.realpath(path))
     for suffix, role in SIDE_FILES:
         side = real.with_name(real.name + suffix)
-        st = _stat(side)
+        st = _side_stat(side)
         if st is not None:  # SQLite would open the ledger read-only in silence, or fail naming no file
             _check_regular(side, st, f"SQLite keeps {real.name}'s {role} here and cannot use this one")
     return real
@@ -730,13 +747,22 @@ def _target_moved_aside(path: Path) -> bool:
     return any(name.startswith(f"{target.name}.corrupt-") for name in names)
 
 
-def _stat(path: Path) -> os.stat_result | None:
-    """stat(2) through links; None when there is no file, `LedgerFileRefused` for a link to nothing."""
+def _side_stat(side: Path) -> os.stat_result | None:
+    """lstat(2) of a file SQLite keeps beside the ledger: it opens them only when they are no link
+    (O_NOFOLLOW), and fails naming no file. A link is refused here, naming it and where it leads."""
     try:
-        return os.stat(path)
+        st = os.lstat(side)
     except FileNotFoundError:
-        _refuse_dangling(path)
         return None
+    if stat.S_ISLNK(st.st_mode):
+        _refuse_dangling(side)  # a link to nothing: named as such
+        raise LedgerFileRefused(
+            side,
+            f"a symbolic link to {os.readlink(side)}, not a regular file: SQLite never opens the files it keeps "
+            "beside the ledger through a link; it was left in place (never moved aside): replace the link with the "
+            "file it points to (or move it away), then start again",
+        )
+    return st
 
 
 def _refuse_dangling(path: Path, after_removal: str = "") -> None:

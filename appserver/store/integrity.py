@@ -5,12 +5,14 @@ store never looks like a real one). An empty, truncated, foreign or damaged file
 
 A write-ahead log damaged after a crash (a bad byte, a torn sector) makes SQLite drop every frame
 from the first bad one on, committed transactions included, without an error. Before the writer
-connection opens (its first write or its close would overwrite or delete the WAL), `inspect_wal`
-(appserver/sqlitewal.py, which the gateway's gateway.db uses too) lets SQLite recover read-only,
-reads how many frames it kept (`mxFrame`, in the wal-index header of the `-shm` file) and looks for
-commit frames of the current WAL generation after that point: each is a committed transaction
-SQLite is about to discard. A normal crash leaves none (at most an uncommitted tail), so this never
-refuses a store that a kill -9 left behind.
+connection opens (its first write or its close would overwrite or delete the WAL), the crash-time
+wal-index (`-shm`, read before any connection opens the store: the first one recovers and rewrites
+it) says how many frames were committed; `check_wal_index` refuses a WAL that is missing, shorter
+or re-headed, and `inspect_wal` (appserver/sqlitewal.py, which the gateway's gateway.db uses too)
+lets SQLite recover read-only and counts the committed transactions it is about to discard: fewer
+frames kept than that index says were committed, or whole commit frames (their own checksum holds)
+after what it keeps. A commit frame a kill -9 cut off half written fails its checksum and lies past
+the index: an uncommitted write, so this never refuses a store that a kill -9 left behind.
 
 A second, independent record: `<db>.position` holds the highest message rowid ever issued
 (`sqlite_sequence`, which only grows), written by the checkpointer after a checkpoint has made it
@@ -28,7 +30,6 @@ import os
 import shutil
 import sqlite3
 import stat
-import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,15 +45,15 @@ from appserver.fsutil import (
     read_state_bytes,
 )
 from appserver.sqlitewal import (
-    FRAME_HEADER,
-    SHM_VERSION,
     WAL_HEADER,
+    WalIndex,
     WalIndexUnreadable,
     WalReport,
     attached_elsewhere,
     open_read_only,
+    read_wal_index,
     shm_path,
-    wal_header_problem,
+    wal_index_problem,
     wal_path,
 )
 from appserver.sqlitewal import inspect_wal as _inspect_wal
@@ -78,83 +79,46 @@ def position_path(db: Path) -> Path:
     return db.with_name(db.name + ".position")
 
 
-def inspect_wal(db: Path, conn: sqlite3.Connection) -> WalReport | None:
-    """What SQLite will keep of `db`'s WAL (appserver/sqlitewal.py's `inspect_wal`); None also
-    when its index could not be read (logged: the WAL was not checked)."""
+def inspect_wal(db: Path, conn: sqlite3.Connection, index: WalIndex | None = None) -> WalReport | None:
+    """What SQLite will keep of `db`'s WAL (appserver/sqlitewal.py's `inspect_wal`, judged against
+    the crash-time `index`); None also when its index could not be read (logged: not checked)."""
     try:
-        return _inspect_wal(db, conn)
+        return _inspect_wal(db, conn, index)
     except WalIndexUnreadable:
         log.warning("could not read the WAL index of %s; the WAL was not checked", db)
         return None
 
 
 def wal_index_claim(db: Path) -> tuple[int, int, bytes] | None:
-    """(frames the `-shm` wal-index says the WAL holds that are not yet copied into the database,
-    bytes the WAL must have for them, the salt of that WAL generation), from a wal-index a crash
-    left behind; None when there is no usable index or nothing un-copied. A kill -9 writes WAL
-    frames (after the WAL's header) before it indexes them, so the WAL is never shorter than this
-    and its header is whole and of that generation: a shorter, missing or re-headed WAL lost
-    committed transactions (deleted, truncated or overwritten after the crash) that the position
-    sidecar may not have recorded yet."""
-    try:
-        with open(shm_path(db), "rb") as f:
-            head = f.read(100)
-    except OSError:
+    """(frames the crash-time `-shm` wal-index says the WAL holds that are not yet copied into the
+    database, bytes the WAL must have for them, the salt of that WAL generation); None when there
+    is no usable index or nothing un-copied (appserver/sqlitewal.py's `read_wal_index`)."""
+    index = read_wal_index(db)
+    if index is None or not index.pending:
         return None
-    if len(head) < 100 or head[:48] != head[48:96]:
-        return None
-    version, _unused, _change, is_init, _big_end, page = struct.unpack_from("=IIIBBH", head, 0)
-    if version != SHM_VERSION or not is_init:
-        return None
-    mx_frame = int(struct.unpack_from("=I", head, 16)[0])
-    backfilled = int(struct.unpack_from("=I", head, 96)[0])
-    page_size = 65536 if page == 1 else page
-    if mx_frame <= backfilled or page_size < 512 or page_size & (page_size - 1):
-        return None
-    return mx_frame - backfilled, WAL_HEADER + mx_frame * (FRAME_HEADER + page_size), head[32:40]
+    return index.pending, index.wal_bytes, index.salt
 
 
-def _wal_header_problem(wal: Path, salt: bytes) -> str | None:
-    """Why the WAL's header cannot be the one its index describes (None: it can). SQLite ignores a
-    WAL whose header is damaged, and starts a new one: every frame in it would be dropped."""
-    with open(wal, "rb") as f:
-        header = f.read(WAL_HEADER)
-    problem = wal_header_problem(header)
-    if problem is not None:
-        return problem
-    if header[16:24] != salt:
-        return "has the header of another WAL generation than its index"
-    return None
-
-
-def check_wal_index(db: Path, accept_loss: bool) -> None:
+def check_wal_index(db: Path, accept_loss: bool) -> WalIndex | None:
     """Refuse a store whose WAL is missing, shorter than its crash-time wal-index says, or headed
-    by anything but the header that index describes."""
-    claim = wal_index_claim(db)
-    if claim is None:
-        return
-    pending, needed, salt = claim
-    wal = wal_path(db)
-    size = wal.stat().st_size if wal.exists() else None
-    if size is not None and size >= needed:
-        problem = _wal_header_problem(wal, salt)
-        if problem is None:
-            return
-        state, label = problem, f"wal-header-{size}"
-    elif size is None:
-        state, label = "is missing", f"wal-missing-of-{needed}"
-    else:
-        state, label = f"is shorter than it was ({size} of {needed} bytes)", f"wal-{size}-of-{needed}"
+    by anything but the header that index describes (`wal_index_problem`). Returns that index for
+    `inspect_wal` (None when there is none, or the loss was accepted and it was removed): call it
+    before any connection opens the store, which would recover the WAL and rewrite the index."""
+    index = read_wal_index(db)
+    found = wal_index_problem(db, index)
+    if found is None or index is None:
+        return index
+    state, label = found
     what = (
         f"the write-ahead log of {db} {state}, "
-        f"but its index ({shm_path(db).name}) says it held {pending} frame(s) not yet in the database: "
+        f"but its index ({shm_path(db).name}) says it held {index.pending} frame(s) not yet in the database: "
         "committed conversations would be lost (the WAL was deleted, truncated, damaged or replaced after a crash)"
     )
     kept = keep_copy(db, label)
     if accept_loss:
         log.warning("accepted data loss: %s; the files as they were are kept in %s", what, kept)
         shm_path(db).unlink(missing_ok=True)  # a stale index must not describe the next WAL
-        return
+        return None
     raise StoreOpenError(
         f"{what}. Nothing was changed; a copy of the store is kept in {kept}. Put the WAL back if you have it, "
         f"or accept the loss and start with `{ACCEPT_HINT}`"
@@ -277,6 +241,7 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
     # Our own reads of the files only while nobody has the store open: closing a descriptor we
     # opened would drop the POSIX locks of any SQLite connection of this process on that file.
     first = not attached_elsewhere(db)
+    index: WalIndex | None = None
     if first:
         with open(db, "rb") as f:
             magic = f.read(len(SQLITE_MAGIC))
@@ -285,7 +250,7 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
                 f"{db} is not an SQLite database ({size} bytes, unknown header): restore it from a backup, "
                 "or move it away to start a new, empty store"
             )
-        check_wal_index(db, accept_loss)
+        index = check_wal_index(db, accept_loss)  # the crash-time index: before anything opens the store
     # The recorded position before the messages are counted: a server running on this store
     # records newer positions as it goes (its checkpointer), and one recorded after the count (a
     # quick_check of a big file takes seconds) read as a store behind its position, a false alarm.
@@ -296,7 +261,7 @@ def preflight(db: Path, *, accept_loss: bool) -> bool:
         raise open_error(db, exc) from None
     try:
         try:
-            report = inspect_wal(db, conn) if first else None
+            report = inspect_wal(db, conn, index) if first else None
             if report is not None and report.lost_commits:
                 _refuse_or_accept_wal(db, report, accept_loss)
             row = conn.execute(

@@ -149,19 +149,22 @@ class Gateway:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self, ready_timeout: float = 25.0) -> None:
-        """Start every account (each reaches running or error), then resume the ledger."""
+        """Start every account (each reaches running or error), then resume the ledger, then act on
+        the pairings: the first look (`ChatOps.watch_pairings`) refuses the resumed turns of senders
+        revoked while no gateway ran before it says the revokes were acted on, which `pairing revoke`
+        waits for (started earlier, it said so with no turn followed yet)."""
         self.board.mark_unconfigured({(r.spec.channel, r.spec.name) for r in self.runners.values()})
         self._restore_status()
         for runner in self.runners.values():
             self._spawn(runner.run())
         self._spawn(self._flush_status_forever())
         self._spawn(self._prune_forever())
-        self._spawn(self._keep_running("acting on pairing decisions", self.chatops.watch_pairings))
         waits = [asyncio.wait_for(r.ready.wait(), ready_timeout) for r in self.runners.values()]
         for result in await asyncio.gather(*waits, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, TimeoutError):
                 raise result
         self._resume()
+        self._spawn(self._keep_running("acting on pairing decisions", self.chatops.watch_pairings))
         self._started = True
         self._spawn(self.chatops.reconcile_prompts())  # prompts whose call ended while no gateway ran
 

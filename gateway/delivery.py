@@ -749,21 +749,39 @@ class ChatOrder:
     """Replies under one key go out in the order their messages arrived: each sink waits for the
     previous sink of its key to finish before its first send. The gateway's key is a conversation
     of a chat and thread (`gateway.replies.order_key`), so a reply of the conversation a chat left
-    with `/new` (paused for an approval, maybe for minutes) never holds back the new one's."""
+    with `/new` (paused for an approval, maybe for minutes) never holds back the new one's.
+
+    A place given up without delivering (a turn refused after a `pairing revoke`, withdrawn by
+    `/cancel`, a reply that failed) hands its wait on: it counts as done only once the place before
+    it is, since each waits only for the one right before it (set at once, it let the next reply
+    go out ahead of every earlier one still on its way)."""
 
     def __init__(self) -> None:
         self._tail: dict[str, asyncio.Event] = {}
+        self._before: dict[asyncio.Event, asyncio.Event] = {}  # a place not released yet -> the one before it
+        self._handed_on: dict[asyncio.Event, asyncio.Event] = {}  # a place not done -> the next, released early
 
     def ticket(self, key: str) -> tuple[asyncio.Event | None, asyncio.Event]:
         before = self._tail.get(key)
         mine = asyncio.Event()
         self._tail[key] = mine
+        if before is not None:
+            self._before[mine] = before
         return before, mine
 
     def release(self, key: str, mine: asyncio.Event) -> None:
-        mine.set()
-        if self._tail.get(key) is mine:
-            del self._tail[key]
+        """`mine` is through (delivered, or given up): done now when the place before it is done
+        too, else as soon as that one is."""
+        before = self._before.pop(mine, None)
+        if before is not None and not before.is_set():
+            self._handed_on[before] = mine
+            return
+        event: asyncio.Event | None = mine
+        while event is not None:  # `mine`, then each next place released early, in turn
+            event.set()
+            if self._tail.get(key) is event:
+                del self._tail[key]
+            event = self._handed_on.pop(event, None)
 
 
 class Outboxes:

@@ -20,7 +20,9 @@ its submit was on its way to a stalled server) is cancelled and answered with no
 with `NO_LONGER_LET_IN` (`NO_LONGER_LET_IN_AS_STARTED` when the gateway saw it start first).
 So is every turn a restarted gateway picks back up before any of its reply was noted: whether it was
 queued, and whether it started before the revoke, is not known then (a restarted server starts a
-queued turn at once, before the gateway is back), so it is asked again as the gateway sees it.
+queued turn at once, before the gateway is back), so it is asked again as the gateway sees it, and
+first thing at the start (`Gateway.start`); one the server shows started fails with
+`NO_LONGER_LET_IN_ONCE_STARTED`, never with a claim that it did not start.
 
 A write to gateway.db that fails while a reply goes out (another process holds its write lock past
 the busy timeout, the disk is full) is tried again until it goes through (`write_until_done`), each
@@ -72,6 +74,9 @@ NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
 # ...and why one is cancelled that this gateway saw start (the revoke came as it left the queue):
 # the agent may have read the message (the history keeps it), nothing of it is delivered.
 NO_LONGER_LET_IN_AS_STARTED = "the sender's access was taken away as the turn started"
+# ...and why one is cancelled that a restarted gateway picked back up and found started (the server
+# ran it while no gateway was there to ask): whether the revoke came before its start is not known.
+NO_LONGER_LET_IN_ONCE_STARTED = "the sender's access was taken away; the turn had started when the gateway saw it"
 
 # A ledger write that gateway.db refuses while the gateway runs (busy past its 5 s timeout, the disk
 # full) is tried again after these pauses, the last one repeated until it goes through: what it
@@ -237,13 +242,16 @@ def final_text(snapshot: dict[str, Any], shown: str) -> str:
 
 def _refused_reason(ctx: TurnContext, snap: dict[str, Any]) -> str:
     """Why a turn refused at `snap` fails: before it started when the server dropped it from the
-    queue (`withdrawn`); as it started when this gateway saw it leave the queue (the revoke lost the
-    race with its start); before it started, as ever, for one picked back up after a restart."""
+    queue (`withdrawn`) or it still waits there; as it started when this gateway saw it leave the
+    queue (the revoke lost the race with its start); for one picked back up after a restart that
+    the server shows started, only that it had started (it may have run while no gateway ran)."""
     if snap.get("status") in TERMINAL:
         started = (snap.get("error") or {}).get("kind") != "withdrawn" and not is_untraced(snap)
     else:
         started = snap.get("phase") != "queued"
-    return NO_LONGER_LET_IN_AS_STARTED if started and not ctx.resumed else NO_LONGER_LET_IN
+    if not started:
+        return NO_LONGER_LET_IN
+    return NO_LONGER_LET_IN_ONCE_STARTED if ctx.resumed else NO_LONGER_LET_IN_AS_STARTED
 
 
 def _gone(turn_id: str, code: str) -> dict[str, Any]:
@@ -359,8 +367,9 @@ class Replies:
         """Cancel each turn not yet let in (still waiting in the server's queue, or not seen to start)
         whose sender access no longer lets in (a `pairing revoke` reaches the gateway only through
         gateway.db: asked by `ChatOps.watch_pairings` as soon as it changes), so it never starts; its
-        follower then fails its rows."""
-        for turn_id in list(self.turns):
+        follower then fails its rows. Newest first: cancelling a turn that runs (one a restart picked
+        back up) starts the next one in its conversation's queue at once, which must be out by then."""
+        for turn_id in reversed(list(self.turns)):
             await self.refuse_if_not_let_in(turn_id)
 
     async def refuse_if_not_let_in(self, turn_id: str) -> None:
@@ -483,7 +492,7 @@ class Replies:
         finally:
             self.changed()
             self.link.unfollow(turn_id)
-            self.order.release(place, mine)
+            self.order.release(place, mine)  # given up: the next reply still waits for the one before
 
     def _record_delivered(self, entry: Entry, text: str, ids: list[str]) -> None:
         """`entry`'s reply (and its debounced batch's: one reply for all) is in the chat as `ids`.

@@ -30,12 +30,13 @@ from gateway.ledger import Ledger, UpdateKey
 from gateway.replies import final_text, unproven
 from tests.fakes.telegram_api import FakeTelegram
 from tests.support.cli import cli_env, run_cli
-from tests.support.gateway import channel_server, gateway_children, write_config
+from tests.support.gateway import channel_server, gateway_children, store_turns, write_config
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
-NO_LONGER_LET_IN = "the sender's access was taken away before the turn started"
+# the restarted server ran the queued turn before its gateway was back: the row says it had started
+NO_LONGER_LET_IN = "the sender's access was taken away; the turn had started when the gateway saw it"
 INTERRUPTED = "⚠ The reply was interrupted (the server stopped while it was being written)."
 
 
@@ -92,6 +93,7 @@ def test_a_queued_message_of_a_sender_revoked_while_the_server_was_stopped_is_ne
                 "the queued message to settle",
             )
             assert settled == ("failed", NO_LONGER_LET_IN)
+            assert store_turns(home, "queued please") == 1  # it did start: the agent read it
             slow = tg.wait_for_text(user, lambda t: t.endswith(INTERRUPTED), 30)  # it was shown: it goes on
             assert slow.text.startswith("w1 w2 ")
             texts = [m.text for m in tg.messages(user)]

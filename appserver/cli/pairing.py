@@ -3,7 +3,8 @@
 It works on `$APPSERVER_HOME/channels/gateway.db` directly, whether or not a server runs; a running
 gateway acts on a decision within about a second (tells the sender, releases the messages it kept)
 and on a revoke within a tenth of a second (ends the sender's turns queued on the server), which
-`revoke` waits for, a few seconds at most (`_await_gateway`).
+`revoke` waits for, a few seconds at most (`_await_gateway`), also while the server's gateway child
+is down between restarts (the server's queue still runs): it warns when no gateway acted in time.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import shlex
 import sqlite3
 import time
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import click
 
-from appserver.cli.channels import Refused, _errors, _gateway_db
+from appserver.cli.channels import Refused, _errors, _gateway_db, _live_channels
 from appserver.cli.common import echo_long, get_config, quoted
 from appserver.cli.safetext import exact, exact_id, typed_id, unseen
+from appserver.serverinfo import read_live_server
 from gateway.db import default_path, gateway_running
 from gateway.pairing import Pairing, PairingCode, PairingError
 
-APPLIED_WAIT_S = 5.0  # how long `revoke` waits for a running gateway to act on it
+APPLIED_WAIT_S = 5.0  # how long `revoke` waits for a gateway to act on it (a restarting one included)
 APPLIED_LOOK_S = 0.02
 
 
@@ -72,27 +75,84 @@ def list_cmd(as_json: bool) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
-def _await_gateway(conn: sqlite3.Connection) -> None:
-    """With a gateway running on this home, wait (at most `APPLIED_WAIT_S`) until it says it acted on
-    the change just written (`Pairing.changes`): once `revoke` returns, the sender's turns queued on
-    the server are withdrawn, so ending the turn ahead of them from another client starts none of
-    them. A gateway that does not answer is said, not failed: gateway.db holds the change, and the
-    gateway acts on it when it next looks."""
-    if not gateway_running(default_path(get_config().home)):
-        return
-    pairing = Pairing(conn)
-    made, applied = pairing.changes()
+def _await_gateway(conn: sqlite3.Connection, sender: str, accounts: set[str]) -> None:
+    """Wait (at most `APPLIED_WAIT_S`) until a gateway on this home says it acted on the revoke just
+    written (`Pairing.changes`): once `revoke` returns, the sender's turns queued on the server are
+    withdrawn, so ending the turn ahead of them from another client starts none of them. Waited for
+    the gateway that runs, and, when none does but the home's server runs one of `accounts` (its
+    gateway child between restarts, while the server's queue goes on), for the restarted one, which
+    acts on it before anything else. Not acted on in time is said, not failed: gateway.db holds the
+    change, and the gateway acts on it when it next looks (or starts). Acted on by a restarted
+    gateway is said too: a turn the server started before it was back was no longer queued."""
+    config = get_config()
+    ledger = default_path(config.home)
     deadline = time.monotonic() + APPLIED_WAIT_S
+    down = not gateway_running(ledger)
+    if down and not _server_runs_any(config.server_json, accounts):
+        return  # no gateway, no server running one of them: nothing queued on a server to withdraw
+    if not _applied_by(Pairing(conn), deadline):
+        _warn_not_applied(ledger, sender)
+    elif down:
+        click.echo(
+            f"note: the gateway was down (restarting) when the revoke was made; it has acted on it since,"
+            f" but a turn of {exact_id(sender)} the server started meanwhile may have run (the agent read the"
+            " message): none of its reply is delivered",
+            err=True,
+        )
+
+
+def _applied_by(pairing: Pairing, deadline: float) -> bool:
+    """Whether a gateway says it acted on every revoke made so far (`Pairing.changes`) by `deadline`."""
+    made, applied = pairing.changes()
     while applied < made:
         if time.monotonic() >= deadline:
-            click.echo(
-                f"warning: the running gateway has not acted on the revoke within {APPLIED_WAIT_S:g} s;"
-                " gateway.db holds it and the gateway acts on it when it next looks",
-                err=True,
-            )
-            return
+            return False
         time.sleep(APPLIED_LOOK_S)
         applied = pairing.changes()[1]
+    return True
+
+
+def _server_runs_any(server_json: Path, accounts: set[str]) -> bool:
+    """Whether the server running on this home runs one of `accounts` (`channel:account`) in its
+    gateway, by the `channels` check of its /readyz (absent: it runs no channels). A server that
+    cannot be asked, or whose gateway does not say its accounts yet, is taken to: a revoke said to
+    be done while its queue runs the sender's turns is what `_await_gateway` is there to prevent."""
+    try:
+        live = read_live_server(server_json)
+    except OSError:  # server.json refused (a FIFO, a link to nothing): who runs is not known
+        return True
+    if live is None:
+        return False
+    url = live.get("url")
+    if not isinstance(url, str) or not url:
+        return True
+    seen = _live_channels(url)
+    if not seen["reachable"] or seen["error"]:
+        return True
+    check = seen["channels"]
+    if check is None:
+        return False
+    running = set(check["accounts"])
+    return not running or bool(running & accounts)
+
+
+def _warn_not_applied(ledger: Path, sender: str) -> None:
+    """The stderr warning of a revoke no gateway said it acted on within `APPLIED_WAIT_S`."""
+    if gateway_running(ledger):
+        click.echo(
+            f"warning: the running gateway has not acted on the revoke within {APPLIED_WAIT_S:g} s;"
+            " gateway.db holds it and the gateway acts on it when it next looks",
+            err=True,
+        )
+        return
+    click.echo(
+        f"warning: the server runs, but its gateway is down (restarting) and did not come back within"
+        f" {APPLIED_WAIT_S:g} s to act on the revoke: messages of {exact_id(sender)} already queued on the"
+        " server may still be answered by the agent (it reads them, its tools may run) until the gateway is"
+        " back; gateway.db holds the revoke, and the restarted gateway refuses them first, delivering none of"
+        " their replies",
+        err=True,
+    )
 
 
 def _decide(code: str, approve: bool) -> PairingCode:
@@ -155,11 +215,13 @@ def revoke_cmd(sender: str, channel: str | None, account: str | None) -> None:
     with _pairing() as conn:
         assert conn is not None
         pairing = Pairing(conn)
-        target = _target(sender, {s for _, _, s, _ in pairing.revocable(channel, account)})
+        revocable = pairing.revocable(channel, account)
+        target = _target(sender, {s for _, _, s, _ in revocable})
+        accounts = {f"{c}:{a}" for c, a, s, _ in revocable if s == target}
         removed = pairing.revoke(target, channel, account)
         alike = _look_alikes(target, pairing.revocable(channel, account))
         if removed:
-            _await_gateway(conn)
+            _await_gateway(conn, target, accounts)
     if not removed:
         note = f". {_alike_note(target, alike)}" if alike else ""
         raise Refused(f"{quoted(sender)} is neither an approved nor a denied sender{note}", 1)

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +37,7 @@ from gateway.replies import TurnContext, _refused_reason
 from tests.fakes.slack_api import FakeSlack
 from tests.support.cli import CLIResult, cli_env, run_cli
 from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
+from tests.support.pairing import paused_with_one_queued, revoke_counts, settled_row
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -163,45 +162,6 @@ def _server(tmp_path: Path, slack: FakeSlack, backoff_s: float) -> Iterator[Chan
         yield srv
 
 
-def _row(home: Path, ts: str) -> tuple[str, str | None] | None:
-    """(state, reason) of the ledger row of the Slack message `ts` (keyed `channel:ts`)."""
-    conn = sqlite3.connect(f"file:{default_path(home)}?mode=ro", uri=True)
-    try:
-        row = conn.execute("SELECT state, reason FROM ledger WHERE message_id LIKE ?", (f"%:{ts}",)).fetchone()
-    finally:
-        conn.close()
-    return (str(row[0]), row[1]) if row else None
-
-
-def _settled(home: Path, ts: str, timeout: float, what: str) -> tuple[str, str | None]:
-    found = wait_for(lambda: (r := _row(home, ts)) and r[0] in ("failed", "delivered") and r, timeout, what)
-    return tuple(found)  # type: ignore[return-value]
-
-
-def _changes(home: Path) -> tuple[int, int]:
-    conn = sqlite3.connect(f"file:{default_path(home)}?mode=ro", uri=True)
-    try:
-        made, applied = conn.execute("SELECT made, applied FROM pairing_revokes").fetchone()
-    finally:
-        conn.close()
-    return int(made), int(applied)
-
-
-def _paused_with_one_queued(srv: ChannelServer, slack: FakeSlack, queued: str) -> str:
-    """Pair UV, pause a turn of theirs on an approval and queue `queued` behind it on the server;
-    returns the queued message's ts."""
-    slack.inject_dm("UV", "hi from UV", channel="D-v")
-    found = re.search(r"approve (\w{8})", slack.wait_for_text("D-v", lambda t: "pairing code" in t, 30).text)
-    assert found, slack.messages("D-v")
-    assert run_cli(srv.home, "pairing", "approve", found.group(1)).code == 0
-    slack.wait_for_text("D-v", "echo: hi from UV", 30)
-    slack.inject_dm("UV", "/call clock {}", channel="D-v")
-    slack.wait_for_text("D-v", lambda t: "/approve" in t, 30)
-    ts = slack.inject_dm("UV", queued, channel="D-v")
-    wait_for(lambda: _row(srv.home, ts) == ("submitted", "dm: approved sender"), 30, "the message queued")
-    return ts
-
-
 def _kill_gateway(srv: ChannelServer) -> None:
     """SIGKILL the gateway child; returns once gateway.lock is free (the server still runs)."""
     os.kill(srv.gateway_pid(), signal.SIGKILL)
@@ -251,7 +211,7 @@ async def _revoke_then_end_turn_ahead(srv: ChannelServer, sender: str) -> tuple[
 
 def test_a_revoke_while_the_gateway_child_restarts_returns_once_the_queued_turn_is_withdrawn(tmp_path: Path) -> None:
     with FakeSlack() as slack, _server(tmp_path, slack, backoff_s=1.5) as srv:
-        queued = _paused_with_one_queued(srv, slack, "QUEUED-K1 for the agent")
+        queued = paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-K1 for the agent")
         revoked, took = asyncio.run(_revoke_then_end_turn_ahead(srv, "UV"))
         assert revoked.code == 0, revoked.err
         assert store_turns(srv.home, "QUEUED-K1") == 0, (
@@ -260,8 +220,8 @@ def test_a_revoke_while_the_gateway_child_restarts_returns_once_the_queued_turn_
         )
         assert "warning" not in revoked.err and took < 5.0, (took, revoked.err)
         assert "note: the gateway was down" in revoked.err, revoked.err  # a turn started meanwhile would have run
-        assert _settled(srv.home, queued, 15, "the queued message to settle") == ("failed", BEFORE_START)
-        made, applied = _changes(srv.home)
+        assert settled_row(srv.home, queued, 15, "the queued message to settle") == ("failed", BEFORE_START)
+        made, applied = revoke_counts(srv.home)
         assert applied >= made
         assert not any("QUEUED-K1" in m.text for m in slack.messages("D-v"))
 
@@ -270,7 +230,7 @@ def test_a_revoke_no_gateway_comes_back_for_in_time_says_so_and_the_started_turn
     tmp_path: Path,
 ) -> None:
     with FakeSlack() as slack, _server(tmp_path, slack, backoff_s=9) as srv:
-        queued = _paused_with_one_queued(srv, slack, "QUEUED-K1B for the agent")
+        queued = paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-K1B for the agent")
 
         async def revoke_while_down() -> tuple[CLIResult, float]:
             client = await ProtocolClient.connect(srv.url, token="", client="desktop")
@@ -294,7 +254,9 @@ def test_a_revoke_no_gateway_comes_back_for_in_time_says_so_and_the_started_turn
         assert store_turns(srv.home, "QUEUED-K1B") == 1  # it did start: the warning was true
         srv.wait_channels_ready(timeout=30, restarts=1)
         # the restarted gateway acts on the revoke, refusing the turn the server ran, and says it started
-        assert _settled(srv.home, queued, 15, "the started turn to settle") == ("failed", ONCE_STARTED)
-        wait_for(lambda: (c := _changes(srv.home))[1] >= c[0], 10, "the restarted gateway to mark the revoke applied")
+        assert settled_row(srv.home, queued, 15, "the started turn to settle") == ("failed", ONCE_STARTED)
+        wait_for(
+            lambda: (c := revoke_counts(srv.home))[1] >= c[0], 10, "the restarted gateway to mark the revoke applied"
+        )
         time.sleep(0.5)  # its reply would be on its way by now
         assert not any("QUEUED-K1B" in m.text for m in slack.messages("D-v"))

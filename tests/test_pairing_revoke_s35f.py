@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import sqlite3
 import time
@@ -36,6 +35,7 @@ from gateway.pairing import Pairing
 from tests.fakes.slack_api import FakeSlack
 from tests.support.cli import CLIResult, cli_env, run_cli
 from tests.support.gateway import ChannelServer, channel_server, end_pending_turn, store_turns, write_config
+from tests.support.pairing import pairing_code, paused_with_one_queued, settled_row
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,40 +58,6 @@ def _server(tmp_path: Path, slack: FakeSlack) -> Iterator[ChannelServer]:
         home, "--channels", "slack", env=cli_env(home, SLACK_BOT=slack.bot_token, SLACK_APP=slack.app_token)
     ) as srv:
         yield srv
-
-
-def _row(home: Path, ts: str) -> tuple[str, str | None] | None:
-    """(state, reason) of the ledger row of the Slack message `ts` (keyed `channel:ts`)."""
-    conn = sqlite3.connect(f"file:{default_path(home)}?mode=ro", uri=True)
-    try:
-        row = conn.execute("SELECT state, reason FROM ledger WHERE message_id LIKE ?", (f"%:{ts}",)).fetchone()
-    finally:
-        conn.close()
-    return (str(row[0]), row[1]) if row else None
-
-
-def _settled(home: Path, ts: str, timeout: float, what: str) -> tuple[str, str | None]:
-    found = wait_for(lambda: (r := _row(home, ts)) and r[0] in ("failed", "delivered") and r, timeout, what)
-    return tuple(found)  # type: ignore[return-value]
-
-
-def _code(slack: FakeSlack, user: str, dm: str) -> str:
-    slack.inject_dm(user, f"hi from {user}", channel=dm)
-    found = re.search(r"approve (\w{8})", slack.wait_for_text(dm, lambda t: "pairing code" in t, 30).text)
-    assert found, slack.messages(dm)
-    return found.group(1)
-
-
-def _paused_with_one_queued(srv: ChannelServer, slack: FakeSlack, user: str, dm: str, queued: str) -> str:
-    """Pair `user`, pause a turn of theirs on an approval and queue `queued` behind it on the server;
-    returns the queued message's ts."""
-    assert run_cli(srv.home, "pairing", "approve", _code(slack, user, dm)).code == 0
-    slack.wait_for_text(dm, f"echo: hi from {user}", 30)
-    slack.inject_dm(user, "/call clock {}", channel=dm)
-    slack.wait_for_text(dm, lambda t: "/approve" in t, 30)
-    ts = slack.inject_dm(user, queued, channel=dm)
-    wait_for(lambda: _row(srv.home, ts) == ("submitted", "dm: approved sender"), 30, "the message queued")
-    return ts
 
 
 def _revoke_in_place(home: Path, sender: str) -> None:
@@ -127,8 +93,8 @@ async def _idle(client: ProtocolClient, conversation: str) -> None:
 
 def test_a_notice_stuck_behind_a_rate_limit_does_not_hold_up_a_revoke(tmp_path: Path) -> None:
     with FakeSlack() as slack, _server(tmp_path, slack) as srv:
-        queued = _paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-F2 for the agent")
-        newcomer = _code(slack, "UN", "D-n")
+        queued = paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-F2 for the agent")
+        newcomer = pairing_code(slack, "UN", "D-n")
         slack.fail_next("chat.postMessage", "ratelimited", retry_after=8)  # the newcomer's "You're approved"
         assert run_cli(srv.home, "pairing", "approve", newcomer).code == 0
         wait_for(
@@ -139,7 +105,7 @@ def test_a_notice_stuck_behind_a_rate_limit_does_not_hold_up_a_revoke(tmp_path: 
         revoked = run_cli(srv.home, "pairing", "revoke", "UV")
         assert revoked.code == 0 and "warning" not in revoked.err, revoked.err
         # the notice waits out its Retry-After (8 s): the queued turn is refused meanwhile, still queued
-        assert _settled(srv.home, queued, 2, "the queued message refused while the notice waits") == (
+        assert settled_row(srv.home, queued, 2, "the queued message refused while the notice waits") == (
             "failed",
             BEFORE_START,
         )
@@ -172,11 +138,11 @@ async def _revoke_then_cancel(srv: ChannelServer, sender: str) -> tuple[CLIResul
 
 def test_a_revoke_followed_at_once_by_the_end_of_the_turn_ahead_never_starts_the_queued_turn(tmp_path: Path) -> None:
     with FakeSlack() as slack, _server(tmp_path, slack) as srv:
-        queued = _paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-F1 for the agent")
+        queued = paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-F1 for the agent")
         revoked, took = asyncio.run(_revoke_then_cancel(srv, "UV"))
         assert revoked.code == 0, revoked.err
         assert store_turns(srv.home, "QUEUED-F1") == 0, "the revoked sender's queued message reached the agent"
-        assert _settled(srv.home, queued, 10, "the queued message to settle") == ("failed", BEFORE_START)
+        assert settled_row(srv.home, queued, 10, "the queued message to settle") == ("failed", BEFORE_START)
         # the command returned once the gateway had acted on it, well within its bounded wait
         assert "warning" not in revoked.err and took < 5.0, (took, revoked.err)
         conn = sqlite3.connect(f"file:{default_path(srv.home)}?mode=ro", uri=True)
@@ -208,9 +174,9 @@ async def _race_lost(srv: ChannelServer, gateway: int, sender: str) -> None:
 
 def test_a_queued_turn_that_started_before_the_gateway_saw_the_revoke_says_so(tmp_path: Path) -> None:
     with FakeSlack() as slack, _server(tmp_path, slack) as srv:
-        queued = _paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-RACE for the agent")
+        queued = paused_with_one_queued(srv, slack, "UV", "D-v", "QUEUED-RACE for the agent")
         asyncio.run(_race_lost(srv, srv.gateway_pid(), "UV"))
         assert store_turns(srv.home, "QUEUED-RACE") == 1  # it did start: the agent read it
-        assert _settled(srv.home, queued, 15, "the started turn to settle") == ("failed", AS_IT_STARTED)
+        assert settled_row(srv.home, queued, 15, "the started turn to settle") == ("failed", AS_IT_STARTED)
         time.sleep(0.5)  # its reply would be on its way by now
         assert not any("QUEUED-RACE" in m.text for m in slack.messages("D-v"))

@@ -86,6 +86,32 @@ def shm_path(db: Path) -> Path:
     return beside_file(db, "-shm")
 
 
+# How many times a check that found committed changes lost is made again when the files changed
+# under it (another process opened and closed the database meanwhile) before it is given up
+JUDGE_TRIES = 3
+
+
+def files_state(db: Path) -> tuple[tuple[int, ...] | None, ...]:
+    """The database's and its `-wal`'s (inode, size, mtime) and the `-shm`'s inode (None for one
+    that is not there): what another process's open and close changes (its last close copies the
+    log into the database and removes both side files), and a read-only look does not (it may
+    rewrite the `-shm`'s content, never replace it). A verdict that committed changes were lost
+    stands only when this is the same after it was reached as before: the log found missing or
+    short a moment after the index was read may have been copied into the database meanwhile."""
+    state: list[tuple[int, ...] | None] = []
+    for path in (db, wal_path(db)):
+        try:
+            st = os.stat(path)
+            state.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            state.append(None)
+    try:
+        state.append((os.stat(shm_path(db)).st_ino,))
+    except OSError:
+        state.append(None)
+    return tuple(state)
+
+
 def open_read_only(db: Path, timeout: float = 10.0) -> sqlite3.Connection:
     """A read-only connection: its first read recovers the WAL into `-shm`; it never writes,
     checkpoints, resets or deletes the WAL, not even when it closes."""

@@ -45,11 +45,13 @@ from appserver.fsutil import (
     read_state_bytes,
 )
 from appserver.sqlitewal import (
+    JUDGE_TRIES,
     WAL_HEADER,
     WalIndex,
     WalIndexUnreadable,
     WalReport,
     attached_elsewhere,
+    files_state,
     open_read_only,
     read_wal_index,
     shm_path,
@@ -104,10 +106,18 @@ def check_wal_index(db: Path, accept_loss: bool) -> WalIndex | None:
     by anything but the header that index describes (`wal_index_problem`). Returns that index for
     `inspect_wal` (None when there is none, or the loss was accepted and it was removed): call it
     before any connection opens the store, which would recover the WAL and rewrite the index."""
-    index = read_wal_index(db)
-    found = wal_index_problem(db, index)
-    if found is None or index is None:
-        return index
+    for _ in range(JUDGE_TRIES):  # a verdict stands only while the files stayed as they were
+        before = files_state(db)
+        index = read_wal_index(db)
+        found = wal_index_problem(db, index)
+        if found is None or index is None:
+            return index
+        if files_state(db) == before:
+            break
+        log.info("%s changed while its write-ahead log was checked (another process opened it): checked again", db)
+    else:  # another process is at work on it: its own open recovers what is there
+        log.warning("%s kept changing while its write-ahead log was checked: not judged", db)
+        return None
     state, label = found
     what = (
         f"the write-ahead log of {db} {state}, "

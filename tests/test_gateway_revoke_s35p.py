@@ -37,7 +37,7 @@ from gateway.replies import TurnContext, _refused_reason
 from tests.fakes.slack_api import FakeSlack
 from tests.support.cli import CLIResult, cli_env, run_cli
 from tests.support.gateway import ChannelServer, channel_server, store_turns, write_config
-from tests.support.pairing import paused_with_one_queued, revoke_counts, settled_row
+from tests.support.pairing import paused_conversation, paused_with_one_queued, revoke_counts, settled_row, until_idle
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,29 +168,11 @@ def _kill_gateway(srv: ChannelServer) -> None:
     wait_for(lambda: not gateway_running(default_path(srv.home)), 10, "the killed gateway to let go of its lock")
 
 
-async def _paused_conversation(client: ProtocolClient) -> str:
-    """The conversation of the one turn of `careful` waiting for an approval."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for conv in (await client.request({"type": "list_conversations", "agent": "careful"}))["conversations"]:
-            state = await client.request({"type": "subscribe", "conversation": conv["id"]})
-            if state.get("pending_approvals"):
-                return str(conv["id"])
-        await asyncio.sleep(0.05)
-    raise AssertionError("no turn waits for an approval")
-
-
 async def _cancel_turn_ahead(client: ProtocolClient, conversation: str) -> None:
     """A desktop client's cancel of the paused turn, waiting until the conversation is idle."""
     ack = await client.request({"type": "cancel", "conversation": conversation})
     assert ack.get("type") != "error", ack
-    deadline = time.monotonic() + 30
-    while True:
-        state = await client.request({"type": "subscribe", "conversation": conversation})
-        if state.get("state") == "idle" and not state.get("active_turn") and not state.get("queued"):
-            return
-        assert time.monotonic() < deadline, f"the conversation did not go idle: {state}"
-        await asyncio.sleep(0.05)
+    await until_idle(client, conversation)
 
 
 async def _revoke_then_end_turn_ahead(srv: ChannelServer, sender: str) -> tuple[CLIResult, float]:
@@ -198,7 +180,7 @@ async def _revoke_then_end_turn_ahead(srv: ChannelServer, sender: str) -> tuple[
     queued one; returns the command's result and how long it took."""
     client = await ProtocolClient.connect(srv.url, token="", client="desktop")
     try:
-        conversation = await _paused_conversation(client)
+        conversation = await paused_conversation(client)
         _kill_gateway(srv)
         began = time.monotonic()
         revoked = await asyncio.to_thread(run_cli, srv.home, "pairing", "revoke", sender)
@@ -235,7 +217,7 @@ def test_a_revoke_no_gateway_comes_back_for_in_time_says_so_and_the_started_turn
         async def revoke_while_down() -> tuple[CLIResult, float]:
             client = await ProtocolClient.connect(srv.url, token="", client="desktop")
             try:
-                conversation = await _paused_conversation(client)
+                conversation = await paused_conversation(client)
                 _kill_gateway(srv)
                 began = time.monotonic()
                 revoked = await asyncio.to_thread(run_cli, srv.home, "pairing", "revoke", "UV")

@@ -35,7 +35,7 @@ from gateway.pairing import Pairing
 from tests.fakes.slack_api import FakeSlack
 from tests.support.cli import CLIResult, cli_env, run_cli
 from tests.support.gateway import ChannelServer, channel_server, end_pending_turn, store_turns, write_config
-from tests.support.pairing import pairing_code, paused_with_one_queued, settled_row
+from tests.support.pairing import pairing_code, paused_conversation, paused_with_one_queued, settled_row, until_idle
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -67,28 +67,6 @@ def _revoke_in_place(home: Path, sender: str) -> None:
         assert Pairing(conn).revoke(sender) == 1
     finally:
         conn.close()
-
-
-async def _paused_conversation(client: ProtocolClient) -> str:
-    """The conversation of the one turn of `careful` waiting for an approval."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        for conv in (await client.request({"type": "list_conversations", "agent": "careful"}))["conversations"]:
-            state = await client.request({"type": "subscribe", "conversation": conv["id"]})
-            if state.get("pending_approvals"):
-                return str(conv["id"])
-        await asyncio.sleep(0.05)
-    raise AssertionError("no turn waits for an approval")
-
-
-async def _idle(client: ProtocolClient, conversation: str) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        state = await client.request({"type": "subscribe", "conversation": conversation})
-        if state.get("state") == "idle" and not state.get("active_turn") and not state.get("queued"):
-            return
-        assert time.monotonic() < deadline, f"the conversation did not go idle: {state}"
-        await asyncio.sleep(0.05)
 
 
 def test_a_notice_stuck_behind_a_rate_limit_does_not_hold_up_a_revoke(tmp_path: Path) -> None:
@@ -124,13 +102,13 @@ async def _revoke_then_cancel(srv: ChannelServer, sender: str) -> tuple[CLIResul
     of the sender's queued one; returns the command's result and how long it took."""
     client = await ProtocolClient.connect(srv.url, token="", client="desktop")
     try:
-        conversation = await _paused_conversation(client)
+        conversation = await paused_conversation(client)
         began = time.monotonic()
         revoked = await asyncio.to_thread(run_cli, srv.home, "pairing", "revoke", sender)
         took = time.monotonic() - began
         ack = await client.request({"type": "cancel", "conversation": conversation})
         assert ack.get("type") != "error", ack
-        await _idle(client, conversation)
+        await until_idle(client, conversation)
         return revoked, took
     finally:
         await client.close()
@@ -159,13 +137,13 @@ async def _race_lost(srv: ChannelServer, gateway: int, sender: str) -> None:
     (and, with the echo model, ends) before the gateway can know of the revoke."""
     client = await ProtocolClient.connect(srv.url, token="", client="desktop")
     try:
-        conversation = await _paused_conversation(client)
+        conversation = await paused_conversation(client)
         os.kill(gateway, signal.SIGSTOP)
         try:
             _revoke_in_place(srv.home, sender)
             ack = await client.request({"type": "cancel", "conversation": conversation})
             assert ack.get("type") != "error", ack
-            await _idle(client, conversation)
+            await until_idle(client, conversation)
         finally:
             os.kill(gateway, signal.SIGCONT)
     finally:

@@ -3,10 +3,13 @@ with one message queued behind it, and the ledger's and the revoke count's view 
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sqlite3
+import time
 from pathlib import Path
 
+from appserver.client import ProtocolClient
 from gateway.db import default_path
 from tests.fakes.slack_api import FakeSlack
 from tests.support.cli import run_cli
@@ -58,3 +61,26 @@ def paused_with_one_queued(srv: ChannelServer, slack: FakeSlack, user: str, dm: 
     ts = slack.inject_dm(user, queued, channel=dm)
     wait_for(lambda: ledger_row(srv.home, ts) == ("submitted", "dm: approved sender"), 30, "the message queued")
     return ts
+
+
+async def paused_conversation(client: ProtocolClient, agent: str = "careful") -> str:
+    """The conversation of the one turn of `agent` waiting for an approval."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for conv in (await client.request({"type": "list_conversations", "agent": agent}))["conversations"]:
+            state = await client.request({"type": "subscribe", "conversation": conv["id"]})
+            if state.get("pending_approvals"):
+                return str(conv["id"])
+        await asyncio.sleep(0.05)
+    raise AssertionError("no turn waits for an approval")
+
+
+async def until_idle(client: ProtocolClient, conversation: str) -> None:
+    """Until the conversation has no turn running or queued (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while True:
+        state = await client.request({"type": "subscribe", "conversation": conversation})
+        if state.get("state") == "idle" and not state.get("active_turn") and not state.get("queued"):
+            return
+        assert time.monotonic() < deadline, f"the conversation did not go idle: {state}"
+        await asyncio.sleep(0.05)

@@ -25,18 +25,24 @@ Standard library only: the server's store (`appserver/store/integrity.py`) and t
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 from urllib.parse import quote
 
 WAL_MAGICS = (0x377F0682, 0x377F0683)  # little-endian / big-endian checksums
 WAL_HEADER = 32
 FRAME_HEADER = 24
 SHM_VERSION = 3007000
+
+
+log = logging.getLogger("appserver.sqlitewal")
+T = TypeVar("T")
 
 
 class WalIndexUnreadable(Exception):
@@ -110,6 +116,21 @@ def files_state(db: Path) -> tuple[tuple[int, ...] | None, ...]:
     except OSError:
         state.append(None)
     return tuple(state)
+
+
+def judged_while_still(db: Path, judge: Callable[[], T], damning: Callable[[T], bool]) -> T | None:
+    """`judge()`'s result; one that is `damning` (committed changes lost) stands only when the files
+    stayed as they were while it was reached (`files_state`), else `db` is judged again, up to
+    `JUDGE_TRIES` times. None when they kept changing: another process is at work on it, and its own
+    open recovers what is there."""
+    for _ in range(JUDGE_TRIES):
+        before = files_state(db)
+        result = judge()
+        if not damning(result) or files_state(db) == before:
+            return result
+        log.info("%s changed while its write-ahead log was checked (another process opened it): checked again", db)
+    log.warning("%s kept changing while its write-ahead log was checked: not judged", db)
+    return None
 
 
 def open_read_only(db: Path, timeout: float = 10.0) -> sqlite3.Connection:

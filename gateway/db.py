@@ -20,13 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appserver.sqlitewal import (
-    JUDGE_TRIES,
     WAL_HEADER,
     WalIndex,
     WalIndexUnreadable,
     attached_elsewhere,
-    files_state,
     inspect_wal,
+    judged_while_still,
     open_read_only,
     read_wal_index,
     wal_header_problem,
@@ -373,17 +372,9 @@ def open_db(path: Path, *, gateway: bool = False) -> sqlite3.Connection:
 
 def _wal_damage(path: Path) -> str | None:
     """`_wal_damage_now`, a verdict of damage standing only while the files stayed as they were
-    (`files_state`): a CLI command that opened and closed the ledger meanwhile copied the log into it
-    and removed it, which read as a log missing although its index counted frames. Judged again
-    then; still moving after `JUDGE_TRIES` looks, not judged (another process is at work on it)."""
-    for _ in range(JUDGE_TRIES):
-        before = files_state(path)
-        damage = _wal_damage_now(path)
-        if damage is None or files_state(path) == before:
-            return damage
-        log.info("%s changed while its write-ahead log was checked (another process opened it): checked again", path)
-    log.warning("%s kept changing while its write-ahead log was checked: not judged", path)
-    return None
+    (`judged_while_still`): a CLI command that opened and closed the ledger meanwhile copied the log
+    into it and removed it, which read as a log missing although its index counted frames."""
+    return judged_while_still(path, lambda: _wal_damage_now(path), lambda damage: damage is not None)
 
 
 def _wal_damage_now(path: Path) -> str | None:

@@ -45,13 +45,12 @@ from appserver.fsutil import (
     read_state_bytes,
 )
 from appserver.sqlitewal import (
-    JUDGE_TRIES,
     WAL_HEADER,
     WalIndex,
     WalIndexUnreadable,
     WalReport,
     attached_elsewhere,
-    files_state,
+    judged_while_still,
     open_read_only,
     read_wal_index,
     shm_path,
@@ -106,18 +105,17 @@ def check_wal_index(db: Path, accept_loss: bool) -> WalIndex | None:
     by anything but the header that index describes (`wal_index_problem`). Returns that index for
     `inspect_wal` (None when there is none, or the loss was accepted and it was removed): call it
     before any connection opens the store, which would recover the WAL and rewrite the index."""
-    for _ in range(JUDGE_TRIES):  # a verdict stands only while the files stayed as they were
-        before = files_state(db)
+
+    def judge() -> tuple[WalIndex | None, tuple[str, str] | None]:
         index = read_wal_index(db)
-        found = wal_index_problem(db, index)
-        if found is None or index is None:
-            return index
-        if files_state(db) == before:
-            break
-        log.info("%s changed while its write-ahead log was checked (another process opened it): checked again", db)
-    else:  # another process is at work on it: its own open recovers what is there
-        log.warning("%s kept changing while its write-ahead log was checked: not judged", db)
+        return index, wal_index_problem(db, index)
+
+    judged = judged_while_still(db, judge, lambda found: found[0] is not None and found[1] is not None)
+    if judged is None:
         return None
+    index, found = judged
+    if found is None or index is None:
+        return index
     state, label = found
     what = (
         f"the write-ahead log of {db} {state}, "

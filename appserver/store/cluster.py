@@ -158,6 +158,7 @@ class Cluster:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = False
         self.lost = False  # the instance row was deleted by a survivor: this server was judged gone
+        self._left = False  # judged gone, its row and leases were deleted (`_leave`)
         self._held: dict[str, str] = {}  # conversation id -> token of each lease taken and not let go
         self._up_since: float | None = None  # when the session was (re)connected
         self._down_since: float | None = None  # when it was lost, while it is
@@ -303,7 +304,9 @@ class Cluster:
             got = await cur.fetchone()
             if not (got and got["got"]):
                 raise ClusterError(f"the lock of instance {self.instance_id} is still held by its earlier session")
-            if again:
+            if again and self.lost:
+                await self._leave(conn)
+            elif again:
                 # Never registered anew: a survivor that judged this instance gone deleted its row
                 # and took its conversations over, and a row put back would make it live again
                 # beside them (two servers running one conversation).
@@ -314,7 +317,8 @@ class Cluster:
                 row = await cur.fetchone()
                 if row is None or not await self._leases_still_held(conn):
                     self.judged_gone()
-                if row is not None:
+                    await self._leave(conn)
+                elif row is not None:
                     # The others' heartbeats count from now (`back`) only after a gap that matters
                     # (`_renewed`): taken again after every short loss (a database that keeps ending
                     # sessions), a killed server was never judged gone. The lock-free grace waits a
@@ -381,7 +385,11 @@ class Cluster:
                 due = beat_at + self.beat_s - time.monotonic()
                 async for note in conn.notifies(timeout=max(0.005, min(0.25, due))):
                     self._dispatch(note.channel, note.payload)
-                if time.monotonic() - beat_at >= self.beat_s:
+                if time.monotonic() - beat_at >= self.beat_s and self.lost:
+                    beat_at = time.monotonic()
+                    await self._leave(conn)  # a no-op once done; the session only listens now
+                    self._beat_ok = time.monotonic()
+                elif time.monotonic() - beat_at >= self.beat_s:
                     # Late (the process was stopped, or starved): others may have judged it gone.
                     late = time.monotonic() - self._beat_ok > self.heartbeat_s * 2.5
                     beat_at = time.monotonic()
@@ -394,6 +402,7 @@ class Cluster:
                         self._renewed(float(row["heartbeat_at"]))
                     if row is None or (late and not await self._leases_still_held(conn)):
                         self.judged_gone()
+                        await self._leave(conn)
                     self._beat_ok = time.monotonic()
                     await self._count_peers(conn)
                     self._repair()
@@ -439,6 +448,16 @@ class Cluster:
         rows = {r["conversation_id"]: r["token"] for r in await cur.fetchall()}
         return all(rows.get(conversation_id) == token for conversation_id, token in held.items())
 
+    async def _leave(self, conn: Conn) -> None:
+        """Judged gone, leave the cluster as a stopping server does: delete this instance's leases
+        and row. Its heartbeat renewed a row a survivor had not yet deleted (it came back before the
+        survivor's sweep, or only one of its leases was taken): it stayed a live member that runs
+        nothing, and its other conversations and its channel accounts were never taken over."""
+        if self._left:
+            return
+        await _delete_membership(conn, self.instance_id)
+        self._left = True
+
     def judged_gone(self) -> None:
         """This instance's row is gone: a survivor judged it gone and took its conversations over.
         From now on it runs nothing (the kernel refuses, `/readyz` fails): restart it."""
@@ -476,9 +495,7 @@ class Cluster:
         session, self._session = self._session, None
         if session is not None and not session.closed:
             try:
-                await session.execute("DELETE FROM conversation_owners WHERE instance_id = %s", (self.instance_id,))
-                await session.execute("DELETE FROM channel_owners WHERE instance_id = %s", (self.instance_id,))
-                await session.execute("DELETE FROM instances WHERE id = %s", (self.instance_id,))
+                await _delete_membership(session, self.instance_id)
             except Exception:
                 pass  # the rows expire on their own: the others judge this instance gone
             await session.close()
@@ -825,6 +842,13 @@ class Cluster:
     async def purge_mail(self) -> None:
         await self.store._row(f"DELETE FROM cluster_mail WHERE created_at < {NOW} - %s RETURNING 1", (MAIL_TTL_S,))
         await self.store._row(f"DELETE FROM conversation_followers WHERE until < {NOW} RETURNING 1")
+
+
+async def _delete_membership(conn: Conn, instance_id: str) -> None:
+    """Delete an instance's leases, then its row: the others take over what it held at once."""
+    await conn.execute("DELETE FROM conversation_owners WHERE instance_id = %s", (instance_id,))
+    await conn.execute("DELETE FROM channel_owners WHERE instance_id = %s", (instance_id,))
+    await conn.execute("DELETE FROM instances WHERE id = %s", (instance_id,))
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

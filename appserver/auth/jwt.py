@@ -210,6 +210,12 @@ class JwtVerifier:
         agents: frozenset[str] | None = None
         if "agents" in claims:
             agents = _claim_set(claims["agents"], "agents")
+            if "*" in agents and len(agents) > 1:
+                # as `token create --agents` refuses it: a claim built from group names that came to
+                # hold a "*" would widen a credential for some agents to all of them
+                raise unauthorized(
+                    "invalid_token", "JWT claim 'agents' mixes '*' (all agents) with agent names: give one or the other"
+                )
             if "*" in agents:
                 agents = None
         scopes = frozenset(SCOPES)

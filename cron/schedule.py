@@ -131,12 +131,20 @@ def parse_duration(text: str, *, allow_zero: bool = False) -> timedelta:
     return timedelta(seconds=total)
 
 
+VARIANT_TREES = ("right", "posix")  # copies of the zones in /usr/share/zoneinfo, not zones
+
+
 def get_zone(name: str) -> ZoneInfo:
     """An IANA zone, or a ScheduleError naming the bad zone (not a bare KeyError)."""
     shown = repr(name) if len(name) <= 64 else f"{name[:40]!r}… ({len(name)} characters)"
     unknown = f"unknown timezone {shown}: use an IANA name such as Europe/Paris"
     if not name or len(name) > 255 or name.startswith(("/", ".")) or ".." in name:
         raise ScheduleError(unknown)
+    variant, _, plain = name.partition("/")
+    if variant in VARIANT_TREES and plain:
+        # zoneinfo reads the leap-second files of `right/` with a wrong offset (summer time all
+        # winter): a task would fire an hour off without a word
+        raise ScheduleError(f"timezone {shown} names a variant tree of the tz database, not a zone: use {plain!r}")
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
@@ -165,6 +173,8 @@ def local_zone_name() -> str:
     except OSError:
         pass
     for name in candidates:
+        variant, _, plain = name.partition("/")
+        name = plain if variant in VARIANT_TREES and plain else name  # the zone the variant is of
         try:
             get_zone(name)
             return name
@@ -183,6 +193,11 @@ def _tz_env_zone(value: str) -> str | None:
         if target == os.path.realpath("/etc/localtime"):
             return None
         name = target.split("zoneinfo/", 1)[1] if "zoneinfo/" in target else ""
+    variant, _, plain = name.partition("/")
+    if variant in VARIANT_TREES and plain:
+        raise ScheduleError(
+            f"TZ={shown(value, 64)} names a variant tree of the tz database, not a zone: give --tz {plain}"
+        )
     try:
         get_zone(name)
     except ScheduleError:

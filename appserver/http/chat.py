@@ -109,32 +109,40 @@ def content_of(content: Any, where: str) -> tuple[str, list[str]]:
 
 
 def media_part(part: dict[str, Any], where: str) -> dict[str, Any]:
-    """A file or audio part as Chat Completions upstreams take it (Responses `input_file` → `file`)."""
+    """A file or audio part as Chat Completions upstreams take it (Responses `input_file` → `file`).
+    The fields OpenAI requires (`input_audio` and its `data` and `format`, a `file` part's `file`)
+    are required here too, and every field is type-checked, each error naming its path: none is
+    dropped or coerced."""
     kind = part.get("type")
     if kind == "input_audio":
-        audio = part.get("input_audio")
-        if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
-            raise bad_request(
-                f"{where}: an input_audio part needs input_audio.data (base64) and input_audio.format",
-                where,
-                code="invalid_content_part",
-            )
-        return {"type": "input_audio", "input_audio": {k: audio[k] for k in ("data", "format") if k in audio}}
-    fields = part.get("file") if kind == "file" else part
-    if not isinstance(fields, dict):
-        raise bad_request(
-            f"{where}: a file part needs file.file_data or file.file_id", where, code="invalid_content_part"
-        )
-    if kind == "input_file" and fields.get("file_url"):
+        at = f"{where}.input_audio"
+        audio = fields.obj(fields.required(part, "input_audio", at), at, nullable=False)
+        assert audio is not None
+        data = fields.required_string(audio, "data", f"{at}.data")
+        audio_format = fields.required_string(audio, "format", f"{at}.format")
+        return {"type": "input_audio", "input_audio": {"data": data, "format": audio_format}}
+    if kind == "file":
+        at = f"{where}.file"
+        spec = fields.obj(fields.required(part, "file", at), at, nullable=False)
+        assert spec is not None
+    else:
+        at, spec = where, part
+    for key in FILE_FIELDS:  # each optional; Responses' input_file may give a null file_id
+        if key in spec:
+            fields.string(spec[key], f"{at}.{key}", nullable=kind == "input_file")
+    if kind == "input_file" and spec.get("file_url"):
         raise bad_request(
             f"{where}: unsupported content part 'input_file' with file_url: send the file's content as file_data",
             where,
             code="unsupported_content_part",
         )
-    out = {k: fields[k] for k in ("file_data", "file_id", "filename") if isinstance(fields.get(k), str)}
+    out = {k: spec[k] for k in FILE_FIELDS if isinstance(spec.get(k), str)}
     if not out.get("file_data") and not out.get("file_id"):
         raise bad_request(f"{where}: a file part needs file_data or file_id", where, code="invalid_content_part")
     return {"type": "file", "file": out}
+
+
+FILE_FIELDS = ("file_data", "file_id", "filename")
 
 
 # image detail levels: Chat Completions takes these; Responses' ImageDetail adds `original`
@@ -321,6 +329,8 @@ def view_of_messages(messages: Any) -> tuple[list[ViewItem], list[str]]:
             content = fields.required(m, "content", f"{where}.content")
             if not isinstance(content, str | list):
                 raise fields.type_error(f"{where}.content", "one of a string or array of objects", content)
+        elif role == "function":  # required too, but a string or null
+            fields.string(fields.required(m, "content", f"{where}.content"), f"{where}.content")
         if m.get("content") == []:  # OpenAI's content arrays have minItems 1
             raise fields.empty_array(f"{where}.content")
         text, images, media, ordered = parts_of(m.get("content"), where, media=role == "user")
@@ -384,15 +394,25 @@ def refuse_stray_results(items: list[ViewItem], prefix: list[ViewItem], results:
 CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
 
+# the `type` of an assistant message's tool call (required: OpenAI's schema tells the two apart by it)
+TOOL_CALL_TYPES = ("function", "custom")
+
+
 def history_call(c: Any, at: str) -> dict[str, Any] | None:
-    """A function call of an assistant message, checked as OpenAI checks it (`id`, and
-    `function.name` and `function.arguments` as strings); None for a custom tool call, which is
-    not a client function call. A malformed call is refused, never dropped or coerced."""
+    """A function call of an assistant message, checked as OpenAI checks it (`type`, `id`, and
+    `function.name` and `function.arguments` as strings); None for a custom tool call (`id` and
+    `custom.name` / `custom.input` strings), which is not a client function call. A malformed call
+    is refused, never dropped or coerced: a call without `type` is no function call by default."""
     if not isinstance(c, dict):
         raise fields.type_error(at, "an object", c)
-    if c.get("type") == "custom":
-        return None
     call_id = fields.string(fields.required(c, "id", f"{at}.id"), f"{at}.id", nullable=False)
+    kind = fields.one_of(fields.required(c, "type", f"{at}.type"), f"{at}.type", TOOL_CALL_TYPES, nullable=False)
+    if kind == "custom":
+        custom = fields.obj(fields.required(c, "custom", f"{at}.custom"), f"{at}.custom", nullable=False)
+        assert custom is not None
+        fields.required_string(custom, "name", f"{at}.custom.name")
+        fields.required_string(custom, "input", f"{at}.custom.input")
+        return None
     fn = fields.obj(fields.required(c, "function", f"{at}.function"), f"{at}.function", nullable=False)
     assert fn is not None and call_id is not None
     name = fields.string(fields.required(fn, "name", f"{at}.function.name"), f"{at}.function.name", nullable=False)
@@ -415,9 +435,10 @@ def legacy_function_call(value: Any, where: str) -> dict[str, Any] | None:
 FUNCTIONS_MAX = 128
 
 
-def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+def legacy_tools(body: dict[str, Any]) -> tuple[list[ToolSpec], Any]:
     """(tools, tool_choice) of a request in the deprecated shape: `functions` are function tools,
-    `function_call` ("none", "auto" or {"name": …}) is the tool choice. Not both shapes at once."""
+    `function_call` ("none", "auto" or {"name": …}) is the tool choice. Not both shapes at once.
+    The functions are checked where the client sent them: errors name `functions[i].name`."""
     for newer, older in (("tools", "functions"), ("tool_choice", "function_call")):
         if body.get(newer) is not None and body.get(older) is not None:
             raise bad_request(
@@ -432,7 +453,10 @@ def legacy_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
             code="empty_array" if not functions else "array_above_max_length",
             param="functions",
         )
-    return [{"type": "function", "function": f} for f in functions], legacy_choice(body.get("function_call"))
+    for i, f in enumerate(functions):
+        fields.obj(f, f"functions[{i}]", nullable=False)
+    specs = function_specs([(f, f"functions[{i}]") for i, f in enumerate(functions)], "functions")
+    return specs, legacy_choice(body.get("function_call"))
 
 
 def legacy_choice(call: Any) -> Any:
@@ -445,6 +469,22 @@ def legacy_choice(call: Any) -> Any:
     if call is not None and not isinstance(call, str):
         raise fields.type_error("function_call", "one of 'none', 'auto' or an object", call)
     return fields.one_of(call, "function_call", ("none", "auto"))
+
+
+def check_legacy_choice(choice: Any, names: set[str]) -> None:
+    """A legacy `function_call` naming a function (`legacy_choice`'s tool choice) must name one the
+    request offers (its `functions`, or the agent's own tools, as a `tool_choice` may): refused
+    naming `function_call`, the field the client sent, before it is checked as a tool choice."""
+    if not isinstance(choice, dict):
+        return
+    name = choice["function"]["name"]
+    if name not in names:
+        offered = ", ".join(sorted(names)) or "none"
+        raise bad_request(
+            f"Invalid 'function_call': function {fields.shown(name)} is not among the functions offered ({offered})",
+            "function_call",
+            code="invalid_tool_choice",
+        )
 
 
 def refuse_choice_without_functions(choice: Any) -> None:
@@ -462,27 +502,41 @@ def refuse_choice_without_functions(choice: Any) -> None:
 
 
 def client_tools_of(tools: Any) -> list[ToolSpec]:
+    """`tools`: each a `ChatCompletionTool`, whose `type` is required (left out 400
+    `missing_required_parameter`, null or another JSON type `invalid_type`, as on Responses), a
+    function the only kind taken here."""
     if fields.array(tools, "tools") is None:
         return []
-    out: list[ToolSpec] = []
-    names: set[str] = set()
+    functions: list[tuple[dict[str, Any], str]] = []
     for i, t in enumerate(tools):
         fields.obj(t, f"tools[{i}]", nullable=False)
-        fields.string(t.get("type"), f"tools[{i}].type")
-        if t.get("type") not in ("function", None):
+        fields.required_string(t, "type", f"tools[{i}].type")
+        if t["type"] != "function":
             raise bad_request(f"tools[{i}]: only function tools are supported", "tools", code="unsupported_tool")
         at = f"tools[{i}].function"
         fn = fields.obj(fields.required(t, "function", at), at, nullable=False)
         assert fn is not None
+        functions.append((fn, at))
+    return function_specs(functions, "tools")
+
+
+def function_specs(functions: list[tuple[dict[str, Any], str]], param: str) -> list[ToolSpec]:
+    """The client's functions, each a `FunctionObject` at its path in the request (`tools[i].function`,
+    or the legacy `functions[i]`): every error names that path (`param` a duplicate's field), never
+    a field the client did not send."""
+    out: list[ToolSpec] = []
+    names: set[str] = set()
+    for fn, at in functions:
         name = fields.function_name(fields.required(fn, "name", f"{at}.name"), f"{at}.name")
-        fields.string(fn.get("description"), f"tools[{i}].function.description")
-        fields.boolean(fn.get("strict"), f"tools[{i}].function.strict")
+        fields.string(fn.get("description"), f"{at}.description")
+        fields.boolean(fn.get("strict"), f"{at}.strict")
         if "parameters" in fn:
-            fields.obj(fn["parameters"], f"tools[{i}].function.parameters", nullable=False)
+            fields.obj(fn["parameters"], f"{at}.parameters", nullable=False)
         if name in names:
+            entry = at.removesuffix(".function")
             raise bad_request(
-                f"tools[{i}]: a second function named {fields.shown(name)}; function names must be unique",
-                "tools",
+                f"{entry}: a second function named {fields.shown(name)}; function names must be unique",
+                param,
                 code="duplicate_function_name",
             )
         names.add(name)
@@ -1067,11 +1121,13 @@ class ChatCompletions:
         check_call_ids(items, "messages")
         items = for_agent(items, agent)
         legacy = body.get("functions") is not None  # the deprecated function calling, still OpenAI's
-        raw_tools, raw_choice = legacy_tools(body) if legacy else (body.get("tools"), body.get("tool_choice"))
-        tools = client_tools_of(raw_tools)
+        tools, raw_choice = (
+            legacy_tools(body) if legacy else (client_tools_of(body.get("tools")), body.get("tool_choice"))
+        )
         options = sampling_options(body, max_key=("max_tokens", "max_completion_tokens"))
         if legacy:
             options["parallel_tool_calls"] = False  # a legacy reply holds one function_call
+            check_legacy_choice(raw_choice, tool_names(self.server, agent, tools))
         choice = tool_choice_of(
             raw_choice,
             tool_names(self.server, agent, tools),

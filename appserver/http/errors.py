@@ -22,6 +22,7 @@ ERROR_TYPES = {
     421: "invalid_request_error",
     429: "rate_limit_error",
     431: "invalid_request_error",
+    501: "invalid_request_error",  # a transfer coding the client applied and this server does not undo
 }
 
 

@@ -51,6 +51,7 @@ import contextvars
 import fcntl
 import json
 import logging
+import re
 import resource
 import socket
 import ssl
@@ -331,6 +332,34 @@ class _TooManyPipelined(Exception):
     pass
 
 
+# What a refusal quotes of a transfer coding it names (a token, maybe with `;name=value` parameters):
+# anything else is shown as `?`, as the message goes into the server's log as well.
+CODING_UNSHOWN = re.compile(r"[^A-Za-z0-9!#$%&*+.^_`|~;= -]")
+
+
+class _UnappliedCoding(Exception):
+    """A request's `Transfer-Encoding` names a coding besides `chunked` (`codings`, as sent)."""
+
+    def __init__(self, codings: list[str]) -> None:
+        super().__init__(", ".join(codings))
+        self.codings = codings
+
+
+def unapplied_codings(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The transfer codings of a request's `Transfer-Encoding` fields (all of them, in order, as one
+    list: RFC 9110 §5.3) that this server does not undo: every one but `chunked`. llhttp parses a
+    body whose last coding is `chunked` and leaves the others on it, so a `gzip, chunked` body
+    would reach the app still compressed, or be taken as it is when it was not; `identity` is no
+    coding any more (RFC 9112 dropped it from the registry) and is refused with the rest. Empty
+    list elements (`, chunked`) are no coding (RFC 9110 §5.6.1). Empty when the last is not
+    `chunked`: the body's length is then unknown, which llhttp refuses (400, RFC 9112 §6.3)."""
+    split = (c.strip() for name, value in headers if name == b"transfer-encoding" for c in value.split(b","))
+    codings = [c for c in split if c]
+    if not codings or codings[-1].lower() != b"chunked":
+        return []
+    return [c.decode("latin-1") for c in codings if c.lower() != b"chunked"]
+
+
 # Requests a client may send ahead of their replies on one connection (pipelining). Each one parsed
 # is a queued request (its scope, headers, cycle) until its turn: a client that sends thousands in
 # one write and never reads a reply held all of them in memory.
@@ -339,6 +368,9 @@ PIPELINE_MAX = 64
 
 LINGER_S = 2.0
 LINGER_MAX_BYTES = 1 << 20
+# The header of a refusal that answers the same to the same request, which the OpenAI SDKs would
+# otherwise retry (they retry any 5xx): a 501.
+NOT_RETRIED = ((b"x-should-retry", b"false"),)
 # What a client may send after a pipelined WebSocket upgrade head before its 101 (RFC 6455: nothing).
 UPGRADE_EARLY_MAX_BYTES = HIGH_WATER_LIMIT
 # The kernel's unsent bytes of a WebSocket, at most (TCP_NOTSENT_LOWAT; see `limit_unsent`).
@@ -935,6 +967,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         except httptools.HttpParserError as exc:
             if isinstance(exc.__context__, _HeadTooLarge):
                 self._refuse_head()
+            elif isinstance(exc.__context__, _UnappliedCoding):
+                self._refuse_coding(exc.__context__.codings)
             elif isinstance(exc.__context__, _TooManyPipelined):
                 self._close_with(
                     429,
@@ -1002,6 +1036,17 @@ class EdgeHttpProtocol(HttpToolsProtocol):
                 self._refuse_chunk_line()
                 return False
         return True
+
+    def _refuse_coding(self, codings: list[str]) -> None:
+        """501 and close (RFC 9112 §6.1: a transfer coding the server does not understand), before
+        the body is read: its framing is the client's coding, which nothing here undoes."""
+        shown = ", ".join(f"'{CODING_UNSHOWN.sub('?', c[:40])}'" for c in codings[:4])
+        self._close_with(
+            501,
+            "unsupported_transfer_encoding",
+            f"the request's Transfer-Encoding has {shown}, which this server does not apply: send the body "
+            "with Transfer-Encoding: chunked alone, or with a Content-Length",
+        )
 
     def _refuse_chunk_line(self) -> None:
         self._close_with(
@@ -1082,6 +1127,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._count_head(2)  # the empty line that ends the head
         if len(self.pipeline) >= PIPELINE_MAX:
             raise _TooManyPipelined()
+        unapplied = unapplied_codings(self.headers)
+        if unapplied:
+            raise _UnappliedCoding(unapplied)
         if self._slot.unproven:  # the guard proves it if this request authenticates
             cast(dict[str, Any], self.scope)["extensions"] = {PROVE: self._slot.prove}
         if self.url[:1] != b"/":
@@ -1257,7 +1305,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def _answer(self, status: int, code: str, message: str) -> None:
         """Write the refusal and close."""
-        data, rid = raw_error(status, code, message)
+        data, rid = raw_error(status, code, message, NOT_RETRIED if status == 501 else ())
         self.transport.write(data)
         self._refusal_line(logging.INFO, "[%s] %s from %s: %d %s", rid, message, self._peer(), status, code)
         self._linger_close()
